@@ -1,0 +1,30 @@
+# Two commands for a new machine with Python 3.11: `make demo` and `make test`.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# The CPU build of torch; an unpinned torch would pull a multi-gigabyte CUDA build.
+TORCH  := torch==2.13.0
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+
+.PHONY: demo test bench install clean
+
+$(STAMP):
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,run]' '$(TORCH)'
+	rm -f $(VENV)/.installed-* && touch $@
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/planc check plans/gpt-tiny.plan --verbose
+	@echo
+	$(VENV)/bin/planc layout plans/gpt-tiny.plan
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	$(PY) bench/parse.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

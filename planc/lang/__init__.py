@@ -1,0 +1,82 @@
+"""The front end: .plan file to validated Plan (parse, check, estimate memory)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from planc.diagnostics import Diagnostic, Span, error, in_source_order, warning
+from planc.lang.check import check
+from planc.lang.parser import parse
+from planc.lang.units import format_bytes
+from planc.plan import Plan
+
+MAX_FILE_BYTES = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """The outcome of reading one .plan file."""
+
+    path: str
+    source: str | None
+    plan: Plan | None
+    diagnostics: tuple[Diagnostic, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.plan is not None and not any(d.is_error for d in self.diagnostics)
+
+
+def load_file(path: str | Path) -> Loaded:
+    """Read, parse and check a plan file; never raises for anything in the file."""
+    name = str(path)
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_FILE_BYTES + 1)
+    except IsADirectoryError:
+        return Loaded(name, None, None, (error("is a directory, not a .plan file", None),))
+    except OSError as exc:
+        return Loaded(name, None, None, (error(f"cannot read file: {exc.strerror}", None),))
+    if len(data) > MAX_FILE_BYTES:
+        return Loaded(name, None, None, (error(
+            f"file is larger than {MAX_FILE_BYTES // 2**20} MiB; a plan is a short text", None),))
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        return Loaded(name, None, None, (error(
+            f"file is not valid UTF-8 (byte 0x{data[exc.start]:02x})", Span.point(line, column),
+            "a plan file is UTF-8 text"),))
+    return load_text(text.removeprefix("\ufeff"), name)
+
+
+def load_text(text: str, path: str = "<plan>") -> Loaded:
+    tree, diagnostics = parse(text)
+    plan = None
+    if tree is not None:
+        plan, diagnostics = check(tree, path)
+        if plan is not None:
+            diagnostics = diagnostics + memory_warnings(plan)
+    return Loaded(path, text, plan, tuple(in_source_order(diagnostics)))
+
+
+def memory_warnings(plan: Plan) -> list[Diagnostic]:
+    from planc import memory
+
+    estimate = memory.estimate(plan)
+    if not estimate.overflows:
+        return []
+    peak = estimate.peak
+    span = plan.sources.span("topology.device.memory", "topology.preset", "topology", "plan")
+    stage = f" on pipeline stage {peak.stage}" if plan.mesh.pp > 1 else ""
+    return [warning(
+        f"estimated memory per device{stage} is {format_bytes(peak.total_bytes)}, more than "
+        f"the device's {format_bytes(estimate.capacity)}", span,
+        f"parameters {format_bytes(peak.parameter_bytes)}, gradients "
+        f"{format_bytes(peak.gradient_bytes)}, optimizer state "
+        f"{format_bytes(peak.optimizer_bytes)}, activations "
+        f"{format_bytes(peak.activation_bytes)} ({peak.microbatches_in_flight} microbatch"
+        f"{'es' if peak.microbatches_in_flight != 1 else ''} in flight)",
+        "zero, recompute, more tp or pp, or a smaller microbatch would lower it")]

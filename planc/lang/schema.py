@@ -1,0 +1,564 @@
+"""What every block and key of a .plan file may hold, and how a value is read.
+
+Each key has a :class:`Kind` that turns its syntax tree into a Python value or raises
+:class:`Problem` with a precise message. Integer keys may be expressions over other
+keys of the same block; :class:`Scope` evaluates those on demand, in any order, and
+reports cycles.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from planc.diagnostics import Span
+from planc.lang import ast
+from planc.lang.presets import PRESETS
+from planc.lang.units import COMPUTE, EXAMPLES, RATE, SIZE, TIME, UNITS, units_of
+from planc.plan import AXES
+
+MAX_INTEGER = 2**53  # beyond this a float cannot hold the value and nothing is sensible
+MAX_EXPRESSION_DEPTH = 64
+
+
+class Problem(Exception):
+    """A value that cannot be read; becomes one error diagnostic."""
+
+    def __init__(self, message: str, span: Span | None, *hints: str):
+        super().__init__(message)
+        self.message, self.span, self.hints = message, span, tuple(h for h in hints if h)
+
+
+class Unresolved(Exception):
+    """A value depends on another that already failed (and was reported there)."""
+
+
+def did_you_mean(word: str, choices) -> str:
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    if not match:
+        lowered = {c.lower(): c for c in choices}
+        match = [lowered[word.lower()]] if word.lower() in lowered else []
+    return f"did you mean '{match[0]}'?" if match else ""
+
+
+def join_words(words) -> str:
+    words = list(words)
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+# --- expression scope --------------------------------------------------------------
+
+
+@dataclass
+class Scope:
+    """The keys of one block, for evaluating integer expressions such as ``4 * hidden``."""
+
+    entries: dict[str, ast.Assign]
+    kinds: dict[str, "Kind"]
+    defaults: dict[str, Any]
+    required: frozenset[str] = frozenset()
+    _values: dict[str, Any] = field(default_factory=dict)
+    _failed: set[str] = field(default_factory=set)
+    _active: list[str] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+
+    def value(self, key: str) -> Any:
+        """The value of ``key`` (given or default); Unresolved if it could not be read."""
+        if key in self._values:
+            return self._values[key]
+        if key in self._failed:
+            raise Unresolved(key)
+        self._active.append(key)
+        try:
+            if key in self.entries:
+                result = self.kinds[key].read(self.entries[key].value, self)
+            else:
+                default = self.defaults.get(key)
+                result = default(self) if callable(default) else default
+        except Problem as problem:
+            self.problems.append(problem)
+            self._failed.add(key)
+            raise Unresolved(key) from None
+        except Unresolved:
+            self._failed.add(key)
+            raise
+        finally:
+            self._active.pop()
+        self._values[key] = result
+        return result
+
+    def integer(self, name: str, span: Span) -> int:
+        """The value of the key ``name`` referenced at ``span`` inside an expression."""
+        if name not in self.kinds:
+            raise Problem(f"unknown name '{name}' in expression", span,
+                          did_you_mean(name, [k for k, v in self.kinds.items()
+                                              if isinstance(v, Integer)]))
+        if not isinstance(self.kinds[name], Integer):
+            raise Problem(f"'{name}' is not an integer key and cannot be used in arithmetic",
+                          span)
+        if name in self._active:
+            cycle = self._active[self._active.index(name):] + [name]
+            raise Problem(f"'{name}' is defined in terms of itself ({' -> '.join(cycle)})", span)
+        value = self.value(name)
+        if value is None:
+            if name in self.required:  # missing, and reported as such on its own
+                raise Unresolved(name)
+            raise Problem(f"'{name}' is not set and has no default to use here", span)
+        return value
+
+
+def evaluate_integer(value: ast.Value, scope: Scope, depth: int = 0) -> int:
+    """Integer arithmetic with + - * / (exact) over literals and keys of the block."""
+    if depth > MAX_EXPRESSION_DEPTH:
+        raise Problem(f"expression nested more than {MAX_EXPRESSION_DEPTH} deep", value.span)
+    if isinstance(value, ast.Number):
+        if value.suffix:
+            if value.suffix in UNITS:
+                raise Problem(f"expected a plain integer, got the {UNITS[value.suffix][0]} "
+                              f"{value.text}", value.span)
+            raise Problem(f"'{value.text}' is not a number", value.span)
+        if isinstance(value.value, float):
+            raise Problem(f"expected an integer, got {value.text}", value.span)
+        result = value.value
+    elif isinstance(value, ast.Word):
+        if "-" in value.text and value.text not in scope.kinds:
+            # `hidden-heads` lexes as one word; read it as the subtraction it spells.
+            parts = value.text.split("-")
+            result = scope.integer(parts[0], value.span)
+            for part in parts[1:]:
+                result -= scope.integer(part, value.span)
+        else:
+            result = scope.integer(value.text, value.span)
+    elif isinstance(value, ast.Neg):
+        result = -evaluate_integer(value.operand, scope, depth + 1)
+    elif isinstance(value, ast.BinOp):
+        left = evaluate_integer(value.left, scope, depth + 1)
+        right = evaluate_integer(value.right, scope, depth + 1)
+        if value.op == "+":
+            result = left + right
+        elif value.op == "-":
+            result = left - right
+        elif value.op == "*":
+            result = left * right
+        elif right == 0:
+            raise Problem("division by zero", value.span)
+        elif left % right:
+            raise Problem(f"{left} / {right} does not divide exactly (remainder {left % right})",
+                          value.span, "'/' in a plan is exact integer division")
+        else:
+            result = left // right
+    else:
+        raise Problem(f"expected an integer, got {ast.describe(value)}", value.span)
+    if abs(result) > MAX_INTEGER:
+        raise Problem(f"value {result} is too large", value.span)
+    return result
+
+
+# --- kinds of values ---------------------------------------------------------------
+
+
+class Kind:
+    noun = "a value"
+
+    def read(self, value: ast.Value, scope: Scope) -> Any:
+        raise NotImplementedError
+
+    def mismatch(self, value: ast.Value) -> Problem:
+        return Problem(f"expected {self.noun}, got {ast.describe(value)}", value.span)
+
+
+@dataclass(frozen=True)
+class Integer(Kind):
+    minimum: int = 1
+    maximum: int | None = None
+
+    @property
+    def noun(self) -> str:
+        if self.maximum is not None:
+            return f"an integer from {self.minimum} to {self.maximum}"
+        return "a positive integer" if self.minimum == 1 else f"an integer >= {self.minimum}"
+
+    def read(self, value, scope):
+        if isinstance(value, (ast.ListValue, ast.String, ast.Call, ast.Range)):
+            raise self.mismatch(value)
+        result = evaluate_integer(value, scope)
+        if result < self.minimum or (self.maximum is not None and result > self.maximum):
+            raise Problem(f"expected {self.noun}, got {result}", value.span)
+        return result
+
+
+@dataclass(frozen=True)
+class Real(Kind):
+    minimum: float = 0.0
+    maximum: float | None = None
+    minimum_allowed: bool = True  # whether the minimum itself is valid
+
+    @property
+    def noun(self) -> str:
+        low = ">=" if self.minimum_allowed else ">"
+        if self.maximum is None:
+            return f"a number {low} {self.minimum:g}"
+        return f"a number {low} {self.minimum:g} and <= {self.maximum:g}"
+
+    def read(self, value, scope):
+        sign = 1
+        literal = value
+        if isinstance(literal, ast.Neg):
+            sign, literal = -1, literal.operand
+        if not isinstance(literal, ast.Number):
+            raise self.mismatch(value)
+        if literal.suffix:
+            raise Problem(f"expected a plain number, got '{literal.text}'", value.span)
+        result = sign * float(literal.value)
+        if result != result or abs(result) == float("inf"):
+            raise Problem(f"number {literal.text} is out of range", value.span)
+        too_low = result < self.minimum or (result == self.minimum and not self.minimum_allowed)
+        if too_low or (self.maximum is not None and result > self.maximum):
+            raise Problem(f"expected {self.noun}, got {result:g}", value.span)
+        return result
+
+
+BOOLEAN_WORDS = {"on": True, "true": True, "off": False, "false": False}
+
+
+class Boolean(Kind):
+    noun = "on or off"
+
+    def read(self, value, scope):
+        if isinstance(value, ast.Word):
+            if value.text in BOOLEAN_WORDS:
+                return BOOLEAN_WORDS[value.text]
+            raise Problem(f"expected on or off, got '{value.text}'", value.span,
+                          did_you_mean(value.text, BOOLEAN_WORDS))
+        raise self.mismatch(value)
+
+
+def word_text(value: ast.Value) -> str | None:
+    """The text of an enum word, including those that start with a digit (``1f1b``)."""
+    if isinstance(value, ast.Word):
+        return value.text
+    if isinstance(value, ast.Number) and value.suffix and value.suffix not in UNITS:
+        return value.text
+    return None
+
+
+@dataclass(frozen=True)
+class Choice(Kind):
+    words: tuple[str, ...]
+
+    @property
+    def noun(self) -> str:
+        return "one of " + join_words(self.words)
+
+    def read(self, value, scope):
+        text = word_text(value)
+        if text is None:
+            if isinstance(value, ast.Number) and not value.suffix and str(value.value) in self.words:
+                return str(value.value)
+            raise self.mismatch(value)
+        if text not in self.words:
+            raise Problem(f"unknown value '{text}'; expected {join_words(self.words)}",
+                          value.span, did_you_mean(text, self.words))
+        return text
+
+
+@dataclass(frozen=True)
+class Quantity(Kind):
+    dimension: str
+
+    @property
+    def noun(self) -> str:
+        return f"a {self.dimension} such as {EXAMPLES[self.dimension]}"
+
+    def read(self, value, scope):
+        if not isinstance(value, ast.Number):
+            raise self.mismatch(value)
+        if not value.suffix:
+            raise Problem(f"{value.text} needs a unit: expected {self.noun}", value.span,
+                          f"write it as, for example, {value.text}{EXAMPLES[self.dimension].lstrip('0123456789.')}")
+        if value.suffix not in UNITS:
+            raise Problem(f"unknown unit '{value.suffix}' in '{value.text}'", value.span,
+                          did_you_mean(value.suffix, units_of(self.dimension)))
+        dimension, scale = UNITS[value.suffix]
+        if dimension != self.dimension:
+            raise Problem(f"expected {self.noun}, got the {dimension} {value.text}", value.span)
+        # Divide by the inverse of sub-unit scales so that 5us is exactly 5e-06.
+        result = (float(value.value) / round(1 / scale) if scale < 1 and round(1 / scale) > 1
+                  else float(value.value) * scale)
+        if not 0 < result < float("inf"):
+            raise Problem(f"expected a positive {self.dimension}, got {value.text}", value.span)
+        return result
+
+
+class Time(Quantity):
+    """Latencies may be zero."""
+
+    def read(self, value, scope):
+        if isinstance(value, ast.Number) and value.value == 0 and not value.suffix:
+            return 0.0
+        if isinstance(value, ast.Number) and value.value == 0 and value.suffix in UNITS:
+            if UNITS[value.suffix][0] == TIME:
+                return 0.0
+        return super().read(value, scope)
+
+
+class AxisOrder(Kind):
+    noun = "a list of the four axes tp, cp, pp and dp"
+
+    def read(self, value, scope):
+        if not isinstance(value, ast.ListValue):
+            raise self.mismatch(value)
+        seen: dict[str, ast.Value] = {}
+        for item in value.items:
+            text = word_text(item)
+            if text not in AXES:
+                raise Problem(f"'{text or ast.describe(item)}' is not a mesh axis; expected "
+                              f"tp, cp, pp or dp", item.span, did_you_mean(text or "", AXES))
+            if text in seen:
+                raise Problem(f"axis '{text}' appears twice in order", item.span)
+            seen[text] = item
+        missing = [axis for axis in AXES if axis not in seen]
+        if missing:
+            raise Problem(f"order must name all four axes; missing {join_words(missing)}",
+                          value.span, "for example order = [tp, cp, pp, dp] (fastest first)")
+        return tuple(seen)
+
+
+@dataclass(frozen=True)
+class StageRange:
+    first: int
+    last: int
+    span: Span
+
+
+class Stages(Kind):
+    noun = "auto or a list of layer ranges such as [0..3, 4..7]"
+
+    def read(self, value, scope):
+        if word_text(value) == "auto":
+            return "auto"
+        if isinstance(value, ast.Word):
+            raise Problem(f"unknown value '{value.text}'; expected auto or a list of layer "
+                          f"ranges", value.span, did_you_mean(value.text, ["auto"]))
+        if not isinstance(value, ast.ListValue):
+            raise self.mismatch(value)
+        if not value.items:
+            raise Problem("stages must list at least one layer range", value.span)
+        ranges = []
+        for item in value.items:
+            if isinstance(item, ast.Range):
+                first = evaluate_integer(item.first, scope)
+                last = evaluate_integer(item.last, scope)
+            elif isinstance(item, (ast.ListValue, ast.String, ast.Call)):
+                raise Problem(f"expected a layer range such as 0..3, got {ast.describe(item)}",
+                              item.span)
+            else:
+                first = last = evaluate_integer(item, scope)
+            if first > last:
+                raise Problem(f"layer range {first}..{last} is empty (first > last)", item.span)
+            if first < 0:
+                raise Problem(f"layer {first} is negative; layers are numbered from 0", item.span)
+            ranges.append(StageRange(first, last, item.span))
+        return tuple(ranges)
+
+
+OPTIMIZER_ARGUMENTS = {
+    # name -> (argument -> default); None marks a required argument.
+    "sgd": {"lr": None, "momentum": 0.0, "weight_decay": 0.0},
+    "adamw": {"lr": None, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
+}
+_ARGUMENT_KINDS = {
+    "lr": Real(0.0, None, False), "momentum": Real(0.0, 1.0), "eps": Real(0.0, None, False),
+    "weight_decay": Real(0.0),
+}
+_BETA = Real(0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str
+    arguments: dict[str, Any]
+
+
+class OptimizerCall(Kind):
+    noun = "sgd(lr = ...) or adamw(lr = ...)"
+
+    def read(self, value, scope):
+        text = word_text(value)
+        if text is not None:
+            if text in OPTIMIZER_ARGUMENTS:
+                raise Problem(f"{text} needs a learning rate: write {text}(lr = ...)", value.span)
+            raise Problem(f"unknown optimizer '{text}'; expected sgd or adamw", value.span,
+                          did_you_mean(text, OPTIMIZER_ARGUMENTS))
+        if not isinstance(value, ast.Call):
+            raise self.mismatch(value)
+        if value.name not in OPTIMIZER_ARGUMENTS:
+            raise Problem(f"unknown optimizer '{value.name}'; expected sgd or adamw",
+                          value.name_span, did_you_mean(value.name, OPTIMIZER_ARGUMENTS))
+        allowed = OPTIMIZER_ARGUMENTS[value.name]
+        given: dict[str, Any] = {}
+        for argument in value.args:
+            if argument.name is None:
+                raise Problem(f"arguments of {value.name} must be named", argument.span,
+                              f"for example {value.name}(lr = 0.1)")
+            if argument.name not in allowed:
+                raise Problem(f"{value.name} has no argument '{argument.name}'; it takes "
+                              f"{join_words(list(allowed))}", argument.name_span,
+                              did_you_mean(argument.name, allowed))
+            if argument.name in given:
+                raise Problem(f"argument '{argument.name}' given twice", argument.name_span)
+            given[argument.name] = self._argument(argument)
+        missing = [name for name, default in allowed.items()
+                   if default is None and name not in given]
+        if missing:
+            raise Problem(f"{value.name} needs {join_words(missing)}", value.span,
+                          f"for example {value.name}(lr = 1e-3)")
+        return OptimizerSpec(value.name, {**allowed, **given})
+
+    @staticmethod
+    def _argument(argument: ast.Argument) -> Any:
+        if argument.name == "betas":
+            items = argument.value.items if isinstance(argument.value, ast.ListValue) else ()
+            if len(items) != 2:
+                raise Problem("betas must be a list of two numbers, such as [0.9, 0.999]",
+                              argument.value.span)
+            betas = tuple(_BETA.read(item, None) for item in items)
+            for beta, item in zip(betas, items):
+                if beta >= 1.0:
+                    raise Problem(f"each beta must be below 1, got {beta:g}", item.span)
+            return betas
+        return _ARGUMENT_KINDS[argument.name].read(argument.value, None)
+
+
+class DataSource(Kind):
+    noun = "synthetic or a file path in quotes"
+
+    def read(self, value, scope):
+        if isinstance(value, ast.String):
+            if not value.value:
+                raise Problem("the data path is empty", value.span)
+            return value.value
+        text = word_text(value)
+        if text == "synthetic":
+            return "synthetic"
+        if text is not None:
+            raise Problem(f"unknown value '{text}'; expected synthetic or a file path in "
+                          f"quotes", value.span, did_you_mean(text, ["synthetic"]))
+        raise self.mismatch(value)
+
+
+# --- blocks ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Key:
+    kind: Kind
+    # A value, a function of the block's Scope, or None: no default (required if
+    # ``required``, otherwise decided later from other blocks).
+    default: Any = None
+    required: bool = False
+
+
+@dataclass(frozen=True)
+class BlockSchema:
+    name: str
+    keys: dict[str, Key] = field(default_factory=dict)
+    blocks: dict[str, "BlockSchema"] = field(default_factory=dict)
+    labels: tuple[str, ...] = ()  # allowed second words; empty: none allowed
+    required: bool = False
+
+
+def _four_times_hidden(scope: Scope) -> int:
+    return 4 * scope.integer("hidden", None)
+
+
+_LINK = {"bandwidth": Key(Quantity(RATE)), "latency": Key(Time(TIME))}
+
+PLAN_SCHEMA = BlockSchema("plan", blocks={
+    "model": BlockSchema("model", labels=("gpt",), required=True, keys={
+        "layers": Key(Integer(1), required=True),
+        "hidden": Key(Integer(1), required=True),
+        "heads": Key(Integer(1), required=True),
+        "ffn": Key(Integer(1), _four_times_hidden),
+        "vocab": Key(Integer(2), required=True),
+        "seq": Key(Integer(1), required=True),
+        "batch": Key(Integer(1), required=True),
+        "dtype": Key(Choice(("fp32", "bf16", "fp16")), "fp32"),
+        "tie_embeddings": Key(Boolean(), False),
+    }),
+    "mesh": BlockSchema("mesh", keys={
+        "tp": Key(Integer(1), 1), "cp": Key(Integer(1), 1),
+        "pp": Key(Integer(1), 1), "dp": Key(Integer(1), 1),
+        "order": Key(AxisOrder(), AXES),
+    }),
+    "topology": BlockSchema("topology", keys={
+        "nodes": Key(Integer(1)),
+        "devices_per_node": Key(Integer(1)),
+        "preset": Key(Choice(tuple(PRESETS))),
+    }, blocks={
+        "device": BlockSchema("device", keys={
+            "flops": Key(Quantity(COMPUTE)), "memory": Key(Quantity(SIZE)),
+            "efficiency": Key(Real(0.0, 1.0, False)),
+        }),
+        "intra": BlockSchema("intra", keys=dict(_LINK)),
+        "inter": BlockSchema("inter", keys=dict(_LINK)),
+    }),
+    "shard": BlockSchema("shard", blocks={
+        "tp": BlockSchema("tp", keys={
+            "embedding": Key(Choice(("vocab", "hidden", "replicate")), "vocab"),
+            "qkv": Key(Choice(("column", "row", "replicate")), "column"),
+            "proj": Key(Choice(("column", "row", "replicate")), "row"),
+            "fc1": Key(Choice(("column", "row", "replicate")), "column"),
+            "fc2": Key(Choice(("column", "row", "replicate")), "row"),
+            "head": Key(Choice(("vocab", "replicate")), "vocab"),
+            "sequence_parallel": Key(Boolean(), False),
+        }),
+        "cp": BlockSchema("cp", keys={
+            "attention": Key(Choice(("allgather", "ring")), "allgather"),
+            "load_balance": Key(Boolean(), True),
+        }),
+        "pp": BlockSchema("pp", keys={
+            "stages": Key(Stages(), "auto"),
+            "virtual": Key(Integer(1), 1),
+        }),
+        "dp": BlockSchema("dp", keys={"zero": Key(Integer(0, 3), 0)}),
+    }),
+    "schedule": BlockSchema("schedule", keys={
+        "microbatches": Key(Integer(1), 1),
+        "pipeline": Key(Choice(("gpipe", "1f1b", "interleaved")), "1f1b"),
+    }),
+    "optimize": BlockSchema("optimize", keys={
+        "fuse": Key(Boolean(), True),
+        "bucket": Key(Quantity(SIZE), 25e6),
+        "route": Key(Choice(("ring", "tree", "hierarchical", "auto")), "auto"),
+        "overlap": Key(Boolean(), True),
+        "recompute": Key(Choice(("none", "selective", "full")), "none"),
+    }),
+    "train": BlockSchema("train", keys={
+        "steps": Key(Integer(1), 1),
+        "optimizer": Key(OptimizerCall(), OptimizerSpec("sgd", {"lr": 0.1, "momentum": 0.0,
+                                                                "weight_decay": 0.0})),
+        "seed": Key(Integer(0), 0),
+        "data": Key(DataSource(), "synthetic"),
+    }),
+})
+
+
+def where_key_lives(key: str, schema: BlockSchema = PLAN_SCHEMA, path: str = "") -> list[str]:
+    """Dotted paths of the blocks that have ``key``, for 'it belongs in ...' hints."""
+    found = []
+    for name, block in schema.blocks.items():
+        inner = f"{path}.{name}" if path else name
+        if key in block.keys:
+            found.append(inner)
+        found.extend(where_key_lives(key, block, inner))
+    return found
+
+
+def block_syntax(path: str) -> str:
+    """``shard.tp`` -> ``shard { tp { } }``; ``model`` -> ``model gpt { }``."""
+    parts = path.split(".")
+    if parts == ["model"]:
+        return "model gpt { }"
+    return " ".join(f"{p} {{" for p in parts) + " " + " ".join("}" for _ in parts)

@@ -1,0 +1,58 @@
+"""Units of quantities: sizes, bandwidths, times and compute rates, converted to SI.
+
+Decimal prefixes are powers of 1000 (KB, MB, GB) and binary ones powers of 1024
+(KiB, MiB, GiB), as in the IEC 80000-13 convention that NCCL and vendors use for
+link bandwidths and memory sizes respectively.
+"""
+
+from __future__ import annotations
+
+SIZE, RATE, TIME, COMPUTE = "size", "bandwidth", "time", "compute rate"
+
+_DECIMAL = {"": 1.0, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+_BINARY = {"Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40, "Pi": 2.0**50}
+
+
+def _build() -> dict[str, tuple[str, float]]:
+    units: dict[str, tuple[str, float]] = {}
+    for prefix, scale in (_DECIMAL | _BINARY).items():
+        units[f"{prefix}B"] = (SIZE, scale)
+        units[f"{prefix}B/s"] = (RATE, scale)
+    for prefix, scale in _DECIMAL.items():
+        units[f"{prefix}bit/s"] = (RATE, scale / 8)
+        units[f"{prefix}FLOP/s"] = (COMPUTE, scale)
+    units.update({"ns": (TIME, 1e-9), "us": (TIME, 1e-6), "ms": (TIME, 1e-3), "s": (TIME, 1.0)})
+    return units
+
+
+UNITS: dict[str, tuple[str, float]] = _build()
+
+EXAMPLES = {SIZE: "25MB", RATE: "50GB/s", TIME: "5us", COMPUTE: "312TFLOP/s"}
+
+
+def units_of(dimension: str) -> list[str]:
+    return [name for name, (dim, _) in UNITS.items() if dim == dimension]
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable decimal size: 1.9 GB, 120 GB, 512 B."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}" if n / scale < 100 else f"{n / scale:.0f} {unit}"
+    return f"{n:.0f} B"
+
+
+def format_quantity(value: float, dimension: str) -> str:
+    if dimension == SIZE:
+        return format_bytes(value)
+    if dimension == RATE:
+        return format_bytes(value) + "/s"
+    if dimension == TIME:
+        for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+            if value >= scale:
+                return f"{value / scale:.3g} {unit}"
+        return f"{value / 1e-9:.3g} ns"
+    for unit, scale in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+        if value >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value:.3g} FLOP/s"

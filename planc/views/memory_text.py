@@ -1,0 +1,25 @@
+"""The memory estimate as a table: one row per pipeline stage."""
+
+from __future__ import annotations
+
+from planc.lang.units import format_bytes
+from planc.memory import MemoryEstimate
+from planc.views.tables import table
+
+
+def render(estimate: MemoryEstimate) -> str:
+    rows = []
+    for s in estimate.stages:
+        rows.append([s.stage, f"{s.parameters:,}", format_bytes(s.parameter_bytes),
+                     format_bytes(s.gradient_bytes), format_bytes(s.optimizer_bytes),
+                     format_bytes(s.activation_bytes), s.microbatches_in_flight,
+                     format_bytes(s.total_bytes)])
+    capacity = ("unknown capacity (no topology memory given)" if estimate.capacity is None
+                else f"device memory {format_bytes(estimate.capacity)}")
+    peak = estimate.peak
+    used = ("" if estimate.capacity is None
+            else f", peak {100 * peak.total_bytes / estimate.capacity:.1f}% on stage {peak.stage}")
+    return "\n".join([
+        f"memory per device (estimate; {capacity}{used})",
+        table(["stage", "params", "weights", "grads", "optimizer", "activations", "in flight",
+               "total"], rows)])

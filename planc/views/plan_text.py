@@ -1,0 +1,74 @@
+"""A validated plan as text: a one-line summary and the resolved settings."""
+
+from __future__ import annotations
+
+from planc import memory
+from planc.lang.units import COMPUTE, RATE, TIME, format_bytes, format_quantity
+from planc.plan import Plan
+
+
+def _onoff(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
+def _count(n: int) -> str:
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
+
+
+def one_line(plan: Plan, path: str) -> str:
+    mesh, topo = plan.mesh, plan.topology
+    estimate = memory.estimate(plan)
+    return (f"{path}: ok: plan {plan.name}, {_count(memory.total_parameters(plan))} parameters, "
+            f"{mesh.world} rank{'s' if mesh.world != 1 else ''} (tp {mesh.tp} x cp {mesh.cp} x "
+            f"pp {mesh.pp} x dp {mesh.dp}) on {topo.nodes} x {topo.devices_per_node} devices, "
+            f"{format_bytes(estimate.peak.total_bytes)} per device at peak")
+
+
+def settings(plan: Plan) -> str:
+    m, mesh, topo, shard = plan.model, plan.mesh, plan.topology, plan.shard
+    opt, tr, o = plan.optimize, plan.train, plan.train.optimizer
+    if o.name == "adamw":
+        optimizer = (f"adamw(lr = {o.lr:g}, betas = [{o.betas[0]:g}, {o.betas[1]:g}], "
+                     f"eps = {o.eps:g}, weight_decay = {o.weight_decay:g})")
+    else:
+        optimizer = f"sgd(lr = {o.lr:g}, momentum = {o.momentum:g}, weight_decay = {o.weight_decay:g})"
+    stages = ", ".join(f"{a}..{b}" for a, b in shard.pp.chunks)
+    memory_text = "unknown memory" if topo.device.memory is None else format_bytes(topo.device.memory)
+    rows = [
+        ("model gpt", f"layers {m.layers}, hidden {m.hidden}, heads {m.heads} (head_dim "
+                      f"{m.head_dim}), ffn {m.ffn}, vocab {m.vocab}, seq {m.seq}, batch {m.batch}, "
+                      f"{m.dtype}, tie_embeddings {_onoff(m.tie_embeddings)}; "
+                      f"{memory.total_parameters(plan):,} parameters"),
+        ("mesh", f"tp {mesh.tp} x cp {mesh.cp} x pp {mesh.pp} x dp {mesh.dp} = {mesh.world} "
+                 f"ranks, order [{', '.join(mesh.order)}]"),
+        ("topology", f"{topo.nodes} node{'s' if topo.nodes != 1 else ''} x "
+                     f"{topo.devices_per_node} devices"
+                     + (f" ({topo.preset})" if topo.preset else "")
+                     + f"; device {format_quantity(topo.device.flops, COMPUTE)}, {memory_text}, "
+                       f"efficiency {topo.device.efficiency:g}"),
+        ("", f"intra {format_quantity(topo.intra.bandwidth, RATE)} "
+             f"{format_quantity(topo.intra.latency, TIME)}; inter "
+             f"{format_quantity(topo.inter.bandwidth, RATE)} "
+             f"{format_quantity(topo.inter.latency, TIME)}"),
+        ("shard tp", f"embedding {shard.tp.embedding}, qkv {shard.tp.qkv}, proj {shard.tp.proj}, "
+                     f"fc1 {shard.tp.fc1}, fc2 {shard.tp.fc2}, head {shard.tp.head}, "
+                     f"sequence_parallel {_onoff(shard.tp.sequence_parallel)}"),
+        ("shard cp", f"attention {shard.cp.attention}, load_balance "
+                     f"{_onoff(shard.cp.load_balance)}"),
+        ("shard pp", f"stages [{stages}]{' (auto)' if shard.pp.auto else ''}, virtual "
+                     f"{shard.pp.virtual}"),
+        ("shard dp", f"zero {shard.dp.zero}"),
+        ("schedule", f"{plan.schedule.pipeline}, {plan.schedule.microbatches} microbatch"
+                     f"{'es' if plan.schedule.microbatches != 1 else ''} of "
+                     f"{plan.microbatch_size} sequence{'s' if plan.microbatch_size != 1 else ''} "
+                     f"per data-parallel rank"),
+        ("optimize", f"fuse {_onoff(opt.fuse)} (bucket {format_bytes(opt.bucket)}), route "
+                     f"{opt.route}, overlap {_onoff(opt.overlap)}, recompute {opt.recompute}"),
+        ("train", f"{tr.steps} step{'s' if tr.steps != 1 else ''}, {optimizer}, seed {tr.seed}, "
+                  f"data {tr.data}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
