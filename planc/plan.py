@@ -116,7 +116,7 @@ class PipelineParallel:
     auto: bool = True
 
     def layers_of_stage(self, stage: int, pp: int) -> tuple[int, ...]:
-        return tuple(layer for c, (first, last) in enumerate(self.chunks) if c % pp == stage
+        return tuple(layer for first, last in self.chunks[stage::pp]
                      for layer in range(first, last + 1))
 
 

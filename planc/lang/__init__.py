@@ -41,15 +41,17 @@ def load_file(path: str | Path) -> Loaded:
     if len(data) > MAX_FILE_BYTES:
         return Loaded(name, None, None, (error(
             f"file is larger than {MAX_FILE_BYTES // 2**20} MiB; a plan is a short text", None),))
+    data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark is not content
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
-        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        line_start = data.rfind(b"\n", 0, exc.start) + 1
+        column = len(data[line_start:exc.start].decode("utf-8", errors="replace")) + 1
         return Loaded(name, None, None, (error(
             f"file is not valid UTF-8 (byte 0x{data[exc.start]:02x})", Span.point(line, column),
             "a plan file is UTF-8 text"),))
-    return load_text(text.removeprefix("\ufeff"), name)
+    return load_text(text, name)
 
 
 def load_text(text: str, path: str = "<plan>") -> Loaded:

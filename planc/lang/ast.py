@@ -17,9 +17,10 @@ class Number:
     """A numeric literal, possibly with a tail glued on: ``8``, ``25MB``, ``1f1b``."""
 
     text: str
-    value: int | float
+    value: int | float  # inf when out of any range
     suffix: str  # "" for a plain number, the unit or enum tail otherwise
     span: Span
+    malformed: bool = False  # misplaced underscores: 1__0, 1_
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from typing import Any
 from planc.diagnostics import Diagnostic, Span, error, in_source_order, warning
 from planc.lang import ast
 from planc.lang.presets import GENERIC, PRESETS
-from planc.lang.schema import (PLAN_SCHEMA, BlockSchema, Problem, Scope, StageRange,
-                               Unresolved, block_syntax, did_you_mean, where_key_lives)
+from planc.lang.schema import (PLAN_SCHEMA, BlockSchema, Scope, StageRange, Unresolved,
+                               block_syntax, did_you_mean, join_words, where_key_lives)
 from planc.plan import (Optimizer, ContextParallel, DataParallel, Device, Link, Mesh, Model,
                         Optimize, PipelineParallel, Plan, Schedule, Shard, Sources,
                         TensorParallel, Topology, Train)
@@ -28,6 +28,10 @@ def check(tree: ast.PlanFile, path: str) -> tuple[Plan | None, list[Diagnostic]]
     checker = _Checker(path)
     plan = checker.run(tree)
     return plan, in_source_order(checker.diagnostics)
+
+
+# Bounds that keep every command fast; far beyond any cluster that exists.
+LIMITS = {"world": 262_144, "layers": 65_536, "chunks": 16_384, "microbatches": 65_536}
 
 
 def divisors_below(limit: int, *numbers: int, count: int = 2) -> list[int]:
@@ -54,6 +58,9 @@ class _Checker:
     def run(self, tree: ast.PlanFile) -> Plan | None:
         self.spans["plan"] = tree.name_span
         self.plan_name = tree.name
+        if "-" in tree.name:
+            self.report(error(f"plan name '{tree.name}' may hold only letters, digits and '_'",
+                              tree.name_span, f"write plan {tree.name.replace('-', '_')}"))
         self._read_block(PLAN_SCHEMA, tree.entries, "", tree.name_span)
         plan = self._build()
         return plan if not any(d.is_error for d in self.diagnostics) else None
@@ -70,6 +77,9 @@ class _Checker:
                 self._index_key(schema, entry, keys, path, where)
             else:
                 self._index_block(schema, entry, blocks, path, where)
+        # A misspelt key is reported once, as unknown, not again as missing.
+        misspelt = {did_you_mean(e.key, schema.keys) for e in entries
+                    if isinstance(e, ast.Assign) and e.key not in schema.keys}
         for name, sub in schema.blocks.items():
             inner = f"{path}.{name}" if path else name
             if name in blocks:
@@ -82,7 +92,7 @@ class _Checker:
                     self.report(error(f"the plan has no {name} block", header,
                                       f"add {block_syntax(inner)} with its keys"))
                 self._read_block(sub, (), inner, header)
-        self._read_keys(schema, keys, path, header)
+        self._read_keys(schema, keys, path, header, misspelt)
 
     def _index_key(self, schema, entry: ast.Assign, keys, path, where) -> None:
         if entry.key in schema.keys:
@@ -93,7 +103,9 @@ class _Checker:
             else:
                 keys[entry.key] = entry
         elif entry.key in schema.blocks:
+            homes = [h for h in where_key_lives(entry.key) if h != path]
             self.report(error(f"'{entry.key}' is a block, not a key", entry.key_span,
+                              *[f"'{entry.key}' belongs in {block_syntax(h)}" for h in homes],
                               f"write {entry.key} {{ ... }}"))
         else:
             self.report(error(f"unknown key '{entry.key}' {where}", entry.key_span,
@@ -115,8 +127,12 @@ class _Checker:
                                   f"{', '.join(sub.labels)}", entry.label_span,
                                   did_you_mean(entry.label, sub.labels)))
             elif not sub.labels and entry.label is not None:
+                meant = next((k for k, key in sub.keys.items()
+                              if entry.label in getattr(key.kind, "words", ())), None)
                 self.report(error(f"block '{entry.name}' takes no second word",
-                                  entry.label_span, f"write {entry.name} {{ ... }}"))
+                                  entry.label_span,
+                                  f"write {entry.name} {{ {meant} = {entry.label}; ... }}"
+                                  if meant else f"write {entry.name} {{ ... }}"))
             blocks[entry.name] = entry
         elif entry.name in schema.keys:
             self.report(error(f"'{entry.name}' is a key, not a block", entry.name_span,
@@ -136,7 +152,7 @@ class _Checker:
         return []
 
     def _read_keys(self, schema: BlockSchema, entries: dict[str, ast.Assign], path: str,
-                   header: Span) -> None:
+                   header: Span, misspelt: set[str]) -> None:
         required = frozenset(k for k, key in schema.keys.items() if key.required)
         scope = Scope(entries, {k: key.kind for k, key in schema.keys.items()},
                       {k: key.default for k, key in schema.keys.items()}, required)
@@ -145,7 +161,8 @@ class _Checker:
             if name in entries:
                 self.given.add(dotted)
                 self.spans[dotted] = entries[name].value.span
-            elif key.required and path in self.given:
+            elif key.required and path in self.given and \
+                    f"did you mean '{name}'?" not in misspelt:
                 self.report(error(f"{block_syntax(path).split(' {')[0]} is missing the key "
                                   f"'{name}'", header, f"add {name} = ..."))
             try:
@@ -199,6 +216,9 @@ class _Checker:
         if not self.ready(*(f"model.{k}" for k in keys)):
             return None
         model = Model(**{k: self.value(f"model.{k}") for k in keys})
+        if model.layers > LIMITS["layers"]:
+            return self._reject(f"layers ({model.layers}) is more than planc's limit of "
+                              f"{LIMITS['layers']}", self.span("model.layers"))
         if model.hidden % model.heads:
             candidates = [h for h in range(model.heads - 1, 0, -1) if model.hidden % h == 0][:2]
             self.report(error(f"hidden ({model.hidden}) must divide by heads ({model.heads})",
@@ -211,7 +231,12 @@ class _Checker:
         keys = ("tp", "cp", "pp", "dp", "order")
         if not self.ready(*(f"mesh.{k}" for k in keys)):
             return None
-        return Mesh(**{k: self.value(f"mesh.{k}") for k in keys})
+        mesh = Mesh(**{k: self.value(f"mesh.{k}") for k in keys})
+        if mesh.world > LIMITS["world"]:
+            largest = max(("tp", "cp", "pp", "dp"), key=mesh.size)
+            return self._reject(f"the mesh has {mesh.world} ranks, more than planc's limit of "
+                              f"{LIMITS['world']}", self.span(f"mesh.{largest}"))
+        return mesh
 
     def _topology(self, mesh: Mesh | None, model: Model | None) -> Topology | None:
         keys = ("topology.nodes", "topology.devices_per_node", "topology.preset")
@@ -220,6 +245,8 @@ class _Checker:
         preset = PRESETS.get(self.value("topology.preset")) or GENERIC
         world = mesh.world
         nodes, per_node = self.value("topology.nodes"), self.value("topology.devices_per_node")
+        if per_node is None and nodes is not None and preset.devices_per_node:
+            per_node = preset.devices_per_node  # the preset's machine, unless overridden
         mesh_text = (f"tp {mesh.tp} x cp {mesh.cp} x pp {mesh.pp} x dp {mesh.dp} = "
                      f"{world} devices")
         if nodes is not None and per_node is not None:
@@ -292,15 +319,18 @@ class _Checker:
         local_seq = model.seq // mesh.cp if model.seq % mesh.cp == 0 else None
         if tensor.sequence_parallel and local_seq is not None:
             needs["seq / cp" if mesh.cp > 1 else "seq"] = local_seq
-        ok = True
-        for name, amount in needs.items():
-            if amount % tp:
-                ok = False
-                self.report(error(f"{name} ({amount}) must divide by tp ({tp})",
-                                  self.span("mesh.tp"),
-                                  f"tp must divide {name}; "
-                                  f"{_try('tp', divisors_below(tp, *needs.values()))}".rstrip("; ")))
-        return tensor if ok else None
+        failing = [name for name, amount in needs.items() if amount % tp]
+        if not failing:
+            return tensor
+        listed = join_words([f"{name} ({needs[name]})" for name in failing], "and")
+        hints = [f"tp must divide {join_words(failing, 'and')}; "
+                 f"{_try('tp', divisors_below(tp, *needs.values()))}".rstrip("; ")]
+        if "vocab" in failing:
+            multiple = 128 * tp
+            padded = -(-model.vocab // multiple) * multiple
+            hints.append(f"or pad vocab to {padded}, a multiple of 128 x tp, as Megatron does")
+        self.report(error(f"{listed} must divide by tp ({tp})", self.span("mesh.tp"), *hints))
+        return None
 
     def _context_parallel(self, mesh: Mesh | None, model: Model | None) -> ContextParallel | None:
         if not self.ready("shard.cp.attention", "shard.cp.load_balance"):
@@ -336,6 +366,10 @@ class _Checker:
         if not self.ready("schedule.microbatches", "schedule.pipeline"):
             return None
         schedule = Schedule(self.value("schedule.microbatches"), self.value("schedule.pipeline"))
+        if schedule.microbatches > LIMITS["microbatches"]:
+            return self._reject(f"microbatches ({schedule.microbatches}) is more than planc's "
+                              f"limit of {LIMITS['microbatches']}",
+                              self.span("schedule.microbatches"))
         if mesh is None or model is None:
             return schedule
         if model.batch % mesh.dp:
@@ -375,13 +409,15 @@ class _Checker:
                                 "set shard { pp { virtual = 2 } }, or use pipeline = 1f1b")
             else:
                 if layers % (pp * virtual):
+                    options = [v for v in range(2, layers // pp + 1) if layers % (pp * v) == 0]
                     ok = self._fail(f"layers ({layers}) must divide by pp x virtual "
                                     f"({pp} x {virtual} = {pp * virtual}) for the interleaved "
-                                    f"schedule", self.span("shard.pp.virtual"))
+                                    f"schedule", self.span("shard.pp.virtual"),
+                                    _try("virtual", sorted(options, key=lambda v: abs(v - virtual))[:2]))
                 if schedule.microbatches % pp:
                     ok = self._fail(f"the interleaved schedule needs microbatches "
                                     f"({schedule.microbatches}) to divide by pp ({pp})",
-                                    self.span("schedule.microbatches"),
+                                    self.span("schedule.microbatches", "schedule.pipeline"),
                                     "Megatron's interleaved 1F1B runs microbatches in groups "
                                     "of pp")
         elif virtual > 1:
@@ -392,11 +428,17 @@ class _Checker:
             self.report(warning("shard { pp { } } has no effect with pp = 1",
                                 self.span("shard.pp")))
         chunks = pp * virtual
+        if chunks > LIMITS["chunks"]:
+            what = f"pp ({pp})" if virtual == 1 else f"pp x virtual ({chunks})"
+            return self._reject(f"{what} is more than planc's limit of {LIMITS['chunks']} model "
+                              f"chunks", self.span("mesh.pp"))
         if stages == "auto":
+            if not ok:
+                return None
             if layers < chunks:
                 what = f"pp ({pp})" if virtual == 1 else f"pp x virtual ({chunks})"
-                return self._fail(f"{what} is more than layers ({layers}): each stage needs at "
-                                  f"least one layer", self.span("mesh.pp"), None) and None
+                return self._reject(f"{what} is more than layers ({layers}): each stage needs at "
+                                  f"least one layer", self.span("mesh.pp"), None)
             return PipelineParallel(_even_chunks(layers, chunks), virtual, True) if ok else None
         if not self._stage_ranges(stages, layers, chunks, pp, virtual):
             return None
@@ -412,38 +454,40 @@ class _Checker:
                             self.span("shard.pp.stages"),
                             "give one range per stage" if virtual == 1 else
                             "give one range per model chunk (chunk c runs on stage c mod pp)")
+        for before, after in zip(ranges, ranges[1:]):
+            if after.first < before.first:
+                return self._fail(f"layer range {after.first}..{after.last} comes after "
+                                  f"{before.first}..{before.last}", after.span,
+                                  "list the ranges in layer order")
         expected = 0
         previous: StageRange | None = None
         for r in ranges:
             if r.last >= layers:
                 ok = self._fail(f"layer range {r.first}..{r.last} goes past the last layer "
                                 f"({layers - 1})", r.span)
-            elif previous is not None and r.first < previous.first:
-                ok = self._fail(f"layer range {r.first}..{r.last} comes after "
-                                f"{previous.first}..{previous.last}", r.span,
-                                "list the ranges in layer order")
             elif r.first < expected:
                 ok = self._fail(f"layer range {r.first}..{r.last} overlaps "
                                 f"{previous.first}..{previous.last}", r.span,
                                 "each layer belongs to exactly one stage")
             elif r.first > expected:
-                gap = f"{expected}..{r.first - 1}" if r.first - 1 > expected else f"{expected}"
-                ok = self._fail(f"layer{'s' if r.first - 1 > expected else ''} {gap} "
-                                f"{'are' if r.first - 1 > expected else 'is'} in no stage",
-                                r.span, "the ranges must cover every layer once, in order")
+                ok = self._fail(f"{_layers_text(expected, r.first - 1)} in no stage", r.span,
+                                "the ranges must cover every layer once, in order")
             expected = max(expected, r.last + 1)
             previous = r
         if ok and expected < layers:
-            gap = f"{expected}..{layers - 1}" if layers - 1 > expected else f"{expected}"
-            ok = self._fail(f"layer{'s' if layers - 1 > expected else ''} {gap} "
-                            f"{'are' if layers - 1 > expected else 'is'} in no stage",
+            ok = self._fail(f"{_layers_text(expected, layers - 1)} in no stage",
                             self.span("shard.pp.stages"),
                             f"the ranges must cover layers 0..{layers - 1}")
         return ok
 
     def _fail(self, message: str, span: Span | None, hint: str | None = None) -> bool:
+        """Report an error; False, for ``ok = self._fail(...)``."""
         self.report(error(message, span, *([hint] if hint else [])))
         return False
+
+    def _reject(self, message: str, span: Span | None, hint: str | None = None) -> None:
+        """Report an error; None, for ``return self._reject(...)``."""
+        self._fail(message, span, hint)
 
     def _tied_embeddings(self, mesh, model, tensor) -> None:
         if not (mesh and model and tensor) or not model.tie_embeddings or mesh.tp == 1:
@@ -484,15 +528,19 @@ class _Checker:
                                 f"it", span))
             return resolved
         if not os.path.isfile(resolved):
-            return self._fail(f"data path '{data}' is not a file", span) and None
+            return self._reject(f"data path '{data}' is not a file", span)
         size = os.path.getsize(resolved)
         if size % 2:
-            return self._fail(f"data file '{data}' has an odd size ({size} bytes); expected "
-                              f"little-endian uint16 tokens", span) and None
+            return self._reject(f"data file '{data}' has an odd size ({size} bytes); expected "
+                              f"little-endian uint16 tokens", span)
         if model is not None and size // 2 < model.seq + 1:
-            return self._fail(f"data file '{data}' holds {size // 2} tokens, fewer than one "
-                              f"sample (seq + 1 = {model.seq + 1})", span) and None
+            return self._reject(f"data file '{data}' holds {size // 2} tokens, fewer than one "
+                              f"sample (seq + 1 = {model.seq + 1})", span)
         return resolved
+
+
+def _layers_text(first: int, last: int) -> str:
+    return f"layers {first}..{last} are" if last > first else f"layer {first} is"
 
 
 def _even_chunks(layers: int, chunks: int) -> tuple[tuple[int, int], ...]:

@@ -13,6 +13,7 @@ recovery, since everything after them would be noise.
 from __future__ import annotations
 
 import ast as python_ast
+import dataclasses
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -25,13 +26,17 @@ from lark.lark import PostLex
 
 from planc.diagnostics import Diagnostic, Span, error
 from planc.lang import ast
+from planc.lang.units import UNITS
 
-MAX_NESTING = 32
+MAX_NESTING = 64
 MAX_SYNTAX_ERRORS = 20
 
 _OPENERS = {"LPAR": "(", "LSQB": "[", "LBRACE": "{"}
 _CLOSERS = {"RPAR": "LPAR", "RSQB": "LSQB", "RBRACE": "LBRACE"}
-_NUMBER = re.compile(r"([0-9][0-9_]*(?:\.[0-9][0-9_]*)?(?:[eE][+-]?[0-9]+)?)(.*)", re.S)
+_NUMBER = re.compile(r"([0-9][0-9_]*(?:\.[0-9_]+)?(?:[eE][+-]?[0-9_]+)?)(.*)", re.S)
+# Underscores may only separate digits: 1_024, not 1__024, 1_ or 1_e5.
+_WELL_FORMED = re.compile(r"[0-9](?:_?[0-9])*(?:\.[0-9](?:_?[0-9])*)?(?:[eE][+-]?[0-9]+)?")
+MAX_DIGITS = 100  # longer literals are out of range for every key (and for int())
 
 
 def grammar_text() -> str:
@@ -90,8 +95,13 @@ class _TreeBuilder(Transformer):
 
     def number(self, token):
         digits, suffix = _NUMBER.fullmatch(str(token)).groups()
+        if not _WELL_FORMED.fullmatch(digits):
+            return ast.Number(str(token), 0, suffix, _span(token), malformed=True)
         is_float = "." in digits or "e" in digits.lower()
-        value = float(digits) if is_float else int(digits)
+        if len(digits) > MAX_DIGITS:
+            value = float("inf")
+        else:
+            value = float(digits) if is_float else int(digits)
         return ast.Number(str(token), value, suffix, _span(token))
 
     def word(self, token):
@@ -109,10 +119,10 @@ class _TreeBuilder(Transformer):
         return ast.Neg(operand, _span(minus).to(operand.span))
 
     def pos(self, plus, operand):
-        return operand
+        return dataclasses.replace(operand, span=_span(plus).to(operand.span))
 
     def paren(self, lpar, inner, rpar):
-        return inner
+        return dataclasses.replace(inner, span=_span(lpar).to(_span(rpar)))
 
     def range(self, first, dots, last):
         return ast.Range(first, last, first.span.to(last.span))
@@ -134,15 +144,18 @@ class _TreeBuilder(Transformer):
     def assign(self, key, equal, value):
         return ast.Assign(str(key), _span(key), value, _span(key).to(value.span))
 
+    def dashed(self, *tokens):
+        return ast.Word("".join(map(str, tokens)), _span(tokens[0]).to(_span(tokens[-1])))
+
     def block(self, name, label, lbrace, *rest):
         entries = tuple(x for x in rest[:-1] if not isinstance(x, Token))
-        return ast.Block(str(name), _span(name), str(label) if label else None,
-                         _span(label) if label else None, entries,
+        return ast.Block(str(name), _span(name), label.text if label else None,
+                         label.span if label else None, entries,
                          _span(name).to(_span(rest[-1])))
 
     def plan(self, keyword, name, lbrace, *rest):
         entries = tuple(x for x in rest[:-1] if not isinstance(x, Token))
-        return ast.PlanFile(str(name), _span(name), entries, _span(keyword).to(_span(rest[-1])))
+        return ast.PlanFile(name.text, name.span, entries, _span(keyword).to(_span(rest[-1])))
 
     def start(self, plan):
         return plan
@@ -330,19 +343,7 @@ def _diagnose(exc: Exception, text: str) -> _SyntaxProblem:
     assert isinstance(exc, lark.exceptions.UnexpectedToken)
     token = exc.token
     if token.type == "$END":
-        span = _end_of_text_span(text)
-        opened = _open_brackets(tokens, len(text))
-        if opened:
-            first = opened[-1]
-            return _SyntaxProblem(error(
-                f"unexpected end of file: '{first}' opened at line {first.line} is never closed",
-                _span(first), f"add '{_closer_for(first)}' to close it"), None)
-        if not any(t.type != "_NL" for t in tokens):
-            return _SyntaxProblem(error("the file holds no plan", span,
-                                        "a plan file holds one 'plan NAME { ... }'"), None)
-        return _SyntaxProblem(error(
-            f"unexpected end of file; expected {_describe_expected(set(exc.expected), None)}",
-            span), None)
+        return _unexpected_end(exc, text, tokens)
     offset = token.start_pos
     opened = _open_brackets(tokens, offset)
     innermost = opened[-1].type if opened else None
@@ -355,21 +356,98 @@ def _diagnose(exc: Exception, text: str) -> _SyntaxProblem:
                 f"{first.column} is not closed", span, f"add '{_closer_for(first)}' before it"),
                 None)
         return _SyntaxProblem(error(f"unexpected '{token}': it closes nothing", span), None)
-    expected = _describe_expected(set(exc.expected), innermost)
-    message = f"unexpected {_describe_token(token)}; expected {expected}"
+    accepted = _accepted(exc)
+    before = [t for t in tokens if t.end_pos <= offset and t.type != "_NL"]
+    previous = before[-1] if before else None
+    if previous is not None and previous.type == "EQUAL" and token.type in ("_NL", "RBRACE",
+                                                                            "SEMICOLON"):
+        return _SyntaxProblem(error("expected a value after '='", _span(previous)),
+                              _entry_around(tokens, offset) if opened else None)
+    message = f"unexpected {_describe_token(token)}; expected {_describe_expected(accepted, innermost)}"
     hints = []
-    previous = exc.token_history[-1] if exc.token_history else None
-    if token.type == "_NL" and previous is not None and previous.type == "EQUAL":
-        message = "expected a value after '='"
-    elif token.type == "NAME" and "LBRACE" in exc.expected and "EQUAL" not in exc.expected:
+    if not opened:
+        closer = _plan_closer(tokens, offset)
+        if closer is not None and token.type != "PLAN":
+            hints.append(f"the '}}' at line {closer.line}, column {closer.column} closes the "
+                         f"plan; remove it if the plan goes on")
+        elif token.type == "PLAN":
+            hints.append("a file holds exactly one plan")
+    elif (token.type == "NAME" and previous is not None and previous.type == "NUMBER"
+          and str(token) in UNITS):
+        hints.append(f"write the unit right after the number, without a space: "
+                     f"{previous}{token}")
+    elif token.type == "NAME" and "LBRACE" in accepted and "EQUAL" not in accepted:
         hints.append("a block starts with one or two words and '{', as in 'model gpt {'")
-    elif token.type in ("NAME", "NUMBER") and "EQUAL" in exc.expected:
+    elif token.type in ("NAME", "NUMBER") and "EQUAL" in accepted:
         hints.append("a key and its value are written 'key = value'")
-    elif (previous is not None and "_NL" in exc.expected and innermost == "LBRACE"
+    elif (previous is not None and "_NL" in accepted and innermost == "LBRACE"
           and previous.type in ("NAME", "NUMBER", "STRING", "RSQB", "RPAR")):
         hints.append("separate entries with a new line or ';'")
     return _SyntaxProblem(error(message, span, *hints),
                           _entry_around(tokens, offset) if opened else None)
+
+
+def _accepted(exc: lark.exceptions.UnexpectedToken) -> set[str]:
+    """What the parser would have taken here. Errors raised by the contextual lexer list
+    every terminal of the lexer state (newlines included); the parser knows better."""
+    parser = getattr(exc, "interactive_parser", None)
+    if parser is not None:
+        try:
+            return set(parser.accepts())
+        except lark.exceptions.LarkError:
+            pass
+    return set(exc.expected)
+
+
+def _plan_closer(tokens: list[Token], offset: int) -> Token | None:
+    """The '}' that closed the plan before ``offset``, if the plan was closed."""
+    depth = 0
+    for token in tokens:
+        if token.start_pos >= offset:
+            break
+        if token.type == "LBRACE":
+            depth += 1
+        elif token.type == "RBRACE":
+            depth -= 1
+            if depth == 0:
+                return token
+    return None
+
+
+def _unexpected_end(exc, text: str, tokens: list[Token]) -> _SyntaxProblem:
+    span = _end_of_text_span(text)
+    opened = _open_brackets(tokens, len(text))
+    if opened:
+        first = _likely_unclosed(text, tokens) or opened[-1]
+        return _SyntaxProblem(error(
+            f"unexpected end of file: '{first}' opened at line {first.line} is never closed",
+            _span(first), f"add '{_closer_for(first)}' to close it"), None)
+    if not any(t.type != "_NL" for t in tokens):
+        return _SyntaxProblem(error("the file holds no plan", span,
+                                    "a plan file holds one 'plan NAME { ... }'"), None)
+    return _SyntaxProblem(error(
+        f"unexpected end of file; expected {_describe_expected(_accepted(exc), None)}",
+        span), None)
+
+
+def _indent(text: str, token: Token) -> int:
+    line = text.split("\n")[token.line - 1]
+    return len(line) - len(line.lstrip(" \t"))
+
+
+def _likely_unclosed(text: str, tokens: list[Token]) -> Token | None:
+    """The brace that is probably missing its '}', judged by indentation as rustc does:
+    the first '{' whose matching '}' sits at a smaller indentation than the line that
+    opened it."""
+    stack: list[Token] = []
+    for token in tokens:
+        if token.type == "LBRACE":
+            stack.append(token)
+        elif token.type == "RBRACE" and stack:
+            opener = stack.pop()
+            if _indent(text, token) < _indent(text, opener) and opener.line != token.line:
+                return opener
+    return None
 
 
 def _blank(text: str, start: int, end: int, keep_braces: bool) -> str:

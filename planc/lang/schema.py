@@ -19,7 +19,7 @@ from planc.lang.units import COMPUTE, EXAMPLES, RATE, SIZE, TIME, UNITS, units_o
 from planc.plan import AXES
 
 MAX_INTEGER = 2**53  # beyond this a float cannot hold the value and nothing is sensible
-MAX_EXPRESSION_DEPTH = 64
+MAX_EXPRESSION_DEPTH = 200
 
 
 class Problem(Exception):
@@ -42,9 +42,11 @@ def did_you_mean(word: str, choices) -> str:
     return f"did you mean '{match[0]}'?" if match else ""
 
 
-def join_words(words) -> str:
+def join_words(words, conjunction: str = "or") -> str:
     words = list(words)
-    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+    if len(words) == 1:
+        return words[0]
+    return ", ".join(words[:-1]) + f" {conjunction} " + words[-1]
 
 
 # --- expression scope --------------------------------------------------------------
@@ -91,9 +93,13 @@ class Scope:
     def integer(self, name: str, span: Span) -> int:
         """The value of the key ``name`` referenced at ``span`` inside an expression."""
         if name not in self.kinds:
-            raise Problem(f"unknown name '{name}' in expression", span,
-                          did_you_mean(name, [k for k, v in self.kinds.items()
-                                              if isinstance(v, Integer)]))
+            near = did_you_mean(name, [k for k, v in self.kinds.items()
+                                       if isinstance(v, Integer)])
+            elsewhere = where_key_lives(name)
+            if not near and elsewhere:
+                near = (f"expressions may use only keys of the same block; '{name}' is a key "
+                        f"of {block_syntax(elsewhere[0])}")
+            raise Problem(f"unknown name '{name}' in expression", span, near)
         if not isinstance(self.kinds[name], Integer):
             raise Problem(f"'{name}' is not an integer key and cannot be used in arithmetic",
                           span)
@@ -108,28 +114,37 @@ class Scope:
         return value
 
 
+def check_literal(value: ast.Value) -> None:
+    """Reject malformed and out-of-range number literals, whatever the key expects."""
+    if isinstance(value, ast.Number):
+        if value.malformed:
+            raise Problem(f"malformed number '{value.text}': '_' may only separate digits",
+                          value.span)
+        if value.value == float("inf"):
+            raise Problem(f"number {value.text[:20]}{'...' if len(value.text) > 20 else ''} "
+                          f"is out of range", value.span)
+
+
 def evaluate_integer(value: ast.Value, scope: Scope, depth: int = 0) -> int:
     """Integer arithmetic with + - * / (exact) over literals and keys of the block."""
     if depth > MAX_EXPRESSION_DEPTH:
-        raise Problem(f"expression nested more than {MAX_EXPRESSION_DEPTH} deep", value.span)
+        raise Problem(f"expression has more than {MAX_EXPRESSION_DEPTH} nested operations",
+                      value.span)
     if isinstance(value, ast.Number):
+        check_literal(value)
         if value.suffix:
             if value.suffix in UNITS:
                 raise Problem(f"expected a plain integer, got the {UNITS[value.suffix][0]} "
                               f"{value.text}", value.span)
-            raise Problem(f"'{value.text}' is not a number", value.span)
+            full = {"K": 10**3, "k": 10**3, "M": 10**6, "G": 10**9}.get(value.suffix)
+            raise Problem(f"'{value.text}' is not a number", value.span,
+                          f"write the number in full: {value.value * full}"
+                          if full and isinstance(value.value, int) else "")
         if isinstance(value.value, float):
             raise Problem(f"expected an integer, got {value.text}", value.span)
         result = value.value
     elif isinstance(value, ast.Word):
-        if "-" in value.text and value.text not in scope.kinds:
-            # `hidden-heads` lexes as one word; read it as the subtraction it spells.
-            parts = value.text.split("-")
-            result = scope.integer(parts[0], value.span)
-            for part in parts[1:]:
-                result -= scope.integer(part, value.span)
-        else:
-            result = scope.integer(value.text, value.span)
+        result = scope.integer(value.text, value.span)
     elif isinstance(value, ast.Neg):
         result = -evaluate_integer(value.operand, scope, depth + 1)
     elif isinstance(value, ast.BinOp):
@@ -182,6 +197,11 @@ class Integer(Kind):
     def read(self, value, scope):
         if isinstance(value, (ast.ListValue, ast.String, ast.Call, ast.Range)):
             raise self.mismatch(value)
+        if isinstance(value, ast.Word) and value.text not in scope.kinds:
+            # A bare word that names no key: a type mistake, not an expression.
+            integers = [k for k, kind in scope.kinds.items() if isinstance(kind, Integer)]
+            raise Problem(f"expected {self.noun}, got the word '{value.text}'", value.span,
+                          did_you_mean(value.text, integers))
         result = evaluate_integer(value, scope)
         if result < self.minimum or (self.maximum is not None and result > self.maximum):
             raise Problem(f"expected {self.noun}, got {result}", value.span)
@@ -208,6 +228,7 @@ class Real(Kind):
             sign, literal = -1, literal.operand
         if not isinstance(literal, ast.Number):
             raise self.mismatch(value)
+        check_literal(literal)
         if literal.suffix:
             raise Problem(f"expected a plain number, got '{literal.text}'", value.span)
         result = sign * float(literal.value)
@@ -235,10 +256,26 @@ class Boolean(Kind):
 
 
 def word_text(value: ast.Value) -> str | None:
-    """The text of an enum word, including those that start with a digit (``1f1b``)."""
+    """The text of an enum word: ``column``, ``1f1b`` (a digit first), ``dgx-a100`` (words
+    joined by '-' with no space, which the grammar reads as a subtraction)."""
     if isinstance(value, ast.Word):
         return value.text
-    if isinstance(value, ast.Number) and value.suffix and value.suffix not in UNITS:
+    if isinstance(value, ast.Number) and value.suffix and value.suffix not in UNITS \
+            and not value.malformed:
+        return value.text
+    if isinstance(value, ast.BinOp) and value.op == "-":
+        left, right = word_text(value.left), _piece(value.right)
+        touching = (value.left.span.end_line == value.right.span.line
+                    and value.left.span.end_column + 1 == value.right.span.column)
+        if left is not None and right is not None and touching:
+            return f"{left}-{right}"
+    return None
+
+
+def _piece(value: ast.Value) -> str | None:
+    if isinstance(value, ast.Word):
+        return value.text
+    if isinstance(value, ast.Number) and isinstance(value.value, int):
         return value.text
     return None
 
@@ -274,6 +311,7 @@ class Quantity(Kind):
     def read(self, value, scope):
         if not isinstance(value, ast.Number):
             raise self.mismatch(value)
+        check_literal(value)
         if not value.suffix:
             raise Problem(f"{value.text} needs a unit: expected {self.noun}", value.span,
                           f"write it as, for example, {value.text}{EXAMPLES[self.dimension].lstrip('0123456789.')}")
@@ -286,7 +324,9 @@ class Quantity(Kind):
         # Divide by the inverse of sub-unit scales so that 5us is exactly 5e-06.
         result = (float(value.value) / round(1 / scale) if scale < 1 and round(1 / scale) > 1
                   else float(value.value) * scale)
-        if not 0 < result < float("inf"):
+        if result == float("inf"):
+            raise Problem(f"{value.text} is out of range", value.span)
+        if not 0 < result:
             raise Problem(f"expected a positive {self.dimension}, got {value.text}", value.span)
         return result
 
@@ -372,7 +412,7 @@ _ARGUMENT_KINDS = {
     "lr": Real(0.0, None, False), "momentum": Real(0.0, 1.0), "eps": Real(0.0, None, False),
     "weight_decay": Real(0.0),
 }
-_BETA = Real(0.0, 1.0)
+_BETA = Real(0.0)  # below 1 too, checked with its own message
 
 
 @dataclass(frozen=True)
@@ -400,8 +440,9 @@ class OptimizerCall(Kind):
         given: dict[str, Any] = {}
         for argument in value.args:
             if argument.name is None:
+                shown = argument.value.text if isinstance(argument.value, ast.Number) else "0.1"
                 raise Problem(f"arguments of {value.name} must be named", argument.span,
-                              f"for example {value.name}(lr = 0.1)")
+                              f"for example {value.name}(lr = {shown})")
             if argument.name not in allowed:
                 raise Problem(f"{value.name} has no argument '{argument.name}'; it takes "
                               f"{join_words(list(allowed))}", argument.name_span,
@@ -423,11 +464,13 @@ class OptimizerCall(Kind):
             if len(items) != 2:
                 raise Problem("betas must be a list of two numbers, such as [0.9, 0.999]",
                               argument.value.span)
-            betas = tuple(_BETA.read(item, None) for item in items)
-            for beta, item in zip(betas, items):
+            betas = []
+            for item in items:
+                beta = _BETA.read(item, None)
                 if beta >= 1.0:
                     raise Problem(f"each beta must be below 1, got {beta:g}", item.span)
-            return betas
+                betas.append(beta)
+            return tuple(betas)
         return _ARGUMENT_KINDS[argument.name].read(argument.value, None)
 
 

@@ -29,9 +29,14 @@ def render_nodes(layout: Layout) -> str:
             lines.append(f"... {hidden} more nodes, laid out the same way ...")
             continue
         first = node * layout.devices_per_node
-        ranks = list(range(first, min(first + layout.devices_per_node, layout.world)))
+        last = min(first + layout.devices_per_node, layout.world)
+        ranks = list(range(first, last))
         lines.append(f"node {node}")
+        if len(ranks) > 2 * DEVICES_PER_ROW:  # a huge node: its first and last devices
+            ranks = ranks[:DEVICES_PER_ROW] + ranks[-DEVICES_PER_ROW:]
         for start in range(0, len(ranks), DEVICES_PER_ROW):
+            if start == DEVICES_PER_ROW and last - first > 2 * DEVICES_PER_ROW:
+                lines.append(f"  ... {last - first - 2 * DEVICES_PER_ROW} more devices ...")
             row = ranks[start:start + DEVICES_PER_ROW]
             lines.append("  " + "".join(f"dev {r - first}".ljust(cell_width) for r in row).rstrip())
             lines.append("  " + "".join(f"r{r}".ljust(cell_width) for r in row).rstrip())

@@ -7,9 +7,26 @@ from planc.memory import MemoryEstimate
 from planc.views.tables import table
 
 
+MAX_ROWS = 8
+
+
+def _stages_shown(estimate: MemoryEstimate) -> set[int]:
+    """All stages of a short pipeline; of a long one the first three, the last two and
+    the peak."""
+    count = len(estimate.stages)
+    if count <= MAX_ROWS:
+        return set(range(count))
+    return {0, 1, 2, count - 2, count - 1, estimate.peak.stage}
+
+
 def render(estimate: MemoryEstimate) -> str:
     rows = []
+    shown = _stages_shown(estimate)
     for s in estimate.stages:
+        if s.stage not in shown:
+            if s.stage - 1 in shown:
+                rows.append(["...", "", "", "", "", "", "", ""])
+            continue
         rows.append([s.stage, f"{s.parameters:,}", format_bytes(s.parameter_bytes),
                      format_bytes(s.gradient_bytes), format_bytes(s.optimizer_bytes),
                      format_bytes(s.activation_bytes), s.microbatches_in_flight,

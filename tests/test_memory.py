@@ -1,0 +1,356 @@
+"""Memory per device (planc/memory.py) against the papers' own numbers and formulas.
+
+Model states: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models" (SC'20), Figure 1 / section 3. Activations: Korthikanti et al.,
+"Reducing Activation Recomputation in Large Transformer Models" (2022), Table 2.
+In-flight microbatches: Megatron-LM's pipeline schedules. Every expected value is
+computed here by hand or from the formula, never by calling planc.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from planc import memory
+from planc.lang import load_file, load_text
+from tests.conftest import PLANS
+
+GB = 1e9
+
+
+def gpt_parameters(layers, hidden, vocab, seq, tied=False):
+    """12 L h^2 + 13 L h + (V + s) h + 2 h + h V (4h MLP, biases, untied head)."""
+    return (12 * layers * hidden ** 2 + 13 * layers * hidden + (vocab + seq) * hidden
+            + 2 * hidden + (0 if tied else hidden * vocab))
+
+
+def plan_of(text: str):
+    loaded = load_text(text)
+    assert loaded.ok, loaded.diagnostics
+    return loaded.plan
+
+
+# --- ZeRO, Figure 1 ------------------------------------------------------------------
+
+# Psi = 7.5B, N_d = 64, mixed-precision Adam: 2 bytes of parameters, 2 of gradients,
+# K = 12 bytes of optimizer state per parameter. The paper's Figure 1 prints
+# 120 GB, 31.4 GB, 16.6 GB and 1.9 GB for the baseline and P_os, P_os+g, P_os+g+p
+# (value in GB, decimals printed).
+ZERO_FIGURE_1 = {0: (120, 0), 1: (31.4, 1), 2: (16.6, 1), 3: (1.9, 1)}
+
+
+def as_printed(total_bytes: float, zero: int) -> float:
+    return round(total_bytes / GB, ZERO_FIGURE_1[zero][1])
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_zero_paper_example_through_model_state_bytes(zero):
+    psi, nd = 7.5e9, 64
+    params, grads, optim = memory.model_state_bytes(psi, 2, 12, zero, nd)
+    expected = {0: (2 * psi, 2 * psi, 12 * psi),
+                1: (2 * psi, 2 * psi, 12 * psi / nd),
+                2: (2 * psi, 2 * psi / nd, 12 * psi / nd),
+                3: (2 * psi / nd, 2 * psi / nd, 12 * psi / nd)}[zero]
+    assert (params, grads, optim) == pytest.approx(expected, rel=1e-12)
+    total = params + grads + optim
+    assert as_printed(total, zero) == ZERO_FIGURE_1[zero][0]
+    # The exact values behind the rounding: 120, 31.40625, 16.640625, 1.875 GB.
+    assert total == pytest.approx({0: 120e9, 1: 31.40625e9, 2: 16.640625e9,
+                                   3: 1.875e9}[zero], rel=1e-12)
+
+
+# 35 layers of width 4096, vocabulary 53,248, 2048 positions: 7,492,898,816 parameters.
+ZERO_LAYERS, ZERO_HIDDEN, ZERO_VOCAB, ZERO_SEQ = 35, 4096, 53248, 2048
+ZERO_PSI = 7_492_898_816
+
+
+def zero_plan(zero: int, dp: int = 64, cp: int = 1):
+    return plan_of(f"""
+plan zero_paper {{
+  model gpt {{ layers = {ZERO_LAYERS}; hidden = {ZERO_HIDDEN}; heads = 32
+              vocab = {ZERO_VOCAB}; seq = {ZERO_SEQ}; batch = 64; dtype = bf16 }}
+  mesh {{ dp = {dp}; cp = {cp} }}
+  shard {{ dp {{ zero = {zero} }} }}
+  train {{ optimizer = adamw(lr = 1e-4) }}
+}}""")
+
+
+def test_zero_plan_has_about_7_5_billion_parameters():
+    psi = gpt_parameters(ZERO_LAYERS, ZERO_HIDDEN, ZERO_VOCAB, ZERO_SEQ)
+    assert psi == ZERO_PSI
+    assert abs(psi - 7.5e9) / 7.5e9 < 0.002
+    plan = zero_plan(0)
+    assert memory.total_parameters(plan) == ZERO_PSI
+    assert memory.stage_parameters(plan, 0) == ZERO_PSI
+    assert memory.optimizer_state_bytes(plan) == 12  # fp32 master + two fp32 moments
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("dp, cp", [(64, 1), (32, 2)])  # replicas = dp x cp = 64 either way
+def test_zero_paper_example_through_a_plan(zero, dp, cp):
+    psi, nd = ZERO_PSI, 64
+    expected = {0: (2 * psi, 2 * psi, 12 * psi),
+                1: (2 * psi, 2 * psi, 12 * psi / nd),
+                2: (2 * psi, 2 * psi / nd, 12 * psi / nd),
+                3: (2 * psi / nd, 2 * psi / nd, 12 * psi / nd)}[zero]
+    (stage,) = memory.estimate(zero_plan(zero, dp, cp)).stages
+    assert stage.parameters == psi
+    assert (stage.parameter_bytes, stage.gradient_bytes, stage.optimizer_bytes) == expected
+    assert as_printed(sum(expected), zero) == ZERO_FIGURE_1[zero][0]
+
+
+# --- Korthikanti et al. 2022, Table 2 -----------------------------------------------------
+
+def korthikanti_plan(sequence_parallel: bool, dtype: str = "bf16", recompute: str = "none"):
+    # GPT-3 175B's layer: s = 2048, b = 1, h = 12288, a = 96, t = 8.
+    return plan_of(f"""
+plan korthikanti {{
+  model gpt {{ layers = 8; hidden = 12288; heads = 96; vocab = 51200; seq = 2048
+              batch = 1; dtype = {dtype} }}
+  mesh {{ tp = 8 }}
+  shard {{ tp {{ sequence_parallel = {"on" if sequence_parallel else "off"} }} }}
+  optimize {{ recompute = {recompute} }}
+  train {{ optimizer = adamw(lr = 1e-4) }}
+}}""")
+
+
+S, B, H, A, T = 2048, 1, 12288, 96, 8
+SBH = S * B * H  # 25,165,824
+# By hand, bytes per layer and microbatch with 2-byte activations:
+#   none:       sbh (10 + 24/t + 5as/(ht)) = sbh (10 + 3 + 10) = 23 sbh
+#   none, SP:   sbh/t (34 + 5as/h)         = sbh/8 (34 + 80)  = 14.25 sbh
+#   selective:  sbh (10 + 24/t)            = 13 sbh
+#   sel., SP:   34 sbh / t                 = 4.25 sbh
+#   full:       2 sbh;  full, SP: 2 sbh / t = 0.25 sbh
+KORTHIKANTI = {
+    ("none", False): 578_813_952,
+    ("none", True): 358_612_992,
+    ("selective", False): 327_155_712,
+    ("selective", True): 106_954_752,
+    ("full", False): 50_331_648,
+    ("full", True): 6_291_456,
+}
+
+
+def test_korthikanti_numbers_are_the_formulas():
+    formulas = {
+        ("none", False): SBH * (10 + 24 / T + 5 * A * S / (H * T)),
+        ("none", True): SBH / T * (34 + 5 * A * S / H),
+        ("selective", False): SBH * (10 + 24 / T),
+        ("selective", True): 34 * SBH / T,
+        ("full", False): 2 * SBH,
+        ("full", True): 2 * SBH / T,
+    }
+    assert formulas == KORTHIKANTI
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_layer_activations_match_table_2(recompute, sp):
+    plan = korthikanti_plan(sp)
+    assert plan.microbatch_size == 1
+    assert memory.layer_activation_bytes(plan, recompute) == KORTHIKANTI[recompute, sp]
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_layer_activations_follow_the_plans_recompute_and_fp32_doubles(recompute, sp):
+    plan = korthikanti_plan(sp, recompute=recompute)
+    assert memory.layer_activation_bytes(plan) == KORTHIKANTI[recompute, sp]
+    fp32 = korthikanti_plan(sp, dtype="fp32", recompute=recompute)
+    assert memory.layer_activation_bytes(fp32) == 2 * KORTHIKANTI[recompute, sp]
+
+
+# --- microbatches in flight -------------------------------------------------------------
+
+def pipeline_plan(pp: int, microbatches: int, schedule: str, virtual: int = 1):
+    layers = pp * virtual * 2
+    pp_block = f"shard {{ pp {{ virtual = {virtual} }} }}" if virtual > 1 else ""
+    return plan_of(f"""
+plan pipe {{
+  model gpt {{ layers = {layers}; hidden = 64; heads = 4; vocab = 256; seq = 32
+              batch = {microbatches * 2} }}
+  mesh {{ pp = {pp} }}
+  {pp_block}
+  schedule {{ microbatches = {microbatches}; pipeline = {schedule} }}
+}}""")
+
+
+@pytest.mark.parametrize("pp, m, schedule, virtual, expected", [
+    # GPipe: every stage holds all m microbatches before the first backward.
+    (4, 8, "gpipe", 1, [8, 8, 8, 8]),
+    (4, 2, "gpipe", 1, [2, 2, 2, 2]),
+    # 1F1B: stage i holds min(pp - i, m).
+    (4, 8, "1f1b", 1, [4, 3, 2, 1]),
+    (4, 2, "1f1b", 1, [2, 2, 2, 1]),
+    (1, 5, "1f1b", 1, [1]),
+    # Interleaved (Megatron): (pp - i - 1) * 2 + (v - 1) * pp warm-up forwards, plus
+    # one, at most m * v microbatch-chunks.
+    # pp 4, v 2, m 8: 6+4+1, 4+4+1, 2+4+1, 0+4+1 = 11, 9, 7, 5 (cap 16).
+    (4, 8, "interleaved", 2, [11, 9, 7, 5]),
+    # pp 4, v 2, m 4: 11 and 9 capped at 8.
+    (4, 4, "interleaved", 2, [8, 8, 7, 5]),
+    # pp 2, v 3, m 2: 2+4+1 = 7 capped at 6; 0+4+1 = 5.
+    (2, 2, "interleaved", 3, [6, 5]),
+    # pp 2, v 3, m 4: 7 and 5 (cap 12).
+    (2, 4, "interleaved", 3, [7, 5]),
+])
+def test_microbatches_in_flight(pp, m, schedule, virtual, expected):
+    plan = pipeline_plan(pp, m, schedule, virtual)
+    assert [memory.microbatches_in_flight(plan, i) for i in range(pp)] == expected
+    assert [s.microbatches_in_flight for s in memory.estimate(plan).stages] == expected
+
+
+# --- parameter counts -------------------------------------------------------------------
+
+# gpt-tiny: L 4, h 64, ffn 256, V 256, s 32, untied.
+TINY_TOTAL = 234_880  # 196,608 + 3,328 + 18,432 + 128 + 16,384
+
+
+def test_total_parameters_of_gpt_tiny():
+    plan = load_file(PLANS / "gpt-tiny.plan").plan
+    assert gpt_parameters(4, 64, 256, 32) == TINY_TOTAL
+    assert memory.total_parameters(plan) == TINY_TOTAL
+
+
+def tiny_plan(tp_block: str = "", pp: int = 2, tied: bool = False, tp: int = 2):
+    stages = "pp { stages = [0..1, 2..3] }" if pp == 2 else ""
+    return plan_of(f"""
+plan tiny {{
+  model gpt {{ layers = 4; hidden = 64; heads = 4; vocab = 256; seq = 32; batch = 16
+              tie_embeddings = {"on" if tied else "off"} }}
+  mesh {{ tp = {tp}; pp = {pp} }}
+  shard {{
+    tp {{ {tp_block} }}
+    {stages}
+  }}
+}}""")
+
+
+h, f, V, s = 64, 256, 256, 32
+LN = 4 * h  # ln1 + ln2, weight and bias, replicated: 256
+
+
+def linear(fan_in, fan_out, placement, tp=2):
+    weight, bias = fan_in * fan_out, fan_out
+    return {"column": weight // tp + bias // tp,   # weight and bias both split
+            "row": weight // tp + bias,             # bias whole on every rank
+            "replicate": weight + bias}[placement]
+
+
+def test_linear_counts_by_hand():
+    assert linear(h, 3 * h, "column") == 6_240     # (12,288 + 192) / 2
+    assert linear(h, h, "row") == 2_112            # 4,096 / 2 + 64
+    assert linear(h, f, "column") == 8_320         # (16,384 + 256) / 2
+    assert linear(f, h, "row") == 8_256            # 16,384 / 2 + 64
+
+
+def test_stage_parameters_with_megatron_placements():
+    plan = tiny_plan()
+    layer = LN + 6_240 + 2_112 + 8_320 + 8_256
+    assert layer == 25_184
+    # stage 0: two layers, vocab-sharded embedding (256 x 64 / 2), whole positions (32 x 64)
+    assert memory.stage_parameters(plan, 0) == 2 * layer + 8_192 + 2_048 == 60_608
+    # stage 1: two layers, final LayerNorm (2 x 64), vocab-sharded head (256 x 64 / 2)
+    assert memory.stage_parameters(plan, 1) == 2 * layer + 128 + 8_192 == 58_688
+    assert memory.layer_parameters(plan) == layer
+
+
+def test_stage_parameters_with_unusual_placements():
+    plan = tiny_plan("qkv = row; proj = column; fc1 = row; fc2 = column; embedding = hidden")
+    layer = (LN + linear(h, 3 * h, "row") + linear(h, h, "column") + linear(h, f, "row")
+             + linear(f, h, "column"))
+    # 256 + (6,144 + 192) + (2,048 + 32) + (8,192 + 256) + (8,192 + 32)
+    assert layer == 25_344
+    assert memory.layer_parameters(plan) == layer
+    assert memory.stage_parameters(plan, 0) == 2 * layer + 256 * 64 // 2 + 2_048
+    assert memory.stage_parameters(plan, 1) == 2 * layer + 128 + 256 * 64 // 2
+
+
+def test_stage_parameters_replicated_over_tp():
+    plan = tiny_plan("embedding = replicate; qkv = replicate; proj = replicate; "
+                     "fc1 = replicate; fc2 = replicate; head = replicate")
+    layer = 12 * h * h + 13 * h  # 49,984: the whole layer on every tp rank
+    assert memory.layer_parameters(plan) == layer == 49_984
+    assert memory.stage_parameters(plan, 0) == 2 * layer + V * h + s * h == 118_400
+    assert memory.stage_parameters(plan, 1) == 2 * layer + 2 * h + V * h == 116_480
+    # With everything replicated and tp = 1 the stages add up to the whole model.
+    whole = tiny_plan(tp=1)
+    assert (memory.stage_parameters(whole, 0) + memory.stage_parameters(whole, 1)
+            == TINY_TOTAL)
+
+
+def test_tied_embeddings():
+    layer = 25_184
+    # pp > 1: the last stage keeps its own copy of the (vocab-sharded) embedding as head.
+    tied = tiny_plan(tied=True)
+    assert memory.stage_parameters(tied, 0) == 2 * layer + 8_192 + 2_048
+    assert memory.stage_parameters(tied, 1) == 2 * layer + 128 + 8_192
+    # pp = 1: the one stage holds the table once.
+    single = tiny_plan(tied=True, pp=1)
+    assert memory.stage_parameters(single, 0) == 4 * layer + 8_192 + 2_048 + 128 == 111_104
+    untied = tiny_plan(pp=1)
+    assert memory.stage_parameters(untied, 0) == 111_104 + 8_192
+    # The tied model counts the table once.
+    assert memory.total_parameters(single) == TINY_TOTAL - V * h == 218_496
+
+
+# --- the memory warning -----------------------------------------------------------------
+
+GPT3_ON_ONE_NODE = """\
+plan too_big {
+  model gpt { layers = 96; hidden = 12288; heads = 96; vocab = 51200; seq = 2048
+              batch = 8; dtype = bf16 }
+  mesh { tp = 8 }
+  topology { preset = dgx-a100 }
+  schedule { microbatches = 8 }
+  train { optimizer = adamw(lr = 6e-5) }
+}
+"""
+
+_UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
+
+
+def _amount(hint: str, name: str) -> float:
+    match = re.search(rf"{name} ([0-9.]+) (B|KB|MB|GB|TB)\b", hint)
+    assert match, (name, hint)
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def test_a_175b_model_on_eight_devices_warns_once_with_the_breakdown():
+    loaded = load_text(GPT3_ON_ONE_NODE)
+    assert loaded.ok
+    assert len(loaded.diagnostics) == 1
+    (warning,) = loaded.diagnostics
+    assert warning.severity == "warning"
+    assert warning.message.startswith("estimated memory per device")
+    assert "80 GB" in warning.message
+    breakdown = next(hint for hint in warning.hints if "parameters" in hint)
+    for name in ("parameters", "gradients", "optimizer state", "activations"):
+        assert name in breakdown
+
+    # One tp rank of 8 holds, by hand: per layer 4h + (3h^2 + 3h)/8 + h^2/8 + h
+    # + (4h^2 + 4h)/8 + 4h^2/8 + h; plus V h / 8 embedding, s h positions, 2h, V h / 8 head.
+    h_, v_, s_ = 12288, 51200, 2048
+    layer = (4 * h_ + (3 * h_ * h_ + 3 * h_) // 8 + h_ * h_ // 8 + h_
+             + (4 * h_ * h_ + 4 * h_) // 8 + 4 * h_ * h_ // 8 + h_)
+    per_device = 96 * layer + v_ * h_ // 8 + s_ * h_ + 2 * h_ + v_ * h_ // 8
+    assert per_device == 21_933_858_816
+    for name, expected in (("parameters", 2 * per_device), ("gradients", 2 * per_device),
+                           ("optimizer state", 12 * per_device)):
+        assert _amount(breakdown, name) == pytest.approx(expected, rel=0.01), name
+    # Activations: at least 96 layers x 23 sbh (Korthikanti, tp 8, one microbatch in
+    # flight on a single stage), plus a little for the head and logits.
+    korthikanti = 96 * 23 * s_ * h_
+    assert korthikanti * 0.995 <= _amount(breakdown, "activations") <= korthikanti * 1.02
+
+
+@pytest.mark.parametrize("path", sorted(PLANS.glob("*.plan")), ids=lambda p: p.stem)
+def test_no_example_plan_overflows_its_devices(path):
+    loaded = load_file(path)
+    assert loaded.ok
+    assert not [d for d in loaded.diagnostics
+                if d.message.startswith("estimated memory per device")]
+    assert not memory.estimate(loaded.plan).overflows
