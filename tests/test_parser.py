@@ -389,8 +389,12 @@ def test_entries_on_one_line_need_a_separator():
     assert tree is None
     assert [(d.message, d.span) for d in diagnostics] == [
         ("unexpected 'dp'; expected ';', '}' or a new line", Span(2, 17, 2, 19))]
-    tree, diagnostics = parse("plan p { a { } b { } }")
-    assert tree is None and diagnostics[0].span == Span(1, 16, 1, 17)
+
+
+def test_a_closing_brace_ends_a_block_entry():
+    tree, diagnostics = parse("plan p { a { } b { x = 1 } c = 2 }")
+    assert diagnostics == []
+    assert [e.name if hasattr(e, "name") else e.key for e in tree.entries] == ["a", "b", "c"]
 
 
 def test_a_value_cannot_continue_on_the_next_line():

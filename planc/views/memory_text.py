@@ -34,8 +34,9 @@ def render(estimate: MemoryEstimate) -> str:
     capacity = ("unknown capacity (no topology memory given)" if estimate.capacity is None
                 else f"device memory {format_bytes(estimate.capacity)}")
     peak = estimate.peak
-    used = ("" if estimate.capacity is None
-            else f", peak {100 * peak.total_bytes / estimate.capacity:.1f}% on stage {peak.stage}")
+    share = 100 * peak.total_bytes / estimate.capacity if estimate.capacity else 0.0
+    used = ("" if estimate.capacity is None else
+            f", peak {'<0.1' if share < 0.1 else f'{share:.1f}'}% on stage {peak.stage}")
     return "\n".join([
         f"memory per device (estimate; {capacity}{used})",
         table(["stage", "params", "weights", "grads", "optimizer", "activations", "in flight",
