@@ -32,8 +32,10 @@ def use_color(stream: TextIO) -> bool:
     return hasattr(stream, "isatty") and stream.isatty() and os.environ.get("TERM") != "dumb"
 
 
-def _add_input(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", metavar="FILE", help="a .plan file")
+def _add_input(parser: argparse.ArgumentParser, metavar: str = "FILE") -> None:
+    parser.add_argument("file", metavar=metavar,
+                        help="a .plan file" + (" or a build directory" if "DIR" in metavar
+                                               else ""))
     parser.add_argument("--error-format", choices=("text", "json"), default="text",
                         help="how to print diagnostics (json: one document on stdout)")
 
@@ -56,8 +58,80 @@ def build_parser() -> argparse.ArgumentParser:
                                  "coordinates and node, and the communication groups.")
     _add_input(layout)
     layout.add_argument("--json", action="store_true",
-                        help="print the layout as JSON (see docs/cli.md)")
+                        help="print the layout as JSON (see README)")
+
+    compile_ = commands.add_parser(
+        "compile", help="derive the communication graph and write a build directory",
+        description="Check a plan, derive every compute step and transfer of one training "
+        "step, and write plan.json, graph.json and summary.json to a build directory "
+        "(docs/build.md).")
+    _add_input(compile_)
+    compile_.add_argument("-o", "--output", metavar="DIR",
+                          help="build directory [build/NAME, NAME being the file's stem]")
+
+    graph = commands.add_parser(
+        "graph", help="draw the communication graph (dot, svg, png, graphml, json, html)",
+        description="Draw the communication graph of a plan file or a build directory. Big "
+        "graphs show one layer and one microbatch unless told otherwise.")
+    _add_input(graph, "FILE|DIR")
+    graph.add_argument("--format", choices=GRAPH_FORMATS, default=None,
+                       help="output format [from -o's extension, else dot]")
+    graph.add_argument("-o", "--output", metavar="OUT", help="output file [standard output]")
+    graph.add_argument("--stage", type=_int_list, metavar="S[,S...]", help="pipeline stages")
+    graph.add_argument("--layers", type=_layer_range, metavar="A..B", help="layer or range")
+    graph.add_argument("--microbatch", type=_microbatches, metavar="K[,K...]|all",
+                       help="unfold these microbatches (default: folded, or 0 for big graphs)")
+    graph.add_argument("--phase", choices=("forward", "backward", "optimizer"),
+                       action="append", help="keep this phase (repeatable)")
+    graph.add_argument("--axis", choices=AXES, action="append",
+                       help="keep transfers over this axis (repeatable)")
+    graph.add_argument("--transfers-only", action="store_true",
+                       help="only transfers, connected through the computation between them")
+    graph.add_argument("--all", action="store_true",
+                       help="the whole graph, even when it is big")
+
+    explain = commands.add_parser(
+        "explain", help="why each transfer exists: kind, group, size, reason",
+        description="List the transfers of one layer (default: the first) or of one "
+        "parameter's gradient, with kind, group, size and the reason for each, and totals "
+        "per step.")
+    _add_input(explain, "FILE|DIR")
+    explain.add_argument("--layer", type=int, metavar="N", help="a layer")
+    explain.add_argument("--param", metavar="NAME",
+                         help="a parameter, such as layers.3.qkv.weight or embedding.weight")
+    explain.add_argument("--axis", choices=AXES, help="only transfers over this axis")
     return parser
+
+
+GRAPH_FORMATS = ("dot", "svg", "png", "graphml", "json", "html")
+AXES = ("tp", "cp", "pp", "dp_cp", "tied", "stage")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got "
+                                         f"{text!r}") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return values
+
+
+def _layer_range(text: str) -> tuple[int, int]:
+    first, _, last = text.partition("..")
+    try:
+        low, high = int(first), int(last or first)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a layer N or a range A..B, got "
+                                         f"{text!r}") from None
+    if low < 0 or high < low:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a range of layers")
+    return low, high
+
+
+def _microbatches(text: str) -> tuple[int, ...] | str:
+    return "all" if text == "all" else _int_list(text)
 
 
 def _load(args) -> tuple[object, int]:
@@ -110,7 +184,129 @@ def cmd_layout(args) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"check": cmd_check, "layout": cmd_layout}
+def _fail(message: str, status: int = EXIT_ERRORS) -> int:
+    print(f"planc: error: {message}", file=sys.stderr)
+    return status
+
+
+def _load_build(args):
+    """A build from a directory, or compiled in memory from a plan file."""
+    from planc import build
+
+    if os.path.isdir(args.file):
+        try:
+            return build.read(args.file), EXIT_OK
+        except build.BuildError as exc:
+            return None, _fail(str(exc))
+    loaded, status = _load(args)
+    if status != EXIT_OK:
+        return None, status
+    return build.compile_plan(loaded.plan), EXIT_OK
+
+
+def cmd_compile(args) -> int:
+    from planc import build
+    from planc.views import summary_text
+
+    loaded, status = _load(args)
+    if status != EXIT_OK:
+        return status
+    output = args.output or os.path.join("build", os.path.splitext(os.path.basename(
+        args.file))[0])
+    result = build.compile_plan(loaded.plan)
+    try:
+        build.write(result, output, loaded.path, loaded.source)
+    except build.BuildError as exc:
+        return _fail(str(exc))
+    graph = result.graph
+    print(f"{loaded.plan.name}: {graph.number_of_nodes():,} nodes and "
+          f"{graph.number_of_edges():,} edges for one step ({loaded.plan.schedule.microbatches} "
+          f"microbatch{'es' if loaded.plan.schedule.microbatches != 1 else ''} folded); build "
+          f"written to {output}/")
+    print()
+    print(summary_text.render(result.summary), end="")
+    return EXIT_OK
+
+
+def cmd_graph(args) -> int:
+    from planc.graph.select import Selection, default_selection, select
+    from planc.views import render_graph
+
+    fmt = args.format or (os.path.splitext(args.output)[1].lstrip(".").lower()
+                          if args.output else "dot")
+    if fmt not in GRAPH_FORMATS:
+        return _fail(f"cannot tell the format from {args.output!r}; give --format "
+                     f"({', '.join(GRAPH_FORMATS)})", EXIT_USAGE)
+    if fmt == "png" and not args.output:
+        return _fail("png output needs -o FILE", EXIT_USAGE)
+    built, status = _load_build(args)
+    if built is None:
+        return status
+    graph = built.graph
+    total = graph.graph.get("microbatches", 1)
+    microbatches = args.microbatch
+    if microbatches == "all":
+        microbatches = tuple(range(total))
+    if microbatches is not None and any(k >= total for k in microbatches):
+        return _fail(f"microbatch {max(microbatches)} does not exist; the plan has "
+                     f"{total} (0..{total - 1})", EXIT_USAGE)
+    layers = sorted({d["layer"] for _, d in graph.nodes(data=True) if d["layer"] is not None})
+    if args.layers and layers and args.layers[0] > layers[-1]:
+        return _fail(f"layer {args.layers[0]} does not exist; the plan has layers "
+                     f"0..{layers[-1]}", EXIT_USAGE)
+    stages = graph.graph.get("sizes", {}).get("pp", 1)
+    if args.stage and max(args.stage) >= stages:
+        return _fail(f"stage {max(args.stage)} does not exist; the plan has {stages} "
+                     f"(0..{stages - 1})", EXIT_USAGE)
+    selection = Selection(args.stage, args.layers, microbatches,
+                          tuple(args.phase) if args.phase else None,
+                          tuple(args.axis) if args.axis else None, args.transfers_only)
+    if selection.is_empty and not args.all:
+        selection = default_selection(graph)
+        if not selection.is_empty:
+            print(f"planc: note: the graph has {graph.number_of_nodes():,} nodes; showing "
+                  f"{selection.describe()} (choose with --layers, --microbatch, --stage, or "
+                  f"--all)", file=sys.stderr)
+    view = select(graph, selection)
+    title = f"{built.plan.name}: {view.graph['selection']}"
+    try:
+        data = render_graph.render(view, fmt, title)
+    except render_graph.RenderError as exc:
+        return _fail(str(exc))
+    if args.output:
+        try:
+            render_graph.write_atomically(args.output, data)
+        except OSError as exc:
+            return _fail(f"cannot write {args.output}: {exc.strerror}")
+    else:
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+    return EXIT_OK
+
+
+def cmd_explain(args) -> int:
+    from planc.lang.schema import did_you_mean
+    from planc.views import explain_text
+
+    built, status = _load_build(args)
+    if built is None:
+        return status
+    graph, plan = built.graph, built.plan
+    if args.layer is not None and not 0 <= args.layer < plan.model.layers:
+        return _fail(f"layer {args.layer} does not exist; the plan has layers "
+                     f"0..{plan.model.layers - 1}", EXIT_USAGE)
+    if args.param is not None:
+        params = {p for n in graph.nodes for p in graph.nodes[n].get("params", [])}
+        if args.param not in params:
+            hint = did_you_mean(args.param, params)
+            return _fail(f"the plan has no parameter {args.param!r}" +
+                         (f"; {hint}" if hint else ""), EXIT_USAGE)
+    print(explain_text.explain(plan, graph, args.layer, args.param, args.axis), end="")
+    return EXIT_OK
+
+
+COMMANDS = {"check": cmd_check, "layout": cmd_layout, "compile": cmd_compile,
+            "graph": cmd_graph, "explain": cmd_explain}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

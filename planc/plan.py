@@ -215,7 +215,14 @@ class Plan:
 
     @staticmethod
     def from_dict(data: Mapping[str, Any]) -> "Plan":
-        """Inverse of :meth:`to_dict`; raises KeyError/TypeError/ValueError if malformed."""
+        """Inverse of :meth:`to_dict`; raises KeyError/TypeError/ValueError if malformed
+        (a field missing or of the wrong type, a count below 1)."""
+        plan = Plan._from_dict(data)
+        _check_types(plan)
+        return plan
+
+    @staticmethod
+    def _from_dict(data: Mapping[str, Any]) -> "Plan":
         if data.get("version") != PLAN_FORMAT_VERSION:
             raise ValueError(f"unsupported plan format version {data.get('version')!r}")
         topology = dict(data["topology"])
@@ -242,3 +249,50 @@ class Plan:
             train=Train(optimizer=Optimizer(**optimizer), **train),
             sources=Sources(sources.get("path", ""), spans),
         )
+
+
+def _check_types(value: Any, where: str = "plan") -> None:
+    """Check every field of a dataclass tree against its annotation."""
+    import typing
+
+    hints = typing.get_type_hints(type(value))
+    for f in dataclasses.fields(value):
+        item, hint = getattr(value, f.name), hints[f.name]
+        path = f"{where}.{f.name}"
+        if dataclasses.is_dataclass(item):
+            _check_types(item, path)
+            continue
+        if not _matches(item, hint):
+            raise TypeError(f"{path} has the wrong type ({type(item).__name__})")
+        if isinstance(item, int) and not isinstance(item, bool) and f.name in _COUNTS \
+                and item < 1:
+            raise ValueError(f"{path} must be at least 1, got {item}")
+
+
+_COUNTS = {"layers", "hidden", "heads", "ffn", "vocab", "seq", "batch", "tp", "cp", "pp", "dp",
+           "nodes", "devices_per_node", "virtual", "microbatches", "steps"}
+
+
+def _matches(item: Any, hint: Any) -> bool:
+    import typing
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return any(_matches(item, a) for a in args)
+    if origin is tuple:
+        if not isinstance(item, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_matches(x, args[0]) for x in item)
+        return len(item) == len(args) and all(_matches(x, a) for x, a in zip(item, args))
+    if origin is not None:  # Mapping and the like: trust the container
+        return isinstance(item, origin)
+    if hint is type(None):
+        return item is None
+    if hint is float:
+        return isinstance(item, (int, float)) and not isinstance(item, bool)
+    if hint is int:
+        return isinstance(item, int) and not isinstance(item, bool)
+    return isinstance(item, hint)

@@ -1,0 +1,195 @@
+"""The build directory: what ``planc compile`` writes and later commands read.
+
+Layout (format version 1, documented in docs/build.md):
+
+    build.json     manifest: format, version, planc version, source file and its sha256
+    plan.json      the validated plan (Plan.to_dict)
+    graph.json     the communication graph, networkx node-link format
+    summary.json   per stage and step: transfers by axis, kind and phase; FLOPs; memory
+
+A build is written into a temporary sibling directory and renamed into place, so a
+reader never sees half a build, and a failed compile leaves the old build untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import networkx as nx
+
+from planc import __version__
+from planc.graph.derive import GRAPH_FORMAT_VERSION, derive
+from planc.graph.summary import summarize
+from planc.plan import Plan
+
+BUILD_FORMAT_VERSION = 1
+MANIFEST = "build.json"
+FILES = ("plan.json", "graph.json", "summary.json")
+
+
+class BuildError(Exception):
+    """A build directory that cannot be written or read; the message says why."""
+
+
+@dataclass(frozen=True)
+class Build:
+    plan: Plan
+    graph: nx.DiGraph
+    summary: dict
+    path: str | None = None  # the directory it was read from, if any
+
+
+def compile_plan(plan: Plan) -> Build:
+    graph = derive(plan)
+    return Build(plan, graph, summarize(plan, graph))
+
+
+def graph_to_json(graph: nx.DiGraph) -> dict:
+    return nx.node_link_data(graph, edges="edges")
+
+
+def graph_from_json(data: dict) -> nx.DiGraph:
+    return nx.node_link_graph(data, directed=True, multigraph=False, edges="edges")
+
+
+def _dump(data: dict) -> str:
+    return json.dumps(data, indent=1, sort_keys=False) + "\n"
+
+
+def write(build: Build, directory: str | Path, source_path: str, source_text: str) -> Path:
+    """Write ``build`` to ``directory`` atomically; replaces an earlier planc build there."""
+    target = Path(directory)
+    if target.exists() and not target.is_dir():
+        raise BuildError(f"{target} exists and is not a directory")
+    if target.is_dir() and any(target.iterdir()) and not (target / MANIFEST).is_file():
+        raise BuildError(f"{target} exists and is not a planc build directory (no {MANIFEST}); "
+                         f"refusing to overwrite it")
+    manifest = {"format": "planc-build", "version": BUILD_FORMAT_VERSION,
+                "planc": __version__, "source": os.path.abspath(source_path),
+                "source_sha256": hashlib.sha256(source_text.encode()).hexdigest(),
+                "plan": build.plan.name, "files": list(FILES)}
+    contents = {MANIFEST: manifest, "plan.json": build.plan.to_dict(),
+                "graph.json": graph_to_json(build.graph), "summary.json": build.summary}
+    parent = target.resolve().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(staging, 0o777 & ~mask)  # mkdtemp's 0700 is not what users expect
+    except OSError as exc:
+        raise BuildError(f"cannot create {target}: {exc.strerror}") from None
+    try:
+        for name, data in contents.items():
+            (staging / name).write_text(_dump(data), encoding="utf-8")
+        _replace(staging, target)
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise BuildError(f"cannot write {target}: {exc.strerror}") from None
+    return target
+
+
+def _replace(staging: Path, target: Path) -> None:
+    """Move the finished build into place, swapping out an older one."""
+    if not target.exists():
+        os.rename(staging, target)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    os.rmdir(old)
+    os.rename(target, old)
+    try:
+        os.rename(staging, target)
+    except OSError:
+        os.rename(old, target)  # put the old build back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _read_json(directory: Path, name: str) -> dict:
+    path = directory / name
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BuildError(f"{directory} is incomplete: {name} is missing; run planc compile "
+                         f"again") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BuildError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") \
+            from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BuildError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}); "
+                         f"run planc compile again") from None
+    if not isinstance(data, dict):
+        raise BuildError(f"{path} does not hold a JSON object; run planc compile again")
+    return data
+
+
+def read(directory: str | Path) -> Build:
+    """Load a build directory, checking its manifest and every file's format."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise BuildError(f"{path} is not a directory")
+    if not (path / MANIFEST).exists():
+        raise BuildError(f"{path} is not a planc build directory (no {MANIFEST}); make one "
+                         f"with planc compile FILE -o {path}")
+    manifest = _read_json(path, MANIFEST)
+    if manifest.get("format") != "planc-build" or manifest.get("version") != \
+            BUILD_FORMAT_VERSION:
+        raise BuildError(f"{path} was written in build format {manifest.get('version')!r}; "
+                         f"this planc reads version {BUILD_FORMAT_VERSION}: compile again")
+    try:
+        plan = Plan.from_dict(_read_json(path, "plan.json"))
+    except BuildError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BuildError(f"{path / 'plan.json'} is not a valid plan ({exc}); run planc "
+                         f"compile again") from None
+    graph_data = _read_json(path, "graph.json")
+    if graph_data.get("graph", {}).get("version") != GRAPH_FORMAT_VERSION:
+        raise BuildError(f"{path / 'graph.json'} is not a version {GRAPH_FORMAT_VERSION} "
+                         f"graph; run planc compile again")
+    try:
+        graph = graph_from_json(graph_data)
+    except (KeyError, TypeError, ValueError, nx.NetworkXError) as exc:
+        raise BuildError(f"{path / 'graph.json'} is not a valid graph ({exc}); run planc "
+                         f"compile again") from None
+    _check_graph(path / "graph.json", graph)
+    summary = _read_json(path, "summary.json")
+    if not isinstance(summary.get("stages"), list):
+        raise BuildError(f"{path / 'summary.json'} has no stages; run planc compile again")
+    return Build(plan, graph, summary, str(path))
+
+
+_REQUIRED = {
+    "compute": {"type": str, "phase": str, "stage": int, "repeat": int, "op": str,
+                "flops": (int, float), "per_microbatch": bool},
+    "transfer": {"type": str, "phase": str, "stage": int, "repeat": int, "kind": str,
+                 "axis": str, "bytes": int, "group_size": int, "reason": str,
+                 "per_microbatch": bool},
+}
+
+
+def _check_graph(path: Path, graph: nx.DiGraph) -> None:
+    """Every node has the attributes later commands rely on, with the right types."""
+    for node, data in graph.nodes(data=True):
+        required = _REQUIRED.get(data.get("type"))
+        if required is None:
+            raise BuildError(f"{path}: node {node!r} has no valid type; run planc compile "
+                             f"again")
+        for key, kind in required.items():
+            if not isinstance(data.get(key), kind) or isinstance(data.get(key), bool) and \
+                    kind is int:
+                raise BuildError(f"{path}: node {node!r} lacks a valid {key!r}; run planc "
+                                 f"compile again")
+        if "layer" not in data or not (data["layer"] is None or isinstance(data["layer"], int)):
+            raise BuildError(f"{path}: node {node!r} lacks a valid 'layer'; run planc compile "
+                             f"again")
+    if not nx.is_directed_acyclic_graph(graph):
+        raise BuildError(f"{path} holds a cycle; run planc compile again")

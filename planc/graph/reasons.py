@@ -1,0 +1,139 @@
+"""One sentence for every transfer: which producer, which consumer, which layouts, why.
+
+These sentences are what ``planc explain`` shows and what every transfer node carries
+as its ``reason`` attribute, so that "why is there an all-gather here?" has an answer.
+"""
+
+from __future__ import annotations
+
+from planc.graph.layouts import Layout, Redistribution
+from planc.plan import Plan
+
+_PLACEMENT_WORDS = {"column": "column-parallel", "row": "row-parallel",
+                    "replicate": "replicated", "vocab": "vocabulary-parallel",
+                    "hidden": "split by hidden features"}
+
+
+def _layout_words(layout: Layout) -> str:
+    if layout.kind == "R":
+        return "replicated (R)"
+    if layout.kind == "P":
+        return "a partial sum (P)"
+    return f"sharded along {layout.dim} (S({layout.dim}))"
+
+
+def _why(plan: Plan, op: str, side: str) -> str:
+    """Why ``op`` produces or needs its layout: its placement, or the residual stream."""
+    tensor = plan.shard.tp
+    if op in ("qkv", "proj", "fc1", "fc2", "head", "embedding"):
+        placement = getattr(tensor, op)
+        return f"{op} is {_PLACEMENT_WORDS[placement]} over tp ({op} = {placement})"
+    if op in ("ln1", "ln2", "final_ln", "attn_residual", "mlp_residual", "position") and \
+            tensor.sequence_parallel:
+        return f"{op} works on the residual stream, sequence-parallel over tp"
+    if op in ("ln1", "ln2", "final_ln", "attn_residual", "mlp_residual", "position"):
+        return f"{op} works on the residual stream, replicated over tp"
+    return f"{op} runs {'on whole heads' if op == 'attention' else 'elementwise'}"
+
+
+def tensor_parallel(plan: Plan, tpp, names: tuple[str, str], move: Redistribution,
+                    backward: bool, recompute: bool = False) -> str:
+    """Reason of a tp redistribution between two operators (forward or backward)."""
+    producer, consumer = names
+    if not backward:
+        text = (f"{_why(plan, producer, 'out')}, so its output is "
+                f"{_layout_words(move.source)}; {consumer} needs it "
+                f"{_layout_words(move.target)}: {move.kind.replace('_', '-')} over tp")
+        if recompute:
+            text = "recomputing the layer's forward (recompute = full): " + text
+        return text
+    # Backward: ``producer`` here is the operator whose input gradient flows back.
+    return (f"backward of {consumer} -> {producer}: {_why(plan, producer, 'in')}, so the "
+            f"gradient it returns for its input is {_layout_words(move.source)}; "
+            f"{consumer}'s output gradient must be {_layout_words(move.target)}: "
+            f"{move.kind.replace('_', '-')} over tp")
+
+
+def vocab_loss(plan: Plan, part: str) -> str:
+    what = {"max": "the maximum logit of each token",
+            "sum_exp": "the sum of exponentials of each token's logits"}[part]
+    return (f"the head is vocabulary-parallel (head = {plan.shard.tp.head}), so each tp rank "
+            f"holds a slice of the logits; cross-entropy needs {what}: an all-reduce of one "
+            f"fp32 number per token over tp, never a gather of the logits")
+
+
+def loss_report(plan: Plan) -> str:
+    return ("the mean loss reported for the step sums the partial losses of every rank of "
+            "the last stage (tp x cp x dp): one fp32 all-reduce per step")
+
+
+def context_allgather(plan: Plan, backward: bool, recompute: bool = False) -> str:
+    if backward:
+        return ("backward of the cp all-gather: each rank's keys and values received "
+                "gradient from every rank's queries, reduce-scattered over cp")
+    text = ("attention needs the keys and values of every earlier token, but tokens are "
+            f"sharded along seq over cp (attention = allgather): all-gather K and V over cp")
+    return ("recomputing attention's input (recompute = full): " + text) if recompute else text
+
+
+def context_ring(plan: Plan, tensor: str) -> str:
+    cp = plan.mesh.cp
+    if tensor == "kv":
+        return (f"ring attention (attention = ring): each rank passes its K/V block to the "
+                f"next cp rank, cp - 1 = {cp - 1} times per layer and microbatch")
+    return (f"ring attention backward: each K/V block's gradient accumulator travels with it "
+            f"around the cp ring and back home, cp = {cp} times per layer and microbatch")
+
+
+def pipeline(plan: Plan, phase: str, source_chunk: int, target_chunk: int) -> str:
+    chunks = plan.shard.pp.chunks
+    pp = plan.mesh.pp
+
+    def where(chunk: int) -> str:
+        first, last = chunks[chunk]
+        layers = f"layer {first}" if first == last else f"layers {first}-{last}"
+        return f"{layers} (stage {chunk % pp})"
+
+    if phase == "forward":
+        return (f"{where(source_chunk)} feeds {where(target_chunk)}: each microbatch's "
+                f"activation is sent to the next stage")
+    return (f"{where(target_chunk)} needs the gradient of its output from "
+            f"{where(source_chunk)}: each microbatch's gradient is sent to the previous stage")
+
+
+def data_parallel(plan: Plan, param: str, kind: str) -> str:
+    replicas = plan.mesh.dp * plan.mesh.cp
+    zero = plan.shard.dp.zero
+    who = f"dp x cp = {plan.mesh.dp} x {plan.mesh.cp}" if plan.mesh.cp > 1 else \
+        f"dp = {plan.mesh.dp}"
+    if kind == "all_reduce":
+        return (f"{param} is replicated on {who} ranks that each computed its gradient on "
+                f"their own data (zero 0): all-reduce the gradient over dp x cp")
+    when = "once per step" if zero == 1 else "after every microbatch"
+    return (f"{param}'s gradient is summed over the {replicas} replicas and each keeps only "
+            f"its shard (zero {zero}): reduce-scatter over dp x cp, {when}")
+
+
+def zero_gather(plan: Plan, param: str) -> str:
+    return (f"each dp x cp rank updated only its shard of {param} (zero "
+            f"{plan.shard.dp.zero}): all-gather the updated parameter for the next step")
+
+
+def zero3_gather(plan: Plan, param: str, phase: str) -> str:
+    return (f"{param} is stored sharded over dp x cp (zero 3): all-gather it before its "
+            f"{phase} use, every microbatch")
+
+
+def tied(plan: Plan) -> str:
+    return ("the head on the last stage shares embedding.weight with the embedding on the "
+            "first stage (tie_embeddings = on): their two gradients are summed by an "
+            "all-reduce between the two stages before the optimizer step")
+
+
+def parameter_fixup(plan: Plan, param: str, move: Redistribution, data: Layout) -> str:
+    if move.kind == "all_reduce":
+        return (f"{param} is replicated over tp but applied to data {_layout_words(data)}, "
+                f"so each rank's gradient covers only its share of the tokens (P): "
+                f"all-reduce over tp")
+    return (f"{param} is replicated over tp but each rank uses only its slice along "
+            f"{data.dim}, so each rank's gradient covers only that slice: all-gather over tp")

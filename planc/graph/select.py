@@ -1,0 +1,125 @@
+"""Views on a communication graph: unfold microbatches, and keep only part of it.
+
+The derived graph stands for every microbatch at once (see derive.py). A view picks
+some microbatches and gets one copy of each per-microbatch node for each of them
+(``F/L0/qkv#mb2``), with once-per-step nodes kept once; then filters by stage, layer,
+phase and axis, so that a 96-layer plan stays readable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+DEFAULT_NODE_LIMIT = 300  # bigger graphs default to one layer and one microbatch
+
+
+@dataclass(frozen=True)
+class Selection:
+    stages: tuple[int, ...] | None = None
+    layers: tuple[int, int] | None = None  # inclusive range
+    microbatches: tuple[int, ...] | None = None  # None: the folded graph
+    phases: tuple[str, ...] | None = None
+    axes: tuple[str, ...] | None = None
+    transfers_only: bool = False
+
+    @property
+    def is_empty(self) -> bool:
+        return self == Selection()
+
+    def describe(self) -> str:
+        parts = []
+        if self.stages is not None:
+            parts.append("stage " + ", ".join(map(str, self.stages)))
+        if self.layers is not None:
+            first, last = self.layers
+            parts.append(f"layer {first}" if first == last else f"layers {first}-{last}")
+        if self.microbatches is not None:
+            parts.append("microbatch " + ", ".join(map(str, self.microbatches)))
+        if self.phases is not None:
+            parts.append(" and ".join(self.phases))
+        if self.axes is not None:
+            parts.append("axis " + ", ".join(self.axes))
+        if self.transfers_only:
+            parts.append("transfers only")
+        return "; ".join(parts) or "whole step"
+
+
+def default_selection(graph: nx.DiGraph) -> Selection:
+    """Small graphs whole; big ones: the first layer and the first microbatch."""
+    if graph.number_of_nodes() <= DEFAULT_NODE_LIMIT:
+        return Selection()
+    first = min((d["layer"] for _, d in graph.nodes(data=True) if d["layer"] is not None),
+                default=0)
+    return Selection(layers=(first, first), microbatches=(0,))
+
+
+def expand(graph: nx.DiGraph, microbatches: tuple[int, ...]) -> nx.DiGraph:
+    """One copy of every per-microbatch node for each of ``microbatches``."""
+    total = graph.graph.get("microbatches", 1)
+    out = nx.DiGraph()
+    out.graph.update(graph.graph)
+
+    def copies(node: str) -> list[str]:
+        if graph.nodes[node]["per_microbatch"]:
+            return [f"{node}#mb{k}" for k in microbatches]
+        return [node]
+
+    for node, data in graph.nodes(data=True):
+        if data["per_microbatch"]:
+            for k in microbatches:
+                out.add_node(f"{node}#mb{k}", **{**data, "microbatch": k,
+                                                 "repeat": data["repeat"] // total})
+        else:
+            out.add_node(node, **data)
+    for u, v, data in graph.edges(data=True):
+        per_u, per_v = graph.nodes[u]["per_microbatch"], graph.nodes[v]["per_microbatch"]
+        if per_u and per_v:
+            pairs = [(f"{u}#mb{k}", f"{v}#mb{k}") for k in microbatches]
+        else:
+            pairs = [(a, b) for a in copies(u) for b in copies(v)]
+        for a, b in pairs:
+            out.add_edge(a, b, **data)
+    return out
+
+
+def _keep(data: dict, selection: Selection) -> bool:
+    if selection.stages is not None and data["stage"] not in selection.stages:
+        return False
+    if selection.layers is not None:
+        layer = data["layer"]
+        if layer is None or not selection.layers[0] <= layer <= selection.layers[1]:
+            return False
+    if selection.phases is not None and data["phase"] not in selection.phases:
+        return False
+    if data["type"] == "transfer":
+        return selection.axes is None or data["axis"] in selection.axes
+    return not selection.transfers_only
+
+
+def select(graph: nx.DiGraph, selection: Selection) -> nx.DiGraph:
+    """The part of ``graph`` the selection names, microbatches unfolded if asked.
+
+    With ``transfers_only`` the dropped compute nodes are contracted, so that two
+    transfers stay connected when one feeds the other through computation.
+    """
+    source = graph if selection.microbatches is None else expand(graph, selection.microbatches)
+    kept = {n for n, d in source.nodes(data=True) if _keep(d, selection)}
+    out = nx.DiGraph()
+    out.graph.update(source.graph)
+    out.graph["selection"] = selection.describe()
+    out.add_nodes_from((n, source.nodes[n]) for n in kept)
+    for u in kept:
+        stack, seen = list(source.successors(u)), set()
+        while stack:
+            v = stack.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            if v in kept:
+                out.add_edge(u, v, **source.edges[u, v]) if source.has_edge(u, v) \
+                    else out.add_edge(u, v, kind="path")
+            elif selection.transfers_only:
+                stack.extend(source.successors(v))
+    return out

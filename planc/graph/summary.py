@@ -1,0 +1,83 @@
+"""Per stage, per step and device: transfers by axis, kind and phase; FLOPs; memory.
+
+Counts and bytes are what one device of the stage does in one training step: a node
+that runs once per microbatch counts ``repeat`` times. Bytes follow the nccl-tests
+convention (each rank's larger buffer), and ``bus_bytes`` what the ring algorithm
+actually moves per rank (:func:`planc.cost.bus_factor`), so that volumes of different
+collectives compare (an all-reduce moves twice its buffer).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import networkx as nx
+
+from planc import memory
+from planc.cost import CostModel, bus_factor
+from planc.layout import Layout as RankLayout
+from planc.plan import Plan
+
+SUMMARY_FORMAT_VERSION = 1
+
+
+def _crosses_nodes(layout: RankLayout, axis: str) -> bool:
+    if axis in ("tp", "cp", "pp", "dp", "dp_cp"):
+        return layout.placement(axis).kind != "intra-node"
+    return layout.nodes > 1
+
+
+def summarize(plan: Plan, graph: nx.DiGraph) -> dict:
+    """The ``summary.json`` document."""
+    ranks = RankLayout.of(plan)
+    cost = CostModel(plan.topology)
+    crosses = {axis: _crosses_nodes(ranks, axis)
+               for axis in ("tp", "cp", "pp", "dp_cp", "tied", "stage")}
+    stages = {stage: {"stage": stage, "flops": 0.0, "compute_seconds": 0.0,
+                      "transfer_seconds": 0.0, "transfers": defaultdict(lambda: {
+                          "count": 0, "bytes": 0, "bus_bytes": 0.0})}
+              for stage in range(plan.mesh.pp)}
+    for _, node in graph.nodes(data=True):
+        entry = stages[node["stage"]]
+        repeat = node["repeat"]
+        if node["type"] == "compute":
+            entry["flops"] += repeat * node["flops"]
+            entry["compute_seconds"] += repeat * cost.compute_seconds(node["flops"])
+            continue
+        key = (node["axis"], node["kind"], node["phase"])
+        bucket = entry["transfers"][key]
+        bucket["count"] += repeat
+        bucket["bytes"] += repeat * node["bytes"]
+        bucket["bus_bytes"] += repeat * node["bytes"] * bus_factor(node["kind"],
+                                                                    node["group_size"])
+        entry["transfer_seconds"] += repeat * cost.transfer_seconds(
+            node["kind"], node["bytes"], node["group_size"], crosses[node["axis"]])
+    estimate = memory.estimate(plan)
+    out_stages = []
+    for stage, entry in stages.items():
+        mem = estimate.stages[stage]
+        out_stages.append({
+            "stage": stage,
+            "layers": list(plan.shard.pp.layers_of_stage(stage, plan.mesh.pp)),
+            "flops": entry["flops"],
+            "compute_seconds": entry["compute_seconds"],
+            "transfer_seconds": entry["transfer_seconds"],
+            "transfers": [{"axis": axis, "kind": kind, "phase": phase, **values}
+                          for (axis, kind, phase), values in sorted(entry["transfers"].items())],
+            "memory": {"parameters": mem.parameters, "parameter_bytes": mem.parameter_bytes,
+                       "gradient_bytes": mem.gradient_bytes,
+                       "optimizer_bytes": mem.optimizer_bytes,
+                       "activation_bytes": mem.activation_bytes,
+                       "microbatches_in_flight": mem.microbatches_in_flight,
+                       "total_bytes": mem.total_bytes},
+        })
+    return {"format": "planc-summary", "version": SUMMARY_FORMAT_VERSION, "plan": plan.name,
+            "world": plan.world, "microbatches": plan.schedule.microbatches,
+            "nodes": graph.number_of_nodes(), "edges": graph.number_of_edges(),
+            "device_memory": plan.topology.device.memory, "stages": out_stages}
+
+
+def totals(summary: dict, stage: int) -> dict[tuple[str, str, str], dict]:
+    """{(axis, kind, phase): {count, bytes, bus_bytes}} of one stage."""
+    entry = summary["stages"][stage]
+    return {(t["axis"], t["kind"], t["phase"]): t for t in entry["transfers"]}

@@ -1,0 +1,113 @@
+"""``planc explain``: every transfer of a layer or a parameter, with its group and reason."""
+
+from __future__ import annotations
+
+import textwrap
+from collections import defaultdict
+
+import networkx as nx
+
+from planc.lang.units import format_bytes
+from planc.layout import Layout
+from planc.plan import Plan
+from planc.views.tables import table
+
+PHASE_LETTER = {"forward": "F", "backward": "B", "optimizer": "O"}
+
+
+def _members(plan: Plan, ranks: Layout, data: dict) -> list[int]:
+    """The group of the first rank of the transfer's stage."""
+    stage = data["stage"]
+    first = ranks.rank({"tp": 0, "cp": 0, "pp": stage, "dp": 0})
+    axis = data["axis"]
+    if axis in ("tp", "cp", "dp", "dp_cp"):
+        return list(ranks.group(first, axis))
+    if axis == "pp":
+        return sorted({first, ranks.rank({"tp": 0, "cp": 0, "pp": data["peer_stage"], "dp": 0})})
+    if axis == "tied":
+        return [ranks.rank({"tp": 0, "cp": 0, "pp": 0, "dp": 0}),
+                ranks.rank({"tp": 0, "cp": 0, "pp": plan.mesh.pp - 1, "dp": 0})]
+    return sorted(r for r in range(plan.world) if ranks.coords(r)["pp"] == stage)
+
+
+def _group_text(plan: Plan, ranks: Layout, data: dict) -> str:
+    members = _members(plan, ranks, data)
+    nodes = {ranks.node(r) for r in members}
+    where = "intra-node" if len(nodes) == 1 else (
+        "inter-node" if len(nodes) == len(members) else "mixed")
+    shown = (", ".join(map(str, members)) if len(members) <= 6 else
+             ", ".join(map(str, members[:4])) + f", ... {members[-1]}")
+    return f"{len(members)} ranks, {where}: [{shown}]"
+
+
+def _rows(plan: Plan, graph: nx.DiGraph, nodes: list[str]) -> list[str]:
+    ranks = Layout.of(plan)
+    lines = []
+    for node in nodes:
+        data = graph.nodes[node]
+        per = "per microbatch" if data["per_microbatch"] else "per step"
+        times = data["repeat"] // (plan.schedule.microbatches if data["per_microbatch"] else 1)
+        count = f"x{times} " if times > 1 else ""
+        where = (f"{data['producer']} -> {data['consumer']}" if "producer" in data
+                 else data.get("tensor", ""))
+        lines.append(f"  {PHASE_LETTER[data['phase']]}  {data['kind']} over {data['axis']} "
+                     f"({_group_text(plan, ranks, data)})  {format_bytes(data['bytes'])} "
+                     f"{count}{per}  [{where}]")
+        lines.extend(textwrap.wrap(data["reason"], width=96, initial_indent="     ",
+                                   subsequent_indent="     "))
+    return lines
+
+
+def _totals(graph: nx.DiGraph, nodes: list[str]) -> str:
+    sums: dict[tuple[str, str, str], list[float]] = defaultdict(lambda: [0, 0])
+    for node in nodes:
+        data = graph.nodes[node]
+        key = (data["axis"], data["kind"], data["phase"])
+        sums[key][0] += data["repeat"]
+        sums[key][1] += data["repeat"] * data["bytes"]
+    rows = [[axis, kind, phase, f"{int(c):,}", format_bytes(b)]
+            for (axis, kind, phase), (c, b) in sorted(sums.items())]
+    return table(["axis", "kind", "phase", "count/step", "bytes/step"], rows, indent="  ")
+
+
+def explain(plan: Plan, graph: nx.DiGraph, layer: int | None = None, param: str | None = None,
+            axis: str | None = None) -> str:
+    order = {node: i for i, node in enumerate(nx.topological_sort(graph))}
+    phase_rank = {"forward": 0, "backward": 1, "optimizer": 2}
+
+    def pick(predicate) -> list[str]:
+        found = [n for n, d in graph.nodes(data=True) if d["type"] == "transfer" and predicate(d)
+                 and (axis is None or d["axis"] == axis)]
+        # Per-microbatch transfers first, in dataflow order; once-per-step ones after.
+        return sorted(found, key=lambda n: (phase_rank[graph.nodes[n]["phase"]],
+                                            not graph.nodes[n]["per_microbatch"], order[n]))
+
+    sections = []
+    if param is not None:
+        chosen = pick(lambda d: d.get("tensor") == param)
+        sections.append((f"transfers of {param}", chosen))
+    else:
+        if layer is None:
+            layers = sorted({d["layer"] for _, d in graph.nodes(data=True)
+                             if d["layer"] is not None})
+            layer = layers[0] if layers else None
+            note = "every layer has the same transfers; showing the first"
+        else:
+            note = ""
+        if layer is not None:
+            stage = next(d["stage"] for _, d in graph.nodes(data=True) if d["layer"] == layer)
+            sections.append((f"layer {layer} (stage {stage})" + (f": {note}" if note else ""),
+                             pick(lambda d: d["layer"] == layer)))
+        if not (param or (layer is not None and note == "")):
+            sections.append(("outside the layers: embedding, head, loss and pipeline",
+                             pick(lambda d: d["layer"] is None)))
+    out = []
+    for title, nodes in sections:
+        out.append(f"{title}: {len(nodes)} transfer{'s' if len(nodes) != 1 else ''}"
+                   + (f" over {axis}" if axis else ""))
+        out.extend(_rows(plan, graph, nodes) if nodes else ["  none"])
+        if nodes:
+            out.append("  per step, on each device:")
+            out.append(_totals(graph, nodes))
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"

@@ -1,0 +1,80 @@
+"""A (selected) communication graph in each output format of ``planc graph``."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+
+import networkx as nx
+
+from planc.views import dot, html
+
+
+class RenderError(Exception):
+    pass
+
+
+def _graphml(graph: nx.DiGraph) -> bytes:
+    """GraphML holds only scalars: lists become JSON text and None values are left out."""
+    clean = nx.DiGraph()
+    for node, data in graph.nodes(data=True):
+        clean.add_node(node, **{k: (json.dumps(v) if isinstance(v, (list, dict)) else v)
+                                for k, v in data.items() if v is not None})
+    for u, v, data in graph.edges(data=True):
+        clean.add_edge(u, v, **data)
+    buffer = io.BytesIO()
+    nx.write_graphml(clean, buffer)
+    return buffer.getvalue()
+
+
+def _graphviz(source: str, fmt: str) -> bytes:
+    executable = shutil.which("dot")
+    if executable is None:
+        raise RenderError(f"{fmt} output needs Graphviz's dot program, which is not "
+                          f"installed (apt-get install graphviz); --format dot, html, json "
+                          f"and graphml work without it")
+    try:
+        result = subprocess.run([executable, f"-T{fmt}"], input=source.encode(),
+                                capture_output=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise RenderError("Graphviz took more than 5 minutes; select less of the graph "
+                          "(--layers, --stage, --microbatch)") from None
+    if result.returncode != 0:
+        raise RenderError(f"Graphviz failed: {result.stderr.decode(errors='replace').strip()}")
+    return result.stdout
+
+
+def render(graph: nx.DiGraph, fmt: str, title: str) -> bytes:
+    if fmt == "dot":
+        return dot.to_dot(graph, title).encode()
+    if fmt in ("svg", "png"):
+        return _graphviz(dot.to_dot(graph, title), fmt)
+    if fmt == "graphml":
+        return _graphml(graph)
+    if fmt == "json":
+        return (json.dumps(nx.node_link_data(graph, edges="edges"), indent=1) + "\n").encode()
+    return html.to_html(graph, title).encode()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    handle, temporary = tempfile.mkstemp(prefix=".planc-", dir=directory)
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
+        os.chmod(temporary, 0o666 & ~_umask())  # mkstemp's 0600 is not what users expect
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
