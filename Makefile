@@ -19,12 +19,15 @@ demo: $(STAMP)
 	$(VENV)/bin/planc check plans/gpt-tiny.plan --verbose
 	@echo
 	$(VENV)/bin/planc layout plans/gpt-tiny.plan
+	@echo
+	$(VENV)/bin/planc compile plans/gpt-tiny.plan -o build/gpt-tiny
 
 test: $(STAMP)
 	$(PY) -m pytest
 
 bench: $(STAMP)
 	$(PY) bench/parse.py
+	$(PY) bench/compile.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

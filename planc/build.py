@@ -67,6 +67,9 @@ def write(build: Build, directory: str | Path, source_path: str, source_text: st
     target = Path(directory)
     if target.exists() and not target.is_dir():
         raise BuildError(f"{target} exists and is not a directory")
+    if target.exists() and target.resolve() == Path.cwd().resolve():
+        raise BuildError("planc replaces the whole build directory, so it cannot be the current "
+                         "directory; name a subdirectory, such as -o build/NAME")
     if target.is_dir() and any(target.iterdir()) and not (target / MANIFEST).is_file():
         raise BuildError(f"{target} exists and is not a planc build directory (no {MANIFEST}); "
                          f"refusing to overwrite it")
@@ -140,27 +143,28 @@ def read(directory: str | Path) -> Build:
         raise BuildError(f"{path} is not a planc build directory (no {MANIFEST}); make one "
                          f"with planc compile FILE -o {path}")
     manifest = _read_json(path, MANIFEST)
-    if manifest.get("format") != "planc-build" or manifest.get("version") != \
-            BUILD_FORMAT_VERSION:
-        raise BuildError(f"{path} was written in build format {manifest.get('version')!r}; "
+    if manifest.get("format") != "planc-build":
+        raise BuildError(f"{path / MANIFEST} is not a planc build manifest (format "
+                         f"{manifest.get('format')!r}); run planc compile again")
+    if manifest.get("version") != BUILD_FORMAT_VERSION:
+        raise BuildError(f"{path / MANIFEST} says build format {manifest.get('version')!r}; "
                          f"this planc reads version {BUILD_FORMAT_VERSION}: compile again")
     try:
         plan = Plan.from_dict(_read_json(path, "plan.json"))
-    except BuildError:
-        raise
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise BuildError(f"{path / 'plan.json'} is not a valid plan ({exc}); run planc "
                          f"compile again") from None
     graph_data = _read_json(path, "graph.json")
-    if graph_data.get("graph", {}).get("version") != GRAPH_FORMAT_VERSION:
+    attributes = graph_data.get("graph")
+    if not isinstance(attributes, dict) or attributes.get("version") != GRAPH_FORMAT_VERSION:
         raise BuildError(f"{path / 'graph.json'} is not a version {GRAPH_FORMAT_VERSION} "
                          f"graph; run planc compile again")
     try:
         graph = graph_from_json(graph_data)
-    except (KeyError, TypeError, ValueError, nx.NetworkXError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, nx.NetworkXError) as exc:
         raise BuildError(f"{path / 'graph.json'} is not a valid graph ({exc}); run planc "
                          f"compile again") from None
-    _check_graph(path / "graph.json", graph)
+    _check_graph(path / "graph.json", graph, plan)
     summary = _read_json(path, "summary.json")
     if not isinstance(summary.get("stages"), list):
         raise BuildError(f"{path / 'summary.json'} has no stages; run planc compile again")
@@ -176,8 +180,23 @@ _REQUIRED = {
 }
 
 
-def _check_graph(path: Path, graph: nx.DiGraph) -> None:
-    """Every node has the attributes later commands rely on, with the right types."""
+_PHASES = ("forward", "backward", "optimizer")
+_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send",
+          "recv")
+_AXES = ("tp", "cp", "pp", "dp_cp", "tied", "stage")
+
+
+def _check_graph(path: Path, graph: nx.DiGraph, plan: Plan) -> None:
+    """The graph belongs to the plan, and every node has the attributes later commands
+    rely on, with the right types and values."""
+    attributes = graph.graph
+    sizes = {axis: plan.mesh.size(axis) for axis in ("tp", "cp", "pp", "dp")}
+    if attributes.get("sizes") != sizes or \
+            attributes.get("microbatches") != plan.schedule.microbatches or \
+            not isinstance(attributes.get("schedule"), dict) or \
+            not isinstance(attributes.get("layouts"), dict):
+        raise BuildError(f"{path} does not match plan.json (mesh, microbatches or schedule); "
+                         f"run planc compile again")
     for node, data in graph.nodes(data=True):
         required = _REQUIRED.get(data.get("type"))
         if required is None:
@@ -188,8 +207,14 @@ def _check_graph(path: Path, graph: nx.DiGraph) -> None:
                     kind is int:
                 raise BuildError(f"{path}: node {node!r} lacks a valid {key!r}; run planc "
                                  f"compile again")
-        if "layer" not in data or not (data["layer"] is None or isinstance(data["layer"], int)):
-            raise BuildError(f"{path}: node {node!r} lacks a valid 'layer'; run planc compile "
-                             f"again")
+        layer = data.get("layer", "missing")
+        valid = (data["phase"] in _PHASES and 0 <= data["stage"] < plan.mesh.pp
+                 and (layer is None or (isinstance(layer, int) and not isinstance(layer, bool)
+                                        and 0 <= layer < plan.model.layers))
+                 and (data["type"] == "compute" or (data["kind"] in _KINDS
+                                                     and data["axis"] in _AXES)))
+        if not valid:
+            raise BuildError(f"{path}: node {node!r} has an invalid phase, stage, layer, kind "
+                             f"or axis; run planc compile again")
     if not nx.is_directed_acyclic_graph(graph):
         raise BuildError(f"{path} holds a cycle; run planc compile again")

@@ -222,7 +222,7 @@ def cmd_compile(args) -> int:
     print(f"{loaded.plan.name}: {graph.number_of_nodes():,} nodes and "
           f"{graph.number_of_edges():,} edges for one step ({loaded.plan.schedule.microbatches} "
           f"microbatch{'es' if loaded.plan.schedule.microbatches != 1 else ''} folded); build "
-          f"written to {output}/")
+          f"written to {os.path.join(output, '')}")
     print()
     print(summary_text.render(result.summary), end="")
     return EXIT_OK
@@ -251,8 +251,8 @@ def cmd_graph(args) -> int:
         return _fail(f"microbatch {max(microbatches)} does not exist; the plan has "
                      f"{total} (0..{total - 1})", EXIT_USAGE)
     layers = sorted({d["layer"] for _, d in graph.nodes(data=True) if d["layer"] is not None})
-    if args.layers and layers and args.layers[0] > layers[-1]:
-        return _fail(f"layer {args.layers[0]} does not exist; the plan has layers "
+    if args.layers and layers and args.layers[1] > layers[-1]:
+        return _fail(f"layer {args.layers[1]} does not exist; the plan has layers "
                      f"0..{layers[-1]}", EXIT_USAGE)
     stages = graph.graph.get("sizes", {}).get("pp", 1)
     if args.stage and max(args.stage) >= stages:

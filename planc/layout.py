@@ -117,6 +117,12 @@ class Layout:
         return GroupPlacement(axis, size, len(groups), tuple(sorted(kinds.items())),
                               tuple(sorted(per_node)))
 
+    def crosses_nodes(self, axis: str) -> bool:
+        """Whether the group of rank 0 on ``axis`` spans nodes; costs O(group size), so the
+        compiler can ask it of a world of hundreds of thousands of ranks."""
+        members = self.group(0, axis)
+        return self.node(members[0]) != self.node(members[-1])
+
     def to_dict(self) -> dict:
         """The ``planc layout --json`` document (documented in docs/cli.md)."""
         order = list(self.mesh.order)

@@ -215,43 +215,28 @@ class Plan:
 
     @staticmethod
     def from_dict(data: Mapping[str, Any]) -> "Plan":
-        """Inverse of :meth:`to_dict`; raises KeyError/TypeError/ValueError if malformed
-        (a field missing or of the wrong type, a count below 1)."""
-        plan = Plan._from_dict(data)
-        _check_types(plan)
-        return plan
-
-    @staticmethod
-    def _from_dict(data: Mapping[str, Any]) -> "Plan":
+        """Inverse of :meth:`to_dict`. Strict: raises ValueError naming the field when a
+        field is missing, unknown, of the wrong type, or inconsistent with the others."""
+        if not isinstance(data, Mapping):
+            raise ValueError("the plan is not a JSON object")
         if data.get("version") != PLAN_FORMAT_VERSION:
             raise ValueError(f"unsupported plan format version {data.get('version')!r}")
-        topology = dict(data["topology"])
-        shard = data["shard"]
-        train = dict(data["train"])
-        optimizer = dict(train.pop("optimizer"))
-        optimizer["betas"] = tuple(optimizer["betas"])
-        pp = dict(shard["pp"])
-        pp["chunks"] = tuple(tuple(c) for c in pp["chunks"])
-        sources = data.get("sources", {})
-        spans = {key: Span(*value) for key, value in sources.get("spans", {}).items()}
-        return Plan(
-            name=data["name"],
-            model=Model(**data["model"]),
-            mesh=Mesh(**{**data["mesh"], "order": tuple(data["mesh"]["order"])}),
-            topology=Topology(
-                nodes=topology["nodes"], devices_per_node=topology["devices_per_node"],
-                device=Device(**topology["device"]), intra=Link(**topology["intra"]),
-                inter=Link(**topology["inter"]), preset=topology.get("preset")),
-            shard=Shard(tp=TensorParallel(**shard["tp"]), cp=ContextParallel(**shard["cp"]),
-                        pp=PipelineParallel(**pp), dp=DataParallel(**shard["dp"])),
-            schedule=Schedule(**data["schedule"]),
-            optimize=Optimize(**data["optimize"]),
-            train=Train(optimizer=Optimizer(**optimizer), **train),
-            sources=Sources(sources.get("path", ""), spans),
-        )
+        body = {k: v for k, v in data.items() if k != "version"}
+        sources = body.pop("sources", None)
+        if not isinstance(sources, Mapping) or not isinstance(sources.get("path"), str) or \
+                not isinstance(sources.get("spans"), Mapping):
+            raise ValueError("plan.sources must hold a path and spans")
+        try:
+            spans = {str(k): Span(*v) for k, v in sources["spans"].items()}
+        except TypeError:
+            raise ValueError("plan.sources.spans holds a malformed span") from None
+        plan = _build(Plan, body, "plan", skip=("sources",))
+        plan = dataclasses.replace(plan, sources=Sources(sources["path"], spans))
+        _check_types(plan)
+        _check_consistency(plan)
+        return plan
 
-
-def _check_types(value: Any, where: str = "plan") -> None:
+def _check_types(value: Any, where: str = "plan") -> None:  # noqa: C901
     """Check every field of a dataclass tree against its annotation."""
     import typing
 
@@ -296,3 +281,56 @@ def _matches(item: Any, hint: Any) -> bool:
     if hint is int:
         return isinstance(item, int) and not isinstance(item, bool)
     return isinstance(item, hint)
+
+
+def _build(cls, data: Any, where: str, skip: tuple[str, ...] = ()) -> Any:
+    """A dataclass from its asdict() form, every field required and none unknown."""
+    import typing
+
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where} is not a JSON object")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    missing = [name for name in fields if name not in data and name not in skip]
+    unknown = [name for name in data if name not in fields]
+    if missing or unknown:
+        raise ValueError(f"{where} has " + ", ".join(
+            ([f"no {', '.join(missing)}"] if missing else [])
+            + ([f"unknown {', '.join(unknown)}"] if unknown else [])))
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name in fields:
+        if name in skip:
+            continue
+        values[name] = _convert(data[name], hints[name], f"{where}.{name}")
+    return cls(**values)  # skipped fields take their defaults
+
+
+def _convert(value: Any, hint: Any, where: str) -> Any:
+    import typing
+
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    if typing.get_origin(hint) is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where} is not a list")
+        args = typing.get_args(hint)
+        inner = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else args
+        if len(inner) != len(value):
+            raise ValueError(f"{where} should hold {len(inner)} items")
+        return tuple(_convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, inner)))
+    return value
+
+
+def _check_consistency(plan: "Plan") -> None:
+    mesh, pp = plan.mesh, plan.shard.pp
+    if sorted(mesh.order) != sorted(AXES):
+        raise ValueError("plan.mesh.order must name tp, cp, pp and dp once each")
+    if plan.topology.nodes * plan.topology.devices_per_node != mesh.world:
+        raise ValueError("plan.topology does not hold the mesh's world")
+    if len(pp.chunks) != mesh.pp * pp.virtual or pp.chunks[0][0] != 0 or \
+            pp.chunks[-1][1] != plan.model.layers - 1 or any(
+                b[0] != a[1] + 1 or b[0] > b[1] for a, b in zip(pp.chunks, pp.chunks[1:])):
+        raise ValueError("plan.shard.pp.chunks do not cover the layers in order")
+    if plan.model.batch % (mesh.dp * plan.schedule.microbatches) or \
+            plan.model.hidden % plan.model.heads:
+        raise ValueError("plan.model does not divide as the plan needs")

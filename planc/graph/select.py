@@ -105,13 +105,14 @@ def select(graph: nx.DiGraph, selection: Selection) -> nx.DiGraph:
     transfers stay connected when one feeds the other through computation.
     """
     source = graph if selection.microbatches is None else expand(graph, selection.microbatches)
-    kept = {n for n, d in source.nodes(data=True) if _keep(d, selection)}
+    order = [n for n, d in source.nodes(data=True) if _keep(d, selection)]
+    kept = set(order)
     out = nx.DiGraph()
     out.graph.update(source.graph)
     out.graph["selection"] = selection.describe()
-    out.add_nodes_from((n, source.nodes[n]) for n in kept)
-    for u in kept:
-        stack, seen = list(source.successors(u)), set()
+    out.add_nodes_from((n, source.nodes[n]) for n in order)  # in the graph's own order
+    for u in order:
+        stack, seen = list(reversed(list(source.successors(u)))), set()
         while stack:
             v = stack.pop()
             if v in seen:

@@ -22,8 +22,9 @@ SUMMARY_FORMAT_VERSION = 1
 
 
 def _crosses_nodes(layout: RankLayout, axis: str) -> bool:
+    """Whether a group of ``axis`` (rank 0's, as a representative) spans nodes."""
     if axis in ("tp", "cp", "pp", "dp", "dp_cp"):
-        return layout.placement(axis).kind != "intra-node"
+        return layout.crosses_nodes(axis)
     return layout.nodes > 1
 
 

@@ -188,8 +188,7 @@ class _Coster:
         self.plan, self.shapes = plan, shapes
         self.cost = CostModel(plan.topology)
         self.tp = plan.mesh.tp
-        placement = RankLayout.of(plan).placement("tp")
-        self.crosses_nodes = placement.kind != "intra-node"
+        self.crosses_nodes = RankLayout.of(plan).crosses_nodes("tp")
         self.microbatches = plan.schedule.microbatches
 
     def transfer(self, redistribution, nbytes: float) -> float:

@@ -31,7 +31,7 @@ def check(tree: ast.PlanFile, path: str) -> tuple[Plan | None, list[Diagnostic]]
 
 
 # Bounds that keep every command fast; far beyond any cluster that exists.
-LIMITS = {"world": 262_144, "layers": 65_536, "chunks": 16_384, "microbatches": 65_536}
+LIMITS = {"world": 524_288, "layers": 65_536, "chunks": 16_384, "microbatches": 65_536}
 
 
 def divisors_below(limit: int, *numbers: int, count: int = 2) -> list[int]:

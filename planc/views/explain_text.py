@@ -27,7 +27,10 @@ def _members(plan: Plan, ranks: Layout, data: dict) -> list[int]:
     if axis == "tied":
         return [ranks.rank({"tp": 0, "cp": 0, "pp": 0, "dp": 0}),
                 ranks.rank({"tp": 0, "cp": 0, "pp": plan.mesh.pp - 1, "dp": 0})]
-    return sorted(r for r in range(plan.world) if ranks.coords(r)["pp"] == stage)
+    # every rank of the stage: tp x cp x dp of them
+    return sorted(ranks.rank({"tp": t, "cp": c, "pp": stage, "dp": d})
+                  for t in range(plan.mesh.tp) for c in range(plan.mesh.cp)
+                  for d in range(plan.mesh.dp))
 
 
 def _group_text(plan: Plan, ranks: Layout, data: dict) -> str:

@@ -1,0 +1,884 @@
+"""``planc compile``, ``planc graph`` and ``planc explain``, run for real in subprocesses.
+
+The build directory (its four files, atomic replacement, refusal to clobber what is
+not a build), every way a build directory can be broken (always exit 1 with one line
+``planc: error: ...`` naming the file, never a traceback), the output formats of
+``planc graph`` and their filters, ``planc explain``'s rows and totals, and a scale
+smoke test on the 1T-parameter plan. Numbers are checked against the graph that
+:func:`planc.graph.derive.derive` gives in this process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from collections import Counter, defaultdict
+from functools import lru_cache
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+from planc.build import graph_from_json
+from planc.cost import bus_factor
+from planc.graph.derive import derive
+from planc.lang import load_file
+from planc.lang.units import format_bytes
+from planc.plan import Plan
+from planc.views import summary_text
+from tests.conftest import PLANS, ROOT
+
+TINY = PLANS / "gpt-tiny.plan"
+BIG = PLANS / "gpt3-175b.plan"
+ONE_T = PLANS / "gpt-1t.plan"
+BUILD_FILES = ["build.json", "graph.json", "plan.json", "summary.json"]
+TIMEOUT = 120
+
+# tp = 8 does not divide heads = 12: one error.
+BAD_PLAN = """\
+plan bad {
+  model gpt {
+    layers = 2
+    hidden = 96
+    heads  = 12
+    vocab  = 256
+    seq    = 32
+    batch  = 8
+  }
+  mesh {
+    tp = 8
+  }
+}
+"""
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def _umask_022() -> None:
+    os.umask(0o022)
+
+
+def _command(args) -> list[str]:
+    return [sys.executable, "-m", "planc", *map(str, args)]
+
+
+def planc(*args, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m planc ARGS`` under umask 022; bytes out, no traceback allowed."""
+    result = subprocess.run(_command(args), capture_output=True, cwd=cwd or ROOT,
+                            timeout=TIMEOUT, preexec_fn=_umask_022)
+    result.out = result.stdout.decode("utf-8", errors="replace")
+    result.err = result.stderr.decode("utf-8", errors="replace")
+    assert "Traceback" not in result.err, result.err[-2000:]
+    return result
+
+
+def planc_many(*commands, cwd: Path | None = None) -> list[subprocess.CompletedProcess]:
+    """Run several planc commands at once (independent ones; saves wall time)."""
+    processes = [subprocess.Popen(_command(args), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, cwd=cwd or ROOT,
+                                  preexec_fn=_umask_022) for args in commands]
+    results = []
+    for args, process in zip(commands, processes):
+        out, err = process.communicate(timeout=TIMEOUT)
+        result = subprocess.CompletedProcess(_command(args), process.returncode, out, err)
+        result.out = out.decode("utf-8", errors="replace")
+        result.err = err.decode("utf-8", errors="replace")
+        results.append(result)
+    return results
+
+
+@lru_cache(maxsize=None)
+def _loaded(path: Path):
+    loaded = load_file(path)
+    assert loaded.ok, loaded.diagnostics
+    return loaded
+
+
+@lru_cache(maxsize=None)
+def _derived(path: Path) -> nx.DiGraph:
+    return derive(_loaded(path).plan)
+
+
+def tiny_graph() -> nx.DiGraph:
+    return _derived(TINY)
+
+
+def graph_json(*args, plan: Path = TINY) -> dict:
+    result = planc("graph", plan, "--format", "json", *args)
+    assert result.returncode == 0, result.err
+    return json.loads(result.out)
+
+
+def ids(data: dict) -> list[str]:
+    return [node["id"] for node in data["nodes"]]
+
+
+def canonical(data: dict) -> dict:
+    """A node-link document with its nodes and edges in a fixed order."""
+    return {**data, "nodes": sorted(data["nodes"], key=lambda n: n["id"]),
+            "edges": sorted(data["edges"], key=lambda e: (e["source"], e["target"]))}
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+@pytest.fixture(scope="module")
+def tiny_build(tmp_path_factory) -> Path:
+    """A valid build of gpt-tiny, compiled once; tests copy it before changing it."""
+    directory = tmp_path_factory.mktemp("tiny") / "build"
+    result = planc("compile", TINY, "-o", directory)
+    assert result.returncode == 0, result.err
+    return directory
+
+
+# --- 1. compile -----------------------------------------------------------------------------
+
+
+def test_compile_writes_the_four_files(tmp_path):
+    out = tmp_path / "out"
+    result = planc("compile", TINY, "-o", out)
+    assert result.returncode == 0, result.err
+    assert result.err == ""
+    assert sorted(os.listdir(out)) == BUILD_FILES
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # no temporary siblings left
+
+    manifest = json.loads((out / "build.json").read_text())
+    assert manifest["format"] == "planc-build"
+    assert manifest["version"] == 1
+    assert manifest["source_sha256"] == hashlib.sha256(TINY.read_bytes()).hexdigest()
+    assert manifest["plan"] == "gpt_tiny"
+
+    plan = _loaded(TINY).plan
+    assert Plan.from_dict(json.loads((out / "plan.json").read_text())) == plan
+
+    expected = tiny_graph()
+    graph = graph_from_json(json.loads((out / "graph.json").read_text()))
+    assert nx.is_directed_acyclic_graph(graph)
+    assert graph.number_of_nodes() == expected.number_of_nodes()
+    assert graph.number_of_edges() == expected.number_of_edges()
+    assert dict(graph.nodes(data=True)) == dict(expected.nodes(data=True))
+    assert set(graph.edges) == set(expected.edges)
+
+    nodes, edges = expected.number_of_nodes(), expected.number_of_edges()
+    first = (f"gpt_tiny: {nodes:,} nodes and {edges:,} edges for one step (4 microbatches "
+             f"folded); build written to {out}/")
+    summary = json.loads((out / "summary.json").read_text())
+    assert result.out == first + "\n\n" + summary_text.render(summary)
+
+
+def test_compile_summary_totals_are_sums_over_graph_json(tmp_path):
+    out = tmp_path / "out"
+    assert planc("compile", TINY, "-o", out).returncode == 0
+    data = json.loads((out / "graph.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    transfers: dict[int, dict] = defaultdict(lambda: defaultdict(lambda: [0, 0, 0.0]))
+    flops: dict[int, float] = defaultdict(float)
+    for node in data["nodes"]:
+        if node["type"] == "compute":
+            flops[node["stage"]] += node["repeat"] * node["flops"]
+            continue
+        bucket = transfers[node["stage"]][(node["axis"], node["kind"], node["phase"])]
+        bucket[0] += node["repeat"]
+        bucket[1] += node["repeat"] * node["bytes"]
+        bucket[2] += node["repeat"] * node["bytes"] * bus_factor(node["kind"],
+                                                                  node["group_size"])
+    assert summary["nodes"] == len(data["nodes"])
+    assert summary["edges"] == len(data["edges"])
+    assert summary["world"] == 8 and summary["microbatches"] == 4
+    assert [s["stage"] for s in summary["stages"]] == [0, 1]
+    assert [s["layers"] for s in summary["stages"]] == [[0, 1], [2, 3]]
+    for entry in summary["stages"]:
+        stage = entry["stage"]
+        got = {(t["axis"], t["kind"], t["phase"]): [t["count"], t["bytes"], t["bus_bytes"]]
+               for t in entry["transfers"]}
+        assert len(got) == len(entry["transfers"])  # one row per (axis, kind, phase)
+        assert got == {key: list(value) for key, value in transfers[stage].items()}
+        assert entry["flops"] == flops[stage]
+    # The hand-checked gpt-tiny numbers: one forward and one backward pp transfer per
+    # microbatch on each stage, zero 1's reduce-scatter and all-gather per parameter.
+    stage0 = {(t["axis"], t["kind"], t["phase"]): t["count"]
+              for t in summary["stages"][0]["transfers"]}
+    assert stage0[("pp", "send", "forward")] == 4
+    assert stage0[("pp", "recv", "backward")] == 4
+    assert stage0[("dp_cp", "reduce_scatter", "backward")] == \
+        stage0[("dp_cp", "all_gather", "optimizer")]
+
+
+def test_compile_default_directory_is_build_slash_stem(tmp_path):
+    shutil.copy(TINY, tmp_path / "gpt-tiny.plan")
+    result = planc("compile", "gpt-tiny.plan", cwd=tmp_path)
+    assert result.returncode == 0, result.err
+    assert result.out.split("\n")[0].endswith("; build written to build/gpt-tiny/")
+    assert sorted(os.listdir(tmp_path)) == ["build", "gpt-tiny.plan"]
+    assert sorted(os.listdir(tmp_path / "build")) == ["gpt-tiny"]
+    assert sorted(os.listdir(tmp_path / "build" / "gpt-tiny")) == BUILD_FILES
+
+
+def test_compile_build_permissions_follow_the_umask(tmp_path):
+    out = tmp_path / "out"
+    assert planc("compile", TINY, "-o", out).returncode == 0  # under umask 022
+    assert mode(out) == 0o755
+    assert {name: mode(out / name) for name in BUILD_FILES} == \
+        {name: 0o644 for name in BUILD_FILES}
+
+
+# --- 2. compile failures and atomicity -------------------------------------------------------
+
+
+def test_invalid_plan_writes_nothing(tmp_path):
+    (tmp_path / "bad.plan").write_text(BAD_PLAN)
+    result = planc("compile", "bad.plan", "-o", "out", cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.out == ""
+    assert result.err.startswith("bad.plan:11:10: error: heads (12) must divide by tp (8)\n")
+    assert result.err.endswith("1 error generated.\n")
+    assert not (tmp_path / "out").exists()
+    assert sorted(os.listdir(tmp_path)) == ["bad.plan"]
+
+
+def test_invalid_plan_leaves_an_earlier_build_untouched(tmp_path):
+    out = tmp_path / "out"
+    assert planc("compile", TINY, "-o", out).returncode == 0
+    before = snapshot(out)
+    (tmp_path / "bad.plan").write_text(BAD_PLAN)
+    result = planc("compile", "bad.plan", "-o", "out", cwd=tmp_path)
+    assert result.returncode == 1
+    assert "heads (12) must divide by tp (8)" in result.err
+    assert snapshot(out) == before
+    assert sorted(os.listdir(tmp_path)) == ["bad.plan", "out"]
+
+
+def test_refuses_a_non_empty_directory_that_is_not_a_build(tmp_path):
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("precious\n")
+    result = planc("compile", TINY, "-o", other)
+    assert result.returncode == 1
+    assert result.out == ""
+    assert result.err == (f"planc: error: {other} exists and is not a planc build directory "
+                          f"(no build.json); refusing to overwrite it\n")
+    assert snapshot(other) == {"notes.txt": b"precious\n"}
+    assert sorted(os.listdir(tmp_path)) == ["mine"]
+
+
+def test_output_path_that_is_a_regular_file_exits_1(tmp_path):
+    target = tmp_path / "file"
+    target.write_text("keep\n")
+    result = planc("compile", TINY, "-o", target)
+    assert result.returncode == 1
+    assert result.out == ""
+    assert result.err == f"planc: error: {target} exists and is not a directory\n"
+    assert target.read_text() == "keep\n"
+    assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
+def test_recompiling_replaces_the_build(tmp_path):
+    out = tmp_path / "out"
+    assert planc("compile", TINY, "-o", out).returncode == 0
+    (out / "stale.txt").write_text("from an older build\n")
+    changed = TINY.read_text().replace("microbatches = 4", "microbatches = 2")
+    assert changed != TINY.read_text()
+    (tmp_path / "gpt-tiny.plan").write_text(changed)
+    result = planc("compile", "gpt-tiny.plan", "-o", "out", cwd=tmp_path)
+    assert result.returncode == 0, result.err
+    assert sorted(os.listdir(out)) == BUILD_FILES  # replaced, not merged
+    manifest = json.loads((out / "build.json").read_text())
+    assert manifest["source_sha256"] == hashlib.sha256(changed.encode()).hexdigest()
+    assert manifest["source_sha256"] != hashlib.sha256(TINY.read_bytes()).hexdigest()
+    assert json.loads((out / "plan.json").read_text())["schedule"]["microbatches"] == 2
+    assert sorted(os.listdir(tmp_path)) == ["gpt-tiny.plan", "out"]  # no .out.tmp-/.out.old-
+
+
+def test_recompiling_into_an_empty_directory_and_with_a_trailing_slash(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    first = planc("compile", TINY, "-o", "out", cwd=tmp_path)
+    assert first.returncode == 0, first.err
+    again = planc("compile", TINY, "-o", "out/", cwd=tmp_path)
+    assert again.returncode == 0, again.err
+    assert sorted(os.listdir(out)) == BUILD_FILES
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+    assert again.out.split("\n")[0].endswith("; build written to out/")
+
+
+# --- 3. broken build directories -------------------------------------------------------------
+
+
+def _edit(name: str, change):
+    def apply(directory: Path) -> None:
+        path = directory / name
+        data = json.loads(path.read_text())
+        change(data)
+        path.write_text(json.dumps(data))
+    return apply
+
+
+def _truncate(name: str):
+    def apply(directory: Path) -> None:
+        text = (directory / name).read_text()
+        (directory / name).write_text(text[:len(text) // 2])
+    return apply
+
+
+def _remove(name: str):
+    return lambda directory: (directory / name).unlink()
+
+
+def _as_list(name: str):
+    return lambda directory: (directory / name).write_text("[1, 2, 3]\n")
+
+
+def _node(kind: str, key: str, value=None, delete: bool = False):
+    """Change the first node of type ``kind`` in graph.json."""
+    def change(data: dict) -> None:
+        node = next(n for n in data["nodes"] if n["type"] == kind)
+        if delete:
+            del node[key]
+        else:
+            node[key] = value
+    return _edit("graph.json", change)
+
+
+def _plan_field(section: str, key: str, value):
+    return _edit("plan.json", lambda data: data[section].__setitem__(key, value))
+
+
+BROKEN = {
+    # name: (how to break the copied build, file the message must name, extra graph args)
+    "build.json-missing": (_remove("build.json"), "build.json", ()),
+    "build.json-truncated": (_truncate("build.json"), "build.json", ()),
+    "build.json-list": (_as_list("build.json"), "build.json", ()),
+    "build.json-version-2": (_edit("build.json", lambda d: d.update(version=2)),
+                             "build.json", ()),
+    "build.json-other-format": (_edit("build.json", lambda d: d.update(format="other")),
+                                "build.json", ()),
+    **{f"{name}-{how}": (make(name), name, ())
+       for name in ("plan.json", "graph.json", "summary.json")
+       for how, make in (("missing", _remove), ("truncated", _truncate), ("list", _as_list))},
+    "graph.json-no-stage": (_node("transfer", "stage", delete=True), "graph.json", ()),
+    "graph.json-no-reason": (_node("transfer", "reason", delete=True), "graph.json", ()),
+    "graph.json-no-layer": (_node("transfer", "layer", delete=True), "graph.json", ()),
+    "graph.json-no-type": (_node("compute", "type", delete=True), "graph.json", ()),
+    "graph.json-no-flops": (_node("compute", "flops", delete=True), "graph.json", ()),
+    "graph.json-stage-str": (_node("transfer", "stage", "0"), "graph.json", ()),
+    "graph.json-stage-bool": (_node("transfer", "stage", True), "graph.json", ()),
+    "graph.json-bytes-str": (_node("transfer", "bytes", "16 KB"), "graph.json", ()),
+    "graph.json-repeat-float": (_node("transfer", "repeat", 1.5), "graph.json", ()),
+    "graph.json-per-microbatch-int": (_node("transfer", "per_microbatch", 1), "graph.json",
+                                      ()),
+    "graph.json-phase-null": (_node("compute", "phase", None), "graph.json", ()),
+    "graph.json-flops-str": (_node("compute", "flops", "1"), "graph.json", ()),
+    "graph.json-layer-str": (_node("compute", "layer", "0"), "graph.json", ()),
+    "graph.json-version-9": (_edit("graph.json", lambda d: d["graph"].update(version=9)),
+                             "graph.json", ()),
+    "graph.json-cycle": (_edit("graph.json", lambda d: d["edges"].append(
+        {"source": d["edges"][0]["target"], "target": d["edges"][0]["source"]})),
+        "graph.json", ()),
+    # Values of the right type but impossible: the commands must not crash on them.
+    "graph.json-stage-out-of-range": (_node("transfer", "stage", 7), "graph.json", ()),
+    "graph.json-stage-negative": (_node("transfer", "stage", -1), "graph.json", ()),
+    "graph.json-phase-unknown": (_node("transfer", "phase", "sideways"), "graph.json", ()),
+    # Malformed structure.
+    "graph.json-graph-list": (_edit("graph.json", lambda d: d.update(graph=[])),
+                              "graph.json", ()),
+    "graph.json-node-not-object": (_edit("graph.json", lambda d: d["nodes"].append("x")),
+                                   "graph.json", ()),
+    "graph.json-microbatches-str": (_edit("graph.json", lambda d: d["graph"].update(
+        microbatches="4")), "graph.json", ("--microbatch", "0")),
+    "graph.json-sizes-pp-str": (_edit("graph.json", lambda d: d["graph"]["sizes"].update(
+        pp="2")), "graph.json", ("--stage", "1")),
+    "plan.json-tp-str": (_plan_field("mesh", "tp", "x"), "plan.json", ()),
+    "plan.json-tp-0": (_plan_field("mesh", "tp", 0), "plan.json", ()),
+    "plan.json-layers-float": (_plan_field("model", "layers", 4.0), "plan.json", ()),
+    "plan.json-microbatches-str": (_plan_field("schedule", "microbatches", "4"), "plan.json",
+                                   ()),
+    "plan.json-mesh-list": (_edit("plan.json", lambda d: d.update(mesh=[2])), "plan.json", ()),
+    "plan.json-no-model": (_edit("plan.json", lambda d: d.pop("model")), "plan.json", ()),
+    "plan.json-order-unknown-axis": (_plan_field("mesh", "order", ["a", "b", "c", "d"]),
+                                     "plan.json", ()),
+    "plan.json-sources-list": (_edit("plan.json", lambda d: d.update(sources=[])),
+                               "plan.json", ()),
+    "summary.json-no-stages": (_edit("summary.json", lambda d: d.pop("stages")),
+                               "summary.json", ()),
+}
+
+
+def _assert_one_line_error(result, *names: str) -> None:
+    assert result.returncode == 1, (result.returncode, result.err[-2000:])
+    assert "Traceback" not in result.err, result.err[-2000:]
+    assert result.out == ""
+    assert result.err.startswith("planc: error: "), result.err[-2000:]
+    assert result.err.endswith("\n") and result.err.count("\n") == 1, result.err[-2000:]
+    for name in names:
+        assert name in result.err, result.err
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_broken_build_directory(case, tiny_build, tmp_path):
+    breaking, named, extra = BROKEN[case]
+    directory = tmp_path / "b"
+    shutil.copytree(tiny_build, directory)
+    breaking(directory)
+    before = snapshot(directory)
+    results = planc_many(["graph", directory, *extra], ["explain", directory])
+    problems = []
+    for result in results:
+        try:
+            _assert_one_line_error(result, str(directory), named)
+        except AssertionError as exc:
+            problems.append(f"planc {result.args[3]}: exit {result.returncode}: "
+                            f"{result.err.strip()[-600:]!r} ({str(exc).splitlines()[0]})")
+    assert not problems, "\n".join(problems)
+    assert snapshot(directory) == before  # reading never writes
+
+
+def test_empty_directory(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for result in planc_many(["graph", empty], ["explain", empty]):
+        _assert_one_line_error(result, str(empty), "build.json")
+        assert result.err == (f"planc: error: {empty} is not a planc build directory (no "
+                              f"build.json); make one with planc compile FILE -o {empty}\n")
+
+
+def test_not_a_directory(tiny_build, tmp_path):
+    from planc import build
+
+    manifest = tmp_path / "build.json"
+    shutil.copy(tiny_build / "build.json", manifest)
+    with pytest.raises(build.BuildError) as caught:
+        build.read(manifest)
+    assert str(caught.value) == f"{manifest} is not a directory"
+    # On the command line a path that is not a directory is a plan file: a JSON file is
+    # then a plan with a syntax error (exit 1, the file named, no traceback).
+    for result in planc_many(["graph", manifest], ["explain", manifest]):
+        assert result.returncode == 1
+        assert result.out == ""
+        assert result.err.startswith(f"{manifest}:1:1: error: ")
+        assert "Traceback" not in result.err
+
+
+def test_a_valid_copy_reads_fine(tiny_build, tmp_path):
+    """The control for the broken cases: the unmodified copy works."""
+    directory = tmp_path / "b"
+    shutil.copytree(tiny_build, directory)
+    graph, explain = planc_many(["graph", directory, "--format", "json"],
+                                ["explain", directory])
+    assert graph.returncode == 0 and explain.returncode == 0, graph.err + explain.err
+    assert len(json.loads(graph.out)["nodes"]) == tiny_graph().number_of_nodes()
+
+
+# --- 4. graph formats -------------------------------------------------------------------------
+
+DOT_NODE = re.compile(r'^\s+"((?:[^"\\]|\\.)*)" \[', re.M)
+
+
+def test_graph_dot(tiny_build):
+    dot, data = planc_many(["graph", TINY], ["graph", tiny_build, "--format", "json"])
+    assert dot.returncode == 0 and data.returncode == 0, dot.err + data.err
+    assert dot.err == ""
+    text = dot.out
+    assert text.startswith("digraph planc {\n")
+    assert text.rstrip().endswith("}")
+    assert text.count("subgraph cluster_stage_0 {") == 1
+    assert text.count("subgraph cluster_stage_1 {") == 1
+    assert "subgraph cluster_stage_2 " not in text
+    declared = Counter(m.replace('\\"', '"').replace("\\\\", "\\")
+                       for m in DOT_NODE.findall(text))
+    expected = ids(json.loads(data.out))
+    assert len(expected) == tiny_graph().number_of_nodes()
+    assert declared == Counter(expected)  # each node of the selection exactly once
+    assert set(declared.values()) == {1}
+    edges = re.findall(r'^\s+"((?:[^"\\]|\\.)*)" -> "((?:[^"\\]|\\.)*)"', text, re.M)
+    assert len(edges) == tiny_graph().number_of_edges()
+
+
+def test_graph_json_is_node_link(tmp_path):
+    stdout = planc("graph", TINY, "--format", "json")
+    written = planc("graph", TINY, "-o", tmp_path / "g.json")  # format from the extension
+    assert stdout.returncode == 0 and written.returncode == 0
+    assert written.out == ""
+    data = json.loads(stdout.out)
+    assert set(data) == {"directed", "multigraph", "graph", "nodes", "edges"}
+    assert data["directed"] is True
+    assert sorted(ids(data)) == sorted(tiny_graph().nodes)
+    assert {(e["source"], e["target"]) for e in data["edges"]} == set(tiny_graph().edges)
+    assert canonical(json.loads((tmp_path / "g.json").read_text())) == canonical(data)
+
+
+@pytest.mark.parametrize("fmt", ["dot", "json", "graphml", "html"])
+def test_graph_output_is_reproducible(fmt):
+    """The same input gives the same bytes, whatever the interpreter's hash seed."""
+    env = [{**os.environ, "PYTHONHASHSEED": seed} for seed in ("1", "2")]
+    first, second = (subprocess.run(_command(["graph", TINY, "--format", fmt]),
+                                    capture_output=True, env=e, cwd=ROOT, timeout=TIMEOUT)
+                     for e in env)
+    assert first.returncode == 0 and second.returncode == 0
+    assert first.stdout == second.stdout
+
+
+def test_graph_graphml(tmp_path):
+    result = planc("graph", TINY, "-o", tmp_path / "g.graphml")
+    assert result.returncode == 0, result.err
+    graph = nx.read_graphml(tmp_path / "g.graphml")
+    assert graph.is_directed()
+    assert graph.number_of_nodes() == tiny_graph().number_of_nodes()
+    assert set(graph.nodes) == set(tiny_graph().nodes)
+    assert graph.number_of_edges() == tiny_graph().number_of_edges()
+
+
+def test_graph_html_is_self_contained(tmp_path):
+    result, data = planc_many(["graph", TINY, "-o", tmp_path / "g.html"],
+                              ["graph", TINY, "--format", "json"])
+    assert result.returncode == 0 and data.returncode == 0, result.err + data.err
+    page = (tmp_path / "g.html").read_text(encoding="utf-8")
+    assert page.startswith("<!DOCTYPE html>")
+    assert set(re.findall(r"https?://[^\s\"'<>)]+", page)) == {"http://www.w3.org/2000/svg"}
+    assert not re.search(r"<script[^>]*\bsrc=|<link\b|<iframe\b|<img\b|@import", page)
+    embedded = re.findall(r'<script type="application/json" id="data">(.*?)</script>', page,
+                          re.S)
+    assert len(embedded) == 1
+    payload = json.loads(embedded[0])
+    expected = json.loads(data.out)
+    assert sorted(n["id"] for n in payload["nodes"]) == sorted(ids(expected))
+    assert len(payload["nodes"]) == len(expected["nodes"])
+    assert {(e["source"], e["target"]) for e in payload["edges"]} == \
+        {(e["source"], e["target"]) for e in expected["edges"]}
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz's dot is not installed")
+def test_graph_svg_and_png(tmp_path):
+    svg, png = planc_many(
+        ["graph", TINY, "--layers", "1", "--microbatch", "0", "-o", tmp_path / "g.svg"],
+        ["graph", TINY, "--layers", "1", "--microbatch", "0", "-o", tmp_path / "g.png"])
+    assert svg.returncode == 0 and png.returncode == 0, svg.err + png.err
+    root = ET.fromstring((tmp_path / "g.svg").read_bytes())
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert mode(tmp_path / "g.svg") == 0o644 and mode(tmp_path / "g.png") == 0o644
+
+
+def test_graph_png_without_output_exits_2():
+    result = planc("graph", TINY, "--format", "png")
+    assert result.returncode == 2
+    assert result.out == ""
+    assert result.err == "planc: error: png output needs -o FILE\n"
+
+
+def test_graph_unknown_extension_exits_2(tmp_path):
+    result = planc("graph", TINY, "-o", tmp_path / "g.foo")
+    assert result.returncode == 2
+    assert result.err == (f"planc: error: cannot tell the format from "
+                          f"{str(tmp_path / 'g.foo')!r}; give --format (dot, svg, png, graphml, "
+                          f"json, html)\n")
+    assert os.listdir(tmp_path) == []
+    explicit = planc("graph", TINY, "-o", tmp_path / "g.foo", "--format", "json")
+    assert explicit.returncode == 0
+    assert json.loads((tmp_path / "g.foo").read_text())["directed"] is True
+
+
+def test_graph_output_files_are_0644(tmp_path):
+    names = ["g.dot", "g.json", "g.graphml", "g.html"]
+    old = tmp_path / "g.dot"
+    old.write_text("old")
+    old.chmod(0o600)  # replaced, not kept with its old mode
+    results = planc_many(*[["graph", TINY, "--layers", "0", "-o", tmp_path / n]
+                           for n in names])
+    assert [r.returncode for r in results] == [0] * len(names), [r.err for r in results]
+    assert {n: mode(tmp_path / n) for n in names} == {n: 0o644 for n in names}
+    assert sorted(os.listdir(tmp_path)) == sorted(names)  # no .planc-* temporaries
+    assert (tmp_path / "g.dot").read_text().startswith("digraph planc {")
+
+
+# --- 5. filters ---------------------------------------------------------------------------------
+
+
+def test_filter_layer_and_microbatch():
+    data = graph_json("--layers", "1", "--microbatch", "0")
+    graph = tiny_graph()
+    expected = {f"{n}#mb0" if d["per_microbatch"] else n
+                for n, d in graph.nodes(data=True) if d["layer"] == 1}
+    assert sorted(ids(data)) == sorted(expected)
+    for node in data["nodes"]:
+        assert node["layer"] == 1
+        assert node["microbatch"] == (0 if node["per_microbatch"] else None)
+    assert data["graph"]["selection"] == "layer 1; microbatch 0"
+
+
+def test_filter_microbatch_all_unfolds_every_microbatch():
+    data = graph_json("--microbatch", "all")
+    graph = tiny_graph()
+    total = graph.graph["microbatches"]
+    assert total == 4
+    per = [n for n, d in graph.nodes(data=True) if d["per_microbatch"]]
+    once = [n for n, d in graph.nodes(data=True) if not d["per_microbatch"]]
+    assert len(data["nodes"]) == len(once) + total * len(per)
+    assert sorted(ids(data)) == sorted(once + [f"{n}#mb{k}" for n in per for k in range(total)])
+    for node in data["nodes"]:
+        base = node["id"].split("#mb")[0]
+        if node["per_microbatch"]:
+            assert node["repeat"] == graph.nodes[base]["repeat"] // total
+            assert node["id"] == f"{base}#mb{node['microbatch']}"
+        else:
+            assert node["repeat"] == graph.nodes[base]["repeat"]
+
+
+@pytest.mark.parametrize("args, keep", [
+    (("--stage", "1"), lambda d: d["stage"] == 1),
+    (("--phase", "backward"), lambda d: d["phase"] == "backward"),
+    (("--axis", "tp"), lambda d: d["type"] == "compute" or d["axis"] == "tp"),
+    (("--axis", "tp", "--transfers-only"), lambda d: d["type"] == "transfer"
+     and d["axis"] == "tp"),
+], ids=["stage-1", "backward", "axis-tp", "axis-tp-transfers-only"])
+def test_filter_keeps_exactly_the_matching_nodes(args, keep):
+    data = graph_json(*args)
+    graph = tiny_graph()
+    expected = sorted(n for n, d in graph.nodes(data=True) if keep(d))
+    assert expected and len(expected) < graph.number_of_nodes()
+    assert sorted(ids(data)) == expected
+
+
+def test_transfers_only_connects_transfers_through_computation():
+    data = graph_json("--axis", "tp", "--transfers-only")
+    graph = tiny_graph()
+    kept = set(ids(data))
+    edges = {(e["source"], e["target"]) for e in data["edges"]}
+    assert ("F/L0/proj>attn_residual:all_reduce@tp", "F/L0/fc2>mlp_residual:all_reduce@tp") \
+        in edges
+    # Every edge stands for a path through dropped nodes only, and every direct edge
+    # between two kept transfers is there.
+    dropped = set(graph.nodes) - kept
+    for u, v in edges:
+        assert u in kept and v in kept
+        assert nx.has_path(graph.subgraph(dropped | {u, v}), u, v), (u, v)
+    for u, v in graph.edges:
+        if u in kept and v in kept:
+            assert (u, v) in edges
+    assert nx.is_directed_acyclic_graph(graph_from_json(data))
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--layers", "99"), "planc: error: layer 99 does not exist; the plan has layers 0..3\n"),
+    (("--stage", "5"), "planc: error: stage 5 does not exist; the plan has 2 (0..1)\n"),
+    (("--microbatch", "7"),
+     "planc: error: microbatch 7 does not exist; the plan has 4 (0..3)\n"),
+    (("--layers", "x"), "planc graph: error: argument --layers: expected a layer N or a "
+                        "range A..B, got 'x'\n"),
+    (("--stage", "-1"), "planc graph: error: argument --stage: expected non-negative "
+                        "integers, got '-1'\n"),
+], ids=["layers-99", "stage-5", "microbatch-7", "layers-x", "stage-minus-1"])
+def test_bad_filter_values_exit_2(args, message):
+    result = planc("graph", TINY, *args)
+    assert result.returncode == 2
+    assert result.out == ""
+    assert result.err.endswith(message), result.err
+
+
+def test_big_plan_defaults_to_one_layer_and_one_microbatch():
+    result = planc("graph", BIG, "--format", "json")
+    assert result.returncode == 0, result.err
+    total = _derived(BIG).number_of_nodes()
+    assert result.err == (f"planc: note: the graph has {total:,} nodes; showing layer 0; "
+                          f"microbatch 0 (choose with --layers, --microbatch, --stage, or "
+                          f"--all)\n")
+    data = json.loads(result.out)
+    assert 0 < len(data["nodes"]) < 100
+    expected = {f"{n}#mb0" if d["per_microbatch"] else n
+                for n, d in _derived(BIG).nodes(data=True) if d["layer"] == 0}
+    assert sorted(ids(data)) == sorted(expected)
+
+
+def test_big_plan_all_gives_the_whole_graph():
+    result = planc("graph", BIG, "--format", "json", "--all")
+    assert result.returncode == 0
+    assert result.err == ""
+    data = json.loads(result.out)
+    assert len(data["nodes"]) == _derived(BIG).number_of_nodes()
+    assert len(data["edges"]) == _derived(BIG).number_of_edges()
+
+
+# --- 6. explain -----------------------------------------------------------------------------
+
+ROW = re.compile(r"^  ([FBO])  (\S+) over (\S+) \(.*\)  .* (per microbatch|per step)  "
+                 r"\[(.*)\]$")
+LETTER = {"forward": "F", "backward": "B", "optimizer": "O"}
+
+
+def _parse_explain(text: str):
+    """Transfer rows with their reasons, and the totals tables, of explain's output."""
+    lines = text.rstrip("\n").split("\n")
+    rows, tables, i = [], [], 0
+    while i < len(lines):
+        line = lines[i]
+        if line[:5] in ("  F  ", "  B  ", "  O  "):
+            match = ROW.match(line)
+            assert match, line
+            reason = []
+            i += 1
+            while i < len(lines) and lines[i].startswith("     ") and lines[i][5] != " ":
+                reason.append(lines[i].strip())
+                i += 1
+            rows.append((*match.groups(), " ".join(reason)))
+            continue
+        if line == "  per step, on each device:":
+            assert lines[i + 1].split() == ["axis", "kind", "phase", "count/step",
+                                            "bytes/step"]
+            assert set(lines[i + 2].replace(" ", "")) == {"-"}
+            i += 3
+            table = {}
+            while i < len(lines) and lines[i].startswith("  ") and lines[i].strip():
+                axis, kind, phase, count, *size = lines[i].split()
+                table[(axis, kind, phase)] = (count, " ".join(size))
+                i += 1
+            tables.append(table)
+            continue
+        i += 1
+    return rows, tables
+
+
+def _expected_rows(nodes):
+    graph = tiny_graph()
+    rows = []
+    for node in nodes:
+        d = graph.nodes[node]
+        where = f"{d['producer']} -> {d['consumer']}" if "producer" in d else d["tensor"]
+        rows.append((LETTER[d["phase"]], d["kind"], d["axis"],
+                     "per microbatch" if d["per_microbatch"] else "per step", where,
+                     " ".join(d["reason"].split())))
+    return rows
+
+
+def _expected_totals(nodes):
+    graph = tiny_graph()
+    sums = defaultdict(lambda: [0, 0])
+    for node in nodes:
+        d = graph.nodes[node]
+        sums[(d["axis"], d["kind"], d["phase"])][0] += d["repeat"]
+        sums[(d["axis"], d["kind"], d["phase"])][1] += d["repeat"] * d["bytes"]
+    return {key: (f"{c:,}", format_bytes(b)) for key, (c, b) in sums.items()}
+
+
+def _transfers(predicate):
+    return [n for n, d in tiny_graph().nodes(data=True)
+            if d["type"] == "transfer" and predicate(d)]
+
+
+def test_explain_layer(tiny_build):
+    result = planc("explain", TINY, "--layer", "2")
+    assert result.returncode == 0, result.err
+    assert result.err == ""
+    nodes = _transfers(lambda d: d["layer"] == 2)
+    assert len(nodes) == 28
+    assert result.out.split("\n")[0] == f"layer 2 (stage 1): {len(nodes)} transfers"
+    rows, tables = _parse_explain(result.out)
+    assert len(rows) == len(nodes)
+    assert sum(line[:5] in ("  F  ", "  B  ", "  O  ") for line in result.out.split("\n")) \
+        == len(nodes)
+    assert all(row[-1] for row in rows)  # every row is followed by its reason
+    assert Counter(rows) == Counter(_expected_rows(nodes))
+    assert tables == [_expected_totals(nodes)]
+    assert "outside the layers" not in result.out
+
+
+def test_explain_param():
+    result = planc("explain", TINY, "--param", "layers.0.qkv.weight")
+    assert result.returncode == 0, result.err
+    rows, tables = _parse_explain(result.out)
+    assert result.out.split("\n")[0] == "transfers of layers.0.qkv.weight: 2 transfers"
+    assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows] == [
+        ("B", "reduce_scatter", "dp_cp", "per step", "layers.0.qkv.weight"),
+        ("O", "all_gather", "dp_cp", "per step", "layers.0.qkv.weight")]
+    nodes = _transfers(lambda d: d.get("tensor") == "layers.0.qkv.weight")
+    assert Counter(rows) == Counter(_expected_rows(nodes))
+    assert tables == [_expected_totals(nodes)]
+    assert all("(zero 1)" in r[-1] for r in rows)
+
+
+def test_explain_axis_filter():
+    result = planc("explain", TINY, "--axis", "tp")
+    assert result.returncode == 0, result.err
+    rows, tables = _parse_explain(result.out)
+    layer0 = _transfers(lambda d: d["layer"] == 0 and d["axis"] == "tp")
+    outside = _transfers(lambda d: d["layer"] is None and d["axis"] == "tp")
+    assert {r[2] for r in rows} == {"tp"}
+    assert len(rows) == len(layer0) + len(outside)
+    assert Counter(rows) == Counter(_expected_rows(layer0 + outside))
+    assert tables == [_expected_totals(layer0), _expected_totals(outside)]
+    headers = [line for line in result.out.split("\n") if line and not line.startswith(" ")]
+    assert headers == [
+        f"layer 0 (stage 0): every layer has the same transfers; showing the first: "
+        f"{len(layer0)} transfers over tp",
+        f"outside the layers: embedding, head, loss and pipeline: {len(outside)} transfers "
+        f"over tp"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--layer", "99"), "planc: error: layer 99 does not exist; the plan has layers 0..3\n"),
+    (("--param", "nope"), "planc: error: the plan has no parameter 'nope'\n"),
+    (("--param", "layers.0.qkv.weigth"), "planc: error: the plan has no parameter "
+     "'layers.0.qkv.weigth'; did you mean 'layers.0.qkv.weight'?\n"),
+], ids=["layer-99", "param-nope", "param-typo"])
+def test_explain_bad_values_exit_2(args, message):
+    result = planc("explain", TINY, *args)
+    assert result.returncode == 2
+    assert result.out == ""
+    assert result.err == message
+
+
+@pytest.mark.parametrize("args", [(), ("--layer", "2"), ("--param", "embedding.weight"),
+                                  ("--axis", "dp_cp")],
+                         ids=["default", "layer-2", "param", "axis"])
+def test_explain_build_directory_equals_plan_file(args, tiny_build):
+    from_dir, from_file = planc_many(["explain", tiny_build, *args],
+                                     ["explain", TINY, *args])
+    assert from_dir.returncode == 0 and from_file.returncode == 0, from_dir.err + from_file.err
+    assert from_dir.out == from_file.out
+    assert from_dir.out.strip()
+
+
+# --- 7. scale smoke ---------------------------------------------------------------------------
+
+
+def _compile_nodes(result, directory: Path) -> set[str]:
+    assert result.returncode == 0, result.err[-2000:]
+    data = json.loads((directory / "graph.json").read_text())
+    count = len(data["nodes"])
+    assert result.out.split("\n")[0].startswith(f"gpt_1t: {count:,} nodes and ")
+    return {node["id"] for node in data["nodes"]}
+
+
+def test_gpt_1t_compiles_and_the_graph_does_not_grow_with_dp_or_tp(tmp_path):
+    text = ONE_T.read_text()
+    assert "    dp = 6\n" in text and "    tp = 8\n" in text and "batch  = 3072" in text
+    dp600 = text.replace("    dp = 6\n", "    dp = 600\n").replace(
+        "batch  = 3072", "batch  = 307200")  # keeps the microbatch at one sequence
+    tp16 = text.replace("    tp = 8\n", "    tp = 16\n").replace(
+        "topology { preset = dgx-a100 }", "topology { devices_per_node = 8 }")
+    assert dp600 != text and tp16 != text and "preset" not in tp16
+    (tmp_path / "dp600.plan").write_text(dp600)
+    (tmp_path / "tp16.plan").write_text(tp16)
+    results = planc_many(["compile", ONE_T, "-o", "base"], ["compile", "dp600.plan", "-o", "dp"],
+                         cwd=tmp_path)
+    results.append(planc("compile", "tp16.plan", "-o", "tp", cwd=tmp_path))
+    base, dp, tp = (_compile_nodes(r, tmp_path / d) for r, d in zip(results, ["base", "dp", "tp"]))
+    assert len(base) < 20_000
+    assert len(dp) == len(base)
+    assert len(tp) == len(base)
+    assert dp == base and tp == base
+    worlds = [json.loads((tmp_path / d / "summary.json").read_text())["world"]
+              for d in ("base", "dp", "tp")]
+    assert worlds == [8 * 64 * 6, 8 * 64 * 600, 16 * 64 * 6]
