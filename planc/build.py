@@ -6,6 +6,7 @@ Layout (format version 1, documented in docs/build.md):
     plan.json      the validated plan (Plan.to_dict)
     graph.json     the communication graph, networkx node-link format
     summary.json   per stage and step: transfers by axis, kind and phase; FLOPs; memory
+    programs/      one rank program per pipeline stage and ranks.json, the rank table
 
 A build is written into a temporary sibling directory and renamed into place, so a
 reader never sees half a build, and a failed compile leaves the old build untouched.
@@ -26,11 +27,16 @@ import networkx as nx
 from planc import __version__
 from planc.graph.derive import GRAPH_FORMAT_VERSION, derive
 from planc.graph.summary import summarize
+from planc.lower.lower import lower
+from planc.lower.program import Program, RankTable, dumps
+from planc.lower.verify import verify
 from planc.plan import Plan
 
 BUILD_FORMAT_VERSION = 1
 MANIFEST = "build.json"
 FILES = ("plan.json", "graph.json", "summary.json")
+PROGRAMS = "programs"
+RANK_TABLE = "ranks.json"
 
 
 class BuildError(Exception):
@@ -43,11 +49,19 @@ class Build:
     graph: nx.DiGraph
     summary: dict
     path: str | None = None  # the directory it was read from, if any
+    programs: dict[str, Program] | None = None
+    table: RankTable | None = None
 
 
 def compile_plan(plan: Plan) -> Build:
+    """Derive, lower and verify. A failed verification here is a bug in planc."""
     graph = derive(plan)
-    return Build(plan, graph, summarize(plan, graph))
+    programs, table = lower(plan, graph)
+    report = verify(plan, graph, programs, table)
+    if not report.ok:
+        raise BuildError("internal error: the lowered programs fail verification (a bug in "
+                         "planc; please report it): " + "; ".join(report.problems))
+    return Build(plan, graph, summarize(plan, graph), programs=programs, table=table)
 
 
 def graph_to_json(graph: nx.DiGraph) -> dict:
@@ -76,9 +90,12 @@ def write(build: Build, directory: str | Path, source_path: str, source_text: st
     manifest = {"format": "planc-build", "version": BUILD_FORMAT_VERSION,
                 "planc": __version__, "source": os.path.abspath(source_path),
                 "source_sha256": hashlib.sha256(source_text.encode()).hexdigest(),
-                "plan": build.plan.name, "files": list(FILES)}
+                "plan": build.plan.name, "files": list(FILES) + [PROGRAMS]}
     contents = {MANIFEST: manifest, "plan.json": build.plan.to_dict(),
                 "graph.json": graph_to_json(build.graph), "summary.json": build.summary}
+    programs = {name: program.to_json() for name, program in (build.programs or {}).items()}
+    if build.table is not None:
+        programs[RANK_TABLE] = build.table.to_json()
     parent = target.resolve().parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -91,6 +108,11 @@ def write(build: Build, directory: str | Path, source_path: str, source_text: st
     try:
         for name, data in contents.items():
             (staging / name).write_text(_dump(data), encoding="utf-8")
+        if programs:
+            (staging / PROGRAMS).mkdir()
+            (staging / PROGRAMS).chmod(staging.stat().st_mode & 0o777)
+            for name, data in programs.items():
+                (staging / PROGRAMS / name).write_text(dumps(data), encoding="utf-8")
         _replace(staging, target)
     except OSError as exc:
         shutil.rmtree(staging, ignore_errors=True)
@@ -218,3 +240,30 @@ def _check_graph(path: Path, graph: nx.DiGraph, plan: Plan) -> None:
                              f"or axis; run planc compile again")
     if not nx.is_directed_acyclic_graph(graph):
         raise BuildError(f"{path} holds a cycle; run planc compile again")
+
+
+def read_programs(build: Build) -> Build:
+    """The build with its rank programs and rank table, read from programs/."""
+    directory = Path(build.path) / PROGRAMS
+    if not directory.is_dir():
+        raise BuildError(f"{build.path} has no {PROGRAMS}/ directory; run planc compile again")
+    try:
+        table = RankTable.from_json(_read_json(directory, RANK_TABLE))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise BuildError(f"{directory / RANK_TABLE} is not a valid rank table ({exc}); run "
+                         f"planc compile again") from None
+    programs = {}
+    for name in table.programs:
+        if "/" in name or name.startswith("."):
+            raise BuildError(f"{directory / RANK_TABLE} names {name!r}, not a program file")
+        try:
+            programs[name] = Program.from_json(_read_json(directory, name))
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise BuildError(f"{directory / name} is not a valid program ({exc}); run planc "
+                             f"compile again") from None
+    unknown = [i.node for p in programs.values() for b in list(p.blocks.values()) + [p.epilogue]
+               for i in b if i.node is not None and i.node not in build.graph]
+    if unknown:
+        raise BuildError(f"{directory} names node {unknown[0]!r}, which graph.json does not "
+                         f"have; run planc compile again")
+    return Build(build.plan, build.graph, build.summary, build.path, programs, table)

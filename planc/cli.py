@@ -100,6 +100,26 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--param", metavar="NAME",
                          help="a parameter, such as layers.3.qkv.weight or embedding.weight")
     explain.add_argument("--axis", choices=AXES, help="only transfers over this axis")
+
+    programs = commands.add_parser(
+        "programs", help="print a rank's program: streams, blocks, events, schedule",
+        description="Print the program a rank runs (the program of its pipeline stage): "
+        "its blocks of instructions on named streams, the schedule of blocks, its receives "
+        "and its epilogue. --expand prints one step's instructions in issue order.")
+    _add_input(programs, "FILE|DIR")
+    programs.add_argument("--rank", type=int, default=0, metavar="R", help="a rank [0]")
+    programs.add_argument("--expand", action="store_true",
+                          help="every instruction of one step, in issue order")
+    programs.add_argument("--microbatch", type=int, metavar="K",
+                          help="with --expand: only this microbatch (and per-step work)")
+
+    verify = commands.add_parser(
+        "verify", help="prove a build's programs cannot deadlock or mix up data",
+        description="Check a build's rank programs without running them: collectives in "
+        "the same order on every member of a group, every send matched by one receive of "
+        "the same size, no deadlock, every wait after its record, no buffer overwritten "
+        "while a transfer reads it.")
+    _add_input(verify, "FILE|DIR")
     return parser
 
 
@@ -201,7 +221,10 @@ def _load_build(args):
     loaded, status = _load(args)
     if status != EXIT_OK:
         return None, status
-    return build.compile_plan(loaded.plan), EXIT_OK
+    try:
+        return build.compile_plan(loaded.plan), EXIT_OK
+    except build.BuildError as exc:
+        return None, _fail(str(exc))
 
 
 def cmd_compile(args) -> int:
@@ -213,8 +236,8 @@ def cmd_compile(args) -> int:
         return status
     output = args.output or os.path.join("build", os.path.splitext(os.path.basename(
         args.file))[0])
-    result = build.compile_plan(loaded.plan)
     try:
+        result = build.compile_plan(loaded.plan)
         build.write(result, output, loaded.path, loaded.source)
     except build.BuildError as exc:
         return _fail(str(exc))
@@ -223,6 +246,7 @@ def cmd_compile(args) -> int:
           f"{graph.number_of_edges():,} edges for one step ({loaded.plan.schedule.microbatches} "
           f"microbatch{'es' if loaded.plan.schedule.microbatches != 1 else ''} folded); build "
           f"written to {os.path.join(output, '')}")
+    print(verified_line(result))
     print()
     print(summary_text.render(result.summary), end="")
     return EXIT_OK
@@ -305,8 +329,65 @@ def cmd_explain(args) -> int:
     return EXIT_OK
 
 
+def _load_programs(args):
+    from planc import build
+
+    built, status = _load_build(args)
+    if built is None:
+        return None, status
+    if built.programs is None:
+        try:
+            built = build.read_programs(built)
+        except build.BuildError as exc:
+            return None, _fail(str(exc))
+    return built, EXIT_OK
+
+
+def cmd_programs(args) -> int:
+    from planc.views import program_text
+
+    built, status = _load_programs(args)
+    if built is None:
+        return status
+    if not 0 <= args.rank < built.plan.world:
+        return _fail(f"rank {args.rank} does not exist; the world has {built.plan.world} "
+                     f"ranks (0..{built.plan.world - 1})", EXIT_USAGE)
+    m = built.plan.schedule.microbatches
+    if args.microbatch is not None and not 0 <= args.microbatch < m:
+        return _fail(f"microbatch {args.microbatch} does not exist; the plan has {m}",
+                     EXIT_USAGE)
+    print(program_text.render(built.plan, built.graph, built.programs, built.table, args.rank,
+                              args.expand, args.microbatch), end="")
+    return EXIT_OK
+
+
+def cmd_verify(args) -> int:
+    from planc.lower.verify import verify
+
+    built, status = _load_programs(args)
+    if built is None:
+        return status
+    report = verify(built.plan, built.graph, built.programs, built.table)
+    if not report.ok:
+        for problem in report.problems:
+            print(f"planc: error: {problem}", file=sys.stderr)
+        print(f"{len(report.problems)} problem{'s' if len(report.problems) != 1 else ''} "
+              f"found; these programs must not run.", file=sys.stderr)
+        return EXIT_ERRORS
+    print(verified_line(built))
+    return EXIT_OK
+
+
+def verified_line(built) -> str:
+    return (f"verified {len(built.programs)} program{'s' if len(built.programs) != 1 else ''} "
+            f"for {built.plan.world} ranks: collectives in the same order on every group, "
+            f"every send matched, no deadlock, every wait after its record, no buffer "
+            f"overwritten in flight")
+
+
 COMMANDS = {"check": cmd_check, "layout": cmd_layout, "compile": cmd_compile,
-            "graph": cmd_graph, "explain": cmd_explain}
+            "graph": cmd_graph, "explain": cmd_explain, "programs": cmd_programs,
+            "verify": cmd_verify}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

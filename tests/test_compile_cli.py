@@ -38,7 +38,7 @@ from tests.conftest import PLANS, ROOT
 TINY = PLANS / "gpt-tiny.plan"
 BIG = PLANS / "gpt3-175b.plan"
 ONE_T = PLANS / "gpt-1t.plan"
-BUILD_FILES = ["build.json", "graph.json", "plan.json", "summary.json"]
+BUILD_FILES = ["build.json", "graph.json", "plan.json", "programs", "summary.json"]
 TIMEOUT = 120
 
 # tp = 8 does not divide heads = 12: one error.
@@ -148,7 +148,7 @@ def tiny_build(tmp_path_factory) -> Path:
 # --- 1. compile -----------------------------------------------------------------------------
 
 
-def test_compile_writes_the_four_files(tmp_path):
+def test_compile_writes_the_build_files(tmp_path):
     out = tmp_path / "out"
     result = planc("compile", TINY, "-o", out)
     assert result.returncode == 0, result.err
@@ -233,7 +233,8 @@ def test_compile_build_permissions_follow_the_umask(tmp_path):
     assert planc("compile", TINY, "-o", out).returncode == 0  # under umask 022
     assert mode(out) == 0o755
     assert {name: mode(out / name) for name in BUILD_FILES} == \
-        {name: 0o644 for name in BUILD_FILES}
+        {name: 0o755 if name == "programs" else 0o644 for name in BUILD_FILES}
+    assert {mode(p) for p in (out / "programs").iterdir()} == {0o644}
 
 
 # --- 2. compile failures and atomicity -------------------------------------------------------

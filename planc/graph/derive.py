@@ -54,6 +54,7 @@ class _Link:
     grad: Layout  # layout of the gradient the consumer returns for this input
     layer: int | None
     ops: tuple[str, str]  # (producer, consumer) operator names
+    port: str = "x"  # the consumer's input
 
 
 @dataclass(frozen=True)
@@ -112,8 +113,17 @@ class _Derivation:
         return {"tp": self.tp, "cp": self.cp, "pp": 2, "dp_cp": self.replicas, "tied": 2,
                 "stage": self.tp * self.replicas}[axis]
 
-    def edge(self, u: str, v: str, kind: str = "data") -> None:
-        self.graph.add_edge(u, v, kind=kind)
+    def edge(self, u: str, v: str, kind: str = "data", port: str | None = None,
+             grad_of: str | None = None) -> None:
+        """``port``: the input of v this edge feeds (x, skip, kv, max, sum_exp, grad);
+        ``grad_of``: on an edge out of a backward node, whose gradient it carries (the
+        forward input's port)."""
+        attrs = {"kind": kind}
+        if port is not None:
+            attrs["port"] = port
+        if grad_of is not None:
+            attrs["grad_of"] = grad_of
+        self.graph.add_edge(u, v, **attrs)
 
     def layout(self, op: str) -> OpLayout:
         return self.tpp.ops[op]
@@ -147,7 +157,8 @@ class _Derivation:
     # --- tp, cp and pp transfers ------------------------------------------------------
 
     def _tp(self, letter: str, chunk: int, layer: int | None, tensor: str, source: Layout,
-            target: Layout, ops: tuple[str, str], u: str, backward: bool = False) -> str:
+            target: Layout, ops: tuple[str, str], u: str, backward: bool = False,
+            grad_of: str | None = None) -> str:
         """Insert the tp transfer from ``source`` to ``target`` after ``u``; return the
         node that now carries the tensor (``u`` itself when no transfer is needed)."""
         move = redistribute(source, target)
@@ -160,7 +171,7 @@ class _Derivation:
             reasons.tensor_parallel(self.plan, self.tpp, ops, move, backward, letter == "R"),
             tensor=tensor, dim=move.dim, source_layout=str(move.source),
             target_layout=str(move.target), producer=ops[0], consumer=ops[1])
-        self.edge(u, node)
+        self.edge(u, node, port="x", grad_of=grad_of)
         return node
 
     def _kv_bytes(self) -> float:
@@ -176,13 +187,13 @@ class _Derivation:
                                  phase, chunk, layer, self._kv_bytes() * self.cp, self.m,
                                  reasons.context_allgather(self.plan, False, letter == "R"),
                                  tensor="kv", dim="seq")
-            self.edge(source, node)
+            self.edge(source, node, port="x")
         else:
             node = self._ring(letter, chunk, layer, "kv", self.cp - 1, source)
-        self.edge(node, attention)
+        self.edge(node, attention, port="kv")
 
     def _ring(self, letter: str, chunk: int, layer: int, tensor: str, steps: int,
-              source: str) -> str:
+              source: str, grad_of: str | None = None) -> str:
         """One ring shift over cp (a send to the next rank, a receive from the previous),
         run ``steps`` times; returns the receive."""
         phase = "forward" if letter == "F" else "backward"
@@ -193,8 +204,8 @@ class _Derivation:
         recv = self.transfer(f"{letter}/L{layer}/{tensor}:recv@cp", "recv", "cp", phase, chunk,
                              layer, self._kv_bytes(), self.m * steps, reason, tensor=tensor,
                              ring_steps=steps, peer="prev")
-        self.edge(source, send)
-        self.edge(send, recv)
+        self.edge(source, send, port="x", grad_of=grad_of)
+        self.edge(send, recv, port="x")
         return recv
 
     def _pipeline(self, phase: str, source_chunk: int, target_chunk: int) -> tuple[str, str]:
@@ -212,20 +223,21 @@ class _Derivation:
     # --- forward ------------------------------------------------------------------------
 
     def link(self, chunk: int, layer: int | None, producer_op: str, u: str, consumer_op: str,
-             v: str, source: Layout | None = None, tensor: str | None = None) -> None:
-        """A forward data edge u -> v, with whatever transfers the layouts need."""
+             v: str, source: Layout | None = None, tensor: str | None = None,
+             port: str = "x") -> None:
+        """A forward data edge u -> v into v's input ``port``, with whatever transfers the
+        layouts need."""
         consumer = self.layout(consumer_op)
         source = source or self.layout(producer_op).output
         tensor = tensor or OUTPUT_TENSOR[producer_op]
         carrier = self._tp("F", chunk, layer, tensor, source, consumer.input,
                            (producer_op, consumer_op), u)
+        self.edge(carrier, v, port=port)  # with cp, the local queries and K/V block
         if (producer_op, consumer_op) == ("qkv", "attention") and self.cp > 1:
-            self.edge(carrier, v)  # the local queries (and K/V block)
             self._cp_forward("F", chunk, layer, carrier, v)
-        else:
-            self.edge(carrier, v)
         self.links[chunk].append(_Link(u, v, tensor, source, consumer.input,
-                                       consumer.grad_input, layer, (producer_op, consumer_op)))
+                                       consumer.grad_input, layer, (producer_op, consumer_op),
+                                       port))
 
     def _forward_chunk(self, chunk: int) -> None:
         first, last = self.chunks[chunk]
@@ -242,7 +254,7 @@ class _Derivation:
             self._forward_head(chunk, x)
         else:
             send, recv = self._pipeline("forward", chunk, chunk + 1)
-            self.edge(x[1], send)
+            self.edge(x[1], send, port="x")
             self.chunk_input[chunk + 1] = recv
             self.chunk_output[chunk] = x[1]
 
@@ -255,11 +267,12 @@ class _Derivation:
                                    ("proj", "attn_residual")):
             self.link(chunk, layer, producer, n[producer], consumer, n[consumer])
         self.link(chunk, layer, x_op, x_node, "attn_residual", n["attn_residual"],
-                  source=stream, tensor="stream")  # the residual connection
+                  source=stream, tensor="stream", port="skip")  # the residual connection
         for producer, consumer in (("attn_residual", "ln2"), ("ln2", "fc1"), ("fc1", "gelu"),
-                                   ("gelu", "fc2"), ("fc2", "mlp_residual"),
-                                   ("attn_residual", "mlp_residual")):
+                                   ("gelu", "fc2"), ("fc2", "mlp_residual")):
             self.link(chunk, layer, producer, n[producer], consumer, n[consumer])
+        self.link(chunk, layer, "attn_residual", n["attn_residual"], "mlp_residual",
+                  n["mlp_residual"], port="skip")
         return "mlp_residual", n["mlp_residual"]
 
     def _forward_head(self, chunk: int, x: tuple[str, str]) -> None:
@@ -273,7 +286,8 @@ class _Derivation:
         if self.layout("loss").input == S("vocab") and self.tp > 1:
             # Vocabulary-parallel cross-entropy (Megatron): a max and a sum of exponentials
             # over the vocabulary, each an all-reduce of one fp32 number per token.
-            previous = head
+            # The local parts read the logits (and the reduced max); the loss reads all.
+            reduced: dict[str, str] = {}
             for part in LOSS_REDUCTIONS:
                 local = self.compute(f"F/loss_{part}", "loss", "forward", chunk, None,
                                      self.shapes.elements("logits") * 2 / self.tp,
@@ -285,16 +299,19 @@ class _Derivation:
                                        self.shapes.elements("tokens") * FP32_BYTES, self.m,
                                        reasons.vocab_loss(self.plan, part), dtype="fp32",
                                        tensor=f"loss_{part}", source_layout="P",
-                                       target_layout="R")
-                self.edge(previous, local)
-                self.edge(local, reduce)
-                self.edge(reduce, loss)
-                previous = reduce
+                                       target_layout="R",
+                                       reduce_op="max" if part == "max" else "sum")
+                self.edge(head, local, port="x")
+                for name, node in reduced.items():
+                    self.edge(node, local, port=name)
+                self.edge(local, reduce, port="x")
+                self.edge(reduce, loss, port=part)
+                reduced[part] = reduce
         self.link(chunk, None, "head", head, "loss", loss)
         report = self.transfer("F/loss:all_reduce@stage", "all_reduce", "stage", "forward",
                                chunk, None, FP32_BYTES, 1, reasons.loss_report(self.plan),
                                dtype="fp32", tensor="loss", per_microbatch=False)
-        self.edge(loss, report)
+        self.edge(loss, report, port="x")
 
     # --- backward -----------------------------------------------------------------------
 
@@ -305,7 +322,8 @@ class _Derivation:
             self.edge(node, b, "saved")
             backward[node] = b
         if chunk != self.last_chunk:  # the pair was made with the next chunk's backward
-            self.edge(self.gradient_input[chunk], backward[self.chunk_output[chunk]])
+            self.edge(self.gradient_input[chunk], backward[self.chunk_output[chunk]],
+                      port="grad")
         if chunk > 0:
             send, self.gradient_input[chunk - 1] = self._pipeline("backward", chunk, chunk - 1)
             backward[self.chunk_input[chunk]] = send
@@ -321,10 +339,14 @@ class _Derivation:
         target = gradient_layout(link.source)
         ops = (link.ops[1], link.ops[0])
         layer = link.layer
+        port = link.port
         if link.ops != ("qkv", "attention") or self.cp == 1:
             carrier = self._tp("B", chunk, layer, link.tensor, link.grad, target, ops,
-                               grad_from, backward=True)
-            self.edge(carrier, grad_to)
+                               grad_from, backward=True, grad_of=port)
+            if carrier == grad_from:
+                self.edge(grad_from, grad_to, port="grad", grad_of=port)
+            else:
+                self.edge(carrier, grad_to, port="grad")
             return
         # K and V gradients come back over cp; the query gradient is local.
         if self.plan.shard.cp.attention == "allgather":
@@ -332,17 +354,24 @@ class _Derivation:
                                "backward", chunk, layer, self._kv_bytes() * self.cp, self.m,
                                reasons.context_allgather(self.plan, True), tensor="dkv",
                                dim="seq")
-            self.edge(grad_from, kv)
+            self.edge(grad_from, kv, port="x", grad_of="kv")
         else:
             # Ring backward, as TransformerEngine does it: the K/V blocks go around the
             # ring again, and each block's dK/dV accumulator travels with it, then home.
             kv_source = link.producer
-            self.edge(self._ring("B", chunk, layer, "kv", self.cp - 1, kv_source), grad_from)
-            kv = self._ring("B", chunk, layer, "dkv", self.cp, grad_from)
+            self.edge(self._ring("B", chunk, layer, "kv", self.cp - 1, kv_source), grad_from,
+                      port="kv")
+            kv = self._ring("B", chunk, layer, "dkv", self.cp, grad_from, grad_of="kv")
+        # The gradients of this rank's K and V (from kv) and of its queries (straight
+        # from attention) meet, through the tp redistribution if there is one.
         carrier = self._tp("B", chunk, layer, link.tensor, link.grad, target, ops, kv,
                            backward=True)
-        self.edge(grad_from, carrier if carrier != kv else grad_to)
-        self.edge(carrier, grad_to)
+        if carrier == kv:
+            self.edge(kv, grad_to, port="grad")
+            self.edge(grad_from, grad_to, port="grad", grad_of="x")
+        else:
+            self.edge(grad_from, carrier, port="x", grad_of="x")
+            self.edge(carrier, grad_to, port="grad")
 
     def _recompute_layer(self, chunk: int, layer: int) -> None:
         if self.recompute == "selective":
@@ -364,7 +393,7 @@ class _Derivation:
             u, v = nodes[producer], nodes[consumer]
             carrier = self._tp("R", chunk, layer, link.tensor, link.source, link.target,
                                link.ops, u)
-            self.edge(carrier, v)
+            self.edge(carrier, v, port=link.port)
             if link.ops == ("qkv", "attention") and self.cp > 1:
                 self._cp_forward("R", chunk, layer, carrier, v)
         for op in LAYER_OPS:
@@ -411,10 +440,10 @@ class _Derivation:
                                        self._param_bytes(param, storage), self.m,
                                        reasons.zero3_gather(self.plan, param.name, phase),
                                        tensor=param.name)
-                self.edge(gather, consumer)
+                self.edge(gather, consumer, port="param")
                 recomputed = node.replace("F/", "R/", 1)
                 if letter == "B" and recomputed in self.graph:
-                    self.edge(gather, recomputed)
+                    self.edge(gather, recomputed, port="param")
 
     def _gradient(self, chunk: int, site: _Site) -> list[str]:
         """The gradient's path from its backward operators to the optimizer."""
@@ -442,7 +471,7 @@ class _Derivation:
                                  self.m if per_microbatch else 1, reason, stage=stage,
                                  tensor=param.name, per_microbatch=per_microbatch, **extra)
             for source in last:
-                self.edge(source, node)
+                self.edge(source, node, port="x")
             last = [node]
 
         # A slice's gradient is gathered before the dp reduction shards it; a partial
@@ -479,7 +508,7 @@ class _Derivation:
                             params=[s.param.name for s in sites], sharded=sharded,
                             recompute=False, per_microbatch=False)
         for source in ready:
-            self.edge(source, node)
+            self.edge(source, node, port="grad")
         if self.zero not in (1, 2) or self.replicas == 1:
             return
         for site in sites:
@@ -490,7 +519,7 @@ class _Derivation:
                                    self._param_bytes(param, site.uses[0][1].storage), 1,
                                    reasons.zero_gather(self.plan, param.name),
                                    tensor=param.name, per_microbatch=False)
-            self.edge(node, gather)
+            self.edge(node, gather, port="x")
 
     # --- the whole step ---------------------------------------------------------------------
 

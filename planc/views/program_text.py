@@ -1,0 +1,77 @@
+"""``planc programs``: one rank's program as a listing a person can read."""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from planc.layout import Layout
+from planc.lower.program import Instruction, Program, RankTable
+from planc.plan import Plan
+
+
+def _instruction(i: Instruction, graph: nx.DiGraph) -> str:
+    if i.op in ("record", "wait"):
+        return f"{i.stream:<10} {i.op} {i.event}"
+    if i.op == "sync":
+        return f"{i.stream:<10} sync (every stream drained)"
+    data = graph.nodes[i.node] if i.node in graph else {}
+    extra = ""
+    if data.get("type") == "transfer":
+        extra = f"  [{data['axis']}, {data['bytes']:,} B]"
+    reads = f"  <- {', '.join(i.reads)}" if i.reads else ""
+    return f"{i.stream:<10} {i.op:<14} {i.node}{extra}{reads}"
+
+
+def _block_title(name: str, plan: Plan) -> str:
+    chunk = int(name[1:])
+    first, last = plan.shard.pp.chunks[chunk]
+    what = "forward" if name[0] == "F" else "backward"
+    layers = f"layer {first}" if first == last else f"layers {first}-{last}"
+    return f"block {name}: {what} of chunk {chunk} ({layers}), once per microbatch"
+
+
+def render(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program], table: RankTable,
+           rank: int, expand: bool = False, microbatch: int | None = None) -> str:
+    layout = Layout.of(plan)
+    name = table.program_of(rank)
+    program = programs[name]
+    coords = layout.coords(rank)
+    others = [r for r in table.programs[name] if r != rank]
+    shown = ", ".join(map(str, others[:8])) + (f", ... ({len(others)})" if len(others) > 8
+                                               else "")
+    lines = [f"rank {rank}: stage {coords['pp']} (tp {coords['tp']}, cp {coords['cp']}, "
+             f"dp {coords['dp']}) runs {name}" + (f", shared with ranks {shown}" if others
+                                                  else ""),
+             "groups: " + "  ".join(f"{axis} {list(layout.group(rank, axis))}"
+                                    for axis in ("tp", "cp", "dp_cp") if
+                                    len(layout.group(rank, axis)) > 1) or "groups: none",
+             f"streams: {', '.join(program.streams)}"]
+    actions = " ".join(f"{b}.{mb}" for b, mb in program.schedule)
+    lines.append(f"schedule ({len(program.schedule)} blocks, block.microbatch): "
+                 + (actions if len(actions) < 400 else actions[:400] + " ..."))
+    if expand:
+        lines.append("")
+        lines.append("issue order of one step" + (f", microbatch {microbatch}"
+                                                  if microbatch is not None else "") + ":")
+        for item in program.expand():
+            if microbatch is not None and item.microbatch not in (None, microbatch):
+                continue
+            what = item.event if item.op in ("record", "wait") else item.node
+            mb = f"  (mb {item.microbatch})" if item.microbatch is not None else ""
+            lines.append(f"  {item.index:>6}  {item.stream:<10} {item.op:<14} {what}{mb}")
+        return "\n".join(lines) + "\n"
+    for block, instructions in program.blocks.items():
+        lines.append("")
+        lines.append(_block_title(block, plan))
+        for k, instruction in enumerate(instructions):
+            lines.append(f"  {k:>4}  {_instruction(instruction, graph)}")
+    for stream, items in program.receives.items():
+        lines.append("")
+        lines.append(f"receives on {stream}, in the order the peer sends them:")
+        text = ", ".join(f"{node} mb {mb}" for node, mb in items)
+        lines.append("  " + (text if len(text) < 600 else text[:600] + " ..."))
+    lines.append("")
+    lines.append("epilogue, once per step after the last block:")
+    for k, instruction in enumerate(program.epilogue):
+        lines.append(f"  {k:>4}  {_instruction(instruction, graph)}")
+    return "\n".join(lines) + "\n"
