@@ -177,7 +177,10 @@ def test_compile_writes_the_build_files(tmp_path):
     first = (f"gpt_tiny: {nodes:,} nodes and {edges:,} edges for one step (4 microbatches "
              f"folded); build written to {out}/")
     summary = json.loads((out / "summary.json").read_text())
-    assert result.out == first + "\n\n" + summary_text.render(summary)
+    verified = ("verified 2 programs for 8 ranks: collectives in the same order on every "
+                "group, every send matched, no deadlock, every wait after its record, no "
+                "buffer overwritten in flight")
+    assert result.out == first + "\n" + verified + "\n\n" + summary_text.render(summary)
 
 
 def test_compile_summary_totals_are_sums_over_graph_json(tmp_path):
