@@ -120,6 +120,27 @@ def build_parser() -> argparse.ArgumentParser:
         "the same size, no deadlock, every wait after its record, no buffer overwritten "
         "while a transfer reads it.")
     _add_input(verify, "FILE|DIR")
+
+    run = commands.add_parser(
+        "run", help="train for real: every rank on this machine, torch.distributed",
+        description="Compile the plan if given a file, verify its programs, and run every "
+        "rank on this machine with torch.distributed (NCCL with CUDA streams on GPUs, gloo "
+        "on CPUs). For a cluster, start `torchrun ... -m planc.runtime.worker DIR` on "
+        "every node instead.")
+    _add_input(run, "FILE|DIR")
+    run.add_argument("-o", "--output", metavar="DIR",
+                     help="where to compile a plan file [build/NAME]")
+    run.add_argument("--steps", type=int, metavar="N", help="steps [the plan's train.steps]")
+    run.add_argument("--backend", choices=("gloo", "nccl"),
+                     help="[nccl where CUDA is present, else gloo]")
+    run.add_argument("--metrics", metavar="M.jsonl", help="one JSON object per step")
+    run.add_argument("--trace", metavar="T.json", help="Chrome trace of every rank's streams")
+    run.add_argument("--check", action="store_true",
+                     help="also train in one process and compare every loss and parameter")
+    run.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                     help="seconds without progress before every rank reports a hang [120]")
+    run.add_argument("--no-verify", action="store_true",
+                     help="run programs without verifying them (to debug a broken build)")
     return parser
 
 
@@ -378,6 +399,59 @@ def cmd_verify(args) -> int:
     return EXIT_OK
 
 
+def cmd_run(args) -> int:
+    from planc import build
+    from planc.lower.verify import verify
+
+    if args.steps is not None and args.steps < 1:
+        return _fail("--steps must be at least 1", EXIT_USAGE)
+    if args.timeout <= 0:
+        return _fail("--timeout must be positive", EXIT_USAGE)
+    directory = args.file
+    if not os.path.isdir(args.file):
+        loaded, status = _load(args)
+        if status != EXIT_OK:
+            return status
+        directory = args.output or os.path.join(
+            "build", os.path.splitext(os.path.basename(args.file))[0])
+        try:
+            build.write(build.compile_plan(loaded.plan), directory, loaded.path, loaded.source)
+        except build.BuildError as exc:
+            return _fail(str(exc))
+    try:
+        built = build.read_programs(build.read(directory))
+    except build.BuildError as exc:
+        return _fail(str(exc))
+    if not args.no_verify:
+        report = verify(built.plan, built.graph, built.programs, built.table)
+        if not report.ok:
+            for problem in report.problems:
+                print(f"planc: error: {problem}", file=sys.stderr)
+            return _fail("the programs failed verification; nothing was run")
+    try:
+        import torch
+    except ImportError:
+        return _fail("planc run needs PyTorch: pip install 'planc[run]'")
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl" and torch.cuda.device_count() < built.plan.world:
+        return _fail(f"the nccl backend needs a GPU per rank: the plan has "
+                     f"{built.plan.world} ranks, this machine {torch.cuda.device_count()} "
+                     f"GPUs; use --backend gloo or torchrun across nodes", EXIT_USAGE)
+    from planc.runtime.launch import launch
+
+    worker_args = ["--timeout", str(args.timeout)]
+    if args.steps:
+        worker_args += ["--steps", str(args.steps)]
+    for flag, value in (("--metrics", args.metrics), ("--trace", args.trace)):
+        if value:
+            worker_args += [flag, os.path.abspath(value)]
+    if args.check:
+        worker_args.append("--check")
+    print(f"planc: running {built.plan.name} on {built.plan.world} ranks ({backend}), "
+          f"{args.steps or built.plan.train.steps} steps", file=sys.stderr)
+    return launch(os.path.abspath(directory), built.plan.world, worker_args, backend)
+
+
 def verified_line(built) -> str:
     return (f"verified {len(built.programs)} program{'s' if len(built.programs) != 1 else ''} "
             f"for {built.plan.world} ranks: collectives in the same order on every group, "
@@ -387,7 +461,7 @@ def verified_line(built) -> str:
 
 COMMANDS = {"check": cmd_check, "layout": cmd_layout, "compile": cmd_compile,
             "graph": cmd_graph, "explain": cmd_explain, "programs": cmd_programs,
-            "verify": cmd_verify}
+            "verify": cmd_verify, "run": cmd_run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,8 +10,8 @@ order the sending stage sends, ahead of their use.
 
 Events. Wherever a value crosses streams, the producer's stream records ``done:NODE``
 after the producer and the consumer's stream waits for it right before the consumer
-(semantics.md section 4). The epilogue starts with ``sync`` (every stream drained), so
-once-per-step work sees every microbatch's results.
+(semantics.md section 4). The epilogue starts with a ``sync`` on each of its streams
+(every stream drained), so once-per-step work sees every microbatch's results.
 """
 
 from __future__ import annotations
@@ -175,8 +175,12 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
                 epilogue_nodes.add(node)
         blocks = {name: tuple(lowering.instructions(_ordered(graph, nodes, rank)))
                   for name, nodes in sorted(blocks_nodes.items())}
-        epilogue = (Instruction("sync", COMPUTE, per_microbatch=False),) + tuple(
-            lowering.instructions(_ordered(graph, epilogue_nodes, rank)))
+        epilogue_body = lowering.instructions(_ordered(graph, epilogue_nodes, rank))
+        # Every stream of the epilogue starts once every stream has drained the blocks.
+        epilogue_streams = [st for st in STREAM_ORDER
+                            if st == COMPUTE or any(i.stream == st for i in epilogue_body)]
+        epilogue = tuple(Instruction("sync", st, per_microbatch=False)
+                         for st in epilogue_streams) + tuple(epilogue_body)
         plan_schedule = tuple((f"{kind}{chunk}", mb) for kind, mb, chunk in actions[stage])
         receives = _receive_order(graph, receive_nodes, actions, pp)
         streams = tuple(s for s in STREAM_ORDER if s in set(lowering.streams.values())

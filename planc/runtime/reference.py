@@ -1,0 +1,71 @@
+"""The gpt model in one process, unsharded: the reference every plan must reproduce.
+
+Written straight from plan-language.md's definition of the model, with torch.optim, so
+that ``planc run --check`` compares a distributed run with an independent computation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from planc.plan import Plan
+from planc.runtime.model import batch_tokens, initial_value, parameters
+
+LN_EPS = 1e-5
+
+
+def forward_loss(plan: Plan, params: dict[str, torch.Tensor], tokens: torch.Tensor,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Mean cross-entropy of the batch (tokens: batch x (seq + 1))."""
+    m = plan.model
+    p = {k: v.to(dtype) for k, v in params.items()}
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    seq = inputs.shape[1]
+    x = p["embedding.weight"][inputs] + p["position.weight"][:seq]
+    hd = m.hidden // m.heads
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    for layer in range(m.layers):
+        w = {k[len(f"layers.{layer}."):]: v for k, v in p.items()
+             if k.startswith(f"layers.{layer}.")}
+        h = F.layer_norm(x, (m.hidden,), w["ln1.weight"], w["ln1.bias"], LN_EPS)
+        qkv = h @ w["qkv.weight"] + w["qkv.bias"]
+        q, k, v = qkv.view(*qkv.shape[:2], 3, m.heads, hd).unbind(2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+        scores = scores.masked_fill(~causal, float("-inf"))
+        context = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+        x = x + context.reshape(*x.shape) @ w["proj.weight"] + w["proj.bias"]
+        h = F.layer_norm(x, (m.hidden,), w["ln2.weight"], w["ln2.bias"], LN_EPS)
+        h = F.gelu(h @ w["fc1.weight"] + w["fc1.bias"], approximate="tanh")
+        x = x + h @ w["fc2.weight"] + w["fc2.bias"]
+    x = F.layer_norm(x, (m.hidden,), p["final_ln.weight"], p["final_ln.bias"], LN_EPS)
+    head = p["embedding.weight"].t() if m.tie_embeddings else p["head.weight"]
+    logits = (x @ head).float()
+    return F.cross_entropy(logits.reshape(-1, m.vocab), targets.reshape(-1))
+
+
+def make_optimizer(plan: Plan, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
+    o = plan.train.optimizer
+    if o.name == "adamw":
+        return torch.optim.AdamW(tensors, lr=o.lr, betas=o.betas, eps=o.eps,
+                                 weight_decay=o.weight_decay)
+    return torch.optim.SGD(tensors, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+
+
+def train(plan: Plan, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses of every step and the final parameters."""
+    params = {name: initial_value(plan.train.seed, p).requires_grad_()
+              for name, p in parameters(plan).items()}
+    optimizer = make_optimizer(plan, list(params.values()))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
+        plan.model.dtype]
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss = forward_loss(plan, params, batch_tokens(plan, step), dtype)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach() for k, v in params.items()}
