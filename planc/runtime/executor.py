@@ -40,6 +40,15 @@ class Hang(RuntimeError):
     """No progress for too long; the message says what each stream waits for."""
 
 
+class PeerLost(RuntimeError):
+    """A transfer failed because a peer went away; the message says what each stream
+    was waiting for."""
+
+
+_PEER_GONE = ("Connection closed", "Connection reset", "Broken pipe", "Timed out",
+              "timed out", "NCCL communicator was aborted")
+
+
 @dataclass
 class TraceEvent:
     stream: str
@@ -400,20 +409,28 @@ class CpuExecutor:
                 thread.join(0.05)
             if failure:
                 abort.set()
-                raise failure[0]
+                self._raise(failure[0], current, step)
             if time.monotonic() - progress[0] > self.timeout:
                 abort.set()
                 raise Hang(self._hang_report(current, step))
         if failure:
-            raise failure[0]
+            self._raise(failure[0], current, step)
         return state
 
-    def _hang_report(self, current: dict, step: int) -> str:
+    def _raise(self, error: BaseException, current: dict, step: int):
+        if isinstance(error, RuntimeError) and any(p in str(error) for p in _PEER_GONE):
+            cause = str(error).split("\n")[0][:200]
+            raise PeerLost(self._hang_report(current, step, lost=cause)) from error
+        raise error
+
+    def _hang_report(self, current: dict, step: int, lost: str | None = None) -> str:
         interp = self.interpreter
         ctx = interp.ctx
-        lines = [f"rank {ctx.rank} (stage {ctx.stage}, tp {ctx.tp_rank}, cp {ctx.cp_rank}, "
-                 f"dp {ctx.coords['dp']}) made no progress for {self.timeout:g} s in step "
-                 f"{step}; its streams wait on:"]
+        who = (f"rank {ctx.rank} (stage {ctx.stage}, tp {ctx.tp_rank}, cp {ctx.cp_rank}, "
+               f"dp {ctx.coords['dp']})")
+        what = (f"lost a peer in step {step} ({lost})" if lost else
+                f"made no progress for {self.timeout:g} s in step {step}")
+        lines = [f"{who} {what}; its streams wait on:"]
         for stream, item in current.items():
             what = "nothing (finished)" if item is None else \
                 f"#{item.index} {_describe(item, interp.graph, ctx)}"

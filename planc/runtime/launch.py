@@ -1,14 +1,17 @@
 """``planc run``: start every rank of a plan on this machine with torch.distributed's own
 launcher (torch.distributed.launcher, the machinery behind torchrun).
 
-Workers are forked from this process, which has already imported torch, so a world of
-eight starts in a fraction of a second instead of importing torch eight times (CUDA
-runs use spawn, since CUDA cannot be forked). If a rank raises, the launcher stops every
+Workers are forked from a fork server that imported torch and planc once (Python's
+``forkserver`` start method with a preload), so a world of eight starts without
+importing torch eight times, and no worker is forked from a process whose other
+threads (the launcher's own) might hold a lock at that moment. CUDA runs use spawn,
+since CUDA cannot be forked. If a rank raises, the launcher stops every
 other rank at once and the failing rank's traceback is shown; Ctrl-C stops them all.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import sys
@@ -27,21 +30,36 @@ def launch(build_dir: str, world: int, worker_args: list[str], backend: str) -> 
     """Run ``world`` ranks of the worker on ``build_dir``; 0 if every rank succeeded."""
     import logging
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     for name in ("torch.distributed.elastic", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # planc reports failures itself
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks share this machine's cores
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+    run_id = f"planc-{uuid.uuid4().hex[:8]}"
+    # Every rank's output is kept in BUILD/logs/RUN_ID and copied to this console.
+    logs = DefaultLogsSpecs(log_dir=os.path.join(build_dir, "logs"), redirects=Std.ALL,
+                            tee=Std.ALL)
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"planc-{uuid.uuid4().hex[:8]}",
+        min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=run_id, logs_specs=logs,
+        log_line_prefix_template="[rank ${rank}] ",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
-        monitor_interval=0.1, start_method="spawn" if backend == "nccl" else "fork")
+        monitor_interval=0.1, start_method="spawn" if backend == "nccl" else "forkserver")
+    multiprocessing.set_forkserver_preload(["planc.runtime.worker"])
     try:
         elastic_launch(config, entry)([build_dir, "--backend", backend, *worker_args])
     except ChildFailedError as failure:
         print(_failure_report(failure), file=sys.stderr)
         return 1
+    except (SignalException, KeyboardInterrupt) as interrupt:
+        # torch's launcher has already stopped every rank when this reaches us
+        signal = getattr(interrupt, "sigval", None)
+        print(f"\nplanc: interrupted{f' by signal {int(signal)}' if signal else ''}; every "
+              f"rank was stopped", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -50,7 +68,7 @@ def _failure_report(failure) -> str:
     root_rank, root = failure.get_first_failure()
     for rank, info in sorted(failure.failures.items()):
         if info.exitcode == 3:
-            what = "stopped by its hang report (above)"
+            what = "stopped after reporting what it waited for (above)"
         elif info.exitcode and info.exitcode < 0:
             what = f"killed by signal {-info.exitcode}"
         else:
@@ -61,7 +79,7 @@ def _failure_report(failure) -> str:
         trace = message.get("message", "")
         extra = message.get("extraInfo", {}).get("py_callstack", "")
         message = extra or trace
-    if message and "SystemExit" not in str(message) and \
+    if root.exitcode != 3 and message and "SystemExit" not in str(message) and \
             "To enable traceback" not in str(message):
         lines.append(f"planc: traceback of rank {root_rank}, the first to fail:")
         lines.append(str(message).rstrip())

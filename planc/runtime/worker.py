@@ -28,7 +28,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from planc import build as build_module
 from planc.runtime.context import RankContext, make_groups
-from planc.runtime.executor import CpuExecutor, CudaExecutor, Hang, Interpreter
+from planc.runtime.executor import CpuExecutor, CudaExecutor, Hang, Interpreter, PeerLost
 from planc.runtime.model import join_feature
 
 EXIT_HANG = 3
@@ -107,7 +107,13 @@ def train(args: argparse.Namespace) -> int:
                     metrics.flush()
     except Hang as hang:
         print(str(hang), file=sys.stderr, flush=True)
-        os._exit(EXIT_HANG)  # streams blocked inside a transfer cannot be joined
+        # Give the other ranks time to notice and report too, then stop: streams blocked
+        # inside a transfer cannot be joined.
+        time.sleep(min(args.timeout, 30.0))
+        os._exit(EXIT_HANG)
+    except PeerLost as lost:
+        print(str(lost), file=sys.stderr, flush=True)
+        os._exit(EXIT_HANG)
     finally:
         if metrics:
             metrics.close()

@@ -1,0 +1,242 @@
+"""Rank programs: their shape, and a verifier that rejects every kind of broken program."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+
+from planc.build import compile_plan, read, read_programs, write
+from planc.lang import load_file, load_text
+from planc.lower.program import Instruction, Program, RankTable
+from planc.lower.verify import verify
+from tests.conftest import PLANS
+
+EXAMPLES = sorted(PLANS.glob("*.plan"))
+
+PP_PLAN = """plan pp {
+  model gpt { layers = 4; hidden = 32; heads = 4; vocab = 128; seq = 16; batch = 8 }
+  mesh { tp = 2; pp = 2 }
+  schedule { microbatches = 4 }
+}"""
+
+
+def built(text: str = PP_PLAN):
+    loaded = load_text(text)
+    assert loaded.ok, loaded.diagnostics
+    return compile_plan(loaded.plan)
+
+
+def problems(build, programs=None, table=None) -> list[str]:
+    return verify(build.plan, build.graph, programs or build.programs,
+                  table or build.table).problems
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_every_example_lowers_to_verified_programs(path):
+    build = compile_plan(load_file(path).plan)
+    assert problems(build) == []
+    plan = build.plan
+    # one program per pipeline stage, every rank in exactly one, on its own stage
+    assert sorted(build.programs) == sorted(f"stage{s}.json" for s in range(plan.mesh.pp))
+    ranks = sorted(r for rs in build.table.programs.values() for r in rs)
+    assert ranks == list(range(plan.world))
+
+
+def test_program_shape_of_a_two_stage_pipeline():
+    build = built()
+    stage0, stage1 = build.programs["stage0.json"], build.programs["stage1.json"]
+    assert build.table.programs == {"stage0.json": (0, 1), "stage1.json": (2, 3)}
+    assert stage0.streams == ("compute", "comm", "send_next", "recv_next")
+    assert stage1.streams == ("compute", "comm", "send_prev", "recv_prev")
+    # 1F1B on 4 microbatches: one warm-up forward on stage 0
+    assert [f"{b}.{m}" for b, m in stage0.schedule] == [
+        "F0.0", "F0.1", "B0.0", "F0.2", "B0.1", "F0.3", "B0.2", "B0.3"]
+    assert stage1.receives == {"recv_prev": tuple(("F/c0>c1:recv@pp", k) for k in range(4))}
+    # each tp all-reduce is bracketed by events across the compute and comm streams
+    block = stage0.blocks["F0"]
+    index = next(i for i, x in enumerate(block) if x.node == "F/L0/proj>attn_residual:"
+                 "all_reduce@tp")
+    assert [(x.op, x.stream, x.event) for x in block[index - 2:index + 3]] == [
+        ("record", "compute", "done:F/L0/proj"), ("wait", "comm", "done:F/L0/proj"),
+        ("all_reduce", "comm", None),
+        ("record", "comm", "done:F/L0/proj>attn_residual:all_reduce@tp"),
+        ("wait", "compute", "done:F/L0/proj>attn_residual:all_reduce@tp")]
+    expanded = list(stage0.expand())
+    assert sum(1 for x in expanded if x.op == "send") == 4
+    assert [x.op for x in expanded if x.stream == "recv_next"] == ["recv", "record"] * 4
+
+
+def test_programs_round_trip_through_json():
+    build = built()
+    for program in build.programs.values():
+        again = Program.from_json(json.loads(json.dumps(program.to_json())))
+        assert again == program
+    assert RankTable.from_json(build.table.to_json()) == build.table
+
+
+def test_overlap_off_keeps_collectives_on_the_compute_stream():
+    build = built(PP_PLAN.replace("schedule {", "optimize { overlap = off }\n  schedule {"))
+    streams = {x.stream for p in build.programs.values() for b in p.blocks.values() for x in b
+               if x.op == "all_reduce"}
+    assert streams == {"compute"}
+    assert problems(build) == []
+
+
+# --- the verifier against hand-broken programs -------------------------------------------
+
+
+def _split_rank(build, rank: int, change) -> tuple[dict, RankTable]:
+    """Give ``rank`` a program of its own, changed by ``change(program_dict)``."""
+    name = build.table.program_of(rank)
+    data = copy.deepcopy(build.programs[name].to_json())
+    change(data)
+    programs = dict(build.programs)
+    programs["broken.json"] = Program.from_json(data)
+    table = {k: tuple(r for r in v if r != rank) for k, v in build.table.programs.items()}
+    table["broken.json"] = (rank,)
+    return programs, RankTable(table)
+
+
+def _replace_program(build, name: str, change) -> dict:
+    data = copy.deepcopy(build.programs[name].to_json())
+    change(data)
+    return {**build.programs, name: Program.from_json(data)}
+
+
+def test_two_collectives_swapped_on_one_rank():
+    build = built()
+
+    def swap(data):
+        block = data["blocks"]["F0"]
+        first, second = [i for i, x in enumerate(block) if x[0] == "all_reduce"][:2]
+        block[first], block[second] = block[second], block[first]
+
+    programs, table = _split_rank(build, 1, swap)
+    found = [p for p in problems(build, programs, table) if p.startswith("tp group [0, 1]")]
+    assert found == ["tp group [0, 1]: collective 1 on this group is all_reduce "
+                     "F/embedding>position:all_reduce@tp (microbatch 0) on rank 0 but "
+                     "all_reduce F/L0/proj>attn_residual:all_reduce@tp (microbatch 0) on rank 1: "
+                     "the group would deadlock or mix up data"]
+
+
+def test_a_missing_receive():
+    build = built()
+
+    def drop(data):
+        data["receives"]["recv_prev"] = data["receives"]["recv_prev"][:-1]
+
+    programs = _replace_program(build, "stage1.json", drop)
+    assert "stage 0 (ranks 0, 1) sends F/c0>c1:recv@pp (microbatch 3) on send_next to stage 1 " \
+           "(ranks 2, 3), which has no matching receive" in problems(build, programs)
+
+
+def test_a_send_recv_cycle_deadlocks():
+    build = built()
+
+    def backward_first(data):
+        # stage 0 runs microbatch 0's backward before its forward: it waits for a gradient
+        # that stage 1 can only send after stage 0's activation, which never comes.
+        data["schedule"] = [["B0", 0], ["F0", 0]] + [s for s in data["schedule"]
+                                                     if s not in (["B0", 0], ["F0", 0])]
+
+    programs = _replace_program(build, "stage0.json", backward_first)
+    found = [p for p in problems(build, programs) if "deadlock" in p]
+    assert found == [
+        "the programs deadlock (a cycle of waits): stage 0 (ranks 0, 1) waits in block B0 "
+        "(microbatch 0) for B/c1>c0:recv@pp (microbatch 0) from stage 1; stage 1 (ranks 2, 3) "
+        "waits in block F1 (microbatch 0) for F/c0>c1:recv@pp (microbatch 0) from stage 0"]
+
+
+def test_a_wait_before_its_record():
+    build = built()
+
+    def early(data):
+        block = data["blocks"]["F0"]
+        wait = next(i for i, x in enumerate(block) if x[0] == "wait" and x[1] == "comm")
+        record = next(i for i, x in enumerate(block) if x[0] == "record" and
+                      x[2] == block[wait][2])
+        block[record], block[wait] = block[wait], block[record]
+
+    programs = _replace_program(build, "stage0.json", early)
+    found = [p for p in problems(build, programs) if "no earlier instruction records" in p]
+    assert found == [f"ranks 0, 1 (stage0.json): wait done:F/embedding (microbatch {k}) on "
+                     f"stream comm in block F0 waits for an event no earlier instruction "
+                     f"records" for k in range(4)]
+
+
+def test_a_buffer_overwritten_while_a_transfer_reads_it():
+    build = built()
+
+    def reuse(data):
+        block = data["blocks"]["F0"]
+        collective = next(i for i, x in enumerate(block)
+                          if x[2] == "F/L0/proj>attn_residual:all_reduce@tp")
+        # right after the all-reduce is issued, a compute step writes its output into the
+        # buffer the all-reduce is still reading
+        block.insert(collective + 1, ["compute", "compute", "F/L0/ln2", ["F/L0/ln1"], 1,
+                                      ["F/L0/proj"]])
+
+    programs = _replace_program(build, "stage0.json", reuse)
+    assert problems(build, programs) == [
+        "ranks 0, 1 (stage0.json, block F0): compute F/L0/ln2 on stream compute (instruction "
+        "14) overwrites F/L0/proj while all_reduce F/L0/proj>attn_residual:all_reduce@tp on "
+        "stream comm (instruction 13) may still be reading it",
+        "ranks 0, 1 (stage0.json, block F0): F/L0/proj is written twice, by instruction 10 "
+        "and 14"]
+
+
+def test_planc_verify_rejects_a_broken_build_directory(tmp_path, run_planc):
+    build = built()
+    loaded_text = PP_PLAN
+    directory = write(build, tmp_path / "b", str(tmp_path / "pp.plan"), loaded_text)
+    program = json.loads((directory / "programs" / "stage1.json").read_text())
+    program["receives"]["recv_prev"] = program["receives"]["recv_prev"][:-1]
+    (directory / "programs" / "stage1.json").write_text(json.dumps(program))
+    result = run_planc("verify", directory)
+    assert result.returncode == 1
+    assert "which has no matching receive" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert read_programs(read(directory)).programs["stage1.json"].receives != \
+        build.programs["stage1.json"].receives
+
+
+def test_planc_programs_lists_a_rank(tmp_path, run_planc):
+    result = run_planc("programs", PLANS / "gpt-tiny.plan", "--rank", "5")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "rank 5: stage 0 (tp 1, cp 0, dp 1) runs stage0.json, shared with " \
+                       "ranks 0, 1, 4"
+    assert lines[1] == "groups: tp [4, 5]  dp_cp [1, 5]"
+    assert "block F0: forward of chunk 0 (layers 0-1), once per microbatch" in lines
+    expanded = run_planc("programs", PLANS / "gpt-tiny.plan", "--rank", "5", "--expand",
+                         "--microbatch", "1")
+    assert expanded.returncode == 0
+    assert "(mb 1)" in expanded.stdout and "(mb 2)" not in expanded.stdout
+    assert run_planc("programs", PLANS / "gpt-tiny.plan", "--rank", "8").returncode == 2
+
+
+def test_instruction_json_carries_explicit_writes():
+    instruction = Instruction("compute", "compute", "F/L0/qkv", reads=("F/L0/ln1",),
+                              writes=("elsewhere",))
+    assert Instruction.from_json(instruction.to_json()) == instruction
+    assert Instruction.from_json(["compute", "compute", "n", [], 1]).writes == ("n",)
+    with pytest.raises(ValueError):
+        Instruction.from_json(["x"])
+
+
+def test_verification_of_the_largest_plan_is_folded(tmp_path):
+    # 3072 ranks, 64 stages, 512 microbatches: verified without expanding every rank
+    build = compile_plan(load_file(PLANS / "gpt-1t.plan").plan)
+    assert problems(build) == []
+    assert len(build.programs) == 64
+
+
+def test_compile_runs_the_verifier(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "planc", "compile", str(PLANS / "gpt-tiny.plan"),
+                             "-o", str(tmp_path / "b")], capture_output=True, text=True)
+    assert result.returncode == 0
+    assert result.stdout.splitlines()[1].startswith("verified 2 programs for 8 ranks")

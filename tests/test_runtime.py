@@ -1,0 +1,264 @@
+"""planc run on real processes with gloo: every plan trains exactly like one process.
+
+Runs go through ``planc run`` in this process, so torch.distributed's launcher starts
+workers from one fork server for the whole module (torch is imported once). Each run's --check trains the
+same model in one process and compares every loss and final parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from planc.cli import main  # noqa: E402
+from tests.conftest import PLANS, ROOT  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+TEMPLATE = """plan {name} {{
+  model gpt {{ layers = 4; hidden = 32; heads = 4; vocab = 128; seq = 16; batch = 8{model} }}
+  mesh {{ {mesh} }}
+  shard {{ {shard} }}
+  schedule {{ microbatches = {m}{schedule} }}
+  optimize {{ {optimize} }}
+  train {{ steps = 2; optimizer = sgd(lr = 0.5, momentum = 0.9); seed = 3 }}
+}}
+"""
+
+# Each axis alone and combined, Megatron's placements and unusual ones, up to 8 ranks.
+MATRIX = {
+    "single": dict(mesh=""),
+    "tp-megatron": dict(mesh="tp = 2"),
+    "tp-sequence-parallel": dict(mesh="tp = 2", shard="tp { sequence_parallel = on }"),
+    "tp-fc1-row-fc2-column": dict(mesh="tp = 2", shard="tp { fc1 = row; fc2 = column }"),
+    "tp-qkv-replicate": dict(mesh="tp = 2", shard="tp { qkv = replicate }"),
+    "tp-embedding-hidden": dict(mesh="tp = 2", shard="tp { embedding = hidden }"),
+    "cp-allgather": dict(mesh="cp = 2"),
+    "cp-ring": dict(mesh="cp = 2", shard="cp { attention = ring; load_balance = on }"),
+    "pp-gpipe-uneven": dict(mesh="pp = 2", shard="pp { stages = [0..2, 3..3] }", m=4,
+                            schedule="; pipeline = gpipe"),
+    "pp-1f1b-uneven": dict(mesh="pp = 2", shard="pp { stages = [0..0, 1..3] }", m=4),
+    "pp-interleaved": dict(mesh="pp = 2", shard="pp { virtual = 2 }", m=4,
+                           schedule="; pipeline = interleaved"),
+    "dp-zero0": dict(mesh="dp = 2", m=2),
+    "dp-zero1": dict(mesh="dp = 2", shard="dp { zero = 1 }", m=2),
+    "dp-zero3": dict(mesh="dp = 2", shard="dp { zero = 3 }", m=2),
+    "custom-order": dict(mesh="tp = 2; dp = 2; order = [dp, tp, cp, pp]"),
+    "recompute-full": dict(mesh="tp = 2", m=2, optimize="recompute = full"),
+    "tp2-pp2-dp2": dict(mesh="tp = 2; pp = 2; dp = 2", m=2,
+                        shard="tp { sequence_parallel = on }; dp { zero = 1 }"),
+    "tied-over-pp": dict(mesh="pp = 2", m=2, model="; tie_embeddings = on"),
+}
+
+
+def plan_text(name: str, **case) -> str:
+    values = dict(model="", mesh="", shard="", m=1, schedule="", optimize="")
+    values.update(case)
+    return TEMPLATE.format(name=name.replace("-", "_"), **values)
+
+
+def run(args: list[str], capfd) -> tuple[int, str]:
+    status = main(["run", *map(str, args)])
+    return status, capfd.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def losses() -> dict[str, list[float]]:
+    return {}
+
+
+@pytest.mark.parametrize("name", list(MATRIX))
+def test_every_plan_trains_exactly_like_one_process(name, tmp_path, capfd, losses):
+    plan = tmp_path / f"{name}.plan"
+    plan.write_text(plan_text(name, **MATRIX[name]))
+    metrics = tmp_path / "metrics.jsonl"
+    status, err = run([plan, "-o", tmp_path / "build", "--check", "--metrics", metrics,
+                       "--timeout", "60"], capfd)
+    assert status == 0, err
+    assert "every loss and parameter matches" in err
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(set(r) == {"step", "loss", "time_s", "tokens_per_s"} for r in records)
+    losses[name] = [r["loss"] for r in records]
+
+
+def test_every_plan_of_one_model_follows_the_same_loss_curve(losses):
+    same_model = {k: v for k, v in losses.items() if k != "tied-over-pp"}
+    if len(same_model) < len(MATRIX) - 1:
+        pytest.skip("needs the whole matrix")
+    reference = same_model["single"]
+    for name, curve in same_model.items():
+        assert curve == pytest.approx(reference, rel=1e-5), name
+    assert losses["tied-over-pp"] != pytest.approx(reference, rel=1e-3)  # another model
+
+
+def test_gpt_tiny_with_adamw_and_a_trace(tmp_path, capfd):
+    trace = tmp_path / "trace.json"
+    status, err = run([PLANS / "gpt-tiny.plan", "-o", tmp_path / "b", "--steps", "2",
+                       "--check", "--trace", trace], capfd)
+    assert status == 0, err
+    assert "step 2/2" in err and "every loss and parameter matches" in err
+    events = json.loads(trace.read_text())["traceEvents"]
+    processes = {e["pid"] for e in events if e["ph"] == "X"}
+    assert processes == set(range(8))
+    names = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert {"compute", "comm", "send_next", "recv_next", "recv_prev", "send_prev"} <= names
+    kinds = {e["name"].split(":")[-1] for e in events if e["ph"] == "X" and ":" in e["name"]}
+    assert {"all_reduce@tp", "send@pp", "recv@pp", "reduce_scatter@dp_cp",
+            "all_gather@dp_cp"} <= kinds
+
+
+def test_data_from_a_file_of_uint16_tokens(tmp_path, capfd):
+    tokens = torch.randint(0, 128, (1000,), generator=torch.Generator().manual_seed(1))
+    (tmp_path / "tokens.bin").write_bytes(b"".join(int(t).to_bytes(2, "little")
+                                                   for t in tokens))
+    text = plan_text("file_data", mesh="tp = 2").replace(
+        "seed = 3 }", 'seed = 3; data = "tokens.bin" }')
+    (tmp_path / "f.plan").write_text(text)
+    status, err = run([tmp_path / "f.plan", "-o", tmp_path / "b", "--check"], capfd)
+    assert status == 0, err
+
+
+# --- failures ---------------------------------------------------------------------------------
+
+
+def _compiled(tmp_path, name: str, capfd) -> Path:
+    plan = tmp_path / f"{name}.plan"
+    plan.write_text(plan_text(name, **MATRIX[name]))
+    assert main(["compile", str(plan), "-o", str(tmp_path / "b")]) == 0
+    capfd.readouterr()
+    return tmp_path / "b"
+
+
+def _edit(directory: Path, name: str, change) -> None:
+    path = directory / "programs" / name
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def test_a_rank_that_raises_brings_the_run_down_with_its_traceback(tmp_path, capfd):
+    build = _compiled(tmp_path, "pp-1f1b-uneven", capfd)
+
+    def misorder(data):  # stage 1 runs a backward step before its input gradient exists
+        block = data["blocks"]["B1"]
+        steps = [i for i, x in enumerate(block) if x[0] == "compute"]
+        block[steps[0]], block[steps[3]] = block[steps[3]], block[steps[0]]
+
+    _edit(build, "stage1.json", misorder)
+    status, err = run([build, "--no-verify", "--timeout", "60"], capfd)
+    assert status == 1
+    assert "planc: rank 1 exited with status 1" in err
+    assert "planc: traceback of rank 1, the first to fail:" in err
+    assert "KeyError: 'B/final_ln#0'" in err
+
+
+def test_a_transfer_that_never_completes_makes_every_rank_report(tmp_path, capfd):
+    build = _compiled(tmp_path, "pp-1f1b-uneven", capfd)
+    _edit(build, "stage0.json", lambda data: data["blocks"].update(
+        F0=[x for x in data["blocks"]["F0"] if x[0] != "send"]))
+    assert main(["verify", str(build)]) == 1  # the verifier would have refused it
+    capfd.readouterr()
+    start = time.monotonic()
+    status, err = run([build, "--no-verify", "--timeout", "3"], capfd)
+    assert status == 1
+    assert time.monotonic() - start < 40
+    assert "rank 1 (stage 1, tp 0, cp 0, dp 0) made no progress for 3 s in step 0; its " \
+           "streams wait on:" in err
+    assert "  recv_prev: #0 recv F/c0>c1:recv@pp (microbatch 0): receive from rank 0 (pp)" in err
+    assert "rank 0 (stage 0, tp 0, cp 0, dp 0)" in err
+    assert "recv_next: #" in err and "receive from rank 1 (pp)" in err
+
+
+def test_ctrl_c_stops_every_rank(tmp_path, capfd):
+    build = _compiled(tmp_path, "pp-1f1b-uneven", capfd)
+    _edit(build, "stage0.json", lambda data: data["blocks"].update(
+        F0=[x for x in data["blocks"]["F0"] if x[0] != "send"]))
+    process = subprocess.Popen([sys.executable, "-m", "planc", "run", str(build),
+                                "--no-verify", "--timeout", "600"], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(_children(process.pid)) < 2:
+            time.sleep(0.2)
+        workers = _children(process.pid)
+        assert len(workers) == 2
+        time.sleep(2)  # both ranks are now stuck in the step
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 130
+    assert "planc: interrupted by signal 2; every rank was stopped" in err
+    time.sleep(1)
+    assert [pid for pid in workers if _alive(pid)] == []
+
+
+def _children(pid: int) -> list[int]:
+    result = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
+                            text=True)
+    return [int(p) for p in result.stdout.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+# --- a cluster launch -----------------------------------------------------------------------
+
+
+def test_two_torchrun_nodes_on_localhost_form_one_world(tmp_path, capfd):
+    plan = tmp_path / "four.plan"
+    plan.write_text(plan_text("four", mesh="tp = 2; pp = 2", m=2))
+    assert main(["compile", str(plan), "-o", str(tmp_path / "four")]) == 0
+    capfd.readouterr()
+    port = str(29000 + os.getpid() % 1000)
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+         str(i), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port,
+         "-m", "planc.runtime.worker", str(tmp_path / "four"), "--check"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}) for i in (0, 1)]
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert "every loss and parameter matches" in outputs[0][1]
+
+
+# --- GPUs -------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA devices")
+def test_nccl_with_cuda_streams(tmp_path, capfd):  # pragma: no cover - no GPU here
+    plan = tmp_path / "cuda.plan"
+    plan.write_text(plan_text("cuda", mesh="tp = 2", m=2))
+    status, err = run([plan, "-o", tmp_path / "b", "--check", "--backend", "nccl"], capfd)
+    assert status == 0, err
+
+
+def test_cuda_backend_refused_cleanly_without_gpus(tmp_path, capfd):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    plan = tmp_path / "p.plan"
+    plan.write_text(plan_text("p", mesh="tp = 2"))
+    status, err = run([plan, "-o", tmp_path / "b", "--backend", "nccl"], capfd)
+    assert status == 2
+    assert "the nccl backend needs a GPU per rank" in err
+    shutil.rmtree(tmp_path / "b")
