@@ -21,6 +21,8 @@ demo: $(STAMP)
 	$(VENV)/bin/planc layout plans/gpt-tiny.plan
 	@echo
 	$(VENV)/bin/planc compile plans/gpt-tiny.plan -o build/gpt-tiny
+	@echo
+	$(VENV)/bin/planc run build/gpt-tiny --check --metrics build/gpt-tiny/metrics.jsonl
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -262,3 +262,18 @@ def test_cuda_backend_refused_cleanly_without_gpus(tmp_path, capfd):
     assert status == 2
     assert "the nccl backend needs a GPU per rank" in err
     shutil.rmtree(tmp_path / "b")
+
+
+def test_check_reports_a_wrong_result_per_parameter(tmp_path, capfd):
+    build = _compiled(tmp_path, "tp-megatron", capfd)
+    graph = json.loads((build / "graph.json").read_text())
+    for node in graph["nodes"]:  # a sum that became a max: wrong numbers, no crash
+        if node["id"] == "F/L1/fc2>mlp_residual:all_reduce@tp":
+            node["reduce_op"] = "max"
+    (build / "graph.json").write_text(json.dumps(graph))
+    status, err = run([build, "--check"], capfd)
+    assert status == 1
+    assert "against the single-process run (relative tolerance 1e-05): FAILED" in err
+    assert "MISMATCH" in err
+    assert "layers.1.fc2.weight: largest difference" in err
+    assert "planc: rank 0 exited with status 1" in err

@@ -198,7 +198,7 @@ def _check(ctx: RankContext, interpreter: Interpreter, losses: list[float], step
         failed |= bad
         report.append(f"  step {step}: loss {got:.8f}, single process {want:.8f}, relative "
                       f"error {error:.2e}{'  MISMATCH' if bad else ''}")
-    worst = (0.0, "")
+    worst = (0.0, 0.0, "")  # (share of the allowed difference, difference, parameter)
     for (name, want), (dp, cp) in ((item, r) for item in expected.items() for r in replicas):
         by_tp = pieces.get((name, dp, cp))
         where = f" (replica dp {dp}, cp {cp})" if len(replicas) > 1 else ""
@@ -216,9 +216,10 @@ def _check(ctx: RankContext, interpreter: Interpreter, losses: list[float], step
         difference = float((got - want).abs().max())
         scale = float(want.abs().max())
         error = difference / max(scale, 1e-12)
-        if error > worst[0]:
-            worst = (error, name)
-        if difference > tolerance * scale + floor:
+        allowed = tolerance * scale + floor
+        if difference / allowed > worst[0]:
+            worst = (difference / allowed, difference, name)
+        if difference > allowed:
             failed = True
             report.append(f"  {name}{where}: largest difference {difference:.2e}, relative "
                           f"{error:.2e}  MISMATCH")
@@ -231,20 +232,22 @@ def _check(ctx: RankContext, interpreter: Interpreter, losses: list[float], step
         print(header + "FAILED", file=sys.stderr)
         print("\n".join(report), file=sys.stderr, flush=True)
         return 1
-    print(header + f"every loss and parameter matches (largest parameter error "
-          f"{worst[0]:.1e}, {worst[1]})", file=sys.stderr, flush=True)
+    print(header + f"every loss and parameter matches (closest: {worst[2]}, difference "
+          f"{worst[1]:.1e}, {100 * worst[0]:.0f}% of what is allowed)", file=sys.stderr,
+          flush=True)
     return 0
 
 
 def update_floor(plan, steps: int) -> float:
-    """Absolute slack for parameters under AdamW: 1% of the largest update AdamW can make
-    (lr per step). AdamW divides each gradient by its running magnitude, so along a null
-    direction, such as the key bias, whose true gradient is zero and whose computed one is
-    rounding noise, it turns noise into updates of up to lr * noise / eps; two correct
-    computations that round differently disagree there by far more than 1e-5 relative.
-    A real error moves parameters by the order of lr, a hundred times the slack."""
+    """Absolute slack for parameters under AdamW: 10% of the largest update AdamW can make
+    (lr per step). AdamW divides each gradient by its running magnitude, so where a
+    gradient is as small as eps (or is rounding noise along a null direction, such as the
+    key bias, whose true gradient is zero) it turns a rounding difference d into an update
+    difference of lr * d / eps: in fp32, up to about 1% of lr per step between two correct
+    computations that round differently. A real error moves parameters by the order of
+    lr, ten times the slack and more."""
     optimizer = plan.train.optimizer
-    return 0.01 * optimizer.lr * steps if optimizer.name == "adamw" else 0.0
+    return 0.1 * optimizer.lr * steps if optimizer.name == "adamw" else 0.0
 
 
 def _use_of(ctx: RankContext, name: str):
