@@ -429,15 +429,14 @@ def cmd_run(args) -> int:
                 print(f"planc: error: {problem}", file=sys.stderr)
             return _fail("the programs failed verification; nothing was run")
     try:
-        import torch
+        from planc.runtime.launch import gpus, launch
     except ImportError:
         return _fail("planc run needs PyTorch: pip install 'planc[run]'")
-    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl" and torch.cuda.device_count() < built.plan.world:
+    backend = args.backend or ("nccl" if gpus() else "gloo")
+    if backend == "nccl" and gpus() < built.plan.world:
         return _fail(f"the nccl backend needs a GPU per rank: the plan has "
-                     f"{built.plan.world} ranks, this machine {torch.cuda.device_count()} "
-                     f"GPUs; use --backend gloo or torchrun across nodes", EXIT_USAGE)
-    from planc.runtime.launch import launch
+                     f"{built.plan.world} ranks, this machine {gpus()} GPUs; use --backend "
+                     f"gloo or torchrun across nodes", EXIT_USAGE)
 
     worker_args = ["--timeout", str(args.timeout)]
     if args.steps:

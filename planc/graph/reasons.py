@@ -72,7 +72,7 @@ def context_allgather(plan: Plan, backward: bool, recompute: bool = False) -> st
         return ("backward of the cp all-gather: each rank's keys and values received "
                 "gradient from every rank's queries, reduce-scattered over cp")
     text = ("attention needs the keys and values of every earlier token, but tokens are "
-            f"sharded along seq over cp (attention = allgather): all-gather K and V over cp")
+            "sharded along seq over cp (attention = allgather): all-gather K and V over cp")
     return ("recomputing attention's input (recompute = full): " + text) if recompute else text
 
 

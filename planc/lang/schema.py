@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from planc.diagnostics import Span
 from planc.lang import ast

@@ -202,9 +202,7 @@ def _receive_order(graph: nx.DiGraph, receive_nodes: dict[str, str],
         data = graph.nodes[node]
         (send,) = list(graph.predecessors(node))
         sender_of[node] = (data["peer_stage"], data["phase"], graph.nodes[send]["chunk"])
-    streams: dict[str, list[tuple[str, int]]] = {}
-    for node, stream in receive_nodes.items():
-        streams.setdefault(stream, [])
+    streams: dict[str, list[tuple[str, int]]] = {s: [] for s in receive_nodes.values()}
     for stream in streams:
         mine = {(sender_of[n][0], sender_of[n][1][0].upper(), sender_of[n][2]): n
                 for n, s in receive_nodes.items() if s == stream}

@@ -28,7 +28,7 @@ import torch
 
 from planc.graph.layouts import gradient_layout
 from planc.graph.layouts import parse as parse_layout
-from planc.lower.program import COLLECTIVES, Expanded, Program
+from planc.lower.program import Expanded, Program
 from planc.runtime.context import ParamStore, RankContext, pp_group_key
 from planc.runtime.kernels import Kernels, Saved
 from planc.runtime.model import split_feature
@@ -210,7 +210,6 @@ class Interpreter:
     def _compute(self, state: StepState, node: str, data: dict, mb: int | None):
         if data["op"] == "optimizer":
             return self._optimizer(state, node, data)
-        name = data["name"]
         if data["phase"] == "backward" and not data.get("recompute"):
             forward = node.replace("B/", "F/", 1)
             recomputed = node.replace("B/", "R/", 1)
@@ -463,7 +462,3 @@ class CudaExecutor:
                     interp.run(state, item)
         torch.cuda.synchronize()
         return state
-
-
-def is_collective(op: str) -> bool:
-    return op in COLLECTIVES

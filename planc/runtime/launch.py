@@ -20,6 +20,13 @@ import uuid
 from planc.runtime.worker import entry
 
 
+def gpus() -> int:
+    """CUDA devices on this machine (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
