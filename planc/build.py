@@ -253,7 +253,7 @@ def read_programs(build: Build) -> Build:
         raise BuildError(f"{directory / RANK_TABLE} is not a valid rank table ({exc}); run "
                          f"planc compile again") from None
     programs = {}
-    for name in table.programs:
+    for name in table.names:
         if "/" in name or name.startswith("."):
             raise BuildError(f"{directory / RANK_TABLE} names {name!r}, not a program file")
         try:

@@ -187,11 +187,9 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
                         or s in receives or s == COMPUTE)
         programs[f"stage{stage}.json"] = Program(stage, streams, blocks, plan_schedule,
                                                  receives, epilogue, m)
-    layout = Layout.of(plan)
-    table: dict[str, list[int]] = {name: [] for name in programs}
-    for r in range(plan.world):
-        table[f"stage{layout.coords(r)['pp']}.json"].append(r)
-    return programs, RankTable({k: tuple(v) for k, v in table.items()})
+    table = RankTable(plan.world, pp, Layout.of(plan).strides["pp"],
+                      {f"stage{s}.json": s for s in range(pp)})
+    return programs, table
 
 
 def _receive_order(graph: nx.DiGraph, receive_nodes: dict[str, str],

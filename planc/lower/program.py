@@ -188,27 +188,53 @@ class Program:
 
 @dataclass(frozen=True)
 class RankTable:
-    """Which program each rank runs: ranks of one stage share one file."""
+    """Which program each rank runs. By rule, every rank of a pipeline stage runs that
+    stage's program (so the table does not grow with the world); ``overrides`` lists ranks
+    that run another program (a program edited by hand, for instance)."""
 
-    programs: dict[str, tuple[int, ...]]  # file name -> ranks
+    world: int
+    pp: int
+    stride: int  # how far apart ranks of neighbouring stages are (mesh order)
+    stages: dict[str, int]  # program file -> the stage whose ranks run it
+    overrides: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.stages) + sorted(set(self.overrides.values()) - set(self.stages))
+
+    def stage_of(self, rank: int) -> int:
+        return rank // self.stride % self.pp
 
     def program_of(self, rank: int) -> str:
-        for name, ranks in self.programs.items():
-            if rank in ranks:
-                return name
-        raise KeyError(rank)
+        if rank in self.overrides:
+            return self.overrides[rank]
+        stage = self.stage_of(rank)
+        return next(name for name, s in self.stages.items() if s == stage)
+
+    def ranks(self, name: str) -> Iterator[int]:
+        """Every rank that runs ``name`` (walks the world: for reports and listings)."""
+        stage = self.stages.get(name)
+        for rank in range(self.world):
+            if rank in self.overrides:
+                if self.overrides[rank] == name:
+                    yield rank
+            elif rank // self.stride % self.pp == stage:
+                yield rank
 
     def to_json(self) -> dict:
         return {"format": "planc-ranks", "version": PROGRAM_FORMAT_VERSION,
-                "programs": {name: list(ranks) for name, ranks in self.programs.items()}}
+                "world": self.world, "pp": self.pp, "pp_stride": self.stride,
+                "stages": dict(self.stages),
+                "overrides": {str(r): name for r, name in sorted(self.overrides.items())}}
 
     @staticmethod
     def from_json(data: dict) -> "RankTable":
         if data.get("format") != "planc-ranks" or data.get("version") != \
                 PROGRAM_FORMAT_VERSION:
             raise ValueError("not a version 1 planc rank table")
-        return RankTable({str(k): tuple(int(r) for r in v)
-                          for k, v in data["programs"].items()})
+        return RankTable(int(data["world"]), int(data["pp"]), int(data["pp_stride"]),
+                         {str(k): int(v) for k, v in data["stages"].items()},
+                         {int(k): str(v) for k, v in data.get("overrides", {}).items()})
 
 
 def dumps(data: dict) -> str:

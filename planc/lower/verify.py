@@ -64,53 +64,64 @@ class _Verifier:
         self.plan, self.graph, self.programs, self.table = plan, graph, programs, table
         self.report = Report()
         self.layout = RankLayout.of(plan)
-        self.rank_program: dict[int, str] = {}
+        self._texts: dict[str, str] = {}
 
     # --- 0. the rank table ------------------------------------------------------------
 
     def rank_table(self) -> bool:
-        world = self.plan.world
-        for name, ranks in self.table.programs.items():
+        table, pp = self.table, self.plan.mesh.pp
+        if (table.world, table.pp, table.stride) != (self.plan.world, pp,
+                                                      self.layout.strides["pp"]):
+            self.report.add("the rank table was made for another mesh")
+            return False
+        for name in table.names:
             if name not in self.programs:
                 self.report.add(f"the rank table names {name}, which does not exist")
                 return False
-            for r in ranks:
-                if not 0 <= r < world:
-                    self.report.add(f"the rank table lists rank {r}, outside the world of "
-                                    f"{world}")
-                    return False
-                if r in self.rank_program:
-                    self.report.add(f"rank {r} runs both {self.rank_program[r]} and {name}")
-                    return False
-                self.rank_program[r] = name
-        missing = [r for r in range(world) if r not in self.rank_program]
-        self.stage_ranks: dict[int, list[int]] = {}
-        if missing:
-            self.report.add(f"{_ranks_text(missing)} run no program")
+        covered = sorted(table.stages.values())
+        if covered != list(range(pp)):
+            self.report.add(f"the rank table gives stages {covered} a program; the pipeline "
+                            f"has stages 0..{pp - 1}, one program each")
             return False
-        stride = self.layout.strides["pp"]
-        for r, name in sorted(self.rank_program.items()):
-            stage = r // stride % self.plan.mesh.pp
-            self.stage_ranks.setdefault(stage, []).append(r)
+        for name, stage in table.stages.items():
             if self.programs[name].stage != stage:
-                self.report.add(f"rank {r} is on pipeline stage {stage} but runs {name}, "
-                                f"the program of stage {self.programs[name].stage}")
+                self.report.add(f"the rank table runs {name}, the program of stage "
+                                f"{self.programs[name].stage}, on stage {stage}")
+                return False
+        for rank, name in table.overrides.items():
+            if not 0 <= rank < self.plan.world:
+                self.report.add(f"the rank table lists rank {rank}, outside the world of "
+                                f"{self.plan.world}")
+                return False
+            if self.programs[name].stage != table.stage_of(rank):
+                self.report.add(f"rank {rank} is on pipeline stage {table.stage_of(rank)} but "
+                                f"runs {name}, the program of stage {self.programs[name].stage}")
                 return False
         return True
 
-    def ranks_of(self, name: str) -> list[int]:
-        return list(self.table.programs[name])
+    @property
+    def uniform(self) -> bool:
+        """Whether every rank of a stage runs that stage's program."""
+        return all(self.table.stages.get(name) == self.table.stage_of(rank)
+                   for rank, name in self.table.overrides.items())
+
+    def ranks_text(self, name: str) -> str:
+        """'ranks 0, 1, 4, 5' for a program (walks the world, so only for reports)."""
+        if name not in self._texts:
+            self._texts[name] = _ranks_text(list(self.table.ranks(name)))
+        return self._texts[name]
 
     # --- 3 and 4. events and buffers, block by block ------------------------------------
 
     def events_and_buffers(self, name: str, program: Program) -> None:
-        ranks = _ranks_text(self.ranks_of(name))
+        ranks = _Lazy(lambda: self.ranks_text(name))
         receive_events = {(f"done:{node}", mb) for items in program.receives.values()
                           for node, mb in items}
         records_by_block: dict[str, set[str]] = {}
         for block, instructions in program.blocks.items():
             records_by_block[block] = self._check_sequence(
-                instructions, f"{ranks} ({name}, block {block})", external=True)
+                instructions, _Lazy(lambda b=block: f"{ranks} ({name}, block {b})"),
+                external=True)
         # Events a block waits for from outside itself: recorded by a receive of the same
         # microbatch, or by a block that ran earlier for that microbatch.
         recorded: dict[int, set[str]] = {}
@@ -139,7 +150,8 @@ class _Verifier:
             recorded.setdefault(None, set()).update(
                 i.event for i in program.blocks[block] if i.op == "record" and
                 not i.per_microbatch)
-        self._check_sequence(program.epilogue, f"{ranks} ({name}, epilogue)", external=False)
+        self._check_sequence(program.epilogue, _Lazy(lambda: f"{ranks} ({name}, epilogue)"),
+                             external=False)
 
     def _check_sequence(self, instructions, where: str, external: bool) -> set[str]:
         """Vector clocks over the streams of one block (or the epilogue)."""
@@ -203,19 +215,20 @@ class _Verifier:
     # --- 1. collective order ------------------------------------------------------------
 
     def collective_order(self) -> None:
-        uniform = all(len({self.rank_program[r] for r in self._stage_ranks(s)}) == 1
-                      for s in range(self.plan.mesh.pp))
-        if not uniform:  # some rank runs a program of its own: compare every group
-            for axis in ("tp", "cp", "dp_cp"):
-                for members in self.layout.groups(axis):
-                    self._compare_members(axis, members)
+        table = self.table
+        if not self.uniform:  # some ranks run a program of their own: compare their groups
+            for rank in sorted(table.overrides):
+                for axis in ("tp", "cp", "dp_cp"):
+                    self._compare_members(axis, self.layout.group(rank, axis))
         if self.plan.model.tie_embeddings and self.plan.mesh.pp > 1:
-            for r in self._stage_ranks(0):
-                peer = self.layout.rank({**self.layout.coords(r), "pp": self.plan.mesh.pp - 1})
-                self._compare_members("tied", (r, peer))
-
-    def _stage_ranks(self, stage: int) -> list[int]:
-        return self.stage_ranks.get(stage, [])
+            last = self.plan.mesh.pp - 1
+            pairs = {(0, self.layout.rank({"tp": 0, "cp": 0, "pp": last, "dp": 0}))}
+            for rank in table.overrides:  # and every pair involving an override
+                coords = self.layout.coords(rank)
+                pairs.add((self.layout.rank({**coords, "pp": 0}),
+                           self.layout.rank({**coords, "pp": last})))
+            for pair in sorted(pairs):
+                self._compare_members("tied", pair)
 
     def _collectives(self, name: str, axis: str) -> list[tuple[str, str, int | None]]:
         program = self.programs[name]
@@ -227,7 +240,7 @@ class _Verifier:
         return out
 
     def _compare_members(self, axis: str, members) -> None:
-        names = {r: self.rank_program[r] for r in members}
+        names = {r: self.table.program_of(r) for r in members}
         if len(set(names.values())) == 1 and axis != "tied":
             return
         sequences = {r: self._collectives(names[r], axis) for r in members}
@@ -267,26 +280,27 @@ class _Verifier:
             self._simulate(actors)
 
     def _actors(self) -> dict[int, "_Actor"]:
-        """One actor per rank along a pp column when programs differ within a stage;
-        otherwise one per stage (every column behaves the same)."""
+        """One actor per stage, standing for all its ranks, when every rank runs its
+        stage's program; otherwise also one per rank along the pp column of each rank
+        that runs another program."""
         pp = self.plan.mesh.pp
-        uniform = all(len({self.rank_program[r] for r in self._stage_ranks(s)}) == 1
-                      for s in range(pp))
-        columns = [[self.layout.rank({"tp": 0, "cp": 0, "pp": s, "dp": 0}) for s in range(pp)]]
-        if not uniform:
-            columns = []
-            for r in self._stage_ranks(0):
-                coords = self.layout.coords(r)
-                columns.append([self.layout.rank({**coords, "pp": s}) for s in range(pp)])
+
+        def column(coords) -> list[int]:
+            return [self.layout.rank({**coords, "pp": s}) for s in range(pp)]
+
+        columns = [(column({"tp": 0, "cp": 0, "dp": 0}), self.uniform)]
+        for rank in sorted(self.table.overrides):
+            columns.append((column(self.layout.coords(rank)), False))
         actors = {}
-        for column in columns:
-            for s, r in enumerate(column):
-                name = self.rank_program[r]
-                ranks = self.ranks_of(name) if uniform else [r]
-                actors[r] = _Actor(r, s, name, self.programs[name], ranks)
-            for s, r in enumerate(column):
-                actors[r].next = column[(s + 1) % pp]
-                actors[r].prev = column[(s - 1) % pp]
+        for ranks, representative in columns:
+            for s, r in enumerate(ranks):
+                name = self.table.program_of(r)
+                text = _Lazy(lambda n=name: self.ranks_text(n)) if representative else \
+                    _Lazy(lambda r=r: f"rank {r}")
+                actors[r] = _Actor(r, s, name, self.programs[name], text)
+            for s, r in enumerate(ranks):
+                actors[r].next = ranks[(s + 1) % pp]
+                actors[r].prev = ranks[(s - 1) % pp]
         return actors
 
     def _sends_of(self, program: Program) -> dict[str, list[tuple[str, int]]]:
@@ -382,11 +396,25 @@ class _Verifier:
         if not self.rank_table():
             return self.report
         for name, program in self.programs.items():
-            if name in self.table.programs:
+            if name in self.table.names:
                 self.events_and_buffers(name, program)
         self.collective_order()
         self.pipeline()
         return self.report
+
+
+class _Lazy:
+    """Text computed the first time a report needs it."""
+
+    def __init__(self, make):
+        self.make, self.value = make, None
+
+    def __str__(self) -> str:
+        if self.value is None:
+            self.value = self.make()
+        return self.value
+
+    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731
 
 
 def _collective_text(item) -> str:
@@ -415,7 +443,7 @@ def _find_cycle(edges: dict[int, int]) -> list[int] | None:
 class _Actor:
     """A rank (or a stage, standing for its ranks) in the pipeline simulation."""
 
-    def __init__(self, rank: int, stage: int, name: str, program: Program, ranks: list[int]):
+    def __init__(self, rank: int, stage: int, name: str, program: Program, ranks: "_Lazy"):
         self.rank, self.stage, self.name, self.program, self.ranks = rank, stage, name, \
             program, ranks
         self.next = self.prev = rank
@@ -423,7 +451,7 @@ class _Actor:
         self.finished = False
 
     def text(self) -> str:
-        return f"stage {self.stage} ({_ranks_text(self.ranks)})"
+        return f"stage {self.stage} ({self.ranks})"
 
     def start(self) -> None:
         self.position = 0
@@ -431,9 +459,13 @@ class _Actor:
         self.received = {stream: 0 for stream in self.program.receives}
         self.receive_index = {stream: {item: i for i, item in enumerate(items)}
                               for stream, items in self.program.receives.items()}
+        receive_stream = {node: stream for stream, items in self.program.receives.items()
+                          for node, _ in items}
+        # per block: the receives (stream, node) it waits for
         self.block_waits = {
-            name: [i.event[len("done:"):] for i in block
-                   if i.op == "wait" and i.event.startswith("done:")]
+            name: [(receive_stream[i.event[len("done:"):]], i.event[len("done:"):])
+                   for i in block if i.op == "wait" and i.event.startswith("done:")
+                   and i.event[len("done:"):] in receive_stream]
             for name, block in self.program.blocks.items()}
         self.block_sends = {name: [(i.stream, i.node) for i in block if i.op == "send"]
                             for name, block in self.program.blocks.items()}
@@ -441,11 +473,10 @@ class _Actor:
     def _blocked_on(self) -> tuple[str, tuple[str, int]] | None:
         """The receive the next block waits for and has not got, if any."""
         block, mb = self.program.schedule[self.position]
-        for node in self.block_waits[block]:
-            for stream, index in self.receive_index.items():
-                i = index.get((node, mb))
-                if i is not None and i >= self.received[stream]:
-                    return stream, (node, mb)
+        for stream, node in self.block_waits[block]:
+            i = self.receive_index[stream].get((node, mb))
+            if i is not None and i >= self.received[stream]:
+                return stream, (node, mb)
         return None
 
     def try_block(self) -> bool:

@@ -36,7 +36,7 @@ def render(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program], table: R
     name = table.program_of(rank)
     program = programs[name]
     coords = layout.coords(rank)
-    others = [r for r in table.programs[name] if r != rank]
+    others = [r for r in table.ranks(name) if r != rank]
     shown = ", ".join(map(str, others[:8])) + (f", ... ({len(others)})" if len(others) > 8
                                                else "")
     lines = [f"rank {rank}: stage {coords['pp']} (tp {coords['tp']}, cp {coords['cp']}, "
