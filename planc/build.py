@@ -90,9 +90,12 @@ def write(build: Build, directory: str | Path, source_path: str, source_text: st
     manifest = {"format": "planc-build", "version": BUILD_FORMAT_VERSION,
                 "planc": __version__, "source": os.path.abspath(source_path),
                 "source_sha256": hashlib.sha256(source_text.encode()).hexdigest(),
-                "plan": build.plan.name, "files": list(FILES) + [PROGRAMS]}
+                "plan": build.plan.name, "plan_sha256": _fingerprint(build.plan.to_dict()),
+                "files": list(FILES) + [PROGRAMS]}
+    graph_data = graph_to_json(build.graph)
+    graph_data["graph"] = {**graph_data["graph"], "plan_sha256": manifest["plan_sha256"]}
     contents = {MANIFEST: manifest, "plan.json": build.plan.to_dict(),
-                "graph.json": graph_to_json(build.graph), "summary.json": build.summary}
+                "graph.json": graph_data, "summary.json": build.summary}
     programs = {name: program.to_json() for name, program in (build.programs or {}).items()}
     if build.table is not None:
         programs[RANK_TABLE] = build.table.to_json()
@@ -136,6 +139,13 @@ def _replace(staging: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _fingerprint(plan_data: dict) -> str:
+    """Hash of the plan's content, independent of JSON formatting: the manifest keeps it so
+    that a plan.json edited after compile cannot pair with a graph derived from another."""
+    canonical = json.dumps(plan_data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 def _read_json(directory: Path, name: str) -> dict:
     path = directory / name
     try:
@@ -171,8 +181,12 @@ def read(directory: str | Path) -> Build:
     if manifest.get("version") != BUILD_FORMAT_VERSION:
         raise BuildError(f"{path / MANIFEST} says build format {manifest.get('version')!r}; "
                          f"this planc reads version {BUILD_FORMAT_VERSION}: compile again")
+    plan_data = _read_json(path, "plan.json")
+    if manifest.get("plan_sha256") != _fingerprint(plan_data):
+        raise BuildError(f"{path / 'plan.json'} is not the plan this build was compiled from "
+                         f"(edited since?); change the .plan file and run planc compile again")
     try:
-        plan = Plan.from_dict(_read_json(path, "plan.json"))
+        plan = Plan.from_dict(plan_data)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise BuildError(f"{path / 'plan.json'} is not a valid plan ({exc}); run planc "
                          f"compile again") from None
@@ -181,6 +195,9 @@ def read(directory: str | Path) -> Build:
     if not isinstance(attributes, dict) or attributes.get("version") != GRAPH_FORMAT_VERSION:
         raise BuildError(f"{path / 'graph.json'} is not a version {GRAPH_FORMAT_VERSION} "
                          f"graph; run planc compile again")
+    if attributes.get("plan_sha256") != manifest["plan_sha256"]:
+        raise BuildError(f"{path / 'graph.json'} does not match plan.json (it was derived from "
+                         f"another plan); run planc compile again")
     try:
         graph = graph_from_json(graph_data)
     except (KeyError, TypeError, ValueError, AttributeError, nx.NetworkXError) as exc:
@@ -252,6 +269,10 @@ def read_programs(build: Build) -> Build:
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise BuildError(f"{directory / RANK_TABLE} is not a valid rank table ({exc}); run "
                          f"planc compile again") from None
+    if (table.world, table.pp) != (build.plan.world, build.plan.mesh.pp):
+        raise BuildError(f"{directory / RANK_TABLE} is for {table.world} ranks and {table.pp} "
+                         f"stages, plan.json for {build.plan.world} and {build.plan.mesh.pp}; "
+                         f"run planc compile again")
     programs = {}
     for name in table.names:
         if "/" in name or name.startswith("."):

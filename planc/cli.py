@@ -374,6 +374,9 @@ def cmd_programs(args) -> int:
         return _fail(f"rank {args.rank} does not exist; the world has {built.plan.world} "
                      f"ranks (0..{built.plan.world - 1})", EXIT_USAGE)
     m = built.plan.schedule.microbatches
+    if args.microbatch is not None and not args.expand:
+        return _fail("--microbatch needs --expand (programs are listed folded over "
+                     "microbatches otherwise)", EXIT_USAGE)
     if args.microbatch is not None and not 0 <= args.microbatch < m:
         return _fail(f"microbatch {args.microbatch} does not exist; the plan has {m}",
                      EXIT_USAGE)
@@ -407,6 +410,13 @@ def cmd_run(args) -> int:
         return _fail("--steps must be at least 1", EXIT_USAGE)
     if args.timeout <= 0:
         return _fail("--timeout must be positive", EXIT_USAGE)
+    for flag, path in (("--metrics", args.metrics), ("--trace", args.trace)):
+        parent = os.path.dirname(os.path.abspath(path)) if path else None
+        if path and os.path.isdir(path):
+            return _fail(f"{flag} {path}: is a directory; name a file")
+        if parent and not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
+            return _fail(f"{flag} {path}: cannot write there ({parent} is not a writable "
+                         f"directory)")
     directory = args.file
     if not os.path.isdir(args.file):
         loaded, status = _load(args)
@@ -428,10 +438,19 @@ def cmd_run(args) -> int:
             for problem in report.problems:
                 print(f"planc: error: {problem}", file=sys.stderr)
             return _fail("the programs failed verification; nothing was run")
+    if built.plan.world > MAX_LOCAL_RANKS:
+        return _fail(f"the plan needs {built.plan.world} ranks and planc run starts every rank "
+                     f"on this machine (at most {MAX_LOCAL_RANKS}); on a cluster start "
+                     f"`torchrun ... -m planc.runtime.worker {directory}` on every node "
+                     f"(docs/programs.md)")
     try:
         from planc.runtime.launch import gpus, launch
+        from planc.runtime.model import data_problem
     except ImportError:
         return _fail("planc run needs PyTorch: pip install 'planc[run]'")
+    problem = data_problem(built.plan)
+    if problem:
+        return _fail(f"{problem}; nothing was run")
     backend = args.backend or ("nccl" if gpus() else "gloo")
     if backend == "nccl" and gpus() < built.plan.world:
         return _fail(f"the nccl backend needs a GPU per rank: the plan has "
@@ -446,9 +465,14 @@ def cmd_run(args) -> int:
             worker_args += [flag, os.path.abspath(value)]
     if args.check:
         worker_args.append("--check")
-    print(f"planc: running {built.plan.name} on {built.plan.world} ranks ({backend}), "
-          f"{args.steps or built.plan.train.steps} steps", file=sys.stderr)
+    steps = args.steps or built.plan.train.steps
+    print(f"planc: running {built.plan.name} on {built.plan.world} "
+          f"rank{'s' if built.plan.world != 1 else ''} ({backend}), {steps} "
+          f"step{'s' if steps != 1 else ''}", file=sys.stderr)
     return launch(os.path.abspath(directory), built.plan.world, worker_args, backend)
+
+
+MAX_LOCAL_RANKS = 64
 
 
 def verified_line(built) -> str:

@@ -357,8 +357,21 @@ def _node(kind: str, key: str, value=None, delete: bool = False):
     return _edit("graph.json", change)
 
 
+def _plan(change, refingerprint: bool = True):
+    """Change plan.json; by default also its fingerprint in build.json, so that what is
+    tested is the reading of a plan.json that claims to be the compiled one."""
+    def apply(directory: Path) -> None:
+        from planc.build import _fingerprint
+
+        _edit("plan.json", change)(directory)
+        if refingerprint:
+            plan = json.loads((directory / "plan.json").read_text())
+            _edit("build.json", lambda d: d.update(plan_sha256=_fingerprint(plan)))(directory)
+    return apply
+
+
 def _plan_field(section: str, key: str, value):
-    return _edit("plan.json", lambda data: data[section].__setitem__(key, value))
+    return _plan(lambda data: data[section].__setitem__(key, value))
 
 
 BROKEN = {
@@ -410,12 +423,16 @@ BROKEN = {
     "plan.json-layers-float": (_plan_field("model", "layers", 4.0), "plan.json", ()),
     "plan.json-microbatches-str": (_plan_field("schedule", "microbatches", "4"), "plan.json",
                                    ()),
-    "plan.json-mesh-list": (_edit("plan.json", lambda d: d.update(mesh=[2])), "plan.json", ()),
-    "plan.json-no-model": (_edit("plan.json", lambda d: d.pop("model")), "plan.json", ()),
+    "plan.json-mesh-list": (_plan(lambda d: d.update(mesh=[2])), "plan.json", ()),
+    "plan.json-no-model": (_plan(lambda d: d.pop("model")), "plan.json", ()),
     "plan.json-order-unknown-axis": (_plan_field("mesh", "order", ["a", "b", "c", "d"]),
                                      "plan.json", ()),
-    "plan.json-sources-list": (_edit("plan.json", lambda d: d.update(sources=[])),
-                               "plan.json", ()),
+    "plan.json-sources-list": (_plan(lambda d: d.update(sources=[])), "plan.json", ()),
+    "plan.json-hidden-edited": (_plan(lambda d: d["model"].update(hidden=128), False),
+                                "plan.json is not the plan this build was compiled from", ()),
+    "plan.json-hidden-edited-and-fingerprinted": (
+        _plan(lambda d: d["model"].update(hidden=128)), "graph.json does not match plan.json",
+        ()),
     "summary.json-no-stages": (_edit("summary.json", lambda d: d.pop("stages")),
                                "summary.json", ()),
 }

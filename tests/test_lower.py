@@ -223,6 +223,10 @@ def test_planc_programs_lists_a_rank(tmp_path, run_planc):
     assert expanded.returncode == 0
     assert "(mb 1)" in expanded.stdout and "(mb 2)" not in expanded.stdout
     assert run_planc("programs", PLANS / "gpt-tiny.plan", "--rank", "8").returncode == 2
+    alone = run_planc("programs", PLANS / "gpt-tiny.plan", "--microbatch", "1")
+    assert (alone.returncode, alone.stderr) == (2, "planc: error: --microbatch needs --expand "
+                                                   "(programs are listed folded over "
+                                                   "microbatches otherwise)\n")
 
 
 def test_instruction_json_carries_explicit_writes():
@@ -246,3 +250,27 @@ def test_compile_runs_the_verifier(tmp_path):
                              "-o", str(tmp_path / "b")], capture_output=True, text=True)
     assert result.returncode == 0
     assert result.stdout.splitlines()[1].startswith("verified 2 programs for 8 ranks")
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(pp=0), "is not a valid rank table (its world, pp, pp_stride, stages or overrides "
+                 "are inconsistent); run planc compile again"),
+    (dict(pp_stride=0), "is not a valid rank table (its world, pp, pp_stride, stages or "
+                        "overrides are inconsistent); run planc compile again"),
+    (dict(overrides={"9": "stage0.json"}), "is not a valid rank table (its world, pp, "
+                                           "pp_stride, stages or overrides are inconsistent)"),
+    (dict(world=6), "is for 6 ranks and 2 stages, plan.json for 4 and 2; run planc compile "
+                    "again"),
+    (dict(stages="x"), "is not a valid rank table ("),
+])
+def test_a_damaged_rank_table_is_refused(change, message, tmp_path, run_planc):
+    directory = write(built(), tmp_path / "b", str(tmp_path / "pp.plan"), PP_PLAN)
+    path = directory / "programs" / "ranks.json"
+    table = json.loads(path.read_text())
+    table.update(change)
+    path.write_text(json.dumps(table))
+    result = run_planc("verify", directory)
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"planc: error: {path} ")
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr

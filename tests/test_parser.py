@@ -693,3 +693,34 @@ def test_plan_dict_is_versioned():
     assert data["version"] == 1
     with pytest.raises(ValueError):
         Plan.from_dict({**data, "version": 2})
+
+
+DATA_PLAN = """plan data {
+  model gpt { layers = 2; hidden = 32; heads = 4; vocab = 128; seq = 7; batch = 2 }
+  train { data = "tokens.bin" }
+}"""
+
+
+@pytest.mark.parametrize("tokens, extra, message", [
+    ([1] * 8, b"", None),
+    ([127] * 8, b"", None),
+    ([1, 2, 3, 200, 5, 6, 128, 8], b"", "data file 'tokens.bin' holds token id 200 (token 3 "
+                                         "of the file), not below vocab = 128"),
+    ([1] * 8, b"\x01", "data file 'tokens.bin' has an odd size (17 bytes); expected "
+                       "little-endian uint16 tokens"),
+    ([1] * 7, b"", "data file 'tokens.bin' holds 7 tokens, fewer than one sample "
+                   "(seq + 1 = 8)"),
+    ([1] * 7 + [65535], b"", "data file 'tokens.bin' holds token id 65535 (token 7 of the "
+                             "file), not below vocab = 128"),
+])
+def test_a_data_file_is_checked_token_by_token(tokens, extra, message, tmp_path):
+    (tmp_path / "tokens.bin").write_bytes(b"".join(t.to_bytes(2, "little") for t in tokens)
+                                          + extra)
+    (tmp_path / "d.plan").write_text(DATA_PLAN)
+    loaded = load_file(tmp_path / "d.plan")
+    errors = [(d.span.line, d.span.column, d.message) for d in loaded.diagnostics
+              if d.is_error]
+    if message is None:
+        assert loaded.ok and loaded.plan.train.data == str(tmp_path / "tokens.bin")
+    else:
+        assert errors == [(3, 18, message)]

@@ -43,6 +43,9 @@ MATRIX = {
     "tp-fc1-row-fc2-column": dict(mesh="tp = 2", shard="tp { fc1 = row; fc2 = column }"),
     "tp-qkv-replicate": dict(mesh="tp = 2", shard="tp { qkv = replicate }"),
     "tp-embedding-hidden": dict(mesh="tp = 2", shard="tp { embedding = hidden }"),
+    "tp-proj-column": dict(mesh="tp = 2", shard="tp { proj = column }"),
+    "tp-qkv-row-proj-row-sp": dict(mesh="tp = 2",
+                                   shard="tp { qkv = row; proj = row; sequence_parallel = on }"),
     "cp-allgather": dict(mesh="cp = 2"),
     "cp-ring": dict(mesh="cp = 2", shard="cp { attention = ring; load_balance = on }"),
     "pp-gpipe-uneven": dict(mesh="pp = 2", shard="pp { stages = [0..2, 3..3] }", m=4,
@@ -127,6 +130,23 @@ def test_data_from_a_file_of_uint16_tokens(tmp_path, capfd):
     (tmp_path / "f.plan").write_text(text)
     status, err = run([tmp_path / "f.plan", "-o", tmp_path / "b", "--check"], capfd)
     assert status == 0, err
+
+
+def test_a_data_file_that_changed_after_compile_is_refused_before_any_rank_starts(
+        tmp_path, capfd):
+    text = plan_text("file_data").replace("seed = 3 }", 'seed = 3; data = "tokens.bin" }')
+    (tmp_path / "f.plan").write_text(text)
+    assert main(["compile", str(tmp_path / "f.plan"), "-o", str(tmp_path / "b")]) == 0
+    assert "data file 'tokens.bin' does not exist (yet)" in capfd.readouterr().err
+    tokens = tmp_path / "tokens.bin"
+    status, err = run([tmp_path / "b"], capfd)
+    assert (status, err) == (1, f"planc: error: data file {tokens} does not exist; nothing "
+                                f"was run\n")
+    tokens.write_bytes(b"".join(t.to_bytes(2, "little") for t in [5] * 40 + [300] + [5] * 9))
+    status, err = run([tmp_path / "b"], capfd)
+    assert (status, err) == (1, f"planc: error: data file {tokens} holds token id 300 (token "
+                                f"40 of the file), not below vocab = 128; nothing was run\n")
+    assert not (tmp_path / "b" / "logs").exists()
 
 
 # --- failures ---------------------------------------------------------------------------------
@@ -277,3 +297,27 @@ def test_check_reports_a_wrong_result_per_parameter(tmp_path, capfd):
     assert "MISMATCH" in err
     assert "layers.1.fc2.weight: largest difference" in err
     assert "planc: rank 0 exited with status 1" in err
+
+
+def test_bf16_with_adamw_compares_losses_and_says_why_not_parameters(tmp_path, capfd):
+    text = plan_text("half", mesh="tp = 2", model="; dtype = bf16").replace(
+        "sgd(lr = 0.5, momentum = 0.9)", "adamw(lr = 0.01)")
+    (tmp_path / "h.plan").write_text(text)
+    status, err = run([tmp_path / "h.plan", "-o", tmp_path / "b", "--check"], capfd)
+    assert status == 0, err
+    assert ("check: 2 steps and no parameters (bf16/fp16 with AdamW, see below) against the "
+            "single-process run (relative tolerance 0.02): every loss matches.") in err
+
+
+@pytest.mark.parametrize("flag", ["--metrics", "--trace"])
+def test_an_unwritable_output_path_is_refused_before_anything_runs(flag, tmp_path, capfd):
+    plan = tmp_path / "p.plan"
+    plan.write_text(plan_text("p"))
+    status, err = run([plan, "-o", tmp_path / "b", flag, tmp_path / "missing" / "m.json"], capfd)
+    assert status == 1
+    assert err == (f"planc: error: {flag} {tmp_path / 'missing' / 'm.json'}: cannot write "
+                   f"there ({tmp_path / 'missing'} is not a writable directory)\n")
+    assert not (tmp_path / "b").exists()
+    status, err = run([plan, "-o", tmp_path / "b", flag, tmp_path], capfd)
+    assert status == 1
+    assert err == f"planc: error: {flag} {tmp_path}: is a directory; name a file\n"

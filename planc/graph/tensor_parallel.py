@@ -42,6 +42,11 @@ class ParamUse:
     storage: Layout  # how the parameter is stored over tp
     data: Layout  # the layout of the activation it is applied to
     dims: tuple[str, ...]
+    axis: int | None = None  # which tensor axis ``storage`` shards (dims may repeat a name)
+
+    @property
+    def storage_axis(self) -> int:
+        return self.axis if self.axis is not None else self.dims.index(self.storage.dim)
 
     def local_gradient(self) -> Layout:
         """Layout of the gradient each rank computes for this use.
@@ -88,17 +93,22 @@ def _linear(name: str, placement: str) -> list[Choice]:
     weight, bias = f"{name}.weight", f"{name}.bias"
     has_bias = name != "head"
 
-    def uses(storage_w: Layout, storage_b: Layout, data: Layout, bias_here: bool = True):
-        used = [ParamUse(weight, storage_w, data, (fan_in, fan_out))]
+    def uses(storage_w: Layout, storage_b: Layout, data: Layout, bias_here: bool = True,
+             axis: int | None = None):
+        used = [ParamUse(weight, storage_w, data, (fan_in, fan_out), axis)]
         if has_bias and bias_here:
-            used.append(ParamUse(bias, storage_b, data, (fan_out,)))
+            used.append(ParamUse(bias, storage_b, data, (fan_out,),
+                                 0 if storage_b.is_sharded else None))
         return tuple(used)
 
+    # The weight is (in, out): column-parallel shards axis 1, row-parallel axis 0 (the
+    # names alone cannot say which: proj's weight is hidden x hidden).
     if placement in ("column", "vocab"):
-        return [Choice(R, S(fan_out), P, True, uses(S(fan_out), S(fan_out), R))]
+        return [Choice(R, S(fan_out), P, True, uses(S(fan_out), S(fan_out), R, axis=1))]
     if placement == "row":
         # The bias is added after the partial sum is reduced, by the consumer.
-        return [Choice(S(fan_in), P, S(fan_in), True, uses(S(fan_in), R, S(fan_in), False))]
+        return [Choice(S(fan_in), P, S(fan_in), True,
+                       uses(S(fan_in), R, S(fan_in), False, axis=0))]
     return [Choice(R, R, R, False, uses(R, R, R)),
             Choice(S("seq"), S("seq"), S("seq"), True, uses(R, R, S("seq")))]
 
@@ -122,7 +132,9 @@ def choices(op: str, plan: Plan, stream: Layout) -> list[Choice]:
         if plan.model.tie_embeddings:  # the head is the transposed embedding table
             return [Choice(c.input, c.output, c.grad_input, c.sharded,
                            tuple(ParamUse("embedding.weight", u.storage, u.data,
-                                          ("vocab", "hidden")) for u in c.params))
+                                          ("vocab", "hidden"),
+                                          0 if u.storage.is_sharded else None)
+                                 for u in c.params))
                     for c in _linear("head", t.head)]
         return _linear("head", t.head)
     if op == "attention":
@@ -163,7 +175,8 @@ def _replicated(op: str, plan: Plan, stream: Layout) -> Choice:
                                                      ("vocab", "hidden")),))
     else:
         first = choices(op, plan, stream)[0]
-    return Choice(R, R, R, False, tuple(ParamUse(u.name, R, R, u.dims) for u in first.params))
+    return Choice(R, R, R, False, tuple(ParamUse(u.name, R, R, u.dims)
+                                        for u in first.params))
 
 
 CHAINS = {

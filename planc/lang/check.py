@@ -10,6 +10,8 @@ is reported; a Plan is returned only when there is no error.
 from __future__ import annotations
 
 import os
+import sys
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -536,7 +538,28 @@ class _Checker:
         if model is not None and size // 2 < model.seq + 1:
             return self._reject(f"data file '{data}' holds {size // 2} tokens, fewer than one "
                               f"sample (seq + 1 = {model.seq + 1})", span)
+        if model is not None and size <= DATA_SCAN_LIMIT:
+            largest, position = largest_token(resolved)
+            if largest >= model.vocab:
+                return self._reject(f"data file '{data}' holds token id {largest} (token "
+                                    f"{position} of the file), not below vocab = {model.vocab}",
+                                    span)
         return resolved
+
+
+# Larger data files are scanned by planc run, which has torch to do it quickly.
+DATA_SCAN_LIMIT = 16 << 20
+
+
+def largest_token(path: str) -> tuple[int, int]:
+    """The largest token id in a file of little-endian uint16 tokens, and its position."""
+    tokens = array("H")
+    with open(path, "rb") as f:
+        tokens.frombytes(f.read())
+    if sys.byteorder != "little":
+        tokens.byteswap()
+    largest = max(tokens)
+    return largest, tokens.index(largest)
 
 
 def _layers_text(first: int, last: int) -> str:

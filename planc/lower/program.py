@@ -232,9 +232,14 @@ class RankTable:
         if data.get("format") != "planc-ranks" or data.get("version") != \
                 PROGRAM_FORMAT_VERSION:
             raise ValueError("not a version 1 planc rank table")
-        return RankTable(int(data["world"]), int(data["pp"]), int(data["pp_stride"]),
-                         {str(k): int(v) for k, v in data["stages"].items()},
-                         {int(k): str(v) for k, v in data.get("overrides", {}).items()})
+        table = RankTable(int(data["world"]), int(data["pp"]), int(data["pp_stride"]),
+                          {str(k): int(v) for k, v in data["stages"].items()},
+                          {int(k): str(v) for k, v in data.get("overrides", {}).items()})
+        if table.world < 1 or table.pp < 1 or table.stride < 1 or \
+                sorted(table.stages.values()) != list(range(table.pp)) or \
+                any(not 0 <= r < table.world for r in table.overrides):
+            raise ValueError("its world, pp, pp_stride, stages or overrides are inconsistent")
+        return table
 
 
 def dumps(data: dict) -> str:

@@ -129,7 +129,7 @@ class RankContext:
         """The tp-local part of a whole parameter, as it is stored."""
         if not use.storage.is_sharded or self.tp == 1:
             return full.clone()
-        axis = use.dims.index(use.storage.dim)
+        axis = use.storage_axis
         return split_feature(full, use.storage.dim, self.tp, self.tp_rank, self.heads,
                              axis).clone()
 

@@ -112,9 +112,12 @@ class Kernels:
             if any(u.name == f"{name}.bias" for u in layout.params):
                 out = out + p(f"{name}.bias")
             return out, extra
-        if name == "attention":
-            return self._attention(x), extra
+        # A row-parallel producer's bias, added once its partial sum has been reduced.
         bias = p(f"{layout.bias_from}.bias") if layout.bias_from else None
+        if name == "attention":
+            if bias is not None:
+                x = {**x, "x": x["x"] + bias}
+            return self._attention(x), extra
         if name == "gelu":
             value = x["x"] if bias is None else x["x"] + bias
             return F.gelu(value, approximate="tanh"), extra

@@ -59,6 +59,30 @@ def batch_tokens(plan: Plan, step: int) -> torch.Tensor:
     return out
 
 
+def data_problem(plan: Plan) -> str | None:
+    """Why the plan's data file cannot feed a run, or None: checked once, before any rank
+    starts, because the file may have appeared or changed since planc check."""
+    path, m = plan.train.data, plan.model
+    if path == "synthetic":
+        return None
+    import os
+
+    if not os.path.isfile(path):
+        return f"data file {path} does not exist"
+    size = os.path.getsize(path)
+    if size % 2 or size // 2 < m.seq + 1:
+        return (f"data file {path} has {size} bytes; it needs an even size and at least "
+                f"seq + 1 = {m.seq + 1} little-endian uint16 tokens")
+    tokens = torch.from_file(path, shared=False, size=size // 2, dtype=torch.int16)
+    tokens = tokens.to(torch.int32) & 0xFFFF
+    largest = int(tokens.max())
+    if largest >= m.vocab:
+        position = int((tokens == largest).nonzero()[0])
+        return (f"data file {path} holds token id {largest} (token {position} of the file), "
+                f"not below vocab = {m.vocab}")
+    return None
+
+
 def _file_tokens(path: str) -> int:
     import os
 
