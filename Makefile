@@ -30,6 +30,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/parse.py
 	$(PY) bench/compile.py
+	$(PY) bench/run.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis
