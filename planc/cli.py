@@ -451,10 +451,11 @@ def cmd_run(args) -> int:
     problem = data_problem(built.plan)
     if problem:
         return _fail(f"{problem}; nothing was run")
-    backend = args.backend or ("nccl" if gpus() else "gloo")
-    if backend == "nccl" and gpus() < built.plan.world:
+    devices = gpus()
+    backend = args.backend or ("nccl" if devices else "gloo")
+    if backend == "nccl" and devices < built.plan.world:
         return _fail(f"the nccl backend needs a GPU per rank: the plan has "
-                     f"{built.plan.world} ranks, this machine {gpus()} GPUs; use --backend "
+                     f"{built.plan.world} ranks, this machine {devices} GPUs; use --backend "
                      f"gloo or torchrun across nodes", EXIT_USAGE)
 
     worker_args = ["--timeout", str(args.timeout)]

@@ -11,6 +11,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = ROOT / "plans"
 
+# A plan with exactly one error, the one of the language reference: tp = 8, heads = 12.
+BAD_TP = """\
+# tp does not divide heads
+plan bad {
+  model gpt {
+    layers = 2
+    hidden = 96
+    heads  = 12
+    vocab  = 256
+    seq    = 32
+    batch  = 8
+  }
+  mesh {
+    tp = 8
+  }
+}
+"""
+
 
 @pytest.fixture
 def run_planc():

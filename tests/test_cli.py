@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PLANS, ROOT
+from tests.conftest import BAD_TP, PLANS, ROOT
 
 TINY = PLANS / "gpt-tiny.plan"
 TINY_TEXT = TINY.read_text(encoding="utf-8")
@@ -29,24 +29,6 @@ SUMMARY = re.compile(r"^\d+ errors? generated\.$|^\d+ error(s)? and \d+ warnings
 HEADLINE = re.compile(r"^(?P<path>[^\n]*?):(?:(?P<line>\d+):(?P<col>\d+):)? "
                       r"(?P<severity>error|warning): (?P<message>.+)$")
 SANE_SECONDS = 20
-
-# A plan with exactly one error, the one of the language reference: tp = 8, heads = 12.
-BAD_TP = """\
-# tp does not divide heads
-plan bad {
-  model gpt {
-    layers = 2
-    hidden = 96
-    heads  = 12
-    vocab  = 256
-    seq    = 32
-    batch  = 8
-  }
-  mesh {
-    tp = 8
-  }
-}
-"""
 
 
 def planc(*args, cwd: Path | None = None, env: dict | None = None,

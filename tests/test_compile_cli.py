@@ -33,30 +33,13 @@ from planc.lang import load_file
 from planc.lang.units import format_bytes
 from planc.plan import Plan
 from planc.views import summary_text
-from tests.conftest import PLANS, ROOT
+from tests.conftest import BAD_TP, PLANS, ROOT
 
 TINY = PLANS / "gpt-tiny.plan"
 BIG = PLANS / "gpt3-175b.plan"
 ONE_T = PLANS / "gpt-1t.plan"
 BUILD_FILES = ["build.json", "graph.json", "plan.json", "programs", "summary.json"]
 TIMEOUT = 120
-
-# tp = 8 does not divide heads = 12: one error.
-BAD_PLAN = """\
-plan bad {
-  model gpt {
-    layers = 2
-    hidden = 96
-    heads  = 12
-    vocab  = 256
-    seq    = 32
-    batch  = 8
-  }
-  mesh {
-    tp = 8
-  }
-}
-"""
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -244,11 +227,11 @@ def test_compile_build_permissions_follow_the_umask(tmp_path):
 
 
 def test_invalid_plan_writes_nothing(tmp_path):
-    (tmp_path / "bad.plan").write_text(BAD_PLAN)
+    (tmp_path / "bad.plan").write_text(BAD_TP)
     result = planc("compile", "bad.plan", "-o", "out", cwd=tmp_path)
     assert result.returncode == 1
     assert result.out == ""
-    assert result.err.startswith("bad.plan:11:10: error: heads (12) must divide by tp (8)\n")
+    assert result.err.startswith("bad.plan:12:10: error: heads (12) must divide by tp (8)\n")
     assert result.err.endswith("1 error generated.\n")
     assert not (tmp_path / "out").exists()
     assert sorted(os.listdir(tmp_path)) == ["bad.plan"]
@@ -258,7 +241,7 @@ def test_invalid_plan_leaves_an_earlier_build_untouched(tmp_path):
     out = tmp_path / "out"
     assert planc("compile", TINY, "-o", out).returncode == 0
     before = snapshot(out)
-    (tmp_path / "bad.plan").write_text(BAD_PLAN)
+    (tmp_path / "bad.plan").write_text(BAD_TP)
     result = planc("compile", "bad.plan", "-o", "out", cwd=tmp_path)
     assert result.returncode == 1
     assert "heads (12) must divide by tp (8)" in result.err
