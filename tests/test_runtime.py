@@ -149,6 +149,38 @@ def test_a_data_file_that_changed_after_compile_is_refused_before_any_rank_start
     assert not (tmp_path / "b" / "logs").exists()
 
 
+def test_a_data_file_is_read_a_step_at_a_time_and_each_batch_checked(tmp_path):
+    from planc.lang import load_text
+    from planc.runtime.model import DataError, batch_tokens
+
+    tokens = tmp_path / "tokens.bin"
+    values = list(range(100))
+    tokens.write_bytes(b"".join(t.to_bytes(2, "little") for t in values))
+    text = plan_text("file_data").replace("seed = 3 }", f'seed = 3; data = "{tokens}" }}')
+    plan = load_text(text).plan
+    values[86] = 500  # written after the check: beyond vocab, and only in step 1's batch
+    tokens.write_bytes(b"".join(t.to_bytes(2, "little") for t in values))
+    first = batch_tokens(plan, 0)
+    assert first.shape == (8, 17) and first.dtype == torch.int64
+    # 100 tokens hold 84 sample starts: sample j starts at token (17 j) mod 84
+    assert [int(row[0]) for row in first] == [17 * j % 84 for j in range(8)]
+    assert first[5].tolist() == list(range(1, 18))
+    with pytest.raises(DataError) as caught:
+        batch_tokens(plan, 1)
+    assert str(caught.value) == (f"data file {tokens} holds token id 500 in the batch of "
+                                 f"step 1, not below vocab = 128")
+    tokens.write_bytes(b"\x01\x00" * 10)
+    with pytest.raises(DataError) as caught:
+        batch_tokens(plan, 0)
+    assert str(caught.value) == (f"data file {tokens} no longer holds one sample (seq + 1 = "
+                                 f"17 tokens)")
+    tokens.unlink()
+    with pytest.raises(DataError) as caught:
+        batch_tokens(plan, 0)
+    assert str(caught.value) == (f"data file {tokens} cannot be read for step 0 (No such "
+                                 f"file or directory)")
+
+
 # --- failures ---------------------------------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -43,20 +44,32 @@ def batch_tokens(plan: Plan, step: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(_seed(plan.train.seed, "data", step))
         return torch.randint(0, m.vocab, shape, generator=generator)
     # A file of little-endian uint16 tokens; sample j of the run starts at token
-    # j * (seq + 1), wrapping around the file.
-    raw = torch.from_file(plan.train.data, shared=False, size=_file_tokens(plan.train.data),
-                          dtype=torch.int16)
-    tokens = raw.to(torch.int32) & 0xFFFF
-    usable = tokens.numel() - (m.seq + 1) + 1
+    # j * (seq + 1), wrapping around the file. Only this step's samples are read.
+    sample = m.seq + 1
     rows = []
-    for j in range(step * m.batch, (step + 1) * m.batch):
-        start = (j * (m.seq + 1)) % usable
-        rows.append(tokens[start:start + m.seq + 1])
-    out = torch.stack(rows).to(torch.int64)
-    if int(out.max()) >= m.vocab:
-        raise ValueError(f"{plan.train.data} holds token {int(out.max())}, beyond vocab "
-                         f"{m.vocab}")
+    try:
+        usable = os.path.getsize(plan.train.data) // 2 - sample + 1
+        with open(plan.train.data, "rb") as data:
+            for j in range(step * m.batch, (step + 1) * m.batch):
+                data.seek((j * sample) % max(usable, 1) * 2)
+                rows.append(data.read(sample * 2))
+    except OSError as exc:
+        raise DataError(f"data file {plan.train.data} cannot be read for step {step} "
+                        f"({exc.strerror})") from None
+    if usable < 1 or any(len(row) != sample * 2 for row in rows):
+        raise DataError(f"data file {plan.train.data} no longer holds one sample (seq + 1 = "
+                        f"{sample} tokens)")
+    out = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.int16).view(m.batch, sample)
+    out = out.to(torch.int64) & 0xFFFF
+    largest = int(out.max())
+    if largest >= m.vocab:
+        raise DataError(f"data file {plan.train.data} holds token id {largest} in the batch "
+                        f"of step {step}, not below vocab = {m.vocab}")
     return out
+
+
+class DataError(ValueError):
+    """The plan's data file cannot feed a step (it changed or vanished during the run)."""
 
 
 def data_problem(plan: Plan) -> str | None:
@@ -65,8 +78,6 @@ def data_problem(plan: Plan) -> str | None:
     path, m = plan.train.data, plan.model
     if path == "synthetic":
         return None
-    import os
-
     if not os.path.isfile(path):
         return f"data file {path} does not exist"
     size = os.path.getsize(path)
@@ -81,12 +92,6 @@ def data_problem(plan: Plan) -> str | None:
         return (f"data file {path} holds token id {largest} (token {position} of the file), "
                 f"not below vocab = {m.vocab}")
     return None
-
-
-def _file_tokens(path: str) -> int:
-    import os
-
-    return os.path.getsize(path) // 2
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,10 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from planc import build as build_module
 from planc.runtime.context import RankContext, make_groups
 from planc.runtime.executor import CpuExecutor, CudaExecutor, Hang, Interpreter, PeerLost
-from planc.runtime.model import join_feature
+from planc.runtime.model import DataError, join_feature
 
 EXIT_HANG = 3
+PEER_LOST_GRACE_S = 5.0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -113,7 +114,13 @@ def train(args: argparse.Namespace) -> int:
         os._exit(EXIT_HANG)
     except PeerLost as lost:
         print(str(lost), file=sys.stderr, flush=True)
+        # The peer that failed may still be exiting; leaving first would make this rank
+        # the launcher's first failure and hide the cause. The launcher stops this rank
+        # as soon as it sees the peer's failure.
+        time.sleep(PEER_LOST_GRACE_S)
         os._exit(EXIT_HANG)
+    except DataError as exc:
+        raise SystemExit(f"planc: error: {exc}") from None
     finally:
         if metrics:
             metrics.close()
@@ -184,11 +191,12 @@ def _check(ctx: RankContext, interpreter: Interpreter, losses: list[float], step
     run_losses = next(g["losses"] for g in gathered if g["losses"] is not None)
     # Every copy is compared: each replica (dp x cp), each tp rank's copy of what is
     # replicated over tp, and both stages' copies of a tied embedding.
-    pieces: dict[tuple[str, int, int, int], dict[int, torch.Tensor]] = {}
+    copies: dict[tuple[str, int, int], dict[int, dict[int, torch.Tensor]]] = {}
     for g in gathered:
         c = g["coords"]
         for name, value in g["params"].items():
-            pieces.setdefault((name, c["dp"], c["cp"], c["pp"]), {})[c["tp"]] = value
+            copies.setdefault((name, c["dp"], c["cp"]), {}).setdefault(c["pp"], {})[c["tp"]] \
+                = value
     replicas = [(d, c) for d in range(plan.mesh.dp) for c in range(plan.mesh.cp)]
     report, failed = [], False
     tolerance = 1e-5 if plan.model.dtype == "fp32" else 2e-2
@@ -201,36 +209,11 @@ def _check(ctx: RankContext, interpreter: Interpreter, losses: list[float], step
                       f"error {error:.2e}{'  MISMATCH' if bad else ''}")
     compare_parameters = floor is not None
     worst = (0.0, 0.0, "")  # (share of the allowed difference, difference, parameter)
-    for (name, want), (dp, cp) in ((item, r) for item in expected.items() for r in replicas):
-        if not compare_parameters:
-            break
-        copies = {key[3]: value for key, value in pieces.items() if key[:3] == (name, dp, cp)}
-        where = f" (replica dp {dp}, cp {cp})" if len(replicas) > 1 else ""
-        if not copies:
-            report.append(f"  {name}{where}: no rank holds it  MISMATCH")
-            failed = True
-            continue
-        use = ctx.storage.get(name) or _use_of(ctx, name)
-        for stage, by_tp in sorted(copies.items()):
-            ordered = [by_tp[k] for k in sorted(by_tp)]
-            if use.storage.is_sharded and len(ordered) > 1:
-                candidates = [join_feature(ordered, use.storage.dim, plan.model.heads,
-                                           use.storage_axis)]
-            else:
-                candidates = ordered  # every tp rank's whole copy
-            for got in candidates:
-                difference = float((got - want).abs().max())
-                scale = float(want.abs().max())
-                error = difference / max(scale, 1e-12)
-                allowed = tolerance * scale + floor
-                if difference / allowed > worst[0]:
-                    worst = (difference / allowed, difference, name)
-                if difference > allowed:
-                    failed = True
-                    copy = f" (stage {stage})" if len(copies) > 1 else ""
-                    report.append(f"  {name}{where}{copy}: largest difference "
-                                  f"{difference:.2e}, relative {error:.2e}  MISMATCH")
-                    break
+    if compare_parameters:
+        worst, mismatches = _compare_parameters(ctx, expected, copies, replicas, tolerance,
+                                                floor)
+        report += mismatches
+        failed |= bool(mismatches)
     what = (f"{len(expected)} parameters" + (f" on each of {len(replicas)} replicas"
                                              if len(replicas) > 1 else "")
             if compare_parameters else "no parameters (bf16/fp16 with AdamW, see below)")
@@ -250,6 +233,40 @@ def _check(ctx: RankContext, interpreter: Interpreter, losses: list[float], step
           f"{worst[1]:.1e}, {100 * worst[0]:.0f}% of what is allowed)", file=sys.stderr,
           flush=True)
     return 0
+
+
+def _compare_parameters(ctx: RankContext, expected: dict, copies: dict, replicas: list,
+                        tolerance: float, floor: float) -> tuple[tuple, list[str]]:
+    """Each run copy of each expected parameter against it: the closest call as (share of
+    the allowed difference, difference, name), and a report line per mismatch."""
+    worst, mismatches = (0.0, 0.0, ""), []
+    for (name, want), (dp, cp) in ((item, r) for item in expected.items() for r in replicas):
+        by_stage = copies.get((name, dp, cp), {})
+        where = f" (replica dp {dp}, cp {cp})" if len(replicas) > 1 else ""
+        if not by_stage:
+            mismatches.append(f"  {name}{where}: no rank holds it  MISMATCH")
+            continue
+        use = ctx.storage.get(name) or _use_of(ctx, name)
+        scale = float(want.abs().max())
+        allowed = tolerance * scale + floor
+        for stage, by_tp in sorted(by_stage.items()):
+            ordered = [by_tp[k] for k in sorted(by_tp)]
+            if use.storage.is_sharded and len(ordered) > 1:
+                candidates = [join_feature(ordered, use.storage.dim, ctx.plan.model.heads,
+                                           use.storage_axis)]
+            else:
+                candidates = ordered  # every tp rank's whole copy
+            for got in candidates:
+                difference = float((got - want).abs().max())
+                if difference / allowed > worst[0]:
+                    worst = (difference / allowed, difference, name)
+                if difference > allowed:
+                    copy = f" (stage {stage})" if len(by_stage) > 1 else ""
+                    mismatches.append(f"  {name}{where}{copy}: largest difference "
+                                      f"{difference:.2e}, relative "
+                                      f"{difference / max(scale, 1e-12):.2e}  MISMATCH")
+                    break
+    return worst, mismatches
 
 
 def update_floor(plan, steps: int) -> float | None:
