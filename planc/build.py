@@ -25,6 +25,7 @@ from pathlib import Path
 import networkx as nx
 
 from planc import __version__
+from planc.files import umask
 from planc.graph.derive import GRAPH_FORMAT_VERSION, derive
 from planc.graph.summary import summarize
 from planc.lower.lower import lower
@@ -103,9 +104,7 @@ def write(build: Build, directory: str | Path, source_path: str, source_text: st
     try:
         parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(staging, 0o777 & ~mask)  # mkdtemp's 0700 is not what users expect
+        os.chmod(staging, 0o777 & ~umask())  # mkdtemp's 0700 is not what users expect
     except OSError as exc:
         raise BuildError(f"cannot create {target}: {exc.strerror}") from None
     try:

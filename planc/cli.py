@@ -274,6 +274,7 @@ def cmd_compile(args) -> int:
 
 
 def cmd_graph(args) -> int:
+    from planc.files import write_atomically
     from planc.graph.select import Selection, default_selection, select
     from planc.views import render_graph
 
@@ -320,7 +321,7 @@ def cmd_graph(args) -> int:
         return _fail(str(exc))
     if args.output:
         try:
-            render_graph.write_atomically(args.output, data)
+            write_atomically(args.output, data)
         except OSError as exc:
             return _fail(f"cannot write {args.output}: {exc.strerror}")
     else:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from planc import build as build_module
+from planc.files import write_atomically
 from planc.runtime.context import RankContext, make_groups
 from planc.runtime.executor import CpuExecutor, CudaExecutor, Hang, Interpreter, PeerLost
 from planc.runtime.model import DataError, join_feature
@@ -157,10 +158,7 @@ def _write_trace(ctx: RankContext, events, path: str) -> None:
                           "tid": streams.index(stream) if stream in streams else len(streams),
                           "ts": (start - origin) * 1e6, "dur": max((end - start) * 1e6, 0.01),
                           "args": {"microbatch": microbatch}})
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as out:
-        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, out)
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}).encode())
 
 
 def _local_parameters(ctx: RankContext, interpreter: Interpreter) -> dict:
