@@ -15,6 +15,7 @@ from typing import Sequence, TextIO
 
 from planc import __version__
 from planc.diagnostics import render_json, render_text, summary_line
+from planc.words import counted
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
 
@@ -263,9 +264,9 @@ def cmd_compile(args) -> int:
     except build.BuildError as exc:
         return _fail(str(exc))
     graph = result.graph
+    microbatches = counted(loaded.plan.schedule.microbatches, "microbatch", "microbatches")
     print(f"{loaded.plan.name}: {graph.number_of_nodes():,} nodes and "
-          f"{graph.number_of_edges():,} edges for one step ({loaded.plan.schedule.microbatches} "
-          f"microbatch{'es' if loaded.plan.schedule.microbatches != 1 else ''} folded); build "
+          f"{graph.number_of_edges():,} edges for one step ({microbatches} folded); build "
           f"written to {os.path.join(output, '')}")
     print(verified_line(result))
     print()
@@ -396,8 +397,8 @@ def cmd_verify(args) -> int:
     if not report.ok:
         for problem in report.problems:
             print(f"planc: error: {problem}", file=sys.stderr)
-        print(f"{len(report.problems)} problem{'s' if len(report.problems) != 1 else ''} "
-              f"found; these programs must not run.", file=sys.stderr)
+        print(f"{counted(len(report.problems), 'problem')} found; these programs must not "
+              f"run.", file=sys.stderr)
         return EXIT_ERRORS
     print(verified_line(built))
     return EXIT_OK
@@ -468,9 +469,8 @@ def cmd_run(args) -> int:
     if args.check:
         worker_args.append("--check")
     steps = args.steps or built.plan.train.steps
-    print(f"planc: running {built.plan.name} on {built.plan.world} "
-          f"rank{'s' if built.plan.world != 1 else ''} ({backend}), {steps} "
-          f"step{'s' if steps != 1 else ''}", file=sys.stderr)
+    print(f"planc: running {built.plan.name} on {counted(built.plan.world, 'rank')} "
+          f"({backend}), {counted(steps, 'step')}", file=sys.stderr)
     return launch(os.path.abspath(directory), built.plan.world, worker_args, backend)
 
 
@@ -478,9 +478,9 @@ MAX_LOCAL_RANKS = 64
 
 
 def verified_line(built) -> str:
-    return (f"verified {len(built.programs)} program{'s' if len(built.programs) != 1 else ''} "
-            f"for {built.plan.world} ranks: collectives in the same order on every group, "
-            f"every send matched, no deadlock, every wait after its record, no buffer "
+    return (f"verified {counted(len(built.programs), 'program')} for "
+            f"{counted(built.plan.world, 'rank')}: collectives in the same order on every "
+            f"group, every send matched, no deadlock, every wait after its record, no buffer "
             f"overwritten in flight")
 
 

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from planc.words import counted
+
 ERROR = "error"
 WARNING = "warning"
 
@@ -133,8 +135,7 @@ def render_text(diagnostics: Iterable[Diagnostic], path: str, source: str | None
 def summary_line(diagnostics: Sequence[Diagnostic]) -> str:
     errors = sum(d.is_error for d in diagnostics)
     warnings = len(diagnostics) - errors
-    parts = [f"{n} {word}{'s' if n != 1 else ''}"
-             for n, word in ((errors, "error"), (warnings, "warning")) if n]
+    parts = [counted(n, word) for n, word in ((errors, "error"), (warnings, "warning")) if n]
     return " and ".join(parts) + " generated." if parts else ""
 
 

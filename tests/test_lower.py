@@ -252,6 +252,17 @@ def test_compile_runs_the_verifier(tmp_path):
     assert result.stdout.splitlines()[1].startswith("verified 2 programs for 8 ranks")
 
 
+def test_one_rank_is_counted_in_the_singular(tmp_path):
+    (tmp_path / "one.plan").write_text("plan one { model gpt { layers = 2; hidden = 32; "
+                                       "heads = 4; vocab = 64; seq = 8; batch = 2 } }")
+    result = subprocess.run([sys.executable, "-m", "planc", "compile", str(tmp_path / "one.plan"),
+                             "-o", str(tmp_path / "b")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "edges for one step (1 microbatch folded)" in lines[0]
+    assert lines[1].startswith("verified 1 program for 1 rank: ")
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(pp=0), "is not a valid rank table (its world, pp, pp_stride, stages or overrides "
                  "are inconsistent); run planc compile again"),

@@ -10,6 +10,7 @@ from planc.lang.check import check
 from planc.lang.parser import parse
 from planc.lang.units import format_bytes
 from planc.plan import Plan
+from planc.words import counted
 
 MAX_FILE_BYTES = 16 * 2**20
 
@@ -79,6 +80,6 @@ def memory_warnings(plan: Plan) -> list[Diagnostic]:
         f"parameters {format_bytes(peak.parameter_bytes)}, gradients "
         f"{format_bytes(peak.gradient_bytes)}, optimizer state "
         f"{format_bytes(peak.optimizer_bytes)}, activations "
-        f"{format_bytes(peak.activation_bytes)} ({peak.microbatches_in_flight} microbatch"
-        f"{'es' if peak.microbatches_in_flight != 1 else ''} in flight)",
+        f"{format_bytes(peak.activation_bytes)} ("
+        f"{counted(peak.microbatches_in_flight, 'microbatch', 'microbatches')} in flight)",
         "zero, recompute, more tp or pp, or a smaller microbatch would lower it")]

@@ -11,6 +11,7 @@ from planc.lang.units import format_bytes
 from planc.layout import Layout
 from planc.plan import Plan
 from planc.views.tables import table
+from planc.words import counted
 
 PHASE_LETTER = {"forward": "F", "backward": "B", "optimizer": "O"}
 
@@ -106,7 +107,7 @@ def explain(plan: Plan, graph: nx.DiGraph, layer: int | None = None, param: str 
                              pick(lambda d: d["layer"] is None)))
     out = []
     for title, nodes in sections:
-        out.append(f"{title}: {len(nodes)} transfer{'s' if len(nodes) != 1 else ''}"
+        out.append(f"{title}: {counted(len(nodes), 'transfer')}"
                    + (f" over {axis}" if axis else ""))
         out.extend(_rows(plan, graph, nodes) if nodes else ["  none"])
         if nodes:

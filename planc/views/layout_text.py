@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from planc.layout import GROUP_AXES, Layout
 from planc.views.tables import table
+from planc.words import counted
 
 DEVICES_PER_ROW = 8
 NODES_SHOWN_AT_EACH_END = 2
@@ -72,8 +73,8 @@ def render_groups(layout: Layout) -> str:
 def render(layout: Layout, title: str) -> str:
     mesh = layout.mesh
     sizes = " x ".join(f"{axis} {mesh.size(axis)}" for axis in ("tp", "cp", "pp", "dp"))
-    head = [f"{title}: {layout.world} rank{'s' if layout.world != 1 else ''} = {sizes}",
+    head = [f"{title}: {counted(layout.world, 'rank')} = {sizes}",
             f"order [{', '.join(mesh.order)}] (first varies fastest); "
-            f"{layout.nodes} node{'s' if layout.nodes != 1 else ''} x "
+            f"{counted(layout.nodes, 'node')} x "
             f"{layout.devices_per_node} devices"]
     return "\n".join(head + ["", render_nodes(layout), "", render_groups(layout)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 from planc import memory
 from planc.lang.units import COMPUTE, RATE, TIME, format_bytes, format_quantity
 from planc.plan import Plan
+from planc.words import counted
 
 
 def _onoff(flag: bool) -> str:
@@ -22,7 +23,7 @@ def one_line(plan: Plan, path: str) -> str:
     mesh, topo = plan.mesh, plan.topology
     estimate = memory.estimate(plan)
     return (f"{path}: ok: plan {plan.name}, {_count(memory.total_parameters(plan))} parameters, "
-            f"{mesh.world} rank{'s' if mesh.world != 1 else ''} (tp {mesh.tp} x cp {mesh.cp} x "
+            f"{counted(mesh.world, 'rank')} (tp {mesh.tp} x cp {mesh.cp} x "
             f"pp {mesh.pp} x dp {mesh.dp}) on {topo.nodes} x {topo.devices_per_node} devices, "
             f"{format_bytes(estimate.peak.total_bytes)} per device at peak")
 
@@ -42,9 +43,9 @@ def settings(plan: Plan) -> str:
                       f"{m.head_dim}), ffn {m.ffn}, vocab {m.vocab}, seq {m.seq}, batch {m.batch}, "
                       f"{m.dtype}, tie_embeddings {_onoff(m.tie_embeddings)}; "
                       f"{memory.total_parameters(plan):,} parameters"),
-        ("mesh", f"tp {mesh.tp} x cp {mesh.cp} x pp {mesh.pp} x dp {mesh.dp} = {mesh.world} "
-                 f"ranks, order [{', '.join(mesh.order)}]"),
-        ("topology", f"{topo.nodes} node{'s' if topo.nodes != 1 else ''} x "
+        ("mesh", f"tp {mesh.tp} x cp {mesh.cp} x pp {mesh.pp} x dp {mesh.dp} = "
+                 f"{counted(mesh.world, 'rank')}, order [{', '.join(mesh.order)}]"),
+        ("topology", f"{counted(topo.nodes, 'node')} x "
                      f"{topo.devices_per_node} devices"
                      + (f" ({topo.preset})" if topo.preset else "")
                      + f"; device {format_quantity(topo.device.flops, COMPUTE)}, {memory_text}, "
@@ -61,13 +62,12 @@ def settings(plan: Plan) -> str:
         ("shard pp", f"stages [{stages}]{' (auto)' if shard.pp.auto else ''}, virtual "
                      f"{shard.pp.virtual}"),
         ("shard dp", f"zero {shard.dp.zero}"),
-        ("schedule", f"{plan.schedule.pipeline}, {plan.schedule.microbatches} microbatch"
-                     f"{'es' if plan.schedule.microbatches != 1 else ''} of "
-                     f"{plan.microbatch_size} sequence{'s' if plan.microbatch_size != 1 else ''} "
-                     f"per data-parallel rank"),
+        ("schedule", f"{plan.schedule.pipeline}, "
+                     f"{counted(plan.schedule.microbatches, 'microbatch', 'microbatches')} of "
+                     f"{counted(plan.microbatch_size, 'sequence')} per data-parallel rank"),
         ("optimize", f"fuse {_onoff(opt.fuse)} (bucket {format_bytes(opt.bucket)}), route "
                      f"{opt.route}, overlap {_onoff(opt.overlap)}, recompute {opt.recompute}"),
-        ("train", f"{tr.steps} step{'s' if tr.steps != 1 else ''}, {optimizer}, seed {tr.seed}, "
+        ("train", f"{counted(tr.steps, 'step')}, {optimizer}, seed {tr.seed}, "
                   f"data {tr.data}"),
     ]
     width = max(len(k) for k, _ in rows)
