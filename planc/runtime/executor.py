@@ -268,8 +268,8 @@ class Interpreter:
         if axis == "pp":
             peer = ctx.layout.rank({**ctx.coords, "pp": data["peer_stage"]})
             if kind == "send":
-                value = self.combine(self.inputs(state, node, mb)["x"] +
-                                     self.inputs(state, node, mb).get("grad", []))
+                inputs = self.inputs(state, node, mb)
+                value = self.combine(inputs["x"] + inputs.get("grad", []))
                 group = ctx.groups.handles[pp_group_key(ctx.rank, peer, data["phase"])]
                 t.send(value.to(ctx.dtype), peer, group)
                 return None
@@ -347,14 +347,14 @@ class CpuExecutor:
 
     def __init__(self, interpreter: Interpreter, timeout: float):
         self.interpreter, self.timeout = interpreter, timeout
+        # Every step issues the same instructions: split them over the streams once.
+        self.streams: dict[str, list[Expanded]] = defaultdict(list)
+        for item in interpreter.program.expand():
+            self.streams[item.stream].append(item)
 
     def run_step(self, step: int) -> StepState:
-        interp = self.interpreter
+        interp, streams = self.interpreter, self.streams
         state = StepState(step)
-        items = list(interp.program.expand())
-        streams: dict[str, list[Expanded]] = defaultdict(list)
-        for item in items:
-            streams[item.stream].append(item)
         events: dict[str, threading.Event] = defaultdict(threading.Event)
         done_count = {s: 0 for s in streams}
         current: dict[str, Expanded | None] = {s: None for s in streams}
@@ -380,9 +380,9 @@ class CpuExecutor:
                     elif item.op == "record":
                         events[item.event].set()
                     elif item.op == "sync":
+                        needed = {s: needed_before(s, item.index) for s in streams if s != name}
                         with condition:
-                            while not all(done_count[s] >= needed_before(s, item.index)
-                                          for s in streams if s != name):
+                            while not all(done_count[s] >= n for s, n in needed.items()):
                                 if abort.is_set():
                                     return
                                 condition.wait(0.05)
@@ -443,12 +443,13 @@ class CudaExecutor:
     def __init__(self, interpreter: Interpreter, timeout: float):
         self.interpreter, self.timeout = interpreter, timeout
         self.streams = {name: torch.cuda.Stream() for name in interpreter.program.streams}
+        self.items = list(interpreter.program.expand())  # the same every step
 
     def run_step(self, step: int) -> StepState:
         interp = self.interpreter
         state = StepState(step)
         events: dict[str, torch.cuda.Event] = {}
-        for item in interp.program.expand():
+        for item in self.items:
             stream = self.streams.setdefault(item.stream, torch.cuda.Stream())
             if item.op == "record":
                 events[item.event] = torch.cuda.Event()
