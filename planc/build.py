@@ -6,7 +6,8 @@ Layout (format version 1, documented in docs/build.md):
     plan.json      the validated plan (Plan.to_dict)
     graph.json     the communication graph, networkx node-link format
     summary.json   per stage and step: transfers by axis, kind and phase; FLOPs; memory
-    programs/      one rank program per pipeline stage and ranks.json, the rank table
+    programs/      one rank program per pipeline stage, ranks.json (the rank table) and
+                   groups.json (the process groups the programs use)
 
 A build is written into a temporary sibling directory and renamed into place, so a
 reader never sees half a build, and a failed compile leaves the old build untouched.
@@ -26,18 +27,17 @@ import networkx as nx
 
 from planc import __version__
 from planc.files import umask
-from planc.graph.derive import GRAPH_FORMAT_VERSION, derive
-from planc.graph.summary import summarize
-from planc.lower.lower import lower
+from planc.graph import ir
+from planc.lower.groups import GroupTable
 from planc.lower.program import Program, RankTable, dumps
-from planc.lower.verify import verify
 from planc.plan import Plan
 
-BUILD_FORMAT_VERSION = 1
+BUILD_FORMAT_VERSION = 2
 MANIFEST = "build.json"
 FILES = ("plan.json", "graph.json", "summary.json")
 PROGRAMS = "programs"
 RANK_TABLE = "ranks.json"
+GROUPS = "groups.json"
 
 
 class BuildError(Exception):
@@ -52,17 +52,7 @@ class Build:
     path: str | None = None  # the directory it was read from, if any
     programs: dict[str, Program] | None = None
     table: RankTable | None = None
-
-
-def compile_plan(plan: Plan) -> Build:
-    """Derive, lower and verify. A failed verification here is a bug in planc."""
-    graph = derive(plan)
-    programs, table = lower(plan, graph)
-    report = verify(plan, graph, programs, table)
-    if not report.ok:
-        raise BuildError("internal error: the lowered programs fail verification (a bug in "
-                         "planc; please report it): " + "; ".join(report.problems))
-    return Build(plan, graph, summarize(plan, graph), programs=programs, table=table)
+    groups: GroupTable | None = None
 
 
 def graph_to_json(graph: nx.DiGraph) -> dict:
@@ -73,7 +63,9 @@ def graph_from_json(data: dict) -> nx.DiGraph:
     return nx.node_link_graph(data, directed=True, multigraph=False, edges="edges")
 
 
-def _dump(data: dict) -> str:
+def _dump(data: dict, compact: bool = False) -> str:
+    if compact:  # the graph: tens of megabytes for big plans, read by programs
+        return json.dumps(data, separators=(",", ":")) + "\n"
     return json.dumps(data, indent=1, sort_keys=False) + "\n"
 
 
@@ -100,6 +92,8 @@ def write(build: Build, directory: str | Path, source_path: str, source_text: st
     programs = {name: program.to_json() for name, program in (build.programs or {}).items()}
     if build.table is not None:
         programs[RANK_TABLE] = build.table.to_json()
+    if build.groups is not None:
+        programs[GROUPS] = build.groups.to_json()
     parent = target.resolve().parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -109,7 +103,7 @@ def write(build: Build, directory: str | Path, source_path: str, source_text: st
         raise BuildError(f"cannot create {target}: {exc.strerror}") from None
     try:
         for name, data in contents.items():
-            (staging / name).write_text(_dump(data), encoding="utf-8")
+            (staging / name).write_text(_dump(data, name == "graph.json"), encoding="utf-8")
         if programs:
             (staging / PROGRAMS).mkdir()
             (staging / PROGRAMS).chmod(staging.stat().st_mode & 0o777)
@@ -191,8 +185,9 @@ def read(directory: str | Path) -> Build:
                          f"compile again") from None
     graph_data = _read_json(path, "graph.json")
     attributes = graph_data.get("graph")
-    if not isinstance(attributes, dict) or attributes.get("version") != GRAPH_FORMAT_VERSION:
-        raise BuildError(f"{path / 'graph.json'} is not a version {GRAPH_FORMAT_VERSION} "
+    if not isinstance(attributes, dict) or \
+            attributes.get("version") != ir.GRAPH_FORMAT_VERSION:
+        raise BuildError(f"{path / 'graph.json'} is not a version {ir.GRAPH_FORMAT_VERSION} "
                          f"graph; run planc compile again")
     if attributes.get("plan_sha256") != manifest["plan_sha256"]:
         raise BuildError(f"{path / 'graph.json'} does not match plan.json (it was derived from "
@@ -209,53 +204,22 @@ def read(directory: str | Path) -> Build:
     return Build(plan, graph, summary, str(path))
 
 
-_REQUIRED = {
-    "compute": {"type": str, "phase": str, "stage": int, "repeat": int, "op": str,
-                "flops": (int, float), "per_microbatch": bool},
-    "transfer": {"type": str, "phase": str, "stage": int, "repeat": int, "kind": str,
-                 "axis": str, "bytes": int, "group_size": int, "reason": str,
-                 "per_microbatch": bool},
-}
-
-
-_PHASES = ("forward", "backward", "optimizer")
-_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send",
-          "recv")
-_AXES = ("tp", "cp", "pp", "dp_cp", "tied", "stage")
-
-
 def _check_graph(path: Path, graph: nx.DiGraph, plan: Plan) -> None:
-    """The graph belongs to the plan, and every node has the attributes later commands
-    rely on, with the right types and values."""
+    """The graph belongs to the plan and follows the schema of planc.graph.ir."""
     attributes = graph.graph
     sizes = {axis: plan.mesh.size(axis) for axis in ("tp", "cp", "pp", "dp")}
     if attributes.get("sizes") != sizes or \
             attributes.get("microbatches") != plan.schedule.microbatches or \
             not isinstance(attributes.get("schedule"), dict) or \
-            not isinstance(attributes.get("layouts"), dict):
-        raise BuildError(f"{path} does not match plan.json (mesh, microbatches or schedule); "
-                         f"run planc compile again")
-    for node, data in graph.nodes(data=True):
-        required = _REQUIRED.get(data.get("type"))
-        if required is None:
-            raise BuildError(f"{path}: node {node!r} has no valid type; run planc compile "
-                             f"again")
-        for key, kind in required.items():
-            if not isinstance(data.get(key), kind) or isinstance(data.get(key), bool) and \
-                    kind is int:
-                raise BuildError(f"{path}: node {node!r} lacks a valid {key!r}; run planc "
-                                 f"compile again")
-        layer = data.get("layer", "missing")
-        valid = (data["phase"] in _PHASES and 0 <= data["stage"] < plan.mesh.pp
-                 and (layer is None or (isinstance(layer, int) and not isinstance(layer, bool)
-                                        and 0 <= layer < plan.model.layers))
-                 and (data["type"] == "compute" or (data["kind"] in _KINDS
-                                                     and data["axis"] in _AXES)))
-        if not valid:
-            raise BuildError(f"{path}: node {node!r} has an invalid phase, stage, layer, kind "
-                             f"or axis; run planc compile again")
-    if not nx.is_directed_acyclic_graph(graph):
-        raise BuildError(f"{path} holds a cycle; run planc compile again")
+            not isinstance(attributes.get("layouts"), dict) or \
+            not isinstance(attributes.get("buckets"), dict) or \
+            not isinstance(attributes.get("passes"), list):
+        raise BuildError(f"{path} does not match plan.json (mesh, microbatches, schedule or "
+                         f"buckets); run planc compile again")
+    problems = ir.validate(ir.coerce(graph), microbatches=plan.schedule.microbatches,
+                           stages=plan.mesh.pp, layers=plan.model.layers, limit=1)
+    if problems:
+        raise BuildError(f"{path}: {problems[0]}; run planc compile again")
 
 
 def read_programs(build: Build) -> Build:
@@ -272,6 +236,14 @@ def read_programs(build: Build) -> Build:
         raise BuildError(f"{directory / RANK_TABLE} is for {table.world} ranks and {table.pp} "
                          f"stages, plan.json for {build.plan.world} and {build.plan.mesh.pp}; "
                          f"run planc compile again")
+    try:
+        groups = GroupTable.from_json(_read_json(directory, GROUPS))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise BuildError(f"{directory / GROUPS} is not a valid group table ({exc}); run "
+                         f"planc compile again") from None
+    if groups.mesh != build.plan.mesh:
+        raise BuildError(f"{directory / GROUPS} is for another mesh than plan.json; run "
+                         f"planc compile again")
     programs = {}
     for name in table.names:
         if "/" in name or name.startswith("."):
@@ -281,9 +253,12 @@ def read_programs(build: Build) -> Build:
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise BuildError(f"{directory / name} is not a valid program ({exc}); run planc "
                              f"compile again") from None
+        if programs[name].microbatches != build.plan.schedule.microbatches:
+            raise BuildError(f"{directory / name} is for another number of microbatches than "
+                             f"plan.json; run planc compile again")
     unknown = [i.node for p in programs.values() for b in list(p.blocks.values()) + [p.epilogue]
                for i in b if i.node is not None and i.node not in build.graph]
     if unknown:
         raise BuildError(f"{directory} names node {unknown[0]!r}, which graph.json does not "
                          f"have; run planc compile again")
-    return Build(build.plan, build.graph, build.summary, build.path, programs, table)
+    return Build(build.plan, build.graph, build.summary, build.path, programs, table, groups)

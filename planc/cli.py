@@ -41,6 +41,18 @@ def _add_input(parser: argparse.ArgumentParser, metavar: str = "FILE") -> None:
                         help="how to print diagnostics (json: one document on stdout)")
 
 
+def _add_overrides(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", action="append", type=_override, metavar="KEY=VALUE",
+                        help="override a key of the plan, such as --set mesh.tp=4 or --set "
+                        "'train.optimizer=adamw(lr = 3e-4)' (repeatable; docs/language.md)")
+
+
+def _override(text: str) -> str:
+    from planc.lang.overrides import override_argument  # a malformed one exits with 2
+
+    return override_argument(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="planc", description="planc: a declarative parallel-plan compiler "
                      "for training transformer models.")
@@ -51,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Parse and check a .plan file; report every "
                                 "problem with its line and column.")
     _add_input(check)
+    _add_overrides(check)
     check.add_argument("-v", "--verbose", action="store_true",
                        help="also print the resolved settings and the memory estimate")
 
@@ -67,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         "step, and write plan.json, graph.json and summary.json to a build directory "
         "(docs/build.md).")
     _add_input(compile_)
+    _add_overrides(compile_)
     compile_.add_argument("-o", "--output", metavar="DIR",
                           help="build directory [build/NAME, NAME being the file's stem]")
 
@@ -101,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--param", metavar="NAME",
                          help="a parameter, such as layers.3.qkv.weight or embedding.weight")
     explain.add_argument("--axis", choices=AXES, help="only transfers over this axis")
+    explain.add_argument("--buckets", action="store_true",
+                         help="every parameter bucket: its members and why it closed")
 
     programs = commands.add_parser(
         "programs", help="print a rank's program: streams, blocks, events, schedule",
@@ -129,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         "on CPUs). For a cluster, start `torchrun ... -m planc.runtime.worker DIR` on "
         "every node instead.")
     _add_input(run, "FILE|DIR")
+    _add_overrides(run)
     run.add_argument("-o", "--output", metavar="DIR",
                      help="where to compile a plan file [build/NAME]")
     run.add_argument("--steps", type=int, metavar="N", help="steps [the plan's train.steps]")
@@ -180,7 +197,7 @@ def _load(args) -> tuple[object, int]:
     """Load the plan named on the command line and print its diagnostics."""
     from planc.lang import load_file
 
-    loaded = load_file(args.file)
+    loaded = load_file(args.file, getattr(args, "set", None) or ())
     if args.error_format == "json":
         if loaded.diagnostics or not loaded.ok:
             print(render_json(loaded.diagnostics, loaded.path))
@@ -233,6 +250,7 @@ def _fail(message: str, status: int = EXIT_ERRORS) -> int:
 
 def _load_build(args):
     """A build from a directory, or compiled in memory from a plan file."""
+    from planc.compile import CompileError, compile_plan
     from planc import build
 
     if os.path.isdir(args.file):
@@ -244,12 +262,13 @@ def _load_build(args):
     if status != EXIT_OK:
         return None, status
     try:
-        return build.compile_plan(loaded.plan), EXIT_OK
-    except build.BuildError as exc:
+        return compile_plan(loaded.plan), EXIT_OK
+    except (build.BuildError, CompileError) as exc:
         return None, _fail(str(exc))
 
 
 def cmd_compile(args) -> int:
+    from planc.compile import CompileError, compile_plan
     from planc import build
     from planc.views import summary_text
 
@@ -259,9 +278,9 @@ def cmd_compile(args) -> int:
     output = args.output or os.path.join("build", os.path.splitext(os.path.basename(
         args.file))[0])
     try:
-        result = build.compile_plan(loaded.plan)
+        result = compile_plan(loaded.plan)
         build.write(result, output, loaded.path, loaded.source)
-    except build.BuildError as exc:
+    except (build.BuildError, CompileError) as exc:
         return _fail(str(exc))
     graph = result.graph
     microbatches = counted(loaded.plan.schedule.microbatches, "microbatch", "microbatches")
@@ -269,6 +288,8 @@ def cmd_compile(args) -> int:
           f"{graph.number_of_edges():,} edges for one step ({microbatches} folded); build "
           f"written to {os.path.join(output, '')}")
     print(verified_line(result))
+    print()
+    print(summary_text.passes(result.summary), end="")
     print()
     print(summary_text.render(result.summary), end="")
     return EXIT_OK
@@ -348,7 +369,8 @@ def cmd_explain(args) -> int:
             hint = did_you_mean(args.param, params)
             return _fail(f"the plan has no parameter {args.param!r}" +
                          (f"; {hint}" if hint else ""), EXIT_USAGE)
-    print(explain_text.explain(plan, graph, args.layer, args.param, args.axis), end="")
+    print(explain_text.explain(plan, graph, args.layer, args.param, args.axis, args.buckets),
+          end="")
     return EXIT_OK
 
 
@@ -405,9 +427,13 @@ def cmd_verify(args) -> int:
 
 
 def cmd_run(args) -> int:
+    from planc.compile import CompileError, compile_plan
     from planc import build
     from planc.lower.verify import verify
 
+    if args.set and os.path.isdir(args.file):
+        return _fail(f"--set needs a .plan file, but {args.file} is a directory (a build is "
+                     f"already compiled); run the plan file with --set instead", EXIT_USAGE)
     if args.steps is not None and args.steps < 1:
         return _fail("--steps must be at least 1", EXIT_USAGE)
     if args.timeout <= 0:
@@ -427,8 +453,8 @@ def cmd_run(args) -> int:
         directory = args.output or os.path.join(
             "build", os.path.splitext(os.path.basename(args.file))[0])
         try:
-            build.write(build.compile_plan(loaded.plan), directory, loaded.path, loaded.source)
-        except build.BuildError as exc:
+            build.write(compile_plan(loaded.plan), directory, loaded.path, loaded.source)
+        except (build.BuildError, CompileError) as exc:
             return _fail(str(exc))
     try:
         built = build.read_programs(build.read(directory))

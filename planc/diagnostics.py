@@ -8,6 +8,7 @@ source line and a caret underline) or as JSON for editors and tools.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -18,24 +19,61 @@ ERROR = "error"
 WARNING = "warning"
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
+class Source:
+    """A text other than the file being compiled that spans may point into: a
+    command-line override such as ``--set mesh.tp=8``.
+
+    ``name`` is shown where a file's path would be (``--set mesh.tp=8:1:9: error: ...``),
+    ``text`` is what lines and columns count in (``mesh.tp=8``), and ``index`` orders
+    the sources: the file is 0, the overrides 1, 2, ... in command-line order.
+    """
+
+    name: str
+    text: str
+    index: int = 1
+
+
+@functools.total_ordering
+@dataclass(frozen=True)
 class Span:
-    """A region of a source file; lines and columns are 1-based, ``end`` is exclusive."""
+    """A region of a source file; lines and columns are 1-based, ``end`` is exclusive.
+
+    ``source`` is None for the file being compiled (every span of a plan without
+    overrides) and the :class:`Source` of a command-line override otherwise. Spans
+    order by source (the file first), then by position.
+    """
 
     line: int
     column: int
     end_line: int
     end_column: int
+    source: Source | None = None
 
     @staticmethod
-    def point(line: int, column: int) -> "Span":
-        return Span(line, column, line, column + 1)
+    def point(line: int, column: int, source: Source | None = None) -> "Span":
+        return Span(line, column, line, column + 1, source)
 
     def to(self, other: "Span") -> "Span":
-        """The smallest span covering ``self`` and ``other``."""
+        """The smallest span covering ``self`` and ``other`` (of the same source)."""
         start = min((self.line, self.column), (other.line, other.column))
         end = max((self.end_line, self.end_column), (other.end_line, other.end_column))
-        return Span(start[0], start[1], end[0], end[1])
+        return Span(start[0], start[1], end[0], end[1], self.source)
+
+    def _order(self) -> tuple:
+        source = (0, "", "") if self.source is None else (
+            self.source.index, self.source.name, self.source.text)
+        return source, self.line, self.column, self.end_line, self.end_column
+
+    def __lt__(self, other: Span) -> bool:
+        if not isinstance(other, Span):
+            return NotImplemented
+        return self._order() < other._order()
+
+    def __repr__(self) -> str:
+        where = f"Span(line={self.line}, column={self.column}, end_line={self.end_line}, " \
+                f"end_column={self.end_column}"
+        return where + (f", source={self.source!r})" if self.source is not None else ")")
 
 
 @dataclass(frozen=True)
@@ -82,7 +120,11 @@ _STYLE = {"error": "\x1b[1;31m", "warning": "\x1b[1;35m", "hint": "\x1b[1;36m",
 
 @dataclass(frozen=True)
 class TextRenderer:
-    """Renders diagnostics as ``path:line:col: error: message`` plus a source excerpt."""
+    """Renders diagnostics as ``path:line:col: error: message`` plus a source excerpt.
+
+    A span in another :class:`Source` (a command-line override) is shown under that
+    source's name and with its text: ``--set mesh.tp=8:1:9: error: ...``.
+    """
 
     path: str
     source_lines: Sequence[str] = field(default_factory=tuple)
@@ -91,20 +133,28 @@ class TextRenderer:
     def _paint(self, style: str, text: str) -> str:
         return f"{_STYLE[style]}{text}{_STYLE['reset']}" if self.color else text
 
+    def _origin(self, span: Span | None) -> tuple[str, Sequence[str]]:
+        """The name shown for the span's source and that source's lines."""
+        if span is None or span.source is None:
+            return self.path, self.source_lines
+        return _printable(span.source.name), span.source.text.splitlines()
+
     def render(self, diagnostic: Diagnostic) -> str:
         span = diagnostic.span
-        where = f"{self.path}:{span.line}:{span.column}:" if span else f"{self.path}:"
+        name, source_lines = self._origin(span)
+        where = f"{name}:{span.line}:{span.column}:" if span else f"{name}:"
         head = (f"{self._paint('bold', where)} "
                 f"{self._paint(diagnostic.severity, diagnostic.severity + ':')} "
                 f"{self._paint('bold', diagnostic.message)}")
         lines = [head]
-        if span and 1 <= span.line <= len(self.source_lines):
-            lines.extend(self._excerpt(span))
+        if span and 1 <= span.line <= len(source_lines):
+            lines.extend(self.excerpt(span, source_lines))
         lines.extend(f"  {self._paint('hint', 'hint:')} {hint}" for hint in diagnostic.hints)
         return "\n".join(lines)
 
-    def _excerpt(self, span: Span) -> list[str]:
-        text = self.source_lines[span.line - 1].rstrip("\r\n")
+    def excerpt(self, span: Span, source_lines: Sequence[str]) -> list[str]:
+        """The numbered source line of ``span`` and its marker line."""
+        text = source_lines[span.line - 1].rstrip("\r\n")
         shown = _printable(text)
         gutter = str(span.line)
         width = max(len(gutter), 4)
@@ -128,6 +178,8 @@ def _printable(text: str) -> str:
 
 def render_text(diagnostics: Iterable[Diagnostic], path: str, source: str | None,
                 color: bool = False) -> str:
+    """Diagnostics about the file ``path`` holding ``source`` (and about overrides, whose
+    spans carry their own text), one after the other."""
     renderer = TextRenderer(path, (source or "").splitlines(), color)
     return "\n".join(renderer.render(d) for d in diagnostics)
 
@@ -140,10 +192,14 @@ def summary_line(diagnostics: Sequence[Diagnostic]) -> str:
 
 
 def to_json(diagnostics: Iterable[Diagnostic], path: str) -> dict:
-    """The ``--error-format json`` document (version 1, documented in docs/cli.md)."""
+    """The ``--error-format json`` document (version 1, documented in README.md).
+
+    ``file`` is ``path``, or the name of the override a span lies in
+    (``--set mesh.tp=8``), whose text its line and columns then count in."""
     items = []
     for d in diagnostics:
-        item: dict = {"severity": d.severity, "message": d.message, "file": path}
+        where = d.span.source.name if d.span and d.span.source else path
+        item: dict = {"severity": d.severity, "message": d.message, "file": where}
         if d.span:
             item.update(line=d.span.line, column=d.span.column,
                         end_line=d.span.end_line, end_column=d.span.end_column)

@@ -170,10 +170,13 @@ class Train:
 
 @dataclass(frozen=True)
 class Sources:
-    """Where each setting was written: dotted key path (``mesh.tp``) to span."""
+    """Where each setting was written: dotted key path (``mesh.tp``) to span (a span of
+    an overridden key lies in its override's Source), and the ``--set KEY=VALUE``
+    overrides applied, as given, in order."""
 
     path: str
     spans: Mapping[str, Span] = field(default_factory=dict, compare=False, hash=False)
+    overrides: tuple[str, ...] = ()
 
     def span(self, *keys: str) -> Span | None:
         """The span of the first of ``keys`` that the user wrote."""

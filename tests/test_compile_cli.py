@@ -28,11 +28,11 @@ import pytest
 
 from planc.build import graph_from_json
 from planc.cost import bus_factor
-from planc.graph.derive import derive
+from planc.compile import compile_plan
 from planc.lang import load_file
 from planc.lang.units import format_bytes
 from planc.plan import Plan
-from planc.views import summary_text
+from planc.views import explain_text, summary_text
 from tests.conftest import BAD_TP, PLANS, ROOT
 
 TINY = PLANS / "gpt-tiny.plan"
@@ -87,7 +87,8 @@ def _loaded(path: Path):
 
 @lru_cache(maxsize=None)
 def _derived(path: Path) -> nx.DiGraph:
-    return derive(_loaded(path).plan)
+    """The graph a build holds: derived, then optimised by the passes."""
+    return compile_plan(_loaded(path).plan).graph
 
 
 def tiny_graph() -> nx.DiGraph:
@@ -141,7 +142,7 @@ def test_compile_writes_the_build_files(tmp_path):
 
     manifest = json.loads((out / "build.json").read_text())
     assert manifest["format"] == "planc-build"
-    assert manifest["version"] == 1
+    assert manifest["version"] == 2
     assert manifest["source_sha256"] == hashlib.sha256(TINY.read_bytes()).hexdigest()
     assert manifest["plan"] == "gpt_tiny"
 
@@ -163,7 +164,14 @@ def test_compile_writes_the_build_files(tmp_path):
     verified = ("verified 2 programs for 8 ranks: collectives in the same order on every "
                 "group, every send matched, no deadlock, every wait after its record, no "
                 "buffer overwritten in flight")
-    assert result.out == first + "\n" + verified + "\n\n" + summary_text.render(summary)
+    passes = ("fuse: 53 gradient reduce-scatters -> 2; 53 parameter all-gathers -> 2; 53 "
+              "optimizer steps -> 2 (2 buckets: 242 KB, 235 KB)\n"
+              "overlap: 3 once-per-step reductions issued in the last microbatch's backward as "
+              "soon as their inputs are final; 2 ZeRO parameter all-gathers moved to the start "
+              "of the next step, each waited for by its first forward use\n")
+    assert summary_text.passes(summary) == passes
+    assert result.out == (first + "\n" + verified + "\n\n" + passes + "\n"
+                          + summary_text.render(summary))
 
 
 def test_compile_summary_totals_are_sums_over_graph_json(tmp_path):
@@ -362,7 +370,7 @@ BROKEN = {
     "build.json-missing": (_remove("build.json"), "build.json", ()),
     "build.json-truncated": (_truncate("build.json"), "build.json", ()),
     "build.json-list": (_as_list("build.json"), "build.json", ()),
-    "build.json-version-2": (_edit("build.json", lambda d: d.update(version=2)),
+    "build.json-version-1": (_edit("build.json", lambda d: d.update(version=1)),
                              "build.json", ()),
     "build.json-other-format": (_edit("build.json", lambda d: d.update(format="other")),
                                 "build.json", ()),
@@ -759,7 +767,7 @@ def _expected_rows(nodes):
     rows = []
     for node in nodes:
         d = graph.nodes[node]
-        where = f"{d['producer']} -> {d['consumer']}" if "producer" in d else d["tensor"]
+        where = explain_text.what_it_moves(d)
         rows.append((LETTER[d["phase"]], d["kind"], d["axis"],
                      "per microbatch" if d["per_microbatch"] else "per step", where,
                      " ".join(d["reason"].split())))
@@ -781,12 +789,20 @@ def _transfers(predicate):
             if d["type"] == "transfer" and predicate(d)]
 
 
+def _holds_layer(d: dict, layer: int | None) -> bool:
+    """A transfer of the layer, or one that moves a bucket holding its parameters."""
+    if d.get("bucket") and not d.get("tensor"):
+        return layer in {m["layer"] for m in
+                         tiny_graph().graph["buckets"][d["bucket"]]["members"]}
+    return d["layer"] == layer
+
+
 def test_explain_layer(tiny_build):
     result = planc("explain", TINY, "--layer", "2")
     assert result.returncode == 0, result.err
     assert result.err == ""
-    nodes = _transfers(lambda d: d["layer"] == 2)
-    assert len(nodes) == 28
+    nodes = _transfers(lambda d: _holds_layer(d, 2))
+    assert len(nodes) == 6  # 2 + 2 tp all-reduces; the stage's bucket, reduced and gathered
     assert result.out.split("\n")[0] == f"layer 2 (stage 1): {len(nodes)} transfers"
     rows, tables = _parse_explain(result.out)
     assert len(rows) == len(nodes)
@@ -796,6 +812,9 @@ def test_explain_layer(tiny_build):
     assert Counter(rows) == Counter(_expected_rows(nodes))
     assert tables == [_expected_totals(nodes)]
     assert "outside the layers" not in result.out
+    assert "  bucket c1.b0 (stage 1): 27 parameters, 235 KB, 0 elements of padding, 2 shards " \
+           "of 29,344 elements" in result.out
+    assert "     closed: the last gradient of the chunk" in result.out
 
 
 def test_explain_param():
@@ -804,12 +823,24 @@ def test_explain_param():
     rows, tables = _parse_explain(result.out)
     assert result.out.split("\n")[0] == "transfers of layers.0.qkv.weight: 2 transfers"
     assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows] == [
-        ("B", "reduce_scatter", "dp_cp", "per step", "layers.0.qkv.weight"),
-        ("O", "all_gather", "dp_cp", "per step", "layers.0.qkv.weight")]
-    nodes = _transfers(lambda d: d.get("tensor") == "layers.0.qkv.weight")
+        ("B", "reduce_scatter", "dp_cp", "per step", "bucket c0.b0"),
+        ("O", "all_gather", "dp_cp", "per step", "bucket c0.b0")]
+    nodes = _transfers(lambda d: d.get("bucket") == "c0.b0")
     assert Counter(rows) == Counter(_expected_rows(nodes))
     assert tables == [_expected_totals(nodes)]
     assert all("(zero 1)" in r[-1] for r in rows)
+    lines = result.out.splitlines()
+    assert "     layers.0.qkv.weight holds elements 44,096..50,239" in lines
+
+
+def test_explain_buckets_lists_every_bucket_and_why_it_closed():
+    result = planc("explain", TINY, "--buckets")
+    assert result.returncode == 0, result.err
+    lines = result.out.splitlines()
+    assert lines[0] == "2 buckets:"
+    assert lines[1] == ("  bucket c0.b0 (stage 0): 26 parameters, 242 KB, 0 elements of "
+                        "padding, 2 shards of 30,304 elements")
+    assert "passes:" in lines
 
 
 def test_explain_axis_filter():
@@ -827,7 +858,7 @@ def test_explain_axis_filter():
         f"layer 0 (stage 0): every layer has the same transfers; showing the first: "
         f"{len(layer0)} transfers over tp",
         f"outside the layers: embedding, head, loss and pipeline: {len(outside)} transfers "
-        f"over tp"]
+        f"over tp", "passes:"]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -84,11 +84,11 @@ def test_graph_is_a_dag_with_the_required_attributes():
 
 def test_operators_of_a_layer_forward_and_backward():
     _, g = compiled(layers=1)
-    forward = sorted(d["name"] for _, d in g.nodes(data=True)
+    forward = sorted(d["op"] for _, d in g.nodes(data=True)
                      if d["type"] == "compute" and d["phase"] == "forward" and d["layer"] == 0)
     assert forward == sorted(["ln1", "qkv", "attention", "proj", "attn_residual", "ln2", "fc1",
                               "gelu", "fc2", "mlp_residual"])
-    outside = sorted(d["name"] for _, d in g.nodes(data=True)
+    outside = sorted(d["op"] for _, d in g.nodes(data=True)
                      if d["type"] == "compute" and d["phase"] == "forward" and d["layer"] is None)
     assert outside == ["embedding", "final_ln", "head", "loss", "position"]
     assert g.nodes["F/L0/qkv"]["flops"] == 2 * B * S * H * 3 * H
@@ -131,11 +131,12 @@ def test_sequence_parallel_all_gather_and_reduce_scatter_pairs_and_layernorm_gra
         assert all(d["bytes"] == B * S * H * 4 for d in moves)  # AG output, RS input
         # LayerNorm weights and biases, and row-parallel biases, see only their tokens:
         # their gradients are all-reduced over tp once per step (as Megatron does).
-        fixed = {d["tensor"] for d in transfers(g, layer=layer, axis="tp", kind="all_reduce")
+        # (the derivation gives every parameter a bucket of its own, named after it)
+        fixed = {d["bucket"] for d in transfers(g, layer=layer, axis="tp", kind="all_reduce")
                  if not d["per_microbatch"]}
         assert fixed == {f"layers.{layer}.{p}" for p in (
             "ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "proj.bias", "fc2.bias")}
-    assert transfers(g, tensor="layers.0.ln1.weight", axis="tp")[0]["bytes"] == H * 4
+    assert transfers(g, bucket="layers.0.ln1.weight", axis="tp")[0]["bytes"] == H * 4
 
 
 def test_vocabulary_parallel_embedding_and_loss_never_gather_logits():

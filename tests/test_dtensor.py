@@ -54,9 +54,15 @@ def planc_counts(fc1: str, fc2: str, sp: bool) -> dict[str, int]:
             continue
         if d["per_microbatch"] and d.get("producer") in MLP and d.get("consumer") in MLP:
             counts[f"{d['phase']} {d['kind']}"] += d["repeat"]
-        elif not d["per_microbatch"] and d["tensor"].split(".")[2] in ("ln2", "fc1", "fc2"):
+        elif not d["per_microbatch"] and _parameter(graph, d).split(".")[2] in ("ln2", "fc1",
+                                                                                "fc2"):
             counts[f"backward {d['kind']}"] += d["repeat"]
     return dict(counts)
+
+
+def _parameter(graph, data: dict) -> str:
+    """The parameter a gradient fix-up works on (the derivation's buckets hold one)."""
+    return data.get("tensor") or graph.graph["buckets"][data["bucket"]]["members"][0]["param"]
 
 
 def _run_block(rank: int, world: int, init: str, layouts: dict, out: str) -> None:

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from planc.build import compile_plan, read, read_programs, write
+from planc.build import read, read_programs, write
+from planc.compile import compile_plan
 from planc.lang import load_file, load_text
 from planc.lower.program import Instruction, Program, RankTable
 from planc.lower.verify import verify
@@ -118,7 +119,7 @@ def test_two_collectives_swapped_on_one_rank():
 
     def swap(data):
         block = data["blocks"]["F0"]
-        first, second = [i for i, x in enumerate(block) if x[0] == "all_reduce"][:2]
+        first, second = [i for i, x in enumerate(block) if x["op"] == "all_reduce"][:2]
         block[first], block[second] = block[second], block[first]
 
     programs, table = _split_rank(build, 1, swap)
@@ -162,9 +163,10 @@ def test_a_wait_before_its_record():
 
     def early(data):
         block = data["blocks"]["F0"]
-        wait = next(i for i, x in enumerate(block) if x[0] == "wait" and x[1] == "comm")
-        record = next(i for i, x in enumerate(block) if x[0] == "record" and
-                      x[2] == block[wait][2])
+        wait = next(i for i, x in enumerate(block) if x["op"] == "wait" and
+                    x["stream"] == "comm")
+        record = next(i for i, x in enumerate(block) if x["op"] == "record" and
+                      x["event"] == block[wait]["event"])
         block[record], block[wait] = block[wait], block[record]
 
     programs = _replace_program(build, "stage0.json", early)
@@ -180,11 +182,11 @@ def test_a_buffer_overwritten_while_a_transfer_reads_it():
     def reuse(data):
         block = data["blocks"]["F0"]
         collective = next(i for i, x in enumerate(block)
-                          if x[2] == "F/L0/proj>attn_residual:all_reduce@tp")
+                          if x.get("node") == "F/L0/proj>attn_residual:all_reduce@tp")
         # right after the all-reduce is issued, a compute step writes its output into the
         # buffer the all-reduce is still reading
-        block.insert(collective + 1, ["compute", "compute", "F/L0/ln2", ["F/L0/ln1"], 1,
-                                      ["F/L0/proj"]])
+        block.insert(collective + 1, {"op": "compute", "stream": "compute", "node": "F/L0/ln2",
+                                      "reads": ["F/L0/ln1"], "writes": ["F/L0/proj"]})
 
     programs = _replace_program(build, "stage0.json", reuse)
     assert problems(build, programs) == [
@@ -233,9 +235,13 @@ def test_instruction_json_carries_explicit_writes():
     instruction = Instruction("compute", "compute", "F/L0/qkv", reads=("F/L0/ln1",),
                               writes=("elsewhere",))
     assert Instruction.from_json(instruction.to_json()) == instruction
-    assert Instruction.from_json(["compute", "compute", "n", [], 1]).writes == ("n",)
-    with pytest.raises(ValueError):
-        Instruction.from_json(["x"])
+    assert Instruction.from_json({"op": "compute", "stream": "compute", "node": "n"}
+                                 ).writes == ("n",)
+    for broken in (["x"], {"op": "x", "stream": "compute"}, {"op": "wait", "stream": "s"},
+                   {"op": "compute", "stream": "s", "node": "n", "guard": "middle"},
+                   {"op": "compute", "stream": "s", "node": "n", "what": 1}):
+        with pytest.raises(ValueError):
+            Instruction.from_json(broken)
 
 
 def test_verification_of_the_largest_plan_is_folded(tmp_path):

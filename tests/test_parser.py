@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from planc.diagnostics import Span
+from planc.diagnostics import Span, render_text
 from planc.lang import ast, load_file, load_text
 from planc.lang.parser import parse
 from planc.lang.units import UNITS
@@ -724,3 +724,89 @@ def test_a_data_file_is_checked_token_by_token(tokens, extra, message, tmp_path)
         assert loaded.ok and loaded.plan.train.data == str(tmp_path / "tokens.bin")
     else:
         assert errors == [(3, 18, message)]
+
+
+# --- brackets nested too deep ------------------------------------------------------------
+
+DEEP = "(" * 64 + "1" + ")" * 64  # inside plan { mesh { } }: 66 brackets deep
+
+
+def diagnostics_of(text: str) -> list[tuple[int, int, str, tuple[str, ...]]]:
+    loaded = load_text(text, "nest.plan")
+    assert loaded.plan is None
+    return [(d.span.line, d.span.column, d.message, d.hints) for d in loaded.diagnostics]
+
+
+def test_too_deep_nesting_after_a_syntax_error_is_reported_not_raised():
+    """Diagnosing the first error lexes the whole text, past the nesting limit of the
+    parser: that must not raise, and the nesting is reported once parsing reaches it."""
+    text = "plan p { model gpt { layers 4 } mesh { tp = " + DEEP + " } }"
+    loaded = load_text(text, "nest.plan")
+    assert render_text(loaded.diagnostics, loaded.path, loaded.source) == (
+        "nest.plan:1:29: error: unexpected '4'; expected '=', '{' or a name\n"
+        f"   1 | {text}\n"
+        "     |                             ^\n"
+        "  hint: a key and its value are written 'key = value'\n"
+        "nest.plan:1:107: error: brackets nested more than 64 deep\n"
+        f"   1 | {text}\n"
+        f"     | {' ' * 106}^")
+
+
+def test_too_deep_nesting_without_an_earlier_error():
+    assert diagnostics_of("plan p { model gpt { layers = 4 } mesh { tp = " + DEEP + " } }") == [
+        (1, 109, "brackets nested more than 64 deep", ())]
+
+
+@pytest.mark.parametrize("earlier", [False, True], ids=["alone", "after-an-error"])
+def test_too_deep_nesting_in_a_list(earlier):
+    before = "  model gpt { layers 4 }\n" if earlier else ""
+    line = 3 if earlier else 2
+    expected = [(2, 22, "unexpected '4'; expected '=', '{' or a name",
+                 ("a key and its value are written 'key = value'",))] if earlier else []
+    text = "plan p {\n" + before + "  mesh { order = " + "[" * 63 + "]" * 63 + " }\n}"
+    assert diagnostics_of(text) == expected + [
+        (line, 80, "brackets nested more than 64 deep", ())]
+
+
+@pytest.mark.parametrize("earlier", [False, True], ids=["alone", "after-an-error"])
+def test_too_deep_nesting_in_a_call(earlier):
+    before = "  topology { nodes 2 }\n" if earlier else ""
+    line = 3 if earlier else 2
+    expected = [(2, 20, "unexpected '2'; expected '=', '{' or a name",
+                 ("a key and its value are written 'key = value'",))] if earlier else []
+    text = ("plan p {\n" + before + "  train { optimizer = adamw(lr = " + "(" * 62 + "1"
+            + ")" * 62 + ") }\n}")
+    assert diagnostics_of(text) == expected + [
+        (line, 95, "brackets nested more than 64 deep", ())]
+
+
+def test_every_syntax_error_before_too_deep_nesting_is_reported():
+    text = ("plan p {\n  model gpt { layers 4 }\n  topology { nodes 2 }\n  mesh { tp = "
+            + DEEP + " }\n  schedule { pipeline 1f1b }\n}")
+    assert diagnostics_of(text) == [
+        (2, 22, "unexpected '4'; expected '=', '{' or a name",
+         ("a key and its value are written 'key = value'",)),
+        (3, 20, "unexpected '2'; expected '=', '{' or a name",
+         ("a key and its value are written 'key = value'",)),
+        (4, 77, "brackets nested more than 64 deep", ())]
+
+
+def test_too_deep_nesting_in_an_entry_with_an_earlier_error_is_skipped_with_it():
+    text = "plan p {\n  mesh { tp = 1 1 " + DEEP + " }\n  model gpt { layers 4 }\n}"
+    assert diagnostics_of(text) == [
+        (2, 17, "unexpected '1'; expected ';', '}' or a new line",
+         ("separate entries with a new line or ';'",)),
+        (3, 22, "unexpected '4'; expected '=', '{' or a name",
+         ("a key and its value are written 'key = value'",))]
+
+
+def test_too_deep_nesting_through_the_command_line(run_planc, tmp_path):
+    (tmp_path / "nest.plan").write_text(
+        "plan p { model gpt { layers 4 } mesh { tp = " + DEEP + " } }\n")
+    result = run_planc("check", "nest.plan", cwd=tmp_path)
+    assert result.returncode == 1 and result.stdout == ""
+    assert "Traceback" not in result.stderr
+    assert [line for line in result.stderr.split("\n") if line.startswith("nest.plan")] == [
+        "nest.plan:1:29: error: unexpected '4'; expected '=', '{' or a name",
+        "nest.plan:1:107: error: brackets nested more than 64 deep"]
+    assert result.stderr.endswith("2 errors generated.\n")

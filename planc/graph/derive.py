@@ -1,24 +1,28 @@
 """Plan to communication graph: every compute step and transfer of one training step.
 
 The graph is SPMD twice over. A node stands for the same operation on every group of
-the tp, cp and dp axes (semantics.md section 3), and for the same operation on every
-microbatch: ``repeat`` says how many times one rank runs it per step (the number of
-microbatches for per-microbatch work, 1 for once-per-step work such as gradient
+the tp, cp and dp axes (docs/semantics.md, the graph), and for the same operation on
+every microbatch: ``repeat`` says how many times one rank runs it per step (the number
+of microbatches for per-microbatch work, 1 for once-per-step work such as gradient
 reductions), and the order of the microbatches on each stage is the pipeline schedule
 in ``graph.graph["schedule"]``. Folding the microbatches keeps the graph of the
 1T-parameter plan (128 layers x 512 microbatches) at thousands of nodes instead of
-millions; :func:`planc.graph.expand.expand` unfolds any part of it.
+millions. Node and edge attributes follow :mod:`planc.graph.ir`.
 
-Transfers come from four rules, each of semantics.md:
+Transfers come from four rules:
 - tp: :mod:`planc.graph.tensor_parallel` fixes every activation's layout; wherever a
   producer's layout differs from its consumer's, :func:`planc.graph.layouts.redistribute`
-  inserts a collective, forward on the activation and backward on its gradient;
-  replicated parameters applied to sharded data get their gradients fixed up.
+  inserts a collective, forward on the activation and backward on its gradient (a
+  local slice moves no data and is marked on the edge); replicated parameters applied
+  to sharded data get their gradients fixed up.
 - cp: K and V are all-gathered (reduce-scattered in backward), or passed around the cp
   ring (Liu et al. 2023, ring attention).
 - pp: one send and one receive per microbatch, chunk boundary and direction.
 - dp: gradients are reduced over dp x cp as the ZeRO stage says (Rajbhandari et al.
   2020); tied embeddings are summed between the first and the last stage (Megatron).
+
+Every parameter gets a bucket of its own here, with its reductions and its optimizer
+step; :mod:`planc.passes.fuse` merges buckets.
 """
 
 from __future__ import annotations
@@ -28,18 +32,26 @@ from dataclasses import dataclass
 import networkx as nx
 
 from planc.graph import reasons
+from planc.graph.ir import (GRAPH_FORMAT_VERSION, Axis, EdgeKind, Kind, Level, NodeType, Op,
+                            Payload, Phase, Port, buckets, shard_numel)
 from planc.graph.layouts import Layout, S, gradient_layout, redistribute
-from planc.graph.model import (LAYER_OPS, OP_KIND, OUTPUT_TENSOR, Parameter, Shapes,
-                               all_parameters, forward_flops)
+from planc.graph.model import LAYER_OPS, OUTPUT_TENSOR, Parameter, Shapes, all_parameters, \
+    forward_flops
 from planc.graph.schedules import action_text, schedule
 from planc.graph.tensor_parallel import (FP32_BYTES, LOSS_REDUCTIONS, OpLayout, ParamUse,
                                          plan_tensor_parallel)
 from planc.plan import Plan
 
-GRAPH_FORMAT_VERSION = 1
 OPTIMIZER_FLOPS_PER_ELEMENT = {"adamw": 12, "sgd": 3}
 GLOBAL_PARAMETERS = ("embedding.weight", "position.weight", "head.weight",
                      "final_ln.weight", "final_ln.bias")
+LOSS_PART_OP = {"max": Op.LOSS_MAX, "sum_exp": Op.LOSS_SUM_EXP}
+PHASE_OF = {"F": Phase.FORWARD, "B": Phase.BACKWARD, "R": Phase.BACKWARD}
+
+
+def param_name(name: str, layer: int | None) -> str:
+    """The global name of a parameter an operator of ``layer`` uses."""
+    return name if layer is None or name in GLOBAL_PARAMETERS else f"layers.{layer}.{name}"
 
 
 @dataclass(frozen=True)
@@ -54,7 +66,8 @@ class _Link:
     grad: Layout  # layout of the gradient the consumer returns for this input
     layer: int | None
     ops: tuple[str, str]  # (producer, consumer) operator names
-    port: str = "x"  # the consumer's input
+    port: Port = Port.X  # the consumer's input
+    within_layer: bool = False  # both ends belong to ``layer`` (recomputed together)
 
 
 @dataclass(frozen=True)
@@ -62,8 +75,11 @@ class _Site:
     """A parameter as the operators of one chunk use it."""
 
     param: Parameter
-    group: str  # optimizer group: "L3", "embedding" or "head"
     uses: tuple[tuple[str, ParamUse], ...]  # (forward node, use)
+
+    @property
+    def storage(self) -> Layout:
+        return self.uses[0][1].storage
 
 
 class _Derivation:
@@ -80,10 +96,13 @@ class _Derivation:
         self.zero = plan.shard.dp.zero
         self.recompute = plan.optimize.recompute
         self.params = {p.name: p for p in all_parameters(plan)}
-        self.links: dict[int, list[_Link]] = {c: [] for c in range(len(self.chunks))}
-        self.forward_ops: dict[int, list[tuple[str, str, int | None]]] = {
-            c: [] for c in range(len(self.chunks))}
+        self.tied = plan.model.tie_embeddings and self.pp > 1
+        count = range(len(self.chunks))
+        self.links: dict[int, list[_Link]] = {c: [] for c in count}
+        self.forward_ops: dict[int, list[tuple[str, str, int | None]]] = {c: [] for c in count}
         self.chunk_output: dict[int, str] = {}
+        self.chunk_input: dict[int, str] = {}  # chunk -> its forward receive
+        self.gradient_input: dict[int, str] = {}  # chunk -> its backward receive
 
     # --- nodes and edges ----------------------------------------------------------------
 
@@ -94,35 +113,40 @@ class _Derivation:
         self.graph.add_node(node_id, microbatch=None, per_microbatch=per_microbatch, **attrs)
         return node_id
 
-    def compute(self, node_id: str, op: str, phase: str, chunk: int, layer: int | None,
+    def compute(self, node_id: str, op: Op, phase: Phase, chunk: int, layer: int | None,
                 flops: float, nbytes: float, repeat: int, **extra) -> str:
-        return self._node(node_id, type="compute", op=OP_KIND.get(op, op), name=op,
-                          phase=phase, stage=chunk % self.pp, chunk=chunk, layer=layer,
-                          repeat=repeat, flops=float(flops), bytes=int(nbytes), **extra)
+        extra.setdefault("recompute", False)
+        return self._node(node_id, type=NodeType.COMPUTE, op=op, phase=phase,
+                          stage=chunk % self.pp, chunk=chunk, layer=layer, repeat=repeat,
+                          flops=float(flops), bytes=int(nbytes), **extra)
 
-    def transfer(self, node_id: str, kind: str, axis: str, phase: str, chunk: int,
-                 layer: int | None, nbytes: float, repeat: int, reason: str,
+    def transfer(self, node_id: str, kind: Kind, axis: Axis, payload: Payload, phase: Phase,
+                 chunk: int, layer: int | None, nbytes: float, repeat: int, reason: str,
                  stage: int | None = None, dtype: str | None = None, **extra) -> str:
-        return self._node(node_id, type="transfer", kind=kind, axis=axis,
+        return self._node(node_id, type=NodeType.TRANSFER, kind=kind, axis=axis,
+                          level=Level.WHOLE, payload=payload,
                           group_size=self._group_size(axis), phase=phase,
                           stage=chunk % self.pp if stage is None else stage, chunk=chunk,
                           layer=layer, repeat=repeat, bytes=int(round(nbytes)),
                           dtype=dtype or self.plan.model.dtype, reason=reason, **extra)
 
-    def _group_size(self, axis: str) -> int:
-        return {"tp": self.tp, "cp": self.cp, "pp": 2, "dp_cp": self.replicas, "tied": 2,
-                "stage": self.tp * self.replicas}[axis]
+    def _group_size(self, axis: Axis) -> int:
+        return {Axis.TP: self.tp, Axis.CP: self.cp, Axis.PP: 2, Axis.DP_CP: self.replicas,
+                Axis.TIED: 2, Axis.STAGE: self.tp * self.replicas}[axis]
 
-    def edge(self, u: str, v: str, kind: str = "data", port: str | None = None,
-             grad_of: str | None = None) -> None:
-        """``port``: the input of v this edge feeds (x, skip, kv, max, sum_exp, grad);
-        ``grad_of``: on an edge out of a backward node, whose gradient it carries (the
-        forward input's port)."""
-        attrs = {"kind": kind}
+    def edge(self, u: str, v: str, kind: EdgeKind = EdgeKind.DATA, port: Port | None = None,
+             grad_of: Port | None = None, local_slice: Layout | None = None) -> None:
+        """``port``: the input of v this edge feeds; ``grad_of``: on an edge out of a
+        backward node, whose gradient it carries (the forward input's port);
+        ``local_slice``: v takes its own slice of u's replicated value (R -> S(d), which
+        moves no data)."""
+        attrs: dict = {"kind": kind}
         if port is not None:
             attrs["port"] = port
         if grad_of is not None:
             attrs["grad_of"] = grad_of
+        if local_slice is not None:
+            attrs["slice"] = str(local_slice)
         self.graph.add_edge(u, v, **attrs)
 
     def layout(self, op: str) -> OpLayout:
@@ -136,43 +160,74 @@ class _Derivation:
         """A compute node: F (forward), B (backward) or R (recomputed forward)."""
         layout = self.layout(op)
         flops = forward_flops(op, self.shapes) / (self.tp if layout.sharded else 1)
-        phase = "forward" if letter == "F" else "backward"
-        params = [self._param_name(u.name, layer) for u in layout.params]
-        node = self.compute(f"{self._prefix(letter, layer)}{op}", op, phase, chunk, layer,
-                            flops * (2 if letter == "B" else 1),
+        forward = f"{self._prefix('F', layer)}{op}"
+        extra = self._kernel_attributes(op, layer, layout)
+        if letter != "F":
+            extra["forward_of"] = forward
+        node = self.compute(f"{self._prefix(letter, layer)}{op}", Op(op), PHASE_OF[letter],
+                            chunk, layer, flops * (2 if letter == "B" else 1),
                             self._local_bytes(OUTPUT_TENSOR[op], layout.output), self.m,
-                            recompute=letter == "R", tp_input=str(layout.input),
-                            tp_output=str(layout.output), params=params)
+                            recompute=letter == "R", **extra)
         if letter == "F":
             self.forward_ops[chunk].append((node, op, layer))
         return node
 
+    def _kernel_attributes(self, op: str, layer: int | None, layout: OpLayout) -> dict:
+        """What the runtime needs to run the operator on its shards: its layouts, the
+        parameters it reads (and the slice it reads of a replicated one), the bias of a
+        row-parallel producer it adds, and whether it works on a slice of the vocabulary."""
+        attrs: dict = {"tp_input": str(layout.input), "tp_output": str(layout.output),
+                       "params": [param_name(u.name, layer) for u in layout.params]}
+        slices = {}
+        for use in layout.params:
+            data = use.data
+            if self.tp > 1 and not use.storage.is_sharded and data.is_sharded and \
+                    data.dim in use.dims and data.dim != "seq":
+                slices[param_name(use.name, layer)] = [data.dim, use.dims.index(data.dim)]
+        if slices:
+            attrs["param_slices"] = slices
+        if layout.bias_from:
+            attrs["bias"] = param_name(f"{layout.bias_from}.bias", layer)
+        if op == "embedding":
+            attrs["vocab_parallel"] = self.tp > 1 and layout.params[0].storage == S("vocab")
+        if op == "loss":
+            attrs["vocab_parallel"] = self.tp > 1 and layout.input == S("vocab")
+        return attrs
+
     def _local_bytes(self, tensor: str, layout: Layout) -> float:
         return self.shapes.bytes(tensor) / (self.tp if layout.is_sharded else 1)
-
-    @staticmethod
-    def _param_name(name: str, layer: int | None) -> str:
-        return name if layer is None or name in GLOBAL_PARAMETERS else f"layers.{layer}.{name}"
 
     # --- tp, cp and pp transfers ------------------------------------------------------
 
     def _tp(self, letter: str, chunk: int, layer: int | None, tensor: str, source: Layout,
-            target: Layout, ops: tuple[str, str], u: str, backward: bool = False,
-            grad_of: str | None = None) -> str:
+            target: Layout, ops: tuple[str, str], u: str, backward: bool = False
+            ) -> tuple[str, Layout | None]:
         """Insert the tp transfer from ``source`` to ``target`` after ``u``; return the
-        node that now carries the tensor (``u`` itself when no transfer is needed)."""
+        node that now carries the tensor (``u`` itself when no transfer is needed) and the
+        slice the consumer takes locally, if any."""
         move = redistribute(source, target)
-        if move is None or not move.is_transfer or self.tp == 1:
-            return u
+        if move is None or self.tp == 1:
+            return u, None
+        if not move.is_transfer:
+            return u, move.target
         node = self.transfer(
-            f"{self._prefix(letter, layer)}{ops[0]}>{ops[1]}:{move.kind}@tp", move.kind, "tp",
-            "forward" if letter == "F" else "backward", chunk, layer,
+            f"{self._prefix(letter, layer)}{ops[0]}>{ops[1]}:{move.kind}@tp", Kind(move.kind),
+            Axis.TP, Payload.ACTIVATION, PHASE_OF[letter], chunk, layer,
             self.shapes.bytes(tensor) * move.buffer_fraction(self.tp), self.m,
             reasons.tensor_parallel(self.plan, self.tpp, ops, move, backward, letter == "R"),
             tensor=tensor, dim=move.dim, source_layout=str(move.source),
             target_layout=str(move.target), producer=ops[0], consumer=ops[1])
-        self.edge(u, node, port="x", grad_of=grad_of)
-        return node
+        return node, None
+
+    def _connect(self, u: str, v: str, carried: tuple[str, Layout | None], port: Port,
+                 grad_of: Port | None = None) -> None:
+        """Edges u -> (transfer ->) v for a value carried as ``_tp`` returned it."""
+        carrier, local = carried
+        if carrier == u:
+            self.edge(u, v, port=port, grad_of=grad_of, local_slice=local)
+        else:
+            self.edge(u, carrier, port=Port.X, grad_of=grad_of)
+            self.edge(carrier, v, port=port)
 
     def _kv_bytes(self) -> float:
         """This rank's K and V for one microbatch: local tokens, local heads."""
@@ -181,42 +236,47 @@ class _Derivation:
 
     def _cp_forward(self, letter: str, chunk: int, layer: int, source: str, attention: str):
         """K and V over cp, between the (tp-redistributed) qkv and attention."""
-        phase = "forward" if letter == "F" else "backward"
         if self.plan.shard.cp.attention == "allgather":
-            node = self.transfer(f"{letter}/L{layer}/kv:all_gather@cp", "all_gather", "cp",
-                                 phase, chunk, layer, self._kv_bytes() * self.cp, self.m,
+            node = self.transfer(f"{letter}/L{layer}/kv:all_gather@cp", Kind.ALL_GATHER,
+                                 Axis.CP, Payload.KV, PHASE_OF[letter], chunk, layer,
+                                 self._kv_bytes() * self.cp, self.m,
                                  reasons.context_allgather(self.plan, False, letter == "R"),
                                  tensor="kv", dim="seq")
-            self.edge(source, node, port="x")
+            self.edge(source, node, port=Port.X)
         else:
-            node = self._ring(letter, chunk, layer, "kv", self.cp - 1, source)
-        self.edge(node, attention, port="kv")
+            node = self._ring(letter, chunk, layer, Payload.KV, self.cp - 1, source)
+        self.edge(node, attention, port=Port.KV)
 
-    def _ring(self, letter: str, chunk: int, layer: int, tensor: str, steps: int,
-              source: str, grad_of: str | None = None) -> str:
+    def _ring(self, letter: str, chunk: int, layer: int, payload: Payload, steps: int,
+              source: str, grad_of: Port | None = None) -> str:
         """One ring shift over cp (a send to the next rank, a receive from the previous),
         run ``steps`` times; returns the receive."""
-        phase = "forward" if letter == "F" else "backward"
+        phase = PHASE_OF[letter]
+        tensor = payload.value
         reason = reasons.context_ring(self.plan, tensor)
-        send = self.transfer(f"{letter}/L{layer}/{tensor}:send@cp", "send", "cp", phase, chunk,
-                             layer, self._kv_bytes(), self.m * steps, reason, tensor=tensor,
-                             ring_steps=steps, peer="next")
-        recv = self.transfer(f"{letter}/L{layer}/{tensor}:recv@cp", "recv", "cp", phase, chunk,
-                             layer, self._kv_bytes(), self.m * steps, reason, tensor=tensor,
-                             ring_steps=steps, peer="prev")
-        self.edge(source, send, port="x", grad_of=grad_of)
-        self.edge(send, recv, port="x")
+        send = self.transfer(f"{letter}/L{layer}/{tensor}:send@cp", Kind.SEND, Axis.CP, payload,
+                             phase, chunk, layer, self._kv_bytes(), self.m * steps, reason,
+                             tensor=tensor, ring_steps=steps, peer="next")
+        recv = self.transfer(f"{letter}/L{layer}/{tensor}:recv@cp", Kind.RECV, Axis.CP, payload,
+                             phase, chunk, layer, self._kv_bytes(), self.m * steps, reason,
+                             tensor=tensor, ring_steps=steps, peer="prev")
+        self.edge(source, send, port=Port.X, grad_of=grad_of)
+        self.edge(send, recv, port=Port.X)
         return recv
 
-    def _pipeline(self, phase: str, source_chunk: int, target_chunk: int) -> tuple[str, str]:
-        letter = phase[0].upper()
+    def _pipeline(self, phase: Phase, source_chunk: int, target_chunk: int) -> tuple[str, str]:
+        letter = "F" if phase == Phase.FORWARD else "B"
         nbytes = self._local_bytes("stream", self.tpp.stream)
-        reason = reasons.pipeline(self.plan, phase, source_chunk, target_chunk)
+        reason = reasons.pipeline(self.plan, phase.value, source_chunk, target_chunk)
         name = f"{letter}/c{source_chunk}>c{target_chunk}"
-        send = self.transfer(f"{name}:send@pp", "send", "pp", phase, source_chunk, None, nbytes,
-                             self.m, reason, tensor="stream", peer_stage=target_chunk % self.pp)
-        recv = self.transfer(f"{name}:recv@pp", "recv", "pp", phase, target_chunk, None, nbytes,
-                             self.m, reason, tensor="stream", peer_stage=source_chunk % self.pp)
+        tokens = self.shapes.seq // (self.tp if self.tpp.stream.is_sharded else 1)
+        shape = [self.shapes.batch, tokens, self.shapes.hidden]  # (batch, tokens, hidden)
+        send = self.transfer(f"{name}:send@pp", Kind.SEND, Axis.PP, Payload.STREAM, phase,
+                             source_chunk, None, nbytes, self.m, reason, tensor="stream",
+                             peer_stage=target_chunk % self.pp, shape=shape)
+        recv = self.transfer(f"{name}:recv@pp", Kind.RECV, Axis.PP, Payload.STREAM, phase,
+                             target_chunk, None, nbytes, self.m, reason, tensor="stream",
+                             peer_stage=source_chunk % self.pp, shape=shape)
         self.edge(send, recv)
         return send, recv
 
@@ -224,20 +284,20 @@ class _Derivation:
 
     def link(self, chunk: int, layer: int | None, producer_op: str, u: str, consumer_op: str,
              v: str, source: Layout | None = None, tensor: str | None = None,
-             port: str = "x") -> None:
+             port: Port = Port.X, within_layer: bool = True) -> None:
         """A forward data edge u -> v into v's input ``port``, with whatever transfers the
         layouts need."""
         consumer = self.layout(consumer_op)
         source = source or self.layout(producer_op).output
         tensor = tensor or OUTPUT_TENSOR[producer_op]
-        carrier = self._tp("F", chunk, layer, tensor, source, consumer.input,
+        carried = self._tp("F", chunk, layer, tensor, source, consumer.input,
                            (producer_op, consumer_op), u)
-        self.edge(carrier, v, port=port)  # with cp, the local queries and K/V block
+        self._connect(u, v, carried, port)  # with cp, the local queries and K/V block
         if (producer_op, consumer_op) == ("qkv", "attention") and self.cp > 1:
-            self._cp_forward("F", chunk, layer, carrier, v)
+            self._cp_forward("F", chunk, layer, carried[0], v)
         self.links[chunk].append(_Link(u, v, tensor, source, consumer.input,
                                        consumer.grad_input, layer, (producer_op, consumer_op),
-                                       port))
+                                       port, within_layer and layer is not None))
 
     def _forward_chunk(self, chunk: int) -> None:
         first, last = self.chunks[chunk]
@@ -253,8 +313,8 @@ class _Derivation:
         if chunk == self.last_chunk:
             self._forward_head(chunk, x)
         else:
-            send, recv = self._pipeline("forward", chunk, chunk + 1)
-            self.edge(x[1], send, port="x")
+            send, recv = self._pipeline(Phase.FORWARD, chunk, chunk + 1)
+            self.edge(x[1], send, port=Port.X)
             self.chunk_input[chunk + 1] = recv
             self.chunk_output[chunk] = x[1]
 
@@ -262,17 +322,19 @@ class _Derivation:
         n = {op: self._op_node("F", chunk, layer, op) for op in LAYER_OPS}
         x_op, x_node = x
         stream = self.tpp.stream
-        self.link(chunk, layer, x_op, x_node, "ln1", n["ln1"], source=stream, tensor="stream")
+        self.link(chunk, layer, x_op, x_node, "ln1", n["ln1"], source=stream, tensor="stream",
+                  within_layer=False)
         for producer, consumer in (("ln1", "qkv"), ("qkv", "attention"), ("attention", "proj"),
                                    ("proj", "attn_residual")):
             self.link(chunk, layer, producer, n[producer], consumer, n[consumer])
         self.link(chunk, layer, x_op, x_node, "attn_residual", n["attn_residual"],
-                  source=stream, tensor="stream", port="skip")  # the residual connection
+                  source=stream, tensor="stream", port=Port.SKIP,
+                  within_layer=False)  # the residual connection
         for producer, consumer in (("attn_residual", "ln2"), ("ln2", "fc1"), ("fc1", "gelu"),
                                    ("gelu", "fc2"), ("fc2", "mlp_residual")):
             self.link(chunk, layer, producer, n[producer], consumer, n[consumer])
         self.link(chunk, layer, "attn_residual", n["attn_residual"], "mlp_residual",
-                  n["mlp_residual"], port="skip")
+                  n["mlp_residual"], port=Port.SKIP)
         return "mlp_residual", n["mlp_residual"]
 
     def _forward_head(self, chunk: int, x: tuple[str, str]) -> None:
@@ -287,31 +349,32 @@ class _Derivation:
             # Vocabulary-parallel cross-entropy (Megatron): a max and a sum of exponentials
             # over the vocabulary, each an all-reduce of one fp32 number per token.
             # The local parts read the logits (and the reduced max); the loss reads all.
-            reduced: dict[str, str] = {}
+            reduced: dict[Port, str] = {}
             for part in LOSS_REDUCTIONS:
-                local = self.compute(f"F/loss_{part}", "loss", "forward", chunk, None,
-                                     self.shapes.elements("logits") * 2 / self.tp,
+                port = Port(part)
+                local = self.compute(f"F/loss_{part}", LOSS_PART_OP[part], Phase.FORWARD, chunk,
+                                     None, self.shapes.elements("logits") * 2 / self.tp,
                                      self.shapes.elements("tokens") * FP32_BYTES, self.m,
-                                     part=part, recompute=False, tp_input="S(vocab)",
-                                     tp_output="P", params=[])
-                reduce = self.transfer(f"F/loss_{part}:all_reduce@tp", "all_reduce", "tp",
-                                       "forward", chunk, None,
+                                     tp_input="S(vocab)", tp_output="P", params=[])
+                reduce = self.transfer(f"F/loss_{part}:all_reduce@tp", Kind.ALL_REDUCE, Axis.TP,
+                                       Payload.LOSS_STAT, Phase.FORWARD, chunk, None,
                                        self.shapes.elements("tokens") * FP32_BYTES, self.m,
                                        reasons.vocab_loss(self.plan, part), dtype="fp32",
                                        tensor=f"loss_{part}", source_layout="P",
                                        target_layout="R",
                                        reduce_op="max" if part == "max" else "sum")
-                self.edge(head, local, port="x")
+                self.edge(head, local, port=Port.X)
                 for name, node in reduced.items():
                     self.edge(node, local, port=name)
-                self.edge(local, reduce, port="x")
-                self.edge(reduce, loss, port=part)
-                reduced[part] = reduce
+                self.edge(local, reduce, port=Port.X)
+                self.edge(reduce, loss, port=port)
+                reduced[port] = reduce
         self.link(chunk, None, "head", head, "loss", loss)
-        report = self.transfer("F/loss:all_reduce@stage", "all_reduce", "stage", "forward",
-                               chunk, None, FP32_BYTES, 1, reasons.loss_report(self.plan),
-                               dtype="fp32", tensor="loss", per_microbatch=False)
-        self.edge(loss, report, port="x")
+        report = self.transfer("F/loss:all_reduce@stage", Kind.ALL_REDUCE, Axis.STAGE,
+                               Payload.LOSS, Phase.FORWARD, chunk, None, FP32_BYTES, 1,
+                               reasons.loss_report(self.plan), dtype="fp32", tensor="loss",
+                               per_microbatch=False)
+        self.edge(loss, report, port=Port.X)
 
     # --- backward -----------------------------------------------------------------------
 
@@ -319,19 +382,39 @@ class _Derivation:
         backward = {}  # forward node -> the node that receives its output's gradient
         for node, op, layer in self.forward_ops[chunk]:
             b = self._op_node("B", chunk, layer, op)
-            self.edge(node, b, "saved")
+            self.edge(node, b, EdgeKind.SAVED)
             backward[node] = b
         if chunk != self.last_chunk:  # the pair was made with the next chunk's backward
             self.edge(self.gradient_input[chunk], backward[self.chunk_output[chunk]],
-                      port="grad")
+                      port=Port.GRAD)
         if chunk > 0:
-            send, self.gradient_input[chunk - 1] = self._pipeline("backward", chunk, chunk - 1)
+            send, self.gradient_input[chunk - 1] = self._pipeline(Phase.BACKWARD, chunk,
+                                                                  chunk - 1)
             backward[self.chunk_input[chunk]] = send
         first, last = self.chunks[chunk]
+        by_layer: dict[int, list[_Link]] = {}
+        for link in self.links[chunk]:
+            if link.within_layer:
+                by_layer.setdefault(link.layer, []).append(link)
         for layer in range(first, last + 1):
-            self._recompute_layer(chunk, layer)
+            self._recompute_layer(chunk, layer, by_layer.get(layer, []))
         for link in reversed(self.links[chunk]):
             self._backward_link(chunk, link, backward)
+        for layer in range(first, last + 1):
+            self._recompute_just_in_time(layer)
+
+    def _recompute_just_in_time(self, layer: int) -> None:
+        """A recomputation starts once the gradient it is recomputed for is on its way
+        (order edges from whatever feeds that gradient), not at the start of the
+        backward: else every layer would be recomputed at once and held."""
+        if self.recompute == "none":
+            return
+        op, first = ("attention", "attention") if self.recompute == "selective" else \
+            ("mlp_residual", "ln1")
+        backward, again = f"B/L{layer}/{op}", f"R/L{layer}/{first}"
+        for source, _, data in list(self.graph.in_edges(backward, data=True)):
+            if data.get("port") == Port.GRAD:
+                self.edge(source, again, EdgeKind.ORDER)
 
     def _backward_link(self, chunk: int, link: _Link, backward: dict[str, str]) -> None:
         """Gradient of a forward edge: consumer's backward -> producer's backward."""
@@ -339,123 +422,149 @@ class _Derivation:
         target = gradient_layout(link.source)
         ops = (link.ops[1], link.ops[0])
         layer = link.layer
-        port = link.port
         if link.ops != ("qkv", "attention") or self.cp == 1:
-            carrier = self._tp("B", chunk, layer, link.tensor, link.grad, target, ops,
-                               grad_from, backward=True, grad_of=port)
-            if carrier == grad_from:
-                self.edge(grad_from, grad_to, port="grad", grad_of=port)
-            else:
-                self.edge(carrier, grad_to, port="grad")
+            carried = self._tp("B", chunk, layer, link.tensor, link.grad, target, ops,
+                               grad_from, backward=True)
+            self._connect(grad_from, grad_to, carried, Port.GRAD, grad_of=link.port)
             return
         # K and V gradients come back over cp; the query gradient is local.
         if self.plan.shard.cp.attention == "allgather":
-            kv = self.transfer(f"B/L{layer}/dkv:reduce_scatter@cp", "reduce_scatter", "cp",
-                               "backward", chunk, layer, self._kv_bytes() * self.cp, self.m,
+            kv = self.transfer(f"B/L{layer}/dkv:reduce_scatter@cp", Kind.REDUCE_SCATTER,
+                               Axis.CP, Payload.DKV, Phase.BACKWARD, chunk, layer,
+                               self._kv_bytes() * self.cp, self.m,
                                reasons.context_allgather(self.plan, True), tensor="dkv",
                                dim="seq")
-            self.edge(grad_from, kv, port="x", grad_of="kv")
+            self.edge(grad_from, kv, port=Port.X, grad_of=Port.KV)
         else:
             # Ring backward, as TransformerEngine does it: the K/V blocks go around the
             # ring again, and each block's dK/dV accumulator travels with it, then home.
-            kv_source = link.producer
-            self.edge(self._ring("B", chunk, layer, "kv", self.cp - 1, kv_source), grad_from,
-                      port="kv")
-            kv = self._ring("B", chunk, layer, "dkv", self.cp, grad_from, grad_of="kv")
+            self.edge(self._ring("B", chunk, layer, Payload.KV, self.cp - 1, link.producer),
+                      grad_from, port=Port.KV)
+            kv = self._ring("B", chunk, layer, Payload.DKV, self.cp, grad_from,
+                            grad_of=Port.KV)
         # The gradients of this rank's K and V (from kv) and of its queries (straight
         # from attention) meet, through the tp redistribution if there is one.
-        carrier = self._tp("B", chunk, layer, link.tensor, link.grad, target, ops, kv,
-                           backward=True)
+        carrier, local = self._tp("B", chunk, layer, link.tensor, link.grad, target, ops, kv,
+                                  backward=True)
         if carrier == kv:
-            self.edge(kv, grad_to, port="grad")
-            self.edge(grad_from, grad_to, port="grad", grad_of="x")
+            self.edge(kv, grad_to, port=Port.GRAD, local_slice=local)
+            self.edge(grad_from, grad_to, port=Port.GRAD, grad_of=Port.X, local_slice=local)
         else:
-            self.edge(grad_from, carrier, port="x", grad_of="x")
-            self.edge(carrier, grad_to, port="grad")
+            self.edge(grad_from, carrier, port=Port.X, grad_of=Port.X)
+            self.edge(kv, carrier, port=Port.X)
+            self.edge(carrier, grad_to, port=Port.GRAD)
 
-    def _recompute_layer(self, chunk: int, layer: int) -> None:
+    def _recompute_layer(self, chunk: int, layer: int, links: list[_Link]) -> None:
         if self.recompute == "selective":
             again = self._op_node("R", chunk, layer, "attention")
-            self.edge(f"F/L{layer}/attention", again, "saved")
-            self.edge(again, f"B/L{layer}/attention", "saved")
+            self.edge(f"F/L{layer}/attention", again, EdgeKind.SAVED)
+            self.edge(again, f"B/L{layer}/attention", EdgeKind.SAVED)
+            self._recomputed_by(f"B/L{layer}/attention", again)
             return
         if self.recompute != "full":
             return
         # Full recomputation runs the layer's forward again from its checkpointed input,
         # transfers included, just before its backward.
         nodes = {op: self._op_node("R", chunk, layer, op) for op in LAYER_OPS}
-        self.edge(f"F/L{layer}/ln1", nodes["ln1"], "saved")
-        self.edge(f"F/L{layer}/attn_residual", nodes["attn_residual"], "saved")
-        for link in self.links[chunk]:
-            if link.layer != layer or link.producer.split("/")[1] != f"L{layer}":
-                continue
+        self.edge(f"F/L{layer}/ln1", nodes["ln1"], EdgeKind.SAVED)
+        self.edge(f"F/L{layer}/attn_residual", nodes["attn_residual"], EdgeKind.SAVED)
+        for link in links:
             producer, consumer = link.ops
             u, v = nodes[producer], nodes[consumer]
-            carrier = self._tp("R", chunk, layer, link.tensor, link.source, link.target,
+            carried = self._tp("R", chunk, layer, link.tensor, link.source, link.target,
                                link.ops, u)
-            self.edge(carrier, v, port=link.port)
+            self._connect(u, v, carried, link.port)
             if link.ops == ("qkv", "attention") and self.cp > 1:
-                self._cp_forward("R", chunk, layer, carrier, v)
+                self._cp_forward("R", chunk, layer, carried[0], v)
         for op in LAYER_OPS:
-            self.edge(nodes[op], f"B/L{layer}/{op}", "saved")
+            self.edge(nodes[op], f"B/L{layer}/{op}", EdgeKind.SAVED)
+            self._recomputed_by(f"B/L{layer}/{op}", nodes[op])
+
+    def _recomputed_by(self, backward: str, again: str) -> None:
+        """The backward step differentiates the recomputed forward; the original forward
+        keeps only its inputs."""
+        self.graph.nodes[backward]["recompute_of"] = again
+        self.graph.nodes[self.graph.nodes[backward]["forward_of"]]["recomputed"] = True
 
     # --- parameters ---------------------------------------------------------------------
 
     def _sites(self, chunk: int) -> list[_Site]:
-        sites: dict[str, tuple[Parameter, str, list]] = {}
+        sites: dict[str, tuple[Parameter, list]] = {}
         for node, op, layer in self.forward_ops[chunk]:
             for use in self.layout(op).params:
-                name = self._param_name(use.name, layer)
-                group = (f"L{layer}" if layer is not None else
-                         "embedding" if op in ("embedding", "position") else "head")
-                entry = sites.setdefault(name, (self.params[name], group, []))
-                entry[2].append((node, use))
-        return [_Site(param, group, tuple(uses)) for param, group, uses in sites.values()]
+                name = param_name(use.name, layer)
+                sites.setdefault(name, (self.params[name], []))[1].append((node, use))
+        return [_Site(param, tuple(uses)) for param, uses in sites.values()]
 
-    def _param_bytes(self, param: Parameter, storage: Layout) -> float:
-        elements = 1
-        for size in param.shape:
-            elements *= size
-        return elements * self.plan.model.dtype_bytes / (self.tp if storage.is_sharded else 1)
+    def _local_shape(self, site: _Site) -> list[int]:
+        shape = list(site.param.shape)
+        if site.storage.is_sharded and self.tp > 1:
+            shape[site.uses[0][1].storage_axis] //= self.tp
+        return shape
 
     def _parameters(self, chunk: int) -> None:
-        groups: dict[str, list[str]] = {}
         for site in self._sites(chunk):
+            bucket = self._bucket(chunk, site)
             if self.zero == 3 and self.replicas > 1:
-                self._zero3_gathers(chunk, site)
-            groups.setdefault(site.group, []).extend(self._gradient(chunk, site))
-        for group, ready in groups.items():
-            self._optimizer(chunk, group, ready,
-                            [s for s in self._sites(chunk) if s.group == group])
+                self._zero3_gathers(chunk, site, bucket)
+            ready = self._gradient(chunk, site, bucket)
+            self._optimizer(chunk, bucket, ready)
 
-    def _zero3_gathers(self, chunk: int, site: _Site) -> None:
+    def _bucket(self, chunk: int, site: _Site) -> str:
+        """A bucket holding this one parameter: the derivation's starting point."""
+        param, stage = site.param, chunk % self.pp
+        tied = self.tied and param.name == "embedding.weight"
+        bucket_id = param.name + (f"#s{stage}" if tied else "")
+        shape = self._local_shape(site)
+        numel = 1
+        for size in shape:
+            numel *= size
+        use = site.uses[0][1]
+        fixup = use.gradient_transfer() if self.tp > 1 else None
+        parts = self.replicas if self.zero >= 1 and self.replicas > 1 else 1
+        shard = shard_numel(numel, parts)
+        split = [use.storage.dim, use.storage_axis] if use.storage.is_sharded and \
+            self.tp > 1 else None
+        buckets(self.graph)[bucket_id] = {
+            "stage": stage, "chunk": chunk, "dtype": "fp32",
+            "members": [{"param": param.name, "offset": 0, "numel": numel, "shape": shape,
+                         "full_shape": list(param.shape), "tp_split": split,
+                         "layer": param.layer}],
+            "numel": numel, "parts": parts, "shard": shard, "padded": shard * parts,
+            "sharded": parts > 1, "zero3": self.zero == 3 and self.replicas > 1,
+            "tp_sum_numel": numel if fixup is not None and fixup.kind == "all_reduce" else 0,
+            "tied": tied,
+            "reason": "one parameter (before fusion)"}
+        return bucket_id
+
+    def _bucket_bytes(self, bucket: str) -> float:
+        return buckets(self.graph)[bucket]["numel"] * self.plan.model.dtype_bytes
+
+    def _zero3_gathers(self, chunk: int, site: _Site, bucket: str) -> None:
         param = site.param
-        storage = site.uses[0][1].storage
         for node, _use in site.uses:
-            op = self.graph.nodes[node]["name"]
-            for letter, phase in (("F", "forward"), ("B", "backward")):
-                consumer = node.replace("F/", f"{letter}/", 1)
+            op = self.graph.nodes[node]["op"]
+            for letter, phase in (("F", Phase.FORWARD), ("B", Phase.BACKWARD)):
+                consumer = node if letter == "F" else self.graph.nodes[node]["backward"]
                 gather = self.transfer(f"{letter}/{param.name}>{op}:all_gather@dp_cp",
-                                       "all_gather", "dp_cp", phase, chunk, param.layer,
-                                       self._param_bytes(param, storage), self.m,
-                                       reasons.zero3_gather(self.plan, param.name, phase),
-                                       tensor=param.name)
-                self.edge(gather, consumer, port="param")
-                recomputed = node.replace("F/", "R/", 1)
-                if letter == "B" and recomputed in self.graph:
-                    self.edge(gather, recomputed, port="param")
+                                       Kind.ALL_GATHER, Axis.DP_CP, Payload.PARAM, phase, chunk,
+                                       param.layer, self._bucket_bytes(bucket), self.m,
+                                       reasons.zero3_gather(self.plan, param.name, phase.value),
+                                       bucket=bucket)
+                self.edge(gather, consumer, port=Port.PARAM)
+                again = self.graph.nodes[consumer].get("recompute_of")
+                if letter == "B" and again is not None:
+                    self.edge(gather, again, port=Port.PARAM)
 
-    def _gradient(self, chunk: int, site: _Site) -> list[str]:
+    def _gradient(self, chunk: int, site: _Site, bucket: str) -> str | list[str]:
         """The gradient's path from its backward operators to the optimizer."""
         param = site.param
         use = site.uses[0][1]
-        storage = use.storage
-        last = [node.replace("F/", "B/", 1) for node, _ in site.uses]
         stage = chunk % self.pp
-        tied = param.name == "embedding.weight" and self.plan.model.tie_embeddings \
-            and self.pp > 1
+        tied = buckets(self.graph)[bucket]["tied"]
         suffix = f"#s{stage}" if tied else ""
-        nbytes = self._param_bytes(param, storage)
+        nbytes = self._bucket_bytes(bucket)
+        last: list[str] = [self.graph.nodes[node]["backward"] for node, _ in site.uses]
         # ZeRO-2/3 keep only a shard of the gradient, so they reduce every microbatch.
         each_microbatch = self.zero >= 2 and self.replicas > 1
         sharded_grad = self.zero >= 1 and self.replicas > 1
@@ -463,75 +572,83 @@ class _Derivation:
         if fixup is not None and not fixup.is_transfer:
             fixup = None
 
-        def step(kind: str, axis: str, size: float, per_microbatch: bool, reason: str,
+        def step(kind: Kind, axis: Axis, size: float, per_microbatch: bool, reason: str,
                  **extra) -> None:
             nonlocal last
             node = self.transfer(f"G/{param.name}:{kind}@{axis}{suffix}", kind, axis,
-                                 "backward", chunk, param.layer, size,
+                                 Payload.GRAD, Phase.BACKWARD, chunk, param.layer, size,
                                  self.m if per_microbatch else 1, reason, stage=stage,
-                                 tensor=param.name, per_microbatch=per_microbatch, **extra)
+                                 per_microbatch=per_microbatch, bucket=bucket, **extra)
             for source in last:
-                self.edge(source, node, port="x")
+                self.edge(source, node, port=Port.X)
             last = [node]
 
-        # A slice's gradient is gathered before the dp reduction shards it; a partial
-        # sum can be summed over tp at the end, on the (possibly sharded) gradient.
+        # A slice's gradient is gathered, and a partial sum summed, over tp before the dp
+        # reduction, at the same frequency: the sum then covers the bucket's leading range
+        # (fuse lays the members that need it out first), whatever ZeRO shards later.
         if fixup is not None and fixup.kind == "all_gather":
-            step("all_gather", "tp", self._param_bytes(param, gradient_layout(storage)),
-                 each_microbatch, reasons.parameter_fixup(self.plan, param.name, fixup,
-                                                          use.data))
-        if self.replicas > 1:
-            kind = "all_reduce" if self.zero == 0 else "reduce_scatter"
-            step(kind, "dp_cp", nbytes, each_microbatch,
-                 reasons.data_parallel(self.plan, param.name, kind))
-        shard = self.replicas if sharded_grad else 1
+            step(Kind.ALL_GATHER, Axis.TP, self._param_bytes(param, gradient_layout(
+                site.storage)), each_microbatch,
+                reasons.parameter_fixup(self.plan, param.name, fixup, use.data),
+                tensor=param.name, dim=use.data.dim,
+                slice_axis=use.dims.index(use.data.dim) if use.data.dim in use.dims else 0)
         if fixup is not None and fixup.kind == "all_reduce":
-            step("all_reduce", "tp", nbytes / shard, False,
-                 reasons.parameter_fixup(self.plan, param.name, fixup, use.data))
+            step(Kind.ALL_REDUCE, Axis.TP, nbytes, each_microbatch,
+                 reasons.parameter_fixup(self.plan, param.name, fixup, use.data),
+                 elements=[0, buckets(self.graph)[bucket]["numel"]])
+        if self.replicas > 1:
+            kind = Kind.ALL_REDUCE if self.zero == 0 else Kind.REDUCE_SCATTER
+            step(kind, Axis.DP_CP, nbytes, each_microbatch,
+                 reasons.data_parallel(self.plan, param.name, kind.value))
         if tied:
-            step("all_reduce", "tied", nbytes / shard, False, reasons.tied(self.plan),
+            shard = self.replicas if sharded_grad else 1
+            step(Kind.ALL_REDUCE, Axis.TIED, nbytes / shard, False, reasons.tied(self.plan),
                  collective=f"G/{param.name}:all_reduce@tied",
                  peer_stage=self.pp - 1 if stage == 0 else 0)
         return last
 
-    def _optimizer(self, chunk: int, group: str, ready: list[str], sites: list[_Site]) -> None:
-        sharded = self.zero >= 1 and self.replicas > 1
-        layer = sites[0].param.layer
-        elements = sum(self._param_bytes(s.param, s.uses[0][1].storage) for s in sites) / \
-            self.plan.model.dtype_bytes / (self.replicas if sharded else 1)
+    def _param_bytes(self, param: Parameter, storage: Layout) -> float:
+        elements = 1
+        for size in param.shape:
+            elements *= size
+        return elements * self.plan.model.dtype_bytes / (self.tp if storage.is_sharded else 1)
+
+    def _optimizer(self, chunk: int, bucket: str, ready: list[str]) -> None:
+        info = buckets(self.graph)[bucket]
+        members = [m["param"] for m in info["members"]]
+        layer = info["members"][0]["layer"]
+        elements = info["padded"] // info["parts"]
         flops = elements * OPTIMIZER_FLOPS_PER_ELEMENT[self.plan.train.optimizer.name]
-        where = f"L{layer}" if layer is not None else group
-        tied = self.plan.model.tie_embeddings and self.pp > 1
-        suffix = f"#s{chunk % self.pp}" if group == "head" and tied else ""
-        node = self.compute(f"O/{where}/optimizer{suffix}", "optimizer", "optimizer", chunk,
+        node = self.compute(f"O/{bucket}/optimizer", Op.OPTIMIZER, Phase.OPTIMIZER, chunk,
                             layer, flops, elements * self.plan.model.dtype_bytes, 1,
-                            params=[s.param.name for s in sites], sharded=sharded,
-                            recompute=False, per_microbatch=False)
+                            params=members, sharded=info["sharded"], bucket=bucket,
+                            per_microbatch=False)
         for source in ready:
-            self.edge(source, node, port="grad")
+            self.edge(source, node, port=Port.GRAD)
         if self.zero not in (1, 2) or self.replicas == 1:
             return
-        for site in sites:
-            param = site.param
-            own = f"#s{chunk % self.pp}" if param.name == "embedding.weight" and tied else ""
-            gather = self.transfer(f"O/{param.name}:all_gather@dp_cp{own}", "all_gather",
-                                   "dp_cp", "optimizer", chunk, param.layer,
-                                   self._param_bytes(param, site.uses[0][1].storage), 1,
-                                   reasons.zero_gather(self.plan, param.name),
-                                   tensor=param.name, per_microbatch=False)
-            self.edge(node, gather, port="x")
+        gather = self.transfer(f"O/{bucket}:all_gather@dp_cp", Kind.ALL_GATHER, Axis.DP_CP,
+                               Payload.PARAM, Phase.OPTIMIZER, chunk, layer,
+                               self._bucket_bytes(bucket), 1,
+                               reasons.zero_gather(self.plan, ", ".join(members)),
+                               per_microbatch=False, bucket=bucket)
+        self.edge(node, gather, port=Port.X)
 
     # --- the whole step ---------------------------------------------------------------------
 
     def derive(self) -> nx.DiGraph:
-        self.chunk_input: dict[int, str] = {}  # chunk -> its forward receive
-        self.gradient_input: dict[int, str] = {}  # chunk -> its backward receive
         for chunk in range(len(self.chunks)):
             self._forward_chunk(chunk)
         for chunk in reversed(range(len(self.chunks))):
             self._backward_chunk(chunk)
+        for node, data in self.graph.nodes(data=True):
+            if data["type"] == NodeType.COMPUTE and "forward_of" in data and \
+                    not data["recompute"]:
+                self.graph.nodes[data["forward_of"]]["backward"] = node
         for chunk in range(len(self.chunks)):
             self._parameters(chunk)
+        for _, data in self.graph.nodes(data=True):
+            data.pop("backward", None)
         self.graph.graph.update(self._attributes())
         return self.graph
 
@@ -551,6 +668,8 @@ class _Derivation:
             "schedule": {str(stage): " ".join(action_text(a, virtual) for a in schedule(
                 plan.schedule.pipeline, stage, self.pp, self.m, virtual))
                 for stage in range(self.pp)},
+            "buckets": buckets(self.graph),
+            "passes": [],
         }
 
 

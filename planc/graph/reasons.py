@@ -137,3 +137,31 @@ def parameter_fixup(plan: Plan, param: str, move: Redistribution, data: Layout) 
                 f"all-reduce over tp")
     return (f"{param} is replicated over tp but each rank uses only its slice along "
             f"{data.dim}, so each rank's gradient covers only that slice: all-gather over tp")
+
+
+def _members_text(bucket: dict) -> str:
+    names = [m["param"] for m in bucket["members"]]
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"{len(names)} parameter{'s' if len(names) > 1 else ''} ({shown})"
+
+
+def bucket(plan: Plan, bucket_id: str, info: dict, kind: str, axis: str, phase: str) -> str:
+    """Reason of a fused bucket's collective (see planc.passes.fuse)."""
+    what = f"bucket {bucket_id} packs {_members_text(info)} into one flat buffer"
+    if axis == "tp":
+        return (f"{what}; the first {info['tp_sum_numel']:,} elements are gradients of "
+                f"parameters replicated over tp but applied to data split over tp (partial "
+                f"sums): one all-reduce over tp sums them all")
+    if kind == "all_gather" and phase == "optimizer":
+        return (f"{what}; each dp x cp rank updated its shard of the bucket (zero "
+                f"{plan.shard.dp.zero}): one all-gather of the bucket for the next step")
+    if kind == "all_gather":
+        return (f"{what} stored sharded over dp x cp (zero 3): one all-gather of the bucket "
+                f"before its {phase} use, every microbatch")
+    if kind == "all_reduce":
+        return (f"{what}; its gradients were computed by every dp x cp replica on its own "
+                f"data (zero 0): one all-reduce of the bucket over dp x cp")
+    when = "once per step" if plan.shard.dp.zero == 1 else "after every microbatch"
+    return (f"{what}; each dp x cp rank keeps only its equal slice of the summed gradient "
+            f"(zero {plan.shard.dp.zero}): one reduce-scatter of the bucket over dp x cp, "
+            f"{when}")

@@ -75,7 +75,10 @@ def summarize(plan: Plan, graph: nx.DiGraph) -> dict:
     return {"format": "planc-summary", "version": SUMMARY_FORMAT_VERSION, "plan": plan.name,
             "world": plan.world, "microbatches": plan.schedule.microbatches,
             "nodes": graph.number_of_nodes(), "edges": graph.number_of_edges(),
-            "device_memory": plan.topology.device.memory, "stages": out_stages}
+            "device_memory": plan.topology.device.memory,
+            "passes": [{"name": r["name"], "enabled": r["enabled"], "line": r["line"],
+                        "changes": r["changes"]} for r in graph.graph.get("passes", [])],
+            "buckets": len(graph.graph.get("buckets", {})), "stages": out_stages}
 
 
 def totals(summary: dict, stage: int) -> dict[tuple[str, str, str], dict]:

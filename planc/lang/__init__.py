@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from planc.diagnostics import Diagnostic, Span, error, in_source_order, warning
 from planc.lang.check import check
+from planc.lang.overrides import Override, OverrideError, parse_overrides
 from planc.lang.parser import parse
 from planc.lang.units import format_bytes
 from planc.plan import Plan
 from planc.words import counted
 
 MAX_FILE_BYTES = 16 * 2**20
+
+__all__ = ["MAX_FILE_BYTES", "Loaded", "Override", "OverrideError", "load_file",
+           "load_text", "memory_warnings"]
 
 
 @dataclass(frozen=True)
@@ -23,14 +28,18 @@ class Loaded:
     source: str | None
     plan: Plan | None
     diagnostics: tuple[Diagnostic, ...]
+    overrides: tuple[Override, ...] = ()  # the --set overrides applied, in order
 
     @property
     def ok(self) -> bool:
         return self.plan is not None and not any(d.is_error for d in self.diagnostics)
 
 
-def load_file(path: str | Path) -> Loaded:
-    """Read, parse and check a plan file; never raises for anything in the file."""
+def load_file(path: str | Path, overrides: Sequence[str] = ()) -> Loaded:
+    """Read, parse and check a plan file with ``overrides`` (``KEY=VALUE`` texts, as
+    given to ``--set``) applied; never raises for anything in the file. A malformed
+    override raises OverrideError (a ValueError) before the file is read."""
+    parsed = parse_overrides(overrides)
     name = str(path)
     try:
         with open(path, "rb") as handle:
@@ -52,17 +61,23 @@ def load_file(path: str | Path) -> Loaded:
         return Loaded(name, None, None, (error(
             f"file is not valid UTF-8 (byte 0x{data[exc.start]:02x})", Span.point(line, column),
             "a plan file is UTF-8 text"),))
-    return load_text(text, name)
+    return _load_text(text, name, parsed)
 
 
-def load_text(text: str, path: str = "<plan>") -> Loaded:
+def load_text(text: str, path: str = "<plan>", overrides: Sequence[str] = ()) -> Loaded:
+    """Parse and check the text of a plan file with ``overrides`` applied (see
+    load_file); the overrides are checked only when the file parses."""
+    return _load_text(text, path, parse_overrides(overrides))
+
+
+def _load_text(text: str, path: str, overrides: tuple[Override, ...]) -> Loaded:
     tree, diagnostics = parse(text)
     plan = None
     if tree is not None:
-        plan, diagnostics = check(tree, path)
+        plan, diagnostics = check(tree, path, overrides)
         if plan is not None:
             diagnostics = diagnostics + memory_warnings(plan)
-    return Loaded(path, text, plan, tuple(in_source_order(diagnostics)))
+    return Loaded(path, text, plan, tuple(in_source_order(diagnostics)), overrides)
 
 
 def memory_warnings(plan: Plan) -> list[Diagnostic]:

@@ -12,11 +12,14 @@ from __future__ import annotations
 import os
 import sys
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from planc.diagnostics import Diagnostic, Span, error, in_source_order, warning
 from planc.lang import ast
+from planc.lang.overrides import Override
+from planc.lang.overrides import apply as apply_overrides
 from planc.lang.presets import GENERIC, PRESETS
 from planc.lang.schema import (PLAN_SCHEMA, BlockSchema, Scope, StageRange, Unresolved,
                                block_syntax, did_you_mean, join_words, where_key_lives)
@@ -25,10 +28,12 @@ from planc.plan import (Optimizer, ContextParallel, DataParallel, Device, Link, 
                         TensorParallel, Topology, Train)
 
 
-def check(tree: ast.PlanFile, path: str) -> tuple[Plan | None, list[Diagnostic]]:
-    """Validate a parsed file. ``path`` names the file in the plan and locates data files."""
-    checker = _Checker(path)
-    plan = checker.run(tree)
+def check(tree: ast.PlanFile, path: str, overrides: Sequence[Override] = ()
+          ) -> tuple[Plan | None, list[Diagnostic]]:
+    """Validate a parsed file, with ``overrides`` applied (``--set``) and recorded in the
+    plan's sources. ``path`` names the file in the plan and locates data files."""
+    checker = _Checker(path, overrides=tuple(o.text for o in overrides))
+    plan = checker.run(apply_overrides(tree, overrides) if overrides else tree)
     return plan, in_source_order(checker.diagnostics)
 
 
@@ -40,6 +45,11 @@ def divisors_below(limit: int, *numbers: int, count: int = 2) -> list[int]:
     """The largest ``count`` values d in 2..limit-1 that divide every one of ``numbers``."""
     found = [d for d in range(min(limit - 1, 4096), 1, -1) if all(n % d == 0 for n in numbers)]
     return found[:count]
+
+
+def _where_given(span: Span) -> str:
+    """'at line 3' in the file, 'by --set mesh.tp=8' in an override."""
+    return f"by {span.source.name}" if span.source is not None else f"at line {span.line}"
 
 
 def _try(name: str, candidates: list[int]) -> str:
@@ -54,6 +64,7 @@ class _Checker:
     spans: dict[str, Span] = field(default_factory=dict)  # "mesh.tp" -> value span
     given: set[str] = field(default_factory=set)  # keys and blocks the user wrote
     plan_name: str = ""
+    overrides: tuple[str, ...] = ()  # the --set KEY=VALUE texts applied, for Sources
 
     # --- pass 1: blocks and keys -----------------------------------------------------
 
@@ -100,8 +111,8 @@ class _Checker:
         if entry.key in schema.keys:
             if entry.key in keys:
                 first = keys[entry.key].key_span
-                self.report(error(f"duplicate key '{entry.key}' (first given at line "
-                                  f"{first.line})", entry.key_span))
+                self.report(error(f"duplicate key '{entry.key}' (first given "
+                                  f"{_where_given(first)})", entry.key_span))
             else:
                 keys[entry.key] = entry
         elif entry.key in schema.blocks:
@@ -118,8 +129,8 @@ class _Checker:
             sub = schema.blocks[entry.name]
             if entry.name in blocks:
                 first = blocks[entry.name].name_span
-                self.report(error(f"duplicate block '{entry.name}' (first given at line "
-                                  f"{first.line})", entry.name_span))
+                self.report(error(f"duplicate block '{entry.name}' (first given "
+                                  f"{_where_given(first)})", entry.name_span))
                 return
             if sub.labels and entry.label is None:
                 self.report(error(f"{entry.name} needs its family: write "
@@ -210,7 +221,7 @@ class _Checker:
         return Plan(name=self.plan_name, model=model, mesh=mesh, topology=topology,
                     shard=Shard(tensor, context, pipeline, DataParallel(zero)),
                     schedule=schedule, optimize=optimize, train=train,
-                    sources=Sources(self.path, dict(self.spans)))
+                    sources=Sources(self.path, dict(self.spans), self.overrides))
 
     def _model(self) -> Model | None:
         keys = ("layers", "hidden", "heads", "ffn", "vocab", "seq", "batch", "dtype",

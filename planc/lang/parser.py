@@ -8,6 +8,9 @@ Recovery, as in most compilers: after a syntax error the offending line is blank
 (its brackets kept, so blocks stay balanced) and the file is parsed again, so one run
 reports every independent syntax error. Errors in the bracket structure itself stop
 recovery, since everything after them would be noise.
+
+:func:`parse_value` reads one value (what follows '=') with the same grammar, for
+command-line overrides (``--set KEY=VALUE``, planc/lang/overrides.py).
 """
 
 from __future__ import annotations
@@ -48,15 +51,25 @@ def grammar_text() -> str:
         encoding="utf-8")
 
 
-class _NestingTooDeep(Exception):
+class _NestingTooDeep(lark.exceptions.LarkError):
+    """Raised by the post-lexer of the parsers at the first bracket nested too deep.
+
+    A LarkError, so that whatever handles lark's errors handles this one too; but only
+    the parsers raise it: the lexer that diagnoses syntax errors has no limit."""
+
     def __init__(self, token: Token):
+        super().__init__(f"brackets nested more than {MAX_NESTING} deep")
         self.token = token
 
 
 class _BracketAwareNewlines(PostLex):
-    """Drops newlines inside ( ) and [ ] so lists and calls may span lines."""
+    """Drops newlines inside ( ) and [ ] so lists and calls may span lines, and stops
+    at brackets nested more than ``max_nesting`` deep (None: no limit)."""
 
     always_accept = ("_NL",)
+
+    def __init__(self, max_nesting: int | None = MAX_NESTING):
+        self.max_nesting = max_nesting
 
     def process(self, stream):
         open_brackets: list[str] = []
@@ -64,7 +77,7 @@ class _BracketAwareNewlines(PostLex):
             kind = token.type
             if kind in _OPENERS:
                 open_brackets.append(kind)
-                if len(open_brackets) > MAX_NESTING:
+                if self.max_nesting is not None and len(open_brackets) > self.max_nesting:
                     raise _NestingTooDeep(token)
             elif kind in _CLOSERS:
                 if open_brackets and open_brackets[-1] == _CLOSERS[kind]:
@@ -168,6 +181,23 @@ def _parser() -> lark.Lark:
                      maybe_placeholders=True)
 
 
+@lru_cache(maxsize=1)
+def _value_parser() -> lark.Lark:
+    """The same grammar started at ``value``: what may follow '=', for --set overrides."""
+    return lark.Lark(grammar_text(), parser="lalr", lexer="contextual", start="value",
+                     postlex=_BracketAwareNewlines(), transformer=_TreeBuilder(),
+                     maybe_placeholders=True)
+
+
+@lru_cache(maxsize=1)
+def _lexer() -> lark.Lark:
+    """The parser's terminals and newline rule without its nesting limit, for diagnosing
+    syntax errors: the text is lexed to its end, however deep its brackets go (only
+    parsing stops at the limit, which keeps every tree shallow)."""
+    return lark.Lark(grammar_text(), parser="lalr", lexer="basic",
+                     postlex=_BracketAwareNewlines(max_nesting=None))
+
+
 # --- syntax diagnostics ------------------------------------------------------------
 
 _TERMINAL_WORDS = {
@@ -192,20 +222,23 @@ def _describe_token(token: Token) -> str:
     return _TERMINAL_WORDS.get(token.type, f"'{token}'")
 
 
-def _describe_expected(expected: set[str], innermost: str | None) -> str:
-    """Name what could come next, leaving out closers of brackets that are not open."""
+def _describe_expected(expected: set[str], innermost: str | None,
+                       end: str = "the end of the file") -> str:
+    """Name what could come next, leaving out closers of brackets that are not open.
+    ``end`` names the end of the text ($END)."""
     wanted = {t for t in expected
               if t not in _CLOSERS or _CLOSERS[t] == innermost}
     if innermost in ("LSQB", "LPAR"):
         wanted -= {"_NL", "SEMICOLON"}  # new lines mean nothing inside brackets
     else:
         wanted.discard("COMMA")
-    if wanted & {"RSQB", "RPAR", "RBRACE", "COMMA", "_NL"}:
+    if wanted & {"RSQB", "RPAR", "RBRACE", "COMMA", "_NL", "$END"}:
         wanted -= {"PLUS", "MINUS", "STAR", "SLASH", "DOTDOT"}  # "after a value", briefly
+    names = {**_TERMINAL_WORDS, "$END": end}
     if _VALUE_STARTS <= wanted:
-        words = ["a value"] + sorted(_TERMINAL_WORDS.get(t, t) for t in wanted - _VALUE_STARTS)
+        words = ["a value"] + sorted(names.get(t, t) for t in wanted - _VALUE_STARTS)
     else:
-        words = sorted({_TERMINAL_WORDS.get(t, t) for t in wanted})
+        words = sorted({names.get(t, t) for t in wanted})
     if len(words) == 1:
         return words[0]
     return ", ".join(words[:-1]) + " or " + words[-1]
@@ -220,7 +253,7 @@ def _tokens(text: str) -> list[Token]:
     """Every token of ``text`` (newlines included) up to the first one that cannot be lexed."""
     tokens: list[Token] = []
     try:
-        for token in _parser().lex(text, dont_ignore=False):
+        for token in _lexer().lex(text, dont_ignore=False):
             tokens.append(token)
     except lark.exceptions.LarkError:
         pass
@@ -474,3 +507,67 @@ def parse(text: str) -> tuple[ast.PlanFile | None, list[Diagnostic]]:
             continue
         return (tree if not diagnostics else None), diagnostics
     return None, diagnostics
+
+
+# --- one value, for command-line overrides -----------------------------------------
+
+_END_OF_VALUE = "the end of the value"
+
+
+def parse_value(text: str) -> tuple[ast.Value | None, Diagnostic | None]:
+    """Parse one value, as written after '=' in a file (for ``--set KEY=VALUE``).
+
+    Blanks count as columns, so a caller may blank out what precedes the value to have
+    positions count from the start of its own text. Returns the value and None, or None
+    and the diagnostic of the first syntax error (there is no recovery in one value).
+    """
+    try:
+        return _value_parser().parse(text), None
+    except (lark.exceptions.UnexpectedInput, _NestingTooDeep) as exc:
+        return None, _diagnose_value(exc, text)
+
+
+def _diagnose_value(exc: Exception, text: str) -> Diagnostic:
+    if isinstance(exc, _NestingTooDeep):
+        return error(f"brackets nested more than {MAX_NESTING} deep", _span(exc.token))
+    tokens = _tokens(text)
+    if isinstance(exc, lark.exceptions.UnexpectedCharacters):
+        span = Span.point(exc.line, exc.column)
+        char = text[exc.pos_in_stream] if exc.pos_in_stream < len(text) else ""
+        if char == '"':
+            return error("unterminated string", span, "a string ends with '\"'")
+        shown = f"'{char}'" if char.isprintable() else f"U+{ord(char):04X}"
+        return error(f"unexpected character {shown}", span)
+    assert isinstance(exc, lark.exceptions.UnexpectedToken)
+    token = exc.token
+    if token.type == "$END":
+        opened = _open_brackets(tokens, len(text))
+        if opened:
+            first = opened[-1]
+            return error(f"unexpected end of the value: '{first}' at column {first.column} "
+                         f"is never closed", _span(first), f"add '{_closer_for(first)}' to "
+                         f"close it")
+        if not tokens:
+            return error("no value", _end_of_text_span(text), "write a value after '='")
+        return error(f"unexpected end of the value; expected "
+                     f"{_describe_expected(_accepted(exc), None, _END_OF_VALUE)}",
+                     _end_of_text_span(text))
+    opened = _open_brackets(tokens, token.start_pos)
+    innermost = opened[-1].type if opened else None
+    span = _span(token) if token.type != "_NL" else Span.point(token.line, token.column)
+    if token.type in _CLOSERS and innermost != _CLOSERS[token.type]:
+        if opened:
+            first = opened[-1]
+            return error(f"unexpected '{token}': '{first}' at column {first.column} is not "
+                         f"closed", span, f"add '{_closer_for(first)}' before it")
+        return error(f"unexpected '{token}': it closes nothing", span)
+    before = [t for t in tokens if t.end_pos <= token.start_pos]
+    previous = before[-1] if before else None
+    hints = []
+    if (token.type == "NAME" and previous is not None and previous.type == "NUMBER"
+            and str(token) in UNITS):
+        hints.append(f"write the unit right after the number, without a space: "
+                     f"{previous}{token}")
+    return error(f"unexpected {_describe_token(token)}; expected "
+                 f"{_describe_expected(_accepted(exc), innermost, _END_OF_VALUE)}", span,
+                 *hints)

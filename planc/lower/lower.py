@@ -1,40 +1,64 @@
 """Graph to rank programs: one program per pipeline stage, shared by its ranks.
 
-Streams. Compute runs on ``compute``. Collectives run on ``comm`` when the plan asks
-for overlap (``optimize { overlap = on }``) and on ``compute`` otherwise. Pipeline
-transfers get a stream per direction (``send_next``, ``send_prev``, ``recv_prev``,
-``recv_next``), so that each stream talks to one peer stream in first-in first-out
-order and a transfer in one direction never waits behind one in the other: Megatron
-pairs its pipeline sends and receives for the same reason. Receives are queued in the
-order the sending stage sends, ahead of their use.
+The lowering decides nothing about speed: it follows the ``stream`` and ``placement``
+the overlap pass wrote on each node (:mod:`planc.passes.overlap`; without them every
+collective runs on ``compute`` and once-per-step work after the last block).
 
-Events. Wherever a value crosses streams, the producer's stream records ``done:NODE``
-after the producer and the consumer's stream waits for it right before the consumer
-(semantics.md section 4). The epilogue starts with a ``sync`` on each of its streams
-(every stream drained), so once-per-step work sees every microbatch's results.
+- Per-microbatch nodes go into the block of their chunk and phase; pipeline receives
+  into their receive stream, in the order the sending stage sends (its schedule).
+- Once-per-step nodes go where their placement says: into the block (guarded to run on
+  the last microbatch), the prologue or the epilogue.
+- Wherever a value (or an order edge) crosses streams, the producer's stream records
+  ``done:NODE`` after the producer and the consumer's stream waits for it right before
+  the consumer (docs/semantics.md, overlap). A once-per-step consumer outside the
+  blocks waits for the record its producer makes on the last microbatch.
+- Without overlap, the epilogue starts with a ``sync`` of its streams, so once-per-step
+  work sees every microbatch's results.
+- A per-microbatch buffer that only per-microbatch work reads is freed after its last
+  reader (the forward block for activations, or the backward block of the same chunk).
 """
 
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass, replace
 
 import networkx as nx
 
-from planc.lower.program import Instruction, Program, RankTable
+from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, buckets
+from planc.lower.program import STATE, Instruction, Program, RankTable
+from planc.passes.overlap import COMPUTE, stream_of
 from planc.plan import Plan
 
-COMPUTE, COMM = "compute", "comm"
-SEND = {"forward": "send_next", "backward": "send_prev"}
-RECEIVE = {"forward": "recv_prev", "backward": "recv_next"}
-STREAM_ORDER = ("compute", "comm", "send_next", "send_prev", "recv_prev", "recv_next")
+STREAM_ORDER = ("compute", "comm", "dp", "send_next", "send_prev", "recv_prev", "recv_next")
 
 
-def _stream(data: dict, overlap: bool) -> str:
-    if data["type"] == "compute":
-        return COMPUTE
-    if data["axis"] == "pp":
-        return SEND[data["phase"]] if data["kind"] == "send" else RECEIVE[data["phase"]]
-    return COMM if overlap else COMPUTE
+def gradient_buffer(bucket: str) -> str:
+    """The state buffer of a bucket's gradient, as instructions name it."""
+    return f"{STATE}grad:{bucket}"
+
+
+def _close_state(block: list[Instruction]) -> list[Instruction]:
+    """The next microbatch's backward writes a bucket's gradient buffer again: before the
+    block ends, the compute stream waits for every per-microbatch reduction that reads
+    one (ZeRO-2/3), so that it never writes a buffer a reduction is still reading."""
+    written = {w for i in block if i.stream == COMPUTE for w in i.writes
+               if w.startswith(STATE)}
+    readers = [i for i in block if i.per_microbatch and i.stream != COMPUTE and
+               i.op not in ("record", "wait") and written.intersection(i.reads)]
+    if not readers:
+        return block
+    out = []
+    recorded = {(i.event, i.stream) for i in block if i.op == "record" and i.per_microbatch}
+    for instruction in block:
+        out.append(instruction)
+        if instruction in readers and \
+                (f"done:{instruction.node}", instruction.stream) not in recorded:
+            out.append(Instruction("record", instruction.stream,
+                                   event=f"done:{instruction.node}"))
+    out += [Instruction("wait", COMPUTE, event=f"done:{i.node}") for i in readers]
+    return out
+PROLOGUE, EPILOGUE = "prologue", "epilogue"
 
 
 def _ordered(graph: nx.DiGraph, nodes: set[str], rank: dict[str, int]) -> list[str]:
@@ -59,98 +83,229 @@ def _ordered(graph: nx.DiGraph, nodes: set[str], rank: dict[str, int]) -> list[s
     return order
 
 
+@dataclass(frozen=True)
+class _Where:
+    part: str  # a block name, "prologue", "epilogue" or a receive stream
+    stream: str
+    per_microbatch: bool
+    guarded: bool  # a once-per-step node inside a block
+
+
 class _StageLowering:
     def __init__(self, plan: Plan, graph: nx.DiGraph, stage: int, rank: dict[str, int]):
         self.plan, self.graph, self.stage, self.rank = plan, graph, stage, rank
-        self.overlap = plan.optimize.overlap
-        self.streams: dict[str, str] = {}
+        self.overlap = plan.optimize.overlap and any(
+            "placement" in d for _, d in graph.nodes(data=True))
+        self.where: dict[str, _Where] = {}
+        self.bucket_of: dict[str, str] | None = None
+        # ZeRO-1/2 gathers issued at the start of the step: the forward steps reading
+        # one of their bucket's parameters wait for them (across the step boundary, so
+        # the graph has no edge for it).
+        self.gathered_first: dict[str, str] = {}
+        for node, data in graph.nodes(data=True):
+            if data["stage"] == stage and data.get("placement") == PROLOGUE and \
+                    self.overlap:
+                for member in graph.graph["buckets"][data["bucket"]]["members"]:
+                    self.gathered_first[member["param"]] = node
 
-    def stream_of(self, node: str) -> str:
-        if node not in self.streams:
-            self.streams[node] = _stream(self.graph.nodes[node], self.overlap)
-        return self.streams[node]
-
-    def _is_ring_recv(self, node: str) -> bool:
+    def place(self, node: str) -> _Where:
         data = self.graph.nodes[node]
-        return data["type"] == "transfer" and data["axis"] == "cp" and data["kind"] == "recv"
+        stream = data.get("stream") or stream_of(data, self.plan.optimize.overlap)
+        if data["type"] == NodeType.TRANSFER and data["axis"] == Axis.PP and \
+                data["kind"] == Kind.RECV:
+            return _Where(stream, stream, True, False)
+        letter = "F" if data["phase"] == Phase.FORWARD else "B"
+        block = f"{letter}{data['chunk']}"
+        if data["per_microbatch"]:
+            return _Where(block, stream, True, False)
+        placement = data.get("placement", EPILOGUE) if self.overlap else EPILOGUE
+        if placement == "block":
+            return _Where(block, stream, False, True)
+        return _Where(placement, stream, False, False)
 
-    def _is_ring_send(self, node: str) -> bool:
+    def state_buffers(self, node: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(reads, writes) of the bucket gradient buffers: backward steps accumulate into
+        the buckets of the parameters they use, reductions read and rewrite theirs, the
+        optimizer reads its own."""
         data = self.graph.nodes[node]
-        return data["type"] == "transfer" and data["axis"] == "cp" and data["kind"] == "send"
+        if data["type"] == NodeType.COMPUTE:
+            if data["op"] == Op.OPTIMIZER:
+                return (gradient_buffer(data["bucket"]),), ()
+            if data["phase"] == Phase.BACKWARD and not data["recompute"]:
+                table = self.graph.graph["buckets"]
+                owner = self.bucket_of
+                if owner is None:
+                    owner = self.bucket_of = {m["param"]: b for b, info in table.items()
+                                              if info["stage"] == self.stage
+                                              for m in info["members"]}
+                return (), tuple(sorted({gradient_buffer(owner[p]) for p in data["params"]
+                                         if p in owner}))
+            return (), ()
+        if data["payload"] == Payload.GRAD:
+            buffer = gradient_buffer(data["bucket"])
+            return (buffer,), (buffer,)
+        return (), ()
 
-    def instructions(self, nodes: list[str]) -> list[Instruction]:
-        """Instructions for ``nodes`` in order, with the events that cross streams."""
-        out: list[Instruction] = []
-        recorded: set[str] = set()
-        waited: dict[str, set[str]] = {}  # stream -> events it already waited for
-        needed = self._recorded_events(nodes)
-        for node in nodes:
-            data = self.graph.nodes[node]
-            if self._is_ring_send(node):
-                continue  # issued together with its receive as one ring shift
-            stream = self.stream_of(node)
-            sources = self._sources(node)
-            for source in sources:
-                if self._crosses(source, node) and source not in waited.setdefault(stream,
-                                                                                    set()):
-                    waited[stream].add(source)  # later instructions of the stream follow
-                    out.append(Instruction("wait", stream, event=f"done:{source}",
-                                           per_microbatch=self._per_microbatch(source)))
-            op = "compute" if data["type"] == "compute" else data["kind"]
-            if self._is_ring_recv(node):
-                op = "sendrecv"
-            out.append(Instruction(op, stream, node, reads=tuple(sources), writes=(node,),
-                                   per_microbatch=data["per_microbatch"]))
-            if node in needed and node not in recorded:
-                out.append(Instruction("record", stream, event=f"done:{node}",
-                                       per_microbatch=data["per_microbatch"]))
-                recorded.add(node)
-        return out
+    def is_ring_send(self, node: str) -> bool:
+        data = self.graph.nodes[node]
+        return data["type"] == NodeType.TRANSFER and data["axis"] == Axis.CP and \
+            data["kind"] == Kind.SEND
 
-    def _per_microbatch(self, node: str) -> bool:
-        return self.graph.nodes[node]["per_microbatch"]
+    def is_ring_recv(self, node: str) -> bool:
+        data = self.graph.nodes[node]
+        return data["type"] == NodeType.TRANSFER and data["axis"] == Axis.CP and \
+            data["kind"] == Kind.RECV
 
-    def _sources(self, node: str) -> list[str]:
-        """The nodes whose buffers ``node`` reads (a ring receive reads what its send
-        sends)."""
-        if self._is_ring_recv(node):
-            (send,) = [p for p in self.graph.predecessors(node) if self._is_ring_send(p)]
-            return sorted(self.graph.predecessors(send), key=self.rank.__getitem__)
-        return sorted(self.graph.predecessors(node), key=self.rank.__getitem__)
+    def sources(self, node: str) -> list[tuple[str, bool]]:
+        """(node, carries data) of everything ``node`` depends on; a ring receive
+        depends on what its send sends."""
+        if self.is_ring_recv(node):
+            (send,) = [p for p in self.graph.predecessors(node) if self.is_ring_send(p)]
+            node = send
+        out = [(u, d.get("kind") != EdgeKind.ORDER) for u, _, d in
+               self.graph.in_edges(node, data=True)]
+        data = self.graph.nodes[node]
+        if self.gathered_first and data["type"] == NodeType.COMPUTE and \
+                data["phase"] == Phase.FORWARD:
+            out += [(g, False) for g in {self.gathered_first[p] for p in data["params"]
+                                         if p in self.gathered_first}]
+        return sorted(out, key=lambda item: self.rank[item[0]])
 
-    def _crosses(self, source: str, consumer: str) -> bool:
-        """Whether ``consumer`` reading ``source`` needs an event: ``source`` runs on
-        another stream of this stage in the same part of the step (once-per-step work
-        reads per-microbatch results behind the epilogue's sync)."""
-        data = self.graph.nodes[source]
-        if data["stage"] != self.stage:
-            return False  # a pipeline peer's node: reached through a receive
-        if data["per_microbatch"] and not self.graph.nodes[consumer]["per_microbatch"]:
-            return False
-        target = consumer
-        if self._is_ring_send(consumer):
-            target = next(c for c in self.graph.successors(consumer) if self._is_ring_recv(c))
-        return self.stream_of(source) != self.stream_of(target)
+    def _issuer(self, node: str) -> str:
+        """The node whose instruction runs ``node`` (a ring send runs with its receive)."""
+        if self.is_ring_send(node):
+            return next(c for c in self.graph.successors(node) if self.is_ring_recv(c))
+        return node
 
-    def _recorded_events(self, nodes: list[str]) -> set[str]:
-        """Nodes of this list that another stream reads (they record ``done:NODE``)."""
-        needed = set()
-        for node in nodes:
-            if self._is_ring_send(node):
+    def needs_event(self, source: str, consumer: str) -> str | None:
+        """How ``consumer`` must wait for ``source``: None (same stream, another stage,
+        or across the step boundary), "mb" (the same microbatch's record) or "step" (the
+        record the source makes once per step)."""
+        if self.graph.nodes[source]["stage"] != self.stage:
+            return None  # a pipeline peer's node: reached through a receive
+        have, want = self.where[self._issuer(source)], self.where[self._issuer(consumer)]
+        if have.part == EPILOGUE and want.part == PROLOGUE:
+            return None  # the next step's prologue: every stream drained in between
+        if want.part == EPILOGUE and have.part != EPILOGUE and not self.overlap:
+            return None  # behind the epilogue's sync
+        if have.stream == want.stream:
+            return None  # one stream runs in issue order
+        if have.per_microbatch and (want.per_microbatch or want.guarded):
+            return "mb"
+        return "step"
+
+
+def _instructions(lowering: _StageLowering, nodes: list[str], guarded_part: bool
+                  ) -> list[Instruction]:
+    """Instructions for ``nodes`` in order, with the waits their consumers need."""
+    graph = lowering.graph
+    out: list[Instruction] = []
+    waited: dict[tuple[str, str, bool], None] = {}
+    for node in nodes:
+        if lowering.is_ring_send(node):
+            continue  # issued together with its receive as one ring shift
+        where = lowering.where[node]
+        data = graph.nodes[node]
+        guard = "last" if where.guarded else None
+        reads = []
+        for source, carries in lowering.sources(node):
+            if carries:
+                reads.append(source)
+            how = lowering.needs_event(source, node)
+            if how is None:
                 continue
-            for consumer in self.graph.successors(node):
-                if self.graph.nodes[consumer]["stage"] == self.stage and \
-                        self._crosses(node, consumer):
-                    needed.add(node)
-        return needed
+            per_mb = how == "mb"
+            key = (where.stream, source, per_mb)
+            if key in waited:
+                continue  # later instructions of the stream follow the first wait
+            waited[key] = None
+            out.append(Instruction("wait", where.stream, event=f"done:{source}",
+                                   per_microbatch=per_mb, guard=guard))
+        op = "compute" if data["type"] == NodeType.COMPUTE else data["kind"].value
+        if lowering.is_ring_recv(node):
+            op = "sendrecv"
+        state_reads, state_writes = lowering.state_buffers(node)
+        out.append(Instruction(op, where.stream, node, reads=tuple(reads) + state_reads,
+                               writes=(node,) + state_writes,
+                               per_microbatch=data["per_microbatch"], guard=guard))
+        out.extend(_records(lowering, node, where, guard))
+    return out
+
+
+def _records(lowering: _StageLowering, node: str, where: _Where, guard: str | None
+             ) -> list[Instruction]:
+    """The events other streams wait for after ``node``: per microbatch, and once per
+    step (on the last microbatch) for once-per-step consumers outside the blocks."""
+    kinds = set()
+    graph = lowering.graph
+    produced = [node]
+    if lowering.is_ring_recv(node):  # the ring send's consumers read what it sent
+        produced += [p for p in graph.predecessors(node) if lowering.is_ring_send(p)]
+    consumers = {item: list(graph.successors(item)) for item in produced}
+    if graph.nodes[node].get("placement") == PROLOGUE and lowering.overlap:
+        members = {m["param"] for m in graph.graph["buckets"][graph.nodes[node]["bucket"]][
+            "members"]}
+        consumers[node] += [n for n, d in graph.nodes(data=True)
+                            if d["type"] == NodeType.COMPUTE and d["phase"] == Phase.FORWARD
+                            and d["stage"] == lowering.stage and members & set(d["params"])]
+    for item, successors in consumers.items():
+        for consumer in successors:
+            if graph.nodes[consumer]["stage"] == lowering.stage:
+                how = lowering.needs_event(item, consumer)
+                if how is not None:
+                    kinds.add(how)
+    out = []
+    if "mb" in kinds:
+        out.append(Instruction("record", where.stream, event=f"done:{node}",
+                               per_microbatch=True, guard=guard))
+    if "step" in kinds:
+        out.append(Instruction("record", where.stream, event=f"done:{node}",
+                               per_microbatch=False,
+                               guard="last" if where.per_microbatch or guard else None))
+    return out
+
+
+def _with_frees(blocks: dict[str, list[Instruction]], graph: nx.DiGraph
+                ) -> dict[str, tuple[Instruction, ...]]:
+    """Mark, on its last reader, each per-microbatch buffer that no once-per-step work
+    reads: a forward block's buffers may be read by the backward block of the same
+    chunk, which always runs later for the same microbatch."""
+    readers: dict[str, list[tuple[str, int]]] = {}
+    writers: dict[str, tuple[str, int]] = {}
+    kept: set[str] = set()
+    for name, block in blocks.items():
+        for k, instruction in enumerate(block):
+            if instruction.op in ("record", "wait") or not instruction.per_microbatch:
+                for buffer in instruction.reads:
+                    kept.add(buffer)
+                continue
+            for buffer in instruction.reads:
+                readers.setdefault(buffer, []).append((name, k))
+            for buffer in instruction.writes:
+                writers[buffer] = (name, k)
+    later = {"F": 0, "B": 1}
+    frees: dict[tuple[str, int], list[str]] = {}
+    for buffer, (name, k) in writers.items():
+        if buffer in kept or graph.nodes.get(buffer, {}).get("per_microbatch") is False:
+            continue
+        places = readers.get(buffer, [(name, k)])
+        if any(block[1:] != name[1:] for block, _ in places):
+            continue  # read by another chunk's block: keep it for the step
+        last = max(places, key=lambda p: (later[p[0][0]], p[1]))
+        frees.setdefault(last, []).append(buffer)
+    out = {}
+    for name, block in blocks.items():
+        out[name] = tuple(replace(i, frees=tuple(sorted(frees[(name, k)])))
+                          if (name, k) in frees else i for k, i in enumerate(block))
+    return out
 
 
 def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]:
     """One program per pipeline stage, and the table of which rank runs which."""
-    rank = {node: i for i, node in enumerate(graph.nodes)}
     from planc.graph.schedules import schedule
     from planc.layout import Layout
 
+    rank = {node: i for i, node in enumerate(graph.nodes)}
     pp, virtual = plan.mesh.pp, plan.shard.pp.virtual
     m = plan.schedule.microbatches
     programs: dict[str, Program] = {}
@@ -159,53 +314,60 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
         by_stage[data["stage"]].append(node)
     # The order in which each stage sends to each neighbour: its schedule.
     actions = {s: schedule(plan.schedule.pipeline, s, pp, m, virtual) for s in range(pp)}
+    table = buckets(graph)
     for stage in range(pp):
         lowering = _StageLowering(plan, graph, stage, rank)
-        blocks_nodes: dict[str, set[str]] = {}
-        epilogue_nodes: set[str] = set()
+        parts: dict[str, set[str]] = {}
         receive_nodes: dict[str, str] = {}  # recv node -> stream
         for node in by_stage[stage]:
-            data = graph.nodes[node]
-            if data["type"] == "transfer" and data["axis"] == "pp" and data["kind"] == "recv":
-                receive_nodes[node] = lowering.stream_of(node)
-            elif data["per_microbatch"]:
-                letter = "F" if data["phase"] == "forward" else "B"
-                blocks_nodes.setdefault(f"{letter}{data['chunk']}", set()).add(node)
+            where = lowering.place(node)
+            lowering.where[node] = where
+            if where.part == where.stream and where.part.startswith("recv_"):
+                receive_nodes[node] = where.stream
             else:
-                epilogue_nodes.add(node)
-        blocks = {name: tuple(lowering.instructions(_ordered(graph, nodes, rank)))
-                  for name, nodes in sorted(blocks_nodes.items())}
-        epilogue_body = lowering.instructions(_ordered(graph, epilogue_nodes, rank))
-        # Every stream of the epilogue starts once every stream has drained the blocks.
-        epilogue_streams = [st for st in STREAM_ORDER
-                            if st == COMPUTE or any(i.stream == st for i in epilogue_body)]
-        epilogue = tuple(Instruction("sync", st, per_microbatch=False)
-                         for st in epilogue_streams) + tuple(epilogue_body)
+                parts.setdefault(where.part, set()).add(node)
+        for node in by_stage[stage]:  # a ring send runs where its receive runs
+            if lowering.is_ring_send(node):
+                lowering.where[node] = lowering.where[lowering._issuer(node)]
+        listed = {name: _instructions(lowering, _ordered(graph, nodes, rank), True)
+                  for name, nodes in parts.items()}
+        for name in listed:
+            if name not in (PROLOGUE, EPILOGUE):
+                listed[name] = _close_state(listed[name])
+        blocks = _with_frees({name: listed[name] for name in sorted(listed)
+                              if name not in (PROLOGUE, EPILOGUE)}, graph)
+        body = listed.get(EPILOGUE, [])
+        if not lowering.overlap:
+            # Every stream of the epilogue starts once every stream has drained the blocks.
+            used = [st for st in STREAM_ORDER if st == COMPUTE or
+                    any(i.stream == st for i in body)]
+            body = [Instruction("sync", st, per_microbatch=False) for st in used] + body
         plan_schedule = tuple((f"{kind}{chunk}", mb) for kind, mb, chunk in actions[stage])
-        receives = _receive_order(graph, receive_nodes, actions, pp)
-        streams = tuple(s for s in STREAM_ORDER if s in set(lowering.streams.values())
-                        or s in receives or s == COMPUTE)
-        programs[f"stage{stage}.json"] = Program(stage, streams, blocks, plan_schedule,
-                                                 receives, epilogue, m)
-    table = RankTable(plan.world, pp, Layout.of(plan).strides["pp"],
+        receives = _receive_order(graph, receive_nodes, actions)
+        used_streams = {w.stream for n, w in lowering.where.items()} | set(receives)
+        streams = tuple(s for s in STREAM_ORDER if s in used_streams or s == COMPUTE)
+        stage_buckets = {b: info for b, info in table.items() if info["stage"] == stage}
+        programs[f"stage{stage}.json"] = Program(
+            stage, streams, blocks, plan_schedule, receives, tuple(body), m,
+            prologue=tuple(listed.get(PROLOGUE, ())), buckets=stage_buckets)
+    ranks = RankTable(plan.world, pp, Layout.of(plan).strides["pp"],
                       {f"stage{s}.json": s for s in range(pp)})
-    return programs, table
+    return programs, ranks
 
 
 def _receive_order(graph: nx.DiGraph, receive_nodes: dict[str, str],
-                   actions: dict[int, list], pp: int) -> dict[str, tuple[tuple[str, int], ...]]:
+                   actions: dict[int, list]) -> dict[str, tuple[tuple[str, int], ...]]:
     """Each receive stream in the order its peer sends: the peer's schedule."""
     sender_of: dict[str, tuple[int, str, int]] = {}  # recv -> (peer stage, phase, chunk)
     for node in receive_nodes:
         data = graph.nodes[node]
         (send,) = list(graph.predecessors(node))
-        sender_of[node] = (data["peer_stage"], data["phase"], graph.nodes[send]["chunk"])
+        letter = "F" if data["phase"] == Phase.FORWARD else "B"
+        sender_of[node] = (data["peer_stage"], letter, graph.nodes[send]["chunk"])
     streams: dict[str, list[tuple[str, int]]] = {s: [] for s in receive_nodes.values()}
     for stream in streams:
-        mine = {(sender_of[n][0], sender_of[n][1][0].upper(), sender_of[n][2]): n
-                for n, s in receive_nodes.items() if s == stream}
-        peers = {key[0] for key in mine}
-        for peer in sorted(peers):
+        mine = {sender_of[n]: n for n, s in receive_nodes.items() if s == stream}
+        for peer in sorted({key[0] for key in mine}):
             for kind, mb, chunk in actions[peer]:
                 node = mine.get((peer, kind, chunk))
                 if node is not None:

@@ -6,21 +6,29 @@ graph it is folded over microbatches, in the spirit of torch.distributed.pipelin
 per-rank action lists ("1F3"): a *block* is the instruction list of one model chunk's
 forward (``F0``) or backward (``B0``) for one microbatch, and the *schedule* says which
 block runs for which microbatch, in order. Pipeline receives live on their own streams
-in the order the sending stage sends; the *epilogue* runs once per step after the last
-block (gradient reductions, optimizer, ZeRO gathers).
+in the order the sending stage sends. The *prologue* runs once at the start of the step
+(ZeRO parameter gathers), the *epilogue* once after the last block (optimizer steps).
 
-Instructions (semantics of CUDA streams, semantics.md section 5):
+Instructions (semantics of CUDA streams, docs/semantics.md, the rank program):
 
 - ``compute NODE``: a compute node of the graph;
 - ``<collective> NODE``: all_reduce, all_gather, reduce_scatter, all_to_all, broadcast
-  over the group named by the node's axis;
+  over the group the node names;
 - ``send NODE`` / ``recv NODE``: pipeline point-to-point with the peer stage;
   ``sendrecv NODE`` (the send half and the receive half of a cp ring shift together);
 - ``record EVENT`` / ``wait EVENT``: an event recorded after the previous instruction of
-  its stream; a wait blocks only its own stream, until that instruction has finished.
+  its stream; a wait blocks only its own stream, until that instruction has finished;
+- ``sync``: the stream waits until every stream finished its earlier instructions.
 
-Every instruction writes the buffer named after its node and reads the buffers of the
-node's inputs. In an expanded program a per-microbatch name gets ``#k`` appended.
+Every instruction writes the buffers in ``writes`` (by default the one named after its
+node) and reads those in ``reads``; ``frees`` lists buffers no later instruction reads,
+which the runtime may release after it. In an expanded program a per-microbatch name
+gets ``#k`` appended; names starting with ``@`` are the rank's state across microbatches
+(``@grad:BUCKET``, a bucket's gradient buffer, which backward steps accumulate into) and
+never do. An instruction with ``guard = "last"`` in a block runs only when
+the block runs for the last microbatch (``"first"``: the first): once-per-step work (a
+gradient bucket's reduction) issued as soon as its inputs are final, without unfolding
+the program.
 """
 
 from __future__ import annotations
@@ -29,46 +37,82 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterator
 
-PROGRAM_FORMAT_VERSION = 1
+PROGRAM_FORMAT_VERSION = 2
+STATE = "@"  # state buffers (a bucket's gradient): one per step, never per microbatch
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+OPS = ("compute", "send", "recv", "sendrecv", "record", "wait", "sync") + COLLECTIVES
+GUARDS = (None, "first", "last")
 
 
 @dataclass(frozen=True)
 class Instruction:
-    op: str  # compute, a collective, send, recv, sendrecv, record, wait
+    op: str  # compute, a collective, send, recv, sendrecv, record, wait, sync
     stream: str
     node: str | None = None
     event: str | None = None
     reads: tuple[str, ...] = ()
     writes: tuple[str, ...] = ()
     per_microbatch: bool = True  # names get the microbatch appended when expanded
+    guard: str | None = None  # "last": only on the block's last microbatch
+    frees: tuple[str, ...] = ()
 
-    def to_json(self) -> list:
-        """Compact: [op, stream, event, per_microbatch] for record and wait, [op, stream]
-        for sync, [op, stream, node, reads, per_microbatch(, writes)] otherwise; writes
-        are given only when they are not the node's own buffer."""
-        if self.op in ("record", "wait"):
-            return [self.op, self.stream, self.event, int(self.per_microbatch)]
-        if self.op == "sync":
-            return [self.op, self.stream]
-        item = [self.op, self.stream, self.node, list(self.reads), int(self.per_microbatch)]
-        if self.writes != (self.node,):
-            item.append(list(self.writes))
+    def to_json(self) -> dict:
+        """Compact: keys with default values are left out."""
+        item: dict = {"op": self.op, "stream": self.stream}
+        if self.node is not None:
+            item["node"] = self.node
+        if self.event is not None:
+            item["event"] = self.event
+        if self.reads:
+            item["reads"] = list(self.reads)
+        if self.writes != ((self.node,) if self.node is not None else ()):
+            item["writes"] = list(self.writes)
+        if not self.per_microbatch:
+            item["per_microbatch"] = False
+        if self.guard is not None:
+            item["guard"] = self.guard
+        if self.frees:
+            item["frees"] = list(self.frees)
         return item
 
     @staticmethod
-    def from_json(item: list) -> "Instruction":
-        if not isinstance(item, list) or len(item) < 2:
+    def from_json(item: dict) -> "Instruction":
+        if not isinstance(item, dict):
             raise ValueError(f"malformed instruction {item!r}")
-        op, stream = str(item[0]), str(item[1])
-        if op in ("record", "wait"):
-            return Instruction(op, stream, event=str(item[2]), per_microbatch=bool(item[3]))
-        if op == "sync":
-            return Instruction(op, stream, per_microbatch=False)
-        node, reads, per_microbatch = str(item[2]), item[3], bool(item[4])
-        writes = tuple(map(str, item[5])) if len(item) > 5 else (node,)
-        return Instruction(op, stream, node, reads=tuple(map(str, reads)), writes=writes,
-                           per_microbatch=per_microbatch)
+        unknown = set(item) - {"op", "stream", "node", "event", "reads", "writes",
+                               "per_microbatch", "guard", "frees"}
+        if unknown:
+            raise ValueError(f"instruction with unknown keys {sorted(unknown)}")
+        op, stream = item["op"], item["stream"]
+        if op not in OPS or not isinstance(stream, str):
+            raise ValueError(f"instruction with an unknown op or stream: {item!r}")
+        node, event = item.get("node"), item.get("event")
+        if (op in ("record", "wait")) != (event is not None) or \
+                (op not in ("record", "wait", "sync")) != (node is not None):
+            raise ValueError(f"instruction {op} must name {'an event' if op in ('record', 'wait') else 'a node'}")  # noqa: E501
+        strings = lambda key: tuple(map(_string, item.get(key, ())))  # noqa: E731
+        writes = strings("writes") if "writes" in item else ((node,) if node else ())
+        guard = item.get("guard")
+        if guard not in GUARDS:
+            raise ValueError(f"instruction with guard {guard!r}; guards are 'first' and "
+                             f"'last'")
+        per_microbatch = item.get("per_microbatch", True)
+        if not isinstance(per_microbatch, bool):
+            raise ValueError("per_microbatch must be true or false")
+        return Instruction(op, stream, None if node is None else _string(node),
+                           None if event is None else _string(event), strings("reads"),
+                           writes, per_microbatch, guard, strings("frees"))
+
+
+def guard_microbatch(guard: str | None, microbatches: int) -> int | None:
+    """The only microbatch a guarded instruction runs on (None: every microbatch)."""
+    return None if guard is None else (0 if guard == "first" else microbatches - 1)
+
+
+def _string(value) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -83,7 +127,9 @@ class Expanded:
     event: str | None
     reads: tuple[str, ...]
     writes: tuple[str, ...]
-    where: str  # "F0 mb 2", "recv_prev", "epilogue"
+    where: str  # "F0 mb 2", "recv_prev", "prologue", "epilogue"
+    frees: tuple[str, ...] = ()
+    source: Instruction | None = None  # the folded instruction
 
     def text(self) -> str:
         mb = f" mb {self.microbatch}" if self.microbatch is not None else ""
@@ -100,12 +146,16 @@ class Program:
     receives: dict[str, tuple[tuple[str, int], ...]]  # stream -> (recv node, microbatch)
     epilogue: tuple[Instruction, ...]
     microbatches: int
+    prologue: tuple[Instruction, ...] = ()
+    buckets: dict[str, dict] = field(default_factory=dict)  # the stage's parameter buckets
     info: dict = field(default_factory=dict, compare=False)
 
     def to_json(self) -> dict:
         return {"format": "planc-program", "version": PROGRAM_FORMAT_VERSION,
                 "stage": self.stage, "microbatches": self.microbatches,
                 "streams": list(self.streams),
+                "buckets": self.buckets,
+                "prologue": [i.to_json() for i in self.prologue],
                 "blocks": {name: [i.to_json() for i in block] for name, block in
                            self.blocks.items()},
                 "schedule": [list(s) for s in self.schedule],
@@ -117,24 +167,51 @@ class Program:
     def from_json(data: dict) -> "Program":
         if data.get("format") != "planc-program" or data.get("version") != \
                 PROGRAM_FORMAT_VERSION:
-            raise ValueError("not a version 1 planc program")
-        return Program(
-            stage=int(data["stage"]), streams=tuple(data["streams"]),
-            blocks={name: tuple(Instruction.from_json(i) for i in block)
+            raise ValueError(f"not a version {PROGRAM_FORMAT_VERSION} planc program")
+        microbatches = data["microbatches"]
+        if not isinstance(microbatches, int) or isinstance(microbatches, bool) or \
+                microbatches < 1:
+            raise ValueError("microbatches must be a positive integer")
+        program = Program(
+            stage=int(data["stage"]), streams=tuple(map(_string, data["streams"])),
+            blocks={_string(name): tuple(Instruction.from_json(i) for i in block)
                     for name, block in data["blocks"].items()},
-            schedule=tuple((str(b), int(m)) for b, m in data["schedule"]),
-            receives={stream: tuple((str(n), int(m)) for n, m in items)
+            schedule=tuple((_string(b), int(m)) for b, m in data["schedule"]),
+            receives={_string(stream): tuple((_string(n), int(m)) for n, m in items)
                       for stream, items in data["receives"].items()},
             epilogue=tuple(Instruction.from_json(i) for i in data["epilogue"]),
-            microbatches=int(data["microbatches"]))
+            microbatches=microbatches,
+            prologue=tuple(Instruction.from_json(i) for i in data.get("prologue", ())),
+            buckets=dict(data.get("buckets", {})))
+        for name, block in program.blocks.items():
+            for instruction in block:
+                if instruction.stream not in program.streams:
+                    raise ValueError(f"block {name} uses stream {instruction.stream!r}, "
+                                     f"which the program does not declare")
+        for part in (program.prologue, program.epilogue):
+            for instruction in part:
+                if instruction.guard is not None:
+                    raise ValueError("only instructions of a block can have a guard")
+                if instruction.stream not in program.streams:
+                    raise ValueError(f"stream {instruction.stream!r} is not declared")
+        if any(not 0 <= mb < microbatches for _, mb in program.schedule):
+            raise ValueError("the schedule names a microbatch outside the step")
+        return program
+
+    def last_microbatch(self) -> int:
+        return self.microbatches - 1
+
+    def runs(self, instruction: Instruction, microbatch: int | None) -> bool:
+        """Whether ``instruction`` runs in a block instance of ``microbatch``."""
+        return guard_microbatch(instruction.guard, self.microbatches) in (None, microbatch)
 
     def expand(self) -> Iterator[Expanded]:
         """Every instruction of one step, in issue order.
 
-        Issue order: for each scheduled block, first the receives it waits for (and any
-        queued before them on the same receive stream; each receive records the event
-        ``done:NODE``), then the block's instructions; after the schedule, any receive
-        left, then the epilogue.
+        Issue order: the prologue; for each scheduled block, first the receives it waits
+        for (and any queued before them on the same receive stream; each receive records
+        the event ``done:NODE``), then the block's instructions (guarded ones only on the
+        last microbatch); after the schedule, any receive left, then the epilogue.
         """
         counter = iter(range(1 << 62))
         position = {stream: 0 for stream in self.receives}
@@ -143,11 +220,15 @@ class Program:
         def emit(instruction: Instruction, microbatch: int | None, where: str) -> Expanded:
             mb = microbatch if instruction.per_microbatch else None
             suffix = f"#{mb}" if mb is not None else ""
+
+            def named(names):
+                return tuple(r if r.startswith(STATE) else f"{r}{suffix}" for r in names)
+
             return Expanded(next(counter), instruction.op, instruction.stream,
                             instruction.node, mb,
                             f"{instruction.event}{suffix}" if instruction.event else None,
-                            tuple(f"{r}{suffix}" for r in instruction.reads),
-                            tuple(f"{w}{suffix}" for w in instruction.writes), where)
+                            named(instruction.reads), named(instruction.writes), where,
+                            named(instruction.frees), instruction)
 
         def receive(stream: str) -> Iterator[Expanded]:
             node, mb = self.receives[stream][position[stream]]
@@ -155,12 +236,15 @@ class Program:
             yield emit(Instruction("recv", stream, node, writes=(node,)), mb, stream)
             yield emit(Instruction("record", stream, event=f"done:{node}"), mb, stream)
 
+        for instruction in self.prologue:
+            yield emit(instruction, None, "prologue")
         for block, microbatch in self.schedule:
             for stream, last in needed.get((block, microbatch), {}).items():
                 while position[stream] <= last:
                     yield from receive(stream)
             for instruction in self.blocks[block]:
-                yield emit(instruction, microbatch, f"{block} mb {microbatch}")
+                if self.runs(instruction, microbatch):
+                    yield emit(instruction, microbatch, f"{block} mb {microbatch}")
         for stream in self.receives:
             while position[stream] < len(self.receives[stream]):
                 yield from receive(stream)
@@ -178,7 +262,7 @@ class Program:
         out: dict[tuple[str, int], dict[str, int]] = {}
         for block, microbatch in self.schedule:
             need: dict[str, int] = {}
-            for node in waits[block]:
+            for node in waits.get(block, ()):
                 if (node, microbatch) in where:
                     stream, i = where[(node, microbatch)]
                     need[stream] = max(need.get(stream, -1), i)
@@ -222,16 +306,15 @@ class RankTable:
                 yield rank
 
     def to_json(self) -> dict:
-        return {"format": "planc-ranks", "version": PROGRAM_FORMAT_VERSION,
+        return {"format": "planc-ranks", "version": RANK_TABLE_VERSION,
                 "world": self.world, "pp": self.pp, "pp_stride": self.stride,
                 "stages": dict(self.stages),
                 "overrides": {str(r): name for r, name in sorted(self.overrides.items())}}
 
     @staticmethod
     def from_json(data: dict) -> "RankTable":
-        if data.get("format") != "planc-ranks" or data.get("version") != \
-                PROGRAM_FORMAT_VERSION:
-            raise ValueError("not a version 1 planc rank table")
+        if data.get("format") != "planc-ranks" or data.get("version") != RANK_TABLE_VERSION:
+            raise ValueError(f"not a version {RANK_TABLE_VERSION} planc rank table")
         table = RankTable(int(data["world"]), int(data["pp"]), int(data["pp_stride"]),
                           {str(k): int(v) for k, v in data["stages"].items()},
                           {int(k): str(v) for k, v in data.get("overrides", {}).items()})
@@ -240,6 +323,9 @@ class RankTable:
                 any(not 0 <= r < table.world for r in table.overrides):
             raise ValueError("its world, pp, pp_stride, stages or overrides are inconsistent")
         return table
+
+
+RANK_TABLE_VERSION = 1
 
 
 def dumps(data: dict) -> str:

@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
+from planc.graph.ir import bucket_problems
 from planc.layout import Layout as RankLayout
-from planc.lower.program import COLLECTIVES, Instruction, Program, RankTable
+from planc.lower.program import (COLLECTIVES, STATE, Instruction, Program, RankTable,
+                                 guard_microbatch)
 from planc.plan import Plan
 
 MAX_PROBLEMS = 20
@@ -115,51 +117,154 @@ class _Verifier:
 
     def events_and_buffers(self, name: str, program: Program) -> None:
         ranks = _Lazy(lambda: self.ranks_text(name))
+        for block in {b for b, _ in program.schedule} - set(program.blocks):
+            self.report.add(f"{ranks} ({name}) schedule names block {block}, which does not "
+                            f"exist")
+            return
         receive_events = {(f"done:{node}", mb) for items in program.receives.values()
                           for node, mb in items}
-        records_by_block: dict[str, set[str]] = {}
+        m = program.microbatches
+        prologue = self._check_sequence(program.prologue,
+                                        _Lazy(lambda: f"{ranks} ({name}, prologue)"),
+                                        external=False)
+        step_events = {e for e, per_mb in prologue.records if not per_mb}
+        summaries = {}
         for block, instructions in program.blocks.items():
-            records_by_block[block] = self._check_sequence(
-                instructions, _Lazy(lambda b=block: f"{ranks} ({name}, block {b})"),
-                external=True)
+            where = _Lazy(lambda b=block: f"{ranks} ({name}, block {b})")
+            summaries[block] = self._check_sequence(instructions, where, external=True)
+            self._guards(where, instructions, summaries[block])
+            self._prefetch(where, instructions, summaries[block])
+        positions: dict[tuple[str, int], int] = {}
+        for k, (block, mb) in enumerate(program.schedule):
+            positions.setdefault((block, mb), k)
+        last_run = {block: max(k for (b, _), k in positions.items() if b == block)
+                    for block in {b for b, _ in positions}}
         # Events a block waits for from outside itself: recorded by a receive of the same
-        # microbatch, or by a block that ran earlier for that microbatch.
+        # microbatch, by a block that ran earlier for that microbatch, or, once per step,
+        # by the prologue or by a block's guarded instance that ran earlier.
         recorded: dict[int, set[str]] = {}
         for block, mb in program.schedule:
-            if block not in program.blocks:
-                self.report.add(f"{ranks} ({name}) schedule names block {block}, which does "
-                                f"not exist")
-                return
-            own: set[str] = set()
-            for instruction in program.blocks[block]:
-                if instruction.op == "record":
-                    own.add(instruction.event)
-                if instruction.op != "wait" or instruction.event in own:
+            summary = summaries[block]
+            for instruction in summary.external:
+                if not program.runs(instruction, mb):
                     continue
                 event = instruction.event
                 if instruction.per_microbatch and ((event, mb) in receive_events or
                                                    event in recorded.get(mb, ())):
                     continue
-                if not instruction.per_microbatch and event in recorded.get(None, ()):
+                if not instruction.per_microbatch and event in step_events:
                     continue
                 self.report.add(f"{ranks} ({name}): {_describe(instruction, mb)} in block "
                                 f"{block} waits for an event no earlier instruction records")
-            recorded.setdefault(mb, set()).update(
-                i.event for i in program.blocks[block] if i.op == "record" and
-                i.per_microbatch)
-            recorded.setdefault(None, set()).update(
-                i.event for i in program.blocks[block] if i.op == "record" and
-                not i.per_microbatch)
-        self._check_sequence(program.epilogue, _Lazy(lambda: f"{ranks} ({name}, epilogue)"),
-                             external=False)
+            for instruction in summary.record_instructions:
+                if program.runs(instruction, mb):
+                    if instruction.per_microbatch:
+                        recorded.setdefault(mb, set()).add(instruction.event)
+                    else:
+                        step_events.add(instruction.event)
+        epilogue = self._check_sequence(program.epilogue,
+                                        _Lazy(lambda: f"{ranks} ({name}, epilogue)"),
+                                        external=True)
+        for instruction in epilogue.external:
+            if instruction.per_microbatch or instruction.event not in step_events:
+                self.report.add(f"{ranks} ({name}, epilogue): {_describe(instruction)} waits "
+                                f"for an event no earlier instruction records")
+        self._accumulations(ranks, name, program, positions, last_run)
+        self._frees(ranks, name, program, positions)
 
-    def _check_sequence(self, instructions, where: str, external: bool) -> set[str]:
-        """Vector clocks over the streams of one block (or the epilogue)."""
+    def _guards(self, where, instructions, summary: "_Sequence") -> None:
+        """A once-per-step record must be guarded (else it is recorded every microbatch),
+        and a wait must run only where its record runs."""
+        guard_of = {}
+        for instruction in instructions:
+            if instruction.op == "record":
+                if not instruction.per_microbatch and instruction.guard is None:
+                    self.report.add(f"{where}: {_describe(instruction)} records a once-per-step "
+                                    f"event on every microbatch; it needs a guard")
+                guard_of[(instruction.event, instruction.per_microbatch)] = instruction.guard
+            elif instruction.op == "wait":
+                key = (instruction.event, instruction.per_microbatch)
+                if key in guard_of and guard_of[key] not in (None, instruction.guard):
+                    self.report.add(f"{where}: {_describe(instruction)} runs on microbatches "
+                                    f"where its event is not recorded (the record is guarded "
+                                    f"'{guard_of[key]}')")
+
+    def _prefetch(self, where, instructions, summary: "_Sequence") -> None:
+        """ZeRO-3: the gather of unit k + 2 starts only after every reader of unit k
+        finished, so at most two units are gathered at once (their buffers are reused)."""
+        gathers = [k for k, i in enumerate(instructions) if i.op == "all_gather" and
+                   i.node in self.graph and self.graph.nodes[i.node].get("payload") ==
+                   "param" and i.per_microbatch]
+        for n, k in enumerate(gathers[2:], start=2):
+            earlier = instructions[gathers[n - 2]].node
+            for r, reader in enumerate(instructions):
+                if earlier in reader.reads and not summary.before(r, k):
+                    self.report.add(
+                        f"{where}: {_describe(instructions[k])} (instruction {k}) prefetches "
+                        f"a third ZeRO-3 unit while {_describe(reader)} (instruction {r}) may "
+                        f"still read {earlier}, whose buffer it reuses")
+                    return
+
+    def _accumulations(self, ranks, name: str, program: Program, positions, last_run) -> None:
+        """Once-per-step work that reads a per-microbatch value reads its sum over every
+        microbatch: it must run after the last microbatch of the block that writes it."""
+        home = {i.node: block for block, items in program.blocks.items() for i in items
+                if i.node is not None}
+        for block, instructions in program.blocks.items():
+            for instruction in instructions:
+                if instruction.per_microbatch or instruction.op in ("record", "wait", "sync"):
+                    continue
+                mb = guard_microbatch(instruction.guard, program.microbatches)
+                at = positions.get((block, mb))
+                for source in instruction.reads:
+                    producer = home.get(source)
+                    data = self.graph.nodes.get(source, {})
+                    if producer is None or not data.get("per_microbatch"):
+                        continue
+                    if at is None or last_run.get(producer, -1) > at:
+                        when = "never runs" if at is None else \
+                            f"runs on microbatch {mb} (guard '{instruction.guard}')"
+                        self.report.add(
+                            f"{ranks} ({name}): {_describe(instruction)} in block {block} "
+                            f"{when} but reads {source} summed over every microbatch, and "
+                            f"block {producer} still runs for later microbatches")
+        for instruction in program.prologue:
+            for source in instruction.reads:
+                if source in home and self.graph.nodes.get(source, {}).get("per_microbatch"):
+                    self.report.add(f"{ranks} ({name}, prologue): {_describe(instruction)} "
+                                    f"reads {source} before any microbatch ran")
+
+    def _frees(self, ranks, name: str, program: Program, positions) -> None:
+        """No block reads a buffer after the block that frees it ran, for one microbatch."""
+        readers: dict[str, set[str]] = {}
+        for block, instructions in program.blocks.items():
+            for instruction in instructions:
+                for buffer in instruction.reads:
+                    readers.setdefault(buffer, set()).add(block)
+        late: dict[tuple[str, str, int], list[str]] = {}
+        for block, instructions in program.blocks.items():
+            for instruction in instructions:
+                for buffer in instruction.frees:
+                    for other in readers.get(buffer, set()) - {block}:
+                        for (b, mb), k in positions.items():
+                            if b == block and positions.get((other, mb), -1) > k:
+                                late.setdefault((other, block, mb), []).append(buffer)
+                                break
+        for (other, block, mb), buffers in late.items():
+            shown = ", ".join(buffers[:3]) + (f" and {len(buffers) - 3} more"
+                                              if len(buffers) > 3 else "")
+            self.report.add(f"{ranks} ({name}): block {other} reads {shown} (microbatch {mb}) "
+                            f"after block {block} freed {'them' if len(buffers) > 1 else 'it'}")
+
+    def _check_sequence(self, instructions, where, external: bool) -> "_Sequence":
+        """Vector clocks over the streams of one block (or the prologue or epilogue)."""
         clock: dict[str, dict[str, int]] = {}
-        events: dict[str, dict[str, int]] = {}
+        events: dict[tuple[str, bool], dict[str, int]] = {}
         writer: dict[str, tuple[int, Instruction]] = {}  # buffer -> (position, instruction)
-        readers: dict[str, list[tuple[int, Instruction]]] = {}  # in-flight transfers
-        produced = {i.node for i in instructions if i.node}
+        readers: dict[str, list[tuple[int, Instruction]]] = {}
+        freed: dict[str, int] = {}
+        produced = {w for i in instructions for w in i.writes}
+        sequence = _Sequence()
         for position, instruction in enumerate(instructions):
             stream = instruction.stream
             mine = clock.setdefault(stream, {})
@@ -167,24 +272,36 @@ class _Verifier:
                 everything = {s: max(c.get(s, -1) for c in clock.values()) for s in clock}
                 for c in clock.values():
                     c.update(everything)
+                sequence.clocks.append(dict(mine))
                 continue
+            key = (instruction.event, instruction.per_microbatch)
             if instruction.op == "wait":
-                if instruction.event in events:
-                    for s, value in events[instruction.event].items():
+                if key in events:
+                    for s, value in events[key].items():
                         mine[s] = max(mine.get(s, -1), value)
-                elif not external:
+                elif external:
+                    sequence.external.append(instruction)
+                else:
                     self.report.add(f"{where}: {_describe(instruction)} (instruction "
                                     f"{position}) waits for an event no earlier instruction "
                                     f"records")
+                sequence.clocks.append(dict(mine))
                 continue
             if instruction.op == "record":
-                events[instruction.event] = dict(mine)
+                events[key] = dict(mine)
+                sequence.records.add(key)
+                sequence.record_instructions.append(instruction)
+                sequence.clocks.append(dict(mine))
                 continue
 
             def happened(before: int, before_stream: str) -> bool:
                 return before_stream == stream or mine.get(before_stream, -1) >= before
 
             for buffer in instruction.reads:
+                if buffer in freed:
+                    self.report.add(f"{where}: {_describe(instruction)} (instruction "
+                                    f"{position}) reads {buffer} after instruction "
+                                    f"{freed[buffer]} freed it")
                 if buffer in writer:
                     at, source = writer[buffer]
                     if not happened(at, source.stream):
@@ -192,7 +309,7 @@ class _Verifier:
                                         f"{position}) reads {buffer} while {_describe(source)} "
                                         f"(instruction {at}) may still be writing it: no wait "
                                         f"on its event")
-                elif buffer in produced:
+                elif buffer in produced and not buffer.startswith(STATE):
                     self.report.add(f"{where}: {_describe(instruction)} (instruction "
                                     f"{position}) reads {buffer} before it is written")
             for buffer in instruction.writes:
@@ -202,15 +319,66 @@ class _Verifier:
                             f"{where}: {_describe(instruction)} (instruction {position}) "
                             f"overwrites {buffer} while {_describe(reader)} (instruction {at}) "
                             f"may still be reading it")
-                if buffer in writer and writer[buffer][1] is not instruction:
+                if buffer.startswith(STATE):  # accumulated into: ordered, not unique
+                    at = writer.get(buffer)
+                    if at is not None and not happened(at[0], at[1].stream):
+                        self.report.add(f"{where}: {_describe(instruction)} (instruction "
+                                        f"{position}) writes {buffer} while "
+                                        f"{_describe(at[1])} (instruction {at[0]}) may still "
+                                        f"be writing it")
+                elif buffer in writer and writer[buffer][1] is not instruction:
                     self.report.add(f"{where}: {buffer} is written twice, by instruction "
                                     f"{writer[buffer][0]} and {position}")
                 writer[buffer] = (position, instruction)
-            if instruction.op != "compute":
-                for buffer in instruction.reads:
-                    readers.setdefault(buffer, []).append((position, instruction))
+            for buffer in instruction.reads:
+                readers.setdefault(buffer, []).append((position, instruction))
+            for buffer in instruction.frees:
+                freed[buffer] = position
             mine[stream] = position
-        return set(events)
+            sequence.clocks.append(dict(mine))
+        sequence.streams = [i.stream for i in instructions]
+        if external:
+            self._closed(where, instructions, clock)
+        return sequence
+
+    def _closed(self, where, instructions, clock) -> None:
+        """The next microbatch's instance of a block writes its state buffers again: by
+        the block's end, each stream that writes one has seen every per-microbatch read of
+        it on another stream finish."""
+        last_read: dict[tuple[str, str], tuple[int, Instruction]] = {}
+        writers: dict[str, set[str]] = {}
+        for position, instruction in enumerate(instructions):
+            for buffer in instruction.reads:
+                if buffer.startswith(STATE) and instruction.per_microbatch:
+                    last_read[(buffer, instruction.stream)] = (position, instruction)
+            for buffer in instruction.writes:
+                if buffer.startswith(STATE):
+                    writers.setdefault(buffer, set()).add(instruction.stream)
+        for (buffer, stream), (position, reader) in last_read.items():
+            for writer in writers.get(buffer, ()):
+                if writer != stream and clock.get(writer, {}).get(stream, -1) < position:
+                    self.report.add(f"{where}: the block ends while {_describe(reader)} "
+                                    f"(instruction {position}) may still read {buffer}, which "
+                                    f"stream {writer} writes again for the next microbatch")
+
+    # --- bucket layouts --------------------------------------------------------------
+
+    def buckets(self, name: str, program: Program) -> None:
+        """The program's buckets are the graph's, with consistent layouts, and every
+        bucket an instruction works on is among them."""
+        table = self.graph.graph.get("buckets", {})
+        for bucket_id, bucket in program.buckets.items():
+            if table.get(bucket_id) != bucket:
+                self.report.add(f"{name}: bucket {bucket_id} differs from the graph's")
+            for problem in bucket_problems(bucket):
+                self.report.add(f"{name}: bucket {bucket_id}: {problem}")
+        used = {self.graph.nodes[i.node].get("bucket") for part in
+                (*program.blocks.values(), program.prologue, program.epilogue)
+                for i in part if i.node in self.graph}
+        for bucket_id in sorted(b for b in used if b is not None and
+                                b not in program.buckets):
+            self.report.add(f"{name}: instructions work on bucket {bucket_id}, which the "
+                            f"program does not hold")
 
     # --- 1. collective order ------------------------------------------------------------
 
@@ -258,12 +426,13 @@ class _Verifier:
                     f"rank {r}: the group would deadlock or mix up data")
                 break
 
-    @staticmethod
-    def _same_collective(x, y, axis: str) -> bool:
+    def _same_collective(self, x, y, axis: str) -> bool:
         if x is None or y is None:
             return x == y
-        if axis == "tied":  # the two stages' nodes differ only in their #s suffix
-            return x[0] == y[0] and x[1].split("#")[0] == y[1].split("#")[0] and x[2] == y[2]
+        if axis == "tied":  # the two stages' nodes share the name of their collective
+            name = lambda node: self.graph.nodes[node].get("collective", node) \
+                if node in self.graph else node  # noqa: E731
+            return x[0] == y[0] and name(x[1]) == name(y[1]) and x[2] == y[2]
         return x == y
 
     # --- 2. point to point, and deadlock ------------------------------------------------
@@ -275,8 +444,9 @@ class _Verifier:
         actors = self._actors()
         for actor in actors.values():
             actor.sends = {stream: [] for stream in ("send_next", "send_prev")}
+        before = len(self.report.problems)
         self._check_matching(actors)
-        if self.report.ok:
+        if len(self.report.problems) == before:  # only matched transfers can be simulated
             self._simulate(actors)
 
     def _actors(self) -> dict[int, "_Actor"]:
@@ -398,9 +568,29 @@ class _Verifier:
         for name, program in self.programs.items():
             if name in self.table.names:
                 self.events_and_buffers(name, program)
+                self.buckets(name, program)
         self.collective_order()
         self.pipeline()
         return self.report
+
+
+class _Sequence:
+    """What the check of one instruction sequence learned: the waits it could not match
+    inside itself, the events it records, and each instruction's vector clock."""
+
+    def __init__(self):
+        self.external: list[Instruction] = []
+        self.records: set[tuple[str, bool]] = set()
+        self.record_instructions: list[Instruction] = []
+        self.clocks: list[dict[str, int]] = []
+        self.streams: list[str] = []
+
+    def before(self, a: int, b: int) -> bool:
+        """Whether instruction a finished before instruction b starts."""
+        if a >= b:
+            return False
+        return self.streams[a] == self.streams[b] or \
+            self.clocks[b].get(self.streams[a], -1) >= a
 
 
 class _Lazy:

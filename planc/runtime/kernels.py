@@ -1,31 +1,34 @@
 """The compute steps of the gpt model on one rank's shards, forward and backward.
 
 Every compute node of the graph runs here on the local tensors its layouts say it holds
-(planc/graph/tensor_parallel.py): a column-parallel linear multiplies by its columns, a
-vocabulary-parallel embedding looks up its rows and zeroes the rest, attention runs on
-its heads and, under context parallelism, on the keys and values the transfers brought.
+(the node's ``tp_input`` and ``tp_output``): a column-parallel linear multiplies by its
+columns, a vocabulary-parallel embedding looks up its rows and zeroes the rest,
+attention runs on its heads and, under context parallelism, on the keys and values the
+transfers brought. Dispatch goes through :data:`FORWARD`, keyed by the node's operator.
+
 A forward step keeps what its backward needs; the backward step asks autograd for the
-gradients of that one step (the inputs and the parameters it used), except for the
-loss, whose gradient (softmax minus one-hot) is written out so the vocabulary-parallel
-form needs no gather of the logits.
+gradients of that one step (the inputs and the parameters it used). Attention is
+``scaled_dot_product_attention`` and the loss ``cross_entropy``, PyTorch's fused kernels;
+the vocabulary-parallel loss (Megatron) writes its gradient, softmax minus one-hot, out
+by hand, so that the logits are never gathered.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from planc.graph.layouts import S, parse
-from planc.graph.model import LINEAR_DIMS
-from planc.graph.tensor_parallel import OpLayout, ParamUse
+from planc.graph.ir import Op
+from planc.graph.layouts import Layout, S
+from planc.graph.layouts import parse as parse_layout
 from planc.runtime.context import RankContext
 from planc.runtime.model import split_feature
-from planc.runtime.reference import LN_EPS
 
 FP32 = torch.float32
+LN_EPS = 1e-5
 
 
 @dataclass
@@ -38,132 +41,157 @@ class Saved:
     extra: dict = field(default_factory=dict)
 
 
-def _param_name(name: str, layer: int | None) -> str:
-    from planc.graph.derive import GLOBAL_PARAMETERS
+@dataclass(frozen=True)
+class Spec:
+    """A compute node as the kernels need it, read once from the graph."""
 
-    return name if layer is None or name in GLOBAL_PARAMETERS else f"layers.{layer}.{name}"
+    op: Op
+    layer: int | None
+    tp_input: Layout
+    tp_output: Layout
+    params: tuple[str, ...]
+    param_slices: dict[str, tuple[str, int]]
+    bias: str | None
+    vocab_parallel: bool
+
+    @staticmethod
+    def of(data: dict) -> "Spec":
+        return Spec(Op(data["op"]), data.get("layer"), parse_layout(data.get("tp_input", "R")),
+                    parse_layout(data.get("tp_output", "R")), tuple(data.get("params", ())),
+                    {k: (v[0], int(v[1])) for k, v in data.get("param_slices", {}).items()},
+                    data.get("bias"), bool(data.get("vocab_parallel", False)))
 
 
 class Kernels:
     def __init__(self, ctx: RankContext):
         self.ctx = ctx
-        self.h = ctx.plan.model.hidden
-        self.hd = ctx.plan.model.hidden // ctx.plan.model.heads
-
-    # --- parameters --------------------------------------------------------------------
-
-    def use_view(self, value: torch.Tensor, use: ParamUse) -> torch.Tensor:
-        """A replicated parameter applied to data sharded along one of its own dims is
-        used through its slice (the position table's rows are indexed instead)."""
-        data = use.data
-        if use.storage.is_sharded or not data.is_sharded or data.dim not in use.dims or \
-                data.dim == "seq" or self.ctx.tp == 1:
-            return value
-        return split_feature(value, data.dim, self.ctx.tp, self.ctx.tp_rank, self.ctx.heads,
-                             use.dims.index(data.dim))
+        model = ctx.plan.model
+        self.hidden = model.hidden
+        self.head_dim = model.hidden // model.heads
+        self.forward_table: dict[Op, Callable] = {
+            Op.EMBEDDING: self._embedding, Op.POSITION: self._position,
+            Op.LN1: self._layer_norm, Op.LN2: self._layer_norm, Op.FINAL_LN: self._layer_norm,
+            Op.QKV: self._linear, Op.PROJ: self._linear, Op.FC1: self._linear,
+            Op.FC2: self._linear, Op.HEAD: self._head, Op.ATTENTION: self._attention,
+            Op.GELU: self._gelu, Op.ATTN_RESIDUAL: self._residual,
+            Op.MLP_RESIDUAL: self._residual, Op.LOSS: self._loss,
+            Op.LOSS_MAX: self._loss_max, Op.LOSS_SUM_EXP: self._loss_sum_exp,
+        }
 
     # --- forward -----------------------------------------------------------------------
 
-    def forward(self, data: dict, inputs: dict[str, torch.Tensor],
+    def forward(self, spec: Spec, inputs: dict[str, torch.Tensor],
                 params: dict[str, torch.Tensor], step: int, microbatch: int,
                 keep_graph: bool) -> tuple[torch.Tensor, Saved]:
         """Run one forward compute node. ``params``: global name -> tensor as stored."""
-        name, layer = data["name"], data["layer"]
-        layout = self.ctx.tpp.ops[name]
-        if data.get("part"):
-            return self._loss_part(data["part"], inputs), Saved({}, {}, None)
+        if spec.op in (Op.LOSS_MAX, Op.LOSS_SUM_EXP):
+            return self.forward_table[spec.op](spec, inputs, None, step, microbatch, {}), \
+                Saved({}, {}, None)
         leaves = {port: t.detach().requires_grad_(keep_graph and t.is_floating_point())
                   for port, t in inputs.items()}
         param_leaves = {n: t.detach().requires_grad_(keep_graph) for n, t in params.items()}
+        dtype = self.ctx.dtype
 
-        def p(short: str) -> torch.Tensor:
-            global_name = _param_name(short, layer)
-            use = next(u for u in layout.params if u.name == short)
-            return self.use_view(param_leaves[global_name].to(self.ctx.dtype), use)
+        def p(name: str) -> torch.Tensor:
+            value = param_leaves[name].to(dtype)
+            sliced = spec.param_slices.get(name)
+            if sliced is not None:
+                dim, axis = sliced
+                value = split_feature(value, dim, self.ctx.tp, self.ctx.tp_rank,
+                                      self.ctx.heads, axis)
+            return value
 
-        with torch.enable_grad() if keep_graph else torch.no_grad():
-            out, extra = self._forward_op(name, layout, leaves, p, step, microbatch)
-        return out, Saved(leaves, param_leaves, out if keep_graph else None, extra)
-
-    def _forward_op(self, name: str, layout: OpLayout, x: dict, p, step: int, mb: int):
-        ctx = self.ctx
         extra: dict = {}
-        if name == "embedding":
-            ids, _ = ctx.microbatch(step, mb, layout.input)
-            table = p("embedding.weight")
-            if layout.params[0].storage == S("vocab") and ctx.tp > 1:
-                rows = table.shape[0]
-                local = ids - ctx.tp_rank * rows
-                owned = (local >= 0) & (local < rows)
-                out = table[local.clamp(0, rows - 1)] * owned.unsqueeze(-1)
-            else:
-                out = table[ids]
-            return out, extra
-        if name == "position":
-            positions = ctx.positions(layout.input)
-            return x["x"] + p("position.weight")[positions], extra
-        if name in ("ln1", "ln2", "final_ln"):
-            return F.layer_norm(x["x"], (self.h,), p(f"{name}.weight"), p(f"{name}.bias"),
-                                LN_EPS), extra
-        if name in LINEAR_DIMS:
-            if name == "head" and ctx.plan.model.tie_embeddings:
-                return x["x"] @ p("embedding.weight").t(), extra
-            out = x["x"] @ p(f"{name}.weight")
-            if any(u.name == f"{name}.bias" for u in layout.params):
-                out = out + p(f"{name}.bias")
-            return out, extra
-        # A row-parallel producer's bias, added once its partial sum has been reduced.
-        bias = p(f"{layout.bias_from}.bias") if layout.bias_from else None
-        if name == "attention":
-            if bias is not None:
-                x = {**x, "x": x["x"] + bias}
-            return self._attention(x), extra
-        if name == "gelu":
-            value = x["x"] if bias is None else x["x"] + bias
-            return F.gelu(value, approximate="tanh"), extra
-        if name in ("attn_residual", "mlp_residual"):
-            out = x["skip"] + x["x"]
-            return (out if bias is None else out + bias), extra
-        if name == "loss":
-            return self._loss(layout, x, step, mb, extra), extra
-        raise KeyError(name)
+        with torch.enable_grad() if keep_graph else torch.no_grad():
+            out = self.forward_table[spec.op](spec, leaves, p, step, microbatch, extra)
+        saved = Saved(leaves, param_leaves, out if keep_graph else None, extra)
+        # The loss's value for the report differs from the tensor to differentiate.
+        return extra.pop("report", out), saved
 
-    def _attention(self, x: dict) -> torch.Tensor:
+    def _bias(self, spec: Spec, p) -> torch.Tensor | None:
+        """A row-parallel producer's bias, added once its partial sum has been reduced."""
+        return p(spec.bias) if spec.bias else None
+
+    def _embedding(self, spec: Spec, x, p, step, mb, extra):
+        ctx = self.ctx
+        ids, _ = ctx.microbatch(step, mb, spec.tp_input)
+        table = p(spec.params[0])
+        if spec.vocab_parallel:
+            rows = table.shape[0]
+            local = ids - ctx.tp_rank * rows
+            owned = (local >= 0) & (local < rows)
+            return table[local.clamp(0, rows - 1)] * owned.unsqueeze(-1)
+        return table[ids]
+
+    def _position(self, spec: Spec, x, p, step, mb, extra):
+        return x["x"] + p(spec.params[0])[self.ctx.positions(spec.tp_input)]
+
+    def _layer_norm(self, spec: Spec, x, p, step, mb, extra):
+        weight, bias = spec.params
+        return F.layer_norm(x["x"], (self.hidden,), p(weight), p(bias), LN_EPS)
+
+    def _linear(self, spec: Spec, x, p, step, mb, extra):
+        weight, *rest = spec.params
+        out = x["x"] @ p(weight)
+        own_bias = [name for name in rest if name != spec.bias]
+        return out + p(own_bias[0]) if own_bias else out
+
+    def _head(self, spec: Spec, x, p, step, mb, extra):
+        (table,) = spec.params
+        value = p(table)
+        # A tied head is the transposed embedding table (vocab x hidden).
+        return x["x"] @ (value.t() if table == "embedding.weight" else value)
+
+    def _attention(self, spec: Spec, x, p, step, mb, extra):
         """Causal softmax attention on this rank's heads; keys and values of every cp rank
         when context parallelism gathered them."""
         qkv = x["x"]
+        bias = self._bias(spec, p)
+        if bias is not None:
+            qkv = qkv + bias
         b, s, width = qkv.shape
-        heads = width // (3 * self.hd)
-        q, k, v = qkv.view(b, s, 3, heads, self.hd).unbind(2)
-        query_positions = self.ctx.positions(parse("R"))
-        key_positions = query_positions
-        if "kv" in x:
+        hd = self.head_dim
+        heads = width // (3 * hd)
+        q, k, v = qkv.view(b, s, 3, heads, hd).permute(2, 0, 3, 1, 4).unbind(0)
+        if "kv" not in x:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
             kv = x["kv"]
-            k, v = kv.view(b, kv.shape[1], 2, heads, self.hd).unbind(2)
-            key_positions = self.ctx.all_key_positions()
-        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(self.hd)
-        future = key_positions.unsqueeze(0) > query_positions.unsqueeze(1)
-        scores = scores.masked_fill(future, float("-inf"))
-        context = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
-        return context.reshape(b, s, heads * self.hd)
+            k, v = kv.view(b, kv.shape[1], 2, heads, hd).permute(2, 0, 3, 1, 4).unbind(0)
+            query = self.ctx.positions(parse_layout("R"))
+            keys = self.ctx.all_key_positions()
+            allowed = keys.unsqueeze(0) <= query.unsqueeze(1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return out.transpose(1, 2).reshape(b, s, heads * hd)
+
+    def _gelu(self, spec: Spec, x, p, step, mb, extra):
+        bias = self._bias(spec, p)
+        value = x["x"] if bias is None else x["x"] + bias
+        return F.gelu(value, approximate="tanh")
+
+    def _residual(self, spec: Spec, x, p, step, mb, extra):
+        out = x["skip"] + x["x"]
+        bias = self._bias(spec, p)
+        return out if bias is None else out + bias
 
     # --- the loss ----------------------------------------------------------------------
 
-    def _loss_part(self, part: str, inputs: dict) -> torch.Tensor:
-        logits = inputs["x"].detach().to(FP32)
-        if part == "max":
-            return logits.max(dim=-1).values
-        return (logits - inputs["max"].unsqueeze(-1)).exp().sum(dim=-1)
+    def _loss_max(self, spec: Spec, x, p, step, mb, extra):
+        return x["x"].detach().to(FP32).max(dim=-1).values
 
-    def _loss(self, layout: OpLayout, x: dict, step: int, mb: int, extra: dict):
-        """This rank's share of the step's mean cross-entropy (a scalar): the sum over its
-        tokens divided by every token of the global batch."""
+    def _loss_sum_exp(self, spec: Spec, x, p, step, mb, extra):
+        return (x["x"].detach().to(FP32) - x["max"].unsqueeze(-1)).exp().sum(dim=-1)
+
+    def _loss(self, spec: Spec, x, p, step, mb, extra):
+        """This rank's share of the step's mean cross-entropy: the sum over its tokens
+        divided by every token of the global batch; the value to report goes into
+        ``extra``."""
         ctx = self.ctx
-        logits = x["x"].detach().to(FP32)
-        _, targets = ctx.microbatch(step, mb, layout.input if layout.input == S("seq")
-                                    else parse("R"))
         total = ctx.tokens_per_step
-        if "max" in x:  # vocabulary-parallel: max and sum of exponentials reduced over tp
+        layout = spec.tp_input if spec.tp_input == S("seq") else parse_layout("R")
+        _, targets = ctx.microbatch(step, mb, layout)
+        if spec.vocab_parallel:  # max and sum of exponentials already reduced over tp
+            logits = x["x"].detach().to(FP32)
             vocab_local = logits.shape[-1]
             local = targets - ctx.tp_rank * vocab_local
             owned = (local >= 0) & (local < vocab_local)
@@ -171,45 +199,45 @@ class Kernels:
             target_logit = logits.gather(-1, local.clamp(0, vocab_local - 1).unsqueeze(-1))
             loss = ((lse - target_logit.squeeze(-1)) * owned).sum() / total
             extra.update(logits=logits, max=x["max"], sum_exp=x["sum_exp"], local=local,
-                         owned=owned)
+                         owned=owned, report=loss.detach())
             return loss
-        log_probs = logits.log_softmax(dim=-1)
-        loss = -log_probs.gather(-1, targets.unsqueeze(-1)).sum() / total
-        extra.update(log_probs=log_probs, targets=targets)
-        if layout.input == parse("R") and ctx.tp > 1:
-            loss = loss / ctx.tp  # every tp rank holds the whole loss: report it once
+        logits = x["x"].to(FP32)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               reduction="sum") / total
+        report = loss.detach()
+        if spec.tp_input == parse_layout("R") and ctx.tp > 1:
+            report = report / ctx.tp  # every tp rank holds the whole loss: report it once
+        extra["report"] = report
         return loss
 
-    def _loss_backward(self, saved: Saved) -> dict[str, torch.Tensor]:
+    def _vocab_parallel_backward(self, saved: Saved) -> dict[str, torch.Tensor]:
         extra, total = saved.extra, self.ctx.tokens_per_step
-        if "owned" in extra:
-            probs = (extra["logits"] - extra["max"].unsqueeze(-1)).exp() / \
-                extra["sum_exp"].unsqueeze(-1)
-            one_hot = torch.zeros_like(probs)
-            one_hot.scatter_(-1, extra["local"].clamp(0, probs.shape[-1] - 1).unsqueeze(-1),
-                             extra["owned"].unsqueeze(-1).to(probs.dtype))
-        else:
-            probs = extra["log_probs"].exp()
-            one_hot = torch.zeros_like(probs)
-            one_hot.scatter_(-1, extra["targets"].unsqueeze(-1), 1.0)
+        probs = (extra["logits"] - extra["max"].unsqueeze(-1)).exp() / \
+            extra["sum_exp"].unsqueeze(-1)
+        one_hot = torch.zeros_like(probs)
+        one_hot.scatter_(-1, extra["local"].clamp(0, probs.shape[-1] - 1).unsqueeze(-1),
+                         extra["owned"].unsqueeze(-1).to(probs.dtype))
         return {"x": ((probs - one_hot) / total).to(self.ctx.dtype)}
 
     # --- backward ----------------------------------------------------------------------
 
-    def backward(self, data: dict, saved: Saved, grad: torch.Tensor | None) -> dict:
-        """Gradients of one compute node: by input port, and ``param:NAME``."""
-        if data["name"] == "loss":
-            return self._loss_backward(saved)
+    def backward(self, spec: Spec, saved: Saved, grad: torch.Tensor | None
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Gradients of one compute node: (by input port, by parameter name)."""
+        if spec.op == Op.LOSS and spec.vocab_parallel:
+            return self._vocab_parallel_backward(saved), {}
         inputs = [(port, t) for port, t in saved.inputs.items() if t.requires_grad]
         params = list(saved.params.items())
         targets = [t for _, t in inputs] + [t for _, t in params]
         if saved.output is None or not targets:
-            return {}
+            return {}, {}
+        if spec.op == Op.LOSS:
+            grad = torch.ones((), dtype=saved.output.dtype)
         grads = torch.autograd.grad(saved.output, targets, grad.to(saved.output.dtype),
                                     allow_unused=True)
-        out: dict[str, torch.Tensor] = {}
-        for (port, tensor), g in zip(inputs, grads[:len(inputs)]):
-            out[port] = torch.zeros_like(tensor) if g is None else g
-        for (name, tensor), g in zip(params, grads[len(inputs):]):
-            out[f"param:{name}"] = (torch.zeros_like(tensor) if g is None else g).to(FP32)
-        return out
+        ports = {port: torch.zeros_like(tensor) if g is None else g
+                 for (port, tensor), g in zip(inputs, grads[:len(inputs)])}
+        if spec.op == Op.LOSS:
+            ports = {port: g.to(self.ctx.dtype) for port, g in ports.items()}
+        named = {name: g for (name, _), g in zip(params, grads[len(inputs):]) if g is not None}
+        return ports, named

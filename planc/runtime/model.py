@@ -27,11 +27,11 @@ def _seed(*parts) -> int:
     return int(hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()[:15], 16)
 
 
-def initial_value(seed: int, param: Parameter) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(_seed(seed, param.name, tuple(param.shape)))
-    value = torch.randn(param.shape, generator=generator, dtype=torch.float64) * INIT_STD
-    if param.name.split(".")[-2].startswith(("ln", "final_ln")) and \
-            param.name.endswith(".weight"):
+def initial_value(seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """The initial value of parameter ``name`` of full shape ``shape``."""
+    generator = torch.Generator().manual_seed(_seed(seed, name, tuple(shape)))
+    value = torch.randn(tuple(shape), generator=generator, dtype=torch.float64) * INIT_STD
+    if name.split(".")[-2].startswith(("ln", "final_ln")) and name.endswith(".weight"):
         value += 1.0
     return value.to(torch.float32)
 

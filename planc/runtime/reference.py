@@ -56,7 +56,7 @@ def make_optimizer(plan: Plan, tensors: list[torch.Tensor]) -> torch.optim.Optim
 
 def train(plan: Plan, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses of every step and the final parameters."""
-    params = {name: initial_value(plan.train.seed, p).requires_grad_()
+    params = {name: initial_value(plan.train.seed, name, p.shape).requires_grad_()
               for name, p in parameters(plan).items()}
     optimizer = make_optimizer(plan, list(params.values()))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[

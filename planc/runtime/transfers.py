@@ -1,187 +1,250 @@
-"""The transfers of the graph on torch.distributed, one function per kind of node.
+"""The transfers of the graph on torch.distributed, one function per (kind, payload).
+
+:data:`TABLE` maps a transfer's typed kind and payload (planc.graph.ir) to the method
+that runs it; the group comes from the node's group reference, resolved once. Each
+function issues its collectives asynchronously and waits on their work handles (on CUDA
+that wait orders the current stream after the collective without blocking the host).
 
 Activations are (batch, tokens, features): a redistribution along ``seq`` works on
 dimension 1, along a feature dimension (hidden, ffn, qkv, vocab) on dimension 2, where a
-``qkv`` shard is the same heads of q, k and v. Parameters and their gradients are
-flattened for the dp x cp reductions of ZeRO, padded to a multiple of the group
-(as PyTorch FSDP and Megatron's distributed optimizer do). Each function issues its
-collectives asynchronously and waits on their work handles (on CUDA that wait orders
-the current stream after the collective, without blocking the host).
+``qkv`` shard is the same heads of q, k and v. Gradients and parameters move as whole
+buckets (planc.runtime.store): one flat buffer per collective.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
-from planc.graph.layouts import parse
+from planc.graph.ir import Kind, Payload, Phase
+from planc.graph.layouts import parse as parse_layout
 from planc.runtime.context import RankContext
-from planc.runtime.model import flat_shard_size, join_feature, split_feature
+from planc.runtime.model import join_feature, split_feature
+from planc.runtime.store import ParamStore
 
 FEATURE_AXIS, SEQ_AXIS = 2, 1
+SENDRECV = "sendrecv"
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+@dataclass(frozen=True)
+class Call:
+    """One transfer node, prepared: its data, group handle and group."""
+
+    data: dict
+    group: object  # a process group, or None for a group of one
+    members: tuple[int, ...]
+    index: int  # this rank's position in the group
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+def _wait(work) -> None:
+    if work is not None:
+        work.wait()
 
 
 class Transfers:
-    def __init__(self, ctx: RankContext):
-        self.ctx = ctx
+    def __init__(self, ctx: RankContext, store: ParamStore):
+        self.ctx, self.store = ctx, store
+        self.table: dict[tuple[str, str], Callable] = {
+            (Kind.ALL_REDUCE, Payload.ACTIVATION): self.activation,
+            (Kind.ALL_GATHER, Payload.ACTIVATION): self.activation,
+            (Kind.REDUCE_SCATTER, Payload.ACTIVATION): self.activation,
+            (Kind.ALL_TO_ALL, Payload.ACTIVATION): self.activation,
+            (Kind.ALL_REDUCE, Payload.LOSS_STAT): self.loss_statistic,
+            (Kind.ALL_REDUCE, Payload.LOSS): self.loss_report,
+            (Kind.ALL_GATHER, Payload.KV): self.kv_all_gather,
+            (Kind.REDUCE_SCATTER, Payload.DKV): self.dkv_reduce_scatter,
+            (SENDRECV, Payload.KV): self.kv_ring,
+            (SENDRECV, Payload.DKV): self.dkv_ring,
+            (Kind.SEND, Payload.STREAM): self.send,
+            (Kind.RECV, Payload.STREAM): self.recv,
+            (Kind.ALL_REDUCE, Payload.GRAD): self.grad_all_reduce,
+            (Kind.REDUCE_SCATTER, Payload.GRAD): self.grad_reduce_scatter,
+            (Kind.ALL_GATHER, Payload.GRAD): self.grad_slice_gather,
+            (Kind.ALL_GATHER, Payload.PARAM): self.param_gather,
+        }
 
-    # --- helpers -----------------------------------------------------------------------
-
-    def group(self, axis: str):
-        return self.ctx.groups.handles.get(axis)
-
-    def size(self, axis: str) -> int:
-        return len(self.ctx.groups.members.get(axis, (self.ctx.rank,)))
-
-    def index(self, axis: str) -> int:
-        return self.ctx.groups.index(axis, self.ctx.rank)
+    # --- collectives on a group -------------------------------------------------------
 
     @staticmethod
-    def _wait(work) -> None:
-        if work is not None:
-            work.wait()
-
-    def all_reduce(self, tensor: torch.Tensor, axis: str, op: str = "sum") -> torch.Tensor:
-        if self.size(axis) == 1:
+    def all_reduce(tensor: torch.Tensor, call: Call, op=dist.ReduceOp.SUM,
+                   in_place: bool = False) -> torch.Tensor:
+        if call.size == 1:
             return tensor
-        out = tensor.clone().contiguous()
-        reduce = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-        self._wait(dist.all_reduce(out, op=reduce, group=self.group(axis), async_op=True))
+        out = tensor if in_place else tensor.clone()
+        _wait(dist.all_reduce(out, op=op, group=call.group, async_op=True))
         return out
 
-    def all_gather_list(self, tensor: torch.Tensor, axis: str) -> list[torch.Tensor]:
-        if self.size(axis) == 1:
+    @staticmethod
+    def all_gather_list(tensor: torch.Tensor, call: Call) -> list[torch.Tensor]:
+        if call.size == 1:
             return [tensor]
         tensor = tensor.contiguous()
-        pieces = [torch.empty_like(tensor) for _ in range(self.size(axis))]
-        self._wait(dist.all_gather(pieces, tensor, group=self.group(axis), async_op=True))
+        pieces = [torch.empty_like(tensor) for _ in range(call.size)]
+        _wait(dist.all_gather(pieces, tensor, group=call.group, async_op=True))
         return pieces
 
-    def reduce_scatter_list(self, chunks: list[torch.Tensor], axis: str) -> torch.Tensor:
-        if self.size(axis) == 1:
+    @staticmethod
+    def reduce_scatter_list(chunks: list[torch.Tensor], call: Call) -> torch.Tensor:
+        if call.size == 1:
             return chunks[0]
         chunks = [c.contiguous() for c in chunks]
         out = torch.empty_like(chunks[0])
-        self._wait(dist.reduce_scatter(out, chunks, group=self.group(axis), async_op=True))
+        _wait(dist.reduce_scatter(out, chunks, group=call.group, async_op=True))
         return out
 
     # --- tensor parallel redistributions -------------------------------------------------
 
-    def _axis_of(self, dim: str) -> int:
-        return SEQ_AXIS if dim == "seq" else FEATURE_AXIS
-
     def _split(self, tensor, dim: str, parts: int, index: int):
-        return split_feature(tensor, dim, parts, index, self.ctx.heads, self._axis_of(dim))
+        axis = SEQ_AXIS if dim == "seq" else FEATURE_AXIS
+        return split_feature(tensor, dim, parts, index, self.ctx.heads, axis)
 
-    def _chunks(self, tensor, dim: str, parts: int) -> list[torch.Tensor]:
-        return [self._split(tensor, dim, parts, i) for i in range(parts)]
-
-    def redistribute(self, tensor: torch.Tensor, data: dict) -> torch.Tensor:
-        """A tp (or loss) redistribution node: source layout -> target layout."""
+    def activation(self, call: Call, value: torch.Tensor) -> torch.Tensor:
+        """A tp redistribution: the node's source layout to its target layout."""
+        data = call.data
         kind = data["kind"]
-        if kind == "all_reduce":
-            return self.all_reduce(tensor, data["axis"], data.get("reduce_op", "sum"))
-        source, target = parse(data["source_layout"]), parse(data["target_layout"])
-        axis = data["axis"]
-        n = self.size(axis)
-        if kind == "all_gather":
-            pieces = self.all_gather_list(tensor, axis)
-            return join_feature(pieces, source.dim, self.ctx.heads, self._axis_of(source.dim))
-        if kind == "reduce_scatter":
-            return self.reduce_scatter_list(self._chunks(tensor, target.dim, n), axis)
-        if kind == "all_to_all":
-            sent = self._chunks(tensor, target.dim, n)
-            received = [torch.empty_like(c) for c in sent]
-            self._wait(dist.all_to_all(received, [c.contiguous() for c in sent],
-                                       group=self.group(axis), async_op=True))
-            return join_feature(received, source.dim, self.ctx.heads, self._axis_of(source.dim))
-        raise ValueError(f"unknown redistribution {kind}")
+        if kind == Kind.ALL_REDUCE:
+            return self.all_reduce(value, call, REDUCE_OPS[data.get("reduce_op", "sum")])
+        source, target = parse_layout(data["source_layout"]), parse_layout(data["target_layout"])
+        if kind == Kind.ALL_GATHER:
+            axis = SEQ_AXIS if source.dim == "seq" else FEATURE_AXIS
+            return join_feature(self.all_gather_list(value, call), source.dim, self.ctx.heads,
+                                axis)
+        chunks = [self._split(value, target.dim, call.size, i) for i in range(call.size)]
+        if kind == Kind.REDUCE_SCATTER:
+            return self.reduce_scatter_list(chunks, call)
+        received = [torch.empty_like(c) for c in chunks]
+        _wait(dist.all_to_all(received, [c.contiguous() for c in chunks], group=call.group,
+                              async_op=True))
+        axis = SEQ_AXIS if source.dim == "seq" else FEATURE_AXIS
+        return join_feature(received, source.dim, self.ctx.heads, axis)
+
+    def loss_statistic(self, call: Call, value: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce(value, call, REDUCE_OPS[call.data["reduce_op"]])
+
+    def loss_report(self, call: Call, value: torch.Tensor) -> torch.Tensor:
+        """The step's loss, summed over every rank of the last stage."""
+        return self.all_reduce(value.reshape(1).to(torch.float32), call)
 
     # --- context parallel -----------------------------------------------------------------
 
-    def _kv_of(self, qkv: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _kv_of(qkv: torch.Tensor) -> torch.Tensor:
         b, s, width = qkv.shape
         third = width // 3
         return qkv.reshape(b, s, 3, third)[:, :, 1:].reshape(b, s, 2 * third)
 
-    def kv_all_gather(self, qkv: torch.Tensor) -> torch.Tensor:
+    def kv_all_gather(self, call: Call, qkv: torch.Tensor) -> torch.Tensor:
         """Every cp rank's keys and values, in cp rank order along the tokens."""
-        return torch.cat(self.all_gather_list(self._kv_of(qkv), "cp"), dim=SEQ_AXIS)
+        return torch.cat(self.all_gather_list(self._kv_of(qkv), call), dim=SEQ_AXIS)
 
-    def dkv_reduce_scatter(self, dkv: torch.Tensor) -> torch.Tensor:
-        chunks = list(dkv.chunk(self.size("cp"), dim=SEQ_AXIS))
-        return self.reduce_scatter_list(chunks, "cp")
+    def dkv_reduce_scatter(self, call: Call, dkv: torch.Tensor) -> torch.Tensor:
+        return self.reduce_scatter_list(list(dkv.chunk(call.size, dim=SEQ_AXIS)), call)
 
-    def _ring_shift(self, tensor: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _ring_shift(tensor: torch.Tensor, call: Call) -> torch.Tensor:
         """Send to the next cp rank, receive from the previous, together."""
-        members = self.ctx.groups.members["cp"]
-        i = members.index(self.ctx.rank)
+        members, i = call.members, call.index
         received = torch.empty_like(tensor)
         ops = [dist.P2POp(dist.isend, tensor.contiguous(), members[(i + 1) % len(members)],
-                          group=self.group("cp")),
+                          group=call.group),
                dist.P2POp(dist.irecv, received, members[(i - 1) % len(members)],
-                          group=self.group("cp"))]
+                          group=call.group)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         return received
 
-    def kv_ring(self, qkv: torch.Tensor, steps: int) -> torch.Tensor:
+    def kv_ring(self, call: Call, qkv: torch.Tensor) -> torch.Tensor:
         """Ring attention's K/V passes: after cp - 1 shifts every block has visited every
         rank; the result is all blocks in cp rank order."""
-        n, me = self.size("cp"), self.index("cp")
+        n, me = call.size, call.index
         blocks = {me: self._kv_of(qkv)}
         current = blocks[me]
-        for step in range(1, steps + 1):
-            current = self._ring_shift(current)
+        for step in range(1, call.data["ring_steps"] + 1):
+            current = self._ring_shift(current, call)
             blocks[(me - step) % n] = current
         return torch.cat([blocks[i] for i in range(n)], dim=SEQ_AXIS)
 
-    def dkv_ring(self, dkv: torch.Tensor, steps: int) -> torch.Tensor:
+    def dkv_ring(self, call: Call, dkv: torch.Tensor) -> torch.Tensor:
         """The gradient accumulator of each K/V block travels the ring, every rank adding
         its share, and comes home after cp shifts."""
-        n, me = self.size("cp"), self.index("cp")
+        n, me, steps = call.size, call.index, call.data["ring_steps"]
         shares = list(dkv.chunk(n, dim=SEQ_AXIS))
         accumulator = shares[me].clone()
         for step in range(1, steps):
-            accumulator = self._ring_shift(accumulator) + shares[(me - step) % n]
-        return self._ring_shift(accumulator) if steps == n else accumulator
+            accumulator = self._ring_shift(accumulator, call) + shares[(me - step) % n]
+        return self._ring_shift(accumulator, call) if steps == n else accumulator
 
     # --- pipeline ------------------------------------------------------------------------
 
-    def send(self, tensor: torch.Tensor, peer: int, group) -> None:
-        self._wait(dist.isend(tensor.contiguous(), peer, group=group))
+    def send(self, call: Call, value: torch.Tensor) -> None:
+        peer = self.ctx.peer(call.data["peer_stage"])
+        _wait(dist.isend(value.to(self.ctx.dtype).contiguous(), peer, group=call.group))
 
-    def recv(self, shape, dtype, peer: int, group) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype, device=self.ctx.device)
-        self._wait(dist.irecv(out, peer, group=group))
+    def recv(self, call: Call, value=None) -> torch.Tensor:
+        ctx = self.ctx
+        out = torch.empty(call.data["shape"], dtype=ctx.dtype, device=ctx.device)
+        _wait(dist.irecv(out, ctx.peer(call.data["peer_stage"]), group=call.group))
         return out
 
-    # --- parameters ------------------------------------------------------------------------
+    # --- gradients and parameters, by bucket ----------------------------------------------
 
-    def flat_reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
-        n = self.size("dp_cp")
-        flat = grad.reshape(-1)
-        size = flat_shard_size(flat.numel(), n)
-        padded = torch.zeros(size * n, dtype=flat.dtype, device=flat.device)
-        padded[:flat.numel()] = flat
-        return self.reduce_scatter_list(list(padded.split(size)), "dp_cp")
+    def grad_all_reduce(self, call: Call, value=None) -> None:
+        """Sum a bucket's gradient over the group: the range of elements the node names
+        (the partial sums over tp), or the whole gradient as it stands (over dp x cp
+        under ZeRO 0, or its shard between tied stages)."""
+        bucket = call.data["bucket"]
+        if "elements" in call.data:
+            start, end = call.data["elements"]
+            self.all_reduce(self.store.grad[bucket][start:end], call, in_place=True)
+        else:
+            self.all_reduce(self.store.current_grad(bucket), call, in_place=True)
 
-    def flat_all_gather(self, shard: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        numel = 1
-        for d in shape:
-            numel *= d
-        return torch.cat(self.all_gather_list(shard, "dp_cp"))[:numel].reshape(shape)
+    def grad_reduce_scatter(self, call: Call, value=None) -> None:
+        """Each replica keeps the sum of its equal slice of the bucket's gradient; every
+        microbatch under ZeRO-2/3, whose whole buffer then starts again from zero."""
+        bucket = call.data["bucket"]
+        grad = self.store.grad[bucket]
+        out = torch.empty_like(self.store.grad_shard[bucket])
+        _wait(dist.reduce_scatter_single(out, grad, group=call.group, async_op=True))
+        self.store.grad_shard[bucket] += out
+        if call.data["per_microbatch"]:
+            grad.zero_()
 
-    def slice_all_gather(self, grad: torch.Tensor, dim: str, dims: tuple[str, ...]):
+    def grad_slice_gather(self, call: Call, value=None) -> None:
         """A replicated parameter used through slices: gather every rank's slice of its
         gradient (the rest of each rank's gradient is zero)."""
-        ctx = self.ctx
+        ctx, data = self.ctx, call.data
+        grad = self.store.grad_of(data["tensor"])
+        dim = data["dim"]
         if dim == "seq":  # the position table: rows of each tp rank's tokens
-            pieces = self.all_gather_list(grad[ctx.tp_positions(ctx.tp_rank)], "tp")
-            out = torch.zeros_like(grad)
+            pieces = self.all_gather_list(grad[ctx.tp_positions(ctx.tp_rank)], call)
             for tp_rank, piece in enumerate(pieces):
-                out[ctx.tp_positions(tp_rank)] = piece
-            return out
-        axis = dims.index(dim)
+                grad[ctx.tp_positions(tp_rank)] = piece
+            return
+        axis = data["slice_axis"]
         mine = split_feature(grad, dim, ctx.tp, ctx.tp_rank, ctx.heads, axis)
-        return join_feature(self.all_gather_list(mine, "tp"), dim, ctx.heads, axis)
+        grad.copy_(join_feature(self.all_gather_list(mine, call), dim, ctx.heads, axis))
+
+    def param_gather(self, call: Call, value=None) -> torch.Tensor:
+        """Every replica's slice of a bucket's parameters: after a ZeRO-1/2 optimizer
+        step into the bucket itself, before a ZeRO-3 use into a buffer of its own."""
+        bucket = call.data["bucket"]
+        shard = self.store.shard[bucket]
+        if call.data["phase"] == Phase.OPTIMIZER:
+            out = self.store.full[bucket]
+        else:
+            out = torch.empty(self.store.buckets[bucket]["padded"], dtype=shard.dtype,
+                              device=shard.device)
+        if call.size == 1:
+            out.copy_(shard)
+        else:
+            _wait(dist.all_gather_single(out, shard, group=call.group, async_op=True))
+        return out

@@ -1,4 +1,5 @@
-"""``planc explain``: every transfer of a layer or a parameter, with its group and reason."""
+"""``planc explain``: every transfer of a layer or a parameter, with its group and reason,
+and the buckets the fuse pass made: their members and why each closed where it did."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from planc.views.tables import table
 from planc.words import counted
 
 PHASE_LETTER = {"forward": "F", "backward": "B", "optimizer": "O"}
+MEMBERS_SHOWN = 8
 
 
 def _members(plan: Plan, ranks: Layout, data: dict) -> list[int]:
@@ -44,6 +46,15 @@ def _group_text(plan: Plan, ranks: Layout, data: dict) -> str:
     return f"{len(members)} ranks, {where}: [{shown}]"
 
 
+def what_it_moves(data: dict) -> str:
+    """The bracketed subject of a row: producer -> consumer, the tensor, or the bucket."""
+    if "producer" in data:
+        return f"{data['producer']} -> {data['consumer']}"
+    if data.get("tensor"):
+        return data["tensor"]
+    return f"bucket {data['bucket']}"
+
+
 def _rows(plan: Plan, graph: nx.DiGraph, nodes: list[str]) -> list[str]:
     ranks = Layout.of(plan)
     lines = []
@@ -52,13 +63,11 @@ def _rows(plan: Plan, graph: nx.DiGraph, nodes: list[str]) -> list[str]:
         per = "per microbatch" if data["per_microbatch"] else "per step"
         times = data["repeat"] // (plan.schedule.microbatches if data["per_microbatch"] else 1)
         count = f"x{times} " if times > 1 else ""
-        where = (f"{data['producer']} -> {data['consumer']}" if "producer" in data
-                 else data.get("tensor", ""))
         lines.append(f"  {PHASE_LETTER[data['phase']]}  {data['kind']} over {data['axis']} "
                      f"({_group_text(plan, ranks, data)})  {format_bytes(data['bytes'])} "
-                     f"{count}{per}  [{where}]")
+                     f"{count}{per}  [{what_it_moves(data)}]")
         lines.extend(textwrap.wrap(data["reason"], width=96, initial_indent="     ",
-                                   subsequent_indent="     "))
+                                   subsequent_indent="     ", break_on_hyphens=False))
     return lines
 
 
@@ -74,10 +83,47 @@ def _totals(graph: nx.DiGraph, nodes: list[str]) -> str:
     return table(["axis", "kind", "phase", "count/step", "bytes/step"], rows, indent="  ")
 
 
+def bucket_lines(plan: Plan, bucket_id: str, bucket: dict, param: str | None = None
+                 ) -> list[str]:
+    """A bucket: where it lives, its members in gradient order, why it closed."""
+    dtype_bytes = plan.model.dtype_bytes
+    names = [m["param"] for m in bucket["members"]]
+    padding = bucket["padded"] - bucket["numel"]
+    shards = (f", {bucket['parts']} shards of {bucket['shard']:,} elements"
+              if bucket["parts"] > 1 else "")
+    lines = [f"  bucket {bucket_id} (stage {bucket['stage']}): "
+             f"{counted(len(names), 'parameter')}, "
+             f"{format_bytes(bucket['numel'] * dtype_bytes)}, "
+             f"{counted(padding, 'element')} of padding{shards}"]
+    shown = ", ".join(names[:MEMBERS_SHOWN]) + (
+        f", ... and {len(names) - MEMBERS_SHOWN} more" if len(names) > MEMBERS_SHOWN else "")
+    lines.extend(textwrap.wrap(f"members, in the order they are laid out: {shown}", width=96,
+                               initial_indent="     ", subsequent_indent="       "))
+    if bucket.get("tp_sum_numel"):
+        lines.append(f"     elements 0..{bucket['tp_sum_numel'] - 1} are partial sums over tp, "
+                     f"summed by one all-reduce")
+    if param is not None:
+        member = next(m for m in bucket["members"] if m["param"] == param)
+        lines.append(f"     {param} holds elements {member['offset']:,}.."
+                     f"{member['offset'] + member['numel'] - 1:,}")
+    lines.extend(textwrap.wrap(f"closed: {bucket['reason']}", width=96, initial_indent="     ",
+                               subsequent_indent="       "))
+    return lines
+
+
 def explain(plan: Plan, graph: nx.DiGraph, layer: int | None = None, param: str | None = None,
-            axis: str | None = None) -> str:
+            axis: str | None = None, all_buckets: bool = False) -> str:
+    buckets = graph.graph.get("buckets", {})
+    if all_buckets:
+        out = [f"{counted(len(buckets), 'bucket')}:"]
+        for bucket_id, bucket in buckets.items():
+            out.extend(bucket_lines(plan, bucket_id, bucket))
+        return "\n".join(out + [""] + _passes(graph)).rstrip() + "\n"
     order = {node: i for i, node in enumerate(nx.topological_sort(graph))}
     phase_rank = {"forward": 0, "backward": 1, "optimizer": 2}
+    layers_of = {b: {m["layer"] for m in info["members"]} for b, info in buckets.items()}
+    holding = {b for b, info in buckets.items() if any(m["param"] == param
+                                                        for m in info["members"])}
 
     def pick(predicate) -> list[str]:
         found = [n for n, d in graph.nodes(data=True) if d["type"] == "transfer" and predicate(d)
@@ -86,10 +132,16 @@ def explain(plan: Plan, graph: nx.DiGraph, layer: int | None = None, param: str 
         return sorted(found, key=lambda n: (phase_rank[graph.nodes[n]["phase"]],
                                             not graph.nodes[n]["per_microbatch"], order[n]))
 
+    def of_layer(d: dict, which: int | None) -> bool:
+        if d.get("bucket") in buckets and not d.get("tensor"):
+            return which in layers_of[d["bucket"]]
+        return d["layer"] == which
+
     sections = []
     if param is not None:
-        chosen = pick(lambda d: d.get("tensor") == param)
-        sections.append((f"transfers of {param}", chosen))
+        chosen = pick(lambda d: d.get("tensor") == param or
+                      (d.get("bucket") in holding and not d.get("tensor")))
+        sections.append((f"transfers of {param}", chosen, param))
     else:
         if layer is None:
             layers = sorted({d["layer"] for _, d in graph.nodes(data=True)
@@ -101,17 +153,30 @@ def explain(plan: Plan, graph: nx.DiGraph, layer: int | None = None, param: str 
         if layer is not None:
             stage = next(d["stage"] for _, d in graph.nodes(data=True) if d["layer"] == layer)
             sections.append((f"layer {layer} (stage {stage})" + (f": {note}" if note else ""),
-                             pick(lambda d: d["layer"] == layer)))
+                             pick(lambda d: of_layer(d, layer)), None))
         if not (param or (layer is not None and note == "")):
             sections.append(("outside the layers: embedding, head, loss and pipeline",
-                             pick(lambda d: d["layer"] is None)))
+                             pick(lambda d: of_layer(d, None)), None))
     out = []
-    for title, nodes in sections:
+    for title, nodes, subject in sections:
         out.append(f"{title}: {counted(len(nodes), 'transfer')}"
                    + (f" over {axis}" if axis else ""))
         out.extend(_rows(plan, graph, nodes) if nodes else ["  none"])
         if nodes:
             out.append("  per step, on each device:")
             out.append(_totals(graph, nodes))
+        used = sorted({graph.nodes[n]["bucket"] for n in nodes if graph.nodes[n].get("bucket")
+                       in buckets and not graph.nodes[n].get("tensor")})
+        if used:
+            out.append("")
+            out.append("  the buckets these transfers move (planc explain --buckets lists "
+                       "them all):")
+            for bucket_id in used:
+                out.extend(bucket_lines(plan, bucket_id, buckets[bucket_id], subject))
         out.append("")
-    return "\n".join(out).rstrip() + "\n"
+    return "\n".join(out + _passes(graph)).rstrip() + "\n"
+
+
+def _passes(graph: nx.DiGraph) -> list[str]:
+    records = graph.graph.get("passes", [])
+    return ["passes:"] + [f"  {r['line']}" for r in records] if records else []

@@ -25,7 +25,9 @@ def one_line(plan: Plan, path: str) -> str:
     return (f"{path}: ok: plan {plan.name}, {_count(memory.total_parameters(plan))} parameters, "
             f"{counted(mesh.world, 'rank')} (tp {mesh.tp} x cp {mesh.cp} x "
             f"pp {mesh.pp} x dp {mesh.dp}) on {topo.nodes} x {topo.devices_per_node} devices, "
-            f"{format_bytes(estimate.peak.total_bytes)} per device at peak")
+            f"{format_bytes(estimate.peak.total_bytes)} per device at peak"
+            + (f" ({counted(len(plan.sources.overrides), 'override')} applied)"
+               if plan.sources.overrides else ""))
 
 
 def settings(plan: Plan) -> str:

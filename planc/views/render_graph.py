@@ -6,6 +6,7 @@ import io
 import json
 import shutil
 import subprocess
+from enum import Enum
 
 import networkx as nx
 
@@ -16,14 +17,20 @@ class RenderError(Exception):
     pass
 
 
+def _scalar(value):
+    """GraphML holds only scalars: lists and dicts become JSON text, enums their value."""
+    if isinstance(value, (list, dict)):
+        return json.dumps(value)
+    return value.value if isinstance(value, Enum) else value
+
+
 def _graphml(graph: nx.DiGraph) -> bytes:
-    """GraphML holds only scalars: lists become JSON text and None values are left out."""
+    """GraphML holds only scalars; None values are left out."""
     clean = nx.DiGraph()
     for node, data in graph.nodes(data=True):
-        clean.add_node(node, **{k: (json.dumps(v) if isinstance(v, (list, dict)) else v)
-                                for k, v in data.items() if v is not None})
+        clean.add_node(node, **{k: _scalar(v) for k, v in data.items() if v is not None})
     for u, v, data in graph.edges(data=True):
-        clean.add_edge(u, v, **data)
+        clean.add_edge(u, v, **{k: _scalar(x) for k, x in data.items() if x is not None})
     buffer = io.BytesIO()
     nx.write_graphml(clean, buffer)
     return buffer.getvalue()

@@ -24,6 +24,11 @@ def _layers(layers: list[int]) -> str:
     return "layers " + ", ".join(map(str, layers))
 
 
+def passes(summary: dict) -> str:
+    """One line per pass, in the order they ran."""
+    return "".join(f"{record['line']}\n" for record in summary.get("passes", []))
+
+
 def render(summary: dict) -> str:
     out = []
     for stage_id in _stage_ids(summary):

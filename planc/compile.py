@@ -1,0 +1,41 @@
+"""The compiler, end to end: derive -> passes -> lower -> verify.
+
+One function per stage, each with one input and one output; this module only chains
+them. Writing and reading build directories is :mod:`planc.build`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import networkx as nx
+
+from planc import passes
+from planc.build import Build
+from planc.graph.derive import derive
+from planc.graph.summary import summarize
+from planc.lower.groups import group_table
+from planc.lower.lower import lower
+from planc.lower.verify import verify
+from planc.plan import Plan
+
+
+class CompileError(Exception):
+    """The compiler produced programs that fail verification: a bug in planc."""
+
+
+def compile_plan(plan: Plan, check: Callable[[nx.DiGraph, str], None] | None = None) -> Build:
+    """The build of ``plan``; ``check(graph, stage)`` runs after derive and every pass."""
+    graph = derive(plan)
+    if check is not None:
+        check(graph, "derive")
+    graph = passes.run(graph, passes.PassContext.of(plan), check)
+    programs, table = lower(plan, graph)
+    groups = group_table(plan.mesh, plan.topology.devices_per_node,
+                         plan.model.tie_embeddings, plan.shard.pp.virtual)
+    report = verify(plan, graph, programs, table)
+    if not report.ok:
+        raise CompileError("internal error: the lowered programs fail verification (a bug "
+                           "in planc; please report it): " + "; ".join(report.problems))
+    return Build(plan, graph, summarize(plan, graph), programs=programs, table=table,
+                 groups=groups)

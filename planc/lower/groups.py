@@ -1,0 +1,129 @@
+"""The process groups a build's programs use, written by the compiler for the runtime.
+
+``programs/groups.json`` names every group reference the programs use and says, by
+rule, which ranks form each group: the mesh axes along which members differ (and, for
+the tied embedding, the pipeline coordinates that take part), or neighbouring stages
+for pipeline transfers. A rule does not grow with the world, so a 16,384-rank build
+stays small; :meth:`GroupTable.groups` enumerates the groups of a reference in the
+order every rank must create them (torch.distributed requires one order everywhere),
+each group's ranks increasing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from planc.layout import Layout
+from planc.plan import AXES, Mesh
+
+GROUPS_FORMAT_VERSION = 1
+PIPELINE = "pp"  # pairs of neighbouring stages, one group per pair and direction
+
+
+@dataclass(frozen=True)
+class GroupRule:
+    ref: str  # a group reference of the graph: tp, cp, dp_cp, stage, tied, pp
+    axes: tuple[str, ...] = ()  # mesh axes along which the members differ
+    coordinates: dict[str, tuple[int, ...]] = field(default_factory=dict)  # restricts axes
+    wrap: bool = False  # pp: the last stage also sends to the first (interleaved)
+
+    def to_json(self) -> dict:
+        item: dict = {"ref": self.ref, "axes": list(self.axes)}
+        if self.coordinates:
+            item["coordinates"] = {k: list(v) for k, v in self.coordinates.items()}
+        if self.wrap:
+            item["wrap"] = True
+        return item
+
+
+@dataclass(frozen=True)
+class GroupTable:
+    mesh: Mesh
+    devices_per_node: int
+    rules: tuple[GroupRule, ...]
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.mesh, self.devices_per_node)
+
+    def rule(self, ref: str) -> GroupRule | None:
+        return next((r for r in self.rules if r.ref == ref), None)
+
+    def groups(self, rule: GroupRule) -> Iterator[tuple]:
+        """Every group of ``rule``. Pipeline groups are (direction, sender, receiver): one
+        per pair of neighbouring stages and direction, so that a forward and a backward
+        transfer between the same two ranks can never be matched with each other."""
+        layout = self.layout
+        if rule.ref == PIPELINE:
+            pp = self.mesh.pp
+            for rank in range(self.mesh.world):
+                coords = layout.coords(rank)
+                if coords["pp"] == pp - 1 and not rule.wrap:
+                    continue
+                after = layout.rank({**coords, "pp": (coords["pp"] + 1) % pp})
+                yield ("forward", rank, after)
+                yield ("backward", after, rank)
+            return
+        for rank in range(self.mesh.world):
+            coords = layout.coords(rank)
+            if any(coords[a] != 0 for a in rule.axes if a not in rule.coordinates):
+                continue
+            allowed = rule.coordinates
+            if any(coords[a] != allowed[a][0] for a in allowed):
+                continue
+            yield self.members(rank, rule)
+
+    def members(self, rank: int, rule: GroupRule) -> tuple[int, ...]:
+        """The members of ``rank``'s group of ``rule`` (empty if it is in none)."""
+        layout = self.layout
+        coords = layout.coords(rank)
+        if any(coords[a] not in values for a, values in rule.coordinates.items()):
+            return ()
+        members = [coords]
+        for axis in rule.axes:
+            values = rule.coordinates.get(axis, range(self.mesh.size(axis)))
+            members = [{**c, axis: v} for c in members for v in values]
+        return tuple(sorted(layout.rank(c) for c in members))
+
+    def to_json(self) -> dict:
+        return {"format": "planc-groups", "version": GROUPS_FORMAT_VERSION,
+                "mesh": {**{a: self.mesh.size(a) for a in AXES},
+                         "order": list(self.mesh.order)},
+                "devices_per_node": self.devices_per_node,
+                "groups": [r.to_json() for r in self.rules]}
+
+    @staticmethod
+    def from_json(data: dict) -> "GroupTable":
+        if data.get("format") != "planc-groups" or \
+                data.get("version") != GROUPS_FORMAT_VERSION:
+            raise ValueError(f"not a version {GROUPS_FORMAT_VERSION} planc group table")
+        mesh_data = data["mesh"]
+        mesh = Mesh(**{a: int(mesh_data[a]) for a in AXES},
+                    order=tuple(map(str, mesh_data["order"])))
+        if sorted(mesh.order) != sorted(AXES) or min(mesh.size(a) for a in AXES) < 1:
+            raise ValueError("its mesh is not a mesh")
+        rules = []
+        for item in data["groups"]:
+            axes = tuple(map(str, item.get("axes", ())))
+            coordinates = {str(k): tuple(int(x) for x in v)
+                           for k, v in item.get("coordinates", {}).items()}
+            if any(a not in AXES for a in (*axes, *coordinates)) or any(
+                    not 0 <= x < mesh.size(a) for a, v in coordinates.items() for x in v):
+                raise ValueError(f"group {item.get('ref')!r} names axes or coordinates "
+                                 f"outside the mesh")
+            rules.append(GroupRule(str(item["ref"]), axes, coordinates,
+                                   bool(item.get("wrap", False))))
+        return GroupTable(mesh, int(data["devices_per_node"]), tuple(rules))
+
+
+def group_table(mesh: Mesh, devices_per_node: int, tied: bool, virtual: int = 1
+                ) -> GroupTable:
+    """Every group reference a program may use, by rule."""
+    rules = [GroupRule("tp", ("tp",)), GroupRule("cp", ("cp",)),
+             GroupRule("dp_cp", ("dp", "cp")), GroupRule("stage", ("tp", "cp", "dp"))]
+    if tied and mesh.pp > 1:
+        rules.append(GroupRule("tied", ("pp",), {"pp": (0, mesh.pp - 1)}))
+    if mesh.pp > 1:
+        rules.append(GroupRule(PIPELINE, wrap=virtual > 1))
+    return GroupTable(mesh, devices_per_node, tuple(rules))

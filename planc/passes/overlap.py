@@ -1,0 +1,109 @@
+"""overlap: put communication on its own streams and issue it as early as it can go.
+
+Decisions, each an attribute the lowering follows (:mod:`planc.lower.lower`):
+
+- ``stream``: compute on ``compute``; tp, cp and loss collectives on ``comm``; dp x cp
+  and tied-embedding collectives on ``dp``, so that a large gradient bucket never
+  holds up an activation collective queued behind it (each group is still used by a
+  single stream, so its members issue its collectives in the same order); pipeline
+  transfers on a stream per direction. With ``overlap = off`` every collective runs
+  on ``compute`` and blocks it.
+- ``placement``: where once-per-step work goes. A bucket's gradient reduction is
+  issued inside the backward block of its chunk, guarded to run on the last
+  microbatch only, right after the last backward step that writes one of its members
+  (PyTorch DDP, Megatron-LM ``overlap_grad_reduce``); the step's loss report likewise
+  after the last forward. The optimizer steps stay in the epilogue, each waiting only
+  for its own bucket. ZeRO-1/2 parameter all-gathers move to the prologue of the next
+  step, and each forward step waits only for the bucket it reads (Megatron-LM
+  ``overlap_param_gather``); the lowering adds those waits, since an edge from this
+  step's gather to the next step's forward would close a cycle in the step's graph.
+- ZeRO-3 prefetch: within a block, the gather of the next unit is issued while the
+  current unit computes, and the gather of unit k + 2 waits until unit k is done, so
+  at most two units are gathered at once (FSDP's forward and backward prefetch).
+
+Waits are placed by the lowering right before the consumer that needs them, so each
+is as late as its consumer allows. Results do not change.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import networkx as nx
+
+from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Payload, Phase
+from planc.passes import PassContext, PassRecord, copy_graph, record
+
+COMPUTE, COMM, DP = "compute", "comm", "dp"
+SEND = {Phase.FORWARD: "send_next", Phase.BACKWARD: "send_prev"}
+RECEIVE = {Phase.FORWARD: "recv_prev", Phase.BACKWARD: "recv_next"}
+PREFETCH_DEPTH = 2  # units gathered at once under ZeRO-3
+
+
+def stream_of(data: dict, overlap: bool) -> str:
+    if data["type"] == NodeType.COMPUTE:
+        return COMPUTE
+    if data["axis"] == Axis.PP:
+        return SEND[data["phase"]] if data["kind"] == Kind.SEND else RECEIVE[data["phase"]]
+    if not overlap:
+        return COMPUTE
+    return DP if data["axis"] in (Axis.DP_CP, Axis.TIED) else COMM
+
+
+def overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
+    out = copy_graph(graph)
+    on = ctx.plan.optimize.overlap
+    for _, data in out.nodes(data=True):
+        data["stream"] = stream_of(data, on)
+        if not data["per_microbatch"]:
+            data["placement"] = "epilogue"
+    if not on:
+        return record(out, PassRecord(
+            "overlap", False, "overlap: off (overlap = off): every collective runs on the "
+            "compute stream, once-per-step work after the last microbatch"))
+    guarded = prologue = 0
+    for node, data in out.nodes(data=True):
+        if data["per_microbatch"] or data["type"] == NodeType.COMPUTE:
+            continue
+        if data["payload"] in (Payload.GRAD, Payload.LOSS):
+            data.update(placement="block", guard="last")
+            guarded += 1
+        elif data["payload"] == Payload.PARAM and data["phase"] == Phase.OPTIMIZER:
+            data["placement"] = "prologue"
+            prologue += 1
+    prefetched = _zero3_prefetch(out)
+    parts = [f"{guarded} once-per-step reductions issued in the last microbatch's "
+             f"backward as soon as their inputs are final"]
+    if prologue:
+        parts.append(f"{prologue} ZeRO parameter all-gathers moved to the start of the next "
+                     f"step, each waited for by its first forward use")
+    if prefetched:
+        parts.append(f"{prefetched} ZeRO-3 all-gathers prefetched one unit ahead (at most "
+                     f"{PREFETCH_DEPTH} units gathered at once)")
+    decisions = [{"node": n, "stream": d["stream"], "placement": d.get("placement", "block"),
+                  "guard": d.get("guard")} for n, d in out.nodes(data=True)
+                 if d["type"] == NodeType.TRANSFER and not d["per_microbatch"]]
+    return record(out, PassRecord("overlap", True, "overlap: " + "; ".join(parts), [],
+                                  decisions))
+
+
+def _zero3_prefetch(graph: nx.DiGraph) -> int:
+    """Order each block's ZeRO-3 gathers by first use; gather k + 2 waits for the last
+    step that reads unit k."""
+    position = {n: i for i, n in enumerate(nx.lexicographical_topological_sort(
+        graph, key={n: i for i, n in enumerate(graph.nodes)}.__getitem__))}
+    blocks: dict[tuple, list[str]] = defaultdict(list)
+    for node, data in graph.nodes(data=True):
+        if data["type"] == NodeType.TRANSFER and data["payload"] == Payload.PARAM and \
+                data["per_microbatch"]:
+            blocks[(data["chunk"], data["phase"])].append(node)
+    count = 0
+    for gathers in blocks.values():
+        gathers.sort(key=lambda g: min(position[c] for c in graph.successors(g)))
+        for k, gather in enumerate(gathers):
+            if k >= PREFETCH_DEPTH:
+                earlier = gathers[k - PREFETCH_DEPTH]
+                last = max(graph.successors(earlier), key=position.__getitem__)
+                graph.add_edge(last, gather, kind=EdgeKind.ORDER)
+            count += 1
+    return count

@@ -1,0 +1,78 @@
+"""This rank's parameters and gradients, in the flat buckets its program lists.
+
+Each bucket of the program (:mod:`planc.passes.fuse`) is a flat fp32 buffer holding its
+members at the offsets the compiler chose, padded to whole ZeRO shards, as in
+Megatron-LM's param-and-grad buffer: a parameter is a view of its bucket, its gradient
+a view of the bucket's gradient buffer, and backward steps accumulate into those views.
+Under ZeRO the optimizer owns the rank's equal slice of the bucket (its shard); under
+ZeRO-3 only the shard is kept, and a gather fills the whole bucket before each use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from planc.runtime.context import RankContext
+from planc.runtime.model import initial_value, split_feature
+
+FP32 = torch.float32
+
+
+@dataclass(frozen=True)
+class Member:
+    bucket: str
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+class ParamStore:
+    def __init__(self, ctx: RankContext, buckets: dict[str, dict], shard_index: int):
+        self.buckets = buckets
+        self.full: dict[str, torch.Tensor] = {}  # whole bucket (absent under ZeRO-3)
+        self.shard: dict[str, torch.Tensor] = {}  # this rank's slice (sharded buckets)
+        self.grad: dict[str, torch.Tensor] = {}
+        self.grad_shard: dict[str, torch.Tensor] = {}
+        self.members: dict[str, Member] = {}
+        seed = ctx.plan.train.seed
+        for bucket_id, bucket in buckets.items():
+            flat = torch.zeros(bucket["padded"], dtype=FP32)
+            for m in bucket["members"]:
+                value = initial_value(seed, m["param"], tuple(m["full_shape"]))
+                if m["tp_split"] is not None:
+                    dim, axis = m["tp_split"]
+                    value = split_feature(value, dim, ctx.tp, ctx.tp_rank, ctx.heads, axis)
+                flat[m["offset"]:m["offset"] + m["numel"]] = value.reshape(-1)
+                self.members[m["param"]] = Member(bucket_id, m["offset"], m["numel"],
+                                                  tuple(m["shape"]))
+            flat = flat.to(ctx.device)
+            if bucket["sharded"]:
+                size = bucket["shard"]
+                self.shard[bucket_id] = flat[shard_index * size:(shard_index + 1) * size].clone()
+                self.grad_shard[bucket_id] = torch.zeros_like(self.shard[bucket_id])
+            if not bucket["zero3"]:
+                self.full[bucket_id] = flat
+            self.grad[bucket_id] = torch.zeros(bucket["padded"], dtype=FP32, device=ctx.device)
+
+    def view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        """Parameter ``name`` inside a whole bucket ``flat``."""
+        m = self.members[name]
+        return flat[m.offset:m.offset + m.numel].view(m.shape)
+
+    def param(self, name: str) -> torch.Tensor:
+        return self.view(self.full[self.members[name].bucket], name)
+
+    def grad_of(self, name: str) -> torch.Tensor:
+        return self.view(self.grad[self.members[name].bucket], name)
+
+    def current_grad(self, bucket: str) -> torch.Tensor:
+        """The bucket's gradient as the next reduction sees it: the shard once reduced
+        and scattered, else the whole buffer."""
+        return self.grad_shard[bucket] if self.buckets[bucket]["sharded"] else \
+            self.grad[bucket]
+
+    def zero_grads(self) -> None:
+        for grad in (*self.grad.values(), *self.grad_shard.values()):
+            grad.zero_()
