@@ -26,6 +26,7 @@ from pathlib import Path
 import networkx as nx
 
 from planc import __version__
+from planc.collector import without_collector
 from planc.files import umask
 from planc.graph import ir
 from planc.lower.groups import GroupTable
@@ -69,6 +70,7 @@ def _dump(data: dict, compact: bool = False) -> str:
     return json.dumps(data, indent=1, sort_keys=False) + "\n"
 
 
+@without_collector
 def write(build: Build, directory: str | Path, source_path: str, source_text: str) -> Path:
     """Write ``build`` to ``directory`` atomically; replaces an earlier planc build there."""
     target = Path(directory)
@@ -159,6 +161,7 @@ def _read_json(directory: Path, name: str) -> dict:
     return data
 
 
+@without_collector
 def read(directory: str | Path) -> Build:
     """Load a build directory, checking its manifest and every file's format."""
     path = Path(directory)
@@ -222,6 +225,7 @@ def _check_graph(path: Path, graph: nx.DiGraph, plan: Plan) -> None:
         raise BuildError(f"{path}: {problems[0]}; run planc compile again")
 
 
+@without_collector
 def read_programs(build: Build) -> Build:
     """The build with its rank programs and rank table, read from programs/."""
     directory = Path(build.path) / PROGRAMS

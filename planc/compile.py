@@ -12,6 +12,7 @@ import networkx as nx
 
 from planc import passes
 from planc.build import Build
+from planc.collector import without_collector
 from planc.graph.derive import derive
 from planc.graph.summary import summarize
 from planc.lower.groups import group_table
@@ -24,6 +25,7 @@ class CompileError(Exception):
     """The compiler produced programs that fail verification: a bug in planc."""
 
 
+@without_collector
 def compile_plan(plan: Plan, check: Callable[[nx.DiGraph, str], None] | None = None) -> Build:
     """The build of ``plan``; ``check(graph, stage)`` runs after derive and every pass."""
     graph = derive(plan)

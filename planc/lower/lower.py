@@ -98,6 +98,11 @@ class _StageLowering:
             "placement" in d for _, d in graph.nodes(data=True))
         self.where: dict[str, _Where] = {}
         self.bucket_of: dict[str, str] | None = None
+        ring = {n: d["kind"] for n, d in graph.nodes(data=True) if d["stage"] == stage and
+                d["type"] == NodeType.TRANSFER and d["axis"] == Axis.CP and
+                d["kind"] in (Kind.SEND, Kind.RECV)}
+        self.ring_sends = {n for n, k in ring.items() if k == Kind.SEND}
+        self.ring_receives = {n for n, k in ring.items() if k == Kind.RECV}
         # ZeRO-1/2 gathers issued at the start of the step: the forward steps reading
         # one of their bucket's parameters wait for them (across the step boundary, so
         # the graph has no edge for it).
@@ -107,6 +112,14 @@ class _StageLowering:
                     self.overlap:
                 for member in graph.graph["buckets"][data["bucket"]]["members"]:
                     self.gathered_first[member["param"]] = node
+        self.first_users: dict[str, list[str]] = {}  # such a gather -> the steps waiting
+        if self.gathered_first:
+            for node, data in graph.nodes(data=True):
+                if data["stage"] == stage and data["type"] == NodeType.COMPUTE and \
+                        data["phase"] == Phase.FORWARD:
+                    for gather in {self.gathered_first[p] for p in data["params"]
+                                   if p in self.gathered_first}:
+                        self.first_users.setdefault(gather, []).append(node)
 
     def place(self, node: str) -> _Where:
         data = self.graph.nodes[node]
@@ -147,14 +160,10 @@ class _StageLowering:
         return (), ()
 
     def is_ring_send(self, node: str) -> bool:
-        data = self.graph.nodes[node]
-        return data["type"] == NodeType.TRANSFER and data["axis"] == Axis.CP and \
-            data["kind"] == Kind.SEND
+        return node in self.ring_sends
 
     def is_ring_recv(self, node: str) -> bool:
-        data = self.graph.nodes[node]
-        return data["type"] == NodeType.TRANSFER and data["axis"] == Axis.CP and \
-            data["kind"] == Kind.RECV
+        return node in self.ring_receives
 
     def sources(self, node: str) -> list[tuple[str, bool]]:
         """(node, carries data) of everything ``node`` depends on; a ring receive
@@ -181,9 +190,10 @@ class _StageLowering:
         """How ``consumer`` must wait for ``source``: None (same stream, another stage,
         or across the step boundary), "mb" (the same microbatch's record) or "step" (the
         record the source makes once per step)."""
-        if self.graph.nodes[source]["stage"] != self.stage:
+        have, want = self.where.get(source), self.where[consumer]
+        if have is None:
             return None  # a pipeline peer's node: reached through a receive
-        have, want = self.where[self._issuer(source)], self.where[self._issuer(consumer)]
+        # (a ring send's place is its receive's: they are one instruction)
         if have.part == EPILOGUE and want.part == PROLOGUE:
             return None  # the next step's prologue: every stream drained in between
         if want.part == EPILOGUE and have.part != EPILOGUE and not self.overlap:
@@ -242,12 +252,7 @@ def _records(lowering: _StageLowering, node: str, where: _Where, guard: str | No
     if lowering.is_ring_recv(node):  # the ring send's consumers read what it sent
         produced += [p for p in graph.predecessors(node) if lowering.is_ring_send(p)]
     consumers = {item: list(graph.successors(item)) for item in produced}
-    if graph.nodes[node].get("placement") == PROLOGUE and lowering.overlap:
-        members = {m["param"] for m in graph.graph["buckets"][graph.nodes[node]["bucket"]][
-            "members"]}
-        consumers[node] += [n for n, d in graph.nodes(data=True)
-                            if d["type"] == NodeType.COMPUTE and d["phase"] == Phase.FORWARD
-                            and d["stage"] == lowering.stage and members & set(d["params"])]
+    consumers[node] += lowering.first_users.get(node, [])
     for item, successors in consumers.items():
         for consumer in successors:
             if graph.nodes[consumer]["stage"] == lowering.stage:

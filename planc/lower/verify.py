@@ -131,7 +131,8 @@ class _Verifier:
         summaries = {}
         for block, instructions in program.blocks.items():
             where = _Lazy(lambda b=block: f"{ranks} ({name}, block {b})")
-            summaries[block] = self._check_sequence(instructions, where, external=True)
+            summaries[block] = self._check_sequence(instructions, where, external=True,
+                                                    clocks=self._gathers(instructions))
             self._guards(where, instructions, summaries[block])
             self._prefetch(where, instructions, summaries[block])
         positions: dict[tuple[str, int], int] = {}
@@ -192,9 +193,7 @@ class _Verifier:
     def _prefetch(self, where, instructions, summary: "_Sequence") -> None:
         """ZeRO-3: the gather of unit k + 2 starts only after every reader of unit k
         finished, so at most two units are gathered at once (their buffers are reused)."""
-        gathers = [k for k, i in enumerate(instructions) if i.op == "all_gather" and
-                   i.node in self.graph and self.graph.nodes[i.node].get("payload") ==
-                   "param" and i.per_microbatch]
+        gathers = self._gathers(instructions)
         for n, k in enumerate(gathers[2:], start=2):
             earlier = instructions[gathers[n - 2]].node
             for r, reader in enumerate(instructions):
@@ -256,8 +255,17 @@ class _Verifier:
             self.report.add(f"{ranks} ({name}): block {other} reads {shown} (microbatch {mb}) "
                             f"after block {block} freed {'them' if len(buffers) > 1 else 'it'}")
 
-    def _check_sequence(self, instructions, where, external: bool) -> "_Sequence":
-        """Vector clocks over the streams of one block (or the prologue or epilogue)."""
+    def _gathers(self, instructions) -> list[int]:
+        """Positions of a block's ZeRO-3 parameter gathers."""
+        return [k for k, i in enumerate(instructions) if i.op == "all_gather" and
+                i.node in self.graph and self.graph.nodes[i.node].get("payload") == "param"
+                and i.per_microbatch]
+
+    def _check_sequence(self, instructions, where, external: bool,
+                        clocks: list[int] | None = None) -> "_Sequence":
+        """Vector clocks over the streams of one block (or the prologue or epilogue);
+        each instruction's clock is kept when ``clocks`` says the block needs them."""
+        keep = bool(clocks)
         clock: dict[str, dict[str, int]] = {}
         events: dict[tuple[str, bool], dict[str, int]] = {}
         writer: dict[str, tuple[int, Instruction]] = {}  # buffer -> (position, instruction)
@@ -272,7 +280,7 @@ class _Verifier:
                 everything = {s: max(c.get(s, -1) for c in clock.values()) for s in clock}
                 for c in clock.values():
                     c.update(everything)
-                sequence.clocks.append(dict(mine))
+                sequence.clocks.append(dict(mine) if keep else None)
                 continue
             key = (instruction.event, instruction.per_microbatch)
             if instruction.op == "wait":
@@ -285,13 +293,13 @@ class _Verifier:
                     self.report.add(f"{where}: {_describe(instruction)} (instruction "
                                     f"{position}) waits for an event no earlier instruction "
                                     f"records")
-                sequence.clocks.append(dict(mine))
+                sequence.clocks.append(dict(mine) if keep else None)
                 continue
             if instruction.op == "record":
                 events[key] = dict(mine)
                 sequence.records.add(key)
                 sequence.record_instructions.append(instruction)
-                sequence.clocks.append(dict(mine))
+                sequence.clocks.append(dict(mine) if keep else None)
                 continue
 
             def happened(before: int, before_stream: str) -> bool:
@@ -335,7 +343,7 @@ class _Verifier:
             for buffer in instruction.frees:
                 freed[buffer] = position
             mine[stream] = position
-            sequence.clocks.append(dict(mine))
+            sequence.clocks.append(dict(mine) if keep else None)
         sequence.streams = [i.stream for i in instructions]
         if external:
             self._closed(where, instructions, clock)

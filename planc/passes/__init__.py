@@ -50,11 +50,10 @@ Pass = Callable[[nx.DiGraph, PassContext], nx.DiGraph]
 
 
 def copy_graph(graph: nx.DiGraph) -> nx.DiGraph:
-    """A copy that a pass may change freely: its own node, edge and bucket dicts."""
+    """A copy that a pass may change freely: its own node and edge attribute dicts, its
+    own table of buckets (a pass that changes a bucket's members replaces the bucket)."""
     out = graph.copy()
-    out.graph = {**graph.graph,
-                 "buckets": {k: {**v, "members": [dict(m) for m in v["members"]]}
-                             for k, v in graph.graph.get("buckets", {}).items()},
+    out.graph = {**graph.graph, "buckets": dict(graph.graph.get("buckets", {})),
                  "passes": list(graph.graph.get("passes", []))}
     return out
 

@@ -68,14 +68,6 @@ def census(graph: nx.DiGraph) -> dict[str, dict]:
     return out
 
 
-def _execution_order(graph: nx.DiGraph) -> dict[str, int]:
-    """Position of every node in the order the lowering issues them (topological, ties
-    by derivation order)."""
-    rank = {node: i for i, node in enumerate(graph.nodes)}
-    return {node: i for i, node in
-            enumerate(nx.lexicographical_topological_sort(graph, key=rank.__getitem__))}
-
-
 def _chain(graph: nx.DiGraph) -> dict[str, list[str]]:
     """Bucket id -> the nodes working on it (reductions, optimizer, gathers)."""
     nodes: dict[str, list[str]] = defaultdict(list)
@@ -85,12 +77,14 @@ def _chain(graph: nx.DiGraph) -> dict[str, list[str]]:
     return nodes
 
 
-def _readiness(graph: nx.DiGraph, chain: list[str], position: dict[str, int]) -> int:
-    """When a bucket's gradient is final: the last backward step writing it."""
+def _readiness(graph: nx.DiGraph, chain: list[str], forward: dict[str, int]) -> int:
+    """When a bucket's gradient is final, as a rank: the backward runs the forward in
+    reverse, so the gradient is final after the backward of its earliest forward use."""
     members = set(chain)
-    producers = [p for node in chain for p in graph.predecessors(node)
-                 if p not in members and graph.nodes[p]["type"] == NodeType.COMPUTE]
-    return max((position[p] for p in producers), default=-1)
+    uses = [forward.get(graph.nodes[p].get("forward_of"), 0) for node in chain
+            for p in graph.predecessors(node)
+            if p not in members and graph.nodes[p]["type"] == NodeType.COMPUTE]
+    return -min(uses, default=0)
 
 
 def _region(graph: nx.DiGraph, bucket: dict) -> str:
@@ -141,7 +135,7 @@ def _units(graph: nx.DiGraph, ids: list[str], ready: dict[str, int], cap: float,
 
 def _merged_bucket(graph: nx.DiGraph, raw: list[str], reason: str) -> dict:
     table = buckets(graph)
-    members = [m for b in raw for m in table[b]["members"]]
+    members = [dict(m) for b in raw for m in table[b]["members"]]
     summed = {m["param"] for b in raw if table[b]["tp_sum_numel"] for m in table[b]["members"]}
     ordered = [m for m in members if m["param"] in summed] + \
         [m for m in members if m["param"] not in summed]
@@ -263,8 +257,9 @@ def fuse(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
         return record(out, PassRecord("fuse", False, line))
     table = buckets(out)
     chain = _chain(out)
-    position = _execution_order(out)
-    ready = {b: _readiness(out, chain[b], position) for b in table}
+    forward = {n: i for i, (n, d) in enumerate(out.nodes(data=True))
+               if d["type"] == NodeType.COMPUTE and d["phase"] == Phase.FORWARD}
+    ready = {b: _readiness(out, chain[b], forward) for b in table}
     by_chunk: dict[int, list[str]] = defaultdict(list)
     for b, info in table.items():
         by_chunk[info["chunk"]].append(b)

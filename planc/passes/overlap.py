@@ -90,13 +90,15 @@ def overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
 def _zero3_prefetch(graph: nx.DiGraph) -> int:
     """Order each block's ZeRO-3 gathers by first use; gather k + 2 waits for the last
     step that reads unit k."""
-    position = {n: i for i, n in enumerate(nx.lexicographical_topological_sort(
-        graph, key={n: i for i, n in enumerate(graph.nodes)}.__getitem__))}
     blocks: dict[tuple, list[str]] = defaultdict(list)
     for node, data in graph.nodes(data=True):
         if data["type"] == NodeType.TRANSFER and data["payload"] == Payload.PARAM and \
                 data["per_microbatch"]:
             blocks[(data["chunk"], data["phase"])].append(node)
+    if not blocks:
+        return 0
+    position = {n: i for i, n in enumerate(nx.lexicographical_topological_sort(
+        graph, key={n: i for i, n in enumerate(graph.nodes)}.__getitem__))}
     count = 0
     for gathers in blocks.values():
         gathers.sort(key=lambda g: min(position[c] for c in graph.successors(g)))
