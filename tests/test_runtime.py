@@ -61,7 +61,18 @@ MATRIX = {
     "tp2-pp2-dp2": dict(mesh="tp = 2; pp = 2; dp = 2", m=2,
                         shard="tp { sequence_parallel = on }; dp { zero = 1 }"),
     "tied-over-pp": dict(mesh="pp = 2", m=2, model="; tie_embeddings = on"),
+    "dp-zero2-sp": dict(mesh="tp = 2; dp = 2", m=2,
+                        shard="tp { sequence_parallel = on }; dp { zero = 2 }"),
+    "dp-zero3-recompute": dict(mesh="dp = 2", shard="dp { zero = 3 }", m=2,
+                               optimize="recompute = full"),
+    "tied-zero3": dict(mesh="dp = 2", shard="dp { zero = 3 }", model="; tie_embeddings = on"),
+    "tied-pp-zero1": dict(mesh="pp = 2; dp = 2", m=2, model="; tie_embeddings = on",
+                          shard="dp { zero = 1 }"),
 }
+TIED = ("tied-over-pp", "tied-zero3", "tied-pp-zero1")  # another model: its head is tied
+# Every plan with the optimisation passes as the plan says (on), and with each turned off.
+SWITCHES = {"": [], "fuse-off": ["--set", "optimize.fuse=off"],
+            "overlap-off": ["--set", "optimize.overlap=off"]}
 
 
 METRICS = {"step", "loss", "time_s", "compute_s", "comm_s", "exposed_comm_s", "pipeline_wait_s",
@@ -84,13 +95,14 @@ def losses() -> dict[str, list[float]]:
     return {}
 
 
+@pytest.mark.parametrize("switch", list(SWITCHES), ids=lambda s: s or "passes-on")
 @pytest.mark.parametrize("name", list(MATRIX))
-def test_every_plan_trains_exactly_like_one_process(name, tmp_path, capfd, losses):
+def test_every_plan_trains_exactly_like_one_process(name, switch, tmp_path, capfd, losses):
     plan = tmp_path / f"{name}.plan"
     plan.write_text(plan_text(name, **MATRIX[name]))
     metrics = tmp_path / "metrics.jsonl"
     status, err = run([plan, "-o", tmp_path / "build", "--check", "--metrics", metrics,
-                       "--timeout", "60"], capfd)
+                       "--timeout", "60", *SWITCHES[switch]], capfd)
     assert status == 0, err
     assert "every loss and parameter matches" in err
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -98,17 +110,18 @@ def test_every_plan_trains_exactly_like_one_process(name, tmp_path, capfd, losse
     assert all(set(r) == METRICS for r in records)
     for r in records:  # the slowest rank's step, and where its compute stream spent it
         assert 0 < r["compute_s"] < r["time_s"] and 0 <= r["exposed_comm_s"] < r["time_s"]
-    losses[name] = [r["loss"] for r in records]
+    losses[(name, switch)] = [r["loss"] for r in records]
 
 
 def test_every_plan_of_one_model_follows_the_same_loss_curve(losses):
-    same_model = {k: v for k, v in losses.items() if k != "tied-over-pp"}
-    if len(same_model) < len(MATRIX) - 1:
+    if len(losses) < len(MATRIX) * len(SWITCHES):
         pytest.skip("needs the whole matrix")
-    reference = same_model["single"]
-    for name, curve in same_model.items():
-        assert curve == pytest.approx(reference, rel=1e-5), name
-    assert losses["tied-over-pp"] != pytest.approx(reference, rel=1e-3)  # another model
+    reference = losses[("single", "")]
+    tied = losses[("tied-over-pp", "")]
+    for (name, switch), curve in losses.items():
+        expected = tied if name in TIED else reference
+        assert curve == pytest.approx(expected, rel=1e-5), (name, switch)
+    assert tied != pytest.approx(reference, rel=1e-3)  # another model
 
 
 def test_gpt_tiny_with_adamw_and_a_trace(tmp_path, capfd):

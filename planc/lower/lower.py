@@ -31,6 +31,7 @@ from planc.passes.overlap import COMPUTE, stream_of
 from planc.plan import Plan
 
 STREAM_ORDER = ("compute", "comm", "dp", "send_next", "send_prev", "recv_prev", "recv_next")
+PROLOGUE, EPILOGUE = "prologue", "epilogue"
 
 
 def gradient_buffer(bucket: str) -> str:
@@ -39,26 +40,37 @@ def gradient_buffer(bucket: str) -> str:
 
 
 def _close_state(block: list[Instruction]) -> list[Instruction]:
-    """The next microbatch's backward writes a bucket's gradient buffer again: before the
-    block ends, the compute stream waits for every per-microbatch reduction that reads
-    one (ZeRO-2/3), so that it never writes a buffer a reduction is still reading."""
-    written = {w for i in block if i.stream == COMPUTE for w in i.writes
-               if w.startswith(STATE)}
-    readers = [i for i in block if i.per_microbatch and i.stream != COMPUTE and
-               i.op not in ("record", "wait") and written.intersection(i.reads)]
-    if not readers:
+    """The next microbatch's instance of the block writes the buckets' gradient buffers
+    again: before the block ends, every stream that writes one waits for each
+    per-microbatch instruction of another stream that reads it (ZeRO-2/3 reductions), so
+    that no buffer is rewritten while a reduction still reads it."""
+    writers: dict[str, set[str]] = {}
+    for i in block:
+        if i.per_microbatch:
+            for w in i.writes:
+                if w.startswith(STATE):
+                    writers.setdefault(w, set()).add(i.stream)
+    closing: list[tuple[str, Instruction]] = []  # (waiting stream, reader)
+    for i in block:
+        if not i.per_microbatch or i.op in ("record", "wait"):
+            continue
+        for stream in sorted({s for r in i.reads if r in writers for s in writers[r]}):
+            if stream != i.stream and (stream, i) not in closing:
+                closing.append((stream, i))
+    if not closing:
         return block
-    out = []
+    readers = [i for _, i in closing]
     recorded = {(i.event, i.stream) for i in block if i.op == "record" and i.per_microbatch}
+    out = []
     for instruction in block:
         out.append(instruction)
         if instruction in readers and \
                 (f"done:{instruction.node}", instruction.stream) not in recorded:
             out.append(Instruction("record", instruction.stream,
                                    event=f"done:{instruction.node}"))
-    out += [Instruction("wait", COMPUTE, event=f"done:{i.node}") for i in readers]
+            recorded.add((f"done:{instruction.node}", instruction.stream))
+    out += [Instruction("wait", stream, event=f"done:{i.node}") for stream, i in closing]
     return out
-PROLOGUE, EPILOGUE = "prologue", "epilogue"
 
 
 def _ordered(graph: nx.DiGraph, nodes: set[str], rank: dict[str, int]) -> list[str]:
@@ -171,16 +183,20 @@ class _StageLowering:
         if self.is_ring_recv(node):
             (send,) = [p for p in self.graph.predecessors(node) if self.is_ring_send(p)]
             node = send
-        out = [(u, d.get("kind") != EdgeKind.ORDER) for u, _, d in
-               self.graph.in_edges(node, data=True)]
         data = self.graph.nodes[node]
+        # Gradients and parameters move through the buckets' buffers, not the producers'.
+        through_state = data["type"] == NodeType.COMPUTE and data["op"] == Op.OPTIMIZER or \
+            data["type"] == NodeType.TRANSFER and data["payload"] in (Payload.GRAD,
+                                                                     Payload.PARAM)
+        out = [(u, d.get("kind") != EdgeKind.ORDER and not through_state) for u, _, d in
+               self.graph.in_edges(node, data=True)]
         if self.gathered_first and data["type"] == NodeType.COMPUTE and \
                 data["phase"] == Phase.FORWARD:
             out += [(g, False) for g in {self.gathered_first[p] for p in data["params"]
                                          if p in self.gathered_first}]
         return sorted(out, key=lambda item: self.rank[item[0]])
 
-    def _issuer(self, node: str) -> str:
+    def issuer(self, node: str) -> str:
         """The node whose instruction runs ``node`` (a ring send runs with its receive)."""
         if self.is_ring_send(node):
             return next(c for c in self.graph.successors(node) if self.is_ring_recv(c))
@@ -205,79 +221,78 @@ class _StageLowering:
         return "step"
 
 
-def _instructions(lowering: _StageLowering, nodes: list[str], guarded_part: bool
+def _waits(lowering: _StageLowering, parts: dict[str, list[str]]
+           ) -> dict[str, list[tuple[str, str]]]:
+    """The events each node waits for, as (source, "mb" or "step"). Of several sources on
+    one stream in one part, only the latest is waited for: that stream ran the others
+    before it."""
+    position = {n: (part, i) for part, nodes in parts.items() for i, n in enumerate(nodes)}
+    out: dict[str, list[tuple[str, str]]] = {}
+    for nodes in parts.values():
+        for node in nodes:
+            if lowering.is_ring_send(node):
+                continue
+            latest: dict[tuple, tuple[int, str]] = {}
+            for source, _ in lowering.sources(node):
+                how = lowering.needs_event(source, node)
+                if how is None:
+                    continue
+                part, index = position.get(lowering.issuer(source), (None, -1))
+                key = (lowering.where[source].stream, how, part)
+                if key not in latest or latest[key][0] < index:
+                    latest[key] = (index, source)
+            out[node] = sorted(((source, how) for (_, how, _), (_, source) in latest.items()),
+                               key=lambda item: lowering.rank[item[0]])
+    return out
+
+
+def _instructions(lowering: _StageLowering, nodes: list[str],
+                  waits: dict[str, list[tuple[str, str]]], recorded: set[tuple[str, str]]
                   ) -> list[Instruction]:
-    """Instructions for ``nodes`` in order, with the waits their consumers need."""
+    """Instructions for ``nodes`` in order: each with its waits before it and the records
+    others wait for after it."""
     graph = lowering.graph
     out: list[Instruction] = []
-    waited: dict[tuple[str, str, bool], None] = {}
+    waited: set[tuple[str, str, str]] = set()
     for node in nodes:
         if lowering.is_ring_send(node):
             continue  # issued together with its receive as one ring shift
         where = lowering.where[node]
         data = graph.nodes[node]
         guard = "last" if where.guarded else None
-        reads = []
-        for source, carries in lowering.sources(node):
-            if carries:
-                reads.append(source)
-            how = lowering.needs_event(source, node)
-            if how is None:
-                continue
-            per_mb = how == "mb"
-            key = (where.stream, source, per_mb)
-            if key in waited:
+        for source, how in waits.get(node, ()):
+            if (where.stream, source, how) in waited:
                 continue  # later instructions of the stream follow the first wait
-            waited[key] = None
+            waited.add((where.stream, source, how))
             out.append(Instruction("wait", where.stream, event=f"done:{source}",
-                                   per_microbatch=per_mb, guard=guard))
+                                   per_microbatch=how == "mb", guard=guard))
         op = "compute" if data["type"] == NodeType.COMPUTE else data["kind"].value
         if lowering.is_ring_recv(node):
             op = "sendrecv"
+        reads = tuple(source for source, carries in lowering.sources(node) if carries)
         state_reads, state_writes = lowering.state_buffers(node)
-        out.append(Instruction(op, where.stream, node, reads=tuple(reads) + state_reads,
+        out.append(Instruction(op, where.stream, node, reads=reads + state_reads,
                                writes=(node,) + state_writes,
                                per_microbatch=data["per_microbatch"], guard=guard))
-        out.extend(_records(lowering, node, where, guard))
+        if (node, "mb") in recorded:
+            out.append(Instruction("record", where.stream, event=f"done:{node}",
+                                   per_microbatch=True, guard=guard))
+        if (node, "step") in recorded:  # once, on the last microbatch of a block
+            out.append(Instruction("record", where.stream, event=f"done:{node}",
+                                   per_microbatch=False,
+                                   guard="last" if where.per_microbatch or guard else None))
     return out
 
 
-def _records(lowering: _StageLowering, node: str, where: _Where, guard: str | None
-             ) -> list[Instruction]:
-    """The events other streams wait for after ``node``: per microbatch, and once per
-    step (on the last microbatch) for once-per-step consumers outside the blocks."""
-    kinds = set()
-    graph = lowering.graph
-    produced = [node]
-    if lowering.is_ring_recv(node):  # the ring send's consumers read what it sent
-        produced += [p for p in graph.predecessors(node) if lowering.is_ring_send(p)]
-    consumers = {item: list(graph.successors(item)) for item in produced}
-    consumers[node] += lowering.first_users.get(node, [])
-    for item, successors in consumers.items():
-        for consumer in successors:
-            if graph.nodes[consumer]["stage"] == lowering.stage:
-                how = lowering.needs_event(item, consumer)
-                if how is not None:
-                    kinds.add(how)
-    out = []
-    if "mb" in kinds:
-        out.append(Instruction("record", where.stream, event=f"done:{node}",
-                               per_microbatch=True, guard=guard))
-    if "step" in kinds:
-        out.append(Instruction("record", where.stream, event=f"done:{node}",
-                               per_microbatch=False,
-                               guard="last" if where.per_microbatch or guard else None))
-    return out
-
-
-def _with_frees(blocks: dict[str, list[Instruction]], graph: nx.DiGraph
-                ) -> dict[str, tuple[Instruction, ...]]:
+def _with_frees(blocks: dict[str, list[Instruction]], graph: nx.DiGraph,
+                outside: list[Instruction]) -> dict[str, tuple[Instruction, ...]]:
     """Mark, on its last reader, each per-microbatch buffer that no once-per-step work
-    reads: a forward block's buffers may be read by the backward block of the same
-    chunk, which always runs later for the same microbatch."""
+    reads (in a block, or in ``outside``: the prologue and epilogue): a forward block's
+    buffers may be read by the backward block of the same chunk, which always runs later
+    for the same microbatch."""
     readers: dict[str, list[tuple[str, int]]] = {}
     writers: dict[str, tuple[str, int]] = {}
-    kept: set[str] = set()
+    kept: set[str] = {buffer for i in outside for buffer in i.reads}
     for name, block in blocks.items():
         for k, instruction in enumerate(block):
             if instruction.op in ("record", "wait") or not instruction.per_microbatch:
@@ -333,14 +348,18 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
                 parts.setdefault(where.part, set()).add(node)
         for node in by_stage[stage]:  # a ring send runs where its receive runs
             if lowering.is_ring_send(node):
-                lowering.where[node] = lowering.where[lowering._issuer(node)]
-        listed = {name: _instructions(lowering, _ordered(graph, nodes, rank), True)
-                  for name, nodes in parts.items()}
+                lowering.where[node] = lowering.where[lowering.issuer(node)]
+        ordered = {name: _ordered(graph, nodes, rank) for name, nodes in parts.items()}
+        waits = _waits(lowering, ordered)
+        recorded = {item for items in waits.values() for item in items}
+        listed = {name: _instructions(lowering, nodes, waits, recorded)
+                  for name, nodes in ordered.items()}
         for name in listed:
             if name not in (PROLOGUE, EPILOGUE):
                 listed[name] = _close_state(listed[name])
         blocks = _with_frees({name: listed[name] for name in sorted(listed)
-                              if name not in (PROLOGUE, EPILOGUE)}, graph)
+                              if name not in (PROLOGUE, EPILOGUE)}, graph,
+                             listed.get(PROLOGUE, []) + listed.get(EPILOGUE, []))
         body = listed.get(EPILOGUE, [])
         if not lowering.overlap:
             # Every stream of the epilogue starts once every stream has drained the blocks.

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from planc.graph.ir import bucket_problems
+from planc.passes.overlap import unit_of
 from planc.layout import Layout as RankLayout
 from planc.lower.program import (COLLECTIVES, STATE, Instruction, Program, RankTable,
                                  guard_microbatch)
@@ -172,6 +173,7 @@ class _Verifier:
                                 f"for an event no earlier instruction records")
         self._accumulations(ranks, name, program, positions, last_run)
         self._frees(ranks, name, program, positions)
+        self._gathered_first(ranks, name, program)
 
     def _guards(self, where, instructions, summary: "_Sequence") -> None:
         """A once-per-step record must be guarded (else it is recorded every microbatch),
@@ -191,24 +193,36 @@ class _Verifier:
                                     f"'{guard_of[key]}')")
 
     def _prefetch(self, where, instructions, summary: "_Sequence") -> None:
-        """ZeRO-3: the gather of unit k + 2 starts only after every reader of unit k
+        """ZeRO-3: the gathers of unit k + 2 start only after every reader of unit k
         finished, so at most two units are gathered at once (their buffers are reused)."""
-        gathers = self._gathers(instructions)
-        for n, k in enumerate(gathers[2:], start=2):
-            earlier = instructions[gathers[n - 2]].node
-            for r, reader in enumerate(instructions):
-                if earlier in reader.reads and not summary.before(r, k):
-                    self.report.add(
-                        f"{where}: {_describe(instructions[k])} (instruction {k}) prefetches "
-                        f"a third ZeRO-3 unit while {_describe(reader)} (instruction {r}) may "
-                        f"still read {earlier}, whose buffer it reuses")
-                    return
+        units: dict[str, list[int]] = {}
+        for k in self._gathers(instructions):
+            units.setdefault(unit_of(self.graph, instructions[k].node), []).append(k)
+        order = list(units.values())
+        for n, unit in enumerate(order[2:], start=2):
+            earlier = {instructions[k].node for k in order[n - 2]}
+            for k in unit:
+                for r, reader in enumerate(instructions):
+                    if earlier.intersection(reader.reads) and not summary.before(r, k):
+                        gathered = sorted(earlier.intersection(reader.reads))[0]
+                        self.report.add(
+                            f"{where}: {_describe(instructions[k])} (instruction {k}) "
+                            f"prefetches a third ZeRO-3 unit while {_describe(reader)} "
+                            f"(instruction {r}) may still read {gathered}, whose buffer it "
+                            f"reuses")
+                        return
 
     def _accumulations(self, ranks, name: str, program: Program, positions, last_run) -> None:
         """Once-per-step work that reads a per-microbatch value reads its sum over every
         microbatch: it must run after the last microbatch of the block that writes it."""
         home = {i.node: block for block, items in program.blocks.items() for i in items
                 if i.node is not None}
+        writers: dict[str, set[str]] = {}  # a state buffer -> the blocks writing it
+        for block, items in program.blocks.items():
+            for i in items:
+                for buffer in i.writes:
+                    if buffer.startswith(STATE) and i.per_microbatch:
+                        writers.setdefault(buffer, set()).add(block)
         for block, instructions in program.blocks.items():
             for instruction in instructions:
                 if instruction.per_microbatch or instruction.op in ("record", "wait", "sync"):
@@ -216,22 +230,66 @@ class _Verifier:
                 mb = guard_microbatch(instruction.guard, program.microbatches)
                 at = positions.get((block, mb))
                 for source in instruction.reads:
-                    producer = home.get(source)
-                    data = self.graph.nodes.get(source, {})
-                    if producer is None or not data.get("per_microbatch"):
-                        continue
-                    if at is None or last_run.get(producer, -1) > at:
-                        when = "never runs" if at is None else \
-                            f"runs on microbatch {mb} (guard '{instruction.guard}')"
-                        self.report.add(
-                            f"{ranks} ({name}): {_describe(instruction)} in block {block} "
-                            f"{when} but reads {source} summed over every microbatch, and "
-                            f"block {producer} still runs for later microbatches")
+                    if source.startswith(STATE):
+                        producers = writers.get(source, set())
+                    else:
+                        data = self.graph.nodes.get(source, {})
+                        producers = {home[source]} if source in home and \
+                            data.get("per_microbatch") else set()
+                    for producer in sorted(producers):
+                        if at is None or last_run.get(producer, -1) > at:
+                            when = "never runs" if at is None else \
+                                f"runs on microbatch {mb} (guard '{instruction.guard}')"
+                            self.report.add(
+                                f"{ranks} ({name}): {_describe(instruction)} in block {block} "
+                                f"{when} but reads {source} summed over every microbatch, and "
+                                f"block {producer} still runs for later microbatches")
         for instruction in program.prologue:
             for source in instruction.reads:
                 if source in home and self.graph.nodes.get(source, {}).get("per_microbatch"):
                     self.report.add(f"{ranks} ({name}, prologue): {_describe(instruction)} "
                                     f"reads {source} before any microbatch ran")
+
+    def _gathered_first(self, ranks, name: str, program: Program) -> None:
+        """A bucket gathered at the start of the step on another stream (ZeRO-1/2 with
+        overlap): each forward step reading one of its parameters waits for the gather."""
+        gathers, order = {}, {}
+        for k, instruction in enumerate(program.prologue):
+            data = self.graph.nodes.get(instruction.node or "", {})
+            if data.get("payload") == "param":
+                order[f"done:{instruction.node}"] = (instruction.stream, k)
+                for member in program.buckets.get(data["bucket"], {}).get("members", ()):
+                    gathers[member["param"]] = (instruction, k)
+        if not gathers:
+            return
+        for block, instructions in program.blocks.items():
+            # per waiting stream and gathering stream: the latest gather waited for (its
+            # stream ran every earlier one before it)
+            waited: dict[tuple[str, str], int] = {}
+            reported: set[str] = set()
+            for instruction in instructions:
+                if instruction.op == "wait" and not instruction.per_microbatch and \
+                        instruction.event in order:
+                    stream, k = order[instruction.event]
+                    key = (instruction.stream, stream)
+                    waited[key] = max(waited.get(key, -1), k)
+                if instruction.op != "compute":
+                    continue
+                data = self.graph.nodes.get(instruction.node, {})
+                if data.get("phase") != "forward":
+                    continue  # later work of the stream follows the forward that waited
+                for param in data.get("params", ()):
+                    gather, k = gathers.get(param, (None, 0))
+                    if gather is None or gather.stream == instruction.stream:
+                        continue
+                    if waited.get((instruction.stream, gather.stream), -1) < k and \
+                            gather.node not in reported:
+                        reported.add(gather.node)
+                        self.report.add(
+                            f"{ranks} ({name}, block {block}): {_describe(instruction)} reads "
+                            f"{param} without waiting for {_describe(gather)}, which gathers "
+                            f"it at the start of the step")
+                        break
 
     def _frees(self, ranks, name: str, program: Program, positions) -> None:
         """No block reads a buffer after the block that frees it ran, for one microbatch."""

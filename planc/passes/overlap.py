@@ -31,7 +31,7 @@ from collections import defaultdict
 
 import networkx as nx
 
-from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Payload, Phase
+from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase
 from planc.passes import PassContext, PassRecord, copy_graph, record
 
 COMPUTE, COMM, DP = "compute", "comm", "dp"
@@ -58,6 +58,7 @@ def overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
         if not data["per_microbatch"]:
             data["placement"] = "epilogue"
     if not on:
+        _zero3_prefetch(out, depth=1)  # each unit gathered just before its first use
         return record(out, PassRecord(
             "overlap", False, "overlap: off (overlap = off): every collective runs on the "
             "compute stream, once-per-step work after the last microbatch"))
@@ -67,13 +68,13 @@ def overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
             continue
         if data["payload"] in (Payload.GRAD, Payload.LOSS):
             data.update(placement="block", guard="last")
-            guarded += 1
+            guarded += data["payload"] == Payload.GRAD
         elif data["payload"] == Payload.PARAM and data["phase"] == Phase.OPTIMIZER:
             data["placement"] = "prologue"
             prologue += 1
-    prefetched = _zero3_prefetch(out)
-    parts = [f"{guarded} once-per-step reductions issued in the last microbatch's "
-             f"backward as soon as their inputs are final"]
+    prefetched = _zero3_prefetch(out, PREFETCH_DEPTH)
+    parts = [f"{guarded} once-per-step gradient reductions issued in the last "
+             f"microbatch's backward as soon as their inputs are final"]
     if prologue:
         parts.append(f"{prologue} ZeRO parameter all-gathers moved to the start of the next "
                      f"step, each waited for by its first forward use")
@@ -87,9 +88,21 @@ def overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
                                   decisions))
 
 
-def _zero3_prefetch(graph: nx.DiGraph) -> int:
-    """Order each block's ZeRO-3 gathers by first use; gather k + 2 waits for the last
-    step that reads unit k."""
+def unit_of(graph: nx.DiGraph, gather: str) -> str:
+    """The FSDP unit a ZeRO-3 gather serves: the layer of the step reading it, or the
+    embedding or the head (one unit may need several gathers, one per bucket)."""
+    readers = [c for _, c, d in graph.out_edges(gather, data=True)
+               if d["kind"] == EdgeKind.DATA]
+    layers = {graph.nodes[c]["layer"] for c in readers}
+    if layers != {None}:
+        return f"layer {min(x for x in layers if x is not None)}"
+    ops = {graph.nodes[c]["op"] for c in readers}
+    return "embedding" if ops & {Op.EMBEDDING, Op.POSITION} else "head"
+
+
+def _zero3_prefetch(graph: nx.DiGraph, depth: int) -> int:
+    """Order each block's ZeRO-3 gathers by first use; the gathers of unit k + depth wait
+    for the last step that reads unit k, so at most ``depth`` units are gathered at once."""
     blocks: dict[tuple, list[str]] = defaultdict(list)
     for node, data in graph.nodes(data=True):
         if data["type"] == NodeType.TRANSFER and data["payload"] == Payload.PARAM and \
@@ -101,11 +114,18 @@ def _zero3_prefetch(graph: nx.DiGraph) -> int:
         graph, key={n: i for i, n in enumerate(graph.nodes)}.__getitem__))}
     count = 0
     for gathers in blocks.values():
-        gathers.sort(key=lambda g: min(position[c] for c in graph.successors(g)))
-        for k, gather in enumerate(gathers):
-            if k >= PREFETCH_DEPTH:
-                earlier = gathers[k - PREFETCH_DEPTH]
-                last = max(graph.successors(earlier), key=position.__getitem__)
-                graph.add_edge(last, gather, kind=EdgeKind.ORDER)
-            count += 1
+        readers = {g: [c for _, c, d in graph.out_edges(g, data=True)
+                       if d["kind"] == EdgeKind.DATA] for g in gathers}
+        gathers.sort(key=lambda g: min(position[c] for c in readers[g]))
+        units: dict[str, list[str]] = {}
+        for gather in gathers:
+            units.setdefault(unit_of(graph, gather), []).append(gather)
+        order = list(units.values())
+        for k, gather in enumerate(gathers[1:], start=1):  # issued in order of first use
+            graph.add_edge(gathers[k - 1], gather, kind=EdgeKind.ORDER)
+        for k, unit in enumerate(order[depth:], start=depth):
+            last = max((c for g in order[k - depth] for c in readers[g]),
+                       key=position.__getitem__)
+            graph.add_edge(last, unit[0], kind=EdgeKind.ORDER)
+        count += len(gathers)
     return count

@@ -9,9 +9,14 @@ from planc.lower.program import Instruction, Program, RankTable
 from planc.plan import Plan
 
 
+GUARD_TEXT = {"last": "  (last microbatch only)", "first": "  (first microbatch only)"}
+
+
 def _instruction(i: Instruction, graph: nx.DiGraph) -> str:
+    guard = GUARD_TEXT.get(i.guard, "")
     if i.op in ("record", "wait"):
-        return f"{i.stream:<10} {i.op} {i.event}"
+        scope = "" if i.per_microbatch else " (once per step)"
+        return f"{i.stream:<10} {i.op} {i.event}{scope}{guard}"
     if i.op == "sync":
         return f"{i.stream:<10} sync (every stream drained)"
     data = graph.nodes[i.node] if i.node in graph else {}
@@ -19,7 +24,7 @@ def _instruction(i: Instruction, graph: nx.DiGraph) -> str:
     if data.get("type") == "transfer":
         extra = f"  [{data['axis']}, {data['bytes']:,} B]"
     reads = f"  <- {', '.join(i.reads)}" if i.reads else ""
-    return f"{i.stream:<10} {i.op:<14} {i.node}{extra}{reads}"
+    return f"{i.stream:<10} {i.op:<14} {i.node}{extra}{reads}{guard}"
 
 
 def _block_title(name: str, plan: Plan) -> str:
@@ -60,6 +65,11 @@ def render(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program], table: R
             mb = f"  (mb {item.microbatch})" if item.microbatch is not None else ""
             lines.append(f"  {item.index:>6}  {item.stream:<10} {item.op:<14} {what}{mb}")
         return "\n".join(lines) + "\n"
+    if program.prologue:
+        lines.append("")
+        lines.append("prologue, once per step before the first block:")
+        for k, instruction in enumerate(program.prologue):
+            lines.append(f"  {k:>4}  {_instruction(instruction, graph)}")
     for block, instructions in program.blocks.items():
         lines.append("")
         lines.append(_block_title(block, plan))
