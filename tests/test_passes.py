@@ -314,3 +314,21 @@ def test_a_forward_step_that_does_not_wait_for_its_prologue_gather_is_rejected()
         "ranks 0, 1 (stage0.json, block F0): compute F/embedding on stream compute reads "
         "embedding.weight without waiting for all_gather O/c0.b0:all_gather@dp_cp on stream "
         "dp, which gathers it at the start of the step"]
+
+
+def test_a_buffer_freed_while_another_stream_still_reads_it_is_rejected():
+    build = compile_plan(small(mesh="tp = 2"))
+
+    def early(data):  # attn_residual stops waiting for the all-reduce and frees its input
+        block = data["blocks"]["F0"]
+        reduce = _index(block, "F/L0/proj>attn_residual:all_reduce@tp")
+        wait = next(k for k in range(reduce, len(block)) if block[k]["op"] == "wait" and
+                    block[k]["stream"] == "compute")
+        block[wait]["event"] = "done:F/L0/proj"
+        block[wait + 1]["frees"] = ["F/L0/proj"]
+
+    problems = broken(build, early)
+    assert "ranks 0, 1 (stage0.json, block F0): compute F/L0/attn_residual on stream compute " \
+           "(instruction 16) frees F/L0/proj while all_reduce " \
+           "F/L0/proj>attn_residual:all_reduce@tp on stream comm (instruction 13) may still " \
+           "be reading it" in problems

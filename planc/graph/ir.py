@@ -189,6 +189,9 @@ OPTIONAL = {
     "layer": "the transformer layer, or None outside the layers",
     "forward_of": "B and R nodes: the forward node whose output they differentiate or redo",
     "recompute_of": "B nodes whose forward is recomputed: the R node that redoes it",
+    "weight_grad": "B nodes split by the overlap pass: the W node computing their weight "
+                   "gradients (the B node computes the input gradients only)",
+    "weight_grad_of": "W nodes: the B node whose weight gradients they compute",
     "tp_input": "compute: the operator's input layout over tp",
     "tp_output": "compute: its output layout over tp",
     "bucket": "GRAD and PARAM transfers and optimizer steps: the bucket they work on",

@@ -26,7 +26,8 @@ from dataclasses import dataclass, replace
 import networkx as nx
 
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, buckets
-from planc.lower.program import STATE, Instruction, Program, RankTable
+from planc.lower.program import (STATE, Instruction, Program, RankTable, finished_before,
+                                 vector_clocks)
 from planc.passes.overlap import COMPUTE, stream_of
 from planc.plan import Plan
 
@@ -34,9 +35,13 @@ STREAM_ORDER = ("compute", "comm", "dp", "send_next", "send_prev", "recv_prev", 
 PROLOGUE, EPILOGUE = "prologue", "epilogue"
 
 
-def gradient_buffer(bucket: str) -> str:
-    """The state buffer of a bucket's gradient, as instructions name it."""
-    return f"{STATE}grad:{bucket}"
+def gradient_buffers(bucket: str, info: dict) -> tuple[str, ...]:
+    """The state buffers of a bucket's gradient, as instructions name them: the leading
+    range of partial sums over tp (``:sum``) and the rest are disjoint, so a tp sum may
+    run while backward steps still add into the rest."""
+    if not info.get("tp_sum_numel") or info["tp_sum_numel"] == info["numel"]:
+        return (f"{STATE}grad:{bucket}",)
+    return (f"{STATE}grad:{bucket}:sum", f"{STATE}grad:{bucket}:rest")
 
 
 def _close_state(block: list[Instruction]) -> list[Instruction]:
@@ -109,7 +114,7 @@ class _StageLowering:
         self.overlap = plan.optimize.overlap and any(
             "placement" in d for _, d in graph.nodes(data=True))
         self.where: dict[str, _Where] = {}
-        self.bucket_of: dict[str, str] | None = None
+        self.buffer_of: dict[str, str] | None = None  # parameter -> its gradient buffer
         ring = {n: d["kind"] for n, d in graph.nodes(data=True) if d["stage"] == stage and
                 d["type"] == NodeType.TRANSFER and d["axis"] == Axis.CP and
                 d["kind"] in (Kind.SEND, Kind.RECV)}
@@ -153,22 +158,27 @@ class _StageLowering:
         the buckets of the parameters they use, reductions read and rewrite theirs, the
         optimizer reads its own."""
         data = self.graph.nodes[node]
+        table = self.graph.graph["buckets"]
         if data["type"] == NodeType.COMPUTE:
             if data["op"] == Op.OPTIMIZER:
-                return (gradient_buffer(data["bucket"]),), ()
-            if data["phase"] == Phase.BACKWARD and not data["recompute"]:
-                table = self.graph.graph["buckets"]
-                owner = self.bucket_of
+                return gradient_buffers(data["bucket"], table[data["bucket"]]), ()
+            if data["phase"] == Phase.BACKWARD and not data["recompute"] and \
+                    "weight_grad" not in data:  # a split step leaves them to its W step
+                owner = self.buffer_of
                 if owner is None:
-                    owner = self.bucket_of = {m["param"]: b for b, info in table.items()
-                                              if info["stage"] == self.stage
-                                              for m in info["members"]}
-                return (), tuple(sorted({gradient_buffer(owner[p]) for p in data["params"]
-                                         if p in owner}))
+                    owner = self.buffer_of = {}
+                    for b, info in table.items():
+                        if info["stage"] == self.stage:
+                            names = gradient_buffers(b, info)
+                            for m in info["members"]:
+                                summed = m["offset"] < info.get("tp_sum_numel", 0)
+                                owner[m["param"]] = names[0] if summed else names[-1]
+                return (), tuple(sorted({owner[p] for p in data["params"] if p in owner}))
             return (), ()
         if data["payload"] == Payload.GRAD:
-            buffer = gradient_buffer(data["bucket"])
-            return (buffer,), (buffer,)
+            names = gradient_buffers(data["bucket"], table[data["bucket"]])
+            touched = names[:1] if "elements" in data else names  # a tp sum: its range
+            return touched, touched
         return (), ()
 
     def is_ring_send(self, node: str) -> bool:
@@ -286,13 +296,18 @@ def _instructions(lowering: _StageLowering, nodes: list[str],
 
 def _with_frees(blocks: dict[str, list[Instruction]], graph: nx.DiGraph,
                 outside: list[Instruction]) -> dict[str, tuple[Instruction, ...]]:
-    """Mark, on its last reader, each per-microbatch buffer that no once-per-step work
-    reads (in a block, or in ``outside``: the prologue and epilogue): a forward block's
-    buffers may be read by the backward block of the same chunk, which always runs later
-    for the same microbatch."""
+    """Mark each per-microbatch buffer that no once-per-step work reads (in a block, or in
+    ``outside``: the prologue and epilogue) as freed by its last reader, when that reader
+    finishes after every other reader: later on the same stream, after a wait for it, or
+    in the backward block of the same chunk (which runs after the forward block for the
+    same microbatch) when the other readers finished before the forward block ended on
+    its stream. A buffer read on streams that never wait for each other is kept for the
+    step."""
     readers: dict[str, list[tuple[str, int]]] = {}
     writers: dict[str, tuple[str, int]] = {}
     kept: set[str] = {buffer for i in outside for buffer in i.reads}
+    clocks = {name: vector_clocks(block) for name, block in blocks.items()}
+    streams = {name: [i.stream for i in block] for name, block in blocks.items()}
     for name, block in blocks.items():
         for k, instruction in enumerate(block):
             if instruction.op in ("record", "wait") or not instruction.per_microbatch:
@@ -304,15 +319,25 @@ def _with_frees(blocks: dict[str, list[Instruction]], graph: nx.DiGraph,
             for buffer in instruction.writes:
                 writers[buffer] = (name, k)
     later = {"F": 0, "B": 1}
+
+    def covered(other: tuple[str, int], last: tuple[str, int]) -> bool:
+        (ob, ok), (lb, lk) = other, last
+        if ob == lb:
+            return finished_before(clocks[lb][0], streams[lb], ok, lk)
+        final = clocks[ob][1].get(streams[lb][lk], {})  # the last reader's stream, at
+        return final.get(streams[ob][ok], -1) >= ok  # the end of the earlier block
+
     frees: dict[tuple[str, int], list[str]] = {}
     for buffer, (name, k) in writers.items():
-        if buffer in kept or graph.nodes.get(buffer, {}).get("per_microbatch") is False:
+        if buffer in kept or buffer.startswith(STATE) or \
+                graph.nodes.get(buffer, {}).get("per_microbatch") is False:
             continue
         places = readers.get(buffer, [(name, k)])
         if any(block[1:] != name[1:] for block, _ in places):
             continue  # read by another chunk's block: keep it for the step
         last = max(places, key=lambda p: (later[p[0][0]], p[1]))
-        frees.setdefault(last, []).append(buffer)
+        if all(covered(p, last) for p in places if p != last):
+            frees.setdefault(last, []).append(buffer)
     out = {}
     for name, block in blocks.items():
         out[name] = tuple(replace(i, frees=tuple(sorted(frees[(name, k)])))

@@ -270,6 +270,38 @@ class Program:
         return out
 
 
+def vector_clocks(instructions) -> tuple[list[dict[str, int]], dict[str, dict[str, int]]]:
+    """Happens-before among instructions on streams (Lamport 1978; Mattern 1989), with
+    CUDA's semantics: a stream runs in order; ``wait`` makes its stream follow the
+    matching ``record``; ``sync`` follows every stream. Returns each instruction's clock
+    (clock[s] = position of the last instruction of stream s known finished before it
+    starts) and each stream's clock at the end."""
+    clock: dict[str, dict[str, int]] = {}
+    events: dict[tuple, dict[str, int]] = {}
+    out = []
+    for position, instruction in enumerate(instructions):
+        mine = clock.setdefault(instruction.stream, {})
+        out.append(dict(mine))
+        key = (instruction.event, instruction.per_microbatch)
+        if instruction.op == "sync":
+            everything = {s: max(c.get(s, -1) for c in clock.values()) for s in clock}
+            for c in clock.values():
+                c.update(everything)
+        elif instruction.op == "wait":
+            for s, value in events.get(key, {}).items():
+                mine[s] = max(mine.get(s, -1), value)
+        elif instruction.op == "record":
+            events[key] = dict(mine)
+        else:
+            mine[instruction.stream] = position
+    return out, clock
+
+
+def finished_before(clocks: list[dict[str, int]], streams: list[str], a: int, b: int) -> bool:
+    """Whether instruction ``a`` finished before instruction ``b`` starts."""
+    return a < b and (streams[a] == streams[b] or clocks[b].get(streams[a], -1) >= a)
+
+
 @dataclass(frozen=True)
 class RankTable:
     """Which program each rank runs. By rule, every rank of a pipeline stage runs that

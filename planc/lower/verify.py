@@ -29,7 +29,7 @@ from planc.graph.ir import bucket_problems
 from planc.passes.overlap import unit_of
 from planc.layout import Layout as RankLayout
 from planc.lower.program import (COLLECTIVES, STATE, Instruction, Program, RankTable,
-                                 guard_microbatch)
+                                 guard_microbatch, vector_clocks)
 from planc.plan import Plan
 
 MAX_PROBLEMS = 20
@@ -292,21 +292,36 @@ class _Verifier:
                         break
 
     def _frees(self, ranks, name: str, program: Program, positions) -> None:
-        """No block reads a buffer after the block that frees it ran, for one microbatch."""
-        readers: dict[str, set[str]] = {}
+        """No block reads a buffer after the block that frees it ran, for one microbatch;
+        and a reader in an earlier block finished, on the freeing stream, before that
+        block ended (else the free could overtake it)."""
+        readers: dict[str, list[tuple[str, int]]] = {}
         for block, instructions in program.blocks.items():
-            for instruction in instructions:
+            for k, instruction in enumerate(instructions):
                 for buffer in instruction.reads:
-                    readers.setdefault(buffer, set()).add(block)
+                    readers.setdefault(buffer, []).append((block, k))
+        finals = {}
         late: dict[tuple[str, str, int], list[str]] = {}
         for block, instructions in program.blocks.items():
             for instruction in instructions:
                 for buffer in instruction.frees:
-                    for other in readers.get(buffer, set()) - {block}:
-                        for (b, mb), k in positions.items():
-                            if b == block and positions.get((other, mb), -1) > k:
+                    for other, k in readers.get(buffer, []):
+                        if other == block:
+                            continue  # checked with the block's own clocks
+                        for (b, mb), at in positions.items():
+                            if b == block and positions.get((other, mb), -1) > at:
                                 late.setdefault((other, block, mb), []).append(buffer)
                                 break
+                        if other not in finals:
+                            finals[other] = vector_clocks(program.blocks[other])[1]
+                        reader = program.blocks[other][k]
+                        if finals[other].get(instruction.stream, {}).get(reader.stream,
+                                                                          -1) < k:
+                            self.report.add(
+                                f"{ranks} ({name}): {_describe(instruction)} in block "
+                                f"{block} frees {buffer}, which {_describe(reader)} in block "
+                                f"{other} may still be reading: stream {instruction.stream} "
+                                f"never waits for it")
         for (other, block, mb), buffers in late.items():
             shown = ", ".join(buffers[:3]) + (f" and {len(buffers) - 3} more"
                                               if len(buffers) > 3 else "")
@@ -400,6 +415,12 @@ class _Verifier:
                 readers.setdefault(buffer, []).append((position, instruction))
             for buffer in instruction.frees:
                 freed[buffer] = position
+                for at, reader in readers.get(buffer, []):
+                    if reader is not instruction and not happened(at, reader.stream):
+                        self.report.add(f"{where}: {_describe(instruction)} (instruction "
+                                        f"{position}) frees {buffer} while "
+                                        f"{_describe(reader)} (instruction {at}) may still "
+                                        f"be reading it")
             mine[stream] = position
             sequence.clocks.append(dict(mine) if keep else None)
         sequence.streams = [i.stream for i in instructions]

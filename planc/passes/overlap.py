@@ -20,6 +20,11 @@ Decisions, each an attribute the lowering follows (:mod:`planc.lower.lower`):
 - ZeRO-3 prefetch: within a block, the gather of the next unit is issued while the
   current unit computes, and the gather of unit k + 2 waits until unit k is done, so
   at most two units are gathered at once (FSDP's forward and backward prefetch).
+- Split backward: a backward step whose input gradient feeds a collective computes that
+  gradient first; its weight gradient becomes a step of its own (``W/...``) that runs
+  while the collective is in flight, before the step that waits for it (Megatron-LM's
+  asynchronous tensor-parallel all-reduce overlaps it with the weight gradient the same
+  way; zero-bubble pipelines split B and W likewise).
 
 Waits are placed by the lowering right before the consumer that needs them, so each
 is as late as its consumer allows. Results do not change.
@@ -73,6 +78,7 @@ def overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
             data["placement"] = "prologue"
             prologue += 1
     prefetched = _zero3_prefetch(out, PREFETCH_DEPTH)
+    split = _split_weight_gradients(out)
     parts = [f"{guarded} once-per-step gradient reductions issued in the last "
              f"microbatch's backward as soon as their inputs are final"]
     if prologue:
@@ -81,6 +87,9 @@ def overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
     if prefetched:
         parts.append(f"{prefetched} ZeRO-3 all-gathers prefetched one unit ahead (at most "
                      f"{PREFETCH_DEPTH} units gathered at once)")
+    if split:
+        parts.append(f"{split} weight gradients computed while the collective of their "
+                     f"input gradient is in flight")
     decisions = [{"node": n, "stream": d["stream"], "placement": d.get("placement", "block"),
                   "guard": d.get("guard")} for n, d in out.nodes(data=True)
                  if d["type"] == NodeType.TRANSFER and not d["per_microbatch"]]
@@ -129,3 +138,39 @@ def _zero3_prefetch(graph: nx.DiGraph, depth: int) -> int:
             graph.add_edge(last, unit[0], kind=EdgeKind.ORDER)
         count += len(gathers)
     return count
+
+
+def _split_weight_gradients(graph: nx.DiGraph) -> int:
+    """Split each backward step with parameters whose input gradient goes straight into a
+    collective (per microbatch, same stage) into the input-gradient step and a weight-
+    gradient step ordered before whatever waits for that collective."""
+    chosen = []
+    for node, data in graph.nodes(data=True):
+        if data["type"] != NodeType.COMPUTE or data["phase"] != Phase.BACKWARD or \
+                data["recompute"] or not data["params"] or "forward_of" not in data:
+            continue
+        collectives = [t for _, t, d in graph.out_edges(node, data=True)
+                       if d["kind"] == EdgeKind.DATA and
+                       graph.nodes[t]["type"] == NodeType.TRANSFER and
+                       graph.nodes[t]["per_microbatch"] and
+                       graph.nodes[t]["payload"] not in (Payload.GRAD, Payload.PARAM) and
+                       graph.nodes[t]["kind"].is_collective]
+        if collectives:
+            chosen.append((node, collectives))
+    for node, collectives in chosen:
+        data = graph.nodes[node]
+        weight = "W" + node[1:] if node.startswith("B/") else f"W:{node}"
+        graph.add_node(weight, **{**data, "flops": data["flops"] / 2, "weight_grad_of": node,
+                                  "stream": COMPUTE})
+        data.update(flops=data["flops"] / 2, weight_grad=weight)
+        graph.add_edge(node, weight, kind=EdgeKind.SAVED)
+        for _, target, edge in list(graph.out_edges(node, data=True)):
+            if "bucket" in graph.nodes[target]:  # the parameter gradients' path
+                graph.remove_edge(node, target)
+                graph.add_edge(weight, target, **edge)
+        for collective in collectives:
+            for _, consumer in graph.out_edges(collective):
+                if graph.nodes[consumer]["type"] == NodeType.COMPUTE and \
+                        graph.nodes[consumer]["stage"] == data["stage"]:
+                    graph.add_edge(weight, consumer, kind=EdgeKind.ORDER)
+    return len(chosen)

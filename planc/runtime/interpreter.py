@@ -78,6 +78,8 @@ class _Compute:
         self.keep_graph = self.recompute or not data.get("recomputed", False)
         self.optimizer = data["op"] == Op.OPTIMIZER
         self.bucket = data.get("bucket")
+        self.weight_grad = data.get("weight_grad")  # B: its W step computes param grads
+        self.weight_grad_of = data.get("weight_grad_of")  # W: the B step it completes
 
 
 class _Transfer:
@@ -216,15 +218,25 @@ class Interpreter:
     def _compute(self, state: StepState, step: _Compute, mb: int | None):
         if step.optimizer:
             return self._optimizer(step)
+        if step.weight_grad_of is not None:  # the parameter half of a split backward
+            saved, grad = state.saved.pop((step.node, mb))
+            _, named = self.kernels.backward(step.spec, saved, grad, inputs=False)
+            for name, value in named.items():
+                self.store.grad_of(name).add_(value)
+            return None
         if step.backward:
             saved = state.saved.pop((step.saved_from, mb))
             if step.saved_from != step.forward_of:
                 state.saved.pop((step.forward_of, mb), None)
             grads = self._ports(state, step.inputs, mb).get("grad", [])
-            ports, named = self.kernels.backward(step.spec, saved, combine(grads) if grads
-                                                 else None)
-            for name, grad in named.items():
-                self.store.grad_of(name).add_(grad)
+            grad = combine(grads) if grads else None
+            if step.weight_grad is not None:  # the input half: its W step comes later
+                ports, _ = self.kernels.backward(step.spec, saved, grad, params=False)
+                state.saved[(step.weight_grad, mb)] = (saved, grad)
+                return ports
+            ports, named = self.kernels.backward(step.spec, saved, grad)
+            for name, value in named.items():
+                self.store.grad_of(name).add_(value)
             return ports
         inputs = {port: combine(values) for port, values in
                   self._ports(state, step.inputs, mb).items()}

@@ -15,6 +15,7 @@ by hand, so that the logits are never gathered.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -132,9 +133,13 @@ class Kernels:
 
     def _linear(self, spec: Spec, x, p, step, mb, extra):
         weight, *rest = spec.params
-        out = x["x"] @ p(weight)
         own_bias = [name for name in rest if name != spec.bias]
-        return out + p(own_bias[0]) if own_bias else out
+        data = x["x"]
+        if not own_bias:
+            return data @ p(weight)
+        # One fused kernel, as nn.Linear's addmm: the bias is the GEMM's beta term.
+        flat = torch.addmm(p(own_bias[0]), data.reshape(-1, data.shape[-1]), p(weight))
+        return flat.view(*data.shape[:-1], flat.shape[-1])
 
     def _head(self, spec: Spec, x, p, step, mb, extra):
         (table,) = spec.params
@@ -180,7 +185,8 @@ class Kernels:
         return x["x"].detach().to(FP32).max(dim=-1).values
 
     def _loss_sum_exp(self, spec: Spec, x, p, step, mb, extra):
-        return (x["x"].detach().to(FP32) - x["max"].unsqueeze(-1)).exp().sum(dim=-1)
+        # sum exp(logit - max) = exp(logsumexp - max): one fused pass over the logits
+        return (torch.logsumexp(x["x"].detach().to(FP32), dim=-1) - x["max"]).exp()
 
     def _loss(self, spec: Spec, x, p, step, mb, extra):
         """This rank's share of the step's mean cross-entropy: the sum over its tokens
@@ -211,33 +217,41 @@ class Kernels:
         return loss
 
     def _vocab_parallel_backward(self, saved: Saved) -> dict[str, torch.Tensor]:
+        """(softmax - one-hot) / tokens, in two passes over the local logits: the softmax
+        divided by the token count is exp(logit - lse - log tokens)."""
         extra, total = saved.extra, self.ctx.tokens_per_step
-        probs = (extra["logits"] - extra["max"].unsqueeze(-1)).exp() / \
-            extra["sum_exp"].unsqueeze(-1)
-        one_hot = torch.zeros_like(probs)
-        one_hot.scatter_(-1, extra["local"].clamp(0, probs.shape[-1] - 1).unsqueeze(-1),
-                         extra["owned"].unsqueeze(-1).to(probs.dtype))
-        return {"x": ((probs - one_hot) / total).to(self.ctx.dtype)}
+        shift = extra["sum_exp"].log() + extra["max"] + math.log(total)
+        grad = (extra["logits"] - shift.unsqueeze(-1)).exp_()
+        owned = extra["owned"].unsqueeze(-1).to(grad.dtype) / total
+        index = extra["local"].clamp(0, grad.shape[-1] - 1).unsqueeze(-1)
+        grad.scatter_add_(-1, index, -owned)
+        return {"x": grad.to(self.ctx.dtype)}
 
     # --- backward ----------------------------------------------------------------------
 
-    def backward(self, spec: Spec, saved: Saved, grad: torch.Tensor | None
+    def backward(self, spec: Spec, saved: Saved, grad: torch.Tensor | None,
+                 inputs: bool = True, params: bool = True
                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Gradients of one compute node: (by input port, by parameter name)."""
+        """Gradients of one compute node: (by input port, by parameter name). A split
+        backward asks for the inputs' first (keeping autograd's graph), then the
+        parameters'."""
         if spec.op == Op.LOSS and spec.vocab_parallel:
             return self._vocab_parallel_backward(saved), {}
-        inputs = [(port, t) for port, t in saved.inputs.items() if t.requires_grad]
-        params = list(saved.params.items())
-        targets = [t for _, t in inputs] + [t for _, t in params]
+        wanted_inputs = [(port, t) for port, t in saved.inputs.items() if t.requires_grad] \
+            if inputs else []
+        wanted_params = list(saved.params.items()) if params else []
+        targets = [t for _, t in wanted_inputs] + [t for _, t in wanted_params]
         if saved.output is None or not targets:
             return {}, {}
         if spec.op == Op.LOSS:
             grad = torch.ones((), dtype=saved.output.dtype)
         grads = torch.autograd.grad(saved.output, targets, grad.to(saved.output.dtype),
-                                    allow_unused=True)
+                                    allow_unused=True, retain_graph=not params)
+        count = len(wanted_inputs)
         ports = {port: torch.zeros_like(tensor) if g is None else g
-                 for (port, tensor), g in zip(inputs, grads[:len(inputs)])}
+                 for (port, tensor), g in zip(wanted_inputs, grads[:count])}
         if spec.op == Op.LOSS:
             ports = {port: g.to(self.ctx.dtype) for port, g in ports.items()}
-        named = {name: g for (name, _), g in zip(params, grads[len(inputs):]) if g is not None}
+        named = {name: g for (name, _), g in zip(wanted_params, grads[count:])
+                 if g is not None}
         return ports, named

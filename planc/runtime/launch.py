@@ -44,6 +44,12 @@ def launch(build_dir: str, world: int, worker_args: list[str], backend: str) -> 
     for name in ("torch.distributed.elastic", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # planc reports failures itself
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks share this machine's cores
+    # glibc returns freed blocks above a dynamic threshold to the system and maps them
+    # again on the next step: thousands of page faults per step with activations of a few
+    # MB each. Keeping freed memory (as PyTorch's CUDA caching allocator does on GPUs)
+    # removes them; a user's own setting wins.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 2**20))
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 * 2**20))
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
     run_id = f"planc-{uuid.uuid4().hex[:8]}"
