@@ -412,12 +412,12 @@ def test_missing_value_is_described_as_a_value():
 
 
 def test_blocks_in_any_order():
-    reordered = f"""plan same {{
-  train {{ optimizer = adamw(betas = [0.9, 0.95], lr = 1e-3) }}
-  schedule {{ microbatches = 2 }}
-  mesh {{ dp = 2; tp = 2 }}
-  model gpt {{ batch = 16; seq = 32; vocab = 256; heads = 4; hidden = 64; layers = 4 }}
-}}"""
+    reordered = """plan same {
+  train { optimizer = adamw(betas = [0.9, 0.95], lr = 1e-3) }
+  schedule { microbatches = 2 }
+  mesh { dp = 2; tp = 2 }
+  model gpt { batch = 16; seq = 32; vocab = 256; heads = 4; hidden = 64; layers = 4 }
+}"""
     assert same_settings(checked(reordered), checked(PLAIN))
 
 
@@ -508,14 +508,14 @@ def test_ffn_default_follows_hidden():
 
 
 def test_writing_out_every_default_changes_nothing():
-    explicit = f"""plan minimal {{
-  model gpt {{ layers = 4; hidden = 64; heads = 4; vocab = 256; seq = 32; batch = 16
-    ffn = 4 * hidden; dtype = fp32; tie_embeddings = off }}
-  mesh {{ tp = 1; cp = 1; pp = 1; dp = 1; order = [tp, cp, pp, dp] }}
-  schedule {{ microbatches = 1; pipeline = 1f1b }}
-  optimize {{ fuse = on; bucket = 25MB; route = auto; overlap = on; recompute = none }}
-  train {{ steps = 1; optimizer = sgd(lr = 0.1); seed = 0; data = synthetic }}
-}}"""
+    explicit = """plan minimal {
+  model gpt { layers = 4; hidden = 64; heads = 4; vocab = 256; seq = 32; batch = 16
+    ffn = 4 * hidden; dtype = fp32; tie_embeddings = off }
+  mesh { tp = 1; cp = 1; pp = 1; dp = 1; order = [tp, cp, pp, dp] }
+  schedule { microbatches = 1; pipeline = 1f1b }
+  optimize { fuse = on; bucket = 25MB; route = auto; overlap = on; recompute = none }
+  train { steps = 1; optimizer = sgd(lr = 0.1); seed = 0; data = synthetic }
+}"""
     assert same_settings(checked(explicit), checked(f"plan minimal {{ {MODEL} }}"))
 
 

@@ -32,14 +32,37 @@ from dataclasses import dataclass
 import networkx as nx
 
 from planc.graph import reasons
-from planc.graph.ir import (GRAPH_FORMAT_VERSION, Axis, EdgeKind, Kind, Level, NodeType, Op,
-                            Payload, Phase, Port, buckets, shard_numel)
+from planc.graph.ir import (
+    GRAPH_FORMAT_VERSION,
+    Axis,
+    EdgeKind,
+    Kind,
+    Level,
+    NodeType,
+    Op,
+    Payload,
+    Phase,
+    Port,
+    buckets,
+    shard_numel,
+)
 from planc.graph.layouts import Layout, S, gradient_layout, redistribute
-from planc.graph.model import LAYER_OPS, OUTPUT_TENSOR, Parameter, Shapes, all_parameters, \
-    forward_flops
+from planc.graph.model import (
+    LAYER_OPS,
+    OUTPUT_TENSOR,
+    Parameter,
+    Shapes,
+    all_parameters,
+    forward_flops,
+)
 from planc.graph.schedules import action_text, schedule
-from planc.graph.tensor_parallel import (FP32_BYTES, LOSS_REDUCTIONS, OpLayout, ParamUse,
-                                         plan_tensor_parallel)
+from planc.graph.tensor_parallel import (
+    FP32_BYTES,
+    LOSS_REDUCTIONS,
+    OpLayout,
+    ParamUse,
+    plan_tensor_parallel,
+)
 from planc.plan import Plan
 
 OPTIMIZER_FLOPS_PER_ELEMENT = {"adamw": 12, "sgd": 3}

@@ -27,9 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 from math import ceil
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-import networkx as nx
+if TYPE_CHECKING:  # the schema itself is light: the command line reads its enums
+    import networkx as nx
 
 
 class NodeType(StrEnum):
@@ -328,6 +329,8 @@ def validate(graph: nx.DiGraph, *, microbatches: int | None = None,
     for bucket_id, bucket in table.items():
         for problem in bucket_problems(bucket):
             report(f"bucket {bucket_id!r}: {problem}")
+    import networkx as nx
+
     if not problems and not nx.is_directed_acyclic_graph(graph):
         report("the graph has a cycle")
     return problems

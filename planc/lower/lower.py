@@ -26,8 +26,14 @@ from dataclasses import dataclass, replace
 import networkx as nx
 
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, buckets
-from planc.lower.program import (STATE, Instruction, Program, RankTable, finished_before,
-                                 vector_clocks)
+from planc.lower.program import (
+    STATE,
+    Instruction,
+    Program,
+    RankTable,
+    finished_before,
+    vector_clocks,
+)
 from planc.passes.overlap import COMPUTE, stream_of
 from planc.plan import Plan
 

@@ -26,10 +26,17 @@ from dataclasses import dataclass, field
 import networkx as nx
 
 from planc.graph.ir import bucket_problems
-from planc.passes.overlap import unit_of
 from planc.layout import Layout as RankLayout
-from planc.lower.program import (COLLECTIVES, STATE, Instruction, Program, RankTable,
-                                 guard_microbatch, vector_clocks)
+from planc.lower.program import (
+    COLLECTIVES,
+    STATE,
+    Instruction,
+    Program,
+    RankTable,
+    guard_microbatch,
+    vector_clocks,
+)
+from planc.passes.overlap import unit_of
 from planc.plan import Plan
 
 MAX_PROBLEMS = 20
@@ -124,7 +131,6 @@ class _Verifier:
             return
         receive_events = {(f"done:{node}", mb) for items in program.receives.values()
                           for node, mb in items}
-        m = program.microbatches
         prologue = self._check_sequence(program.prologue,
                                         _Lazy(lambda: f"{ranks} ({name}, prologue)"),
                                         external=False)

@@ -29,8 +29,7 @@ from collections import defaultdict
 import networkx as nx
 
 from planc.graph import reasons
-from planc.graph.ir import (Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, buckets,
-                            shard_numel)
+from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, buckets, shard_numel
 from planc.lang.units import format_bytes
 from planc.passes import PassContext, PassRecord, copy_graph, record
 

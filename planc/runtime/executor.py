@@ -92,7 +92,8 @@ def _describe(item: Expanded, interp: Interpreter) -> str:
     call = bound.call
     if data["payload"] == "stream":
         verb = "send to" if data["kind"] == "send" else "receive from"
-        return f"{data['kind']} {item.node}{mb}: {verb} rank {interp.ctx.peer(data['peer_stage'])} (pp)"
+        peer = interp.ctx.peer(data["peer_stage"])
+        return f"{data['kind']} {item.node}{mb}: {verb} rank {peer} (pp)"
     return (f"{item.op} {item.node}{mb} over {data['axis']} group {list(call.members)} "
             f"({data['bytes']:,} bytes)")
 

@@ -1,0 +1,87 @@
+"""The commands of ``planc``, one module each; ``planc.cli`` parses the command line and
+calls them. Each takes the parsed arguments and returns the exit status: 0 success
+(warnings allowed), 1 errors in the input, 2 a wrong command line.
+
+Diagnostics go to standard error (or, with ``--error-format json``, to standard output
+as one JSON document); requested output goes to standard output.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TextIO
+
+from planc.diagnostics import render_json, render_text, summary_line
+from planc.words import counted
+
+EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
+MAX_LOCAL_RANKS = 64
+GRAPH_FORMATS = ("dot", "svg", "png", "graphml", "json", "html")
+
+
+def use_color(stream: TextIO) -> bool:
+    """Colour only on a terminal, and never when NO_COLOR is set (no-color.org)."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    return hasattr(stream, "isatty") and stream.isatty() and os.environ.get("TERM") != "dumb"
+
+
+def load_plan(args) -> tuple[object, int]:
+    """Load the plan named on the command line and print its diagnostics."""
+    from planc.lang import load_file
+
+    loaded = load_file(args.file, getattr(args, "set", None) or ())
+    if args.error_format == "json":
+        if loaded.diagnostics or not loaded.ok:
+            print(render_json(loaded.diagnostics, loaded.path))
+    elif loaded.diagnostics:
+        text = render_text(loaded.diagnostics, loaded.path, loaded.source, use_color(sys.stderr))
+        print(text, file=sys.stderr)
+        print(summary_line(loaded.diagnostics), file=sys.stderr)
+    return loaded, (EXIT_OK if loaded.ok else EXIT_ERRORS)
+
+
+def fail(message: str, status: int = EXIT_ERRORS) -> int:
+    print(f"planc: error: {message}", file=sys.stderr)
+    return status
+
+
+def load_build(args):
+    """A build from a directory, or compiled in memory from a plan file."""
+    from planc import build
+    from planc.compile import CompileError, compile_plan
+
+    if os.path.isdir(args.file):
+        try:
+            return build.read(args.file), EXIT_OK
+        except build.BuildError as exc:
+            return None, fail(str(exc))
+    loaded, status = load_plan(args)
+    if status != EXIT_OK:
+        return None, status
+    try:
+        return compile_plan(loaded.plan), EXIT_OK
+    except (build.BuildError, CompileError) as exc:
+        return None, fail(str(exc))
+
+
+def load_programs(args):
+    from planc import build
+
+    built, status = load_build(args)
+    if built is None:
+        return None, status
+    if built.programs is None:
+        try:
+            built = build.read_programs(built)
+        except build.BuildError as exc:
+            return None, fail(str(exc))
+    return built, EXIT_OK
+
+
+def verified_line(built) -> str:
+    return (f"verified {counted(len(built.programs), 'program')} for "
+            f"{counted(built.plan.world, 'rank')}: collectives in the same order on every "
+            f"group, every send matched, no deadlock, every wait after its record, no buffer "
+            f"overwritten in flight")

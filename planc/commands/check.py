@@ -1,0 +1,42 @@
+"""``planc check`` and ``planc layout``: a plan, its settings, its ranks and its memory."""
+
+from __future__ import annotations
+
+import json
+
+from planc.commands import EXIT_OK, load_plan
+
+
+def check(args) -> int:
+    from planc import memory
+    from planc.views import memory_text, plan_text
+
+    loaded, status = load_plan(args)
+    if status != EXIT_OK or args.error_format == "json":
+        return status
+    plan = loaded.plan
+    print(plan_text.one_line(plan, loaded.path))
+    if args.verbose:
+        print()
+        print(plan_text.settings(plan))
+        print()
+        print(memory_text.render(memory.estimate(plan)))
+    return EXIT_OK
+
+
+def layout(args) -> int:
+    from planc import memory
+    from planc.layout import Layout
+    from planc.views import layout_text, memory_text
+
+    loaded, status = load_plan(args)
+    if status != EXIT_OK:
+        return status
+    layout = Layout.of(loaded.plan)
+    if args.json:
+        print(json.dumps(layout.to_dict(), separators=(",", ":")))
+        return EXIT_OK
+    print(layout_text.render(layout, loaded.plan.name))
+    print()
+    print(memory_text.render(memory.estimate(loaded.plan)))
+    return EXIT_OK

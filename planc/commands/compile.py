@@ -1,0 +1,35 @@
+"""``planc compile``: derive, optimise, lower and verify; write the build directory."""
+
+from __future__ import annotations
+
+import os
+
+from planc.commands import EXIT_OK, counted, fail, load_plan, verified_line
+
+
+def main(args) -> int:
+    from planc import build
+    from planc.compile import CompileError, compile_plan
+    from planc.views import summary_text
+
+    loaded, status = load_plan(args)
+    if status != EXIT_OK:
+        return status
+    output = args.output or os.path.join("build", os.path.splitext(os.path.basename(
+        args.file))[0])
+    try:
+        result = compile_plan(loaded.plan)
+        build.write(result, output, loaded.path, loaded.source)
+    except (build.BuildError, CompileError) as exc:
+        return fail(str(exc))
+    graph = result.graph
+    microbatches = counted(loaded.plan.schedule.microbatches, "microbatch", "microbatches")
+    print(f"{loaded.plan.name}: {graph.number_of_nodes():,} nodes and "
+          f"{graph.number_of_edges():,} edges for one step ({microbatches} folded); build "
+          f"written to {os.path.join(output, '')}")
+    print(verified_line(result))
+    print()
+    print(summary_text.passes(result.summary), end="")
+    print()
+    print(summary_text.render(result.summary), end="")
+    return EXIT_OK

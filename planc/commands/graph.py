@@ -1,0 +1,65 @@
+"""``planc graph``: the communication graph, selected, in one of its formats."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from planc.commands import EXIT_OK, EXIT_USAGE, GRAPH_FORMATS, fail, load_build
+
+
+def main(args) -> int:
+    from planc.files import write_atomically
+    from planc.graph.select import Selection, default_selection, select
+    from planc.views import render_graph
+
+    fmt = args.format or (os.path.splitext(args.output)[1].lstrip(".").lower()
+                          if args.output else "dot")
+    if fmt not in GRAPH_FORMATS:
+        return fail(f"cannot tell the format from {args.output!r}; give --format "
+                    f"({', '.join(GRAPH_FORMATS)})", EXIT_USAGE)
+    if fmt == "png" and not args.output:
+        return fail("png output needs -o FILE", EXIT_USAGE)
+    built, status = load_build(args)
+    if built is None:
+        return status
+    graph = built.graph
+    total = graph.graph.get("microbatches", 1)
+    microbatches = args.microbatch
+    if microbatches == "all":
+        microbatches = tuple(range(total))
+    if microbatches is not None and any(k >= total for k in microbatches):
+        return fail(f"microbatch {max(microbatches)} does not exist; the plan has "
+                    f"{total} (0..{total - 1})", EXIT_USAGE)
+    layers = sorted({d["layer"] for _, d in graph.nodes(data=True) if d["layer"] is not None})
+    if args.layers and layers and args.layers[1] > layers[-1]:
+        return fail(f"layer {args.layers[1]} does not exist; the plan has layers "
+                    f"0..{layers[-1]}", EXIT_USAGE)
+    stages = graph.graph.get("sizes", {}).get("pp", 1)
+    if args.stage and max(args.stage) >= stages:
+        return fail(f"stage {max(args.stage)} does not exist; the plan has {stages} "
+                    f"(0..{stages - 1})", EXIT_USAGE)
+    selection = Selection(args.stage, args.layers, microbatches,
+                          tuple(args.phase) if args.phase else None,
+                          tuple(args.axis) if args.axis else None, args.transfers_only)
+    if selection.is_empty and not args.all:
+        selection = default_selection(graph)
+        if not selection.is_empty:
+            print(f"planc: note: the graph has {graph.number_of_nodes():,} nodes; showing "
+                  f"{selection.describe()} (choose with --layers, --microbatch, --stage, or "
+                  f"--all)", file=sys.stderr)
+    view = select(graph, selection)
+    title = f"{built.plan.name}: {view.graph['selection']}"
+    try:
+        data = render_graph.render(view, fmt, title)
+    except render_graph.RenderError as exc:
+        return fail(str(exc))
+    if args.output:
+        try:
+            write_atomically(args.output, data)
+        except OSError as exc:
+            return fail(f"cannot write {args.output}: {exc.strerror}")
+    else:
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+    return EXIT_OK

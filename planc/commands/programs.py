@@ -1,0 +1,53 @@
+"""``planc programs`` and ``planc verify``: the rank programs, shown or proven."""
+
+from __future__ import annotations
+
+import sys
+
+from planc.commands import (
+    EXIT_ERRORS,
+    EXIT_OK,
+    EXIT_USAGE,
+    counted,
+    fail,
+    load_programs,
+    verified_line,
+)
+
+
+def programs(args) -> int:
+    from planc.views import program_text
+
+    built, status = load_programs(args)
+    if built is None:
+        return status
+    if not 0 <= args.rank < built.plan.world:
+        return fail(f"rank {args.rank} does not exist; the world has {built.plan.world} "
+                    f"ranks (0..{built.plan.world - 1})", EXIT_USAGE)
+    m = built.plan.schedule.microbatches
+    if args.microbatch is not None and not args.expand:
+        return fail("--microbatch needs --expand (programs are listed folded over "
+                    "microbatches otherwise)", EXIT_USAGE)
+    if args.microbatch is not None and not 0 <= args.microbatch < m:
+        return fail(f"microbatch {args.microbatch} does not exist; the plan has {m}",
+                     EXIT_USAGE)
+    print(program_text.render(built.plan, built.graph, built.programs, built.table, args.rank,
+                              args.expand, args.microbatch), end="")
+    return EXIT_OK
+
+
+def verify(args) -> int:
+    from planc.lower.verify import verify
+
+    built, status = load_programs(args)
+    if built is None:
+        return status
+    report = verify(built.plan, built.graph, built.programs, built.table)
+    if not report.ok:
+        for problem in report.problems:
+            print(f"planc: error: {problem}", file=sys.stderr)
+        print(f"{counted(len(report.problems), 'problem')} found; these programs must not "
+              f"run.", file=sys.stderr)
+        return EXIT_ERRORS
+    print(verified_line(built))
+    return EXIT_OK

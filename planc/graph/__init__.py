@@ -1,0 +1,1 @@
+"""The communication graph: its typed schema, the layout algebra, the derivation."""
