@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planc.graph.ir import Kind
 from planc.plan import Link, Topology
 
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
-POINT_TO_POINT_KINDS = ("send", "recv")
+POINT_TO_POINT_KINDS = tuple(kind.value for kind in Kind if not kind.is_collective)
 
 
 def bus_factor(kind: str, group_size: int) -> float:

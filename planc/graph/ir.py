@@ -110,9 +110,17 @@ class Axis(StrEnum):
 
     @property
     def mesh_axes(self) -> tuple[str, ...]:
-        """The mesh axes along which members of one group differ."""
-        return {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp_cp": ("dp", "cp"),
-                "tied": ("pp",), "stage": ("tp", "cp", "dp")}[self.value]
+        """The mesh axes along which members of one group differ (planc.layout's groups;
+        ``tied`` is the first and last stage, ``stage`` every rank of a stage)."""
+        from planc.layout import GROUP_AXES
+
+        extra = {"tied": ("pp",), "stage": ("tp", "cp", "dp")}
+        return extra.get(self.value) or GROUP_AXES[self.value]
+
+    @property
+    def within_stage(self) -> bool:
+        """Every member of a group runs the same program (the group lies in one stage)."""
+        return self in (Axis.TP, Axis.CP, Axis.DP_CP, Axis.STAGE)
 
 
 class Level(StrEnum):

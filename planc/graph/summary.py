@@ -15,25 +15,25 @@ import networkx as nx
 
 from planc import memory
 from planc.cost import CostModel, bus_factor
+from planc.graph.ir import Axis
 from planc.layout import Layout as RankLayout
 from planc.plan import Plan
 
 SUMMARY_FORMAT_VERSION = 1
 
 
-def _crosses_nodes(layout: RankLayout, axis: str) -> bool:
+def _crosses_nodes(layout: RankLayout, axis: Axis) -> bool:
     """Whether a group of ``axis`` (rank 0's, as a representative) spans nodes."""
-    if axis in ("tp", "cp", "pp", "dp", "dp_cp"):
-        return layout.crosses_nodes(axis)
-    return layout.nodes > 1
+    if axis in (Axis.TIED, Axis.STAGE):
+        return layout.nodes > 1
+    return layout.crosses_nodes(axis.value)
 
 
 def summarize(plan: Plan, graph: nx.DiGraph) -> dict:
     """The ``summary.json`` document."""
     ranks = RankLayout.of(plan)
     cost = CostModel(plan.topology)
-    crosses = {axis: _crosses_nodes(ranks, axis)
-               for axis in ("tp", "cp", "pp", "dp_cp", "tied", "stage")}
+    crosses = {axis: _crosses_nodes(ranks, axis) for axis in Axis}
     stages = {stage: {"stage": stage, "flops": 0.0, "compute_seconds": 0.0,
                       "transfer_seconds": 0.0, "transfers": defaultdict(lambda: {
                           "count": 0, "bytes": 0, "bus_bytes": 0.0})}

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from planc.graph.ir import Axis
 from planc.layout import Layout
 from planc.plan import AXES, Mesh
 
@@ -120,8 +121,7 @@ class GroupTable:
 def group_table(mesh: Mesh, devices_per_node: int, tied: bool, virtual: int = 1
                 ) -> GroupTable:
     """Every group reference a program may use, by rule."""
-    rules = [GroupRule("tp", ("tp",)), GroupRule("cp", ("cp",)),
-             GroupRule("dp_cp", ("dp", "cp")), GroupRule("stage", ("tp", "cp", "dp"))]
+    rules = [GroupRule(axis.value, axis.mesh_axes) for axis in Axis if axis.within_stage]
     if tied and mesh.pp > 1:
         rules.append(GroupRule("tied", ("pp",), {"pp": (0, mesh.pp - 1)}))
     if mesh.pp > 1:

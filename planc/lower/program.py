@@ -37,9 +37,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from planc.graph.ir import Kind
+
 PROGRAM_FORMAT_VERSION = 2
 STATE = "@"  # state buffers (a bucket's gradient): one per step, never per microbatch
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+COLLECTIVES = tuple(kind.value for kind in Kind if kind.is_collective)
 OPS = ("compute", "send", "recv", "sendrecv", "record", "wait", "sync") + COLLECTIVES
 GUARDS = (None, "first", "last")
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from planc.graph.ir import bucket_problems
+from planc.graph.ir import Axis, bucket_problems
 from planc.layout import Layout as RankLayout
 from planc.lower.program import (
     COLLECTIVES,
@@ -479,8 +479,9 @@ class _Verifier:
         table = self.table
         if not self.uniform:  # some ranks run a program of their own: compare their groups
             for rank in sorted(table.overrides):
-                for axis in ("tp", "cp", "dp_cp"):
-                    self._compare_members(axis, self.layout.group(rank, axis))
+                for axis in Axis:
+                    if axis.within_stage and axis != Axis.STAGE:
+                        self._compare_members(axis.value, self.layout.group(rank, axis.value))
         if self.plan.model.tie_embeddings and self.plan.mesh.pp > 1:
             last = self.plan.mesh.pp - 1
             pairs = {(0, self.layout.rank({"tp": 0, "cp": 0, "pp": last, "dp": 0}))}

@@ -10,6 +10,7 @@ import networkx as nx
 
 from planc.lang.units import format_bytes
 from planc.layout import Layout
+from planc.lower.groups import group_table
 from planc.plan import Plan
 from planc.views.tables import table
 from planc.words import counted
@@ -19,21 +20,13 @@ MEMBERS_SHOWN = 8
 
 
 def _members(plan: Plan, ranks: Layout, data: dict) -> list[int]:
-    """The group of the first rank of the transfer's stage."""
-    stage = data["stage"]
-    first = ranks.rank({"tp": 0, "cp": 0, "pp": stage, "dp": 0})
-    axis = data["axis"]
-    if axis in ("tp", "cp", "dp", "dp_cp"):
-        return list(ranks.group(first, axis))
-    if axis == "pp":
-        return sorted({first, ranks.rank({"tp": 0, "cp": 0, "pp": data["peer_stage"], "dp": 0})})
-    if axis == "tied":
-        return [ranks.rank({"tp": 0, "cp": 0, "pp": 0, "dp": 0}),
-                ranks.rank({"tp": 0, "cp": 0, "pp": plan.mesh.pp - 1, "dp": 0})]
-    # every rank of the stage: tp x cp x dp of them
-    return sorted(ranks.rank({"tp": t, "cp": c, "pp": stage, "dp": d})
-                  for t in range(plan.mesh.tp) for c in range(plan.mesh.cp)
-                  for d in range(plan.mesh.dp))
+    """The group of the first rank of the transfer's stage, by the build's group rules."""
+    first = ranks.rank({"tp": 0, "cp": 0, "pp": data["stage"], "dp": 0})
+    if data["axis"] == "pp":
+        return sorted({first, ranks.rank({"tp": 0, "cp": 0, "pp": data["peer_stage"],
+                                          "dp": 0})})
+    table = group_table(plan.mesh, plan.topology.devices_per_node, plan.model.tie_embeddings)
+    return list(table.members(first, table.rule(data["axis"])))
 
 
 def _group_text(plan: Plan, ranks: Layout, data: dict) -> str:

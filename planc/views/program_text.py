@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import networkx as nx
 
+from planc.graph.ir import Axis
 from planc.layout import Layout
 from planc.lower.program import Instruction, Program, RankTable
 from planc.plan import Plan
 
 
+STAGE_GROUPS = tuple(a.value for a in Axis if a.within_stage and a != Axis.STAGE)
 GUARD_TEXT = {"last": "  (last microbatch only)", "first": "  (first microbatch only)"}
 
 
@@ -48,8 +50,8 @@ def render(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program], table: R
              f"dp {coords['dp']}) runs {name}" + (f", shared with ranks {shown}" if others
                                                   else ""),
              "groups: " + "  ".join(f"{axis} {list(layout.group(rank, axis))}"
-                                    for axis in ("tp", "cp", "dp_cp") if
-                                    len(layout.group(rank, axis)) > 1) or "groups: none",
+                                    for axis in STAGE_GROUPS
+                                    if len(layout.group(rank, axis)) > 1) or "groups: none",
              f"streams: {', '.join(program.streams)}"]
     actions = " ".join(f"{b}.{mb}" for b, mb in program.schedule)
     lines.append(f"schedule ({len(program.schedule)} blocks, block.microbatch): "
