@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(PY) bench/parse.py
 	$(PY) bench/compile.py
 	$(PY) bench/run.py
+	$(PY) bench/peers.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

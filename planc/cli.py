@@ -31,6 +31,7 @@ def _add_input(parser: argparse.ArgumentParser, metavar: str = "FILE") -> None:
                                                else ""))
     parser.add_argument("--error-format", choices=("text", "json"), default="text",
                         help="how to print diagnostics (json: one document on stdout)")
+    _add_overrides(parser)
 
 
 def _add_overrides(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +56,6 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Parse and check a .plan file; report every "
                                 "problem with its line and column.")
     _add_input(check)
-    _add_overrides(check)
     check.add_argument("-v", "--verbose", action="store_true",
                        help="also print the resolved settings and the memory estimate")
 
@@ -72,7 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
         "step, and write plan.json, graph.json and summary.json to a build directory "
         "(docs/build.md).")
     _add_input(compile_)
-    _add_overrides(compile_)
     compile_.add_argument("-o", "--output", metavar="DIR",
                           help="build directory [build/NAME, NAME being the file's stem]")
 
@@ -137,7 +136,6 @@ def build_parser() -> argparse.ArgumentParser:
         "on CPUs). For a cluster, start `torchrun ... -m planc.runtime.worker DIR` on "
         "every node instead.")
     _add_input(run, "FILE|DIR")
-    _add_overrides(run)
     run.add_argument("-o", "--output", metavar="DIR",
                      help="where to compile a plan file [build/NAME]")
     run.add_argument("--steps", type=int, metavar="N", help="steps [the plan's train.steps]")

@@ -433,9 +433,18 @@ def test_overrides_with_a_build_directory_exit_2(capsys, tmp_path):
                    f"build is already compiled); run the plan file with --set instead\n")
 
 
-def test_only_check_compile_and_run_take_overrides(capsys, base):
-    status, _, err = planc(capsys, "layout", base, "--set", "mesh.tp=2")
-    assert status == 2 and "unrecognized arguments: --set mesh.tp=2" in err
+def test_every_command_reading_a_plan_file_takes_overrides(capsys, base, tmp_path):
+    status, out, err = planc(capsys, "layout", base, "--set", "mesh.tp=2", "--json")
+    assert (status, err) == (0, "") and '"sizes":{"tp":2,' in out
+    for command in ("graph", "explain", "programs", "verify"):
+        status, _, err = planc(capsys, command, base, "--set", "mesh.tp=2")
+        assert (status, err) == (0, ""), command
+    build = tmp_path / "build"
+    build.mkdir()
+    for command in ("graph", "explain", "programs", "verify"):
+        status, out, err = planc(capsys, command, build, "--set", "mesh.tp=2")
+        assert (status, out) == (2, "") and err.startswith("planc: error: --set needs a "
+                                                             ".plan file"), command
 
 
 def test_compile_with_overrides_builds_the_overridden_plan(capsys, base, tmp_path):

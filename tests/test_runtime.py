@@ -76,7 +76,7 @@ SWITCHES = {"": [], "fuse-off": ["--set", "optimize.fuse=off"],
 
 
 METRICS = {"step", "loss", "time_s", "compute_s", "comm_s", "exposed_comm_s", "pipeline_wait_s",
-           "tokens_per_s", "slowest_rank"}
+           "tokens_per_s", "slowest_rank", "max_rss_mb"}
 
 
 def plan_text(name: str, **case) -> str:
@@ -138,6 +138,12 @@ def test_gpt_tiny_with_adamw_and_a_trace(tmp_path, capfd):
     kinds = {e["name"].split(":")[-1] for e in events if e["ph"] == "X" and ":" in e["name"]}
     assert {"all_reduce@tp", "send@pp", "recv@pp", "reduce_scatter@dp_cp",
             "all_gather@dp_cp"} <= kinds
+    # A flow arrow from every pipeline send to its receive on the peer rank: 2 steps x 4
+    # microbatches x 2 directions on each of the 4 pipeline pairs.
+    starts = {e["id"]: e for e in events if e["ph"] == "s"}
+    finishes = {e["id"]: e for e in events if e["ph"] == "f"}
+    assert len(starts) == len(finishes) == 2 * 4 * 2 * 4 and set(starts) == set(finishes)
+    assert all(starts[i]["pid"] != finishes[i]["pid"] for i in starts)
 
 
 def test_data_from_a_file_of_uint16_tokens(tmp_path, capfd):

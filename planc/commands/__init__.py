@@ -42,6 +42,11 @@ def load_plan(args) -> tuple[object, int]:
     return loaded, (EXIT_OK if loaded.ok else EXIT_ERRORS)
 
 
+def overrides_need_a_plan(directory: str) -> int:
+    return fail(f"--set needs a .plan file, but {directory} is a directory (a build is "
+                f"already compiled); run the plan file with --set instead", EXIT_USAGE)
+
+
 def fail(message: str, status: int = EXIT_ERRORS) -> int:
     print(f"planc: error: {message}", file=sys.stderr)
     return status
@@ -53,6 +58,8 @@ def load_build(args):
     from planc.compile import CompileError, compile_plan
 
     if os.path.isdir(args.file):
+        if args.set:
+            return None, overrides_need_a_plan(args.file)
         try:
             return build.read(args.file), EXIT_OK
         except build.BuildError as exc:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from planc.commands import EXIT_OK, EXIT_USAGE, MAX_LOCAL_RANKS, counted, fail, load_plan
+from planc.commands import (EXIT_OK, EXIT_USAGE, MAX_LOCAL_RANKS, counted, fail, load_plan,
+                            overrides_need_a_plan)
 
 
 def main(args) -> int:
@@ -42,8 +43,7 @@ def main(args) -> int:
 def _refused(args) -> int | None:
     """The exit status of a command line that cannot run, before anything is compiled."""
     if args.set and os.path.isdir(args.file):
-        return fail(f"--set needs a .plan file, but {args.file} is a directory (a build is "
-                    f"already compiled); run the plan file with --set instead", EXIT_USAGE)
+        return overrides_need_a_plan(args.file)
     if args.steps is not None and args.steps < 1:
         return fail("--steps must be at least 1", EXIT_USAGE)
     if args.timeout <= 0:

@@ -7,7 +7,7 @@ PyTorch's DTensor (Replicate, Shard, Partial) and of GSPMD.
 
 One function, :func:`redistribute`, turns any layout into any other with the cheapest
 single collective. Applied to activations in the forward pass and to gradients in
-the backward pass, it yields the whole redistribution table of semantics.md section 1:
+the backward pass, it yields the whole redistribution table of docs/semantics.md, section 1:
 Megatron's f and g operators (Shoeybi et al. 2019), sequence parallelism's
 all-gather/reduce-scatter pairs (Korthikanti et al. 2022), and the vocabulary-parallel
 embedding and head.

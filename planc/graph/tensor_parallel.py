@@ -248,7 +248,7 @@ def _evaluate(ops: tuple[str, ...], picks: tuple[Choice, ...], source: Layout,
         except IllegalRedistribution:
             return None
         if op == "loss" and forward is not None and forward.is_transfer:
-            return None  # the loss never gathers the logits (semantics.md section 1)
+            return None  # the loss never gathers the logits (docs/semantics.md, 1)
         if tied_gradient is not None and any(u.name == "embedding.weight" and
                                              u.local_gradient() != tied_gradient
                                              for u in pick.params):

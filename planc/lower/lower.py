@@ -324,7 +324,9 @@ def _with_frees(blocks: dict[str, list[Instruction]], graph: nx.DiGraph,
                 readers.setdefault(buffer, []).append((name, k))
             for buffer in instruction.writes:
                 writers[buffer] = (name, k)
-    later = {"F": 0, "B": 1}
+    # A block is F<chunk> or B<chunk>: the backward block of a chunk runs after its
+    # forward block for the same microbatch.
+    kind = {name: (name[0] == "B", name[1:]) for name in blocks}
 
     def covered(other: tuple[str, int], last: tuple[str, int]) -> bool:
         (ob, ok), (lb, lk) = other, last
@@ -339,9 +341,9 @@ def _with_frees(blocks: dict[str, list[Instruction]], graph: nx.DiGraph,
                 graph.nodes.get(buffer, {}).get("per_microbatch") is False:
             continue
         places = readers.get(buffer, [(name, k)])
-        if any(block[1:] != name[1:] for block, _ in places):
+        if any(kind[block][1] != kind[name][1] for block, _ in places):
             continue  # read by another chunk's block: keep it for the step
-        last = max(places, key=lambda p: (later[p[0][0]], p[1]))
+        last = max(places, key=lambda p: (kind[p[0]][0], p[1]))
         if all(covered(p, last) for p in places if p != last):
             frees.setdefault(last, []).append(buffer)
     out = {}

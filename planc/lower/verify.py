@@ -1,6 +1,6 @@
 """Prove, without running anything, that the rank programs cannot go wrong.
 
-The invariants of semantics.md section 5:
+The invariants of docs/semantics.md, section 5:
 
 1. every group issues its collectives in the same order on all its members;
 2. every send has exactly one matching receive of the same size, and the ranks cannot

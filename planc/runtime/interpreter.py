@@ -139,7 +139,7 @@ class Interpreter:
                 bucket = data["bucket"]
                 tensor = self.store.shard[bucket] if data["sharded"] else \
                     self.store.full[bucket]
-                self.optimizers[node] = make_optimizer(self.ctx.plan, [tensor])
+                self.optimizers[node] = make_optimizer(self.ctx.plan, [tensor], fused=True)
             return
         source = node
         if op == SENDRECV:  # a ring shift sends what its send half reads

@@ -1,7 +1,7 @@
 """The gpt model's parameters and data, and how a rank holds its part of them.
 
 Initial weights depend only on the seed, the parameter's name and its full shape, and
-the batch of step k only on the seed and k (plan-language.md, train), so every plan of
+the batch of step k only on the seed and k (docs/language.md, train), so every plan of
 one model starts from the same weights, sees the same data and must follow the same loss
 curve. Matrices and embeddings are N(0, 0.02) as in GPT-2; LayerNorm weights are
 1 + N(0, 0.02) and biases N(0, 0.02), so that every parameter (and every way of sharding

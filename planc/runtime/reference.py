@@ -1,6 +1,6 @@
 """The gpt model in one process, unsharded: the reference every plan must reproduce.
 
-Written straight from plan-language.md's definition of the model, with torch.optim, so
+Written straight from the definition of the model in docs/language.md (model gpt), with torch.optim, so
 that ``planc run --check`` compares a distributed run with an independent computation.
 """
 
@@ -46,12 +46,17 @@ def forward_loss(plan: Plan, params: dict[str, torch.Tensor], tokens: torch.Tens
     return F.cross_entropy(logits.reshape(-1, m.vocab), targets.reshape(-1))
 
 
-def make_optimizer(plan: Plan, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
+def make_optimizer(plan: Plan, tensors: list[torch.Tensor], fused: bool = False
+                   ) -> torch.optim.Optimizer:
+    """The plan's optimizer. ``fused``: torch's one-pass kernel (the runtime's choice for
+    its flat buckets, where the default implementation's temporaries of the whole bucket
+    cost ten times as much); the reference keeps the default, to stay independent."""
     o = plan.train.optimizer
     if o.name == "adamw":
         return torch.optim.AdamW(tensors, lr=o.lr, betas=o.betas, eps=o.eps,
-                                 weight_decay=o.weight_decay)
-    return torch.optim.SGD(tensors, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+                                 weight_decay=o.weight_decay, fused=fused or None)
+    return torch.optim.SGD(tensors, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
+                           fused=fused or None)
 
 
 def train(plan: Plan, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 import traceback
@@ -75,7 +76,8 @@ def _progress(step: int, steps: int, record: dict) -> None:
 class _Metrics:
     """Every step's times, gathered from every rank to the leader without holding up the
     next step: the gather of step k is issued when step k ends and completed when step
-    k + 1 does. ``time_s`` is the slowest rank's step; the other times are that rank's."""
+    k + 1 does. ``time_s`` is the slowest rank's step; the other times are that rank's;
+    ``max_rss_mb`` the largest peak resident memory of any rank so far."""
 
     FIELDS = ("time_s", "compute_s", "comm_s", "exposed_comm_s", "pipeline_wait_s")
 
@@ -91,7 +93,8 @@ class _Metrics:
 
     def step(self, step: int, times, loss: float | None) -> None:
         self.flush()
-        mine = torch.tensor(times.as_list(), dtype=torch.float64)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        mine = torch.tensor(times.as_list() + [peak], dtype=torch.float64)
         if self.world == 1:
             self.pending = (step, None, [mine], loss)
             return
@@ -112,6 +115,7 @@ class _Metrics:
         table = torch.stack(gathered)
         slowest = int(table[:, 0].argmax())
         values = dict(zip(self.FIELDS, (float(v) for v in table[slowest])))
+        values["max_rss_mb"] = round(float(table[:, -1].max()), 1)
         plan = self.ctx.plan
         record = {"step": step, "loss": loss, **values,
                   "tokens_per_s": plan.model.batch * plan.model.seq / values["time_s"],
