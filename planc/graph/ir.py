@@ -239,25 +239,23 @@ def transfers(graph: nx.DiGraph) -> Iterable[tuple[str, dict]]:
 def coerce(graph: nx.DiGraph) -> nx.DiGraph:
     """Turn the strings of a graph read from JSON back into the schema's enums, in place
     (values that are not members are left for :func:`validate` to report)."""
-    enums = {"type": NodeType, "phase": Phase, "op": Op, "kind": Kind, "axis": Axis,
-             "level": Level, "payload": Payload}
+    node_enums = {"type": NodeType, "phase": Phase, "op": Op, "kind": Kind, "axis": Axis,
+                  "level": Level, "payload": Payload}
     for _, data in graph.nodes(data=True):
-        for key, enum in enums.items():
-            value = data.get(key)
-            if isinstance(value, str) and not isinstance(value, enum):
-                try:
-                    data[key] = enum(value)
-                except ValueError:
-                    pass
+        _to_members(data, node_enums)
     for _, _, data in graph.edges(data=True):
-        for key, enum in (("kind", EdgeKind), ("port", Port)):
-            value = data.get(key)
-            if isinstance(value, str) and not isinstance(value, enum):
-                try:
-                    data[key] = enum(value)
-                except ValueError:
-                    pass
+        _to_members(data, {"kind": EdgeKind, "port": Port})
     return graph
+
+
+def _to_members(data: dict, enums: dict) -> None:
+    for key, enum in enums.items():
+        value = data.get(key)
+        if isinstance(value, str) and not isinstance(value, enum):
+            try:
+                data[key] = enum(value)
+            except ValueError:
+                pass
 
 
 def _type_ok(value: Any, expected) -> bool:
