@@ -21,8 +21,8 @@ Transfers come from four rules:
 - dp: gradients are reduced over dp x cp as the ZeRO stage says (Rajbhandari et al.
   2020); tied embeddings are summed between the first and the last stage (Megatron).
 
-Every parameter gets a bucket of its own here, with its reductions and its optimizer
-step; :mod:`planc.passes.fuse` merges buckets.
+Every parameter gets a bucket of its own, with its reductions and its optimizer step
+(:mod:`planc.graph.parameters`); :mod:`planc.passes.fuse` merges buckets.
 """
 
 from __future__ import annotations
@@ -44,13 +44,11 @@ from planc.graph.ir import (
     Phase,
     Port,
     buckets,
-    shard_numel,
 )
-from planc.graph.layouts import Layout, S, gradient_layout, redistribute
+from planc.graph.layouts import Layout, S, gradient_layout
 from planc.graph.model import (
     LAYER_OPS,
     OUTPUT_TENSOR,
-    Parameter,
     Shapes,
     all_parameters,
     forward_flops,
@@ -60,21 +58,13 @@ from planc.graph.tensor_parallel import (
     FP32_BYTES,
     LOSS_REDUCTIONS,
     OpLayout,
-    ParamUse,
     plan_tensor_parallel,
 )
+from planc.graph.axes import PHASE_OF, AxisRules
+from planc.graph.parameters import ParameterRules, param_name
 from planc.plan import Plan
 
-OPTIMIZER_FLOPS_PER_ELEMENT = {"adamw": 12, "sgd": 3}
-GLOBAL_PARAMETERS = ("embedding.weight", "position.weight", "head.weight",
-                     "final_ln.weight", "final_ln.bias")
 LOSS_PART_OP = {"max": Op.LOSS_MAX, "sum_exp": Op.LOSS_SUM_EXP}
-PHASE_OF = {"F": Phase.FORWARD, "B": Phase.BACKWARD, "R": Phase.BACKWARD}
-
-
-def param_name(name: str, layer: int | None) -> str:
-    """The global name of a parameter an operator of ``layer`` uses."""
-    return name if layer is None or name in GLOBAL_PARAMETERS else f"layers.{layer}.{name}"
 
 
 @dataclass(frozen=True)
@@ -93,19 +83,7 @@ class _Link:
     within_layer: bool = False  # both ends belong to ``layer`` (recomputed together)
 
 
-@dataclass(frozen=True)
-class _Site:
-    """A parameter as the operators of one chunk use it."""
-
-    param: Parameter
-    uses: tuple[tuple[str, ParamUse], ...]  # (forward node, use)
-
-    @property
-    def storage(self) -> Layout:
-        return self.uses[0][1].storage
-
-
-class _Derivation:
+class _Derivation(AxisRules, ParameterRules):
     def __init__(self, plan: Plan):
         self.plan = plan
         self.graph = nx.DiGraph()
@@ -219,89 +197,6 @@ class _Derivation:
 
     def _local_bytes(self, tensor: str, layout: Layout) -> float:
         return self.shapes.bytes(tensor) / (self.tp if layout.is_sharded else 1)
-
-    # --- tp, cp and pp transfers ------------------------------------------------------
-
-    def _tp(self, letter: str, chunk: int, layer: int | None, tensor: str, source: Layout,
-            target: Layout, ops: tuple[str, str], u: str, backward: bool = False
-            ) -> tuple[str, Layout | None]:
-        """Insert the tp transfer from ``source`` to ``target`` after ``u``; return the
-        node that now carries the tensor (``u`` itself when no transfer is needed) and the
-        slice the consumer takes locally, if any."""
-        move = redistribute(source, target)
-        if move is None or self.tp == 1:
-            return u, None
-        if not move.is_transfer:
-            return u, move.target
-        node = self.transfer(
-            f"{self._prefix(letter, layer)}{ops[0]}>{ops[1]}:{move.kind}@tp", Kind(move.kind),
-            Axis.TP, Payload.ACTIVATION, PHASE_OF[letter], chunk, layer,
-            self.shapes.bytes(tensor) * move.buffer_fraction(self.tp), self.m,
-            reasons.tensor_parallel(self.plan, self.tpp, ops, move, backward, letter == "R"),
-            tensor=tensor, dim=move.dim, source_layout=str(move.source),
-            target_layout=str(move.target), producer=ops[0], consumer=ops[1])
-        return node, None
-
-    def _connect(self, u: str, v: str, carried: tuple[str, Layout | None], port: Port,
-                 grad_of: Port | None = None) -> None:
-        """Edges u -> (transfer ->) v for a value carried as ``_tp`` returned it."""
-        carrier, local = carried
-        if carrier == u:
-            self.edge(u, v, port=port, grad_of=grad_of, local_slice=local)
-        else:
-            self.edge(u, carrier, port=Port.X, grad_of=grad_of)
-            self.edge(carrier, v, port=port)
-
-    def _kv_bytes(self) -> float:
-        """This rank's K and V for one microbatch: local tokens, local heads."""
-        heads_sharded = self.layout("attention").input.is_sharded and self.tp > 1
-        return self.shapes.bytes("kv") / (self.tp if heads_sharded else 1)
-
-    def _cp_forward(self, letter: str, chunk: int, layer: int, source: str, attention: str):
-        """K and V over cp, between the (tp-redistributed) qkv and attention."""
-        if self.plan.shard.cp.attention == "allgather":
-            node = self.transfer(f"{letter}/L{layer}/kv:all_gather@cp", Kind.ALL_GATHER,
-                                 Axis.CP, Payload.KV, PHASE_OF[letter], chunk, layer,
-                                 self._kv_bytes() * self.cp, self.m,
-                                 reasons.context_allgather(self.plan, False, letter == "R"),
-                                 tensor="kv", dim="seq")
-            self.edge(source, node, port=Port.X)
-        else:
-            node = self._ring(letter, chunk, layer, Payload.KV, self.cp - 1, source)
-        self.edge(node, attention, port=Port.KV)
-
-    def _ring(self, letter: str, chunk: int, layer: int, payload: Payload, steps: int,
-              source: str, grad_of: Port | None = None) -> str:
-        """One ring shift over cp (a send to the next rank, a receive from the previous),
-        run ``steps`` times; returns the receive."""
-        phase = PHASE_OF[letter]
-        tensor = payload.value
-        reason = reasons.context_ring(self.plan, tensor)
-        send = self.transfer(f"{letter}/L{layer}/{tensor}:send@cp", Kind.SEND, Axis.CP, payload,
-                             phase, chunk, layer, self._kv_bytes(), self.m * steps, reason,
-                             tensor=tensor, ring_steps=steps, peer="next")
-        recv = self.transfer(f"{letter}/L{layer}/{tensor}:recv@cp", Kind.RECV, Axis.CP, payload,
-                             phase, chunk, layer, self._kv_bytes(), self.m * steps, reason,
-                             tensor=tensor, ring_steps=steps, peer="prev")
-        self.edge(source, send, port=Port.X, grad_of=grad_of)
-        self.edge(send, recv, port=Port.X)
-        return recv
-
-    def _pipeline(self, phase: Phase, source_chunk: int, target_chunk: int) -> tuple[str, str]:
-        letter = "F" if phase == Phase.FORWARD else "B"
-        nbytes = self._local_bytes("stream", self.tpp.stream)
-        reason = reasons.pipeline(self.plan, phase.value, source_chunk, target_chunk)
-        name = f"{letter}/c{source_chunk}>c{target_chunk}"
-        tokens = self.shapes.seq // (self.tp if self.tpp.stream.is_sharded else 1)
-        shape = [self.shapes.batch, tokens, self.shapes.hidden]  # (batch, tokens, hidden)
-        send = self.transfer(f"{name}:send@pp", Kind.SEND, Axis.PP, Payload.STREAM, phase,
-                             source_chunk, None, nbytes, self.m, reason, tensor="stream",
-                             peer_stage=target_chunk % self.pp, shape=shape)
-        recv = self.transfer(f"{name}:recv@pp", Kind.RECV, Axis.PP, Payload.STREAM, phase,
-                             target_chunk, None, nbytes, self.m, reason, tensor="stream",
-                             peer_stage=source_chunk % self.pp, shape=shape)
-        self.edge(send, recv)
-        return send, recv
 
     # --- forward ------------------------------------------------------------------------
 
@@ -508,154 +403,6 @@ class _Derivation:
         keeps only its inputs."""
         self.graph.nodes[backward]["recompute_of"] = again
         self.graph.nodes[self.graph.nodes[backward]["forward_of"]]["recomputed"] = True
-
-    # --- parameters ---------------------------------------------------------------------
-
-    def _sites(self, chunk: int) -> list[_Site]:
-        sites: dict[str, tuple[Parameter, list]] = {}
-        for node, op, layer in self.forward_ops[chunk]:
-            for use in self.layout(op).params:
-                name = param_name(use.name, layer)
-                sites.setdefault(name, (self.params[name], []))[1].append((node, use))
-        return [_Site(param, tuple(uses)) for param, uses in sites.values()]
-
-    def _local_shape(self, site: _Site) -> list[int]:
-        shape = list(site.param.shape)
-        if site.storage.is_sharded and self.tp > 1:
-            shape[site.uses[0][1].storage_axis] //= self.tp
-        return shape
-
-    def _parameters(self, chunk: int) -> None:
-        for site in self._sites(chunk):
-            bucket = self._bucket(chunk, site)
-            if self.zero == 3 and self.replicas > 1:
-                self._zero3_gathers(chunk, site, bucket)
-            ready = self._gradient(chunk, site, bucket)
-            self._optimizer(chunk, bucket, ready)
-
-    def _bucket(self, chunk: int, site: _Site) -> str:
-        """A bucket holding this one parameter: the derivation's starting point."""
-        param, stage = site.param, chunk % self.pp
-        tied = self.tied and param.name == "embedding.weight"
-        bucket_id = param.name + (f"#s{stage}" if tied else "")
-        shape = self._local_shape(site)
-        numel = 1
-        for size in shape:
-            numel *= size
-        use = site.uses[0][1]
-        fixup = use.gradient_transfer() if self.tp > 1 else None
-        parts = self.replicas if self.zero >= 1 and self.replicas > 1 else 1
-        shard = shard_numel(numel, parts)
-        split = [use.storage.dim, use.storage_axis] if use.storage.is_sharded and \
-            self.tp > 1 else None
-        buckets(self.graph)[bucket_id] = {
-            "stage": stage, "chunk": chunk, "dtype": "fp32",
-            "members": [{"param": param.name, "offset": 0, "numel": numel, "shape": shape,
-                         "full_shape": list(param.shape), "tp_split": split,
-                         "layer": param.layer}],
-            "numel": numel, "parts": parts, "shard": shard, "padded": shard * parts,
-            "sharded": parts > 1, "zero3": self.zero == 3 and self.replicas > 1,
-            "tp_sum_numel": numel if fixup is not None and fixup.kind == "all_reduce" else 0,
-            "tied": tied,
-            "reason": "one parameter (before fusion)"}
-        return bucket_id
-
-    def _bucket_bytes(self, bucket: str) -> float:
-        return buckets(self.graph)[bucket]["numel"] * self.plan.model.dtype_bytes
-
-    def _zero3_gathers(self, chunk: int, site: _Site, bucket: str) -> None:
-        param = site.param
-        for node, _use in site.uses:
-            op = self.graph.nodes[node]["op"]
-            for letter, phase in (("F", Phase.FORWARD), ("B", Phase.BACKWARD)):
-                consumer = node if letter == "F" else self.graph.nodes[node]["backward"]
-                gather = self.transfer(f"{letter}/{param.name}>{op}:all_gather@dp_cp",
-                                       Kind.ALL_GATHER, Axis.DP_CP, Payload.PARAM, phase, chunk,
-                                       param.layer, self._bucket_bytes(bucket), self.m,
-                                       reasons.zero3_gather(self.plan, param.name, phase.value),
-                                       bucket=bucket)
-                self.edge(gather, consumer, port=Port.PARAM)
-                again = self.graph.nodes[consumer].get("recompute_of")
-                if letter == "B" and again is not None:
-                    self.edge(gather, again, port=Port.PARAM)
-
-    def _gradient(self, chunk: int, site: _Site, bucket: str) -> str | list[str]:
-        """The gradient's path from its backward operators to the optimizer."""
-        param = site.param
-        use = site.uses[0][1]
-        stage = chunk % self.pp
-        tied = buckets(self.graph)[bucket]["tied"]
-        suffix = f"#s{stage}" if tied else ""
-        nbytes = self._bucket_bytes(bucket)
-        last: list[str] = [self.graph.nodes[node]["backward"] for node, _ in site.uses]
-        # ZeRO-2/3 keep only a shard of the gradient, so they reduce every microbatch.
-        each_microbatch = self.zero >= 2 and self.replicas > 1
-        sharded_grad = self.zero >= 1 and self.replicas > 1
-        fixup = use.gradient_transfer() if self.tp > 1 else None
-        if fixup is not None and not fixup.is_transfer:
-            fixup = None
-
-        def step(kind: Kind, axis: Axis, size: float, per_microbatch: bool, reason: str,
-                 **extra) -> None:
-            nonlocal last
-            node = self.transfer(f"G/{param.name}:{kind}@{axis}{suffix}", kind, axis,
-                                 Payload.GRAD, Phase.BACKWARD, chunk, param.layer, size,
-                                 self.m if per_microbatch else 1, reason, stage=stage,
-                                 per_microbatch=per_microbatch, bucket=bucket, **extra)
-            for source in last:
-                self.edge(source, node, port=Port.X)
-            last = [node]
-
-        # A slice's gradient is gathered, and a partial sum summed, over tp before the dp
-        # reduction, at the same frequency: the sum then covers the bucket's leading range
-        # (fuse lays the members that need it out first), whatever ZeRO shards later.
-        if fixup is not None and fixup.kind == "all_gather":
-            step(Kind.ALL_GATHER, Axis.TP, self._param_bytes(param, gradient_layout(
-                site.storage)), each_microbatch,
-                reasons.parameter_fixup(self.plan, param.name, fixup, use.data),
-                tensor=param.name, dim=use.data.dim,
-                slice_axis=use.dims.index(use.data.dim) if use.data.dim in use.dims else 0)
-        if fixup is not None and fixup.kind == "all_reduce":
-            step(Kind.ALL_REDUCE, Axis.TP, nbytes, each_microbatch,
-                 reasons.parameter_fixup(self.plan, param.name, fixup, use.data),
-                 elements=[0, buckets(self.graph)[bucket]["numel"]])
-        if self.replicas > 1:
-            kind = Kind.ALL_REDUCE if self.zero == 0 else Kind.REDUCE_SCATTER
-            step(kind, Axis.DP_CP, nbytes, each_microbatch,
-                 reasons.data_parallel(self.plan, param.name, kind.value))
-        if tied:
-            shard = self.replicas if sharded_grad else 1
-            step(Kind.ALL_REDUCE, Axis.TIED, nbytes / shard, False, reasons.tied(self.plan),
-                 collective=f"G/{param.name}:all_reduce@tied",
-                 peer_stage=self.pp - 1 if stage == 0 else 0)
-        return last
-
-    def _param_bytes(self, param: Parameter, storage: Layout) -> float:
-        elements = 1
-        for size in param.shape:
-            elements *= size
-        return elements * self.plan.model.dtype_bytes / (self.tp if storage.is_sharded else 1)
-
-    def _optimizer(self, chunk: int, bucket: str, ready: list[str]) -> None:
-        info = buckets(self.graph)[bucket]
-        members = [m["param"] for m in info["members"]]
-        layer = info["members"][0]["layer"]
-        elements = info["padded"] // info["parts"]
-        flops = elements * OPTIMIZER_FLOPS_PER_ELEMENT[self.plan.train.optimizer.name]
-        node = self.compute(f"O/{bucket}/optimizer", Op.OPTIMIZER, Phase.OPTIMIZER, chunk,
-                            layer, flops, elements * self.plan.model.dtype_bytes, 1,
-                            params=members, sharded=info["sharded"], bucket=bucket,
-                            per_microbatch=False)
-        for source in ready:
-            self.edge(source, node, port=Port.GRAD)
-        if self.zero not in (1, 2) or self.replicas == 1:
-            return
-        gather = self.transfer(f"O/{bucket}:all_gather@dp_cp", Kind.ALL_GATHER, Axis.DP_CP,
-                               Payload.PARAM, Phase.OPTIMIZER, chunk, layer,
-                               self._bucket_bytes(bucket), 1,
-                               reasons.zero_gather(self.plan, ", ".join(members)),
-                               per_microbatch=False, bucket=bucket)
-        self.edge(node, gather, port=Port.X)
 
     # --- the whole step ---------------------------------------------------------------------
 

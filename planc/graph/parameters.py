@@ -1,0 +1,194 @@
+"""The parameters' half of the derivation: where each parameter is used on a chunk, its
+bucket, its gradient's path to the optimizer, and its gathers under ZeRO.
+
+Every parameter gets a bucket of its own here (planc.passes.fuse merges them). Its
+gradient goes, as the ZeRO stage says (Rajbhandari et al. 2020), through: a gather over
+tp of the slices a replicated parameter was used through, a sum over tp of the partial
+sums one applied to split data produced, the reduction over dp x cp (all-reduce, or
+reduce-scatter under ZeRO-1/2/3, every microbatch under ZeRO-2/3), the sum between the
+two stages holding a tied embedding (Megatron), and the optimizer step; under ZeRO-1/2
+the updated bucket is then gathered, under ZeRO-3 it is gathered before every use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planc.graph import reasons
+from planc.graph.ir import Axis, Kind, Op, Payload, Phase, Port, buckets, shard_numel
+from planc.graph.layouts import Layout, gradient_layout
+from planc.graph.model import Parameter
+from planc.graph.tensor_parallel import ParamUse
+
+OPTIMIZER_FLOPS_PER_ELEMENT = {"adamw": 12, "sgd": 3}
+GLOBAL_PARAMETERS = ("embedding.weight", "position.weight", "head.weight",
+                     "final_ln.weight", "final_ln.bias")
+
+
+def param_name(name: str, layer: int | None) -> str:
+    """The global name of a parameter an operator of ``layer`` uses."""
+    return name if layer is None or name in GLOBAL_PARAMETERS else f"layers.{layer}.{name}"
+
+
+@dataclass(frozen=True)
+class _Site:
+    """A parameter as the operators of one chunk use it."""
+
+    param: Parameter
+    uses: tuple[tuple[str, ParamUse], ...]  # (forward node, use)
+
+    @property
+    def storage(self) -> Layout:
+        return self.uses[0][1].storage
+
+
+class ParameterRules:
+    """Mixed into the derivation, which provides the graph, the plan, nodes and edges."""
+
+    # --- parameters ---------------------------------------------------------------------
+
+    def _sites(self, chunk: int) -> list[_Site]:
+        sites: dict[str, tuple[Parameter, list]] = {}
+        for node, op, layer in self.forward_ops[chunk]:
+            for use in self.layout(op).params:
+                name = param_name(use.name, layer)
+                sites.setdefault(name, (self.params[name], []))[1].append((node, use))
+        return [_Site(param, tuple(uses)) for param, uses in sites.values()]
+
+    def _local_shape(self, site: _Site) -> list[int]:
+        shape = list(site.param.shape)
+        if site.storage.is_sharded and self.tp > 1:
+            shape[site.uses[0][1].storage_axis] //= self.tp
+        return shape
+
+    def _parameters(self, chunk: int) -> None:
+        for site in self._sites(chunk):
+            bucket = self._bucket(chunk, site)
+            if self.zero == 3 and self.replicas > 1:
+                self._zero3_gathers(chunk, site, bucket)
+            ready = self._gradient(chunk, site, bucket)
+            self._optimizer(chunk, bucket, ready)
+
+    def _bucket(self, chunk: int, site: _Site) -> str:
+        """A bucket holding this one parameter: the derivation's starting point."""
+        param, stage = site.param, chunk % self.pp
+        tied = self.tied and param.name == "embedding.weight"
+        bucket_id = param.name + (f"#s{stage}" if tied else "")
+        shape = self._local_shape(site)
+        numel = 1
+        for size in shape:
+            numel *= size
+        use = site.uses[0][1]
+        fixup = use.gradient_transfer() if self.tp > 1 else None
+        parts = self.replicas if self.zero >= 1 and self.replicas > 1 else 1
+        shard = shard_numel(numel, parts)
+        split = [use.storage.dim, use.storage_axis] if use.storage.is_sharded and \
+            self.tp > 1 else None
+        buckets(self.graph)[bucket_id] = {
+            "stage": stage, "chunk": chunk, "dtype": "fp32",
+            "members": [{"param": param.name, "offset": 0, "numel": numel, "shape": shape,
+                         "full_shape": list(param.shape), "tp_split": split,
+                         "layer": param.layer}],
+            "numel": numel, "parts": parts, "shard": shard, "padded": shard * parts,
+            "sharded": parts > 1, "zero3": self.zero == 3 and self.replicas > 1,
+            "tp_sum_numel": numel if fixup is not None and fixup.kind == "all_reduce" else 0,
+            "tied": tied,
+            "reason": "one parameter (before fusion)"}
+        return bucket_id
+
+    def _bucket_bytes(self, bucket: str) -> float:
+        return buckets(self.graph)[bucket]["numel"] * self.plan.model.dtype_bytes
+
+    def _zero3_gathers(self, chunk: int, site: _Site, bucket: str) -> None:
+        param = site.param
+        for node, _use in site.uses:
+            op = self.graph.nodes[node]["op"]
+            for letter, phase in (("F", Phase.FORWARD), ("B", Phase.BACKWARD)):
+                consumer = node if letter == "F" else self.graph.nodes[node]["backward"]
+                gather = self.transfer(f"{letter}/{param.name}>{op}:all_gather@dp_cp",
+                                       Kind.ALL_GATHER, Axis.DP_CP, Payload.PARAM, phase, chunk,
+                                       param.layer, self._bucket_bytes(bucket), self.m,
+                                       reasons.zero3_gather(self.plan, param.name, phase.value),
+                                       bucket=bucket)
+                self.edge(gather, consumer, port=Port.PARAM)
+                again = self.graph.nodes[consumer].get("recompute_of")
+                if letter == "B" and again is not None:
+                    self.edge(gather, again, port=Port.PARAM)
+
+    def _gradient(self, chunk: int, site: _Site, bucket: str) -> str | list[str]:
+        """The gradient's path from its backward operators to the optimizer."""
+        param = site.param
+        use = site.uses[0][1]
+        stage = chunk % self.pp
+        tied = buckets(self.graph)[bucket]["tied"]
+        suffix = f"#s{stage}" if tied else ""
+        nbytes = self._bucket_bytes(bucket)
+        last: list[str] = [self.graph.nodes[node]["backward"] for node, _ in site.uses]
+        # ZeRO-2/3 keep only a shard of the gradient, so they reduce every microbatch.
+        each_microbatch = self.zero >= 2 and self.replicas > 1
+        sharded_grad = self.zero >= 1 and self.replicas > 1
+        fixup = use.gradient_transfer() if self.tp > 1 else None
+        if fixup is not None and not fixup.is_transfer:
+            fixup = None
+
+        def step(kind: Kind, axis: Axis, size: float, per_microbatch: bool, reason: str,
+                 **extra) -> None:
+            nonlocal last
+            node = self.transfer(f"G/{param.name}:{kind}@{axis}{suffix}", kind, axis,
+                                 Payload.GRAD, Phase.BACKWARD, chunk, param.layer, size,
+                                 self.m if per_microbatch else 1, reason, stage=stage,
+                                 per_microbatch=per_microbatch, bucket=bucket, **extra)
+            for source in last:
+                self.edge(source, node, port=Port.X)
+            last = [node]
+
+        # A slice's gradient is gathered, and a partial sum summed, over tp before the dp
+        # reduction, at the same frequency: the sum then covers the bucket's leading range
+        # (fuse lays the members that need it out first), whatever ZeRO shards later.
+        if fixup is not None and fixup.kind == "all_gather":
+            step(Kind.ALL_GATHER, Axis.TP, self._param_bytes(param, gradient_layout(
+                site.storage)), each_microbatch,
+                reasons.parameter_fixup(self.plan, param.name, fixup, use.data),
+                tensor=param.name, dim=use.data.dim,
+                slice_axis=use.dims.index(use.data.dim) if use.data.dim in use.dims else 0)
+        if fixup is not None and fixup.kind == "all_reduce":
+            step(Kind.ALL_REDUCE, Axis.TP, nbytes, each_microbatch,
+                 reasons.parameter_fixup(self.plan, param.name, fixup, use.data),
+                 elements=[0, buckets(self.graph)[bucket]["numel"]])
+        if self.replicas > 1:
+            kind = Kind.ALL_REDUCE if self.zero == 0 else Kind.REDUCE_SCATTER
+            step(kind, Axis.DP_CP, nbytes, each_microbatch,
+                 reasons.data_parallel(self.plan, param.name, kind.value))
+        if tied:
+            shard = self.replicas if sharded_grad else 1
+            step(Kind.ALL_REDUCE, Axis.TIED, nbytes / shard, False, reasons.tied(self.plan),
+                 collective=f"G/{param.name}:all_reduce@tied",
+                 peer_stage=self.pp - 1 if stage == 0 else 0)
+        return last
+
+    def _param_bytes(self, param: Parameter, storage: Layout) -> float:
+        elements = 1
+        for size in param.shape:
+            elements *= size
+        return elements * self.plan.model.dtype_bytes / (self.tp if storage.is_sharded else 1)
+
+    def _optimizer(self, chunk: int, bucket: str, ready: list[str]) -> None:
+        info = buckets(self.graph)[bucket]
+        members = [m["param"] for m in info["members"]]
+        layer = info["members"][0]["layer"]
+        elements = info["padded"] // info["parts"]
+        flops = elements * OPTIMIZER_FLOPS_PER_ELEMENT[self.plan.train.optimizer.name]
+        node = self.compute(f"O/{bucket}/optimizer", Op.OPTIMIZER, Phase.OPTIMIZER, chunk,
+                            layer, flops, elements * self.plan.model.dtype_bytes, 1,
+                            params=members, sharded=info["sharded"], bucket=bucket,
+                            per_microbatch=False)
+        for source in ready:
+            self.edge(source, node, port=Port.GRAD)
+        if self.zero not in (1, 2) or self.replicas == 1:
+            return
+        gather = self.transfer(f"O/{bucket}:all_gather@dp_cp", Kind.ALL_GATHER, Axis.DP_CP,
+                               Payload.PARAM, Phase.OPTIMIZER, chunk, layer,
+                               self._bucket_bytes(bucket), 1,
+                               reasons.zero_gather(self.plan, ", ".join(members)),
+                               per_microbatch=False, bucket=bucket)
+        self.edge(node, gather, port=Port.X)

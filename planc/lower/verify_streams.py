@@ -1,0 +1,385 @@
+"""The verifier's rules for one program: events, buffers, guards and buckets, block by
+block with vector clocks over the streams (Lamport 1978; Mattern 1989), and what crosses
+blocks along the stage's schedule (docs/programs.md, the verifier, rules 3 to 9)."""
+
+from __future__ import annotations
+
+from planc.graph.ir import bucket_problems
+from planc.lower.program import STATE, Instruction, Program, guard_microbatch, vector_clocks
+from planc.lower.verify_report import Lazy, describe
+from planc.passes.overlap import unit_of
+
+
+class StreamChecks:
+    """Mixed into the verifier: needs ``self.graph``, ``self.report``, ``ranks_text``."""
+
+    # --- 3 and 4. events and buffers, block by block ------------------------------------
+
+    def events_and_buffers(self, name: str, program: Program) -> None:
+        ranks = Lazy(lambda: self.ranks_text(name))
+        for block in {b for b, _ in program.schedule} - set(program.blocks):
+            self.report.add(f"{ranks} ({name}) schedule names block {block}, which does not "
+                            f"exist")
+            return
+        receive_events = {(f"done:{node}", mb) for items in program.receives.values()
+                          for node, mb in items}
+        prologue = self._check_sequence(program.prologue,
+                                        Lazy(lambda: f"{ranks} ({name}, prologue)"),
+                                        external=False)
+        step_events = {e for e, per_mb in prologue.records if not per_mb}
+        summaries = {}
+        for block, instructions in program.blocks.items():
+            where = Lazy(lambda b=block: f"{ranks} ({name}, block {b})")
+            summaries[block] = self._check_sequence(instructions, where, external=True,
+                                                    clocks=self._gathers(instructions))
+            self._guards(where, instructions, summaries[block])
+            self._prefetch(where, instructions, summaries[block])
+        positions: dict[tuple[str, int], int] = {}
+        for k, (block, mb) in enumerate(program.schedule):
+            positions.setdefault((block, mb), k)
+        last_run = {block: max(k for (b, _), k in positions.items() if b == block)
+                    for block in {b for b, _ in positions}}
+        # Events a block waits for from outside itself: recorded by a receive of the same
+        # microbatch, by a block that ran earlier for that microbatch, or, once per step,
+        # by the prologue or by a block's guarded instance that ran earlier.
+        recorded: dict[int, set[str]] = {}
+        for block, mb in program.schedule:
+            summary = summaries[block]
+            for instruction in summary.external:
+                if not program.runs(instruction, mb):
+                    continue
+                event = instruction.event
+                if instruction.per_microbatch and ((event, mb) in receive_events or
+                                                   event in recorded.get(mb, ())):
+                    continue
+                if not instruction.per_microbatch and event in step_events:
+                    continue
+                self.report.add(f"{ranks} ({name}): {describe(instruction, mb)} in block "
+                                f"{block} waits for an event no earlier instruction records")
+            for instruction in summary.record_instructions:
+                if program.runs(instruction, mb):
+                    if instruction.per_microbatch:
+                        recorded.setdefault(mb, set()).add(instruction.event)
+                    else:
+                        step_events.add(instruction.event)
+        epilogue = self._check_sequence(program.epilogue,
+                                        Lazy(lambda: f"{ranks} ({name}, epilogue)"),
+                                        external=True)
+        for instruction in epilogue.external:
+            if instruction.per_microbatch or instruction.event not in step_events:
+                self.report.add(f"{ranks} ({name}, epilogue): {describe(instruction)} waits "
+                                f"for an event no earlier instruction records")
+        self._accumulations(ranks, name, program, positions, last_run)
+        self._frees(ranks, name, program, positions)
+        self._gathered_first(ranks, name, program)
+
+    def _guards(self, where, instructions, summary: "_Sequence") -> None:
+        """A once-per-step record must be guarded (else it is recorded every microbatch),
+        and a wait must run only where its record runs."""
+        guard_of = {}
+        for instruction in instructions:
+            if instruction.op == "record":
+                if not instruction.per_microbatch and instruction.guard is None:
+                    self.report.add(f"{where}: {describe(instruction)} records a once-per-step "
+                                    f"event on every microbatch; it needs a guard")
+                guard_of[(instruction.event, instruction.per_microbatch)] = instruction.guard
+            elif instruction.op == "wait":
+                key = (instruction.event, instruction.per_microbatch)
+                if key in guard_of and guard_of[key] not in (None, instruction.guard):
+                    self.report.add(f"{where}: {describe(instruction)} runs on microbatches "
+                                    f"where its event is not recorded (the record is guarded "
+                                    f"'{guard_of[key]}')")
+
+    def _prefetch(self, where, instructions, summary: "_Sequence") -> None:
+        """ZeRO-3: the gathers of unit k + 2 start only after every reader of unit k
+        finished, so at most two units are gathered at once (their buffers are reused)."""
+        units: dict[str, list[int]] = {}
+        for k in self._gathers(instructions):
+            units.setdefault(unit_of(self.graph, instructions[k].node), []).append(k)
+        order = list(units.values())
+        for n, unit in enumerate(order[2:], start=2):
+            earlier = {instructions[k].node for k in order[n - 2]}
+            for k in unit:
+                for r, reader in enumerate(instructions):
+                    if earlier.intersection(reader.reads) and not summary.before(r, k):
+                        gathered = sorted(earlier.intersection(reader.reads))[0]
+                        self.report.add(
+                            f"{where}: {describe(instructions[k])} (instruction {k}) "
+                            f"prefetches a third ZeRO-3 unit while {describe(reader)} "
+                            f"(instruction {r}) may still read {gathered}, whose buffer it "
+                            f"reuses")
+                        return
+
+    def _accumulations(self, ranks, name: str, program: Program, positions, last_run) -> None:
+        """Once-per-step work that reads a per-microbatch value reads its sum over every
+        microbatch: it must run after the last microbatch of the block that writes it."""
+        home = {i.node: block for block, items in program.blocks.items() for i in items
+                if i.node is not None}
+        writers: dict[str, set[str]] = {}  # a state buffer -> the blocks writing it
+        for block, items in program.blocks.items():
+            for i in items:
+                for buffer in i.writes:
+                    if buffer.startswith(STATE) and i.per_microbatch:
+                        writers.setdefault(buffer, set()).add(block)
+        for block, instructions in program.blocks.items():
+            for instruction in instructions:
+                if instruction.per_microbatch or instruction.op in ("record", "wait", "sync"):
+                    continue
+                mb = guard_microbatch(instruction.guard, program.microbatches)
+                at = positions.get((block, mb))
+                for source in instruction.reads:
+                    if source.startswith(STATE):
+                        producers = writers.get(source, set())
+                    else:
+                        data = self.graph.nodes.get(source, {})
+                        producers = {home[source]} if source in home and \
+                            data.get("per_microbatch") else set()
+                    for producer in sorted(producers):
+                        if at is None or last_run.get(producer, -1) > at:
+                            when = "never runs" if at is None else \
+                                f"runs on microbatch {mb} (guard '{instruction.guard}')"
+                            self.report.add(
+                                f"{ranks} ({name}): {describe(instruction)} in block {block} "
+                                f"{when} but reads {source} summed over every microbatch, and "
+                                f"block {producer} still runs for later microbatches")
+        for instruction in program.prologue:
+            for source in instruction.reads:
+                if source in home and self.graph.nodes.get(source, {}).get("per_microbatch"):
+                    self.report.add(f"{ranks} ({name}, prologue): {describe(instruction)} "
+                                    f"reads {source} before any microbatch ran")
+
+    def _gathered_first(self, ranks, name: str, program: Program) -> None:
+        """A bucket gathered at the start of the step on another stream (ZeRO-1/2 with
+        overlap): each forward step reading one of its parameters waits for the gather."""
+        gathers, order = {}, {}
+        for k, instruction in enumerate(program.prologue):
+            data = self.graph.nodes.get(instruction.node or "", {})
+            if data.get("payload") == "param":
+                order[f"done:{instruction.node}"] = (instruction.stream, k)
+                for member in program.buckets.get(data["bucket"], {}).get("members", ()):
+                    gathers[member["param"]] = (instruction, k)
+        if not gathers:
+            return
+        for block, instructions in program.blocks.items():
+            # per waiting stream and gathering stream: the latest gather waited for (its
+            # stream ran every earlier one before it)
+            waited: dict[tuple[str, str], int] = {}
+            reported: set[str] = set()
+            for instruction in instructions:
+                if instruction.op == "wait" and not instruction.per_microbatch and \
+                        instruction.event in order:
+                    stream, k = order[instruction.event]
+                    key = (instruction.stream, stream)
+                    waited[key] = max(waited.get(key, -1), k)
+                if instruction.op != "compute":
+                    continue
+                data = self.graph.nodes.get(instruction.node, {})
+                if data.get("phase") != "forward":
+                    continue  # later work of the stream follows the forward that waited
+                for param in data.get("params", ()):
+                    gather, k = gathers.get(param, (None, 0))
+                    if gather is None or gather.stream == instruction.stream:
+                        continue
+                    if waited.get((instruction.stream, gather.stream), -1) < k and \
+                            gather.node not in reported:
+                        reported.add(gather.node)
+                        self.report.add(
+                            f"{ranks} ({name}, block {block}): {describe(instruction)} reads "
+                            f"{param} without waiting for {describe(gather)}, which gathers "
+                            f"it at the start of the step")
+                        break
+
+    def _frees(self, ranks, name: str, program: Program, positions) -> None:
+        """No block reads a buffer after the block that frees it ran, for one microbatch;
+        and a reader in an earlier block finished, on the freeing stream, before that
+        block ended (else the free could overtake it)."""
+        readers: dict[str, list[tuple[str, int]]] = {}
+        for block, instructions in program.blocks.items():
+            for k, instruction in enumerate(instructions):
+                for buffer in instruction.reads:
+                    readers.setdefault(buffer, []).append((block, k))
+        finals = {}
+        late: dict[tuple[str, str, int], list[str]] = {}
+        for block, instructions in program.blocks.items():
+            for instruction in instructions:
+                for buffer in instruction.frees:
+                    for other, k in readers.get(buffer, []):
+                        if other == block:
+                            continue  # checked with the block's own clocks
+                        for (b, mb), at in positions.items():
+                            if b == block and positions.get((other, mb), -1) > at:
+                                late.setdefault((other, block, mb), []).append(buffer)
+                                break
+                        if other not in finals:
+                            finals[other] = vector_clocks(program.blocks[other])[1]
+                        reader = program.blocks[other][k]
+                        if finals[other].get(instruction.stream, {}).get(reader.stream,
+                                                                          -1) < k:
+                            self.report.add(
+                                f"{ranks} ({name}): {describe(instruction)} in block "
+                                f"{block} frees {buffer}, which {describe(reader)} in block "
+                                f"{other} may still be reading: stream {instruction.stream} "
+                                f"never waits for it")
+        for (other, block, mb), buffers in late.items():
+            shown = ", ".join(buffers[:3]) + (f" and {len(buffers) - 3} more"
+                                              if len(buffers) > 3 else "")
+            self.report.add(f"{ranks} ({name}): block {other} reads {shown} (microbatch {mb}) "
+                            f"after block {block} freed {'them' if len(buffers) > 1 else 'it'}")
+
+    def _gathers(self, instructions) -> list[int]:
+        """Positions of a block's ZeRO-3 parameter gathers."""
+        return [k for k, i in enumerate(instructions) if i.op == "all_gather" and
+                i.node in self.graph and self.graph.nodes[i.node].get("payload") == "param"
+                and i.per_microbatch]
+
+    def _check_sequence(self, instructions, where, external: bool,
+                        clocks: list[int] | None = None) -> "_Sequence":
+        """Vector clocks over the streams of one block (or the prologue or epilogue);
+        each instruction's clock is kept when ``clocks`` says the block needs them."""
+        keep = bool(clocks)
+        clock: dict[str, dict[str, int]] = {}
+        events: dict[tuple[str, bool], dict[str, int]] = {}
+        writer: dict[str, tuple[int, Instruction]] = {}  # buffer -> (position, instruction)
+        readers: dict[str, list[tuple[int, Instruction]]] = {}
+        freed: dict[str, int] = {}
+        produced = {w for i in instructions for w in i.writes}
+        sequence = _Sequence()
+        for position, instruction in enumerate(instructions):
+            stream = instruction.stream
+            mine = clock.setdefault(stream, {})
+            if instruction.op == "sync":
+                everything = {s: max(c.get(s, -1) for c in clock.values()) for s in clock}
+                for c in clock.values():
+                    c.update(everything)
+                sequence.clocks.append(dict(mine) if keep else None)
+                continue
+            key = (instruction.event, instruction.per_microbatch)
+            if instruction.op == "wait":
+                if key in events:
+                    for s, value in events[key].items():
+                        mine[s] = max(mine.get(s, -1), value)
+                elif external:
+                    sequence.external.append(instruction)
+                else:
+                    self.report.add(f"{where}: {describe(instruction)} (instruction "
+                                    f"{position}) waits for an event no earlier instruction "
+                                    f"records")
+                sequence.clocks.append(dict(mine) if keep else None)
+                continue
+            if instruction.op == "record":
+                events[key] = dict(mine)
+                sequence.records.add(key)
+                sequence.record_instructions.append(instruction)
+                sequence.clocks.append(dict(mine) if keep else None)
+                continue
+
+            def happened(before: int, before_stream: str) -> bool:
+                return before_stream == stream or mine.get(before_stream, -1) >= before
+
+            for buffer in instruction.reads:
+                if buffer in freed:
+                    self.report.add(f"{where}: {describe(instruction)} (instruction "
+                                    f"{position}) reads {buffer} after instruction "
+                                    f"{freed[buffer]} freed it")
+                if buffer in writer:
+                    at, source = writer[buffer]
+                    if not happened(at, source.stream):
+                        self.report.add(f"{where}: {describe(instruction)} (instruction "
+                                        f"{position}) reads {buffer} while {describe(source)} "
+                                        f"(instruction {at}) may still be writing it: no wait "
+                                        f"on its event")
+                elif buffer in produced and not buffer.startswith(STATE):
+                    self.report.add(f"{where}: {describe(instruction)} (instruction "
+                                    f"{position}) reads {buffer} before it is written")
+            for buffer in instruction.writes:
+                for at, reader in readers.get(buffer, []):
+                    if not happened(at, reader.stream):
+                        self.report.add(
+                            f"{where}: {describe(instruction)} (instruction {position}) "
+                            f"overwrites {buffer} while {describe(reader)} (instruction {at}) "
+                            f"may still be reading it")
+                if buffer.startswith(STATE):  # accumulated into: ordered, not unique
+                    at = writer.get(buffer)
+                    if at is not None and not happened(at[0], at[1].stream):
+                        self.report.add(f"{where}: {describe(instruction)} (instruction "
+                                        f"{position}) writes {buffer} while "
+                                        f"{describe(at[1])} (instruction {at[0]}) may still "
+                                        f"be writing it")
+                elif buffer in writer and writer[buffer][1] is not instruction:
+                    self.report.add(f"{where}: {buffer} is written twice, by instruction "
+                                    f"{writer[buffer][0]} and {position}")
+                writer[buffer] = (position, instruction)
+            for buffer in instruction.reads:
+                readers.setdefault(buffer, []).append((position, instruction))
+            for buffer in instruction.frees:
+                freed[buffer] = position
+                for at, reader in readers.get(buffer, []):
+                    if reader is not instruction and not happened(at, reader.stream):
+                        self.report.add(f"{where}: {describe(instruction)} (instruction "
+                                        f"{position}) frees {buffer} while "
+                                        f"{describe(reader)} (instruction {at}) may still "
+                                        f"be reading it")
+            mine[stream] = position
+            sequence.clocks.append(dict(mine) if keep else None)
+        sequence.streams = [i.stream for i in instructions]
+        if external:
+            self._closed(where, instructions, clock)
+        return sequence
+
+    def _closed(self, where, instructions, clock) -> None:
+        """The next microbatch's instance of a block writes its state buffers again: by
+        the block's end, each stream that writes one has seen every per-microbatch read of
+        it on another stream finish."""
+        last_read: dict[tuple[str, str], tuple[int, Instruction]] = {}
+        writers: dict[str, set[str]] = {}
+        for position, instruction in enumerate(instructions):
+            for buffer in instruction.reads:
+                if buffer.startswith(STATE) and instruction.per_microbatch:
+                    last_read[(buffer, instruction.stream)] = (position, instruction)
+            for buffer in instruction.writes:
+                if buffer.startswith(STATE):
+                    writers.setdefault(buffer, set()).add(instruction.stream)
+        for (buffer, stream), (position, reader) in last_read.items():
+            for writer in writers.get(buffer, ()):
+                if writer != stream and clock.get(writer, {}).get(stream, -1) < position:
+                    self.report.add(f"{where}: the block ends while {describe(reader)} "
+                                    f"(instruction {position}) may still read {buffer}, which "
+                                    f"stream {writer} writes again for the next microbatch")
+
+    # --- bucket layouts --------------------------------------------------------------
+
+    def buckets(self, name: str, program: Program) -> None:
+        """The program's buckets are the graph's, with consistent layouts, and every
+        bucket an instruction works on is among them."""
+        table = self.graph.graph.get("buckets", {})
+        for bucket_id, bucket in program.buckets.items():
+            if table.get(bucket_id) != bucket:
+                self.report.add(f"{name}: bucket {bucket_id} differs from the graph's")
+            for problem in bucket_problems(bucket):
+                self.report.add(f"{name}: bucket {bucket_id}: {problem}")
+        used = {self.graph.nodes[i.node].get("bucket") for part in
+                (*program.blocks.values(), program.prologue, program.epilogue)
+                for i in part if i.node in self.graph}
+        for bucket_id in sorted(b for b in used if b is not None and
+                                b not in program.buckets):
+            self.report.add(f"{name}: instructions work on bucket {bucket_id}, which the "
+                            f"program does not hold")
+
+
+class _Sequence:
+    """What the check of one instruction sequence learned: the waits it could not match
+    inside itself, the events it records, and each instruction's vector clock."""
+
+    def __init__(self):
+        self.external: list[Instruction] = []
+        self.records: set[tuple[str, bool]] = set()
+        self.record_instructions: list[Instruction] = []
+        self.clocks: list[dict[str, int]] = []
+        self.streams: list[str] = []
+
+    def before(self, a: int, b: int) -> bool:
+        """Whether instruction a finished before instruction b starts."""
+        if a >= b:
+            return False
+        return self.streams[a] == self.streams[b] or \
+            self.clocks[b].get(self.streams[a], -1) >= a
