@@ -4,7 +4,6 @@ blocks along the stage's schedule (docs/programs.md, the verifier, rules 3 to 9)
 
 from __future__ import annotations
 
-from planc.graph.ir import bucket_problems
 from planc.lower.program import STATE, Instruction, Program, guard_microbatch, vector_clocks
 from planc.lower.verify_report import Lazy, describe
 from planc.passes.overlap import unit_of
@@ -345,25 +344,6 @@ class StreamChecks:
                     self.report.add(f"{where}: the block ends while {describe(reader)} "
                                     f"(instruction {position}) may still read {buffer}, which "
                                     f"stream {writer} writes again for the next microbatch")
-
-    # --- bucket layouts --------------------------------------------------------------
-
-    def buckets(self, name: str, program: Program) -> None:
-        """The program's buckets are the graph's, with consistent layouts, and every
-        bucket an instruction works on is among them."""
-        table = self.graph.graph.get("buckets", {})
-        for bucket_id, bucket in program.buckets.items():
-            if table.get(bucket_id) != bucket:
-                self.report.add(f"{name}: bucket {bucket_id} differs from the graph's")
-            for problem in bucket_problems(bucket):
-                self.report.add(f"{name}: bucket {bucket_id}: {problem}")
-        used = {self.graph.nodes[i.node].get("bucket") for part in
-                (*program.blocks.values(), program.prologue, program.epilogue)
-                for i in part if i.node in self.graph}
-        for bucket_id in sorted(b for b in used if b is not None and
-                                b not in program.buckets):
-            self.report.add(f"{name}: instructions work on bucket {bucket_id}, which the "
-                            f"program does not hold")
 
 
 class _Sequence:
