@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench bench-topology install clean
 
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ bench: $(STAMP)
 	$(PY) bench/compile.py
 	$(PY) bench/run.py
 	$(PY) bench/peers.py
+
+# Routes on an emulated two-node cluster: needs root (network namespaces, veth, tc).
+bench-topology: $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
+	$(PY) bench/topology.py --json build/topology.json --plot docs/topology.png
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

@@ -1,13 +1,14 @@
 """The build directory: what ``planc compile`` writes and later commands read.
 
-Layout (format version 1, documented in docs/build.md):
+Layout (format version 2, documented in docs/build.md):
 
     build.json     manifest: format, version, planc version, source file and its sha256
     plan.json      the validated plan (Plan.to_dict)
     graph.json     the communication graph, networkx node-link format
     summary.json   per stage and step: transfers by axis, kind and phase; FLOPs; memory
-    programs/      one rank program per pipeline stage, ranks.json (the rank table) and
-                   groups.json (the process groups the programs use)
+    programs/      one rank program per pipeline stage, ranks.json (the rank table),
+                   groups.json (the process groups the programs use) and routes.json
+                   (the recipes of tree and hierarchical routes)
 
 A build is written into a temporary sibling directory and renamed into place, so a
 reader never sees half a build, and a failed compile leaves the old build untouched.
@@ -30,6 +31,7 @@ from planc.collector import without_collector
 from planc.files import umask
 from planc.graph import ir
 from planc.lower.groups import GroupTable
+from planc.lower.routes import RouteTable
 from planc.lower.program import Program, RankTable, dumps
 from planc.plan import Plan
 
@@ -39,6 +41,7 @@ FILES = ("plan.json", "graph.json", "summary.json")
 PROGRAMS = "programs"
 RANK_TABLE = "ranks.json"
 GROUPS = "groups.json"
+ROUTES = "routes.json"
 
 
 class BuildError(Exception):
@@ -54,6 +57,7 @@ class Build:
     programs: dict[str, Program] | None = None
     table: RankTable | None = None
     groups: GroupTable | None = None
+    routes: RouteTable | None = None
 
 
 def graph_to_json(graph: nx.DiGraph) -> dict:
@@ -96,6 +100,8 @@ def write(build: Build, directory: str | Path, source_path: str, source_text: st
         programs[RANK_TABLE] = build.table.to_json()
     if build.groups is not None:
         programs[GROUPS] = build.groups.to_json()
+    if build.routes is not None:
+        programs[ROUTES] = build.routes.to_json()
     parent = target.resolve().parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -248,6 +254,11 @@ def read_programs(build: Build) -> Build:
     if groups.mesh != build.plan.mesh:
         raise BuildError(f"{directory / GROUPS} is for another mesh than plan.json; run "
                          f"planc compile again")
+    try:
+        routes = RouteTable.from_json(_read_json(directory, ROUTES))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise BuildError(f"{directory / ROUTES} is not a valid route table ({exc}); run "
+                         f"planc compile again") from None
     programs = {}
     for name in table.names:
         if "/" in name or name.startswith("."):
@@ -265,4 +276,5 @@ def read_programs(build: Build) -> Build:
     if unknown:
         raise BuildError(f"{directory} names node {unknown[0]!r}, which graph.json does not "
                          f"have; run planc compile again")
-    return Build(build.plan, build.graph, build.summary, build.path, programs, table, groups)
+    return Build(build.plan, build.graph, build.summary, build.path, programs, table, groups,
+                 routes)

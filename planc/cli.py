@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--axis", choices=AXES, help="only transfers over this axis")
     explain.add_argument("--buckets", action="store_true",
                          help="every parameter bucket: its members and why it closed")
+    explain.add_argument("--routes", action="store_true",
+                         help="for each collective, every route (ring, tree, hierarchical) "
+                         "with its predicted time and why it was or was not chosen")
 
     programs = commands.add_parser(
         "programs", help="print a rank's program: streams, blocks, events, schedule",
@@ -149,6 +152,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds without progress before every rank reports a hang [120]")
     run.add_argument("--no-verify", action="store_true",
                      help="run programs without verifying them (to debug a broken build)")
+
+    calibrate = commands.add_parser(
+        "calibrate", help="measure this machine's links and write a topology plans can use",
+        description="Start ranks on this machine, measure the latency and bandwidth of "
+        "all-reduces inside and between (emulated) nodes and the compute rate, and write a "
+        "topology that a plan names with topology { preset = \"FILE\" }, so that the cost "
+        "model predicts this machine. On a cluster run `python -m planc.runtime.calibrate` "
+        "on every node instead (docs/routes.md).")
+    calibrate.add_argument("-o", "--output", required=True, metavar="FILE",
+                           help="the topology to write (JSON)")
+    calibrate.add_argument("--ranks", type=int, default=2, metavar="N",
+                           help="ranks to start [2]")
+    calibrate.add_argument("--nodes", type=int, default=1, metavar="K",
+                           help="split the ranks into K nodes of consecutive ranks [1]")
+    calibrate.add_argument("--repeats", type=int, default=5, metavar="R",
+                           help="timed repetitions per size [5]")
     return parser
 
 
@@ -187,7 +206,8 @@ def _microbatches(text: str) -> tuple[int, ...] | str:
 COMMANDS = {"check": ("check", "check"), "layout": ("check", "layout"),
             "compile": ("compile", "main"), "graph": ("graph", "main"),
             "explain": ("explain", "main"), "programs": ("programs", "programs"),
-            "verify": ("programs", "verify"), "run": ("run", "main")}
+            "verify": ("programs", "verify"), "run": ("run", "main"),
+            "calibrate": ("calibrate", "main")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

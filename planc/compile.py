@@ -17,6 +17,7 @@ from planc.graph.derive import derive
 from planc.graph.summary import summarize
 from planc.lower.groups import group_table
 from planc.lower.lower import lower
+from planc.lower.routes import route_table, split_refs
 from planc.lower.verify import verify
 from planc.plan import Plan
 
@@ -34,10 +35,11 @@ def compile_plan(plan: Plan, check: Callable[[nx.DiGraph, str], None] | None = N
     graph = passes.run(graph, passes.PassContext.of(plan), check)
     programs, table = lower(plan, graph)
     groups = group_table(plan.mesh, plan.topology.devices_per_node,
-                         plan.model.tie_embeddings, plan.shard.pp.virtual)
-    report = verify(plan, graph, programs, table)
+                         plan.model.tie_embeddings, plan.shard.pp.virtual, split_refs(graph))
+    routes = route_table(graph, groups)
+    report = verify(plan, graph, programs, table, groups, routes)
     if not report.ok:
         raise CompileError("internal error: the lowered programs fail verification (a bug "
                            "in planc; please report it): " + "; ".join(report.problems))
     return Build(plan, graph, summarize(plan, graph), programs=programs, table=table,
-                 groups=groups)
+                 groups=groups, routes=routes)

@@ -67,9 +67,24 @@ class Device:
 
 
 @dataclass(frozen=True)
+class Tuning:
+    """What a backend achieves for one collective on a link, as ``planc calibrate``
+    measured it: its bus bandwidth and the fixed cost of a call (the base latency per
+    algorithm of NCCL's tuning model, src/graph/tuning.cc)."""
+
+    kind: str  # all_reduce, reduce_scatter, all_gather
+    bandwidth: float  # bytes/s, bus bandwidth (nccl-tests' convention)
+    latency: float  # seconds per call, beside the link's latency per step
+
+
+@dataclass(frozen=True)
 class Link:
     bandwidth: float  # bytes/s per device, one direction
-    latency: float  # seconds
+    latency: float  # seconds per message (one step of a ring, one hop of a tree)
+    collectives: tuple[Tuning, ...] = ()  # measured figures per collective, if any
+
+    def tuning(self, kind: str) -> Tuning | None:
+        return next((t for t in self.collectives if t.kind == kind), None)
 
 
 @dataclass(frozen=True)

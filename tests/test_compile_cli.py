@@ -166,6 +166,7 @@ def test_compile_writes_the_build_files(tmp_path):
                 "buffer overwritten in flight")
     passes = ("fuse: 53 gradient reduce-scatters -> 2; 53 parameter all-gathers -> 2; 53 "
               "optimizer steps -> 2 (2 buckets: 242 KB, 235 KB)\n"
+              "route (auto): 24 ring, 1 tree of 25 collectives\n"
               "overlap: 2 once-per-step gradient reductions issued in the last microbatch's "
               "backward as soon as their inputs are final; 2 ZeRO parameter all-gathers moved "
               "to the start of the next step, each waited for by its first forward use; 9 weight "
@@ -731,6 +732,9 @@ ROW = re.compile(r"^  ([FBO])  (\S+) over (\S+) \(.*\)  .* (per microbatch|per s
 LETTER = {"forward": "F", "backward": "B", "optimizer": "O"}
 
 
+ROUTE_LINE = "     route: "
+
+
 def _parse_explain(text: str):
     """Transfer rows with their reasons, and the totals tables, of explain's output."""
     lines = text.rstrip("\n").split("\n")
@@ -742,9 +746,15 @@ def _parse_explain(text: str):
             assert match, line
             reason = []
             i += 1
-            while i < len(lines) and lines[i].startswith("     ") and lines[i][5] != " ":
+            while i < len(lines) and lines[i].startswith("     ") and lines[i][5] != " " \
+                    and not lines[i].startswith(ROUTE_LINE):
                 reason.append(lines[i].strip())
                 i += 1
+            # Every collective over a group of two or more says which route it takes.
+            kind, size = match.group(2), int(re.search(r" \((\d+) ranks?", line).group(1))
+            routed = kind in ("all_reduce", "all_gather", "reduce_scatter") and size > 1
+            assert (i < len(lines) and lines[i].startswith(ROUTE_LINE)) == routed, line
+            i += routed
             rows.append((*match.groups(), " ".join(reason)))
             continue
         if line == "  per step, on each device:":

@@ -33,7 +33,7 @@ def built(text: str = PP_PLAN):
 
 def problems(build, programs=None, table=None) -> list[str]:
     return verify(build.plan, build.graph, programs or build.programs,
-                  table or build.table).problems
+                  table or build.table, build.groups, build.routes).problems
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

@@ -57,7 +57,7 @@ def validated(plan):
         seen.append(stage)
 
     build = compile_plan(plan, check)
-    assert seen == ["derive", "fuse", "overlap"]
+    assert seen == ["derive", "fuse", "route", "overlap"]
     return build
 
 
@@ -230,7 +230,8 @@ def broken(build, change, name: str = "stage0.json") -> list[str]:
     data = copy.deepcopy(build.programs[name].to_json())
     change(data)
     programs = {**build.programs, name: Program.from_json(data)}
-    return verify(build.plan, build.graph, programs, build.table).problems
+    return verify(build.plan, build.graph, programs, build.table, build.groups,
+                  build.routes).problems
 
 
 def _index(block: list[dict], node: str) -> int:

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.slow
 TEMPLATE = """plan {name} {{
   model gpt {{ layers = 4; hidden = 32; heads = 4; vocab = 128; seq = 16; batch = 8{model} }}
   mesh {{ {mesh} }}
+  topology {{ {topology} }}
   shard {{ {shard} }}
   schedule {{ microbatches = {m}{schedule} }}
   optimize {{ {optimize} }}
@@ -79,8 +80,46 @@ METRICS = {"step", "loss", "time_s", "compute_s", "comm_s", "exposed_comm_s", "p
            "tokens_per_s", "slowest_rank", "max_rss_mb"}
 
 
+# Each route forced (and chosen by the cost model) on 4 and 8 ranks over 2 nodes: a
+# hierarchical route becomes sub-group collectives, a tree point-to-point transfers.
+TWO_NODES = "nodes = 2; devices_per_node = {}; inter {{ bandwidth = 1GB/s; latency = 50us }}"
+ROUTES = {
+    "dp4-hierarchical": dict(mesh="dp = 4", topology=TWO_NODES.format(2), m=2,
+                             optimize="route = hierarchical"),
+    "dp4-tree-zero3": dict(mesh="dp = 4", topology=TWO_NODES.format(2), m=2,
+                           shard="dp { zero = 3 }", optimize="route = tree"),
+    "dp4-ring-zero1": dict(mesh="dp = 4", topology=TWO_NODES.format(2), m=2,
+                           shard="dp { zero = 1 }", optimize="route = ring"),
+    "dp8-hierarchical-zero3": dict(mesh="dp = 8", topology=TWO_NODES.format(4),
+                                   shard="dp { zero = 3 }", optimize="route = hierarchical"),
+    "dp8-tree": dict(mesh="dp = 8", topology=TWO_NODES.format(4), optimize="route = tree"),
+    "tp2-dp4-auto-zero2": dict(mesh="tp = 2; dp = 4", topology=TWO_NODES.format(4), m=2,
+                               shard="dp { zero = 2 }", optimize="route = auto"),
+    "tp4-sp-hierarchical": dict(mesh="tp = 4; dp = 2", m=2,
+                                topology=TWO_NODES.format(2).replace("nodes = 2", "nodes = 4"),
+                                shard="tp { sequence_parallel = on }",
+                                optimize="route = hierarchical"),
+}
+# The (collective, route) pairs each plan's route pass must produce, from the cost
+# model's rules: hierarchical needs 2 or more members on each of 2 or more nodes (dp's
+# groups in tp4-dp2 have one per node), a tree is for all_reduce only; None: auto.
+ROUTES_TAKEN = {
+    "dp4-hierarchical": {("all_reduce", "hierarchical")},
+    "dp4-tree-zero3": {("all_reduce", "tree"), ("all_gather", "ring"),
+                       ("reduce_scatter", "ring")},
+    "dp4-ring-zero1": {("all_reduce", "ring"), ("all_gather", "ring"),
+                       ("reduce_scatter", "ring")},
+    "dp8-hierarchical-zero3": {("all_reduce", "hierarchical"), ("all_gather", "hierarchical"),
+                               ("reduce_scatter", "hierarchical")},
+    "dp8-tree": {("all_reduce", "tree")},
+    "tp2-dp4-auto-zero2": None,
+    "tp4-sp-hierarchical": {("all_reduce", "hierarchical"), ("all_gather", "hierarchical"),
+                            ("reduce_scatter", "hierarchical"), ("all_reduce", "ring")},
+}
+
+
 def plan_text(name: str, **case) -> str:
-    values = dict(model="", mesh="", shard="", m=1, schedule="", optimize="")
+    values = dict(model="", mesh="", shard="", m=1, schedule="", optimize="", topology="")
     values.update(case)
     return TEMPLATE.format(name=name.replace("-", "_"), **values)
 
@@ -113,8 +152,27 @@ def test_every_plan_trains_exactly_like_one_process(name, switch, tmp_path, capf
     losses[(name, switch)] = [r["loss"] for r in records]
 
 
+@pytest.mark.parametrize("name", list(ROUTES))
+def test_every_route_trains_exactly_like_one_process(name, tmp_path, capfd, losses):
+    plan = tmp_path / f"{name}.plan"
+    plan.write_text(plan_text(name, **ROUTES[name]))
+    metrics = tmp_path / "metrics.jsonl"
+    status, err = run([plan, "-o", tmp_path / "build", "--check", "--metrics", metrics,
+                       "--timeout", "60"], capfd)
+    assert status == 0, err
+    assert "every loss and parameter matches" in err
+    graph = json.loads((tmp_path / "build" / "graph.json").read_text())
+    decisions = next(p for p in graph["graph"]["passes"] if p["name"] == "route")["decisions"]
+    expected = ROUTES_TAKEN[name]
+    assert decisions and all(d["route"] in ("ring", "tree", "hierarchical") for d in decisions)
+    if expected is not None:
+        assert {(d["kind"], d["route"]) for d in decisions} == expected
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    losses[(name, "route")] = [r["loss"] for r in records]
+
+
 def test_every_plan_of_one_model_follows_the_same_loss_curve(losses):
-    if len(losses) < len(MATRIX) * len(SWITCHES):
+    if len(losses) < len(MATRIX) * len(SWITCHES) + len(ROUTES):
         pytest.skip("needs the whole matrix")
     reference = losses[("single", "")]
     tied = losses[("tied-over-pp", "")]

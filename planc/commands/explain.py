@@ -22,6 +22,6 @@ def main(args) -> int:
             hint = did_you_mean(args.param, params)
             return fail(f"the plan has no parameter {args.param!r}" +
                          (f"; {hint}" if hint else ""), EXIT_USAGE)
-    print(explain_text.explain(plan, graph, args.layer, args.param, args.axis, args.buckets),
-          end="")
+    print(explain_text.explain(plan, graph, args.layer, args.param, args.axis, args.buckets,
+                               args.routes), end="")
     return EXIT_OK

@@ -42,7 +42,8 @@ def verify(args) -> int:
     built, status = load_programs(args)
     if built is None:
         return status
-    report = verify(built.plan, built.graph, built.programs, built.table)
+    report = verify(built.plan, built.graph, built.programs, built.table, built.groups,
+                    built.routes)
     if not report.ok:
         for problem in report.problems:
             print(f"planc: error: {problem}", file=sys.stderr)

@@ -87,7 +87,8 @@ def _verified_build(args, directory: str):
     except build.BuildError as exc:
         return None, fail(str(exc))
     if not args.no_verify:
-        report = verify(built.plan, built.graph, built.programs, built.table)
+        report = verify(built.plan, built.graph, built.programs, built.table, built.groups,
+                        built.routes)
         if not report.ok:
             for problem in report.problems:
                 print(f"planc: error: {problem}", file=sys.stderr)

@@ -214,6 +214,8 @@ OPTIONAL = {
     "stream": "placed by the overlap pass: the program stream it runs on",
     "guard": "placed by the overlap pass: 'last' to run on the last microbatch only",
     "placement": "per-step work placed by the overlap pass: block, prologue or epilogue",
+    "route": "collectives, placed by the route pass: ring, tree or hierarchical",
+    "route_seconds": "collectives: the cost model's time for the route taken",
 }
 
 

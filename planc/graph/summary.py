@@ -51,8 +51,11 @@ def summarize(plan: Plan, graph: nx.DiGraph) -> dict:
         bucket["bytes"] += repeat * node["bytes"]
         bucket["bus_bytes"] += repeat * node["bytes"] * bus_factor(node["kind"],
                                                                     node["group_size"])
-        entry["transfer_seconds"] += repeat * cost.transfer_seconds(
-            node["kind"], node["bytes"], node["group_size"], crosses[node["axis"]])
+        seconds = node.get("route_seconds")  # the route pass's prediction, where it ran
+        if seconds is None:
+            seconds = cost.transfer_seconds(node["kind"], node["bytes"], node["group_size"],
+                                            crosses[node["axis"]])
+        entry["transfer_seconds"] += repeat * seconds
     estimate = memory.estimate(plan)
     out_stages = []
     for stage, entry in stages.items():

@@ -9,6 +9,7 @@ is reported; a Plan is returned only when there is no error.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from array import array
@@ -20,9 +21,10 @@ from planc.diagnostics import Diagnostic, Span, error, in_source_order, warning
 from planc.lang import ast
 from planc.lang.overrides import Override
 from planc.lang.overrides import apply as apply_overrides
-from planc.lang.presets import GENERIC, PRESETS
-from planc.lang.schema import (PLAN_SCHEMA, BlockSchema, Scope, StageRange, Unresolved,
-                               block_syntax, did_you_mean, join_words, where_key_lives)
+from planc.lang.presets import GENERIC, PRESETS, Preset, calibrated_preset
+from planc.lang.schema import (PLAN_SCHEMA, BlockSchema, PresetFile, Scope, StageRange,
+                               Unresolved, block_syntax, did_you_mean, join_words,
+                               where_key_lives)
 from planc.plan import (Optimizer, ContextParallel, DataParallel, Device, Link, Mesh, Model,
                         Optimize, PipelineParallel, Plan, Schedule, Shard, Sources,
                         TensorParallel, Topology, Train)
@@ -38,6 +40,7 @@ def check(tree: ast.PlanFile, path: str, overrides: Sequence[Override] = ()
 
 
 # Bounds that keep every command fast; far beyond any cluster that exists.
+MAX_TOPOLOGY_BYTES = 1 << 20  # a calibrated topology is a few KB
 LIMITS = {"world": 524_288, "layers": 65_536, "chunks": 16_384, "microbatches": 65_536}
 
 
@@ -255,7 +258,13 @@ class _Checker:
         keys = ("topology.nodes", "topology.devices_per_node", "topology.preset")
         if mesh is None or any(k in self.given and self.value(k) is None for k in keys):
             return None
-        preset = PRESETS.get(self.value("topology.preset")) or GENERIC
+        given = self.value("topology.preset")
+        if isinstance(given, PresetFile):
+            preset = self._calibrated(given)
+            if preset is None:
+                return None
+        else:
+            preset = PRESETS.get(given) or GENERIC
         world = mesh.world
         nodes, per_node = self.value("topology.nodes"), self.value("topology.devices_per_node")
         if per_node is None and nodes is not None and preset.devices_per_node:
@@ -300,11 +309,37 @@ class _Checker:
         device = Device(pick("device.flops", preset.flops[dtype]),
                         pick("device.memory", preset.memory),
                         pick("device.efficiency", preset.efficiency))
+        # A link given in the plan replaces the preset's, measured collectives and all.
         intra = Link(pick("intra.bandwidth", preset.intra_bandwidth),
-                     pick("intra.latency", preset.intra_latency))
+                     pick("intra.latency", preset.intra_latency),
+                     () if "topology.intra" in self.given else preset.intra_collectives)
         inter = Link(pick("inter.bandwidth", preset.inter_bandwidth),
-                     pick("inter.latency", preset.inter_latency))
+                     pick("inter.latency", preset.inter_latency),
+                     () if "topology.inter" in self.given else preset.inter_collectives)
         return Topology(nodes, per_node, device, intra, inter, self.value("topology.preset"))
+
+    def _calibrated(self, path: str) -> Preset | None:
+        """The topology ``planc calibrate`` wrote at ``path`` (relative to the plan)."""
+        base = os.path.dirname(os.path.abspath(self.path)) if self.path else os.getcwd()
+        resolved = os.path.normpath(os.path.join(base, path))
+        span = self.span("topology.preset")
+        try:
+            with open(resolved, "rb") as handle:
+                text = handle.read(MAX_TOPOLOGY_BYTES + 1)
+        except OSError as exc:
+            return self._reject(f"cannot read topology '{path}': "
+                                f"{exc.strerror or exc}", span)
+        if len(text) > MAX_TOPOLOGY_BYTES:
+            return self._reject(f"topology '{path}' is larger than "
+                                f"{MAX_TOPOLOGY_BYTES // 1024} KB; it is not one planc "
+                                f"calibrate wrote", span)
+        try:
+            return calibrated_preset(json.loads(text), path)
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            reason = "it is not JSON" if isinstance(exc, (json.JSONDecodeError,
+                                                          UnicodeDecodeError)) else str(exc)
+            return self._reject(f"cannot use topology '{path}': {reason}", span,
+                                "write one with planc calibrate -o FILE")
 
     def _tensor_parallel(self, mesh: Mesh | None, model: Model | None) -> TensorParallel | None:
         keys = ("embedding", "qkv", "proj", "fc1", "fc2", "head", "sequence_parallel")

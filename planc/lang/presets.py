@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planc.plan import Device, Link, Topology, Tuning
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -24,6 +26,17 @@ class Preset:
     intra_latency: float
     inter_bandwidth: float
     inter_latency: float
+    intra_collectives: tuple[Tuning, ...] = ()  # measured by planc calibrate
+    inter_collectives: tuple[Tuning, ...] = ()
+
+    def topology(self, nodes: int, dtype: str = "fp32") -> Topology:
+        """The preset's machine with ``nodes`` nodes, every figure as measured."""
+        per_node = self.devices_per_node or 1
+        return Topology(nodes, per_node, Device(self.flops[dtype], self.memory,
+                                                self.efficiency),
+                        Link(self.intra_bandwidth, self.intra_latency, self.intra_collectives),
+                        Link(self.inter_bandwidth, self.inter_latency, self.inter_collectives),
+                        self.name)
 
 
 PRESETS: dict[str, Preset] = {
@@ -52,3 +65,75 @@ PRESETS: dict[str, Preset] = {
 GENERIC = Preset("generic", "one node, generic links", None,
                  {"bf16": 100e12, "fp16": 100e12, "fp32": 50e12}, None, 0.5,
                  100e9, 5e-6, 12.5e9, 10e-6)
+
+
+# --- calibrated topologies: `planc calibrate` writes them, `preset = "FILE"` reads them ---
+
+CALIBRATED_FORMAT, CALIBRATED_VERSION = "planc-topology", 1
+
+
+def calibrated_document(name: str, devices_per_node: int, flops: float, intra: dict,
+                        inter: dict, measured: dict) -> dict:
+    """The JSON of a measured machine. A link is ``{"bandwidth": B/s, "latency": s,
+    "collectives": {kind: {"bandwidth": bus B/s, "latency": s per call}}}``: the
+    point-to-point figures, and what the backend achieves for each collective (``tree``:
+    per hop of planc's point-to-point tree)."""
+    return {"format": CALIBRATED_FORMAT, "version": CALIBRATED_VERSION, "name": name,
+            "devices_per_node": devices_per_node,
+            "device": {"flops": flops, "memory": None, "efficiency": 1.0},
+            "intra": intra, "inter": inter, "measured": measured}
+
+
+def _number(value, what: str, positive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or \
+            not (value > 0 if positive else value >= 0) or value == float("inf"):
+        raise ValueError(f"{what} must be a {'positive' if positive else 'non-negative'} "
+                         f"number")
+    return float(value)
+
+
+def _link(data: dict, block: str) -> tuple[float, float, tuple[Tuning, ...]]:
+    link = data.get(block)
+    if not isinstance(link, dict):
+        raise ValueError(f"it has no {block} link")
+    table = link.get("collectives", {})
+    if not isinstance(table, dict):
+        raise ValueError(f"{block}.collectives must be an object")
+    tunings = []
+    for kind, figures in sorted(table.items()):
+        if kind not in ("all_reduce", "reduce_scatter", "all_gather", "tree"):
+            raise ValueError(f"{block}.collectives names {kind!r}; it holds all_reduce, "
+                             f"reduce_scatter, all_gather and tree")
+        if not isinstance(figures, dict):
+            raise ValueError(f"{block}.collectives.{kind} must be an object")
+        where = f"{block}.collectives.{kind}"
+        tunings.append(Tuning(kind, _number(figures.get("bandwidth"), f"{where}.bandwidth"),
+                              _number(figures.get("latency"), f"{where}.latency", False)))
+    return (_number(link.get("bandwidth"), f"{block}.bandwidth"),
+            _number(link.get("latency"), f"{block}.latency", False), tuple(tunings))
+
+
+def calibrated_preset(data, name: str) -> Preset:
+    """A Preset from a calibrated topology document; ValueError says what is wrong."""
+    if not isinstance(data, dict) or data.get("format") != CALIBRATED_FORMAT:
+        raise ValueError("it is not a planc topology (planc calibrate writes them)")
+    if data.get("version") != CALIBRATED_VERSION:
+        raise ValueError(f"it is version {data.get('version')!r} of the topology format; "
+                         f"this planc reads version {CALIBRATED_VERSION}")
+    per_node = data.get("devices_per_node")
+    if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
+        raise ValueError("devices_per_node must be a positive integer")
+    device = data.get("device")
+    if not isinstance(device, dict):
+        raise ValueError("it has no device")
+    flops = _number(device.get("flops"), "device.flops")
+    efficiency = _number(device.get("efficiency"), "device.efficiency")
+    if efficiency > 1:
+        raise ValueError("device.efficiency must be at most 1")
+    memory = device.get("memory")
+    if memory is not None:
+        memory = _number(memory, "device.memory")
+    intra, inter = _link(data, "intra"), _link(data, "inter")
+    return Preset(name, str(data.get("name", name)), per_node,
+                  {"bf16": flops, "fp16": flops, "fp32": flops}, memory, efficiency,
+                  intra[0], intra[1], inter[0], inter[1], intra[2], inter[2])

@@ -491,6 +491,23 @@ class DataSource(Kind):
         raise self.mismatch(value)
 
 
+class PresetFile(str):
+    """A preset given as a quoted path: a topology that ``planc calibrate`` measured."""
+
+
+class PresetSource(Kind):
+    words = tuple(PRESETS)  # the named machines; a quoted path is the other form
+    noun = (f"one of {join_words(tuple(PRESETS))}, or the path in quotes of a topology "
+            f"written by planc calibrate")
+
+    def read(self, value, scope):
+        if isinstance(value, ast.String):
+            if not value.value:
+                raise Problem("the topology path is empty", value.span)
+            return PresetFile(value.value)
+        return Choice(tuple(PRESETS)).read(value, scope)
+
+
 # --- blocks ------------------------------------------------------------------------
 
 
@@ -538,7 +555,7 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
     "topology": BlockSchema("topology", keys={
         "nodes": Key(Integer(1)),
         "devices_per_node": Key(Integer(1)),
-        "preset": Key(Choice(tuple(PRESETS))),
+        "preset": Key(PresetSource()),
     }, blocks={
         "device": BlockSchema("device", keys={
             "flops": Key(Quantity(COMPUTE)), "memory": Key(Quantity(SIZE)),

@@ -11,7 +11,7 @@ each group's ranks increasing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from planc.graph.ir import Axis
@@ -28,6 +28,7 @@ class GroupRule:
     axes: tuple[str, ...] = ()  # mesh axes along which the members differ
     coordinates: dict[str, tuple[int, ...]] = field(default_factory=dict)  # restricts axes
     wrap: bool = False  # pp: the last stage also sends to the first (interleaved)
+    split: str | None = None  # a hierarchical route's sub-groups: "intra" or "inter"
 
     def to_json(self) -> dict:
         item: dict = {"ref": self.ref, "axes": list(self.axes)}
@@ -35,6 +36,8 @@ class GroupRule:
             item["coordinates"] = {k: list(v) for k, v in self.coordinates.items()}
         if self.wrap:
             item["wrap"] = True
+        if self.split:
+            item["split"] = self.split
         return item
 
 
@@ -73,10 +76,29 @@ class GroupTable:
             allowed = rule.coordinates
             if any(coords[a] != allowed[a][0] for a in allowed):
                 continue
-            yield self.members(rank, rule)
+            whole = self.members(rank, replace(rule, split=None))
+            if rule.split is None:
+                yield whole
+            else:  # the sub-groups, in order of their smallest member
+                yield from sorted({self._part(whole, r, rule.split) for r in whole})
+
+    def _part(self, whole: tuple[int, ...], rank: int, split: str) -> tuple[int, ...]:
+        """``rank``'s sub-group of the group ``whole``: the members on its node (intra), or
+        the members with its place among their node's members on every node (inter)."""
+        node = self.layout.node
+        if split == "intra":
+            return tuple(r for r in whole if node(r) == node(rank))
+        by_node: dict[int, list[int]] = {}
+        for r in whole:
+            by_node.setdefault(node(r), []).append(r)
+        local = by_node[node(rank)].index(rank)
+        return tuple(members[local] for members in by_node.values() if local < len(members))
 
     def members(self, rank: int, rule: GroupRule) -> tuple[int, ...]:
         """The members of ``rank``'s group of ``rule`` (empty if it is in none)."""
+        if rule.split is not None:
+            whole = self.members(rank, replace(rule, split=None))
+            return self._part(whole, rank, rule.split) if whole else ()
         layout = self.layout
         coords = layout.coords(rank)
         if any(coords[a] not in values for a, values in rule.coordinates.items()):
@@ -113,17 +135,25 @@ class GroupTable:
                     not 0 <= x < mesh.size(a) for a, v in coordinates.items() for x in v):
                 raise ValueError(f"group {item.get('ref')!r} names axes or coordinates "
                                  f"outside the mesh")
+            split = item.get("split")
+            if split not in (None, "intra", "inter"):
+                raise ValueError(f"group {item.get('ref')!r} splits by {split!r}; sub-groups "
+                                 f"are intra or inter")
             rules.append(GroupRule(str(item["ref"]), axes, coordinates,
-                                   bool(item.get("wrap", False))))
+                                   bool(item.get("wrap", False)), split))
         return GroupTable(mesh, int(data["devices_per_node"]), tuple(rules))
 
 
-def group_table(mesh: Mesh, devices_per_node: int, tied: bool, virtual: int = 1
-                ) -> GroupTable:
-    """Every group reference a program may use, by rule."""
+def group_table(mesh: Mesh, devices_per_node: int, tied: bool, virtual: int = 1,
+                split: tuple[str, ...] = ()) -> GroupTable:
+    """Every group reference a program may use, by rule; ``split`` names the references
+    whose intra- and inter-node sub-groups hierarchical routes use."""
     rules = [GroupRule(axis.value, axis.mesh_axes) for axis in Axis if axis.within_stage]
     if tied and mesh.pp > 1:
         rules.append(GroupRule("tied", ("pp",), {"pp": (0, mesh.pp - 1)}))
+    for base in [r for r in rules if r.ref in split]:
+        for part in ("intra", "inter"):
+            rules.append(replace(base, ref=f"{base.ref}/{part}", split=part))
     if mesh.pp > 1:
         rules.append(GroupRule(PIPELINE, wrap=virtual > 1))
     return GroupTable(mesh, devices_per_node, tuple(rules))

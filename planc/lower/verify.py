@@ -7,7 +7,9 @@ The invariants of docs/semantics.md, section 5:
    deadlock (the cross-rank wait-for graph has no cycle);
 3. every wait names an event recorded earlier on some stream of the same rank;
 4. every buffer is written before it is read, and never overwritten while a transfer
-   still reads it.
+   still reads it;
+5. every tree or hierarchical route runs a recipe that computes exactly the collective
+   it replaces, without deadlock (:mod:`planc.lower.verify_routes`).
 
 Programs are folded (blocks run per microbatch, see program.py), and so is most of the
 proof. This module checks the rank table, the buckets and the order of collectives on
@@ -21,17 +23,22 @@ import networkx as nx
 
 from planc.graph.ir import Axis, bucket_problems
 from planc.layout import Layout as RankLayout
+from planc.lower.groups import GroupTable
 from planc.lower.program import COLLECTIVES, Program, RankTable
+from planc.lower.routes import RouteTable, routed_nodes
 from planc.lower.verify_pipeline import PipelineChecks
 from planc.lower.verify_report import Report, ranks_text
+from planc.lower.verify_routes import check_routes
 from planc.lower.verify_streams import StreamChecks
 from planc.plan import Plan
 
 
 class _Verifier(StreamChecks, PipelineChecks):
     def __init__(self, plan: Plan, graph: nx.DiGraph, programs: dict[str, Program],
-                 table: RankTable):
+                 table: RankTable, groups: GroupTable | None = None,
+                 routes: RouteTable | None = None):
         self.plan, self.graph, self.programs, self.table = plan, graph, programs, table
+        self.groups, self.routes = groups, routes
         self.report = Report()
         self.layout = RankLayout.of(plan)
         self._texts: dict[str, str] = {}
@@ -165,7 +172,21 @@ class _Verifier(StreamChecks, PipelineChecks):
                 self.buckets(name, program)
         self.collective_order()
         self.pipeline()
+        self.route_recipes()
         return self.report
+
+    # --- 5. routes ----------------------------------------------------------------------
+
+    def route_recipes(self) -> None:
+        """Tree and hierarchical transfers run recipes that compute their collective."""
+        if not routed_nodes(self.graph):
+            return
+        if self.groups is None or self.routes is None:
+            self.report.add("the graph routes transfers by tree or hierarchy, but the build "
+                            "has no route recipes")
+            return
+        for problem in check_routes(self.graph, self.groups, self.routes):
+            self.report.add(problem)
 
 
 def _collective_text(item) -> str:
@@ -176,5 +197,6 @@ def _collective_text(item) -> str:
 
 
 def verify(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program],
-           table: RankTable) -> Report:
-    return _Verifier(plan, graph, programs, table).run()
+           table: RankTable, groups: GroupTable | None = None,
+           routes: RouteTable | None = None) -> Report:
+    return _Verifier(plan, graph, programs, table, groups, routes).run()

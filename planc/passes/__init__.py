@@ -66,8 +66,9 @@ def record(graph: nx.DiGraph, entry: PassRecord) -> nx.DiGraph:
 def _pipeline() -> tuple[tuple[str, Pass], ...]:
     from planc.passes.fuse import fuse
     from planc.passes.overlap import overlap
+    from planc.passes.route import route
 
-    return (("fuse", fuse), ("overlap", overlap))
+    return (("fuse", fuse), ("route", route), ("overlap", overlap))
 
 
 def run(graph: nx.DiGraph, context: PassContext,

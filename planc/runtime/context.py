@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from planc.graph.layouts import Layout, S
 from planc.lower.groups import PIPELINE, GroupTable
+from planc.lower.routes import RouteTable
 from planc.plan import Plan
 from planc.runtime.model import batch_tokens, microbatch_rows, seq_split, token_positions
 
@@ -63,8 +64,9 @@ def make_groups(table: GroupTable, rank: int, timeout: float) -> Groups:
 
 class RankContext:
     def __init__(self, plan: Plan, table: GroupTable, rank: int, groups: Groups | None,
-                 device: torch.device):
+                 device: torch.device, routes: RouteTable | None = None):
         self.plan, self.rank, self.groups, self.device = plan, rank, groups, device
+        self.routes = routes or RouteTable({})
         self.layout = table.layout
         self.coords = self.layout.coords(rank)
         self.tp, self.cp = plan.mesh.tp, plan.mesh.cp

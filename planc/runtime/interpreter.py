@@ -27,6 +27,7 @@ from planc.runtime.kernels import Kernels, Saved, Spec
 from planc.runtime.model import split_feature
 from planc.runtime.reference import make_optimizer
 from planc.runtime.store import ParamStore
+from planc.runtime.routes import resolve
 from planc.runtime.transfers import SENDRECV, Call, Transfers
 
 
@@ -160,7 +161,9 @@ class Interpreter:
         ref = data["axis"] if data.get("level", "whole") == "whole" else \
             f"{data['axis']}/{data['level']}"
         members = groups.members.get(ref, (ctx.rank,))
-        return Call(data, groups.handles.get(ref), members, members.index(ctx.rank))
+        route = resolve(ctx.routes, data, ref, members, ctx.rank, groups,
+                        ctx.layout.devices_per_node)
+        return Call(data, groups.handles.get(ref), members, members.index(ctx.rank), route)
 
     # --- reading buffers ---------------------------------------------------------------
 

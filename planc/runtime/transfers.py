@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from planc.graph.ir import Kind, Payload, Phase
 from planc.graph.layouts import parse as parse_layout
+from planc.runtime import routes
 from planc.runtime.context import RankContext
 from planc.runtime.model import join_feature, split_feature
 from planc.runtime.store import ParamStore
@@ -38,6 +39,7 @@ class Call:
     group: object  # a process group, or None for a group of one
     members: tuple[int, ...]
     index: int  # this rank's position in the group
+    route: routes.Route | None = None  # a tree or hierarchical recipe; None: native
 
     @property
     def size(self) -> int:
@@ -79,7 +81,10 @@ class Transfers:
         if call.size == 1:
             return tensor
         out = tensor if in_place else tensor.clone()
-        _wait(dist.all_reduce(out, op=op, group=call.group, async_op=True))
+        if call.route is not None:
+            routes.all_reduce(call.route, out, op)
+        else:
+            _wait(dist.all_reduce(out, op=op, group=call.group, async_op=True))
         return out
 
     @staticmethod
@@ -87,6 +92,11 @@ class Transfers:
         if call.size == 1:
             return [tensor]
         tensor = tensor.contiguous()
+        if call.route is not None:
+            out = torch.empty((call.size, *tensor.shape), dtype=tensor.dtype,
+                              device=tensor.device)
+            routes.all_gather(call.route, tensor, out)
+            return list(out)
         pieces = [torch.empty_like(tensor) for _ in range(call.size)]
         _wait(dist.all_gather(pieces, tensor, group=call.group, async_op=True))
         return pieces
@@ -97,7 +107,10 @@ class Transfers:
             return chunks[0]
         chunks = [c.contiguous() for c in chunks]
         out = torch.empty_like(chunks[0])
-        _wait(dist.reduce_scatter(out, chunks, group=call.group, async_op=True))
+        if call.route is not None:
+            routes.reduce_scatter(call.route, torch.cat([c.reshape(-1) for c in chunks]), out)
+        else:
+            _wait(dist.reduce_scatter(out, chunks, group=call.group, async_op=True))
         return out
 
     # --- tensor parallel redistributions -------------------------------------------------
@@ -213,7 +226,10 @@ class Transfers:
         bucket = call.data["bucket"]
         grad = self.store.grad[bucket]
         out = torch.empty_like(self.store.grad_shard[bucket])
-        _wait(dist.reduce_scatter_single(out, grad, group=call.group, async_op=True))
+        if call.route is not None:
+            routes.reduce_scatter(call.route, grad, out)
+        else:
+            _wait(dist.reduce_scatter_single(out, grad, group=call.group, async_op=True))
         self.store.grad_shard[bucket] += out
         if call.data["per_microbatch"]:
             grad.zero_()
@@ -245,6 +261,8 @@ class Transfers:
                               device=shard.device)
         if call.size == 1:
             out.copy_(shard)
+        elif call.route is not None:
+            routes.all_gather(call.route, shard, out)
         else:
             _wait(dist.all_gather_single(out, shard, group=call.group, async_op=True))
         return out

@@ -149,7 +149,7 @@ def train(args: argparse.Namespace) -> int:
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     torch.manual_seed(0)
     groups = make_groups(built.groups, rank, args.timeout + 60)
-    ctx = RankContext(plan, built.groups, rank, groups, device)
+    ctx = RankContext(plan, built.groups, rank, groups, device, built.routes)
     program = built.programs[built.table.program_of(rank)]
     store = ParamStore(ctx, program.buckets, groups.index("dp_cp", rank))
     interpreter = Interpreter(ctx, built.graph, program, store)

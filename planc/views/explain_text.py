@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import networkx as nx
 
-from planc.lang.units import format_bytes
+from planc.lang.units import TIME, format_bytes, format_quantity
 from planc.layout import Layout
 from planc.lower.groups import group_table
 from planc.plan import Plan
@@ -48,8 +48,38 @@ def what_it_moves(data: dict) -> str:
     return f"bucket {data['bucket']}"
 
 
-def _rows(plan: Plan, graph: nx.DiGraph, nodes: list[str]) -> list[str]:
+def route_decisions(graph: nx.DiGraph) -> dict[str, dict]:
+    """The route pass's decision for each transfer it routed, by node."""
+    for entry in graph.graph.get("passes", []):
+        if entry["name"] == "route":
+            return {d["node"]: d for d in entry["decisions"]}
+    return {}
+
+
+def route_lines(decision: dict, full: bool) -> list[str]:
+    """The route a transfer takes; with ``full``, every candidate's predicted time and why
+    it was or was not taken."""
+    chosen = next(c for c in decision["candidates"] if c["route"] == decision["route"])
+    head = (f"     route: {decision['route']}, {format_quantity(chosen['seconds'], TIME)} "
+            f"predicted ({decision['why']})")
+    if not full:
+        others = ", ".join(
+            f"{c['route']} " + (format_quantity(c["seconds"], TIME) if c["seconds"] is not None
+                                else "n/a")
+            for c in decision["candidates"] if c["route"] != decision["route"])
+        return [head + (f"; {others}" if others else "")]
+    rows = [[c["route"], "-" if c["seconds"] is None else format_quantity(c["seconds"], TIME),
+             "yes" if c["route"] == decision["route"] else "", c["reason"]]
+            for c in decision["candidates"]]
+    groups = "; ".join(decision["placements"])
+    return [head, f"       groups: {groups}",
+            table(["route", "predicted", "chosen", "why"], rows, indent="       ")]
+
+
+def _rows(plan: Plan, graph: nx.DiGraph, nodes: list[str], routes: bool = False
+          ) -> list[str]:
     ranks = Layout.of(plan)
+    decisions = route_decisions(graph)
     lines = []
     for node in nodes:
         data = graph.nodes[node]
@@ -61,6 +91,8 @@ def _rows(plan: Plan, graph: nx.DiGraph, nodes: list[str]) -> list[str]:
                      f"{count}{per}  [{what_it_moves(data)}]")
         lines.extend(textwrap.wrap(data["reason"], width=96, initial_indent="     ",
                                    subsequent_indent="     ", break_on_hyphens=False))
+        if node in decisions:
+            lines.extend(route_lines(decisions[node], routes))
     return lines
 
 
@@ -105,7 +137,7 @@ def bucket_lines(plan: Plan, bucket_id: str, bucket: dict, param: str | None = N
 
 
 def explain(plan: Plan, graph: nx.DiGraph, layer: int | None = None, param: str | None = None,
-            axis: str | None = None, all_buckets: bool = False) -> str:
+            axis: str | None = None, all_buckets: bool = False, routes: bool = False) -> str:
     buckets = graph.graph.get("buckets", {})
     if all_buckets:
         out = [f"{counted(len(buckets), 'bucket')}:"]
@@ -154,7 +186,7 @@ def explain(plan: Plan, graph: nx.DiGraph, layer: int | None = None, param: str 
     for title, nodes, subject in sections:
         out.append(f"{title}: {counted(len(nodes), 'transfer')}"
                    + (f" over {axis}" if axis else ""))
-        out.extend(_rows(plan, graph, nodes) if nodes else ["  none"])
+        out.extend(_rows(plan, graph, nodes, routes) if nodes else ["  none"])
         if nodes:
             out.append("  per step, on each device:")
             out.append(_totals(graph, nodes))

@@ -1,0 +1,64 @@
+"""``planc calibrate``: measure this machine's links and write a topology (JSON)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from planc.commands import EXIT_OK, EXIT_USAGE, MAX_LOCAL_RANKS, fail
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(args) -> int:
+    from planc.lang.presets import calibrated_preset
+    from planc.lang.units import TIME, format_quantity
+
+    if not 2 <= args.ranks <= MAX_LOCAL_RANKS:
+        return fail(f"--ranks must be between 2 and {MAX_LOCAL_RANKS}", EXIT_USAGE)
+    if args.nodes < 1 or args.ranks % args.nodes:
+        return fail(f"--nodes must divide --ranks ({args.ranks})", EXIT_USAGE)
+    if args.repeats < 1:
+        return fail("--repeats must be at least 1", EXIT_USAGE)
+    output = Path(args.output)
+    if output.is_dir() or not output.resolve().parent.is_dir():
+        return fail(f"cannot write {output}: not a file in an existing directory")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "WORLD_SIZE": str(args.ranks), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "planc.runtime.calibrate", "--devices-per-node",
+               str(args.ranks // args.nodes), "-o", str(output), "--repeats", str(args.repeats)]
+    print(f"planc: calibrating {args.ranks} gloo ranks on {args.nodes} "
+          f"node{'s' * (args.nodes > 1)} of this machine", file=sys.stderr)
+    workers = [subprocess.Popen(command, env={**env, "RANK": str(r)}) for r in range(args.ranks)]
+    try:
+        codes = [w.wait() for w in workers]
+    except KeyboardInterrupt:
+        for w in workers:
+            w.kill()
+        return fail("interrupted; nothing was written", 130)
+    if any(codes):
+        return fail(f"a calibration rank exited with status {max(codes)}; nothing was written")
+    data = json.loads(output.read_text())
+    preset = calibrated_preset(data, str(output))
+    for name, bandwidth, latency, tunings in (
+            ("intra-node", preset.intra_bandwidth, preset.intra_latency,
+             preset.intra_collectives),
+            ("inter-node", preset.inter_bandwidth, preset.inter_latency,
+             preset.inter_collectives)):
+        measured = name.split("-")[0] in data["measured"]
+        print(f"{name}: {bandwidth / 1e9:.3g} GB/s and {format_quantity(latency, TIME)} per "
+              f"message" + ("" if measured else " (not measured: the other link's figures)"))
+        for tuning in tunings:
+            print(f"  {tuning.kind}: {tuning.bandwidth / 1e9:.3g} GB/s bus bandwidth, "
+                  f"{format_quantity(tuning.latency, TIME)} per call")
+    print(f"compute: {preset.flops['fp32'] / 1e9:.3g} GFLOP/s per rank\n"
+          f"written to {output}; use it with topology {{ preset = \"{output}\" }}")
+    return EXIT_OK

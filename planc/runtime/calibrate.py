@@ -1,0 +1,243 @@
+"""Measure the links this machine's backend actually has: alpha and beta per link type.
+
+Run on every rank of a launched world (``planc calibrate`` starts one on this machine;
+on a cluster, or the emulated one of bench/topology.py, start it on every node with the
+usual RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT):
+
+    python -m planc.runtime.calibrate --devices-per-node L -o topology.json
+
+For each link type, inside a node and between nodes, it measures (the slowest rank's
+median time, every pair or group of the level at once, so that each link carries what a
+training step puts on it):
+
+- one message between pairs of ranks: its latency (half the smallest exchange) and its
+  bandwidth (the slope between the two largest sizes), the link's alpha and beta, which
+  tree routes use;
+- all_reduce, reduce_scatter and all_gather on the level's groups (a node's ranks; the
+  ranks with the same place on every node): the bus bandwidth each achieves and its
+  latency per call beyond the steps' latencies, as in NCCL's tuning model (planc.cost).
+
+The compute rate is that of an fp32 matrix multiply with every rank multiplying at once.
+Rank 0 writes the topology atomically (planc.lang.presets; a plan names it with
+``topology { preset = "FILE" }``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from planc.files import write_atomically
+from planc.lang.presets import calibrated_document
+
+SIZES = (4 << 10, 4 << 20, 16 << 20)  # bytes: latency, then two for the slope
+REPEATS = 5
+
+
+BATCH_BELOW = 1 << 20  # sizes below this are timed over a batch of calls
+BATCH = 10
+
+
+def timed(operation, nbytes: int, repeats: int) -> float:
+    """The median over ``repeats`` (after one warm-up) of the slowest rank's time. Small
+    operations run ``BATCH`` at a time, back to back as a training step issues them, so
+    that ranks leaving the barrier at different moments do not count as latency."""
+    count = BATCH if nbytes < BATCH_BELOW else 1
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(count):
+            operation()
+        times.append((time.perf_counter() - start) / count)
+    slowest = torch.tensor(times[1:], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return statistics.median(slowest.tolist())
+
+
+def subgroups(world: int, per_node: int) -> dict[str, tuple[object, int, int]]:
+    """{"intra": (this rank's node group, its size, its index in it), "inter": (its group
+    across nodes, ...)}; every rank creates every group in one order, as torch.distributed
+    requires (None: a group of one)."""
+    rank, nodes = dist.get_rank(), world // per_node
+    mine = {}
+    for node in range(nodes):
+        members = list(range(node * per_node, (node + 1) * per_node))
+        group = dist.new_group(members) if per_node > 1 else None
+        if rank in members:
+            mine["intra"] = (group, per_node, members.index(rank))
+    for local in range(per_node):
+        members = [node * per_node + local for node in range(nodes)]
+        group = dist.new_group(members) if nodes > 1 else None
+        if rank in members:
+            mine["inter"] = (group, nodes, members.index(rank))
+    return mine
+
+
+def _slope_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(seconds per byte, seconds at zero bytes) through the smallest point and the slope
+    between the two largest."""
+    (small, t_small), (mid, t_mid), (large, t_large) = sorted(points)
+    slope = max((t_large - t_mid) / (large - mid), 1e-15)
+    return slope, max(t_small - slope * small, 0.0)
+
+
+def _peer(level: str, per_node: int, nodes: int) -> int | None:
+    """This rank's partner for point-to-point measurements: the next local rank (intra)
+    or the same place on the other node of a pair of nodes (inter); None: it sits out."""
+    rank = dist.get_rank()
+    node, local = divmod(rank, per_node)
+    if level == "intra":
+        partner = local ^ 1
+        return node * per_node + partner if partner < per_node else None
+    partner = node ^ 1
+    return partner * per_node + local if partner < nodes else None
+
+
+def measure_point_to_point(level: str, per_node: int, nodes: int, repeats: int
+                           ) -> tuple[list, tuple[float, float]]:
+    """(points, (bandwidth, latency)) of one message between pairs of ranks, every pair
+    of the level at once; the lower rank of a pair sends, the other receives."""
+    peer, rank = _peer(level, per_node, nodes), dist.get_rank()
+    points = []
+    for nbytes in SIZES:
+        buffer = torch.ones(max(nbytes // 4, 1))
+
+        def transfer(b=buffer):
+            if peer is None:
+                return
+            if rank < peer:
+                dist.send(b, peer)
+                dist.recv(b[:1], peer)  # the acknowledgement: a one-way time, not a post
+            else:
+                dist.recv(b, peer)
+                dist.send(b[:1], peer)
+        points.append((nbytes, timed(transfer, nbytes, repeats)))
+    (_, t_small) = sorted(points)[0]
+    slope, _ = _slope_fit(points)
+    # Half of the smallest exchange is one message's latency; the slope, its bytes.
+    return points, (1 / slope, t_small / 2)
+
+
+def measure_collectives(level: str, groups: dict, repeats: int, latency: float
+                        ) -> tuple[dict, dict]:
+    """(points, {kind: {bandwidth, latency}}) of each collective on the level's groups,
+    all groups at once: the bus bandwidth from the slope, the latency of a call from what
+    the smallest size takes beyond the steps' latencies."""
+    group, size, _ = groups[level]
+    points, tuned = {}, {}
+    for kind in ("all_reduce", "reduce_scatter", "all_gather"):
+        measured = []
+        for nbytes in SIZES:
+            whole = torch.ones(nbytes // 4)
+            part = torch.ones(nbytes // 4 // size)
+            operation = {
+                "all_reduce": lambda: dist.all_reduce(whole, group=group),
+                "reduce_scatter": lambda: dist.reduce_scatter_single(part, whole, group=group),
+                "all_gather": lambda: dist.all_gather_single(whole, part, group=group),
+            }[kind]
+            measured.append((nbytes, timed(operation if group is not None else lambda: None,
+                                           nbytes, repeats)))
+        points[kind] = [list(p) for p in measured]
+        if group is None:
+            continue
+        slope, at_zero = _slope_fit(measured)
+        steps = 2 * (size - 1) if kind == "all_reduce" else size - 1
+        factor = 2 * (size - 1) / size if kind == "all_reduce" else (size - 1) / size
+        tuned[kind] = {"bandwidth": factor / slope,
+                       "latency": max(at_zero - steps * latency, 0.0)}
+    if group is not None and size > 1:
+        points["tree"], tuned["tree"] = measure_tree(groups[level], repeats)
+    return points, tuned
+
+
+def measure_tree(level_group: tuple, repeats: int) -> tuple[list, dict]:
+    """A tree all-reduce (planc's recipe, run as planc runs it) on the level's groups:
+    the latency and bandwidth of one hop, ``t = 2 depth (latency + fan bytes / bw)``."""
+    from planc.cost import tree_depth
+    from planc.lower.routes import tree
+    from planc.runtime.routes import Route, all_reduce
+
+    group, size, index = level_group
+    members = tuple(dist.get_process_group_ranks(group))
+    recipe = tree("all_reduce", (size,))
+    route = Route(recipe.positions[index], recipe.chunks, index, {}, {}, group, members)
+    measured = []
+    for nbytes in SIZES:
+        buffer = torch.ones(nbytes // 4)
+        measured.append((nbytes, timed(lambda b=buffer: all_reduce(route, b), nbytes,
+                                       repeats)))
+    slope, at_zero = _slope_fit(measured)
+    hops, fan = 2 * tree_depth(size), (1 if size <= 2 else 2)
+    return [list(p) for p in measured], {"bandwidth": hops * fan / slope,
+                                         "latency": at_zero / hops}
+
+
+def measure_compute(repeats: int) -> float:
+    """FLOP/s of an fp32 1024 x 1024 matrix multiply, the node's ranks all at once."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    seconds = timed(lambda: a @ b, 1 << 30, repeats)
+    return 2 * 1024 ** 3 / seconds
+
+
+def calibrate(per_node: int, repeats: int) -> dict:
+    """Measure, on every rank at once; the topology document (the same on every rank)."""
+    world = dist.get_world_size()
+    nodes = world // per_node
+    groups = subgroups(world, per_node)
+    links, measured = {}, {"backend": dist.get_backend(), "world": world, "nodes": nodes,
+                           "repeats": repeats, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for level, members in (("intra", per_node), ("inter", nodes)):
+        if members < 2:
+            continue
+        p2p_points, (bandwidth, latency) = measure_point_to_point(level, per_node, nodes,
+                                                                  repeats)
+        points, tuned = measure_collectives(level, groups, repeats, latency)
+        links[level] = {"bandwidth": bandwidth, "latency": latency, "collectives": tuned}
+        measured[level] = {"point_to_point": [list(p) for p in p2p_points], **points}
+    if not links:
+        raise SystemExit("planc calibrate: a world of one rank has no link to measure; "
+                         "start at least 2 ranks")
+    # A link this world cannot measure (one device per node, or one node) takes the
+    # other's figures; ``measured`` shows which were measured.
+    intra = links.get("intra") or links["inter"]
+    inter = links.get("inter") or links["intra"]
+    flops = measure_compute(repeats)
+    return calibrated_document(f"calibrated {dist.get_backend()}, {world} ranks on {nodes} "
+                               f"node{'s' * (nodes > 1)}", per_node, flops, intra, inter,
+                               measured)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m planc.runtime.calibrate")
+    parser.add_argument("--devices-per-node", type=int, required=True)
+    parser.add_argument("-o", "--output", required=True)
+    parser.add_argument("--repeats", type=int, default=REPEATS)
+    parser.add_argument("--backend", default="gloo")
+    args = parser.parse_args(argv)
+    world = int(os.environ["WORLD_SIZE"])
+    if args.devices_per_node < 1 or world % args.devices_per_node:
+        print(f"planc calibrate: {world} ranks do not fill nodes of {args.devices_per_node}",
+              file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    dist.init_process_group(args.backend, timeout=timedelta(seconds=600))
+    try:
+        document = calibrate(args.devices_per_node, args.repeats)
+        if dist.get_rank() == 0:
+            write_atomically(args.output, (json.dumps(document, indent=1) + "\n").encode())
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

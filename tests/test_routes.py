@@ -1,0 +1,429 @@
+"""Routes: the cost model's formulas, the route pass's choices, the recipes that lower tree
+and hierarchical routes, the verifier's symbolic proof of them, and real runs that force
+each route on 4 and 8 ranks over 2 nodes.
+
+Expected times are worked out by hand from the formulas of Thakur, Rabenseifner and
+Gropp (2005) on a topology with round numbers, never read back from planc.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from planc.compile import compile_plan
+from planc.cost import CostModel, Placement, Route
+from planc.lang import load_text
+from planc.lower.groups import group_table
+from planc.lower.routes import Recipe, Step, counts_of, hierarchical, tree
+from planc.lower.verify_routes import check
+from planc.plan import Device, Link, Topology
+
+# intra: 10 us, 10 GB/s; inter: 50 us, 1 GB/s per device.
+TOPOLOGY = Topology(2, 4, Device(1e12, None), Link(1e10, 1e-5), Link(1e9, 5e-5))
+COST = CostModel(TOPOLOGY)
+EIGHT_ON_TWO = Placement(8, 2, 4, 4, 4)
+
+PLAN = """plan routes {{
+  model gpt {{ layers = 2; hidden = 32; heads = 4; vocab = 128; seq = 16; batch = 16 }}
+  mesh {{ {mesh} }}
+  topology {{ nodes = {nodes}; devices_per_node = {dpn}
+             intra {{ bandwidth = 10GB/s; latency = 10us }}
+             inter {{ bandwidth = 1GB/s; latency = 50us }} }}
+  shard {{ {shard} }}
+  schedule {{ microbatches = 2 }}
+  optimize {{ route = {route} }}
+  train {{ steps = 2; optimizer = sgd(lr = 0.5, momentum = 0.9); seed = 3 }}
+}}
+"""
+
+
+def plan_of(mesh: str, dpn: int, route: str, shard: str = "", nodes: int = 2):
+    loaded = load_text(PLAN.format(mesh=mesh, dpn=dpn, route=route, shard=shard, nodes=nodes))
+    assert loaded.ok, [d.message for d in loaded.diagnostics]
+    return loaded.plan
+
+
+def seconds(route: Route, kind: str, nbytes: float, placement: Placement) -> float | None:
+    return next(c.seconds for c in COST.candidates(kind, nbytes, placement)
+                if c.route == route)
+
+
+# --- the cost model --------------------------------------------------------------------
+
+def test_ring_all_reduce_across_two_nodes_uses_the_inter_node_link():
+    # 2 (n - 1) = 14 steps of 50 us; 2 * 7/8 * 1e8 bytes at 4 NICs of 1 GB/s.
+    assert seconds(Route.RING, "all_reduce", 1e8, EIGHT_ON_TWO) == pytest.approx(
+        14 * 5e-5 + 1.75e8 / 4e9)
+
+
+def test_hierarchical_all_reduce_is_two_intra_phases_and_an_inter_all_reduce_of_a_quarter():
+    intra = 3 * 1e-5 + 0.75 * 1e8 / 1e10  # reduce_scatter over 4, then all_gather over 4
+    inter = 2 * 5e-5 + 1.0 * 2.5e7 / 1e9  # all_reduce of 25 MB over 2 nodes, own NIC
+    assert seconds(Route.HIERARCHICAL, "all_reduce", 1e8, EIGHT_ON_TWO) == pytest.approx(
+        2 * intra + inter)
+
+
+def test_tree_all_reduce_is_twice_the_depth_of_both_trees():
+    intra = 2 * (1e-5 + 2 * 1e8 / 1e10)  # depth 2 of a heap of 4, two children each
+    inter = 1 * (5e-5 + 1e8 / 4e9)  # depth 1 between 2 nodes, one child
+    assert seconds(Route.TREE, "all_reduce", 1e8, EIGHT_ON_TWO) == pytest.approx(
+        2 * (intra + inter))
+
+
+def test_hierarchical_reduce_scatter_and_all_gather():
+    intra = 3 * 1e-5 + 0.75 * 1e8 / 1e10
+    inter = 1 * 5e-5 + 0.5 * 2.5e7 / 1e9
+    for kind in ("reduce_scatter", "all_gather"):
+        assert seconds(Route.HIERARCHICAL, kind, 1e8, EIGHT_ON_TWO) == pytest.approx(
+            intra + inter)
+        assert seconds(Route.RING, kind, 1e8, EIGHT_ON_TWO) == pytest.approx(
+            7 * 5e-5 + 0.875 * 1e8 / 4e9)
+
+
+def test_a_flat_ring_puts_7_4ths_the_bytes_of_hierarchical_on_the_inter_node_link():
+    # Byte terms only (no latency): 2 * 7/8 B against 2 * 1/2 * B/4 per NIC, 4 NICs.
+    free = CostModel(Topology(2, 4, Device(1e12, None), Link(1e30, 0.0), Link(1e9, 0.0)))
+    ring = next(c.seconds for c in free.candidates("all_reduce", 1e8, EIGHT_ON_TWO)
+                if c.route == Route.RING)
+    hier = next(c.seconds for c in free.candidates("all_reduce", 1e8, EIGHT_ON_TWO)
+                if c.route == Route.HIERARCHICAL)
+    assert ring / hier == pytest.approx(1.75)
+
+
+def test_small_messages_prefer_the_tree_and_large_ones_hierarchical():
+    def best(nbytes):
+        usable = [c for c in COST.candidates("all_reduce", nbytes, EIGHT_ON_TWO)
+                  if c.seconds is not None]
+        return min(usable, key=lambda c: c.seconds).route
+
+    assert best(1e3) == Route.TREE
+    assert best(1e8) == Route.HIERARCHICAL
+
+
+def test_routes_that_do_not_apply_say_why():
+    def reasons(kind, placement):
+        return {c.route: c.reason for c in COST.candidates(kind, 1e6, placement)
+                if c.seconds is None}
+
+    assert reasons("all_reduce", Placement.within_node(4)) == {
+        Route.HIERARCHICAL: "the group lies inside one node"}
+    assert reasons("all_reduce", Placement.of([0, 1, 2, 4], 4)) == {
+        Route.HIERARCHICAL: "uneven ranks per node (1 to 3)"}
+    assert reasons("all_reduce", Placement.of([0, 4], 4)) == {
+        Route.HIERARCHICAL: "one rank per node: the hierarchical route is the flat one"}
+    assert reasons("all_gather", EIGHT_ON_TWO) == {
+        Route.TREE: "tree applies to all_reduce only (as in NCCL); all_gather has no tree "
+                    "route"}
+    assert set(reasons("all_to_all", EIGHT_ON_TWO)) == {Route.TREE, Route.HIERARCHICAL}
+
+
+def test_placement_of_members():
+    assert Placement.of([0, 1, 4, 5], 4) == Placement(4, 2, 2, 2, 2)
+    assert Placement.of([0, 1, 2, 4], 4).text() == "4 ranks on 2 nodes, 1..3 per node"
+    assert counts_of([5, 0, 1, 4, 6], 4) == (2, 3)
+
+
+# --- recipes and their proof -------------------------------------------------------------
+
+@pytest.mark.parametrize("counts", [(2, 2), (4, 4), (2, 2, 2), (3, 3, 3, 3)])
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_hierarchical_recipes_compute_their_collective(kind, counts):
+    recipe = hierarchical(kind, counts)
+    assert check(recipe) == []
+    assert Recipe.from_json(json.loads(json.dumps(recipe.to_json()))) == recipe
+
+
+@pytest.mark.parametrize("counts", [(1,), (2,), (4, 4), (3, 5), (1, 1, 1, 1, 1), (2, 3, 1)])
+def test_tree_recipes_compute_the_all_reduce(counts):
+    assert check(tree("all_reduce", counts)) == []
+
+
+def test_hierarchical_reduce_scatter_keeps_zero_shard_order():
+    recipe = hierarchical("reduce_scatter", (2, 2))
+    # local index 1 of node 0 (position 1) collects chunks 1 and 3, then keeps chunk 1.
+    assert recipe.positions[1] == (
+        Step("reduce_scatter", ((0, 2), (1, 3)), "intra"),
+        Step("reduce_scatter", ((1,), (3,)), "inter"))
+
+
+def _with(recipe: Recipe, rows) -> Recipe:
+    return Recipe(recipe.kind, recipe.route, recipe.counts, recipe.chunks, tuple(rows))
+
+
+def test_the_checker_rejects_a_wrong_shard_order():
+    recipe = hierarchical("reduce_scatter", (2, 2))
+    swapped = Step("reduce_scatter", ((2,), (0,)), "inter")
+    rows = [(row[0], swapped) if p in (0, 2) else row for p, row in enumerate(recipe.positions)]
+    assert check(_with(recipe, rows), lambda p: 10 + p) == [
+        "rank 10 ends with chunk 0 holding the contributions of rank 10, rank 11, not the sum "
+        "over the group (its shard)",
+        "rank 12 ends with chunk 2 holding the contributions of rank 12, rank 13, not the sum "
+        "over the group (its shard)"]
+
+
+def test_the_checker_rejects_members_that_disagree():
+    recipe = hierarchical("reduce_scatter", (2, 2))
+    rows = list(recipe.positions)
+    rows[0] = (rows[0][0], Step("reduce_scatter", ((2,), (0,)), "inter"))
+    assert check(_with(recipe, rows)) == [
+        "the inter sub-group of rank 0, rank 2 disagrees: rank 0 is at step 2 (reduce_scatter "
+        "on inter of chunks [[2], [0]]) but rank 2 at step 2 (reduce_scatter on inter of "
+        "chunks [[0], [2]])"]
+
+
+def test_the_checker_rejects_a_missing_sub_step():
+    recipe = hierarchical("all_reduce", (2, 2))
+    rows = [row[:1] + row[2:] for row in recipe.positions]  # no inter-node all_reduce
+    assert check(_with(recipe, rows)) == [
+        f"rank {p} ends with chunk {c} holding the contributions of rank {q}, rank {q + 1}, "
+        f"not the sum over the group"
+        for p, q in ((0, 0), (1, 0), (2, 2), (3, 2)) for c in (0, 1)][:6]
+
+
+def test_the_checker_finds_a_deadlock_and_a_double_count():
+    recipe = tree("all_reduce", (4, 4))
+    rows = list(recipe.positions)
+    rows[5] = rows[5][1:]  # position 5 forgets to receive from its child, position 7
+    assert check(_with(recipe, rows)) == [
+        "deadlock: no member can move: rank 5 at step 3 (send with position 7 of chunks [0]); "
+        "rank 7 at step 1 (send with position 5 of chunks [0])"]
+    rows = list(recipe.positions)
+    rows[1] = rows[1][:2] + rows[1][1:]  # position 1 sends its partial sum up twice
+    rows[0] = rows[0][:1] + rows[0]  # and position 0 adds it twice
+    assert check(_with(recipe, rows)) == [
+        "rank 0, step 2 (recv_reduce with position 1 of chunks [0]) counts the contribution "
+        "of rank 1 twice"]
+
+
+# --- the route pass and the build -------------------------------------------------------
+
+def _decisions(build):
+    entry = next(e for e in build.graph.graph["passes"] if e["name"] == "route")
+    return entry
+
+
+@pytest.mark.parametrize("route", ["ring", "tree", "hierarchical"])
+def test_a_forced_route_is_taken_where_it_applies(route):
+    build = compile_plan(plan_of("dp = 8", 4, route))
+    entry = _decisions(build)
+    for decision in entry["decisions"]:
+        applies = next(c for c in decision["candidates"] if c["route"] == route)["seconds"]
+        if applies is not None:
+            assert decision["route"] == route and decision["why"] == f"route = {route}"
+        else:
+            assert decision["route"] == "ring"
+            assert decision["why"].startswith(f"route = {route} does not apply (")
+
+
+def test_forced_hierarchical_on_one_node_falls_back_with_the_reason():
+    build = compile_plan(plan_of("dp = 4", 4, "hierarchical", nodes=1))
+    routes = {d["route"] for d in _decisions(build)["decisions"]}
+    assert routes == {"ring"}
+    assert {d["why"] for d in _decisions(build)["decisions"]} == {
+        "route = hierarchical does not apply (the group lies inside one node): ring"}
+
+
+def test_hierarchical_builds_sub_groups_and_recipes_that_verify():
+    build = compile_plan(plan_of("dp = 8", 4, "hierarchical", "dp { zero = 3 }"))
+    refs = [r.ref for r in build.groups.rules]
+    assert "dp_cp/intra" in refs and "dp_cp/inter" in refs
+    intra = build.groups.rule("dp_cp/intra")
+    inter = build.groups.rule("dp_cp/inter")
+    assert list(build.groups.groups(intra)) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert list(build.groups.groups(inter)) == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    # ZeRO-3's gathers and reduce-scatters over dp, and the loss summed over the stage.
+    assert sorted(build.routes.recipes) == ["hierarchical/all_gather/4+4",
+                                            "hierarchical/all_reduce/4+4",
+                                            "hierarchical/reduce_scatter/4+4"]
+
+
+def test_sub_groups_of_a_strided_group():
+    table = group_table(plan_of("tp = 2; dp = 4", 4, "ring").mesh, 4, False,
+                        split=("dp_cp",))
+    # dp groups are {0, 2, 4, 6} and {1, 3, 5, 7}: two members on each node.
+    assert list(table.groups(table.rule("dp_cp/intra"))) == [(0, 2), (4, 6), (1, 3), (5, 7)]
+    assert list(table.groups(table.rule("dp_cp/inter"))) == [(0, 4), (2, 6), (1, 5), (3, 7)]
+
+
+def test_the_verifier_rejects_a_tampered_recipe(tmp_path, run_planc):
+    source = tmp_path / "p.plan"
+    source.write_text(PLAN.format(mesh="dp = 4", nodes=2, dpn=2, route="hierarchical",
+                                  shard=""))
+    out = tmp_path / "build"
+    done = run_planc("compile", source, "-o", out)
+    assert done.returncode == 0, done.stderr
+    path = out / "programs" / "routes.json"
+    data = json.loads(path.read_text())
+    recipe = data["recipes"]["hierarchical/all_reduce/2+2"]
+    # Drop the inter-node all_reduce: each node would keep only its own sum.
+    recipe["positions"] = [[s for s in row if recipe["steps"][s]["op"] != "all_reduce"]
+                           for row in recipe["positions"]]
+    path.write_text(json.dumps(data))
+    done = run_planc("verify", out)
+    assert done.returncode == 1
+    lines = done.stderr.splitlines()
+    assert lines[0] == (
+        "planc: error: F/loss:all_reduce@stage, hierarchical all_reduce on stage group "
+        "[0, 1, 2, 3]: rank 0 ends with chunk 0 holding the contributions of rank 0, rank 1, "
+        "not the sum over the group")
+    assert lines[-1] == "6 problems found; these programs must not run."
+    done = run_planc("run", out)
+    assert done.returncode == 1 and "nothing was run" in done.stderr
+    shutil.rmtree(out)
+
+
+# --- calibrated topologies ------------------------------------------------------------
+
+CALIBRATED = {
+    "format": "planc-topology", "version": 1, "name": "test machine", "devices_per_node": 2,
+    "device": {"flops": 4e10, "memory": None, "efficiency": 1.0},
+    "intra": {"bandwidth": 1e9, "latency": 1e-4,
+              "collectives": {"all_reduce": {"bandwidth": 5e8, "latency": 2e-3},
+                              "reduce_scatter": {"bandwidth": 2e8, "latency": 1e-3}}},
+    "inter": {"bandwidth": 1e8, "latency": 5e-4, "collectives": {}},
+    "measured": {},
+}
+
+
+def _with_topology(tmp_path, document, extra: str = "") -> object:
+    path = tmp_path / "machine.json"
+    path.write_text(json.dumps(document))
+    text = PLAN.format(mesh="dp = 4", nodes=2, dpn=2, route="auto", shard="").replace(
+        "topology { nodes = 2; devices_per_node = 2",
+        f'topology {{ preset = "machine.json"; nodes = 2{extra}')
+    source = tmp_path / "p.plan"
+    source.write_text(text.replace(
+        "intra { bandwidth = 10GB/s; latency = 10us }\n             "
+        "inter { bandwidth = 1GB/s; latency = 50us } ", ""))
+    return source
+
+
+def test_a_calibrated_topology_supplies_links_and_measured_collectives(tmp_path):
+    from planc.lang import load_file
+    from planc.plan import Tuning
+
+    loaded = load_file(_with_topology(tmp_path, CALIBRATED))
+    assert loaded.ok, [d.message for d in loaded.diagnostics]
+    topology = loaded.plan.topology
+    assert (topology.nodes, topology.devices_per_node) == (2, 2)
+    assert topology.intra.collectives == (Tuning("all_reduce", 5e8, 2e-3),
+                                          Tuning("reduce_scatter", 2e8, 1e-3))
+    # A ring all-reduce inside a node of 2: the call, 2 steps, 1 x B at the bus bandwidth.
+    cost = CostModel(topology)
+    assert cost.ring_seconds("all_reduce", 1e6, Placement.within_node(2)) == pytest.approx(
+        2e-3 + 2 * 1e-4 + 1e6 / 5e8)
+    # all_gather has no measured figures: the link's bandwidth, no cost per call.
+    assert cost.ring_seconds("all_gather", 1e6, Placement.within_node(2)) == pytest.approx(
+        1e-4 + 0.5 * 1e6 / 1e9)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"format": "other"}, "cannot use topology 'machine.json': it is not a planc topology "
+                          "(planc calibrate writes them)"),
+    ({"version": 9}, "cannot use topology 'machine.json': it is version 9 of the topology "
+                     "format; this planc reads version 1"),
+    ({"intra": {"bandwidth": -1, "latency": 0}}, "cannot use topology 'machine.json': "
+                                                 "intra.bandwidth must be a positive number"),
+    ({"inter": {"bandwidth": 1e9, "latency": 0, "collectives": {"bcast": {}}}},
+     "cannot use topology 'machine.json': inter.collectives names 'bcast'; it holds "
+     "all_reduce, reduce_scatter, all_gather and tree"),
+])
+def test_a_broken_calibrated_topology_is_an_error_at_the_path(tmp_path, change, message):
+    from planc.lang import load_file
+
+    loaded = load_file(_with_topology(tmp_path, {**CALIBRATED, **change}))
+    assert not loaded.ok
+    [diagnostic] = loaded.diagnostics
+    assert diagnostic.message == message
+    assert (diagnostic.span.line, diagnostic.span.column) == (4, 23)
+
+
+def test_a_missing_calibrated_topology_is_an_error(tmp_path):
+    from planc.lang import load_file
+
+    source = _with_topology(tmp_path, CALIBRATED)
+    (tmp_path / "machine.json").unlink()
+    loaded = load_file(source)
+    assert [d.message for d in loaded.diagnostics] == [
+        "cannot read topology 'machine.json': No such file or directory"]
+
+
+# --- what users see ----------------------------------------------------------------------
+
+def test_compile_prints_the_routes_and_explain_the_route_table(tmp_path, run_planc):
+    source = tmp_path / "p.plan"
+    source.write_text(PLAN.format(mesh="dp = 8", nodes=2, dpn=4, route="auto", shard=""))
+    done = run_planc("compile", source, "-o", tmp_path / "b")
+    assert done.returncode == 0, done.stderr
+    assert "route (auto): 1 tree, 1 hierarchical of 2 collectives" in done.stdout
+    done = run_planc("explain", tmp_path / "b", "--routes")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    # The gradient bucket: 34,176 fp32 parameters, 136,704 bytes, over 8 ranks, 4 per node.
+    # ring: 14 x 50 us + 1.75 x B / 4 GB/s = 760 us; tree: 2 x (2 x (10 us + 2 B / 10 GB/s)
+    # + (50 us + B / 4 GB/s)) = 318 us; hierarchical: 2 x (3 x 10 us + 0.75 B / 10 GB/s)
+    # + 2 x 50 us + (B / 4) / 1 GB/s = 215 us.
+    start = lines.index("     route: hierarchical, 215 us predicted (auto: the least predicted "
+                        "time)")
+    assert lines[start + 1:start + 7] == [
+        "       groups: 8 ranks on 2 nodes, 4 per node",
+        "       route         predicted  chosen  why",
+        "       ------------  ---------  ------  -----------------------------------------------"
+        "------",
+        "       ring             760 us          the backend's native collective",
+        "       tree             318 us          binary trees inside and between nodes, point "
+        "to point",
+        "       hierarchical     215 us  yes     inside nodes of 4, then between 2 nodes"]
+
+
+def test_calibrate_refuses_a_bad_command_line(tmp_path, run_planc):
+    done = run_planc("calibrate", "-o", tmp_path / "t.json", "--ranks", "4", "--nodes", "3")
+    assert (done.returncode, done.stderr) == (2, "planc: error: --nodes must divide --ranks "
+                                                 "(4)\n")
+    done = run_planc("calibrate", "-o", tmp_path / "missing" / "t.json")
+    assert done.returncode == 1
+    assert done.stderr.startswith("planc: error: cannot write ")
+    assert not (tmp_path / "t.json").exists()
+
+
+@pytest.mark.slow
+def test_calibrate_writes_a_topology_that_a_plan_can_use(tmp_path, run_planc):
+    pytest.importorskip("torch")
+    from planc.lang.presets import calibrated_preset
+
+    output = tmp_path / "machine.json"
+    done = run_planc("calibrate", "-o", output, "--ranks", "2", "--repeats", "1",
+                     timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("intra-node: ") and lines[0].endswith(" per message")
+    assert [line.split(":")[0].strip() for line in lines[1:5]] == [
+        "all_gather", "all_reduce", "reduce_scatter", "tree"]
+    assert lines[5].endswith("(not measured: the other link's figures)")
+    assert lines[-1] == f'written to {output}; use it with topology {{ preset = "{output}" }}'
+    data = json.loads(output.read_text())
+    preset = calibrated_preset(data, "machine.json")
+    assert preset.devices_per_node == 2 and "inter" not in data["measured"]
+    assert preset.inter_bandwidth == preset.intra_bandwidth
+    assert {t.kind for t in preset.intra_collectives} == {"all_reduce", "reduce_scatter",
+                                                          "all_gather", "tree"}
+    source = _with_topology(tmp_path, data)
+    done = run_planc("compile", source, "-o", tmp_path / "b")
+    assert done.returncode == 0, done.stderr
+
+
+def test_auto_takes_the_simpler_route_within_one_percent():
+    from planc.cost import Candidate
+    from planc.passes.route import choose
+
+    candidates = [Candidate(Route.RING, 30e-6, ""), Candidate(Route.TREE, 14.0001e-6, ""),
+                  Candidate(Route.HIERARCHICAL, 14.00005e-6, "")]
+    assert choose(candidates, "auto")[0].route == Route.TREE
+    candidates[2] = Candidate(Route.HIERARCHICAL, 13.8e-6, "")  # 1.4 % faster: a real win
+    assert choose(candidates, "auto")[0].route == Route.HIERARCHICAL
+    candidates[1] = Candidate(Route.TREE, None, "no tree")
+    assert choose(candidates, "tree") == (candidates[0], "route = tree does not apply (no "
+                                                         "tree): ring")
