@@ -427,3 +427,29 @@ def test_auto_takes_the_simpler_route_within_one_percent():
     candidates[1] = Candidate(Route.TREE, None, "no tree")
     assert choose(candidates, "tree") == (candidates[0], "route = tree does not apply (no "
                                                          "tree): ring")
+
+
+@pytest.mark.parametrize("sizes, order, per_node", [
+    (dict(tp=2, dp=4), ("tp", "cp", "pp", "dp"), 4),
+    (dict(tp=2, dp=4), ("dp", "tp", "cp", "pp"), 4),
+    (dict(tp=2, pp=2, dp=3), ("tp", "cp", "pp", "dp"), 3),
+    (dict(tp=3, cp=2, dp=5), ("cp", "dp", "tp", "pp"), 4),
+    (dict(pp=4, dp=6), ("pp", "dp", "tp", "cp"), 8),
+])
+def test_group_shapes_are_those_of_every_group(sizes, order, per_node):
+    """The residue walk of GroupTable.shapes finds exactly the placements that walking
+    every group finds."""
+    from planc.plan import Mesh
+
+    mesh = Mesh(**{"tp": 1, "cp": 1, "pp": 1, "dp": 1, **sizes}, order=order)
+    table = group_table(mesh, per_node, True)
+    layout = table.layout
+    for rule in table.rules:
+        if rule.ref == "pp":
+            continue
+        for stage in range(mesh.pp):
+            every = {counts_of(m, per_node) for m in table.groups(rule)
+                     if stage in {layout.coords(r)["pp"] for r in m}}
+            shapes = table.shapes(rule.ref, stage)
+            assert set(shapes) == every, (rule.ref, stage)
+            assert all(counts_of(m, per_node) == c for c, m in shapes.items())

@@ -109,6 +109,41 @@ class GroupTable:
             members = [{**c, axis: v} for c in members for v in values]
         return tuple(sorted(layout.rank(c) for c in members))
 
+    def shapes(self, ref: str, stage: int) -> dict[tuple[int, ...], tuple[int, ...]]:
+        """The distinct placements on nodes of the groups of ``ref`` that have a member on
+        pipeline ``stage``: members per node, in node order -> the members of one such
+        group. A group's placement depends only on its first member modulo the node size
+        (its members are that rank plus fixed offsets), so this walks residues, at most
+        ``devices_per_node`` of them, never the world."""
+        rule = self.rule(ref)
+        layout, per_node = self.layout, self.devices_per_node
+        start = {axis: 0 for axis in AXES}
+        for axis, allowed in rule.coordinates.items():
+            start[axis] = allowed[0]
+        if "pp" not in rule.axes:
+            start["pp"] = stage
+        elif rule.coordinates.get("pp") and stage not in rule.coordinates["pp"]:
+            return {}
+        first = layout.rank(start)
+        residues = {first % per_node: first}
+        for axis in AXES:
+            if axis in rule.axes or axis == "pp":
+                continue
+            stride = layout.strides[axis]
+            grown: dict[int, int] = {}
+            for base in residues.values():
+                for k in range(self.mesh.size(axis)):
+                    grown.setdefault((base + k * stride) % per_node, base + k * stride)
+            residues = grown
+        out = {}
+        for base in sorted(residues.values()):
+            members = self.members(base, rule)
+            counts: dict[int, int] = {}
+            for rank in members:
+                counts[rank // per_node] = counts.get(rank // per_node, 0) + 1
+            out.setdefault(tuple(counts.values()), members)
+        return out
+
     def to_json(self) -> dict:
         return {"format": "planc-groups", "version": GROUPS_FORMAT_VERSION,
                 "mesh": {**{a: self.mesh.size(a) for a in AXES},

@@ -291,26 +291,15 @@ def split_refs(graph) -> tuple[str, ...]:
                          if d["route"] == Route.HIERARCHICAL.value}))
 
 
-def groups_by_stage(groups, ref: str) -> dict[int, list[tuple[int, ...]]]:
-    """The groups of ``ref`` by the pipeline stages their members are on (a ``tied``
-    group is on the first and the last)."""
-    layout, out = groups.layout, {}
-    for members in groups.groups(groups.rule(ref)):
-        for stage in sorted({layout.coords(r)["pp"] for r in (members[0], members[-1])}):
-            out.setdefault(stage, []).append(members)
-    return out
-
-
 def route_table(graph, groups) -> RouteTable:
     """A recipe for every routed transfer and every placement of its groups."""
     recipes: dict[str, Recipe] = {}
-    shapes: dict[str, dict[int, set[tuple[int, ...]]]] = {}
+    shapes: dict[tuple[str, int], dict] = {}
     for _, data in routed_nodes(graph):
-        axis = str(data["axis"])
-        if axis not in shapes:
-            shapes[axis] = {stage: {counts_of(m, groups.devices_per_node) for m in found}
-                            for stage, found in groups_by_stage(groups, axis).items()}
-        for counts in sorted(shapes[axis].get(data["stage"], ())):
+        key = (str(data["axis"]), data["stage"])
+        if key not in shapes:
+            shapes[key] = groups.shapes(*key)
+        for counts in sorted(shapes[key]):
             recipe_id = recipe_key(str(data["kind"]), data["route"], counts)
             if recipe_id not in recipes:
                 recipes[recipe_id] = build(str(data["kind"]), data["route"], counts)

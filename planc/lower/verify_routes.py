@@ -214,22 +214,22 @@ def check_routes(graph, groups, routes) -> list[str]:
     """Every routed transfer has a recipe for each placement of its groups, the sub-groups
     a hierarchical recipe needs exist, and every recipe computes its collective (checked
     once per recipe, on the first group that uses it, whose ranks the messages name)."""
-    from planc.lower.routes import counts_of, groups_by_stage, recipe_key, routed_nodes
+    from planc.lower.routes import recipe_key, routed_nodes
 
     problems: list[str] = []
     checked: set[str] = set()
-    cache: dict[str, dict[int, list]] = {}
+    cache: dict[tuple[str, int], dict] = {}
     for node, data in routed_nodes(graph):
         axis = str(data["axis"])
         if data["route"] == "hierarchical" and not all(
                 groups.rule(f"{axis}/{level}") for level in ("intra", "inter")):
             problems.append(f"{node}: its hierarchical route needs the intra- and inter-node "
                             f"sub-groups of {axis}, which groups.json does not define")
-        if axis not in cache:
-            cache[axis] = groups_by_stage(groups, axis) if groups.rule(axis) else {}
-        for members in cache[axis].get(data["stage"], []):
-            recipe_id = recipe_key(str(data["kind"]), data["route"],
-                                   counts_of(members, groups.devices_per_node))
+        key = (axis, data["stage"])
+        if key not in cache:
+            cache[key] = groups.shapes(*key) if groups.rule(axis) else {}
+        for counts, members in sorted(cache[key].items()):
+            recipe_id = recipe_key(str(data["kind"]), data["route"], counts)
             recipe = routes.recipes.get(recipe_id)
             if recipe is None:
                 problems.append(f"{node}: routes.json has no recipe {recipe_id} for its "

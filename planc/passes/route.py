@@ -24,7 +24,6 @@ import networkx as nx
 from planc.cost import Candidate, Placement, Route
 from planc.graph.ir import Kind, transfers
 from planc.lower.groups import PIPELINE, group_table
-from planc.lower.routes import groups_by_stage
 from planc.passes import PassContext, PassRecord, copy_graph, record
 
 ROUTED_KINDS = (Kind.ALL_REDUCE, Kind.ALL_GATHER, Kind.REDUCE_SCATTER)
@@ -40,10 +39,11 @@ def group_placements(ctx: PassContext) -> dict[tuple[str, int], tuple[Placement,
     for rule in table.rules:
         if rule.ref == PIPELINE:
             continue
-        for stage, members in groups_by_stage(table, rule.ref).items():
-            distinct = {Placement.of(m, dpn) for m in members}
-            found[(rule.ref, stage)] = tuple(sorted(
-                distinct, key=lambda p: (p.nodes, p.size, p.most_per_node)))
+        for stage in range(plan.mesh.pp):
+            distinct = {Placement.of(m, dpn) for m in table.shapes(rule.ref, stage).values()}
+            if distinct:
+                found[(rule.ref, stage)] = tuple(sorted(
+                    distinct, key=lambda p: (p.nodes, p.size, p.most_per_node)))
     return found
 
 
