@@ -153,6 +153,40 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-verify", action="store_true",
                      help="run programs without verifying them (to debug a broken build)")
 
+    simulate = commands.add_parser(
+        "simulate", help="predict a training step: time, MFU, bubble, exposed comm, memory",
+        description="Replay the rank programs of a plan or build on its topology's cost "
+        "model: the step time, TFLOP/s per GPU and MFU, the pipeline bubble, the "
+        "communication each stage waits for (per axis) and memory per stage, without "
+        "running anything.")
+    _add_input(simulate, "FILE|DIR")
+    simulate.add_argument("--json", action="store_true", help="the result as JSON")
+    simulate.add_argument("--trace", metavar="T.json",
+                          help="Chrome trace of the simulated step (Perfetto), with the "
+                          "tracks of planc run --trace")
+
+    report = commands.add_parser(
+        "report", help="one self-contained HTML page: layout, memory, transfers, timeline",
+        description="Write one offline HTML page about a plan or build: the plan, a picture "
+        "of the layout, memory per stage against the device, transfers per axis and kind, "
+        "the simulated timeline of a step, and, with --metrics, predicted against measured.")
+    _add_input(report, "FILE|DIR")
+    report.add_argument("-o", "--output", required=True, metavar="PAGE.html")
+    report.add_argument("--metrics", metavar="M.jsonl",
+                        help="a planc run --metrics file of the same build")
+
+    diff = commands.add_parser(
+        "diff", help="two plans or builds side by side: layout, memory, transfers, time",
+        description="Compare two plans or builds: world, mesh, nodes, memory per stage, "
+        "transfers and bytes per axis, and the simulated step time, MFU and bubble. "
+        "--set-b changes B only, to compare a plan with a variant of itself.")
+    diff.add_argument("a", metavar="A", help="a .plan file or a build directory")
+    diff.add_argument("b", metavar="B", help="a .plan file or a build directory")
+    diff.add_argument("--set-b", action="append", metavar="KEY=VALUE",
+                      help="override a key of B (a .plan file), as --set does")
+    diff.add_argument("--error-format", choices=("text", "json"), default="text",
+                      help=argparse.SUPPRESS)
+
     calibrate = commands.add_parser(
         "calibrate", help="measure this machine's links and write a topology plans can use",
         description="Start ranks on this machine, measure the latency and bandwidth of "
@@ -207,7 +241,8 @@ COMMANDS = {"check": ("check", "check"), "layout": ("check", "layout"),
             "compile": ("compile", "main"), "graph": ("graph", "main"),
             "explain": ("explain", "main"), "programs": ("programs", "programs"),
             "verify": ("programs", "verify"), "run": ("run", "main"),
-            "calibrate": ("calibrate", "main")}
+            "calibrate": ("calibrate", "main"), "simulate": ("simulate", "main"),
+            "diff": ("diff", "main"), "report": ("report", "main")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

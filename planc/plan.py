@@ -64,6 +64,7 @@ class Device:
     flops: float  # peak FLOP/s at the model's dtype
     memory: float | None  # bytes; None when the topology does not say
     efficiency: float = 0.5  # achievable fraction of peak
+    bandwidth: float = 1e12  # memory bytes/s, for operators bound by memory traffic
 
 
 @dataclass(frozen=True)

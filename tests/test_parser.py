@@ -523,11 +523,11 @@ def test_writing_out_every_default_changes_nothing():
 
 
 @pytest.mark.parametrize("preset, dtype, figures", [
-    ("dgx-a100", "bf16", (8, 312e12, 80e9, 0.5, 300e9, 2e-6, 25e9, 5e-6)),
-    ("dgx-a100", "fp32", (8, 156e12, 80e9, 0.5, 300e9, 2e-6, 25e9, 5e-6)),
-    ("dgx-h100", "fp16", (8, 989e12, 80e9, 0.5, 450e9, 2e-6, 50e9, 5e-6)),
-    ("dgx-h100", "fp32", (8, 494e12, 80e9, 0.5, 450e9, 2e-6, 50e9, 5e-6)),
-    ("cpu", "fp32", (8, 2e12, 256e9, 0.5, 10e9, 10e-6, 3.125e9, 50e-6)),
+    ("dgx-a100", "bf16", (8, 312e12, 80e9, 0.6, 2.039e12, 300e9, 2e-6, 25e9, 5e-6)),
+    ("dgx-a100", "fp32", (8, 156e12, 80e9, 0.6, 2.039e12, 300e9, 2e-6, 25e9, 5e-6)),
+    ("dgx-h100", "fp16", (8, 989e12, 80e9, 0.5, 3.35e12, 450e9, 2e-6, 50e9, 5e-6)),
+    ("dgx-h100", "fp32", (8, 494e12, 80e9, 0.5, 3.35e12, 450e9, 2e-6, 50e9, 5e-6)),
+    ("cpu", "fp32", (8, 2e12, 256e9, 0.5, 205e9, 10e9, 10e-6, 3.125e9, 50e-6)),
 ])
 def test_presets_fill_the_topology(preset, dtype, figures):
     model = ("model gpt { layers = 4; hidden = 64; heads = 4; vocab = 256; seq = 32;"
@@ -535,8 +535,8 @@ def test_presets_fill_the_topology(preset, dtype, figures):
     topology = plan_with(f"mesh {{ dp = 8 }}\ntopology {{ preset = {preset} }}", model).topology
     assert topology.preset == preset
     assert (topology.devices_per_node, topology.device.flops, topology.device.memory,
-            topology.device.efficiency, topology.intra.bandwidth, topology.intra.latency,
-            topology.inter.bandwidth, topology.inter.latency) == figures
+            topology.device.efficiency, topology.device.bandwidth, topology.intra.bandwidth,
+            topology.intra.latency, topology.inter.bandwidth, topology.inter.latency) == figures
     assert topology.nodes == 1
 
 

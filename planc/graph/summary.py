@@ -22,7 +22,7 @@ from planc.plan import Plan
 SUMMARY_FORMAT_VERSION = 1
 
 
-def _crosses_nodes(layout: RankLayout, axis: Axis) -> bool:
+def crosses_nodes(layout: RankLayout, axis: Axis) -> bool:
     """Whether a group of ``axis`` (rank 0's, as a representative) spans nodes."""
     if axis in (Axis.TIED, Axis.STAGE):
         return layout.nodes > 1
@@ -33,7 +33,7 @@ def summarize(plan: Plan, graph: nx.DiGraph) -> dict:
     """The ``summary.json`` document."""
     ranks = RankLayout.of(plan)
     cost = CostModel(plan.topology)
-    crosses = {axis: _crosses_nodes(ranks, axis) for axis in Axis}
+    crosses = {axis: crosses_nodes(ranks, axis) for axis in Axis}
     stages = {stage: {"stage": stage, "flops": 0.0, "compute_seconds": 0.0,
                       "transfer_seconds": 0.0, "transfers": defaultdict(lambda: {
                           "count": 0, "bytes": 0, "bus_bytes": 0.0})}

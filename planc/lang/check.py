@@ -308,7 +308,8 @@ class _Checker:
         dtype = model.dtype if model else "fp32"
         device = Device(pick("device.flops", preset.flops[dtype]),
                         pick("device.memory", preset.memory),
-                        pick("device.efficiency", preset.efficiency))
+                        pick("device.efficiency", preset.efficiency),
+                        pick("device.bandwidth", preset.memory_bandwidth))
         # A link given in the plan replaces the preset's, measured collectives and all.
         intra = Link(pick("intra.bandwidth", preset.intra_bandwidth),
                      pick("intra.latency", preset.intra_latency),

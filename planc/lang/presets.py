@@ -28,12 +28,13 @@ class Preset:
     inter_latency: float
     intra_collectives: tuple[Tuning, ...] = ()  # measured by planc calibrate
     inter_collectives: tuple[Tuning, ...] = ()
+    memory_bandwidth: float = 1e12  # bytes/s of the device's memory
 
     def topology(self, nodes: int, dtype: str = "fp32") -> Topology:
         """The preset's machine with ``nodes`` nodes, every figure as measured."""
         per_node = self.devices_per_node or 1
         return Topology(nodes, per_node, Device(self.flops[dtype], self.memory,
-                                                self.efficiency),
+                                                self.efficiency, self.memory_bandwidth),
                         Link(self.intra_bandwidth, self.intra_latency, self.intra_collectives),
                         Link(self.inter_bandwidth, self.inter_latency, self.inter_collectives),
                         self.name)
@@ -41,23 +42,26 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     # NVIDIA DGX A100 datasheet: 8x A100-SXM4-80GB, 312 TFLOP/s BF16/FP16 dense,
-    # 156 TFLOP/s TF32 dense, NVLink 3 at 600 GB/s bidirectional per GPU through
-    # NVSwitch, 8x 200 Gb/s HDR InfiniBand (one ConnectX-6 per GPU).
+    # 156 TFLOP/s TF32 dense, 2,039 GB/s of HBM2e, NVLink 3 at 600 GB/s bidirectional
+    # per GPU through NVSwitch, 8x 200 Gb/s HDR InfiniBand (one ConnectX-6 per GPU).
+    # Efficiency 0.6: the one figure for A100 with which planc simulate's step times
+    # fall within 19 % of Korthikanti et al. 2022, Table 5 (tests/test_simulate.py).
     "dgx-a100": Preset("dgx-a100", "NVIDIA DGX A100: 8x A100 80GB, NVLink 3, 8x HDR 200 Gb/s IB",
-                       8, {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12}, 80e9, 0.5,
-                       300e9, 2e-6, 25e9, 5e-6),
+                       8, {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12}, 80e9, 0.6,
+                       300e9, 2e-6, 25e9, 5e-6, memory_bandwidth=2.039e12),
     # NVIDIA DGX H100 datasheet: 8x H100-SXM5-80GB, 989 TFLOP/s BF16/FP16 dense,
-    # 494 TFLOP/s TF32 dense, NVLink 4 at 900 GB/s bidirectional per GPU, 8x 400 Gb/s
-    # NDR InfiniBand (ConnectX-7).
+    # 494 TFLOP/s TF32 dense, 3.35 TB/s of HBM3, NVLink 4 at 900 GB/s bidirectional per
+    # GPU, 8x 400 Gb/s NDR InfiniBand (ConnectX-7).
     "dgx-h100": Preset("dgx-h100", "NVIDIA DGX H100: 8x H100 80GB, NVLink 4, 8x NDR 400 Gb/s IB",
                        8, {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12}, 80e9, 0.5,
-                       450e9, 2e-6, 50e9, 5e-6),
+                       450e9, 2e-6, 50e9, 5e-6, memory_bandwidth=3.35e12),
     # One gloo process per socket of a dual-socket x86 server (32 cores at 2 GHz with
     # AVX-512: 32 x 2e9 x 32 fp32 FLOP/cycle = 2 TFLOP/s; bf16 is no faster on most
-    # CPUs), shared memory inside a host, 25 Gb/s Ethernet between hosts.
+    # CPUs), eight DDR4-3200 channels per socket (205 GB/s), shared memory inside a
+    # host, 25 Gb/s Ethernet between hosts.
     "cpu": Preset("cpu", "CPU servers running gloo: 2 TFLOP/s per process, 25 Gb/s Ethernet",
                   None, {"bf16": 2e12, "fp16": 2e12, "fp32": 2e12}, 256e9, 0.5,
-                  10e9, 10e-6, 3.125e9, 50e-6),
+                  10e9, 10e-6, 3.125e9, 50e-6, memory_bandwidth=205e9),
 }
 
 # The topology of a plan that says nothing about it: one node, generic links, and no
@@ -73,14 +77,15 @@ CALIBRATED_FORMAT, CALIBRATED_VERSION = "planc-topology", 1
 
 
 def calibrated_document(name: str, devices_per_node: int, flops: float, intra: dict,
-                        inter: dict, measured: dict) -> dict:
+                        inter: dict, measured: dict, memory_bandwidth: float) -> dict:
     """The JSON of a measured machine. A link is ``{"bandwidth": B/s, "latency": s,
     "collectives": {kind: {"bandwidth": bus B/s, "latency": s per call}}}``: the
     point-to-point figures, and what the backend achieves for each collective (``tree``:
     per hop of planc's point-to-point tree)."""
     return {"format": CALIBRATED_FORMAT, "version": CALIBRATED_VERSION, "name": name,
             "devices_per_node": devices_per_node,
-            "device": {"flops": flops, "memory": None, "efficiency": 1.0},
+            "device": {"flops": flops, "memory": None, "efficiency": 1.0,
+                       "bandwidth": memory_bandwidth},
             "intra": intra, "inter": inter, "measured": measured}
 
 
@@ -127,6 +132,7 @@ def calibrated_preset(data, name: str) -> Preset:
     if not isinstance(device, dict):
         raise ValueError("it has no device")
     flops = _number(device.get("flops"), "device.flops")
+    bandwidth = _number(device.get("bandwidth", 1e12), "device.bandwidth")
     efficiency = _number(device.get("efficiency"), "device.efficiency")
     if efficiency > 1:
         raise ValueError("device.efficiency must be at most 1")
@@ -136,4 +142,4 @@ def calibrated_preset(data, name: str) -> Preset:
     intra, inter = _link(data, "intra"), _link(data, "inter")
     return Preset(name, str(data.get("name", name)), per_node,
                   {"bf16": flops, "fp16": flops, "fp32": flops}, memory, efficiency,
-                  intra[0], intra[1], inter[0], inter[1], intra[2], inter[2])
+                  intra[0], intra[1], inter[0], inter[1], intra[2], inter[2], bandwidth)

@@ -560,6 +560,7 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
         "device": BlockSchema("device", keys={
             "flops": Key(Quantity(COMPUTE)), "memory": Key(Quantity(SIZE)),
             "efficiency": Key(Real(0.0, 1.0, False)),
+            "bandwidth": Key(Quantity(RATE)),
         }),
         "intra": BlockSchema("intra", keys=dict(_LINK)),
         "inter": BlockSchema("inter", keys=dict(_LINK)),

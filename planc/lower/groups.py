@@ -131,17 +131,22 @@ class GroupTable:
                 continue
             stride = layout.strides[axis]
             grown: dict[int, int] = {}
+            # Residues repeat after per_node steps along an axis: no need to walk further.
             for base in residues.values():
-                for k in range(self.mesh.size(axis)):
+                for k in range(min(self.mesh.size(axis), per_node)):
                     grown.setdefault((base + k * stride) % per_node, base + k * stride)
             residues = grown
+        # Every group of the rule is its first member plus the same offsets.
+        offsets = [rank - first for rank in self.members(first, rule)]
         out = {}
         for base in sorted(residues.values()):
-            members = self.members(base, rule)
             counts: dict[int, int] = {}
-            for rank in members:
-                counts[rank // per_node] = counts.get(rank // per_node, 0) + 1
-            out.setdefault(tuple(counts.values()), members)
+            for offset in offsets:
+                node = (base + offset) // per_node
+                counts[node] = counts.get(node, 0) + 1
+            shape = tuple(counts.values())
+            if shape not in out:
+                out[shape] = tuple(base + offset for offset in offsets)
         return out
 
     def to_json(self) -> dict:

@@ -2,7 +2,7 @@
 
 In the manner of MSCCL's checker (msccl-tools), the recipe runs on symbols instead of
 numbers: each chunk of each member holds the set of positions whose contribution it
-sums (all_reduce and reduce_scatter start with every chunk holding its own position;
+sums (a bit set, so that groups of thousands check quickly) (all_reduce and reduce_scatter start with every chunk holding its own position;
 all_gather with only a member's own chunk, the rest undefined). A collective step on a
 sub-group runs when every member of the sub-group has reached it, and they must agree
 on it exactly (op and chunk lists): otherwise the sub-group would mix up data or hang.
@@ -23,7 +23,11 @@ from typing import Callable
 from planc.graph.ir import Kind
 from planc.lower.routes import COLLECTIVE_STEPS, Recipe, Step
 
-Contribution = frozenset | None  # None: undefined
+Contribution = int | None  # a bit per position; None: undefined
+
+
+def _positions(bits: int) -> list[int]:
+    return [p for p in range(bits.bit_length()) if bits >> p & 1]
 MAX_PROBLEMS = 6
 
 
@@ -36,10 +40,10 @@ class _Run:
         self.recipe, self.rank_of = recipe, rank_of
         n, chunks = recipe.size, recipe.chunks
         if recipe.kind == Kind.ALL_GATHER:
-            self.state = [[frozenset({p}) if c == p else None for c in range(chunks)]
+            self.state = [[1 << p if c == p else None for c in range(chunks)]
                           for p in range(n)]
         else:
-            self.state = [[frozenset({p})] * chunks for p in range(n)]
+            self.state = [[1 << p] * chunks for p in range(n)]
         self.next = [0] * n
 
     def who(self, position: int) -> str:
@@ -63,17 +67,17 @@ class _Run:
             raise _Problem(f"{self.who(position)}, {self.step_text(position)}: chunk {bad[0]} "
                            f"does not exist (the buffer has {self.recipe.chunks})")
 
-    def _sum(self, parts: list[Contribution], where: str) -> frozenset:
-        total: set = set()
+    def _sum(self, parts: list[Contribution], where: str) -> int:
+        total = 0
         for part in parts:
             if part is None:
                 raise _Problem(f"{where} reads a chunk that holds nothing yet")
             twice = total & part
             if twice:
                 raise _Problem(f"{where} counts the contribution of "
-                               f"{self.who(min(twice))} twice")
+                               f"{self.who(_positions(twice)[0])} twice")
             total |= part
-        return frozenset(total)
+        return total
 
     def collective(self, position: int, step: Step) -> bool:
         members = self.recipe.level_members(position, step.level)
@@ -171,15 +175,16 @@ class _Run:
 
     def result_problems(self) -> list[str]:
         recipe, n = self.recipe, self.recipe.size
-        everyone = frozenset(range(n))
+        everyone = (1 << n) - 1
         problems = []
 
-        def holds(p: int, c: int, want: frozenset, what: str) -> None:
+        def holds(p: int, c: int, want: int, what: str) -> None:
             got = self.state[p][c]
             if got != want and len(problems) < MAX_PROBLEMS:
                 have = "nothing" if got is None else \
                     ("every member's contribution" if got == everyone else
-                     "the contributions of " + ", ".join(self.who(q) for q in sorted(got)))
+                     "the contributions of " + ", ".join(self.who(q)
+                                                         for q in _positions(got)))
                 problems.append(f"{self.who(p)} ends with chunk {c} holding {have}, "
                                 f"not {what}")
 
@@ -196,7 +201,7 @@ class _Run:
         else:
             for p in range(n):
                 for c in range(n):
-                    holds(p, c, frozenset({c}), f"the shard of {self.who(c)}")
+                    holds(p, c, 1 << c, f"the shard of {self.who(c)}")
         return problems
 
 

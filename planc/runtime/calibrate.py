@@ -17,7 +17,8 @@ training step puts on it):
   ranks with the same place on every node): the bus bandwidth each achieves and its
   latency per call beyond the steps' latencies, as in NCCL's tuning model (planc.cost).
 
-The compute rate is that of an fp32 matrix multiply with every rank multiplying at once.
+The compute rate is that of an fp32 matrix multiply with every rank multiplying at once,
+the memory bandwidth that of a 64 MB copy.
 Rank 0 writes the topology atomically (planc.lang.presets; a plan names it with
 ``topology { preset = "FILE" }``).
 """
@@ -188,6 +189,14 @@ def measure_compute(repeats: int) -> float:
     return 2 * 1024 ** 3 / seconds
 
 
+def measure_memory(repeats: int) -> float:
+    """Bytes/s of copying a 64 MB tensor (read and write), the node's ranks all at once."""
+    source = torch.ones(16 << 20)
+    target = torch.empty_like(source)
+    seconds = timed(lambda: target.copy_(source), 1 << 30, repeats)
+    return 2 * source.numel() * 4 / seconds
+
+
 def calibrate(per_node: int, repeats: int) -> dict:
     """Measure, on every rank at once; the topology document (the same on every rank)."""
     world = dist.get_world_size()
@@ -211,9 +220,10 @@ def calibrate(per_node: int, repeats: int) -> dict:
     intra = links.get("intra") or links["inter"]
     inter = links.get("inter") or links["intra"]
     flops = measure_compute(repeats)
+    memory = measure_memory(repeats)
     return calibrated_document(f"calibrated {dist.get_backend()}, {world} ranks on {nodes} "
                                f"node{'s' * (nodes > 1)}", per_node, flops, intra, inter,
-                               measured)
+                               measured, memory)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,13 +20,16 @@ def _flow_id(*parts) -> int:
 
 
 def write(path: str, layout: Layout, graph: nx.DiGraph,
-          events_by_rank: list[list[tuple]]) -> None:
-    """``events_by_rank[r]``: (step, stream, node, start, end, microbatch, op) of rank r;
-    times in seconds of one clock shared by the ranks (CLOCK_MONOTONIC on one machine)."""
-    origin = min((e[3] for events in events_by_rank for e in events), default=0.0)
+          events_by_rank: list[list[tuple]] | dict[int, list[tuple]]) -> None:
+    """``events_by_rank[r]``: (step, stream, node, start, end, microbatch, op) of rank r
+    (a list of every rank's, or a dict of some ranks'); times in seconds of one clock
+    shared by the ranks (CLOCK_MONOTONIC on one machine, or the simulator's)."""
+    by_rank = events_by_rank if isinstance(events_by_rank, dict) else \
+        dict(enumerate(events_by_rank))
+    origin = min((e[3] for events in by_rank.values() for e in events), default=0.0)
     trace: list[dict] = []
     tid = {stream: i for i, stream in enumerate(STREAMS)}
-    for rank, events in enumerate(events_by_rank):
+    for rank, events in sorted(by_rank.items()):
         coords = layout.coords(rank)
         trace.append({"ph": "M", "name": "process_name", "pid": rank,
                       "args": {"name": f"rank {rank} (stage {coords['pp']}, tp {coords['tp']}, "

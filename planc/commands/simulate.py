@@ -1,0 +1,35 @@
+"""``planc simulate``: predict one training step of a plan or build on its topology."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from planc.commands import EXIT_OK, fail, load_programs
+
+
+def main(args) -> int:
+    from planc.simulate import simulate
+    from planc.views import simulate_text
+
+    built, status = load_programs(args)
+    if built is None:
+        return status
+    if args.trace and os.path.isdir(args.trace):
+        return fail(f"cannot write the trace to {args.trace}: it is a directory")
+    result = simulate(built, keep_timeline=bool(args.trace))
+    if args.json:
+        print(json.dumps(result.to_json(), indent=1))
+    else:
+        print(simulate_text.render(result), end="")
+    if args.trace:
+        from planc.simulate.trace import write
+
+        try:
+            write(args.trace, built, result)
+        except OSError as exc:
+            return fail(f"cannot write the trace to {args.trace}: {exc.strerror or exc}")
+        print(f"trace written to {args.trace} (open it in https://ui.perfetto.dev)",
+              file=sys.stderr)
+    return EXIT_OK

@@ -1,0 +1,91 @@
+"""One block of a rank program, replayed on the cost model: where each instruction starts
+and ends, relative to the block's start.
+
+The semantics are the runtime's and the verifier's (docs/semantics.md, the rank
+program): instructions of one stream run in order; ``record`` marks the end of the
+stream's previous instruction; ``wait`` holds its stream until that moment; ``sync``
+holds a stream until every stream has finished its earlier work. Collectives inside a
+stage are rendezvous of ranks running the same program at the same moment, so a
+collective takes its cost-model time from the moment its stream reaches it. A wait on
+an event recorded outside the block (a pipeline receive, a gather in the prologue) is
+the pipeline's business (:mod:`planc.simulate.pipeline`): here it is already satisfied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planc.lower.program import Instruction
+
+COMPUTE = "compute"
+
+
+@dataclass(frozen=True)
+class Span:
+    stream: str
+    node: str
+    op: str
+    start: float
+    end: float
+
+
+@dataclass
+class BlockTime:
+    """A block replayed from time 0."""
+
+    compute_end: float = 0.0  # when the compute stream has finished the block
+    stream_ends: dict[str, float] = field(default_factory=dict)
+    sends: float | None = None  # when the block's last pipeline send has finished
+    compute_busy: float = 0.0  # time the compute stream spent computing
+    exposed: dict[str, float] = field(default_factory=dict)  # axis -> compute waiting
+    external: tuple[str, ...] = ()  # events waited for that the block does not record
+    spans: list[Span] = field(default_factory=list)
+
+    @property
+    def end(self) -> float:
+        return max(self.stream_ends.values(), default=0.0)
+
+
+def replay(instructions: tuple[Instruction, ...] | list[Instruction], duration, axis_of,
+           keep_spans: bool = False) -> BlockTime:
+    """``duration(node)``: seconds of a compute or transfer node; ``axis_of(node)``: the
+    axis of a transfer node (None for compute), to which a compute stream's wait for it
+    is charged as exposed communication."""
+    clock: dict[str, float] = {}
+    events: dict[str, float] = {}
+    out = BlockTime()
+    external = []
+    producer_axis: dict[str, str] = {}
+    for item in instructions:
+        stream = item.stream
+        now = clock.get(stream, 0.0)
+        if item.op == "record":
+            events[item.event] = now
+            continue
+        if item.op == "wait":
+            if item.event not in events:
+                external.append(item.event)
+                continue
+            ready = events[item.event]
+            if ready > now and stream == COMPUTE:
+                axis = producer_axis.get(item.event) or axis_of(item.event.partition(":")[2])
+                if axis:
+                    out.exposed[axis] = out.exposed.get(axis, 0.0) + ready - now
+            clock[stream] = max(now, ready)
+            continue
+        if item.op == "sync":
+            clock[stream] = max([now, *clock.values()])
+            continue
+        seconds = duration(item.node)
+        end = now + seconds
+        clock[stream] = end
+        if stream == COMPUTE and item.op == "compute":
+            out.compute_busy += seconds
+        if item.op == "send":
+            out.sends = max(out.sends or 0.0, end)
+        if keep_spans:
+            out.spans.append(Span(stream, item.node, item.op, now, end))
+    out.compute_end = clock.get(COMPUTE, 0.0)
+    out.stream_ends = clock
+    out.external = tuple(external)
+    return out

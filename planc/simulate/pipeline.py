@@ -1,0 +1,125 @@
+"""One training step of every pipeline stage, replayed block by block.
+
+A stage's representative rank runs its program's schedule in order. A block starts when
+the compute stream has finished the previous block and its input has arrived: the
+forward of model chunk ``g`` needs what chunk ``g - 1`` sent for the same microbatch,
+the backward of chunk ``g`` what chunk ``g + 1`` sent back, the send finishing
+:attr:`BlockTime.sends` after the sending block began (the pipeline transfer's own time
+included). Every block instance of one (block, guard) is the same replay, done once
+(:mod:`planc.simulate.blocks`), so a step of the 1-trillion-parameter plan (64 stages,
+1,024 blocks each) costs 65,536 schedule steps, not millions of instructions. Work a block
+leaves on communication streams (a bucket's reduction) runs on past the block's end and
+delays only the epilogue that waits for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planc.lower.program import Instruction, Program, guard_microbatch
+from planc.simulate.blocks import BlockTime, replay
+
+# The axis whose transfers a program stream carries (planc.passes.overlap's streams).
+STREAM_AXIS = {"dp": "dp_cp", "comm": "tp", "send_next": "pp", "send_prev": "pp",
+               "recv_prev": "pp", "recv_next": "pp"}
+
+
+@dataclass
+class StageTime:
+    stage: int
+    end: float = 0.0  # the stage's step ends (its epilogue done)
+    busy: float = 0.0  # compute stream computing
+    waiting: float = 0.0  # compute stream idle, waiting for the pipeline
+    exposed: dict[str, float] = field(default_factory=dict)  # axis -> compute waiting
+    blocks: list[tuple[str, int, float, BlockTime]] = field(default_factory=list)
+    prologue: BlockTime | None = None
+    epilogue: tuple[float, BlockTime] | None = None
+
+
+def _variant(program: Program, block: str, microbatch: int) -> tuple[Instruction, ...]:
+    return tuple(i for i in program.blocks[block]
+                 if guard_microbatch(i.guard, program.microbatches) in (None, microbatch))
+
+
+def _key(program: Program, block: str, microbatch: int) -> tuple[str, bool, bool]:
+    """Block instances that run the same instructions share a replay."""
+    last = program.microbatches - 1
+    return block, microbatch == 0, microbatch == last
+
+
+def step(programs: dict[int, Program], chunk_stage: dict[int, int], duration, axis_of,
+         keep_spans: bool = False) -> list[StageTime]:
+    """Replay one step; ``programs`` by stage."""
+    replays: dict[tuple[int, tuple], BlockTime] = {}
+    times = {s: StageTime(s) for s in programs}
+    last_chunk = max(chunk_stage)
+
+    def timed(stage: int, block: str, microbatch: int) -> BlockTime:
+        key = (stage, _key(programs[stage], block, microbatch))
+        if key not in replays:
+            replays[key] = replay(_variant(programs[stage], block, microbatch), duration,
+                                  axis_of, keep_spans)
+        return replays[key]
+
+    ready: dict[int, float] = {}
+    tails: dict[int, dict[str, float]] = {}
+    for stage, program in programs.items():
+        prologue = replay(program.prologue, duration, axis_of, keep_spans)
+        times[stage].prologue = prologue
+        ready[stage] = prologue.end
+        tails[stage] = {}
+    arrivals: dict[tuple[str, int, int], float] = {}
+    position = {stage: 0 for stage in programs}
+    pending = sum(len(p.schedule) for p in programs.values())
+    while pending:
+        moved = False
+        for stage, program in programs.items():
+            schedule, time = program.schedule, times[stage]
+            while position[stage] < len(schedule):
+                block, microbatch = schedule[position[stage]]
+                phase, chunk = block[0], int(block[1:])
+                needs_input = (phase == "F" and chunk > 0) or \
+                    (phase == "B" and chunk < last_chunk)
+                arrival = arrivals.get((phase, chunk, microbatch), 0.0) if needs_input \
+                    else 0.0
+                if needs_input and (phase, chunk, microbatch) not in arrivals:
+                    break
+                replayed = timed(stage, block, microbatch)
+                start = max(ready[stage], arrival)
+                time.waiting += start - ready[stage]
+                ready[stage] = start + replayed.compute_end
+                time.busy += replayed.compute_busy
+                for axis, seconds in replayed.exposed.items():
+                    time.exposed[axis] = time.exposed.get(axis, 0.0) + seconds
+                for stream, end in replayed.stream_ends.items():
+                    tails[stage][stream] = max(tails[stage].get(stream, 0.0), start + end)
+                sent = start + (replayed.sends if replayed.sends is not None
+                                else replayed.compute_end)
+                target = (phase, chunk + 1 if phase == "F" else chunk - 1, microbatch)
+                arrivals[target] = sent
+                if keep_spans:
+                    time.blocks.append((block, microbatch, start, replayed))
+                position[stage] += 1
+                pending -= 1
+                moved = True
+        if not moved:
+            raise RuntimeError("the pipeline schedule cannot progress (the verifier should "
+                               "have caught this)")
+    for stage, program in programs.items():
+        time = times[stage]
+        epilogue = replay(program.epilogue, duration, axis_of, keep_spans)
+        # Work left on a communication stream after the last block (a bucket's
+        # reduction, the last pipeline send) holds the epilogue back: exposed.
+        stream, tail = max(tails[stage].items(), key=lambda item: item[1],
+                           default=("compute", 0.0))
+        if tail > ready[stage]:
+            axis = STREAM_AXIS.get(stream, stream)
+            time.exposed[axis] = time.exposed.get(axis, 0.0) + tail - ready[stage]
+        start = max(ready[stage], tail)
+        for axis, seconds in epilogue.exposed.items():
+            time.exposed[axis] = time.exposed.get(axis, 0.0) + seconds
+        time.busy += epilogue.compute_busy + (time.prologue.compute_busy
+                                              if time.prologue else 0.0)
+        time.epilogue = (start, epilogue)
+        time.end = start + epilogue.end
+    return [times[s] for s in sorted(times)]

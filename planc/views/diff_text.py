@@ -1,0 +1,76 @@
+"""The text of ``planc diff``: what differs between two plans, and what it costs."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from planc.lang.units import TIME, format_bytes, format_quantity
+from planc.views.tables import table
+
+
+def _mesh(plan) -> str:
+    m = plan.mesh
+    return " x ".join(f"{axis} {m.size(axis)}" for axis in ("tp", "cp", "pp", "dp")
+                      if m.size(axis) > 1) or "one rank"
+
+
+def _transfers(summary: dict) -> dict[str, tuple[int, float]]:
+    """Per axis, per device and step, summed over the pipeline stages: (count, bytes)."""
+    out: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for stage in summary["stages"]:
+        for t in stage["transfers"]:
+            out[t["axis"]][0] += t["count"]
+            out[t["axis"]][1] += t["bytes"]
+    return {axis: (int(c), b) for axis, (c, b) in out.items()}
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{b / a:.2f}x" if a else ""
+
+
+def render(sides) -> str:
+    (path_a, a, sim_a, _), (path_b, b, sim_b, overrides) = sides
+    rows = [
+        ["plan", a.plan.name, b.plan.name, ""],
+        *([["overrides", "", ", ".join(overrides), ""]] if overrides else []),
+        ["world", f"{a.plan.world:,}", f"{b.plan.world:,}", _ratio(a.plan.world, b.plan.world)],
+        ["mesh", _mesh(a.plan), _mesh(b.plan), ""],
+        ["nodes", f"{a.plan.topology.nodes} x {a.plan.topology.devices_per_node}",
+         f"{b.plan.topology.nodes} x {b.plan.topology.devices_per_node}", ""],
+        ["schedule", f"{a.plan.schedule.pipeline}, {a.plan.schedule.microbatches} mb",
+         f"{b.plan.schedule.pipeline}, {b.plan.schedule.microbatches} mb", ""],
+        ["step (simulated)", format_quantity(sim_a.step_seconds, TIME),
+         format_quantity(sim_b.step_seconds, TIME), _ratio(sim_a.step_seconds,
+                                                            sim_b.step_seconds)],
+        ["TFLOP/s per GPU", f"{sim_a.tflops_per_gpu:,.1f}", f"{sim_b.tflops_per_gpu:,.1f}",
+         _ratio(sim_a.tflops_per_gpu, sim_b.tflops_per_gpu)],
+        ["MFU", f"{sim_a.mfu:.1%}", f"{sim_b.mfu:.1%}", ""],
+        ["pipeline bubble", f"{sim_a.bubble:.1%}", f"{sim_b.bubble:.1%}", ""],
+    ]
+    peak_a = max(sim_a.stages, key=lambda s: s.memory_bytes)
+    peak_b = max(sim_b.stages, key=lambda s: s.memory_bytes)
+    rows.append(["memory at peak", f"{format_bytes(peak_a.memory_bytes)} (stage "
+                 f"{peak_a.stage})", f"{format_bytes(peak_b.memory_bytes)} (stage "
+                 f"{peak_b.stage})", _ratio(peak_a.memory_bytes, peak_b.memory_bytes)])
+    if len(a.summary["stages"]) == len(b.summary["stages"]) <= 16:
+        for s_a, s_b in zip(sim_a.stages, sim_b.stages):
+            rows.append([f"  memory, stage {s_a.stage}", format_bytes(s_a.memory_bytes),
+                         format_bytes(s_b.memory_bytes), _ratio(s_a.memory_bytes,
+                                                                s_b.memory_bytes)])
+    moved_a, moved_b = _transfers(a.summary), _transfers(b.summary)
+    for axis in sorted(set(moved_a) | set(moved_b)):
+        count_a, bytes_a = moved_a.get(axis, (0, 0.0))
+        count_b, bytes_b = moved_b.get(axis, (0, 0.0))
+        rows.append([f"transfers over {axis}", f"{count_a:,}, {format_bytes(bytes_a)}",
+                     f"{count_b:,}, {format_bytes(bytes_b)}", _ratio(bytes_a, bytes_b)])
+    exposed_a = {k: v for s in sim_a.stages for k, v in s.exposed_seconds.items()}
+    exposed_b = {k: v for s in sim_b.stages for k, v in s.exposed_seconds.items()}
+    for axis in sorted(set(exposed_a) | set(exposed_b)):
+        rows.append([f"exposed {axis} (worst stage)",
+                     format_quantity(max((s.exposed_seconds.get(axis, 0.0)
+                                          for s in sim_a.stages), default=0.0), TIME),
+                     format_quantity(max((s.exposed_seconds.get(axis, 0.0)
+                                          for s in sim_b.stages), default=0.0), TIME), ""])
+    header = ["", f"A: {path_a}", f"B: {path_b}", "B / A"]
+    return (table(header, rows) + "\nper device and step; transfers summed over the "
+            "stages; times simulated on each plan's topology (docs/simulate.md)\n")

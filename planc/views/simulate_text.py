@@ -1,0 +1,49 @@
+"""The text of ``planc simulate``: the step, its throughput, and each stage's share."""
+
+from __future__ import annotations
+
+from planc.lang.units import TIME, format_bytes, format_quantity
+from planc.views.tables import table
+
+SHOWN = 10  # stages listed; the rest are in --json
+
+
+def render(result) -> str:
+    step = result.step_seconds
+    stages = result.stages
+    worst = max(stages, key=lambda s: s.memory_bytes)
+    capacity = (f" of {format_bytes(result.memory_capacity)}"
+                if result.memory_capacity else "")
+    exposed: dict[str, float] = {}
+    for stage in stages:
+        for axis, seconds in stage.exposed_seconds.items():
+            exposed[axis] = max(exposed.get(axis, 0.0), seconds)
+    exposed_text = ", ".join(f"{axis} {format_quantity(s, TIME)}"
+                             for axis, s in sorted(exposed.items())) or "none"
+    lines = [
+        f"{result.plan}: {result.world:,} ranks, {len(stages)} pipeline "
+        f"stage{'s' * (len(stages) != 1)}: one step takes {format_quantity(step, TIME)}",
+        f"  throughput: {result.tflops_per_gpu:,.1f} TFLOP/s per GPU, MFU {result.mfu:.1%} "
+        f"(model FLOPs of Narayanan et al. 2021, recomputation not counted)",
+        f"  pipeline bubble: {result.bubble:.1%} of the step (stage 0)",
+        f"  exposed communication (worst stage, per axis): {exposed_text}",
+        f"  memory: {format_bytes(worst.memory_bytes)}{capacity} at peak (stage {worst.stage})",
+        "",
+    ]
+    axes = sorted(exposed)
+    rows = []
+    shown = stages if len(stages) <= SHOWN else (*stages[:SHOWN // 2], None,
+                                                 *stages[-(SHOWN // 2):])
+    for s in shown:
+        if s is None:
+            rows.append(["..."] + [""] * (4 + len(axes)))
+            continue
+        rows.append([str(s.stage), format_quantity(s.step_seconds, TIME),
+                     format_quantity(s.busy_seconds, TIME), f"{s.bubble_seconds / step:.1%}",
+                     *[format_quantity(s.exposed_seconds.get(a, 0.0), TIME) for a in axes],
+                     format_bytes(s.memory_bytes)])
+    lines.append(table(["stage", "ends", "computing", "bubble",
+                        *[f"exposed {a}" for a in axes], "memory"], rows, indent="  "))
+    if len(stages) > SHOWN:
+        lines.append(f"  ({len(stages) - SHOWN} stages not shown; --json lists every one)")
+    return "\n".join(lines) + "\n"
