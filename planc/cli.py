@@ -175,6 +175,16 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--metrics", metavar="M.jsonl",
                         help="a planc run --metrics file of the same build")
 
+    export = commands.add_parser(
+        "export", help="one step as MLCommons Chakra execution traces (ASTRA-sim)",
+        description="Write one step of a plan or build as Chakra execution traces "
+        "(et_def.proto, length-delimited): one PREFIX.RANK.et file per pipeline stage's "
+        "first rank, with compute, collective and point-to-point nodes, their stream "
+        "dependencies and simulated durations.")
+    _add_input(export, "FILE|DIR")
+    export.add_argument("-o", "--output", required=True, metavar="DIR")
+    export.add_argument("--prefix", default="planc", help="file name prefix [planc]")
+
     diff = commands.add_parser(
         "diff", help="two plans or builds side by side: layout, memory, transfers, time",
         description="Compare two plans or builds: world, mesh, nodes, memory per stage, "
@@ -242,7 +252,8 @@ COMMANDS = {"check": ("check", "check"), "layout": ("check", "layout"),
             "explain": ("explain", "main"), "programs": ("programs", "programs"),
             "verify": ("programs", "verify"), "run": ("run", "main"),
             "calibrate": ("calibrate", "main"), "simulate": ("simulate", "main"),
-            "diff": ("diff", "main"), "report": ("report", "main")}
+            "diff": ("diff", "main"), "report": ("report", "main"),
+            "export": ("export", "main")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,27 @@
+"""``planc export``: a build in another tool's format (Chakra execution traces)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from planc.commands import EXIT_OK, EXIT_USAGE, fail, load_programs
+
+
+def main(args) -> int:
+    from planc.export.chakra import export
+
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        return fail(f"-o {args.output} exists and is not a directory", EXIT_USAGE)
+    built, status = load_programs(args)
+    if built is None:
+        return status
+    try:
+        written = export(built, args.output, args.prefix)
+    except OSError as exc:
+        return fail(f"cannot write to {args.output}: {exc.strerror or exc}")
+    print(f"wrote {len(written)} Chakra execution trace{'s' * (len(written) != 1)} (one per "
+          f"pipeline stage's first rank) to {args.output}/: "
+          + ", ".join(p.name for p in written[:4]) + (", ..." if len(written) > 4 else ""),
+          file=sys.stderr)
+    return EXIT_OK

@@ -1,0 +1,1 @@
+"""Exports of a build to other tools' formats."""

@@ -1,0 +1,187 @@
+"""One step of a build as MLCommons Chakra execution traces, for ASTRA-sim.
+
+For each representative rank (the first rank of each pipeline stage; the others run the
+same program) the file ``PREFIX.RANK.et`` holds, as Chakra's ``et_def.proto`` says, a
+length-delimited ``GlobalMetadata`` message and then one length-delimited ``Node`` per
+instruction of the step that does work: compute nodes (``COMP_NODE``, with ``num_ops``
+and ``tensor_size``), collectives (``COMM_COLL_NODE``, with ``comm_type`` and
+``comm_size``), pipeline and ring transfers (``COMM_SEND_NODE``/``COMM_RECV_NODE`` with
+``comm_src``, ``comm_dst``, ``comm_size`` and ``comm_tag``). A node's control
+dependencies are the previous node on its stream and the node whose end an event marks
+for every wait before it, so the graph keeps the program's stream semantics; durations
+are the simulator's.
+
+protobuf is written by hand (varints and length-delimited fields, proto3 encoding): the
+format is a few dozen lines, and planc does not depend on the protobuf package.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+from planc.graph.ir import NodeType
+from planc.layout import Layout
+from planc.simulate import Durations
+
+CHAKRA_VERSION = "0.0.4"
+# et_def.proto's enums.
+COMP_NODE, COMM_SEND_NODE, COMM_RECV_NODE, COMM_COLL_NODE = 4, 5, 6, 7
+COMM_TYPE = {"all_reduce": 0, "all_gather": 2, "broadcast": 5, "all_to_all": 6,
+             "reduce_scatter": 7}
+VARINT, FIXED64, LENGTH = 0, 1, 2
+
+
+def _varint(value: int) -> bytes:
+    value &= (1 << 64) - 1  # proto3 int64: negative numbers as 10-byte two's complement
+    out = bytearray()
+    while True:
+        low = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(low | 0x80)
+        else:
+            out.append(low)
+            return bytes(out)
+
+
+def _key(field: int, wire: int) -> bytes:
+    return _varint(field << 3 | wire)
+
+
+def _bytes(field: int, data: bytes) -> bytes:
+    return _key(field, LENGTH) + _varint(len(data)) + data
+
+
+def _string(field: int, text: str) -> bytes:
+    return _bytes(field, text.encode()) if text else b""
+
+
+def _uint(field: int, value: int) -> bytes:
+    return _key(field, VARINT) + _varint(value) if value else b""
+
+
+def _packed(field: int, values: list[int]) -> bytes:
+    return _bytes(field, b"".join(_varint(v) for v in values)) if values else b""
+
+
+def attribute(name: str, value) -> bytes:
+    """An ``AttributeProto``: int64_val (9), double_val (3), bool_val (27),
+    string_val (29)."""
+    body = _string(1, name)
+    if isinstance(value, bool):
+        body += _key(27, VARINT) + _varint(int(value))
+    elif isinstance(value, int):
+        body += _key(9, VARINT) + _varint(value)
+    elif isinstance(value, float):
+        body += _key(3, FIXED64) + struct.pack("<d", value)
+    else:
+        body += _bytes(29, str(value).encode())
+    return body
+
+
+def node_message(node_id: int, name: str, node_type: int, ctrl_deps: list[int],
+                 start_us: int, duration_us: int, attributes: list[tuple[str, object]]
+                 ) -> bytes:
+    return (_uint(1, node_id) + _string(2, name) + _uint(3, node_type)
+            + _packed(4, ctrl_deps) + _uint(6, start_us) + _uint(7, duration_us)
+            + b"".join(_bytes(10, attribute(k, v)) for k, v in attributes))
+
+
+def metadata_message(attributes: list[tuple[str, object]]) -> bytes:
+    return _string(1, CHAKRA_VERSION) + b"".join(_bytes(2, attribute(k, v))
+                                                 for k, v in attributes)
+
+
+def _delimited(message: bytes) -> bytes:
+    return _varint(len(message)) + message
+
+
+def _nodes(build, stage: int, rank: int, durations: Durations) -> list[bytes]:
+    plan, graph = build.plan, build.graph
+    layout = Layout.of(plan)
+    program = next(p for name, p in build.programs.items()
+                   if build.table.stages.get(name) == stage)
+    coords = layout.coords(rank)
+    out: list[bytes] = []
+    last_on_stream: dict[str, int] = {}
+    pending_waits: dict[str, list[int]] = {}
+    event_node: dict[str, int] = {}
+    ends: dict[int, float] = {}  # node id -> when it ends (the simulator's durations)
+    next_id = 0
+    for item in program.expand():
+        if item.op == "record":
+            if item.stream in last_on_stream:
+                event_node[item.event] = last_on_stream[item.stream]
+            continue
+        if item.op == "wait":
+            if item.event in event_node:
+                pending_waits.setdefault(item.stream, []).append(event_node[item.event])
+            continue
+        if item.op == "sync":
+            pending_waits.setdefault(item.stream, []).extend(last_on_stream.values())
+            continue
+        data = graph.nodes[item.node]
+        seconds = durations(item.node)
+        deps = sorted(set(pending_waits.pop(item.stream, []))
+                      | ({last_on_stream[item.stream]} if item.stream in last_on_stream
+                         else set()))
+        begin = max([ends[d] for d in deps], default=0.0)
+        label = item.node + (f"#{item.microbatch}" if item.microbatch is not None else "")
+        common: list[tuple[str, object]] = [("is_cpu_op", False)]
+        if data["type"] == NodeType.COMPUTE:
+            parts = [(COMP_NODE, label, [("num_ops", int(data["flops"])),
+                                         ("tensor_size", int(data["bytes"]))])]
+        elif item.op in ("send", "recv", "sendrecv"):
+            parts = []
+            halves = {"send": ("send",), "recv": ("recv",),
+                      "sendrecv": ("send", "recv")}[item.op]
+            for half in halves:
+                if data["axis"] == "pp":
+                    peer = layout.rank({**coords, "pp": data["peer_stage"]})
+                else:  # a cp ring shift: to the next cp rank, from the previous
+                    shift = 1 if half == "send" else -1
+                    peer = layout.rank({**coords,
+                                        "cp": (coords["cp"] + shift) % plan.mesh.cp})
+                source, target = (rank, peer) if half == "send" else (peer, rank)
+                parts.append((COMM_SEND_NODE if half == "send" else COMM_RECV_NODE,
+                              f"{label}:{half}" if len(halves) > 1 else label,
+                              [("comm_src", source), ("comm_dst", target),
+                               ("comm_size", int(data["bytes"])),
+                               ("comm_tag", item.microbatch or 0)]))
+        else:
+            parts = [(COMM_COLL_NODE, label,
+                      [("comm_type", COMM_TYPE.get(str(data["kind"]), 0)),
+                       ("comm_size", int(data["bytes"])), ("pg_name", str(data["axis"])),
+                       ("route", str(data.get("route", "ring")))])]
+        for kind, name, attributes in parts:
+            out.append(node_message(next_id, name, kind, deps, int(begin * 1e6),
+                                    max(int(round(seconds * 1e6)), 1),
+                                    common + attributes))
+            ends[next_id] = begin + seconds
+            last_on_stream[item.stream] = next_id
+            next_id += 1
+    return out
+
+
+def export(build, directory: str | Path, prefix: str = "planc") -> list[Path]:
+    """Write one ``.et`` file per representative rank; the paths written."""
+    from planc.files import write_atomically
+
+    plan = build.plan
+    layout = Layout.of(plan)
+    durations = Durations(plan, build.graph)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for stage in range(plan.mesh.pp):
+        rank = layout.rank({"tp": 0, "cp": 0, "pp": stage, "dp": 0})
+        metadata = metadata_message([("schema", "planc"), ("plan", plan.name),
+                                     ("rank", rank), ("stage", stage),
+                                     ("world", plan.world)])
+        body = _delimited(metadata) + b"".join(
+            _delimited(n) for n in _nodes(build, stage, rank, durations))
+        path = directory / f"{prefix}.{rank}.et"
+        write_atomically(path, body)
+        written.append(path)
+    return written
