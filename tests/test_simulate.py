@@ -168,6 +168,10 @@ def test_diff_puts_two_layouts_side_by_side(run_planc):
     assert count_b > count_a
     done = run_planc("diff", PLANS / "korthikanti-22b.plan", "missing.plan")
     assert done.returncode == 1 and "missing.plan" in done.stderr
+    done = run_planc("diff", PLANS / "gpt-tiny.plan", PLANS, "--set-b", "mesh.tp=4")
+    assert (done.returncode, done.stderr) == (2, f"planc: error: --set-b needs B to be a .plan "
+                                                 f"file, but {PLANS} is a build directory; "
+                                                 f"name the plan file instead\n")
 
 
 def test_report_is_one_offline_page(tmp_path, run_planc):
