@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from planc.net import free_port  # noqa: E402
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 LARGE = 16 << 20  # "large sizes" for the prediction error
@@ -155,7 +156,7 @@ def run_world(ranks: int, rate: str, repeats: int) -> dict:
     per_node = ranks // 2
     with tempfile.TemporaryDirectory() as scratch:
         output = Path(scratch) / "result.json"
-        port = _free_port()
+        port = free_port()
         processes = []
         for rank in range(ranks):
             node = rank // per_node
@@ -170,12 +171,6 @@ def run_world(ranks: int, rate: str, repeats: int) -> dict:
         if any(codes):
             raise SystemExit(f"a rank failed ({codes}) at {ranks} ranks, {rate}")
         return json.loads(output.read_text())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- predictions and the report ---------------------------------------------------------

@@ -39,7 +39,6 @@ hop by link type, a bandwidth per algorithm):
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from enum import StrEnum
 from math import floor, log2
@@ -57,7 +56,13 @@ class Route(StrEnum):
     HIERARCHICAL = "hierarchical"
 
 
-ROUTES = tuple(Route)
+
+def counts_of(members: Iterable[int], devices_per_node: int) -> tuple[int, ...]:
+    """Members on each node a group spans, in node order."""
+    counts: dict[int, int] = {}
+    for rank in sorted(members):
+        counts[rank // devices_per_node] = counts.get(rank // devices_per_node, 0) + 1
+    return tuple(counts.values())
 
 
 @dataclass(frozen=True)
@@ -73,10 +78,10 @@ class Placement:
 
     @staticmethod
     def of(members: Iterable[int], devices_per_node: int) -> "Placement":
-        counts = Counter(rank // devices_per_node for rank in members)
-        values = set(counts.values())
-        size = sum(counts.values())
-        return Placement(size, len(counts), next(iter(values)) if len(values) == 1 else None,
+        counts = counts_of(members, devices_per_node)
+        values = set(counts)
+        return Placement(sum(counts), len(counts),
+                         next(iter(values)) if len(values) == 1 else None,
                          max(values, default=0), min(values, default=0))
 
     @staticmethod

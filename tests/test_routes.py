@@ -14,10 +14,10 @@ import shutil
 import pytest
 
 from planc.compile import compile_plan
-from planc.cost import CostModel, Placement, Route
+from planc.cost import CostModel, Placement, Route, counts_of
 from planc.lang import load_text
 from planc.lower.groups import group_table
-from planc.lower.routes import Recipe, Step, counts_of, hierarchical, tree
+from planc.lower.routes import Recipe, Step, hierarchical, tree
 from planc.lower.verify_routes import check
 from planc.plan import Device, Link, Topology
 

@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from planc.net import free_port
 from planc.commands import EXIT_OK, EXIT_USAGE, MAX_LOCAL_RANKS, fail
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(args) -> int:
@@ -31,7 +25,7 @@ def main(args) -> int:
     output = Path(args.output)
     if output.is_dir() or not output.resolve().parent.is_dir():
         return fail(f"cannot write {output}: not a file in an existing directory")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": str(args.ranks), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "planc.runtime.calibrate", "--devices-per-node",
                str(args.ranks // args.nodes), "-o", str(output), "--repeats", str(args.repeats)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Iterator
 
+from planc.cost import counts_of
 from planc.graph.ir import Axis
 from planc.layout import Layout
 from planc.plan import AXES, Mesh
@@ -140,13 +141,8 @@ class GroupTable:
         offsets = [rank - first for rank in self.members(first, rule)]
         out = {}
         for base in sorted(residues.values()):
-            counts: dict[int, int] = {}
-            for offset in offsets:
-                node = (base + offset) // per_node
-                counts[node] = counts.get(node, 0) + 1
-            shape = tuple(counts.values())
-            if shape not in out:
-                out[shape] = tuple(base + offset for offset in offsets)
+            members = tuple(base + offset for offset in offsets)
+            out.setdefault(counts_of(members, per_node), members)
         return out
 
     def to_json(self) -> dict:

@@ -270,15 +270,6 @@ class RouteTable:
         return RouteTable(out)
 
 
-def counts_of(members, devices_per_node: int) -> tuple[int, ...]:
-    """Members on each node a group spans, in node order (members sorted by rank)."""
-    counts: dict[int, int] = {}
-    for rank in sorted(members):
-        node = rank // devices_per_node
-        counts[node] = counts.get(node, 0) + 1
-    return tuple(counts.values())
-
-
 def routed_nodes(graph) -> list[tuple[str, dict]]:
     """The graph's transfers whose route is not the backend's own collective."""
     return [(n, d) for n, d in graph.nodes(data=True)

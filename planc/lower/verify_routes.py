@@ -2,8 +2,9 @@
 
 In the manner of MSCCL's checker (msccl-tools), the recipe runs on symbols instead of
 numbers: each chunk of each member holds the set of positions whose contribution it
-sums (a bit set, so that groups of thousands check quickly) (all_reduce and reduce_scatter start with every chunk holding its own position;
-all_gather with only a member's own chunk, the rest undefined). A collective step on a
+sums, as a bit set so that groups of thousands check quickly (all_reduce and
+reduce_scatter start with every chunk holding its own position; all_gather with only a
+member's own chunk, the rest undefined). A collective step on a
 sub-group runs when every member of the sub-group has reached it, and they must agree
 on it exactly (op and chunk lists): otherwise the sub-group would mix up data or hang.
 A send runs together with the matching receive at its peer. A sum that would count a
@@ -21,7 +22,7 @@ from __future__ import annotations
 from typing import Callable
 
 from planc.graph.ir import Kind
-from planc.lower.routes import COLLECTIVE_STEPS, Recipe, Step
+from planc.lower.routes import COLLECTIVE_STEPS, Recipe, Step, recipe_key, routed_nodes
 
 Contribution = int | None  # a bit per position; None: undefined
 
@@ -219,8 +220,6 @@ def check_routes(graph, groups, routes) -> list[str]:
     """Every routed transfer has a recipe for each placement of its groups, the sub-groups
     a hierarchical recipe needs exist, and every recipe computes its collective (checked
     once per recipe, on the first group that uses it, whose ranks the messages name)."""
-    from planc.lower.routes import recipe_key, routed_nodes
-
     problems: list[str] = []
     checked: set[str] = set()
     cache: dict[tuple[str, int], dict] = {}

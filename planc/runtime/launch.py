@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import sys
 import uuid
 
+from planc.net import free_port
 from planc.runtime.worker import entry
 
 
@@ -25,12 +25,6 @@ def gpus() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(build_dir: str, world: int, worker_args: list[str], backend: str) -> int:
@@ -59,7 +53,7 @@ def launch(build_dir: str, world: int, worker_args: list[str], backend: str) -> 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=run_id, logs_specs=logs,
         log_line_prefix_template="[rank ${rank}] ",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
         monitor_interval=0.1, start_method="spawn" if backend == "nccl" else "forkserver")
     multiprocessing.set_forkserver_preload(["planc.runtime.worker"])
     try:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from planc.lower.routes import RouteTable, Step, counts_of, recipe_key
+from planc.cost import counts_of
+from planc.lower.routes import RouteTable, Step, recipe_key
 
 
 @dataclass(frozen=True)

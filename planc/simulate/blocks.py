@@ -55,7 +55,6 @@ def replay(instructions: tuple[Instruction, ...] | list[Instruction], duration, 
     events: dict[str, float] = {}
     out = BlockTime()
     external = []
-    producer_axis: dict[str, str] = {}
     for item in instructions:
         stream = item.stream
         now = clock.get(stream, 0.0)
@@ -68,7 +67,7 @@ def replay(instructions: tuple[Instruction, ...] | list[Instruction], duration, 
                 continue
             ready = events[item.event]
             if ready > now and stream == COMPUTE:
-                axis = producer_axis.get(item.event) or axis_of(item.event.partition(":")[2])
+                axis = axis_of(item.event.partition(":")[2])
                 if axis:
                     out.exposed[axis] = out.exposed.get(axis, 0.0) + ready - now
             clock[stream] = max(now, ready)

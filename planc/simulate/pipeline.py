@@ -80,10 +80,9 @@ def step(programs: dict[int, Program], chunk_stage: dict[int, int], duration, ax
                 phase, chunk = block[0], int(block[1:])
                 needs_input = (phase == "F" and chunk > 0) or \
                     (phase == "B" and chunk < last_chunk)
-                arrival = arrivals.get((phase, chunk, microbatch), 0.0) if needs_input \
-                    else 0.0
                 if needs_input and (phase, chunk, microbatch) not in arrivals:
                     break
+                arrival = arrivals.get((phase, chunk, microbatch), 0.0)
                 replayed = timed(stage, block, microbatch)
                 start = max(ready[stage], arrival)
                 time.waiting += start - ready[stage]
