@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 
-.PHONY: demo test bench bench-topology install clean
+.PHONY: demo test bench bench-topology install clean corpus
 
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ bench: $(STAMP)
 bench-topology: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) bench/topology.py --json build/topology.json --plot docs/topology.png
+
+# A tiny tokenised corpus, generated here without network or extra packages
+# (planc/tools/corpus.py, docs/data.md): data/tiny-corpus.tokens, .json and .txt.
+corpus:
+	$(PYTHON) -m planc.tools.corpus -o data/tiny-corpus.tokens
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

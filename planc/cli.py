@@ -141,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_input(run, "FILE|DIR")
     run.add_argument("-o", "--output", metavar="DIR",
                      help="where to compile a plan file [build/NAME]")
-    run.add_argument("--steps", type=int, metavar="N", help="steps [the plan's train.steps]")
+    run.add_argument("--steps", type=int, metavar="N",
+                     help="steps from the start of training, also with --resume [the plan's "
+                     "train.steps]")
     run.add_argument("--backend", choices=("gloo", "nccl"),
                      help="[nccl where CUDA is present, else gloo]")
     run.add_argument("--metrics", metavar="M.jsonl", help="one JSON object per step")
@@ -152,6 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds without progress before every rank reports a hang [120]")
     run.add_argument("--no-verify", action="store_true",
                      help="run programs without verifying them (to debug a broken build)")
+    run.add_argument("--checkpoint-dir", metavar="D",
+                     help="write a consolidated checkpoint (whole fp32 tensors in "
+                     "safetensors, optimizer state, data position) into D/step-NNNNNN after "
+                     "the last step, and after every N-th with --checkpoint-every; any plan "
+                     "of the same model can resume from it (docs/checkpoints.md)")
+    run.add_argument("--checkpoint-every", type=int, metavar="N",
+                     help="with --checkpoint-dir: also after every N-th step")
+    run.add_argument("--resume", metavar="D",
+                     help="continue from the newest complete checkpoint in D (or from D, a "
+                     "step-NNNNNN directory), under any layout of the same model; steps "
+                     "count from the start of training: with train.steps = 4 (or --steps "
+                     "4) a step-2 checkpoint runs steps 2 and 3")
 
     simulate = commands.add_parser(
         "simulate", help="predict a training step: time, MFU, bubble, exposed comm, memory",
@@ -176,13 +190,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a planc run --metrics file of the same build")
 
     export = commands.add_parser(
-        "export", help="one step as MLCommons Chakra execution traces (ASTRA-sim)",
-        description="Write one step of a plan or build as Chakra execution traces "
-        "(et_def.proto, length-delimited): one PREFIX.RANK.et file per pipeline stage's "
-        "first rank, with compute, collective and point-to-point nodes, their stream "
-        "dependencies and simulated durations.")
+        "export", help="a build as Chakra execution traces, or a checkpoint for transformers",
+        description="--format chakra (the default): write one step of a plan or build as "
+        "Chakra execution traces (et_def.proto, length-delimited): one PREFIX.RANK.et file "
+        "per pipeline stage's first rank, with compute, collective and point-to-point "
+        "nodes, their stream dependencies and simulated durations. --format hf: write the "
+        "newest complete checkpoint of a planc run --checkpoint-dir D of a llama model as a "
+        "Hugging Face checkpoint (config.json, model.safetensors) that "
+        "LlamaForCausalLM.from_pretrained loads.")
     _add_input(export, "FILE|DIR")
     export.add_argument("-o", "--output", required=True, metavar="DIR")
+    export.add_argument("--format", choices=("chakra", "hf"), default="chakra",
+                        help="chakra: execution traces of a plan or build; hf: a checkpoint "
+                        "directory as a transformers llama checkpoint [chakra]")
     export.add_argument("--prefix", default="planc", help="file name prefix [planc]")
 
     diff = commands.add_parser(

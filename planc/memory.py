@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planc.models import family_of
+from planc.models.family import shares_heads
 from planc.plan import Plan
 
 FP32_BYTES = 4
@@ -79,36 +81,55 @@ def model_state_bytes(parameters: float, dtype_bytes: int, optimizer_bytes: int,
     return p / n, p / n, k / n
 
 
-def _linear_elements(fan_in: int, fan_out: int, placement: str, tp: int) -> int:
-    """Weight plus bias of a linear layer on one tp rank (a row-parallel bias is whole)."""
-    weight = fan_in * fan_out
-    if placement == "column":
-        return (weight + fan_out) // tp
-    if placement == "row":
-        return weight // tp + fan_out
-    return weight + fan_out
+def _numel(shape) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _local_elements(plan: Plan, params) -> int:
+    """Elements of ``params`` on one tp rank, as the placements of the model's family
+    store them (Megatron-LM: a column-parallel weight and bias and a row-parallel weight
+    are split; a row-parallel bias, norms and shared k/v heads are whole)."""
+    family, tp, tensor = family_of(plan), plan.mesh.tp, plan.shard.tp
+    split: set[str] = set()
+    for rule in family.rules.values():
+        if rule.kind != "linear":
+            continue
+        placement = getattr(tensor, rule.placement)
+        for w in rule.weights:
+            if placement in ("column", "vocab") and not shares_heads(family, plan.model, tp, w.fan_out) or \
+                    placement == "row":
+                split.add(w.name)
+        if rule.bias is not None and placement in ("column", "vocab"):
+            split.add(rule.bias)
+    if tensor.embedding != "replicate":
+        split.add("embedding.weight")
+    count = 0
+    for param in params:
+        local = param.name.split(".", 2)[-1] if param.layer is not None else param.name
+        count += _numel(param.shape) // (tp if local in split else 1)
+    return count
 
 
 def layer_parameters(plan: Plan) -> int:
     """Parameter elements of one transformer block on one tp rank."""
-    m, tensor, tp = plan.model, plan.shard.tp, plan.mesh.tp
-    return (4 * m.hidden  # ln1 and ln2, weight and bias, replicated
-            + _linear_elements(m.hidden, 3 * m.hidden, tensor.qkv, tp)
-            + _linear_elements(m.hidden, m.hidden, tensor.proj, tp)
-            + _linear_elements(m.hidden, m.ffn, tensor.fc1, tp)
-            + _linear_elements(m.ffn, m.hidden, tensor.fc2, tp))
+    return _local_elements(plan, family_of(plan).layer_parameters(plan.model, 0))
 
 
 def stage_parameters(plan: Plan, stage: int) -> int:
     """Parameter elements held by one device of pipeline stage ``stage``."""
     m, tensor, tp, pp = plan.model, plan.shard.tp, plan.mesh.tp, plan.mesh.pp
+    family = family_of(plan)
     embedding_table = m.vocab * m.hidden // (tp if tensor.embedding != "replicate" else 1)
     head_table = m.vocab * m.hidden // (tp if tensor.head != "replicate" else 1)
     count = len(plan.shard.pp.layers_of_stage(stage, pp)) * layer_parameters(plan)
     if stage == 0:
-        count += embedding_table + m.seq * m.hidden
+        count += _local_elements(plan, family.embedding_parameters(m))
     if stage == pp - 1:
-        count += 2 * m.hidden  # final LayerNorm
+        count += sum(_numel(p.shape) for p in family.head_parameters(m)
+                     if p.name != "head.weight")  # the final norm
         # A tied head on its own stage keeps a copy of the embedding (Megatron).
         if not m.tie_embeddings or pp > 1:
             count += embedding_table if m.tie_embeddings else head_table
@@ -128,22 +149,13 @@ def microbatches_in_flight(plan: Plan, stage: int) -> int:
 
 
 def layer_activation_bytes(plan: Plan, recompute: str | None = None) -> float:
-    """Korthikanti et al. 2022, Table 2: one layer, one microbatch, one device."""
+    """One block, one microbatch, one device, by the family's count (for gpt,
+    Korthikanti et al. 2022, Table 2)."""
     m, tp = plan.model, plan.mesh.tp
-    recompute = recompute or plan.optimize.recompute
-    s, s_full = m.seq // plan.mesh.cp, m.seq  # local queries attend to the whole sequence
-    b, h, a = plan.microbatch_size, m.hidden, m.heads
-    sp = plan.shard.tp.sequence_parallel and tp > 1
-    sbh = s * b * h
-    if recompute == "full":
-        half = 2 * sbh / (tp if sp else 1)
-    elif recompute == "selective":
-        half = 34 * sbh / tp if sp else sbh * (10 + 24 / tp)
-    elif sp:
-        half = sbh / tp * (34 + 5 * a * s_full / h)
-    else:
-        half = sbh * (10 + 24 / tp + 5 * a * s_full / (h * tp))
-    return half * m.dtype_bytes / 2
+    return family_of(plan).activation_bytes(
+        m, seq=m.seq // plan.mesh.cp, seq_full=m.seq, batch=plan.microbatch_size, tp=tp,
+        sequence_parallel=plan.shard.tp.sequence_parallel,
+        recompute=recompute or plan.optimize.recompute)
 
 
 def stage_activation_bytes(plan: Plan, stage: int) -> tuple[float, int]:
@@ -181,8 +193,4 @@ def estimate(plan: Plan) -> MemoryEstimate:
 
 def total_parameters(plan: Plan) -> int:
     """Parameters of the whole unsharded model (a tied head counted once)."""
-    m = plan.model
-    per_layer = (4 * m.hidden + 3 * m.hidden * m.hidden + 3 * m.hidden + m.hidden * m.hidden
-                 + m.hidden + 2 * m.hidden * m.ffn + m.ffn + m.hidden)
-    head = 0 if m.tie_embeddings else m.hidden * m.vocab
-    return m.vocab * m.hidden + m.seq * m.hidden + m.layers * per_layer + 2 * m.hidden + head
+    return sum(_numel(p.shape) for p in family_of(plan).all_parameters(plan.model))

@@ -21,7 +21,8 @@ PLAN_FORMAT_VERSION = 1
 
 @dataclass(frozen=True)
 class Model:
-    """The spec's GPT: pre-LayerNorm decoder blocks, learned positions, optional tying."""
+    """The model block: its family (planc.models) and that family's keys. ``kv_heads``,
+    ``rope_theta`` and ``norm_eps`` are llama's (gpt has one k and v head per head)."""
 
     layers: int
     hidden: int
@@ -33,6 +34,9 @@ class Model:
     dtype: str = "fp32"
     tie_embeddings: bool = False
     family: str = "gpt"
+    kv_heads: int | None = None
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
 
     @property
     def head_dim(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from planc.commands import (EXIT_OK, EXIT_USAGE, MAX_LOCAL_RANKS, counted, fail, load_plan,
                             overrides_need_a_plan)
@@ -13,11 +14,17 @@ def main(args) -> int:
     refused = _refused(args)
     if refused is not None:
         return refused
-    directory, status = _build_directory(args)
+    found, status = _checkpoint(args)
+    if status != EXIT_OK:
+        return status
+    directory, status = _build_directory(args, lambda plan: _resumable(args, found, plan))
     if directory is None:
         return status
     built, status = _verified_build(args, directory)
     if built is None:
+        return status
+    status = _resumable(args, found, built.plan, built.graph.graph["buckets"])
+    if status != EXIT_OK:
         return status
     try:
         from planc.runtime.launch import gpus, launch
@@ -34,10 +41,57 @@ def main(args) -> int:
                     f"{built.plan.world} ranks, this machine {devices} GPUs; use --backend "
                     f"gloo or torchrun across nodes", EXIT_USAGE)
     steps = args.steps or built.plan.train.steps
+    first = found.manifest["step"] if found else 0
+    resumed = f" (steps {first}..{steps - 1}, resumed from {found.directory})" if found else ""
+    if found:
+        for skipped in found.skipped:
+            print(f"planc: warning: --resume passed over {skipped}", file=sys.stderr)
+        print(found.note, file=sys.stderr)
     print(f"planc: running {built.plan.name} on {counted(built.plan.world, 'rank')} "
-          f"({backend}), {counted(steps, 'step')}", file=sys.stderr)
-    return launch(os.path.abspath(directory), built.plan.world, _worker_arguments(args),
-                  backend)
+          f"({backend}), {counted(steps - first, 'step')}{resumed}", file=sys.stderr)
+    return launch(os.path.abspath(directory), built.plan.world,
+                  _worker_arguments(args, found), backend)
+
+
+def _checkpoint(args):
+    """The checkpoint --resume names, found and verified (every file against its sha256)
+    before anything is compiled or started; (None, EXIT_OK) without --resume."""
+    if not args.resume:
+        return None, EXIT_OK
+    from planc import checkpoint
+
+    start = time.perf_counter()
+    try:
+        found = checkpoint.find(args.resume)
+    except checkpoint.CheckpointError as exc:
+        return None, fail(f"--resume: {exc}", EXIT_USAGE)
+    files = found.manifest["files"]
+    size = sum(info["bytes"] for info in files.values())
+    found.note = (f"planc: checkpoint {found.directory} (step {found.manifest['step']}): "
+                  f"{len(files)} files, {size / 1e6:.2f} MB, sha256 verified in "
+                  f"{time.perf_counter() - start:.3f} s")
+    return found, EXIT_OK
+
+
+def _resumable(args, found, plan, buckets=None) -> int:
+    """EXIT_OK if ``plan`` can continue from the checkpoint found (None: no --resume), else
+    the status after saying why: another model or optimizer, no step left to run; with
+    --check, steps of the checkpoint trained on other data. Checked on the plan before it
+    is compiled, and again on the build's parameters."""
+    if found is None:
+        return EXIT_OK
+    from planc import checkpoint
+
+    steps = args.steps or plan.train.steps
+    problem = checkpoint.problems_resuming(found.manifest, plan, buckets, steps)
+    if problem is None and args.check:
+        problem = checkpoint.problems_checking(found.manifest, plan)
+    if problem is not None:
+        return fail(f"--resume {found.directory}: {problem}; nothing was run", EXIT_USAGE)
+    if buckets is not None:
+        for note in checkpoint.data_notes(found.manifest, plan):
+            print(f"planc: warning: {note}", file=sys.stderr)
+    return EXIT_OK
 
 
 def _refused(args) -> int | None:
@@ -48,6 +102,24 @@ def _refused(args) -> int | None:
         return fail("--steps must be at least 1", EXIT_USAGE)
     if args.timeout <= 0:
         return fail("--timeout must be positive", EXIT_USAGE)
+    if args.checkpoint_every is not None:
+        if not args.checkpoint_dir:
+            return fail("--checkpoint-every needs --checkpoint-dir", EXIT_USAGE)
+        if args.checkpoint_every < 1:
+            return fail("--checkpoint-every must be at least 1", EXIT_USAGE)
+    if args.checkpoint_dir:
+        from planc.checkpoint import writable_problem
+
+        problem = writable_problem(args.checkpoint_dir)
+        if problem:
+            return fail(problem, EXIT_USAGE)
+    build_dir = args.file if os.path.isdir(args.file) else args.output or os.path.join(
+        "build", os.path.splitext(os.path.basename(args.file))[0])
+    for flag, path in (("--checkpoint-dir", args.checkpoint_dir), ("--resume", args.resume)):
+        if path and _inside(path, build_dir):
+            return fail(f"{flag} {path} is inside the build directory {build_dir}, which "
+                        f"compiling replaces as a whole; keep checkpoints elsewhere",
+                        EXIT_USAGE)
     for flag, path in (("--metrics", args.metrics), ("--trace", args.trace)):
         parent = os.path.dirname(os.path.abspath(path)) if path else None
         if path and os.path.isdir(path):
@@ -58,8 +130,14 @@ def _refused(args) -> int | None:
     return None
 
 
-def _build_directory(args) -> tuple[str | None, int]:
-    """The build directory to run: the one given, or the plan file compiled into one."""
+def _inside(path: str, directory: str) -> bool:
+    path, directory = os.path.realpath(path), os.path.realpath(directory)
+    return os.path.commonpath([path, directory]) == directory
+
+
+def _build_directory(args, precheck=None) -> tuple[str | None, int]:
+    """The build directory to run: the one given, or the plan file compiled into one
+    (once ``precheck(plan)`` found nothing wrong with the plan)."""
     from planc import build
     from planc.compile import CompileError, compile_plan
 
@@ -68,6 +146,10 @@ def _build_directory(args) -> tuple[str | None, int]:
     loaded, status = load_plan(args)
     if status != EXIT_OK:
         return None, status
+    if precheck is not None:
+        status = precheck(loaded.plan)
+        if status != EXIT_OK:
+            return None, status
     directory = args.output or os.path.join(
         "build", os.path.splitext(os.path.basename(args.file))[0])
     try:
@@ -101,10 +183,16 @@ def _verified_build(args, directory: str):
     return built, EXIT_OK
 
 
-def _worker_arguments(args) -> list[str]:
+def _worker_arguments(args, found=None) -> list[str]:
     out = ["--timeout", str(args.timeout)]
     if args.steps:
         out += ["--steps", str(args.steps)]
+    if args.checkpoint_dir:
+        out += ["--checkpoint-dir", os.path.abspath(args.checkpoint_dir)]
+    if args.checkpoint_every:
+        out += ["--checkpoint-every", str(args.checkpoint_every)]
+    if found is not None:  # the step directory checked here, its files hashed already
+        out += ["--resume", os.path.abspath(found.directory), "--resume-verified"]
     for flag, value in (("--metrics", args.metrics), ("--trace", args.trace)):
         if value:
             out += [flag, os.path.abspath(value)]

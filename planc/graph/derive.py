@@ -46,13 +46,9 @@ from planc.graph.ir import (
     buckets,
 )
 from planc.graph.layouts import Layout, S, gradient_layout
-from planc.graph.model import (
-    LAYER_OPS,
-    OUTPUT_TENSOR,
-    Shapes,
-    all_parameters,
-    forward_flops,
-)
+from planc.graph.model import Shapes, all_parameters, forward_flops
+from planc.models import family_of
+from planc.models.family import INPUT
 from planc.graph.schedules import action_text, schedule
 from planc.graph.tensor_parallel import (
     FP32_BYTES,
@@ -97,11 +93,13 @@ class _Derivation(AxisRules, ParameterRules):
         self.zero = plan.shard.dp.zero
         self.recompute = plan.optimize.recompute
         self.params = {p.name: p for p in all_parameters(plan)}
+        self.family = family_of(plan)
         self.tied = plan.model.tie_embeddings and self.pp > 1
         count = range(len(self.chunks))
         self.links: dict[int, list[_Link]] = {c: [] for c in count}
         self.forward_ops: dict[int, list[tuple[str, str, int | None]]] = {c: [] for c in count}
         self.chunk_output: dict[int, str] = {}
+        self.carried: dict[tuple[str, str, str], tuple] = {}
         self.chunk_input: dict[int, str] = {}  # chunk -> its forward receive
         self.gradient_input: dict[int, str] = {}  # chunk -> its backward receive
 
@@ -167,7 +165,7 @@ class _Derivation(AxisRules, ParameterRules):
             extra["forward_of"] = forward
         node = self.compute(f"{self._prefix(letter, layer)}{op}", Op(op), PHASE_OF[letter],
                             chunk, layer, flops * (2 if letter == "B" else 1),
-                            self._local_bytes(OUTPUT_TENSOR[op], layout.output), self.m,
+                            self._local_bytes(self.family.output_tensor[op], layout.output), self.m,
                             recompute=letter == "R", **extra)
         if letter == "F":
             self.forward_ops[chunk].append((node, op, layer))
@@ -185,6 +183,8 @@ class _Derivation(AxisRules, ParameterRules):
             if self.tp > 1 and not use.storage.is_sharded and data.is_sharded and \
                     data.dim in use.dims and data.dim != "seq":
                 slices[param_name(use.name, layer)] = [data.dim, use.dims.index(data.dim)]
+            if self.tp > 1 and use.shared_slice is not None:
+                slices[param_name(use.name, layer)] = list(use.shared_slice)
         if slices:
             attrs["param_slices"] = slices
         if layout.bias_from:
@@ -207,9 +207,14 @@ class _Derivation(AxisRules, ParameterRules):
         layouts need."""
         consumer = self.layout(consumer_op)
         source = source or self.layout(producer_op).output
-        tensor = tensor or OUTPUT_TENSOR[producer_op]
-        carried = self._tp("F", chunk, layer, tensor, source, consumer.input,
-                           (producer_op, consumer_op), u)
+        tensor = tensor or self.family.output_tensor[producer_op]
+        # One value redistributed once, however many consumers read it (the embedding's
+        # partial sum feeds both the first norm and the first residual).
+        key = (u, str(source), str(consumer.input))
+        carried = self.carried.get(key) or self._tp("F", chunk, layer, tensor, source,
+                                                     consumer.input,
+                                                     (producer_op, consumer_op), u)
+        self.carried[key] = carried
         self._connect(u, v, carried, port)  # with cp, the local queries and K/V block
         if (producer_op, consumer_op) == ("qkv", "attention") and self.cp > 1:
             self._cp_forward("F", chunk, layer, carried[0], v)
@@ -220,12 +225,14 @@ class _Derivation(AxisRules, ParameterRules):
     def _forward_chunk(self, chunk: int) -> None:
         first, last = self.chunks[chunk]
         if chunk == 0:
-            embedding = self._op_node("F", chunk, None, "embedding")
-            position = self._op_node("F", chunk, None, "position")
-            self.link(chunk, None, "embedding", embedding, "position", position)
-            x = ("position", position)
+            x = None
+            for op in self.family.embedding_ops:
+                node = self._op_node("F", chunk, None, op)
+                if x is not None:
+                    self.link(chunk, None, x[0], x[1], op, node)
+                x = (op, node)
         else:
-            x = ("mlp_residual", self.chunk_input[chunk])
+            x = (self.family.layer_output, self.chunk_input[chunk])
         for layer in range(first, last + 1):
             x = self._forward_layer(chunk, layer, x)
         if chunk == self.last_chunk:
@@ -237,23 +244,24 @@ class _Derivation(AxisRules, ParameterRules):
             self.chunk_output[chunk] = x[1]
 
     def _forward_layer(self, chunk: int, layer: int, x: tuple[str, str]) -> tuple[str, str]:
-        n = {op: self._op_node("F", chunk, layer, op) for op in LAYER_OPS}
+        """One block, wired as its family's links say; the block's input is the residual
+        stream, whose layout the plan fixes."""
+        n = {op: self._op_node("F", chunk, layer, op) for op in self.family.layer_ops}
         x_op, x_node = x
-        stream = self.tpp.stream
-        self.link(chunk, layer, x_op, x_node, "ln1", n["ln1"], source=stream, tensor="stream",
-                  within_layer=False)
-        for producer, consumer in (("ln1", "qkv"), ("qkv", "attention"), ("attention", "proj"),
-                                   ("proj", "attn_residual")):
-            self.link(chunk, layer, producer, n[producer], consumer, n[consumer])
-        self.link(chunk, layer, x_op, x_node, "attn_residual", n["attn_residual"],
-                  source=stream, tensor="stream", port=Port.SKIP,
-                  within_layer=False)  # the residual connection
-        for producer, consumer in (("attn_residual", "ln2"), ("ln2", "fc1"), ("fc1", "gelu"),
-                                   ("gelu", "fc2"), ("fc2", "mlp_residual")):
-            self.link(chunk, layer, producer, n[producer], consumer, n[consumer])
-        self.link(chunk, layer, "attn_residual", n["attn_residual"], "mlp_residual",
-                  n["mlp_residual"], port=Port.SKIP)
-        return "mlp_residual", n["mlp_residual"]
+        for producer, consumer, port in self.family.layer_links:
+            if producer == INPUT:
+                # The residual stream, except straight after the embedding, whose own
+                # layout (a partial sum when vocabulary-parallel) is redistributed here.
+                source = self.layout(x_op).output if x_op in self.family.embedding_ops \
+                    else self.tpp.stream
+                self.link(chunk, layer, x_op, x_node, consumer, n[consumer],
+                          source=source, tensor="stream", port=Port(port),
+                          within_layer=False)
+            else:
+                self.link(chunk, layer, producer, n[producer], consumer, n[consumer],
+                          port=Port(port))
+        output = self.family.layer_output
+        return output, n[output]
 
     def _forward_head(self, chunk: int, x: tuple[str, str]) -> None:
         final = self._op_node("F", chunk, None, "final_ln")
@@ -328,7 +336,7 @@ class _Derivation(AxisRules, ParameterRules):
         if self.recompute == "none":
             return
         op, first = ("attention", "attention") if self.recompute == "selective" else \
-            ("mlp_residual", "ln1")
+            (self.family.layer_output, self.family.layer_ops[0])
         backward, again = f"B/L{layer}/{op}", f"R/L{layer}/{first}"
         for source, _, data in list(self.graph.in_edges(backward, data=True)):
             if data.get("port") == Port.GRAD:
@@ -383,9 +391,10 @@ class _Derivation(AxisRules, ParameterRules):
             return
         # Full recomputation runs the layer's forward again from its checkpointed input,
         # transfers included, just before its backward.
-        nodes = {op: self._op_node("R", chunk, layer, op) for op in LAYER_OPS}
-        self.edge(f"F/L{layer}/ln1", nodes["ln1"], EdgeKind.SAVED)
-        self.edge(f"F/L{layer}/attn_residual", nodes["attn_residual"], EdgeKind.SAVED)
+        nodes = {op: self._op_node("R", chunk, layer, op) for op in self.family.layer_ops}
+        for producer, consumer, _port in self.family.layer_links:
+            if producer == INPUT:  # reads the checkpointed block input
+                self.edge(f"F/L{layer}/{consumer}", nodes[consumer], EdgeKind.SAVED)
         for link in links:
             producer, consumer = link.ops
             u, v = nodes[producer], nodes[consumer]
@@ -394,7 +403,7 @@ class _Derivation(AxisRules, ParameterRules):
             self._connect(u, v, carried, link.port)
             if link.ops == ("qkv", "attention") and self.cp > 1:
                 self._cp_forward("R", chunk, layer, carried[0], v)
-        for op in LAYER_OPS:
+        for op in self.family.layer_ops:
             self.edge(nodes[op], f"B/L{layer}/{op}", EdgeKind.SAVED)
             self._recomputed_by(f"B/L{layer}/{op}", nodes[op])
 
@@ -426,6 +435,7 @@ class _Derivation(AxisRules, ParameterRules):
         plan, virtual = self.plan, self.plan.shard.pp.virtual
         return {
             "format": "planc-graph", "version": GRAPH_FORMAT_VERSION, "plan": plan.name,
+            "family": plan.model.family,
             "sizes": {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": plan.mesh.dp},
             "microbatches": self.m, "microbatch_size": plan.microbatch_size,
             "pipeline": plan.schedule.pipeline, "virtual": virtual,

@@ -45,7 +45,7 @@ class Phase(StrEnum):
 
 
 class Op(StrEnum):
-    """The operators of the gpt family, and the optimizer step."""
+    """The operators of every model family (planc.models), and the optimizer step."""
 
     EMBEDDING = "embedding"
     POSITION = "position"
@@ -57,6 +57,7 @@ class Op(StrEnum):
     LN2 = "ln2"
     FC1 = "fc1"
     GELU = "gelu"
+    SWIGLU = "swiglu"  # llama: silu(gate) * up
     FC2 = "fc2"
     MLP_RESIDUAL = "mlp_residual"
     FINAL_LN = "final_ln"

@@ -26,8 +26,11 @@ from dataclasses import dataclass
 from planc.cost import CostModel
 from planc.graph.layouts import (R, IllegalRedistribution, Layout, P, S, gradient_layout,
                                  redistribute)
-from planc.graph.model import LINEAR_DIMS, OUTPUT_TENSOR, Shapes, forward_flops
+from planc.graph.model import Shapes, forward_flops
 from planc.layout import Layout as RankLayout
+from planc.models import family_of
+from planc.models.family import OpRule
+from planc.models.family import shares_heads as family_shares_heads
 from planc.plan import Plan
 
 LOSS_REDUCTIONS = ("max", "sum_exp")  # vocabulary-parallel cross-entropy (Megatron)
@@ -43,6 +46,9 @@ class ParamUse:
     data: Layout  # the layout of the activation it is applied to
     dims: tuple[str, ...]
     axis: int | None = None  # which tensor axis ``storage`` shards (dims may repeat a name)
+    # A replicated parameter each rank applies through its slice ``(dim, axis)`` of it,
+    # a slice that other ranks share (k and v with fewer kv heads than tp ranks).
+    shared_slice: tuple[str, int] | None = None
 
     @property
     def storage_axis(self) -> int:
@@ -58,6 +64,8 @@ class ParamUse:
         """
         if self.storage.is_sharded:
             return self.storage
+        if self.shared_slice is not None:
+            return P  # every rank's slice gradient, zero elsewhere: summed over tp
         if self.data.is_sharded:
             return S(self.data.dim) if self.data.dim in self.dims else P
         return R
@@ -88,46 +96,58 @@ class OpLayout:
     bias_from: str | None = None  # producer whose (deferred) bias this operator adds
 
 
-def _linear(name: str, placement: str) -> list[Choice]:
-    fan_in, fan_out = LINEAR_DIMS[name]
-    weight, bias = f"{name}.weight", f"{name}.bias"
-    has_bias = name != "head"
+def shares_heads(plan: Plan, dim: str) -> bool:
+    return family_shares_heads(family_of(plan), plan.model, plan.mesh.tp, dim)
 
-    def uses(storage_w: Layout, storage_b: Layout, data: Layout, bias_here: bool = True,
-             axis: int | None = None):
-        used = [ParamUse(weight, storage_w, data, (fan_in, fan_out), axis)]
-        if has_bias and bias_here:
-            used.append(ParamUse(bias, storage_b, data, (fan_out,),
-                                 0 if storage_b.is_sharded else None))
-        return tuple(used)
+
+def _linear(rule: OpRule, placement: str, plan: Plan) -> list[Choice]:
+    """The ways to run a linear operator: its weights' outputs side by side along
+    ``rule.output_dim``, plus the optional bias."""
+    out, fan = rule.output_dim, rule.input_dim
+
+    def weights(storage_of, data: Layout, axis: int | None):
+        return tuple(ParamUse(w.name, storage_of(w), data, (w.fan_in, w.fan_out), axis)
+                     for w in rule.weights)
+
+    def bias(storage: Layout, data: Layout):
+        if rule.bias is None:
+            return ()
+        return (ParamUse(rule.bias, storage, data, (out,), 0 if storage.is_sharded else None),)
 
     # The weight is (in, out): column-parallel shards axis 1, row-parallel axis 0 (the
     # names alone cannot say which: proj's weight is hidden x hidden).
     if placement in ("column", "vocab"):
-        return [Choice(R, S(fan_out), P, True, uses(S(fan_out), S(fan_out), R, axis=1))]
+        uses = []
+        for w in rule.weights:
+            if shares_heads(plan, w.fan_out):
+                uses.append(ParamUse(w.name, R, R, (w.fan_in, w.fan_out),
+                                     shared_slice=(w.fan_out, 1)))
+            else:
+                uses.append(ParamUse(w.name, S(w.fan_out), R, (w.fan_in, w.fan_out), 1))
+        return [Choice(R, S(out), P, True, tuple(uses) + bias(S(out), R))]
     if placement == "row":
         # The bias is added after the partial sum is reduced, by the consumer.
-        return [Choice(S(fan_in), P, S(fan_in), True,
-                       uses(S(fan_in), R, S(fan_in), False, axis=0))]
-    return [Choice(R, R, R, False, uses(R, R, R)),
-            Choice(S("seq"), S("seq"), S("seq"), True, uses(R, R, S("seq")))]
+        return [Choice(S(fan), P, S(fan), True, weights(lambda w: S(w.fan_in), S(fan), 0))]
+    return [Choice(R, R, R, False, weights(lambda w: R, R, None) + bias(R, R)),
+            Choice(S("seq"), S("seq"), S("seq"), True,
+                   weights(lambda w: R, S("seq"), None) + bias(R, S("seq")))]
 
 
-def _pointwise(dim: str) -> list[Choice]:
-    return [Choice(R, R, R, False), Choice(S(dim), S(dim), S(dim), True),
+def _pointwise(rule: OpRule) -> list[Choice]:
+    return [Choice(R, R, R, False),
+            Choice(S(rule.input_dim), S(rule.output_dim), S(rule.input_dim), True),
             Choice(S("seq"), S("seq"), S("seq"), True)]
 
 
-def _layer_norm(name: str, stream: Layout) -> list[Choice]:
-    params = tuple(ParamUse(f"{name}.{p}", R, stream, ("hidden",)) for p in ("weight", "bias"))
+def _norm(rule: OpRule, stream: Layout) -> list[Choice]:
+    params = tuple(ParamUse(p, R, stream, ("hidden",)) for p in rule.params)
     return [Choice(stream, stream, stream, stream.is_sharded, params)]
 
 
 def choices(op: str, plan: Plan, stream: Layout) -> list[Choice]:
     """Every way to run ``op`` over tp given the plan's placements."""
     t = plan.shard.tp
-    if op in ("qkv", "proj", "fc1", "fc2"):
-        return _linear(op, getattr(t, op))
+    rule = family_of(plan).rules[op]
     if op == "head":
         if plan.model.tie_embeddings:  # the head is the transposed embedding table
             return [Choice(c.input, c.output, c.grad_input, c.sharded,
@@ -135,22 +155,28 @@ def choices(op: str, plan: Plan, stream: Layout) -> list[Choice]:
                                           ("vocab", "hidden"),
                                           0 if u.storage.is_sharded else None)
                                  for u in c.params))
-                    for c in _linear("head", t.head)]
-        return _linear("head", t.head)
-    if op == "attention":
+                    for c in _linear(rule, t.head, plan)]
+        return _linear(rule, t.head, plan)
+    if rule.kind == "linear":
+        return _linear(rule, getattr(t, rule.placement), plan)
+    if rule.kind == "attention":
         # Whole heads per rank, or every head everywhere; never split along tokens over
-        # tp, since every query needs every key.
+        # tp, since every query needs every key. Shared kv heads are never gathered back
+        # (their copies' gradients are partial): attention takes the heads qkv made.
+        if shares_heads(plan, "kv"):
+            return [Choice(S("qkv"), S("hidden"), S("qkv"), True)] if t.qkv == "column" \
+                else [Choice(R, R, R, False)]
         return [Choice(S("qkv"), S("hidden"), S("qkv"), True), Choice(R, R, R, False)]
-    if op == "gelu":
-        return _pointwise("ffn")
-    if op in ("ln1", "ln2", "final_ln"):
-        return _layer_norm(op, stream)
-    if op in ("attn_residual", "mlp_residual"):
+    if rule.kind == "pointwise":
+        return _pointwise(rule)
+    if rule.kind == "norm":
+        return _norm(rule, stream)
+    if rule.kind == "residual":
         return [Choice(stream, stream, stream, stream.is_sharded)]
-    if op == "position":
+    if rule.kind == "position":
         return [Choice(stream, stream, stream, stream.is_sharded,
-                       (ParamUse("position.weight", R, stream, ("seq", "hidden")),))]
-    if op == "embedding":
+                       (ParamUse(rule.params[0], R, stream, ("seq", "hidden")),))]
+    if rule.kind == "embedding":
         table = "embedding.weight"
         dims = ("vocab", "hidden")
         if t.embedding == "vocab":  # each rank looks up its rows; others give zeros
@@ -159,7 +185,7 @@ def choices(op: str, plan: Plan, stream: Layout) -> list[Choice]:
             return [Choice(R, S("hidden"), R, True, (ParamUse(table, S("hidden"), R, dims),))]
         return [Choice(R, R, R, False, (ParamUse(table, R, R, dims),)),
                 Choice(S("seq"), S("seq"), S("seq"), True, (ParamUse(table, R, S("seq"), dims),))]
-    if op == "loss":
+    if rule.kind == "loss":
         return [Choice(S("vocab"), P, S("vocab"), True), Choice(R, R, R, False),
                 Choice(S("seq"), P, S("seq"), True)]
     raise KeyError(op)
@@ -168,8 +194,9 @@ def choices(op: str, plan: Plan, stream: Layout) -> list[Choice]:
 def _replicated(op: str, plan: Plan, stream: Layout) -> Choice:
     """With tp = 1 every operator runs whole, as if every placement were replicate (a
     row-parallel bias is then the linear's own again)."""
-    if op in ("qkv", "proj", "fc1", "fc2", "head"):
-        first = _linear(op, "replicate")[0]
+    rule = family_of(plan).rules[op]
+    if rule.kind == "linear":
+        first = _linear(rule, "replicate", plan)[0]
         if op == "head" and plan.model.tie_embeddings:
             first = Choice(R, R, R, False, (ParamUse("embedding.weight", R, R,
                                                      ("vocab", "hidden")),))
@@ -177,14 +204,6 @@ def _replicated(op: str, plan: Plan, stream: Layout) -> Choice:
         first = choices(op, plan, stream)[0]
     return Choice(R, R, R, False, tuple(ParamUse(u.name, R, R, u.dims)
                                         for u in first.params))
-
-
-CHAINS = {
-    "embedding": ("embedding", "position"),
-    "attention": ("ln1", "qkv", "attention", "proj", "attn_residual"),
-    "mlp": ("ln2", "fc1", "gelu", "fc2", "mlp_residual"),
-    "head": ("final_ln", "head", "loss"),
-}
 
 
 @dataclass(frozen=True)
@@ -203,6 +222,7 @@ class _Coster:
         self.tp = plan.mesh.tp
         self.crosses_nodes = RankLayout.of(plan).crosses_nodes("tp")
         self.microbatches = plan.schedule.microbatches
+        self.elements = _param_elements(plan)
 
     def transfer(self, redistribution, nbytes: float) -> float:
         if redistribution is None or not redistribution.is_transfer:
@@ -220,18 +240,23 @@ class _Coster:
         return self.cost.compute_seconds(flops / (self.tp if sharded else 1))
 
 
-def _param_elements(plan: Plan, name: str) -> int:
-    m = plan.model
-    h = m.hidden
-    sizes = {"qkv.weight": h * 3 * h, "qkv.bias": 3 * h, "proj.weight": h * h, "proj.bias": h,
-             "fc1.weight": h * m.ffn, "fc1.bias": m.ffn, "fc2.weight": m.ffn * h,
-             "fc2.bias": h, "head.weight": h * m.vocab, "embedding.weight": m.vocab * h,
-             "position.weight": m.seq * h}
-    return sizes.get(name, h)  # LayerNorm weights and biases
+def _param_elements(plan: Plan) -> dict[str, int]:
+    """Elements of every parameter, by its name within a block (or its global name)."""
+    sizes = {}
+    family = family_of(plan)
+    first_layer = family.layer_parameters(plan.model, 0)
+    for param in first_layer + family.embedding_parameters(plan.model) + \
+            family.head_parameters(plan.model):
+        numel = 1
+        for size in param.shape:
+            numel *= size
+        sizes[param.name.removeprefix("layers.0.")] = numel
+    return sizes
 
 
 def _evaluate(ops: tuple[str, ...], picks: tuple[Choice, ...], source: Layout,
-              coster: _Coster, shapes: Shapes, plan: Plan, tied_gradient: Layout | None):
+              coster: _Coster, shapes: Shapes, plan: Plan, tied_gradient: Layout | None,
+              stream: Layout):
     """(seconds per step, OpLayouts) of one combination, or None if it is illegal.
 
     ``tied_gradient``: with tied embeddings, the layout of the embedding's own gradient;
@@ -239,6 +264,7 @@ def _evaluate(ops: tuple[str, ...], picks: tuple[Choice, ...], source: Layout,
     that the two can be summed before any fix-up.
     """
     total = 0.0
+    family = family_of(plan)
     layout, tensor, producer = source, "stream", None
     chosen = []
     for op, pick in zip(ops, picks):
@@ -258,25 +284,34 @@ def _evaluate(ops: tuple[str, ...], picks: tuple[Choice, ...], source: Layout,
                                         + coster.transfer(backward, nbytes)
                                         + coster.compute(op, pick.sharded))
         params, bias_from = pick.params, None
-        if layout.is_partial and producer in LINEAR_DIMS and producer != "head":
+        rule = family.linear_rule(producer) if producer else None
+        if layout.is_partial and rule is not None and rule.bias is not None:
             # The producer's bias, deferred past the reduction of its partial sum.
-            fan_out = LINEAR_DIMS[producer][1]
-            params = params + (ParamUse(f"{producer}.bias", R, pick.input, (fan_out,)),)
+            params = params + (ParamUse(rule.bias, R, pick.input, (rule.output_dim,)),)
             bias_from = producer
         for use in params:
-            total += coster.parameter(use, _param_elements(plan, use.name))
+            total += coster.parameter(use, coster.elements[use.name])
         if op == "loss" and pick.input == S("vocab"):
             total += coster.microbatches * len(LOSS_REDUCTIONS) * coster.transfer(
                 redistribute(P, R), shapes.elements("tokens") * FP32_BYTES)
         chosen.append(OpLayout(op, pick.input, pick.output, pick.grad_input, pick.sharded,
                                params, bias_from))
-        layout, tensor, producer = pick.output, OUTPUT_TENSOR[op], op
+        layout, tensor, producer = pick.output, family.output_tensor[op], op
+    if ops == family.embedding_ops and layout != stream:
+        # The blocks read the residual stream: the embedding's output is moved there.
+        try:
+            forward = redistribute(layout, stream)
+            backward = redistribute(gradient_layout(stream), gradient_layout(layout))
+        except IllegalRedistribution:
+            return None
+        total += coster.microbatches * (coster.transfer(forward, shapes.bytes("stream"))
+                                        + coster.transfer(backward, shapes.bytes("stream")))
     return total, chosen
 
 
 def _choose_chain(name: str, plan: Plan, stream: Layout, coster: _Coster, shapes: Shapes,
                   tied_gradient: Layout | None = None):
-    ops = CHAINS[name]
+    ops = family_of(plan).chains[name]
     if plan.mesh.tp == 1:
         options = [[_replicated(op, plan, stream)] for op in ops]
     else:
@@ -287,7 +322,7 @@ def _choose_chain(name: str, plan: Plan, stream: Layout, coster: _Coster, shapes
         # embedding asks for; every other chain starts from the residual stream.
         source = picks[0].input if name == "embedding" else stream
         result = _evaluate(ops, picks, source, coster, shapes, plan,
-                           tied_gradient if name == "head" else None)
+                           tied_gradient if name == "head" else None, stream)
         if result is not None and (best is None or result[0] < best[0] - 1e-15):
             best = result
     if best is None:
@@ -302,7 +337,7 @@ def plan_tensor_parallel(plan: Plan) -> TensorParallelPlan:
     ops: dict[str, OpLayout] = {}
     seconds: dict[str, float] = {}
     tied = None
-    for name in CHAINS:
+    for name in family_of(plan).chains:
         seconds[name], chosen = _choose_chain(name, plan, stream, coster, shapes, tied)
         ops.update((item.op, item) for item in chosen)
         if name == "embedding" and plan.model.tie_embeddings:

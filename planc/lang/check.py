@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from planc.models import FAMILIES
 from planc.diagnostics import Diagnostic, Span, error, in_source_order, warning
 from planc.lang import ast
 from planc.lang.overrides import Override
@@ -68,6 +67,7 @@ class _Checker:
     given: set[str] = field(default_factory=set)  # keys and blocks the user wrote
     plan_name: str = ""
     overrides: tuple[str, ...] = ()  # the --set KEY=VALUE texts applied, for Sources
+    labels: dict[str, str] = field(default_factory=dict)  # "model" -> "llama"
 
     # --- pass 1: blocks and keys -----------------------------------------------------
 
@@ -102,7 +102,10 @@ class _Checker:
                 block = blocks[name]
                 self.given.add(inner)
                 self.spans[inner] = block.name_span
-                self._read_block(sub, block.entries, inner, block.name_span)
+                if block.label in sub.variants:
+                    self.labels[inner] = block.label
+                self._read_block(sub.variant(block.label), block.entries, inner,
+                                 block.name_span)
             else:
                 if sub.required:
                     self.report(error(f"the plan has no {name} block", header,
@@ -227,11 +230,21 @@ class _Checker:
                     sources=Sources(self.path, dict(self.spans), self.overrides))
 
     def _model(self) -> Model | None:
-        keys = ("layers", "hidden", "heads", "ffn", "vocab", "seq", "batch", "dtype",
-                "tie_embeddings")
+        family = FAMILIES[self.labels.get("model", "gpt")]
+        keys = tuple(k for k in family.keys() if k != "preset")
+        preset_failed = "model.preset" in self.spans and self.values.get("model.preset") is None
+        if family.presets and "model" in self.given and not preset_failed:
+            # A family with presets: a key neither given nor in the preset is missing.
+            for key in keys:
+                if self.values.get(f"model.{key}") is None and \
+                        f"model.{key}" not in self.spans and key != "batch":
+                    self.report(error(f"model {family.name} is missing the key '{key}'",
+                                      self.span("model"),
+                                      f"add {key} = ..., or a preset = "
+                                      f"{' | '.join(family.presets)} that sets it"))
         if not self.ready(*(f"model.{k}" for k in keys)):
             return None
-        model = Model(**{k: self.value(f"model.{k}") for k in keys})
+        model = Model(family=family.name, **{k: self.value(f"model.{k}") for k in keys})
         if model.layers > LIMITS["layers"]:
             return self._reject(f"layers ({model.layers}) is more than planc's limit of "
                               f"{LIMITS['layers']}", self.span("model.layers"))
@@ -241,6 +254,16 @@ class _Checker:
                               self.span("model.heads"),
                               f"heads must divide hidden; {_try('heads', candidates)}"))
             return None
+        if model.kv_heads is not None and model.heads % model.kv_heads:
+            candidates = [k for k in range(model.kv_heads - 1, 0, -1) if model.heads % k == 0]
+            return self._reject(f"kv_heads ({model.kv_heads}) must divide heads "
+                                f"({model.heads}): each key/value head serves a group of "
+                                f"query heads", self.span("model.kv_heads", "model.heads"),
+                                _try("kv_heads", candidates[:2]))
+        if family.name == "llama" and model.head_dim % 2:
+            return self._reject(f"the head dimension hidden / heads = {model.head_dim} is "
+                                f"odd; rotary embedding turns pairs of features",
+                                self.span("model.heads"))
         return model
 
     def _mesh(self) -> Mesh | None:
@@ -349,6 +372,12 @@ class _Checker:
         tensor = TensorParallel(**{k: self.value(f"shard.tp.{k}") for k in keys})
         if mesh is None or model is None:
             return tensor
+        family = FAMILIES[model.family]
+        for key, allowed in family.placements.items():
+            if getattr(tensor, key) not in allowed:
+                return self._reject(f"{key} = {getattr(tensor, key)} is not a placement of "
+                                    f"model {family.name}", self.span(f"shard.tp.{key}"),
+                                    f"{key} may be {join_words(allowed)}")
         tp = mesh.tp
         if tp == 1:
             if "shard.tp" in self.given:
@@ -363,6 +392,12 @@ class _Checker:
             needs["hidden"] = model.hidden
         if tensor.fc1 == "column" or tensor.fc2 == "row":
             needs["ffn"] = model.ffn
+        kv = model.kv_heads
+        if tensor.qkv == "column" and kv is not None and kv % tp and tp % kv:
+            return self._reject(
+                f"kv_heads ({kv}) and tp ({tp}) must divide one another: each rank takes "
+                f"kv_heads / tp key/value heads, or shares one with tp / kv_heads ranks",
+                self.span("mesh.tp"), _try("tp", divisors_below(tp, kv)))
         if "vocab" in (tensor.embedding, tensor.head):
             needs["vocab"] = model.vocab
         local_seq = model.seq // mesh.cp if model.seq % mesh.cp == 0 else None
@@ -569,44 +604,26 @@ class _Checker:
                      self.value("train.seed"), data)
 
     def _data_file(self, data: str, model: Model | None) -> str | None:
+        from planc.runtime.data import DataError, DataMissing, check_file  # no torch
+
         base = os.path.dirname(os.path.abspath(self.path)) if self.path else os.getcwd()
         resolved = os.path.normpath(os.path.join(base, data))
         span = self.span("train.data")
-        if not os.path.exists(resolved):
+        try:
+            check_file(resolved, f"'{data}'", seq=model.seq if model else None,
+                       vocab=model.vocab if model else None, scan_limit=DATA_SCAN_LIMIT,
+                       engine="python")
+        except DataMissing:
             self.report(warning(f"data file '{data}' does not exist (yet); planc run will need "
                                 f"it", span))
-            return resolved
-        if not os.path.isfile(resolved):
-            return self._reject(f"data path '{data}' is not a file", span)
-        size = os.path.getsize(resolved)
-        if size % 2:
-            return self._reject(f"data file '{data}' has an odd size ({size} bytes); expected "
-                              f"little-endian uint16 tokens", span)
-        if model is not None and size // 2 < model.seq + 1:
-            return self._reject(f"data file '{data}' holds {size // 2} tokens, fewer than one "
-                              f"sample (seq + 1 = {model.seq + 1})", span)
-        if model is not None and size <= DATA_SCAN_LIMIT:
-            largest, position = largest_token(resolved)
-            if largest >= model.vocab:
-                return self._reject(f"data file '{data}' holds token id {largest} (token "
-                                    f"{position} of the file), not below vocab = {model.vocab}",
-                                    span)
+        except DataError as exc:
+            return self._reject(str(exc), span)
         return resolved
 
 
-# Larger data files are scanned by planc run, which has torch to do it quickly.
+# Larger data files are scanned by planc run, which has torch to do it at GB/s; check
+# stays fast (pure Python scans tens of MB/s).
 DATA_SCAN_LIMIT = 16 << 20
-
-
-def largest_token(path: str) -> tuple[int, int]:
-    """The largest token id in a file of little-endian uint16 tokens, and its position."""
-    tokens = array("H")
-    with open(path, "rb") as f:
-        tokens.frombytes(f.read())
-    if sys.byteorder != "little":
-        tokens.byteswap()
-    largest = max(tokens)
-    return largest, tokens.index(largest)
 
 
 def _layers_text(first: int, last: int) -> str:

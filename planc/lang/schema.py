@@ -527,26 +527,37 @@ class BlockSchema:
     blocks: dict[str, "BlockSchema"] = field(default_factory=dict)
     labels: tuple[str, ...] = ()  # allowed second words; empty: none allowed
     required: bool = False
+    # A block whose keys depend on its second word (model gpt, model llama): the schema
+    # of each; ``keys`` then holds every variant's keys, for paths such as --set's.
+    variants: dict[str, "BlockSchema"] = field(default_factory=dict)
+
+    def variant(self, label: str | None) -> "BlockSchema":
+        return self.variants.get(label, self) if label is not None else self
 
 
-def _four_times_hidden(scope: Scope) -> int:
+def four_times_hidden(scope: Scope) -> int:
     return 4 * scope.integer("hidden", None)
+
+
+def _model_schema() -> BlockSchema:
+    """``model FAMILY { }``: each family of planc.models declares its keys."""
+    from planc.models import FAMILIES
+
+    variants = {name: BlockSchema("model", labels=tuple(FAMILIES), required=True,
+                                  keys=dict(family.keys()))
+                for name, family in FAMILIES.items()}
+    every: dict[str, Key] = {}
+    for variant in variants.values():
+        for name, key in variant.keys.items():
+            every.setdefault(name, key)
+    return BlockSchema("model", labels=tuple(FAMILIES), required=True, keys=every,
+                       variants=variants)
 
 
 _LINK = {"bandwidth": Key(Quantity(RATE)), "latency": Key(Time(TIME))}
 
 PLAN_SCHEMA = BlockSchema("plan", blocks={
-    "model": BlockSchema("model", labels=("gpt",), required=True, keys={
-        "layers": Key(Integer(1), required=True),
-        "hidden": Key(Integer(1), required=True),
-        "heads": Key(Integer(1), required=True),
-        "ffn": Key(Integer(1), _four_times_hidden),
-        "vocab": Key(Integer(2), required=True),
-        "seq": Key(Integer(1), required=True),
-        "batch": Key(Integer(1), required=True),
-        "dtype": Key(Choice(("fp32", "bf16", "fp16")), "fp32"),
-        "tie_embeddings": Key(Boolean(), False),
-    }),
+    "model": _model_schema(),
     "mesh": BlockSchema("mesh", keys={
         "tp": Key(Integer(1), 1), "cp": Key(Integer(1), 1),
         "pp": Key(Integer(1), 1), "dp": Key(Integer(1), 1),

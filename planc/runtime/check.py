@@ -17,6 +17,7 @@ import torch.distributed as dist
 from planc.runtime.context import RankContext
 from planc.runtime.interpreter import Interpreter
 from planc.runtime.model import join_feature
+from planc.words import counted
 
 
 def local_parameters(ctx: RankContext, interpreter: Interpreter) -> dict:
@@ -41,8 +42,10 @@ def local_parameters(ctx: RankContext, interpreter: Interpreter) -> dict:
 
 
 def compare(ctx: RankContext, interpreter: Interpreter, losses: list[float] | None,
-            steps: int) -> int:
-    """Gather every parameter to rank 0 and compare with the single-process run."""
+            steps: int, first: int = 0) -> int:
+    """Gather every parameter to rank 0 and compare with the single-process run. A run
+    resumed from a checkpoint ran steps ``first`` to ``steps`` - 1: its losses are compared
+    with those steps of the single process, which trains from step 0."""
     mine = {"coords": ctx.coords, "params": local_parameters(ctx, interpreter),
             "losses": losses}
     gathered = [None] * dist.get_world_size() if ctx.rank == 0 else None
@@ -66,7 +69,7 @@ def compare(ctx: RankContext, interpreter: Interpreter, losses: list[float] | No
     report, failed = [], False
     tolerance = 1e-5 if plan.model.dtype == "fp32" else 2e-2
     floor = update_floor(plan, steps)
-    for step, (got, want) in enumerate(zip(run_losses, expected_losses)):
+    for step, (got, want) in enumerate(zip(run_losses, expected_losses[first:]), first):
         error = abs(got - want) / max(abs(want), 1e-12)
         bad = error > tolerance
         failed |= bad
@@ -82,8 +85,9 @@ def compare(ctx: RankContext, interpreter: Interpreter, losses: list[float] | No
     what = (f"{len(expected)} parameters" + (f" on each of {len(replicas)} replicas"
                                              if len(replicas) > 1 else "")
             if compare_parameters else "no parameters (bf16/fp16 with AdamW, see below)")
-    header = (f"check: {len(expected_losses)} steps and {what} against the single-process run "
-              f"(relative tolerance {tolerance:g}"
+    resumed = f" (from step {first}, resumed)" if first else ""
+    header = (f"check: {counted(len(expected_losses) - first, 'step')}{resumed} and {what} "
+              f"against the single-process run (relative tolerance {tolerance:g}"
               + (f", AdamW slack {floor:.1e}" if floor else "") + "): ")
     if failed:
         print(header + "FAILED", file=sys.stderr)
@@ -118,7 +122,7 @@ def _compare_parameters(plan, expected: dict, copies: dict, splits: dict, replic
             ordered = [by_tp[k] for k in sorted(by_tp)]
             if split is not None and len(ordered) > 1:
                 dim, axis = split
-                candidates = [join_feature(ordered, dim, plan.model.heads, axis)]
+                candidates = [join_feature(ordered, dim, plan.model, axis)]
             else:
                 candidates = ordered  # every tp rank's whole copy
             for got in candidates:

@@ -73,7 +73,7 @@ class RankContext:
         self.tp_rank, self.cp_rank = self.coords["tp"], self.coords["cp"]
         self.stage = self.coords["pp"]
         self.dtype = DTYPES[plan.model.dtype]
-        self.heads = plan.model.heads
+        self.model = plan.model
         self.tokens_per_step = plan.model.batch * plan.model.seq
         self._batch: tuple[int, torch.Tensor] | None = None
 

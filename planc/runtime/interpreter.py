@@ -49,8 +49,8 @@ class Input:
 
 
 def combine(values: list[torch.Tensor]) -> torch.Tensor:
-    """Sum gradient contributions; a K/V gradient joins a qkv gradient in its k and v
-    thirds."""
+    """Sum gradient contributions; a K/V gradient (narrower) adds to the k and v heads at
+    the end of a [q | k | v] gradient."""
     if len(values) == 1:
         return values[0]
     widest = max(values, key=lambda v: v.shape[-1])
@@ -59,11 +59,7 @@ def combine(values: list[torch.Tensor]) -> torch.Tensor:
         if value.shape == total.shape:
             total = total + value
         else:
-            third = total.shape[-1] // 3
-            shape = total.shape[:-1]
-            view = total.reshape(*shape, 3, third).clone()
-            view[..., 1:, :] += value.reshape(*shape, 2, third)
-            total = view.reshape(total.shape)
+            total[..., total.shape[-1] - value.shape[-1]:] += value
     return total
 
 
@@ -182,7 +178,7 @@ class Interpreter:
             value = value.get(item.grad_of)
         if value is not None and item.local_slice is not None and self.ctx.tp > 1:
             dim, axis = item.local_slice
-            value = split_feature(value, dim, self.ctx.tp, self.ctx.tp_rank, self.ctx.heads,
+            value = split_feature(value, dim, self.ctx.tp, self.ctx.tp_rank, self.ctx.model,
                                   axis)
         return value
 

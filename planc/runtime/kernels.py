@@ -15,6 +15,7 @@ by hand, so that the logits are never gathered.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -26,6 +27,7 @@ from planc.graph.ir import Op
 from planc.graph.layouts import Layout, S
 from planc.graph.layouts import parse as parse_layout
 from planc.runtime.context import RankContext
+from planc.runtime.families import family_kernels
 from planc.runtime.model import split_feature
 
 FP32 = torch.float32
@@ -69,15 +71,17 @@ class Kernels:
         model = ctx.plan.model
         self.hidden = model.hidden
         self.head_dim = model.hidden // model.heads
+        # The operators every family shares, then the family's own (its runtime module,
+        # planc.runtime.families.NAME, as planc.models.NAME describes them).
         self.forward_table: dict[Op, Callable] = {
             Op.EMBEDDING: self._embedding, Op.POSITION: self._position,
-            Op.LN1: self._layer_norm, Op.LN2: self._layer_norm, Op.FINAL_LN: self._layer_norm,
             Op.QKV: self._linear, Op.PROJ: self._linear, Op.FC1: self._linear,
-            Op.FC2: self._linear, Op.HEAD: self._head, Op.ATTENTION: self._attention,
-            Op.GELU: self._gelu, Op.ATTN_RESIDUAL: self._residual,
+            Op.FC2: self._linear, Op.HEAD: self._head, Op.ATTN_RESIDUAL: self._residual,
             Op.MLP_RESIDUAL: self._residual, Op.LOSS: self._loss,
             Op.LOSS_MAX: self._loss_max, Op.LOSS_SUM_EXP: self._loss_sum_exp,
         }
+        for op, kernel in family_kernels(model.family).items():
+            self.forward_table[op] = functools.partial(kernel, self)
 
     # --- forward -----------------------------------------------------------------------
 
@@ -99,7 +103,7 @@ class Kernels:
             if sliced is not None:
                 dim, axis = sliced
                 value = split_feature(value, dim, self.ctx.tp, self.ctx.tp_rank,
-                                      self.ctx.heads, axis)
+                                      self.ctx.model, axis)
             return value
 
         extra: dict = {}
@@ -127,18 +131,19 @@ class Kernels:
     def _position(self, spec: Spec, x, p, step, mb, extra):
         return x["x"] + p(spec.params[0])[self.ctx.positions(spec.tp_input)]
 
-    def _layer_norm(self, spec: Spec, x, p, step, mb, extra):
-        weight, bias = spec.params
-        return F.layer_norm(x["x"], (self.hidden,), p(weight), p(bias), LN_EPS)
-
     def _linear(self, spec: Spec, x, p, step, mb, extra):
-        weight, *rest = spec.params
-        own_bias = [name for name in rest if name != spec.bias]
+        """``x @ W`` (+ b); several weights (llama's q, k, v; gate, up) side by side in one
+        GEMM."""
+        weights = [name for name in spec.params if not name.endswith(".bias")]
+        own_bias = [name for name in spec.params if name.endswith(".bias") and
+                    name != spec.bias]
         data = x["x"]
+        weight = p(weights[0]) if len(weights) == 1 else torch.cat(
+            [p(name) for name in weights], dim=1)
         if not own_bias:
-            return data @ p(weight)
+            return data @ weight
         # One fused kernel, as nn.Linear's addmm: the bias is the GEMM's beta term.
-        flat = torch.addmm(p(own_bias[0]), data.reshape(-1, data.shape[-1]), p(weight))
+        flat = torch.addmm(p(own_bias[0]), data.reshape(-1, data.shape[-1]), weight)
         return flat.view(*data.shape[:-1], flat.shape[-1])
 
     def _head(self, spec: Spec, x, p, step, mb, extra):
@@ -146,33 +151,6 @@ class Kernels:
         value = p(table)
         # A tied head is the transposed embedding table (vocab x hidden).
         return x["x"] @ (value.t() if table == "embedding.weight" else value)
-
-    def _attention(self, spec: Spec, x, p, step, mb, extra):
-        """Causal softmax attention on this rank's heads; keys and values of every cp rank
-        when context parallelism gathered them."""
-        qkv = x["x"]
-        bias = self._bias(spec, p)
-        if bias is not None:
-            qkv = qkv + bias
-        b, s, width = qkv.shape
-        hd = self.head_dim
-        heads = width // (3 * hd)
-        q, k, v = qkv.view(b, s, 3, heads, hd).permute(2, 0, 3, 1, 4).unbind(0)
-        if "kv" not in x:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            kv = x["kv"]
-            k, v = kv.view(b, kv.shape[1], 2, heads, hd).permute(2, 0, 3, 1, 4).unbind(0)
-            query = self.ctx.positions(parse_layout("R"))
-            keys = self.ctx.all_key_positions()
-            allowed = keys.unsqueeze(0) <= query.unsqueeze(1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
-        return out.transpose(1, 2).reshape(b, s, heads * hd)
-
-    def _gelu(self, spec: Spec, x, p, step, mb, extra):
-        bias = self._bias(spec, p)
-        value = x["x"] if bias is None else x["x"] + bias
-        return F.gelu(value, approximate="tanh")
 
     def _residual(self, spec: Spec, x, p, step, mb, extra):
         out = x["skip"] + x["x"]

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
 from planc.graph.model import Parameter, all_parameters
-from planc.plan import Plan
+from planc.models import family_of
+from planc.models.family import split_units
+from planc.plan import Model, Plan
+from planc.runtime.data import DataError, batch_tokens, data_problem  # noqa: F401
 
 INIT_STD = 0.02
 
@@ -34,64 +36,6 @@ def initial_value(seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     if name.split(".")[-2].startswith(("ln", "final_ln")) and name.endswith(".weight"):
         value += 1.0
     return value.to(torch.float32)
-
-
-def batch_tokens(plan: Plan, step: int) -> torch.Tensor:
-    """The global batch of ``step``: (batch, seq + 1) token ids."""
-    m = plan.model
-    shape = (m.batch, m.seq + 1)
-    if plan.train.data == "synthetic":
-        generator = torch.Generator().manual_seed(_seed(plan.train.seed, "data", step))
-        return torch.randint(0, m.vocab, shape, generator=generator)
-    # A file of little-endian uint16 tokens; sample j of the run starts at token
-    # j * (seq + 1), wrapping around the file. Only this step's samples are read.
-    sample = m.seq + 1
-    rows = []
-    try:
-        usable = os.path.getsize(plan.train.data) // 2 - sample + 1
-        with open(plan.train.data, "rb") as data:
-            for j in range(step * m.batch, (step + 1) * m.batch):
-                data.seek((j * sample) % max(usable, 1) * 2)
-                rows.append(data.read(sample * 2))
-    except OSError as exc:
-        raise DataError(f"data file {plan.train.data} cannot be read for step {step} "
-                        f"({exc.strerror})") from None
-    if usable < 1 or any(len(row) != sample * 2 for row in rows):
-        raise DataError(f"data file {plan.train.data} no longer holds one sample (seq + 1 = "
-                        f"{sample} tokens)")
-    out = torch.frombuffer(bytearray(b"".join(rows)), dtype=torch.int16).view(m.batch, sample)
-    out = out.to(torch.int64) & 0xFFFF
-    largest = int(out.max())
-    if largest >= m.vocab:
-        raise DataError(f"data file {plan.train.data} holds token id {largest} in the batch "
-                        f"of step {step}, not below vocab = {m.vocab}")
-    return out
-
-
-class DataError(ValueError):
-    """The plan's data file cannot feed a step (it changed or vanished during the run)."""
-
-
-def data_problem(plan: Plan) -> str | None:
-    """Why the plan's data file cannot feed a run, or None: checked once, before any rank
-    starts, because the file may have appeared or changed since planc check."""
-    path, m = plan.train.data, plan.model
-    if path == "synthetic":
-        return None
-    if not os.path.isfile(path):
-        return f"data file {path} does not exist"
-    size = os.path.getsize(path)
-    if size % 2 or size // 2 < m.seq + 1:
-        return (f"data file {path} has {size} bytes; it needs an even size and at least "
-                f"seq + 1 = {m.seq + 1} little-endian uint16 tokens")
-    tokens = torch.from_file(path, shared=False, size=size // 2, dtype=torch.int16)
-    tokens = tokens.to(torch.int32) & 0xFFFF
-    largest = int(tokens.max())
-    if largest >= m.vocab:
-        position = int((tokens == largest).nonzero()[0])
-        return (f"data file {path} holds token id {largest} (token {position} of the file), "
-                f"not below vocab = {m.vocab}")
-    return None
 
 
 @dataclass(frozen=True)
@@ -133,37 +77,65 @@ def seq_split(tensor: torch.Tensor, dim: int, parts: int, index: int) -> torch.T
     return tensor.narrow(dim, index * size, size)
 
 
+def _groups(model: Model, dim_name: str, width: int) -> list[tuple[int, int]] | None:
+    """(units, unit width) of each group of a feature dimension cut by heads, from the
+    model's family (planc.models); None for a plain contiguous cut."""
+    groups = family_of(model).feature_groups(model).get(dim_name)
+    if groups is None:
+        return None
+    unit = width // sum(groups)
+    return [(units, unit) for units in groups]
+
+
 def split_feature(tensor: torch.Tensor, dim_name: str, parts: int, index: int,
-                  heads: int, axis: int = -1) -> torch.Tensor:
-    """This rank's slice of a feature dimension. ``qkv`` features ([q | k | v], each
-    heads x head_dim) are split by heads, the same heads from q, k and v."""
+                  model: Model, axis: int = -1) -> torch.Tensor:
+    """This rank's slice of a feature dimension. A dimension made of head groups
+    (gpt's [q | k | v], llama's [q | k | v] with fewer k/v heads, [gate | up]) gives
+    each rank its heads of every group; a group with fewer heads than ranks gives
+    each rank the head its group of ranks shares (planc.models.family.split_units)."""
     if parts == 1:
         return tensor
     axis = axis % tensor.dim()
-    if dim_name == "qkv":
-        shape = list(tensor.shape)
-        view = tensor.reshape(shape[:axis] + [3, heads, shape[axis] // (3 * heads)]
-                              + shape[axis + 1:])
-        local = seq_split(view, axis + 1, parts, index)
-        return local.reshape(shape[:axis] + [shape[axis] // parts] + shape[axis + 1:])
-    return seq_split(tensor, axis, parts, index)
+    groups = _groups(model, dim_name, tensor.shape[axis])
+    if groups is None:
+        return seq_split(tensor, axis, parts, index)
+    pieces, start = [], 0
+    for units, unit in groups:
+        first, count = split_units(units, parts, index)
+        pieces.append(tensor.narrow(axis, start + first * unit, count * unit))
+        start += units * unit
+    return torch.cat(pieces, dim=axis) if len(pieces) > 1 else pieces[0]
 
 
-def join_feature(pieces: list[torch.Tensor], dim_name: str, heads: int,
+def join_feature(pieces: list[torch.Tensor], dim_name: str, model: Model,
                  axis: int = -1) -> torch.Tensor:
-    """Inverse of :func:`split_feature` over all ranks' pieces, in rank order."""
-    if len(pieces) == 1:
+    """Inverse of :func:`split_feature` over all ranks' pieces, in rank order (a shared
+    head is taken from the first rank of its group)."""
+    parts = len(pieces)
+    if parts == 1:
         return pieces[0]
     axis = axis % pieces[0].dim()
-    if dim_name == "qkv":
-        parts = len(pieces)
-        shape = list(pieces[0].shape)
-        local_heads = heads // parts
-        views = [p.reshape(shape[:axis] + [3, local_heads, shape[axis] // (3 * local_heads)]
-                           + shape[axis + 1:]) for p in pieces]
-        joined = torch.cat(views, dim=axis + 1)
-        return joined.reshape(shape[:axis] + [shape[axis] * parts] + shape[axis + 1:])
-    return torch.cat(pieces, dim=axis)
+    groups = family_of(model).feature_groups(model).get(dim_name)
+    if groups is None or len(groups) == 1 and groups[0] % parts == 0:
+        return torch.cat(pieces, dim=axis)
+    local = [split_units(units, parts, 0)[1] for units in groups]
+    unit = pieces[0].shape[axis] // sum(local)
+    joined = []
+    for g, units in enumerate(groups):
+        offset = sum(local[:g]) * unit
+        owners = range(parts) if units % parts == 0 else range(0, parts, parts // units)
+        joined.extend(pieces[r].narrow(axis, offset, local[g] * unit) for r in owners)
+    return torch.cat(joined, dim=axis)
+
+
+def local_heads(model: Model, qkv_width: int, tp: int) -> tuple[int, int]:
+    """(query heads, key/value heads) in a local [q | k | v] activation of this width:
+    all of them, or one tp rank's (a shared k/v head counts once)."""
+    heads, kv = model.heads, model.kv_heads or model.heads
+    units = qkv_width // model.head_dim
+    if units == heads + 2 * kv:
+        return heads, kv
+    return heads // tp, split_units(kv, tp, 0)[1]
 
 
 def parameters(plan: Plan) -> dict[str, Parameter]:

@@ -28,6 +28,16 @@ class Member:
     shape: tuple[int, ...]
 
 
+def tp_piece(ctx: RankContext, value: torch.Tensor, split, tp_rank: int) -> torch.Tensor:
+    """tp rank ``tp_rank``'s piece of a parameter's full ``value`` under the bucket
+    member's ``tp_split`` ([dim, axis], or None: every tp rank holds all of it). The
+    checkpoints (planc.runtime.checkpoint) cut and join with this same rule."""
+    if split is None:
+        return value
+    dim, axis = split
+    return split_feature(value, dim, ctx.tp, tp_rank, ctx.model, axis)
+
+
 class ParamStore:
     def __init__(self, ctx: RankContext, buckets: dict[str, dict], shard_index: int):
         self.buckets = buckets
@@ -41,9 +51,7 @@ class ParamStore:
             flat = torch.zeros(bucket["padded"], dtype=FP32)
             for m in bucket["members"]:
                 value = initial_value(seed, m["param"], tuple(m["full_shape"]))
-                if m["tp_split"] is not None:
-                    dim, axis = m["tp_split"]
-                    value = split_feature(value, dim, ctx.tp, ctx.tp_rank, ctx.heads, axis)
+                value = tp_piece(ctx, value, m["tp_split"], ctx.tp_rank)
                 flat[m["offset"]:m["offset"] + m["numel"]] = value.reshape(-1)
                 self.members[m["param"]] = Member(bucket_id, m["offset"], m["numel"],
                                                   tuple(m["shape"]))

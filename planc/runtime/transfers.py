@@ -23,7 +23,7 @@ from planc.graph.ir import Kind, Payload, Phase
 from planc.graph.layouts import parse as parse_layout
 from planc.runtime import routes
 from planc.runtime.context import RankContext
-from planc.runtime.model import join_feature, split_feature
+from planc.runtime.model import join_feature, local_heads, split_feature
 from planc.runtime.store import ParamStore
 
 FEATURE_AXIS, SEQ_AXIS = 2, 1
@@ -117,7 +117,7 @@ class Transfers:
 
     def _split(self, tensor, dim: str, parts: int, index: int):
         axis = SEQ_AXIS if dim == "seq" else FEATURE_AXIS
-        return split_feature(tensor, dim, parts, index, self.ctx.heads, axis)
+        return split_feature(tensor, dim, parts, index, self.ctx.model, axis)
 
     def activation(self, call: Call, value: torch.Tensor) -> torch.Tensor:
         """A tp redistribution: the node's source layout to its target layout."""
@@ -128,7 +128,7 @@ class Transfers:
         source, target = parse_layout(data["source_layout"]), parse_layout(data["target_layout"])
         if kind == Kind.ALL_GATHER:
             axis = SEQ_AXIS if source.dim == "seq" else FEATURE_AXIS
-            return join_feature(self.all_gather_list(value, call), source.dim, self.ctx.heads,
+            return join_feature(self.all_gather_list(value, call), source.dim, self.ctx.model,
                                 axis)
         chunks = [self._split(value, target.dim, call.size, i) for i in range(call.size)]
         if kind == Kind.REDUCE_SCATTER:
@@ -137,7 +137,7 @@ class Transfers:
         _wait(dist.all_to_all(received, [c.contiguous() for c in chunks], group=call.group,
                               async_op=True))
         axis = SEQ_AXIS if source.dim == "seq" else FEATURE_AXIS
-        return join_feature(received, source.dim, self.ctx.heads, axis)
+        return join_feature(received, source.dim, self.ctx.model, axis)
 
     def loss_statistic(self, call: Call, value: torch.Tensor) -> torch.Tensor:
         return self.all_reduce(value, call, REDUCE_OPS[call.data["reduce_op"]])
@@ -148,11 +148,10 @@ class Transfers:
 
     # --- context parallel -----------------------------------------------------------------
 
-    @staticmethod
-    def _kv_of(qkv: torch.Tensor) -> torch.Tensor:
-        b, s, width = qkv.shape
-        third = width // 3
-        return qkv.reshape(b, s, 3, third)[:, :, 1:].reshape(b, s, 2 * third)
+    def _kv_of(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The k and v heads of a local [q | k | v] activation: everything after q."""
+        heads, _ = local_heads(self.ctx.model, qkv.shape[-1], self.ctx.tp)
+        return qkv[..., heads * self.ctx.model.head_dim:].contiguous()
 
     def kv_all_gather(self, call: Call, qkv: torch.Tensor) -> torch.Tensor:
         """Every cp rank's keys and values, in cp rank order along the tokens."""
@@ -246,8 +245,8 @@ class Transfers:
                 grad[ctx.tp_positions(tp_rank)] = piece
             return
         axis = data["slice_axis"]
-        mine = split_feature(grad, dim, ctx.tp, ctx.tp_rank, ctx.heads, axis)
-        grad.copy_(join_feature(self.all_gather_list(mine, call), dim, ctx.heads, axis))
+        mine = split_feature(grad, dim, ctx.tp, ctx.tp_rank, ctx.model, axis)
+        grad.copy_(join_feature(self.all_gather_list(mine, call), dim, ctx.model, axis))
 
     def param_gather(self, call: Call, value=None) -> torch.Tensor:
         """Every replica's slice of a bucket's parameters: after a ZeRO-1/2 optimizer

@@ -9,7 +9,9 @@ It reads its rank from the environment torchrun sets, loads the build directory,
 that the world matches the plan, runs its stage's program for every step, and reports:
 the rank of the last stage with tp = cp = dp = 0 prints the progress and writes the
 metrics; rank 0 writes the Chrome trace and, with ``--check``, compares the run with
-the single-process reference.
+the single-process reference. ``--checkpoint-dir`` writes consolidated checkpoints at
+step boundaries and ``--resume`` continues from one, under any layout of the same model
+(planc.runtime.checkpoint, docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from planc import build as build_module
+from planc import checkpoint as checkpoint_format
 from planc.runtime.check import compare
+from planc.runtime.checkpoint import Checkpoints
 from planc.runtime.context import RankContext, make_groups
 from planc.runtime.executor import CpuExecutor, CudaExecutor, Hang, PeerLost
 from planc.runtime.interpreter import Interpreter
@@ -52,7 +56,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="compare with the single-process reference")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds without progress before a rank reports a hang")
-    return parser.parse_args(argv)
+    parser.add_argument("--checkpoint-dir", metavar="D",
+                        help="write consolidated checkpoints into D (docs/checkpoints.md)")
+    parser.add_argument("--checkpoint-every", type=int, metavar="N",
+                        help="with --checkpoint-dir: after every N-th step (and the last)")
+    parser.add_argument("--resume", metavar="D",
+                        help="continue from the newest complete checkpoint in D, or from the "
+                        "step directory D; --steps counts from the start of training")
+    parser.add_argument("--resume-verified", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        parser.error("--checkpoint-every must be at least 1")
+    if args.checkpoint_every is not None and not args.checkpoint_dir:
+        parser.error("--checkpoint-every needs --checkpoint-dir")
+    return args
 
 
 def _leader(ctx: RankContext) -> bool:
@@ -151,21 +168,33 @@ def train(args: argparse.Namespace) -> int:
     groups = make_groups(built.groups, rank, args.timeout + 60)
     ctx = RankContext(plan, built.groups, rank, groups, device, built.routes)
     program = built.programs[built.table.program_of(rank)]
-    store = ParamStore(ctx, program.buckets, groups.index("dp_cp", rank))
+    shard_index = groups.index("dp_cp", rank)
+    store = ParamStore(ctx, program.buckets, shard_index)
     interpreter = Interpreter(ctx, built.graph, program, store)
+    steps = args.steps or plan.train.steps
+    checkpoints, first = None, 0
+    if args.checkpoint_dir or args.resume:
+        checkpoints = Checkpoints(ctx, built.graph, interpreter, shard_index)
+    if args.resume:
+        found = _resumable(args, plan, built.graph, steps, checkpoints)
+        checkpoints.load(str(found.directory), found.manifest)
+        first = found.manifest["step"]
     executor = (CudaExecutor if backend == "nccl" else CpuExecutor)(
         interpreter, args.timeout, trace=bool(args.trace))
-    steps = args.steps or plan.train.steps
     metrics = _Metrics(ctx, steps, args.metrics)
     losses, trace = [], []
     try:
-        for step in range(steps):
+        for step in range(first, steps):
             result = executor.run_step(step)
             if result.state.loss is not None:
                 losses.append(result.state.loss)
             trace.extend((step, e.stream, e.name, e.start, e.end, e.microbatch, e.op)
                          for e in result.trace)
             metrics.step(step, result.times, result.state.loss)
+            done = step + 1
+            if args.checkpoint_dir and (done == steps or (
+                    args.checkpoint_every and done % args.checkpoint_every == 0)):
+                checkpoints.save(args.checkpoint_dir, done)
         metrics.close()
     except Hang as hang:
         print(str(hang), file=sys.stderr, flush=True)
@@ -190,10 +219,48 @@ def train(args: argparse.Namespace) -> int:
             write_trace(args.trace, ctx.layout, built.graph, gathered)
     status = 0
     if args.check:
-        status = compare(ctx, interpreter, losses if _leader(ctx) else None, steps)
+        status = compare(ctx, interpreter, losses if _leader(ctx) else None, steps, first)
     dist.barrier()
     dist.destroy_process_group()
     return status
+
+
+def _resumable(args, plan, graph, steps: int, checkpoints: Checkpoints):
+    """The checkpoint to continue from. Rank 0 finds it (and hashes its files, unless planc
+    run already did) and tells the others which step directory it chose; every rank then
+    checks it against its plan. A problem anywhere stops every rank with one line."""
+    first_rank = dist.get_rank() == 0
+    problem, found, chosen = None, None, [None, None]
+    if first_rank:
+        try:
+            found = checkpoint_format.find(args.resume, hashes=not args.resume_verified)
+            chosen = [str(found.directory), None]
+        except checkpoint_format.CheckpointError as exc:
+            chosen = [None, str(exc)]
+    if checkpoints.group is not None:
+        dist.broadcast_object_list(chosen, src=0, group=checkpoints.group)
+    directory, problem = chosen
+    if problem is None:
+        try:
+            if not first_rank:
+                found = checkpoint_format.find(directory, hashes=False)
+            problem = checkpoint_format.problems_resuming(found.manifest, plan,
+                                                          graph.graph["buckets"], steps)
+            if problem is None and args.check:
+                problem = checkpoint_format.problems_checking(found.manifest, plan)
+        except checkpoint_format.CheckpointError as exc:
+            problem = str(exc)
+    verdicts = [problem]
+    if checkpoints.group is not None:
+        verdicts = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, problem, group=checkpoints.group)
+    problem = next((v for v in verdicts if v), None)
+    if problem:  # every rank stops; one says why
+        raise SystemExit(f"planc: error: {problem}" if first_rank else 1)
+    if first_rank:
+        for skipped in found.skipped:
+            print(f"planc: warning: passed over {skipped}", file=sys.stderr, flush=True)
+    return found
 
 
 @record

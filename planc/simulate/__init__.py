@@ -30,6 +30,7 @@ from planc.cost import CostModel
 from planc.graph.ir import Axis, NodeType
 from planc.graph.summary import crosses_nodes
 from planc.layout import Layout
+from planc.models import family_of
 from planc.plan import Plan
 from planc.simulate.pipeline import StageTime, step
 
@@ -43,11 +44,10 @@ DEFAULT_TRAFFIC = 2.0
 
 def model_flops(plan: Plan) -> float:
     """Model FLOPs of one step (Narayanan et al. 2021): forward and backward, 3x the
-    forward's matrix multiplies and attention, recomputation not counted."""
+    forward's matrix multiplies and attention, recomputation not counted; the family
+    says what its forward costs per token."""
     m = plan.model
-    tokens = m.batch * m.seq
-    per_layer = 2 * (4 * m.hidden * m.hidden + 2 * m.hidden * m.ffn) + 4 * m.seq * m.hidden
-    return 3.0 * tokens * (m.layers * per_layer + 2 * m.hidden * m.vocab)
+    return 3.0 * m.batch * m.seq * family_of(plan).model_flops_per_token(m)
 
 
 class Durations:

@@ -40,9 +40,13 @@ def settings(plan: Plan) -> str:
         optimizer = f"sgd(lr = {o.lr:g}, momentum = {o.momentum:g}, weight_decay = {o.weight_decay:g})"
     stages = ", ".join(f"{a}..{b}" for a, b in shard.pp.chunks)
     memory_text = "unknown memory" if topo.device.memory is None else format_bytes(topo.device.memory)
+    gqa = ""
+    if m.family == "llama":
+        gqa = (f", kv_heads {m.kv_heads}, rope_theta {m.rope_theta:g}, "
+               f"norm_eps {m.norm_eps:g}")
     rows = [
-        ("model gpt", f"layers {m.layers}, hidden {m.hidden}, heads {m.heads} (head_dim "
-                      f"{m.head_dim}), ffn {m.ffn}, vocab {m.vocab}, seq {m.seq}, batch {m.batch}, "
+        (f"model {m.family}", f"layers {m.layers}, hidden {m.hidden}, heads {m.heads} (head_dim "
+                      f"{m.head_dim}){gqa}, ffn {m.ffn}, vocab {m.vocab}, seq {m.seq}, batch {m.batch}, "
                       f"{m.dtype}, tie_embeddings {_onoff(m.tie_embeddings)}; "
                       f"{memory.total_parameters(plan):,} parameters"),
         ("mesh", f"tp {mesh.tp} x cp {mesh.cp} x pp {mesh.pp} x dp {mesh.dp} = "

@@ -1,0 +1,475 @@
+"""Checkpoints that move between plans: their format, and finding and checking one.
+
+This half needs no torch (``planc run`` checks a checkpoint before any rank starts); the
+ranks' half, which gathers, writes and reshards tensors, is
+:mod:`planc.runtime.checkpoint`. docs/checkpoints.md describes the format.
+
+A checkpoint is *consolidated*: every parameter, and every optimizer state of the same
+shape, is stored whole (unsharded over tp and ZeRO) under its global planc name, so a
+plan with another tp, cp, pp, dp or ZeRO stage can load it and take its own slices, the
+way torch.distributed.checkpoint's load-time resharding and Megatron's
+dist-checkpointing (sharded tensors saved by global offsets, loaded under a new
+parallel layout) let a run continue on a different layout. The tensors are in
+safetensors files, one per pipeline stage and kind, with a Hugging Face style index
+(``model.safetensors.index.json``: name -> file); ``manifest.json`` names the model,
+the optimizer, the step and every file with its sha256.
+
+A checkpoint directory ``D`` holds ``step-NNNNNN/`` directories and ``latest``, the name
+of the newest. A step directory is assembled as ``.step-NNNNNN.partial/``, its manifest
+written last, and renamed into place, then ``latest`` is replaced; every file goes
+through a temporary name, fsync and rename. A reader takes only step directories with a
+complete manifest whose files match it, so a run killed while writing leaves the
+previous checkpoint usable (the commit protocol of torch.distributed.checkpoint's
+``.metadata`` file, written last by the coordinator).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FORMAT = "planc-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+MODEL_INDEX = "model.safetensors.index.json"
+OPTIMIZER_INDEX = "optimizer.safetensors.index.json"
+RNG_FILE = "rng.safetensors"
+STEP_DIR = re.compile(r"^step-(\d{6,})$")
+# What a checkpoint directory may hold besides step directories and `latest`: staging
+# directories of a checkpoint being written, older step directories being replaced and
+# temporary files of `latest`.
+_OURS = re.compile(r"^(step-\d{6,}|latest|\.step-\d{6,}\.(partial|old-.*)|\.latest\..*)$")
+_SAFETENSORS_DTYPES = {"F32": 4, "U8": 1, "I64": 8, "F64": 8, "BF16": 2, "F16": 2}
+_HEADER_LIMIT = 100 * 2**20  # safetensors' own limit on the JSON header
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be written or resumed; the message is one line saying why."""
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def staging_name(step: int) -> str:
+    return f".{step_name(step)}.partial"
+
+
+def model_file(stage: int, stages: int) -> str:
+    return f"model-{stage:05d}-of-{stages:05d}.safetensors"
+
+
+def optimizer_file(stage: int, stages: int) -> str:
+    return f"optimizer-{stage:05d}-of-{stages:05d}.safetensors"
+
+
+def state_keys(optimizer: dict) -> tuple[str, ...]:
+    """The per-element state torch.optim keeps for every parameter: AdamW's moving
+    averages, SGD's momentum buffer (none without momentum)."""
+    if optimizer["name"] == "adamw":
+        return ("exp_avg", "exp_avg_sq")
+    return ("momentum_buffer",) if optimizer.get("momentum") else ()
+
+
+def state_name(param: str, key: str) -> str:
+    """The name of a parameter's optimizer state in the optimizer files."""
+    return f"{param}.{key}"
+
+
+def as_json(value) -> object:
+    """A dataclass (plan.model, plan.train.optimizer) as JSON would give it back."""
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
+    return json.loads(json.dumps(value))
+
+
+# --- writing files: whole or not at all --------------------------------------------------
+
+
+def fsync_directory(path: str | os.PathLike) -> None:
+    """Make a rename or a new entry in ``path`` durable (POSIX: fsync the directory)."""
+    try:
+        handle = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass  # some file systems cannot sync a directory; the rename is still atomic
+    finally:
+        os.close(handle)
+
+
+def write_durably(path: str | os.PathLike, data: bytes) -> str:
+    """Write ``data`` to ``path`` through a temporary name in the same directory, fsync and
+    rename, then fsync the directory: a reader sees the whole file or none of it, also
+    after a crash. Returns the sha256 of the data."""
+    directory = os.path.dirname(os.path.abspath(path))
+    handle, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(temporary, 0o666 & ~_umask())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+    fsync_directory(directory)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def dump_json(data: dict) -> bytes:
+    return (json.dumps(data, indent=1, sort_keys=True) + "\n").encode()
+
+
+# --- the manifest ------------------------------------------------------------------------
+
+
+def make_manifest(plan, step: int, parameters: dict[str, dict], files: dict[str, dict],
+                  history: list[dict], optimizer_steps: int | None) -> dict:
+    """The manifest of the checkpoint written after ``step`` steps (0-based steps 0 to
+    step - 1 are done; the next to run is ``step``)."""
+    optimizer = as_json(plan.train.optimizer)
+    return {
+        "format": FORMAT, "version": VERSION, "planc": _planc_version(),
+        "plan": plan.name, "step": step,
+        "model": as_json(plan.model),
+        "optimizer": {**optimizer, "state": list(state_keys(optimizer)),
+                      "steps": optimizer_steps},
+        "data": {"next_step": step, "seed": plan.train.seed, "source": plan.train.data},
+        "rng": {"file": RNG_FILE, "tensors": ["torch.cpu"]},
+        "layout": layout_of(plan),
+        "history": history,
+        "parameters": parameters,
+        "files": files,
+    }
+
+
+def layout_of(plan) -> dict:
+    mesh = plan.mesh
+    return {"tp": mesh.tp, "cp": mesh.cp, "pp": mesh.pp, "dp": mesh.dp,
+            "zero": plan.shard.dp.zero, "microbatches": plan.schedule.microbatches}
+
+
+def history_segment(plan, first: int, last: int) -> dict:
+    """Who trained steps first..last: plan, layout, seed and data."""
+    return {"plan": plan.name, "first_step": first, "last_step": last,
+            "layout": layout_of(plan), "seed": plan.train.seed, "data": plan.train.data}
+
+
+def _planc_version() -> str:
+    from planc import __version__
+
+    return __version__
+
+
+def _read_manifest(directory: Path) -> dict:
+    """The complete manifest of a step directory, or CheckpointError (incomplete=True when
+    there is none: a checkpoint still being written, or one whose writer was killed)."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise _Incomplete(f"{directory} is not a complete checkpoint (no {MANIFEST}; was the "
+                          f"run stopped while writing it?)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _Incomplete(f"{path} cannot be read ({_reason(exc)})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a planc checkpoint manifest")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{path} has format version {manifest.get('version')!r}; this "
+                              f"planc reads version {VERSION}")
+    required = {"step": int, "model": dict, "optimizer": dict, "data": dict, "rng": dict,
+                "history": list, "parameters": dict, "files": dict}
+    for key, kind in required.items():
+        if not isinstance(manifest.get(key), kind):
+            raise CheckpointError(f"{path} lacks a valid {key!r}; it is not a checkpoint "
+                                  f"this planc wrote")
+    if manifest["step"] < 1:
+        raise CheckpointError(f"{path} names step {manifest['step']}; a checkpoint holds at "
+                              f"least one step")
+    return manifest
+
+
+class _Incomplete(CheckpointError):
+    """A step directory without a (readable) manifest: never finished."""
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    return str(exc).split("\n")[0]
+
+
+# --- checking files -----------------------------------------------------------------------
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as data:
+        for block in iter(lambda: data.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def safetensors_header(path: Path) -> dict:
+    """The tensors a safetensors file holds (name -> dtype, shape, data_offsets), read
+    from its header alone, and checked against the file's size: a truncated file is
+    refused without reading its data."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as data:
+            prefix = data.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{path} is truncated ({size} bytes)")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > min(_HEADER_LIMIT, size - 8):
+                raise CheckpointError(f"{path} is truncated or not a safetensors file "
+                                      f"(header of {length} bytes in a file of {size})")
+            header = json.loads(data.read(length))
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read ({_reason(exc)})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointError(f"{path} is not a safetensors file (its header is not "
+                              f"JSON)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} is not a safetensors file")
+    header.pop("__metadata__", None)
+    end = 0
+    for name, info in header.items():
+        try:
+            first, last = info["data_offsets"]
+            count = 1
+            for n in info["shape"]:
+                count *= n
+            width = _SAFETENSORS_DTYPES[info["dtype"]]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name!r} has an invalid header "
+                                  f"entry") from None
+        if last - first != count * width:
+            raise CheckpointError(f"{path}: tensor {name!r} has {last - first} bytes for "
+                                  f"shape {info['shape']}")
+        end = max(end, last)
+    if size != 8 + length + end:
+        raise CheckpointError(f"{path} has {size} bytes, its header describes "
+                              f"{8 + length + end} (truncated or overwritten)")
+    return header
+
+
+def verify_files(directory: Path, manifest: dict, hashes: bool = True) -> None:
+    """Every file the manifest names exists with its size (and sha256, with ``hashes``),
+    and the safetensors files hold every tensor the manifest lists, in fp32, with its
+    shape."""
+    headers: dict[str, dict] = {}
+    for name, info in manifest["files"].items():
+        path = directory / name
+        if os.path.basename(name) != name or not path.is_file():
+            raise CheckpointError(f"{path} is missing (the manifest lists it)")
+        size = path.stat().st_size
+        if size != info.get("bytes"):
+            raise CheckpointError(f"{path} has {size} bytes, the manifest says "
+                                  f"{info.get('bytes')} (truncated or replaced)")
+        if hashes and sha256_of(path) != info.get("sha256"):
+            raise CheckpointError(f"{path} does not match its sha256 in the manifest "
+                                  f"(corrupted or replaced)")
+        if name.endswith(".safetensors"):
+            headers[name] = safetensors_header(path)
+    keys = manifest["optimizer"].get("state") or []
+    for param, info in manifest["parameters"].items():
+        expected = [(info.get("file"), param)] + \
+            [(info.get("optimizer_file"), state_name(param, key)) for key in keys]
+        for file, tensor in expected:
+            entry = headers.get(file, {}).get(tensor)
+            if entry is None:
+                raise CheckpointError(f"{directory}: {tensor} is not in "
+                                      f"{file or 'any file'}, the manifest says it is")
+            if entry["dtype"] != "F32" or entry["shape"] != info.get("shape"):
+                raise CheckpointError(f"{directory / file}: {tensor} is {entry['dtype']} "
+                                      f"{entry['shape']}, the manifest says F32 "
+                                      f"{info.get('shape')}")
+    rng = manifest["rng"].get("file")
+    if rng not in headers:
+        raise CheckpointError(f"{directory}: the manifest names no RNG state file")
+
+
+# --- finding the checkpoint to resume ------------------------------------------------------
+
+
+@dataclass
+class Found:
+    directory: Path
+    manifest: dict
+    skipped: list[str] = field(default_factory=list)  # why newer candidates were passed over
+    note: str = ""  # what planc run says about it
+
+
+def is_step_directory(path: Path) -> bool:
+    return bool(STEP_DIR.match(path.name)) or (path / MANIFEST).exists()
+
+
+def find(path: str | os.PathLike, hashes: bool = True) -> Found:
+    """The checkpoint ``--resume PATH`` means: PATH itself if it is a step directory,
+    else the newest complete checkpoint in PATH: the one ``latest`` names, or, if that one
+    is incomplete or damaged, the highest step directory that is complete and intact (the
+    ones passed over are listed in ``skipped``)."""
+    root = Path(path)
+    if not root.exists():
+        raise CheckpointError(f"{root}: no such checkpoint directory")
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory (name a checkpoint directory or "
+                              f"one of its step-NNNNNN directories)")
+    if is_step_directory(root):
+        manifest = _read_manifest(root)
+        verify_files(root, manifest, hashes)
+        return Found(root, manifest)
+    candidates: list[Path] = []
+    pointer = root / LATEST
+    if pointer.is_file():
+        try:
+            name = pointer.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            name = ""
+        if STEP_DIR.match(name):
+            candidates.append(root / name)
+    try:
+        entries = sorted((e for e in os.listdir(root) if STEP_DIR.match(e)),
+                         key=lambda e: int(STEP_DIR.match(e).group(1)), reverse=True)
+    except OSError as exc:
+        raise CheckpointError(f"{root} cannot be read ({_reason(exc)})") from None
+    candidates += [root / e for e in entries if root / e not in candidates]
+    skipped: list[str] = []
+    for candidate in candidates:
+        if not candidate.is_dir():
+            continue
+        try:
+            manifest = _read_manifest(candidate)
+            verify_files(candidate, manifest, hashes)
+        except CheckpointError as problem:
+            skipped.append(str(problem))
+            continue
+        return Found(candidate, manifest, skipped)
+    if skipped:
+        raise CheckpointError(f"{root} holds no complete checkpoint ({len(skipped)} "
+                              f"incomplete or damaged; the newest: {skipped[0]})")
+    raise CheckpointError(f"{root} holds no checkpoint (no step-NNNNNN directory)")
+
+
+def problems_resuming(manifest: dict, plan, buckets: dict[str, dict] | None,
+                      steps: int) -> str | None:
+    """Why ``plan`` cannot continue from the checkpoint, or None: another model (any key of
+    the model block), another optimizer (its kind or a hyper-parameter: the state would mean
+    something else), parameters of other names or shapes than the build's ``buckets`` (not
+    compared when None: before compiling), or no step left to run."""
+    differences = _differences(manifest["model"], as_json(plan.model))
+    if differences:
+        return f"the checkpoint's model differs from the plan's: {differences}"
+    saved = {k: v for k, v in manifest["optimizer"].items() if k not in ("state", "steps")}
+    differences = _differences(saved, as_json(plan.train.optimizer))
+    if differences:
+        return (f"the checkpoint's optimizer differs from the plan's: {differences} (its "
+                f"state would not mean the same)")
+    keys = list(state_keys(as_json(plan.train.optimizer)))
+    if list(manifest["optimizer"].get("state") or []) != keys:
+        return (f"the checkpoint holds optimizer state {manifest['optimizer'].get('state')}, "
+                f"the plan's optimizer needs {keys}")
+    needed = {m["param"]: list(m["full_shape"]) for b in (buckets or {}).values()
+              for m in b["members"]}
+    stored = {name: info.get("shape") for name, info in manifest["parameters"].items()}
+    if buckets is not None and needed != stored:
+        missing = sorted(set(needed) - set(stored))
+        extra = sorted(set(stored) - set(needed))
+        wrong = sorted(n for n in set(needed) & set(stored) if needed[n] != stored[n])
+        what = (f"missing {missing[0]}" if missing else f"has no use for {extra[0]}"
+                if extra else f"{wrong[0]} is {stored[wrong[0]]}, the plan needs "
+                f"{needed[wrong[0]]}")
+        return f"the checkpoint's parameters are not the plan's ({what})"
+    step = manifest["step"]
+    if step >= steps:
+        return (f"the checkpoint is at step {step} and the run ends at step {steps} (steps "
+                f"count from the start of training): nothing left to run; raise --steps or "
+                f"train.steps")
+    return None
+
+
+def problems_checking(manifest: dict, plan) -> str | None:
+    """--check with --resume compares with one process trained from step 0 under ``plan``:
+    it needs every step of the checkpoint trained with the plan's seed and data."""
+    for segment in manifest["history"]:
+        for key, mine in (("seed", plan.train.seed), ("data", plan.train.data)):
+            if segment.get(key) != mine:
+                return (f"--check with --resume compares with one process trained from step "
+                        f"0 under this plan, but steps {segment.get('first_step')}.."
+                        f"{segment.get('last_step')} of the checkpoint were trained with "
+                        f"{key} {segment.get(key)!r} (the plan: {mine!r})")
+    return None
+
+
+def data_notes(manifest: dict, plan) -> list[str]:
+    """Warnings: the plan draws its batches from another seed or source than the
+    checkpoint's last steps did."""
+    data = manifest["data"]
+    notes = []
+    for key, mine in (("seed", plan.train.seed), ("source", plan.train.data)):
+        if data.get(key) != mine:
+            notes.append(f"the checkpoint was trained with data {key} {data.get(key)!r}, the "
+                         f"plan has {mine!r}: steps from {manifest['step']} on read the "
+                         f"plan's")
+    return notes
+
+
+def _differences(saved: dict, mine: dict) -> str:
+    keys = sorted(set(saved) | set(mine))
+    parts = [f"{k} = {_show(saved.get(k, '(absent)'))} in the checkpoint, "
+             f"{_show(mine.get(k, '(absent)'))} in the plan"
+             for k in keys if saved.get(k, "(absent)") != mine.get(k, "(absent)")]
+    return "; ".join(parts)
+
+
+def _show(value) -> str:
+    return json.dumps(value) if not isinstance(value, str) or value == "(absent)" else value
+
+
+# --- the checkpoint directory --------------------------------------------------------------
+
+
+def writable_problem(path: str) -> str | None:
+    """Why ``--checkpoint-dir PATH`` cannot hold checkpoints, or None. PATH may not exist
+    yet (its nearest existing parent must be writable); an existing one must be a
+    directory holding nothing but checkpoints, so that a typo cannot fill another one."""
+    target = Path(path)
+    if target.exists():
+        if not target.is_dir():
+            return f"--checkpoint-dir {path}: is not a directory"
+        try:
+            foreign = sorted(e for e in os.listdir(target) if not _OURS.match(e))
+        except OSError as exc:
+            return f"--checkpoint-dir {path}: cannot be read ({_reason(exc)})"
+        if foreign:
+            return (f"--checkpoint-dir {path}: holds {foreign[0]!r}, which is not a "
+                    f"checkpoint; name an empty or a checkpoint directory")
+        if not os.access(target, os.W_OK | os.X_OK):
+            return f"--checkpoint-dir {path}: is not writable"
+        return None
+    parent = target.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        return f"--checkpoint-dir {path}: cannot be created ({parent} is not writable)"
+    return None

@@ -1,0 +1,95 @@
+"""A planc checkpoint of a llama model as a Hugging Face transformers checkpoint.
+
+``LlamaForCausalLM.from_pretrained(DIR)`` loads what this writes: ``config.json`` (the
+model block as transformers' LlamaConfig names it) and ``model.safetensors`` with
+transformers' parameter names. planc stores a linear weight as (in, out) and applies
+``x @ W``; torch.nn.Linear stores (out, in), so every projection is transposed. The
+tensors are the checkpoint's consolidated fp32 values, written as the model's dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from planc.checkpoint import MODEL_INDEX, CheckpointError, dump_json, find, write_durably
+
+# planc name within a block -> (transformers name within a decoder layer, transposed)
+_LAYER = {
+    "ln1.weight": ("input_layernorm.weight", False),
+    "q.weight": ("self_attn.q_proj.weight", True),
+    "k.weight": ("self_attn.k_proj.weight", True),
+    "v.weight": ("self_attn.v_proj.weight", True),
+    "o.weight": ("self_attn.o_proj.weight", True),
+    "ln2.weight": ("post_attention_layernorm.weight", False),
+    "gate.weight": ("mlp.gate_proj.weight", True),
+    "up.weight": ("mlp.up_proj.weight", True),
+    "down.weight": ("mlp.down_proj.weight", True),
+}
+_GLOBAL = {
+    "embedding.weight": ("model.embed_tokens.weight", False),
+    "final_ln.weight": ("model.norm.weight", False),
+    "head.weight": ("lm_head.weight", True),
+}
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def hf_name(name: str) -> tuple[str, bool]:
+    """(transformers name, whether to transpose) of a llama parameter's planc name."""
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    _, layer, local = name.split(".", 2)
+    target, transpose = _LAYER[local]
+    return f"model.layers.{layer}.{target}", transpose
+
+
+def hf_config(model: dict) -> dict:
+    """transformers' LlamaConfig for a planc ``model llama`` block."""
+    heads = model["heads"]
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": model["vocab"], "hidden_size": model["hidden"],
+        "intermediate_size": model["ffn"], "num_hidden_layers": model["layers"],
+        "num_attention_heads": heads, "num_key_value_heads": model["kv_heads"] or heads,
+        "head_dim": model["hidden"] // heads, "hidden_act": "silu",
+        "max_position_embeddings": model["seq"], "rms_norm_eps": model["norm_eps"],
+        "rope_theta": model["rope_theta"],
+        "rope_parameters": {"rope_type": "default", "rope_theta": model["rope_theta"]},
+        "tie_word_embeddings": model["tie_embeddings"], "attention_bias": False,
+        "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+        "torch_dtype": _DTYPES[model["dtype"]], "dtype": _DTYPES[model["dtype"]],
+        "use_cache": True, "bos_token_id": None, "eos_token_id": None,
+    }
+
+
+def export_hf(checkpoint: str, output: str) -> tuple[Path, int]:
+    """Write the newest complete checkpoint in (or at) ``checkpoint`` to ``output``;
+    returns the step directory read and the number of tensors written."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    found = find(checkpoint)
+    model = found.manifest["model"]
+    if model.get("family") != "llama":
+        raise CheckpointError(f"{found.directory} holds a model {model.get('family')}; "
+                              f"--format hf writes llama models (LlamaForCausalLM)")
+    try:
+        index = json.loads((found.directory / MODEL_INDEX).read_text(encoding="utf-8"))
+        weight_map = index["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{found.directory / MODEL_INDEX} cannot be read ({exc})") \
+            from None
+    dtype = getattr(torch, _DTYPES[model["dtype"]])
+    tensors = {}
+    for name, file in sorted(weight_map.items()):
+        with safe_open(str(found.directory / file), framework="pt") as handle:
+            value = handle.get_tensor(name)
+        target, transpose = hf_name(name)
+        tensors[target] = (value.t() if transpose else value).contiguous().to(dtype)
+    os.makedirs(output, exist_ok=True)
+    write_durably(Path(output) / "model.safetensors",
+                  save(tensors, metadata={"format": "pt"}))
+    write_durably(Path(output) / "config.json", dump_json(hf_config(model)))
+    return found.directory, len(tensors)

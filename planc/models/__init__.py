@@ -1,0 +1,14 @@
+"""The model families planc knows, as data (:mod:`planc.models.family`)."""
+
+from __future__ import annotations
+
+from planc.models import gpt, llama
+from planc.models.family import Family
+
+FAMILIES: dict[str, Family] = {"gpt": gpt.FAMILY, "llama": llama.FAMILY}
+
+
+def family_of(model) -> Family:
+    """The family of a :class:`planc.plan.Model` (or of a plan)."""
+    model = getattr(model, "model", model)
+    return FAMILIES[model.family]

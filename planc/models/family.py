@@ -1,0 +1,120 @@
+"""A model family as data: what the compiler, the memory estimate and the checks need.
+
+A family is a description, not code paths spread over the compiler: the operators of
+one transformer block and how they connect, the operators before and after the blocks,
+each parameter with its full shape and named dimensions, each operator's FLOPs, the
+width of every activation, how each operator may be placed over tensor parallelism
+(which ``shard { tp { } }`` values exist for it), how a feature dimension is cut into
+heads, and the keys of its ``model NAME { }`` block. The derivation
+(:mod:`planc.graph.derive`), the tensor-parallel layout search
+(:mod:`planc.graph.tensor_parallel`), the memory estimate and the checks read only this.
+The kernels of a family live in one runtime module, ``planc.runtime.families.NAME``.
+
+Operator kinds follow Megatron-LM's building blocks (Shoeybi et al. 2019): a linear layer
+is column- or row-parallel or replicated; a norm, a residual add and an elementwise
+operator run on whatever slice they are given; attention runs on whole heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from planc.plan import Model
+
+INPUT = "input"  # in a block's links: the block's input (the residual stream)
+
+
+@dataclass(frozen=True)
+class Parameter:
+    name: str  # e.g. "layers.3.qkv.weight"
+    shape: tuple[int, ...]
+    dims: tuple[str, ...]
+    layer: int | None
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One weight of a linear operator, stored (in, out) and applied as ``x @ W``."""
+
+    name: str  # within its layer ("q.weight") or global ("head.weight")
+    fan_in: str  # dimension names
+    fan_out: str
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """How an operator computes and how it may be placed over tp.
+
+    kinds: ``linear`` (the weights' outputs concatenated along ``output_dim``, plus an
+    optional bias), ``norm`` (per-token, with ``params`` over hidden), ``pointwise``
+    (elementwise over the features, ``input_dim`` to ``output_dim``), ``attention``,
+    ``residual``, ``embedding``, ``position``, ``loss``.
+    """
+
+    kind: str
+    weights: tuple[Weight, ...] = ()
+    bias: str | None = None
+    output_dim: str | None = None
+    input_dim: str | None = None
+    placement: str | None = None  # the shard.tp key that places this operator
+    params: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    summary: str  # one line for `planc explain` and the docs
+    layer_ops: tuple[str, ...]  # one block's operators, in forward order
+    layer_links: tuple[tuple[str, str, str], ...]  # (producer or INPUT, consumer, port)
+    embedding_ops: tuple[str, ...]  # before the first block
+    head_ops: tuple[str, ...]  # after the last block; the last one is the loss
+    chains: Mapping[str, tuple[str, ...]]  # layout-search units between fixed points
+    rules: Mapping[str, OpRule]
+    output_tensor: Mapping[str, str]  # operator -> the activation it produces
+    placements: Mapping[str, tuple[str, ...]]  # shard.tp key -> the values that exist
+    global_parameters: tuple[str, ...]  # names not repeated per block
+    widths: Callable[[Model], Mapping[str, int]]  # activation -> features per token
+    feature_groups: Callable[[Model], Mapping[str, tuple[int, ...]]]
+    forward_flops: Callable[[str, "Any"], float]  # (operator, Shapes) -> FLOPs
+    layer_parameters: Callable[[Model, int], list[Parameter]]
+    embedding_parameters: Callable[[Model], list[Parameter]]
+    head_parameters: Callable[[Model], list[Parameter]]
+    model_flops_per_token: Callable[[Model], float]  # forward, Narayanan et al. 2021
+    activation_bytes: Callable[..., float]  # one block, one microbatch, one device
+    keys: Callable[[], Mapping[str, Any]] = dict  # the model block's schema keys
+    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    @property
+    def layer_output(self) -> str:
+        return self.layer_ops[-1]
+
+    def all_parameters(self, model: Model) -> list[Parameter]:
+        params = self.embedding_parameters(model)
+        for layer in range(model.layers):
+            params.extend(self.layer_parameters(model, layer))
+        return params + self.head_parameters(model)
+
+    def linear_rule(self, op: str) -> OpRule | None:
+        rule = self.rules.get(op)
+        return rule if rule is not None and rule.kind == "linear" else None
+
+
+def split_units(units: int, parts: int, index: int) -> tuple[int, int]:
+    """(first unit, count) of part ``index`` when ``units`` heads are cut ``parts`` ways:
+    contiguous blocks when parts divides units; when units divides parts, each unit is
+    replicated on parts / units consecutive ranks (Megatron's grouped-query attention
+    with fewer key/value heads than tensor-parallel ranks)."""
+    if units % parts == 0:
+        size = units // parts
+        return index * size, size
+    if parts % units == 0:
+        return index // (parts // units), 1
+    raise ValueError(f"{units} heads cannot be split {parts} ways")
+
+
+def shares_heads(family: Family, model: Model, tp: int, dim: str) -> bool:
+    """Whether feature dimension ``dim`` has fewer heads than tp ranks, so that ranks
+    share them (grouped-query attention with kv_heads < tp: Megatron-LM replicates them)."""
+    groups = family.feature_groups(model).get(dim)
+    return tp > 1 and groups is not None and len(groups) == 1 and groups[0] % tp != 0

@@ -1,0 +1,237 @@
+"""The llama family: the architecture of Hugging Face transformers' ``LlamaForCausalLM``.
+
+Token embedding (no position table); ``layers`` blocks of
+``x + o(attn(rope(q(n1)), rope(k(n1)), v(n1)))`` with ``n1 = rmsnorm1(x)`` and
+``x + down(silu(gate(n2)) * up(n2))`` with ``n2 = rmsnorm2(x)``; a final RMSNorm and
+an untied head (unless ``tie_embeddings``). No biases. Grouped-query attention
+(Ainslie et al. 2023) with ``kv_heads`` key/value heads; rotary position embedding
+(Su et al. 2021) in the rotate-half convention, applied to q and k where they are made,
+so that under context parallelism K travels already rotated at its own positions.
+
+Over tp (Megatron-LM): q, k, v, gate and up column-parallel, o and down row-parallel.
+With fewer key/value heads than tp ranks, each rank keeps a copy of the k and v columns
+of its group's head and the copies' gradients are summed over tp (Megatron's
+replication of query groups). FLOPs follow Narayanan et al. 2021 extended to GQA and
+SwiGLU, as Megatron-LM's ``num_floating_point_operations`` counts them.
+"""
+
+from __future__ import annotations
+
+from planc.models.family import INPUT, Family, OpRule, Parameter, Weight
+from planc.plan import Model
+
+LAYER_OPS = ("ln1", "qkv", "attention", "proj", "attn_residual",
+             "ln2", "fc1", "swiglu", "fc2", "mlp_residual")
+
+RULES = {
+    "embedding": OpRule("embedding", placement="embedding"),
+    "ln1": OpRule("norm", params=("ln1.weight",)),
+    "qkv": OpRule("linear", (Weight("q.weight", "hidden", "q"),
+                             Weight("k.weight", "hidden", "kv"),
+                             Weight("v.weight", "hidden", "kv")),
+                  output_dim="qkv", input_dim="hidden", placement="qkv"),
+    "attention": OpRule("attention"),
+    "proj": OpRule("linear", (Weight("o.weight", "hidden", "hidden"),),
+                   output_dim="hidden", input_dim="hidden", placement="proj"),
+    "attn_residual": OpRule("residual"),
+    "ln2": OpRule("norm", params=("ln2.weight",)),
+    "fc1": OpRule("linear", (Weight("gate.weight", "hidden", "ffn"),
+                             Weight("up.weight", "hidden", "ffn")),
+                  output_dim="gate_up", input_dim="hidden", placement="fc1"),
+    "swiglu": OpRule("pointwise", input_dim="gate_up", output_dim="ffn"),
+    "fc2": OpRule("linear", (Weight("down.weight", "ffn", "hidden"),),
+                  output_dim="hidden", input_dim="ffn", placement="fc2"),
+    "mlp_residual": OpRule("residual"),
+    "final_ln": OpRule("norm", params=("final_ln.weight",)),
+    "head": OpRule("linear", (Weight("head.weight", "hidden", "vocab"),),
+                   output_dim="vocab", input_dim="hidden", placement="head"),
+    "loss": OpRule("loss"),
+}
+
+LINKS = (
+    (INPUT, "ln1", "x"), ("ln1", "qkv", "x"), ("qkv", "attention", "x"),
+    ("attention", "proj", "x"), ("proj", "attn_residual", "x"),
+    (INPUT, "attn_residual", "skip"),
+    ("attn_residual", "ln2", "x"), ("ln2", "fc1", "x"), ("fc1", "swiglu", "x"),
+    ("swiglu", "fc2", "x"), ("fc2", "mlp_residual", "x"),
+    ("attn_residual", "mlp_residual", "skip"),
+)
+
+OUTPUT_TENSOR = {
+    "embedding": "stream", "ln1": "stream", "qkv": "qkv", "attention": "stream",
+    "proj": "stream", "attn_residual": "stream", "ln2": "stream", "fc1": "gate_up",
+    "swiglu": "ffn", "fc2": "stream", "mlp_residual": "stream", "final_ln": "stream",
+    "head": "logits", "loss": "tokens",
+}
+
+PRESETS = {
+    # Dubey et al. 2024 (The Llama 3 Herd of Models), Table 3; vocabulary 128,256.
+    "llama3-8b": {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn": 14336,
+                  "vocab": 128256, "seq": 8192, "rope_theta": 500000.0, "dtype": "bf16"},
+    "llama3-70b": {"layers": 80, "hidden": 8192, "heads": 64, "kv_heads": 8, "ffn": 28672,
+                   "vocab": 128256, "seq": 8192, "rope_theta": 500000.0, "dtype": "bf16"},
+    "llama3-405b": {"layers": 126, "hidden": 16384, "heads": 128, "kv_heads": 8,
+                    "ffn": 53248, "vocab": 128256, "seq": 8192, "rope_theta": 500000.0,
+                    "dtype": "bf16"},
+}
+
+
+def _kv(m: Model) -> int:
+    return m.kv_heads or m.heads
+
+
+def widths(m: Model) -> dict[str, int]:
+    hd = m.head_dim
+    return {"stream": m.hidden, "qkv": (m.heads + 2 * _kv(m)) * hd, "gate_up": 2 * m.ffn,
+            "ffn": m.ffn, "logits": m.vocab, "kv": 2 * _kv(m) * hd, "tokens": 1}
+
+
+def feature_groups(m: Model) -> dict[str, tuple[int, ...]]:
+    """How a feature dimension is cut over tp, in heads: q and k/v by heads (k/v
+    replicated when there are fewer kv heads than ranks), [q | k | v] taking a rank's
+    heads of each, [gate | up] a rank's features of each."""
+    kv = _kv(m)
+    return {"qkv": (m.heads, kv, kv), "q": (m.heads,), "kv": (kv,),
+            "gate_up": (m.ffn, m.ffn)}
+
+
+def forward_flops(op: str, s) -> float:
+    m = s.model
+    bs = s.batch * s.seq
+    h, hd, kv = s.hidden, m.head_dim, _kv(m)
+    return {
+        "embedding": 0.0,
+        "ln1": 4.0 * bs * h, "ln2": 4.0 * bs * h, "final_ln": 4.0 * bs * h,
+        # the projections, then the rotation of q and k (a multiply-add per element)
+        "qkv": 2.0 * bs * h * (s.heads + 2 * kv) * hd + 3.0 * bs * (s.heads + kv) * hd,
+        "attention": 4.0 * bs * s.seq_full * h + 5.0 * bs * s.heads * s.seq_full,
+        "proj": 2.0 * bs * h * h,
+        "attn_residual": bs * h, "mlp_residual": bs * h,
+        "fc1": 2.0 * bs * h * 2 * s.ffn,
+        "swiglu": 5.0 * bs * s.ffn,
+        "fc2": 2.0 * bs * s.ffn * h,
+        "head": 2.0 * bs * h * s.vocab,
+        "loss": 5.0 * bs * s.vocab,
+    }[op]
+
+
+def layer_parameters(m: Model, layer: int) -> list[Parameter]:
+    h, f, hd, kv = m.hidden, m.ffn, m.head_dim, _kv(m)
+    prefix = f"layers.{layer}."
+    shapes = [
+        ("ln1.weight", (h,), ("hidden",)),
+        ("q.weight", (h, m.heads * hd), ("hidden", "q")),
+        ("k.weight", (h, kv * hd), ("hidden", "kv")),
+        ("v.weight", (h, kv * hd), ("hidden", "kv")),
+        ("o.weight", (h, h), ("hidden", "hidden")),
+        ("ln2.weight", (h,), ("hidden",)),
+        ("gate.weight", (h, f), ("hidden", "ffn")),
+        ("up.weight", (h, f), ("hidden", "ffn")),
+        ("down.weight", (f, h), ("ffn", "hidden")),
+    ]
+    return [Parameter(prefix + name, shape, dims, layer) for name, shape, dims in shapes]
+
+
+def embedding_parameters(m: Model) -> list[Parameter]:
+    return [Parameter("embedding.weight", (m.vocab, m.hidden), ("vocab", "hidden"), None)]
+
+
+def head_parameters(m: Model) -> list[Parameter]:
+    params = [Parameter("final_ln.weight", (m.hidden,), ("hidden",), None)]
+    if not m.tie_embeddings:
+        params.append(Parameter("head.weight", (m.hidden, m.vocab), ("hidden", "vocab"), None))
+    return params
+
+
+def model_flops_per_token(m: Model) -> float:
+    kv, hd = _kv(m), m.head_dim
+    per_layer = (2 * m.hidden * (m.heads + 2 * kv) * hd + 2 * m.hidden * m.hidden
+                 + 4 * m.seq * m.hidden + 6 * m.hidden * m.ffn)
+    return m.layers * per_layer + 2 * m.hidden * m.vocab
+
+
+def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
+                     sequence_parallel: bool, recompute: str) -> float:
+    """One block, one microbatch, one device, counted as Korthikanti et al. 2022 count
+    GPT's (their Table 2) for llama's tensors: the inputs of the two norms and of the
+    q/k/v and gate/up GEMMs (sharded only with sequence parallelism), the rotated
+    q, k and v, the softmax probabilities (dropped by selective recomputation), the
+    input of o, gate and up, and the input of down (sharded over tp)."""
+    sb = seq * batch
+    h, f, kv, hd = m.hidden, m.ffn, _kv(m), m.head_dim
+    sp = sequence_parallel and tp > 1
+    if recompute == "full":
+        return sb * h / (tp if sp else 1) * m.dtype_bytes
+    stream = 4 * sb * h / (tp if sp else 1)
+    split = sb * ((m.heads + 2 * kv) * hd + h + 3 * f) / tp
+    scores = 0 if recompute == "selective" else m.heads * seq_full * sb / tp
+    return (stream + split + scores) * m.dtype_bytes
+
+
+def keys() -> dict:
+    from planc.lang.schema import Boolean, Choice, Integer, Key, Real
+
+    def preset(name: str):
+        def value(scope):
+            chosen = scope.value("preset")
+            return PRESETS[chosen].get(name) if chosen else None
+        return value
+
+    def kv_default(scope):  # grouped-query attention off: every head its own k and v
+        given = preset("kv_heads")(scope)
+        return given if given is not None else scope.value("heads")
+
+    def with_preset(name: str, fallback):
+        def value(scope):
+            given = preset(name)(scope)
+            return given if given is not None else fallback
+        return value
+
+    return {
+        "preset": Key(Choice(tuple(PRESETS)), None),
+        "layers": Key(Integer(1), preset("layers")),
+        "hidden": Key(Integer(1), preset("hidden")),
+        "heads": Key(Integer(1), preset("heads")),
+        "kv_heads": Key(Integer(1), kv_default),
+        "ffn": Key(Integer(1), preset("ffn")),
+        "vocab": Key(Integer(2), preset("vocab")),
+        "seq": Key(Integer(1), preset("seq")),
+        "batch": Key(Integer(1), required=True),
+        "dtype": Key(Choice(("fp32", "bf16", "fp16")), with_preset("dtype", "fp32")),
+        "rope_theta": Key(Real(0.0, None, False), with_preset("rope_theta", 10000.0)),
+        "norm_eps": Key(Real(0.0, 1.0, False), 1e-5),
+        "tie_embeddings": Key(Boolean(), False),
+    }
+
+
+FAMILY = Family(
+    name="llama",
+    summary="Llama-style: RMSNorm, SwiGLU, grouped-query attention, RoPE, no biases",
+    layer_ops=LAYER_OPS,
+    layer_links=LINKS,
+    embedding_ops=("embedding",),
+    head_ops=("final_ln", "head", "loss"),
+    chains={"embedding": ("embedding",),
+            "attention": ("ln1", "qkv", "attention", "proj", "attn_residual"),
+            "mlp": ("ln2", "fc1", "swiglu", "fc2", "mlp_residual"),
+            "head": ("final_ln", "head", "loss")},
+    rules=RULES,
+    output_tensor=OUTPUT_TENSOR,
+    placements={"embedding": ("vocab", "hidden", "replicate"),
+                "qkv": ("column", "replicate"),
+                "proj": ("row", "replicate"),
+                "fc1": ("column", "replicate"),
+                "fc2": ("row", "replicate"),
+                "head": ("vocab", "replicate")},
+    global_parameters=("embedding.weight", "head.weight", "final_ln.weight"),
+    widths=widths,
+    feature_groups=feature_groups,
+    forward_flops=forward_flops,
+    layer_parameters=layer_parameters,
+    embedding_parameters=embedding_parameters,
+    head_parameters=head_parameters,
+    model_flops_per_token=model_flops_per_token,
+    activation_bytes=activation_bytes,
+    keys=keys,
+    presets=PRESETS,
+)

@@ -1,0 +1,93 @@
+"""The llama family's own kernels, as Hugging Face transformers' ``LlamaForCausalLM``
+computes them: RMSNorm (in fp32, scaled after casting back), the q/k/v projections
+followed by the rotary embedding in the rotate-half convention (Su et al. 2021; the
+frequencies in fp32 as transformers makes them), grouped-query causal attention, and
+SwiGLU ``silu(gate) * up`` (Shazeer 2020).
+
+The rotation is applied where q and k are made, at the positions of the tokens this
+rank holds (its context-parallel chunks in load-balanced order, its tp slice under
+sequence parallelism), so keys travel between cp ranks already rotated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from planc.graph.ir import Op
+from planc.graph.layouts import parse as parse_layout
+from planc.runtime.model import local_heads
+
+
+def rms_norm(k, spec, x, p, step, mb, extra):
+    (weight,) = spec.params
+    value = x["x"]
+    dtype = value.dtype
+    hidden = value.to(torch.float32)
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True)
+                                  + k.ctx.model.norm_eps)
+    return p(weight) * hidden.to(dtype)
+
+
+def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype):
+    """cos and sin, (tokens, head_dim), for the given positions."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64
+                                             ).to(torch.float32) / head_dim))
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(positions.device)
+    table = torch.cat([freqs, freqs], dim=-1)
+    return table.cos().to(dtype), table.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (batch, tokens, heads, head_dim); rotate-half: [x1, x2] -> [-x2, x1]."""
+    half = x.shape[-1] // 2
+    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + turned * sin[:, None, :]
+
+
+def qkv(k, spec, x, p, step, mb, extra):
+    """The q, k and v projections in one GEMM, then RoPE on q and k."""
+    data = x["x"]
+    out = data @ torch.cat([p(name) for name in spec.params], dim=1)
+    model, hd = k.ctx.model, k.head_dim
+    heads, kv = local_heads(model, out.shape[-1], k.ctx.tp)
+    b, s, _ = out.shape
+    cos, sin = rotary_tables(k.ctx.positions(spec.tp_input), hd, model.rope_theta,
+                             out.dtype)
+    q = rotate(out[..., :heads * hd].reshape(b, s, heads, hd), cos, sin)
+    key = rotate(out[..., heads * hd:(heads + kv) * hd].reshape(b, s, kv, hd), cos, sin)
+    return torch.cat([q.reshape(b, s, -1), key.reshape(b, s, -1),
+                      out[..., (heads + kv) * hd:]], dim=-1)
+
+
+def attention(k, spec, x, p, step, mb, extra):
+    """Causal attention of this rank's query heads, each reading the k/v head of its
+    group (transformers' repeat_kv); keys and values of every cp rank when context
+    parallelism gathered them."""
+    qkv = x["x"]
+    b, s, width = qkv.shape
+    hd = k.head_dim
+    heads, kv = local_heads(k.ctx.model, width, k.ctx.tp)
+    q = qkv[..., :heads * hd].reshape(b, s, heads, hd).transpose(1, 2)
+    pair = qkv[..., heads * hd:] if "kv" not in x else x["kv"]
+    tokens = pair.shape[1]
+    key, v = pair.reshape(b, tokens, 2, kv, hd).permute(2, 0, 3, 1, 4).unbind(0)
+    if kv != heads:
+        key = key.repeat_interleave(heads // kv, dim=1)
+        v = v.repeat_interleave(heads // kv, dim=1)
+    if "kv" not in x:
+        out = F.scaled_dot_product_attention(q, key, v, is_causal=True)
+    else:
+        query = k.ctx.positions(parse_layout("R"))
+        allowed = k.ctx.all_key_positions().unsqueeze(0) <= query.unsqueeze(1)
+        out = F.scaled_dot_product_attention(q, key, v, attn_mask=allowed)
+    return out.transpose(1, 2).reshape(b, s, heads * hd)
+
+
+def swiglu(k, spec, x, p, step, mb, extra):
+    gate, up = x["x"].chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+KERNELS = {Op.LN1: rms_norm, Op.LN2: rms_norm, Op.FINAL_LN: rms_norm,
+           Op.QKV: qkv, Op.ATTENTION: attention, Op.SWIGLU: swiglu}

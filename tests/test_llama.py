@@ -1,0 +1,156 @@
+"""The llama family end to end: checks, the derivation and real runs on every axis.
+
+Every plan of the matrix runs on real gloo processes with ``planc run --check``, which
+trains the same model in one process (planc.runtime.reference) and compares every loss
+and final parameter; all plans of one model must then follow the same loss curve.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planc.cli import main
+from planc.lang import load_text
+from planc import memory
+from tests.conftest import PLANS
+
+TEMPLATE = """plan {name} {{
+  model llama {{ layers = 4; hidden = 32; heads = 4; kv_heads = {kv}; ffn = 48; vocab = 128;
+                seq = 16; batch = 8{model} }}
+  mesh {{ {mesh} }}
+  shard {{ {shard} }}
+  schedule {{ microbatches = {m}{schedule} }}
+  optimize {{ {optimize} }}
+  train {{ steps = 2; optimizer = adamw(lr = 0.01, weight_decay = 0.1); seed = 5 }}
+}}
+"""
+
+# What each plan exercises is in its name; "kv1"/"tp4": fewer k/v heads than tp ranks,
+# so ranks share a k/v head and sum its gradient over tp (Megatron's replication).
+MATRIX = {
+    "single": dict(),
+    "tp2": dict(mesh="tp = 2"),
+    "tp2-kv1-shared": dict(mesh="tp = 2", kv=1),
+    "tp4-kv2-shared": dict(mesh="tp = 4", kv=2),
+    "tp2-sequence-parallel": dict(mesh="tp = 2", shard="tp { sequence_parallel = on }"),
+    "tp2-kv1-sp": dict(mesh="tp = 2", kv=1, shard="tp { sequence_parallel = on }"),
+    "tp2-qkv-replicate-kv1": dict(mesh="tp = 2", kv=1, shard="tp { qkv = replicate }"),
+    "tp2-embedding-hidden": dict(mesh="tp = 2", shard="tp { embedding = hidden }"),
+    "tp2-mlp-replicate-sp": dict(mesh="tp = 2", shard="tp { fc1 = replicate; fc2 = replicate;"
+                                 " sequence_parallel = on }"),
+    "cp2-allgather": dict(mesh="cp = 2"),
+    "cp2-ring": dict(mesh="cp = 2", shard="cp { attention = ring }"),
+    "cp2-no-load-balance": dict(mesh="cp = 2", shard="cp { load_balance = off }"),
+    "cp2-tp2-kv1": dict(mesh="cp = 2; tp = 2", kv=1),
+    "pp2-1f1b": dict(mesh="pp = 2", m=4),
+    "pp2-interleaved": dict(mesh="pp = 2", m=4, shard="pp { virtual = 2 }",
+                            schedule="; pipeline = interleaved"),
+    "dp2-zero0": dict(mesh="dp = 2", m=2),
+    "dp2-zero1": dict(mesh="dp = 2", m=2, shard="dp { zero = 1 }"),
+    "dp2-zero2": dict(mesh="dp = 2", m=2, shard="dp { zero = 2 }"),
+    "dp2-zero3-kv1-tp2": dict(mesh="dp = 2; tp = 2", kv=1, shard="dp { zero = 3 }"),
+    "recompute-selective": dict(mesh="tp = 2", optimize="recompute = selective"),
+    "recompute-full-cp2": dict(mesh="cp = 2", optimize="recompute = full"),
+    "fuse-off-overlap-off": dict(mesh="tp = 2; dp = 2", m=2,
+                                 optimize="fuse = off; overlap = off"),
+    "tp2-pp2-dp2-sp-zero1": dict(mesh="tp = 2; pp = 2; dp = 2", m=2,
+                                 shard="tp { sequence_parallel = on }; dp { zero = 1 }"),
+    "tied-over-pp": dict(mesh="pp = 2", m=2, model="; tie_embeddings = on"),
+}
+
+
+def plan_text(name: str, **case) -> str:
+    values = dict(kv=2, model="", mesh="", shard="", m=1, schedule="", optimize="")
+    values.update(case)
+    return TEMPLATE.format(name=name.replace("-", "_"), **values)
+
+
+@pytest.fixture(scope="module")
+def curves() -> dict[str, list[float]]:
+    return {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MATRIX))
+def test_every_llama_plan_trains_exactly_like_one_process(name, tmp_path, capfd, curves):
+    pytest.importorskip("torch")
+    plan = tmp_path / f"{name}.plan"
+    plan.write_text(plan_text(name, **MATRIX[name]))
+    metrics = tmp_path / "metrics.jsonl"
+    status = main(["run", str(plan), "-o", str(tmp_path / "build"), "--check", "--metrics",
+                   str(metrics), "--timeout", "60"])
+    err = capfd.readouterr().err
+    assert status == 0, err
+    assert "every loss and parameter matches" in err
+    curves[name] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_every_llama_plan_of_one_model_follows_the_same_curve(curves):
+    if len(curves) < len(MATRIX):
+        pytest.skip("needs the whole matrix")
+    groups = {}
+    for name, curve in curves.items():
+        kv = MATRIX[name].get("kv", 2)
+        tied = "tie_embeddings" in MATRIX[name].get("model", "")
+        groups.setdefault((kv, tied), []).append((name, curve))
+    for members in groups.values():
+        first = members[0][1]
+        for name, curve in members:
+            assert curve == pytest.approx(first, rel=1e-5), name
+
+
+def test_llama_parameters_and_gqa_shapes():
+    plan = load_text(plan_text("shapes", kv=1)).plan
+    # per layer: 2 norms (32) + q (32x32) + k, v (32x8 each) + o (32x32) + gate, up, down
+    per_layer = 2 * 32 + 32 * 32 + 2 * 32 * 8 + 32 * 32 + 3 * 32 * 48
+    assert memory.total_parameters(plan) == 128 * 32 + 4 * per_layer + 32 + 32 * 128
+    tp2 = load_text(plan_text("shapes", kv=1, mesh="tp = 2")).plan
+    # q, o, gate, up, down split over tp; the single k/v head and the norms whole
+    assert memory.layer_parameters(tp2) == (2 * 32 + 32 * 16 + 2 * 32 * 8 + 16 * 32
+                                            + 3 * 32 * 24)
+
+
+def _errors(text: str) -> list[str]:
+    loaded = load_text(text)
+    return [f"{d.span.line}:{d.span.column}: {d.message}" for d in loaded.diagnostics
+            if d.is_error]
+
+
+def _llama(keys: str, rest: str = "") -> str:
+    return (f"plan bad {{ model llama {{ layers = 2; hidden = 32; heads = 4; {keys}; "
+            f"vocab = 128; seq = 16; batch = 8 }} {rest} }}")
+
+
+def test_llama_checks_name_the_rule_at_its_place():
+    assert _errors(_llama("kv_heads = 3; ffn = 48")) == [
+        "1:73: kv_heads (3) must divide heads (4): each key/value head serves a group of "
+        "query heads"]
+    assert _errors(_llama("kv_heads = 2")) == ["1:12: model llama is missing the key 'ffn'"]
+    assert _errors(_llama("ffn = 48", "mesh { tp = 2 } shard { tp { qkv = row } }")) == [
+        "1:142: qkv = row is not a placement of model llama"]
+    odd = ("plan bad { model llama { layers = 2; hidden = 36; heads = 12; ffn = 48; "
+           "vocab = 128; seq = 16; batch = 8 } }")
+    assert _errors(odd) == ["1:59: the head dimension hidden / heads = 3 is odd; rotary "
+                            "embedding turns pairs of features"]
+    three = ("plan bad { model llama { layers = 2; hidden = 96; heads = 12; kv_heads = 3; "
+             "ffn = 48; vocab = 128; seq = 16; batch = 8 } mesh { tp = 2 } }")
+    assert _errors(three) == [
+        "1:134: kv_heads (3) and tp (2) must divide one another: each rank takes kv_heads / "
+        "tp key/value heads, or shares one with tp / kv_heads ranks"]
+    # one error for a misspelt preset, not one per key it would have set
+    assert _errors("plan bad { model llama { preset = llama3-9b; batch = 8 } }") == [
+        "1:35: unknown value 'llama3-9b'; expected llama3-8b, llama3-70b or llama3-405b"]
+
+
+def test_llama_presets_are_the_published_configurations_and_keys_override_them():
+    plan = load_text("plan p { model llama { preset = llama3-8b; batch = 4; layers = 2 } }").plan
+    m = plan.model
+    assert (m.family, m.layers, m.hidden, m.heads, m.kv_heads, m.ffn, m.vocab, m.seq,
+            m.rope_theta, m.dtype) == ("llama", 2, 4096, 32, 8, 14336, 128256, 8192,
+                                       500000.0, "bf16")
+    big = load_text((PLANS / "llama3-405b.plan").read_text()).plan
+    assert memory.total_parameters(big) == 405_853_388_800  # "405B" (Dubey et al. 2024)
+    assert (big.mesh.tp, big.mesh.cp, big.mesh.pp, big.mesh.dp) == (8, 1, 16, 128)

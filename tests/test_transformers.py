@@ -1,0 +1,135 @@
+"""planc's llama against the ecosystem's reference: Hugging Face transformers'
+``LlamaForCausalLM`` (a test-only dependency), built with planc's initial weights.
+
+One SGD step with a large learning rate and no momentum or decay turns a planc run's
+checkpoint into its gradients, ``(initial - final) / lr``; the loss comes from the run's
+metrics. Both must equal what transformers computes, for a 1-rank run and for tp 2 x
+pp 2 (with grouped-query attention and a shared k/v head). The export to transformers'
+format is then loaded with ``from_pretrained`` and must compute the same loss.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from safetensors import safe_open  # noqa: E402
+
+from planc.cli import main  # noqa: E402
+from planc.export.hf import hf_config, hf_name  # noqa: E402
+from planc.lang import load_text  # noqa: E402
+from planc.runtime.model import batch_tokens, initial_value, parameters  # noqa: E402
+
+LR = 1000.0
+PLAN = """plan hf_reference {{
+  model llama {{ layers = 3; hidden = 32; heads = 4; kv_heads = {kv}; ffn = 40; vocab = 96;
+                seq = 16; batch = 4; rope_theta = 500000; norm_eps = 1e-6 }}
+  mesh {{ {mesh} }}
+  schedule {{ microbatches = {m} }}
+  train {{ steps = 1; optimizer = sgd(lr = {lr}, momentum = 0, weight_decay = 0); seed = 11 }}
+}}
+"""
+
+
+def _hf_model(plan):
+    import dataclasses
+
+    config = transformers.LlamaConfig(**{k: v for k, v in hf_config(
+        dataclasses.asdict(plan.model)).items() if k not in ("architectures", "model_type")})
+    config._attn_implementation = "eager"
+    model = transformers.LlamaForCausalLM(config).float()
+    state = {}
+    for name, param in parameters(plan).items():
+        target, transpose = hf_name(name)
+        value = initial_value(plan.train.seed, name, param.shape)
+        state[target] = value.t().contiguous() if transpose else value
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    return model
+
+
+def _hf_loss(model, plan):
+    tokens = batch_tokens(plan, 0)
+    logits = model(input_ids=tokens[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, plan.model.vocab).float(),
+                                             tokens[:, 1:].reshape(-1))
+
+
+def _checkpoint_tensors(directory):
+    step = directory / (directory / "latest").read_text().strip()
+    index = json.loads((step / "model.safetensors.index.json").read_text())["weight_map"]
+    tensors = {}
+    for name, file in index.items():
+        with safe_open(str(step / file), framework="pt") as handle:
+            tensors[name] = handle.get_tensor(name)
+    return tensors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh,kv,m", [("", 2, 1), ("tp = 2; pp = 2", 1, 2)],
+                         ids=["1-rank", "tp2-pp2-shared-kv"])
+def test_loss_and_every_gradient_equal_transformers(mesh, kv, m, tmp_path, capfd):
+    text = PLAN.format(mesh=mesh, kv=kv, m=m, lr=LR)
+    plan_file = tmp_path / "hf.plan"
+    plan_file.write_text(text)
+    plan = load_text(text).plan
+    metrics, checkpoints = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    status = main(["run", str(plan_file), "-o", str(tmp_path / "build"), "--metrics",
+                   str(metrics), "--checkpoint-dir", str(checkpoints), "--checkpoint-every",
+                   "1", "--timeout", "60"])
+    assert status == 0, capfd.readouterr().err
+    planc_loss = json.loads(metrics.read_text().splitlines()[0])["loss"]
+
+    model = _hf_model(plan)
+    loss = _hf_loss(model, plan)
+    loss.backward()
+    assert planc_loss == pytest.approx(loss.item(), rel=1e-5)
+
+    final = _checkpoint_tensors(checkpoints)
+    hf_params = dict(model.named_parameters())
+    assert len(final) == len(parameters(plan)) == 3 * 9 + 3
+    for name, param in parameters(plan).items():
+        target, transpose = hf_name(name)
+        grad = hf_params[target].grad
+        reference = grad.t() if transpose else grad
+        planc_grad = (initial_value(plan.train.seed, name, param.shape).double()
+                      - final[name].double()) / LR
+        torch.testing.assert_close(planc_grad.float(), reference, rtol=2e-4, atol=2e-7,
+                                   msg=lambda text, n=name: f"{n}: {text}")
+
+
+@pytest.mark.slow
+def test_export_loads_in_transformers_and_computes_the_same_loss(tmp_path, capfd):
+    text = PLAN.format(mesh="tp = 2", kv=2, m=1, lr=0.1)
+    plan_file = tmp_path / "hf.plan"
+    plan_file.write_text(text)
+    plan = load_text(text).plan
+    checkpoints, exported = tmp_path / "ckpt", tmp_path / "hf"
+    assert main(["run", str(plan_file), "-o", str(tmp_path / "build"), "--checkpoint-dir",
+                 str(checkpoints), "--checkpoint-every", "1"]) == 0
+    assert main(["export", str(checkpoints), "--format", "hf", "-o", str(exported)]) == 0
+    assert "wrote 30 tensors" in capfd.readouterr().err
+    model = transformers.LlamaForCausalLM.from_pretrained(str(exported),
+                                                         attn_implementation="eager")
+    final = _checkpoint_tensors(checkpoints)
+    for name, value in final.items():
+        target, transpose = hf_name(name)
+        loaded = dict(model.named_parameters())[target].detach()
+        assert torch.equal(loaded, value.t() if transpose else value), name
+    from planc.runtime.reference import forward_loss
+
+    with torch.no_grad():
+        expected = forward_loss(plan, final, batch_tokens(plan, 0))
+        assert _hf_loss(model, plan).item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_export_refuses_a_gpt_checkpoint_and_a_missing_directory(tmp_path, capfd):
+    assert main(["export", str(tmp_path / "none"), "--format", "hf", "-o",
+                 str(tmp_path / "out")]) == 2
+    err = capfd.readouterr().err
+    assert "no such checkpoint directory" in err and "Traceback" not in err
