@@ -33,15 +33,16 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="planc-llama-small-")
     metrics = os.path.join(work, "metrics.jsonl")
     checkpoints = os.path.join(work, "checkpoints")
+    data = ["--set", 'train.data="../data/tiny-corpus.tokens"']
     subprocess.run(PLANC + ["run", "plans/llama-small.plan", "-o", os.path.join(work, "b"),
-                            "--set", f"train.steps={args.steps}", "--metrics", metrics,
+                            *data, "--set", f"train.steps={args.steps}", "--metrics", metrics,
                             "--checkpoint-dir", checkpoints], check=True)
     losses = [json.loads(line)["loss"] for line in open(metrics)]
     print(f"loss: step 1 {losses[0]:.3f}, step {len(losses)} {losses[-1]:.3f} "
           f"(lowest {min(losses):.3f})")
     start = time.perf_counter()
     subprocess.run(PLANC + ["run", "plans/llama-small.plan", "-o", os.path.join(work, "c"),
-                            "--set", f"train.steps={args.steps + 1}", "--set", "mesh.tp=1",
+                            *data, "--set", f"train.steps={args.steps + 1}", "--set", "mesh.tp=1",
                             "--set", "mesh.dp=2", "--set", "shard.tp.sequence_parallel=off",
                             "--set", "shard.dp.zero=3", "--resume", checkpoints], check=True)
     print(f"resume on dp 2 with ZeRO-3 and one more step: {time.perf_counter() - start:.1f} s"
