@@ -81,13 +81,6 @@ def model_state_bytes(parameters: float, dtype_bytes: int, optimizer_bytes: int,
     return p / n, p / n, k / n
 
 
-def _numel(shape) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
 def _local_elements(plan: Plan, params) -> int:
     """Elements of ``params`` on one tp rank, as the placements of the model's family
     store them (Megatron-LM: a column-parallel weight and bias and a row-parallel weight
@@ -109,7 +102,7 @@ def _local_elements(plan: Plan, params) -> int:
     count = 0
     for param in params:
         local = param.name.split(".", 2)[-1] if param.layer is not None else param.name
-        count += _numel(param.shape) // (tp if local in split else 1)
+        count += param.numel // (tp if local in split else 1)
     return count
 
 
@@ -128,7 +121,7 @@ def stage_parameters(plan: Plan, stage: int) -> int:
     if stage == 0:
         count += _local_elements(plan, family.embedding_parameters(m))
     if stage == pp - 1:
-        count += sum(_numel(p.shape) for p in family.head_parameters(m)
+        count += sum(p.numel for p in family.head_parameters(m)
                      if p.name != "head.weight")  # the final norm
         # A tied head on its own stage keeps a copy of the embedding (Megatron).
         if not m.tie_embeddings or pp > 1:
@@ -193,4 +186,4 @@ def estimate(plan: Plan) -> MemoryEstimate:
 
 def total_parameters(plan: Plan) -> int:
     """Parameters of the whole unsharded model (a tied head counted once)."""
-    return sum(_numel(p.shape) for p in family_of(plan).all_parameters(plan.model))
+    return sum(p.numel for p in family_of(plan).all_parameters(plan.model))

@@ -43,6 +43,12 @@ class Model:
         return self.hidden // self.heads
 
     @property
+    def key_value_heads(self) -> int:
+        """Heads of k and v: ``kv_heads`` under grouped-query attention, else one per
+        query head."""
+        return self.kv_heads or self.heads
+
+    @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 

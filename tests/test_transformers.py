@@ -128,7 +128,7 @@ def test_export_loads_in_transformers_and_computes_the_same_loss(tmp_path, capfd
         assert _hf_loss(model, plan).item() == pytest.approx(expected.item(), rel=1e-5)
 
 
-def test_export_refuses_a_gpt_checkpoint_and_a_missing_directory(tmp_path, capfd):
+def test_export_refuses_a_missing_checkpoint_directory(tmp_path, capfd):
     assert main(["export", str(tmp_path / "none"), "--format", "hf", "-o",
                  str(tmp_path / "out")]) == 2
     err = capfd.readouterr().err

@@ -36,7 +36,7 @@ def _hugging_face(args) -> int:
     from planc.checkpoint import CheckpointError
 
     try:
-        from planc.export.hf import export_hf
+        from planc.runtime.export_hf import export_hf
         source, count = export_hf(args.file, args.output)
     except ImportError:
         return fail("--format hf needs torch and safetensors: pip install 'planc[run]'",

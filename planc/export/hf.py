@@ -5,15 +5,11 @@ model block as transformers' LlamaConfig names it) and ``model.safetensors`` wit
 transformers' parameter names. planc stores a linear weight as (in, out) and applies
 ``x @ W``; torch.nn.Linear stores (out, in), so every projection is transposed. The
 tensors are the checkpoint's consolidated fp32 values, written as the model's dtype.
+
+This module is the mapping (no torch); :mod:`planc.runtime.export_hf` moves the tensors.
 """
 
 from __future__ import annotations
-
-import json
-import os
-from pathlib import Path
-
-from planc.checkpoint import MODEL_INDEX, CheckpointError, dump_json, find, write_durably
 
 # planc name within a block -> (transformers name within a decoder layer, transposed)
 _LAYER = {
@@ -32,7 +28,7 @@ _GLOBAL = {
     "final_ln.weight": ("model.norm.weight", False),
     "head.weight": ("lm_head.weight", True),
 }
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def hf_name(name: str) -> tuple[str, bool]:
@@ -58,38 +54,6 @@ def hf_config(model: dict) -> dict:
         "rope_parameters": {"rope_type": "default", "rope_theta": model["rope_theta"]},
         "tie_word_embeddings": model["tie_embeddings"], "attention_bias": False,
         "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
-        "torch_dtype": _DTYPES[model["dtype"]], "dtype": _DTYPES[model["dtype"]],
+        "torch_dtype": DTYPES[model["dtype"]], "dtype": DTYPES[model["dtype"]],
         "use_cache": True, "bos_token_id": None, "eos_token_id": None,
     }
-
-
-def export_hf(checkpoint: str, output: str) -> tuple[Path, int]:
-    """Write the newest complete checkpoint in (or at) ``checkpoint`` to ``output``;
-    returns the step directory read and the number of tensors written."""
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import save
-
-    found = find(checkpoint)
-    model = found.manifest["model"]
-    if model.get("family") != "llama":
-        raise CheckpointError(f"{found.directory} holds a model {model.get('family')}; "
-                              f"--format hf writes llama models (LlamaForCausalLM)")
-    try:
-        index = json.loads((found.directory / MODEL_INDEX).read_text(encoding="utf-8"))
-        weight_map = index["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{found.directory / MODEL_INDEX} cannot be read ({exc})") \
-            from None
-    dtype = getattr(torch, _DTYPES[model["dtype"]])
-    tensors = {}
-    for name, file in sorted(weight_map.items()):
-        with safe_open(str(found.directory / file), framework="pt") as handle:
-            value = handle.get_tensor(name)
-        target, transpose = hf_name(name)
-        tensors[target] = (value.t() if transpose else value).contiguous().to(dtype)
-    os.makedirs(output, exist_ok=True)
-    write_durably(Path(output) / "model.safetensors",
-                  save(tensors, metadata={"format": "pt"}))
-    write_durably(Path(output) / "config.json", dump_json(hf_config(model)))
-    return found.directory, len(tensors)

@@ -7,7 +7,8 @@ parallelism: each cp rank holds ``seq / cp`` tokens and attends to all ``seq``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 from planc.models import family_of
 from planc.models.family import Parameter
@@ -29,16 +30,17 @@ class Shapes:
     vocab: int
     dtype_bytes: int
     model: Model
+    widths: Mapping[str, int] = field(compare=False, hash=False)  # features per token
 
     @staticmethod
     def of(plan: Plan) -> "Shapes":
         m = plan.model
         return Shapes(plan.microbatch_size, m.seq // plan.mesh.cp, m.seq, m.hidden, m.heads,
-                      m.ffn, m.vocab, m.dtype_bytes, m)
+                      m.ffn, m.vocab, m.dtype_bytes, m, family_of(m).widths(m))
 
     def elements(self, tensor: str) -> int:
         """Elements of an activation (batch, seq, features); ``tokens`` has one feature."""
-        return self.batch * self.seq * family_of(self.model).widths(self.model)[tensor]
+        return self.batch * self.seq * self.widths[tensor]
 
     def bytes(self, tensor: str) -> int:
         return self.elements(tensor) * self.dtype_bytes

@@ -167,10 +167,7 @@ class ParameterRules:
         return last
 
     def _param_bytes(self, param: Parameter, storage: Layout) -> float:
-        elements = 1
-        for size in param.shape:
-            elements *= size
-        return elements * self.plan.model.dtype_bytes / (self.tp if storage.is_sharded else 1)
+        return param.numel * self.plan.model.dtype_bytes / (self.tp if storage.is_sharded else 1)
 
     def _optimizer(self, chunk: int, bucket: str, ready: list[str]) -> None:
         info = buckets(self.graph)[bucket]

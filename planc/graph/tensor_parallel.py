@@ -247,10 +247,7 @@ def _param_elements(plan: Plan) -> dict[str, int]:
     first_layer = family.layer_parameters(plan.model, 0)
     for param in first_layer + family.embedding_parameters(plan.model) + \
             family.head_parameters(plan.model):
-        numel = 1
-        for size in param.shape:
-            numel *= size
-        sizes[param.name.removeprefix("layers.0.")] = numel
+        sizes[param.name.removeprefix("layers.0.")] = param.numel
     return sizes
 
 

@@ -17,12 +17,34 @@ operator run on whatever slice they are given; attention runs on whole heads.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from planc.plan import Model
 
 INPUT = "input"  # in a block's links: the block's input (the residual stream)
+HEAD_OPS = ("final_ln", "head", "loss")
+
+
+def pre_norm_block(activation: str) -> tuple[tuple[str, ...], tuple[tuple[str, str, str], ...]]:
+    """(operators, links) of a pre-norm decoder block, GPT-2's and Llama's alike:
+    ``x + proj(attention(qkv(ln1(x))))``, then ``x + fc2(activation(fc1(ln2(x))))``."""
+    ops = ("ln1", "qkv", "attention", "proj", "attn_residual",
+           "ln2", "fc1", activation, "fc2", "mlp_residual")
+    links = ((INPUT, "ln1", "x"), *((a, b, "x") for a, b in zip(ops[:4], ops[1:5])),
+             (INPUT, "attn_residual", "skip"),
+             *((a, b, "x") for a, b in zip(ops[4:9], ops[5:10])),
+             ("attn_residual", "mlp_residual", "skip"))
+    return ops, links
+
+
+def pre_norm_chains(embedding_ops: tuple[str, ...], layer_ops: tuple[str, ...]
+                    ) -> dict[str, tuple[str, ...]]:
+    """The layout-search chains of a pre-norm decoder: between the residual stream's
+    fixed points (Korthikanti et al. 2022's f/g boundaries)."""
+    return {"embedding": embedding_ops, "attention": layer_ops[:5], "mlp": layer_ops[5:],
+            "head": HEAD_OPS}
 
 
 @dataclass(frozen=True)
@@ -31,6 +53,10 @@ class Parameter:
     shape: tuple[int, ...]
     dims: tuple[str, ...]
     layer: int | None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)

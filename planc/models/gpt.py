@@ -10,11 +10,12 @@ Activation memory is Korthikanti et al. 2022, Table 2.
 
 from __future__ import annotations
 
-from planc.models.family import INPUT, Family, OpRule, Parameter, Weight
+from planc.models.family import (HEAD_OPS, Family, OpRule, Parameter, Weight, pre_norm_block,
+                                 pre_norm_chains)
 from planc.plan import Model
 
-LAYER_OPS = ("ln1", "qkv", "attention", "proj", "attn_residual",
-             "ln2", "fc1", "gelu", "fc2", "mlp_residual")
+LAYER_OPS, LINKS = pre_norm_block("gelu")
+EMBEDDING_OPS = ("embedding", "position")
 
 LINEAR_DIMS = {
     "qkv": ("hidden", "qkv"),
@@ -50,14 +51,6 @@ RULES = {
     "loss": OpRule("loss"),
 }
 
-LINKS = (
-    (INPUT, "ln1", "x"), ("ln1", "qkv", "x"), ("qkv", "attention", "x"),
-    ("attention", "proj", "x"), ("proj", "attn_residual", "x"),
-    (INPUT, "attn_residual", "skip"),
-    ("attn_residual", "ln2", "x"), ("ln2", "fc1", "x"), ("fc1", "gelu", "x"),
-    ("gelu", "fc2", "x"), ("fc2", "mlp_residual", "x"),
-    ("attn_residual", "mlp_residual", "skip"),
-)
 
 OUTPUT_TENSOR = {
     "embedding": "stream", "position": "stream", "ln1": "stream", "qkv": "qkv",
@@ -172,12 +165,9 @@ FAMILY = Family(
     summary="GPT-2-style: learned positions, LayerNorm, GELU, biases, multi-head attention",
     layer_ops=LAYER_OPS,
     layer_links=LINKS,
-    embedding_ops=("embedding", "position"),
-    head_ops=("final_ln", "head", "loss"),
-    chains={"embedding": ("embedding", "position"),
-            "attention": ("ln1", "qkv", "attention", "proj", "attn_residual"),
-            "mlp": ("ln2", "fc1", "gelu", "fc2", "mlp_residual"),
-            "head": ("final_ln", "head", "loss")},
+    embedding_ops=EMBEDDING_OPS,
+    head_ops=HEAD_OPS,
+    chains=pre_norm_chains(EMBEDDING_OPS, LAYER_OPS),
     rules=RULES,
     output_tensor=OUTPUT_TENSOR,
     placements={"embedding": ("vocab", "hidden", "replicate"),

@@ -17,11 +17,12 @@ SwiGLU, as Megatron-LM's ``num_floating_point_operations`` counts them.
 
 from __future__ import annotations
 
-from planc.models.family import INPUT, Family, OpRule, Parameter, Weight
+from planc.models.family import (HEAD_OPS, Family, OpRule, Parameter, Weight, pre_norm_block,
+                                 pre_norm_chains)
 from planc.plan import Model
 
-LAYER_OPS = ("ln1", "qkv", "attention", "proj", "attn_residual",
-             "ln2", "fc1", "swiglu", "fc2", "mlp_residual")
+LAYER_OPS, LINKS = pre_norm_block("swiglu")
+EMBEDDING_OPS = ("embedding",)
 
 RULES = {
     "embedding": OpRule("embedding", placement="embedding"),
@@ -48,14 +49,6 @@ RULES = {
     "loss": OpRule("loss"),
 }
 
-LINKS = (
-    (INPUT, "ln1", "x"), ("ln1", "qkv", "x"), ("qkv", "attention", "x"),
-    ("attention", "proj", "x"), ("proj", "attn_residual", "x"),
-    (INPUT, "attn_residual", "skip"),
-    ("attn_residual", "ln2", "x"), ("ln2", "fc1", "x"), ("fc1", "swiglu", "x"),
-    ("swiglu", "fc2", "x"), ("fc2", "mlp_residual", "x"),
-    ("attn_residual", "mlp_residual", "skip"),
-)
 
 OUTPUT_TENSOR = {
     "embedding": "stream", "ln1": "stream", "qkv": "qkv", "attention": "stream",
@@ -76,21 +69,17 @@ PRESETS = {
 }
 
 
-def _kv(m: Model) -> int:
-    return m.kv_heads or m.heads
-
-
 def widths(m: Model) -> dict[str, int]:
     hd = m.head_dim
-    return {"stream": m.hidden, "qkv": (m.heads + 2 * _kv(m)) * hd, "gate_up": 2 * m.ffn,
-            "ffn": m.ffn, "logits": m.vocab, "kv": 2 * _kv(m) * hd, "tokens": 1}
+    return {"stream": m.hidden, "qkv": (m.heads + 2 * m.key_value_heads) * hd, "gate_up": 2 * m.ffn,
+            "ffn": m.ffn, "logits": m.vocab, "kv": 2 * m.key_value_heads * hd, "tokens": 1}
 
 
 def feature_groups(m: Model) -> dict[str, tuple[int, ...]]:
     """How a feature dimension is cut over tp, in heads: q and k/v by heads (k/v
     replicated when there are fewer kv heads than ranks), [q | k | v] taking a rank's
     heads of each, [gate | up] a rank's features of each."""
-    kv = _kv(m)
+    kv = m.key_value_heads
     return {"qkv": (m.heads, kv, kv), "q": (m.heads,), "kv": (kv,),
             "gate_up": (m.ffn, m.ffn)}
 
@@ -98,7 +87,7 @@ def feature_groups(m: Model) -> dict[str, tuple[int, ...]]:
 def forward_flops(op: str, s) -> float:
     m = s.model
     bs = s.batch * s.seq
-    h, hd, kv = s.hidden, m.head_dim, _kv(m)
+    h, hd, kv = s.hidden, m.head_dim, m.key_value_heads
     return {
         "embedding": 0.0,
         "ln1": 4.0 * bs * h, "ln2": 4.0 * bs * h, "final_ln": 4.0 * bs * h,
@@ -116,7 +105,7 @@ def forward_flops(op: str, s) -> float:
 
 
 def layer_parameters(m: Model, layer: int) -> list[Parameter]:
-    h, f, hd, kv = m.hidden, m.ffn, m.head_dim, _kv(m)
+    h, f, hd, kv = m.hidden, m.ffn, m.head_dim, m.key_value_heads
     prefix = f"layers.{layer}."
     shapes = [
         ("ln1.weight", (h,), ("hidden",)),
@@ -144,7 +133,7 @@ def head_parameters(m: Model) -> list[Parameter]:
 
 
 def model_flops_per_token(m: Model) -> float:
-    kv, hd = _kv(m), m.head_dim
+    kv, hd = m.key_value_heads, m.head_dim
     per_layer = (2 * m.hidden * (m.heads + 2 * kv) * hd + 2 * m.hidden * m.hidden
                  + 4 * m.seq * m.hidden + 6 * m.hidden * m.ffn)
     return m.layers * per_layer + 2 * m.hidden * m.vocab
@@ -158,7 +147,7 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     q, k and v, the softmax probabilities (dropped by selective recomputation), the
     input of o, gate and up, and the input of down (sharded over tp)."""
     sb = seq * batch
-    h, f, kv, hd = m.hidden, m.ffn, _kv(m), m.head_dim
+    h, f, kv, hd = m.hidden, m.ffn, m.key_value_heads, m.head_dim
     sp = sequence_parallel and tp > 1
     if recompute == "full":
         return sb * h / (tp if sp else 1) * m.dtype_bytes
@@ -209,12 +198,9 @@ FAMILY = Family(
     summary="Llama-style: RMSNorm, SwiGLU, grouped-query attention, RoPE, no biases",
     layer_ops=LAYER_OPS,
     layer_links=LINKS,
-    embedding_ops=("embedding",),
-    head_ops=("final_ln", "head", "loss"),
-    chains={"embedding": ("embedding",),
-            "attention": ("ln1", "qkv", "attention", "proj", "attn_residual"),
-            "mlp": ("ln2", "fc1", "swiglu", "fc2", "mlp_residual"),
-            "head": ("final_ln", "head", "loss")},
+    embedding_ops=EMBEDDING_OPS,
+    head_ops=HEAD_OPS,
+    chains=pre_norm_chains(EMBEDDING_OPS, LAYER_OPS),
     rules=RULES,
     output_tensor=OUTPUT_TENSOR,
     placements={"embedding": ("vocab", "hidden", "replicate"),

@@ -1,4 +1,4 @@
-"""The compute steps of the gpt model on one rank's shards, forward and backward.
+"""The compute steps every model family shares on one rank's shards, forward and backward.
 
 Every compute node of the graph runs here on the local tensors its layouts say it holds
 (the node's ``tp_input`` and ``tp_output``): a column-parallel linear multiplies by its
@@ -31,7 +31,6 @@ from planc.runtime.families import family_kernels
 from planc.runtime.model import split_feature
 
 FP32 = torch.float32
-LN_EPS = 1e-5
 
 
 @dataclass

@@ -131,7 +131,7 @@ def join_feature(pieces: list[torch.Tensor], dim_name: str, model: Model,
 def local_heads(model: Model, qkv_width: int, tp: int) -> tuple[int, int]:
     """(query heads, key/value heads) in a local [q | k | v] activation of this width:
     all of them, or one tp rank's (a shared k/v head counts once)."""
-    heads, kv = model.heads, model.kv_heads or model.heads
+    heads, kv = model.heads, model.key_value_heads
     units = qkv_width // model.head_dim
     if units == heads + 2 * kv:
         return heads, kv

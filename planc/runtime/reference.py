@@ -33,7 +33,7 @@ def _llama_loss(plan: Plan, params: dict[str, torch.Tensor], tokens: torch.Tenso
     p = {k: v.to(dtype) for k, v in params.items()}
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     b, seq = inputs.shape
-    hd, kv = m.hidden // m.heads, m.kv_heads or m.heads
+    hd, kv = m.hidden // m.heads, m.key_value_heads
 
     def norm(x, weight):
         x32 = x.float()

@@ -1,7 +1,9 @@
-"""The kernels of each model family: one module per family of planc.models."""
+"""The kernels of each model family: one module per family of planc.models, named after
+it (``planc.runtime.families.NAME``), holding ``KERNELS``."""
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
 from planc.graph.ir import Op
@@ -9,8 +11,4 @@ from planc.graph.ir import Op
 
 def family_kernels(name: str) -> dict[Op, Callable]:
     """Operator -> kernel ``(kernels, spec, inputs, param, step, microbatch, extra)``."""
-    if name == "llama":
-        from planc.runtime.families import llama
-        return llama.KERNELS
-    from planc.runtime.families import gpt
-    return gpt.KERNELS
+    return importlib.import_module(f"planc.runtime.families.{name}").KERNELS
