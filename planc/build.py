@@ -102,11 +102,14 @@ def write(build: Build, directory: str | Path, source_path: str, source_text: st
         programs[GROUPS] = build.groups.to_json()
     if build.routes is not None:
         programs[ROUTES] = build.routes.to_json()
-    parent = target.resolve().parent
     try:
+        parent = target.resolve().parent
         parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))
         os.chmod(staging, 0o777 & ~umask())  # mkdtemp's 0700 is not what users expect
+    except RuntimeError:  # how pathlib reports a loop of symbolic links
+        raise BuildError(f"cannot create {target}: its path has a loop of symbolic "
+                         f"links") from None
     except OSError as exc:
         raise BuildError(f"cannot create {target}: {exc.strerror}") from None
     try:

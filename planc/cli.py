@@ -14,6 +14,7 @@ from typing import Sequence
 
 from planc import __version__
 from planc.commands import GRAPH_FORMATS
+from planc.diagnostics import MAX_SHOWN
 from planc.graph.ir import Axis
 
 EXIT_OK, EXIT_USAGE = 0, 2
@@ -31,6 +32,9 @@ def _add_input(parser: argparse.ArgumentParser, metavar: str = "FILE") -> None:
                                                else ""))
     parser.add_argument("--error-format", choices=("text", "json"), default="text",
                         help="how to print diagnostics (json: one document on stdout)")
+    parser.add_argument("--max-errors", type=_count, metavar="N", default=None,
+                        help=f"print at most N diagnostics, then count the rest (default: "
+                        f"{MAX_SHOWN} as text, all as json; 0: all)")
     _add_overrides(parser)
 
 
@@ -38,6 +42,16 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", type=_override, metavar="KEY=VALUE",
                         help="override a key of the plan, such as --set mesh.tp=4 or --set "
                         "'train.optimizer=adamw(lr = 3e-4)' (repeatable; docs/language.md)")
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
 
 
 def _override(text: str) -> str:

@@ -32,7 +32,7 @@ def compile_plan(plan: Plan, check: Callable[[nx.DiGraph, str], None] | None = N
     graph = derive(plan)
     if check is not None:
         check(graph, "derive")
-    graph = passes.run(graph, passes.PassContext.of(plan), check)
+    graph = passes.run(graph, passes.PassContext.of(plan), check, owned=True)
     programs, table = lower(plan, graph)
     groups = group_table(plan.mesh, plan.topology.devices_per_node,
                          plan.model.tie_embeddings, plan.shard.pp.virtual, split_refs(graph))

@@ -50,6 +50,15 @@ from planc.plan import Link, Topology
 POINT_TO_POINT_KINDS = tuple(kind.value for kind in Kind if not kind.is_collective)
 
 
+# planc writes a recipe for every tree and hierarchical route and proves it computes its
+# collective symbolically (planc.lower.verify_routes): a state of members x chunks, so the
+# proof of a hierarchical reduce_scatter or all_gather grows with the square of the
+# group. Larger groups keep the backend's own algorithm, which scales with them.
+MAX_RECIPE_MEMBERS = 1024
+TOO_LARGE = (f"planc writes and proves recipes for groups of at most {MAX_RECIPE_MEMBERS:,} "
+             f"ranks; larger groups use the backend's own algorithm")
+
+
 class Route(StrEnum):
     RING = "ring"
     TREE = "tree"
@@ -217,7 +226,9 @@ class CostModel:
         or the reason it does not apply."""
         ring = Candidate(Route.RING, self.ring_seconds(kind, nbytes, placement),
                          "the backend's native collective")
-        if kind == Kind.ALL_REDUCE:
+        if kind == Kind.ALL_REDUCE and placement.size > MAX_RECIPE_MEMBERS:
+            tree = Candidate(Route.TREE, None, TOO_LARGE)
+        elif kind == Kind.ALL_REDUCE:
             tree = Candidate(Route.TREE, self.tree_seconds(nbytes, placement),
                              "binary trees inside and between nodes, point to point")
         else:
@@ -232,6 +243,8 @@ class CostModel:
                       f"{placement.most_per_node})")
         elif placement.per_node == 1:
             reason = "one rank per node: the hierarchical route is the flat one"
+        elif placement.size > MAX_RECIPE_MEMBERS:
+            reason = TOO_LARGE
         else:
             reason = ""
         hierarchical = Candidate(

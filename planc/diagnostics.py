@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -17,6 +18,17 @@ from planc.words import counted
 
 ERROR = "error"
 WARNING = "warning"
+MAX_SHOWN = 20  # diagnostics printed as text unless asked otherwise (clang's -ferror-limit)
+EXCERPT_WIDTH = 100  # columns of a long source line shown around the span
+
+
+def source_lines(text: str) -> list[str]:
+    """The lines of a source text, as the lexer counts them: only LF ends a line (CRLF
+    counts as one end). Form feeds, vertical tabs, U+001C to U+001E, U+0085, U+2028 and
+    U+2029, which str.splitlines() also breaks at, stay inside their line, so that the
+    line shown under a diagnostic is the line its position counts in."""
+    lines = text.split("\n")
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
 
 
 @dataclass(frozen=True)
@@ -88,12 +100,22 @@ class Diagnostic:
         return self.severity == ERROR
 
 
+MAX_MESSAGE = 400  # characters; a message quoting a megabyte-long value shows its ends
+
+
+def _bounded(text: str) -> str:
+    if len(text) <= MAX_MESSAGE:
+        return text
+    half = MAX_MESSAGE // 2
+    return f"{text[:half]}\u2026 ({len(text) - 2 * half} characters) \u2026{text[-half:]}"
+
+
 def error(message: str, span: Span | None, *hints: str) -> Diagnostic:
-    return Diagnostic(ERROR, message, span, tuple(h for h in hints if h))
+    return Diagnostic(ERROR, _bounded(message), span, tuple(_bounded(h) for h in hints if h))
 
 
 def warning(message: str, span: Span | None, *hints: str) -> Diagnostic:
-    return Diagnostic(WARNING, message, span, tuple(h for h in hints if h))
+    return Diagnostic(WARNING, _bounded(message), span, tuple(_bounded(h) for h in hints if h))
 
 
 class PlanError(Exception):
@@ -109,7 +131,10 @@ def in_source_order(diagnostics: Iterable[Diagnostic]) -> list[Diagnostic]:
     """Sort by position (file-level diagnostics first) and drop exact repeats."""
     seen: set[Diagnostic] = set()
     unique = [d for d in diagnostics if not (d in seen or seen.add(d))]
-    return sorted(unique, key=lambda d: (d.span or Span(0, 0, 0, 0), d.severity != ERROR))
+    nowhere = Span(0, 0, 0, 0)._order()  # file-level diagnostics first
+    # plain tuples: compared in C, not through Span.__lt__ (thousands of diagnostics)
+    return sorted(unique, key=lambda d: (d.span._order() if d.span else nowhere,
+                                         d.severity != ERROR))
 
 
 # --- rendering ---------------------------------------------------------------------
@@ -137,7 +162,7 @@ class TextRenderer:
         """The name shown for the span's source and that source's lines."""
         if span is None or span.source is None:
             return self.path, self.source_lines
-        return _printable(span.source.name), span.source.text.splitlines()
+        return _printable(span.source.name), source_lines(span.source.text)
 
     def render(self, diagnostic: Diagnostic) -> str:
         span = diagnostic.span
@@ -152,52 +177,85 @@ class TextRenderer:
         lines.extend(f"  {self._paint('hint', 'hint:')} {hint}" for hint in diagnostic.hints)
         return "\n".join(lines)
 
-    def excerpt(self, span: Span, source_lines: Sequence[str]) -> list[str]:
-        """The numbered source line of ``span`` and its marker line."""
-        text = source_lines[span.line - 1].rstrip("\r\n")
-        shown = _printable(text)
-        gutter = str(span.line)
-        width = max(len(gutter), 4)
+    def excerpt(self, span: Span, lines: Sequence[str]) -> list[str]:
+        """The numbered source line of ``span`` and its marker line. A line longer than
+        :data:`EXCERPT_WIDTH` is cut to a window around the span, marked with '...', so
+        that printing a diagnostic costs the same on a 10 MB line as on a short one."""
+        text = lines[span.line - 1]
         start = max(span.column - 1, 0)
         if span.end_line == span.line:
             length = max(span.end_column - span.column, 1)
         else:
             length = max(len(text) - start, 1)
         length = min(length, max(len(text) - start, 1))
-        # Keep tabs under tabs so that the caret lines up whatever the tab width.
-        pad = "".join(c if c == "\t" else " " for c in shown[:start])
-        marker = "^" + "~" * (length - 1)
-        return [f"{gutter.rjust(width)} | {shown}",
+        lead, tail = "", ""
+        if len(text) > EXCERPT_WIDTH:
+            first = max(0, min(start - EXCERPT_WIDTH // 3, len(text) - EXCERPT_WIDTH))
+            last = first + EXCERPT_WIDTH
+            lead, tail = ("..." if first > 0 else ""), ("..." if last < len(text) else "")
+            length = min(length, last - start)
+            text, start = text[first:last], start - first
+        shown = _printable(text)
+        gutter = str(span.line)
+        width = max(len(gutter), 4)
+        # Keep tabs under tabs and wide characters under two columns, so that the caret
+        # lines up with the text in a terminal.
+        pad = " " * len(lead) + "".join(
+            c if c == "\t" else " " * _columns(c) for c in shown[:start])
+        marker = "^" + "~" * max(sum(_columns(c) for c in shown[start:start + length]) - 1, 0)
+        return [f"{gutter.rjust(width)} | {lead}{shown}{tail}",
                 f"{' ' * width} | {pad}{self._paint('caret', marker)}"]
 
 
+def _columns(char: str) -> int:
+    """Terminal columns of a character: 2 for East Asian wide ones, 0 for combining
+    marks, else 1."""
+    if unicodedata.combining(char):
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in "WF" else 1
+
+
 def _printable(text: str) -> str:
-    """Replace control characters so a binary file cannot garble the terminal."""
+    """Replace control characters (and U+2028, U+2029, U+0085) by U+FFFD, one column
+    each, so a binary file cannot garble the terminal or move the caret."""
     return "".join(c if (c.isprintable() or c == "\t") else "\ufffd" for c in text)
 
 
-def render_text(diagnostics: Iterable[Diagnostic], path: str, source: str | None,
-                color: bool = False) -> str:
+def render_text(diagnostics: Sequence[Diagnostic], path: str, source: str | None,
+                color: bool = False, limit: int | None = None) -> str:
     """Diagnostics about the file ``path`` holding ``source`` (and about overrides, whose
-    spans carry their own text), one after the other."""
-    renderer = TextRenderer(path, (source or "").splitlines(), color)
-    return "\n".join(renderer.render(d) for d in diagnostics)
+    spans carry their own text), one after the other: the first ``limit`` of them (all
+    if None or 0), then a line counting the rest, as gcc's ``-fmax-errors`` does."""
+    renderer = TextRenderer(path, source_lines(source or ""), color)
+    shown = diagnostics[:limit] if limit else diagnostics
+    text = "\n".join(renderer.render(d) for d in shown)
+    rest = diagnostics[len(shown):]
+    if rest:
+        text += f"\n\u2026 and {_count(rest, 'more ')} (--max-errors 0 shows them all)"
+    return text
+
+
+def _count(diagnostics: Sequence[Diagnostic], more: str = "") -> str:
+    errors = sum(d.is_error for d in diagnostics)
+    warnings = len(diagnostics) - errors
+    return " and ".join(counted(n, more + word) for n, word in
+                        ((errors, "error"), (warnings, "warning")) if n)
 
 
 def summary_line(diagnostics: Sequence[Diagnostic]) -> str:
-    errors = sum(d.is_error for d in diagnostics)
-    warnings = len(diagnostics) - errors
-    parts = [counted(n, word) for n, word in ((errors, "error"), (warnings, "warning")) if n]
-    return " and ".join(parts) + " generated." if parts else ""
+    """``2 errors and 1 warning generated.``: every diagnostic, printed or not."""
+    return _count(diagnostics) + " generated." if diagnostics else ""
 
 
-def to_json(diagnostics: Iterable[Diagnostic], path: str) -> dict:
-    """The ``--error-format json`` document (version 1, documented in README.md).
+def to_json(diagnostics: Sequence[Diagnostic], path: str, limit: int | None = None) -> dict:
+    """The ``--error-format json`` document (version 1, documented in README.md): the
+    first ``limit`` diagnostics (all if None or 0) and the count of every error and
+    warning found.
 
     ``file`` is ``path``, or the name of the override a span lies in
     (``--set mesh.tp=8``), whose text its line and columns then count in."""
     items = []
-    for d in diagnostics:
+    for d in (diagnostics[:limit] if limit else diagnostics):
         where = d.span.source.name if d.span and d.span.source else path
         item: dict = {"severity": d.severity, "message": d.message, "file": where}
         if d.span:
@@ -207,8 +265,10 @@ def to_json(diagnostics: Iterable[Diagnostic], path: str) -> dict:
             item.update(line=None, column=None, end_line=None, end_column=None)
         item["hints"] = list(d.hints)
         items.append(item)
-    return {"version": 1, "diagnostics": items}
+    errors = sum(d.is_error for d in diagnostics)
+    return {"version": 1, "diagnostics": items, "errors": errors,
+            "warnings": len(diagnostics) - errors}
 
 
-def render_json(diagnostics: Iterable[Diagnostic], path: str) -> str:
-    return json.dumps(to_json(diagnostics, path), indent=2)
+def render_json(diagnostics: Sequence[Diagnostic], path: str, limit: int | None = None) -> str:
+    return json.dumps(to_json(diagnostics, path, limit), indent=2)

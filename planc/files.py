@@ -2,8 +2,37 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import tempfile
+
+
+def read_regular_file(path: str | os.PathLike, limit: int) -> bytes:
+    """Up to ``limit`` bytes of a regular file. A named pipe, a device, a socket or a
+    directory raises OSError (EINVAL, with a strerror that says what it is) instead of
+    blocking or reading without end; ``O_NONBLOCK`` keeps open(2) of a pipe from waiting
+    for a writer."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a named pipe"
+                    if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or
+                    stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else
+                    "not a file")
+            raise OSError(errno.EINVAL, f"it is {kind}, not a regular file", str(path))
+        chunks, left = [], limit
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def umask() -> int:

@@ -270,7 +270,8 @@ def test_json_names_the_override_as_the_file():
         "version": 1, "diagnostics": [{
             "severity": "error", "message": "heads (12) must divide by tp (8)",
             "file": "--set mesh.tp=8", "line": 1, "column": 9, "end_line": 1,
-            "end_column": 10, "hints": ["tp must divide heads; try tp = 4 or tp = 2"]}]}
+            "end_column": 10, "hints": ["tp must divide heads; try tp = 4 or tp = 2"]}],
+        "errors": 1, "warnings": 0}
 
 
 def test_spans_of_several_sources_sort_the_file_first():
@@ -390,7 +391,9 @@ def test_check_reports_an_override_in_json(capsys, base):
         "did you mean 'tp'?"
       ]
     }
-  ]
+  ],
+  "errors": 1,
+  "warnings": 0
 }
 """
 

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import TextIO
 
-from planc.diagnostics import render_json, render_text, summary_line
+from planc.diagnostics import MAX_SHOWN, render_json, render_text, summary_line
 from planc.words import counted
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
@@ -32,11 +32,13 @@ def load_plan(args) -> tuple[object, int]:
     from planc.lang import load_file
 
     loaded = load_file(args.file, getattr(args, "set", None) or ())
+    limit = getattr(args, "max_errors", None)
     if args.error_format == "json":
         if loaded.diagnostics or not loaded.ok:
-            print(render_json(loaded.diagnostics, loaded.path))
+            print(render_json(loaded.diagnostics, loaded.path, limit))
     elif loaded.diagnostics:
-        text = render_text(loaded.diagnostics, loaded.path, loaded.source, use_color(sys.stderr))
+        text = render_text(loaded.diagnostics, loaded.path, loaded.source, use_color(sys.stderr),
+                           MAX_SHOWN if limit is None else limit)
         print(text, file=sys.stderr)
         print(summary_line(loaded.diagnostics), file=sys.stderr)
     return loaded, (EXIT_OK if loaded.ok else EXIT_ERRORS)

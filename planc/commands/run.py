@@ -50,7 +50,7 @@ def main(args) -> int:
     print(f"planc: running {built.plan.name} on {counted(built.plan.world, 'rank')} "
           f"({backend}), {counted(steps - first, 'step')}{resumed}", file=sys.stderr)
     return launch(os.path.abspath(directory), built.plan.world,
-                  _worker_arguments(args, found), backend)
+                  _worker_arguments(args, found), backend, args.timeout)
 
 
 def _checkpoint(args):
@@ -94,14 +94,18 @@ def _resumable(args, found, plan, buckets=None) -> int:
     return EXIT_OK
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600
+
+
 def _refused(args) -> int | None:
     """The exit status of a command line that cannot run, before anything is compiled."""
     if args.set and os.path.isdir(args.file):
         return overrides_need_a_plan(args.file)
     if args.steps is not None and args.steps < 1:
         return fail("--steps must be at least 1", EXIT_USAGE)
-    if args.timeout <= 0:
-        return fail("--timeout must be positive", EXIT_USAGE)
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:  # also refuses nan
+        return fail(f"--timeout must be a number of seconds above 0 and at most "
+                    f"{MAX_TIMEOUT_S} (a week), not {args.timeout:g}", EXIT_USAGE)
     if args.checkpoint_every is not None:
         if not args.checkpoint_dir:
             return fail("--checkpoint-every needs --checkpoint-dir", EXIT_USAGE)

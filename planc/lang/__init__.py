@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from planc.diagnostics import Diagnostic, Span, error, in_source_order, warning
+from planc.files import read_regular_file
 from planc.lang.check import check
 from planc.lang.overrides import Override, OverrideError, parse_overrides
 from planc.lang.parser import parse
@@ -14,7 +16,10 @@ from planc.lang.units import format_bytes
 from planc.plan import Plan
 from planc.words import counted
 
-MAX_FILE_BYTES = 16 * 2**20
+# A plan is a few KB; even a generated one with an explicit stage list at the layer limit
+# is well under 100 KB. Reading and checking costs up to a few seconds per MB of dense input
+# (bench/diagnostics.py), so bigger files are refused before they are parsed.
+MAX_FILE_BYTES = 256 * 2**10
 
 __all__ = ["MAX_FILE_BYTES", "Loaded", "Override", "OverrideError", "load_file",
            "load_text", "memory_warnings"]
@@ -42,15 +47,19 @@ def load_file(path: str | Path, overrides: Sequence[str] = ()) -> Loaded:
     parsed = parse_overrides(overrides)
     name = str(path)
     try:
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_FILE_BYTES + 1)
-    except IsADirectoryError:
-        return Loaded(name, None, None, (error("is a directory, not a .plan file", None),))
+        data = read_regular_file(path, MAX_FILE_BYTES + 1)
     except OSError as exc:
+        if exc.errno == errno.EISDIR or (exc.errno == errno.EINVAL and
+                                         str(exc.strerror).startswith("it is a directory")):
+            return Loaded(name, None, None, (error("is a directory, not a .plan file", None),))
         return Loaded(name, None, None, (error(f"cannot read file: {exc.strerror}", None),))
+    except ValueError:  # a path with a NUL character
+        return Loaded(name, None, None, (error("cannot read file: the path holds a NUL "
+                                               "character", None),))
     if len(data) > MAX_FILE_BYTES:
         return Loaded(name, None, None, (error(
-            f"file is larger than {MAX_FILE_BYTES // 2**20} MiB; a plan is a short text", None),))
+            f"file is larger than {MAX_FILE_BYTES // 2**10} KiB; a plan is a short text, and "
+            f"larger files are refused so that check stays interactive", None),))
     data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark is not content
     try:
         text = data.decode("utf-8")

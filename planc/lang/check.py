@@ -17,6 +17,7 @@ from typing import Any
 
 from planc.models import FAMILIES
 from planc.diagnostics import Diagnostic, Span, error, in_source_order, warning
+from planc.files import read_regular_file
 from planc.lang import ast
 from planc.lang.overrides import Override
 from planc.lang.overrides import apply as apply_overrides
@@ -38,9 +39,27 @@ def check(tree: ast.PlanFile, path: str, overrides: Sequence[Override] = ()
     return plan, in_source_order(checker.diagnostics)
 
 
-# Bounds that keep every command fast; far beyond any cluster that exists.
 MAX_TOPOLOGY_BYTES = 1 << 20  # a calibrated topology is a few KB
-LIMITS = {"world": 524_288, "layers": 65_536, "chunks": 16_384, "microbatches": 65_536}
+# planc's limits (docs/language.md, section 5): far beyond any model or cluster that
+# exists, and small enough that compile, programs, verify and graph finish in seconds on
+# every plan check accepts (tests/test_limits.py compiles a plan at each one). The work
+# each bounds grows linearly with what it counts. pp x virtual is at most layers: each
+# model chunk needs a layer.
+LIMITS = {"world": 524_288, "layers": 1_024, "microbatches": 65_536, "schedule": 131_072}
+LIMIT_REASONS = {
+    "world": "planc layout lists every rank and its groups",
+    "layers": "the graph holds every layer's compute steps and transfers, and compile "
+              "derives, lowers and verifies each of them",
+    "microbatches": "each stage's program runs a forward and a backward block per "
+                    "microbatch",
+    "schedule": "the stages' programs run a forward and a backward block per model chunk "
+                "and microbatch, and the verifier proves every one of them",
+}
+
+
+def _over_limit(what: str, limit: str) -> str:
+    """'layers (4096) is more than planc's limit of 1024: the graph holds ...'"""
+    return f"{what} is more than planc's limit of {LIMITS[limit]}: {LIMIT_REASONS[limit]}"
 
 
 def divisors_below(limit: int, *numbers: int, count: int = 2) -> list[int]:
@@ -94,8 +113,7 @@ class _Checker:
             else:
                 self._index_block(schema, entry, blocks, path, where)
         # A misspelt key is reported once, as unknown, not again as missing.
-        misspelt = {did_you_mean(e.key, schema.keys) for e in entries
-                    if isinstance(e, ast.Assign) and e.key not in schema.keys}
+        unknown = [e.key for e in entries if isinstance(e, ast.Assign) and e.key not in schema.keys]
         for name, sub in schema.blocks.items():
             inner = f"{path}.{name}" if path else name
             if name in blocks:
@@ -111,7 +129,7 @@ class _Checker:
                     self.report(error(f"the plan has no {name} block", header,
                                       f"add {block_syntax(inner)} with its keys"))
                 self._read_block(sub, (), inner, header)
-        self._read_keys(schema, keys, path, header, misspelt)
+        self._read_keys(schema, keys, path, header, unknown)
 
     def _index_key(self, schema, entry: ast.Assign, keys, path, where) -> None:
         if entry.key in schema.keys:
@@ -171,8 +189,9 @@ class _Checker:
         return []
 
     def _read_keys(self, schema: BlockSchema, entries: dict[str, ast.Assign], path: str,
-                   header: Span, misspelt: set[str]) -> None:
+                   header: Span, unknown: list[str]) -> None:
         required = frozenset(k for k, key in schema.keys.items() if key.required)
+        misspelt: set[str] | None = None  # found only if a required key is missing
         scope = Scope(entries, {k: key.kind for k, key in schema.keys.items()},
                       {k: key.default for k, key in schema.keys.items()}, required)
         for name, key in schema.keys.items():
@@ -180,10 +199,12 @@ class _Checker:
             if name in entries:
                 self.given.add(dotted)
                 self.spans[dotted] = entries[name].value.span
-            elif key.required and path in self.given and \
-                    f"did you mean '{name}'?" not in misspelt:
-                self.report(error(f"{block_syntax(path).split(' {')[0]} is missing the key "
-                                  f"'{name}'", header, f"add {name} = ..."))
+            elif key.required and path in self.given:
+                if misspelt is None:
+                    misspelt = {did_you_mean(word, schema.keys) for word in unknown}
+                if f"did you mean '{name}'?" not in misspelt:
+                    self.report(error(f"{block_syntax(path).split(' {')[0]} is missing the "
+                                      f"key '{name}'", header, f"add {name} = ..."))
             try:
                 self.values[dotted] = scope.value(name)
             except Unresolved:
@@ -246,8 +267,8 @@ class _Checker:
             return None
         model = Model(family=family.name, **{k: self.value(f"model.{k}") for k in keys})
         if model.layers > LIMITS["layers"]:
-            return self._reject(f"layers ({model.layers}) is more than planc's limit of "
-                              f"{LIMITS['layers']}", self.span("model.layers"))
+            return self._reject(_over_limit(f"layers ({model.layers})", "layers"),
+                                self.span("model.layers"))
         if model.hidden % model.heads:
             candidates = [h for h in range(model.heads - 1, 0, -1) if model.hidden % h == 0][:2]
             self.report(error(f"hidden ({model.hidden}) must divide by heads ({model.heads})",
@@ -274,7 +295,8 @@ class _Checker:
         if mesh.world > LIMITS["world"]:
             largest = max(("tp", "cp", "pp", "dp"), key=mesh.size)
             return self._reject(f"the mesh has {mesh.world} ranks, more than planc's limit of "
-                              f"{LIMITS['world']}", self.span(f"mesh.{largest}"))
+                                f"{LIMITS['world']}: {LIMIT_REASONS['world']}",
+                                self.span(f"mesh.{largest}"))
         return mesh
 
     def _topology(self, mesh: Mesh | None, model: Model | None) -> Topology | None:
@@ -348,8 +370,7 @@ class _Checker:
         resolved = os.path.normpath(os.path.join(base, path))
         span = self.span("topology.preset")
         try:
-            with open(resolved, "rb") as handle:
-                text = handle.read(MAX_TOPOLOGY_BYTES + 1)
+            text = read_regular_file(resolved, MAX_TOPOLOGY_BYTES + 1)
         except OSError as exc:
             return self._reject(f"cannot read topology '{path}': "
                                 f"{exc.strerror or exc}", span)
@@ -359,7 +380,7 @@ class _Checker:
                                 f"calibrate wrote", span)
         try:
             return calibrated_preset(json.loads(text), path)
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError, OverflowError) as exc:
             reason = "it is not JSON" if isinstance(exc, (json.JSONDecodeError,
                                                           UnicodeDecodeError)) else str(exc)
             return self._reject(f"cannot use topology '{path}': {reason}", span,
@@ -451,9 +472,8 @@ class _Checker:
             return None
         schedule = Schedule(self.value("schedule.microbatches"), self.value("schedule.pipeline"))
         if schedule.microbatches > LIMITS["microbatches"]:
-            return self._reject(f"microbatches ({schedule.microbatches}) is more than planc's "
-                              f"limit of {LIMITS['microbatches']}",
-                              self.span("schedule.microbatches"))
+            return self._reject(_over_limit(f"microbatches ({schedule.microbatches})",
+                                            "microbatches"), self.span("schedule.microbatches"))
         if mesh is None or model is None:
             return schedule
         if model.batch % mesh.dp:
@@ -479,6 +499,14 @@ class _Checker:
         if not self.ready("shard.pp.stages", "shard.pp.virtual"):
             return None
         stages, virtual = self.value("shard.pp.stages"), self.value("shard.pp.virtual")
+        runs = mesh.pp * virtual * schedule.microbatches if mesh and schedule else 0
+        if runs > LIMITS["schedule"]:  # every chunk's forward of every microbatch
+            if virtual > 1:
+                what = f"pp x virtual x microbatches ({mesh.pp} x {virtual} x " \
+                       f"{schedule.microbatches} = {runs})"
+            else:
+                what = f"pp x microbatches ({mesh.pp} x {schedule.microbatches} = {runs})"
+            return self._reject(_over_limit(what, "schedule"), self.span("schedule.microbatches"))
         if mesh is None or model is None or schedule is None:
             return None
         pp, layers = mesh.pp, model.layers
@@ -512,10 +540,6 @@ class _Checker:
             self.report(warning("shard { pp { } } has no effect with pp = 1",
                                 self.span("shard.pp")))
         chunks = pp * virtual
-        if chunks > LIMITS["chunks"]:
-            what = f"pp ({pp})" if virtual == 1 else f"pp x virtual ({chunks})"
-            return self._reject(f"{what} is more than planc's limit of {LIMITS['chunks']} model "
-                              f"chunks", self.span("mesh.pp"))
         if stages == "auto":
             if not ok:
                 return None

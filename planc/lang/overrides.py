@@ -23,7 +23,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planc.diagnostics import Diagnostic, Source, Span, TextRenderer, error
+from planc.diagnostics import Diagnostic, Source, Span, TextRenderer, error, source_lines
 from planc.lang import ast
 from planc.lang.parser import parse_value
 from planc.lang.schema import PLAN_SCHEMA, BlockSchema
@@ -45,7 +45,7 @@ class OverrideError(ValueError):
         d = self.diagnostic
         lines = [f"{d.span.source.text}: {d.message}" if d.span else d.message]
         if d.span is not None:
-            lines.extend(TextRenderer("").excerpt(d.span, d.span.source.text.splitlines()))
+            lines.extend(TextRenderer("").excerpt(d.span, source_lines(d.span.source.text)))
         lines.extend(f"  hint: {hint}" for hint in d.hints)
         return "\n".join(lines)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import ast as python_ast
 import dataclasses
 import re
-from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -28,11 +27,12 @@ from lark import Token, Transformer, v_args
 from lark.lark import PostLex
 
 from planc.diagnostics import Diagnostic, Span, error
-from planc.lang import ast
+from planc.lang import ast, lalr
+from planc.lang.recovery import (closer_for, describe_expected, describe_token,
+                                  nested_too_deep, syntax_errors, unexpected_character)
 from planc.lang.units import UNITS
 
 MAX_NESTING = 64
-MAX_SYNTAX_ERRORS = 20
 
 _OPENERS = {"LPAR": "(", "LSQB": "[", "LBRACE": "{"}
 _CLOSERS = {"RPAR": "LPAR", "RSQB": "LSQB", "RBRACE": "LBRACE"}
@@ -107,7 +107,10 @@ class _TreeBuilder(Transformer):
     """Inline transformer: runs on each LALR reduction, producing planc.lang.ast nodes."""
 
     def number(self, token):
-        digits, suffix = _NUMBER.fullmatch(str(token)).groups()
+        text = str(token)
+        if text.isdigit() and len(text) <= MAX_DIGITS:  # the common case, without regexes
+            return ast.Number(text, int(text), "", _span(token))
+        digits, suffix = _NUMBER.fullmatch(text).groups()
         if not _WELL_FORMED.fullmatch(digits):
             return ast.Number(str(token), 0, suffix, _span(token), malformed=True)
         is_float = "." in digits or "e" in digits.lower()
@@ -198,55 +201,30 @@ def _lexer() -> lark.Lark:
                      postlex=_BracketAwareNewlines(max_nesting=None))
 
 
-# --- syntax diagnostics ------------------------------------------------------------
-
-_TERMINAL_WORDS = {
-    "NAME": "a name", "NUMBER": "a number", "STRING": "a string", "PLAN": "'plan'",
-    "LBRACE": "'{'", "RBRACE": "'}'", "LSQB": "'['", "RSQB": "']'", "LPAR": "'('",
-    "RPAR": "')'", "EQUAL": "'='", "COMMA": "','", "DOTDOT": "'..'", "PLUS": "'+'",
-    "MINUS": "'-'", "STAR": "'*'", "SLASH": "'/'", "SEMICOLON": "';'", "_NL": "a new line",
-    "$END": "the end of the file",
-}
-_VALUE_STARTS = {"NUMBER", "NAME", "STRING", "LSQB", "LPAR", "MINUS", "PLUS"}
+# --- the whole file ----------------------------------------------------------------
 
 
-def _describe_token(token: Token) -> str:
-    if token.type == "$END":
-        return "end of file"
-    if token.type == "_NL":
-        return "end of line"
-    if token.type in ("NAME", "NUMBER"):
-        return f"'{token}'"
-    if token.type == "STRING":
-        return "a string"
-    return _TERMINAL_WORDS.get(token.type, f"'{token}'")
+@lru_cache(maxsize=1)
+def _tables() -> lalr.Tables:
+    return lalr.tables_of(_parser())
 
 
-def _describe_expected(expected: set[str], innermost: str | None,
-                       end: str = "the end of the file") -> str:
-    """Name what could come next, leaving out closers of brackets that are not open.
-    ``end`` names the end of the text ($END)."""
-    wanted = {t for t in expected
-              if t not in _CLOSERS or _CLOSERS[t] == innermost}
-    if innermost in ("LSQB", "LPAR"):
-        wanted -= {"_NL", "SEMICOLON"}  # new lines mean nothing inside brackets
-    else:
-        wanted.discard("COMMA")
-    if wanted & {"RSQB", "RPAR", "RBRACE", "COMMA", "_NL", "$END"}:
-        wanted -= {"PLUS", "MINUS", "STAR", "SLASH", "DOTDOT"}  # "after a value", briefly
-    names = {**_TERMINAL_WORDS, "$END": end}
-    if _VALUE_STARTS <= wanted:
-        words = ["a value"] + sorted(names.get(t, t) for t in wanted - _VALUE_STARTS)
-    else:
-        words = sorted({names.get(t, t) for t in wanted})
-    if len(words) == 1:
-        return words[0]
-    return ", ".join(words[:-1]) + " or " + words[-1]
+def parse(text: str) -> tuple[ast.PlanFile | None, list[Diagnostic]]:
+    """Parse a whole file; return the tree (None after any syntax error) and every
+    syntax error, found in one more pass over the text (planc/lang/recovery.py)."""
+    try:
+        return lalr.parse(text, _tables(), MAX_NESTING), []
+    except lalr.Stop:
+        pass
+    return None, syntax_errors(text, _tables(), MAX_NESTING)
+
+
+# --- helpers for one value's diagnostics (lark's own lexer and exceptions) ----------
 
 
 def _end_of_text_span(text: str) -> Span:
-    lines = text.split("\n")
-    return Span.point(len(lines), len(lines[-1]) + 1)
+    end = lalr.end_token(text)
+    return Span.point(end.line, end.column)
 
 
 def _tokens(text: str) -> list[Token]:
@@ -273,153 +251,6 @@ def _open_brackets(tokens: list[Token], before: int) -> list[Token]:
     return stack
 
 
-def _closer_for(opener: Token) -> str:
-    return {"LPAR": ")", "LSQB": "]", "LBRACE": "}"}[opener.type]
-
-
-@dataclass(frozen=True)
-class _SyntaxProblem:
-    diagnostic: Diagnostic
-    # Character range to blank before parsing again; None when recovery would be noise.
-    blank: tuple[int, int] | None
-    keep_braces: bool = False  # the range may hold unbalanced braces
-
-
-def _brackets_inside_block(tokens: list[Token], offset: int) -> int:
-    """How many ( and [ enclose ``offset`` inside its innermost block."""
-    count = 0
-    for opener in reversed(_open_brackets(tokens, offset)):
-        if opener.type == "LBRACE":
-            break
-        count += 1
-    return count
-
-
-def _entry_start(tokens: list[Token], index: int, in_brackets: int) -> int:
-    """Index of the first token of the entry holding token ``index``."""
-    start, depth, to_leave = index, 0, in_brackets
-    for i in range(index - 1, -1, -1):
-        kind = tokens[i].type
-        if kind in _CLOSERS:
-            depth += 1
-        elif kind in _OPENERS:
-            if depth > 0:
-                depth -= 1
-            elif kind == "LBRACE":
-                break
-            else:
-                to_leave -= 1
-        elif depth == 0 and to_leave == 0 and kind in ("_NL", "SEMICOLON"):
-            break
-        start = i
-    return start
-
-
-def _entry_around(tokens: list[Token], offset: int) -> tuple[int, int] | None:
-    """Character range of the whole entry holding the token at ``offset``.
-
-    The entry runs between block-level separators (new line or ';', outside any
-    ( or [ ), so a mistake inside a list drops the whole list and nothing else. The
-    range holds balanced brackets, or None is returned.
-    """
-    index = next((i for i, t in enumerate(tokens) if t.start_pos >= offset), len(tokens))
-    in_brackets = _brackets_inside_block(tokens, offset)
-    start = _entry_start(tokens, index, in_brackets)
-    end, depth, to_close = index, 0, in_brackets
-    for i in range(index, len(tokens)):
-        kind = tokens[i].type
-        if kind in _OPENERS:
-            depth += 1
-        elif kind in _CLOSERS:
-            if depth > 0:
-                depth -= 1
-            elif kind == "RBRACE" or to_close == 0:
-                break
-            else:
-                to_close -= 1
-        elif depth == 0 and to_close == 0 and kind in ("_NL", "SEMICOLON"):
-            break
-        end = i + 1
-    if end <= start or to_close or depth:
-        return None
-    return tokens[start].start_pos, tokens[end - 1].end_pos
-
-
-def _rest_of_line(text: str, tokens: list[Token], offset: int) -> tuple[int, int]:
-    """For text the lexer rejects: from its entry's start to the end of its line."""
-    index = len(tokens)  # lexing stopped at offset
-    start_index = _entry_start(tokens, index, _brackets_inside_block(tokens, offset))
-    start = tokens[start_index].start_pos if start_index < index else offset
-    end = text.find("\n", offset)
-    return start, len(text) if end < 0 else end
-
-
-def _diagnose(exc: Exception, text: str) -> _SyntaxProblem:
-    if isinstance(exc, _NestingTooDeep):
-        return _SyntaxProblem(error(f"brackets nested more than {MAX_NESTING} deep",
-                                    _span(exc.token)), None)
-    tokens = _tokens(text)
-    if isinstance(exc, lark.exceptions.UnexpectedCharacters):
-        span = Span.point(exc.line, exc.column)
-        offset = exc.pos_in_stream
-        inside_plan = bool(_open_brackets(tokens, offset))
-        char = text[offset] if offset < len(text) else ""
-        if char == '"':
-            return _SyntaxProblem(error("unterminated string", span,
-                                        "a string ends with '\"' on the same line"),
-                                  _rest_of_line(text, tokens, offset) if inside_plan else None,
-                                  keep_braces=True)
-        shown = f"'{char}'" if char.isprintable() else f"U+{ord(char):04X}"
-        return _SyntaxProblem(error(f"unexpected character {shown}", span),
-                              _rest_of_line(text, tokens, offset) if inside_plan else None,
-                              keep_braces=True)
-    assert isinstance(exc, lark.exceptions.UnexpectedToken)
-    token = exc.token
-    if token.type == "$END":
-        return _unexpected_end(exc, text, tokens)
-    offset = token.start_pos
-    opened = _open_brackets(tokens, offset)
-    innermost = opened[-1].type if opened else None
-    span = _span(token) if token.type != "_NL" else Span.point(token.line, token.column)
-    if token.type in _CLOSERS and innermost != _CLOSERS[token.type]:
-        if opened:
-            first = opened[-1]
-            return _SyntaxProblem(error(
-                f"unexpected '{token}': '{first}' opened at line {first.line}, column "
-                f"{first.column} is not closed", span, f"add '{_closer_for(first)}' before it"),
-                None)
-        return _SyntaxProblem(error(f"unexpected '{token}': it closes nothing", span), None)
-    accepted = _accepted(exc)
-    before = [t for t in tokens if t.end_pos <= offset and t.type != "_NL"]
-    previous = before[-1] if before else None
-    if previous is not None and previous.type == "EQUAL" and token.type in ("_NL", "RBRACE",
-                                                                            "SEMICOLON"):
-        return _SyntaxProblem(error("expected a value after '='", _span(previous)),
-                              _entry_around(tokens, offset) if opened else None)
-    message = f"unexpected {_describe_token(token)}; expected {_describe_expected(accepted, innermost)}"
-    hints = []
-    if not opened:
-        closer = _plan_closer(tokens, offset)
-        if closer is not None and token.type != "PLAN":
-            hints.append(f"the '}}' at line {closer.line}, column {closer.column} closes the "
-                         f"plan; remove it if the plan goes on")
-        elif token.type == "PLAN":
-            hints.append("a file holds exactly one plan")
-    elif (token.type == "NAME" and previous is not None and previous.type == "NUMBER"
-          and str(token) in UNITS):
-        hints.append(f"write the unit right after the number, without a space: "
-                     f"{previous}{token}")
-    elif token.type == "NAME" and "LBRACE" in accepted and "EQUAL" not in accepted:
-        hints.append("a block starts with one or two words and '{', as in 'model gpt {'")
-    elif token.type in ("NAME", "NUMBER") and "EQUAL" in accepted:
-        hints.append("a key and its value are written 'key = value'")
-    elif (previous is not None and "_NL" in accepted and innermost == "LBRACE"
-          and previous.type in ("NAME", "NUMBER", "STRING", "RSQB", "RPAR")):
-        hints.append("separate entries with a new line or ';'")
-    return _SyntaxProblem(error(message, span, *hints),
-                          _entry_around(tokens, offset) if opened else None)
-
-
 def _accepted(exc: lark.exceptions.UnexpectedToken) -> set[str]:
     """What the parser would have taken here. Errors raised by the contextual lexer list
     every terminal of the lexer state (newlines included); the parser knows better."""
@@ -430,83 +261,6 @@ def _accepted(exc: lark.exceptions.UnexpectedToken) -> set[str]:
         except lark.exceptions.LarkError:
             pass
     return set(exc.expected)
-
-
-def _plan_closer(tokens: list[Token], offset: int) -> Token | None:
-    """The '}' that closed the plan before ``offset``, if the plan was closed."""
-    depth = 0
-    for token in tokens:
-        if token.start_pos >= offset:
-            break
-        if token.type == "LBRACE":
-            depth += 1
-        elif token.type == "RBRACE":
-            depth -= 1
-            if depth == 0:
-                return token
-    return None
-
-
-def _unexpected_end(exc, text: str, tokens: list[Token]) -> _SyntaxProblem:
-    span = _end_of_text_span(text)
-    opened = _open_brackets(tokens, len(text))
-    if opened:
-        first = _likely_unclosed(text, tokens) or opened[-1]
-        return _SyntaxProblem(error(
-            f"unexpected end of file: '{first}' opened at line {first.line} is never closed",
-            _span(first), f"add '{_closer_for(first)}' to close it"), None)
-    if not any(t.type != "_NL" for t in tokens):
-        return _SyntaxProblem(error("the file holds no plan", span,
-                                    "a plan file holds one 'plan NAME { ... }'"), None)
-    return _SyntaxProblem(error(
-        f"unexpected end of file; expected {_describe_expected(_accepted(exc), None)}",
-        span), None)
-
-
-def _indent(text: str, token: Token) -> int:
-    line = text.split("\n")[token.line - 1]
-    return len(line) - len(line.lstrip(" \t"))
-
-
-def _likely_unclosed(text: str, tokens: list[Token]) -> Token | None:
-    """The brace that is probably missing its '}', judged by indentation as rustc does:
-    the first '{' whose matching '}' sits at a smaller indentation than the line that
-    opened it."""
-    stack: list[Token] = []
-    for token in tokens:
-        if token.type == "LBRACE":
-            stack.append(token)
-        elif token.type == "RBRACE" and stack:
-            opener = stack.pop()
-            if _indent(text, token) < _indent(text, opener) and opener.line != token.line:
-                return opener
-    return None
-
-
-def _blank(text: str, start: int, end: int, keep_braces: bool) -> str:
-    """Replace text[start:end] by spaces, keeping new lines (so positions stay the same)
-    and, if asked, braces (so the block structure does)."""
-    kept = "\n{}" if keep_braces else "\n"
-    return text[:start] + "".join(c if c in kept else " " for c in text[start:end]) + text[end:]
-
-
-def parse(text: str) -> tuple[ast.PlanFile | None, list[Diagnostic]]:
-    """Parse a whole file; return the tree (None after any syntax error) and diagnostics."""
-    diagnostics: list[Diagnostic] = []
-    attempt = text
-    while len(diagnostics) < MAX_SYNTAX_ERRORS:
-        try:
-            tree = _parser().parse(attempt)
-        except (lark.exceptions.UnexpectedInput, _NestingTooDeep) as exc:
-            problem = _diagnose(exc, attempt)
-            repeated = problem.diagnostic in diagnostics
-            diagnostics.append(problem.diagnostic) if not repeated else None
-            if problem.blank is None or repeated:
-                break
-            attempt = _blank(attempt, *problem.blank, problem.keep_braces)
-            continue
-        return (tree if not diagnostics else None), diagnostics
-    return None, diagnostics
 
 
 # --- one value, for command-line overrides -----------------------------------------
@@ -529,15 +283,12 @@ def parse_value(text: str) -> tuple[ast.Value | None, Diagnostic | None]:
 
 def _diagnose_value(exc: Exception, text: str) -> Diagnostic:
     if isinstance(exc, _NestingTooDeep):
-        return error(f"brackets nested more than {MAX_NESTING} deep", _span(exc.token))
+        return nested_too_deep(exc.token, MAX_NESTING)
     tokens = _tokens(text)
     if isinstance(exc, lark.exceptions.UnexpectedCharacters):
-        span = Span.point(exc.line, exc.column)
         char = text[exc.pos_in_stream] if exc.pos_in_stream < len(text) else ""
-        if char == '"':
-            return error("unterminated string", span, "a string ends with '\"'")
-        shown = f"'{char}'" if char.isprintable() else f"U+{ord(char):04X}"
-        return error(f"unexpected character {shown}", span)
+        return unexpected_character(Token("_BAD", char, exc.pos_in_stream, exc.line,
+                                          exc.column), "")
     assert isinstance(exc, lark.exceptions.UnexpectedToken)
     token = exc.token
     if token.type == "$END":
@@ -545,12 +296,12 @@ def _diagnose_value(exc: Exception, text: str) -> Diagnostic:
         if opened:
             first = opened[-1]
             return error(f"unexpected end of the value: '{first}' at column {first.column} "
-                         f"is never closed", _span(first), f"add '{_closer_for(first)}' to "
+                         f"is never closed", _span(first), f"add '{closer_for(first)}' to "
                          f"close it")
         if not tokens:
             return error("no value", _end_of_text_span(text), "write a value after '='")
         return error(f"unexpected end of the value; expected "
-                     f"{_describe_expected(_accepted(exc), None, _END_OF_VALUE)}",
+                     f"{describe_expected(_accepted(exc), None, _END_OF_VALUE)}",
                      _end_of_text_span(text))
     opened = _open_brackets(tokens, token.start_pos)
     innermost = opened[-1].type if opened else None
@@ -559,7 +310,7 @@ def _diagnose_value(exc: Exception, text: str) -> Diagnostic:
         if opened:
             first = opened[-1]
             return error(f"unexpected '{token}': '{first}' at column {first.column} is not "
-                         f"closed", span, f"add '{_closer_for(first)}' before it")
+                         f"closed", span, f"add '{closer_for(first)}' before it")
         return error(f"unexpected '{token}': it closes nothing", span)
     before = [t for t in tokens if t.end_pos <= token.start_pos]
     previous = before[-1] if before else None
@@ -568,6 +319,6 @@ def _diagnose_value(exc: Exception, text: str) -> Diagnostic:
             and str(token) in UNITS):
         hints.append(f"write the unit right after the number, without a space: "
                      f"{previous}{token}")
-    return error(f"unexpected {_describe_token(token)}; expected "
-                 f"{_describe_expected(_accepted(exc), innermost, _END_OF_VALUE)}", span,
+    return error(f"unexpected {describe_token(token)}; expected "
+                 f"{describe_expected(_accepted(exc), innermost, _END_OF_VALUE)}", span,
                  *hints)

@@ -9,6 +9,8 @@ reports cycles.
 from __future__ import annotations
 
 import difflib
+import functools
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -474,14 +476,29 @@ class OptimizerCall(Kind):
         return _ARGUMENT_KINDS[argument.name].read(argument.value, None)
 
 
+def check_path(value: ast.String, what: str) -> str:
+    """A path as written in quotes, if the system can name a file with it: not empty, no
+    NUL character (the end of a C string) and no lone surrogate (not encodable)."""
+    text = value.value
+    if not text:
+        raise Problem(f"the {what} path is empty", value.span)
+    if "\0" in text:
+        raise Problem(f"the {what} path holds a NUL character, which no file name can hold",
+                      value.span)
+    try:
+        os.fsencode(text)
+    except UnicodeEncodeError as exc:
+        raise Problem(f"the {what} path holds U+{ord(text[exc.start]):04X}, which no file "
+                      f"name can hold", value.span) from None
+    return text
+
+
 class DataSource(Kind):
     noun = "synthetic or a file path in quotes"
 
     def read(self, value, scope):
         if isinstance(value, ast.String):
-            if not value.value:
-                raise Problem("the data path is empty", value.span)
-            return value.value
+            return check_path(value, "data")
         text = word_text(value)
         if text == "synthetic":
             return "synthetic"
@@ -502,9 +519,7 @@ class PresetSource(Kind):
 
     def read(self, value, scope):
         if isinstance(value, ast.String):
-            if not value.value:
-                raise Problem("the topology path is empty", value.span)
-            return PresetFile(value.value)
+            return PresetFile(check_path(value, "topology"))
         return Choice(tuple(PRESETS)).read(value, scope)
 
 
@@ -617,15 +632,26 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
 })
 
 
-def where_key_lives(key: str, schema: BlockSchema = PLAN_SCHEMA, path: str = "") -> list[str]:
+def where_key_lives(key: str) -> list[str]:
     """Dotted paths of the blocks that have ``key``, for 'it belongs in ...' hints."""
-    found = []
-    for name, block in schema.blocks.items():
-        inner = f"{path}.{name}" if path else name
-        if key in block.keys:
-            found.append(inner)
-        found.extend(where_key_lives(key, block, inner))
-    return found
+    return list(_homes().get(key, ()))
+
+
+@functools.lru_cache(maxsize=1)
+def _homes() -> dict[str, tuple[str, ...]]:
+    """Every key of the language -> the blocks that have it (built once: a file with
+    thousands of unknown keys asks for each)."""
+    found: dict[str, list[str]] = {}
+
+    def visit(schema: BlockSchema, path: str) -> None:
+        for name, block in schema.blocks.items():
+            inner = f"{path}.{name}" if path else name
+            for key in block.keys:
+                found.setdefault(key, []).append(inner)
+            visit(block, inner)
+
+    visit(PLAN_SCHEMA, "")
+    return {key: tuple(paths) for key, paths in found.items()}
 
 
 def block_syntax(path: str) -> str:

@@ -104,11 +104,12 @@ class GroupTable:
         coords = layout.coords(rank)
         if any(coords[a] not in values for a, values in rule.coordinates.items()):
             return ()
-        members = [coords]
+        strides = layout.strides  # a rank is the sum of coordinate x stride over the axes
+        members = [rank - sum(coords[axis] * strides[axis] for axis in rule.axes)]
         for axis in rule.axes:
             values = rule.coordinates.get(axis, range(self.mesh.size(axis)))
-            members = [{**c, axis: v} for c in members for v in values]
-        return tuple(sorted(layout.rank(c) for c in members))
+            members = [m + v * strides[axis] for m in members for v in values]
+        return tuple(sorted(members))
 
     def shapes(self, ref: str, stage: int) -> dict[tuple[int, ...], tuple[int, ...]]:
         """The distinct placements on nodes of the groups of ``ref`` that have a member on
@@ -126,6 +127,9 @@ class GroupTable:
         elif rule.coordinates.get("pp") and stage not in rule.coordinates["pp"]:
             return {}
         first = layout.rank(start)
+        if self.mesh.world <= per_node:  # one node holds every group: one placement
+            members = self.members(first, rule)
+            return {counts_of(members, per_node): members}
         residues = {first % per_node: first}
         for axis in AXES:
             if axis in rule.axes or axis == "pp":

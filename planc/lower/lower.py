@@ -61,16 +61,16 @@ def _close_state(block: list[Instruction]) -> list[Instruction]:
             for w in i.writes:
                 if w.startswith(STATE):
                     writers.setdefault(w, set()).add(i.stream)
-    closing: list[tuple[str, Instruction]] = []  # (waiting stream, reader)
+    closing: dict[tuple[str, Instruction], None] = {}  # (waiting stream, reader), in order
     for i in block:
         if not i.per_microbatch or i.op in ("record", "wait"):
             continue
         for stream in sorted({s for r in i.reads if r in writers for s in writers[r]}):
-            if stream != i.stream and (stream, i) not in closing:
-                closing.append((stream, i))
+            if stream != i.stream:
+                closing.setdefault((stream, i), None)
     if not closing:
         return block
-    readers = [i for _, i in closing]
+    readers = {i for _, i in closing}
     recorded = {(i.event, i.stream) for i in block if i.op == "record" and i.per_microbatch}
     out = []
     for instruction in block:
@@ -115,13 +115,18 @@ class _Where:
 
 
 class _StageLowering:
-    def __init__(self, plan: Plan, graph: nx.DiGraph, stage: int, rank: dict[str, int]):
+    def __init__(self, plan: Plan, graph: nx.DiGraph, stage: int, rank: dict[str, int],
+                 nodes: list[str], buckets: dict[str, dict], overlap: bool):
+        """``nodes`` and ``buckets``: the stage's; ``overlap``: whether the overlap pass
+        placed the graph's nodes (computed once for all stages: lowering stays linear)."""
         self.plan, self.graph, self.stage, self.rank = plan, graph, stage, rank
-        self.overlap = plan.optimize.overlap and any(
-            "placement" in d for _, d in graph.nodes(data=True))
+        self.buckets = buckets
+        self._sources: dict[str, list[tuple[str, bool]]] = {}
+        self.overlap = overlap
         self.where: dict[str, _Where] = {}
         self.buffer_of: dict[str, str] | None = None  # parameter -> its gradient buffer
-        ring = {n: d["kind"] for n, d in graph.nodes(data=True) if d["stage"] == stage and
+        mine = [(n, graph.nodes[n]) for n in nodes]
+        ring = {n: d["kind"] for n, d in mine if
                 d["type"] == NodeType.TRANSFER and d["axis"] == Axis.CP and
                 d["kind"] in (Kind.SEND, Kind.RECV)}
         self.ring_sends = {n for n, k in ring.items() if k == Kind.SEND}
@@ -130,16 +135,14 @@ class _StageLowering:
         # one of their bucket's parameters wait for them (across the step boundary, so
         # the graph has no edge for it).
         self.gathered_first: dict[str, str] = {}
-        for node, data in graph.nodes(data=True):
-            if data["stage"] == stage and data.get("placement") == PROLOGUE and \
-                    self.overlap:
+        for node, data in mine:
+            if data.get("placement") == PROLOGUE and self.overlap:
                 for member in graph.graph["buckets"][data["bucket"]]["members"]:
                     self.gathered_first[member["param"]] = node
         self.first_users: dict[str, list[str]] = {}  # such a gather -> the steps waiting
         if self.gathered_first:
-            for node, data in graph.nodes(data=True):
-                if data["stage"] == stage and data["type"] == NodeType.COMPUTE and \
-                        data["phase"] == Phase.FORWARD:
+            for node, data in mine:
+                if data["type"] == NodeType.COMPUTE and data["phase"] == Phase.FORWARD:
                     for gather in {self.gathered_first[p] for p in data["params"]
                                    if p in self.gathered_first}:
                         self.first_users.setdefault(gather, []).append(node)
@@ -173,12 +176,11 @@ class _StageLowering:
                 owner = self.buffer_of
                 if owner is None:
                     owner = self.buffer_of = {}
-                    for b, info in table.items():
-                        if info["stage"] == self.stage:
-                            names = gradient_buffers(b, info)
-                            for m in info["members"]:
-                                summed = m["offset"] < info.get("tp_sum_numel", 0)
-                                owner[m["param"]] = names[0] if summed else names[-1]
+                    for b, info in self.buckets.items():
+                        names = gradient_buffers(b, info)
+                        for m in info["members"]:
+                            summed = m["offset"] < info.get("tp_sum_numel", 0)
+                            owner[m["param"]] = names[0] if summed else names[-1]
                 return (), tuple(sorted({owner[p] for p in data["params"] if p in owner}))
             return (), ()
         if data["payload"] == Payload.GRAD:
@@ -195,7 +197,13 @@ class _StageLowering:
 
     def sources(self, node: str) -> list[tuple[str, bool]]:
         """(node, carries data) of everything ``node`` depends on; a ring receive
-        depends on what its send sends."""
+        depends on what its send sends. Found once per node (waits and instructions
+        both ask)."""
+        if node not in self._sources:
+            self._sources[node] = self._find_sources(node)
+        return self._sources[node]
+
+    def _find_sources(self, node: str) -> list[tuple[str, bool]]:
         if self.is_ring_recv(node):
             (send,) = [p for p in self.graph.predecessors(node) if self.is_ring_send(p)]
             node = send
@@ -368,8 +376,14 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
     # The order in which each stage sends to each neighbour: its schedule.
     actions = {s: schedule(plan.schedule.pipeline, s, pp, m, virtual) for s in range(pp)}
     table = buckets(graph)
+    buckets_of: dict[int, dict] = {}
+    for b, info in table.items():
+        buckets_of.setdefault(info["stage"], {})[b] = info
+    overlap = plan.optimize.overlap and any("placement" in d for _, d in graph.nodes(data=True))
     for stage in range(pp):
-        lowering = _StageLowering(plan, graph, stage, rank)
+        stage_buckets = buckets_of.get(stage, {})
+        lowering = _StageLowering(plan, graph, stage, rank, by_stage[stage], stage_buckets,
+                                  overlap)
         parts: dict[str, set[str]] = {}
         receive_nodes: dict[str, str] = {}  # recv node -> stream
         for node in by_stage[stage]:
@@ -403,7 +417,6 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
         receives = _receive_order(graph, receive_nodes, actions)
         used_streams = {w.stream for n, w in lowering.where.items()} | set(receives)
         streams = tuple(s for s in STREAM_ORDER if s in used_streams or s == COMPUTE)
-        stage_buckets = {b: info for b, info in table.items() if info["stage"] == stage}
         programs[f"stage{stage}.json"] = Program(
             stage, streams, blocks, plan_schedule, receives, tuple(body), m,
             prologue=tuple(listed.get(PROLOGUE, ())), buckets=stage_buckets)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Iterator
 
 from planc.graph.ir import Kind
@@ -207,59 +208,101 @@ class Program:
         """Whether ``instruction`` runs in a block instance of ``microbatch``."""
         return guard_microbatch(instruction.guard, self.microbatches) in (None, microbatch)
 
-    def expand(self) -> Iterator[Expanded]:
+    def running(self, block: str, microbatch: int) -> tuple[Instruction, ...]:
+        """The instructions of ``block`` that run for ``microbatch`` (guards applied)."""
+        return tuple(i for i in self.blocks[block] if self.runs(i, microbatch))
+
+    def expand(self, only: int | None = None) -> Iterator[Expanded]:
         """Every instruction of one step, in issue order.
 
         Issue order: the prologue; for each scheduled block, first the receives it waits
         for (and any queued before them on the same receive stream; each receive records
         the event ``done:NODE``), then the block's instructions (guarded ones only on the
         last microbatch); after the schedule, any receive left, then the epilogue.
+
+        ``only``: yield only what belongs to that microbatch or to none (once-per-step
+        instructions), with the same indices, without expanding the other microbatches'
+        blocks (``planc programs --expand --microbatch K`` on a long schedule).
         """
-        counter = iter(range(1 << 62))
+        index = 0
         position = {stream: 0 for stream in self.receives}
         needed = self.receives_needed()
+        running: dict[tuple[str, bool, bool], tuple[Instruction, ...]] = {}
+        last = self.last_microbatch()
 
         def emit(instruction: Instruction, microbatch: int | None, where: str) -> Expanded:
+            nonlocal index
             mb = microbatch if instruction.per_microbatch else None
             suffix = f"#{mb}" if mb is not None else ""
 
             def named(names):
                 return tuple(r if r.startswith(STATE) else f"{r}{suffix}" for r in names)
 
-            return Expanded(next(counter), instruction.op, instruction.stream,
+            index += 1
+            return Expanded(index - 1, instruction.op, instruction.stream,
                             instruction.node, mb,
                             f"{instruction.event}{suffix}" if instruction.event else None,
                             named(instruction.reads), named(instruction.writes), where,
                             named(instruction.frees), instruction)
 
         def receive(stream: str) -> Iterator[Expanded]:
+            nonlocal index
             node, mb = self.receives[stream][position[stream]]
             position[stream] += 1
+            if only is not None and mb != only:
+                index += 2
+                return
             yield emit(Instruction("recv", stream, node, writes=(node,)), mb, stream)
             yield emit(Instruction("record", stream, event=f"done:{node}"), mb, stream)
 
         for instruction in self.prologue:
             yield emit(instruction, None, "prologue")
         for block, microbatch in self.schedule:
-            for stream, last in needed.get((block, microbatch), {}).items():
-                while position[stream] <= last:
+            for stream, end in needed.get((block, microbatch), {}).items():
+                while position[stream] <= end:
                     yield from receive(stream)
-            for instruction in self.blocks[block]:
-                if self.runs(instruction, microbatch):
-                    yield emit(instruction, microbatch, f"{block} mb {microbatch}")
+            key = (block, microbatch == 0, microbatch == last)
+            if key not in running:
+                running[key] = self.running(block, microbatch)
+            where = f"{block} mb {microbatch}"
+            if only is None or microbatch == only:
+                for instruction in running[key]:
+                    yield emit(instruction, microbatch, where)
+                continue
+            start = index  # another microbatch: only its once-per-step instructions
+            for offset, instruction in enumerate(running[key]):
+                if not instruction.per_microbatch:
+                    index = start + offset
+                    yield emit(instruction, microbatch, where)
+            index = start + len(running[key])
         for stream in self.receives:
             while position[stream] < len(self.receives[stream]):
                 yield from receive(stream)
         for instruction in self.epilogue:
             yield emit(instruction, None, "epilogue")
 
+    def expanded_length(self) -> int:
+        """How many instructions :meth:`expand` yields, without expanding."""
+        counts: dict[tuple[str, bool, bool], int] = {}
+        last = self.last_microbatch()
+        total = len(self.prologue) + len(self.epilogue) + \
+            2 * sum(len(items) for items in self.receives.values())
+        for block, microbatch in self.schedule:
+            key = (block, microbatch == 0, microbatch == last)
+            if key not in counts:
+                counts[key] = len(self.running(block, microbatch))
+            total += counts[key]
+        return total
+
     def receives_needed(self) -> dict[tuple[str, int], dict[str, int]]:
         """For each scheduled (block, microbatch): per receive stream, the position of the
         last receive whose event the block waits for."""
         where = {(node, mb): (stream, i) for stream, items in self.receives.items()
                  for i, (node, mb) in enumerate(items)}
+        received = {node for node, _ in where}
         waits = {name: [i.event[len("done:"):] for i in block
-                        if i.op == "wait" and i.event.startswith("done:")]
+                        if i.op == "wait" and i.event.startswith("done:")
+                        and i.event[len("done:"):] in received]
                  for name, block in self.blocks.items()}
         out: dict[tuple[str, int], dict[str, int]] = {}
         for block, microbatch in self.schedule:
@@ -323,11 +366,17 @@ class RankTable:
     def stage_of(self, rank: int) -> int:
         return rank // self.stride % self.pp
 
+    @cached_property
+    def _by_stage(self) -> dict[int, str]:
+        by_stage: dict[int, str] = {}
+        for name, stage in self.stages.items():
+            by_stage.setdefault(stage, name)
+        return by_stage
+
     def program_of(self, rank: int) -> str:
         if rank in self.overrides:
             return self.overrides[rank]
-        stage = self.stage_of(rank)
-        return next(name for name, s in self.stages.items() if s == stage)
+        return self._by_stage[self.stage_of(rank)]
 
     def ranks(self, name: str) -> Iterator[int]:
         """Every rank that runs ``name`` (walks the world: for reports and listings)."""

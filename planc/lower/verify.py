@@ -42,6 +42,7 @@ class _Verifier(StreamChecks, PipelineChecks):
         self.report = Report()
         self.layout = RankLayout.of(plan)
         self._texts: dict[str, str] = {}
+        self.receive_of_send: dict[str, str] = {}
 
     # --- 0. the rank table ------------------------------------------------------------
 
@@ -127,13 +128,22 @@ class _Verifier(StreamChecks, PipelineChecks):
                 self._compare_members("tied", pair)
 
     def _collectives(self, name: str, axis: str) -> list[tuple[str, str, int | None]]:
+        """The collectives on ``axis`` that the program issues in one step, in issue order
+        (that of :meth:`Program.expand`, which receives do not change), as (op, node,
+        microbatch): found once per block, then repeated along the schedule."""
         program = self.programs[name]
-        axis_of = {n: self.graph.nodes[n].get("axis") for n in self.graph.nodes}
-        out = []
-        for item in program.expand():
-            if item.op in COLLECTIVES and axis_of.get(item.node) == axis:
-                out.append((item.op, item.node, item.microbatch))
-        return out
+
+        def on_axis(instructions) -> list:
+            return [i for i in instructions if i.op in COLLECTIVES and i.node in self.graph
+                    and self.graph.nodes[i.node].get("axis") == axis]
+
+        per_block = {block: on_axis(items) for block, items in program.blocks.items()}
+        out = [(i.op, i.node, None) for i in on_axis(program.prologue)]
+        for block, mb in program.schedule:
+            for i in per_block.get(block, ()):
+                if program.runs(i, mb):
+                    out.append((i.op, i.node, mb if i.per_microbatch else None))
+        return out + [(i.op, i.node, None) for i in on_axis(program.epilogue)]
 
     def _compare_members(self, axis: str, members) -> None:
         names = {r: self.table.program_of(r) for r in members}

@@ -13,7 +13,8 @@ from planc.lower.verify_report import Lazy
 
 class PipelineChecks:
     """Mixed into the verifier: needs ``self.plan``, ``self.graph``, ``self.programs``,
-    ``self.table``, ``self.layout``, ``self.report``, ``uniform`` and ``ranks_text``."""
+    ``self.table``, ``self.layout``, ``self.report``, ``uniform``, ``ranks_text`` and
+    ``receive_of_send`` (a dict, the cache of :meth:`_receive_of`)."""
 
     # --- 2. point to point, and deadlock ------------------------------------------------
 
@@ -22,8 +23,6 @@ class PipelineChecks:
         if pp == 1:
             return
         actors = self._actors()
-        for actor in actors.values():
-            actor.sends = {stream: [] for stream in ("send_next", "send_prev")}
         before = len(self.report.problems)
         self._check_matching(actors)
         if len(self.report.problems) == before:  # only matched transfers can be simulated
@@ -54,45 +53,56 @@ class PipelineChecks:
         return actors
 
     def _sends_of(self, program: Program) -> dict[str, list[tuple[str, int]]]:
+        """Per send stream, what the program sends in one step, in order, as (the receive
+        node it matches, microbatch)."""
         sends: dict[str, list[tuple[str, int]]] = {"send_next": [], "send_prev": []}
-        per_block = {name: [(i.stream, i.node) for i in block if i.op == "send"]
+        per_block = {name: [(sends.setdefault(i.stream, []), self._receive_of(i.node))
+                            for i in block if i.op == "send"]
                      for name, block in program.blocks.items()}
         for block, mb in program.schedule:
-            for stream, node in per_block.get(block, ()):
-                sends.setdefault(stream, []).append((node, mb))
+            for into, receive in per_block.get(block, ()):
+                into.append((receive, mb))
         return sends
 
     def _check_matching(self, actors: dict[int, "_Actor"]) -> None:
-        cache: dict[tuple[str, str, str], None] = {}
+        checked: set[tuple[str, str, str]] = set()
+        sends: dict[str, dict[str, list[tuple[str, int]]]] = {}  # program -> its sends
         for actor in actors.values():
-            actor.sends = self._sends_of(actor.program)
+            if actor.name not in sends:
+                sends[actor.name] = self._sends_of(actor.program)
         for actor in actors.values():
             for stream, peer_id, receive_stream in (("send_next", actor.next, "recv_prev"),
                                                     ("send_prev", actor.prev, "recv_next")):
                 peer = actors[peer_id]
                 key = (actor.name, peer.name, stream)
-                if key in cache:
+                if key in checked:
                     continue
-                cache[key] = None
-                sent = [(self._receive_of(node), mb) for node, mb in actor.sends.get(stream, [])]
+                checked.add(key)
+                sent = sends[actor.name].get(stream, [])
                 received = list(peer.program.receives.get(receive_stream, ()))
                 self._compare_p2p(actor, peer, stream, receive_stream, sent, received)
 
     def _receive_of(self, send: str) -> str:
-        return next((n for n in self.graph.successors(send)
-                     if self.graph.nodes[n].get("kind") == "recv"), send) \
-            if send in self.graph else send
+        cache = self.receive_of_send
+        if send not in cache:
+            cache[send] = next((n for n in self.graph.successors(send)
+                                if self.graph.nodes[n].get("kind") == "recv"), send) \
+                if send in self.graph else send
+        return cache[send]
 
     def _compare_p2p(self, actor, peer, stream, receive_stream, sent, received) -> None:
+        if sent == received:  # the common case, compared at C speed; then sizes, once each
+            for node in dict.fromkeys(node for node, _ in sent):
+                self._compare_size(actor, peer, node)
+            return
+        sized: set[str] = set()  # receives whose size was compared (once, not per microbatch)
         for k in range(max(len(sent), len(received))):
             x = sent[k] if k < len(sent) else None
             y = received[k] if k < len(received) else None
             if x == y:
-                if x is not None and x[0] in self.graph and (
-                        self.graph.nodes[x[0]]["bytes"] !=
-                        self.graph.nodes[self._send_of(x[0])]["bytes"]):
-                    self.report.add(f"{actor.text()} and {peer.text()} disagree on the size "
-                                    f"of {x[0]}")
+                if x is not None and x[0] not in sized:
+                    sized.add(x[0])
+                    self._compare_size(actor, peer, x[0])
                 continue
             if y is None:
                 self.report.add(f"{actor.text()} sends {_p2p_text(x)} on {stream} to "
@@ -106,32 +116,41 @@ class PipelineChecks:
                                 f"receive {k + 1} on {receive_stream}")
             return
 
+    def _compare_size(self, actor, peer, receive: str) -> None:
+        if receive in self.graph and (self.graph.nodes[receive]["bytes"] !=
+                                      self.graph.nodes[self._send_of(receive)]["bytes"]):
+            self.report.add(f"{actor.text()} and {peer.text()} disagree on the size of "
+                            f"{receive}")
+
     def _send_of(self, receive: str) -> str:
         return next(iter(self.graph.predecessors(receive)), receive)
 
     def _simulate(self, actors: dict[int, "_Actor"]) -> None:
-        """Rendezvous simulation of blocks, sends and receives along the pipeline."""
+        """Rendezvous simulation of blocks, sends and receives along the pipeline. An
+        actor runs blocks until one waits for a receive that has not completed. Sends and
+        receives were just found to match in order, so a send completes with the peer's
+        next receive as soon as it is issued: a receive stream only counts. Only an actor
+        whose receive just completed can move again, so a work list visits each block
+        once: linear in the schedules, and the same end state as sweeping over every
+        actor until none moves."""
         for actor in actors.values():
             actor.start()
-        progress = True
-        while progress:
-            progress = False
-            for actor in actors.values():
-                while actor.try_block():
-                    progress = True
-            for actor in actors.values():
-                for stream, peer_id, receive_stream in (("send_next", actor.next, "recv_prev"),
-                                                        ("send_prev", actor.prev, "recv_next")):
+        work = deque(actors.values())
+        queued = set(actors)
+        while work:
+            actor = work.popleft()
+            queued.discard(actor.rank)
+            sent = actor.run_blocks()
+            for stream, peer_id, receive_stream in (("send_next", actor.next, "recv_prev"),
+                                                    ("send_prev", actor.prev, "recv_next")):
+                if sent.get(stream):
                     peer = actors[peer_id]
-                    queue = actor.pending[stream]
-                    while queue and peer.receive_head(receive_stream) == \
-                            (self._receive_of(queue[0][0]), queue[0][1]):
-                        queue.popleft()
-                        peer.receive_done(receive_stream)
-                        progress = True
-            for actor in actors.values():
-                if actor.try_finish(actors):
-                    progress = True
+                    peer.received[receive_stream] += sent[stream]
+                    if peer.rank not in queued:
+                        work.append(peer)
+                        queued.add(peer.rank)
+        for actor in actors.values():
+            actor.try_finish(actors)
         stuck = [a for a in actors.values() if not a.finished]
         if not stuck:
             return
@@ -166,7 +185,6 @@ class _Actor:
         self.rank, self.stage, self.name, self.program, self.ranks = rank, stage, name, \
             program, ranks
         self.next = self.prev = rank
-        self.sends: dict[str, list] = {}
         self.finished = False
 
     def text(self) -> str:
@@ -174,7 +192,6 @@ class _Actor:
 
     def start(self) -> None:
         self.position = 0
-        self.pending = {"send_next": deque(), "send_prev": deque()}
         self.received = {stream: 0 for stream in self.program.receives}
         self.receive_index = {stream: {item: i for i, item in enumerate(items)}
                               for stream, items in self.program.receives.items()}
@@ -186,8 +203,13 @@ class _Actor:
                    for i in block if i.op == "wait" and i.event.startswith("done:")
                    and i.event[len("done:"):] in receive_stream]
             for name, block in self.program.blocks.items()}
-        self.block_sends = {name: [(i.stream, i.node) for i in block if i.op == "send"]
-                            for name, block in self.program.blocks.items()}
+        self.block_sends = {}  # per block: how many sends it issues on each stream
+        for name, block in self.program.blocks.items():
+            counts: dict[str, int] = {}
+            for i in block:
+                if i.op == "send":
+                    counts[i.stream] = counts.get(i.stream, 0) + 1
+            self.block_sends[name] = tuple(counts.items())
 
     def _blocked_on(self) -> tuple[str, tuple[str, int]] | None:
         """The receive the next block waits for and has not got, if any."""
@@ -198,26 +220,33 @@ class _Actor:
                 return stream, (node, mb)
         return None
 
-    def try_block(self) -> bool:
-        if self.position >= len(self.program.schedule) or self._blocked_on() is not None:
-            return False
-        block, mb = self.program.schedule[self.position]
-        for stream, node in self.block_sends[block]:
-            self.pending[stream].append((node, mb))
-        self.position += 1
-        return True
+    def run_blocks(self) -> dict[str, int]:
+        """Run scheduled blocks until one waits for a receive not yet completed (what
+        :meth:`_blocked_on` finds, inlined: this loop runs once per block and microbatch);
+        returns how many sends they issued on each stream."""
+        schedule, received, sent = self.program.schedule, self.received, {}
+        waits, sends, index = self.block_waits, self.block_sends, self.receive_index
+        p, end = self.position, len(schedule)
+        while p < end:
+            block, mb = schedule[p]
+            for stream, node in waits[block]:
+                i = index[stream].get((node, mb))
+                if i is not None and i >= received[stream]:
+                    self.position = p
+                    return sent
+            for stream, count in sends[block]:
+                sent[stream] = sent.get(stream, 0) + count
+            p += 1
+        self.position = p
+        return sent
 
     def receive_head(self, stream: str):
         items = self.program.receives.get(stream, ())
         i = self.received.get(stream, 0)
         return items[i] if i < len(items) else None
 
-    def receive_done(self, stream: str) -> None:
-        self.received[stream] += 1
-
     def drained(self) -> bool:
         return (self.position >= len(self.program.schedule)
-                and not any(self.pending.values())
                 and all(self.received[s] == len(items)
                         for s, items in self.program.receives.items()))
 
@@ -236,11 +265,6 @@ class _Actor:
                 return peer, (f"waits in block {self.program.schedule[self.position][0]} "
                               f"(microbatch {self.program.schedule[self.position][1]}) for "
                               f"{_p2p_text(item)} from stage {actors[peer].stage}")
-        for stream, queue in self.pending.items():
-            if queue:
-                peer = self.next if stream == "send_next" else self.prev
-                return peer, (f"waits to send {_p2p_text(queue[0])} on {stream} until stage "
-                              f"{actors[peer].stage} receives it")
         for stream in self.program.receives:
             head = self.receive_head(stream)
             if head is not None:

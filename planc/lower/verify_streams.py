@@ -20,8 +20,6 @@ class StreamChecks:
             self.report.add(f"{ranks} ({name}) schedule names block {block}, which does not "
                             f"exist")
             return
-        receive_events = {(f"done:{node}", mb) for items in program.receives.values()
-                          for node, mb in items}
         prologue = self._check_sequence(program.prologue,
                                         Lazy(lambda: f"{ranks} ({name}, prologue)"),
                                         external=False)
@@ -33,34 +31,82 @@ class StreamChecks:
                                                     clocks=self._gathers(instructions))
             self._guards(where, instructions, summaries[block])
             self._prefetch(where, instructions, summaries[block])
-        positions: dict[tuple[str, int], int] = {}
-        for k, (block, mb) in enumerate(program.schedule):
-            positions.setdefault((block, mb), k)
-        last_run = {block: max(k for (b, _), k in positions.items() if b == block)
-                    for block in {b for b, _ in positions}}
+        positions: dict[tuple[str, int], int] = {}  # each block run's first position
+        last_run: dict[str, int] = {}  # the last of a block's runs' first positions
+        first_run: dict[str, int] = {}
+        runs: dict[str, list[tuple[int, int]]] = {}  # block -> its (position, microbatch)
+        for k, entry in enumerate(program.schedule):
+            if entry not in positions:
+                positions[entry] = last_run[entry[0]] = k
+                first_run.setdefault(entry[0], k)
+            runs.setdefault(entry[0], []).append((k, entry[1]))
         # Events a block waits for from outside itself: recorded by a receive of the same
         # microbatch, by a block that ran earlier for that microbatch, or, once per step,
-        # by the prologue or by a block's guarded instance that ran earlier.
-        recorded: dict[int, set[str]] = {}
-        for block, mb in program.schedule:
-            summary = summaries[block]
-            for instruction in summary.external:
-                if not program.runs(instruction, mb):
-                    continue
-                event = instruction.event
-                if instruction.per_microbatch and ((event, mb) in receive_events or
-                                                   event in recorded.get(mb, ())):
-                    continue
-                if not instruction.per_microbatch and event in step_events:
-                    continue
-                self.report.add(f"{ranks} ({name}): {describe(instruction, mb)} in block "
-                                f"{block} waits for an event no earlier instruction records")
+        # by the prologue or by a block's guarded instance that ran earlier. Checked per
+        # run of a block without walking its records: where each event is recorded, and
+        # where each block first runs for each microbatch, say whether it ran earlier.
+        m, never = program.microbatches, len(program.schedule)
+        interned: dict[frozenset, frozenset] = {}
+        arrivals: dict[str, set[int]] = {}
+        for items in program.receives.values():
+            for node, mb in items:
+                arrivals.setdefault(f"done:{node}", set()).add(mb)
+        received = {event: interned.setdefault(frozenset(mbs), frozenset(mbs))
+                    for event, mbs in arrivals.items()}
+        recorders: dict[tuple[str, bool], set[tuple[str, str | None]]] = {}
+        for block, summary in summaries.items():
             for instruction in summary.record_instructions:
-                if program.runs(instruction, mb):
-                    if instruction.per_microbatch:
-                        recorded.setdefault(mb, set()).add(instruction.event)
-                    else:
-                        step_events.add(instruction.event)
+                recorders.setdefault((instruction.event, instruction.per_microbatch),
+                                     set()).add((block, instruction.guard))
+
+        def step_run(block: str, guard: str | None) -> int:
+            """The position of the first run of a once-per-step record."""
+            if guard is None:
+                return first_run.get(block, never)
+            return positions.get((block, guard_microbatch(guard, m)), never)
+
+        def satisfied(instruction: Instruction, mb: int, k: int) -> bool:
+            event = instruction.event
+            if instruction.per_microbatch:
+                return mb in received.get(event, ()) or any(
+                    guard_microbatch(guard, m) in (None, mb) and
+                    positions.get((block, mb), never) < k
+                    for block, guard in recorders.get((event, True), ()))
+            return event in step_events or any(
+                step_run(block, guard) < k for block, guard in recorders.get((event, False), ()))
+
+        # Waits that the same records and receives satisfy are checked once per run.
+        kinds: dict[str, list[Instruction]] = {}
+        for block, summary in summaries.items():
+            alike: dict[tuple, Instruction] = {}
+            for instruction in summary.external:
+                key = (instruction.per_microbatch, instruction.guard,
+                       tuple(sorted(recorders.get((instruction.event,
+                                                   instruction.per_microbatch), ()),
+                                    key=lambda r: (r[0], r[1] or ""))),
+                       id(received.get(instruction.event)) if instruction.per_microbatch
+                       else instruction.event in step_events)
+                alike.setdefault(key, instruction)
+            kinds[block] = list(alike.values())
+        failing: set[int] = set()
+        for block, alike in kinds.items():
+            every = runs.get(block, [])
+            microbatches = {mb for _, mb in every}
+            for instruction in alike:
+                if instruction.per_microbatch and instruction.guard is None and \
+                        microbatches <= received.get(instruction.event, frozenset()):
+                    continue  # a receive's event, recorded for every microbatch: the usual
+                failing.update(k for k, mb in every if program.runs(instruction, mb)
+                               and not satisfied(instruction, mb, k))
+        for k in sorted(failing):
+            block, mb = program.schedule[k]
+            for instruction in summaries[block].external:
+                if program.runs(instruction, mb) and not satisfied(instruction, mb, k):
+                    self.report.add(f"{ranks} ({name}): {describe(instruction, mb)} in block "
+                                    f"{block} waits for an event no earlier instruction "
+                                    f"records")
+        step_events |= {event for (event, per_mb), where in recorders.items() if not per_mb
+                        and any(step_run(block, guard) < never for block, guard in where)}
         epilogue = self._check_sequence(program.epilogue,
                                         Lazy(lambda: f"{ranks} ({name}, epilogue)"),
                                         external=True)
@@ -96,11 +142,20 @@ class StreamChecks:
         for k in self._gathers(instructions):
             units.setdefault(unit_of(self.graph, instructions[k].node), []).append(k)
         order = list(units.values())
+        if len(order) < 3:
+            return
+        readers: dict[str, list[int]] = {}  # a gathered buffer -> the instructions reading it
+        gathered_nodes = {instructions[k].node for k in self._gathers(instructions)}
+        for r, reader in enumerate(instructions):
+            for buffer in set(reader.reads) & gathered_nodes:
+                readers.setdefault(buffer, []).append(r)
         for n, unit in enumerate(order[2:], start=2):
             earlier = {instructions[k].node for k in order[n - 2]}
+            reading = sorted({r for node in earlier for r in readers.get(node, ())})
             for k in unit:
-                for r, reader in enumerate(instructions):
-                    if earlier.intersection(reader.reads) and not summary.before(r, k):
+                for r in reading:
+                    reader = instructions[r]
+                    if not summary.before(r, k):
                         gathered = sorted(earlier.intersection(reader.reads))[0]
                         self.report.add(
                             f"{where}: {describe(instructions[k])} (instruction {k}) "
@@ -199,16 +254,23 @@ class StreamChecks:
                     readers.setdefault(buffer, []).append((block, k))
         finals = {}
         late: dict[tuple[str, str, int], list[str]] = {}
+        runs: dict[str, list[tuple[int, int]]] = {}  # block -> (microbatch, position)
+        for (b, mb), at in positions.items():
+            runs.setdefault(b, []).append((mb, at))
+        first_late: dict[tuple[str, str], int | None] = {}  # (block, other) -> microbatch
         for block, instructions in program.blocks.items():
             for instruction in instructions:
                 for buffer in instruction.frees:
                     for other, k in readers.get(buffer, []):
                         if other == block:
                             continue  # checked with the block's own clocks
-                        for (b, mb), at in positions.items():
-                            if b == block and positions.get((other, mb), -1) > at:
-                                late.setdefault((other, block, mb), []).append(buffer)
-                                break
+                        if (block, other) not in first_late:  # once per pair of blocks
+                            first_late[(block, other)] = next(
+                                (mb for mb, at in runs.get(block, ())
+                                 if positions.get((other, mb), -1) > at), None)
+                        mb = first_late[(block, other)]
+                        if mb is not None:
+                            late.setdefault((other, block, mb), []).append(buffer)
                         if other not in finals:
                             finals[other] = vector_clocks(program.blocks[other])[1]
                         reader = program.blocks[other][k]

@@ -10,7 +10,7 @@ what it changed before and after, and its decisions with their reasons, so that
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import networkx as nx
@@ -25,6 +25,13 @@ class PassContext:
     plan: Plan
     layout: Layout
     cost: CostModel
+    owned: bool = False  # the graph is :func:`run`'s own copy: a pass changes it in place
+
+    def working_copy(self, graph: nx.DiGraph) -> nx.DiGraph:
+        """The graph a pass changes: a copy (its input is left as it was), except inside
+        :func:`run`, which copies once for every pass (a copy of a 1,024-layer graph
+        takes a good part of a second)."""
+        return graph if self.owned else copy_graph(graph)
 
     @staticmethod
     def of(plan: Plan) -> "PassContext":
@@ -72,8 +79,12 @@ def _pipeline() -> tuple[tuple[str, Pass], ...]:
 
 
 def run(graph: nx.DiGraph, context: PassContext,
-        check: Callable[[nx.DiGraph, str], None] | None = None) -> nx.DiGraph:
-    """Every pass in order; ``check(graph, name)`` runs after each (tests validate)."""
+        check: Callable[[nx.DiGraph, str], None] | None = None,
+        owned: bool = False) -> nx.DiGraph:
+    """Every pass in order, on one copy of ``graph`` (on ``graph`` itself when ``owned``:
+    the caller has no further use for it); ``check(graph, name)`` runs after each (tests
+    validate)."""
+    graph, context = graph if owned else copy_graph(graph), replace(context, owned=True)
     for name, apply in _pipeline():
         graph = apply(graph, context)
         if check is not None:

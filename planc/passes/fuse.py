@@ -31,7 +31,7 @@ import networkx as nx
 from planc.graph import reasons
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, buckets, shard_numel
 from planc.lang.units import format_bytes
-from planc.passes import PassContext, PassRecord, copy_graph, record
+from planc.passes import PassContext, PassRecord, record
 
 FIRST_BUCKET_BYTES = 1_000_000  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES
 
@@ -249,7 +249,7 @@ def _replace(graph: nx.DiGraph, nodes: list[str], name: str, attrs: dict,
 
 
 def fuse(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
-    out = copy_graph(graph)
+    out = ctx.working_copy(graph)
     before = census(out)
     if not ctx.plan.optimize.fuse:
         line = "fuse: off (fuse = off): " + _headline(before, before, None)

@@ -37,7 +37,7 @@ from collections import defaultdict
 import networkx as nx
 
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase
-from planc.passes import PassContext, PassRecord, copy_graph, record
+from planc.passes import PassContext, PassRecord, record
 
 COMPUTE, COMM, DP = "compute", "comm", "dp"
 SEND = {Phase.FORWARD: "send_next", Phase.BACKWARD: "send_prev"}
@@ -56,7 +56,7 @@ def stream_of(data: dict, overlap: bool) -> str:
 
 
 def overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
-    out = copy_graph(graph)
+    out = ctx.working_copy(graph)
     on = ctx.plan.optimize.overlap
     for _, data in out.nodes(data=True):
         data["stream"] = stream_of(data, on)

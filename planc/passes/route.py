@@ -24,7 +24,7 @@ import networkx as nx
 from planc.cost import Candidate, Placement, Route
 from planc.graph.ir import Kind, transfers
 from planc.lower.groups import PIPELINE, group_table
-from planc.passes import PassContext, PassRecord, copy_graph, record
+from planc.passes import PassContext, PassRecord, record
 
 ROUTED_KINDS = (Kind.ALL_REDUCE, Kind.ALL_GATHER, Kind.REDUCE_SCATTER)
 
@@ -82,7 +82,7 @@ def choose(candidates: list[Candidate], asked: str) -> tuple[Candidate, str]:
 
 
 def route(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
-    out = copy_graph(graph)
+    out = ctx.working_copy(graph)
     asked = ctx.plan.optimize.route
     placements = group_placements(ctx)
     decisions, taken = [], Counter()

@@ -132,7 +132,10 @@ def open_tokens(path: str, name: str | None = None) -> tuple[int, TokenFile]:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise _not_regular(info.st_mode, name)
-        return fd, _layout(fd, path, info.st_size, name)
+        try:
+            return fd, _layout(fd, path, info.st_size, name)
+        except OSError as exc:  # /proc/self/mem, a failing disk
+            raise DataError(f"data file {name} cannot be read ({exc.strerror})") from None
     except BaseException:
         os.close(fd)
         raise
@@ -338,7 +341,10 @@ def check_file(path: str, name: str | None = None, *, seq: int | None = None,
         if vocab is None or tokens.count == 0 or (scan_limit is not None
                                                   and tokens.size > scan_limit):
             return tokens
-        largest, position = largest_token(fd, tokens, chunk_bytes, engine)
+        try:
+            largest, position = largest_token(fd, tokens, chunk_bytes, engine)
+        except OSError as exc:  # /proc/self/mem, a failing disk
+            raise DataError(f"data file {name} cannot be read ({exc.strerror})") from None
         if largest >= vocab:
             raise DataError(f"data file {name} holds token id {largest} (token {position} "
                             f"of the file), not below vocab = {vocab}")
@@ -350,7 +356,7 @@ def check_file(path: str, name: str | None = None, *, seq: int | None = None,
 def data_problem(plan: Plan, chunk_bytes: int = CHUNK_BYTES) -> str | None:
     """Why the plan's data file cannot feed a run, or None: checked once, before any rank
     starts, because the file may have appeared or changed since planc check (which scans
-    only files up to 16 MiB). Scans the whole file, in bounded memory."""
+    only files up to 16 MiB of tokens). Scans the whole file, in bounded memory."""
     if plan.train.data == "synthetic":
         return None
     try:

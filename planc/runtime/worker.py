@@ -27,7 +27,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from planc import build as build_module
 from planc import checkpoint as checkpoint_format
@@ -163,7 +162,8 @@ def train(args: argparse.Namespace) -> int:
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     timeout = timedelta(seconds=args.timeout + 60)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                            store=_launcher_store(world, timeout))
     torch.manual_seed(0)
     groups = make_groups(built.groups, rank, args.timeout + 60)
     ctx = RankContext(plan, built.groups, rank, groups, device, built.routes)
@@ -263,7 +263,16 @@ def _resumable(args, plan, graph, steps: int, checkpoints: Checkpoints):
     return found
 
 
-@record
+def _launcher_store(world: int, timeout: timedelta):
+    """The store of ``planc run``'s launcher (PLANC_STORE, on loopback), joined as a
+    client; None under torchrun, whose environment names the store instead."""
+    address = os.environ.get("PLANC_STORE")
+    if not address:
+        return None
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), world, False, timeout)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -273,12 +282,22 @@ def main(argv=None) -> int:
         return 1
 
 
-def entry(argv: list[str]) -> None:
-    """Entry point for torch.distributed's launcher (planc run)."""
-    status = main(argv)
-    if status:
-        sys.stderr.flush()
-        raise SystemExit(status)
+def run_rank(argv: list[str], error_path: str) -> int:
+    """One rank under planc run's launcher: its exit status, with an exception's
+    traceback printed and kept in ``error_path`` for the launcher's report."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+            return 1
+        return exc.code or 0
+    except BaseException:  # the launcher shows it as the failure's cause
+        text = traceback.format_exc()
+        print(text, file=sys.stderr, end="")
+        with open(error_path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        return 1
 
 
 if __name__ == "__main__":

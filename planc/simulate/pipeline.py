@@ -14,6 +14,7 @@ delays only the epilogue that waits for it.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from planc.lower.program import Instruction, Program, guard_microbatch
@@ -71,39 +72,46 @@ def step(programs: dict[int, Program], chunk_stage: dict[int, int], duration, ax
     arrivals: dict[tuple[str, int, int], float] = {}
     position = {stage: 0 for stage in programs}
     pending = sum(len(p.schedule) for p in programs.values())
-    while pending:
-        moved = False
-        for stage, program in programs.items():
-            schedule, time = program.schedule, times[stage]
-            while position[stage] < len(schedule):
-                block, microbatch = schedule[position[stage]]
-                phase, chunk = block[0], int(block[1:])
-                needs_input = (phase == "F" and chunk > 0) or \
-                    (phase == "B" and chunk < last_chunk)
-                if needs_input and (phase, chunk, microbatch) not in arrivals:
-                    break
-                arrival = arrivals.get((phase, chunk, microbatch), 0.0)
-                replayed = timed(stage, block, microbatch)
-                start = max(ready[stage], arrival)
-                time.waiting += start - ready[stage]
-                ready[stage] = start + replayed.compute_end
-                time.busy += replayed.compute_busy
-                for axis, seconds in replayed.exposed.items():
-                    time.exposed[axis] = time.exposed.get(axis, 0.0) + seconds
-                for stream, end in replayed.stream_ends.items():
-                    tails[stage][stream] = max(tails[stage].get(stream, 0.0), start + end)
-                sent = start + (replayed.sends if replayed.sends is not None
-                                else replayed.compute_end)
-                target = (phase, chunk + 1 if phase == "F" else chunk - 1, microbatch)
-                arrivals[target] = sent
-                if keep_spans:
-                    time.blocks.append((block, microbatch, start, replayed))
-                position[stage] += 1
-                pending -= 1
-                moved = True
-        if not moved:
-            raise RuntimeError("the pipeline schedule cannot progress (the verifier should "
-                               "have caught this)")
+    # A stage waits only for an arrival from a neighbouring chunk's stage: a work list
+    # wakes it when one comes, so each block is visited once, not once per sweep.
+    work, queued = deque(programs), set(programs)
+    while work:
+        stage = work.popleft()
+        queued.discard(stage)
+        program = programs[stage]
+        schedule, time = program.schedule, times[stage]
+        while position[stage] < len(schedule):
+            block, microbatch = schedule[position[stage]]
+            phase, chunk = block[0], int(block[1:])
+            needs_input = (phase == "F" and chunk > 0) or \
+                (phase == "B" and chunk < last_chunk)
+            if needs_input and (phase, chunk, microbatch) not in arrivals:
+                break
+            arrival = arrivals.get((phase, chunk, microbatch), 0.0)
+            replayed = timed(stage, block, microbatch)
+            start = max(ready[stage], arrival)
+            time.waiting += start - ready[stage]
+            ready[stage] = start + replayed.compute_end
+            time.busy += replayed.compute_busy
+            for axis, seconds in replayed.exposed.items():
+                time.exposed[axis] = time.exposed.get(axis, 0.0) + seconds
+            for stream, end in replayed.stream_ends.items():
+                tails[stage][stream] = max(tails[stage].get(stream, 0.0), start + end)
+            sent = start + (replayed.sends if replayed.sends is not None
+                            else replayed.compute_end)
+            target = (phase, chunk + 1 if phase == "F" else chunk - 1, microbatch)
+            arrivals[target] = sent
+            waiting = chunk_stage.get(target[1])
+            if waiting is not None and waiting in programs and waiting not in queued:
+                work.append(waiting)
+                queued.add(waiting)
+            if keep_spans:
+                time.blocks.append((block, microbatch, start, replayed))
+            position[stage] += 1
+            pending -= 1
+    if pending:
+        raise RuntimeError("the pipeline schedule cannot progress (the verifier should "
+                           "have caught this)")
     for stage, program in programs.items():
         time = times[stage]
         epilogue = replay(program.epilogue, duration, axis_of, keep_spans)

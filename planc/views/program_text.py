@@ -11,6 +11,10 @@ from planc.plan import Plan
 
 
 STAGE_GROUPS = tuple(a.value for a in Axis if a.within_stage and a != Axis.STAGE)
+# --expand lists at most this many instructions (a plan at planc's limits can issue
+# billions in one step: layers x microbatches); --microbatch K lists all of one
+# microbatch, which planc's limit on layers bounds.
+EXPAND_LIMIT = 100_000
 GUARD_TEXT = {"last": "  (last microbatch only)", "first": "  (first microbatch only)"}
 
 
@@ -60,9 +64,15 @@ def render(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program], table: R
         lines.append("")
         lines.append("issue order of one step" + (f", microbatch {microbatch}"
                                                   if microbatch is not None else "") + ":")
-        for item in program.expand():
-            if microbatch is not None and item.microbatch not in (None, microbatch):
-                continue
+        shown = 0
+        for item in program.expand(microbatch):
+            if shown == EXPAND_LIMIT and microbatch is None:
+                rest = program.expanded_length() - item.index
+                lines.append(f"  ... and {rest:,} more: --expand lists the first "
+                             f"{EXPAND_LIMIT:,} instructions of a step; --microbatch K lists "
+                             f"all of microbatch K")
+                break
+            shown += 1
             what = item.event if item.op in ("record", "wait") else item.node
             mb = f"  (mb {item.microbatch})" if item.microbatch is not None else ""
             lines.append(f"  {item.index:>6}  {item.stream:<10} {item.op:<14} {what}{mb}")
