@@ -28,7 +28,7 @@ import networkx as nx
 
 from planc import __version__
 from planc.collector import without_collector
-from planc.files import umask
+from planc.files import read_regular_file, umask
 from planc.graph import ir
 from planc.lower.groups import GroupTable
 from planc.lower.routes import RouteTable
@@ -74,10 +74,23 @@ def _dump(data: dict, compact: bool = False) -> str:
     return json.dumps(data, indent=1, sort_keys=False) + "\n"
 
 
+NAME_MAX = 255  # bytes in one file name (Linux, macOS)
+STAGING_SUFFIX = 16  # ".NAME.tmp-XXXXXXXX": the staging directory's extra bytes
+
+
 @without_collector
 def write(build: Build, directory: str | Path, source_path: str, source_text: str) -> Path:
     """Write ``build`` to ``directory`` atomically; replaces an earlier planc build there."""
     target = Path(directory)
+    name_bytes = len(os.fsencode(target.name))
+    if name_bytes > NAME_MAX - STAGING_SUFFIX:
+        raise BuildError(f"the name {target.name[:40]}... is {name_bytes} bytes; a file name "
+                         f"holds at most {NAME_MAX}, and planc needs {STAGING_SUFFIX} more "
+                         f"for the temporary directory it writes first")
+    try:
+        target.exists()
+    except OSError as exc:
+        raise BuildError(f"cannot create {target}: {exc.strerror}") from None
     if target.exists() and not target.is_dir():
         raise BuildError(f"{target} exists and is not a directory")
     if target.exists() and target.resolve() == Path.cwd().resolve():
@@ -150,21 +163,37 @@ def _fingerprint(plan_data: dict) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+MAX_JSON_BYTES = 256 << 20  # the largest plan within the limits builds tens of MB
+
+
 def _read_json(directory: Path, name: str) -> dict:
+    """One JSON file of a build, read as untrusted input: a regular file (a named pipe or a
+    link to /dev/zero is refused, not read forever), of bounded size, whose numbers and
+    nesting Python can hold."""
     path = directory / name
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = read_regular_file(path, MAX_JSON_BYTES + 1)
     except FileNotFoundError:
         raise BuildError(f"{directory} is incomplete: {name} is missing; run planc compile "
                          f"again") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BuildError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") \
-            from None
+    except OSError as exc:
+        raise BuildError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_JSON_BYTES:
+        raise BuildError(f"{path} is larger than {MAX_JSON_BYTES >> 20} MiB; run planc "
+                         f"compile again")
     try:
-        data = json.loads(text)
+        data = json.loads(raw.decode("utf-8"))
     except json.JSONDecodeError as exc:
         raise BuildError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}); "
                          f"run planc compile again") from None
+    except UnicodeDecodeError:
+        raise BuildError(f"{path} is not UTF-8 text; run planc compile again") from None
+    except ValueError as exc:  # an integer of thousands of digits
+        raise BuildError(f"{path} holds a value Python cannot read ({exc}); run planc "
+                         f"compile again") from None
+    except RecursionError:
+        raise BuildError(f"{path} nests its values too deep to be a planc build file; run "
+                         f"planc compile again") from None
     if not isinstance(data, dict):
         raise BuildError(f"{path} does not hold a JSON object; run planc compile again")
     return data
@@ -174,9 +203,14 @@ def _read_json(directory: Path, name: str) -> dict:
 def read(directory: str | Path) -> Build:
     """Load a build directory, checking its manifest and every file's format."""
     path = Path(directory)
-    if not path.is_dir():
-        raise BuildError(f"{path} is not a directory")
-    if not (path / MANIFEST).exists():
+    try:
+        if not path.is_dir():
+            raise BuildError(f"{path} is not a directory")
+        os.listdir(path)  # a directory that cannot be read fails here, with its reason
+        has_manifest = (path / MANIFEST).exists()
+    except OSError as exc:
+        raise BuildError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if not has_manifest:
         raise BuildError(f"{path} is not a planc build directory (no {MANIFEST}); make one "
                          f"with planc compile FILE -o {path}")
     manifest = _read_json(path, MANIFEST)
@@ -274,6 +308,12 @@ def read_programs(build: Build) -> Build:
         if programs[name].microbatches != build.plan.schedule.microbatches:
             raise BuildError(f"{directory / name} is for another number of microbatches than "
                              f"plan.json; run planc compile again")
+    for name, program in programs.items():
+        missing = next((block for block, _ in program.schedule
+                        if block not in program.blocks), None)
+        if missing is not None:
+            raise BuildError(f"{directory / name} schedules block {missing!r}, which it does "
+                             f"not define; run planc compile again")
     unknown = [i.node for p in programs.values() for b in list(p.blocks.values()) + [p.epilogue]
                for i in b if i.node is not None and i.node not in build.graph]
     if unknown:

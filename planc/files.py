@@ -12,7 +12,7 @@ def read_regular_file(path: str | os.PathLike, limit: int) -> bytes:
     """Up to ``limit`` bytes of a regular file. A named pipe, a device, a socket or a
     directory raises OSError (EINVAL, with a strerror that says what it is) instead of
     blocking or reading without end; ``O_NONBLOCK`` keeps open(2) of a pipe from waiting
-    for a writer."""
+    for a writer. A file whose size is ``limit`` or more raises OSError (EFBIG) unread."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(path, flags)
     try:
@@ -23,6 +23,8 @@ def read_regular_file(path: str | os.PathLike, limit: int) -> bytes:
                     stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else
                     "not a file")
             raise OSError(errno.EINVAL, f"it is {kind}, not a regular file", str(path))
+        if os.fstat(fd).st_size >= limit:  # refused without reading it
+            raise OSError(errno.EFBIG, f"it is larger than {limit - 1} bytes", str(path))
         chunks, left = [], limit
         while left > 0:
             chunk = os.read(fd, min(left, 1 << 20))
@@ -42,11 +44,36 @@ def umask() -> int:
     return mask
 
 
+def _write_into(path: str, data: bytes) -> None:
+    """Write into an existing device or named pipe (a pipe without a reader is an error,
+    ENXIO, rather than a wait)."""
+    fd = os.open(path, os.O_WRONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.set_blocking(fd, True)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
 def write_atomically(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same directory and a
     rename, so a reader sees the old file or the new one, never a part; the file gets the
-    permissions the umask gives a new file."""
-    directory = os.path.dirname(os.path.abspath(path))
+    permissions the umask gives a new file. A symbolic link is followed (its target is
+    written); a device or a named pipe is written into, never replaced: ``-o /dev/null``
+    as root must not replace /dev/null."""
+    path = os.path.realpath(path)  # a symbolic link: write what it names, keep the link
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+    if mode is not None and not stat.S_ISREG(mode):
+        _write_into(path, data)  # /dev/null, a terminal, a pipe: written, never replaced
+        return
+    directory = os.path.dirname(path)
     handle, temporary = tempfile.mkstemp(prefix=".planc-", dir=directory)
     try:
         with os.fdopen(handle, "wb") as out:

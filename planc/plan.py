@@ -9,6 +9,7 @@ point back at the right line.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -262,6 +263,7 @@ class Plan:
         plan = _build(Plan, body, "plan", skip=("sources",))
         plan = dataclasses.replace(plan, sources=Sources(sources["path"], spans))
         _check_types(plan)
+        _check_values(plan)
         _check_consistency(plan)
         return plan
 
@@ -348,6 +350,49 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
             raise ValueError(f"{where} should hold {len(inner)} items")
         return tuple(_convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, inner)))
     return value
+
+
+# planc's limits (docs/language.md, "Limits"): checked by planc check, and again when a
+# build's plan.json is read, since a build directory is untrusted input.
+LIMITS = {"world": 524_288, "layers": 1_024, "microbatches": 65_536, "schedule": 131_072}
+# Floats that must be above 0; every other float must be 0 or more. None is finite.
+_POSITIVE = {"flops", "bandwidth", "efficiency", "lr", "eps", "memory"}
+
+
+def _check_values(value: Any, where: str = "plan") -> None:
+    """Every number finite and in its range, every enum word known, every limit kept:
+    what planc check guarantees, for a plan read back from a build's plan.json."""
+    for f in dataclasses.fields(value):
+        item, path = getattr(value, f.name), f"{where}.{f.name}"
+        if dataclasses.is_dataclass(item):
+            _check_values(item, path)
+        elif isinstance(item, tuple):
+            for i, x in enumerate(item):
+                if dataclasses.is_dataclass(x):
+                    _check_values(x, f"{path}[{i}]")
+                elif isinstance(x, float) and not (math.isfinite(x) and 0 <= x < 1
+                                                   if f.name == "betas" else math.isfinite(x)):
+                    raise ValueError(f"{path}[{i}] is {x}")
+        elif isinstance(item, float) or (isinstance(item, int) and f.name in _POSITIVE):
+            if not math.isfinite(item) or item < 0 or (item == 0 and f.name in _POSITIVE):
+                raise ValueError(f"{path} is {item}, not a "
+                                 f"{'positive' if f.name in _POSITIVE else 'non-negative'} "
+                                 f"finite number")
+    if where != "plan":
+        return
+    plan = value
+    if plan.model.dtype not in DTYPE_BYTES:
+        raise ValueError(f"plan.model.dtype is {plan.model.dtype!r}, not one of "
+                         f"{', '.join(DTYPE_BYTES)}")
+    if plan.train.optimizer.name not in ("sgd", "adamw"):
+        raise ValueError(f"plan.train.optimizer.name is {plan.train.optimizer.name!r}")
+    mesh, pp = plan.mesh, plan.shard.pp
+    for what, have in (("world", mesh.world), ("layers", plan.model.layers),
+                       ("microbatches", plan.schedule.microbatches),
+                       ("schedule", mesh.pp * pp.virtual * plan.schedule.microbatches)):
+        if have > LIMITS[what]:
+            raise ValueError(f"plan's {what} ({have}) is more than planc's limit of "
+                             f"{LIMITS[what]}")
 
 
 def _check_consistency(plan: "Plan") -> None:

@@ -49,6 +49,11 @@ def main(args) -> int:
         print(found.note, file=sys.stderr)
     print(f"planc: running {built.plan.name} on {counted(built.plan.world, 'rank')} "
           f"({backend}), {counted(steps - first, 'step')}{resumed}", file=sys.stderr)
+    logs = os.path.join(directory, "logs")
+    if os.path.islink(logs) or (os.path.lexists(logs) and not os.path.isdir(logs)):
+        return fail(f"{logs} is {'a symbolic link' if os.path.islink(logs) else 'not a directory'}"
+                    f"; every rank's output is written there, inside the build only: remove "
+                    f"it", EXIT_USAGE)
     return launch(os.path.abspath(directory), built.plan.world,
                   _worker_arguments(args, found), backend, args.timeout)
 
@@ -131,7 +136,27 @@ def _refused(args) -> int | None:
         if parent and not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
             return fail(f"{flag} {path}: cannot write there ({parent} is not a writable "
                         f"directory)")
+        if parent and _full(parent):
+            return fail(f"{flag} {path}: the file system of {parent} is full (less than "
+                        f"{MIN_FREE_BYTES // 2**20} MiB free)", EXIT_USAGE)
+    logs = os.path.abspath(build_dir if os.path.isdir(build_dir) else
+                           os.path.dirname(os.path.abspath(build_dir)) or ".")
+    if os.path.isdir(logs) and _full(logs):
+        return fail(f"the file system of {logs} is full (less than "
+                    f"{MIN_FREE_BYTES // 2**20} MiB free): the build and every rank's log "
+                    f"are written there", EXIT_USAGE)
     return None
+
+
+MIN_FREE_BYTES = 2**20  # a run writes its logs, metrics and trace: refuse a full disk first
+
+
+def _full(directory: str) -> bool:
+    try:
+        info = os.statvfs(directory)
+    except OSError:
+        return False
+    return info.f_bavail * info.f_frsize < MIN_FREE_BYTES
 
 
 def _inside(path: str, directory: str) -> bool:

@@ -46,9 +46,14 @@ def load_file(path: str | Path, overrides: Sequence[str] = ()) -> Loaded:
     override raises OverrideError (a ValueError) before the file is read."""
     parsed = parse_overrides(overrides)
     name = str(path)
+    too_large = error(f"file is larger than {MAX_FILE_BYTES // 2**10} KiB; a plan is a short "
+                      f"text, and larger files are refused so that check stays interactive",
+                      None)
     try:
         data = read_regular_file(path, MAX_FILE_BYTES + 1)
     except OSError as exc:
+        if exc.errno == errno.EFBIG:
+            return Loaded(name, None, None, (too_large,))
         if exc.errno == errno.EISDIR or (exc.errno == errno.EINVAL and
                                          str(exc.strerror).startswith("it is a directory")):
             return Loaded(name, None, None, (error("is a directory, not a .plan file", None),))
@@ -56,10 +61,8 @@ def load_file(path: str | Path, overrides: Sequence[str] = ()) -> Loaded:
     except ValueError:  # a path with a NUL character
         return Loaded(name, None, None, (error("cannot read file: the path holds a NUL "
                                                "character", None),))
-    if len(data) > MAX_FILE_BYTES:
-        return Loaded(name, None, None, (error(
-            f"file is larger than {MAX_FILE_BYTES // 2**10} KiB; a plan is a short text, and "
-            f"larger files are refused so that check stays interactive", None),))
+    if len(data) > MAX_FILE_BYTES:  # a file that grew while it was read
+        return Loaded(name, None, None, (too_large,))
     data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark is not content
     try:
         text = data.decode("utf-8")

@@ -25,7 +25,7 @@ from planc.lang.presets import GENERIC, PRESETS, Preset, calibrated_preset
 from planc.lang.schema import (PLAN_SCHEMA, BlockSchema, PresetFile, Scope, StageRange,
                                Unresolved, block_syntax, did_you_mean, join_words,
                                where_key_lives)
-from planc.plan import (Optimizer, ContextParallel, DataParallel, Device, Link, Mesh, Model,
+from planc.plan import (LIMITS, Optimizer, ContextParallel, DataParallel, Device, Link, Mesh, Model,
                         Optimize, PipelineParallel, Plan, Schedule, Shard, Sources,
                         TensorParallel, Topology, Train)
 
@@ -45,7 +45,6 @@ MAX_TOPOLOGY_BYTES = 1 << 20  # a calibrated topology is a few KB
 # every plan check accepts (tests/test_limits.py compiles a plan at each one). The work
 # each bounds grows linearly with what it counts. pp x virtual is at most layers: each
 # model chunk needs a layer.
-LIMITS = {"world": 524_288, "layers": 1_024, "microbatches": 65_536, "schedule": 131_072}
 LIMIT_REASONS = {
     "world": "planc layout lists every rank and its groups",
     "layers": "the graph holds every layer's compute steps and transfers, and compile "

@@ -1,0 +1,99 @@
+"""Output paths a user names (issue 12): a name too long for the file system is a clear
+error, a symbolic link is followed (its target written, the link kept), and a device or a
+named pipe is written into, never replaced by a regular file."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+
+from planc.cli import main
+from tests.conftest import PLANS
+
+TINY = str(PLANS / "gpt-tiny.plan")
+
+
+def test_compile_to_a_name_longer_than_the_file_system_allows(tmp_path, capsys):
+    name = "n" * 256
+    assert main(["compile", TINY, "-o", str(tmp_path / name)]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"planc: error: the name {'n' * 40}... is 256 bytes; a file name holds at "
+                   f"most 255, and planc needs 16 more for the temporary directory it writes "
+                   f"first\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_graph_through_a_symbolic_link_writes_its_target(tmp_path, capsys):
+    link = tmp_path / "graph.dot"
+    link.symlink_to(tmp_path / "real.dot")
+    assert main(["graph", TINY, "-o", str(link)]) == 0
+    assert link.is_symlink() and os.readlink(link) == str(tmp_path / "real.dot")
+    assert (tmp_path / "real.dot").read_text().startswith("digraph")
+
+
+def test_graph_into_a_named_pipe_writes_into_it(tmp_path, capsys):
+    fifo = tmp_path / "graph.dot"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()))
+    reader.start()
+    try:
+        assert main(["graph", TINY, "-o", str(fifo), "--format", "dot"]) == 0
+    finally:
+        reader.join(timeout=30)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert received and received[0].startswith(b"digraph")
+
+
+def test_graph_into_a_named_pipe_without_a_reader_is_an_error(tmp_path, capsys):
+    fifo = tmp_path / "graph.dot"
+    os.mkfifo(fifo)
+    assert main(["graph", TINY, "-o", str(fifo), "--format", "dot"]) == 1
+    assert "cannot write" in capsys.readouterr().err
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_graph_to_dev_null_keeps_the_device(capsys):
+    assert main(["graph", TINY, "-o", os.devnull, "--format", "dot"]) == 0
+    assert stat.S_ISCHR(os.stat(os.devnull).st_mode)
+
+
+def _full_tmpfs(tmp_path):
+    """A 64 KiB tmpfs filled to the brim (root only), or None."""
+    import subprocess
+
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
+                                            str(mount)], capture_output=True).returncode:
+        return None
+    try:
+        with open(mount / "filler", "wb") as handle:
+            handle.write(b"\0" * (1 << 20))
+    except OSError:
+        pass
+    return mount
+
+
+def test_metrics_on_a_full_disk_is_refused_before_any_rank_starts(tmp_path, capsys):
+    import subprocess
+
+    import pytest
+
+    mount = _full_tmpfs(tmp_path)
+    if mount is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        status = main(["run", TINY, "-o", str(tmp_path / "b"), "--metrics",
+                       str(mount / "m.jsonl")])
+        err = capsys.readouterr().err
+        assert status == 2
+        assert f"planc: error: --metrics {mount / 'm.jsonl'}: the file system of {mount} is " \
+               f"full (less than 1 MiB free)" in err
+        assert "running" not in err
+        status = main(["run", TINY, "-o", str(mount / "b")])
+        assert status == 2
+        assert f"the file system of {mount} is full" in capsys.readouterr().err
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)

@@ -1,0 +1,141 @@
+"""Build directories are untrusted input (issue 12): damaged files are refused with one
+line naming the file and the cause, never a traceback, a hang or gigabytes read."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from planc.cli import main
+from tests.conftest import PLANS
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("pristine")
+    assert main(["compile", str(PLANS / "gpt-tiny.plan"), "-o", str(directory / "b")]) == 0
+    return directory / "b"
+
+
+@pytest.fixture
+def build(pristine, tmp_path, capsys) -> Path:
+    copy = tmp_path / "b"
+    shutil.copytree(pristine, copy)
+    capsys.readouterr()
+    return copy
+
+
+def _refused(capsys, *args) -> str:
+    status = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    assert status == 1, (out, err)
+    assert "Traceback" not in err
+    return err
+
+
+def test_an_integer_of_4301_digits(build, capsys):
+    path = build / "plan.json"
+    path.write_text(path.read_text().replace('"layers": 4', '"layers": ' + "9" * 4301, 1))
+    assert f"planc: error: {path} holds a value Python cannot read (" in _refused(
+        capsys, "verify", build)
+
+
+def test_json_nested_100000_deep(build, capsys):
+    path = build / "summary.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    assert _refused(capsys, "verify", build) == (
+        f"planc: error: {path} nests its values too deep to be a planc build file; run planc "
+        f"compile again\n")
+
+
+def test_a_program_file_that_is_a_named_pipe(build, capsys):
+    path = build / "programs" / "stage0.json"
+    path.unlink()
+    os.mkfifo(path)
+    done = []
+    thread = threading.Thread(target=lambda: done.append(
+        _refused(capsys, "programs", build, "--expand")))
+    thread.start()
+    thread.join(timeout=60)
+    assert done == [f"planc: error: cannot read {path}: it is a named pipe, not a regular "
+                    f"file\n"]
+
+
+def test_a_program_file_that_links_to_dev_zero(build, capsys):
+    path = build / "programs" / "stage0.json"
+    path.unlink()
+    path.symlink_to(os.devnull.replace("null", "zero"))
+    assert _refused(capsys, "verify", build) == (
+        f"planc: error: cannot read {path}: it is a device, not a regular file\n")
+
+
+def test_a_schedule_naming_a_block_that_does_not_exist(build, capsys):
+    path = build / "programs" / "stage0.json"
+    data = json.loads(path.read_text())
+    data["schedule"][0][0] = "F99"
+    path.write_text(json.dumps(data))
+    assert _refused(capsys, "programs", build, "--expand") == (
+        f"planc: error: {path} schedules block 'F99', which it does not define; run planc "
+        f"compile again\n")
+
+
+@pytest.mark.parametrize("kind", ["file", "symlink"])
+def test_logs_that_is_not_a_directory_of_the_build(build, capsys, tmp_path, kind):
+    pytest.importorskip("torch")
+    logs = build / "logs"
+    if logs.exists():
+        shutil.rmtree(logs)
+    if kind == "file":
+        logs.write_text("")
+    else:
+        (tmp_path / "elsewhere").mkdir()
+        logs.symlink_to(tmp_path / "elsewhere")
+    status = main(["run", str(build), "--steps", "1"])
+    err = capsys.readouterr().err
+    assert status == 2
+    what = "a symbolic link" if kind == "symlink" else "not a directory"
+    assert err.endswith(f"planc: error: {logs} is {what}; every rank's output is written "
+                        f"there, inside the build only: remove it\n")
+    assert list((tmp_path / "elsewhere").iterdir() if kind == "symlink" else []) == []
+
+
+def _tamper_plan(build: Path, change) -> Path:
+    """Edit plan.json and re-sign it as an attacker would (the sha256 is a checksum)."""
+    from planc.build import _fingerprint
+
+    path = build / "plan.json"
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+    fingerprint = _fingerprint(data)
+    for name, keys in (("build.json", ("plan_sha256",)), ("graph.json", ("graph", "plan_sha256"))):
+        document = json.loads((build / name).read_text())
+        holder = document
+        for key in keys[:-1]:
+            holder = holder[key]
+        holder[keys[-1]] = fingerprint
+        (build / name).write_text(json.dumps(document))
+    return path
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda d: d["model"].update(dtype="fp64"),
+     "plan.model.dtype is 'fp64', not one of fp32, bf16, fp16"),
+    (lambda d: d["topology"]["intra"].update(bandwidth=0.0),
+     "plan.topology.intra.bandwidth is 0.0, not a positive finite number"),
+    (lambda d: d["train"]["optimizer"].update(lr=-1.0),
+     "plan.train.optimizer.lr is -1.0, not a positive finite number"),
+    (lambda d: d["train"]["optimizer"].update(lr=float("nan")),
+     "plan.train.optimizer.lr is nan, not a positive finite number"),
+    (lambda d: d["schedule"].update(microbatches=10**9),
+     "plan's microbatches (1000000000) is more than planc's limit of 65536"),
+], ids=["dtype-fp64", "bandwidth-0", "lr-negative", "lr-nan", "microbatches-1e9"])
+def test_a_resigned_plan_json_is_checked_again(build, capsys, change, reason):
+    path = _tamper_plan(build, change)
+    assert _refused(capsys, "verify", build) == (
+        f"planc: error: {path} is not a valid plan ({reason}); run planc compile again\n")
