@@ -73,10 +73,23 @@ def tables_of(parser: lark.Lark) -> Tables:
     for state, row in conf.states.items():
         actions[state] = {
             symbol: (True, arg) if action is Shift else
-            (False, (len(arg.expansion), arg.origin.name, conf.callbacks.get(arg)))
+            (False, (len(arg.expansion), arg.origin.name, _callback(arg, conf.callbacks)))
             for symbol, (action, arg) in row.items()}
     return Tables(re.compile("|".join(patterns)), frozenset(parser.ignore_tokens),
                   keywords, actions, conf.start_state, conf.end_state)
+
+
+def _first(children: list) -> Any:
+    return children[0]
+
+
+def _callback(rule, callbacks):
+    """lark's callback for ``rule``; for a one-symbol rule marked '?' (``?value: expr``),
+    which passes its one child up, the same thing without lark's wrappers (five of these
+    run for every number in a plan)."""
+    if rule.options.expand1 and len(rule.expansion) == 1 and not rule.alias:
+        return _first
+    return callbacks.get(rule)
 
 
 def tokens(text: str, tables: Tables) -> Iterator[Token]:
