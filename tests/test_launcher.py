@@ -153,11 +153,15 @@ def test_workers_die_with_a_launcher_killed_with_sigkill(stuck):
         _wait_for_ranks(process)
         everyone = _descendants(process.pid)
         os.kill(process.pid, signal.SIGKILL)
-        process.communicate()
+        # the launcher stays a zombie until reaped: the ranks must see it gone anyway
+        time.sleep(3)
+        zombie_phase = [p for p in everyone if _alive(p)]
+        process.communicate(timeout=30)  # its pipes close when the last rank is gone
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(_alive(p) for p in everyone):
             time.sleep(0.2)
         assert [p for p in everyone if _alive(p)] == []
+        assert zombie_phase == [], "ranks outlived their launcher while it was a zombie"
     finally:
         _kill_all(process, _descendants(process.pid))
 

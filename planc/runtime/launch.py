@@ -11,7 +11,8 @@ see planc.runtime.worker):
   ``forkserver`` start method with a preload): a world of eight starts without importing
   torch eight times. CUDA runs use spawn, since CUDA cannot be forked.
 - **Workers die with the launcher.** Each asks the kernel for SIGKILL when its parent
-  dies (``PR_SET_PDEATHSIG``) and watches the launcher's pid, so a launcher killed with
+  dies (``PR_SET_PDEATHSIG``: its parent under spawn) and watches the launcher's process
+  (under the fork server, whose children keep it alive), so a launcher killed with
   SIGKILL leaves no rank training.
 - **One failure stops all.** When a rank exits with a non-zero status, every other rank
   is killed at once and the first failure's traceback is shown; a rank stopped (SIGSTOP)
@@ -86,16 +87,36 @@ def _die_with_parent() -> None:
 
 
 def _watch_launcher(launcher: int) -> None:
-    """Exit as soon as the launcher is gone (its parent may be the fork server, which
-    outlives it for a moment)."""
+    """Exit as soon as the launcher is gone. The parent-death signal cannot serve under
+    the fork server: every rank holds the server's keep-alive pipe (Python's forkserver
+    sends it to each child), so the server, a rank's parent, outlives a killed launcher.
+    A launcher that is a zombie, or whose pid now names another process (its start time
+    differs), is gone."""
+    started = _start_time(launcher)
     while True:
-        try:
-            os.kill(launcher, 0)
-        except ProcessLookupError:
+        if started is None:
+            try:
+                os.kill(launcher, 0)
+            except ProcessLookupError:
+                os._exit(137)
+            except PermissionError:
+                pass
+        elif _start_time(launcher) != started:
             os._exit(137)
-        except PermissionError:
-            pass
         time.sleep(0.5)
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time from /proc (Linux), '' once it is gone or a zombie, and
+    None where /proc does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            fields = handle.read().rsplit(b")", 1)[1].split()
+    except FileNotFoundError:
+        return "" if os.path.isdir("/proc/self") else None
+    except OSError:
+        return ""
+    return "" if fields[0] == b"Z" else fields[19].decode()
 
 
 # --- in the launcher --------------------------------------------------------------------
