@@ -110,6 +110,16 @@ class _Reader:
     plan_closer: Token | None = None  # the '}' that closed the plan
     anything: bool = False  # a token other than a new line was read
     line_starts: list[int] | None = None
+    expected_at: dict[tuple[int, ...], set[str]] = field(default_factory=dict)
+
+    def expected(self) -> set[str]:
+        """What the parser could take next; the same stack gives the same answer, and
+        10,000 copies of one mistake meet the same stack 10,000 times."""
+        key = tuple(self.states)
+        found = self.expected_at.get(key)
+        if found is None:
+            found = self.expected_at[key] = lalr.expected(self.states, self.tables)
+        return found
 
     def indent(self, token: Token) -> int:
         """Blanks before the first token of ``token``'s line."""
@@ -248,7 +258,7 @@ def _diagnose(reader: _Reader, token: Token, kind: str) -> tuple[Diagnostic, boo
                 f"{first.column} is not closed", span, f"add '{closer_for(first)}' before it"
             ), False
         return error(f"unexpected '{token}': it closes nothing", span), False
-    accepted = lalr.expected(reader.states, reader.tables)
+    accepted = reader.expected()
     previous = reader.previous
     if previous is not None and previous.type == "EQUAL" and kind in (NEWLINE, "RBRACE",
                                                                      "SEMICOLON"):
@@ -289,7 +299,7 @@ def _unexpected_end(reader: _Reader) -> Diagnostic:
     if not reader.anything:
         return error("the file holds no plan", span,
                      "a plan file holds one 'plan NAME { ... }'")
-    accepted = lalr.expected(reader.states, reader.tables)
+    accepted = reader.expected()
     return error(f"unexpected end of file; expected {describe_expected(accepted, None)}",
                  span)
 
