@@ -97,3 +97,20 @@ def test_metrics_on_a_full_disk_is_refused_before_any_rank_starts(tmp_path, caps
         assert f"the file system of {mount} is full" in capsys.readouterr().err
     finally:
         subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_run_writes_metrics_and_trace_through_links_and_into_devices(tmp_path, capsys):
+    import pytest
+
+    pytest.importorskip("torch")
+    metrics, trace = tmp_path / "metrics.jsonl", tmp_path / "trace.json"
+    metrics.symlink_to(tmp_path / "real-metrics.jsonl")
+    trace.symlink_to(tmp_path / "real-trace.json")
+    assert main(["run", TINY, "-o", str(tmp_path / "b"), "--steps", "1",
+                 "--metrics", str(metrics), "--trace", str(trace)]) == 0
+    assert metrics.is_symlink() and trace.is_symlink()
+    assert (tmp_path / "real-metrics.jsonl").read_text().count("\n") == 1
+    assert (tmp_path / "real-trace.json").read_text().startswith('{"traceEvents"')
+    assert main(["run", str(tmp_path / "b"), "--steps", "1", "--metrics", os.devnull,
+                 "--trace", os.devnull]) == 0
+    assert stat.S_ISCHR(os.stat(os.devnull).st_mode)

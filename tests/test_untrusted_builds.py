@@ -139,3 +139,43 @@ def test_a_resigned_plan_json_is_checked_again(build, capsys, change, reason):
     path = _tamper_plan(build, change)
     assert _refused(capsys, "verify", build) == (
         f"planc: error: {path} is not a valid plan ({reason}); run planc compile again\n")
+
+
+def _edit_json(path: Path, change) -> Path:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _first_compute(block: list) -> dict:
+    return next(i for i in block if i["op"] == "compute")
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda d: _first_compute(d["blocks"]["F0"]).update(op="exec"),
+     "instruction with an unknown op or stream"),
+    (lambda d: _first_compute(d["blocks"]["F0"]).update(stream="exec"),
+     "block F0 uses stream 'exec', which the program does not declare"),
+    (lambda d: _first_compute(d["blocks"]["F0"]).update(node="exec"),
+     None),
+], ids=["op", "stream", "node"])
+def test_an_instruction_planc_did_not_write(build, capsys, change, reason):
+    path = _edit_json(build / "programs" / "stage0.json", change)
+    err = _refused(capsys, "verify", build)
+    if reason is None:
+        assert err == (f"planc: error: {build / 'programs'} names node 'exec', which "
+                       f"graph.json does not have; run planc compile again\n")
+    else:
+        assert err.startswith(f"planc: error: {path} is not a valid program ({reason}")
+
+
+def test_a_graph_node_with_an_op_no_kernel_runs(build, capsys):
+    def change(data):
+        node = next(n for n in data["nodes"] if n.get("op") == "gelu")
+        node["op"] = "exec"
+
+    _edit_json(build / "graph.json", change)
+    assert _refused(capsys, "verify", build) == (
+        f"planc: error: {build / 'graph.json'}: node 'F/L0/gelu': missing or invalid op; run "
+        f"planc compile again\n")
