@@ -139,8 +139,13 @@ class _Metrics:
         self.records.append(record)
         _progress(step, self.steps, record)
         if self.file:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+            try:
+                self.file.write(json.dumps(record) + "\n")
+                self.file.flush()
+            except OSError as exc:  # a full disk: say so once and train on
+                print(f"planc: warning: cannot write the metrics of step {step + 1} "
+                      f"({exc.strerror}); no more metrics are written", file=sys.stderr)
+                self.file = None
 
     def close(self) -> None:
         self.flush()
