@@ -8,22 +8,31 @@ import stat
 import tempfile
 
 
+# What a path that is not a regular file is, for messages ("it is a named pipe (FIFO)").
+KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+         (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+         (stat.S_ISSOCK, "a socket"))
+
+
+def kind_of(mode: int) -> str:
+    return next((what for test, what in KINDS if test(mode)), "not a regular file")
+
+
 def read_regular_file(path: str | os.PathLike, limit: int) -> bytes:
-    """Up to ``limit`` bytes of a regular file. A named pipe, a device, a socket or a
-    directory raises OSError (EINVAL, with a strerror that says what it is) instead of
-    blocking or reading without end; ``O_NONBLOCK`` keeps open(2) of a pipe from waiting
-    for a writer. A file whose size is ``limit`` or more raises OSError (EFBIG) unread."""
+    """Up to ``limit`` bytes of a regular file. A directory raises OSError EISDIR, a named
+    pipe, a device or a socket OSError EINVAL (each with a strerror that says what it is)
+    instead of blocking or reading without end; ``O_NONBLOCK`` keeps open(2) of a pipe
+    from waiting for a writer. A file whose size is ``limit`` or more raises OSError
+    (EFBIG) unread."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(path, flags)
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = ("a directory" if stat.S_ISDIR(mode) else "a named pipe"
-                    if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or
-                    stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else
-                    "not a file")
-            raise OSError(errno.EINVAL, f"it is {kind}, not a regular file", str(path))
-        if os.fstat(fd).st_size >= limit:  # refused without reading it
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            code = errno.EISDIR if stat.S_ISDIR(info.st_mode) else errno.EINVAL
+            raise OSError(code, f"it is {kind_of(info.st_mode)}, not a regular file",
+                          str(path))
+        if info.st_size >= limit:  # refused without reading it
             raise OSError(errno.EFBIG, f"it is larger than {limit - 1} bytes", str(path))
         chunks, left = [], limit
         while left > 0:

@@ -62,8 +62,8 @@ def test_a_program_file_that_is_a_named_pipe(build, capsys):
         _refused(capsys, "programs", build, "--expand")))
     thread.start()
     thread.join(timeout=60)
-    assert done == [f"planc: error: cannot read {path}: it is a named pipe, not a regular "
-                    f"file\n"]
+    assert done == [f"planc: error: cannot read {path}: it is a named pipe (FIFO), not a "
+                    f"regular file\n"]
 
 
 def test_a_program_file_that_links_to_dev_zero(build, capsys):
@@ -71,7 +71,7 @@ def test_a_program_file_that_links_to_dev_zero(build, capsys):
     path.unlink()
     path.symlink_to(os.devnull.replace("null", "zero"))
     assert _refused(capsys, "verify", build) == (
-        f"planc: error: cannot read {path}: it is a device, not a regular file\n")
+        f"planc: error: cannot read {path}: it is a character device, not a regular file\n")
 
 
 def test_a_schedule_naming_a_block_that_does_not_exist(build, capsys):

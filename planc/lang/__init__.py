@@ -54,8 +54,7 @@ def load_file(path: str | Path, overrides: Sequence[str] = ()) -> Loaded:
     except OSError as exc:
         if exc.errno == errno.EFBIG:
             return Loaded(name, None, None, (too_large,))
-        if exc.errno == errno.EISDIR or (exc.errno == errno.EINVAL and
-                                         str(exc.strerror).startswith("it is a directory")):
+        if exc.errno == errno.EISDIR:
             return Loaded(name, None, None, (error("is a directory, not a .plan file", None),))
         return Loaded(name, None, None, (error(f"cannot read file: {exc.strerror}", None),))
     except ValueError:  # a path with a NUL character

@@ -42,6 +42,8 @@ from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from planc.files import kind_of
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -106,14 +108,8 @@ def write_tokens(path: str | os.PathLike, tokens, width: int = 4) -> None:
 
 # --- opening -----------------------------------------------------------------------
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISSOCK, "a socket"))
-
-
 def _not_regular(mode: int, name: str) -> DataError:
-    kind = next((what for test, what in _KINDS if test(mode)), "not a regular file")
-    return DataError(f"data path {name} is {kind}, not a regular file")
+    return DataError(f"data path {name} is {kind_of(mode)}, not a regular file")
 
 
 def open_tokens(path: str, name: str | None = None) -> tuple[int, TokenFile]:
