@@ -29,20 +29,23 @@ from planc.views import layout_text  # noqa: E402
 
 
 def generated_plan(lines: int = 5000) -> str:
-    """A valid plan of about ``lines`` lines: one pipeline stage per line, with comments."""
-    stages = (lines - 40) // 2
+    """A valid plan of about ``lines`` lines: one pipeline stage per line, each under a
+    few lines of comments, at planc's limits (1,024 layers, pp x microbatches 131,072)."""
+    stages = 1024
+    comments = max(1, round((lines - 40) / stages) - 1)
     out = ["# generated for bench/parse.py", "plan generated {",
            "  model gpt {", f"    layers = {stages}", "    hidden = 1024", "    heads = 16",
            "    ffn = 4 * hidden", "    vocab = 32000", "    seq = 2048",
-           f"    batch = {2 * stages}", "    dtype = bf16", "  }",
+           f"    batch = {2 * 128}", "    dtype = bf16", "  }",
            "  mesh {", "    tp = 1", f"    pp = {stages}", "    dp = 2", "  }",
            "  topology { devices_per_node = 2 }",
            "  shard {", "    pp {", "      stages = ["]
     for stage in range(stages):
-        out.append(f"        # stage {stage}: one layer")
+        out += [f"        # stage {stage}: one layer ({line} of {comments})"
+                for line in range(1, comments + 1)]
         out.append(f"        {stage}..{stage},")
     out += ["      ]", "    }", "    dp { zero = 1 }", "  }",
-            f"  schedule {{ microbatches = {stages}; pipeline = 1f1b }}",
+            "  schedule { microbatches = 128; pipeline = 1f1b }",
             "  optimize { fuse = on; bucket = 25MB; route = auto; overlap = on }",
             "  train { steps = 3; optimizer = adamw(lr = 1e-3, betas = [0.9, 0.95]); seed = 0 }",
             "}"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 import unicodedata
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -47,7 +48,7 @@ class Source:
 
 
 @functools.total_ordering
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Span:
     """A region of a source file; lines and columns are 1-based, ``end`` is exclusive.
 
@@ -61,6 +62,15 @@ class Span:
     end_line: int
     end_column: int
     source: Source | None = None
+
+    def __init__(self, line: int, column: int, end_line: int, end_column: int,
+                 source: Source | None = None):
+        # Written into the instance's dict directly: the generated __init__ of a frozen
+        # dataclass goes through object.__setattr__ per field, at twice the cost, and a
+        # plan makes a few spans per token.
+        fields = self.__dict__
+        fields["line"], fields["column"] = line, column
+        fields["end_line"], fields["end_column"], fields["source"] = end_line, end_column, source
 
     @staticmethod
     def point(line: int, column: int, source: Source | None = None) -> "Span":
@@ -88,12 +98,18 @@ class Span:
         return where + (f", source={self.source!r})" if self.source is not None else ")")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Diagnostic:
     severity: str
     message: str
     span: Span | None
     hints: tuple[str, ...] = ()
+
+    def __init__(self, severity: str, message: str, span: Span | None,
+                 hints: tuple[str, ...] = ()):
+        fields = self.__dict__  # as Span does: a file may have tens of thousands
+        fields["severity"], fields["message"], fields["span"], fields["hints"] = (
+            severity, message, span, hints)
 
     @property
     def is_error(self) -> bool:
@@ -111,11 +127,13 @@ def _bounded(text: str) -> str:
 
 
 def error(message: str, span: Span | None, *hints: str) -> Diagnostic:
-    return Diagnostic(ERROR, _bounded(message), span, tuple(_bounded(h) for h in hints if h))
+    return Diagnostic(ERROR, _bounded(message), span,
+                      tuple(_bounded(h) for h in hints if h) if hints else ())
 
 
 def warning(message: str, span: Span | None, *hints: str) -> Diagnostic:
-    return Diagnostic(WARNING, _bounded(message), span, tuple(_bounded(h) for h in hints if h))
+    return Diagnostic(WARNING, _bounded(message), span,
+                      tuple(_bounded(h) for h in hints if h) if hints else ())
 
 
 class PlanError(Exception):
@@ -128,13 +146,24 @@ class PlanError(Exception):
 
 
 def in_source_order(diagnostics: Iterable[Diagnostic]) -> list[Diagnostic]:
-    """Sort by position (file-level diagnostics first) and drop exact repeats."""
-    seen: set[Diagnostic] = set()
-    unique = [d for d in diagnostics if not (d in seen or seen.add(d))]
-    nowhere = Span(0, 0, 0, 0)._order()  # file-level diagnostics first
-    # plain tuples: compared in C, not through Span.__lt__ (thousands of diagnostics)
-    return sorted(unique, key=lambda d: (d.span._order() if d.span else nowhere,
-                                         d.severity != ERROR))
+    """Sort by position (file-level diagnostics first, errors before warnings at one
+    place, otherwise as given) and drop exact repeats."""
+    nowhere = Span(0, 0, 0, 0)._order()
+    in_file = nowhere[0]
+    # keyed on plain tuples, hashed and compared in C rather than through the dataclasses'
+    # methods (a file may have tens of thousands of diagnostics)
+    unique: dict[tuple, tuple] = {}
+    for d in diagnostics:
+        span = d.span
+        if span is None:
+            order = nowhere
+        elif span.source is None:  # Span._order, inline
+            order = (in_file, span.line, span.column, span.end_line, span.end_column)
+        else:
+            order = span._order()
+        unique.setdefault((order, d.severity, d.message, d.hints),
+                          (order, d.severity != ERROR, d))
+    return [entry[2] for entry in sorted(unique.values(), key=operator.itemgetter(0, 1))]
 
 
 # --- rendering ---------------------------------------------------------------------

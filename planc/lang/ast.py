@@ -12,7 +12,7 @@ from typing import Union
 from planc.diagnostics import Span
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Number:
     """A numeric literal, possibly with a tail glued on: ``8``, ``25MB``, ``1f1b``."""
 
@@ -21,6 +21,12 @@ class Number:
     suffix: str  # "" for a plain number, the unit or enum tail otherwise
     span: Span
     malformed: bool = False  # misplaced underscores: 1__0, 1_
+
+    def __init__(self, text: str, value: int | float, suffix: str, span: Span,
+                 malformed: bool = False):
+        fields = self.__dict__  # as planc.diagnostics.Span does: one per number in a plan
+        fields["text"], fields["value"], fields["suffix"] = text, value, suffix
+        fields["span"], fields["malformed"] = span, malformed
 
 
 @dataclass(frozen=True)
@@ -85,12 +91,17 @@ class Call:
 Value = Union[Number, Word, String, BinOp, Neg, Range, ListValue, Call]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Assign:
     key: str
     key_span: Span
     value: Value
     span: Span
+
+    def __init__(self, key: str, key_span: Span, value: Value, span: Span):
+        fields = self.__dict__  # as planc.diagnostics.Span does: one per entry in a plan
+        fields["key"], fields["key_span"], fields["value"], fields["span"] = (
+            key, key_span, value, span)
 
 
 @dataclass(frozen=True)

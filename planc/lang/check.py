@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from planc.models import FAMILIES
-from planc.diagnostics import Diagnostic, Span, error, in_source_order, warning
+from planc.diagnostics import Diagnostic, Span, error, warning
 from planc.files import read_regular_file
 from planc.lang import ast
 from planc.lang.overrides import Override
@@ -33,10 +33,11 @@ from planc.plan import (LIMITS, Optimizer, ContextParallel, DataParallel, Device
 def check(tree: ast.PlanFile, path: str, overrides: Sequence[Override] = ()
           ) -> tuple[Plan | None, list[Diagnostic]]:
     """Validate a parsed file, with ``overrides`` applied (``--set``) and recorded in the
-    plan's sources. ``path`` names the file in the plan and locates data files."""
+    plan's sources. ``path`` names the file in the plan and locates data files. The
+    diagnostics come in the order found (planc.lang.load_text sorts them)."""
     checker = _Checker(path, overrides=tuple(o.text for o in overrides))
     plan = checker.run(apply_overrides(tree, overrides) if overrides else tree)
-    return plan, in_source_order(checker.diagnostics)
+    return plan, checker.diagnostics
 
 
 MAX_TOPOLOGY_BYTES = 1 << 20  # a calibrated topology is a few KB

@@ -1,28 +1,34 @@
 """The LALR(1) machine that runs lark's tables, and the tokenizer that feeds it.
 
-lark builds the tables from ``grammars/plan.lark``; this module runs them. Owning the
-loop gives two things lark's own loop cannot:
+lark builds the tables from ``grammars/plan.lark``; this module runs them and builds the
+tree. Owning the loop gives three things lark's own loop cannot:
 
-- **speed**: one compiled regular expression scans the text (``re.finditer``), and every
-  action is a plain tuple looked up once per state, so a token costs a few dictionary
-  lookups;
+- **speed**: one compiled regular expression scans the text (``re.finditer``), every
+  action is a plain tuple looked up once per state, tokens are plain tuples, and each
+  rule's tree builder is called directly, without lark's chain of wrappers;
+- **a fast path for the common entry**: ``key = value`` with a one-token value and the
+  separator after it is matched by one regular expression and built in one call; in a
+  block of them, once the machine's cycle per entry is known, each further entry is
+  appended to the block's list without running the machine (see :class:`EntryShape` and
+  :func:`_learn_cycle`). Everything else, and every entry the parser could not take
+  there, goes token by token, with the same outcome;
 - **recovery in linear time**: :func:`planc.lang.recovery.syntax_errors` runs the same
   machine on states alone and, after an error, returns to the state saved where the
   broken entry began, so a file with N syntax errors is read once, not N times.
 
 Lines end at LF (CRLF counts as one end); no other character ends a line (see
-:func:`planc.diagnostics.source_lines`). A token's ``line`` and ``column`` (1-based, in characters) are
-counted here, the same way the snippets and the JSON output count them.
+:func:`planc.diagnostics.source_lines`). A token's ``line`` and ``column`` (1-based, in
+characters) are counted here, the same way the snippets and the JSON output count them.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import lark
-from lark import Token
 from lark.parsers.lalr_analysis import Shift
 
 OPENERS = {"LPAR": "(", "LSQB": "[", "LBRACE": "{"}
@@ -30,9 +36,56 @@ CLOSERS = {"RPAR": "LPAR", "RSQB": "LSQB", "RBRACE": "LBRACE"}
 BAD = "_BAD"  # a character no terminal starts with
 NEWLINE = "_NL"
 END = "$END"
+ENTRY = "_ENTRY"  # the fast path's whole-entry match (see EntryShape), and its parts:
+ENTRY_KEY, ENTRY_SEPARATOR = f"{ENTRY}_KEY", f"{ENTRY}_SEP"
 
-# (True, next state) or (False, (symbols popped, rule's name, callback))
+# What the tree builders receive for a token: its text, line, column, end line and end
+# column (a plain tuple: a dense plan has hundreds of thousands of tokens).
+Piece = tuple[str, int, int, int, int]
+# A rule's builder takes its children (tokens as Pieces, the filtering done as lark's
+# tree builder does it) and returns the node.
+Builder = Callable[[list], Any]
+PASS = None  # a one-child '?' rule (``?value: expr``): the child itself, left in place
+# The fast path's builder: key, line, key's column and end column, the value's terminal,
+# text, column and end column -> the entry's node.
+EntryBuilder = Callable[[str, int, int, int, str, str, int, int], Any]
+
+# (True, next state) or (False, (symbols popped, rule's name, reducer or PASS))
 Action = tuple[bool, Any]
+
+
+@dataclass(frozen=True)
+class EntryShape:
+    """The common entry the fast path takes whole, with the separator after it: a
+    ``rule: key equal value`` whose value is one of the ``atoms`` terminals, then a
+    separator. ``blank`` matches what may stand before and between the tokens and
+    ``tail`` what may stand between the value and the separator; the tokenizer must
+    ignore both. ``build`` makes the node the builders would make of the entry, from
+    its key, line, key's columns, the value's terminal and text and its columns. For the
+    plan grammar: ``assign: NAME EQUAL value`` with a NUMBER, NAME or STRING value, then
+    ';' or a new line."""
+
+    rule: str
+    key: str
+    equal: str
+    value: str
+    atoms: tuple[str, ...]
+    separator: str  # a regular expression matching exactly the separator terminals
+    blank: str
+    tail: str
+    build: EntryBuilder
+
+
+@dataclass(frozen=True)
+class Entry:
+    """The fast path's tables (see :class:`EntryShape`)."""
+
+    pattern: re.Pattern  # the tokenizer's pattern, with the whole entry tried first
+    rule: str
+    key: str  # the key's terminal
+    build: EntryBuilder
+    atoms: tuple[tuple[int, str], ...]  # each value terminal's group number, and its name
+    groups: tuple[int, int]  # the key's group number and the separator's
 
 
 @dataclass(frozen=True)
@@ -45,10 +98,13 @@ class Tables:
     actions: dict[int, dict[str, Action]]
     start: int
     end: int
+    entry: Entry | None = None
 
 
-def tables_of(parser: lark.Lark) -> Tables:
-    """Tables for a lark LALR parser (its terminals, ignored terminals and parse table).
+def tables_of(parser: lark.Lark, builders: Mapping[str, Builder],
+              entry: EntryShape | None = None) -> Tables:
+    """Tables for a lark LALR parser (its terminals, ignored terminals and parse table),
+    with ``builders`` (by rule name or alias) building the tree.
 
     Terminals are tried in lark's order (priority, then the longest possible match),
     so the tokens are those lark's basic lexer would make; a string terminal that
@@ -58,7 +114,9 @@ def tables_of(parser: lark.Lark) -> Tables:
         -t.priority, -t.pattern.max_width, -len(t.pattern.value), t.name))
     keywords: dict[str, str] = {}
     patterns = []
+    regexps = {}
     for terminal in terminals:
+        regexps[terminal.name] = terminal.pattern.to_regexp()
         if terminal.pattern.type == "str" and any(
                 other.pattern.type == "re" and re.fullmatch(other.pattern.to_regexp(),
                                                             terminal.pattern.value)
@@ -69,30 +127,113 @@ def tables_of(parser: lark.Lark) -> Tables:
     patterns.append(f"(?P<{BAD}>(?s:.))")
     interactive = parser.parse_interactive("")
     conf = interactive.parser_state.parse_conf
+    placeholders = parser.options.maybe_placeholders
+    reducers = {rule: _reducer(rule, builders, placeholders) for rule in parser.rules}
     actions: dict[int, dict[str, Action]] = {}
     for state, row in conf.states.items():
         actions[state] = {
             symbol: (True, arg) if action is Shift else
-            (False, (len(arg.expansion), arg.origin.name, _callback(arg, conf.callbacks)))
+            (False, (len(arg.expansion), str(arg.origin.name), reducers[arg]))
             for symbol, (action, arg) in row.items()}
-    return Tables(re.compile("|".join(patterns)), frozenset(parser.ignore_tokens),
-                  keywords, actions, conf.start_state, conf.end_state)
+    fast = None if entry is None else _entry_tables(entry, parser, regexps, patterns)
+    return Tables(re.compile("|".join(patterns)), frozenset(parser.ignore_tokens), keywords,
+                  actions, conf.start_state, conf.end_state, fast)
 
 
-def _first(children: list) -> Any:
-    return children[0]
+def _reducer(rule, builders: Mapping[str, Builder], placeholders: bool) -> Builder | None:
+    """What a reduction by ``rule`` does to its children, as lark's tree builder does it:
+    drop filtered tokens (anonymous ones and those named ``_X``), splice the children of
+    inlined rules (named ``_x``, and lark's own ``__x_star`` helpers) into their parent,
+    put None where an optional ``[item]`` is missing, and hand a '?' rule's only child
+    up unchanged."""
+    expansion = rule.expansion
+    empty = list(rule.options.empty_indices) if placeholders else []
+    if empty:  # how many Nones go before each symbol (and after the last)
+        nones = [len(ones) for ones in "".join(str(int(b)) for b in empty).split("0")]
+    else:
+        nones = [0] * (len(expansion) + 1)
+    keep_all = rule.options.keep_all_tokens
+    plan: list[tuple[int, bool, int]] = []  # (child, splice it, Nones before it)
+    pending = 0
+    for index, symbol in enumerate(expansion):
+        pending += nones[index]
+        if keep_all or not (symbol.is_term and symbol.filter_out):
+            plan.append((index, not symbol.is_term and symbol.name.startswith("_"), pending))
+            pending = 0
+    trailing = pending + nones[len(expansion)]
+    name = rule.alias or rule.origin.name
+    inline = name.startswith("_")
+    single = bool(rule.options.expand1) and not rule.alias
+    whole = trailing == 0 and [(i, False, 0) for i in range(len(expansion))] == plan
+    if single and whole and len(expansion) == 1:
+        return PASS
+    builder = None if inline else builders[name]
+    if whole and builder is not None and not single:
+        return builder  # the children as they are: no wrapper to call
+
+    def reduce(children: list) -> Any:
+        if whole:
+            kept = children
+        else:
+            kept = []
+            for index, splice, before in plan:
+                if before:
+                    kept += [None] * before
+                if splice:
+                    if kept:
+                        kept += children[index]
+                    else:  # the left-recursive case: grow the child's own list
+                        kept = children[index]
+                else:
+                    kept.append(children[index])
+            if trailing:
+                kept += [None] * trailing
+        if builder is None:
+            return kept
+        if single and len(kept) == 1:
+            return kept[0]
+        return builder(kept)
+
+    return reduce
 
 
-def _callback(rule, callbacks):
-    """lark's callback for ``rule``; for a one-symbol rule marked '?' (``?value: expr``),
-    which passes its one child up, the same thing without lark's wrappers (five of these
-    run for every number in a plan)."""
-    if rule.options.expand1 and len(rule.expansion) == 1 and not rule.alias:
-        return _first
-    return callbacks.get(rule)
+def _entry_tables(shape: EntryShape, parser: lark.Lark, regexps: dict[str, str],
+                  patterns: list[str]) -> Entry | None:
+    """The fast path's pattern; None if the grammar has not the shape."""
+    if not any(rule.origin.name == shape.rule and [s.name for s in rule.expansion] ==
+               [shape.key, shape.equal, shape.value] for rule in parser.rules):
+        return None
+    blank = shape.blank
+    values = "|".join(f"(?P<{ENTRY}_{atom}>{regexps[atom]})" for atom in shape.atoms)
+    pattern = (f"(?P<{ENTRY}>{blank}(?P<{ENTRY_KEY}>{regexps[shape.key]}){blank}"
+               f"{regexps[shape.equal]}{blank}(?:{values}){shape.tail}"
+               f"(?P<{ENTRY_SEPARATOR}>{shape.separator}))")
+    compiled = re.compile("|".join([pattern] + patterns))
+    number = compiled.groupindex
+    return Entry(compiled, shape.rule, shape.key, shape.build,
+                 tuple((number[f"{ENTRY}_{atom}"], atom) for atom in shape.atoms),
+                 (number[ENTRY_KEY], number[ENTRY_SEPARATOR]))
 
 
-def tokens(text: str, tables: Tables) -> Iterator[Token]:
+class Lexeme:
+    """A token as recovery and its messages see it: its terminal, text and place (lighter
+    than lark's Token, a str with a dict: a file with 10,000 errors has 50,000 tokens)."""
+
+    __slots__ = ("type", "text", "line", "column", "end_line", "end_column")
+
+    def __init__(self, type: str, text: str, line: int, column: int, end_line: int,
+                 end_column: int):
+        self.type, self.text, self.line, self.column = type, text, line, column
+        self.end_line, self.end_column = end_line, end_column
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __repr__(self) -> str:
+        return f"Lexeme({self.type}, {self.text!r}, {self.line}:{self.column})"
+
+
+def tokens(text: str, tables: Tables) -> Iterator[Lexeme]:
     """Every token of ``text`` but the ignored ones (blanks, comments), with a
     :data:`BAD` token for each character that starts no token."""
     line, line_start = 1, 0
@@ -104,60 +245,61 @@ def tokens(text: str, tables: Tables) -> Iterator[Token]:
         start, end = match.span()
         column = start - line_start + 1
         if kind == NEWLINE:
-            yield Token(kind, match.group(), start, line, column, line + 1, 1, end)
+            yield Lexeme(kind, match.group(), line, column, line + 1, 1)
             line, line_start = line + 1, end
         else:
-            yield Token(kind, match.group(), start, line, column, line, column + end - start,
-                        end)
+            yield Lexeme(kind, match.group(), line, column, line, column + end - start)
 
 
-def end_token(text: str) -> Token:
+def end_token(text: str) -> Lexeme:
     """The end-of-text token, at the end of the last line."""
     line = text.count("\n") + 1
     column = len(text) - (text.rfind("\n") + 1) + 1
-    return Token(END, "", len(text), line, column, line, column, len(text))
+    return Lexeme(END, "", line, column, line, column)
 
 
 class Stop(Exception):
     """The machine met a token it cannot take (or brackets nested too deep)."""
 
-    def __init__(self, token: Token, nesting: bool = False):
-        super().__init__(f"unexpected {token.type}")
-        self.token, self.nesting = token, nesting
+    def __init__(self, kind: str, piece: Piece, nesting: bool = False):
+        super().__init__(f"unexpected {kind}")
+        self.kind, self.piece, self.nesting = kind, piece, nesting
 
 
-def keyword_or_word(token: Token, row: dict[str, Action], tables: Tables) -> str:
-    """The token's type where the parser stands: a keyword where one may come or where no
-    name may (lark's contextual lexer decides the same way)."""
-    keyword = tables.keywords.get(token) if token.type == "NAME" else None
+def keyword_or_word(token: str, row: dict[str, Action], tables: Tables) -> str:
+    """The type of a NAME token where the parser stands: a keyword where one may come or
+    where no name may (lark's contextual lexer decides the same way)."""
+    keyword = tables.keywords.get(token)
     if keyword is not None and (keyword in row or "NAME" not in row):
         return keyword
-    return token.type
+    return "NAME"
 
 
 def step(states: list[int], values: list | None, kind: str, token: Any,
-         actions: dict[int, dict[str, Action]]) -> bool:
-    """Feed one token of type ``kind``: reduce as the tables say, then shift. False (and
-    the stacks possibly reduced) when the token cannot come here. Without ``values`` the
-    machine runs on states alone."""
+         actions: dict[int, dict[str, Action]], take: bool = True) -> bool:
+    """Feed one token of type ``kind``: reduce as the tables say, then shift (unless not
+    ``take``). False (and the stacks possibly reduced) when the token cannot come here.
+    Without ``values`` the machine runs on states alone."""
     while True:
         action = actions[states[-1]].get(kind)
         if action is None:
             return False
         shift, arg = action
         if shift:
-            states.append(arg)
-            if values is not None:
-                values.append(token)
+            if take:
+                states.append(arg)
+                if values is not None:
+                    values.append(token)
             return True
-        size, origin, callback = arg
-        if values is not None:
-            children = values[-size:] if size else []
-            if size:
-                del values[-size:]
-            values.append(callback(children) if callback is not None else children)
+        size, origin, reduce = arg
         if size:
+            if values is not None and reduce is not PASS:
+                children = values[-size:]
+                del values[-size:]
+                values.append(reduce(children))
             del states[-size:]
+        elif values is not None:
+            values.append(reduce([]))
         states.append(actions[states[-1]][origin][1])
 
 
@@ -192,32 +334,119 @@ def expected(states: list[int], tables: Tables) -> set[str]:
             if symbol.isupper() and accepts(states, symbol, tables)}
 
 
-def parse(text: str, tables: Tables, max_nesting: int) -> Any:
-    """The value the grammar's callbacks build for ``text``; raises :class:`Stop` at the
-    first token that cannot come where it is. New lines inside ( ) and [ ] are dropped,
-    so lists and calls may span lines."""
-    actions = tables.actions
+def parse(text: str, tables: Tables, max_nesting: int, fast: bool = True) -> Any:
+    """The value the builders build for ``text``; raises :class:`Stop` at the first token
+    that cannot come where it is. New lines inside ( ) and [ ] are dropped, so lists and
+    calls may span lines. ``fast`` takes common entries whole (see :class:`EntryShape`
+    and :func:`_learn_cycle`); the tree is the same either way."""
+    actions, ignored, keywords = tables.actions, tables.ignored, tables.keywords
+    entry = tables.entry if fast else None
+    if entry is not None:
+        (key_group, separator_group), atoms, build = entry.groups, entry.atoms, entry.build
     states, values = [tables.start], []
     brackets: list[str] = []
-    for token in tokens(text, tables):
-        kind = token.type
-        if kind in OPENERS:
-            brackets.append(kind)
-            if len(brackets) > max_nesting:
-                raise Stop(token, nesting=True)
-        elif kind in CLOSERS:
-            if brackets and brackets[-1] == CLOSERS[kind]:
-                brackets.pop()
-        elif kind == NEWLINE and brackets and brackets[-1] != "LBRACE":
+    line, line_start = 1, 0
+    cycles: dict[tuple, int] = {}  # see _learn_cycle
+    for match in (entry.pattern if entry else tables.pattern).finditer(text):
+        kind = match.lastgroup
+        if kind in ignored:
             continue
-        elif kind == "NAME":
-            kind = keyword_or_word(token, actions[states[-1]], tables)
-            if kind != "NAME":
-                token = Token.new_borrow_pos(kind, token, token)
-        if not step(states, values, kind, token, actions):
-            raise Stop(token)
+        if kind == ENTRY:
+            # a whole entry: its key, '=', a one-token value and the separator after it
+            key_start, key_end = match.span(key_group)
+            key = text[key_start:key_end]
+            if key not in keywords and (not brackets or brackets[-1] == "LBRACE"):
+                for group, atom in atoms:
+                    start, end = match.span(group)
+                    if start >= 0:
+                        break
+                separator_start, separator_end = match.span(separator_group)
+                separator = text[separator_start:separator_end]
+                assign = build(key, line, key_start - line_start + 1, key_end - line_start + 1,
+                               atom, text[start:end], start - line_start + 1,
+                               end - line_start + 1)
+                column = separator_start - line_start + 1
+                ends_line = separator[-1] == "\n"
+                piece = (separator, line, column, line + 1, 1) if ends_line else (
+                    separator, line, column, line, column + separator_end - separator_start)
+                cycle = (tuple(states), atom, separator)
+                grown = cycles.get(cycle)
+                if grown is not None:  # the cycle this stack and these tokens take
+                    values[grown].append(values[-2])
+                    values[-2], values[-1] = assign, piece
+                elif not _learn_cycle(cycle, assign, piece, entry, tables, states, values,
+                                      cycles):
+                    grown = -1
+                if grown != -1:
+                    if ends_line:
+                        line, line_start = line + 1, separator_end
+                    continue
+            # Not where an entry may start: the same text, token by token.
+            matches = tables.pattern.finditer(text, match.start(), match.end())
+        else:
+            matches = (match,)
+        for match in matches:
+            kind = match.lastgroup
+            if kind in ignored:
+                continue
+            start, end = match.span()
+            column = start - line_start + 1
+            if kind == NEWLINE:
+                piece = (match.group(), line, column, line + 1, 1)
+                line, line_start = line + 1, end
+                if brackets and brackets[-1] != "LBRACE":
+                    continue
+            else:
+                piece = (match.group(), line, column, line, column + end - start)
+                if kind in OPENERS:
+                    brackets.append(kind)
+                    if len(brackets) > max_nesting:
+                        raise Stop(kind, piece, nesting=True)
+                elif kind in CLOSERS:
+                    if brackets and brackets[-1] == CLOSERS[kind]:
+                        brackets.pop()
+                elif kind == "NAME" and piece[0] in keywords:
+                    kind = keyword_or_word(piece[0], actions[states[-1]], tables)
+            if not step(states, values, kind, piece, actions):
+                raise Stop(kind, piece)
     end = end_token(text)
-    step(states, values, END, end, actions)
+    piece = ("", end.line, end.column, end.line, end.column)
+    step(states, values, END, piece, actions)
     if states[-1] != tables.end:  # the end state has no action: reaching it is success
-        raise Stop(end)
+        raise Stop(END, piece)
     return values[-1]
+
+
+def _learn_cycle(cycle: tuple, assign: Any, piece: Piece, entry: Entry, tables: Tables,
+                 states: list[int], values: list, cycles: dict[tuple, int]) -> bool:
+    """Push an entry (built by the fast path) and its separator through the machine,
+    if an entry may start where it stands; False, with nothing pushed, if not.
+
+    In a block of such entries the machine goes round one cycle per entry: the previous
+    entry is folded into the block's list (the reductions a new key causes), the new
+    entry is pushed, then its separator. The first time a cycle leaves the state stack
+    as it found it, with the only change below the top two values being one list that
+    grew by the previous entry, ``cycles`` remembers which list; an entry met later with
+    the same stack and the same kinds of value and separator takes the same cycle
+    directly (the machine is deterministic: same stack, same tokens, same steps)."""
+    actions = tables.actions
+    before = values.copy()
+    lengths = {index: len(v) for index, v in enumerate(values) if type(v) is list}
+    if not step(states, values, entry.key, None, actions, take=False):
+        return False
+    goto = actions[states[-1]].get(entry.rule)
+    if goto is None:
+        return False
+    values.append(assign)
+    states.append(goto[1])
+    kind = tables.pattern.match(piece[0]).lastgroup
+    if not step(states, values, kind, piece, actions):
+        raise Stop(kind, piece)
+    if list(cycle[0]) == states and len(values) == len(before) and all(
+            now is then for now, then in zip(values[:-2], before[:-2])):
+        changed = [index for index, length in lengths.items()
+                   if index < len(values) - 2 and len(values[index]) != length]
+        if (len(changed) == 1 and len(values[changed[0]]) == lengths[changed[0]] + 1
+                and values[changed[0]][-1] is before[-2]):
+            cycles[cycle] = changed[0]
+    return True

@@ -1,13 +1,12 @@
-"""Text to syntax tree: the lark LALR parser, syntax diagnostics and error recovery.
+"""Text to syntax tree: the grammar, the tree builders, and syntax diagnostics.
 
 The grammar lives in ``grammars/plan.lark`` (shipped inside the wheel as
-``planc/grammars/plan.lark``). The tree is built while parsing by an inline lark
-transformer, so even very long or deeply nested inputs never recurse in Python.
+``planc/grammars/plan.lark``). lark turns it into LALR(1) tables; planc/lang/lalr.py runs
+them and calls the builders below on each reduction, so even very long or deeply nested
+inputs never recurse in Python.
 
-Recovery, as in most compilers: after a syntax error the offending line is blanked
-(its brackets kept, so blocks stay balanced) and the file is parsed again, so one run
-reports every independent syntax error. Errors in the bracket structure itself stop
-recovery, since everything after them would be noise.
+A file that does not parse is read once more by planc/lang/recovery.py, which reports
+every independent syntax error in one pass, as most compilers do.
 
 :func:`parse_value` reads one value (what follows '=') with the same grammar, for
 command-line overrides (``--set KEY=VALUE``, planc/lang/overrides.py).
@@ -23,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 
 import lark
-from lark import Token, Transformer, v_args
+from lark import Token
 from lark.lark import PostLex
 
 from planc.diagnostics import Diagnostic, Span, error
@@ -91,8 +90,8 @@ def _span(token: Token) -> Span:
     return Span(token.line, token.column, token.end_line, token.end_column)
 
 
-def _span_of(item) -> Span:
-    return _span(item) if isinstance(item, Token) else item.span
+def _at(piece: lalr.Piece) -> Span:
+    return Span(piece[1], piece[2], piece[3], piece[4])
 
 
 def _unescape(text: str) -> str:
@@ -102,94 +101,160 @@ def _unescape(text: str) -> str:
         return text[1:-1]
 
 
-@v_args(inline=True)
-class _TreeBuilder(Transformer):
-    """Inline transformer: runs on each LALR reduction, producing planc.lang.ast nodes."""
+# --- the tree builders: one per rule (or alias) of the grammar, each taking its children
+# (tokens as lalr.Pieces) and returning a planc.lang.ast node; lalr runs them on each
+# reduction, so even very long or deeply nested inputs never recurse in Python.
 
-    def number(self, token):
-        text = str(token)
-        if text.isdigit() and len(text) <= MAX_DIGITS:  # the common case, without regexes
-            return ast.Number(text, int(text), "", _span(token))
-        digits, suffix = _NUMBER.fullmatch(text).groups()
-        if not _WELL_FORMED.fullmatch(digits):
-            return ast.Number(str(token), 0, suffix, _span(token), malformed=True)
-        is_float = "." in digits or "e" in digits.lower()
-        if len(digits) > MAX_DIGITS:
-            value = float("inf")
-        else:
-            value = float(digits) if is_float else int(digits)
-        return ast.Number(str(token), value, suffix, _span(token))
 
-    def word(self, token):
-        return ast.Word(str(token), _span(token))
+def _number(children):
+    piece = children[0]
+    return _number_node(piece[0], Span(piece[1], piece[2], piece[3], piece[4]))
 
-    def string(self, token):
-        return ast.String(_unescape(str(token)), _span(token))
 
-    def _binop(self, left, op, right):
-        return ast.BinOp(str(op), left, right, left.span.to(right.span))
+def _number_node(text: str, span: Span) -> ast.Number:
+    if text.isdigit() and len(text) <= MAX_DIGITS:  # the common case, without regexes
+        return ast.Number(text, int(text), "", span)
+    digits, suffix = _NUMBER.fullmatch(text).groups()
+    if not _WELL_FORMED.fullmatch(digits):
+        return ast.Number(text, 0, suffix, span, malformed=True)
+    is_float = "." in digits or "e" in digits.lower()
+    if len(digits) > MAX_DIGITS:
+        value = float("inf")
+    else:
+        value = float(digits) if is_float else int(digits)
+    return ast.Number(text, value, suffix, span)
 
-    add = sub = mul = div = _binop
 
-    def neg(self, minus, operand):
-        return ast.Neg(operand, _span(minus).to(operand.span))
+def _word(children):
+    piece = children[0]
+    return ast.Word(piece[0], Span(piece[1], piece[2], piece[3], piece[4]))
 
-    def pos(self, plus, operand):
-        return dataclasses.replace(operand, span=_span(plus).to(operand.span))
 
-    def paren(self, lpar, inner, rpar):
-        return dataclasses.replace(inner, span=_span(lpar).to(_span(rpar)))
+def _string(children):
+    piece = children[0]
+    return ast.String(_unescape(piece[0]), Span(piece[1], piece[2], piece[3], piece[4]))
 
-    def range(self, first, dots, last):
-        return ast.Range(first, last, first.span.to(last.span))
 
-    def list(self, lsqb, *rest):
-        items = tuple(x for x in rest[:-1] if x is not None and not isinstance(x, Token))
-        return ast.ListValue(items, _span(lsqb).to(_span(rest[-1])))
+def _binop(children):
+    left, op, right = children
+    return ast.BinOp(op[0], left, right, left.span.to(right.span))
 
-    def call(self, name, lpar, *rest):
-        args = tuple(x for x in rest[:-1] if x is not None and not isinstance(x, Token))
-        return ast.Call(str(name), _span(name), args, _span(name).to(_span(rest[-1])))
 
-    def keyword_arg(self, name, equal, value):
-        return ast.Argument(str(name), _span(name), value, _span(name).to(value.span))
+def _neg(children):
+    minus, operand = children
+    return ast.Neg(operand, _at(minus).to(operand.span))
 
-    def positional_arg(self, value):
-        return ast.Argument(None, None, value, value.span)
 
-    def assign(self, key, equal, value):
-        return ast.Assign(str(key), _span(key), value, _span(key).to(value.span))
+def _pos(children):
+    plus, operand = children
+    return dataclasses.replace(operand, span=_at(plus).to(operand.span))
 
-    def dashed(self, *tokens):
-        return ast.Word("".join(map(str, tokens)), _span(tokens[0]).to(_span(tokens[-1])))
 
-    def block(self, name, label, lbrace, *rest):
-        entries = tuple(x for x in rest[:-1] if not isinstance(x, Token))
-        return ast.Block(str(name), _span(name), label.text if label else None,
-                         label.span if label else None, entries,
-                         _span(name).to(_span(rest[-1])))
+def _paren(children):
+    lpar, inner, rpar = children
+    return dataclasses.replace(inner, span=_at(lpar).to(_at(rpar)))
 
-    def plan(self, keyword, name, lbrace, *rest):
-        entries = tuple(x for x in rest[:-1] if not isinstance(x, Token))
-        return ast.PlanFile(name.text, name.span, entries, _span(keyword).to(_span(rest[-1])))
 
-    def start(self, plan):
-        return plan
+def _range(children):
+    first, _, last = children
+    return ast.Range(first, last, first.span.to(last.span))
+
+
+def _list(children):
+    items = tuple(x for x in children[1:-1] if x is not None and not isinstance(x, tuple))
+    return ast.ListValue(items, _at(children[0]).to(_at(children[-1])))
+
+
+def _call(children):
+    name = children[0]
+    args = tuple(x for x in children[2:-1] if x is not None and not isinstance(x, tuple))
+    return ast.Call(name[0], _at(name), args, _at(name).to(_at(children[-1])))
+
+
+def _keyword_arg(children):
+    name, _, value = children
+    return ast.Argument(name[0], _at(name), value, _at(name).to(value.span))
+
+
+def _positional_arg(children):
+    value = children[0]
+    return ast.Argument(None, None, value, value.span)
+
+
+def _assign(children):
+    key, _, value = children
+    line, column = key[1], key[2]
+    end = value.span
+    return ast.Assign(key[0], Span(line, column, key[3], key[4]), value,
+                      Span(line, column, end.end_line, end.end_column))
+
+
+def _dashed(children):
+    return ast.Word("".join(piece[0] for piece in children),
+                    _at(children[0]).to(_at(children[-1])))
+
+
+def _block(children):
+    name, label = children[0], children[1]
+    entries = tuple(x for x in children[3:-1] if not isinstance(x, tuple))
+    return ast.Block(name[0], _at(name), label.text if label else None,
+                     label.span if label else None, entries,
+                     _at(name).to(_at(children[-1])))
+
+
+def _plan(children):
+    keyword, name = children[0], children[1]
+    entries = tuple(x for x in children[3:-1] if not isinstance(x, tuple))
+    return ast.PlanFile(name.text, name.span, entries, _at(keyword).to(_at(children[-1])))
+
+
+def _start(children):
+    return children[0]
+
+
+BUILDERS: dict[str, lalr.Builder] = {
+    "number": _number, "word": _word, "string": _string,
+    "add": _binop, "sub": _binop, "mul": _binop, "div": _binop,
+    "neg": _neg, "pos": _pos, "paren": _paren, "range": _range, "list": _list,
+    "call": _call, "keyword_arg": _keyword_arg, "positional_arg": _positional_arg,
+    "assign": _assign, "dashed": _dashed, "block": _block, "plan": _plan, "start": _start,
+}
+
+def _entry(key: str, line: int, key_column: int, key_end: int, atom: str, text: str,
+           column: int, end: int) -> ast.Assign:
+    """``key = value`` on one line with a one-token value: what _assign makes of it, with
+    _number, _word or _string for the value, made without their children lists."""
+    span = Span(line, column, line, end)
+    if atom == "NUMBER":
+        value = _number_node(text, span)
+    elif atom == "NAME":
+        value = ast.Word(text, span)
+    else:
+        value = ast.String(_unescape(text), span)
+    return ast.Assign(key, Span(line, key_column, line, key_end), value,
+                      Span(line, key_column, line, end))
+
+
+# The entry most plan lines are: a key, '=', one token, a comment perhaps, then a new
+# line or ';' (lalr.EntryShape).
+_ENTRY = lalr.EntryShape(
+    rule="assign", key="NAME", equal="EQUAL", value="value", atoms=("NUMBER", "NAME", "STRING"),
+    separator=r";|\r?\n", blank=r"[ \t\f\r]*", tail=r"[ \t\f\r]*(?:#[^\n]*)?",
+    build=_entry)
 
 
 @lru_cache(maxsize=1)
 def _parser() -> lark.Lark:
     return lark.Lark(grammar_text(), parser="lalr", lexer="contextual",
-                     postlex=_BracketAwareNewlines(), transformer=_TreeBuilder(),
-                     maybe_placeholders=True)
+                     postlex=_BracketAwareNewlines(), maybe_placeholders=True)
 
 
 @lru_cache(maxsize=1)
 def _value_parser() -> lark.Lark:
-    """The same grammar started at ``value``: what may follow '=', for --set overrides."""
+    """The same grammar started at ``value``: what may follow '=', for --set overrides
+    (lark's own loop runs it only to describe a value that does not parse)."""
     return lark.Lark(grammar_text(), parser="lalr", lexer="contextual", start="value",
-                     postlex=_BracketAwareNewlines(), transformer=_TreeBuilder(),
-                     maybe_placeholders=True)
+                     postlex=_BracketAwareNewlines(), maybe_placeholders=True)
 
 
 @lru_cache(maxsize=1)
@@ -206,14 +271,20 @@ def _lexer() -> lark.Lark:
 
 @lru_cache(maxsize=1)
 def _tables() -> lalr.Tables:
-    return lalr.tables_of(_parser())
+    return lalr.tables_of(_parser(), BUILDERS, _ENTRY)
 
 
-def parse(text: str) -> tuple[ast.PlanFile | None, list[Diagnostic]]:
+@lru_cache(maxsize=1)
+def _value_tables() -> lalr.Tables:
+    return lalr.tables_of(_value_parser(), BUILDERS)
+
+
+def parse(text: str, fast: bool = True) -> tuple[ast.PlanFile | None, list[Diagnostic]]:
     """Parse a whole file; return the tree (None after any syntax error) and every
-    syntax error, found in one more pass over the text (planc/lang/recovery.py)."""
+    syntax error, found in one more pass over the text (planc/lang/recovery.py).
+    ``fast`` takes common entries whole (lalr.EntryShape); the outcome is the same."""
     try:
-        return lalr.parse(text, _tables(), MAX_NESTING), []
+        return lalr.parse(text, _tables(), MAX_NESTING, fast), []
     except lalr.Stop:
         pass
     return None, syntax_errors(text, _tables(), MAX_NESTING)
@@ -276,9 +347,14 @@ def parse_value(text: str) -> tuple[ast.Value | None, Diagnostic | None]:
     and the diagnostic of the first syntax error (there is no recovery in one value).
     """
     try:
-        return _value_parser().parse(text), None
+        return lalr.parse(text, _value_tables(), MAX_NESTING), None
+    except lalr.Stop:
+        pass
+    try:
+        _value_parser().parse(text)
     except (lark.exceptions.UnexpectedInput, _NestingTooDeep) as exc:
         return None, _diagnose_value(exc, text)
+    raise AssertionError(f"lark parses the value {text!r} that planc's machine refused")
 
 
 def _diagnose_value(exc: Exception, text: str) -> Diagnostic:

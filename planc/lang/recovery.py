@@ -19,11 +19,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from lark import Token
-
 from planc.diagnostics import Diagnostic, Span, error
 from planc.lang import lalr
-from planc.lang.lalr import CLOSERS, END, NEWLINE, OPENERS, Tables
+from planc.lang.lalr import CLOSERS, END, NEWLINE, OPENERS, Lexeme, Tables
 from planc.lang.units import UNITS
 
 TERMINAL_WORDS = {
@@ -39,11 +37,11 @@ SEPARATORS = (NEWLINE, "SEMICOLON")
 NOT_LINE_ENDS = frozenset("\v\x1c\x1d\x1e\x85\u2028\u2029")
 
 
-def span_of(token: Token) -> Span:
+def span_of(token: Lexeme) -> Span:
     return Span(token.line, token.column, token.end_line, token.end_column)
 
 
-def describe_token(token: Token) -> str:
+def describe_token(token: Lexeme) -> str:
     if token.type == END:
         return "end of file"
     if token.type == NEWLINE:
@@ -76,13 +74,13 @@ def describe_expected(expected: set[str], innermost: str | None,
     return ", ".join(words[:-1]) + " or " + words[-1]
 
 
-def closer_for(opener: Token) -> str:
+def closer_for(opener: Lexeme) -> str:
     return {"LPAR": ")", "LSQB": "]", "LBRACE": "}"}[opener.type]
 
 
-def unexpected_character(token: Token, hint_end: str = "on the same line") -> Diagnostic:
+def unexpected_character(token: Lexeme, hint_end: str = "on the same line") -> Diagnostic:
     span = Span.point(token.line, token.column)
-    if token == '"':
+    if str(token) == '"':
         return error("unterminated string", span,
                      "a string ends with '\"'" + (f" {hint_end}" if hint_end else ""))
     char = str(token)
@@ -92,7 +90,7 @@ def unexpected_character(token: Token, hint_end: str = "on the same line") -> Di
     return error(f"unexpected character {shown}", span, hint)
 
 
-def nested_too_deep(token: Token, limit: int) -> Diagnostic:
+def nested_too_deep(token: Lexeme, limit: int) -> Diagnostic:
     return error(f"brackets nested more than {limit} deep", span_of(token))
 
 
@@ -104,13 +102,14 @@ class _Reader:
     tables: Tables
     max_nesting: int
     states: list[int] = field(default_factory=list)
-    brackets: list[Token] = field(default_factory=list)  # the open ones, innermost last
-    braces: list[Token] = field(default_factory=list)  # every '{' and '}' fed, in order
-    previous: Token | None = None  # the last token fed, new lines aside
-    plan_closer: Token | None = None  # the '}' that closed the plan
+    brackets: list[Lexeme] = field(default_factory=list)  # the open ones, innermost last
+    braces: list[Lexeme] = field(default_factory=list)  # every '{' and '}' fed, in order
+    previous: Lexeme | None = None  # the last token fed, new lines aside
+    plan_closer: Lexeme | None = None  # the '}' that closed the plan
     anything: bool = False  # a token other than a new line was read
     line_starts: list[int] | None = None
     expected_at: dict[tuple[int, ...], set[str]] = field(default_factory=dict)
+    described_at: dict[tuple, str] = field(default_factory=dict)
 
     def expected(self) -> set[str]:
         """What the parser could take next; the same stack gives the same answer, and
@@ -121,7 +120,15 @@ class _Reader:
             found = self.expected_at[key] = lalr.expected(self.states, self.tables)
         return found
 
-    def indent(self, token: Token) -> int:
+    def describe_expected(self, innermost: str | None) -> str:
+        """describe_expected of what the parser could take next, likewise remembered."""
+        key = (tuple(self.states), innermost)
+        found = self.described_at.get(key)
+        if found is None:
+            found = self.described_at[key] = describe_expected(self.expected(), innermost)
+        return found
+
+    def indent(self, token: Lexeme) -> int:
         """Blanks before the first token of ``token``'s line."""
         if self.line_starts is None:
             starts = [0]
@@ -152,7 +159,7 @@ def syntax_errors(text: str, tables: Tables, max_nesting: int) -> list[Diagnosti
         if kind == NEWLINE and brackets and brackets[-1].type != "LBRACE":
             continue
         if kind == "NAME":
-            kind = lalr.keyword_or_word(token, actions[reader.states[-1]], tables)
+            kind = lalr.keyword_or_word(token.text, actions[reader.states[-1]], tables)
         if at_entry_start and kind not in SEPARATORS and kind != "RBRACE":
             checkpoint, entry_depth = list(reader.states), len(brackets)
         if kind == lalr.BAD:
@@ -185,7 +192,7 @@ def syntax_errors(text: str, tables: Tables, max_nesting: int) -> list[Diagnosti
     return diagnostics
 
 
-def _track(reader: _Reader, token: Token, kind: str) -> None:
+def _track(reader: _Reader, token: Lexeme, kind: str) -> None:
     """Bookkeeping after the machine took ``token``."""
     if kind in OPENERS:
         reader.brackets.append(token)
@@ -199,7 +206,7 @@ def _track(reader: _Reader, token: Token, kind: str) -> None:
         reader.previous, reader.anything = token, True
 
 
-def _skip(reader: _Reader, stream, entry_depth: int, first: Token | None,
+def _skip(reader: _Reader, stream, entry_depth: int, first: Lexeme | None,
           to_line_end: bool, diagnostics: list[Diagnostic]) -> bool | None:
     """Skip the rest of a broken entry (from ``first`` on, if given), then feed the
     separator or '}' that ends it. True when the machine goes on; False when the bracket
@@ -236,7 +243,7 @@ def _skip(reader: _Reader, stream, entry_depth: int, first: Token | None,
     return None
 
 
-def _resume(reader: _Reader, token: Token, kind: str, diagnostics: list[Diagnostic]) -> bool:
+def _resume(reader: _Reader, token: Lexeme, kind: str, diagnostics: list[Diagnostic]) -> bool:
     """Feed the separator or '}' that ends a skipped entry."""
     if not lalr.step(reader.states, None, kind, token, reader.tables.actions):
         diagnostics.append(_diagnose(reader, token, kind)[0])
@@ -245,7 +252,7 @@ def _resume(reader: _Reader, token: Token, kind: str, diagnostics: list[Diagnost
     return True
 
 
-def _diagnose(reader: _Reader, token: Token, kind: str) -> tuple[Diagnostic, bool]:
+def _diagnose(reader: _Reader, token: Lexeme, kind: str) -> tuple[Diagnostic, bool]:
     """The error for ``token`` (which the machine refused) and whether to go on."""
     opened = reader.brackets
     innermost = opened[-1].type if opened else None
@@ -263,9 +270,10 @@ def _diagnose(reader: _Reader, token: Token, kind: str) -> tuple[Diagnostic, boo
     if previous is not None and previous.type == "EQUAL" and kind in (NEWLINE, "RBRACE",
                                                                      "SEMICOLON"):
         return error("expected a value after '='", span_of(previous)), bool(opened)
-    shown = token if kind == token.type else Token(kind, str(token))
+    shown = token if kind == token.type else Lexeme(kind, token.text, token.line, token.column,
+                                                       token.end_line, token.end_column)
     message = (f"unexpected {describe_token(shown)}; expected "
-               f"{describe_expected(accepted, innermost)}")
+               f"{reader.describe_expected(innermost)}")
     hints = []
     if not opened:
         closer = reader.plan_closer
@@ -304,11 +312,11 @@ def _unexpected_end(reader: _Reader) -> Diagnostic:
                  span)
 
 
-def _likely_unclosed(reader: _Reader) -> Token | None:
+def _likely_unclosed(reader: _Reader) -> Lexeme | None:
     """The brace that is probably missing its '}', judged by indentation as rustc does:
     the first '{' whose matching '}' sits at a smaller indentation than the line that
     opened it."""
-    stack: list[Token] = []
+    stack: list[Lexeme] = []
     for token in reader.braces:
         if token.type == "LBRACE":
             stack.append(token)

@@ -8,6 +8,7 @@ reports cycles.
 
 from __future__ import annotations
 
+import bisect
 import difflib
 import functools
 import os
@@ -37,11 +38,27 @@ class Unresolved(Exception):
 
 
 def did_you_mean(word: str, choices) -> str:
-    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    if not match:
-        lowered = {c.lower(): c for c in choices}
-        match = [lowered[word.lower()]] if word.lower() in lowered else []
+    """"did you mean 'X'?" for the choice closest to ``word`` (difflib, cutoff 0.6), or
+    for the one that differs only in case; "" if none."""
+    lengths, ordered, lowered = _choice_index(tuple(choices))
+    # Only choices of a length that can reach the cutoff (difflib's real_quick_ratio:
+    # 2 * shorter / total >= 0.6, in integers) and sharing a letter with the word go to
+    # difflib: a file with 10,000 unknown keys asks 10,000 times.
+    size, letters = len(word), set(word)
+    near = [c for c in ordered[bisect.bisect_left(lengths, -(-3 * size // 7)):
+                               bisect.bisect_right(lengths, 7 * size // 3)]
+            if not letters.isdisjoint(c) or not size]
+    match = difflib.get_close_matches(word, near, n=1, cutoff=0.6) if near else []
+    if not match and word.lower() in lowered:
+        match = [lowered[word.lower()]]
     return f"did you mean '{match[0]}'?" if match else ""
+
+
+@functools.lru_cache(maxsize=256)
+def _choice_index(choices: tuple[str, ...]) -> tuple[list[int], list[str], dict[str, str]]:
+    """The choices by length (and their lengths), and each one by its lower case."""
+    ordered = sorted(choices, key=len)
+    return [len(c) for c in ordered], ordered, {c.lower(): c for c in choices}
 
 
 def join_words(words, conjunction: str = "or") -> str:
