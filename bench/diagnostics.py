@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from planc.collector import without_collector  # noqa: E402
 from planc.diagnostics import MAX_SHOWN, render_text, summary_line  # noqa: E402
 from planc.lang import load_text  # noqa: E402
 
@@ -73,6 +74,7 @@ CASES = {
 }
 
 
+@without_collector  # as planc.commands.load_plan runs
 def check_and_print(text: str) -> tuple[int, int]:
     """What `planc check` does with a file: its diagnostics, and their printed length."""
     loaded = load_text(text, "hostile.plan")

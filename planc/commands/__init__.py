@@ -12,6 +12,7 @@ import os
 import sys
 from typing import TextIO
 
+from planc.collector import without_collector
 from planc.diagnostics import MAX_SHOWN, render_json, render_text, summary_line
 from planc.words import counted
 
@@ -27,6 +28,7 @@ def use_color(stream: TextIO) -> bool:
     return hasattr(stream, "isatty") and stream.isatty() and os.environ.get("TERM") != "dumb"
 
 
+@without_collector  # the plan, and its diagnostics as they are printed (planc.collector)
 def load_plan(args) -> tuple[object, int]:
     """Load the plan named on the command line and print its diagnostics."""
     from planc.lang import load_file
@@ -75,7 +77,10 @@ def load_build(args):
         return None, fail(str(exc))
 
 
-def load_programs(args):
+def load_programs(args, verified: bool = False):
+    """The build with its programs. ``verified``: programs read from a build directory
+    (untrusted input) must pass planc verify first, for commands that replay them (the
+    simulator assumes programs that can run a whole step)."""
     from planc import build
 
     built, status = load_build(args)
@@ -86,6 +91,18 @@ def load_programs(args):
             built = build.read_programs(built)
         except build.BuildError as exc:
             return None, fail(str(exc))
+        if verified:
+            from planc.lower.verify import verify
+
+            report = verify(built.plan, built.graph, built.programs, built.table,
+                            built.groups, built.routes)
+            if not report.ok:
+                count = len(report.problems)
+                return None, fail(f"the programs of {built.path} fail verification: "
+                                  f"{report.problems[0]}" + (
+                                      f" (and {counted(count - 1, 'more problem')}; planc "
+                                      f"verify {built.path} lists them)" if count > 1 else
+                                      ""))
     return built, EXIT_OK
 
 

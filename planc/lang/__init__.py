@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import gc
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from planc.collector import without_collector
 from planc.diagnostics import Diagnostic, Span, error, in_source_order, warning
 from planc.files import read_regular_file
 from planc.lang.check import check
@@ -83,30 +82,15 @@ def load_text(text: str, path: str = "<plan>", overrides: Sequence[str] = ()) ->
     return _load_text(text, path, parse_overrides(overrides))
 
 
+@without_collector  # a plan's syntax tree and diagnostics hold no cycles (planc.collector)
 def _load_text(text: str, path: str, overrides: tuple[Override, ...]) -> Loaded:
-    with _cyclic_gc_paused():
-        tree, diagnostics = parse(text)
-        plan = None
-        if tree is not None:
-            plan, diagnostics = check(tree, path, overrides)
-            if plan is not None:
-                diagnostics = diagnostics + memory_warnings(plan)
-        return Loaded(path, text, plan, tuple(in_source_order(diagnostics)), overrides)
-
-
-@contextlib.contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
-    """Reading a plan allocates a few objects per token and creates no reference cycles,
-    so CPython's cycle collector finds nothing; yet it runs every 700 allocations and
-    walks every live object, which is a third of the time on a 10,000-entry file
-    (bench/diagnostics.py). Reference counting still frees everything as usual."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
+    tree, diagnostics = parse(text)
+    plan = None
+    if tree is not None:
+        plan, diagnostics = check(tree, path, overrides)
+        if plan is not None:
+            diagnostics = diagnostics + memory_warnings(plan)
+    return Loaded(path, text, plan, tuple(in_source_order(diagnostics)), overrides)
 
 
 def memory_warnings(plan: Plan) -> list[Diagnostic]:
