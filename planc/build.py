@@ -30,8 +30,8 @@ from planc import __version__
 from planc.collector import without_collector
 from planc.files import read_regular_file, umask
 from planc.graph import ir
-from planc.lower.groups import GroupTable
-from planc.lower.routes import RouteTable
+from planc.lower.groups import GroupTable, group_table
+from planc.lower.routes import RouteTable, split_refs
 from planc.lower.program import Program, RankTable, dumps
 from planc.plan import Plan
 
@@ -164,6 +164,9 @@ def _fingerprint(plan_data: dict) -> str:
 
 
 MAX_JSON_BYTES = 256 << 20  # the largest plan within the limits builds tens of MB
+# What reading a well-formed JSON document of the wrong shape raises (OverflowError: a
+# number such as 1e400, which JSON allows and Python reads as infinity, used as a count).
+MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError)
 
 
 def _read_json(directory: Path, name: str) -> dict:
@@ -226,7 +229,7 @@ def read(directory: str | Path) -> Build:
                          f"(edited since?); change the .plan file and run planc compile again")
     try:
         plan = Plan.from_dict(plan_data)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except MALFORMED as exc:
         raise BuildError(f"{path / 'plan.json'} is not a valid plan ({exc}); run planc "
                          f"compile again") from None
     graph_data = _read_json(path, "graph.json")
@@ -238,9 +241,12 @@ def read(directory: str | Path) -> Build:
     if attributes.get("plan_sha256") != manifest["plan_sha256"]:
         raise BuildError(f"{path / 'graph.json'} does not match plan.json (it was derived from "
                          f"another plan); run planc compile again")
+    if graph_data.get("directed") is not True or graph_data.get("multigraph") is not False:
+        raise BuildError(f"{path / 'graph.json'} is not a simple directed graph (directed "
+                         f"true, multigraph false); run planc compile again")
     try:
         graph = graph_from_json(graph_data)
-    except (KeyError, TypeError, ValueError, AttributeError, nx.NetworkXError) as exc:
+    except (*MALFORMED, nx.NetworkXError) as exc:
         raise BuildError(f"{path / 'graph.json'} is not a valid graph ({exc}); run planc "
                          f"compile again") from None
     _check_graph(path / "graph.json", graph, plan)
@@ -263,7 +269,8 @@ def _check_graph(path: Path, graph: nx.DiGraph, plan: Plan) -> None:
         raise BuildError(f"{path} does not match plan.json (mesh, microbatches, schedule or "
                          f"buckets); run planc compile again")
     problems = ir.validate(ir.coerce(graph), microbatches=plan.schedule.microbatches,
-                           stages=plan.mesh.pp, layers=plan.model.layers, limit=1)
+                           stages=plan.mesh.pp, layers=plan.model.layers,
+                           chunks=len(plan.shard.pp.chunks), limit=1)
     if problems:
         raise BuildError(f"{path}: {problems[0]}; run planc compile again")
 
@@ -275,8 +282,12 @@ def read_programs(build: Build) -> Build:
     if not directory.is_dir():
         raise BuildError(f"{build.path} has no {PROGRAMS}/ directory; run planc compile again")
     try:
+        os.listdir(directory)  # a directory that cannot be read fails here, with its reason
+    except OSError as exc:
+        raise BuildError(f"cannot read {directory}: {exc.strerror or exc}") from None
+    try:
         table = RankTable.from_json(_read_json(directory, RANK_TABLE))
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except MALFORMED as exc:
         raise BuildError(f"{directory / RANK_TABLE} is not a valid rank table ({exc}); run "
                          f"planc compile again") from None
     if (table.world, table.pp) != (build.plan.world, build.plan.mesh.pp):
@@ -285,15 +296,21 @@ def read_programs(build: Build) -> Build:
                          f"run planc compile again")
     try:
         groups = GroupTable.from_json(_read_json(directory, GROUPS))
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except MALFORMED as exc:
         raise BuildError(f"{directory / GROUPS} is not a valid group table ({exc}); run "
                          f"planc compile again") from None
     if groups.mesh != build.plan.mesh:
         raise BuildError(f"{directory / GROUPS} is for another mesh than plan.json; run "
                          f"planc compile again")
+    plan = build.plan
+    if groups != group_table(plan.mesh, plan.topology.devices_per_node,
+                             plan.model.tie_embeddings, plan.shard.pp.virtual,
+                             split_refs(build.graph)):
+        raise BuildError(f"{directory / GROUPS} is not the group table of plan.json and "
+                         f"graph.json; run planc compile again")
     try:
         routes = RouteTable.from_json(_read_json(directory, ROUTES))
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except MALFORMED as exc:
         raise BuildError(f"{directory / ROUTES} is not a valid route table ({exc}); run "
                          f"planc compile again") from None
     programs = {}
@@ -302,19 +319,32 @@ def read_programs(build: Build) -> Build:
             raise BuildError(f"{directory / RANK_TABLE} names {name!r}, not a program file")
         try:
             programs[name] = Program.from_json(_read_json(directory, name))
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        except MALFORMED as exc:
             raise BuildError(f"{directory / name} is not a valid program ({exc}); run planc "
                              f"compile again") from None
         if programs[name].microbatches != build.plan.schedule.microbatches:
             raise BuildError(f"{directory / name} is for another number of microbatches than "
                              f"plan.json; run planc compile again")
+    for rank, name in [(None, name) for name in table.stages] + list(table.overrides.items()):
+        stage = table.stages[name] if rank is None else table.stage_of(rank)
+        if programs[name].stage != stage:
+            raise BuildError(f"{directory / name} is the program of stage "
+                             f"{programs[name].stage}, but {directory / RANK_TABLE} runs it "
+                             f"on stage {stage}; run planc compile again")
+    graph_buckets = ir.buckets(build.graph)
     for name, program in programs.items():
         missing = next((block for block, _ in program.schedule
                         if block not in program.blocks), None)
         if missing is not None:
             raise BuildError(f"{directory / name} schedules block {missing!r}, which it does "
                              f"not define; run planc compile again")
-    unknown = [i.node for p in programs.values() for b in list(p.blocks.values()) + [p.epilogue]
+        other = next((b for b, bucket in program.buckets.items()
+                      if graph_buckets.get(b) != bucket), None)
+        if other is not None:
+            raise BuildError(f"{directory / name} holds bucket {other!r}, which is not that "
+                             f"bucket of graph.json; run planc compile again")
+    unknown = [i.node for p in programs.values()
+               for b in (*p.blocks.values(), p.prologue, p.epilogue)
                for i in b if i.node is not None and i.node not in build.graph]
     if unknown:
         raise BuildError(f"{directory} names node {unknown[0]!r}, which graph.json does not "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -269,8 +270,6 @@ class Plan:
 
 def _check_types(value: Any, where: str = "plan") -> None:  # noqa: C901
     """Check every field of a dataclass tree against its annotation."""
-    import typing
-
     hints = typing.get_type_hints(type(value))
     for f in dataclasses.fields(value):
         item, hint = getattr(value, f.name), hints[f.name]
@@ -290,8 +289,6 @@ _COUNTS = {"layers", "hidden", "heads", "ffn", "vocab", "seq", "batch", "tp", "c
 
 
 def _matches(item: Any, hint: Any) -> bool:
-    import typing
-
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
         return True
@@ -316,8 +313,6 @@ def _matches(item: Any, hint: Any) -> bool:
 
 def _build(cls, data: Any, where: str, skip: tuple[str, ...] = ()) -> Any:
     """A dataclass from its asdict() form, every field required and none unknown."""
-    import typing
-
     if not isinstance(data, Mapping):
         raise ValueError(f"{where} is not a JSON object")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -337,8 +332,6 @@ def _build(cls, data: Any, where: str, skip: tuple[str, ...] = ()) -> Any:
 
 
 def _convert(value: Any, hint: Any, where: str) -> Any:
-    import typing
-
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return _build(hint, value, where)
     if typing.get_origin(hint) is tuple:
@@ -356,14 +349,23 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
 # build's plan.json is read, since a build directory is untrusted input.
 LIMITS = {"world": 524_288, "layers": 1_024, "microbatches": 65_536, "schedule": 131_072}
 # Floats that must be above 0; every other float must be 0 or more. None is finite.
-_POSITIVE = {"flops", "bandwidth", "efficiency", "lr", "eps", "memory"}
+_POSITIVE = {"flops", "bandwidth", "efficiency", "lr", "eps", "memory", "norm_eps",
+             "rope_theta"}
+
+
+def _real(hint: Any) -> bool:
+    """Whether a field annotated ``hint`` holds a real number (JSON may write it as an
+    integer: 1 for 1.0)."""
+    return hint is float or float in typing.get_args(hint)
 
 
 def _check_values(value: Any, where: str = "plan") -> None:
     """Every number finite and in its range, every enum word known, every limit kept:
     what planc check guarantees, for a plan read back from a build's plan.json."""
+    hints = typing.get_type_hints(type(value))
     for f in dataclasses.fields(value):
         item, path = getattr(value, f.name), f"{where}.{f.name}"
+        number = isinstance(item, (int, float)) and not isinstance(item, bool)
         if dataclasses.is_dataclass(item):
             _check_values(item, path)
         elif isinstance(item, tuple):
@@ -373,7 +375,8 @@ def _check_values(value: Any, where: str = "plan") -> None:
                 elif isinstance(x, float) and not (math.isfinite(x) and 0 <= x < 1
                                                    if f.name == "betas" else math.isfinite(x)):
                     raise ValueError(f"{path}[{i}] is {x}")
-        elif isinstance(item, float) or (isinstance(item, int) and f.name in _POSITIVE):
+        elif number and (isinstance(item, float) or f.name in _POSITIVE or
+                         _real(hints[f.name])):
             if not math.isfinite(item) or item < 0 or (item == 0 and f.name in _POSITIVE):
                 raise ValueError(f"{path} is {item}, not a "
                                  f"{'positive' if f.name in _POSITIVE else 'non-negative'} "
@@ -384,6 +387,11 @@ def _check_values(value: Any, where: str = "plan") -> None:
     if plan.model.dtype not in DTYPE_BYTES:
         raise ValueError(f"plan.model.dtype is {plan.model.dtype!r}, not one of "
                          f"{', '.join(DTYPE_BYTES)}")
+    from planc.models import FAMILIES
+
+    if plan.model.family not in FAMILIES:
+        raise ValueError(f"plan.model.family is {plan.model.family!r}, not one of "
+                         f"{', '.join(FAMILIES)}")
     if plan.train.optimizer.name not in ("sgd", "adamw"):
         raise ValueError(f"plan.train.optimizer.name is {plan.train.optimizer.name!r}")
     mesh, pp = plan.mesh, plan.shard.pp

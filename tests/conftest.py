@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +41,58 @@ def run_planc():
                               timeout=timeout)
 
     return run
+
+
+# Root reads any file whatever its mode (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH), so that a
+# test run as root proves nothing by chmod alone: as root, the child drops both from its
+# capability bounding set before exec, and after exec root holds only what that set
+# allows, so file permissions apply to it as to anyone else.
+
+PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 24, 1, 2
+DROP_FAILED = 111  # the child's status when prctl refused
+
+
+def drop_file_capabilities() -> None:  # preexec_fn: in the child, before exec
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH):
+        if libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0) != 0:
+            os._exit(DROP_FAILED)
+
+
+def unprivileged(argv: list[str], timeout: float = 60):
+    import subprocess
+
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          preexec_fn=drop_file_capabilities if os.geteuid() == 0 else None)
+
+
+@pytest.fixture(scope="session")
+def permissions_apply(tmp_path_factory) -> None:
+    """Skip unless a child started as the tests start planc is refused a mode-000
+    directory (EACCES); checked, not assumed."""
+    import sys
+
+    if not hasattr(os, "geteuid"):
+        pytest.skip("needs POSIX file permissions")
+    locked = tmp_path_factory.mktemp("probe") / "locked"
+    locked.mkdir()
+    (locked / "file").write_text("x")
+    locked.chmod(0)
+    try:
+        probe = unprivileged([sys.executable, "-c", "import errno, os, sys\n"
+                               f"try:\n    os.listdir({str(locked)!r})\n"
+                               "except PermissionError as exc:\n"
+                               "    sys.exit(0 if exc.errno == errno.EACCES else 3)\n"
+                               "sys.exit(4)"])
+    except OSError as exc:  # no ctypes prctl, or no fork and exec
+        pytest.skip(f"cannot start a child without the capabilities to read any file: {exc}")
+    finally:
+        locked.chmod(0o755)
+    if probe.returncode == DROP_FAILED:
+        pytest.skip("running as root, and prctl(PR_CAPBSET_DROP) was refused (no "
+                    "CAP_SETPCAP?): root reads every file, so mode 000 cannot be tested")
+    if probe.returncode != 0:
+        pytest.skip(f"a mode-000 directory is readable here (status {probe.returncode}: "
+                    f"{probe.stderr[-300:]}); file permissions cannot be tested")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import BAD_TP, PLANS, ROOT
+from tests.conftest import BAD_TP, PLANS, ROOT, drop_file_capabilities
 
 TINY = PLANS / "gpt-tiny.plan"
 TINY_TEXT = TINY.read_text(encoding="utf-8")
@@ -32,13 +32,14 @@ SANE_SECONDS = 20
 
 
 def planc(*args, cwd: Path | None = None, env: dict | None = None,
-          timeout: float = SANE_SECONDS, stdin=subprocess.DEVNULL):
+          timeout: float = SANE_SECONDS, stdin=subprocess.DEVNULL, preexec_fn=None):
     """Run ``python -m planc ARGS``; fail cleanly (no hang) if it takes too long."""
     started = time.monotonic()
     try:
         result = subprocess.run([sys.executable, "-m", "planc", *map(str, args)],
                                 capture_output=True, text=True, errors="replace",
-                                cwd=cwd or ROOT, env=env, timeout=timeout, stdin=stdin)
+                                cwd=cwd or ROOT, env=env, timeout=timeout, stdin=stdin,
+                                preexec_fn=preexec_fn)
     except subprocess.TimeoutExpired:
         result = None
     if result is None:
@@ -122,13 +123,13 @@ def test_directory_exits_1(tmp_path):
         assert heads[0]["message"] == "is a directory, not a .plan file"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root can read a file without permissions")
-def test_file_without_read_permission_exits_1(tmp_path):
+def test_file_without_read_permission_exits_1(tmp_path, permissions_apply):
     path = tmp_path / "secret.plan"
     path.write_text(TINY_TEXT)
     path.chmod(0)
     try:
-        result = planc("check", "secret.plan", cwd=tmp_path)
+        result = planc("check", "secret.plan", cwd=tmp_path, preexec_fn=(
+            drop_file_capabilities if os.geteuid() == 0 else None))
     finally:
         path.chmod(0o644)
     heads = assert_diagnosed(result, "secret.plan")

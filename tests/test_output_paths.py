@@ -114,3 +114,35 @@ def test_run_writes_metrics_and_trace_through_links_and_into_devices(tmp_path, c
     assert main(["run", str(tmp_path / "b"), "--steps", "1", "--metrics", os.devnull,
                  "--trace", os.devnull]) == 0
     assert stat.S_ISCHR(os.stat(os.devnull).st_mode)
+
+
+def test_metrics_on_a_disk_that_fills_during_the_run(tmp_path, capfd):
+    """/dev/full is what a disk that filled after the run started looks like: it opens,
+    and its file system (/dev) has room, so the launcher's check before the run passes;
+    then every write fails with ENOSPC. The leader warns once, training goes on to the
+    last step, and the run succeeds."""
+    import pytest
+
+    pytest.importorskip("torch")
+    full = "/dev/full"
+    if not os.path.exists(full) or not stat.S_ISCHR(os.stat(full).st_mode):
+        pytest.skip("needs /dev/full")
+    room = os.statvfs(os.path.dirname(full))
+    if room.f_bavail * room.f_frsize < 2**20:  # planc.commands.run.MIN_FREE_BYTES
+        pytest.skip("the file system of /dev/full has less than 1 MiB free: the launcher "
+                    "refuses it before the run, another test's case")
+    build = tmp_path / "b"
+    status = main(["run", TINY, "-o", str(build), "--steps", "2", "--metrics", full])
+    out, err = capfd.readouterr()
+    assert status == 0, err[-3000:]
+    warnings = [line for line in err.splitlines() if "planc: warning:" in line]
+    assert len(warnings) == 1, err[-3000:]
+    assert warnings[0].endswith("planc: warning: cannot write the metrics of step 1 (No "
+                                "space left on device); no more metrics are written")
+    assert "step 2/2" in err.split(warnings[0])[1]  # trained on after the warning
+    logs = list((build / "logs").rglob("*.log"))
+    assert logs
+    for log in logs + [None]:
+        text = err + out if log is None else log.read_text(errors="replace")
+        assert "Traceback" not in text and "Exception ignored" not in text, (log, text[-2000:])
+    assert stat.S_ISCHR(os.stat(full).st_mode)

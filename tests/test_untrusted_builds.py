@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from planc.cli import main
-from tests.conftest import PLANS
+from tests.conftest import PLANS, unprivileged
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +179,57 @@ def test_a_graph_node_with_an_op_no_kernel_runs(build, capsys):
     assert _refused(capsys, "verify", build) == (
         f"planc: error: {build / 'graph.json'}: node 'F/L0/gelu': missing or invalid op; run "
         f"planc compile again\n")
+
+
+# --- a build that cannot be read (mode 000) ------------------------------------------------
+# Every command that reads a build directory (planc/cli.py), and whether it reads programs/.
+READERS = {
+    "verify": (["verify", "{b}"], True),
+    "programs": (["programs", "{b}"], True),
+    "programs-expand": (["programs", "{b}", "--expand"], True),
+    "graph": (["graph", "{b}", "--format", "dot"], False),
+    "explain": (["explain", "{b}"], False),
+    "simulate": (["simulate", "{b}"], True),
+    "report": (["report", "{b}", "-o", "{out}/report.html"], True),
+    "export": (["export", "{b}", "-o", "{out}/chakra"], True),
+    "diff": (["diff", "{b}", "{b}"], True),
+    "run": (["run", "{b}", "--steps", "1"], True),  # refused before any rank starts
+}
+
+
+@pytest.mark.parametrize("locked, denied", [
+    ("", ""), ("plan.json", "plan.json"), ("programs/stage0.json", "programs/stage0.json"),
+    ("programs", "programs"),
+], ids=["the-directory", "plan.json", "a-program", "programs-dir"])
+def test_a_build_that_cannot_be_read(pristine, tmp_path, permissions_apply, locked, denied):
+    """Each command says which path it cannot read and why, exits with 1 (an error in
+    its input, planc/cli.py) and prints no traceback; commands that do not read the
+    locked file still work."""
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    build = tmp_path / "b"
+    shutil.copytree(pristine, build)
+    path = build / locked
+    expected = f"planc: error: cannot read {build / denied if denied else build}: " \
+               f"Permission denied\n"
+    commands = {name: [a.format(b=build, out=tmp_path) for a in argv]
+                for name, (argv, _) in READERS.items()}
+    path.chmod(0)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            done = dict(zip(commands, pool.map(
+                lambda argv: unprivileged([sys.executable, "-m", "planc", *argv]),
+                commands.values())))
+    finally:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    for name, result in done.items():
+        output = result.stdout + result.stderr
+        assert "Traceback" not in output, (name, output[-2000:])
+        reads_it = locked in ("", "plan.json") or READERS[name][1]
+        if reads_it:
+            assert (result.returncode, result.stderr) == (1, expected), (name, output[-2000:])
+            assert result.stdout == "", name
+        else:  # graph and explain read no program
+            assert result.returncode == 0, (name, output[-2000:])
+    assert not (tmp_path / "report.html").exists()

@@ -19,7 +19,7 @@ def main(args) -> int:
     sides = []
     for path, overrides in ((args.a, []), (args.b, args.set_b or [])):
         side = argparse.Namespace(file=path, set=overrides, error_format=args.error_format)
-        built, status = load_programs(side)
+        built, status = load_programs(side, verified=True)
         if built is None:
             return status
         sides.append((path, built, simulate(built), overrides))

@@ -16,7 +16,7 @@ def main(args) -> int:
         return fail(f"-o {args.output} exists and is not a directory", EXIT_USAGE)
     if args.format == "hf":
         return _hugging_face(args)
-    built, status = load_programs(args)
+    built, status = load_programs(args, verified=True)
     if built is None:
         return status
     try:

@@ -37,7 +37,7 @@ def main(args) -> int:
         metrics, problem = _metrics(args.metrics)
         if problem:
             return fail(problem)
-    built, status = load_programs(args)
+    built, status = load_programs(args, verified=True)
     if built is None:
         return status
     result = simulate(built, keep_timeline=True)

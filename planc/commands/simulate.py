@@ -13,7 +13,7 @@ def main(args) -> int:
     from planc.simulate import simulate
     from planc.views import simulate_text
 
-    built, status = load_programs(args)
+    built, status = load_programs(args, verified=True)
     if built is None:
         return status
     if args.trace and os.path.isdir(args.trace):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from math import ceil
+from math import ceil, inf
 from typing import TYPE_CHECKING, Any, Iterable
 
 if TYPE_CHECKING:  # the schema itself is light: the command line reads its enums
@@ -220,6 +220,45 @@ OPTIONAL = {
 }
 
 
+# The types of the OPTIONAL attributes (and of a few more some nodes carry), where present:
+# a graph read back from a build is checked against them too.
+_STR = (str,)
+_SEQUENCE = (list, tuple)
+_OPTIONAL_TYPES = {
+    "forward_of": _STR, "recompute_of": _STR, "weight_grad": _STR, "weight_grad_of": _STR,
+    "tp_input": _STR, "tp_output": _STR, "bucket": _STR, "ring_steps": _INT, "peer": _STR,
+    "dim": (str, type(None)), "producer": _STR, "consumer": _STR, "collective": _STR,
+    "sharded": (bool,), "stream": _STR, "placement": _STR, "route": _STR,
+    "route_seconds": (int, float, type(None)), "tensor": _STR, "bias": _STR,
+    "recomputed": (bool,), "vocab_parallel": (bool,), "peer_stage": _INT,
+    "slice_axis": _INT, "shape": _SEQUENCE, "elements": _SEQUENCE,
+}
+
+
+def _optional_problem(data: dict) -> str | None:
+    """What is wrong with a node's optional attributes, or None."""
+    bad = [key for key, expected in _OPTIONAL_TYPES.items()
+           if key in data and not _type_ok(data[key], expected)]
+    if bad:
+        return f"invalid {', '.join(bad)}"
+    seconds = data.get("route_seconds")
+    if seconds is not None and not 0 <= seconds < inf:
+        return f"route_seconds {seconds!r} is not a time"
+    for key in ("shape", "elements"):
+        if key in data and not all(_type_ok(x, _INT) and x >= 0 for x in data[key]):
+            return f"{key} is not a list of sizes"
+    if "flops" in data and not 0 <= data["flops"] < inf:
+        return f"flops {data['flops']!r} is not a count"
+    if "params" in data and not all(isinstance(p, str) for p in data["params"]):
+        return "params is not a list of parameter names"
+    if ("producer" in data) != ("consumer" in data):
+        return "a producer without a consumer, or a consumer without a producer"
+    if data.get("type") == NodeType.TRANSFER and not (
+            "producer" in data or data.get("tensor") or "bucket" in data):
+        return "a transfer with no producer, tensor or bucket: it moves nothing"
+    return None
+
+
 def buckets(graph: nx.DiGraph) -> dict[str, dict]:
     """The graph's parameter buckets, by id."""
     return graph.graph.setdefault("buckets", {})
@@ -271,7 +310,7 @@ def _type_ok(value: Any, expected) -> bool:
 
 def validate(graph: nx.DiGraph, *, microbatches: int | None = None,
              stages: int | None = None, layers: int | None = None,
-             limit: int = 20) -> list[str]:
+             chunks: int | None = None, limit: int = 20) -> list[str]:
     """Problems of ``graph`` against the schema (empty when it is well formed).
 
     Checks every node's required attributes and their types, the payload's own
@@ -307,12 +346,20 @@ def validate(graph: nx.DiGraph, *, microbatches: int | None = None,
         if "layer" not in data:
             report(f"node {node!r}: missing layer (a layer, or null outside the layers)")
             continue
+        problem = _optional_problem(data)
+        if problem:
+            report(f"node {node!r}: {problem}")
+            continue
         layer = data["layer"]
         if layer is not None and (not _type_ok(layer, _INT) or layer < 0 or
                                   (layers is not None and layer >= layers)):
             report(f"node {node!r}: layer {layer!r} is not a layer of the model")
         if stages is not None and not 0 <= data["stage"] < stages:
             report(f"node {node!r}: stage {data['stage']} is not a pipeline stage")
+        elif chunks is not None and stages is not None and not (
+                0 <= data["chunk"] < chunks and data["chunk"] % stages == data["stage"]):
+            report(f"node {node!r}: chunk {data['chunk']} is not a model chunk of stage "
+                   f"{data['stage']} (chunk c runs on stage c mod {stages})")
         if data["repeat"] < 1 or data["bytes"] < 0:
             report(f"node {node!r}: repeat and bytes must be positive")
         if microbatches is not None and data["per_microbatch"] and \
@@ -338,6 +385,8 @@ def validate(graph: nx.DiGraph, *, microbatches: int | None = None,
     for bucket_id, bucket in table.items():
         for problem in bucket_problems(bucket):
             report(f"bucket {bucket_id!r}: {problem}")
+    for problem in pass_report_problems(graph.graph.get("passes", [])):
+        report(f"the passes' report: {problem}")
     import networkx as nx
 
     if not problems and not nx.is_directed_acyclic_graph(graph):
@@ -345,9 +394,90 @@ def validate(graph: nx.DiGraph, *, microbatches: int | None = None,
     return problems
 
 
+# A bucket's fields and its members' (planc.passes.fuse), with their types.
+_BUCKET_FIELDS = {"stage": _INT, "chunk": _INT, "dtype": _STR, "members": _SEQUENCE,
+                  "numel": _INT, "parts": _INT, "shard": _INT, "padded": _INT,
+                  "sharded": (bool,), "zero3": (bool,), "tp_sum_numel": _INT, "tied": (bool,),
+                  "reason": _STR}
+_MEMBER_FIELDS = {"param": _STR, "offset": _INT, "numel": _INT, "shape": _SEQUENCE,
+                  "full_shape": _SEQUENCE, "tp_split": (list, tuple, type(None)),
+                  "layer": (int, type(None))}
+
+
+def _fields_problem(item, fields: dict) -> str | None:
+    if not isinstance(item, dict):
+        return f"{type(item).__name__}, not an object"
+    bad = [key for key, expected in fields.items()
+           if key not in item or not _type_ok(item[key], expected)]
+    if bad:
+        return f"missing or invalid {', '.join(bad)}"
+    negative = [key for key, expected in fields.items() if expected == _INT and item[key] < 0]
+    if negative:
+        return f"negative {', '.join(negative)}"
+    return None
+
+
+_PASS_FIELDS = {"name": _STR, "enabled": (bool,), "line": _STR, "changes": _SEQUENCE,
+                "decisions": _SEQUENCE}
+_ROUTE_DECISION_FIELDS = {"node": _STR, "route": _STR, "why": _STR, "placements": _SEQUENCE,
+                          "candidates": _SEQUENCE}
+_CANDIDATE_FIELDS = {"route": _STR, "seconds": (int, float, type(None)), "reason": _STR}
+
+
+def pass_report_problems(records) -> list[str]:
+    """The passes' report (``graph.graph["passes"]``, what planc explain prints): one
+    record per pass, and for the route pass every decision with its candidates, the route
+    taken among them."""
+    if not isinstance(records, (list, tuple)):
+        return ["not a list"]
+    for k, record in enumerate(records):
+        problem = _fields_problem(record, _PASS_FIELDS)
+        if problem is None and record["name"] == "route":
+            for decision in record["decisions"]:
+                problem = _fields_problem(decision, _ROUTE_DECISION_FIELDS)
+                if problem is None and not all(isinstance(p, str)
+                                               for p in decision["placements"]):
+                    problem = "placements that are not text"
+                for candidate in decision["candidates"] if problem is None else ():
+                    problem = _fields_problem(candidate, _CANDIDATE_FIELDS)
+                    if problem is None and candidate["seconds"] is not None and \
+                            not 0 <= candidate["seconds"] < inf:
+                        problem = f"a candidate route of {candidate['seconds']!r} seconds"
+                    if problem is not None:
+                        break
+                if problem is None and not any(
+                        c["route"] == decision["route"] and c["seconds"] is not None
+                        for c in decision["candidates"]):
+                    problem = f"the route taken, {decision['route']!r}, is not a candidate"
+                if problem is not None:
+                    problem = f"a decision: {problem}"
+                    break
+        if problem is not None:
+            return [f"record {k}: {problem}"]
+    return []
+
+
 def bucket_problems(bucket: dict) -> list[str]:
-    """Members inside the bucket, disjoint, in offset order; the bucket padded to whole
-    shards of its group."""
+    """Fields of the right types; members inside the bucket, disjoint, in offset order;
+    the bucket padded to whole shards of its group."""
+    problem = _fields_problem(bucket, _BUCKET_FIELDS)
+    if problem is None and bucket["parts"] < 1:
+        problem = "parts must be at least 1"
+    for member in bucket["members"] if problem is None else ():
+        problem = _fields_problem(member, _MEMBER_FIELDS)
+        if problem is None and not all(_type_ok(d, _INT) and d >= 0 for d in
+                                       (*member["shape"], *member["full_shape"])):
+            problem = "a shape that is not a list of sizes"
+        if problem is None and member["tp_split"] is not None and not (
+                len(member["tp_split"]) == 2 and isinstance(member["tp_split"][0], str)
+                and _type_ok(member["tp_split"][1], _INT)):
+            problem = f"tp_split {member['tp_split']!r} is not [dimension, axis]"
+        if problem is not None:
+            problem = f"member {member.get('param') if isinstance(member, dict) else None!r}: " \
+                      f"{problem}"
+            break
+    if problem is not None:
+        return [f"malformed ({problem})"]
     problems = []
     try:
         members, numel, padded = bucket["members"], bucket["numel"], bucket["padded"]

@@ -17,6 +17,7 @@ from typing import Iterator
 from planc.cost import counts_of
 from planc.graph.ir import Axis
 from planc.layout import Layout
+from planc.lower.program import integer_of
 from planc.plan import AXES, Mesh
 
 GROUPS_FORMAT_VERSION = 1
@@ -162,14 +163,14 @@ class GroupTable:
                 data.get("version") != GROUPS_FORMAT_VERSION:
             raise ValueError(f"not a version {GROUPS_FORMAT_VERSION} planc group table")
         mesh_data = data["mesh"]
-        mesh = Mesh(**{a: int(mesh_data[a]) for a in AXES},
+        mesh = Mesh(**{a: integer_of(mesh_data[a], f"its mesh's {a}") for a in AXES},
                     order=tuple(map(str, mesh_data["order"])))
         if sorted(mesh.order) != sorted(AXES) or min(mesh.size(a) for a in AXES) < 1:
             raise ValueError("its mesh is not a mesh")
         rules = []
         for item in data["groups"]:
             axes = tuple(map(str, item.get("axes", ())))
-            coordinates = {str(k): tuple(int(x) for x in v)
+            coordinates = {str(k): tuple(integer_of(x, "a coordinate") for x in v)
                            for k, v in item.get("coordinates", {}).items()}
             if any(a not in AXES for a in (*axes, *coordinates)) or any(
                     not 0 <= x < mesh.size(a) for a, v in coordinates.items() for x in v):
@@ -181,7 +182,10 @@ class GroupTable:
                                  f"are intra or inter")
             rules.append(GroupRule(str(item["ref"]), axes, coordinates,
                                    bool(item.get("wrap", False)), split))
-        return GroupTable(mesh, int(data["devices_per_node"]), tuple(rules))
+        devices = integer_of(data["devices_per_node"], "its devices_per_node")
+        if devices < 1:
+            raise ValueError(f"its devices_per_node is {devices}")
+        return GroupTable(mesh, devices, tuple(rules))
 
 
 def group_table(mesh: Mesh, devices_per_node: int, tied: bool, virtual: int = 1,

@@ -118,6 +118,14 @@ def _string(value) -> str:
     return value
 
 
+def integer_of(value, what: str) -> int:
+    """An integer of a file read back (JSON has no integer type: 1e400 is infinity, 2.5
+    and true are numbers too)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{what} is {value!r}, not an integer")
+    return value
+
+
 @dataclass(frozen=True)
 class Expanded:
     """One instruction of an expanded program, microbatch resolved."""
@@ -176,11 +184,15 @@ class Program:
                 microbatches < 1:
             raise ValueError("microbatches must be a positive integer")
         program = Program(
-            stage=int(data["stage"]), streams=tuple(map(_string, data["streams"])),
+            stage=integer_of(data["stage"], "its stage"),
+            streams=tuple(map(_string, data["streams"])),
             blocks={_string(name): tuple(Instruction.from_json(i) for i in block)
                     for name, block in data["blocks"].items()},
-            schedule=tuple((_string(b), int(m)) for b, m in data["schedule"]),
-            receives={_string(stream): tuple((_string(n), int(m)) for n, m in items)
+            schedule=tuple((_string(b), integer_of(m, "a microbatch of the schedule"))
+                           for b, m in data["schedule"]),
+            receives={_string(stream): tuple((_string(n), integer_of(m, "a microbatch of its "
+                                                                   "receives"))
+                                             for n, m in items)
                       for stream, items in data["receives"].items()},
             epilogue=tuple(Instruction.from_json(i) for i in data["epilogue"]),
             microbatches=microbatches,
@@ -398,10 +410,13 @@ class RankTable:
     def from_json(data: dict) -> "RankTable":
         if data.get("format") != "planc-ranks" or data.get("version") != RANK_TABLE_VERSION:
             raise ValueError(f"not a version {RANK_TABLE_VERSION} planc rank table")
-        table = RankTable(int(data["world"]), int(data["pp"]), int(data["pp_stride"]),
-                          {str(k): int(v) for k, v in data["stages"].items()},
-                          {int(k): str(v) for k, v in data.get("overrides", {}).items()})
+        table = RankTable(integer_of(data["world"], "its world"), integer_of(data["pp"], "its pp"),
+                          integer_of(data["pp_stride"], "its pp_stride"),
+                          {str(k): integer_of(v, f"the stage of {k}")
+                           for k, v in data["stages"].items()},
+                          {int(k): _string(v) for k, v in data.get("overrides", {}).items()})
         if table.world < 1 or table.pp < 1 or table.stride < 1 or \
+                len(table.stages) != table.pp or \
                 sorted(table.stages.values()) != list(range(table.pp)) or \
                 any(not 0 <= r < table.world for r in table.overrides):
             raise ValueError("its world, pp, pp_stride, stages or overrides are inconsistent")
