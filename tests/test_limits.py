@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from planc.cost import MAX_RECIPE_MEMBERS, CostModel, Placement, Route
-from planc.lang.check import LIMITS
+from planc.lang.check import LIMITS, largest_divisors
 from planc.plan import Device, Link, Topology
 from tests.conftest import ROOT
 
@@ -197,3 +197,38 @@ def test_tree_and_hierarchical_routes_stop_at_the_recipe_limit():
                                        "1,024 ranks; larger groups use the backend's own "
                                        "algorithm")
     assert large[Route.RING].seconds is not None
+
+
+# --- no limit, but a bounded search for the hint --------------------------------------------
+
+
+def test_a_huge_heads_or_kv_heads_is_diagnosed_with_its_hint_at_once(tmp_path):
+    """heads = 100000144 (a mutant of bench/hostile.py) took check 6 s, searching every
+    value below heads for a divisor of hidden; 10**15 would never have finished."""
+    heads = (f"plan p {{\n  model gpt {{ layers = 2; hidden = 4096; heads = {10**15 + 37}; "
+             "vocab = 256; seq = 32; batch = 8 }\n}\n")
+    kv_heads = (f"plan p {{\n  model llama {{ layers = 2; hidden = 4096; heads = 32; "
+                f"kv_heads = {10**15 + 37}; ffn = 128; vocab = 256; seq = 32; batch = 8 }}\n}}\n")
+    for text, message, hint in [
+        (heads, f"hidden (4096) must divide by heads ({10**15 + 37})",
+         "heads must divide hidden; try heads = 4096 or heads = 2048"),
+        (kv_heads, f"kv_heads ({10**15 + 37}) must divide heads (32): each key/value head "
+                   f"serves a group of query heads", "try kv_heads = 32 or kv_heads = 16")]:
+        path = tmp_path / "plan.plan"
+        path.write_text(text)
+        result = subprocess.run([sys.executable, "-m", "planc", "check", str(path),
+                                 "--error-format", "json"], capture_output=True, text=True,
+                                cwd=ROOT, timeout=SECONDS)
+        (diagnostic,) = json.loads(result.stdout)["diagnostics"]
+        assert (diagnostic["message"], diagnostic["hints"]) == (message, [hint])
+
+
+def test_largest_divisors_are_exact_near_the_bound_and_searched_within_a_budget():
+    assert largest_divisors(4096, 100) == [64, 32]
+    assert largest_divisors(18432, 100000144) == [18432, 9216]
+    assert largest_divisors(7, 7) == [1]
+    assert largest_divisors(12, 2) == [1]
+    assert largest_divisors(12, 1) == []
+    prime = 10**12 + 39
+    assert largest_divisors(prime, 10**13) == [prime]  # 1 lies beyond the budget
+    assert largest_divisors(prime * 2, prime, budget=10) == []

@@ -9,6 +9,7 @@ is reported; a Plan is returned only when there is no error.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Sequence
@@ -66,6 +67,16 @@ def divisors_below(limit: int, *numbers: int, count: int = 2) -> list[int]:
     """The largest ``count`` values d in 2..limit-1 that divide every one of ``numbers``."""
     found = [d for d in range(min(limit - 1, 4096), 1, -1) if all(n % d == 0 for n in numbers)]
     return found[:count]
+
+
+def largest_divisors(n: int, below: int, count: int = 2, budget: int = 100_000) -> list[int]:
+    """The largest ``count`` divisors of ``n`` that are less than ``below``, for a hint.
+    Searched downward from the first value that could be one, over at most ``budget``
+    values: a hostile plan may write heads = 100000144 (a search from there took 6 s) or
+    hidden = 10**30, and a hint is not worth more than a few milliseconds."""
+    top = min(below - 1, n)
+    found = (d for d in range(top, max(top - budget, 0), -1) if n % d == 0)
+    return list(itertools.islice(found, count))
 
 
 def _where_given(span: Span) -> str:
@@ -270,17 +281,17 @@ class _Checker:
             return self._reject(_over_limit(f"layers ({model.layers})", "layers"),
                                 self.span("model.layers"))
         if model.hidden % model.heads:
-            candidates = [h for h in range(model.heads - 1, 0, -1) if model.hidden % h == 0][:2]
+            candidates = largest_divisors(model.hidden, model.heads)
             self.report(error(f"hidden ({model.hidden}) must divide by heads ({model.heads})",
                               self.span("model.heads"),
                               f"heads must divide hidden; {_try('heads', candidates)}"))
             return None
         if model.kv_heads is not None and model.heads % model.kv_heads:
-            candidates = [k for k in range(model.kv_heads - 1, 0, -1) if model.heads % k == 0]
+            candidates = largest_divisors(model.heads, model.kv_heads)
             return self._reject(f"kv_heads ({model.kv_heads}) must divide heads "
                                 f"({model.heads}): each key/value head serves a group of "
                                 f"query heads", self.span("model.kv_heads", "model.heads"),
-                                _try("kv_heads", candidates[:2]))
+                                _try("kv_heads", candidates))
         if family.name == "llama" and model.head_dim % 2:
             return self._reject(f"the head dimension hidden / heads = {model.head_dim} is "
                                 f"odd; rotary embedding turns pairs of features",
