@@ -9,6 +9,7 @@ point back at the right line.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from dataclasses import dataclass, field
@@ -268,9 +269,16 @@ class Plan:
         _check_consistency(plan)
         return plan
 
+@functools.lru_cache(maxsize=None)
+def _field_types(cls: type) -> dict[str, Any]:
+    """A dataclass's field annotations, evaluated (once per class: reading a plan.json
+    walks every section three times)."""
+    return typing.get_type_hints(cls)
+
+
 def _check_types(value: Any, where: str = "plan") -> None:  # noqa: C901
     """Check every field of a dataclass tree against its annotation."""
-    hints = typing.get_type_hints(type(value))
+    hints = _field_types(type(value))
     for f in dataclasses.fields(value):
         item, hint = getattr(value, f.name), hints[f.name]
         path = f"{where}.{f.name}"
@@ -322,7 +330,7 @@ def _build(cls, data: Any, where: str, skip: tuple[str, ...] = ()) -> Any:
         raise ValueError(f"{where} has " + ", ".join(
             ([f"no {', '.join(missing)}"] if missing else [])
             + ([f"unknown {', '.join(unknown)}"] if unknown else [])))
-    hints = typing.get_type_hints(cls)
+    hints = _field_types(cls)
     values = {}
     for name in fields:
         if name in skip:
@@ -362,7 +370,7 @@ def _real(hint: Any) -> bool:
 def _check_values(value: Any, where: str = "plan") -> None:
     """Every number finite and in its range, every enum word known, every limit kept:
     what planc check guarantees, for a plan read back from a build's plan.json."""
-    hints = typing.get_type_hints(type(value))
+    hints = _field_types(type(value))
     for f in dataclasses.fields(value):
         item, path = getattr(value, f.name), f"{where}.{f.name}"
         number = isinstance(item, (int, float)) and not isinstance(item, bool)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -64,18 +65,20 @@ def _over_limit(what: str, limit: str) -> str:
 
 
 def divisors_below(limit: int, *numbers: int, count: int = 2) -> list[int]:
-    """The largest ``count`` values d in 2..limit-1 that divide every one of ``numbers``."""
-    found = [d for d in range(min(limit - 1, 4096), 1, -1) if all(n % d == 0 for n in numbers)]
-    return found[:count]
+    """The largest ``count`` values d in 2..limit-1, and at most 4096, that divide every
+    one of ``numbers``."""
+    return largest_divisors(math.gcd(*numbers), min(limit, 4097), count, least=2)
 
 
-def largest_divisors(n: int, below: int, count: int = 2, budget: int = 100_000) -> list[int]:
-    """The largest ``count`` divisors of ``n`` that are less than ``below``, for a hint.
-    Searched downward from the first value that could be one, over at most ``budget``
-    values: a hostile plan may write heads = 100000144 (a search from there took 6 s) or
-    hidden = 10**30, and a hint is not worth more than a few milliseconds."""
-    top = min(below - 1, n)
-    found = (d for d in range(top, max(top - budget, 0), -1) if n % d == 0)
+def largest_divisors(n: int, below: int, count: int = 2, least: int = 1,
+                     budget: int = 100_000) -> list[int]:
+    """The largest ``count`` divisors of ``n`` that are less than ``below`` and at least
+    ``least``, for a hint. Searched downward from the first value that could be one, over
+    at most ``budget`` values: a hostile plan may write heads = 100000144 (a search from
+    there took 6 s) or hidden = 10**30, and a hint is not worth more than a few
+    milliseconds."""
+    top = below - 1 if n == 0 else min(below - 1, n)  # every number divides 0
+    found = (d for d in range(top, max(top - budget, least - 1), -1) if n % d == 0)
     return list(itertools.islice(found, count))
 
 

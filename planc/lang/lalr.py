@@ -123,7 +123,7 @@ def tables_of(parser: lark.Lark, builders: Mapping[str, Builder],
                 for other in terminals):
             keywords[terminal.pattern.value] = terminal.name
             continue
-        patterns.append(f"(?P<{terminal.name}>{terminal.pattern.to_regexp()})")
+        patterns.append(f"(?P<{terminal.name}>{regexps[terminal.name]})")
     patterns.append(f"(?P<{BAD}>(?s:.))")
     interactive = parser.parse_interactive("")
     conf = interactive.parser_state.parse_conf

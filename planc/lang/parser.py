@@ -28,7 +28,8 @@ from lark.lark import PostLex
 from planc.diagnostics import Diagnostic, Span, error
 from planc.lang import ast, lalr
 from planc.lang.recovery import (closer_for, describe_expected, describe_token,
-                                  nested_too_deep, syntax_errors, unexpected_character)
+                                  nested_too_deep, span_of, syntax_errors,
+                                  unexpected_character)
 from planc.lang.units import UNITS
 
 MAX_NESTING = 64
@@ -86,10 +87,6 @@ class _BracketAwareNewlines(PostLex):
             yield token
 
 
-def _span(token: Token) -> Span:
-    return Span(token.line, token.column, token.end_line, token.end_column)
-
-
 def _at(piece: lalr.Piece) -> Span:
     return Span(piece[1], piece[2], piece[3], piece[4])
 
@@ -107,8 +104,7 @@ def _unescape(text: str) -> str:
 
 
 def _number(children):
-    piece = children[0]
-    return _number_node(piece[0], Span(piece[1], piece[2], piece[3], piece[4]))
+    return _number_node(children[0][0], _at(children[0]))
 
 
 def _number_node(text: str, span: Span) -> ast.Number:
@@ -126,13 +122,11 @@ def _number_node(text: str, span: Span) -> ast.Number:
 
 
 def _word(children):
-    piece = children[0]
-    return ast.Word(piece[0], Span(piece[1], piece[2], piece[3], piece[4]))
+    return ast.Word(children[0][0], _at(children[0]))
 
 
 def _string(children):
-    piece = children[0]
-    return ast.String(_unescape(piece[0]), Span(piece[1], piece[2], piece[3], piece[4]))
+    return ast.String(_unescape(children[0][0]), _at(children[0]))
 
 
 def _binop(children):
@@ -372,7 +366,7 @@ def _diagnose_value(exc: Exception, text: str) -> Diagnostic:
         if opened:
             first = opened[-1]
             return error(f"unexpected end of the value: '{first}' at column {first.column} "
-                         f"is never closed", _span(first), f"add '{closer_for(first)}' to "
+                         f"is never closed", span_of(first), f"add '{closer_for(first)}' to "
                          f"close it")
         if not tokens:
             return error("no value", _end_of_text_span(text), "write a value after '='")
@@ -381,7 +375,7 @@ def _diagnose_value(exc: Exception, text: str) -> Diagnostic:
                      _end_of_text_span(text))
     opened = _open_brackets(tokens, token.start_pos)
     innermost = opened[-1].type if opened else None
-    span = _span(token) if token.type != "_NL" else Span.point(token.line, token.column)
+    span = span_of(token) if token.type != "_NL" else Span.point(token.line, token.column)
     if token.type in _CLOSERS and innermost != _CLOSERS[token.type]:
         if opened:
             first = opened[-1]
