@@ -9,13 +9,17 @@ Layout (format version 2, documented in docs/build.md):
     programs/      one rank program per pipeline stage, ranks.json (the rank table),
                    groups.json (the process groups the programs use) and routes.json
                    (the recipes of tree and hierarchical routes)
+    logs/          written by planc run; carried into the new build when one is replaced
 
 A build is written into a temporary sibling directory and renamed into place, so a
 reader never sees half a build, and a failed compile leaves the old build untouched.
+A build is read as untrusted input: no file or directory inside it may be a symbolic
+link (the build directory itself may be one).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -42,6 +46,7 @@ PROGRAMS = "programs"
 RANK_TABLE = "ranks.json"
 GROUPS = "groups.json"
 ROUTES = "routes.json"
+LOGS = "logs"
 
 
 class BuildError(Exception):
@@ -141,19 +146,65 @@ def write(build: Build, directory: str | Path, source_path: str, source_text: st
 
 
 def _replace(staging: Path, target: Path) -> None:
-    """Move the finished build into place, swapping out an older one."""
+    """Move the finished build into place, swapping out an older one. The older build's
+    logs/ are run outputs, not compiler outputs: they move into the new build."""
     if not target.exists():
         os.rename(staging, target)
         return
     old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
     os.rmdir(old)
     os.rename(target, old)
+    logs = old / LOGS
+    carried = logs.is_dir() and not logs.is_symlink()
     try:
+        if carried:
+            os.rename(logs, staging / LOGS)
         os.rename(staging, target)
     except OSError:
+        if carried and (staging / LOGS).is_dir():
+            os.rename(staging / LOGS, logs)
         os.rename(old, target)  # put the old build back
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Earlier:
+    """The build a compile into a directory would replace. ``kind``: "same" (this plan,
+    compiled by this planc), "earlier" (another version of the same plan file, or the
+    same text), "other" (another plan file, with other text) or "damaged" (its build.json
+    cannot be read); ``source`` the plan file it names; ``logs`` whether it has logs/."""
+
+    kind: str
+    source: str | None
+    logs: bool
+
+
+def earlier_build(directory: str | Path, plan: Plan, source_path: str,
+                  source_text: str) -> Earlier | None:
+    """What ``directory`` holds, if it holds a planc build (None otherwise: nothing, an
+    empty directory, or something :func:`write` refuses anyway)."""
+    target = Path(directory)
+    try:
+        if not target.is_dir() or not os.path.lexists(target / MANIFEST):
+            return None
+        logs = (target / LOGS).is_dir() and not (target / LOGS).is_symlink()
+    except OSError:
+        return None
+    try:
+        manifest = _read_json(target, MANIFEST)
+    except BuildError:
+        return Earlier("damaged", None, logs)
+    source = manifest.get("source")
+    if manifest.get("format") != "planc-build" or not isinstance(source, str):
+        return Earlier("damaged", None, logs)
+    if (manifest.get("version"), manifest.get("planc"), manifest.get("plan_sha256")) == (
+            BUILD_FORMAT_VERSION, __version__, _fingerprint(plan.to_dict())):
+        return Earlier("same", source, logs)
+    if source != os.path.abspath(source_path) and manifest.get("source_sha256") != \
+            hashlib.sha256(source_text.encode()).hexdigest():
+        return Earlier("other", source, logs)
+    return Earlier("earlier", source, logs)
 
 
 def _fingerprint(plan_data: dict) -> str:
@@ -175,11 +226,13 @@ def _read_json(directory: Path, name: str) -> dict:
     nesting Python can hold."""
     path = directory / name
     try:
-        raw = read_regular_file(path, MAX_JSON_BYTES + 1)
+        raw = read_regular_file(path, MAX_JSON_BYTES + 1, follow=False)
     except FileNotFoundError:
         raise BuildError(f"{directory} is incomplete: {name} is missing; run planc compile "
                          f"again") from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP and os.path.islink(path):
+            raise BuildError(_linked(path)) from None
         raise BuildError(f"cannot read {path}: {exc.strerror or exc}") from None
     if len(raw) > MAX_JSON_BYTES:
         raise BuildError(f"{path} is larger than {MAX_JSON_BYTES >> 20} MiB; run planc "
@@ -202,6 +255,12 @@ def _read_json(directory: Path, name: str) -> dict:
     return data
 
 
+def _linked(path: Path) -> str:
+    """A symbolic link inside a build: refused, not followed, wherever it points (a build
+    is untrusted input, and its files are planc's, never another directory's)."""
+    return f"{path} is a symbolic link, and a build holds none; run planc compile again"
+
+
 @without_collector
 def read(directory: str | Path) -> Build:
     """Load a build directory, checking its manifest and every file's format."""
@@ -210,7 +269,7 @@ def read(directory: str | Path) -> Build:
         if not path.is_dir():
             raise BuildError(f"{path} is not a directory")
         os.listdir(path)  # a directory that cannot be read fails here, with its reason
-        has_manifest = (path / MANIFEST).exists()
+        has_manifest = os.path.lexists(path / MANIFEST)
     except OSError as exc:
         raise BuildError(f"cannot read {path}: {exc.strerror or exc}") from None
     if not has_manifest:
@@ -279,6 +338,8 @@ def _check_graph(path: Path, graph: nx.DiGraph, plan: Plan) -> None:
 def read_programs(build: Build) -> Build:
     """The build with its rank programs and rank table, read from programs/."""
     directory = Path(build.path) / PROGRAMS
+    if directory.is_symlink():
+        raise BuildError(_linked(directory))
     if not directory.is_dir():
         raise BuildError(f"{build.path} has no {PROGRAMS}/ directory; run planc compile again")
     try:

@@ -21,6 +21,11 @@ through a temporary name, fsync and rename. A reader takes only step directories
 complete manifest whose files match it, so a run killed while writing leaves the
 previous checkpoint usable (the commit protocol of torch.distributed.checkpoint's
 ``.metadata`` file, written last by the coordinator).
+
+A checkpoint is untrusted input: its manifest is checked field by field when it is read
+(:mod:`planc.checkpoint_manifest`), its files are opened only as regular files inside
+the step directory and checked against the manifest (:mod:`planc.checkpoint_files`),
+and its values by :mod:`planc.runtime.checkpoint_values`.
 """
 
 from __future__ import annotations
@@ -30,29 +35,25 @@ import hashlib
 import json
 import os
 import re
-import struct
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-FORMAT = "planc-checkpoint"
-VERSION = 1
-MANIFEST = "manifest.json"
+from planc.checkpoint_files import verify_files
+from planc.checkpoint_manifest import (FORMAT, MANIFEST, MODEL_INDEX,  # noqa: F401 (API)
+                                       OPTIMIZER_INDEX, RNG_FILE, RNG_TENSOR, VERSION,
+                                       CheckpointError, read_manifest, reason, shown,
+                                       state_keys, state_name)
+from planc.files import kind_of, read_regular_file
+
 LATEST = "latest"
-MODEL_INDEX = "model.safetensors.index.json"
-OPTIMIZER_INDEX = "optimizer.safetensors.index.json"
-RNG_FILE = "rng.safetensors"
-STEP_DIR = re.compile(r"^step-(\d{6,})$")
+STEP_DIR = re.compile(r"step-([0-9]{6,})")
 # What a checkpoint directory may hold besides step directories and `latest`: staging
-# directories of a checkpoint being written, older step directories being replaced and
-# temporary files of `latest`.
-_OURS = re.compile(r"^(step-\d{6,}|latest|\.step-\d{6,}\.(partial|old-.*)|\.latest\..*)$")
-_SAFETENSORS_DTYPES = {"F32": 4, "U8": 1, "I64": 8, "F64": 8, "BF16": 2, "F16": 2}
-_HEADER_LIMIT = 100 * 2**20  # safetensors' own limit on the JSON header
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be written or resumed; the message is one line saying why."""
+# directories of a checkpoint being written, older step directories being replaced,
+# temporary files of `latest` and the lock of the run writing it (planc.locks).
+_OURS = re.compile(r"^(step-\d{6,}|latest|\.step-\d{6,}\.(partial|old-.*)|\.latest\..*|"
+                   r"\.lock)$")
 
 
 def step_name(step: int) -> str:
@@ -69,19 +70,6 @@ def model_file(stage: int, stages: int) -> str:
 
 def optimizer_file(stage: int, stages: int) -> str:
     return f"optimizer-{stage:05d}-of-{stages:05d}.safetensors"
-
-
-def state_keys(optimizer: dict) -> tuple[str, ...]:
-    """The per-element state torch.optim keeps for every parameter: AdamW's moving
-    averages, SGD's momentum buffer (none without momentum)."""
-    if optimizer["name"] == "adamw":
-        return ("exp_avg", "exp_avg_sq")
-    return ("momentum_buffer",) if optimizer.get("momentum") else ()
-
-
-def state_name(param: str, key: str) -> str:
-    """The name of a parameter's optimizer state in the optimizer files."""
-    return f"{param}.{key}"
 
 
 def as_json(value) -> object:
@@ -154,7 +142,7 @@ def make_manifest(plan, step: int, parameters: dict[str, dict], files: dict[str,
         "optimizer": {**optimizer, "state": list(state_keys(optimizer)),
                       "steps": optimizer_steps},
         "data": {"next_step": step, "seed": plan.train.seed, "source": plan.train.data},
-        "rng": {"file": RNG_FILE, "tensors": ["torch.cpu"]},
+        "rng": {"file": RNG_FILE, "tensors": [RNG_TENSOR]},
         "layout": layout_of(plan),
         "history": history,
         "parameters": parameters,
@@ -180,135 +168,6 @@ def _planc_version() -> str:
     return __version__
 
 
-def _read_manifest(directory: Path) -> dict:
-    """The complete manifest of a step directory, or CheckpointError (incomplete=True when
-    there is none: a checkpoint still being written, or one whose writer was killed)."""
-    path = directory / MANIFEST
-    if not path.is_file():
-        raise _Incomplete(f"{directory} is not a complete checkpoint (no {MANIFEST}; was the "
-                          f"run stopped while writing it?)")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _Incomplete(f"{path} cannot be read ({_reason(exc)})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a planc checkpoint manifest")
-    if manifest.get("version") != VERSION:
-        raise CheckpointError(f"{path} has format version {manifest.get('version')!r}; this "
-                              f"planc reads version {VERSION}")
-    required = {"step": int, "model": dict, "optimizer": dict, "data": dict, "rng": dict,
-                "history": list, "parameters": dict, "files": dict}
-    for key, kind in required.items():
-        if not isinstance(manifest.get(key), kind):
-            raise CheckpointError(f"{path} lacks a valid {key!r}; it is not a checkpoint "
-                                  f"this planc wrote")
-    if manifest["step"] < 1:
-        raise CheckpointError(f"{path} names step {manifest['step']}; a checkpoint holds at "
-                              f"least one step")
-    return manifest
-
-
-class _Incomplete(CheckpointError):
-    """A step directory without a (readable) manifest: never finished."""
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, OSError):
-        return exc.strerror or str(exc)
-    return str(exc).split("\n")[0]
-
-
-# --- checking files -----------------------------------------------------------------------
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as data:
-        for block in iter(lambda: data.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def safetensors_header(path: Path) -> dict:
-    """The tensors a safetensors file holds (name -> dtype, shape, data_offsets), read
-    from its header alone, and checked against the file's size: a truncated file is
-    refused without reading its data."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as data:
-            prefix = data.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(f"{path} is truncated ({size} bytes)")
-            (length,) = struct.unpack("<Q", prefix)
-            if length > min(_HEADER_LIMIT, size - 8):
-                raise CheckpointError(f"{path} is truncated or not a safetensors file "
-                                      f"(header of {length} bytes in a file of {size})")
-            header = json.loads(data.read(length))
-    except OSError as exc:
-        raise CheckpointError(f"{path} cannot be read ({_reason(exc)})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise CheckpointError(f"{path} is not a safetensors file (its header is not "
-                              f"JSON)") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path} is not a safetensors file")
-    header.pop("__metadata__", None)
-    end = 0
-    for name, info in header.items():
-        try:
-            first, last = info["data_offsets"]
-            count = 1
-            for n in info["shape"]:
-                count *= n
-            width = _SAFETENSORS_DTYPES[info["dtype"]]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: tensor {name!r} has an invalid header "
-                                  f"entry") from None
-        if last - first != count * width:
-            raise CheckpointError(f"{path}: tensor {name!r} has {last - first} bytes for "
-                                  f"shape {info['shape']}")
-        end = max(end, last)
-    if size != 8 + length + end:
-        raise CheckpointError(f"{path} has {size} bytes, its header describes "
-                              f"{8 + length + end} (truncated or overwritten)")
-    return header
-
-
-def verify_files(directory: Path, manifest: dict, hashes: bool = True) -> None:
-    """Every file the manifest names exists with its size (and sha256, with ``hashes``),
-    and the safetensors files hold every tensor the manifest lists, in fp32, with its
-    shape."""
-    headers: dict[str, dict] = {}
-    for name, info in manifest["files"].items():
-        path = directory / name
-        if os.path.basename(name) != name or not path.is_file():
-            raise CheckpointError(f"{path} is missing (the manifest lists it)")
-        size = path.stat().st_size
-        if size != info.get("bytes"):
-            raise CheckpointError(f"{path} has {size} bytes, the manifest says "
-                                  f"{info.get('bytes')} (truncated or replaced)")
-        if hashes and sha256_of(path) != info.get("sha256"):
-            raise CheckpointError(f"{path} does not match its sha256 in the manifest "
-                                  f"(corrupted or replaced)")
-        if name.endswith(".safetensors"):
-            headers[name] = safetensors_header(path)
-    keys = manifest["optimizer"].get("state") or []
-    for param, info in manifest["parameters"].items():
-        expected = [(info.get("file"), param)] + \
-            [(info.get("optimizer_file"), state_name(param, key)) for key in keys]
-        for file, tensor in expected:
-            entry = headers.get(file, {}).get(tensor)
-            if entry is None:
-                raise CheckpointError(f"{directory}: {tensor} is not in "
-                                      f"{file or 'any file'}, the manifest says it is")
-            if entry["dtype"] != "F32" or entry["shape"] != info.get("shape"):
-                raise CheckpointError(f"{directory / file}: {tensor} is {entry['dtype']} "
-                                      f"{entry['shape']}, the manifest says F32 "
-                                      f"{info.get('shape')}")
-    rng = manifest["rng"].get("file")
-    if rng not in headers:
-        raise CheckpointError(f"{directory}: the manifest names no RNG state file")
-
-
 # --- finding the checkpoint to resume ------------------------------------------------------
 
 
@@ -321,45 +180,38 @@ class Found:
 
 
 def is_step_directory(path: Path) -> bool:
-    return bool(STEP_DIR.match(path.name)) or (path / MANIFEST).exists()
+    return bool(STEP_DIR.fullmatch(path.name)) or (path / MANIFEST).exists()
 
 
 def find(path: str | os.PathLike, hashes: bool = True) -> Found:
     """The checkpoint ``--resume PATH`` means: PATH itself if it is a step directory,
     else the newest complete checkpoint in PATH: the one ``latest`` names, or, if that one
     is incomplete or damaged, the highest step directory that is complete and intact (the
-    ones passed over are listed in ``skipped``)."""
+    ones passed over are listed in ``skipped``). A step directory found in PATH must be a
+    directory of PATH, not a symbolic link to one elsewhere."""
     root = Path(path)
-    if not root.exists():
-        raise CheckpointError(f"{root}: no such checkpoint directory")
-    if not root.is_dir():
-        raise CheckpointError(f"{root} is not a directory (name a checkpoint directory or "
-                              f"one of its step-NNNNNN directories)")
-    if is_step_directory(root):
-        manifest = _read_manifest(root)
-        verify_files(root, manifest, hashes)
-        return Found(root, manifest)
-    candidates: list[Path] = []
-    pointer = root / LATEST
-    if pointer.is_file():
-        try:
-            name = pointer.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError):
-            name = ""
-        if STEP_DIR.match(name):
-            candidates.append(root / name)
     try:
-        entries = sorted((e for e in os.listdir(root) if STEP_DIR.match(e)),
-                         key=lambda e: int(STEP_DIR.match(e).group(1)), reverse=True)
+        if not root.exists():
+            raise CheckpointError(f"{root}: no such checkpoint directory")
+        if not root.is_dir():
+            raise CheckpointError(f"{root} is not a directory (name a checkpoint directory "
+                                  f"or one of its step-NNNNNN directories)")
+        if is_step_directory(root):
+            manifest = read_manifest(root)
+            verify_files(root, manifest, hashes)
+            return Found(root, manifest)
+        entries = sorted((e for e in os.listdir(root) if STEP_DIR.fullmatch(e)),
+                         key=lambda e: int(STEP_DIR.fullmatch(e).group(1)), reverse=True)
     except OSError as exc:
-        raise CheckpointError(f"{root} cannot be read ({_reason(exc)})") from None
-    candidates += [root / e for e in entries if root / e not in candidates]
+        raise CheckpointError(f"{root} cannot be read ({reason(exc)})") from None
+    latest = _latest(root)
+    candidates = ([latest] if latest else []) + [e for e in entries if e != latest]
     skipped: list[str] = []
-    for candidate in candidates:
-        if not candidate.is_dir():
-            continue
+    for name in candidates:
+        candidate = root / name
         try:
-            manifest = _read_manifest(candidate)
+            _step_directory(candidate, name == latest)
+            manifest = read_manifest(candidate)
             verify_files(candidate, manifest, hashes)
         except CheckpointError as problem:
             skipped.append(str(problem))
@@ -369,6 +221,41 @@ def find(path: str | os.PathLike, hashes: bool = True) -> Found:
         raise CheckpointError(f"{root} holds no complete checkpoint ({len(skipped)} "
                               f"incomplete or damaged; the newest: {skipped[0]})")
     raise CheckpointError(f"{root} holds no checkpoint (no step-NNNNNN directory)")
+
+
+def _latest(root: Path) -> str | None:
+    """The step directory ``latest`` names (None without ``latest``). planc replaces it
+    whole (a temporary file and a rename), so anything but the name of a step directory
+    is damage, refused: what it names is never looked for outside the directory."""
+    pointer = root / LATEST
+    try:
+        raw = read_regular_file(pointer, 256, follow=False)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointError(f"{pointer} cannot be read ({reason(exc, pointer)})") from None
+    name = raw.decode("utf-8", errors="replace").strip()
+    if not STEP_DIR.fullmatch(name):
+        raise CheckpointError(f"{pointer} names {shown(name)}, not a step-NNNNNN directory "
+                              f"of {root}")
+    return name
+
+
+def _step_directory(path: Path, latest: bool) -> None:
+    """A step directory found in a checkpoint directory: a directory there, not a link
+    to one elsewhere."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError as exc:
+        raise CheckpointError((f"{path.parent / LATEST} names {path.name}, which"
+                               if latest else f"{path}")
+                              + f" cannot be read ({reason(exc)})") from None
+    if stat.S_ISLNK(mode):
+        raise CheckpointError(f"{path} is a symbolic link; a checkpoint's step directories "
+                              f"lie inside it")
+    if not stat.S_ISDIR(mode):
+        what = "a file" if stat.S_ISREG(mode) else kind_of(mode)
+        raise CheckpointError(f"{path} is {what}, not a step directory")
 
 
 def problems_resuming(manifest: dict, plan, buckets: dict[str, dict] | None,
@@ -460,7 +347,7 @@ def writable_problem(path: str) -> str | None:
         try:
             foreign = sorted(e for e in os.listdir(target) if not _OURS.match(e))
         except OSError as exc:
-            return f"--checkpoint-dir {path}: cannot be read ({_reason(exc)})"
+            return f"--checkpoint-dir {path}: cannot be read ({reason(exc)})"
         if foreign:
             return (f"--checkpoint-dir {path}: holds {foreign[0]!r}, which is not a "
                     f"checkpoint; name an empty or a checkpoint directory")

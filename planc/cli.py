@@ -1,6 +1,7 @@
 """The ``planc`` command line: argument parsing and dispatch, nothing else.
 
-Exit status: 0 success (warnings allowed), 1 errors in the input, 2 bad command line.
+Exit status (README, "Exit status"): 0 success (warnings allowed), 1 an input is wrong or
+the work failed, 2 a wrong command line, 128 + N stopped by signal N.
 Diagnostics go to standard error (or, with ``--error-format json``, to standard
 output as one JSON document); requested output goes to standard output.
 """
@@ -13,9 +14,7 @@ import sys
 from typing import Sequence
 
 from planc import __version__
-from planc.commands import GRAPH_FORMATS
-from planc.diagnostics import MAX_SHOWN
-from planc.graph.ir import Axis
+from planc.interrupts import Interrupted, Interrupts
 
 EXIT_OK, EXIT_USAGE = 0, 2
 
@@ -27,6 +26,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_input(parser: argparse.ArgumentParser, metavar: str = "FILE") -> None:
+    from planc.diagnostics import MAX_SHOWN
+
     parser.add_argument("file", metavar=metavar,
                         help="a .plan file" + (" or a build directory" if "DIR" in metavar
                                                else ""))
@@ -61,6 +62,10 @@ def _override(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from planc.commands import GRAPH_FORMATS
+    from planc.graph.ir import Axis
+
+    axes = tuple(axis.value for axis in Axis)
     parser = _Parser(prog="planc", description="planc: a declarative parallel-plan compiler "
                      "for training transformer models.")
     parser.add_argument("--version", action="version", version=f"planc {__version__}")
@@ -88,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_input(compile_)
     compile_.add_argument("-o", "--output", metavar="DIR",
                           help="build directory [build/NAME, NAME being the file's stem]")
+    compile_.add_argument("--force", action="store_true",
+                          help="replace a build of another plan file in DIR (its logs/ are "
+                          "kept)")
 
     graph = commands.add_parser(
         "graph", help="draw the communication graph (dot, svg, png, graphml, json, html)",
@@ -103,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="unfold these microbatches (default: folded, or 0 for big graphs)")
     graph.add_argument("--phase", choices=("forward", "backward", "optimizer"),
                        action="append", help="keep this phase (repeatable)")
-    graph.add_argument("--axis", choices=AXES, action="append",
+    graph.add_argument("--axis", choices=axes, action="append",
                        help="keep transfers over this axis (repeatable)")
     graph.add_argument("--transfers-only", action="store_true",
                        help="only transfers, connected through the computation between them")
@@ -119,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--layer", type=int, metavar="N", help="a layer")
     explain.add_argument("--param", metavar="NAME",
                          help="a parameter, such as layers.3.qkv.weight or embedding.weight")
-    explain.add_argument("--axis", choices=AXES, help="only transfers over this axis")
+    explain.add_argument("--axis", choices=axes, help="only transfers over this axis")
     explain.add_argument("--buckets", action="store_true",
                          help="every parameter bucket: its members and why it closed")
     explain.add_argument("--routes", action="store_true",
@@ -155,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_input(run, "FILE|DIR")
     run.add_argument("-o", "--output", metavar="DIR",
                      help="where to compile a plan file [build/NAME]")
+    run.add_argument("--force", action="store_true",
+                     help="replace a build of another plan file in DIR (its logs/ are kept)")
     run.add_argument("--steps", type=int, metavar="N",
                      help="steps from the start of training, also with --resume [the plan's "
                      "train.steps]")
@@ -249,9 +259,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-AXES = tuple(axis.value for axis in Axis)
-
-
 def _int_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(part) for part in text.split(","))
@@ -291,21 +298,30 @@ COMMANDS = {"check": ("check", "check"), "layout": ("check", "layout"),
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Signals first: a Ctrl-C at any moment stops the command with 128 + its number and
+    # one line, never a traceback; the imports below are inside the handling too.
+    with Interrupts() as interrupts:
+        try:
+            return _dispatch(argv, interrupts)
+        except BrokenPipeError:  # `planc layout big.plan | head`
+            sys.stderr.close()
+            return EXIT_OK
+        except Interrupted as stop:
+            print(f"\nplanc: interrupted by signal {stop.signum}", file=sys.stderr)
+            return stop.status
+        except KeyboardInterrupt:  # raised by Python's own handler, before ours
+            print("\nplanc: interrupted by signal 2", file=sys.stderr)
+            return 130
+
+
+def _dispatch(argv: Sequence[str] | None, interrupts: Interrupts) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
+    args.interrupts = interrupts  # commands that start processes defer signals with it
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # named in the locks it holds
     module, function = COMMANDS[args.command]
-    try:
-        command = getattr(importlib.import_module(f"planc.commands.{module}"), function)
-        return command(args)
-    except BrokenPipeError:  # `planc layout big.plan | head`
-        sys.stderr.close()
-        return EXIT_OK
-    except KeyboardInterrupt:
-        return 130
-
-
-def run() -> None:
-    sys.exit(main())
+    command = getattr(importlib.import_module(f"planc.commands.{module}"), function)
+    return command(args)

@@ -18,32 +18,14 @@ def kind_of(mode: int) -> str:
     return next((what for test, what in KINDS if test(mode)), "not a regular file")
 
 
-def read_regular_file(path: str | os.PathLike, limit: int) -> bytes:
-    """Up to ``limit`` bytes of a regular file. A directory raises OSError EISDIR, a named
-    pipe, a device or a socket OSError EINVAL (each with a strerror that says what it is)
-    instead of blocking or reading without end; ``O_NONBLOCK`` keeps open(2) of a pipe
-    from waiting for a writer. A file whose size is ``limit`` or more raises OSError
+def read_regular_file(path: str | os.PathLike, limit: int, follow: bool = True) -> bytes:
+    """Up to ``limit`` bytes of a regular file, refused as :func:`open_regular_file`
+    refuses what is not one. A file whose size is ``limit`` or more raises OSError
     (EFBIG) unread."""
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(path, flags)
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            code = errno.EISDIR if stat.S_ISDIR(info.st_mode) else errno.EINVAL
-            raise OSError(code, f"it is {kind_of(info.st_mode)}, not a regular file",
-                          str(path))
-        if info.st_size >= limit:  # refused without reading it
+    with open_regular_file(path, follow) as handle:
+        if os.fstat(handle.fileno()).st_size >= limit:  # refused without reading it
             raise OSError(errno.EFBIG, f"it is larger than {limit - 1} bytes", str(path))
-        chunks, left = [], limit
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
+        return handle.read(limit)
 
 
 def umask() -> int:
@@ -92,4 +74,31 @@ def write_atomically(path: str | os.PathLike, data: bytes) -> None:
     except BaseException:
         if os.path.exists(temporary):
             os.unlink(temporary)
+        raise
+
+
+def open_regular_file(path: str | os.PathLike, follow: bool = True):
+    """``path`` opened for binary reading if it is a regular file. A directory raises
+    OSError EISDIR, a named pipe, a device or a socket OSError EINVAL (each with a
+    strerror that says what it is) instead of blocking or reading without end;
+    ``O_NONBLOCK`` keeps open(2) of a pipe from waiting for a writer. ``follow=False``: a
+    symbolic link is refused too (OSError ELOOP, "it is a symbolic link"), for a file that
+    must lie inside the directory that names it."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow:
+        flags |= os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow and os.path.islink(path):
+            raise OSError(errno.ELOOP, "it is a symbolic link", str(path)) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            code = errno.EISDIR if stat.S_ISDIR(mode) else errno.EINVAL
+            raise OSError(code, f"it is {kind_of(mode)}, not a regular file", str(path))
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
         raise

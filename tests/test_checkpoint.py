@@ -4,8 +4,9 @@ Real ``planc run`` processes (gloo, 2 to 4 ranks): a run interrupted by a checkp
 resumed under another layout (tp, pp, dp, ZeRO 1 and 3, a tied embedding, AdamW) follows
 the uninterrupted run's losses and ends with its parameters, within the tolerances of
 ``planc run --check``; a run killed while checkpointing, or a checkpoint directory
-holding a partial step, leaves the previous checkpoint usable; every bad --resume or
-checkpoint flag is one line and exit 2, with nothing run.
+holding a partial step, leaves the previous checkpoint usable; a bad --resume is one line
+and exit 1 (a checkpoint is an input, tests/test_damaged_checkpoints.py), a bad checkpoint
+flag one line and exit 2 (the command line), with nothing run.
 """
 
 from __future__ import annotations
@@ -243,7 +244,7 @@ def test_incomplete_and_damaged_steps_are_passed_over(tmp_path, capfd):
     assert not staging.exists()
 
 
-# --- bad input: one line, exit 2, nothing run ------------------------------------------
+# --- bad input: one line, exit 1 (a checkpoint) or 2 (a flag), nothing run ----------------
 
 
 @pytest.fixture(scope="module")
@@ -257,9 +258,9 @@ def saved(tmp_path_factory) -> Path:
     return base / "ckpt"
 
 
-def _refused(args: list, capfd, tmp_path: Path) -> str:
+def _refused(args: list, capfd, tmp_path: Path, expected: int = 1) -> str:
     status, err = run([*args, "-o", tmp_path / "never"], capfd)
-    assert status == 2, err
+    assert status == expected, err
     assert "Traceback" not in err
     lines = err.strip().split("\n")
     assert len(lines) == 1 and lines[0].startswith("planc: error: "), err
@@ -267,7 +268,7 @@ def _refused(args: list, capfd, tmp_path: Path) -> str:
     return lines[0]
 
 
-def test_bad_resume_inputs_are_one_line_and_exit_2(saved, tmp_path, capfd):
+def test_bad_resume_inputs_are_one_line_and_exit_1(saved, tmp_path, capfd):
     capfd.readouterr()
     plan = write_plan(tmp_path, "p", mesh="dp = 2")
     missing = tmp_path / "nowhere"
@@ -338,15 +339,15 @@ def test_a_damaged_checkpoint_is_refused(damage, saved, tmp_path, capfd):
 
 def test_bad_checkpoint_flags_are_one_line_and_exit_2(tmp_path, capfd):
     plan = write_plan(tmp_path, "p", mesh="dp = 2")
-    assert _refused([plan, "--checkpoint-every", 2], capfd, tmp_path) == \
+    assert _refused([plan, "--checkpoint-every", 2], capfd, tmp_path, 2) == \
         "planc: error: --checkpoint-every needs --checkpoint-dir"
     assert _refused([plan, "--checkpoint-dir", tmp_path / "c", "--checkpoint-every", 0],
-                    capfd, tmp_path) == "planc: error: --checkpoint-every must be at least 1"
-    assert "is not a directory" in _refused([plan, "--checkpoint-dir", plan], capfd, tmp_path)
+                    capfd, tmp_path, 2) == "planc: error: --checkpoint-every must be at least 1"
+    assert "is not a directory" in _refused([plan, "--checkpoint-dir", plan], capfd, tmp_path, 2)
     assert "holds 'p.plan', which is not a checkpoint" in \
-        _refused([plan, "--checkpoint-dir", tmp_path], capfd, tmp_path)
+        _refused([plan, "--checkpoint-dir", tmp_path], capfd, tmp_path, 2)
     assert "is inside the build directory" in \
-        _refused([plan, "--checkpoint-dir", tmp_path / "never" / "ckpt"], capfd, tmp_path)
+        _refused([plan, "--checkpoint-dir", tmp_path / "never" / "ckpt"], capfd, tmp_path, 2)
     with pytest.raises(SystemExit) as caught:  # argparse's own usage error
         main(["run", str(plan), "--checkpoint-every", "x"])
     assert caught.value.code == 2
@@ -411,7 +412,7 @@ def test_save_and_load_times_of_a_small_model(tmp_path, capfd):
     loaded = re.search(r"resumed from \S+ at step 1 in ([\d.]+) s \(at most ([\d.]+) MB read "
                        r"by one rank\)", err)
     assert loaded, err
-    verified = re.search(r"sha256 verified in ([\d.]+) s", err)
+    verified = re.search(r"sha256 and values verified in ([\d.]+) s", err)
     assert verified, err
     manifest = json.loads((tmp_path / "ckpt" / "step-000001" / "manifest.json").read_text())
     elements = sum(torch.Size(p["shape"]).numel() for p in manifest["parameters"].values())
@@ -422,6 +423,7 @@ def test_save_and_load_times_of_a_small_model(tmp_path, capfd):
     with capfd.disabled():
         print(f"\ncheckpoint of {elements:,} parameters with AdamW state "
               f"({written.group(1)} MB): written from tp = 2 in {written.group(2)} s; "
-              f"files hashed by planc run in {verified.group(1)} s; resumed under dp = 2, "
+              f"files hashed and values checked by planc run in {verified.group(1)} s; "
+              f"resumed under dp = 2, "
               f"ZeRO-3 in {loaded.group(1)} s, at most {loaded.group(2)} MB read by one "
               f"rank")

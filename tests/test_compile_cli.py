@@ -283,21 +283,59 @@ def test_output_path_that_is_a_regular_file_exits_1(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["file"]
 
 
-def test_recompiling_replaces_the_build(tmp_path):
+def test_recompiling_an_edited_plan_replaces_its_build_and_keeps_the_logs(tmp_path):
+    """The edit-compile loop: the same plan file, changed, replaces its build (said on
+    standard error); logs/ are run outputs, carried into the new build."""
+    plan = tmp_path / "gpt-tiny.plan"
+    plan.write_text(TINY.read_text())
     out = tmp_path / "out"
-    assert planc("compile", TINY, "-o", out).returncode == 0
+    assert planc("compile", "gpt-tiny.plan", "-o", "out", cwd=tmp_path).returncode == 0
     (out / "stale.txt").write_text("from an older build\n")
+    (out / "logs" / "planc-1234abcd" / "0").mkdir(parents=True)
+    (out / "logs" / "planc-1234abcd" / "0" / "stderr.log").write_text("a run's output\n")
     changed = TINY.read_text().replace("microbatches = 4", "microbatches = 2")
     assert changed != TINY.read_text()
-    (tmp_path / "gpt-tiny.plan").write_text(changed)
+    plan.write_text(changed)
     result = planc("compile", "gpt-tiny.plan", "-o", "out", cwd=tmp_path)
     assert result.returncode == 0, result.err
-    assert sorted(os.listdir(out)) == BUILD_FILES  # replaced, not merged
+    assert result.err == (f"planc: replaced out, which held an earlier build of {plan}; its "
+                          f"logs/ are kept in the new build\n")
+    assert sorted(os.listdir(out)) == sorted(BUILD_FILES + ["logs"])  # replaced, not merged
+    assert snapshot(out / "logs") == {"planc-1234abcd/0/stderr.log": b"a run's output\n"}
     manifest = json.loads((out / "build.json").read_text())
     assert manifest["source_sha256"] == hashlib.sha256(changed.encode()).hexdigest()
-    assert manifest["source_sha256"] != hashlib.sha256(TINY.read_bytes()).hexdigest()
     assert json.loads((out / "plan.json").read_text())["schedule"]["microbatches"] == 2
     assert sorted(os.listdir(tmp_path)) == ["gpt-tiny.plan", "out"]  # no .out.tmp-/.out.old-
+    again = planc("compile", "gpt-tiny.plan", "-o", "out", cwd=tmp_path)  # the same plan
+    assert (again.returncode, again.err) == (0, "")
+    assert snapshot(out / "logs") == {"planc-1234abcd/0/stderr.log": b"a run's output\n"}
+
+
+def test_the_build_of_another_plan_is_replaced_only_with_force(tmp_path):
+    """Issue 20: a build compiled from another plan file (an edited copy being inspected,
+    logs included) is not replaced without --force, and never loses its logs."""
+    out = tmp_path / "out"
+    assert planc("compile", TINY, "-o", out).returncode == 0
+    (out / "logs" / "planc-1234abcd").mkdir(parents=True)
+    (out / "logs" / "planc-1234abcd" / "note.txt").write_text("keep me\n")
+    before = snapshot(out)
+    copy = tmp_path / "gpt-tiny.plan"
+    copy.write_text(TINY.read_text().replace("microbatches = 4", "microbatches = 2"))
+    refused = planc("compile", copy, "-o", out)
+    assert (refused.returncode, refused.out) == (1, "")
+    assert refused.err == (f"planc: error: {out} holds the build of {TINY} (another plan); "
+                           f"compile elsewhere with -o DIR, or replace it with --force\n")
+    assert snapshot(out) == before
+    assert sorted(os.listdir(tmp_path)) == ["gpt-tiny.plan", "out"]
+    forced = planc("compile", copy, "-o", out, "--force")
+    assert forced.returncode == 0, forced.err
+    assert forced.err == (f"planc: replaced {out}, which held the build of {TINY} (another "
+                          f"plan; --force); its logs/ are kept in the new build\n")
+    assert json.loads((out / "build.json").read_text())["source"] == str(copy)
+    assert snapshot(out / "logs") == {"planc-1234abcd/note.txt": b"keep me\n"}
+    same_text = tmp_path / "same.plan"  # another file, the same text: the same plan
+    same_text.write_text(copy.read_text())
+    assert planc("compile", same_text, "-o", out).returncode == 0
 
 
 def test_recompiling_into_an_empty_directory_and_with_a_trailing_slash(tmp_path):

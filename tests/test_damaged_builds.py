@@ -4,8 +4,10 @@ systematic damage to one of its files:
 
 * every file (build.json, plan.json, graph.json, summary.json and each file of
   programs/): deleted, emptied, cut at several points, given bytes that are not UTF-8,
-  holding JSON that is not an object, replaced by a directory, a named pipe or a symbolic
-  link to /dev/zero; programs/ itself deleted, emptied, a file, a link to /dev/zero;
+  holding JSON that is not an object, replaced by a directory, a named pipe, a symbolic
+  link to /dev/zero or one to the valid file moved out of the build; programs/ itself
+  deleted, emptied, a file, a link to /dev/zero, a link to itself (valid) moved out of
+  the build;
 * every top-level key of every JSON file: deleted, and given two values of the wrong type
   or range, in turn from: a string, a number, a list, null, an object, true, an integer
   of 41 digits, -1, the string "NaN", and the bare JSON literals NaN and Infinity that
@@ -137,6 +139,18 @@ def _replace_with(file: str, what: str):
     return apply
 
 
+def _link_outside(file: str):
+    """The file (or directory), valid as it is, moved out of the build and linked to from
+    where it was: planc must not read it (issue 20)."""
+    def apply(build: Path) -> None:
+        path = build / file
+        outside = build.parent / f"outside-{file.replace('/', '-')}"
+        shutil.move(path, outside)
+        path.symlink_to(outside)
+
+    return apply
+
+
 def _label(path: tuple) -> str:
     return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p))
                    for i, p in enumerate(path))
@@ -157,7 +171,8 @@ def _whole_file(file: str, raw: bytes) -> list[Damage]:
                Damage(f"{file}:json-nan", file, _write_bytes(file, b"NaN\n")),
                Damage(f"{file}:directory", file, _replace_with(file, "directory")),
                Damage(f"{file}:fifo", file, _replace_with(file, "fifo")),
-               Damage(f"{file}:dev-zero", file, _replace_with(file, "dev-zero"))]
+               Damage(f"{file}:dev-zero", file, _replace_with(file, "dev-zero")),
+               Damage(f"{file}:outside-link", file, _link_outside(file))]
     damages += [Damage(f"{file}:{name}", file, _write_bytes(file, raw[:at]))
                 for name, at in cuts.items()]
     return damages
@@ -211,6 +226,7 @@ def damages(pristine: Path) -> list[Damage]:
         out += _top_level(file, documents[file], 3 * n)
     out += [Damage(f"programs/:{what}", PROGRAMS, _replace_with(PROGRAMS, what))
             for what in ("missing", "directory", "file", "dev-zero")]
+    out.append(Damage("programs/:outside-link", PROGRAMS, _link_outside(PROGRAMS)))
     # plan.json, re-signed: the checks of Plan.from_dict
     plan = documents["plan.json"]
     for n, section in enumerate(("model", "mesh", "topology", "shard", "schedule", "optimize",
@@ -436,7 +452,7 @@ def test_the_corpus_is_systematic_and_deterministic(pristine, corpus):
     for file in FILES:  # every file: every whole-file damage, every top-level key deleted
         kinds = {name.split(":", 1)[1] for name in names if name.startswith(f"{file}:")}
         assert {"missing", "empty", "not-utf8", "json-list", "json-null", "json-nan",
-                "directory", "fifo", "dev-zero", "cut-at-1", "cut-in-half",
+                "directory", "fifo", "dev-zero", "outside-link", "cut-at-1", "cut-in-half",
                 "cut-last-byte"} <= kinds, file
         document = json.loads((pristine / file).read_text())
         assert {f"{key}-deleted" for key in document} <= kinds, file
@@ -487,6 +503,10 @@ def test_damage_is_refused_not_ignored(runs, pristine):
                  "programs/stage0.json:dev-zero", "programs/:missing",
                  "programs/ranks.json:world=infinity"):
         assert verify[name] == 1, name
+    # a link to a valid file or directory outside the build: refused, not followed
+    links = [name for name in verify if name.endswith(":outside-link")]
+    assert len(links) == len(FILES) + 1
+    assert {name: verify[name] for name in links} == dict.fromkeys(links, 1)
     documents = {file: json.loads((pristine / file).read_text()) for file in FILES}
     names = {damage.name for damage in regressions(documents)}
     ran = [(damage.name, job.argv[0], result.status) for damage, job, result in results

@@ -11,10 +11,12 @@ import json
 import math
 import os
 import random
+import re
 import struct
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -331,6 +333,117 @@ def test_a_step_reads_only_its_samples_and_a_scan_holds_one_chunk(tmp_path):
     assert ok and problem is None
     assert batch_s < 5
     assert grown < 64 << 20, f"the scan raised the peak RSS by {grown >> 20} MiB"
+
+
+# --- a file that changes under a run (issue 20) ----------------------------------------
+
+
+def _pinned(tmp_path, ids=None):
+    """A token file, the plan reading it, and the file's identity as planc run checks it."""
+    from planc.runtime.data import check_data
+
+    path = with_header(tmp_path / "t.tokens", ids or list(range(200)), 4)
+    plan = plan_for(path, vocab=512)
+    identity = check_data(plan)
+    info = os.stat(path)
+    assert (identity.device, identity.inode, identity.size, identity.mtime_ns) == (
+        info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+    return path, plan, identity
+
+
+def test_a_pinned_file_that_did_not_change_reads_as_before(tmp_path):
+    pytest.importorskip("torch")
+    from planc.runtime.data import Identity, batch_tokens
+
+    path, plan, identity = _pinned(tmp_path)
+    assert Identity.parse(str(identity)) == identity
+    for step in range(3):
+        assert batch_tokens(plan, step, identity).tolist() == \
+            batch_tokens(plan, step).tolist() == expected_batch(list(range(200)), 7, 4, step)
+
+
+@pytest.mark.parametrize("change, detail", [
+    ("truncated", "832 bytes when the run began, 256"),
+    ("grown", "832 bytes when the run began, 836"),
+    ("rewritten", "rewritten in place"),
+    ("replaced", "replaced by another file"),
+    ("removed", "removed"),
+    ("odd-size", "832 bytes when the run began, 831"),
+])
+def test_a_pinned_file_that_changed_stops_the_step_that_reads_it(tmp_path, change, detail):
+    """Truncated to 7 samples (what the issue's run trained on without a word), grown,
+    rewritten in place with the same size (another modification time), replaced by a
+    rename, removed, or cut to a size no token file has: each is named, with the step."""
+    pytest.importorskip("torch")
+    from planc.runtime.data import DataChanged, batch_tokens
+
+    path, plan, identity = _pinned(tmp_path)
+    if change == "truncated":
+        os.truncate(path, HEADER_BYTES + 7 * 8 * 4)  # 7 samples of seq + 1 = 8 tokens
+    elif change == "grown":
+        with open(path, "ab") as out:
+            out.write(bytes(4))
+    elif change == "rewritten":
+        with_header(path, [5] * 200, 4)  # the same size; ids that would train quietly
+        os.utime(path, ns=(identity.mtime_ns + 10**9, identity.mtime_ns + 10**9))
+    elif change == "replaced":
+        with_header(tmp_path / "new.tokens", list(range(200)), 4)  # the same bytes
+        os.replace(tmp_path / "new.tokens", path)
+    elif change == "removed":
+        path.unlink()
+    else:
+        os.truncate(path, identity.size - 1)
+    with pytest.raises(DataChanged) as caught:
+        batch_tokens(plan, 3, identity)
+    assert str(caught.value) == (f"data file {path} changed during the run ({detail} at step "
+                                 f"3); nothing from step 3 on was trained or checkpointed")
+
+
+@pytest.mark.slow
+def test_a_token_file_truncated_under_a_running_job_stops_it(tmp_path):
+    """Issue 20: a token file truncated to 7 samples while a job ran, and training went
+    on without an error. Now the step that reads it stops the run, with the file and the
+    step, before it trains; no checkpoint after the change exists."""
+    pytest.importorskip("torch")
+    ids = [random.Random(20).randrange(64) for _ in range(5000)]
+    tokens = tmp_path / "t.tokens"
+    write_tokens(tokens, ids, 4)
+    size = tokens.stat().st_size
+    (tmp_path / "d.plan").write_text(
+        "plan d {\n  model gpt { layers = 1; hidden = 16; heads = 2; vocab = 64; seq = 7; "
+        "batch = 4 }\n  mesh { dp = 2 }\n  train { steps = 500; optimizer = sgd(lr = 0.1); "
+        "data = \"t.tokens\" }\n}\n")
+    checkpoints = tmp_path / "ckpt"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "planc", "run", str(tmp_path / "d.plan"), "-o",
+         str(tmp_path / "b"), "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "1"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (checkpoints / "step-000001").is_dir():  # the run is training: cut now
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "no checkpoint after 300 s"
+            time.sleep(0.01)
+        os.truncate(tokens, HEADER_BYTES + 7 * 8 * 4)
+        _, err = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 1, err[-3000:]
+    found = re.findall(r"planc: error: data file .* at step (\d+)\)", err)
+    assert found, err[-3000:]
+    step = int(found[0])
+    message = (f"planc: error: data file {tokens} changed during the run ({size} bytes when "
+               f"the run began, {HEADER_BYTES + 7 * 8 * 4} at step {step}); nothing from step "
+               f"{step} on was trained or checkpointed")
+    reports = [line.split("] ", 1)[1] for line in err.splitlines()
+               if line.startswith("[rank ") and "planc: error:" in line]
+    assert reports and set(reports) == {message}, err[-3000:]
+    assert "Traceback" not in err
+    written = sorted(int(p.name[5:]) for p in checkpoints.glob("step-*"))
+    assert 1 <= step < 500 and written and max(written) <= step, (step, written)
+    assert int((checkpoints / "latest").read_text().strip()[5:]) <= step
 
 
 # --- a run ---------------------------------------------------------------------------

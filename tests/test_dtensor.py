@@ -72,6 +72,9 @@ def _run_block(rank: int, world: int, init: str, layouts: dict, out: str) -> Non
     from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
+    # Forked from pytest, which may have run torch operators on its intra-op threads: a
+    # forked child has the pool but not its threads, and would wait for them forever.
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
     results = {}

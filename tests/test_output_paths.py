@@ -4,6 +4,7 @@ named pipe is written into, never replaced by a regular file."""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import threading
@@ -88,12 +89,12 @@ def test_metrics_on_a_full_disk_is_refused_before_any_rank_starts(tmp_path, caps
         status = main(["run", TINY, "-o", str(tmp_path / "b"), "--metrics",
                        str(mount / "m.jsonl")])
         err = capsys.readouterr().err
-        assert status == 2
+        assert status == 1  # a full disk: the work cannot be done (README, "Exit status")
         assert f"planc: error: --metrics {mount / 'm.jsonl'}: the file system of {mount} is " \
                f"full (less than 1 MiB free)" in err
         assert "running" not in err
         status = main(["run", TINY, "-o", str(mount / "b")])
-        assert status == 2
+        assert status == 1
         assert f"the file system of {mount} is full" in capsys.readouterr().err
     finally:
         subprocess.run(["umount", str(mount)], capture_output=True)
@@ -146,3 +147,62 @@ def test_metrics_on_a_disk_that_fills_during_the_run(tmp_path, capfd):
         text = err + out if log is None else log.read_text(errors="replace")
         assert "Traceback" not in text and "Exception ignored" not in text, (log, text[-2000:])
     assert stat.S_ISCHR(os.stat(full).st_mode)
+
+
+ONE_RANK = """plan x {
+  model gpt { layers = 1; hidden = 8; heads = 2; vocab = 64; seq = 8; batch = 2 }
+  train { steps = 1; optimizer = sgd(lr = LR) }
+}
+"""
+
+
+def _files(directory) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_run_never_replaces_the_build_of_another_plan(tmp_path, capfd, monkeypatch):
+    """Issue 20: `planc run FILE` compiled into build/<stem> and replaced, logs included,
+    the build a user had compiled from an edited copy of the plan and was inspecting. Now
+    it refuses (exit 1, nothing run) unless --force, which keeps the logs; a build of the
+    same plan is run as it is; the run says which build it runs."""
+    import pytest
+
+    pytest.importorskip("torch")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.plan").write_text(ONE_RANK.replace("LR", "0.1"))
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "x.plan").write_text(ONE_RANK.replace("LR", "0.2"))
+    build = tmp_path / "build" / "x"
+    assert main(["run", "copy/x.plan"]) == 0
+    assert "planc: running x from build/x on 1 rank (gloo), 1 step\n" in capfd.readouterr().err
+    before = _files(build)
+    assert main(["run", "x.plan"]) == 1
+    assert capfd.readouterr().err == (
+        f"planc: error: build/x holds the build of {tmp_path / 'copy' / 'x.plan'} (another "
+        f"plan); compile elsewhere with -o DIR, or replace it with --force\n")
+    assert _files(build) == before
+    manifest = os.stat(build / "build.json")
+    assert main(["run", "copy/x.plan"]) == 0  # the same plan: run as it is, not rewritten
+    err = capfd.readouterr().err
+    assert "planc: running x from build/x on 1 rank (gloo), 1 step\n" in err
+    assert "replaced" not in err
+    after = os.stat(build / "build.json")
+    assert (after.st_ino, after.st_mtime_ns) == (manifest.st_ino, manifest.st_mtime_ns)
+    assert len(list((build / "logs").iterdir())) == 2
+    assert main(["run", "x.plan", "--force"]) == 0
+    err = capfd.readouterr().err
+    assert (f"planc: replaced build/x, which held the build of {tmp_path / 'copy' / 'x.plan'} "
+            f"(another plan; --force); its logs/ are kept in the new build\n") in err
+    assert "planc: running x from build/x on 1 rank (gloo), 1 step\n" in err
+    assert len(list((build / "logs").iterdir())) == 3
+    assert json.loads((build / "build.json").read_text())["source"] == str(tmp_path / "x.plan")
+
+
+def test_force_with_a_build_directory_is_a_command_line_error(tmp_path, capsys):
+    assert main(["compile", TINY, "-o", str(tmp_path / "b")]) == 0
+    capsys.readouterr()
+    assert main(["run", str(tmp_path / "b"), "--force"]) == 2
+    assert capsys.readouterr().err == (
+        f"planc: error: --force replaces the build a plan file is compiled into, but "
+        f"{tmp_path / 'b'} is a build directory already; run it without --force\n")

@@ -32,7 +32,7 @@ def test_wheel_holds_the_package_the_grammar_and_the_console_script(wheel):
                             if n.endswith(".dist-info/entry_points.txt"))
     assert (ROOT / "grammars" / "plan.lark").read_text() == grammar
     assert {"planc/__init__.py", "planc/cli.py", "planc/lang/parser.py"} <= names
-    assert "planc = planc.cli:run" in entry_points
+    assert "planc = planc.__main__:run" in entry_points
     assert not any(n.startswith("tests/") for n in names)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -315,47 +314,6 @@ def test_a_transfer_that_never_completes_makes_every_rank_report(tmp_path, capfd
     assert "recv_next: #" in err and "receive from rank 1 (pp)" in err
 
 
-def test_ctrl_c_stops_every_rank(tmp_path, capfd):
-    build = _compiled(tmp_path, "pp-1f1b-uneven", capfd)
-    _edit(build, "stage0.json", lambda data: data["blocks"].update(
-        F0=[x for x in data["blocks"]["F0"] if x["op"] != "send"]))
-    process = subprocess.Popen([sys.executable, "-m", "planc", "run", str(build),
-                                "--no-verify", "--timeout", "600"], cwd=ROOT,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(_children(process.pid)) < 2:
-            time.sleep(0.2)
-        workers = _children(process.pid)
-        assert len(workers) == 2
-        time.sleep(2)  # both ranks are now stuck in the step
-        process.send_signal(signal.SIGINT)
-        _, err = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 130
-    assert "planc: interrupted by signal 2; every rank was stopped" in err
-    time.sleep(1)
-    assert [pid for pid in workers if _alive(pid)] == []
-
-
-def _children(pid: int) -> list[int]:
-    result = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
-                            text=True)
-    return [int(p) for p in result.stdout.split()]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"
-
-
 # --- a cluster launch -----------------------------------------------------------------------
 
 
@@ -394,7 +352,7 @@ def test_cuda_backend_refused_cleanly_without_gpus(tmp_path, capfd):
     plan = tmp_path / "p.plan"
     plan.write_text(plan_text("p", mesh="tp = 2"))
     status, err = run([plan, "-o", tmp_path / "b", "--backend", "nccl"], capfd)
-    assert status == 2
+    assert status == 1  # this machine cannot do it (README, "Exit status")
     assert "the nccl backend needs a GPU per rank" in err
     shutil.rmtree(tmp_path / "b")
 

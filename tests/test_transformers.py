@@ -130,6 +130,6 @@ def test_export_loads_in_transformers_and_computes_the_same_loss(tmp_path, capfd
 
 def test_export_refuses_a_missing_checkpoint_directory(tmp_path, capfd):
     assert main(["export", str(tmp_path / "none"), "--format", "hf", "-o",
-                 str(tmp_path / "out")]) == 2
+                 str(tmp_path / "out")]) == 1  # a checkpoint is an input
     err = capfd.readouterr().err
     assert "no such checkpoint directory" in err and "Traceback" not in err

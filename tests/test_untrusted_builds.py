@@ -71,7 +71,38 @@ def test_a_program_file_that_links_to_dev_zero(build, capsys):
     path.unlink()
     path.symlink_to(os.devnull.replace("null", "zero"))
     assert _refused(capsys, "verify", build) == (
-        f"planc: error: cannot read {path}: it is a character device, not a regular file\n")
+        f"planc: error: {path} is a symbolic link, and a build holds none; run planc compile "
+        f"again\n")
+
+
+@pytest.mark.parametrize("name", ["build.json", "plan.json", "graph.json", "summary.json",
+                                  "programs/ranks.json", "programs/stage0.json", "programs"])
+def test_a_build_file_that_links_to_a_valid_file_outside_the_build(build, capsys, tmp_path,
+                                                                   name):
+    """Issue 20: programs/stage0.json, a link to a file outside the build, was read and
+    executed. Every file and directory of a build is its own: a link is refused, wherever
+    it points, by every command that reads the build, before any rank starts."""
+    path = build / name
+    outside = tmp_path / "outside" / name.replace("/", "-")
+    outside.parent.mkdir()
+    shutil.move(path, outside)  # still valid, only no longer inside the build
+    path.symlink_to(outside)
+    expected = (f"planc: error: {path} is a symbolic link, and a build holds none; run planc "
+                f"compile again\n")
+    assert _refused(capsys, "verify", build) == expected
+    if name.startswith("programs"):
+        assert _refused(capsys, "programs", build, "--expand") == expected
+    else:
+        assert _refused(capsys, "explain", build) == expected
+    assert _refused(capsys, "run", build, "--steps", "1") == expected
+    assert not (build / "logs").exists()  # no rank started
+
+
+def test_the_build_directory_itself_may_be_a_link(build, capsys, tmp_path):
+    link = tmp_path / "link"
+    link.symlink_to(build)
+    assert main(["verify", str(link)]) == 0
+    assert main(["programs", str(link), "--rank", "7"]) == 0
 
 
 def test_a_schedule_naming_a_block_that_does_not_exist(build, capsys):
@@ -97,7 +128,7 @@ def test_logs_that_is_not_a_directory_of_the_build(build, capsys, tmp_path, kind
         logs.symlink_to(tmp_path / "elsewhere")
     status = main(["run", str(build), "--steps", "1"])
     err = capsys.readouterr().err
-    assert status == 2
+    assert status == 1  # the build is an input, and this one cannot be used
     what = "a symbolic link" if kind == "symlink" else "not a directory"
     assert err.endswith(f"planc: error: {logs} is {what}; every rank's output is written "
                         f"there, inside the build only: remove it\n")

@@ -1,6 +1,9 @@
 """The commands of ``planc``, one module each; ``planc.cli`` parses the command line and
-calls them. Each takes the parsed arguments and returns the exit status: 0 success
-(warnings allowed), 1 errors in the input, 2 a wrong command line.
+calls them. Each takes the parsed arguments and returns the exit status (README, "Exit
+status"): 0 success (warnings allowed), 1 an input is wrong or the work failed (a plan,
+build, checkpoint or data file that cannot be used, a held lock, a failed rank), 2 a
+wrong command line (a malformed or out-of-range value, options that need or exclude
+each other); a signal gives 128 + its number (planc.cli).
 
 Diagnostics go to standard error (or, with ``--error-format json``, to standard output
 as one JSON document); requested output goes to standard output.
@@ -44,6 +47,15 @@ def load_plan(args) -> tuple[object, int]:
         print(text, file=sys.stderr)
         print(summary_line(loaded.diagnostics), file=sys.stderr)
     return loaded, (EXIT_OK if loaded.ok else EXIT_ERRORS)
+
+
+RUNTIME_PACKAGES = ("torch", "numpy", "safetensors")  # the optional extra planc[run]
+
+
+def missing_runtime(exc: ImportError) -> bool:
+    """Whether an ImportError says that the runtime's packages are not installed (rather
+    than a failure inside planc, which must not pass for a missing torch)."""
+    return (exc.name or "").split(".")[0] in RUNTIME_PACKAGES
 
 
 def overrides_need_a_plan(directory: str) -> int:
@@ -104,6 +116,59 @@ def load_programs(args, verified: bool = False):
                                       f"verify {built.path} lists them)" if count > 1 else
                                       ""))
     return built, EXIT_OK
+
+
+def command_line(args) -> str:
+    """The command line that started this command, for the lock file it holds."""
+    import shlex
+
+    argv = getattr(args, "argv", None)
+    return shlex.join(["planc", *(argv if argv is not None else [args.command, args.file])])
+
+
+def take_lock(lock, what: str, hint: str):
+    """``lock()`` (planc.locks): (the lock, EXIT_OK), or (None, EXIT_ERRORS) after saying
+    that ``what`` is in use, by whom, and ``hint``."""
+    from planc.locks import LockError, LockHeld
+
+    try:
+        return lock(), EXIT_OK
+    except LockHeld as exc:
+        return None, fail(f"{what} is in use by planc ({exc.holder}); {hint}")
+    except LockError as exc:
+        return None, fail(str(exc))
+
+
+def replaceable(directory: str, loaded, force: bool):
+    """Whether compiling the plan ``loaded`` into ``directory`` may replace what it holds:
+    (planc.build.Earlier or None, EXIT_OK), or (None, EXIT_ERRORS) after saying why not.
+    The build of another plan file is never replaced without ``--force``; an earlier
+    version of the same plan is (the edit-compile loop)."""
+    from planc import build
+
+    earlier = build.earlier_build(directory, loaded.plan, loaded.path, loaded.source)
+    if earlier is not None and earlier.kind == "other" and not force:
+        return None, fail(f"{directory} holds the build of {_shown(earlier.source)} (another "
+                          f"plan); compile elsewhere with -o DIR, or replace it with --force")
+    return earlier, EXIT_OK
+
+
+def say_replaced(directory: str, earlier) -> None:
+    """One line on standard error after a build replaced another (``earlier``)."""
+    if earlier is None or earlier.kind == "same":
+        return
+    what = {"earlier": f"which held an earlier build of {_shown(earlier.source)}",
+            "other": f"which held the build of {_shown(earlier.source)} (another plan; "
+                     f"--force)",
+            "damaged": "whose build.json could not be read"}[earlier.kind]
+    logs = "; its logs/ are kept in the new build" if earlier.logs else ""
+    print(f"planc: replaced {directory}, {what}{logs}", file=sys.stderr)
+
+
+def _shown(path: str | None) -> str:
+    """A path read from a build (untrusted): as it is, or quoted if it holds control
+    characters."""
+    return path if path and path.isprintable() else repr(path)
 
 
 def verified_line(built) -> str:

@@ -6,10 +6,11 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-from planc.net import free_port
 from planc.commands import EXIT_OK, EXIT_USAGE, MAX_LOCAL_RANKS, fail
+from planc.interrupts import Interrupted, blocked_in_children
 
 
 def main(args) -> int:
@@ -25,19 +26,31 @@ def main(args) -> int:
     output = Path(args.output)
     if output.is_dir() or not output.resolve().parent.is_dir():
         return fail(f"cannot write {output}: not a file in an existing directory")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "WORLD_SIZE": str(args.ranks), "OMP_NUM_THREADS": "1"}
+    from planc.runtime.rendezvous import private_store, rank_environment, remove_store
+
+    # the ranks meet in a store only this user can open, as planc run's do
+    store = private_store(tempfile.mkdtemp(prefix="planc-calibrate-"))
+    env = {**os.environ, **rank_environment(store), "WORLD_SIZE": str(args.ranks),
+           "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "planc.runtime.calibrate", "--devices-per-node",
                str(args.ranks // args.nodes), "-o", str(output), "--repeats", str(args.repeats)]
     print(f"planc: calibrating {args.ranks} gloo ranks on {args.nodes} "
           f"node{'s' * (args.nodes > 1)} of this machine", file=sys.stderr)
-    workers = [subprocess.Popen(command, env={**env, "RANK": str(r)}) for r in range(args.ranks)]
+    workers = []
     try:
+        with args.interrupts.deferred(raise_at_end=False), blocked_in_children():
+            for r in range(args.ranks):
+                workers.append(subprocess.Popen(command, env={**env, "RANK": str(r)}))
+        args.interrupts.check()
         codes = [w.wait() for w in workers]
-    except KeyboardInterrupt:
+    except Interrupted as stop:
         for w in workers:
             w.kill()
-        return fail("interrupted; nothing was written", 130)
+            w.wait()
+        return fail("interrupted; nothing was written", stop.status)
+    finally:
+        remove_store(store)
+        os.rmdir(os.path.dirname(os.path.dirname(store)))
     if any(codes):
         return fail(f"a calibration rank exited with status {max(codes)}; nothing was written")
     data = json.loads(output.read_text())

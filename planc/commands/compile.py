@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 
-from planc.commands import EXIT_OK, counted, fail, load_plan, verified_line
+from planc.commands import (EXIT_OK, command_line, counted, fail, load_plan, replaceable,
+                            say_replaced, take_lock, verified_line)
 
 
 def main(args) -> int:
     from planc import build
     from planc.compile import CompileError, compile_plan
+    from planc.locks import lock_build
     from planc.views import summary_text
 
     loaded, status = load_plan(args)
@@ -17,11 +19,22 @@ def main(args) -> int:
         return status
     output = args.output or os.path.join("build", os.path.splitext(os.path.basename(
         args.file))[0])
-    try:
-        result = compile_plan(loaded.plan)
-        build.write(result, output, loaded.path, loaded.source)
-    except (build.BuildError, CompileError) as exc:
-        return fail(str(exc))
+    # held while the build is checked and written: a run of it, or another compile into
+    # it, would lose its work (issue 20)
+    lock, status = take_lock(lambda: lock_build(output, command_line(args)), output,
+                             "wait for it to finish or use another -o")
+    if lock is None:
+        return status
+    with lock:
+        earlier, status = replaceable(output, loaded, args.force)
+        if status != EXIT_OK:
+            return status
+        try:
+            result = compile_plan(loaded.plan)
+            build.write(result, output, loaded.path, loaded.source)
+        except (build.BuildError, CompileError) as exc:
+            return fail(str(exc))
+    say_replaced(output, earlier)
     graph = result.graph
     microbatches = counted(loaded.plan.schedule.microbatches, "microbatch", "microbatches")
     print(f"{loaded.plan.name}: {graph.number_of_nodes():,} nodes and "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 
-from planc.commands import EXIT_OK, EXIT_USAGE, fail, load_programs
+from planc.commands import EXIT_OK, EXIT_USAGE, fail, load_programs, missing_runtime
 
 
 def main(args) -> int:
@@ -36,13 +36,17 @@ def _hugging_face(args) -> int:
     from planc.checkpoint import CheckpointError
 
     try:
-        from planc.runtime.export_hf import export_hf
+        with args.interrupts.deferred():  # torch swallows a Ctrl-C during its import
+            from planc.runtime.export_hf import export_hf
+    except ImportError as exc:
+        if not missing_runtime(exc):
+            raise
+        return fail(f"--format hf needs torch and safetensors ({exc}): pip install "
+                    f"'planc[run]'")
+    try:
         source, count = export_hf(args.file, args.output)
-    except ImportError:
-        return fail("--format hf needs torch and safetensors: pip install 'planc[run]'",
-                    EXIT_USAGE)
-    except CheckpointError as exc:
-        return fail(str(exc), EXIT_USAGE)
+    except CheckpointError as exc:  # a checkpoint is an input: status 1
+        return fail(str(exc))
     except OSError as exc:
         return fail(f"cannot write to {args.output}: {exc.strerror or exc}")
     print(f"wrote {count} tensors of {source} to {args.output}/ (config.json, "

@@ -2,18 +2,34 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import time
 
-from planc.commands import (EXIT_OK, EXIT_USAGE, MAX_LOCAL_RANKS, counted, fail, load_plan,
-                            overrides_need_a_plan)
+from planc.commands import (EXIT_OK, EXIT_USAGE, MAX_LOCAL_RANKS, command_line, counted, fail,
+                            load_plan, missing_runtime, overrides_need_a_plan, replaceable,
+                            say_replaced, take_lock)
 
 
 def main(args) -> int:
     refused = _refused(args)
     if refused is not None:
         return refused
+    # The build directory and the checkpoint directory are this run's until the launch
+    # returns: another run or compile would replace them, logs and checkpoints included.
+    locks, status = _locks(args)
+    if locks is None:
+        return status
+    try:
+        return _run(args)
+    finally:
+        for lock in reversed(locks):
+            lock.release()
+
+
+def _run(args) -> int:
+    """Everything after the command line was accepted and the directories were locked."""
     found, status = _checkpoint(args)
     if status != EXIT_OK:
         return status
@@ -27,19 +43,30 @@ def main(args) -> int:
     if status != EXIT_OK:
         return status
     try:
-        from planc.runtime.launch import gpus, launch
-        from planc.runtime.model import data_problem
-    except ImportError:
-        return fail("planc run needs PyTorch: pip install 'planc[run]'")
-    problem = data_problem(built.plan)
-    if problem:
-        return fail(f"{problem}; nothing was run")
+        # torch swallows a KeyboardInterrupt raised while it imports numpy: signals wait
+        # until the import is done (planc.interrupts)
+        with args.interrupts.deferred():
+            from planc.runtime.launch import gpus, launch
+            from planc.runtime.data import DataError, check_data
+    except ImportError as exc:
+        if not missing_runtime(exc):
+            raise
+        return fail(f"planc run needs PyTorch ({exc}): pip install 'planc[run]'")
+    try:  # the file as it is now is what every rank must read (issue 20)
+        identity = check_data(built.plan)
+    except DataError as exc:
+        return fail(f"{exc}; nothing was run")
     devices = gpus()
     backend = args.backend or ("nccl" if devices else "gloo")
     if backend == "nccl" and devices < built.plan.world:
         return fail(f"the nccl backend needs a GPU per rank: the plan has "
                     f"{built.plan.world} ranks, this machine {devices} GPUs; use --backend "
-                    f"gloo or torchrun across nodes", EXIT_USAGE)
+                    f"gloo or torchrun across nodes")
+    logs = os.path.join(directory, "logs")
+    if os.path.islink(logs) or (os.path.lexists(logs) and not os.path.isdir(logs)):
+        return fail(f"{logs} is {'a symbolic link' if os.path.islink(logs) else 'not a directory'}"
+                    f"; every rank's output is written there, inside the build only: remove "
+                    f"it")
     steps = args.steps or built.plan.train.steps
     first = found.manifest["step"] if found else 0
     resumed = f" (steps {first}..{steps - 1}, resumed from {found.directory})" if found else ""
@@ -47,40 +74,47 @@ def main(args) -> int:
         for skipped in found.skipped:
             print(f"planc: warning: --resume passed over {skipped}", file=sys.stderr)
         print(found.note, file=sys.stderr)
-    print(f"planc: running {built.plan.name} on {counted(built.plan.world, 'rank')} "
-          f"({backend}), {counted(steps - first, 'step')}{resumed}", file=sys.stderr)
-    logs = os.path.join(directory, "logs")
-    if os.path.islink(logs) or (os.path.lexists(logs) and not os.path.isdir(logs)):
-        return fail(f"{logs} is {'a symbolic link' if os.path.islink(logs) else 'not a directory'}"
-                    f"; every rank's output is written there, inside the build only: remove "
-                    f"it", EXIT_USAGE)
+    print(f"planc: running {built.plan.name} from {directory} on "
+          f"{counted(built.plan.world, 'rank')} ({backend}), "
+          f"{counted(steps - first, 'step')}{resumed}", file=sys.stderr)
     return launch(os.path.abspath(directory), built.plan.world,
-                  _worker_arguments(args, found), backend, args.timeout)
+                  _worker_arguments(args, found, identity), backend, args.timeout,
+                  args.interrupts)
 
 
 def _checkpoint(args):
-    """The checkpoint --resume names, found and verified (every file against its sha256)
-    before anything is compiled or started; (None, EXIT_OK) without --resume."""
+    """The checkpoint --resume names, found and verified (every file against its sha256,
+    every value finite) before anything is compiled or started; (None, EXIT_OK) without
+    --resume. A checkpoint is an input: a problem with it is exit status 1."""
     if not args.resume:
         return None, EXIT_OK
     from planc import checkpoint
 
+    try:
+        with args.interrupts.deferred():  # torch swallows a Ctrl-C during its import
+            from planc.runtime.checkpoint_values import check_values
+    except ImportError as exc:  # no torch: the files are checked, planc run says it needs it
+        if not missing_runtime(exc):
+            raise
+        check_values = None
     start = time.perf_counter()
     try:
         found = checkpoint.find(args.resume)
+        if check_values is not None:
+            check_values(found.directory, found.manifest)
     except checkpoint.CheckpointError as exc:
-        return None, fail(f"--resume: {exc}", EXIT_USAGE)
+        return None, fail(f"--resume: {exc}")
     files = found.manifest["files"]
     size = sum(info["bytes"] for info in files.values())
     found.note = (f"planc: checkpoint {found.directory} (step {found.manifest['step']}): "
-                  f"{len(files)} files, {size / 1e6:.2f} MB, sha256 verified in "
+                  f"{len(files)} files, {size / 1e6:.2f} MB, sha256 and values verified in "
                   f"{time.perf_counter() - start:.3f} s")
     return found, EXIT_OK
 
 
 def _resumable(args, found, plan, buckets=None) -> int:
     """EXIT_OK if ``plan`` can continue from the checkpoint found (None: no --resume), else
-    the status after saying why: another model or optimizer, no step left to run; with
+    EXIT_ERRORS after saying why: another model or optimizer, no step left to run; with
     --check, steps of the checkpoint trained on other data. Checked on the plan before it
     is compiled, and again on the build's parameters."""
     if found is None:
@@ -92,7 +126,7 @@ def _resumable(args, found, plan, buckets=None) -> int:
     if problem is None and args.check:
         problem = checkpoint.problems_checking(found.manifest, plan)
     if problem is not None:
-        return fail(f"--resume {found.directory}: {problem}; nothing was run", EXIT_USAGE)
+        return fail(f"--resume {found.directory}: {problem}; nothing was run")
     if buckets is not None:
         for note in checkpoint.data_notes(found.manifest, plan):
             print(f"planc: warning: {note}", file=sys.stderr)
@@ -106,6 +140,10 @@ def _refused(args) -> int | None:
     """The exit status of a command line that cannot run, before anything is compiled."""
     if args.set and os.path.isdir(args.file):
         return overrides_need_a_plan(args.file)
+    if args.force and os.path.isdir(args.file):
+        return fail(f"--force replaces the build a plan file is compiled into, but "
+                    f"{args.file} is a build directory already; run it without --force",
+                    EXIT_USAGE)
     if args.steps is not None and args.steps < 1:
         return fail("--steps must be at least 1", EXIT_USAGE)
     if not 0 < args.timeout <= MAX_TIMEOUT_S:  # also refuses nan
@@ -122,8 +160,7 @@ def _refused(args) -> int | None:
         problem = writable_problem(args.checkpoint_dir)
         if problem:
             return fail(problem, EXIT_USAGE)
-    build_dir = args.file if os.path.isdir(args.file) else args.output or os.path.join(
-        "build", os.path.splitext(os.path.basename(args.file))[0])
+    build_dir = _build_path(args)
     for flag, path in (("--checkpoint-dir", args.checkpoint_dir), ("--resume", args.resume)):
         if path and _inside(path, build_dir):
             return fail(f"{flag} {path} is inside the build directory {build_dir}, which "
@@ -138,13 +175,13 @@ def _refused(args) -> int | None:
                         f"directory)")
         if parent and _full(parent):
             return fail(f"{flag} {path}: the file system of {parent} is full (less than "
-                        f"{MIN_FREE_BYTES // 2**20} MiB free)", EXIT_USAGE)
+                        f"{MIN_FREE_BYTES // 2**20} MiB free)")
     logs = os.path.abspath(build_dir if os.path.isdir(build_dir) else
                            os.path.dirname(os.path.abspath(build_dir)) or ".")
     if os.path.isdir(logs) and _full(logs):
         return fail(f"the file system of {logs} is full (less than "
                     f"{MIN_FREE_BYTES // 2**20} MiB free): the build and every rank's log "
-                    f"are written there", EXIT_USAGE)
+                    f"are written there")
     return None
 
 
@@ -164,9 +201,52 @@ def _inside(path: str, directory: str) -> bool:
     return os.path.commonpath([path, directory]) == directory
 
 
+def _build_path(args) -> str:
+    """The build directory the run uses: the one given, or where the plan compiles to."""
+    if os.path.isdir(args.file):
+        return args.file
+    return args.output or os.path.join("build", os.path.splitext(os.path.basename(
+        args.file))[0])
+
+
+def _locks(args):
+    """The locks of the build directory and of --checkpoint-dir (planc.locks), or (None,
+    the status after saying who holds one)."""
+    from planc.locks import LockError, lock_build, lock_inside
+
+    holder, directory = command_line(args), _build_path(args)
+    given = os.path.isdir(args.file)
+
+    def build_lock():
+        try:
+            return lock_build(directory, holder)
+        except LockError as exc:
+            # A build whose parent this user cannot write cannot be replaced by a compile
+            # of this user either: a lock inside it keeps two runs of it apart.
+            if given and exc.errno in (errno.EACCES, errno.EPERM):
+                return lock_inside(directory, holder)
+            raise
+
+    hint = "wait for it to finish" + ("" if given else " or use another -o")
+    builds, status = take_lock(build_lock, directory, hint)
+    if builds is None:
+        return None, status
+    if not args.checkpoint_dir:
+        return [builds], EXIT_OK
+    checkpoints, status = take_lock(
+        lambda: lock_inside(args.checkpoint_dir, holder), f"--checkpoint-dir "
+        f"{args.checkpoint_dir}", "wait for it to finish or use another --checkpoint-dir")
+    if checkpoints is None:
+        builds.release()
+        return None, status
+    return [builds, checkpoints], EXIT_OK
+
+
 def _build_directory(args, precheck=None) -> tuple[str | None, int]:
     """The build directory to run: the one given, or the plan file compiled into one
-    (once ``precheck(plan)`` found nothing wrong with the plan)."""
+    (once ``precheck(plan)`` found nothing wrong with the plan). A build of the same plan
+    already there is run as it is (its logs stay); one of another plan file is not
+    replaced without --force."""
     from planc import build
     from planc.compile import CompileError, compile_plan
 
@@ -179,12 +259,17 @@ def _build_directory(args, precheck=None) -> tuple[str | None, int]:
         status = precheck(loaded.plan)
         if status != EXIT_OK:
             return None, status
-    directory = args.output or os.path.join(
-        "build", os.path.splitext(os.path.basename(args.file))[0])
+    directory = _build_path(args)
+    earlier, status = replaceable(directory, loaded, args.force)
+    if status != EXIT_OK:
+        return None, status
+    if earlier is not None and earlier.kind == "same":
+        return directory, EXIT_OK
     try:
         build.write(compile_plan(loaded.plan), directory, loaded.path, loaded.source)
     except (build.BuildError, CompileError) as exc:
         return None, fail(str(exc))
+    say_replaced(directory, earlier)
     return directory, EXIT_OK
 
 
@@ -212,8 +297,10 @@ def _verified_build(args, directory: str):
     return built, EXIT_OK
 
 
-def _worker_arguments(args, found=None) -> list[str]:
+def _worker_arguments(args, found=None, identity=None) -> list[str]:
     out = ["--timeout", str(args.timeout)]
+    if identity is not None:  # the data file as planc run checked it
+        out += ["--data-identity", str(identity)]
     if args.steps:
         out += ["--steps", str(args.steps)]
     if args.checkpoint_dir:

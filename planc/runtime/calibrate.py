@@ -2,7 +2,8 @@
 
 Run on every rank of a launched world (``planc calibrate`` starts one on this machine;
 on a cluster, or the emulated one of bench/topology.py, start it on every node with the
-usual RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT):
+usual RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; planc calibrate's own ranks meet in
+a private store instead, planc.runtime.rendezvous):
 
     python -m planc.runtime.calibrate --devices-per-node L -o topology.json
 
@@ -38,6 +39,7 @@ import torch.distributed as dist
 
 from planc.files import write_atomically
 from planc.lang.presets import calibrated_document
+from planc.runtime.rendezvous import joined_store
 
 SIZES = (4 << 10, 4 << 20, 16 << 20)  # bytes: latency, then two for the slope
 REPEATS = 5
@@ -239,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     torch.set_num_threads(1)
-    dist.init_process_group(args.backend, timeout=timedelta(seconds=600))
+    timeout = timedelta(seconds=600)
+    dist.init_process_group(args.backend, timeout=timeout, rank=int(os.environ["RANK"]),
+                            world_size=world, store=joined_store(world, timeout))
     try:
         document = calibrate(args.devices_per_node, args.repeats)
         if dist.get_rank() == 0:

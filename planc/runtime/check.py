@@ -9,12 +9,18 @@ stages' copies of a tied embedding.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
 import torch.distributed as dist
 
+from planc.memory import total_parameters
+from planc.models import family_of
 from planc.runtime.context import RankContext
+from planc.runtime.data import DataChanged
+from planc.runtime.exchange import (PeerDataError, either, gather_flat, gather_json, integer,
+                                    list_of, nothing, number, one_of, record, row, text)
 from planc.runtime.interpreter import Interpreter
 from planc.runtime.model import join_feature
 from planc.words import counted
@@ -41,30 +47,71 @@ def local_parameters(ctx: RankContext, interpreter: Interpreter) -> dict:
     return out
 
 
+def _gather_parameters(ctx: RankContext, interpreter: Interpreter,
+                       losses: list[float] | None) -> tuple | None:
+    """On rank 0: the run's losses (from the rank that knows them), every rank's
+    parameters as {(name, dp, cp): {pp: {tp: tensor}}}, and each parameter's tp split;
+    None on the other ranks. Names, shapes, splits and losses travel as JSON, the values
+    as one flat fp32 tensor per rank (planc.runtime.exchange: nothing is unpickled), and
+    a rank's coordinates are the layout's, not what it says."""
+    params = local_parameters(ctx, interpreter)
+    about = {"losses": losses, "params": [[name, list(value.shape), split]
+                                          for name, (value, split) in params.items()]}
+    flat = torch.cat([value.reshape(-1) for value, _ in params.values()]) if params \
+        else torch.zeros(0)
+    plan = ctx.plan
+    full = {p.name: p.shape for p in family_of(plan).all_parameters(plan.model)}
+    form = record(losses=either(nothing, list_of(number)),
+                  params=list_of(row(one_of(full), list_of(integer),
+                                     either(nothing, row(text, integer)))))
+    described = gather_json(about, 0, form, "the names and shapes of its parameters")
+    # a rank holds at most every parameter once, and a tied embedding's second copy
+    values = gather_flat(flat, 0, "its parameters", 2 * total_parameters(plan))
+    if described is None:
+        return None
+    leader = ctx.layout.rank({"tp": 0, "cp": 0, "dp": 0, "pp": plan.mesh.pp - 1})
+    if described[leader]["losses"] is None:
+        raise PeerDataError(f"rank {leader}, the last stage's first rank, sent no losses; "
+                            f"the run was stopped")
+    copies: dict[tuple[str, int, int], dict[int, dict[int, torch.Tensor]]] = {}
+    splits: dict[str, list | None] = {}
+    for rank, (about, flat) in enumerate(zip(described, values)):
+        c = ctx.layout.coords(rank)
+        fits = all(len(shape) == len(full[name]) and all(0 <= n <= whole for n, whole in
+                                                         zip(shape, full[name]))
+                   for name, shape, _ in about["params"])
+        sizes = [math.prod(shape) for _, shape, _ in about["params"]]
+        if not fits or sum(sizes) != flat.numel():
+            raise PeerDataError(f"rank {rank} sent parameters whose shapes do not fit the "
+                                f"model or its {flat.numel()} values; the run was stopped")
+        offset = 0
+        for (name, shape, split), size in zip(about["params"], sizes):
+            copies.setdefault((name, c["dp"], c["cp"]), {}).setdefault(c["pp"], {})[c["tp"]] \
+                = flat[offset:offset + size].view(shape)
+            splits[name] = split
+            offset += size
+    return described[leader]["losses"], copies, splits
+
+
 def compare(ctx: RankContext, interpreter: Interpreter, losses: list[float] | None,
             steps: int, first: int = 0) -> int:
     """Gather every parameter to rank 0 and compare with the single-process run. A run
     resumed from a checkpoint ran steps ``first`` to ``steps`` - 1: its losses are compared
     with those steps of the single process, which trains from step 0."""
-    mine = {"coords": ctx.coords, "params": local_parameters(ctx, interpreter),
-            "losses": losses}
-    gathered = [None] * dist.get_world_size() if ctx.rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    if ctx.rank != 0:
+    gathered = _gather_parameters(ctx, interpreter, losses)
+    if gathered is None:  # not rank 0
         return 0
     from planc.runtime.reference import train as reference_train
 
     plan = ctx.plan
-    expected_losses, expected = reference_train(plan, steps)
-    run_losses = next(g["losses"] for g in gathered if g["losses"] is not None)
-    copies: dict[tuple[str, int, int], dict[int, dict[int, torch.Tensor]]] = {}
-    splits: dict[str, tuple | None] = {}
-    for g in gathered:
-        c = g["coords"]
-        for name, (value, split) in g["params"].items():
-            copies.setdefault((name, c["dp"], c["cp"]), {}).setdefault(c["pp"], {})[c["tp"]] \
-                = value
-            splits[name] = split
+    try:
+        expected_losses, expected = reference_train(plan, steps, ctx.data_identity)
+    except DataChanged as exc:  # the run trained on the file as it was; this would not
+        print(f"planc: error: --check: data file {exc.path} changed after the run read it "
+              f"({exc.detail} when the single-process run read step {exc.step}); the run "
+              f"was not compared", file=sys.stderr, flush=True)
+        return 1
+    run_losses, copies, splits = gathered
     replicas = [(d, c) for d in range(plan.mesh.dp) for c in range(plan.mesh.cp)]
     report, failed = [], False
     tolerance = 1e-5 if plan.model.dtype == "fp32" else 2e-2
@@ -120,11 +167,19 @@ def _compare_parameters(plan, expected: dict, copies: dict, splits: dict, replic
         allowed = tolerance * scale + floor
         for stage, by_tp in sorted(by_stage.items()):
             ordered = [by_tp[k] for k in sorted(by_tp)]
-            if split is not None and len(ordered) > 1:
-                dim, axis = split
-                candidates = [join_feature(ordered, dim, plan.model, axis)]
-            else:
-                candidates = ordered  # every tp rank's whole copy
+            try:
+                if split is not None and len(ordered) > 1:
+                    dim, axis = split
+                    candidates = [join_feature(ordered, dim, plan.model, axis)]
+                else:
+                    candidates = ordered  # every tp rank's whole copy
+            except (RuntimeError, IndexError):  # pieces a rank sent that do not join
+                candidates = []
+            if any(got.shape != want.shape for got in candidates) or not candidates:
+                copy = f" (stage {stage})" if len(by_stage) > 1 else ""
+                mismatches.append(f"  {name}{where}{copy}: the run's copy does not have "
+                                  f"the shape {list(want.shape)}  MISMATCH")
+                continue
             for got in candidates:
                 difference = float((got - want).abs().max())
                 if difference / allowed > worst[0]:

@@ -19,14 +19,9 @@ staging directory into place and replaces ``latest``: the commit protocol of
 torch.distributed.checkpoint, whose coordinator writes ``.metadata`` only after every
 rank's data is durable.
 
-**Resuming**: every rank opens the files with ``safetensors.safe_open`` and reads, with
-``get_slice``, only the boxes of each tensor that land in what it holds: its tp piece of
-every member, and under ZeRO only the part of the bucket in its shard (the parameters
-under ZeRO-3, the optimizer state under ZeRO-1/2/3). A flat range of a tensor is cut into
-at most 2 x rank - 1 boxes, and a tp piece whose indices are not contiguous (qkv's
-heads of q, k and v) into its contiguous runs, so no rank reads an element it does not
-keep: torch.distributed.checkpoint's load-time resharding, in which each rank plans reads
-of the saved chunks that overlap its own shards.
+**Resuming** (:mod:`planc.runtime.checkpoint_load`): every rank reads, with
+``safetensors``' ``get_slice``, only the boxes of each tensor that land in what it holds,
+and checks every value it reads.
 """
 
 from __future__ import annotations
@@ -36,25 +31,25 @@ import os
 import shutil
 import sys
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from planc import checkpoint as fmt
+from planc.runtime.checkpoint_load import FP32, Loading, boxes  # noqa: F401 (boxes: API)
 from planc.runtime.context import RankContext
+from planc.runtime.exchange import (PeerDataError, gather_json, integer, list_of, map_of,
+                                    one_of, record, text)
 from planc.runtime.interpreter import Interpreter
 from planc.runtime.store import tp_piece
-
-FP32 = torch.float32
 
 
 def _layer_key(name: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in name.split("."))
 
 
-class Checkpoints:
+class Checkpoints(Loading):
     """Writes and loads this rank's part of consolidated checkpoints. Every rank of the
     world builds one (it creates a process group), with the same arguments."""
 
@@ -68,13 +63,7 @@ class Checkpoints:
         # collectives, and works on CPU tensors whatever the training backend.
         self.group = dist.new_group(list(range(self.world)), backend="gloo") \
             if self.world > 1 else None
-        everyone = [None] * self.world
-        mine = (ctx.stage, ctx.tp_rank, shard_index)
-        if self.group is not None:
-            dist.all_gather_object(everyone, mine, group=self.group)
-        else:
-            everyone = [mine]
-        self.where = {tuple(place): rank for rank, place in enumerate(everyone)}
+        self.where = self._places(ctx.stage, ctx.tp_rank, shard_index)
         self.stages = self.plan.mesh.pp
         self.writer = self.where[(ctx.stage, 0, 0)]
         all_buckets = graph.graph["buckets"]
@@ -142,11 +131,7 @@ class Checkpoints:
         self._barrier()
         files = self._write_stage(staging, step)
         self._barrier()  # every stage's files are durable before the manifest names them
-        gathered = [None] * self.world if self.rank == 0 else None
-        if self.group is not None:
-            dist.gather_object(files, gathered, dst=0, group=self.group)
-        else:
-            gathered = [files]
+        gathered = self._gather_files(files)
         if self.rank == 0:
             try:
                 self._commit(root_path, staging, step, gathered, start)
@@ -220,6 +205,42 @@ class Checkpoints:
             work.wait()
         return params, states
 
+    def _places(self, stage: int, tp_rank: int, shard_index: int) -> dict[tuple, int]:
+        """(stage, tp rank, ZeRO shard index) -> rank, for every rank: each tells the
+        others its place as three integers; together they must cover the mesh once."""
+        mine = torch.tensor([stage, tp_rank, shard_index], dtype=torch.int64)
+        slots = [mine]
+        if self.group is not None:
+            slots = [torch.empty_like(mine) for _ in range(self.world)]
+            dist.all_gather(slots, mine, group=self.group)
+        where = {tuple(slot.tolist()): rank for rank, slot in enumerate(slots)}
+        mesh = self.plan.mesh
+        if set(where) != {(s, t, i) for s in range(mesh.pp) for t in range(mesh.tp)
+                          for i in range(mesh.dp * mesh.cp)} or len(where) != self.world:
+            raise PeerDataError("the ranks' places in the mesh (stage, tp rank, ZeRO shard) "
+                                "do not cover it once; the run was stopped")
+        return where
+
+    def _gather_files(self, files: dict) -> list[dict] | None:
+        """Every rank's files (what :meth:`_write_stage` returns), on rank 0, as JSON;
+        together they must hold every tensor of the checkpoint once."""
+        if self.group is None:
+            return [files]
+        names = {name(s, self.stages) for s in range(self.stages)
+                 for name in (fmt.model_file, fmt.optimizer_file)}
+        tensors = [*self.shapes, *(fmt.state_name(n, k) for n in self.shapes
+                                   for k in self.keys)]
+        form = map_of(record(sha256=text, bytes=integer, tensors=list_of(one_of(tensors))),
+                      names)
+        gathered = gather_json(files, 0, form, "the checkpoint files it wrote", self.group)
+        written = None if gathered is None else sorted(
+            t for stage_files in gathered for info in stage_files.values()
+            for t in info["tensors"])
+        if written is not None and written != sorted(tensors):
+            raise PeerDataError("the stages' writers did not write every tensor of the "
+                                "checkpoint once; the run was stopped")
+        return gathered
+
     def _replicas(self) -> int:
         return max(i for (_, _, i) in self.where) + 1
 
@@ -258,8 +279,8 @@ class Checkpoints:
         from safetensors.torch import save
 
         files: dict[str, dict] = {}
-        for record in gathered:
-            files.update(record)
+        for written in gathered:
+            files.update(written)
         weight_map, optimizer_map, parameters = {}, {}, {}
         for name, info in files.items():
             for tensor in info.pop("tensors"):
@@ -276,7 +297,7 @@ class Checkpoints:
                                   "weight_map": dict(sorted(mapping.items()))})
             files[index] = {"sha256": fmt.write_durably(staging / index, data),
                             "bytes": len(data)}
-        rng = save({"torch.cpu": torch.get_rng_state()}, {"format": "pt"})
+        rng = save({fmt.RNG_TENSOR: torch.get_rng_state()}, {"format": "pt"})
         files[fmt.RNG_FILE] = {"sha256": fmt.write_durably(staging / fmt.RNG_FILE, rng),
                                "bytes": len(rng)}
         history = self.history + [fmt.history_segment(self.plan, self.first_step, step - 1)]
@@ -301,159 +322,3 @@ class Checkpoints:
     def _barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)
-
-    # --- resuming ------------------------------------------------------------------------
-
-    def load(self, directory: str, manifest: dict) -> None:
-        """Fill this rank's buckets, ZeRO shards and optimizer state from the checkpoint,
-        reading only what it keeps."""
-        start = time.perf_counter()
-        from safetensors import safe_open
-
-        base = Path(directory)
-        step = manifest["step"]
-        read = [0]  # elements read
-        with ExitStack() as stack:
-            opened: dict[str, object] = {}
-
-            def source(file: str):
-                if file not in opened:
-                    opened[file] = stack.enter_context(
-                        safe_open(str(base / file), framework="pt", device="cpu"))
-                return opened[file]
-
-            for bucket_id in sorted(self.store.buckets):
-                self._load_bucket(bucket_id, manifest, source, read)
-            self._load_scalars(manifest)
-            rng = source(fmt.RNG_FILE).get_tensor("torch.cpu")
-            torch.set_rng_state(rng)
-        self.first_step = step
-        self.history = list(manifest["history"])
-        elapsed = time.perf_counter() - start
-        figures = torch.tensor([elapsed, float(read[0] * 4)], dtype=torch.float64)
-        if self.group is not None:
-            dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.group)
-        if self.rank == 0:
-            print(f"planc: resumed from {base} at step {step} in {figures[0]:.3f} s (at "
-                  f"most {figures[1] / 1e6:.3f} MB read by one rank)", file=sys.stderr,
-                  flush=True)
-
-    def _load_bucket(self, bucket_id: str, manifest: dict, source, read: list) -> None:
-        bucket = self.store.buckets[bucket_id]
-        size, index = bucket["shard"], self.shard_index
-        mine = (index * size, (index + 1) * size)
-        params = manifest["parameters"]
-        # the parameters: the whole bucket, or under ZeRO-3 only this rank's shard
-        if bucket["zero3"]:
-            target, window = self.store.shard[bucket_id], mine
-        else:
-            target, window = self.store.full[bucket_id], (0, bucket["padded"])
-        with torch.no_grad():
-            self._fill(target, window, bucket, lambda m: (params[m["param"]]["file"],
-                                                          m["param"]), source, read)
-            if bucket["sharded"] and not bucket["zero3"]:
-                self.store.shard[bucket_id].copy_(target[mine[0]:mine[1]])
-        optimizer = self.optimizers.get(bucket_id)
-        if optimizer is None:
-            return
-        tensor = self._tensor(bucket_id)
-        window = mine if bucket["sharded"] else (0, bucket["padded"])
-        state = {}
-        for key in self.keys:
-            buffer = torch.zeros_like(tensor)
-            with torch.no_grad():
-                self._fill(buffer, window, bucket, lambda m, k=key: (
-                    params[m["param"]]["optimizer_file"], fmt.state_name(m["param"], k)),
-                    source, read)
-            state[key] = buffer
-        if state or self.keys:
-            optimizer.state[tensor] = state
-
-    def _load_scalars(self, manifest: dict) -> None:
-        """AdamW's step count, which torch keeps per tensor (a float32 scalar on the
-        tensor's device for the fused kernel)."""
-        steps = manifest["optimizer"].get("steps")
-        if self.plan.train.optimizer.name != "adamw":
-            return
-        if steps is None:
-            steps = manifest["step"]
-        for bucket_id, optimizer in self.optimizers.items():
-            tensor = self._tensor(bucket_id)
-            optimizer.state[tensor]["step"] = torch.tensor(float(steps), dtype=FP32,
-                                                           device=tensor.device)
-
-    def _fill(self, target: torch.Tensor, window: tuple[int, int], bucket: dict, where,
-              source, read: list) -> None:
-        """Write into ``target`` (the bucket's elements window[0]..window[1]) every
-        member's part in the window, read from the files; padding stays zero."""
-        target.zero_()
-        low, high = window
-        for m in bucket["members"]:
-            first, last = max(low, m["offset"]), min(high, m["offset"] + m["numel"])
-            if first >= last:
-                continue
-            file, name = where(m)
-            values = self._read(source(file).get_slice(name), m, first - m["offset"],
-                                last - m["offset"])
-            read[0] += values.numel()
-            target[first - low:last - low].copy_(values)
-
-    def _read(self, saved, member: dict, first: int, last: int) -> torch.Tensor:
-        """Elements first..last of this rank's tp piece of a member, flattened, read from
-        the whole tensor in the file box by box."""
-        shape = list(member["shape"])
-        split = member["tp_split"]
-        runs_of = None
-        if split is not None:
-            axis = split[1] % len(shape)
-            global_index = self._indices(member, self.ctx.tp_rank).tolist()
-
-            def runs_of(lo: int, hi: int) -> list[tuple[int, int]]:
-                """The contiguous runs of whole-tensor indices of local lo..hi."""
-                out: list[tuple[int, int]] = []
-                for g in global_index[lo:hi]:
-                    if out and out[-1][1] == g:
-                        out[-1] = (out[-1][0], g + 1)
-                    else:
-                        out.append((g, g + 1))
-                return out
-        values = []
-        for starts, stops in boxes(shape, first, last):
-            slices = [slice(a, b) for a, b in zip(starts, stops)]
-            if runs_of is None:
-                values.append(saved[tuple(slices)].reshape(-1))
-                continue
-            blocks = []
-            for a, b in runs_of(starts[axis], stops[axis]):
-                slices[axis] = slice(a, b)
-                blocks.append(saved[tuple(slices)])
-            values.append(torch.cat(blocks, dim=axis).reshape(-1))
-        return torch.cat(values).to(FP32) if len(values) > 1 else values[0].to(FP32)
-
-
-def boxes(shape: list[int], first: int, last: int) -> list[tuple[tuple, tuple]]:
-    """Elements first..last (row-major) of a tensor of ``shape`` as boxes (start and stop
-    per dimension), in order: a partial leading row, whole rows, a partial trailing row,
-    each partial row cut the same way one dimension down."""
-    if first >= last:
-        return []
-    if len(shape) == 1:
-        return [((first,), (last,))]
-    inner = math.prod(shape[1:])
-    row, offset = divmod(first, inner)
-    end_row, end_offset = divmod(last, inner)
-    out = []
-
-    def within(r: int, a: int, b: int) -> list:
-        return [((r,) + s, (r + 1,) + e) for s, e in boxes(shape[1:], a, b)]
-
-    if row == end_row:
-        return within(row, offset, end_offset)
-    if offset:
-        out += within(row, offset, inner)
-        row += 1
-    if end_row > row:
-        out.append(((row,) + (0,) * (len(shape) - 1), (end_row,) + tuple(shape[1:])))
-    if end_offset:
-        out += within(end_row, 0, end_offset)
-    return out

@@ -17,6 +17,7 @@ from planc.graph.layouts import Layout, S
 from planc.lower.groups import PIPELINE, GroupTable
 from planc.lower.routes import RouteTable
 from planc.plan import Plan
+from planc.runtime.data_identity import Identity
 from planc.runtime.model import batch_tokens, microbatch_rows, seq_split, token_positions
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -64,8 +65,11 @@ def make_groups(table: GroupTable, rank: int, timeout: float) -> Groups:
 
 class RankContext:
     def __init__(self, plan: Plan, table: GroupTable, rank: int, groups: Groups | None,
-                 device: torch.device, routes: RouteTable | None = None):
+                 device: torch.device, routes: RouteTable | None = None,
+                 data_identity: Identity | None = None):
         self.plan, self.rank, self.groups, self.device = plan, rank, groups, device
+        # the data file as the run began (planc.runtime.data_identity); None: not pinned
+        self.data_identity = data_identity
         self.routes = routes or RouteTable({})
         self.layout = table.layout
         self.coords = self.layout.coords(rank)
@@ -85,7 +89,7 @@ class RankContext:
 
     def tokens(self, step: int) -> torch.Tensor:
         if self._batch is None or self._batch[0] != step:
-            self._batch = (step, batch_tokens(self.plan, step))
+            self._batch = (step, batch_tokens(self.plan, step, self.data_identity))
         return self._batch[1]
 
     def positions(self, layout: Layout) -> torch.Tensor:

@@ -23,7 +23,8 @@ step k is samples ``k * batch .. (k + 1) * batch - 1`` (docs/language.md, train)
 
 Whole-file validation reads the file in chunks of at most ``CHUNK_BYTES`` into one reused
 buffer, so a 20 GiB file needs the same memory as a 20 MiB one; one step's batch reads
-only that step's samples. Only regular files are opened, and they are opened without
+only that step's samples, from the file the run was checked on
+(planc.runtime.data_identity). Only regular files are opened, and they are opened without
 blocking, so a named pipe, a device such as ``/dev/zero``, a directory or a symbolic-link
 loop is an error at once rather than a hang or an endless read.
 
@@ -33,6 +34,7 @@ torch is asked to scan (``engine="torch"``): ``planc check`` uses it without tor
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import stat
@@ -43,6 +45,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from planc.files import kind_of
+from planc.runtime.data_identity import Identity, how_changed
+from planc.runtime.torch_threads import one_torch_thread
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -70,15 +74,26 @@ class DataMissing(DataError):
     """The data file does not exist (``planc check`` only warns: ``planc run`` needs it)."""
 
 
+class DataChanged(DataError):
+    """The data file is no longer the file the run began with; ``detail`` says how."""
+
+    def __init__(self, path: str, detail: str, step: int):
+        super().__init__(f"data file {path} changed during the run ({detail} at step {step}); "
+                         f"nothing from step {step} on was trained or checkpointed")
+        self.path, self.detail, self.step = path, detail, step
+
+
 @dataclass(frozen=True)
 class TokenFile:
     """Where the tokens of an open data file lie: ``count`` tokens of ``width`` bytes from
-    byte ``offset`` (0 for a raw uint16 file, ``HEADER_BYTES`` after a header)."""
+    byte ``offset`` (0 for a raw uint16 file, ``HEADER_BYTES`` after a header), and the
+    file's identity when it was opened."""
 
     path: str
     size: int  # bytes, header included
     offset: int
     width: int
+    identity: Identity | None = None
 
     @property
     def count(self) -> int:
@@ -129,7 +144,8 @@ def open_tokens(path: str, name: str | None = None) -> tuple[int, TokenFile]:
         if not stat.S_ISREG(info.st_mode):
             raise _not_regular(info.st_mode, name)
         try:
-            return fd, _layout(fd, path, info.st_size, name)
+            return fd, dataclasses.replace(_layout(fd, path, info.st_size, name),
+                                           identity=Identity.of(info))
         except OSError as exc:  # /proc/self/mem, a failing disk
             raise DataError(f"data file {name} cannot be read ({exc.strerror})") from None
     except BaseException:
@@ -275,9 +291,10 @@ class _TorchChunks:
     Non-negative values are the same either way; when a chunk has negative ones (ids at or
     above 2^15 or 2^31), flipping the sign bit maps unsigned order onto signed order.
 
-    The scan runs on one torch thread: the copy from the page cache is one thread anyway,
-    a cache-sized chunk reduces in microseconds, and OpenMP's barriers cost far more than
-    they win on a busy machine (2 GiB on 2 busy cores: 3 GB/s on one thread, 0.7 on two).
+    The scan runs on one torch thread (planc.runtime.torch_threads): the copy from the
+    page cache is one thread anyway, a cache-sized chunk reduces in microseconds, and
+    OpenMP's barriers cost far more than they win on a busy machine (2 GiB on 2 busy
+    cores: 3 GB/s on one thread, 0.7 on two).
     """
 
     def __init__(self, width: int, chunk: int):
@@ -288,15 +305,14 @@ class _TorchChunks:
         self.sign = -(1 << (8 * width - 1))
         self.bias = 1 << (8 * width - 1)
         self.scratch = torch.empty(chunk // width, dtype=self.dtype)
-        self.threads = 1
+        self.one_thread = one_torch_thread()
 
     def __enter__(self):
-        self.threads = self.torch.get_num_threads()
-        self.torch.set_num_threads(1)
+        self.one_thread.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.torch.set_num_threads(self.threads)
+        self.one_thread.__exit__(*exc)
 
     def _values(self, data):
         return self.torch.frombuffer(data, dtype=self.dtype)
@@ -344,35 +360,51 @@ def check_file(path: str, name: str | None = None, *, seq: int | None = None,
         if largest >= vocab:
             raise DataError(f"data file {name} holds token id {largest} (token {position} "
                             f"of the file), not below vocab = {vocab}")
+        if Identity.of(os.fstat(fd)) != tokens.identity:  # what was scanned is not the file
+            raise DataError(f"data file {name} changed while it was being read")
         return tokens
     finally:
         os.close(fd)
 
 
-def data_problem(plan: Plan, chunk_bytes: int = CHUNK_BYTES) -> str | None:
-    """Why the plan's data file cannot feed a run, or None: checked once, before any rank
-    starts, because the file may have appeared or changed since planc check (which scans
-    only files up to 16 MiB of tokens). Scans the whole file, in bounded memory."""
+def check_data(plan: Plan, chunk_bytes: int = CHUNK_BYTES) -> Identity | None:
+    """The identity of the plan's data file, checked whole (None for synthetic data), or
+    DataError: checked once, before any rank starts, because the file may have appeared
+    or changed since planc check (which scans only files up to 16 MiB of tokens); the
+    ranks then read that file and no other. Scans the whole file, in bounded memory."""
     if plan.train.data == "synthetic":
         return None
+    return check_file(plan.train.data, seq=plan.model.seq, vocab=plan.model.vocab,
+                      chunk_bytes=chunk_bytes).identity
+
+
+def data_problem(plan: Plan, chunk_bytes: int = CHUNK_BYTES) -> str | None:
+    """Why the plan's data file cannot feed a run (:func:`check_data`), or None."""
     try:
-        check_file(plan.train.data, seq=plan.model.seq, vocab=plan.model.vocab,
-                   chunk_bytes=chunk_bytes)
+        check_data(plan, chunk_bytes)
     except DataError as exc:
         return str(exc)
     return None
 
 
+def _unchanged(path: str, identity: Identity | None, step: int, info=None) -> None:
+    change = how_changed(path, identity, info) if identity is not None else None
+    if change is not None:
+        raise DataChanged(path, change, step)
+
+
 # --- one step's batch --------------------------------------------------------------
 
 
-def batch_tokens(plan: Plan, step: int) -> torch.Tensor:
+def batch_tokens(plan: Plan, step: int, identity: Identity | None = None) -> torch.Tensor:
     """The global batch of ``step``: (batch, seq + 1) token ids, int64.
 
     From a file, sample j of the run starts at token ``j * (seq + 1)`` modulo the number
     of sample starts (``count - seq``), so the run wraps around the file; only this
     step's samples are read. Their ids are checked against vocab again, since the file
-    may have changed since the run began."""
+    may have changed since the run began. With ``identity`` (the file when the run
+    began), a file that is not that one any more, before or after the reads, or a read
+    that comes back short, raises DataChanged."""
     import torch
 
     from planc.runtime.model import _seed  # the weights' seeding, imported late: no cycle
@@ -385,10 +417,14 @@ def batch_tokens(plan: Plan, step: int) -> torch.Tensor:
     path, sample = plan.train.data, m.seq + 1
     try:
         fd, tokens = open_tokens(path)
-    except DataMissing:
-        raise DataError(f"data file {path} cannot be read for step {step} "
-                        f"({os.strerror(errno.ENOENT)})") from None
+    except DataError as exc:
+        _unchanged(path, identity, step)  # removed, or a header or size now wrong
+        if isinstance(exc, DataMissing):
+            raise DataError(f"data file {path} cannot be read for step {step} "
+                            f"({os.strerror(errno.ENOENT)})") from None
+        raise
     try:
+        _unchanged(path, identity, step, os.fstat(fd))
         starts = tokens.count - sample + 1
         if starts < 1:
             raise DataError(f"data file {path} no longer holds one sample (seq + 1 = "
@@ -397,6 +433,10 @@ def batch_tokens(plan: Plan, step: int) -> torch.Tensor:
         for j in range(step * m.batch, (step + 1) * m.batch):
             rows.append(os.pread(fd, sample * width,
                                  tokens.offset + (j * sample) % starts * width))
+            if identity is not None and len(rows[-1]) != sample * width:
+                raise DataChanged(path, f"a read of {sample * width} bytes returned "
+                                  f"{len(rows[-1])}", step)
+        _unchanged(path, identity, step, os.fstat(fd))  # changed while it was read
     except OSError as exc:
         raise DataError(f"data file {path} cannot be read for step {step} "
                         f"({exc.strerror})") from None

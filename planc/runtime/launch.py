@@ -3,21 +3,31 @@
 planc's own launcher, small on purpose (torchrun stays the way to launch on a cluster,
 see planc.runtime.worker):
 
-- **One store, on loopback.** The launcher holds the run's TCPStore server on a socket it
-  bound to 127.0.0.1 (``master_listen_fd``), and every rank joins as a client, so nothing
-  of the run listens on another interface (gloo's own listeners bind to loopback too).
-  torch's launchers bind their stores to every interface.
+- **A private store, nothing beyond loopback.** The ranks meet in a torch FileStore in a
+  directory of the run's logs that only this user may enter (0700), removed when the run
+  ends; torch's launchers serve a TCPStore that anyone who reaches its port may use.
+  gloo's listeners are bound to the loopback interface (GLOO_SOCKET_IFNAME), so nothing
+  of the run listens on another one (docs/launching.md).
 - **Workers are forked from a fork server** that imported torch and planc once (Python's
   ``forkserver`` start method with a preload): a world of eight starts without importing
   torch eight times. CUDA runs use spawn, since CUDA cannot be forked.
 - **Workers die with the launcher.** Each asks the kernel for SIGKILL when its parent
   dies (``PR_SET_PDEATHSIG``: its parent under spawn) and watches the launcher's process
-  (under the fork server, whose children keep it alive), so a launcher killed with
-  SIGKILL leaves no rank training.
+  (under the fork server, whose children keep it alive), against the start time the
+  launcher read of itself, so a launcher killed with SIGKILL, even before a rank
+  started, leaves no rank training. The fork server and multiprocessing's resource
+  tracker write to ``launcher.log`` in the run's log directory, never to the caller's
+  terminal or pipe.
 - **One failure stops all.** When a rank exits with a non-zero status, every other rank
-  is killed at once and the first failure's traceback is shown; a rank stopped (SIGSTOP)
-  for ``--timeout`` seconds is named and stops the run too; Ctrl-C stops every rank,
-  which ignore SIGINT themselves so that only the launcher speaks.
+  is killed at once and the first failure's traceback is shown. When a rank stops making
+  progress (it reports what its streams wait for after ``--timeout`` seconds, also while
+  it starts) or is stopped (SIGSTOP) for ``--timeout`` seconds, every other live rank
+  is given the time to report too, then all are stopped.
+- **Ctrl-C at any moment.** From the first line of ``planc run`` (planc.interrupts) a
+  signal is never lost: while torch is imported and while ranks are started it is
+  recorded and acted on right after; ranks, and the fork server they come from, start
+  with SIGINT blocked (planc.interrupts.blocked_in_children), so a Ctrl-C sent to the
+  whole process group reaches only the launcher, which stops every rank.
 
 Every rank's standard output and error go to ``BUILD/logs/RUN_ID/RANK/`` and are copied
 to this console line by line, prefixed ``[rank R]``.
@@ -26,21 +36,22 @@ to this console line by line, prefixed ``[rank R]``.
 from __future__ import annotations
 
 import ctypes
-import datetime
 import multiprocessing
 import os
 import signal
-import socket
 import sys
 import threading
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+from planc.interrupts import Interrupts, blocked_in_children
+from planc.runtime.launcher_protocol import ERROR_FILE, EXIT_HANG, REPORT_FILE, TRAINING_FILE
+from planc.runtime.rendezvous import private_store, rank_environment, remove_store
+
 POLL_S = 0.05
-EXIT_HANG = 3  # a rank that reported what it waited for (planc.runtime.worker)
 PR_SET_PDEATHSIG = 1
-HANG_REPORTS_GRACE_S = 2.0  # after a rank reports a hang, the others' reports may follow
 
 
 def gpus() -> int:
@@ -54,11 +65,15 @@ def gpus() -> int:
 
 
 def rank_process(rank: int, env: dict[str, str], log_dir: str, argv: list[str],
-                 launcher: int) -> None:
+                 launcher: int, launcher_started: str | None) -> None:
     """The body of one rank's process: die with the launcher, leave Ctrl-C to it, send
-    output to the rank's log files, run the worker and exit with its status."""
+    output to the rank's log files, run the worker and exit with its status. SIGINT is
+    already blocked here (inherited from the launcher: planc.interrupts.blocked_in_children),
+    so a Ctrl-C sent to the whole process group cannot reach a rank before it ignores it."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_watch_launcher, args=(launcher, launcher_started),
+                     daemon=True).start()
     os.environ.update(env)
     os.makedirs(log_dir, exist_ok=True)
     for fd, name in ((1, "stdout.log"), (2, "stderr.log")):
@@ -68,10 +83,9 @@ def rank_process(rank: int, env: dict[str, str], log_dir: str, argv: list[str],
         os.close(target)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    threading.Thread(target=_watch_launcher, args=(launcher,), daemon=True).start()
     from planc.runtime.worker import run_rank
 
-    status = run_rank(argv, os.path.join(log_dir, "error.txt"))
+    status = run_rank(argv, log_dir)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
@@ -86,15 +100,16 @@ def _die_with_parent() -> None:
         pass
 
 
-def _watch_launcher(launcher: int) -> None:
+def _watch_launcher(launcher: int, started: str | None) -> None:
     """Exit as soon as the launcher is gone. The parent-death signal cannot serve under
     the fork server: every rank holds the server's keep-alive pipe (Python's forkserver
     sends it to each child), so the server, a rank's parent, outlives a killed launcher.
-    A launcher that is a zombie, or whose pid now names another process (its start time
-    differs), is gone."""
-    started = _start_time(launcher)
+    ``started`` is the launcher's start time as the launcher itself read it, so a
+    launcher already gone when the rank starts (killed while the fork server was still
+    importing torch) is seen as gone at once; a zombie, or a pid that now names another
+    process (another start time), is gone too."""
     while True:
-        if started is None:
+        if started is None:  # no /proc: only whether the pid exists
             try:
                 os.kill(launcher, 0)
             except ProcessLookupError:
@@ -131,6 +146,14 @@ class _Rank:
     partial: dict[str, bytes] = field(default_factory=lambda: {"stdout": b"", "stderr": b""})
     stopped_since: float | None = None
 
+    def reported(self) -> bool:
+        """Whether the rank has reported what its streams wait for."""
+        return os.path.exists(os.path.join(self.log_dir, REPORT_FILE))
+
+    def training(self) -> bool:
+        """Whether the rank has started its first step."""
+        return os.path.exists(os.path.join(self.log_dir, TRAINING_FILE))
+
     def state(self) -> str:
         """The kernel's state letter of the process ('T' when stopped), or ''."""
         try:
@@ -140,23 +163,17 @@ class _Rank:
             return ""
 
 
-def _loopback_store(world: int):
-    """A TCPStore server on a socket bound to 127.0.0.1 only, and its port."""
-    from torch.distributed import TCPStore
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(max(128, 2 * world))
-        port = listener.getsockname()[1]
-        fd = listener.detach()  # the store owns the socket from here on, and closes it
-    store = TCPStore("127.0.0.1", port, world, True, datetime.timedelta(seconds=300),
-                     wait_for_workers=False, master_listen_fd=fd)
-    return store, port
-
-
 def launch(build_dir: str, world: int, worker_args: list[str], backend: str,
-           timeout: float = 120.0) -> int:
-    """Run ``world`` ranks of the worker on ``build_dir``; 0 if every rank succeeded."""
+           timeout: float = 120.0, interrupts: Interrupts | None = None) -> int:
+    """Run ``world`` ranks of the worker on ``build_dir``; 0 if every rank succeeded.
+    ``interrupts``: the command's signal handlers (planc.interrupts); a fresh set is
+    installed for the launch when none is given."""
+    with (nullcontext(interrupts) if interrupts else Interrupts()) as signals:
+        return _launch(build_dir, world, worker_args, backend, timeout, signals)
+
+
+def _launch(build_dir: str, world: int, worker_args: list[str], backend: str,
+            timeout: float, interrupts: Interrupts) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks share this machine's cores
     # glibc returns freed blocks above a dynamic threshold to the system and maps them
     # again on the next step: thousands of page faults per step with activations of a few
@@ -166,52 +183,92 @@ def launch(build_dir: str, world: int, worker_args: list[str], backend: str,
     os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 * 2**20))
     run_id = f"planc-{uuid.uuid4().hex[:8]}"
     logs = os.path.join(build_dir, "logs", run_id)
-    store, port = _loopback_store(world)
+    ranks: list[_Rank] = []
+    # From here on a signal only sets interrupts.received: starting a process is never
+    # cut in half (a rank started but not yet listed would never be stopped), and the
+    # watch loop below looks at it every POLL_S.
+    with interrupts.deferred(raise_at_end=False):
+        store = private_store(logs)
+        try:
+            _start_ranks(ranks, world, logs, build_dir, worker_args, backend, store,
+                         interrupts)
+            status = None if interrupts.received else _watch(ranks, timeout, interrupts)
+            if status is not None:
+                return status
+            _stop(ranks)
+            _copy_output(ranks)
+            print(f"\nplanc: interrupted by signal {interrupts.received}; "
+                  f"{'every rank was stopped' if ranks else 'no rank had started'}",
+                  file=sys.stderr)
+            return 128 + interrupts.received
+        finally:
+            _stop(ranks)
+            remove_store(store)
+
+
+def _start_ranks(ranks: list[_Rank], world: int, logs: str, build_dir: str,
+                 worker_args: list[str], backend: str, store: str,
+                 interrupts: Interrupts) -> None:
+    """Start every rank, listing each before it starts; stop starting at a signal."""
     method = "spawn" if backend == "nccl" else "forkserver"
     context = multiprocessing.get_context(method)
+    me, started = os.getpid(), _start_time(os.getpid())
     if method == "forkserver":
         context.set_forkserver_preload(["planc.runtime.worker"])
-    ranks: list[_Rank] = []
-    previous = signal.signal(signal.SIGTERM, _terminated)
-    try:
+    _start_helpers(method, os.path.join(logs, "launcher.log"))
+    joining = rank_environment(store)
+    with blocked_in_children(signal.SIGINT):
         for rank in range(world):
+            if interrupts.received:
+                return
             env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                   "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "PLANC_STORE": f"127.0.0.1:{port}"}
+                   "LOCAL_WORLD_SIZE": str(world), **joining}
             log_dir = os.path.join(logs, str(rank))
             process = context.Process(
                 target=rank_process, name=f"planc-rank-{rank}",
                 args=(rank, env, log_dir, [build_dir, "--backend", backend, *worker_args],
-                      os.getpid()))
-            process.start()
+                      me, started))
             ranks.append(_Rank(rank, process, log_dir))
-        return _watch(ranks, timeout)
-    except (KeyboardInterrupt, _Terminated) as interrupt:
-        _stop(ranks)
-        _copy_output(ranks)
-        number = 15 if isinstance(interrupt, _Terminated) else 2
-        print(f"\nplanc: interrupted by signal {number}; every rank was stopped",
-              file=sys.stderr)
-        return 128 + number
+            process.start()
+
+
+def _start_helpers(method: str, log_path: str) -> None:
+    """Start multiprocessing's resource tracker and, for ``forkserver``, Python's fork
+    server, with their standard output and error in ``log_path``: they outlive a killed
+    launcher by the seconds the server takes to import torch, and must not hold the
+    caller's terminal or pipe meanwhile (a shell pipeline around planc would wait for
+    them). The tracker comes first and on its own: starting it unblocks SIGINT in this
+    thread (it blocks and then unblocks the signals it ignores), which must not undo the
+    block the fork server is started under."""
+    from multiprocessing import forkserver, resource_tracker
+
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    target = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+    try:
+        os.dup2(target, 1)
+        os.dup2(target, 2)
+        resource_tracker.ensure_running()
+        if method == "forkserver":
+            with blocked_in_children(signal.SIGINT):
+                forkserver.ensure_running()
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        _stop(ranks)
-        del store
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, target):
+            os.close(fd)
 
 
-class _Terminated(Exception):
-    """SIGTERM reached the launcher: stop every rank, as for Ctrl-C."""
-
-
-def _terminated(signum, frame) -> None:
-    raise _Terminated()
-
-
-def _watch(ranks: list[_Rank], timeout: float) -> int:
-    """Copy output and wait until every rank is done, or the first one fails."""
+def _watch(ranks: list[_Rank], timeout: float, interrupts: Interrupts) -> int | None:
+    """Copy output and wait until every rank is done, or one fails: a crash stops the
+    world at once; a hang (a rank that reported what it waits for, or one stopped for
+    ``timeout`` seconds) stops it once every other live rank has reported too, or after
+    ``_reports_grace(timeout)``. None when a signal came first."""
     failed: list[_Rank] = []
-    hang_reported_at = None
-    while True:
+    reports_due = None
+    while interrupts.received is None:
         _copy_output(ranks)
         now = time.monotonic()
         for entry in ranks:
@@ -222,42 +279,50 @@ def _watch(ranks: list[_Rank], timeout: float) -> int:
                 entry.stopped_since = entry.stopped_since or now
             elif code is None:
                 entry.stopped_since = None
+        crashed = [e for e in failed if e.process.exitcode != EXIT_HANG]
+        if crashed:
+            _stop(ranks)
+            _copy_output(ranks)
+            print(_failure_report(crashed), file=sys.stderr)
+            return 1
         stopped = [e for e in ranks if e.stopped_since is not None
                    and now - e.stopped_since >= timeout]
-        if stopped:
+        if reports_due is None and (failed or stopped or any(e.reported() for e in ranks)):
+            reports_due = now + _reports_grace(timeout)
+        if reports_due is not None:
+            silent = [e for e in ranks if e.process.exitcode is None
+                      and e.stopped_since is None and not e.reported()]
+            if silent and now < reports_due:
+                time.sleep(POLL_S)
+                continue
             _stop(ranks)
             _copy_output(ranks)
-            for entry in stopped:
-                print(f"planc: rank {entry.rank} was stopped (by SIGSTOP or a debugger) for "
-                      f"{timeout:g} s; the run was stopped", file=sys.stderr)
-            return 1
-        if failed:
-            # a hang is reported by every rank that waits: let the others print theirs
-            if all(e.process.exitcode == EXIT_HANG for e in failed):
-                hang_reported_at = hang_reported_at or now
-                if now - hang_reported_at < HANG_REPORTS_GRACE_S and any(
-                        e.process.exitcode is None for e in ranks):
-                    time.sleep(POLL_S)
-                    continue
-            _stop(ranks)
-            _copy_output(ranks)
-            print(_failure_report(failed), file=sys.stderr)
+            print(_hang_report(ranks, now, silent, timeout), file=sys.stderr)
             return 1
         if all(e.process.exitcode == 0 for e in ranks):
             _copy_output(ranks)
             return 0
         time.sleep(POLL_S)
+    return None
+
+
+def _reports_grace(timeout: float) -> float:
+    """How long the other ranks may take to report once one has: each reports after
+    ``timeout`` seconds without progress, counted from its own last step forward, which
+    comes at most a step's work after the first's."""
+    return min(timeout, 30.0) + 5.0
 
 
 def _stop(ranks: list[_Rank]) -> None:
     """SIGKILL every rank still running (a stopped one too) and reap it."""
-    for entry in ranks:
+    started = [e for e in ranks if e.process.pid is not None]
+    for entry in started:
         if entry.process.exitcode is None:
             try:
                 os.kill(entry.process.pid, signal.SIGKILL)
-            except (ProcessLookupError, TypeError):
+            except ProcessLookupError:
                 pass
-    for entry in ranks:
+    for entry in started:
         entry.process.join(timeout=10)
 
 
@@ -287,24 +352,41 @@ def _copy_output(ranks: list[_Rank]) -> None:
 
 
 def _failure_report(failed: list[_Rank]) -> str:
+    """What failed, and the traceback of the first rank to fail."""
     lines = []
     for entry in sorted(failed, key=lambda e: e.rank):
         code = entry.process.exitcode
-        if code == EXIT_HANG:
-            what = "stopped after reporting what it waited for (above)"
-        elif code is not None and code < 0:
-            what = f"killed by signal {-code}"
-        else:
-            what = f"exited with status {code}"
+        what = f"killed by signal {-code}" if code is not None and code < 0 else \
+            f"exited with status {code}"
         lines.append(f"planc: rank {entry.rank} {what}")
     first = failed[0]
     try:
-        with open(os.path.join(first.log_dir, "error.txt"), encoding="utf-8",
+        with open(os.path.join(first.log_dir, ERROR_FILE), encoding="utf-8",
                   errors="replace") as handle:
             trace = handle.read().rstrip()
     except OSError:
         trace = ""
-    if first.process.exitcode != EXIT_HANG and trace:
+    if trace:
         lines.append(f"planc: traceback of rank {first.rank}, the first to fail:")
         lines.append(trace)
+    return "\n".join(lines)
+
+
+def _hang_report(ranks: list[_Rank], now: float, silent: list[_Rank], timeout: float) -> str:
+    """Why a run that stopped making progress was stopped, rank by rank (what each rank
+    waits for is above, in its own output). A stopped rank is named whether or not it
+    has been stopped for the whole timeout: the others' reports may come first."""
+    lines = []
+    for entry in ranks:
+        if entry.stopped_since is not None:
+            lines.append(f"planc: rank {entry.rank} was stopped (by SIGSTOP or a debugger) "
+                         f"for {now - entry.stopped_since:.0f} s; the run was stopped")
+        elif entry in silent:
+            where = "" if entry.training() else \
+                " (it had not started training: it was still joining the process groups)"
+            lines.append(f"planc: rank {entry.rank} did not report what it waits for within "
+                         f"{_reports_grace(timeout):g} s{where}")
+        elif entry.reported() or entry.process.exitcode == EXIT_HANG:
+            lines.append(f"planc: rank {entry.rank} stopped after reporting what it waited "
+                         f"for (above)")
     return "\n".join(lines)

@@ -114,8 +114,10 @@ def make_optimizer(plan: Plan, tensors: list[torch.Tensor], fused: bool = False
                            fused=fused or None)
 
 
-def train(plan: Plan, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Losses of every step and the final parameters."""
+def train(plan: Plan, steps: int, identity=None
+          ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses of every step and the final parameters; ``identity``: the data file as the
+    run began (planc.runtime.data_identity), which every batch must still be read from."""
     params = {name: initial_value(plan.train.seed, name, p.shape).requires_grad_()
               for name, p in parameters(plan).items()}
     optimizer = make_optimizer(plan, list(params.values()))
@@ -124,7 +126,7 @@ def train(plan: Plan, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]
     losses = []
     for step in range(steps):
         optimizer.zero_grad()
-        loss = forward_loss(plan, params, batch_tokens(plan, step), dtype)
+        loss = forward_loss(plan, params, batch_tokens(plan, step, identity), dtype)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())

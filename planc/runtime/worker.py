@@ -21,9 +21,12 @@ import json
 import os
 import resource
 import sys
+import threading
 import time
 import traceback
+from contextlib import contextmanager
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -33,14 +36,28 @@ from planc import checkpoint as checkpoint_format
 from planc.runtime.check import compare
 from planc.runtime.checkpoint import Checkpoints
 from planc.runtime.context import RankContext, make_groups
+from planc.runtime.data_identity import Identity, identity_now
+from planc.runtime.exchange import (all_gather_json, broadcast_json, either, gather_json,
+                                    integer, list_of, nothing, number, one_of, row, text)
 from planc.runtime.executor import CpuExecutor, CudaExecutor, Hang, PeerLost
 from planc.runtime.interpreter import Interpreter
+from planc.runtime.launcher_protocol import ERROR_FILE, EXIT_HANG, REPORT_FILE, TRAINING_FILE
 from planc.runtime.model import DataError
+from planc.runtime.rendezvous import joined_store
 from planc.runtime.store import ParamStore
 from planc.runtime.trace import write as write_trace
 
-EXIT_HANG = 3
 PEER_LOST_GRACE_S = 5.0
+
+
+class Stuck(Exception):
+    """The rank's streams stopped making progress; ``report`` says what each waits for.
+    The rank must leave with os._exit: streams blocked inside a transfer cannot be
+    joined."""
+
+    def __init__(self, report: str, linger: float):
+        super().__init__(report)
+        self.report, self.linger = report, linger
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="continue from the newest complete checkpoint in D, or from the "
                         "step directory D; --steps counts from the start of training")
     parser.add_argument("--resume-verified", action="store_true", help=argparse.SUPPRESS)
+    # The data file as planc run checked it (planc.runtime.data_identity): every batch is
+    # read from that file, unchanged, or the run stops.
+    parser.add_argument("--data-identity", type=Identity.parse, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         parser.error("--checkpoint-every must be at least 1")
@@ -153,7 +173,34 @@ class _Metrics:
             self.file.close()
 
 
-def train(args: argparse.Namespace) -> int:
+class StartupWatch:
+    """Reports a rank stuck while it starts, as the executor reports one stuck in a step:
+    every collective of the start-up (joining the world, creating groups) waits for every
+    other rank, and one that never comes (stopped, or crashed before it joined) would
+    leave this rank silent until torch's own timeout. After ``timeout`` seconds in one
+    such wait, a thread says what the rank waits for, tells planc run's launcher, and
+    leaves (the main thread is blocked inside torch)."""
+
+    def __init__(self, rank: int, timeout: float, log_dir: str | None):
+        self.rank, self.timeout, self.log_dir = rank, timeout, log_dir
+
+    @contextmanager
+    def waiting(self, what: str):
+        timer = threading.Timer(self.timeout, self._report, args=(what,))
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+
+    def _report(self, what: str) -> None:
+        _leave_stuck(f"rank {self.rank} made no progress for {self.timeout:g} s while "
+                     f"{what}: it waits for the other ranks there",
+                     min(self.timeout, 30.0), self.log_dir)
+
+
+def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     built = build_module.read_programs(build_module.read(args.build))
     plan = built.plan
@@ -167,11 +214,15 @@ def train(args: argparse.Namespace) -> int:
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     timeout = timedelta(seconds=args.timeout + 60)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
-                            store=_launcher_store(world, timeout))
+    watch = StartupWatch(rank, args.timeout, log_dir)
+    with watch.waiting("joining the process group of the world (init_process_group)"):
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                                store=joined_store(world, timeout))
     torch.manual_seed(0)
-    groups = make_groups(built.groups, rank, args.timeout + 60)
-    ctx = RankContext(plan, built.groups, rank, groups, device, built.routes)
+    with watch.waiting("creating the process groups of the plan (new_group)"):
+        groups = make_groups(built.groups, rank, args.timeout + 60)
+    ctx = RankContext(plan, built.groups, rank, groups, device, built.routes,
+                      args.data_identity or identity_now(plan))
     program = built.programs[built.table.program_of(rank)]
     shard_index = groups.index("dp_cp", rank)
     store = ParamStore(ctx, program.buckets, shard_index)
@@ -179,16 +230,21 @@ def train(args: argparse.Namespace) -> int:
     steps = args.steps or plan.train.steps
     checkpoints, first = None, 0
     if args.checkpoint_dir or args.resume:
-        checkpoints = Checkpoints(ctx, built.graph, interpreter, shard_index)
+        with watch.waiting("exchanging where each rank's checkpoint pieces lie"):
+            checkpoints = Checkpoints(ctx, built.graph, interpreter, shard_index)
     if args.resume:
-        found = _resumable(args, plan, built.graph, steps, checkpoints)
+        with watch.waiting("agreeing on the checkpoint to resume"):
+            found = _resumable(args, plan, built.graph, steps, checkpoints)
         checkpoints.load(str(found.directory), found.manifest)
         first = found.manifest["step"]
     executor = (CudaExecutor if backend == "nccl" else CpuExecutor)(
         interpreter, args.timeout, trace=bool(args.trace))
-    metrics = _Metrics(ctx, steps, args.metrics)
+    with watch.waiting("creating the group that gathers the metrics (new_group)"):
+        metrics = _Metrics(ctx, steps, args.metrics)
     losses, trace = [], []
     try:
+        if log_dir is not None:  # the launcher's reports tell starting from training
+            _tell_launcher(os.path.join(log_dir, TRAINING_FILE), f"step {first}")
         for step in range(first, steps):
             result = executor.run_step(step)
             if result.state.loss is not None:
@@ -202,24 +258,20 @@ def train(args: argparse.Namespace) -> int:
                 checkpoints.save(args.checkpoint_dir, done)
         metrics.close()
     except Hang as hang:
-        print(str(hang), file=sys.stderr, flush=True)
-        # Give the other ranks time to notice and report too, then stop: streams blocked
-        # inside a transfer cannot be joined.
-        time.sleep(min(args.timeout, 30.0))
-        os._exit(EXIT_HANG)
+        # Stay a while so that the other ranks notice and report too (leaving would turn
+        # their reports into lost peers); planc run's launcher stops every rank once all
+        # have reported.
+        raise Stuck(str(hang), linger=min(args.timeout, 30.0)) from None
     except PeerLost as lost:
-        print(str(lost), file=sys.stderr, flush=True)
         # The peer that failed may still be exiting; leaving first would make this rank
         # the launcher's first failure and hide the cause. The launcher stops this rank
         # as soon as it sees the peer's failure.
-        time.sleep(PEER_LOST_GRACE_S)
-        os._exit(EXIT_HANG)
+        raise Stuck(str(lost), linger=PEER_LOST_GRACE_S) from None
     except DataError as exc:
         raise SystemExit(f"planc: error: {exc}") from None
     executor.close()
     if args.trace:
-        gathered = [None] * world if rank == 0 else None
-        dist.gather_object(trace, gathered, dst=0)
+        gathered = gather_json(trace, 0, _trace_form(built.graph), "its trace events")
         if rank == 0:
             write_trace(args.trace, ctx.layout, built.graph, gathered)
     status = 0
@@ -228,6 +280,13 @@ def train(args: argparse.Namespace) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return status
+
+
+def _trace_form(graph):
+    """A rank's trace events as JSON: (step, stream, node of the graph, start, end,
+    microbatch or null, op) each (planc.runtime.executor.TraceEvent)."""
+    return list_of(row(integer, text, one_of(graph.nodes), number, number,
+                       either(integer, nothing), text))
 
 
 def _resumable(args, plan, graph, steps: int, checkpoints: Checkpoints):
@@ -242,8 +301,9 @@ def _resumable(args, plan, graph, steps: int, checkpoints: Checkpoints):
             chosen = [str(found.directory), None]
         except checkpoint_format.CheckpointError as exc:
             chosen = [None, str(exc)]
-    if checkpoints.group is not None:
-        dist.broadcast_object_list(chosen, src=0, group=checkpoints.group)
+    if checkpoints.group is not None:  # a directory or a problem, never both
+        chosen = broadcast_json(chosen, 0, either(row(text, nothing), row(nothing, text)),
+                                "the checkpoint it chose", checkpoints.group)
     directory, problem = chosen
     if problem is None:
         try:
@@ -257,8 +317,8 @@ def _resumable(args, plan, graph, steps: int, checkpoints: Checkpoints):
             problem = str(exc)
     verdicts = [problem]
     if checkpoints.group is not None:
-        verdicts = [None] * dist.get_world_size()
-        dist.all_gather_object(verdicts, problem, group=checkpoints.group)
+        verdicts = all_gather_json(problem, either(text, nothing),
+                                   "its verdict on the checkpoint", checkpoints.group)
     problem = next((v for v in verdicts if v), None)
     if problem:  # every rank stops; one says why
         raise SystemExit(f"planc: error: {problem}" if first_rank else 1)
@@ -268,30 +328,45 @@ def _resumable(args, plan, graph, steps: int, checkpoints: Checkpoints):
     return found
 
 
-def _launcher_store(world: int, timeout: timedelta):
-    """The store of ``planc run``'s launcher (PLANC_STORE, on loopback), joined as a
-    client; None under torchrun, whose environment names the store instead."""
-    address = os.environ.get("PLANC_STORE")
-    if not address:
-        return None
-    host, port = address.rsplit(":", 1)
-    return dist.TCPStore(host, int(port), world, False, timeout)
-
-
-def main(argv=None) -> int:
+def main(argv=None, log_dir: str | None = None) -> int:
+    """One rank; ``log_dir``: where planc run's launcher keeps this rank's files."""
     args = parse_args(argv)
     try:
-        return train(args)
+        return train(args, log_dir)
     except build_module.BuildError as exc:
         print(f"planc: error: {exc}", file=sys.stderr)
         return 1
+    except Stuck as stuck:
+        _leave_stuck(stuck.report, stuck.linger, log_dir)
 
 
-def run_rank(argv: list[str], error_path: str) -> int:
-    """One rank under planc run's launcher: its exit status, with an exception's
-    traceback printed and kept in ``error_path`` for the launcher's report."""
+def _leave_stuck(report: str, linger: float, log_dir: str | None) -> NoReturn:
+    """Say what the rank waits for, tell planc run's launcher (which waits for every
+    rank's report before it stops them all), stay ``linger`` seconds for the other ranks
+    to notice and report too, and leave without joining the blocked streams."""
+    print(report, file=sys.stderr, flush=True)
+    if log_dir is not None:
+        _tell_launcher(os.path.join(log_dir, REPORT_FILE), report)
+    time.sleep(linger)
+    os._exit(EXIT_HANG)
+
+
+def _tell_launcher(path: str, text: str) -> None:
+    """A file for the launcher, whole or not at all (it acts on the file's existence)."""
+    partial = f"{path}.partial"
     try:
-        return main(argv)
+        with open(partial, "w", encoding="utf-8") as handle:
+            handle.write(text + "\n")
+        os.replace(partial, path)
+    except OSError:
+        pass  # a full disk: the launcher stops the run after its grace period anyway
+
+
+def run_rank(argv: list[str], log_dir: str) -> int:
+    """One rank under planc run's launcher: its exit status, with an exception's
+    traceback printed and kept in ``LOG_DIR/error.txt`` for the launcher's report."""
+    try:
+        return main(argv, log_dir)
     except SystemExit as exc:
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
@@ -300,7 +375,7 @@ def run_rank(argv: list[str], error_path: str) -> int:
     except BaseException:  # the launcher shows it as the failure's cause
         text = traceback.format_exc()
         print(text, file=sys.stderr, end="")
-        with open(error_path, "w", encoding="utf-8") as handle:
+        with open(os.path.join(log_dir, ERROR_FILE), "w", encoding="utf-8") as handle:
             handle.write(text)
         return 1
 

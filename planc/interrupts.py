@@ -1,0 +1,94 @@
+"""Ctrl-C and SIGTERM for planc's commands: every one stops the command, none is lost.
+
+Python turns SIGINT into KeyboardInterrupt wherever the main thread happens to be, and
+some code swallows it: torch's import of numpy catches any exception the import raises
+and carries on (a Ctrl-C in the first seconds of ``planc run`` was ignored, and the run
+trained to the end with status 0). So the command line installs :class:`Interrupts`:
+a signal raises :class:`Interrupted` at once, except inside :meth:`Interrupts.deferred`
+sections (imports of torch, starting and watching ranks), where it is recorded and acted
+on when the section ends or when the code there looks (``received``). The first signal
+wins; later ones change nothing, so a second Ctrl-C cannot interrupt the clean-up of
+the first.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(BaseException):
+    """A signal stopped the command. A BaseException, as KeyboardInterrupt is, so that no
+    ``except Exception`` on the way up mistakes it for an error it can handle."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def status(self) -> int:
+        """The shell's convention for a process stopped by a signal: 128 + its number."""
+        return 128 + self.signum
+
+
+class Interrupts:
+    """The SIGINT and SIGTERM handlers of one command, installed by ``with``."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None  # the first signal's number
+        self._deferring = 0
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> Interrupts:
+        if threading.current_thread() is threading.main_thread():  # signal.signal's rule
+            for number in SIGNALS:
+                self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received is not None:
+            return
+        self.received = signum
+        if not self._deferring:
+            raise Interrupted(signum)
+
+    @contextmanager
+    def deferred(self, raise_at_end: bool = True):
+        """Record signals instead of raising them; at the end of the outermost section,
+        raise the one received (unless ``raise_at_end`` is false: the section's code
+        looks at ``received`` itself)."""
+        self._deferring += 1
+        try:
+            yield self
+        finally:
+            self._deferring -= 1
+        if raise_at_end and not self._deferring and self.received is not None:
+            raise Interrupted(self.received)
+
+    def check(self) -> None:
+        """Raise the signal received, if any (at a point where stopping is safe)."""
+        if self.received is not None:
+            raise Interrupted(self.received)
+
+
+@contextmanager
+def blocked_in_children(*numbers: int):
+    """Block signals in this thread while child processes are made: a child inherits the
+    mask through fork and exec, so a Ctrl-C sent to the whole process group (a
+    terminal's) reaches this process alone, which stops the children itself; a child
+    interrupted in the middle of its imports would only print a traceback. A signal sent
+    to this process meanwhile arrives when the block ends."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, numbers or (signal.SIGINT,))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
