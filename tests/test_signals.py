@@ -38,7 +38,7 @@ import pytest
 pytest.importorskip("torch")
 
 from tests.conftest import ROOT  # noqa: E402
-from tests.launched import ranks, session, start, stuck_build  # noqa: E402
+from tests.launched import kill_all, ranks, session, start, stuck_build  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -180,3 +180,39 @@ def test_a_launcher_killed_at_any_moment_leaves_no_process(stuck, window, tmp_pa
     assert [(t.moment, t.left) for t in trials if t.left] == []
     # ranks watch the launcher every 0.5 s; the fork server ends once its import is done
     assert max(t.gone_after for t in trials) < 30
+
+
+# Loaded by every Python process started with its directory on PYTHONPATH: a Ctrl-C that
+# arrives exactly while the process imports numpy, as torch's own import does it, the
+# moment where torch swallowed it and the run trained on (issue 20).
+CTRL_C_AT_NUMPY = """
+import os, signal, sys
+
+class CtrlCAtNumpy:
+    fired = False
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy" and not CtrlCAtNumpy.fired:
+            CtrlCAtNumpy.fired = True
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlCAtNumpy())
+"""
+
+
+def test_ctrl_c_while_torch_imports_numpy_stops_the_run(stuck, tmp_path):
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(CTRL_C_AT_NUMPY)
+    build = tmp_path / "b"
+    shutil.copytree(stuck, build)
+    process = start(build, "--timeout", "600",
+                    env={"PYTHONPATH": f"{tmp_path / 'hook'}{os.pathsep}{ROOT}"})
+    try:
+        out, err = process.communicate(timeout=DEADLINE_S)
+    finally:
+        kill_all(process)
+    assert process.returncode == 130, err
+    assert err.endswith("planc: interrupted by signal 2\n"), err
+    assert "Traceback" not in out + err and "running" not in err
+    assert not (build / "logs").exists()  # no rank was started

@@ -46,8 +46,10 @@ def _run(args) -> int:
         # torch swallows a KeyboardInterrupt raised while it imports numpy: signals wait
         # until the import is done (planc.interrupts)
         with args.interrupts.deferred():
-            from planc.runtime.launch import gpus, launch
+            import torch  # noqa: F401 (here, with signals deferred: gpus() would import it)
+
             from planc.runtime.data import DataError, check_data
+            from planc.runtime.launch import gpus, launch
     except ImportError as exc:
         if not missing_runtime(exc):
             raise
