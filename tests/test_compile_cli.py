@@ -608,7 +608,8 @@ def test_graph_html_is_self_contained(tmp_path):
     expected = json.loads(data.out)
     assert sorted(n["id"] for n in payload["nodes"]) == sorted(ids(expected))
     assert len(payload["nodes"]) == len(expected["nodes"])
-    assert {(e["source"], e["target"]) for e in payload["edges"]} == \
+    names = [n["id"] for n in payload["nodes"]]
+    assert {(names[u], names[v]) for u, v, _ in payload["edges"]} == \
         {(e["source"], e["target"]) for e in expected["edges"]}
 
 
@@ -659,14 +660,24 @@ def test_graph_output_files_are_0644(tmp_path):
 # --- 5. filters ---------------------------------------------------------------------------------
 
 
+def of_layer(graph: nx.DiGraph, data: dict, layer: int) -> bool:
+    """In layer ``layer``'s view: its own nodes, and the collectives and optimizer steps
+    of the gradient buckets that hold its parameters (as planc explain --layer)."""
+    buckets = graph.graph.get("buckets", {})
+    if data.get("bucket") in buckets and not data.get("tensor"):
+        return any(m["layer"] == layer for m in buckets[data["bucket"]]["members"])
+    return data["layer"] == layer
+
+
 def test_filter_layer_and_microbatch():
     data = graph_json("--layers", "1", "--microbatch", "0")
     graph = tiny_graph()
     expected = {f"{n}#mb0" if d["per_microbatch"] else n
-                for n, d in graph.nodes(data=True) if d["layer"] == 1}
+                for n, d in graph.nodes(data=True) if of_layer(graph, d, 1)}
     assert sorted(ids(data)) == sorted(expected)
+    assert any(node.get("bucket") for node in data["nodes"])
     for node in data["nodes"]:
-        assert node["layer"] == 1
+        assert node["layer"] == 1 or node["bucket"]
         assert node["microbatch"] == (0 if node["per_microbatch"] else None)
     assert data["graph"]["selection"] == "layer 1; microbatch 0"
 
@@ -750,7 +761,7 @@ def test_big_plan_defaults_to_one_layer_and_one_microbatch():
     data = json.loads(result.out)
     assert 0 < len(data["nodes"]) < 100
     expected = {f"{n}#mb0" if d["per_microbatch"] else n
-                for n, d in _derived(BIG).nodes(data=True) if d["layer"] == 0}
+                for n, d in _derived(BIG).nodes(data=True) if of_layer(_derived(BIG), d, 0)}
     assert sorted(ids(data)) == sorted(expected)
 
 
@@ -771,6 +782,7 @@ LETTER = {"forward": "F", "backward": "B", "optimizer": "O"}
 
 
 ROUTE_LINE = "     route: "
+SHARED_LINE = "     not "  # explain --param: a transfer of a bucket shared with others
 
 
 def _parse_explain(text: str):
@@ -784,6 +796,10 @@ def _parse_explain(text: str):
             assert match, line
             reason = []
             i += 1
+            if i < len(lines) and lines[i].startswith(SHARED_LINE):
+                i += 1
+                while i < len(lines) and lines[i].startswith("       "):
+                    i += 1
             while i < len(lines) and lines[i].startswith("     ") and lines[i][5] != " " \
                     and not lines[i].startswith(ROUTE_LINE):
                 reason.append(lines[i].strip())
@@ -870,7 +886,9 @@ def test_explain_param():
     result = planc("explain", TINY, "--param", "layers.0.qkv.weight")
     assert result.returncode == 0, result.err
     rows, tables = _parse_explain(result.out)
-    assert result.out.split("\n")[0] == "transfers of layers.0.qkv.weight: 2 transfers"
+    assert result.out.split("\n")[0] == ("transfers of layers.0.qkv.weight: 2 transfers, of "
+                                         "bucket c0.b0, which it shares with 25 other "
+                                         "parameters")
     assert [(r[0], r[1], r[2], r[3], r[4]) for r in rows] == [
         ("B", "reduce_scatter", "dp_cp", "per step", "bucket c0.b0"),
         ("O", "all_gather", "dp_cp", "per step", "bucket c0.b0")]
@@ -880,6 +898,51 @@ def test_explain_param():
     assert all("(zero 1)" in r[-1] for r in rows)
     lines = result.out.splitlines()
     assert "     layers.0.qkv.weight holds elements 44,096..50,239" in lines
+    assert lines[2:5] == [
+        "     not layers.0.qkv.weight's own: bucket c0.b0's reduce_scatter, shared by 26 "
+        "parameters;",
+        "       layers.0.qkv.weight is 24.6 KB of its 242 KB, with layers.1.fc2.bias,",
+        "       layers.1.fc2.weight, layers.1.fc1.bias and 22 more"]
+
+
+def test_explain_param_says_an_all_reduce_is_its_buckets():
+    """A fused bucket's all-reduce is not the parameter's own: explain --param says whose
+    it is, the parameter's share of it, and which parameters share it."""
+    result = planc("explain", PLANS / "dp-only.plan", "--param", "layers.0.qkv.weight")
+    assert result.returncode == 0, result.err
+    assert result.out.splitlines()[:5] == [
+        "transfers of layers.0.qkv.weight: 1 transfer, of bucket c0.b1, which it shares with "
+        "39 other parameters",
+        "  B  all_reduce over dp_cp (4 ranks, intra-node: [0, 1, 2, 3])  2.68 MB per step  "
+        "[bucket c0.b1]",
+        "     not layers.0.qkv.weight's own: bucket c0.b1's all_reduce, shared by 40 "
+        "parameters;",
+        "       layers.0.qkv.weight is 197 KB of its 2.68 MB, with layers.3.ln1.bias,",
+        "       layers.3.ln1.weight, layers.2.fc2.bias and 36 more"]
+    # Unfused, the all-reduce is the parameter's own: nothing is shared.
+    alone = planc("explain", PLANS / "dp-only.plan", "--param", "layers.0.qkv.weight",
+                  "--set", "optimize.fuse=off")
+    assert alone.out.splitlines()[:3] == [
+        "transfers of layers.0.qkv.weight: 1 transfer",
+        "  B  all_reduce over dp_cp (4 ranks, intra-node: [0, 1, 2, 3])  197 KB per step  "
+        "[bucket layers.0.qkv.weight]",
+        "     layers.0.qkv.weight is replicated on dp = 4 ranks that each computed its gradient "
+        "on their"]
+
+
+def test_explain_param_lists_only_the_part_of_a_bucket_that_moves_it():
+    """The all-reduce over tp of a bucket's partial sums moves its first elements only:
+    the layer norm's, not the embedding's behind them."""
+    plan = PLANS / "tp-sequence-parallel.plan"
+    norm = planc("explain", plan, "--param", "layers.0.ln1.weight").out.splitlines()
+    assert norm[0] == ("transfers of layers.0.ln1.weight: 1 transfer, of bucket c0.b4, which "
+                       "it shares with 1 other parameter")
+    assert norm[2:4] == [
+        "     not layers.0.ln1.weight's own: bucket c0.b4's all_reduce, shared by 2 "
+        "parameters;",
+        "       layers.0.ln1.weight is 2.05 KB of its 4.1 KB, with layers.0.ln1.bias"]
+    embedding = planc("explain", plan, "--param", "embedding.weight").out.splitlines()
+    assert embedding[:2] == ["transfers of embedding.weight: 0 transfers", "  none"]
 
 
 def test_explain_buckets_lists_every_bucket_and_why_it_closed():

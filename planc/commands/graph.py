@@ -51,7 +51,7 @@ def main(args) -> int:
     view = select(graph, selection)
     title = f"{built.plan.name}: {view.graph['selection']}"
     try:
-        data = render_graph.render(view, fmt, title)
+        data = render_graph.render(view, fmt, title, built.plan)
     except render_graph.RenderError as exc:
         return fail(str(exc))
     if args.output:

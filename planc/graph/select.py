@@ -84,12 +84,23 @@ def expand(graph: nx.DiGraph, microbatches: tuple[int, ...]) -> nx.DiGraph:
     return out
 
 
-def _keep(data: dict, selection: Selection) -> bool:
+def bucket_layers(graph: nx.DiGraph) -> dict[str, set[int]]:
+    """The layers whose parameters each gradient bucket holds."""
+    return {bucket: {m["layer"] for m in info["members"] if m.get("layer") is not None}
+            for bucket, info in graph.graph.get("buckets", {}).items()}
+
+
+def _keep(data: dict, selection: Selection, buckets: dict[str, set[int]]) -> bool:
     if selection.stages is not None and data["stage"] not in selection.stages:
         return False
     if selection.layers is not None:
-        layer = data["layer"]
-        if layer is None or not selection.layers[0] <= layer <= selection.layers[1]:
+        first, last = selection.layers
+        if data.get("bucket") in buckets and not data.get("tensor"):
+            # A bucket's collective belongs to every layer it carries parameters of, as
+            # planc explain --layer lists it (a layer's gradients leave in buckets).
+            if not any(first <= layer <= last for layer in buckets[data["bucket"]]):
+                return False
+        elif data["layer"] is None or not first <= data["layer"] <= last:
             return False
     if selection.phases is not None and data["phase"] not in selection.phases:
         return False
@@ -105,7 +116,8 @@ def select(graph: nx.DiGraph, selection: Selection) -> nx.DiGraph:
     transfers stay connected when one feeds the other through computation.
     """
     source = graph if selection.microbatches is None else expand(graph, selection.microbatches)
-    order = [n for n, d in source.nodes(data=True) if _keep(d, selection)]
+    buckets = bucket_layers(graph)
+    order = [n for n, d in source.nodes(data=True) if _keep(d, selection, buckets)]
     kept = set(order)
     out = nx.DiGraph()
     out.graph.update(source.graph)

@@ -10,7 +10,9 @@ from enum import Enum
 
 import networkx as nx
 
-from planc.views import dot, html
+from planc.plan import Plan
+from planc.views import dot, graph_svg, html
+from planc.views.graph_facts import lane_labels
 
 
 class RenderError(Exception):
@@ -40,8 +42,8 @@ def _graphviz(source: str, fmt: str) -> bytes:
     executable = shutil.which("dot")
     if executable is None:
         raise RenderError(f"{fmt} output needs Graphviz's dot program, which is not "
-                          f"installed (apt-get install graphviz); --format dot, html, json "
-                          f"and graphml work without it")
+                          f"installed (apt-get install graphviz); --format svg, dot, html, "
+                          f"json and graphml work without it")
     try:
         result = subprocess.run([executable, f"-T{fmt}"], input=source.encode(),
                                 capture_output=True, timeout=300)
@@ -53,15 +55,20 @@ def _graphviz(source: str, fmt: str) -> bytes:
     return result.stdout
 
 
-def render(graph: nx.DiGraph, fmt: str, title: str) -> bytes:
+def render(graph: nx.DiGraph, fmt: str, title: str, plan: Plan) -> bytes:
+    """``fmt`` of ``graph``: the SVG is planc's own layout (graph_svg), any size in about a
+    second; PNG is Graphviz's drawing of the DOT, whose big groups are cards."""
+    labels = lane_labels(plan, sorted({d["stage"] for _, d in graph.nodes(data=True)}))
     if fmt == "dot":
-        return dot.to_dot(graph, title).encode()
-    if fmt in ("svg", "png"):
-        return _graphviz(dot.to_dot(graph, title), fmt)
+        return dot.to_dot(graph, title, labels).encode()
+    if fmt == "svg":
+        return graph_svg.to_svg(graph, title, labels).encode()
+    if fmt == "png":
+        return _graphviz(dot.to_dot(graph, title, labels), fmt)
     if fmt == "graphml":
         return _graphml(graph)
     if fmt == "json":
         return (json.dumps(nx.node_link_data(graph, edges="edges"), indent=1) + "\n").encode()
-    return html.to_html(graph, title).encode()
+    return html.to_html(graph, title, plan).encode()
 
 
