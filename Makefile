@@ -15,14 +15,28 @@ $(STAMP):
 
 install: $(STAMP)
 
-demo: $(STAMP)
-	$(VENV)/bin/planc check plans/gpt-tiny.plan --verbose
+# The demo trains plans/demo.plan on 8 local processes on the corpus below and checks it
+# against one process (about 20 s on 2 cores), then writes the comm graph and the report.
+DEMO   := build/demo
+CORPUS := data/tiny-corpus.tokens
+
+demo: $(STAMP) $(CORPUS)
+	$(VENV)/bin/planc check plans/demo.plan --verbose
 	@echo
-	$(VENV)/bin/planc layout plans/gpt-tiny.plan
+	$(VENV)/bin/planc layout plans/demo.plan
 	@echo
-	$(VENV)/bin/planc compile plans/gpt-tiny.plan -o build/gpt-tiny
+	$(VENV)/bin/planc compile plans/demo.plan --set 'train.data="../$(CORPUS)"' -o $(DEMO)
 	@echo
-	$(VENV)/bin/planc run build/gpt-tiny --check --metrics build/gpt-tiny/metrics.jsonl
+	$(VENV)/bin/planc run $(DEMO) --check --metrics $(DEMO)/metrics.jsonl
+	$(VENV)/bin/planc graph $(DEMO) -o $(DEMO)/graph.html
+	$(VENV)/bin/planc report $(DEMO) -o $(DEMO)/report.html --metrics $(DEMO)/metrics.jsonl
+	@echo
+	@$(PY) -c 'import json, sys; loss = [json.loads(l)["loss"] for l in open(sys.argv[1])]; \
+	  print(f"loss: {loss[0]:.2f} at step 1, {loss[-1]:.2f} at step {len(loss)}")' \
+	  $(DEMO)/metrics.jsonl
+	@echo "build:  $(abspath $(DEMO))/"
+	@echo "graph:  $(abspath $(DEMO))/graph.html"
+	@echo "report: $(abspath $(DEMO))/report.html"
 
 test: $(STAMP)
 	$(PY) -m pytest
@@ -41,7 +55,10 @@ bench-topology: $(STAMP)
 # A tiny tokenised corpus, generated here without network or extra packages
 # (planc/tools/corpus.py, docs/data.md): data/tiny-corpus.tokens, .json and .txt.
 corpus:
-	$(PYTHON) -m planc.tools.corpus -o data/tiny-corpus.tokens
+	$(PYTHON) -m planc.tools.corpus -o $(CORPUS)
+
+$(CORPUS):
+	$(PYTHON) -m planc.tools.corpus -o $@
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

@@ -107,7 +107,7 @@ def write(build: Build, directory: str | Path, source_path: str, source_text: st
     manifest = {"format": "planc-build", "version": BUILD_FORMAT_VERSION,
                 "planc": __version__, "source": os.path.abspath(source_path),
                 "source_sha256": hashlib.sha256(source_text.encode()).hexdigest(),
-                "plan": build.plan.name, "plan_sha256": _fingerprint(build.plan.to_dict()),
+                "plan": build.plan.name, "plan_sha256": plan_fingerprint(build.plan),
                 "files": list(FILES) + [PROGRAMS]}
     graph_data = graph_to_json(build.graph)
     graph_data["graph"] = {**graph_data["graph"], "plan_sha256": manifest["plan_sha256"]}
@@ -205,6 +205,12 @@ def earlier_build(directory: str | Path, plan: Plan, source_path: str,
             hashlib.sha256(source_text.encode()).hexdigest():
         return Earlier("other", source, logs)
     return Earlier("earlier", source, logs)
+
+
+def plan_fingerprint(plan: Plan) -> str:
+    """The build's fingerprint (``plan_sha256`` of build.json): what a run's metrics carry
+    so that ``planc report`` can tell the metrics of another build."""
+    return _fingerprint(plan.to_dict())
 
 
 def _fingerprint(plan_data: dict) -> str:

@@ -183,6 +183,18 @@ def is_step_directory(path: Path) -> bool:
     return bool(STEP_DIR.fullmatch(path.name)) or (path / MANIFEST).exists()
 
 
+def holds_checkpoints(path: str | os.PathLike) -> bool:
+    """Whether ``path`` looks like a checkpoint directory or one of its step directories
+    (``latest``, a ``step-NNNNNN`` directory or a manifest), so that a command given one
+    where it needs something else can name the command that reads it."""
+    root = Path(path)
+    try:
+        return (root / MANIFEST).is_file() or os.path.lexists(root / LATEST) or any(
+            STEP_DIR.fullmatch(entry) for entry in os.listdir(root))
+    except (OSError, ValueError):  # unreadable, or a path holding a NUL
+        return False
+
+
 def find(path: str | os.PathLike, hashes: bool = True) -> Found:
     """The checkpoint ``--resume PATH`` means: PATH itself if it is a step directory,
     else the newest complete checkpoint in PATH: the one ``latest`` names, or, if that one

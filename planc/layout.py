@@ -20,7 +20,14 @@ from planc.plan import AXES, Mesh, Plan
 GROUP_AXES: dict[str, tuple[str, ...]] = {
     "tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp": ("dp",), "dp_cp": ("dp", "cp"),
 }
+# The ranks of one pipeline stage, which differ in tp, cp and dp: the graph's "stage"
+# group (the loss's all-reduce), listed by planc layout but not part of its JSON.
+STAGE_AXES = ("tp", "cp", "dp")
 LAYOUT_FORMAT_VERSION = 1
+
+
+def _axes_of(group: str) -> tuple[str, ...]:
+    return STAGE_AXES if group == "stage" else GROUP_AXES[group]
 
 
 @dataclass(frozen=True)
@@ -76,8 +83,9 @@ class Layout:
         return rank // self.devices_per_node
 
     def group(self, rank: int, axis: str) -> tuple[int, ...]:
-        """The members of ``rank``'s group on ``axis`` (a key of GROUP_AXES), sorted."""
-        axes = GROUP_AXES[axis]
+        """The members of ``rank``'s group on ``axis`` (a key of GROUP_AXES, or "stage":
+        the ranks that differ only in tp, cp and dp), sorted."""
+        axes = _axes_of(axis)
         coords = self.coords(rank)
         base = rank - sum(coords[a] * self.strides[a] for a in axes)
         members = [base]
@@ -87,18 +95,19 @@ class Layout:
         return tuple(sorted(members))
 
     def groups(self, axis: str) -> list[tuple[int, ...]]:
-        """Every group of ``axis``, ordered by smallest member; they partition the world."""
+        """Every group of ``axis`` (or "stage"), ordered by smallest member; they partition
+        the world. Found once per axis, when first asked for."""
+        if axis not in self._groups:
+            axes = _axes_of(axis)
+            # A group's smallest member is the one at coordinate 0 on the group's axes.
+            leaders = [r for r in range(self.world)
+                       if all(r // self.strides[a] % self.mesh.size(a) == 0 for a in axes)]
+            self._groups[axis] = tuple(self.group(r, axis) for r in leaders)
         return list(self._groups[axis])
 
     @cached_property
     def _groups(self) -> dict[str, tuple[tuple[int, ...], ...]]:
-        found = {}
-        for axis, axes in GROUP_AXES.items():
-            # A group's smallest member is the one at coordinate 0 on the group's axes.
-            leaders = [r for r in range(self.world)
-                       if all(r // self.strides[a] % self.mesh.size(a) == 0 for a in axes)]
-            found[axis] = tuple(self.group(r, axis) for r in leaders)
-        return found
+        return {}
 
     def placement(self, axis: str) -> GroupPlacement:
         kinds: Counter[str] = Counter()
@@ -113,7 +122,7 @@ class Layout:
                 kinds["inter-node"] += 1
             else:
                 kinds["mixed"] += 1
-        size = prod(self.mesh.size(a) for a in GROUP_AXES[axis])
+        size = prod(self.mesh.size(a) for a in _axes_of(axis))
         return GroupPlacement(axis, size, len(groups), tuple(sorted(kinds.items())),
                               tuple(sorted(per_node)))
 

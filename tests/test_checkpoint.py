@@ -354,6 +354,44 @@ def test_bad_checkpoint_flags_are_one_line_and_exit_2(tmp_path, capfd):
     assert "--checkpoint-every: invalid int value: 'x'" in capfd.readouterr().err
 
 
+def test_export_given_a_checkpoint_without_format_hf_says_format_hf(saved, tmp_path, capfd):
+    """Chakra export needs a plan or a build; a checkpoint (its directory or a step of it)
+    is a path of the wrong kind, and the line says what exports one."""
+    capfd.readouterr()
+    out = tmp_path / "out"
+    for given in (saved, saved / "step-000002"):
+        assert main(["export", str(given), "-o", str(out)]) == 2
+        assert capfd.readouterr().err == (
+            f"planc: error: {given} holds a planc checkpoint, not a build; to export it for "
+            f"transformers (LlamaForCausalLM), add --format hf: planc export {given} "
+            f"--format hf -o {out}\n")
+    assert not out.exists()
+
+
+def test_progress_and_checkpoint_lines_come_in_step_order(tmp_path, capfd):
+    """pp = 2: rank 0 writes the checkpoints, rank 1 (the last stage) knows the loss and
+    prints the progress. The launcher copies each rank's output on its own, so the
+    checkpoint lines once came out of step with the progress (checkpoint 2 and 3 before
+    step 2's line); the rank that prints the progress now says when a checkpoint is
+    written, after its step's line."""
+    plan = write_plan(tmp_path, "order", mesh="pp = 2")
+    status, err = run([plan, "-o", tmp_path / "b", "--checkpoint-dir", tmp_path / "ckpt",
+                       "--checkpoint-every", 1], capfd)
+    assert status == 0, err
+    events = []
+    for line in err.splitlines():
+        progress = re.match(r"\[rank (\d)\] \[[#-]+\] step (\d)/4  loss ", line)
+        written = re.match(r"\[rank (\d)\] planc: checkpoint (\S+) written: step (\d), 7 files, "
+                           r"[\d.]+ MB in [\d.]+ s$", line)
+        if progress:
+            events.append((int(progress.group(1)), "step", int(progress.group(2))))
+        elif written:
+            assert written.group(2) == str(tmp_path / "ckpt" / f"step-00000{written.group(3)}")
+            events.append((int(written.group(1)), "checkpoint", int(written.group(3))))
+    assert events == [(1, what, step) for step in range(1, 5)
+                      for what in ("step", "checkpoint")], err
+
+
 def test_the_worker_refuses_a_bad_resume_too(saved, tmp_path, capfd):
     """torchrun ... -m planc.runtime.worker --resume D checks the checkpoint on every rank."""
     plan = write_plan(tmp_path, "w", mesh="dp = 2", hidden=64)

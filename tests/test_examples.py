@@ -1,4 +1,5 @@
-"""Every example plan in plans/ is valid, warning-free, and says what it shows."""
+"""Every example plan in plans/ is valid, warning-free (but for the warning an example
+shows on purpose), and says what it shows."""
 
 from __future__ import annotations
 
@@ -16,11 +17,24 @@ def test_the_required_examples_exist():
             "pp-interleaved", "zero3", "unusual-placements", "gpt3-175b", "gpt-1t"} <= names
 
 
+# unusual-placements puts tp pairs on two nodes to show what that derives; planc warns.
+ON_PURPOSE = {"unusual-placements": [(
+    17, "tp group [0, 2] spans nodes 0 and 1: the tensor-parallel all-reduces of every layer "
+        "cross the inter-node link",
+    ("estimated 181 us per step on each device for 8 all-reduces of 32.8 KB (2 per layer in "
+     "the forward and 2 in the backward, per microbatch), against 82.6 us inside one node, "
+     "2.2 times as long",
+     "put tp first in the mesh order (order = [tp, dp, cp, pp]), so that each tp group is 2 "
+     "consecutive ranks of one node, as Megatron-LM places them"))]}
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_example_is_valid_without_warnings(path):
     loaded = load_file(path)
     assert loaded.ok
-    assert loaded.diagnostics == ()
+    assert [(d.span.line, d.message, d.hints) for d in loaded.diagnostics
+            if d.severity == "warning"] == ON_PURPOSE.get(path.stem, [])
+    assert len(loaded.diagnostics) == len(ON_PURPOSE.get(path.stem, []))
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

@@ -231,6 +231,33 @@ def test_planc_programs_lists_a_rank(tmp_path, run_planc):
                                                    "microbatches otherwise)\n")
 
 
+def test_planc_programs_lists_each_forward_before_its_backward(tmp_path, run_planc):
+    """A build stores blocks by name (B0 before F0); the listing goes chunk by chunk,
+    forward first, from a plan file and from a build directory alike."""
+    expected = ["block F1: forward of chunk 1 (layers 3-5), once per microbatch",
+                "block B1: backward of chunk 1 (layers 3-5), once per microbatch",
+                "block F5: forward of chunk 5 (layers 15-17), once per microbatch",
+                "block B5: backward of chunk 5 (layers 15-17), once per microbatch"]
+    plan = PLANS / "pp-interleaved.plan"
+    assert run_planc("compile", plan, "-o", tmp_path / "b").returncode == 0
+    for source in (plan, tmp_path / "b"):
+        result = run_planc("programs", source, "--rank", "2")
+        assert result.returncode == 0, result.stderr
+        assert [line for line in result.stdout.splitlines() if line.startswith("block ")] == \
+            expected
+    # A build is untrusted: a block that is not a chunk's forward or backward is listed
+    # by its name, not a traceback.
+    stage = tmp_path / "b" / "programs" / "stage1.json"
+    program = json.loads(stage.read_text())
+    program["blocks"]["Fx"] = program["blocks"].pop("F1")
+    program["schedule"] = [["Fx" if b == "F1" else b, m] for b, m in program["schedule"]]
+    stage.write_text(json.dumps(program))
+    result = run_planc("programs", tmp_path / "b", "--rank", "2")
+    assert result.returncode == 0, result.stderr
+    assert [line for line in result.stdout.splitlines() if line.startswith("block ")] == \
+        expected[1:] + ["block Fx, once per microbatch"]
+
+
 def test_instruction_json_carries_explicit_writes():
     instruction = Instruction("compute", "compute", "F/L0/qkv", reads=("F/L0/ln1",),
                               writes=("elsewhere",))

@@ -125,7 +125,7 @@ def _numel(shape) -> int:
 
 @pytest.mark.parametrize("name", ["dp-zero0", "dp-zero1", "dp-zero2", "tp-sp-dp", "tied-pp",
                                   "interleaved"])
-def test_buckets_hold_every_parameter_once_within_the_cap(name):
+def test_buckets_hold_every_parameter_once_and_close_once_they_reach_the_cap(name):
     plan = small(**{**CASES[name], "optimize": "bucket = 8KB"})
     build = compile_plan(plan)
     buckets = build.graph.graph["buckets"]
@@ -137,17 +137,98 @@ def test_buckets_hold_every_parameter_once_within_the_cap(name):
         expected = {p.name for p in all_parameters(plan) if p.layer in layers
                     or (p.layer is None and _on_stage(p.name, stage, plan))}
         assert set(held) == expected and set(held.values()) == {1}
-    first_of_chunk = {}
+    chunks: dict[int, list[dict]] = {}
     for bucket_id, b in buckets.items():
         assert ir.bucket_problems(b) == []
         assert b["padded"] % b["parts"] == 0 and b["shard"] * b["parts"] == b["padded"]
-        chunk = b["chunk"]
-        cap = 8000 if chunk in first_of_chunk else min(FIRST_BUCKET_BYTES, 8000)
-        first_of_chunk.setdefault(chunk, bucket_id)
-        if len(b["members"]) > 1:
-            assert b["numel"] * dtype <= cap, bucket_id
         summed = [m for m in b["members"] if m["offset"] < b["tp_sum_numel"]]
         assert sum(m["numel"] for m in summed) == b["tp_sum_numel"]
+        assert bucket_id == f"c{b['chunk']}.b{len(chunks.setdefault(b['chunk'], []))}"
+        chunks[b["chunk"]].append(b)
+    for chunk, held in chunks.items():
+        tied = [b for b in held if b["tied"]]
+        assert [[m["param"] for m in b["members"]] for b in tied] == \
+            [["embedding.weight"]] * len(tied)
+        gradients = sorted(((m["param"], m["numel"] * dtype) for b in held if not b["tied"]
+                            for m in b["members"]), key=lambda g: _backward_order(g[0]))
+        assert [{m["param"] for m in b["members"]} for b in held[len(tied):]] == \
+            [set(names) for names in _ddp_buckets(gradients, 8000)], chunk
+
+
+def test_a_large_gradient_shares_its_bucket_with_the_small_ones_before_it():
+    # The gradients of one layer of the 8 KB plan, in backward order (bytes, fp32):
+    # fc2.bias 128, fc2.weight 16,384, fc1.bias 512, fc1.weight 16,384, ln2.bias 128,
+    # ln2.weight 128, proj.bias 128, proj.weight 4,096, qkv.bias 384, qkv.weight 12,288,
+    # ln1.bias 128, ln1.weight 128. The head (8,192) reaches the first bucket's 8 KB
+    # alone; every other bucket closes at the gradient that takes it to 8 KB or more.
+    build = compile_plan(small(**CASES["dp-zero0"], optimize="bucket = 8KB"))
+    layer = [["layers.{}.ln1.bias", "layers.{}.ln1.weight", "layers.{}.fc2.bias",
+              "layers.{}.fc2.weight"], ["layers.{}.fc1.bias", "layers.{}.fc1.weight"],
+             ["layers.{}.ln2.bias", "layers.{}.ln2.weight", "layers.{}.proj.bias",
+              "layers.{}.proj.weight", "layers.{}.qkv.bias", "layers.{}.qkv.weight"]]
+    one, zero = ([[n.format(i) for n in names] for names in layer] for i in (1, 0))
+    expected = [["head.weight"], ["final_ln.bias", "final_ln.weight"] + one[0][2:], one[1],
+                one[2], one[0][:2] + zero[0][2:], zero[1], zero[2],
+                zero[0][:2] + ["position.weight", "embedding.weight"]]
+    buckets = build.graph.graph["buckets"]
+    assert [[m["param"] for m in b["members"]] for b in buckets.values()] == expected
+    assert [b["numel"] * 4 for b in buckets.values()] == [
+        8192, 16768, 16896, 17152, 16768, 16896, 17152, 256 + 2048 + 8192]
+    assert [b["reason"] for b in buckets.values()][:2] == [
+        "full: head.weight (8.19 KB) brought it to 8.19 KB, at least bucket = 8 KB (a bucket "
+        "closes once it reaches the cap, as PyTorch DDP's do)",
+        "full: layers.1.fc2.weight (16.4 KB) brought it to 16.8 KB, at least bucket = 8 KB (a "
+        "bucket closes once it reaches the cap, as PyTorch DDP's do)"]
+    assert buckets["c0.b7"]["reason"] == (
+        "full: embedding.weight (8.19 KB) brought it to 10.5 KB, at least bucket = 8 KB (a "
+        "bucket closes once it reaches the cap, as PyTorch DDP's do)")
+
+
+def test_the_24_layer_model_of_the_issue_packs_293_gradients_into_74_buckets():
+    # Megatron-LM's 1.7B GPT (24 layers, hidden 2048, bf16, dp 48): each layer's fc2 and
+    # fc1 weights (33.6 MB) and qkv weight (25.2 MB) each reach the 25 MB cap, so a layer
+    # makes three buckets, the first also taking the small gradients before it. Closing
+    # before an overflowing gradient (the old rule) gave 147, six per layer, down to 12 KB.
+    build = compile_plan(load_file(PLANS / "megatron-h100-1_7b.plan").plan)
+    buckets = list(build.graph.graph["buckets"].values())
+    assert sum(len(b["members"]) for b in buckets) == 293
+    assert [len(b["members"]) for b in buckets] == [1] + [4, 2, 6] * 24 + [4]
+    # The smallest: fc2's weight and bias with the LayerNorm 1 of the layer above.
+    assert min(b["numel"] * 2 for b in buckets) == (2048 * 8192 + 2048 + 2 * 2048) * 2
+    assert buckets[0]["reason"] == (
+        "the first bucket of a chunk closes once it holds 1 MB, so that communication starts "
+        "early (as PyTorch DDP's does): head.weight (537 MB) brought it to 537 MB")
+    assert buckets[-1]["reason"] == (
+        "full: embedding.weight (537 MB) brought it to 554 MB, at least bucket = 25 MB (a "
+        "bucket closes once it reaches the cap, as PyTorch DDP's do)")
+
+
+def _backward_order(name: str) -> tuple:
+    """Where a gradient becomes final: the backward runs the forward (embedding, position,
+    each layer's ln1, qkv, proj, ln2, fc1, fc2, then final_ln and head) in reverse, and a
+    module's bias comes before its weight."""
+    module, _, kind = name.rpartition(".")
+    if module.startswith("layers."):
+        _, layer, part = module.split(".")
+        forward = (1, int(layer), ("ln1", "qkv", "proj", "ln2", "fc1", "fc2").index(part))
+    else:
+        forward = {"embedding": (0, 0, 0), "position": (0, 0, 1), "final_ln": (2, 0, 0),
+                   "head": (2, 0, 1)}[module]
+    return tuple(-position for position in forward) + (kind,)
+
+
+def _ddp_buckets(gradients: list[tuple[str, int]], cap: int) -> list[list[str]]:
+    """PyTorch DDP's assignment (compute_bucket_assignment_by_size): add each gradient to
+    the open bucket, close it once it holds its limit; the first limit is 1 MB."""
+    out: list[list[str]] = [[]]
+    size, limit = 0, min(FIRST_BUCKET_BYTES, cap)
+    for name, nbytes in gradients:
+        out[-1].append(name)
+        size += nbytes
+        if size >= limit:
+            out.append([])
+            size, limit = 0, cap
+    return [names for names in out if names]
 
 
 def _on_stage(name: str, stage: int, plan) -> bool:

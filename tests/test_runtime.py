@@ -8,6 +8,7 @@ same model in one process and compares every loss and final parameter.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -76,7 +77,7 @@ SWITCHES = {"": [], "fuse-off": ["--set", "optimize.fuse=off"],
 
 
 METRICS = {"step", "loss", "time_s", "compute_s", "comm_s", "exposed_comm_s", "pipeline_wait_s",
-           "tokens_per_s", "slowest_rank", "max_rss_mb"}
+           "tokens_per_s", "slowest_rank", "max_rss_mb", "build"}
 
 
 # Each route forced (and chosen by the cost model) on 4 and 8 ranks over 2 nodes: a
@@ -181,6 +182,25 @@ def test_every_plan_of_one_model_follows_the_same_loss_curve(losses):
     assert tied != pytest.approx(reference, rel=1e-3)  # another model
 
 
+def test_buckets_closed_past_their_cap_train_exactly_like_one_process(tmp_path, capfd):
+    # 4 KB buckets on tp 2 with sequence parallelism and ZeRO-1: each weight of 6 to 8 KB
+    # closes the bucket that holds it and the biases and LayerNorms before it (PyTorch
+    # DDP's rule), partial sums over tp leading 9 of the 14 buckets.
+    plan = tmp_path / "small_buckets.plan"
+    plan.write_text(plan_text("small-buckets", mesh="tp = 2; dp = 2", m=2,
+                              shard="tp { sequence_parallel = on }; dp { zero = 1 }",
+                              optimize="bucket = 4KB"))
+    status, err = run([plan, "-o", tmp_path / "build", "--check", "--timeout", "60"], capfd)
+    assert status == 0, err
+    assert "every loss and parameter matches" in err
+    graph = json.loads((tmp_path / "build" / "graph.json").read_text())
+    buckets = graph["graph"]["buckets"].values()
+    assert [len(b["members"]) for b in buckets] == [1] + [4, 2, 6] * 4 + [4]
+    assert (min(b["numel"] for b in buckets) * 4, max(b["numel"] for b in buckets) * 4) == (
+        8192, 10496)  # the head alone; layer 0's LayerNorm with both embeddings
+    assert sum(b["tp_sum_numel"] > 0 for b in buckets) == 9
+
+
 def test_gpt_tiny_with_adamw_and_a_trace(tmp_path, capfd):
     trace = tmp_path / "trace.json"
     status, err = run([PLANS / "gpt-tiny.plan", "-o", tmp_path / "b", "--steps", "2",
@@ -201,6 +221,28 @@ def test_gpt_tiny_with_adamw_and_a_trace(tmp_path, capfd):
     finishes = {e["id"]: e for e in events if e["ph"] == "f"}
     assert len(starts) == len(finishes) == 2 * 4 * 2 * 4 and set(starts) == set(finishes)
     assert all(starts[i]["pid"] != finishes[i]["pid"] for i in starts)
+
+
+def test_the_demo_plan_learns_the_corpus_exactly_like_one_process(tmp_path, capfd):
+    """make demo's run, 16 of its 40 steps: plans/demo.plan on the corpus of make corpus.
+    Uniform random tokens (the synthetic data) keep the loss at ln(vocab) whatever the
+    model learns; the stories have structure, so the loss falls by more than 1.5."""
+    from planc.tools.corpus import main as make_corpus
+
+    corpus = tmp_path / "tiny-corpus.tokens"
+    assert make_corpus(["-o", str(corpus)]) == 0
+    metrics = tmp_path / "metrics.jsonl"
+    status, err = run([PLANS / "demo.plan", "-o", tmp_path / "b", "--set",
+                       f'train.data="{corpus}"', "--steps", "16", "--check",
+                       "--metrics", metrics, "--timeout", "60"], capfd)
+    assert status == 0, err
+    assert "check: 16 steps and 53 parameters on each of 2 replicas against the " \
+           "single-process run (relative tolerance 1e-05): every loss and parameter " \
+           "matches" in err
+    loss = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert len(loss) == 16
+    assert loss[0] == pytest.approx(math.log(1024), abs=0.05)  # an untrained model
+    assert loss[-1] < loss[0] - 1.5
 
 
 def test_data_from_a_file_of_uint16_tokens(tmp_path, capfd):

@@ -32,9 +32,11 @@ MEDIAN_ERROR, MAX_ERROR = 0.135, 0.19
 # The Megatron-LM README's weak-scaling table on H100s: model -> TFLOP/s per GPU.
 MEGATRON_H100 = {"1_7b": 408.8, "7_1b": 465.9, "16b": 489.1, "32b": 459.6, "70b": 419.7,
                  "119b": 420.5, "177b": 432.8, "314b": 474.4, "462b": 459.9}
-# Reached with the H100 preset's efficiency (0.5): median 22.0 %, max 32.0 % (planc has
-# no tensor-parallel communication overlap, which those runs use).
-H100_MEDIAN_ERROR, H100_MAX_ERROR = 0.22, 0.325
+# Reached with the H100 preset's efficiency (0.5): median 21.0 %, max 28.3 % (planc has
+# no tensor-parallel communication overlap, which those runs use). Buckets closed once
+# they reach the cap, as DDP's are, took them from 22.0 % and 32.0 %: fewer, larger
+# gradient reductions on the 32B plan's 48-way data parallelism.
+H100_MEDIAN_ERROR, H100_MAX_ERROR = 0.21, 0.285
 
 
 def _compute(stream: str, node: str) -> Instruction:
@@ -148,6 +150,52 @@ def test_simulate_prints_the_step_and_writes_json_and_a_trace(tmp_path, run_plan
     assert data["peak_flops"] == 989e12  # gpt-tiny.plan: device { flops = 989TFLOP/s }
     assert data["mfu"] == pytest.approx(data["model_flops"] / data["step_seconds"] / 8
                                         / 989e12)
+
+
+# A topology as planc calibrate writes it for a 2-core CPU running gloo: 40 GFLOP/s.
+CPU_TOPOLOGY = {
+    "format": "planc-topology", "version": 1, "name": "a 2-core CPU", "devices_per_node": 2,
+    "device": {"flops": 4e10, "memory": None, "efficiency": 1.0, "bandwidth": 6e9},
+    "intra": {"bandwidth": 2e9, "latency": 4e-5,
+              "collectives": {"all_reduce": {"bandwidth": 1e9, "latency": 1e-4}}},
+    "inter": {"bandwidth": 2e9, "latency": 4e-5, "collectives": {}},
+    "measured": {}}
+CPU_PLAN = """plan cpu {
+  model gpt { layers = 2; hidden = 32; heads = 4; vocab = 64; seq = 16; batch = 4 }
+  mesh { dp = 2 }
+  topology { preset = "machine.json" }
+}
+"""
+
+
+def test_a_calibrated_cpu_prints_its_flop_rate_in_a_unit_that_shows_it(tmp_path, run_planc):
+    """11.1 GFLOP/s once printed as '0.0 TFLOP/s per GPU'; an MFU under 1% keeps two
+    significant digits."""
+    (tmp_path / "machine.json").write_text(json.dumps(CPU_TOPOLOGY))
+    (tmp_path / "cpu.plan").write_text(CPU_PLAN)
+    done = run_planc("simulate", tmp_path / "cpu.plan")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[:2] == [
+        "cpu: 2 ranks, 1 pipeline stage: one step takes 498 us",
+        "  throughput: 11.1 GFLOP/s per GPU, MFU 27.6% (model FLOPs of Narayanan et al. 2021, "
+        "recomputation not counted)"]
+    big_device = run_planc("simulate", tmp_path / "cpu.plan", "--set",
+                           "topology.device.flops=400TFLOP/s", "--set", "mesh.dp=1", "--set",
+                           "topology.devices_per_node=1")
+    assert big_device.returncode == 0, big_device.stderr
+    assert big_device.stdout.splitlines()[:2] == [
+        "cpu: 1 rank, 1 pipeline stage: one step takes 335 us",
+        "  throughput: 32.8 GFLOP/s per GPU, MFU 0.0082% (model FLOPs of Narayanan et al. 2021, "
+        "recomputation not counted)"]
+    # diff and report print the same figures the same way
+    compared = run_planc("diff", tmp_path / "cpu.plan", tmp_path / "cpu.plan")
+    assert compared.returncode == 0, compared.stderr
+    assert [line.split()[3:6] for line in compared.stdout.splitlines()
+            if line.startswith("FLOP/s per GPU")] == [["11.1", "GFLOP/s", "11.1"]]
+    page = run_planc("report", tmp_path / "cpu.plan", "-o", tmp_path / "r.html")
+    assert page.returncode == 0, page.stderr
+    text = (tmp_path / "r.html").read_text()
+    assert "FLOP/s per GPU<b>11.1 GFLOP/s</b>" in text and "MFU<b>27.6%</b>" in text
 
 
 def test_diff_puts_two_layouts_side_by_side(run_planc):

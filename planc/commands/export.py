@@ -4,6 +4,7 @@ checkpoint as a Hugging Face transformers checkpoint."""
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 
 from planc.commands import EXIT_OK, EXIT_USAGE, fail, load_programs, missing_runtime
@@ -16,6 +17,11 @@ def main(args) -> int:
         return fail(f"-o {args.output} exists and is not a directory", EXIT_USAGE)
     if args.format == "hf":
         return _hugging_face(args)
+    if _a_checkpoint(args.file):
+        command = shlex.join(["planc", "export", args.file, "--format", "hf", "-o",
+                              args.output])
+        return fail(f"{args.file} holds a planc checkpoint, not a build; to export it for "
+                    f"transformers (LlamaForCausalLM), add --format hf: {command}", EXIT_USAGE)
     built, status = load_programs(args, verified=True)
     if built is None:
         return status
@@ -28,6 +34,16 @@ def main(args) -> int:
           + ", ".join(p.name for p in written[:4]) + (", ..." if len(written) > 4 else ""),
           file=sys.stderr)
     return EXIT_OK
+
+
+def _a_checkpoint(path: str) -> bool:
+    """A checkpoint directory (or one of its step directories) given where Chakra export
+    needs a plan or a build: the user meant --format hf."""
+    from planc.build import MANIFEST as BUILD_MANIFEST
+    from planc.checkpoint import holds_checkpoints
+
+    return (os.path.isdir(path) and not os.path.lexists(os.path.join(path, BUILD_MANIFEST))
+            and holds_checkpoints(path))
 
 
 def _hugging_face(args) -> int:

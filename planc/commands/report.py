@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -16,15 +17,52 @@ def _metrics(path: str) -> tuple[list[dict] | None, str | None]:
             records = [json.loads(line) for line in handle if line.strip()]
     except OSError as exc:
         return None, f"cannot read {path}: {exc.strerror or exc}"
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, nested past Python's stack
         return None, f"{path} is not a planc run metrics file (one JSON object per line)"
-    if not records or not all(isinstance(r, dict) and isinstance(r.get("time_s"), (int, float))
+    if not records or not all(isinstance(r, dict) and _seconds(r.get("time_s"), positive=True)
                               for r in records):
         return None, f"{path} is not a planc run metrics file (no step records with time_s)"
+    if not all(_seconds(r.get("exposed_comm_s", 0.0)) for r in records):
+        return None, (f"{path} is not a planc run metrics file (an exposed_comm_s that is "
+                      f"not a number of seconds)")
+    if not all(isinstance(r.get("build", ""), str) for r in records):
+        return None, (f"{path} is not a planc run metrics file (a build fingerprint that is "
+                      f"not text)")
     return records, None
 
 
+def _seconds(value, positive: bool = False) -> bool:
+    """Whether ``value`` is a time a run can measure: a finite number, not negative
+    (``positive``: above zero, as a step's time must be to divide by)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and \
+        math.isfinite(value) and (value > 0 if positive else value >= 0)
+
+
+def _other_build(path: str, records: list[dict], build_path: str, fingerprint: str
+                 ) -> tuple[str | None, str | None]:
+    """(why the metrics are refused, why they could not be checked): a ``planc run
+    --metrics`` file carries the fingerprint of the build that ran (``plan_sha256`` of its
+    build.json) in every record; a file of an older planc carries none."""
+    found = {record.get("build") for record in records}
+    if found == {None}:
+        return None, (f"{path} has no build fingerprint (a planc run older than "
+                      f"fingerprints wrote it), so it cannot be checked against {build_path}; "
+                      f"it is compared as it is")
+    if len(found) > 1:
+        return (f"{path} mixes the metrics of {len(found)} runs (build fingerprints "
+                f"{', '.join(sorted(str(f)[:12] for f in found))}); give the file of one "
+                f"run"), None
+    (theirs,) = found
+    if theirs != fingerprint:
+        return (f"{path} holds the metrics of another build (fingerprint "
+                f"{str(theirs)[:12]}), not of {build_path} (fingerprint {fingerprint[:12]}); "
+                f"report the build that ran, or run this one with planc run {build_path} "
+                f"--metrics FILE"), None
+    return None, None
+
+
 def main(args) -> int:
+    from planc.build import plan_fingerprint
     from planc.files import write_atomically
     from planc.simulate import simulate
     from planc.views import report_html
@@ -40,8 +78,16 @@ def main(args) -> int:
     built, status = load_programs(args, verified=True)
     if built is None:
         return status
+    unchecked = None
+    if metrics:
+        refused, unchecked = _other_build(args.metrics, metrics, args.file,
+                                          plan_fingerprint(built.plan))
+        if refused:
+            return fail(refused)
+        if unchecked:
+            print(f"planc: warning: {unchecked}", file=sys.stderr)
     result = simulate(built, keep_timeline=True)
-    page = report_html.render(built, result, metrics)
+    page = report_html.render(built, result, metrics, unchecked=unchecked)
     try:
         write_atomically(args.output, page.encode())
     except OSError as exc:

@@ -88,3 +88,37 @@ def totals(summary: dict, stage: int) -> dict[tuple[str, str, str], dict]:
     """{(axis, kind, phase): {count, bytes, bus_bytes}} of one stage."""
     entry = summary["stages"][stage]
     return {(t["axis"], t["kind"], t["phase"]): t for t in entry["transfers"]}
+
+
+# One definition of "what a device moves", for every command that shows one figure where
+# planc compile shows one per stage: a device of the stage that moves the most. A sum over
+# the stages (a device sits on one stage) is a figure no device ever moves.
+
+def busiest_stage_transfers(summary: dict) -> list[dict]:
+    """Per (axis, kind, phase), in that order: the transfers of one device, per step, on
+    the stage whose devices move the most bytes for it (the first such stage on a tie),
+    as planc compile prints that stage, with that ``stage``."""
+    chosen: dict[tuple[str, str, str], dict] = {}
+    for stage in summary["stages"]:
+        for t in stage["transfers"]:
+            key = (t["axis"], t["kind"], t["phase"])
+            if key not in chosen or t["bytes"] > chosen[key]["bytes"]:
+                chosen[key] = {**t, "stage": stage["stage"]}
+    return [chosen[key] for key in sorted(chosen)]
+
+
+def busiest_stage_by_axis(summary: dict) -> dict[str, dict]:
+    """Per axis: the count and bytes per step of one device of the stage that moves the
+    most over it, with that ``stage``."""
+    chosen: dict[str, dict] = {}
+    for stage in summary["stages"]:
+        on_stage: dict[str, dict] = {}
+        for t in stage["transfers"]:
+            moved = on_stage.setdefault(t["axis"], {"count": 0, "bytes": 0,
+                                                    "stage": stage["stage"]})
+            moved["count"] += t["count"]
+            moved["bytes"] += t["bytes"]
+        for axis, moved in on_stage.items():
+            if axis not in chosen or moved["bytes"] > chosen[axis]["bytes"]:
+                chosen[axis] = moved
+    return chosen

@@ -13,6 +13,7 @@ from planc.files import read_regular_file
 from planc.lang.check import check
 from planc.lang.overrides import Override, OverrideError, parse_overrides
 from planc.lang.parser import parse
+from planc.lang.placement import tp_placement_warnings
 from planc.lang.units import format_bytes
 from planc.plan import Plan
 from planc.words import counted
@@ -89,7 +90,7 @@ def _load_text(text: str, path: str, overrides: tuple[Override, ...]) -> Loaded:
     if tree is not None:
         plan, diagnostics = check(tree, path, overrides)
         if plan is not None:
-            diagnostics = diagnostics + memory_warnings(plan)
+            diagnostics = diagnostics + memory_warnings(plan) + tp_placement_warnings(plan)
     return Loaded(path, text, plan, tuple(in_source_order(diagnostics)), overrides)
 
 

@@ -56,3 +56,33 @@ def format_quantity(value: float, dimension: str) -> str:
         if value >= scale:
             return f"{value / scale:.3g} {unit}"
     return f"{value:.3g} FLOP/s"
+
+
+def format_flops(count: float) -> str:
+    """A number of floating-point operations with its unit: '3.22 TFLOP'."""
+    for unit, scale in (("EFLOP", 1e18), ("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9),
+                        ("MFLOP", 1e6), ("KFLOP", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.3g} {unit}"
+    return f"{count:.0f} FLOP"
+
+
+def format_flop_rate(flops_per_second: float) -> str:
+    """A FLOP rate in the unit that shows it: '420.4 TFLOP/s' on a GPU (one decimal, as
+    Megatron-LM reports it), '11.6 GFLOP/s' on a CPU of a calibrated topology, which
+    would print as 0.0 TFLOP/s."""
+    if flops_per_second >= 1e12:
+        return f"{flops_per_second / 1e12:,.1f} TFLOP/s"
+    for unit, scale in (("GFLOP/s", 1e9), ("MFLOP/s", 1e6), ("kFLOP/s", 1e3)):
+        if flops_per_second >= scale:
+            return f"{flops_per_second / scale:.3g} {unit}"
+    return f"{flops_per_second:.3g} FLOP/s"
+
+
+def format_share(fraction: float) -> str:
+    """A percentage with one decimal, or two significant digits below 1% (a small model
+    on a large device), so that it never reads 0.0% unless it is 0."""
+    if fraction == 0 or fraction >= 0.01:
+        return f"{fraction:.1%}"
+    return f"{100 * fraction:.2g}%"
+

@@ -5,8 +5,9 @@ optimizer step. This pass merges buckets of one model chunk, as PyTorch DDP (Li 
 VLDB 2020) and Megatron-LM's param-and-grad buffer do:
 
 - Gradients are packed in the order they become final in the backward pass (reverse
-  layer order), into buckets of at most ``optimize.bucket`` bytes; the first bucket
-  of a chunk is capped at 1 MB (DDP's first bucket) so that communication starts early.
+  layer order); a bucket closes once it holds ``optimize.bucket`` bytes, so it passes
+  the cap by at most its last member (PyTorch DDP's rule); the first bucket of a chunk
+  closes at 1 MB (DDP's first bucket) so that communication starts early.
 - A bucket is one flat buffer: its members sit at fixed offsets, members whose
   gradients are partial sums over tp first (one tp all-reduce of that leading range
   sums them all), and the buffer is padded so that every ZeRO shard is an equal slice
@@ -112,21 +113,29 @@ def _units(graph: nx.DiGraph, ids: list[str], ready: dict[str, int], cap: float,
             units.append((members, f"ZeRO-3 unit of the {region}: gathered whole before each "
                                    f"use, as an FSDP unit is (the bucket size does not apply)"))
         return units
+    # PyTorch DDP's rule (compute_bucket_assignment_by_size in c10d's reducer.cpp): add
+    # each gradient to the open bucket and close the bucket once it reaches its limit, so
+    # a bucket passes the cap by at most its last member and a large gradient shares its
+    # bucket with the small ones before it instead of splitting them off.
     current: list[str] = []
     size = 0.0
     limit = min(FIRST_BUCKET_BYTES, cap)
-    first = True
     for b in rest:
         nbytes = table[b]["numel"] * dtype_bytes
-        if current and size + nbytes > limit:
-            why = (f"the first bucket of a chunk is capped at {format_bytes(limit)} so that "
-                   f"communication starts early (as PyTorch DDP does)" if first else
-                   f"full: adding {table[b]['members'][0]['param']} "
-                   f"({format_bytes(nbytes)}) would pass bucket = {format_bytes(cap)}")
-            units.append((current, why))
-            current, size, limit, first = [], 0.0, cap, False
         current.append(b)
         size += nbytes
+        if size < limit:
+            continue
+        added = f"{table[b]['members'][0]['param']} ({format_bytes(nbytes)}) brought it to " \
+                f"{format_bytes(size)}"
+        if limit < cap:
+            why = (f"the first bucket of a chunk closes once it holds {format_bytes(limit)}, so "
+                   f"that communication starts early (as PyTorch DDP's does): {added}")
+        else:
+            why = (f"full: {added}, at least bucket = {format_bytes(cap)} (a bucket closes once "
+                   f"it reaches the cap, as PyTorch DDP's do)")
+        units.append((current, why))
+        current, size, limit = [], 0.0, cap
     if current:
         units.append((current, "the last gradient of the chunk"))
     return units

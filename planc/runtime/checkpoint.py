@@ -132,13 +132,28 @@ class Checkpoints(Loading):
         files = self._write_stage(staging, step)
         self._barrier()  # every stage's files are durable before the manifest names them
         gathered = self._gather_files(files)
+        # files, bytes, seconds: rank 0 commits, the leader says so (see _say_written)
+        written = torch.zeros(3, dtype=torch.float64)
         if self.rank == 0:
             try:
-                self._commit(root_path, staging, step, gathered, start)
+                written = self._commit(root_path, staging, step, gathered, start)
             except OSError as exc:
                 raise SystemExit(f"planc: error: cannot write checkpoint "
                                  f"{root_path / fmt.step_name(step)}: {exc.strerror}") from None
+        if self.group is not None:
+            dist.broadcast(written, src=0, group=self.group)
+        if self.rank == self.ctx.leader:
+            self._say_written(root_path / fmt.step_name(step), step, written)
         self._barrier()
+
+    @staticmethod
+    def _say_written(final: Path, step: int, written: torch.Tensor) -> None:
+        """The line of a committed checkpoint, printed by the rank that prints the
+        progress (its step's line is out by now): the launcher copies each rank's output
+        apart, so lines of two ranks would come in the order it happens to read them."""
+        files, size, seconds = written.tolist()
+        print(f"planc: checkpoint {final} written: step {step}, {int(files)} files, "
+              f"{size / 1e6:.2f} MB in {seconds:.3f} s", file=sys.stderr, flush=True)
 
     def _write_stage(self, staging: Path, step: int) -> dict:
         """Send this rank's pieces to its stage's writer; the writer writes the stage's
@@ -273,9 +288,10 @@ class Checkpoints(Loading):
         return tp_piece(self.ctx, positions, member["tp_split"], tp_rank).reshape(-1)
 
     def _commit(self, root: Path, staging: Path, step: int, gathered: list[dict],
-                start: float) -> None:
+                start: float) -> torch.Tensor:
         """Rank 0, once every stage's files are durable: the indices, the RNG state, the
-        manifest (last), then the step directory into place and ``latest`` to it."""
+        manifest (last), then the step directory into place and ``latest`` to it.
+        Returns the files written, their bytes and the seconds the checkpoint took."""
         from safetensors.torch import save
 
         files: dict[str, dict] = {}
@@ -315,9 +331,8 @@ class Checkpoints(Loading):
         fmt.fsync_directory(root)
         fmt.write_durably(root / fmt.LATEST, (final.name + "\n").encode())
         size = sum(info["bytes"] for info in files.values())
-        print(f"planc: checkpoint {final} written: step {step}, "
-              f"{len(files)} files, {size / 1e6:.2f} MB in "
-              f"{time.perf_counter() - start:.3f} s", file=sys.stderr, flush=True)
+        return torch.tensor([len(files), size, time.perf_counter() - start],
+                            dtype=torch.float64)
 
     def _barrier(self) -> None:
         if self.group is not None:

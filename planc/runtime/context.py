@@ -81,6 +81,12 @@ class RankContext:
         self.tokens_per_step = plan.model.batch * plan.model.seq
         self._batch: tuple[int, torch.Tensor] | None = None
 
+    @property
+    def leader(self) -> int:
+        """The rank that knows the loss first and prints the run's progress: the last
+        stage's rank with tp = cp = dp = 0."""
+        return self.layout.rank({"tp": 0, "cp": 0, "dp": 0, "pp": self.plan.mesh.pp - 1})
+
     def peer(self, stage: int) -> int:
         """The rank of pipeline stage ``stage`` with this rank's other coordinates."""
         return self.layout.rank({**self.coords, "pp": stage})

@@ -113,7 +113,8 @@ class _Metrics:
     """Every step's times, gathered from every rank to the leader without holding up the
     next step: the gather of step k is issued when step k ends and completed when step
     k + 1 does. ``time_s`` is the slowest rank's step; the other times are that rank's;
-    ``max_rss_mb`` the largest peak resident memory of any rank so far."""
+    ``max_rss_mb`` the largest peak resident memory of any rank so far; ``build`` the
+    build's fingerprint, so that ``planc report`` refuses the metrics of another build."""
 
     FIELDS = ("time_s", "compute_s", "comm_s", "exposed_comm_s", "pipeline_wait_s")
 
@@ -124,6 +125,7 @@ class _Metrics:
         self.group = dist.new_group(list(range(self.world)), backend="gloo") \
             if self.world > 1 else None
         self.file = open(path, "w") if path and ctx.rank == self.leader else None
+        self.build = build_module.plan_fingerprint(ctx.plan) if self.file else None
         self.pending = None
         self.records: list[dict] = []
 
@@ -160,7 +162,7 @@ class _Metrics:
         _progress(step, self.steps, record)
         if self.file:
             try:
-                self.file.write(json.dumps(record) + "\n")
+                self.file.write(json.dumps({**record, "build": self.build}) + "\n")
                 self.file.flush()
             except OSError as exc:  # a full disk: say so once and train on
                 print(f"planc: warning: cannot write the metrics of step {step + 1} "
@@ -255,6 +257,7 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
             done = step + 1
             if args.checkpoint_dir and (done == steps or (
                     args.checkpoint_every and done % args.checkpoint_every == 0)):
+                metrics.flush()  # this step's progress line before its checkpoint's
                 checkpoints.save(args.checkpoint_dir, done)
         metrics.close()
     except Hang as hang:

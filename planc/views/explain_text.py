@@ -48,6 +48,55 @@ def what_it_moves(data: dict) -> str:
     return f"bucket {data['bucket']}"
 
 
+def sharing(data: dict, bucket: dict) -> list[dict]:
+    """The members of ``bucket`` that a transfer of it moves: those whose elements meet
+    its range (an all-reduce of the partial sums over tp moves the bucket's first
+    elements only), in the order they are laid out."""
+    first, end = data.get("elements") or (0, bucket["padded"])
+    return [m for m in bucket["members"]
+            if m["offset"] < end and first < m["offset"] + m["numel"]]
+
+
+def _shared_lines(data: dict, bucket: dict, param: str) -> list[str]:
+    """For ``planc explain --param``: a transfer of a bucket that ``param`` shares with
+    other parameters is not the parameter's own; how much of it is, and who else is in."""
+    moved = sharing(data, bucket)
+    first, end = data.get("elements") or (0, bucket["padded"])
+    mine = next(m for m in moved if m["param"] == param)
+    share = data["bytes"] * mine["numel"] / (end - first)
+    others = [m["param"] for m in moved if m["param"] != param]
+    named = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3
+                                     else "")
+    text = (f"not {param}'s own: bucket {data['bucket']}'s {data['kind']}, shared by "
+            f"{counted(len(moved), 'parameter')}; {param} is {format_bytes(share)} of its "
+            f"{format_bytes(data['bytes'])}, with {named}")
+    return textwrap.wrap(text, width=96, initial_indent="     ", subsequent_indent="       ",
+                         break_on_hyphens=False)
+
+
+def _shared_heading(graph: nx.DiGraph, nodes: list[str], buckets: dict, param: str) -> str:
+    """', of bucket c0.b1, which it shares with 39 other parameters' after the count of
+    a parameter's transfers, when they move a bucket it shares."""
+    shared = [n for n in nodes if _is_shared(graph.nodes[n], buckets)]
+    if not shared:
+        return ""
+    ids = sorted({graph.nodes[n]["bucket"] for n in shared})
+    some = "" if len(shared) == len(nodes) else f"{len(shared)} "
+    if len(ids) > 1:
+        return (f", {some}of buckets {', '.join(ids[:-1])} and {ids[-1]}, which it shares "
+                f"with other parameters")
+    others = {m["param"] for n in shared
+              for m in sharing(graph.nodes[n], buckets[ids[0]])} - {param}
+    return (f", {some}of bucket {ids[0]}, which it shares with "
+            f"{counted(len(others), 'other parameter')}")
+
+
+def _is_shared(data: dict, buckets: dict) -> bool:
+    """A transfer of a bucket (not of one tensor) that moves more than one parameter."""
+    return (data.get("bucket") in buckets and not data.get("tensor")
+            and len(sharing(data, buckets[data["bucket"]])) > 1)
+
+
 def route_decisions(graph: nx.DiGraph) -> dict[str, dict]:
     """The route pass's decision for each transfer it routed, by node."""
     for entry in graph.graph.get("passes", []):
@@ -76,10 +125,11 @@ def route_lines(decision: dict, full: bool) -> list[str]:
             table(["route", "predicted", "chosen", "why"], rows, indent="       ")]
 
 
-def _rows(plan: Plan, graph: nx.DiGraph, nodes: list[str], routes: bool = False
-          ) -> list[str]:
+def _rows(plan: Plan, graph: nx.DiGraph, nodes: list[str], routes: bool = False,
+          param: str | None = None) -> list[str]:
     ranks = Layout.of(plan)
     decisions = route_decisions(graph)
+    buckets = graph.graph.get("buckets", {})
     lines = []
     for node in nodes:
         data = graph.nodes[node]
@@ -89,6 +139,8 @@ def _rows(plan: Plan, graph: nx.DiGraph, nodes: list[str], routes: bool = False
         lines.append(f"  {PHASE_LETTER[data['phase']]}  {data['kind']} over {data['axis']} "
                      f"({_group_text(plan, ranks, data)})  {format_bytes(data['bytes'])} "
                      f"{count}{per}  [{what_it_moves(data)}]")
+        if param is not None and _is_shared(data, buckets):
+            lines.extend(_shared_lines(data, buckets[data["bucket"]], param))
         lines.extend(textwrap.wrap(data["reason"], width=96, initial_indent="     ",
                                    subsequent_indent="     ", break_on_hyphens=False))
         if node in decisions:
@@ -164,8 +216,9 @@ def explain(plan: Plan, graph: nx.DiGraph, layer: int | None = None, param: str 
 
     sections = []
     if param is not None:
-        chosen = pick(lambda d: d.get("tensor") == param or
-                      (d.get("bucket") in holding and not d.get("tensor")))
+        chosen = pick(lambda d: d.get("tensor") == param or (
+            d.get("bucket") in holding and not d.get("tensor")
+            and any(m["param"] == param for m in sharing(d, buckets[d["bucket"]]))))
         sections.append((f"transfers of {param}", chosen, param))
     else:
         if layer is None:
@@ -185,8 +238,9 @@ def explain(plan: Plan, graph: nx.DiGraph, layer: int | None = None, param: str 
     out = []
     for title, nodes, subject in sections:
         out.append(f"{title}: {counted(len(nodes), 'transfer')}"
-                   + (f" over {axis}" if axis else ""))
-        out.extend(_rows(plan, graph, nodes, routes) if nodes else ["  none"])
+                   + (f" over {axis}" if axis else "")
+                   + (_shared_heading(graph, nodes, buckets, subject) if subject else ""))
+        out.extend(_rows(plan, graph, nodes, routes, subject) if nodes else ["  none"])
         if nodes:
             out.append("  per step, on each device:")
             out.append(_totals(graph, nodes))

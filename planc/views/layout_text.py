@@ -55,7 +55,7 @@ def _example(members: tuple[int, ...]) -> str:
 
 def render_groups(layout: Layout) -> str:
     rows = []
-    for axis in GROUP_AXES:
+    for axis in (*GROUP_AXES, "stage"):
         placement = layout.placement(axis)
         if placement.size == 1:
             where = "-"
@@ -67,7 +67,12 @@ def render_groups(layout: Layout) -> str:
         rows.append([axis, placement.size, placement.count, where,
                      per_node if placement.size > 1 else "-", _example(layout.group(0, axis))])
     return table(["group", "size", "groups", "placement", "ranks/node", "group of rank 0"],
-                 rows)
+                 rows) + "\n" + STAGE_NOTE
+
+
+# "stage" is not a mesh axis: say what the row above and the memory table's column mean.
+STAGE_NOTE = ("stage: every rank of one pipeline stage (tp x cp x dp), a row of the memory "
+              "table; compile and explain name the loss's all-reduce over it")
 
 
 def render(layout: Layout, title: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import networkx as nx
 
 from planc.graph.ir import Axis
@@ -33,12 +35,28 @@ def _instruction(i: Instruction, graph: nx.DiGraph) -> str:
     return f"{i.stream:<10} {i.op:<14} {i.node}{extra}{reads}{guard}"
 
 
+BLOCK_NAME = re.compile(r"([FB])(\d{1,9})")  # the forward or backward of a model chunk
+
+
 def _block_title(name: str, plan: Plan) -> str:
-    chunk = int(name[1:])
-    first, last = plan.shard.pp.chunks[chunk]
-    what = "forward" if name[0] == "F" else "backward"
+    named = BLOCK_NAME.fullmatch(name)
+    chunks = plan.shard.pp.chunks
+    if named is None or int(named.group(2)) >= len(chunks):  # a build is untrusted input
+        return f"block {name}, once per microbatch"
+    chunk = int(named.group(2))
+    first, last = chunks[chunk]
+    what = "forward" if named.group(1) == "F" else "backward"
     layers = f"layer {first}" if first == last else f"layers {first}-{last}"
     return f"block {name}: {what} of chunk {chunk} ({layers}), once per microbatch"
+
+
+def _block_order(name: str) -> tuple[int, int, str]:
+    """Chunk by chunk, each forward before its backward (a build lists them by name,
+    which puts every B before every F)."""
+    named = BLOCK_NAME.fullmatch(name)
+    if named is None:
+        return 10**9, 0, name
+    return int(named.group(2)), named.group(1) != "F", name
 
 
 def render(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program], table: RankTable,
@@ -82,7 +100,8 @@ def render(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program], table: R
         lines.append("prologue, once per step before the first block:")
         for k, instruction in enumerate(program.prologue):
             lines.append(f"  {k:>4}  {_instruction(instruction, graph)}")
-    for block, instructions in program.blocks.items():
+    for block in sorted(program.blocks, key=_block_order):
+        instructions = program.blocks[block]
         lines.append("")
         lines.append(_block_title(block, plan))
         for k, instruction in enumerate(instructions):

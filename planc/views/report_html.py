@@ -7,19 +7,20 @@ measured."""
 from __future__ import annotations
 
 import html
+import re
 import statistics
-from collections import defaultdict
 
 from planc import memory
-from planc.lang.units import TIME, format_bytes, format_quantity
-from planc.layout import Layout
+from planc.graph.summary import busiest_stage_transfers, summarize
+from planc.lang.presets import PRESETS
+from planc.lang.units import (COMPUTE, TIME, format_bytes, format_flop_rate, format_quantity,
+                              format_share)
 from planc.views.plan_text import settings
+from planc.views.report_layout import layout_svg
+from planc.words import counted
 
-STAGE_COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948",
-                 "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac")
 PHASE_COLOURS = {"F": "#4e79a7", "B": "#e15759", "prologue": "#bab0ac",
                  "epilogue": "#59a14f"}
-MAX_CELLS = 512  # ranks drawn in the layout picture
 MAX_LANES = 16  # stages drawn in the timeline
 WIDTH = 960
 
@@ -32,8 +33,13 @@ th { border-bottom: 1px solid #999; } td:first-child, th:first-child { text-alig
 .cards { display: flex; gap: 12px; flex-wrap: wrap; }
 .card { border: 1px solid #ddd; border-radius: 6px; padding: 8px 14px; min-width: 130px; }
 .card b { display: block; font-size: 20px; }
-pre { background: #f6f6f6; padding: 10px; overflow-x: auto; font-size: 12px; }
+code { font-size: 12px; }
+.plan { background: #f6f6f6; padding: 10px; font: 12px/1.5 ui-monospace, monospace;
+        white-space: pre-wrap; overflow-wrap: anywhere; }
+.plan .line { padding-left: var(--key); text-indent: calc(-1 * var(--key)); }
 .note { color: #666; font-size: 12px; }
+.hint { background: #fff6dc; border-left: 3px solid #e0a800; padding: 6px 10px;
+        font-size: 13px; }
 """
 
 
@@ -54,88 +60,83 @@ def _table(header, rows) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def _layout_svg(plan) -> str:
-    layout = Layout.of(plan)
-    per_node, nodes = plan.topology.devices_per_node, layout.nodes
-    shown_nodes = min(nodes, max(1, MAX_CELLS // per_node))
-    cell = max(18, min(60, (WIDTH - 80) // per_node))
-    height = shown_nodes * (cell + 6) + 30
-    parts = [f'<svg width="{80 + per_node * cell}" height="{height}" role="img" '
-             f'aria-label="ranks on nodes, coloured by pipeline stage">']
-    for node in range(shown_nodes):
-        y = 10 + node * (cell + 6)
-        parts.append(f'<text x="0" y="{y + cell / 2 + 4}" font-size="12">node {node}</text>')
-        for local in range(per_node):
-            rank = node * per_node + local
-            if rank >= plan.world:
-                break
-            coords = layout.coords(rank)
-            colour = STAGE_COLOURS[coords["pp"] % len(STAGE_COLOURS)]
-            x = 70 + local * cell
-            tip = (f"rank {rank}: stage {coords['pp']}, tp {coords['tp']}, cp {coords['cp']}, "
-                   f"dp {coords['dp']}")
-            parts.append(f'<rect x="{x}" y="{y}" width="{cell - 3}" height="{cell}" '
-                         f'fill="{colour}" opacity="{0.55 + 0.45 * (coords["tp"] == 0)}">'
-                         f'<title>{_e(tip)}</title></rect>')
-            if cell >= 30:
-                parts.append(f'<text x="{x + 3}" y="{y + 14}" font-size="11" fill="#fff">'
-                             f'{rank}</text>')
-    parts.append("</svg>")
-    note = (f'<p class="note">{shown_nodes} of {nodes} nodes drawn.</p>'
-            if shown_nodes < nodes else "")
-    legend = " ".join(
-        f'<span style="color:{STAGE_COLOURS[s % len(STAGE_COLOURS)]}">&#9632;</span> '
-        f'stage {s}' for s in range(min(plan.mesh.pp, len(STAGE_COLOURS))))
-    return "".join(parts) + f'<p class="note">Colour: pipeline stage ({legend}); lighter ' \
-        f'cells are tp ranks other than 0. Hover a cell for its coordinates.</p>' + note
+MEMORY_KINDS = (("parameters", "parameter_bytes", "#4e79a7"),
+                ("gradients", "gradient_bytes", "#f28e2b"),
+                ("optimizer", "optimizer_bytes", "#59a14f"),
+                ("activations", "activation_bytes", "#e15759"))
+BAR_START, BAR_SPACE = 80, WIDTH - 80 - 100  # the bars' left edge; room for the longest
+# The device's capacity is a line up to this many times the largest bar (the bars then
+# fill at least a quarter of the axis); beyond, a sentence.
+CAPACITY_DRAWN = 4.0
+
+
+def _share(part: float, whole: float) -> str:
+    share = 100 * part / whole
+    return "<0.1%" if share < 0.1 else f"{share:.1f}%"
 
 
 def _memory_svg(plan) -> str:
+    """Bars scaled to the largest stage, so that a small model's are as visible as a large
+    one's; the device's capacity is a line where it is near the bars (or under them: the
+    plan does not fit), else a sentence."""
     estimate = memory.estimate(plan)
-    capacity = estimate.capacity
-    top = max([s.total_bytes for s in estimate.stages] + [capacity or 0]) or 1
     stages = estimate.stages[:MAX_LANES * 4]
+    capacity, peak = estimate.capacity, max(s.total_bytes for s in stages)
+    near = capacity is not None and capacity <= CAPACITY_DRAWN * peak
+    top = max(peak, capacity if near else 0) or 1
     bar = 16
-    scale = (WIDTH - 220) / top
-    parts = [f'<svg width="{WIDTH}" height="{len(stages) * (bar + 4) + 30}" role="img" '
-             f'aria-label="memory per stage">']
-    kinds = (("parameters", "parameter_bytes", "#4e79a7"), ("gradients", "gradient_bytes",
-             "#f28e2b"), ("optimizer", "optimizer_bytes", "#59a14f"),
-             ("activations", "activation_bytes", "#e15759"))
+    scale = BAR_SPACE / top
+    bottom = len(stages) * (bar + 4) + 10
+    parts = [f'<svg width="{WIDTH}" height="{bottom + (22 if near else 0)}" role="img" '
+             f'aria-label="memory per device of each stage">']
     for i, stage in enumerate(stages):
-        y, x = 10 + i * (bar + 4), 80
+        y = 10 + i * (bar + 4)
         parts.append(f'<text x="0" y="{y + 12}" font-size="12">stage {stage.stage}</text>')
-        for label, attribute, colour in kinds:
-            width = getattr(stage, attribute) * scale
-            parts.append(f'<rect x="{x}" y="{y}" width="{width:.1f}" height="{bar}" '
-                         f'fill="{colour}"><title>{label}: '
+        # Edges from the running total, so that the last one ends exactly at the total.
+        held, left = 0.0, float(BAR_START)
+        for label, attribute, colour in MEMORY_KINDS:
+            held += getattr(stage, attribute)
+            right = round(BAR_START + held * scale, 1)
+            parts.append(f'<rect x="{left}" y="{y}" width="{round(right - left, 1)}" '
+                         f'height="{bar}" fill="{colour}" data-stage="{stage.stage}" '
+                         f'data-kind="{label}"><title>stage {stage.stage}, {label}: '
                          f'{format_bytes(getattr(stage, attribute))}</title></rect>')
-            x += width
-        parts.append(f'<text x="{x + 6}" y="{y + 12}" font-size="12">'
+            left = right
+        parts.append(f'<text x="{left + 6}" y="{y + 12}" font-size="12">'
                      f'{format_bytes(stage.total_bytes)}</text>')
-    if capacity:
-        x = 80 + capacity * scale
-        parts.append(f'<line x1="{x}" x2="{x}" y1="0" y2="{len(stages) * (bar + 4) + 10}" '
-                     f'stroke="#000" stroke-dasharray="4 3"/><text x="{x + 4}" '
-                     f'y="{len(stages) * (bar + 4) + 24}" font-size="12">device: '
-                     f'{format_bytes(capacity)}</text>')
+    if near:
+        x = round(BAR_START + capacity * scale, 1)
+        parts.append(f'<line x1="{x}" x2="{x}" y1="0" y2="{bottom}" stroke="#000" '
+                     f'stroke-dasharray="4 3"/><text x="{x}" y="{bottom + 14}" '
+                     f'font-size="12" text-anchor="end">device: {format_bytes(capacity)}'
+                     f'</text>')
     parts.append("</svg>")
     legend = " ".join(f'<span style="color:{c}">&#9632;</span> {label}'
-                      for label, _, c in kinds)
-    return "".join(parts) + f'<p class="note">{legend}</p>'
+                      for label, _, c in MEMORY_KINDS)
+    if capacity is None:
+        against = "The topology gives no device memory to compare with."
+    elif near:
+        against = f"The dashed line is the device's memory, {format_bytes(capacity)}."
+    else:
+        against = (f"The device has {format_bytes(capacity)}; the largest stage uses "
+                   f"{_share(peak, capacity)} of it, too small a share to draw on the "
+                   f"device's scale.")
+    return "".join(parts) + (f'<p class="note">{legend}. Per device of each stage, as '
+                             f'<code>planc check -v</code> prints it; bars are scaled to the '
+                             f'largest. {_e(against)}</p>')
 
 
 def _transfers(summary: dict) -> str:
-    totals: dict[tuple, list] = defaultdict(lambda: [0, 0.0])
-    for stage in summary["stages"]:
-        for t in stage["transfers"]:
-            key = (t["axis"], t["kind"], t["phase"])
-            totals[key][0] += t["count"]
-            totals[key][1] += t["bytes"]
-    rows = [[axis, kind, phase, f"{int(c):,}", format_bytes(b)]
-            for (axis, kind, phase), (c, b) in sorted(totals.items())]
-    return _table(["axis", "kind", "phase", "per step", "bytes per step"], rows) + \
-        '<p class="note">Per device, summed over the pipeline stages.</p>'
+    rows = [[t["axis"], t["kind"], t["phase"], f"{int(t['count']):,}",
+             format_bytes(t["bytes"]), format_bytes(t["bus_bytes"]), t["stage"]]
+            for t in busiest_stage_transfers(summary)]
+    several = len(summary["stages"]) > 1
+    return _table(["axis", "kind", "phase", "per step", "bytes", "bus bytes", "stage"],
+                  rows) + (
+        '<p class="note">What one device moves in one step, as <code>planc compile</code> '
+        'prints it for its stage' + (': each row is a device of the stage that moves the '
+                                     'most for it (the stage column).' if several else '.')
+        + '</p>')
 
 
 def _timeline_svg(result) -> str:
@@ -177,7 +178,32 @@ def _timeline_svg(result) -> str:
         f'rank of each stage; hover a block for its time.{more}</p>'
 
 
-def _measured(result, metrics: list[dict] | None, warmup: int) -> str:
+FAR_OFF = 2.0  # a prediction this many times off the measurement either way needs a why
+
+
+def _far_off(plan, predicted: float, measured: float) -> str:
+    """Why the simulation can be far from a run, and how to make it predict this machine."""
+    ratio = predicted / measured
+    if predicted <= 0 or 1 / FAR_OFF <= ratio <= FAR_OFF:
+        return ""
+    topology = plan.topology
+    if topology.preset and topology.preset not in PRESETS:
+        described = f"the machine measured into {topology.preset}"
+    else:
+        described = (f"the topology the plan names ({topology.preset}: " if topology.preset
+                     else "the plan's topology (") + \
+            f"{format_quantity(topology.device.flops, COMPUTE)} per device at efficiency " \
+            f"{topology.device.efficiency:g})"
+    how = "slower" if ratio < 1 else "faster"
+    return (f'<p class="hint">The prediction is {max(ratio, 1 / ratio):,.1f} times off: '
+            f'planc simulates a step on {_e(described)}, and the run that wrote the metrics '
+            f'was on a {how} machine. To predict the machine you ran on, measure it with '
+            f'<code>planc calibrate -o FILE</code> and name the result in the plan with '
+            f'<code>topology {{ preset = "FILE" }}</code> (docs/routes.md).</p>')
+
+
+def _measured(plan, result, metrics: list[dict] | None, warmup: int,
+              unchecked: str | None) -> str:
     if not metrics:
         return ('<p class="note">Run <code>planc run DIR --metrics m.jsonl</code> and pass '
                 '<code>--metrics m.jsonl</code> to compare with a measured run.</p>')
@@ -189,18 +215,33 @@ def _measured(result, metrics: list[dict] | None, warmup: int) -> str:
     predicted_exposed = max(sum(s.exposed_seconds.values()) for s in result.stages)
     rows.append(["exposed communication", format_quantity(predicted_exposed, TIME),
                  format_quantity(exposed, TIME), ""])
+    caveat = f'<p class="hint">{_e(unchecked)}</p>' if unchecked else ""
     return _table(["", "simulated", "measured", "error"], rows) + \
         f'<p class="note">Measured: median over {len(kept)} steps of the slowest rank ' \
-        f'(after {min(warmup, len(metrics))} warm-up steps).</p>'
+        f'(after {min(warmup, len(metrics))} warm-up steps).</p>' + \
+        _far_off(plan, result.step_seconds, measured) + caveat
 
 
-def render(build, result, metrics: list[dict] | None = None, warmup: int = 2) -> str:
+def _plan_text(plan) -> str:
+    """The resolved settings, every line wrapped inside the box (nothing clipped, nothing
+    to scroll), a wrapped line hanging under its value column."""
+    lines = settings(plan).splitlines()
+    key = re.match(r"\S.*?\s{2,}", lines[0]) if lines else None
+    indent = len(key.group(0)) if key else 0
+    return (f'<div class="plan" style="--key: {indent}ch">'
+            + "".join(f'<div class="line">{_e(line) or "&nbsp;"}</div>' for line in lines)
+            + "</div>")
+
+
+def render(build, result, metrics: list[dict] | None = None, warmup: int = 2,
+           unchecked: str | None = None) -> str:
+    """The page. ``unchecked``: why the metrics could not be checked against the build."""
     plan = build.plan
     peak = max(result.stages, key=lambda s: s.memory_bytes)
     cards = _cards([
         ("step (simulated)", format_quantity(result.step_seconds, TIME)),
-        ("TFLOP/s per GPU", f"{result.tflops_per_gpu:,.1f}"),
-        ("MFU", f"{result.mfu:.1%}"),
+        ("FLOP/s per GPU", format_flop_rate(result.tflops_per_gpu * 1e12)),
+        ("MFU", format_share(result.mfu)),
         ("pipeline bubble", f"{result.bubble:.1%}"),
         ("memory at peak", format_bytes(peak.memory_bytes)
          + (f" / {format_bytes(result.memory_capacity)}" if result.memory_capacity else "")),
@@ -208,15 +249,18 @@ def render(build, result, metrics: list[dict] | None = None, warmup: int = 2) ->
     mesh = " x ".join(f"{a} {plan.mesh.size(a)}" for a in ("tp", "cp", "pp", "dp"))
     sections = [
         f"<h1>planc report: {_e(plan.name)}</h1>",
-        f'<p>{plan.world:,} ranks ({_e(mesh)}) on {plan.topology.nodes} nodes of '
-        f'{plan.topology.devices_per_node} devices</p>',
+        f'<p>{plan.world:,} ranks ({_e(mesh)}) on {plan.topology.nodes:,} '
+        f'{"node" if plan.topology.nodes == 1 else "nodes"} of '
+        f'{counted(plan.topology.devices_per_node, "device")}</p>',
         cards,
-        "<h2>Layout</h2>", _layout_svg(plan),
+        "<h2>Layout</h2>", layout_svg(plan),
         "<h2>Memory per stage</h2>", _memory_svg(plan),
-        "<h2>Transfers per axis and kind</h2>", _transfers(build.summary),
+        # From the verified graph, as planc compile derives it: summary.json is not checked.
+        "<h2>Transfers per axis and kind</h2>", _transfers(summarize(plan, build.graph)),
         "<h2>Timeline of one step (simulated)</h2>", _timeline_svg(result),
-        "<h2>Predicted and measured</h2>", _measured(result, metrics, warmup),
-        "<h2>The plan</h2>", f"<pre>{_e(settings(plan))}</pre>",
+        "<h2>Predicted and measured</h2>", _measured(plan, result, metrics, warmup,
+                                                     unchecked),
+        "<h2>The plan</h2>", _plan_text(plan),
     ]
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>planc '
             f'report: {_e(plan.name)}</title><style>{STYLE}</style></head><body>'

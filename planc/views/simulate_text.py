@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from planc.lang.units import TIME, format_bytes, format_quantity
+from planc.lang.units import (TIME, format_bytes, format_flop_rate, format_quantity,
+                              format_share)
 from planc.views.tables import table
 
 SHOWN = 10  # stages listed; the rest are in --json
@@ -21,9 +22,11 @@ def render(result) -> str:
     exposed_text = ", ".join(f"{axis} {format_quantity(s, TIME)}"
                              for axis, s in sorted(exposed.items())) or "none"
     lines = [
-        f"{result.plan}: {result.world:,} ranks, {len(stages)} pipeline "
+        f"{result.plan}: {result.world:,} rank{'s' * (result.world != 1)}, "
+        f"{len(stages)} pipeline "
         f"stage{'s' * (len(stages) != 1)}: one step takes {format_quantity(step, TIME)}",
-        f"  throughput: {result.tflops_per_gpu:,.1f} TFLOP/s per GPU, MFU {result.mfu:.1%} "
+        f"  throughput: {format_flop_rate(result.tflops_per_gpu * 1e12)} per GPU, MFU "
+        f"{format_share(result.mfu)} "
         f"(model FLOPs of Narayanan et al. 2021, recomputation not counted)",
         f"  pipeline bubble: {result.bubble:.1%} of the step (stage 0)",
         f"  exposed communication (worst stage, per axis): {exposed_text}",

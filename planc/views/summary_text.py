@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from planc.lang.units import TIME, format_bytes, format_quantity
-from planc.views.dot import _flops
+from planc.lang.units import TIME, format_bytes, format_flops, format_quantity
 from planc.views.tables import table
 
 MAX_STAGES_SHOWN = 6
@@ -37,7 +36,7 @@ def render(summary: dict) -> str:
             continue
         s = summary["stages"][stage_id]
         out.append(
-            f"stage {s['stage']}: {_layers(s['layers'])}; {_flops(s['flops'])} per step; "
+            f"stage {s['stage']}: {_layers(s['layers'])}; {format_flops(s['flops'])} per step; "
             f"estimated compute {format_quantity(s['compute_seconds'], TIME)}, transfers "
             f"{format_quantity(s['transfer_seconds'], TIME)}; memory "
             f"{format_bytes(s['memory']['total_bytes'])}")
