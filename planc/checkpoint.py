@@ -36,7 +36,6 @@ import json
 import os
 import re
 import stat
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,7 +44,7 @@ from planc.checkpoint_manifest import (FORMAT, MANIFEST, MODEL_INDEX,  # noqa: F
                                        OPTIMIZER_INDEX, RNG_FILE, RNG_TENSOR, VERSION,
                                        CheckpointError, read_manifest, reason, shown,
                                        state_keys, state_name)
-from planc.files import kind_of, read_regular_file
+from planc.files import fsync_directory, kind_of, read_regular_file, write_atomically  # noqa: F401 (fsync_directory: API)
 
 LATEST = "latest"
 STEP_DIR = re.compile(r"step-([0-9]{6,})")
@@ -82,45 +81,12 @@ def as_json(value) -> object:
 # --- writing files: whole or not at all --------------------------------------------------
 
 
-def fsync_directory(path: str | os.PathLike) -> None:
-    """Make a rename or a new entry in ``path`` durable (POSIX: fsync the directory)."""
-    try:
-        handle = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(handle)
-    except OSError:
-        pass  # some file systems cannot sync a directory; the rename is still atomic
-    finally:
-        os.close(handle)
-
-
 def write_durably(path: str | os.PathLike, data: bytes) -> str:
-    """Write ``data`` to ``path`` through a temporary name in the same directory, fsync and
-    rename, then fsync the directory: a reader sees the whole file or none of it, also
-    after a crash. Returns the sha256 of the data."""
-    directory = os.path.dirname(os.path.abspath(path))
-    handle, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=directory)
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(temporary, 0o666 & ~_umask())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
-    fsync_directory(directory)
+    """Write ``data`` to ``path`` whole or not at all, also after a crash (file and
+    directory fsynced: planc.files.write_atomically with ``durable``); returns the sha256
+    of the data, which the manifest records."""
+    write_atomically(path, data, durable=True)
     return hashlib.sha256(data).hexdigest()
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def dump_json(data: dict) -> bytes:

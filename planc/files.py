@@ -48,12 +48,27 @@ def _write_into(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-def write_atomically(path: str | os.PathLike, data: bytes) -> None:
+def fsync_directory(path: str | os.PathLike) -> None:
+    """Make a rename or a new entry in ``path`` durable (POSIX: fsync the directory)."""
+    try:
+        handle = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass  # some file systems cannot sync a directory; the rename is still atomic
+    finally:
+        os.close(handle)
+
+
+def write_atomically(path: str | os.PathLike, data: bytes, durable: bool = False) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same directory and a
     rename, so a reader sees the old file or the new one, never a part; the file gets the
     permissions the umask gives a new file. A symbolic link is followed (its target is
     written); a device or a named pipe is written into, never replaced: ``-o /dev/null``
-    as root must not replace /dev/null."""
+    as root must not replace /dev/null. ``durable`` (checkpoints) also fsyncs the file
+    before the rename and the directory after it, so that the write survives a crash."""
     path = os.path.realpath(path)  # a symbolic link: write what it names, keep the link
     try:
         mode = os.stat(path).st_mode
@@ -69,12 +84,17 @@ def write_atomically(path: str | os.PathLike, data: bytes) -> None:
     try:
         with os.fdopen(handle, "wb") as out:
             out.write(data)
+            if durable:
+                out.flush()
+                os.fsync(out.fileno())
         os.chmod(temporary, 0o666 & ~umask())  # mkstemp's 0600 is not what users expect
         os.replace(temporary, path)
     except BaseException:
         if os.path.exists(temporary):
             os.unlink(temporary)
         raise
+    if durable:
+        fsync_directory(directory)
 
 
 def open_regular_file(path: str | os.PathLike, follow: bool = True):

@@ -10,72 +10,23 @@ what it changed before and after, and its decisions with their reasons, so that
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable
 
 import networkx as nx
 
-from planc.cost import CostModel
-from planc.layout import Layout
-from planc.plan import Plan
+from planc.passes.context import Pass, PassContext, PassRecord, copy_graph, record
+from planc.passes.fuse import fuse
+from planc.passes.overlap import overlap
+from planc.passes.route import route
 
+__all__ = ["PIPELINE", "Pass", "PassContext", "PassRecord", "copy_graph", "names", "record",
+           "run"]
 
-@dataclass(frozen=True)
-class PassContext:
-    plan: Plan
-    layout: Layout
-    cost: CostModel
-    owned: bool = False  # the graph is :func:`run`'s own copy: a pass changes it in place
-
-    def working_copy(self, graph: nx.DiGraph) -> nx.DiGraph:
-        """The graph a pass changes: a copy (its input is left as it was), except inside
-        :func:`run`, which copies once for every pass (a copy of a 1,024-layer graph
-        takes a good part of a second)."""
-        return graph if self.owned else copy_graph(graph)
-
-    @staticmethod
-    def of(plan: Plan) -> "PassContext":
-        return PassContext(plan, Layout.of(plan), CostModel(plan.topology))
-
-
-@dataclass
-class PassRecord:
-    """What one pass did: ``line`` for people, ``changes`` and ``decisions`` for tools."""
-
-    name: str
-    enabled: bool
-    line: str
-    changes: list[dict] = field(default_factory=list)
-    decisions: list[dict] = field(default_factory=list)
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "enabled": self.enabled, "line": self.line,
-                "changes": self.changes, "decisions": self.decisions}
-
-
-Pass = Callable[[nx.DiGraph, PassContext], nx.DiGraph]
-
-
-def copy_graph(graph: nx.DiGraph) -> nx.DiGraph:
-    """A copy that a pass may change freely: its own node and edge attribute dicts, its
-    own table of buckets (a pass that changes a bucket's members replaces the bucket)."""
-    out = graph.copy()
-    out.graph = {**graph.graph, "buckets": dict(graph.graph.get("buckets", {})),
-                 "passes": list(graph.graph.get("passes", []))}
-    return out
-
-
-def record(graph: nx.DiGraph, entry: PassRecord) -> nx.DiGraph:
-    graph.graph["passes"] = [*graph.graph.get("passes", []), entry.to_json()]
-    return graph
-
-
-def _pipeline() -> tuple[tuple[str, Pass], ...]:
-    from planc.passes.fuse import fuse
-    from planc.passes.overlap import overlap
-    from planc.passes.route import route
-
-    return (("fuse", fuse), ("route", route), ("overlap", overlap))
+# The passes in the order they run: fuse makes the buckets that route chooses a route
+# for, and overlap schedules what route chose.
+PIPELINE: tuple[tuple[str, Pass], ...] = (("fuse", fuse), ("route", route),
+                                          ("overlap", overlap))
 
 
 def run(graph: nx.DiGraph, context: PassContext,
@@ -85,7 +36,7 @@ def run(graph: nx.DiGraph, context: PassContext,
     the caller has no further use for it); ``check(graph, name)`` runs after each (tests
     validate)."""
     graph, context = graph if owned else copy_graph(graph), replace(context, owned=True)
-    for name, apply in _pipeline():
+    for name, apply in PIPELINE:
         graph = apply(graph, context)
         if check is not None:
             check(graph, name)
@@ -93,4 +44,4 @@ def run(graph: nx.DiGraph, context: PassContext,
 
 
 def names() -> tuple[str, ...]:
-    return tuple(name for name, _ in _pipeline())
+    return tuple(name for name, _ in PIPELINE)

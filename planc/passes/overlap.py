@@ -37,7 +37,7 @@ from collections import defaultdict
 import networkx as nx
 
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase
-from planc.passes import PassContext, PassRecord, record
+from planc.passes.context import PassContext, PassRecord, record
 
 COMPUTE, COMM, DP = "compute", "comm", "dp"
 SEND = {Phase.FORWARD: "send_next", Phase.BACKWARD: "send_prev"}

@@ -24,7 +24,7 @@ import networkx as nx
 from planc.cost import Candidate, Placement, Route
 from planc.graph.ir import Kind, transfers
 from planc.lower.groups import PIPELINE, group_table
-from planc.passes import PassContext, PassRecord, record
+from planc.passes.context import PassContext, PassRecord, record
 
 ROUTED_KINDS = (Kind.ALL_REDUCE, Kind.ALL_GATHER, Kind.REDUCE_SCATTER)
 
