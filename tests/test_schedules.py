@@ -119,6 +119,7 @@ def test_a_block_name_round_trips(text):
 def test_a_name_that_is_no_block_is_refused(text):
     with pytest.raises(ValueError):
         Block.parse(text)
+    assert Block.parse_or_none(text) is None
 
 
 def test_an_action_text_round_trips_and_needs_the_chunk_exactly_when_virtual():

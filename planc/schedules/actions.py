@@ -85,6 +85,15 @@ class Block(NamedTuple):
             raise ValueError(f"{name!r} is not a block name such as F0 or B1")
         return cls(ActionKind(found.group(1)), int(found.group(2)))
 
+    @classmethod
+    def parse_or_none(cls, name: str) -> Block | None:
+        """The block named ``name``, or None for a name of no block (views show a build,
+        which is untrusted input, whatever its names)."""
+        try:
+            return cls.parse(name)
+        except ValueError:
+            return None
+
 
 class Action(NamedTuple):
     """One entry of a stage's schedule: run ``kind`` on ``chunk`` for ``microbatch``."""
