@@ -3,6 +3,10 @@ activations each holds, their rules, and block names that print and parse exactl
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 from planc import schedules
@@ -10,7 +14,7 @@ from planc.compile import compile_plan
 from planc.lang import load_file, load_text
 from planc.memory import microbatches_in_flight
 from planc.schedules import Action, ActionKind, Block, PipelineShape
-from tests.conftest import PLANS
+from tests.conftest import PLANS, ROOT
 
 
 def plan_text(pp=2, microbatches=4, pipeline="1f1b", virtual=1, layers=4, batch=8):
@@ -150,3 +154,11 @@ def test_the_timeline_takes_typed_actions_and_letters_alike():
     letters = {s: [(a.kind.letter, a.microbatch, a.chunk) for a in typed[s]] for s in range(2)}
     assert schedules.simulate(typed, 2, 1) == schedules.simulate(letters, 2, 1)
     assert schedules.simulate(typed, 2, 1).bubble(0) == pytest.approx(1 / 5)
+
+
+def test_the_registry_imports_neither_torch_nor_the_rest_of_planc():
+    code = ("import json, sys, planc.schedules; print(json.dumps(sorted(m for m in sys.modules "
+            "if m == 'torch' or m.startswith('planc.'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout
+    assert all(m.startswith("planc.schedules") for m in json.loads(out))

@@ -16,12 +16,12 @@ from planc.schedules.actions import Action, ActionKind, Block
 from planc.schedules.gpipe import GPIPE
 from planc.schedules.interleaved import INTERLEAVED
 from planc.schedules.one_f_one_b import ONE_F_ONE_B
-from planc.schedules.schedule import PipelineSchedule, PipelineShape, Problem
+from planc.schedules.schedule import PipelineSchedule, PipelineShape, ScheduleProblem
 from planc.schedules.timeline import Timeline, simulate
 
-__all__ = ["Action", "ActionKind", "Block", "PipelineSchedule", "PipelineShape", "Problem",
-           "SCHEDULES", "DEFAULT_SCHEDULE", "Timeline", "named", "names", "order",
-           "problems", "simulate"]
+__all__ = ["Action", "ActionKind", "Block", "PipelineSchedule", "PipelineShape",
+           "ScheduleProblem", "SCHEDULES", "DEFAULT_SCHEDULE", "Timeline", "named", "names",
+           "order", "problems", "simulate"]
 
 # Name -> schedule, in the order the language lists them; read-only.
 SCHEDULES = MappingProxyType({s.name: s for s in (GPIPE, ONE_F_ONE_B, INTERLEAVED)})
@@ -46,13 +46,14 @@ def order(name: str, stage: int, pp: int, microbatches: int, virtual: int = 1) -
     return named(name).order(stage, pp, microbatches, virtual)
 
 
-def problems(name: str, shape: PipelineShape) -> list[Problem]:
+def problems(name: str, shape: PipelineShape) -> list[ScheduleProblem]:
     """What the plan must change to run schedule ``name``: the schedule's own rule, and
     for a schedule of one chunk per stage, virtual = 1."""
     schedule = named(name)
     if schedule.chunks_per_stage or shape.virtual == 1:
         return schedule.problems(shape)
     several = [s.name for s in SCHEDULES.values() if s.chunks_per_stage]
-    return [Problem(f"virtual = {shape.virtual} needs pipeline = {' or '.join(several)}",
-                    ("shard.pp.virtual",), f"set schedule {{ pipeline = {several[0]} }}")
-            ] + schedule.problems(shape)
+    one_chunk = ScheduleProblem(
+        f"virtual = {shape.virtual} needs pipeline = {' or '.join(several)}",
+        ("shard.pp.virtual",), f"set schedule {{ pipeline = {several[0]} }}")
+    return [one_chunk] + schedule.problems(shape)

@@ -7,7 +7,7 @@ pp, forwards in chunk order and backwards in reverse; stage s runs
 from __future__ import annotations
 
 from planc.schedules.actions import Action, ActionKind
-from planc.schedules.schedule import PipelineSchedule, PipelineShape, Problem
+from planc.schedules.schedule import PipelineSchedule, PipelineShape, ScheduleProblem
 
 FORWARD, BACKWARD = ActionKind.FORWARD, ActionKind.BACKWARD
 
@@ -44,24 +44,25 @@ def in_flight(stage: int, pp: int, microbatches: int, virtual: int) -> int:
     return min(_warmup(stage, pp, virtual) + 1, microbatches * virtual)
 
 
-def problems(shape: PipelineShape) -> list[Problem]:
+def problems(shape: PipelineShape) -> list[ScheduleProblem]:
     pp, virtual, layers, microbatches = shape.pp, shape.virtual, shape.layers, shape.microbatches
     if pp == 1:
-        return [Problem("pipeline = interleaved needs pp > 1", ("schedule.pipeline",),
-                        "use pipeline = 1f1b with pp = 1")]
+        return [ScheduleProblem("pipeline = interleaved needs pp > 1", ("schedule.pipeline",),
+                                "use pipeline = 1f1b with pp = 1")]
     if virtual == 1:
-        return [Problem("pipeline = interleaved needs virtual > 1", ("schedule.pipeline",),
-                        "set shard { pp { virtual = 2 } }, or use pipeline = 1f1b")]
+        return [ScheduleProblem("pipeline = interleaved needs virtual > 1",
+                                ("schedule.pipeline",),
+                                "set shard { pp { virtual = 2 } }, or use pipeline = 1f1b")]
     found = []
     if layers % (pp * virtual):
         options = [v for v in range(2, layers // pp + 1) if layers % (pp * v) == 0]
         nearest = sorted(options, key=lambda v: abs(v - virtual))[:2]
-        found.append(Problem(
+        found.append(ScheduleProblem(
             f"layers ({layers}) must divide by pp x virtual ({pp} x {virtual} = "
             f"{pp * virtual}) for the interleaved schedule", ("shard.pp.virtual",),
             "try " + " or ".join(f"virtual = {v}" for v in nearest) if nearest else None))
     if microbatches % pp:
-        found.append(Problem(
+        found.append(ScheduleProblem(
             f"the interleaved schedule needs microbatches ({microbatches}) to divide by "
             f"pp ({pp})", ("schedule.microbatches", "schedule.pipeline"),
             "Megatron's interleaved 1F1B runs microbatches in groups of pp"))

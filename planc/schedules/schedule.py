@@ -27,7 +27,7 @@ class PipelineShape:
 
 
 @dataclass(frozen=True)
-class Problem:
+class ScheduleProblem:
     """Something a plan must change to run a schedule, in the checker's words."""
 
     message: str
@@ -49,10 +49,10 @@ class PipelineSchedule:
     name: str
     order: Callable[[int, int, int, int], list[Action]]
     in_flight: Callable[[int, int, int, int], int]
-    problems: Callable[[PipelineShape], list[Problem]]
+    problems: Callable[[PipelineShape], list[ScheduleProblem]]
     chunks_per_stage: bool = False
 
 
-def no_problems(shape: PipelineShape) -> list[Problem]:
+def no_problems(shape: PipelineShape) -> list[ScheduleProblem]:
     """The rule of a schedule that runs with any pp and microbatches."""
     return []
