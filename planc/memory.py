@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from planc import schedules
 from planc.models import family_of
 from planc.models.family import shares_heads
 from planc.plan import Plan
@@ -131,14 +132,8 @@ def stage_parameters(plan: Plan, stage: int) -> int:
 
 def microbatches_in_flight(plan: Plan, stage: int) -> int:
     """Microbatch-chunks whose activations a stage holds at its peak."""
-    m, pp, virtual = plan.schedule.microbatches, plan.mesh.pp, plan.shard.pp.virtual
-    if plan.schedule.pipeline == "gpipe":
-        return m
-    if plan.schedule.pipeline == "interleaved":
-        # Megatron's interleaved 1F1B: (pp - stage - 1) * 2 + (virtual - 1) * pp warm-up
-        # forwards, then one more before the first backward.
-        return min((pp - stage - 1) * 2 + (virtual - 1) * pp + 1, m * virtual)
-    return min(pp - stage, m)
+    return schedules.named(plan.schedule.pipeline).in_flight(
+        stage, plan.mesh.pp, plan.schedule.microbatches, plan.shard.pp.virtual)
 
 
 def layer_activation_bytes(plan: Plan, recompute: str | None = None) -> float:

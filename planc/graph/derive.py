@@ -49,7 +49,7 @@ from planc.graph.layouts import Layout, S, gradient_layout
 from planc.graph.model import Shapes, all_parameters, forward_flops
 from planc.models import family_of
 from planc.models.family import INPUT
-from planc.graph.schedules import action_text, schedule
+from planc.graph.schedules import schedule_text
 from planc.graph.tensor_parallel import (
     FP32_BYTES,
     LOSS_REDUCTIONS,
@@ -445,9 +445,9 @@ class _Derivation(AxisRules, ParameterRules):
             "layouts": {op: {"input": str(o.input), "output": str(o.output),
                              "grad_input": str(o.grad_input), "sharded": o.sharded}
                         for op, o in self.tpp.ops.items()},
-            "schedule": {str(stage): " ".join(action_text(a, virtual) for a in schedule(
-                plan.schedule.pipeline, stage, self.pp, self.m, virtual))
-                for stage in range(self.pp)},
+            "schedule": {str(stage): schedule_text(plan.schedule.pipeline, stage, self.pp,
+                                                   self.m, virtual)
+                         for stage in range(self.pp)},
             "buckets": buckets(self.graph),
             "passes": [],
         }

@@ -30,6 +30,8 @@ from planc.lang.schema import (PLAN_SCHEMA, BlockSchema, PresetFile, Scope, Stag
 from planc.plan import (LIMITS, Optimizer, ContextParallel, DataParallel, Device, Link, Mesh, Model,
                         Optimize, PipelineParallel, Plan, Schedule, Shard, Sources,
                         TensorParallel, Topology, Train)
+from planc.schedules import PipelineShape
+from planc.schedules import problems as schedule_problems
 
 
 def check(tree: ast.PlanFile, path: str, overrides: Sequence[Override] = ()
@@ -525,31 +527,9 @@ class _Checker:
             return None
         pp, layers = mesh.pp, model.layers
         ok = True
-        if schedule.pipeline == "interleaved":
-            if pp == 1:
-                ok = self._fail("pipeline = interleaved needs pp > 1",
-                                self.span("schedule.pipeline"), "use pipeline = 1f1b with pp = 1")
-            elif virtual == 1:
-                ok = self._fail("pipeline = interleaved needs virtual > 1",
-                                self.span("schedule.pipeline"),
-                                "set shard { pp { virtual = 2 } }, or use pipeline = 1f1b")
-            else:
-                if layers % (pp * virtual):
-                    options = [v for v in range(2, layers // pp + 1) if layers % (pp * v) == 0]
-                    ok = self._fail(f"layers ({layers}) must divide by pp x virtual "
-                                    f"({pp} x {virtual} = {pp * virtual}) for the interleaved "
-                                    f"schedule", self.span("shard.pp.virtual"),
-                                    _try("virtual", sorted(options, key=lambda v: abs(v - virtual))[:2]))
-                if schedule.microbatches % pp:
-                    ok = self._fail(f"the interleaved schedule needs microbatches "
-                                    f"({schedule.microbatches}) to divide by pp ({pp})",
-                                    self.span("schedule.microbatches", "schedule.pipeline"),
-                                    "Megatron's interleaved 1F1B runs microbatches in groups "
-                                    "of pp")
-        elif virtual > 1:
-            ok = self._fail(f"virtual = {virtual} needs pipeline = interleaved",
-                            self.span("shard.pp.virtual"),
-                            "set schedule { pipeline = interleaved }")
+        shape = PipelineShape(pp, virtual, schedule.microbatches, layers)
+        for problem in schedule_problems(schedule.pipeline, shape):
+            ok = self._fail(problem.message, self.span(*problem.keys), problem.hint)
         if pp == 1 and "shard.pp" in self.given and stages == "auto" and virtual == 1:
             self.report(warning("shard { pp { } } has no effect with pp = 1",
                                 self.span("shard.pp")))

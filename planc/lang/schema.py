@@ -20,6 +20,7 @@ from planc.lang import ast
 from planc.lang.presets import PRESETS
 from planc.lang.units import COMPUTE, EXAMPLES, RATE, SIZE, TIME, UNITS, units_of
 from planc.plan import AXES
+from planc import schedules
 
 MAX_INTEGER = 2**53  # beyond this a float cannot hold the value and nothing is sensible
 MAX_EXPRESSION_DEPTH = 200
@@ -630,7 +631,7 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
     }),
     "schedule": BlockSchema("schedule", keys={
         "microbatches": Key(Integer(1), 1),
-        "pipeline": Key(Choice(("gpipe", "1f1b", "interleaved")), "1f1b"),
+        "pipeline": Key(Choice(schedules.names()), schedules.DEFAULT_SCHEDULE),
     }),
     "optimize": BlockSchema("optimize", keys={
         "fuse": Key(Boolean(), True),

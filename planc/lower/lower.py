@@ -36,9 +36,17 @@ from planc.lower.program import (
 )
 from planc.passes.overlap import COMPUTE, stream_of
 from planc.plan import Plan
+from planc import schedules
+from planc.schedules import Action, ActionKind, Block
 
 STREAM_ORDER = ("compute", "comm", "dp", "send_next", "send_prev", "recv_prev", "recv_next")
 PROLOGUE, EPILOGUE = "prologue", "epilogue"
+
+
+def _kind_of(phase: Phase) -> ActionKind:
+    """The block a node of ``phase`` runs in: the forward's, or else the backward's (which
+    also holds what runs once, after the chunk's last backward)."""
+    return ActionKind.FORWARD if phase == Phase.FORWARD else ActionKind.BACKWARD
 
 
 def gradient_buffers(bucket: str, info: dict) -> tuple[str, ...]:
@@ -153,8 +161,7 @@ class _StageLowering:
         if data["type"] == NodeType.TRANSFER and data["axis"] == Axis.PP and \
                 data["kind"] == Kind.RECV:
             return _Where(stream, stream, True, False)
-        letter = "F" if data["phase"] == Phase.FORWARD else "B"
-        block = f"{letter}{data['chunk']}"
+        block = Block(_kind_of(data["phase"]), data["chunk"]).name
         if data["per_microbatch"]:
             return _Where(block, stream, True, False)
         placement = data.get("placement", EPILOGUE) if self.overlap else EPILOGUE
@@ -332,9 +339,8 @@ def _with_frees(blocks: dict[str, list[Instruction]], graph: nx.DiGraph,
                 readers.setdefault(buffer, []).append((name, k))
             for buffer in instruction.writes:
                 writers[buffer] = (name, k)
-    # A block is F<chunk> or B<chunk>: the backward block of a chunk runs after its
-    # forward block for the same microbatch.
-    kind = {name: (name[0] == "B", name[1:]) for name in blocks}
+    # The backward block of a chunk runs after its forward block for the same microbatch.
+    typed = {name: Block.parse(name) for name in blocks}
 
     def covered(other: tuple[str, int], last: tuple[str, int]) -> bool:
         (ob, ok), (lb, lk) = other, last
@@ -349,9 +355,9 @@ def _with_frees(blocks: dict[str, list[Instruction]], graph: nx.DiGraph,
                 graph.nodes.get(buffer, {}).get("per_microbatch") is False:
             continue
         places = readers.get(buffer, [(name, k)])
-        if any(kind[block][1] != kind[name][1] for block, _ in places):
+        if any(typed[block].chunk != typed[name].chunk for block, _ in places):
             continue  # read by another chunk's block: keep it for the step
-        last = max(places, key=lambda p: (kind[p[0]][0], p[1]))
+        last = max(places, key=lambda p: (not typed[p[0]].kind.is_forward, p[1]))
         if all(covered(p, last) for p in places if p != last):
             frees.setdefault(last, []).append(buffer)
     out = {}
@@ -363,7 +369,6 @@ def _with_frees(blocks: dict[str, list[Instruction]], graph: nx.DiGraph,
 
 def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]:
     """One program per pipeline stage, and the table of which rank runs which."""
-    from planc.graph.schedules import schedule
     from planc.layout import Layout
 
     rank = {node: i for i, node in enumerate(graph.nodes)}
@@ -374,7 +379,8 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
     for node, data in graph.nodes(data=True):
         by_stage[data["stage"]].append(node)
     # The order in which each stage sends to each neighbour: its schedule.
-    actions = {s: schedule(plan.schedule.pipeline, s, pp, m, virtual) for s in range(pp)}
+    pipeline = schedules.named(plan.schedule.pipeline)
+    actions = {s: pipeline.order(s, pp, m, virtual) for s in range(pp)}
     table = buckets(graph)
     buckets_of: dict[int, dict] = {}
     for b, info in table.items():
@@ -413,7 +419,7 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
             used = [st for st in STREAM_ORDER if st == COMPUTE or
                     any(i.stream == st for i in body)]
             body = [Instruction("sync", st, per_microbatch=False) for st in used] + body
-        plan_schedule = tuple((f"{kind}{chunk}", mb) for kind, mb, chunk in actions[stage])
+        plan_schedule = tuple((a.block.name, a.microbatch) for a in actions[stage])
         receives = _receive_order(graph, receive_nodes, actions)
         used_streams = {w.stream for n, w in lowering.where.items()} | set(receives)
         streams = tuple(s for s in STREAM_ORDER if s in used_streams or s == COMPUTE)
@@ -426,20 +432,21 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
 
 
 def _receive_order(graph: nx.DiGraph, receive_nodes: dict[str, str],
-                   actions: dict[int, list]) -> dict[str, tuple[tuple[str, int], ...]]:
+                   actions: dict[int, list[Action]]
+                   ) -> dict[str, tuple[tuple[str, int], ...]]:
     """Each receive stream in the order its peer sends: the peer's schedule."""
-    sender_of: dict[str, tuple[int, str, int]] = {}  # recv -> (peer stage, phase, chunk)
+    sender_of: dict[str, tuple[int, Block]] = {}  # recv -> (peer stage, the sending block)
     for node in receive_nodes:
         data = graph.nodes[node]
         (send,) = list(graph.predecessors(node))
-        letter = "F" if data["phase"] == Phase.FORWARD else "B"
-        sender_of[node] = (data["peer_stage"], letter, graph.nodes[send]["chunk"])
+        sender_of[node] = (data["peer_stage"],
+                           Block(_kind_of(data["phase"]), graph.nodes[send]["chunk"]))
     streams: dict[str, list[tuple[str, int]]] = {s: [] for s in receive_nodes.values()}
     for stream in streams:
         mine = {sender_of[n]: n for n, s in receive_nodes.items() if s == stream}
         for peer in sorted({key[0] for key in mine}):
-            for kind, mb, chunk in actions[peer]:
-                node = mine.get((peer, kind, chunk))
+            for action in actions[peer]:
+                node = mine.get((peer, action.block))
                 if node is not None:
-                    streams[stream].append((node, mb))
+                    streams[stream].append((node, action.microbatch))
     return {stream: tuple(items) for stream, items in streams.items()}

@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from planc.lower.program import Instruction, Program, guard_microbatch
+from planc.schedules import Block
 from planc.simulate.blocks import BlockTime, replay
 
 # The axis whose transfers a program stream carries (planc.passes.overlap's streams).
@@ -69,12 +70,14 @@ def step(programs: dict[int, Program], chunk_stage: dict[int, int], duration, ax
         times[stage].prologue = prologue
         ready[stage] = prologue.end
         tails[stage] = {}
-    arrivals: dict[tuple[str, int, int], float] = {}
+    arrivals: dict[tuple[int, int, int], float] = {}
     position = {stage: 0 for stage in programs}
     pending = sum(len(p.schedule) for p in programs.values())
     # A stage waits only for an arrival from a neighbouring chunk's stage: a work list
     # wakes it when one comes, so each block is visited once, not once per sweep.
     work, queued = deque(programs), set(programs)
+    typed = {stage: {name: Block.parse(name) for name in {b for b, _ in p.schedule}}
+             for stage, p in programs.items()}
     while work:
         stage = work.popleft()
         queued.discard(stage)
@@ -82,12 +85,13 @@ def step(programs: dict[int, Program], chunk_stage: dict[int, int], duration, ax
         schedule, time = program.schedule, times[stage]
         while position[stage] < len(schedule):
             block, microbatch = schedule[position[stage]]
-            phase, chunk = block[0], int(block[1:])
-            needs_input = (phase == "F" and chunk > 0) or \
-                (phase == "B" and chunk < last_chunk)
-            if needs_input and (phase, chunk, microbatch) not in arrivals:
+            kind, chunk = typed[stage][block]
+            # Arrivals are keyed by direction (+1 forward, -1 backward) and receiving chunk.
+            flow = kind.flow
+            needs_input = flow != 0 and 0 <= chunk - flow <= last_chunk
+            if needs_input and (flow, chunk, microbatch) not in arrivals:
                 break
-            arrival = arrivals.get((phase, chunk, microbatch), 0.0)
+            arrival = arrivals.get((flow, chunk, microbatch), 0.0)
             replayed = timed(stage, block, microbatch)
             start = max(ready[stage], arrival)
             time.waiting += start - ready[stage]
@@ -99,12 +103,12 @@ def step(programs: dict[int, Program], chunk_stage: dict[int, int], duration, ax
                 tails[stage][stream] = max(tails[stage].get(stream, 0.0), start + end)
             sent = start + (replayed.sends if replayed.sends is not None
                             else replayed.compute_end)
-            target = (phase, chunk + 1 if phase == "F" else chunk - 1, microbatch)
-            arrivals[target] = sent
-            waiting = chunk_stage.get(target[1])
-            if waiting is not None and waiting in programs and waiting not in queued:
-                work.append(waiting)
-                queued.add(waiting)
+            if flow:
+                arrivals[(flow, chunk + flow, microbatch)] = sent
+                waiting = chunk_stage.get(chunk + flow)
+                if waiting is not None and waiting in programs and waiting not in queued:
+                    work.append(waiting)
+                    queued.add(waiting)
             if keep_spans:
                 time.blocks.append((block, microbatch, start, replayed))
             position[stage] += 1

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import re
-
 import networkx as nx
 
 from planc.graph.ir import Axis
 from planc.layout import Layout
 from planc.lower.program import Instruction, Program, RankTable
 from planc.plan import Plan
+from planc.schedules import Block
 
 
 STAGE_GROUPS = tuple(a.value for a in Axis if a.within_stage and a != Axis.STAGE)
@@ -35,28 +34,24 @@ def _instruction(i: Instruction, graph: nx.DiGraph) -> str:
     return f"{i.stream:<10} {i.op:<14} {i.node}{extra}{reads}{guard}"
 
 
-BLOCK_NAME = re.compile(r"([FB])(\d{1,9})")  # the forward or backward of a model chunk
-
-
 def _block_title(name: str, plan: Plan) -> str:
-    named = BLOCK_NAME.fullmatch(name)
+    block = Block.parse_or_none(name)
     chunks = plan.shard.pp.chunks
-    if named is None or int(named.group(2)) >= len(chunks):  # a build is untrusted input
+    if block is None or block.chunk >= len(chunks):  # a build is untrusted input
         return f"block {name}, once per microbatch"
-    chunk = int(named.group(2))
-    first, last = chunks[chunk]
-    what = "forward" if named.group(1) == "F" else "backward"
+    first, last = chunks[block.chunk]
     layers = f"layer {first}" if first == last else f"layers {first}-{last}"
-    return f"block {name}: {what} of chunk {chunk} ({layers}), once per microbatch"
+    return (f"block {name}: {block.kind.words} of chunk {block.chunk} ({layers}), once per "
+            f"microbatch")
 
 
 def _block_order(name: str) -> tuple[int, int, str]:
     """Chunk by chunk, each forward before its backward (a build lists them by name,
     which puts every B before every F)."""
-    named = BLOCK_NAME.fullmatch(name)
-    if named is None:
+    block = Block.parse_or_none(name)
+    if block is None:
         return 10**9, 0, name
-    return int(named.group(2)), named.group(1) != "F", name
+    return block.chunk, not block.kind.is_forward, name
 
 
 def render(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program], table: RankTable,

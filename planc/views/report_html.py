@@ -15,6 +15,7 @@ from planc.graph.summary import busiest_stage_transfers, summarize
 from planc.lang.presets import PRESETS
 from planc.lang.units import (COMPUTE, TIME, format_bytes, format_flop_rate, format_quantity,
                               format_share)
+from planc.schedules import Block
 from planc.views.plan_text import settings
 from planc.views.report_layout import layout_svg
 from planc.words import counted
@@ -139,6 +140,12 @@ def _transfers(summary: dict) -> str:
         + '</p>')
 
 
+def _phase_letter(name: str) -> str:
+    """``F`` or ``B``: the kind of block ``name``, which picks its colour."""
+    block = Block.parse_or_none(name)
+    return block.kind.letter if block is not None else name
+
+
 def _timeline_svg(result) -> str:
     lanes = result.timeline[:MAX_LANES]
     step = result.step_seconds or 1
@@ -154,8 +161,8 @@ def _timeline_svg(result) -> str:
         spans = []
         if time.prologue is not None and time.prologue.end > 0:
             spans.append(("prologue", "prologue", 0.0, time.prologue.compute_end))
-        spans += [(block[0], f"{block} microbatch {mb}", start, start + replayed.compute_end)
-                  for block, mb, start, replayed in time.blocks]
+        spans += [(_phase_letter(block), f"{block} microbatch {mb}", start,
+                   start + replayed.compute_end) for block, mb, start, replayed in time.blocks]
         if time.epilogue is not None:
             start, replayed = time.epilogue
             spans.append(("epilogue", "epilogue (optimizer)", start, start + replayed.end))

@@ -1,0 +1,73 @@
+"""A schedule's timeline with uniform block times and free communication: the
+textbook bubble, to check a schedule against its paper (the compiled programs have
+their own simulator, :mod:`planc.simulate`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from planc.schedules.actions import Action, ActionKind
+
+FORWARD, BACKWARD = ActionKind.FORWARD, ActionKind.BACKWARD
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """When each stage runs each action, from :func:`simulate`."""
+
+    starts: dict[int, list[float]]  # stage -> start time of each of its actions
+    ends: dict[int, list[float]]
+    makespan: float
+
+    def bubble(self, stage: int) -> float:
+        """Idle fraction of ``stage`` between the first start and the last end overall."""
+        busy = sum(e - s for s, e in zip(self.starts[stage], self.ends[stage]))
+        return 1.0 - busy / self.makespan
+
+
+def _needs(action: Action, last_chunk: int) -> list[Action]:
+    """A forward of chunk c needs the same microbatch's forward of chunk c - 1; a backward
+    of chunk c needs its own forward and the backward of chunk c + 1."""
+    kind, microbatch, chunk = action
+    if kind is FORWARD:
+        return [Action(FORWARD, microbatch, chunk - 1)] if chunk > 0 else []
+    if kind is BACKWARD:
+        return [Action(FORWARD, microbatch, chunk)] + \
+            ([Action(BACKWARD, microbatch, chunk + 1)] if chunk < last_chunk else [])
+    raise ValueError(f"the timeline does not run {kind.words} actions yet")
+
+
+def simulate(schedules: dict[int, Sequence[Action | tuple[str, int, int]]], pp: int,
+             virtual: int, forward_time: float = 1.0, backward_time: float = 2.0) -> Timeline:
+    """Run the schedules (actions, or (letter, microbatch, chunk) triples) in order on
+    each stage. Raises ValueError if the schedules deadlock."""
+    last_chunk = pp * virtual - 1
+    typed = {stage: [Action(ActionKind(k), mb, c) for k, mb, c in actions]
+             for stage, actions in schedules.items()}
+    done: dict[Action, float] = {}
+    position = {stage: 0 for stage in typed}
+    clock = {stage: 0.0 for stage in typed}
+    starts: dict[int, list[float]] = {stage: [] for stage in typed}
+    ends: dict[int, list[float]] = {stage: [] for stage in typed}
+    remaining = sum(len(a) for a in typed.values())
+    while remaining:
+        progressed = False
+        for stage, actions in typed.items():
+            while position[stage] < len(actions):
+                action = actions[position[stage]]
+                needs = _needs(action, last_chunk)
+                if any(n not in done for n in needs):
+                    break
+                start = max([clock[stage]] + [done[n] for n in needs])
+                end = start + (forward_time if action.kind is FORWARD else backward_time)
+                done[action] = end
+                starts[stage].append(start)
+                ends[stage].append(end)
+                clock[stage] = end
+                position[stage] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the pipeline schedules deadlock")
+    return Timeline(starts, ends, max(clock.values()))
