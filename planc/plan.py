@@ -260,7 +260,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (the ``plan.json`` of a build directory)."""
-        body = {f.name: _without_empty(getattr(self, f.name))
+        body = {f.name: json_form(getattr(self, f.name))
                 for f in dataclasses.fields(self) if f.name not in ("name", "sources")}
         spans = {key: [s.line, s.column, s.end_line, s.end_column]
                  for key, s in sorted(self.sources.spans.items())}
@@ -291,8 +291,9 @@ class Plan:
         _check_consistency(plan)
         return plan
 
-def _without_empty(section: Any) -> dict[str, Any]:
-    """A section's asdict() form without its fields that plan.json omits when empty."""
+def json_form(section: Any) -> dict[str, Any]:
+    """A section's asdict() form without its fields that plan.json omits when empty (a
+    model's options): how plan.json and a checkpoint's manifest write a section."""
     body = dataclasses.asdict(section)
     for f in dataclasses.fields(section):
         if f.metadata.get("omitted_when_empty") and not body[f.name]:
