@@ -138,6 +138,11 @@ class Topology:
 
 @dataclass(frozen=True)
 class TensorParallel:
+    """shard { tp { } }: how each placement slot of a pre-norm decoder block is split
+    over tp (Megatron-LM, Shoeybi et al. 2019). A family's operators name the slot that
+    places them (planc.models.family.OpRule.placement: llama's q, k and v are ``qkv``)
+    and the values each slot may take (Family.placements)."""
+
     embedding: str = "vocab"
     qkv: str = "column"
     proj: str = "row"

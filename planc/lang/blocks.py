@@ -21,7 +21,6 @@ def _where_given(span: Span) -> str:
     return f"by {span.source.name}" if span.source is not None else f"at line {span.line}"
 
 
-
 @dataclass
 class BlockReader:
     """What a plan's blocks hold, by dotted key, and what was found wrong."""
@@ -35,6 +34,9 @@ class BlockReader:
 
     def report(self, diagnostic: Diagnostic) -> None:
         self.diagnostics.append(diagnostic)
+
+    # --- pass 1: blocks and keys -----------------------------------------------------
+
     def _read_block(self, schema: BlockSchema, entries, path: str, header: Span) -> None:
         keys: dict[str, ast.Assign] = {}
         blocks: dict[str, ast.Block] = {}

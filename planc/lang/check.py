@@ -3,8 +3,9 @@
 Two passes. The first reads each block against :mod:`planc.lang.schema` (unknown and
 duplicate keys, types, units, expressions). The second checks what holds across
 keys and blocks: the world size against the topology, every divisibility the
-sharding needs, pipeline stages, schedules and tied embeddings. Every problem found
-is reported; a Plan is returned only when there is no error.
+sharding needs, pipeline stages, schedules and tied embeddings, and the rules of the
+model's family (planc.models). Every problem found is reported; a Plan is returned only
+when there is no error.
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ def _over_limit(what: str, limit: str) -> str:
 
 @dataclass
 class _Checker(TopologyReader):
+    """Pass 2, the rules across keys and blocks. Pass 1 is BlockReader's
+    (:mod:`planc.lang.blocks`), the topology TopologyReader's; a model family's own rules
+    are its description's (Family.model_checks, Family.tensor_parallel_checks)."""
+
     plan_name: str = ""
     overrides: tuple[str, ...] = ()  # the --set KEY=VALUE texts applied, for Sources
 
