@@ -83,6 +83,8 @@ def test_a_family_registered_with_its_description_is_read_checked_and_printed(to
 
 def test_a_family_s_defaults_and_checks_are_its_own(toy):
     assert load_text(PLAN.format(extra="", tp=1)).plan.model.window == 16
+    assert load_text(PLAN.format(extra="", tp=1), overrides=["model.window=4"]
+                     ).plan.model.window == 4
     assert _errors(load_text(PLAN.format(extra="; window = 32", tp=1))) == [
         "2:93: window (32) is more than seq (16) | try window = 16"]
     assert _errors(load_text(PLAN.format(extra="; window = 9", tp=2))) == [
