@@ -167,20 +167,14 @@ class _Checker(TopologyReader):
                 self.report(warning("shard { tp { } } has no effect with tp = 1",
                                     self.span("shard.tp")))
             return tensor
-        needs: dict[str, int] = {}
-        if tensor.qkv == "column" or tensor.proj == "row":
-            needs["heads"] = model.heads
-        if "row" in (tensor.qkv, tensor.fc1) or "column" in (tensor.proj, tensor.fc2) or \
-                tensor.embedding == "hidden":
-            needs["hidden"] = model.hidden
-        if tensor.fc1 == "column" or tensor.fc2 == "row":
-            needs["ffn"] = model.ffn
         for rule in family.tensor_parallel_checks:  # the family's own rules, in its order
             found = rule(model, tensor, mesh)
             if found is not None:
                 return self._reject(found.message, self.span(*found.keys), found.hint or None)
-        if "vocab" in (tensor.embedding, tensor.head):
-            needs["vocab"] = model.vocab
+        needs: dict[str, int] = {}  # model key -> its value, which tp must divide
+        for key, slot, placement in family.tensor_parallel_splits:
+            if getattr(tensor, slot) == placement:
+                needs.setdefault(key, getattr(model, key))
         local_seq = model.seq // mesh.cp if model.seq % mesh.cp == 0 else None
         if tensor.sequence_parallel and local_seq is not None:
             needs["seq / cp" if mesh.cp > 1 else "seq"] = local_seq

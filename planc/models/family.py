@@ -102,6 +102,19 @@ class OpRule:
     params: tuple[str, ...] = ()
 
 
+# What tp must divide when a placement slot of a pre-norm block is split (Megatron-LM,
+# Shoeybi et al. 2019): (model key, shard.tp slot, placement), in the order a diagnostic
+# names them. A column-parallel qkv and a row-parallel proj split the heads; the other
+# side of each linear layer splits the features it reads or writes.
+PRE_NORM_SPLITS = (
+    ("heads", "qkv", "column"), ("heads", "proj", "row"),
+    ("hidden", "qkv", "row"), ("hidden", "fc1", "row"), ("hidden", "proj", "column"),
+    ("hidden", "fc2", "column"), ("hidden", "embedding", "hidden"),
+    ("ffn", "fc1", "column"), ("ffn", "fc2", "row"),
+    ("vocab", "embedding", "vocab"), ("vocab", "head", "vocab"),
+)
+
+
 @dataclass(frozen=True)
 class Finding:
     """An error one of a family's checks found: the message, the dotted keys whose span
@@ -131,7 +144,7 @@ class Family:
     chains: Mapping[str, tuple[str, ...]]  # layout-search units between fixed points
     rules: Mapping[str, OpRule]
     output_tensor: Mapping[str, str]  # operator -> the activation it produces
-    placements: Mapping[str, tuple[str, ...]]  # shard.tp key -> the values that exist
+    placements: Mapping[str, tuple[str, ...]]  # shard.tp slot -> the values that exist
     global_parameters: tuple[str, ...]  # names not repeated per block
     widths: Callable[[Model], Mapping[str, int]]  # activation -> features per token
     feature_groups: Callable[[Model], Mapping[str, tuple[int, ...]]]
@@ -144,6 +157,8 @@ class Family:
     keys: Mapping[str, Key] = field(default_factory=dict)  # the model block's keys
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> keys
     model_checks: tuple[ModelCheck, ...] = ()
+    # (model key, shard.tp slot, placement): tp must divide the key under the placement
+    tensor_parallel_splits: tuple[tuple[str, str, str], ...] = PRE_NORM_SPLITS
     tensor_parallel_checks: tuple[TensorParallelCheck, ...] = ()
 
     @property
