@@ -10,6 +10,7 @@ when there is no error.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -149,7 +150,7 @@ class _Checker(TopologyReader):
                                 self.span(f"mesh.{largest}"))
         return mesh
     def _tensor_parallel(self, mesh: Mesh | None, model: Model | None) -> TensorParallel | None:
-        keys = ("embedding", "qkv", "proj", "fc1", "fc2", "head", "sequence_parallel")
+        keys = tuple(f.name for f in dataclasses.fields(TensorParallel))
         if not self.ready(*(f"shard.tp.{k}" for k in keys)):
             return None
         tensor = TensorParallel(**{k: self.value(f"shard.tp.{k}") for k in keys})
