@@ -45,6 +45,7 @@ from planc.checkpoint_manifest import (FORMAT, MANIFEST, MODEL_INDEX,  # noqa: F
                                        CheckpointError, read_manifest, reason, shown,
                                        state_keys, state_name)
 from planc.files import fsync_directory, kind_of, read_regular_file, write_atomically  # noqa: F401 (fsync_directory: API)
+from planc.plan import json_form
 
 LATEST = "latest"
 STEP_DIR = re.compile(r"step-([0-9]{6,})")
@@ -74,7 +75,7 @@ def optimizer_file(stage: int, stages: int) -> str:
 def as_json(value) -> object:
     """A dataclass (plan.model, plan.train.optimizer) as JSON would give it back."""
     if dataclasses.is_dataclass(value):
-        value = dataclasses.asdict(value)
+        value = json_form(value)  # as plan.json writes it
     return json.loads(json.dumps(value))
 
 

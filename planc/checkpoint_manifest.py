@@ -251,11 +251,17 @@ _MODEL_TYPES = typing.get_type_hints(Model)
 
 def _model(value: object, where: str) -> None:
     """Every field of the plan's model block (planc.plan.Model), as the plan checks it."""
-    names = [f.name for f in dataclasses.fields(Model)]
+    names = [f.name for f in dataclasses.fields(Model)
+             if not (f.metadata.get("omitted_when_empty") and isinstance(value, dict)
+                     and f.name not in value)]  # written only when the model has some
     _fields(value, where, names)
     for name in names:
         item, at, hint = value[name], _at(where, name), _MODEL_TYPES[name]
-        if name == "dtype":
+        if name == "options":  # a family's own keys: names and plain JSON values
+            if not isinstance(item, dict) or not item or not all(
+                    isinstance(v, (bool, int, float, str)) for v in item.values()):
+                raise _wrong(at, item, "an object of a family's keys and their values")
+        elif name == "dtype":
             _one_of(item, at, DTYPE_BYTES)
         elif name == "family":
             _one_of(item, at, FAMILIES)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from planc.diagnostics import Span
+from planc.schedules import DEFAULT_SCHEDULE
 
 AXES = ("tp", "cp", "pp", "dp")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -24,8 +25,13 @@ PLAN_FORMAT_VERSION = 1
 
 @dataclass(frozen=True)
 class Model:
-    """The model block: its family (planc.models) and that family's keys. ``kv_heads``,
-    ``rope_theta`` and ``norm_eps`` are llama's (gpt has one k and v head per head)."""
+    """The model block: its family (planc.models) and that family's keys.
+
+    The fields are those of plan.json version 1: the common keys, then ``kv_heads``,
+    ``rope_theta`` and ``norm_eps``, which are llama's (gpt has one k and v head per
+    head) but which version 1 writes for every family. A family's other keys are held in
+    ``options`` and read as attributes (``model.experts``); plan.json holds ``options``
+    only when there are some, so that earlier plans' plan.json stay as they were."""
 
     layers: int
     hidden: int
@@ -40,6 +46,23 @@ class Model:
     kv_heads: int | None = None
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    options: Mapping[str, Any] = field(default_factory=dict, hash=False,
+                                       metadata={"omitted_when_empty": True})
+
+    @staticmethod
+    def of(family: str, keys: Mapping[str, Any]) -> "Model":
+        """The model of family ``family`` with ``keys`` (a model block's values): those
+        plan.json version 1 has a field for as fields, the others as options."""
+        fields = {f.name for f in dataclasses.fields(Model)} - {"family", "options"}
+        return Model(family=family, **{k: v for k, v in keys.items() if k in fields},
+                     options={k: v for k, v in keys.items() if k not in fields})
+
+    def __getattr__(self, name: str) -> Any:
+        # Called only for names that are not fields: a family's own keys.
+        options = self.__dict__.get("options")
+        if options is not None and name in options:
+            return options[name]
+        raise AttributeError(f"model {self.__dict__.get('family')} has no key {name!r}")
 
     @property
     def head_dim(self) -> int:
@@ -116,6 +139,11 @@ class Topology:
 
 @dataclass(frozen=True)
 class TensorParallel:
+    """shard { tp { } }: how each placement slot of a pre-norm decoder block is split
+    over tp (Megatron-LM, Shoeybi et al. 2019). A family's operators name the slot that
+    places them (planc.models.family.OpRule.placement: llama's q, k and v are ``qkv``)
+    and the values each slot may take (Family.placements)."""
+
     embedding: str = "vocab"
     qkv: str = "column"
     proj: str = "row"
@@ -165,7 +193,7 @@ class Shard:
 @dataclass(frozen=True)
 class Schedule:
     microbatches: int = 1
-    pipeline: str = "1f1b"
+    pipeline: str = DEFAULT_SCHEDULE  # a name of planc.schedules.SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -238,7 +266,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (the ``plan.json`` of a build directory)."""
-        body = {f.name: dataclasses.asdict(getattr(self, f.name))
+        body = {f.name: json_form(getattr(self, f.name))
                 for f in dataclasses.fields(self) if f.name not in ("name", "sources")}
         spans = {key: [s.line, s.column, s.end_line, s.end_column]
                  for key, s in sorted(self.sources.spans.items())}
@@ -268,6 +296,16 @@ class Plan:
         _check_values(plan)
         _check_consistency(plan)
         return plan
+
+def json_form(section: Any) -> dict[str, Any]:
+    """A section's asdict() form without its fields that plan.json omits when empty (a
+    model's options): how plan.json and a checkpoint's manifest write a section."""
+    body = dataclasses.asdict(section)
+    for f in dataclasses.fields(section):
+        if f.metadata.get("omitted_when_empty") and not body[f.name]:
+            del body[f.name]
+    return body
+
 
 @functools.lru_cache(maxsize=None)
 def _field_types(cls: type) -> dict[str, Any]:
@@ -324,7 +362,8 @@ def _build(cls, data: Any, where: str, skip: tuple[str, ...] = ()) -> Any:
     if not isinstance(data, Mapping):
         raise ValueError(f"{where} is not a JSON object")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    missing = [name for name in fields if name not in data and name not in skip]
+    missing = [name for name in fields if name not in data and name not in skip
+               and not fields[name].metadata.get("omitted_when_empty")]
     unknown = [name for name in data if name not in fields]
     if missing or unknown:
         raise ValueError(f"{where} has " + ", ".join(
@@ -333,7 +372,7 @@ def _build(cls, data: Any, where: str, skip: tuple[str, ...] = ()) -> Any:
     hints = _field_types(cls)
     values = {}
     for name in fields:
-        if name in skip:
+        if name in skip or name not in data:
             continue
         values[name] = _convert(data[name], hints[name], f"{where}.{name}")
     return cls(**values)  # skipped fields take their defaults
@@ -400,6 +439,12 @@ def _check_values(value: Any, where: str = "plan") -> None:
     if plan.model.family not in FAMILIES:
         raise ValueError(f"plan.model.family is {plan.model.family!r}, not one of "
                          f"{', '.join(FAMILIES)}")
+    family = FAMILIES[plan.model.family]
+    for key, value in plan.model.options.items():
+        if key not in family.keys or not isinstance(value, (bool, int, float, str)) or \
+                isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"plan.model.options.{key} is not a value of a key of model "
+                             f"{family.name}")
     if plan.train.optimizer.name not in ("sgd", "adamw"):
         raise ValueError(f"plan.train.optimizer.name is {plan.train.optimizer.name!r}")
     mesh, pp = plan.mesh, plan.shard.pp

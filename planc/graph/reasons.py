@@ -7,11 +7,16 @@ as its ``reason`` attribute, so that "why is there an all-gather here?" has an a
 from __future__ import annotations
 
 from planc.graph.layouts import Layout, Redistribution
+from planc.models import family_of
 from planc.plan import Plan
 
 _PLACEMENT_WORDS = {"column": "column-parallel", "row": "row-parallel",
                     "replicate": "replicated", "vocab": "vocabulary-parallel",
                     "hidden": "split by hidden features"}
+
+# Operators of these kinds (planc.models.family.OpRule) work on the residual stream: a
+# norm, a residual add, the position embedding's add.
+_RESIDUAL_STREAM_KINDS = ("norm", "residual", "position")
 
 
 def _layout_words(layout: Layout) -> str:
@@ -25,15 +30,16 @@ def _layout_words(layout: Layout) -> str:
 def _why(plan: Plan, op: str, side: str) -> str:
     """Why ``op`` produces or needs its layout: its placement, or the residual stream."""
     tensor = plan.shard.tp
-    if op in ("qkv", "proj", "fc1", "fc2", "head", "embedding"):
-        placement = getattr(tensor, op)
-        return f"{op} is {_PLACEMENT_WORDS[placement]} over tp ({op} = {placement})"
-    if op in ("ln1", "ln2", "final_ln", "attn_residual", "mlp_residual", "position") and \
-            tensor.sequence_parallel:
+    rule = family_of(plan).rules.get(op)
+    kind = rule.kind if rule is not None else None
+    if rule is not None and rule.placement is not None:
+        placement = getattr(tensor, rule.placement)
+        return f"{op} is {_PLACEMENT_WORDS[placement]} over tp ({rule.placement} = {placement})"
+    if kind in _RESIDUAL_STREAM_KINDS and tensor.sequence_parallel:
         return f"{op} works on the residual stream, sequence-parallel over tp"
-    if op in ("ln1", "ln2", "final_ln", "attn_residual", "mlp_residual", "position"):
+    if kind in _RESIDUAL_STREAM_KINDS:
         return f"{op} works on the residual stream, replicated over tp"
-    return f"{op} runs {'on whole heads' if op == 'attention' else 'elementwise'}"
+    return f"{op} runs {'on whole heads' if kind == 'attention' else 'elementwise'}"
 
 
 def tensor_parallel(plan: Plan, tpp, names: tuple[str, str], move: Redistribution,

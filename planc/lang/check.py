@@ -3,35 +3,35 @@
 Two passes. The first reads each block against :mod:`planc.lang.schema` (unknown and
 duplicate keys, types, units, expressions). The second checks what holds across
 keys and blocks: the world size against the topology, every divisibility the
-sharding needs, pipeline stages, schedules and tied embeddings. Every problem found
-is reported; a Plan is returned only when there is no error.
+sharding needs, pipeline stages, schedules and tied embeddings, and the rules of the
+model's family (planc.models). Every problem found is reported; a Plan is returned only
+when there is no error.
 """
 
 from __future__ import annotations
 
-import itertools
-import json
-import math
+import dataclasses
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from planc.models import FAMILIES
-from planc.diagnostics import Diagnostic, Span, error, warning
-from planc.files import read_regular_file
+from planc.diagnostics import Diagnostic, error, warning
 from planc.lang import ast
+from planc.lang.blocks import BlockReader
+from planc.lang.hints import divisors_below, largest_divisors
+from planc.lang.hints import try_values as _try
 from planc.lang.overrides import Override
 from planc.lang.overrides import apply as apply_overrides
-from planc.lang.presets import GENERIC, PRESETS, Preset, calibrated_preset
-from planc.lang.schema import (PLAN_SCHEMA, BlockSchema, PresetFile, Scope, StageRange,
-                               Unresolved, block_syntax, did_you_mean, join_words,
-                               where_key_lives)
-from planc.plan import (LIMITS, Optimizer, ContextParallel, DataParallel, Device, Link, Mesh, Model,
-                        Optimize, PipelineParallel, Plan, Schedule, Shard, Sources,
-                        TensorParallel, Topology, Train)
+from planc.lang.schema import StageRange, join_words, plan_schema
+from planc.lang.topology_check import MAX_TOPOLOGY_BYTES, TopologyReader
+from planc.models import DEFAULT_FAMILY, FAMILIES
+from planc.plan import (LIMITS, ContextParallel, DataParallel, Mesh, Model, Optimize, Optimizer,
+                        PipelineParallel, Plan, Schedule, Shard, Sources, TensorParallel, Train)
 from planc.schedules import PipelineShape
 from planc.schedules import problems as schedule_problems
+
+__all__ = ["DATA_SCAN_LIMIT", "LIMITS", "LIMIT_REASONS", "MAX_TOPOLOGY_BYTES", "BlockReader",
+           "check", "divisors_below", "largest_divisors"]
 
 
 def check(tree: ast.PlanFile, path: str, overrides: Sequence[Override] = ()
@@ -44,7 +44,6 @@ def check(tree: ast.PlanFile, path: str, overrides: Sequence[Override] = ()
     return plan, checker.diagnostics
 
 
-MAX_TOPOLOGY_BYTES = 1 << 20  # a calibrated topology is a few KB
 # planc's limits (docs/language.md, section 5): far beyond any model or cluster that
 # exists, and small enough that compile, programs, verify and graph finish in seconds on
 # every plan check accepts (tests/test_limits.py compiles a plan at each one). The work
@@ -66,45 +65,14 @@ def _over_limit(what: str, limit: str) -> str:
     return f"{what} is more than planc's limit of {LIMITS[limit]}: {LIMIT_REASONS[limit]}"
 
 
-def divisors_below(limit: int, *numbers: int, count: int = 2) -> list[int]:
-    """The largest ``count`` values d in 2..limit-1, and at most 4096, that divide every
-    one of ``numbers``."""
-    return largest_divisors(math.gcd(*numbers), min(limit, 4097), count, least=2)
-
-
-def largest_divisors(n: int, below: int, count: int = 2, least: int = 1,
-                     budget: int = 100_000) -> list[int]:
-    """The largest ``count`` divisors of ``n`` that are less than ``below`` and at least
-    ``least``, for a hint. Searched downward from the first value that could be one, over
-    at most ``budget`` values: a hostile plan may write heads = 100000144 (a search from
-    there took 6 s) or hidden = 10**30, and a hint is not worth more than a few
-    milliseconds."""
-    top = below - 1 if n == 0 else min(below - 1, n)  # every number divides 0
-    found = (d for d in range(top, max(top - budget, least - 1), -1) if n % d == 0)
-    return list(itertools.islice(found, count))
-
-
-def _where_given(span: Span) -> str:
-    """'at line 3' in the file, 'by --set mesh.tp=8' in an override."""
-    return f"by {span.source.name}" if span.source is not None else f"at line {span.line}"
-
-
-def _try(name: str, candidates: list[int]) -> str:
-    return "try " + " or ".join(f"{name} = {c}" for c in candidates) if candidates else ""
-
-
 @dataclass
-class _Checker:
-    path: str
-    diagnostics: list[Diagnostic] = field(default_factory=list)
-    values: dict[str, Any] = field(default_factory=dict)  # "mesh.tp" -> value or None
-    spans: dict[str, Span] = field(default_factory=dict)  # "mesh.tp" -> value span
-    given: set[str] = field(default_factory=set)  # keys and blocks the user wrote
+class _Checker(TopologyReader):
+    """Pass 2, the rules across keys and blocks. Pass 1 is BlockReader's
+    (:mod:`planc.lang.blocks`), the topology TopologyReader's; a model family's own rules
+    are its description's (Family.model_checks, Family.tensor_parallel_checks)."""
+
     plan_name: str = ""
     overrides: tuple[str, ...] = ()  # the --set KEY=VALUE texts applied, for Sources
-    labels: dict[str, str] = field(default_factory=dict)  # "model" -> "llama"
-
-    # --- pass 1: blocks and keys -----------------------------------------------------
 
     def run(self, tree: ast.PlanFile) -> Plan | None:
         self.spans["plan"] = tree.name_span
@@ -112,136 +80,11 @@ class _Checker:
         if "-" in tree.name:
             self.report(error(f"plan name '{tree.name}' may hold only letters, digits and '_'",
                               tree.name_span, f"write plan {tree.name.replace('-', '_')}"))
-        self._read_block(PLAN_SCHEMA, tree.entries, "", tree.name_span)
+        self._read_block(plan_schema(), tree.entries, "", tree.name_span)
         plan = self._build()
         return plan if not any(d.is_error for d in self.diagnostics) else None
 
-    def report(self, diagnostic: Diagnostic) -> None:
-        self.diagnostics.append(diagnostic)
-
-    def _read_block(self, schema: BlockSchema, entries, path: str, header: Span) -> None:
-        keys: dict[str, ast.Assign] = {}
-        blocks: dict[str, ast.Block] = {}
-        where = f"in {block_syntax(path)}" if path else "at the top of the plan"
-        for entry in entries:
-            if isinstance(entry, ast.Assign):
-                self._index_key(schema, entry, keys, path, where)
-            else:
-                self._index_block(schema, entry, blocks, path, where)
-        # A misspelt key is reported once, as unknown, not again as missing.
-        unknown = [e.key for e in entries if isinstance(e, ast.Assign) and e.key not in schema.keys]
-        for name, sub in schema.blocks.items():
-            inner = f"{path}.{name}" if path else name
-            if name in blocks:
-                block = blocks[name]
-                self.given.add(inner)
-                self.spans[inner] = block.name_span
-                if block.label in sub.variants:
-                    self.labels[inner] = block.label
-                self._read_block(sub.variant(block.label), block.entries, inner,
-                                 block.name_span)
-            else:
-                if sub.required:
-                    self.report(error(f"the plan has no {name} block", header,
-                                      f"add {block_syntax(inner)} with its keys"))
-                self._read_block(sub, (), inner, header)
-        self._read_keys(schema, keys, path, header, unknown)
-
-    def _index_key(self, schema, entry: ast.Assign, keys, path, where) -> None:
-        if entry.key in schema.keys:
-            if entry.key in keys:
-                first = keys[entry.key].key_span
-                self.report(error(f"duplicate key '{entry.key}' (first given "
-                                  f"{_where_given(first)})", entry.key_span))
-            else:
-                keys[entry.key] = entry
-        elif entry.key in schema.blocks:
-            homes = [h for h in where_key_lives(entry.key) if h != path]
-            self.report(error(f"'{entry.key}' is a block, not a key", entry.key_span,
-                              *[f"'{entry.key}' belongs in {block_syntax(h)}" for h in homes],
-                              f"write {entry.key} {{ ... }}"))
-        else:
-            self.report(error(f"unknown key '{entry.key}' {where}", entry.key_span,
-                              *self._unknown_hints(entry.key, schema, path)))
-
-    def _index_block(self, schema, entry: ast.Block, blocks, path, where) -> None:
-        if entry.name in schema.blocks:
-            sub = schema.blocks[entry.name]
-            if entry.name in blocks:
-                first = blocks[entry.name].name_span
-                self.report(error(f"duplicate block '{entry.name}' (first given "
-                                  f"{_where_given(first)})", entry.name_span))
-                return
-            if sub.labels and entry.label is None:
-                self.report(error(f"{entry.name} needs its family: write "
-                                  f"{entry.name} {sub.labels[0]} {{ ... }}", entry.name_span))
-            elif sub.labels and entry.label not in sub.labels:
-                self.report(error(f"unknown {entry.name} family '{entry.label}'; planc knows "
-                                  f"{', '.join(sub.labels)}", entry.label_span,
-                                  did_you_mean(entry.label, sub.labels)))
-            elif not sub.labels and entry.label is not None:
-                meant = next((k for k, key in sub.keys.items()
-                              if entry.label in getattr(key.kind, "words", ())), None)
-                self.report(error(f"block '{entry.name}' takes no second word",
-                                  entry.label_span,
-                                  f"write {entry.name} {{ {meant} = {entry.label}; ... }}"
-                                  if meant else f"write {entry.name} {{ ... }}"))
-            blocks[entry.name] = entry
-        elif entry.name in schema.keys:
-            self.report(error(f"'{entry.name}' is a key, not a block", entry.name_span,
-                              f"write {entry.name} = ..."))
-        else:
-            self.report(error(f"unknown block '{entry.name}' {where}", entry.name_span,
-                              *self._unknown_hints(entry.name, schema, path)))
-
-    @staticmethod
-    def _unknown_hints(name: str, schema: BlockSchema, path: str) -> list[str]:
-        near = did_you_mean(name, list(schema.keys) + list(schema.blocks))
-        if near:
-            return [near]
-        homes = [h for h in where_key_lives(name) if h != path]
-        if homes:
-            return [f"'{name}' belongs in " + " or ".join(block_syntax(h) for h in homes)]
-        return []
-
-    def _read_keys(self, schema: BlockSchema, entries: dict[str, ast.Assign], path: str,
-                   header: Span, unknown: list[str]) -> None:
-        required = frozenset(k for k, key in schema.keys.items() if key.required)
-        misspelt: set[str] | None = None  # found only if a required key is missing
-        scope = Scope(entries, {k: key.kind for k, key in schema.keys.items()},
-                      {k: key.default for k, key in schema.keys.items()}, required)
-        for name, key in schema.keys.items():
-            dotted = f"{path}.{name}"
-            if name in entries:
-                self.given.add(dotted)
-                self.spans[dotted] = entries[name].value.span
-            elif key.required and path in self.given:
-                if misspelt is None:
-                    misspelt = {did_you_mean(word, schema.keys) for word in unknown}
-                if f"did you mean '{name}'?" not in misspelt:
-                    self.report(error(f"{block_syntax(path).split(' {')[0]} is missing the "
-                                      f"key '{name}'", header, f"add {name} = ..."))
-            try:
-                self.values[dotted] = scope.value(name)
-            except Unresolved:
-                self.values[dotted] = None
-        for problem in scope.problems:
-            self.report(error(problem.message, problem.span, *problem.hints))
-
     # --- pass 2: rules across keys ----------------------------------------------------
-
-    def value(self, dotted: str) -> Any:
-        return self.values.get(dotted)
-
-    def span(self, *dotted: str) -> Span | None:
-        for key in dotted:
-            if key in self.spans:
-                return self.spans[key]
-        return self.spans.get("plan")
-
-    def ready(self, *dotted: str) -> bool:
-        """Whether every named value was read successfully."""
-        return all(self.values.get(key) is not None for key in dotted)
 
     def _build(self) -> Plan | None:
         model = self._model()
@@ -267,8 +110,8 @@ class _Checker:
                     sources=Sources(self.path, dict(self.spans), self.overrides))
 
     def _model(self) -> Model | None:
-        family = FAMILIES[self.labels.get("model", "gpt")]
-        keys = tuple(k for k in family.keys() if k != "preset")
+        family = FAMILIES[self.labels.get("model", DEFAULT_FAMILY)]
+        keys = tuple(k for k in family.keys if k != "preset")
         preset_failed = "model.preset" in self.spans and self.values.get("model.preset") is None
         if family.presets and "model" in self.given and not preset_failed:
             # A family with presets: a key neither given nor in the preset is missing.
@@ -281,7 +124,7 @@ class _Checker:
                                       f"{' | '.join(family.presets)} that sets it"))
         if not self.ready(*(f"model.{k}" for k in keys)):
             return None
-        model = Model(family=family.name, **{k: self.value(f"model.{k}") for k in keys})
+        model = Model.of(family.name, {k: self.value(f"model.{k}") for k in keys})
         if model.layers > LIMITS["layers"]:
             return self._reject(_over_limit(f"layers ({model.layers})", "layers"),
                                 self.span("model.layers"))
@@ -291,16 +134,10 @@ class _Checker:
                               self.span("model.heads"),
                               f"heads must divide hidden; {_try('heads', candidates)}"))
             return None
-        if model.kv_heads is not None and model.heads % model.kv_heads:
-            candidates = largest_divisors(model.heads, model.kv_heads)
-            return self._reject(f"kv_heads ({model.kv_heads}) must divide heads "
-                                f"({model.heads}): each key/value head serves a group of "
-                                f"query heads", self.span("model.kv_heads", "model.heads"),
-                                _try("kv_heads", candidates))
-        if family.name == "llama" and model.head_dim % 2:
-            return self._reject(f"the head dimension hidden / heads = {model.head_dim} is "
-                                f"odd; rotary embedding turns pairs of features",
-                                self.span("model.heads"))
+        for rule in family.model_checks:  # the family's own rules, in its order
+            found = rule(model)
+            if found is not None:
+                return self._reject(found.message, self.span(*found.keys), found.hint or None)
         return model
 
     def _mesh(self) -> Mesh | None:
@@ -314,96 +151,8 @@ class _Checker:
                                 f"{LIMITS['world']}: {LIMIT_REASONS['world']}",
                                 self.span(f"mesh.{largest}"))
         return mesh
-
-    def _topology(self, mesh: Mesh | None, model: Model | None) -> Topology | None:
-        keys = ("topology.nodes", "topology.devices_per_node", "topology.preset")
-        if mesh is None or any(k in self.given and self.value(k) is None for k in keys):
-            return None
-        given = self.value("topology.preset")
-        if isinstance(given, PresetFile):
-            preset = self._calibrated(given)
-            if preset is None:
-                return None
-        else:
-            preset = PRESETS.get(given) or GENERIC
-        world = mesh.world
-        nodes, per_node = self.value("topology.nodes"), self.value("topology.devices_per_node")
-        if per_node is None and nodes is not None and preset.devices_per_node:
-            per_node = preset.devices_per_node  # the preset's machine, unless overridden
-        mesh_text = (f"tp {mesh.tp} x cp {mesh.cp} x pp {mesh.pp} x dp {mesh.dp} = "
-                     f"{world} devices")
-        if nodes is not None and per_node is not None:
-            if nodes * per_node != world:
-                hint = (_try("nodes", [world // per_node]) if world % per_node == 0 else
-                        f"devices_per_node must divide the world size {world}")
-                self.report(error(f"topology has {nodes} nodes x {per_node} devices = "
-                                  f"{nodes * per_node} devices, but the mesh needs {mesh_text}",
-                                  self.span("topology.nodes"), hint))
-                return None
-        elif nodes is not None:
-            if world % nodes:
-                self.report(error(f"the mesh's {mesh_text} do not split evenly over {nodes} "
-                                  f"nodes", self.span("topology.nodes")))
-                return None
-            per_node = world // nodes
-        else:
-            if per_node is None:
-                per_node = preset.devices_per_node or world
-                where = self.span("topology.preset")
-                if world % per_node:
-                    self.report(error(f"the mesh's {mesh_text} do not fill whole {preset.name} "
-                                      f"nodes of {per_node} devices", where,
-                                      f"set devices_per_node = {world} to use part of a node"
-                                      if world < per_node else ""))
-                    return None
-            elif world % per_node:
-                self.report(error(f"the mesh's {mesh_text} do not fill whole nodes of "
-                                  f"{per_node} devices", self.span("topology.devices_per_node")))
-                return None
-            nodes = world // per_node
-
-        def pick(key: str, fallback: Any) -> Any:
-            given = self.value(f"topology.{key}")
-            return fallback if given is None else given
-
-        dtype = model.dtype if model else "fp32"
-        device = Device(pick("device.flops", preset.flops[dtype]),
-                        pick("device.memory", preset.memory),
-                        pick("device.efficiency", preset.efficiency),
-                        pick("device.bandwidth", preset.memory_bandwidth))
-        # A link given in the plan replaces the preset's, measured collectives and all.
-        intra = Link(pick("intra.bandwidth", preset.intra_bandwidth),
-                     pick("intra.latency", preset.intra_latency),
-                     () if "topology.intra" in self.given else preset.intra_collectives)
-        inter = Link(pick("inter.bandwidth", preset.inter_bandwidth),
-                     pick("inter.latency", preset.inter_latency),
-                     () if "topology.inter" in self.given else preset.inter_collectives)
-        return Topology(nodes, per_node, device, intra, inter, self.value("topology.preset"))
-
-    def _calibrated(self, path: str) -> Preset | None:
-        """The topology ``planc calibrate`` wrote at ``path`` (relative to the plan)."""
-        base = os.path.dirname(os.path.abspath(self.path)) if self.path else os.getcwd()
-        resolved = os.path.normpath(os.path.join(base, path))
-        span = self.span("topology.preset")
-        try:
-            text = read_regular_file(resolved, MAX_TOPOLOGY_BYTES + 1)
-        except OSError as exc:
-            return self._reject(f"cannot read topology '{path}': "
-                                f"{exc.strerror or exc}", span)
-        if len(text) > MAX_TOPOLOGY_BYTES:
-            return self._reject(f"topology '{path}' is larger than "
-                                f"{MAX_TOPOLOGY_BYTES // 1024} KB; it is not one planc "
-                                f"calibrate wrote", span)
-        try:
-            return calibrated_preset(json.loads(text), path)
-        except (ValueError, UnicodeDecodeError, RecursionError, OverflowError) as exc:
-            reason = "it is not JSON" if isinstance(exc, (json.JSONDecodeError,
-                                                          UnicodeDecodeError)) else str(exc)
-            return self._reject(f"cannot use topology '{path}': {reason}", span,
-                                "write one with planc calibrate -o FILE")
-
     def _tensor_parallel(self, mesh: Mesh | None, model: Model | None) -> TensorParallel | None:
-        keys = ("embedding", "qkv", "proj", "fc1", "fc2", "head", "sequence_parallel")
+        keys = tuple(f.name for f in dataclasses.fields(TensorParallel))
         if not self.ready(*(f"shard.tp.{k}" for k in keys)):
             return None
         tensor = TensorParallel(**{k: self.value(f"shard.tp.{k}") for k in keys})
@@ -421,22 +170,14 @@ class _Checker:
                 self.report(warning("shard { tp { } } has no effect with tp = 1",
                                     self.span("shard.tp")))
             return tensor
-        needs: dict[str, int] = {}
-        if tensor.qkv == "column" or tensor.proj == "row":
-            needs["heads"] = model.heads
-        if "row" in (tensor.qkv, tensor.fc1) or "column" in (tensor.proj, tensor.fc2) or \
-                tensor.embedding == "hidden":
-            needs["hidden"] = model.hidden
-        if tensor.fc1 == "column" or tensor.fc2 == "row":
-            needs["ffn"] = model.ffn
-        kv = model.kv_heads
-        if tensor.qkv == "column" and kv is not None and kv % tp and tp % kv:
-            return self._reject(
-                f"kv_heads ({kv}) and tp ({tp}) must divide one another: each rank takes "
-                f"kv_heads / tp key/value heads, or shares one with tp / kv_heads ranks",
-                self.span("mesh.tp"), _try("tp", divisors_below(tp, kv)))
-        if "vocab" in (tensor.embedding, tensor.head):
-            needs["vocab"] = model.vocab
+        for rule in family.tensor_parallel_checks:  # the family's own rules, in its order
+            found = rule(model, tensor, mesh)
+            if found is not None:
+                return self._reject(found.message, self.span(*found.keys), found.hint or None)
+        needs: dict[str, int] = {}  # model key -> its value, which tp must divide
+        for key, slot, placement in family.tensor_parallel_splits:
+            if getattr(tensor, slot) == placement:
+                needs.setdefault(key, getattr(model, key))
         local_seq = model.seq // mesh.cp if model.seq % mesh.cp == 0 else None
         if tensor.sequence_parallel and local_seq is not None:
             needs["seq / cp" if mesh.cp > 1 else "seq"] = local_seq
@@ -581,16 +322,6 @@ class _Checker:
                             self.span("shard.pp.stages"),
                             f"the ranges must cover layers 0..{layers - 1}")
         return ok
-
-    def _fail(self, message: str, span: Span | None, hint: str | None = None) -> bool:
-        """Report an error; False, for ``ok = self._fail(...)``."""
-        self.report(error(message, span, *([hint] if hint else [])))
-        return False
-
-    def _reject(self, message: str, span: Span | None, hint: str | None = None) -> None:
-        """Report an error; None, for ``return self._reject(...)``."""
-        self._fail(message, span, hint)
-
     def _tied_embeddings(self, mesh, model, tensor) -> None:
         if not (mesh and model and tensor) or not model.tie_embeddings or mesh.tp == 1:
             return

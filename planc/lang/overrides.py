@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from planc.diagnostics import Diagnostic, Source, Span, TextRenderer, error, source_lines
 from planc.lang import ast
 from planc.lang.parser import parse_value
-from planc.lang.schema import PLAN_SCHEMA, BlockSchema
+from planc.lang.schema import BlockSchema, plan_schema
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 EXAMPLE = "mesh.tp=2"
@@ -124,7 +124,7 @@ def _key_path(key_text: str, source: Source, fail) -> tuple[tuple[str, ...], tup
 def _check_path(path: tuple[str, ...], spans: tuple[Span, ...], fail) -> None:
     """Reject paths that name a block or go through a key. Names the schema does not
     know are left to the checker, which reports them with a did-you-mean hint."""
-    schema: BlockSchema = PLAN_SCHEMA
+    schema: BlockSchema = plan_schema()  # the model block of the families registered now
     for i, part in enumerate(path):
         dotted = ".".join(path[:i + 1])
         last = i == len(path) - 1
@@ -195,7 +195,7 @@ def apply(tree: ast.PlanFile, overrides: Sequence[Override]) -> ast.PlanFile:
     that block, creating the blocks the file lacks."""
     entries = tree.entries
     for override in overrides:
-        entries = _set(entries, override, 0, PLAN_SCHEMA)
+        entries = _set(entries, override, 0, plan_schema())
     return dataclasses.replace(tree, entries=entries)
 
 

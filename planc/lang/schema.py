@@ -1,556 +1,37 @@
-"""What every block and key of a .plan file may hold, and how a value is read.
+"""What every block and key of a .plan file may hold: the schema table.
 
-Each key has a :class:`Kind` that turns its syntax tree into a Python value or raises
-:class:`Problem` with a precise message. Integer keys may be expressions over other
-keys of the same block; :class:`Scope` evaluates those on demand, in any order, and
-reports cycles.
+The kinds of values are :mod:`planc.lang.kinds` (the language's leaf) and
+:mod:`planc.lang.plan_kinds`; the keys of ``model NAME { }`` are the family's own
+(:mod:`planc.models`), read from its description when a plan is checked.
 """
 
 from __future__ import annotations
 
-import bisect
-import difflib
+import dataclasses
 import functools
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
-from planc.diagnostics import Span
-from planc.lang import ast
-from planc.lang.presets import PRESETS
-from planc.lang.units import COMPUTE, EXAMPLES, RATE, SIZE, TIME, UNITS, units_of
+from planc.lang.kinds import (BOOLEAN_WORDS, MAX_EXPRESSION_DEPTH, MAX_INTEGER, Boolean,
+                              Choice, Integer, Key, Kind, Problem, Quantity, Real, Scope, Time,
+                              Unresolved, check_literal, did_you_mean, evaluate_integer,
+                              join_words, word_text)
+from planc.lang.plan_kinds import (OPTIMIZER_ARGUMENTS, AxisOrder, DataSource, OptimizerCall,
+                                   OptimizerSpec, PresetFile, PresetSource, StageRange, Stages,
+                                   check_path)
+from planc.lang.units import COMPUTE, RATE, SIZE, TIME
+from planc.models import DEFAULT_FAMILY, FAMILIES
+from planc.models.family import Family
 from planc.plan import AXES
 from planc import schedules
 
-MAX_INTEGER = 2**53  # beyond this a float cannot hold the value and nothing is sensible
-MAX_EXPRESSION_DEPTH = 200
-
-
-class Problem(Exception):
-    """A value that cannot be read; becomes one error diagnostic."""
-
-    def __init__(self, message: str, span: Span | None, *hints: str):
-        super().__init__(message)
-        self.message, self.span, self.hints = message, span, tuple(h for h in hints if h)
-
-
-class Unresolved(Exception):
-    """A value depends on another that already failed (and was reported there)."""
-
-
-def did_you_mean(word: str, choices) -> str:
-    """"did you mean 'X'?" for the choice closest to ``word`` (difflib, cutoff 0.6), or
-    for the one that differs only in case; "" if none."""
-    lengths, ordered, lowered = _choice_index(tuple(choices))
-    # Only choices of a length that can reach the cutoff (difflib's real_quick_ratio:
-    # 2 * shorter / total >= 0.6, in integers) and sharing a letter with the word go to
-    # difflib: a file with 10,000 unknown keys asks 10,000 times.
-    size, letters = len(word), set(word)
-    near = [c for c in ordered[bisect.bisect_left(lengths, -(-3 * size // 7)):
-                               bisect.bisect_right(lengths, 7 * size // 3)]
-            if not letters.isdisjoint(c) or not size]
-    match = difflib.get_close_matches(word, near, n=1, cutoff=0.6) if near else []
-    if not match and word.lower() in lowered:
-        match = [lowered[word.lower()]]
-    return f"did you mean '{match[0]}'?" if match else ""
-
-
-@functools.lru_cache(maxsize=256)
-def _choice_index(choices: tuple[str, ...]) -> tuple[list[int], list[str], dict[str, str]]:
-    """The choices by length (and their lengths), and each one by its lower case."""
-    ordered = sorted(choices, key=len)
-    return [len(c) for c in ordered], ordered, {c.lower(): c for c in choices}
-
-
-def join_words(words, conjunction: str = "or") -> str:
-    words = list(words)
-    if len(words) == 1:
-        return words[0]
-    return ", ".join(words[:-1]) + f" {conjunction} " + words[-1]
-
-
-# --- expression scope --------------------------------------------------------------
-
-
-@dataclass
-class Scope:
-    """The keys of one block, for evaluating integer expressions such as ``4 * hidden``."""
-
-    entries: dict[str, ast.Assign]
-    kinds: dict[str, "Kind"]
-    defaults: dict[str, Any]
-    required: frozenset[str] = frozenset()
-    _values: dict[str, Any] = field(default_factory=dict)
-    _failed: set[str] = field(default_factory=set)
-    _active: list[str] = field(default_factory=list)
-    problems: list[Problem] = field(default_factory=list)
-
-    def value(self, key: str) -> Any:
-        """The value of ``key`` (given or default); Unresolved if it could not be read."""
-        if key in self._values:
-            return self._values[key]
-        if key in self._failed:
-            raise Unresolved(key)
-        self._active.append(key)
-        try:
-            if key in self.entries:
-                result = self.kinds[key].read(self.entries[key].value, self)
-            else:
-                default = self.defaults.get(key)
-                result = default(self) if callable(default) else default
-        except Problem as problem:
-            self.problems.append(problem)
-            self._failed.add(key)
-            raise Unresolved(key) from None
-        except Unresolved:
-            self._failed.add(key)
-            raise
-        finally:
-            self._active.pop()
-        self._values[key] = result
-        return result
-
-    def integer(self, name: str, span: Span) -> int:
-        """The value of the key ``name`` referenced at ``span`` inside an expression."""
-        if name not in self.kinds:
-            near = did_you_mean(name, [k for k, v in self.kinds.items()
-                                       if isinstance(v, Integer)])
-            elsewhere = where_key_lives(name)
-            if not near and elsewhere:
-                near = (f"expressions may use only keys of the same block; '{name}' is a key "
-                        f"of {block_syntax(elsewhere[0])}")
-            raise Problem(f"unknown name '{name}' in expression", span, near)
-        if not isinstance(self.kinds[name], Integer):
-            raise Problem(f"'{name}' is not an integer key and cannot be used in arithmetic",
-                          span)
-        if name in self._active:
-            cycle = self._active[self._active.index(name):] + [name]
-            raise Problem(f"'{name}' is defined in terms of itself ({' -> '.join(cycle)})", span)
-        value = self.value(name)
-        if value is None:
-            if name in self.required:  # missing, and reported as such on its own
-                raise Unresolved(name)
-            raise Problem(f"'{name}' is not set and has no default to use here", span)
-        return value
-
-
-def check_literal(value: ast.Value) -> None:
-    """Reject malformed and out-of-range number literals, whatever the key expects."""
-    if isinstance(value, ast.Number):
-        if value.malformed:
-            raise Problem(f"malformed number '{value.text}': '_' may only separate digits",
-                          value.span)
-        if value.value == float("inf"):
-            raise Problem(f"number {value.text[:20]}{'...' if len(value.text) > 20 else ''} "
-                          f"is out of range", value.span)
-
-
-def evaluate_integer(value: ast.Value, scope: Scope, depth: int = 0) -> int:
-    """Integer arithmetic with + - * / (exact) over literals and keys of the block."""
-    if depth > MAX_EXPRESSION_DEPTH:
-        raise Problem(f"expression has more than {MAX_EXPRESSION_DEPTH} nested operations",
-                      value.span)
-    if isinstance(value, ast.Number):
-        check_literal(value)
-        if value.suffix:
-            if value.suffix in UNITS:
-                raise Problem(f"expected a plain integer, got the {UNITS[value.suffix][0]} "
-                              f"{value.text}", value.span)
-            full = {"K": 10**3, "k": 10**3, "M": 10**6, "G": 10**9}.get(value.suffix)
-            raise Problem(f"'{value.text}' is not a number", value.span,
-                          f"write the number in full: {value.value * full}"
-                          if full and isinstance(value.value, int) else "")
-        if isinstance(value.value, float):
-            raise Problem(f"expected an integer, got {value.text}", value.span)
-        result = value.value
-    elif isinstance(value, ast.Word):
-        result = scope.integer(value.text, value.span)
-    elif isinstance(value, ast.Neg):
-        result = -evaluate_integer(value.operand, scope, depth + 1)
-    elif isinstance(value, ast.BinOp):
-        left = evaluate_integer(value.left, scope, depth + 1)
-        right = evaluate_integer(value.right, scope, depth + 1)
-        if value.op == "+":
-            result = left + right
-        elif value.op == "-":
-            result = left - right
-        elif value.op == "*":
-            result = left * right
-        elif right == 0:
-            raise Problem("division by zero", value.span)
-        elif left % right:
-            raise Problem(f"{left} / {right} does not divide exactly (remainder {left % right})",
-                          value.span, "'/' in a plan is exact integer division")
-        else:
-            result = left // right
-    else:
-        raise Problem(f"expected an integer, got {ast.describe(value)}", value.span)
-    if abs(result) > MAX_INTEGER:
-        raise Problem(f"value {result} is too large", value.span)
-    return result
-
-
-# --- kinds of values ---------------------------------------------------------------
-
-
-class Kind:
-    noun = "a value"
-
-    def read(self, value: ast.Value, scope: Scope) -> Any:
-        raise NotImplementedError
-
-    def mismatch(self, value: ast.Value) -> Problem:
-        return Problem(f"expected {self.noun}, got {ast.describe(value)}", value.span)
-
-
-@dataclass(frozen=True)
-class Integer(Kind):
-    minimum: int = 1
-    maximum: int | None = None
-
-    @property
-    def noun(self) -> str:
-        if self.maximum is not None:
-            return f"an integer from {self.minimum} to {self.maximum}"
-        return "a positive integer" if self.minimum == 1 else f"an integer >= {self.minimum}"
-
-    def read(self, value, scope):
-        if isinstance(value, (ast.ListValue, ast.String, ast.Call, ast.Range)):
-            raise self.mismatch(value)
-        if isinstance(value, ast.Word) and value.text not in scope.kinds:
-            # A bare word that names no key: a type mistake, not an expression.
-            integers = [k for k, kind in scope.kinds.items() if isinstance(kind, Integer)]
-            raise Problem(f"expected {self.noun}, got the word '{value.text}'", value.span,
-                          did_you_mean(value.text, integers))
-        result = evaluate_integer(value, scope)
-        if result < self.minimum or (self.maximum is not None and result > self.maximum):
-            raise Problem(f"expected {self.noun}, got {result}", value.span)
-        return result
-
-
-@dataclass(frozen=True)
-class Real(Kind):
-    minimum: float = 0.0
-    maximum: float | None = None
-    minimum_allowed: bool = True  # whether the minimum itself is valid
-
-    @property
-    def noun(self) -> str:
-        low = ">=" if self.minimum_allowed else ">"
-        if self.maximum is None:
-            return f"a number {low} {self.minimum:g}"
-        return f"a number {low} {self.minimum:g} and <= {self.maximum:g}"
-
-    def read(self, value, scope):
-        sign = 1
-        literal = value
-        if isinstance(literal, ast.Neg):
-            sign, literal = -1, literal.operand
-        if not isinstance(literal, ast.Number):
-            raise self.mismatch(value)
-        check_literal(literal)
-        if literal.suffix:
-            raise Problem(f"expected a plain number, got '{literal.text}'", value.span)
-        result = sign * float(literal.value)
-        if result != result or abs(result) == float("inf"):
-            raise Problem(f"number {literal.text} is out of range", value.span)
-        too_low = result < self.minimum or (result == self.minimum and not self.minimum_allowed)
-        if too_low or (self.maximum is not None and result > self.maximum):
-            raise Problem(f"expected {self.noun}, got {result:g}", value.span)
-        return result
-
-
-BOOLEAN_WORDS = {"on": True, "true": True, "off": False, "false": False}
-
-
-class Boolean(Kind):
-    noun = "on or off"
-
-    def read(self, value, scope):
-        if isinstance(value, ast.Word):
-            if value.text in BOOLEAN_WORDS:
-                return BOOLEAN_WORDS[value.text]
-            raise Problem(f"expected on or off, got '{value.text}'", value.span,
-                          did_you_mean(value.text, BOOLEAN_WORDS))
-        raise self.mismatch(value)
-
-
-def word_text(value: ast.Value) -> str | None:
-    """The text of an enum word: ``column``, ``1f1b`` (a digit first), ``dgx-a100`` (words
-    joined by '-' with no space, which the grammar reads as a subtraction)."""
-    if isinstance(value, ast.Word):
-        return value.text
-    if isinstance(value, ast.Number) and value.suffix and value.suffix not in UNITS \
-            and not value.malformed:
-        return value.text
-    if isinstance(value, ast.BinOp) and value.op == "-":
-        left, right = word_text(value.left), _piece(value.right)
-        touching = (value.left.span.end_line == value.right.span.line
-                    and value.left.span.end_column + 1 == value.right.span.column)
-        if left is not None and right is not None and touching:
-            return f"{left}-{right}"
-    return None
-
-
-def _piece(value: ast.Value) -> str | None:
-    if isinstance(value, ast.Word):
-        return value.text
-    if isinstance(value, ast.Number) and isinstance(value.value, int):
-        return value.text
-    return None
-
-
-@dataclass(frozen=True)
-class Choice(Kind):
-    words: tuple[str, ...]
-
-    @property
-    def noun(self) -> str:
-        return "one of " + join_words(self.words)
-
-    def read(self, value, scope):
-        text = word_text(value)
-        if text is None:
-            if isinstance(value, ast.Number) and not value.suffix and str(value.value) in self.words:
-                return str(value.value)
-            raise self.mismatch(value)
-        if text not in self.words:
-            raise Problem(f"unknown value '{text}'; expected {join_words(self.words)}",
-                          value.span, did_you_mean(text, self.words))
-        return text
-
-
-@dataclass(frozen=True)
-class Quantity(Kind):
-    dimension: str
-
-    @property
-    def noun(self) -> str:
-        return f"a {self.dimension} such as {EXAMPLES[self.dimension]}"
-
-    def read(self, value, scope):
-        if not isinstance(value, ast.Number):
-            raise self.mismatch(value)
-        check_literal(value)
-        if not value.suffix:
-            raise Problem(f"{value.text} needs a unit: expected {self.noun}", value.span,
-                          f"write it as, for example, {value.text}{EXAMPLES[self.dimension].lstrip('0123456789.')}")
-        if value.suffix not in UNITS:
-            raise Problem(f"unknown unit '{value.suffix}' in '{value.text}'", value.span,
-                          did_you_mean(value.suffix, units_of(self.dimension)))
-        dimension, scale = UNITS[value.suffix]
-        if dimension != self.dimension:
-            raise Problem(f"expected {self.noun}, got the {dimension} {value.text}", value.span)
-        # Divide by the inverse of sub-unit scales so that 5us is exactly 5e-06.
-        result = (float(value.value) / round(1 / scale) if scale < 1 and round(1 / scale) > 1
-                  else float(value.value) * scale)
-        if result == float("inf"):
-            raise Problem(f"{value.text} is out of range", value.span)
-        if not 0 < result:
-            raise Problem(f"expected a positive {self.dimension}, got {value.text}", value.span)
-        return result
-
-
-class Time(Quantity):
-    """Latencies may be zero."""
-
-    def read(self, value, scope):
-        if isinstance(value, ast.Number) and value.value == 0 and not value.suffix:
-            return 0.0
-        if isinstance(value, ast.Number) and value.value == 0 and value.suffix in UNITS:
-            if UNITS[value.suffix][0] == TIME:
-                return 0.0
-        return super().read(value, scope)
-
-
-class AxisOrder(Kind):
-    noun = "a list of the four axes tp, cp, pp and dp"
-
-    def read(self, value, scope):
-        if not isinstance(value, ast.ListValue):
-            raise self.mismatch(value)
-        seen: dict[str, ast.Value] = {}
-        for item in value.items:
-            text = word_text(item)
-            if text not in AXES:
-                raise Problem(f"'{text or ast.describe(item)}' is not a mesh axis; expected "
-                              f"tp, cp, pp or dp", item.span, did_you_mean(text or "", AXES))
-            if text in seen:
-                raise Problem(f"axis '{text}' appears twice in order", item.span)
-            seen[text] = item
-        missing = [axis for axis in AXES if axis not in seen]
-        if missing:
-            raise Problem(f"order must name all four axes; missing {join_words(missing)}",
-                          value.span, "for example order = [tp, cp, pp, dp] (fastest first)")
-        return tuple(seen)
-
-
-@dataclass(frozen=True)
-class StageRange:
-    first: int
-    last: int
-    span: Span
-
-
-class Stages(Kind):
-    noun = "auto or a list of layer ranges such as [0..3, 4..7]"
-
-    def read(self, value, scope):
-        if word_text(value) == "auto":
-            return "auto"
-        if isinstance(value, ast.Word):
-            raise Problem(f"unknown value '{value.text}'; expected auto or a list of layer "
-                          f"ranges", value.span, did_you_mean(value.text, ["auto"]))
-        if not isinstance(value, ast.ListValue):
-            raise self.mismatch(value)
-        if not value.items:
-            raise Problem("stages must list at least one layer range", value.span)
-        ranges = []
-        for item in value.items:
-            if isinstance(item, ast.Range):
-                first = evaluate_integer(item.first, scope)
-                last = evaluate_integer(item.last, scope)
-            elif isinstance(item, (ast.ListValue, ast.String, ast.Call)):
-                raise Problem(f"expected a layer range such as 0..3, got {ast.describe(item)}",
-                              item.span)
-            else:
-                first = last = evaluate_integer(item, scope)
-            if first > last:
-                raise Problem(f"layer range {first}..{last} is empty (first > last)", item.span)
-            if first < 0:
-                raise Problem(f"layer {first} is negative; layers are numbered from 0", item.span)
-            ranges.append(StageRange(first, last, item.span))
-        return tuple(ranges)
-
-
-OPTIMIZER_ARGUMENTS = {
-    # name -> (argument -> default); None marks a required argument.
-    "sgd": {"lr": None, "momentum": 0.0, "weight_decay": 0.0},
-    "adamw": {"lr": None, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
-}
-_ARGUMENT_KINDS = {
-    "lr": Real(0.0, None, False), "momentum": Real(0.0, 1.0), "eps": Real(0.0, None, False),
-    "weight_decay": Real(0.0),
-}
-_BETA = Real(0.0)  # below 1 too, checked with its own message
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    name: str
-    arguments: dict[str, Any]
-
-
-class OptimizerCall(Kind):
-    noun = "sgd(lr = ...) or adamw(lr = ...)"
-
-    def read(self, value, scope):
-        text = word_text(value)
-        if text is not None:
-            if text in OPTIMIZER_ARGUMENTS:
-                raise Problem(f"{text} needs a learning rate: write {text}(lr = ...)", value.span)
-            raise Problem(f"unknown optimizer '{text}'; expected sgd or adamw", value.span,
-                          did_you_mean(text, OPTIMIZER_ARGUMENTS))
-        if not isinstance(value, ast.Call):
-            raise self.mismatch(value)
-        if value.name not in OPTIMIZER_ARGUMENTS:
-            raise Problem(f"unknown optimizer '{value.name}'; expected sgd or adamw",
-                          value.name_span, did_you_mean(value.name, OPTIMIZER_ARGUMENTS))
-        allowed = OPTIMIZER_ARGUMENTS[value.name]
-        given: dict[str, Any] = {}
-        for argument in value.args:
-            if argument.name is None:
-                shown = argument.value.text if isinstance(argument.value, ast.Number) else "0.1"
-                raise Problem(f"arguments of {value.name} must be named", argument.span,
-                              f"for example {value.name}(lr = {shown})")
-            if argument.name not in allowed:
-                raise Problem(f"{value.name} has no argument '{argument.name}'; it takes "
-                              f"{join_words(list(allowed))}", argument.name_span,
-                              did_you_mean(argument.name, allowed))
-            if argument.name in given:
-                raise Problem(f"argument '{argument.name}' given twice", argument.name_span)
-            given[argument.name] = self._argument(argument)
-        missing = [name for name, default in allowed.items()
-                   if default is None and name not in given]
-        if missing:
-            raise Problem(f"{value.name} needs {join_words(missing)}", value.span,
-                          f"for example {value.name}(lr = 1e-3)")
-        return OptimizerSpec(value.name, {**allowed, **given})
-
-    @staticmethod
-    def _argument(argument: ast.Argument) -> Any:
-        if argument.name == "betas":
-            items = argument.value.items if isinstance(argument.value, ast.ListValue) else ()
-            if len(items) != 2:
-                raise Problem("betas must be a list of two numbers, such as [0.9, 0.999]",
-                              argument.value.span)
-            betas = []
-            for item in items:
-                beta = _BETA.read(item, None)
-                if beta >= 1.0:
-                    raise Problem(f"each beta must be below 1, got {beta:g}", item.span)
-                betas.append(beta)
-            return tuple(betas)
-        return _ARGUMENT_KINDS[argument.name].read(argument.value, None)
-
-
-def check_path(value: ast.String, what: str) -> str:
-    """A path as written in quotes, if the system can name a file with it: not empty, no
-    NUL character (the end of a C string) and no lone surrogate (not encodable)."""
-    text = value.value
-    if not text:
-        raise Problem(f"the {what} path is empty", value.span)
-    if "\0" in text:
-        raise Problem(f"the {what} path holds a NUL character, which no file name can hold",
-                      value.span)
-    try:
-        os.fsencode(text)
-    except UnicodeEncodeError as exc:
-        raise Problem(f"the {what} path holds U+{ord(text[exc.start]):04X}, which no file "
-                      f"name can hold", value.span) from None
-    return text
-
-
-class DataSource(Kind):
-    noun = "synthetic or a file path in quotes"
-
-    def read(self, value, scope):
-        if isinstance(value, ast.String):
-            return check_path(value, "data")
-        text = word_text(value)
-        if text == "synthetic":
-            return "synthetic"
-        if text is not None:
-            raise Problem(f"unknown value '{text}'; expected synthetic or a file path in "
-                          f"quotes", value.span, did_you_mean(text, ["synthetic"]))
-        raise self.mismatch(value)
-
-
-class PresetFile(str):
-    """A preset given as a quoted path: a topology that ``planc calibrate`` measured."""
-
-
-class PresetSource(Kind):
-    words = tuple(PRESETS)  # the named machines; a quoted path is the other form
-    noun = (f"one of {join_words(tuple(PRESETS))}, or the path in quotes of a topology "
-            f"written by planc calibrate")
-
-    def read(self, value, scope):
-        if isinstance(value, ast.String):
-            return PresetFile(check_path(value, "topology"))
-        return Choice(tuple(PRESETS)).read(value, scope)
-
-
-# --- blocks ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Key:
-    kind: Kind
-    # A value, a function of the block's Scope, or None: no default (required if
-    # ``required``, otherwise decided later from other blocks).
-    default: Any = None
-    required: bool = False
+__all__ = [  # the names other modules read here (the kinds live in planc.lang.kinds)
+    "BOOLEAN_WORDS", "MAX_EXPRESSION_DEPTH", "MAX_INTEGER", "OPTIMIZER_ARGUMENTS",
+    "PLAN_SCHEMA", "AxisOrder", "BlockSchema", "Boolean", "Choice", "DataSource", "Integer",
+    "Key", "Kind", "OptimizerCall", "OptimizerSpec", "PresetFile", "PresetSource", "Problem",
+    "Quantity", "Real", "Scope", "StageRange", "Stages", "Time", "Unresolved",
+    "block_syntax", "check_literal", "check_path", "did_you_mean", "evaluate_integer",
+    "home_of", "join_words", "plan_schema", "where_key_lives", "word_text"]
 
 
 @dataclass(frozen=True)
@@ -568,29 +49,33 @@ class BlockSchema:
         return self.variants.get(label, self) if label is not None else self
 
 
-def four_times_hidden(scope: Scope) -> int:
-    return 4 * scope.integer("hidden", None)
-
-
-def _model_schema() -> BlockSchema:
-    """``model FAMILY { }``: each family of planc.models declares its keys."""
-    from planc.models import FAMILIES
-
-    variants = {name: BlockSchema("model", labels=tuple(FAMILIES), required=True,
-                                  keys=dict(family.keys()))
-                for name, family in FAMILIES.items()}
+def model_schema(families: Mapping[str, Family]) -> BlockSchema:
+    """``model FAMILY { }``: each family of ``families`` declares its keys."""
+    variants = {name: BlockSchema("model", labels=tuple(families), required=True,
+                                  keys=dict(family.keys))
+                for name, family in families.items()}
     every: dict[str, Key] = {}
     for variant in variants.values():
         for name, key in variant.keys.items():
             every.setdefault(name, key)
-    return BlockSchema("model", labels=tuple(FAMILIES), required=True, keys=every,
+    return BlockSchema("model", labels=tuple(families), required=True, keys=every,
                        variants=variants)
+
+
+def plan_schema(families: Mapping[str, Family] = FAMILIES) -> BlockSchema:
+    """The schema with the model block of ``families`` (by default those registered in
+    planc.models: a family added there is in the language without a change here)."""
+    if tuple(families.items()) == _SCHEMA_FAMILIES:
+        return PLAN_SCHEMA
+    return dataclasses.replace(PLAN_SCHEMA, blocks={**PLAN_SCHEMA.blocks,
+                                                    "model": model_schema(families)})
 
 
 _LINK = {"bandwidth": Key(Quantity(RATE)), "latency": Key(Time(TIME))}
 
+_SCHEMA_FAMILIES = tuple(FAMILIES.items())  # the families PLAN_SCHEMA's model block holds
 PLAN_SCHEMA = BlockSchema("plan", blocks={
-    "model": _model_schema(),
+    "model": model_schema(dict(_SCHEMA_FAMILIES)),
     "mesh": BlockSchema("mesh", keys={
         "tp": Key(Integer(1), 1), "cp": Key(Integer(1), 1),
         "pp": Key(Integer(1), 1), "dp": Key(Integer(1), 1),
@@ -676,5 +161,11 @@ def block_syntax(path: str) -> str:
     """``shard.tp`` -> ``shard { tp { } }``; ``model`` -> ``model gpt { }``."""
     parts = path.split(".")
     if parts == ["model"]:
-        return "model gpt { }"
+        return f"model {DEFAULT_FAMILY} {{ }}"
     return " ".join(f"{p} {{" for p in parts) + " " + " ".join("}" for _ in parts)
+
+
+def home_of(key: str) -> str | None:
+    """The syntax of the first block that has ``key``, for a hint; None if none has."""
+    homes = where_key_lives(key)
+    return block_syntax(homes[0]) if homes else None

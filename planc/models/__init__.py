@@ -6,6 +6,7 @@ from planc.models import gpt, llama
 from planc.models.family import Family
 
 FAMILIES: dict[str, Family] = {"gpt": gpt.FAMILY, "llama": llama.FAMILY}
+DEFAULT_FAMILY = "gpt"  # the family of a model block with no family word (reported)
 
 
 def family_of(model) -> Family:

@@ -5,7 +5,11 @@ one transformer block and how they connect, the operators before and after the b
 each parameter with its full shape and named dimensions, each operator's FLOPs, the
 width of every activation, how each operator may be placed over tensor parallelism
 (which ``shard { tp { } }`` values exist for it), how a feature dimension is cut into
-heads, and the keys of its ``model NAME { }`` block. The derivation
+heads, the keys of its ``model NAME { }`` block (each with its kind, default and doc
+line), its presets, and the rules its keys must keep beyond the common ones. The
+language, the checker, the plan text and the transfer reasons read these, never the
+family's name: a new family is its description, its kernels and one line of
+:data:`planc.models.FAMILIES`. The derivation
 (:mod:`planc.graph.derive`), the tensor-parallel layout search
 (:mod:`planc.graph.tensor_parallel`), the memory estimate and the checks read only this.
 The kernels of a family live in one runtime module, ``planc.runtime.families.NAME``.
@@ -21,10 +25,21 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from planc.plan import Model
+from planc.lang.kinds import Key
+
+# A planc.plan.Model (or a Mesh, or a shard { tp { } } block). The plan reads the families
+# (the keys a model holds, the checks it must pass), so a family names these types
+# without importing them.
+Model = Any
+Mesh = Any
+TensorParallel = Any
 
 INPUT = "input"  # in a block's links: the block's input (the residual stream)
 HEAD_OPS = ("final_ln", "head", "loss")
+# Keys every family's model block has (or may have: preset), which the plan text shows
+# in its own words; the rest of a family's keys are its own.
+COMMON_KEYS = ("preset", "layers", "hidden", "heads", "ffn", "vocab", "seq", "batch",
+               "dtype", "tie_embeddings")
 
 
 def pre_norm_block(activation: str) -> tuple[tuple[str, ...], tuple[tuple[str, str, str], ...]]:
@@ -87,6 +102,37 @@ class OpRule:
     params: tuple[str, ...] = ()
 
 
+# What tp must divide when a placement slot of a pre-norm block is split (Megatron-LM,
+# Shoeybi et al. 2019): (model key, shard.tp slot, placement), in the order a diagnostic
+# names them. A column-parallel qkv and a row-parallel proj split the heads; the other
+# side of each linear layer splits the features it reads or writes.
+PRE_NORM_SPLITS = (
+    ("heads", "qkv", "column"), ("heads", "proj", "row"),
+    ("hidden", "qkv", "row"), ("hidden", "fc1", "row"), ("hidden", "proj", "column"),
+    ("hidden", "fc2", "column"), ("hidden", "embedding", "hidden"),
+    ("ffn", "fc1", "column"), ("ffn", "fc2", "row"),
+    ("vocab", "embedding", "vocab"), ("vocab", "head", "vocab"),
+)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """An error one of a family's checks found: the message, the dotted keys whose span
+    it points at (the first the user wrote; else the plan's name), and a hint ("" for
+    none)."""
+
+    message: str
+    keys: tuple[str, ...]
+    hint: str = ""
+
+
+# A check of a family's model, run after the common ones (hidden divides by heads).
+ModelCheck = Callable[[Model], "Finding | None"]
+# A check of a family's model under tensor parallelism with tp > 1, run before the
+# common divisibility checks of shard { tp { } }.
+TensorParallelCheck = Callable[[Model, TensorParallel, Mesh], "Finding | None"]
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -98,7 +144,7 @@ class Family:
     chains: Mapping[str, tuple[str, ...]]  # layout-search units between fixed points
     rules: Mapping[str, OpRule]
     output_tensor: Mapping[str, str]  # operator -> the activation it produces
-    placements: Mapping[str, tuple[str, ...]]  # shard.tp key -> the values that exist
+    placements: Mapping[str, tuple[str, ...]]  # shard.tp slot -> the values that exist
     global_parameters: tuple[str, ...]  # names not repeated per block
     widths: Callable[[Model], Mapping[str, int]]  # activation -> features per token
     feature_groups: Callable[[Model], Mapping[str, tuple[int, ...]]]
@@ -108,8 +154,18 @@ class Family:
     head_parameters: Callable[[Model], list[Parameter]]
     model_flops_per_token: Callable[[Model], float]  # forward, Narayanan et al. 2021
     activation_bytes: Callable[..., float]  # one block, one microbatch, one device
-    keys: Callable[[], Mapping[str, Any]] = dict  # the model block's schema keys
-    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    keys: Mapping[str, Key] = field(default_factory=dict)  # the model block's keys
+    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> keys
+    model_checks: tuple[ModelCheck, ...] = ()
+    # (model key, shard.tp slot, placement): tp must divide the key under the placement
+    tensor_parallel_splits: tuple[tuple[str, str, str], ...] = PRE_NORM_SPLITS
+    tensor_parallel_checks: tuple[TensorParallelCheck, ...] = ()
+
+    @property
+    def own_keys(self) -> tuple[str, ...]:
+        """The keys only this family has (llama's kv_heads), in the order declared: what
+        the plan text shows after the common ones."""
+        return tuple(k for k in self.keys if k not in COMMON_KEYS)
 
     @property
     def layer_output(self) -> str:

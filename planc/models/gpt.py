@@ -10,9 +10,9 @@ Activation memory is Korthikanti et al. 2022, Table 2.
 
 from __future__ import annotations
 
-from planc.models.family import (HEAD_OPS, Family, OpRule, Parameter, Weight, pre_norm_block,
-                                 pre_norm_chains)
-from planc.plan import Model
+from planc.lang.kinds import Boolean, Choice, Integer, Key
+from planc.models.family import (HEAD_OPS, Family, Model, OpRule, Parameter, Weight,
+                                 pre_norm_block, pre_norm_chains)
 
 LAYER_OPS, LINKS = pre_norm_block("gelu")
 EMBEDDING_OPS = ("embedding", "position")
@@ -144,20 +144,26 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     return half * m.dtype_bytes / 2
 
 
-def keys() -> dict:
-    from planc.lang.schema import Boolean, Choice, Integer, Key, four_times_hidden
+def four_times_hidden(scope) -> int:
+    """GPT-2's MLP width: four times the model width (Radford et al. 2019)."""
+    return 4 * scope.integer("hidden", None)
 
-    return {
-        "layers": Key(Integer(1), required=True),
-        "hidden": Key(Integer(1), required=True),
-        "heads": Key(Integer(1), required=True),
-        "ffn": Key(Integer(1), four_times_hidden),
-        "vocab": Key(Integer(2), required=True),
-        "seq": Key(Integer(1), required=True),
-        "batch": Key(Integer(1), required=True),
-        "dtype": Key(Choice(("fp32", "bf16", "fp16")), "fp32"),
-        "tie_embeddings": Key(Boolean(), False),
-    }
+
+KEYS = {
+    "layers": Key(Integer(1), required=True, doc="transformer blocks"),
+    "hidden": Key(Integer(1), required=True, doc="model width: features per token"),
+    "heads": Key(Integer(1), required=True, doc="attention heads; each has hidden / heads "
+                                                "features"),
+    "ffn": Key(Integer(1), four_times_hidden, doc="MLP width (default 4 x hidden)"),
+    "vocab": Key(Integer(2), required=True, doc="vocabulary size"),
+    "seq": Key(Integer(1), required=True, doc="tokens per sequence; also the position "
+                                              "table's length"),
+    "batch": Key(Integer(1), required=True, doc="sequences per step, over all data-parallel "
+                                                "ranks"),
+    "dtype": Key(Choice(("fp32", "bf16", "fp16")), "fp32", doc="parameter and activation "
+                                                               "type"),
+    "tie_embeddings": Key(Boolean(), False, doc="the head is the transposed embedding"),
+}
 
 
 FAMILY = Family(
@@ -186,5 +192,5 @@ FAMILY = Family(
     head_parameters=head_parameters,
     model_flops_per_token=model_flops_per_token,
     activation_bytes=activation_bytes,
-    keys=keys,
+    keys=KEYS,
 )

@@ -17,9 +17,10 @@ SwiGLU, as Megatron-LM's ``num_floating_point_operations`` counts them.
 
 from __future__ import annotations
 
-from planc.models.family import (HEAD_OPS, Family, OpRule, Parameter, Weight, pre_norm_block,
-                                 pre_norm_chains)
-from planc.plan import Model
+from planc.lang.hints import divisors_below, largest_divisors, try_values
+from planc.lang.kinds import Boolean, Choice, Integer, Key, Real
+from planc.models.family import (HEAD_OPS, Family, Finding, Model, OpRule, Parameter, Weight,
+                                 pre_norm_block, pre_norm_chains)
 
 LAYER_OPS, LINKS = pre_norm_block("swiglu")
 EMBEDDING_OPS = ("embedding",)
@@ -157,40 +158,77 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     return (stream + split + scores) * m.dtype_bytes
 
 
-def keys() -> dict:
-    from planc.lang.schema import Boolean, Choice, Integer, Key, Real
+def _preset(name: str):
+    """The default of key ``name``: the chosen preset's value, or None (none chosen, or
+    the preset does not set it)."""
+    def value(scope):
+        chosen = scope.value("preset")
+        return PRESETS[chosen].get(name) if chosen else None
+    return value
 
-    def preset(name: str):
-        def value(scope):
-            chosen = scope.value("preset")
-            return PRESETS[chosen].get(name) if chosen else None
-        return value
 
-    def kv_default(scope):  # grouped-query attention off: every head its own k and v
-        given = preset("kv_heads")(scope)
-        return given if given is not None else scope.value("heads")
+def _kv_default(scope):  # grouped-query attention off: every head its own k and v
+    given = _preset("kv_heads")(scope)
+    return given if given is not None else scope.value("heads")
 
-    def with_preset(name: str, fallback):
-        def value(scope):
-            given = preset(name)(scope)
-            return given if given is not None else fallback
-        return value
 
-    return {
-        "preset": Key(Choice(tuple(PRESETS)), None),
-        "layers": Key(Integer(1), preset("layers")),
-        "hidden": Key(Integer(1), preset("hidden")),
-        "heads": Key(Integer(1), preset("heads")),
-        "kv_heads": Key(Integer(1), kv_default),
-        "ffn": Key(Integer(1), preset("ffn")),
-        "vocab": Key(Integer(2), preset("vocab")),
-        "seq": Key(Integer(1), preset("seq")),
-        "batch": Key(Integer(1), required=True),
-        "dtype": Key(Choice(("fp32", "bf16", "fp16")), with_preset("dtype", "fp32")),
-        "rope_theta": Key(Real(0.0, None, False), with_preset("rope_theta", 10000.0)),
-        "norm_eps": Key(Real(0.0, 1.0, False), 1e-5),
-        "tie_embeddings": Key(Boolean(), False),
-    }
+def _with_preset(name: str, fallback):
+    def value(scope):
+        given = _preset(name)(scope)
+        return given if given is not None else fallback
+    return value
+
+
+KEYS = {
+    "preset": Key(Choice(tuple(PRESETS)), None, doc="a published model whose sizes are the "
+                                                    "defaults"),
+    "layers": Key(Integer(1), _preset("layers"), doc="transformer blocks"),
+    "hidden": Key(Integer(1), _preset("hidden"), doc="model width: features per token"),
+    "heads": Key(Integer(1), _preset("heads"), doc="query heads"),
+    "kv_heads": Key(Integer(1), _kv_default, doc="key/value heads of grouped-query "
+                                                 "attention (default: heads)"),
+    "ffn": Key(Integer(1), _preset("ffn"), doc="SwiGLU width"),
+    "vocab": Key(Integer(2), _preset("vocab"), doc="vocabulary size"),
+    "seq": Key(Integer(1), _preset("seq"), doc="tokens per sequence"),
+    "batch": Key(Integer(1), required=True, doc="sequences per step, over all data-parallel "
+                                                "ranks"),
+    "dtype": Key(Choice(("fp32", "bf16", "fp16")), _with_preset("dtype", "fp32"),
+                 doc="parameter and activation type"),
+    "rope_theta": Key(Real(0.0, None, False), _with_preset("rope_theta", 10000.0),
+                      doc="base of the rotary embedding's wavelengths"),
+    "norm_eps": Key(Real(0.0, 1.0, False), 1e-5, doc="epsilon of RMSNorm"),
+    "tie_embeddings": Key(Boolean(), False, doc="the head is the transposed embedding"),
+}
+
+
+def kv_heads_divide_heads(m: Model) -> Finding | None:
+    """Grouped-query attention: each key/value head serves heads / kv_heads query heads
+    (Ainslie et al. 2023)."""
+    if m.heads % m.kv_heads == 0:
+        return None
+    return Finding(f"kv_heads ({m.kv_heads}) must divide heads ({m.heads}): each key/value "
+                   f"head serves a group of query heads", ("model.kv_heads", "model.heads"),
+                   try_values("kv_heads", largest_divisors(m.heads, m.kv_heads)))
+
+
+def head_dim_even(m: Model) -> Finding | None:
+    """Rotary embedding turns pairs of features (Su et al. 2021)."""
+    if m.head_dim % 2 == 0:
+        return None
+    return Finding(f"the head dimension hidden / heads = {m.head_dim} is odd; rotary "
+                   f"embedding turns pairs of features", ("model.heads",))
+
+
+def kv_heads_split_over_tp(m: Model, tensor, mesh) -> Finding | None:
+    """Column-parallel q/k/v: each rank takes kv_heads / tp key/value heads, or (fewer
+    heads than ranks) shares one with tp / kv_heads ranks, as Megatron-LM replicates
+    query groups."""
+    kv, tp = m.kv_heads, mesh.tp
+    if tensor.qkv != "column" or kv % tp == 0 or tp % kv == 0:
+        return None
+    return Finding(f"kv_heads ({kv}) and tp ({tp}) must divide one another: each rank takes "
+                   f"kv_heads / tp key/value heads, or shares one with tp / kv_heads ranks",
+                   ("mesh.tp",), try_values("tp", divisors_below(tp, kv)))
 
 
 FAMILY = Family(
@@ -218,6 +256,8 @@ FAMILY = Family(
     head_parameters=head_parameters,
     model_flops_per_token=model_flops_per_token,
     activation_bytes=activation_bytes,
-    keys=keys,
+    keys=KEYS,
     presets=PRESETS,
+    model_checks=(kv_heads_divide_heads, head_dim_even),
+    tensor_parallel_checks=(kv_heads_split_over_tp,),
 )

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 from planc import memory
 from planc.lang.units import COMPUTE, RATE, TIME, format_bytes, format_quantity
+from planc.models import family_of
 from planc.plan import Plan
 from planc.words import counted
 
 
 def _onoff(flag: bool) -> str:
     return "on" if flag else "off"
+
+
+def _value_text(value) -> str:
+    """A family's own key as the plan text shows it: on/off, 500000, 1e-05."""
+    if isinstance(value, bool):
+        return _onoff(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _count(n: int) -> str:
@@ -40,13 +48,10 @@ def settings(plan: Plan) -> str:
         optimizer = f"sgd(lr = {o.lr:g}, momentum = {o.momentum:g}, weight_decay = {o.weight_decay:g})"
     stages = ", ".join(f"{a}..{b}" for a, b in shard.pp.chunks)
     memory_text = "unknown memory" if topo.device.memory is None else format_bytes(topo.device.memory)
-    gqa = ""
-    if m.family == "llama":
-        gqa = (f", kv_heads {m.kv_heads}, rope_theta {m.rope_theta:g}, "
-               f"norm_eps {m.norm_eps:g}")
+    own = "".join(f", {key} {_value_text(getattr(m, key))}" for key in family_of(m).own_keys)
     rows = [
         (f"model {m.family}", f"layers {m.layers}, hidden {m.hidden}, heads {m.heads} (head_dim "
-                      f"{m.head_dim}){gqa}, ffn {m.ffn}, vocab {m.vocab}, seq {m.seq}, batch {m.batch}, "
+                      f"{m.head_dim}){own}, ffn {m.ffn}, vocab {m.vocab}, seq {m.seq}, batch {m.batch}, "
                       f"{m.dtype}, tie_embeddings {_onoff(m.tie_embeddings)}; "
                       f"{memory.total_parameters(plan):,} parameters"),
         ("mesh", f"tp {mesh.tp} x cp {mesh.cp} x pp {mesh.pp} x dp {mesh.dp} = "
