@@ -46,6 +46,9 @@ MESH_AXES: tuple[MeshAxis, ...] = (
 AXES: tuple[str, ...] = tuple(axis.name for axis in MESH_AXES)
 PIPELINE_AXIS = "pp"  # the axis whose coordinate is a rank's pipeline stage
 RING_AXIS = "cp"  # the axis whose groups pass K and V around a ring (ring attention)
+# A ring shift's two halves, as a transfer's ``peer`` names them: it sends to the next
+# coordinate and receives from the previous.
+RING_NEXT, RING_PREVIOUS = "next", "prev"
 
 # Which part of a group a collective runs on (a hierarchical route's sub-groups).
 WHOLE, INTRA, INTER = "whole", "intra", "inter"
@@ -217,35 +220,47 @@ class RankMesh:
         """The members of ``rank``'s group of ``kind`` (a key of :data:`GROUPS`), sorted;
         empty when ``rank`` is in none (a middle stage has no tied group)."""
         group = GROUPS[kind]
-        allowed = group.coordinates(self.sizes)
-        coords = self.coords(rank)
-        if any(coords[axis] not in values for axis, values in allowed.items()):
-            return ()
-        strides = self.strides
-        members = [rank - sum(coords[axis] * strides[axis] for axis in group.axes)]
-        for axis in group.axes:
-            values = allowed.get(axis, range(self.sizes[axis]))
-            members = [m + v * strides[axis] for m in members for v in values]
-        return tuple(sorted(members))
+        return self.members(rank, group.axes, group.coordinates(self.sizes))
 
     def groups(self, kind: str) -> list[tuple[int, ...]]:
         """Every group of ``kind``, ordered by smallest member; found once per kind."""
         if kind not in self._groups:
-            self._groups[kind] = tuple(self.group(r, kind) for r in self._leaders(kind))
+            group = GROUPS[kind]
+            allowed = group.coordinates(self.sizes)
+            self._groups[kind] = tuple(self.members(r, group.axes, allowed)
+                                       for r in self.leaders(group.axes, allowed))
         return list(self._groups[kind])
-
-    def _leaders(self, kind: str) -> list[int]:
-        """The smallest member of every group of ``kind``: the rank at the first allowed
-        coordinate along each of the group's axes."""
-        group = GROUPS[kind]
-        first = {axis: values[0] for axis, values in group.coordinates(self.sizes).items()}
-        strides, sizes = self.strides, self.sizes
-        return [r for r in range(self.world)
-                if all(r // strides[a] % sizes[a] == first.get(a, 0) for a in group.axes)]
 
     @cached_property
     def _groups(self) -> dict[str, tuple[tuple[int, ...], ...]]:
         return {}
+
+    def members(self, rank: int, axes: Iterable[str],
+                allowed: Mapping[str, Iterable[int]] | None = None) -> tuple[int, ...]:
+        """The ranks whose coordinates agree with ``rank``'s off ``axes``, sorted: the
+        group along ``axes``. ``allowed`` restricts the coordinates members may have on
+        some axes; empty when ``rank``'s own are not allowed."""
+        allowed = {axis: tuple(values) for axis, values in (allowed or {}).items()}
+        coords = self.coords(rank)
+        if any(coords[axis] not in values for axis, values in allowed.items()):
+            return ()
+        strides = self.strides
+        members = [rank - sum(coords[axis] * strides[axis] for axis in axes)]
+        for axis in axes:
+            values = allowed.get(axis, range(self.sizes[axis]))
+            members = [m + v * strides[axis] for m in members for v in values]
+        return tuple(sorted(members))
+
+    def leaders(self, axes: Iterable[str],
+                allowed: Mapping[str, Iterable[int]] | None = None) -> list[int]:
+        """The smallest member of every group along ``axes``, increasing: the ranks at
+        the first allowed coordinate (0 when unrestricted) of each of those axes."""
+        first = {axis: tuple(values)[0] for axis, values in (allowed or {}).items()}
+        for axis in axes:
+            first.setdefault(axis, 0)
+        strides, sizes = self.strides, self.sizes
+        return [r for r in range(self.world)
+                if all(r // strides[a] % sizes[a] == c for a, c in first.items())]
 
     def level_group(self, rank: int, kind: str, level: str) -> tuple[int, ...]:
         """``rank``'s sub-group at ``level`` (whole, intra or inter) of its group of
@@ -276,6 +291,14 @@ class RankMesh:
         degree = self.sizes[axis]
         return (self.rank({**coords, axis: (coords[axis] - 1) % degree}),
                 self.rank({**coords, axis: (coords[axis] + 1) % degree}))
+
+    def ring_peer(self, rank: int, peer: str, axis: str = RING_AXIS) -> int:
+        """The rank a ring shift of ``rank`` talks to: ``peer`` is RING_NEXT (where it
+        sends) or RING_PREVIOUS (where it receives from)."""
+        before, after = self.ring_neighbours(rank, axis)
+        if peer not in (RING_NEXT, RING_PREVIOUS):
+            raise ValueError(f"ring peer {peer!r} is not {RING_NEXT} or {RING_PREVIOUS}")
+        return after if peer == RING_NEXT else before
 
     def stage_of(self, rank: int) -> int:
         return self.coords(rank)[PIPELINE_AXIS]

@@ -112,6 +112,9 @@ def test_ring_neighbours():
     assert [ring.ring_neighbours(r) for r in (1, 3, 5, 7)] == \
         [(7, 3), (1, 5), (3, 7), (5, 1)]
     assert ring.ring_neighbours(2, "tp") == (3, 3)
+    assert (ring.ring_peer(7, "next"), ring.ring_peer(7, "prev")) == (1, 5)
+    with pytest.raises(ValueError):
+        ring.ring_peer(7, "left")
 
 
 def test_stages_and_pipeline_peers():

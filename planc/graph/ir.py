@@ -29,6 +29,8 @@ from enum import StrEnum
 from math import ceil, inf
 from typing import TYPE_CHECKING, Any, Iterable
 
+from planc.mesh import GROUPS, INTER, INTRA, WHOLE
+
 if TYPE_CHECKING:  # the schema itself is light: the command line reads its enums
     import networkx as nx
 
@@ -97,40 +99,36 @@ class Payload(StrEnum):
     PARAM = "param"  # parameters: one bucket gathered from its ZeRO shards
 
 
-class Axis(StrEnum):
-    """Groups of the graph. The mesh axes tp, cp and pp; ``dp_cp``, the ranks holding
-    replicas of a parameter (dp x cp), over which gradients are reduced; ``tied``, the
-    first and last stage sharing a tied embedding; ``stage``, every rank of a stage."""
-
-    TP = "tp"
-    CP = "cp"
-    PP = "pp"
-    DP_CP = "dp_cp"
-    TIED = "tied"
-    STAGE = "stage"
+class GraphGroup(StrEnum):
+    """What every group the graph names knows of itself, from planc.mesh's registry."""
 
     @property
     def mesh_axes(self) -> tuple[str, ...]:
-        """The mesh axes along which members of one group differ (planc.layout's groups;
-        ``tied`` is the first and last stage, ``stage`` every rank of a stage)."""
-        from planc.layout import GROUP_AXES
-
-        extra = {"tied": ("pp",), "stage": ("tp", "cp", "dp")}
-        return extra.get(self.value) or GROUP_AXES[self.value]
+        """The mesh axes along which members of one group differ (``tied`` is the first
+        and last stage, ``stage`` every rank of a stage)."""
+        return GROUPS[self.value].axes
 
     @property
     def within_stage(self) -> bool:
         """Every member of a group runs the same program (the group lies in one stage)."""
-        return self in (Axis.TP, Axis.CP, Axis.DP_CP, Axis.STAGE)
+        return GROUPS[self.value].within_stage
+
+
+# Groups of the graph, one member per group of planc.mesh.GROUPS that transfers name:
+# TP, CP and PP (the mesh axes); DP_CP, the ranks holding replicas of a parameter
+# (dp x cp), over which gradients are reduced; TIED, the first and last stage sharing a
+# tied embedding; STAGE, every rank of a stage. A new axis is a new registry entry.
+Axis = GraphGroup("Axis", [(name.upper(), name) for name, kind in GROUPS.items()
+                           if kind.in_graph], module=__name__)
 
 
 class Level(StrEnum):
     """Which part of a group a collective runs on: all of it, the members on the
     caller's node, or one member per node (the sub-groups of a hierarchical route)."""
 
-    WHOLE = "whole"
-    INTRA = "intra"
-    INTER = "inter"
+    WHOLE = WHOLE
+    INTRA = INTRA
+    INTER = INTER
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,7 @@ class Facts:
 def stage_ranks(plan: Plan, stage: int) -> tuple[int, ...]:
     """The ranks of pipeline ``stage`` (they differ in tp, cp and dp)."""
     ranks = Layout.of(plan)
-    return ranks.group(ranks.rank({"pp": stage}), "stage")
+    return ranks.group(ranks.first_rank_of_stage(stage), Axis.STAGE)
 
 
 def ranks_text(ranks: tuple[int, ...]) -> str:
