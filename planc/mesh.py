@@ -6,7 +6,8 @@ the compiler and the graph name (:data:`GROUPS`: the ranks that differ only alon
 axes), how a group splits into the members on one node and one member per node (the
 sub-groups of a hierarchical route), who a rank's neighbours on a ring are, and which
 rank leads a pipeline stage. Adding an axis is one :class:`MeshAxis` entry (and a
-:class:`GroupKind` for its group), plus the derivation rule that inserts its transfers.
+:class:`GroupKind` for its group), plus the derivation rule that inserts its transfers
+and the plan's field for its degree (``planc.plan.Mesh`` and the language's schema).
 
 A rank's coordinates are its digits in the mixed radix given by the plan's order, the
 first axis varying fastest; with the default order
