@@ -324,8 +324,7 @@ def read(directory: str | Path) -> Build:
 def _check_graph(path: Path, graph: nx.DiGraph, plan: Plan) -> None:
     """The graph belongs to the plan and follows the schema of planc.graph.ir."""
     attributes = graph.graph
-    sizes = {axis: plan.mesh.size(axis) for axis in ("tp", "cp", "pp", "dp")}
-    if attributes.get("sizes") != sizes or \
+    if attributes.get("sizes") != plan.mesh.sizes or \
             attributes.get("microbatches") != plan.schedule.microbatches or \
             not isinstance(attributes.get("schedule"), dict) or \
             not isinstance(attributes.get("layouts"), dict) or \

@@ -24,6 +24,7 @@ import typing
 from pathlib import Path
 
 from planc.files import read_regular_file
+from planc.mesh import AXES
 from planc.models import FAMILIES
 from planc.plan import DTYPE_BYTES, LIMITS, Model, Optimizer
 
@@ -307,8 +308,8 @@ def _optimizer(value: object, where: str, step: int) -> None:
 
 
 def _layout(value: object, where: str) -> dict:
-    layout = _fields(value, where, ("tp", "cp", "pp", "dp", "zero", "microbatches"))
-    for axis in ("tp", "cp", "pp", "dp"):
+    layout = _fields(value, where, (*AXES, "zero", "microbatches"))
+    for axis in AXES:
         _whole(layout[axis], _at(where, axis), 1, LIMITS["world"])
     _whole(layout["zero"], _at(where, "zero"), 0, 3)
     _whole(layout["microbatches"], _at(where, "microbatches"), 1, LIMITS["microbatches"])

@@ -1,11 +1,10 @@
-"""Ranks, coordinates, groups and nodes of the 4-D device mesh.
+"""Ranks, coordinates, groups and nodes of the device mesh, for one plan.
 
-A rank's coordinates are its digits in the mixed radix given by ``mesh.order``, the
-first axis varying fastest; with the default order
-``r = tp_i + tp * (cp_i + cp * (pp_i + pp * dp_i))``, as in Megatron-LM's
-``RankGenerator`` (megatron/core/parallel_state.py). The group of an axis is the set
-of ranks that differ only in that axis; ``dp_cp`` (ranks that differ only in dp and
-cp) is the group over which gradients are reduced.
+The rules live in :mod:`planc.mesh` (after Megatron-LM's ``RankGenerator``): a rank's
+coordinates are its digits in the mixed radix given by ``mesh.order``, the first axis
+varying fastest, and the group of an axis is the set of ranks that differ only in that
+axis; ``dp_cp`` (ranks that differ only in dp and cp) is the group over which gradients
+are reduced. :class:`Layout` answers them for a plan and adds how groups sit on nodes.
 """
 
 from __future__ import annotations
@@ -15,19 +14,15 @@ from dataclasses import dataclass
 from functools import cached_property
 from math import prod
 
-from planc.plan import AXES, Mesh, Plan
+from planc.mesh import GROUPS, LAYOUT_GROUPS, RankMesh
+from planc.plan import Mesh, Plan
 
-GROUP_AXES: dict[str, tuple[str, ...]] = {
-    "tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp": ("dp",), "dp_cp": ("dp", "cp"),
-}
+# The groups planc layout --json lists, by the mesh axes along which members differ.
+GROUP_AXES: dict[str, tuple[str, ...]] = {name: GROUPS[name].axes for name in LAYOUT_GROUPS}
 # The ranks of one pipeline stage, which differ in tp, cp and dp: the graph's "stage"
 # group (the loss's all-reduce), listed by planc layout but not part of its JSON.
-STAGE_AXES = ("tp", "cp", "dp")
+STAGE_AXES = GROUPS["stage"].axes
 LAYOUT_FORMAT_VERSION = 1
-
-
-def _axes_of(group: str) -> tuple[str, ...]:
-    return STAGE_AXES if group == "stage" else GROUP_AXES[group]
 
 
 @dataclass(frozen=True)
@@ -54,60 +49,49 @@ class Layout:
     def of(plan: Plan) -> "Layout":
         return Layout(plan.mesh, plan.topology.devices_per_node)
 
+    @cached_property
+    def ranks(self) -> RankMesh:
+        """The mesh's rules (planc.mesh) for this plan's degrees, order and nodes."""
+        return RankMesh.of(self.mesh.sizes, self.mesh.order, self.devices_per_node)
+
     @property
     def world(self) -> int:
         return self.mesh.world
 
     @property
     def nodes(self) -> int:
-        return -(-self.world // self.devices_per_node)
+        return self.ranks.nodes
 
-    @cached_property
+    @property
     def strides(self) -> dict[str, int]:
-        strides, step = {}, 1
-        for axis in self.mesh.order:
-            strides[axis] = step
-            step *= self.mesh.size(axis)
-        return strides
+        return self.ranks.strides
 
     def coords(self, rank: int) -> dict[str, int]:
         """Coordinates of ``rank``, keyed in the canonical axis order tp, cp, pp, dp."""
-        if not 0 <= rank < self.world:
-            raise ValueError(f"rank {rank} is outside the world of {self.world}")
-        return {axis: rank // self.strides[axis] % self.mesh.size(axis) for axis in AXES}
+        return self.ranks.coords(rank)
 
     def rank(self, coords: dict[str, int]) -> int:
-        return sum(coords.get(axis, 0) * self.strides[axis] for axis in AXES)
+        return self.ranks.rank(coords)
 
     def node(self, rank: int) -> int:
         return rank // self.devices_per_node
 
     def group(self, rank: int, axis: str) -> tuple[int, ...]:
-        """The members of ``rank``'s group on ``axis`` (a key of GROUP_AXES, or "stage":
-        the ranks that differ only in tp, cp and dp), sorted."""
-        axes = _axes_of(axis)
-        coords = self.coords(rank)
-        base = rank - sum(coords[a] * self.strides[a] for a in axes)
-        members = [base]
-        for a in axes:
-            stride = self.strides[a]
-            members = [m + i * stride for m in members for i in range(self.mesh.size(a))]
-        return tuple(sorted(members))
+        """The members of ``rank``'s group on ``axis`` (a group of planc.mesh.GROUPS:
+        a key of GROUP_AXES, or "stage", the ranks that differ only in tp, cp and dp),
+        sorted."""
+        return self.ranks.group(rank, axis)
 
     def groups(self, axis: str) -> list[tuple[int, ...]]:
         """Every group of ``axis`` (or "stage"), ordered by smallest member; they partition
         the world. Found once per axis, when first asked for."""
-        if axis not in self._groups:
-            axes = _axes_of(axis)
-            # A group's smallest member is the one at coordinate 0 on the group's axes.
-            leaders = [r for r in range(self.world)
-                       if all(r // self.strides[a] % self.mesh.size(a) == 0 for a in axes)]
-            self._groups[axis] = tuple(self.group(r, axis) for r in leaders)
-        return list(self._groups[axis])
+        return self.ranks.groups(axis)
 
-    @cached_property
-    def _groups(self) -> dict[str, tuple[tuple[int, ...], ...]]:
-        return {}
+    def first_rank_of_stage(self, stage: int) -> int:
+        return self.ranks.first_rank_of_stage(stage)
+
+    def pipeline_peer(self, rank: int, stage: int) -> int:
+        return self.ranks.pipeline_peer(rank, stage)
 
     def placement(self, axis: str) -> GroupPlacement:
         kinds: Counter[str] = Counter()
@@ -122,15 +106,14 @@ class Layout:
                 kinds["inter-node"] += 1
             else:
                 kinds["mixed"] += 1
-        size = prod(self.mesh.size(a) for a in _axes_of(axis))
+        size = prod(self.mesh.size(a) for a in GROUPS[axis].axes)
         return GroupPlacement(axis, size, len(groups), tuple(sorted(kinds.items())),
                               tuple(sorted(per_node)))
 
     def crosses_nodes(self, axis: str) -> bool:
         """Whether the group of rank 0 on ``axis`` spans nodes; costs O(group size), so the
         compiler can ask it of a world of hundreds of thousands of ranks."""
-        members = self.group(0, axis)
-        return self.node(members[0]) != self.node(members[-1])
+        return self.ranks.crosses_nodes(axis)
 
     def to_dict(self) -> dict:
         """The ``planc layout --json`` document (documented in docs/cli.md)."""
@@ -144,6 +127,6 @@ class Layout:
             placement[axis] = {"kind": p.kind, "kinds": dict(p.kinds),
                                "ranks_per_node": list(p.ranks_per_node)}
         return {"version": LAYOUT_FORMAT_VERSION, "world": self.world, "order": order,
-                "sizes": {axis: self.mesh.size(axis) for axis in AXES},
+                "sizes": self.mesh.sizes,
                 "nodes": self.nodes, "devices_per_node": self.devices_per_node,
                 "ranks": ranks, "groups": groups, "placement": placement}

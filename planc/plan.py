@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from planc.diagnostics import Span
+from planc.mesh import AXES, is_axis_order
 from planc.schedules import DEFAULT_SCHEDULE
 
-AXES = ("tp", "cp", "pp", "dp")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 PLAN_FORMAT_VERSION = 1
 
@@ -91,8 +91,13 @@ class Mesh:
         return getattr(self, axis)
 
     @property
+    def sizes(self) -> dict[str, int]:
+        """Degree by axis, in the canonical order of planc.mesh.AXES."""
+        return {axis: self.size(axis) for axis in AXES}
+
+    @property
     def world(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
+        return math.prod(self.sizes.values())
 
 
 @dataclass(frozen=True)
@@ -458,7 +463,7 @@ def _check_values(value: Any, where: str = "plan") -> None:
 
 def _check_consistency(plan: "Plan") -> None:
     mesh, pp = plan.mesh, plan.shard.pp
-    if sorted(mesh.order) != sorted(AXES):
+    if not is_axis_order(mesh.order):
         raise ValueError("plan.mesh.order must name tp, cp, pp and dp once each")
     if plan.topology.nodes * plan.topology.devices_per_node != mesh.world:
         raise ValueError("plan.topology does not hold the mesh's world")

@@ -251,7 +251,7 @@ def damages(pristine: Path) -> list[Damage]:
     for n, kind in enumerate(sorted({node["type"] for node in nodes})):
         index = _first(nodes, lambda node, kind=kind: node["type"] == kind)
         out += _fields("graph.json", graph, ("nodes", index), n, values=1)
-    from planc.graph.ir import _OPTIONAL_TYPES
+    from planc.graph.vocabulary import OPTIONAL_TYPES as _OPTIONAL_TYPES
 
     for n, key in enumerate(sorted(_OPTIONAL_TYPES)):  # the first node that has it
         index = next((i for i, node in enumerate(nodes) if key in node), None)

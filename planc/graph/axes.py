@@ -13,6 +13,7 @@ from __future__ import annotations
 from planc.graph import reasons
 from planc.graph.ir import Axis, Kind, Payload, Phase, Port
 from planc.graph.layouts import Layout, redistribute
+from planc.mesh import RING_NEXT, RING_PREVIOUS
 
 PHASE_OF = {"F": Phase.FORWARD, "B": Phase.BACKWARD, "R": Phase.BACKWARD}
 
@@ -79,10 +80,10 @@ class AxisRules:
         reason = reasons.context_ring(self.plan, tensor)
         send = self.transfer(f"{letter}/L{layer}/{tensor}:send@cp", Kind.SEND, Axis.CP, payload,
                              phase, chunk, layer, self._kv_bytes(), self.m * steps, reason,
-                             tensor=tensor, ring_steps=steps, peer="next")
+                             tensor=tensor, ring_steps=steps, peer=RING_NEXT)
         recv = self.transfer(f"{letter}/L{layer}/{tensor}:recv@cp", Kind.RECV, Axis.CP, payload,
                              phase, chunk, layer, self._kv_bytes(), self.m * steps, reason,
-                             tensor=tensor, ring_steps=steps, peer="prev")
+                             tensor=tensor, ring_steps=steps, peer=RING_PREVIOUS)
         self.edge(source, send, port=Port.X, grad_of=grad_of)
         self.edge(send, recv, port=Port.X)
         return recv

@@ -436,7 +436,7 @@ class _Derivation(AxisRules, ParameterRules):
         return {
             "format": "planc-graph", "version": GRAPH_FORMAT_VERSION, "plan": plan.name,
             "family": plan.model.family,
-            "sizes": {"tp": self.tp, "cp": self.cp, "pp": self.pp, "dp": plan.mesh.dp},
+            "sizes": plan.mesh.sizes,
             "microbatches": self.m, "microbatch_size": plan.microbatch_size,
             "pipeline": plan.schedule.pipeline, "virtual": virtual,
             "chunks": [list(c) for c in self.chunks], "dtype": plan.model.dtype,

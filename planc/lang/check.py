@@ -24,6 +24,7 @@ from planc.lang.overrides import Override
 from planc.lang.overrides import apply as apply_overrides
 from planc.lang.schema import StageRange, join_words, plan_schema
 from planc.lang.topology_check import MAX_TOPOLOGY_BYTES, TopologyReader
+from planc.mesh import AXES
 from planc.models import DEFAULT_FAMILY, FAMILIES
 from planc.plan import (LIMITS, ContextParallel, DataParallel, Mesh, Model, Optimize, Optimizer,
                         PipelineParallel, Plan, Schedule, Shard, Sources, TensorParallel, Train)
@@ -141,16 +142,17 @@ class _Checker(TopologyReader):
         return model
 
     def _mesh(self) -> Mesh | None:
-        keys = ("tp", "cp", "pp", "dp", "order")
+        keys = (*AXES, "order")
         if not self.ready(*(f"mesh.{k}" for k in keys)):
             return None
         mesh = Mesh(**{k: self.value(f"mesh.{k}") for k in keys})
         if mesh.world > LIMITS["world"]:
-            largest = max(("tp", "cp", "pp", "dp"), key=mesh.size)
+            largest = max(AXES, key=mesh.size)
             return self._reject(f"the mesh has {mesh.world} ranks, more than planc's limit of "
                                 f"{LIMITS['world']}: {LIMIT_REASONS['world']}",
                                 self.span(f"mesh.{largest}"))
         return mesh
+
     def _tensor_parallel(self, mesh: Mesh | None, model: Model | None) -> TensorParallel | None:
         keys = tuple(f.name for f in dataclasses.fields(TensorParallel))
         if not self.ready(*(f"shard.tp.{k}" for k in keys)):

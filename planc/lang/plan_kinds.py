@@ -12,7 +12,7 @@ from planc.lang import ast
 from planc.lang.kinds import (Choice, Kind, Problem, Real, did_you_mean, evaluate_integer,
                               join_words, word_text)
 from planc.lang.presets import PRESETS
-from planc.plan import AXES
+from planc.mesh import AXES
 
 
 class AxisOrder(Kind):

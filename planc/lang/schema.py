@@ -22,7 +22,7 @@ from planc.lang.plan_kinds import (OPTIMIZER_ARGUMENTS, AxisOrder, DataSource, O
 from planc.lang.units import COMPUTE, RATE, SIZE, TIME
 from planc.models import DEFAULT_FAMILY, FAMILIES
 from planc.models.family import Family
-from planc.plan import AXES
+from planc.mesh import AXES
 from planc import schedules
 
 __all__ = [  # the names other modules read here (the kinds live in planc.lang.kinds)

@@ -12,13 +12,16 @@ each group's ranks increasing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Iterator
 
 from planc.cost import counts_of
 from planc.graph.ir import Axis
 from planc.layout import Layout
 from planc.lower.program import integer_of
-from planc.plan import AXES, Mesh
+from planc.mesh import AXES, GROUPS, INTER, INTRA, PIPELINE_AXIS, RankMesh, is_axis_order, \
+    sub_group
+from planc.plan import Mesh
 
 GROUPS_FORMAT_VERSION = 1
 PIPELINE = "pp"  # pairs of neighbouring stages, one group per pair and direction
@@ -53,6 +56,10 @@ class GroupTable:
     def layout(self) -> Layout:
         return Layout(self.mesh, self.devices_per_node)
 
+    @cached_property
+    def ranks(self) -> RankMesh:
+        return RankMesh.of(self.mesh.sizes, self.mesh.order, self.devices_per_node)
+
     def rule(self, ref: str) -> GroupRule | None:
         return next((r for r in self.rules if r.ref == ref), None)
 
@@ -60,57 +67,28 @@ class GroupTable:
         """Every group of ``rule``. Pipeline groups are (direction, sender, receiver): one
         per pair of neighbouring stages and direction, so that a forward and a backward
         transfer between the same two ranks can never be matched with each other."""
-        layout = self.layout
+        ranks = self.ranks
         if rule.ref == PIPELINE:
-            pp = self.mesh.pp
             for rank in range(self.mesh.world):
-                coords = layout.coords(rank)
-                if coords["pp"] == pp - 1 and not rule.wrap:
-                    continue
-                after = layout.rank({**coords, "pp": (coords["pp"] + 1) % pp})
-                yield ("forward", rank, after)
-                yield ("backward", after, rank)
+                after = ranks.pipeline_neighbours(rank, wrap=rule.wrap)[1]
+                if after is not None:
+                    yield ("forward", rank, after)
+                    yield ("backward", after, rank)
             return
-        for rank in range(self.mesh.world):
-            coords = layout.coords(rank)
-            if any(coords[a] != 0 for a in rule.axes if a not in rule.coordinates):
-                continue
-            allowed = rule.coordinates
-            if any(coords[a] != allowed[a][0] for a in allowed):
-                continue
-            whole = self.members(rank, replace(rule, split=None))
+        for leader in ranks.leaders(rule.axes, rule.coordinates):
+            whole = ranks.members(leader, rule.axes, rule.coordinates)
             if rule.split is None:
                 yield whole
             else:  # the sub-groups, in order of their smallest member
-                yield from sorted({self._part(whole, r, rule.split) for r in whole})
-
-    def _part(self, whole: tuple[int, ...], rank: int, split: str) -> tuple[int, ...]:
-        """``rank``'s sub-group of the group ``whole``: the members on its node (intra), or
-        the members with its place among their node's members on every node (inter)."""
-        node = self.layout.node
-        if split == "intra":
-            return tuple(r for r in whole if node(r) == node(rank))
-        by_node: dict[int, list[int]] = {}
-        for r in whole:
-            by_node.setdefault(node(r), []).append(r)
-        local = by_node[node(rank)].index(rank)
-        return tuple(members[local] for members in by_node.values() if local < len(members))
+                yield from sorted({sub_group(whole, r, rule.split, self.devices_per_node)
+                                   for r in whole})
 
     def members(self, rank: int, rule: GroupRule) -> tuple[int, ...]:
         """The members of ``rank``'s group of ``rule`` (empty if it is in none)."""
-        if rule.split is not None:
-            whole = self.members(rank, replace(rule, split=None))
-            return self._part(whole, rank, rule.split) if whole else ()
-        layout = self.layout
-        coords = layout.coords(rank)
-        if any(coords[a] not in values for a, values in rule.coordinates.items()):
-            return ()
-        strides = layout.strides  # a rank is the sum of coordinate x stride over the axes
-        members = [rank - sum(coords[axis] * strides[axis] for axis in rule.axes)]
-        for axis in rule.axes:
-            values = rule.coordinates.get(axis, range(self.mesh.size(axis)))
-            members = [m + v * strides[axis] for m in members for v in values]
-        return tuple(sorted(members))
+        whole = self.ranks.members(rank, rule.axes, rule.coordinates)
+        if rule.split is None or not whole:
+            return whole
+        return sub_group(whole, rank, rule.split, self.devices_per_node)
 
     def shapes(self, ref: str, stage: int) -> dict[tuple[int, ...], tuple[int, ...]]:
         """The distinct placements on nodes of the groups of ``ref`` that have a member on
@@ -119,13 +97,14 @@ class GroupTable:
         (its members are that rank plus fixed offsets), so this walks residues, at most
         ``devices_per_node`` of them, never the world."""
         rule = self.rule(ref)
-        layout, per_node = self.layout, self.devices_per_node
+        layout, per_node = self.ranks, self.devices_per_node
         start = {axis: 0 for axis in AXES}
         for axis, allowed in rule.coordinates.items():
             start[axis] = allowed[0]
-        if "pp" not in rule.axes:
-            start["pp"] = stage
-        elif rule.coordinates.get("pp") and stage not in rule.coordinates["pp"]:
+        if PIPELINE_AXIS not in rule.axes:
+            start[PIPELINE_AXIS] = stage
+        elif rule.coordinates.get(PIPELINE_AXIS) and \
+                stage not in rule.coordinates[PIPELINE_AXIS]:
             return {}
         first = layout.rank(start)
         if self.mesh.world <= per_node:  # one node holds every group: one placement
@@ -133,7 +112,7 @@ class GroupTable:
             return {counts_of(members, per_node): members}
         residues = {first % per_node: first}
         for axis in AXES:
-            if axis in rule.axes or axis == "pp":
+            if axis in rule.axes or axis == PIPELINE_AXIS:
                 continue
             stride = layout.strides[axis]
             grown: dict[int, int] = {}
@@ -152,7 +131,7 @@ class GroupTable:
 
     def to_json(self) -> dict:
         return {"format": "planc-groups", "version": GROUPS_FORMAT_VERSION,
-                "mesh": {**{a: self.mesh.size(a) for a in AXES},
+                "mesh": {**self.mesh.sizes,
                          "order": list(self.mesh.order)},
                 "devices_per_node": self.devices_per_node,
                 "groups": [r.to_json() for r in self.rules]}
@@ -165,7 +144,7 @@ class GroupTable:
         mesh_data = data["mesh"]
         mesh = Mesh(**{a: integer_of(mesh_data[a], f"its mesh's {a}") for a in AXES},
                     order=tuple(map(str, mesh_data["order"])))
-        if sorted(mesh.order) != sorted(AXES) or min(mesh.size(a) for a in AXES) < 1:
+        if not is_axis_order(mesh.order) or min(mesh.sizes.values()) < 1:
             raise ValueError("its mesh is not a mesh")
         rules = []
         for item in data["groups"]:
@@ -177,7 +156,7 @@ class GroupTable:
                 raise ValueError(f"group {item.get('ref')!r} names axes or coordinates "
                                  f"outside the mesh")
             split = item.get("split")
-            if split not in (None, "intra", "inter"):
+            if split not in (None, INTRA, INTER):
                 raise ValueError(f"group {item.get('ref')!r} splits by {split!r}; sub-groups "
                                  f"are intra or inter")
             rules.append(GroupRule(str(item["ref"]), axes, coordinates,
@@ -193,10 +172,12 @@ def group_table(mesh: Mesh, devices_per_node: int, tied: bool, virtual: int = 1,
     """Every group reference a program may use, by rule; ``split`` names the references
     whose intra- and inter-node sub-groups hierarchical routes use."""
     rules = [GroupRule(axis.value, axis.mesh_axes) for axis in Axis if axis.within_stage]
+    tied_group = GROUPS[Axis.TIED]
     if tied and mesh.pp > 1:
-        rules.append(GroupRule("tied", ("pp",), {"pp": (0, mesh.pp - 1)}))
+        rules.append(GroupRule(tied_group.name, tied_group.axes,
+                               tied_group.coordinates(mesh.sizes)))
     for base in [r for r in rules if r.ref in split]:
-        for part in ("intra", "inter"):
+        for part in (INTRA, INTER):
             rules.append(replace(base, ref=f"{base.ref}/{part}", split=part))
     if mesh.pp > 1:
         rules.append(GroupRule(PIPELINE, wrap=virtual > 1))

@@ -36,9 +36,10 @@ from itertools import accumulate
 
 from planc.cost import Route
 from planc.graph.ir import Kind
+from planc.mesh import INTER, INTRA
 
 ROUTES_FORMAT_VERSION = 1
-LEVELS = ("intra", "inter")
+LEVELS = (INTRA, INTER)  # the sub-groups a route step may run on
 COLLECTIVE_STEPS = ("reduce_scatter", "all_reduce", "all_gather")
 P2P_STEPS = ("send", "recv", "recv_reduce")
 
@@ -124,7 +125,7 @@ class Recipe:
     def level_members(self, position: int, level: str) -> tuple[int, ...]:
         """The positions of ``position``'s sub-group at ``level``, in sub-group order."""
         node = self.node_of(position)
-        if level == "intra":
+        if level == INTRA:
             return tuple(range(self.offset(node), self.offset(node) + self.counts[node]))
         local = self.local_of(position)
         return tuple(self.offset(k) + local for k in range(len(self.counts))
@@ -189,18 +190,18 @@ def hierarchical(kind: str, counts: tuple[int, ...]) -> Recipe:
         node, mine = divmod(position, local)
         if kind == Kind.ALL_REDUCE:
             parts = tuple((j,) for j in range(local))
-            rows.append((Step("reduce_scatter", parts, "intra"),
-                         Step("all_reduce", (mine,), "inter"),
-                         Step("all_gather", parts, "intra")))
+            rows.append((Step("reduce_scatter", parts, INTRA),
+                         Step("all_reduce", (mine,), INTER),
+                         Step("all_gather", parts, INTRA)))
             continue
         inside = tuple(tuple(k * local + j for k in range(nodes)) for j in range(local))
         across = tuple((k * local + mine,) for k in range(nodes))
         if kind == Kind.REDUCE_SCATTER:
-            rows.append((Step("reduce_scatter", inside, "intra"),
-                         Step("reduce_scatter", across, "inter")))
+            rows.append((Step("reduce_scatter", inside, INTRA),
+                         Step("reduce_scatter", across, INTER)))
         elif kind == Kind.ALL_GATHER:
-            rows.append((Step("all_gather", across, "inter"),
-                         Step("all_gather", inside, "intra")))
+            rows.append((Step("all_gather", across, INTER),
+                         Step("all_gather", inside, INTRA)))
         else:
             raise ValueError(f"{kind} has no hierarchical route")
     chunks = local if kind == Kind.ALL_REDUCE else n

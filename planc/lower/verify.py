@@ -30,6 +30,7 @@ from planc.lower.verify_pipeline import PipelineChecks
 from planc.lower.verify_report import Report, ranks_text
 from planc.lower.verify_routes import check_routes
 from planc.lower.verify_streams import StreamChecks
+from planc.mesh import PIPELINE_AXIS
 from planc.plan import Plan
 
 
@@ -49,7 +50,7 @@ class _Verifier(StreamChecks, PipelineChecks):
     def rank_table(self) -> bool:
         table, pp = self.table, self.plan.mesh.pp
         if (table.world, table.pp, table.stride) != (self.plan.world, pp,
-                                                      self.layout.strides["pp"]):
+                                                      self.layout.strides[PIPELINE_AXIS]):
             self.report.add("the rank table was made for another mesh")
             return False
         for name in table.names:
@@ -119,13 +120,12 @@ class _Verifier(StreamChecks, PipelineChecks):
                         self._compare_members(axis.value, self.layout.group(rank, axis.value))
         if self.plan.model.tie_embeddings and self.plan.mesh.pp > 1:
             last = self.plan.mesh.pp - 1
-            pairs = {(0, self.layout.rank({"tp": 0, "cp": 0, "pp": last, "dp": 0}))}
+            pairs = {(0, self.layout.first_rank_of_stage(last))}
             for rank in table.overrides:  # and every pair involving an override
-                coords = self.layout.coords(rank)
-                pairs.add((self.layout.rank({**coords, "pp": 0}),
-                           self.layout.rank({**coords, "pp": last})))
+                pairs.add((self.layout.pipeline_peer(rank, 0),
+                           self.layout.pipeline_peer(rank, last)))
             for pair in sorted(pairs):
-                self._compare_members("tied", pair)
+                self._compare_members(Axis.TIED, pair)
 
     def _collectives(self, name: str, axis: str) -> list[tuple[str, str, int | None]]:
         """The collectives on ``axis`` that the program issues in one step, in issue order

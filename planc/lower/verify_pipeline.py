@@ -33,13 +33,10 @@ class PipelineChecks:
         stage's program; otherwise also one per rank along the pp column of each rank
         that runs another program."""
         pp = self.plan.mesh.pp
-
-        def column(coords) -> list[int]:
-            return [self.layout.rank({**coords, "pp": s}) for s in range(pp)]
-
-        columns = [(column({"tp": 0, "cp": 0, "dp": 0}), self.uniform)]
+        column = self.layout.ranks.pipeline_column
+        columns = [(column(0), self.uniform)]
         for rank in sorted(self.table.overrides):
-            columns.append((column(self.layout.coords(rank)), False))
+            columns.append((column(rank), False))
         actors = {}
         for ranks, representative in columns:
             for s, r in enumerate(ranks):

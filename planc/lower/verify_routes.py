@@ -23,6 +23,7 @@ from typing import Callable
 
 from planc.graph.ir import Kind
 from planc.lower.routes import COLLECTIVE_STEPS, Recipe, Step, recipe_key, routed_nodes
+from planc.mesh import INTER, INTRA
 
 Contribution = int | None  # a bit per position; None: undefined
 
@@ -226,7 +227,7 @@ def check_routes(graph, groups, routes) -> list[str]:
     for node, data in routed_nodes(graph):
         axis = str(data["axis"])
         if data["route"] == "hierarchical" and not all(
-                groups.rule(f"{axis}/{level}") for level in ("intra", "inter")):
+                groups.rule(f"{axis}/{level}") for level in (INTRA, INTER)):
             problems.append(f"{node}: its hierarchical route needs the intra- and inter-node "
                             f"sub-groups of {axis}, which groups.json does not define")
         key = (axis, data["stage"])

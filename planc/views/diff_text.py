@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from planc.graph.summary import busiest_stage_by_axis, summarize
 from planc.lang.units import TIME, format_bytes, format_flop_rate, format_quantity, format_share
+from planc.mesh import AXES
 from planc.views.tables import table
 
 
 def _mesh(plan) -> str:
     m = plan.mesh
-    return " x ".join(f"{axis} {m.size(axis)}" for axis in ("tp", "cp", "pp", "dp")
+    return " x ".join(f"{axis} {m.size(axis)}" for axis in AXES
                       if m.size(axis) > 1) or "one rank"
 
 

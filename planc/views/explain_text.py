@@ -8,6 +8,7 @@ from collections import defaultdict
 
 import networkx as nx
 
+from planc.graph.ir import Axis
 from planc.lang.units import TIME, format_bytes, format_quantity
 from planc.layout import Layout
 from planc.lower.groups import group_table
@@ -21,10 +22,9 @@ MEMBERS_SHOWN = 8
 
 def _members(plan: Plan, ranks: Layout, data: dict) -> list[int]:
     """The group of the first rank of the transfer's stage, by the build's group rules."""
-    first = ranks.rank({"tp": 0, "cp": 0, "pp": data["stage"], "dp": 0})
-    if data["axis"] == "pp":
-        return sorted({first, ranks.rank({"tp": 0, "cp": 0, "pp": data["peer_stage"],
-                                          "dp": 0})})
+    first = ranks.first_rank_of_stage(data["stage"])
+    if data["axis"] == Axis.PP:
+        return sorted({first, ranks.first_rank_of_stage(data["peer_stage"])})
     table = group_table(plan.mesh, plan.topology.devices_per_node, plan.model.tie_embeddings)
     return list(table.members(first, table.rule(data["axis"])))
 

@@ -15,6 +15,7 @@ from planc.graph.ir import Axis
 from planc.graph.summary import crosses_nodes
 from planc.lang.units import TIME, format_bytes, format_flops, format_quantity
 from planc.layout import Layout
+from planc.mesh import WHOLE
 from planc.views.explain_text import sharing
 from planc.plan import Plan
 from planc.words import counted
@@ -117,7 +118,7 @@ class Facts:
                 rows.append(["parameters", ", ".join(data["params"])])
             return rows
         route = f" ({data['route']} route)" if data.get("route") else ""
-        level = "" if data.get("level", "whole") == "whole" else f" ({data['level']}-node part)"
+        level = "" if data.get("level", WHOLE) == WHOLE else f" ({data['level']}-node part)"
         rows = [["kind", str(data["kind"])], ["axis", f"{data['axis']}{level}"],
                 ["size", f"{format_bytes(data['bytes'])} per rank, {data['dtype']}"],
                 often, ["per step", format_bytes(data["bytes"] * data["repeat"])],
@@ -144,7 +145,7 @@ class Facts:
 def stage_ranks(plan: Plan, stage: int) -> tuple[int, ...]:
     """The ranks of pipeline ``stage`` (they differ in tp, cp and dp)."""
     ranks = Layout.of(plan)
-    return ranks.group(ranks.rank({"pp": stage}), "stage")
+    return ranks.group(ranks.first_rank_of_stage(stage), Axis.STAGE)
 
 
 def ranks_text(ranks: tuple[int, ...]) -> str:

@@ -22,7 +22,8 @@ from planc.graph.select import Selection, select
 from planc.layout import Layout
 from planc.lower.groups import GroupTable, group_table
 from planc.lower.routes import split_refs
-from planc.plan import AXES, Plan
+from planc.mesh import WHOLE
+from planc.plan import Plan
 from planc.views.graph_facts import AXIS_COLORS, PHASE_FILLS, Facts, colours, lane_labels, \
     node_lines
 from planc.views.graph_groups import groups_of, summary_lines
@@ -71,7 +72,7 @@ def payload(graph: nx.DiGraph, title: str, plan: Plan, table: GroupTable | None 
                 "fill": fill, "stroke": stroke, "stage": data["stage"],
                 "rows": facts.rows(node)}
         if data["type"] == "transfer":
-            item.update(axis=str(data["axis"]), level=str(data.get("level", "whole")),
+            item.update(axis=str(data["axis"]), level=str(data.get("level", WHOLE)),
                         reason=strings(str(data.get("reason", ""))),
                         params=facts.parameters(node))
             if data.get("peer_stage") is not None:
@@ -117,7 +118,7 @@ def payload(graph: nx.DiGraph, title: str, plan: Plan, table: GroupTable | None 
                   lane_labels(plan, sorted({g.stage for g in groups})).items()},
         "expanded": sorted(expanded),
         "placed": {p.group.key: [p.x, p.y] for p in first.groups},
-        "mesh": {"sizes": {a: plan.mesh.size(a) for a in AXES}, "strides": ranks.strides,
+        "mesh": {"sizes": plan.mesh.sizes, "strides": ranks.strides,
                  "world": plan.world, "devicesPerNode": plan.topology.devices_per_node},
         "rules": [r.to_json() for r in table.rules],
     }

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from planc.layout import GROUP_AXES, Layout
+from planc.layout import Layout
+from planc.mesh import AXES, LAYOUT_GROUPS
 from planc.views.tables import table
 from planc.words import counted
 
@@ -55,7 +56,7 @@ def _example(members: tuple[int, ...]) -> str:
 
 def render_groups(layout: Layout) -> str:
     rows = []
-    for axis in (*GROUP_AXES, "stage"):
+    for axis in (*LAYOUT_GROUPS, "stage"):
         placement = layout.placement(axis)
         if placement.size == 1:
             where = "-"
@@ -77,7 +78,7 @@ STAGE_NOTE = ("stage: every rank of one pipeline stage (tp x cp x dp), a row of 
 
 def render(layout: Layout, title: str) -> str:
     mesh = layout.mesh
-    sizes = " x ".join(f"{axis} {mesh.size(axis)}" for axis in ("tp", "cp", "pp", "dp"))
+    sizes = " x ".join(f"{axis} {mesh.size(axis)}" for axis in AXES)
     head = [f"{title}: {counted(layout.world, 'rank')} = {sizes}",
             f"order [{', '.join(mesh.order)}] (first varies fastest); "
             f"{counted(layout.nodes, 'node')} x "

@@ -15,6 +15,7 @@ from planc.graph.summary import busiest_stage_transfers, summarize
 from planc.lang.presets import PRESETS
 from planc.lang.units import (COMPUTE, TIME, format_bytes, format_flop_rate, format_quantity,
                               format_share)
+from planc.mesh import AXES
 from planc.schedules import Block
 from planc.views.plan_text import settings
 from planc.views.report_layout import layout_svg
@@ -253,7 +254,7 @@ def render(build, result, metrics: list[dict] | None = None, warmup: int = 2,
         ("memory at peak", format_bytes(peak.memory_bytes)
          + (f" / {format_bytes(result.memory_capacity)}" if result.memory_capacity else "")),
     ])
-    mesh = " x ".join(f"{a} {plan.mesh.size(a)}" for a in ("tp", "cp", "pp", "dp"))
+    mesh = " x ".join(f"{a} {plan.mesh.size(a)}" for a in AXES)
     sections = [
         f"<h1>planc report: {_e(plan.name)}</h1>",
         f'<p>{plan.world:,} ranks ({_e(mesh)}) on {plan.topology.nodes:,} '

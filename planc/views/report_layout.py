@@ -12,6 +12,7 @@ import colorsys
 import html
 
 from planc.layout import Layout
+from planc.mesh import GROUPS
 from planc.words import counted
 
 # Tableau 10, in order: the first ten stages; beyond ten, hues spread evenly.
@@ -88,7 +89,7 @@ def layout_svg(plan) -> str:
 
 
 def _coordinate_line(plan, coords: dict) -> str:
-    return " ".join(f"{axis[0]}{coords[axis]}" for axis in ("tp", "cp", "dp")
+    return " ".join(f"{axis[0]}{coords[axis]}" for axis in GROUPS["stage"].axes
                     if plan.mesh.size(axis) > 1)
 
 
@@ -121,7 +122,7 @@ def _rank_cells(plan, layout: Layout) -> str:
     parts.append("</svg>")
     legend = " ".join(f'<span style="color:{colours[s]}">&#9632;</span> stage {s}'
                       for s in range(plan.mesh.pp))
-    coordinates = ", ".join(f"{axis[0]}: {axis}" for axis in ("tp", "cp", "dp")
+    coordinates = ", ".join(f"{axis[0]}: {axis}" for axis in GROUPS["stage"].axes
                             if plan.mesh.size(axis) > 1)
     under = (f" Under each rank its coordinates ({coordinates})." if coordinates and
              cell >= 30 else "")

@@ -1,0 +1,261 @@
+"""The vocabulary of the communication graph: its enums and the attributes of its nodes
+and edges, one place (:mod:`planc.graph.ir` is the module other code imports).
+
+The enums are ``StrEnum`` so that a graph serialises to plain JSON strings and a
+value read back compares equal to its member. The groups a transfer names (``Axis``)
+and the parts of a group (``Level``) come from the mesh's registry, :mod:`planc.mesh`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from math import ceil
+from typing import TYPE_CHECKING, Iterable
+
+from planc.mesh import GROUPS, INTER, INTRA, WHOLE
+
+if TYPE_CHECKING:  # the schema itself is light: the command line reads its enums
+    import networkx as nx
+
+
+class NodeType(StrEnum):
+    COMPUTE = "compute"
+    TRANSFER = "transfer"
+
+
+class Phase(StrEnum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+class Op(StrEnum):
+    """The operators of every model family (planc.models), and the optimizer step."""
+
+    EMBEDDING = "embedding"
+    POSITION = "position"
+    LN1 = "ln1"
+    QKV = "qkv"
+    ATTENTION = "attention"
+    PROJ = "proj"
+    ATTN_RESIDUAL = "attn_residual"
+    LN2 = "ln2"
+    FC1 = "fc1"
+    GELU = "gelu"
+    SWIGLU = "swiglu"  # llama: silu(gate) * up
+    FC2 = "fc2"
+    MLP_RESIDUAL = "mlp_residual"
+    FINAL_LN = "final_ln"
+    HEAD = "head"
+    LOSS_MAX = "loss_max"  # vocabulary-parallel cross-entropy: the local max logit
+    LOSS_SUM_EXP = "loss_sum_exp"  # and the local sum of exponentials
+    LOSS = "loss"
+    OPTIMIZER = "optimizer"
+
+
+class Kind(StrEnum):
+    """Transfer kinds: the collectives of semantics section 3, and point to point."""
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
+    SEND = "send"
+    RECV = "recv"
+
+    @property
+    def is_collective(self) -> bool:
+        return self not in (Kind.SEND, Kind.RECV)
+
+
+class Payload(StrEnum):
+    """What a transfer carries; with the kind, it says how the runtime executes it."""
+
+    ACTIVATION = "activation"  # a tp redistribution of an activation or its gradient
+    LOSS_STAT = "loss_stat"  # max or sum of exponentials per token (vocab-parallel loss)
+    LOSS = "loss"  # the step's loss, summed over the last stage for the report
+    KV = "kv"  # keys and values over cp
+    DKV = "dkv"  # their gradients over cp
+    STREAM = "stream"  # the residual stream (or its gradient) between pipeline stages
+    GRAD = "grad"  # parameter gradients: one bucket, or one parameter's tp fix-up
+    PARAM = "param"  # parameters: one bucket gathered from its ZeRO shards
+
+
+class GraphGroup(StrEnum):
+    """What every group the graph names knows of itself, from planc.mesh's registry."""
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        """The mesh axes along which members of one group differ (``tied`` is the first
+        and last stage, ``stage`` every rank of a stage)."""
+        return GROUPS[self.value].axes
+
+    @property
+    def within_stage(self) -> bool:
+        """Every member of a group runs the same program (the group lies in one stage)."""
+        return GROUPS[self.value].within_stage
+
+
+# Groups of the graph, one member per group of planc.mesh.GROUPS that transfers name:
+# TP, CP and PP (the mesh axes); DP_CP, the ranks holding replicas of a parameter
+# (dp x cp), over which gradients are reduced; TIED, the first and last stage sharing a
+# tied embedding; STAGE, every rank of a stage. A new axis is a new registry entry.
+Axis = GraphGroup("Axis", [(name.upper(), name) for name, kind in GROUPS.items()
+                           if kind.in_graph], module=__name__)
+
+
+class Level(StrEnum):
+    """Which part of a group a collective runs on: all of it, the members on the
+    caller's node, or one member per node (the sub-groups of a hierarchical route)."""
+
+    WHOLE = WHOLE
+    INTRA = INTRA
+    INTER = INTER
+
+
+@dataclass(frozen=True)
+class GroupRef:
+    """A group as a transfer names it: an axis and a level."""
+
+    axis: Axis
+    level: Level = Level.WHOLE
+
+    def __str__(self) -> str:
+        return self.axis.value if self.level == Level.WHOLE else \
+            f"{self.axis.value}/{self.level.value}"
+
+    @staticmethod
+    def parse(text: str) -> "GroupRef":
+        axis, _, level = text.partition("/")
+        return GroupRef(Axis(axis), Level(level) if level else Level.WHOLE)
+
+    @staticmethod
+    def of(data: dict) -> "GroupRef":
+        return GroupRef(Axis(data["axis"]), Level(data.get("level", Level.WHOLE)))
+
+
+class EdgeKind(StrEnum):
+    DATA = "data"  # the consumer reads the producer's value
+    SAVED = "saved"  # a backward (or recomputed) step uses what a forward step kept
+    ORDER = "order"  # issue after, no value: placed by the overlap pass
+
+
+class Port(StrEnum):
+    """The input of a consumer that an edge feeds."""
+
+    X = "x"
+    SKIP = "skip"  # the residual connection
+    KV = "kv"
+    MAX = "max"
+    SUM_EXP = "sum_exp"
+    GRAD = "grad"
+    PARAM = "param"
+
+
+GRAPH_FORMAT_VERSION = 2
+PARAMETER_PORTS = frozenset({Port.PARAM})
+
+# --- the schema ---------------------------------------------------------------------
+
+# The types an attribute may have (a StrEnum: one of its members).
+INTEGER = (int,)
+NUMBER = (int, float)
+# Attributes every node carries, and those of every compute and every transfer node.
+COMMON_ATTRIBUTES = {"type": NodeType, "phase": Phase, "stage": INTEGER, "chunk": INTEGER,
+                     "repeat": INTEGER, "per_microbatch": (bool,)}
+COMPUTE_ATTRIBUTES = {"op": Op, "flops": NUMBER, "bytes": INTEGER, "recompute": (bool,),
+                      "params": (list,)}
+TRANSFER_ATTRIBUTES = {"kind": Kind, "axis": Axis, "level": Level, "payload": Payload,
+                       "bytes": INTEGER, "group_size": INTEGER, "dtype": (str,),
+                       "reason": (str,)}
+# Attributes a transfer must carry, by what it carries.
+PAYLOAD_ATTRIBUTES = {
+    Payload.ACTIVATION: {"source_layout": (str,), "target_layout": (str,), "tensor": (str,)},
+    Payload.LOSS_STAT: {"reduce_op": (str,)},
+    Payload.KV: {"tensor": (str,)},
+    Payload.DKV: {"tensor": (str,)},
+    Payload.STREAM: {"peer_stage": INTEGER},
+    Payload.GRAD: {"bucket": (str,)},
+    Payload.PARAM: {"bucket": (str,)},
+}
+OPTIONAL = {
+    "layer": "the transformer layer, or None outside the layers",
+    "forward_of": "B and R nodes: the forward node whose output they differentiate or redo",
+    "recompute_of": "B nodes whose forward is recomputed: the R node that redoes it",
+    "weight_grad": "B nodes split by the overlap pass: the W node computing their weight "
+                   "gradients (the B node computes the input gradients only)",
+    "weight_grad_of": "W nodes: the B node whose weight gradients they compute",
+    "tp_input": "compute: the operator's input layout over tp",
+    "tp_output": "compute: its output layout over tp",
+    "bucket": "GRAD and PARAM transfers and optimizer steps: the bucket they work on",
+    "ring_steps": "cp ring shifts: how many times the shift runs per microbatch",
+    "peer": "cp ring shifts: next or prev",
+    "dim": "the dimension a collective gathers or scatters",
+    "producer": "tp redistributions: the operator that produced the tensor",
+    "consumer": "tp redistributions: the operator that reads it",
+    "collective": "tied reductions: the name both stages give the collective",
+    "sharded": "optimizer steps: whether they update a ZeRO shard",
+    "stream": "placed by the overlap pass: the program stream it runs on",
+    "guard": "placed by the overlap pass: 'last' to run on the last microbatch only",
+    "placement": "per-step work placed by the overlap pass: block, prologue or epilogue",
+    "route": "collectives, placed by the route pass: ring, tree or hierarchical",
+    "route_seconds": "collectives: the cost model's time for the route taken",
+}
+
+
+# The types of the OPTIONAL attributes (and of a few more some nodes carry), where present:
+# a graph read back from a build is checked against them too.
+TEXT = (str,)
+SEQUENCE = (list, tuple)
+OPTIONAL_TYPES = {
+    "forward_of": TEXT, "recompute_of": TEXT, "weight_grad": TEXT, "weight_grad_of": TEXT,
+    "tp_input": TEXT, "tp_output": TEXT, "bucket": TEXT, "ring_steps": INTEGER, "peer": TEXT,
+    "dim": (str, type(None)), "producer": TEXT, "consumer": TEXT, "collective": TEXT,
+    "sharded": (bool,), "stream": TEXT, "placement": TEXT, "route": TEXT,
+    "route_seconds": (int, float, type(None)), "tensor": TEXT, "bias": TEXT,
+    "recomputed": (bool,), "vocab_parallel": (bool,), "peer_stage": INTEGER,
+    "slice_axis": INTEGER, "shape": SEQUENCE, "elements": SEQUENCE,
+}
+
+
+def buckets(graph: nx.DiGraph) -> dict[str, dict]:
+    """The graph's parameter buckets, by id."""
+    return graph.graph.setdefault("buckets", {})
+
+
+def shard_numel(numel: int, parts: int) -> int:
+    """A bucket of ``numel`` elements padded so that ``parts`` equal shards cover it."""
+    return ceil(numel / parts) if parts > 1 else numel
+
+
+def node_is(data: dict, kind: Kind, payload: Payload | None = None) -> bool:
+    return data["type"] == NodeType.TRANSFER and data["kind"] == kind and \
+        (payload is None or data["payload"] == payload)
+
+
+def transfers(graph: nx.DiGraph) -> Iterable[tuple[str, dict]]:
+    return ((n, d) for n, d in graph.nodes(data=True) if d["type"] == NodeType.TRANSFER)
+
+
+def coerce(graph: nx.DiGraph) -> nx.DiGraph:
+    """Turn the strings of a graph read from JSON back into the schema's enums, in place
+    (values that are not members are left for :func:`validate` to report)."""
+    node_enums = {"type": NodeType, "phase": Phase, "op": Op, "kind": Kind, "axis": Axis,
+                  "level": Level, "payload": Payload}
+    for _, data in graph.nodes(data=True):
+        _to_members(data, node_enums)
+    for _, _, data in graph.edges(data=True):
+        _to_members(data, {"kind": EdgeKind, "port": Port})
+    return graph
+
+
+def _to_members(data: dict, enums: dict) -> None:
+    for key, enum in enums.items():
+        value = data.get(key)
+        if isinstance(value, str) and not isinstance(value, enum):
+            try:
+                data[key] = enum(value)
+            except ValueError:
+                pass
