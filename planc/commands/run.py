@@ -46,10 +46,10 @@ def _run(args) -> int:
         # torch swallows a KeyboardInterrupt raised while it imports numpy: signals wait
         # until the import is done (planc.interrupts)
         with args.interrupts.deferred():
-            import torch  # noqa: F401 (here, with signals deferred: gpus() would import it)
-
             from planc.runtime.data import DataError, check_data
             from planc.runtime.launch import gpus, launch
+
+            devices = gpus()  # imports torch: here, with signals deferred
     except ImportError as exc:
         if not missing_runtime(exc):
             raise
@@ -58,7 +58,6 @@ def _run(args) -> int:
         identity = check_data(built.plan)
     except DataError as exc:
         return fail(f"{exc}; nothing was run")
-    devices = gpus()
     backend = args.backend or ("nccl" if devices else "gloo")
     if backend == "nccl" and devices < built.plan.world:
         return fail(f"the nccl backend needs a GPU per rank: the plan has "

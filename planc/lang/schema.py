@@ -76,9 +76,8 @@ _LINK = {"bandwidth": Key(Quantity(RATE)), "latency": Key(Time(TIME))}
 _SCHEMA_FAMILIES = tuple(FAMILIES.items())  # the families PLAN_SCHEMA's model block holds
 PLAN_SCHEMA = BlockSchema("plan", blocks={
     "model": model_schema(dict(_SCHEMA_FAMILIES)),
-    "mesh": BlockSchema("mesh", keys={
-        "tp": Key(Integer(1), 1), "cp": Key(Integer(1), 1),
-        "pp": Key(Integer(1), 1), "dp": Key(Integer(1), 1),
+    "mesh": BlockSchema("mesh", keys={  # a degree per axis of planc.mesh, then the order
+        **{axis: Key(Integer(1), 1) for axis in AXES},
         "order": Key(AxisOrder(), AXES),
     }),
     "topology": BlockSchema("topology", keys={
