@@ -12,6 +12,7 @@ import pytest
 from planc.build import read, read_programs, write
 from planc.compile import compile_plan
 from planc.lang import load_file, load_text
+from planc.lower.operands import Input, Operands
 from planc.lower.program import Instruction, Program, RankTable
 from planc.lower.verify import verify
 from tests.conftest import PLANS
@@ -185,8 +186,10 @@ def test_a_buffer_overwritten_while_a_transfer_reads_it():
                           if x.get("node") == "F/L0/proj>attn_residual:all_reduce@tp")
         # right after the all-reduce is issued, a compute step writes its output into the
         # buffer the all-reduce is still reading
+        ln2 = next(x for x in block if x.get("node") == "F/L0/ln2")
         block.insert(collective + 1, {"op": "compute", "stream": "compute", "node": "F/L0/ln2",
-                                      "reads": ["F/L0/ln1"], "writes": ["F/L0/proj"]})
+                                      "reads": ["F/L0/ln1"], "writes": ["F/L0/proj"],
+                                      "operands": ln2["operands"]})
 
     programs = _replace_program(build, "stage0.json", reuse)
     assert problems(build, programs) == [
@@ -259,14 +262,20 @@ def test_planc_programs_lists_each_forward_before_its_backward(tmp_path, run_pla
 
 
 def test_instruction_json_carries_explicit_writes():
+    operands = Operands(inputs=(Input("F/L0/ln1"),), kernel="qkv", step="forward")
     instruction = Instruction("compute", "compute", "F/L0/qkv", reads=("F/L0/ln1",),
-                              writes=("elsewhere",))
+                              writes=("elsewhere",), operands=operands)
     assert Instruction.from_json(instruction.to_json()) == instruction
-    assert Instruction.from_json({"op": "compute", "stream": "compute", "node": "n"}
-                                 ).writes == ("n",)
+    assert Instruction.from_json({"op": "compute", "stream": "compute", "node": "n",
+                                  "operands": {}}).writes == ("n",)
     for broken in (["x"], {"op": "x", "stream": "compute"}, {"op": "wait", "stream": "s"},
                    {"op": "compute", "stream": "s", "node": "n", "guard": "middle"},
-                   {"op": "compute", "stream": "s", "node": "n", "what": 1}):
+                   {"op": "compute", "stream": "s", "node": "n", "what": 1},
+                   {"op": "compute", "stream": "s", "node": "n"},  # no operands
+                   {"op": "compute", "stream": "s", "node": "n", "operands": {"step": "x"}},
+                   {"op": "compute", "stream": "s", "node": "n",
+                    "operands": {"inputs": [{"buffer": 1}]}},
+                   {"op": "wait", "stream": "s", "event": "e", "operands": {}}):
         with pytest.raises(ValueError):
             Instruction.from_json(broken)
 

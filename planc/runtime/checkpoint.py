@@ -74,7 +74,7 @@ class Checkpoints(Loading):
                 self.owner[m["param"]] = min(self.owner.get(m["param"], bucket["stage"]),
                                              bucket["stage"])
                 self.shapes[m["param"]] = list(m["full_shape"])
-        self.optimizers = {graph.nodes[node]["bucket"]: optimizer
+        self.optimizers = {interpreter.optimized[node]: optimizer
                            for node, optimizer in interpreter.optimizers.items()}
         self.keys = fmt.state_keys(fmt.as_json(self.plan.train.optimizer))
         self.history: list[dict] = []

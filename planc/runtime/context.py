@@ -13,7 +13,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from planc.graph.layouts import Layout, S
 from planc.lower.groups import PIPELINE, GroupTable
 from planc.lower.routes import RouteTable
 from planc.plan import Plan
@@ -72,6 +71,7 @@ class RankContext:
         self.data_identity = data_identity
         self.routes = routes or RouteTable({})
         self.layout = table.layout
+        self.devices_per_node = self.layout.devices_per_node
         self.coords = self.layout.coords(rank)
         self.tp, self.cp = plan.mesh.tp, plan.mesh.cp
         self.tp_rank, self.cp_rank = self.coords["tp"], self.coords["cp"]
@@ -87,6 +87,12 @@ class RankContext:
         stage's rank with tp = cp = dp = 0."""
         return self.layout.rank({"tp": 0, "cp": 0, "dp": 0, "pp": self.plan.mesh.pp - 1})
 
+    @property
+    def label(self) -> str:
+        """How traces and reports name this rank."""
+        c = self.coords
+        return f"rank {self.rank} (stage {c['pp']}, tp {c['tp']}, cp {c['cp']}, dp {c['dp']})"
+
     def peer(self, stage: int) -> int:
         """The rank of pipeline stage ``stage`` with this rank's other coordinates."""
         return self.layout.rank({**self.coords, "pp": stage})
@@ -98,11 +104,11 @@ class RankContext:
             self._batch = (step, batch_tokens(self.plan, step, self.data_identity))
         return self._batch[1]
 
-    def positions(self, layout: Layout) -> torch.Tensor:
-        """Positions of the tokens this rank holds for an activation of ``layout`` (over
-        tp): all of its cp chunk, or its tp slice of them under S(seq)."""
+    def positions(self, seq_sharded: bool) -> torch.Tensor:
+        """Positions of the tokens this rank holds for an activation: all of its cp
+        chunk, or its tp slice of them when the activation is sharded along the tokens."""
         positions = token_positions(self.plan, self.cp_rank)
-        if layout == S("seq") and self.tp > 1:
+        if seq_sharded and self.tp > 1:
             positions = seq_split(positions, 0, self.tp, self.tp_rank)
         return positions.to(self.device)
 
@@ -115,10 +121,10 @@ class RankContext:
         return torch.cat([token_positions(self.plan, c) for c in range(self.cp)]).to(
             self.device)
 
-    def microbatch(self, step: int, microbatch: int, layout: Layout
+    def microbatch(self, step: int, microbatch: int, seq_sharded: bool
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(input ids, target ids) of this rank's tokens of a microbatch."""
         rows = microbatch_rows(self.plan, self.coords["dp"], microbatch)
         tokens = self.tokens(step)[rows].to(self.device)
-        positions = self.positions(layout)
+        positions = self.positions(seq_sharded)
         return tokens[:, positions], tokens[:, positions + 1]

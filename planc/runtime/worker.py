@@ -37,8 +37,8 @@ from planc.runtime.check import compare
 from planc.runtime.checkpoint import Checkpoints
 from planc.runtime.context import RankContext, make_groups
 from planc.runtime.data_identity import Identity, identity_now
-from planc.runtime.exchange import (all_gather_json, broadcast_json, either, gather_json,
-                                    integer, list_of, nothing, number, one_of, row, text)
+from planc.runtime.exchange import (all_gather_json, boolean, broadcast_json, either,
+                                    gather_json, integer, list_of, nothing, number, row, text)
 from planc.runtime.executor import CpuExecutor, CudaExecutor, Hang, PeerLost
 from planc.runtime.interpreter import Interpreter
 from planc.runtime.launcher_protocol import ERROR_FILE, EXIT_HANG, REPORT_FILE, TRAINING_FILE
@@ -228,7 +228,7 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
     program = built.programs[built.table.program_of(rank)]
     shard_index = groups.index("dp_cp", rank)
     store = ParamStore(ctx, program.buckets, shard_index)
-    interpreter = Interpreter(ctx, built.graph, program, store)
+    interpreter = Interpreter(ctx, program, store)
     steps = args.steps or plan.train.steps
     checkpoints, first = None, 0
     if args.checkpoint_dir or args.resume:
@@ -251,8 +251,8 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
             result = executor.run_step(step)
             if result.state.loss is not None:
                 losses.append(result.state.loss)
-            trace.extend((step, e.stream, e.name, e.start, e.end, e.microbatch, e.op)
-                         for e in result.trace)
+            trace.extend((step, e.stream, e.name, e.start, e.end, e.microbatch, e.op,
+                          [list(flow) for flow in e.flows]) for e in result.trace)
             metrics.step(step, result.times, result.state.loss)
             done = step + 1
             if args.checkpoint_dir and (done == steps or (
@@ -274,9 +274,11 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
         raise SystemExit(f"planc: error: {exc}") from None
     executor.close()
     if args.trace:
-        gathered = gather_json(trace, 0, _trace_form(built.graph), "its trace events")
+        gathered = gather_json([ctx.label, trace], 0, _TRACE_FORM, "its trace events")
         if rank == 0:
-            write_trace(args.trace, ctx.layout, built.graph, gathered)
+            write_trace(args.trace, {r: label for r, (label, _) in enumerate(gathered)},
+                        [[tuple(e[:7]) + (tuple(map(tuple, e[7])),) for e in events]
+                         for _, events in gathered])
     status = 0
     if args.check:
         status = compare(ctx, interpreter, losses if _leader(ctx) else None, steps, first)
@@ -285,11 +287,11 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
     return status
 
 
-def _trace_form(graph):
-    """A rank's trace events as JSON: (step, stream, node of the graph, start, end,
-    microbatch or null, op) each (planc.runtime.executor.TraceEvent)."""
-    return list_of(row(integer, text, one_of(graph.nodes), number, number,
-                       either(integer, nothing), text))
+# A rank's name and trace events as JSON: (step, stream, node, start, end, microbatch
+# or null, op, flows) each (planc.runtime.executor.TraceEvent, planc.runtime.trace.Flow).
+_TRACE_FORM = row(text, list_of(row(integer, text, text, number, number,
+                                    either(integer, nothing), text,
+                                    list_of(row(text, integer, integer, text, boolean)))))
 
 
 def _resumable(args, plan, graph, steps: int, checkpoints: Checkpoints):
