@@ -275,7 +275,7 @@ def test_a_data_file_that_changed_after_compile_is_refused_before_any_rank_start
 
 def test_a_data_file_is_read_a_step_at_a_time_and_each_batch_checked(tmp_path):
     from planc.lang import load_text
-    from planc.runtime.model import DataError, batch_tokens
+    from planc.runtime.data import DataError, batch_tokens
 
     tokens = tmp_path / "tokens.bin"
     values = list(range(100))

@@ -27,7 +27,7 @@ import networkx as nx
 
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, buckets
 from planc.lower.bind import operands_of
-from planc.lower.names import STREAM_ORDER
+from planc.names import BACKWARD_LETTER, FORWARD_LETTER, STREAM_ORDER
 from planc.lower.program import (
     STATE,
     Instruction,
@@ -36,6 +36,7 @@ from planc.lower.program import (
     finished_before,
     vector_clocks,
 )
+from planc.lower.ranks import AXES
 from planc.passes.overlap import COMPUTE, stream_of
 from planc.plan import Plan
 
@@ -154,7 +155,7 @@ class _StageLowering:
         if data["type"] == NodeType.TRANSFER and data["axis"] == Axis.PP and \
                 data["kind"] == Kind.RECV:
             return _Where(stream, stream, True, False)
-        letter = "F" if data["phase"] == Phase.FORWARD else "B"
+        letter = FORWARD_LETTER if data["phase"] == Phase.FORWARD else BACKWARD_LETTER
         block = f"{letter}{data['chunk']}"
         if data["per_microbatch"]:
             return _Where(block, stream, True, False)
@@ -424,8 +425,12 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
             prologue=tuple(listed.get(PROLOGUE, ())), buckets=stage_buckets,
             received={node: operands_of(graph, node, Kind.RECV.value, rank)
                       for node in receive_nodes})
-    ranks = RankTable(plan.world, pp, Layout.of(plan).strides["pp"],
-                      {f"stage{s}.json": s for s in range(pp)})
+    layout = Layout.of(plan)
+    ranks = RankTable(plan.world, pp, layout.strides["pp"],
+                      {f"stage{s}.json": s for s in range(pp)},
+                      axes={axis: (layout.mesh.size(axis), layout.strides[axis])
+                            for axis in AXES},
+                      leader=layout.rank({"tp": 0, "cp": 0, "dp": 0, "pp": pp - 1}))
     return programs, ranks
 
 
@@ -436,7 +441,7 @@ def _receive_order(graph: nx.DiGraph, receive_nodes: dict[str, str],
     for node in receive_nodes:
         data = graph.nodes[node]
         (send,) = list(graph.predecessors(node))
-        letter = "F" if data["phase"] == Phase.FORWARD else "B"
+        letter = FORWARD_LETTER if data["phase"] == Phase.FORWARD else BACKWARD_LETTER
         sender_of[node] = (data["peer_stage"], letter, graph.nodes[send]["chunk"])
     streams: dict[str, list[tuple[str, int]]] = {s: [] for s in receive_nodes.values()}
     for stream in streams:

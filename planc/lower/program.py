@@ -40,13 +40,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from functools import cached_property
 from enum import StrEnum
 from typing import Iterator
 
 from planc.graph.ir import Kind
-from planc.lower.names import STREAM_ORDER
+from planc.names import STREAM_ORDER
 from planc.lower.operands import Operands
+from planc.lower.ranks import RANK_TABLE_VERSION, RankTable, integer_of  # noqa: F401 (API)
 
 # Version 3: instructions carry typed operands (version 2 left them to graph.json).
 PROGRAM_FORMAT_VERSION = 3
@@ -145,14 +145,6 @@ def guard_microbatch(guard: str | None, microbatches: int) -> int | None:
 def _string(value) -> str:
     if not isinstance(value, str):
         raise ValueError(f"expected a string, got {value!r}")
-    return value
-
-
-def integer_of(value, what: str) -> int:
-    """An integer of a file read back (JSON has no integer type: 1e400 is infinity, 2.5
-    and true are numbers too)."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{what} is {value!r}, not an integer")
     return value
 
 
@@ -407,73 +399,6 @@ def vector_clocks(instructions) -> tuple[list[dict[str, int]], dict[str, dict[st
 def finished_before(clocks: list[dict[str, int]], streams: list[str], a: int, b: int) -> bool:
     """Whether instruction ``a`` finished before instruction ``b`` starts."""
     return a < b and (streams[a] == streams[b] or clocks[b].get(streams[a], -1) >= a)
-
-
-@dataclass(frozen=True)
-class RankTable:
-    """Which program each rank runs. By rule, every rank of a pipeline stage runs that
-    stage's program (so the table does not grow with the world); ``overrides`` lists ranks
-    that run another program (a program edited by hand, for instance)."""
-
-    world: int
-    pp: int
-    stride: int  # how far apart ranks of neighbouring stages are (mesh order)
-    stages: dict[str, int]  # program file -> the stage whose ranks run it
-    overrides: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.stages) + sorted(set(self.overrides.values()) - set(self.stages))
-
-    def stage_of(self, rank: int) -> int:
-        return rank // self.stride % self.pp
-
-    @cached_property
-    def _by_stage(self) -> dict[int, str]:
-        by_stage: dict[int, str] = {}
-        for name, stage in self.stages.items():
-            by_stage.setdefault(stage, name)
-        return by_stage
-
-    def program_of(self, rank: int) -> str:
-        if rank in self.overrides:
-            return self.overrides[rank]
-        return self._by_stage[self.stage_of(rank)]
-
-    def ranks(self, name: str) -> Iterator[int]:
-        """Every rank that runs ``name`` (walks the world: for reports and listings)."""
-        stage = self.stages.get(name)
-        for rank in range(self.world):
-            if rank in self.overrides:
-                if self.overrides[rank] == name:
-                    yield rank
-            elif rank // self.stride % self.pp == stage:
-                yield rank
-
-    def to_json(self) -> dict:
-        return {"format": "planc-ranks", "version": RANK_TABLE_VERSION,
-                "world": self.world, "pp": self.pp, "pp_stride": self.stride,
-                "stages": dict(self.stages),
-                "overrides": {str(r): name for r, name in sorted(self.overrides.items())}}
-
-    @staticmethod
-    def from_json(data: dict) -> "RankTable":
-        if data.get("format") != "planc-ranks" or data.get("version") != RANK_TABLE_VERSION:
-            raise ValueError(f"not a version {RANK_TABLE_VERSION} planc rank table")
-        table = RankTable(integer_of(data["world"], "its world"), integer_of(data["pp"], "its pp"),
-                          integer_of(data["pp_stride"], "its pp_stride"),
-                          {str(k): integer_of(v, f"the stage of {k}")
-                           for k, v in data["stages"].items()},
-                          {int(k): _string(v) for k, v in data.get("overrides", {}).items()})
-        if table.world < 1 or table.pp < 1 or table.stride < 1 or \
-                len(table.stages) != table.pp or \
-                sorted(table.stages.values()) != list(range(table.pp)) or \
-                any(not 0 <= r < table.world for r in table.overrides):
-            raise ValueError("its world, pp, pp_stride, stages or overrides are inconsistent")
-        return table
-
-
-RANK_TABLE_VERSION = 1
 
 
 def dumps(data: dict) -> str:

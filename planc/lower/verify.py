@@ -54,8 +54,11 @@ class _Verifier(StreamChecks, PipelineChecks):
 
     def rank_table(self) -> bool:
         table, pp = self.table, self.plan.mesh.pp
+        layout = self.layout
         if (table.world, table.pp, table.stride) != (self.plan.world, pp,
-                                                      self.layout.strides["pp"]):
+                                                      layout.strides["pp"]) or \
+                table.axes != {a: (layout.mesh.size(a), layout.strides[a]) for a in table.axes} \
+                or table.leader != layout.rank({"tp": 0, "cp": 0, "dp": 0, "pp": pp - 1}):
             self.report.add("the rank table was made for another mesh")
             return False
         for name in table.names:

@@ -1,6 +1,7 @@
 """What one rank knows while it runs: its place in the mesh, its groups and its data.
 
-Everything here is read from the build: the mesh and the groups from
+Everything here is read from the build: its coordinates, pipeline peers and the leader
+from ``programs/ranks.json`` (:class:`planc.lower.ranks.RankTable`), the groups from
 ``programs/groups.json`` (:class:`planc.lower.groups.GroupTable`), the model's sizes
 and the data from plan.json. Nothing is derived again.
 """
@@ -14,10 +15,12 @@ import torch
 import torch.distributed as dist
 
 from planc.lower.groups import PIPELINE, GroupTable
+from planc.lower.ranks import RankTable
 from planc.lower.routes import RouteTable
 from planc.plan import Plan
 from planc.runtime.data_identity import Identity
-from planc.runtime.model import batch_tokens, microbatch_rows, seq_split, token_positions
+from planc.runtime.data import batch_tokens
+from planc.runtime.model import microbatch_rows, seq_split, token_positions
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -63,21 +66,22 @@ def make_groups(table: GroupTable, rank: int, timeout: float) -> Groups:
 
 
 class RankContext:
-    def __init__(self, plan: Plan, table: GroupTable, rank: int, groups: Groups | None,
+    def __init__(self, plan: Plan, ranks: RankTable, rank: int, groups: Groups | None,
                  device: torch.device, routes: RouteTable | None = None,
-                 data_identity: Identity | None = None):
+                 data_identity: Identity | None = None, devices_per_node: int = 1):
         self.plan, self.rank, self.groups, self.device = plan, rank, groups, device
         # the data file as the run began (planc.runtime.data_identity); None: not pinned
         self.data_identity = data_identity
         self.routes = routes or RouteTable({})
-        self.layout = table.layout
-        self.devices_per_node = self.layout.devices_per_node
-        self.coords = self.layout.coords(rank)
+        self.ranks = ranks
+        self.devices_per_node = devices_per_node
+        self.coords = ranks.coords(rank)
         self.tp, self.cp = plan.mesh.tp, plan.mesh.cp
         self.tp_rank, self.cp_rank = self.coords["tp"], self.coords["cp"]
         self.stage = self.coords["pp"]
         self.dtype = DTYPES[plan.model.dtype]
         self.model = plan.model
+        self.optimizer = plan.train.optimizer
         self.tokens_per_step = plan.model.batch * plan.model.seq
         self._batch: tuple[int, torch.Tensor] | None = None
 
@@ -85,7 +89,7 @@ class RankContext:
     def leader(self) -> int:
         """The rank that knows the loss first and prints the run's progress: the last
         stage's rank with tp = cp = dp = 0."""
-        return self.layout.rank({"tp": 0, "cp": 0, "dp": 0, "pp": self.plan.mesh.pp - 1})
+        return self.ranks.leader
 
     @property
     def label(self) -> str:
@@ -95,7 +99,7 @@ class RankContext:
 
     def peer(self, stage: int) -> int:
         """The rank of pipeline stage ``stage`` with this rank's other coordinates."""
-        return self.layout.rank({**self.coords, "pp": stage})
+        return self.ranks.peer(self.rank, stage)
 
     # --- data --------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from planc.lower.names import RECEIVE_STREAMS, Stream
+from planc.names import RECEIVE_STREAMS, Stream
 from planc.lower.program import Expanded
 from planc.runtime.interpreter import Interpreter, StepState
 from planc.runtime.trace import Flow, flows_of

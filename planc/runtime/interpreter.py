@@ -23,7 +23,7 @@ from planc.lower.program import Instruction, Program
 from planc.runtime.context import RankContext, pp_group_key
 from planc.runtime.kernels import LOSS_STATISTICS, Kernels, Saved, Spec
 from planc.runtime.model import split_feature
-from planc.runtime.reference import make_optimizer
+from planc.runtime.optim import optimizer_of
 from planc.runtime.store import ParamStore
 from planc.runtime.routes import resolve
 from planc.runtime.transfers import Call, Transfers
@@ -111,7 +111,7 @@ class Interpreter:
                 bucket = operands.bucket
                 tensor = self.store.shard[bucket] if operands.sharded else \
                     self.store.full[bucket]
-                self.optimizers[node] = make_optimizer(self.ctx.plan, [tensor], fused=True)
+                self.optimizers[node] = optimizer_of(self.ctx.optimizer, [tensor], fused=True)
                 self.optimized[node] = bucket
             return
         handler = self.transfers.table[(op, operands.payload)]

@@ -12,7 +12,7 @@ import json
 import zlib
 
 from planc.files import write_atomically
-from planc.lower.names import STREAM_ORDER
+from planc.names import STREAM_ORDER
 
 # A flow end: ("s" start or "f" finish, sending rank, receiving rank, the receive's
 # node, whether it is drawn at the end of the event rather than its start).
