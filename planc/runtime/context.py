@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -17,10 +18,12 @@ import torch.distributed as dist
 from planc.lower.groups import PIPELINE, GroupTable
 from planc.lower.ranks import RankTable
 from planc.lower.routes import RouteTable
-from planc.plan import Plan
-from planc.runtime.data_identity import Identity
 from planc.runtime.data import batch_tokens
+from planc.runtime.data_identity import Identity
 from planc.runtime.model import microbatch_rows, seq_split, token_positions
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only
+    from planc.plan import Plan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
