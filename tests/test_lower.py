@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 from planc.build import read, read_programs, write
 from planc.compile import compile_plan
 from planc.lang import load_file, load_text
+from planc.lower.operands import Input, Operands
 from planc.lower.program import Instruction, Program, RankTable
 from planc.lower.verify import verify
 from tests.conftest import PLANS
@@ -54,10 +56,13 @@ def test_program_shape_of_a_two_stage_pipeline():
     stage0, stage1 = build.programs["stage0.json"], build.programs["stage1.json"]
     assert {name: list(build.table.ranks(name)) for name in build.table.names} == {
         "stage0.json": [0, 1], "stage1.json": [2, 3]}
-    assert build.table.to_json() == {"format": "planc-ranks", "version": 1, "world": 4,
+    assert build.table.to_json() == {"format": "planc-ranks", "version": 2, "world": 4,
                                      "pp": 2, "pp_stride": 2,
                                      "stages": {"stage0.json": 0, "stage1.json": 1},
-                                     "overrides": {}}
+                                     "overrides": {},
+                                     "axes": {"tp": [2, 1], "cp": [1, 2], "dp": [1, 4],
+                                              "pp": [2, 2]},
+                                     "leader": 2}
     assert stage0.streams == ("compute", "comm", "send_next", "recv_next")
     assert stage1.streams == ("compute", "comm", "send_prev", "recv_prev")
     # 1F1B on 4 microbatches: one warm-up forward on stage 0
@@ -105,7 +110,7 @@ def _split_rank(build, rank: int, change) -> tuple[dict, RankTable]:
     programs = dict(build.programs)
     programs["broken.json"] = Program.from_json(data)
     t = build.table
-    return programs, RankTable(t.world, t.pp, t.stride, t.stages, {rank: "broken.json"})
+    return programs, dataclasses.replace(t, overrides={rank: "broken.json"})
 
 
 def _replace_program(build, name: str, change) -> dict:
@@ -185,8 +190,10 @@ def test_a_buffer_overwritten_while_a_transfer_reads_it():
                           if x.get("node") == "F/L0/proj>attn_residual:all_reduce@tp")
         # right after the all-reduce is issued, a compute step writes its output into the
         # buffer the all-reduce is still reading
+        ln2 = next(x for x in block if x.get("node") == "F/L0/ln2")
         block.insert(collective + 1, {"op": "compute", "stream": "compute", "node": "F/L0/ln2",
-                                      "reads": ["F/L0/ln1"], "writes": ["F/L0/proj"]})
+                                      "reads": ["F/L0/ln1"], "writes": ["F/L0/proj"],
+                                      "operands": ln2["operands"]})
 
     programs = _replace_program(build, "stage0.json", reuse)
     assert problems(build, programs) == [
@@ -259,14 +266,20 @@ def test_planc_programs_lists_each_forward_before_its_backward(tmp_path, run_pla
 
 
 def test_instruction_json_carries_explicit_writes():
+    operands = Operands(inputs=(Input("F/L0/ln1"),), kernel="qkv", step="forward")
     instruction = Instruction("compute", "compute", "F/L0/qkv", reads=("F/L0/ln1",),
-                              writes=("elsewhere",))
+                              writes=("elsewhere",), operands=operands)
     assert Instruction.from_json(instruction.to_json()) == instruction
-    assert Instruction.from_json({"op": "compute", "stream": "compute", "node": "n"}
-                                 ).writes == ("n",)
+    assert Instruction.from_json({"op": "compute", "stream": "compute", "node": "n",
+                                  "operands": {}}).writes == ("n",)
     for broken in (["x"], {"op": "x", "stream": "compute"}, {"op": "wait", "stream": "s"},
                    {"op": "compute", "stream": "s", "node": "n", "guard": "middle"},
-                   {"op": "compute", "stream": "s", "node": "n", "what": 1}):
+                   {"op": "compute", "stream": "s", "node": "n", "what": 1},
+                   {"op": "compute", "stream": "s", "node": "n"},  # no operands
+                   {"op": "compute", "stream": "s", "node": "n", "operands": {"step": "x"}},
+                   {"op": "compute", "stream": "s", "node": "n",
+                    "operands": {"inputs": [{"buffer": 1}]}},
+                   {"op": "wait", "stream": "s", "event": "e", "operands": {}}):
         with pytest.raises(ValueError):
             Instruction.from_json(broken)
 
@@ -306,6 +319,10 @@ def test_one_rank_is_counted_in_the_singular(tmp_path):
     (dict(world=6), "is for 6 ranks and 2 stages, plan.json for 4 and 2; run planc compile "
                     "again"),
     (dict(stages="x"), "is not a valid rank table ("),
+    (dict(leader=4), "is not a valid rank table (its axes or its leader are inconsistent"),
+    (dict(axes={"tp": [2, 1], "cp": [1, 2], "dp": [1, 4], "pp": [2, 3]}),
+     "is not a valid rank table (its axes or its leader are inconsistent"),
+    (dict(version=1), "is not a valid rank table (not a version 2 planc rank table)"),
 ])
 def test_a_damaged_rank_table_is_refused(change, message, tmp_path, run_planc):
     directory = write(built(), tmp_path / "b", str(tmp_path / "pp.plan"), PP_PLAN)
@@ -316,5 +333,36 @@ def test_a_damaged_rank_table_is_refused(change, message, tmp_path, run_planc):
     result = run_planc("verify", directory)
     assert result.returncode == 1
     assert result.stderr.startswith(f"planc: error: {path} ")
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def _first_of(program: dict, node_part: str) -> dict:
+    return next(i for block in program["blocks"].values() for i in block
+                if node_part in i.get("node", ""))
+
+
+@pytest.mark.parametrize("change, message", [
+    # the program format before instructions carried their operands
+    (lambda p: p.update(version=2), "is not a valid program (program format version 2; "
+     "this planc reads version 3, whose instructions carry their operands); run planc "
+     "compile again"),
+    (lambda p: _first_of(p, "qkv").pop("operands"), "has no operands"),
+    (lambda p: _first_of(p, "qkv")["operands"].update(kernel="exec"),
+     "are not those graph.json implies"),
+    (lambda p: _first_of(p, ":all_reduce@tp")["operands"].update(group="dp_cp"),
+     "are not those graph.json implies"),
+    (lambda p: p["received"].clear(), "its receives and the operands of its receives name "
+     "different nodes"),
+])
+def test_a_program_whose_operands_are_not_the_graphs_is_refused(change, message, tmp_path,
+                                                                run_planc):
+    directory = write(built(), tmp_path / "b", str(tmp_path / "pp.plan"), PP_PLAN)
+    path = directory / "programs" / "stage1.json"
+    program = json.loads(path.read_text())
+    change(program)
+    path.write_text(json.dumps(program))
+    result = run_planc("verify", directory)
+    assert result.returncode == 1
     assert message in result.stderr
     assert "Traceback" not in result.stderr

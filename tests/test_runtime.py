@@ -275,7 +275,7 @@ def test_a_data_file_that_changed_after_compile_is_refused_before_any_rank_start
 
 def test_a_data_file_is_read_a_step_at_a_time_and_each_batch_checked(tmp_path):
     from planc.lang import load_text
-    from planc.runtime.model import DataError, batch_tokens
+    from planc.runtime.data import DataError, batch_tokens
 
     tokens = tmp_path / "tokens.bin"
     values = list(range(100))
@@ -406,6 +406,13 @@ def test_check_reports_a_wrong_result_per_parameter(tmp_path, capfd):
         if node["id"] == "F/L1/fc2>mlp_residual:all_reduce@tp":
             node["reduce_op"] = "max"
     (build / "graph.json").write_text(json.dumps(graph))
+    # the program is what runs: its operands say the same (the verifier checks they agree)
+    program = json.loads((build / "programs" / "stage0.json").read_text())
+    for block in program["blocks"].values():
+        for instruction in block:
+            if instruction.get("node") == "F/L1/fc2>mlp_residual:all_reduce@tp":
+                instruction["operands"]["reduce_op"] = "max"
+    (build / "programs" / "stage0.json").write_text(json.dumps(program))
     status, err = run([build, "--check"], capfd)
     assert status == 1
     assert "against the single-process run (relative tolerance 1e-05): FAILED" in err

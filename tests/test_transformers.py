@@ -23,7 +23,8 @@ from safetensors import safe_open  # noqa: E402
 from planc.cli import main  # noqa: E402
 from planc.export.hf import hf_config, hf_name  # noqa: E402
 from planc.lang import load_text  # noqa: E402
-from planc.runtime.model import batch_tokens, initial_value, parameters  # noqa: E402
+from planc.runtime.data import batch_tokens  # noqa: E402
+from planc.runtime.model import initial_value, parameters  # noqa: E402
 
 LR = 1000.0
 PLAN = """plan hf_reference {{

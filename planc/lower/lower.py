@@ -26,6 +26,8 @@ from dataclasses import dataclass, replace
 import networkx as nx
 
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, buckets
+from planc.lower.bind import operands_of
+from planc.names import STREAM_ORDER
 from planc.lower.program import (
     STATE,
     Instruction,
@@ -34,12 +36,12 @@ from planc.lower.program import (
     finished_before,
     vector_clocks,
 )
+from planc.lower.ranks import AXES
 from planc.passes.overlap import COMPUTE, stream_of
 from planc.plan import Plan
 from planc import schedules
 from planc.schedules import Action, ActionKind, Block
 
-STREAM_ORDER = ("compute", "comm", "dp", "send_next", "send_prev", "recv_prev", "recv_next")
 PROLOGUE, EPILOGUE = "prologue", "epilogue"
 
 
@@ -304,7 +306,8 @@ def _instructions(lowering: _StageLowering, nodes: list[str],
         state_reads, state_writes = lowering.state_buffers(node)
         out.append(Instruction(op, where.stream, node, reads=reads + state_reads,
                                writes=(node,) + state_writes,
-                               per_microbatch=data["per_microbatch"], guard=guard))
+                               per_microbatch=data["per_microbatch"], guard=guard,
+                               operands=operands_of(graph, node, op, lowering.rank)))
         if (node, "mb") in recorded:
             out.append(Instruction("record", where.stream, event=f"done:{node}",
                                    per_microbatch=True, guard=guard))
@@ -425,9 +428,15 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
         streams = tuple(s for s in STREAM_ORDER if s in used_streams or s == COMPUTE)
         programs[f"stage{stage}.json"] = Program(
             stage, streams, blocks, plan_schedule, receives, tuple(body), m,
-            prologue=tuple(listed.get(PROLOGUE, ())), buckets=stage_buckets)
-    ranks = RankTable(plan.world, pp, Layout.of(plan).strides["pp"],
-                      {f"stage{s}.json": s for s in range(pp)})
+            prologue=tuple(listed.get(PROLOGUE, ())), buckets=stage_buckets,
+            received={node: operands_of(graph, node, Kind.RECV.value, rank)
+                      for node in receive_nodes})
+    layout = Layout.of(plan)
+    ranks = RankTable(plan.world, pp, layout.strides["pp"],
+                      {f"stage{s}.json": s for s in range(pp)},
+                      axes={axis: (layout.mesh.size(axis), layout.strides[axis])
+                            for axis in AXES},
+                      leader=layout.rank({"tp": 0, "cp": 0, "dp": 0, "pp": pp - 1}))
     return programs, ranks
 
 

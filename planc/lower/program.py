@@ -29,22 +29,41 @@ never do. An instruction with ``guard = "last"`` in a block runs only when
 the block runs for the last microbatch (``"first"``: the first): once-per-step work (a
 gradient bucket's reduction) issued as soon as its inputs are final, without unfolding
 the program.
+
+Every compute and transfer instruction carries its ``operands``
+(:class:`planc.lower.operands.Operands`): the buffers it reads and the ports they feed,
+the gradient it takes, the local slice, its group or peer stage, shapes. The runtime
+runs them as written; docs/programs.md lists them.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from functools import cached_property
+from enum import StrEnum
 from typing import Iterator
 
 from planc.graph.ir import Kind
+from planc.names import STREAM_ORDER
+from planc.lower.operands import Operands
+from planc.lower.ranks import RANK_TABLE_VERSION, RankTable, integer_of  # noqa: F401 (API)
 
-PROGRAM_FORMAT_VERSION = 2
+# Version 3: instructions carry typed operands (version 2 left them to graph.json).
+PROGRAM_FORMAT_VERSION = 3
 STATE = "@"  # state buffers (a bucket's gradient): one per step, never per microbatch
 COLLECTIVES = tuple(kind.value for kind in Kind if kind.is_collective)
-OPS = ("compute", "send", "recv", "sendrecv", "record", "wait", "sync") + COLLECTIVES
-GUARDS = (None, "first", "last")
+Opcode = StrEnum("Opcode", [(name.upper(), name) for name in (
+    "compute", "send", "recv", "sendrecv", "record", "wait", "sync") + COLLECTIVES])
+OPS = tuple(op.value for op in Opcode)
+EVENT_OPS = (Opcode.RECORD, Opcode.WAIT, Opcode.SYNC)  # no node, no operands
+
+
+class Guard(StrEnum):
+    FIRST = "first"
+    LAST = "last"
+
+
+GUARDS = (None, Guard.FIRST, Guard.LAST)
 
 
 @dataclass(frozen=True)
@@ -58,6 +77,7 @@ class Instruction:
     per_microbatch: bool = True  # names get the microbatch appended when expanded
     guard: str | None = None  # "last": only on the block's last microbatch
     frees: tuple[str, ...] = ()
+    operands: Operands | None = None  # compute and transfer instructions
 
     def to_json(self) -> dict:
         """Compact: keys with default values are left out."""
@@ -76,6 +96,8 @@ class Instruction:
             item["guard"] = self.guard
         if self.frees:
             item["frees"] = list(self.frees)
+        if self.operands is not None:
+            item["operands"] = self.operands.to_json()
         return item
 
     @staticmethod
@@ -83,11 +105,11 @@ class Instruction:
         if not isinstance(item, dict):
             raise ValueError(f"malformed instruction {item!r}")
         unknown = set(item) - {"op", "stream", "node", "event", "reads", "writes",
-                               "per_microbatch", "guard", "frees"}
+                               "per_microbatch", "guard", "frees", "operands"}
         if unknown:
             raise ValueError(f"instruction with unknown keys {sorted(unknown)}")
         op, stream = item["op"], item["stream"]
-        if op not in OPS or not isinstance(stream, str):
+        if op not in OPS or not isinstance(stream, str) or not isinstance(op, str):
             raise ValueError(f"instruction with an unknown op or stream: {item!r}")
         node, event = item.get("node"), item.get("event")
         if (op in ("record", "wait")) != (event is not None) or \
@@ -102,9 +124,17 @@ class Instruction:
         per_microbatch = item.get("per_microbatch", True)
         if not isinstance(per_microbatch, bool):
             raise ValueError("per_microbatch must be true or false")
-        return Instruction(op, stream, None if node is None else _string(node),
+        operands = None
+        if op not in EVENT_OPS:
+            if "operands" not in item:
+                raise ValueError(f"instruction {op} {node} has no operands")
+            operands = Operands.from_json(item["operands"])
+        elif "operands" in item:
+            raise ValueError(f"instruction {op} has operands")
+        return Instruction(Opcode(op), stream, None if node is None else _string(node),
                            None if event is None else _string(event), strings("reads"),
-                           writes, per_microbatch, guard, strings("frees"))
+                           writes, per_microbatch, None if guard is None else Guard(guard),
+                           strings("frees"), operands)
 
 
 def guard_microbatch(guard: str | None, microbatches: int) -> int | None:
@@ -115,14 +145,6 @@ def guard_microbatch(guard: str | None, microbatches: int) -> int | None:
 def _string(value) -> str:
     if not isinstance(value, str):
         raise ValueError(f"expected a string, got {value!r}")
-    return value
-
-
-def integer_of(value, what: str) -> int:
-    """An integer of a file read back (JSON has no integer type: 1e400 is infinity, 2.5
-    and true are numbers too)."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{what} is {value!r}, not an integer")
     return value
 
 
@@ -160,6 +182,12 @@ class Program:
     prologue: tuple[Instruction, ...] = ()
     buckets: dict[str, dict] = field(default_factory=dict)  # the stage's parameter buckets
     info: dict = field(default_factory=dict, compare=False)
+    received: dict[str, Operands] = field(default_factory=dict)  # a receive's operands
+
+    def receive(self, stream: str, node: str) -> Instruction:
+        """The instruction of a pipeline receive (issued on its stream, see expand)."""
+        return Instruction(Opcode.RECV, stream, node, writes=(node,),
+                           operands=self.received[node])
 
     def to_json(self) -> dict:
         return {"format": "planc-program", "version": PROGRAM_FORMAT_VERSION,
@@ -172,13 +200,18 @@ class Program:
                 "schedule": [list(s) for s in self.schedule],
                 "receives": {stream: [list(r) for r in items]
                              for stream, items in self.receives.items()},
-                "epilogue": [i.to_json() for i in self.epilogue]}
+                "epilogue": [i.to_json() for i in self.epilogue],
+                "received": {node: operands.to_json()
+                             for node, operands in self.received.items()}}
 
     @staticmethod
     def from_json(data: dict) -> "Program":
-        if data.get("format") != "planc-program" or data.get("version") != \
-                PROGRAM_FORMAT_VERSION:
-            raise ValueError(f"not a version {PROGRAM_FORMAT_VERSION} planc program")
+        if data.get("format") != "planc-program":
+            raise ValueError("not a planc program")
+        if data.get("version") != PROGRAM_FORMAT_VERSION:
+            raise ValueError(f"program format version {data.get('version')!r}; this planc "
+                             f"reads version {PROGRAM_FORMAT_VERSION}, whose instructions "
+                             f"carry their operands")
         microbatches = data["microbatches"]
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or \
                 microbatches < 1:
@@ -197,7 +230,16 @@ class Program:
             epilogue=tuple(Instruction.from_json(i) for i in data["epilogue"]),
             microbatches=microbatches,
             prologue=tuple(Instruction.from_json(i) for i in data.get("prologue", ())),
-            buckets=dict(data.get("buckets", {})))
+            buckets=dict(data.get("buckets", {})),
+            received={_string(node): Operands.from_json(operands)
+                      for node, operands in data["received"].items()})
+        if any(s not in STREAM_ORDER for s in program.streams):
+            raise ValueError(f"streams {list(program.streams)}: one is not a stream planc "
+                             f"knows")
+        received = {node for items in program.receives.values() for node, _ in items}
+        if received != set(program.received):
+            raise ValueError("its receives and the operands of its receives name different "
+                             "nodes")
         for name, block in program.blocks.items():
             for instruction in block:
                 if instruction.stream not in program.streams:
@@ -264,7 +306,7 @@ class Program:
             if only is not None and mb != only:
                 index += 2
                 return
-            yield emit(Instruction("recv", stream, node, writes=(node,)), mb, stream)
+            yield emit(self.receive(stream, node), mb, stream)
             yield emit(Instruction("record", stream, event=f"done:{node}"), mb, stream)
 
         for instruction in self.prologue:
@@ -357,73 +399,6 @@ def vector_clocks(instructions) -> tuple[list[dict[str, int]], dict[str, dict[st
 def finished_before(clocks: list[dict[str, int]], streams: list[str], a: int, b: int) -> bool:
     """Whether instruction ``a`` finished before instruction ``b`` starts."""
     return a < b and (streams[a] == streams[b] or clocks[b].get(streams[a], -1) >= a)
-
-
-@dataclass(frozen=True)
-class RankTable:
-    """Which program each rank runs. By rule, every rank of a pipeline stage runs that
-    stage's program (so the table does not grow with the world); ``overrides`` lists ranks
-    that run another program (a program edited by hand, for instance)."""
-
-    world: int
-    pp: int
-    stride: int  # how far apart ranks of neighbouring stages are (mesh order)
-    stages: dict[str, int]  # program file -> the stage whose ranks run it
-    overrides: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.stages) + sorted(set(self.overrides.values()) - set(self.stages))
-
-    def stage_of(self, rank: int) -> int:
-        return rank // self.stride % self.pp
-
-    @cached_property
-    def _by_stage(self) -> dict[int, str]:
-        by_stage: dict[int, str] = {}
-        for name, stage in self.stages.items():
-            by_stage.setdefault(stage, name)
-        return by_stage
-
-    def program_of(self, rank: int) -> str:
-        if rank in self.overrides:
-            return self.overrides[rank]
-        return self._by_stage[self.stage_of(rank)]
-
-    def ranks(self, name: str) -> Iterator[int]:
-        """Every rank that runs ``name`` (walks the world: for reports and listings)."""
-        stage = self.stages.get(name)
-        for rank in range(self.world):
-            if rank in self.overrides:
-                if self.overrides[rank] == name:
-                    yield rank
-            elif rank // self.stride % self.pp == stage:
-                yield rank
-
-    def to_json(self) -> dict:
-        return {"format": "planc-ranks", "version": RANK_TABLE_VERSION,
-                "world": self.world, "pp": self.pp, "pp_stride": self.stride,
-                "stages": dict(self.stages),
-                "overrides": {str(r): name for r, name in sorted(self.overrides.items())}}
-
-    @staticmethod
-    def from_json(data: dict) -> "RankTable":
-        if data.get("format") != "planc-ranks" or data.get("version") != RANK_TABLE_VERSION:
-            raise ValueError(f"not a version {RANK_TABLE_VERSION} planc rank table")
-        table = RankTable(integer_of(data["world"], "its world"), integer_of(data["pp"], "its pp"),
-                          integer_of(data["pp_stride"], "its pp_stride"),
-                          {str(k): integer_of(v, f"the stage of {k}")
-                           for k, v in data["stages"].items()},
-                          {int(k): _string(v) for k, v in data.get("overrides", {}).items()})
-        if table.world < 1 or table.pp < 1 or table.stride < 1 or \
-                len(table.stages) != table.pp or \
-                sorted(table.stages.values()) != list(range(table.pp)) or \
-                any(not 0 <= r < table.world for r in table.overrides):
-            raise ValueError("its world, pp, pp_stride, stages or overrides are inconsistent")
-        return table
-
-
-RANK_TABLE_VERSION = 1
 
 
 def dumps(data: dict) -> str:

@@ -11,6 +11,10 @@ The invariants of docs/semantics.md, section 5:
 5. every tree or hierarchical route runs a recipe that computes exactly the collective
    it replaces, without deadlock (:mod:`planc.lower.verify_routes`).
 
+Before any of these, every instruction's operands (what the runtime runs) must be the
+ones the graph implies (:func:`planc.lower.bind.operands_of`): the proofs below read the
+graph, so they hold for the programs only where the two agree.
+
 Programs are folded (blocks run per microbatch, see program.py), and so is most of the
 proof. This module checks the rank table, the buckets and the order of collectives on
 each group; :mod:`planc.lower.verify_streams` checks events and buffers block by block,
@@ -23,6 +27,7 @@ import networkx as nx
 
 from planc.graph.ir import Axis, bucket_problems
 from planc.layout import Layout as RankLayout
+from planc.lower.bind import operands_of
 from planc.lower.groups import GroupTable
 from planc.lower.program import COLLECTIVES, Program, RankTable
 from planc.lower.routes import RouteTable, routed_nodes
@@ -44,13 +49,17 @@ class _Verifier(StreamChecks, PipelineChecks):
         self.layout = RankLayout.of(plan)
         self._texts: dict[str, str] = {}
         self.receive_of_send: dict[str, str] = {}
+        self._position: dict[str, int] | None = None  # node -> index in the graph's order
 
     # --- 0. the rank table ------------------------------------------------------------
 
     def rank_table(self) -> bool:
         table, pp = self.table, self.plan.mesh.pp
+        layout = self.layout
         if (table.world, table.pp, table.stride) != (self.plan.world, pp,
-                                                      self.layout.strides[PIPELINE_AXIS]):
+                                                      layout.strides[PIPELINE_AXIS]) or \
+                table.axes != {a: (layout.mesh.size(a), layout.strides[a]) for a in table.axes} \
+                or table.leader != layout.first_rank_of_stage(pp - 1):
             self.report.add("the rank table was made for another mesh")
             return False
         for name in table.names:
@@ -108,6 +117,35 @@ class _Verifier(StreamChecks, PipelineChecks):
                                 b not in program.buckets):
             self.report.add(f"{name}: instructions work on bucket {bucket_id}, which the "
                             f"program does not hold")
+
+    # --- operands ----------------------------------------------------------------------
+
+    def operands(self, name: str, program: Program) -> None:
+        """Every instruction runs what its node of the graph says, as the lowering wrote it."""
+        items = [i for part in (program.prologue, *program.blocks.values(), program.epilogue)
+                 for i in part if i.operands is not None]
+        items += [program.receive(stream, node) for stream, receives in
+                  program.receives.items() for node, _ in receives]
+        checked: set[tuple[str, str]] = set()
+        if self._position is None:
+            self._position = {node: i for i, node in enumerate(self.graph.nodes)}
+        for instruction in items:
+            key = (instruction.op, instruction.node)
+            if key in checked or instruction.node not in self.graph:
+                continue
+            checked.add(key)
+            try:
+                expected = operands_of(self.graph, instruction.node, instruction.op,
+                                       self._position)
+            except (KeyError, TypeError, ValueError, StopIteration) as exc:
+                self.report.add(f"{name}: the operands of {instruction.op} "
+                                f"{instruction.node} cannot be derived from graph.json "
+                                f"({type(exc).__name__}: {exc})")
+                return
+            if instruction.operands != expected:
+                self.report.add(f"{name}: the operands of {instruction.op} "
+                                f"{instruction.node} are not those graph.json implies")
+                return
 
     # --- 1. collective order ------------------------------------------------------------
 
@@ -178,6 +216,7 @@ class _Verifier(StreamChecks, PipelineChecks):
             return self.report
         for name, program in self.programs.items():
             if name in self.table.names:
+                self.operands(name, program)
                 self.events_and_buffers(name, program)
                 self.buckets(name, program)
         self.collective_order()

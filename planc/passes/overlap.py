@@ -37,11 +37,12 @@ from collections import defaultdict
 import networkx as nx
 
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase
+from planc.names import Stream
 from planc.passes.context import PassContext, PassRecord, record
 
-COMPUTE, COMM, DP = "compute", "comm", "dp"
-SEND = {Phase.FORWARD: "send_next", Phase.BACKWARD: "send_prev"}
-RECEIVE = {Phase.FORWARD: "recv_prev", Phase.BACKWARD: "recv_next"}
+COMPUTE, COMM, DP = Stream.COMPUTE, Stream.COMM, Stream.DP
+SEND = {Phase.FORWARD: Stream.SEND_NEXT, Phase.BACKWARD: Stream.SEND_PREV}
+RECEIVE = {Phase.FORWARD: Stream.RECV_PREV, Phase.BACKWARD: Stream.RECV_NEXT}
 PREFETCH_DEPTH = 2  # units gathered at once under ZeRO-3
 
 

@@ -53,7 +53,7 @@ def _gather_parameters(ctx: RankContext, interpreter: Interpreter,
     parameters as {(name, dp, cp): {pp: {tp: tensor}}}, and each parameter's tp split;
     None on the other ranks. Names, shapes, splits and losses travel as JSON, the values
     as one flat fp32 tensor per rank (planc.runtime.exchange: nothing is unpickled), and
-    a rank's coordinates are the layout's, not what it says."""
+    a rank's coordinates are the rank table's, not what it says."""
     params = local_parameters(ctx, interpreter)
     about = {"losses": losses, "params": [[name, list(value.shape), split]
                                           for name, (value, split) in params.items()]}
@@ -69,14 +69,14 @@ def _gather_parameters(ctx: RankContext, interpreter: Interpreter,
     values = gather_flat(flat, 0, "its parameters", 2 * total_parameters(plan))
     if described is None:
         return None
-    leader = ctx.layout.rank({"tp": 0, "cp": 0, "dp": 0, "pp": plan.mesh.pp - 1})
+    leader = ctx.leader
     if described[leader]["losses"] is None:
         raise PeerDataError(f"rank {leader}, the last stage's first rank, sent no losses; "
                             f"the run was stopped")
     copies: dict[tuple[str, int, int], dict[int, dict[int, torch.Tensor]]] = {}
     splits: dict[str, list | None] = {}
     for rank, (about, flat) in enumerate(zip(described, values)):
-        c = ctx.layout.coords(rank)
+        c = ctx.ranks.coords(rank)
         fits = all(len(shape) == len(full[name]) and all(0 <= n <= whole for n, whole in
                                                          zip(shape, full[name]))
                    for name, shape, _ in about["params"])

@@ -53,7 +53,9 @@ class Checkpoints(Loading):
     """Writes and loads this rank's part of consolidated checkpoints. Every rank of the
     world builds one (it creates a process group), with the same arguments."""
 
-    def __init__(self, ctx: RankContext, graph, interpreter: Interpreter, shard_index: int):
+    def __init__(self, ctx: RankContext, all_buckets: dict[str, dict],
+                 interpreter: Interpreter, shard_index: int):
+        """``all_buckets``: every stage's buckets (those of every program of the build)."""
         self.ctx, self.interpreter, self.store = ctx, interpreter, interpreter.store
         self.plan = ctx.plan
         self.world = dist.get_world_size()
@@ -66,7 +68,6 @@ class Checkpoints(Loading):
         self.where = self._places(ctx.stage, ctx.tp_rank, shard_index)
         self.stages = self.plan.mesh.pp
         self.writer = self.where[(ctx.stage, 0, 0)]
-        all_buckets = graph.graph["buckets"]
         self.owner: dict[str, int] = {}  # parameter -> the stage whose file holds it
         self.shapes: dict[str, list[int]] = {}
         for bucket in all_buckets.values():
@@ -74,7 +75,7 @@ class Checkpoints(Loading):
                 self.owner[m["param"]] = min(self.owner.get(m["param"], bucket["stage"]),
                                              bucket["stage"])
                 self.shapes[m["param"]] = list(m["full_shape"])
-        self.optimizers = {graph.nodes[node]["bucket"]: optimizer
+        self.optimizers = {interpreter.optimized[node]: optimizer
                            for node, optimizer in interpreter.optimizers.items()}
         self.keys = fmt.state_keys(fmt.as_json(self.plan.train.optimizer))
         self.history: list[dict] = []

@@ -1,6 +1,7 @@
 """What one rank knows while it runs: its place in the mesh, its groups and its data.
 
-Everything here is read from the build: the mesh and the groups from
+Everything here is read from the build: its coordinates, pipeline peers and the leader
+from ``programs/ranks.json`` (:class:`planc.lower.ranks.RankTable`), the groups from
 ``programs/groups.json`` (:class:`planc.lower.groups.GroupTable`), the model's sizes
 and the data from plan.json. Nothing is derived again.
 """
@@ -9,16 +10,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from planc.graph.layouts import Layout, S
 from planc.lower.groups import PIPELINE, GroupTable
+from planc.lower.ranks import RankTable
 from planc.lower.routes import RouteTable
-from planc.plan import Plan
+from planc.runtime.data import batch_tokens
 from planc.runtime.data_identity import Identity
-from planc.runtime.model import batch_tokens, microbatch_rows, seq_split, token_positions
+from planc.runtime.model import microbatch_rows, seq_split, token_positions
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only
+    from planc.plan import Plan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -64,20 +69,22 @@ def make_groups(table: GroupTable, rank: int, timeout: float) -> Groups:
 
 
 class RankContext:
-    def __init__(self, plan: Plan, table: GroupTable, rank: int, groups: Groups | None,
+    def __init__(self, plan: Plan, ranks: RankTable, rank: int, groups: Groups | None,
                  device: torch.device, routes: RouteTable | None = None,
-                 data_identity: Identity | None = None):
+                 data_identity: Identity | None = None, devices_per_node: int = 1):
         self.plan, self.rank, self.groups, self.device = plan, rank, groups, device
         # the data file as the run began (planc.runtime.data_identity); None: not pinned
         self.data_identity = data_identity
         self.routes = routes or RouteTable({})
-        self.layout = table.layout
-        self.coords = self.layout.coords(rank)
+        self.ranks = ranks
+        self.devices_per_node = devices_per_node
+        self.coords = ranks.coords(rank)
         self.tp, self.cp = plan.mesh.tp, plan.mesh.cp
         self.tp_rank, self.cp_rank = self.coords["tp"], self.coords["cp"]
         self.stage = self.coords["pp"]
         self.dtype = DTYPES[plan.model.dtype]
         self.model = plan.model
+        self.optimizer = plan.train.optimizer
         self.tokens_per_step = plan.model.batch * plan.model.seq
         self._batch: tuple[int, torch.Tensor] | None = None
 
@@ -85,11 +92,17 @@ class RankContext:
     def leader(self) -> int:
         """The rank that knows the loss first and prints the run's progress: the last
         stage's rank with tp = cp = dp = 0."""
-        return self.layout.rank({"tp": 0, "cp": 0, "dp": 0, "pp": self.plan.mesh.pp - 1})
+        return self.ranks.leader
+
+    @property
+    def label(self) -> str:
+        """How traces and reports name this rank."""
+        c = self.coords
+        return f"rank {self.rank} (stage {c['pp']}, tp {c['tp']}, cp {c['cp']}, dp {c['dp']})"
 
     def peer(self, stage: int) -> int:
         """The rank of pipeline stage ``stage`` with this rank's other coordinates."""
-        return self.layout.rank({**self.coords, "pp": stage})
+        return self.ranks.peer(self.rank, stage)
 
     # --- data --------------------------------------------------------------------------
 
@@ -98,11 +111,11 @@ class RankContext:
             self._batch = (step, batch_tokens(self.plan, step, self.data_identity))
         return self._batch[1]
 
-    def positions(self, layout: Layout) -> torch.Tensor:
-        """Positions of the tokens this rank holds for an activation of ``layout`` (over
-        tp): all of its cp chunk, or its tp slice of them under S(seq)."""
+    def positions(self, seq_sharded: bool) -> torch.Tensor:
+        """Positions of the tokens this rank holds for an activation: all of its cp
+        chunk, or its tp slice of them when the activation is sharded along the tokens."""
         positions = token_positions(self.plan, self.cp_rank)
-        if layout == S("seq") and self.tp > 1:
+        if seq_sharded and self.tp > 1:
             positions = seq_split(positions, 0, self.tp, self.tp_rank)
         return positions.to(self.device)
 
@@ -115,10 +128,10 @@ class RankContext:
         return torch.cat([token_positions(self.plan, c) for c in range(self.cp)]).to(
             self.device)
 
-    def microbatch(self, step: int, microbatch: int, layout: Layout
+    def microbatch(self, step: int, microbatch: int, seq_sharded: bool
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(input ids, target ids) of this rank's tokens of a microbatch."""
         rows = microbatch_rows(self.plan, self.coords["dp"], microbatch)
         tokens = self.tokens(step)[rows].to(self.device)
-        positions = self.positions(layout)
+        positions = self.positions(seq_sharded)
         return tokens[:, positions], tokens[:, positions + 1]

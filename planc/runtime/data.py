@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 
 from planc.files import kind_of
 from planc.runtime.data_identity import Identity, how_changed
+from planc.runtime.seeds import seed_of
 from planc.runtime.torch_threads import one_torch_thread
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -407,12 +408,10 @@ def batch_tokens(plan: Plan, step: int, identity: Identity | None = None) -> tor
     that comes back short, raises DataChanged."""
     import torch
 
-    from planc.runtime.model import _seed  # the weights' seeding, imported late: no cycle
-
     m = plan.model
     shape = (m.batch, m.seq + 1)
     if plan.train.data == "synthetic":
-        generator = torch.Generator().manual_seed(_seed(plan.train.seed, "data", step))
+        generator = torch.Generator().manual_seed(seed_of(plan.train.seed, "data", step))
         return torch.randint(0, m.vocab, shape, generator=generator)
     path, sample = plan.train.data, m.seq + 1
     try:

@@ -49,6 +49,10 @@ def text(value) -> bool:
     return type(value) is str
 
 
+def boolean(value) -> bool:
+    return type(value) is bool
+
+
 def nothing(value) -> bool:
     return value is None
 

@@ -28,11 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from planc.names import RECEIVE_STREAMS, Stream
 from planc.lower.program import Expanded
 from planc.runtime.interpreter import Interpreter, StepState
+from planc.runtime.trace import Flow, flows_of
 
-COMPUTE = "compute"
-RECEIVE_STREAMS = ("recv_prev", "recv_next")
+COMPUTE = Stream.COMPUTE
 
 
 class Hang(RuntimeError):
@@ -56,6 +57,7 @@ class TraceEvent:
     end: float
     microbatch: int | None
     op: str
+    flows: tuple[Flow, ...] = ()  # arrows to and from peers (planc.runtime.trace)
 
 
 @dataclass
@@ -85,17 +87,27 @@ def _describe(item: Expanded, interp: Interpreter) -> str:
         return f"{item.op} {item.event}"
     if item.op == "sync":
         return "sync: waiting for every other stream to drain"
-    bound = interp.bound[(item.op, item.node)]
-    data = interp.graph.nodes[item.node]
-    if data["type"] == "compute":
+    if item.op == "compute":
         return f"compute {item.node}{mb}"
-    call = bound.call
-    if data["payload"] == "stream":
-        verb = "send to" if data["kind"] == "send" else "receive from"
-        peer = interp.ctx.peer(data["peer_stage"])
-        return f"{data['kind']} {item.node}{mb}: {verb} rank {peer} (pp)"
-    return (f"{item.op} {item.node}{mb} over {data['axis']} group {list(call.members)} "
-            f"({data['bytes']:,} bytes)")
+    call = interp.bound[(item.op, item.node)].call
+    if call.peer is not None:
+        verb = "send to" if item.op == "send" else "receive from"
+        return f"{item.op} {item.node}{mb}: {verb} rank {call.peer} (pp)"
+    size = f" ({call.operands.bytes:,} bytes)" if call.operands.bytes is not None else ""
+    return f"{item.op} {item.node}{mb} over {call.operands.group} group " \
+        f"{list(call.members)}{size}"
+
+
+def _flows(interp: Interpreter) -> dict[tuple[str, str], tuple[Flow, ...]]:
+    """The trace's flow ends of every transfer, found once from its bound call."""
+    out = {}
+    rank = interp.ctx.rank
+    for (op, node), bound in interp.bound.items():
+        if op != "compute":
+            call = bound.call
+            out[(op, node)] = flows_of(op, node, rank, call.peer, call.operands.partner,
+                                       call.members, call.index)
+    return out
 
 
 class _Plan:
@@ -133,6 +145,7 @@ class CpuExecutor:
     def __init__(self, interpreter: Interpreter, timeout: float, trace: bool = False):
         self.interpreter, self.timeout, self.tracing = interpreter, timeout, trace
         self.plan = _Plan(interpreter)
+        self.flows = _flows(interpreter) if trace else {}
         self.inbox = {s: queue.SimpleQueue() for s in self.plan.streams}
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.threads = [threading.Thread(target=self._loop, args=(s,), name=f"stream-{s}",
@@ -186,7 +199,8 @@ class CpuExecutor:
                 times["compute" if item.op == "compute" else "comm"] += end - start
                 if self.tracing:
                     work.trace.append(TraceEvent(name, item.node, start, end,
-                                                 item.microbatch, item.op))
+                                                 item.microbatch, item.op,
+                                                 self.flows.get((item.op, item.node), ())))
             with work.condition:
                 work.done[name] += 1
                 work.current[name] = None

@@ -1,11 +1,11 @@
 """What each instruction does, whatever stream it runs on.
 
-Every node a program names is bound once, when the run starts, to a compute kernel
-(:mod:`planc.runtime.kernels`) or a transfer (:mod:`planc.runtime.transfers`), with its
-inputs resolved from the graph's edges: which buffer feeds which port, which gradient a
-backward step's output carries, and where the consumer takes its own slice of a
-replicated value. Running an instruction is then a table lookup and a call; nothing
-about the plan is decided here.
+Every instruction a program names is bound once, when the run starts, to a compute
+kernel (:mod:`planc.runtime.kernels`) or a transfer (:mod:`planc.runtime.transfers`),
+from the operands the compiler wrote on it (:mod:`planc.lower.operands`): which buffer
+feeds which port, which gradient a backward step's output carries, where the consumer
+takes its own slice of a replicated value, its group. Running an instruction is then a
+table lookup and a call; nothing about the plan is decided here.
 
 Buffers of a step are keyed by (node, microbatch), microbatch None for once-per-step
 values. Parameter gradients do not go through buffers: backward steps add them into
@@ -16,19 +16,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import networkx as nx
 import torch
 
-from planc.graph.ir import EdgeKind, Kind, NodeType, Op, Payload, Phase, Port
-from planc.graph.layouts import parse as parse_layout
-from planc.lower.program import Program
+from planc.lower.operands import Input
+from planc.lower.program import Instruction, Program
 from planc.runtime.context import RankContext, pp_group_key
-from planc.runtime.kernels import Kernels, Saved, Spec
+from planc.runtime.kernels import LOSS_STATISTICS, Kernels, Saved, Spec
 from planc.runtime.model import split_feature
-from planc.runtime.reference import make_optimizer
+from planc.runtime.optim import optimizer_of
 from planc.runtime.store import ParamStore
 from planc.runtime.routes import resolve
-from planc.runtime.transfers import SENDRECV, Call, Transfers
+from planc.runtime.transfers import Call, Transfers
 
 
 @dataclass
@@ -37,15 +35,6 @@ class StepState:
     buffers: dict[tuple[str, int | None], object] = field(default_factory=dict)
     saved: dict[tuple[str, int | None], Saved] = field(default_factory=dict)
     loss: float | None = None
-
-
-@dataclass(frozen=True)
-class Input:
-    source: str
-    per_microbatch: bool  # the source runs every microbatch
-    port: str
-    grad_of: str | None  # a backward step's output: which input's gradient
-    local_slice: tuple[str, int] | None  # (dim, tensor axis) of a local slice
 
 
 def combine(values: list[torch.Tensor]) -> torch.Tensor:
@@ -64,113 +53,96 @@ def combine(values: list[torch.Tensor]) -> torch.Tensor:
 
 
 class _Compute:
-    def __init__(self, node: str, data: dict, inputs: list[Input], gathered: dict[str, str]):
-        self.node, self.spec, self.inputs = node, Spec.of(data), inputs
-        self.gathered = gathered  # bucket -> the ZeRO-3 gather that filled it
-        self.per_microbatch = data["per_microbatch"]
-        self.backward = data["phase"] == Phase.BACKWARD and not data["recompute"]
-        self.forward_of = data.get("forward_of")
-        self.saved_from = data.get("recompute_of") or self.forward_of
-        self.recompute = data["recompute"]
-        self.keep_graph = self.recompute or not data.get("recomputed", False)
-        self.optimizer = data["op"] == Op.OPTIMIZER
-        self.bucket = data.get("bucket")
-        self.weight_grad = data.get("weight_grad")  # B: its W step computes param grads
-        self.weight_grad_of = data.get("weight_grad_of")  # W: the B step it completes
+    def __init__(self, node: str, instruction: Instruction):
+        operands = instruction.operands
+        self.node, self.spec, self.inputs = node, Spec.of(operands), operands.inputs
+        self.gathered = dict(operands.gathered)  # bucket -> the ZeRO-3 gather that filled it
+        self.per_microbatch = instruction.per_microbatch
+        step = operands.step
+        self.backward = step == "backward"
+        self.forward_of = operands.forward_of
+        self.saved_from = operands.saved_from
+        self.recompute = step == "recompute"
+        self.keep_graph = operands.keeps_graph
+        self.optimizer = step == "optimizer"
+        self.bucket = operands.bucket
+        self.weight_grad = operands.weight_step  # B: its W step computes param grads
+        self.weight_step = step == "weight"  # W: the parameter half of a split backward
 
 
 class _Transfer:
-    def __init__(self, node: str, data: dict, inputs: list[Input], handler, call: Call):
-        self.node, self.data, self.inputs, self.handler, self.call = node, data, inputs, \
-            handler, call
-        self.per_microbatch = data["per_microbatch"]
-        self.sums_microbatches = data["payload"] == Payload.LOSS
-        self.reads_values = data["payload"] not in (Payload.GRAD, Payload.PARAM)
-        self.reports_loss = data["payload"] == Payload.LOSS
+    def __init__(self, node: str, instruction: Instruction, handler, call: Call):
+        operands = instruction.operands
+        self.node, self.inputs, self.handler, self.call = node, operands.inputs, handler, \
+            call
+        self.per_microbatch = instruction.per_microbatch
+        self.sums_microbatches = operands.payload == "loss"
+        self.reads_values = operands.payload not in ("grad", "param")
+        self.reports_loss = operands.payload == "loss"
 
 
 class Interpreter:
-    def __init__(self, ctx: RankContext, graph: nx.DiGraph, program: Program,
-                 store: ParamStore):
-        self.ctx, self.graph, self.program, self.store = ctx, graph, program, store
+    def __init__(self, ctx: RankContext, program: Program, store: ParamStore):
+        self.ctx, self.program, self.store = ctx, program, store
         self.kernels = Kernels(ctx)
         self.transfers = Transfers(ctx, store)
         self.microbatches = program.microbatches
-        self.optimizers = {}
+        self.optimizers = {}  # optimizer node -> its torch optimizer
+        self.optimized: dict[str, str] = {}  # optimizer node -> its bucket
         self.bound: dict[tuple[str, str], _Compute | _Transfer] = {}
         for part in (program.prologue, *program.blocks.values(), program.epilogue):
             for instruction in part:
                 if instruction.node is not None:
-                    self._bind(instruction.op, instruction.node)
+                    self._bind(instruction)
         for stream, items in program.receives.items():
             for node, _ in items:
-                self._bind(Kind.RECV.value, node)
+                self._bind(program.receive(stream, node))
 
     # --- binding ---------------------------------------------------------------------------
 
-    def _inputs(self, node: str) -> list[Input]:
-        out = []
-        for source, _, edge in self.graph.in_edges(node, data=True):
-            if edge.get("kind", EdgeKind.DATA) != EdgeKind.DATA:
-                continue
-            source_data = self.graph.nodes[source]
-            if source_data["stage"] != self.ctx.stage or edge.get("port") == Port.PARAM:
-                continue  # a peer stage's node is reached through this stage's receive
-            local = None
-            if edge.get("slice"):
-                dim = parse_layout(edge["slice"]).dim
-                local = (dim, 1 if dim == "seq" else 2)
-            out.append(Input(source, source_data["per_microbatch"],
-                             str(edge.get("port", Port.X)), edge.get("grad_of"), local))
-        return out
-
-    def _bind(self, op: str, node: str) -> None:
+    def _bind(self, instruction: Instruction) -> None:
+        op, node = instruction.op, instruction.node
         if (op, node) in self.bound:
             return
-        data = self.graph.nodes[node]
-        if data["type"] == NodeType.COMPUTE:
-            gathered = {self.graph.nodes[u]["bucket"]: u for u, _, e in
-                        self.graph.in_edges(node, data=True) if e.get("port") == Port.PARAM}
-            self.bound[(op, node)] = _Compute(node, data, self._inputs(node), gathered)
-            if data["op"] == Op.OPTIMIZER:
-                bucket = data["bucket"]
-                tensor = self.store.shard[bucket] if data["sharded"] else \
+        operands = instruction.operands
+        if op == "compute":
+            self.bound[(op, node)] = _Compute(node, instruction)
+            if operands.step == "optimizer":
+                bucket = operands.bucket
+                tensor = self.store.shard[bucket] if operands.sharded else \
                     self.store.full[bucket]
-                self.optimizers[node] = make_optimizer(self.ctx.plan, [tensor], fused=True)
+                self.optimizers[node] = optimizer_of(self.ctx.optimizer, [tensor], fused=True)
+                self.optimized[node] = bucket
             return
-        source = node
-        if op == SENDRECV:  # a ring shift sends what its send half reads
-            source = next(p for p in self.graph.predecessors(node)
-                          if self.graph.nodes[p]["kind"] == Kind.SEND)
-        key = (SENDRECV if op == SENDRECV else data["kind"], data["payload"])
-        handler = self.transfers.table[key]
-        self.bound[(op, node)] = _Transfer(node, data, self._inputs(source), handler,
-                                           self._call(data))
+        handler = self.transfers.table[(op, operands.payload)]
+        self.bound[(op, node)] = _Transfer(node, instruction, handler,
+                                           self._call(op, instruction))
 
-    def _call(self, data: dict) -> Call:
-        groups, ctx = self.ctx.groups, self.ctx
-        if data["payload"] == Payload.STREAM:  # pipeline: a group per pair and direction
-            peer = ctx.peer(data["peer_stage"])
-            pair = (ctx.rank, peer) if data["kind"] == Kind.SEND else (peer, ctx.rank)
-            return Call(data, groups.handles[pp_group_key(data["phase"].value, *pair)],
-                        tuple(sorted(pair)), 0)
-        ref = data["axis"] if data.get("level", "whole") == "whole" else \
-            f"{data['axis']}/{data['level']}"
+    def _call(self, op: str, instruction: Instruction) -> Call:
+        groups, ctx, operands = self.ctx.groups, self.ctx, instruction.operands
+        if operands.payload == "stream":  # pipeline: a group per pair and direction
+            peer = ctx.peer(operands.peer_stage)
+            pair = (ctx.rank, peer) if op == "send" else (peer, ctx.rank)
+            return Call(operands, instruction.per_microbatch,
+                        groups.handles[pp_group_key(operands.direction, *pair)],
+                        tuple(sorted(pair)), 0, peer=peer)
+        ref = operands.group
         members = groups.members.get(ref, (ctx.rank,))
-        route = resolve(ctx.routes, data, ref, members, ctx.rank, groups,
-                        ctx.layout.devices_per_node)
-        return Call(data, groups.handles.get(ref), members, members.index(ctx.rank), route)
+        route = resolve(ctx.routes, op, operands.route, ref, members, ctx.rank, groups,
+                        ctx.devices_per_node)
+        return Call(operands, instruction.per_microbatch, groups.handles.get(ref), members,
+                    members.index(ctx.rank), route)
 
     # --- reading buffers ---------------------------------------------------------------
 
     def _value(self, state: StepState, item: Input, microbatch: int | None,
                all_microbatches: bool = False):
         if item.per_microbatch and (microbatch is None or all_microbatches):
-            values = [self._pick(state.buffers[(item.source, k)], item)
+            values = [self._pick(state.buffers[(item.buffer, k)], item)
                       for k in range(self.microbatches)]
             values = [v for v in values if v is not None]
             return sum(values[1:], values[0]) if values else None
-        key = (item.source, microbatch if item.per_microbatch else None)
+        key = (item.buffer, microbatch if item.per_microbatch else None)
         return self._pick(state.buffers[key], item)
 
     def _pick(self, value, item: Input):
@@ -182,7 +154,7 @@ class Interpreter:
                                   axis)
         return value
 
-    def _ports(self, state: StepState, inputs: list[Input], microbatch: int | None,
+    def _ports(self, state: StepState, inputs: tuple[Input, ...], microbatch: int | None,
                all_microbatches: bool = False) -> dict[str, list]:
         out: dict[str, list] = {}
         for item in inputs:
@@ -208,7 +180,7 @@ class Interpreter:
         for name in step.spec.params:
             bucket = self.store.members[name].bucket
             gather = step.gathered.get(bucket)
-            if gather is not None:
+            if gather is not None:  # a ZeRO-3 unit, gathered into a buffer of its own
                 params[name] = self.store.view(state.buffers[(gather, microbatch)], name)
             else:
                 params[name] = self.store.param(name)
@@ -217,7 +189,7 @@ class Interpreter:
     def _compute(self, state: StepState, step: _Compute, mb: int | None):
         if step.optimizer:
             return self._optimizer(step)
-        if step.weight_grad_of is not None:  # the parameter half of a split backward
+        if step.weight_step:  # the parameter half of a split backward
             saved, grad = state.saved.pop((step.node, mb))
             _, named = self.kernels.backward(step.spec, saved, grad, inputs=False)
             for name, value in named.items():
@@ -246,7 +218,7 @@ class Interpreter:
                     inputs.setdefault(port, tensor.detach())
         output, saved = self.kernels.forward(step.spec, inputs, self._params(state, step, mb),
                                              state.step, mb, keep_graph=step.keep_graph)
-        if step.spec.op not in (Op.LOSS_MAX, Op.LOSS_SUM_EXP):
+        if step.spec.op not in LOSS_STATISTICS:
             state.saved[(step.node, mb)] = saved  # what this step's backward will need
         return output
 

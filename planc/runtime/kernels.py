@@ -1,7 +1,8 @@
 """The compute steps every model family shares on one rank's shards, forward and backward.
 
-Every compute node of the graph runs here on the local tensors its layouts say it holds
-(the node's ``tp_input`` and ``tp_output``): a column-parallel linear multiplies by its
+Every compute instruction runs here on the local tensors its operands say it holds
+(planc.lower.operands; the compiler derived them from the node's tp layouts): a
+column-parallel linear multiplies by its
 columns, a vocabulary-parallel embedding looks up its rows and zeroes the rest,
 attention runs on its heads and, under context parallelism, on the keys and values the
 transfers brought. Dispatch goes through :data:`FORWARD`, keyed by the node's operator.
@@ -24,13 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from planc.graph.ir import Op
-from planc.graph.layouts import Layout, S
-from planc.graph.layouts import parse as parse_layout
+from planc.lower.operands import Operands
 from planc.runtime.context import RankContext
 from planc.runtime.families import family_kernels
 from planc.runtime.model import split_feature
 
 FP32 = torch.float32
+# The vocabulary-parallel loss's per-token statistics: no autograd, nothing kept.
+LOSS_STATISTICS = (Op.LOSS_MAX, Op.LOSS_SUM_EXP)
 
 
 @dataclass
@@ -45,23 +47,22 @@ class Saved:
 
 @dataclass(frozen=True)
 class Spec:
-    """A compute node as the kernels need it, read once from the graph."""
+    """A compute instruction as the kernels need it, read once from its operands."""
 
     op: Op
     layer: int | None
-    tp_input: Layout
-    tp_output: Layout
+    seq_sharded: bool  # the input holds this tp rank's slice of the tokens
+    replicated: bool  # every tp rank holds the whole input
     params: tuple[str, ...]
     param_slices: dict[str, tuple[str, int]]
     bias: str | None
     vocab_parallel: bool
 
     @staticmethod
-    def of(data: dict) -> "Spec":
-        return Spec(Op(data["op"]), data.get("layer"), parse_layout(data.get("tp_input", "R")),
-                    parse_layout(data.get("tp_output", "R")), tuple(data.get("params", ())),
-                    {k: (v[0], int(v[1])) for k, v in data.get("param_slices", {}).items()},
-                    data.get("bias"), bool(data.get("vocab_parallel", False)))
+    def of(operands: Operands) -> "Spec":
+        return Spec(Op(operands.kernel), operands.layer, operands.seq_sharded,
+                    operands.replicated, operands.params, dict(operands.param_slices),
+                    operands.bias, operands.vocab_parallel)
 
 
 class Kernels:
@@ -88,7 +89,7 @@ class Kernels:
                 params: dict[str, torch.Tensor], step: int, microbatch: int,
                 keep_graph: bool) -> tuple[torch.Tensor, Saved]:
         """Run one forward compute node. ``params``: global name -> tensor as stored."""
-        if spec.op in (Op.LOSS_MAX, Op.LOSS_SUM_EXP):
+        if spec.op in LOSS_STATISTICS:
             return self.forward_table[spec.op](spec, inputs, None, step, microbatch, {}), \
                 Saved({}, {}, None)
         leaves = {port: t.detach().requires_grad_(keep_graph and t.is_floating_point())
@@ -118,7 +119,7 @@ class Kernels:
 
     def _embedding(self, spec: Spec, x, p, step, mb, extra):
         ctx = self.ctx
-        ids, _ = ctx.microbatch(step, mb, spec.tp_input)
+        ids, _ = ctx.microbatch(step, mb, spec.seq_sharded)
         table = p(spec.params[0])
         if spec.vocab_parallel:
             rows = table.shape[0]
@@ -128,7 +129,7 @@ class Kernels:
         return table[ids]
 
     def _position(self, spec: Spec, x, p, step, mb, extra):
-        return x["x"] + p(spec.params[0])[self.ctx.positions(spec.tp_input)]
+        return x["x"] + p(spec.params[0])[self.ctx.positions(spec.seq_sharded)]
 
     def _linear(self, spec: Spec, x, p, step, mb, extra):
         """``x @ W`` (+ b); several weights (llama's q, k, v; gate, up) side by side in one
@@ -171,8 +172,7 @@ class Kernels:
         ``extra``."""
         ctx = self.ctx
         total = ctx.tokens_per_step
-        layout = spec.tp_input if spec.tp_input == S("seq") else parse_layout("R")
-        _, targets = ctx.microbatch(step, mb, layout)
+        _, targets = ctx.microbatch(step, mb, spec.seq_sharded)
         if spec.vocab_parallel:  # max and sum of exponentials already reduced over tp
             logits = x["x"].detach().to(FP32)
             vocab_local = logits.shape[-1]
@@ -188,7 +188,7 @@ class Kernels:
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                reduction="sum") / total
         report = loss.detach()
-        if spec.tp_input == parse_layout("R") and ctx.tp > 1:
+        if spec.replicated and ctx.tp > 1:
             report = report / ctx.tp  # every tp rank holds the whole loss: report it once
         extra["report"] = report
         return loss

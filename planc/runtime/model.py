@@ -10,7 +10,6 @@ it) already matters in the first step.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 
@@ -20,18 +19,14 @@ from planc.graph.model import Parameter, all_parameters
 from planc.models import family_of
 from planc.models.family import split_units
 from planc.plan import Model, Plan
-from planc.runtime.data import DataError, batch_tokens, data_problem  # noqa: F401
+from planc.runtime.seeds import seed_of
 
 INIT_STD = 0.02
 
 
-def _seed(*parts) -> int:
-    return int(hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()[:15], 16)
-
-
 def initial_value(seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """The initial value of parameter ``name`` of full shape ``shape``."""
-    generator = torch.Generator().manual_seed(_seed(seed, name, tuple(shape)))
+    generator = torch.Generator().manual_seed(seed_of(seed, name, tuple(shape)))
     value = torch.randn(tuple(shape), generator=generator, dtype=torch.float64) * INIT_STD
     if name.split(".")[-2].startswith(("ln", "final_ln")) and name.endswith(".weight"):
         value += 1.0

@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from planc.plan import Plan
-from planc.runtime.model import batch_tokens, initial_value, parameters
+from planc.runtime.data import batch_tokens
+from planc.runtime.model import initial_value, parameters
+from planc.runtime.optim import optimizer_of
 
 LN_EPS = 1e-5
 
@@ -103,15 +105,8 @@ def _gpt_loss(plan: Plan, params: dict[str, torch.Tensor], tokens: torch.Tensor,
 
 def make_optimizer(plan: Plan, tensors: list[torch.Tensor], fused: bool = False
                    ) -> torch.optim.Optimizer:
-    """The plan's optimizer. ``fused``: torch's one-pass kernel (the runtime's choice for
-    its flat buckets, where the default implementation's temporaries of the whole bucket
-    cost ten times as much); the reference keeps the default, to stay independent."""
-    o = plan.train.optimizer
-    if o.name == "adamw":
-        return torch.optim.AdamW(tensors, lr=o.lr, betas=o.betas, eps=o.eps,
-                                 weight_decay=o.weight_decay, fused=fused or None)
-    return torch.optim.SGD(tensors, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
-                           fused=fused or None)
+    """The plan's optimizer (planc.runtime.optim)."""
+    return optimizer_of(plan.train.optimizer, tensors, fused)
 
 
 def train(plan: Plan, steps: int, identity=None

@@ -148,14 +148,14 @@ def all_gather(route: Route, shard: torch.Tensor, out: torch.Tensor) -> None:
     state.settle()
 
 
-def resolve(table: RouteTable, data: dict, ref: str, members: tuple[int, ...], rank: int,
-            groups, devices_per_node: int) -> Route | None:
-    """This rank's part of the recipe the compiler wrote for the transfer ``data`` on its
-    group ``members`` (None for the backend's own collective)."""
-    route = data.get("route")
+def resolve(table: RouteTable, kind: str, route: str | None, ref: str,
+            members: tuple[int, ...], rank: int, groups, devices_per_node: int
+            ) -> Route | None:
+    """This rank's part of the recipe the compiler wrote for a collective ``kind`` routed
+    by ``route`` on its group ``members`` (None for the backend's own collective)."""
     if route in (None, "ring") or len(members) <= 1:
         return None
-    key = recipe_key(str(data["kind"]), route, counts_of(members, devices_per_node))
+    key = recipe_key(str(kind), route, counts_of(members, devices_per_node))
     recipe = table.recipes.get(key)
     if recipe is None:
         raise RuntimeError(f"the build has no route recipe {key}; run planc compile again")

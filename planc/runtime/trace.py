@@ -1,73 +1,76 @@
 """Chrome trace (Perfetto) of a run: a process per rank, a thread per program stream,
 and a flow arrow from every pipeline send to its receive and from every ring shift to
-the one it feeds on the next context-parallel rank."""
+the one it feeds on the next context-parallel rank.
+
+The flows come with the events, as the instructions' operands name their peers
+(:func:`flows_of`): nothing here reads the graph or the mesh.
+"""
 
 from __future__ import annotations
 
 import json
 import zlib
 
-import networkx as nx
-
 from planc.files import write_atomically
-from planc.layout import Layout
+from planc.names import STREAM_ORDER
 
-STREAMS = ("compute", "comm", "dp", "send_next", "send_prev", "recv_prev", "recv_next")
+# A flow end: ("s" start or "f" finish, sending rank, receiving rank, the receive's
+# node, whether it is drawn at the end of the event rather than its start).
+Flow = tuple[str, int, int, str, bool]
 
 
 def _flow_id(*parts) -> int:
     return zlib.crc32("|".join(map(str, parts)).encode())
 
 
-def write(path: str, layout: Layout, graph: nx.DiGraph,
+def flows_of(op: str, node: str, rank: int, peer: int | None, partner: str | None,
+             members: tuple[int, ...] = (), index: int = 0) -> tuple[Flow, ...]:
+    """The flow ends of one transfer instruction on ``rank``: a pipeline send starts the
+    flow to ``peer``'s receive ``partner``, a receive finishes the one from ``peer``; a
+    ring shift starts one to the next member of its group and finishes the one from the
+    previous member."""
+    if op == "send" and peer is not None and partner is not None:
+        return (("s", rank, peer, partner, False),)
+    if op == "recv" and peer is not None:
+        return (("f", peer, rank, node, False),)
+    if op == "sendrecv" and members:
+        after = members[(index + 1) % len(members)]
+        before = members[(index - 1) % len(members)]
+        return (("s", rank, after, node, False), ("f", before, rank, node, True))
+    return ()
+
+
+def write(path: str, labels: dict[int, str],
           events_by_rank: list[list[tuple]] | dict[int, list[tuple]]) -> None:
-    """``events_by_rank[r]``: (step, stream, node, start, end, microbatch, op) of rank r
-    (a list of every rank's, or a dict of some ranks'); times in seconds of one clock
-    shared by the ranks (CLOCK_MONOTONIC on one machine, or the simulator's)."""
+    """``events_by_rank[r]``: (step, stream, node, start, end, microbatch, op, flows) of
+    rank r (a list of every rank's, or a dict of some ranks'); times in seconds of one
+    clock shared by the ranks (CLOCK_MONOTONIC on one machine, or the simulator's);
+    ``labels[r]``: the name of rank r's process."""
     by_rank = events_by_rank if isinstance(events_by_rank, dict) else \
         dict(enumerate(events_by_rank))
     origin = min((e[3] for events in by_rank.values() for e in events), default=0.0)
     trace: list[dict] = []
-    tid = {stream: i for i, stream in enumerate(STREAMS)}
+    tid = {str(stream): i for i, stream in enumerate(STREAM_ORDER)}
     for rank, events in sorted(by_rank.items()):
-        coords = layout.coords(rank)
         trace.append({"ph": "M", "name": "process_name", "pid": rank,
-                      "args": {"name": f"rank {rank} (stage {coords['pp']}, tp {coords['tp']}, "
-                                       f"cp {coords['cp']}, dp {coords['dp']})"}})
+                      "args": {"name": labels.get(rank, f"rank {rank}")}})
         for stream, i in tid.items():
             trace.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": i,
                           "args": {"name": stream}})
-        for step, stream, node, start, end, microbatch, op in events:
+        for step, stream, node, start, end, microbatch, op, flows in events:
             where = {"pid": rank, "tid": tid.get(stream, len(tid)),
                      "ts": (start - origin) * 1e6}
             trace.append({"ph": "X", "name": node, **where,
                           "dur": max((end - start) * 1e6, 0.01),
                           "args": {"step": step, "microbatch": microbatch, "op": op}})
-            trace.extend(_flows(graph, layout, rank, coords, step, node, microbatch, op,
-                                where, (end - origin) * 1e6))
+            for phase, sender, receiver, name, at_end in flows:
+                flow = {"ph": phase, "id": _flow_id(sender, receiver, name, microbatch, step),
+                        "name": "ring" if op == "sendrecv" else "send",
+                        "cat": "cp" if op == "sendrecv" else "pp", **where}
+                if phase == "f":
+                    flow["bp"] = "e"
+                if at_end:
+                    flow["ts"] = (end - origin) * 1e6
+                trace.append(flow)
     write_atomically(path, json.dumps({"traceEvents": trace,
                                        "displayTimeUnit": "ms"}).encode())
-
-
-def _flows(graph, layout, rank, coords, step, node, microbatch, op, where, end) -> list:
-    """Flow events: a start on the sender's slice, a finish on the receiver's."""
-    data = graph.nodes[node]
-    out = []
-    if op == "send":
-        peer = layout.rank({**coords, "pp": data["peer_stage"]})
-        receive = next(iter(graph.successors(node)))
-        out.append({"ph": "s", "id": _flow_id(rank, peer, receive, microbatch, step),
-                    "name": "send", "cat": "pp", **where})
-    elif op == "recv" and data["axis"] == "pp":
-        peer = layout.rank({**coords, "pp": data["peer_stage"]})
-        out.append({"ph": "f", "bp": "e", "id": _flow_id(peer, rank, node, microbatch, step),
-                    "name": "send", "cat": "pp", **where})
-    elif op == "sendrecv":
-        cp = layout.mesh.cp
-        after = layout.rank({**coords, "cp": (coords["cp"] + 1) % cp})
-        before = layout.rank({**coords, "cp": (coords["cp"] - 1) % cp})
-        out.append({"ph": "s", "id": _flow_id(rank, after, node, microbatch, step),
-                    "name": "ring", "cat": "cp", **where})
-        out.append({"ph": "f", "bp": "e", "id": _flow_id(before, rank, node, microbatch, step),
-                    "name": "ring", "cat": "cp", **{**where, "ts": end}})
-    return out

@@ -1,7 +1,8 @@
-"""The transfers of the graph on torch.distributed, one function per (kind, payload).
+"""The transfers of the programs on torch.distributed, one function per (op, payload).
 
-:data:`TABLE` maps a transfer's typed kind and payload (planc.graph.ir) to the method
-that runs it; the group comes from the node's group reference, resolved once. Each
+:attr:`Transfers.table` maps an instruction's op and its operands' payload
+(planc.lower.operands) to the method that runs it; the group comes from the operands'
+group reference, resolved once. Each
 function issues its collectives asynchronously and waits on their work handles (on CUDA
 that wait orders the current stream after the collective without blocking the host).
 
@@ -14,32 +15,33 @@ buckets (planc.runtime.store): one flat buffer per collective.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from planc.graph.ir import Kind, Payload, Phase
-from planc.graph.layouts import parse as parse_layout
+from planc.lower.operands import FEATURE_AXIS, SEQ_AXIS, Operands
 from planc.runtime import routes
 from planc.runtime.context import RankContext
 from planc.runtime.model import join_feature, local_heads, split_feature
 from planc.runtime.store import ParamStore
 
-FEATURE_AXIS, SEQ_AXIS = 2, 1
 SENDRECV = "sendrecv"
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 @dataclass(frozen=True)
 class Call:
-    """One transfer node, prepared: its data, group handle and group."""
+    """One transfer instruction, prepared: its operands, group handle and group."""
 
-    data: dict
+    operands: Operands
+    per_microbatch: bool
     group: object  # a process group, or None for a group of one
     members: tuple[int, ...]
     index: int  # this rank's position in the group
     route: routes.Route | None = None  # a tree or hierarchical recipe; None: native
+    peer: int | None = None  # a pipeline transfer's other rank
 
     @property
     def size(self) -> int:
@@ -55,22 +57,22 @@ class Transfers:
     def __init__(self, ctx: RankContext, store: ParamStore):
         self.ctx, self.store = ctx, store
         self.table: dict[tuple[str, str], Callable] = {
-            (Kind.ALL_REDUCE, Payload.ACTIVATION): self.activation,
-            (Kind.ALL_GATHER, Payload.ACTIVATION): self.activation,
-            (Kind.REDUCE_SCATTER, Payload.ACTIVATION): self.activation,
-            (Kind.ALL_TO_ALL, Payload.ACTIVATION): self.activation,
-            (Kind.ALL_REDUCE, Payload.LOSS_STAT): self.loss_statistic,
-            (Kind.ALL_REDUCE, Payload.LOSS): self.loss_report,
-            (Kind.ALL_GATHER, Payload.KV): self.kv_all_gather,
-            (Kind.REDUCE_SCATTER, Payload.DKV): self.dkv_reduce_scatter,
-            (SENDRECV, Payload.KV): self.kv_ring,
-            (SENDRECV, Payload.DKV): self.dkv_ring,
-            (Kind.SEND, Payload.STREAM): self.send,
-            (Kind.RECV, Payload.STREAM): self.recv,
-            (Kind.ALL_REDUCE, Payload.GRAD): self.grad_all_reduce,
-            (Kind.REDUCE_SCATTER, Payload.GRAD): self.grad_reduce_scatter,
-            (Kind.ALL_GATHER, Payload.GRAD): self.grad_slice_gather,
-            (Kind.ALL_GATHER, Payload.PARAM): self.param_gather,
+            ("all_reduce", "activation"): partial(self.activation, kind="all_reduce"),
+            ("all_gather", "activation"): partial(self.activation, kind="all_gather"),
+            ("reduce_scatter", "activation"): partial(self.activation, kind="reduce_scatter"),
+            ("all_to_all", "activation"): partial(self.activation, kind="all_to_all"),
+            ("all_reduce", "loss_stat"): self.loss_statistic,
+            ("all_reduce", "loss"): self.loss_report,
+            ("all_gather", "kv"): self.kv_all_gather,
+            ("reduce_scatter", "dkv"): self.dkv_reduce_scatter,
+            (SENDRECV, "kv"): self.kv_ring,
+            (SENDRECV, "dkv"): self.dkv_ring,
+            ("send", "stream"): self.send,
+            ("recv", "stream"): self.recv,
+            ("all_reduce", "grad"): self.grad_all_reduce,
+            ("reduce_scatter", "grad"): self.grad_reduce_scatter,
+            ("all_gather", "grad"): self.grad_slice_gather,
+            ("all_gather", "param"): self.param_gather,
         }
 
     # --- collectives on a group -------------------------------------------------------
@@ -119,28 +121,27 @@ class Transfers:
         axis = SEQ_AXIS if dim == "seq" else FEATURE_AXIS
         return split_feature(tensor, dim, parts, index, self.ctx.model, axis)
 
-    def activation(self, call: Call, value: torch.Tensor) -> torch.Tensor:
-        """A tp redistribution: the node's source layout to its target layout."""
-        data = call.data
-        kind = data["kind"]
-        if kind == Kind.ALL_REDUCE:
-            return self.all_reduce(value, call, REDUCE_OPS[data.get("reduce_op", "sum")])
-        source, target = parse_layout(data["source_layout"]), parse_layout(data["target_layout"])
-        if kind == Kind.ALL_GATHER:
-            axis = SEQ_AXIS if source.dim == "seq" else FEATURE_AXIS
-            return join_feature(self.all_gather_list(value, call), source.dim, self.ctx.model,
+    def activation(self, call: Call, value: torch.Tensor, *, kind: str) -> torch.Tensor:
+        """A tp redistribution: the operands' source sharding to their target's."""
+        operands = call.operands
+        if kind == "all_reduce":
+            return self.all_reduce(value, call, REDUCE_OPS[operands.reduce_op or "sum"])
+        source, target = operands.source_dim, operands.target_dim
+        if kind == "all_gather":
+            axis = SEQ_AXIS if source == "seq" else FEATURE_AXIS
+            return join_feature(self.all_gather_list(value, call), source, self.ctx.model,
                                 axis)
-        chunks = [self._split(value, target.dim, call.size, i) for i in range(call.size)]
-        if kind == Kind.REDUCE_SCATTER:
+        chunks = [self._split(value, target, call.size, i) for i in range(call.size)]
+        if kind == "reduce_scatter":
             return self.reduce_scatter_list(chunks, call)
         received = [torch.empty_like(c) for c in chunks]
         _wait(dist.all_to_all(received, [c.contiguous() for c in chunks], group=call.group,
                               async_op=True))
-        axis = SEQ_AXIS if source.dim == "seq" else FEATURE_AXIS
-        return join_feature(received, source.dim, self.ctx.model, axis)
+        axis = SEQ_AXIS if source == "seq" else FEATURE_AXIS
+        return join_feature(received, source, self.ctx.model, axis)
 
     def loss_statistic(self, call: Call, value: torch.Tensor) -> torch.Tensor:
-        return self.all_reduce(value, call, REDUCE_OPS[call.data["reduce_op"]])
+        return self.all_reduce(value, call, REDUCE_OPS[call.operands.reduce_op])
 
     def loss_report(self, call: Call, value: torch.Tensor) -> torch.Tensor:
         """The step's loss, summed over every rank of the last stage."""
@@ -179,7 +180,7 @@ class Transfers:
         n, me = call.size, call.index
         blocks = {me: self._kv_of(qkv)}
         current = blocks[me]
-        for step in range(1, call.data["ring_steps"] + 1):
+        for step in range(1, call.operands.ring_steps + 1):
             current = self._ring_shift(current, call)
             blocks[(me - step) % n] = current
         return torch.cat([blocks[i] for i in range(n)], dim=SEQ_AXIS)
@@ -187,7 +188,7 @@ class Transfers:
     def dkv_ring(self, call: Call, dkv: torch.Tensor) -> torch.Tensor:
         """The gradient accumulator of each K/V block travels the ring, every rank adding
         its share, and comes home after cp shifts."""
-        n, me, steps = call.size, call.index, call.data["ring_steps"]
+        n, me, steps = call.size, call.index, call.operands.ring_steps
         shares = list(dkv.chunk(n, dim=SEQ_AXIS))
         accumulator = shares[me].clone()
         for step in range(1, steps):
@@ -197,13 +198,12 @@ class Transfers:
     # --- pipeline ------------------------------------------------------------------------
 
     def send(self, call: Call, value: torch.Tensor) -> None:
-        peer = self.ctx.peer(call.data["peer_stage"])
-        _wait(dist.isend(value.to(self.ctx.dtype).contiguous(), peer, group=call.group))
+        _wait(dist.isend(value.to(self.ctx.dtype).contiguous(), call.peer, group=call.group))
 
     def recv(self, call: Call, value=None) -> torch.Tensor:
         ctx = self.ctx
-        out = torch.empty(call.data["shape"], dtype=ctx.dtype, device=ctx.device)
-        _wait(dist.irecv(out, ctx.peer(call.data["peer_stage"]), group=call.group))
+        out = torch.empty(call.operands.shape, dtype=ctx.dtype, device=ctx.device)
+        _wait(dist.irecv(out, call.peer, group=call.group))
         return out
 
     # --- gradients and parameters, by bucket ----------------------------------------------
@@ -212,9 +212,9 @@ class Transfers:
         """Sum a bucket's gradient over the group: the range of elements the node names
         (the partial sums over tp), or the whole gradient as it stands (over dp x cp
         under ZeRO 0, or its shard between tied stages)."""
-        bucket = call.data["bucket"]
-        if "elements" in call.data:
-            start, end = call.data["elements"]
+        bucket = call.operands.bucket
+        if call.operands.elements:
+            start, end = call.operands.elements
             self.all_reduce(self.store.grad[bucket][start:end], call, in_place=True)
         else:
             self.all_reduce(self.store.current_grad(bucket), call, in_place=True)
@@ -222,7 +222,7 @@ class Transfers:
     def grad_reduce_scatter(self, call: Call, value=None) -> None:
         """Each replica keeps the sum of its equal slice of the bucket's gradient; every
         microbatch under ZeRO-2/3, whose whole buffer then starts again from zero."""
-        bucket = call.data["bucket"]
+        bucket = call.operands.bucket
         grad = self.store.grad[bucket]
         out = torch.empty_like(self.store.grad_shard[bucket])
         if call.route is not None:
@@ -230,30 +230,30 @@ class Transfers:
         else:
             _wait(dist.reduce_scatter_single(out, grad, group=call.group, async_op=True))
         self.store.grad_shard[bucket] += out
-        if call.data["per_microbatch"]:
+        if call.per_microbatch:
             grad.zero_()
 
     def grad_slice_gather(self, call: Call, value=None) -> None:
         """A replicated parameter used through slices: gather every rank's slice of its
         gradient (the rest of each rank's gradient is zero)."""
-        ctx, data = self.ctx, call.data
-        grad = self.store.grad_of(data["tensor"])
-        dim = data["dim"]
+        ctx, operands = self.ctx, call.operands
+        grad = self.store.grad_of(operands.tensor)
+        dim = operands.dim
         if dim == "seq":  # the position table: rows of each tp rank's tokens
             pieces = self.all_gather_list(grad[ctx.tp_positions(ctx.tp_rank)], call)
             for tp_rank, piece in enumerate(pieces):
                 grad[ctx.tp_positions(tp_rank)] = piece
             return
-        axis = data["slice_axis"]
+        axis = operands.slice_axis
         mine = split_feature(grad, dim, ctx.tp, ctx.tp_rank, ctx.model, axis)
         grad.copy_(join_feature(self.all_gather_list(mine, call), dim, ctx.model, axis))
 
     def param_gather(self, call: Call, value=None) -> torch.Tensor:
         """Every replica's slice of a bucket's parameters: after a ZeRO-1/2 optimizer
         step into the bucket itself, before a ZeRO-3 use into a buffer of its own."""
-        bucket = call.data["bucket"]
+        bucket = call.operands.bucket
         shard = self.store.shard[bucket]
-        if call.data["phase"] == Phase.OPTIMIZER:
+        if call.operands.into_bucket:
             out = self.store.full[bucket]
         else:
             out = torch.empty(self.store.buckets[bucket]["padded"], dtype=shard.dtype,

@@ -37,12 +37,12 @@ from planc.runtime.check import compare
 from planc.runtime.checkpoint import Checkpoints
 from planc.runtime.context import RankContext, make_groups
 from planc.runtime.data_identity import Identity, identity_now
-from planc.runtime.exchange import (all_gather_json, broadcast_json, either, gather_json,
-                                    integer, list_of, nothing, number, one_of, row, text)
+from planc.runtime.exchange import (all_gather_json, boolean, broadcast_json, either,
+                                    gather_json, integer, list_of, nothing, number, row, text)
 from planc.runtime.executor import CpuExecutor, CudaExecutor, Hang, PeerLost
 from planc.runtime.interpreter import Interpreter
 from planc.runtime.launcher_protocol import ERROR_FILE, EXIT_HANG, REPORT_FILE, TRAINING_FILE
-from planc.runtime.model import DataError
+from planc.runtime.data import DataError
 from planc.runtime.rendezvous import joined_store
 from planc.runtime.store import ParamStore
 from planc.runtime.trace import write as write_trace
@@ -93,8 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _leader(ctx: RankContext) -> bool:
     """The rank that knows the loss first: last stage, tp = cp = dp = 0."""
-    c = ctx.coords
-    return c["pp"] == ctx.plan.mesh.pp - 1 and c["tp"] == c["cp"] == c["dp"] == 0
+    return ctx.rank == ctx.leader
 
 
 def _progress(step: int, steps: int, record: dict) -> None:
@@ -120,7 +119,7 @@ class _Metrics:
 
     def __init__(self, ctx: RankContext, steps: int, path: str | None):
         self.ctx, self.steps = ctx, steps
-        self.leader = ctx.layout.rank({"tp": 0, "cp": 0, "dp": 0, "pp": ctx.plan.mesh.pp - 1})
+        self.leader = ctx.leader
         self.world = dist.get_world_size()
         self.group = dist.new_group(list(range(self.world)), backend="gloo") \
             if self.world > 1 else None
@@ -223,20 +222,23 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
     torch.manual_seed(0)
     with watch.waiting("creating the process groups of the plan (new_group)"):
         groups = make_groups(built.groups, rank, args.timeout + 60)
-    ctx = RankContext(plan, built.groups, rank, groups, device, built.routes,
-                      args.data_identity or identity_now(plan))
+    ctx = RankContext(plan, built.table, rank, groups, device, built.routes,
+                      args.data_identity or identity_now(plan), built.groups.devices_per_node)
     program = built.programs[built.table.program_of(rank)]
     shard_index = groups.index("dp_cp", rank)
     store = ParamStore(ctx, program.buckets, shard_index)
-    interpreter = Interpreter(ctx, built.graph, program, store)
+    interpreter = Interpreter(ctx, program, store)
     steps = args.steps or plan.train.steps
+    # every stage's parameter buckets: what a checkpoint holds, from the programs
+    all_buckets = {bucket: info for name in built.table.names
+                   for bucket, info in built.programs[name].buckets.items()}
     checkpoints, first = None, 0
     if args.checkpoint_dir or args.resume:
         with watch.waiting("exchanging where each rank's checkpoint pieces lie"):
-            checkpoints = Checkpoints(ctx, built.graph, interpreter, shard_index)
+            checkpoints = Checkpoints(ctx, all_buckets, interpreter, shard_index)
     if args.resume:
         with watch.waiting("agreeing on the checkpoint to resume"):
-            found = _resumable(args, plan, built.graph, steps, checkpoints)
+            found = _resumable(args, plan, all_buckets, steps, checkpoints)
         checkpoints.load(str(found.directory), found.manifest)
         first = found.manifest["step"]
     executor = (CudaExecutor if backend == "nccl" else CpuExecutor)(
@@ -251,8 +253,8 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
             result = executor.run_step(step)
             if result.state.loss is not None:
                 losses.append(result.state.loss)
-            trace.extend((step, e.stream, e.name, e.start, e.end, e.microbatch, e.op)
-                         for e in result.trace)
+            trace.extend((step, e.stream, e.name, e.start, e.end, e.microbatch, e.op,
+                          [list(flow) for flow in e.flows]) for e in result.trace)
             metrics.step(step, result.times, result.state.loss)
             done = step + 1
             if args.checkpoint_dir and (done == steps or (
@@ -274,9 +276,11 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
         raise SystemExit(f"planc: error: {exc}") from None
     executor.close()
     if args.trace:
-        gathered = gather_json(trace, 0, _trace_form(built.graph), "its trace events")
+        gathered = gather_json([ctx.label, trace], 0, _TRACE_FORM, "its trace events")
         if rank == 0:
-            write_trace(args.trace, ctx.layout, built.graph, gathered)
+            write_trace(args.trace, {r: label for r, (label, _) in enumerate(gathered)},
+                        [[tuple(e[:7]) + (tuple(map(tuple, e[7])),) for e in events]
+                         for _, events in gathered])
     status = 0
     if args.check:
         status = compare(ctx, interpreter, losses if _leader(ctx) else None, steps, first)
@@ -285,14 +289,15 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
     return status
 
 
-def _trace_form(graph):
-    """A rank's trace events as JSON: (step, stream, node of the graph, start, end,
-    microbatch or null, op) each (planc.runtime.executor.TraceEvent)."""
-    return list_of(row(integer, text, one_of(graph.nodes), number, number,
-                       either(integer, nothing), text))
+# A rank's name and trace events as JSON: (step, stream, node, start, end, microbatch
+# or null, op, flows) each (planc.runtime.executor.TraceEvent, planc.runtime.trace.Flow).
+_TRACE_FORM = row(text, list_of(row(integer, text, text, number, number,
+                                    either(integer, nothing), text,
+                                    list_of(row(text, integer, integer, text, boolean)))))
 
 
-def _resumable(args, plan, graph, steps: int, checkpoints: Checkpoints):
+def _resumable(args, plan, all_buckets: dict[str, dict], steps: int,
+               checkpoints: Checkpoints):
     """The checkpoint to continue from. Rank 0 finds it (and hashes its files, unless planc
     run already did) and tells the others which step directory it chose; every rank then
     checks it against its plan. A problem anywhere stops every rank with one line."""
@@ -313,7 +318,7 @@ def _resumable(args, plan, graph, steps: int, checkpoints: Checkpoints):
             if not first_rank:
                 found = checkpoint_format.find(directory, hashes=False)
             problem = checkpoint_format.problems_resuming(found.manifest, plan,
-                                                          graph.graph["buckets"], steps)
+                                                          all_buckets, steps)
             if problem is None and args.check:
                 problem = checkpoint_format.problems_checking(found.manifest, plan)
         except checkpoint_format.CheckpointError as exc:

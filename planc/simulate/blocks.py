@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planc.lower.program import Instruction
+from planc.names import Stream
 
-COMPUTE = "compute"
+COMPUTE = Stream.COMPUTE
 
 
 @dataclass(frozen=True)

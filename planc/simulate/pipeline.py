@@ -18,12 +18,13 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from planc.lower.program import Instruction, Program, guard_microbatch
+from planc.names import Stream
 from planc.schedules import Block
 from planc.simulate.blocks import BlockTime, replay
 
 # The axis whose transfers a program stream carries (planc.passes.overlap's streams).
-STREAM_AXIS = {"dp": "dp_cp", "comm": "tp", "send_next": "pp", "send_prev": "pp",
-               "recv_prev": "pp", "recv_next": "pp"}
+STREAM_AXIS = {Stream.DP: "dp_cp", Stream.COMM: "tp", Stream.SEND_NEXT: "pp",
+               Stream.SEND_PREV: "pp", Stream.RECV_PREV: "pp", Stream.RECV_NEXT: "pp"}
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The gpt family's own kernels: LayerNorm, multi-head attention, GELU (tanh).
 
-Each kernel runs on the local tensors the node's tp layouts say the rank holds; the
+Each kernel runs on the local tensors the instruction's operands say the rank holds; the
 shared ones (linear, embedding, residual, loss) are in planc.runtime.kernels.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from planc.graph.ir import Op
-from planc.graph.layouts import parse as parse_layout
 
 LN_EPS = 1e-5
 
@@ -35,7 +34,7 @@ def attention(k, spec, x, p, step, mb, extra):
     else:
         kv = x["kv"]
         key, v = kv.view(b, kv.shape[1], 2, heads, hd).permute(2, 0, 3, 1, 4).unbind(0)
-        query = k.ctx.positions(parse_layout("R"))
+        query = k.ctx.positions(seq_sharded=False)
         keys = k.ctx.all_key_positions()
         allowed = keys.unsqueeze(0) <= query.unsqueeze(1)
         out = F.scaled_dot_product_attention(q, key, v, attn_mask=allowed)

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from planc.graph.ir import Op
-from planc.graph.layouts import parse as parse_layout
 from planc.runtime.model import local_heads
 
 
@@ -52,7 +51,7 @@ def qkv(k, spec, x, p, step, mb, extra):
     model, hd = k.ctx.model, k.head_dim
     heads, kv = local_heads(model, out.shape[-1], k.ctx.tp)
     b, s, _ = out.shape
-    cos, sin = rotary_tables(k.ctx.positions(spec.tp_input), hd, model.rope_theta,
+    cos, sin = rotary_tables(k.ctx.positions(spec.seq_sharded), hd, model.rope_theta,
                              out.dtype)
     q = rotate(out[..., :heads * hd].reshape(b, s, heads, hd), cos, sin)
     key = rotate(out[..., heads * hd:(heads + kv) * hd].reshape(b, s, kv, hd), cos, sin)
@@ -78,7 +77,7 @@ def attention(k, spec, x, p, step, mb, extra):
     if "kv" not in x:
         out = F.scaled_dot_product_attention(q, key, v, is_causal=True)
     else:
-        query = k.ctx.positions(parse_layout("R"))
+        query = k.ctx.positions(seq_sharded=False)
         allowed = k.ctx.all_key_positions().unsqueeze(0) <= query.unsqueeze(1)
         out = F.scaled_dot_product_attention(q, key, v, attn_mask=allowed)
     return out.transpose(1, 2).reshape(b, s, heads * hd)

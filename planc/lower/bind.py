@@ -1,0 +1,121 @@
+"""What each instruction operates on, decided from the graph when it is lowered.
+
+One function, :func:`operands_of`, turns a node of the graph (its attributes and its
+incoming edges) into the instruction's :class:`planc.lower.operands.Operands`: which
+buffer feeds which port, which gradient a backward step's output carries, where the
+consumer takes its own tp slice of a replicated value, the group, route and peer stage
+of a transfer. The lowering writes them into the programs; the verifier calls it again
+and compares, so that a program's operands are always the graph's.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from planc.graph.ir import EdgeKind, Kind, NodeType, Op, Payload, Phase, Port
+from planc.graph.layouts import parse as parse_layout
+from planc.graph.layouts import R, S
+from planc.lower.operands import FEATURE_AXIS, SEQ_AXIS, Input, Operands
+
+
+def _value(item):
+    """An attribute as JSON holds it (enums by value)."""
+    return None if item is None else getattr(item, "value", item)
+
+
+def inputs_of(graph: nx.DiGraph, node: str, stage: int, position: dict[str, int]
+              ) -> tuple[Input, ...]:
+    """The values ``node`` reads from steps of its own stage (a peer stage's value comes
+    through this stage's receive; parameters through their buckets), in the graph's node
+    order of their producers (``position``): the order graph.json lists the edges in, so
+    that gradients are summed in one order however the graph was built."""
+    out = []
+    edges = sorted(graph.in_edges(node, data=True), key=lambda e: position[e[0]])
+    for source, _, edge in edges:
+        if edge.get("kind", EdgeKind.DATA) != EdgeKind.DATA:
+            continue
+        source_data = graph.nodes[source]
+        if source_data["stage"] != stage or edge.get("port") == Port.PARAM:
+            continue
+        local = None
+        if edge.get("slice"):
+            dim = parse_layout(edge["slice"]).dim
+            local = (dim, SEQ_AXIS if dim == "seq" else FEATURE_AXIS)
+        out.append(Input(source, str(edge.get("port", Port.X)),
+                         bool(source_data["per_microbatch"]), _value(edge.get("grad_of")),
+                         local))
+    return tuple(out)
+
+
+def _compute(graph: nx.DiGraph, node: str, data: dict, position: dict[str, int]
+             ) -> Operands:
+    if data["op"] == Op.OPTIMIZER:
+        step = "optimizer"
+    elif data.get("weight_grad_of") is not None:
+        step = "weight"  # the parameter half of a split backward
+    elif data["recompute"]:
+        step = "recompute"
+    elif data["phase"] == Phase.BACKWARD:
+        step = "backward"
+    else:
+        step = "forward"
+    tp_input = parse_layout(data.get("tp_input", "R"))
+    gathered = tuple(sorted((graph.nodes[u]["bucket"], u) for u, _, e in
+                            graph.in_edges(node, data=True) if e.get("port") == Port.PARAM))
+    return Operands(
+        inputs=inputs_of(graph, node, data["stage"], position), kernel=_value(data["op"]),
+        step=step,
+        layer=data.get("layer"), params=tuple(data.get("params", ())),
+        param_slices=tuple(sorted((k, (v[0], int(v[1])))
+                                  for k, v in data.get("param_slices", {}).items())),
+        bias=data.get("bias"), vocab_parallel=bool(data.get("vocab_parallel", False)),
+        seq_sharded=tp_input == S("seq"), replicated=tp_input == R,
+        forward_of=data.get("forward_of"),
+        saved_from=data.get("recompute_of") or data.get("forward_of"),
+        keeps_graph=bool(data["recompute"] or not data.get("recomputed", False)),
+        weight_step=data.get("weight_grad"), gathered=gathered,
+        bucket=data.get("bucket") if data["op"] == Op.OPTIMIZER else None,
+        sharded=bool(data.get("sharded", False)) if data["op"] == Op.OPTIMIZER else False)
+
+
+def _transfer(graph: nx.DiGraph, node: str, data: dict, op: str,
+              position: dict[str, int]) -> Operands:
+    source = node
+    if op == "sendrecv":  # a ring shift sends what its send half reads
+        source = next(p for p in graph.predecessors(node)
+                      if graph.nodes[p]["kind"] == Kind.SEND)
+    payload = data["payload"]
+    pipeline = payload == Payload.STREAM
+    level = _value(data.get("level", "whole"))
+    group = None if pipeline else (
+        _value(data["axis"]) if level == "whole" else f"{_value(data['axis'])}/{level}")
+    source_dim = target_dim = None
+    if payload == Payload.ACTIVATION and data["kind"] != Kind.ALL_REDUCE:
+        source_dim = parse_layout(data["source_layout"]).dim
+        target_dim = parse_layout(data["target_layout"]).dim
+    return Operands(
+        inputs=inputs_of(graph, source, data["stage"], position), payload=_value(payload),
+        group=group, route=None if pipeline else data.get("route"),
+        reduce_op=data.get("reduce_op"), source_dim=source_dim, target_dim=target_dim,
+        ring_steps=data.get("ring_steps"),
+        peer_stage=data.get("peer_stage") if pipeline else None,
+        direction=_value(data["phase"]) if pipeline else None,
+        partner=next(iter(graph.successors(node)), None)
+        if pipeline and data["kind"] == Kind.SEND else None,
+        shape=tuple(data["shape"]) if pipeline and data["kind"] == Kind.RECV else (),
+        bucket=data.get("bucket"), elements=tuple(data.get("elements", ())),
+        tensor=data.get("tensor") if payload == Payload.GRAD else None,
+        dim=data.get("dim") if payload == Payload.GRAD else None,
+        slice_axis=data.get("slice_axis") if payload == Payload.GRAD else None,
+        into_bucket=payload == Payload.PARAM and data["phase"] == Phase.OPTIMIZER,
+        bytes=data.get("bytes"))
+
+
+def operands_of(graph: nx.DiGraph, node: str, op: str, position: dict[str, int]
+                ) -> Operands:
+    """The operands of the instruction ``op`` that runs ``node``; ``position``: each
+    node's index in the graph's node order."""
+    data = graph.nodes[node]
+    if data["type"] == NodeType.COMPUTE:
+        return _compute(graph, node, data, position)
+    return _transfer(graph, node, data, op, position)

@@ -1,0 +1,204 @@
+"""The typed operands of an instruction: everything the runtime needs to run it.
+
+The compiler decides each of these when it lowers the graph (:mod:`planc.lower.bind`);
+the runtime binds them once when a run starts and reads nothing else about the step:
+not graph.json, not the plan's layouts. The verifier derives them again from the graph
+and refuses a program whose operands differ (docs/programs.md, operands).
+
+Torch-free and networkx-free: the compiler, the verifier, the simulator and the
+runtime all import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+# Ports of an input (planc.graph.ir.Port, as the kernels key their inputs).
+PORTS = ("x", "skip", "kv", "max", "sum_exp", "grad")
+# Which step of a compute node's life an instruction runs (docs/programs.md, operands).
+STEPS = ("forward", "recompute", "backward", "weight", "optimizer")
+PAYLOADS = ("activation", "loss_stat", "loss", "kv", "dkv", "stream", "grad", "param")
+REDUCE_OPS = ("sum", "max")
+DIRECTIONS = ("forward", "backward")
+SEQ_AXIS, FEATURE_AXIS = 1, 2  # activations are (batch, tokens, features)
+
+
+def _string(value) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def _integer(value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _boolean(value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _one_of(choices):
+    def check(value):
+        if value not in choices:
+            raise ValueError(f"expected one of {list(choices)}, got {value!r}")
+        return value
+    return check
+
+
+def _slice(value) -> tuple[str, int]:
+    """(dimension name, tensor axis) of a feature or sequence slice."""
+    if not isinstance(value, list) or len(value) != 2:
+        raise ValueError(f"a slice is [dimension, axis], not {value!r}")
+    return _string(value[0]), _integer(value[1])
+
+
+def _tuple_of(check):
+    def convert(value):
+        if not isinstance(value, list):
+            raise ValueError(f"expected a list, got {value!r}")
+        return tuple(check(v) for v in value)
+    return convert
+
+
+def _pairs_of(check):
+    """An object as sorted (key, value) pairs: hashable, comparable."""
+    def convert(value):
+        if not isinstance(value, dict):
+            raise ValueError(f"expected an object, got {value!r}")
+        return tuple(sorted((_string(k), check(v)) for k, v in value.items()))
+    return convert
+
+
+@dataclass(frozen=True)
+class Input:
+    """One value an instruction reads, and how it takes it."""
+
+    buffer: str  # the producing instruction's buffer
+    port: str = "x"  # the kernel's argument it feeds
+    per_microbatch: bool = True  # the buffer holds one value per microbatch
+    grad_of: str | None = None  # a backward step's output: the gradient of that port
+    local_slice: tuple[str, int] | None = None  # (dim, axis): this tp rank's slice
+
+    def to_json(self) -> dict:
+        item: dict = {"buffer": self.buffer}
+        if self.port != "x":
+            item["port"] = self.port
+        if not self.per_microbatch:
+            item["per_microbatch"] = False
+        if self.grad_of is not None:
+            item["grad_of"] = self.grad_of
+        if self.local_slice is not None:
+            item["local_slice"] = list(self.local_slice)
+        return item
+
+    @staticmethod
+    def from_json(item) -> "Input":
+        if not isinstance(item, dict) or set(item) - {"buffer", "port", "per_microbatch",
+                                                      "grad_of", "local_slice"}:
+            raise ValueError(f"malformed input {item!r}")
+        grad_of, local = item.get("grad_of"), item.get("local_slice")
+        return Input(_string(item["buffer"]), _one_of(PORTS)(item.get("port", "x")),
+                     _boolean(item.get("per_microbatch", True)),
+                     None if grad_of is None else _one_of(PORTS)(grad_of),
+                     None if local is None else _slice(local))
+
+
+def _inputs(value) -> tuple[Input, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"inputs must be a list, not {value!r}")
+    return tuple(Input.from_json(item) for item in value)
+
+
+def _maybe(check):
+    return lambda value: None if value is None else check(value)
+
+
+@dataclass(frozen=True)
+class Operands:
+    """The operands of one compute or transfer instruction; unused ones keep their
+    defaults and are left out of the JSON."""
+
+    inputs: tuple[Input, ...] = ()
+    # --- compute ---
+    kernel: str | None = None  # the operator (planc.graph.ir.Op's value)
+    step: str | None = None  # forward, recompute, backward, weight or optimizer
+    layer: int | None = None
+    params: tuple[str, ...] = ()  # global parameter names, in the kernel's order
+    param_slices: tuple[tuple[str, tuple[str, int]], ...] = ()  # name -> (dim, axis)
+    bias: str | None = None  # a row-parallel producer's bias, added after its reduction
+    vocab_parallel: bool = False
+    seq_sharded: bool = False  # the input holds this tp rank's slice of the tokens
+    replicated: bool = False  # every tp rank holds the whole input
+    forward_of: str | None = None  # a backward or recomputed step's forward step
+    saved_from: str | None = None  # the step whose kept tensors a backward step uses
+    keeps_graph: bool = True  # a forward keeps autograd's graph (not when recomputed)
+    weight_step: str | None = None  # a split backward: its W step, which comes later
+    gathered: tuple[tuple[str, str], ...] = ()  # bucket -> the ZeRO-3 gather's buffer
+    # --- compute (optimizer) and transfers of gradients and parameters ---
+    bucket: str | None = None
+    sharded: bool = False  # the optimizer updates the rank's shard of the bucket
+    # --- transfers ---
+    payload: str | None = None
+    group: str | None = None  # a group reference of programs/groups.json
+    route: str | None = None  # a route recipe's kind (programs/routes.json); None: native
+    reduce_op: str | None = None
+    source_dim: str | None = None  # an activation's sharded dimension before and after
+    target_dim: str | None = None
+    ring_steps: int | None = None
+    peer_stage: int | None = None  # a pipeline transfer's other stage
+    direction: str | None = None  # forward or backward: which pipeline group
+    partner: str | None = None  # a pipeline send's receive on the peer stage (traces)
+    shape: tuple[int, ...] = ()  # what a pipeline receive receives
+    elements: tuple[int, ...] = ()  # [start, end) of a bucket's gradient: a tp sum
+    tensor: str | None = None  # a parameter whose gradient slices are gathered
+    dim: str | None = None
+    slice_axis: int | None = None
+    into_bucket: bool = False  # a parameter gather after the optimizer: into the bucket
+    bytes: int | None = None
+
+    def to_json(self) -> dict:
+        out: dict = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value == f.default:
+                continue
+            if f.name == "inputs":
+                value = [i.to_json() for i in value]
+            elif f.name in ("param_slices", "gathered"):
+                value = {k: list(v) if isinstance(v, tuple) else v for k, v in value}
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    @staticmethod
+    def from_json(data) -> "Operands":
+        if not isinstance(data, dict):
+            raise ValueError(f"operands must be an object, not {data!r}")
+        unknown = set(data) - set(_READERS)
+        if unknown:
+            raise ValueError(f"operands with unknown keys {sorted(unknown)}")
+        return Operands(**{key: _READERS[key](value) for key, value in data.items()})
+
+
+_READERS = {
+    "inputs": _inputs, "kernel": _maybe(_string), "step": _maybe(_one_of(STEPS)),
+    "layer": _maybe(_integer), "params": _tuple_of(_string),
+    "param_slices": _pairs_of(_slice), "bias": _maybe(_string),
+    "vocab_parallel": _boolean, "seq_sharded": _boolean, "replicated": _boolean,
+    "forward_of": _maybe(_string), "saved_from": _maybe(_string),
+    "keeps_graph": _boolean, "weight_step": _maybe(_string),
+    "gathered": _pairs_of(_string), "bucket": _maybe(_string), "sharded": _boolean,
+    "payload": _maybe(_one_of(PAYLOADS)), "group": _maybe(_string), "route": _maybe(_string),
+    "reduce_op": _maybe(_one_of(REDUCE_OPS)), "source_dim": _maybe(_string),
+    "target_dim": _maybe(_string), "ring_steps": _maybe(_integer),
+    "peer_stage": _maybe(_integer), "direction": _maybe(_one_of(DIRECTIONS)),
+    "partner": _maybe(_string),
+    "shape": _tuple_of(_integer), "elements": _tuple_of(_integer),
+    "tensor": _maybe(_string), "dim": _maybe(_string), "slice_axis": _maybe(_integer),
+    "into_bucket": _boolean, "bytes": _maybe(_integer),
+}
