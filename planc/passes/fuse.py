@@ -87,13 +87,24 @@ def _readiness(graph: nx.DiGraph, chain: list[str], forward: dict[str, int]) -> 
     return -min(uses, default=0)
 
 
-def _region(graph: nx.DiGraph, bucket: dict) -> str:
-    """The FSDP unit a parameter belongs to: its layer, the embedding, or the head."""
-    layer = bucket["members"][0]["layer"]
+def zero3_unit(layer: int | None, embedding: bool) -> str:
+    """The FSDP unit (ZeRO-3's gather-and-free unit, as torch's FSDP wraps a transformer
+    block) that a parameter or its consumer belongs to: its layer, the embedding, or the
+    head. A node name carries it without spaces (:func:`unit_tag`)."""
     if layer is not None:
         return f"layer {layer}"
-    name = bucket["members"][0]["param"]
-    return "embedding" if name.startswith(("embedding.", "position.")) else "head"
+    return "embedding" if embedding else "head"
+
+
+def unit_tag(unit: str) -> str:
+    """``layer 3`` -> ``L3``: a unit as node names write it."""
+    return "L" + unit.removeprefix("layer ") if unit.startswith("layer ") else unit
+
+
+def _region(graph: nx.DiGraph, bucket: dict) -> str:
+    """The unit of a bucket: its first member's."""
+    first = bucket["members"][0]
+    return zero3_unit(first["layer"], first["param"].startswith(("embedding.", "position.")))
 
 
 def _units(graph: nx.DiGraph, ids: list[str], ready: dict[str, int], cap: float,
@@ -181,7 +192,7 @@ def _merge(graph: nx.DiGraph, raw: list[str], bucket_id: str, bucket: dict,
             key = _role(data)
             if data["type"] == NodeType.TRANSFER and data["payload"] == Payload.PARAM and \
                     data["phase"] != Phase.OPTIMIZER:
-                key += tuple(sorted({_consumer_region(graph, s) for s in
+                key += tuple(sorted({unit_tag(_consumer_region(graph, s)) for s in
                                      graph.successors(node)}))
             groups[key].append(node)
     renamed: dict[str, str] = {}
@@ -219,7 +230,7 @@ def _merge(graph: nx.DiGraph, raw: list[str], bucket_id: str, bucket: dict,
                 attrs["elements"] = [0, bucket["tp_sum_numel"]]
             if payload == Payload.PARAM and phase != Phase.OPTIMIZER:
                 letter = "F" if phase == Phase.FORWARD else "B"
-                name = f"{letter}/{bucket_id}>{key[4].replace(' ', '')}:all_gather@dp_cp"
+                name = f"{letter}/{bucket_id}>{key[4]}:all_gather@dp_cp"
             else:
                 letter = "O" if phase == Phase.OPTIMIZER else "G"
                 name = f"{letter}/{bucket_id}:{kind}@{axis}"
@@ -227,10 +238,9 @@ def _merge(graph: nx.DiGraph, raw: list[str], bucket_id: str, bucket: dict,
 
 
 def _consumer_region(graph: nx.DiGraph, node: str) -> str:
+    """The unit of a compute step that reads a gathered parameter."""
     data = graph.nodes[node]
-    if data["layer"] is not None:
-        return f"L{data['layer']}"
-    return "embedding" if data["op"] in (Op.EMBEDDING, Op.POSITION) else "head"
+    return zero3_unit(data["layer"], data["op"] in (Op.EMBEDDING, Op.POSITION))
 
 
 def _replace(graph: nx.DiGraph, nodes: list[str], name: str, attrs: dict,
