@@ -220,6 +220,16 @@ class CostModel:
             return 2 * intra_phase + self.ring_seconds(kind, nbytes / local, across)
         return intra_phase + self.ring_seconds(kind, nbytes / local, across)
 
+    def route_time(self, route: str, kind: str, nbytes: float, placement: Placement
+                   ) -> float:
+        """Seconds of a collective on one group so placed, over ``route`` (which must
+        apply: :meth:`candidates` says where it does)."""
+        if route == Route.TREE:
+            return self.tree_seconds(nbytes, placement)
+        if route == Route.HIERARCHICAL:
+            return self.hierarchical_seconds(kind, nbytes, placement)
+        return self.ring_seconds(kind, nbytes, placement)
+
     def candidates(self, kind: str, nbytes: float, placement: Placement
                    ) -> list[Candidate]:
         """Every route for a collective of ``kind`` on a group so placed: predicted time,

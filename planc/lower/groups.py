@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Iterator
 
-from planc.cost import counts_of
+from planc.cost import Placement, counts_of
 from planc.graph.ir import Axis
 from planc.layout import Layout
 from planc.lower.program import integer_of
@@ -128,6 +128,36 @@ class GroupTable:
             members = tuple(base + offset for offset in offsets)
             out.setdefault(counts_of(members, per_node), members)
         return out
+
+    def placements(self, ref: str, stage: int) -> tuple[Placement, ...]:
+        """How the groups of ``ref`` with a member on ``stage`` sit on nodes, each distinct
+        placement once, fewest nodes first (a route must suit all of them)."""
+        distinct = {Placement.of(members, self.devices_per_node)
+                    for members in self.shapes(ref, stage).values()}
+        return tuple(sorted(distinct, key=lambda p: (p.nodes, p.size, p.most_per_node)))
+
+    def size(self, ref: str) -> int:
+        """How many ranks a group of ``ref`` has (a pipeline group: the two stages)."""
+        if ref == PIPELINE:
+            return 2
+        return len(self.members(self._member(ref), self.rule(ref)))
+
+    def crosses_nodes(self, ref: str) -> bool:
+        """Whether a group of ``ref`` spans nodes, rank 0's group (or, for a rule rank 0 is
+        not in, the first group's) standing for all, as the cost model's estimate of an
+        unrouted transfer does; a pipeline group stands for rank 0's whole pipeline."""
+        if ref == PIPELINE:
+            members = self.ranks.pipeline_column(0)
+        else:
+            members = self.members(self._member(ref), self.rule(ref))
+        return self.ranks.node(members[0]) != self.ranks.node(members[-1])
+
+    def _member(self, ref: str) -> int:
+        """The smallest rank in some group of ``ref``."""
+        rule = self.rule(ref)
+        if rule is None:
+            raise ValueError(f"the programs use group {ref!r}, which groups.json lacks")
+        return self.ranks.rank({axis: allowed[0] for axis, allowed in rule.coordinates.items()})
 
     def to_json(self) -> dict:
         return {"format": "planc-groups", "version": GROUPS_FORMAT_VERSION,
