@@ -87,7 +87,11 @@ class Placement:
 
     @staticmethod
     def of(members: Iterable[int], devices_per_node: int) -> "Placement":
-        counts = counts_of(members, devices_per_node)
+        return Placement.of_counts(counts_of(members, devices_per_node))
+
+    @staticmethod
+    def of_counts(counts: tuple[int, ...]) -> "Placement":
+        """The placement of a group with ``counts`` members on each node it spans."""
         values = set(counts)
         return Placement(sum(counts), len(counts),
                          next(iter(values)) if len(values) == 1 else None,

@@ -78,7 +78,7 @@ def test_two_stages_of_gpipe_by_hand():
                Instruction("send", "send_prev", "sd"))},
         (("F1", 0), ("F1", 1), ("B1", 0), ("B1", 1)), {}, (), 2)
     first_time, last_time = step({0: first, 1: last},
-                                 lambda instruction, stage: seconds[instruction.node])
+                                 lambda stage: lambda instruction: seconds[instruction.node])
     # Stage 0: F 0-1 (sent at 1.5), F 1-2 (2.5); stage 1: F 1.5-2.5, F 2.5-3.5, B 3.5-5.5
     # (sent back at 6), B 5.5-7.5 (sent at 8: stage 1's step ends there); stage 0: B 6-8,
     # B 8-10.

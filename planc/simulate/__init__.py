@@ -89,7 +89,7 @@ def simulate(build: Build, keep_timeline: bool = False) -> Simulation:
     plan = build.plan
     programs = {program.stage: program for name, program in build.programs.items()
                 if build.table.stages.get(name) == program.stage}
-    times = step(programs, InstructionCosts(plan, build.groups), keep_timeline)
+    times = step(programs, InstructionCosts(plan, build.groups).of_stage, keep_timeline)
     step_seconds = max(t.end for t in times)
     estimate = memory.estimate(plan)
     stages = tuple(StageResult(

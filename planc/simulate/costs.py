@@ -18,6 +18,8 @@ table alone (not graph.json): the one model the compiler optimises with (planc.c
 
 from __future__ import annotations
 
+from typing import Callable
+
 from planc.cost import CostModel, Placement
 from planc.graph.ir import Kind
 from planc.lower.groups import PIPELINE, GroupTable
@@ -59,15 +61,27 @@ class InstructionCosts:
         self.optimizer_traffic = OPTIMIZER_TRAFFIC.get(plan.train.optimizer.name,
                                                        OPTIMIZER_TRAFFIC["adamw"])
         self.groups = groups
-        self.seconds: dict[str, float] = {}
+        self.seconds: dict[str, float] = {}  # by node
+        self.transfers: dict[tuple, float] = {}  # by what a transfer's time depends on
         self.sizes: dict[str, int] = {}
         self.crossing: dict[str, bool] = {}
-        self.placements: dict[tuple[str, int], tuple[Placement, ...]] = {}
 
     def __call__(self, instruction: Instruction, stage: int) -> float:
         seconds = self.seconds.get(instruction.node)
         if seconds is None:
             seconds = self.seconds[instruction.node] = self._priced(instruction, stage)
+        return seconds
+
+    def of_stage(self, stage: int) -> Callable[[Instruction], float]:
+        """``self(instruction, stage)`` for the instructions of one stage's program, as
+        one call: the replay asks it for every instruction it runs."""
+        known, priced = self.seconds, self._priced
+
+        def seconds(instruction: Instruction) -> float:
+            value = known.get(instruction.node)
+            if value is None:
+                value = known[instruction.node] = priced(instruction, stage)
+            return value
         return seconds
 
     def _priced(self, instruction: Instruction, stage: int) -> float:
@@ -80,14 +94,22 @@ class InstructionCosts:
             return max(self.cost.compute_seconds(operands.flops),
                        traffic * operands.output_bytes / self.bandwidth)
         kind = Kind.RECV.value if instruction.op == RING_SHIFT else instruction.op
-        ref = group_of(operands)
-        if operands.route is not None:
-            placements = self._placements(ref, stage) or \
+        ref, route = operands.group or PIPELINE, operands.route  # group_of, inlined
+        # Transfers of one size on one group cost the same (every layer's, for one).
+        key = (kind, route, ref, stage if route is not None else None, operands.bytes)
+        seconds = self.transfers.get(key)
+        if seconds is not None:
+            return seconds
+        if route is not None:
+            placements = self.groups.placements(ref, stage) or \
                 (Placement.within_node(self._size(ref)),)
-            return max(self.cost.route_time(operands.route, kind, operands.bytes, placement)
-                       for placement in placements)
-        return self.cost.transfer_seconds(kind, operands.bytes, self._size(ref),
-                                          self._crosses(ref))
+            seconds = max(self.cost.route_time(route, kind, operands.bytes, placement)
+                          for placement in placements)
+        else:
+            seconds = self.cost.transfer_seconds(kind, operands.bytes, self._size(ref),
+                                                 self._crosses(ref))
+        self.transfers[key] = seconds
+        return seconds
 
     def _size(self, ref: str) -> int:
         if ref not in self.sizes:
@@ -98,8 +120,3 @@ class InstructionCosts:
         if ref not in self.crossing:
             self.crossing[ref] = self.groups.crosses_nodes(ref)
         return self.crossing[ref]
-
-    def _placements(self, ref: str, stage: int) -> tuple[Placement, ...]:
-        if (ref, stage) not in self.placements:
-            self.placements[(ref, stage)] = self.groups.placements(ref, stage)
-        return self.placements[(ref, stage)]

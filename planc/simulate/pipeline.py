@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from functools import partial
 
 from planc.lower.program import Instruction, Program, guard_microbatch
 from planc.names import Stream
@@ -51,10 +50,11 @@ def _key(program: Program, block: str, microbatch: int) -> tuple[str, bool, bool
     return block, microbatch == 0, microbatch == last
 
 
-def step(programs: dict[int, Program], duration, keep_spans: bool = False
+def step(programs: dict[int, Program], durations, keep_spans: bool = False
          ) -> list[StageTime]:
-    """Replay one step; ``programs`` by stage; ``duration(instruction, stage)``: seconds
-    of a compute or transfer instruction of that stage's program."""
+    """Replay one step; ``programs`` by stage; ``durations(stage)``: the function giving
+    the seconds of a compute or transfer instruction of that stage's program
+    (:meth:`planc.simulate.costs.InstructionCosts.of_stage`)."""
     replays: dict[tuple[int, tuple], BlockTime] = {}
     times = {s: StageTime(s) for s in programs}
     typed = {stage: {name: Block.parse(name) for name in p.blocks}
@@ -63,7 +63,7 @@ def step(programs: dict[int, Program], duration, keep_spans: bool = False
     chunk_stage = {block.chunk: stage for stage, blocks in typed.items()
                    for block in blocks.values()}
     last_chunk = max(chunk_stage)
-    timings = {stage: partial(duration, stage=stage) for stage in programs}
+    timings = {stage: durations(stage) for stage in programs}
 
     def timed(stage: int, block: str, microbatch: int) -> BlockTime:
         key = (stage, _key(programs[stage], block, microbatch))
