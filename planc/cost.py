@@ -87,7 +87,11 @@ class Placement:
 
     @staticmethod
     def of(members: Iterable[int], devices_per_node: int) -> "Placement":
-        counts = counts_of(members, devices_per_node)
+        return Placement.of_counts(counts_of(members, devices_per_node))
+
+    @staticmethod
+    def of_counts(counts: tuple[int, ...]) -> "Placement":
+        """The placement of a group with ``counts`` members on each node it spans."""
         values = set(counts)
         return Placement(sum(counts), len(counts),
                          next(iter(values)) if len(values) == 1 else None,
@@ -219,6 +223,16 @@ class CostModel:
         if kind == Kind.ALL_REDUCE:
             return 2 * intra_phase + self.ring_seconds(kind, nbytes / local, across)
         return intra_phase + self.ring_seconds(kind, nbytes / local, across)
+
+    def route_time(self, route: str, kind: str, nbytes: float, placement: Placement
+                   ) -> float:
+        """Seconds of a collective on one group so placed, over ``route`` (which must
+        apply: :meth:`candidates` says where it does)."""
+        if route == Route.TREE:
+            return self.tree_seconds(nbytes, placement)
+        if route == Route.HIERARCHICAL:
+            return self.hierarchical_seconds(kind, nbytes, placement)
+        return self.ring_seconds(kind, nbytes, placement)
 
     def candidates(self, kind: str, nbytes: float, placement: Placement
                    ) -> list[Candidate]:

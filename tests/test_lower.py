@@ -352,6 +352,11 @@ def _first_of(program: dict, node_part: str) -> dict:
      "are not those graph.json implies"),
     (lambda p: _first_of(p, ":all_reduce@tp")["operands"].update(group="dp_cp"),
      "are not those graph.json implies"),
+    # what the simulator and the Chakra export cost a compute step by
+    (lambda p: _first_of(p, "qkv")["operands"].update(flops=1.0),
+     "are not those graph.json implies"),
+    (lambda p: _first_of(p, "qkv")["operands"].update(flops="many"),
+     "expected a finite number, got 'many'"),
     (lambda p: p["received"].clear(), "its receives and the operands of its receives name "
      "different nodes"),
 ])

@@ -15,9 +15,11 @@ import pytest
 
 from planc.compile import compile_plan
 from planc.lang import load_file, load_text
+from planc.lower.operands import Operands
 from planc.lower.program import Instruction, Program
 from planc.simulate import model_flops, simulate
 from planc.simulate.blocks import replay
+from planc.simulate.costs import InstructionCosts
 from planc.simulate.pipeline import step
 from tests.conftest import PLANS
 
@@ -47,13 +49,14 @@ def test_a_block_replays_streams_events_and_waits():
     seconds = {"a": 1.0, "ar": 3.0, "b": 2.0, "c": 0.5}
     block = [_compute("compute", "a"), Instruction("record", "compute", event="done:a"),
              Instruction("wait", "comm", event="done:a"),
-             Instruction("all_reduce", "comm", "ar"),
+             Instruction("all_reduce", "comm", "ar",
+                         operands=Operands(payload="activation", group="tp")),
              Instruction("record", "comm", event="done:ar"),
              _compute("compute", "b"),
              Instruction("wait", "compute", event="done:ar"),
              _compute("compute", "c"),
              Instruction("wait", "compute", event="done:recv")]  # recorded elsewhere
-    timed = replay(block, seconds.__getitem__, lambda node: "tp" if node == "ar" else None)
+    timed = replay(block, lambda instruction: seconds[instruction.node])
     # a 0-1; ar 1-4 on comm; b 1-3; compute waits for ar until 4 (1 s exposed); c 4-4.5.
     assert timed.compute_end == 4.5 and timed.stream_ends == {"compute": 4.5, "comm": 4.0}
     assert timed.compute_busy == 3.5 and timed.exposed == {"tp": 1.0}
@@ -74,8 +77,8 @@ def test_two_stages_of_gpipe_by_hand():
                Instruction("wait", "send_prev", event="done:d"),
                Instruction("send", "send_prev", "sd"))},
         (("F1", 0), ("F1", 1), ("B1", 0), ("B1", 1)), {}, (), 2)
-    first_time, last_time = step({0: first, 1: last}, {0: 0, 1: 1}, seconds.__getitem__,
-                                 lambda node: None)
+    first_time, last_time = step({0: first, 1: last},
+                                 lambda stage: lambda instruction: seconds[instruction.node])
     # Stage 0: F 0-1 (sent at 1.5), F 1-2 (2.5); stage 1: F 1.5-2.5, F 2.5-3.5, B 3.5-5.5
     # (sent back at 6), B 5.5-7.5 (sent at 8: stage 1's step ends there); stage 0: B 6-8,
     # B 8-10.
@@ -270,3 +273,38 @@ def test_report_looks_right_in_a_browser(tmp_path, run_planc):
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(data) > 20_000  # a rendered page, not a blank one
+
+
+def test_the_simulator_and_the_chakra_export_replay_the_programs_alone(tmp_path):
+    """Costs, peers and representative ranks come from the instructions' operands, the
+    rank table and the group table: a build without its graph simulates, traces and
+    exports the same step (ring shifts, pipeline transfers and a tree route included)."""
+    from dataclasses import replace
+
+    from planc.export.chakra import export
+    from planc.simulate.trace import write
+
+    loaded = load_file(PLANS / "cp-ring-attention.plan",
+                       ("mesh.pp=2", "model.layers=4", "model.seq=4096"))
+    build = compile_plan(loaded.plan)
+    ops = {(i.op, i.operands.route) for p in build.programs.values()
+           for part in (p.prologue, *p.blocks.values(), p.epilogue) for i in part
+           if i.operands is not None}
+    assert {("sendrecv", None), ("send", None), ("all_reduce", "tree")} <= ops
+    # A routed collective costs what the route pass predicted for it.
+    costs = InstructionCosts(build.plan, build.groups)
+    routed = [(i, p.stage) for p in build.programs.values()
+              for part in (p.prologue, *p.blocks.values(), p.epilogue) for i in part
+              if i.operands is not None and i.operands.route is not None]
+    assert routed and all(costs(i, stage) == build.graph.nodes[i.node]["route_seconds"]
+                          for i, stage in routed)
+    without_graph = replace(build, graph=None, summary=None)
+    seen = simulate(build, keep_timeline=True)
+    blind = simulate(without_graph, keep_timeline=True)
+    assert blind.to_json() == seen.to_json()
+    write(tmp_path / "seen.json", build, seen)
+    write(tmp_path / "blind.json", without_graph, blind)
+    assert (tmp_path / "seen.json").read_bytes() == (tmp_path / "blind.json").read_bytes()
+    seen_files = export(build, tmp_path / "seen")
+    blind_files = export(without_graph, tmp_path / "blind")
+    assert [p.read_bytes() for p in seen_files] == [p.read_bytes() for p in blind_files]

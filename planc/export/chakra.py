@@ -8,8 +8,10 @@ and ``tensor_size``), collectives (``COMM_COLL_NODE``, with ``comm_type`` and
 ``comm_size``), pipeline and ring transfers (``COMM_SEND_NODE``/``COMM_RECV_NODE`` with
 ``comm_src``, ``comm_dst``, ``comm_size`` and ``comm_tag``). A node's control
 dependencies are the previous node on its stream and the node whose end an event marks
-for every wait before it, so the graph keeps the program's stream semantics; durations
-are the simulator's.
+for every wait before it, so the graph keeps the program's stream semantics. Everything
+is the programs': sizes and groups from each instruction's operands, peers from the rank
+table (a pipeline peer) and the group table's mesh (a ring shift's neighbours), durations
+the simulator's cost of the instruction (:mod:`planc.simulate.costs`).
 
 protobuf is written by hand (varints and length-delimited fields, proto3 encoding): the
 format is a few dozen lines, and planc does not depend on the protobuf package.
@@ -20,9 +22,10 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from planc.graph.ir import NodeType
-from planc.layout import Layout
-from planc.simulate import Durations
+from planc.cost import Route
+from planc.lower.operands import Operands
+from planc.mesh import RING_NEXT, RING_PREVIOUS
+from planc.simulate.costs import InstructionCosts
 
 CHAKRA_VERSION = "0.0.4"
 # et_def.proto's enums.
@@ -97,12 +100,17 @@ def _delimited(message: bytes) -> bytes:
     return _varint(len(message)) + message
 
 
-def _nodes(build, stage: int, rank: int, durations: Durations) -> list[bytes]:
-    plan, graph = build.plan, build.graph
-    layout = Layout.of(plan)
-    program = next(p for name, p in build.programs.items()
-                   if build.table.stages.get(name) == stage)
-    coords = layout.coords(rank)
+def _peer(build, rank: int, half: str, operands: Operands) -> int:
+    """Whom ``rank`` talks to in one half (send or recv) of a point-to-point transfer: a
+    pipeline transfer's peer stage's rank (the rank table's), or a ring shift's next
+    member (its send) and previous member (its receive) on the ring of its group."""
+    if operands.peer_stage is not None:
+        return build.table.peer(rank, operands.peer_stage)
+    mesh = build.groups.ranks
+    return mesh.ring_peer(rank, RING_NEXT if half == "send" else RING_PREVIOUS)
+
+
+def _nodes(build, program, rank: int, costs: InstructionCosts) -> list[bytes]:
     out: list[bytes] = []
     last_on_stream: dict[str, int] = {}
     pending_waits: dict[str, list[int]] = {}
@@ -121,39 +129,35 @@ def _nodes(build, stage: int, rank: int, durations: Durations) -> list[bytes]:
         if item.op == "sync":
             pending_waits.setdefault(item.stream, []).extend(last_on_stream.values())
             continue
-        data = graph.nodes[item.node]
-        seconds = durations(item.node)
+        instruction = item.source
+        operands = instruction.operands
+        seconds = costs(instruction, program.stage)
         deps = sorted(set(pending_waits.pop(item.stream, []))
                       | ({last_on_stream[item.stream]} if item.stream in last_on_stream
                          else set()))
         begin = max([ends[d] for d in deps], default=0.0)
         label = item.node + (f"#{item.microbatch}" if item.microbatch is not None else "")
         common: list[tuple[str, object]] = [("is_cpu_op", False)]
-        if data["type"] == NodeType.COMPUTE:
-            parts = [(COMP_NODE, label, [("num_ops", int(data["flops"])),
-                                         ("tensor_size", int(data["bytes"]))])]
+        if item.op == "compute":
+            parts = [(COMP_NODE, label, [("num_ops", int(operands.flops)),
+                                         ("tensor_size", operands.output_bytes)])]
         elif item.op in ("send", "recv", "sendrecv"):
             parts = []
             halves = {"send": ("send",), "recv": ("recv",),
                       "sendrecv": ("send", "recv")}[item.op]
             for half in halves:
-                if data["axis"] == "pp":
-                    peer = layout.rank({**coords, "pp": data["peer_stage"]})
-                else:  # a cp ring shift: to the next cp rank, from the previous
-                    shift = 1 if half == "send" else -1
-                    peer = layout.rank({**coords,
-                                        "cp": (coords["cp"] + shift) % plan.mesh.cp})
+                peer = _peer(build, rank, half, operands)
                 source, target = (rank, peer) if half == "send" else (peer, rank)
                 parts.append((COMM_SEND_NODE if half == "send" else COMM_RECV_NODE,
                               f"{label}:{half}" if len(halves) > 1 else label,
                               [("comm_src", source), ("comm_dst", target),
-                               ("comm_size", int(data["bytes"])),
+                               ("comm_size", operands.bytes),
                                ("comm_tag", item.microbatch or 0)]))
         else:
             parts = [(COMM_COLL_NODE, label,
-                      [("comm_type", COMM_TYPE.get(str(data["kind"]), 0)),
-                       ("comm_size", int(data["bytes"])), ("pg_name", str(data["axis"])),
-                       ("route", str(data.get("route", "ring")))])]
+                      [("comm_type", COMM_TYPE.get(item.op, 0)),
+                       ("comm_size", operands.bytes), ("pg_name", operands.group),
+                       ("route", operands.route or Route.RING.value)])]
         for kind, name, attributes in parts:
             out.append(node_message(next_id, name, kind, deps, int(begin * 1e6),
                                     max(int(round(seconds * 1e6)), 1),
@@ -165,22 +169,25 @@ def _nodes(build, stage: int, rank: int, durations: Durations) -> list[bytes]:
 
 
 def export(build, directory: str | Path, prefix: str = "planc") -> list[Path]:
-    """Write one ``.et`` file per representative rank; the paths written."""
+    """Write one ``.et`` file per representative rank (the first of each stage, from the
+    group table's mesh); the paths written."""
     from planc.files import write_atomically
 
     plan = build.plan
-    layout = Layout.of(plan)
-    durations = Durations(plan, build.graph)
+    mesh = build.groups.ranks
+    costs = InstructionCosts(plan, build.groups)
+    programs = {program.stage: program for name, program in build.programs.items()
+                if build.table.stages.get(name) == program.stage}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     for stage in range(plan.mesh.pp):
-        rank = layout.rank({"tp": 0, "cp": 0, "pp": stage, "dp": 0})
+        rank = mesh.first_rank_of_stage(stage)
         metadata = metadata_message([("schema", "planc"), ("plan", plan.name),
                                      ("rank", rank), ("stage", stage),
                                      ("world", plan.world)])
         body = _delimited(metadata) + b"".join(
-            _delimited(n) for n in _nodes(build, stage, rank, durations))
+            _delimited(n) for n in _nodes(build, programs[stage], rank, costs))
         path = directory / f"{prefix}.{rank}.et"
         write_atomically(path, body)
         written.append(path)

@@ -74,6 +74,7 @@ def _compute(graph: nx.DiGraph, node: str, data: dict, position: dict[str, int]
         saved_from=data.get("recompute_of") or data.get("forward_of"),
         keeps_graph=bool(data["recompute"] or not data.get("recomputed", False)),
         weight_step=data.get("weight_grad"), gathered=gathered,
+        flops=data["flops"], output_bytes=data["bytes"],
         bucket=data.get("bucket") if data["op"] == Op.OPTIMIZER else None,
         sharded=bool(data.get("sharded", False)) if data["op"] == Op.OPTIMIZER else False)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Iterator
 
-from planc.cost import counts_of
+from planc.cost import Placement, counts_of
 from planc.graph.ir import Axis
 from planc.layout import Layout
 from planc.lower.program import integer_of
@@ -98,15 +98,9 @@ class GroupTable:
         ``devices_per_node`` of them, never the world."""
         rule = self.rule(ref)
         layout, per_node = self.ranks, self.devices_per_node
-        start = {axis: 0 for axis in AXES}
-        for axis, allowed in rule.coordinates.items():
-            start[axis] = allowed[0]
-        if PIPELINE_AXIS not in rule.axes:
-            start[PIPELINE_AXIS] = stage
-        elif rule.coordinates.get(PIPELINE_AXIS) and \
-                stage not in rule.coordinates[PIPELINE_AXIS]:
+        first = self._first_on_stage(rule, stage)
+        if first is None:
             return {}
-        first = layout.rank(start)
         if self.mesh.world <= per_node:  # one node holds every group: one placement
             members = self.members(first, rule)
             return {counts_of(members, per_node): members}
@@ -128,6 +122,61 @@ class GroupTable:
             members = tuple(base + offset for offset in offsets)
             out.setdefault(counts_of(members, per_node), members)
         return out
+
+    def _first_on_stage(self, rule: GroupRule, stage: int) -> int | None:
+        """The first member of the first group of ``rule`` with a member on ``stage``;
+        None when no group has one (a middle stage has no tied group)."""
+        start = {axis: 0 for axis in AXES}
+        for axis, allowed in rule.coordinates.items():
+            start[axis] = allowed[0]
+        if PIPELINE_AXIS not in rule.axes:
+            start[PIPELINE_AXIS] = stage
+        elif rule.coordinates.get(PIPELINE_AXIS) and \
+                stage not in rule.coordinates[PIPELINE_AXIS]:
+            return None
+        return self.ranks.rank(start)
+
+    def placements(self, ref: str, stage: int) -> tuple[Placement, ...]:
+        """How the groups of ``ref`` with a member on ``stage`` sit on nodes, each distinct
+        placement once, fewest nodes first (a route must suit all of them). They depend
+        only on the first member's place on its node (see :meth:`shapes`), so stages whose
+        first members share it share one answer, found once."""
+        first = self._first_on_stage(self.rule(ref), stage)
+        if first is None:
+            return ()
+        key = (ref, first % self.devices_per_node)
+        if key not in self._placements:
+            distinct = {Placement.of_counts(counts) for counts in self.shapes(ref, stage)}
+            self._placements[key] = tuple(sorted(
+                distinct, key=lambda p: (p.nodes, p.size, p.most_per_node)))
+        return self._placements[key]
+
+    @cached_property
+    def _placements(self) -> dict[tuple[str, int], tuple[Placement, ...]]:
+        return {}
+
+    def size(self, ref: str) -> int:
+        """How many ranks a group of ``ref`` has (a pipeline group: the two stages)."""
+        if ref == PIPELINE:
+            return 2
+        return len(self.members(self._member(ref), self.rule(ref)))
+
+    def crosses_nodes(self, ref: str) -> bool:
+        """Whether a group of ``ref`` spans nodes, rank 0's group (or, for a rule rank 0 is
+        not in, the first group's) standing for all, as the cost model's estimate of an
+        unrouted transfer does; a pipeline group stands for rank 0's whole pipeline."""
+        if ref == PIPELINE:
+            members = self.ranks.pipeline_column(0)
+        else:
+            members = self.members(self._member(ref), self.rule(ref))
+        return self.ranks.node(members[0]) != self.ranks.node(members[-1])
+
+    def _member(self, ref: str) -> int:
+        """The smallest rank in some group of ``ref``."""
+        rule = self.rule(ref)
+        if rule is None:
+            raise ValueError(f"the programs use group {ref!r}, which groups.json lacks")
+        return self.ranks.rank({axis: allowed[0] for axis, allowed in rule.coordinates.items()})
 
     def to_json(self) -> dict:
         return {"format": "planc-groups", "version": GROUPS_FORMAT_VERSION,

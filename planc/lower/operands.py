@@ -11,6 +11,7 @@ runtime all import it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 # Ports of an input (planc.graph.ir.Port, as the kernels key their inputs).
@@ -32,6 +33,13 @@ def _string(value) -> str:
 def _integer(value) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _number(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {value!r}")
     return value
 
 
@@ -138,6 +146,8 @@ class Operands:
     keeps_graph: bool = True  # a forward keeps autograd's graph (not when recomputed)
     weight_step: str | None = None  # a split backward: its W step, which comes later
     gathered: tuple[tuple[str, str], ...] = ()  # bucket -> the ZeRO-3 gather's buffer
+    flops: float | None = None  # what it computes, for the cost model (simulator, Chakra)
+    output_bytes: int | None = None  # its output's size: the roofline's memory traffic
     # --- compute (optimizer) and transfers of gradients and parameters ---
     bucket: str | None = None
     sharded: bool = False  # the optimizer updates the rank's shard of the bucket
@@ -192,7 +202,8 @@ _READERS = {
     "vocab_parallel": _boolean, "seq_sharded": _boolean, "replicated": _boolean,
     "forward_of": _maybe(_string), "saved_from": _maybe(_string),
     "keeps_graph": _boolean, "weight_step": _maybe(_string),
-    "gathered": _pairs_of(_string), "bucket": _maybe(_string), "sharded": _boolean,
+    "gathered": _pairs_of(_string), "flops": _maybe(_number),
+    "output_bytes": _maybe(_integer), "bucket": _maybe(_string), "sharded": _boolean,
     "payload": _maybe(_one_of(PAYLOADS)), "group": _maybe(_string), "route": _maybe(_string),
     "reduce_op": _maybe(_one_of(REDUCE_OPS)), "source_dim": _maybe(_string),
     "target_dim": _maybe(_string), "ring_steps": _maybe(_integer),

@@ -31,19 +31,18 @@ ROUTED_KINDS = (Kind.ALL_REDUCE, Kind.ALL_GATHER, Kind.REDUCE_SCATTER)
 
 def group_placements(ctx: PassContext) -> dict[tuple[str, int], tuple[Placement, ...]]:
     """The distinct placements of the groups of each within-stage axis (and ``tied``),
-    by (axis, stage)."""
+    by (axis, stage): :meth:`planc.lower.groups.GroupTable.placements`, which the
+    simulator asks too, so that it times a route as this pass predicted it."""
     plan = ctx.plan
     table = group_table(plan.mesh, plan.topology.devices_per_node, plan.model.tie_embeddings)
-    dpn = plan.topology.devices_per_node
     found: dict[tuple[str, int], tuple[Placement, ...]] = {}
     for rule in table.rules:
         if rule.ref == PIPELINE:
             continue
         for stage in range(plan.mesh.pp):
-            distinct = {Placement.of(m, dpn) for m in table.shapes(rule.ref, stage).values()}
-            if distinct:
-                found[(rule.ref, stage)] = tuple(sorted(
-                    distinct, key=lambda p: (p.nodes, p.size, p.most_per_node)))
+            placements = table.placements(rule.ref, stage)
+            if placements:
+                found[(rule.ref, stage)] = placements
     return found
 
 

@@ -1,14 +1,12 @@
 """``planc simulate``: predict a training step of a build on its topology's cost model.
 
-The rank programs are replayed (:mod:`planc.simulate.pipeline`) with each instruction
-timed by one model, the one the compiler optimises with:
-
-- a compute node takes the longer of its FLOPs at the device's achievable rate
-  (``flops * efficiency``) and its memory traffic at the device's memory bandwidth (a
-  roofline: matrix multiplies are bound by the first, layer norms, activations and
-  residual adds by the second);
-- a transfer takes the time of the route the compiler chose (``route_seconds``), or the
-  ring time of planc.cost for point-to-point transfers.
+The rank programs are replayed (:mod:`planc.simulate.pipeline`): the instructions a rank
+runs, in the order it runs them, each timed from its operands by the model the compiler
+optimises with (:mod:`planc.simulate.costs`): a compute step by the roofline of its FLOPs
+and memory traffic, a transfer by the route the compiler chose for it, on its group as
+programs/groups.json places it. Besides the programs, their rank table and group table,
+the simulator reads only the plan: the topology the cost model prices, the model whose
+FLOPs make the MFU, and the memory estimate.
 
 The figures per step are those Megatron-LM reports: time, model TFLOP/s per GPU and MFU
 with the model FLOPs of Narayanan et al. (SC'21, eq. 3, with the MLP width as written):
@@ -22,24 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import networkx as nx
-
 from planc import memory
 from planc.build import Build
-from planc.cost import CostModel
-from planc.graph.ir import Axis, NodeType
-from planc.graph.summary import crosses_nodes
-from planc.layout import Layout
 from planc.models import family_of
 from planc.plan import Plan
+from planc.simulate.costs import InstructionCosts
 from planc.simulate.pipeline import StageTime, step
-
-# Bytes an operator moves per byte of its output: read the input and write the output;
-# a residual add reads two inputs; AdamW reads a parameter, its gradient and two moments
-# and writes three of them back (SGD with momentum: three reads, two writes).
-TRAFFIC = {"attn_residual": 3.0, "mlp_residual": 3.0}
-OPTIMIZER_TRAFFIC = {"adamw": 7.0, "sgd": 5.0}
-DEFAULT_TRAFFIC = 2.0
 
 
 def model_flops(plan: Plan) -> float:
@@ -48,49 +34,6 @@ def model_flops(plan: Plan) -> float:
     says what its forward costs per token."""
     m = plan.model
     return 3.0 * m.batch * m.seq * family_of(plan).model_flops_per_token(m)
-
-
-class Durations:
-    """Seconds of each node of the graph, by the cost model; cached."""
-
-    def __init__(self, plan: Plan, graph: nx.DiGraph):
-        self.plan, self.graph = plan, graph
-        self.cost = CostModel(plan.topology)
-        layout = Layout.of(plan)
-        self.crosses = {}
-        self.layout = layout
-        self.cache: dict[str, float] = {}
-
-    def _crosses(self, axis) -> bool:
-        if axis not in self.crosses:
-            self.crosses[axis] = crosses_nodes(self.layout, Axis(axis))
-        return self.crosses[axis]
-
-    def __call__(self, node: str) -> float:
-        if node in self.cache:
-            return self.cache[node]
-        data = self.graph.nodes[node]
-        device = self.plan.topology.device
-        if data["type"] == NodeType.COMPUTE:
-            op = str(data["op"])
-            traffic = OPTIMIZER_TRAFFIC.get(self.plan.train.optimizer.name, 7.0) \
-                if op == "optimizer" else TRAFFIC.get(op, DEFAULT_TRAFFIC)
-            seconds = max(self.cost.compute_seconds(data["flops"]),
-                          traffic * data["bytes"] / device.bandwidth)
-        elif data.get("route_seconds") is not None:
-            seconds = data["route_seconds"]
-        else:
-            seconds = self.cost.transfer_seconds(data["kind"], data["bytes"],
-                                                 data["group_size"],
-                                                 self._crosses(data["axis"]))
-        self.cache[node] = seconds
-        return seconds
-
-    def axis_of(self, node: str) -> str | None:
-        data = self.graph.nodes.get(node)
-        if data is None or data["type"] != NodeType.TRANSFER:
-            return None
-        return str(data["axis"])
 
 
 @dataclass(frozen=True)
@@ -143,12 +86,10 @@ class Simulation:
 
 def simulate(build: Build, keep_timeline: bool = False) -> Simulation:
     """One step of ``build`` (with its programs) on its plan's topology."""
-    plan, graph = build.plan, build.graph
+    plan = build.plan
     programs = {program.stage: program for name, program in build.programs.items()
                 if build.table.stages.get(name) == program.stage}
-    chunk_stage = {data["chunk"]: data["stage"] for _, data in graph.nodes(data=True)}
-    durations = Durations(plan, graph)
-    times = step(programs, chunk_stage, durations, durations.axis_of, keep_timeline)
+    times = step(programs, InstructionCosts(plan, build.groups).of_stage, keep_timeline)
     step_seconds = max(t.end for t in times)
     estimate = memory.estimate(plan)
     stages = tuple(StageResult(

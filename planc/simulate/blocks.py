@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from planc.lower.operands import Operands
 from planc.lower.program import Instruction
 from planc.names import Stream
+from planc.simulate.costs import axis_of
 
 COMPUTE = Stream.COMPUTE
 
@@ -28,6 +30,7 @@ class Span:
     op: str
     start: float
     end: float
+    operands: Operands | None = None  # what a trace needs to draw a transfer's flows
 
 
 @dataclass
@@ -47,28 +50,29 @@ class BlockTime:
         return max(self.stream_ends.values(), default=0.0)
 
 
-def replay(instructions: tuple[Instruction, ...] | list[Instruction], duration, axis_of,
+def replay(instructions: tuple[Instruction, ...] | list[Instruction], duration,
            keep_spans: bool = False) -> BlockTime:
-    """``duration(node)``: seconds of a compute or transfer node; ``axis_of(node)``: the
-    axis of a transfer node (None for compute), to which a compute stream's wait for it
-    is charged as exposed communication."""
+    """``duration(instruction)``: seconds of a compute or transfer instruction. A compute
+    stream's wait for a transfer is charged, as exposed communication, to the axis of the
+    transfer its event marks the end of (the stream's instruction before the record)."""
     clock: dict[str, float] = {}
-    events: dict[str, float] = {}
+    latest: dict[str, Instruction] = {}  # stream -> the last instruction it ran
+    events: dict[str, tuple[float, Instruction | None]] = {}  # -> (when, what it marks)
     out = BlockTime()
     external = []
     for item in instructions:
         stream = item.stream
         now = clock.get(stream, 0.0)
         if item.op == "record":
-            events[item.event] = now
+            events[item.event] = (now, latest.get(stream))
             continue
         if item.op == "wait":
             if item.event not in events:
                 external.append(item.event)
                 continue
-            ready = events[item.event]
-            if ready > now and stream == COMPUTE:
-                axis = axis_of(item.event.partition(":")[2])
+            ready, marked = events[item.event]
+            if ready > now and stream == COMPUTE and marked is not None:
+                axis = axis_of(marked.operands)
                 if axis:
                     out.exposed[axis] = out.exposed.get(axis, 0.0) + ready - now
             clock[stream] = max(now, ready)
@@ -76,15 +80,16 @@ def replay(instructions: tuple[Instruction, ...] | list[Instruction], duration, 
         if item.op == "sync":
             clock[stream] = max([now, *clock.values()])
             continue
-        seconds = duration(item.node)
+        seconds = duration(item)
         end = now + seconds
         clock[stream] = end
+        latest[stream] = item
         if stream == COMPUTE and item.op == "compute":
             out.compute_busy += seconds
         if item.op == "send":
             out.sends = max(out.sends or 0.0, end)
         if keep_spans:
-            out.spans.append(Span(stream, item.node, item.op, now, end))
+            out.spans.append(Span(stream, item.node, item.op, now, end, item.operands))
     out.compute_end = clock.get(COMPUTE, 0.0)
     out.stream_ends = clock
     out.external = tuple(external)

@@ -50,24 +50,32 @@ def _key(program: Program, block: str, microbatch: int) -> tuple[str, bool, bool
     return block, microbatch == 0, microbatch == last
 
 
-def step(programs: dict[int, Program], chunk_stage: dict[int, int], duration, axis_of,
-         keep_spans: bool = False) -> list[StageTime]:
-    """Replay one step; ``programs`` by stage."""
+def step(programs: dict[int, Program], durations, keep_spans: bool = False
+         ) -> list[StageTime]:
+    """Replay one step; ``programs`` by stage; ``durations(stage)``: the function giving
+    the seconds of a compute or transfer instruction of that stage's program
+    (:meth:`planc.simulate.costs.InstructionCosts.of_stage`)."""
     replays: dict[tuple[int, tuple], BlockTime] = {}
     times = {s: StageTime(s) for s in programs}
+    typed = {stage: {name: Block.parse(name) for name in p.blocks}
+             for stage, p in programs.items()}
+    # Which stage runs each model chunk: the one whose program has the chunk's blocks.
+    chunk_stage = {block.chunk: stage for stage, blocks in typed.items()
+                   for block in blocks.values()}
     last_chunk = max(chunk_stage)
+    timings = {stage: durations(stage) for stage in programs}
 
     def timed(stage: int, block: str, microbatch: int) -> BlockTime:
         key = (stage, _key(programs[stage], block, microbatch))
         if key not in replays:
-            replays[key] = replay(_variant(programs[stage], block, microbatch), duration,
-                                  axis_of, keep_spans)
+            replays[key] = replay(_variant(programs[stage], block, microbatch),
+                                  timings[stage], keep_spans)
         return replays[key]
 
     ready: dict[int, float] = {}
     tails: dict[int, dict[str, float]] = {}
     for stage, program in programs.items():
-        prologue = replay(program.prologue, duration, axis_of, keep_spans)
+        prologue = replay(program.prologue, timings[stage], keep_spans)
         times[stage].prologue = prologue
         ready[stage] = prologue.end
         tails[stage] = {}
@@ -77,8 +85,6 @@ def step(programs: dict[int, Program], chunk_stage: dict[int, int], duration, ax
     # A stage waits only for an arrival from a neighbouring chunk's stage: a work list
     # wakes it when one comes, so each block is visited once, not once per sweep.
     work, queued = deque(programs), set(programs)
-    typed = {stage: {name: Block.parse(name) for name in {b for b, _ in p.schedule}}
-             for stage, p in programs.items()}
     while work:
         stage = work.popleft()
         queued.discard(stage)
@@ -119,7 +125,7 @@ def step(programs: dict[int, Program], chunk_stage: dict[int, int], duration, ax
                            "have caught this)")
     for stage, program in programs.items():
         time = times[stage]
-        epilogue = replay(program.epilogue, duration, axis_of, keep_spans)
+        epilogue = replay(program.epilogue, timings[stage], keep_spans)
         # Work left on a communication stream after the last block (a bucket's
         # reduction, the last pipeline send) holds the epilogue back: exposed.
         stream, tail = max(tails[stage].items(), key=lambda item: item[1],

@@ -1,41 +1,60 @@
 """A simulated step as a Chrome trace (Perfetto), with the tracks of ``planc run --trace``:
 a process per representative rank (the first rank of each stage), a thread per stream,
 and send-to-receive flow arrows, so that a measured and a simulated run of one build open
-side by side."""
+side by side. Peers come from the instructions' operands, the rank table (a pipeline
+peer) and the group table (a ring shift's group), as the runtime finds them."""
 
 from __future__ import annotations
 
-from planc.layout import Layout
+from planc.lower.operands import Operands
+from planc.mesh import RankMesh
 from planc.runtime.trace import flows_of
 from planc.runtime.trace import write as write_events
 
 
-def rank_label(layout: Layout, rank: int) -> str:
-    coords = layout.coords(rank)
+def rank_label(mesh: RankMesh, rank: int) -> str:
+    coords = mesh.coords(rank)
     return (f"rank {rank} (stage {coords['pp']}, tp {coords['tp']}, cp {coords['cp']}, "
             f"dp {coords['dp']})")
 
 
-def _flows(graph, layout: Layout, rank: int, node: str, op: str) -> tuple:
-    """The flow ends of a simulated transfer, found from the graph and the mesh."""
-    data = graph.nodes[node] if node in graph else {}
-    if op in ("send", "recv") and data.get("axis") == "pp":
-        peer = layout.rank({**layout.coords(rank), "pp": data["peer_stage"]})
-        partner = next(iter(graph.successors(node)), None) if op == "send" else None
-        return flows_of(op, node, rank, peer, partner)
+def _flows(build, rank: int, node: str, op: str, operands: Operands | None) -> tuple:
+    """The flow ends of a simulated transfer on ``rank``."""
+    if operands is None:
+        return ()
+    if op in ("send", "recv") and operands.peer_stage is not None:
+        peer = build.table.peer(rank, operands.peer_stage)
+        return flows_of(op, node, rank, peer, operands.partner if op == "send" else None)
     if op == "sendrecv":
-        members = layout.group(rank, "cp")
+        members = build.groups.members(rank, build.groups.rule(operands.group))
         return flows_of(op, node, rank, None, None, members, members.index(rank))
     return ()
 
 
+def _senders(programs) -> dict[str, str]:
+    """Each pipeline receive's send, from the sends' operands (their ``partner``)."""
+    out = {}
+    for program in programs:
+        for part in (program.prologue, *program.blocks.values(), program.epilogue):
+            for item in part:
+                if item.op == "send" and item.operands is not None and \
+                        item.operands.partner is not None:
+                    out[item.operands.partner] = item.node
+    return out
+
+
 def write(path: str, build, result) -> None:
-    layout = Layout.of(build.plan)
-    graph = build.graph
+    mesh = build.groups.ranks
+    programs = {program.stage: program for name, program in build.programs.items()
+                if build.table.stages.get(name) == program.stage}
+    sender_of = _senders(programs.values())
     events: dict[int, list[tuple]] = {}
     sends: dict[tuple[str, int], float] = {}
     for time in result.timeline:
-        rank = layout.rank({"tp": 0, "cp": 0, "pp": time.stage, "dp": 0})
+        rank = mesh.first_rank_of_stage(time.stage)
+        program = programs[time.stage]
+        stream_of = {node: stream for stream, items in program.receives.items()
+                     for node, _ in items}
         out = events.setdefault(rank, [])
         parts = [("prologue", None, 0.0, time.prologue)]
         parts += [(block, mb, start, replayed) for block, mb, start, replayed in time.blocks]
@@ -46,17 +65,15 @@ def write(path: str, build, result) -> None:
                 continue
             for span in replayed.spans:
                 out.append((0, span.stream, span.node, start + span.start, start + span.end,
-                            microbatch, span.op, _flows(graph, layout, rank, span.node,
-                                                        span.op)))
+                            microbatch, span.op,
+                            _flows(build, rank, span.node, span.op, span.operands)))
                 if span.op == "send":
                     sends[(span.node, microbatch)] = start + span.start
             for event in replayed.external:  # a pipeline receive, drawn until it is used
                 node = event.partition(":")[2]
-                if node in graph and graph.nodes[node].get("kind") == "recv":
-                    sender = next(iter(graph.predecessors(node)), None)
-                    begin = sends.get((sender, microbatch), start)
-                    stream = "recv_prev" if graph.nodes[node]["phase"] == "forward" \
-                        else "recv_next"
-                    out.append((0, stream, node, min(begin, start), start, microbatch,
-                                "recv", _flows(graph, layout, rank, node, "recv")))
-    write_events(path, {rank: rank_label(layout, rank) for rank in events}, events)
+                if node in stream_of:
+                    begin = sends.get((sender_of.get(node), microbatch), start)
+                    out.append((0, stream_of[node], node, min(begin, start), start,
+                                microbatch, "recv",
+                                _flows(build, rank, node, "recv", program.received[node])))
+    write_events(path, {rank: rank_label(mesh, rank) for rank in events}, events)

@@ -15,6 +15,10 @@ from planc.layout import Layout
 from planc.mesh import GROUPS
 from planc.words import counted
 
+DATA_AXES = GROUPS["dp"].axes
+# The ranks of one stage of one data-parallel replica differ along the stage's other axes.
+REPLICA_STAGE_AXES = tuple(a for a in GROUPS["stage"].axes if a not in DATA_AXES)
+
 # Tableau 10, in order: the first ten stages; beyond ten, hues spread evenly.
 TABLEAU_10 = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948",
               "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac")
@@ -132,8 +136,9 @@ def _rank_cells(plan, layout: Layout) -> str:
 
 def _block(plan, layout: Layout, stage: int, replica: int) -> tuple[str, str, str]:
     """The ranks of one stage of one replica: (first line, second line, tooltip)."""
-    ranks = [layout.rank({"tp": t, "cp": c, "pp": stage, "dp": replica})
-             for t in range(plan.mesh.tp) for c in range(plan.mesh.cp)]
+    mesh = layout.ranks
+    first = mesh.members(mesh.first_rank_of_stage(stage), DATA_AXES)[replica]
+    ranks = mesh.members(first, REPLICA_STAGE_AXES)
     ranks_text = _span(ranks, "rank")
     nodes_text = _span([layout.node(r) for r in ranks], "node")
     tip = (f"stage {stage} of data-parallel replica {replica}: "

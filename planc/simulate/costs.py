@@ -1,0 +1,122 @@
+"""What one instruction of a rank program costs, from its operands and the build's group
+table alone (not graph.json): the one model the compiler optimises with (planc.cost).
+
+- A compute instruction takes the longer of its ``flops`` at the device's achievable
+  rate and its memory traffic at the device's memory bandwidth (a roofline: matrix
+  multiplies are bound by the first, layer norms, activations and residual adds by the
+  second); the traffic is ``output_bytes`` times what the kernel moves per byte of its
+  output.
+- A collective with a ``route`` takes that route's time on its group (ring, tree or
+  hierarchical, as NCCL's tuning model prices its algorithms, ``src/graph/tuning.cc``):
+  on each placement on nodes that the groups of its reference have on its stage
+  (programs/groups.json), the slowest, which is the time the route pass predicted.
+- Any other transfer (pipeline sends and receives, ring shifts, all_to_all) takes the
+  ring time of planc.cost on a group of its reference's size, inside or across nodes
+  as rank 0's group of that reference lies. A ring shift costs one hop: its send and its
+  receive run together.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from planc.cost import CostModel, Placement
+from planc.graph.ir import Kind
+from planc.lower.groups import PIPELINE, GroupTable
+from planc.lower.operands import Operands
+from planc.lower.program import Instruction
+from planc.plan import Plan
+
+# Bytes an operator moves per byte of its output: read the input and write the output;
+# a residual add reads two inputs; AdamW reads a parameter, its gradient and two moments
+# and writes three of them back (SGD with momentum: three reads, two writes).
+TRAFFIC = {"attn_residual": 3.0, "mlp_residual": 3.0}
+OPTIMIZER_TRAFFIC = {"adamw": 7.0, "sgd": 5.0}
+DEFAULT_TRAFFIC = 2.0
+OPTIMIZER_KERNEL = "optimizer"
+RING_SHIFT = "sendrecv"
+
+
+def group_of(operands: Operands) -> str:
+    """The group reference of groups.json a transfer runs on (pipeline transfers name
+    their peer stage instead: theirs is the pipeline's)."""
+    return operands.group or PIPELINE
+
+
+def axis_of(operands: Operands | None) -> str | None:
+    """The mesh axis whose communication a transfer is (a sub-group's is its whole
+    group's), to which waiting for it is charged; None for compute."""
+    if operands is None or operands.payload is None:
+        return None
+    return group_of(operands).partition("/")[0]
+
+
+class InstructionCosts:
+    """Seconds of each compute and transfer instruction of one build, found once per
+    node: ``costs(instruction, stage)``."""
+
+    def __init__(self, plan: Plan, groups: GroupTable):
+        self.cost = CostModel(plan.topology)
+        self.bandwidth = plan.topology.device.bandwidth
+        self.optimizer_traffic = OPTIMIZER_TRAFFIC.get(plan.train.optimizer.name,
+                                                       OPTIMIZER_TRAFFIC["adamw"])
+        self.groups = groups
+        self.seconds: dict[str, float] = {}  # by node
+        self.transfers: dict[tuple, float] = {}  # by what a transfer's time depends on
+        self.sizes: dict[str, int] = {}
+        self.crossing: dict[str, bool] = {}
+
+    def __call__(self, instruction: Instruction, stage: int) -> float:
+        seconds = self.seconds.get(instruction.node)
+        if seconds is None:
+            seconds = self.seconds[instruction.node] = self._priced(instruction, stage)
+        return seconds
+
+    def of_stage(self, stage: int) -> Callable[[Instruction], float]:
+        """``self(instruction, stage)`` for the instructions of one stage's program, as
+        one call: the replay asks it for every instruction it runs."""
+        known, priced = self.seconds, self._priced
+
+        def seconds(instruction: Instruction) -> float:
+            value = known.get(instruction.node)
+            if value is None:
+                value = known[instruction.node] = priced(instruction, stage)
+            return value
+        return seconds
+
+    def _priced(self, instruction: Instruction, stage: int) -> float:
+        operands = instruction.operands
+        if operands is None:
+            raise ValueError(f"{instruction.op} {instruction.node} has no operands to cost")
+        if operands.kernel is not None:
+            traffic = self.optimizer_traffic if operands.kernel == OPTIMIZER_KERNEL else \
+                TRAFFIC.get(operands.kernel, DEFAULT_TRAFFIC)
+            return max(self.cost.compute_seconds(operands.flops),
+                       traffic * operands.output_bytes / self.bandwidth)
+        kind = Kind.RECV.value if instruction.op == RING_SHIFT else instruction.op
+        ref, route = operands.group or PIPELINE, operands.route  # group_of, inlined
+        # Transfers of one size on one group cost the same (every layer's, for one).
+        key = (kind, route, ref, stage if route is not None else None, operands.bytes)
+        seconds = self.transfers.get(key)
+        if seconds is not None:
+            return seconds
+        if route is not None:
+            placements = self.groups.placements(ref, stage) or \
+                (Placement.within_node(self._size(ref)),)
+            seconds = max(self.cost.route_time(route, kind, operands.bytes, placement)
+                          for placement in placements)
+        else:
+            seconds = self.cost.transfer_seconds(kind, operands.bytes, self._size(ref),
+                                                 self._crosses(ref))
+        self.transfers[key] = seconds
+        return seconds
+
+    def _size(self, ref: str) -> int:
+        if ref not in self.sizes:
+            self.sizes[ref] = self.groups.size(ref)
+        return self.sizes[ref]
+
+    def _crosses(self, ref: str) -> bool:
+        if ref not in self.crossing:
+            self.crossing[ref] = self.groups.crosses_nodes(ref)
+        return self.crossing[ref]
