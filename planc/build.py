@@ -1,6 +1,6 @@
 """The build directory: what ``planc compile`` writes and later commands read.
 
-Layout (format version 2, documented in docs/build.md):
+Layout (format version 3, documented in docs/build.md):
 
     build.json     manifest: format, version, planc version, source file and its sha256
     plan.json      the validated plan (Plan.to_dict)
@@ -8,7 +8,8 @@ Layout (format version 2, documented in docs/build.md):
     summary.json   per stage and step: transfers by axis, kind and phase; FLOPs; memory
     programs/      one rank program per pipeline stage, ranks.json (the rank table),
                    groups.json (the process groups the programs use) and routes.json
-                   (the recipes of tree and hierarchical routes)
+                   (the recipes of tree and hierarchical routes) and model.json (the
+                   model table: what the runtime needs of the model, as data)
     logs/          written by planc run; carried into the new build when one is replaced
 
 A build is written into a temporary sibling directory and renamed into place, so a
@@ -35,17 +36,20 @@ from planc.collector import without_collector
 from planc.files import read_regular_file, umask
 from planc.graph import ir
 from planc.lower.groups import GroupTable, group_table
+from planc.lower.model_table import ModelTable
 from planc.lower.routes import RouteTable, split_refs
 from planc.lower.program import Program, RankTable, dumps
+from planc.lower.tabulate_model import model_table
 from planc.plan import Plan
 
-BUILD_FORMAT_VERSION = 2
+BUILD_FORMAT_VERSION = 3  # 3: programs/model.json, the model table
 MANIFEST = "build.json"
 FILES = ("plan.json", "graph.json", "summary.json")
 PROGRAMS = "programs"
 RANK_TABLE = "ranks.json"
 GROUPS = "groups.json"
 ROUTES = "routes.json"
+MODEL_TABLE = "model.json"
 LOGS = "logs"
 
 
@@ -63,6 +67,7 @@ class Build:
     table: RankTable | None = None
     groups: GroupTable | None = None
     routes: RouteTable | None = None
+    model: ModelTable | None = None
 
 
 def graph_to_json(graph: nx.DiGraph) -> dict:
@@ -120,6 +125,8 @@ def write(build: Build, directory: str | Path, source_path: str, source_text: st
         programs[GROUPS] = build.groups.to_json()
     if build.routes is not None:
         programs[ROUTES] = build.routes.to_json()
+    if build.model is not None:
+        programs[MODEL_TABLE] = build.model.to_json()
     try:
         parent = target.resolve().parent
         parent.mkdir(parents=True, exist_ok=True)
@@ -379,9 +386,17 @@ def read_programs(build: Build) -> Build:
     except MALFORMED as exc:
         raise BuildError(f"{directory / ROUTES} is not a valid route table ({exc}); run "
                          f"planc compile again") from None
+    try:
+        model = ModelTable.from_json(_read_json(directory, MODEL_TABLE))
+    except MALFORMED as exc:
+        raise BuildError(f"{directory / MODEL_TABLE} is not a valid model table ({exc}); "
+                         f"run planc compile again") from None
+    if model != model_table(plan):
+        raise BuildError(f"{directory / MODEL_TABLE} is not the model table of plan.json; "
+                         f"run planc compile again")
     programs = {}
     for name in table.names:
-        if "/" in name or name.startswith("."):
+        if "/" in name or name.startswith(".") or name == MODEL_TABLE:
             raise BuildError(f"{directory / RANK_TABLE} names {name!r}, not a program file")
         try:
             programs[name] = Program.from_json(_read_json(directory, name))
@@ -416,4 +431,4 @@ def read_programs(build: Build) -> Build:
         raise BuildError(f"{directory} names node {unknown[0]!r}, which graph.json does not "
                          f"have; run planc compile again")
     return Build(build.plan, build.graph, build.summary, build.path, programs, table, groups,
-                 routes)
+                 routes, model)

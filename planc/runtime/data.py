@@ -397,7 +397,29 @@ def _unchanged(path: str, identity: Identity | None, step: int, info=None) -> No
 # --- one step's batch --------------------------------------------------------------
 
 
-def batch_tokens(plan: Plan, step: int, identity: Identity | None = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class DataSource:
+    """What the batches are drawn from: ``path`` ("synthetic" or a token file), the run's
+    seed and the batch's sizes (the build's model table, or a plan's)."""
+
+    path: str
+    seed: int
+    batch: int
+    seq: int
+    vocab: int
+
+    @staticmethod
+    def of(plan_or_table) -> "DataSource":
+        """The source of a plan (its model and train blocks) or of a model table
+        (planc.lower.model_table: its data, seed and sizes)."""
+        if hasattr(plan_or_table, "train"):
+            m, train = plan_or_table.model, plan_or_table.train
+            return DataSource(train.data, train.seed, m.batch, m.seq, m.vocab)
+        t = plan_or_table
+        return DataSource(t.data, t.seed, t.batch, t.seq, t.vocab)
+
+
+def batch_tokens(source, step: int, identity: Identity | None = None) -> torch.Tensor:
     """The global batch of ``step``: (batch, seq + 1) token ids, int64.
 
     From a file, sample j of the run starts at token ``j * (seq + 1)`` modulo the number
@@ -405,15 +427,16 @@ def batch_tokens(plan: Plan, step: int, identity: Identity | None = None) -> tor
     step's samples are read. Their ids are checked against vocab again, since the file
     may have changed since the run began. With ``identity`` (the file when the run
     began), a file that is not that one any more, before or after the reads, or a read
-    that comes back short, raises DataChanged."""
+    that comes back short, raises DataChanged. ``source``: a :class:`DataSource`, or a
+    plan or model table to take one from."""
     import torch
 
-    m = plan.model
+    m = source if isinstance(source, DataSource) else DataSource.of(source)
     shape = (m.batch, m.seq + 1)
-    if plan.train.data == "synthetic":
-        generator = torch.Generator().manual_seed(seed_of(plan.train.seed, "data", step))
+    if m.path == "synthetic":
+        generator = torch.Generator().manual_seed(seed_of(m.seed, "data", step))
         return torch.randint(0, m.vocab, shape, generator=generator)
-    path, sample = plan.train.data, m.seq + 1
+    path, sample = m.path, m.seq + 1
     try:
         fd, tokens = open_tokens(path)
     except DataError as exc:

@@ -153,9 +153,8 @@ class _Metrics:
         slowest = int(table[:, 0].argmax())
         values = dict(zip(self.FIELDS, (float(v) for v in table[slowest])))
         values["max_rss_mb"] = round(float(table[:, -1].max()), 1)
-        plan = self.ctx.plan
         record = {"step": step, "loss": loss, **values,
-                  "tokens_per_s": plan.model.batch * plan.model.seq / values["time_s"],
+                  "tokens_per_s": self.ctx.tokens_per_step / values["time_s"],
                   "slowest_rank": slowest}
         self.records.append(record)
         _progress(step, self.steps, record)
@@ -222,8 +221,9 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
     torch.manual_seed(0)
     with watch.waiting("creating the process groups of the plan (new_group)"):
         groups = make_groups(built.groups, rank, args.timeout + 60)
-    ctx = RankContext(plan, built.table, rank, groups, device, built.routes,
-                      args.data_identity or identity_now(plan), built.groups.devices_per_node)
+    ctx = RankContext(built.model, built.table, rank, groups, device, built.routes,
+                      args.data_identity or identity_now(built.model.data),
+                      built.groups.devices_per_node, plan=plan)
     program = built.programs[built.table.program_of(rank)]
     shard_index = groups.index("dp_cp", rank)
     store = ParamStore(ctx, program.buckets, shard_index)
