@@ -21,7 +21,7 @@ from planc.lower.model_table import ModelTable
 from planc.lower.ranks import RankTable
 from planc.lower.routes import RouteTable
 from planc.runtime.data import DataSource, batch_tokens
-from planc.runtime.data_identity import Identity
+from planc.data_identity import Identity
 from planc.runtime.model import microbatch_rows, seq_split, token_positions
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -76,7 +76,7 @@ class RankContext:
                  data_identity: Identity | None = None, devices_per_node: int = 1,
                  plan=None):
         self.plan, self.rank, self.groups, self.device = plan, rank, groups, device
-        # the data file as the run began (planc.runtime.data_identity); None: not pinned
+        # the data file as the run began (planc.data_identity); None: not pinned
         self.data_identity = data_identity
         self.routes = routes or RouteTable({})
         self.ranks = ranks

@@ -45,7 +45,7 @@ def initial(plan: Plan, name: str, shape: tuple[int, ...]) -> torch.Tensor:
 def train(plan: Plan, steps: int, identity=None
           ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses of every step and the final parameters; ``identity``: the data file as the
-    run began (planc.runtime.data_identity), which every batch must still be read from."""
+    run began (planc.data_identity), which every batch must still be read from."""
     params = {name: initial(plan, name, p.shape).requires_grad_()
               for name, p in parameters(plan).items()}
     optimizer = make_optimizer(plan, list(params.values()))

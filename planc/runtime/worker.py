@@ -36,7 +36,7 @@ from planc import checkpoint as checkpoint_format
 from planc.runtime.check import compare
 from planc.runtime.checkpoint import Checkpoints
 from planc.runtime.context import RankContext, make_groups
-from planc.runtime.data_identity import Identity, identity_now
+from planc.data_identity import Identity, identity_now
 from planc.runtime.exchange import (all_gather_json, boolean, broadcast_json, either,
                                     gather_json, integer, list_of, nothing, number, row, text)
 from planc.runtime.executor import CpuExecutor, CudaExecutor, Hang, PeerLost
@@ -80,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="continue from the newest complete checkpoint in D, or from the "
                         "step directory D; --steps counts from the start of training")
     parser.add_argument("--resume-verified", action="store_true", help=argparse.SUPPRESS)
-    # The data file as planc run checked it (planc.runtime.data_identity): every batch is
+    # The data file as planc run checked it (planc.data_identity): every batch is
     # read from that file, unchanged, or the run stops.
     parser.add_argument("--data-identity", type=Identity.parse, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -4,7 +4,8 @@ A token file changed under a running job (truncated, rewritten, replaced by a re
 would feed the following steps other data than the run was checked for, or wrap around
 a shorter file without a word. So ``planc run`` records the file's identity when it
 checks it (device, inode, size, modification time), hands it to every rank, and each
-batch read compares the file with it (planc.runtime.data.batch_tokens). No torch here.
+batch read compares the file with it (planc.runtime.data.batch_tokens). No torch here:
+the token file's reader (planc.tokens) and the ranks share it.
 """
 
 from __future__ import annotations
