@@ -31,7 +31,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from planc import build as build_module
+from planc.build_files import BuildError, read_for_run
 from planc import checkpoint as checkpoint_format
 from planc.runtime.check import compare
 from planc.runtime.checkpoint import Checkpoints
@@ -117,14 +117,14 @@ class _Metrics:
 
     FIELDS = ("time_s", "compute_s", "comm_s", "exposed_comm_s", "pipeline_wait_s")
 
-    def __init__(self, ctx: RankContext, steps: int, path: str | None):
+    def __init__(self, ctx: RankContext, steps: int, path: str | None, fingerprint: str):
         self.ctx, self.steps = ctx, steps
         self.leader = ctx.leader
         self.world = dist.get_world_size()
         self.group = dist.new_group(list(range(self.world)), backend="gloo") \
             if self.world > 1 else None
         self.file = open(path, "w") if path and ctx.rank == self.leader else None
-        self.build = build_module.plan_fingerprint(ctx.plan) if self.file else None
+        self.build = fingerprint if self.file else None
         self.pending = None
         self.records: list[dict] = []
 
@@ -202,11 +202,11 @@ class StartupWatch:
 
 def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    built = build_module.read_programs(build_module.read(args.build))
+    built = read_for_run(args.build)  # programs/ and plan.json: no graph, nothing derived
     plan = built.plan
-    if world != plan.world:
-        raise SystemExit(f"planc: error: the plan needs {plan.world} ranks, the launch has "
-                         f"{world}")
+    if world != built.table.world:
+        raise SystemExit(f"planc: error: the plan needs {built.table.world} ranks, the "
+                         f"launch has {world}")
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device("cpu")
     if backend == "nccl":
@@ -244,7 +244,7 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
     executor = (CudaExecutor if backend == "nccl" else CpuExecutor)(
         interpreter, args.timeout, trace=bool(args.trace))
     with watch.waiting("creating the group that gathers the metrics (new_group)"):
-        metrics = _Metrics(ctx, steps, args.metrics)
+        metrics = _Metrics(ctx, steps, args.metrics, built.plan_sha256)
     losses, trace = [], []
     try:
         if log_dir is not None:  # the launcher's reports tell starting from training
@@ -341,7 +341,7 @@ def main(argv=None, log_dir: str | None = None) -> int:
     args = parse_args(argv)
     try:
         return train(args, log_dir)
-    except build_module.BuildError as exc:
+    except BuildError as exc:
         print(f"planc: error: {exc}", file=sys.stderr)
         return 1
     except Stuck as stuck:
