@@ -214,5 +214,18 @@ def read_for_run(directory: str | Path) -> RunBuild:
         raise BuildError(f"{path / PROGRAMS / MODEL_TABLE} is for cp = {model.cp}, "
                          f"{path / PROGRAMS / RANK_TABLE} for {table.axes['cp'][0]}; run "
                          f"planc compile again")
+    for name, program in programs.items():  # every parameter a rank holds has a rule
+        try:
+            member = next((m["param"] for bucket in program.buckets.values()
+                           for m in bucket["members"]
+                           if m["param"] not in model.parameters or
+                           list(model.parameters[m["param"]].shape) != m["full_shape"]), None)
+        except MALFORMED as exc:
+            raise BuildError(f"{path / PROGRAMS / name} has malformed buckets ({exc}); run "
+                             f"planc compile again") from None
+        if member is not None:
+            raise BuildError(f"{path / PROGRAMS / name} holds parameter {member!r}, which "
+                             f"{MODEL_TABLE} does not list with that shape; run planc "
+                             f"compile again")
     return RunBuild(str(path), plan, manifest["plan_sha256"], programs, table, groups,
                     routes, model)

@@ -50,6 +50,18 @@ def _positive(value, what: str) -> int:
     return value
 
 
+def _tiles(positions, seq: int) -> bool:
+    """Whether the ranges cover 0..seq - 1 once each (checked on the ranges, never on every
+    position: a damaged table may claim any sequence length)."""
+    ranges = sorted(r for ranges in positions for r in ranges)
+    end = 0
+    for start, stop in ranges:
+        if start != end or stop <= start:
+            return False
+        end = stop
+    return end == seq
+
+
 @dataclass(frozen=True)
 class OptimizerSettings:
     """torch.optim.SGD or AdamW hyper-parameters (planc.runtime.optim reads these names)."""
@@ -159,10 +171,7 @@ class ModelTable:
                   for k, v in data["feature_groups"].items()}
         positions = tuple(tuple((integer_of(r[0], "a position"), integer_of(r[1], "a position"))
                                 for r in ranges) for ranges in tokens["positions"])
-        seq = sizes["seq"]
-        if not positions or any(not 0 <= a < b <= seq for ranges in positions for a, b in ranges) \
-                or sorted(i for ranges in positions for a, b in ranges
-                          for i in range(a, b)) != list(range(seq)):
+        if not positions or not _tiles(positions, sizes["seq"]):
             raise ValueError("its token positions do not cut the sequence among the cp ranks")
         parameters = {}
         for name, p in data["parameters"].items():
