@@ -1,6 +1,6 @@
 """The build directory: what ``planc compile`` writes and later commands read.
 
-Layout (format version 2, documented in docs/build.md):
+Layout (format version 3, documented in docs/build.md):
 
     build.json     manifest: format, version, planc version, source file and its sha256
     plan.json      the validated plan (Plan.to_dict)
@@ -8,7 +8,8 @@ Layout (format version 2, documented in docs/build.md):
     summary.json   per stage and step: transfers by axis, kind and phase; FLOPs; memory
     programs/      one rank program per pipeline stage, ranks.json (the rank table),
                    groups.json (the process groups the programs use) and routes.json
-                   (the recipes of tree and hierarchical routes)
+                   (the recipes of tree and hierarchical routes) and model.json (the
+                   model table: what the runtime needs of the model, as data)
     logs/          written by planc run; carried into the new build when one is replaced
 
 A build is written into a temporary sibling directory and renamed into place, so a
@@ -19,7 +20,6 @@ link (the build directory itself may be one).
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -31,27 +31,24 @@ from pathlib import Path
 import networkx as nx
 
 from planc import __version__
+from planc.build_files import (BUILD_FORMAT_VERSION, GROUPS, MALFORMED,  # noqa: F401 (API)
+                               MANIFEST, MAX_JSON_BYTES, MODEL_TABLE, PROGRAMS, RANK_TABLE,
+                               ROUTES, BuildError, read_manifest_and_plan,
+                               read_program_files)
+from planc.build_files import fingerprint as _fingerprint
+from planc.build_files import read_json as _read_json
 from planc.collector import without_collector
-from planc.files import read_regular_file, umask
+from planc.files import umask
 from planc.graph import ir
 from planc.lower.groups import GroupTable, group_table
+from planc.lower.model_table import ModelTable
 from planc.lower.routes import RouteTable, split_refs
 from planc.lower.program import Program, RankTable, dumps
+from planc.lower.tabulate_model import model_table
 from planc.plan import Plan
 
-BUILD_FORMAT_VERSION = 2
-MANIFEST = "build.json"
 FILES = ("plan.json", "graph.json", "summary.json")
-PROGRAMS = "programs"
-RANK_TABLE = "ranks.json"
-GROUPS = "groups.json"
-ROUTES = "routes.json"
 LOGS = "logs"
-
-
-class BuildError(Exception):
-    """A build directory that cannot be written or read; the message says why."""
-
 
 @dataclass(frozen=True)
 class Build:
@@ -63,6 +60,7 @@ class Build:
     table: RankTable | None = None
     groups: GroupTable | None = None
     routes: RouteTable | None = None
+    model: ModelTable | None = None
 
 
 def graph_to_json(graph: nx.DiGraph) -> dict:
@@ -120,6 +118,8 @@ def write(build: Build, directory: str | Path, source_path: str, source_text: st
         programs[GROUPS] = build.groups.to_json()
     if build.routes is not None:
         programs[ROUTES] = build.routes.to_json()
+    if build.model is not None:
+        programs[MODEL_TABLE] = build.model.to_json()
     try:
         parent = target.resolve().parent
         parent.mkdir(parents=True, exist_ok=True)
@@ -213,90 +213,11 @@ def plan_fingerprint(plan: Plan) -> str:
     return _fingerprint(plan.to_dict())
 
 
-def _fingerprint(plan_data: dict) -> str:
-    """Hash of the plan's content, independent of JSON formatting: the manifest keeps it so
-    that a plan.json edited after compile cannot pair with a graph derived from another."""
-    canonical = json.dumps(plan_data, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-MAX_JSON_BYTES = 256 << 20  # the largest plan within the limits builds tens of MB
-# What reading a well-formed JSON document of the wrong shape raises (OverflowError: a
-# number such as 1e400, which JSON allows and Python reads as infinity, used as a count).
-MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError)
-
-
-def _read_json(directory: Path, name: str) -> dict:
-    """One JSON file of a build, read as untrusted input: a regular file (a named pipe or a
-    link to /dev/zero is refused, not read forever), of bounded size, whose numbers and
-    nesting Python can hold."""
-    path = directory / name
-    try:
-        raw = read_regular_file(path, MAX_JSON_BYTES + 1, follow=False)
-    except FileNotFoundError:
-        raise BuildError(f"{directory} is incomplete: {name} is missing; run planc compile "
-                         f"again") from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP and os.path.islink(path):
-            raise BuildError(_linked(path)) from None
-        raise BuildError(f"cannot read {path}: {exc.strerror or exc}") from None
-    if len(raw) > MAX_JSON_BYTES:
-        raise BuildError(f"{path} is larger than {MAX_JSON_BYTES >> 20} MiB; run planc "
-                         f"compile again")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except json.JSONDecodeError as exc:
-        raise BuildError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}); "
-                         f"run planc compile again") from None
-    except UnicodeDecodeError:
-        raise BuildError(f"{path} is not UTF-8 text; run planc compile again") from None
-    except ValueError as exc:  # an integer of thousands of digits
-        raise BuildError(f"{path} holds a value Python cannot read ({exc}); run planc "
-                         f"compile again") from None
-    except RecursionError:
-        raise BuildError(f"{path} nests its values too deep to be a planc build file; run "
-                         f"planc compile again") from None
-    if not isinstance(data, dict):
-        raise BuildError(f"{path} does not hold a JSON object; run planc compile again")
-    return data
-
-
-def _linked(path: Path) -> str:
-    """A symbolic link inside a build: refused, not followed, wherever it points (a build
-    is untrusted input, and its files are planc's, never another directory's)."""
-    return f"{path} is a symbolic link, and a build holds none; run planc compile again"
-
-
 @without_collector
 def read(directory: str | Path) -> Build:
     """Load a build directory, checking its manifest and every file's format."""
     path = Path(directory)
-    try:
-        if not path.is_dir():
-            raise BuildError(f"{path} is not a directory")
-        os.listdir(path)  # a directory that cannot be read fails here, with its reason
-        has_manifest = os.path.lexists(path / MANIFEST)
-    except OSError as exc:
-        raise BuildError(f"cannot read {path}: {exc.strerror or exc}") from None
-    if not has_manifest:
-        raise BuildError(f"{path} is not a planc build directory (no {MANIFEST}); make one "
-                         f"with planc compile FILE -o {path}")
-    manifest = _read_json(path, MANIFEST)
-    if manifest.get("format") != "planc-build":
-        raise BuildError(f"{path / MANIFEST} is not a planc build manifest (format "
-                         f"{manifest.get('format')!r}); run planc compile again")
-    if manifest.get("version") != BUILD_FORMAT_VERSION:
-        raise BuildError(f"{path / MANIFEST} says build format {manifest.get('version')!r}; "
-                         f"this planc reads version {BUILD_FORMAT_VERSION}: compile again")
-    plan_data = _read_json(path, "plan.json")
-    if manifest.get("plan_sha256") != _fingerprint(plan_data):
-        raise BuildError(f"{path / 'plan.json'} is not the plan this build was compiled from "
-                         f"(edited since?); change the .plan file and run planc compile again")
-    try:
-        plan = Plan.from_dict(plan_data)
-    except MALFORMED as exc:
-        raise BuildError(f"{path / 'plan.json'} is not a valid plan ({exc}); run planc "
-                         f"compile again") from None
+    manifest, plan = read_manifest_and_plan(path)
     graph_data = _read_json(path, "graph.json")
     attributes = graph_data.get("graph")
     if not isinstance(attributes, dict) or \
@@ -343,67 +264,18 @@ def _check_graph(path: Path, graph: nx.DiGraph, plan: Plan) -> None:
 def read_programs(build: Build) -> Build:
     """The build with its rank programs and rank table, read from programs/."""
     directory = Path(build.path) / PROGRAMS
-    if directory.is_symlink():
-        raise BuildError(_linked(directory))
-    if not directory.is_dir():
-        raise BuildError(f"{build.path} has no {PROGRAMS}/ directory; run planc compile again")
-    try:
-        os.listdir(directory)  # a directory that cannot be read fails here, with its reason
-    except OSError as exc:
-        raise BuildError(f"cannot read {directory}: {exc.strerror or exc}") from None
-    try:
-        table = RankTable.from_json(_read_json(directory, RANK_TABLE))
-    except MALFORMED as exc:
-        raise BuildError(f"{directory / RANK_TABLE} is not a valid rank table ({exc}); run "
-                         f"planc compile again") from None
-    if (table.world, table.pp) != (build.plan.world, build.plan.mesh.pp):
-        raise BuildError(f"{directory / RANK_TABLE} is for {table.world} ranks and {table.pp} "
-                         f"stages, plan.json for {build.plan.world} and {build.plan.mesh.pp}; "
-                         f"run planc compile again")
-    try:
-        groups = GroupTable.from_json(_read_json(directory, GROUPS))
-    except MALFORMED as exc:
-        raise BuildError(f"{directory / GROUPS} is not a valid group table ({exc}); run "
-                         f"planc compile again") from None
-    if groups.mesh != build.plan.mesh:
-        raise BuildError(f"{directory / GROUPS} is for another mesh than plan.json; run "
-                         f"planc compile again")
     plan = build.plan
+    table, groups, routes, model, programs = read_program_files(Path(build.path), plan)
     if groups != group_table(plan.mesh, plan.topology.devices_per_node,
                              plan.model.tie_embeddings, plan.shard.pp.virtual,
                              split_refs(build.graph)):
         raise BuildError(f"{directory / GROUPS} is not the group table of plan.json and "
                          f"graph.json; run planc compile again")
-    try:
-        routes = RouteTable.from_json(_read_json(directory, ROUTES))
-    except MALFORMED as exc:
-        raise BuildError(f"{directory / ROUTES} is not a valid route table ({exc}); run "
-                         f"planc compile again") from None
-    programs = {}
-    for name in table.names:
-        if "/" in name or name.startswith("."):
-            raise BuildError(f"{directory / RANK_TABLE} names {name!r}, not a program file")
-        try:
-            programs[name] = Program.from_json(_read_json(directory, name))
-        except MALFORMED as exc:
-            raise BuildError(f"{directory / name} is not a valid program ({exc}); run planc "
-                             f"compile again") from None
-        if programs[name].microbatches != build.plan.schedule.microbatches:
-            raise BuildError(f"{directory / name} is for another number of microbatches than "
-                             f"plan.json; run planc compile again")
-    for rank, name in [(None, name) for name in table.stages] + list(table.overrides.items()):
-        stage = table.stages[name] if rank is None else table.stage_of(rank)
-        if programs[name].stage != stage:
-            raise BuildError(f"{directory / name} is the program of stage "
-                             f"{programs[name].stage}, but {directory / RANK_TABLE} runs it "
-                             f"on stage {stage}; run planc compile again")
+    if model != model_table(plan):
+        raise BuildError(f"{directory / MODEL_TABLE} is not the model table of plan.json; "
+                         f"run planc compile again")
     graph_buckets = ir.buckets(build.graph)
     for name, program in programs.items():
-        missing = next((block for block, _ in program.schedule
-                        if block not in program.blocks), None)
-        if missing is not None:
-            raise BuildError(f"{directory / name} schedules block {missing!r}, which it does "
-                             f"not define; run planc compile again")
         other = next((b for b, bucket in program.buckets.items()
                       if graph_buckets.get(b) != bucket), None)
         if other is not None:
@@ -416,4 +288,4 @@ def read_programs(build: Build) -> Build:
         raise BuildError(f"{directory} names node {unknown[0]!r}, which graph.json does not "
                          f"have; run planc compile again")
     return Build(build.plan, build.graph, build.summary, build.path, programs, table, groups,
-                 routes)
+                 routes, model)

@@ -17,6 +17,7 @@ from planc.graph.derive import derive
 from planc.graph.summary import summarize
 from planc.lower.groups import group_table
 from planc.lower.lower import lower
+from planc.lower.tabulate_model import model_table
 from planc.lower.routes import route_table, split_refs
 from planc.lower.verify import verify
 from planc.plan import Plan
@@ -42,4 +43,4 @@ def compile_plan(plan: Plan, check: Callable[[nx.DiGraph, str], None] | None = N
         raise CompileError("internal error: the lowered programs fail verification (a bug "
                            "in planc; please report it): " + "; ".join(report.problems))
     return Build(plan, graph, summarize(plan, graph), programs=programs, table=table,
-                 groups=groups, routes=routes)
+                 groups=groups, routes=routes, model=model_table(plan))

@@ -54,8 +54,8 @@ TIME_LIMIT = 10.0  # per run; a run on this small build takes well under a secon
 PROGRAMS = "programs"
 # The files of a build of gpt-tiny (two pipeline stages), in the order they are read.
 FILES = ("build.json", "plan.json", "graph.json", "summary.json", "programs/ranks.json",
-         "programs/groups.json", "programs/routes.json", "programs/stage0.json",
-         "programs/stage1.json")
+         "programs/groups.json", "programs/routes.json", "programs/model.json",
+         "programs/stage0.json", "programs/stage1.json")
 NAN, INF = float("nan"), float("inf")
 # Values of the wrong type (or range) for a field: name -> value.
 WRONG = {"string": "x", "number": 7, "list": [], "null": None, "object": {}, "true": True,
@@ -286,6 +286,12 @@ def damages(pristine: Path) -> list[Damage]:
     out += _fields("programs/routes.json", routes, ("recipes", recipe), 8, values=1)
     out += _fields("programs/routes.json", routes, ("recipes", recipe, "steps", 0), 9,
                    values=2)
+    model = documents["programs/model.json"]
+    out += _fields("programs/model.json", model, ("model",), 10, values=1)
+    out += _fields("programs/model.json", model, ("tokens",), 0, values=2)
+    out += _fields("programs/model.json", model, ("optimizer",), 1, values=1)
+    parameter = next(iter(model["parameters"]))
+    out += _fields("programs/model.json", model, ("parameters", parameter), 2, values=2)
     out += regressions(documents)
     unique: dict[str, Damage] = {}
     for damage in out:  # a node may be the first of its type and the first with a key

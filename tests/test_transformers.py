@@ -24,7 +24,7 @@ from planc.cli import main  # noqa: E402
 from planc.export.hf import hf_config, hf_name  # noqa: E402
 from planc.lang import load_text  # noqa: E402
 from planc.runtime.data import batch_tokens  # noqa: E402
-from planc.runtime.model import initial_value, parameters  # noqa: E402
+from planc.runtime.reference import initial, parameters  # noqa: E402
 
 LR = 1000.0
 PLAN = """plan hf_reference {{
@@ -47,7 +47,7 @@ def _hf_model(plan):
     state = {}
     for name, param in parameters(plan).items():
         target, transpose = hf_name(name)
-        value = initial_value(plan.train.seed, name, param.shape)
+        value = initial(plan, name, param.shape)
         state[target] = value.t().contiguous() if transpose else value
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
@@ -98,7 +98,7 @@ def test_loss_and_every_gradient_equal_transformers(mesh, kv, m, tmp_path, capfd
         target, transpose = hf_name(name)
         grad = hf_params[target].grad
         reference = grad.t() if transpose else grad
-        planc_grad = (initial_value(plan.train.seed, name, param.shape).double()
+        planc_grad = (initial(plan, name, param.shape).double()
                       - final[name].double()) / LR
         torch.testing.assert_close(planc_grad.float(), reference, rtol=2e-4, atol=2e-7,
                                    msg=lambda text, n=name: f"{n}: {text}")

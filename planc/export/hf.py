@@ -6,10 +6,17 @@ transformers' parameter names. planc stores a linear weight as (in, out) and app
 ``x @ W``; torch.nn.Linear stores (out, in), so every projection is transposed. The
 tensors are the checkpoint's consolidated fp32 values, written as the model's dtype.
 
-This module is the mapping (no torch); :mod:`planc.runtime.export_hf` moves the tensors.
+This module is the mapping and the check of the checkpoint's model (no torch);
+:mod:`planc.runtime.export_hf` moves the tensors.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+
+from planc.checkpoint import CheckpointError
+from planc.models import family_of
+from planc.plan import Model
 
 # planc name within a block -> (transformers name within a decoder layer, transposed)
 _LAYER = {
@@ -57,3 +64,21 @@ def hf_config(model: dict) -> dict:
         "torch_dtype": DTYPES[model["dtype"]], "dtype": DTYPES[model["dtype"]],
         "use_cache": True, "bos_token_id": None, "eos_token_id": None,
     }
+
+
+def check_llama(directory: Path, manifest: dict) -> None:
+    """CheckpointError unless the checkpoint holds a llama model's parameters, each of
+    the shape its model block gives it: what hf_name and the transposes need."""
+    model = manifest["model"]
+    if model["family"] != "llama":
+        raise CheckpointError(f"{directory} holds a model {model['family']}; "
+                              f"--format hf writes llama models (LlamaForCausalLM)")
+    block = Model(**model)  # every field checked with the manifest
+    stored = {name: info["shape"] for name, info in manifest["parameters"].items()}
+    expected = {p.name: list(p.shape) for p in family_of(block).all_parameters(block)}
+    if stored != expected:
+        name = next(n for n in sorted(set(stored) | set(expected))
+                    if stored.get(n) != expected.get(n))
+        raise CheckpointError(f"{directory}: its parameters are not its model's "
+                              f"({name} is {stored.get(name, 'absent')} in the checkpoint, "
+                              f"{expected.get(name, 'absent')} in its llama model)")

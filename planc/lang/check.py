@@ -355,15 +355,14 @@ class _Checker(TopologyReader):
                      self.value("train.seed"), data)
 
     def _data_file(self, data: str, model: Model | None) -> str | None:
-        from planc.runtime.data import DataError, DataMissing, check_file  # no torch
+        from planc.tokens import DataError, DataMissing, check_file  # no torch
 
         base = os.path.dirname(os.path.abspath(self.path)) if self.path else os.getcwd()
         resolved = os.path.normpath(os.path.join(base, data))
         span = self.span("train.data")
         try:
             check_file(resolved, f"'{data}'", seq=model.seq if model else None,
-                       vocab=model.vocab if model else None, scan_limit=DATA_SCAN_LIMIT,
-                       engine="python")
+                       vocab=model.vocab if model else None, scan_limit=DATA_SCAN_LIMIT)
         except DataMissing:
             self.report(warning(f"data file '{data}' does not exist (yet); planc run will need "
                                 f"it", span))

@@ -182,19 +182,6 @@ class Family:
         return rule if rule is not None and rule.kind == "linear" else None
 
 
-def split_units(units: int, parts: int, index: int) -> tuple[int, int]:
-    """(first unit, count) of part ``index`` when ``units`` heads are cut ``parts`` ways:
-    contiguous blocks when parts divides units; when units divides parts, each unit is
-    replicated on parts / units consecutive ranks (Megatron's grouped-query attention
-    with fewer key/value heads than tensor-parallel ranks)."""
-    if units % parts == 0:
-        size = units // parts
-        return index * size, size
-    if parts % units == 0:
-        return index // (parts // units), 1
-    raise ValueError(f"{units} heads cannot be split {parts} ways")
-
-
 def shares_heads(family: Family, model: Model, tp: int, dim: str) -> bool:
     """Whether feature dimension ``dim`` has fewer heads than tp ranks, so that ranks
     share them (grouped-query attention with kv_heads < tp: Megatron-LM replicates them)."""

@@ -125,7 +125,7 @@ def compare(ctx: RankContext, interpreter: Interpreter, losses: list[float] | No
     compare_parameters = floor is not None
     worst = (0.0, 0.0, "")  # (share of the allowed difference, difference, parameter)
     if compare_parameters:
-        worst, mismatches = _compare_parameters(plan, expected, copies, splits, replicas,
+        worst, mismatches = _compare_parameters(ctx.model, expected, copies, splits, replicas,
                                                 tolerance, floor)
         report += mismatches
         failed |= bool(mismatches)
@@ -151,7 +151,7 @@ def compare(ctx: RankContext, interpreter: Interpreter, losses: list[float] | No
     return 0
 
 
-def _compare_parameters(plan, expected: dict, copies: dict, splits: dict, replicas: list,
+def _compare_parameters(model, expected: dict, copies: dict, splits: dict, replicas: list,
                         tolerance: float, floor: float) -> tuple[tuple, list[str]]:
     """Each run copy of each expected parameter against it: the closest call as (share of
     the allowed difference, difference, name), and a report line per mismatch."""
@@ -170,7 +170,7 @@ def _compare_parameters(plan, expected: dict, copies: dict, splits: dict, replic
             try:
                 if split is not None and len(ordered) > 1:
                     dim, axis = split
-                    candidates = [join_feature(ordered, dim, plan.model, axis)]
+                    candidates = [join_feature(ordered, dim, model, axis)]
                 else:
                     candidates = ordered  # every tp rank's whole copy
             except (RuntimeError, IndexError):  # pieces a rank sent that do not join

@@ -66,7 +66,7 @@ class Checkpoints(Loading):
         self.group = dist.new_group(list(range(self.world)), backend="gloo") \
             if self.world > 1 else None
         self.where = self._places(ctx.stage, ctx.tp_rank, shard_index)
-        self.stages = self.plan.mesh.pp
+        self.stages = ctx.ranks.pp
         self.writer = self.where[(ctx.stage, 0, 0)]
         self.owner: dict[str, int] = {}  # parameter -> the stage whose file holds it
         self.shapes: dict[str, list[int]] = {}
@@ -77,7 +77,7 @@ class Checkpoints(Loading):
                 self.shapes[m["param"]] = list(m["full_shape"])
         self.optimizers = {interpreter.optimized[node]: optimizer
                            for node, optimizer in interpreter.optimizers.items()}
-        self.keys = fmt.state_keys(fmt.as_json(self.plan.train.optimizer))
+        self.keys = fmt.state_keys(ctx.optimizer.to_json())
         self.history: list[dict] = []
         self.first_step = 0
 
@@ -230,9 +230,10 @@ class Checkpoints(Loading):
             slots = [torch.empty_like(mine) for _ in range(self.world)]
             dist.all_gather(slots, mine, group=self.group)
         where = {tuple(slot.tolist()): rank for rank, slot in enumerate(slots)}
-        mesh = self.plan.mesh
-        if set(where) != {(s, t, i) for s in range(mesh.pp) for t in range(mesh.tp)
-                          for i in range(mesh.dp * mesh.cp)} or len(where) != self.world:
+        size = {axis: size for axis, (size, _) in self.ctx.ranks.axes.items()}
+        if set(where) != {(s, t, i) for s in range(size["pp"]) for t in range(size["tp"])
+                          for i in range(size["dp"] * size["cp"])} or \
+                len(where) != self.world:
             raise PeerDataError("the ranks' places in the mesh (stage, tp rank, ZeRO shard) "
                                 "do not cover it once; the run was stopped")
         return where

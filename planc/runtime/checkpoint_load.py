@@ -126,7 +126,7 @@ class Loading:
         """AdamW's step count, which torch keeps per tensor (a float32 scalar on the
         tensor's device for the fused kernel)."""
         steps = manifest["optimizer"].get("steps")
-        if self.plan.train.optimizer.name != "adamw":
+        if self.ctx.optimizer.name != "adamw":
             return
         if steps is None:
             steps = manifest["step"]

@@ -2,28 +2,27 @@
 
 Everything here is read from the build: its coordinates, pipeline peers and the leader
 from ``programs/ranks.json`` (:class:`planc.lower.ranks.RankTable`), the groups from
-``programs/groups.json`` (:class:`planc.lower.groups.GroupTable`), the model's sizes
-and the data from plan.json. Nothing is derived again.
+``programs/groups.json`` (:class:`planc.lower.groups.GroupTable`), the model's sizes,
+the optimizer, the data and which tokens and rows this rank takes from
+``programs/model.json`` (:class:`planc.lower.model_table.ModelTable`). Nothing is
+derived again: the token positions are made once, when the rank starts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from planc.lower.groups import PIPELINE, GroupTable
+from planc.lower.model_table import ModelTable
 from planc.lower.ranks import RankTable
 from planc.lower.routes import RouteTable
-from planc.runtime.data import batch_tokens
-from planc.runtime.data_identity import Identity
+from planc.runtime.data import DataSource, batch_tokens
+from planc.data_identity import Identity
 from planc.runtime.model import microbatch_rows, seq_split, token_positions
-
-if TYPE_CHECKING:  # pragma: no cover - annotations only
-    from planc.plan import Plan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -69,24 +68,31 @@ def make_groups(table: GroupTable, rank: int, timeout: float) -> Groups:
 
 
 class RankContext:
-    def __init__(self, plan: Plan, ranks: RankTable, rank: int, groups: Groups | None,
+    """``plan``: plan.json as the worker read it, kept only to name the run in
+    checkpoint manifests and metrics (planc.checkpoint); the run itself reads ``model``."""
+
+    def __init__(self, model: ModelTable, ranks: RankTable, rank: int, groups: Groups | None,
                  device: torch.device, routes: RouteTable | None = None,
-                 data_identity: Identity | None = None, devices_per_node: int = 1):
+                 data_identity: Identity | None = None, devices_per_node: int = 1,
+                 plan=None):
         self.plan, self.rank, self.groups, self.device = plan, rank, groups, device
-        # the data file as the run began (planc.runtime.data_identity); None: not pinned
+        # the data file as the run began (planc.data_identity); None: not pinned
         self.data_identity = data_identity
         self.routes = routes or RouteTable({})
         self.ranks = ranks
         self.devices_per_node = devices_per_node
         self.coords = ranks.coords(rank)
-        self.tp, self.cp = plan.mesh.tp, plan.mesh.cp
+        self.tp, self.cp = ranks.axes["tp"][0], ranks.axes["cp"][0]
         self.tp_rank, self.cp_rank = self.coords["tp"], self.coords["cp"]
         self.stage = self.coords["pp"]
-        self.dtype = DTYPES[plan.model.dtype]
-        self.model = plan.model
-        self.optimizer = plan.train.optimizer
-        self.tokens_per_step = plan.model.batch * plan.model.seq
+        self.dtype = DTYPES[model.dtype]
+        self.model = model
+        self.optimizer = model.optimizer
+        self.tokens_per_step = model.batch * model.seq
+        self.data = DataSource.of(model)
         self._batch: tuple[int, torch.Tensor] | None = None
+        # every cp rank's token positions, on the CPU (cut further per activation)
+        self._positions = [token_positions(model, c) for c in range(self.cp)]
 
     @property
     def leader(self) -> int:
@@ -108,30 +114,29 @@ class RankContext:
 
     def tokens(self, step: int) -> torch.Tensor:
         if self._batch is None or self._batch[0] != step:
-            self._batch = (step, batch_tokens(self.plan, step, self.data_identity))
+            self._batch = (step, batch_tokens(self.data, step, self.data_identity))
         return self._batch[1]
 
     def positions(self, seq_sharded: bool) -> torch.Tensor:
         """Positions of the tokens this rank holds for an activation: all of its cp
         chunk, or its tp slice of them when the activation is sharded along the tokens."""
-        positions = token_positions(self.plan, self.cp_rank)
+        positions = self._positions[self.cp_rank]
         if seq_sharded and self.tp > 1:
             positions = seq_split(positions, 0, self.tp, self.tp_rank)
         return positions.to(self.device)
 
     def tp_positions(self, tp_rank: int) -> torch.Tensor:
-        return seq_split(token_positions(self.plan, self.cp_rank), 0, self.tp,
+        return seq_split(self._positions[self.cp_rank], 0, self.tp,
                          tp_rank).to(self.device)
 
     def all_key_positions(self) -> torch.Tensor:
         """Positions of every cp rank's tokens, in cp rank order (a gathered K/V)."""
-        return torch.cat([token_positions(self.plan, c) for c in range(self.cp)]).to(
-            self.device)
+        return torch.cat(self._positions).to(self.device)
 
     def microbatch(self, step: int, microbatch: int, seq_sharded: bool
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(input ids, target ids) of this rank's tokens of a microbatch."""
-        rows = microbatch_rows(self.plan, self.coords["dp"], microbatch)
+        rows = microbatch_rows(self.model, self.coords["dp"], microbatch)
         tokens = self.tokens(step)[rows].to(self.device)
         positions = self.positions(seq_sharded)
         return tokens[:, positions], tokens[:, positions + 1]

@@ -12,9 +12,7 @@ from safetensors.torch import save
 
 from planc.checkpoint import CheckpointError, dump_json, find, reason, write_durably
 from planc.checkpoint_files import checked_path
-from planc.export.hf import DTYPES, hf_config, hf_name
-from planc.models import family_of
-from planc.plan import Model
+from planc.export.hf import DTYPES, check_llama, hf_config, hf_name
 from planc.runtime.checkpoint_values import check_values
 
 
@@ -23,20 +21,8 @@ def export_hf(checkpoint: str, output: str) -> tuple[Path, int]:
     returns the step directory read and the number of tensors written."""
     found = find(checkpoint)
     check_values(found.directory, found.manifest)
-    model = found.manifest["model"]
-    if model["family"] != "llama":
-        raise CheckpointError(f"{found.directory} holds a model {model['family']}; "
-                              f"--format hf writes llama models (LlamaForCausalLM)")
-    parameters = found.manifest["parameters"]
-    block = Model(**model)  # every field checked with the manifest
-    stored = {name: info["shape"] for name, info in parameters.items()}
-    expected = {p.name: list(p.shape) for p in family_of(block).all_parameters(block)}
-    if stored != expected:  # hf_name and the transposes need exactly these
-        name = next(n for n in sorted(set(stored) | set(expected))
-                    if stored.get(n) != expected.get(n))
-        raise CheckpointError(f"{found.directory}: its parameters are not its model's "
-                              f"({name} is {stored.get(name, 'absent')} in the checkpoint, "
-                              f"{expected.get(name, 'absent')} in its llama model)")
+    check_llama(found.directory, found.manifest)
+    model, parameters = found.manifest["model"], found.manifest["parameters"]
     dtype = getattr(torch, DTYPES[model["dtype"]])
     by_file: dict[str, list[str]] = {}
     for name, info in sorted(parameters.items()):

@@ -68,9 +68,9 @@ class Spec:
 class Kernels:
     def __init__(self, ctx: RankContext):
         self.ctx = ctx
-        model = ctx.plan.model
+        model = ctx.model
         self.hidden = model.hidden
-        self.head_dim = model.hidden // model.heads
+        self.head_dim = model.head_dim
         # The operators every family shares, then the family's own (its runtime module,
         # planc.runtime.families.NAME, as planc.models.NAME describes them).
         self.forward_table: dict[Op, Callable] = {

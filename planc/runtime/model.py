@@ -1,11 +1,10 @@
-"""The gpt model's parameters and data, and how a rank holds its part of them.
+"""The model's parameters and data, and how a rank holds its part of them.
 
 Initial weights depend only on the seed, the parameter's name and its full shape, and
 the batch of step k only on the seed and k (docs/language.md, train), so every plan of
 one model starts from the same weights, sees the same data and must follow the same loss
-curve. Matrices and embeddings are N(0, 0.02) as in GPT-2; LayerNorm weights are
-1 + N(0, 0.02) and biases N(0, 0.02), so that every parameter (and every way of sharding
-it) already matters in the first step.
+curve. Everything about the model comes from the build's model table
+(planc.lower.model_table): its rules for initial values, head groups and token positions.
 """
 
 from __future__ import annotations
@@ -15,21 +14,19 @@ from dataclasses import dataclass
 
 import torch
 
-from planc.graph.model import Parameter, all_parameters
-from planc.models import family_of
-from planc.models.family import split_units
-from planc.plan import Model, Plan
+from planc.heads import split_units
+from planc.lower.model_table import ModelTable
 from planc.runtime.seeds import seed_of
 
-INIT_STD = 0.02
 
-
-def initial_value(seed: int, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """The initial value of parameter ``name`` of full shape ``shape``."""
+def initial_value(seed: int, name: str, shape: tuple[int, ...], mean: float, std: float
+                  ) -> torch.Tensor:
+    """The initial value of parameter ``name`` of full shape ``shape``: N(mean, std), the
+    rule the build's model table gives it (planc.lower.tabulate_model)."""
     generator = torch.Generator().manual_seed(seed_of(seed, name, tuple(shape)))
-    value = torch.randn(tuple(shape), generator=generator, dtype=torch.float64) * INIT_STD
-    if name.split(".")[-2].startswith(("ln", "final_ln")) and name.endswith(".weight"):
-        value += 1.0
+    value = torch.randn(tuple(shape), generator=generator, dtype=torch.float64) * std
+    if mean:
+        value += mean
     return value.to(torch.float32)
 
 
@@ -41,30 +38,15 @@ class Coordinates:
     dp: int
 
 
-def token_positions(plan: Plan, cp_rank: int) -> torch.Tensor:
-    """Positions (within a sample) of the tokens a cp rank holds, in its order.
-
-    With load balancing the sequence is cut into 2 cp chunks and rank i holds chunks i
-    and 2 cp - 1 - i, so causal attention costs every rank the same (as Megatron's
-    context parallelism does)."""
-    seq, cp = plan.model.seq, plan.mesh.cp
-    if cp == 1:
-        return torch.arange(seq)
-    if plan.shard.cp.load_balance:
-        size = seq // (2 * cp)
-        first = torch.arange(cp_rank * size, (cp_rank + 1) * size)
-        second_index = 2 * cp - 1 - cp_rank
-        second = torch.arange(second_index * size, (second_index + 1) * size)
-        return torch.cat([first, second])
-    size = seq // cp
-    return torch.arange(cp_rank * size, (cp_rank + 1) * size)
+def token_positions(table: ModelTable, cp_rank: int) -> torch.Tensor:
+    """Positions (within a sample) of the tokens a cp rank holds, in its order: the
+    ranges the model table gives it (planc.lower.tabulate_model.cp_positions)."""
+    return torch.cat([torch.arange(start, stop) for start, stop in table.positions[cp_rank]])
 
 
-def microbatch_rows(plan: Plan, dp_rank: int, microbatch: int) -> slice:
-    per_rank = plan.model.batch // plan.mesh.dp
-    b = plan.microbatch_size
-    start = dp_rank * per_rank + microbatch * b
-    return slice(start, start + b)
+def microbatch_rows(table: ModelTable, dp_rank: int, microbatch: int) -> slice:
+    start = dp_rank * table.rows_per_dp_rank + microbatch * table.microbatch_rows
+    return slice(start, start + table.microbatch_rows)
 
 
 def seq_split(tensor: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
@@ -72,10 +54,10 @@ def seq_split(tensor: torch.Tensor, dim: int, parts: int, index: int) -> torch.T
     return tensor.narrow(dim, index * size, size)
 
 
-def _groups(model: Model, dim_name: str, width: int) -> list[tuple[int, int]] | None:
+def _groups(model: ModelTable, dim_name: str, width: int) -> list[tuple[int, int]] | None:
     """(units, unit width) of each group of a feature dimension cut by heads, from the
-    model's family (planc.models); None for a plain contiguous cut."""
-    groups = family_of(model).feature_groups(model).get(dim_name)
+    model table; None for a plain contiguous cut."""
+    groups = model.feature_groups.get(dim_name)
     if groups is None:
         return None
     unit = width // sum(groups)
@@ -83,11 +65,11 @@ def _groups(model: Model, dim_name: str, width: int) -> list[tuple[int, int]] | 
 
 
 def split_feature(tensor: torch.Tensor, dim_name: str, parts: int, index: int,
-                  model: Model, axis: int = -1) -> torch.Tensor:
+                  model: ModelTable, axis: int = -1) -> torch.Tensor:
     """This rank's slice of a feature dimension. A dimension made of head groups
     (gpt's [q | k | v], llama's [q | k | v] with fewer k/v heads, [gate | up]) gives
     each rank its heads of every group; a group with fewer heads than ranks gives
-    each rank the head its group of ranks shares (planc.models.family.split_units)."""
+    each rank the head its group of ranks shares (planc.heads.split_units)."""
     if parts == 1:
         return tensor
     axis = axis % tensor.dim()
@@ -102,7 +84,7 @@ def split_feature(tensor: torch.Tensor, dim_name: str, parts: int, index: int,
     return torch.cat(pieces, dim=axis) if len(pieces) > 1 else pieces[0]
 
 
-def join_feature(pieces: list[torch.Tensor], dim_name: str, model: Model,
+def join_feature(pieces: list[torch.Tensor], dim_name: str, model: ModelTable,
                  axis: int = -1) -> torch.Tensor:
     """Inverse of :func:`split_feature` over all ranks' pieces, in rank order (a shared
     head is taken from the first rank of its group)."""
@@ -110,7 +92,7 @@ def join_feature(pieces: list[torch.Tensor], dim_name: str, model: Model,
     if parts == 1:
         return pieces[0]
     axis = axis % pieces[0].dim()
-    groups = family_of(model).feature_groups(model).get(dim_name)
+    groups = model.feature_groups.get(dim_name)
     if groups is None or len(groups) == 1 and groups[0] % parts == 0:
         return torch.cat(pieces, dim=axis)
     local = [split_units(units, parts, 0)[1] for units in groups]
@@ -123,7 +105,7 @@ def join_feature(pieces: list[torch.Tensor], dim_name: str, model: Model,
     return torch.cat(joined, dim=axis)
 
 
-def local_heads(model: Model, qkv_width: int, tp: int) -> tuple[int, int]:
+def local_heads(model: ModelTable, qkv_width: int, tp: int) -> tuple[int, int]:
     """(query heads, key/value heads) in a local [q | k | v] activation of this width:
     all of them, or one tp rank's (a shared k/v head counts once)."""
     heads, kv = model.heads, model.key_value_heads
@@ -131,10 +113,6 @@ def local_heads(model: Model, qkv_width: int, tp: int) -> tuple[int, int]:
     if units == heads + 2 * kv:
         return heads, kv
     return heads // tp, split_units(kv, tp, 0)[1]
-
-
-def parameters(plan: Plan) -> dict[str, Parameter]:
-    return {p.name: p for p in all_parameters(plan)}
 
 
 def flat_shard_size(numel: int, parts: int) -> int:

@@ -46,11 +46,13 @@ class ParamStore:
         self.grad: dict[str, torch.Tensor] = {}
         self.grad_shard: dict[str, torch.Tensor] = {}
         self.members: dict[str, Member] = {}
-        seed = ctx.plan.train.seed
+        seed, initial = ctx.model.seed, ctx.model.parameters
         for bucket_id, bucket in buckets.items():
             flat = torch.zeros(bucket["padded"], dtype=FP32)
             for m in bucket["members"]:
-                value = initial_value(seed, m["param"], tuple(m["full_shape"]))
+                rule = initial[m["param"]]  # the model table's rule for its initial value
+                value = initial_value(seed, m["param"], tuple(m["full_shape"]), rule.mean,
+                                      rule.std)
                 value = tp_piece(ctx, value, m["tp_split"], ctx.tp_rank)
                 flat[m["offset"]:m["offset"] + m["numel"]] = value.reshape(-1)
                 self.members[m["param"]] = Member(bucket_id, m["offset"], m["numel"],

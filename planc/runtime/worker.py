@@ -31,12 +31,12 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from planc import build as build_module
+from planc.build_files import BuildError, read_for_run
 from planc import checkpoint as checkpoint_format
 from planc.runtime.check import compare
 from planc.runtime.checkpoint import Checkpoints
 from planc.runtime.context import RankContext, make_groups
-from planc.runtime.data_identity import Identity, identity_now
+from planc.data_identity import Identity, identity_now
 from planc.runtime.exchange import (all_gather_json, boolean, broadcast_json, either,
                                     gather_json, integer, list_of, nothing, number, row, text)
 from planc.runtime.executor import CpuExecutor, CudaExecutor, Hang, PeerLost
@@ -80,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="continue from the newest complete checkpoint in D, or from the "
                         "step directory D; --steps counts from the start of training")
     parser.add_argument("--resume-verified", action="store_true", help=argparse.SUPPRESS)
-    # The data file as planc run checked it (planc.runtime.data_identity): every batch is
+    # The data file as planc run checked it (planc.data_identity): every batch is
     # read from that file, unchanged, or the run stops.
     parser.add_argument("--data-identity", type=Identity.parse, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -117,14 +117,14 @@ class _Metrics:
 
     FIELDS = ("time_s", "compute_s", "comm_s", "exposed_comm_s", "pipeline_wait_s")
 
-    def __init__(self, ctx: RankContext, steps: int, path: str | None):
+    def __init__(self, ctx: RankContext, steps: int, path: str | None, fingerprint: str):
         self.ctx, self.steps = ctx, steps
         self.leader = ctx.leader
         self.world = dist.get_world_size()
         self.group = dist.new_group(list(range(self.world)), backend="gloo") \
             if self.world > 1 else None
         self.file = open(path, "w") if path and ctx.rank == self.leader else None
-        self.build = build_module.plan_fingerprint(ctx.plan) if self.file else None
+        self.build = fingerprint if self.file else None
         self.pending = None
         self.records: list[dict] = []
 
@@ -153,9 +153,8 @@ class _Metrics:
         slowest = int(table[:, 0].argmax())
         values = dict(zip(self.FIELDS, (float(v) for v in table[slowest])))
         values["max_rss_mb"] = round(float(table[:, -1].max()), 1)
-        plan = self.ctx.plan
         record = {"step": step, "loss": loss, **values,
-                  "tokens_per_s": plan.model.batch * plan.model.seq / values["time_s"],
+                  "tokens_per_s": self.ctx.tokens_per_step / values["time_s"],
                   "slowest_rank": slowest}
         self.records.append(record)
         _progress(step, self.steps, record)
@@ -203,11 +202,11 @@ class StartupWatch:
 
 def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    built = build_module.read_programs(build_module.read(args.build))
+    built = read_for_run(args.build)  # programs/ and plan.json: no graph, nothing derived
     plan = built.plan
-    if world != plan.world:
-        raise SystemExit(f"planc: error: the plan needs {plan.world} ranks, the launch has "
-                         f"{world}")
+    if world != built.table.world:
+        raise SystemExit(f"planc: error: the plan needs {built.table.world} ranks, the "
+                         f"launch has {world}")
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device("cpu")
     if backend == "nccl":
@@ -222,8 +221,9 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
     torch.manual_seed(0)
     with watch.waiting("creating the process groups of the plan (new_group)"):
         groups = make_groups(built.groups, rank, args.timeout + 60)
-    ctx = RankContext(plan, built.table, rank, groups, device, built.routes,
-                      args.data_identity or identity_now(plan), built.groups.devices_per_node)
+    ctx = RankContext(built.model, built.table, rank, groups, device, built.routes,
+                      args.data_identity or identity_now(built.model.data),
+                      built.groups.devices_per_node, plan=plan)
     program = built.programs[built.table.program_of(rank)]
     shard_index = groups.index("dp_cp", rank)
     store = ParamStore(ctx, program.buckets, shard_index)
@@ -244,7 +244,7 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
     executor = (CudaExecutor if backend == "nccl" else CpuExecutor)(
         interpreter, args.timeout, trace=bool(args.trace))
     with watch.waiting("creating the group that gathers the metrics (new_group)"):
-        metrics = _Metrics(ctx, steps, args.metrics)
+        metrics = _Metrics(ctx, steps, args.metrics, built.plan_sha256)
     losses, trace = [], []
     try:
         if log_dir is not None:  # the launcher's reports tell starting from training
@@ -341,7 +341,7 @@ def main(argv=None, log_dir: str | None = None) -> int:
     args = parse_args(argv)
     try:
         return train(args, log_dir)
-    except build_module.BuildError as exc:
+    except BuildError as exc:
         print(f"planc: error: {exc}", file=sys.stderr)
         return 1
     except Stuck as stuck:

@@ -31,7 +31,7 @@ import sys
 from collections import Counter, defaultdict
 from itertools import pairwise
 
-from planc.runtime.data import DTYPES, HEADER_BYTES, header, write_tokens
+from planc.tokens import DTYPES, HEADER_BYTES, header, write_tokens
 
 DEFAULT_VOCAB = 1024
 DEFAULT_CHARS = 200_000

@@ -1,14 +1,21 @@
 """The kernels of each model family: one module per family of planc.models, named after
-it (``planc.runtime.families.NAME``), holding ``KERNELS``."""
+it (``planc.runtime.families.NAME``), holding ``KERNELS`` and ``reference_loss``, the
+family's whole-model loss for the single-process reference (planc.runtime.reference)."""
 
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 from typing import Callable
 
 from planc.graph.ir import Op
 
 
+def family_module(name: str) -> ModuleType:
+    """The runtime module of family ``name``, found by its name."""
+    return importlib.import_module(f"planc.runtime.families.{name}")
+
+
 def family_kernels(name: str) -> dict[Op, Callable]:
     """Operator -> kernel ``(kernels, spec, inputs, param, step, microbatch, extra)``."""
-    return importlib.import_module(f"planc.runtime.families.{name}").KERNELS
+    return family_module(name).KERNELS

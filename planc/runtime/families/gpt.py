@@ -6,6 +6,9 @@ shared ones (linear, embedding, residual, loss) are in planc.runtime.kernels.
 
 from __future__ import annotations
 
+import math
+
+import torch
 import torch.nn.functional as F
 
 from planc.graph.ir import Op
@@ -49,3 +52,32 @@ def gelu(k, spec, x, p, step, mb, extra):
 
 KERNELS = {Op.LN1: layer_norm, Op.LN2: layer_norm, Op.FINAL_LN: layer_norm,
            Op.ATTENTION: attention, Op.GELU: gelu}
+
+
+def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The single-process reference's loss (planc.runtime.reference): the gpt family as
+    docs/language.md defines it (model gpt), on whole tensors. ``m``: the plan's model."""
+    p = {k: v.to(dtype) for k, v in params.items()}
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    seq = inputs.shape[1]
+    x = p["embedding.weight"][inputs] + p["position.weight"][:seq]
+    hd = m.hidden // m.heads
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    for layer in range(m.layers):
+        w = {k[len(f"layers.{layer}."):]: v for k, v in p.items()
+             if k.startswith(f"layers.{layer}.")}
+        h = F.layer_norm(x, (m.hidden,), w["ln1.weight"], w["ln1.bias"], LN_EPS)
+        qkv = h @ w["qkv.weight"] + w["qkv.bias"]
+        q, k, v = qkv.view(*qkv.shape[:2], 3, m.heads, hd).unbind(2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+        scores = scores.masked_fill(~causal, float("-inf"))
+        context = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+        x = x + context.reshape(*x.shape) @ w["proj.weight"] + w["proj.bias"]
+        h = F.layer_norm(x, (m.hidden,), w["ln2.weight"], w["ln2.bias"], LN_EPS)
+        h = F.gelu(h @ w["fc1.weight"] + w["fc1.bias"], approximate="tanh")
+        x = x + h @ w["fc2.weight"] + w["fc2.bias"]
+    x = F.layer_norm(x, (m.hidden,), p["final_ln.weight"], p["final_ln.bias"], LN_EPS)
+    head = p["embedding.weight"].t() if m.tie_embeddings else p["head.weight"]
+    logits = (x @ head).float()
+    return F.cross_entropy(logits.reshape(-1, m.vocab), targets.reshape(-1))

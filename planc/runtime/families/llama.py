@@ -11,6 +11,8 @@ sequence parallelism), so keys travel between cp ranks already rotated.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -90,3 +92,51 @@ def swiglu(k, spec, x, p, step, mb, extra):
 
 KERNELS = {Op.LN1: rms_norm, Op.LN2: rms_norm, Op.FINAL_LN: rms_norm,
            Op.QKV: qkv, Op.ATTENTION: attention, Op.SWIGLU: swiglu}
+
+
+def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The single-process reference's loss (planc.runtime.reference): the llama family as
+    docs/language.md defines it (model llama), one line per rule, on whole tensors.
+    ``m``: the plan's model."""
+    p = {k: v.to(dtype) for k, v in params.items()}
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    b, seq = inputs.shape
+    hd, kv = m.hidden // m.heads, m.key_value_heads
+
+    def norm(x, weight):
+        x32 = x.float()
+        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + m.norm_eps)
+                         ).to(x.dtype)
+
+    # rotary embedding, rotate-half convention, frequencies theta^(-2i/d) in fp32
+    inv_freq = 1.0 / (m.rope_theta ** (torch.arange(0, hd, 2).float() / hd))
+    angles = torch.arange(seq).float()[:, None] * inv_freq[None, :]
+    cos, sin = (torch.cat([angles, angles], -1).cos().to(dtype),
+                torch.cat([angles, angles], -1).sin().to(dtype))
+
+    def rope(x):  # (b, heads, seq, hd)
+        x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    x = p["embedding.weight"][inputs]
+    for layer in range(m.layers):
+        w = {k[len(f"layers.{layer}."):]: v for k, v in p.items()
+             if k.startswith(f"layers.{layer}.")}
+        h = norm(x, w["ln1.weight"])
+        q = rope((h @ w["q.weight"]).view(b, seq, m.heads, hd).transpose(1, 2))
+        k = rope((h @ w["k.weight"]).view(b, seq, kv, hd).transpose(1, 2))
+        v = (h @ w["v.weight"]).view(b, seq, kv, hd).transpose(1, 2)
+        k = k.repeat_interleave(m.heads // kv, dim=1)
+        v = v.repeat_interleave(m.heads // kv, dim=1)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+        scores = scores.masked_fill(~causal, float("-inf"))
+        context = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, seq, m.hidden)
+        x = x + context @ w["o.weight"]
+        h = norm(x, w["ln2.weight"])
+        x = x + (F.silu(h @ w["gate.weight"]) * (h @ w["up.weight"])) @ w["down.weight"]
+    x = norm(x, p["final_ln.weight"])
+    head = p["embedding.weight"].t() if m.tie_embeddings else p["head.weight"]
+    logits = (x @ head).float()
+    return F.cross_entropy(logits.reshape(-1, m.vocab), targets.reshape(-1))

@@ -4,17 +4,14 @@ A token file changed under a running job (truncated, rewritten, replaced by a re
 would feed the following steps other data than the run was checked for, or wrap around
 a shorter file without a word. So ``planc run`` records the file's identity when it
 checks it (device, inode, size, modification time), hands it to every rank, and each
-batch read compares the file with it (planc.runtime.data.batch_tokens). No torch here.
+batch read compares the file with it (planc.runtime.data.batch_tokens). No torch here:
+the token file's reader (planc.tokens) and the ranks share it.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # pragma: no cover
-    from planc.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -65,14 +62,14 @@ def how_changed(path: str, identity: Identity, info: os.stat_result | None = Non
     return None
 
 
-def identity_now(plan: Plan) -> Identity | None:
-    """The identity of the plan's data file now, for a rank that was given none (under
+def identity_now(path: str) -> Identity | None:
+    """The identity of the data file ``path`` now, for a rank that was given none (under
     torchrun, no planc run checked the file first: each rank pins the file it finds when
     it starts); None for synthetic data, or a file that cannot be found (its first batch
     says why)."""
-    if plan.train.data == "synthetic":
+    if path == "synthetic":
         return None
     try:
-        return Identity.of(os.stat(plan.train.data))
+        return Identity.of(os.stat(path))
     except OSError:
         return None

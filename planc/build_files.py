@@ -1,0 +1,231 @@
+"""Reading a build directory's files as untrusted input, without the graph: the part of
+:mod:`planc.build` that the ranks share (docs/build.md).
+
+The compiler's commands read a build with :func:`planc.build.read` and
+:func:`planc.build.read_programs`, which also parse graph.json and check every program
+against it and the tables against the plan; a rank (planc.runtime.worker) reads only what
+it runs: the manifest, plan.json (for the run's name, steps and checkpoint manifests)
+and programs/ (:func:`read_for_run`). No networkx here. ``planc run`` verifies the whole
+build before it starts the ranks.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from planc.files import read_regular_file
+from planc.lower.groups import GroupTable
+from planc.lower.model_table import ModelTable
+from planc.lower.program import Program, RankTable
+from planc.lower.routes import RouteTable
+from planc.plan import Plan
+
+BUILD_FORMAT_VERSION = 3  # 3: programs/model.json, the model table
+MANIFEST = "build.json"
+PROGRAMS = "programs"
+RANK_TABLE = "ranks.json"
+GROUPS = "groups.json"
+ROUTES = "routes.json"
+MODEL_TABLE = "model.json"
+
+
+class BuildError(Exception):
+    """A build directory that cannot be written or read; the message says why."""
+
+
+def fingerprint(plan_data: dict) -> str:
+    """Hash of the plan's content, independent of JSON formatting: the manifest keeps it so
+    that a plan.json edited after compile cannot pair with a graph derived from another."""
+    canonical = json.dumps(plan_data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+MAX_JSON_BYTES = 256 << 20  # the largest plan within the limits builds tens of MB
+# What reading a well-formed JSON document of the wrong shape raises (OverflowError: a
+# number such as 1e400, which JSON allows and Python reads as infinity, used as a count).
+MALFORMED = (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError)
+
+
+def read_json(directory: Path, name: str) -> dict:
+    """One JSON file of a build, read as untrusted input: a regular file (a named pipe or a
+    link to /dev/zero is refused, not read forever), of bounded size, whose numbers and
+    nesting Python can hold."""
+    path = directory / name
+    try:
+        raw = read_regular_file(path, MAX_JSON_BYTES + 1, follow=False)
+    except FileNotFoundError:
+        raise BuildError(f"{directory} is incomplete: {name} is missing; run planc compile "
+                         f"again") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and os.path.islink(path):
+            raise BuildError(linked(path)) from None
+        raise BuildError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_JSON_BYTES:
+        raise BuildError(f"{path} is larger than {MAX_JSON_BYTES >> 20} MiB; run planc "
+                         f"compile again")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except json.JSONDecodeError as exc:
+        raise BuildError(f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}); "
+                         f"run planc compile again") from None
+    except UnicodeDecodeError:
+        raise BuildError(f"{path} is not UTF-8 text; run planc compile again") from None
+    except ValueError as exc:  # an integer of thousands of digits
+        raise BuildError(f"{path} holds a value Python cannot read ({exc}); run planc "
+                         f"compile again") from None
+    except RecursionError:
+        raise BuildError(f"{path} nests its values too deep to be a planc build file; run "
+                         f"planc compile again") from None
+    if not isinstance(data, dict):
+        raise BuildError(f"{path} does not hold a JSON object; run planc compile again")
+    return data
+
+
+def linked(path: Path) -> str:
+    """A symbolic link inside a build: refused, not followed, wherever it points (a build
+    is untrusted input, and its files are planc's, never another directory's)."""
+    return f"{path} is a symbolic link, and a build holds none; run planc compile again"
+
+
+def read_manifest_and_plan(path: Path) -> tuple[dict, Plan]:
+    """build.json (a planc build of this format) and the plan it was compiled from."""
+    try:
+        if not path.is_dir():
+            raise BuildError(f"{path} is not a directory")
+        os.listdir(path)  # a directory that cannot be read fails here, with its reason
+        has_manifest = os.path.lexists(path / MANIFEST)
+    except OSError as exc:
+        raise BuildError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if not has_manifest:
+        raise BuildError(f"{path} is not a planc build directory (no {MANIFEST}); make one "
+                         f"with planc compile FILE -o {path}")
+    manifest = read_json(path, MANIFEST)
+    if manifest.get("format") != "planc-build":
+        raise BuildError(f"{path / MANIFEST} is not a planc build manifest (format "
+                         f"{manifest.get('format')!r}); run planc compile again")
+    if manifest.get("version") != BUILD_FORMAT_VERSION:
+        raise BuildError(f"{path / MANIFEST} says build format {manifest.get('version')!r}; "
+                         f"this planc reads version {BUILD_FORMAT_VERSION}: compile again")
+    plan_data = read_json(path, "plan.json")
+    if manifest.get("plan_sha256") != fingerprint(plan_data):
+        raise BuildError(f"{path / 'plan.json'} is not the plan this build was compiled from "
+                         f"(edited since?); change the .plan file and run planc compile again")
+    try:
+        plan = Plan.from_dict(plan_data)
+    except MALFORMED as exc:
+        raise BuildError(f"{path / 'plan.json'} is not a valid plan ({exc}); run planc "
+                         f"compile again") from None
+    return manifest, plan
+
+
+def read_program_files(path: Path, plan: Plan) -> tuple[RankTable, GroupTable, RouteTable,
+                                                       ModelTable, dict[str, Program]]:
+    """The tables and programs of programs/, each well-formed and consistent with the
+    others and with the plan's mesh and microbatches."""
+    directory = path / PROGRAMS
+    if directory.is_symlink():
+        raise BuildError(linked(directory))
+    if not directory.is_dir():
+        raise BuildError(f"{path} has no {PROGRAMS}/ directory; run planc compile again")
+    try:
+        os.listdir(directory)  # a directory that cannot be read fails here, with its reason
+    except OSError as exc:
+        raise BuildError(f"cannot read {directory}: {exc.strerror or exc}") from None
+    try:
+        table = RankTable.from_json(read_json(directory, RANK_TABLE))
+    except MALFORMED as exc:
+        raise BuildError(f"{directory / RANK_TABLE} is not a valid rank table ({exc}); run "
+                         f"planc compile again") from None
+    if (table.world, table.pp) != (plan.world, plan.mesh.pp):
+        raise BuildError(f"{directory / RANK_TABLE} is for {table.world} ranks and {table.pp} "
+                         f"stages, plan.json for {plan.world} and {plan.mesh.pp}; "
+                         f"run planc compile again")
+    try:
+        groups = GroupTable.from_json(read_json(directory, GROUPS))
+    except MALFORMED as exc:
+        raise BuildError(f"{directory / GROUPS} is not a valid group table ({exc}); run "
+                         f"planc compile again") from None
+    if groups.mesh != plan.mesh:
+        raise BuildError(f"{directory / GROUPS} is for another mesh than plan.json; run "
+                         f"planc compile again")
+    try:
+        routes = RouteTable.from_json(read_json(directory, ROUTES))
+    except MALFORMED as exc:
+        raise BuildError(f"{directory / ROUTES} is not a valid route table ({exc}); run "
+                         f"planc compile again") from None
+    try:
+        model = ModelTable.from_json(read_json(directory, MODEL_TABLE))
+    except MALFORMED as exc:
+        raise BuildError(f"{directory / MODEL_TABLE} is not a valid model table ({exc}); "
+                         f"run planc compile again") from None
+    programs = {}
+    for name in table.names:
+        if "/" in name or name.startswith(".") or name == MODEL_TABLE:
+            raise BuildError(f"{directory / RANK_TABLE} names {name!r}, not a program file")
+        try:
+            programs[name] = Program.from_json(read_json(directory, name))
+        except MALFORMED as exc:
+            raise BuildError(f"{directory / name} is not a valid program ({exc}); run planc "
+                             f"compile again") from None
+        if programs[name].microbatches != plan.schedule.microbatches:
+            raise BuildError(f"{directory / name} is for another number of microbatches than "
+                             f"plan.json; run planc compile again")
+    for rank, name in [(None, name) for name in table.stages] + list(table.overrides.items()):
+        stage = table.stages[name] if rank is None else table.stage_of(rank)
+        if programs[name].stage != stage:
+            raise BuildError(f"{directory / name} is the program of stage "
+                             f"{programs[name].stage}, but {directory / RANK_TABLE} runs it "
+                             f"on stage {stage}; run planc compile again")
+    for name, program in programs.items():
+        missing = next((block for block, _ in program.schedule
+                        if block not in program.blocks), None)
+        if missing is not None:
+            raise BuildError(f"{directory / name} schedules block {missing!r}, which it does "
+                             f"not define; run planc compile again")
+    return table, groups, routes, model, programs
+
+
+@dataclass(frozen=True)
+class RunBuild:
+    """What a rank reads of a build: the plan (as data: its name, steps and seed for
+    checkpoints and metrics), build.json's fingerprint, and programs/."""
+
+    path: str
+    plan: Plan
+    plan_sha256: str
+    programs: dict[str, Program]
+    table: RankTable
+    groups: GroupTable
+    routes: RouteTable
+    model: ModelTable
+
+
+def read_for_run(directory: str | Path) -> RunBuild:
+    """The build as a rank reads it (graph.json and summary.json are not read)."""
+    path = Path(directory)
+    manifest, plan = read_manifest_and_plan(path)
+    table, groups, routes, model, programs = read_program_files(path, plan)
+    if model.cp != table.axes["cp"][0]:
+        raise BuildError(f"{path / PROGRAMS / MODEL_TABLE} is for cp = {model.cp}, "
+                         f"{path / PROGRAMS / RANK_TABLE} for {table.axes['cp'][0]}; run "
+                         f"planc compile again")
+    for name, program in programs.items():  # every parameter a rank holds has a rule
+        try:
+            member = next((m["param"] for bucket in program.buckets.values()
+                           for m in bucket["members"]
+                           if m["param"] not in model.parameters or
+                           list(model.parameters[m["param"]].shape) != m["full_shape"]), None)
+        except MALFORMED as exc:
+            raise BuildError(f"{path / PROGRAMS / name} has malformed buckets ({exc}); run "
+                             f"planc compile again") from None
+        if member is not None:
+            raise BuildError(f"{path / PROGRAMS / name} holds parameter {member!r}, which "
+                             f"{MODEL_TABLE} does not list with that shape; run planc "
+                             f"compile again")
+    return RunBuild(str(path), plan, manifest["plan_sha256"], programs, table, groups,
+                    routes, model)

@@ -1,0 +1,122 @@
+"""The rules of docs/architecture.md, checked on the source: no import cycles, no module
+over 500 lines, torch only under planc/runtime, and a runtime that reads the build, not
+the compiler's inputs.
+
+Imports are read from the source (nothing is imported), every ``import`` counts, at
+module level or inside a function: an import deferred into a function to dodge a cycle
+is still a cycle of meaning. Only imports under ``if TYPE_CHECKING:`` do not count: they
+never run, and serve annotations alone.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "planc"
+MAX_LINES = 500
+
+# The runtime executes what the compiler wrote. Only the single-process reference (the
+# oracle of planc run --check), the check that compares against it and calibrate build
+# anything from the plan.
+RUNTIME_MAY_READ_THE_PLAN = {"planc.runtime.reference", "planc.runtime.check",
+                             "planc.runtime.calibrate"}
+COMPILER_INPUTS = ("networkx", "planc.plan", "planc.models", "planc.layout",
+                   "planc.graph.derive", "planc.graph.axes", "planc.graph.tensor_parallel",
+                   "planc.graph.parameters", "planc.graph.model")
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _annotations_only(tree: ast.AST) -> set[int]:
+    """The ids of the nodes under ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``)."""
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and (
+                isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING" or
+                isinstance(node.test, ast.Attribute) and node.test.attr == "TYPE_CHECKING"):
+            skipped.update(id(inner) for child in node.body for inner in ast.walk(child))
+    return skipped
+
+
+def imported(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """Every module ``name`` imports: planc's by module name, others by their top name."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    skipped = _annotations_only(tree)
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                       for a in node.names]
+        else:
+            continue
+        for target in targets:
+            if target.split(".")[0] != "planc":
+                found.add(target)
+                continue
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def import_graph() -> nx.DiGraph:
+    known = modules()
+    graph = nx.DiGraph()
+    for name, path in known.items():
+        graph.add_node(name)
+        graph.add_edges_from((name, target) for target in imported(name, path, known))
+    return graph
+
+
+def test_no_import_cycles():
+    graph = import_graph().subgraph(modules())
+    cycles = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
+    assert cycles == []
+
+
+def test_no_module_is_over_500_lines():
+    lengths = {name: len(path.read_text(encoding="utf-8").splitlines())
+               for name, path in modules().items()}
+    assert {name: n for name, n in lengths.items() if n > MAX_LINES} == {}
+
+
+def test_torch_is_imported_only_by_the_runtime():
+    graph = import_graph()
+    users = {name for name in modules() if any(t.split(".")[0] == "torch"
+                                               for t in graph.successors(name))}
+    assert users and all(name.startswith("planc.runtime") for name in users), sorted(users)
+
+
+def test_the_runtime_reads_the_build_not_the_compilers_inputs():
+    graph = import_graph()
+    found = {}
+    for name in modules():
+        if not name.startswith("planc.runtime") or name in RUNTIME_MAY_READ_THE_PLAN:
+            continue
+        reads = sorted(t for t in graph.successors(name)
+                       if any(t == c or t.startswith(c + ".") for c in COMPILER_INPUTS))
+        if reads:
+            found[name] = reads
+    assert found == {}
