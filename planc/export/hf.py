@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from planc.checkpoint import CheckpointError
-from planc.models import family_of
+from planc.models import FAMILIES, family_of
 from planc.plan import Model
 
 # planc name within a block -> (transformers name within a decoder layer, transposed)
@@ -70,9 +70,12 @@ def check_llama(directory: Path, manifest: dict) -> None:
     """CheckpointError unless the checkpoint holds a llama model's parameters, each of
     the shape its model block gives it: what hf_name and the transposes need."""
     model = manifest["model"]
-    if model["family"] != "llama":
+    family = FAMILIES.get(model["family"])
+    if family is None or family.hf_architecture is None:
+        writable = ", ".join(f"{name} ({f.hf_architecture})" for name, f in FAMILIES.items()
+                             if f.hf_architecture)
         raise CheckpointError(f"{directory} holds a model {model['family']}; "
-                              f"--format hf writes llama models (LlamaForCausalLM)")
+                              f"--format hf writes {writable} models")
     block = Model(**model)  # every field checked with the manifest
     stored = {name: info["shape"] for name, info in manifest["parameters"].items()}
     expected = {p.name: list(p.shape) for p in family_of(block).all_parameters(block)}

@@ -160,6 +160,8 @@ class Family:
     # (model key, shard.tp slot, placement): tp must divide the key under the placement
     tensor_parallel_splits: tuple[tuple[str, str, str], ...] = PRE_NORM_SPLITS
     tensor_parallel_checks: tuple[TensorParallelCheck, ...] = ()
+    # The transformers class `planc export --format hf` writes this family as (None: none)
+    hf_architecture: str | None = None
 
     @property
     def own_keys(self) -> tuple[str, ...]:

@@ -260,4 +260,5 @@ FAMILY = Family(
     presets=PRESETS,
     model_checks=(kv_heads_divide_heads, head_dim_even),
     tensor_parallel_checks=(kv_heads_split_over_tp,),
+    hf_architecture="LlamaForCausalLM",
 )
