@@ -123,6 +123,16 @@ def read_manifest_and_plan(path: Path) -> tuple[dict, Plan]:
     return manifest, plan
 
 
+def _table(directory: Path, name: str, parse, what: str):
+    """``parse`` of the JSON file ``name`` of programs/; a malformed one is a BuildError
+    that says it is not a valid ``what``."""
+    try:
+        return parse(read_json(directory, name))
+    except MALFORMED as exc:
+        raise BuildError(f"{directory / name} is not a valid {what} ({exc}); run planc "
+                         f"compile again") from None
+
+
 def read_program_files(path: Path, plan: Plan) -> tuple[RankTable, GroupTable, RouteTable,
                                                        ModelTable, dict[str, Program]]:
     """The tables and programs of programs/, each well-formed and consistent with the
@@ -136,42 +146,22 @@ def read_program_files(path: Path, plan: Plan) -> tuple[RankTable, GroupTable, R
         os.listdir(directory)  # a directory that cannot be read fails here, with its reason
     except OSError as exc:
         raise BuildError(f"cannot read {directory}: {exc.strerror or exc}") from None
-    try:
-        table = RankTable.from_json(read_json(directory, RANK_TABLE))
-    except MALFORMED as exc:
-        raise BuildError(f"{directory / RANK_TABLE} is not a valid rank table ({exc}); run "
-                         f"planc compile again") from None
+    table = _table(directory, RANK_TABLE, RankTable.from_json, "rank table")
     if (table.world, table.pp) != (plan.world, plan.mesh.pp):
         raise BuildError(f"{directory / RANK_TABLE} is for {table.world} ranks and {table.pp} "
                          f"stages, plan.json for {plan.world} and {plan.mesh.pp}; "
                          f"run planc compile again")
-    try:
-        groups = GroupTable.from_json(read_json(directory, GROUPS))
-    except MALFORMED as exc:
-        raise BuildError(f"{directory / GROUPS} is not a valid group table ({exc}); run "
-                         f"planc compile again") from None
+    groups = _table(directory, GROUPS, GroupTable.from_json, "group table")
     if groups.mesh != plan.mesh:
         raise BuildError(f"{directory / GROUPS} is for another mesh than plan.json; run "
                          f"planc compile again")
-    try:
-        routes = RouteTable.from_json(read_json(directory, ROUTES))
-    except MALFORMED as exc:
-        raise BuildError(f"{directory / ROUTES} is not a valid route table ({exc}); run "
-                         f"planc compile again") from None
-    try:
-        model = ModelTable.from_json(read_json(directory, MODEL_TABLE))
-    except MALFORMED as exc:
-        raise BuildError(f"{directory / MODEL_TABLE} is not a valid model table ({exc}); "
-                         f"run planc compile again") from None
+    routes = _table(directory, ROUTES, RouteTable.from_json, "route table")
+    model = _table(directory, MODEL_TABLE, ModelTable.from_json, "model table")
     programs = {}
     for name in table.names:
         if "/" in name or name.startswith(".") or name == MODEL_TABLE:
             raise BuildError(f"{directory / RANK_TABLE} names {name!r}, not a program file")
-        try:
-            programs[name] = Program.from_json(read_json(directory, name))
-        except MALFORMED as exc:
-            raise BuildError(f"{directory / name} is not a valid program ({exc}); run planc "
-                             f"compile again") from None
+        programs[name] = _table(directory, name, Program.from_json, "program")
         if programs[name].microbatches != plan.schedule.microbatches:
             raise BuildError(f"{directory / name} is for another number of microbatches than "
                              f"plan.json; run planc compile again")

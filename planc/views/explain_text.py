@@ -39,13 +39,14 @@ def _group_text(plan: Plan, ranks: Layout, data: dict) -> str:
     return f"{len(members)} ranks, {where}: [{shown}]"
 
 
-def what_it_moves(data: dict) -> str:
-    """The bracketed subject of a row: producer -> consumer, the tensor, or the bucket."""
-    if "producer" in data:
-        return f"{data['producer']} -> {data['consumer']}"
+def what_it_moves(data: dict, arrow: str = "->") -> str:
+    """What a transfer moves: producer -> consumer, the tensor, or the bucket (the
+    bracketed subject of an explain row; planc graph's labels draw the arrow as one)."""
+    if data.get("producer"):
+        return f"{data['producer']} {arrow} {data['consumer']}"
     if data.get("tensor"):
-        return data["tensor"]
-    return f"bucket {data['bucket']}"
+        return str(data["tensor"])
+    return f"bucket {data['bucket']}" if data.get("bucket") else ""
 
 
 def sharing(data: dict, bucket: dict) -> list[dict]:

@@ -16,7 +16,7 @@ from planc.graph.summary import crosses_nodes
 from planc.lang.units import TIME, format_bytes, format_flops, format_quantity
 from planc.layout import Layout
 from planc.mesh import WHOLE
-from planc.views.explain_text import sharing
+from planc.views.explain_text import sharing, what_it_moves
 from planc.plan import Plan
 from planc.words import counted
 
@@ -26,6 +26,7 @@ AXIS_FILLS = {"tp": "#fbe3e3", "cp": "#efe6f6", "pp": "#e1ecf7", "dp_cp": "#e3f3
               "tied": "#f1e7e3", "stage": "#eeeeee"}
 PHASE_FILLS = {"forward": "#eef4fb", "backward": "#fdf2e6", "optimizer": "#eef7ee"}
 COMPUTE_STROKE = "#6b7b8c"
+ARROW = "\u2192"  # producer \u2192 consumer, in labels and the panel
 
 
 def format_time(seconds: float) -> str:
@@ -49,15 +50,6 @@ def step_letter(data: dict) -> str:
     return "R" if data.get("recompute") else "W" if data.get("weight_grad_of") else "B"
 
 
-def what_it_moves(data: dict) -> str:
-    """producer -> consumer, the tensor, or the bucket (as planc explain says it)."""
-    if data.get("producer"):
-        return f"{data['producer']} \u2192 {data['consumer']}"
-    if data.get("tensor"):
-        return str(data["tensor"])
-    return f"bucket {data['bucket']}" if data.get("bucket") else ""
-
-
 def node_lines(data: dict) -> list[str]:
     """A node's label: what it is and its layer; what it moves; its size or FLOPs."""
     layer = f" \u00b7 L{data['layer']}" if data["layer"] is not None else ""
@@ -67,7 +59,7 @@ def node_lines(data: dict) -> list[str]:
         name = "optimizer " + data["bucket"] if data["op"] == "optimizer" else str(data["op"])
         return [f"{step_letter(data)} {name}{layer}{microbatch}",
                 f"{format_flops(data['flops'])}{times}"]
-    return [f"{data['kind']} {data['axis']}{layer}{microbatch}", what_it_moves(data),
+    return [f"{data['kind']} {data['axis']}{layer}{microbatch}", what_it_moves(data, ARROW),
             f"{format_bytes(data['bytes'])}{times}"]
 
 
@@ -124,7 +116,7 @@ class Facts:
                 often, ["per step", format_bytes(data["bytes"] * data["repeat"])],
                 ["estimated time", f"{format_time(seconds)} each{route}, "
                                    f"{format_time(seconds * data['repeat'])} per step"],
-                ["moves", what_it_moves(data)], *where, ["payload", str(data["payload"])]]
+                ["moves", what_it_moves(data, ARROW)], *where, ["payload", str(data["payload"])]]
         if data.get("shape"):
             rows.append(["shape", " x ".join(map(str, data["shape"]))])
         if data.get("stream"):
@@ -142,12 +134,6 @@ class Facts:
                 for m in sharing(data, bucket)]
 
 
-def stage_ranks(plan: Plan, stage: int) -> tuple[int, ...]:
-    """The ranks of pipeline ``stage`` (they differ in tp, cp and dp)."""
-    ranks = Layout.of(plan)
-    return ranks.group(ranks.first_rank_of_stage(stage), Axis.STAGE)
-
-
 def ranks_text(ranks: tuple[int, ...]) -> str:
     """``ranks 0-1, 4-5``; many runs are cut: ``64 ranks: 0-3, 16-19, ... 60-63``."""
     runs: list[list[int]] = []
@@ -163,4 +149,7 @@ def ranks_text(ranks: tuple[int, ...]) -> str:
 
 
 def lane_labels(plan: Plan, stages) -> dict[int, list[str]]:
-    return {s: [f"stage {s}", ranks_text(stage_ranks(plan, s))] for s in stages}
+    """Each stage's lane label: its name and its ranks (which differ in tp, cp and dp)."""
+    ranks = Layout.of(plan)
+    return {s: [f"stage {s}", ranks_text(ranks.group(ranks.first_rank_of_stage(s),
+                                                     Axis.STAGE))] for s in stages}

@@ -19,9 +19,8 @@
 
   const nodes = D.nodes, groups = D.groups;
   for (const [i, n] of nodes.entries()) n.index = i;
-  const layerOf = n => { const m = / \u00b7 L(\d+)/.exec(n.lines[0]); return m ? +m[1] : null; };
   const haystack = nodes.map(n => [n.id, ...n.lines, n.axis || "", groups[n.g].title,
-    `stage ${n.stage}`, layerOf(n) === null ? "" : `layer ${layerOf(n)} L${layerOf(n)}`,
+    `stage ${n.stage}`, n.layer === null ? "" : `layer ${n.layer} L${n.layer}`,
     ...(n.params || []).map(p => p[0])].join(" ").toLowerCase());
 
   // --- what is drawn --------------------------------------------------------------------

@@ -69,7 +69,7 @@ def payload(graph: nx.DiGraph, title: str, plan: Plan, table: GroupTable | None 
     for node, data in graph.nodes(data=True):
         fill, stroke = colours(data)
         item = {"id": node, "g": owner[node], "t": data["type"][0], "lines": node_lines(data),
-                "fill": fill, "stroke": stroke, "stage": data["stage"],
+                "fill": fill, "stroke": stroke, "stage": data["stage"], "layer": data["layer"],
                 "rows": facts.rows(node)}
         if data["type"] == "transfer":
             item.update(axis=str(data["axis"]), level=str(data.get("level", WHOLE)),

@@ -58,13 +58,12 @@ def _graphviz(source: str, fmt: str) -> bytes:
 def render(graph: nx.DiGraph, fmt: str, title: str, plan: Plan) -> bytes:
     """``fmt`` of ``graph``: the SVG is planc's own layout (graph_svg), any size in about a
     second; PNG is Graphviz's drawing of the DOT, whose big groups are cards."""
-    labels = lane_labels(plan, sorted({d["stage"] for _, d in graph.nodes(data=True)}))
-    if fmt == "dot":
-        return dot.to_dot(graph, title, labels).encode()
-    if fmt == "svg":
-        return graph_svg.to_svg(graph, title, labels).encode()
-    if fmt == "png":
-        return _graphviz(dot.to_dot(graph, title, labels), fmt)
+    if fmt in ("dot", "svg", "png"):
+        labels = lane_labels(plan, sorted({d["stage"] for _, d in graph.nodes(data=True)}))
+        if fmt == "svg":
+            return graph_svg.to_svg(graph, title, labels).encode()
+        text = dot.to_dot(graph, title, labels)
+        return text.encode() if fmt == "dot" else _graphviz(text, fmt)
     if fmt == "graphml":
         return _graphml(graph)
     if fmt == "json":
