@@ -33,8 +33,8 @@ import networkx as nx
 from planc import __version__
 from planc.build_files import (BUILD_FORMAT_VERSION, GROUPS, MALFORMED,  # noqa: F401 (API)
                                MANIFEST, MAX_JSON_BYTES, MODEL_TABLE, PROGRAMS, RANK_TABLE,
-                               ROUTES, BuildError, read_manifest_and_plan,
-                               read_program_files)
+                               ROUTES, BuildError, PlanShape, invalid_plan,
+                               read_manifest_and_plan_data, read_program_files)
 from planc.build_files import fingerprint as _fingerprint
 from planc.build_files import read_json as _read_json
 from planc.collector import without_collector
@@ -217,7 +217,11 @@ def plan_fingerprint(plan: Plan) -> str:
 def read(directory: str | Path) -> Build:
     """Load a build directory, checking its manifest and every file's format."""
     path = Path(directory)
-    manifest, plan = read_manifest_and_plan(path)
+    manifest, plan_data = read_manifest_and_plan_data(path)
+    try:
+        plan = Plan.from_dict(plan_data)
+    except MALFORMED as exc:
+        raise invalid_plan(path, exc) from None
     graph_data = _read_json(path, "graph.json")
     attributes = graph_data.get("graph")
     if not isinstance(attributes, dict) or \
@@ -265,7 +269,8 @@ def read_programs(build: Build) -> Build:
     """The build with its rank programs and rank table, read from programs/."""
     directory = Path(build.path) / PROGRAMS
     plan = build.plan
-    table, groups, routes, model, programs = read_program_files(Path(build.path), plan)
+    table, groups, routes, model, programs = read_program_files(
+        Path(build.path), PlanShape.of(plan.to_dict(), Path(build.path)))
     if groups != group_table(plan.mesh, plan.topology.devices_per_node,
                              plan.model.tie_embeddings, plan.shard.pp.virtual,
                              split_refs(build.graph)):

@@ -23,7 +23,8 @@ from planc.lower.groups import GroupTable
 from planc.lower.model_table import ModelTable
 from planc.lower.program import Program, RankTable
 from planc.lower.routes import RouteTable
-from planc.plan import Plan
+from planc.mesh import AXES, is_axis_order
+from planc.training_record import TrainingRecord
 
 BUILD_FORMAT_VERSION = 3  # 3: programs/model.json, the model table
 MANIFEST = "build.json"
@@ -92,8 +93,10 @@ def linked(path: Path) -> str:
     return f"{path} is a symbolic link, and a build holds none; run planc compile again"
 
 
-def read_manifest_and_plan(path: Path) -> tuple[dict, Plan]:
-    """build.json (a planc build of this format) and the plan it was compiled from."""
+def read_manifest_and_plan_data(path: Path) -> tuple[dict, dict]:
+    """build.json (a planc build of this format) and plan.json, the plan it was compiled
+    from, as JSON (the compiler reads it back into a planc.plan.Plan; a rank needs only
+    :class:`PlanShape` and planc.checkpoint.TrainingRecord of it)."""
     try:
         if not path.is_dir():
             raise BuildError(f"{path} is not a directory")
@@ -115,12 +118,43 @@ def read_manifest_and_plan(path: Path) -> tuple[dict, Plan]:
     if manifest.get("plan_sha256") != fingerprint(plan_data):
         raise BuildError(f"{path / 'plan.json'} is not the plan this build was compiled from "
                          f"(edited since?); change the .plan file and run planc compile again")
-    try:
-        plan = Plan.from_dict(plan_data)
-    except MALFORMED as exc:
-        raise BuildError(f"{path / 'plan.json'} is not a valid plan ({exc}); run planc "
-                         f"compile again") from None
-    return manifest, plan
+    return manifest, plan_data
+
+
+def invalid_plan(path: Path, exc: BaseException) -> BuildError:
+    return BuildError(f"{path / 'plan.json'} is not a valid plan ({exc}); run planc compile "
+                      f"again")
+
+
+@dataclass(frozen=True)
+class PlanShape:
+    """What programs/ must agree with in plan.json: the mesh and the microbatches."""
+
+    sizes: dict[str, int]
+    order: tuple[str, ...]
+    microbatches: int
+
+    @property
+    def world(self) -> int:
+        out = 1
+        for size in self.sizes.values():
+            out *= size
+        return out
+
+    @staticmethod
+    def of(plan_data: dict, path: Path) -> "PlanShape":
+        try:
+            mesh = plan_data["mesh"]
+            sizes = {axis: mesh[axis] for axis in AXES}
+            order = tuple(mesh["order"])
+            microbatches = plan_data["schedule"]["microbatches"]
+        except MALFORMED as exc:
+            raise invalid_plan(path, exc) from None
+        if not all(type(v) is int and v >= 1 for v in (*sizes.values(), microbatches)) or \
+                not all(isinstance(a, str) for a in order) or not is_axis_order(order):
+            raise invalid_plan(path, "its mesh or microbatches are not positive integers "
+                                     "over the mesh's axes")
+        return PlanShape(sizes, order, microbatches)
 
 
 def _table(directory: Path, name: str, parse, what: str):
@@ -133,8 +167,8 @@ def _table(directory: Path, name: str, parse, what: str):
                          f"compile again") from None
 
 
-def read_program_files(path: Path, plan: Plan) -> tuple[RankTable, GroupTable, RouteTable,
-                                                       ModelTable, dict[str, Program]]:
+def read_program_files(path: Path, plan: PlanShape) -> tuple[
+        RankTable, GroupTable, RouteTable, ModelTable, dict[str, Program]]:
     """The tables and programs of programs/, each well-formed and consistent with the
     others and with the plan's mesh and microbatches."""
     directory = path / PROGRAMS
@@ -147,12 +181,12 @@ def read_program_files(path: Path, plan: Plan) -> tuple[RankTable, GroupTable, R
     except OSError as exc:
         raise BuildError(f"cannot read {directory}: {exc.strerror or exc}") from None
     table = _table(directory, RANK_TABLE, RankTable.from_json, "rank table")
-    if (table.world, table.pp) != (plan.world, plan.mesh.pp):
+    if (table.world, table.pp) != (plan.world, plan.sizes["pp"]):
         raise BuildError(f"{directory / RANK_TABLE} is for {table.world} ranks and {table.pp} "
-                         f"stages, plan.json for {plan.world} and {plan.mesh.pp}; "
+                         f"stages, plan.json for {plan.world} and {plan.sizes['pp']}; "
                          f"run planc compile again")
     groups = _table(directory, GROUPS, GroupTable.from_json, "group table")
-    if groups.mesh != plan.mesh:
+    if (groups.ranks.sizes, groups.ranks.order) != (plan.sizes, plan.order):
         raise BuildError(f"{directory / GROUPS} is for another mesh than plan.json; run "
                          f"planc compile again")
     routes = _table(directory, ROUTES, RouteTable.from_json, "route table")
@@ -162,7 +196,7 @@ def read_program_files(path: Path, plan: Plan) -> tuple[RankTable, GroupTable, R
         if "/" in name or name.startswith(".") or name == MODEL_TABLE:
             raise BuildError(f"{directory / RANK_TABLE} names {name!r}, not a program file")
         programs[name] = _table(directory, name, Program.from_json, "program")
-        if programs[name].microbatches != plan.schedule.microbatches:
+        if programs[name].microbatches != plan.microbatches:
             raise BuildError(f"{directory / name} is for another number of microbatches than "
                              f"plan.json; run planc compile again")
     for rank, name in [(None, name) for name in table.stages] + list(table.overrides.items()):
@@ -182,11 +216,13 @@ def read_program_files(path: Path, plan: Plan) -> tuple[RankTable, GroupTable, R
 
 @dataclass(frozen=True)
 class RunBuild:
-    """What a rank reads of a build: the plan (as data: its name, steps and seed for
-    checkpoints and metrics), build.json's fingerprint, and programs/."""
+    """What a rank reads of a build: programs/, build.json's fingerprint, and of plan.json
+    what a checkpoint records (``record``); ``plan_data``, plan.json itself, goes only to
+    the single-process reference of --check."""
 
     path: str
-    plan: Plan
+    record: TrainingRecord
+    plan_data: dict
     plan_sha256: str
     programs: dict[str, Program]
     table: RankTable
@@ -198,8 +234,13 @@ class RunBuild:
 def read_for_run(directory: str | Path) -> RunBuild:
     """The build as a rank reads it (graph.json and summary.json are not read)."""
     path = Path(directory)
-    manifest, plan = read_manifest_and_plan(path)
-    table, groups, routes, model, programs = read_program_files(path, plan)
+    manifest, plan_data = read_manifest_and_plan_data(path)
+    try:
+        record = TrainingRecord.of(plan_data)
+    except MALFORMED as exc:
+        raise invalid_plan(path, exc) from None
+    table, groups, routes, model, programs = read_program_files(
+        path, PlanShape.of(plan_data, path))
     if model.cp != table.axes["cp"][0]:
         raise BuildError(f"{path / PROGRAMS / MODEL_TABLE} is for cp = {model.cp}, "
                          f"{path / PROGRAMS / RANK_TABLE} for {table.axes['cp'][0]}; run "
@@ -217,5 +258,5 @@ def read_for_run(directory: str | Path) -> RunBuild:
             raise BuildError(f"{path / PROGRAMS / name} holds parameter {member!r}, which "
                              f"{MODEL_TABLE} does not list with that shape; run planc "
                              f"compile again")
-    return RunBuild(str(path), plan, manifest["plan_sha256"], programs, table, groups,
-                    routes, model)
+    return RunBuild(str(path), record, plan_data, manifest["plan_sha256"], programs, table,
+                    groups, routes, model)

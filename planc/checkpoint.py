@@ -30,7 +30,6 @@ and its values by :mod:`planc.runtime.checkpoint_values`.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -45,7 +44,7 @@ from planc.checkpoint_manifest import (FORMAT, MANIFEST, MODEL_INDEX,  # noqa: F
                                        CheckpointError, read_manifest, reason, shown,
                                        state_keys, state_name)
 from planc.files import fsync_directory, kind_of, read_regular_file, write_atomically  # noqa: F401 (fsync_directory: API)
-from planc.plan import json_form
+from planc.training_record import TrainingRecord
 
 LATEST = "latest"
 STEP_DIR = re.compile(r"step-([0-9]{6,})")
@@ -72,13 +71,6 @@ def optimizer_file(stage: int, stages: int) -> str:
     return f"optimizer-{stage:05d}-of-{stages:05d}.safetensors"
 
 
-def as_json(value) -> object:
-    """A dataclass (plan.model, plan.train.optimizer) as JSON would give it back."""
-    if dataclasses.is_dataclass(value):
-        value = json_form(value)  # as plan.json writes it
-    return json.loads(json.dumps(value))
-
-
 # --- writing files: whole or not at all --------------------------------------------------
 
 
@@ -97,36 +89,30 @@ def dump_json(data: dict) -> bytes:
 # --- the manifest ------------------------------------------------------------------------
 
 
-def make_manifest(plan, step: int, parameters: dict[str, dict], files: dict[str, dict],
+def make_manifest(record: TrainingRecord, step: int, parameters: dict[str, dict], files: dict[str, dict],
                   history: list[dict], optimizer_steps: int | None) -> dict:
     """The manifest of the checkpoint written after ``step`` steps (0-based steps 0 to
     step - 1 are done; the next to run is ``step``)."""
-    optimizer = as_json(plan.train.optimizer)
+    optimizer = dict(record.optimizer)
     return {
         "format": FORMAT, "version": VERSION, "planc": _planc_version(),
-        "plan": plan.name, "step": step,
-        "model": as_json(plan.model),
+        "plan": record.name, "step": step,
+        "model": dict(record.model),
         "optimizer": {**optimizer, "state": list(state_keys(optimizer)),
                       "steps": optimizer_steps},
-        "data": {"next_step": step, "seed": plan.train.seed, "source": plan.train.data},
+        "data": {"next_step": step, "seed": record.seed, "source": record.data},
         "rng": {"file": RNG_FILE, "tensors": [RNG_TENSOR]},
-        "layout": layout_of(plan),
+        "layout": dict(record.layout),
         "history": history,
         "parameters": parameters,
         "files": files,
     }
 
 
-def layout_of(plan) -> dict:
-    mesh = plan.mesh
-    return {"tp": mesh.tp, "cp": mesh.cp, "pp": mesh.pp, "dp": mesh.dp,
-            "zero": plan.shard.dp.zero, "microbatches": plan.schedule.microbatches}
-
-
-def history_segment(plan, first: int, last: int) -> dict:
+def history_segment(record: TrainingRecord, first: int, last: int) -> dict:
     """Who trained steps first..last: plan, layout, seed and data."""
-    return {"plan": plan.name, "first_step": first, "last_step": last,
-            "layout": layout_of(plan), "seed": plan.train.seed, "data": plan.train.data}
+    return {"plan": record.name, "first_step": first, "last_step": last,
+            "layout": dict(record.layout), "seed": record.seed, "data": record.data}
 
 
 def _planc_version() -> str:
@@ -237,21 +223,21 @@ def _step_directory(path: Path, latest: bool) -> None:
         raise CheckpointError(f"{path} is {what}, not a step directory")
 
 
-def problems_resuming(manifest: dict, plan, buckets: dict[str, dict] | None,
+def problems_resuming(manifest: dict, record: TrainingRecord, buckets: dict[str, dict] | None,
                       steps: int) -> str | None:
-    """Why ``plan`` cannot continue from the checkpoint, or None: another model (any key of
+    """Why the plan of ``record`` cannot continue from the checkpoint, or None: another model (any key of
     the model block), another optimizer (its kind or a hyper-parameter: the state would mean
     something else), parameters of other names or shapes than the build's ``buckets`` (not
     compared when None: before compiling), or no step left to run."""
-    differences = _differences(manifest["model"], as_json(plan.model))
+    differences = _differences(manifest["model"], record.model)
     if differences:
         return f"the checkpoint's model differs from the plan's: {differences}"
     saved = {k: v for k, v in manifest["optimizer"].items() if k not in ("state", "steps")}
-    differences = _differences(saved, as_json(plan.train.optimizer))
+    differences = _differences(saved, record.optimizer)
     if differences:
         return (f"the checkpoint's optimizer differs from the plan's: {differences} (its "
                 f"state would not mean the same)")
-    keys = list(state_keys(as_json(plan.train.optimizer)))
+    keys = list(state_keys(record.optimizer))
     if list(manifest["optimizer"].get("state") or []) != keys:
         return (f"the checkpoint holds optimizer state {manifest['optimizer'].get('state')}, "
                 f"the plan's optimizer needs {keys}")
@@ -274,11 +260,11 @@ def problems_resuming(manifest: dict, plan, buckets: dict[str, dict] | None,
     return None
 
 
-def problems_checking(manifest: dict, plan) -> str | None:
-    """--check with --resume compares with one process trained from step 0 under ``plan``:
+def problems_checking(manifest: dict, record: TrainingRecord) -> str | None:
+    """--check with --resume compares with one process trained from step 0 under the plan:
     it needs every step of the checkpoint trained with the plan's seed and data."""
     for segment in manifest["history"]:
-        for key, mine in (("seed", plan.train.seed), ("data", plan.train.data)):
+        for key, mine in (("seed", record.seed), ("data", record.data)):
             if segment.get(key) != mine:
                 return (f"--check with --resume compares with one process trained from step "
                         f"0 under this plan, but steps {segment.get('first_step')}.."
@@ -287,12 +273,12 @@ def problems_checking(manifest: dict, plan) -> str | None:
     return None
 
 
-def data_notes(manifest: dict, plan) -> list[str]:
+def data_notes(manifest: dict, record: TrainingRecord) -> list[str]:
     """Warnings: the plan draws its batches from another seed or source than the
     checkpoint's last steps did."""
     data = manifest["data"]
     notes = []
-    for key, mine in (("seed", plan.train.seed), ("source", plan.train.data)):
+    for key, mine in (("seed", record.seed), ("source", record.data)):
         if data.get(key) != mine:
             notes.append(f"the checkpoint was trained with data {key} {data.get(key)!r}, the "
                          f"plan has {mine!r}: steps from {manifest['step']} on read the "

@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import json
 import math
 import re
 import typing
 from pathlib import Path
+from types import SimpleNamespace
 
 from planc.files import read_regular_file
 from planc.mesh import AXES
-from planc.models import FAMILIES
-from planc.plan import DTYPE_BYTES, LIMITS, Model, Optimizer
 
 FORMAT = "planc-checkpoint"
 VERSION = 1
@@ -247,30 +247,41 @@ def _list(value: object, where: str, low: int = 0, high: int = MAX_WHOLE) -> lis
     return value
 
 
-_MODEL_TYPES = typing.get_type_hints(Model)
+@functools.cache
+def _language():
+    """The language's rules for a model block, an optimizer and the limits: a manifest's
+    sections are checked as the plan checks them. Loaded when a manifest is first read, so
+    that a rank that does not resume never loads the language (planc.plan)."""
+    from planc.models import FAMILIES
+    from planc.plan import DTYPE_BYTES, LIMITS, Model, Optimizer
+
+    return SimpleNamespace(families=FAMILIES, dtypes=DTYPE_BYTES, limits=LIMITS,
+                           model=Model, optimizer=Optimizer,
+                           model_types=typing.get_type_hints(Model))
 
 
 def _model(value: object, where: str) -> None:
     """Every field of the plan's model block (planc.plan.Model), as the plan checks it."""
-    names = [f.name for f in dataclasses.fields(Model)
+    language = _language()
+    names = [f.name for f in dataclasses.fields(language.model)
              if not (f.metadata.get("omitted_when_empty") and isinstance(value, dict)
                      and f.name not in value)]  # written only when the model has some
     _fields(value, where, names)
     for name in names:
-        item, at, hint = value[name], _at(where, name), _MODEL_TYPES[name]
+        item, at, hint = value[name], _at(where, name), language.model_types[name]
         if name == "options":  # a family's own keys: names and plain JSON values
             if not isinstance(item, dict) or not item or not all(
                     isinstance(v, (bool, int, float, str)) for v in item.values()):
                 raise _wrong(at, item, "an object of a family's keys and their values")
         elif name == "dtype":
-            _one_of(item, at, DTYPE_BYTES)
+            _one_of(item, at, language.dtypes)
         elif name == "family":
-            _one_of(item, at, FAMILIES)
+            _one_of(item, at, language.families)
         elif hint is bool:
             if not isinstance(item, bool):
                 raise _wrong(at, item, "true or false")
         elif hint is int:
-            _whole(item, at, 1, LIMITS["layers"] if name == "layers" else MAX_WHOLE)
+            _whole(item, at, 1, language.limits["layers"] if name == "layers" else MAX_WHOLE)
         elif hint is float:
             _real(item, at, positive=True)
         elif typing.get_args(hint) == (int, type(None)):
@@ -281,7 +292,7 @@ def _model(value: object, where: str) -> None:
 
 
 def _optimizer(value: object, where: str, step: int) -> None:
-    names = [f.name for f in dataclasses.fields(Optimizer)]
+    names = [f.name for f in dataclasses.fields(_language().optimizer)]
     optimizer = _fields(value, where, [*names, "state", "steps"])
     _one_of(optimizer["name"], _at(where, "name"), ("sgd", "adamw"))
     _real(optimizer["lr"], _at(where, "lr"), positive=True)
@@ -310,9 +321,10 @@ def _optimizer(value: object, where: str, step: int) -> None:
 def _layout(value: object, where: str) -> dict:
     layout = _fields(value, where, (*AXES, "zero", "microbatches"))
     for axis in AXES:
-        _whole(layout[axis], _at(where, axis), 1, LIMITS["world"])
+        _whole(layout[axis], _at(where, axis), 1, _language().limits["world"])
     _whole(layout["zero"], _at(where, "zero"), 0, 3)
-    _whole(layout["microbatches"], _at(where, "microbatches"), 1, LIMITS["microbatches"])
+    _whole(layout["microbatches"], _at(where, "microbatches"), 1,
+           _language().limits["microbatches"])
     return layout
 
 

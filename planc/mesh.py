@@ -145,6 +145,53 @@ class PlacedAxis:
     stride: int
 
 
+# --- how a group sits on nodes (the cost model and the routes read it) ------------------
+
+def counts_of(members: Iterable[int], devices_per_node: int) -> tuple[int, ...]:
+    """Members on each node a group spans, in node order."""
+    counts: dict[int, int] = {}
+    for rank in sorted(members):
+        counts[rank // devices_per_node] = counts.get(rank // devices_per_node, 0) + 1
+    return tuple(counts.values())
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How one group sits on nodes: its size, the nodes it spans, and its members per
+    node when every node holds the same number (``None`` when they differ)."""
+
+    size: int
+    nodes: int
+    per_node: int | None
+    most_per_node: int
+    fewest_per_node: int
+
+    @staticmethod
+    def of(members: Iterable[int], devices_per_node: int) -> "Placement":
+        return Placement.of_counts(counts_of(members, devices_per_node))
+
+    @staticmethod
+    def of_counts(counts: tuple[int, ...]) -> "Placement":
+        """The placement of a group with ``counts`` members on each node it spans."""
+        values = set(counts)
+        return Placement(sum(counts), len(counts),
+                         next(iter(values)) if len(values) == 1 else None,
+                         max(values, default=0), min(values, default=0))
+
+    @staticmethod
+    def within_node(size: int) -> "Placement":
+        return Placement(size, 1, size, size, size)
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return self.nodes > 1
+
+    def text(self) -> str:
+        per = (f"{self.per_node} per node" if self.per_node is not None else
+               f"{self.fewest_per_node}..{self.most_per_node} per node")
+        return f"{self.size} ranks on {self.nodes} node{'s' * (self.nodes != 1)}, {per}"
+
+
 @dataclass(frozen=True)
 class RankMesh:
     """The ranks of one mesh: coordinates, groups, nodes and neighbours.

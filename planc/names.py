@@ -2,6 +2,9 @@
 once (torch-free: the compiler, the verifier, the simulator and the runtime import it).
 A block's letters (F, B) are planc.schedules.ActionKind's.
 
+Routes (planc.cost chooses one per collective, docs/programs.md lists their recipes):
+``ring`` is the backend's own collective, ``tree`` and ``hierarchical`` planc's recipes.
+
 Streams (docs/programs.md): ``compute`` runs every compute step, ``comm`` the tensor-
 and context-parallel collectives the overlap pass moves off it, ``dp`` the gradient and
 parameter collectives of the buckets, ``send_*``/``recv_*`` the pipeline transfers.
@@ -25,3 +28,9 @@ class Stream(StrEnum):
 STREAM_ORDER = tuple(Stream)  # the order programs declare their streams in
 RECEIVE_STREAMS = (Stream.RECV_PREV, Stream.RECV_NEXT)
 SEND_STREAMS = (Stream.SEND_NEXT, Stream.SEND_PREV)
+
+
+class Route(StrEnum):
+    RING = "ring"
+    TREE = "tree"
+    HIERARCHICAL = "hierarchical"

@@ -11,6 +11,8 @@ never run, and serve annotations alone.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import networkx as nx
@@ -120,3 +122,29 @@ def test_the_runtime_reads_the_build_not_the_compilers_inputs():
         if reads:
             found[name] = reads
     assert found == {}
+
+
+def test_a_rank_loads_none_of_the_compilers_inputs(tmp_path):
+    """Not only the runtime's own imports: a worker that reads a build (planc.build_files)
+    and sets up its run loads no module of the language, the plan, the models, the layout,
+    the cost model or the derivation, directly or through another module."""
+    from planc.cli import main
+
+    plan = tmp_path / "one.plan"
+    plan.write_text("plan one {\n  model gpt { layers = 2; hidden = 32; heads = 2; vocab = 64; "
+                    "seq = 8; batch = 4 }\n  mesh { dp = 2 }\n}\n")
+    assert main(["compile", str(plan), "-o", str(tmp_path / "b")]) == 0
+    code = ("import sys; from planc.runtime import worker, checkpoint, executor; "
+            "from planc.build_files import read_for_run; "
+            f"read_for_run({str(tmp_path / 'b')!r}); "
+            "print(sorted(m for m in sys.modules if m == 'networkx' or m == 'lark' or "
+            "m.startswith('planc.') and not m.startswith('planc.runtime')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout
+    loaded = ast.literal_eval(out)
+    forbidden = [m for m in loaded if m in ("networkx", "lark") or any(
+        m == c or m.startswith(c + ".") for c in COMPILER_INPUTS + (
+            "planc.lang", "planc.cost", "planc.memory", "planc.schedules", "planc.passes",
+            "planc.graph.ir", "planc.lower.lower", "planc.lower.verify"))]
+    assert forbidden == [], forbidden
+    assert "planc.lower.program" in loaded and "planc.build_files" in loaded

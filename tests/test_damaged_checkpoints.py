@@ -68,6 +68,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
+from planc.training_record import TrainingRecord
 from planc import checkpoint as fmt  # noqa: E402
 from tests import hostile_inputs as hostile  # noqa: E402
 from tests.checkpoint_damages import (CLI, COUNTS, HASHED, INF, LATEST, MANIFEST,  # noqa: E402
@@ -91,7 +92,8 @@ def refusal(root: Path, plan, buckets, scratch: Path) -> tuple[str, str]:
     problem = ""
     try:
         found = fmt.find(root)
-        problem = fmt.problems_resuming(found.manifest, plan, buckets, STEPS) or ""
+        record = TrainingRecord.of(plan.to_dict())
+        problem = fmt.problems_resuming(found.manifest, record, buckets, STEPS) or ""
         if not problem:
             check_values(found.directory, found.manifest)
     except fmt.CheckpointError as exc:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from planc import models
-from planc.checkpoint import as_json
+from planc.training_record import TrainingRecord
 from planc.lang import load_text
 from planc.lang.kinds import Integer, Key, Real
 from planc.models import FAMILIES, gpt
@@ -103,7 +103,7 @@ def test_a_family_unregistered_is_unknown_and_plans_of_the_others_hold_no_option
         "2:9: unknown model family 'toy'; planc knows gpt, llama"]
     gpt_plan = load_text(PLAN.replace("model toy", "model gpt").format(extra="", tp=1)).plan
     assert "options" not in gpt_plan.to_dict()["model"]
-    assert "options" not in as_json(gpt_plan.model)  # a checkpoint's manifest, as before
+    assert "options" not in TrainingRecord.of(gpt_plan.to_dict()).model  # a checkpoint's manifest, as before
     with pytest.raises(AttributeError):
         gpt_plan.model.window
 

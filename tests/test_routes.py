@@ -443,7 +443,7 @@ def test_group_shapes_are_those_of_every_group(sizes, order, per_node):
 
     mesh = Mesh(**{"tp": 1, "cp": 1, "pp": 1, "dp": 1, **sizes}, order=order)
     table = group_table(mesh, per_node, True)
-    layout = table.layout
+    layout = table.ranks
     for rule in table.rules:
         if rule.ref == "pp":
             continue

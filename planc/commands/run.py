@@ -121,15 +121,17 @@ def _resumable(args, found, plan, buckets=None) -> int:
     if found is None:
         return EXIT_OK
     from planc import checkpoint
+    from planc.training_record import TrainingRecord
 
+    record = TrainingRecord.of(plan.to_dict())
     steps = args.steps or plan.train.steps
-    problem = checkpoint.problems_resuming(found.manifest, plan, buckets, steps)
+    problem = checkpoint.problems_resuming(found.manifest, record, buckets, steps)
     if problem is None and args.check:
-        problem = checkpoint.problems_checking(found.manifest, plan)
+        problem = checkpoint.problems_checking(found.manifest, record)
     if problem is not None:
         return fail(f"--resume {found.directory}: {problem}; nothing was run")
     if buckets is not None:
-        for note in checkpoint.data_notes(found.manifest, plan):
+        for note in checkpoint.data_notes(found.manifest, record):
             print(f"planc: warning: {note}", file=sys.stderr)
     return EXIT_OK
 

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-from planc.cost import Placement, counts_of
-from planc.graph.ir import Axis
-from planc.layout import Layout
-from planc.lower.program import integer_of
-from planc.mesh import AXES, GROUPS, INTER, INTRA, PIPELINE_AXIS, RankMesh, is_axis_order, \
-    sub_group
-from planc.plan import Mesh
+from planc.graph.vocabulary import Axis
+from planc.lower.ranks import integer_of
+from planc.mesh import AXES, GROUPS, INTER, INTRA, PIPELINE_AXIS, Placement, RankMesh, \
+    counts_of, is_axis_order, sub_group
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only
+    from planc.plan import Mesh
 
 GROUPS_FORMAT_VERSION = 1
 PIPELINE = "pp"  # pairs of neighbouring stages, one group per pair and direction
@@ -48,17 +48,15 @@ class GroupRule:
 
 @dataclass(frozen=True)
 class GroupTable:
-    mesh: Mesh
-    devices_per_node: int
+    """``programs/groups.json``: the mesh (planc.mesh.RankMesh: degrees, order, node size)
+    and a rule per group reference."""
+
+    ranks: RankMesh
     rules: tuple[GroupRule, ...]
 
     @property
-    def layout(self) -> Layout:
-        return Layout(self.mesh, self.devices_per_node)
-
-    @cached_property
-    def ranks(self) -> RankMesh:
-        return RankMesh.of(self.mesh.sizes, self.mesh.order, self.devices_per_node)
+    def devices_per_node(self) -> int:
+        return self.ranks.devices_per_node
 
     def rule(self, ref: str) -> GroupRule | None:
         return next((r for r in self.rules if r.ref == ref), None)
@@ -69,7 +67,7 @@ class GroupTable:
         transfer between the same two ranks can never be matched with each other."""
         ranks = self.ranks
         if rule.ref == PIPELINE:
-            for rank in range(self.mesh.world):
+            for rank in range(self.ranks.world):
                 after = ranks.pipeline_neighbours(rank, wrap=rule.wrap)[1]
                 if after is not None:
                     yield ("forward", rank, after)
@@ -101,7 +99,7 @@ class GroupTable:
         first = self._first_on_stage(rule, stage)
         if first is None:
             return {}
-        if self.mesh.world <= per_node:  # one node holds every group: one placement
+        if self.ranks.world <= per_node:  # one node holds every group: one placement
             members = self.members(first, rule)
             return {counts_of(members, per_node): members}
         residues = {first % per_node: first}
@@ -112,7 +110,7 @@ class GroupTable:
             grown: dict[int, int] = {}
             # Residues repeat after per_node steps along an axis: no need to walk further.
             for base in residues.values():
-                for k in range(min(self.mesh.size(axis), per_node)):
+                for k in range(min(self.ranks.degree(axis), per_node)):
                     grown.setdefault((base + k * stride) % per_node, base + k * stride)
             residues = grown
         # Every group of the rule is its first member plus the same offsets.
@@ -180,8 +178,7 @@ class GroupTable:
 
     def to_json(self) -> dict:
         return {"format": "planc-groups", "version": GROUPS_FORMAT_VERSION,
-                "mesh": {**self.mesh.sizes,
-                         "order": list(self.mesh.order)},
+                "mesh": {**self.ranks.sizes, "order": list(self.ranks.order)},
                 "devices_per_node": self.devices_per_node,
                 "groups": [r.to_json() for r in self.rules]}
 
@@ -191,9 +188,9 @@ class GroupTable:
                 data.get("version") != GROUPS_FORMAT_VERSION:
             raise ValueError(f"not a version {GROUPS_FORMAT_VERSION} planc group table")
         mesh_data = data["mesh"]
-        mesh = Mesh(**{a: integer_of(mesh_data[a], f"its mesh's {a}") for a in AXES},
-                    order=tuple(map(str, mesh_data["order"])))
-        if not is_axis_order(mesh.order) or min(mesh.sizes.values()) < 1:
+        sizes = {a: integer_of(mesh_data[a], f"its mesh's {a}") for a in AXES}
+        order = tuple(map(str, mesh_data["order"]))
+        if not is_axis_order(order) or min(sizes.values()) < 1:
             raise ValueError("its mesh is not a mesh")
         rules = []
         for item in data["groups"]:
@@ -201,7 +198,7 @@ class GroupTable:
             coordinates = {str(k): tuple(integer_of(x, "a coordinate") for x in v)
                            for k, v in item.get("coordinates", {}).items()}
             if any(a not in AXES for a in (*axes, *coordinates)) or any(
-                    not 0 <= x < mesh.size(a) for a, v in coordinates.items() for x in v):
+                    not 0 <= x < sizes[a] for a, v in coordinates.items() for x in v):
                 raise ValueError(f"group {item.get('ref')!r} names axes or coordinates "
                                  f"outside the mesh")
             split = item.get("split")
@@ -213,10 +210,10 @@ class GroupTable:
         devices = integer_of(data["devices_per_node"], "its devices_per_node")
         if devices < 1:
             raise ValueError(f"its devices_per_node is {devices}")
-        return GroupTable(mesh, devices, tuple(rules))
+        return GroupTable(RankMesh.of(sizes, order, devices), tuple(rules))
 
 
-def group_table(mesh: Mesh, devices_per_node: int, tied: bool, virtual: int = 1,
+def group_table(mesh: "Mesh", devices_per_node: int, tied: bool, virtual: int = 1,
                 split: tuple[str, ...] = ()) -> GroupTable:
     """Every group reference a program may use, by rule; ``split`` names the references
     whose intra- and inter-node sub-groups hierarchical routes use."""
@@ -230,4 +227,4 @@ def group_table(mesh: Mesh, devices_per_node: int, tied: bool, virtual: int = 1,
             rules.append(replace(base, ref=f"{base.ref}/{part}", split=part))
     if mesh.pp > 1:
         rules.append(GroupRule(PIPELINE, wrap=virtual > 1))
-    return GroupTable(mesh, devices_per_node, tuple(rules))
+    return GroupTable(RankMesh.of(mesh.sizes, mesh.order, devices_per_node), tuple(rules))

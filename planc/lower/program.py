@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Iterator
 
-from planc.graph.ir import Kind
+from planc.graph.vocabulary import Kind
 from planc.names import STREAM_ORDER
 from planc.lower.operands import Operands
 from planc.lower.ranks import RANK_TABLE_VERSION, RankTable, integer_of  # noqa: F401 (API)

@@ -34,8 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
-from planc.cost import Route
-from planc.graph.ir import Kind
+from planc.names import Route
+from planc.graph.vocabulary import Kind
 from planc.mesh import INTER, INTRA
 
 ROUTES_FORMAT_VERSION = 1

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from planc.memory import total_parameters
 from planc.models import family_of
+from planc.plan import Plan
 from planc.runtime.context import RankContext
 from planc.runtime.data import DataChanged
 from planc.runtime.exchange import (PeerDataError, either, gather_flat, gather_json, integer,
@@ -47,7 +48,7 @@ def local_parameters(ctx: RankContext, interpreter: Interpreter) -> dict:
     return out
 
 
-def _gather_parameters(ctx: RankContext, interpreter: Interpreter,
+def _gather_parameters(ctx: RankContext, interpreter: Interpreter, plan: Plan,
                        losses: list[float] | None) -> tuple | None:
     """On rank 0: the run's losses (from the rank that knows them), every rank's
     parameters as {(name, dp, cp): {pp: {tp: tensor}}}, and each parameter's tp split;
@@ -59,7 +60,6 @@ def _gather_parameters(ctx: RankContext, interpreter: Interpreter,
                                           for name, (value, split) in params.items()]}
     flat = torch.cat([value.reshape(-1) for value, _ in params.values()]) if params \
         else torch.zeros(0)
-    plan = ctx.plan
     full = {p.name: p.shape for p in family_of(plan).all_parameters(plan.model)}
     form = record(losses=either(nothing, list_of(number)),
                   params=list_of(row(one_of(full), list_of(integer),
@@ -93,17 +93,19 @@ def _gather_parameters(ctx: RankContext, interpreter: Interpreter,
     return described[leader]["losses"], copies, splits
 
 
-def compare(ctx: RankContext, interpreter: Interpreter, losses: list[float] | None,
-            steps: int, first: int = 0) -> int:
-    """Gather every parameter to rank 0 and compare with the single-process run. A run
-    resumed from a checkpoint ran steps ``first`` to ``steps`` - 1: its losses are compared
-    with those steps of the single process, which trains from step 0."""
-    gathered = _gather_parameters(ctx, interpreter, losses)
+def compare(ctx: RankContext, interpreter: Interpreter, plan_data: dict,
+            losses: list[float] | None, steps: int, first: int = 0) -> int:
+    """Gather every parameter to rank 0 and compare with the single-process run of the
+    plan (``plan_data``: the build's plan.json, which the build's reader checked against
+    its fingerprint). A run resumed from a checkpoint ran steps ``first`` to ``steps`` - 1:
+    its losses are compared with those steps of the single process, which trains from
+    step 0."""
+    plan = Plan.from_dict(plan_data)  # the oracle, and only it, builds from the plan
+    gathered = _gather_parameters(ctx, interpreter, plan, losses)
     if gathered is None:  # not rank 0
         return 0
     from planc.runtime.reference import train as reference_train
 
-    plan = ctx.plan
     try:
         expected_losses, expected = reference_train(plan, steps, ctx.data_identity)
     except DataChanged as exc:  # the run trained on the file as it was; this would not

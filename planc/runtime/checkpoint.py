@@ -57,7 +57,7 @@ class Checkpoints(Loading):
                  interpreter: Interpreter, shard_index: int):
         """``all_buckets``: every stage's buckets (those of every program of the build)."""
         self.ctx, self.interpreter, self.store = ctx, interpreter, interpreter.store
-        self.plan = ctx.plan
+        self.record = ctx.record
         self.world = dist.get_world_size()
         self.rank = ctx.rank
         self.shard_index = shard_index
@@ -318,8 +318,8 @@ class Checkpoints(Loading):
         rng = save({fmt.RNG_TENSOR: torch.get_rng_state()}, {"format": "pt"})
         files[fmt.RNG_FILE] = {"sha256": fmt.write_durably(staging / fmt.RNG_FILE, rng),
                                "bytes": len(rng)}
-        history = self.history + [fmt.history_segment(self.plan, self.first_step, step - 1)]
-        manifest = fmt.make_manifest(self.plan, step, parameters, dict(sorted(files.items())),
+        history = self.history + [fmt.history_segment(self.record, self.first_step, step - 1)]
+        manifest = fmt.make_manifest(self.record, step, parameters, dict(sorted(files.items())),
                                      history, self._optimizer_steps())
         fmt.write_durably(staging / fmt.MANIFEST, fmt.dump_json(manifest))
         final = root / fmt.step_name(step)

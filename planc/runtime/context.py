@@ -23,6 +23,7 @@ from planc.lower.routes import RouteTable
 from planc.runtime.data import DataSource, batch_tokens
 from planc.data_identity import Identity
 from planc.runtime.model import microbatch_rows, seq_split, token_positions
+from planc.training_record import TrainingRecord
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -68,14 +69,14 @@ def make_groups(table: GroupTable, rank: int, timeout: float) -> Groups:
 
 
 class RankContext:
-    """``plan``: plan.json as the worker read it, kept only to name the run in
-    checkpoint manifests and metrics (planc.checkpoint); the run itself reads ``model``."""
+    """``record``: what a checkpoint's manifest says of the plan (planc.training_record);
+    the run itself reads ``model``."""
 
     def __init__(self, model: ModelTable, ranks: RankTable, rank: int, groups: Groups | None,
                  device: torch.device, routes: RouteTable | None = None,
                  data_identity: Identity | None = None, devices_per_node: int = 1,
-                 plan=None):
-        self.plan, self.rank, self.groups, self.device = plan, rank, groups, device
+                 record: TrainingRecord | None = None):
+        self.record, self.rank, self.groups, self.device = record, rank, groups, device
         # the data file as the run began (planc.data_identity); None: not pinned
         self.data_identity = data_identity
         self.routes = routes or RouteTable({})

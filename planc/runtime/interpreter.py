@@ -43,11 +43,14 @@ def combine(values: list[torch.Tensor]) -> torch.Tensor:
     if len(values) == 1:
         return values[0]
     widest = max(values, key=lambda v: v.shape[-1])
-    total = torch.zeros_like(widest)
+    whole = [v for v in values if v.shape == widest.shape]
+    # One new tensor: the first sum allocates it, the rest add in place (the inputs are
+    # buffers other steps may still read).
+    total = whole[0] + whole[1] if len(whole) > 1 else whole[0].clone()
+    for value in whole[2:]:
+        total += value
     for value in values:
-        if value.shape == total.shape:
-            total = total + value
-        else:
+        if value.shape != widest.shape:
             total[..., total.shape[-1] - value.shape[-1]:] += value
     return total
 

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from planc.graph.ir import Op
+from planc.graph.vocabulary import Op
 from planc.lower.operands import Operands
 from planc.runtime.context import RankContext
 from planc.runtime.families import family_kernels

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from planc.cost import counts_of
+from planc.mesh import counts_of
 from planc.lower.routes import RouteTable, Step, recipe_key
 
 

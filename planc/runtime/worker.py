@@ -33,12 +33,12 @@ import torch.distributed as dist
 
 from planc.build_files import BuildError, read_for_run
 from planc import checkpoint as checkpoint_format
-from planc.runtime.check import compare
 from planc.runtime.checkpoint import Checkpoints
 from planc.runtime.context import RankContext, make_groups
 from planc.data_identity import Identity, identity_now
 from planc.runtime.exchange import (all_gather_json, boolean, broadcast_json, either,
                                     gather_json, integer, list_of, nothing, number, row, text)
+from planc.runtime.host_memory import keep_freed_memory
 from planc.runtime.executor import CpuExecutor, CudaExecutor, Hang, PeerLost
 from planc.runtime.interpreter import Interpreter
 from planc.runtime.launcher_protocol import ERROR_FILE, EXIT_HANG, REPORT_FILE, TRAINING_FILE
@@ -202,8 +202,8 @@ class StartupWatch:
 
 def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    keep_freed_memory()  # before the first tensor: every step reuses the last one's memory
     built = read_for_run(args.build)  # programs/ and plan.json: no graph, nothing derived
-    plan = built.plan
     if world != built.table.world:
         raise SystemExit(f"planc: error: the plan needs {built.table.world} ranks, the "
                          f"launch has {world}")
@@ -223,12 +223,12 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
         groups = make_groups(built.groups, rank, args.timeout + 60)
     ctx = RankContext(built.model, built.table, rank, groups, device, built.routes,
                       args.data_identity or identity_now(built.model.data),
-                      built.groups.devices_per_node, plan=plan)
+                      built.groups.devices_per_node, record=built.record)
     program = built.programs[built.table.program_of(rank)]
     shard_index = groups.index("dp_cp", rank)
     store = ParamStore(ctx, program.buckets, shard_index)
     interpreter = Interpreter(ctx, program, store)
-    steps = args.steps or plan.train.steps
+    steps = args.steps or built.record.steps
     # every stage's parameter buckets: what a checkpoint holds, from the programs
     all_buckets = {bucket: info for name in built.table.names
                    for bucket, info in built.programs[name].buckets.items()}
@@ -238,7 +238,7 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
             checkpoints = Checkpoints(ctx, all_buckets, interpreter, shard_index)
     if args.resume:
         with watch.waiting("agreeing on the checkpoint to resume"):
-            found = _resumable(args, plan, all_buckets, steps, checkpoints)
+            found = _resumable(args, built.record, all_buckets, steps, checkpoints)
         checkpoints.load(str(found.directory), found.manifest)
         first = found.manifest["step"]
     executor = (CudaExecutor if backend == "nccl" else CpuExecutor)(
@@ -283,7 +283,10 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
                          for _, events in gathered])
     status = 0
     if args.check:
-        status = compare(ctx, interpreter, losses if _leader(ctx) else None, steps, first)
+        from planc.runtime.check import compare  # the oracle: it alone reads the plan
+
+        status = compare(ctx, interpreter, built.plan_data, losses if _leader(ctx) else None,
+                         steps, first)
     dist.barrier()
     dist.destroy_process_group()
     return status
@@ -296,7 +299,7 @@ _TRACE_FORM = row(text, list_of(row(integer, text, text, number, number,
                                     list_of(row(text, integer, integer, text, boolean)))))
 
 
-def _resumable(args, plan, all_buckets: dict[str, dict], steps: int,
+def _resumable(args, record, all_buckets: dict[str, dict], steps: int,
                checkpoints: Checkpoints):
     """The checkpoint to continue from. Rank 0 finds it (and hashes its files, unless planc
     run already did) and tells the others which step directory it chose; every rank then
@@ -317,10 +320,10 @@ def _resumable(args, plan, all_buckets: dict[str, dict], steps: int,
         try:
             if not first_rank:
                 found = checkpoint_format.find(directory, hashes=False)
-            problem = checkpoint_format.problems_resuming(found.manifest, plan,
+            problem = checkpoint_format.problems_resuming(found.manifest, record,
                                                           all_buckets, steps)
             if problem is None and args.check:
-                problem = checkpoint_format.problems_checking(found.manifest, plan)
+                problem = checkpoint_format.problems_checking(found.manifest, record)
         except checkpoint_format.CheckpointError as exc:
             problem = str(exc)
     verdicts = [problem]

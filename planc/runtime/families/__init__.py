@@ -8,7 +8,7 @@ import importlib
 from types import ModuleType
 from typing import Callable
 
-from planc.graph.ir import Op
+from planc.graph.vocabulary import Op
 
 
 def family_module(name: str) -> ModuleType:

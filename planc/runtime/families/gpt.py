@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from planc.graph.ir import Op
+from planc.graph.vocabulary import Op
 
 LN_EPS = 1e-5
 

@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from planc.graph.ir import Op
+from planc.graph.vocabulary import Op
 from planc.runtime.model import local_heads
 
 
