@@ -39,8 +39,7 @@ def _block_title(name: str, plan: Plan) -> str:
     chunks = plan.shard.pp.chunks
     if block is None or block.chunk >= len(chunks):  # a build is untrusted input
         return f"block {name}, once per microbatch"
-    first, last = chunks[block.chunk]
-    layers = f"layer {first}" if first == last else f"layers {first}-{last}"
+    layers = plan.shard.pp.chunk_text(block.chunk)
     return (f"block {name}: {block.kind.words} of chunk {block.chunk} ({layers}), once per "
             f"microbatch")
 
