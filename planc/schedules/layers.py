@@ -59,8 +59,3 @@ def ranges_of(sizes: list[int]) -> tuple[tuple[int, int], ...]:
         ranges.append((first, first + size - 1))
         first += size
     return tuple(ranges)
-
-
-def layer_count(chunk: tuple[int, int]) -> int:
-    first, last = chunk
-    return last - first + 1
