@@ -21,6 +21,8 @@ the last chunk 3 layers and every other 4: ranks 0 and 15 hold 7 layers, the oth
 
 from __future__ import annotations
 
+import heapq
+
 # The embedding, and the head with the loss, each weigh one layer in the balance.
 EMBEDDING_WORK = HEAD_WORK = 1
 
@@ -43,12 +45,16 @@ def balanced_chunks(layers: int, pp: int, virtual: int) -> tuple[tuple[int, int]
     ends = (0, count - 1)
     preference = {s: [c for c in range(s, count, pp) if c not in ends]
                   + [c for c in ends if c % pp == s] for s in range(pp)}
+    filled = [0] * pp  # a rank's chunks take their extra layer in preference order
+    waiting = [(work[s], s) for s in range(pp)]  # the least work first, then the lower rank
+    heapq.heapify(waiting)
     for _ in range(extra):
-        open_ranks = [s for s in range(pp) if any(sizes[c] == base for c in preference[s])]
-        rank = min(open_ranks, key=lambda s: (work[s], s))
-        chunk = next(c for c in preference[rank] if sizes[c] == base)
-        sizes[chunk] += 1
+        _, rank = heapq.heappop(waiting)
+        sizes[preference[rank][filled[rank]]] += 1
+        filled[rank] += 1
         work[rank] += 1
+        if filled[rank] < virtual:
+            heapq.heappush(waiting, (work[rank], rank))
     return ranges_of(sizes)
 
 
