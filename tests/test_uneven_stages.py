@@ -150,3 +150,33 @@ def test_llama3_405b_plan_is_the_papers_layout(capsys):
     assert main(["check", str(PLANS / "llama3-405b.plan"), "--set", "shard.pp.virtual=2",
                  "--set", "schedule.pipeline=interleaved"]) == 0
     assert "ok: plan llama3_405b" in capsys.readouterr().out
+
+
+def test_the_graph_runs_the_embedding_and_the_head_alone_on_the_end_chunks():
+    from planc.graph.derive import derive
+
+    plan = load_text("""plan p {
+  model llama { layers = 5; hidden = 32; heads = 4; kv_heads = 2; ffn = 48; vocab = 128;
+                seq = 16; batch = 8 }
+  mesh { pp = 2; tp = 2 }
+  shard { tp { sequence_parallel = on }; pp { virtual = 2; stages = [embedding, 0..2, 3, 4] } }
+  schedule { microbatches = 2; pipeline = interleaved }
+}""").plan
+    graph = derive(plan)
+    computed = {}
+    for _, data in graph.nodes(data=True):
+        if data["type"] == "compute" and data["phase"] == "forward" and not data["recompute"]:
+            computed.setdefault(data["chunk"], set()).add((data["layer"], str(data["op"])))
+    assert computed[0] == {(None, "embedding")}
+    assert {layer for layer, _ in computed[1]} == {0, 1, 2}
+    assert {layer for layer, _ in computed[2]} == {3}
+    assert {op for layer, op in computed[3] if layer is None} == {
+        "final_ln", "head", "loss", "loss_max", "loss_sum_exp"}  # vocabulary-parallel loss
+    assert {layer for layer, _ in computed[3]} == {4, None}
+    # The chunk of the embedding alone sends the vocabulary-parallel embedding's partial
+    # sum whole (the next chunk's first layer reduce-scatters it); the later chunks send
+    # the sequence-parallel residual stream, a tp-th of it. The gradients match in size.
+    first, later = graph.nodes["F/c0>c1:send@pp"], graph.nodes["F/c1>c2:send@pp"]
+    assert first["bytes"] == 2 * later["bytes"] == 8 // 2 * 16 * 32 * 4
+    assert first["shape"] == [4, 16, 32] and later["shape"] == [4, 8, 32]
+    assert graph.nodes["B/c1>c0:send@pp"]["bytes"] == first["bytes"]
