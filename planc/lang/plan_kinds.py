@@ -79,9 +79,12 @@ class Stages(Kind):
             else:
                 first = last = evaluate_integer(item, scope)
             if first > last:
-                raise Problem(f"layer range {first}..{last} is empty (first > last)", item.span)
+                raise Problem(f"layer range {first}..{last} is empty (first > last)", item.span,
+                              f"write {last}..{first}; a chunk with no layer can only be the "
+                              f"first (write embedding) or the last (write head)")
             if first < 0:
-                raise Problem(f"layer {first} is negative; layers are numbered from 0", item.span)
+                raise Problem(f"layer {first} is negative; layers are numbered from 0", item.span,
+                              "the first layer is 0")
             ranges.append(StageRange(first, last, item.span))
         return tuple(ranges)
 
