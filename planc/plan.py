@@ -170,10 +170,8 @@ class PipelineParallel:
 
     With ``virtual`` = 1 there is one chunk per stage. With ``virtual`` = v the model
     is cut into pp * v chunks assigned round-robin, as in Megatron's interleaved
-    schedule (Narayanan et al., SC'21, section 2.2). The chunks may differ in size, and
-    the first and the last may be empty, ``(0, -1)`` and ``(layers, layers - 1)``: a
-    chunk of the embedding or of the head alone (Llama 3, Dubey et al. 2024, section
-    3.3.2; planc.schedules.layers).
+    schedule (Narayanan et al., SC'21, section 2.2). The chunks may differ in size; the
+    first and last may be empty, the embedding or head alone (planc.schedules.layers).
     """
 
     chunks: tuple[tuple[int, int], ...]
@@ -183,20 +181,6 @@ class PipelineParallel:
     def chunk_layers(self, chunk: int) -> int:
         first, last = self.chunks[chunk]
         return last - first + 1
-
-    def chunk_text(self, chunk: int) -> str:
-        """``layer 3``, ``layers 3-5``, or what a chunk with no layer runs."""
-        first, last = self.chunks[chunk]
-        if first > last:
-            return "the embedding alone" if chunk == 0 else "the head alone"
-        return f"layer {first}" if first == last else f"layers {first}-{last}"
-
-    def range_text(self, chunk: int) -> str:
-        """The chunk as a stages list writes it: ``0..3``, ``embedding`` or ``head``."""
-        first, last = self.chunks[chunk]
-        if first > last:
-            return "embedding" if chunk == 0 else "head"
-        return f"{first}..{last}"
 
     def layers_of_stage(self, stage: int, pp: int) -> tuple[int, ...]:
         return tuple(layer for first, last in self.chunks[stage::pp]

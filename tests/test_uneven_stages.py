@@ -11,7 +11,7 @@ import pytest
 from planc import memory
 from planc.cli import main
 from planc.lang import load_file, load_text
-from planc.schedules.layers import balanced_chunks, fewest_layers
+from planc.schedules.layers import balanced_chunks, chunk_text, fewest_layers
 from tests.conftest import PLANS
 
 
@@ -81,9 +81,9 @@ def test_the_checker_takes_uneven_auto_and_explicit_chunks():
     assert not explicit.shard.pp.auto
     head = load_text(plan_text(stages="[0..1, 2..3, 4, head]")).plan
     assert head.shard.pp.chunks == ((0, 1), (2, 3), (4, 4), (5, 4))
-    assert [head.shard.pp.chunk_text(c) for c in range(4)] == [
+    assert [chunk_text(head.shard.pp.chunks, c) for c in range(4)] == [
         "layers 0-1", "layers 2-3", "layer 4", "the head alone"]
-    assert explicit.shard.pp.chunk_text(0) == "the embedding alone"
+    assert chunk_text(explicit.shard.pp.chunks, 0) == "the embedding alone"
     # One layer per chunk, and the two ends alone: as few layers as chunks - 2.
     ends = load_text(plan_text(layers=2, stages="[embedding, 0, 1, head]")).plan
     assert ends.shard.pp.chunks == ((0, -1), (0, 0), (1, 1), (2, 1))

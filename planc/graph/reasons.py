@@ -9,6 +9,7 @@ from __future__ import annotations
 from planc.graph.layouts import Layout, Redistribution
 from planc.models import family_of
 from planc.plan import Plan
+from planc.schedules.layers import chunk_text
 
 _PLACEMENT_WORDS = {"column": "column-parallel", "row": "row-parallel",
                     "replicate": "replicated", "vocab": "vocabulary-parallel",
@@ -95,7 +96,7 @@ def pipeline(plan: Plan, phase: str, source_chunk: int, target_chunk: int) -> st
     pp = plan.mesh.pp
 
     def where(chunk: int) -> str:
-        return f"{plan.shard.pp.chunk_text(chunk)} (stage {chunk % pp})"
+        return f"{chunk_text(plan.shard.pp.chunks, chunk)} (stage {chunk % pp})"
 
     if phase == "forward":
         return (f"{where(source_chunk)} feeds {where(target_chunk)}: each microbatch's "

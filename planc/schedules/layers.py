@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import heapq
 
+Chunks = tuple[tuple[int, int], ...]
+
 # The embedding, and the head with the loss, each weigh one layer in the balance.
 EMBEDDING_WORK = HEAD_WORK = 1
 
@@ -34,7 +36,7 @@ def fewest_layers(pp: int, virtual: int) -> int:
     return max(chunks - 2, 1)
 
 
-def balanced_chunks(layers: int, pp: int, virtual: int) -> tuple[tuple[int, int], ...]:
+def balanced_chunks(layers: int, pp: int, virtual: int) -> Chunks:
     """The chunks of ``stages = auto``, in chunk order (see the module's docstring).
     Needs ``layers >= fewest_layers(pp, virtual)``."""
     count = pp * virtual
@@ -58,10 +60,26 @@ def balanced_chunks(layers: int, pp: int, virtual: int) -> tuple[tuple[int, int]
     return ranges_of(sizes)
 
 
-def ranges_of(sizes: list[int]) -> tuple[tuple[int, int], ...]:
+def ranges_of(sizes: list[int]) -> Chunks:
     """Consecutive inclusive ranges of the given sizes, from layer 0."""
     ranges, first = [], 0
     for size in sizes:
         ranges.append((first, first + size - 1))
         first += size
     return tuple(ranges)
+
+
+def chunk_text(chunks: Chunks, chunk: int) -> str:
+    """``layer 3``, ``layers 3-5``, or what a chunk with no layer runs."""
+    first, last = chunks[chunk]
+    if first > last:
+        return "the embedding alone" if chunk == 0 else "the head alone"
+    return f"layer {first}" if first == last else f"layers {first}-{last}"
+
+
+def range_text(chunks: Chunks, chunk: int) -> str:
+    """The chunk as a stages list writes it: ``0..3``, ``embedding`` or ``head``."""
+    first, last = chunks[chunk]
+    if first > last:
+        return "embedding" if chunk == 0 else "head"
+    return f"{first}..{last}"
