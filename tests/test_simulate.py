@@ -20,7 +20,7 @@ from planc.lower.program import Instruction, Program
 from planc.simulate import model_flops, simulate
 from planc.simulate.blocks import replay
 from planc.simulate.costs import InstructionCosts
-from planc.simulate.kernels import GPUS, KernelModel, wave_efficiency
+from planc.kernel_cost import GPUS, KernelModel, wave_efficiency
 from planc.simulate.pipeline import step
 from tests.conftest import PLANS
 
@@ -28,7 +28,7 @@ from tests.conftest import PLANS
 KORTHIKANTI_TABLE_5 = {"22b": (1.42, 1.10), "175b": (18.13, 13.75),
                        "530b": (49.05, 37.83), "1t": (94.42, 71.49)}
 SEQUENCE_SELECTIVE = ("shard.tp.sequence_parallel=on", "optimize.recompute=selective")
-# The bounds reached with the kernel model of planc.simulate.kernels on A100s (GEMMs by
+# The bounds reached with the kernel model of planc.kernel_cost on A100s (GEMMs by
 # shape, Megatron-LM's unfused attention of 2022): median 7.0 %, max 16.7 % (the 22B
 # model's second column). With the preset's one efficiency (0.6) they were 13.0 % and 18.9 %.
 MEDIAN_ERROR, MAX_ERROR = 0.075, 0.17

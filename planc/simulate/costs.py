@@ -1,7 +1,7 @@
 """What one instruction of a rank program costs, from its operands and the build's group
 table alone (not graph.json): the one model the compiler optimises with (planc.cost).
 
-- A compute instruction on a GPU that :mod:`planc.simulate.kernels` knows (the
+- A compute instruction on a GPU that :mod:`planc.kernel_cost` knows (the
   topology's preset names it) takes what its kernels achieve there: a matrix multiply by
   its shape, attention at FlashAttention's published rates, anything else its memory
   traffic, each plus a fixed cost per kernel. On any other device it takes the longer of
@@ -29,7 +29,7 @@ from planc.lower.groups import PIPELINE, GroupTable
 from planc.lower.operands import Operands
 from planc.lower.program import Instruction
 from planc.plan import Plan
-from planc.simulate.kernels import KernelModel
+from planc.kernel_cost import KernelModel
 
 # Bytes an operator moves per byte of its output: read the input and write the output;
 # a residual add reads two inputs; AdamW reads a parameter, its gradient and two moments

@@ -1,9 +1,12 @@
 """What the kernels of a compute instruction achieve on a known GPU: matrix multiplies by
 their shape, attention at FlashAttention's published rates, and a fixed cost per kernel.
 
-The simulator uses this model for a topology whose preset names a GPU below; any other
-device (a CPU measured by ``planc calibrate``, a hand-written one) keeps the roofline of
-one efficiency (:mod:`planc.simulate.costs`).
+Beside :mod:`planc.cost` (which prices transfers and, with one efficiency, compute) so
+that a pass can price a GEMM the way the simulator does (``linear_seconds``: tp_overlap's
+choice of a chunk count, where smaller pieces run less efficiently). The simulator uses
+this model for a topology whose preset names a GPU below; any other device (a CPU
+measured by ``planc calibrate``, a hand-written one) keeps the roofline of one
+efficiency (:mod:`planc.simulate.costs`).
 
 **Matrix multiplies.** A GEMM of an ``M x K`` by a ``K x N`` matrix is computed tile by
 tile, one output tile per thread block, in waves of as many blocks as the GPU has SMs
@@ -165,6 +168,26 @@ class KernelModel:
         traffic = self.dtype_bytes * (m * k + k * n + m * n) / self.bandwidth
         return max(2.0 * m * n * k / rate, traffic) + gpu.launch
 
+    def linear_seconds(self, op: str, step: str | None, flops: float,
+                       split: bool = False) -> float:
+        """A linear's ``step`` (forward, recompute, backward, weight) of ``flops`` on one
+        tp rank; ``split``: its backward is split into B (input gradient) and W (weight
+        gradient) steps. The tokens follow from the FLOPs, so a pass that cuts a linear
+        into pieces (tp_overlap) prices each piece at its size."""
+        n, k = self.features[op]
+        # (rows, columns, inner) of each GEMM, with the tokens as 1 for now
+        if step == "backward" and not split:
+            gemms = ((1, k, n), (k, n, 1))  # dX = dY W^T, dW = X^T dY
+        elif step == "backward":
+            gemms = ((1, k, n),)  # a split backward's B step: dX only
+        elif step == "weight":
+            gemms = ((k, n, 1),)  # and its W step
+        else:
+            gemms = ((1, n, k),)
+        tokens = flops / (2.0 * n * k * len(gemms))
+        return sum(self.gemm_seconds(*(tokens if d == 1 else d for d in gemm))
+                   for gemm in gemms)
+
     def unfused_attention(self, backward: bool) -> float:
         """Megatron-LM's attention before FlashAttention (Korthikanti et al. 2022, section
         4.2): two batched GEMMs with the scale-mask-softmax and the dropout between them,
@@ -182,20 +205,8 @@ class KernelModel:
         """``traffic``: the roofline's bytes moved, for an operator bound by memory."""
         flops, kernel = operands.flops or 0.0, operands.kernel
         if kernel in self.features:
-            n, k = self.features[kernel]
-            step = operands.step
-            # (rows, columns, inner) of each GEMM, with the tokens as 1 for now
-            if step == "backward" and operands.weight_step is None:
-                gemms = ((1, k, n), (k, n, 1))  # dX = dY W^T, dW = X^T dY
-            elif step == "backward":
-                gemms = ((1, k, n),)  # a split backward's B step: dX only
-            elif step == "weight":
-                gemms = ((k, n, 1),)  # and its W step
-            else:
-                gemms = ((1, n, k),)
-            tokens = flops / (2.0 * n * k * len(gemms))
-            return sum(self.gemm_seconds(*(tokens if d == 1 else d for d in gemm))
-                       for gemm in gemms)
+            return self.linear_seconds(kernel, operands.step, flops,
+                                       operands.weight_step is not None)
         if kernel == ATTENTION and not self.gpu.flash:
             return self.unfused_attention(operands.step == "backward")
         if kernel == ATTENTION:
