@@ -40,7 +40,7 @@ from planc.build_files import read_json as _read_json
 from planc.collector import without_collector
 from planc.files import umask
 from planc.graph import ir
-from planc.lower.groups import GroupTable, group_table
+from planc.lower.groups import GroupTable, plan_group_table
 from planc.lower.model_table import ModelTable
 from planc.lower.routes import RouteTable, split_refs
 from planc.lower.program import Program, RankTable, dumps
@@ -271,9 +271,7 @@ def read_programs(build: Build) -> Build:
     plan = build.plan
     table, groups, routes, model, programs = read_program_files(
         Path(build.path), PlanShape.of(plan.to_dict(), Path(build.path)))
-    if groups != group_table(plan.mesh, plan.topology.devices_per_node,
-                             plan.model.tie_embeddings, plan.shard.pp.virtual,
-                             split_refs(build.graph)):
+    if groups != plan_group_table(plan, split_refs(build.graph)):
         raise BuildError(f"{directory / GROUPS} is not the group table of plan.json and "
                          f"graph.json; run planc compile again")
     if model != model_table(plan):

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from planc.diagnostics import Span
 from planc.mesh import AXES, is_axis_order
-from planc.schedules import DEFAULT_SCHEDULE
+from planc.schedules import DEFAULT_SCHEDULE, named as named_schedule
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 PLAN_FORMAT_VERSION = 1
@@ -166,19 +166,25 @@ class ContextParallel:
 
 @dataclass(frozen=True)
 class PipelineParallel:
-    """Model chunks as inclusive layer ranges; chunk c runs on pipeline rank c % pp.
+    """Model chunks as inclusive layer ranges; the schedule places each chunk on a
+    pipeline rank (:meth:`Plan.stage_of_chunk`).
 
     With ``virtual`` = 1 there is one chunk per stage. With ``virtual`` = v the model
-    is cut into pp * v chunks assigned round-robin, as in Megatron's interleaved
-    schedule (Narayanan et al., SC'21, section 2.2).
+    is cut into pp * v chunks, assigned round-robin (chunk c on c mod pp) as in
+    Megatron's interleaved schedule (Narayanan et al., SC'21, section 2.2), or in a V
+    (zbv, dualpipev: chunk c on 2pp - 1 - c for c >= pp).
     """
 
     chunks: tuple[tuple[int, int], ...]
     virtual: int = 1
     auto: bool = True
 
-    def layers_of_stage(self, stage: int, pp: int) -> tuple[int, ...]:
-        return tuple(layer for first, last in self.chunks[stage::pp]
+    def layers_of_stage(self, stage: int, pp: int,
+                        pipeline: str = DEFAULT_SCHEDULE) -> tuple[int, ...]:
+        """The layers of the chunks that schedule ``pipeline`` places on ``stage``."""
+        place = named_schedule(pipeline).stage_of_chunk
+        return tuple(layer for c, (first, last) in enumerate(self.chunks)
+                     if place(c, pp, self.virtual) == stage
                      for layer in range(first, last + 1))
 
 
@@ -263,6 +269,30 @@ class Plan:
     @property
     def world(self) -> int:
         return self.mesh.world
+
+    def stage_of_chunk(self, chunk: int) -> int:
+        """The pipeline stage that holds model chunk ``chunk``, as the schedule places it."""
+        return named_schedule(self.schedule.pipeline).stage_of_chunk(
+            chunk, self.mesh.pp, self.shard.pp.virtual)
+
+    def chunks_of_stage(self, stage: int) -> tuple[int, ...]:
+        """The model chunks on ``stage``, in chunk order."""
+        return named_schedule(self.schedule.pipeline).chunks_of_stage(
+            stage, self.mesh.pp, self.shard.pp.virtual)
+
+    @property
+    def placement_name(self) -> str:
+        """How the schedule places chunks: ``loop`` (c mod pp) or ``v``."""
+        return named_schedule(self.schedule.pipeline).placement.name
+
+    @property
+    def head_stage(self) -> int:
+        """The stage of the last chunk: the final norm, the head and the loss (the last
+        stage, or stage 0 in a V)."""
+        return self.stage_of_chunk(len(self.shard.pp.chunks) - 1)
+
+    def layers_of_stage(self, stage: int) -> tuple[int, ...]:
+        return self.shard.pp.layers_of_stage(stage, self.mesh.pp, self.schedule.pipeline)
 
     @property
     def microbatch_size(self) -> int:

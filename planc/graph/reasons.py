@@ -93,12 +93,11 @@ def context_ring(plan: Plan, tensor: str) -> str:
 
 def pipeline(plan: Plan, phase: str, source_chunk: int, target_chunk: int) -> str:
     chunks = plan.shard.pp.chunks
-    pp = plan.mesh.pp
 
     def where(chunk: int) -> str:
         first, last = chunks[chunk]
         layers = f"layer {first}" if first == last else f"layers {first}-{last}"
-        return f"{layers} (stage {chunk % pp})"
+        return f"{layers} (stage {plan.stage_of_chunk(chunk)})"
 
     if phase == "forward":
         return (f"{where(source_chunk)} feeds {where(target_chunk)}: each microbatch's "

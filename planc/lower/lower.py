@@ -436,7 +436,7 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
                       {f"stage{s}.json": s for s in range(pp)},
                       axes={axis: (layout.mesh.size(axis), layout.strides[axis])
                             for axis in AXES},
-                      leader=layout.first_rank_of_stage(pp - 1))
+                      leader=layout.first_rank_of_stage(plan.head_stage))
     return programs, ranks
 
 
