@@ -18,13 +18,15 @@ from planc.schedules.interleaved import INTERLEAVED
 from planc.schedules.one_f_one_b import ONE_F_ONE_B
 from planc.schedules.schedule import PipelineSchedule, PipelineShape, ScheduleProblem
 from planc.schedules.timeline import Timeline, simulate
+from planc.schedules.zero_bubble import INTERLEAVED_ZB, ZB1P
 
 __all__ = ["Action", "ActionKind", "Block", "PipelineSchedule", "PipelineShape",
            "ScheduleProblem", "SCHEDULES", "DEFAULT_SCHEDULE", "Timeline", "named", "names",
            "order", "problems", "simulate"]
 
 # Name -> schedule, in the order the language lists them; read-only.
-SCHEDULES = MappingProxyType({s.name: s for s in (GPIPE, ONE_F_ONE_B, INTERLEAVED)})
+SCHEDULES = MappingProxyType({s.name: s for s in (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZB1P,
+                                                  INTERLEAVED_ZB)})
 DEFAULT_SCHEDULE = ONE_F_ONE_B.name
 
 

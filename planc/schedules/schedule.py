@@ -44,6 +44,9 @@ class PipelineSchedule:
     the stage holds at its peak.
     ``problems(shape)``: what the plan must change for this schedule, [] if nothing.
     ``chunks_per_stage``: whether it runs several model chunks on a stage (virtual > 1).
+    ``splits_backward``: whether its backward runs as two blocks per chunk, the input
+    gradient (``I``, which the previous chunk waits for) and the weight gradient (``W``,
+    which nobody waits for), as zero-bubble schedules do (Qi et al., ICLR 2024).
     """
 
     name: str
@@ -51,6 +54,7 @@ class PipelineSchedule:
     in_flight: Callable[[int, int, int, int], int]
     problems: Callable[[PipelineShape], list[ScheduleProblem]]
     chunks_per_stage: bool = False
+    splits_backward: bool = False
 
 
 def no_problems(shape: PipelineShape) -> list[ScheduleProblem]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from planc.schedules.actions import Action, ActionKind
 
 FORWARD, BACKWARD = ActionKind.FORWARD, ActionKind.BACKWARD
+INPUT, WEIGHT = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
 
 
 @dataclass(frozen=True)
@@ -28,20 +29,22 @@ class Timeline:
 
 def _needs(action: Action, last_chunk: int) -> list[Action]:
     """A forward of chunk c needs the same microbatch's forward of chunk c - 1; a backward
-    of chunk c needs its own forward and the backward of chunk c + 1."""
+    of chunk c needs its own forward and the backward of chunk c + 1 (an input gradient
+    likewise the input gradient of chunk c + 1); a weight gradient its input gradient."""
     kind, microbatch, chunk = action
     if kind is FORWARD:
         return [Action(FORWARD, microbatch, chunk - 1)] if chunk > 0 else []
-    if kind is BACKWARD:
-        return [Action(FORWARD, microbatch, chunk)] + \
-            ([Action(BACKWARD, microbatch, chunk + 1)] if chunk < last_chunk else [])
-    raise ValueError(f"the timeline does not run {kind.words} actions yet")
+    if kind is WEIGHT:  # a weight gradient reads what its input gradient saved
+        return [Action(INPUT, microbatch, chunk)]
+    return [Action(FORWARD, microbatch, chunk)] + \
+        ([Action(kind, microbatch, chunk + 1)] if chunk < last_chunk else [])
 
 
 def simulate(schedules: dict[int, Sequence[Action | tuple[str, int, int]]], pp: int,
              virtual: int, forward_time: float = 1.0, backward_time: float = 2.0) -> Timeline:
     """Run the schedules (actions, or (letter, microbatch, chunk) triples) in order on
-    each stage. Raises ValueError if the schedules deadlock."""
+    each stage; an input or a weight gradient takes half a backward. Raises ValueError if
+    the schedules deadlock."""
     last_chunk = pp * virtual - 1
     typed = {stage: [Action(ActionKind(k), mb, c) for k, mb, c in actions]
              for stage, actions in schedules.items()}
@@ -60,7 +63,8 @@ def simulate(schedules: dict[int, Sequence[Action | tuple[str, int, int]]], pp: 
                 if any(n not in done for n in needs):
                     break
                 start = max([clock[stage]] + [done[n] for n in needs])
-                end = start + (forward_time if action.kind is FORWARD else backward_time)
+                end = start + (forward_time if action.kind is FORWARD else backward_time
+                               if action.kind is BACKWARD else backward_time / 2)
                 done[action] = end
                 starts[stage].append(start)
                 ends[stage].append(end)
