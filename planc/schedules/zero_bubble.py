@@ -85,10 +85,10 @@ def held_at_peak(actions: list[Action]) -> int:
 
 
 def in_flight(stage: int, pp: int, microbatches: int, virtual: int = 1) -> int:
-    """ZB-H1: min(pp, microbatches) on every stage, 1F1B's peak (its first stage's);
-    interleaved: min(virtual x pp, virtual x microbatches) where microbatches divide by
-    pp. Read off the order, so it holds for any shape the order accepts."""
-    return held_at_peak(order(stage, pp, microbatches, virtual))
+    """min(virtual x pp, virtual x microbatches) on every stage: the warm-up's forwards
+    and the stage's held-back weight gradients add up to pp per chunk (ZB-H1: pp, 1F1B's
+    peak, on its first stage), as :func:`held_at_peak` reads off the order."""
+    return min(virtual * pp, virtual * microbatches)
 
 
 def _needs_pipeline(name: str, shape: PipelineShape) -> list[ScheduleProblem]:
