@@ -259,7 +259,8 @@ def _check_graph(path: Path, graph: nx.DiGraph, plan: Plan) -> None:
                          f"buckets); run planc compile again")
     problems = ir.validate(ir.coerce(graph), microbatches=plan.schedule.microbatches,
                            stages=plan.mesh.pp, layers=plan.model.layers,
-                           chunks=len(plan.shard.pp.chunks), limit=1)
+                           chunks=len(plan.shard.pp.chunks), stage_of_chunk=plan.stage_of_chunk,
+                           limit=1)
     if problems:
         raise BuildError(f"{path}: {problems[0]}; run planc compile again")
 

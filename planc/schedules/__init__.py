@@ -20,6 +20,7 @@ from planc.schedules.one_f_one_b import ONE_F_ONE_B
 from planc.schedules.schedule import (LOOP, V, PipelineSchedule, PipelineShape, Placement,
                                       ScheduleProblem)
 from planc.schedules.timeline import Timeline, simulate
+from planc.schedules.zero_bubble import INTERLEAVED_ZB, ZB1P
 from planc.schedules.zbv import ZBV
 
 __all__ = ["Action", "ActionKind", "Block", "LOOP", "V", "PipelineSchedule", "PipelineShape",
@@ -28,8 +29,8 @@ __all__ = ["Action", "ActionKind", "Block", "LOOP", "V", "PipelineSchedule", "Pi
            "order", "problems", "simulate"]
 
 # Name -> schedule, in the order the language lists them; read-only.
-SCHEDULES = MappingProxyType({s.name: s for s in (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZBV,
-                                                      DUALPIPEV)})
+SCHEDULES = MappingProxyType({s.name: s for s in (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZB1P,
+                                                  INTERLEAVED_ZB, ZBV, DUALPIPEV)})
 DEFAULT_SCHEDULE = ONE_F_ONE_B.name
 
 

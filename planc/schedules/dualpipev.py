@@ -116,4 +116,4 @@ def problems(shape: PipelineShape) -> list[ScheduleProblem]:
 
 
 DUALPIPEV = PipelineSchedule("dualpipev", order, in_flight, problems, chunks_per_stage=True,
-                             placement=V, overlapped=overlapped)
+                             placement=V, splits_backward=True, overlapped=overlapped)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from planc.schedules.actions import Action
+from planc.schedules.actions import Action, ActionKind
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,9 @@ class PipelineSchedule:
     ``overlapped(stage, pp, microbatches, virtual)``: the positions i in the stage's order
     whose action i (a forward) runs overlapped with action i + 1 (another microbatch's
     backward), as DualPipe pairs them; empty for most schedules.
+    ``splits_backward``: whether its backward runs as two blocks per chunk, the input
+    gradient (``I``, which the previous chunk waits for) and the weight gradient (``W``,
+    which nobody waits for), as zero-bubble schedules do (Qi et al., ICLR 2024).
     """
 
     name: str
@@ -56,6 +59,7 @@ class PipelineSchedule:
     in_flight: Callable[[int, int, int, int], int]
     problems: Callable[[PipelineShape], list[ScheduleProblem]]
     chunks_per_stage: bool = False
+    splits_backward: bool = False
     placement: "Placement" = None  # type: ignore[assignment]  # LOOP unless given
     overlapped: Callable[[int, int, int, int], frozenset[int]] = None  # type: ignore
 
@@ -64,6 +68,24 @@ class PipelineSchedule:
             object.__setattr__(self, "placement", LOOP)
         if self.overlapped is None:
             object.__setattr__(self, "overlapped", no_overlap)
+
+    def program_order(self, stage: int, pp: int, microbatches: int, virtual: int
+                      ) -> list[Action]:
+        """The blocks the stage's program runs, in order: :attr:`order`, except that under
+        a schedule that splits the backward a whole backward (``B``, which DualPipeV
+        still runs) is its input-gradient block then its weight-gradient block, since the
+        backward steps of such a program live in those two blocks."""
+        actions = self.order(stage, pp, microbatches, virtual)
+        if not self.splits_backward:
+            return actions
+        out = []
+        for action in actions:
+            if action.kind is ActionKind.BACKWARD:
+                out.append(action._replace(kind=ActionKind.BACKWARD_INPUT))
+                out.append(action._replace(kind=ActionKind.BACKWARD_WEIGHT))
+            else:
+                out.append(action)
+        return out
 
     def stage_of_chunk(self, chunk: int, pp: int, virtual: int) -> int:
         return self.placement.stage_of_chunk(chunk, pp, virtual)

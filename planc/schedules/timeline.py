@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from planc.schedules.actions import Action, ActionKind
 
 FORWARD, BACKWARD = ActionKind.FORWARD, ActionKind.BACKWARD
+INPUT, WEIGHT = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ def _needs(action: Action, last_chunk: int) -> list[tuple[str, int, int]]:
     kind, microbatch, chunk = action
     if kind is FORWARD:
         return [("F", microbatch, chunk - 1)] if chunk > 0 else []
-    if kind is ActionKind.BACKWARD_WEIGHT:
+    if kind is WEIGHT:
         return [("G", microbatch, chunk)]
     return [("F", microbatch, chunk)] + \
         ([("G", microbatch, chunk + 1)] if chunk < last_chunk else [])
@@ -78,8 +79,7 @@ def simulate(schedules: dict[int, Sequence[Action | tuple[str, int, int]]], pp: 
 
 # What finishing an action makes available: a forward's output, an input gradient (from
 # a whole backward or its input part), or the weight gradient.
-_DONE = {FORWARD: "F", BACKWARD: "G", ActionKind.BACKWARD_INPUT: "G",
-         ActionKind.BACKWARD_WEIGHT: "W"}
+_DONE = {FORWARD: "F", BACKWARD: "G", INPUT: "G", WEIGHT: "W"}
 
 
 def _duration(kind: ActionKind, forward_time: float, backward_time: float) -> float:

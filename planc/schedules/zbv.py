@@ -65,4 +65,4 @@ def problems(shape: PipelineShape) -> list[ScheduleProblem]:
 
 
 ZBV = PipelineSchedule("zbv", order, in_flight, problems, chunks_per_stage=True,
-                       placement=V)
+                       placement=V, splits_backward=True)
