@@ -58,6 +58,12 @@ MATRIX = {
     "tp2-pp2-dp2-sp-zero1": dict(mesh="tp = 2; pp = 2; dp = 2", m=2,
                                  shard="tp { sequence_parallel = on }; dp { zero = 1 }"),
     "tied-over-pp": dict(mesh="pp = 2", m=2, model="; tie_embeddings = on"),
+    # the V schedules: chunk 0 and the last chunk on stage 0
+    "pp2-zbv-tp2-sp-kv1": dict(mesh="tp = 2; pp = 2", m=4, kv=1, schedule="; pipeline = zbv",
+                               shard="tp { sequence_parallel = on }; pp { virtual = 2 }"),
+    "pp2-dualpipev-tied-zero2": dict(mesh="pp = 2; dp = 2", m=4, model="; tie_embeddings = on",
+                                     schedule="; pipeline = dualpipev",
+                                     shard="pp { virtual = 2 }; dp { zero = 2 }"),
 }
 
 

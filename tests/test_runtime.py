@@ -70,6 +70,22 @@ MATRIX = {
     "tied-pp-zero1": dict(mesh="pp = 2; dp = 2", m=2, model="; tie_embeddings = on",
                           shard="dp { zero = 1 }"),
 }
+# The V schedules (chunk 0 and the last chunk on stage 0), each with tensor and sequence
+# parallelism, ZeRO and a tied embedding; run once each, with the passes as written.
+V_MATRIX = {
+    "zbv-tp2-sp": dict(mesh="tp = 2; pp = 2", m=4, schedule="; pipeline = zbv",
+                       shard="tp { sequence_parallel = on }; pp { virtual = 2 }"),
+    "zbv-tied-zero3": dict(mesh="pp = 2; dp = 2", m=2, schedule="; pipeline = zbv",
+                           model="; tie_embeddings = on",
+                           shard="pp { virtual = 2 }; dp { zero = 3 }"),
+    "dualpipev-tied-zero1": dict(mesh="pp = 2; dp = 2", m=4, schedule="; pipeline = dualpipev",
+                                 model="; tie_embeddings = on",
+                                 shard="pp { virtual = 2 }; dp { zero = 1 }"),
+    "dualpipev-tp2-sp-zero2": dict(mesh="tp = 2; pp = 2; dp = 2", m=4,
+                                   schedule="; pipeline = dualpipev",
+                                   shard="tp { sequence_parallel = on }; pp { virtual = 2 }; "
+                                         "dp { zero = 2 }"),
+}
 TIED = ("tied-over-pp", "tied-zero3", "tied-pp-zero1")  # another model: its head is tied
 # Every plan with the optimisation passes as the plan says (on), and with each turned off.
 SWITCHES = {"": [], "fuse-off": ["--set", "optimize.fuse=off"],
@@ -155,6 +171,15 @@ def test_every_plan_trains_exactly_like_one_process(name, switch, tmp_path, capf
     for r in records:  # the slowest rank's step, and where its compute stream spent it
         assert 0 < r["compute_s"] < r["time_s"] and 0 <= r["exposed_comm_s"] < r["time_s"]
     losses[(name, switch)] = [r["loss"] for r in records]
+
+
+@pytest.mark.parametrize("name", list(V_MATRIX))
+def test_every_v_schedule_trains_exactly_like_one_process(name, tmp_path, capfd):
+    plan = tmp_path / f"{name}.plan"
+    plan.write_text(plan_text(name, **V_MATRIX[name]))
+    status, err = run([plan, "-o", tmp_path / "build", "--check", "--timeout", "60"], capfd)
+    assert status == 0, err
+    assert "every loss and parameter matches" in err
 
 
 @pytest.mark.parametrize("name", list(ROUTES))

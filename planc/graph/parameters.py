@@ -111,8 +111,10 @@ class ParameterRules:
             op = self.graph.nodes[node]["op"]
             for letter, phase in (("F", Phase.FORWARD), ("B", Phase.BACKWARD)):
                 consumer = node if letter == "F" else self.graph.nodes[node]["backward"]
+                # on the chunk of its reader (a V's tied head reads chunk 0's embedding)
                 gather = self.transfer(f"{letter}/{param.name}>{op}:all_gather@dp_cp",
-                                       Kind.ALL_GATHER, Axis.DP_CP, Payload.PARAM, phase, chunk,
+                                       Kind.ALL_GATHER, Axis.DP_CP, Payload.PARAM, phase,
+                                       self.graph.nodes[node]["chunk"],
                                        param.layer, self._bucket_bytes(bucket), self.m,
                                        reasons.zero3_gather(self.plan, param.name, phase.value),
                                        bucket=bucket)
