@@ -285,6 +285,10 @@ class Plan:
         """How the schedule places chunks: ``loop`` (c mod pp) or ``v``."""
         return named_schedule(self.schedule.pipeline).placement.name
 
+    def descends_after(self, chunk: int) -> bool:
+        """Whether chunk ``chunk``'s output travels to a lower stage (a V's way back)."""
+        return named_schedule(self.schedule.pipeline).placement.descends(chunk, self.mesh.pp)
+
     @property
     def head_stage(self) -> int:
         """The stage of the last chunk: the final norm, the head and the loss (the last

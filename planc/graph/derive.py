@@ -49,7 +49,6 @@ from planc.graph.layouts import Layout, S, gradient_layout
 from planc.graph.model import Shapes, all_parameters, forward_flops
 from planc.models import family_of
 from planc.models.family import INPUT
-from planc import schedules
 from planc.graph.schedules import schedule_text
 from planc.graph.tensor_parallel import (
     FP32_BYTES,
@@ -92,7 +91,6 @@ class _Derivation(AxisRules, ParameterRules):
         self.chunks = plan.shard.pp.chunks
         self.last_chunk = len(self.chunks) - 1
         self.stage_of = [plan.stage_of_chunk(c) for c in range(len(self.chunks))]
-        self.placement = schedules.named(plan.schedule.pipeline).placement
         # chunk -> the backward nodes of its forward nodes made early: a chunk that hands
         # its output to the next chunk on its own stage (the turn of a V) gets its
         # gradient straight from that chunk's backward, which is derived first.

@@ -75,17 +75,30 @@ class PipelineSchedule:
         a schedule that splits the backward a whole backward (``B``, which DualPipeV
         still runs) is its input-gradient block then its weight-gradient block, since the
         backward steps of such a program live in those two blocks."""
+        return self._program(stage, pp, microbatches, virtual)[0]
+
+    def program_overlapped(self, stage: int, pp: int, microbatches: int, virtual: int
+                           ) -> dict[int, int]:
+        """The overlapped pairs of :attr:`overlapped` in :meth:`program_order`'s
+        positions: the forward's position -> how many blocks the pair spans (the forward,
+        and the backward's one or two blocks)."""
+        return self._program(stage, pp, microbatches, virtual)[1]
+
+    def _program(self, stage: int, pp: int, microbatches: int, virtual: int
+                 ) -> tuple[list[Action], dict[int, int]]:
         actions = self.order(stage, pp, microbatches, virtual)
-        if not self.splits_backward:
-            return actions
-        out = []
-        for action in actions:
-            if action.kind is ActionKind.BACKWARD:
+        pairs = self.overlapped(stage, pp, microbatches, virtual)
+        out: list[Action] = []
+        at: dict[int, int] = {}  # position in the order -> in the program
+        for k, action in enumerate(actions):
+            at[k] = len(out)
+            if self.splits_backward and action.kind is ActionKind.BACKWARD:
                 out.append(action._replace(kind=ActionKind.BACKWARD_INPUT))
                 out.append(action._replace(kind=ActionKind.BACKWARD_WEIGHT))
             else:
                 out.append(action)
-        return out
+        at[len(actions)] = len(out)
+        return out, {at[k]: at[k + 2] - at[k] for k in sorted(pairs)}
 
     def stage_of_chunk(self, chunk: int, pp: int, virtual: int) -> int:
         return self.placement.stage_of_chunk(chunk, pp, virtual)
