@@ -365,29 +365,42 @@ def _build_pp(c: Config, schedule_class):
     from torch.distributed.pipelining import PipelineStage
 
     rank, stages = dist.get_rank(), dist.get_world_size()
-    model = GPT(c)
-    per = c.layers // stages
-    for i in range(c.layers):
-        if not rank * per <= i < (rank + 1) * per:
-            del model.layers[str(i)]
-    if rank != 0:
-        model.tok = model.pos = None
-    if rank != stages - 1:
-        model.norm = model.head = None
+    model = _chunk_of(GPT(c), rank, stages)
     stage = PipelineStage(model, rank, stages, torch.device("cpu"))
     schedule = schedule_class(stage, n_microbatches=4, loss_fn=loss_fn)
     opt = make_optimizer(c, model)
+    step = _schedule_step(schedule, opt, first=rank == 0, last=rank == stages - 1)
+    return step, f"{c.layers // stages} layers per stage, 4 microbatches"
 
+
+def _chunk_of(model: GPT, chunk: int, chunks: int) -> GPT:
+    """``model`` cut down to pipeline chunk ``chunk`` of ``chunks``: its share of the
+    layers, the embeddings on the first chunk, the final LayerNorm and head on the last."""
+    layers = len(model.layers)
+    per = layers // chunks
+    for i in range(layers):
+        if not chunk * per <= i < (chunk + 1) * per:
+            del model.layers[str(i)]
+    if chunk != 0:
+        model.tok = model.pos = None
+    if chunk != chunks - 1:
+        model.norm = model.head = None
+    return model
+
+
+def _schedule_step(schedule, opt, first: bool, last: bool):
+    """One step of a pipeline schedule on this rank: the rank holding the first stage
+    feeds the inputs, the one holding the last the targets (in a V, rank 0 does both)."""
     def step(tokens):
         losses = []
-        if rank == 0:
-            schedule.step(tokens[:, :-1])
-        else:
-            schedule.step(target=tokens[:, 1:], losses=losses, return_outputs=False)
+        inputs = (tokens[:, :-1],) if first else ()
+        targets = dict(target=tokens[:, 1:], losses=losses, return_outputs=False) \
+            if last else {}
+        schedule.step(*inputs, **targets)
         opt.step()
         opt.zero_grad()
         return torch.stack(losses).mean().detach() if losses else None
-    return step, f"{c.layers // stages} layers per stage, 4 microbatches"
+    return step
 
 
 def build_pp_1f1b(c: Config):
@@ -416,29 +429,12 @@ def _build_pp_v(c: Config, schedule_class):
     full, per = GPT(c), c.layers // chunks
     modules, stages = [], []
     for chunk in (rank, chunks - 1 - rank):
-        model = copy.deepcopy(full)
-        for i in range(c.layers):
-            if not chunk * per <= i < (chunk + 1) * per:
-                del model.layers[str(i)]
-        if chunk != 0:
-            model.tok = model.pos = None
-        if chunk != chunks - 1:
-            model.norm = model.head = None
+        model = _chunk_of(copy.deepcopy(full), chunk, chunks)
         modules.append(model)
         stages.append(PipelineStage(model, chunk, chunks, torch.device("cpu")))
     schedule = schedule_class(stages, n_microbatches=4, loss_fn=loss_fn)
     opt = make_optimizer(c, nn.ModuleList(modules))
-
-    def step(tokens):
-        losses = []
-        if rank == 0:
-            schedule.step(tokens[:, :-1], target=tokens[:, 1:], losses=losses,
-                          return_outputs=False)
-        else:
-            schedule.step()
-        opt.step()
-        opt.zero_grad()
-        return torch.stack(losses).mean().detach() if losses else None
+    step = _schedule_step(schedule, opt, first=rank == 0, last=rank == 0)
     return step, f"{per} layers per chunk, 2 chunks per rank in a V, 4 microbatches"
 
 

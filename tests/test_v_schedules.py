@@ -3,11 +3,16 @@ orders torch.distributed.pipelining generates, their activations and their rules
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from planc import schedules
+from planc.compile import compile_plan
 from planc.lang import load_text
+from planc.lower.program import Program
+from planc.lower.verify import verify
 from planc.schedules import Action, ActionKind, PipelineShape
 
 TORCH_KIND = {torch_schedules.FORWARD: ActionKind.FORWARD,
@@ -128,3 +133,27 @@ def test_the_checker_places_a_v_and_points_at_virtual():
     loaded = load_text(_plan("dualpipev", microbatches=2))
     (error,) = [d for d in loaded.diagnostics if d.severity == "error"]
     assert (error.span.line, error.span.column) == (5, 29)  # the value of microbatches
+
+
+@pytest.mark.parametrize("pipeline, pp, microbatches", [("zbv", 4, 8), ("zbv", 3, 2),
+                                                         ("dualpipev", 4, 8),
+                                                         ("dualpipev", 2, 5)])
+def test_the_verifier_proves_the_v_programs_and_finds_a_deadlock(pipeline, pp, microbatches):
+    plan = load_text(_plan(pipeline, microbatches=microbatches).replace(
+        "layers = 4", f"layers = {2 * pp}").replace("pp = 2", f"pp = {pp}").replace(
+        "batch = 8", f"batch = {microbatches}")).plan
+    build = compile_plan(plan)  # raises if the verifier finds a problem
+    last = build.programs[f"stage{pp - 1}.json"]
+    # the turn of the V is local: the last stage receives only from the stage before it
+    assert set(last.receives) == {"recv_prev"}
+    assert build.graph.graph["schedule"][str(pp - 1)].split() == [
+        f"{b[0]}{mb}.c{b[1:]}" for b, mb in last.schedule]
+    data = copy.deepcopy(build.programs["stage0.json"].to_json())
+    # stage 0 runs chunk 0's first input gradient before anything else: it waits for a
+    # gradient that comes back only after its own first forward went round the V
+    first_input = next(s for s in data["schedule"] if s[0] == "I0")
+    data["schedule"] = [first_input] + [s for s in data["schedule"] if s != first_input]
+    programs = {**build.programs, "stage0.json": Program.from_json(data)}
+    found = verify(build.plan, build.graph, programs, build.table, build.groups,
+                   build.routes).problems
+    assert any(p.startswith("the programs deadlock") for p in found), found
