@@ -203,7 +203,7 @@ def test_enum_word_starting_with_a_digit():
 def test_enum_words_are_case_sensitive():
     loaded = load_text(f"plan t {{ {MODEL}\n schedule {{ pipeline = 1F1B }} }}")
     (error,) = loaded.diagnostics
-    assert error.message == "unknown value '1F1B'; expected gpipe, 1f1b, interleaved, zb1p or interleaved_zb"
+    assert error.message == "unknown value '1F1B'; expected gpipe, 1f1b, interleaved, zb1p, interleaved_zb, zbv or dualpipev"
     assert error.hints == ("did you mean '1f1b'?",)
 
 
