@@ -166,14 +166,9 @@ class ContextParallel:
 
 @dataclass(frozen=True)
 class PipelineParallel:
-    """Model chunks as inclusive layer ranges; the schedule places each chunk on a
-    pipeline rank (:meth:`Plan.stage_of_chunk`).
-
-    With ``virtual`` = 1 there is one chunk per stage. With ``virtual`` = v the model
-    is cut into pp * v chunks, assigned round-robin (chunk c on c mod pp) as in
-    Megatron's interleaved schedule (Narayanan et al., SC'21, section 2.2), or in a V
-    (zbv, dualpipev: chunk c on 2pp - 1 - c for c >= pp).
-    """
+    """Model chunks as inclusive layer ranges, one per stage with ``virtual`` = 1, else
+    pp * v of them placed by the schedule (:meth:`Plan.stage_of_chunk`): round-robin as
+    Megatron's interleaving (Narayanan et al., SC'21, 2.2), or in a V (zbv, dualpipev)."""
 
     chunks: tuple[tuple[int, int], ...]
     virtual: int = 1
@@ -270,29 +265,21 @@ class Plan:
     def world(self) -> int:
         return self.mesh.world
 
+    @property
+    def placement(self):
+        """Where the schedule puts model chunks (a :class:`planc.schedules.Placement`)."""
+        return named_schedule(self.schedule.pipeline).placement
+
     def stage_of_chunk(self, chunk: int) -> int:
-        """The pipeline stage that holds model chunk ``chunk``, as the schedule places it."""
-        return named_schedule(self.schedule.pipeline).stage_of_chunk(
-            chunk, self.mesh.pp, self.shard.pp.virtual)
+        return self.placement.stage_of_chunk(chunk, self.mesh.pp, self.shard.pp.virtual)
 
     def chunks_of_stage(self, stage: int) -> tuple[int, ...]:
-        """The model chunks on ``stage``, in chunk order."""
-        return named_schedule(self.schedule.pipeline).chunks_of_stage(
-            stage, self.mesh.pp, self.shard.pp.virtual)
-
-    @property
-    def placement_name(self) -> str:
-        """How the schedule places chunks: ``loop`` (c mod pp) or ``v``."""
-        return named_schedule(self.schedule.pipeline).placement.name
-
-    def descends_after(self, chunk: int) -> bool:
-        """Whether chunk ``chunk``'s output travels to a lower stage (a V's way back)."""
-        return named_schedule(self.schedule.pipeline).placement.descends(chunk, self.mesh.pp)
+        return tuple(c for c in range(len(self.shard.pp.chunks))
+                     if self.stage_of_chunk(c) == stage)
 
     @property
     def head_stage(self) -> int:
-        """The stage of the last chunk: the final norm, the head and the loss (the last
-        stage, or stage 0 in a V)."""
+        """The stage of the last chunk, with the head and the loss (stage 0 in a V)."""
         return self.stage_of_chunk(len(self.shard.pp.chunks) - 1)
 
     def layers_of_stage(self, stage: int) -> tuple[int, ...]:

@@ -97,7 +97,7 @@ class AxisRules:
         shape = [self.shapes.batch, tokens, self.shapes.hidden]  # (batch, tokens, hidden)
         # Forward goes to the next stage, backward to the previous, except on the way
         # back of a V, where both turn round.
-        descends = self.plan.descends_after(min(source_chunk, target_chunk))
+        descends = self.plan.placement.descends(min(source_chunk, target_chunk), self.pp)
         toward = "prev" if descends == (phase == Phase.FORWARD) else "next"
         send = self.transfer(f"{name}:send@pp", Kind.SEND, Axis.PP, Payload.STREAM, phase,
                              source_chunk, None, nbytes, self.m, reason, tensor="stream",

@@ -103,7 +103,7 @@ def pipeline(plan: Plan, phase: str, source_chunk: int, target_chunk: int) -> st
 
     # Forward goes to the next stage and backward to the previous, except on the way back
     # of a V (zbv, dualpipev), where both turn round.
-    descends = plan.descends_after(min(source_chunk, target_chunk))
+    descends = plan.placement.descends(min(source_chunk, target_chunk), plan.mesh.pp)
     toward = "previous" if descends == (phase == "forward") else "next"
     if phase == "forward":
         return (f"{where(source_chunk)} feeds {where(target_chunk)}: each microbatch's "

@@ -226,7 +226,7 @@ def plan_group_table(plan: "Plan", split: tuple[str, ...] = ()) -> GroupTable:
     is on another stage than the embedding, and a V's stages send both ways."""
     return group_table(plan.mesh, plan.topology.devices_per_node,
                        plan.model.tie_embeddings and plan.head_stage != 0,
-                       plan.shard.pp.virtual, split, plan.placement_name == "v")
+                       plan.shard.pp.virtual, split, plan.placement.name == "v")
 
 
 def group_table(mesh: "Mesh", devices_per_node: int, tied: bool, virtual: int = 1,
