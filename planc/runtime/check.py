@@ -71,8 +71,8 @@ def _gather_parameters(ctx: RankContext, interpreter: Interpreter, plan: Plan,
         return None
     leader = ctx.leader
     if described[leader]["losses"] is None:
-        raise PeerDataError(f"rank {leader}, the last stage's first rank, sent no losses; "
-                            f"the run was stopped")
+        raise PeerDataError(f"rank {leader}, the first rank of the stage with the loss, sent "
+                            f"no losses; the run was stopped")
     copies: dict[tuple[str, int, int], dict[int, dict[int, torch.Tensor]]] = {}
     splits: dict[str, list | None] = {}
     for rank, (about, flat) in enumerate(zip(described, values)):
