@@ -13,6 +13,7 @@ from planc.compile import compile_plan
 from planc.lang import load_text
 from planc.lower.program import Program
 from planc.lower.verify import verify
+from planc.memory import layer_parameters, stage_parameters
 from planc.schedules import Action, ActionKind, PipelineShape
 
 TORCH_KIND = {torch_schedules.FORWARD: ActionKind.FORWARD,
@@ -125,6 +126,11 @@ def test_the_checker_places_a_v_and_points_at_virtual():
     assert [plan.stage_of_chunk(c) for c in range(4)] == [0, 1, 1, 0]
     assert plan.layers_of_stage(0) == (0, 3) and plan.layers_of_stage(1) == (1, 2)
     assert plan.head_stage == 0
+    # the memory estimate follows: stage 0 holds both ends of the model, stage 1 two layers
+    interleaved = load_text(_plan("interleaved")).plan
+    v_counts = [stage_parameters(plan, s) for s in range(2)]
+    assert v_counts[1] == 2 * layer_parameters(plan)
+    assert sum(v_counts) == sum(stage_parameters(interleaved, s) for s in range(2))
     loaded = load_text(_plan("zbv", "virtual = 1"))
     (error,) = [d for d in loaded.diagnostics if d.severity == "error"]
     assert error.message == "pipeline = zbv needs virtual = 2 (two chunks per stage, in a " \
