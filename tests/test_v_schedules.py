@@ -136,6 +136,13 @@ def test_the_checker_places_a_v_and_points_at_virtual():
     assert error.message == "pipeline = zbv needs virtual = 2 (two chunks per stage, in a " \
         "V), not 1"
     assert (error.span.line, error.hints) == (4, ("set shard { pp { virtual = 2 } }",))
+    loaded = load_text(_plan("zbv", "virtual = 2; stages = [0..1, 2..3]"))
+    (error,) = [d for d in loaded.diagnostics if d.severity == "error"]
+    assert error.hints == ("give one range per model chunk (chunk c runs on stage c, or "
+                           "2pp - 1 - c once c >= pp: a V)",)
+    loaded = load_text(_plan("zbv", "virtual = 2; stages = [0..0, 1..2, 3..3, 4..5]")
+                       .replace("layers = 4", "layers = 6"))
+    assert loaded.ok and loaded.plan.layers_of_stage(0) == (0, 4, 5)  # explicit, uneven
     loaded = load_text(_plan("dualpipev", microbatches=2))
     (error,) = [d for d in loaded.diagnostics if d.severity == "error"]
     assert (error.span.line, error.span.column) == (5, 29)  # the value of microbatches

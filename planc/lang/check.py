@@ -29,6 +29,7 @@ from planc.models import DEFAULT_FAMILY, FAMILIES
 from planc.plan import (LIMITS, ContextParallel, DataParallel, Mesh, Model, Optimize, Optimizer,
                         PipelineParallel, Plan, Schedule, Shard, Sources, TensorParallel, Train)
 from planc.schedules import PipelineShape
+from planc.schedules import named as schedule_named
 from planc.schedules import problems as schedule_problems
 
 __all__ = ["DATA_SCAN_LIMIT", "LIMITS", "LIMIT_REASONS", "MAX_TOPOLOGY_BYTES", "BlockReader",
@@ -285,20 +286,23 @@ class _Checker(TopologyReader):
                 return self._reject(f"{what} is more than layers ({layers}): each stage needs at "
                                   f"least one layer", self.span("mesh.pp"), None)
             return PipelineParallel(_even_chunks(layers, chunks), virtual, True) if ok else None
-        if not self._stage_ranges(stages, layers, chunks, pp, virtual):
+        v_shape = schedule_named(schedule.pipeline).placement.name == "v"
+        if not self._stage_ranges(stages, layers, chunks, pp, virtual, v_shape):
             return None
         return PipelineParallel(tuple((r.first, r.last) for r in stages), virtual, False) \
             if ok else None
 
     def _stage_ranges(self, ranges: tuple[StageRange, ...], layers: int, chunks: int,
-                      pp: int, virtual: int) -> bool:
+                      pp: int, virtual: int, v_shape: bool = False) -> bool:
         ok = True
         if len(ranges) != chunks:
             what = f"pp is {pp}" if virtual == 1 else f"pp x virtual is {chunks}"
             ok = self._fail(f"stages lists {len(ranges)} layer ranges but {what}",
                             self.span("shard.pp.stages"),
                             "give one range per stage" if virtual == 1 else
-                            "give one range per model chunk (chunk c runs on stage c mod pp)")
+                            "give one range per model chunk (chunk c runs on stage "
+                            + ("c, or 2pp - 1 - c once c >= pp: a V)" if v_shape else
+                               "c mod pp)"))
         for before, after in zip(ranges, ranges[1:]):
             if after.first < before.first:
                 return self._fail(f"layer range {after.first}..{after.last} comes after "
