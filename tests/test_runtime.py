@@ -70,6 +70,24 @@ MATRIX = {
     "tied-pp-zero1": dict(mesh="pp = 2; dp = 2", m=2, model="; tie_embeddings = on",
                           shard="dp { zero = 1 }"),
 }
+# The zero-bubble schedules (input and weight gradients in blocks of their own), once
+# each with the passes as the plan says: uneven stages, tp with sequence parallelism, cp
+# ring, ZeRO 1 and 3, tied embeddings and overlap off.
+ZERO_BUBBLE = {
+    "zb1p-uneven-tp-sp": dict(mesh="tp = 2; pp = 2", m=4, schedule="; pipeline = zb1p",
+                              shard="tp { sequence_parallel = on }; pp { stages = [0..0, 1..3] }"),
+    "zb1p-cp-ring": dict(mesh="cp = 2; pp = 2", m=2, schedule="; pipeline = zb1p",
+                         shard="cp { attention = ring; load_balance = on }"),
+    "zb1p-tied-zero3": dict(mesh="pp = 2; dp = 2", m=2, model="; tie_embeddings = on",
+                            schedule="; pipeline = zb1p", shard="dp { zero = 3 }"),
+    "interleaved-zb-zero1-overlap-off": dict(
+        mesh="pp = 2; dp = 2", m=2, schedule="; pipeline = interleaved_zb",
+        shard="pp { virtual = 2 }; dp { zero = 1 }", optimize="overlap = off"),
+    "interleaved-zb-zero3": dict(mesh="pp = 2; dp = 2", m=2, schedule="; pipeline = interleaved_zb",
+                                 shard="pp { virtual = 2 }; dp { zero = 3 }"),
+}
+TIED = ("tied-over-pp", "tied-zero3", "tied-pp-zero1",  # another model: its head is tied
+        "zb1p-tied-zero3")
 # The V schedules (chunk 0 and the last chunk on stage 0), each with tensor and sequence
 # parallelism, ZeRO and a tied embedding; run once each, with the passes as written.
 V_MATRIX = {
@@ -173,6 +191,19 @@ def test_every_plan_trains_exactly_like_one_process(name, switch, tmp_path, capf
     losses[(name, switch)] = [r["loss"] for r in records]
 
 
+@pytest.mark.parametrize("name", list(ZERO_BUBBLE))
+def test_zero_bubble_schedules_train_exactly_like_one_process(name, tmp_path, capfd, losses):
+    plan = tmp_path / f"{name}.plan"
+    plan.write_text(plan_text(name, **ZERO_BUBBLE[name]))
+    metrics = tmp_path / "metrics.jsonl"
+    status, err = run([plan, "-o", tmp_path / "build", "--check", "--metrics", metrics,
+                       "--timeout", "60"], capfd)
+    assert status == 0, err
+    assert "every loss and parameter matches" in err
+    programs = json.loads((tmp_path / "build" / "programs" / "stage0.json").read_text())
+    assert any(block.startswith("W") for block, _ in programs["schedule"])
+    losses[(name, "zero-bubble")] = [json.loads(line)["loss"]
+                                     for line in metrics.read_text().splitlines()]
 @pytest.mark.parametrize("name", list(V_MATRIX))
 def test_every_v_schedule_trains_exactly_like_one_process(name, tmp_path, capfd):
     plan = tmp_path / f"{name}.plan"

@@ -4,11 +4,15 @@ the programs they lower to (I and W blocks)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from planc import schedules
 from planc.compile import compile_plan
 from planc.lang import load_text
+from planc.lower.program import Program
+from planc.lower.verify import verify
 from planc.schedules import Action, ActionKind, PipelineShape
 from planc.schedules.zero_bubble import held_at_peak
 
@@ -162,3 +166,31 @@ def test_the_programs_run_the_input_and_weight_halves_in_their_own_blocks(pipeli
         assert [f"{b}.{m}" for b, m in program.schedule] == [
             f"{a.block.name}.{a.microbatch}"
             for a in schedules.order(pipeline, program.stage, 2, 4, virtual)]
+
+
+def _problems(build, programs) -> list[str]:
+    return verify(build.plan, build.graph, programs, build.table, build.groups,
+                  build.routes).problems
+
+
+@pytest.mark.parametrize("pipeline, virtual", [("zb1p", 1), ("interleaved_zb", 2)])
+def test_the_verifier_proves_the_programs_and_catches_a_weight_block_run_too_early(
+        pipeline, virtual):
+    build = compile_plan(load_text(plan_text(pipeline=pipeline, virtual=virtual)).plan)
+    assert _problems(build, build.programs) == []
+    data = copy.deepcopy(build.programs["stage1.json"].to_json())
+    # The first weight gradient runs before its input gradient saved what it reads.
+    first_input = next(k for k, (b, _) in enumerate(data["schedule"]) if b.startswith("I"))
+    first_weight = next(k for k, (b, _) in enumerate(data["schedule"]) if b.startswith("W"))
+    entry = data["schedule"].pop(first_weight)
+    data["schedule"].insert(first_input, entry)
+    broken = {**build.programs, "stage1.json": Program.from_json(data)}
+    found = _problems(build, broken)
+    block, saved = (("W1", "I1"), ("W3", "I3"))[virtual - 1]
+    reads = [p for p in found if " reads B/" in p and "only later" in p]
+    assert len(reads) == 1 and reads[0].startswith(
+        f"rank 1 (stage1.json): block {block} (microbatch 0) reads B/")
+    assert reads[0].endswith(f"which block {saved} writes for that microbatch only later in "
+                             f"the schedule")
+    assert any(p.startswith(f"rank 1 (stage1.json): block {saved} reads ") and
+               p.endswith(f"(microbatch 0) after block {block} freed them") for p in found)
