@@ -4,6 +4,7 @@ orders torch.distributed.pipelining generates, their activations and their rules
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
@@ -170,3 +171,25 @@ def test_the_verifier_proves_the_v_programs_and_finds_a_deadlock(pipeline, pp, m
     found = verify(build.plan, build.graph, programs, build.table, build.groups,
                    build.routes).problems
     assert any(p.startswith("the programs deadlock") for p in found), found
+
+
+def test_programs_bracket_dualpipes_pairs_and_the_trace_draws_the_blocks(tmp_path, capsys):
+    from planc.cli import main
+
+    plan = tmp_path / "v.plan"
+    plan.write_text(_plan("dualpipev"))
+    build = tmp_path / "build"
+    assert main(["compile", str(plan), "-o", str(build)]) == 0
+    capsys.readouterr()
+    assert main(["programs", str(build), "--rank", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[3] == (
+        "schedule (24 blocks, block.microbatch): F1.0 F2.0 F1.1 F2.1 F1.2 I2.0 W2.0 "
+        "[F2.2 I1.0 W1.0] [F1.3 I2.1 W2.1] [F2.3 I1.1 W1.1] I2.2 W2.2 I1.2 W1.2 I2.3 I1.3 "
+        "W2.3 W1.3")
+    trace = tmp_path / "trace.json"
+    assert main(["simulate", str(build), "--trace", str(trace)]) == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    blocks = [e["name"] for e in events if e.get("args", {}).get("op") == "block"
+              and e["pid"] == 1]
+    assert blocks == lines[3].split(": ")[1].replace("[", "").replace("]", "").split()
