@@ -336,7 +336,7 @@ class _Checker(TopologyReader):
                           "use embedding = vocab with head = vocab, or replicate both"))
 
     def _optimize(self) -> Optimize | None:
-        keys = ("fuse", "bucket", "route", "overlap", "recompute")
+        keys = ("fuse", "bucket", "route", "overlap", "recompute", "tp_overlap")
         if not self.ready(*(f"optimize.{k}" for k in keys)):
             return None
         return Optimize(**{k: self.value(f"optimize.{k}") for k in keys})

@@ -19,14 +19,16 @@ from planc.passes.context import Pass, PassContext, PassRecord, copy_graph, reco
 from planc.passes.fuse import fuse
 from planc.passes.overlap import overlap
 from planc.passes.route import route
+from planc.passes.tp_overlap import tp_overlap
 
 __all__ = ["PIPELINE", "Pass", "PassContext", "PassRecord", "copy_graph", "names", "record",
            "run"]
 
 # The passes in the order they run: fuse makes the buckets that route chooses a route
-# for, and overlap schedules what route chose.
+# for, and overlap schedules what route chose; tp_overlap then cuts the tp collectives
+# overlap put on the comm stream, and the GEMMs next to them, into pieces.
 PIPELINE: tuple[tuple[str, Pass], ...] = (("fuse", fuse), ("route", route),
-                                          ("overlap", overlap))
+                                          ("overlap", overlap), ("tp_overlap", tp_overlap))
 
 
 def run(graph: nx.DiGraph, context: PassContext,
