@@ -58,6 +58,10 @@ MATRIX = {
     "tp2-pp2-dp2-sp-zero1": dict(mesh="tp = 2; pp = 2; dp = 2", m=2,
                                  shard="tp { sequence_parallel = on }; dp { zero = 1 }"),
     "tied-over-pp": dict(mesh="pp = 2", m=2, model="; tie_embeddings = on"),
+    # tp_overlap forced to split (on gloo the cost model keeps every GEMM whole)
+    "tp2-tp-overlap-4": dict(mesh="tp = 2", optimize="tp_overlap = 4"),
+    "tp2-sp-kv1-tp-overlap-2": dict(mesh="tp = 2", kv=1, m=2, optimize="tp_overlap = 2",
+                                    shard="tp { sequence_parallel = on }"),
 }
 
 
