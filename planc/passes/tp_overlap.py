@@ -98,7 +98,7 @@ def tp_overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
     out = ctx.working_copy(graph)
     plan = ctx.plan
     setting = plan.optimize.tp_overlap
-    if plan.mesh.tp == 1 or setting is False or setting == 1:
+    if plan.mesh.tp == 1 or setting is False or setting is not True and setting == 1:
         why = "tp = 1: no tp collectives" if plan.mesh.tp == 1 else "tp_overlap = off"
         return record(out, PassRecord("tp_overlap", False, f"tp_overlap: off ({why})"))
     tokens = plan.model.seq // plan.mesh.cp
