@@ -101,6 +101,8 @@ class _Checker(TopologyReader):
             self.report(warning(f"zero = {zero} has no effect with dp = 1 and cp = 1",
                                 self.span("shard.dp.zero")))
         optimize = self._optimize()
+        if optimize is not None and mesh and model:
+            optimize = self._tp_overlap(optimize, mesh, model)
         train = self._train(model)
         parts = (model, mesh, topology, tensor, context, pipeline, schedule, optimize, train)
         if any(part is None for part in parts) or zero is None:
@@ -340,6 +342,34 @@ class _Checker(TopologyReader):
         if not self.ready(*(f"optimize.{k}" for k in keys)):
             return None
         return Optimize(**{k: self.value(f"optimize.{k}") for k in keys})
+
+    def _tp_overlap(self, optimize: Optimize, mesh, model) -> Optimize | None:
+        """tp_overlap's rules: a forced chunk count must cut every rank's share of the
+        tokens evenly; with tp = 1 it does nothing (there is no tp collective), which a
+        plan that asks for it is told, as Megatron-LM ignores ``--tp-comm-overlap`` there."""
+        chunks = optimize.tp_overlap
+        if "optimize.tp_overlap" not in self.given or chunks is False:
+            return optimize
+        if mesh.tp == 1:
+            self.report(warning(f"tp_overlap = {self._written(chunks)} has no effect with "
+                                f"tp = 1: there is no tp collective to overlap",
+                                self.span("optimize.tp_overlap"),
+                                "set mesh.tp to 2 or more, or remove tp_overlap"))
+            return optimize
+        tokens = model.seq // mesh.cp
+        if chunks is not True and tokens % (mesh.tp * chunks):
+            fits = [k for k in range(2, 9) if tokens % (mesh.tp * k) == 0]
+            return self._reject(
+                f"tp_overlap = {chunks} needs the tokens of a microbatch on each cp rank "
+                f"(seq / cp = {tokens}) to divide by tp x chunks = {mesh.tp * chunks}",
+                self.span("optimize.tp_overlap"),
+                (f"use tp_overlap = {fits[0]}" if fits else "use tp_overlap = off") +
+                ", or on to let the cost model choose")
+        return optimize
+
+    @staticmethod
+    def _written(chunks) -> str:
+        return "on" if chunks is True else str(chunks)
 
     def _train(self, model: Model | None) -> Train | None:
         keys = ("steps", "optimizer", "seed", "data")

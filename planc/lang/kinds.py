@@ -314,7 +314,13 @@ class OnOffOrCount(Kind):
                               "1 chunk is off; 2 or more split each collective into that "
                               "many pieces")
             return value.value
-        return Boolean().read(value, scope)
+        if isinstance(value, ast.Word):
+            if value.text in BOOLEAN_WORDS:
+                return BOOLEAN_WORDS[value.text]
+            raise Problem(f"expected on, off or a number of chunks, got '{value.text}'",
+                          value.span, did_you_mean(value.text, BOOLEAN_WORDS) or
+                          "on lets the cost model choose the chunk count; 2, 4, ... force it")
+        raise self.mismatch(value)
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,7 @@ def tp_overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
     backward_of = {d["forward_of"]: n for n, d in out.nodes(data=True)
                    if d["type"] == NodeType.COMPUTE and d["phase"] == Phase.BACKWARD and
                    "forward_of" in d and "weight_grad_of" not in d and not d["recompute"]}
-    recomputed = {d.get("recompute_of") for _, d in out.nodes(data=True)}
+    recomputed = {d.get("forward_of") for _, d in out.nodes(data=True) if d.get("recompute")}
     linears = [n for n, d in out.nodes(data=True)
                if d["type"] == NodeType.COMPUTE and d["phase"] == Phase.FORWARD and
                d.get("op") in LINEARS and not d["recompute"] and d["per_microbatch"]]
