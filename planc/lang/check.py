@@ -345,14 +345,16 @@ class _Checker(TopologyReader):
 
     def _tp_overlap(self, optimize: Optimize, mesh, model) -> Optimize | None:
         """tp_overlap's rules: a forced chunk count must cut every rank's share of the
-        tokens evenly; with tp = 1 it does nothing (there is no tp collective), which a
-        plan that asks for it is told, as Megatron-LM ignores ``--tp-comm-overlap`` there."""
+        tokens evenly. ``on`` means "wherever there are tp collectives", the default, so
+        it is silent with tp = 1 (``planc compile`` notes the pass did nothing); a forced
+        count with tp = 1 asks for something that cannot happen, and is warned about."""
         chunks = optimize.tp_overlap
-        if "optimize.tp_overlap" not in self.given or chunks is False:
+        if "optimize.tp_overlap" not in self.given or chunks is False or chunks is True \
+                and mesh.tp == 1:
             return optimize
         if mesh.tp == 1:
-            self.report(warning(f"tp_overlap = {self._written(chunks)} has no effect with "
-                                f"tp = 1: there is no tp collective to overlap",
+            self.report(warning(f"tp_overlap = {chunks} has no effect with tp = 1: there "
+                                f"is no tp collective to split into chunks",
                                 self.span("optimize.tp_overlap"),
                                 "set mesh.tp to 2 or more, or remove tp_overlap"))
             return optimize
@@ -366,10 +368,6 @@ class _Checker(TopologyReader):
                 (f"use tp_overlap = {fits[0]}" if fits else "use tp_overlap = off") +
                 ", or on to let the cost model choose")
         return optimize
-
-    @staticmethod
-    def _written(chunks) -> str:
-        return "on" if chunks is True else str(chunks)
 
     def _train(self, model: Model | None) -> Train | None:
         keys = ("steps", "optimizer", "seed", "data")
