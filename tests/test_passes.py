@@ -467,8 +467,9 @@ def test_tp_overlap_splits_each_tp_gemm_and_its_collectives_into_chunks():
     assert after.nodes["F/L0/qkv#t1"]["flops"] == before.nodes["F/L0/qkv"]["flops"] / 2
     assert after.nodes["W/L0/proj"]["weight_grad_of"] == "B/L0/proj#t1"
     record = after.graph["passes"][-1]
-    assert record["line"] == ("tp_overlap: 4 of 4 tp GEMMs split into 2 chunks, each "
-                              "chunk's collective overlapped with the next chunk's GEMM")
+    assert record["line"] == ("tp_overlap: 4 of 4 tp GEMMs split into 2 chunks (qkv 2, proj "
+                              "2, fc1 2, fc2 2), each chunk's collective overlapped with "
+                              "another chunk's GEMM")
     assert [(d["node"], d["chunks"], d["reason"]) for d in record["decisions"]] == [
         (f"F/L0/{op}", 2, "forced by tp_overlap") for op in ("qkv", "proj", "fc1", "fc2")]
 

@@ -42,7 +42,12 @@ from planc.passes.context import PassContext, PassRecord, record
 
 LINEARS = (Op.QKV, Op.PROJ, Op.FC1, Op.FC2)
 COUNTS = (1, 2, 4, 8)
-CHUNKED = (Kind.ALL_GATHER, Kind.REDUCE_SCATTER, Kind.ALL_REDUCE)
+RECOMPUTED = "recomputed in the backward: left whole"
+NO_GAIN = ("the cost model predicts no gain: a chunk collective costs about as much as the "
+           "whole one (its fixed cost dominates)")
+# The pass line's words for a reason no GEMM was split.
+NO_SPLIT = {RECOMPUTED: "each is recomputed in the backward (not chunked yet)",
+            NO_GAIN: "the cost model predicts no gain from chunking on this topology"}
 
 
 def piece_name(node: str, index: int) -> str:
@@ -124,11 +129,9 @@ def tp_overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
         decision = {"node": forward, "collectives": sorted(sides.values()), "chunks": k,
                     "predicted_seconds": {str(c): s for c, s in seconds.items()}}
         if forward in recomputed:
-            decision.update(chunks=1, reason="recomputed in the backward: left whole")
+            decision.update(chunks=1, reason=RECOMPUTED)
         elif k == 1:
-            decision["reason"] = (
-                "the cost model predicts no gain: a chunk collective costs about as much "
-                "as the whole one (its fixed cost dominates)")
+            decision["reason"] = NO_GAIN
         else:
             decision["reason"] = "forced by tp_overlap" if setting is not True else \
                 f"least predicted time of 1, 2, 4, 8 chunks dividing {tokens} tokens"
@@ -136,13 +139,17 @@ def tp_overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
             split += 1
             pieces.add(k)
         decisions.append(decision)
+    by_op: dict[str, set[int]] = {}
+    for d in decisions:
+        by_op.setdefault(d["node"].rsplit("/", 1)[-1], set()).add(d["chunks"])
+    chosen = ", ".join(f"{op} {'/'.join(map(str, sorted(ks)))}" for op, ks in by_op.items())
     if split:
         line = (f"tp_overlap: {split} of {len(decisions)} tp GEMMs split into "
-                f"{'/'.join(map(str, sorted(pieces)))} chunks, each chunk's collective "
-                f"overlapped with the next chunk's GEMM")
+                f"{'/'.join(map(str, sorted(pieces)))} chunks ({chosen}), each chunk's "
+                f"collective overlapped with another chunk's GEMM")
     else:
-        line = (f"tp_overlap: on, 0 of {len(decisions)} tp GEMMs split: the cost model "
-                f"predicts no gain from chunking on this topology")
+        reasons = sorted({NO_SPLIT.get(d["reason"], d["reason"]) for d in decisions})
+        line = f"tp_overlap: on, 0 of {len(decisions)} tp GEMMs split: " + "; ".join(reasons)
     changes = [{"category": "tp collectives", "before": len({c for d in decisions
                                                               for c in d["collectives"]}),
                 "after": sum(len(d["collectives"]) * d["chunks"] for d in decisions)}]
