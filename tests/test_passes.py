@@ -499,7 +499,7 @@ def test_tp_overlap_on_asks_the_cost_model_and_records_why():
     before, after = _before_and_after_tp_overlap(chunks="on")
     assert sorted(after.edges) == sorted(before.edges)
     record = after.graph["passes"][-1]
-    assert record["line"] == ("tp_overlap: on, 0 of 4 tp GEMMs split: the cost model "
+    assert record["line"] == ("tp_overlap: 0 of 4 tp GEMMs split: the cost model "
                               "predicts no gain from chunking on this topology")
     for decision in record["decisions"]:
         seconds = decision["predicted_seconds"]

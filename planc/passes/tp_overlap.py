@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import networkx as nx
 
+from planc.cost import Placement, Route
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Phase
 from planc.passes.context import PassContext, PassRecord, record
+from planc.passes.route import group_placements
 
 LINEARS = (Op.QKV, Op.PROJ, Op.FC1, Op.FC2)
 COUNTS = (1, 2, 4, 8)
@@ -76,23 +78,32 @@ def _sides(graph: nx.DiGraph, forward: str, backward: str) -> dict[str, str]:
     return sides
 
 
+def collective_seconds(ctx: PassContext, placements: dict, data: dict, nbytes: float
+                       ) -> float:
+    """A collective's time over the route the route pass chose, on its slowest group, as
+    the route pass and the simulator time it."""
+    groups = placements.get((data["axis"].value, data["stage"])) or \
+        (Placement.within_node(data["group_size"]),)
+    return max(ctx.cost.route_time(data.get("route") or Route.RING.value,
+                                   str(data["kind"]), nbytes, p) for p in groups)
+
+
 def _predicted(ctx: PassContext, graph: nx.DiGraph, sides: dict[str, str], flops: dict,
-               k: int, crosses: bool) -> float:
+               k: int, placements: dict) -> float:
     total = 0.0
     for side, collective in sides.items():
         data = graph.nodes[collective]
-        c = ctx.cost.transfer_seconds(str(data["kind"]), data["bytes"] / k,
-                                      data["group_size"], crosses)
+        c = collective_seconds(ctx, placements, data, data["bytes"] // k)
         g = ctx.cost.compute_seconds(flops[side.split()[0]] / k)
         total += c + g + (k - 1) * max(c, g)
     return total
 
 
 def _chunk_count(ctx: PassContext, graph: nx.DiGraph, sides, flops, tokens: int,
-                 crosses: bool) -> tuple[int, dict]:
+                 placements: dict) -> tuple[int, dict]:
     setting = ctx.plan.optimize.tp_overlap
     fits = [k for k in COUNTS if tokens % (ctx.plan.mesh.tp * k) == 0]
-    seconds = {k: _predicted(ctx, graph, sides, flops, k, crosses) for k in fits}
+    seconds = {k: _predicted(ctx, graph, sides, flops, k, placements) for k in fits}
     if setting is not True:
         return int(setting), seconds
     best = min(fits, key=lambda k: (seconds[k] - 1e-12 * (k == 1), k))
@@ -107,7 +118,7 @@ def tp_overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
         why = "tp = 1: no tp collectives" if plan.mesh.tp == 1 else "tp_overlap = off"
         return record(out, PassRecord("tp_overlap", False, f"tp_overlap: off ({why})"))
     tokens = plan.model.seq // plan.mesh.cp
-    crosses = ctx.layout.crosses_nodes("tp")
+    placements = group_placements(ctx)
     backward_of = {d["forward_of"]: n for n, d in out.nodes(data=True)
                    if d["type"] == NodeType.COMPUTE and d["phase"] == Phase.BACKWARD and
                    "forward_of" in d and "weight_grad_of" not in d and not d["recompute"]}
@@ -125,7 +136,7 @@ def tp_overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
             continue
         flops = {"forward": out.nodes[forward]["flops"],
                  "backward": out.nodes[backward]["flops"]}
-        k, seconds = _chunk_count(ctx, out, sides, flops, tokens, crosses)
+        k, seconds = _chunk_count(ctx, out, sides, flops, tokens, placements)
         decision = {"node": forward, "collectives": sorted(sides.values()), "chunks": k,
                     "predicted_seconds": {str(c): s for c, s in seconds.items()}}
         if forward in recomputed:
@@ -136,6 +147,11 @@ def tp_overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
             decision["reason"] = "forced by tp_overlap" if setting is not True else \
                 f"least predicted time of 1, 2, 4, 8 chunks dividing {tokens} tokens"
             _split_linear(out, forward, backward, sides, k, plan.mesh.tp)
+            for collective in sides.values():  # each chunk timed as the simulator will
+                for j in range(k):
+                    data = out.nodes[piece_name(collective, j)]
+                    data["route_seconds"] = collective_seconds(ctx, placements, data,
+                                                               data["bytes"])
             split += 1
             pieces.add(k)
         decisions.append(decision)
@@ -149,7 +165,7 @@ def tp_overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
                 f"collective overlapped with another chunk's GEMM")
     else:
         reasons = sorted({NO_SPLIT.get(d["reason"], d["reason"]) for d in decisions})
-        line = f"tp_overlap: on, 0 of {len(decisions)} tp GEMMs split: " + "; ".join(reasons)
+        line = f"tp_overlap: 0 of {len(decisions)} tp GEMMs split: " + "; ".join(reasons)
     changes = [{"category": "tp collectives", "before": len({c for d in decisions
                                                               for c in d["collectives"]}),
                 "after": sum(len(d["collectives"]) * d["chunks"] for d in decisions)}]
@@ -162,9 +178,9 @@ def _copy(graph: nx.DiGraph, node: str, index: int, k: int, tp: int) -> str:
     data = graph.nodes[node]
     name = piece_name(node, index)
     attrs = {**data, "token_piece": [index, k, tp]}
-    for key in ("flops", "bytes", "route_seconds"):
-        if isinstance(data.get(key), (int, float)) and data.get(key) is not None:
-            attrs[key] = data[key] / k if key != "bytes" else data[key] // k
+    if "flops" in data:
+        attrs["flops"] = data["flops"] / k
+    attrs["bytes"] = data["bytes"] // k
     graph.add_node(name, **attrs)
     return name
 
