@@ -27,9 +27,11 @@ back its own ``j``-th slice. A linear acts on each token by itself, so the piece
 what the whole GEMM computes.
 
 The chunk count, with ``tp_overlap = on``: the least predicted time of the two-stage
-pipeline ``c(B/k) + g/k + (k - 1) max(c(B/k), g/k)`` (``c`` a chunk collective by the cost
-model, ``g`` the GEMM), summed over the linear's chunked collectives, among the counts
-1, 2, 4 and 8 that divide the tokens; 1 (no split) when nothing beats it, as on gloo,
+pipeline ``c(B/k) + g(k) + (k - 1) max(c(B/k), g(k))`` (``c`` a chunk collective over its
+route by the cost model, ``g(k)`` the GEMM of one piece, by the simulator's kernel model
+on a known GPU, :mod:`planc.kernel_cost`, where a piece runs less efficiently and pays a
+launch), summed over the linear's chunked collectives, among the counts 1, 2, 4 and 8
+that divide the tokens; 1 (no split) when nothing beats it, as on gloo,
 where a collective's fixed cost dwarfs a small GEMM. An integer forces that count.
 """
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 import networkx as nx
 
 from planc.cost import Placement, Route
+from planc.kernel_cost import KernelModel
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Phase
 from planc.passes.context import PassContext, PassRecord, record
 from planc.passes.route import group_placements
@@ -88,22 +91,35 @@ def collective_seconds(ctx: PassContext, placements: dict, data: dict, nbytes: f
                                    str(data["kind"]), nbytes, p) for p in groups)
 
 
-def _predicted(ctx: PassContext, graph: nx.DiGraph, sides: dict[str, str], flops: dict,
-               k: int, placements: dict) -> float:
+def gemm_seconds(ctx: PassContext, kernels: KernelModel | None, op: str, phase: str,
+                 flops: float) -> float:
+    """A piece's GEMM (the forward's, or the backward's input gradient, as many FLOPs):
+    by the simulator's kernel model on a known GPU, where a smaller piece runs less
+    efficiently and pays its launch; else at the device's one efficiency."""
+    if kernels is None:
+        return ctx.cost.compute_seconds(flops)
+    return kernels.linear_seconds(op, phase, flops, split=True)
+
+
+def _predicted(ctx: PassContext, kernels: KernelModel | None, graph: nx.DiGraph,
+               sides: dict[str, str], op: str, flops: float, k: int,
+               placements: dict) -> float:
     total = 0.0
     for side, collective in sides.items():
         data = graph.nodes[collective]
         c = collective_seconds(ctx, placements, data, data["bytes"] // k)
-        g = ctx.cost.compute_seconds(flops[side.split()[0]] / k)
+        g = gemm_seconds(ctx, kernels, op, side.split()[0], flops / k)
         total += c + g + (k - 1) * max(c, g)
     return total
 
 
-def _chunk_count(ctx: PassContext, graph: nx.DiGraph, sides, flops, tokens: int,
-                 placements: dict) -> tuple[int, dict]:
+def _chunk_count(ctx: PassContext, kernels: KernelModel | None, graph: nx.DiGraph, sides,
+                 op: str, flops: float, tokens: int, placements: dict
+                 ) -> tuple[int, dict]:
     setting = ctx.plan.optimize.tp_overlap
     fits = [k for k in COUNTS if tokens % (ctx.plan.mesh.tp * k) == 0]
-    seconds = {k: _predicted(ctx, graph, sides, flops, k, placements) for k in fits}
+    seconds = {k: _predicted(ctx, kernels, graph, sides, op, flops, k, placements)
+               for k in fits}
     if setting is not True:
         return int(setting), seconds
     best = min(fits, key=lambda k: (seconds[k] - 1e-12 * (k == 1), k))
@@ -119,6 +135,7 @@ def tp_overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
         return record(out, PassRecord("tp_overlap", False, f"tp_overlap: off ({why})"))
     tokens = plan.model.seq // plan.mesh.cp
     placements = group_placements(ctx)
+    kernels = KernelModel.of(plan)
     backward_of = {d["forward_of"]: n for n, d in out.nodes(data=True)
                    if d["type"] == NodeType.COMPUTE and d["phase"] == Phase.BACKWARD and
                    "forward_of" in d and "weight_grad_of" not in d and not d["recompute"]}
@@ -134,9 +151,8 @@ def tp_overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
         sides = _sides(out, forward, backward)
         if not sides:
             continue
-        flops = {"forward": out.nodes[forward]["flops"],
-                 "backward": out.nodes[backward]["flops"]}
-        k, seconds = _chunk_count(ctx, out, sides, flops, tokens, placements)
+        k, seconds = _chunk_count(ctx, kernels, out, sides, str(out.nodes[forward]["op"]),
+                                  out.nodes[forward]["flops"], tokens, placements)
         decision = {"node": forward, "collectives": sorted(sides.values()), "chunks": k,
                     "predicted_seconds": {str(c): s for c, s in seconds.items()}}
         if forward in recomputed:
