@@ -216,6 +216,9 @@ class Optimize:
     route: str = "auto"
     overlap: bool = True
     recompute: str = "none"
+    # Collective matmul over tp (planc.passes.tp_overlap): True lets the cost model
+    # choose the chunk count, False is off, an integer forces that many chunks.
+    tp_overlap: bool | int = True
 
 
 @dataclass(frozen=True)

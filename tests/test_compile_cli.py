@@ -170,7 +170,9 @@ def test_compile_writes_the_build_files(tmp_path):
               "overlap: 2 once-per-step gradient reductions issued in the last microbatch's "
               "backward as soon as their inputs are final; 2 ZeRO parameter all-gathers moved "
               "to the start of the next step, each waited for by its first forward use; 9 weight "
-              "gradients computed while the collective of their input gradient is in flight\n")
+              "gradients computed while the collective of their input gradient is in flight\n"
+              "tp_overlap: 0 of 16 tp GEMMs split: the cost model predicts no gain from "
+              "chunking on this topology\n")
     assert summary_text.passes(summary) == passes
     assert result.out == (first + "\n" + verified + "\n\n" + passes + "\n"
                           + summary_text.render(summary))

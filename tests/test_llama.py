@@ -84,6 +84,10 @@ MATRIX = {
     "pp2-dualpipev-tied-zero2": dict(mesh="pp = 2; dp = 2", m=4, model="; tie_embeddings = on",
                                      schedule="; pipeline = dualpipev",
                                      shard="pp { virtual = 2 }; dp { zero = 2 }"),
+    # tp_overlap forced to split (on gloo the cost model keeps every GEMM whole)
+    "tp2-tp-overlap-4": dict(mesh="tp = 2", optimize="tp_overlap = 4"),
+    "tp2-sp-kv1-tp-overlap-2": dict(mesh="tp = 2", kv=1, m=2, optimize="tp_overlap = 2",
+                                    shard="tp { sequence_parallel = on }"),
 }
 
 

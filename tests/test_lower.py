@@ -371,3 +371,21 @@ def test_a_program_whose_operands_are_not_the_graphs_is_refused(change, message,
     assert result.returncode == 1
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_piece_of_the_tokens_other_than_the_graph_says_is_refused():
+    """tp_overlap's pieces are operands: a partial GEMM reading another slice of the
+    tokens than its all-gather brought would compute wrong rows, silently."""
+    build = built(PP_PLAN.replace("  schedule", "  optimize { tp_overlap = 2 }\n  schedule"))
+    assert problems(build) == []
+
+    def shift(data):
+        for block in data["blocks"].values():
+            for x in block:
+                for item in x.get("operands", {}).get("inputs", []):
+                    if item.get("tokens") == [0, 2, 2]:
+                        item["tokens"] = [1, 2, 2]
+                        return
+
+    assert problems(build, _replace_program(build, "stage0.json", shift)) == [
+        "stage0.json: the operands of compute B/L1/fc2#t0 are not those graph.json implies"]

@@ -41,9 +41,11 @@ def inputs_of(graph: nx.DiGraph, node: str, stage: int, position: dict[str, int]
         if edge.get("slice"):
             dim = parse_layout(edge["slice"]).dim
             local = (dim, SEQ_AXIS if dim == "seq" else FEATURE_AXIS)
+        tokens, piece = edge.get("tokens"), edge.get("piece")
         out.append(Input(source, str(edge.get("port", Port.X)),
                          bool(source_data["per_microbatch"]), _value(edge.get("grad_of")),
-                         local))
+                         local, None if tokens is None else tuple(tokens),
+                         None if piece is None else tuple(piece), edge.get("piece_of")))
     return tuple(out)
 
 
@@ -74,6 +76,7 @@ def _compute(graph: nx.DiGraph, node: str, data: dict, position: dict[str, int]
         saved_from=data.get("recompute_of") or data.get("forward_of"),
         keeps_graph=bool(data["recompute"] or not data.get("recomputed", False)),
         weight_step=data.get("weight_grad"), gathered=gathered,
+        tokens=tuple(data["token_piece"]) if "token_piece" in data else None,
         flops=data["flops"], output_bytes=data["bytes"],
         bucket=data.get("bucket") if data["op"] == Op.OPTIMIZER else None,
         sharded=bool(data.get("sharded", False)) if data["op"] == Op.OPTIMIZER else False)

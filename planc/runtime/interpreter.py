@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from planc.lower.operands import Input
+from planc.lower.operands import SEQ_AXIS, Input
 from planc.lower.program import Instruction, Program
 from planc.runtime.context import RankContext, pp_group_key
 from planc.runtime.kernels import LOSS_STATISTICS, Kernels, Saved, Spec
@@ -53,6 +53,24 @@ def combine(values: list[torch.Tensor]) -> torch.Tensor:
         if value.shape != widest.shape:
             total[..., total.shape[-1] - value.shape[-1]:] += value
     return total
+
+
+def select_tokens(value: torch.Tensor, index: int, count: int, spread: int) -> torch.Tensor:
+    """Piece ``index`` of ``count`` of the tokens of ``value`` (batch, tokens, ...), spread
+    over ``spread`` tp ranks: planc.lower.operands.token_ranges, as one strided view."""
+    shape = value.shape
+    size = shape[SEQ_AXIS] // (spread * count)
+    grouped = value.reshape(shape[0], spread, count, size, *shape[2:])
+    return grouped[:, :, index].reshape(shape[0], spread * size, *shape[2:])
+
+
+def join_tokens(pieces: list[torch.Tensor], spread: int) -> torch.Tensor:
+    """The tensor whose pieces (in order) ``pieces`` are: :func:`select_tokens` undone."""
+    shape = pieces[0].shape
+    size = shape[SEQ_AXIS] // spread
+    grouped = [p.reshape(shape[0], spread, size, *shape[2:]) for p in pieces]
+    return torch.stack(grouped, dim=2).reshape(shape[0], spread * size * len(pieces),
+                                                *shape[2:])
 
 
 class _Compute:
@@ -155,15 +173,25 @@ class Interpreter:
             dim, axis = item.local_slice
             value = split_feature(value, dim, self.ctx.tp, self.ctx.tp_rank, self.ctx.model,
                                   axis)
+        if value is not None and item.tokens is not None:
+            value = select_tokens(value, *item.tokens)
         return value
 
     def _ports(self, state: StepState, inputs: tuple[Input, ...], microbatch: int | None,
                all_microbatches: bool = False) -> dict[str, list]:
         out: dict[str, list] = {}
+        pieces: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
         for item in inputs:
             value = self._value(state, item, microbatch, all_microbatches)
-            if value is not None:
-                out.setdefault(item.port, []).append(value)
+            if value is None:
+                continue
+            if item.piece is not None:  # put back together once every piece is in
+                got = pieces.setdefault((item.port, item.piece_of), {})
+                got[item.piece[0]] = value
+                if len(got) < item.piece[1]:
+                    continue
+                value = join_tokens([got[j] for j in range(item.piece[1])], item.piece[2])
+            out.setdefault(item.port, []).append(value)
         return out
 
     # --- running an instruction ------------------------------------------------------------
@@ -193,10 +221,10 @@ class Interpreter:
         if step.optimizer:
             return self._optimizer(step)
         if step.weight_step:  # the parameter half of a split backward
-            saved, grad = state.saved.pop((step.node, mb))
-            _, named = self.kernels.backward(step.spec, saved, grad, inputs=False)
-            for name, value in named.items():
-                self.store.grad_of(name).add_(value)
+            for saved, grad in state.saved.pop((step.node, mb)):  # one per piece
+                _, named = self.kernels.backward(step.spec, saved, grad, inputs=False)
+                for name, value in named.items():
+                    self.store.grad_of(name).add_(value)
             return None
         if step.backward:
             saved = state.saved.pop((step.saved_from, mb))
@@ -206,7 +234,7 @@ class Interpreter:
             grad = combine(grads) if grads else None
             if step.weight_grad is not None:  # the input half: its W step comes later
                 ports, _ = self.kernels.backward(step.spec, saved, grad, params=False)
-                state.saved[(step.weight_grad, mb)] = (saved, grad)
+                state.saved.setdefault((step.weight_grad, mb), []).append((saved, grad))
                 return ports
             ports, named = self.kernels.backward(step.spec, saved, grad)
             for name, value in named.items():

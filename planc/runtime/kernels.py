@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from planc.graph.vocabulary import Op
-from planc.lower.operands import Operands
+from planc.lower.operands import Operands, token_ranges
 from planc.runtime.context import RankContext
 from planc.runtime.families import family_kernels
 from planc.runtime.model import split_feature
@@ -57,12 +57,13 @@ class Spec:
     param_slices: dict[str, tuple[str, int]]
     bias: str | None
     vocab_parallel: bool
+    tokens: tuple[int, int, int] | None = None  # tp_overlap: the piece of tokens it runs
 
     @staticmethod
     def of(operands: Operands) -> "Spec":
         return Spec(Op(operands.kernel), operands.layer, operands.seq_sharded,
                     operands.replicated, operands.params, dict(operands.param_slices),
-                    operands.bias, operands.vocab_parallel)
+                    operands.bias, operands.vocab_parallel, operands.tokens)
 
 
 class Kernels:
@@ -82,6 +83,15 @@ class Kernels:
         }
         for op, kernel in family_kernels(model.family).items():
             self.forward_table[op] = functools.partial(kernel, self)
+
+    def positions(self, spec: Spec) -> torch.Tensor:
+        """Positions of the tokens a step's input holds (RoPE): its tp slice, or under
+        tp_overlap its piece of the tokens (planc.lower.operands.token_ranges)."""
+        positions = self.ctx.positions(spec.seq_sharded)
+        if spec.tokens is None:
+            return positions
+        return torch.cat([positions[a:b] for a, b in
+                          token_ranges(positions.shape[0], *spec.tokens)])
 
     # --- forward -----------------------------------------------------------------------
 

@@ -53,7 +53,7 @@ def qkv(k, spec, x, p, step, mb, extra):
     model, hd = k.ctx.model, k.head_dim
     heads, kv = local_heads(model, out.shape[-1], k.ctx.tp)
     b, s, _ = out.shape
-    cos, sin = rotary_tables(k.ctx.positions(spec.seq_sharded), hd, model.rope_theta,
+    cos, sin = rotary_tables(k.positions(spec), hd, model.rope_theta,
                              out.dtype)
     q = rotate(out[..., :heads * hd].reshape(b, s, heads, hd), cos, sin)
     key = rotate(out[..., heads * hd:(heads + kv) * hd].reshape(b, s, kv, hd), cos, sin)
