@@ -100,8 +100,9 @@ ZERO_BUBBLE = {
 # The V schedules (chunk 0 and the last chunk on stage 0), which split the backward too:
 # tensor and sequence parallelism, ZeRO 1, 2 and 3, tied embeddings.
 ZERO_BUBBLE.update({
-    "zbv-tp2-sp": dict(mesh="tp = 2; pp = 2", m=4, schedule="; pipeline = zbv",
-                       shard="tp { sequence_parallel = on }; pp { virtual = 2 }"),
+    "zbv-tp2-sp-tp-overlap-2": dict(mesh="tp = 2; pp = 2", m=4, schedule="; pipeline = zbv",
+                                    shard="tp { sequence_parallel = on }; pp { virtual = 2 }",
+                                    optimize="tp_overlap = 2"),
     "zbv-tied-zero3": dict(mesh="pp = 2; dp = 2", m=2, schedule="; pipeline = zbv",
                            model="; tie_embeddings = on",
                            shard="pp { virtual = 2 }; dp { zero = 3 }"),
