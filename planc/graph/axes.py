@@ -4,7 +4,8 @@
   :func:`planc.graph.layouts.redistribute` gives the collective (a local slice moves no
   data and is marked on the edge instead);
 - cp: K and V are all-gathered over cp (reduce-scattered in backward), or passed around
-  the cp ring (Liu et al. 2023, ring attention);
+  the cp ring inside attention, one block per ring step, each step's shift overlapped with
+  the partial attention on the block in hand (Liu et al. 2023, ring attention);
 - pp: one send and one receive per microbatch, chunk boundary and direction.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 from planc.graph import reasons
 from planc.graph.ir import Axis, Kind, Payload, Phase, Port
 from planc.graph.layouts import Layout, redistribute
-from planc.mesh import RING_NEXT, RING_PREVIOUS
 
 PHASE_OF = {"F": Phase.FORWARD, "B": Phase.BACKWARD, "R": Phase.BACKWARD}
 
@@ -67,26 +67,21 @@ class AxisRules:
                                  reasons.context_allgather(self.plan, False, letter == "R"),
                                  tensor="kv", dim="seq")
             self.edge(source, node, port=Port.X)
+            self.edge(node, attention, port=Port.KV)
         else:
-            node = self._ring(letter, chunk, layer, Payload.KV, self.cp - 1, source)
-        self.edge(node, attention, port=Port.KV)
+            self._ring_attention(attention, forward=letter != "B")
 
-    def _ring(self, letter: str, chunk: int, layer: int, payload: Payload, steps: int,
-              source: str, grad_of: Port | None = None) -> str:
-        """One ring shift over cp (a send to the next rank, a receive from the previous),
-        run ``steps`` times; returns the receive."""
-        phase = PHASE_OF[letter]
-        tensor = payload.value
-        reason = reasons.context_ring(self.plan, tensor)
-        send = self.transfer(f"{letter}/L{layer}/{tensor}:send@cp", Kind.SEND, Axis.CP, payload,
-                             phase, chunk, layer, self._kv_bytes(), self.m * steps, reason,
-                             tensor=tensor, ring_steps=steps, peer=RING_NEXT)
-        recv = self.transfer(f"{letter}/L{layer}/{tensor}:recv@cp", Kind.RECV, Axis.CP, payload,
-                             phase, chunk, layer, self._kv_bytes(), self.m * steps, reason,
-                             tensor=tensor, ring_steps=steps, peer=RING_PREVIOUS)
-        self.edge(source, send, port=Port.X, grad_of=grad_of)
-        self.edge(send, recv, port=Port.X)
-        return recv
+    def _ring_attention(self, attention: str, forward: bool) -> None:
+        """Ring attention runs as cp ring steps inside the attention step (Liu et al. 2023;
+        picotron's ring attention): at step s the rank holds the K/V block of the cp rank
+        s before it, sends it on to the next rank while it computes the partial attention
+        on it, and merges the partials by their log-sum-exp (FlashAttention-2). Forward:
+        cp - 1 K/V shifts; backward: cp - 1 K/V shifts and cp shifts of each block's
+        dK/dV accumulator, which comes home after its last. The node records the steps
+        and the block's bytes; the lowering writes them as its operands."""
+        self.graph.nodes[attention].update(
+            ring_steps=self.cp, ring_bytes=int(round(self._kv_bytes())),
+            ring_reason=reasons.context_ring(self.plan, forward))
 
     def _pipeline(self, phase: Phase, source_chunk: int, target_chunk: int) -> tuple[str, str]:
         letter = "F" if phase == Phase.FORWARD else "B"

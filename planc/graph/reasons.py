@@ -82,13 +82,15 @@ def context_allgather(plan: Plan, backward: bool, recompute: bool = False) -> st
     return ("recomputing attention's input (recompute = full): " + text) if recompute else text
 
 
-def context_ring(plan: Plan, tensor: str) -> str:
+def context_ring(plan: Plan, forward: bool) -> str:
     cp = plan.mesh.cp
-    if tensor == "kv":
-        return (f"ring attention (attention = ring): each rank passes its K/V block to the "
-                f"next cp rank, cp - 1 = {cp - 1} times per layer and microbatch")
-    return (f"ring attention backward: each K/V block's gradient accumulator travels with it "
-            f"around the cp ring and back home, cp = {cp} times per layer and microbatch")
+    if forward:
+        return (f"ring attention (attention = ring): {cp} ring steps per layer and "
+                f"microbatch; at each step but the last the K/V block in hand goes to the "
+                f"next cp rank while attention runs on it ({cp - 1} shifts)")
+    return (f"ring attention backward: {cp} ring steps; the K/V blocks travel again "
+            f"({cp - 1} shifts) and each block's dK/dV accumulator travels with it and comes "
+            f"home ({cp} shifts), each shift overlapped with the next block's gradients")
 
 
 def pipeline(plan: Plan, phase: str, source_chunk: int, target_chunk: int) -> str:

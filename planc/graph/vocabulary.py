@@ -190,8 +190,9 @@ OPTIONAL = {
     "tp_input": "compute: the operator's input layout over tp",
     "tp_output": "compute: its output layout over tp",
     "bucket": "GRAD and PARAM transfers and optimizer steps: the bucket they work on",
-    "ring_steps": "cp ring shifts: how many times the shift runs per microbatch",
-    "peer": "cp ring shifts: next or prev",
+    "ring_steps": "ring attention (compute): the cp ring steps it runs per microbatch",
+    "ring_bytes": "ring attention (compute): the bytes of the K/V block one shift moves",
+    "ring_reason": "ring attention (compute): why its blocks travel the cp ring",
     "dim": "the dimension a collective gathers or scatters",
     "producer": "tp redistributions: the operator that produced the tensor",
     "consumer": "tp redistributions: the operator that reads it",
@@ -211,7 +212,8 @@ TEXT = (str,)
 SEQUENCE = (list, tuple)
 OPTIONAL_TYPES = {
     "forward_of": TEXT, "recompute_of": TEXT, "weight_grad": TEXT, "weight_grad_of": TEXT,
-    "tp_input": TEXT, "tp_output": TEXT, "bucket": TEXT, "ring_steps": INTEGER, "peer": TEXT,
+    "tp_input": TEXT, "tp_output": TEXT, "bucket": TEXT, "ring_steps": INTEGER,
+    "ring_bytes": INTEGER, "ring_reason": TEXT,
     "dim": (str, type(None)), "producer": TEXT, "consumer": TEXT, "collective": TEXT,
     "sharded": (bool,), "stream": TEXT, "placement": TEXT, "route": TEXT,
     "route_seconds": (int, float, type(None)), "tensor": TEXT, "bias": TEXT,

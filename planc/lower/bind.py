@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from planc.graph.ir import EdgeKind, Kind, NodeType, Op, Payload, Phase, Port
+from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, Port
 from planc.graph.layouts import parse as parse_layout
 from planc.graph.layouts import R, S
 from planc.lower.operands import FEATURE_AXIS, SEQ_AXIS, Input, Operands
@@ -76,7 +76,11 @@ def _compute(graph: nx.DiGraph, node: str, data: dict, position: dict[str, int]
         weight_step=data.get("weight_grad"), gathered=gathered,
         flops=data["flops"], output_bytes=data["bytes"],
         bucket=data.get("bucket") if data["op"] == Op.OPTIMIZER else None,
-        sharded=bool(data.get("sharded", False)) if data["op"] == Op.OPTIMIZER else False)
+        sharded=bool(data.get("sharded", False)) if data["op"] == Op.OPTIMIZER else False,
+        # ring attention: its steps over the cp group, and the block one shift moves
+        ring_steps=data.get("ring_steps"),
+        group=Axis.CP.value if data.get("ring_steps") else None,
+        bytes=data.get("ring_bytes"))
 
 
 def _transfer(graph: nx.DiGraph, node: str, data: dict, op: str,
