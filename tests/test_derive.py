@@ -342,16 +342,20 @@ def test_cp_allgather_gathers_keys_and_values_once_per_layer():
     assert [(d["kind"], d["bytes"]) for d in backward] == [("reduce_scatter", kv_full)]
 
 
-def test_cp_ring_passes_kv_blocks_cp_minus_one_times():
+def test_cp_ring_runs_as_ring_steps_inside_attention():
+    """No K/V transfer runs before attention: each attention step (forward, recomputed,
+    backward) carries cp ring steps and the bytes of the block one shift moves."""
     cp = 4
-    _, g = compiled(cp=cp, cp_block="attention = ring")
+    _, g = compiled(cp=cp, cp_block="attention = ring", recompute="selective")
     block = B * (S // cp) * 2 * H * 4  # this rank's K and V
-    moves = activation_transfers(g, 0, "cp")
-    sends = Counter((d["phase"], d["tensor"]) for d in moves if d["kind"] == "send"
-                    for _ in range(d["repeat"]))
-    assert sends == {("forward", "kv"): 4 * (cp - 1), ("backward", "kv"): 4 * (cp - 1),
-                     ("backward", "dkv"): 4 * cp}
-    assert all(d["bytes"] == block for d in moves)
+    assert transfers(g, axis="cp") == []
+    rings = {n: (d["ring_steps"], d["ring_bytes"], d["repeat"]) for n, d in g.nodes(data=True)
+             if d.get("ring_steps")}
+    assert rings == {f"{letter}/L{layer}/attention": (cp, block, 4)
+                     for letter in "FRB" for layer in range(4)}
+    assert "3 shifts" in g.nodes["F/L0/attention"]["ring_reason"]
+    assert "(3 shifts)" in g.nodes["B/L0/attention"]["ring_reason"] and \
+        "(4 shifts)" in g.nodes["B/L0/attention"]["ring_reason"]
 
 
 def test_full_recomputation_repeats_the_forward_transfers_in_backward():

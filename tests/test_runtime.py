@@ -70,6 +70,13 @@ MATRIX = {
     "tied-pp-zero1": dict(mesh="pp = 2; dp = 2", m=2, model="; tie_embeddings = on",
                           shard="dp { zero = 1 }"),
 }
+# Overlapped ring attention and scatter-gather pipeline sends, each once (passes on).
+OVERLAPS = {
+    "cp-ring-no-load-balance": dict(mesh="cp = 2", shard="cp { attention = ring; "
+                                    "load_balance = off }"),
+    "cp-ring-tp2-sp": dict(mesh="cp = 2; tp = 2", shard="cp { attention = ring }; "
+                           "tp { sequence_parallel = on }"),
+}
 TIED = ("tied-over-pp", "tied-zero3", "tied-pp-zero1")  # another model: its head is tied
 # Every plan with the optimisation passes as the plan says (on), and with each turned off.
 SWITCHES = {"": [], "fuse-off": ["--set", "optimize.fuse=off"],
@@ -155,6 +162,15 @@ def test_every_plan_trains_exactly_like_one_process(name, switch, tmp_path, capf
     for r in records:  # the slowest rank's step, and where its compute stream spent it
         assert 0 < r["compute_s"] < r["time_s"] and 0 <= r["exposed_comm_s"] < r["time_s"]
     losses[(name, switch)] = [r["loss"] for r in records]
+
+
+@pytest.mark.parametrize("name", list(OVERLAPS))
+def test_every_overlap_trains_exactly_like_one_process(name, tmp_path, capfd):
+    plan = tmp_path / f"{name}.plan"
+    plan.write_text(plan_text(name, **OVERLAPS[name]))
+    status, err = run([plan, "-o", tmp_path / "build", "--check", "--timeout", "60"], capfd)
+    assert status == 0, err
+    assert "every loss and parameter matches" in err
 
 
 @pytest.mark.parametrize("name", list(ROUTES))

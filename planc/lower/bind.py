@@ -86,9 +86,6 @@ def _compute(graph: nx.DiGraph, node: str, data: dict, position: dict[str, int]
 def _transfer(graph: nx.DiGraph, node: str, data: dict, op: str,
               position: dict[str, int]) -> Operands:
     source = node
-    if op == "sendrecv":  # a ring shift sends what its send half reads
-        source = next(p for p in graph.predecessors(node)
-                      if graph.nodes[p]["kind"] == Kind.SEND)
     payload = data["payload"]
     pipeline = payload == Payload.STREAM
     level = _value(data.get("level", "whole"))
