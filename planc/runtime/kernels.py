@@ -95,7 +95,8 @@ class Kernels:
         masks = self._ring_masks.get(ring)
         if masks is None:
             masks = self._ring_masks[ring] = step_masks(
-                ring, self.ctx.positions(seq_sharded=False), self.ctx.block_positions)
+                ring, self.ctx.positions(seq_sharded=False), self.ctx.block_positions,
+                self.ctx.dtype)
         return ring_attention(q, k, v, ring, masks)
 
     # --- forward -----------------------------------------------------------------------

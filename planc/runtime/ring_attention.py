@@ -14,8 +14,9 @@ every rank adding its share, and comes home after ``cp`` shifts.
 
 Which keys a query sees comes from the token positions of the model table (load-balanced
 causal chunks included): a block none of whose keys this rank's queries may see is not
-computed, but it still travels. The arithmetic is in fp32; the blocks travel in the
-model's dtype.
+computed, but it still travels. Each block's attention is PyTorch's fused flash kernel
+on the CPU (the same arithmetic written out on other devices); the merge and the
+gradient accumulators are in fp32, the blocks travel in the model's dtype.
 """
 
 from __future__ import annotations
@@ -66,13 +67,27 @@ class _Shift:
         return self.received
 
 
-def step_masks(ring: Ring, queries: torch.Tensor, keys_of) -> list[torch.Tensor | None]:
+@dataclass(frozen=True)
+class StepMask:
+    """Which keys of the block in hand each query may see at one ring step: an additive
+    mask (0 or -inf, the model's dtype) and the queries that see at least one key."""
+
+    additive: torch.Tensor  # (queries, keys)
+    sees_any: torch.Tensor  # (queries,) bool
+
+
+def step_masks(ring: Ring, queries: torch.Tensor, keys_of, dtype: torch.dtype
+               ) -> list[StepMask | None]:
     """Per ring step, which keys of the block in hand each query sees (causal, by token
     position); None where it sees none. ``keys_of(cp_rank)``: that block's positions."""
     masks = []
     for step in range(ring.steps):
         allowed = keys_of(ring.owner(step)).unsqueeze(0) <= queries.unsqueeze(1)
-        masks.append(allowed if bool(allowed.any()) else None)
+        if not bool(allowed.any()):
+            masks.append(None)
+            continue
+        additive = torch.zeros(allowed.shape, dtype=dtype, device=queries.device)
+        masks.append(StepMask(additive.masked_fill(~allowed, -math.inf), allowed.any(-1)))
     return masks
 
 
@@ -89,65 +104,88 @@ def _narrow(grad: torch.Tensor, repeat: int) -> torch.Tensor:
     return grad.view(b, heads // repeat, repeat, tokens, d).sum(2)
 
 
+def _fused(q: torch.Tensor) -> bool:
+    """Whether PyTorch has a fused flash kernel with a log-sum-exp for this device."""
+    return q.device.type == "cpu"
+
+
+def _partial(q, key, value, mask: StepMask) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention of q on one block and its log-sum-exp (-inf for a query that sees
+    none of the block's keys): PyTorch's fused flash kernel on the CPU, the same
+    arithmetic written out elsewhere."""
+    if _fused(q):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, key, value, 0.0, False, attn_mask=mask.additive)
+    else:
+        scores = (q.to(FP32) @ key.to(FP32).transpose(-1, -2)) / math.sqrt(q.shape[-1]) \
+            + mask.additive
+        lse = torch.logsumexp(scores, -1)
+        safe = lse.masked_fill(~mask.sees_any, 0.0)
+        out = ((scores - safe.unsqueeze(-1)).exp() @ value.to(FP32)).to(q.dtype)
+    return out, lse.to(FP32).masked_fill(~mask.sees_any, -math.inf)
+
+
+def _partial_backward(dout, q, key, value, out, lse, mask: StepMask):
+    """dq, dk, dv of one block from the whole attention's output and log-sum-exp
+    (FlashAttention-2's backward: the block's probabilities are exp(scores - lse))."""
+    if _fused(q):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, key, value, out, lse, 0.0, False, attn_mask=mask.additive)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    q32, key32, dout32 = q.to(FP32), key.to(FP32), dout.to(FP32)
+    probs = ((q32 @ key32.transpose(-1, -2)) * scale + mask.additive
+             - lse.unsqueeze(-1)).exp()
+    delta = (dout32 * out.to(FP32)).sum(-1, keepdim=True)
+    dscores = probs * (dout32 @ value.to(FP32).transpose(-1, -2) - delta)
+    return dscores @ key32 * scale, dscores.transpose(-1, -2) @ q32 * scale, \
+        probs.transpose(-1, -2) @ dout32
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, masks):
         repeat = q.shape[1] // k.shape[1]
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        q32 = q.to(FP32)
-        b, heads, tokens, d = q.shape
-        peak = torch.full((b, heads, tokens), -math.inf, dtype=FP32, device=q.device)
-        total = torch.zeros_like(peak)
-        acc = torch.zeros((b, heads, tokens, d), dtype=FP32, device=q.device)
+        out = lse = None
         block = torch.stack([k, v]).contiguous()
         for step in range(ring.steps):
             shift = _Shift(block, ring) if step < ring.steps - 1 else None
-            allowed = masks[step]
-            if allowed is not None:  # the partial attention on the block in hand
-                key, value = (_widen(t.to(FP32), repeat) for t in block.unbind(0))
-                scores = (q32 @ key.transpose(-1, -2) * scale).masked_fill(~allowed,
-                                                                           -math.inf)
-                new_peak = torch.maximum(peak, scores.amax(-1))
-                base = new_peak.masked_fill(new_peak == -math.inf, 0.0)
-                weights = (scores - base.unsqueeze(-1)).exp()
-                rescale = (peak - base).exp()
-                total = total * rescale + weights.sum(-1)
-                acc = acc * rescale.unsqueeze(-1) + weights @ value
-                peak = new_peak
+            mask = masks[step]
+            if mask is not None:  # the partial attention on the block in hand
+                part, part_lse = _partial(q, _widen(block[0], repeat),
+                                          _widen(block[1], repeat), mask)
+                if out is None:  # step 0: the rank's own block, where every query sees
+                    out, lse = part.to(FP32), part_lse  # at least itself
+                else:
+                    merged = torch.logaddexp(lse, part_lse)
+                    out = out * (lse - merged).exp().unsqueeze(-1) + \
+                        part.to(FP32) * (part_lse - merged).exp().unsqueeze(-1)
+                    lse = merged
             if shift is not None:
                 block = shift.wait()
-        # every query sees at least itself (its own block, ring step 0): total > 0
-        out = acc / total.unsqueeze(-1)
-        lse = peak + total.log()
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.masks = ring, masks
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         ring, masks = ctx.ring, ctx.masks
         repeat = q.shape[1] // k.shape[1]
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        q32, dout = q.to(FP32), grad_out.to(FP32)
-        delta = (dout * out).sum(-1, keepdim=True)  # FlashAttention-2's D
-        dq = torch.zeros_like(q32)
+        grad_out = grad_out.contiguous()
+        dq = torch.zeros(q.shape, dtype=FP32, device=q.device)
         block = torch.stack([k, v]).contiguous()
         travelling = None  # the shift of the previous block's dK/dV accumulator
         for step in range(ring.steps):
             shift = _Shift(block, ring) if step < ring.steps - 1 else None
             share = torch.zeros(block.shape, dtype=FP32, device=q.device)
-            allowed = masks[step]
-            if allowed is not None:
-                key, value = (_widen(t.to(FP32), repeat) for t in block.unbind(0))
-                scores = (q32 @ key.transpose(-1, -2) * scale).masked_fill(~allowed,
-                                                                           -math.inf)
-                probs = (scores - lse.unsqueeze(-1)).exp()
-                dprobs = dout @ value.transpose(-1, -2)
-                dscores = probs * (dprobs - delta)
-                dq += dscores @ key * scale
-                share[0] = _narrow(dscores.transpose(-1, -2) @ q32 * scale, repeat)
-                share[1] = _narrow(probs.transpose(-1, -2) @ dout, repeat)
+            mask = masks[step]
+            if mask is not None:
+                dq_part, dk, dv = _partial_backward(
+                    grad_out, q, _widen(block[0], repeat), _widen(block[1], repeat), out,
+                    lse, mask)
+                dq += dq_part
+                share[0], share[1] = _narrow(dk.to(FP32), repeat), _narrow(dv.to(FP32), repeat)
             # This block's accumulator arrives from the rank that held the block last.
             accumulator = share if travelling is None else travelling.wait().to(FP32) + share
             travelling = _Shift(accumulator.to(block.dtype).contiguous(), ring)
@@ -158,7 +196,7 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring,
-                   masks: list[torch.Tensor | None]) -> torch.Tensor:
+                   masks: list[StepMask | None]) -> torch.Tensor:
     """q: (batch, heads, tokens, head_dim); k, v: (batch, kv heads, tokens, head_dim), this
     rank's block. The attention output, (batch, heads, tokens, head_dim)."""
-    return _RingAttention.apply(q, k.contiguous(), v.contiguous(), ring, masks)
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring, masks)
