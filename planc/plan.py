@@ -208,6 +208,10 @@ class Optimize:
     route: str = "auto"
     overlap: bool = True
     recompute: str = "none"
+    # Each tp rank sends 1/tp of the activation between stages, all-gathered over tp on
+    # the receiving stage (Narayanan et al. SC'21, 4.1); it acts where tp > 1, pp > 1 and
+    # the activation is not already split over tp (sequence parallelism).
+    pp_scatter_gather: bool = True
 
 
 @dataclass(frozen=True)

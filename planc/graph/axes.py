@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from planc.graph import reasons
 from planc.graph.ir import Axis, Kind, Payload, Phase, Port
-from planc.graph.layouts import Layout, redistribute
+from planc.graph.layouts import Layout, S, redistribute
 
 PHASE_OF = {"F": Phase.FORWARD, "B": Phase.BACKWARD, "R": Phase.BACKWARD}
 
@@ -83,18 +83,50 @@ class AxisRules:
             ring_steps=self.cp, ring_bytes=int(round(self._kv_bytes())),
             ring_reason=reasons.context_ring(self.plan, forward))
 
+    def scatter_gather(self) -> bool:
+        """Whether pipeline sends are scattered over tp and gathered on arrival
+        (``optimize { pp_scatter_gather }``): only where tp > 1 and the residual stream is
+        replicated over tp; under sequence parallelism it is already split."""
+        return self.plan.optimize.pp_scatter_gather and self.tp > 1 and \
+            not self.tpp.stream.is_sharded
+
     def _pipeline(self, phase: Phase, source_chunk: int, target_chunk: int) -> tuple[str, str]:
+        """The send and receive of one chunk boundary and direction; returns the send and
+        the node that holds the whole activation on arrival. With scatter-gather
+        (Narayanan et al. SC'21, section 4.1) each tp rank sends its own 1/tp of the
+        tokens (a local slice of the replicated activation, on the edge into the send)
+        and the receiving stage all-gathers them over tp, inside its node: the bytes
+        between stages drop by tp."""
         letter = "F" if phase == Phase.FORWARD else "B"
-        nbytes = self._local_bytes("stream", self.tpp.stream)
-        reason = reasons.pipeline(self.plan, phase.value, source_chunk, target_chunk)
+        scattered = self.scatter_gather()
+        layout = S("seq") if scattered else self.tpp.stream
+        nbytes = self._local_bytes("stream", layout)
+        reason = reasons.pipeline(self.plan, phase.value, source_chunk, target_chunk,
+                                  self.tp if scattered else 1)
         name = f"{letter}/c{source_chunk}>c{target_chunk}"
-        tokens = self.shapes.seq // (self.tp if self.tpp.stream.is_sharded else 1)
+        tokens = self.shapes.seq // (self.tp if layout.is_sharded else 1)
         shape = [self.shapes.batch, tokens, self.shapes.hidden]  # (batch, tokens, hidden)
+        extra = {"scatter_gather": self.tp} if scattered else {}
         send = self.transfer(f"{name}:send@pp", Kind.SEND, Axis.PP, Payload.STREAM, phase,
                              source_chunk, None, nbytes, self.m, reason, tensor="stream",
-                             peer_stage=target_chunk % self.pp, shape=shape)
+                             peer_stage=target_chunk % self.pp, shape=shape, **extra)
         recv = self.transfer(f"{name}:recv@pp", Kind.RECV, Axis.PP, Payload.STREAM, phase,
                              target_chunk, None, nbytes, self.m, reason, tensor="stream",
-                             peer_stage=source_chunk % self.pp, shape=shape)
+                             peer_stage=source_chunk % self.pp, shape=shape, **extra)
         self.edge(send, recv)
-        return send, recv
+        if not scattered:
+            return send, recv
+        move = redistribute(layout, self.tpp.stream)
+        gather = self.transfer(
+            f"{name}:{move.kind}@tp", Kind(move.kind), Axis.TP, Payload.ACTIVATION, phase,
+            target_chunk, None, self.shapes.bytes("stream") * move.buffer_fraction(self.tp),
+            self.m, reasons.scatter_gather(self.plan, phase.value), tensor="stream",
+            dim=move.dim, source_layout=str(layout), target_layout=str(move.target))
+        self.edge(recv, gather, port=Port.X)
+        return send, gather
+
+    def _into_send(self, send: str) -> None:
+        """With scatter-gather, everything a send reads is this tp rank's slice of it."""
+        if self.graph.nodes[send].get("scatter_gather"):
+            for _, _, data in self.graph.in_edges(send, data=True):
+                data["slice"] = str(S("seq"))

@@ -240,6 +240,7 @@ class _Derivation(AxisRules, ParameterRules):
         else:
             send, recv = self._pipeline(Phase.FORWARD, chunk, chunk + 1)
             self.edge(x[1], send, port=Port.X)
+            self._into_send(send)
             self.chunk_input[chunk + 1] = recv
             self.chunk_output[chunk] = x[1]
 
@@ -326,6 +327,8 @@ class _Derivation(AxisRules, ParameterRules):
             self._recompute_layer(chunk, layer, by_layer.get(layer, []))
         for link in reversed(self.links[chunk]):
             self._backward_link(chunk, link, backward)
+        if chunk > 0:
+            self._into_send(backward[self.chunk_input[chunk]])
         for layer in range(first, last + 1):
             self._recompute_just_in_time(layer)
 

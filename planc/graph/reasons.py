@@ -93,7 +93,8 @@ def context_ring(plan: Plan, forward: bool) -> str:
             f"home ({cp} shifts), each shift overlapped with the next block's gradients")
 
 
-def pipeline(plan: Plan, phase: str, source_chunk: int, target_chunk: int) -> str:
+def pipeline(plan: Plan, phase: str, source_chunk: int, target_chunk: int,
+             scattered: int = 1) -> str:
     chunks = plan.shard.pp.chunks
     pp = plan.mesh.pp
 
@@ -102,11 +103,21 @@ def pipeline(plan: Plan, phase: str, source_chunk: int, target_chunk: int) -> st
         layers = f"layer {first}" if first == last else f"layers {first}-{last}"
         return f"{layers} (stage {chunk % pp})"
 
+    split = (f"; each tp rank sends its 1/{scattered} of the tokens (pp_scatter_gather = "
+             f"on)") if scattered > 1 else ""
     if phase == "forward":
         return (f"{where(source_chunk)} feeds {where(target_chunk)}: each microbatch's "
-                f"activation is sent to the next stage")
+                f"activation is sent to the next stage{split}")
     return (f"{where(target_chunk)} needs the gradient of its output from "
-            f"{where(source_chunk)}: each microbatch's gradient is sent to the previous stage")
+            f"{where(source_chunk)}: each microbatch's gradient is sent to the previous "
+            f"stage{split}")
+
+
+def scatter_gather(plan: Plan, phase: str) -> str:
+    what = "activation" if phase == "forward" else "gradient"
+    return (f"pp_scatter_gather = on: the {what} arrived as each tp rank's 1/{plan.mesh.tp} "
+            f"of the tokens; all-gather it over tp, inside the node, to have it whole "
+            f"(Narayanan et al. SC'21, 4.1)")
 
 
 def data_parallel(plan: Plan, param: str, kind: str) -> str:

@@ -123,6 +123,7 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
         "route": Key(Choice(("ring", "tree", "hierarchical", "auto")), "auto"),
         "overlap": Key(Boolean(), True),
         "recompute": Key(Choice(("none", "selective", "full")), "none"),
+        "pp_scatter_gather": Key(Boolean(), True),
     }),
     "train": BlockSchema("train", keys={
         "steps": Key(Integer(1), 1),
