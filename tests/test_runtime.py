@@ -76,6 +76,10 @@ OVERLAPS = {
                                     "load_balance = off }"),
     "cp-ring-tp2-sp": dict(mesh="cp = 2; tp = 2", shard="cp { attention = ring }; "
                            "tp { sequence_parallel = on }"),
+    "pp2-tp2-scatter-gather": dict(mesh="pp = 2; tp = 2", m=2,
+                                   optimize="pp_scatter_gather = on"),
+    "pp2-tp2-no-scatter-gather": dict(mesh="pp = 2; tp = 2", m=2,
+                                      optimize="pp_scatter_gather = off"),
 }
 TIED = ("tied-over-pp", "tied-zero3", "tied-pp-zero1")  # another model: its head is tied
 # Every plan with the optimisation passes as the plan says (on), and with each turned off.
