@@ -393,6 +393,11 @@ def test_pp_scatter_gather_sends_each_tp_ranks_slice_and_gathers_it_in_the_node(
         {"S(seq)"}
     assert g.nodes["F/c0>c1:send@pp"]["shape"] == [B, S // 2, H]
     assert "1/2 of the tokens" in g.nodes["F/c0>c1:send@pp"]["reason"]
+    assert g.graph["pp_scatter_gather"] == {
+        "applied": True,
+        "reason": "each of the 2 tp ranks sends 1/2 of the activation (and of its gradient) "
+                  "to the next stage, which all-gathers it over tp inside its node: the bytes "
+                  "between stages drop by 2 (Narayanan et al. SC'21, 4.1)"}
 
 
 def test_pp_scatter_gather_off_or_under_sequence_parallelism_sends_as_before():
@@ -410,3 +415,8 @@ def test_pp_scatter_gather_off_or_under_sequence_parallelism_sends_as_before():
     assert _pipeline_moves(on) == _pipeline_moves(without)
     assert {m[1] for m in _pipeline_moves(on).values()} == {whole // 2}
     assert sorted(on.nodes) == sorted(without.nodes)
+    assert on.graph["pp_scatter_gather"] == {
+        "applied": False,
+        "reason": "sequence parallelism already splits the activation between stages over tp: "
+                  "each tp rank sends its own tokens, nothing more to do"}
+    assert off.graph["pp_scatter_gather"]["applied"] is False

@@ -90,6 +90,12 @@ class AxisRules:
         return self.plan.optimize.pp_scatter_gather and self.tp > 1 and \
             not self.tpp.stream.is_sharded
 
+    def scatter_gather_decision(self) -> dict:
+        """What the scatter-gather rule decided and why (graph.json's
+        ``graph.pp_scatter_gather``)."""
+        return {"applied": self.scatter_gather(),
+                "reason": reasons.scatter_gather_decision(self.plan, self.tpp.stream.is_sharded)}
+
     def _pipeline(self, phase: Phase, source_chunk: int, target_chunk: int) -> tuple[str, str]:
         """The send and receive of one chunk boundary and direction; returns the send and
         the node that holds the whole activation on arrival. With scatter-gather

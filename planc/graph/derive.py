@@ -443,6 +443,7 @@ class _Derivation(AxisRules, ParameterRules):
             "chunks": [list(c) for c in self.chunks], "dtype": plan.model.dtype,
             "zero": self.zero, "recompute": self.recompute,
             "stream_layout": str(self.tpp.stream),
+            "pp_scatter_gather": self.scatter_gather_decision(),
             "layouts": {op: {"input": str(o.input), "output": str(o.output),
                              "grad_input": str(o.grad_input), "sharded": o.sharded}
                         for op, o in self.tpp.ops.items()},

@@ -113,6 +113,20 @@ def pipeline(plan: Plan, phase: str, source_chunk: int, target_chunk: int,
             f"stage{split}")
 
 
+def scatter_gather_decision(plan: Plan, stream_split: bool) -> str:
+    tp, pp = plan.mesh.tp, plan.mesh.pp
+    if not plan.optimize.pp_scatter_gather:
+        return "pp_scatter_gather = off: every tp rank sends the whole activation"
+    if tp == 1 or pp == 1:
+        return f"nothing to split: tp = {tp}, pp = {pp}"
+    if stream_split:
+        return ("sequence parallelism already splits the activation between stages over "
+                "tp: each tp rank sends its own tokens, nothing more to do")
+    return (f"each of the {tp} tp ranks sends 1/{tp} of the activation (and of its "
+            f"gradient) to the next stage, which all-gathers it over tp inside its node: "
+            f"the bytes between stages drop by {tp} (Narayanan et al. SC'21, 4.1)")
+
+
 def scatter_gather(plan: Plan, phase: str) -> str:
     what = "activation" if phase == "forward" else "gradient"
     return (f"pp_scatter_gather = on: the {what} arrived as each tp rank's 1/{plan.mesh.tp} "
