@@ -51,6 +51,16 @@ MATRIX = {
     "pp2-1f1b": dict(mesh="pp = 2", m=4),
     "pp2-interleaved": dict(mesh="pp = 2", m=4, shard="pp { virtual = 2 }",
                             schedule="; pipeline = interleaved"),
+    # Uneven interleaving (Llama 3's layout in small): the first chunk runs the embedding
+    # alone and the last the head alone, with tp and sequence parallelism; then chunks of
+    # 1 and 2 layers written out, with ZeRO 1.
+    "pp2-interleaved-uneven-tp2-sp": dict(mesh="pp = 2; tp = 2", m=4,
+                                          shard="pp { virtual = 3 }; tp { sequence_parallel = "
+                                                "on }", schedule="; pipeline = interleaved"),
+    "pp2-dp2-interleaved-uneven-zero1": dict(mesh="pp = 2; dp = 2", m=2,
+                                             schedule="; pipeline = interleaved",
+                                             shard="pp { virtual = 2; stages = [0..1, 2, 3, "
+                                                   "head] }; dp { zero = 1 }"),
     "dp2-zero0": dict(mesh="dp = 2", m=2),
     "dp2-zero1": dict(mesh="dp = 2", m=2, shard="dp { zero = 1 }"),
     "dp2-zero2": dict(mesh="dp = 2", m=2, shard="dp { zero = 2 }"),
@@ -62,6 +72,22 @@ MATRIX = {
     "tp2-pp2-dp2-sp-zero1": dict(mesh="tp = 2; pp = 2; dp = 2", m=2,
                                  shard="tp { sequence_parallel = on }; dp { zero = 1 }"),
     "tied-over-pp": dict(mesh="pp = 2", m=2, model="; tie_embeddings = on"),
+    # The zero-bubble schedules: input and weight gradients in blocks of their own.
+    "pp2-zb1p-tp2-sp-zero2": dict(mesh="tp = 2; pp = 2; dp = 2", m=2,
+                                  schedule="; pipeline = zb1p",
+                                  shard="tp { sequence_parallel = on }; dp { zero = 2 }"),
+    "pp2-interleaved-zb-cp2-ring": dict(mesh="cp = 2; pp = 2", m=4,
+                                        schedule="; pipeline = interleaved_zb",
+                                        shard="cp { attention = ring }; pp { virtual = 2 }"),
+    "pp2-zb1p-uneven-tied": dict(mesh="pp = 2", m=4, schedule="; pipeline = zb1p",
+                                 model="; tie_embeddings = on",
+                                 shard="pp { stages = [0..2, 3..3] }"),
+    # the V schedules: chunk 0 and the last chunk on stage 0
+    "pp2-zbv-tp2-sp-kv1": dict(mesh="tp = 2; pp = 2", m=4, kv=1, schedule="; pipeline = zbv",
+                               shard="tp { sequence_parallel = on }; pp { virtual = 2 }"),
+    "pp2-dualpipev-tied-zero2": dict(mesh="pp = 2; dp = 2", m=4, model="; tie_embeddings = on",
+                                     schedule="; pipeline = dualpipev",
+                                     shard="pp { virtual = 2 }; dp { zero = 2 }"),
 }
 
 

@@ -57,7 +57,7 @@ def validated(plan):
         seen.append(stage)
 
     build = compile_plan(plan, check)
-    assert seen == ["derive", "fuse", "route", "overlap"]
+    assert seen == ["derive", "fuse", "route", "split_backward", "overlap"]
     return build
 
 

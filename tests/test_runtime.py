@@ -54,6 +54,17 @@ MATRIX = {
     "pp-1f1b-uneven": dict(mesh="pp = 2", shard="pp { stages = [0..0, 1..3] }", m=4),
     "pp-interleaved": dict(mesh="pp = 2", shard="pp { virtual = 2 }", m=4,
                            schedule="; pipeline = interleaved"),
+    # Uneven interleaving: 4 layers in 6 chunks, the first of the embedding alone and the
+    # last of the head alone (Llama 3's layout), with tp and sequence parallelism; chunks
+    # of 1 and 2 layers written out; the same with a tied head.
+    "pp-interleaved-uneven-auto-tp-sp": dict(mesh="pp = 2; tp = 2", m=4,
+                                             shard="pp { virtual = 3 }; tp { sequence_parallel "
+                                                   "= on }", schedule="; pipeline = interleaved"),
+    "pp-interleaved-uneven-explicit": dict(mesh="pp = 2", m=2, schedule="; pipeline = interleaved",
+                                           shard="pp { virtual = 2; stages = [0, 1..2, 3, head] }"),
+    "tied-pp-interleaved-uneven": dict(mesh="pp = 2", m=2, model="; tie_embeddings = on",
+                                       schedule="; pipeline = interleaved",
+                                       shard="pp { virtual = 2; stages = [embedding, 0..1, 2, 3] }"),
     "dp-zero0": dict(mesh="dp = 2", m=2),
     "dp-zero1": dict(mesh="dp = 2", shard="dp { zero = 1 }", m=2),
     "dp-zero3": dict(mesh="dp = 2", shard="dp { zero = 3 }", m=2),
@@ -81,7 +92,41 @@ OVERLAPS = {
     "pp2-tp2-no-scatter-gather": dict(mesh="pp = 2; tp = 2", m=2,
                                       optimize="pp_scatter_gather = off"),
 }
-TIED = ("tied-over-pp", "tied-zero3", "tied-pp-zero1")  # another model: its head is tied
+# The zero-bubble schedules (input and weight gradients in blocks of their own), once
+# each with the passes as the plan says: uneven stages, tp with sequence parallelism, cp
+# ring, ZeRO 1 and 3, tied embeddings and overlap off.
+ZERO_BUBBLE = {
+    "zb1p-uneven-tp-sp": dict(mesh="tp = 2; pp = 2", m=4, schedule="; pipeline = zb1p",
+                              shard="tp { sequence_parallel = on }; pp { stages = [0..0, 1..3] }"),
+    "zb1p-cp-ring": dict(mesh="cp = 2; pp = 2", m=2, schedule="; pipeline = zb1p",
+                         shard="cp { attention = ring; load_balance = on }"),
+    "zb1p-tied-zero3": dict(mesh="pp = 2; dp = 2", m=2, model="; tie_embeddings = on",
+                            schedule="; pipeline = zb1p", shard="dp { zero = 3 }"),
+    "interleaved-zb-zero1-overlap-off": dict(
+        mesh="pp = 2; dp = 2", m=2, schedule="; pipeline = interleaved_zb",
+        shard="pp { virtual = 2 }; dp { zero = 1 }", optimize="overlap = off"),
+    "interleaved-zb-zero3": dict(mesh="pp = 2; dp = 2", m=2, schedule="; pipeline = interleaved_zb",
+                                 shard="pp { virtual = 2 }; dp { zero = 3 }"),
+}
+# The V schedules (chunk 0 and the last chunk on stage 0), which split the backward too:
+# tensor and sequence parallelism, ZeRO 1, 2 and 3, tied embeddings.
+ZERO_BUBBLE.update({
+    "zbv-tp2-sp": dict(mesh="tp = 2; pp = 2", m=4, schedule="; pipeline = zbv",
+                       shard="tp { sequence_parallel = on }; pp { virtual = 2 }"),
+    "zbv-tied-zero3": dict(mesh="pp = 2; dp = 2", m=2, schedule="; pipeline = zbv",
+                           model="; tie_embeddings = on",
+                           shard="pp { virtual = 2 }; dp { zero = 3 }"),
+    "dualpipev-tied-zero1": dict(mesh="pp = 2; dp = 2", m=4, schedule="; pipeline = dualpipev",
+                                 model="; tie_embeddings = on",
+                                 shard="pp { virtual = 2 }; dp { zero = 1 }"),
+    "dualpipev-tp2-sp-zero2": dict(mesh="tp = 2; pp = 2; dp = 2", m=4,
+                                   schedule="; pipeline = dualpipev",
+                                   shard="tp { sequence_parallel = on }; pp { virtual = 2 }; "
+                                         "dp { zero = 2 }"),
+})
+TIED = ("tied-over-pp", "tied-zero3", "tied-pp-zero1",  # another model: its head is tied
+        "tied-pp-interleaved-uneven", "zb1p-tied-zero3", "zbv-tied-zero3",
+        "dualpipev-tied-zero1")
 # Every plan with the optimisation passes as the plan says (on), and with each turned off.
 SWITCHES = {"": [], "fuse-off": ["--set", "optimize.fuse=off"],
             "overlap-off": ["--set", "optimize.overlap=off"]}
@@ -175,6 +220,21 @@ def test_every_overlap_trains_exactly_like_one_process(name, tmp_path, capfd):
     status, err = run([plan, "-o", tmp_path / "build", "--check", "--timeout", "60"], capfd)
     assert status == 0, err
     assert "every loss and parameter matches" in err
+
+
+@pytest.mark.parametrize("name", list(ZERO_BUBBLE))
+def test_zero_bubble_schedules_train_exactly_like_one_process(name, tmp_path, capfd, losses):
+    plan = tmp_path / f"{name}.plan"
+    plan.write_text(plan_text(name, **ZERO_BUBBLE[name]))
+    metrics = tmp_path / "metrics.jsonl"
+    status, err = run([plan, "-o", tmp_path / "build", "--check", "--metrics", metrics,
+                       "--timeout", "60"], capfd)
+    assert status == 0, err
+    assert "every loss and parameter matches" in err
+    programs = json.loads((tmp_path / "build" / "programs" / "stage0.json").read_text())
+    assert any(block.startswith("W") for block, _ in programs["schedule"])
+    losses[(name, "zero-bubble")] = [json.loads(line)["loss"]
+                                     for line in metrics.read_text().splitlines()]
 
 
 @pytest.mark.parametrize("name", list(ROUTES))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from planc.graph import reasons
 from planc.graph.ir import Axis, Kind, Payload, Phase, Port
-from planc.graph.layouts import Layout, S, redistribute
+from planc.graph.layouts import Layout, R, S, redistribute
 
 PHASE_OF = {"F": Phase.FORWARD, "B": Phase.BACKWARD, "R": Phase.BACKWARD}
 
@@ -96,16 +96,21 @@ class AxisRules:
         return {"applied": self.scatter_gather(),
                 "reason": reasons.scatter_gather_decision(self.plan, self.tpp.stream.is_sharded)}
 
-    def _pipeline(self, phase: Phase, source_chunk: int, target_chunk: int) -> tuple[str, str]:
+    def _pipeline(self, phase: Phase, source_chunk: int, target_chunk: int,
+                  layout: Layout) -> tuple[str, str]:
         """The send and receive of one chunk boundary and direction; returns the send and
-        the node that holds the whole activation on arrival. With scatter-gather
-        (Narayanan et al. SC'21, section 4.1) each tp rank sends its own 1/tp of the
-        tokens (a local slice of the replicated activation, on the edge into the send)
-        and the receiving stage all-gathers them over tp, inside its node: the bytes
-        between stages drop by tp."""
+        the node that holds the whole tensor on arrival. ``layout``: the forward tensor's
+        (the residual stream's, or the embedding's output when it crosses from a chunk of
+        the embedding alone); its gradient has the same size. With scatter-gather
+        (Narayanan et al. SC'21, section 4.1) a tensor replicated over tp is sent as each
+        tp rank's own 1/tp of the tokens (a local slice, on the edge into the send) and
+        the receiving stage all-gathers them over tp, inside its node: the bytes between
+        stages drop by tp."""
         letter = "F" if phase == Phase.FORWARD else "B"
-        scattered = self.scatter_gather()
-        layout = S("seq") if scattered else self.tpp.stream
+        whole = layout
+        scattered = self.scatter_gather() and layout == R
+        if scattered:
+            layout = S("seq")
         nbytes = self._local_bytes("stream", layout)
         reason = reasons.pipeline(self.plan, phase.value, source_chunk, target_chunk,
                                   self.tp if scattered else 1)
@@ -113,16 +118,22 @@ class AxisRules:
         tokens = self.shapes.seq // (self.tp if layout.is_sharded else 1)
         shape = [self.shapes.batch, tokens, self.shapes.hidden]  # (batch, tokens, hidden)
         extra = {"scatter_gather": self.tp} if scattered else {}
+        # Forward goes to the next stage, backward to the previous, except on the way
+        # back of a V, where both turn round.
+        descends = self.plan.placement.descends(min(source_chunk, target_chunk), self.pp)
+        toward = "prev" if descends == (phase == Phase.FORWARD) else "next"
         send = self.transfer(f"{name}:send@pp", Kind.SEND, Axis.PP, Payload.STREAM, phase,
                              source_chunk, None, nbytes, self.m, reason, tensor="stream",
-                             peer_stage=target_chunk % self.pp, shape=shape, **extra)
+                             peer_stage=self.stage_of[target_chunk], shape=shape,
+                             toward=toward, **extra)
         recv = self.transfer(f"{name}:recv@pp", Kind.RECV, Axis.PP, Payload.STREAM, phase,
                              target_chunk, None, nbytes, self.m, reason, tensor="stream",
-                             peer_stage=source_chunk % self.pp, shape=shape, **extra)
+                             peer_stage=self.stage_of[source_chunk], shape=shape,
+                             toward=toward, **extra)
         self.edge(send, recv)
         if not scattered:
             return send, recv
-        move = redistribute(layout, self.tpp.stream)
+        move = redistribute(layout, whole)
         gather = self.transfer(
             f"{name}:{move.kind}@tp", Kind(move.kind), Axis.TP, Payload.ACTIVATION, phase,
             target_chunk, None, self.shapes.bytes("stream") * move.buffer_fraction(self.tp),

@@ -194,6 +194,8 @@ OPTIONAL = {
     "ring_bytes": "ring attention (compute): the bytes of the K/V block one shift moves",
     "ring_reason": "ring attention (compute): why its blocks travel the cp ring",
     "scatter_gather": "pp send/recv with pp_scatter_gather: the tp ranks that each move 1/tp",
+    "toward": "pipeline transfers: next or prev, the way the tensor travels along the "
+              "stages (forward is next except on the way back of a V)",
     "dim": "the dimension a collective gathers or scatters",
     "producer": "tp redistributions: the operator that produced the tensor",
     "consumer": "tp redistributions: the operator that reads it",
@@ -214,7 +216,7 @@ SEQUENCE = (list, tuple)
 OPTIONAL_TYPES = {
     "forward_of": TEXT, "recompute_of": TEXT, "weight_grad": TEXT, "weight_grad_of": TEXT,
     "tp_input": TEXT, "tp_output": TEXT, "bucket": TEXT, "ring_steps": INTEGER,
-    "ring_bytes": INTEGER, "ring_reason": TEXT, "scatter_gather": INTEGER,
+    "ring_bytes": INTEGER, "ring_reason": TEXT, "scatter_gather": INTEGER, "toward": TEXT,
     "dim": (str, type(None)), "producer": TEXT, "consumer": TEXT, "collective": TEXT,
     "sharded": (bool,), "stream": TEXT, "placement": TEXT, "route": TEXT,
     "route_seconds": (int, float, type(None)), "tensor": TEXT, "bias": TEXT,

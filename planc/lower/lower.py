@@ -45,10 +45,27 @@ from planc.schedules import Action, ActionKind, Block
 PROLOGUE, EPILOGUE = "prologue", "epilogue"
 
 
-def _kind_of(phase: Phase) -> ActionKind:
+def _kind_of(phase: Phase, split: bool = False) -> ActionKind:
     """The block a node of ``phase`` runs in: the forward's, or else the backward's (which
-    also holds what runs once, after the chunk's last backward)."""
-    return ActionKind.FORWARD if phase == Phase.FORWARD else ActionKind.BACKWARD
+    also holds what runs once, after the chunk's last backward); under a schedule that
+    splits the backward, the backward's is its input-gradient block."""
+    if phase == Phase.FORWARD:
+        return ActionKind.FORWARD
+    return ActionKind.BACKWARD_INPUT if split else ActionKind.BACKWARD
+
+
+def _in_weight_block(data: dict) -> bool:
+    """Under a schedule that splits the backward: a weight-gradient step, and what moves
+    the gradients it makes (ZeRO's per-microbatch reductions, the once-per-step bucket
+    reductions, guarded to the chunk's last W), go to the chunk's ``W`` block."""
+    return data.get("weight_grad_of") is not None or \
+        data["type"] == NodeType.TRANSFER and data["payload"] == Payload.GRAD
+
+
+# The order in which a chunk's blocks run for one microbatch: what a buffer's last
+# reader is.
+_BLOCK_RANK = {ActionKind.FORWARD: 0, ActionKind.BACKWARD: 1, ActionKind.BACKWARD_INPUT: 1,
+               ActionKind.BACKWARD_WEIGHT: 2}
 
 
 def gradient_buffers(bucket: str, info: dict) -> tuple[str, ...]:
@@ -133,6 +150,7 @@ class _StageLowering:
         self.buckets = buckets
         self._sources: dict[str, list[tuple[str, bool]]] = {}
         self.overlap = overlap
+        self.split = schedules.named(plan.schedule.pipeline).splits_backward
         self.where: dict[str, _Where] = {}
         self.buffer_of: dict[str, str] | None = None  # parameter -> its gradient buffer
         mine = [(n, graph.nodes[n]) for n in nodes]
@@ -158,7 +176,9 @@ class _StageLowering:
         if data["type"] == NodeType.TRANSFER and data["axis"] == Axis.PP and \
                 data["kind"] == Kind.RECV:
             return _Where(stream, stream, True, False)
-        block = Block(_kind_of(data["phase"]), data["chunk"]).name
+        kind = ActionKind.BACKWARD_WEIGHT if self.split and _in_weight_block(data) else \
+            _kind_of(data["phase"], self.split)
+        block = Block(kind, data["chunk"]).name
         if data["per_microbatch"]:
             return _Where(block, stream, True, False)
         placement = data.get("placement", EPILOGUE) if self.overlap else EPILOGUE
@@ -332,7 +352,7 @@ def _with_frees(blocks: dict[str, list[Instruction]], graph: nx.DiGraph,
         places = readers.get(buffer, [(name, k)])
         if any(typed[block].chunk != typed[name].chunk for block, _ in places):
             continue  # read by another chunk's block: keep it for the step
-        last = max(places, key=lambda p: (not typed[p[0]].kind.is_forward, p[1]))
+        last = max(places, key=lambda p: (_BLOCK_RANK[typed[p[0]].kind], p[1]))
         if all(covered(p, last) for p in places if p != last):
             frees.setdefault(last, []).append(buffer)
     out = {}
@@ -355,7 +375,7 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
         by_stage[data["stage"]].append(node)
     # The order in which each stage sends to each neighbour: its schedule.
     pipeline = schedules.named(plan.schedule.pipeline)
-    actions = {s: pipeline.order(s, pp, m, virtual) for s in range(pp)}
+    actions = {s: pipeline.program_order(s, pp, m, virtual) for s in range(pp)}
     table = buckets(graph)
     buckets_of: dict[int, dict] = {}
     for b, info in table.items():
@@ -392,7 +412,7 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
                     any(i.stream == st for i in body)]
             body = [Instruction("sync", st, per_microbatch=False) for st in used] + body
         plan_schedule = tuple((a.block.name, a.microbatch) for a in actions[stage])
-        receives = _receive_order(graph, receive_nodes, actions)
+        receives = _receive_order(graph, receive_nodes, actions, lowering.split)
         used_streams = {w.stream for n, w in lowering.where.items()} | set(receives)
         streams = tuple(s for s in STREAM_ORDER if s in used_streams or s == COMPUTE)
         programs[f"stage{stage}.json"] = Program(
@@ -405,12 +425,12 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
                       {f"stage{s}.json": s for s in range(pp)},
                       axes={axis: (layout.mesh.size(axis), layout.strides[axis])
                             for axis in AXES},
-                      leader=layout.first_rank_of_stage(pp - 1))
+                      leader=layout.first_rank_of_stage(plan.head_stage))
     return programs, ranks
 
 
 def _receive_order(graph: nx.DiGraph, receive_nodes: dict[str, str],
-                   actions: dict[int, list[Action]]
+                   actions: dict[int, list[Action]], split: bool = False
                    ) -> dict[str, tuple[tuple[str, int], ...]]:
     """Each receive stream in the order its peer sends: the peer's schedule."""
     sender_of: dict[str, tuple[int, Block]] = {}  # recv -> (peer stage, the sending block)
@@ -418,7 +438,7 @@ def _receive_order(graph: nx.DiGraph, receive_nodes: dict[str, str],
         data = graph.nodes[node]
         (send,) = list(graph.predecessors(node))
         sender_of[node] = (data["peer_stage"],
-                           Block(_kind_of(data["phase"]), graph.nodes[send]["chunk"]))
+                           Block(_kind_of(data["phase"], split), graph.nodes[send]["chunk"]))
     streams: dict[str, list[tuple[str, int]]] = {s: [] for s in receive_nodes.values()}
     for stream in streams:
         mine = {sender_of[n]: n for n, s in receive_nodes.items() if s == stream}

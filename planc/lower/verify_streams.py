@@ -117,6 +117,35 @@ class StreamChecks:
         self._accumulations(ranks, name, program, positions, last_run)
         self._frees(ranks, name, program, positions)
         self._gathered_first(ranks, name, program)
+        self._written_before_read(ranks, name, program, positions)
+
+    def _written_before_read(self, ranks, name: str, program: Program, positions) -> None:
+        """A block that reads a value another block writes for the same microbatch (a
+        backward its forward's activations, a weight gradient what its input gradient
+        saved) runs after that block: on one stream no event orders them, the schedule
+        alone does."""
+        writer: dict[str, str] = {}
+        for block, instructions in program.blocks.items():
+            for instruction in instructions:
+                if instruction.per_microbatch:
+                    for value in instruction.writes:
+                        if not value.startswith(STATE):  # accumulated by many blocks
+                            writer.setdefault(value, block)
+        needs: dict[str, dict[str, str]] = {}  # block -> {the block it reads from: a value}
+        for block, instructions in program.blocks.items():
+            for instruction in instructions:
+                if instruction.per_microbatch:
+                    for value in instruction.reads:
+                        source = writer.get(value, block)
+                        if source != block:
+                            needs.setdefault(block, {}).setdefault(source, value)
+        never = len(program.schedule)
+        for k, (block, mb) in enumerate(program.schedule):
+            for source, value in needs.get(block, {}).items():
+                if positions.get((source, mb), never) > k:
+                    self.report.add(f"{ranks} ({name}): block {block} (microbatch {mb}) "
+                                    f"reads {value}, which block {source} writes for that "
+                                    f"microbatch only later in the schedule")
 
     def _guards(self, where, instructions, summary: "_Sequence") -> None:
         """A once-per-step record must be guarded (else it is recorded every microbatch),

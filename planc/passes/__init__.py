@@ -19,13 +19,16 @@ from planc.passes.context import Pass, PassContext, PassRecord, copy_graph, reco
 from planc.passes.fuse import fuse
 from planc.passes.overlap import overlap
 from planc.passes.route import route
+from planc.passes.split_backward import split_backward
 
 __all__ = ["PIPELINE", "Pass", "PassContext", "PassRecord", "copy_graph", "names", "record",
            "run"]
 
 # The passes in the order they run: fuse makes the buckets that route chooses a route
-# for, and overlap schedules what route chose.
+# for, split_backward splits the backward steps a zero-bubble schedule orders apart
+# (it changes nothing under other schedules), and overlap schedules what they chose.
 PIPELINE: tuple[tuple[str, Pass], ...] = (("fuse", fuse), ("route", route),
+                                          ("split_backward", split_backward),
                                           ("overlap", overlap))
 
 

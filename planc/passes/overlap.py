@@ -39,6 +39,7 @@ import networkx as nx
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase
 from planc.names import Stream
 from planc.passes.context import PassContext, PassRecord, record
+from planc.passes.split_backward import split_step, splittable
 
 COMPUTE, COMM, DP = Stream.COMPUTE, Stream.COMM, Stream.DP
 SEND = {Phase.FORWARD: Stream.SEND_NEXT, Phase.BACKWARD: Stream.SEND_PREV}
@@ -50,7 +51,11 @@ def stream_of(data: dict, overlap: bool) -> str:
     if data["type"] == NodeType.COMPUTE:
         return COMPUTE
     if data["axis"] == Axis.PP:
-        return SEND[data["phase"]] if data["kind"] == Kind.SEND else RECEIVE[data["phase"]]
+        # The way the tensor travels picks the stream (a V's way back sends a forward
+        # to the previous stage); a graph without it goes by phase.
+        toward = data.get("toward") or ("next" if data["phase"] == Phase.FORWARD else "prev")
+        ahead = Phase.FORWARD if toward == "next" else Phase.BACKWARD
+        return SEND[ahead] if data["kind"] == Kind.SEND else RECEIVE[ahead]
     if not overlap:
         return COMPUTE
     return DP if data["axis"] in (Axis.DP_CP, Axis.TIED) else COMM
@@ -147,8 +152,7 @@ def _split_weight_gradients(graph: nx.DiGraph) -> int:
     gradient step ordered before whatever waits for that collective."""
     chosen = []
     for node, data in graph.nodes(data=True):
-        if data["type"] != NodeType.COMPUTE or data["phase"] != Phase.BACKWARD or \
-                data["recompute"] or not data["params"] or "forward_of" not in data:
+        if not splittable(data):  # (split_backward split every one under zb schedules)
             continue
         collectives = [t for _, t, d in graph.out_edges(node, data=True)
                        if d["kind"] == EdgeKind.DATA and
@@ -159,19 +163,11 @@ def _split_weight_gradients(graph: nx.DiGraph) -> int:
         if collectives:
             chosen.append((node, collectives))
     for node, collectives in chosen:
-        data = graph.nodes[node]
-        weight = "W" + node[1:] if node.startswith("B/") else f"W:{node}"
-        graph.add_node(weight, **{**data, "flops": data["flops"] / 2, "weight_grad_of": node,
-                                  "stream": COMPUTE})
-        data.update(flops=data["flops"] / 2, weight_grad=weight)
-        graph.add_edge(node, weight, kind=EdgeKind.SAVED)
-        for _, target, edge in list(graph.out_edges(node, data=True)):
-            if "bucket" in graph.nodes[target]:  # the parameter gradients' path
-                graph.remove_edge(node, target)
-                graph.add_edge(weight, target, **edge)
+        weight = split_step(graph, node)
+        stage = graph.nodes[node]["stage"]
         for collective in collectives:
             for _, consumer in graph.out_edges(collective):
                 if graph.nodes[consumer]["type"] == NodeType.COMPUTE and \
-                        graph.nodes[consumer]["stage"] == data["stage"]:
+                        graph.nodes[consumer]["stage"] == stage:
                     graph.add_edge(weight, consumer, kind=EdgeKind.ORDER)
     return len(chosen)

@@ -1,0 +1,61 @@
+"""split_backward: under a schedule that splits the backward (``zb1p``,
+``interleaved_zb``), every backward step with parameters becomes two steps: the input
+gradient, which the previous chunk waits for, and the weight gradient (``W/...``), which
+nobody on the pipeline waits for, so that the schedule can defer it into a bubble (Qi et
+al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 2).
+
+The lowering puts the weight-gradient steps, and the gradient reductions that read what
+they write, in the chunk's ``W`` block; the once-per-step reductions and the optimizer
+therefore wait for the last W of their parameters. Under every other schedule the pass
+changes nothing and records nothing. Results do not change: the two halves compute the
+same gradients as the whole backward (:meth:`planc.runtime.kernels.Kernels.backward`).
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from planc import schedules
+from planc.graph.ir import EdgeKind, NodeType, Phase
+from planc.names import Stream
+from planc.passes.context import PassContext, PassRecord, record
+
+
+def splittable(data: dict) -> bool:
+    """A backward step of the model (not a recomputation) with parameters, not split yet."""
+    return data["type"] == NodeType.COMPUTE and data["phase"] == Phase.BACKWARD and \
+        not data["recompute"] and bool(data["params"]) and "forward_of" in data and \
+        "weight_grad" not in data
+
+
+def split_step(graph: nx.DiGraph, node: str) -> str:
+    """Split ``node`` in place: it keeps the input gradient and half its flops; a new
+    ``W`` step, fed by what the node saved, computes the parameters' gradients and takes
+    over the edges to the gradient buckets. Returns the new step's name."""
+    data = graph.nodes[node]
+    weight = "W" + node[1:] if node.startswith("B/") else f"W:{node}"
+    graph.add_node(weight, **{**data, "flops": data["flops"] / 2, "weight_grad_of": node,
+                              "stream": Stream.COMPUTE})
+    data.update(flops=data["flops"] / 2, weight_grad=weight)
+    graph.add_edge(node, weight, kind=EdgeKind.SAVED)
+    for _, target, edge in list(graph.out_edges(node, data=True)):
+        if "bucket" in graph.nodes[target]:  # the parameter gradients' path
+            graph.remove_edge(node, target)
+            graph.add_edge(weight, target, **edge)
+    return weight
+
+
+def split_backward(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
+    pipeline = ctx.plan.schedule.pipeline
+    if not schedules.named(pipeline).splits_backward:
+        return graph
+    out = ctx.working_copy(graph)
+    chosen = [node for node, data in out.nodes(data=True) if splittable(data)]
+    weights = [split_step(out, node) for node in chosen]
+    decisions = [{"node": node, "weight_step": weight}
+                 for node, weight in zip(chosen, weights)]
+    return record(out, PassRecord(
+        "split_backward", True,
+        f"split_backward: {len(chosen)} backward steps split into their input gradient "
+        f"and a weight-gradient step in the chunk's W block (pipeline = {pipeline})",
+        [{"what": "weight-gradient steps", "before": 0, "after": len(chosen)}], decisions))
