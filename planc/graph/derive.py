@@ -335,7 +335,8 @@ class _Derivation(AxisRules, ParameterRules):
                              if n == node)
             backward[node] = self.early_backward[chunk - 1][node] = \
                 self._backward_of(chunk - 1, node, op, layer)
-        elif chunk > 0:
+        send = None
+        if chunk > 0 and not self._local(chunk - 1, chunk):
             send, self.gradient_input[chunk - 1] = self._pipeline(
                 Phase.BACKWARD, chunk, chunk - 1, self.layout(self.input_op[chunk]).output)
             backward[self.chunk_input[chunk]] = send
@@ -348,8 +349,8 @@ class _Derivation(AxisRules, ParameterRules):
             self._recompute_layer(chunk, layer, by_layer.get(layer, []))
         for link in reversed(self.links[chunk]):
             self._backward_link(chunk, link, backward)
-        if chunk > 0:
-            self._into_send(backward[self.chunk_input[chunk]])
+        if send is not None:
+            self._into_send(send)
         for layer in range(first, last + 1):
             self._recompute_just_in_time(layer)
 
