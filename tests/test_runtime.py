@@ -81,6 +81,17 @@ MATRIX = {
     "tied-pp-zero1": dict(mesh="pp = 2; dp = 2", m=2, model="; tie_embeddings = on",
                           shard="dp { zero = 1 }"),
 }
+# Overlapped ring attention and scatter-gather pipeline sends, each once (passes on).
+OVERLAPS = {
+    "cp-ring-no-load-balance": dict(mesh="cp = 2", shard="cp { attention = ring; "
+                                    "load_balance = off }"),
+    "cp-ring-tp2-sp": dict(mesh="cp = 2; tp = 2", shard="cp { attention = ring }; "
+                           "tp { sequence_parallel = on }"),
+    "pp2-tp2-scatter-gather": dict(mesh="pp = 2; tp = 2", m=2,
+                                   optimize="pp_scatter_gather = on"),
+    "pp2-tp2-no-scatter-gather": dict(mesh="pp = 2; tp = 2", m=2,
+                                      optimize="pp_scatter_gather = off"),
+}
 # The zero-bubble schedules (input and weight gradients in blocks of their own), once
 # each with the passes as the plan says: uneven stages, tp with sequence parallelism, cp
 # ring, ZeRO 1 and 3, tied embeddings and overlap off.
@@ -201,6 +212,15 @@ def test_every_plan_trains_exactly_like_one_process(name, switch, tmp_path, capf
     for r in records:  # the slowest rank's step, and where its compute stream spent it
         assert 0 < r["compute_s"] < r["time_s"] and 0 <= r["exposed_comm_s"] < r["time_s"]
     losses[(name, switch)] = [r["loss"] for r in records]
+
+
+@pytest.mark.parametrize("name", list(OVERLAPS))
+def test_every_overlap_trains_exactly_like_one_process(name, tmp_path, capfd):
+    plan = tmp_path / f"{name}.plan"
+    plan.write_text(plan_text(name, **OVERLAPS[name]))
+    status, err = run([plan, "-o", tmp_path / "build", "--check", "--timeout", "60"], capfd)
+    assert status == 0, err
+    assert "every loss and parameter matches" in err
 
 
 @pytest.mark.parametrize("name", list(ZERO_BUBBLE))

@@ -105,6 +105,7 @@ class _Checker(TopologyReader):
         optimize = self._optimize()
         if optimize is not None and mesh and model:
             optimize = self._tp_overlap(optimize, mesh, model)
+        self._scatter_gather(mesh, tensor)
         train = self._train(model)
         parts = (model, mesh, topology, tensor, context, pipeline, schedule, optimize, train)
         if any(part is None for part in parts) or zero is None:
@@ -305,8 +306,25 @@ class _Checker(TopologyReader):
                                     "model.tie_embeddings"),
                           "use embedding = vocab with head = vocab, or replicate both"))
 
+    def _scatter_gather(self, mesh: Mesh | None, tensor) -> None:
+        """pp_scatter_gather = on, written, where it cannot act: a warning at the key."""
+        key = "optimize.pp_scatter_gather"
+        if mesh is None or key not in self.given or not self.value(key):
+            return
+        if mesh.pp == 1 or mesh.tp == 1:
+            self.report(warning(f"pp_scatter_gather = on has no effect with tp = {mesh.tp} "
+                                f"and pp = {mesh.pp}", self.span(key),
+                                "it splits the activation sent between pipeline stages over "
+                                "tp; it needs tp > 1 and pp > 1"))
+        elif tensor is not None and tensor.sequence_parallel:
+            self.report(warning("pp_scatter_gather = on has no effect with "
+                                "sequence_parallel = on", self.span(key),
+                                "sequence parallelism already sends each tp rank's 1/tp of "
+                                "the tokens between stages"))
+
     def _optimize(self) -> Optimize | None:
-        keys = ("fuse", "bucket", "route", "overlap", "recompute", "tp_overlap")
+        keys = ("fuse", "bucket", "route", "overlap", "recompute", "tp_overlap",
+                "pp_scatter_gather")
         if not self.ready(*(f"optimize.{k}" for k in keys)):
             return None
         return Optimize(**{k: self.value(f"optimize.{k}") for k in keys})

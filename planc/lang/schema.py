@@ -124,6 +124,7 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
         "overlap": Key(Boolean(), True),
         "tp_overlap": Key(OnOffOrCount(), True),
         "recompute": Key(Choice(("none", "selective", "full")), "none"),
+        "pp_scatter_gather": Key(Boolean(), True),
     }),
     "train": BlockSchema("train", keys={
         "steps": Key(Integer(1), 1),

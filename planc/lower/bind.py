@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from planc.graph.ir import EdgeKind, Kind, NodeType, Op, Payload, Phase, Port
+from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, Port
 from planc.graph.layouts import parse as parse_layout
 from planc.graph.layouts import R, S
 from planc.lower.operands import FEATURE_AXIS, SEQ_AXIS, Input, Operands
@@ -79,15 +79,16 @@ def _compute(graph: nx.DiGraph, node: str, data: dict, position: dict[str, int]
         tokens=tuple(data["token_piece"]) if "token_piece" in data else None,
         flops=data["flops"], output_bytes=data["bytes"],
         bucket=data.get("bucket") if data["op"] == Op.OPTIMIZER else None,
-        sharded=bool(data.get("sharded", False)) if data["op"] == Op.OPTIMIZER else False)
+        sharded=bool(data.get("sharded", False)) if data["op"] == Op.OPTIMIZER else False,
+        # ring attention: its steps over the cp group, and the block one shift moves
+        ring_steps=data.get("ring_steps"),
+        group=Axis.CP.value if data.get("ring_steps") else None,
+        bytes=data.get("ring_bytes"))
 
 
 def _transfer(graph: nx.DiGraph, node: str, data: dict, op: str,
               position: dict[str, int]) -> Operands:
     source = node
-    if op == "sendrecv":  # a ring shift sends what its send half reads
-        source = next(p for p in graph.predecessors(node)
-                      if graph.nodes[p]["kind"] == Kind.SEND)
     payload = data["payload"]
     pipeline = payload == Payload.STREAM
     level = _value(data.get("level", "whole"))

@@ -195,6 +195,10 @@ class Operands:
     reduce_op: str | None = None
     source_dim: str | None = None  # an activation's sharded dimension before and after
     target_dim: str | None = None
+    # ring attention (a compute step): its cp ring steps; its group is ``group`` and the
+    # bytes of the K/V block one shift moves ``bytes``. A ring step posts the shift of the
+    # block in hand (send to the next cp rank, receive from the previous) before it
+    # computes on that block, and waits for the shift after.
     ring_steps: int | None = None
     peer_stage: int | None = None  # a pipeline transfer's other stage
     direction: str | None = None  # forward or backward: which pipeline group

@@ -24,6 +24,7 @@ from planc.runtime.context import RankContext, pp_group_key
 from planc.runtime.kernels import LOSS_STATISTICS, Kernels, Saved, Spec
 from planc.runtime.model import split_feature
 from planc.runtime.optim import optimizer_of
+from planc.runtime.ring_attention import Ring
 from planc.runtime.store import ParamStore
 from planc.runtime.routes import resolve
 from planc.runtime.transfers import Call, Transfers
@@ -74,9 +75,9 @@ def join_tokens(pieces: list[torch.Tensor], spread: int) -> torch.Tensor:
 
 
 class _Compute:
-    def __init__(self, node: str, instruction: Instruction):
+    def __init__(self, node: str, instruction: Instruction, ring: Ring | None = None):
         operands = instruction.operands
-        self.node, self.spec, self.inputs = node, Spec.of(operands), operands.inputs
+        self.node, self.spec, self.inputs = node, Spec.of(operands, ring), operands.inputs
         self.gathered = dict(operands.gathered)  # bucket -> the ZeRO-3 gather that filled it
         self.per_microbatch = instruction.per_microbatch
         step = operands.step
@@ -127,7 +128,11 @@ class Interpreter:
             return
         operands = instruction.operands
         if op == "compute":
-            self.bound[(op, node)] = _Compute(node, instruction)
+            ring = None
+            if operands.ring_steps:  # ring attention: its steps over the cp group
+                call = self._call(op, instruction)
+                ring = Ring(operands.ring_steps, call.group, call.members, call.index)
+            self.bound[(op, node)] = _Compute(node, instruction, ring)
             if operands.step == "optimizer":
                 bucket = operands.bucket
                 tensor = self.store.shard[bucket] if operands.sharded else \

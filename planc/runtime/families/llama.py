@@ -64,7 +64,7 @@ def qkv(k, spec, x, p, step, mb, extra):
 def attention(k, spec, x, p, step, mb, extra):
     """Causal attention of this rank's query heads, each reading the k/v head of its
     group (transformers' repeat_kv); keys and values of every cp rank when context
-    parallelism gathered them."""
+    parallelism gathered them, or travelling the cp ring (ring attention)."""
     qkv = x["x"]
     b, s, width = qkv.shape
     hd = k.head_dim
@@ -73,6 +73,9 @@ def attention(k, spec, x, p, step, mb, extra):
     pair = qkv[..., heads * hd:] if "kv" not in x else x["kv"]
     tokens = pair.shape[1]
     key, v = pair.reshape(b, tokens, 2, kv, hd).permute(2, 0, 3, 1, 4).unbind(0)
+    if spec.ring is not None:  # the K/V heads travel unrepeated
+        out = k.ring_attention(spec, q, key, v)
+        return out.transpose(1, 2).reshape(b, s, heads * hd)
     if kv != heads:
         key = key.repeat_interleave(heads // kv, dim=1)
         v = v.repeat_interleave(heads // kv, dim=1)
