@@ -40,6 +40,7 @@ import torch.distributed as dist
 from planc.files import write_atomically
 from planc.lang.presets import calibrated_document
 from planc.runtime.rendezvous import joined_store
+from planc.runtime.collectives import all_gather_single, reduce_scatter_single
 
 SIZES = (4 << 10, 4 << 20, 16 << 20)  # bytes: latency, then two for the slope
 REPEATS = 5
@@ -144,8 +145,8 @@ def measure_collectives(level: str, groups: dict, repeats: int, latency: float
             part = torch.ones(nbytes // 4 // size)
             operation = {
                 "all_reduce": lambda: dist.all_reduce(whole, group=group),
-                "reduce_scatter": lambda: dist.reduce_scatter_single(part, whole, group=group),
-                "all_gather": lambda: dist.all_gather_single(whole, part, group=group),
+                "reduce_scatter": lambda: reduce_scatter_single(part, whole, group=group),
+                "all_gather": lambda: all_gather_single(whole, part, group=group),
             }[kind]
             measured.append((nbytes, timed(operation if group is not None else lambda: None,
                                            nbytes, repeats)))

@@ -26,6 +26,7 @@ from planc.runtime.exchange import (PeerDataError, either, gather_flat, gather_j
 from planc.runtime.interpreter import Interpreter
 from planc.runtime.model import join_feature
 from planc.words import counted
+from planc.runtime.collectives import all_gather_single
 
 
 def local_parameters(ctx: RankContext, interpreter: Interpreter) -> dict:
@@ -40,7 +41,7 @@ def local_parameters(ctx: RankContext, interpreter: Interpreter) -> dict:
             if group is None:
                 flat.copy_(store.shard[bucket_id])
             else:
-                dist.all_gather_single(flat, store.shard[bucket_id], group=group)
+                all_gather_single(flat, store.shard[bucket_id], group=group)
         else:
             flat = store.full[bucket_id]
         for member in bucket["members"]:

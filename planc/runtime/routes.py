@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from planc.mesh import counts_of
 from planc.lower.routes import RouteTable, Step, recipe_key
+from planc.runtime.collectives import all_gather_single, reduce_scatter_single
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ def _run(route: Route, state: _Chunks, op) -> None:
                 if group is None:
                     out.copy_(data)
                 else:
-                    _wait(dist.reduce_scatter_single(out, data, op=op, group=group,
+                    _wait(reduce_scatter_single(out, data, op=op, group=group,
                                                      async_op=True))
                 state.write(mine, out)
             else:
@@ -95,7 +96,7 @@ def _run(route: Route, state: _Chunks, op) -> None:
                 if group is None:
                     out.copy_(data)
                 else:
-                    _wait(dist.all_gather_single(out, data, group=group, async_op=True))
+                    _wait(all_gather_single(out, data, group=group, async_op=True))
                 state.write([c for part in lists for c in part], out)
         elif step.op == "send":
             _wait(dist.isend(state.read(step.chunks).contiguous(), route.members[step.peer],

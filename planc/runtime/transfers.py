@@ -26,6 +26,7 @@ from planc.runtime import routes
 from planc.runtime.context import RankContext
 from planc.runtime.model import join_feature, local_heads, split_feature
 from planc.runtime.store import ParamStore
+from planc.runtime.collectives import all_gather_single, reduce_scatter_single
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -191,7 +192,7 @@ class Transfers:
         if call.route is not None:
             routes.reduce_scatter(call.route, grad, out)
         else:
-            _wait(dist.reduce_scatter_single(out, grad, group=call.group, async_op=True))
+            _wait(reduce_scatter_single(out, grad, group=call.group, async_op=True))
         self.store.grad_shard[bucket] += out
         if call.per_microbatch:
             grad.zero_()
@@ -226,5 +227,5 @@ class Transfers:
         elif call.route is not None:
             routes.all_gather(call.route, shard, out)
         else:
-            _wait(dist.all_gather_single(out, shard, group=call.group, async_op=True))
+            _wait(all_gather_single(out, shard, group=call.group, async_op=True))
         return out
