@@ -66,6 +66,11 @@ PEERS = {
              "the residual stream sharded on the sequence)",
     "pp_1f1b": "2 ranks: torch.distributed.pipelining, Schedule1F1B, 4 microbatches of 4",
     "pp_gpipe": "2 ranks: torch.distributed.pipelining, ScheduleGPipe, 4 microbatches of 4",
+    "pp_interleaved": "2 ranks: torch.distributed.pipelining, ScheduleInterleaved1F1B, "
+                      "2 chunks of 1 layer per rank, 4 microbatches of 4",
+    "pp_interleaved_zb": "2 ranks: torch.distributed.pipelining, "
+                         "ScheduleInterleavedZeroBubble, 2 chunks of 1 layer per rank, "
+                         "4 microbatches of 4",
 }
 RANKS = {name: 1 if name == "plain" else 2 for name in PEERS}
 
@@ -353,24 +358,37 @@ def build_tp_sp(c: Config):
     return _build_tp(c, sequence_parallel=True)
 
 
-def _build_pp(c: Config, schedule_class):
+def _chunk(c: Config, index: int, chunks: int) -> nn.Module:
+    """Model chunk ``index`` of ``chunks``: its share of the layers, the embeddings on the
+    first, the final LayerNorm and the head on the last (every chunk drawn from the whole
+    model's weights)."""
+    model = GPT(c)
+    per = c.layers // chunks
+    for i in range(c.layers):
+        if not index * per <= i < (index + 1) * per:
+            del model.layers[str(i)]
+    if index != 0:
+        model.tok = model.pos = None
+    if index != chunks - 1:
+        model.norm = model.head = None
+    return model
+
+
+def _build_pp(c: Config, schedule_class, virtual: int = 1):
     """Stage 0: embeddings + the first half of the layers; stage 1: the second half, the
-    final LayerNorm and the head. ``PipelineStage`` infers the shapes it sends at its first
-    step; the schedule averages the microbatch gradients (scale_grads=True)."""
+    final LayerNorm and the head; with ``virtual`` chunks per rank, chunk k on rank
+    k mod 2 (a multi-stage schedule). ``PipelineStage`` infers the shapes it sends at its
+    first step; the schedule averages the microbatch gradients (scale_grads=True)."""
     from torch.distributed.pipelining import PipelineStage
 
-    rank, stages = dist.get_rank(), dist.get_world_size()
-    model = GPT(c)
-    per = c.layers // stages
-    for i in range(c.layers):
-        if not rank * per <= i < (rank + 1) * per:
-            del model.layers[str(i)]
-    if rank != 0:
-        model.tok = model.pos = None
-    if rank != stages - 1:
-        model.norm = model.head = None
-    stage = PipelineStage(model, rank, stages, torch.device("cpu"))
-    schedule = schedule_class(stage, n_microbatches=4, loss_fn=loss_fn)
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    chunks = ranks * virtual
+    models = [_chunk(c, index, chunks) for index in range(rank, chunks, ranks)]
+    stages = [PipelineStage(m, index, chunks, torch.device("cpu"))
+              for m, index in zip(models, range(rank, chunks, ranks))]
+    schedule = schedule_class(stages[0] if virtual == 1 else stages, n_microbatches=4,
+                              loss_fn=loss_fn)
+    model = nn.ModuleList(models)
     opt = make_optimizer(c, model)
 
     def step(tokens):
@@ -382,7 +400,7 @@ def _build_pp(c: Config, schedule_class):
         opt.step()
         opt.zero_grad()
         return torch.stack(losses).mean().detach() if losses else None
-    return step, f"{c.layers // stages} layers per stage, 4 microbatches"
+    return step, f"{c.layers // chunks} layers per chunk, {virtual} per rank, 4 microbatches"
 
 
 def build_pp_1f1b(c: Config):
@@ -395,6 +413,19 @@ def build_pp_gpipe(c: Config):
     """``torch.distributed.pipelining.ScheduleGPipe`` over two ``PipelineStage``s."""
     from torch.distributed.pipelining import ScheduleGPipe
     return _build_pp(c, ScheduleGPipe)
+
+
+def build_pp_interleaved(c: Config):
+    """``torch.distributed.pipelining.ScheduleInterleaved1F1B``, 2 chunks per rank."""
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+    return _build_pp(c, ScheduleInterleaved1F1B, virtual=2)
+
+
+def build_pp_interleaved_zb(c: Config):
+    """``torch.distributed.pipelining.ScheduleInterleavedZeroBubble``, 2 chunks per rank:
+    backward split into input and weight gradients, the weights' deferred."""
+    from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
+    return _build_pp(c, ScheduleInterleavedZeroBubble, virtual=2)
 
 
 BUILDERS = {name: globals()[f"build_{name}"] for name in PEERS}
