@@ -170,12 +170,17 @@ class PipelineParallel:
 
     With ``virtual`` = 1 there is one chunk per stage. With ``virtual`` = v the model
     is cut into pp * v chunks assigned round-robin, as in Megatron's interleaved
-    schedule (Narayanan et al., SC'21, section 2.2).
+    schedule (Narayanan et al., SC'21, section 2.2). The chunks may differ in size; the
+    first and last may be empty, the embedding or head alone (planc.schedules.layers).
     """
 
     chunks: tuple[tuple[int, int], ...]
     virtual: int = 1
     auto: bool = True
+
+    def chunk_layers(self, chunk: int) -> int:
+        first, last = self.chunks[chunk]
+        return last - first + 1
 
     def layers_of_stage(self, stage: int, pp: int) -> tuple[int, ...]:
         return tuple(layer for first, last in self.chunks[stage::pp]
@@ -467,9 +472,12 @@ def _check_consistency(plan: "Plan") -> None:
         raise ValueError("plan.mesh.order must name tp, cp, pp and dp once each")
     if plan.topology.nodes * plan.topology.devices_per_node != mesh.world:
         raise ValueError("plan.topology does not hold the mesh's world")
-    if len(pp.chunks) != mesh.pp * pp.virtual or pp.chunks[0][0] != 0 or \
-            pp.chunks[-1][1] != plan.model.layers - 1 or any(
-                b[0] != a[1] + 1 or b[0] > b[1] for a, b in zip(pp.chunks, pp.chunks[1:])):
+    chunks = pp.chunks
+    if len(chunks) != mesh.pp * pp.virtual or chunks[0][0] != 0 or \
+            chunks[-1][1] != plan.model.layers - 1 or any(
+                b[0] != a[1] + 1 for a, b in zip(chunks, chunks[1:])) or any(
+                c[0] > c[1] for c in chunks[1:-1]) or any(c[0] > c[1] + 1 for c in chunks):
+        # Only the first and the last chunk may be empty (the embedding or head alone).
         raise ValueError("plan.shard.pp.chunks do not cover the layers in order")
     if plan.model.batch % (mesh.dp * plan.schedule.microbatches) or \
             plan.model.hidden % plan.model.heads:

@@ -47,6 +47,16 @@ MATRIX = {
     "pp2-1f1b": dict(mesh="pp = 2", m=4),
     "pp2-interleaved": dict(mesh="pp = 2", m=4, shard="pp { virtual = 2 }",
                             schedule="; pipeline = interleaved"),
+    # Uneven interleaving (Llama 3's layout in small): the first chunk runs the embedding
+    # alone and the last the head alone, with tp and sequence parallelism; then chunks of
+    # 1 and 2 layers written out, with ZeRO 1.
+    "pp2-interleaved-uneven-tp2-sp": dict(mesh="pp = 2; tp = 2", m=4,
+                                          shard="pp { virtual = 3 }; tp { sequence_parallel = "
+                                                "on }", schedule="; pipeline = interleaved"),
+    "pp2-dp2-interleaved-uneven-zero1": dict(mesh="pp = 2; dp = 2", m=2,
+                                             schedule="; pipeline = interleaved",
+                                             shard="pp { virtual = 2; stages = [0..1, 2, 3, "
+                                                   "head] }; dp { zero = 1 }"),
     "dp2-zero0": dict(mesh="dp = 2", m=2),
     "dp2-zero1": dict(mesh="dp = 2", m=2, shard="dp { zero = 1 }"),
     "dp2-zero2": dict(mesh="dp = 2", m=2, shard="dp { zero = 2 }"),

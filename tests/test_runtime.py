@@ -54,6 +54,17 @@ MATRIX = {
     "pp-1f1b-uneven": dict(mesh="pp = 2", shard="pp { stages = [0..0, 1..3] }", m=4),
     "pp-interleaved": dict(mesh="pp = 2", shard="pp { virtual = 2 }", m=4,
                            schedule="; pipeline = interleaved"),
+    # Uneven interleaving: 4 layers in 6 chunks, the first of the embedding alone and the
+    # last of the head alone (Llama 3's layout), with tp and sequence parallelism; chunks
+    # of 1 and 2 layers written out; the same with a tied head.
+    "pp-interleaved-uneven-auto-tp-sp": dict(mesh="pp = 2; tp = 2", m=4,
+                                             shard="pp { virtual = 3 }; tp { sequence_parallel "
+                                                   "= on }", schedule="; pipeline = interleaved"),
+    "pp-interleaved-uneven-explicit": dict(mesh="pp = 2", m=2, schedule="; pipeline = interleaved",
+                                           shard="pp { virtual = 2; stages = [0, 1..2, 3, head] }"),
+    "tied-pp-interleaved-uneven": dict(mesh="pp = 2", m=2, model="; tie_embeddings = on",
+                                       schedule="; pipeline = interleaved",
+                                       shard="pp { virtual = 2; stages = [embedding, 0..1, 2, 3] }"),
     "dp-zero0": dict(mesh="dp = 2", m=2),
     "dp-zero1": dict(mesh="dp = 2", shard="dp { zero = 1 }", m=2),
     "dp-zero3": dict(mesh="dp = 2", shard="dp { zero = 3 }", m=2),
@@ -87,7 +98,7 @@ ZERO_BUBBLE = {
                                  shard="pp { virtual = 2 }; dp { zero = 3 }"),
 }
 TIED = ("tied-over-pp", "tied-zero3", "tied-pp-zero1",  # another model: its head is tied
-        "zb1p-tied-zero3")
+        "tied-pp-interleaved-uneven", "zb1p-tied-zero3")
 # Every plan with the optimisation passes as the plan says (on), and with each turned off.
 SWITCHES = {"": [], "fuse-off": ["--set", "optimize.fuse=off"],
             "overlap-off": ["--set", "optimize.overlap=off"]}

@@ -88,12 +88,16 @@ class AxisRules:
         self.edge(send, recv, port=Port.X)
         return recv
 
-    def _pipeline(self, phase: Phase, source_chunk: int, target_chunk: int) -> tuple[str, str]:
+    def _pipeline(self, phase: Phase, source_chunk: int, target_chunk: int,
+                  layout: Layout) -> tuple[str, str]:
+        """``layout``: the forward tensor's (the residual stream's, or the embedding's
+        output when it crosses from a chunk of the embedding alone); its gradient has
+        the same size."""
         letter = "F" if phase == Phase.FORWARD else "B"
-        nbytes = self._local_bytes("stream", self.tpp.stream)
+        nbytes = self._local_bytes("stream", layout)
         reason = reasons.pipeline(self.plan, phase.value, source_chunk, target_chunk)
         name = f"{letter}/c{source_chunk}>c{target_chunk}"
-        tokens = self.shapes.seq // (self.tp if self.tpp.stream.is_sharded else 1)
+        tokens = self.shapes.seq // (self.tp if layout.is_sharded else 1)
         shape = [self.shapes.batch, tokens, self.shapes.hidden]  # (batch, tokens, hidden)
         send = self.transfer(f"{name}:send@pp", Kind.SEND, Axis.PP, Payload.STREAM, phase,
                              source_chunk, None, nbytes, self.m, reason, tensor="stream",

@@ -101,6 +101,7 @@ class _Derivation(AxisRules, ParameterRules):
         self.chunk_output: dict[int, str] = {}
         self.carried: dict[tuple[str, str, str], tuple] = {}
         self.chunk_input: dict[int, str] = {}  # chunk -> its forward receive
+        self.input_op: dict[int, str] = {}  # chunk -> the op whose output it receives
         self.gradient_input: dict[int, str] = {}  # chunk -> its backward receive
 
     # --- nodes and edges ----------------------------------------------------------------
@@ -232,13 +233,17 @@ class _Derivation(AxisRules, ParameterRules):
                     self.link(chunk, None, x[0], x[1], op, node)
                 x = (op, node)
         else:
-            x = (self.family.layer_output, self.chunk_input[chunk])
+            x = (self.input_op[chunk], self.chunk_input[chunk])
         for layer in range(first, last + 1):
             x = self._forward_layer(chunk, layer, x)
         if chunk == self.last_chunk:
             self._forward_head(chunk, x)
         else:
-            send, recv = self._pipeline(Phase.FORWARD, chunk, chunk + 1)
+            # A first chunk of the embedding alone sends the embedding's output as it is;
+            # the next chunk's first layer redistributes it as it would on chunk 0.
+            self.input_op[chunk + 1] = x[0]
+            send, recv = self._pipeline(Phase.FORWARD, chunk, chunk + 1,
+                                        self.layout(x[0]).output)
             self.edge(x[1], send, port=Port.X)
             self.chunk_input[chunk + 1] = recv
             self.chunk_output[chunk] = x[1]
@@ -314,8 +319,8 @@ class _Derivation(AxisRules, ParameterRules):
             self.edge(self.gradient_input[chunk], backward[self.chunk_output[chunk]],
                       port=Port.GRAD)
         if chunk > 0:
-            send, self.gradient_input[chunk - 1] = self._pipeline(Phase.BACKWARD, chunk,
-                                                                  chunk - 1)
+            send, self.gradient_input[chunk - 1] = self._pipeline(
+                Phase.BACKWARD, chunk, chunk - 1, self.layout(self.input_op[chunk]).output)
             backward[self.chunk_input[chunk]] = send
         first, last = self.chunks[chunk]
         by_layer: dict[int, list[_Link]] = {}

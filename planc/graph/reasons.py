@@ -9,6 +9,7 @@ from __future__ import annotations
 from planc.graph.layouts import Layout, Redistribution
 from planc.models import family_of
 from planc.plan import Plan
+from planc.schedules.layers import chunk_text
 
 _PLACEMENT_WORDS = {"column": "column-parallel", "row": "row-parallel",
                     "replicate": "replicated", "vocab": "vocabulary-parallel",
@@ -92,13 +93,10 @@ def context_ring(plan: Plan, tensor: str) -> str:
 
 
 def pipeline(plan: Plan, phase: str, source_chunk: int, target_chunk: int) -> str:
-    chunks = plan.shard.pp.chunks
     pp = plan.mesh.pp
 
     def where(chunk: int) -> str:
-        first, last = chunks[chunk]
-        layers = f"layer {first}" if first == last else f"layers {first}-{last}"
-        return f"{layers} (stage {chunk % pp})"
+        return f"{chunk_text(plan.shard.pp.chunks, chunk)} (stage {chunk % pp})"
 
     if phase == "forward":
         return (f"{where(source_chunk)} feeds {where(target_chunk)}: each microbatch's "

@@ -22,7 +22,8 @@ from planc.lang.hints import divisors_below, largest_divisors
 from planc.lang.hints import try_values as _try
 from planc.lang.overrides import Override
 from planc.lang.overrides import apply as apply_overrides
-from planc.lang.schema import StageRange, join_words, plan_schema
+from planc.lang.schema import join_words, plan_schema
+from planc.lang.stages_check import StageProblem, auto_chunks, explicit_chunks, explicit_problems
 from planc.lang.topology_check import MAX_TOPOLOGY_BYTES, TopologyReader
 from planc.mesh import AXES
 from planc.models import DEFAULT_FAMILY, FAMILIES
@@ -48,8 +49,8 @@ def check(tree: ast.PlanFile, path: str, overrides: Sequence[Override] = ()
 # planc's limits (docs/language.md, section 5): far beyond any model or cluster that
 # exists, and small enough that compile, programs, verify and graph finish in seconds on
 # every plan check accepts (tests/test_limits.py compiles a plan at each one). The work
-# each bounds grows linearly with what it counts. pp x virtual is at most layers: each
-# model chunk needs a layer.
+# each bounds grows linearly with what it counts. pp x virtual is at most layers + 2: each
+# model chunk needs a layer, bar an embedding-only first and a head-only last chunk.
 LIMIT_REASONS = {
     "world": "planc layout lists every rank and its groups",
     "layers": "the graph holds every layer's compute steps and transfers, and compile "
@@ -276,54 +277,19 @@ class _Checker(TopologyReader):
         if pp == 1 and "shard.pp" in self.given and stages == "auto" and virtual == 1:
             self.report(warning("shard { pp { } } has no effect with pp = 1",
                                 self.span("shard.pp")))
-        chunks = pp * virtual
         if stages == "auto":
             if not ok:
                 return None
-            if layers < chunks:
-                what = f"pp ({pp})" if virtual == 1 else f"pp x virtual ({chunks})"
-                return self._reject(f"{what} is more than layers ({layers}): each stage needs at "
-                                  f"least one layer", self.span("mesh.pp"), None)
-            return PipelineParallel(_even_chunks(layers, chunks), virtual, True) if ok else None
-        if not self._stage_ranges(stages, layers, chunks, pp, virtual):
-            return None
-        return PipelineParallel(tuple((r.first, r.last) for r in stages), virtual, False) \
-            if ok else None
+            chunks = auto_chunks(layers, pp, virtual)
+            problems = [chunks] if isinstance(chunks, StageProblem) else []
+        else:
+            problems = explicit_problems(stages, layers, pp, virtual)
+            chunks = explicit_chunks(stages, layers)
+        for problem in problems:
+            span = problem.span or self.span("mesh.pp" if problem.at_mesh else "shard.pp.stages")
+            ok = self._fail(problem.message, span, problem.hint)
+        return PipelineParallel(chunks, virtual, stages == "auto") if ok else None
 
-    def _stage_ranges(self, ranges: tuple[StageRange, ...], layers: int, chunks: int,
-                      pp: int, virtual: int) -> bool:
-        ok = True
-        if len(ranges) != chunks:
-            what = f"pp is {pp}" if virtual == 1 else f"pp x virtual is {chunks}"
-            ok = self._fail(f"stages lists {len(ranges)} layer ranges but {what}",
-                            self.span("shard.pp.stages"),
-                            "give one range per stage" if virtual == 1 else
-                            "give one range per model chunk (chunk c runs on stage c mod pp)")
-        for before, after in zip(ranges, ranges[1:]):
-            if after.first < before.first:
-                return self._fail(f"layer range {after.first}..{after.last} comes after "
-                                  f"{before.first}..{before.last}", after.span,
-                                  "list the ranges in layer order")
-        expected = 0
-        previous: StageRange | None = None
-        for r in ranges:
-            if r.last >= layers:
-                ok = self._fail(f"layer range {r.first}..{r.last} goes past the last layer "
-                                f"({layers - 1})", r.span)
-            elif r.first < expected:
-                ok = self._fail(f"layer range {r.first}..{r.last} overlaps "
-                                f"{previous.first}..{previous.last}", r.span,
-                                "each layer belongs to exactly one stage")
-            elif r.first > expected:
-                ok = self._fail(f"{_layers_text(expected, r.first - 1)} in no stage", r.span,
-                                "the ranges must cover every layer once, in order")
-            expected = max(expected, r.last + 1)
-            previous = r
-        if ok and expected < layers:
-            ok = self._fail(f"{_layers_text(expected, layers - 1)} in no stage",
-                            self.span("shard.pp.stages"),
-                            f"the ranges must cover layers 0..{layers - 1}")
-        return ok
     def _tied_embeddings(self, mesh, model, tensor) -> None:
         if not (mesh and model and tensor) or not model.tie_embeddings or mesh.tp == 1:
             return
@@ -376,16 +342,3 @@ class _Checker(TopologyReader):
 DATA_SCAN_LIMIT = 16 << 20
 
 
-def _layers_text(first: int, last: int) -> str:
-    return f"layers {first}..{last} are" if last > first else f"layer {first} is"
-
-
-def _even_chunks(layers: int, chunks: int) -> tuple[tuple[int, int], ...]:
-    """Contiguous layer ranges, as even as possible, earlier chunks taking the remainder."""
-    base, extra = divmod(layers, chunks)
-    ranges, first = [], 0
-    for c in range(chunks):
-        count = base + (1 if c < extra else 0)
-        ranges.append((first, first + count - 1))
-        first += count
-    return tuple(ranges)

@@ -42,6 +42,14 @@ class StageRange:
     first: int
     last: int
     span: Span
+    # "embedding" or "head": a chunk that runs no transformer layer, only the embedding
+    # (the first chunk) or the final norm, head and loss (the last), as Llama 3's layout
+    # (Dubey et al. 2024, section 3.3.2); first and last are then placeholders.
+    alone: str | None = None
+
+
+# The words that stand for a chunk with no layer, and where each may stand.
+ALONE_CHUNKS = ("embedding", "head")
 
 
 class Stages(Kind):
@@ -59,6 +67,9 @@ class Stages(Kind):
             raise Problem("stages must list at least one layer range", value.span)
         ranges = []
         for item in value.items:
+            if isinstance(item, ast.Word) and item.text in ALONE_CHUNKS:
+                ranges.append(StageRange(0, -1, item.span, item.text))
+                continue
             if isinstance(item, ast.Range):
                 first = evaluate_integer(item.first, scope)
                 last = evaluate_integer(item.last, scope)
@@ -68,9 +79,12 @@ class Stages(Kind):
             else:
                 first = last = evaluate_integer(item, scope)
             if first > last:
-                raise Problem(f"layer range {first}..{last} is empty (first > last)", item.span)
+                raise Problem(f"layer range {first}..{last} is empty (first > last)", item.span,
+                              f"write {last}..{first}; a chunk with no layer can only be the "
+                              f"first (write embedding) or the last (write head)")
             if first < 0:
-                raise Problem(f"layer {first} is negative; layers are numbered from 0", item.span)
+                raise Problem(f"layer {first} is negative; layers are numbered from 0", item.span,
+                              "the first layer is 0")
             ranges.append(StageRange(first, last, item.span))
         return tuple(ranges)
 

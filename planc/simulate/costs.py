@@ -1,11 +1,14 @@
 """What one instruction of a rank program costs, from its operands and the build's group
 table alone (not graph.json): the one model the compiler optimises with (planc.cost).
 
-- A compute instruction takes the longer of its ``flops`` at the device's achievable
-  rate and its memory traffic at the device's memory bandwidth (a roofline: matrix
-  multiplies are bound by the first, layer norms, activations and residual adds by the
-  second); the traffic is ``output_bytes`` times what the kernel moves per byte of its
-  output.
+- A compute instruction on a GPU that :mod:`planc.kernel_cost` knows (the
+  topology's preset names it) takes what its kernels achieve there: a matrix multiply by
+  its shape, attention at FlashAttention's published rates, anything else its memory
+  traffic, each plus a fixed cost per kernel. On any other device it takes the longer of
+  its ``flops`` at the device's achievable rate (one efficiency) and its memory traffic
+  at the device's memory bandwidth (a roofline: matrix multiplies are bound by the
+  first, layer norms, activations and residual adds by the second). The traffic is
+  ``output_bytes`` times what the kernel moves per byte of its output.
 - A collective with a ``route`` takes that route's time on its group (ring, tree or
   hierarchical, as NCCL's tuning model prices its algorithms, ``src/graph/tuning.cc``):
   on each placement on nodes that the groups of its reference have on its stage
@@ -26,6 +29,7 @@ from planc.lower.groups import PIPELINE, GroupTable
 from planc.lower.operands import Operands
 from planc.lower.program import Instruction
 from planc.plan import Plan
+from planc.kernel_cost import KernelModel
 
 # Bytes an operator moves per byte of its output: read the input and write the output;
 # a residual add reads two inputs; AdamW reads a parameter, its gradient and two moments
@@ -60,6 +64,7 @@ class InstructionCosts:
         self.bandwidth = plan.topology.device.bandwidth
         self.optimizer_traffic = OPTIMIZER_TRAFFIC.get(plan.train.optimizer.name,
                                                        OPTIMIZER_TRAFFIC["adamw"])
+        self.kernels = KernelModel.of(plan)  # None: the one-efficiency roofline
         self.groups = groups
         self.seconds: dict[str, float] = {}  # by node
         self.transfers: dict[tuple, float] = {}  # by what a transfer's time depends on
@@ -91,6 +96,8 @@ class InstructionCosts:
         if operands.kernel is not None:
             traffic = self.optimizer_traffic if operands.kernel == OPTIMIZER_KERNEL else \
                 TRAFFIC.get(operands.kernel, DEFAULT_TRAFFIC)
+            if self.kernels is not None:
+                return self.kernels.seconds(operands, traffic * operands.output_bytes)
             return max(self.cost.compute_seconds(operands.flops),
                        traffic * operands.output_bytes / self.bandwidth)
         kind = Kind.RECV.value if instruction.op == RING_SHIFT else instruction.op

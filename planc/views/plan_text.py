@@ -6,6 +6,7 @@ from planc import memory
 from planc.lang.units import COMPUTE, RATE, TIME, format_bytes, format_quantity
 from planc.models import family_of
 from planc.plan import Plan
+from planc.schedules.layers import range_text
 from planc.words import counted
 
 
@@ -46,7 +47,7 @@ def settings(plan: Plan) -> str:
                      f"eps = {o.eps:g}, weight_decay = {o.weight_decay:g})")
     else:
         optimizer = f"sgd(lr = {o.lr:g}, momentum = {o.momentum:g}, weight_decay = {o.weight_decay:g})"
-    stages = ", ".join(f"{a}..{b}" for a, b in shard.pp.chunks)
+    stages = ", ".join(range_text(shard.pp.chunks, c) for c in range(len(shard.pp.chunks)))
     memory_text = "unknown memory" if topo.device.memory is None else format_bytes(topo.device.memory)
     own = "".join(f", {key} {_value_text(getattr(m, key))}" for key in family_of(m).own_keys)
     rows = [

@@ -9,6 +9,7 @@ from planc.layout import Layout
 from planc.lower.program import Instruction, Program, RankTable
 from planc.plan import Plan
 from planc.schedules import Block
+from planc.schedules.layers import chunk_text
 
 
 STAGE_GROUPS = tuple(a.value for a in Axis if a.within_stage and a != Axis.STAGE)
@@ -39,8 +40,7 @@ def _block_title(name: str, plan: Plan) -> str:
     chunks = plan.shard.pp.chunks
     if block is None or block.chunk >= len(chunks):  # a build is untrusted input
         return f"block {name}, once per microbatch"
-    first, last = chunks[block.chunk]
-    layers = f"layer {first}" if first == last else f"layers {first}-{last}"
+    layers = chunk_text(chunks, block.chunk)
     return (f"block {name}: {block.kind.words} of chunk {block.chunk} ({layers}), once per "
             f"microbatch")
 

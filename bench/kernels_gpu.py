@@ -1,0 +1,107 @@
+"""Benchmark, on a GPU: what the GEMMs and attention of the validation plans achieve, to
+check planc simulate's kernel model (planc/kernel_cost.py) against a real device.
+
+For every plan of the Megatron-LM H100 table and Llama 3 405B (the shapes one
+tensor-parallel rank multiplies for one microbatch: forward, input gradient, weight
+gradient) it times ``torch.matmul`` in bf16, and causal FlashAttention (PyTorch's SDPA
+flash backend) forward and forward+backward at head dim 128. Prints one JSON object per
+line: shape, seconds (median of timed runs after warm-up), TFLOP/s.
+
+    python3 bench/kernels_gpu.py > kernels.jsonl     (on a machine with a CUDA GPU)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import torch
+
+# name: (tokens per microbatch, hidden, heads, kv heads, ffn, gated ffn, tp)
+MODELS = {
+    "megatron-h100-1_7b": (4096, 2048, 16, 16, 8192, False, 1),
+    "megatron-h100-7_1b": (4096, 4096, 32, 32, 16384, False, 2),
+    "megatron-h100-16b": (4096, 6144, 48, 48, 24576, False, 4),
+    "megatron-h100-32b": (4096, 7168, 56, 56, 28672, False, 8),
+    "megatron-h100-70b": (4096, 8192, 64, 64, 32768, False, 8),
+    "megatron-h100-119b": (4096, 10240, 80, 80, 40960, False, 8),
+    "megatron-h100-177b": (4096, 12288, 96, 96, 49152, False, 8),
+    "megatron-h100-314b": (4096, 16384, 128, 128, 65536, False, 8),
+    "megatron-h100-462b": (4096, 18432, 144, 144, 73728, False, 8),
+    "llama3-405b": (8192, 16384, 128, 8, 53248, True, 8),
+}
+
+
+def timed(fn, repeat: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def gemm(m: int, n: int, k: int) -> float:
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    return timed(lambda: torch.matmul(a, b))
+
+
+def attention(tokens: int, heads: int, head_dim: int = 128) -> tuple[float, float]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, k, v = (torch.randn(1, heads, tokens, head_dim, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        forward = timed(lambda: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True))
+
+        def both():
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.backward(torch.ones_like(out))
+        return forward, timed(both)
+
+
+def main() -> int:
+    print(json.dumps({"device": torch.cuda.get_device_name(),
+                      "sms": torch.cuda.get_device_properties(0).multi_processor_count}))
+    seen = set()
+    for name, (tokens, h, heads, kv, ffn, gated, tp) in MODELS.items():
+        head_dim = h // heads
+        qkv = (heads + 2 * kv) * head_dim // tp
+        up = (2 if gated else 1) * ffn // tp
+        for op, n, k in (("qkv", qkv, h), ("proj", h, h // tp), ("fc1", up, h),
+                         ("fc2", h, ffn // tp)):
+            for step, shape in (("forward", (tokens, n, k)), ("input_grad", (tokens, k, n)),
+                                ("weight_grad", (k, n, tokens))):
+                if shape in seen:
+                    continue
+                seen.add(shape)
+                seconds = gemm(*shape)
+                print(json.dumps({"plan": name, "op": op, "step": step, "mnk": shape,
+                                  "seconds": seconds,
+                                  "tflops": 2 * shape[0] * shape[1] * shape[2] / seconds / 1e12}),
+                      flush=True)
+        local = heads // tp
+        forward, both = attention(tokens, local, head_dim)
+        # causal: half of 4 s^2 d heads (forward), FlashAttention's own convention
+        flops = 4 * tokens * tokens * head_dim * local / 2
+        print(json.dumps({"plan": name, "op": "attention", "tokens": tokens, "heads": local,
+                          "forward_seconds": forward, "forward_tflops": flops / forward / 1e12,
+                          "both_seconds": both, "both_tflops": 3.5 * flops / both / 1e12}),
+              flush=True)
+        torch.cuda.empty_cache()
+    for size in (1024, 2048, 4096, 8192, 16384):
+        seconds = gemm(size, size, size)
+        print(json.dumps({"op": "square", "mnk": (size, size, size), "seconds": seconds,
+                          "tflops": 2 * size ** 3 / seconds / 1e12}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
