@@ -82,8 +82,9 @@ MATRIX = {
                           shard="dp { zero = 1 }"),
 }
 # The zero-bubble schedules (input and weight gradients in blocks of their own), once
-# each with the passes as the plan says: uneven stages, tp with sequence parallelism, cp
-# ring, ZeRO 1 and 3, tied embeddings and overlap off.
+# each with the passes as the plan says: uneven stages (and uneven chunks with the head
+# alone), tp with sequence parallelism, cp ring, ZeRO 1 and 3, tied embeddings and
+# overlap off.
 ZERO_BUBBLE = {
     "zb1p-uneven-tp-sp": dict(mesh="tp = 2; pp = 2", m=4, schedule="; pipeline = zb1p",
                               shard="tp { sequence_parallel = on }; pp { stages = [0..0, 1..3] }"),
@@ -94,8 +95,9 @@ ZERO_BUBBLE = {
     "interleaved-zb-zero1-overlap-off": dict(
         mesh="pp = 2; dp = 2", m=2, schedule="; pipeline = interleaved_zb",
         shard="pp { virtual = 2 }; dp { zero = 1 }", optimize="overlap = off"),
-    "interleaved-zb-zero3": dict(mesh="pp = 2; dp = 2", m=2, schedule="; pipeline = interleaved_zb",
-                                 shard="pp { virtual = 2 }; dp { zero = 3 }"),
+    "interleaved-zb-uneven-zero3": dict(
+        mesh="pp = 2; dp = 2", m=2, schedule="; pipeline = interleaved_zb",
+        shard="pp { virtual = 2; stages = [0, 1..2, 3, head] }; dp { zero = 3 }"),
 }
 TIED = ("tied-over-pp", "tied-zero3", "tied-pp-zero1",  # another model: its head is tied
         "tied-pp-interleaved-uneven", "zb1p-tied-zero3")
