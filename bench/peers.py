@@ -63,11 +63,17 @@ PAIRS = {
                                shard="pp { virtual = 2 }"), "pp_interleaved", 0.95),
     "pp 2, interleaved_zb": (dict(mesh="pp = 2", m=4, pipeline="interleaved_zb",
                                   shard="pp { virtual = 2 }"), "pp_interleaved_zb", 0.95),
+    # the V schedules, virtual 2: chunk 0 and the last chunk on stage 0
+    "pp 2, zbv": (dict(mesh="pp = 2", m=4, pipeline="zbv", shard="pp { virtual = 2 }"),
+                  "pp_zbv", 0.95),
+    "pp 2, dualpipev": (dict(mesh="pp = 2", m=4, pipeline="dualpipev",
+                             shard="pp { virtual = 2 }"), "pp_dualpipev", 0.95),
 }
 SHORT = {"1rank": "1 rank", "dp2": "dp 2", "floor": "dp 2 (floor)", "zero3": "zero 3",
          "tp2": "tp 2", "tp2sp": "tp 2, sequence parallel", "1f1b": "pp 2, 1F1B",
          "gpipe": "pp 2, GPipe", "zb1p": "pp 2, zb1p", "interleaved": "pp 2, interleaved",
-         "interleaved_zb": "pp 2, interleaved_zb"}
+         "interleaved_zb": "pp 2, interleaved_zb", "zbv": "pp 2, zbv",
+         "dualpipev": "pp 2, dualpipev"}
 SWITCHES = {"passes on": "", "fuse off": "fuse = off", "overlap off": "overlap = off"}
 
 

@@ -71,6 +71,11 @@ PEERS = {
     "pp_interleaved_zb": "2 ranks: torch.distributed.pipelining, "
                          "ScheduleInterleavedZeroBubble, 2 chunks of 1 layer per rank, "
                          "4 microbatches of 4",
+    # the V schedules: two one-layer stages per rank, stage r and stage 3 - r on rank r
+    "pp_zbv": "2 ranks: torch.distributed.pipelining, ScheduleZBVZeroBubble, 4 stages in a "
+              "V (virtual 2), 4 microbatches of 4",
+    "pp_dualpipev": "2 ranks: torch.distributed.pipelining, ScheduleDualPipeV, 4 stages in a "
+                    "V (virtual 2), 4 microbatches of 4",
 }
 RANKS = {name: 1 if name == "plain" else 2 for name in PEERS}
 
@@ -358,22 +363,6 @@ def build_tp_sp(c: Config):
     return _build_tp(c, sequence_parallel=True)
 
 
-def _chunk(c: Config, index: int, chunks: int) -> nn.Module:
-    """Model chunk ``index`` of ``chunks``: its share of the layers, the embeddings on the
-    first, the final LayerNorm and the head on the last (every chunk drawn from the whole
-    model's weights)."""
-    model = GPT(c)
-    per = c.layers // chunks
-    for i in range(c.layers):
-        if not index * per <= i < (index + 1) * per:
-            del model.layers[str(i)]
-    if index != 0:
-        model.tok = model.pos = None
-    if index != chunks - 1:
-        model.norm = model.head = None
-    return model
-
-
 def _build_pp(c: Config, schedule_class, virtual: int = 1):
     """Stage 0: embeddings + the first half of the layers; stage 1: the second half, the
     final LayerNorm and the head; with ``virtual`` chunks per rank, chunk k on rank
@@ -383,24 +372,45 @@ def _build_pp(c: Config, schedule_class, virtual: int = 1):
 
     rank, ranks = dist.get_rank(), dist.get_world_size()
     chunks = ranks * virtual
-    models = [_chunk(c, index, chunks) for index in range(rank, chunks, ranks)]
+    models = [_chunk_of(GPT(c), index, chunks) for index in range(rank, chunks, ranks)]
     stages = [PipelineStage(m, index, chunks, torch.device("cpu"))
               for m, index in zip(models, range(rank, chunks, ranks))]
     schedule = schedule_class(stages[0] if virtual == 1 else stages, n_microbatches=4,
                               loss_fn=loss_fn)
-    model = nn.ModuleList(models)
+    model = models[0] if virtual == 1 else nn.ModuleList(models)
     opt = make_optimizer(c, model)
+    step = _schedule_step(schedule, opt, first=rank == 0, last=rank == ranks - 1)
+    return step, f"{c.layers // chunks} layers per chunk, {virtual} per rank, 4 microbatches"
 
+
+def _chunk_of(model: GPT, chunk: int, chunks: int) -> GPT:
+    """``model`` cut down to pipeline chunk ``chunk`` of ``chunks``: its share of the
+    layers, the embeddings on the first chunk, the final LayerNorm and head on the last."""
+    layers = len(model.layers)
+    per = layers // chunks
+    for i in range(layers):
+        if not chunk * per <= i < (chunk + 1) * per:
+            del model.layers[str(i)]
+    if chunk != 0:
+        model.tok = model.pos = None
+    if chunk != chunks - 1:
+        model.norm = model.head = None
+    return model
+
+
+def _schedule_step(schedule, opt, first: bool, last: bool):
+    """One step of a pipeline schedule on this rank: the rank holding the first stage
+    feeds the inputs, the one holding the last the targets (in a V, rank 0 does both)."""
     def step(tokens):
         losses = []
-        if rank == 0:
-            schedule.step(tokens[:, :-1])
-        else:
-            schedule.step(target=tokens[:, 1:], losses=losses, return_outputs=False)
+        inputs = (tokens[:, :-1],) if first else ()
+        targets = dict(target=tokens[:, 1:], losses=losses, return_outputs=False) \
+            if last else {}
+        schedule.step(*inputs, **targets)
         opt.step()
         opt.zero_grad()
         return torch.stack(losses).mean().detach() if losses else None
-    return step, f"{c.layers // chunks} layers per chunk, {virtual} per rank, 4 microbatches"
+    return step
 
 
 def build_pp_1f1b(c: Config):
@@ -426,6 +436,41 @@ def build_pp_interleaved_zb(c: Config):
     backward split into input and weight gradients, the weights' deferred."""
     from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
     return _build_pp(c, ScheduleInterleavedZeroBubble, virtual=2)
+
+
+def _build_pp_v(c: Config, schedule_class):
+    """Two stages per rank in a V, as torch's V schedules place them: model chunk k (its
+    share of the layers; the embeddings on chunk 0, the final LayerNorm and the head on
+    the last) runs on rank k for k < ranks, on rank 2 x ranks - 1 - k after, so rank 0
+    holds the first and the last chunk and feeds both the tokens and the targets."""
+    import copy
+
+    from torch.distributed.pipelining import PipelineStage
+
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    chunks = 2 * ranks
+    full, per = GPT(c), c.layers // chunks
+    modules, stages = [], []
+    for chunk in (rank, chunks - 1 - rank):
+        model = _chunk_of(copy.deepcopy(full), chunk, chunks)
+        modules.append(model)
+        stages.append(PipelineStage(model, chunk, chunks, torch.device("cpu")))
+    schedule = schedule_class(stages, n_microbatches=4, loss_fn=loss_fn)
+    opt = make_optimizer(c, nn.ModuleList(modules))
+    step = _schedule_step(schedule, opt, first=rank == 0, last=rank == 0)
+    return step, f"{per} layers per chunk, 2 chunks per rank in a V, 4 microbatches"
+
+
+def build_pp_zbv(c: Config):
+    """``torch.distributed.pipelining.ScheduleZBVZeroBubble``: split backward in a V."""
+    from torch.distributed.pipelining import ScheduleZBVZeroBubble
+    return _build_pp_v(c, ScheduleZBVZeroBubble)
+
+
+def build_pp_dualpipev(c: Config):
+    """``torch.distributed.pipelining.ScheduleDualPipeV``: overlapped F and B in a V."""
+    from torch.distributed.pipelining import ScheduleDualPipeV
+    return _build_pp_v(c, ScheduleDualPipeV)
 
 
 BUILDERS = {name: globals()[f"build_{name}"] for name in PEERS}

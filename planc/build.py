@@ -40,12 +40,13 @@ from planc.build_files import read_json as _read_json
 from planc.collector import without_collector
 from planc.files import umask
 from planc.graph import ir
-from planc.lower.groups import GroupTable, group_table
+from planc.lower.groups import GroupTable, plan_group_table
 from planc.lower.model_table import ModelTable
 from planc.lower.routes import RouteTable, split_refs
 from planc.lower.program import Program, RankTable, dumps
 from planc.lower.tabulate_model import model_table
 from planc.plan import Plan
+from planc.plan_json import plan_from_dict
 
 FILES = ("plan.json", "graph.json", "summary.json")
 LOGS = "logs"
@@ -219,7 +220,7 @@ def read(directory: str | Path) -> Build:
     path = Path(directory)
     manifest, plan_data = read_manifest_and_plan_data(path)
     try:
-        plan = Plan.from_dict(plan_data)
+        plan = plan_from_dict(plan_data)
     except MALFORMED as exc:
         raise invalid_plan(path, exc) from None
     graph_data = _read_json(path, "graph.json")
@@ -259,7 +260,8 @@ def _check_graph(path: Path, graph: nx.DiGraph, plan: Plan) -> None:
                          f"buckets); run planc compile again")
     problems = ir.validate(ir.coerce(graph), microbatches=plan.schedule.microbatches,
                            stages=plan.mesh.pp, layers=plan.model.layers,
-                           chunks=len(plan.shard.pp.chunks), limit=1)
+                           chunks=len(plan.shard.pp.chunks), stage_of_chunk=plan.stage_of_chunk,
+                           limit=1)
     if problems:
         raise BuildError(f"{path}: {problems[0]}; run planc compile again")
 
@@ -271,9 +273,7 @@ def read_programs(build: Build) -> Build:
     plan = build.plan
     table, groups, routes, model, programs = read_program_files(
         Path(build.path), PlanShape.of(plan.to_dict(), Path(build.path)))
-    if groups != group_table(plan.mesh, plan.topology.devices_per_node,
-                             plan.model.tie_embeddings, plan.shard.pp.virtual,
-                             split_refs(build.graph)):
+    if groups != plan_group_table(plan, split_refs(build.graph)):
         raise BuildError(f"{directory / GROUPS} is not the group table of plan.json and "
                          f"graph.json; run planc compile again")
     if model != model_table(plan):

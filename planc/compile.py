@@ -15,7 +15,7 @@ from planc.build import Build
 from planc.collector import without_collector
 from planc.graph.derive import derive
 from planc.graph.summary import summarize
-from planc.lower.groups import group_table
+from planc.lower.groups import plan_group_table
 from planc.lower.lower import lower
 from planc.lower.tabulate_model import model_table
 from planc.lower.routes import route_table, split_refs
@@ -35,8 +35,7 @@ def compile_plan(plan: Plan, check: Callable[[nx.DiGraph, str], None] | None = N
         check(graph, "derive")
     graph = passes.run(graph, passes.PassContext.of(plan), check, owned=True)
     programs, table = lower(plan, graph)
-    groups = group_table(plan.mesh, plan.topology.devices_per_node,
-                         plan.model.tie_embeddings, plan.shard.pp.virtual, split_refs(graph))
+    groups = plan_group_table(plan, split_refs(graph))
     routes = route_table(graph, groups)
     report = verify(plan, graph, programs, table, groups, routes)
     if not report.ok:

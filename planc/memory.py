@@ -114,18 +114,18 @@ def layer_parameters(plan: Plan) -> int:
 
 def stage_parameters(plan: Plan, stage: int) -> int:
     """Parameter elements held by one device of pipeline stage ``stage``."""
-    m, tensor, tp, pp = plan.model, plan.shard.tp, plan.mesh.tp, plan.mesh.pp
+    m, tensor, tp = plan.model, plan.shard.tp, plan.mesh.tp
     family = family_of(plan)
     embedding_table = m.vocab * m.hidden // (tp if tensor.embedding != "replicate" else 1)
     head_table = m.vocab * m.hidden // (tp if tensor.head != "replicate" else 1)
-    count = len(plan.shard.pp.layers_of_stage(stage, pp)) * layer_parameters(plan)
+    count = len(plan.layers_of_stage(stage)) * layer_parameters(plan)
     if stage == 0:
         count += _local_elements(plan, family.embedding_parameters(m))
-    if stage == pp - 1:
+    if stage == plan.head_stage:
         count += sum(p.numel for p in family.head_parameters(m)
                      if p.name != "head.weight")  # the final norm
         # A tied head on its own stage keeps a copy of the embedding (Megatron).
-        if not m.tie_embeddings or pp > 1:
+        if not m.tie_embeddings or plan.head_stage != 0:
             count += embedding_table if m.tie_embeddings else head_table
     return count
 
@@ -153,7 +153,7 @@ def layers_in_flight(plan: Plan, stage: int) -> float:
     forward making its chunk's layers live and the chunk's last backward block
     (B, or W of a split backward) freeing them, and the most layers live at once."""
     pp, virtual = plan.mesh.pp, plan.shard.pp.virtual
-    sizes = [plan.shard.pp.chunk_layers(c) for c in range(stage, pp * virtual, pp)]
+    sizes = [plan.shard.pp.chunk_layers(c) for c in plan.chunks_of_stage(stage)]
     if len(set(sizes)) == 1:
         return microbatches_in_flight(plan, stage) * sizes[0]
     live = peak = 0
@@ -172,13 +172,13 @@ def layers_in_flight(plan: Plan, stage: int) -> float:
 
 
 def stage_activation_bytes(plan: Plan, stage: int) -> tuple[float, int]:
-    m, tp, pp = plan.model, plan.mesh.tp, plan.mesh.pp
+    m, tp = plan.model, plan.mesh.tp
     in_flight = microbatches_in_flight(plan, stage)
     total = layers_in_flight(plan, stage) * layer_activation_bytes(plan)
     if plan.optimize.recompute == "full":
         # Recomputing one layer materialises its full activations once more.
         total += layer_activation_bytes(plan, "none")
-    if stage == pp - 1:
+    if stage == plan.head_stage:
         s, b = m.seq // plan.mesh.cp, plan.microbatch_size
         sp_div = tp if plan.shard.tp.sequence_parallel and tp > 1 else 1
         vocab_div = tp if plan.shard.tp.head == "vocab" else 1

@@ -31,7 +31,7 @@ from planc.cost import bus_factor
 from planc.compile import compile_plan
 from planc.lang import load_file
 from planc.lang.units import format_bytes
-from planc.plan import Plan
+from planc.plan_json import plan_from_dict
 from planc.views import explain_text, summary_text
 from tests.conftest import BAD_TP, PLANS, ROOT
 
@@ -147,7 +147,7 @@ def test_compile_writes_the_build_files(tmp_path):
     assert manifest["plan"] == "gpt_tiny"
 
     plan = _loaded(TINY).plan
-    assert Plan.from_dict(json.loads((out / "plan.json").read_text())) == plan
+    assert plan_from_dict(json.loads((out / "plan.json").read_text())) == plan
 
     expected = tiny_graph()
     graph = graph_from_json(json.loads((out / "graph.json").read_text()))

@@ -227,7 +227,7 @@ def damages(pristine: Path) -> list[Damage]:
     out += [Damage(f"programs/:{what}", PROGRAMS, _replace_with(PROGRAMS, what))
             for what in ("missing", "directory", "file", "dev-zero")]
     out.append(Damage("programs/:outside-link", PROGRAMS, _link_outside(PROGRAMS)))
-    # plan.json, re-signed: the checks of Plan.from_dict
+    # plan.json, re-signed: the checks of plan_from_dict
     plan = documents["plan.json"]
     for n, section in enumerate(("model", "mesh", "topology", "shard", "schedule", "optimize",
                                  "train")):

@@ -18,7 +18,7 @@ from planc.lang import load_text
 from planc.lang.kinds import Integer, Key, Real
 from planc.models import FAMILIES, gpt
 from planc.models.family import Finding
-from planc.plan import Plan
+from planc.plan_json import plan_from_dict
 from planc.views import plan_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,7 +78,7 @@ def test_a_family_registered_with_its_description_is_read_checked_and_printed(to
     # plan.json holds the family's own keys, and reads back to the same plan
     data = json.loads(json.dumps(loaded.plan.to_dict()))
     assert data["model"]["options"] == {"window": 8, "dropout": 0.1}
-    assert Plan.from_dict(data) == loaded.plan
+    assert plan_from_dict(data) == loaded.plan
 
 
 def test_a_family_s_defaults_and_checks_are_its_own(toy):

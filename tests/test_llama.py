@@ -78,6 +78,12 @@ MATRIX = {
     "pp2-zb1p-uneven-tied": dict(mesh="pp = 2", m=4, schedule="; pipeline = zb1p",
                                  model="; tie_embeddings = on",
                                  shard="pp { stages = [0..2, 3..3] }"),
+    # the V schedules: chunk 0 and the last chunk on stage 0
+    "pp2-zbv-tp2-sp-kv1": dict(mesh="tp = 2; pp = 2", m=4, kv=1, schedule="; pipeline = zbv",
+                               shard="tp { sequence_parallel = on }; pp { virtual = 2 }"),
+    "pp2-dualpipev-tied-zero2": dict(mesh="pp = 2; dp = 2", m=4, model="; tie_embeddings = on",
+                                     schedule="; pipeline = dualpipev",
+                                     shard="pp { virtual = 2 }; dp { zero = 2 }"),
 }
 
 

@@ -99,8 +99,25 @@ ZERO_BUBBLE = {
         mesh="pp = 2; dp = 2", m=2, schedule="; pipeline = interleaved_zb",
         shard="pp { virtual = 2; stages = [0, 1..2, 3, head] }; dp { zero = 3 }"),
 }
+# The V schedules (chunk 0 and the last chunk on stage 0), which split the backward too:
+# tensor and sequence parallelism, ZeRO 1, 2 and 3, tied embeddings.
+ZERO_BUBBLE.update({
+    "zbv-tp2-sp": dict(mesh="tp = 2; pp = 2", m=4, schedule="; pipeline = zbv",
+                       shard="tp { sequence_parallel = on }; pp { virtual = 2 }"),
+    "zbv-tied-zero3": dict(mesh="pp = 2; dp = 2", m=2, schedule="; pipeline = zbv",
+                           model="; tie_embeddings = on",
+                           shard="pp { virtual = 2 }; dp { zero = 3 }"),
+    "dualpipev-tied-zero1": dict(mesh="pp = 2; dp = 2", m=4, schedule="; pipeline = dualpipev",
+                                 model="; tie_embeddings = on",
+                                 shard="pp { virtual = 2 }; dp { zero = 1 }"),
+    "dualpipev-tp2-sp-zero2": dict(mesh="tp = 2; pp = 2; dp = 2", m=4,
+                                   schedule="; pipeline = dualpipev",
+                                   shard="tp { sequence_parallel = on }; pp { virtual = 2 }; "
+                                         "dp { zero = 2 }"),
+})
 TIED = ("tied-over-pp", "tied-zero3", "tied-pp-zero1",  # another model: its head is tied
-        "tied-pp-interleaved-uneven", "zb1p-tied-zero3")
+        "tied-pp-interleaved-uneven", "zb1p-tied-zero3", "zbv-tied-zero3",
+        "dualpipev-tied-zero1")
 # Every plan with the optimisation passes as the plan says (on), and with each turned off.
 SWITCHES = {"": [], "fuse-off": ["--set", "optimize.fuse=off"],
             "overlap-off": ["--set", "optimize.overlap=off"]}

@@ -30,14 +30,17 @@ def texts(name, stage, pp, m, virtual=1):
     return [a.text(virtual) for a in schedules.order(name, stage, pp, m, virtual)]
 
 
-def test_the_registry_lists_exactly_the_five_schedules_in_the_languages_order():
-    assert schedules.names() == ("gpipe", "1f1b", "interleaved", "zb1p", "interleaved_zb")
+def test_the_registry_lists_exactly_its_schedules_in_the_languages_order():
+    assert schedules.names() == ("gpipe", "1f1b", "interleaved", "zb1p", "interleaved_zb",
+                                 "zbv", "dualpipev")
     assert schedules.DEFAULT_SCHEDULE == "1f1b"
     assert [s.name for s in schedules.SCHEDULES.values()] == list(schedules.names())
     assert [s.chunks_per_stage for s in schedules.SCHEDULES.values()] == [False, False, True,
-                                                                           False, True]
+                                                                          False, True, True,
+                                                                          True]
     assert [s.splits_backward for s in schedules.SCHEDULES.values()] == [False, False, False,
-                                                                          True, True]
+                                                                         True, True, True,
+                                                                         True]
     with pytest.raises(TypeError):
         schedules.SCHEDULES["zigzag"] = schedules.SCHEDULES["1f1b"]  # read-only
     with pytest.raises(ValueError, match="unknown pipeline schedule 'zigzag'"):
@@ -92,14 +95,16 @@ def test_an_unknown_schedule_is_reported_as_before():
     loaded = load_text(plan_text(pipeline="zigzag"))
     assert not loaded.ok
     (diagnostic,) = [d for d in loaded.diagnostics if d.severity == "error"]
-    assert diagnostic.message == "unknown value 'zigzag'; expected gpipe, 1f1b, interleaved, zb1p or interleaved_zb"
+    assert diagnostic.message == ("unknown value 'zigzag'; expected gpipe, 1f1b, interleaved, "
+                                  "zb1p, interleaved_zb, zbv or dualpipev")
 
 
 def test_each_schedules_rules_give_the_checkers_words():
     assert schedules.problems("1f1b", PipelineShape(2, 1, 3, 4)) == []
     (virtual,) = schedules.problems("gpipe", PipelineShape(2, 2, 4, 4))
     assert (virtual.message, virtual.keys, virtual.hint) == (
-        "virtual = 2 needs pipeline = interleaved or interleaved_zb", ("shard.pp.virtual",),
+        "virtual = 2 needs pipeline = interleaved, interleaved_zb, zbv or dualpipev",
+        ("shard.pp.virtual",),
         "set schedule { pipeline = interleaved }")
     (single,) = schedules.problems("interleaved", PipelineShape(1, 2, 4, 4))
     assert single.message == "pipeline = interleaved needs pp > 1"

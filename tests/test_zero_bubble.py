@@ -138,7 +138,7 @@ def test_the_rules_in_the_checkers_words():
         "pipeline = zb1p needs pp > 1: with one stage there is no bubble for the weight "
         "gradients to fill"), "use pipeline = 1f1b with pp = 1, or set mesh { pp = 2 }")]
     assert errors_of(plan_text(virtual=2)) == [(
-        4, 26, "virtual = 2 needs pipeline = interleaved or interleaved_zb",
+        4, 26, "virtual = 2 needs pipeline = interleaved, interleaved_zb, zbv or dualpipev",
         "set schedule { pipeline = interleaved }")]
     assert errors_of(plan_text(pipeline="interleaved_zb")) == [(
         5, 43, "pipeline = interleaved_zb needs virtual > 1",

@@ -99,11 +99,17 @@ class AxisRules:
         name = f"{letter}/c{source_chunk}>c{target_chunk}"
         tokens = self.shapes.seq // (self.tp if layout.is_sharded else 1)
         shape = [self.shapes.batch, tokens, self.shapes.hidden]  # (batch, tokens, hidden)
+        # Forward goes to the next stage, backward to the previous, except on the way
+        # back of a V, where both turn round.
+        descends = self.plan.placement.descends(min(source_chunk, target_chunk), self.pp)
+        toward = "prev" if descends == (phase == Phase.FORWARD) else "next"
         send = self.transfer(f"{name}:send@pp", Kind.SEND, Axis.PP, Payload.STREAM, phase,
                              source_chunk, None, nbytes, self.m, reason, tensor="stream",
-                             peer_stage=target_chunk % self.pp, shape=shape)
+                             peer_stage=self.stage_of[target_chunk], shape=shape,
+                             toward=toward)
         recv = self.transfer(f"{name}:recv@pp", Kind.RECV, Axis.PP, Payload.STREAM, phase,
                              target_chunk, None, nbytes, self.m, reason, tensor="stream",
-                             peer_stage=source_chunk % self.pp, shape=shape)
+                             peer_stage=self.stage_of[source_chunk], shape=shape,
+                             toward=toward)
         self.edge(send, recv)
         return send, recv

@@ -90,11 +90,16 @@ class _Derivation(AxisRules, ParameterRules):
         self.replicas = plan.mesh.dp * plan.mesh.cp
         self.chunks = plan.shard.pp.chunks
         self.last_chunk = len(self.chunks) - 1
+        self.stage_of = [plan.stage_of_chunk(c) for c in range(len(self.chunks))]
+        # chunk -> the backward nodes of its forward nodes made early: a chunk that hands
+        # its output to the next chunk on its own stage (the turn of a V) gets its
+        # gradient straight from that chunk's backward, which is derived first.
+        self.early_backward: dict[int, dict[str, str]] = {c: {} for c in range(len(self.chunks))}
         self.zero = plan.shard.dp.zero
         self.recompute = plan.optimize.recompute
         self.params = {p.name: p for p in all_parameters(plan)}
         self.family = family_of(plan)
-        self.tied = plan.model.tie_embeddings and self.pp > 1
+        self.tied = plan.model.tie_embeddings and plan.head_stage != 0
         count = range(len(self.chunks))
         self.links: dict[int, list[_Link]] = {c: [] for c in count}
         self.forward_ops: dict[int, list[tuple[str, str, int | None]]] = {c: [] for c in count}
@@ -102,6 +107,8 @@ class _Derivation(AxisRules, ParameterRules):
         self.carried: dict[tuple[str, str, str], tuple] = {}
         self.chunk_input: dict[int, str] = {}  # chunk -> its forward receive
         self.input_op: dict[int, str] = {}  # chunk -> the op whose output it receives
+        self.chunk_entry: dict[int, tuple[str, str]] = {}  # chunk -> (op, node) it reads
+        # when the previous chunk is on its own stage
         self.gradient_input: dict[int, str] = {}  # chunk -> its backward receive
 
     # --- nodes and edges ----------------------------------------------------------------
@@ -117,7 +124,7 @@ class _Derivation(AxisRules, ParameterRules):
                 flops: float, nbytes: float, repeat: int, **extra) -> str:
         extra.setdefault("recompute", False)
         return self._node(node_id, type=NodeType.COMPUTE, op=op, phase=phase,
-                          stage=chunk % self.pp, chunk=chunk, layer=layer, repeat=repeat,
+                          stage=self.stage_of[chunk], chunk=chunk, layer=layer, repeat=repeat,
                           flops=float(flops), bytes=int(nbytes), **extra)
 
     def transfer(self, node_id: str, kind: Kind, axis: Axis, payload: Payload, phase: Phase,
@@ -126,7 +133,7 @@ class _Derivation(AxisRules, ParameterRules):
         return self._node(node_id, type=NodeType.TRANSFER, kind=kind, axis=axis,
                           level=Level.WHOLE, payload=payload,
                           group_size=self._group_size(axis), phase=phase,
-                          stage=chunk % self.pp if stage is None else stage, chunk=chunk,
+                          stage=self.stage_of[chunk] if stage is None else stage, chunk=chunk,
                           layer=layer, repeat=repeat, bytes=int(round(nbytes)),
                           dtype=dtype or self.plan.model.dtype, reason=reason, **extra)
 
@@ -233,11 +240,14 @@ class _Derivation(AxisRules, ParameterRules):
                     self.link(chunk, None, x[0], x[1], op, node)
                 x = (op, node)
         else:
-            x = (self.input_op[chunk], self.chunk_input[chunk])
+            x = self.chunk_entry.get(chunk) or (self.input_op[chunk], self.chunk_input[chunk])
         for layer in range(first, last + 1):
             x = self._forward_layer(chunk, layer, x)
         if chunk == self.last_chunk:
             self._forward_head(chunk, x)
+        elif self._local(chunk, chunk + 1):  # no transfer: the next chunk reads x
+            self.chunk_entry[chunk + 1] = x
+            self.chunk_output[chunk] = x[1]
         else:
             # A first chunk of the embedding alone sends the embedding's output as it is;
             # the next chunk's first layer redistributes it as it would on chunk 0.
@@ -312,13 +322,19 @@ class _Derivation(AxisRules, ParameterRules):
     def _backward_chunk(self, chunk: int) -> None:
         backward = {}  # forward node -> the node that receives its output's gradient
         for node, op, layer in self.forward_ops[chunk]:
-            b = self._op_node("B", chunk, layer, op)
-            self.edge(node, b, EdgeKind.SAVED)
-            backward[node] = b
-        if chunk != self.last_chunk:  # the pair was made with the next chunk's backward
+            backward[node] = self.early_backward[chunk].get(node) or \
+                self._backward_of(chunk, node, op, layer)
+        local_output = chunk != self.last_chunk and self._local(chunk, chunk + 1)
+        if chunk != self.last_chunk and not local_output:  # made with the next chunk's backward
             self.edge(self.gradient_input[chunk], backward[self.chunk_output[chunk]],
                       port=Port.GRAD)
-        if chunk > 0:
+        if chunk > 0 and self._local(chunk - 1, chunk):
+            node = self.chunk_output[chunk - 1]
+            op, layer = next((op, layer) for n, op, layer in self.forward_ops[chunk - 1]
+                             if n == node)
+            backward[node] = self.early_backward[chunk - 1][node] = \
+                self._backward_of(chunk - 1, node, op, layer)
+        elif chunk > 0:
             send, self.gradient_input[chunk - 1] = self._pipeline(
                 Phase.BACKWARD, chunk, chunk - 1, self.layout(self.input_op[chunk]).output)
             backward[self.chunk_input[chunk]] = send
@@ -333,6 +349,15 @@ class _Derivation(AxisRules, ParameterRules):
             self._backward_link(chunk, link, backward)
         for layer in range(first, last + 1):
             self._recompute_just_in_time(layer)
+
+    def _local(self, chunk: int, other: int) -> bool:
+        """Whether two chunks share a stage (then nothing travels between them)."""
+        return self.stage_of[chunk] == self.stage_of[other]
+
+    def _backward_of(self, chunk: int, node: str, op: str, layer: int | None) -> str:
+        b = self._op_node("B", chunk, layer, op)
+        self.edge(node, b, EdgeKind.SAVED)
+        return b
 
     def _recompute_just_in_time(self, layer: int) -> None:
         """A recomputation starts once the gradient it is recomputed for is on its way

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from math import inf
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from planc.graph.vocabulary import (
@@ -67,14 +68,16 @@ def _type_ok(value: Any, expected) -> bool:
 
 def validate(graph: nx.DiGraph, *, microbatches: int | None = None,
              stages: int | None = None, layers: int | None = None,
-             chunks: int | None = None, limit: int = 20) -> list[str]:
+             chunks: int | None = None, stage_of_chunk: Callable[[int], int] | None = None,
+             limit: int = 20) -> list[str]:
     """Problems of ``graph`` against the schema (empty when it is well formed).
 
     Checks every node's required attributes and their types, the payload's own
     attributes, edges (known kinds and ports, parameter edges from PARAM gathers,
     ``forward_of`` and ``bucket`` references), buckets (members inside their bucket
     and disjoint, padding to whole shards) and that the graph is acyclic. The optional
-    bounds come from the plan the graph belongs to.
+    bounds come from the plan the graph belongs to; ``stage_of_chunk`` is where its
+    schedule places each chunk (c mod stages if not given).
     """
     problems: list[str] = []
 
@@ -84,6 +87,7 @@ def validate(graph: nx.DiGraph, *, microbatches: int | None = None,
         return len(problems) < limit
 
     table = buckets(graph) if "buckets" in graph.graph else {}
+    place = stage_of_chunk or (lambda chunk: chunk % stages)
     for node, data in graph.nodes(data=True):
         kind = data.get("type")
         if not isinstance(kind, NodeType):
@@ -115,9 +119,9 @@ def validate(graph: nx.DiGraph, *, microbatches: int | None = None,
         if stages is not None and not 0 <= data["stage"] < stages:
             report(f"node {node!r}: stage {data['stage']} is not a pipeline stage")
         elif chunks is not None and stages is not None and not (
-                0 <= data["chunk"] < chunks and data["chunk"] % stages == data["stage"]):
+                0 <= data["chunk"] < chunks and place(data["chunk"]) == data["stage"]):
             report(f"node {node!r}: chunk {data['chunk']} is not a model chunk of stage "
-                   f"{data['stage']} (chunk c runs on stage c mod {stages})")
+                   f"{data['stage']}")
         if data["repeat"] < 1 or data["bytes"] < 0:
             report(f"node {node!r}: repeat and bytes must be positive")
         if microbatches is not None and data["per_microbatch"] and \

@@ -48,12 +48,18 @@ class ParameterRules:
     # --- parameters ---------------------------------------------------------------------
 
     def _sites(self, chunk: int) -> list[_Site]:
-        sites: dict[str, tuple[Parameter, list]] = {}
-        for node, op, layer in self.forward_ops[chunk]:
-            for use in self.layout(op).params:
-                name = param_name(use.name, layer)
-                sites.setdefault(name, (self.params[name], []))[1].append((node, use))
-        return [_Site(param, tuple(uses)) for param, uses in sites.values()]
+        """The parameters whose home is ``chunk``: the first chunk of its stage that uses
+        them. A parameter two chunks of one stage use (a tied embedding in a V, where the
+        embedding and the head both sit on stage 0) is one site with every use."""
+        sites: dict[str, tuple[Parameter, list, int]] = {}
+        for other in self.plan.chunks_of_stage(self.plan.stage_of_chunk(chunk)):
+            for node, op, layer in self.forward_ops[other]:
+                for use in self.layout(op).params:
+                    name = param_name(use.name, layer)
+                    sites.setdefault(name, (self.params[name], [], other))[1].append(
+                        (node, use))
+        return [_Site(param, tuple(uses)) for param, uses, home in sites.values()
+                if home == chunk]
 
     def _local_shape(self, site: _Site) -> list[int]:
         shape = list(site.param.shape)
@@ -71,7 +77,7 @@ class ParameterRules:
 
     def _bucket(self, chunk: int, site: _Site) -> str:
         """A bucket holding this one parameter: the derivation's starting point."""
-        param, stage = site.param, chunk % self.pp
+        param, stage = site.param, self.plan.stage_of_chunk(chunk)
         tied = self.tied and param.name == "embedding.weight"
         bucket_id = param.name + (f"#s{stage}" if tied else "")
         shape = self._local_shape(site)
@@ -105,8 +111,10 @@ class ParameterRules:
             op = self.graph.nodes[node]["op"]
             for letter, phase in (("F", Phase.FORWARD), ("B", Phase.BACKWARD)):
                 consumer = node if letter == "F" else self.graph.nodes[node]["backward"]
+                # on the chunk of its reader (a V's tied head reads chunk 0's embedding)
                 gather = self.transfer(f"{letter}/{param.name}>{op}:all_gather@dp_cp",
-                                       Kind.ALL_GATHER, Axis.DP_CP, Payload.PARAM, phase, chunk,
+                                       Kind.ALL_GATHER, Axis.DP_CP, Payload.PARAM, phase,
+                                       self.graph.nodes[node]["chunk"],
                                        param.layer, self._bucket_bytes(bucket), self.m,
                                        reasons.zero3_gather(self.plan, param.name, phase.value),
                                        bucket=bucket)
@@ -119,7 +127,7 @@ class ParameterRules:
         """The gradient's path from its backward operators to the optimizer."""
         param = site.param
         use = site.uses[0][1]
-        stage = chunk % self.pp
+        stage = self.plan.stage_of_chunk(chunk)
         tied = buckets(self.graph)[bucket]["tied"]
         suffix = f"#s{stage}" if tied else ""
         nbytes = self._bucket_bytes(bucket)
@@ -163,7 +171,7 @@ class ParameterRules:
             shard = self.replicas if sharded_grad else 1
             step(Kind.ALL_REDUCE, Axis.TIED, nbytes / shard, False, reasons.tied(self.plan),
                  collective=f"G/{param.name}:all_reduce@tied",
-                 peer_stage=self.pp - 1 if stage == 0 else 0)
+                 peer_stage=self.plan.head_stage if stage == 0 else 0)
         return last
 
     def _param_bytes(self, param: Parameter, storage: Layout) -> float:

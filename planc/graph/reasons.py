@@ -70,8 +70,10 @@ def vocab_loss(plan: Plan, part: str) -> str:
 
 
 def loss_report(plan: Plan) -> str:
+    where = "the last stage" if plan.head_stage == plan.mesh.pp - 1 else \
+        f"stage {plan.head_stage}, which holds the head"
     return ("the mean loss reported for the step sums the partial losses of every rank of "
-            "the last stage (tp x cp x dp): one fp32 all-reduce per step")
+            f"{where} (tp x cp x dp): one fp32 all-reduce per step")
 
 
 def context_allgather(plan: Plan, backward: bool, recompute: bool = False) -> str:
@@ -93,16 +95,18 @@ def context_ring(plan: Plan, tensor: str) -> str:
 
 
 def pipeline(plan: Plan, phase: str, source_chunk: int, target_chunk: int) -> str:
-    pp = plan.mesh.pp
-
     def where(chunk: int) -> str:
-        return f"{chunk_text(plan.shard.pp.chunks, chunk)} (stage {chunk % pp})"
+        return f"{chunk_text(plan.shard.pp.chunks, chunk)} (stage {plan.stage_of_chunk(chunk)})"
 
+    # Forward goes to the next stage and backward to the previous, except on the way back
+    # of a V (zbv, dualpipev), where both turn round.
+    descends = plan.placement.descends(min(source_chunk, target_chunk), plan.mesh.pp)
+    toward = "previous" if descends == (phase == "forward") else "next"
     if phase == "forward":
         return (f"{where(source_chunk)} feeds {where(target_chunk)}: each microbatch's "
-                f"activation is sent to the next stage")
+                f"activation is sent to the {toward} stage")
     return (f"{where(target_chunk)} needs the gradient of its output from "
-            f"{where(source_chunk)}: each microbatch's gradient is sent to the previous stage")
+            f"{where(source_chunk)}: each microbatch's gradient is sent to the {toward} stage")
 
 
 def data_parallel(plan: Plan, param: str, kind: str) -> str:

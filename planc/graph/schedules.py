@@ -8,15 +8,16 @@ each stage has several chunks (:meth:`planc.schedules.Action.text`).
 
 from __future__ import annotations
 
-from planc.schedules import Action, Timeline, order, simulate
+from planc.schedules import Action, Timeline, named, simulate
 
 __all__ = ["Action", "Timeline", "schedule", "schedule_text", "simulate"]
 
 
 def schedule(pipeline: str, stage: int, pp: int, microbatches: int,
              virtual: int = 1) -> list[Action]:
-    """Stage ``stage``'s actions under the schedule named ``pipeline``."""
-    return order(pipeline, stage, pp, microbatches, virtual)
+    """Stage ``stage``'s actions under the schedule named ``pipeline``, as its program
+    runs them (a whole backward of a schedule that splits the others is its I then W)."""
+    return named(pipeline).program_order(stage, pp, microbatches, virtual)
 
 
 def schedule_text(pipeline: str, stage: int, pp: int, microbatches: int, virtual: int) -> str:

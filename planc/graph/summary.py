@@ -62,7 +62,7 @@ def summarize(plan: Plan, graph: nx.DiGraph) -> dict:
         mem = estimate.stages[stage]
         out_stages.append({
             "stage": stage,
-            "layers": list(plan.shard.pp.layers_of_stage(stage, plan.mesh.pp)),
+            "layers": list(plan.layers_of_stage(stage)),
             "flops": entry["flops"],
             "compute_seconds": entry["compute_seconds"],
             "transfer_seconds": entry["transfer_seconds"],

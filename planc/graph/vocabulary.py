@@ -192,6 +192,8 @@ OPTIONAL = {
     "bucket": "GRAD and PARAM transfers and optimizer steps: the bucket they work on",
     "ring_steps": "cp ring shifts: how many times the shift runs per microbatch",
     "peer": "cp ring shifts: next or prev",
+    "toward": "pipeline transfers: next or prev, the way the tensor travels along the "
+              "stages (forward is next except on the way back of a V)",
     "dim": "the dimension a collective gathers or scatters",
     "producer": "tp redistributions: the operator that produced the tensor",
     "consumer": "tp redistributions: the operator that reads it",
@@ -212,7 +214,7 @@ SEQUENCE = (list, tuple)
 OPTIONAL_TYPES = {
     "forward_of": TEXT, "recompute_of": TEXT, "weight_grad": TEXT, "weight_grad_of": TEXT,
     "tp_input": TEXT, "tp_output": TEXT, "bucket": TEXT, "ring_steps": INTEGER, "peer": TEXT,
-    "dim": (str, type(None)), "producer": TEXT, "consumer": TEXT, "collective": TEXT,
+    "toward": TEXT, "dim": (str, type(None)), "producer": TEXT, "consumer": TEXT, "collective": TEXT,
     "sharded": (bool,), "stream": TEXT, "placement": TEXT, "route": TEXT,
     "route_seconds": (int, float, type(None)), "tensor": TEXT, "bias": TEXT,
     "recomputed": (bool,), "vocab_parallel": (bool,), "peer_stage": INTEGER,

@@ -30,6 +30,7 @@ from planc.models import DEFAULT_FAMILY, FAMILIES
 from planc.plan import (LIMITS, ContextParallel, DataParallel, Mesh, Model, Optimize, Optimizer,
                         PipelineParallel, Plan, Schedule, Shard, Sources, TensorParallel, Train)
 from planc.schedules import PipelineShape
+from planc.schedules import named as schedule_named
 from planc.schedules import problems as schedule_problems
 
 __all__ = ["DATA_SCAN_LIMIT", "LIMITS", "LIMIT_REASONS", "MAX_TOPOLOGY_BYTES", "BlockReader",
@@ -277,13 +278,14 @@ class _Checker(TopologyReader):
         if pp == 1 and "shard.pp" in self.given and stages == "auto" and virtual == 1:
             self.report(warning("shard { pp { } } has no effect with pp = 1",
                                 self.span("shard.pp")))
+        placement = schedule_named(schedule.pipeline).placement
         if stages == "auto":
             if not ok:
                 return None
-            chunks = auto_chunks(layers, pp, virtual)
+            chunks = auto_chunks(layers, pp, virtual, placement)
             problems = [chunks] if isinstance(chunks, StageProblem) else []
         else:
-            problems = explicit_problems(stages, layers, pp, virtual)
+            problems = explicit_problems(stages, layers, pp, virtual, placement)
             chunks = explicit_chunks(stages, layers)
         for problem in problems:
             span = problem.span or self.span("mesh.pp" if problem.at_mesh else "shard.pp.stages")

@@ -56,7 +56,7 @@ def tp_placement_warnings(plan: Plan) -> list[Diagnostic]:
     model = plan.model
     activation = plan.microbatch_size * (model.seq // mesh.cp) * model.hidden * \
         model.dtype_bytes
-    layers = max(len(plan.shard.pp.layers_of_stage(stage, mesh.pp))
+    layers = max(len(plan.layers_of_stage(stage))
                  for stage in range(mesh.pp))
     count = ALL_REDUCES_PER_LAYER * layers * plan.schedule.microbatches
     cost = CostModel(topology)

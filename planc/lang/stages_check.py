@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from planc.diagnostics import Span
 from planc.lang.plan_kinds import StageRange
 from planc.schedules.layers import balanced_chunks, fewest_layers
+from planc.schedules.schedule import LOOP, Placement
 
 Chunks = tuple[tuple[int, int], ...]
 
@@ -31,10 +32,11 @@ def _what(pp: int, virtual: int) -> str:
     return f"pp ({pp})" if virtual == 1 else f"pp x virtual ({pp} x {virtual} = {pp * virtual})"
 
 
-def auto_chunks(layers: int, pp: int, virtual: int) -> Chunks | StageProblem:
+def auto_chunks(layers: int, pp: int, virtual: int, placement: Placement = LOOP
+                ) -> Chunks | StageProblem:
     """The chunks of ``stages = auto``, or why there are none."""
     if layers >= fewest_layers(pp, virtual):
-        return balanced_chunks(layers, pp, virtual)
+        return balanced_chunks(layers, pp, virtual, placement)
     most = layers + 2
     if virtual == 1:
         hint = f"use pp = {most} or fewer"
@@ -56,7 +58,7 @@ def _text(r: StageRange) -> str:
 
 
 def explicit_problems(ranges: tuple[StageRange, ...], layers: int, pp: int,
-                      virtual: int) -> list[StageProblem]:
+                      virtual: int, placement: Placement = LOOP) -> list[StageProblem]:
     """What is wrong with an explicit list, [] if nothing."""
     found = []
     chunks = pp * virtual
@@ -65,7 +67,9 @@ def explicit_problems(ranges: tuple[StageRange, ...], layers: int, pp: int,
         found.append(StageProblem(
             f"stages lists {len(ranges)} layer ranges but {what}", None,
             "give one range per stage" if virtual == 1 else
-            "give one range per model chunk (chunk c runs on stage c mod pp)"))
+            "give one range per model chunk (chunk c runs on stage " +
+            ("c, or 2pp - 1 - c once c >= pp: a V)" if placement.name == "v" else
+             "c mod pp)")))
     for index, r in enumerate(ranges):
         if r.alone == "embedding" and index != 0:
             found.append(StageProblem(

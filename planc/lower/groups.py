@@ -21,6 +21,7 @@ from planc.mesh import AXES, GROUPS, INTER, INTRA, PIPELINE_AXIS, Placement, Ran
     counts_of, is_axis_order, sub_group
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only
+    from planc.plan import Plan
     from planc.plan import Mesh
 
 GROUPS_FORMAT_VERSION = 1
@@ -34,6 +35,7 @@ class GroupRule:
     coordinates: dict[str, tuple[int, ...]] = field(default_factory=dict)  # restricts axes
     wrap: bool = False  # pp: the last stage also sends to the first (interleaved)
     split: str | None = None  # a hierarchical route's sub-groups: "intra" or "inter"
+    turns: bool = False  # pp: forwards and backwards go both ways between neighbours (a V)
 
     def to_json(self) -> dict:
         item: dict = {"ref": self.ref, "axes": list(self.axes)}
@@ -43,6 +45,8 @@ class GroupRule:
             item["wrap"] = True
         if self.split:
             item["split"] = self.split
+        if self.turns:
+            item["turns"] = True
         return item
 
 
@@ -72,6 +76,9 @@ class GroupTable:
                 if after is not None:
                     yield ("forward", rank, after)
                     yield ("backward", after, rank)
+                    if rule.turns:  # the way back of a V
+                        yield ("forward", after, rank)
+                        yield ("backward", rank, after)
             return
         for leader in ranks.leaders(rule.axes, rule.coordinates):
             whole = ranks.members(leader, rule.axes, rule.coordinates)
@@ -206,15 +213,24 @@ class GroupTable:
                 raise ValueError(f"group {item.get('ref')!r} splits by {split!r}; sub-groups "
                                  f"are intra or inter")
             rules.append(GroupRule(str(item["ref"]), axes, coordinates,
-                                   bool(item.get("wrap", False)), split))
+                                   bool(item.get("wrap", False)), split,
+                                   bool(item.get("turns", False))))
         devices = integer_of(data["devices_per_node"], "its devices_per_node")
         if devices < 1:
             raise ValueError(f"its devices_per_node is {devices}")
         return GroupTable(RankMesh.of(sizes, order, devices), tuple(rules))
 
 
+def plan_group_table(plan: "Plan", split: tuple[str, ...] = ()) -> GroupTable:
+    """:func:`group_table` of ``plan``: a tied embedding needs a group only when the head
+    is on another stage than the embedding, and a V's stages send both ways."""
+    return group_table(plan.mesh, plan.topology.devices_per_node,
+                       plan.model.tie_embeddings and plan.head_stage != 0,
+                       plan.shard.pp.virtual, split, plan.placement.name == "v")
+
+
 def group_table(mesh: "Mesh", devices_per_node: int, tied: bool, virtual: int = 1,
-                split: tuple[str, ...] = ()) -> GroupTable:
+                split: tuple[str, ...] = (), turns: bool = False) -> GroupTable:
     """Every group reference a program may use, by rule; ``split`` names the references
     whose intra- and inter-node sub-groups hierarchical routes use."""
     rules = [GroupRule(axis.value, axis.mesh_axes) for axis in Axis if axis.within_stage]
@@ -226,5 +242,5 @@ def group_table(mesh: "Mesh", devices_per_node: int, tied: bool, virtual: int = 
         for part in (INTRA, INTER):
             rules.append(replace(base, ref=f"{base.ref}/{part}", split=part))
     if mesh.pp > 1:
-        rules.append(GroupRule(PIPELINE, wrap=virtual > 1))
+        rules.append(GroupRule(PIPELINE, wrap=virtual > 1 and not turns, turns=turns))
     return GroupTable(RankMesh.of(mesh.sizes, mesh.order, devices_per_node), tuple(rules))

@@ -403,7 +403,7 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
         by_stage[data["stage"]].append(node)
     # The order in which each stage sends to each neighbour: its schedule.
     pipeline = schedules.named(plan.schedule.pipeline)
-    actions = {s: pipeline.order(s, pp, m, virtual) for s in range(pp)}
+    actions = {s: pipeline.program_order(s, pp, m, virtual) for s in range(pp)}
     table = buckets(graph)
     buckets_of: dict[int, dict] = {}
     for b, info in table.items():
@@ -456,7 +456,7 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
                       {f"stage{s}.json": s for s in range(pp)},
                       axes={axis: (layout.mesh.size(axis), layout.strides[axis])
                             for axis in AXES},
-                      leader=layout.first_rank_of_stage(pp - 1))
+                      leader=layout.first_rank_of_stage(plan.head_stage))
     return programs, ranks
 
 

@@ -59,7 +59,7 @@ class _Verifier(StreamChecks, PipelineChecks):
         if (table.world, table.pp, table.stride) != (self.plan.world, pp,
                                                       layout.strides[PIPELINE_AXIS]) or \
                 table.axes != {a: (layout.mesh.size(a), layout.strides[a]) for a in table.axes} \
-                or table.leader != layout.first_rank_of_stage(pp - 1):
+                or table.leader != layout.first_rank_of_stage(self.plan.head_stage):
             self.report.add("the rank table was made for another mesh")
             return False
         for name in table.names:
@@ -156,8 +156,8 @@ class _Verifier(StreamChecks, PipelineChecks):
                 for axis in Axis:
                     if axis.within_stage and axis != Axis.STAGE:
                         self._compare_members(axis.value, self.layout.group(rank, axis.value))
-        if self.plan.model.tie_embeddings and self.plan.mesh.pp > 1:
-            last = self.plan.mesh.pp - 1
+        if self.plan.model.tie_embeddings and self.plan.head_stage != 0:
+            last = self.plan.head_stage
             pairs = {(0, self.layout.first_rank_of_stage(last))}
             for rank in table.overrides:  # and every pair involving an override
                 pairs.add((self.layout.pipeline_peer(rank, 0),

@@ -51,7 +51,11 @@ def stream_of(data: dict, overlap: bool) -> str:
     if data["type"] == NodeType.COMPUTE:
         return COMPUTE
     if data["axis"] == Axis.PP:
-        return SEND[data["phase"]] if data["kind"] == Kind.SEND else RECEIVE[data["phase"]]
+        # The way the tensor travels picks the stream (a V's way back sends a forward
+        # to the previous stage); a graph without it goes by phase.
+        toward = data.get("toward") or ("next" if data["phase"] == Phase.FORWARD else "prev")
+        ahead = Phase.FORWARD if toward == "next" else Phase.BACKWARD
+        return SEND[ahead] if data["kind"] == Kind.SEND else RECEIVE[ahead]
     if not overlap:
         return COMPUTE
     return DP if data["axis"] in (Axis.DP_CP, Axis.TIED) else COMM

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from planc.memory import total_parameters
 from planc.models import family_of
 from planc.plan import Plan
+from planc.plan_json import plan_from_dict
 from planc.runtime.context import RankContext
 from planc.runtime.data import DataChanged
 from planc.runtime.exchange import (PeerDataError, either, gather_flat, gather_json, integer,
@@ -71,8 +72,8 @@ def _gather_parameters(ctx: RankContext, interpreter: Interpreter, plan: Plan,
         return None
     leader = ctx.leader
     if described[leader]["losses"] is None:
-        raise PeerDataError(f"rank {leader}, the last stage's first rank, sent no losses; "
-                            f"the run was stopped")
+        raise PeerDataError(f"rank {leader}, the first rank of the stage with the loss, sent "
+                            f"no losses; the run was stopped")
     copies: dict[tuple[str, int, int], dict[int, dict[int, torch.Tensor]]] = {}
     splits: dict[str, list | None] = {}
     for rank, (about, flat) in enumerate(zip(described, values)):
@@ -100,7 +101,7 @@ def compare(ctx: RankContext, interpreter: Interpreter, plan_data: dict,
     its fingerprint). A run resumed from a checkpoint ran steps ``first`` to ``steps`` - 1:
     its losses are compared with those steps of the single process, which trains from
     step 0."""
-    plan = Plan.from_dict(plan_data)  # the oracle, and only it, builds from the plan
+    plan = plan_from_dict(plan_data)  # the oracle, and only it, builds from the plan
     gathered = _gather_parameters(ctx, interpreter, plan, losses)
     if gathered is None:  # not rank 0
         return 0

@@ -51,6 +51,9 @@ def write(path: str, labels: dict[int, str],
     origin = min((e[3] for events in by_rank.values() for e in events), default=0.0)
     trace: list[dict] = []
     tid = {str(stream): i for i, stream in enumerate(STREAM_ORDER)}
+    for events in by_rank.values():  # lanes of no stream (the simulator's blocks) after
+        for event in events:
+            tid.setdefault(str(event[1]), len(tid))
     for rank, events in sorted(by_rank.items()):
         trace.append({"ph": "M", "name": "process_name", "pid": rank,
                       "args": {"name": labels.get(rank, f"rank {rank}")}})

@@ -7,11 +7,11 @@ Started by ``planc run`` or by torchrun on a cluster, e.g. on each of 2 nodes:
 
 It reads its rank from the environment torchrun sets, loads the build directory, checks
 that the world matches the plan, runs its stage's program for every step, and reports:
-the rank of the last stage with tp = cp = dp = 0 prints the progress and writes the
-metrics; rank 0 writes the Chrome trace and, with ``--check``, compares the run with
-the single-process reference. ``--checkpoint-dir`` writes consolidated checkpoints at
-step boundaries and ``--resume`` continues from one, under any layout of the same model
-(planc.runtime.checkpoint, docs/checkpoints.md).
+the rank of the loss's stage (the last, or stage 0 in a V) with tp = cp = dp = 0 prints
+the progress and writes the metrics; rank 0 writes the Chrome trace and, with
+``--check``, compares the run with the single-process reference. ``--checkpoint-dir``
+writes consolidated checkpoints at step boundaries and ``--resume`` continues from one,
+under any layout of the same model (planc.runtime.checkpoint, docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _leader(ctx: RankContext) -> bool:
-    """The rank that knows the loss first: last stage, tp = cp = dp = 0."""
+    """The rank that knows the loss first: the stage of the head (the last stage, stage 0
+    in a V), tp = cp = dp = 0."""
     return ctx.rank == ctx.leader
 
 

@@ -13,20 +13,24 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from planc.schedules.actions import Action, ActionKind, Block
+from planc.schedules.dualpipev import DUALPIPEV
 from planc.schedules.gpipe import GPIPE
 from planc.schedules.interleaved import INTERLEAVED
 from planc.schedules.one_f_one_b import ONE_F_ONE_B
-from planc.schedules.schedule import PipelineSchedule, PipelineShape, ScheduleProblem
+from planc.schedules.schedule import (LOOP, V, PipelineSchedule, PipelineShape, Placement,
+                                      ScheduleProblem)
 from planc.schedules.timeline import Timeline, simulate
 from planc.schedules.zero_bubble import INTERLEAVED_ZB, ZB1P
+from planc.schedules.zbv import ZBV
 
-__all__ = ["Action", "ActionKind", "Block", "PipelineSchedule", "PipelineShape",
+__all__ = ["Action", "ActionKind", "Block", "LOOP", "V", "PipelineSchedule", "PipelineShape",
+           "Placement",
            "ScheduleProblem", "SCHEDULES", "DEFAULT_SCHEDULE", "Timeline", "named", "names",
            "order", "problems", "simulate"]
 
 # Name -> schedule, in the order the language lists them; read-only.
 SCHEDULES = MappingProxyType({s.name: s for s in (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZB1P,
-                                                  INTERLEAVED_ZB)})
+                                                  INTERLEAVED_ZB, ZBV, DUALPIPEV)})
 DEFAULT_SCHEDULE = ONE_F_ONE_B.name
 
 
@@ -56,6 +60,11 @@ def problems(name: str, shape: PipelineShape) -> list[ScheduleProblem]:
         return schedule.problems(shape)
     several = [s.name for s in SCHEDULES.values() if s.chunks_per_stage]
     one_chunk = ScheduleProblem(
-        f"virtual = {shape.virtual} needs pipeline = {' or '.join(several)}",
+        f"virtual = {shape.virtual} needs pipeline = {_either(several)}",
         ("shard.pp.virtual",), f"set schedule {{ pipeline = {several[0]} }}")
     return [one_chunk] + schedule.problems(shape)
+
+
+def _either(words: list[str]) -> str:
+    """``a``, ``a or b``, ``a, b or c``."""
+    return " or ".join(filter(None, (", ".join(words[:-1]), words[-1])))

@@ -1,7 +1,7 @@
 """Which layers each model chunk runs when ``stages = auto``: the rule, on plain numbers.
 
-A chunk is an inclusive layer range ``(first, last)``; chunk c runs on pipeline rank
-c mod pp. A chunk with no transformer layer is written ``(first, first - 1)``: only the
+A chunk is an inclusive layer range ``(first, last)``; chunk c runs on the pipeline rank
+its schedule's placement gives (c mod pp, or a V: planc.schedules.schedule.Placement). A chunk with no transformer layer is written ``(first, first - 1)``: only the
 model's first chunk (which still runs the embedding) and its last (the final norm, the
 head and the loss) may be one, as in Llama 3's layout (Dubey et al. 2024, "The Llama 3
 Herd of Models", section 3.3.2: "the first model chunk on the first stage has only the
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import heapq
 
+from planc.schedules.schedule import LOOP, Placement
+
 Chunks = tuple[tuple[int, int], ...]
 
 # The embedding, and the head with the loss, each weigh one layer in the balance.
@@ -36,17 +38,21 @@ def fewest_layers(pp: int, virtual: int) -> int:
     return max(chunks - 2, 1)
 
 
-def balanced_chunks(layers: int, pp: int, virtual: int) -> Chunks:
-    """The chunks of ``stages = auto``, in chunk order (see the module's docstring).
+def balanced_chunks(layers: int, pp: int, virtual: int, placement: Placement = LOOP
+                    ) -> Chunks:
+    """The chunks of ``stages = auto``, in chunk order (see the module's docstring), on
+    the ranks ``placement`` puts them (round-robin, or a V: the head on rank 0).
     Needs ``layers >= fewest_layers(pp, virtual)``."""
     count = pp * virtual
     base, extra = divmod(layers, count)
     sizes = [base] * count
-    work = [virtual * base + (EMBEDDING_WORK if s == 0 else 0)
-            + (HEAD_WORK if s == pp - 1 else 0) for s in range(pp)]
+    rank_of = [placement.stage_of_chunk(c, pp, virtual) for c in range(count)]
+    work = [virtual * base for _ in range(pp)]
+    work[rank_of[0]] += EMBEDDING_WORK
+    work[rank_of[-1]] += HEAD_WORK
     ends = (0, count - 1)
-    preference = {s: [c for c in range(s, count, pp) if c not in ends]
-                  + [c for c in ends if c % pp == s] for s in range(pp)}
+    preference = {s: [c for c in range(count) if rank_of[c] == s and c not in ends]
+                  + [c for c in ends if rank_of[c] == s] for s in range(pp)}
     filled = [0] * pp  # a rank's chunks take their extra layer in preference order
     waiting = [(work[s], s) for s in range(pp)]  # the least work first, then the lower rank
     heapq.heapify(waiting)

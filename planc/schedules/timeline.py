@@ -27,28 +27,29 @@ class Timeline:
         return 1.0 - busy / self.makespan
 
 
-def _needs(action: Action, last_chunk: int) -> list[Action]:
-    """A forward of chunk c needs the same microbatch's forward of chunk c - 1; a backward
-    of chunk c needs its own forward and the backward of chunk c + 1 (an input gradient
-    likewise the input gradient of chunk c + 1); a weight gradient its input gradient."""
+def _needs(action: Action, last_chunk: int) -> list[tuple[str, int, int]]:
+    """What must have finished first, as (what, microbatch, chunk): a forward of chunk c
+    needs the same microbatch's forward of chunk c - 1 (``F``); a backward, or its input
+    part, needs its own forward and the input gradient (``G``, from a B or an I) of chunk
+    c + 1; a weight part needs its own input part."""
     kind, microbatch, chunk = action
     if kind is FORWARD:
-        return [Action(FORWARD, microbatch, chunk - 1)] if chunk > 0 else []
-    if kind is WEIGHT:  # a weight gradient reads what its input gradient saved
-        return [Action(INPUT, microbatch, chunk)]
-    return [Action(FORWARD, microbatch, chunk)] + \
-        ([Action(kind, microbatch, chunk + 1)] if chunk < last_chunk else [])
+        return [("F", microbatch, chunk - 1)] if chunk > 0 else []
+    if kind is WEIGHT:
+        return [("G", microbatch, chunk)]
+    return [("F", microbatch, chunk)] + \
+        ([("G", microbatch, chunk + 1)] if chunk < last_chunk else [])
 
 
 def simulate(schedules: dict[int, Sequence[Action | tuple[str, int, int]]], pp: int,
              virtual: int, forward_time: float = 1.0, backward_time: float = 2.0) -> Timeline:
     """Run the schedules (actions, or (letter, microbatch, chunk) triples) in order on
-    each stage; an input or a weight gradient takes half a backward. Raises ValueError if
-    the schedules deadlock."""
+    each stage; a split backward's input and weight parts take half the backward time
+    each. Raises ValueError if the schedules deadlock."""
     last_chunk = pp * virtual - 1
     typed = {stage: [Action(ActionKind(k), mb, c) for k, mb, c in actions]
              for stage, actions in schedules.items()}
-    done: dict[Action, float] = {}
+    done: dict[tuple[str, int, int], float] = {}
     position = {stage: 0 for stage in typed}
     clock = {stage: 0.0 for stage in typed}
     starts: dict[int, list[float]] = {stage: [] for stage in typed}
@@ -63,9 +64,8 @@ def simulate(schedules: dict[int, Sequence[Action | tuple[str, int, int]]], pp: 
                 if any(n not in done for n in needs):
                     break
                 start = max([clock[stage]] + [done[n] for n in needs])
-                end = start + (forward_time if action.kind is FORWARD else backward_time
-                               if action.kind is BACKWARD else backward_time / 2)
-                done[action] = end
+                end = start + _duration(action.kind, forward_time, backward_time)
+                done[(_DONE[action.kind], action.microbatch, action.chunk)] = end
                 starts[stage].append(start)
                 ends[stage].append(end)
                 clock[stage] = end
@@ -75,3 +75,14 @@ def simulate(schedules: dict[int, Sequence[Action | tuple[str, int, int]]], pp: 
         if not progressed:
             raise ValueError("the pipeline schedules deadlock")
     return Timeline(starts, ends, max(clock.values()))
+
+
+# What finishing an action makes available: a forward's output, an input gradient (from
+# a whole backward or its input part), or the weight gradient.
+_DONE = {FORWARD: "F", BACKWARD: "G", INPUT: "G", WEIGHT: "W"}
+
+
+def _duration(kind: ActionKind, forward_time: float, backward_time: float) -> float:
+    if kind is FORWARD:
+        return forward_time
+    return backward_time if kind is BACKWARD else backward_time / 2

@@ -12,6 +12,11 @@ from planc.runtime.trace import flows_of
 from planc.runtime.trace import write as write_events
 
 
+# The lane that shows which block of the schedule runs when (F, B, or a split backward's
+# I and W), above the streams' operations.
+BLOCK_LANE = "blocks"
+
+
 def rank_label(mesh: RankMesh, rank: int) -> str:
     coords = mesh.coords(rank)
     return (f"rank {rank} (stage {coords['pp']}, tp {coords['tp']}, cp {coords['cp']}, "
@@ -60,9 +65,12 @@ def write(path: str, build, result) -> None:
         parts += [(block, mb, start, replayed) for block, mb, start, replayed in time.blocks]
         if time.epilogue is not None:
             parts.append(("epilogue", None, time.epilogue[0], time.epilogue[1]))
-        for _, microbatch, start, replayed in parts:
+        for block, microbatch, start, replayed in parts:
             if replayed is None:
                 continue
+            if microbatch is not None:  # the schedule's block, on a lane of its own
+                out.append((0, BLOCK_LANE, f"{block}.{microbatch}", start,
+                            start + replayed.compute_end, microbatch, "block", ()))
             for span in replayed.spans:
                 out.append((0, span.stream, span.node, start + span.start, start + span.end,
                             microbatch, span.op,

@@ -20,7 +20,7 @@ import networkx as nx
 
 from planc.graph.select import Selection, select
 from planc.layout import Layout
-from planc.lower.groups import GroupTable, group_table
+from planc.lower.groups import GroupTable, plan_group_table
 from planc.lower.routes import split_refs
 from planc.mesh import WHOLE
 from planc.plan import Plan
@@ -100,9 +100,7 @@ def payload(graph: nx.DiGraph, title: str, plan: Plan, table: GroupTable | None 
     first = place(groups, inners, {g["key"]: len(g["lines"]) for g in out_groups}, expanded)
     ranks = Layout.of(plan)
     if table is None:
-        table = group_table(plan.mesh, plan.topology.devices_per_node,
-                            plan.model.tie_embeddings, plan.shard.pp.virtual,
-                            split_refs(graph))
+        table = plan_group_table(plan, split_refs(graph))
     transfers = [d for _, d in graph.nodes(data=True) if d["type"] == "transfer"]
     return {
         "title": title, "plan": plan.name, "geometry": GEOMETRY,

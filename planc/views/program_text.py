@@ -8,6 +8,7 @@ from planc.graph.ir import Axis
 from planc.layout import Layout
 from planc.lower.program import Instruction, Program, RankTable
 from planc.plan import Plan
+from planc import schedules
 from planc.schedules import Block
 from planc.schedules.layers import chunk_text
 
@@ -33,6 +34,17 @@ def _instruction(i: Instruction, graph: nx.DiGraph) -> str:
         extra = f"  [{data['axis']}, {data['bytes']:,} B]"
     reads = f"  <- {', '.join(i.reads)}" if i.reads else ""
     return f"{i.stream:<10} {i.op:<14} {i.node}{extra}{reads}{guard}"
+
+
+def _schedule_text(plan: Plan, program: Program) -> str:
+    """The program's schedule, each overlapped pair of the plan's schedule in brackets."""
+    texts = [f"{b}.{mb}" for b, mb in program.schedule]
+    pairs = schedules.named(plan.schedule.pipeline).program_overlapped(
+        program.stage, plan.mesh.pp, plan.schedule.microbatches, plan.shard.pp.virtual)
+    if pairs and max(k + n for k, n in pairs.items()) <= len(texts):  # else another plan's
+        for k, n in pairs.items():
+            texts[k], texts[k + n - 1] = "[" + texts[k], texts[k + n - 1] + "]"
+    return " ".join(texts)
 
 
 def _block_title(name: str, plan: Plan) -> str:
@@ -70,9 +82,13 @@ def render(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program], table: R
                                     for axis in STAGE_GROUPS
                                     if len(layout.group(rank, axis)) > 1) or "groups: none",
              f"streams: {', '.join(program.streams)}"]
-    actions = " ".join(f"{b}.{mb}" for b, mb in program.schedule)
+    actions = _schedule_text(plan, program)
     lines.append(f"schedule ({len(program.schedule)} blocks, block.microbatch): "
                  + (actions if len(actions) < 400 else actions[:400] + " ..."))
+    if "[" in actions:
+        lines.append("  [F... B...]: a forward run overlapped with another microbatch's "
+                     "backward (DualPipe): back to back, the backward's sends on their own "
+                     "stream")
     if expand:
         lines.append("")
         lines.append("issue order of one step" + (f", microbatch {microbatch}"
