@@ -56,6 +56,13 @@ PAIRS = {
     "tp 2": (dict(mesh="tp = 2"), "tp", 0.8),
     "tp 2, sequence parallel": (dict(mesh="tp = 2", shard="tp { sequence_parallel = on }"),
                                 "tp_sp", 0.9),
+    # tp_overlap (collective matmul) off and forced to 2 chunks: what it does on gloo
+    "tp 2, tp_overlap off": (dict(mesh="tp = 2", optimize="tp_overlap = off"), "tp", None),
+    "tp 2, tp_overlap 2": (dict(mesh="tp = 2", optimize="tp_overlap = 2"), "tp", None),
+    "tp 2, sp, tp_overlap off": (dict(mesh="tp = 2", shard="tp { sequence_parallel = on }",
+                                      optimize="tp_overlap = off"), "tp_sp", None),
+    "tp 2, sp, tp_overlap 2": (dict(mesh="tp = 2", shard="tp { sequence_parallel = on }",
+                                    optimize="tp_overlap = 2"), "tp_sp", None),
     "pp 2, 1F1B": (dict(mesh="pp = 2", m=4), "pp_1f1b", 0.95),
     "pp 2, GPipe": (dict(mesh="pp = 2", m=4, pipeline="gpipe"), "pp_gpipe", None),
     "pp 2, zb1p": (dict(mesh="pp = 2", m=4, pipeline="zb1p"), "pp_1f1b", 0.90),
@@ -71,6 +78,8 @@ PAIRS = {
 }
 SHORT = {"1rank": "1 rank", "dp2": "dp 2", "floor": "dp 2 (floor)", "zero3": "zero 3",
          "tp2": "tp 2", "tp2sp": "tp 2, sequence parallel", "1f1b": "pp 2, 1F1B",
+         "tp2off": "tp 2, tp_overlap off", "tp2c2": "tp 2, tp_overlap 2",
+         "tp2spoff": "tp 2, sp, tp_overlap off", "tp2spc2": "tp 2, sp, tp_overlap 2",
          "gpipe": "pp 2, GPipe", "zb1p": "pp 2, zb1p", "interleaved": "pp 2, interleaved",
          "interleaved_zb": "pp 2, interleaved_zb", "zbv": "pp 2, zbv",
          "dualpipev": "pp 2, dualpipev"}

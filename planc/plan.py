@@ -216,6 +216,13 @@ class Optimize:
     route: str = "auto"
     overlap: bool = True
     recompute: str = "none"
+    # Collective matmul over tp (planc.passes.tp_overlap): True lets the cost model
+    # choose the chunk count, False is off, an integer forces that many chunks.
+    tp_overlap: bool | int = True
+    # Each tp rank sends 1/tp of the activation between stages, all-gathered over tp on
+    # the receiving stage (Narayanan et al. SC'21, 4.1); it acts where tp > 1, pp > 1 and
+    # the activation is not already split over tp (sequence parallelism).
+    pp_scatter_gather: bool = True
 
 
 @dataclass(frozen=True)

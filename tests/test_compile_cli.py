@@ -166,11 +166,13 @@ def test_compile_writes_the_build_files(tmp_path):
                 "buffer overwritten in flight")
     passes = ("fuse: 53 gradient reduce-scatters -> 2; 53 parameter all-gathers -> 2; 53 "
               "optimizer steps -> 2 (2 buckets: 242 KB, 235 KB)\n"
-              "route (auto): 24 ring, 1 tree of 25 collectives\n"
+              "route (auto): 26 ring, 1 tree of 27 collectives\n"
               "overlap: 2 once-per-step gradient reductions issued in the last microbatch's "
               "backward as soon as their inputs are final; 2 ZeRO parameter all-gathers moved "
               "to the start of the next step, each waited for by its first forward use; 9 weight "
-              "gradients computed while the collective of their input gradient is in flight\n")
+              "gradients computed while the collective of their input gradient is in flight\n"
+              "tp_overlap: 0 of 16 tp GEMMs split: the cost model predicts no gain from "
+              "chunking on this topology\n")
     assert summary_text.passes(summary) == passes
     assert result.out == (first + "\n" + verified + "\n\n" + passes + "\n"
                           + summary_text.render(summary))

@@ -21,7 +21,7 @@ B, S, H, HEADS, V, FFN = 4, 32, 64, 4, 256, 256  # microbatch size 4 with batch 
 
 def plan_text(*, layers=4, tp=1, cp=1, pp=1, dp=1, batch=16, microbatches=4, tp_block="",
               cp_block="", pp_block="", zero=0, pipeline="1f1b", dtype="fp32", tie="off",
-              recompute="none", seq=S):
+              recompute="none", seq=S, scatter_gather="on"):
     return f"""plan t {{
   model gpt {{ layers = {layers}; hidden = {H}; heads = {HEADS}; vocab = {V}; seq = {seq}
               batch = {batch}; dtype = {dtype}; tie_embeddings = {tie} }}
@@ -33,7 +33,7 @@ def plan_text(*, layers=4, tp=1, cp=1, pp=1, dp=1, batch=16, microbatches=4, tp_
     dp {{ zero = {zero} }}
   }}
   schedule {{ microbatches = {microbatches}; pipeline = {pipeline} }}
-  optimize {{ recompute = {recompute} }}
+  optimize {{ recompute = {recompute}; pp_scatter_gather = {scatter_gather} }}
 }}"""
 
 
@@ -342,16 +342,20 @@ def test_cp_allgather_gathers_keys_and_values_once_per_layer():
     assert [(d["kind"], d["bytes"]) for d in backward] == [("reduce_scatter", kv_full)]
 
 
-def test_cp_ring_passes_kv_blocks_cp_minus_one_times():
+def test_cp_ring_runs_as_ring_steps_inside_attention():
+    """No K/V transfer runs before attention: each attention step (forward, recomputed,
+    backward) carries cp ring steps and the bytes of the block one shift moves."""
     cp = 4
-    _, g = compiled(cp=cp, cp_block="attention = ring")
+    _, g = compiled(cp=cp, cp_block="attention = ring", recompute="selective")
     block = B * (S // cp) * 2 * H * 4  # this rank's K and V
-    moves = activation_transfers(g, 0, "cp")
-    sends = Counter((d["phase"], d["tensor"]) for d in moves if d["kind"] == "send"
-                    for _ in range(d["repeat"]))
-    assert sends == {("forward", "kv"): 4 * (cp - 1), ("backward", "kv"): 4 * (cp - 1),
-                     ("backward", "dkv"): 4 * cp}
-    assert all(d["bytes"] == block for d in moves)
+    assert transfers(g, axis="cp") == []
+    rings = {n: (d["ring_steps"], d["ring_bytes"], d["repeat"]) for n, d in g.nodes(data=True)
+             if d.get("ring_steps")}
+    assert rings == {f"{letter}/L{layer}/attention": (cp, block, 4)
+                     for letter in "FRB" for layer in range(4)}
+    assert "3 shifts" in g.nodes["F/L0/attention"]["ring_reason"]
+    assert "(3 shifts)" in g.nodes["B/L0/attention"]["ring_reason"] and \
+        "(4 shifts)" in g.nodes["B/L0/attention"]["ring_reason"]
 
 
 def test_full_recomputation_repeats_the_forward_transfers_in_backward():
@@ -359,3 +363,60 @@ def test_full_recomputation_repeats_the_forward_transfers_in_backward():
     _, full = compiled(tp=2, recompute="full")
     extra = kinds(full, layer=0, axis="tp") - kinds(plain, layer=0, axis="tp")
     assert extra == {("backward", "all_reduce"): 2 * 4}  # the forward's two, per microbatch
+
+
+# --- scatter-gather pipeline sends ---------------------------------------------------------
+
+
+def _pipeline_moves(graph):
+    return {n: (d["kind"], d["bytes"], d["stage"], d["repeat"], d.get("scatter_gather"))
+            for n, d in graph.nodes(data=True) if d["type"] == "transfer" and
+            n.split("/")[1].startswith("c")}  # the chunk boundaries' transfers
+
+
+def test_pp_scatter_gather_sends_each_tp_ranks_slice_and_gathers_it_in_the_node():
+    """Narayanan et al. SC'21 4.1: each of the tp = 2 ranks sends half of the tokens; the
+    receiving stage all-gathers the whole activation (or gradient) over tp."""
+    whole = B * S * H * 4  # one microbatch's residual stream, fp32
+    _, g = compiled(tp=2, pp=2)
+    assert _pipeline_moves(g) == {
+        "F/c0>c1:send@pp": ("send", whole // 2, 0, 4, 2),
+        "F/c0>c1:recv@pp": ("recv", whole // 2, 1, 4, 2),
+        "F/c0>c1:all_gather@tp": ("all_gather", whole, 1, 4, None),
+        "B/c1>c0:send@pp": ("send", whole // 2, 1, 4, 2),
+        "B/c1>c0:recv@pp": ("recv", whole // 2, 0, 4, 2),
+        "B/c1>c0:all_gather@tp": ("all_gather", whole, 0, 4, None)}
+    # what a send reads is this tp rank's slice of the tokens, taken locally
+    assert {(u, d.get("slice")) for u, _, d in g.in_edges("F/c0>c1:send@pp", data=True)} == \
+        {("F/L1/mlp_residual", "S(seq)")}
+    assert {d.get("slice") for _, _, d in g.in_edges("B/c1>c0:send@pp", data=True)} == \
+        {"S(seq)"}
+    assert g.nodes["F/c0>c1:send@pp"]["shape"] == [B, S // 2, H]
+    assert "1/2 of the tokens" in g.nodes["F/c0>c1:send@pp"]["reason"]
+    assert g.graph["pp_scatter_gather"] == {
+        "applied": True,
+        "reason": "each of the 2 tp ranks sends 1/2 of the activation (and of its gradient) "
+                  "to the next stage, which all-gathers it over tp inside its node: the bytes "
+                  "between stages drop by 2 (Narayanan et al. SC'21, 4.1)"}
+
+
+def test_pp_scatter_gather_off_or_under_sequence_parallelism_sends_as_before():
+    whole = B * S * H * 4
+    _, off = compiled(tp=2, pp=2, scatter_gather="off")
+    assert _pipeline_moves(off) == {
+        "F/c0>c1:send@pp": ("send", whole, 0, 4, None),
+        "F/c0>c1:recv@pp": ("recv", whole, 1, 4, None),
+        "B/c1>c0:send@pp": ("send", whole, 1, 4, None),
+        "B/c1>c0:recv@pp": ("recv", whole, 0, 4, None)}
+    # sequence parallelism already splits the stream over tp: the switch changes nothing
+    sp = "sequence_parallel = on"
+    _, on = compiled(tp=2, pp=2, tp_block=sp)
+    _, without = compiled(tp=2, pp=2, tp_block=sp, scatter_gather="off")
+    assert _pipeline_moves(on) == _pipeline_moves(without)
+    assert {m[1] for m in _pipeline_moves(on).values()} == {whole // 2}
+    assert sorted(on.nodes) == sorted(without.nodes)
+    assert on.graph["pp_scatter_gather"] == {
+        "applied": False,
+        "reason": "sequence parallelism already splits the activation between stages over tp: "
+                  "each tp rank sends its own tokens, nothing more to do"}
+    assert off.graph["pp_scatter_gather"]["applied"] is False

@@ -160,7 +160,7 @@ def test_graphviz_lays_out_the_dot_of_a_whole_big_step():
     plan, graph = view((PLANS / "gpt3-175b.plan", ()), Selection())
     text = dot.to_dot(graph, "gpt3", lane_labels(plan, range(16)))
     cards = text.count('shape="box", style="rounded,filled", fillcolor=')
-    assert graph.number_of_nodes() == 4530 and 0 < cards < 600
+    assert graph.number_of_nodes() == 4560 and 0 < cards < 600
     result = subprocess.run(["dot", "-Tsvg"], input=text.encode(), capture_output=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr[-500:]
@@ -279,7 +279,7 @@ def test_the_llama_page_finds_a_bucket_collective_and_explains_it(browser, tmp_p
 
 def test_the_64_rank_page_finds_a_transfer_of_a_deep_layer(browser, tmp_path):
     plan, graph = view(WIDE, Selection())
-    assert plan.world == 64 and graph.number_of_nodes() == 4168
+    assert plan.world == 64 and graph.number_of_nodes() == 4214
     path = write_page(tmp_path, WIDE, Selection(), "wide")
     page, errors = open_page(browser, path)
     names = page.locator("#laneLabels text.name").all_text_contents()

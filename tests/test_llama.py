@@ -42,6 +42,10 @@ MATRIX = {
                                  " sequence_parallel = on }"),
     "cp2-allgather": dict(mesh="cp = 2"),
     "cp2-ring": dict(mesh="cp = 2", shard="cp { attention = ring }"),
+    "cp2-ring-kv1-no-load-balance": dict(mesh="cp = 2", kv=1,
+                                         shard="cp { attention = ring; load_balance = off }"),
+    "cp2-ring-tp2-sp": dict(mesh="cp = 2; tp = 2", shard="cp { attention = ring }; "
+                            "tp { sequence_parallel = on }"),
     "cp2-no-load-balance": dict(mesh="cp = 2", shard="cp { load_balance = off }"),
     "cp2-tp2-kv1": dict(mesh="cp = 2; tp = 2", kv=1),
     "pp2-1f1b": dict(mesh="pp = 2", m=4),
@@ -84,6 +88,10 @@ MATRIX = {
     "pp2-dualpipev-tied-zero2": dict(mesh="pp = 2; dp = 2", m=4, model="; tie_embeddings = on",
                                      schedule="; pipeline = dualpipev",
                                      shard="pp { virtual = 2 }; dp { zero = 2 }"),
+    # tp_overlap forced to split (on gloo the cost model keeps every GEMM whole)
+    "tp2-tp-overlap-4": dict(mesh="tp = 2", optimize="tp_overlap = 4"),
+    "tp2-sp-kv1-tp-overlap-2": dict(mesh="tp = 2", kv=1, m=2, optimize="tp_overlap = 2",
+                                    shard="tp { sequence_parallel = on }"),
 }
 
 

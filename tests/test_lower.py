@@ -371,3 +371,84 @@ def test_a_program_whose_operands_are_not_the_graphs_is_refused(change, message,
     assert result.returncode == 1
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_piece_of_the_tokens_other_than_the_graph_says_is_refused():
+    """tp_overlap's pieces are operands: a partial GEMM reading another slice of the
+    tokens than its all-gather brought would compute wrong rows, silently."""
+    build = built(PP_PLAN.replace("  schedule", "  optimize { tp_overlap = 2 }\n  schedule"))
+    assert problems(build) == []
+
+    def shift(data):
+        for block in data["blocks"].values():
+            for x in block:
+                for item in x.get("operands", {}).get("inputs", []):
+                    if item.get("tokens") == [0, 2, 2]:
+                        item["tokens"] = [1, 2, 2]
+                        return
+
+    assert problems(build, _replace_program(build, "stage0.json", shift)) == [
+        "stage0.json: the operands of compute B/L1/fc2#t0 are not those graph.json implies"]
+
+
+# --- ring attention -------------------------------------------------------------------------
+
+RING_PLAN = """plan ring {
+  model gpt { layers = 2; hidden = 32; heads = 4; vocab = 128; seq = 16; batch = 8 }
+  mesh { cp = 2 }
+  shard { cp { attention = ring } }
+  schedule { microbatches = 2 }
+}"""
+
+
+def _instructions(program: Program):
+    return [i for part in (program.prologue, *program.blocks.values(), program.epilogue)
+            for i in part]
+
+
+def test_ring_attention_lowers_to_ring_steps_on_the_compute_stream():
+    build = built(RING_PLAN)
+    (program,) = build.programs.values()
+    block = 4 * 8 * 2 * 32 * 4  # 4 rows, 8 tokens per cp rank, K and V, 32 wide, fp32
+    rings = [(i.stream, i.node, i.operands.step, i.operands.ring_steps, i.operands.group,
+              i.operands.bytes) for i in _instructions(program)
+             if i.operands is not None and i.operands.ring_steps]
+    assert sorted(rings) == sorted(
+        [("compute", f"{letter}/L{layer}/attention", step, 2, "cp", block)
+         for letter, step in (("F", "forward"), ("B", "backward")) for layer in range(2)])
+    # nothing else moves K or V: no transfer runs on the cp group itself
+    assert [i.node for i in _instructions(program) if i.op != "compute" and
+            i.operands is not None and i.operands.group == "cp"] == []
+    assert problems(build) == []
+
+
+def test_ring_attention_out_of_order_on_one_cp_rank_is_refused():
+    build = built(RING_PLAN)
+
+    def swap(data):
+        block = data["blocks"]["F0"]
+        first, second = [i for i, x in enumerate(block) if x.get("node", "").endswith(
+            "/attention")]
+        block[first], block[second] = block[second], block[first]
+
+    programs, table = _split_rank(build, 1, swap)
+    found = [p for p in problems(build, programs, table) if p.startswith("cp group")]
+    assert found == ["cp group [0, 1]: collective 1 on this group is compute F/L0/attention "
+                     "(microbatch 0) on rank 0 but compute F/L1/attention (microbatch 0) on "
+                     "rank 1: the group would deadlock or mix up data"]
+
+
+def test_ring_attention_on_two_streams_is_refused():
+    build = built(RING_PLAN)
+    (name,) = build.programs
+
+    def move(data):
+        for item in data["blocks"]["B0"]:
+            if item.get("node") == "B/L1/attention":
+                item["stream"] = "comm"
+
+    found = [p for p in problems(build, _replace_program(build, name, move))
+             if "cp group is used from" in p]
+    assert found == [f"program {name}: the cp group is used from streams ['comm', "
+                     "'compute']; its ring steps must leave from one stream in program "
+                     "order, or two ranks could wait on each other's blocks"]

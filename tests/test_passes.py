@@ -57,7 +57,7 @@ def validated(plan):
         seen.append(stage)
 
     build = compile_plan(plan, check)
-    assert seen == ["derive", "fuse", "route", "split_backward", "overlap"]
+    assert seen == ["derive", "fuse", "route", "split_backward", "overlap", "tp_overlap"]
     return build
 
 
@@ -414,3 +414,103 @@ def test_a_buffer_freed_while_another_stream_still_reads_it_is_rejected():
            "(instruction 16) frees F/L0/proj while all_reduce " \
            "F/L0/proj>attn_residual:all_reduce@tp on stream comm (instruction 13) may still " \
            "be reading it" in problems
+
+
+# --- tp_overlap -------------------------------------------------------------------------
+
+TP_SP = """plan t {{
+  model gpt {{ layers = 1; hidden = 64; heads = 4; vocab = 128; seq = 16; batch = 4 }}
+  mesh {{ tp = {tp} }}
+  shard {{ tp {{ sequence_parallel = {sp} }} }}
+  optimize {{ tp_overlap = {chunks} }}
+}}"""
+
+
+def _before_and_after_tp_overlap(tp=2, sp="on", chunks="2"):
+    from planc import passes
+    from planc.graph.derive import derive
+    from planc.passes.tp_overlap import tp_overlap
+
+    plan = load_text(TP_SP.format(tp=tp, sp=sp, chunks=chunks)).plan
+    context = passes.PassContext.of(plan)
+    graph = derive(plan)
+    for name, apply in passes.PIPELINE:
+        if name != "tp_overlap":
+            graph = apply(graph, context)
+    return graph, tp_overlap(graph, context)
+
+
+def test_tp_overlap_splits_each_tp_gemm_and_its_collectives_into_chunks():
+    """One layer, tp 2 with sequence parallelism, 2 chunks. Each of qkv, proj, fc1, fc2
+    has one collective before or after its forward GEMM and one after or before its
+    backward GEMM: 4 nodes become 8 (+4 a linear), and proj and fc2, whose backward was
+    whole, get a weight step of their own (+2): 56 + 18 nodes. Edges, for a column linear
+    (qkv, fc1): 8 before (producer -> all-gather -> GEMM -> consumer, the saved edge, the
+    output gradient in, input-gradient GEMM -> reduce-scatter -> consumer, -> W), 20 after
+    (each doubled, + 1 order edge between the pieces of each of the 4 steps): +12; for a
+    row linear (proj, fc2) 10 before and 23 after (its bucket and order edges move to the
+    new W step, reached from both pieces): +13; 104 + 50 edges."""
+    before, after = _before_and_after_tp_overlap()
+    assert (before.number_of_nodes(), before.number_of_edges()) == (56, 104)
+    assert (after.number_of_nodes(), after.number_of_edges()) == (74, 154)
+    pieces = Counter(str(d["kind"]) for _, d in after.nodes(data=True)
+                     if d["type"] == "transfer" and "token_piece" in d)
+    assert pieces == {"all_gather": 8, "reduce_scatter": 8}
+    assert "F/L0/ln1>qkv:all_gather@tp" not in after
+    gathers = [f"F/L0/ln1>qkv:all_gather@tp#t{j}" for j in range(2)]
+    assert [list(after.successors(g)) for g in gathers] == \
+        [["F/L0/qkv#t0", "F/L0/ln1>qkv:all_gather@tp#t1"], ["F/L0/qkv#t1"]]
+    assert after.edges["F/L0/ln1", gathers[1]]["tokens"] == [1, 2, 1]
+    assert after.edges["F/L0/proj>attn_residual:reduce_scatter@tp#t1",
+                       "F/L0/attn_residual"]["piece"] == [1, 2, 1]
+    assert after.edges["F/L0/qkv#t0", "F/L0/attention"]["piece"] == [0, 2, 2]
+    assert after.nodes["F/L0/qkv#t1"]["flops"] == before.nodes["F/L0/qkv"]["flops"] / 2
+    assert after.nodes["W/L0/proj"]["weight_grad_of"] == "B/L0/proj#t1"
+    record = after.graph["passes"][-1]
+    assert record["line"] == ("tp_overlap: 4 of 4 tp GEMMs split into 2 chunks (qkv 2, proj "
+                              "2, fc1 2, fc2 2), each chunk's collective overlapped with "
+                              "another chunk's GEMM")
+    assert [(d["node"], d["chunks"], d["reason"]) for d in record["decisions"]] == [
+        (f"F/L0/{op}", 2, "forced by tp_overlap") for op in ("qkv", "proj", "fc1", "fc2")]
+
+
+def test_tp_overlap_without_sequence_parallelism_splits_the_all_reduces():
+    """No all-gather: qkv and fc1 chunk their backward all-reduce, proj and fc2 their
+    forward one; 4 chunks each."""
+    _, after = _before_and_after_tp_overlap(sp="off", chunks="4")
+    pieces = Counter(str(d["kind"]) for _, d in after.nodes(data=True)
+                     if d["type"] == "transfer" and "token_piece" in d)
+    assert pieces == {"all_reduce": 16}
+    assert after.edges["F/L0/ln1", "F/L0/qkv#t3"]["tokens"] == [3, 4, 2]
+
+
+def test_tp_overlap_off_and_tp_1_leave_the_graph_as_it_was():
+    for kwargs, line in ((dict(chunks="off"), "tp_overlap: off (tp_overlap = off)"),
+                         (dict(tp=1, chunks="on"), "tp_overlap: off (tp = 1: no tp "
+                                                   "collectives)")):
+        before, after = _before_and_after_tp_overlap(**kwargs)
+        assert sorted(after.edges) == sorted(before.edges)
+        assert after.graph["passes"][-1]["line"] == line
+
+
+def test_tp_overlap_on_asks_the_cost_model_and_records_why():
+    """on: per linear, the least predicted time of 1, 2, 4, 8 chunks; here tiny GEMMs
+    whose collectives' fixed cost dominates, so every GEMM stays whole."""
+    before, after = _before_and_after_tp_overlap(chunks="on")
+    assert sorted(after.edges) == sorted(before.edges)
+    record = after.graph["passes"][-1]
+    assert record["line"] == ("tp_overlap: 0 of 4 tp GEMMs split: the cost model "
+                              "predicts no gain from chunking on this topology")
+    for decision in record["decisions"]:
+        seconds = decision["predicted_seconds"]
+        assert decision["chunks"] == 1 and set(seconds) == {"1", "2", "4", "8"}
+        assert seconds["1"] == min(seconds.values())
+
+
+def test_a_megatron_plan_splits_its_gemms_by_the_cost_model():
+    build = compile_plan(load_file(PLANS / "megatron-h100-7_1b.plan").plan)
+    record = next(p for p in build.graph.graph["passes"] if p["name"] == "tp_overlap")
+    assert record["enabled"] and " GEMMs split into " in record["line"]
+    for decision in record["decisions"]:
+        seconds = decision["predicted_seconds"]
+        assert seconds[str(decision["chunks"])] == min(seconds.values())

@@ -19,7 +19,7 @@ from planc.lower.operands import Operands
 from planc.lower.program import Instruction, Program
 from planc.simulate import model_flops, simulate
 from planc.simulate.blocks import replay
-from planc.simulate.costs import InstructionCosts
+from planc.simulate.costs import InstructionCosts, ring_seconds
 from planc.kernel_cost import GPUS, KernelModel, wave_efficiency
 from planc.simulate.pipeline import step
 from tests.conftest import PLANS
@@ -358,7 +358,9 @@ def test_the_simulator_and_the_chakra_export_replay_the_programs_alone(tmp_path)
     ops = {(i.op, i.operands.route) for p in build.programs.values()
            for part in (p.prologue, *p.blocks.values(), p.epilogue) for i in part
            if i.operands is not None}
-    assert {("sendrecv", None), ("send", None), ("all_reduce", "tree")} <= ops
+    assert {("send", None), ("all_reduce", "tree")} <= ops
+    assert any(i.op == "compute" and i.operands.ring_steps == 4
+               for p in build.programs.values() for part in p.blocks.values() for i in part)
     # A routed collective costs what the route pass predicted for it.
     costs = InstructionCosts(build.plan, build.groups)
     routed = [(i, p.stage) for p in build.programs.values()
@@ -376,3 +378,31 @@ def test_the_simulator_and_the_chakra_export_replay_the_programs_alone(tmp_path)
     seen_files = export(build, tmp_path / "seen")
     blind_files = export(without_graph, tmp_path / "blind")
     assert [p.read_bytes() for p in seen_files] == [p.read_bytes() for p in blind_files]
+
+
+def test_ring_attention_hides_each_shift_behind_its_block():
+    """Per ring step the longer of the block's compute and the shifts in flight: the
+    forward shifts at every step but the last, the backward also moves a dK/dV block."""
+    assert ring_seconds(4.0, 0.5, 4, backward=False) == 4.0  # every shift hidden
+    assert ring_seconds(4.0, 2.0, 4, backward=False) == 3 * 2.0 + 1.0  # shifts exposed
+    assert ring_seconds(4.0, 0.75, 4, backward=True) == 3 * 1.5 + 1.0
+    assert ring_seconds(4.0, 0.25, 4, backward=True) == 4.0
+
+
+def test_a_ring_attention_step_is_priced_by_its_ring_steps():
+    loaded = load_file(PLANS / "cp-ring-attention.plan", ("model.layers=2",))
+    build = compile_plan(loaded.plan)
+    costs = InstructionCosts(build.plan, build.groups)
+    (program,) = build.programs.values()
+    ring = {i.node: i for part in program.blocks.values() for i in part
+            if i.operands is not None and i.operands.ring_steps}
+    forward, backward = ring["F/L0/attention"], ring["B/L0/attention"]
+    cost = costs.cost
+    compute = costs.kernels.seconds(forward.operands, 2.0 * forward.operands.output_bytes) \
+        if costs.kernels is not None else max(cost.compute_seconds(forward.operands.flops),
+                                              2.0 * forward.operands.output_bytes /
+                                              costs.bandwidth)
+    shift = cost.transfer_seconds("recv", forward.operands.bytes, 4,
+                                  build.groups.crosses_nodes("cp"))
+    assert costs(forward, 0) == ring_seconds(compute, shift, 4, backward=False)
+    assert costs(backward, 0) > costs(forward, 0)

@@ -24,7 +24,6 @@ from pathlib import Path
 
 from planc.cost import Route
 from planc.lower.operands import Operands
-from planc.mesh import RING_NEXT, RING_PREVIOUS
 from planc.simulate.costs import InstructionCosts
 
 CHAKRA_VERSION = "0.0.4"
@@ -100,14 +99,10 @@ def _delimited(message: bytes) -> bytes:
     return _varint(len(message)) + message
 
 
-def _peer(build, rank: int, half: str, operands: Operands) -> int:
-    """Whom ``rank`` talks to in one half (send or recv) of a point-to-point transfer: a
-    pipeline transfer's peer stage's rank (the rank table's), or a ring shift's next
-    member (its send) and previous member (its receive) on the ring of its group."""
-    if operands.peer_stage is not None:
-        return build.table.peer(rank, operands.peer_stage)
-    mesh = build.groups.ranks
-    return mesh.ring_peer(rank, RING_NEXT if half == "send" else RING_PREVIOUS)
+def _peer(build, rank: int, operands: Operands) -> int:
+    """Whom ``rank`` talks to in a pipeline transfer: its peer stage's rank (the rank
+    table's)."""
+    return build.table.peer(rank, operands.peer_stage)
 
 
 def _nodes(build, program, rank: int, costs: InstructionCosts) -> list[bytes]:
@@ -141,12 +136,11 @@ def _nodes(build, program, rank: int, costs: InstructionCosts) -> list[bytes]:
         if item.op == "compute":
             parts = [(COMP_NODE, label, [("num_ops", int(operands.flops)),
                                          ("tensor_size", operands.output_bytes)])]
-        elif item.op in ("send", "recv", "sendrecv"):
+        elif item.op in ("send", "recv"):
             parts = []
-            halves = {"send": ("send",), "recv": ("recv",),
-                      "sendrecv": ("send", "recv")}[item.op]
+            halves = (item.op,)
             for half in halves:
-                peer = _peer(build, rank, half, operands)
+                peer = _peer(build, rank, operands)
                 source, target = (rank, peer) if half == "send" else (peer, rank)
                 parts.append((COMM_SEND_NODE if half == "send" else COMM_RECV_NODE,
                               f"{label}:{half}" if len(halves) > 1 else label,

@@ -4,7 +4,8 @@
   :func:`planc.graph.layouts.redistribute` gives the collective (a local slice moves no
   data and is marked on the edge instead);
 - cp: K and V are all-gathered over cp (reduce-scattered in backward), or passed around
-  the cp ring (Liu et al. 2023, ring attention);
+  the cp ring inside attention, one block per ring step, each step's shift overlapped with
+  the partial attention on the block in hand (Liu et al. 2023, ring attention);
 - pp: one send and one receive per microbatch, chunk boundary and direction.
 """
 
@@ -12,8 +13,7 @@ from __future__ import annotations
 
 from planc.graph import reasons
 from planc.graph.ir import Axis, Kind, Payload, Phase, Port
-from planc.graph.layouts import Layout, redistribute
-from planc.mesh import RING_NEXT, RING_PREVIOUS
+from planc.graph.layouts import Layout, R, S, redistribute
 
 PHASE_OF = {"F": Phase.FORWARD, "B": Phase.BACKWARD, "R": Phase.BACKWARD}
 
@@ -67,38 +67,57 @@ class AxisRules:
                                  reasons.context_allgather(self.plan, False, letter == "R"),
                                  tensor="kv", dim="seq")
             self.edge(source, node, port=Port.X)
+            self.edge(node, attention, port=Port.KV)
         else:
-            node = self._ring(letter, chunk, layer, Payload.KV, self.cp - 1, source)
-        self.edge(node, attention, port=Port.KV)
+            self._ring_attention(attention, forward=letter != "B")
 
-    def _ring(self, letter: str, chunk: int, layer: int, payload: Payload, steps: int,
-              source: str, grad_of: Port | None = None) -> str:
-        """One ring shift over cp (a send to the next rank, a receive from the previous),
-        run ``steps`` times; returns the receive."""
-        phase = PHASE_OF[letter]
-        tensor = payload.value
-        reason = reasons.context_ring(self.plan, tensor)
-        send = self.transfer(f"{letter}/L{layer}/{tensor}:send@cp", Kind.SEND, Axis.CP, payload,
-                             phase, chunk, layer, self._kv_bytes(), self.m * steps, reason,
-                             tensor=tensor, ring_steps=steps, peer=RING_NEXT)
-        recv = self.transfer(f"{letter}/L{layer}/{tensor}:recv@cp", Kind.RECV, Axis.CP, payload,
-                             phase, chunk, layer, self._kv_bytes(), self.m * steps, reason,
-                             tensor=tensor, ring_steps=steps, peer=RING_PREVIOUS)
-        self.edge(source, send, port=Port.X, grad_of=grad_of)
-        self.edge(send, recv, port=Port.X)
-        return recv
+    def _ring_attention(self, attention: str, forward: bool) -> None:
+        """Ring attention runs as cp ring steps inside the attention step (Liu et al. 2023;
+        picotron's ring attention): at step s the rank holds the K/V block of the cp rank
+        s before it, sends it on to the next rank while it computes the partial attention
+        on it, and merges the partials by their log-sum-exp (FlashAttention-2). Forward:
+        cp - 1 K/V shifts; backward: cp - 1 K/V shifts and cp shifts of each block's
+        dK/dV accumulator, which comes home after its last. The node records the steps
+        and the block's bytes; the lowering writes them as its operands."""
+        self.graph.nodes[attention].update(
+            ring_steps=self.cp, ring_bytes=int(round(self._kv_bytes())),
+            ring_reason=reasons.context_ring(self.plan, forward))
+
+    def scatter_gather(self) -> bool:
+        """Whether pipeline sends are scattered over tp and gathered on arrival
+        (``optimize { pp_scatter_gather }``): only where tp > 1 and the residual stream is
+        replicated over tp; under sequence parallelism it is already split."""
+        return self.plan.optimize.pp_scatter_gather and self.tp > 1 and \
+            not self.tpp.stream.is_sharded
+
+    def scatter_gather_decision(self) -> dict:
+        """What the scatter-gather rule decided and why (graph.json's
+        ``graph.pp_scatter_gather``)."""
+        return {"applied": self.scatter_gather(),
+                "reason": reasons.scatter_gather_decision(self.plan, self.tpp.stream.is_sharded)}
 
     def _pipeline(self, phase: Phase, source_chunk: int, target_chunk: int,
                   layout: Layout) -> tuple[str, str]:
-        """``layout``: the forward tensor's (the residual stream's, or the embedding's
-        output when it crosses from a chunk of the embedding alone); its gradient has
-        the same size."""
+        """The send and receive of one chunk boundary and direction; returns the send and
+        the node that holds the whole tensor on arrival. ``layout``: the forward tensor's
+        (the residual stream's, or the embedding's output when it crosses from a chunk of
+        the embedding alone); its gradient has the same size. With scatter-gather
+        (Narayanan et al. SC'21, section 4.1) a tensor replicated over tp is sent as each
+        tp rank's own 1/tp of the tokens (a local slice, on the edge into the send) and
+        the receiving stage all-gathers them over tp, inside its node: the bytes between
+        stages drop by tp."""
         letter = "F" if phase == Phase.FORWARD else "B"
+        whole = layout
+        scattered = self.scatter_gather() and layout == R
+        if scattered:
+            layout = S("seq")
         nbytes = self._local_bytes("stream", layout)
-        reason = reasons.pipeline(self.plan, phase.value, source_chunk, target_chunk)
+        reason = reasons.pipeline(self.plan, phase.value, source_chunk, target_chunk,
+                                  self.tp if scattered else 1)
         name = f"{letter}/c{source_chunk}>c{target_chunk}"
         tokens = self.shapes.seq // (self.tp if layout.is_sharded else 1)
         shape = [self.shapes.batch, tokens, self.shapes.hidden]  # (batch, tokens, hidden)
+        extra = {"scatter_gather": self.tp} if scattered else {}
         # Forward goes to the next stage, backward to the previous, except on the way
         # back of a V, where both turn round.
         descends = self.plan.placement.descends(min(source_chunk, target_chunk), self.pp)
@@ -106,10 +125,25 @@ class AxisRules:
         send = self.transfer(f"{name}:send@pp", Kind.SEND, Axis.PP, Payload.STREAM, phase,
                              source_chunk, None, nbytes, self.m, reason, tensor="stream",
                              peer_stage=self.stage_of[target_chunk], shape=shape,
-                             toward=toward)
+                             toward=toward, **extra)
         recv = self.transfer(f"{name}:recv@pp", Kind.RECV, Axis.PP, Payload.STREAM, phase,
                              target_chunk, None, nbytes, self.m, reason, tensor="stream",
                              peer_stage=self.stage_of[source_chunk], shape=shape,
-                             toward=toward)
+                             toward=toward, **extra)
         self.edge(send, recv)
-        return send, recv
+        if not scattered:
+            return send, recv
+        move = redistribute(layout, whole)
+        gather = self.transfer(
+            f"{name}:{move.kind}@tp", Kind(move.kind), Axis.TP, Payload.ACTIVATION, phase,
+            target_chunk, None, self.shapes.bytes("stream") * move.buffer_fraction(self.tp),
+            self.m, reasons.scatter_gather(self.plan, phase.value), tensor="stream",
+            dim=move.dim, source_layout=str(layout), target_layout=str(move.target))
+        self.edge(recv, gather, port=Port.X)
+        return send, gather
+
+    def _into_send(self, send: str) -> None:
+        """With scatter-gather, everything a send reads is this tp rank's slice of it."""
+        if self.graph.nodes[send].get("scatter_gather"):
+            for _, _, data in self.graph.in_edges(send, data=True):
+                data["slice"] = str(S("seq"))

@@ -255,6 +255,7 @@ class _Derivation(AxisRules, ParameterRules):
             send, recv = self._pipeline(Phase.FORWARD, chunk, chunk + 1,
                                         self.layout(x[0]).output)
             self.edge(x[1], send, port=Port.X)
+            self._into_send(send)
             self.chunk_input[chunk + 1] = recv
             self.chunk_output[chunk] = x[1]
 
@@ -334,7 +335,8 @@ class _Derivation(AxisRules, ParameterRules):
                              if n == node)
             backward[node] = self.early_backward[chunk - 1][node] = \
                 self._backward_of(chunk - 1, node, op, layer)
-        elif chunk > 0:
+        send = None
+        if chunk > 0 and not self._local(chunk - 1, chunk):
             send, self.gradient_input[chunk - 1] = self._pipeline(
                 Phase.BACKWARD, chunk, chunk - 1, self.layout(self.input_op[chunk]).output)
             backward[self.chunk_input[chunk]] = send
@@ -347,6 +349,8 @@ class _Derivation(AxisRules, ParameterRules):
             self._recompute_layer(chunk, layer, by_layer.get(layer, []))
         for link in reversed(self.links[chunk]):
             self._backward_link(chunk, link, backward)
+        if send is not None:
+            self._into_send(send)
         for layer in range(first, last + 1):
             self._recompute_just_in_time(layer)
 
@@ -378,26 +382,22 @@ class _Derivation(AxisRules, ParameterRules):
         target = gradient_layout(link.source)
         ops = (link.ops[1], link.ops[0])
         layer = link.layer
-        if link.ops != ("qkv", "attention") or self.cp == 1:
+        ring = self.plan.shard.cp.attention == "ring"
+        if link.ops != ("qkv", "attention") or self.cp == 1 or ring:
+            # (ring attention's own K/V gradients come home inside its backward step)
+            if ring and link.ops == ("qkv", "attention") and self.cp > 1:
+                self._ring_attention(grad_from, forward=False)
             carried = self._tp("B", chunk, layer, link.tensor, link.grad, target, ops,
                                grad_from, backward=True)
             self._connect(grad_from, grad_to, carried, Port.GRAD, grad_of=link.port)
             return
         # K and V gradients come back over cp; the query gradient is local.
-        if self.plan.shard.cp.attention == "allgather":
-            kv = self.transfer(f"B/L{layer}/dkv:reduce_scatter@cp", Kind.REDUCE_SCATTER,
-                               Axis.CP, Payload.DKV, Phase.BACKWARD, chunk, layer,
-                               self._kv_bytes() * self.cp, self.m,
-                               reasons.context_allgather(self.plan, True), tensor="dkv",
-                               dim="seq")
-            self.edge(grad_from, kv, port=Port.X, grad_of=Port.KV)
-        else:
-            # Ring backward, as TransformerEngine does it: the K/V blocks go around the
-            # ring again, and each block's dK/dV accumulator travels with it, then home.
-            self.edge(self._ring("B", chunk, layer, Payload.KV, self.cp - 1, link.producer),
-                      grad_from, port=Port.KV)
-            kv = self._ring("B", chunk, layer, Payload.DKV, self.cp, grad_from,
-                            grad_of=Port.KV)
+        kv = self.transfer(f"B/L{layer}/dkv:reduce_scatter@cp", Kind.REDUCE_SCATTER,
+                           Axis.CP, Payload.DKV, Phase.BACKWARD, chunk, layer,
+                           self._kv_bytes() * self.cp, self.m,
+                           reasons.context_allgather(self.plan, True), tensor="dkv",
+                           dim="seq")
+        self.edge(grad_from, kv, port=Port.X, grad_of=Port.KV)
         # The gradients of this rank's K and V (from kv) and of its queries (straight
         # from attention) meet, through the tp redistribution if there is one.
         carrier, local = self._tp("B", chunk, layer, link.tensor, link.grad, target, ops, kv,
@@ -413,6 +413,8 @@ class _Derivation(AxisRules, ParameterRules):
     def _recompute_layer(self, chunk: int, layer: int, links: list[_Link]) -> None:
         if self.recompute == "selective":
             again = self._op_node("R", chunk, layer, "attention")
+            if self.cp > 1 and self.plan.shard.cp.attention == "ring":
+                self._ring_attention(again, forward=True)  # its blocks travel again
             self.edge(f"F/L{layer}/attention", again, EdgeKind.SAVED)
             self.edge(again, f"B/L{layer}/attention", EdgeKind.SAVED)
             self._recomputed_by(f"B/L{layer}/attention", again)
@@ -472,6 +474,7 @@ class _Derivation(AxisRules, ParameterRules):
             "chunks": [list(c) for c in self.chunks], "dtype": plan.model.dtype,
             "zero": self.zero, "recompute": self.recompute,
             "stream_layout": str(self.tpp.stream),
+            "pp_scatter_gather": self.scatter_gather_decision(),
             "layouts": {op: {"input": str(o.input), "output": str(o.output),
                              "grad_input": str(o.grad_input), "sharded": o.sharded}
                         for op, o in self.tpp.ops.items()},

@@ -85,16 +85,19 @@ def context_allgather(plan: Plan, backward: bool, recompute: bool = False) -> st
     return ("recomputing attention's input (recompute = full): " + text) if recompute else text
 
 
-def context_ring(plan: Plan, tensor: str) -> str:
+def context_ring(plan: Plan, forward: bool) -> str:
     cp = plan.mesh.cp
-    if tensor == "kv":
-        return (f"ring attention (attention = ring): each rank passes its K/V block to the "
-                f"next cp rank, cp - 1 = {cp - 1} times per layer and microbatch")
-    return (f"ring attention backward: each K/V block's gradient accumulator travels with it "
-            f"around the cp ring and back home, cp = {cp} times per layer and microbatch")
+    if forward:
+        return (f"ring attention (attention = ring): {cp} ring steps per layer and "
+                f"microbatch; at each step but the last the K/V block in hand goes to the "
+                f"next cp rank while attention runs on it ({cp - 1} shifts)")
+    return (f"ring attention backward: {cp} ring steps; the K/V blocks travel again "
+            f"({cp - 1} shifts) and each block's dK/dV accumulator travels with it and comes "
+            f"home ({cp} shifts), each shift overlapped with the next block's gradients")
 
 
-def pipeline(plan: Plan, phase: str, source_chunk: int, target_chunk: int) -> str:
+def pipeline(plan: Plan, phase: str, source_chunk: int, target_chunk: int,
+             scattered: int = 1) -> str:
     def where(chunk: int) -> str:
         return f"{chunk_text(plan.shard.pp.chunks, chunk)} (stage {plan.stage_of_chunk(chunk)})"
 
@@ -102,11 +105,35 @@ def pipeline(plan: Plan, phase: str, source_chunk: int, target_chunk: int) -> st
     # of a V (zbv, dualpipev), where both turn round.
     descends = plan.placement.descends(min(source_chunk, target_chunk), plan.mesh.pp)
     toward = "previous" if descends == (phase == "forward") else "next"
+    split = (f"; each tp rank sends its 1/{scattered} of the tokens (pp_scatter_gather = "
+             f"on)") if scattered > 1 else ""
     if phase == "forward":
         return (f"{where(source_chunk)} feeds {where(target_chunk)}: each microbatch's "
-                f"activation is sent to the {toward} stage")
+                f"activation is sent to the {toward} stage{split}")
     return (f"{where(target_chunk)} needs the gradient of its output from "
-            f"{where(source_chunk)}: each microbatch's gradient is sent to the {toward} stage")
+            f"{where(source_chunk)}: each microbatch's gradient is sent to the {toward} "
+            f"stage{split}")
+
+
+def scatter_gather_decision(plan: Plan, stream_split: bool) -> str:
+    tp, pp = plan.mesh.tp, plan.mesh.pp
+    if not plan.optimize.pp_scatter_gather:
+        return "pp_scatter_gather = off: every tp rank sends the whole activation"
+    if tp == 1 or pp == 1:
+        return f"nothing to split: tp = {tp}, pp = {pp}"
+    if stream_split:
+        return ("sequence parallelism already splits the activation between stages over "
+                "tp: each tp rank sends its own tokens, nothing more to do")
+    return (f"each of the {tp} tp ranks sends 1/{tp} of the activation (and of its "
+            f"gradient) to the next stage, which all-gathers it over tp inside its node: "
+            f"the bytes between stages drop by {tp} (Narayanan et al. SC'21, 4.1)")
+
+
+def scatter_gather(plan: Plan, phase: str) -> str:
+    what = "activation" if phase == "forward" else "gradient"
+    return (f"pp_scatter_gather = on: the {what} arrived as each tp rank's 1/{plan.mesh.tp} "
+            f"of the tokens; all-gather it over tp, inside the node, to have it whole "
+            f"(Narayanan et al. SC'21, 4.1)")
 
 
 def data_parallel(plan: Plan, param: str, kind: str) -> str:

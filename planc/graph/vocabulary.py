@@ -190,8 +190,10 @@ OPTIONAL = {
     "tp_input": "compute: the operator's input layout over tp",
     "tp_output": "compute: its output layout over tp",
     "bucket": "GRAD and PARAM transfers and optimizer steps: the bucket they work on",
-    "ring_steps": "cp ring shifts: how many times the shift runs per microbatch",
-    "peer": "cp ring shifts: next or prev",
+    "ring_steps": "ring attention (compute): the cp ring steps it runs per microbatch",
+    "ring_bytes": "ring attention (compute): the bytes of the K/V block one shift moves",
+    "ring_reason": "ring attention (compute): why its blocks travel the cp ring",
+    "scatter_gather": "pp send/recv with pp_scatter_gather: the tp ranks that each move 1/tp",
     "toward": "pipeline transfers: next or prev, the way the tensor travels along the "
               "stages (forward is next except on the way back of a V)",
     "dim": "the dimension a collective gathers or scatters",
@@ -213,8 +215,9 @@ TEXT = (str,)
 SEQUENCE = (list, tuple)
 OPTIONAL_TYPES = {
     "forward_of": TEXT, "recompute_of": TEXT, "weight_grad": TEXT, "weight_grad_of": TEXT,
-    "tp_input": TEXT, "tp_output": TEXT, "bucket": TEXT, "ring_steps": INTEGER, "peer": TEXT,
-    "toward": TEXT, "dim": (str, type(None)), "producer": TEXT, "consumer": TEXT, "collective": TEXT,
+    "tp_input": TEXT, "tp_output": TEXT, "bucket": TEXT, "ring_steps": INTEGER,
+    "ring_bytes": INTEGER, "ring_reason": TEXT, "scatter_gather": INTEGER, "toward": TEXT,
+    "dim": (str, type(None)), "producer": TEXT, "consumer": TEXT, "collective": TEXT,
     "sharded": (bool,), "stream": TEXT, "placement": TEXT, "route": TEXT,
     "route_seconds": (int, float, type(None)), "tensor": TEXT, "bias": TEXT,
     "recomputed": (bool,), "vocab_parallel": (bool,), "peer_stage": INTEGER,

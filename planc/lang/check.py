@@ -103,6 +103,9 @@ class _Checker(TopologyReader):
             self.report(warning(f"zero = {zero} has no effect with dp = 1 and cp = 1",
                                 self.span("shard.dp.zero")))
         optimize = self._optimize()
+        if optimize is not None and mesh and model:
+            optimize = self._tp_overlap(optimize, mesh, model)
+        self._scatter_gather(mesh, tensor)
         train = self._train(model)
         parts = (model, mesh, topology, tensor, context, pipeline, schedule, optimize, train)
         if any(part is None for part in parts) or zero is None:
@@ -303,11 +306,54 @@ class _Checker(TopologyReader):
                                     "model.tie_embeddings"),
                           "use embedding = vocab with head = vocab, or replicate both"))
 
+    def _scatter_gather(self, mesh: Mesh | None, tensor) -> None:
+        """pp_scatter_gather = on, written, where it cannot act: a warning at the key."""
+        key = "optimize.pp_scatter_gather"
+        if mesh is None or key not in self.given or not self.value(key):
+            return
+        if mesh.pp == 1 or mesh.tp == 1:
+            self.report(warning(f"pp_scatter_gather = on has no effect with tp = {mesh.tp} "
+                                f"and pp = {mesh.pp}", self.span(key),
+                                "it splits the activation sent between pipeline stages over "
+                                "tp; it needs tp > 1 and pp > 1"))
+        elif tensor is not None and tensor.sequence_parallel:
+            self.report(warning("pp_scatter_gather = on has no effect with "
+                                "sequence_parallel = on", self.span(key),
+                                "sequence parallelism already sends each tp rank's 1/tp of "
+                                "the tokens between stages"))
+
     def _optimize(self) -> Optimize | None:
-        keys = ("fuse", "bucket", "route", "overlap", "recompute")
+        keys = ("fuse", "bucket", "route", "overlap", "recompute", "tp_overlap",
+                "pp_scatter_gather")
         if not self.ready(*(f"optimize.{k}" for k in keys)):
             return None
         return Optimize(**{k: self.value(f"optimize.{k}") for k in keys})
+
+    def _tp_overlap(self, optimize: Optimize, mesh, model) -> Optimize | None:
+        """tp_overlap's rules: a forced chunk count must cut every rank's share of the
+        tokens evenly. ``on`` means "wherever there are tp collectives", the default, so
+        it is silent with tp = 1 (``planc compile`` notes the pass did nothing); a forced
+        count with tp = 1 asks for something that cannot happen, and is warned about."""
+        chunks = optimize.tp_overlap
+        if "optimize.tp_overlap" not in self.given or chunks is False or chunks is True \
+                and mesh.tp == 1:
+            return optimize
+        if mesh.tp == 1:
+            self.report(warning(f"tp_overlap = {chunks} has no effect with tp = 1: there "
+                                f"is no tp collective to split into chunks",
+                                self.span("optimize.tp_overlap"),
+                                "set mesh.tp to 2 or more, or remove tp_overlap"))
+            return optimize
+        tokens = model.seq // mesh.cp
+        if chunks is not True and tokens % (mesh.tp * chunks):
+            fits = [k for k in range(2, 9) if tokens % (mesh.tp * k) == 0]
+            return self._reject(
+                f"tp_overlap = {chunks} needs the tokens of a microbatch on each cp rank "
+                f"(seq / cp = {tokens}) to divide by tp x chunks = {mesh.tp * chunks}",
+                self.span("optimize.tp_overlap"),
+                (f"use tp_overlap = {fits[0]}" if fits else "use tp_overlap = off") +
+                ", or on to let the cost model choose")
+        return optimize
 
     def _train(self, model: Model | None) -> Train | None:
         keys = ("steps", "optimizer", "seed", "data")

@@ -300,6 +300,29 @@ def _piece(value: ast.Value) -> str | None:
     return None
 
 
+class OnOffOrCount(Kind):
+    """``on``, ``off`` or a whole number of pieces (at least 1): a switch whose ``on`` lets
+    the compiler choose how many, as ``optimize.tp_overlap``."""
+
+    noun = "on, off or a number of chunks"
+
+    def read(self, value, scope):
+        if isinstance(value, ast.Number) and not value.suffix and \
+                isinstance(value.value, int) and not isinstance(value.value, bool):
+            if value.value < 1:
+                raise Problem(f"expected at least 1 chunk, got {value.value}", value.span,
+                              "1 chunk is off; 2 or more split each collective into that "
+                              "many pieces")
+            return value.value
+        if isinstance(value, ast.Word):
+            if value.text in BOOLEAN_WORDS:
+                return BOOLEAN_WORDS[value.text]
+            raise Problem(f"expected on, off or a number of chunks, got '{value.text}'",
+                          value.span, did_you_mean(value.text, BOOLEAN_WORDS) or
+                          "on lets the cost model choose the chunk count; 2, 4, ... force it")
+        raise self.mismatch(value)
+
+
 @dataclass(frozen=True)
 class Choice(Kind):
     words: tuple[str, ...]

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from planc.lang.kinds import (BOOLEAN_WORDS, MAX_EXPRESSION_DEPTH, MAX_INTEGER, Boolean,
-                              Choice, Integer, Key, Kind, Problem, Quantity, Real, Scope, Time,
+                              Choice, Integer, Key, Kind, OnOffOrCount, Problem, Quantity, Real, Scope, Time,
                               Unresolved, check_literal, did_you_mean, evaluate_integer,
                               join_words, word_text)
 from planc.lang.plan_kinds import (OPTIMIZER_ARGUMENTS, AxisOrder, DataSource, OptimizerCall,
@@ -122,7 +122,9 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
         "bucket": Key(Quantity(SIZE), 25e6),
         "route": Key(Choice(("ring", "tree", "hierarchical", "auto")), "auto"),
         "overlap": Key(Boolean(), True),
+        "tp_overlap": Key(OnOffOrCount(), True),
         "recompute": Key(Choice(("none", "selective", "full")), "none"),
+        "pp_scatter_gather": Key(Boolean(), True),
     }),
     "train": BlockSchema("train", keys={
         "steps": Key(Integer(1), 1),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import networkx as nx
 
-from planc.graph.ir import EdgeKind, Kind, NodeType, Op, Payload, Phase, Port
+from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, Port
 from planc.graph.layouts import parse as parse_layout
 from planc.graph.layouts import R, S
 from planc.lower.operands import FEATURE_AXIS, SEQ_AXIS, Input, Operands
@@ -41,9 +41,11 @@ def inputs_of(graph: nx.DiGraph, node: str, stage: int, position: dict[str, int]
         if edge.get("slice"):
             dim = parse_layout(edge["slice"]).dim
             local = (dim, SEQ_AXIS if dim == "seq" else FEATURE_AXIS)
+        tokens, piece = edge.get("tokens"), edge.get("piece")
         out.append(Input(source, str(edge.get("port", Port.X)),
                          bool(source_data["per_microbatch"]), _value(edge.get("grad_of")),
-                         local))
+                         local, None if tokens is None else tuple(tokens),
+                         None if piece is None else tuple(piece), edge.get("piece_of")))
     return tuple(out)
 
 
@@ -74,17 +76,19 @@ def _compute(graph: nx.DiGraph, node: str, data: dict, position: dict[str, int]
         saved_from=data.get("recompute_of") or data.get("forward_of"),
         keeps_graph=bool(data["recompute"] or not data.get("recomputed", False)),
         weight_step=data.get("weight_grad"), gathered=gathered,
+        tokens=tuple(data["token_piece"]) if "token_piece" in data else None,
         flops=data["flops"], output_bytes=data["bytes"],
         bucket=data.get("bucket") if data["op"] == Op.OPTIMIZER else None,
-        sharded=bool(data.get("sharded", False)) if data["op"] == Op.OPTIMIZER else False)
+        sharded=bool(data.get("sharded", False)) if data["op"] == Op.OPTIMIZER else False,
+        # ring attention: its steps over the cp group, and the block one shift moves
+        ring_steps=data.get("ring_steps"),
+        group=Axis.CP.value if data.get("ring_steps") else None,
+        bytes=data.get("ring_bytes"))
 
 
 def _transfer(graph: nx.DiGraph, node: str, data: dict, op: str,
               position: dict[str, int]) -> Operands:
     source = node
-    if op == "sendrecv":  # a ring shift sends what its send half reads
-        source = next(p for p in graph.predecessors(node)
-                      if graph.nodes[p]["kind"] == Kind.SEND)
     payload = data["payload"]
     pipeline = payload == Payload.STREAM
     level = _value(data.get("level", "whole"))

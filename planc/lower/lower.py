@@ -154,11 +154,6 @@ class _StageLowering:
         self.where: dict[str, _Where] = {}
         self.buffer_of: dict[str, str] | None = None  # parameter -> its gradient buffer
         mine = [(n, graph.nodes[n]) for n in nodes]
-        ring = {n: d["kind"] for n, d in mine if
-                d["type"] == NodeType.TRANSFER and d["axis"] == Axis.CP and
-                d["kind"] in (Kind.SEND, Kind.RECV)}
-        self.ring_sends = {n for n, k in ring.items() if k == Kind.SEND}
-        self.ring_receives = {n for n, k in ring.items() if k == Kind.RECV}
         # ZeRO-1/2 gathers issued at the start of the step: the forward steps reading
         # one of their bucket's parameters wait for them (across the step boundary, so
         # the graph has no edge for it).
@@ -218,24 +213,14 @@ class _StageLowering:
             return touched, touched
         return (), ()
 
-    def is_ring_send(self, node: str) -> bool:
-        return node in self.ring_sends
-
-    def is_ring_recv(self, node: str) -> bool:
-        return node in self.ring_receives
-
     def sources(self, node: str) -> list[tuple[str, bool]]:
-        """(node, carries data) of everything ``node`` depends on; a ring receive
-        depends on what its send sends. Found once per node (waits and instructions
-        both ask)."""
+        """(node, carries data) of everything ``node`` depends on. Found once per node
+        (waits and instructions both ask)."""
         if node not in self._sources:
             self._sources[node] = self._find_sources(node)
         return self._sources[node]
 
     def _find_sources(self, node: str) -> list[tuple[str, bool]]:
-        if self.is_ring_recv(node):
-            (send,) = [p for p in self.graph.predecessors(node) if self.is_ring_send(p)]
-            node = send
         data = self.graph.nodes[node]
         # Gradients and parameters move through the buckets' buffers, not the producers'.
         through_state = data["type"] == NodeType.COMPUTE and data["op"] == Op.OPTIMIZER or \
@@ -249,12 +234,6 @@ class _StageLowering:
                                          if p in self.gathered_first}]
         return sorted(out, key=lambda item: self.rank[item[0]])
 
-    def issuer(self, node: str) -> str:
-        """The node whose instruction runs ``node`` (a ring send runs with its receive)."""
-        if self.is_ring_send(node):
-            return next(c for c in self.graph.successors(node) if self.is_ring_recv(c))
-        return node
-
     def needs_event(self, source: str, consumer: str) -> str | None:
         """How ``consumer`` must wait for ``source``: None (same stream, another stage,
         or across the step boundary), "mb" (the same microbatch's record) or "step" (the
@@ -262,7 +241,6 @@ class _StageLowering:
         have, want = self.where.get(source), self.where[consumer]
         if have is None:
             return None  # a pipeline peer's node: reached through a receive
-        # (a ring send's place is its receive's: they are one instruction)
         if have.part == EPILOGUE and want.part == PROLOGUE:
             return None  # the next step's prologue: every stream drained in between
         if want.part == EPILOGUE and have.part != EPILOGUE and not self.overlap:
@@ -283,14 +261,12 @@ def _waits(lowering: _StageLowering, parts: dict[str, list[str]]
     out: dict[str, list[tuple[str, str]]] = {}
     for nodes in parts.values():
         for node in nodes:
-            if lowering.is_ring_send(node):
-                continue
             latest: dict[tuple, tuple[int, str]] = {}
             for source, _ in lowering.sources(node):
                 how = lowering.needs_event(source, node)
                 if how is None:
                     continue
-                part, index = position.get(lowering.issuer(source), (None, -1))
+                part, index = position.get(source, (None, -1))
                 key = (lowering.where[source].stream, how, part)
                 if key not in latest or latest[key][0] < index:
                     latest[key] = (index, source)
@@ -308,8 +284,6 @@ def _instructions(lowering: _StageLowering, nodes: list[str],
     out: list[Instruction] = []
     waited: set[tuple[str, str, str]] = set()
     for node in nodes:
-        if lowering.is_ring_send(node):
-            continue  # issued together with its receive as one ring shift
         where = lowering.where[node]
         data = graph.nodes[node]
         guard = "last" if where.guarded else None
@@ -320,8 +294,6 @@ def _instructions(lowering: _StageLowering, nodes: list[str],
             out.append(Instruction("wait", where.stream, event=f"done:{source}",
                                    per_microbatch=how == "mb", guard=guard))
         op = "compute" if data["type"] == NodeType.COMPUTE else data["kind"].value
-        if lowering.is_ring_recv(node):
-            op = "sendrecv"
         reads = tuple(source for source, carries in lowering.sources(node) if carries)
         state_reads, state_writes = lowering.state_buffers(node)
         out.append(Instruction(op, where.stream, node, reads=reads + state_reads,
@@ -422,9 +394,6 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
                 receive_nodes[node] = where.stream
             else:
                 parts.setdefault(where.part, set()).add(node)
-        for node in by_stage[stage]:  # a ring send runs where its receive runs
-            if lowering.is_ring_send(node):
-                lowering.where[node] = lowering.where[lowering.issuer(node)]
         ordered = {name: _ordered(graph, nodes, rank) for name, nodes in parts.items()}
         waits = _waits(lowering, ordered)
         recorded = {item for items in waits.values() for item in items}

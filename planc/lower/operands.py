@@ -64,6 +64,26 @@ def _slice(value) -> tuple[str, int]:
     return _string(value[0]), _integer(value[1])
 
 
+def _piece(value) -> tuple[int, int, int]:
+    """(index, count, spread) of a piece of the tokens (:func:`token_ranges`)."""
+    if not isinstance(value, list) or len(value) != 3:
+        raise ValueError(f"a piece of the tokens is [index, count, spread], not {value!r}")
+    index, count, spread = (_integer(v) for v in value)
+    if not (0 <= index < count and spread >= 1):
+        raise ValueError(f"malformed piece of the tokens {value!r}")
+    return index, count, spread
+
+
+def token_ranges(tokens: int, index: int, count: int, spread: int) -> list[tuple[int, int]]:
+    """[start, stop) of piece ``index`` of ``count`` over ``tokens`` tokens spread over
+    ``spread`` tp ranks: the ``index``-th of ``count`` slices of every rank's share, in rank
+    order (what an all-gather over tp of each rank's ``index``-th slice yields;
+    planc.passes.tp_overlap)."""
+    share = tokens // spread
+    size = share // count
+    return [(r * share + index * size, r * share + (index + 1) * size) for r in range(spread)]
+
+
 def _tuple_of(check):
     def convert(value):
         if not isinstance(value, list):
@@ -90,6 +110,12 @@ class Input:
     per_microbatch: bool = True  # the buffer holds one value per microbatch
     grad_of: str | None = None  # a backward step's output: the gradient of that port
     local_slice: tuple[str, int] | None = None  # (dim, axis): this tp rank's slice
+    # tp_overlap: the piece of the tokens it takes of the buffer (index, count, spread)
+    tokens: tuple[int, int, int] | None = None
+    # tp_overlap: the buffer is that piece of ``piece_of``'s value; the consumer puts the
+    # pieces of one value back together in token order
+    piece: tuple[int, int, int] | None = None
+    piece_of: str | None = None
 
     def to_json(self) -> dict:
         item: dict = {"buffer": self.buffer}
@@ -101,18 +127,28 @@ class Input:
             item["grad_of"] = self.grad_of
         if self.local_slice is not None:
             item["local_slice"] = list(self.local_slice)
+        for key in ("tokens", "piece"):
+            if getattr(self, key) is not None:
+                item[key] = list(getattr(self, key))
+        if self.piece_of is not None:
+            item["piece_of"] = self.piece_of
         return item
 
     @staticmethod
     def from_json(item) -> "Input":
         if not isinstance(item, dict) or set(item) - {"buffer", "port", "per_microbatch",
-                                                      "grad_of", "local_slice"}:
+                                                      "grad_of", "local_slice", "tokens",
+                                                      "piece", "piece_of"}:
             raise ValueError(f"malformed input {item!r}")
         grad_of, local = item.get("grad_of"), item.get("local_slice")
+        if ("piece" in item) != ("piece_of" in item):
+            raise ValueError(f"a piece names the value it is a piece of: {item!r}")
         return Input(_string(item["buffer"]), _one_of(PORTS)(item.get("port", "x")),
                      _boolean(item.get("per_microbatch", True)),
                      None if grad_of is None else _one_of(PORTS)(grad_of),
-                     None if local is None else _slice(local))
+                     None if local is None else _slice(local),
+                     _maybe(_piece)(item.get("tokens")), _maybe(_piece)(item.get("piece")),
+                     _maybe(_string)(item.get("piece_of")))
 
 
 def _inputs(value) -> tuple[Input, ...]:
@@ -146,6 +182,7 @@ class Operands:
     keeps_graph: bool = True  # a forward keeps autograd's graph (not when recomputed)
     weight_step: str | None = None  # a split backward: its W step, which comes later
     gathered: tuple[tuple[str, str], ...] = ()  # bucket -> the ZeRO-3 gather's buffer
+    tokens: tuple[int, int, int] | None = None  # tp_overlap: the piece of the tokens it runs
     flops: float | None = None  # what it computes, for the cost model (simulator, Chakra)
     output_bytes: int | None = None  # its output's size: the roofline's memory traffic
     # --- compute (optimizer) and transfers of gradients and parameters ---
@@ -158,6 +195,10 @@ class Operands:
     reduce_op: str | None = None
     source_dim: str | None = None  # an activation's sharded dimension before and after
     target_dim: str | None = None
+    # ring attention (a compute step): its cp ring steps; its group is ``group`` and the
+    # bytes of the K/V block one shift moves ``bytes``. A ring step posts the shift of the
+    # block in hand (send to the next cp rank, receive from the previous) before it
+    # computes on that block, and waits for the shift after.
     ring_steps: int | None = None
     peer_stage: int | None = None  # a pipeline transfer's other stage
     direction: str | None = None  # forward or backward: which pipeline group
@@ -202,7 +243,7 @@ _READERS = {
     "vocab_parallel": _boolean, "seq_sharded": _boolean, "replicated": _boolean,
     "forward_of": _maybe(_string), "saved_from": _maybe(_string),
     "keeps_graph": _boolean, "weight_step": _maybe(_string),
-    "gathered": _pairs_of(_string), "flops": _maybe(_number),
+    "gathered": _pairs_of(_string), "tokens": _maybe(_piece), "flops": _maybe(_number),
     "output_bytes": _maybe(_integer), "bucket": _maybe(_string), "sharded": _boolean,
     "payload": _maybe(_one_of(PAYLOADS)), "group": _maybe(_string), "route": _maybe(_string),
     "reduce_op": _maybe(_one_of(REDUCE_OPS)), "source_dim": _maybe(_string),

@@ -11,11 +11,12 @@ in the order the sending stage sends. The *prologue* runs once at the start of t
 
 Instructions (semantics of CUDA streams, docs/semantics.md, the rank program):
 
-- ``compute NODE``: a compute node of the graph;
+- ``compute NODE``: a compute node of the graph; ring attention runs its cp ring steps
+  within (operands ``ring_steps`` over ``group``: each step's shift to the next cp rank
+  posted before the partial attention on the block in hand);
 - ``<collective> NODE``: all_reduce, all_gather, reduce_scatter, all_to_all, broadcast
   over the group the node names;
 - ``send NODE`` / ``recv NODE``: pipeline point-to-point with the peer stage;
-  ``sendrecv NODE`` (the send half and the receive half of a cp ring shift together);
 - ``record EVENT`` / ``wait EVENT``: an event recorded after the previous instruction of
   its stream; a wait blocks only its own stream, until that instruction has finished;
 - ``sync``: the stream waits until every stream finished its earlier instructions.
@@ -53,7 +54,7 @@ PROGRAM_FORMAT_VERSION = 3
 STATE = "@"  # state buffers (a bucket's gradient): one per step, never per microbatch
 COLLECTIVES = tuple(kind.value for kind in Kind if kind.is_collective)
 Opcode = StrEnum("Opcode", [(name.upper(), name) for name in (
-    "compute", "send", "recv", "sendrecv", "record", "wait", "sync") + COLLECTIVES])
+    "compute", "send", "recv", "record", "wait", "sync") + COLLECTIVES])
 OPS = tuple(op.value for op in Opcode)
 EVENT_OPS = (Opcode.RECORD, Opcode.WAIT, Opcode.SYNC)  # no node, no operands
 
@@ -68,7 +69,7 @@ GUARDS = (None, Guard.FIRST, Guard.LAST)
 
 @dataclass(frozen=True)
 class Instruction:
-    op: str  # compute, a collective, send, recv, sendrecv, record, wait, sync
+    op: str  # compute, a collective, send, recv, record, wait, sync
     stream: str
     node: str | None = None
     event: str | None = None

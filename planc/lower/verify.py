@@ -9,7 +9,9 @@ The invariants of docs/semantics.md, section 5:
 4. every buffer is written before it is read, and never overwritten while a transfer
    still reads it;
 5. every tree or hierarchical route runs a recipe that computes exactly the collective
-   it replaces, without deadlock (:mod:`planc.lower.verify_routes`).
+   it replaces, without deadlock (:mod:`planc.lower.verify_routes`);
+6. ring attention's cp ring steps are deadlock-free and meet every block
+   (:mod:`planc.lower.verify_ring`).
 
 Before any of these, every instruction's operands (what the runtime runs) must be the
 ones the graph implies (:func:`planc.lower.bind.operands_of`): the proofs below read the
@@ -33,13 +35,14 @@ from planc.lower.program import COLLECTIVES, Program, RankTable
 from planc.lower.routes import RouteTable, routed_nodes
 from planc.lower.verify_pipeline import PipelineChecks
 from planc.lower.verify_report import Report, ranks_text
+from planc.lower.verify_ring import RingChecks, is_ring
 from planc.lower.verify_routes import check_routes
 from planc.lower.verify_streams import StreamChecks
 from planc.mesh import PIPELINE_AXIS
 from planc.plan import Plan
 
 
-class _Verifier(StreamChecks, PipelineChecks):
+class _Verifier(StreamChecks, PipelineChecks, RingChecks):
     def __init__(self, plan: Plan, graph: nx.DiGraph, programs: dict[str, Program],
                  table: RankTable, groups: GroupTable | None = None,
                  routes: RouteTable | None = None):
@@ -173,7 +176,8 @@ class _Verifier(StreamChecks, PipelineChecks):
 
         def on_axis(instructions) -> list:
             return [i for i in instructions if i.op in COLLECTIVES and i.node in self.graph
-                    and self.graph.nodes[i.node].get("axis") == axis]
+                    and self.graph.nodes[i.node].get("axis") == axis
+                    or axis == Axis.CP.value and is_ring(i)]
 
         per_block = {block: on_axis(items) for block, items in program.blocks.items()}
         out = [(i.op, i.node, None) for i in on_axis(program.prologue)]
@@ -219,6 +223,7 @@ class _Verifier(StreamChecks, PipelineChecks):
                 self.operands(name, program)
                 self.events_and_buffers(name, program)
                 self.buckets(name, program)
+                self.ring(name, program)
         self.collective_order()
         self.pipeline()
         self.route_recipes()

@@ -20,16 +20,19 @@ from planc.passes.fuse import fuse
 from planc.passes.overlap import overlap
 from planc.passes.route import route
 from planc.passes.split_backward import split_backward
+from planc.passes.tp_overlap import tp_overlap
 
 __all__ = ["PIPELINE", "Pass", "PassContext", "PassRecord", "copy_graph", "names", "record",
            "run"]
 
 # The passes in the order they run: fuse makes the buckets that route chooses a route
 # for, split_backward splits the backward steps a zero-bubble schedule orders apart
-# (it changes nothing under other schedules), and overlap schedules what they chose.
+# (it changes nothing under other schedules), overlap schedules what route chose, and
+# tp_overlap then cuts the tp collectives overlap put on the comm stream, and the GEMMs
+# next to them, into pieces.
 PIPELINE: tuple[tuple[str, Pass], ...] = (("fuse", fuse), ("route", route),
                                           ("split_backward", split_backward),
-                                          ("overlap", overlap))
+                                          ("overlap", overlap), ("tp_overlap", tp_overlap))
 
 
 def run(graph: nx.DiGraph, context: PassContext,

@@ -130,6 +130,10 @@ class RankContext:
         return seq_split(self._positions[self.cp_rank], 0, self.tp,
                          tp_rank).to(self.device)
 
+    def block_positions(self, cp_rank: int) -> torch.Tensor:
+        """Positions of the tokens of cp rank ``cp_rank``'s K/V block (ring attention)."""
+        return self._positions[cp_rank].to(self.device)
+
     def all_key_positions(self) -> torch.Tensor:
         """Positions of every cp rank's tokens, in cp rank order (a gathered K/V)."""
         return torch.cat(self._positions).to(self.device)

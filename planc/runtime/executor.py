@@ -99,11 +99,15 @@ def _describe(item: Expanded, interp: Interpreter) -> str:
 
 
 def _flows(interp: Interpreter) -> dict[tuple[str, str], tuple[Flow, ...]]:
-    """The trace's flow ends of every transfer, found once from its bound call."""
+    """The trace's flow ends of every transfer and ring attention step, found once from
+    its bound call or ring."""
     out = {}
     rank = interp.ctx.rank
     for (op, node), bound in interp.bound.items():
-        if op != "compute":
+        if op == "compute" and bound.spec.ring is not None:
+            ring = bound.spec.ring
+            out[(op, node)] = flows_of(op, node, rank, None, None, ring.members, ring.index)
+        elif op != "compute":
             call = bound.call
             out[(op, node)] = flows_of(op, node, rank, call.peer, call.operands.partner,
                                        call.members, call.index)

@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from planc.lower.operands import Input
+from planc.lower.operands import SEQ_AXIS, Input
 from planc.lower.program import Instruction, Program
 from planc.runtime.context import RankContext, pp_group_key
 from planc.runtime.kernels import LOSS_STATISTICS, Kernels, Saved, Spec
 from planc.runtime.model import split_feature
 from planc.runtime.optim import optimizer_of
+from planc.runtime.ring_attention import Ring
 from planc.runtime.store import ParamStore
 from planc.runtime.routes import resolve
 from planc.runtime.transfers import Call, Transfers
@@ -55,10 +56,28 @@ def combine(values: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
+def select_tokens(value: torch.Tensor, index: int, count: int, spread: int) -> torch.Tensor:
+    """Piece ``index`` of ``count`` of the tokens of ``value`` (batch, tokens, ...), spread
+    over ``spread`` tp ranks: planc.lower.operands.token_ranges, as one strided view."""
+    shape = value.shape
+    size = shape[SEQ_AXIS] // (spread * count)
+    grouped = value.reshape(shape[0], spread, count, size, *shape[2:])
+    return grouped[:, :, index].reshape(shape[0], spread * size, *shape[2:])
+
+
+def join_tokens(pieces: list[torch.Tensor], spread: int) -> torch.Tensor:
+    """The tensor whose pieces (in order) ``pieces`` are: :func:`select_tokens` undone."""
+    shape = pieces[0].shape
+    size = shape[SEQ_AXIS] // spread
+    grouped = [p.reshape(shape[0], spread, size, *shape[2:]) for p in pieces]
+    return torch.stack(grouped, dim=2).reshape(shape[0], spread * size * len(pieces),
+                                                *shape[2:])
+
+
 class _Compute:
-    def __init__(self, node: str, instruction: Instruction):
+    def __init__(self, node: str, instruction: Instruction, ring: Ring | None = None):
         operands = instruction.operands
-        self.node, self.spec, self.inputs = node, Spec.of(operands), operands.inputs
+        self.node, self.spec, self.inputs = node, Spec.of(operands, ring), operands.inputs
         self.gathered = dict(operands.gathered)  # bucket -> the ZeRO-3 gather that filled it
         self.per_microbatch = instruction.per_microbatch
         step = operands.step
@@ -109,7 +128,11 @@ class Interpreter:
             return
         operands = instruction.operands
         if op == "compute":
-            self.bound[(op, node)] = _Compute(node, instruction)
+            ring = None
+            if operands.ring_steps:  # ring attention: its steps over the cp group
+                call = self._call(op, instruction)
+                ring = Ring(operands.ring_steps, call.group, call.members, call.index)
+            self.bound[(op, node)] = _Compute(node, instruction, ring)
             if operands.step == "optimizer":
                 bucket = operands.bucket
                 tensor = self.store.shard[bucket] if operands.sharded else \
@@ -155,15 +178,25 @@ class Interpreter:
             dim, axis = item.local_slice
             value = split_feature(value, dim, self.ctx.tp, self.ctx.tp_rank, self.ctx.model,
                                   axis)
+        if value is not None and item.tokens is not None:
+            value = select_tokens(value, *item.tokens)
         return value
 
     def _ports(self, state: StepState, inputs: tuple[Input, ...], microbatch: int | None,
                all_microbatches: bool = False) -> dict[str, list]:
         out: dict[str, list] = {}
+        pieces: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
         for item in inputs:
             value = self._value(state, item, microbatch, all_microbatches)
-            if value is not None:
-                out.setdefault(item.port, []).append(value)
+            if value is None:
+                continue
+            if item.piece is not None:  # put back together once every piece is in
+                got = pieces.setdefault((item.port, item.piece_of), {})
+                got[item.piece[0]] = value
+                if len(got) < item.piece[1]:
+                    continue
+                value = join_tokens([got[j] for j in range(item.piece[1])], item.piece[2])
+            out.setdefault(item.port, []).append(value)
         return out
 
     # --- running an instruction ------------------------------------------------------------
@@ -193,10 +226,10 @@ class Interpreter:
         if step.optimizer:
             return self._optimizer(step)
         if step.weight_step:  # the parameter half of a split backward
-            saved, grad = state.saved.pop((step.node, mb))
-            _, named = self.kernels.backward(step.spec, saved, grad, inputs=False)
-            for name, value in named.items():
-                self.store.grad_of(name).add_(value)
+            for saved, grad in state.saved.pop((step.node, mb)):  # one per piece
+                _, named = self.kernels.backward(step.spec, saved, grad, inputs=False)
+                for name, value in named.items():
+                    self.store.grad_of(name).add_(value)
             return None
         if step.backward:
             saved = state.saved.pop((step.saved_from, mb))
@@ -206,7 +239,7 @@ class Interpreter:
             grad = combine(grads) if grads else None
             if step.weight_grad is not None:  # the input half: its W step comes later
                 ports, _ = self.kernels.backward(step.spec, saved, grad, params=False)
-                state.saved[(step.weight_grad, mb)] = (saved, grad)
+                state.saved.setdefault((step.weight_grad, mb), []).append((saved, grad))
                 return ports
             ports, named = self.kernels.backward(step.spec, saved, grad)
             for name, value in named.items():

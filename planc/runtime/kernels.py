@@ -25,10 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from planc.graph.vocabulary import Op
-from planc.lower.operands import Operands
+from planc.lower.operands import Operands, token_ranges
 from planc.runtime.context import RankContext
 from planc.runtime.families import family_kernels
 from planc.runtime.model import split_feature
+from planc.runtime.ring_attention import Ring, ring_attention, step_masks
 
 FP32 = torch.float32
 # The vocabulary-parallel loss's per-token statistics: no autograd, nothing kept.
@@ -57,12 +58,14 @@ class Spec:
     param_slices: dict[str, tuple[str, int]]
     bias: str | None
     vocab_parallel: bool
+    tokens: tuple[int, int, int] | None = None  # tp_overlap: the piece of tokens it runs
+    ring: Ring | None = None  # ring attention: its cp ring (planc.runtime.ring_attention)
 
     @staticmethod
-    def of(operands: Operands) -> "Spec":
+    def of(operands: Operands, ring: Ring | None = None) -> "Spec":
         return Spec(Op(operands.kernel), operands.layer, operands.seq_sharded,
                     operands.replicated, operands.params, dict(operands.param_slices),
-                    operands.bias, operands.vocab_parallel)
+                    operands.bias, operands.vocab_parallel, operands.tokens, ring)
 
 
 class Kernels:
@@ -82,6 +85,29 @@ class Kernels:
         }
         for op, kernel in family_kernels(model.family).items():
             self.forward_table[op] = functools.partial(kernel, self)
+        self._ring_masks: dict[Ring, list] = {}
+
+    def ring_attention(self, spec: Spec, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of this rank's queries over every cp rank's K/V block, run as
+        the ring steps the instruction lists; which keys each step's queries see follows
+        the token positions of the model table."""
+        ring = spec.ring
+        masks = self._ring_masks.get(ring)
+        if masks is None:
+            masks = self._ring_masks[ring] = step_masks(
+                ring, self.ctx.positions(seq_sharded=False), self.ctx.block_positions,
+                self.ctx.dtype)
+        return ring_attention(q, k, v, ring, masks)
+
+    def positions(self, spec: Spec) -> torch.Tensor:
+        """Positions of the tokens a step's input holds (RoPE): its tp slice, or under
+        tp_overlap its piece of the tokens (planc.lower.operands.token_ranges)."""
+        positions = self.ctx.positions(spec.seq_sharded)
+        if spec.tokens is None:
+            return positions
+        return torch.cat([positions[a:b] for a, b in
+                          token_ranges(positions.shape[0], *spec.tokens)])
 
     # --- forward -----------------------------------------------------------------------
 

@@ -26,14 +26,14 @@ def _flow_id(*parts) -> int:
 def flows_of(op: str, node: str, rank: int, peer: int | None, partner: str | None,
              members: tuple[int, ...] = (), index: int = 0) -> tuple[Flow, ...]:
     """The flow ends of one transfer instruction on ``rank``: a pipeline send starts the
-    flow to ``peer``'s receive ``partner``, a receive finishes the one from ``peer``; a
-    ring shift starts one to the next member of its group and finishes the one from the
-    previous member."""
+    flow to ``peer``'s receive ``partner``, a receive finishes the one from ``peer``; ring
+    attention (a compute step over the cp ring) starts one to the next member of its
+    group and finishes the one from the previous member."""
     if op == "send" and peer is not None and partner is not None:
         return (("s", rank, peer, partner, False),)
     if op == "recv" and peer is not None:
         return (("f", peer, rank, node, False),)
-    if op == "sendrecv" and members:
+    if op == "compute" and members:
         after = members[(index + 1) % len(members)]
         before = members[(index - 1) % len(members)]
         return (("s", rank, after, node, False), ("f", before, rank, node, True))
@@ -68,8 +68,8 @@ def write(path: str, labels: dict[int, str],
                           "args": {"step": step, "microbatch": microbatch, "op": op}})
             for phase, sender, receiver, name, at_end in flows:
                 flow = {"ph": phase, "id": _flow_id(sender, receiver, name, microbatch, step),
-                        "name": "ring" if op == "sendrecv" else "send",
-                        "cat": "cp" if op == "sendrecv" else "pp", **where}
+                        "name": "ring" if op == "compute" else "send",
+                        "cat": "cp" if op == "compute" else "pp", **where}
                 if phase == "f":
                     flow["bp"] = "e"
                 if at_end:

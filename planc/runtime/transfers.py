@@ -27,7 +27,6 @@ from planc.runtime.context import RankContext
 from planc.runtime.model import join_feature, local_heads, split_feature
 from planc.runtime.store import ParamStore
 
-SENDRECV = "sendrecv"
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
@@ -65,8 +64,6 @@ class Transfers:
             ("all_reduce", "loss"): self.loss_report,
             ("all_gather", "kv"): self.kv_all_gather,
             ("reduce_scatter", "dkv"): self.dkv_reduce_scatter,
-            (SENDRECV, "kv"): self.kv_ring,
-            (SENDRECV, "dkv"): self.dkv_ring,
             ("send", "stream"): self.send,
             ("recv", "stream"): self.recv,
             ("all_reduce", "grad"): self.grad_all_reduce,
@@ -160,40 +157,6 @@ class Transfers:
 
     def dkv_reduce_scatter(self, call: Call, dkv: torch.Tensor) -> torch.Tensor:
         return self.reduce_scatter_list(list(dkv.chunk(call.size, dim=SEQ_AXIS)), call)
-
-    @staticmethod
-    def _ring_shift(tensor: torch.Tensor, call: Call) -> torch.Tensor:
-        """Send to the next cp rank, receive from the previous, together."""
-        members, i = call.members, call.index
-        received = torch.empty_like(tensor)
-        ops = [dist.P2POp(dist.isend, tensor.contiguous(), members[(i + 1) % len(members)],
-                          group=call.group),
-               dist.P2POp(dist.irecv, received, members[(i - 1) % len(members)],
-                          group=call.group)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        return received
-
-    def kv_ring(self, call: Call, qkv: torch.Tensor) -> torch.Tensor:
-        """Ring attention's K/V passes: after cp - 1 shifts every block has visited every
-        rank; the result is all blocks in cp rank order."""
-        n, me = call.size, call.index
-        blocks = {me: self._kv_of(qkv)}
-        current = blocks[me]
-        for step in range(1, call.operands.ring_steps + 1):
-            current = self._ring_shift(current, call)
-            blocks[(me - step) % n] = current
-        return torch.cat([blocks[i] for i in range(n)], dim=SEQ_AXIS)
-
-    def dkv_ring(self, call: Call, dkv: torch.Tensor) -> torch.Tensor:
-        """The gradient accumulator of each K/V block travels the ring, every rank adding
-        its share, and comes home after cp shifts."""
-        n, me, steps = call.size, call.index, call.operands.ring_steps
-        shares = list(dkv.chunk(n, dim=SEQ_AXIS))
-        accumulator = shares[me].clone()
-        for step in range(1, steps):
-            accumulator = self._ring_shift(accumulator, call) + shares[(me - step) % n]
-        return self._ring_shift(accumulator, call) if steps == n else accumulator
 
     # --- pipeline ------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from planc.schedules.actions import Action, ActionKind
+from planc.schedules.actions import Action
 from planc.schedules.schedule import PipelineShape, ScheduleProblem
 
 

@@ -13,10 +13,14 @@ table alone (not graph.json): the one model the compiler optimises with (planc.c
   hierarchical, as NCCL's tuning model prices its algorithms, ``src/graph/tuning.cc``):
   on each placement on nodes that the groups of its reference have on its stage
   (programs/groups.json), the slowest, which is the time the route pass predicted.
-- Any other transfer (pipeline sends and receives, ring shifts, all_to_all) takes the
-  ring time of planc.cost on a group of its reference's size, inside or across nodes
-  as rank 0's group of that reference lies. A ring shift costs one hop: its send and its
-  receive run together.
+- Any other transfer (pipeline sends and receives, all_to_all) takes the ring time of
+  planc.cost on a group of its reference's size, inside or across nodes as rank 0's
+  group of that reference lies.
+- Ring attention (a compute instruction with ``ring_steps`` over the cp group) runs its
+  steps as the runtime does: each step's partial attention (1/steps of its compute)
+  overlapped with the shift travelling meanwhile, one hop of ``bytes`` (its send and its
+  receive run together); in the backward a step's K/V shift and the previous block's
+  dK/dV shift share the link (:func:`ring_seconds`).
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ TRAFFIC = {"attn_residual": 3.0, "mlp_residual": 3.0}
 OPTIMIZER_TRAFFIC = {"adamw": 7.0, "sgd": 5.0}
 DEFAULT_TRAFFIC = 2.0
 OPTIMIZER_KERNEL = "optimizer"
-RING_SHIFT = "sendrecv"
 
 
 def group_of(operands: Operands) -> str:
@@ -53,6 +56,18 @@ def axis_of(operands: Operands | None) -> str | None:
     if operands is None or operands.payload is None:
         return None
     return group_of(operands).partition("/")[0]
+
+
+def ring_seconds(compute: float, shift: float, steps: int, backward: bool) -> float:
+    """Ring attention's time: per ring step the longer of its partial attention and the
+    shifts in flight (Liu et al. 2023: the shift hides behind the block's compute). The
+    forward shifts a K/V block at every step but the last; the backward also shifts a
+    dK/dV accumulator at every step."""
+    total = 0.0
+    for step in range(steps):
+        hops = (step < steps - 1) + (1 if backward else 0)
+        total += max(compute / steps, hops * shift)
+    return total
 
 
 class InstructionCosts:
@@ -97,10 +112,18 @@ class InstructionCosts:
             traffic = self.optimizer_traffic if operands.kernel == OPTIMIZER_KERNEL else \
                 TRAFFIC.get(operands.kernel, DEFAULT_TRAFFIC)
             if self.kernels is not None:
-                return self.kernels.seconds(operands, traffic * operands.output_bytes)
-            return max(self.cost.compute_seconds(operands.flops),
-                       traffic * operands.output_bytes / self.bandwidth)
-        kind = Kind.RECV.value if instruction.op == RING_SHIFT else instruction.op
+                seconds = self.kernels.seconds(operands, traffic * operands.output_bytes)
+            else:
+                seconds = max(self.cost.compute_seconds(operands.flops),
+                              traffic * operands.output_bytes / self.bandwidth)
+            if operands.ring_steps:
+                shift = self.cost.transfer_seconds(Kind.RECV.value, operands.bytes,
+                                                   self._size(operands.group),
+                                                   self._crosses(operands.group))
+                seconds = ring_seconds(seconds, shift, operands.ring_steps,
+                                       operands.step == "backward")
+            return seconds
+        kind = instruction.op
         ref, route = operands.group or PIPELINE, operands.route  # group_of, inlined
         # Transfers of one size on one group cost the same (every layer's, for one).
         key = (kind, route, ref, stage if route is not None else None, operands.bytes)

@@ -24,13 +24,13 @@ def rank_label(mesh: RankMesh, rank: int) -> str:
 
 
 def _flows(build, rank: int, node: str, op: str, operands: Operands | None) -> tuple:
-    """The flow ends of a simulated transfer on ``rank``."""
+    """The flow ends of a simulated transfer (or ring attention step) on ``rank``."""
     if operands is None:
         return ()
     if op in ("send", "recv") and operands.peer_stage is not None:
         peer = build.table.peer(rank, operands.peer_stage)
         return flows_of(op, node, rank, peer, operands.partner if op == "send" else None)
-    if op == "sendrecv":
+    if op == "compute" and operands.ring_steps:  # ring attention: its shifts
         members = build.groups.members(rank, build.groups.rule(operands.group))
         return flows_of(op, node, rank, None, None, members, members.index(rank))
     return ()

@@ -144,6 +144,10 @@ def _rows(plan: Plan, graph: nx.DiGraph, nodes: list[str], routes: bool = False,
             lines.extend(_shared_lines(data, buckets[data["bucket"]], param))
         lines.extend(textwrap.wrap(data["reason"], width=96, initial_indent="     ",
                                    subsequent_indent="     ", break_on_hyphens=False))
+        if "token_piece" in data:
+            index, count, _ = data["token_piece"]
+            lines.append(f"     chunk {index + 1} of {count} along the tokens (tp_overlap): in "
+                         f"flight while another chunk's partial GEMM computes")
         if node in decisions:
             lines.extend(route_lines(decisions[node], routes))
     return lines
@@ -259,4 +263,26 @@ def explain(plan: Plan, graph: nx.DiGraph, layer: int | None = None, param: str 
 
 def _passes(graph: nx.DiGraph) -> list[str]:
     records = graph.graph.get("passes", [])
-    return ["passes:"] + [f"  {r['line']}" for r in records] if records else []
+    out = ["passes:"] if records else []
+    for r in records:
+        out.append(f"  {r['line']}")
+        if r["name"] == "tp_overlap":
+            out.extend(tp_overlap_lines(r["decisions"]))
+    return out
+
+
+def tp_overlap_lines(decisions: list[dict]) -> list[str]:
+    """tp_overlap's choice per linear operator, alike over the layers: the chunk count,
+    why, and the cost model's predicted seconds (per microbatch) of each count."""
+    by_op: dict[tuple, list[dict]] = {}
+    for d in decisions:
+        op = d["node"].rsplit("/", 1)[-1]
+        by_op.setdefault((op, d["chunks"], d["reason"]), []).append(d)
+    lines = []
+    for (op, chunks, reason), items in by_op.items():
+        seconds = ", ".join(f"{k}: {format_quantity(v, TIME)}"
+                            for k, v in items[0]["predicted_seconds"].items())
+        lines.append(f"    {op} ({counted(len(items), 'layer')}): {chunks} "
+                     f"chunk{'s' if chunks > 1 else ''}, {reason} (predicted per "
+                     f"microbatch, by chunks: {seconds})")
+    return lines

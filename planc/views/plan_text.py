@@ -78,7 +78,8 @@ def settings(plan: Plan) -> str:
                      f"{counted(plan.schedule.microbatches, 'microbatch', 'microbatches')} of "
                      f"{counted(plan.microbatch_size, 'sequence')} per data-parallel rank"),
         ("optimize", f"fuse {_onoff(opt.fuse)} (bucket {format_bytes(opt.bucket)}), route "
-                     f"{opt.route}, overlap {_onoff(opt.overlap)}, recompute {opt.recompute}"),
+                     f"{opt.route}, overlap {_onoff(opt.overlap)}, recompute {opt.recompute}, "
+                     f"pp_scatter_gather {_onoff(opt.pp_scatter_gather)}"),
         ("train", f"{counted(tr.steps, 'step')}, {optimizer}, seed {tr.seed}, "
                   f"data {tr.data}"),
     ]

@@ -23,7 +23,7 @@ def layer_norm(k, spec, x, p, step, mb, extra):
 
 def attention(k, spec, x, p, step, mb, extra):
     """Causal softmax attention on this rank's heads; keys and values of every cp rank
-    when context parallelism gathered them."""
+    when context parallelism gathered them, or travelling the cp ring (ring attention)."""
     qkv = x["x"]
     bias = k._bias(spec, p)
     if bias is not None:
@@ -32,7 +32,9 @@ def attention(k, spec, x, p, step, mb, extra):
     hd = k.head_dim
     heads = width // (3 * hd)
     q, key, v = qkv.view(b, s, 3, heads, hd).permute(2, 0, 3, 1, 4).unbind(0)
-    if "kv" not in x:
+    if spec.ring is not None:
+        out = k.ring_attention(spec, q, key, v)
+    elif "kv" not in x:
         out = F.scaled_dot_product_attention(q, key, v, is_causal=True)
     else:
         kv = x["kv"]

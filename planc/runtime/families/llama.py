@@ -53,7 +53,7 @@ def qkv(k, spec, x, p, step, mb, extra):
     model, hd = k.ctx.model, k.head_dim
     heads, kv = local_heads(model, out.shape[-1], k.ctx.tp)
     b, s, _ = out.shape
-    cos, sin = rotary_tables(k.ctx.positions(spec.seq_sharded), hd, model.rope_theta,
+    cos, sin = rotary_tables(k.positions(spec), hd, model.rope_theta,
                              out.dtype)
     q = rotate(out[..., :heads * hd].reshape(b, s, heads, hd), cos, sin)
     key = rotate(out[..., heads * hd:(heads + kv) * hd].reshape(b, s, kv, hd), cos, sin)
@@ -64,7 +64,7 @@ def qkv(k, spec, x, p, step, mb, extra):
 def attention(k, spec, x, p, step, mb, extra):
     """Causal attention of this rank's query heads, each reading the k/v head of its
     group (transformers' repeat_kv); keys and values of every cp rank when context
-    parallelism gathered them."""
+    parallelism gathered them, or travelling the cp ring (ring attention)."""
     qkv = x["x"]
     b, s, width = qkv.shape
     hd = k.head_dim
@@ -73,6 +73,9 @@ def attention(k, spec, x, p, step, mb, extra):
     pair = qkv[..., heads * hd:] if "kv" not in x else x["kv"]
     tokens = pair.shape[1]
     key, v = pair.reshape(b, tokens, 2, kv, hd).permute(2, 0, 3, 1, 4).unbind(0)
+    if spec.ring is not None:  # the K/V heads travel unrepeated
+        out = k.ring_attention(spec, q, key, v)
+        return out.transpose(1, 2).reshape(b, s, heads * hd)
     if kv != heads:
         key = key.repeat_interleave(heads // kv, dim=1)
         v = v.repeat_interleave(heads // kv, dim=1)
