@@ -16,7 +16,9 @@ off: collectives per step, step time and exposed communication.
 
 Goals (issue 7): 1 rank <= 1.02x plain; dp 2 <= 1.0x DDP and <= 1.05x the floor;
 zero 3 <= 1.0x FSDP2; tp 2 <= 0.8x DTensor; tp 2 with sequence parallelism <= 0.9x;
-pp 2 1F1B <= 0.95x Schedule1F1B.
+pp 2 1F1B <= 0.95x Schedule1F1B. Issue 23: pp 2 zb1p <= 0.90x Schedule1F1B; pp 2
+interleaved (virtual 2, one layer per chunk) <= 0.95x ScheduleInterleaved1F1B and
+interleaved_zb <= 0.95x ScheduleInterleavedZeroBubble.
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ PAIRS = {
                                     optimize="tp_overlap = 2"), "tp_sp", None),
     "pp 2, 1F1B": (dict(mesh="pp = 2", m=4), "pp_1f1b", 0.95),
     "pp 2, GPipe": (dict(mesh="pp = 2", m=4, pipeline="gpipe"), "pp_gpipe", None),
+    "pp 2, zb1p": (dict(mesh="pp = 2", m=4, pipeline="zb1p"), "pp_1f1b", 0.90),
+    "pp 2, interleaved": (dict(mesh="pp = 2", m=4, pipeline="interleaved",
+                               shard="pp { virtual = 2 }"), "pp_interleaved", 0.95),
+    "pp 2, interleaved_zb": (dict(mesh="pp = 2", m=4, pipeline="interleaved_zb",
+                                  shard="pp { virtual = 2 }"), "pp_interleaved_zb", 0.95),
     # the V schedules, virtual 2: chunk 0 and the last chunk on stage 0
     "pp 2, zbv": (dict(mesh="pp = 2", m=4, pipeline="zbv", shard="pp { virtual = 2 }"),
                   "pp_zbv", 0.95),
@@ -73,7 +80,9 @@ SHORT = {"1rank": "1 rank", "dp2": "dp 2", "floor": "dp 2 (floor)", "zero3": "ze
          "tp2": "tp 2", "tp2sp": "tp 2, sequence parallel", "1f1b": "pp 2, 1F1B",
          "tp2off": "tp 2, tp_overlap off", "tp2c2": "tp 2, tp_overlap 2",
          "tp2spoff": "tp 2, sp, tp_overlap off", "tp2spc2": "tp 2, sp, tp_overlap 2",
-         "gpipe": "pp 2, GPipe", "zbv": "pp 2, zbv", "dualpipev": "pp 2, dualpipev"}
+         "gpipe": "pp 2, GPipe", "zb1p": "pp 2, zb1p", "interleaved": "pp 2, interleaved",
+         "interleaved_zb": "pp 2, interleaved_zb", "zbv": "pp 2, zbv",
+         "dualpipev": "pp 2, dualpipev"}
 SWITCHES = {"passes on": "", "fuse off": "fuse = off", "overlap off": "overlap = off"}
 
 

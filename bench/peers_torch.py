@@ -66,6 +66,11 @@ PEERS = {
              "the residual stream sharded on the sequence)",
     "pp_1f1b": "2 ranks: torch.distributed.pipelining, Schedule1F1B, 4 microbatches of 4",
     "pp_gpipe": "2 ranks: torch.distributed.pipelining, ScheduleGPipe, 4 microbatches of 4",
+    "pp_interleaved": "2 ranks: torch.distributed.pipelining, ScheduleInterleaved1F1B, "
+                      "2 chunks of 1 layer per rank, 4 microbatches of 4",
+    "pp_interleaved_zb": "2 ranks: torch.distributed.pipelining, "
+                         "ScheduleInterleavedZeroBubble, 2 chunks of 1 layer per rank, "
+                         "4 microbatches of 4",
     # the V schedules: two one-layer stages per rank, stage r and stage 3 - r on rank r
     "pp_zbv": "2 ranks: torch.distributed.pipelining, ScheduleZBVZeroBubble, 4 stages in a "
               "V (virtual 2), 4 microbatches of 4",
@@ -358,19 +363,24 @@ def build_tp_sp(c: Config):
     return _build_tp(c, sequence_parallel=True)
 
 
-def _build_pp(c: Config, schedule_class):
+def _build_pp(c: Config, schedule_class, virtual: int = 1):
     """Stage 0: embeddings + the first half of the layers; stage 1: the second half, the
-    final LayerNorm and the head. ``PipelineStage`` infers the shapes it sends at its first
-    step; the schedule averages the microbatch gradients (scale_grads=True)."""
+    final LayerNorm and the head; with ``virtual`` chunks per rank, chunk k on rank
+    k mod 2 (a multi-stage schedule). ``PipelineStage`` infers the shapes it sends at its
+    first step; the schedule averages the microbatch gradients (scale_grads=True)."""
     from torch.distributed.pipelining import PipelineStage
 
-    rank, stages = dist.get_rank(), dist.get_world_size()
-    model = _chunk_of(GPT(c), rank, stages)
-    stage = PipelineStage(model, rank, stages, torch.device("cpu"))
-    schedule = schedule_class(stage, n_microbatches=4, loss_fn=loss_fn)
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    chunks = ranks * virtual
+    models = [_chunk_of(GPT(c), index, chunks) for index in range(rank, chunks, ranks)]
+    stages = [PipelineStage(m, index, chunks, torch.device("cpu"))
+              for m, index in zip(models, range(rank, chunks, ranks))]
+    schedule = schedule_class(stages[0] if virtual == 1 else stages, n_microbatches=4,
+                              loss_fn=loss_fn)
+    model = models[0] if virtual == 1 else nn.ModuleList(models)
     opt = make_optimizer(c, model)
-    step = _schedule_step(schedule, opt, first=rank == 0, last=rank == stages - 1)
-    return step, f"{c.layers // stages} layers per stage, 4 microbatches"
+    step = _schedule_step(schedule, opt, first=rank == 0, last=rank == ranks - 1)
+    return step, f"{c.layers // chunks} layers per chunk, {virtual} per rank, 4 microbatches"
 
 
 def _chunk_of(model: GPT, chunk: int, chunks: int) -> GPT:
@@ -413,6 +423,19 @@ def build_pp_gpipe(c: Config):
     """``torch.distributed.pipelining.ScheduleGPipe`` over two ``PipelineStage``s."""
     from torch.distributed.pipelining import ScheduleGPipe
     return _build_pp(c, ScheduleGPipe)
+
+
+def build_pp_interleaved(c: Config):
+    """``torch.distributed.pipelining.ScheduleInterleaved1F1B``, 2 chunks per rank."""
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+    return _build_pp(c, ScheduleInterleaved1F1B, virtual=2)
+
+
+def build_pp_interleaved_zb(c: Config):
+    """``torch.distributed.pipelining.ScheduleInterleavedZeroBubble``, 2 chunks per rank:
+    backward split into input and weight gradients, the weights' deferred."""
+    from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
+    return _build_pp(c, ScheduleInterleavedZeroBubble, virtual=2)
 
 
 def _build_pp_v(c: Config, schedule_class):

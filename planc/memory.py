@@ -150,18 +150,22 @@ def layers_in_flight(plan: Plan, stage: int) -> float:
     """Layer-microbatches whose activations a stage holds at its peak: the schedule's
     microbatch-chunks in flight times the layers of a chunk when the stage's chunks are
     alike; when they differ (uneven interleaving), the stage's schedule replayed, a
-    forward making its chunk's layers live and the backward that sends the input's
-    gradient freeing them, and the most layers live at once."""
+    forward making its chunk's layers live and the chunk's last backward block
+    (B, or W of a split backward) freeing them, and the most layers live at once."""
     pp, virtual = plan.mesh.pp, plan.shard.pp.virtual
     sizes = [plan.shard.pp.chunk_layers(c) for c in plan.chunks_of_stage(stage)]
     if len(set(sizes)) == 1:
         return microbatches_in_flight(plan, stage) * sizes[0]
     live = peak = 0
+    # A split backward keeps what its weight gradient reads (the layers' inputs and
+    # output gradients) until the W block, as the schedule's in-flight rule counts.
+    last = schedules.ActionKind.BACKWARD_WEIGHT if schedules.named(
+        plan.schedule.pipeline).splits_backward else schedules.ActionKind.BACKWARD
     for action in schedules.order(plan.schedule.pipeline, stage, pp,
                                   plan.schedule.microbatches, virtual):
         if action.kind.is_forward:
             live += plan.shard.pp.chunk_layers(action.chunk)
-        elif action.kind.flow < 0:  # the backward (or its input part) is done with them
+        elif action.kind is last:  # the backward is done with them
             live -= plan.shard.pp.chunk_layers(action.chunk)
         peak = max(peak, live)
     return peak

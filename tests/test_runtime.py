@@ -93,8 +93,9 @@ OVERLAPS = {
                                       optimize="pp_scatter_gather = off"),
 }
 # The zero-bubble schedules (input and weight gradients in blocks of their own), once
-# each with the passes as the plan says: uneven stages, tp with sequence parallelism, cp
-# ring, ZeRO 1 and 3, tied embeddings and overlap off.
+# each with the passes as the plan says: uneven stages (and uneven chunks with the head
+# alone), tp with sequence parallelism, cp ring, ZeRO 1 and 3, tied embeddings and
+# overlap off.
 ZERO_BUBBLE = {
     "zb1p-uneven-tp-sp": dict(mesh="tp = 2; pp = 2", m=4, schedule="; pipeline = zb1p",
                               shard="tp { sequence_parallel = on }; pp { stages = [0..0, 1..3] }"),
@@ -105,8 +106,9 @@ ZERO_BUBBLE = {
     "interleaved-zb-zero1-overlap-off": dict(
         mesh="pp = 2; dp = 2", m=2, schedule="; pipeline = interleaved_zb",
         shard="pp { virtual = 2 }; dp { zero = 1 }", optimize="overlap = off"),
-    "interleaved-zb-zero3": dict(mesh="pp = 2; dp = 2", m=2, schedule="; pipeline = interleaved_zb",
-                                 shard="pp { virtual = 2 }; dp { zero = 3 }"),
+    "interleaved-zb-uneven-zero3": dict(
+        mesh="pp = 2; dp = 2", m=2, schedule="; pipeline = interleaved_zb",
+        shard="pp { virtual = 2; stages = [0, 1..2, 3, head] }; dp { zero = 3 }"),
 }
 # The V schedules (chunk 0 and the last chunk on stage 0), which split the backward too:
 # tensor and sequence parallelism, ZeRO 1, 2 and 3, tied embeddings.
@@ -196,17 +198,23 @@ def losses() -> dict[str, list[float]]:
     return {}
 
 
+def run_checked(name: str, case: dict, tmp_path, capfd, *switches: str) -> list[dict]:
+    """``planc run --check`` of the matrix plan ``name`` into tmp_path/build: it must match
+    the one-process run; its metrics records."""
+    plan = tmp_path / f"{name}.plan"
+    plan.write_text(plan_text(name, **case))
+    metrics = tmp_path / "metrics.jsonl"
+    status, err = run([plan, "-o", tmp_path / "build", "--check", "--metrics", metrics,
+                       "--timeout", "60", *switches], capfd)
+    assert status == 0, err
+    assert "every loss and parameter matches" in err
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
 @pytest.mark.parametrize("switch", list(SWITCHES), ids=lambda s: s or "passes-on")
 @pytest.mark.parametrize("name", list(MATRIX))
 def test_every_plan_trains_exactly_like_one_process(name, switch, tmp_path, capfd, losses):
-    plan = tmp_path / f"{name}.plan"
-    plan.write_text(plan_text(name, **MATRIX[name]))
-    metrics = tmp_path / "metrics.jsonl"
-    status, err = run([plan, "-o", tmp_path / "build", "--check", "--metrics", metrics,
-                       "--timeout", "60", *SWITCHES[switch]], capfd)
-    assert status == 0, err
-    assert "every loss and parameter matches" in err
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = run_checked(name, MATRIX[name], tmp_path, capfd, *SWITCHES[switch])
     assert [r["step"] for r in records] == [0, 1]
     assert all(set(r) == METRICS for r in records)
     for r in records:  # the slowest rank's step, and where its compute stream spent it
@@ -225,17 +233,10 @@ def test_every_overlap_trains_exactly_like_one_process(name, tmp_path, capfd):
 
 @pytest.mark.parametrize("name", list(ZERO_BUBBLE))
 def test_zero_bubble_schedules_train_exactly_like_one_process(name, tmp_path, capfd, losses):
-    plan = tmp_path / f"{name}.plan"
-    plan.write_text(plan_text(name, **ZERO_BUBBLE[name]))
-    metrics = tmp_path / "metrics.jsonl"
-    status, err = run([plan, "-o", tmp_path / "build", "--check", "--metrics", metrics,
-                       "--timeout", "60"], capfd)
-    assert status == 0, err
-    assert "every loss and parameter matches" in err
+    records = run_checked(name, ZERO_BUBBLE[name], tmp_path, capfd)
     programs = json.loads((tmp_path / "build" / "programs" / "stage0.json").read_text())
     assert any(block.startswith("W") for block, _ in programs["schedule"])
-    losses[(name, "zero-bubble")] = [json.loads(line)["loss"]
-                                     for line in metrics.read_text().splitlines()]
+    losses[(name, "zero-bubble")] = [r["loss"] for r in records]
 
 
 # tp_overlap forced to split (on gloo the cost model keeps every GEMM whole, which the
@@ -267,20 +268,13 @@ def test_tp_overlap_trains_exactly_like_one_process(name, tmp_path, capfd):
 
 @pytest.mark.parametrize("name", list(ROUTES))
 def test_every_route_trains_exactly_like_one_process(name, tmp_path, capfd, losses):
-    plan = tmp_path / f"{name}.plan"
-    plan.write_text(plan_text(name, **ROUTES[name]))
-    metrics = tmp_path / "metrics.jsonl"
-    status, err = run([plan, "-o", tmp_path / "build", "--check", "--metrics", metrics,
-                       "--timeout", "60"], capfd)
-    assert status == 0, err
-    assert "every loss and parameter matches" in err
+    records = run_checked(name, ROUTES[name], tmp_path, capfd)
     graph = json.loads((tmp_path / "build" / "graph.json").read_text())
     decisions = next(p for p in graph["graph"]["passes"] if p["name"] == "route")["decisions"]
     expected = ROUTES_TAKEN[name]
     assert decisions and all(d["route"] in ("ring", "tree", "hierarchical") for d in decisions)
     if expected is not None:
         assert {(d["kind"], d["route"]) for d in decisions} == expected
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
     losses[(name, "route")] = [r["loss"] for r in records]
 
 

@@ -10,7 +10,7 @@ blocks are deferred into the bubbles that 1F1B leaves.
   (SC'21): stage s runs (virtual - 1) x pp + pp - s - 1 warm-up forwards, forwards walk
   a stage's chunks in rounds of pp microbatches and backwards walk them in reverse.
   torch.distributed.pipelining's ``ScheduleInterleavedZeroBubble`` generates the same
-  per-stage order (tests/test_schedules_zero_bubble.py compares them); with one chunk
+  per-stage order (tests/test_zero_bubble.py compares them); with one chunk
   per stage it gives ZB-H1.
 """
 
