@@ -19,6 +19,10 @@ from planc.lower.verify import verify
 from tests.conftest import PLANS
 
 EXAMPLES = sorted(PLANS.glob("*.plan"))
+# The held-out Narayanan et al. plans are the Megatron H100 plans' shapes at other sizes,
+# and tests/test_simulate.py compiles, lowers and replays every one of them: the suite
+# lowers and verifies the rest here, to stay within its time.
+DISTINCT_EXAMPLES = [p for p in EXAMPLES if not p.stem.startswith("narayanan-")]
 
 PP_PLAN = """plan pp {
   model gpt { layers = 4; hidden = 32; heads = 4; vocab = 128; seq = 16; batch = 8 }
@@ -38,7 +42,7 @@ def problems(build, programs=None, table=None) -> list[str]:
                   table or build.table, build.groups, build.routes).problems
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", DISTINCT_EXAMPLES, ids=lambda p: p.stem)
 def test_every_example_lowers_to_verified_programs(path):
     build = compile_plan(load_file(path).plan)
     assert problems(build) == []

@@ -211,8 +211,16 @@ def run_checked(name: str, case: dict, tmp_path, capfd, *switches: str) -> list[
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("switch", list(SWITCHES), ids=lambda s: s or "passes-on")
-@pytest.mark.parametrize("name", list(MATRIX))
+# Uneven interleaved chunks change what the derivation places, not what the passes do:
+# they run with the passes as the plan says only (the suite's time).
+PASSES_ON_ONLY = {"pp-interleaved-uneven-auto-tp-sp", "pp-interleaved-uneven-explicit",
+                  "tied-pp-interleaved-uneven"}
+RUNS = [(name, switch) for name in MATRIX for switch in SWITCHES
+        if switch == "" or name not in PASSES_ON_ONLY]
+
+
+@pytest.mark.parametrize("name,switch", RUNS,
+                         ids=[f"{n}-{s or 'passes-on'}" for n, s in RUNS])
 def test_every_plan_trains_exactly_like_one_process(name, switch, tmp_path, capfd, losses):
     records = run_checked(name, MATRIX[name], tmp_path, capfd, *SWITCHES[switch])
     assert [r["step"] for r in records] == [0, 1]
@@ -279,7 +287,7 @@ def test_every_route_trains_exactly_like_one_process(name, tmp_path, capfd, loss
 
 
 def test_every_plan_of_one_model_follows_the_same_loss_curve(losses):
-    if len(losses) < len(MATRIX) * len(SWITCHES) + len(ROUTES):
+    if len(losses) < len(RUNS) + len(ROUTES):
         pytest.skip("needs the whole matrix")
     reference = losses[("single", "")]
     tied = losses[("tied-over-pp", "")]
