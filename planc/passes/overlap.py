@@ -12,7 +12,11 @@ Decisions, each an attribute the lowering follows (:mod:`planc.lower.lower`):
   issued inside the backward block of its chunk, guarded to run on the last
   microbatch only, right after the last backward step that writes one of its members
   (PyTorch DDP, Megatron-LM ``overlap_grad_reduce``); the step's loss report likewise
-  after the last forward. The optimizer steps stay in the epilogue, each waiting only
+  after the last forward. The tied embedding's all-reduce stays in the epilogue, after
+  the pipeline has drained, as Megatron-LM's ``finalize_model_grads`` runs it: its group
+  joins two stages, and issued inside a block it would hold the dp stream (and the
+  ZeRO-3 gathers queued behind it) until the other stage finished its own backward,
+  which may wait for this one. The optimizer steps stay in the epilogue, each waiting only
   for its own bucket. ZeRO-1/2 parameter all-gathers move to the prologue of the next
   step, and each forward step waits only for the bucket it reads (Megatron-LM
   ``overlap_param_gather``); the lowering adds those waits, since an edge from this
@@ -77,7 +81,7 @@ def overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
     for node, data in out.nodes(data=True):
         if data["per_microbatch"] or data["type"] == NodeType.COMPUTE:
             continue
-        if data["payload"] in (Payload.GRAD, Payload.LOSS):
+        if data["payload"] in (Payload.GRAD, Payload.LOSS) and data["axis"] != Axis.TIED:
             data.update(placement="block", guard="last")
             guarded += data["payload"] == Payload.GRAD
         elif data["payload"] == Payload.PARAM and data["phase"] == Phase.OPTIMIZER:
