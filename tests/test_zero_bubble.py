@@ -17,6 +17,7 @@ from planc.schedules import Action, ActionKind, PipelineShape
 from planc.schedules.zero_bubble import held_at_peak
 from planc.simulate import simulate
 from tests.conftest import PLANS
+from tests.test_schedules import plan_text as schedule_plan_text
 
 torch_schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 
@@ -117,13 +118,9 @@ def test_weight_gradients_fill_the_bubble():
     assert makespan("interleaved_zb", 2) == 25.5
 
 
-def plan_text(pp=2, microbatches=4, pipeline="zb1p", virtual=1, layers=4, batch=8):
-    return f"""plan p {{
-  model gpt {{ layers = {layers}; hidden = 32; heads = 4; vocab = 128; seq = 16; batch = {batch} }}
-  mesh {{ pp = {pp} }}
-  shard {{ pp {{ virtual = {virtual} }} }}
-  schedule {{ microbatches = {microbatches}; pipeline = {pipeline} }}
-}}"""
+def plan_text(pipeline="zb1p", **keys) -> str:
+    """test_schedules' small pipeline plan, under a zero-bubble schedule unless told."""
+    return schedule_plan_text(pipeline=pipeline, **keys)
 
 
 def errors_of(text: str) -> list[tuple]:
