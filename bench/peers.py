@@ -37,9 +37,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 WARMUP = 2
+# The plans say what they run on: gloo processes on CPU cores (the cpu preset, whose
+# collectives hide nothing behind compute, as planc calibrate measures here).
 PLAN = """plan bench {{
   model gpt {{ layers = 4; hidden = 256; heads = 8; vocab = 2048; seq = 128; batch = 16 }}
   mesh {{ {mesh} }}
+  topology {{ preset = cpu }}
   shard {{ {shard} }}
   schedule {{ microbatches = {m}; pipeline = {pipeline} }}
   optimize {{ {optimize} }}

@@ -107,6 +107,10 @@ class Device:
     memory: float | None  # bytes; None when the topology does not say
     efficiency: float = 0.5  # achievable fraction of peak
     bandwidth: float = 1e12  # memory bytes/s, for operators bound by memory traffic
+    # Fraction of a collective's time that can run hidden behind a GEMM: 1 where the
+    # network has its own engines (NCCL's kernels beside cuBLAS's), 0 where the
+    # collective needs the cores the GEMM already fills (gloo on a CPU).
+    overlap: float = 1.0
 
 
 @dataclass(frozen=True)

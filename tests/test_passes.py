@@ -511,6 +511,33 @@ def test_tp_overlap_on_asks_the_cost_model_and_records_why():
         assert seconds["1"] == min(seconds.values())
 
 
+BENCH_TP = """plan t {{
+  model gpt {{ layers = 4; hidden = 256; heads = 8; vocab = 2048; seq = 128; batch = 16 }}
+  mesh {{ tp = 2 }}
+  {topology}
+}}"""
+
+
+@pytest.mark.parametrize("topology, split", [
+    ("", "8 of 16"),  # generic links with their own engines: fc1 and fc2 split in 2
+    ("topology { preset = cpu }", "0 of 16"),  # gloo on the GEMM's cores: overlap 0
+    ("topology { device { overlap = 0 } }", "0 of 16"),
+    ("topology { preset = cpu; device { overlap = 1 } }", "16 of 16"),
+])
+def test_tp_overlap_keeps_gemms_whole_where_nothing_hides_behind_them(topology, split):
+    """bench/peers.py's tp 2 model: with the device's overlap at 0 a piece's collective
+    runs after its GEMM, so k pieces cost k fixed costs and gain nothing (the chooser's
+    (1 - o) min(c, g) term); the same GEMMs split where the device hides a collective."""
+    build = compile_plan(load_text(BENCH_TP.format(topology=topology)).plan)
+    record = next(p for p in build.graph.graph["passes"] if p["name"] == "tp_overlap")
+    assert record["line"].startswith(f"tp_overlap: {split} tp GEMMs split")
+    for decision in record["decisions"]:
+        seconds = decision["predicted_seconds"]
+        assert seconds[str(decision["chunks"])] == min(seconds.values())
+        if split == "0 of 16":
+            assert seconds["1"] < seconds["2"] < seconds["4"] < seconds["8"]
+
+
 def test_a_megatron_plan_splits_its_gemms_by_the_cost_model():
     build = compile_plan(load_file(PLANS / "megatron-h100-7_1b.plan").plan)
     record = next(p for p in build.graph.graph["passes"] if p["name"] == "tp_overlap")

@@ -406,6 +406,12 @@ def test_calibrate_writes_a_topology_that_a_plan_can_use(tmp_path, run_planc):
     assert lines[-1] == f'written to {output}; use it with topology {{ preset = "{output}" }}'
     data = json.loads(output.read_text())
     preset = calibrated_preset(data, "machine.json")
+    assert lines[-2] == (f"overlap: {data['device']['overlap']:.2f} of an all_reduce hidden "
+                         f"behind a matrix multiply")
+    figures = data["measured"]["overlap"]
+    share = (figures["gemm"] + figures["all_reduce"] - figures["together"]) / \
+        min(figures["gemm"], figures["all_reduce"])
+    assert data["device"]["overlap"] == min(1.0, max(0.0, share))
     assert preset.devices_per_node == 2 and "inter" not in data["measured"]
     assert preset.inter_bandwidth == preset.intra_bandwidth
     assert {t.kind for t in preset.intra_collectives} == {"all_reduce", "reduce_scatter",

@@ -67,5 +67,6 @@ def main(args) -> int:
             print(f"  {tuning.kind}: {tuning.bandwidth / 1e9:.3g} GB/s bus bandwidth, "
                   f"{format_quantity(tuning.latency, TIME)} per call")
     print(f"compute: {preset.flops['fp32'] / 1e9:.3g} GFLOP/s per rank\n"
+          f"overlap: {preset.overlap:.2f} of an all_reduce hidden behind a matrix multiply\n"
           f"written to {output}; use it with topology {{ preset = \"{output}\" }}")
     return EXIT_OK

@@ -29,12 +29,14 @@ class Preset:
     intra_collectives: tuple[Tuning, ...] = ()  # measured by planc calibrate
     inter_collectives: tuple[Tuning, ...] = ()
     memory_bandwidth: float = 1e12  # bytes/s of the device's memory
+    overlap: float = 1.0  # fraction of a collective hidden behind compute (Device.overlap)
 
     def topology(self, nodes: int, dtype: str = "fp32") -> Topology:
         """The preset's machine with ``nodes`` nodes, every figure as measured."""
         per_node = self.devices_per_node or 1
         return Topology(nodes, per_node, Device(self.flops[dtype], self.memory,
-                                                self.efficiency, self.memory_bandwidth),
+                                                self.efficiency, self.memory_bandwidth,
+                                                self.overlap),
                         Link(self.intra_bandwidth, self.intra_latency, self.intra_collectives),
                         Link(self.inter_bandwidth, self.inter_latency, self.inter_collectives),
                         self.name)
@@ -58,10 +60,11 @@ PRESETS: dict[str, Preset] = {
     # One gloo process per socket of a dual-socket x86 server (32 cores at 2 GHz with
     # AVX-512: 32 x 2e9 x 32 fp32 FLOP/cycle = 2 TFLOP/s; bf16 is no faster on most
     # CPUs), eight DDR4-3200 channels per socket (205 GB/s), shared memory inside a
-    # host, 25 Gb/s Ethernet between hosts.
+    # host, 25 Gb/s Ethernet between hosts. A gloo collective runs on the cores that
+    # torch's GEMM threads already fill, so none of it hides behind compute.
     "cpu": Preset("cpu", "CPU servers running gloo: 2 TFLOP/s per process, 25 Gb/s Ethernet",
                   None, {"bf16": 2e12, "fp16": 2e12, "fp32": 2e12}, 256e9, 0.5,
-                  10e9, 10e-6, 3.125e9, 50e-6, memory_bandwidth=205e9),
+                  10e9, 10e-6, 3.125e9, 50e-6, memory_bandwidth=205e9, overlap=0.0),
 }
 
 # The topology of a plan that says nothing about it: one node, generic links, and no
@@ -77,7 +80,8 @@ CALIBRATED_FORMAT, CALIBRATED_VERSION = "planc-topology", 1
 
 
 def calibrated_document(name: str, devices_per_node: int, flops: float, intra: dict,
-                        inter: dict, measured: dict, memory_bandwidth: float) -> dict:
+                        inter: dict, measured: dict, memory_bandwidth: float,
+                        overlap: float) -> dict:
     """The JSON of a measured machine. A link is ``{"bandwidth": B/s, "latency": s,
     "collectives": {kind: {"bandwidth": bus B/s, "latency": s per call}}}``: the
     point-to-point figures, and what the backend achieves for each collective (``tree``:
@@ -85,7 +89,7 @@ def calibrated_document(name: str, devices_per_node: int, flops: float, intra: d
     return {"format": CALIBRATED_FORMAT, "version": CALIBRATED_VERSION, "name": name,
             "devices_per_node": devices_per_node,
             "device": {"flops": flops, "memory": None, "efficiency": 1.0,
-                       "bandwidth": memory_bandwidth},
+                       "bandwidth": memory_bandwidth, "overlap": overlap},
             "intra": intra, "inter": inter, "measured": measured}
 
 
@@ -139,7 +143,12 @@ def calibrated_preset(data, name: str) -> Preset:
     memory = device.get("memory")
     if memory is not None:
         memory = _number(memory, "device.memory")
+    # Topologies calibrated before overlap was measured: the Device default.
+    overlap = _number(device.get("overlap", 1.0), "device.overlap", False)
+    if overlap > 1:
+        raise ValueError("device.overlap must be at most 1")
     intra, inter = _link(data, "intra"), _link(data, "inter")
     return Preset(name, str(data.get("name", name)), per_node,
                   {"bf16": flops, "fp16": flops, "fp32": flops}, memory, efficiency,
-                  intra[0], intra[1], inter[0], inter[1], intra[2], inter[2], bandwidth)
+                  intra[0], intra[1], inter[0], inter[1], intra[2], inter[2], bandwidth,
+                  overlap)

@@ -89,6 +89,7 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
             "flops": Key(Quantity(COMPUTE)), "memory": Key(Quantity(SIZE)),
             "efficiency": Key(Real(0.0, 1.0, False)),
             "bandwidth": Key(Quantity(RATE)),
+            "overlap": Key(Real(0.0, 1.0)),
         }),
         "intra": BlockSchema("intra", keys=dict(_LINK)),
         "inter": BlockSchema("inter", keys=dict(_LINK)),

@@ -78,7 +78,8 @@ class TopologyReader(BlockReader):
         device = Device(pick("device.flops", preset.flops[dtype]),
                         pick("device.memory", preset.memory),
                         pick("device.efficiency", preset.efficiency),
-                        pick("device.bandwidth", preset.memory_bandwidth))
+                        pick("device.bandwidth", preset.memory_bandwidth),
+                        pick("device.overlap", preset.overlap))
         # A link given in the plan replaces the preset's, measured collectives and all.
         intra = Link(pick("intra.bandwidth", preset.intra_bandwidth),
                      pick("intra.latency", preset.intra_latency),

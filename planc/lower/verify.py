@@ -11,7 +11,9 @@ The invariants of docs/semantics.md, section 5:
 5. every tree or hierarchical route runs a recipe that computes exactly the collective
    it replaces, without deadlock (:mod:`planc.lower.verify_routes`);
 6. ring attention's cp ring steps are deadlock-free and meet every block
-   (:mod:`planc.lower.verify_ring`).
+   (:mod:`planc.lower.verify_ring`);
+7. where a collective spans stages (the tied embedding's), the whole step, stream by
+   stream, runs to its end (:mod:`planc.lower.verify_progress`).
 
 Before any of these, every instruction's operands (what the runtime runs) must be the
 ones the graph implies (:func:`planc.lower.bind.operands_of`): the proofs below read the
@@ -34,6 +36,7 @@ from planc.lower.groups import GroupTable
 from planc.lower.program import COLLECTIVES, Program, RankTable
 from planc.lower.routes import RouteTable, routed_nodes
 from planc.lower.verify_pipeline import PipelineChecks
+from planc.lower.verify_progress import ProgressChecks
 from planc.lower.verify_report import Report, ranks_text
 from planc.lower.verify_ring import RingChecks, is_ring
 from planc.lower.verify_routes import check_routes
@@ -42,7 +45,7 @@ from planc.mesh import PIPELINE_AXIS
 from planc.plan import Plan
 
 
-class _Verifier(StreamChecks, PipelineChecks, RingChecks):
+class _Verifier(StreamChecks, PipelineChecks, RingChecks, ProgressChecks):
     def __init__(self, plan: Plan, graph: nx.DiGraph, programs: dict[str, Program],
                  table: RankTable, groups: GroupTable | None = None,
                  routes: RouteTable | None = None):
@@ -226,6 +229,8 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks):
                 self.ring(name, program)
         self.collective_order()
         self.pipeline()
+        if not self.report.problems:  # matched and ordered: now the streams together
+            self.progress()
         self.route_recipes()
         return self.report
 

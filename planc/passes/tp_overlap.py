@@ -27,12 +27,15 @@ back its own ``j``-th slice. A linear acts on each token by itself, so the piece
 what the whole GEMM computes.
 
 The chunk count, with ``tp_overlap = on``: the least predicted time of the two-stage
-pipeline ``c(B/k) + g(k) + (k - 1) max(c(B/k), g(k))`` (``c`` a chunk collective over its
-route by the cost model, ``g(k)`` the GEMM of one piece, by the simulator's kernel model
-on a known GPU, :mod:`planc.kernel_cost`, where a piece runs less efficiently and pays a
-launch), summed over the linear's chunked collectives, among the counts 1, 2, 4 and 8
-that divide the tokens; 1 (no split) when nothing beats it, as on gloo,
-where a collective's fixed cost dwarfs a small GEMM. An integer forces that count.
+pipeline ``c(B/k) + g(k) + (k - 1) (max(c, g) + (1 - o) min(c, g))`` (``c`` a chunk
+collective over its route by the cost model, ``g(k)`` the GEMM of one piece, by the
+simulator's kernel model on a known GPU, :mod:`planc.kernel_cost`, where a piece runs
+less efficiently and pays a launch; ``o`` the device's ``overlap``, the share of a
+collective that hides behind a GEMM), summed over the linear's chunked collectives,
+among the counts 1, 2, 4 and 8 that divide the tokens; 1 (no split) when nothing beats
+it: always where ``o = 0``, as with gloo on CPUs whose cores the GEMM fills (the ``cpu``
+preset; ``planc calibrate`` measures ``o``), where ``k`` pieces cost ``k`` collectives'
+fixed costs and hide nothing. An integer forces that count.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ LINEARS = (Op.QKV, Op.PROJ, Op.FC1, Op.FC2)
 COUNTS = (1, 2, 4, 8)
 RECOMPUTED = "recomputed in the backward: left whole"
 NO_GAIN = ("the cost model predicts no gain: a chunk collective costs about as much as the "
-           "whole one (its fixed cost dominates)")
+           "whole one (its fixed cost dominates), or the device hides no collective "
+           "behind a GEMM (overlap = 0)")
 # The pass line's words for a reason no GEMM was split.
 NO_SPLIT = {RECOMPUTED: "each is recomputed in the backward (not chunked yet)",
             NO_GAIN: "the cost model predicts no gain from chunking on this topology"}
@@ -104,12 +108,12 @@ def gemm_seconds(ctx: PassContext, kernels: KernelModel | None, op: str, phase: 
 def _predicted(ctx: PassContext, kernels: KernelModel | None, graph: nx.DiGraph,
                sides: dict[str, str], op: str, flops: float, k: int,
                placements: dict) -> float:
-    total = 0.0
+    total, hidden = 0.0, ctx.cost.topology.device.overlap
     for side, collective in sides.items():
         data = graph.nodes[collective]
         c = collective_seconds(ctx, placements, data, data["bytes"] // k)
         g = gemm_seconds(ctx, kernels, op, side.split()[0], flops / k)
-        total += c + g + (k - 1) * max(c, g)
+        total += c + g + (k - 1) * (max(c, g) + (1 - hidden) * min(c, g))
     return total
 
 

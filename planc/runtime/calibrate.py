@@ -19,7 +19,10 @@ training step puts on it):
   latency per call beyond the steps' latencies, as in NCCL's tuning model (planc.cost).
 
 The compute rate is that of an fp32 matrix multiply with every rank multiplying at once,
-the memory bandwidth that of a 64 MB copy.
+the memory bandwidth that of a 64 MB copy. The overlap is the share of an all_reduce that
+hides behind that multiply when both run at once (the device's ``overlap``, which
+tp_overlap's chooser reads): near 1 where the backend has its own engines, near 0 where
+gloo's threads need the cores the multiply fills.
 Rank 0 writes the topology atomically (planc.lang.presets; a plan names it with
 ``topology { preset = "FILE" }``).
 """
@@ -192,6 +195,26 @@ def measure_compute(repeats: int) -> float:
     return 2 * 1024 ** 3 / seconds
 
 
+def measure_overlap(repeats: int) -> dict:
+    """How much of an all_reduce over the world hides behind a 1024 x 1024 matrix
+    multiply started while it is in flight: ``(g + c - both) / min(g, c)``, from 0 (they
+    take turns) to 1 (the shorter one is hidden), ``g`` and ``c`` each alone."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    buffer = torch.ones(1 << 20)  # 4 MB: a tp activation of a small model
+
+    def both():
+        work = dist.all_reduce(buffer, async_op=True)
+        a @ b
+        work.wait()
+
+    gemm = timed(lambda: a @ b, 1 << 30, repeats)
+    collective = timed(lambda: dist.all_reduce(buffer), 1 << 30, repeats)
+    together = timed(both, 1 << 30, repeats)
+    share = (gemm + collective - together) / min(gemm, collective)
+    return {"gemm": gemm, "all_reduce": collective, "together": together,
+            "overlap": min(1.0, max(0.0, share))}
+
+
 def measure_memory(repeats: int) -> float:
     """Bytes/s of copying a 64 MB tensor (read and write), the node's ranks all at once."""
     source = torch.ones(16 << 20)
@@ -224,9 +247,10 @@ def calibrate(per_node: int, repeats: int) -> dict:
     inter = links.get("inter") or links["intra"]
     flops = measure_compute(repeats)
     memory = measure_memory(repeats)
+    measured["overlap"] = measure_overlap(repeats)
     return calibrated_document(f"calibrated {dist.get_backend()}, {world} ranks on {nodes} "
                                f"node{'s' * (nodes > 1)}", per_node, flops, intra, inter,
-                               measured, memory)
+                               measured, memory, measured["overlap"]["overlap"])
 
 
 def main(argv: list[str] | None = None) -> int:
