@@ -38,8 +38,13 @@ demo: $(STAMP) $(CORPUS)
 	@echo "graph:  $(abspath $(DEMO))/graph.html"
 	@echo "report: $(abspath $(DEMO))/report.html"
 
+# The suite in up to 4 worker processes (pytest-xdist), a test file per worker at a time:
+# most tests wait on rank processes, torch's import or the disk, so even 2 cores gain
+# (14.5 -> 10.2 min here); a file's shared fixtures are built once.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 4 ? 4 : n )))
+
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(PY) bench/parse.py

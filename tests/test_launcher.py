@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -146,16 +149,34 @@ def test_ctrl_c_prints_no_traceback_and_stops_every_process(stuck):
     assert [p for p in everyone if alive(p)] == []
 
 
-def test_a_failed_run_leaves_no_error_files_in_the_temporary_directory(stuck, tmp_path):
-    temporary = tmp_path / "tmp"
+def test_a_failed_run_leaves_no_error_files_in_the_temporary_directory(stuck):
+    # beside the runner's own temporary files: a tmp_path may be too deep for a socket
+    temporary = Path(tempfile.mkdtemp(prefix="planc-t-"))
+    try:
+        process = start(stuck, "--timeout", "2", env={"TMPDIR": str(temporary)})
+        _, err = process.communicate(timeout=120)
+        assert process.returncode == 1
+        assert "made no progress for 2 s" in err
+        # torch keeps its compiler cache there (torchinductor_USER); no error files
+        assert [p.name for p in temporary.iterdir()
+                if not p.name.startswith("torchinductor_")] == []
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
+def test_a_temporary_directory_too_long_for_the_fork_servers_socket_is_an_error(stuck,
+                                                                              tmp_path):
+    temporary = tmp_path / ("t" * 100)
     temporary.mkdir()
-    process = start(stuck, "--timeout", "2", env={"TMPDIR": str(temporary)})
-    _, err = process.communicate(timeout=120)
+    process = start(stuck, env={"TMPDIR": str(temporary)})
+    out, err = process.communicate(timeout=120)
     assert process.returncode == 1
-    assert "made no progress for 2 s" in err
-    # torch keeps its compiler cache there (torchinductor_USER); no error files
-    assert [p.name for p in temporary.iterdir() if not p.name.startswith("torchinductor_")] \
-        == []
+    assert err.endswith(f"planc: error: the temporary directory {temporary} is too long a "
+                        f"path ({len(str(temporary))} bytes) for the Unix socket through "
+                        f"which the ranks are started (at most 75 bytes): set TMPDIR to a "
+                        f"shorter directory; nothing was run\n")
+    assert "Traceback" not in out + err
+    assert list(temporary.iterdir()) == []
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "1e308", "-inf", "0", "604801"])

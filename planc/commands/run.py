@@ -47,7 +47,7 @@ def _run(args) -> int:
         # until the import is done (planc.interrupts)
         with args.interrupts.deferred():
             from planc.runtime.data import DataError, check_data
-            from planc.runtime.launch import gpus, launch
+            from planc.runtime.launch import fork_server_problem, gpus, launch
 
             devices = gpus()  # imports torch: here, with signals deferred
     except ImportError as exc:
@@ -63,6 +63,9 @@ def _run(args) -> int:
         return fail(f"the nccl backend needs a GPU per rank: the plan has "
                     f"{built.plan.world} ranks, this machine {devices} GPUs; use --backend "
                     f"gloo or torchrun across nodes")
+    problem = fork_server_problem(backend)
+    if problem:
+        return fail(problem)
     logs = os.path.join(directory, "logs")
     if os.path.islink(logs) or (os.path.lexists(logs) and not os.path.isdir(logs)):
         return fail(f"{logs} is {'a symbolic link' if os.path.islink(logs) else 'not a directory'}"

@@ -40,6 +40,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -204,6 +205,27 @@ def _launch(build_dir: str, world: int, worker_args: list[str], backend: str,
         finally:
             _stop(ranks)
             remove_store(store)
+
+
+# A Unix socket's path holds at most 107 bytes (sun_path, Linux's unix(7)); Python's fork
+# server listens at TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, 32 bytes beyond TMPDIR.
+SOCKET_PATH_MAX, FORK_SERVER_SUFFIX = 107, 32
+
+
+def fork_server_problem(backend: str) -> str | None:
+    """Why the fork server that starts gloo ranks could not listen, before trying: a
+    temporary directory too long a path for its socket (else a traceback from deep
+    inside multiprocessing)."""
+    if backend == "nccl":
+        return None
+    directory = tempfile.gettempdir()
+    length = len(os.fsencode(directory))
+    if length + FORK_SERVER_SUFFIX <= SOCKET_PATH_MAX:
+        return None
+    return (f"the temporary directory {directory} is too long a path ({length} bytes) for "
+            f"the Unix socket through which the ranks are started (at most "
+            f"{SOCKET_PATH_MAX - FORK_SERVER_SUFFIX} bytes): set TMPDIR to a shorter "
+            f"directory; nothing was run")
 
 
 def _start_ranks(ranks: list[_Rank], world: int, logs: str, build_dir: str,
