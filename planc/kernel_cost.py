@@ -83,6 +83,8 @@ GEMM_INPUT = {"qkv": "stream", "proj": "stream", "fc1": "stream", "fc2": "ffn",
               "head": "stream"}
 SPLIT_N = ("column", "vocab")  # tensor-parallel layouts that split a GEMM's output features
 ATTENTION = "attention"
+MIXTURE = "moe"
+MIXTURE_GEMMS = 5  # the router, the gate, up and down grouped GEMMs, the shared SwiGLU
 CAUSAL = 0.5  # the share of an attention's FLOPs (every key counted) a causal mask leaves
 FLASH_BACKWARD = 2.5  # FlashAttention counts a backward as 2.5 forwards
 OPTIMIZER = "optimizer"
@@ -207,6 +209,13 @@ class KernelModel:
         if kernel in self.features:
             return self.linear_seconds(kernel, operands.step, flops,
                                        operands.weight_step is not None)
+        if kernel == MIXTURE:
+            # A mixture of experts: its router and experts' GEMMs, each as one grouped
+            # GEMM at the large-GEMM rate (MegaBlocks' grouped GEMMs reach cuBLAS's on
+            # well-filled experts), with a launch per GEMM of the forward or backward.
+            passes = 2.0 if operands.step == "backward" else 1.0
+            return flops / (self.peak * self.gpu.large) + \
+                passes * MIXTURE_GEMMS * self.gpu.launch
         if kernel == ATTENTION and not self.gpu.flash:
             return self.unfused_attention(operands.step == "backward")
         if kernel == ATTENTION:

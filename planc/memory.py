@@ -107,9 +107,9 @@ def _local_elements(plan: Plan, params) -> int:
     return count
 
 
-def layer_parameters(plan: Plan) -> int:
-    """Parameter elements of one transformer block on one tp rank."""
-    return _local_elements(plan, family_of(plan).layer_parameters(plan.model, 0))
+def layer_parameters(plan: Plan, layer: int = 0) -> int:
+    """Parameter elements of transformer block ``layer`` on one tp rank."""
+    return _local_elements(plan, family_of(plan).layer_parameters(plan.model, layer))
 
 
 def stage_parameters(plan: Plan, stage: int) -> int:
@@ -118,7 +118,10 @@ def stage_parameters(plan: Plan, stage: int) -> int:
     family = family_of(plan)
     embedding_table = m.vocab * m.hidden // (tp if tensor.embedding != "replicate" else 1)
     head_table = m.vocab * m.hidden // (tp if tensor.head != "replicate" else 1)
-    count = len(plan.layers_of_stage(stage)) * layer_parameters(plan)
+    if family.layer_block is None:  # every block alike
+        count = len(plan.layers_of_stage(stage)) * layer_parameters(plan)
+    else:
+        count = sum(layer_parameters(plan, layer) for layer in plan.layers_of_stage(stage))
     if stage == 0:
         count += _local_elements(plan, family.embedding_parameters(m))
     if stage == plan.head_stage:

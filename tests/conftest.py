@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -96,3 +97,16 @@ def permissions_apply(tmp_path_factory) -> None:
     if probe.returncode != 0:
         pytest.skip(f"a mode-000 directory is readable here (status {probe.returncode}: "
                     f"{probe.stderr[-300:]}); file permissions cannot be tested")
+
+
+def checkpoint_tensors(directory: Path) -> dict:
+    """Every tensor of the latest checkpoint in ``directory``, by its name."""
+    from safetensors import safe_open
+
+    step = directory / (directory / "latest").read_text().strip()
+    index = json.loads((step / "model.safetensors.index.json").read_text())["weight_map"]
+    tensors = {}
+    for name, file in index.items():
+        with safe_open(str(step / file), framework="pt") as handle:
+            tensors[name] = handle.get_tensor(name)
+    return tensors

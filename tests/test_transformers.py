@@ -18,13 +18,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from safetensors import safe_open  # noqa: E402
-
 from planc.cli import main  # noqa: E402
 from planc.export.hf import hf_config, hf_name  # noqa: E402
 from planc.lang import load_text  # noqa: E402
 from planc.runtime.data import batch_tokens  # noqa: E402
 from planc.runtime.reference import initial, parameters  # noqa: E402
+from tests.conftest import checkpoint_tensors  # noqa: E402
 
 LR = 1000.0
 PLAN = """plan hf_reference {{
@@ -61,16 +60,6 @@ def _hf_loss(model, plan):
                                              tokens[:, 1:].reshape(-1))
 
 
-def _checkpoint_tensors(directory):
-    step = directory / (directory / "latest").read_text().strip()
-    index = json.loads((step / "model.safetensors.index.json").read_text())["weight_map"]
-    tensors = {}
-    for name, file in index.items():
-        with safe_open(str(step / file), framework="pt") as handle:
-            tensors[name] = handle.get_tensor(name)
-    return tensors
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh,kv,m", [("", 2, 1), ("tp = 2; pp = 2", 1, 2)],
                          ids=["1-rank", "tp2-pp2-shared-kv"])
@@ -91,7 +80,7 @@ def test_loss_and_every_gradient_equal_transformers(mesh, kv, m, tmp_path, capfd
     loss.backward()
     assert planc_loss == pytest.approx(loss.item(), rel=1e-5)
 
-    final = _checkpoint_tensors(checkpoints)
+    final = checkpoint_tensors(checkpoints)
     hf_params = dict(model.named_parameters())
     assert len(final) == len(parameters(plan)) == 3 * 9 + 3
     for name, param in parameters(plan).items():
@@ -117,7 +106,7 @@ def test_export_loads_in_transformers_and_computes_the_same_loss(tmp_path, capfd
     assert "wrote 30 tensors" in capfd.readouterr().err
     model = transformers.LlamaForCausalLM.from_pretrained(str(exported),
                                                          attn_implementation="eager")
-    final = _checkpoint_tensors(checkpoints)
+    final = checkpoint_tensors(checkpoints)
     for name, value in final.items():
         target, transpose = hf_name(name)
         loaded = dict(model.named_parameters())[target].detach()

@@ -262,9 +262,10 @@ class _Derivation(AxisRules, ParameterRules):
     def _forward_layer(self, chunk: int, layer: int, x: tuple[str, str]) -> tuple[str, str]:
         """One block, wired as its family's links say; the block's input is the residual
         stream, whose layout the plan fixes."""
-        n = {op: self._op_node("F", chunk, layer, op) for op in self.family.layer_ops}
+        ops, links = self.family.block(self.plan.model, layer)
+        n = {op: self._op_node("F", chunk, layer, op) for op in ops}
         x_op, x_node = x
-        for producer, consumer, port in self.family.layer_links:
+        for producer, consumer, port in links:
             if producer == INPUT:
                 # The residual stream, except straight after the embedding, whose own
                 # layout (a partial sum when vocabulary-parallel) is redistributed here.
@@ -423,8 +424,9 @@ class _Derivation(AxisRules, ParameterRules):
             return
         # Full recomputation runs the layer's forward again from its checkpointed input,
         # transfers included, just before its backward.
-        nodes = {op: self._op_node("R", chunk, layer, op) for op in self.family.layer_ops}
-        for producer, consumer, _port in self.family.layer_links:
+        ops, block_links = self.family.block(self.plan.model, layer)
+        nodes = {op: self._op_node("R", chunk, layer, op) for op in ops}
+        for producer, consumer, _port in block_links:
             if producer == INPUT:  # reads the checkpointed block input
                 self.edge(f"F/L{layer}/{consumer}", nodes[consumer], EdgeKind.SAVED)
         for link in links:
@@ -435,7 +437,7 @@ class _Derivation(AxisRules, ParameterRules):
             self._connect(u, v, carried, link.port)
             if link.ops == ("qkv", "attention") and self.cp > 1:
                 self._cp_forward("R", chunk, layer, carried[0], v)
-        for op in self.family.layer_ops:
+        for op in ops:
             self.edge(nodes[op], f"B/L{layer}/{op}", EdgeKind.SAVED)
             self._recomputed_by(f"B/L{layer}/{op}", nodes[op])
 

@@ -171,6 +171,16 @@ def choices(op: str, plan: Plan, stream: Layout) -> list[Choice]:
         return _pointwise(rule)
     if rule.kind == "norm":
         return _norm(rule, stream)
+    if rule.kind == "tokenwise":
+        # Each token by itself through replicated weights (a mixture of experts with its
+        # experts whole on every tp rank): on every token, or on this rank's share of
+        # them, as Megatron-Core splits the tokens over tp before routing; a weight's
+        # gradient is then a partial sum over tp.
+        dims = _param_dims(plan)
+        uses = [(name, dims[name]) for name in rule.params if name in dims]
+        return [Choice(R, R, R, False, tuple(ParamUse(n, R, R, d) for n, d in uses)),
+                Choice(S("seq"), S("seq"), S("seq"), True,
+                       tuple(ParamUse(n, R, S("seq"), d) for n, d in uses))]
     if rule.kind == "residual":
         return [Choice(stream, stream, stream, stream.is_sharded)]
     if rule.kind == "position":
@@ -244,11 +254,40 @@ def _param_elements(plan: Plan) -> dict[str, int]:
     """Elements of every parameter, by its name within a block (or its global name)."""
     sizes = {}
     family = family_of(plan)
-    first_layer = family.layer_parameters(plan.model, 0)
-    for param in first_layer + family.embedding_parameters(plan.model) + \
-            family.head_parameters(plan.model):
-        sizes[param.name.removeprefix("layers.0.")] = param.numel
+    for layer in _layer_kinds(plan):
+        for param in family.layer_parameters(plan.model, layer):
+            sizes[param.name.removeprefix(f"layers.{layer}.")] = param.numel
+    for param in family.embedding_parameters(plan.model) + family.head_parameters(plan.model):
+        sizes[param.name] = param.numel
     return sizes
+
+
+def _param_dims(plan: Plan) -> dict[str, tuple[str, ...]]:
+    """The dimension names of every block parameter, by its name within a block."""
+    family = family_of(plan)
+    return {p.name.removeprefix(f"layers.{layer}."): p.dims for layer in _layer_kinds(plan)
+            for p in family.layer_parameters(plan.model, layer)}
+
+
+def _layer_kinds(plan: Plan) -> list[int]:
+    """One layer of each kind of block the model has (all alike but a mixture of experts'
+    dense first layers)."""
+    family = family_of(plan)
+    if family.layer_block is None:
+        return [0]
+    first: dict[tuple[str, ...], int] = {}
+    for layer in range(plan.model.layers):
+        first.setdefault(family.block(plan.model, layer)[0], layer)
+    return sorted(first.values())
+
+
+def _used_chains(plan: Plan) -> list[str]:
+    """The layout-search chains whose operators some block of this model has."""
+    family = family_of(plan)
+    used = set(family.embedding_ops) | set(family.head_ops)
+    for layer in _layer_kinds(plan):
+        used.update(family.block(plan.model, layer)[0])
+    return [name for name, ops in family.chains.items() if set(ops) <= used]
 
 
 def _evaluate(ops: tuple[str, ...], picks: tuple[Choice, ...], source: Layout,
@@ -334,7 +373,7 @@ def plan_tensor_parallel(plan: Plan) -> TensorParallelPlan:
     ops: dict[str, OpLayout] = {}
     seconds: dict[str, float] = {}
     tied = None
-    for name in family_of(plan).chains:
+    for name in _used_chains(plan):
         seconds[name], chosen = _choose_chain(name, plan, stream, coster, shapes, tied)
         ops.update((item.op, item) for item in chosen)
         if name == "embedding" and plan.model.tie_embeddings:

@@ -45,6 +45,7 @@ class Op(StrEnum):
     GELU = "gelu"
     SWIGLU = "swiglu"  # llama: silu(gate) * up
     FC2 = "fc2"
+    MOE = "moe"  # a mixture of experts: router, top-k experts, shared experts
     MLP_RESIDUAL = "mlp_residual"
     FINAL_LN = "final_ln"
     HEAD = "head"

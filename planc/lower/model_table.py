@@ -130,6 +130,15 @@ class ModelTable:
     data: str  # "synthetic" or the path of a token file (docs/data.md)
     seed: int
     parameters: dict[str, Initial] = field(default_factory=dict)
+    # the family's own keys (a mixture's experts, top_k, ...), read as attributes
+    options: dict[str, int | float | bool] = field(default_factory=dict)
+
+    def __getattr__(self, name: str):
+        # Called only for names that are not fields: a family's own keys.
+        options = self.__dict__.get("options")
+        if options is not None and name in options:
+            return options[name]
+        raise AttributeError(f"the model table has no key {name!r}")
 
     @property
     def cp(self) -> int:
@@ -143,7 +152,8 @@ class ModelTable:
                           "head_dim": self.head_dim, "vocab": self.vocab, "seq": self.seq,
                           "batch": self.batch, "dtype": self.dtype,
                           "tie_embeddings": self.tie_embeddings,
-                          "norm_eps": self.norm_eps, "rope_theta": self.rope_theta},
+                          "norm_eps": self.norm_eps, "rope_theta": self.rope_theta,
+                          **({"options": dict(self.options)} if self.options else {})},
                 "feature_groups": {k: list(v) for k, v in self.feature_groups.items()},
                 "tokens": {"positions": [[list(r) for r in ranges]
                                          for ranges in self.positions],
@@ -179,6 +189,12 @@ class ModelTable:
             parameters[_string(name, "a parameter")] = Initial(
                 shape, _number(p["mean"], "a mean"), _number(p["std"], "a std"))
         source = data["data"]
+        options = m.get("options", {})
+        if not isinstance(options, dict) or not all(
+                isinstance(k, str) and k.isidentifier() and
+                (isinstance(v, bool) or isinstance(v, int) or
+                 isinstance(v, float) and math.isfinite(v)) for k, v in options.items()):
+            raise ValueError("its model options are not names with numbers or true/false")
         table = ModelTable(
             family=_string(m["family"], "family"), **sizes, dtype=dtype,
             tie_embeddings=_boolean(m["tie_embeddings"], "tie_embeddings"),
@@ -189,7 +205,8 @@ class ModelTable:
             microbatch_rows=_positive(tokens["microbatch_rows"], "microbatch_rows"),
             optimizer=OptimizerSettings.from_json(data["optimizer"]),
             data=_string(source["source"], "the data source"),
-            seed=integer_of(source["seed"], "the seed"), parameters=parameters)
+            seed=integer_of(source["seed"], "the seed"), parameters=parameters,
+            options=dict(options))
         if not table.family.isidentifier():
             raise ValueError(f"family {table.family!r} is not a family's name")
         if table.microbatch_rows > table.rows_per_dp_rank or \

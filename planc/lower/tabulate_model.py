@@ -53,4 +53,5 @@ def model_table(plan: Plan) -> ModelTable:
                                     float(o.weight_decay)),
         data=plan.train.data, seed=plan.train.seed,
         parameters={p.name: Initial(tuple(p.shape), initial_mean(p.name), INIT_STD)
-                    for p in family.all_parameters(m)})
+                    for p in family.all_parameters(m)},
+        options=dict(m.options))

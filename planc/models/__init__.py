@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from planc.models import gpt, llama
+from planc.models import gpt, llama, moe
 from planc.models.family import Family
 
-FAMILIES: dict[str, Family] = {"gpt": gpt.FAMILY, "llama": llama.FAMILY}
+FAMILIES: dict[str, Family] = {"gpt": gpt.FAMILY, "llama": llama.FAMILY, "moe": moe.FAMILY}
 DEFAULT_FAMILY = "gpt"  # the family of a model block with no family word (reported)
 
 

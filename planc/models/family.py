@@ -162,6 +162,10 @@ class Family:
     tensor_parallel_checks: tuple[TensorParallelCheck, ...] = ()
     # The transformers class `planc export --format hf` writes this family as (None: none)
     hf_architecture: str | None = None
+    # (operators, links) of block ``layer`` where blocks differ (a mixture of experts'
+    # dense first layers); None: every block is layer_ops and layer_links. Every variant
+    # starts with layer_ops[0] and ends with layer_output.
+    layer_block: Callable[[Model, int], tuple[tuple[str, ...], tuple]] | None = None
 
     @property
     def own_keys(self) -> tuple[str, ...]:
@@ -172,6 +176,12 @@ class Family:
     @property
     def layer_output(self) -> str:
         return self.layer_ops[-1]
+
+    def block(self, model: Model, layer: int) -> tuple[tuple[str, ...], tuple]:
+        """(operators, links) of block ``layer``."""
+        if self.layer_block is None:
+            return self.layer_ops, self.layer_links
+        return self.layer_block(model, layer)
 
     def all_parameters(self, model: Model) -> list[Parameter]:
         params = self.embedding_parameters(model)

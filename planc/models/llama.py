@@ -158,25 +158,32 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     return (stream + split + scores) * m.dtype_bytes
 
 
-def _preset(name: str):
+def preset_default(name: str, presets=PRESETS):
     """The default of key ``name``: the chosen preset's value, or None (none chosen, or
     the preset does not set it)."""
     def value(scope):
         chosen = scope.value("preset")
-        return PRESETS[chosen].get(name) if chosen else None
+        return presets[chosen].get(name) if chosen else None
     return value
 
 
-def _kv_default(scope):  # grouped-query attention off: every head its own k and v
-    given = _preset("kv_heads")(scope)
-    return given if given is not None else scope.value("heads")
+def or_fallback(name: str, fallback, presets=PRESETS):
+    """The chosen preset's value of ``name``, else ``fallback`` (a value, or a function
+    of the block's scope)."""
+    def value(scope):
+        given = preset_default(name, presets)(scope)
+        if given is not None:
+            return given
+        return fallback(scope) if callable(fallback) else fallback
+    return value
+
+
+_preset = preset_default
+_kv_default = or_fallback("kv_heads", lambda scope: scope.value("heads"))  # one k/v per head
 
 
 def _with_preset(name: str, fallback):
-    def value(scope):
-        given = _preset(name)(scope)
-        return given if given is not None else fallback
-    return value
+    return or_fallback(name, fallback)
 
 
 KEYS = {

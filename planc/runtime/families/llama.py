@@ -97,11 +97,17 @@ KERNELS = {Op.LN1: rms_norm, Op.LN2: rms_norm, Op.FINAL_LN: rms_norm,
            Op.QKV: qkv, Op.ATTENTION: attention, Op.SWIGLU: swiglu}
 
 
+def dense_mlp(layer: int, h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+    """SwiGLU of block ``layer``'s weights ``w`` (named within the block)."""
+    return (F.silu(h @ w["gate.weight"]) * (h @ w["up.weight"])) @ w["down.weight"]
+
+
 def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
-                   dtype: torch.dtype) -> torch.Tensor:
+                   dtype: torch.dtype, mlp=dense_mlp) -> torch.Tensor:
     """The single-process reference's loss (planc.runtime.reference): the llama family as
     docs/language.md defines it (model llama), one line per rule, on whole tensors.
-    ``m``: the plan's model."""
+    ``m``: the plan's model; ``mlp(layer, normed, weights)``: a block's MLP (the moe
+    family's mixture)."""
     p = {k: v.to(dtype) for k, v in params.items()}
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     b, seq = inputs.shape
@@ -138,7 +144,7 @@ def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
         context = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, seq, m.hidden)
         x = x + context @ w["o.weight"]
         h = norm(x, w["ln2.weight"])
-        x = x + (F.silu(h @ w["gate.weight"]) * (h @ w["up.weight"])) @ w["down.weight"]
+        x = x + mlp(layer, h, w)
     x = norm(x, p["final_ln.weight"])
     head = p["embedding.weight"].t() if m.tie_embeddings else p["head.weight"]
     logits = (x @ head).float()

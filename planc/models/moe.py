@@ -1,0 +1,245 @@
+"""The moe family: llama's attention with a mixture of SwiGLU experts in place of the MLP.
+
+Every block is ``x + o(attn(...))`` as in :mod:`planc.models.llama` (RMSNorm,
+grouped-query attention, RoPE). From layer ``first_dense`` on, its MLP is a mixture of
+experts (Shazeer et al. 2017; Mixtral, Jiang et al. 2024; DeepSeek-V2/V3):
+
+- a router, ``hidden x experts`` without bias, whose logits (in fp32) give softmax
+  probabilities per token;
+- each token goes to its ``top_k`` most probable experts, ties to the lower index, weighted
+  by their probabilities, renormalised over the k when ``norm_topk`` (Mixtral, Qwen3);
+- an expert is a SwiGLU of width ``expert_ffn``: ``(silu(x G_e) * (x U_e)) D_e``;
+- ``shared_experts`` more SwiGLU experts of width ``expert_ffn`` see every token,
+  unweighted (DeepSeek-V2's shared experts), kept as one SwiGLU of width
+  ``shared_experts x expert_ffn``, which computes the same sum.
+
+Blocks before ``first_dense`` keep llama's dense SwiGLU of width ``ffn``. Dropless: every
+token reaches its k experts whatever the load (Megatron-Core's default; MegaBlocks,
+Gale et al. 2023), so the result does not depend on the plan.
+
+The experts of a block are three stacked parameters ``experts.gate.weight`` and
+``experts.up.weight`` (experts x hidden x expert_ffn) and ``experts.down.weight``
+(experts x expert_ffn x hidden). The mixture runs as one operator, ``moe``, whole on every
+tp rank: on every token, or on this rank's share of them (Megatron-Core splits the
+tokens over tp before routing), its weights' gradients then summed over tp. FLOPs count
+the active experts only (each token's k and the shared ones), as MoE papers count them.
+"""
+
+from __future__ import annotations
+
+from planc.lang.hints import try_values
+from planc.lang.kinds import Boolean, Choice, Integer, Key
+from planc.models import llama
+from planc.models.family import (HEAD_OPS, Family, Finding, Model, OpRule, Parameter,
+                                 pre_norm_chains)
+
+DENSE_OPS, DENSE_LINKS = llama.LAYER_OPS, llama.LINKS
+MOE_OPS = DENSE_OPS[:6] + ("moe", "mlp_residual")
+MOE_LINKS = tuple(link for link in DENSE_LINKS if link[1] not in ("fc1", "swiglu", "fc2",
+                                                                   "mlp_residual")) + (
+    ("ln2", "moe", "x"), ("moe", "mlp_residual", "x"), ("attn_residual", "mlp_residual", "skip"))
+EMBEDDING_OPS = llama.EMBEDDING_OPS
+
+EXPERT_WEIGHTS = ("experts.gate.weight", "experts.up.weight", "experts.down.weight")
+SHARED_WEIGHTS = ("shared.gate.weight", "shared.up.weight", "shared.down.weight")
+MOE_PARAMS = ("router.weight",) + EXPERT_WEIGHTS + SHARED_WEIGHTS
+
+RULES = {**llama.RULES, "moe": OpRule("tokenwise", params=MOE_PARAMS)}
+OUTPUT_TENSOR = {**llama.OUTPUT_TENSOR, "moe": "stream"}
+
+PRESETS = {
+    # Jiang et al. 2024 (Mixtral of Experts), Table 1; config.json of
+    # mistralai/Mixtral-8x7B-v0.1: 32k context, rope theta 1e6, vocabulary 32,000.
+    "mixtral-8x7b": {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8,
+                     "expert_ffn": 14336, "experts": 8, "top_k": 2, "vocab": 32000,
+                     "seq": 32768, "rope_theta": 1e6, "dtype": "bf16"},
+    # mistralai/Mixtral-8x22B-v0.1's config.json: 64k context, vocabulary 32,768.
+    "mixtral-8x22b": {"layers": 56, "hidden": 6144, "heads": 48, "kv_heads": 8,
+                      "expert_ffn": 16384, "experts": 8, "top_k": 2, "vocab": 32768,
+                      "seq": 65536, "rope_theta": 1e6, "dtype": "bf16"},
+    # Qwen3 technical report (Yang et al. 2025), Table 2, and Qwen/Qwen3-30B-A3B's
+    # config.json: 128 experts of width 768, 8 active, no shared expert. Its heads are
+    # 128 wide (32 x 128 = 4096 query features on a 2,048 stream) and normalise q and k
+    # per head; planc's heads are hidden / heads wide (64 here) and unnormalised.
+    "qwen3-30b-a3b": {"layers": 48, "hidden": 2048, "heads": 32, "kv_heads": 4,
+                      "expert_ffn": 768, "experts": 128, "top_k": 8, "vocab": 151936,
+                      "seq": 32768, "rope_theta": 1e6, "dtype": "bf16"},
+    # DeepSeek-V3's sizes (DeepSeek-AI 2024, section 4.2): 61 layers, the first 3 dense
+    # (width 18,432), then 256 routed experts of width 2,048 (8 active) and 1 shared; 4k
+    # pre-training context. Its attention is multi-head latent attention with sigmoid
+    # routing scores; here it is llama's (128 heads, one k/v head per head) with softmax
+    # scores, so its parameters and FLOPs per token differ from the published 671B/37B.
+    "deepseek-v3-size": {"layers": 61, "hidden": 7168, "heads": 128, "kv_heads": 128,
+                         "ffn": 18432, "expert_ffn": 2048, "experts": 256, "top_k": 8,
+                         "shared_experts": 1, "first_dense": 3, "vocab": 129280,
+                         "seq": 4096, "rope_theta": 10000.0, "dtype": "bf16"},
+}
+
+
+def layer_block(m: Model, layer: int) -> tuple[tuple[str, ...], tuple]:
+    if layer < m.first_dense:
+        return DENSE_OPS, DENSE_LINKS
+    return MOE_OPS, MOE_LINKS
+
+
+def widths(m: Model) -> dict[str, int]:
+    return {**llama.widths(m), "router": m.experts}
+
+
+def feature_groups(m: Model) -> dict[str, tuple[int, ...]]:
+    return llama.feature_groups(m)
+
+
+def expert_flops(tokens: float, hidden: int, width: int) -> float:
+    """One SwiGLU of ``width`` over ``tokens``: gate and up, the product, down."""
+    return 2.0 * tokens * hidden * 2 * width + 5.0 * tokens * width + \
+        2.0 * tokens * width * hidden
+
+
+def forward_flops(op: str, s) -> float:
+    if op != "moe":
+        return llama.forward_flops(op, s)
+    m = s.model
+    bs = s.batch * s.seq
+    h, e = s.hidden, m.expert_ffn
+    router = 2.0 * bs * h * m.experts + 5.0 * bs * m.experts
+    # each token through its k experts, weighted and summed, and the shared ones
+    return router + (m.top_k + m.shared_experts) * expert_flops(bs, h, e) + \
+        2.0 * bs * h * m.top_k
+
+
+def layer_parameters(m: Model, layer: int) -> list[Parameter]:
+    dense = llama.layer_parameters(m, layer)
+    if layer < m.first_dense:
+        return dense
+    prefix = f"layers.{layer}."
+    h, e, n = m.hidden, m.expert_ffn, m.experts
+    shapes = [("router.weight", (h, n), ("hidden", "experts")),
+              ("experts.gate.weight", (n, h, e), ("experts", "hidden", "expert_ffn")),
+              ("experts.up.weight", (n, h, e), ("experts", "hidden", "expert_ffn")),
+              ("experts.down.weight", (n, e, h), ("experts", "expert_ffn", "hidden"))]
+    if m.shared_experts:
+        s = m.shared_experts * e
+        shapes += [("shared.gate.weight", (h, s), ("hidden", "shared_ffn")),
+                   ("shared.up.weight", (h, s), ("hidden", "shared_ffn")),
+                   ("shared.down.weight", (s, h), ("shared_ffn", "hidden"))]
+    attention = [p for p in dense if p.name.split(".", 2)[-1] not in
+                 ("gate.weight", "up.weight", "down.weight")]
+    return attention + [Parameter(prefix + name, shape, dims, layer)
+                        for name, shape, dims in shapes]
+
+
+def model_flops_per_token(m: Model) -> float:
+    """Narayanan et al. 2021's count with the active experts in place of the MLP."""
+    kv, hd = m.key_value_heads, m.head_dim
+    attention = (2 * m.hidden * (m.heads + 2 * kv) * hd + 2 * m.hidden * m.hidden
+                 + 4 * m.seq * m.hidden)
+    dense = 6 * m.hidden * m.ffn
+    mixture = 2 * m.hidden * m.experts + \
+        (m.top_k + m.shared_experts) * 6 * m.hidden * m.expert_ffn
+    moe_layers = m.layers - m.first_dense
+    return m.layers * attention + m.first_dense * dense + moe_layers * mixture + \
+        2 * m.hidden * m.vocab
+
+
+def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
+                     sequence_parallel: bool, recompute: str) -> float:
+    """One block, the larger of the two kinds: llama's dense block, and the mixture's,
+    whose MLP part keeps instead the router's input and fp32 probabilities and, per
+    routed and shared expert a token goes through, its input, gate and up outputs (the
+    mixture runs whole on every tp rank, on a 1/tp share of the tokens)."""
+    dense = llama.activation_bytes(m, seq=seq, seq_full=seq_full, batch=batch, tp=tp,
+                                   sequence_parallel=sequence_parallel, recompute=recompute)
+    if recompute == "full":
+        return dense
+    sb = seq * batch
+    active = m.top_k + m.shared_experts
+    mixture = dense + ((sb * m.hidden + active * sb * (m.hidden + 3 * m.expert_ffn))
+                       * m.dtype_bytes + sb * m.experts * 4 - sb * 3 * m.ffn * m.dtype_bytes
+                       ) / tp
+    return max(dense, mixture) if m.first_dense else mixture
+
+
+def _preset(name: str):
+    return llama.preset_default(name, PRESETS)
+
+
+def _with_preset(name: str, fallback):
+    return llama.or_fallback(name, fallback, PRESETS)
+
+
+KEYS = {
+    "preset": Key(Choice(tuple(PRESETS)), None, doc="a published model whose sizes are the "
+                                                    "defaults"),
+    "layers": Key(Integer(1), _preset("layers"), doc="transformer blocks"),
+    "hidden": Key(Integer(1), _preset("hidden"), doc="model width: features per token"),
+    "heads": Key(Integer(1), _preset("heads"), doc="query heads"),
+    "kv_heads": Key(Integer(1), _with_preset("kv_heads", lambda scope: scope.value("heads")),
+                    doc=llama.KEYS["kv_heads"].doc),
+    "ffn": Key(Integer(1), _with_preset("ffn", lambda scope: scope.value("expert_ffn")), doc="SwiGLU width of the dense blocks before "
+                                             "first_dense (default: expert_ffn)"),
+    "vocab": Key(Integer(2), _preset("vocab"), doc="vocabulary size"),
+    "seq": Key(Integer(1), _preset("seq"), doc="tokens per sequence"),
+    "batch": llama.KEYS["batch"],
+    "experts": Key(Integer(1), _preset("experts"), doc="routed experts per block"),
+    "top_k": Key(Integer(1), _preset("top_k"), doc="experts each token is routed to"),
+    "expert_ffn": Key(Integer(1), _preset("expert_ffn"), doc="SwiGLU width of one expert"),
+    "shared_experts": Key(Integer(0), _with_preset("shared_experts", 0),
+                          doc="experts every token goes through, unweighted"),
+    "first_dense": Key(Integer(0), _with_preset("first_dense", 0),
+                       doc="blocks, from the first, with a dense SwiGLU of width ffn"),
+    "norm_topk": Key(Boolean(), True, doc="renormalise each token's k routing weights to "
+                                          "sum to 1"),
+    "dtype": Key(llama.KEYS["dtype"].kind, _with_preset("dtype", "fp32"),
+                 doc=llama.KEYS["dtype"].doc),
+    "rope_theta": Key(llama.KEYS["rope_theta"].kind, _with_preset("rope_theta", 10000.0),
+                      doc=llama.KEYS["rope_theta"].doc),
+    "norm_eps": llama.KEYS["norm_eps"],
+    "tie_embeddings": llama.KEYS["tie_embeddings"],
+}
+
+
+def top_k_within_experts(m: Model) -> Finding | None:
+    if m.top_k <= m.experts:
+        return None
+    return Finding(f"top_k ({m.top_k}) must be at most experts ({m.experts}): each token "
+                   f"goes to top_k different experts", ("model.top_k", "model.experts"),
+                   try_values("top_k", [k for k in (1, 2, m.experts) if k <= m.experts]))
+
+
+def first_dense_within_layers(m: Model) -> Finding | None:
+    if m.first_dense <= m.layers:
+        return None
+    return Finding(f"first_dense ({m.first_dense}) must be at most layers ({m.layers}): it "
+                   f"counts the dense blocks before the first mixture of experts",
+                   ("model.first_dense",), try_values("first_dense", [0, m.layers]))
+
+
+FAMILY = Family(
+    name="moe",
+    summary="Mixture of experts: llama's attention, top-k routed SwiGLU experts, shared "
+            "experts, dense first blocks",
+    layer_ops=MOE_OPS,
+    layer_links=MOE_LINKS,
+    embedding_ops=EMBEDDING_OPS,
+    head_ops=HEAD_OPS,
+    chains={**pre_norm_chains(EMBEDDING_OPS, DENSE_OPS), "moe": MOE_OPS[5:]},
+    rules=RULES,
+    output_tensor=OUTPUT_TENSOR,
+    placements=llama.FAMILY.placements,
+    global_parameters=llama.FAMILY.global_parameters,
+    widths=widths,
+    feature_groups=feature_groups,
+    forward_flops=forward_flops,
+    layer_parameters=layer_parameters,
+    embedding_parameters=llama.embedding_parameters,
+    head_parameters=llama.head_parameters,
+    model_flops_per_token=model_flops_per_token,
+    activation_bytes=activation_bytes,
+    keys=KEYS,
+    presets=PRESETS,
+    model_checks=(llama.kv_heads_divide_heads, llama.head_dim_even, top_k_within_experts,
+                  first_dense_within_layers),
+    tensor_parallel_checks=(llama.kv_heads_split_over_tp,),
+    layer_block=layer_block,
+)

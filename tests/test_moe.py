@@ -1,0 +1,239 @@
+"""The moe family (issue 24, first part): its language, its routing rule, against
+transformers' ``MixtralForCausalLM``, and every layout against the one-process run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planc.cli import main
+from planc.lang import load_text
+from planc.models import moe as moe_family
+from tests.conftest import checkpoint_tensors
+
+MODEL = ("layers = {layers}; hidden = 32; heads = 4; kv_heads = 2; ffn = 40; vocab = 96; "
+         "seq = 16; batch = 4; experts = 4; top_k = 2; expert_ffn = 24; "
+         "shared_experts = {shared}; first_dense = {dense}{extra}")
+PLAN = """plan moe_{name} {{
+  model moe {{ {model} }}
+  mesh {{ {mesh} }}
+  shard {{ {shard} }}
+  schedule {{ microbatches = {m}{schedule} }}
+  train {{ steps = {steps}; optimizer = {optimizer}; seed = 11 }}
+}}
+"""
+
+
+def plan_text(name="t", layers=3, shared=0, dense=0, extra="", mesh="", shard="", m=1,
+              schedule="", steps=2, optimizer="adamw(lr = 1e-3, weight_decay = 0.01)") -> str:
+    model = MODEL.format(layers=layers, shared=shared, dense=dense, extra=extra)
+    return PLAN.format(name=name.replace("-", "_"), model=model, mesh=mesh, shard=shard, m=m,
+                       schedule=schedule, steps=steps, optimizer=optimizer)
+
+
+# --- the language --------------------------------------------------------------------------
+
+def test_a_moe_block_has_its_parameters_and_flops():
+    plan = load_text(plan_text(layers=3, shared=1, dense=1)).plan
+    params = {p.name: p.shape for p in moe_family.FAMILY.all_parameters(plan.model)}
+    assert params["layers.0.gate.weight"] == (32, 40)  # dense: llama's SwiGLU, width ffn
+    assert "layers.0.router.weight" not in params
+    assert params["layers.1.router.weight"] == (32, 4)
+    assert params["layers.1.experts.gate.weight"] == (4, 32, 24)
+    assert params["layers.1.experts.down.weight"] == (4, 24, 32)
+    assert params["layers.1.shared.up.weight"] == (32, 24)
+    assert "layers.1.gate.weight" not in params
+    h, f, e, v, s = 32, 40, 24, 96, 16
+    attention = 2 * h * (4 + 2 * 2) * 8 + 2 * h * h + 4 * s * h
+    assert moe_family.model_flops_per_token(plan.model) == \
+        3 * attention + 6 * h * f + 2 * (2 * h * 4 + 3 * 6 * h * e) + 2 * h * v
+
+
+@pytest.mark.parametrize("keys, message", [
+    ("top_k = 5", "top_k (5) must be at most experts (4): each token goes to top_k "
+                  "different experts"),
+    ("first_dense = 4", "first_dense (4) must be at most layers (3): it counts the dense "
+                        "blocks before the first mixture of experts"),
+])
+def test_a_moe_block_is_checked_at_its_key(keys, message):
+    key, value = keys.split(" = ")
+    text = plan_text().replace(f"{key} = ", f"{key} = {value}#", 1)
+    text = text.replace(f"{key} = {value}#2", keys).replace(f"{key} = {value}#0", keys)
+    loaded = load_text(text)
+    assert not loaded.ok
+    first = loaded.diagnostics[0]
+    assert first.message == message
+    line = text.splitlines()[first.span.line - 1]  # the span is the value's
+    assert line[:first.span.column - 1].endswith(f"{key} = ")
+
+
+def test_the_presets_have_the_published_sizes():
+    mixtral = load_text("plan p { model moe { preset = mixtral-8x7b; batch = 8 } }").plan.model
+    assert (mixtral.layers, mixtral.hidden, mixtral.experts, mixtral.top_k,
+            mixtral.expert_ffn, mixtral.kv_heads, mixtral.vocab) == \
+        (32, 4096, 8, 2, 14336, 8, 32000)
+    params = sum(p.numel for p in moe_family.FAMILY.all_parameters(mixtral))
+    assert params == 46_702_792_704  # Mixtral 8x7B: 46.7B parameters (Jiang et al. 2024)
+    deepseek = load_text("plan p { model moe { preset = deepseek-v3-size; batch = 8 } }"
+                         ).plan.model
+    assert (deepseek.first_dense, deepseek.shared_experts, deepseek.ffn) == (3, 1, 18432)
+
+
+# --- the routing rule ----------------------------------------------------------------------
+
+def test_ties_go_to_the_lower_expert_and_weights_are_renormalised():
+    torch = pytest.importorskip("torch")
+    from planc.runtime.families.moe import route
+
+    tokens = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    router = torch.tensor([[2.0, 1.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    experts, weights = route(tokens, router, 2, True)
+    # token 0: experts 0 and 2 tie at the top; token 1: all four tie
+    assert experts.tolist() == [[0, 2], [0, 1]]
+    assert weights.tolist() == [[0.5, 0.5], [0.5, 0.5]]
+    experts, weights = route(tokens, router, 2, False)
+    assert weights[1].tolist() == [0.25, 0.25]
+
+
+# --- against transformers' Mixtral ----------------------------------------------------------
+
+LR = 1000.0
+
+
+def _mixtral(plan):
+    """MixtralForCausalLM with planc's initial weights (planc stores x @ W, (in, out))."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from planc.runtime.reference import initial, parameters
+
+    m = plan.model
+    config = transformers.MixtralConfig(
+        vocab_size=m.vocab, hidden_size=m.hidden, intermediate_size=m.expert_ffn,
+        num_hidden_layers=m.layers, num_attention_heads=m.heads,
+        num_key_value_heads=m.kv_heads, head_dim=m.head_dim, num_local_experts=m.experts,
+        num_experts_per_tok=m.top_k, rms_norm_eps=m.norm_eps, max_position_embeddings=m.seq,
+        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
+        tie_word_embeddings=False, router_aux_loss_coef=0.0, router_jitter_noise=0.0)
+    config._attn_implementation = "eager"
+    model = transformers.MixtralForCausalLM(config).float()
+    value = {name: initial(plan, name, p.shape) for name, p in parameters(plan).items()}
+    state = {"model.embed_tokens.weight": value["embedding.weight"],
+             "model.norm.weight": value["final_ln.weight"],
+             "lm_head.weight": value["head.weight"].t()}
+    for layer in range(m.layers):
+        w = {k[len(f"layers.{layer}."):]: v for k, v in value.items()
+             if k.startswith(f"layers.{layer}.")}
+        to = f"model.layers.{layer}."
+        state.update({
+            to + "input_layernorm.weight": w["ln1.weight"],
+            to + "post_attention_layernorm.weight": w["ln2.weight"],
+            **{to + f"self_attn.{x}_proj.weight": w[f"{x}.weight"].t()
+               for x in ("q", "k", "v", "o")},
+            to + "mlp.gate.weight": w["router.weight"].t(),
+            to + "mlp.experts.gate_up_proj": torch.cat(
+                [w["experts.gate.weight"], w["experts.up.weight"]], dim=2).transpose(1, 2),
+            to + "mlp.experts.down_proj": w["experts.down.weight"].transpose(1, 2)})
+    missing, unexpected = model.load_state_dict({k: v.contiguous() for k, v in state.items()},
+                                                strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    return model
+
+
+def _mixtral_gradient(model, name: str, layer_of):
+    """The gradient of planc parameter ``name``, read from the Mixtral model, in planc's
+    orientation."""
+    import torch
+
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    if name == "embedding.weight":
+        return grads["model.embed_tokens.weight"]
+    if name == "final_ln.weight":
+        return grads["model.norm.weight"]
+    if name == "head.weight":
+        return grads["lm_head.weight"].t()
+    layer, local = layer_of(name)
+    to = f"model.layers.{layer}."
+    if local in ("ln1.weight", "ln2.weight"):
+        return grads[to + ("input_layernorm.weight" if local == "ln1.weight"
+                           else "post_attention_layernorm.weight")]
+    if local in ("q.weight", "k.weight", "v.weight", "o.weight"):
+        return grads[to + f"self_attn.{local[0]}_proj.weight"].t()
+    if local == "router.weight":
+        return grads[to + "mlp.gate.weight"].t()
+    if local == "experts.down.weight":
+        return grads[to + "mlp.experts.down_proj"].transpose(1, 2)
+    gate, up = torch.chunk(grads[to + "mlp.experts.gate_up_proj"].transpose(1, 2), 2, dim=2)
+    return gate if local == "experts.gate.weight" else up
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, m", [("", 1), ("tp = 2; pp = 2", 2)],
+                         ids=["1-rank", "tp2-pp2"])
+def test_loss_and_every_gradient_equal_mixtral(mesh, m, tmp_path, capfd):
+    """One SGD step of learning rate 1000 turns the run's checkpoint into its gradients."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    from planc.runtime.data import batch_tokens
+    from planc.runtime.reference import initial, parameters
+
+    text = plan_text(mesh=mesh, m=m, steps=1,
+                     optimizer=f"sgd(lr = {LR}, momentum = 0, weight_decay = 0)")
+    source = tmp_path / "moe.plan"
+    source.write_text(text)
+    plan = load_text(text).plan
+    metrics, checkpoints = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    status = main(["run", str(source), "-o", str(tmp_path / "build"), "--metrics",
+                   str(metrics), "--checkpoint-dir", str(checkpoints), "--checkpoint-every",
+                   "1", "--timeout", "60"])
+    assert status == 0, capfd.readouterr().err
+    planc_loss = json.loads(metrics.read_text().splitlines()[0])["loss"]
+
+    model = _mixtral(plan)
+    tokens = batch_tokens(plan, 0)
+    logits = model(input_ids=tokens[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, plan.model.vocab).float(),
+                                             tokens[:, 1:].reshape(-1))
+    loss.backward()
+    assert planc_loss == pytest.approx(loss.item(), rel=1e-5)
+
+    final = checkpoint_tensors(checkpoints)
+    assert len(final) == len(parameters(plan)) == 3 * 10 + 3
+
+    def layer_of(name):
+        _, layer, local = name.split(".", 2)
+        return int(layer), local
+
+    for name, param in parameters(plan).items():
+        planc_grad = (initial(plan, name, param.shape).double() - final[name].double()) / LR
+        torch.testing.assert_close(planc_grad.float(), _mixtral_gradient(model, name, layer_of),
+                                   rtol=2e-4, atol=2e-7,
+                                   msg=lambda text, n=name: f"{n}: {text}")
+
+
+# --- every layout computes what one process computes ---------------------------------------
+
+MATRIX = {
+    "tp2-sp": dict(mesh="tp = 2", shard="tp { sequence_parallel = on }"),
+    "tp2-pp2-dp2-zero1-shared-dense": dict(mesh="tp = 2; pp = 2; dp = 2", m=2, shared=1,
+                                           dense=1, shard="dp { zero = 1 }"),
+    "dp2-zero3": dict(mesh="dp = 2", shard="dp { zero = 3 }", m=2),
+    "cp2-ring": dict(mesh="cp = 2", shard="cp { attention = ring }"),
+    "pp2-zbv": dict(mesh="pp = 2", layers=4, m=4, shard="pp { virtual = 2 }",
+                    schedule="; pipeline = zbv"),
+    "dp2-zero2-first-dense-2": dict(mesh="dp = 2", shard="dp { zero = 2 }", dense=2, m=2),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MATRIX))
+def test_every_moe_plan_trains_exactly_like_one_process(name, tmp_path, capfd):
+    pytest.importorskip("torch")
+    source = tmp_path / "moe.plan"
+    source.write_text(plan_text(name, **MATRIX[name]))
+    status = main(["run", str(source), "-o", str(tmp_path / "build"), "--check",
+                   "--backend", "gloo"])
+    err = capfd.readouterr().err
+    assert status == 0, err
+    assert "every loss and parameter matches" in err
