@@ -19,17 +19,19 @@ PLAN = """plan moe_{name} {{
   model moe {{ {model} }}
   mesh {{ {mesh} }}
   shard {{ {shard} }}
-  schedule {{ microbatches = {m}{schedule} }}
+  schedule {{ microbatches = {m}{schedule} }}{optimize}
   train {{ steps = {steps}; optimizer = {optimizer}; seed = 11 }}
 }}
 """
 
 
 def plan_text(name="t", layers=3, shared=0, dense=0, extra="", mesh="", shard="", m=1,
-              schedule="", steps=2, optimizer="adamw(lr = 1e-3, weight_decay = 0.01)") -> str:
+              schedule="", steps=2, optimizer="adamw(lr = 1e-3, weight_decay = 0.01)",
+              optimize="") -> str:
     model = MODEL.format(layers=layers, shared=shared, dense=dense, extra=extra)
     return PLAN.format(name=name.replace("-", "_"), model=model, mesh=mesh, shard=shard, m=m,
-                       schedule=schedule, steps=steps, optimizer=optimizer)
+                       schedule=schedule, steps=steps, optimizer=optimizer,
+                       optimize=f"\n  optimize {{ {optimize} }}" if optimize else "")
 
 
 # --- the language --------------------------------------------------------------------------
@@ -94,6 +96,47 @@ def test_ties_go_to_the_lower_expert_and_weights_are_renormalised():
     assert weights.tolist() == [[0.5, 0.5], [0.5, 0.5]]
     experts, weights = route(tokens, router, 2, False)
     assert weights[1].tolist() == [0.25, 0.25]
+
+
+def test_the_balance_loss_is_deepseek_v3s_sequence_wise_loss():
+    """Two tokens, two experts, top 1 (DeepSeek-AI 2024, eqs. 17-20): f_i = E / (K T) x
+    the tokens routed to i, P_i the mean probability of i; aux_loss x sum_i f_i P_i."""
+    torch = pytest.importorskip("torch")
+    from planc.runtime.families.moe import balance_loss
+
+    m = load_text(plan_text(extra="; aux_loss = 0.1").replace("top_k = 2", "top_k = 1")
+                  .replace("experts = 4", "experts = 2")).plan.model
+    probabilities = torch.tensor([[0.75, 0.25], [0.6, 0.4]])
+    spread = balance_loss(probabilities, torch.tensor([[0], [1]]), 1, m)  # f = [1, 1]
+    assert spread.item() == pytest.approx(0.1 * (0.675 + 0.325))
+    crowded = balance_loss(probabilities, torch.tensor([[0], [0]]), 1, m)  # f = [2, 0]
+    assert crowded.item() == pytest.approx(0.1 * 2 * 0.675)
+    # two sequences of one token each: summed per sequence
+    both = balance_loss(probabilities, torch.tensor([[0], [0]]), 2, m)  # f = [2, 0] each
+    assert both.item() == pytest.approx(0.1 * (2 * 0.75 + 2 * 0.6))
+
+
+def test_with_a_balance_loss_the_mixture_runs_on_whole_sequences():
+    """Over tp the mixture may take every token or this rank's share; with aux_loss only
+    every token, since the balance loss is a statistic of whole sequences."""
+    from planc.graph.layouts import R, S
+    from planc.graph.tensor_parallel import choices
+
+    for aux, inputs in (("", [R, S("seq")]), ("; aux_loss = 0.01", [R])):
+        plan = load_text(plan_text(extra=aux, mesh="tp = 2",
+                                   shard="tp { sequence_parallel = on }")).plan
+        assert [c.input for c in choices("moe", plan, S("seq"))] == inputs
+
+
+def test_a_balance_loss_with_context_parallelism_is_refused_at_its_key():
+    text = plan_text(extra="; aux_loss = 0.01", mesh="cp = 2")
+    loaded = load_text(text)
+    errors = [d for d in loaded.diagnostics if d.is_error]
+    assert [(d.message, d.hints) for d in errors] == [
+        ("aux_loss (0.01) needs each sequence's tokens on one rank; cp (2) splits them "
+         "(not supported yet)", ("set aux_loss = 0, or cp = 1",))]
+    line = text.splitlines()[errors[0].span.line - 1]
+    assert line[:errors[0].span.column - 1].endswith("aux_loss = ")
 
 
 # --- against transformers' Mixtral ----------------------------------------------------------
@@ -223,6 +266,14 @@ MATRIX = {
     "pp2-zbv": dict(mesh="pp = 2", layers=4, m=4, shard="pp { virtual = 2 }",
                     schedule="; pipeline = zbv"),
     "dp2-zero2-first-dense-2": dict(mesh="dp = 2", shard="dp { zero = 2 }", dense=2, m=2),
+    # the balance loss: its gradient joins each mixture's backward (the run's reported
+    # loss is the cross-entropy, as the reference's); over tp the mixture runs whole
+    "aux-loss-tp2-sp-pp2-dp2-zero2": dict(mesh="tp = 2; pp = 2; dp = 2", m=2, shared=1,
+                                          dense=1, extra="; aux_loss = 0.5",
+                                          shard="tp { sequence_parallel = on }; "
+                                                "dp { zero = 2 }"),
+    "aux-loss-dp2-recompute": dict(mesh="dp = 2", m=2, extra="; aux_loss = 0.1",
+                                   optimize="recompute = full"),
 }
 
 

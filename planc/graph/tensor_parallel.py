@@ -178,9 +178,11 @@ def choices(op: str, plan: Plan, stream: Layout) -> list[Choice]:
         # gradient is then a partial sum over tp.
         dims = _param_dims(plan)
         uses = [(name, dims[name]) for name in rule.params if name in dims]
-        return [Choice(R, R, R, False, tuple(ParamUse(n, R, R, d) for n, d in uses)),
-                Choice(S("seq"), S("seq"), S("seq"), True,
-                       tuple(ParamUse(n, R, S("seq"), d) for n, d in uses))]
+        whole = Choice(R, R, R, False, tuple(ParamUse(n, R, R, d) for n, d in uses))
+        if rule.whole_sequences_when and getattr(plan.model, rule.whole_sequences_when):
+            return [whole]
+        return [whole, Choice(S("seq"), S("seq"), S("seq"), True,
+                              tuple(ParamUse(n, R, S("seq"), d) for n, d in uses))]
     if rule.kind == "residual":
         return [Choice(stream, stream, stream, stream.is_sharded)]
     if rule.kind == "position":

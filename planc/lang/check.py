@@ -95,6 +95,8 @@ class _Checker(TopologyReader):
         topology = self._topology(mesh, model)
         tensor = self._tensor_parallel(mesh, model)
         context = self._context_parallel(mesh, model)
+        if mesh is not None and model is not None:
+            self._family_mesh(mesh, model)
         schedule = self._schedule(mesh, model)
         pipeline = self._pipeline(mesh, model, schedule)
         self._tied_embeddings(mesh, model, tensor)
@@ -145,6 +147,13 @@ class _Checker(TopologyReader):
             if found is not None:
                 return self._reject(found.message, self.span(*found.keys), found.hint or None)
         return model
+
+    def _family_mesh(self, mesh: Mesh, model: Model) -> None:
+        for rule in FAMILIES[model.family].mesh_checks:  # the family's own, in its order
+            found = rule(model, mesh)
+            if found is not None:
+                self._reject(found.message, self.span(*found.keys), found.hint or None)
+                return
 
     def _mesh(self) -> Mesh | None:
         keys = (*AXES, "order")

@@ -100,6 +100,9 @@ class OpRule:
     input_dim: str | None = None
     placement: str | None = None  # the shard.tp key that places this operator
     params: tuple[str, ...] = ()
+    # A model key that, when set (non-zero), makes a ``tokenwise`` operator need every
+    # token of its sequences (a statistic over the sequence): it then runs whole over tp.
+    whole_sequences_when: str | None = None
 
 
 # What tp must divide when a placement slot of a pre-norm block is split (Megatron-LM,
@@ -128,6 +131,8 @@ class Finding:
 
 # A check of a family's model, run after the common ones (hidden divides by heads).
 ModelCheck = Callable[[Model], "Finding | None"]
+# A check of a family's model against the mesh, run once both are known.
+MeshCheck = Callable[[Model, Mesh], "Finding | None"]
 # A check of a family's model under tensor parallelism with tp > 1, run before the
 # common divisibility checks of shard { tp { } }.
 TensorParallelCheck = Callable[[Model, TensorParallel, Mesh], "Finding | None"]
@@ -160,6 +165,7 @@ class Family:
     # (model key, shard.tp slot, placement): tp must divide the key under the placement
     tensor_parallel_splits: tuple[tuple[str, str, str], ...] = PRE_NORM_SPLITS
     tensor_parallel_checks: tuple[TensorParallelCheck, ...] = ()
+    mesh_checks: tuple[MeshCheck, ...] = ()
     # The transformers class `planc export --format hf` writes this family as (None: none)
     hf_architecture: str | None = None
     # (operators, links) of block ``layer`` where blocks differ (a mixture of experts'

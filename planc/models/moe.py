@@ -28,7 +28,7 @@ the active experts only (each token's k and the shared ones), as MoE papers coun
 from __future__ import annotations
 
 from planc.lang.hints import try_values
-from planc.lang.kinds import Boolean, Choice, Integer, Key
+from planc.lang.kinds import Boolean, Choice, Integer, Key, Real
 from planc.models import llama
 from planc.models.family import (HEAD_OPS, Family, Finding, Model, OpRule, Parameter,
                                  pre_norm_chains)
@@ -44,7 +44,10 @@ EXPERT_WEIGHTS = ("experts.gate.weight", "experts.up.weight", "experts.down.weig
 SHARED_WEIGHTS = ("shared.gate.weight", "shared.up.weight", "shared.down.weight")
 MOE_PARAMS = ("router.weight",) + EXPERT_WEIGHTS + SHARED_WEIGHTS
 
-RULES = {**llama.RULES, "moe": OpRule("tokenwise", params=MOE_PARAMS)}
+# With a load-balancing loss the mixture needs its sequences whole (the loss is a
+# statistic of each sequence), so it then runs on every token over tp.
+RULES = {**llama.RULES, "moe": OpRule("tokenwise", params=MOE_PARAMS,
+                                      whole_sequences_when="aux_loss")}
 OUTPUT_TENSOR = {**llama.OUTPUT_TENSOR, "moe": "stream"}
 
 PRESETS = {
@@ -190,6 +193,8 @@ KEYS = {
                        doc="blocks, from the first, with a dense SwiGLU of width ffn"),
     "norm_topk": Key(Boolean(), True, doc="renormalise each token's k routing weights to "
                                           "sum to 1"),
+    "aux_loss": Key(Real(0.0, None), 0.0, doc="weight of DeepSeek-V3's sequence-wise "
+                                              "load-balancing loss"),
     "dtype": Key(llama.KEYS["dtype"].kind, _with_preset("dtype", "fp32"),
                  doc=llama.KEYS["dtype"].doc),
     "rope_theta": Key(llama.KEYS["rope_theta"].kind, _with_preset("rope_theta", 10000.0),
@@ -213,6 +218,16 @@ def first_dense_within_layers(m: Model) -> Finding | None:
     return Finding(f"first_dense ({m.first_dense}) must be at most layers ({m.layers}): it "
                    f"counts the dense blocks before the first mixture of experts",
                    ("model.first_dense",), try_values("first_dense", [0, m.layers]))
+
+
+def aux_loss_needs_whole_sequences(m: Model, mesh) -> Finding | None:
+    """The load-balancing loss is a statistic of each sequence: its ranks must hold every
+    token of it (their counts are not yet summed over cp)."""
+    if not m.aux_loss or mesh.cp == 1:
+        return None
+    return Finding(f"aux_loss ({m.aux_loss:g}) needs each sequence's tokens on one rank; "
+                   f"cp ({mesh.cp}) splits them (not supported yet)",
+                   ("model.aux_loss", "mesh.cp"), "set aux_loss = 0, or cp = 1")
 
 
 FAMILY = Family(
@@ -241,5 +256,6 @@ FAMILY = Family(
     model_checks=(llama.kv_heads_divide_heads, llama.head_dim_even, top_k_within_experts,
                   first_dense_within_layers),
     tensor_parallel_checks=(llama.kv_heads_split_over_tp,),
+    mesh_checks=(aux_loss_needs_whole_sequences,),
     layer_block=layer_block,
 )

@@ -25,6 +25,19 @@ def forward_loss(plan: Plan, params: dict[str, torch.Tensor], tokens: torch.Tens
     return family_module(plan.model.family).reference_loss(plan.model, params, tokens, dtype)
 
 
+def objective(plan: Plan, params: dict[str, torch.Tensor], tokens: torch.Tensor,
+              dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what training differentiates, the loss it reports): the same, the mean
+    cross-entropy, unless the family adds terms to the objective (a mixture of experts'
+    load-balancing loss: its ``reference_objective``)."""
+    module = family_module(plan.model.family)
+    terms = getattr(module, "reference_objective", None)
+    if terms is not None:
+        return terms(plan.model, params, tokens, dtype)
+    loss = module.reference_loss(plan.model, params, tokens, dtype)
+    return loss, loss
+
+
 def make_optimizer(plan: Plan, tensors: list[torch.Tensor], fused: bool = False
                    ) -> torch.optim.Optimizer:
     """The plan's optimizer (planc.runtime.optim)."""
@@ -54,8 +67,8 @@ def train(plan: Plan, steps: int, identity=None
     losses, source = [], DataSource.of(plan)
     for step in range(steps):
         optimizer.zero_grad()
-        loss = forward_loss(plan, params, batch_tokens(source, step, identity), dtype)
-        loss.backward()
+        total, loss = objective(plan, params, batch_tokens(source, step, identity), dtype)
+        total.backward()
         optimizer.step()
         losses.append(loss.item())
     return losses, {k: v.detach() for k, v in params.items()}
