@@ -87,6 +87,9 @@ class Mesh:
     pp: int = 1
     dp: int = 1
     order: tuple[str, ...] = AXES  # fastest-varying axis first
+    # Expert parallelism, folded over a stage's tp x cp x dp ranks (MoE Parallel Folding,
+    # arXiv 2504.14960): not an axis of the world. plan.json omits it at 1.
+    ep: int = field(default=1, metadata={"omitted_when_default": True})
 
     def size(self, axis: str) -> int:
         return getattr(self, axis)
@@ -323,6 +326,7 @@ def json_form(section: Any) -> dict[str, Any]:
     model's options): how plan.json and a checkpoint's manifest write a section."""
     body = dataclasses.asdict(section)
     for f in dataclasses.fields(section):
-        if f.metadata.get("omitted_when_empty") and not body[f.name]:
+        if f.metadata.get("omitted_when_empty") and not body[f.name] or \
+                f.metadata.get("omitted_when_default") and body[f.name] == f.default:
             del body[f.name]
     return body

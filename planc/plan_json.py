@@ -98,7 +98,8 @@ def _build(cls, data: Any, where: str, skip: tuple[str, ...] = ()) -> Any:
         raise ValueError(f"{where} is not a JSON object")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     missing = [name for name in fields if name not in data and name not in skip
-               and not fields[name].metadata.get("omitted_when_empty")]
+               and not fields[name].metadata.get("omitted_when_empty")
+               and not fields[name].metadata.get("omitted_when_default")]
     unknown = [name for name in data if name not in fields]
     if missing or unknown:
         raise ValueError(f"{where} has " + ", ".join(

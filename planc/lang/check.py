@@ -149,14 +149,20 @@ class _Checker(TopologyReader):
         return model
 
     def _family_mesh(self, mesh: Mesh, model: Model) -> None:
-        for rule in FAMILIES[model.family].mesh_checks:  # the family's own, in its order
+        family = FAMILIES[model.family]
+        if mesh.ep > 1 and "experts" not in family.keys:
+            self._reject(f"ep ({mesh.ep}) spreads a model's experts over ranks; model "
+                         f"{family.name} has none", self.span("mesh.ep"),
+                         "remove ep, or describe a mixture of experts (model moe)")
+            return
+        for rule in family.mesh_checks:  # the family's own, in its order
             found = rule(model, mesh)
             if found is not None:
                 self._reject(found.message, self.span(*found.keys), found.hint or None)
                 return
 
     def _mesh(self) -> Mesh | None:
-        keys = (*AXES, "order")
+        keys = (*AXES, "order", "ep")
         if not self.ready(*(f"mesh.{k}" for k in keys)):
             return None
         mesh = Mesh(**{k: self.value(f"mesh.{k}") for k in keys})

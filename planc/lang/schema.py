@@ -79,6 +79,7 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
     "mesh": BlockSchema("mesh", keys={  # a degree per axis of planc.mesh, then the order
         **{axis: Key(Integer(1), 1) for axis in AXES},
         "order": Key(AxisOrder(), AXES),
+        "ep": Key(Integer(1), 1),  # experts, folded over a stage's tp x cp x dp ranks
     }),
     "topology": BlockSchema("topology", keys={
         "nodes": Key(Integer(1)),

@@ -27,7 +27,7 @@ the active experts only (each token's k and the shared ones), as MoE papers coun
 
 from __future__ import annotations
 
-from planc.lang.hints import try_values
+from planc.lang.hints import divisors_below, try_values
 from planc.lang.kinds import Boolean, Choice, Integer, Key, Real
 from planc.models import llama
 from planc.models.family import (HEAD_OPS, Family, Finding, Model, OpRule, Parameter,
@@ -220,6 +220,22 @@ def first_dense_within_layers(m: Model) -> Finding | None:
                    ("model.first_dense",), try_values("first_dense", [0, m.layers]))
 
 
+def ep_divides_the_stage_and_the_experts(m: Model, mesh) -> Finding | None:
+    """Expert parallelism folded over a stage's ranks (Megatron-Core's MoE Parallel
+    Folding, arXiv 2504.14960): ep ranks drawn from tp x cp x dp, each holding
+    experts / ep experts."""
+    stage = mesh.tp * mesh.cp * mesh.dp
+    if stage % mesh.ep:
+        return Finding(f"ep ({mesh.ep}) must divide the ranks of a pipeline stage, tp x cp "
+                       f"x dp = {stage}: its groups are drawn from them",
+                       ("mesh.ep",), try_values("ep", divisors_below(mesh.ep, stage)))
+    if m.experts % mesh.ep:
+        return Finding(f"ep ({mesh.ep}) must divide experts ({m.experts}): each rank of an "
+                       f"ep group holds experts / ep of them", ("mesh.ep",),
+                       try_values("ep", divisors_below(mesh.ep, stage, m.experts)))
+    return None
+
+
 def aux_loss_needs_whole_sequences(m: Model, mesh) -> Finding | None:
     """The load-balancing loss is a statistic of each sequence: its ranks must hold every
     token of it (their counts are not yet summed over cp)."""
@@ -256,6 +272,6 @@ FAMILY = Family(
     model_checks=(llama.kv_heads_divide_heads, llama.head_dim_even, top_k_within_experts,
                   first_dense_within_layers),
     tensor_parallel_checks=(llama.kv_heads_split_over_tp,),
-    mesh_checks=(aux_loss_needs_whole_sequences,),
+    mesh_checks=(ep_divides_the_stage_and_the_experts, aux_loss_needs_whole_sequences),
     layer_block=layer_block,
 )
