@@ -241,5 +241,6 @@ FAMILY = Family(
     model_checks=(llama.kv_heads_divide_heads, llama.head_dim_even, top_k_within_experts,
                   first_dense_within_layers),
     tensor_parallel_checks=(llama.kv_heads_split_over_tp,),
+    hf_architecture="MixtralForCausalLM",  # without shared experts or dense blocks
     layer_block=layer_block,
 )
