@@ -219,14 +219,15 @@ def build_parser() -> argparse.ArgumentParser:
         "Chakra execution traces (et_def.proto, length-delimited): one PREFIX.RANK.et file "
         "per pipeline stage's first rank, with compute, collective and point-to-point "
         "nodes, their stream dependencies and simulated durations. --format hf: write the "
-        "newest complete checkpoint of a planc run --checkpoint-dir D of a llama model as a "
-        "Hugging Face checkpoint (config.json, model.safetensors) that "
-        "LlamaForCausalLM.from_pretrained loads.")
+        "newest complete checkpoint of a planc run --checkpoint-dir D as a Hugging Face "
+        "checkpoint (config.json, model.safetensors) that from_pretrained loads: "
+        "LlamaForCausalLM's for a llama model, MixtralForCausalLM's for a moe model "
+        "without shared experts or dense first blocks.")
     _add_input(export, "FILE|DIR")
     export.add_argument("-o", "--output", required=True, metavar="DIR")
     export.add_argument("--format", choices=("chakra", "hf"), default="chakra",
                         help="chakra: execution traces of a plan or build; hf: a checkpoint "
-                        "directory as a transformers llama checkpoint [chakra]")
+                        "directory as a transformers checkpoint [chakra]")
     export.add_argument("--prefix", default="planc", help="file name prefix [planc]")
 
     diff = commands.add_parser(

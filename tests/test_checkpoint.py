@@ -105,7 +105,13 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_run_resumed_under_another_layout_matches_the_uninterrupted_run(name, tmp_path,
                                                                           capfd):
-    case_a, case_b = CASES[name]
+    resumed_run_matches_uninterrupted(*CASES[name], tmp_path, capfd)
+
+
+def resumed_run_matches_uninterrupted(case_a: dict, case_b: dict, tmp_path: Path,
+                                      capfd) -> None:
+    """Plan A trains 4 steps uninterrupted, and 2 steps with a checkpoint that plan B
+    resumes for 2 more: the same losses, parameters and optimizer state."""
     a = write_plan(tmp_path, "a", **case_a)
     b = write_plan(tmp_path, "b", **case_b)
     # the uninterrupted run: 4 steps on A; its final checkpoint holds the final parameters

@@ -114,6 +114,9 @@ def test_the_balance_loss_is_deepseek_v3s_sequence_wise_loss():
     # two sequences of one token each: summed per sequence
     both = balance_loss(probabilities, torch.tensor([[0], [0]]), 2, m)  # f = [2, 0] each
     assert both.item() == pytest.approx(0.1 * (2 * 0.75 + 2 * 0.6))
+    # computed where the probabilities are (an H200 found it counting on the CPU)
+    on_meta = balance_loss(probabilities.to("meta"), torch.tensor([[0], [0]]).to("meta"), 1, m)
+    assert on_meta.device.type == "meta"
 
 
 def test_with_a_balance_loss_the_mixture_runs_on_whole_sequences():

@@ -60,11 +60,11 @@ def _hugging_face(args) -> int:
         return fail(f"--format hf needs torch and safetensors ({exc}): pip install "
                     f"'planc[run]'")
     try:
-        source, count = export_hf(args.file, args.output)
+        source, count, architecture = export_hf(args.file, args.output)
     except CheckpointError as exc:  # a checkpoint is an input: status 1
         return fail(str(exc))
     except OSError as exc:
         return fail(f"cannot write to {args.output}: {exc.strerror or exc}")
     print(f"wrote {count} tensors of {source} to {args.output}/ (config.json, "
-          f"model.safetensors) for LlamaForCausalLM.from_pretrained", file=sys.stderr)
+          f"model.safetensors) for {architecture}.from_pretrained", file=sys.stderr)
     return EXIT_OK

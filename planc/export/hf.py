@@ -1,10 +1,17 @@
-"""A planc checkpoint of a llama model as a Hugging Face transformers checkpoint.
+"""A planc checkpoint as a Hugging Face transformers checkpoint.
 
-``LlamaForCausalLM.from_pretrained(DIR)`` loads what this writes: ``config.json`` (the
-model block as transformers' LlamaConfig names it) and ``model.safetensors`` with
-transformers' parameter names. planc stores a linear weight as (in, out) and applies
-``x @ W``; torch.nn.Linear stores (out, in), so every projection is transposed. The
-tensors are the checkpoint's consolidated fp32 values, written as the model's dtype.
+``LlamaForCausalLM.from_pretrained(DIR)`` (a llama model) or
+``MixtralForCausalLM.from_pretrained(DIR)`` (a moe model that is a Mixtral: no shared
+experts, no dense first blocks) loads what this writes: ``config.json`` (the model block
+as transformers' config class names it) and ``model.safetensors`` with transformers'
+parameter names. A family names its transformers class (``Family.hf_architecture``);
+:data:`ARCHITECTURES` describes each class: its config keys, the tensors of one decoder
+layer and the model keys it needs. planc stores a linear weight as (in, out) and applies
+``x @ W``; torch.nn.Linear stores (out, in), so every projection is transposed. Mixtral
+keeps a block's experts stacked, as planc does, with gate and up fused into one tensor
+(``experts.gate_up_proj``, experts x 2 expert_ffn x hidden) and each expert's matrices
+(out, in). The tensors are the checkpoint's consolidated fp32 values, written as the
+model's dtype.
 
 This module is the mapping and the check of the checkpoint's model (no torch);
 :mod:`planc.runtime.export_hf` moves the tensors.
@@ -12,63 +19,156 @@ This module is the mapping and the check of the checkpoint's model (no torch);
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from planc.checkpoint import CheckpointError
 from planc.models import FAMILIES, family_of
 from planc.plan import Model
 
-# planc name within a block -> (transformers name within a decoder layer, transposed)
-_LAYER = {
-    "ln1.weight": ("input_layernorm.weight", False),
-    "q.weight": ("self_attn.q_proj.weight", True),
-    "k.weight": ("self_attn.k_proj.weight", True),
-    "v.weight": ("self_attn.v_proj.weight", True),
-    "o.weight": ("self_attn.o_proj.weight", True),
-    "ln2.weight": ("post_attention_layernorm.weight", False),
-    "gate.weight": ("mlp.gate_proj.weight", True),
-    "up.weight": ("mlp.up_proj.weight", True),
-    "down.weight": ("mlp.down_proj.weight", True),
-}
-_GLOBAL = {
-    "embedding.weight": ("model.embed_tokens.weight", False),
-    "final_ln.weight": ("model.norm.weight", False),
-    "head.weight": ("lm_head.weight", True),
-}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One transformers tensor made of planc tensors: ``sources``, concatenated along
+    dimension ``join`` when there are several, then dimensions ``swap`` exchanged (None:
+    as planc stores it). Within a decoder layer, names are relative to the layer."""
+
+    target: str
+    sources: tuple[str, ...]
+    swap: tuple[int, int] | None = None
+    join: int = 0
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A model key the transformers class has only one value of, and why."""
+
+    key: str
+    value: Any
+    why: str
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # the class: "LlamaForCausalLM"
+    model_type: str  # config.json's model_type
+    layer: tuple[Tensor, ...]  # one decoder layer's tensors
+    config: Callable[[Model], dict]  # config.json's keys beyond the common ones
+    requires: tuple[Requirement, ...] = ()
+
+
+def _linear(target: str, source: str) -> Tensor:
+    return Tensor(target, (source,), swap=(0, 1))
+
+
+_GLOBAL = (
+    Tensor("model.embed_tokens.weight", ("embedding.weight",)),
+    Tensor("model.norm.weight", ("final_ln.weight",)),
+    _linear("lm_head.weight", "head.weight"),  # absent when tied to the embedding
+)
+_ATTENTION = (
+    Tensor("input_layernorm.weight", ("ln1.weight",)),
+    *(_linear(f"self_attn.{x}_proj.weight", f"{x}.weight") for x in "qkvo"),
+    Tensor("post_attention_layernorm.weight", ("ln2.weight",)),
+)
+
+LLAMA = Architecture(
+    name="LlamaForCausalLM", model_type="llama",
+    layer=_ATTENTION + tuple(_linear(f"mlp.{x}_proj.weight", f"{x}.weight")
+                             for x in ("gate", "up", "down")),
+    config=lambda m: {"intermediate_size": m.ffn, "attention_bias": False,
+                      "mlp_bias": False})
+
+MIXTRAL = Architecture(
+    name="MixtralForCausalLM", model_type="mixtral",
+    layer=_ATTENTION + (
+        _linear("mlp.gate.weight", "router.weight"),  # the router
+        # (experts, hidden, 2 expert_ffn) -> (experts, 2 expert_ffn, hidden): gate first
+        Tensor("mlp.experts.gate_up_proj", ("experts.gate.weight", "experts.up.weight"),
+               swap=(1, 2), join=2),
+        Tensor("mlp.experts.down_proj", ("experts.down.weight",), swap=(1, 2)),
+    ),
+    # Mixtral's load-balancing loss (Switch Transformer's) is not planc's: 0 keeps
+    # transformers' loss planc's
+    config=lambda m: {"intermediate_size": m.expert_ffn, "num_local_experts": m.experts,
+                      "num_experts_per_tok": m.top_k, "router_aux_loss_coef": 0.0,
+                      "router_jitter_noise": 0.0, "output_router_logits": False,
+                      "sliding_window": None},
+    requires=(
+        Requirement("shared_experts", 0, "Mixtral has no shared experts"),
+        Requirement("first_dense", 0, "every Mixtral block is a mixture of experts"),
+        Requirement("norm_topk", True, "Mixtral always renormalises each token's top-k "
+                                       "routing weights"),
+        Requirement("aux_loss", 0, "transformers' Mixtral has no sequence-wise balance loss"),
+    ))
+
+ARCHITECTURES = {a.name: a for a in (LLAMA, MIXTRAL)}
+
+
+def architecture(model: Model) -> Architecture | None:
+    """The transformers class a model is written as, if its family has one."""
+    family = FAMILIES.get(model.family)
+    if family is None or family.hf_architecture is None:
+        return None
+    return ARCHITECTURES[family.hf_architecture]
+
+
+def hf_tensors(block: dict) -> list[Tensor]:
+    """Every transformers tensor of a planc model block (as the checkpoint's manifest
+    holds it), with full planc and transformers names."""
+    model = Model(**block)
+    arch = architecture(model)
+    planc = {p.name for p in family_of(model).all_parameters(model)}
+    tensors = list(_GLOBAL)
+    for layer in range(model.layers):
+        tensors += [Tensor(f"model.layers.{layer}.{t.target}",
+                           tuple(f"layers.{layer}.{s}" for s in t.sources), t.swap, t.join)
+                    for t in arch.layer]
+    return [t for t in tensors if all(s in planc for s in t.sources)]
 
 
 def hf_name(name: str) -> tuple[str, bool]:
     """(transformers name, whether to transpose) of a llama parameter's planc name."""
-    if name in _GLOBAL:
-        return _GLOBAL[name]
-    _, layer, local = name.split(".", 2)
-    target, transpose = _LAYER[local]
-    return f"model.layers.{layer}.{target}", transpose
+    if "." in name and name.split(".", 1)[0] == "layers":
+        _, layer, local = name.split(".", 2)
+        tensor = next(t for t in LLAMA.layer if t.sources == (local,))
+        return f"model.layers.{layer}.{tensor.target}", tensor.swap is not None
+    tensor = next(t for t in _GLOBAL if t.sources == (name,))
+    return tensor.target, tensor.swap is not None
 
 
 def hf_config(model: dict) -> dict:
-    """transformers' LlamaConfig for a planc ``model llama`` block."""
-    heads = model["heads"]
+    """transformers' config (LlamaConfig, MixtralConfig) of a planc model block."""
+    m = Model(**model)
+    arch = architecture(m)
+    heads = m.heads
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": model["vocab"], "hidden_size": model["hidden"],
-        "intermediate_size": model["ffn"], "num_hidden_layers": model["layers"],
-        "num_attention_heads": heads, "num_key_value_heads": model["kv_heads"] or heads,
-        "head_dim": model["hidden"] // heads, "hidden_act": "silu",
-        "max_position_embeddings": model["seq"], "rms_norm_eps": model["norm_eps"],
-        "rope_theta": model["rope_theta"],
-        "rope_parameters": {"rope_type": "default", "rope_theta": model["rope_theta"]},
-        "tie_word_embeddings": model["tie_embeddings"], "attention_bias": False,
-        "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
-        "torch_dtype": DTYPES[model["dtype"]], "dtype": DTYPES[model["dtype"]],
+        "architectures": [arch.name], "model_type": arch.model_type,
+        "vocab_size": m.vocab, "hidden_size": m.hidden, "num_hidden_layers": m.layers,
+        "num_attention_heads": heads, "num_key_value_heads": m.kv_heads or heads,
+        "head_dim": m.hidden // heads, "hidden_act": "silu",
+        "max_position_embeddings": m.seq, "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "tie_word_embeddings": m.tie_embeddings, "attention_dropout": 0.0,
+        "initializer_range": 0.02, "torch_dtype": DTYPES[m.dtype], "dtype": DTYPES[m.dtype],
         "use_cache": True, "bos_token_id": None, "eos_token_id": None,
+        **arch.config(m),
     }
 
 
-def check_llama(directory: Path, manifest: dict) -> None:
-    """CheckpointError unless the checkpoint holds a llama model's parameters, each of
-    the shape its model block gives it: what hf_name and the transposes need."""
+def _shown(value: Any) -> str:
+    return {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) \
+        else str(value)
+
+
+def check_exportable(directory: Path, manifest: dict) -> Architecture:
+    """The transformers class the checkpoint is written as; CheckpointError unless its
+    family has one, its model has the values that class needs, and it holds its model's
+    parameters, each of the shape its model block gives it: what hf_tensors needs."""
     model = manifest["model"]
     family = FAMILIES.get(model["family"])
     if family is None or family.hf_architecture is None:
@@ -77,6 +177,16 @@ def check_llama(directory: Path, manifest: dict) -> None:
         raise CheckpointError(f"{directory} holds a model {model['family']}; "
                               f"--format hf writes {writable} models")
     block = Model(**model)  # every field checked with the manifest
+    arch = ARCHITECTURES[family.hf_architecture]
+    unmet = [r for r in arch.requires if getattr(block, r.key) != r.value]
+    if unmet:
+        needed = [f"{r.key} = {_shown(r.value)}" for r in arch.requires]
+        first = unmet[0]
+        raise CheckpointError(
+            f"{directory} holds a model {block.family} with {first.key} = "
+            f"{_shown(getattr(block, first.key))}, which {arch.name} cannot hold "
+            f"({first.why}); --format hf writes {block.family} models with "
+            f"{', '.join(needed[:-1])} and {needed[-1]}")
     stored = {name: info["shape"] for name, info in manifest["parameters"].items()}
     expected = {p.name: list(p.shape) for p in family_of(block).all_parameters(block)}
     if stored != expected:
@@ -84,4 +194,5 @@ def check_llama(directory: Path, manifest: dict) -> None:
                     if stored.get(n) != expected.get(n))
         raise CheckpointError(f"{directory}: its parameters are not its model's "
                               f"({name} is {stored.get(name, 'absent')} in the checkpoint, "
-                              f"{expected.get(name, 'absent')} in its llama model)")
+                              f"{expected.get(name, 'absent')} in its {block.family} model)")
+    return arch

@@ -273,5 +273,6 @@ FAMILY = Family(
                   first_dense_within_layers),
     tensor_parallel_checks=(llama.kv_heads_split_over_tp,),
     mesh_checks=(ep_divides_the_stage_and_the_experts, aux_loss_needs_whole_sequences),
+    hf_architecture="MixtralForCausalLM",  # without shared experts or dense blocks
     layer_block=layer_block,
 )

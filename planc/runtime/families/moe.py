@@ -43,7 +43,8 @@ def balance_loss(probabilities: torch.Tensor, chosen: torch.Tensor, sequences: i
     mean over the tokens of the softmax probability of i (already normalised)."""
     per_sequence = probabilities.reshape(sequences, -1, m.experts)
     tokens = per_sequence.shape[1]
-    routed = torch.zeros(sequences, tokens * m.top_k, m.experts, dtype=torch.float32)
+    routed = torch.zeros(sequences, tokens * m.top_k, m.experts, dtype=torch.float32,
+                         device=probabilities.device)
     routed.scatter_(-1, chosen.reshape(sequences, -1, 1), 1.0)
     f = routed.sum(1) * (m.experts / (m.top_k * tokens))
     return m.aux_loss * (f * per_sequence.mean(1)).sum()
@@ -56,11 +57,12 @@ class _WithBalanceLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, output, loss):
+        ctx.loss_dtype, ctx.loss_device = loss.dtype, loss.device
         return output
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.ones((), dtype=torch.float32)
+        return grad, torch.ones((), dtype=ctx.loss_dtype, device=ctx.loss_device)
 
 
 def mixture(tokens: torch.Tensor, weights_of, m, sequences: int = 1, batch: int = 1,
