@@ -13,7 +13,7 @@ from planc.models import moe as moe_family
 from tests.conftest import checkpoint_tensors
 
 MODEL = ("layers = {layers}; hidden = 32; heads = 4; kv_heads = 2; ffn = 40; vocab = 96; "
-         "seq = 16; batch = 4; experts = 4; top_k = 2; expert_ffn = 24; "
+         "seq = 16; batch = 4; experts = {experts}; top_k = 2; expert_ffn = 24; "
          "shared_experts = {shared}; first_dense = {dense}{extra}")
 PLAN = """plan moe_{name} {{
   model moe {{ {model} }}
@@ -27,8 +27,9 @@ PLAN = """plan moe_{name} {{
 
 def plan_text(name="t", layers=3, shared=0, dense=0, extra="", mesh="", shard="", m=1,
               schedule="", steps=2, optimizer="adamw(lr = 1e-3, weight_decay = 0.01)",
-              optimize="") -> str:
-    model = MODEL.format(layers=layers, shared=shared, dense=dense, extra=extra)
+              optimize="", experts=4, batch=4) -> str:
+    model = MODEL.format(layers=layers, shared=shared, dense=dense, extra=extra,
+                         experts=experts).replace("batch = 4", f"batch = {batch}")
     return PLAN.format(name=name.replace("-", "_"), model=model, mesh=mesh, shard=shard, m=m,
                        schedule=schedule, steps=steps, optimizer=optimizer,
                        optimize=f"\n  optimize {{ {optimize} }}" if optimize else "")
@@ -70,6 +71,16 @@ def test_a_moe_block_is_checked_at_its_key(keys, message):
     assert line[:first.span.column - 1].endswith(f"{key} = ")
 
 
+def test_an_unknown_family_with_another_familys_preset_is_an_error_not_a_crash():
+    """A model block of an unknown family is read with every family's keys: the moe
+    family's defaults once looked llama's preset up among its own (found by
+    tests/test_fuzz.py)."""
+    loaded = load_text("plan p { model llama1f1b { preset = llama3-405b; batch = 8 } }")
+    assert not loaded.ok
+    assert "unknown model family 'llama1f1b'; planc knows gpt, llama, moe" in \
+        [d.message for d in loaded.diagnostics]
+
+
 def test_the_presets_have_the_published_sizes():
     mixtral = load_text("plan p { model moe { preset = mixtral-8x7b; batch = 8 } }").plan.model
     assert (mixtral.layers, mixtral.hidden, mixtral.experts, mixtral.top_k,
@@ -80,6 +91,71 @@ def test_the_presets_have_the_published_sizes():
     deepseek = load_text("plan p { model moe { preset = deepseek-v3-size; batch = 8 } }"
                          ).plan.model
     assert (deepseek.first_dense, deepseek.shared_experts, deepseek.ffn) == (3, 1, 18432)
+
+
+@pytest.mark.parametrize("mesh, extra, message, hint", [
+    ("tp = 2; dp = 3; ep = 4", "", "ep (4) must divide the ranks of a pipeline stage, tp x "
+     "cp x dp = 6: its groups are drawn from them", "try ep = 3 or ep = 2"),
+    ("dp = 6; ep = 3", "", "ep (3) must divide experts (4): each rank of an ep group holds "
+     "experts / ep of them", "try ep = 2"),
+    ("tp = 2; ep = 2", "; aux_loss = 0.01", "aux_loss (0.01) needs each sequence's tokens "
+     "on one rank; with ep (2) each of the tp (2) ranks dispatches a share of them (not "
+     "supported yet)", "set aux_loss = 0, or tp = 1, or ep = 1"),
+])
+def test_ep_is_checked_at_its_key(mesh, extra, message, hint):
+    text = plan_text(mesh=mesh, extra=extra, batch=12)
+    errors = [d for d in load_text(text).diagnostics if d.is_error]
+    assert [(d.message, d.hints) for d in errors] == [(message, (hint,))]
+    line = text.splitlines()[errors[0].span.line - 1]
+    key = "aux_loss" if extra else "ep"
+    assert line[:errors[0].span.column - 1].endswith(f"{key} = ")
+
+
+def test_ep_needs_a_model_with_experts():
+    text = "plan p {\n  model llama { layers = 2; hidden = 32; heads = 4; ffn = 64; " \
+           "vocab = 96; seq = 16; batch = 4 }\n  mesh { dp = 2; ep = 2 }\n}"
+    errors = [d for d in load_text(text).diagnostics if d.is_error]
+    assert [(d.message, d.hints, d.span.line, d.span.column) for d in errors] == [
+        ("ep (2) spreads a model's experts over ranks; model llama has none",
+         ("remove ep, or describe a mixture of experts (model moe)",), 3, 23)]
+
+
+def test_ep_groups_are_runs_of_a_stages_ranks_fastest_axis_first():
+    """Megatron-Core's MoE Parallel Folding: ep drawn from tp x cp x dp of one stage, in
+    the mesh's order; the world does not change."""
+    from planc.lower.groups import EXPERTS, plan_group_table
+
+    plan = load_text(plan_text(mesh="tp = 2; pp = 2; dp = 2; ep = 4", m=2, batch=8)).plan
+    table = plan_group_table(plan)
+    rule = table.rule(EXPERTS)
+    assert plan.world == 8
+    assert list(table.groups(rule)) == [(0, 1, 4, 5), (2, 3, 6, 7)]  # pp is slower than tp
+    reordered = load_text(plan_text(mesh="tp = 2; dp = 2; ep = 2; order = [dp, tp, cp, pp]",
+                                    batch=8)).plan
+    assert list(plan_group_table(reordered).groups(plan_group_table(reordered).rule(EXPERTS))) \
+        == [(0, 1), (2, 3)]  # dp fastest: an ep group holds both dp ranks of a tp rank
+    assert plan_group_table(load_text(plan_text(mesh="dp = 2")).plan).rule(EXPERTS) is None
+
+
+def test_a_mixture_over_ep_names_its_group_and_its_all_to_all_bytes():
+    """Its rows at uniform routing: each rank's tokens (a 1/tp share over tp) times top_k,
+    hidden wide, in the model's dtype; the simulator adds a dispatch and a combine."""
+    from planc.compile import compile_plan
+    from planc.simulate import simulate
+
+    plan = load_text(plan_text(mesh="tp = 2; dp = 2; ep = 4", m=2, batch=8,
+                               shard="tp { sequence_parallel = on }")).plan
+    build = compile_plan(plan)
+    data = build.graph.nodes["F/L1/moe"]
+    tokens = 8 // 2 // 2 * 16 // 2  # microbatch rows x seq, over tp
+    assert (data["experts_over"], data["dispatch_bytes"]) == (4, tokens * 2 * 32 * 4)
+    moe = next(i for i in build.programs["stage0.json"].blocks["F0"] if i.node == "F/L1/moe")
+    assert (moe.operands.group, moe.operands.bytes) == ("ep", tokens * 2 * 32 * 4)
+    apart = simulate(build).step_seconds
+    together = simulate(compile_plan(load_text(plan_text(
+        mesh="tp = 2; dp = 2", m=2, batch=8, shard="tp { sequence_parallel = on }")).plan)
+    ).step_seconds
+    assert apart > together
 
 
 # --- the routing rule ----------------------------------------------------------------------
@@ -277,6 +353,17 @@ MATRIX = {
                                                 "dp { zero = 2 }"),
     "aux-loss-dp2-recompute": dict(mesh="dp = 2", m=2, extra="; aux_loss = 0.1",
                                    optimize="recompute = full"),
+    # expert parallelism: each rank runs experts / ep of the experts on the tokens its ep
+    # group dispatches to it, the ep ranks drawn from tp x cp x dp, fastest first
+    "ep2-over-tp2-sp": dict(mesh="tp = 2; ep = 2", shared=1,
+                            shard="tp { sequence_parallel = on }"),
+    "ep4-over-tp2-dp2-zero1-dense": dict(mesh="tp = 2; dp = 2; ep = 4", m=2, dense=1,
+                                         shard="dp { zero = 1 }"),
+    "ep2-over-dp2-pp2-zero3": dict(mesh="pp = 2; dp = 2; ep = 2", m=2, dense=1,
+                                   shard="dp { zero = 3 }"),
+    "ep8-over-tp2-cp2-dp2-ring": dict(mesh="tp = 2; cp = 2; dp = 2; ep = 8", m=2, experts=8,
+                                      shard="cp { attention = ring }"),
+    "ep2-over-dp2-aux-loss": dict(mesh="dp = 2; ep = 2", m=2, extra="; aux_loss = 0.1"),
 }
 
 

@@ -201,6 +201,13 @@ class _Derivation(AxisRules, ParameterRules):
             attrs["vocab_parallel"] = self.tp > 1 and layout.params[0].storage == S("vocab")
         if op == "loss":
             attrs["vocab_parallel"] = self.tp > 1 and layout.input == S("vocab")
+        rule = self.family.rules.get(op)
+        if rule is not None and rule.expert_parallel and self.plan.mesh.ep > 1:
+            attrs["experts_over"] = self.plan.mesh.ep  # dispatched over the ep group
+            # what one all-to-all moves at uniform routing: every (token, expert) row
+            tokens = self.shapes.batch * self.shapes.seq / (self.tp if layout.sharded else 1)
+            attrs["dispatch_bytes"] = int(tokens * self.plan.model.top_k * self.shapes.hidden *
+                                          self.shapes.dtype_bytes)
         return attrs
 
     def _local_bytes(self, tensor: str, layout: Layout) -> float:

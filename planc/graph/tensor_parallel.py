@@ -179,10 +179,13 @@ def choices(op: str, plan: Plan, stream: Layout) -> list[Choice]:
         dims = _param_dims(plan)
         uses = [(name, dims[name]) for name in rule.params if name in dims]
         whole = Choice(R, R, R, False, tuple(ParamUse(n, R, R, d) for n, d in uses))
+        share = Choice(S("seq"), S("seq"), S("seq"), True,
+                       tuple(ParamUse(n, R, S("seq"), d) for n, d in uses))
         if rule.whole_sequences_when and getattr(plan.model, rule.whole_sequences_when):
             return [whole]
-        return [whole, Choice(S("seq"), S("seq"), S("seq"), True,
-                              tuple(ParamUse(n, R, S("seq"), d) for n, d in uses))]
+        if rule.expert_parallel and plan.mesh.ep > 1:
+            return [share]  # each tp rank dispatches its own tokens (Megatron-Core)
+        return [whole, share]
     if rule.kind == "residual":
         return [Choice(stream, stream, stream, stream.is_sharded)]
     if rule.kind == "position":

@@ -194,6 +194,10 @@ OPTIONAL = {
     "ring_steps": "ring attention (compute): the cp ring steps it runs per microbatch",
     "ring_bytes": "ring attention (compute): the bytes of the K/V block one shift moves",
     "ring_reason": "ring attention (compute): why its blocks travel the cp ring",
+    "experts_over": "a mixture of experts (compute): the ranks of the ep group its experts "
+                    "are spread over, which it dispatches tokens to and combines them from",
+    "dispatch_bytes": "a mixture of experts (compute): the bytes of its (token, expert) "
+                      "rows, which each of its all-to-alls moves at uniform routing",
     "scatter_gather": "pp send/recv with pp_scatter_gather: the tp ranks that each move 1/tp",
     "toward": "pipeline transfers: next or prev, the way the tensor travels along the "
               "stages (forward is next except on the way back of a V)",
@@ -217,7 +221,8 @@ SEQUENCE = (list, tuple)
 OPTIONAL_TYPES = {
     "forward_of": TEXT, "recompute_of": TEXT, "weight_grad": TEXT, "weight_grad_of": TEXT,
     "tp_input": TEXT, "tp_output": TEXT, "bucket": TEXT, "ring_steps": INTEGER,
-    "ring_bytes": INTEGER, "ring_reason": TEXT, "scatter_gather": INTEGER, "toward": TEXT,
+    "ring_bytes": INTEGER, "ring_reason": TEXT, "experts_over": INTEGER,
+    "dispatch_bytes": INTEGER, "scatter_gather": INTEGER, "toward": TEXT,
     "dim": (str, type(None)), "producer": TEXT, "consumer": TEXT, "collective": TEXT,
     "sharded": (bool,), "stream": TEXT, "placement": TEXT, "route": TEXT,
     "route_seconds": (int, float, type(None)), "tensor": TEXT, "bias": TEXT,

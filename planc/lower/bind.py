@@ -15,6 +15,7 @@ import networkx as nx
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, Port
 from planc.graph.layouts import parse as parse_layout
 from planc.graph.layouts import R, S
+from planc.lower.groups import EXPERTS
 from planc.lower.operands import FEATURE_AXIS, SEQ_AXIS, Input, Operands
 
 
@@ -82,8 +83,10 @@ def _compute(graph: nx.DiGraph, node: str, data: dict, position: dict[str, int]
         sharded=bool(data.get("sharded", False)) if data["op"] == Op.OPTIMIZER else False,
         # ring attention: its steps over the cp group, and the block one shift moves
         ring_steps=data.get("ring_steps"),
-        group=Axis.CP.value if data.get("ring_steps") else None,
-        bytes=data.get("ring_bytes"))
+        # ... or a mixture of experts' all-to-alls over the ep group
+        group=Axis.CP.value if data.get("ring_steps") else
+        EXPERTS if data.get("experts_over") else None,
+        bytes=data.get("ring_bytes") or data.get("dispatch_bytes"))
 
 
 def _transfer(graph: nx.DiGraph, node: str, data: dict, op: str,

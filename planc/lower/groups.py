@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover - annotations only
 
 GROUPS_FORMAT_VERSION = 1
 PIPELINE = "pp"  # pairs of neighbouring stages, one group per pair and direction
+EXPERTS = "ep"  # the ranks a mixture of experts spreads its experts over
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,21 @@ class GroupRule:
     wrap: bool = False  # pp: the last stage also sends to the first (interleaved)
     split: str | None = None  # a hierarchical route's sub-groups: "intra" or "inter"
     turns: bool = False  # pp: forwards and backwards go both ways between neighbours (a V)
+    # ep: the group along ``axes`` cut into runs of ``fold`` consecutive ranks (expert
+    # parallelism folded over a stage's ranks, fastest mesh axis first); 0: not cut
+    fold: int = 0
+
+    def cut(self, whole: tuple[int, ...], rank: int | None = None) -> tuple:
+        """The runs of ``whole`` (sorted members), or the one holding ``rank``."""
+        if not self.fold:
+            return (whole,) if rank is None else whole
+        runs = tuple(whole[i:i + self.fold] for i in range(0, len(whole), self.fold))
+        return runs if rank is None else next((r for r in runs if rank in r), ())
 
     def to_json(self) -> dict:
         item: dict = {"ref": self.ref, "axes": list(self.axes)}
+        if self.fold:
+            item["fold"] = self.fold
         if self.coordinates:
             item["coordinates"] = {k: list(v) for k, v in self.coordinates.items()}
         if self.wrap:
@@ -82,7 +95,9 @@ class GroupTable:
             return
         for leader in ranks.leaders(rule.axes, rule.coordinates):
             whole = ranks.members(leader, rule.axes, rule.coordinates)
-            if rule.split is None:
+            if rule.fold:
+                yield from rule.cut(whole)
+            elif rule.split is None:
                 yield whole
             else:  # the sub-groups, in order of their smallest member
                 yield from sorted({sub_group(whole, r, rule.split, self.devices_per_node)
@@ -91,6 +106,8 @@ class GroupTable:
     def members(self, rank: int, rule: GroupRule) -> tuple[int, ...]:
         """The members of ``rank``'s group of ``rule`` (empty if it is in none)."""
         whole = self.ranks.members(rank, rule.axes, rule.coordinates)
+        if rule.fold:
+            return rule.cut(whole, rank)
         if rule.split is None or not whole:
             return whole
         return sub_group(whole, rank, rule.split, self.devices_per_node)
@@ -212,9 +229,12 @@ class GroupTable:
             if split not in (None, INTRA, INTER):
                 raise ValueError(f"group {item.get('ref')!r} splits by {split!r}; sub-groups "
                                  f"are intra or inter")
+            fold = integer_of(item.get("fold", 0), f"group {item.get('ref')!r}'s fold")
+            if fold < 0:
+                raise ValueError(f"group {item.get('ref')!r} folds by {fold}")
             rules.append(GroupRule(str(item["ref"]), axes, coordinates,
                                    bool(item.get("wrap", False)), split,
-                                   bool(item.get("turns", False))))
+                                   bool(item.get("turns", False)), fold))
         devices = integer_of(data["devices_per_node"], "its devices_per_node")
         if devices < 1:
             raise ValueError(f"its devices_per_node is {devices}")
@@ -243,4 +263,6 @@ def group_table(mesh: "Mesh", devices_per_node: int, tied: bool, virtual: int = 
             rules.append(replace(base, ref=f"{base.ref}/{part}", split=part))
     if mesh.pp > 1:
         rules.append(GroupRule(PIPELINE, wrap=virtual > 1 and not turns, turns=turns))
+    if mesh.ep > 1:  # a stage's ranks, fastest mesh axis first, in runs of ep
+        rules.append(GroupRule(EXPERTS, GROUPS[Axis.STAGE].axes, fold=mesh.ep))
     return GroupTable(RankMesh.of(mesh.sizes, mesh.order, devices_per_node), tuple(rules))

@@ -103,6 +103,9 @@ class OpRule:
     # A model key that, when set (non-zero), makes a ``tokenwise`` operator need every
     # token of its sequences (a statistic over the sequence): it then runs whole over tp.
     whole_sequences_when: str | None = None
+    # A ``tokenwise`` operator whose experts spread over the mesh's ep group: every rank
+    # of the group must send it distinct tokens, so over tp it runs on a 1/tp share.
+    expert_parallel: bool = False
 
 
 # What tp must divide when a placement slot of a pre-norm block is split (Megatron-LM,

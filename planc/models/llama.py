@@ -159,11 +159,12 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
 
 
 def preset_default(name: str, presets=PRESETS):
-    """The default of key ``name``: the chosen preset's value, or None (none chosen, or
-    the preset does not set it)."""
+    """The default of key ``name``: the chosen preset's value, or None (none chosen, the
+    preset does not set it, or it is another family's: a model block of an unknown
+    family is checked against every family's keys at once)."""
     def value(scope):
         chosen = scope.value("preset")
-        return presets[chosen].get(name) if chosen else None
+        return presets.get(chosen, {}).get(name) if chosen else None
     return value
 
 

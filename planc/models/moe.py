@@ -47,7 +47,8 @@ MOE_PARAMS = ("router.weight",) + EXPERT_WEIGHTS + SHARED_WEIGHTS
 # With a load-balancing loss the mixture needs its sequences whole (the loss is a
 # statistic of each sequence), so it then runs on every token over tp.
 RULES = {**llama.RULES, "moe": OpRule("tokenwise", params=MOE_PARAMS,
-                                      whole_sequences_when="aux_loss")}
+                                      whole_sequences_when="aux_loss",
+                                      expert_parallel=True)}
 OUTPUT_TENSOR = {**llama.OUTPUT_TENSOR, "moe": "stream"}
 
 PRESETS = {
@@ -238,7 +239,13 @@ def ep_divides_the_stage_and_the_experts(m: Model, mesh) -> Finding | None:
 
 def aux_loss_needs_whole_sequences(m: Model, mesh) -> Finding | None:
     """The load-balancing loss is a statistic of each sequence: its ranks must hold every
-    token of it (their counts are not yet summed over cp)."""
+    token of it (their counts are not yet summed over cp, nor over the tp ranks that
+    expert parallelism makes dispatch a 1/tp share each)."""
+    if m.aux_loss and mesh.ep > 1 and mesh.tp > 1:
+        return Finding(f"aux_loss ({m.aux_loss:g}) needs each sequence's tokens on one rank; "
+                       f"with ep ({mesh.ep}) each of the tp ({mesh.tp}) ranks dispatches a "
+                       f"share of them (not supported yet)", ("model.aux_loss", "mesh.ep"),
+                       "set aux_loss = 0, or tp = 1, or ep = 1")
     if not m.aux_loss or mesh.cp == 1:
         return None
     return Finding(f"aux_loss ({m.aux_loss:g}) needs each sequence's tokens on one rank; "

@@ -21,7 +21,7 @@ import torch
 from planc.lower.operands import SEQ_AXIS, Input
 from planc.lower.program import Instruction, Program
 from planc.runtime.context import RankContext, pp_group_key
-from planc.runtime.kernels import LOSS_STATISTICS, Kernels, Saved, Spec
+from planc.runtime.kernels import LOSS_STATISTICS, Kernels, Peers, Saved, Spec
 from planc.runtime.model import split_feature
 from planc.runtime.optim import optimizer_of
 from planc.runtime.ring_attention import Ring
@@ -75,9 +75,11 @@ def join_tokens(pieces: list[torch.Tensor], spread: int) -> torch.Tensor:
 
 
 class _Compute:
-    def __init__(self, node: str, instruction: Instruction, ring: Ring | None = None):
+    def __init__(self, node: str, instruction: Instruction, ring: Ring | None = None,
+                 peers: Peers | None = None):
         operands = instruction.operands
-        self.node, self.spec, self.inputs = node, Spec.of(operands, ring), operands.inputs
+        self.node, self.spec, self.inputs = node, Spec.of(operands, ring, peers), \
+            operands.inputs
         self.gathered = dict(operands.gathered)  # bucket -> the ZeRO-3 gather that filled it
         self.per_microbatch = instruction.per_microbatch
         step = operands.step
@@ -128,11 +130,14 @@ class Interpreter:
             return
         operands = instruction.operands
         if op == "compute":
-            ring = None
+            ring = peers = None
             if operands.ring_steps:  # ring attention: its steps over the cp group
                 call = self._call(op, instruction)
                 ring = Ring(operands.ring_steps, call.group, call.members, call.index)
-            self.bound[(op, node)] = _Compute(node, instruction, ring)
+            elif operands.group is not None:  # a mixture of experts: its ep group
+                call = self._call(op, instruction)
+                peers = Peers(call.group, call.members, call.index)
+            self.bound[(op, node)] = _Compute(node, instruction, ring, peers)
             if operands.step == "optimizer":
                 bucket = operands.bucket
                 tensor = self.store.shard[bucket] if operands.sharded else \

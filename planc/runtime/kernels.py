@@ -47,6 +47,20 @@ class Saved:
 
 
 @dataclass(frozen=True)
+class Peers:
+    """A process group a compute step communicates over itself (a mixture of experts'
+    all-to-alls over its ep group): the handle, the members, this rank's index."""
+
+    group: object  # a process group
+    members: tuple[int, ...]
+    index: int
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+@dataclass(frozen=True)
 class Spec:
     """A compute instruction as the kernels need it, read once from its operands."""
 
@@ -60,12 +74,14 @@ class Spec:
     vocab_parallel: bool
     tokens: tuple[int, int, int] | None = None  # tp_overlap: the piece of tokens it runs
     ring: Ring | None = None  # ring attention: its cp ring (planc.runtime.ring_attention)
+    peers: Peers | None = None  # a mixture of experts: its ep group
 
     @staticmethod
-    def of(operands: Operands, ring: Ring | None = None) -> "Spec":
+    def of(operands: Operands, ring: Ring | None = None, peers: Peers | None = None
+           ) -> "Spec":
         return Spec(Op(operands.kernel), operands.layer, operands.seq_sharded,
                     operands.replicated, operands.params, dict(operands.param_slices),
-                    operands.bias, operands.vocab_parallel, operands.tokens, ring)
+                    operands.bias, operands.vocab_parallel, operands.tokens, ring, peers)
 
 
 class Kernels:

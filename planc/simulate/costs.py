@@ -21,6 +21,8 @@ table alone (not graph.json): the one model the compiler optimises with (planc.c
   overlapped with the shift travelling meanwhile, one hop of ``bytes`` (its send and its
   receive run together); in the backward a step's K/V shift and the previous block's
   dK/dV shift share the link (:func:`ring_seconds`).
+- A mixture of experts over an ep group adds its dispatch and combine, each an
+  all-to-all of ``bytes`` (its (token, expert) rows at uniform routing) over the group.
 """
 
 from __future__ import annotations
@@ -56,6 +58,13 @@ def axis_of(operands: Operands | None) -> str | None:
     if operands is None or operands.payload is None:
         return None
     return group_of(operands).partition("/")[0]
+
+
+# A mixture of experts over an ep group: the dispatch and the combine, forward or
+# backward, each an all-to-all of its rows at uniform routing, in series with the
+# experts' GEMMs (no overlap within one microbatch: Megatron-Core's 1F1B A2A overlap
+# hides them behind another microbatch, which the replay does not model yet).
+EXPERT_ALL_TO_ALLS = 2
 
 
 def ring_seconds(compute: float, shift: float, steps: int, backward: bool) -> float:
@@ -122,6 +131,10 @@ class InstructionCosts:
                                                    self._crosses(operands.group))
                 seconds = ring_seconds(seconds, shift, operands.ring_steps,
                                        operands.step == "backward")
+            elif operands.group is not None:  # a mixture of experts over its ep group
+                seconds += EXPERT_ALL_TO_ALLS * self.cost.transfer_seconds(
+                    Kind.ALL_TO_ALL.value, operands.bytes, self._size(operands.group),
+                    self._crosses(operands.group))
             return seconds
         kind = instruction.op
         ref, route = operands.group or PIPELINE, operands.route  # group_of, inlined

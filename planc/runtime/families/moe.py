@@ -11,6 +11,7 @@ is added back to its token weighted by its routing probability.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from planc.graph.vocabulary import Op
@@ -92,12 +93,85 @@ def mixture(tokens: torch.Tensor, weights_of, m, sequences: int = 1, batch: int 
     return out
 
 
+class _AllToAll(torch.autograd.Function):
+    """Rows to the ranks of a group, ``sent[j]`` of them to rank j, ``received[j]`` back
+    from it (torch.distributed's all_to_all_single with uneven splits); the backward
+    returns the gradients the same way reversed."""
+
+    @staticmethod
+    def forward(ctx, rows, sent, received, group):
+        ctx.sent, ctx.received, ctx.group = sent, received, group
+        out = rows.new_empty((sum(received), rows.shape[1]))
+        dist.all_to_all_single(out, rows.contiguous(), received, sent, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = grad.new_empty((sum(ctx.sent), grad.shape[1]))
+        dist.all_to_all_single(back, grad.contiguous(), ctx.sent, ctx.received,
+                               group=ctx.group)
+        return back, None, None, None
+
+
+def _exchange(values: torch.Tensor, sent: list[int], received: list[int], group
+              ) -> torch.Tensor:
+    """Integers to the group's ranks as _AllToAll sends rows (no gradient)."""
+    out = values.new_empty(sum(received))
+    dist.all_to_all_single(out, values.contiguous(), received, sent, group=group)
+    return out
+
+
+def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequences: int,
+                            batch: int) -> torch.Tensor:
+    """The mixture with its experts spread over ``peers`` (expert parallelism: GShard,
+    Lepikhin et al. 2021; Megatron-Core's token dispatcher): rank j of the ep group runs
+    experts j E/ep ... (j + 1) E/ep - 1. Each (token, expert) pair goes, sorted by expert,
+    to the expert's rank with one all-to-all after the counts are exchanged (they vary
+    step by step), comes back with another, and is added to its token weighted; a token's
+    experts add in increasing order, as :func:`mixture` adds them."""
+    probabilities = torch.softmax(tokens.float() @ weights_of("router.weight").float(), -1)
+    experts, weights = top_k(probabilities, m.top_k, m.norm_topk)
+    per_rank = m.experts // peers.size
+    chosen = experts.reshape(-1)
+    order = torch.sort(chosen, stable=True).indices  # by expert, then token and slot
+    token_of, expert_of = order // m.top_k, chosen[order]
+    counts = torch.bincount(expert_of // per_rank, minlength=peers.size)
+    arriving = torch.empty_like(counts)
+    dist.all_to_all_single(arriving, counts, group=peers.group)
+    sent, received = counts.tolist(), arriving.tolist()
+    rows = _AllToAll.apply(tokens[token_of], sent, received, peers.group)
+    rows_expert = _exchange(expert_of, sent, received, peers.group)
+    gate, up, down = (weights_of(f"experts.{w}.weight") for w in ("gate", "up", "down"))
+    done = torch.zeros_like(rows)
+    for expert in range(peers.index * per_rank, (peers.index + 1) * per_rank):
+        mine = (rows_expert == expert).nonzero(as_tuple=True)[0]
+        if mine.numel():
+            x = rows[mine]
+            done = done.index_copy(0, mine, (F.silu(x @ gate[expert]) * (x @ up[expert]))
+                                   @ down[expert])
+    back = _AllToAll.apply(done, received, sent, peers.group)
+    weighted = back * weights.reshape(-1)[order].to(tokens.dtype).unsqueeze(-1)
+    out = torch.zeros_like(tokens).index_add(0, token_of, weighted)
+    if m.shared_experts:
+        out = out + llama.dense_mlp(-1, tokens, {
+            f"{w}.weight": weights_of(f"shared.{w}.weight") for w in ("gate", "up", "down")})
+    if m.aux_loss:
+        loss = balance_loss(probabilities, experts, sequences, m) / batch
+        out = _WithBalanceLoss.apply(out, loss)
+    return out
+
+
 def moe(k, spec, x, p, step, mb, extra):
     data = x["x"]
     by_suffix = {name.split(".", 2)[-1]: name for name in spec.params}
+    weights_of = lambda name: p(by_suffix[name])  # noqa: E731
+    flat = data.reshape(-1, data.shape[-1])
     # With aux_loss the mixture holds whole sequences (planc.models.moe): the rows.
-    out = mixture(data.reshape(-1, data.shape[-1]), lambda name: p(by_suffix[name]),
-                  k.ctx.model, data.shape[0], k.ctx.model.batch)
+    if spec.peers is not None and spec.peers.size > 1:
+        out = expert_parallel_mixture(flat, weights_of, k.ctx.model, spec.peers,
+                                      data.shape[0], k.ctx.model.batch)
+    else:
+        out = mixture(flat, weights_of, k.ctx.model, data.shape[0], k.ctx.model.batch)
     return out.reshape(data.shape)
 
 
