@@ -181,6 +181,9 @@ def stage_activation_bytes(plan: Plan, stage: int) -> tuple[float, int]:
     if plan.optimize.recompute == "full":
         # Recomputing one layer materialises its full activations once more.
         total += layer_activation_bytes(plan, "none")
+    transient = family_of(plan).transient_bytes
+    if transient is not None and plan.layers_of_stage(stage):
+        total += transient(m, plan.mesh, plan.microbatch_size * m.seq / plan.mesh.cp)
     if stage == plan.head_stage:
         s, b = m.seq // plan.mesh.cp, plan.microbatch_size
         sp_div = tp if plan.shard.tp.sequence_parallel and tp > 1 else 1

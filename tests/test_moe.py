@@ -158,6 +158,38 @@ def test_a_mixture_over_ep_names_its_group_and_its_all_to_all_bytes():
     assert apart > together
 
 
+def test_the_memory_estimate_holds_the_worst_dispatch_buffers():
+    """ep 4 over tp 2 x dp 2: a rank may receive, from each of its 4 ep peers, every row
+    its 32 tokens (2 sequences of 32, over tp) can send to its 2 experts (top_k 2), and
+    holds them with the experts' gate, up and product and their outputs."""
+    from planc import memory
+
+    def peak(mesh):
+        plan = load_text(plan_text(mesh=mesh, m=2, batch=8, experts=8).replace(
+            "seq = 16", "seq = 32")).plan
+        return memory.estimate(plan).stages[0].activation_bytes
+
+    rows = 4 * (2 * 32 // 2) * 2
+    assert peak("tp = 2; dp = 2; ep = 4") - peak("tp = 2; dp = 2") == \
+        rows * (2 * 32 + 3 * 24) * 4
+
+
+def test_explain_names_a_mixtures_all_to_alls_and_their_bytes(capsys):
+    """plans/moe-tiny.plan, layer 1: 32 tokens per rank (2 sequences of 32 over tp 2) x
+    top_k 2 rows of 64 fp32 features: 16 KB at uniform routing; at most every row the
+    4 ranks of the ep group can send to one rank's 2 experts, 4 x 32 x 2 rows."""
+    from tests.conftest import PLANS
+
+    assert main(["explain", str(PLANS / "moe-tiny.plan"), "--layer", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("layer 1: the mixture's all-to-alls over ep (4 ranks: [0, 1, 4, 5]), "
+                        "inside its instruction")
+    assert lines[1] == ("  F  all_to_all over ep  16.4 KB per microbatch at uniform routing, "
+                        "at most 65.5 KB received  [dispatch: each (token, expert) row to its "
+                        "expert's rank]")
+    assert [line[:5] for line in lines[1:5]] == ["  F  ", "  F  ", "  B  ", "  B  "]
+
+
 # --- the routing rule ----------------------------------------------------------------------
 
 def test_ties_go_to_the_lower_expert_and_weights_are_renormalised():

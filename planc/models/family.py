@@ -175,6 +175,10 @@ class Family:
     # dense first layers); None: every block is layer_ops and layer_links. Every variant
     # starts with layer_ops[0] and ends with layer_output.
     layer_block: Callable[[Model, int], tuple[tuple[str, ...], tuple]] | None = None
+    # Bytes one device holds for a moment while one block runs, beyond what the block
+    # keeps for its backward: (model, mesh, tokens it holds) -> bytes (a mixture's
+    # dispatch buffers under the worst routing); None: nothing.
+    transient_bytes: Callable[[Model, Mesh, float], float] | None = None
 
     @property
     def own_keys(self) -> tuple[str, ...]:

@@ -164,6 +164,19 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     return max(dense, mixture) if m.first_dense else mixture
 
 
+def dispatch_bytes(m: Model, mesh, tokens: float) -> float:
+    """A mixture's dispatch buffers when routing is as uneven as it can be: with ep > 1,
+    a rank may receive from each of the ep ranks of its group every row of its tokens
+    that can go to its experts, min(top_k, experts / ep) per token (over tp each rank
+    dispatches tokens / tp), and holds them, the experts' gate, up and product on them
+    and their outputs at once."""
+    if mesh.ep == 1 or m.first_dense >= m.layers:
+        return 0.0
+    local = tokens / mesh.tp
+    rows = mesh.ep * local * min(m.top_k, m.experts // mesh.ep)
+    return rows * (2 * m.hidden + 3 * m.expert_ffn) * m.dtype_bytes
+
+
 def _preset(name: str):
     return llama.preset_default(name, PRESETS)
 
@@ -282,4 +295,5 @@ FAMILY = Family(
     mesh_checks=(ep_divides_the_stage_and_the_experts, aux_loss_needs_whole_sequences),
     hf_architecture="MixtralForCausalLM",  # without shared experts or dense blocks
     layer_block=layer_block,
+    transient_bytes=dispatch_bytes,
 )

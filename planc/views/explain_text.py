@@ -219,7 +219,7 @@ def explain(plan: Plan, graph: nx.DiGraph, layer: int | None = None, param: str 
             return which in layers_of[d["bucket"]]
         return d["layer"] == which
 
-    sections = []
+    sections, experts = [], []
     if param is not None:
         chosen = pick(lambda d: d.get("tensor") == param or (
             d.get("bucket") in holding and not d.get("tensor")
@@ -237,10 +237,13 @@ def explain(plan: Plan, graph: nx.DiGraph, layer: int | None = None, param: str 
             stage = next(d["stage"] for _, d in graph.nodes(data=True) if d["layer"] == layer)
             sections.append((f"layer {layer} (stage {stage})" + (f": {note}" if note else ""),
                              pick(lambda d: of_layer(d, layer)), None))
+            experts = expert_lines(plan, graph, layer)
         if not (param or (layer is not None and note == "")):
             sections.append(("outside the layers: embedding, head, loss and pipeline",
                              pick(lambda d: of_layer(d, None)), None))
     out = []
+    if param is None and layer is not None and experts:
+        out.extend(experts + [""])
     for title, nodes, subject in sections:
         out.append(f"{title}: {counted(len(nodes), 'transfer')}"
                    + (f" over {axis}" if axis else "")
@@ -259,6 +262,40 @@ def explain(plan: Plan, graph: nx.DiGraph, layer: int | None = None, param: str 
                 out.extend(bucket_lines(plan, bucket_id, buckets[bucket_id], subject))
         out.append("")
     return "\n".join(out + _passes(graph)).rstrip() + "\n"
+
+
+def expert_lines(plan: Plan, graph: nx.DiGraph, layer: int) -> list[str]:
+    """A mixture over ep: the all-to-alls its instruction runs over its ep group, what
+    they move at uniform routing and at the most (every row of the group sent to one
+    rank's experts), and why they exist."""
+    from planc.lower.groups import EXPERTS, plan_group_table
+
+    node = f"F/L{layer}/moe"
+    data = graph.nodes[node] if node in graph else {}
+    if not data.get("experts_over"):
+        return []
+    m, ep = plan.model, data["experts_over"]
+    table = plan_group_table(plan)
+    members = table.members(table.ranks.rank({"pp": data["stage"]}), table.rule(EXPERTS))
+    per_rank = m.experts // ep
+    rows = data["dispatch_bytes"]
+    most = rows * ep * min(m.top_k, per_rank) / m.top_k
+    lines = [f"layer {layer}: the mixture's all-to-alls over ep ({ep} ranks: "
+             f"{list(members)}), inside its instruction"]
+    for phase, what in (("F", "dispatch: each (token, expert) row to its expert's rank"),
+                        ("F", "combine: each expert's output back to its token's rank"),
+                        ("B", "the gradients of the combine, reversed"),
+                        ("B", "the gradients of the dispatch, reversed")):
+        lines.append(f"  {phase}  all_to_all over ep  {format_bytes(rows)} per microbatch at "
+                     f"uniform routing, at most {format_bytes(most)} received  [{what}]")
+    lines.extend(textwrap.wrap(
+        f"the {m.experts} experts of each mixture are spread over the ep group, {per_rank} "
+        f"per rank (rank j runs experts j x {per_rank} to (j + 1) x {per_rank} - 1); each of "
+        f"this rank's tokens goes to its top_k = {m.top_k} experts' ranks and comes back "
+        f"weighted by its routing probability. The counts are exchanged first, an all-to-all "
+        f"of {ep} integers, since they change with every step", width=96,
+        initial_indent="     ", subsequent_indent="     ", break_on_hyphens=False))
+    return lines
 
 
 def _passes(graph: nx.DiGraph) -> list[str]:
