@@ -50,9 +50,11 @@ LATEST = "latest"
 STEP_DIR = re.compile(r"step-([0-9]{6,})")
 # What a checkpoint directory may hold besides step directories and `latest`: staging
 # directories of a checkpoint being written, older step directories being replaced,
-# temporary files of `latest` and the lock of the run writing it (planc.locks).
+# temporary files of `latest` (planc.files.write_atomically's ``.planc-XXXXXXXX``, left
+# behind by a run killed between writing and renaming one) and the lock of the run
+# writing it (planc.locks).
 _OURS = re.compile(r"^(step-\d{6,}|latest|\.step-\d{6,}\.(partial|old-.*)|\.latest\..*|"
-                   r"\.lock)$")
+                   r"\.planc-[A-Za-z0-9_]+|\.lock)$")
 
 
 def step_name(step: int) -> str:

@@ -303,7 +303,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # one line, never a traceback; the imports below are inside the handling too.
     with Interrupts() as interrupts:
         try:
-            return _dispatch(argv, interrupts)
+            status = _dispatch(argv, interrupts)
+            if interrupts.received is not None and status != 128 + interrupts.received:
+                interrupts.check()  # a signal recorded where it could not be raised
+            return status
         except BrokenPipeError:  # `planc layout big.plan | head`
             sys.stderr.close()
             return EXIT_OK

@@ -57,7 +57,7 @@ class Interrupts:
         if self.received is not None:
             return
         self.received = signum
-        if not self._deferring:
+        if not self._deferring and not _inside_import_machinery(frame):
             raise Interrupted(signum)
 
     @contextmanager
@@ -77,6 +77,14 @@ class Interrupts:
         """Raise the signal received, if any (at a point where stopping is safe)."""
         if self.received is not None:
             raise Interrupted(self.received)
+
+
+def _inside_import_machinery(frame) -> bool:
+    """Whether the signal arrived while Python's frozen import machinery ran (a module
+    lock's weakref callback, say): an exception raised there is printed as "Exception
+    ignored in ..." with a traceback and then dropped, so the signal is only recorded;
+    the command line acts on it when the command returns (planc.cli.main)."""
+    return frame is not None and frame.f_code.co_filename.startswith("<frozen ")
 
 
 @contextmanager

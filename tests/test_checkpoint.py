@@ -202,6 +202,21 @@ def test_a_run_killed_while_checkpointing_leaves_the_previous_checkpoint_usable(
     assert fmt.find(ckpt).manifest["step"] == step + 1
 
 
+def test_a_temporary_file_of_latest_left_by_a_killed_run_does_not_block_the_directory(
+        tmp_path):
+    """A run killed between writing `latest`'s temporary file and renaming it leaves
+    .planc-XXXXXXXX beside the steps (found by the kill test above under pytest-xdist);
+    the directory is still a checkpoint directory, and a stranger's file still is not."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / ".planc-k2x_9qzr").write_text("step-0000")
+    assert fmt.writable_problem(str(ckpt)) is None
+    (ckpt / "notes.txt").write_text("mine")
+    assert fmt.writable_problem(str(ckpt)) == (
+        f"--checkpoint-dir {ckpt}: holds 'notes.txt', which is not a checkpoint; name an "
+        f"empty or a checkpoint directory")
+
+
 def test_incomplete_and_damaged_steps_are_passed_over(tmp_path, capfd):
     plan = write_plan(tmp_path, "p", mesh="tp = 2", steps=2)
     ckpt = tmp_path / "ckpt"
