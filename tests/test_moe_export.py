@@ -139,3 +139,13 @@ def test_a_moe_run_resumed_under_another_layout_matches_the_uninterrupted_run(tm
     final = tensors_of(tmp_path / "ckpt" / "step-000004")
     assert len(final) == 4 * 10 + 3  # a block: attention and norms (6), router, 3 stacked
     assert final["layers.3.experts.down.weight"].shape == (4, 24, 32)
+
+
+def test_a_moe_run_resumes_across_expert_parallelism(tmp_path, capfd):
+    """Written with the experts spread over ep 4 (folded over tp 2 x dp 2), resumed with
+    them over ep 2 on dp 2 x pp 2: a checkpoint holds every expert whole, whatever ep."""
+    resumed_run_matches_uninterrupted(
+        dict(family="moe", model=MOE, mesh="tp = 2; dp = 2; ep = 4"),
+        dict(family="moe", model=MOE, mesh="pp = 2; dp = 2; ep = 2"),
+        tmp_path, capfd)
+
