@@ -110,3 +110,21 @@ def checkpoint_tensors(directory: Path) -> dict:
         with safe_open(str(step / file), framework="pt") as handle:
             tensors[name] = handle.get_tensor(name)
     return tensors
+
+
+def trained_one_step(text: str, tmp_path: Path, capfd) -> tuple[float, dict]:
+    """``planc run`` of plan ``text`` checkpointed every step: its first step's loss and
+    the latest checkpoint's tensors (after one SGD step of a large learning rate, they
+    give the gradients: (initial - final) / lr)."""
+    from planc.cli import main
+
+    source, metrics, checkpoints = tmp_path / "one.plan", tmp_path / "m.jsonl", \
+        tmp_path / "ckpt"
+    source.write_text(text)
+    status = main(["run", str(source), "-o", str(tmp_path / "build"), "--metrics",
+                   str(metrics), "--checkpoint-dir", str(checkpoints), "--checkpoint-every",
+                   "1", "--timeout", "60"])
+    assert status == 0, capfd.readouterr().err
+    loss = json.loads(metrics.read_text().splitlines()[0])["loss"]
+    return loss, checkpoint_tensors(checkpoints)
+

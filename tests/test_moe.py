@@ -3,14 +3,13 @@ transformers' ``MixtralForCausalLM``, and every layout against the one-process r
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from planc.cli import main
 from planc.lang import load_text
 from planc.models import moe as moe_family
-from tests.conftest import checkpoint_tensors
+from tests.conftest import trained_one_step
 
 MODEL = ("layers = {layers}; hidden = 32; heads = 4; kv_heads = 2; ffn = 40; vocab = 96; "
          "seq = 16; batch = 4; experts = {experts}; top_k = 2; expert_ffn = 24; "
@@ -334,15 +333,8 @@ def test_loss_and_every_gradient_equal_mixtral(mesh, m, tmp_path, capfd):
 
     text = plan_text(mesh=mesh, m=m, steps=1,
                      optimizer=f"sgd(lr = {LR}, momentum = 0, weight_decay = 0)")
-    source = tmp_path / "moe.plan"
-    source.write_text(text)
     plan = load_text(text).plan
-    metrics, checkpoints = tmp_path / "m.jsonl", tmp_path / "ckpt"
-    status = main(["run", str(source), "-o", str(tmp_path / "build"), "--metrics",
-                   str(metrics), "--checkpoint-dir", str(checkpoints), "--checkpoint-every",
-                   "1", "--timeout", "60"])
-    assert status == 0, capfd.readouterr().err
-    planc_loss = json.loads(metrics.read_text().splitlines()[0])["loss"]
+    planc_loss, final = trained_one_step(text, tmp_path, capfd)
 
     model = _mixtral(plan)
     tokens = batch_tokens(plan, 0)
@@ -352,7 +344,6 @@ def test_loss_and_every_gradient_equal_mixtral(mesh, m, tmp_path, capfd):
     loss.backward()
     assert planc_loss == pytest.approx(loss.item(), rel=1e-5)
 
-    final = checkpoint_tensors(checkpoints)
     assert len(final) == len(parameters(plan)) == 3 * 10 + 3
 
     def layer_of(name):

@@ -237,11 +237,7 @@ def test_every_plan_trains_exactly_like_one_process(name, switch, tmp_path, capf
 
 @pytest.mark.parametrize("name", list(OVERLAPS))
 def test_every_overlap_trains_exactly_like_one_process(name, tmp_path, capfd):
-    plan = tmp_path / f"{name}.plan"
-    plan.write_text(plan_text(name, **OVERLAPS[name]))
-    status, err = run([plan, "-o", tmp_path / "build", "--check", "--timeout", "60"], capfd)
-    assert status == 0, err
-    assert "every loss and parameter matches" in err
+    run_checked(name, OVERLAPS[name], tmp_path, capfd)
 
 
 @pytest.mark.parametrize("name", list(ZERO_BUBBLE))
@@ -269,11 +265,7 @@ TP_OVERLAP = {
 
 @pytest.mark.parametrize("name", list(TP_OVERLAP))
 def test_tp_overlap_trains_exactly_like_one_process(name, tmp_path, capfd):
-    plan = tmp_path / f"{name}.plan"
-    plan.write_text(plan_text(name, **TP_OVERLAP[name]))
-    status, err = run([plan, "-o", tmp_path / "build", "--check", "--timeout", "60"], capfd)
-    assert status == 0, err
-    assert "every loss and parameter matches" in err
+    run_checked(name, TP_OVERLAP[name], tmp_path, capfd)
     summary = json.loads((tmp_path / "build" / "summary.json").read_text())
     line = next(p["line"] for p in summary["passes"] if p["name"] == "tp_overlap")
     assert " GEMMs split into " in line, line

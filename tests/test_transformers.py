@@ -10,7 +10,6 @@ format is then loaded with ``from_pretrained`` and must compute the same loss.
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
@@ -23,7 +22,7 @@ from planc.export.hf import hf_config, hf_name  # noqa: E402
 from planc.lang import load_text  # noqa: E402
 from planc.runtime.data import batch_tokens  # noqa: E402
 from planc.runtime.reference import initial, parameters  # noqa: E402
-from tests.conftest import checkpoint_tensors  # noqa: E402
+from tests.conftest import checkpoint_tensors, trained_one_step  # noqa: E402
 
 LR = 1000.0
 PLAN = """plan hf_reference {{
@@ -65,22 +64,14 @@ def _hf_loss(model, plan):
                          ids=["1-rank", "tp2-pp2-shared-kv"])
 def test_loss_and_every_gradient_equal_transformers(mesh, kv, m, tmp_path, capfd):
     text = PLAN.format(mesh=mesh, kv=kv, m=m, lr=LR)
-    plan_file = tmp_path / "hf.plan"
-    plan_file.write_text(text)
     plan = load_text(text).plan
-    metrics, checkpoints = tmp_path / "m.jsonl", tmp_path / "ckpt"
-    status = main(["run", str(plan_file), "-o", str(tmp_path / "build"), "--metrics",
-                   str(metrics), "--checkpoint-dir", str(checkpoints), "--checkpoint-every",
-                   "1", "--timeout", "60"])
-    assert status == 0, capfd.readouterr().err
-    planc_loss = json.loads(metrics.read_text().splitlines()[0])["loss"]
+    planc_loss, final = trained_one_step(text, tmp_path, capfd)
 
     model = _hf_model(plan)
     loss = _hf_loss(model, plan)
     loss.backward()
     assert planc_loss == pytest.approx(loss.item(), rel=1e-5)
 
-    final = checkpoint_tensors(checkpoints)
     hf_params = dict(model.named_parameters())
     assert len(final) == len(parameters(plan)) == 3 * 9 + 3
     for name, param in parameters(plan).items():

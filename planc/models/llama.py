@@ -179,34 +179,39 @@ def or_fallback(name: str, fallback, presets=PRESETS):
     return value
 
 
-_preset = preset_default
-_kv_default = or_fallback("kv_heads", lambda scope: scope.value("heads"))  # one k/v per head
+def preset_keys(presets) -> dict[str, Key]:
+    """llama's keys, their defaults read from ``presets`` (a family built on llama's, a
+    mixture of experts, passes its own)."""
+    def given(name: str):
+        return preset_default(name, presets)
+
+    def or_else(name: str, fallback):
+        return or_fallback(name, fallback, presets)
+
+    return {
+        "preset": Key(Choice(tuple(presets)), None, doc="a published model whose sizes are "
+                                                        "the defaults"),
+        "layers": Key(Integer(1), given("layers"), doc="transformer blocks"),
+        "hidden": Key(Integer(1), given("hidden"), doc="model width: features per token"),
+        "heads": Key(Integer(1), given("heads"), doc="query heads"),
+        # grouped-query attention off: every head its own k and v
+        "kv_heads": Key(Integer(1), or_else("kv_heads", lambda scope: scope.value("heads")),
+                        doc="key/value heads of grouped-query attention (default: heads)"),
+        "ffn": Key(Integer(1), given("ffn"), doc="SwiGLU width"),
+        "vocab": Key(Integer(2), given("vocab"), doc="vocabulary size"),
+        "seq": Key(Integer(1), given("seq"), doc="tokens per sequence"),
+        "batch": Key(Integer(1), required=True, doc="sequences per step, over all "
+                                                    "data-parallel ranks"),
+        "dtype": Key(Choice(("fp32", "bf16", "fp16")), or_else("dtype", "fp32"),
+                     doc="parameter and activation type"),
+        "rope_theta": Key(Real(0.0, None, False), or_else("rope_theta", 10000.0),
+                          doc="base of the rotary embedding's wavelengths"),
+        "norm_eps": Key(Real(0.0, 1.0, False), 1e-5, doc="epsilon of RMSNorm"),
+        "tie_embeddings": Key(Boolean(), False, doc="the head is the transposed embedding"),
+    }
 
 
-def _with_preset(name: str, fallback):
-    return or_fallback(name, fallback)
-
-
-KEYS = {
-    "preset": Key(Choice(tuple(PRESETS)), None, doc="a published model whose sizes are the "
-                                                    "defaults"),
-    "layers": Key(Integer(1), _preset("layers"), doc="transformer blocks"),
-    "hidden": Key(Integer(1), _preset("hidden"), doc="model width: features per token"),
-    "heads": Key(Integer(1), _preset("heads"), doc="query heads"),
-    "kv_heads": Key(Integer(1), _kv_default, doc="key/value heads of grouped-query "
-                                                 "attention (default: heads)"),
-    "ffn": Key(Integer(1), _preset("ffn"), doc="SwiGLU width"),
-    "vocab": Key(Integer(2), _preset("vocab"), doc="vocabulary size"),
-    "seq": Key(Integer(1), _preset("seq"), doc="tokens per sequence"),
-    "batch": Key(Integer(1), required=True, doc="sequences per step, over all data-parallel "
-                                                "ranks"),
-    "dtype": Key(Choice(("fp32", "bf16", "fp16")), _with_preset("dtype", "fp32"),
-                 doc="parameter and activation type"),
-    "rope_theta": Key(Real(0.0, None, False), _with_preset("rope_theta", 10000.0),
-                      doc="base of the rotary embedding's wavelengths"),
-    "norm_eps": Key(Real(0.0, 1.0, False), 1e-5, doc="epsilon of RMSNorm"),
-    "tie_embeddings": Key(Boolean(), False, doc="the head is the transposed embedding"),
-}
+KEYS = preset_keys(PRESETS)
 
 
 def kv_heads_divide_heads(m: Model) -> Finding | None:

@@ -28,7 +28,7 @@ the active experts only (each token's k and the shared ones), as MoE papers coun
 from __future__ import annotations
 
 from planc.lang.hints import divisors_below, try_values
-from planc.lang.kinds import Boolean, Choice, Integer, Key, Real
+from planc.lang.kinds import Boolean, Integer, Key, Real
 from planc.models import llama
 from planc.models.family import (HEAD_OPS, Family, Finding, Model, OpRule, Parameter,
                                  pre_norm_chains)
@@ -185,19 +185,11 @@ def _with_preset(name: str, fallback):
     return llama.or_fallback(name, fallback, PRESETS)
 
 
-KEYS = {
-    "preset": Key(Choice(tuple(PRESETS)), None, doc="a published model whose sizes are the "
-                                                    "defaults"),
-    "layers": Key(Integer(1), _preset("layers"), doc="transformer blocks"),
-    "hidden": Key(Integer(1), _preset("hidden"), doc="model width: features per token"),
-    "heads": Key(Integer(1), _preset("heads"), doc="query heads"),
-    "kv_heads": Key(Integer(1), _with_preset("kv_heads", lambda scope: scope.value("heads")),
-                    doc=llama.KEYS["kv_heads"].doc),
-    "ffn": Key(Integer(1), _with_preset("ffn", lambda scope: scope.value("expert_ffn")), doc="SwiGLU width of the dense blocks before "
-                                             "first_dense (default: expert_ffn)"),
-    "vocab": Key(Integer(2), _preset("vocab"), doc="vocabulary size"),
-    "seq": Key(Integer(1), _preset("seq"), doc="tokens per sequence"),
-    "batch": llama.KEYS["batch"],
+_LLAMA = llama.preset_keys(PRESETS)  # llama's keys, defaulting to these presets
+_OWN = {
+    "ffn": Key(Integer(1), _with_preset("ffn", lambda scope: scope.value("expert_ffn")),
+               doc="SwiGLU width of the dense blocks before first_dense (default: "
+                   "expert_ffn)"),
     "experts": Key(Integer(1), _preset("experts"), doc="routed experts per block"),
     "top_k": Key(Integer(1), _preset("top_k"), doc="experts each token is routed to"),
     "expert_ffn": Key(Integer(1), _preset("expert_ffn"), doc="SwiGLU width of one expert"),
@@ -209,13 +201,12 @@ KEYS = {
                                           "sum to 1"),
     "aux_loss": Key(Real(0.0, None), 0.0, doc="weight of DeepSeek-V3's sequence-wise "
                                               "load-balancing loss"),
-    "dtype": Key(llama.KEYS["dtype"].kind, _with_preset("dtype", "fp32"),
-                 doc=llama.KEYS["dtype"].doc),
-    "rope_theta": Key(llama.KEYS["rope_theta"].kind, _with_preset("rope_theta", 10000.0),
-                      doc=llama.KEYS["rope_theta"].doc),
-    "norm_eps": llama.KEYS["norm_eps"],
-    "tie_embeddings": llama.KEYS["tie_embeddings"],
 }
+# The order the plan text shows them in: llama's up to the batch, the mixture's, the rest.
+KEYS = {name: _OWN.get(name) or _LLAMA[name] for name in (
+    "preset", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "batch",
+    "experts", "top_k", "expert_ffn", "shared_experts", "first_dense", "norm_topk",
+    "aux_loss", "dtype", "rope_theta", "norm_eps", "tie_embeddings")}
 
 
 def top_k_within_experts(m: Model) -> Finding | None:

@@ -23,7 +23,12 @@ def route(tokens: torch.Tensor, router: torch.Tensor, k: int, norm_topk: bool
     """(experts, weights), each (tokens, k): every token's k most probable experts, most
     probable first and ties to the lower index (a stable sort), and their softmax
     probabilities in fp32, renormalised over the k when ``norm_topk``."""
-    return top_k(torch.softmax(tokens.float() @ router.float(), dim=-1), k, norm_topk)
+    return top_k(probabilities_of(tokens, router), k, norm_topk)
+
+
+def probabilities_of(tokens: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
+    """The router's softmax probabilities, in fp32."""
+    return torch.softmax(tokens.float() @ router.float(), dim=-1)
 
 
 def top_k(probabilities: torch.Tensor, k: int, norm_topk: bool
@@ -66,31 +71,52 @@ class _WithBalanceLoss(torch.autograd.Function):
         return grad, torch.ones((), dtype=ctx.loss_dtype, device=ctx.loss_device)
 
 
+def _expert(x: torch.Tensor, weights: tuple, expert: int) -> torch.Tensor:
+    """Routed expert ``expert``'s SwiGLU of rows ``x``; ``weights``: the stacked gate, up
+    and down."""
+    gate, up, down = weights
+    return (F.silu(x @ gate[expert]) * (x @ up[expert])) @ down[expert]
+
+
+def _stacked(weights_of) -> tuple:
+    return tuple(weights_of(f"experts.{w}.weight") for w in ("gate", "up", "down"))
+
+
+def _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequences: int,
+                        batch: int, collected: list | None) -> torch.Tensor:
+    """The shared experts added to the routed ones' ``out``; with ``aux_loss``, the
+    balance loss of the ``sequences`` whole sequences, divided by the batch, joined to
+    the backward, or appended to ``collected`` (the reference, which adds it itself)."""
+    if m.shared_experts:
+        out = out + llama.dense_mlp(-1, tokens, {
+            f"{w}.weight": weights_of(f"shared.{w}.weight") for w in ("gate", "up", "down")})
+    if m.aux_loss:
+        loss = balance_loss(probabilities, experts, sequences, m) / batch
+        if collected is None:
+            out = _WithBalanceLoss.apply(out, loss)
+        else:
+            collected.append(loss)
+    return out
+
+
 def mixture(tokens: torch.Tensor, weights_of, m, sequences: int = 1, batch: int = 1,
-            balance: bool = True) -> torch.Tensor:
+            collected: list | None = None) -> torch.Tensor:
     """The mixture's output for ``tokens`` (n, hidden) of ``sequences`` whole sequences
     of a batch of ``batch``; ``weights_of(name)``: a weight of the block by its name
-    within the block, in the model's dtype. With ``aux_loss`` (and ``balance``) the
-    balance loss of those sequences, divided by the batch, joins the backward."""
-    probabilities = torch.softmax(tokens.float() @ weights_of("router.weight").float(), -1)
+    within the block, in the model's dtype (see :func:`_shared_and_balance`)."""
+    probabilities = probabilities_of(tokens, weights_of("router.weight"))
     experts, weights = top_k(probabilities, m.top_k, m.norm_topk)
     weights = weights.to(tokens.dtype)
-    gate, up, down = (weights_of(f"experts.{w}.weight") for w in ("gate", "up", "down"))
+    stacked = _stacked(weights_of)
     out = torch.zeros_like(tokens)
     for expert in range(m.experts):
         rows, slots = (experts == expert).nonzero(as_tuple=True)
         if rows.numel() == 0:
             continue
-        x = tokens[rows]
-        y = (F.silu(x @ gate[expert]) * (x @ up[expert])) @ down[expert]
+        y = _expert(tokens[rows], stacked, expert)
         out = out.index_add(0, rows, y * weights[rows, slots].unsqueeze(-1))
-    if m.shared_experts:
-        out = out + llama.dense_mlp(-1, tokens, {
-            f"{w}.weight": weights_of(f"shared.{w}.weight") for w in ("gate", "up", "down")})
-    if m.aux_loss and balance:
-        loss = balance_loss(probabilities, experts, sequences, m) / batch
-        out = _WithBalanceLoss.apply(out, loss)
-    return out
+    return _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequences,
+                               batch, collected)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -129,7 +155,7 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     to the expert's rank with one all-to-all after the counts are exchanged (they vary
     step by step), comes back with another, and is added to its token weighted; a token's
     experts add in increasing order, as :func:`mixture` adds them."""
-    probabilities = torch.softmax(tokens.float() @ weights_of("router.weight").float(), -1)
+    probabilities = probabilities_of(tokens, weights_of("router.weight"))
     experts, weights = top_k(probabilities, m.top_k, m.norm_topk)
     per_rank = m.experts // peers.size
     chosen = experts.reshape(-1)
@@ -141,24 +167,17 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     sent, received = counts.tolist(), arriving.tolist()
     rows = _AllToAll.apply(tokens[token_of], sent, received, peers.group)
     rows_expert = _exchange(expert_of, sent, received, peers.group)
-    gate, up, down = (weights_of(f"experts.{w}.weight") for w in ("gate", "up", "down"))
+    stacked = _stacked(weights_of)
     done = torch.zeros_like(rows)
     for expert in range(peers.index * per_rank, (peers.index + 1) * per_rank):
         mine = (rows_expert == expert).nonzero(as_tuple=True)[0]
         if mine.numel():
-            x = rows[mine]
-            done = done.index_copy(0, mine, (F.silu(x @ gate[expert]) * (x @ up[expert]))
-                                   @ down[expert])
+            done = done.index_copy(0, mine, _expert(rows[mine], stacked, expert))
     back = _AllToAll.apply(done, received, sent, peers.group)
     weighted = back * weights.reshape(-1)[order].to(tokens.dtype).unsqueeze(-1)
     out = torch.zeros_like(tokens).index_add(0, token_of, weighted)
-    if m.shared_experts:
-        out = out + llama.dense_mlp(-1, tokens, {
-            f"{w}.weight": weights_of(f"shared.{w}.weight") for w in ("gate", "up", "down")})
-    if m.aux_loss:
-        loss = balance_loss(probabilities, experts, sequences, m) / batch
-        out = _WithBalanceLoss.apply(out, loss)
-    return out
+    return _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequences,
+                               batch, None)
 
 
 def moe(k, spec, x, p, step, mb, extra):
@@ -184,17 +203,13 @@ def reference_objective(m, params: dict[str, torch.Tensor], tokens: torch.Tensor
     in the blocks from ``first_dense`` on; (what is differentiated: the cross-entropy
     plus the balance loss of every mixture block averaged over the batch's sequences,
     what is reported: the cross-entropy, as Megatron-LM reports its lm loss)."""
-    balance = []
+    balance: list[torch.Tensor] = []
 
     def mlp(layer: int, h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         if layer < m.first_dense:
             return llama.dense_mlp(layer, h, w)
-        flat = h.reshape(-1, h.shape[-1])
-        out = mixture(flat, w.__getitem__, m, balance=False)
-        if m.aux_loss:
-            probabilities = torch.softmax(flat.float() @ w["router.weight"].float(), -1)
-            chosen, _ = top_k(probabilities, m.top_k, m.norm_topk)
-            balance.append(balance_loss(probabilities, chosen, h.shape[0], m) / h.shape[0])
+        out = mixture(h.reshape(-1, h.shape[-1]), w.__getitem__, m, h.shape[0], h.shape[0],
+                      balance)
         return out.reshape(h.shape)
 
     loss = llama.reference_loss(m, params, tokens, dtype, mlp)
