@@ -79,12 +79,19 @@ class Layout:
     def group(self, rank: int, axis: str) -> tuple[int, ...]:
         """The members of ``rank``'s group on ``axis`` (a group of planc.mesh.GROUPS:
         a key of GROUP_AXES, or "stage", the ranks that differ only in tp, cp and dp),
-        sorted."""
-        return self.ranks.group(rank, axis)
+        sorted. An expert's replicas (edp) are the stage's ranks at ``rank``'s place in
+        every run of ep (just ``rank`` without mesh { ep })."""
+        members = self.ranks.group(rank, axis)
+        if not GROUPS[axis].across_experts:
+            return members
+        ep = self.mesh.ep
+        return members[members.index(rank) % ep::ep] if ep > 1 else (rank,)
 
     def groups(self, axis: str) -> list[tuple[int, ...]]:
         """Every group of ``axis`` (or "stage"), ordered by smallest member; they partition
         the world. Found once per axis, when first asked for."""
+        if GROUPS[axis].across_experts:
+            return sorted({self.group(r, axis) for r in range(self.world)})
         return self.ranks.groups(axis)
 
     def first_rank_of_stage(self, stage: int) -> int:
@@ -113,6 +120,9 @@ class Layout:
     def crosses_nodes(self, axis: str) -> bool:
         """Whether the group of rank 0 on ``axis`` spans nodes; costs O(group size), so the
         compiler can ask it of a world of hundreds of thousands of ranks."""
+        if GROUPS[axis].across_experts:
+            members = self.group(0, axis)
+            return self.node(members[0]) != self.node(members[-1])
         return self.ranks.crosses_nodes(axis)
 
     def to_dict(self) -> dict:

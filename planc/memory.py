@@ -6,7 +6,9 @@ parameter (fp32 master weights for bf16/fp16, plus Adam's two moments or SGD's
 momentum), a device holds (p + p + K) Psi without ZeRO, and stages 1, 2 and 3
 partition the optimizer state, then the gradients, then the parameters over the N_d
 replicas: p Psi + p Psi + K Psi / N_d, p Psi + (p + K) Psi / N_d, (2p + K) Psi / N_d.
-Here the replicas are the dp x cp ranks, which hold the same shard of every parameter.
+Here the replicas are the dp x cp ranks, which hold the same shard of every parameter;
+with ``mesh { ep }`` a routed expert's weights are split over ep and their replicas are
+the tp x cp x dp / ep ranks of the stage holding the same experts (MoE Parallel Folding).
 
 Activations follow Korthikanti et al., "Reducing Activation Recomputation in Large
 Transformer Models" (MLSys 2023), Table 2, per layer and microbatch in bytes for
@@ -102,9 +104,20 @@ def _local_elements(plan: Plan, params) -> int:
         split.add("embedding.weight")
     count = 0
     for param in params:
+        if param.split_over_experts(plan.mesh.ep):
+            continue  # counted by _expert_elements
         local = param.name.split(".", 2)[-1] if param.layer is not None else param.name
         count += param.numel // (tp if local in split else 1)
     return count
+
+
+def stage_expert_parameters(plan: Plan, stage: int) -> int:
+    """Elements of the routed experts split over ep held by one device of ``stage``:
+    its experts' rows, experts / ep of them (0 without mesh { ep })."""
+    family, ep = family_of(plan), plan.mesh.ep
+    return sum(p.numel // ep for layer in plan.layers_of_stage(stage)
+               for p in family.layer_parameters(plan.model, layer)
+               if p.split_over_experts(ep))
 
 
 def layer_parameters(plan: Plan, layer: int = 0) -> int:
@@ -196,15 +209,18 @@ def stage_activation_bytes(plan: Plan, stage: int) -> tuple[float, int]:
 
 
 def estimate(plan: Plan) -> MemoryEstimate:
-    replicas = plan.mesh.dp * plan.mesh.cp
+    mesh, zero = plan.mesh, plan.shard.dp.zero
+    replicas = mesh.dp * mesh.cp
+    expert_replicas = mesh.tp * replicas // mesh.ep
     k = optimizer_state_bytes(plan)
     stages = []
-    for stage in range(plan.mesh.pp):
-        params = stage_parameters(plan, stage)
-        p, g, o = model_state_bytes(params, plan.model.dtype_bytes, k, plan.shard.dp.zero,
-                                    replicas)
+    for stage in range(mesh.pp):
+        params, experts = stage_parameters(plan, stage), stage_expert_parameters(plan, stage)
+        dense = model_state_bytes(params, plan.model.dtype_bytes, k, zero, replicas)
+        split = model_state_bytes(experts, plan.model.dtype_bytes, k, zero, expert_replicas)
+        p, g, o = (a + b for a, b in zip(dense, split))
         activations, in_flight = stage_activation_bytes(plan, stage)
-        stages.append(StageMemory(stage, params, p, g, o, activations, in_flight))
+        stages.append(StageMemory(stage, params + experts, p, g, o, activations, in_flight))
     return MemoryEstimate(tuple(stages), plan.topology.device.memory)
 
 

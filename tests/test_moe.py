@@ -136,6 +136,66 @@ def test_ep_groups_are_runs_of_a_stages_ranks_fastest_axis_first():
     assert plan_group_table(load_text(plan_text(mesh="dp = 2")).plan).rule(EXPERTS) is None
 
 
+def test_experts_are_split_over_ep_and_reduced_over_their_replicas():
+    """ep 2 over tp 2 x dp 2 (ZeRO-1): each rank keeps 2 of the 4 experts' rows of every
+    stacked weight, in buckets of their own reduced (and sharded) over the 2 ranks holding
+    the same experts, the edp group [0, 2] / [1, 3]; the router and the attention stay
+    in the dp x cp buckets, their tp partial sums summed first."""
+    from planc.compile import compile_plan
+    from planc.lower.groups import EXPERTS, plan_group_table
+    from planc.graph.ir import Axis
+
+    plan = load_text(plan_text(mesh="tp = 2; dp = 2; ep = 2", m=2, batch=8,
+                               shard="dp { zero = 1 }")).plan
+    table = plan_group_table(plan)
+    assert list(table.groups(table.rule(EXPERTS))) == [(0, 1), (2, 3)]
+    assert list(table.groups(table.rule("edp"))) == [(0, 2), (1, 3)]
+    build = compile_plan(plan)
+    buckets = build.graph.graph["buckets"]
+    experts = {b: info for b, info in buckets.items() if info.get("over") == "edp"}
+    assert sorted(experts) == ["c0.e0"]
+    members = experts["c0.e0"]["members"]
+    assert sorted(m["param"] for m in members) == sorted(
+        f"layers.{layer}.experts.{w}.weight" for layer in range(3) for w in ("gate", "up",
+                                                                           "down"))
+    assert {(tuple(m["shape"]), m["ep_split"], m["tp_split"]) for m in members} == {
+        ((2, 32, 24), 2, None), ((2, 24, 32), 2, None)}
+    assert (experts["c0.e0"]["parts"], experts["c0.e0"]["numel"]) == (2, 3 * 3 * 2 * 32 * 24)
+    assert not any(m["param"].split(".")[-2] in ("gate", "up", "down") and "experts" in
+                   m["param"] for b, info in buckets.items() if b not in experts
+                   for m in info["members"])
+    reductions = sorted((d["kind"], d["group_size"], d["bucket"]) for _, d in
+                        build.graph.nodes(data=True) if d.get("axis") == Axis.EDP)
+    assert reductions == [("all_gather", 2, "c0.e0"), ("reduce_scatter", 2, "c0.e0")]
+    fuse = next(r for r in build.graph.graph["passes"] if r["name"] == "fuse")
+    assert "9 expert gradient reduce-scatters -> 1" in fuse["line"]
+    # tp 4 over ep 2: the ranks holding the same experts are tp peers
+    wide = plan_group_table(load_text(plan_text(mesh="tp = 4; ep = 2")).plan)
+    assert list(wide.groups(wide.rule("edp"))) == [(0, 2), (1, 3)]
+
+
+def test_the_memory_estimate_splits_the_experts_over_ep_and_their_replicas():
+    """Model states of one device: the 3 x 4 x 32 x 24 expert elements of each of 3
+    blocks, halved by ep 2; under ZeRO-1 their AdamW state is split over their 2 replicas
+    (edp), as the rest's is over dp 2 (fp32: 4 bytes a weight, 8 of AdamW state)."""
+    from planc import memory
+
+    def states(mesh, zero):
+        plan = load_text(plan_text(mesh=mesh, m=2, batch=8,
+                                   shard=f"dp {{ zero = {zero} }}")).plan
+        stage = memory.estimate(plan).stages[0]
+        return stage.parameters, stage.parameter_bytes, stage.optimizer_bytes
+
+    experts = 3 * 3 * 4 * 32 * 24
+    dense, dense_bytes, dense_optimizer = states("tp = 2; dp = 2", 0)
+    split, split_bytes, split_optimizer = states("tp = 2; dp = 2; ep = 2", 0)
+    assert dense - split == experts // 2
+    assert (dense_bytes - split_bytes, dense_optimizer - split_optimizer) == \
+        (4 * experts // 2, 8 * experts // 2)
+    _, _, zero1 = states("tp = 2; dp = 2; ep = 2", 1)
+    assert zero1 == split_optimizer / 2  # both halves over 2 replicas
+
+
 def test_a_mixture_over_ep_names_its_group_and_its_all_to_all_bytes():
     """Its rows at uniform routing: each rank's tokens (a 1/tp share over tp) times top_k,
     hidden wide, in the model's dtype; the simulator adds a dispatch and a combine."""
@@ -387,6 +447,14 @@ MATRIX = {
     "ep8-over-tp2-cp2-dp2-ring": dict(mesh="tp = 2; cp = 2; dp = 2; ep = 8", m=2, experts=8,
                                       shard="cp { attention = ring }"),
     "ep2-over-dp2-aux-loss": dict(mesh="dp = 2; ep = 2", m=2, extra="; aux_loss = 0.1"),
+    # each expert on 2 ranks (edp 2): its gradient reduced, and sharded, over them
+    "ep2-over-tp2-dp2-zero3-edp2": dict(mesh="tp = 2; dp = 2; ep = 2", m=2, shared=1,
+                                        shard="tp { sequence_parallel = on }; "
+                                              "dp { zero = 3 }"),
+    "ep2-over-cp2-dp2-zero1-edp2": dict(mesh="cp = 2; dp = 2; ep = 2", m=2,
+                                        shard="cp { attention = ring }; dp { zero = 1 }"),
+    "ep2-over-dp4-zero2-edp2": dict(mesh="dp = 4; ep = 2", dense=1,
+                                    shard="dp { zero = 2 }"),
 }
 
 

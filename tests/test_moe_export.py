@@ -142,10 +142,21 @@ def test_a_moe_run_resumed_under_another_layout_matches_the_uninterrupted_run(tm
 
 
 def test_a_moe_run_resumes_across_expert_parallelism(tmp_path, capfd):
-    """Written with the experts spread over ep 4 (folded over tp 2 x dp 2), resumed with
-    them over ep 2 on dp 2 x pp 2: a checkpoint holds every expert whole, whatever ep."""
+    """Written with the experts split over ep 4 (folded over tp 2 x dp 2, one expert a
+    rank), resumed with them over ep 2 on dp 4 under ZeRO-3 (2 experts a rank, stored
+    sharded over their 2 replicas): a checkpoint holds every expert whole, whatever ep."""
     resumed_run_matches_uninterrupted(
         dict(family="moe", model=MOE, mesh="tp = 2; dp = 2; ep = 4"),
-        dict(family="moe", model=MOE, mesh="pp = 2; dp = 2; ep = 2"),
+        dict(family="moe", model=MOE, mesh="dp = 4; ep = 2", shard="dp { zero = 3 }"),
+        tmp_path, capfd)
+
+
+def test_a_moe_run_written_with_experts_sharded_over_their_replicas_resumes(tmp_path,
+                                                                             capfd):
+    """Written with ep 2 over tp 2 x dp 2 under ZeRO-1 (each expert's AdamW state split
+    over the 2 ranks holding it), resumed without ep on dp 2 x pp 2."""
+    resumed_run_matches_uninterrupted(
+        dict(family="moe", model=MOE, mesh="tp = 2; dp = 2; ep = 2", shard="dp { zero = 1 }"),
+        dict(family="moe", model=MOE, mesh="pp = 2; dp = 2"),
         tmp_path, capfd)
 

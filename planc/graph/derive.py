@@ -91,9 +91,8 @@ class _Derivation(AxisRules, ParameterRules):
         self.chunks = plan.shard.pp.chunks
         self.last_chunk = len(self.chunks) - 1
         self.stage_of = [plan.stage_of_chunk(c) for c in range(len(self.chunks))]
-        # chunk -> the backward nodes of its forward nodes made early: a chunk that hands
-        # its output to the next chunk on its own stage (the turn of a V) gets its
-        # gradient straight from that chunk's backward, which is derived first.
+        # chunk -> the backward nodes of its forward nodes made early: a chunk handing its
+        # output to the next chunk on its stage (a V's turn) gets its gradient from it.
         self.early_backward: dict[int, dict[str, str]] = {c: {} for c in range(len(self.chunks))}
         self.zero = plan.shard.dp.zero
         self.recompute = plan.optimize.recompute
@@ -138,8 +137,9 @@ class _Derivation(AxisRules, ParameterRules):
                           dtype=dtype or self.plan.model.dtype, reason=reason, **extra)
 
     def _group_size(self, axis: Axis) -> int:
+        stage = self.tp * self.replicas
         return {Axis.TP: self.tp, Axis.CP: self.cp, Axis.PP: 2, Axis.DP_CP: self.replicas,
-                Axis.TIED: 2, Axis.STAGE: self.tp * self.replicas}[axis]
+                Axis.TIED: 2, Axis.STAGE: stage, Axis.EDP: stage // self.plan.mesh.ep}[axis]
 
     def edge(self, u: str, v: str, kind: EdgeKind = EdgeKind.DATA, port: Port | None = None,
              grad_of: Port | None = None, local_slice: Layout | None = None) -> None:

@@ -225,6 +225,8 @@ def bucket_problems(bucket: dict) -> list[str]:
     problem = _fields_problem(bucket, _BUCKET_FIELDS)
     if problem is None and bucket["parts"] < 1:
         problem = "parts must be at least 1"
+    if problem is None and bucket.get("over", "edp") != "edp":  # optional: split experts
+        problem = f"over {bucket['over']!r} is not edp"
     for member in bucket["members"] if problem is None else ():
         problem = _fields_problem(member, _MEMBER_FIELDS)
         if problem is None and not all(_type_ok(d, INTEGER) and d >= 0 for d in
@@ -234,6 +236,10 @@ def bucket_problems(bucket: dict) -> list[str]:
                 len(member["tp_split"]) == 2 and isinstance(member["tp_split"][0], str)
                 and _type_ok(member["tp_split"][1], INTEGER)):
             problem = f"tp_split {member['tp_split']!r} is not [dimension, axis]"
+        if problem is None and "ep_split" in member and not (
+                _type_ok(member["ep_split"], INTEGER) and member["ep_split"] >= 1 and
+                member["tp_split"] is None and bucket.get("over") == "edp"):
+            problem = f"ep_split {member['ep_split']!r} is not a degree of an edp bucket"
         if problem is not None:
             problem = f"member {member.get('param') if isinstance(member, dict) else None!r}: " \
                       f"{problem}"

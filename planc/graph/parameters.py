@@ -8,6 +8,13 @@ sums one applied to split data produced, the reduction over dp x cp (all-reduce,
 reduce-scatter under ZeRO-1/2/3, every microbatch under ZeRO-2/3), the sum between the
 two stages holding a tied embedding (Megatron), and the optimizer step; under ZeRO-1/2
 the updated bucket is then gathered, under ZeRO-3 it is gathered before every use.
+
+With ``mesh { ep }`` a routed expert's stacked weights (leading dimension ``experts``)
+are split over the ep group, each rank keeping its own experts' rows, and replicated on
+the other ranks of the stage holding the same experts, the expert-data-parallel group
+(tp x cp x dp / ep; Megatron-Core's MoE Parallel Folding, arXiv 2504.14960): their
+gradients, which cover every token dispatched to those experts from the whole ep group,
+skip the tp sum and are reduced, and sharded under ZeRO, over that group instead.
 """
 
 from __future__ import annotations
@@ -63,14 +70,23 @@ class ParameterRules:
 
     def _local_shape(self, site: _Site) -> list[int]:
         shape = list(site.param.shape)
-        if site.storage.is_sharded and self.tp > 1:
+        if site.param.split_over_experts(self.plan.mesh.ep):
+            shape[0] //= self.plan.mesh.ep
+        elif site.storage.is_sharded and self.tp > 1:
             shape[site.uses[0][1].storage_axis] //= self.tp
         return shape
+
+    def _replicated_over(self, param: Parameter) -> tuple[Axis, int]:
+        """The group over which ``param``'s gradient is reduced (and ZeRO shards it), and
+        its size: the expert-data-parallel group for a split expert, else dp x cp."""
+        if param.split_over_experts(self.plan.mesh.ep):
+            return Axis.EDP, self._group_size(Axis.EDP)
+        return Axis.DP_CP, self.replicas
 
     def _parameters(self, chunk: int) -> None:
         for site in self._sites(chunk):
             bucket = self._bucket(chunk, site)
-            if self.zero == 3 and self.replicas > 1:
+            if buckets(self.graph)[bucket]["zero3"]:
                 self._zero3_gathers(chunk, site, bucket)
             ready = self._gradient(chunk, site, bucket)
             self._optimizer(chunk, bucket, ready)
@@ -85,21 +101,25 @@ class ParameterRules:
         for size in shape:
             numel *= size
         use = site.uses[0][1]
-        fixup = use.gradient_transfer() if self.tp > 1 else None
-        parts = self.replicas if self.zero >= 1 and self.replicas > 1 else 1
+        axis, replicas = self._replicated_over(param)
+        experts = axis == Axis.EDP
+        fixup = use.gradient_transfer() if self.tp > 1 and not experts else None
+        parts = replicas if self.zero >= 1 and replicas > 1 else 1
         shard = shard_numel(numel, parts)
         split = [use.storage.dim, use.storage_axis] if use.storage.is_sharded and \
-            self.tp > 1 else None
+            self.tp > 1 and not experts else None
+        member = {"param": param.name, "offset": 0, "numel": numel, "shape": shape,
+                  "full_shape": list(param.shape), "tp_split": split, "layer": param.layer}
+        if experts:  # rows ep_index * E / ep ... of the experts dimension
+            member["ep_split"] = self.plan.mesh.ep
         buckets(self.graph)[bucket_id] = {
-            "stage": stage, "chunk": chunk, "dtype": "fp32",
-            "members": [{"param": param.name, "offset": 0, "numel": numel, "shape": shape,
-                         "full_shape": list(param.shape), "tp_split": split,
-                         "layer": param.layer}],
+            "stage": stage, "chunk": chunk, "dtype": "fp32", "members": [member],
             "numel": numel, "parts": parts, "shard": shard, "padded": shard * parts,
-            "sharded": parts > 1, "zero3": self.zero == 3 and self.replicas > 1,
+            "sharded": parts > 1, "zero3": self.zero == 3 and replicas > 1,
             "tp_sum_numel": numel if fixup is not None and fixup.kind == "all_reduce" else 0,
             "tied": tied,
-            "reason": "one parameter (before fusion)"}
+            "reason": "one parameter (before fusion)", **({"over": axis.value} if experts
+                                                          else {})}
         return bucket_id
 
     def _bucket_bytes(self, bucket: str) -> float:
@@ -107,16 +127,18 @@ class ParameterRules:
 
     def _zero3_gathers(self, chunk: int, site: _Site, bucket: str) -> None:
         param = site.param
+        axis = self._replicated_over(param)[0]
         for node, _use in site.uses:
             op = self.graph.nodes[node]["op"]
             for letter, phase in (("F", Phase.FORWARD), ("B", Phase.BACKWARD)):
                 consumer = node if letter == "F" else self.graph.nodes[node]["backward"]
                 # on the chunk of its reader (a V's tied head reads chunk 0's embedding)
-                gather = self.transfer(f"{letter}/{param.name}>{op}:all_gather@dp_cp",
-                                       Kind.ALL_GATHER, Axis.DP_CP, Payload.PARAM, phase,
+                gather = self.transfer(f"{letter}/{param.name}>{op}:all_gather@{axis}",
+                                       Kind.ALL_GATHER, axis, Payload.PARAM, phase,
                                        self.graph.nodes[node]["chunk"],
                                        param.layer, self._bucket_bytes(bucket), self.m,
-                                       reasons.zero3_gather(self.plan, param.name, phase.value),
+                                       reasons.zero3_gather(self.plan, param.name,
+                                                            phase.value, axis),
                                        bucket=bucket)
                 self.edge(gather, consumer, port=Port.PARAM)
                 again = self.graph.nodes[consumer].get("recompute_of")
@@ -132,10 +154,11 @@ class ParameterRules:
         suffix = f"#s{stage}" if tied else ""
         nbytes = self._bucket_bytes(bucket)
         last: list[str] = [self.graph.nodes[node]["backward"] for node, _ in site.uses]
+        axis, replicas = self._replicated_over(param)
         # ZeRO-2/3 keep only a shard of the gradient, so they reduce every microbatch.
-        each_microbatch = self.zero >= 2 and self.replicas > 1
-        sharded_grad = self.zero >= 1 and self.replicas > 1
-        fixup = use.gradient_transfer() if self.tp > 1 else None
+        each_microbatch = self.zero >= 2 and replicas > 1
+        sharded_grad = self.zero >= 1 and replicas > 1
+        fixup = use.gradient_transfer() if self.tp > 1 and axis == Axis.DP_CP else None
         if fixup is not None and not fixup.is_transfer:
             fixup = None
 
@@ -163,10 +186,10 @@ class ParameterRules:
             step(Kind.ALL_REDUCE, Axis.TP, nbytes, each_microbatch,
                  reasons.parameter_fixup(self.plan, param.name, fixup, use.data),
                  elements=[0, buckets(self.graph)[bucket]["numel"]])
-        if self.replicas > 1:
+        if replicas > 1:
             kind = Kind.ALL_REDUCE if self.zero == 0 else Kind.REDUCE_SCATTER
-            step(kind, Axis.DP_CP, nbytes, each_microbatch,
-                 reasons.data_parallel(self.plan, param.name, kind.value))
+            step(kind, axis, nbytes, each_microbatch,
+                 reasons.data_parallel(self.plan, param.name, kind.value, axis))
         if tied:
             shard = self.replicas if sharded_grad else 1
             step(Kind.ALL_REDUCE, Axis.TIED, nbytes / shard, False, reasons.tied(self.plan),
@@ -189,11 +212,12 @@ class ParameterRules:
                             per_microbatch=False)
         for source in ready:
             self.edge(source, node, port=Port.GRAD)
-        if self.zero not in (1, 2) or self.replicas == 1:
+        if self.zero not in (1, 2) or not info["sharded"]:
             return
-        gather = self.transfer(f"O/{bucket}:all_gather@dp_cp", Kind.ALL_GATHER, Axis.DP_CP,
+        axis = Axis(info.get("over", Axis.DP_CP.value))
+        gather = self.transfer(f"O/{bucket}:all_gather@{axis}", Kind.ALL_GATHER, axis,
                                Payload.PARAM, Phase.OPTIMIZER, chunk, layer,
                                self._bucket_bytes(bucket), 1,
-                               reasons.zero_gather(self.plan, ", ".join(members)),
+                               reasons.zero_gather(self.plan, ", ".join(members), axis),
                                per_microbatch=False, bucket=bucket)
         self.edge(node, gather, port=Port.X)

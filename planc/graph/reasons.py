@@ -136,26 +136,38 @@ def scatter_gather(plan: Plan, phase: str) -> str:
             f"(Narayanan et al. SC'21, 4.1)")
 
 
-def data_parallel(plan: Plan, param: str, kind: str) -> str:
-    replicas = plan.mesh.dp * plan.mesh.cp
+def _replicas_words(plan: Plan, axis: str) -> tuple[str, str]:
+    """(the group's name, its members in words) of the group a gradient is reduced over:
+    dp x cp, or with mesh { ep } an expert's replicas (the expert-data-parallel group)."""
+    m = plan.mesh
+    if axis == "edp":
+        return "edp", (f"the {m.tp * m.cp * m.dp // m.ep} ranks of the stage holding the same "
+                       f"experts (tp x cp x dp / ep = {m.tp * m.cp * m.dp} / {m.ep})")
+    who = f"dp x cp = {m.dp} x {m.cp}" if m.cp > 1 else f"dp = {m.dp}"
+    return "dp x cp", f"{who} ranks"
+
+
+def data_parallel(plan: Plan, param: str, kind: str, axis: str = "dp_cp") -> str:
+    group, who = _replicas_words(plan, axis)
     zero = plan.shard.dp.zero
-    who = f"dp x cp = {plan.mesh.dp} x {plan.mesh.cp}" if plan.mesh.cp > 1 else \
-        f"dp = {plan.mesh.dp}"
     if kind == "all_reduce":
-        return (f"{param} is replicated on {who} ranks that each computed its gradient on "
-                f"their own data (zero 0): all-reduce the gradient over dp x cp")
+        return (f"{param} is replicated on {who} that each computed its gradient on "
+                f"their own data (zero 0): all-reduce the gradient over {group}")
     when = "once per step" if zero == 1 else "after every microbatch"
-    return (f"{param}'s gradient is summed over the {replicas} replicas and each keeps only "
-            f"its shard (zero {zero}): reduce-scatter over dp x cp, {when}")
+    replicas = f"the {plan.mesh.dp * plan.mesh.cp} replicas" if axis == "dp_cp" else who
+    return (f"{param}'s gradient is summed over {replicas} and each keeps only its shard "
+            f"(zero {zero}): reduce-scatter over {group}, {when}")
 
 
-def zero_gather(plan: Plan, param: str) -> str:
-    return (f"each dp x cp rank updated only its shard of {param} (zero "
+def zero_gather(plan: Plan, param: str, axis: str = "dp_cp") -> str:
+    group = _replicas_words(plan, axis)[0]
+    return (f"each {group} rank updated only its shard of {param} (zero "
             f"{plan.shard.dp.zero}): all-gather the updated parameter for the next step")
 
 
-def zero3_gather(plan: Plan, param: str, phase: str) -> str:
-    return (f"{param} is stored sharded over dp x cp (zero 3): all-gather it before its "
+def zero3_gather(plan: Plan, param: str, phase: str, axis: str = "dp_cp") -> str:
+    group = _replicas_words(plan, axis)[0]
+    return (f"{param} is stored sharded over {group} (zero 3): all-gather it before its "
             f"{phase} use, every microbatch")
 
 
@@ -187,16 +199,17 @@ def bucket(plan: Plan, bucket_id: str, info: dict, kind: str, axis: str, phase: 
         return (f"{what}; the first {info['tp_sum_numel']:,} elements are gradients of "
                 f"parameters replicated over tp but applied to data split over tp (partial "
                 f"sums): one all-reduce over tp sums them all")
+    group = _replicas_words(plan, axis)[0]
     if kind == "all_gather" and phase == "optimizer":
-        return (f"{what}; each dp x cp rank updated its shard of the bucket (zero "
+        return (f"{what}; each {group} rank updated its shard of the bucket (zero "
                 f"{plan.shard.dp.zero}): one all-gather of the bucket for the next step")
     if kind == "all_gather":
-        return (f"{what} stored sharded over dp x cp (zero 3): one all-gather of the bucket "
+        return (f"{what} stored sharded over {group} (zero 3): one all-gather of the bucket "
                 f"before its {phase} use, every microbatch")
     if kind == "all_reduce":
-        return (f"{what}; its gradients were computed by every dp x cp replica on its own "
-                f"data (zero 0): one all-reduce of the bucket over dp x cp")
+        return (f"{what}; its gradients were computed by every {group} replica on its own "
+                f"data (zero 0): one all-reduce of the bucket over {group}")
     when = "once per step" if plan.shard.dp.zero == 1 else "after every microbatch"
-    return (f"{what}; each dp x cp rank keeps only its equal slice of the summed gradient "
-            f"(zero {plan.shard.dp.zero}): one reduce-scatter of the bucket over dp x cp, "
+    return (f"{what}; each {group} rank keeps only its equal slice of the summed gradient "
+            f"(zero {plan.shard.dp.zero}): one reduce-scatter of the bucket over {group}, "
             f"{when}")

@@ -40,18 +40,26 @@ class GroupRule:
     # ep: the group along ``axes`` cut into runs of ``fold`` consecutive ranks (expert
     # parallelism folded over a stage's ranks, fastest mesh axis first); 0: not cut
     fold: int = 0
+    # edp: cut instead into the members at the same place of every run (one per ep group)
+    across: bool = False
 
     def cut(self, whole: tuple[int, ...], rank: int | None = None) -> tuple:
-        """The runs of ``whole`` (sorted members), or the one holding ``rank``."""
+        """The runs of ``whole`` (sorted members), or across them, or the one holding
+        ``rank``."""
         if not self.fold:
             return (whole,) if rank is None else whole
-        runs = tuple(whole[i:i + self.fold] for i in range(0, len(whole), self.fold))
+        if self.across:
+            runs = tuple(whole[i::self.fold] for i in range(self.fold))
+        else:
+            runs = tuple(whole[i:i + self.fold] for i in range(0, len(whole), self.fold))
         return runs if rank is None else next((r for r in runs if rank in r), ())
 
     def to_json(self) -> dict:
         item: dict = {"ref": self.ref, "axes": list(self.axes)}
         if self.fold:
             item["fold"] = self.fold
+        if self.across:
+            item["across"] = True
         if self.coordinates:
             item["coordinates"] = {k: list(v) for k, v in self.coordinates.items()}
         if self.wrap:
@@ -126,6 +134,11 @@ class GroupTable:
         if self.ranks.world <= per_node:  # one node holds every group: one placement
             members = self.members(first, rule)
             return {counts_of(members, per_node): members}
+        if rule.fold:  # cut groups differ in shape: every one of the stage's, once
+            out = {}
+            for members in rule.cut(self.ranks.members(first, rule.axes, rule.coordinates)):
+                out.setdefault(counts_of(members, per_node), members)
+            return out
         residues = {first % per_node: first}
         for axis in AXES:
             if axis in rule.axes or axis == PIPELINE_AXIS:
@@ -234,7 +247,8 @@ class GroupTable:
                 raise ValueError(f"group {item.get('ref')!r} folds by {fold}")
             rules.append(GroupRule(str(item["ref"]), axes, coordinates,
                                    bool(item.get("wrap", False)), split,
-                                   bool(item.get("turns", False)), fold))
+                                   bool(item.get("turns", False)), fold,
+                                   bool(item.get("across", False)) and fold > 0))
         devices = integer_of(data["devices_per_node"], "its devices_per_node")
         if devices < 1:
             raise ValueError(f"its devices_per_node is {devices}")
@@ -253,7 +267,8 @@ def group_table(mesh: "Mesh", devices_per_node: int, tied: bool, virtual: int = 
                 split: tuple[str, ...] = (), turns: bool = False) -> GroupTable:
     """Every group reference a program may use, by rule; ``split`` names the references
     whose intra- and inter-node sub-groups hierarchical routes use."""
-    rules = [GroupRule(axis.value, axis.mesh_axes) for axis in Axis if axis.within_stage]
+    rules = [GroupRule(axis.value, axis.mesh_axes) for axis in Axis
+             if axis.within_stage and not GROUPS[axis.value].across_experts]
     tied_group = GROUPS[Axis.TIED]
     if tied and mesh.pp > 1:
         rules.append(GroupRule(tied_group.name, tied_group.axes,
@@ -265,4 +280,7 @@ def group_table(mesh: "Mesh", devices_per_node: int, tied: bool, virtual: int = 
         rules.append(GroupRule(PIPELINE, wrap=virtual > 1 and not turns, turns=turns))
     if mesh.ep > 1:  # a stage's ranks, fastest mesh axis first, in runs of ep
         rules.append(GroupRule(EXPERTS, GROUPS[Axis.STAGE].axes, fold=mesh.ep))
+        # ... and across the runs: the replicas of each rank's experts
+        rules.append(GroupRule(Axis.EDP.value, GROUPS[Axis.EDP].axes, fold=mesh.ep,
+                               across=True))
     return GroupTable(RankMesh.of(mesh.sizes, mesh.order, devices_per_node), tuple(rules))

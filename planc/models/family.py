@@ -73,6 +73,12 @@ class Parameter:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    def split_over_experts(self, ep: int) -> bool:
+        """Whether this is a routed experts' stacked weight (leading dimension
+        ``experts``) that ``mesh { ep }`` splits over ep ranks, each keeping its experts'
+        rows (GShard, Lepikhin et al. 2021)."""
+        return ep > 1 and self.dims[:1] == ("experts",)
+
 
 @dataclass(frozen=True)
 class Weight:

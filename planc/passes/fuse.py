@@ -42,6 +42,10 @@ CATEGORIES = (
      d["axis"] == Axis.DP_CP and d["kind"] == Kind.ALL_REDUCE),
     ("gradient reduce-scatters", lambda d: d["payload"] == Payload.GRAD and
      d["axis"] == Axis.DP_CP and d["kind"] == Kind.REDUCE_SCATTER),
+    ("expert gradient all-reduces", lambda d: d["payload"] == Payload.GRAD and
+     d["axis"] == Axis.EDP and d["kind"] == Kind.ALL_REDUCE),
+    ("expert gradient reduce-scatters", lambda d: d["payload"] == Payload.GRAD and
+     d["axis"] == Axis.EDP and d["kind"] == Kind.REDUCE_SCATTER),
     ("tp gradient sums", lambda d: d["payload"] == Payload.GRAD and d["axis"] == Axis.TP and
      d["kind"] == Kind.ALL_REDUCE),
     ("parameter all-gathers", lambda d: d["payload"] == Payload.PARAM and
@@ -230,7 +234,7 @@ def _merge(graph: nx.DiGraph, raw: list[str], bucket_id: str, bucket: dict,
                 attrs["elements"] = [0, bucket["tp_sum_numel"]]
             if payload == Payload.PARAM and phase != Phase.OPTIMIZER:
                 letter = "F" if phase == Phase.FORWARD else "B"
-                name = f"{letter}/{bucket_id}>{key[4]}:all_gather@dp_cp"
+                name = f"{letter}/{bucket_id}>{key[4]}:all_gather@{axis}"
             else:
                 letter = "O" if phase == Phase.OPTIMIZER else "G"
                 name = f"{letter}/{bucket_id}:{kind}@{axis}"
@@ -278,17 +282,19 @@ def fuse(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
     forward = {n: i for i, (n, d) in enumerate(out.nodes(data=True))
                if d["type"] == NodeType.COMPUTE and d["phase"] == Phase.FORWARD}
     ready = {b: _readiness(out, chain[b], forward) for b in table}
-    by_chunk: dict[int, list[str]] = defaultdict(list)
+    # A bucket is reduced over one group: the experts split over ep (reduced over their
+    # replicas, edp) are packed apart from the rest (Megatron-Core's expert buffers).
+    by_chunk: dict[tuple[int, str], list[str]] = defaultdict(list)
     for b, info in table.items():
-        by_chunk[info["chunk"]].append(b)
+        by_chunk[(info["chunk"], info.get("over", ""))].append(b)
     decisions = []
     merged: dict[str, dict] = {}
     plan = ctx.plan
-    for chunk in sorted(by_chunk):
-        units = _units(out, by_chunk[chunk], ready, plan.optimize.bucket,
+    for chunk, over in sorted(by_chunk):
+        units = _units(out, by_chunk[(chunk, over)], ready, plan.optimize.bucket,
                        plan.model.dtype_bytes)
         for index, (raw, why) in enumerate(units):
-            bucket_id = f"c{chunk}.b{index}"
+            bucket_id = f"c{chunk}.{'e' if over else 'b'}{index}"
             bucket = _merged_bucket(out, raw, why)
             merged[bucket_id] = bucket
             # Work on the raw chain with the merged layout in place.

@@ -62,7 +62,7 @@ def stream_of(data: dict, overlap: bool) -> str:
         return SEND[ahead] if data["kind"] == Kind.SEND else RECEIVE[ahead]
     if not overlap:
         return COMPUTE
-    return DP if data["axis"] in (Axis.DP_CP, Axis.TIED) else COMM
+    return DP if data["axis"] in (Axis.DP_CP, Axis.EDP, Axis.TIED) else COMM
 
 
 def overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:

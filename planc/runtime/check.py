@@ -30,14 +30,16 @@ from planc.runtime.collectives import all_gather_single
 
 
 def local_parameters(ctx: RankContext, interpreter: Interpreter) -> dict:
-    """name -> (tp-local tensor, tp split or None), ZeRO shards gathered per bucket."""
+    """name -> (tp-local tensor, tp split or None), ZeRO shards gathered per bucket, and
+    experts split over ep gathered whole from the ep group (every rank's copy of every
+    expert is then compared)."""
     store, groups = interpreter.store, ctx.groups
     out = {}
     for bucket_id in sorted(store.buckets):
         bucket = store.buckets[bucket_id]
         if bucket["sharded"]:
             flat = torch.empty(bucket["padded"], dtype=torch.float32, device=ctx.device)
-            group = groups.handles.get("dp_cp")
+            group = groups.handles.get(bucket.get("over", "dp_cp"))
             if group is None:
                 flat.copy_(store.shard[bucket_id])
             else:
@@ -45,8 +47,14 @@ def local_parameters(ctx: RankContext, interpreter: Interpreter) -> dict:
         else:
             flat = store.full[bucket_id]
         for member in bucket["members"]:
-            value = store.view(flat, member["param"]).detach().to("cpu", torch.float32)
-            out[member["param"]] = (value.clone(), member["tp_split"])
+            value = store.view(flat, member["param"]).detach()
+            if member.get("ep_split"):
+                whole = value.new_empty((member["ep_split"] * value.shape[0],
+                                         *value.shape[1:]))
+                all_gather_single(whole, value.contiguous(), group=groups.handles["ep"])
+                value = whole
+            out[member["param"]] = (value.to("cpu", torch.float32).clone(),
+                                    member["tp_split"])
     return out
 
 

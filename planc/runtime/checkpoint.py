@@ -42,7 +42,7 @@ from planc.runtime.context import RankContext
 from planc.runtime.exchange import (PeerDataError, gather_json, integer, list_of, map_of,
                                     one_of, record, text)
 from planc.runtime.interpreter import Interpreter
-from planc.runtime.store import tp_piece
+from planc.runtime.store import piece_index, shard_index, tp_piece
 
 
 def _layer_key(name: str) -> tuple:
@@ -54,18 +54,19 @@ class Checkpoints(Loading):
     world builds one (it creates a process group), with the same arguments."""
 
     def __init__(self, ctx: RankContext, all_buckets: dict[str, dict],
-                 interpreter: Interpreter, shard_index: int):
+                 interpreter: Interpreter):
         """``all_buckets``: every stage's buckets (those of every program of the build)."""
         self.ctx, self.interpreter, self.store = ctx, interpreter, interpreter.store
         self.record = ctx.record
         self.world = dist.get_world_size()
         self.rank = ctx.rank
-        self.shard_index = shard_index
         # A gloo group of its own: checkpoint traffic never queues behind training's
         # collectives, and works on CPU tensors whatever the training backend.
         self.group = dist.new_group(list(range(self.world)), backend="gloo") \
             if self.world > 1 else None
-        self.where = self._places(ctx.stage, ctx.tp_rank, shard_index)
+        # (stage, piece, shard) -> rank, for the buckets over dp x cp (piece: tp rank)
+        # and for the experts split over ep (piece: ep index, shard: place in edp)
+        self.where, self.where_experts = self._places()
         self.stages = ctx.ranks.pp
         self.writer = self.where[(ctx.stage, 0, 0)]
         self.owner: dict[str, int] = {}  # parameter -> the stage whose file holds it
@@ -182,7 +183,6 @@ class Checkpoints(Loading):
     def _consolidate(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """On the stage's writer: every parameter and optimizer state the stage's file
         keeps, whole. On the other ranks: the sends of their pieces (returns empty)."""
-        tp, replicas = self.ctx.tp, self._replicas()
         stage, me = self.ctx.stage, self.rank
         writer = me == self.writer
         pending, tag = [], 0
@@ -193,14 +193,17 @@ class Checkpoints(Loading):
             # Under ZeRO the shards are the truth: ZeRO-1/2 gather the whole bucket again
             # only at the start of the next step (in its prologue, with overlap on).
             sharded = bucket["sharded"]
+            where = self.where_experts if bucket.get("over") else self.where
+            pieces_count = 1 + max(t for (_, t, _) in where)
+            replicas = 1 + max(i for (_, _, i) in where)
             for key in (None, *self.keys):
                 local = self._tensor(bucket_id) if key is None else self._state(bucket_id, key)
                 pieces: list[torch.Tensor] = []
-                for t in range(tp):
+                for t in range(pieces_count):
                     parts = []
                     for i in range(replicas if sharded else 1):
                         tag += 1
-                        source = self.where[(stage, t, i)]
+                        source = where[(stage, t, i)]
                         if source == me and not writer:
                             pending.append(dist.isend(local.detach().to("cpu", FP32)
                                                       .contiguous(), self.writer,
@@ -221,22 +224,33 @@ class Checkpoints(Loading):
             work.wait()
         return params, states
 
-    def _places(self, stage: int, tp_rank: int, shard_index: int) -> dict[tuple, int]:
-        """(stage, tp rank, ZeRO shard index) -> rank, for every rank: each tells the
-        others its place as three integers; together they must cover the mesh once."""
-        mine = torch.tensor([stage, tp_rank, shard_index], dtype=torch.int64)
+    def _places(self) -> tuple[dict[tuple, int], dict[tuple, int]]:
+        """(stage, tp rank, ZeRO shard index) -> rank, and (stage, ep index, place among
+        the expert's replicas) -> rank, for every rank: each tells the others its place as
+        five integers; together each map must cover the mesh once."""
+        ctx, experts = self.ctx, {"over": "edp"}
+        mine = torch.tensor([ctx.stage, ctx.tp_rank, shard_index(ctx, {}),
+                             piece_index(ctx, experts), shard_index(ctx, experts)],
+                            dtype=torch.int64)
         slots = [mine]
         if self.group is not None:
             slots = [torch.empty_like(mine) for _ in range(self.world)]
             dist.all_gather(slots, mine, group=self.group)
-        where = {tuple(slot.tolist()): rank for rank, slot in enumerate(slots)}
+        places = [slot.tolist() for slot in slots]
+        where = {(s, t, i): rank for rank, (s, t, i, _, _) in enumerate(places)}
         size = {axis: size for axis, (size, _) in self.ctx.ranks.axes.items()}
+        ep, stage = ctx.groups.size("ep"), size["tp"] * size["dp"] * size["cp"]
+        where_experts = {(s, j, i): rank for rank, (s, _, _, j, i) in enumerate(places)} \
+            if ep > 1 else where  # without ep no bucket is split over experts
         if set(where) != {(s, t, i) for s in range(size["pp"]) for t in range(size["tp"])
                           for i in range(size["dp"] * size["cp"])} or \
-                len(where) != self.world:
+                ep > 1 and set(where_experts) != {(s, j, i) for s in range(size["pp"])
+                                                  for j in range(ep)
+                                                  for i in range(stage // ep)} or \
+                len(where) != self.world or len(where_experts) != self.world:
             raise PeerDataError("the ranks' places in the mesh (stage, tp rank, ZeRO shard) "
                                 "do not cover it once; the run was stopped")
-        return where
+        return where, where_experts
 
     def _gather_files(self, files: dict) -> list[dict] | None:
         """Every rank's files (what :meth:`_write_stage` returns), on rank 0, as JSON;
@@ -258,9 +272,6 @@ class Checkpoints(Loading):
                                 "checkpoint once; the run was stopped")
         return gathered
 
-    def _replicas(self) -> int:
-        return max(i for (_, _, i) in self.where) + 1
-
     def _join(self, bucket: dict, pieces: list[torch.Tensor], key: str | None,
               out: dict[str, torch.Tensor]) -> None:
         """The whole tensors of a bucket's members from every tp rank's flat bucket."""
@@ -270,7 +281,9 @@ class Checkpoints(Loading):
                 continue
             local = [p[m["offset"]:m["offset"] + m["numel"]].view(m["shape"]) for p in pieces]
             split = m["tp_split"]
-            if split is None:
+            if m.get("ep_split"):  # each ep index's rows of the experts, in order
+                whole = torch.cat(local, 0)
+            elif split is None:
                 whole = local[0].clone()
             else:
                 axis = split[1] % len(m["full_shape"])
@@ -281,8 +294,12 @@ class Checkpoints(Loading):
 
     def _indices(self, member: dict, tp_rank: int) -> torch.Tensor:
         """Indices, along the split axis of the whole tensor, of tp rank ``tp_rank``'s
-        piece, in the piece's order: the store's own split applied to the indices."""
+        piece (ep index's, for experts split over ep), in the piece's order: the store's
+        own split applied to the indices."""
         full = member["full_shape"]
+        if member.get("ep_split"):
+            rows = full[0] // member["ep_split"]
+            return torch.arange(tp_rank * rows, (tp_rank + 1) * rows)
         axis = member["tp_split"][1] % len(full)
         shape = [1] * len(full)
         shape[axis] = full[axis]

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from planc import checkpoint as fmt
 from planc.checkpoint_files import checked_path
 from planc.runtime.checkpoint_values import SECOND_MOMENTS, refuse_bad_values, rng_state
+from planc.runtime.store import shard_index
 
 FP32 = torch.float32
 
@@ -92,7 +93,7 @@ class Loading:
     def _load_bucket(self, bucket_id: str, manifest: dict, source, where: str,
                      read: list) -> None:
         bucket = self.store.buckets[bucket_id]
-        size, index = bucket["shard"], self.shard_index
+        size, index = bucket["shard"], shard_index(self.ctx, bucket)
         mine = (index * size, (index + 1) * size)
         params = manifest["parameters"]
         # the parameters: the whole bucket, or under ZeRO-3 only this rank's shard
@@ -161,9 +162,11 @@ class Loading:
         shape = list(member["shape"])
         split = member["tp_split"]
         runs_of = None
-        if split is not None:
-            axis = split[1] % len(shape)
-            global_index = self._indices(member, self.ctx.tp_rank).tolist()
+        if split is not None or member.get("ep_split"):
+            axis = 0 if split is None else split[1] % len(shape)
+            piece = self.ctx.groups.index("ep", self.ctx.rank) if member.get("ep_split") \
+                else self.ctx.tp_rank
+            global_index = self._indices(member, piece).tolist()
 
             def runs_of(lo: int, hi: int) -> list[tuple[int, int]]:
                 """The contiguous runs of whole-tensor indices of local lo..hi."""

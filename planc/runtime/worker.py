@@ -226,8 +226,7 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
                       args.data_identity or identity_now(built.model.data),
                       built.groups.devices_per_node, record=built.record)
     program = built.programs[built.table.program_of(rank)]
-    shard_index = groups.index("dp_cp", rank)
-    store = ParamStore(ctx, program.buckets, shard_index)
+    store = ParamStore(ctx, program.buckets)
     interpreter = Interpreter(ctx, program, store)
     steps = args.steps or built.record.steps
     # every stage's parameter buckets: what a checkpoint holds, from the programs
@@ -236,7 +235,7 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
     checkpoints, first = None, 0
     if args.checkpoint_dir or args.resume:
         with watch.waiting("exchanging where each rank's checkpoint pieces lie"):
-            checkpoints = Checkpoints(ctx, all_buckets, interpreter, shard_index)
+            checkpoints = Checkpoints(ctx, all_buckets, interpreter)
     if args.resume:
         with watch.waiting("agreeing on the checkpoint to resume"):
             found = _resumable(args, built.record, all_buckets, steps, checkpoints)

@@ -151,7 +151,8 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
                             batch: int) -> torch.Tensor:
     """The mixture with its experts spread over ``peers`` (expert parallelism: GShard,
     Lepikhin et al. 2021; Megatron-Core's token dispatcher): rank j of the ep group runs
-    experts j E/ep ... (j + 1) E/ep - 1. Each (token, expert) pair goes, sorted by expert,
+    experts j E/ep ... (j + 1) E/ep - 1, the rows of the stacked weights it keeps. Each
+    (token, expert) pair goes, sorted by expert,
     to the expert's rank with one all-to-all after the counts are exchanged (they vary
     step by step), comes back with another, and is added to its token weighted; a token's
     experts add in increasing order, as :func:`mixture` adds them."""
@@ -167,12 +168,13 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     sent, received = counts.tolist(), arriving.tolist()
     rows = _AllToAll.apply(tokens[token_of], sent, received, peers.group)
     rows_expert = _exchange(expert_of, sent, received, peers.group)
-    stacked = _stacked(weights_of)
+    stacked = _stacked(weights_of)  # this rank's experts only
     done = torch.zeros_like(rows)
-    for expert in range(peers.index * per_rank, (peers.index + 1) * per_rank):
+    first = peers.index * per_rank
+    for expert in range(first, first + per_rank):
         mine = (rows_expert == expert).nonzero(as_tuple=True)[0]
         if mine.numel():
-            done = done.index_copy(0, mine, _expert(rows[mine], stacked, expert))
+            done = done.index_copy(0, mine, _expert(rows[mine], stacked, expert - first))
     back = _AllToAll.apply(done, received, sent, peers.group)
     weighted = back * weights.reshape(-1)[order].to(tokens.dtype).unsqueeze(-1)
     out = torch.zeros_like(tokens).index_add(0, token_of, weighted)
