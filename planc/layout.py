@@ -22,6 +22,8 @@ GROUP_AXES: dict[str, tuple[str, ...]] = {name: GROUPS[name].axes for name in LA
 # The ranks of one pipeline stage, which differ in tp, cp and dp: the graph's "stage"
 # group (the loss's all-reduce), listed by planc layout but not part of its JSON.
 STAGE_AXES = GROUPS["stage"].axes
+# With mesh { ep }: the ep groups and the experts' replicas, listed after the others.
+EXPERT_GROUPS: tuple[str, ...] = tuple(name for name, kind in GROUPS.items() if kind.experts)
 LAYOUT_FORMAT_VERSION = 1
 
 
@@ -79,20 +81,33 @@ class Layout:
     def group(self, rank: int, axis: str) -> tuple[int, ...]:
         """The members of ``rank``'s group on ``axis`` (a group of planc.mesh.GROUPS:
         a key of GROUP_AXES, or "stage", the ranks that differ only in tp, cp and dp),
-        sorted. An expert's replicas (edp) are the stage's ranks at ``rank``'s place in
-        every run of ep (just ``rank`` without mesh { ep })."""
+        sorted. With mesh { ep } a stage's ranks are cut into runs of ep (``ep``) and
+        across them (``edp``: the ranks at ``rank``'s place in every run); without it
+        both are ``rank`` alone."""
         members = self.ranks.group(rank, axis)
-        if not GROUPS[axis].across_experts:
+        cut, ep = GROUPS[axis].experts, self.mesh.ep
+        if not cut:
             return members
-        ep = self.mesh.ep
-        return members[members.index(rank) % ep::ep] if ep > 1 else (rank,)
+        if ep == 1:
+            return (rank,)
+        place = members.index(rank)
+        if cut == "across":
+            return members[place % ep::ep]
+        return members[place - place % ep:place - place % ep + ep]
 
     def groups(self, axis: str) -> list[tuple[int, ...]]:
         """Every group of ``axis`` (or "stage"), ordered by smallest member; they partition
         the world. Found once per axis, when first asked for."""
-        if GROUPS[axis].across_experts:
-            return sorted({self.group(r, axis) for r in range(self.world)})
-        return self.ranks.groups(axis)
+        cut, ep = GROUPS[axis].experts, self.mesh.ep
+        if not cut:
+            return self.ranks.groups(axis)
+        if ep == 1:
+            return [(r,) for r in range(self.world)]
+        out = []
+        for stage in self.ranks.groups("stage"):
+            out += [stage[i::ep] for i in range(ep)] if cut == "across" else \
+                [stage[i:i + ep] for i in range(0, len(stage), ep)]
+        return sorted(out)
 
     def first_rank_of_stage(self, stage: int) -> int:
         return self.ranks.first_rank_of_stage(stage)
@@ -113,14 +128,15 @@ class Layout:
                 kinds["inter-node"] += 1
             else:
                 kinds["mixed"] += 1
-        size = prod(self.mesh.size(a) for a in GROUPS[axis].axes)
+        size = len(groups[0]) if GROUPS[axis].experts else \
+            prod(self.mesh.size(a) for a in GROUPS[axis].axes)
         return GroupPlacement(axis, size, len(groups), tuple(sorted(kinds.items())),
                               tuple(sorted(per_node)))
 
     def crosses_nodes(self, axis: str) -> bool:
         """Whether the group of rank 0 on ``axis`` spans nodes; costs O(group size), so the
         compiler can ask it of a world of hundreds of thousands of ranks."""
-        if GROUPS[axis].across_experts:
+        if GROUPS[axis].experts:
             members = self.group(0, axis)
             return self.node(members[0]) != self.node(members[-1])
         return self.ranks.crosses_nodes(axis)
@@ -130,9 +146,10 @@ class Layout:
         order = list(self.mesh.order)
         ranks = [{"rank": r, "coords": self.coords(r), "node": self.node(r)}
                  for r in range(self.world)]
-        groups = {axis: [list(g) for g in self.groups(axis)] for axis in GROUP_AXES}
+        listed = (*GROUP_AXES, *EXPERT_GROUPS) if self.mesh.ep > 1 else tuple(GROUP_AXES)
+        groups = {axis: [list(g) for g in self.groups(axis)] for axis in listed}
         placement = {}
-        for axis in GROUP_AXES:
+        for axis in listed:
             p = self.placement(axis)
             placement[axis] = {"kind": p.kind, "kinds": dict(p.kinds),
                                "ranks_per_node": list(p.ranks_per_node)}

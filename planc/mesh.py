@@ -63,9 +63,10 @@ class GroupKind:
     ``ends_only`` restricts the group to the first and last coordinate along its axes
     (the tied embedding is shared by the first and last pipeline stage only).
     ``in_layout``: ``planc layout --json`` lists its groups; ``in_graph``: the graph's
-    transfers name it (:class:`planc.graph.ir.Axis`). ``across_experts``: the group along
-    ``axes`` is cut by the plan's ep degree into the members holding the same experts,
-    one from each ep group (the expert-data-parallel group of MoE Parallel Folding).
+    transfers name it (:class:`planc.graph.ir.Axis`). ``experts``: the group along
+    ``axes`` is cut by the plan's ep degree (MoE Parallel Folding), into runs of ep
+    consecutive members (``runs``: an ep group) or into the members at the same place of
+    every run (``across``: an expert's replicas, the expert-data-parallel group).
     """
 
     name: str
@@ -74,7 +75,7 @@ class GroupKind:
     ends_only: bool = False
     in_layout: bool = False
     in_graph: bool = False
-    across_experts: bool = False
+    experts: str = ""  # "", "runs" or "across"
 
     @property
     def within_stage(self) -> bool:
@@ -108,10 +109,13 @@ GROUPS: dict[str, GroupKind] = _group_kinds(
     # Listed by planc layout beside the others, but not part of its JSON.
     GroupKind("stage", ("tp", "cp", "dp"), "every rank of one pipeline stage",
               in_graph=True),
-    # With mesh { ep }: the ranks of a stage holding the same experts, over which the
-    # experts' gradients are reduced (Megatron-Core's expert-data-parallel group).
+    # With mesh { ep }: the ranks of a stage that spread the experts between them, and
+    # the ranks holding the same experts, over which the experts' gradients are reduced
+    # (Megatron-Core's expert-data-parallel group).
+    GroupKind("ep", ("tp", "cp", "dp"), "the ranks spreading the experts (runs of ep)",
+              experts="runs"),
     GroupKind("edp", ("tp", "cp", "dp"), "the replicas of an expert (tp x cp x dp / ep)",
-              in_graph=True, across_experts=True),
+              in_graph=True, experts="across"),
 )
 LAYOUT_GROUPS: tuple[str, ...] = tuple(name for name, kind in GROUPS.items()
                                        if kind.in_layout)

@@ -174,6 +174,32 @@ def test_experts_are_split_over_ep_and_reduced_over_their_replicas():
     assert list(wide.groups(wide.rule("edp"))) == [(0, 2), (1, 3)]
 
 
+def test_planc_layout_lists_the_ep_groups_and_the_experts_replicas(capsys):
+    """pp 2 x dp 2 x tp 2 with ep 2: a stage's ranks (tp fastest) in runs of 2, and the
+    ranks at the same place of each run; both in the table and in --json."""
+    import json
+
+    from planc.layout import Layout
+
+    layout = Layout.of(load_text(plan_text(mesh="tp = 2; pp = 2; dp = 2; ep = 2", m=2,
+                                           batch=8)).plan)
+    assert layout.groups("ep") == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert layout.groups("edp") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert (layout.group(5, "ep"), layout.group(5, "edp")) == ((4, 5), (1, 5))
+    plain = Layout.of(load_text(plan_text(mesh="tp = 2")).plan)
+    assert plain.group(1, "ep") == plain.group(1, "edp") == (1,)
+    assert "ep" not in plain.to_dict()["groups"]
+    data = layout.to_dict()
+    assert (data["groups"]["ep"], data["groups"]["edp"]) == (
+        [[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])
+    from planc.views.layout_text import render_groups
+
+    rows = {line.split()[0]: line.split() for line in render_groups(layout).splitlines()
+            if line.startswith(("ep ", "edp "))}
+    assert rows["ep"][:4] == ["ep", "2", "4", "intra-node"]
+    assert rows["edp"][:4] == ["edp", "2", "4", "intra-node"]
+
+
 def test_the_memory_estimate_splits_the_experts_over_ep_and_their_replicas():
     """Model states of one device: the 3 x 4 x 32 x 24 expert elements of each of 3
     blocks, halved by ep 2; under ZeRO-1 their AdamW state is split over their 2 replicas

@@ -268,7 +268,7 @@ def group_table(mesh: "Mesh", devices_per_node: int, tied: bool, virtual: int = 
     """Every group reference a program may use, by rule; ``split`` names the references
     whose intra- and inter-node sub-groups hierarchical routes use."""
     rules = [GroupRule(axis.value, axis.mesh_axes) for axis in Axis
-             if axis.within_stage and not GROUPS[axis.value].across_experts]
+             if axis.within_stage and not GROUPS[axis.value].experts]
     tied_group = GROUPS[Axis.TIED]
     if tied and mesh.pp > 1:
         rules.append(GroupRule(tied_group.name, tied_group.axes,

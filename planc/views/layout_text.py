@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from planc.layout import Layout
+from planc.layout import EXPERT_GROUPS, Layout
 from planc.mesh import AXES, LAYOUT_GROUPS
 from planc.views.tables import table
 from planc.words import counted
@@ -56,7 +56,8 @@ def _example(members: tuple[int, ...]) -> str:
 
 def render_groups(layout: Layout) -> str:
     rows = []
-    for axis in (*LAYOUT_GROUPS, "stage"):
+    experts = EXPERT_GROUPS if layout.mesh.ep > 1 else ()
+    for axis in (*LAYOUT_GROUPS, "stage", *experts):
         placement = layout.placement(axis)
         if placement.size == 1:
             where = "-"
@@ -67,13 +68,17 @@ def render_groups(layout: Layout) -> str:
         per_node = "/".join(map(str, placement.ranks_per_node))
         rows.append([axis, placement.size, placement.count, where,
                      per_node if placement.size > 1 else "-", _example(layout.group(0, axis))])
+    note = STAGE_NOTE + (EXPERTS_NOTE if experts else "")
     return table(["group", "size", "groups", "placement", "ranks/node", "group of rank 0"],
-                 rows) + "\n" + STAGE_NOTE
+                 rows) + "\n" + note
 
 
 # "stage" is not a mesh axis: say what the row above and the memory table's column mean.
 STAGE_NOTE = ("stage: every rank of one pipeline stage (tp x cp x dp), a row of the memory "
               "table; compile and explain name the loss's all-reduce over it")
+EXPERTS_NOTE = ("\nep: a run of ep ranks of a stage, each keeping experts / ep of the experts "
+                "(their all-to-alls); edp: the ranks holding the same experts, over which "
+                "their gradients are reduced")
 
 
 def render(layout: Layout, title: str) -> str:
