@@ -495,3 +495,50 @@ def test_every_moe_plan_trains_exactly_like_one_process(name, tmp_path, capfd):
     err = capfd.readouterr().err
     assert status == 0, err
     assert "every loss and parameter matches" in err
+
+
+# --- the verifier proves the mixtures' all-to-alls match -----------------------------------
+
+def _moe_build():
+    from planc.compile import compile_plan
+
+    return compile_plan(load_text(plan_text(mesh="dp = 2; ep = 2", m=2, batch=8)).plan)
+
+
+def test_mixtures_out_of_order_on_one_ep_rank_are_refused():
+    """Rank 1 runs its two mixtures' forwards in the other order: its ep group's
+    all-to-alls would pair layer 0's rows with layer 1's."""
+    from tests.test_lower import _split_rank, problems
+
+    build = _moe_build()
+    assert problems(build) == []
+
+    def swap(data):
+        block = data["blocks"]["F0"]
+        first, second = [i for i, x in enumerate(block) if x.get("node", "").endswith("/moe")
+                         ][:2]
+        block[first], block[second] = block[second], block[first]
+
+    programs, table = _split_rank(build, 1, swap)
+    found = [p for p in problems(build, programs, table) if p.startswith("ep group")]
+    assert found == ["ep group [0, 1]: collective 1 on this group is compute F/L0/moe "
+                     "(microbatch 0) on rank 0 but compute F/L1/moe (microbatch 0) on rank 1: "
+                     "the group would deadlock or mix up data"]
+
+
+def test_mixtures_on_two_streams_are_refused():
+    from tests.test_lower import _replace_program, problems
+
+    build = _moe_build()
+    (name,) = build.programs
+
+    def move(data):
+        for item in data["blocks"]["B0"]:
+            if item.get("node") == "B/L2/moe":
+                item["stream"] = "comm"
+
+    found = [p for p in problems(build, _replace_program(build, name, move))
+             if "ep group is used from" in p]
+    assert found == [f"program {name}: the ep group is used from streams ['comm', "
+                     "'compute']; its all-to-alls must leave from one stream in program "
+                     "order, or two ranks could wait in different all-to-alls"]

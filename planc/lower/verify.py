@@ -11,7 +11,8 @@ The invariants of docs/semantics.md, section 5:
 5. every tree or hierarchical route runs a recipe that computes exactly the collective
    it replaces, without deadlock (:mod:`planc.lower.verify_routes`);
 6. ring attention's cp ring steps are deadlock-free and meet every block
-   (:mod:`planc.lower.verify_ring`);
+   (:mod:`planc.lower.verify_ring`), and a mixture of experts' all-to-alls over its ep
+   group match (:mod:`planc.lower.verify_experts`);
 7. where a collective spans stages (the tied embedding's), the whole step, stream by
    stream, runs to its end (:mod:`planc.lower.verify_progress`).
 
@@ -35,6 +36,7 @@ from planc.lower.bind import operands_of
 from planc.lower.groups import GroupTable
 from planc.lower.program import COLLECTIVES, Program, RankTable
 from planc.lower.routes import RouteTable, routed_nodes
+from planc.lower.verify_experts import ExpertChecks, is_expert_exchange
 from planc.lower.verify_pipeline import PipelineChecks
 from planc.lower.verify_progress import ProgressChecks
 from planc.lower.verify_report import Report, ranks_text
@@ -45,7 +47,7 @@ from planc.mesh import PIPELINE_AXIS
 from planc.plan import Plan
 
 
-class _Verifier(StreamChecks, PipelineChecks, RingChecks, ProgressChecks):
+class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, ProgressChecks):
     def __init__(self, plan: Plan, graph: nx.DiGraph, programs: dict[str, Program],
                  table: RankTable, groups: GroupTable | None = None,
                  routes: RouteTable | None = None):
@@ -159,9 +161,9 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ProgressChecks):
         table = self.table
         if not self.uniform:  # some ranks run a program of their own: compare their groups
             for rank in sorted(table.overrides):
-                for axis in Axis:
-                    if axis.within_stage and axis != Axis.STAGE:
-                        self._compare_members(axis.value, self.layout.group(rank, axis.value))
+                for axis in [a.value for a in Axis if a.within_stage and a != Axis.STAGE] + \
+                        (["ep"] if self.plan.mesh.ep > 1 else []):
+                    self._compare_members(axis, self.layout.group(rank, axis))
         if self.plan.model.tie_embeddings and self.plan.head_stage != 0:
             last = self.plan.head_stage
             pairs = {(0, self.layout.first_rank_of_stage(last))}
@@ -180,7 +182,8 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ProgressChecks):
         def on_axis(instructions) -> list:
             return [i for i in instructions if i.op in COLLECTIVES and i.node in self.graph
                     and self.graph.nodes[i.node].get("axis") == axis
-                    or axis == Axis.CP.value and is_ring(i)]
+                    or axis == Axis.CP.value and is_ring(i)
+                    or axis == "ep" and is_expert_exchange(i)]
 
         per_block = {block: on_axis(items) for block, items in program.blocks.items()}
         out = [(i.op, i.node, None) for i in on_axis(program.prologue)]
@@ -227,6 +230,7 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ProgressChecks):
                 self.events_and_buffers(name, program)
                 self.buckets(name, program)
                 self.ring(name, program)
+                self.experts(name, program)
         self.collective_order()
         self.pipeline()
         if not self.report.problems:  # matched and ordered: now the streams together
