@@ -116,6 +116,9 @@ GROUPS: dict[str, GroupKind] = _group_kinds(
               experts="runs"),
     GroupKind("edp", ("tp", "cp", "dp"), "the replicas of an expert (tp x cp x dp / ep)",
               in_graph=True, experts="across"),
+    # With a statistic of each sequence (a mixture's balance loss): the ranks holding
+    # parts of the same sequences, over which its counts are summed.
+    GroupKind("sequence", ("tp", "cp"), "the ranks holding parts of one sequence (tp x cp)"),
 )
 LAYOUT_GROUPS: tuple[str, ...] = tuple(name for name, kind in GROUPS.items()
                                        if kind.in_layout)

@@ -97,17 +97,13 @@ def test_the_presets_have_the_published_sizes():
      "cp x dp = 6: its groups are drawn from them", "try ep = 3 or ep = 2"),
     ("dp = 6; ep = 3", "", "ep (3) must divide experts (4): each rank of an ep group holds "
      "experts / ep of them", "try ep = 2"),
-    ("tp = 2; ep = 2", "; aux_loss = 0.01", "aux_loss (0.01) needs each sequence's tokens "
-     "on one rank; with ep (2) each of the tp (2) ranks dispatches a share of them (not "
-     "supported yet)", "set aux_loss = 0, or tp = 1, or ep = 1"),
 ])
 def test_ep_is_checked_at_its_key(mesh, extra, message, hint):
     text = plan_text(mesh=mesh, extra=extra, batch=12)
     errors = [d for d in load_text(text).diagnostics if d.is_error]
     assert [(d.message, d.hints) for d in errors] == [(message, (hint,))]
     line = text.splitlines()[errors[0].span.line - 1]
-    key = "aux_loss" if extra else "ep"
-    assert line[:errors[0].span.column - 1].endswith(f"{key} = ")
+    assert line[:errors[0].span.column - 1].endswith("ep = ")
 
 
 def test_ep_needs_a_model_with_experts():
@@ -312,27 +308,53 @@ def test_the_balance_loss_is_deepseek_v3s_sequence_wise_loss():
     assert on_meta.device.type == "meta"
 
 
-def test_with_a_balance_loss_the_mixture_runs_on_whole_sequences():
+def test_with_a_balance_loss_the_mixture_runs_on_its_tp_share():
     """Over tp the mixture may take every token or this rank's share; with aux_loss only
-    every token, since the balance loss is a statistic of whole sequences."""
+    its share, its balance loss's counts summed over the tp x cp ranks of each sequence."""
     from planc.graph.layouts import R, S
     from planc.graph.tensor_parallel import choices
 
-    for aux, inputs in (("", [R, S("seq")]), ("; aux_loss = 0.01", [R])):
+    for aux, inputs in (("", [R, S("seq")]), ("; aux_loss = 0.01", [S("seq")])):
         plan = load_text(plan_text(extra=aux, mesh="tp = 2",
                                    shard="tp { sequence_parallel = on }")).plan
         assert [c.input for c in choices("moe", plan, S("seq"))] == inputs
 
 
-def test_a_balance_loss_with_context_parallelism_is_refused_at_its_key():
-    text = plan_text(extra="; aux_loss = 0.01", mesh="cp = 2")
-    loaded = load_text(text)
-    errors = [d for d in loaded.diagnostics if d.is_error]
-    assert [(d.message, d.hints) for d in errors] == [
-        ("aux_loss (0.01) needs each sequence's tokens on one rank; cp (2) splits them "
-         "(not supported yet)", ("set aux_loss = 0, or cp = 1",))]
-    line = text.splitlines()[errors[0].span.line - 1]
-    assert line[:errors[0].span.column - 1].endswith("aux_loss = ")
+@pytest.mark.parametrize("mesh, shard, over", [
+    ("cp = 2", "cp { attention = ring }", 2),
+    ("cp = 2", "cp { attention = allgather }", 2),
+    ("tp = 2; cp = 2", "tp { sequence_parallel = on }", 4),
+    ("tp = 2; dp = 2; ep = 2", "tp { sequence_parallel = off }", 2),
+    ("dp = 2", "", None),
+])
+def test_a_balance_loss_sums_its_counts_over_the_ranks_of_each_sequence(mesh, shard, over):
+    """Every plan with aux_loss compiles (the refusals of cp and of ep with tp are gone):
+    the mixture's instruction names the sequence group (tp x cp), whose members hold the
+    same sequences' other tokens, and the bytes of a microbatch's counts (fp32 sequences x
+    experts); on every step of the mixture alike (only the forward runs it)."""
+    from planc.compile import compile_plan
+    from planc.lower.groups import SEQUENCE
+
+    plan = load_text(plan_text(extra="; aux_loss = 0.01", mesh=mesh, shard=shard, m=2,
+                               batch=8)).plan
+    build = compile_plan(plan)
+    steps = [i.operands for p in build.programs.values()
+             for part in (p.prologue, *p.blocks.values(), p.epilogue) for i in part
+             if i.op == "compute" and i.operands.kernel == "moe"]
+    assert "forward" in {o.step for o in steps}
+    counts = 4 * plan.microbatch_size * 4  # fp32, the microbatch's sequences x 4 experts
+    assert {(o.counts_group, o.counts_bytes) for o in steps} == (
+        {(None, None)} if over is None else {(SEQUENCE, counts)})
+    rule = build.groups.rule(SEQUENCE)
+    if over is None:
+        assert rule is None
+        return
+    assert rule.axes == ("tp", "cp")
+    groups = list(build.groups.groups(rule))
+    assert all(len(g) == over for g in groups) and \
+        sorted(r for g in groups for r in g) == list(range(plan.world))
+    coords = build.groups.ranks.coords
+    assert all(len({(coords(r)["dp"], coords(r)["pp"]) for r in g}) == 1 for g in groups)
 
 
 # --- against transformers' Mixtral ----------------------------------------------------------
@@ -455,7 +477,8 @@ MATRIX = {
                     schedule="; pipeline = zbv"),
     "dp2-zero2-first-dense-2": dict(mesh="dp = 2", shard="dp { zero = 2 }", dense=2, m=2),
     # the balance loss: its gradient joins each mixture's backward (the run's reported
-    # loss is the cross-entropy, as the reference's); over tp the mixture runs whole
+    # loss is the cross-entropy, as the reference's); over tp the mixture runs on its
+    # share, the counts of each sequence summed over its tp x cp ranks
     "aux-loss-tp2-sp-pp2-dp2-zero2": dict(mesh="tp = 2; pp = 2; dp = 2", m=2, shared=1,
                                           dense=1, extra="; aux_loss = 0.5",
                                           shard="tp { sequence_parallel = on }; "
@@ -481,6 +504,19 @@ MATRIX = {
                                         shard="cp { attention = ring }; dp { zero = 1 }"),
     "ep2-over-dp4-zero2-edp2": dict(mesh="dp = 4; ep = 2", dense=1,
                                     shard="dp { zero = 2 }"),
+    "aux-loss-cp2-ring": dict(mesh="cp = 2", m=2, shared=1, extra="; aux_loss = 0.5",
+                              shard="cp { attention = ring }"),
+    "aux-loss-cp2-allgather-recompute": dict(mesh="cp = 2", m=2, extra="; aux_loss = 0.5",
+                                             shard="cp { attention = allgather }",
+                                             optimize="recompute = full"),
+    "aux-loss-tp2-sp": dict(mesh="tp = 2", dense=1, extra="; aux_loss = 0.5",
+                            shard="tp { sequence_parallel = on }"),
+    "aux-loss-ep2-over-tp2": dict(mesh="tp = 2; ep = 2", m=2, extra="; aux_loss = 0.5",
+                                  shard="tp { sequence_parallel = off }"),
+    "aux-loss-ep4-over-tp2-cp2-ring": dict(mesh="tp = 2; cp = 2; ep = 4", m=2,
+                                           extra="; aux_loss = 0.5",
+                                           shard="tp { sequence_parallel = on }; "
+                                                 "cp { attention = ring }"),
 }
 
 

@@ -46,6 +46,7 @@ from planc.graph.ir import (
     buckets,
 )
 from planc.graph.layouts import Layout, S, gradient_layout
+from planc.graph.mixture import in_kernel_collectives
 from planc.graph.model import Shapes, all_parameters, forward_flops
 from planc.models import family_of
 from planc.models.family import INPUT
@@ -202,12 +203,8 @@ class _Derivation(AxisRules, ParameterRules):
         if op == "loss":
             attrs["vocab_parallel"] = self.tp > 1 and layout.input == S("vocab")
         rule = self.family.rules.get(op)
-        if rule is not None and rule.expert_parallel and self.plan.mesh.ep > 1:
-            attrs["experts_over"] = self.plan.mesh.ep  # dispatched over the ep group
-            # what one all-to-all moves at uniform routing: every (token, expert) row
-            tokens = self.shapes.batch * self.shapes.seq / (self.tp if layout.sharded else 1)
-            attrs["dispatch_bytes"] = int(tokens * self.plan.model.top_k * self.shapes.hidden *
-                                          self.shapes.dtype_bytes)
+        if rule is not None:  # a mixture's all-to-alls over ep, its counts' all-reduce
+            attrs.update(in_kernel_collectives(self.plan, rule, self.shapes, layout))
         return attrs
 
     def _local_bytes(self, tensor: str, layout: Layout) -> float:

@@ -181,10 +181,11 @@ def choices(op: str, plan: Plan, stream: Layout) -> list[Choice]:
         whole = Choice(R, R, R, False, tuple(ParamUse(n, R, R, d) for n, d in uses))
         share = Choice(S("seq"), S("seq"), S("seq"), True,
                        tuple(ParamUse(n, R, S("seq"), d) for n, d in uses))
-        if rule.whole_sequences_when and getattr(plan.model, rule.whole_sequences_when):
-            return [whole]
-        if rule.expert_parallel and plan.mesh.ep > 1:
-            return [share]  # each tp rank dispatches its own tokens (Megatron-Core)
+        # Each tp rank dispatches its own tokens (Megatron-Core); a statistic of each
+        # sequence sums its counts over the tp x cp ranks holding the sequence's tokens,
+        # so that no tp rank repeats another's share.
+        if rule.expert_parallel and plan.mesh.ep > 1 or rule.sums_over_sequences(plan.model):
+            return [share]
         return [whole, share]
     if rule.kind == "residual":
         return [Choice(stream, stream, stream, stream.is_sharded)]

@@ -198,6 +198,10 @@ OPTIONAL = {
                     "are spread over, which it dispatches tokens to and combines them from",
     "dispatch_bytes": "a mixture of experts (compute): the bytes of its (token, expert) "
                       "rows, which each of its all-to-alls moves at uniform routing",
+    "counts_over": "a mixture with a balance loss (compute): the ranks holding parts of each "
+                   "sequence (tp x cp), over which its forward all-reduces the loss's "
+                   "per-sequence expert counts",
+    "counts_bytes": "a mixture with a balance loss (compute): the bytes of those counts",
     "scatter_gather": "pp send/recv with pp_scatter_gather: the tp ranks that each move 1/tp",
     "toward": "pipeline transfers: next or prev, the way the tensor travels along the "
               "stages (forward is next except on the way back of a V)",
@@ -222,7 +226,8 @@ OPTIONAL_TYPES = {
     "forward_of": TEXT, "recompute_of": TEXT, "weight_grad": TEXT, "weight_grad_of": TEXT,
     "tp_input": TEXT, "tp_output": TEXT, "bucket": TEXT, "ring_steps": INTEGER,
     "ring_bytes": INTEGER, "ring_reason": TEXT, "experts_over": INTEGER,
-    "dispatch_bytes": INTEGER, "scatter_gather": INTEGER, "toward": TEXT,
+    "dispatch_bytes": INTEGER, "counts_over": INTEGER, "counts_bytes": INTEGER,
+    "scatter_gather": INTEGER, "toward": TEXT,
     "dim": (str, type(None)), "producer": TEXT, "consumer": TEXT, "collective": TEXT,
     "sharded": (bool,), "stream": TEXT, "placement": TEXT, "route": TEXT,
     "route_seconds": (int, float, type(None)), "tensor": TEXT, "bias": TEXT,

@@ -15,7 +15,7 @@ import networkx as nx
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, Port
 from planc.graph.layouts import parse as parse_layout
 from planc.graph.layouts import R, S
-from planc.lower.groups import EXPERTS
+from planc.lower.groups import EXPERTS, SEQUENCE
 from planc.lower.operands import FEATURE_AXIS, SEQ_AXIS, Input, Operands
 
 
@@ -86,7 +86,10 @@ def _compute(graph: nx.DiGraph, node: str, data: dict, position: dict[str, int]
         # ... or a mixture of experts' all-to-alls over the ep group
         group=Axis.CP.value if data.get("ring_steps") else
         EXPERTS if data.get("experts_over") else None,
-        bytes=data.get("ring_bytes") or data.get("dispatch_bytes"))
+        bytes=data.get("ring_bytes") or data.get("dispatch_bytes"),
+        # ... and its balance loss's counts, summed over the ranks holding each sequence
+        counts_group=SEQUENCE if data.get("counts_over") else None,
+        counts_bytes=data.get("counts_bytes"))
 
 
 def _transfer(graph: nx.DiGraph, node: str, data: dict, op: str,

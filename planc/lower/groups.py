@@ -27,6 +27,10 @@ if TYPE_CHECKING:  # pragma: no cover - annotations only
 GROUPS_FORMAT_VERSION = 1
 PIPELINE = "pp"  # pairs of neighbouring stages, one group per pair and direction
 EXPERTS = "ep"  # the ranks a mixture of experts spreads its experts over
+# The ranks holding parts of one sequence (tp x cp), over which a mixture sums its balance
+# loss's per-sequence counts; a group of its own, used by nothing else, so that its
+# all-reduces leave from the mixture's stream alone in program order.
+SEQUENCE = "sequence"
 
 
 @dataclass(frozen=True)
@@ -257,16 +261,22 @@ class GroupTable:
 
 def plan_group_table(plan: "Plan", split: tuple[str, ...] = ()) -> GroupTable:
     """:func:`group_table` of ``plan``: a tied embedding needs a group only when the head
-    is on another stage than the embedding, and a V's stages send both ways."""
+    is on another stage than the embedding, a V's stages send both ways, and a model
+    whose operator sums a statistic over each sequence needs the sequence group."""
+    from planc.models import family_of  # the compiler's side: a rank reads groups.json
+
     return group_table(plan.mesh, plan.topology.devices_per_node,
                        plan.model.tie_embeddings and plan.head_stage != 0,
-                       plan.shard.pp.virtual, split, plan.placement.name == "v")
+                       plan.shard.pp.virtual, split, plan.placement.name == "v",
+                       family_of(plan).sums_over_sequences(plan.model))
 
 
 def group_table(mesh: "Mesh", devices_per_node: int, tied: bool, virtual: int = 1,
-                split: tuple[str, ...] = (), turns: bool = False) -> GroupTable:
+                split: tuple[str, ...] = (), turns: bool = False,
+                sequences: bool = False) -> GroupTable:
     """Every group reference a program may use, by rule; ``split`` names the references
-    whose intra- and inter-node sub-groups hierarchical routes use."""
+    whose intra- and inter-node sub-groups hierarchical routes use; ``sequences``: an
+    operator sums counts over the ranks holding each sequence's tokens."""
     rules = [GroupRule(axis.value, axis.mesh_axes) for axis in Axis
              if axis.within_stage and not GROUPS[axis.value].experts]
     tied_group = GROUPS[Axis.TIED]
@@ -283,4 +293,6 @@ def group_table(mesh: "Mesh", devices_per_node: int, tied: bool, virtual: int = 
         # ... and across the runs: the replicas of each rank's experts
         rules.append(GroupRule(Axis.EDP.value, GROUPS[Axis.EDP].axes, fold=mesh.ep,
                                across=True))
+    if sequences and mesh.tp * mesh.cp > 1:
+        rules.append(GroupRule(SEQUENCE, GROUPS[SEQUENCE].axes))
     return GroupTable(RankMesh.of(mesh.sizes, mesh.order, devices_per_node), tuple(rules))

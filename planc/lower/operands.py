@@ -200,6 +200,11 @@ class Operands:
     # block in hand (send to the next cp rank, receive from the previous) before it
     # computes on that block, and waits for the shift after.
     ring_steps: int | None = None
+    # a mixture's balance loss (a compute step): the group over which its forward sums the
+    # per-(sequence, expert) counts (all-reduce; the ranks holding parts of each sequence)
+    # and the bytes of those counts
+    counts_group: str | None = None
+    counts_bytes: int | None = None
     peer_stage: int | None = None  # a pipeline transfer's other stage
     direction: str | None = None  # forward or backward: which pipeline group
     partner: str | None = None  # a pipeline send's receive on the peer stage (traces)
@@ -248,6 +253,7 @@ _READERS = {
     "payload": _maybe(_one_of(PAYLOADS)), "group": _maybe(_string), "route": _maybe(_string),
     "reduce_op": _maybe(_one_of(REDUCE_OPS)), "source_dim": _maybe(_string),
     "target_dim": _maybe(_string), "ring_steps": _maybe(_integer),
+    "counts_group": _maybe(_string), "counts_bytes": _maybe(_integer),
     "peer_stage": _maybe(_integer), "direction": _maybe(_one_of(DIRECTIONS)),
     "partner": _maybe(_string),
     "shape": _tuple_of(_integer), "elements": _tuple_of(_integer),

@@ -106,12 +106,20 @@ class OpRule:
     input_dim: str | None = None
     placement: str | None = None  # the shard.tp key that places this operator
     params: tuple[str, ...] = ()
-    # A model key that, when set (non-zero), makes a ``tokenwise`` operator need every
-    # token of its sequences (a statistic over the sequence): it then runs whole over tp.
-    whole_sequences_when: str | None = None
+    # A model key that, when set (non-zero), makes a ``tokenwise`` operator compute a
+    # statistic of each whole sequence (a mixture's load-balancing loss): over tp it then
+    # runs on a 1/tp share, and its kernel sums the statistic's counts over the ranks that
+    # hold the sequence's other tokens (tp x cp; planc.lower.groups.SEQUENCE).
+    sequence_statistic_when: str | None = None
     # A ``tokenwise`` operator whose experts spread over the mesh's ep group: every rank
     # of the group must send it distinct tokens, so over tp it runs on a 1/tp share.
     expert_parallel: bool = False
+
+    def sums_over_sequences(self, model: Model) -> bool:
+        """Whether the operator computes a statistic of each whole sequence on ``model``
+        (its :attr:`sequence_statistic_when` key is set there)."""
+        key = self.sequence_statistic_when
+        return bool(key and getattr(model, key))
 
 
 # What tp must divide when a placement slot of a pre-norm block is split (Megatron-LM,
@@ -207,6 +215,11 @@ class Family:
         for layer in range(model.layers):
             params.extend(self.layer_parameters(model, layer))
         return params + self.head_parameters(model)
+
+    def sums_over_sequences(self, model: Model) -> bool:
+        """Whether some operator computes a statistic of each whole sequence on ``model``
+        (its counts are then summed over the tp x cp ranks holding a sequence's tokens)."""
+        return any(rule.sums_over_sequences(model) for rule in self.rules.values())
 
     def linear_rule(self, op: str) -> OpRule | None:
         rule = self.rules.get(op)

@@ -21,8 +21,10 @@ The experts of a block are three stacked parameters ``experts.gate.weight`` and
 ``experts.up.weight`` (experts x hidden x expert_ffn) and ``experts.down.weight``
 (experts x expert_ffn x hidden). The mixture runs as one operator, ``moe``, whole on every
 tp rank: on every token, or on this rank's share of them (Megatron-Core splits the
-tokens over tp before routing), its weights' gradients then summed over tp. FLOPs count
-the active experts only (each token's k and the shared ones), as MoE papers count them.
+tokens over tp before routing), its weights' gradients then summed over tp; with
+``aux_loss`` always on the share, the balance loss's per-sequence counts summed over the
+tp x cp ranks holding a sequence's tokens. FLOPs count the active experts only (each
+token's k and the shared ones), as MoE papers count them.
 """
 
 from __future__ import annotations
@@ -44,10 +46,10 @@ EXPERT_WEIGHTS = ("experts.gate.weight", "experts.up.weight", "experts.down.weig
 SHARED_WEIGHTS = ("shared.gate.weight", "shared.up.weight", "shared.down.weight")
 MOE_PARAMS = ("router.weight",) + EXPERT_WEIGHTS + SHARED_WEIGHTS
 
-# With a load-balancing loss the mixture needs its sequences whole (the loss is a
-# statistic of each sequence), so it then runs on every token over tp.
+# The load-balancing loss is a statistic of each sequence: its counts are summed over
+# the ranks holding a sequence's tokens (tp x cp), and each rank differentiates its own.
 RULES = {**llama.RULES, "moe": OpRule("tokenwise", params=MOE_PARAMS,
-                                      whole_sequences_when="aux_loss",
+                                      sequence_statistic_when="aux_loss",
                                       expert_parallel=True)}
 OUTPUT_TENSOR = {**llama.OUTPUT_TENSOR, "moe": "stream"}
 
@@ -241,22 +243,6 @@ def ep_divides_the_stage_and_the_experts(m: Model, mesh) -> Finding | None:
     return None
 
 
-def aux_loss_needs_whole_sequences(m: Model, mesh) -> Finding | None:
-    """The load-balancing loss is a statistic of each sequence: its ranks must hold every
-    token of it (their counts are not yet summed over cp, nor over the tp ranks that
-    expert parallelism makes dispatch a 1/tp share each)."""
-    if m.aux_loss and mesh.ep > 1 and mesh.tp > 1:
-        return Finding(f"aux_loss ({m.aux_loss:g}) needs each sequence's tokens on one rank; "
-                       f"with ep ({mesh.ep}) each of the tp ({mesh.tp}) ranks dispatches a "
-                       f"share of them (not supported yet)", ("model.aux_loss", "mesh.ep"),
-                       "set aux_loss = 0, or tp = 1, or ep = 1")
-    if not m.aux_loss or mesh.cp == 1:
-        return None
-    return Finding(f"aux_loss ({m.aux_loss:g}) needs each sequence's tokens on one rank; "
-                   f"cp ({mesh.cp}) splits them (not supported yet)",
-                   ("model.aux_loss", "mesh.cp"), "set aux_loss = 0, or cp = 1")
-
-
 FAMILY = Family(
     name="moe",
     summary="Mixture of experts: llama's attention, top-k routed SwiGLU experts, shared "
@@ -283,7 +269,7 @@ FAMILY = Family(
     model_checks=(llama.kv_heads_divide_heads, llama.head_dim_even, top_k_within_experts,
                   first_dense_within_layers),
     tensor_parallel_checks=(llama.kv_heads_split_over_tp,),
-    mesh_checks=(ep_divides_the_stage_and_the_experts, aux_loss_needs_whole_sequences),
+    mesh_checks=(ep_divides_the_stage_and_the_experts,),
     hf_architecture="MixtralForCausalLM",  # without shared experts or dense blocks
     layer_block=layer_block,
     transient_bytes=dispatch_bytes,

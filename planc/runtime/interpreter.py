@@ -76,9 +76,9 @@ def join_tokens(pieces: list[torch.Tensor], spread: int) -> torch.Tensor:
 
 class _Compute:
     def __init__(self, node: str, instruction: Instruction, ring: Ring | None = None,
-                 peers: Peers | None = None):
+                 peers: Peers | None = None, counts: Peers | None = None):
         operands = instruction.operands
-        self.node, self.spec, self.inputs = node, Spec.of(operands, ring, peers), \
+        self.node, self.spec, self.inputs = node, Spec.of(operands, ring, peers, counts), \
             operands.inputs
         self.gathered = dict(operands.gathered)  # bucket -> the ZeRO-3 gather that filled it
         self.per_microbatch = instruction.per_microbatch
@@ -137,7 +137,9 @@ class Interpreter:
             elif operands.group is not None:  # a mixture of experts: its ep group
                 call = self._call(op, instruction)
                 peers = Peers(call.group, call.members, call.index)
-            self.bound[(op, node)] = _Compute(node, instruction, ring, peers)
+            counts = None if operands.counts_group is None else \
+                self._peers(operands.counts_group)  # its balance loss's counts
+            self.bound[(op, node)] = _Compute(node, instruction, ring, peers, counts)
             if operands.step == "optimizer":
                 bucket = operands.bucket
                 tensor = self.store.shard[bucket] if operands.sharded else \
@@ -148,6 +150,12 @@ class Interpreter:
         handler = self.transfers.table[(op, operands.payload)]
         self.bound[(op, node)] = _Transfer(node, instruction, handler,
                                            self._call(op, instruction))
+
+    def _peers(self, ref: str) -> Peers:
+        """This rank's group of ``ref``, for a kernel that communicates over it itself."""
+        groups, rank = self.ctx.groups, self.ctx.rank
+        members = groups.members.get(ref, (rank,))
+        return Peers(groups.handles.get(ref), members, members.index(rank))
 
     def _call(self, op: str, instruction: Instruction) -> Call:
         groups, ctx, operands = self.ctx.groups, self.ctx, instruction.operands

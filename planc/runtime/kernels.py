@@ -49,7 +49,8 @@ class Saved:
 @dataclass(frozen=True)
 class Peers:
     """A process group a compute step communicates over itself (a mixture of experts'
-    all-to-alls over its ep group): the handle, the members, this rank's index."""
+    all-to-alls over its ep group, its balance loss's counts over the ranks holding each
+    sequence): the handle, the members, this rank's index."""
 
     group: object  # a process group
     members: tuple[int, ...]
@@ -75,13 +76,15 @@ class Spec:
     tokens: tuple[int, int, int] | None = None  # tp_overlap: the piece of tokens it runs
     ring: Ring | None = None  # ring attention: its cp ring (planc.runtime.ring_attention)
     peers: Peers | None = None  # a mixture of experts: its ep group
+    counts: Peers | None = None  # its balance loss: the ranks holding parts of a sequence
 
     @staticmethod
-    def of(operands: Operands, ring: Ring | None = None, peers: Peers | None = None
-           ) -> "Spec":
+    def of(operands: Operands, ring: Ring | None = None, peers: Peers | None = None,
+           counts: Peers | None = None) -> "Spec":
         return Spec(Op(operands.kernel), operands.layer, operands.seq_sharded,
                     operands.replicated, operands.params, dict(operands.param_slices),
-                    operands.bias, operands.vocab_parallel, operands.tokens, ring, peers)
+                    operands.bias, operands.vocab_parallel, operands.tokens, ring, peers,
+                    counts)
 
 
 class Kernels:

@@ -41,19 +41,32 @@ def top_k(probabilities: torch.Tensor, k: int, norm_topk: bool
 
 
 def balance_loss(probabilities: torch.Tensor, chosen: torch.Tensor, sequences: int,
-                 m) -> torch.Tensor:
+                 m, counts_over=None) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise load-balancing loss (DeepSeek-AI 2024, eqs. 17-20),
     summed over ``sequences`` whose tokens ``probabilities`` (n, experts) and ``chosen``
     (n, top_k) hold in order: per sequence of T tokens, ``aux_loss * sum_i f_i P_i`` with
     ``f_i = experts / (top_k T) * (tokens routed to i)`` (no gradient) and ``P_i`` the
-    mean over the tokens of the softmax probability of i (already normalised)."""
+    mean over the tokens of the softmax probability of i (already normalised).
+
+    With ``counts_over`` (kernels.Peers: the ranks holding the other parts of the same
+    sequences, tp x cp) the rows are this rank's part of each sequence: the counts are
+    summed over the group (one all-reduce) and the part's tokens add their probabilities
+    over the whole T. Since f carries no gradient, the group's parts sum to the loss and
+    each differentiates exactly its own tokens' probabilities (Megatron-Core's
+    sequence_load_balancing_loss_func all-reduces its counts over the sequence's
+    partition group the same way)."""
     per_sequence = probabilities.reshape(sequences, -1, m.experts)
-    tokens = per_sequence.shape[1]
-    routed = torch.zeros(sequences, tokens * m.top_k, m.experts, dtype=torch.float32,
+    part = per_sequence.shape[1]
+    routed = torch.zeros(sequences, part * m.top_k, m.experts, dtype=torch.float32,
                          device=probabilities.device)
     routed.scatter_(-1, chosen.reshape(sequences, -1, 1), 1.0)
-    f = routed.sum(1) * (m.experts / (m.top_k * tokens))
-    return m.aux_loss * (f * per_sequence.mean(1)).sum()
+    counts = routed.sum(1)  # integers: exact in fp32, in any order of summation
+    tokens = part
+    if counts_over is not None and counts_over.size > 1:
+        dist.all_reduce(counts, group=counts_over.group)
+        tokens = part * counts_over.size
+    f = counts * (m.experts / (m.top_k * tokens))
+    return m.aux_loss * (f * per_sequence.sum(1)).sum() / tokens
 
 
 class _WithBalanceLoss(torch.autograd.Function):
@@ -83,15 +96,17 @@ def _stacked(weights_of) -> tuple:
 
 
 def _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequences: int,
-                        batch: int, collected: list | None) -> torch.Tensor:
+                        batch: int, collected: list | None, counts_over=None
+                        ) -> torch.Tensor:
     """The shared experts added to the routed ones' ``out``; with ``aux_loss``, the
-    balance loss of the ``sequences`` whole sequences, divided by the batch, joined to
-    the backward, or appended to ``collected`` (the reference, which adds it itself)."""
+    balance loss of the ``sequences`` sequences (whole, or this rank's parts of them with
+    their counts summed over ``counts_over``), divided by the batch, joined to the
+    backward, or appended to ``collected`` (the reference, which adds it itself)."""
     if m.shared_experts:
         out = out + llama.dense_mlp(-1, tokens, {
             f"{w}.weight": weights_of(f"shared.{w}.weight") for w in ("gate", "up", "down")})
     if m.aux_loss:
-        loss = balance_loss(probabilities, experts, sequences, m) / batch
+        loss = balance_loss(probabilities, experts, sequences, m, counts_over) / batch
         if collected is None:
             out = _WithBalanceLoss.apply(out, loss)
         else:
@@ -100,10 +115,10 @@ def _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequ
 
 
 def mixture(tokens: torch.Tensor, weights_of, m, sequences: int = 1, batch: int = 1,
-            collected: list | None = None) -> torch.Tensor:
-    """The mixture's output for ``tokens`` (n, hidden) of ``sequences`` whole sequences
-    of a batch of ``batch``; ``weights_of(name)``: a weight of the block by its name
-    within the block, in the model's dtype (see :func:`_shared_and_balance`)."""
+            collected: list | None = None, counts_over=None) -> torch.Tensor:
+    """The mixture's output for ``tokens`` (n, hidden) of ``sequences`` sequences of a
+    batch of ``batch``; ``weights_of(name)``: a weight of the block by its name within
+    the block, in the model's dtype (see :func:`_shared_and_balance`)."""
     probabilities = probabilities_of(tokens, weights_of("router.weight"))
     experts, weights = top_k(probabilities, m.top_k, m.norm_topk)
     weights = weights.to(tokens.dtype)
@@ -116,7 +131,7 @@ def mixture(tokens: torch.Tensor, weights_of, m, sequences: int = 1, batch: int 
         y = _expert(tokens[rows], stacked, expert)
         out = out.index_add(0, rows, y * weights[rows, slots].unsqueeze(-1))
     return _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequences,
-                               batch, collected)
+                               batch, collected, counts_over)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -148,7 +163,7 @@ def _exchange(values: torch.Tensor, sent: list[int], received: list[int], group
 
 
 def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequences: int,
-                            batch: int) -> torch.Tensor:
+                            batch: int, counts_over=None) -> torch.Tensor:
     """The mixture with its experts spread over ``peers`` (expert parallelism: GShard,
     Lepikhin et al. 2021; Megatron-Core's token dispatcher): rank j of the ep group runs
     experts j E/ep ... (j + 1) E/ep - 1, the rows of the stacked weights it keeps. Each
@@ -179,7 +194,7 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     weighted = back * weights.reshape(-1)[order].to(tokens.dtype).unsqueeze(-1)
     out = torch.zeros_like(tokens).index_add(0, token_of, weighted)
     return _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequences,
-                               batch, None)
+                               batch, None, counts_over)
 
 
 def moe(k, spec, x, p, step, mb, extra):
@@ -187,12 +202,15 @@ def moe(k, spec, x, p, step, mb, extra):
     by_suffix = {name.split(".", 2)[-1]: name for name in spec.params}
     weights_of = lambda name: p(by_suffix[name])  # noqa: E731
     flat = data.reshape(-1, data.shape[-1])
-    # With aux_loss the mixture holds whole sequences (planc.models.moe): the rows.
+    # Each row of the input is one sequence, on every rank of the tp x cp group that
+    # holds parts of it (cp's chunks and tp's share are cut along the tokens): the
+    # balance loss's counts are summed per row over ``spec.counts``.
     if spec.peers is not None and spec.peers.size > 1:
         out = expert_parallel_mixture(flat, weights_of, k.ctx.model, spec.peers,
-                                      data.shape[0], k.ctx.model.batch)
+                                      data.shape[0], k.ctx.model.batch, spec.counts)
     else:
-        out = mixture(flat, weights_of, k.ctx.model, data.shape[0], k.ctx.model.batch)
+        out = mixture(flat, weights_of, k.ctx.model, data.shape[0], k.ctx.model.batch,
+                      counts_over=spec.counts)
     return out.reshape(data.shape)
 
 
