@@ -320,43 +320,6 @@ def test_with_a_balance_loss_the_mixture_runs_on_its_tp_share():
         assert [c.input for c in choices("moe", plan, S("seq"))] == inputs
 
 
-@pytest.mark.parametrize("mesh, shard, over", [
-    ("cp = 2", "cp { attention = ring }", 2),
-    ("cp = 2", "cp { attention = allgather }", 2),
-    ("tp = 2; cp = 2", "tp { sequence_parallel = on }", 4),
-    ("tp = 2; dp = 2; ep = 2", "tp { sequence_parallel = off }", 2),
-    ("dp = 2", "", None),
-])
-def test_a_balance_loss_sums_its_counts_over_the_ranks_of_each_sequence(mesh, shard, over):
-    """Every plan with aux_loss compiles (the refusals of cp and of ep with tp are gone):
-    the mixture's instruction names the sequence group (tp x cp), whose members hold the
-    same sequences' other tokens, and the bytes of a microbatch's counts (fp32 sequences x
-    experts); on every step of the mixture alike (only the forward runs it)."""
-    from planc.compile import compile_plan
-    from planc.lower.groups import SEQUENCE
-
-    plan = load_text(plan_text(extra="; aux_loss = 0.01", mesh=mesh, shard=shard, m=2,
-                               batch=8)).plan
-    build = compile_plan(plan)
-    steps = [i.operands for p in build.programs.values()
-             for part in (p.prologue, *p.blocks.values(), p.epilogue) for i in part
-             if i.op == "compute" and i.operands.kernel == "moe"]
-    assert "forward" in {o.step for o in steps}
-    counts = 4 * plan.microbatch_size * 4  # fp32, the microbatch's sequences x 4 experts
-    assert {(o.counts_group, o.counts_bytes) for o in steps} == (
-        {(None, None)} if over is None else {(SEQUENCE, counts)})
-    rule = build.groups.rule(SEQUENCE)
-    if over is None:
-        assert rule is None
-        return
-    assert rule.axes == ("tp", "cp")
-    groups = list(build.groups.groups(rule))
-    assert all(len(g) == over for g in groups) and \
-        sorted(r for g in groups for r in g) == list(range(plan.world))
-    coords = build.groups.ranks.coords
-    assert all(len({(coords(r)["dp"], coords(r)["pp"]) for r in g}) == 1 for g in groups)
-
-
 # --- against transformers' Mixtral ----------------------------------------------------------
 
 LR = 1000.0

@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 PORTS = ("x", "skip", "kv", "max", "sum_exp", "grad")
 # Which step of a compute node's life an instruction runs (docs/programs.md, operands).
 STEPS = ("forward", "recompute", "backward", "weight", "optimizer")
+FORWARD_STEPS = STEPS[:2]  # the steps that run an operator's forward (and its collectives)
 PAYLOADS = ("activation", "loss_stat", "loss", "kv", "dkv", "stream", "grad", "param")
 REDUCE_OPS = ("sum", "max")
 DIRECTIONS = ("forward", "backward")

@@ -11,8 +11,10 @@ The invariants of docs/semantics.md, section 5:
 5. every tree or hierarchical route runs a recipe that computes exactly the collective
    it replaces, without deadlock (:mod:`planc.lower.verify_routes`);
 6. ring attention's cp ring steps are deadlock-free and meet every block
-   (:mod:`planc.lower.verify_ring`), and a mixture of experts' all-to-alls over its ep
-   group match (:mod:`planc.lower.verify_experts`);
+   (:mod:`planc.lower.verify_ring`), a mixture of experts' all-to-alls over its ep
+   group match (:mod:`planc.lower.verify_experts`), and a mixture's balance-loss counts
+   are summed over the ranks of each sequence once per token, in one order
+   (:mod:`planc.lower.verify_counts`);
 7. where a collective spans stages (the tied embedding's), the whole step, stream by
    stream, runs to its end (:mod:`planc.lower.verify_progress`).
 
@@ -33,9 +35,10 @@ import networkx as nx
 from planc.graph.ir import Axis, bucket_problems
 from planc.layout import Layout as RankLayout
 from planc.lower.bind import operands_of
-from planc.lower.groups import GroupTable
+from planc.lower.groups import SEQUENCE, GroupTable
 from planc.lower.program import COLLECTIVES, Program, RankTable
 from planc.lower.routes import RouteTable, routed_nodes
+from planc.lower.verify_counts import CountsChecks, sums_counts
 from planc.lower.verify_experts import ExpertChecks, is_expert_exchange
 from planc.lower.verify_pipeline import PipelineChecks
 from planc.lower.verify_progress import ProgressChecks
@@ -47,7 +50,8 @@ from planc.mesh import PIPELINE_AXIS
 from planc.plan import Plan
 
 
-class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, ProgressChecks):
+class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsChecks,
+                ProgressChecks):
     def __init__(self, plan: Plan, graph: nx.DiGraph, programs: dict[str, Program],
                  table: RankTable, groups: GroupTable | None = None,
                  routes: RouteTable | None = None):
@@ -162,7 +166,9 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, Progress
         if not self.uniform:  # some ranks run a program of their own: compare their groups
             for rank in sorted(table.overrides):
                 for axis in [a.value for a in Axis if a.within_stage and a != Axis.STAGE] + \
-                        (["ep"] if self.plan.mesh.ep > 1 else []):
+                        (["ep"] if self.plan.mesh.ep > 1 else []) + \
+                        ([SEQUENCE] if self.groups is not None and
+                         self.groups.rule(SEQUENCE) is not None else []):
                     self._compare_members(axis, self.layout.group(rank, axis))
         if self.plan.model.tie_embeddings and self.plan.head_stage != 0:
             last = self.plan.head_stage
@@ -183,7 +189,8 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, Progress
             return [i for i in instructions if i.op in COLLECTIVES and i.node in self.graph
                     and self.graph.nodes[i.node].get("axis") == axis
                     or axis == Axis.CP.value and is_ring(i)
-                    or axis == "ep" and is_expert_exchange(i)]
+                    or axis == "ep" and is_expert_exchange(i)
+                    or axis == SEQUENCE and sums_counts(i)]
 
         per_block = {block: on_axis(items) for block, items in program.blocks.items()}
         out = [(i.op, i.node, None) for i in on_axis(program.prologue)]
@@ -231,6 +238,7 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, Progress
                 self.buckets(name, program)
                 self.ring(name, program)
                 self.experts(name, program)
+                self.counts(name, program)
         self.collective_order()
         self.pipeline()
         if not self.report.problems:  # matched and ordered: now the streams together

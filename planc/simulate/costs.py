@@ -23,6 +23,9 @@ table alone (not graph.json): the one model the compiler optimises with (planc.c
   dK/dV shift share the link (:func:`ring_seconds`).
 - A mixture of experts over an ep group adds its dispatch and combine, each an
   all-to-all of ``bytes`` (its (token, expert) rows at uniform routing) over the group.
+- A mixture whose balance loss spans the ranks of a sequence adds, to its forward and
+  recomputed forward, the all-reduce of its counts (``counts_bytes``) over
+  ``counts_group``, in series (the loss needs the sum before it can be formed).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Callable
 from planc.cost import CostModel, Placement
 from planc.graph.ir import Kind
 from planc.lower.groups import PIPELINE, GroupTable
-from planc.lower.operands import Operands
+from planc.lower.operands import FORWARD_STEPS, Operands
 from planc.lower.program import Instruction
 from planc.plan import Plan
 from planc.kernel_cost import KernelModel
@@ -135,6 +138,11 @@ class InstructionCosts:
                 seconds += EXPERT_ALL_TO_ALLS * self.cost.transfer_seconds(
                     Kind.ALL_TO_ALL.value, operands.bytes, self._size(operands.group),
                     self._crosses(operands.group))
+            # a balance loss's counts, in a forward: their backward sends nothing
+            if operands.counts_group is not None and operands.step in FORWARD_STEPS:
+                seconds += self.cost.transfer_seconds(
+                    Kind.ALL_REDUCE.value, operands.counts_bytes,
+                    self._size(operands.counts_group), self._crosses(operands.counts_group))
             return seconds
         kind = instruction.op
         ref, route = operands.group or PIPELINE, operands.route  # group_of, inlined

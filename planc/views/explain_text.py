@@ -238,6 +238,8 @@ def explain(plan: Plan, graph: nx.DiGraph, layer: int | None = None, param: str 
             sections.append((f"layer {layer} (stage {stage})" + (f": {note}" if note else ""),
                              pick(lambda d: of_layer(d, layer)), None))
             experts = expert_lines(plan, graph, layer)
+            counts = counts_lines(plan, graph, layer)
+            experts += [""] + counts if experts and counts else counts
         if not (param or (layer is not None and note == "")):
             sections.append(("outside the layers: embedding, head, loss and pipeline",
                              pick(lambda d: of_layer(d, None)), None))
@@ -295,6 +297,38 @@ def expert_lines(plan: Plan, graph: nx.DiGraph, layer: int) -> list[str]:
         f"weighted by its routing probability. The counts are exchanged first, an all-to-all "
         f"of {ep} integers, since they change with every step", width=96,
         initial_indent="     ", subsequent_indent="     ", break_on_hyphens=False))
+    return lines
+
+
+def counts_lines(plan: Plan, graph: nx.DiGraph, layer: int) -> list[str]:
+    """A mixture whose balance loss spans the ranks of a sequence: the all-reduce of its
+    per-(sequence, expert) counts that its instruction runs over the sequence group, what
+    it moves, and why it exists."""
+    from planc.lower.groups import SEQUENCE, plan_group_table
+
+    node = f"F/L{layer}/moe"
+    data = graph.nodes[node] if node in graph else {}
+    if not data.get("counts_over"):
+        return []
+    table = plan_group_table(plan)
+    members = table.members(table.ranks.rank({"pp": data["stage"]}), table.rule(SEQUENCE))
+    parts = " x ".join(f"{axis} ({size})" for axis, size in
+                       (("tp", data["counts_over"] // plan.mesh.cp), ("cp", plan.mesh.cp))
+                       if size > 1)
+    lines = [f"layer {layer}: the balance loss's count all-reduce over {SEQUENCE} "
+             f"({data['counts_over']} ranks: {list(members)}), inside the mixture's "
+             f"instruction",
+             f"  F  all_reduce over {SEQUENCE}  {format_bytes(data['counts_bytes'])} per "
+             f"microbatch  [the tokens each expert got in each sequence: fp32, sequences "
+             f"x experts]"]
+    lines.extend(textwrap.wrap(
+        f"aux_loss (DeepSeek-V3's sequence-wise balance loss) weighs each expert's mean "
+        f"probability over a sequence by the share of the sequence's tokens routed to it; "
+        f"{parts} split each sequence's tokens over these ranks, so they sum their counts "
+        f"(the counts carry no gradient: the backward moves nothing for them, a recomputed "
+        f"forward sums them again) and each adds its own tokens' part of the loss",
+        width=96, initial_indent="     ", subsequent_indent="     ",
+        break_on_hyphens=False))
     return lines
 
 
