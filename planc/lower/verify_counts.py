@@ -22,10 +22,11 @@ loss (planc.runtime.families.moe.balance_loss) when
 
 from __future__ import annotations
 
-from planc.lower.groups import SEQUENCE, SEQUENCE_AXES
+from planc.lower.groups import SEQUENCE
 from planc.lower.operands import FORWARD_STEPS
 from planc.lower.program import Instruction, Program
 from planc.lower.verify_report import describe
+from planc.mesh import GROUPS
 
 
 def sums_counts(instruction: Instruction) -> bool:
@@ -52,7 +53,7 @@ class CountsChecks:
         for instruction in summing:
             operands = instruction.operands
             if operands.counts_group != SEQUENCE or rule is None or \
-                    rule.axes != SEQUENCE_AXES or rule.fold or rule.coordinates:
+                    rule.axes != GROUPS[SEQUENCE].axes or rule.fold or rule.coordinates:
                 self.report.add(
                     f"program {name}: {describe(instruction)} sums its balance loss's counts "
                     f"over group {operands.counts_group}; they are summed over the ranks "
