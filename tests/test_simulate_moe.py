@@ -16,6 +16,12 @@ Published figures, each with its source and what it states:
   TFLOP/s per GPU for five layouts; three are here. Their TFLOP/s count causal attention
   as half (200 TFLOP/s x 256 GPUs x 24.2 s is 148 GFLOP per token, which is Qwen3's count
   with half the scores), so the comparison is on tokens per second.
+- NeMo AutoModel's performance summary (github.com/NVIDIA-NeMo/Automodel at 01926a5,
+  docs/performance-summary.md, DGX-H100, bf16, updated 2025-10-02): step times and
+  tokens per second per GPU with a "fake balanced gate ... to simulate ideal expert
+  routing", which is planc's uniform routing; Qwen3-30B-A3B on 8 GPUs and DeepSeek-V3 on
+  256 and 1,024 (FSDP with ep; GPT-OSS and Kimi K2, which the moe family cannot write,
+  are left out).
 - DeepSeek-V3's report (arXiv 2412.19437, abstract and section 1): 180K H800 GPU hours
   per trillion tokens, on 2,048 H800s.
 """
@@ -82,16 +88,24 @@ MCORE = ("[MCore v0.8 MoE README](https://github.com/NVIDIA/Megatron-LM/blob/"
 MODELZOO = ("[Megatron-MoE-ModelZoo](https://github.com/yanring/Megatron-MoE-ModelZoo/blob/"
             "c1ad0b5c89f425d60febddc38e7f741a16f08bd1/"
             "best_practice/Qwen3/readme.md)")
+AUTOMODEL = ("[NeMo AutoModel](https://github.com/NVIDIA-NeMo/Automodel/blob/"
+             "01926a5c443b7979463c73341bf64adf79de638e/docs/performance-summary.md)")
 DEEPSEEK = "[DeepSeek-V3 report](https://arxiv.org/abs/2412.19437)"
 MOE_PUBLISHED = (
     Published("mcore-mixtral-8x7b", "Mixtral 8x7B, all-to-all", MCORE,
               "438 TFLOP/s per GPU", tflops=438),
+    Published("automodel-qwen3-30b-a3b", "Qwen3-30B-A3B, balanced, FSDP", AUTOMODEL,
+              "21.773 s, 277 TFLOP/s per GPU", step_seconds=21.773, tflops=277),
     Published("modelzoo-qwen3-235b-a2a", "Qwen3-235B-A22B, all-to-all", MODELZOO,
               "24.2 s, 200 TFLOP/s per GPU", step_seconds=24.2, tflops=200),
     Published("modelzoo-qwen3-235b-ep32", "Qwen3-235B-A22B, DeepEP, ep over 4 nodes",
               MODELZOO, "19.7 s, 245 TFLOP/s per GPU", step_seconds=19.7, tflops=245),
     Published("modelzoo-qwen3-235b-tp4", "Qwen3-235B-A22B, DeepEP, tp 4", MODELZOO,
               "29.0 s, 167 TFLOP/s per GPU", step_seconds=29.0, tflops=167),
+    Published("automodel-deepseek-v3-256", "DeepSeek-V3, balanced, FSDP", AUTOMODEL,
+              "8.18 s, 250 TFLOP/s per GPU", step_seconds=8.18, tflops=250),
+    Published("automodel-deepseek-v3-1024", "DeepSeek-V3, balanced, FSDP", AUTOMODEL,
+              "37.87 s, 216 TFLOP/s per GPU", step_seconds=37.87, tflops=216),
     Published("deepseek-v3-h800", "DeepSeek-V3 (FP8, H800)", DEEPSEEK,
               "180K GPU hours per 1T tokens", gpu_hours_per_trillion=180e3),
 )
@@ -115,19 +129,21 @@ def moe_rows(simulated) -> list[dict]:
         data = simulated(path)
         tokens = plan.model.batch * plan.model.seq / data["step_seconds"] / plan.world
         expected = published.tokens_per_gpu(plan)
-        ep = max(s["exposed_seconds"].get("ep", 0.0) for s in data["stages"])
+        ep, dp = (max(s["exposed_seconds"].get(axis, 0.0) for s in data["stages"])
+                  for axis in ("ep", "dp_cp"))
         rows.append({"plan": published.plan, "run": published.run, "gpus": plan.world,
                      "layout": layout(plan), "source": published.source,
                      "figure": published.figure, "published": expected,
                      "simulated": tokens, "error": tokens / expected - 1,
                      "mfu": data["mfu"], "ep": ep / data["step_seconds"],
+                     "dp": dp / data["step_seconds"],
                      "step": data["step_seconds"]})
     return rows
 
 
 HEADER = ("| run (plans/moe-published/) | GPUs | layout | published | tokens/s per GPU: "
-          "published | simulated | error | simulated step | MFU (planc's count) | ep "
-          "all-to-alls |")
+          "published | simulated | error | simulated step | MFU (planc's count) | exposed "
+          "ep, dp (worst stage) |")
 
 
 def moe_table(rows: list[dict]) -> list[str]:
@@ -136,7 +152,7 @@ def moe_table(rows: list[dict]) -> list[str]:
         lines.append(f"| {r['run']} (`{r['plan']}`) | {r['gpus']:,} | {r['layout']} | "
                      f"{r['figure']}, {r['source']} | {r['published']:,.0f} | "
                      f"{r['simulated']:,.0f} | {r['error']:+.1%} | {r['step']:.1f} s | "
-                     f"{r['mfu']:.1%} | {r['ep']:.0%} of the step |")
+                     f"{r['mfu']:.1%} | {r['ep']:.0%}, {r['dp']:.0%} |")
     return lines
 
 
