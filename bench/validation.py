@@ -1,9 +1,13 @@
 """The validation tables of docs/simulate.md, from real runs of ``planc simulate --json``:
 Korthikanti et al. 2022 Table 5 (A100), the Megatron-LM README's H100 weak-scaling table,
 Narayanan et al. 2021 Table 1 (A100, held out) and Llama 3 405B (Dubey et al. 2024,
-Table 4). Prints the Markdown tables with each row's error and the median and largest.
+Table 4), and the mixtures of experts of plans/moe-published/ against their published
+throughput (tests/test_simulate_moe.py lists the sources). Prints the Markdown tables with
+each row's error and the median and largest; ``--write`` puts the moe table into
+docs/simulate.md, where tests/test_simulate_moe.py checks it.
 
-    .venv/bin/python bench/validation.py [--only korthikanti|h100|narayanan|llama3]
+    .venv/bin/python bench/validation.py [--only korthikanti|h100|narayanan|llama3|moe]
+    .venv/bin/python bench/validation.py --only moe --write
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from planc.lang import load_file  # noqa: E402
 from tests.test_simulate import (KORTHIKANTI_TABLE_5, MEGATRON_H100,  # noqa: E402
                                  NARAYANAN_TABLE_1, SEQUENCE_SELECTIVE,
                                  narayanan_step_flops)
+from tests.test_simulate_moe import BEGIN, DOC, END, moe_rows, moe_table  # noqa: E402
 
 SIZES = {"1_7b": "1.7B", "3_6b": "3.6B", "7_5b": "7.5B", "7_1b": "7.1B", "16b": "16B",
          "18b": "18B", "22b": "22B", "32b": "32B", "39b": "39B", "70b": "70B", "76b": "76B",
@@ -95,17 +100,34 @@ def llama3() -> None:
           f"error {data['tflops_per_gpu'] / 400 - 1:+.1%}")
 
 
-TABLES = {"korthikanti": korthikanti, "h100": h100, "narayanan": narayanan, "llama3": llama3}
+def moe(write: bool = False) -> None:
+    rows = moe_rows(simulated)
+    table = "\n".join(moe_table(rows))
+    print(table)
+    print("\n" + summary([r["error"] for r in rows]))
+    if write:
+        text = DOC.read_text()
+        head, rest = text.split(BEGIN, 1)
+        DOC.write_text(f"{head}{BEGIN}\n{table}\n{END}{rest.split(END, 1)[1]}")
+        print(f"wrote the table into {DOC.relative_to(ROOT)}")
+
+
+TABLES = {"korthikanti": korthikanti, "h100": h100, "narayanan": narayanan, "llama3": llama3,
+          "moe": moe}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", choices=sorted(TABLES))
+    parser.add_argument("--write", action="store_true",
+                        help="with --only moe: put the table into docs/simulate.md")
     args = parser.parse_args()
+    if args.write and args.only != "moe":
+        parser.error("--write needs --only moe")
     for name, table in TABLES.items():
         if args.only in (None, name):
             print(f"## {name}\n")
-            table()
+            table(args.write) if name == "moe" else table()
             print()
     return 0
 

@@ -216,6 +216,25 @@ class CostModel:
                       f"{placement.nodes} nodes")
         return [ring, tree, hierarchical]
 
+    def all_to_all_seconds(self, nbytes: float, placement: Placement) -> float:
+        """An all-to-all in which each rank sends ``nbytes`` in all, ``nbytes / n`` to
+        every member (itself included), as NCCL runs it: a send and a receive to every
+        peer at once (grouped point-to-point), not a ring. A rank's bytes for peers on its
+        node cross NVLink, those for other nodes its own NIC (one per GPU), at the same
+        time: the slower of the two parts, on the rank that sends the most over it (the
+        node with the most members for NVLink, the fewest for the NIC). Each part pays
+        its link's latency once, as the sends are in flight together."""
+        n = placement.size
+        if n <= 1:
+            return 0.0
+        parts = []
+        for link, peers in ((self.topology.intra, placement.most_per_node - 1),
+                            (self.topology.inter, n - placement.fewest_per_node)):
+            if peers > 0:
+                bandwidth, call = self._collective(link, Kind.ALL_TO_ALL.value)
+                parts.append(call + link.latency + peers / n * nbytes / bandwidth)
+        return max(parts)
+
     def transfer_seconds(self, kind: str, nbytes: float, group_size: int,
                          crosses_nodes: bool) -> float:
         """Ring time of a transfer on a group of ``group_size`` whose placement is known

@@ -34,6 +34,18 @@ forward at ``attention_forward`` FLOP/s, the backward (2.5 times the forward's F
 FlashAttention's count) at ``attention_backward``, both counting the FLOPs a causal mask
 leaves (half of the instruction's, which counts every key).
 
+**A mixture of experts** (the ``moe`` operator) is priced by its kernels at the expected
+(uniform) routing, as Megatron-Core's grouped-GEMM MoE layer runs them: the router's
+GEMM (tokens x experts, inner ``hidden``); the experts' gate-and-up and down GEMMs as one
+grouped GEMM each over the rank's ``experts / ep`` experts, each expert getting ``ep x
+tokens x top_k / experts`` rows (the tiles of every expert fill the waves together, as a
+grouped kernel schedules them; a backward runs the input- and the weight-gradient
+grouped GEMMs, whose inner dimension is an expert's rows); the shared experts as one
+dense SwiGLU on the tokens; and the memory traffic of what lies between them: the
+router's fp32 probabilities, the permutation of the tokens into the dispatch buffer
+and back (with the weighted sum), the SwiGLU activation on every row; a launch per
+kernel. The all-to-alls are the simulator's (:mod:`planc.simulate.costs`).
+
 **Every other operator** (norms, activations, residual adds, the loss, the optimizer) is
 bound by its memory traffic, as in the roofline, plus its launch; a backward moves three
 tensors of its output's size (the forward's input and the output's gradient read, the
@@ -70,10 +82,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import ceil
+from types import SimpleNamespace
 
 from planc.graph.model import Shapes
 from planc.lower.operands import Operands
-from planc.models import family_of
+from planc.models import family_of, moe
 from planc.plan import Plan
 
 # The typical cuBLAS tiles of the NVIDIA guide (rows x columns of the output).
@@ -84,7 +97,10 @@ GEMM_INPUT = {"qkv": "stream", "proj": "stream", "fc1": "stream", "fc2": "ffn",
 SPLIT_N = ("column", "vocab")  # tensor-parallel layouts that split a GEMM's output features
 ATTENTION = "attention"
 MIXTURE = "moe"
-MIXTURE_GEMMS = 5  # the router, the gate, up and down grouped GEMMs, the shared SwiGLU
+# A mixture's kernels besides its GEMMs, forward: the router's softmax and top-k, the
+# permutation into the dispatch buffer, the activation, the unpermutation with its
+# weighted sum; the backward runs the gradient of each.
+MIXTURE_PASSES = 5
 CAUSAL = 0.5  # the share of an attention's FLOPs (every key counted) a causal mask leaves
 FLASH_BACKWARD = 2.5  # FlashAttention counts a backward as 2.5 forwards
 OPTIMIZER = "optimizer"
@@ -121,14 +137,38 @@ GPUS = {
 }
 
 
-def wave_efficiency(m: int, n: int, sms: int) -> float:
-    """The useful share of the waves of output tiles, for the best typical tile."""
+def wave_efficiency(m: int, n: int, sms: int, groups: int = 1) -> float:
+    """The useful share of the waves of output tiles, for the best typical tile; a
+    grouped GEMM's ``groups`` GEMMs of one shape fill the waves together."""
     best = 0.0
     for rows, columns in TILES:
-        tiles = ceil(m / rows) * ceil(n / columns)
+        tiles = groups * ceil(m / rows) * ceil(n / columns)
         waves = ceil(tiles / sms)
-        best = max(best, m * n / (waves * sms * rows * columns))
+        best = max(best, groups * m * n / (waves * sms * rows * columns))
     return best
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """What pricing a plan's mixture of experts needs: its widths, the experts on one
+    rank of the ep group, and its forward FLOPs per token (planc.models.moe)."""
+
+    hidden: int
+    expert_ffn: int
+    experts: int
+    top_k: int
+    shared: int
+    local: int  # experts / ep
+    flops_per_token: float
+
+    @staticmethod
+    def of(plan: Plan) -> "Mixture | None":
+        m = plan.model
+        if family_of(plan) is not moe.FAMILY:
+            return None
+        one = SimpleNamespace(model=m, batch=1, seq=1, hidden=m.hidden)  # one token
+        return Mixture(m.hidden, m.expert_ffn, m.experts, m.top_k, m.shared_experts,
+                       m.experts // plan.mesh.ep, moe.forward_flops("moe", one))
 
 
 class KernelModel:
@@ -153,6 +193,7 @@ class KernelModel:
             self.features[op] = (max(n, 1), max(k, 1))
         # Unfused attention: per head, scores = Q K^T (s x s_full, inner head_dim), then
         # scores V (s x head_dim, inner s_full); heads of all microbatch rows stacked.
+        self.mixture = Mixture.of(plan)
         self.head_dim = shapes.hidden // shapes.heads
         self.seq_full = shapes.seq_full
         self.score_rows = shapes.batch * shapes.seq * max(shapes.heads // tp, 1)
@@ -169,6 +210,54 @@ class KernelModel:
             k / (k + gpu.k_overhead)
         traffic = self.dtype_bytes * (m * k + k * n + m * n) / self.bandwidth
         return max(2.0 * m * n * k / rate, traffic) + gpu.launch
+
+    def grouped_gemm_seconds(self, groups: int, m: float, n: int, k: float) -> float:
+        """One grouped GEMM: ``groups`` GEMMs of ``m x k`` by ``k x n`` in one launch,
+        whose output tiles fill the SMs' waves together."""
+        gpu, rows = self.gpu, ceil(m)
+        waves = wave_efficiency(rows, n, gpu.sms, groups)
+        rate = self.peak * gpu.large * waves * k / (k + gpu.k_overhead)
+        traffic = self.dtype_bytes * groups * (m * k + k * n + m * n) / self.bandwidth
+        return max(2.0 * groups * m * n * k / rate, traffic) + gpu.launch
+
+    def mixture_seconds(self, step: str | None, flops: float) -> float:
+        """A mixture's ``step`` (forward, recompute or backward) of ``flops``."""
+        x = self.mixture
+        backward = step == "backward"
+        tokens = flops / (2.0 if backward else 1.0) / x.flops_per_token
+        rows = tokens * x.top_k  # received at uniform routing, over the local experts
+        per_expert = rows / x.local
+        h, e, shared = x.hidden, x.expert_ffn, x.shared * x.expert_ffn
+        if backward:  # input gradients (inner: the outputs), then weight gradients
+            seconds = (self.grouped_gemm_seconds(x.local, per_expert, h, 2 * e)
+                       + self.grouped_gemm_seconds(x.local, per_expert, e, h)
+                       + self.grouped_gemm_seconds(x.local, h, 2 * e, per_expert)
+                       + self.grouped_gemm_seconds(x.local, e, h, per_expert)
+                       + self.gemm_seconds(tokens, h, x.experts)
+                       + self.gemm_seconds(h, x.experts, tokens))
+            if shared:
+                seconds += (self.gemm_seconds(tokens, h, 2 * shared)
+                            + self.gemm_seconds(tokens, shared, h)
+                            + self.gemm_seconds(h, 2 * shared, tokens)
+                            + self.gemm_seconds(shared, h, tokens))
+        else:
+            seconds = (self.gemm_seconds(tokens, x.experts, h)
+                       + self.grouped_gemm_seconds(x.local, per_expert, 2 * e, h)
+                       + self.grouped_gemm_seconds(x.local, per_expert, h, e))
+            if shared:
+                seconds += (self.gemm_seconds(tokens, 2 * shared, h)
+                            + self.gemm_seconds(tokens, h, shared))
+        # Between the GEMMs: the router's probabilities (fp32) written and read; the
+        # tokens gathered into the dispatch buffer (read and written) and scattered back
+        # with the weighted sum (the rows read, the tokens written); the activation
+        # reading gate and up and writing their product. A backward moves each twice
+        # (the forward's saved input and the gradient read, a gradient written).
+        elements = rows * 2 * h + rows * h + tokens * h + rows * 3 * e + \
+            shared * 3 * tokens
+        moved = elements * self.dtype_bytes + 2 * 4.0 * tokens * x.experts
+        passes = MIXTURE_PASSES * (2 if backward else 1)
+        return seconds + (2.0 if backward else 1.0) * moved / self.bandwidth + \
+            passes * self.gpu.launch
 
     def linear_seconds(self, op: str, step: str | None, flops: float,
                        split: bool = False) -> float:
@@ -209,13 +298,8 @@ class KernelModel:
         if kernel in self.features:
             return self.linear_seconds(kernel, operands.step, flops,
                                        operands.weight_step is not None)
-        if kernel == MIXTURE:
-            # A mixture of experts: its router and experts' GEMMs, each as one grouped
-            # GEMM at the large-GEMM rate (MegaBlocks' grouped GEMMs reach cuBLAS's on
-            # well-filled experts), with a launch per GEMM of the forward or backward.
-            passes = 2.0 if operands.step == "backward" else 1.0
-            return flops / (self.peak * self.gpu.large) + \
-                passes * MIXTURE_GEMMS * self.gpu.launch
+        if kernel == MIXTURE and self.mixture is not None:
+            return self.mixture_seconds(operands.step, flops)
         if kernel == ATTENTION and not self.gpu.flash:
             return self.unfused_attention(operands.step == "backward")
         if kernel == ATTENTION:

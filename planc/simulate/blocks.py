@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from planc.lower.operands import Operands
 from planc.lower.program import Instruction
 from planc.names import Stream
-from planc.simulate.costs import axis_of
+from planc.simulate.costs import axis_of, group_of
 
 COMPUTE = Stream.COMPUTE
 
@@ -54,7 +54,11 @@ def replay(instructions: tuple[Instruction, ...] | list[Instruction], duration,
            keep_spans: bool = False) -> BlockTime:
     """``duration(instruction)``: seconds of a compute or transfer instruction. A compute
     stream's wait for a transfer is charged, as exposed communication, to the axis of the
-    transfer its event marks the end of (the stream's instruction before the record)."""
+    transfer its event marks the end of (the stream's instruction before the record).
+    When ``duration`` also prices the all-to-alls inside a compute instruction
+    (:class:`planc.simulate.costs.StageCosts`'s ``exchange``: a mixture of experts'), that
+    part of it is charged to the axis of its group, not to computing."""
+    exchange = getattr(duration, "exchange", None)
     clock: dict[str, float] = {}
     latest: dict[str, Instruction] = {}  # stream -> the last instruction it ran
     events: dict[str, tuple[float, Instruction | None]] = {}  # -> (when, what it marks)
@@ -85,7 +89,11 @@ def replay(instructions: tuple[Instruction, ...] | list[Instruction], duration,
         clock[stream] = end
         latest[stream] = item
         if stream == COMPUTE and item.op == "compute":
-            out.compute_busy += seconds
+            waiting = exchange(item) if exchange is not None else 0.0
+            if waiting:
+                axis = group_of(item.operands).partition("/")[0]
+                out.exposed[axis] = out.exposed.get(axis, 0.0) + waiting
+            out.compute_busy += seconds - waiting
         if item.op == "send":
             out.sends = max(out.sends or 0.0, end)
         if keep_spans:

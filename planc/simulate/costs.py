@@ -22,15 +22,16 @@ table alone (not graph.json): the one model the compiler optimises with (planc.c
   receive run together); in the backward a step's K/V shift and the previous block's
   dK/dV shift share the link (:func:`ring_seconds`).
 - A mixture of experts over an ep group adds its dispatch and combine, each an
-  all-to-all of ``bytes`` (its (token, expert) rows at uniform routing) over the group.
+  all-to-all of ``bytes`` (its (token, expert) rows at uniform routing) over the group,
+  priced on where the group's members sit (:meth:`planc.cost.CostModel.all_to_all_seconds`:
+  NVLink to peers on the node, the rank's NIC to the others, at once); the replay charges
+  that part of the instruction to the ep axis as exposed communication, not to compute.
 - A mixture whose balance loss spans the ranks of a sequence adds, to its forward and
   recomputed forward, the all-reduce of its counts (``counts_bytes``) over
   ``counts_group``, in series (the loss needs the sum before it can be formed).
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 from planc.cost import CostModel, Placement
 from planc.graph.ir import Kind
@@ -82,6 +83,26 @@ def ring_seconds(compute: float, shift: float, steps: int, backward: bool) -> fl
     return total
 
 
+class StageCosts:
+    """The seconds of each instruction of one stage's program (a callable, for the
+    replay), and of the all-to-alls a mixture of experts runs inside its compute
+    instruction (:meth:`exchange`), which the replay reports as the ep axis's."""
+
+    def __init__(self, costs: "InstructionCosts", stage: int):
+        self.costs, self.stage = costs, stage
+        self.known = costs.seconds
+
+    def __call__(self, instruction: Instruction) -> float:
+        value = self.known.get(instruction.node)
+        if value is None:
+            value = self.known[instruction.node] = self.costs._priced(instruction, self.stage)
+        return value
+
+    def exchange(self, instruction: Instruction) -> float:
+        self(instruction)  # prices it, and its all-to-alls with it
+        return self.costs.exchanges.get(instruction.node, 0.0)
+
+
 class InstructionCosts:
     """Seconds of each compute and transfer instruction of one build, found once per
     node: ``costs(instruction, stage)``."""
@@ -94,6 +115,7 @@ class InstructionCosts:
         self.kernels = KernelModel.of(plan)  # None: the one-efficiency roofline
         self.groups = groups
         self.seconds: dict[str, float] = {}  # by node
+        self.exchanges: dict[str, float] = {}  # a mixture's all-to-alls, by node
         self.transfers: dict[tuple, float] = {}  # by what a transfer's time depends on
         self.sizes: dict[str, int] = {}
         self.crossing: dict[str, bool] = {}
@@ -104,17 +126,10 @@ class InstructionCosts:
             seconds = self.seconds[instruction.node] = self._priced(instruction, stage)
         return seconds
 
-    def of_stage(self, stage: int) -> Callable[[Instruction], float]:
+    def of_stage(self, stage: int) -> StageCosts:
         """``self(instruction, stage)`` for the instructions of one stage's program, as
         one call: the replay asks it for every instruction it runs."""
-        known, priced = self.seconds, self._priced
-
-        def seconds(instruction: Instruction) -> float:
-            value = known.get(instruction.node)
-            if value is None:
-                value = known[instruction.node] = priced(instruction, stage)
-            return value
-        return seconds
+        return StageCosts(self, stage)
 
     def _priced(self, instruction: Instruction, stage: int) -> float:
         operands = instruction.operands
@@ -135,9 +150,10 @@ class InstructionCosts:
                 seconds = ring_seconds(seconds, shift, operands.ring_steps,
                                        operands.step == "backward")
             elif operands.group is not None:  # a mixture of experts over its ep group
-                seconds += EXPERT_ALL_TO_ALLS * self.cost.transfer_seconds(
-                    Kind.ALL_TO_ALL.value, operands.bytes, self._size(operands.group),
-                    self._crosses(operands.group))
+                exchange = EXPERT_ALL_TO_ALLS * self.expert_all_to_all(
+                    operands.group, operands.bytes or 0, stage)
+                self.exchanges[instruction.node] = exchange
+                seconds += exchange
             # a balance loss's counts, in a forward: their backward sends nothing
             if operands.counts_group is not None and operands.step in FORWARD_STEPS:
                 seconds += self.cost.transfer_seconds(
@@ -161,6 +177,14 @@ class InstructionCosts:
                                                  self._crosses(ref))
         self.transfers[key] = seconds
         return seconds
+
+    def expert_all_to_all(self, ref: str, nbytes: float, stage: int) -> float:
+        """One all-to-all of a mixture over the ep groups of ``ref`` on ``stage``: the
+        slowest of their placements on nodes."""
+        placements = self.groups.placements(ref, stage) or \
+            (Placement.within_node(self._size(ref)),)
+        return max(self.cost.all_to_all_seconds(nbytes, placement)
+                   for placement in placements)
 
     def _size(self, ref: str) -> int:
         if ref not in self.sizes:
