@@ -203,6 +203,30 @@ def build_parser() -> argparse.ArgumentParser:
                           help="Chrome trace of the simulated step (Perfetto), with the "
                           "tracks of planc run --trace")
 
+    tune = commands.add_parser(
+        "tune", help="the best layouts of a plan's model on N devices, by the simulator",
+        description="Search the layouts of the plan's model on --gpus devices (tp, cp, pp, "
+        "dp, ep, the mesh order, the pipeline schedule with its virtual stages and "
+        "microbatches, ZeRO, sequence parallelism, recomputation), keep those planc check "
+        "accepts and that fit in memory, and rank them by simulated step time "
+        "(docs/tune.md).")
+    _add_input(tune)
+    tune.add_argument("--gpus", type=_count, required=True, metavar="N",
+                      help="devices to lay the model out on")
+    tune.add_argument("--top", type=_count, default=5, metavar="K",
+                      help="how many layouts to rank and show (default 5)")
+    tune.add_argument("--memory", type=float, metavar="GB",
+                      help="memory per device in GB (default: the topology's)")
+    tune.add_argument("--keep", action="append", default=[], metavar="KEY",
+                      help="hold the file's value of KEY (mesh.tp, schedule.pipeline, "
+                      "shard.dp.zero, ...); repeatable")
+    tune.add_argument("--budget", type=float, default=60.0, metavar="SECONDS",
+                      help="stop simulating after this long; the candidates left, whose "
+                      "estimates are the worst, are counted (default 60)")
+    tune.add_argument("-o", "--output", metavar="BEST.plan",
+                      help="write the best layout as a plan file")
+    tune.add_argument("--json", action="store_true", help="the result as JSON")
+
     report = commands.add_parser(
         "report", help="one self-contained HTML page: layout, memory, transfers, timeline",
         description="Write one offline HTML page about a plan or build: the plan, a picture "
@@ -295,7 +319,7 @@ COMMANDS = {"check": ("check", "check"), "layout": ("check", "layout"),
             "verify": ("programs", "verify"), "run": ("run", "main"),
             "calibrate": ("calibrate", "main"), "simulate": ("simulate", "main"),
             "diff": ("diff", "main"), "report": ("report", "main"),
-            "export": ("export", "main")}
+            "export": ("export", "main"), "tune": ("tune", "main")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

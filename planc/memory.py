@@ -22,6 +22,7 @@ pipeline schedule decides how many microbatches each stage holds at once.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from planc import schedules
@@ -115,6 +116,8 @@ def stage_expert_parameters(plan: Plan, stage: int) -> int:
     """Elements of the routed experts split over ep held by one device of ``stage``:
     its experts' rows, experts / ep of them (0 without mesh { ep })."""
     family, ep = family_of(plan), plan.mesh.ep
+    if ep == 1:
+        return 0
     return sum(p.numel // ep for layer in plan.layers_of_stage(stage)
                for p in family.layer_parameters(plan.model, layer)
                if p.split_over_experts(ep))
@@ -125,14 +128,16 @@ def layer_parameters(plan: Plan, layer: int = 0) -> int:
     return _local_elements(plan, family_of(plan).layer_parameters(plan.model, layer))
 
 
-def stage_parameters(plan: Plan, stage: int) -> int:
-    """Parameter elements held by one device of pipeline stage ``stage``."""
+def stage_parameters(plan: Plan, stage: int, per_layer: int | None = None) -> int:
+    """Parameter elements held by one device of pipeline stage ``stage``; ``per_layer``:
+    :func:`layer_parameters` of a model whose blocks are all alike, if known."""
     m, tensor, tp = plan.model, plan.shard.tp, plan.mesh.tp
     family = family_of(plan)
     embedding_table = m.vocab * m.hidden // (tp if tensor.embedding != "replicate" else 1)
     head_table = m.vocab * m.hidden // (tp if tensor.head != "replicate" else 1)
     if family.layer_block is None:  # every block alike
-        count = len(plan.layers_of_stage(stage)) * layer_parameters(plan)
+        count = len(plan.layers_of_stage(stage)) * (layer_parameters(plan) if per_layer is None
+                                                     else per_layer)
     else:
         count = sum(layer_parameters(plan, layer) for layer in plan.layers_of_stage(stage))
     if stage == 0:
@@ -148,8 +153,14 @@ def stage_parameters(plan: Plan, stage: int) -> int:
 
 def microbatches_in_flight(plan: Plan, stage: int) -> int:
     """Microbatch-chunks whose activations a stage holds at its peak."""
-    return schedules.named(plan.schedule.pipeline).in_flight(
-        stage, plan.mesh.pp, plan.schedule.microbatches, plan.shard.pp.virtual)
+    return _in_flight(plan.schedule.pipeline, stage, plan.mesh.pp, plan.schedule.microbatches,
+                      plan.shard.pp.virtual)
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_flight(pipeline: str, stage: int, pp: int, microbatches: int, virtual: int) -> int:
+    # A V schedule's count replays its order; planc tune asks for thousands of layouts.
+    return schedules.named(pipeline).in_flight(stage, pp, microbatches, virtual)
 
 
 def layer_activation_bytes(plan: Plan, recompute: str | None = None) -> float:
@@ -172,17 +183,25 @@ def layers_in_flight(plan: Plan, stage: int) -> float:
     sizes = [plan.shard.pp.chunk_layers(c) for c in plan.chunks_of_stage(stage)]
     if len(set(sizes)) == 1:
         return microbatches_in_flight(plan, stage) * sizes[0]
+    sizes_of_chunks = tuple(plan.shard.pp.chunk_layers(c)
+                            for c in range(len(plan.shard.pp.chunks)))
+    return _live_peak(plan.schedule.pipeline, stage, pp, plan.schedule.microbatches, virtual,
+                      sizes_of_chunks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _live_peak(pipeline: str, stage: int, pp: int, microbatches: int, virtual: int,
+               sizes: tuple[int, ...]) -> int:
     live = peak = 0
     # A split backward keeps what its weight gradient reads (the layers' inputs and
     # output gradients) until the W block, as the schedule's in-flight rule counts.
     last = schedules.ActionKind.BACKWARD_WEIGHT if schedules.named(
-        plan.schedule.pipeline).splits_backward else schedules.ActionKind.BACKWARD
-    for action in schedules.order(plan.schedule.pipeline, stage, pp,
-                                  plan.schedule.microbatches, virtual):
+        pipeline).splits_backward else schedules.ActionKind.BACKWARD
+    for action in schedules.order(pipeline, stage, pp, microbatches, virtual):
         if action.kind.is_forward:
-            live += plan.shard.pp.chunk_layers(action.chunk)
+            live += sizes[action.chunk]
         elif action.kind is last:  # the backward is done with them
-            live -= plan.shard.pp.chunk_layers(action.chunk)
+            live -= sizes[action.chunk]
         peak = max(peak, live)
     return peak
 
@@ -214,8 +233,10 @@ def estimate(plan: Plan) -> MemoryEstimate:
     expert_replicas = mesh.tp * replicas // mesh.ep
     k = optimizer_state_bytes(plan)
     stages = []
+    per_layer = layer_parameters(plan) if family_of(plan).layer_block is None else None
     for stage in range(mesh.pp):
-        params, experts = stage_parameters(plan, stage), stage_expert_parameters(plan, stage)
+        params = stage_parameters(plan, stage, per_layer)
+        experts = stage_expert_parameters(plan, stage)
         dense = model_state_bytes(params, plan.model.dtype_bytes, k, zero, replicas)
         split = model_state_bytes(experts, plan.model.dtype_bytes, k, zero, expert_replicas)
         p, g, o = (a + b for a, b in zip(dense, split))

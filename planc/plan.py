@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Mapping
 
 from planc.diagnostics import Span
@@ -295,8 +296,16 @@ class Plan:
         return self.placement.stage_of_chunk(chunk, self.mesh.pp, self.shard.pp.virtual)
 
     def chunks_of_stage(self, stage: int) -> tuple[int, ...]:
-        return tuple(c for c in range(len(self.shard.pp.chunks))
-                     if self.stage_of_chunk(c) == stage)
+        return self._chunks_by_stage[stage]
+
+    @cached_property
+    def _chunks_by_stage(self) -> tuple[tuple[int, ...], ...]:
+        # once per plan: the memory estimate asks for every stage's (planc tune, of
+        # thousands of plans)
+        out: list[list[int]] = [[] for _ in range(self.mesh.pp)]
+        for chunk in range(len(self.shard.pp.chunks)):
+            out[self.stage_of_chunk(chunk)].append(chunk)
+        return tuple(tuple(chunks) for chunks in out)
 
     @property
     def head_stage(self) -> int:
@@ -304,7 +313,9 @@ class Plan:
         return self.stage_of_chunk(len(self.shard.pp.chunks) - 1)
 
     def layers_of_stage(self, stage: int) -> tuple[int, ...]:
-        return self.shard.pp.layers_of_stage(stage, self.mesh.pp, self.schedule.pipeline)
+        chunks = self.shard.pp.chunks
+        return tuple(layer for c in self.chunks_of_stage(stage)
+                     for layer in range(chunks[c][0], chunks[c][1] + 1))
 
     @property
     def microbatch_size(self) -> int:

@@ -1,0 +1,115 @@
+"""``planc tune``: the best layouts of a plan's model on N devices (planc.tune)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from planc.commands import EXIT_OK, EXIT_USAGE, fail, load_plan
+
+
+# The layout keys at values every model accepts: how tune reads a file whose own layout
+# does not check (it is written for other devices, say); tune sets all of them anyway.
+NEUTRAL = ("mesh.tp=1", "mesh.cp=1", "mesh.pp=1", "mesh.dp=1", "mesh.ep=1",
+           "shard.pp.virtual=1", "shard.pp.stages=auto", "schedule.pipeline=1f1b",
+           "schedule.microbatches=1", "shard.dp.zero=0", "topology.devices_per_node=1",
+           "topology.nodes=1")
+
+
+def devices_per_node(plan, source: str, gpus: int) -> int:
+    """How many of the ``gpus`` devices a node holds: the file's devices_per_node, or its
+    preset's; a file that names neither is one node of them all."""
+    from planc.lang.presets import PRESETS
+    from planc.tune.plan_text import written_value
+
+    written = written_value(source, "topology.devices_per_node")
+    if written is not None and written.isdigit() and int(written) > 0:
+        return int(written)
+    preset = PRESETS.get(plan.topology.preset or "")
+    if preset is not None:
+        return preset.devices_per_node or gpus
+    if plan.topology.preset is not None:  # a calibrated topology file: the plan read it
+        return plan.topology.devices_per_node
+    return gpus
+
+
+def topology_settings(source: str, per_node: int, gpus: int) -> dict[str, str] | str:
+    """The topology keys that put the file on ``gpus`` devices of ``per_node`` a node,
+    or why it cannot be."""
+    from planc.tune.plan_text import written_value
+
+    has_nodes = written_value(source, "topology.nodes") is not None
+    if gpus < per_node:  # part of one node
+        return {"topology.devices_per_node": str(gpus),
+                **({"topology.nodes": "1"} if has_nodes else {})}
+    if gpus % per_node:
+        return (f"--gpus {gpus} does not fill whole nodes of {per_node} devices (the "
+                f"topology's devices_per_node); try --gpus {gpus - gpus % per_node} or "
+                f"{gpus + per_node - gpus % per_node}")
+    settings = {"topology.nodes": str(gpus // per_node)} if has_nodes else {}
+    if written_value(source, "topology.devices_per_node") is not None or \
+            per_node == gpus and has_nodes:
+        settings["topology.devices_per_node"] = str(per_node)
+    if written_value(source, "shard.pp.stages") is not None:
+        settings["shard.pp.stages"] = "auto"
+    return settings
+
+
+def main(args) -> int:
+    from planc.lang import load_file, load_text
+    from planc.tune import tune
+    from planc.tune.space import KEEPABLE
+    from planc.views import tune_text
+
+    if args.gpus < 1 or args.top < 1:
+        return fail(f"--{'gpus' if args.gpus < 1 else 'top'} must be at least 1", EXIT_USAGE)
+    unknown = [k for k in args.keep if k not in KEEPABLE]
+    if unknown:
+        return fail(f"--keep {unknown[0]}: not a choice tune makes; it can keep "
+                    f"{', '.join(KEEPABLE)}", EXIT_USAGE)
+    if args.budget is not None and not args.budget > 0:
+        return fail(f"--budget {args.budget:g}: the search needs more than 0 seconds",
+                    EXIT_USAGE)
+    if args.memory is not None and not args.memory > 0:
+        return fail(f"--memory {args.memory:g}: memory per device must be more than 0 GB",
+                    EXIT_USAGE)
+    overrides = list(getattr(args, "set", None) or ())
+    loaded = load_file(args.file, overrides)
+    if not loaded.ok and loaded.source is not None and not args.keep:
+        neutral = load_file(args.file, overrides + list(NEUTRAL))
+        loaded = neutral if neutral.ok else loaded
+    if not loaded.ok:  # the file's own diagnostics, as planc check prints them
+        return load_plan(args)[1]
+    plan = loaded.plan
+    per_node = devices_per_node(plan, loaded.source, args.gpus)
+    topology = topology_settings(loaded.source, per_node, args.gpus)
+    if isinstance(topology, str):
+        return fail(topology, EXIT_USAGE)
+
+    def check(text: str):
+        checked = load_text(text, loaded.path, overrides)
+        return checked.plan if checked.ok else None
+
+    progress = tune_text.Progress(sys.stderr) if not args.json else None
+    capacity = args.memory * 1e9 if args.memory is not None else None
+    search = tune(plan, loaded.source, args.gpus, args.top, capacity, tuple(args.keep),
+                  check, progress, topology, min(per_node, args.gpus), args.budget)
+    if progress is not None:
+        progress.close()
+    if args.json:
+        print(json.dumps(search.to_json(args.top), indent=1))
+    else:
+        print(tune_text.render(search, args.gpus, args.top), end="")
+    if search.best is None:
+        return fail("no layout of this model on "
+                    f"{args.gpus} devices passes the checker and fits in memory")
+    if args.output:
+        from planc.files import write_atomically
+
+        text = tune_text.best_file(search, args.gpus, args.argv)
+        try:
+            write_atomically(args.output, text.encode())
+        except OSError as exc:
+            return fail(f"cannot write {args.output}: {exc.strerror or exc}")
+        print(f"best layout written to {args.output}", file=sys.stderr)
+    return EXIT_OK

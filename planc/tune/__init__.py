@@ -1,0 +1,190 @@
+"""``planc tune``: the best layout for a model on N devices, by the simulator.
+
+The search (docs/tune.md):
+
+1. every candidate of :mod:`planc.tune.space` (the mesh, its order, the schedule, ZeRO,
+   sequence parallelism, recomputation), less those breaking the mesh's arithmetic;
+2. each one's plan, memory estimate (planc.memory) and lower bound on its step time
+   (:mod:`planc.tune.bounds`): a candidate that does not fit is pruned;
+3. in the order of a rough estimate, best first: a candidate whose bound is no better
+   than the K-th best step time simulated so far is pruned (it cannot enter the top K);
+   the others go through planc's checker (the plan text with the candidate's settings,
+   exactly as ``--set`` would give them) and, if it accepts them, are compiled and
+   simulated (planc.simulate), the programs verified as for any build.
+
+Identical plans are simulated once. The result ranks the simulated candidates by step
+time; what was pruned is counted by reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+from planc import memory
+from planc.plan import Plan
+from planc.tune import bounds
+from planc.tune.space import ORDERS, Candidate, candidates, dominates, of_plan
+
+TUNE_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """A simulated candidate."""
+
+    candidate: Candidate
+    plan: Plan
+    text: str  # the plan file that checks, compiles and simulates to ``step_seconds``
+    step_seconds: float
+    tflops_per_gpu: float
+    mfu: float
+    bubble: float
+    exposed_seconds: float  # the worst stage's compute waiting on its own transfers
+    memory_bytes: float  # the peak stage's estimate
+    simulation: object = field(repr=False, compare=False, default=None)
+    build: object = field(repr=False, compare=False, default=None)  # kept for the top two
+
+    def to_json(self) -> dict:
+        return {**self.candidate.to_json(), "step_seconds": self.step_seconds,
+                "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
+                "bubble": self.bubble, "exposed_seconds": self.exposed_seconds,
+                "memory_bytes": self.memory_bytes, "plan": self.text}
+
+
+@dataclass
+class Search:
+    """What the search did: every candidate is counted once, as pruned (by reason) or
+    simulated."""
+
+    considered: int = 0
+    pruned: Counter = field(default_factory=Counter)
+    simulated: int = 0
+    seconds: float = 0.0
+    ranked: list[Ranked] = field(default_factory=list)
+    capacity: float | None = None
+
+    @property
+    def best(self) -> Ranked | None:
+        return self.ranked[0] if self.ranked else None
+
+    def to_json(self, top: int) -> dict:
+        return {"format": "planc-tune", "version": TUNE_FORMAT_VERSION,
+                "searched": self.considered, "pruned": dict(sorted(self.pruned.items())),
+                "simulated": self.simulated, "seconds": self.seconds,
+                "best": self.best.to_json() if self.best else None,
+                "candidates": [r.to_json() for r in self.ranked[:top]]}
+
+
+def _same_layout(a: Candidate, b: Candidate) -> bool:
+    return dataclasses.replace(a, zero=b.zero, recompute=b.recompute) == b
+
+
+def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | None = None,
+         keep: tuple[str, ...] = (), check: Callable[[str], Plan | None] | None = None,
+         progress: Callable[[str, int, int], None] | None = None,
+         topology: dict[str, str] | None = None, per_node: int | None = None,
+         budget: float | None = None) -> Search:
+    """The best ``top`` layouts of ``plan`` (read from the file text ``source``) on
+    ``gpus`` devices. ``check(text)``: the checked plan of a plan text, or None where the
+    checker refuses it; ``capacity``: bytes per device (default: the topology's);
+    ``topology``: the keys that put the file on ``gpus`` devices of ``per_node`` a node
+    (planc.commands.tune.topology_settings); ``budget``: seconds after which the
+    candidates not yet simulated are counted as left, not simulated."""
+    from planc.compile import compile_plan
+    from planc.simulate import simulate
+    from planc.tune.plan_text import with_settings
+
+    start = time.perf_counter()
+    search = Search(capacity=capacity if capacity is not None else
+                    plan.topology.device.memory)
+    per_node = per_node or plan.topology.devices_per_node
+    estimator = bounds.Estimator(per_node)
+    waiting: list[tuple[float, float, Candidate, Plan]] = []
+    fitting: list[Candidate] = []  # of the layout being enumerated (they come together)
+    # the mesh order changes neither memory nor the bound nor the estimate
+    known: dict[Candidate, tuple[bool, float, float]] = {}
+    hopeless: dict[Candidate, bool] = {}
+    items = list(candidates(plan, gpus, keep))
+    for index, item in enumerate(items):
+        search.considered += 1
+        if progress is not None and index % 256 == 0:
+            progress("estimating", index, len(items))
+        if isinstance(item, str):
+            search.pruned[item] += 1
+            continue
+        fitting = [f for f in fitting if _same_layout(f, item)]
+        if any(dominates(f, item) for f in fitting):
+            search.pruned["dominated"] += 1
+            continue
+        # ZeRO-3 with full recomputation needs the least memory of a layout's variants:
+        # where even it does not fit, none does (one estimate for the lot)
+        lightest = dataclasses.replace(
+            item, order=ORDERS[0],
+            zero=item.zero if "shard.dp.zero" in keep else 3 if item.dp * item.cp > 1 else 0,
+            recompute=item.recompute if "optimize.recompute" in keep else "full")
+        if lightest not in hopeless and search.capacity is not None:
+            hopeless[lightest] = memory.estimate(bounds.plan_of(
+                plan, lightest, per_node)).peak.total_bytes > search.capacity
+        if hopeless.get(lightest):
+            search.pruned["memory"] += 1
+            continue
+        trial = bounds.plan_of(plan, item, per_node)
+        same = dataclasses.replace(item, order=ORDERS[0])
+        if same not in known:
+            need = memory.estimate(trial)
+            fits = search.capacity is None or need.peak.total_bytes <= search.capacity
+            bound = estimator.lower_bound(trial) if fits else 0.0
+            params = max(s.parameters for s in need.stages)
+            known[same] = (fits, bound, estimator.estimate(trial, bound, params)
+                           if fits else 0.0)
+        fits, bound, guess = known[same]
+        if not fits:
+            search.pruned["memory"] += 1
+            continue
+        fitting.append(item)
+        waiting.append((guess, bound, item, trial))
+    waiting.sort(key=lambda w: (w[0], w[2].text()))
+    seen: set[str] = set()
+    for done, (_, bound, candidate, _) in enumerate(waiting):
+        if progress is not None:
+            progress("simulating", done, len(waiting))
+        if len(search.ranked) >= top and bound >= search.ranked[top - 1].step_seconds:
+            search.pruned["bound"] += 1
+            continue
+        if budget is not None and time.perf_counter() - start > budget and \
+                len(search.ranked) >= top:
+            search.pruned["budget"] += 1
+            continue
+        text = with_settings(source, {**candidate.settings(), **(topology or {})})
+        checked = check(text) if check is not None else None
+        if checked is None:
+            search.pruned["check"] += 1
+            continue
+        key = repr(checked.to_dict())
+        if key in seen:
+            search.pruned["same plan"] += 1
+            continue
+        seen.add(key)
+        build = compile_plan(checked)
+        result = simulate(build)
+        search.simulated += 1
+        worst = max(sum(s.exposed_seconds.values()) for s in result.stages)
+        peak = max(s.memory_bytes for s in result.stages)
+        search.ranked.append(Ranked(candidate, checked, text, result.step_seconds,
+                                    result.tflops_per_gpu, result.mfu, result.bubble,
+                                    worst, peak, result, build))
+        search.ranked.sort(key=lambda r: (r.step_seconds, r.candidate.text()))
+        # the best two keep their builds (planc diff's figures), the others drop theirs
+        search.ranked[2:] = [dataclasses.replace(r, build=None) if r.build is not None
+                             else r for r in search.ranked[2:]]
+    if progress is not None:
+        progress("simulating", len(waiting), len(waiting))
+    search.seconds = time.perf_counter() - start
+    return search
+
+
+__all__ = ["Ranked", "Search", "tune", "of_plan"]

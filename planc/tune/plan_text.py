@@ -1,0 +1,99 @@
+"""A plan file's text with some keys set: how ``planc tune`` writes a candidate.
+
+Each setting replaces the value of its key where the file writes it, or is added at the
+end of the innermost block of its path the file has (with the blocks it lacks around
+it), so that the file keeps its comments, its order and everything the search does not
+choose. The result is what ``--set KEY=VALUE`` would make of the file, as a file.
+"""
+
+from __future__ import annotations
+
+from planc.lang import ast
+from planc.lang.parser import parse
+
+
+def _offsets(text: str) -> list[int]:
+    starts, total = [0], 0
+    for line in text.splitlines(keepends=True):
+        total += len(line)
+        starts.append(total)
+    return starts
+
+
+def _find(entries, path: tuple[str, ...]):
+    """(the Assign at ``path``, or None; the deepest Block on its way, or None; how many
+    parts of the path that block covers)."""
+    block, depth = None, 0
+    for i, part in enumerate(path):
+        last = i == len(path) - 1
+        match = next((e for e in entries if (isinstance(e, ast.Assign) if last else
+                                             isinstance(e, ast.Block)) and
+                      (e.key if last else e.name) == part), None)
+        if match is None:
+            return None, block, depth
+        if last:
+            return match, block, depth
+        block, depth, entries = match, i + 1, match.entries
+    return None, block, depth
+
+
+def written_value(source: str, key: str) -> str | None:
+    """The text of the value the file writes for dotted ``key``, or None."""
+    tree, _ = parse(source)
+    found = _find(tree.entries, tuple(key.split(".")))[0] if tree is not None else None
+    if found is None:
+        return None
+    span, starts = found.value.span, _offsets(source)
+    return source[starts[span.line - 1] + span.column - 1:
+                  starts[span.end_line - 1] + span.end_column - 1]
+
+
+def _texts(nest: dict) -> list[str]:
+    """``key = value`` and ``name { ... }`` entries of a nest of settings."""
+    return [f"{name} {{ {'; '.join(_texts(v))} }}" if isinstance(v, dict) else
+            f"{name} = {v}" for name, v in nest.items()]
+
+
+def with_settings(source: str, settings: dict[str, str]) -> str:
+    """``source`` with each dotted key of ``settings`` set to its value's text."""
+    tree, _ = parse(source)
+    if tree is None:
+        raise ValueError("the plan does not parse")
+    starts = _offsets(source)
+
+    def offset(line: int, column: int) -> int:
+        return starts[line - 1] + column - 1
+
+    edits: list[tuple[int, int, str]] = []  # (start, end, new text)
+    # insertion offset -> what goes there: key -> value text, or block name -> the same
+    additions: dict[int, dict] = {}
+    for key, value in settings.items():
+        path = tuple(key.split("."))
+        found, block, depth = _find(tree.entries, path)
+        if found is not None:
+            span = found.value.span
+            edits.append((offset(span.line, span.column),
+                          offset(span.end_line, span.end_column), value))
+            continue
+        end = (block or tree).span
+        at = offset(end.end_line, end.end_column) - 1  # before the closing brace
+        nest = additions.setdefault(at, {})
+        for name in path[depth:-1]:
+            nest = nest.setdefault(name, {})
+        nest[path[-1]] = value
+    for at, nest in additions.items():
+        texts = _texts(nest)
+        line_start = source.rfind("\n", 0, at) + 1
+        before = source[line_start:at]
+        if not before.strip():  # the closing brace starts its line: a line per setting
+            edits.append((line_start, line_start,
+                          "".join(f"{before}  {t}\n" for t in texts)))
+            continue
+        previous = source[:at].rstrip()[-1:]
+        joined = "; ".join(texts)
+        lead = " " if previous in ("{", ";") else "; "
+        edits.append((len(source[:at].rstrip()), at, f"{lead}{joined} "))
+    out = source
+    for start, end, new in sorted(edits, key=lambda e: (e[0], e[1]), reverse=True):
+        out = out[:start] + new + out[end:]
+    return out

@@ -1,0 +1,88 @@
+"""``planc tune``'s text: its progress, the ranked layouts, and the best as a plan file."""
+
+from __future__ import annotations
+
+import time
+from typing import TextIO
+
+from planc.lang.units import TIME, format_bytes, format_quantity
+from planc.views.tables import table
+from planc.words import counted
+
+PRUNING_WORDS = {
+    "memory": "over the memory per device (planc.memory's estimate)",
+    "dominated": "the same layout with less recomputation or a lower ZeRO stage fits",
+    "bound": "slower at best than the K-th best already simulated (compute at peak)",
+    "check": "refused by planc check",
+    "same plan": "the same plan as a candidate already simulated",
+    "budget": "not simulated: the time budget (--budget) ran out; their estimates were "
+              "worse than every candidate simulated",
+}
+
+
+class Progress:
+    """A bar on a terminal, redrawn at most ten times a second; nothing elsewhere."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+        self.shown = hasattr(stream, "isatty") and stream.isatty()
+        self.last = 0.0
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if not self.shown or (now - self.last < 0.1 and done < total):
+            return
+        self.last = now
+        filled = 24 * done // max(total, 1)
+        self.stream.write(f"\rplanc tune: {phase:<10} [{'#' * filled}{'-' * (24 - filled)}] "
+                          f"{done:,}/{total:,}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.shown:
+            self.stream.write("\r" + " " * 60 + "\r")
+            self.stream.flush()
+
+
+def _seconds(s: float) -> str:
+    return format_quantity(s, TIME)
+
+
+def render(search, gpus: int, top: int) -> str:
+    pruned = sum(search.pruned.values())
+    lines = [f"planc tune: {counted(search.considered, 'layout')} on {gpus:,} devices in "
+             f"{search.seconds:.1f} s: {pruned:,} pruned, {search.simulated:,} simulated"]
+    for reason, count in sorted(search.pruned.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {count:>8,} {reason}" + (f": {PRUNING_WORDS[reason]}"
+                                                  if reason in PRUNING_WORDS else ""))
+    if not search.ranked:
+        return "\n".join(lines) + "\n"
+    rows = [[k + 1, r.candidate.text(), _seconds(r.step_seconds), f"{r.tflops_per_gpu:.1f}",
+             f"{r.mfu:.1%}", f"{r.bubble:.1%}", _seconds(r.exposed_seconds),
+             format_bytes(r.memory_bytes)] for k, r in enumerate(search.ranked[:top])]
+    lines += ["", table(["#", "layout", "step", "TFLOP/s", "MFU", "bubble", "exposed",
+                         "memory"], rows)]
+    if len(search.ranked) > 1 and search.ranked[1].build is not None:
+        from planc.views import diff_text
+
+        best, next_ = search.ranked[0], search.ranked[1]
+        lines += ["", f"why #1 beats #2 ({next_.step_seconds / best.step_seconds:.3f}x "
+                      f"faster):",
+                  diff_text.render([("#2", next_.build, next_.simulation, []),
+                                    ("#1", best.build, best.simulation, [])]).rstrip()]
+    return "\n".join(lines) + "\n"
+
+
+def best_file(search, gpus: int, argv: list[str]) -> str:
+    """The best layout's plan file, with a header saying how it was chosen."""
+    best = search.best
+    runner = f"; #2 ({search.ranked[1].candidate.text()}) {_seconds(search.ranked[1].step_seconds)}" \
+        if len(search.ranked) > 1 else ""
+    header = [f"# Chosen by planc {' '.join(argv)}",
+              f"# on {gpus:,} devices: {best.candidate.text()}",
+              f"# simulated step {_seconds(best.step_seconds)}, {best.tflops_per_gpu:.1f} "
+              f"TFLOP/s per GPU, MFU {best.mfu:.1%}{runner}",
+              f"# out of {search.considered:,} layouts ({search.simulated:,} simulated, "
+              f"{sum(search.pruned.values()):,} pruned)."]
+    text = best.text if best.text.endswith("\n") else best.text + "\n"
+    return "\n".join(header) + "\n" + text

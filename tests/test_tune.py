@@ -1,0 +1,145 @@
+"""planc tune (issue 25): the search, its pruning against exhaustive search, its output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from planc.cli import main
+from planc.lang import load_text
+from planc.tune import bounds, tune
+from planc.tune.plan_text import with_settings, written_value
+from planc.tune.space import candidates, dominates
+
+SMALL = """# a small llama for the search's tests
+plan small {
+  model llama { layers = 4; hidden = 64; heads = 4; kv_heads = 2; ffn = 128; vocab = 256
+                seq = 64; batch = 8 }
+  mesh { dp = 4 }
+  topology { preset = dgx-h100; devices_per_node = 4 }
+  schedule { microbatches = 2 }
+}
+"""
+# the schedule held, so that every candidate of the space can be simulated in a test
+KEEP = ("schedule.pipeline", "schedule.microbatches", "shard.pp.virtual")
+
+
+def _check(text: str):
+    loaded = load_text(text)
+    return loaded.plan if loaded.ok else None
+
+
+def _exhaustive(plan, source: str, gpus: int, capacity: float) -> list[tuple[float, str]]:
+    """Every candidate the checker accepts and that fits, simulated: (step, layout)."""
+    from planc import memory
+    from planc.compile import compile_plan
+    from planc.simulate import simulate
+
+    out = []
+    for item in candidates(plan, gpus, KEEP):
+        if isinstance(item, str):
+            continue
+        checked = _check(with_settings(source, item.settings()))
+        if checked is None or memory.estimate(checked).peak.total_bytes > capacity:
+            continue
+        out.append((simulate(compile_plan(checked)).step_seconds, item))
+    return sorted(out, key=lambda e: (e[0], e[1].text()))
+
+
+@pytest.mark.parametrize("capacity", [80e9, 2.2e6], ids=["roomy", "tight"])
+def test_pruning_never_drops_the_best_layout(capacity):
+    """Against every valid layout simulated: the same best step time, and the lower
+    bound of each simulated candidate below its simulated time. With 2.2 MB a device
+    the lighter settings do not fit and ZeRO and recomputation decide."""
+    plan = load_text(SMALL).plan
+    every = _exhaustive(plan, SMALL, 4, capacity)
+    assert len(every) > 20
+    search = tune(plan, SMALL, 4, top=3, capacity=capacity, keep=KEEP, check=_check,
+                  per_node=4)
+    assert search.best.step_seconds == pytest.approx(every[0][0], rel=1e-12)
+    # a layout faster than tune's third is ranked, or is a heavier variant of one no
+    # slower (more recomputation, a higher ZeRO stage: planc.tune.space.dominates)
+    ranked = {r.candidate for r in search.ranked}
+    third = search.ranked[2].step_seconds
+    for step, item in every:
+        if step < third and item not in ranked:
+            assert any(dominates(other, item) and other_step <= step
+                       for other_step, other in every), item.text()
+    assert search.simulated < len(every)  # the pruning did prune
+    assert search.considered == search.simulated + sum(search.pruned.values())
+    estimator = bounds.Estimator(4)
+    for ranked in search.ranked:
+        assert estimator.lower_bound(ranked.plan) <= ranked.step_seconds
+
+
+def test_the_best_plan_written_checks_compiles_and_simulates_to_its_step(tmp_path, capsys):
+    source = tmp_path / "small.plan"
+    source.write_text(SMALL)
+    best = tmp_path / "best.plan"
+    status = main(["tune", str(source), "--gpus", "4", "--top", "2", "--keep",
+                   "schedule.microbatches", "-o", str(best), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert status == 0
+    assert result["format"] == "planc-tune" and result["version"] == 1
+    assert set(result["best"]) == {"mesh", "order", "virtual", "microbatches", "pipeline",
+                                   "zero", "sequence_parallel", "recompute", "step_seconds",
+                                   "tflops_per_gpu", "mfu", "bubble", "exposed_seconds",
+                                   "memory_bytes", "plan"}
+    assert result["searched"] == result["simulated"] + sum(result["pruned"].values())
+    text = best.read_text()
+    assert text.startswith("# Chosen by planc tune ")
+    assert text.endswith(result["best"]["plan"])
+    status = main(["simulate", str(best), "--json"])
+    simulated = json.loads(capsys.readouterr().out)
+    assert status == 0
+    assert simulated["step_seconds"] == pytest.approx(result["best"]["step_seconds"],
+                                                      rel=1e-12)
+    assert result["candidates"][0] == result["best"]
+    assert result["candidates"][1]["step_seconds"] >= result["best"]["step_seconds"]
+
+
+def test_a_file_written_for_other_devices_is_tuned_for_these(tmp_path, capsys):
+    """The file's mesh needs 8 devices; tune lays it out on 2 (part of a node)."""
+    source = tmp_path / "eight.plan"
+    source.write_text(SMALL.replace("mesh { dp = 4 }", "mesh { tp = 2; dp = 4 }")
+                      .replace("; devices_per_node = 4", ""))
+    status = main(["tune", str(source), "--gpus", "2", "--top", "1", "--json",
+                   "--keep", "schedule.microbatches"])
+    result = json.loads(capsys.readouterr().out)
+    assert status == 0
+    mesh = result["best"]["mesh"]
+    assert mesh["tp"] * mesh["cp"] * mesh["pp"] * mesh["dp"] == 2
+    assert "devices_per_node = 2" in result["best"]["plan"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpus", "0"], "planc: error: --gpus must be at least 1"),
+    (["--gpus", "4", "--keep", "mesh.xp"],
+     "planc: error: --keep mesh.xp: not a choice tune makes; it can keep mesh.tp, mesh.cp, "
+     "mesh.pp, mesh.dp, mesh.ep, mesh.order, shard.pp.virtual, schedule.microbatches, "
+     "schedule.pipeline, shard.dp.zero, shard.tp.sequence_parallel, optimize.recompute"),
+    (["--gpus", "6"], "planc: error: --gpus 6 does not fill whole nodes of 4 devices (the "
+                      "topology's devices_per_node); try --gpus 4 or 8"),
+    (["--gpus", "4", "--memory", "0"],
+     "planc: error: --memory 0: memory per device must be more than 0 GB"),
+])
+def test_bad_arguments_are_one_line_errors(tmp_path, capsys, args, message):
+    source = tmp_path / "small.plan"
+    source.write_text(SMALL)
+    assert main(["tune", str(source), *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == message and captured.out == ""
+
+
+def test_settings_replace_the_file_s_values_and_add_what_it_lacks():
+    out = with_settings(SMALL, {"mesh.tp": "2", "mesh.pp": "2", "shard.dp.zero": "1",
+                                "shard.tp.sequence_parallel": "on",
+                                "schedule.pipeline": "zb1p"})
+    assert "mesh { dp = 4; tp = 2; pp = 2 }" in out
+    assert "schedule { microbatches = 2; pipeline = zb1p }" in out
+    assert "  shard { dp { zero = 1 }; tp { sequence_parallel = on } }\n}" in out
+    assert out.startswith("# a small llama")  # comments kept
+    assert written_value(out, "shard.dp.zero") == "1"
+    assert written_value(out, "mesh.cp") is None
+    assert load_text(out).ok
