@@ -545,3 +545,16 @@ def test_a_megatron_plan_splits_its_gemms_by_the_cost_model():
     for decision in record["decisions"]:
         seconds = decision["predicted_seconds"]
         assert seconds[str(decision["chunks"])] == min(seconds.values())
+
+
+def test_tp_overlap_keeps_a_gemm_whole_whose_tokens_do_not_split_over_tp():
+    """17 tokens over tp 2 cannot be cut into even chunks: every GEMM stays whole (this
+    plan once crashed the pass)."""
+    build = compile_plan(load_text("""plan odd {
+  model llama { layers = 2; hidden = 64; heads = 4; kv_heads = 2; ffn = 128; vocab = 128
+                seq = 17; batch = 4 }
+  mesh { tp = 2 }
+}""").plan)
+    line = next(r["line"] for r in build.graph.graph["passes"] if r["name"] == "tp_overlap")
+    assert line == ("tp_overlap: 0 of 8 tp GEMMs split: the cost model predicts no gain "
+                    "from chunking on this topology")

@@ -121,7 +121,9 @@ def _chunk_count(ctx: PassContext, kernels: KernelModel | None, graph: nx.DiGrap
                  op: str, flops: float, tokens: int, placements: dict
                  ) -> tuple[int, dict]:
     setting = ctx.plan.optimize.tp_overlap
-    fits = [k for k in COUNTS if tokens % (ctx.plan.mesh.tp * k) == 0]
+    # chunks split a rank's tokens evenly; where they cannot (17 tokens over tp 2) the
+    # GEMM stays whole
+    fits = [k for k in COUNTS if tokens % (ctx.plan.mesh.tp * k) == 0] or [1]
     seconds = {k: _predicted(ctx, kernels, graph, sides, op, flops, k, placements)
                for k in fits}
     if setting is not True:
