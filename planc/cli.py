@@ -236,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("-o", "--output", required=True, metavar="PAGE.html")
     report.add_argument("--metrics", metavar="M.jsonl",
                         help="a planc run --metrics file of the same build")
+    report.add_argument("--tune", metavar="T.json",
+                        help="a planc tune --json file: its ranked layouts beside this plan")
 
     export = commands.add_parser(
         "export", help="a build as Chakra execution traces, or a checkpoint for transformers",

@@ -143,3 +143,24 @@ def test_settings_replace_the_file_s_values_and_add_what_it_lacks():
     assert written_value(out, "shard.dp.zero") == "1"
     assert written_value(out, "mesh.cp") is None
     assert load_text(out).ok
+
+
+def test_the_report_of_the_best_plan_shows_the_runner_ups(tmp_path, capsys):
+    source = tmp_path / "small.plan"
+    source.write_text(SMALL)
+    best, ranked, page = tmp_path / "best.plan", tmp_path / "tune.json", tmp_path / "r.html"
+    assert main(["tune", str(source), "--gpus", "4", "--top", "3", "--keep",
+                 "schedule.microbatches", "--keep", "schedule.pipeline", "-o", str(best),
+                 "--json"]) == 0
+    ranked.write_text(capsys.readouterr().out)
+    assert main(["report", str(best), "--tune", str(ranked), "-o", str(page)]) == 0
+    assert "warning" not in capsys.readouterr().err  # the best plan is written clean
+    html = page.read_text()
+    section = html[html.index("<h2>Layouts planc tune ranked</h2>"):]
+    assert section.count("<tr>") == 1 + 3  # the header and the three layouts
+    assert "<td>1 (this plan)</td>" in section
+    ranked.write_text('{"format": "planc-tune", "version": 1, "candidates": [{"mesh": 1}]}')
+    assert main(["report", str(best), "--tune", str(ranked), "-o", str(page)]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"planc: error: {ranked}: candidate 1 has no valid mesh; it is not what planc tune "
+        f"--json writes")

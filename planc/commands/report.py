@@ -61,6 +61,38 @@ def _other_build(path: str, records: list[dict], build_path: str, fingerprint: s
     return None, None
 
 
+TUNE_FIELDS = {"mesh": dict, "order": list, "virtual": int, "microbatches": int,
+               "pipeline": str, "zero": int, "sequence_parallel": bool, "recompute": str,
+               "step_seconds": (int, float), "tflops_per_gpu": (int, float),
+               "mfu": (int, float), "bubble": (int, float), "memory_bytes": (int, float)}
+
+
+def _tune(path: str) -> tuple[list[dict] | None, str | None]:
+    """The ranked candidates of a ``planc tune --json`` file, or why it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except OSError as exc:
+        return None, f"cannot read {path}: {exc.strerror or exc}"
+    except (ValueError, RecursionError):
+        return None, f"{path} is not a planc tune --json file (not JSON)"
+    if not isinstance(data, dict) or data.get("format") != "planc-tune" or \
+            data.get("version") != 1 or not isinstance(data.get("candidates"), list):
+        return None, f"{path} is not a planc tune --json file (format planc-tune, version 1)"
+    for k, item in enumerate(data["candidates"], 1):
+        bad = [key for key, kind in TUNE_FIELDS.items() if not isinstance(item, dict) or
+               not isinstance(item.get(key), kind) or isinstance(item.get(key), bool) and
+               kind is not bool]
+        mesh = item.get("mesh") if isinstance(item, dict) else None
+        if not bad and not (all(isinstance(mesh.get(a), int) and not isinstance(
+                mesh.get(a), bool) for a in ("tp", "cp", "pp", "dp", "ep"))):
+            bad = ["mesh"]
+        if bad:
+            return None, (f"{path}: candidate {k} has no valid {bad[0]}; it is not what "
+                          f"planc tune --json writes")
+    return data["candidates"], None
+
+
 def main(args) -> int:
     from planc.build import plan_fingerprint
     from planc.files import write_atomically
@@ -75,6 +107,11 @@ def main(args) -> int:
         metrics, problem = _metrics(args.metrics)
         if problem:
             return fail(problem)
+    ranked = None
+    if args.tune:
+        ranked, problem = _tune(args.tune)
+        if problem:
+            return fail(problem)
     built, status = load_programs(args, verified=True)
     if built is None:
         return status
@@ -87,7 +124,7 @@ def main(args) -> int:
         if unchecked:
             print(f"planc: warning: {unchecked}", file=sys.stderr)
     result = simulate(built, keep_timeline=True)
-    page = report_html.render(built, result, metrics, unchecked=unchecked)
+    page = report_html.render(built, result, metrics, unchecked=unchecked, ranked=ranked)
     try:
         write_atomically(args.output, page.encode())
     except OSError as exc:

@@ -6,7 +6,8 @@ The search (docs/tune.md):
    sequence parallelism, recomputation), less those breaking the mesh's arithmetic;
 2. each one's plan, memory estimate (planc.memory) and lower bound on its step time
    (:mod:`planc.tune.bounds`): a candidate that does not fit is pruned;
-3. in the order of a rough estimate, best first: a candidate whose bound is no better
+3. the file's own layout first, when it is for ``gpus`` devices (so the best is never
+   predicted slower than what the file says), then in the order of a rough estimate: a candidate whose bound is no better
    than the K-th best step time simulated so far is pruned (it cannot enter the top K);
    the others go through planc's checker (the plan text with the candidate's settings,
    exactly as ``--set`` would give them) and, if it accepts them, are compiled and
@@ -27,7 +28,7 @@ from typing import Callable
 from planc import memory
 from planc.plan import Plan
 from planc.tune import bounds
-from planc.tune.space import ORDERS, Candidate, candidates, dominates, of_plan
+from planc.tune.space import DEFAULTS, ORDERS, Candidate, candidates, dominates, of_plan
 
 TUNE_FORMAT_VERSION = 1
 
@@ -96,7 +97,7 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
     candidates not yet simulated are counted as left, not simulated."""
     from planc.compile import compile_plan
     from planc.simulate import simulate
-    from planc.tune.plan_text import with_settings
+    from planc.tune.plan_text import with_settings, written_value
 
     start = time.perf_counter()
     search = Search(capacity=capacity if capacity is not None else
@@ -148,7 +149,11 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
         fitting.append(item)
         waiting.append((guess, bound, item, trial))
     waiting.sort(key=lambda w: (w[0], w[2].text()))
+    if plan.world == gpus:  # the file's own layout first: tune never ranks worse than it
+        search.considered += 1
+        waiting.insert(0, (0.0, 0.0, of_plan(plan), plan))
     seen: set[str] = set()
+    written = {key for key in DEFAULTS if written_value(source, key) is not None}
     for done, (_, bound, candidate, _) in enumerate(waiting):
         if progress is not None:
             progress("simulating", done, len(waiting))
@@ -159,7 +164,9 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
                 len(search.ranked) >= top:
             search.pruned["budget"] += 1
             continue
-        text = with_settings(source, {**candidate.settings(), **(topology or {})})
+        settings = {k: v for k, v in candidate.settings().items()
+                    if k in written or v != DEFAULTS[k]}
+        text = with_settings(source, {**settings, **(topology or {})})
         checked = check(text) if check is not None else None
         if checked is None:
             search.pruned["check"] += 1

@@ -34,6 +34,13 @@ MICROBATCH_SIZES = (1, 2, 4, 8)  # sequences per microbatch on one data-parallel
 CONTEXT = (1, 2, 4, 8)
 RECOMPUTE = ("none", "selective", "full")
 
+# The settings' values when a plan does not write them: a best plan leaves these out
+# unless its file wrote the key.
+DEFAULTS = {"mesh.tp": "1", "mesh.cp": "1", "mesh.pp": "1", "mesh.dp": "1", "mesh.ep": "1",
+            "mesh.order": f"[{', '.join(AXES)}]", "shard.pp.virtual": "1",
+            "schedule.microbatches": "1", "schedule.pipeline": "1f1b", "shard.dp.zero": "0",
+            "shard.tp.sequence_parallel": "off", "optimize.recompute": "none"}
+
 # --keep KEY: the dotted key of the plan (as --set writes it) -> the candidate's field.
 KEEPABLE = {"mesh.tp": "tp", "mesh.cp": "cp", "mesh.pp": "pp", "mesh.dp": "dp",
             "mesh.ep": "ep", "mesh.order": "order", "shard.pp.virtual": "virtual",

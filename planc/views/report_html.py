@@ -241,9 +241,30 @@ def _plan_text(plan) -> str:
             + "</div>")
 
 
+def _ranked(plan, ranked: list[dict]) -> str:
+    """The layouts ``planc tune`` ranked (its --json candidates), this plan's marked."""
+    from planc.tune.space import of_plan
+
+    mine = of_plan(plan).to_json()
+    rows = []
+    for k, c in enumerate(ranked, 1):
+        mesh = ", ".join(f"{a} {c['mesh'][a]}" for a in ("tp", "cp", "pp", "dp", "ep")
+                         if c["mesh"][a] > 1 or a == "dp")
+        this = all(c.get(key) == value for key, value in mine.items())
+        rows.append([f"{k}{' (this plan)' if this else ''}", mesh, ", ".join(c["order"]),
+                     f"{c['pipeline']}" + (f" v{c['virtual']}" if c["virtual"] > 1 else ""),
+                     c["microbatches"], c["zero"], "on" if c["sequence_parallel"] else "off",
+                     c["recompute"], format_quantity(c["step_seconds"], TIME),
+                     f"{c['tflops_per_gpu']:.1f}", format_share(c["mfu"]),
+                     f"{c['bubble']:.1%}", format_bytes(c["memory_bytes"])])
+    return _table(["#", "mesh", "order", "pipeline", "microbatches", "zero", "sp",
+                   "recompute", "step", "TFLOP/s", "MFU", "bubble", "memory"], rows)
+
+
 def render(build, result, metrics: list[dict] | None = None, warmup: int = 2,
-           unchecked: str | None = None) -> str:
-    """The page. ``unchecked``: why the metrics could not be checked against the build."""
+           unchecked: str | None = None, ranked: list[dict] | None = None) -> str:
+    """The page. ``unchecked``: why the metrics could not be checked against the build;
+    ``ranked``: the candidates of a planc tune --json, shown beside this plan."""
     plan = build.plan
     peak = max(result.stages, key=lambda s: s.memory_bytes)
     cards = _cards([
@@ -268,6 +289,7 @@ def render(build, result, metrics: list[dict] | None = None, warmup: int = 2,
         "<h2>Timeline of one step (simulated)</h2>", _timeline_svg(result),
         "<h2>Predicted and measured</h2>", _measured(plan, result, metrics, warmup,
                                                      unchecked),
+        *(["<h2>Layouts planc tune ranked</h2>", _ranked(plan, ranked)] if ranked else []),
         "<h2>The plan</h2>", _plan_text(plan),
     ]
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>planc '
