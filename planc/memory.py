@@ -157,7 +157,7 @@ def microbatches_in_flight(plan: Plan, stage: int) -> int:
                       plan.shard.pp.virtual)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1 << 16)
 def _in_flight(pipeline: str, stage: int, pp: int, microbatches: int, virtual: int) -> int:
     # A V schedule's count replays its order; planc tune asks for thousands of layouts.
     return schedules.named(pipeline).in_flight(stage, pp, microbatches, virtual)
@@ -189,7 +189,7 @@ def layers_in_flight(plan: Plan, stage: int) -> float:
                       sizes_of_chunks)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1 << 16)
 def _live_peak(pipeline: str, stage: int, pp: int, microbatches: int, virtual: int,
                sizes: tuple[int, ...]) -> int:
     live = peak = 0

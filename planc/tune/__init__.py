@@ -109,6 +109,7 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
     # the mesh order changes neither memory nor the bound nor the estimate
     known: dict[Candidate, tuple[bool, float, float]] = {}
     hopeless: dict[Candidate, bool] = {}
+    chunks_of: dict[tuple, tuple] = {}
     items = list(candidates(plan, gpus, keep))
     for index, item in enumerate(items):
         search.considered += 1
@@ -129,11 +130,11 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
             recompute=item.recompute if "optimize.recompute" in keep else "full")
         if lightest not in hopeless and search.capacity is not None:
             hopeless[lightest] = memory.estimate(bounds.plan_of(
-                plan, lightest, per_node)).peak.total_bytes > search.capacity
+                plan, lightest, per_node, chunks_of)).peak.total_bytes > search.capacity
         if hopeless.get(lightest):
             search.pruned["memory"] += 1
             continue
-        trial = bounds.plan_of(plan, item, per_node)
+        trial = bounds.plan_of(plan, item, per_node, chunks_of)
         same = dataclasses.replace(item, order=ORDERS[0])
         if same not in known:
             need = memory.estimate(trial)

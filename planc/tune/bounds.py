@@ -35,11 +35,16 @@ from planc.tune.space import Candidate
 RECOMPUTED_FORWARDS = {"none": 0.0, "selective": 0.0, "full": 1.0}
 
 
-def plan_of(base: Plan, c: Candidate, per_node: int) -> Plan:
+def plan_of(base: Plan, c: Candidate, per_node: int, chunks_of: dict | None = None) -> Plan:
     """``base`` with the candidate's choices, its layers in balanced chunks, on nodes of
-    ``per_node`` devices."""
+    ``per_node`` devices; ``chunks_of``: balanced chunks already found, by layout."""
     placement = named_schedule(c.pipeline).placement
-    chunks = balanced_chunks(base.model.layers, c.pp, c.virtual, placement)
+    key = (c.pp, c.virtual, placement.name)
+    chunks = None if chunks_of is None else chunks_of.get(key)
+    if chunks is None:
+        chunks = balanced_chunks(base.model.layers, c.pp, c.virtual, placement)
+        if chunks_of is not None:
+            chunks_of[key] = chunks
     shard = base.shard
     world = c.tp * c.cp * c.pp * c.dp
     topology = dataclasses.replace(base.topology, nodes=max(1, world // per_node),
