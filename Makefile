@@ -49,6 +49,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/parse.py
 	$(PY) bench/compile.py
+	$(PY) bench/limits.py
 	$(PY) bench/run.py
 	$(PY) bench/peers.py
 
