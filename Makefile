@@ -40,15 +40,17 @@ demo: $(STAMP) $(CORPUS)
 
 # The suite in up to 4 worker processes (pytest-xdist), a test file per worker at a time:
 # most tests wait on rank processes, torch's import or the disk, so even 2 cores gain
-# (14.5 -> 10.2 min here); a file's shared fixtures are built once.
+# (14.5 -> 10.2 min here); a file's shared fixtures are built once. Files start in the
+# order tests/conftest.py gives them (the longest first), not pytest-xdist's own.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 4 ? 4 : n )))
 
 test: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 bench: $(STAMP)
 	$(PY) bench/parse.py
 	$(PY) bench/compile.py
+	$(PY) bench/limits.py
 	$(PY) bench/run.py
 	$(PY) bench/peers.py
 

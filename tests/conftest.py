@@ -31,6 +31,34 @@ plan bad {
 }
 """
 
+# The files that take longest, longest first: `make test` (pytest-xdist, --dist loadfile
+# --no-loadscope-reorder) hands files to its workers in collection order, so a long file
+# collected last runs alone at the end while the other workers wait; longest first, the
+# end is a tail of short files. Seconds alone on 2 busy cores (load 3 to 11, 2026-11-26):
+# the --check matrix 470 (test_runtime.py, 92 runs), test_llama 211, test_checkpoint 112,
+# test_limits_compiled 106, test_signals 101, test_compile_cli 95, test_moe 94,
+# test_runtime_data_and_failures 70, test_launcher 59, test_moe_export 52,
+# test_damaged_builds, test_damaged_programs and test_damaged_checkpoints 40 each,
+# test_graph_page 37, test_simulate 30, test_hostile 26, test_runtime_comm 25. Every other
+# file follows, the most tests first (pytest-xdist's own order).
+LONGEST_FIRST = (
+    "test_runtime.py", "test_llama.py", "test_checkpoint.py", "test_limits_compiled.py",
+    "test_signals.py", "test_compile_cli.py", "test_moe.py", "test_runtime_data_and_failures.py",
+    "test_launcher.py", "test_moe_export.py", "test_damaged_builds.py",
+    "test_damaged_programs.py", "test_damaged_checkpoints.py", "test_graph_page.py",
+    "test_simulate.py", "test_hostile.py", "test_runtime_comm.py")
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """Files in the order of :data:`LONGEST_FIRST`, then by number of tests; the tests of
+    a file keep their order (a module's fixtures and its last tests rely on it)."""
+    counts: dict = {}
+    for item in items:
+        counts[item.path] = counts.get(item.path, 0) + 1
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: (first.get(item.path.name, len(first)), -counts[item.path],
+                                 str(item.path)))
+
 
 @pytest.fixture
 def run_planc():

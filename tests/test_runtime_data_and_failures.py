@@ -1,0 +1,270 @@
+"""planc run beyond the --check matrix (tests/test_runtime.py): a trace, the demo plan
+on its corpus, token files (read a step at a time, checked, refused once changed), and
+failures: a rank that raises, a transfer that never completes, two torchrun nodes, the
+CUDA backend without GPUs, a wrong result, bf16 without parameter checks, an unwritable
+output path."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from planc.cli import main  # noqa: E402
+from tests.conftest import PLANS, ROOT  # noqa: E402
+from tests.runtime_matrix import MATRIX, plan_text, run  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def test_gpt_tiny_with_adamw_and_a_trace(tmp_path, capfd):
+    trace = tmp_path / "trace.json"
+    status, err = run([PLANS / "gpt-tiny.plan", "-o", tmp_path / "b", "--steps", "2",
+                       "--check", "--trace", trace], capfd)
+    assert status == 0, err
+    assert "step 2/2" in err and "every loss and parameter matches" in err
+    events = json.loads(trace.read_text())["traceEvents"]
+    processes = {e["pid"] for e in events if e["ph"] == "X"}
+    assert processes == set(range(8))
+    names = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert {"compute", "comm", "send_next", "recv_next", "recv_prev", "send_prev"} <= names
+    kinds = {e["name"].split(":")[-1] for e in events if e["ph"] == "X" and ":" in e["name"]}
+    assert {"all_reduce@tp", "send@pp", "recv@pp", "reduce_scatter@dp_cp",
+            "all_gather@dp_cp"} <= kinds
+    # A flow arrow from every pipeline send to its receive on the peer rank: 2 steps x 4
+    # microbatches x 2 directions on each of the 4 pipeline pairs.
+    starts = {e["id"]: e for e in events if e["ph"] == "s"}
+    finishes = {e["id"]: e for e in events if e["ph"] == "f"}
+    assert len(starts) == len(finishes) == 2 * 4 * 2 * 4 and set(starts) == set(finishes)
+    assert all(starts[i]["pid"] != finishes[i]["pid"] for i in starts)
+
+
+def test_the_demo_plan_learns_the_corpus_exactly_like_one_process(tmp_path, capfd):
+    """make demo's run, 16 of its 40 steps: plans/demo.plan on the corpus of make corpus.
+    Uniform random tokens (the synthetic data) keep the loss at ln(vocab) whatever the
+    model learns; the stories have structure, so the loss falls by more than 1.5."""
+    from planc.tools.corpus import main as make_corpus
+
+    corpus = tmp_path / "tiny-corpus.tokens"
+    assert make_corpus(["-o", str(corpus)]) == 0
+    metrics = tmp_path / "metrics.jsonl"
+    status, err = run([PLANS / "demo.plan", "-o", tmp_path / "b", "--set",
+                       f'train.data="{corpus}"', "--steps", "16", "--check",
+                       "--metrics", metrics, "--timeout", "60"], capfd)
+    assert status == 0, err
+    assert "check: 16 steps and 53 parameters on each of 2 replicas against the " \
+           "single-process run (relative tolerance 1e-05): every loss and parameter " \
+           "matches" in err
+    loss = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert len(loss) == 16
+    assert loss[0] == pytest.approx(math.log(1024), abs=0.05)  # an untrained model
+    assert loss[-1] < loss[0] - 1.5
+
+
+def test_data_from_a_file_of_uint16_tokens(tmp_path, capfd):
+    tokens = torch.randint(0, 128, (1000,), generator=torch.Generator().manual_seed(1))
+    (tmp_path / "tokens.bin").write_bytes(b"".join(int(t).to_bytes(2, "little")
+                                                   for t in tokens))
+    text = plan_text("file_data", mesh="tp = 2").replace(
+        "seed = 3 }", 'seed = 3; data = "tokens.bin" }')
+    (tmp_path / "f.plan").write_text(text)
+    status, err = run([tmp_path / "f.plan", "-o", tmp_path / "b", "--check"], capfd)
+    assert status == 0, err
+
+
+def test_a_data_file_that_changed_after_compile_is_refused_before_any_rank_starts(
+        tmp_path, capfd):
+    text = plan_text("file_data").replace("seed = 3 }", 'seed = 3; data = "tokens.bin" }')
+    (tmp_path / "f.plan").write_text(text)
+    assert main(["compile", str(tmp_path / "f.plan"), "-o", str(tmp_path / "b")]) == 0
+    assert "data file 'tokens.bin' does not exist (yet)" in capfd.readouterr().err
+    tokens = tmp_path / "tokens.bin"
+    status, err = run([tmp_path / "b"], capfd)
+    assert (status, err) == (1, f"planc: error: data file {tokens} does not exist; nothing "
+                                f"was run\n")
+    tokens.write_bytes(b"".join(t.to_bytes(2, "little") for t in [5] * 40 + [300] + [5] * 9))
+    status, err = run([tmp_path / "b"], capfd)
+    assert (status, err) == (1, f"planc: error: data file {tokens} holds token id 300 (token "
+                                f"40 of the file), not below vocab = 128; nothing was run\n")
+    assert not (tmp_path / "b" / "logs").exists()
+
+
+def test_a_data_file_is_read_a_step_at_a_time_and_each_batch_checked(tmp_path):
+    from planc.lang import load_text
+    from planc.runtime.data import DataError, batch_tokens
+
+    tokens = tmp_path / "tokens.bin"
+    values = list(range(100))
+    tokens.write_bytes(b"".join(t.to_bytes(2, "little") for t in values))
+    text = plan_text("file_data").replace("seed = 3 }", f'seed = 3; data = "{tokens}" }}')
+    plan = load_text(text).plan
+    values[86] = 500  # written after the check: beyond vocab, and only in step 1's batch
+    tokens.write_bytes(b"".join(t.to_bytes(2, "little") for t in values))
+    first = batch_tokens(plan, 0)
+    assert first.shape == (8, 17) and first.dtype == torch.int64
+    # 100 tokens hold 84 sample starts: sample j starts at token (17 j) mod 84
+    assert [int(row[0]) for row in first] == [17 * j % 84 for j in range(8)]
+    assert first[5].tolist() == list(range(1, 18))
+    with pytest.raises(DataError) as caught:
+        batch_tokens(plan, 1)
+    assert str(caught.value) == (f"data file {tokens} holds token id 500 in the batch of "
+                                 f"step 1, not below vocab = 128")
+    tokens.write_bytes(b"\x01\x00" * 10)
+    with pytest.raises(DataError) as caught:
+        batch_tokens(plan, 0)
+    assert str(caught.value) == (f"data file {tokens} no longer holds one sample (seq + 1 = "
+                                 f"17 tokens)")
+    tokens.unlink()
+    with pytest.raises(DataError) as caught:
+        batch_tokens(plan, 0)
+    assert str(caught.value) == (f"data file {tokens} cannot be read for step 0 (No such "
+                                 f"file or directory)")
+
+
+# --- failures ---------------------------------------------------------------------------------
+
+
+def _compiled(tmp_path, name: str, capfd) -> Path:
+    plan = tmp_path / f"{name}.plan"
+    plan.write_text(plan_text(name, **MATRIX[name]))
+    assert main(["compile", str(plan), "-o", str(tmp_path / "b")]) == 0
+    capfd.readouterr()
+    return tmp_path / "b"
+
+
+def _edit(directory: Path, name: str, change) -> None:
+    path = directory / "programs" / name
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def test_a_rank_that_raises_brings_the_run_down_with_its_traceback(tmp_path, capfd):
+    build = _compiled(tmp_path, "pp-1f1b-uneven", capfd)
+
+    def misorder(data):  # stage 1 runs a backward step before its input gradient exists
+        block = data["blocks"]["B1"]
+        steps = [i for i, x in enumerate(block) if x["op"] == "compute"]
+        block[steps[0]], block[steps[3]] = block[steps[3]], block[steps[0]]
+
+    _edit(build, "stage1.json", misorder)
+    status, err = run([build, "--no-verify", "--timeout", "60"], capfd)
+    assert status == 1
+    assert "planc: rank 1 exited with status 1" in err
+    assert "planc: traceback of rank 1, the first to fail:" in err
+    assert "KeyError: ('B/final_ln', 0)" in err
+
+
+def test_a_transfer_that_never_completes_makes_every_rank_report(tmp_path, capfd):
+    build = _compiled(tmp_path, "pp-1f1b-uneven", capfd)
+    _edit(build, "stage0.json", lambda data: data["blocks"].update(
+        F0=[x for x in data["blocks"]["F0"] if x["op"] != "send"]))
+    assert main(["verify", str(build)]) == 1  # the verifier would have refused it
+    capfd.readouterr()
+    status, err = run([build, "--no-verify", "--timeout", "3"], capfd)
+    assert status == 1
+    # The run ended on the watchdog's event at the 3 s given, not on a clock of this test
+    # (which a busy machine's start-up of torch could pass): its report says so.
+    assert "rank 1 (stage 1, tp 0, cp 0, dp 0) made no progress for 3 s in step 0; its " \
+           "streams wait on:" in err
+    assert "  recv_prev: #0 recv F/c0>c1:recv@pp (microbatch 0): receive from rank 0 (pp)" in err
+    assert "rank 0 (stage 0, tp 0, cp 0, dp 0)" in err
+    assert "recv_next: #" in err and "receive from rank 1 (pp)" in err
+
+
+# --- a cluster launch -----------------------------------------------------------------------
+
+
+def test_two_torchrun_nodes_on_localhost_form_one_world(tmp_path, capfd):
+    plan = tmp_path / "four.plan"
+    plan.write_text(plan_text("four", mesh="tp = 2; pp = 2", m=2))
+    assert main(["compile", str(plan), "-o", str(tmp_path / "four")]) == 0
+    capfd.readouterr()
+    port = str(29000 + os.getpid() % 1000)
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+         str(i), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port,
+         "-m", "planc.runtime.worker", str(tmp_path / "four"), "--check"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}) for i in (0, 1)]
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    assert "every loss and parameter matches" in outputs[0][1]
+
+
+# --- GPUs -------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA devices")
+def test_nccl_with_cuda_streams(tmp_path, capfd):  # pragma: no cover - no GPU here
+    plan = tmp_path / "cuda.plan"
+    plan.write_text(plan_text("cuda", mesh="tp = 2", m=2))
+    status, err = run([plan, "-o", tmp_path / "b", "--check", "--backend", "nccl"], capfd)
+    assert status == 0, err
+
+
+def test_cuda_backend_refused_cleanly_without_gpus(tmp_path, capfd):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    plan = tmp_path / "p.plan"
+    plan.write_text(plan_text("p", mesh="tp = 2"))
+    status, err = run([plan, "-o", tmp_path / "b", "--backend", "nccl"], capfd)
+    assert status == 1  # this machine cannot do it (README, "Exit status")
+    assert "the nccl backend needs a GPU per rank" in err
+    shutil.rmtree(tmp_path / "b")
+
+
+def test_check_reports_a_wrong_result_per_parameter(tmp_path, capfd):
+    build = _compiled(tmp_path, "tp-megatron", capfd)
+    graph = json.loads((build / "graph.json").read_text())
+    for node in graph["nodes"]:  # a sum that became a max: wrong numbers, no crash
+        if node["id"] == "F/L1/fc2>mlp_residual:all_reduce@tp":
+            node["reduce_op"] = "max"
+    (build / "graph.json").write_text(json.dumps(graph))
+    # the program is what runs: its operands say the same (the verifier checks they agree)
+    program = json.loads((build / "programs" / "stage0.json").read_text())
+    for block in program["blocks"].values():
+        for instruction in block:
+            if instruction.get("node") == "F/L1/fc2>mlp_residual:all_reduce@tp":
+                instruction["operands"]["reduce_op"] = "max"
+    (build / "programs" / "stage0.json").write_text(json.dumps(program))
+    status, err = run([build, "--check"], capfd)
+    assert status == 1
+    assert "against the single-process run (relative tolerance 1e-05): FAILED" in err
+    assert "MISMATCH" in err
+    assert "layers.1.fc2.weight: largest difference" in err
+    assert "planc: rank 0 exited with status 1" in err
+
+
+def test_bf16_with_adamw_compares_losses_and_says_why_not_parameters(tmp_path, capfd):
+    text = plan_text("half", mesh="tp = 2", model="; dtype = bf16").replace(
+        "sgd(lr = 0.5, momentum = 0.9)", "adamw(lr = 0.01)")
+    (tmp_path / "h.plan").write_text(text)
+    status, err = run([tmp_path / "h.plan", "-o", tmp_path / "b", "--check"], capfd)
+    assert status == 0, err
+    assert ("check: 2 steps and no parameters (bf16/fp16 with AdamW, see below) against the "
+            "single-process run (relative tolerance 0.02): every loss matches.") in err
+
+
+@pytest.mark.parametrize("flag", ["--metrics", "--trace"])
+def test_an_unwritable_output_path_is_refused_before_anything_runs(flag, tmp_path, capfd):
+    plan = tmp_path / "p.plan"
+    plan.write_text(plan_text("p"))
+    status, err = run([plan, "-o", tmp_path / "b", flag, tmp_path / "missing" / "m.json"], capfd)
+    assert status == 1
+    assert err == (f"planc: error: {flag} {tmp_path / 'missing' / 'm.json'}: cannot write "
+                   f"there ({tmp_path / 'missing'} is not a writable directory)\n")
+    assert not (tmp_path / "b").exists()
+    status, err = run([plan, "-o", tmp_path / "b", flag, tmp_path], capfd)
+    assert status == 1
+    assert err == f"planc: error: {flag} {tmp_path}: is a directory; name a file\n"
+
