@@ -51,8 +51,9 @@ def main() -> int:
         own = of_plan(plan)
         published = next(r for r in search.ranked if r.candidate == own)
         best = search.best
-        print(f"| {name} | {gpus:,} | {own.text()} | {published.step_seconds:.2f} s | "
-              f"{best.candidate.text()} | {best.step_seconds:.2f} s | "
+        cell = lambda c: c.text().replace(" | ", "; ")  # noqa: E731 (a table's cell)
+        print(f"| {name} | {gpus:,} | {cell(own)} | {published.step_seconds:.2f} s | "
+              f"{cell(best.candidate)} | {best.step_seconds:.2f} s | "
               f"{published.step_seconds / best.step_seconds:.2f}x | {search.seconds:.0f} s, "
               f"{search.simulated} simulated |", flush=True)
     return 0
