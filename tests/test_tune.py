@@ -40,7 +40,8 @@ def _exhaustive(plan, source: str, gpus: int, capacity: float) -> list[tuple[flo
     for item in candidates(plan, gpus, KEEP):
         if isinstance(item, str):
             continue
-        checked = _check(with_settings(source, item.settings()))
+        checked = _check(with_settings(source, {
+            **item.settings(), "shard.pp.stages": bounds.stages_setting(plan, item)}))
         if checked is None or memory.estimate(checked).peak.total_bytes > capacity:
             continue
         out.append((simulate(compile_plan(checked)).step_seconds, item))
@@ -83,7 +84,8 @@ def test_the_best_plan_written_checks_compiles_and_simulates_to_its_step(tmp_pat
     assert status == 0
     assert result["format"] == "planc-tune" and result["version"] == 1
     assert set(result["best"]) == {"mesh", "order", "virtual", "microbatches", "pipeline",
-                                   "zero", "sequence_parallel", "recompute", "step_seconds",
+                                   "zero", "sequence_parallel", "recompute", "stages",
+                                   "step_seconds",
                                    "tflops_per_gpu", "mfu", "bubble", "exposed_seconds",
                                    "memory_bytes", "plan"}
     assert result["searched"] == result["simulated"] + sum(result["pruned"].values())
@@ -118,7 +120,8 @@ def test_a_file_written_for_other_devices_is_tuned_for_these(tmp_path, capsys):
     (["--gpus", "4", "--keep", "mesh.xp"],
      "planc: error: --keep mesh.xp: not a choice tune makes; it can keep mesh.tp, mesh.cp, "
      "mesh.pp, mesh.dp, mesh.ep, mesh.order, shard.pp.virtual, schedule.microbatches, "
-     "schedule.pipeline, shard.dp.zero, shard.tp.sequence_parallel, optimize.recompute"),
+     "schedule.pipeline, shard.dp.zero, shard.tp.sequence_parallel, optimize.recompute, "
+     "shard.pp.stages"),
     (["--gpus", "6"], "planc: error: --gpus 6 does not fill whole nodes of 4 devices (the "
                       "topology's devices_per_node); try --gpus 4 or 8"),
     (["--gpus", "4", "--memory", "0"],
@@ -164,3 +167,31 @@ def test_the_report_of_the_best_plan_shows_the_runner_ups(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (
         f"planc: error: {ranked}: candidate 1 has no valid mesh; it is not what planc tune "
         f"--json writes")
+
+
+def test_uneven_layer_ranges_are_searched_where_the_chunks_cannot_be_equal():
+    """6 layers over 4 stages: stages = auto counts the embedding and the head as a layer
+    each ([0..0, 1..2, 3..4, 5..5]: the middle stages take the extra layers); "even"
+    spreads the layers alone, the lower stages first ([0..1, 2..3, 4..4, 5..5]); the
+    file's own ranges are kept for its own layout; all three are simulated."""
+    text = SMALL.replace("layers = 4", "layers = 6").replace(
+        "schedule { microbatches = 2 }",
+        "schedule { microbatches = 2 }\n  shard { pp { stages = [0..1, 2..2, 3..4, 5..5] } }"
+    ).replace("mesh { dp = 4 }", "mesh { pp = 4 }")
+    plan = load_text(text).plan
+    found = [c for c in candidates(plan, 4, ("mesh.pp", "schedule.pipeline",
+                                             "schedule.microbatches", "shard.dp.zero",
+                                             "optimize.recompute", "mesh.cp", "mesh.tp"))
+             if not isinstance(c, str)]
+    assert sorted(c.stages for c in found) == ["auto", "even"]
+    settings = {c.stages: bounds.stages_setting(plan, c) for c in found}
+    assert settings == {"auto": "auto", "even": "[0..1, 2..3, 4..4, 5..5]"}
+    assert bounds.chunks_for(plan, next(c for c in found if c.stages == "auto")) == \
+        ((0, 0), (1, 2), (3, 4), (5, 5))
+    even = next(c for c in found if c.stages == "even")
+    assert load_text(with_settings(text, {"shard.pp.stages": settings["even"]})).ok
+    search = tune(plan, text, 4, top=3, keep=("mesh.pp", "schedule.pipeline"),
+                  check=_check, per_node=4)
+    own = [r for r in search.ranked if r.candidate.stages == "file"]
+    assert [r.plan.shard.pp.chunks for r in own] == [((0, 1), (2, 2), (3, 4), (5, 5))]
+    assert even in {r.candidate for r in search.ranked}

@@ -50,8 +50,6 @@ def topology_settings(source: str, per_node: int, gpus: int) -> dict[str, str] |
     if written_value(source, "topology.devices_per_node") is not None or \
             per_node == gpus and has_nodes:
         settings["topology.devices_per_node"] = str(per_node)
-    if written_value(source, "shard.pp.stages") is not None:
-        settings["shard.pp.stages"] = "auto"
     return settings
 
 

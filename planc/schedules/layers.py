@@ -38,18 +38,20 @@ def fewest_layers(pp: int, virtual: int) -> int:
     return max(chunks - 2, 1)
 
 
-def balanced_chunks(layers: int, pp: int, virtual: int, placement: Placement = LOOP
-                    ) -> Chunks:
+def balanced_chunks(layers: int, pp: int, virtual: int, placement: Placement = LOOP,
+                    ends: int = EMBEDDING_WORK) -> Chunks:
     """The chunks of ``stages = auto``, in chunk order (see the module's docstring), on
     the ranks ``placement`` puts them (round-robin, or a V: the head on rank 0).
+    ``ends``: the layers' work the embedding and the head each count for (0: the layers
+    alone, spread evenly, the lower ranks first; planc tune tries it).
     Needs ``layers >= fewest_layers(pp, virtual)``."""
     count = pp * virtual
     base, extra = divmod(layers, count)
     sizes = [base] * count
     rank_of = [placement.stage_of_chunk(c, pp, virtual) for c in range(count)]
     work = [virtual * base for _ in range(pp)]
-    work[rank_of[0]] += EMBEDDING_WORK
-    work[rank_of[-1]] += HEAD_WORK
+    work[rank_of[0]] += ends
+    work[rank_of[-1]] += ends
     ends = (0, count - 1)
     preference = {s: [c for c in range(count) if rank_of[c] == s and c not in ends]
                   + [c for c in ends if rank_of[c] == s] for s in range(pp)}

@@ -165,8 +165,10 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
                 len(search.ranked) >= top:
             search.pruned["budget"] += 1
             continue
-        settings = {k: v for k, v in candidate.settings().items()
-                    if k in written or v != DEFAULTS[k]}
+        settings = {**candidate.settings(),
+                    "shard.pp.stages": bounds.stages_setting(plan, candidate)}
+        settings = {k: v for k, v in settings.items()
+                    if v is not None and (k in written or v != DEFAULTS[k])}
         text = with_settings(source, {**settings, **(topology or {})})
         checked = check(text) if check is not None else None
         if checked is None:

@@ -26,7 +26,7 @@ from planc.graph.model import Shapes
 from planc.models import family_of
 from planc.plan import DataParallel, Mesh, Optimize, PipelineParallel, Plan, Schedule
 from planc.schedules import named as named_schedule
-from planc.schedules.layers import balanced_chunks
+from planc.schedules.layers import EMBEDDING_WORK, balanced_chunks, range_text
 from planc.tune.space import Candidate
 
 # The forward's FLOPs again, per recomputation: full recomputes every block's forward,
@@ -35,16 +35,26 @@ from planc.tune.space import Candidate
 RECOMPUTED_FORWARDS = {"none": 0.0, "selective": 0.0, "full": 1.0}
 
 
+def chunks_for(base: Plan, c: Candidate, chunks_of: dict | None = None) -> tuple:
+    """The candidate's layer ranges: the file's own, or balanced (``stages = auto``),
+    or the layers alone spread evenly (``even``); ``chunks_of``: those found already."""
+    if c.stages == "file":
+        return base.shard.pp.chunks
+    placement = named_schedule(c.pipeline).placement
+    key = (c.pp, c.virtual, placement.name, c.stages)
+    chunks = None if chunks_of is None else chunks_of.get(key)
+    if chunks is None:
+        chunks = balanced_chunks(base.model.layers, c.pp, c.virtual, placement,
+                                 ends=0 if c.stages == "even" else EMBEDDING_WORK)
+        if chunks_of is not None:
+            chunks_of[key] = chunks
+    return chunks
+
+
 def plan_of(base: Plan, c: Candidate, per_node: int, chunks_of: dict | None = None) -> Plan:
     """``base`` with the candidate's choices, its layers in balanced chunks, on nodes of
     ``per_node`` devices; ``chunks_of``: balanced chunks already found, by layout."""
-    placement = named_schedule(c.pipeline).placement
-    key = (c.pp, c.virtual, placement.name)
-    chunks = None if chunks_of is None else chunks_of.get(key)
-    if chunks is None:
-        chunks = balanced_chunks(base.model.layers, c.pp, c.virtual, placement)
-        if chunks_of is not None:
-            chunks_of[key] = chunks
+    chunks = chunks_for(base, c, chunks_of)
     shard = base.shard
     world = c.tp * c.cp * c.pp * c.dp
     topology = dataclasses.replace(base.topology, nodes=max(1, world // per_node),
@@ -53,7 +63,9 @@ def plan_of(base: Plan, c: Candidate, per_node: int, chunks_of: dict | None = No
         base, mesh=Mesh(c.tp, c.cp, c.pp, c.dp, c.order, c.ep), topology=topology,
         shard=dataclasses.replace(
             shard, tp=dataclasses.replace(shard.tp, sequence_parallel=c.sequence_parallel),
-            pp=PipelineParallel(chunks, c.virtual), dp=DataParallel(c.zero)),
+            pp=PipelineParallel(chunks, c.virtual, c.stages == "auto" or
+                                c.stages == "file" and base.shard.pp.auto),
+            dp=DataParallel(c.zero)),
         schedule=Schedule(c.microbatches, c.pipeline),
         optimize=dataclasses.replace(base.optimize, recompute=c.recompute))
 
@@ -144,3 +156,14 @@ class Estimator:
                 reduce *= micro * (1.5 if plan.shard.dp.zero == 3 else 0.5)
             comm += max(0.0, reduce - each)
         return compute + comm
+
+
+def stages_setting(base: Plan, c: Candidate) -> str | None:
+    """``shard.pp.stages`` as the candidate's plan writes it: None to leave the file's,
+    ``auto``, or the ranges of ``even``."""
+    if c.stages == "file":
+        return None
+    if c.stages == "auto":
+        return "auto"
+    chunks = chunks_for(base, c)
+    return "[" + ", ".join(range_text(chunks, k) for k in range(len(chunks))) + "]"

@@ -39,14 +39,15 @@ RECOMPUTE = ("none", "selective", "full")
 DEFAULTS = {"mesh.tp": "1", "mesh.cp": "1", "mesh.pp": "1", "mesh.dp": "1", "mesh.ep": "1",
             "mesh.order": f"[{', '.join(AXES)}]", "shard.pp.virtual": "1",
             "schedule.microbatches": "1", "schedule.pipeline": "1f1b", "shard.dp.zero": "0",
-            "shard.tp.sequence_parallel": "off", "optimize.recompute": "none"}
+            "shard.tp.sequence_parallel": "off", "optimize.recompute": "none",
+            "shard.pp.stages": "auto"}
 
 # --keep KEY: the dotted key of the plan (as --set writes it) -> the candidate's field.
 KEEPABLE = {"mesh.tp": "tp", "mesh.cp": "cp", "mesh.pp": "pp", "mesh.dp": "dp",
             "mesh.ep": "ep", "mesh.order": "order", "shard.pp.virtual": "virtual",
             "schedule.microbatches": "microbatches", "schedule.pipeline": "pipeline",
             "shard.dp.zero": "zero", "shard.tp.sequence_parallel": "sequence_parallel",
-            "optimize.recompute": "recompute"}
+            "optimize.recompute": "recompute", "shard.pp.stages": "stages"}
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,9 @@ class Candidate:
     zero: int
     sequence_parallel: bool
     recompute: str
+    # layer ranges: "auto" (the embedding and head counted as a layer each), "even" (the
+    # layers alone spread evenly), or "file" (the file's own explicit stages)
+    stages: str = "auto"
 
     def settings(self) -> dict[str, str]:
         """The candidate as ``--set`` keys and values (what it changes in the file)."""
@@ -86,7 +90,8 @@ class Candidate:
         pipe = self.pipeline + (f" v{self.virtual}" if self.virtual > 1 else "") + \
             f" m {self.microbatches}"
         extra = [f"zero {self.zero}"] + (["sp"] if self.sequence_parallel else []) + \
-            ([f"recompute {self.recompute}"] if self.recompute != "none" else [])
+            ([f"recompute {self.recompute}"] if self.recompute != "none" else []) + \
+            ([f"stages {self.stages}"] if self.stages != "auto" else [])
         return f"{mesh} | {pipe} | {' '.join(extra)}"
 
     def to_json(self) -> dict:
@@ -94,7 +99,7 @@ class Candidate:
                          "ep": self.ep}, "order": list(self.order), "virtual": self.virtual,
                 "microbatches": self.microbatches, "pipeline": self.pipeline,
                 "zero": self.zero, "sequence_parallel": self.sequence_parallel,
-                "recompute": self.recompute}
+                "recompute": self.recompute, "stages": self.stages}
 
 
 RECOMPUTE_RANK = {name: rank for rank, name in enumerate(RECOMPUTE)}
@@ -121,7 +126,7 @@ def of_plan(plan: Plan) -> Candidate:
                      tuple(plan.mesh.order), plan.shard.pp.virtual,
                      plan.schedule.microbatches, plan.schedule.pipeline,
                      plan.shard.dp.zero, plan.shard.tp.sequence_parallel,
-                     plan.optimize.recompute)
+                     plan.optimize.recompute, "auto" if plan.shard.pp.auto else "file")
 
 
 def _divisors(n: int) -> list[int]:
@@ -152,6 +157,9 @@ def candidates(plan: Plan, gpus: int, keep: tuple[str, ...] = ()
                 yield "cp does not divide the devices or the sequence"
                 continue
             for pp in values("pp", _divisors(gpus // (tp * cp))):
+                if (gpus // (tp * cp)) % pp:
+                    yield "pp does not divide the devices"
+                    continue
                 dp = gpus // (tp * cp * pp)
                 if "dp" in fixed and fixed["dp"] != dp or m.batch % dp:
                     yield "dp does not divide the batch"
@@ -177,13 +185,18 @@ def _schedules(plan: Plan, fixed: dict, values, tp: int, cp: int, pp: int, dp: i
                 if pp * virtual > plan.model.layers + 2:
                     yield "more chunks than layers"
                     continue
+                # uneven ranges differ from auto's only where the chunks cannot be equal
+                ranges = values("stages", ("auto", "even") if pp > 1 and
+                                plan.model.layers % (pp * virtual) else ("auto",))
                 for m in values("microbatches", [per_dp // s for s in sizes]):
                     if per_dp % m:
                         yield "microbatches do not divide the batch per dp rank"
                         continue
-                    for sp in sps:
-                        # lightest first: what heavier settings add (planc.tune.dominated)
-                        for recompute in values("recompute", RECOMPUTE):
-                            for zero in zeros:
-                                yield Candidate(tp, cp, pp, dp, ep, tuple(order), virtual,
-                                                m, pipeline, zero, sp, recompute)
+                    for stages in ranges:
+                        for sp in sps:
+                            # lightest first: what heavier settings add (dominates)
+                            for recompute in values("recompute", RECOMPUTE):
+                                for zero in zeros:
+                                    yield Candidate(tp, cp, pp, dp, ep, tuple(order),
+                                                    virtual, m, pipeline, zero, sp,
+                                                    recompute, stages)
