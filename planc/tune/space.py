@@ -140,7 +140,7 @@ def candidates(plan: Plan, gpus: int, keep: tuple[str, ...] = ()
     plan's values."""
     m, per_node = plan.model, plan.topology.devices_per_node
     fixed = {KEEPABLE[k]: getattr(of_plan(plan), KEEPABLE[k]) for k in keep}
-    experts = getattr(m, "experts", 0) if plan.model.family == "moe" else 0
+    experts = getattr(m, "experts", 0)  # a family with routed experts says how many
 
     def values(name: str, options) -> list:
         return [fixed[name]] if name in fixed else list(options)
