@@ -137,12 +137,15 @@ def _before_planc(trial: Trial, text: str) -> bool:
     """Python's own start-up, before the first line of planc runs: the .pth files of
     site-packages (its ``site`` module), then, for ``python -m planc``, finding the
     package. A SIGINT then is a KeyboardInterrupt raised in Python's code, which prints its
-    traceback and exits with 1; planc's first line installs a handler (planc/__main__.py),
-    so such a traceback has no frame of planc's. Only in the first moments, where the
-    first trial sends its signal (at 0 s; the next comes a whole step later)."""
+    traceback and exits with 1, or, once Python's main has started (runpy importing the
+    package), by SIGINT itself (CPython re-raises it so that its parent sees the signal:
+    status -2); planc's first line installs a handler (planc/__main__.py), so such a
+    traceback has no frame of planc's. Only in the first moments, where the first trial
+    sends its signal (at 0 s; the next comes a whole step later)."""
     tail = text.split("Traceback", 1)[-1]
-    return (trial.moment == 0 and trial.status == 1 and tail.rstrip().endswith(
-        "KeyboardInterrupt") and f'File "{ROOT / "planc"}' not in tail)
+    return (trial.moment == 0 and trial.status in (1, -signal.SIGINT) and
+            tail.rstrip().endswith("KeyboardInterrupt") and
+            f'File "{ROOT / "planc"}' not in tail)
 
 
 def _interrupted_problems(trials: list[Trial]) -> list[str]:
