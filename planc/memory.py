@@ -227,7 +227,15 @@ def stage_activation_bytes(plan: Plan, stage: int) -> tuple[float, int]:
     return total, in_flight
 
 
-def estimate(plan: Plan) -> MemoryEstimate:
+def stage_activations(plan: Plan) -> tuple[tuple[float, int], ...]:
+    """Every stage's :func:`stage_activation_bytes`: what ZeRO does not change."""
+    return tuple(stage_activation_bytes(plan, stage) for stage in range(plan.mesh.pp))
+
+
+def estimate(plan: Plan, activations: tuple[tuple[float, int], ...] | None = None
+             ) -> MemoryEstimate:
+    """``activations``: :func:`stage_activations` of ``plan``, if known (planc tune
+    estimates the ZeRO stages of one layout with them)."""
     mesh, zero = plan.mesh, plan.shard.dp.zero
     replicas = mesh.dp * mesh.cp
     expert_replicas = mesh.tp * replicas // mesh.ep
@@ -240,8 +248,9 @@ def estimate(plan: Plan) -> MemoryEstimate:
         dense = model_state_bytes(params, plan.model.dtype_bytes, k, zero, replicas)
         split = model_state_bytes(experts, plan.model.dtype_bytes, k, zero, expert_replicas)
         p, g, o = (a + b for a, b in zip(dense, split))
-        activations, in_flight = stage_activation_bytes(plan, stage)
-        stages.append(StageMemory(stage, params + experts, p, g, o, activations, in_flight))
+        held, in_flight = activations[stage] if activations is not None else \
+            stage_activation_bytes(plan, stage)
+        stages.append(StageMemory(stage, params + experts, p, g, o, held, in_flight))
     return MemoryEstimate(tuple(stages), plan.topology.device.memory)
 
 

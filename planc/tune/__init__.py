@@ -110,6 +110,13 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
     known: dict[Candidate, tuple[bool, float, float]] = {}
     hopeless: dict[Candidate, bool] = {}
     chunks_of: dict[tuple, tuple] = {}
+    activations: dict[Candidate, tuple] = {}  # ZeRO does not change them
+
+    def activations_of(candidate: Candidate, trial: Plan) -> tuple:
+        key = dataclasses.replace(candidate, zero=0)
+        if key not in activations:
+            activations[key] = memory.stage_activations(trial)
+        return activations[key]
     items = list(candidates(plan, gpus, keep))
     for index, item in enumerate(items):
         search.considered += 1
@@ -129,15 +136,16 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
             zero=item.zero if "shard.dp.zero" in keep else 3 if item.dp * item.cp > 1 else 0,
             recompute=item.recompute if "optimize.recompute" in keep else "full")
         if lightest not in hopeless and search.capacity is not None:
-            hopeless[lightest] = memory.estimate(bounds.plan_of(
-                plan, lightest, per_node, chunks_of)).peak.total_bytes > search.capacity
+            light = bounds.plan_of(plan, lightest, per_node, chunks_of)
+            hopeless[lightest] = memory.estimate(light, activations_of(
+                lightest, light)).peak.total_bytes > search.capacity
         if hopeless.get(lightest):
             search.pruned["memory"] += 1
             continue
         trial = bounds.plan_of(plan, item, per_node, chunks_of)
         same = dataclasses.replace(item, order=ORDERS[0])
         if same not in known:
-            need = memory.estimate(trial)
+            need = memory.estimate(trial, activations_of(same, trial))
             fits = search.capacity is None or need.peak.total_bytes <= search.capacity
             bound = estimator.lower_bound(trial) if fits else 0.0
             params = max(s.parameters for s in need.stages)
