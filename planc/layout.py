@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from math import prod
 
-from planc.mesh import GROUPS, LAYOUT_GROUPS, RankMesh
+from planc.mesh import GROUPS, LAYOUT_GROUPS, RankMesh, expert_cut
 from planc.plan import Mesh, Plan
 
 # The groups planc layout --json lists, by the mesh axes along which members differ.
@@ -90,10 +90,7 @@ class Layout:
             return members
         if ep == 1:
             return (rank,)
-        place = members.index(rank)
-        if cut == "across":
-            return members[place % ep::ep]
-        return members[place - place % ep:place - place % ep + ep]
+        return next(piece for piece in expert_cut(members, ep, cut) if rank in piece)
 
     def groups(self, axis: str) -> list[tuple[int, ...]]:
         """Every group of ``axis`` (or "stage"), ordered by smallest member; they partition
@@ -103,10 +100,8 @@ class Layout:
             return self.ranks.groups(axis)
         if ep == 1:
             return [(r,) for r in range(self.world)]
-        out = []
-        for stage in self.ranks.groups("stage"):
-            out += [stage[i::ep] for i in range(ep)] if cut == "across" else \
-                [stage[i:i + ep] for i in range(0, len(stage), ep)]
+        out = [piece for stage in self.ranks.groups("stage")
+               for piece in expert_cut(stage, ep, cut)]
         return sorted(out)
 
     def first_rank_of_stage(self, stage: int) -> int:

@@ -129,6 +129,15 @@ def is_axis_order(order: Iterable[str]) -> bool:
     return sorted(order) == sorted(AXES)
 
 
+def expert_cut(stage: tuple[int, ...], ep: int, how: str) -> tuple[tuple[int, ...], ...]:
+    """A stage's ranks (sorted, fastest mesh axis first) cut by ``ep``: into runs of ep
+    consecutive ranks (``runs``: the ep groups) or into the ranks at the same place of
+    every run (``across``: each expert's replicas, edp) (MoE Parallel Folding)."""
+    if how == "across":
+        return tuple(stage[i::ep] for i in range(ep))
+    return tuple(stage[i:i + ep] for i in range(0, len(stage), ep))
+
+
 def sub_group(whole: tuple[int, ...], rank: int, level: str,
               devices_per_node: int) -> tuple[int, ...]:
     """``rank``'s sub-group of the group ``whole`` (sorted members) at ``level``: the

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Iterator
 from planc.graph.vocabulary import Axis
 from planc.lower.ranks import integer_of
 from planc.mesh import AXES, GROUPS, INTER, INTRA, PIPELINE_AXIS, Placement, RankMesh, \
-    counts_of, is_axis_order, sub_group
+    counts_of, expert_cut, is_axis_order, sub_group
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only
     from planc.plan import Plan
@@ -52,10 +52,7 @@ class GroupRule:
         ``rank``."""
         if not self.fold:
             return (whole,) if rank is None else whole
-        if self.across:
-            runs = tuple(whole[i::self.fold] for i in range(self.fold))
-        else:
-            runs = tuple(whole[i:i + self.fold] for i in range(0, len(whole), self.fold))
+        runs = expert_cut(whole, self.fold, "across" if self.across else "runs")
         return runs if rank is None else next((r for r in runs if rank in r), ())
 
     def to_json(self) -> dict:

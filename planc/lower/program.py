@@ -256,6 +256,12 @@ class Program:
             raise ValueError("the schedule names a microbatch outside the step")
         return program
 
+    def written(self) -> Iterator[Instruction]:
+        """Every instruction as the program writes it, once (blocks folded over
+        microbatches): the prologue, each block, the epilogue."""
+        for part in (self.prologue, *self.blocks.values(), self.epilogue):
+            yield from part
+
     def last_microbatch(self) -> int:
         return self.microbatches - 1
 

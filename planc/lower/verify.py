@@ -134,8 +134,7 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
 
     def operands(self, name: str, program: Program) -> None:
         """Every instruction runs what its node of the graph says, as the lowering wrote it."""
-        items = [i for part in (program.prologue, *program.blocks.values(), program.epilogue)
-                 for i in part if i.operands is not None]
+        items = [i for i in program.written() if i.operands is not None]
         items += [program.receive(stream, node) for stream, receives in
                   program.receives.items() for node, _ in receives]
         checked: set[tuple[str, str]] = set()

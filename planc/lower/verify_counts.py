@@ -41,9 +41,7 @@ class CountsChecks:
     """Mixed into the verifier, which provides ``plan``, ``groups`` and ``report``."""
 
     def counts(self, name: str, program: Program) -> None:
-        instructions = [i for part in (program.prologue, *program.blocks.values(),
-                                       program.epilogue) for i in part
-                        if i.operands is not None]
+        instructions = [i for i in program.written() if i.operands is not None]
         summing = [i for i in instructions if i.op == "compute" and
                    i.operands.counts_group is not None]
         if not summing:

@@ -37,8 +37,7 @@ class ExpertChecks:
 
     def experts(self, name: str, program: Program) -> None:
         ep = self.plan.mesh.ep
-        instructions = [i for part in (program.prologue, *program.blocks.values(),
-                                       program.epilogue) for i in part]
+        instructions = list(program.written())
         mixtures = [i for i in instructions if i.op == "compute" and i.node in self.graph
                     and self.graph.nodes[i.node].get("experts_over")]
         for instruction in mixtures:

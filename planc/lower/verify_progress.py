@@ -62,9 +62,7 @@ class ProgressChecks:
             return  # one stage, or programs per rank: verify_pipeline's proof stands
         stage_program = {stage: name for name, stage in self.table.stages.items()}
         spanning = any(i.op in COLLECTIVES and self._spans_stages(i.node)
-                       for program in self.programs.values()
-                       for part in (program.prologue, *program.blocks.values(),
-                                    program.epilogue) for i in part)
+                       for program in self.programs.values() for i in program.written())
         if not spanning:
             return
         stages = {s: _Stage(s, self.programs[stage_program[s]].expand())

@@ -36,8 +36,7 @@ class RingChecks:
 
     def ring(self, name: str, program: Program) -> None:
         cp = self.plan.mesh.cp
-        instructions = [i for part in (program.prologue, *program.blocks.values(),
-                                       program.epilogue) for i in part]
+        instructions = list(program.written())
         rings = [i for i in instructions if is_ring(i)]
         if not rings:
             return

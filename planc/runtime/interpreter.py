@@ -114,10 +114,9 @@ class Interpreter:
         self.optimizers = {}  # optimizer node -> its torch optimizer
         self.optimized: dict[str, str] = {}  # optimizer node -> its bucket
         self.bound: dict[tuple[str, str], _Compute | _Transfer] = {}
-        for part in (program.prologue, *program.blocks.values(), program.epilogue):
-            for instruction in part:
-                if instruction.node is not None:
-                    self._bind(instruction)
+        for instruction in program.written():
+            if instruction.node is not None:
+                self._bind(instruction)
         for stream, items in program.receives.items():
             for node, _ in items:
                 self._bind(program.receive(stream, node))

@@ -40,11 +40,10 @@ def _senders(programs) -> dict[str, str]:
     """Each pipeline receive's send, from the sends' operands (their ``partner``)."""
     out = {}
     for program in programs:
-        for part in (program.prologue, *program.blocks.values(), program.epilogue):
-            for item in part:
-                if item.op == "send" and item.operands is not None and \
-                        item.operands.partner is not None:
-                    out[item.operands.partner] = item.node
+        for item in program.written():
+            if item.op == "send" and item.operands is not None and \
+                    item.operands.partner is not None:
+                out[item.operands.partner] = item.node
     return out
 
 

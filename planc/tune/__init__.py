@@ -97,7 +97,7 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
     candidates not yet simulated are counted as left, not simulated."""
     from planc.compile import compile_plan
     from planc.simulate import simulate
-    from planc.tune.plan_text import with_settings, written_value
+    from planc.tune.plan_text import with_settings, written_values
 
     start = time.perf_counter()
     search = Search(capacity=capacity if capacity is not None else
@@ -162,7 +162,7 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
         search.considered += 1
         waiting.insert(0, (0.0, 0.0, of_plan(plan), plan))
     seen: set[str] = set()
-    written = {key for key in DEFAULTS if written_value(source, key) is not None}
+    written = set(written_values(source, DEFAULTS))
     for done, (_, bound, candidate, _) in enumerate(waiting):
         if progress is not None:
             progress("simulating", done, len(waiting))

@@ -77,6 +77,7 @@ class Estimator:
     def __init__(self, per_node: int):
         self.per_node = per_node
         self._blocks: dict[tuple, float] = {}
+        self._costs: dict = {}  # topology -> its cost model (one per search, in practice)
 
     def _ops_flops(self, plan: Plan, shapes: Shapes, ops) -> float:
         key = (plan.mesh.tp, plan.mesh.cp, plan.microbatch_size, tuple(ops))
@@ -132,7 +133,9 @@ class Estimator:
         if plan.schedule.pipeline in ("zb1p", "interleaved_zb", "zbv", "dualpipev"):
             bubble /= 3
         compute = bound * (1 + bubble) / plan.topology.device.efficiency
-        cost = CostModel(plan.topology)
+        cost = self._costs.get(plan.topology)
+        if cost is None:
+            cost = self._costs[plan.topology] = CostModel(plan.topology)
         layers = max(len(plan.layers_of_stage(s)) for s in range(mesh.pp))
         tokens = plan.microbatch_size * m.seq // mesh.cp
         activation = tokens * m.hidden * m.dtype_bytes

@@ -37,15 +37,25 @@ def _find(entries, path: tuple[str, ...]):
     return None, block, depth
 
 
+def written_values(source: str, keys) -> dict[str, str]:
+    """The text of the value the file writes for each dotted key of ``keys`` it writes,
+    the file parsed once."""
+    tree, _ = parse(source)
+    if tree is None:
+        return {}
+    starts, out = _offsets(source), {}
+    for key in keys:
+        found = _find(tree.entries, tuple(key.split(".")))[0]
+        if found is not None:
+            span = found.value.span
+            out[key] = source[starts[span.line - 1] + span.column - 1:
+                              starts[span.end_line - 1] + span.end_column - 1]
+    return out
+
+
 def written_value(source: str, key: str) -> str | None:
     """The text of the value the file writes for dotted ``key``, or None."""
-    tree, _ = parse(source)
-    found = _find(tree.entries, tuple(key.split(".")))[0] if tree is not None else None
-    if found is None:
-        return None
-    span, starts = found.value.span, _offsets(source)
-    return source[starts[span.line - 1] + span.column - 1:
-                  starts[span.end_line - 1] + span.end_column - 1]
+    return written_values(source, (key,)).get(key)
 
 
 def _texts(nest: dict) -> list[str]:
