@@ -199,6 +199,21 @@ class KernelModel:
         self.score_rows = shapes.batch * shapes.seq * max(shapes.heads // tp, 1)
 
     @staticmethod
+    def fastest_fraction(plan: Plan) -> float:
+        """The largest fraction of the device's peak that any compute instruction of
+        ``plan`` reaches, counting its FLOPs as the instruction does: a large GEMM's
+        ``large`` (tiles, waves and a short inner dimension only lower it), fused
+        attention's rates doubled (a causal mask leaves half of the FLOPs counted;
+        unfused attention is GEMMs), or, off the known GPUs, the roofline's one
+        efficiency. planc tune bounds step times with it."""
+        gpu = GPUS.get(plan.topology.preset or "")
+        device = plan.topology.device
+        if gpu is None:
+            return device.efficiency
+        attention = max(gpu.attention_forward, gpu.attention_backward) if gpu.flash else 0.0
+        return min(1.0, max(gpu.large, 2 * attention / device.flops))
+
+    @staticmethod
     def of(plan: Plan) -> "KernelModel | None":
         gpu = GPUS.get(plan.topology.preset or "")
         return KernelModel(plan, gpu) if gpu is not None else None

@@ -160,7 +160,9 @@ def microbatches_in_flight(plan: Plan, stage: int) -> int:
 @functools.lru_cache(maxsize=1 << 16)
 def _in_flight(pipeline: str, stage: int, pp: int, microbatches: int, virtual: int) -> int:
     # A V schedule's count replays its order; planc tune asks for thousands of layouts.
-    return schedules.named(pipeline).in_flight(stage, pp, microbatches, virtual)
+    schedule = schedules.named(pipeline)
+    return schedule.in_flight(stage, pp, schedule.peak_microbatches(pp, microbatches, virtual),
+                              virtual)
 
 
 def layer_activation_bytes(plan: Plan, recompute: str | None = None) -> float:
@@ -194,13 +196,15 @@ def _live_peak(pipeline: str, stage: int, pp: int, microbatches: int, virtual: i
                sizes: tuple[int, ...]) -> int:
     live = peak = 0
     # A split backward keeps what its weight gradient reads (the layers' inputs and
-    # output gradients) until the W block, as the schedule's in-flight rule counts.
-    last = schedules.ActionKind.BACKWARD_WEIGHT if schedules.named(
-        pipeline).splits_backward else schedules.ActionKind.BACKWARD
-    for action in schedules.order(pipeline, stage, pp, microbatches, virtual):
+    # output gradients) until the W block, as the schedule's in-flight rule counts; a
+    # whole backward (B, which DualPipeV runs beside its split ones) frees them itself.
+    done = (schedules.ActionKind.BACKWARD, schedules.ActionKind.BACKWARD_WEIGHT)
+    schedule = schedules.named(pipeline)
+    for action in schedule.order(stage, pp, schedule.peak_microbatches(
+            pp, microbatches, virtual), virtual):
         if action.kind.is_forward:
             live += sizes[action.chunk]
-        elif action.kind is last:  # the backward is done with them
+        elif action.kind in done:  # the backward is done with them
             live -= sizes[action.chunk]
         peak = max(peak, live)
     return peak
@@ -232,19 +236,25 @@ def stage_activations(plan: Plan) -> tuple[tuple[float, int], ...]:
     return tuple(stage_activation_bytes(plan, stage) for stage in range(plan.mesh.pp))
 
 
-def estimate(plan: Plan, activations: tuple[tuple[float, int], ...] | None = None
-             ) -> MemoryEstimate:
-    """``activations``: :func:`stage_activations` of ``plan``, if known (planc tune
-    estimates the ZeRO stages of one layout with them)."""
+def stage_parameter_counts(plan: Plan) -> tuple[tuple[int, int], ...]:
+    """Every stage's (:func:`stage_parameters`, :func:`stage_expert_parameters`): what
+    neither ZeRO, dp, cp, the microbatches nor recomputation change."""
+    per_layer = layer_parameters(plan) if family_of(plan).layer_block is None else None
+    return tuple((stage_parameters(plan, stage, per_layer),
+                  stage_expert_parameters(plan, stage)) for stage in range(plan.mesh.pp))
+
+
+def estimate(plan: Plan, activations: tuple[tuple[float, int], ...] | None = None,
+             parameters: tuple[tuple[int, int], ...] | None = None) -> MemoryEstimate:
+    """``activations``: :func:`stage_activations` of ``plan``, and ``parameters``:
+    :func:`stage_parameter_counts`, if known (planc tune estimates thousands of
+    variants of one layout with them)."""
     mesh, zero = plan.mesh, plan.shard.dp.zero
     replicas = mesh.dp * mesh.cp
     expert_replicas = mesh.tp * replicas // mesh.ep
     k = optimizer_state_bytes(plan)
     stages = []
-    per_layer = layer_parameters(plan) if family_of(plan).layer_block is None else None
-    for stage in range(mesh.pp):
-        params = stage_parameters(plan, stage, per_layer)
-        experts = stage_expert_parameters(plan, stage)
+    for stage, (params, experts) in enumerate(parameters or stage_parameter_counts(plan)):
         dense = model_state_bytes(params, plan.model.dtype_bytes, k, zero, replicas)
         split = model_state_bytes(experts, plan.model.dtype_bytes, k, zero, expert_replicas)
         p, g, o = (a + b for a, b in zip(dense, split))

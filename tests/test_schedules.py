@@ -168,3 +168,67 @@ def test_the_registry_imports_neither_torch_nor_the_rest_of_planc():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=ROOT).stdout
     assert all(m.startswith("planc.schedules") for m in json.loads(out))
+
+
+def _live(name: str, stage: int, pp: int, microbatches: int, virtual: int,
+          sizes: tuple[int, ...]) -> tuple[int, int]:
+    """(peak, left at the end) of the layers a stage holds, replaying its order: a
+    forward makes its chunk's layers live, a whole backward or a weight gradient frees
+    them."""
+    live = peak = 0
+    for action in schedules.order(name, stage, pp, microbatches, virtual):
+        if action.kind.is_forward:
+            live += sizes[action.chunk]
+        elif action.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT):
+            live -= sizes[action.chunk]
+        peak = max(peak, live)
+    return peak, live
+
+
+def _runnable(name: str, pp: int, virtual: int, microbatches: int) -> bool:
+    return not schedules.problems(name, PipelineShape(pp, virtual, microbatches, 1000))
+
+
+STEADY_CASES = [(name, pp, virtual) for name in ("1f1b", "interleaved", "zb1p",
+                                                 "interleaved_zb", "zbv", "dualpipev")
+                for pp in (2, 3, 4) for virtual in (1, 2, 3)
+                if (virtual > 1) == schedules.named(name).chunks_per_stage
+                and (virtual == 2 or schedules.named(name).placement is schedules.LOOP)]
+
+
+@pytest.mark.parametrize("name,pp,virtual", STEADY_CASES)
+def test_fewer_microbatches_reach_the_same_peak_on_every_stage(name, pp, virtual):
+    """planc tune replays orders of peak_microbatches(...) microbatches instead of all of
+    them: the peak live layers (of uneven chunks too) and the in-flight count agree."""
+    schedule = schedules.named(name)
+    sizes = tuple(1 + (7 * c) % 5 for c in range(pp * virtual))
+    compared = 0
+    for microbatches in range(1, 10 * pp * virtual + 1):
+        fewer = schedule.peak_microbatches(pp, microbatches, virtual)
+        if fewer == microbatches or not _runnable(name, pp, virtual, microbatches):
+            continue
+        assert _runnable(name, pp, virtual, fewer)
+        for stage in range(pp):
+            compared += 1
+            assert _live(name, stage, pp, microbatches, virtual, sizes)[0] == \
+                _live(name, stage, pp, fewer, virtual, sizes)[0], (microbatches, stage)
+            assert schedule.in_flight(stage, pp, microbatches, virtual) == \
+                schedule.in_flight(stage, pp, fewer, virtual)
+    assert compared > 0
+
+
+def test_gpipe_keeps_every_microbatch():
+    assert schedules.named("gpipe").peak_microbatches(2, 1000, 1) == 1000
+    # 1F1B on 2 stages: at least 8, keeping the count modulo 4
+    assert [schedules.named("1f1b").peak_microbatches(2, m, 1) for m in (11, 12, 1000, 1001)] \
+        == [11, 8, 8, 9]
+
+
+@pytest.mark.parametrize("name", schedules.names())
+def test_every_stage_frees_all_it_held_by_the_end_of_its_order(name):
+    """DualPipeV runs whole backwards beside split ones: both free a chunk's layers."""
+    schedule = schedules.named(name)
+    pp, virtual = 4, 2 if schedule.chunks_per_stage else 1
+    sizes = tuple(1 + c for c in range(pp * virtual))
+    for stage in range(pp):
+        assert _live(name, stage, pp, 16, virtual, sizes)[1] == 0

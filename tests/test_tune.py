@@ -195,3 +195,17 @@ def test_uneven_layer_ranges_are_searched_where_the_chunks_cannot_be_equal():
     own = [r for r in search.ranked if r.candidate.stages == "file"]
     assert [r.plan.shard.pp.chunks for r in own] == [((0, 1), (2, 2), (3, 4), (5, 5))]
     assert even in {r.candidate for r in search.ranked}
+
+
+@pytest.mark.parametrize("name", ["narayanan-3_6b", "megatron-h100-7_1b", "korthikanti-22b"])
+def test_the_bound_is_below_the_simulated_step_of_published_plans(name):
+    """The bound runs compute at the fastest kernel's rate (A100 presets: unfused
+    attention, GEMMs at 80% of peak; H100: GEMMs at 79%, fused attention slower)."""
+    from planc.compile import compile_plan
+    from planc.lang import load_file
+    from planc.simulate import simulate
+    from tests.conftest import PLANS
+    plan = load_file(PLANS / f"{name}.plan").plan
+    step = simulate(compile_plan(plan)).step_seconds
+    bound = bounds.Estimator(plan.topology.devices_per_node).lower_bound(plan)
+    assert 0.5 * step < bound < step

@@ -180,3 +180,13 @@ def test_the_graph_runs_the_embedding_and_the_head_alone_on_the_end_chunks():
     assert first["bytes"] == 2 * later["bytes"] == 8 // 2 * 16 * 32 * 4
     assert first["shape"] == [4, 16, 32] and later["shape"] == [4, 8, 32]
     assert graph.nodes["B/c1>c0:send@pp"]["bytes"] == first["bytes"]
+
+
+def test_dualpipev_frees_what_its_whole_backwards_are_done_with():
+    """DualPipeV runs whole backwards (B) beside split ones (I then W): a B frees its
+    chunk's layers too, so uneven chunks hold as much at 32 microbatches as at 8 (the
+    estimate grew with the microbatches before)."""
+    held = [memory.layers_in_flight(load_text(plan_text(
+        layers=7, m=m, pipeline="dualpipev").replace("batch = 8", "batch = 32")).plan, stage)
+        for m in (8, 32) for stage in (0, 1)]  # chunks of 2, 2, 2 and 1 layers
+    assert held == [9, 10, 9, 10]

@@ -17,4 +17,4 @@ def in_flight(stage: int, pp: int, microbatches: int, virtual: int = 1) -> int:
     return microbatches
 
 
-GPIPE = PipelineSchedule("gpipe", order, in_flight, no_problems)
+GPIPE = PipelineSchedule("gpipe", order, in_flight, no_problems, steady=False)

@@ -52,6 +52,10 @@ class PipelineSchedule:
     ``splits_backward``: whether its backward runs as two blocks per chunk, the input
     gradient (``I``, which the previous chunk waits for) and the weight gradient (``W``,
     which nobody waits for), as zero-bubble schedules do (Qi et al., ICLR 2024).
+    ``steady``: whether, past its warm-up, the order repeats itself every 2 pp virtual
+    microbatches, each repetition running a forward and a backward of every chunk, so
+    that its peak of live activations is reached within the first 4 pp virtual
+    microbatches (true of every schedule but GPipe, whose forwards all come first).
     """
 
     name: str
@@ -62,12 +66,25 @@ class PipelineSchedule:
     splits_backward: bool = False
     placement: "Placement" = None  # type: ignore[assignment]  # LOOP unless given
     overlapped: Callable[[int, int, int, int], frozenset[int]] = None  # type: ignore
+    steady: bool = True
 
     def __post_init__(self):
         if self.placement is None:
             object.__setattr__(self, "placement", LOOP)
         if self.overlapped is None:
             object.__setattr__(self, "overlapped", no_overlap)
+
+    def peak_microbatches(self, pp: int, microbatches: int, virtual: int) -> int:
+        """Fewer microbatches whose order reaches the same peak of live activations on
+        every stage (and of any chunk sizes) as ``microbatches``: for a :attr:`steady`
+        schedule, the count less whole repetitions of its steady state, keeping its
+        residue modulo 2 pp virtual (so the schedule's divisibility rules still hold)
+        and at least 4 pp virtual. planc tune replays thousands of orders of up to
+        thousands of microbatches; tests/test_schedules.py checks the equality."""
+        floor, period = 4 * pp * virtual, 2 * pp * virtual
+        if not self.steady or microbatches < floor + period:
+            return microbatches
+        return microbatches - period * ((microbatches - floor) // period)
 
     def program_order(self, stage: int, pp: int, microbatches: int, virtual: int
                       ) -> list[Action]:

@@ -111,12 +111,17 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
     hopeless: dict[Candidate, bool] = {}
     chunks_of: dict[tuple, tuple] = {}
     activations: dict[Candidate, tuple] = {}  # ZeRO does not change them
+    parameters: dict[tuple, tuple] = {}  # nor these, which depend on the chunks alone
 
-    def activations_of(candidate: Candidate, trial: Plan) -> tuple:
+    def estimate(candidate: Candidate, trial: Plan) -> memory.MemoryEstimate:
         key = dataclasses.replace(candidate, zero=0)
         if key not in activations:
             activations[key] = memory.stage_activations(trial)
-        return activations[key]
+        held = (candidate.tp, candidate.ep, candidate.pp, candidate.virtual,
+                candidate.pipeline, candidate.stages)
+        if held not in parameters:
+            parameters[held] = memory.stage_parameter_counts(trial)
+        return memory.estimate(trial, activations[key], parameters[held])
     items = list(candidates(plan, gpus, keep))
     for index, item in enumerate(items):
         search.considered += 1
@@ -137,15 +142,15 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
             recompute=item.recompute if "optimize.recompute" in keep else "full")
         if lightest not in hopeless and search.capacity is not None:
             light = bounds.plan_of(plan, lightest, per_node, chunks_of)
-            hopeless[lightest] = memory.estimate(light, activations_of(
-                lightest, light)).peak.total_bytes > search.capacity
+            hopeless[lightest] = estimate(lightest, light).peak.total_bytes > \
+                search.capacity
         if hopeless.get(lightest):
             search.pruned["memory"] += 1
             continue
         trial = bounds.plan_of(plan, item, per_node, chunks_of)
         same = dataclasses.replace(item, order=ORDERS[0])
         if same not in known:
-            need = memory.estimate(trial, activations_of(same, trial))
+            need = estimate(same, trial)
             fits = search.capacity is None or need.peak.total_bytes <= search.capacity
             bound = estimator.lower_bound(trial) if fits else 0.0
             params = max(s.parameters for s in need.stages)
@@ -162,6 +167,7 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
         search.considered += 1
         waiting.insert(0, (0.0, 0.0, of_plan(plan), plan))
     seen: set[str] = set()
+    slowest = 0.0  # seconds, of the compilations and simulations so far
     written = set(written_values(source, DEFAULTS))
     for done, (_, bound, candidate, _) in enumerate(waiting):
         if progress is not None:
@@ -169,8 +175,10 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
         if len(search.ranked) >= top and bound >= search.ranked[top - 1].step_seconds:
             search.pruned["bound"] += 1
             continue
-        if budget is not None and time.perf_counter() - start > budget and \
-                len(search.ranked) >= top:
+        # stop before a simulation that would end past the budget (the slowest so far
+        # is what the next may take), once the top K are found
+        if budget is not None and len(search.ranked) >= top and \
+                time.perf_counter() - start + slowest > budget:
             search.pruned["budget"] += 1
             continue
         settings = {**candidate.settings(),
@@ -187,8 +195,10 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
             search.pruned["same plan"] += 1
             continue
         seen.add(key)
+        began = time.perf_counter()
         build = compile_plan(checked)
         result = simulate(build)
+        slowest = max(slowest, time.perf_counter() - began)
         search.simulated += 1
         worst = max(sum(s.exposed_seconds.values()) for s in result.stages)
         peak = max(s.memory_bytes for s in result.stages)

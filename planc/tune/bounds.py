@@ -9,12 +9,14 @@ s runs the forward and backward of every microbatch, one after another:
     step >= max over s of ( sum over the chunks before s of F_c  +  m (F_s + B_s) )
 
 with F and B the forward and backward FLOPs of one microbatch (backward twice the
-forward's matrix work, plus the forward again where recomputed) at the device's *peak*
-FLOP rate, no communication, and each operator's FLOPs divided by tp (those run whole
-on every tp rank are counted as split too). Every term only undercounts what the
-simulator charges (planc.simulate.costs: roofline time at the achievable fraction of
-peak, communication, the pipeline's waits), so a candidate whose bound is above a step
-time already simulated cannot beat it: pruning by the bound never drops a better plan.
+forward's matrix work, plus the forward again where recomputed) at the fastest rate any
+compute instruction reaches in the simulator (planc.kernel_cost.KernelModel.
+fastest_fraction of the device's peak: a large GEMM's, or the roofline's efficiency), no
+communication, and each operator's FLOPs divided by tp (those run whole on every tp rank
+are counted as split too). Every term only undercounts what the simulator charges
+(planc.simulate.costs: each kernel at its own rate, communication, the pipeline's
+waits), so a candidate whose bound is above a step time already simulated cannot beat
+it: pruning by the bound never drops a better plan.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from planc.cost import CostModel
+from planc.kernel_cost import KernelModel
 from planc.graph.model import Shapes
 from planc.models import family_of
 from planc.plan import DataParallel, Mesh, Optimize, PipelineParallel, Plan, Schedule
@@ -109,8 +112,8 @@ class Estimator:
 
     def lower_bound(self, plan: Plan) -> float:
         """Seconds no schedule of ``plan`` can beat (see the module's docstring)."""
-        peak = plan.topology.device.flops
-        forward = [f / peak for f in self.chunk_forward_flops(plan)]
+        fastest = plan.topology.device.flops * KernelModel.fastest_fraction(plan)
+        forward = [f / fastest for f in self.chunk_forward_flops(plan)]
         again = RECOMPUTED_FORWARDS[plan.optimize.recompute]
         m = plan.schedule.microbatches
         best = 0.0
@@ -132,7 +135,8 @@ class Estimator:
         bubble = (mesh.pp - 1) / (micro * v)
         if plan.schedule.pipeline in ("zb1p", "interleaved_zb", "zbv", "dualpipev"):
             bubble /= 3
-        compute = bound * (1 + bubble) / plan.topology.device.efficiency
+        compute = bound * (1 + bubble) * KernelModel.fastest_fraction(plan) / \
+            plan.topology.device.efficiency  # the bound's rate back to the device's
         cost = self._costs.get(plan.topology)
         if cost is None:
             cost = self._costs[plan.topology] = CostModel(plan.topology)

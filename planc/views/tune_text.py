@@ -12,7 +12,7 @@ from planc.words import counted
 PRUNING_WORDS = {
     "memory": "over the memory per device (planc.memory's estimate)",
     "dominated": "the same layout with less recomputation or a lower ZeRO stage fits",
-    "bound": "slower at best than the K-th best already simulated (compute at peak)",
+    "bound": "slower at best than the K-th best already simulated (compute at the fastest kernel's rate)",
     "check": "refused by planc check",
     "same plan": "the same plan as a candidate already simulated",
     "budget": "not simulated: the time budget (--budget) ran out; their estimates were "
