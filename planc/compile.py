@@ -19,7 +19,7 @@ from planc.lower.groups import plan_group_table
 from planc.lower.lower import lower
 from planc.lower.tabulate_model import model_table
 from planc.lower.routes import route_table, split_refs
-from planc.lower.verify import verify
+from planc.lower.verify import verify, verify_evaluation
 from planc.plan import Plan
 
 
@@ -38,6 +38,9 @@ def compile_plan(plan: Plan, check: Callable[[nx.DiGraph, str], None] | None = N
     groups = plan_group_table(plan, split_refs(graph))
     routes = route_table(graph, groups)
     report = verify(plan, graph, programs, table, groups, routes)
+    if report.ok and any(p.evaluation for p in programs.values()):
+        # an evaluation batch runs the forward blocks alone: proven like a step
+        report = verify_evaluation(plan, graph, programs, table, groups, routes)
     if not report.ok:
         raise CompileError("internal error: the lowered programs fail verification (a bug "
                            "in planc; please report it): " + "; ".join(report.problems))

@@ -251,6 +251,9 @@ class Train:
     optimizer: Optimizer = Optimizer()
     seed: int = 0
     data: str = "synthetic"  # or the path of a file of little-endian uint16 tokens
+    eval_every: int = 0  # steps between evaluations; 0: none
+    eval_batches: int = 1  # global batches each evaluation averages
+    eval_data: str = "synthetic"  # the evaluation's tokens (the training data unless set)
 
 
 @dataclass(frozen=True)

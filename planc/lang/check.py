@@ -371,7 +371,7 @@ class _Checker(TopologyReader):
         return optimize
 
     def _train(self, model: Model | None) -> Train | None:
-        keys = ("steps", "optimizer", "seed", "data")
+        keys = ("steps", "optimizer", "seed", "data", "eval_every", "eval_batches", "eval_data")
         if not self.ready(*(f"train.{k}" for k in keys)):
             return None
         spec = self.value("train.optimizer")
@@ -380,15 +380,23 @@ class _Checker(TopologyReader):
             data = self._data_file(data, model)
             if data is None:
                 return None
+        # the evaluation reads the training data unless eval_data says otherwise
+        eval_data = self.value("train.eval_data") if self.span("train.eval_data") else data
+        if eval_data != "synthetic" and eval_data != data:
+            eval_data = self._data_file(eval_data, model, "train.eval_data")
+            if eval_data is None:
+                return None
         return Train(self.value("train.steps"), Optimizer(name=spec.name, **spec.arguments),
-                     self.value("train.seed"), data)
+                     self.value("train.seed"), data, self.value("train.eval_every"),
+                     self.value("train.eval_batches"), eval_data)
 
-    def _data_file(self, data: str, model: Model | None) -> str | None:
+    def _data_file(self, data: str, model: Model | None, key: str = "train.data"
+                   ) -> str | None:
         from planc.tokens import DataError, DataMissing, check_file  # no torch
 
         base = os.path.dirname(os.path.abspath(self.path)) if self.path else os.getcwd()
         resolved = os.path.normpath(os.path.join(base, data))
-        span = self.span("train.data")
+        span = self.span(key)
         try:
             check_file(resolved, f"'{data}'", seq=model.seq if model else None,
                        vocab=model.vocab if model else None, scan_limit=DATA_SCAN_LIMIT)

@@ -134,6 +134,9 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
                                                                 "weight_decay": 0.0})),
         "seed": Key(Integer(0), 0),
         "data": Key(DataSource(), "synthetic"),
+        "eval_every": Key(Integer(0), 0),
+        "eval_batches": Key(Integer(1), 1),
+        "eval_data": Key(DataSource(), "synthetic"),
     }),
 })
 

@@ -27,6 +27,7 @@ import networkx as nx
 
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, buckets
 from planc.lower.bind import operands_of
+from planc.lower.evaluation import evaluation_of, forward_only
 from planc.names import STREAM_ORDER
 from planc.lower.program import (
     STATE,
@@ -376,6 +377,8 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
     # The order in which each stage sends to each neighbour: its schedule.
     pipeline = schedules.named(plan.schedule.pipeline)
     actions = {s: pipeline.program_order(s, pp, m, virtual) for s in range(pp)}
+    forward_actions = {s: forward_only(plan, s) for s in range(pp)} \
+        if evaluation_of(plan) is not None else None
     table = buckets(graph)
     buckets_of: dict[int, dict] = {}
     for b, info in table.items():
@@ -413,13 +416,19 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
             body = [Instruction("sync", st, per_microbatch=False) for st in used] + body
         plan_schedule = tuple((a.block.name, a.microbatch) for a in actions[stage])
         receives = _receive_order(graph, receive_nodes, actions, lowering.split)
+        evaluation, evaluation_receives = (), {}
+        if forward_actions is not None:
+            evaluation = tuple((a.block.name, a.microbatch) for a in forward_actions[stage])
+            evaluation_receives = {stream: items for stream, items in _receive_order(
+                graph, receive_nodes, forward_actions, lowering.split).items() if items}
         used_streams = {w.stream for n, w in lowering.where.items()} | set(receives)
         streams = tuple(s for s in STREAM_ORDER if s in used_streams or s == COMPUTE)
         programs[f"stage{stage}.json"] = Program(
             stage, streams, blocks, plan_schedule, receives, tuple(body), m,
             prologue=tuple(listed.get(PROLOGUE, ())), buckets=stage_buckets,
             received={node: operands_of(graph, node, Kind.RECV.value, rank)
-                      for node in receive_nodes})
+                      for node in receive_nodes},
+            evaluation=evaluation, evaluation_receives=evaluation_receives)
     layout = Layout.of(plan)
     ranks = RankTable(plan.world, pp, layout.strides["pp"],
                       {f"stage{s}.json": s for s in range(pp)},

@@ -103,6 +103,29 @@ class Initial:
 
 
 @dataclass(frozen=True)
+class Evaluation:
+    """train.eval_every's evaluation: every ``every`` steps, the mean loss of ``batches``
+    global batches of ``data`` (token file or "synthetic", whose batches are then drawn
+    from ``seed``), run forward only (planc.lower.evaluation)."""
+
+    every: int
+    batches: int
+    data: str
+    seed: int
+
+    def to_json(self) -> dict:
+        return {"every": self.every, "batches": self.batches, "source": self.data,
+                "seed": self.seed}
+
+    @staticmethod
+    def from_json(data: dict) -> "Evaluation":
+        return Evaluation(_positive(data["every"], "eval_every"),
+                          _positive(data["batches"], "eval_batches"),
+                          _string(data["source"], "the evaluation's data source"),
+                          integer_of(data["seed"], "the evaluation's seed"))
+
+
+@dataclass(frozen=True)
 class ModelTable:
     """The model's sizes carry the names of planc.plan.Model's fields, so the kernels
     read ``ctx.model.heads`` whichever the source."""
@@ -132,6 +155,7 @@ class ModelTable:
     parameters: dict[str, Initial] = field(default_factory=dict)
     # the family's own keys (a mixture's experts, top_k, ...), read as attributes
     options: dict[str, int | float | bool] = field(default_factory=dict)
+    evaluation: Evaluation | None = None  # train.eval_every, when set
 
     def __getattr__(self, name: str):
         # Called only for names that are not fields: a family's own keys.
@@ -162,7 +186,8 @@ class ModelTable:
                 "optimizer": self.optimizer.to_json(),
                 "data": {"source": self.data, "seed": self.seed},
                 "parameters": {name: {"shape": list(p.shape), "mean": p.mean, "std": p.std}
-                               for name, p in self.parameters.items()}}
+                               for name, p in self.parameters.items()},
+                **({"evaluation": self.evaluation.to_json()} if self.evaluation else {})}
 
     @staticmethod
     def from_json(data: dict) -> "ModelTable":
@@ -206,7 +231,9 @@ class ModelTable:
             optimizer=OptimizerSettings.from_json(data["optimizer"]),
             data=_string(source["source"], "the data source"),
             seed=integer_of(source["seed"], "the seed"), parameters=parameters,
-            options=dict(options))
+            options=dict(options),
+            evaluation=Evaluation.from_json(data["evaluation"]) if "evaluation" in data
+            else None)
         if not table.family.isidentifier():
             raise ValueError(f"family {table.family!r} is not a family's name")
         if table.microbatch_rows > table.rows_per_dp_rank or \

@@ -138,6 +138,19 @@ class Instruction:
                            strings("frees"), operands)
 
 
+def _evaluation_of(data) -> dict:
+    """Program's evaluation fields from their JSON (absent: no evaluation)."""
+    if data is None:
+        return {}
+    return {"evaluation": tuple((_string(b), integer_of(m, "a microbatch of the evaluation"))
+                                for b, m in data["schedule"]),
+            "evaluation_receives": {
+                _string(stream): tuple((_string(n), integer_of(m, "a microbatch of its "
+                                                               "receives"))
+                                       for n, m in items)
+                for stream, items in data["receives"].items()}}
+
+
 def guard_microbatch(guard: str | None, microbatches: int) -> int | None:
     """The only microbatch a guarded instruction runs on (None: every microbatch)."""
     return None if guard is None else (0 if guard == "first" else microbatches - 1)
@@ -184,6 +197,22 @@ class Program:
     buckets: dict[str, dict] = field(default_factory=dict)  # the stage's parameter buckets
     info: dict = field(default_factory=dict, compare=False)
     received: dict[str, Operands] = field(default_factory=dict)  # a receive's operands
+    # The evaluation's forward-only schedule and its receives, when train.eval_every
+    # asks for one (planc.lower.evaluation): empty otherwise.
+    evaluation: tuple[tuple[str, int], ...] = ()
+    evaluation_receives: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+
+    def for_evaluation(self) -> "Program":
+        """The program of an evaluation batch: the forward blocks on the forward-only
+        schedule the compiler wrote, the prologue (ZeRO's gathers), no epilogue (no
+        optimizer), and the receives of activations only."""
+        used = {block for block, _ in self.evaluation}
+        received = {node for items in self.evaluation_receives.values() for node, _ in items}
+        return Program(self.stage, self.streams,
+                       {name: block for name, block in self.blocks.items() if name in used},
+                       self.evaluation, dict(self.evaluation_receives), (),
+                       self.microbatches, self.prologue, self.buckets,
+                       received={n: o for n, o in self.received.items() if n in received})
 
     def receive(self, stream: str, node: str) -> Instruction:
         """The instruction of a pipeline receive (issued on its stream, see expand)."""
@@ -203,7 +232,12 @@ class Program:
                              for stream, items in self.receives.items()},
                 "epilogue": [i.to_json() for i in self.epilogue],
                 "received": {node: operands.to_json()
-                             for node, operands in self.received.items()}}
+                             for node, operands in self.received.items()},
+                **({"evaluation": {
+                    "schedule": [list(s) for s in self.evaluation],
+                    "receives": {stream: [list(r) for r in items]
+                                 for stream, items in self.evaluation_receives.items()}}}
+                   if self.evaluation else {})}
 
     @staticmethod
     def from_json(data: dict) -> "Program":
@@ -233,7 +267,8 @@ class Program:
             prologue=tuple(Instruction.from_json(i) for i in data.get("prologue", ())),
             buckets=dict(data.get("buckets", {})),
             received={_string(node): Operands.from_json(operands)
-                      for node, operands in data["received"].items()})
+                      for node, operands in data["received"].items()},
+            **_evaluation_of(data.get("evaluation")))
         if any(s not in STREAM_ORDER for s in program.streams):
             raise ValueError(f"streams {list(program.streams)}: one is not a stream planc "
                              f"knows")
@@ -252,8 +287,15 @@ class Program:
                     raise ValueError("only instructions of a block can have a guard")
                 if instruction.stream not in program.streams:
                     raise ValueError(f"stream {instruction.stream!r} is not declared")
-        if any(not 0 <= mb < microbatches for _, mb in program.schedule):
+        if any(not 0 <= mb < microbatches for _, mb in program.schedule + program.evaluation):
             raise ValueError("the schedule names a microbatch outside the step")
+        if any(block not in program.blocks or not block.startswith("F")
+               for block, _ in program.evaluation):
+            raise ValueError("the evaluation's schedule names a block that is no forward "
+                             "block of the program")
+        if not {n for items in program.evaluation_receives.values() for n, _ in items} <= \
+                set(program.received):
+            raise ValueError("the evaluation receives a node the program never receives")
         return program
 
     def written(self) -> Iterator[Instruction]:

@@ -4,6 +4,7 @@ does not have to."""
 
 from __future__ import annotations
 
+from planc.lower.evaluation import evaluation_of
 from planc.lower.model_table import Initial, ModelTable, OptimizerSettings
 from planc.models import family_of
 from planc.plan import Plan
@@ -54,4 +55,4 @@ def model_table(plan: Plan) -> ModelTable:
         data=plan.train.data, seed=plan.train.seed,
         parameters={p.name: Initial(tuple(p.shape), initial_mean(p.name), INIT_STD)
                     for p in family.all_parameters(m)},
-        options=dict(m.options))
+        options=dict(m.options), evaluation=evaluation_of(plan))

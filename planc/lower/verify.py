@@ -245,6 +245,22 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
         self.route_recipes()
         return self.report
 
+    def run_evaluation(self) -> Report:
+        """The checks of a step's streams and transfers, on the evaluation's programs
+        (the forward blocks on their forward-only schedule): events, buffers, the
+        collectives' order on every group, the pipeline's sends and receives, and
+        progress."""
+        if not self.rank_table():
+            return self.report
+        for name, program in self.programs.items():
+            if name in self.table.names:
+                self.events_and_buffers(name, program)
+        self.collective_order()
+        self.pipeline()
+        if not self.report.problems:
+            self.progress()
+        return self.report
+
     # --- 5. routes ----------------------------------------------------------------------
 
     def route_recipes(self) -> None:
@@ -270,3 +286,16 @@ def verify(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program],
            table: RankTable, groups: GroupTable | None = None,
            routes: RouteTable | None = None) -> Report:
     return _Verifier(plan, graph, programs, table, groups, routes).run()
+
+
+def verify_evaluation(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program],
+                      table: RankTable, groups: GroupTable | None = None,
+                      routes: RouteTable | None = None) -> Report:
+    """:meth:`_Verifier.run_evaluation` on each program's evaluation
+    (planc.lower.evaluation), its problems saying so."""
+    report = _Verifier(plan, graph, {n: p.for_evaluation() for n, p in programs.items()},
+                       table, groups, routes).run_evaluation()
+    out = Report()
+    for problem in report.problems:
+        out.add(f"the evaluation: {problem}")
+    return out

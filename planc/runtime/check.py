@@ -59,19 +59,24 @@ def local_parameters(ctx: RankContext, interpreter: Interpreter) -> dict:
 
 
 def _gather_parameters(ctx: RankContext, interpreter: Interpreter, plan: Plan,
-                       losses: list[float] | None) -> tuple | None:
+                       losses: list[float] | None,
+                       evaluations: dict[int, float] | None = None) -> tuple | None:
     """On rank 0: the run's losses (from the rank that knows them), every rank's
     parameters as {(name, dp, cp): {pp: {tp: tensor}}}, and each parameter's tp split;
     None on the other ranks. Names, shapes, splits and losses travel as JSON, the values
     as one flat fp32 tensor per rank (planc.runtime.exchange: nothing is unpickled), and
     a rank's coordinates are the rank table's, not what it says."""
     params = local_parameters(ctx, interpreter)
-    about = {"losses": losses, "params": [[name, list(value.shape), split]
+    about = {"losses": losses,
+             "evaluations": None if evaluations is None else sorted(
+                 [step, loss] for step, loss in evaluations.items()),
+             "params": [[name, list(value.shape), split]
                                           for name, (value, split) in params.items()]}
     flat = torch.cat([value.reshape(-1) for value, _ in params.values()]) if params \
         else torch.zeros(0)
     full = {p.name: p.shape for p in family_of(plan).all_parameters(plan.model)}
     form = record(losses=either(nothing, list_of(number)),
+                  evaluations=either(nothing, list_of(row(integer, number))),
                   params=list_of(row(one_of(full), list_of(integer),
                                      either(nothing, row(text, integer)))))
     described = gather_json(about, 0, form, "the names and shapes of its parameters")
@@ -100,30 +105,34 @@ def _gather_parameters(ctx: RankContext, interpreter: Interpreter, plan: Plan,
                 = flat[offset:offset + size].view(shape)
             splits[name] = split
             offset += size
-    return described[leader]["losses"], copies, splits
+    evaluated = {step: loss for step, loss in described[leader]["evaluations"] or ()}
+    return described[leader]["losses"], copies, splits, evaluated
 
 
 def compare(ctx: RankContext, interpreter: Interpreter, plan_data: dict,
-            losses: list[float] | None, steps: int, first: int = 0) -> int:
+            losses: list[float] | None, steps: int, first: int = 0,
+            evaluations: dict[int, float] | None = None) -> int:
     """Gather every parameter to rank 0 and compare with the single-process run of the
     plan (``plan_data``: the build's plan.json, which the build's reader checked against
     its fingerprint). A run resumed from a checkpoint ran steps ``first`` to ``steps`` - 1:
     its losses are compared with those steps of the single process, which trains from
     step 0."""
     plan = plan_from_dict(plan_data)  # the oracle, and only it, builds from the plan
-    gathered = _gather_parameters(ctx, interpreter, plan, losses)
+    gathered = _gather_parameters(ctx, interpreter, plan, losses, evaluations)
     if gathered is None:  # not rank 0
         return 0
     from planc.runtime.reference import train as reference_train
 
     try:
-        expected_losses, expected = reference_train(plan, steps, ctx.data_identity)
+        expected_evaluations: dict[int, float] = {}
+        expected_losses, expected = reference_train(plan, steps, ctx.data_identity,
+                                                    expected_evaluations)
     except DataChanged as exc:  # the run trained on the file as it was; this would not
         print(f"planc: error: --check: data file {exc.path} changed after the run read it "
               f"({exc.detail} when the single-process run read step {exc.step}); the run "
               f"was not compared", file=sys.stderr, flush=True)
         return 1
-    run_losses, copies, splits = gathered
+    run_losses, copies, splits, evaluations = gathered
     replicas = [(d, c) for d in range(plan.mesh.dp) for c in range(plan.mesh.cp)]
     report, failed = [], False
     tolerance = 1e-5 if plan.model.dtype == "fp32" else 2e-2
@@ -134,6 +143,17 @@ def compare(ctx: RankContext, interpreter: Interpreter, plan_data: dict,
         failed |= bad
         report.append(f"  step {step}: loss {got:.8f}, single process {want:.8f}, relative "
                       f"error {error:.2e}{'  MISMATCH' if bad else ''}")
+    for step, want in sorted(expected_evaluations.items()):
+        if step < first:
+            continue
+        got = (evaluations or {}).get(step)
+        error = abs(got - want) / max(abs(want), 1e-12) if got is not None else float("inf")
+        bad = error > tolerance
+        failed |= bad
+        report.append(f"  evaluation after step {step}: loss "
+                      + (f"{got:.8f}" if got is not None else "missing")
+                      + f", single process {want:.8f}, relative error {error:.2e}"
+                      + ("  MISMATCH" if bad else ""))
     compare_parameters = floor is not None
     worst = (0.0, 0.0, "")  # (share of the allowed difference, difference, parameter)
     if compare_parameters:
@@ -145,6 +165,8 @@ def compare(ctx: RankContext, interpreter: Interpreter, plan_data: dict,
                                              if len(replicas) > 1 else "")
             if compare_parameters else "no parameters (bf16/fp16 with AdamW, see below)")
     resumed = f" (from step {first}, resumed)" if first else ""
+    evaluated = sum(1 for step in expected_evaluations if step >= first)
+    what += f" and {counted(evaluated, 'evaluation')}" if evaluated else ""
     header = (f"check: {counted(len(expected_losses) - first, 'step')}{resumed} and {what} "
               f"against the single-process run (relative tolerance {tolerance:g}"
               + (f", AdamW slack {floor:.1e}" if floor else "") + "): ")

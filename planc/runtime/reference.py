@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from planc.lower.evaluation import evaluation_of
 from planc.lower.tabulate_model import INIT_STD, initial_mean
 from planc.models import family_of
 from planc.plan import Plan
@@ -55,10 +56,24 @@ def initial(plan: Plan, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     return initial_value(plan.train.seed, name, shape, initial_mean(name), INIT_STD)
 
 
-def train(plan: Plan, steps: int, identity=None
+def evaluate(plan: Plan, params: dict[str, torch.Tensor], dtype: torch.dtype) -> float:
+    """The mean loss of the plan's evaluation batches (train.eval_batches of
+    train.eval_data, planc.lower.evaluation) with ``params``."""
+    evaluation = evaluation_of(plan)
+    source = DataSource(evaluation.data, evaluation.seed, plan.model.batch, plan.model.seq,
+                        plan.model.vocab)
+    with torch.no_grad():
+        losses = [objective(plan, params, batch_tokens(source, batch), dtype)[1].item()
+                  for batch in range(evaluation.batches)]
+    return sum(losses) / len(losses)
+
+
+def train(plan: Plan, steps: int, identity=None, evaluated: dict[int, float] | None = None
           ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses of every step and the final parameters; ``identity``: the data file as the
-    run began (planc.data_identity), which every batch must still be read from."""
+    run began (planc.data_identity), which every batch must still be read from;
+    ``evaluated``: filled with step -> the evaluation's loss after it, where the plan
+    evaluates (train.eval_every)."""
     params = {name: initial(plan, name, p.shape).requires_grad_()
               for name, p in parameters(plan).items()}
     optimizer = make_optimizer(plan, list(params.values()))
@@ -71,4 +86,7 @@ def train(plan: Plan, steps: int, identity=None
         total.backward()
         optimizer.step()
         losses.append(loss.item())
+        every = plan.train.eval_every
+        if evaluated is not None and every and (step + 1) % every == 0:
+            evaluated[step] = evaluate(plan, params, dtype)
     return losses, {k: v.detach() for k, v in params.items()}

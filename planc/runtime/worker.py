@@ -39,6 +39,7 @@ from planc.data_identity import Identity, identity_now
 from planc.runtime.exchange import (all_gather_json, boolean, broadcast_json, either,
                                     gather_json, integer, list_of, nothing, number, row, text)
 from planc.runtime.host_memory import keep_freed_memory
+from planc.runtime.evaluation import Evaluator
 from planc.runtime.executor import CpuExecutor, CudaExecutor, Hang, PeerLost
 from planc.runtime.interpreter import Interpreter
 from planc.runtime.launcher_protocol import ERROR_FILE, EXIT_HANG, REPORT_FILE, TRAINING_FILE
@@ -104,7 +105,8 @@ def _progress(step: int, steps: int, record: dict) -> None:
     exposed = record["exposed_comm_s"] / max(record["time_s"], 1e-12)
     text = (f"[{bar}] step {step + 1}/{steps}  loss {record['loss']:.6f}  "
             f"{record['time_s'] * 1000:.0f} ms  exposed comm {record['exposed_comm_s'] * 1000:.0f}"
-            f" ms ({100 * exposed:.0f}%)  {record['tokens_per_s']:,.0f} tokens/s")
+            f" ms ({100 * exposed:.0f}%)  {record['tokens_per_s']:,.0f} tokens/s" +
+            (f"  eval loss {record['eval_loss']:.6f}" if "eval_loss" in record else ""))
     end = "\r" if sys.stderr.isatty() and step + 1 < steps else "\n"
     print(text, end=end, file=sys.stderr, flush=True)
 
@@ -128,9 +130,12 @@ class _Metrics:
         self.build = fingerprint if self.file else None
         self.pending = None
         self.records: list[dict] = []
+        self.eval_losses: dict[int, float | None] = {}  # step -> its evaluation's loss
 
-    def step(self, step: int, times, loss: float | None) -> None:
+    def step(self, step: int, times, loss: float | None, eval_loss: float | None = None
+             ) -> None:
         self.flush()
+        self.eval_losses[step] = eval_loss
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         mine = torch.tensor(times.as_list() + [peak], dtype=torch.float64)
         if self.world == 1:
@@ -157,6 +162,9 @@ class _Metrics:
         record = {"step": step, "loss": loss, **values,
                   "tokens_per_s": self.ctx.tokens_per_step / values["time_s"],
                   "slowest_rank": slowest}
+        eval_loss = self.eval_losses.pop(step, None)
+        if eval_loss is not None:
+            record["eval_loss"] = eval_loss
         self.records.append(record)
         _progress(step, self.steps, record)
         if self.file:
@@ -243,9 +251,11 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
         first = found.manifest["step"]
     executor = (CudaExecutor if backend == "nccl" else CpuExecutor)(
         interpreter, args.timeout, trace=bool(args.trace))
+    evaluator = Evaluator(ctx, program, store, lambda interp: type(executor)(
+        interp, args.timeout)) if built.model.evaluation is not None else None
     with watch.waiting("creating the group that gathers the metrics (new_group)"):
         metrics = _Metrics(ctx, steps, args.metrics, built.plan_sha256)
-    losses, trace = [], []
+    losses, trace, evaluations = [], [], {}
     try:
         if log_dir is not None:  # the launcher's reports tell starting from training
             _tell_launcher(os.path.join(log_dir, TRAINING_FILE), f"step {first}")
@@ -255,13 +265,18 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
                 losses.append(result.state.loss)
             trace.extend((step, e.stream, e.name, e.start, e.end, e.microbatch, e.op,
                           [list(flow) for flow in e.flows]) for e in result.trace)
-            metrics.step(step, result.times, result.state.loss)
             done = step + 1
+            evaluated = evaluator.run() if evaluator and evaluator.due(done) else None
+            if evaluated is not None:
+                evaluations[step] = evaluated
+            metrics.step(step, result.times, result.state.loss, evaluated)
             if args.checkpoint_dir and (done == steps or (
                     args.checkpoint_every and done % args.checkpoint_every == 0)):
                 metrics.flush()  # this step's progress line before its checkpoint's
                 checkpoints.save(args.checkpoint_dir, done)
         metrics.close()
+        if evaluator is not None:
+            evaluator.close()
     except Hang as hang:
         # Stay a while so that the other ranks notice and report too (leaving would turn
         # their reports into lost peers); planc run's launcher stops every rank once all
@@ -286,7 +301,7 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
         from planc.runtime.check import compare  # the oracle: it alone reads the plan
 
         status = compare(ctx, interpreter, built.plan_data, losses if _leader(ctx) else None,
-                         steps, first)
+                         steps, first, evaluations if _leader(ctx) else None)
     dist.barrier()
     dist.destroy_process_group()
     return status
