@@ -1,8 +1,9 @@
 """The build directory: what ``planc compile`` writes and later commands read.
 
-Layout (format version 3, documented in docs/build.md):
+Layout (format version 4, documented in docs/build.md):
 
-    build.json     manifest: format, version, planc version, source file and its sha256
+    build.json     manifest: format, version, planc version, source file and its sha256,
+                   the model FLOPs of a step and the device's peak (planc run's MFU)
     plan.json      the validated plan (Plan.to_dict)
     graph.json     the communication graph, networkx node-link format
     summary.json   per stage and step: transfers by axis, kind and phase; FLOPs; memory
@@ -45,6 +46,7 @@ from planc.lower.model_table import ModelTable
 from planc.lower.routes import RouteTable, split_refs
 from planc.lower.program import Program, RankTable, dumps
 from planc.lower.tabulate_model import model_table
+from planc.models import step_model_flops
 from planc.plan import Plan
 from planc.plan_json import plan_from_dict
 
@@ -107,7 +109,9 @@ def write(build: Build, directory: str | Path, source_path: str, source_text: st
                 "planc": __version__, "source": os.path.abspath(source_path),
                 "source_sha256": hashlib.sha256(source_text.encode()).hexdigest(),
                 "plan": build.plan.name, "plan_sha256": plan_fingerprint(build.plan),
-                "files": list(FILES) + [PROGRAMS]}
+                "files": list(FILES) + [PROGRAMS],
+                "mfu": {"model_flops_per_step": step_model_flops(build.plan),
+                        "peak_flops_per_device": build.plan.topology.device.flops}}
     graph_data = graph_to_json(build.graph)
     graph_data["graph"] = {**graph_data["graph"], "plan_sha256": manifest["plan_sha256"]}
     contents = {MANIFEST: manifest, "plan.json": build.plan.to_dict(),

@@ -26,7 +26,7 @@ from planc.lower.routes import RouteTable
 from planc.mesh import AXES, is_axis_order
 from planc.training_record import TrainingRecord
 
-BUILD_FORMAT_VERSION = 3  # 3: programs/model.json, the model table
+BUILD_FORMAT_VERSION = 4  # 3: programs/model.json, the model table; 4: build.json's mfu
 MANIFEST = "build.json"
 PROGRAMS = "programs"
 RANK_TABLE = "ranks.json"
@@ -229,6 +229,29 @@ class RunBuild:
     groups: GroupTable
     routes: RouteTable
     model: ModelTable
+    mfu: "StepFlops"
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """build.json's ``mfu``: what planc run divides to report TFLOP/s and MFU, written by
+    the compiler (planc.models.step_model_flops, recomputation not counted, and the
+    topology's peak per device) so that a rank only divides."""
+
+    model_flops_per_step: float
+    peak_flops_per_device: float
+
+    @staticmethod
+    def of(manifest: dict, path: Path) -> "StepFlops":
+        section = manifest.get("mfu")
+        values = [section.get(key) if isinstance(section, dict) else None
+                  for key in ("model_flops_per_step", "peak_flops_per_device")]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and
+                   0 < v < float("inf") for v in values):
+            raise BuildError(f"{path / MANIFEST} has no valid mfu section (the model FLOPs "
+                             f"of a step and the peak FLOP/s of a device, positive numbers); "
+                             f"run planc compile again")
+        return StepFlops(float(values[0]), float(values[1]))
 
 
 def read_for_run(directory: str | Path) -> RunBuild:
@@ -259,4 +282,4 @@ def read_for_run(directory: str | Path) -> RunBuild:
                              f"{MODEL_TABLE} does not list with that shape; run planc "
                              f"compile again")
     return RunBuild(str(path), record, plan_data, manifest["plan_sha256"], programs, table,
-                    groups, routes, model)
+                    groups, routes, model, StepFlops.of(manifest, path))

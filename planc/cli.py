@@ -190,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "step-NNNNNN directory), under any layout of the same model; steps "
                      "count from the start of training: with train.steps = 4 (or --steps "
                      "4) a step-2 checkpoint runs steps 2 and 3")
+    run.add_argument("--tensorboard", metavar="DIR",
+                     help="write every step's loss, lr, grad norm, tokens/s, TFLOP/s, MFU, "
+                     "exposed communication and step time as TensorBoard scalars into DIR "
+                     "(docs/metrics.md)")
 
     simulate = commands.add_parser(
         "simulate", help="predict a training step: time, MFU, bubble, exposed comm, memory",

@@ -182,6 +182,12 @@ def _refused(args) -> int | None:
         if parent and _full(parent):
             return fail(f"{flag} {path}: the file system of {parent} is full (less than "
                         f"{MIN_FREE_BYTES // 2**20} MiB free)")
+    if args.tensorboard:
+        from planc.commands.run_outputs import tensorboard_problem
+
+        problem = tensorboard_problem(args.tensorboard)
+        if problem:
+            return fail(problem)
     logs = os.path.abspath(build_dir if os.path.isdir(build_dir) else
                            os.path.dirname(os.path.abspath(build_dir)) or ".")
     if os.path.isdir(logs) and _full(logs):
@@ -315,7 +321,8 @@ def _worker_arguments(args, found=None, identity=None) -> list[str]:
         out += ["--checkpoint-every", str(args.checkpoint_every)]
     if found is not None:  # the step directory checked here, its files hashed already
         out += ["--resume", os.path.abspath(found.directory), "--resume-verified"]
-    for flag, value in (("--metrics", args.metrics), ("--trace", args.trace)):
+    for flag, value in (("--metrics", args.metrics), ("--trace", args.trace),
+                        ("--tensorboard", args.tensorboard)):
         if value:
             out += [flag, os.path.abspath(value)]
     if args.check:

@@ -13,3 +13,13 @@ def family_of(model) -> Family:
     """The family of a :class:`planc.plan.Model` (or of a plan)."""
     model = getattr(model, "model", model)
     return FAMILIES[model.family]
+
+
+def step_model_flops(plan) -> float:
+    """Model FLOPs of one training step of ``plan`` (Narayanan et al., SC'21, eq. 3):
+    forward and backward, 3x the forward's matrix multiplies and attention over the
+    step's ``batch * seq`` tokens; recomputation not counted, as MFU conventionally
+    excludes it (Chowdhery et al. 2022, PaLM, appendix B): it is hardware FLOPs, not
+    model FLOPs. The family says what its forward costs per token."""
+    m = plan.model
+    return 3.0 * m.batch * m.seq * family_of(plan).model_flops_per_token(m)

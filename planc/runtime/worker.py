@@ -45,6 +45,7 @@ from planc.runtime.interpreter import Interpreter
 from planc.runtime.launcher_protocol import ERROR_FILE, EXIT_HANG, REPORT_FILE, TRAINING_FILE
 from planc.runtime.data import DataError
 from planc.runtime.rendezvous import joined_store
+from planc.runtime.step_metrics import open_tensorboard, peak_memory_mb, throughput
 from planc.runtime.store import ParamStore
 from planc.runtime.trace import write as write_trace
 
@@ -84,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     # The data file as planc run checked it (planc.data_identity): every batch is
     # read from that file, unchanged, or the run stops.
     parser.add_argument("--data-identity", type=Identity.parse, help=argparse.SUPPRESS)
+    parser.add_argument("--tensorboard", metavar="DIR",
+                        help="the leader writes TensorBoard scalars of every step into DIR")
     args = parser.parse_args(argv)
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         parser.error("--checkpoint-every must be at least 1")
@@ -105,7 +108,9 @@ def _progress(step: int, steps: int, record: dict) -> None:
     exposed = record["exposed_comm_s"] / max(record["time_s"], 1e-12)
     text = (f"[{bar}] step {step + 1}/{steps}  loss {record['loss']:.6f}  "
             f"{record['time_s'] * 1000:.0f} ms  exposed comm {record['exposed_comm_s'] * 1000:.0f}"
-            f" ms ({100 * exposed:.0f}%)  {record['tokens_per_s']:,.0f} tokens/s" +
+            f" ms ({100 * exposed:.0f}%)  {record['tokens_per_s']:,.0f} tokens/s  "
+            f"{record['tflops_per_device']:.3g} TFLOP/s per device  MFU "
+            f"{100 * record['mfu']:.2g}%" +
             (f"  eval loss {record['eval_loss']:.6f}" if "eval_loss" in record else ""))
     end = "\r" if sys.stderr.isatty() and step + 1 < steps else "\n"
     print(text, end=end, file=sys.stderr, flush=True)
@@ -116,12 +121,17 @@ class _Metrics:
     next step: the gather of step k is issued when step k ends and completed when step
     k + 1 does. ``time_s`` is the slowest rank's step; the other times are that rank's;
     ``max_rss_mb`` the largest peak resident memory of any rank so far; ``build`` the
-    build's fingerprint, so that ``planc report`` refuses the metrics of another build."""
+    build's fingerprint, so that ``planc report`` refuses the metrics of another build;
+    ``tflops_per_device`` and ``mfu`` the step's model FLOPs over ``time_s`` and every
+    device, ``peak_memory_mb`` every rank's peak memory (planc.runtime.step_metrics)."""
 
     FIELDS = ("time_s", "compute_s", "comm_s", "exposed_comm_s", "pipeline_wait_s")
 
-    def __init__(self, ctx: RankContext, steps: int, path: str | None, fingerprint: str):
+    def __init__(self, ctx: RankContext, steps: int, path: str | None, fingerprint: str,
+                 mfu, plan: str, tensorboard: str | None = None):
         self.ctx, self.steps = ctx, steps
+        self.mfu, self.plan = mfu, plan
+        self.tensorboard = open_tensorboard(tensorboard) if ctx.rank == ctx.leader else None
         self.leader = ctx.leader
         self.world = dist.get_world_size()
         self.group = dist.new_group(list(range(self.world)), backend="gloo") \
@@ -137,7 +147,8 @@ class _Metrics:
         self.flush()
         self.eval_losses[step] = eval_loss
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-        mine = torch.tensor(times.as_list() + [peak], dtype=torch.float64)
+        memory, self.memory_kind = peak_memory_mb(self.ctx.device)
+        mine = torch.tensor(times.as_list() + [peak, memory], dtype=torch.float64)
         if self.world == 1:
             self.pending = (step, None, [mine], loss)
             return
@@ -158,15 +169,21 @@ class _Metrics:
         table = torch.stack(gathered)
         slowest = int(table[:, 0].argmax())
         values = dict(zip(self.FIELDS, (float(v) for v in table[slowest])))
-        values["max_rss_mb"] = round(float(table[:, -1].max()), 1)
+        values["max_rss_mb"] = round(float(table[:, len(self.FIELDS)].max()), 1)
         record = {"step": step, "loss": loss, **values,
                   "tokens_per_s": self.ctx.tokens_per_step / values["time_s"],
                   "slowest_rank": slowest}
         eval_loss = self.eval_losses.pop(step, None)
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
+        record.update(throughput(self.mfu.model_flops_per_step, self.mfu.peak_flops_per_device,
+                                 values["time_s"], self.world),
+                      peak_memory_mb=[round(float(v), 1) for v in table[:, -1]],
+                      peak_memory=self.memory_kind, plan=self.plan)
         self.records.append(record)
         _progress(step, self.steps, record)
+        if self.tensorboard:
+            self.tensorboard.write(record)
         if self.file:
             try:
                 self.file.write(json.dumps({**record, "build": self.build}) + "\n")
@@ -180,6 +197,8 @@ class _Metrics:
         self.flush()
         if self.file:
             self.file.close()
+        if self.tensorboard:
+            self.tensorboard.close()
 
 
 class StartupWatch:
@@ -254,7 +273,8 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
     evaluator = Evaluator(ctx, program, store, lambda interp: type(executor)(
         interp, args.timeout)) if built.model.evaluation is not None else None
     with watch.waiting("creating the group that gathers the metrics (new_group)"):
-        metrics = _Metrics(ctx, steps, args.metrics, built.plan_sha256)
+        metrics = _Metrics(ctx, steps, args.metrics, built.plan_sha256, built.mfu,
+                           built.record.name, args.tensorboard)
     losses, trace, evaluations = [], [], {}
     try:
         if log_dir is not None:  # the launcher's reports tell starting from training

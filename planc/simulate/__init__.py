@@ -22,18 +22,16 @@ from dataclasses import dataclass
 
 from planc import memory
 from planc.build import Build
-from planc.models import family_of
+from planc.models import step_model_flops
 from planc.plan import Plan
 from planc.simulate.costs import InstructionCosts
 from planc.simulate.pipeline import StageTime, step
 
 
 def model_flops(plan: Plan) -> float:
-    """Model FLOPs of one step (Narayanan et al. 2021): forward and backward, 3x the
-    forward's matrix multiplies and attention, recomputation not counted; the family
-    says what its forward costs per token."""
-    m = plan.model
-    return 3.0 * m.batch * m.seq * family_of(plan).model_flops_per_token(m)
+    """Model FLOPs of one step (planc.models.step_model_flops: Narayanan et al. 2021,
+    recomputation not counted), the same count planc run's MFU divides."""
+    return step_model_flops(plan)
 
 
 @dataclass(frozen=True)
