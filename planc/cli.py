@@ -15,6 +15,7 @@ from typing import Sequence
 
 from planc import __version__
 from planc.interrupts import Interrupted, Interrupts
+from planc.views.curves import METRICS as CURVE_METRICS
 
 EXIT_OK, EXIT_USAGE = 0, 2
 
@@ -272,6 +273,18 @@ def build_parser() -> argparse.ArgumentParser:
     diff.add_argument("--error-format", choices=("text", "json"), default="text",
                       help=argparse.SUPPRESS)
 
+    plot = commands.add_parser(
+        "plot", help="draw the loss of planc run --metrics files against the step",
+        description="Draw one curve per planc run --metrics file, labelled with its plan's "
+        "name: the loss against the step, or another metric of every step (docs/metrics.md). "
+        "Needs matplotlib (planc[run]).")
+    plot.add_argument("metrics", nargs="+", metavar="M.jsonl",
+                      help="planc run --metrics files")
+    plot.add_argument("-o", "--output", required=True, metavar="PLOT.png",
+                      help="the image to write: .png or .svg")
+    plot.add_argument("--metric", default="loss", choices=tuple(CURVE_METRICS),
+                      help="what to draw [loss]")
+
     calibrate = commands.add_parser(
         "calibrate", help="measure this machine's links and write a topology plans can use",
         description="Start ranks on this machine, measure the latency and bandwidth of "
@@ -325,7 +338,8 @@ COMMANDS = {"check": ("check", "check"), "layout": ("check", "layout"),
             "verify": ("programs", "verify"), "run": ("run", "main"),
             "calibrate": ("calibrate", "main"), "simulate": ("simulate", "main"),
             "diff": ("diff", "main"), "report": ("report", "main"),
-            "export": ("export", "main"), "tune": ("tune", "main")}
+            "export": ("export", "main"), "tune": ("tune", "main"),
+            "plot": ("plot", "main")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -3,39 +3,11 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 
 from planc.commands import EXIT_OK, EXIT_USAGE, fail, load_programs
-
-
-def _metrics(path: str) -> tuple[list[dict] | None, str | None]:
-    """The records of a ``planc run --metrics`` file, or why it cannot be read."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            records = [json.loads(line) for line in handle if line.strip()]
-    except OSError as exc:
-        return None, f"cannot read {path}: {exc.strerror or exc}"
-    except (ValueError, RecursionError):  # not JSON, not UTF-8, nested past Python's stack
-        return None, f"{path} is not a planc run metrics file (one JSON object per line)"
-    if not records or not all(isinstance(r, dict) and _seconds(r.get("time_s"), positive=True)
-                              for r in records):
-        return None, f"{path} is not a planc run metrics file (no step records with time_s)"
-    if not all(_seconds(r.get("exposed_comm_s", 0.0)) for r in records):
-        return None, (f"{path} is not a planc run metrics file (an exposed_comm_s that is "
-                      f"not a number of seconds)")
-    if not all(isinstance(r.get("build", ""), str) for r in records):
-        return None, (f"{path} is not a planc run metrics file (a build fingerprint that is "
-                      f"not text)")
-    return records, None
-
-
-def _seconds(value, positive: bool = False) -> bool:
-    """Whether ``value`` is a time a run can measure: a finite number, not negative
-    (``positive``: above zero, as a step's time must be to divide by)."""
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and \
-        math.isfinite(value) and (value > 0 if positive else value >= 0)
+from planc.metrics_file import read_metrics
 
 
 def _other_build(path: str, records: list[dict], build_path: str, fingerprint: str
@@ -104,7 +76,7 @@ def main(args) -> int:
                     EXIT_USAGE)
     metrics = None
     if args.metrics:
-        metrics, problem = _metrics(args.metrics)
+        metrics, problem = read_metrics(args.metrics)
         if problem:
             return fail(problem)
     ranked = None

@@ -146,8 +146,9 @@ class _Metrics:
              ) -> None:
         self.flush()
         self.eval_losses[step] = eval_loss
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         memory, self.memory_kind = peak_memory_mb(self.ctx.device)
+        peak = memory if self.memory_kind == "max_rss" else \
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         mine = torch.tensor(times.as_list() + [peak, memory], dtype=torch.float64)
         if self.world == 1:
             self.pending = (step, None, [mine], loss)

@@ -40,6 +40,7 @@ code { font-size: 12px; }
         white-space: pre-wrap; overflow-wrap: anywhere; }
 .plan .line { padding-left: var(--key); text-indent: calc(-1 * var(--key)); }
 .note { color: #666; font-size: 12px; }
+.curve svg { max-width: 100%; height: auto; }
 .hint { background: #fff6dc; border-left: 3px solid #e0a800; padding: 6px 10px;
         font-size: 13px; }
 """
@@ -223,11 +224,36 @@ def _measured(plan, result, metrics: list[dict] | None, warmup: int,
     predicted_exposed = max(sum(s.exposed_seconds.values()) for s in result.stages)
     rows.append(["exposed communication", format_quantity(predicted_exposed, TIME),
                  format_quantity(exposed, TIME), ""])
+    if all(isinstance(r.get("mfu"), (int, float)) for r in kept):  # planc run since issue 26
+        rate = statistics.median(r["tflops_per_device"] for r in kept)
+        rows.append(["FLOP/s per GPU", format_flop_rate(result.tflops_per_gpu * 1e12),
+                     format_flop_rate(rate * 1e12), ""])
+        rows.append(["MFU", format_share(result.mfu),
+                     format_share(statistics.median(r["mfu"] for r in kept)), ""])
     caveat = f'<p class="hint">{_e(unchecked)}</p>' if unchecked else ""
     return _table(["", "simulated", "measured", "error"], rows) + \
         f'<p class="note">Measured: median over {len(kept)} steps of the slowest rank ' \
         f'(after {min(warmup, len(metrics))} warm-up steps).</p>' + \
         _far_off(plan, result.step_seconds, measured) + caveat
+
+
+def _loss_curve(plan, metrics: list[dict] | None) -> list[str]:
+    """The measured loss against the step, as planc plot draws it (planc.views.curves),
+    where every step's record has one."""
+    from planc.views.curves import CurveError, curve, inline_svg
+
+    try:
+        measured = curve(metrics or [], "loss", plan.name)  # labelled with the plan's name
+    except CurveError:
+        return []
+    if not measured.steps:
+        return []
+    try:
+        image = inline_svg([measured], "loss")
+    except ImportError:
+        image = ('<p class="note">The loss curve needs matplotlib: <code>pip install '
+                 '&#x27;planc[run]&#x27;</code>.</p>')
+    return ["<h2>Loss per step (measured)</h2>", f'<div class="curve">{image}</div>']
 
 
 def _plan_text(plan) -> str:
@@ -290,6 +316,7 @@ def render(build, result, metrics: list[dict] | None = None, warmup: int = 2,
         "<h2>Timeline of one step (simulated)</h2>", _timeline_svg(result),
         "<h2>Predicted and measured</h2>", _measured(plan, result, metrics, warmup,
                                                      unchecked),
+        *_loss_curve(plan, metrics),
         *(["<h2>Layouts planc tune ranked</h2>", _ranked(plan, ranked)] if ranked else []),
         "<h2>The plan</h2>", _plan_text(plan),
     ]

@@ -1,0 +1,60 @@
+"""Train plans/llama-small.plan under two layouts for 50 steps on the project's corpus and
+draw both losses with planc plot (docs/loss-two-plans.png): every plan computes the
+single-process function, so the two curves lie on one another.
+
+    .venv/bin/python bench/loss_curves.py [--steps 50] [--plot docs/loss-two-plans.png]
+
+The layouts: tp 2 with sequence parallelism (the plan as written), and dp 2 with ZeRO-3.
+Makes data/tiny-corpus.tokens first if it is missing (python -m planc.tools.corpus).
+Prints the largest difference between the two runs' losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLANC = [sys.executable, "-m", "planc"]
+LAYOUTS = {  # the metrics file's name (planc plot's label beside the plan's) -> overrides
+    "tp2-sp.jsonl": [],
+    "dp2-zero3.jsonl": ["mesh.tp=1", "mesh.dp=2", "shard.tp.sequence_parallel=off",
+                        "shard.dp.zero=3"],
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--plot", default=os.path.join(ROOT, "docs", "loss-two-plans.png"))
+    args = parser.parse_args()
+    os.chdir(ROOT)
+    if not os.path.exists("data/tiny-corpus.tokens"):
+        subprocess.run([sys.executable, "-m", "planc.tools.corpus", "-o",
+                        "data/tiny-corpus.tokens"], check=True)
+    work = tempfile.mkdtemp(prefix="planc-loss-curves-")
+    files = []
+    for name, overrides in LAYOUTS.items():
+        metrics = os.path.join(work, name)
+        sets = [arg for o in ["train.data=\"../data/tiny-corpus.tokens\"",
+                              f"train.steps={args.steps}", *overrides] for arg in ("--set", o)]
+        subprocess.run(PLANC + ["run", "plans/llama-small.plan", "-o",
+                                os.path.join(work, name.split(".")[0]), *sets,
+                                "--metrics", metrics], check=True)
+        files.append(metrics)
+    losses = [[json.loads(line)["loss"] for line in open(f)] for f in files]
+    print(f"loss: step 1 {losses[0][0]:.4f}, step {len(losses[0])} {losses[0][-1]:.4f}; "
+          f"largest difference between the layouts "
+          f"{max(abs(a - b) for a, b in zip(*losses)):.3g}")
+    subprocess.run(PLANC + ["plot", *files, "-o", args.plot], check=True)
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

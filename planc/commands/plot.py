@@ -1,0 +1,49 @@
+"""``planc plot M.jsonl [M2.jsonl ...] -o PLOT.png``: the loss (or another metric) of
+``planc run --metrics`` files against the step, one curve per run, labelled with its
+plan's name (docs/metrics.md). Needs matplotlib, never torch."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from planc.commands import EXIT_OK, EXIT_USAGE, fail
+
+FORMATS = {".png": "png", ".svg": "svg"}
+
+
+def main(args) -> int:
+    from planc.files import write_atomically
+    from planc.metrics_file import read_metrics
+    from planc.views.curves import CurveError, curve, distinct, draw
+
+    image_format = FORMATS.get(os.path.splitext(args.output)[1].lower())
+    if image_format is None:
+        return fail(f"-o {args.output}: planc plot writes a .png or an .svg file; name one",
+                    EXIT_USAGE)
+    if os.path.isdir(args.output):
+        return fail(f"-o {args.output} is a directory; name the image, such as loss.png",
+                    EXIT_USAGE)
+    curves = []
+    for path in args.metrics:
+        records, problem = read_metrics(path)
+        if problem:
+            return fail(problem)
+        try:
+            curves.append(curve(records, args.metric, path))
+        except CurveError as exc:
+            return fail(str(exc))
+    try:
+        image = draw(distinct(curves, args.metrics), args.metric, image_format)
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] != "matplotlib":
+            raise
+        return fail("planc plot needs matplotlib, which is not installed: pip install "
+                    "'planc[run]'")
+    try:
+        write_atomically(args.output, image)
+    except OSError as exc:
+        return fail(f"cannot write {args.output}: {exc.strerror or exc}")
+    print(f"planc: {args.metric} of {len(curves)} run{'s' * (len(curves) > 1)} written to "
+          f"{args.output}", file=sys.stderr)
+    return EXIT_OK
