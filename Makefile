@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 
-.PHONY: demo test bench bench-topology install clean corpus
+.PHONY: demo test bench bench-topology install clean corpus loss-curves
 
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,11 @@ bench: $(STAMP)
 	$(PY) bench/limits.py
 	$(PY) bench/run.py
 	$(PY) bench/peers.py
+
+# Two layouts of plans/llama-small.plan, 50 steps each on the corpus, drawn by planc plot
+# into docs/loss-two-plans.png (docs/metrics.md): the two curves lie on one another.
+loss-curves: $(STAMP) $(CORPUS)
+	$(PY) bench/loss_curves.py --plot docs/loss-two-plans.png
 
 # Routes on an emulated two-node cluster: needs root (network namespaces, veth, tc).
 bench-topology: $(STAMP)

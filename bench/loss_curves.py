@@ -48,9 +48,12 @@ def main() -> int:
                                 "--metrics", metrics], check=True)
         files.append(metrics)
     losses = [[json.loads(line)["loss"] for line in open(f)] for f in files]
-    print(f"loss: step 1 {losses[0][0]:.4f}, step {len(losses[0])} {losses[0][-1]:.4f}; "
-          f"largest difference between the layouts "
-          f"{max(abs(a - b) for a, b in zip(*losses)):.3g}")
+    gaps = [abs(a - b) for a, b in zip(*losses)]
+    worst = max(range(len(gaps)), key=gaps.__getitem__)
+    print(f"loss: step 1 {losses[0][0]:.4f}, step {len(losses[0])} {losses[0][-1]:.4f} and "
+          f"{losses[1][-1]:.4f}; the layouts differ by at most {max(gaps[:10]):.2g} over "
+          f"steps 1-10, {gaps[-1]:.2g} at step {len(gaps)}, {gaps[worst]:.2g} at most (step "
+          f"{worst + 1})")
     subprocess.run(PLANC + ["plot", *files, "-o", args.plot], check=True)
     shutil.rmtree(work, ignore_errors=True)
     return 0

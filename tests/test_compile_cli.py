@@ -142,7 +142,7 @@ def test_compile_writes_the_build_files(tmp_path):
 
     manifest = json.loads((out / "build.json").read_text())
     assert manifest["format"] == "planc-build"
-    assert manifest["version"] == 3
+    assert manifest["version"] == 4
     assert manifest["source_sha256"] == hashlib.sha256(TINY.read_bytes()).hexdigest()
     assert manifest["plan"] == "gpt_tiny"
 
