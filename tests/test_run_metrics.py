@@ -269,3 +269,27 @@ def test_the_report_embeds_the_measured_loss_curve(run, tmp_path):
     assert page.count("<h2>Loss per step (measured)</h2>") == 1
     plan = load_file(PLANS / "gpt-tiny.plan", ("mesh.dp=1", "topology.nodes=1", "shard.dp.zero=0")).plan
     assert records[0]["build"] == plan_fingerprint(plan)
+
+
+def test_without_the_tensorboard_package_the_run_stops_first(tmp_path):
+    # tensorboard made unimportable in the process that runs planc (None in sys.modules)
+    code = ("import sys; sys.modules['tensorboard'] = None; from planc.cli import main; "
+            f"sys.exit(main(['run', {str(PLANS / 'gpt-tiny.plan')!r}, *{FOUR_RANKS!r}, "
+            f"'-o', {str(tmp_path / 'b')!r}, '--tensorboard', {str(tmp_path / 'tb')!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert done.returncode == 1
+    assert done.stderr == ("planc: error: --tensorboard needs the tensorboard package, which "
+                           "is not installed: pip install 'planc[run]'\n")
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_report_draws_no_loss_curve_for_metrics_without_losses(run, tmp_path):
+    work, _ = run
+    records = read_metrics(str(work / "m.jsonl"))[0]
+    lossless = _write(tmp_path / "m.jsonl", [{k: v for k, v in r.items() if k != "loss"}
+                                             for r in records])
+    done = planc("report", work / "b", "-o", tmp_path / "r.html", "--metrics", lossless)
+    assert done.returncode == 0, done.stderr
+    page = (tmp_path / "r.html").read_text()
+    assert "<h2>Predicted and measured</h2>" in page and "Loss per step" not in page
