@@ -70,9 +70,11 @@ def test_a_build_without_its_step_flops_is_refused_by_a_rank(tmp_path):
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """gpt-tiny on 4 ranks for 2 steps, with --metrics and --tensorboard."""
+    """gpt-tiny on 4 ranks for 2 steps, evaluating after the second, with --metrics and
+    --tensorboard."""
     work = tmp_path_factory.mktemp("run")
-    done = planc("run", PLANS / "gpt-tiny.plan", *FOUR_RANKS, "-o", work / "b", "--steps", 2,
+    done = planc("run", PLANS / "gpt-tiny.plan", *FOUR_RANKS, "--set", "train.eval_every=2",
+                 "--set", "train.eval_batches=1", "-o", work / "b", "--steps", 2,
                  "--metrics", work / "m.jsonl", "--tensorboard", work / "tb")
     assert done.returncode == 0, done.stderr[-3000:]
     return work, done
@@ -111,10 +113,11 @@ def test_tensorboard_scalars_equal_the_metrics_file(run):
     assert len(list((work / "tb").glob("events.out.tfevents.*"))) == 1
     events = EventAccumulator(str(work / "tb"))
     events.Reload()
-    expected = {key: [(r["step"] + 1, r[key]) for r in records]
-                for key in TENSORBOARD_SCALARS if key in records[0]}
+    expected = {key: [(r["step"] + 1, r[key]) for r in records if key in r]
+                for key in TENSORBOARD_SCALARS if any(key in r for r in records)}
     assert {"loss", "tokens_per_s", "tflops_per_device", "mfu", "exposed_comm_s",
-            "time_s"} <= set(expected)
+            "time_s", "eval_loss"} <= set(expected)
+    assert [step for step, _ in expected["eval_loss"]] == [2]  # the steps that evaluated
     assert sorted(events.Tags()["tensors"]) == sorted(expected)
     for key, values in expected.items():
         read = [(e.step, tensor_util.make_ndarray(e.tensor_proto).item())
@@ -267,7 +270,9 @@ def test_the_report_embeds_the_measured_loss_curve(run, tmp_path):
                + inline_svg([curve(records, "loss", "gpt_tiny")], "loss") + "</div>")
     assert section in page
     assert page.count("<h2>Loss per step (measured)</h2>") == 1
-    plan = load_file(PLANS / "gpt-tiny.plan", ("mesh.dp=1", "topology.nodes=1", "shard.dp.zero=0")).plan
+    overrides = ("mesh.dp=1", "topology.nodes=1", "shard.dp.zero=0", "train.eval_every=2",
+                 "train.eval_batches=1")
+    plan = load_file(PLANS / "gpt-tiny.plan", overrides).plan
     assert records[0]["build"] == plan_fingerprint(plan)
 
 
@@ -293,3 +298,19 @@ def test_the_report_draws_no_loss_curve_for_metrics_without_losses(run, tmp_path
     assert done.returncode == 0, done.stderr
     page = (tmp_path / "r.html").read_text()
     assert "<h2>Predicted and measured</h2>" in page and "Loss per step" not in page
+
+
+def test_plot_draws_a_metric_at_the_steps_that_have_it_and_refuses_one_no_step_has(tmp_path):
+    records = _records("p", [3.0, 2.0, 1.0])
+    records[1]["eval_loss"] = 2.5
+    records[2]["eval_loss"] = 1.5
+    metrics = _write(tmp_path / "m.jsonl", records)
+    assert curve(read_metrics(str(metrics))[0], "eval_loss", str(metrics)) == Curve(
+        "p", (2, 3), (2.5, 1.5))
+    done = planc("plot", metrics, "-o", tmp_path / "e.png", "--metric", "eval_loss")
+    assert done.returncode == 0, done.stderr
+    done = planc("plot", metrics, "-o", tmp_path / "lr.png", "--metric", "lr")
+    assert done.returncode == 1
+    assert done.stderr == (f"planc: error: {metrics}: no step has lr: the run did not record "
+                           f"it (planc plot --metric lr needs a run that did)\n")
+    assert not (tmp_path / "lr.png").exists()

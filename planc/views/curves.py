@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass
 
 # The numeric keys of a step's record planc plot draws, and their axis labels.
-METRICS = {"loss": "loss", "lr": "learning rate", "grad_norm": "gradient norm",
+METRICS = {"loss": "loss", "eval_loss": "evaluation loss", "lr": "learning rate",
+           "grad_norm": "gradient norm",
            "tokens_per_s": "tokens/s", "tflops_per_device": "TFLOP/s per device",
            "mfu": "MFU", "time_s": "step time (s)", "exposed_comm_s": "exposed communication (s)",
            "max_rss_mb": "peak resident memory, largest rank (MiB)"}
@@ -33,20 +34,24 @@ class Curve:
 
 def curve(records: list[dict], metric: str, path: str) -> Curve:
     """The values of ``metric`` against the step in the records of one ``planc run
-    --metrics`` file (read by planc.metrics_file.read_metrics)."""
+    --metrics`` file (read by planc.metrics_file.read_metrics): every step has a loss;
+    another metric is drawn at the steps that have it (eval_loss where the run evaluated)."""
     steps, values = [], []
     for line, record in enumerate(records, 1):
         step, value = record.get("step"), record.get(metric)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CurveError(f"{path}: record {line} has no step number; it is not what "
                              f"planc run --metrics writes")
+        if metric != "loss" and value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise CurveError(f"{path}: record {line} (step {step + 1}) has no {metric}"
-                             + ("" if metric == "loss" else
-                                f"; the run did not record it (planc plot --metric "
-                                f"{metric} needs a run that did)"))
+                             + ("" if value is None else " that is a number"))
         steps.append(step + 1)
         values.append(float(value))
+    if not steps:
+        raise CurveError(f"{path}: no step has {metric}: the run did not record it "
+                         f"(planc plot --metric {metric} needs a run that did)")
     plans = {record.get("plan") for record in records}
     (plan,) = plans if len(plans) == 1 else (None,)
     label = plan if isinstance(plan, str) and plan else os.path.basename(path)
