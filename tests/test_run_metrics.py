@@ -314,3 +314,26 @@ def test_plot_draws_a_metric_at_the_steps_that_have_it_and_refuses_one_no_step_h
     assert done.stderr == (f"planc: error: {metrics}: no step has lr: the run did not record "
                            f"it (planc plot --metric lr needs a run that did)\n")
     assert not (tmp_path / "lr.png").exists()
+
+
+def _without_matplotlib(argv: list[str]):
+    """planc in a process where matplotlib cannot be imported (None in sys.modules)."""
+    code = ("import sys; sys.modules['matplotlib'] = None; from planc.cli import main; "
+            f"sys.exit(main({[str(a) for a in argv]!r}))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT)
+
+
+def test_without_matplotlib_plot_says_so_and_the_report_notes_it(run, tmp_path):
+    work, _ = run
+    done = _without_matplotlib(["plot", work / "m.jsonl", "-o", tmp_path / "p.png"])
+    assert done.returncode == 1
+    assert done.stderr == ("planc: error: planc plot needs matplotlib, which is not "
+                           "installed: pip install 'planc[run]'\n")
+    assert os.listdir(tmp_path) == []
+    done = _without_matplotlib(["report", work / "b", "-o", tmp_path / "r.html",
+                                "--metrics", work / "m.jsonl"])
+    assert done.returncode == 0, done.stderr
+    assert ('<h2>Loss per step (measured)</h2>\n<div class="curve"><p class="note">The loss '
+            'curve needs matplotlib: <code>pip install &#x27;planc[run]&#x27;</code>.</p>'
+            '</div>') in (tmp_path / "r.html").read_text()
