@@ -251,6 +251,7 @@ class Train:
     optimizer: Optimizer = Optimizer()
     seed: int = 0
     data: str = "synthetic"  # or the path of a file of little-endian uint16 tokens
+    grad_clip: float | None = None  # clip by the global L2 norm of the gradients; None: off
 
 
 @dataclass(frozen=True)

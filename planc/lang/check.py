@@ -381,7 +381,8 @@ class _Checker(TopologyReader):
             if data is None:
                 return None
         return Train(self.value("train.steps"), Optimizer(name=spec.name, **spec.arguments),
-                     self.value("train.seed"), data)
+                     self.value("train.seed"), data,
+                     grad_clip=self.value("train.grad_clip"))
 
     def _data_file(self, data: str, model: Model | None) -> str | None:
         from planc.tokens import DataError, DataMissing, check_file  # no torch

@@ -128,6 +128,7 @@ class _Metrics:
         self.build = fingerprint if self.file else None
         self.pending = None
         self.records: list[dict] = []
+        self.notes: dict[int, dict] = {}  # step -> values its record adds (grad_norm)
 
     def step(self, step: int, times, loss: float | None) -> None:
         self.flush()
@@ -157,6 +158,7 @@ class _Metrics:
         record = {"step": step, "loss": loss, **values,
                   "tokens_per_s": self.ctx.tokens_per_step / values["time_s"],
                   "slowest_rank": slowest}
+        record.update(self.notes.pop(step, {}))
         self.records.append(record)
         _progress(step, self.steps, record)
         if self.file:
@@ -255,6 +257,8 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
                 losses.append(result.state.loss)
             trace.extend((step, e.stream, e.name, e.start, e.end, e.microbatch, e.op,
                           [list(flow) for flow in e.flows]) for e in result.trace)
+            if result.state.grad_norm is not None:  # train { grad_clip }: before clipping
+                metrics.notes[step] = {"grad_norm": result.state.grad_norm}
             metrics.step(step, result.times, result.state.loss)
             done = step + 1
             if args.checkpoint_dir and (done == steps or (
