@@ -40,6 +40,7 @@ from planc.lower.program import COLLECTIVES, Program, RankTable
 from planc.lower.routes import RouteTable, routed_nodes
 from planc.lower.verify_counts import CountsChecks, sums_counts
 from planc.lower.verify_experts import ExpertChecks, is_expert_exchange
+from planc.lower.verify_grad_norm import GradNormChecks
 from planc.lower.verify_pipeline import PipelineChecks
 from planc.lower.verify_progress import ProgressChecks
 from planc.lower.verify_report import Report, ranks_text
@@ -51,7 +52,7 @@ from planc.plan import Plan
 
 
 class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsChecks,
-                ProgressChecks):
+                ProgressChecks, GradNormChecks):
     def __init__(self, plan: Plan, graph: nx.DiGraph, programs: dict[str, Program],
                  table: RankTable, groups: GroupTable | None = None,
                  routes: RouteTable | None = None):
@@ -177,6 +178,9 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
                            self.layout.pipeline_peer(rank, last)))
             for pair in sorted(pairs):
                 self._compare_members(Axis.TIED, pair)
+        if self.plan.train.grad_clip is not None:  # the gradient norm: one rank per program
+            self._compare_members(Axis.WORLD, tuple(sorted(
+                next(iter(self.table.ranks(name))) for name in self.table.names)))
 
     def _collectives(self, name: str, axis: str) -> list[tuple[str, str, int | None]]:
         """The collectives on ``axis`` that the program issues in one step, in issue order
@@ -201,7 +205,7 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
 
     def _compare_members(self, axis: str, members) -> None:
         names = {r: self.table.program_of(r) for r in members}
-        if len(set(names.values())) == 1 and axis != "tied":
+        if len(set(names.values())) == 1 and axis not in ("tied", "world"):
             return
         sequences = {r: self._collectives(names[r], axis) for r in members}
         first = members[0]
@@ -221,7 +225,7 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
     def _same_collective(self, x, y, axis: str) -> bool:
         if x is None or y is None:
             return x == y
-        if axis == "tied":  # the two stages' nodes share the name of their collective
+        if axis in ("tied", "world"):  # each stage's node names the one collective
             name = lambda node: self.graph.nodes[node].get("collective", node) \
                 if node in self.graph else node  # noqa: E731
             return x[0] == y[0] and name(x[1]) == name(y[1]) and x[2] == y[2]
@@ -238,6 +242,7 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
                 self.ring(name, program)
                 self.experts(name, program)
                 self.counts(name, program)
+                self.grad_norm(name, program)
         self.collective_order()
         self.pipeline()
         if not self.report.problems:  # matched and ordered: now the streams together
