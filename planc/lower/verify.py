@@ -15,8 +15,11 @@ The invariants of docs/semantics.md, section 5:
    group match (:mod:`planc.lower.verify_experts`), and a mixture's balance-loss counts
    are summed over the ranks of each sequence once per token, in one order
    (:mod:`planc.lower.verify_counts`);
-7. where a collective spans stages (the tied embedding's), the whole step, stream by
-   stream, runs to its end (:mod:`planc.lower.verify_progress`).
+7. where a collective spans stages (the tied embedding's, the gradient norm's), the
+   whole step, stream by stream, runs to its end (:mod:`planc.lower.verify_progress`);
+8. with ``train { grad_clip }``, every rank sums its share of the gradient norm once per
+   step over the world group, after its gradient reductions and before its optimizer
+   steps, counting every gradient element once (:mod:`planc.lower.verify_grad_norm`).
 
 Before any of these, every instruction's operands (what the runtime runs) must be the
 ones the graph implies (:func:`planc.lower.bind.operands_of`): the proofs below read the
