@@ -27,8 +27,8 @@ GPT = {
     "clip-tp2-sp-pp2-tied": dict(mesh="tp = 2; pp = 2", m=2, model="; tie_embeddings = on",
                                  shard="tp { sequence_parallel = on }"),
     "clip-cp2-dp2-zero1": dict(mesh="cp = 2; dp = 2", m=2, shard="dp { zero = 1 }"),
-    "clip-tp2-sp-dp2-zero3-tied": dict(mesh="tp = 2; dp = 2", m=2, model="; tie_embeddings = on",
-                                       shard="tp { sequence_parallel = on }; dp { zero = 3 }"),
+    "clip-pp2-dp2-zero3-tied": dict(mesh="pp = 2; dp = 2", m=2, model="; tie_embeddings = on",
+                                    shard="dp { zero = 3 }"),
 }
 LLAMA = {
     "clip-pp2-dp2-zero2-interleaved": dict(mesh="pp = 2; dp = 2", m=4, schedule="; pipeline "
@@ -355,7 +355,7 @@ def test_a_resumed_run_clips_exactly_as_an_uninterrupted_one(tmp_path, capfd):
     against one process that clipped every step."""
     a, b = tmp_path / "a.plan", tmp_path / "b.plan"
     a.write_text(gpt("clip-tp2-sp-pp2-tied").replace("steps = 2", "steps = 3"))
-    b.write_text(gpt("clip-tp2-sp-dp2-zero3-tied").replace("steps = 2", "steps = 3"))
+    b.write_text(gpt("clip-pp2-dp2-zero3-tied").replace("steps = 2", "steps = 3"))
     status, err = run([a, "-o", tmp_path / "build-a", "--steps", 1, "--checkpoint-dir",
                        tmp_path / "ckpt"], capfd)
     assert status == 0, err
