@@ -364,3 +364,26 @@ def test_a_resumed_run_clips_exactly_as_an_uninterrupted_one(tmp_path, capfd):
     assert status == 0, err
     assert "check: 2 steps (from step 1, resumed)" in err
     assert "every loss and parameter matches" in err
+
+
+@pytest.mark.parametrize("text", [
+    gpt_text("many", mesh="tp = 2; pp = 2", m=2, optimize="bucket = 8KB",
+             shard="tp { sequence_parallel = on }"),
+    test_llama.plan_text("zb", mesh="pp = 2; dp = 2", m=4, schedule="; pipeline = zb1p",
+                         shard="dp { zero = 1 }", optimize="bucket = 8KB"),
+])
+def test_clipping_adds_the_norm_and_changes_nothing_else(text):
+    """The same buckets (fusion reads when each gradient is final, not the clip the
+    optimizer waits for), the same blocks, prologue and receives: only the epilogue
+    gains the norm's three steps per stage."""
+    plain, clip = built(text), built(clipped(text))
+    assert len(plain.graph.graph["buckets"]) > 2
+    assert clip.graph.graph["buckets"] == plain.graph.graph["buckets"]
+    added = set(clip.graph.nodes) - set(plain.graph.nodes)
+    assert set(plain.graph.nodes) <= set(clip.graph.nodes) and len(added) == 3 * 2
+    for name, program in plain.programs.items():
+        other = clip.programs[name]
+        assert (other.blocks, other.prologue, other.receives, other.schedule) == \
+            (program.blocks, program.prologue, program.receives, program.schedule)
+        assert [i for i in other.epilogue if i.node not in added and
+                not (i.event or "").removeprefix("done:") in added] != []
