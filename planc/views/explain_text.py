@@ -208,8 +208,11 @@ def explain(plan: Plan, graph: nx.DiGraph, layer: int | None = None, param: str 
                                                         for m in info["members"])}
 
     def pick(predicate) -> list[str]:
+        # the gradient norm's all-reduce: one collective of every rank, though each stage
+        # has its node: shown once
         found = [n for n, d in graph.nodes(data=True) if d["type"] == "transfer" and predicate(d)
-                 and (axis is None or d["axis"] == axis)]
+                 and (axis is None or d["axis"] == axis)
+                 and not (d["axis"] == Axis.WORLD and d["stage"] != 0)]
         # Per-microbatch transfers first, in dataflow order; once-per-step ones after.
         return sorted(found, key=lambda n: (phase_rank[graph.nodes[n]["phase"]],
                                             not graph.nodes[n]["per_microbatch"], order[n]))
