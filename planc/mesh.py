@@ -119,6 +119,10 @@ GROUPS: dict[str, GroupKind] = _group_kinds(
     # With a statistic of each sequence (a mixture's balance loss): the ranks holding
     # parts of the same sequences, over which its counts are summed.
     GroupKind("sequence", ("tp", "cp"), "the ranks holding parts of one sequence (tp x cp)"),
+    # With train { grad_clip }: every rank, over which the squares of the gradients are
+    # summed once per step for their global norm (planc.graph.grad_norm).
+    GroupKind("world", ("tp", "cp", "pp", "dp"), "every rank (the gradient norm's sum)",
+              in_graph=True),
 )
 LAYOUT_GROUPS: tuple[str, ...] = tuple(name for name, kind in GROUPS.items()
                                        if kind.in_layout)

@@ -254,6 +254,7 @@ class Train:
     eval_every: int = 0  # steps between evaluations; 0: none
     eval_batches: int = 1  # global batches each evaluation averages
     eval_data: str = "synthetic"  # the evaluation's tokens (the training data unless set)
+    grad_clip: float | None = None  # clip by the global L2 norm of the gradients; None: off
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,7 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_the_evaluation_loss_is_the_single_process_one(name, tmp_path, capfd):
     plan = tmp_path / f"{name}.plan"
-    plan.write_text(evaluated_plan(name, **CASES[name]))
+    plan.write_text(evaluated_plan(name, **CASES[name]))  # synthetic: the seed's next
     metrics = tmp_path / "metrics.jsonl"
     status, err = run([plan, "-o", tmp_path / "build", "--check", "--metrics", metrics,
                        "--timeout", "60"], capfd)
@@ -117,7 +117,7 @@ def test_evaluation_reads_its_own_file(tmp_path, capfd):
     write_tokens(tmp_path / "held-out.tokens", [(7 * i) % 128 for i in range(400)])
     plan = tmp_path / "file.plan"
     plan.write_text(evaluated_plan("file", data='; eval_data = "held-out.tokens"',
-                                   mesh="dp = 2", m=1))
+                                   mesh="dp = 2; pp = 2", m=2, shard="dp { zero = 2 }"))
     status, err = run([plan, "-o", tmp_path / "build", "--check", "--timeout", "60"], capfd)
     assert status == 0, err
     assert "and 2 evaluations against the single-process run" in err

@@ -24,16 +24,17 @@ REORDERED = RankMesh.of(TWOS, ("pp", "tp", "dp", "cp"), devices_per_node=4)
 def test_the_registry_lists_the_axes_and_groups_in_their_order():
     assert AXES == ("tp", "cp", "pp", "dp")
     assert list(GROUPS) == ["tp", "cp", "pp", "dp", "dp_cp", "tied", "stage", "ep", "edp",
-                            "sequence"]
+                            "sequence", "world"]
     assert LAYOUT_GROUPS == ("tp", "cp", "pp", "dp", "dp_cp")
     assert GROUPS["dp_cp"].axes == ("dp", "cp")
     assert GROUPS["stage"].axes == ("tp", "cp", "dp")
     assert GROUPS["tied"].axes == ("pp",)
     assert [n for n, g in GROUPS.items() if g.in_graph] == \
-        ["tp", "cp", "pp", "dp_cp", "tied", "stage", "edp"]
+        ["tp", "cp", "pp", "dp_cp", "tied", "stage", "edp", "world"]
     assert [n for n, g in GROUPS.items() if g.within_stage] == \
         ["tp", "cp", "dp", "dp_cp", "stage", "ep", "edp", "sequence"]
     assert GROUPS["sequence"].axes == ("tp", "cp")
+    assert GROUPS["world"].axes == ("tp", "cp", "pp", "dp")
     assert [(n, g.experts) for n, g in GROUPS.items() if g.experts] == \
         [("ep", "runs"), ("edp", "across")]
     assert GROUPS["tied"].coordinates({"pp": 4}) == {"pp": (0, 3)}

@@ -58,6 +58,7 @@ from planc.graph.tensor_parallel import (
     plan_tensor_parallel,
 )
 from planc.graph.axes import PHASE_OF, AxisRules
+from planc.graph.grad_norm import add_grad_norm
 from planc.graph.parameters import ParameterRules, param_name
 from planc.plan import Plan
 
@@ -494,4 +495,4 @@ class _Derivation(AxisRules, ParameterRules):
 
 def derive(plan: Plan) -> nx.DiGraph:
     """The raw communication graph of one training step of ``plan``."""
-    return _Derivation(plan).derive()
+    return add_grad_norm(plan, _Derivation(plan).derive())

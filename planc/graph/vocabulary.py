@@ -53,6 +53,10 @@ class Op(StrEnum):
     LOSS_SUM_EXP = "loss_sum_exp"  # and the local sum of exponentials
     LOSS = "loss"
     OPTIMIZER = "optimizer"
+    # train { grad_clip }: this rank's share of the squared gradient norm, and the clip
+    # of every gradient of the stage by the global norm (planc.graph.grad_norm)
+    GRAD_NORM = "grad_norm"
+    GRAD_CLIP = "grad_clip"
 
 
 class Kind(StrEnum):
@@ -82,6 +86,7 @@ class Payload(StrEnum):
     STREAM = "stream"  # the residual stream (or its gradient) between pipeline stages
     GRAD = "grad"  # parameter gradients: one bucket, or one parameter's tp fix-up
     PARAM = "param"  # parameters: one bucket gathered from its ZeRO shards
+    GRAD_NORM = "grad_norm"  # the squared gradient norm, summed over every rank
 
 
 class GraphGroup(StrEnum):
@@ -208,7 +213,9 @@ OPTIONAL = {
     "dim": "the dimension a collective gathers or scatters",
     "producer": "tp redistributions: the operator that produced the tensor",
     "consumer": "tp redistributions: the operator that reads it",
-    "collective": "tied reductions: the name both stages give the collective",
+    "collective": "tied reductions and the gradient norm's sum: the name every stage "
+                  "gives the collective",
+    "max_norm": "the gradient clip (compute): train { grad_clip }, the norm it clips to",
     "sharded": "optimizer steps: whether they update a ZeRO shard",
     "stream": "placed by the overlap pass: the program stream it runs on",
     "guard": "placed by the overlap pass: 'last' to run on the last microbatch only",
@@ -233,6 +240,7 @@ OPTIONAL_TYPES = {
     "route_seconds": (int, float, type(None)), "tensor": TEXT, "bias": TEXT,
     "recomputed": (bool,), "vocab_parallel": (bool,), "peer_stage": INTEGER,
     "slice_axis": INTEGER, "shape": SEQUENCE, "elements": SEQUENCE,
+    "max_norm": NUMBER,
 }
 
 

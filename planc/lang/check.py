@@ -371,7 +371,8 @@ class _Checker(TopologyReader):
         return optimize
 
     def _train(self, model: Model | None) -> Train | None:
-        keys = ("steps", "optimizer", "seed", "data", "eval_every", "eval_batches", "eval_data")
+        keys = ("steps", "optimizer", "seed", "data", "eval_every", "eval_batches", "eval_data",
+                "grad_clip")
         if not self.ready(*(f"train.{k}" for k in keys)):
             return None
         spec = self.value("train.optimizer")
@@ -388,7 +389,8 @@ class _Checker(TopologyReader):
                 return None
         return Train(self.value("train.steps"), Optimizer(name=spec.name, **spec.arguments),
                      self.value("train.seed"), data, self.value("train.eval_every"),
-                     self.value("train.eval_batches"), eval_data)
+                     self.value("train.eval_batches"), eval_data,
+                     grad_clip=self.value("train.grad_clip"))
 
     def _data_file(self, data: str, model: Model | None, key: str = "train.data"
                    ) -> str | None:

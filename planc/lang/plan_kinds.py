@@ -205,3 +205,19 @@ class PresetSource(Kind):
         if isinstance(value, ast.String):
             return PresetFile(check_path(value, "topology"))
         return Choice(tuple(PRESETS)).read(value, scope)
+
+
+class ClipNorm(Kind):
+    """``train.grad_clip``: ``off`` (None) or the norm to clip the gradients to, a number
+    > 0 (``torch.nn.utils.clip_grad_norm_``'s ``max_norm``)."""
+
+    noun = "off or a number > 0"
+
+    def read(self, value, scope):
+        if isinstance(value, ast.Word):
+            if value.text == "off":
+                return None
+            raise Problem(f"expected {self.noun}, got '{value.text}'", value.span,
+                          "grad_clip = 1.0 clips the gradients' global L2 norm to 1.0; "
+                          "grad_clip = off leaves them as they are")
+        return Real(0.0, minimum_allowed=False).read(value, scope)

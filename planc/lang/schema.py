@@ -16,7 +16,8 @@ from planc.lang.kinds import (BOOLEAN_WORDS, MAX_EXPRESSION_DEPTH, MAX_INTEGER, 
                               Choice, Integer, Key, Kind, OnOffOrCount, Problem, Quantity, Real, Scope, Time,
                               Unresolved, check_literal, did_you_mean, evaluate_integer,
                               join_words, word_text)
-from planc.lang.plan_kinds import (OPTIMIZER_ARGUMENTS, AxisOrder, DataSource, OptimizerCall,
+from planc.lang.plan_kinds import (OPTIMIZER_ARGUMENTS, AxisOrder, ClipNorm, DataSource,
+                                   OptimizerCall,
                                    OptimizerSpec, PresetFile, PresetSource, StageRange, Stages,
                                    check_path)
 from planc.lang.units import COMPUTE, RATE, SIZE, TIME
@@ -137,6 +138,7 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
         "eval_every": Key(Integer(0), 0),
         "eval_batches": Key(Integer(1), 1),
         "eval_data": Key(DataSource(), "synthetic"),
+        "grad_clip": Key(ClipNorm(), None),  # off
     }),
 })
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import networkx as nx
 
+from planc.graph.grad_norm import norm_ranges
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, Port
 from planc.graph.layouts import parse as parse_layout
 from planc.graph.layouts import R, S
@@ -54,6 +55,8 @@ def _compute(graph: nx.DiGraph, node: str, data: dict, position: dict[str, int]
              ) -> Operands:
     if data["op"] == Op.OPTIMIZER:
         step = "optimizer"
+    elif data["op"] in (Op.GRAD_NORM, Op.GRAD_CLIP):
+        step = "clip"  # train { grad_clip }: the gradient norm's share, and the clip
     elif data.get("weight_grad_of") is not None:
         step = "weight"  # the parameter half of a split backward
     elif data["recompute"]:
@@ -89,7 +92,9 @@ def _compute(graph: nx.DiGraph, node: str, data: dict, position: dict[str, int]
         bytes=data.get("ring_bytes") or data.get("dispatch_bytes"),
         # ... and its balance loss's counts, summed over the ranks holding each sequence
         counts_group=SEQUENCE if data.get("counts_over") else None,
-        counts_bytes=data.get("counts_bytes"))
+        counts_bytes=data.get("counts_bytes"),
+        norm_ranges=norm_ranges(graph, data["stage"]) if data["op"] == Op.GRAD_NORM else (),
+        max_norm=data.get("max_norm"))
 
 
 def _transfer(graph: nx.DiGraph, node: str, data: dict, op: str,

@@ -265,15 +265,17 @@ def plan_group_table(plan: "Plan", split: tuple[str, ...] = ()) -> GroupTable:
     return group_table(plan.mesh, plan.topology.devices_per_node,
                        plan.model.tie_embeddings and plan.head_stage != 0,
                        plan.shard.pp.virtual, split, plan.placement.name == "v",
-                       family_of(plan).sums_over_sequences(plan.model))
+                       family_of(plan).sums_over_sequences(plan.model),
+                       plan.train.grad_clip is not None)
 
 
 def group_table(mesh: "Mesh", devices_per_node: int, tied: bool, virtual: int = 1,
                 split: tuple[str, ...] = (), turns: bool = False,
-                sequences: bool = False) -> GroupTable:
+                sequences: bool = False, world: bool = False) -> GroupTable:
     """Every group reference a program may use, by rule; ``split`` names the references
     whose intra- and inter-node sub-groups hierarchical routes use; ``sequences``: an
-    operator sums counts over the ranks holding each sequence's tokens."""
+    operator sums counts over the ranks holding each sequence's tokens; ``world``: the
+    gradient norm is summed over every rank (train { grad_clip })."""
     rules = [GroupRule(axis.value, axis.mesh_axes) for axis in Axis
              if axis.within_stage and not GROUPS[axis.value].experts]
     tied_group = GROUPS[Axis.TIED]
@@ -292,4 +294,6 @@ def group_table(mesh: "Mesh", devices_per_node: int, tied: bool, virtual: int = 
                                across=True))
     if sequences and mesh.tp * mesh.cp > 1:
         rules.append(GroupRule(SEQUENCE, GROUPS[SEQUENCE].axes))
+    if world and mesh.world > 1:
+        rules.append(GroupRule(Axis.WORLD.value, GROUPS[Axis.WORLD].axes))
     return GroupTable(RankMesh.of(mesh.sizes, mesh.order, devices_per_node), tuple(rules))

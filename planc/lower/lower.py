@@ -196,6 +196,10 @@ class _StageLowering:
         if data["type"] == NodeType.COMPUTE:
             if data["op"] == Op.OPTIMIZER:
                 return gradient_buffers(data["bucket"], table[data["bucket"]]), ()
+            if data["op"] in (Op.GRAD_NORM, Op.GRAD_CLIP):  # every gradient of the stage
+                held = tuple(n for b, info in sorted(self.buckets.items())
+                             for n in gradient_buffers(b, info))
+                return held, held if data["op"] == Op.GRAD_CLIP else ()
             if data["phase"] == Phase.BACKWARD and not data["recompute"] and \
                     "weight_grad" not in data:  # a split step leaves them to its W step
                 owner = self.buffer_of

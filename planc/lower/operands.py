@@ -17,9 +17,10 @@ from dataclasses import dataclass, fields
 # Ports of an input (planc.graph.ir.Port, as the kernels key their inputs).
 PORTS = ("x", "skip", "kv", "max", "sum_exp", "grad")
 # Which step of a compute node's life an instruction runs (docs/programs.md, operands).
-STEPS = ("forward", "recompute", "backward", "weight", "optimizer")
+STEPS = ("forward", "recompute", "backward", "weight", "optimizer", "clip")
 FORWARD_STEPS = STEPS[:2]  # the steps that run an operator's forward (and its collectives)
-PAYLOADS = ("activation", "loss_stat", "loss", "kv", "dkv", "stream", "grad", "param")
+PAYLOADS = ("activation", "loss_stat", "loss", "kv", "dkv", "stream", "grad", "param",
+            "grad_norm")
 REDUCE_OPS = ("sum", "max")
 DIRECTIONS = ("forward", "backward")
 SEQ_AXIS, FEATURE_AXIS = 1, 2  # activations are (batch, tokens, features)
@@ -83,6 +84,16 @@ def token_ranges(tokens: int, index: int, count: int, spread: int) -> list[tuple
     share = tokens // spread
     size = share // count
     return [(r * share + index * size, r * share + (index + 1) * size) for r in range(spread)]
+
+
+def _norm_range(value) -> tuple[str, int, int, float]:
+    """(bucket, start, end, weight) of a gradient norm's share (Operands.norm_ranges)."""
+    if not isinstance(value, list) or len(value) != 4:
+        raise ValueError(f"a norm range is [bucket, start, end, weight], not {value!r}")
+    start, end, weight = _integer(value[1]), _integer(value[2]), _number(value[3])
+    if not 0 <= start < end or not 0 < weight <= 1:
+        raise ValueError(f"malformed norm range {value!r}")
+    return _string(value[0]), start, end, float(weight)
 
 
 def _tuple_of(check):
@@ -216,6 +227,11 @@ class Operands:
     slice_axis: int | None = None
     into_bucket: bool = False  # a parameter gather after the optimizer: into the bucket
     bytes: int | None = None
+    # train { grad_clip } (planc.graph.grad_norm): the ranges of the stage's buckets whose
+    # squares a rank's share of the norm sums, as (bucket, start, end, weight) over the
+    # whole bucket (a ZeRO shard sums its part of them), and the norm the clip clips to
+    norm_ranges: tuple[tuple[str, int, int, float], ...] = ()
+    max_norm: float | None = None
 
     def to_json(self) -> dict:
         out: dict = {}
@@ -227,6 +243,8 @@ class Operands:
                 value = [i.to_json() for i in value]
             elif f.name in ("param_slices", "gathered"):
                 value = {k: list(v) if isinstance(v, tuple) else v for k, v in value}
+            elif f.name == "norm_ranges":
+                value = [list(item) for item in value]
             elif isinstance(value, tuple):
                 value = list(value)
             out[f.name] = value
@@ -260,4 +278,5 @@ _READERS = {
     "shape": _tuple_of(_integer), "elements": _tuple_of(_integer),
     "tensor": _maybe(_string), "dim": _maybe(_string), "slice_axis": _maybe(_integer),
     "into_bucket": _boolean, "bytes": _maybe(_integer),
+    "norm_ranges": _tuple_of(_norm_range), "max_norm": _maybe(_number),
 }

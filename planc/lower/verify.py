@@ -15,8 +15,11 @@ The invariants of docs/semantics.md, section 5:
    group match (:mod:`planc.lower.verify_experts`), and a mixture's balance-loss counts
    are summed over the ranks of each sequence once per token, in one order
    (:mod:`planc.lower.verify_counts`);
-7. where a collective spans stages (the tied embedding's), the whole step, stream by
-   stream, runs to its end (:mod:`planc.lower.verify_progress`).
+7. where a collective spans stages (the tied embedding's, the gradient norm's), the
+   whole step, stream by stream, runs to its end (:mod:`planc.lower.verify_progress`);
+8. with ``train { grad_clip }``, every rank sums its share of the gradient norm once per
+   step over the world group, after its gradient reductions and before its optimizer
+   steps, counting every gradient element once (:mod:`planc.lower.verify_grad_norm`).
 
 Before any of these, every instruction's operands (what the runtime runs) must be the
 ones the graph implies (:func:`planc.lower.bind.operands_of`): the proofs below read the
@@ -40,6 +43,7 @@ from planc.lower.program import COLLECTIVES, Program, RankTable
 from planc.lower.routes import RouteTable, routed_nodes
 from planc.lower.verify_counts import CountsChecks, sums_counts
 from planc.lower.verify_experts import ExpertChecks, is_expert_exchange
+from planc.lower.verify_grad_norm import GradNormChecks
 from planc.lower.verify_pipeline import PipelineChecks
 from planc.lower.verify_progress import ProgressChecks
 from planc.lower.verify_report import Report, ranks_text
@@ -51,7 +55,7 @@ from planc.plan import Plan
 
 
 class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsChecks,
-                ProgressChecks):
+                ProgressChecks, GradNormChecks):
     def __init__(self, plan: Plan, graph: nx.DiGraph, programs: dict[str, Program],
                  table: RankTable, groups: GroupTable | None = None,
                  routes: RouteTable | None = None):
@@ -177,6 +181,9 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
                            self.layout.pipeline_peer(rank, last)))
             for pair in sorted(pairs):
                 self._compare_members(Axis.TIED, pair)
+        if self.plan.train.grad_clip is not None:  # the gradient norm: one rank per program
+            self._compare_members(Axis.WORLD, tuple(sorted(
+                next(iter(self.table.ranks(name))) for name in self.table.names)))
 
     def _collectives(self, name: str, axis: str) -> list[tuple[str, str, int | None]]:
         """The collectives on ``axis`` that the program issues in one step, in issue order
@@ -201,7 +208,7 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
 
     def _compare_members(self, axis: str, members) -> None:
         names = {r: self.table.program_of(r) for r in members}
-        if len(set(names.values())) == 1 and axis != "tied":
+        if len(set(names.values())) == 1 and axis not in ("tied", "world"):
             return
         sequences = {r: self._collectives(names[r], axis) for r in members}
         first = members[0]
@@ -221,7 +228,7 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
     def _same_collective(self, x, y, axis: str) -> bool:
         if x is None or y is None:
             return x == y
-        if axis == "tied":  # the two stages' nodes share the name of their collective
+        if axis in ("tied", "world"):  # each stage's node names the one collective
             name = lambda node: self.graph.nodes[node].get("collective", node) \
                 if node in self.graph else node  # noqa: E731
             return x[0] == y[0] and name(x[1]) == name(y[1]) and x[2] == y[2]
@@ -238,6 +245,7 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
                 self.ring(name, program)
                 self.experts(name, program)
                 self.counts(name, program)
+                self.grad_norm(name, program)
         self.collective_order()
         self.pipeline()
         if not self.report.problems:  # matched and ordered: now the streams together

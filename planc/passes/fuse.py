@@ -85,9 +85,11 @@ def _readiness(graph: nx.DiGraph, chain: list[str], forward: dict[str, int]) -> 
     """When a bucket's gradient is final, as a rank: the backward runs the forward in
     reverse, so the gradient is final after the backward of its earliest forward use."""
     members = set(chain)
+    # (the backward steps writing it: not the gradient clip an optimizer step waits for)
     uses = [forward.get(graph.nodes[p].get("forward_of"), 0) for node in chain
             for p in graph.predecessors(node)
-            if p not in members and graph.nodes[p]["type"] == NodeType.COMPUTE]
+            if p not in members and graph.nodes[p]["type"] == NodeType.COMPUTE and
+            graph.nodes[p]["phase"] == Phase.BACKWARD]
     return -min(uses, default=0)
 
 

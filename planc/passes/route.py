@@ -22,7 +22,7 @@ from collections import Counter
 import networkx as nx
 
 from planc.cost import Candidate, Placement, Route
-from planc.graph.ir import Kind, transfers
+from planc.graph.ir import Axis, Kind, transfers
 from planc.lower.groups import PIPELINE, group_table
 from planc.passes.context import PassContext, PassRecord, record
 
@@ -86,7 +86,8 @@ def route(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
     placements = group_placements(ctx)
     decisions, taken = [], Counter()
     for node, data in transfers(out):
-        if data["kind"] not in ROUTED_KINDS or data["group_size"] <= 1:
+        if data["kind"] not in ROUTED_KINDS or data["group_size"] <= 1 or \
+                data["axis"] == Axis.WORLD:  # the gradient norm: one number, a ring
             continue
         key = (data["axis"].value, data["stage"])
         groups = placements.get(key) or (Placement.within_node(data["group_size"]),)

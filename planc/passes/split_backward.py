@@ -16,7 +16,7 @@ from __future__ import annotations
 import networkx as nx
 
 from planc import schedules
-from planc.graph.ir import EdgeKind, NodeType, Phase
+from planc.graph.ir import EdgeKind, NodeType, Op, Phase
 from planc.names import Stream
 from planc.passes.context import PassContext, PassRecord, record
 
@@ -39,7 +39,8 @@ def split_step(graph: nx.DiGraph, node: str) -> str:
     data.update(flops=data["flops"] / 2, weight_grad=weight)
     graph.add_edge(node, weight, kind=EdgeKind.SAVED)
     for _, target, edge in list(graph.out_edges(node, data=True)):
-        if "bucket" in graph.nodes[target]:  # the parameter gradients' path
+        # the parameter gradients' path, and the gradient norm that reads them
+        if "bucket" in graph.nodes[target] or graph.nodes[target].get("op") == Op.GRAD_NORM:
             graph.remove_edge(node, target)
             graph.add_edge(weight, target, **edge)
     return weight

@@ -20,6 +20,7 @@ import torch
 
 from planc.lower.operands import SEQ_AXIS, Input
 from planc.lower.program import Instruction, Program
+from planc.runtime import grad_norm
 from planc.runtime.context import RankContext, pp_group_key
 from planc.runtime.kernels import LOSS_STATISTICS, Kernels, Peers, Saved, Spec
 from planc.runtime.model import split_feature
@@ -36,6 +37,7 @@ class StepState:
     buffers: dict[tuple[str, int | None], object] = field(default_factory=dict)
     saved: dict[tuple[str, int | None], Saved] = field(default_factory=dict)
     loss: float | None = None
+    grad_norm: float | None = None  # train { grad_clip }: the norm before clipping
 
 
 def combine(values: list[torch.Tensor]) -> torch.Tensor:
@@ -78,8 +80,9 @@ class _Compute:
     def __init__(self, node: str, instruction: Instruction, ring: Ring | None = None,
                  peers: Peers | None = None, counts: Peers | None = None):
         operands = instruction.operands
-        self.node, self.spec, self.inputs = node, Spec.of(operands, ring, peers, counts), \
-            operands.inputs
+        self.clip = operands if operands.step == "clip" else None  # planc.runtime.grad_norm
+        self.node, self.inputs = node, operands.inputs
+        self.spec = None if self.clip else Spec.of(operands, ring, peers, counts)
         self.gathered = dict(operands.gathered)  # bucket -> the ZeRO-3 gather that filled it
         self.per_microbatch = instruction.per_microbatch
         step = operands.step
@@ -237,6 +240,12 @@ class Interpreter:
     def _compute(self, state: StepState, step: _Compute, mb: int | None):
         if step.optimizer:
             return self._optimizer(step)
+        if step.clip is not None:  # the gradient norm's share, or the clip by the norm
+            if step.clip.kernel == "grad_norm":
+                return grad_norm.share(self.ctx, self.store, step.clip.norm_ranges)
+            (summed,) = self._ports(state, step.inputs, None)["x"]
+            state.grad_norm = grad_norm.clip(self.store, summed, step.clip.max_norm)
+            return None
         if step.weight_step:  # the parameter half of a split backward
             for saved, grad in state.saved.pop((step.node, mb)):  # one per piece
                 _, named = self.kernels.backward(step.spec, saved, grad, inputs=False)

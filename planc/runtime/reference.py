@@ -84,6 +84,8 @@ def train(plan: Plan, steps: int, identity=None, evaluated: dict[int, float] | N
         optimizer.zero_grad()
         total, loss = objective(plan, params, batch_tokens(source, step, identity), dtype)
         total.backward()
+        if plan.train.grad_clip is not None:  # train { grad_clip }, torch's own rule
+            torch.nn.utils.clip_grad_norm_(list(params.values()), plan.train.grad_clip)
         optimizer.step()
         losses.append(loss.item())
         every = plan.train.eval_every

@@ -71,6 +71,7 @@ class Transfers:
             ("reduce_scatter", "grad"): self.grad_reduce_scatter,
             ("all_gather", "grad"): self.grad_slice_gather,
             ("all_gather", "param"): self.param_gather,
+            ("all_reduce", "grad_norm"): self.norm_sum,
         }
 
     # --- collectives on a group -------------------------------------------------------
@@ -144,6 +145,11 @@ class Transfers:
     def loss_report(self, call: Call, value: torch.Tensor) -> torch.Tensor:
         """The step's loss, summed over every rank of the last stage."""
         return self.all_reduce(value.reshape(1).to(torch.float32), call)
+
+    def norm_sum(self, call: Call, value: torch.Tensor) -> torch.Tensor:
+        """The shares of the squared gradient norm (planc.runtime.grad_norm), one fp64
+        number, summed over every rank."""
+        return self.all_reduce(value, call)
 
     # --- context parallel -----------------------------------------------------------------
 

@@ -141,6 +141,7 @@ class _Metrics:
         self.pending = None
         self.records: list[dict] = []
         self.eval_losses: dict[int, float | None] = {}  # step -> its evaluation's loss
+        self.notes: dict[int, dict] = {}  # step -> values its record adds (grad_norm)
 
     def step(self, step: int, times, loss: float | None, eval_loss: float | None = None
              ) -> None:
@@ -177,6 +178,7 @@ class _Metrics:
         eval_loss = self.eval_losses.pop(step, None)
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
+        record.update(self.notes.pop(step, {}))
         record.update(throughput(self.mfu.model_flops_per_step, self.mfu.peak_flops_per_device,
                                  values["time_s"], self.world),
                       peak_memory_mb=[round(float(v), 1) for v in table[:, -1]],
@@ -286,6 +288,8 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
                 losses.append(result.state.loss)
             trace.extend((step, e.stream, e.name, e.start, e.end, e.microbatch, e.op,
                           [list(flow) for flow in e.flows]) for e in result.trace)
+            if result.state.grad_norm is not None:  # train { grad_clip }: before clipping
+                metrics.notes[step] = {"grad_norm": result.state.grad_norm}
             done = step + 1
             evaluated = evaluator.run() if evaluator and evaluator.due(done) else None
             if evaluated is not None:

@@ -27,6 +27,9 @@ STREAM_AXIS = {Stream.DP: "dp_cp", Stream.COMM: "tp", Stream.SEND_NEXT: "pp",
                Stream.SEND_PREV: "pp", Stream.RECV_PREV: "pp", Stream.RECV_NEXT: "pp"}
 
 
+NORM_AXIS = "world"  # the gradient norm's group (planc.graph.grad_norm)
+
+
 @dataclass
 class StageTime:
     stage: int
@@ -123,6 +126,7 @@ def step(programs: dict[int, Program], durations, keep_spans: bool = False
     if pending:
         raise RuntimeError("the pipeline schedule cannot progress (the verifier should "
                            "have caught this)")
+    starts = {}
     for stage, program in programs.items():
         time = times[stage]
         epilogue = replay(program.epilogue, timings[stage], keep_spans)
@@ -140,4 +144,28 @@ def step(programs: dict[int, Program], durations, keep_spans: bool = False
                                               if time.prologue else 0.0)
         time.epilogue = (start, epilogue)
         time.end = start + epilogue.end
+        starts[stage] = start
+    _join_at_norm(programs, timings, times, starts)
     return [times[s] for s in sorted(times)]
+
+
+def _join_at_norm(programs: dict[int, Program], timings, times: dict[int, StageTime],
+                  starts: dict[int, float]) -> None:
+    """train { grad_clip }: the gradient norm's all-reduce over every rank
+    (planc.graph.grad_norm) ends for all stages together, once the last one reaches it;
+    what a stage's epilogue runs after it (the clip, the optimizer steps) starts then.
+    A stage that arrives earlier waits, exposed as ``world`` communication."""
+    arrivals = {}
+    for stage, program in programs.items():
+        at = next((k for k, i in enumerate(program.epilogue) if i.operands is not None and
+                   i.operands.payload == "grad_norm"), None)
+        if at is not None:
+            arrivals[stage] = starts[stage] + replay(program.epilogue[:at], timings[stage]).end
+    if len(arrivals) < 2:
+        return
+    last = max(arrivals.values())
+    for stage, arrived in arrivals.items():
+        waited = last - arrived
+        time = times[stage]
+        time.end += waited
+        time.exposed[NORM_AXIS] = time.exposed.get(NORM_AXIS, 0.0) + waited

@@ -11,7 +11,7 @@ import networkx as nx
 from planc.graph.ir import Axis
 from planc.lang.units import TIME, format_bytes, format_quantity
 from planc.layout import Layout
-from planc.lower.groups import group_table
+from planc.lower.groups import plan_group_table
 from planc.plan import Plan
 from planc.views.tables import table
 from planc.words import counted
@@ -25,7 +25,7 @@ def _members(plan: Plan, ranks: Layout, data: dict) -> list[int]:
     first = ranks.first_rank_of_stage(data["stage"])
     if data["axis"] == Axis.PP:
         return sorted({first, ranks.first_rank_of_stage(data["peer_stage"])})
-    table = group_table(plan.mesh, plan.topology.devices_per_node, plan.model.tie_embeddings)
+    table = plan_group_table(plan)  # with the world group when the plan clips gradients
     return list(table.members(first, table.rule(data["axis"])))
 
 
@@ -208,8 +208,11 @@ def explain(plan: Plan, graph: nx.DiGraph, layer: int | None = None, param: str 
                                                         for m in info["members"])}
 
     def pick(predicate) -> list[str]:
+        # the gradient norm's all-reduce: one collective of every rank, though each stage
+        # has its node: shown once
         found = [n for n, d in graph.nodes(data=True) if d["type"] == "transfer" and predicate(d)
-                 and (axis is None or d["axis"] == axis)]
+                 and (axis is None or d["axis"] == axis)
+                 and not (d["axis"] == Axis.WORLD and d["stage"] != 0)]
         # Per-microbatch transfers first, in dataflow order; once-per-step ones after.
         return sorted(found, key=lambda n: (phase_rank[graph.nodes[n]["phase"]],
                                             not graph.nodes[n]["per_microbatch"], order[n]))

@@ -1,0 +1,394 @@
+"""train { grad_clip }: the global gradient norm as the compiler derives, lowers, verifies,
+explains and simulates it, and real runs that clip (C = 0.05, far below the norm of the
+first step) under every axis, against the single process that clips with
+torch.nn.utils.clip_grad_norm_ (planc run --check)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from planc.compile import compile_plan
+from planc.graph.grad_norm import COLLECTIVE
+from planc.lang import load_text
+from planc.lower.program import Program
+from planc.lower.verify import verify
+from tests import test_llama, test_moe
+from tests.runtime_matrix import plan_text as gpt_text
+from tests.runtime_matrix import run
+
+CLIP = 0.05
+
+# The gpt, llama and moe plans that clip, axes combined, 4 ranks each: tp with sequence
+# parallelism, pp (1F1B and interleaved), cp, ZeRO 1, 2 and 3, a tied embedding, ep.
+GPT = {
+    "clip-tp2-sp-pp2-tied": dict(mesh="tp = 2; pp = 2", m=2, model="; tie_embeddings = on",
+                                 shard="tp { sequence_parallel = on }"),
+    "clip-cp2-dp2-zero1": dict(mesh="cp = 2; dp = 2", m=2, shard="dp { zero = 1 }"),
+    "clip-pp2-dp2-zero3-tied": dict(mesh="pp = 2; dp = 2", m=2, model="; tie_embeddings = on",
+                                    shard="dp { zero = 3 }"),
+}
+LLAMA = {
+    "clip-pp2-dp2-zero2-interleaved": dict(mesh="pp = 2; dp = 2", m=4, schedule="; pipeline "
+                                           "= interleaved", shard="pp { virtual = 2 }; "
+                                           "dp { zero = 2 }"),
+    "clip-tp2-sp-cp2-ring": dict(mesh="tp = 2; cp = 2", shard="tp { sequence_parallel = on }; "
+                                 "cp { attention = ring }"),
+}
+MOE = {
+    "clip-ep2-over-tp2-sp-dp2": dict(mesh="tp = 2; dp = 2; ep = 2", m=2, shared=1,
+                                     shard="tp { sequence_parallel = on }"),
+}
+
+
+def clipped(text: str) -> str:
+    """A plan's text with grad_clip = 0.05 added to its train block."""
+    head, _, tail = text.rpartition("train {")
+    return f"{head}train {{ grad_clip = {CLIP}; {tail.lstrip()}"
+
+
+def texts() -> dict[str, str]:
+    out = {f"gpt-{n}": clipped(gpt_text(n, **case)) for n, case in GPT.items()}
+    out.update({f"llama-{n}": clipped(test_llama.plan_text(n, **case))
+                for n, case in LLAMA.items()})
+    out.update({f"moe-{n}": clipped(test_moe.plan_text(n, **case)) for n, case in MOE.items()})
+    return out
+
+
+def built(text: str):
+    loaded = load_text(text)
+    assert loaded.ok, loaded.diagnostics
+    return compile_plan(loaded.plan)
+
+
+def gpt(name: str, **changes) -> str:
+    return clipped(gpt_text(name, **{**GPT.get(name, {}), **changes}))
+
+
+# --- the language ---------------------------------------------------------------------------
+
+def test_grad_clip_is_off_by_default_and_reads_a_norm():
+    assert load_text(gpt_text("t")).plan.train.grad_clip is None
+    assert load_text(gpt("t")).plan.train.grad_clip == CLIP
+    text = gpt_text("t").replace("seed = 3", "seed = 3; grad_clip = off")
+    assert load_text(text).plan.train.grad_clip is None
+    assert load_text(text.replace("= off", "= 1")).plan.train.grad_clip == 1.0
+
+
+@pytest.mark.parametrize("value, message", [
+    ("on", "expected off or a number > 0, got 'on'"),
+    ("0", "expected a number > 0, got 0"),
+    ("-1", "expected a number > 0, got -1"),
+    ("[1]", "expected a number > 0, got a list"),
+])
+def test_a_bad_grad_clip_is_an_error_at_its_value(value, message):
+    text = gpt_text("t").replace("seed = 3", f"seed = 3; grad_clip = {value}")
+    loaded = load_text(text)
+    (error,) = [d for d in loaded.diagnostics if d.severity == "error"]
+    line = text.splitlines().index(next(x for x in text.splitlines() if "grad_clip" in x))
+    assert (error.message, error.span.line, error.span.column) == \
+        (message, line + 1, text.splitlines()[line].index(f"grad_clip = {value}") + 13)
+
+
+# --- the graph and the programs ----------------------------------------------------------------
+
+def norm_steps(build) -> dict[int, dict[str, object]]:
+    """Each stage's share, sum and clip instructions."""
+    out: dict[int, dict[str, object]] = {}
+    for program in build.programs.values():
+        for i in program.written():
+            operands = i.operands
+            if operands is not None and (operands.kernel in ("grad_norm", "grad_clip") or
+                                         operands.payload == "grad_norm"):
+                role = operands.kernel if operands.kernel else "sum"
+                out.setdefault(program.stage, {})[role] = i
+    return out
+
+
+def test_without_grad_clip_there_is_no_norm_and_no_world_group():
+    build = built(gpt_text("t", mesh="pp = 2; dp = 2", m=2))
+    assert norm_steps(build) == {}
+    assert build.groups.rule("world") is None
+    assert not any(d.get("axis") == "world" for _, d in build.graph.nodes(data=True))
+
+
+def test_each_stage_sums_its_share_over_the_world_then_clips_before_its_optimizer():
+    build = built(gpt("clip-tp2-sp-pp2-tied"))
+    steps = norm_steps(build)
+    assert sorted(steps) == [0, 1]
+    for stage, found in steps.items():
+        assert set(found) == {"grad_norm", "sum", "grad_clip"}
+        program = build.programs[f"stage{stage}.json"]
+        epilogue = [i.node for i in program.epilogue if i.op not in ("record", "wait", "sync")]
+        at = {node: k for k, node in enumerate(epilogue)}
+        share, total, clip = (found[r].node for r in ("grad_norm", "sum", "grad_clip"))
+        optimizers = [k for node, k in at.items() if node.startswith("O/") and "optimizer" in node]
+        assert at[share] < at[total] < at[clip] < min(optimizers)
+        assert found["sum"].operands.group == "world" and found["sum"].operands.bytes == 8
+        assert found["grad_clip"].operands.max_norm == CLIP
+        assert build.graph.nodes[total]["collective"] == COLLECTIVE
+    assert build.groups.rule("world").axes == ("tp", "cp", "pp", "dp")
+    assert build.groups.size("world") == 4
+
+
+def weights(build, stage: int) -> dict[str, float]:
+    """Each parameter of the stage -> the weight of its squares in the rank's share."""
+    (share,) = [i for i in build.programs[f"stage{stage}.json"].written()
+                if i.operands is not None and i.operands.kernel == "grad_norm"]
+    out = {}
+    for bucket_id, bucket in build.programs[f"stage{stage}.json"].buckets.items():
+        for m in bucket["members"]:
+            (weight,) = {w for b, s, e, w in share.operands.norm_ranges
+                         if b == bucket_id and s <= m["offset"] < e}
+            out[m["param"]] = weight
+    return out
+
+
+@pytest.mark.parametrize("mesh, shard, expected", [
+    # tp 2 x dp 2, ZeRO 0: a tp slice is held by its 2 dp replicas, a layer norm by all 4
+    ("tp = 2; dp = 2", "", {"layers.0.qkv.weight": 0.5, "layers.0.ln1.weight": 0.25,
+                            "embedding.weight": 0.5, "position.weight": 0.25}),
+    # ZeRO 1 shards over dp: each element once per tp copy
+    ("tp = 2; dp = 2", "dp { zero = 1 }", {"layers.0.qkv.weight": 1.0,
+                                          "layers.0.ln1.weight": 0.5}),
+    # cp replicates like dp; ZeRO 3 shards over dp x cp
+    ("cp = 2; dp = 2", "", {"layers.0.qkv.weight": 0.25}),
+    ("cp = 2; dp = 2", "dp { zero = 3 }", {"layers.0.qkv.weight": 1.0}),
+])
+def test_each_value_is_weighted_one_over_the_ranks_holding_it(mesh, shard, expected):
+    found = weights(built(gpt("w", mesh=mesh, shard=shard, m=2)), 0)
+    assert {k: found[k] for k in expected} == expected
+
+
+def test_a_tied_embedding_counts_half_on_each_of_its_stages():
+    build = built(gpt("tied", mesh="pp = 2", m=2, model="; tie_embeddings = on"))
+    assert weights(build, 0)["embedding.weight"] == 0.5
+    assert weights(build, 1)["embedding.weight"] == 0.5
+    assert weights(build, 1)["final_ln.weight"] == 1.0
+
+
+def test_experts_count_once_per_expert_data_parallel_replica():
+    build = built(clipped(test_moe.plan_text("e", **MOE["clip-ep2-over-tp2-sp-dp2"])))
+    found = weights(build, 0)
+    # 4 ranks: each expert's rows on 2 of them (edp = 4 / ep 2), a router on all 4
+    experts = {k: v for k, v in found.items() if ".experts." in k}
+    assert experts and set(experts.values()) == {0.5}
+    assert found["layers.0.router.weight"] == 0.25
+
+
+# --- the verifier ---------------------------------------------------------------------------------
+
+def problems(build, programs=None) -> list[str]:
+    return verify(build.plan, build.graph, programs or build.programs, build.table,
+                  build.groups, build.routes).problems
+
+
+def changed(build, name: str, change) -> dict[str, Program]:
+    data = copy.deepcopy(build.programs[name].to_json())
+    change(data)
+    return {**build.programs, name: Program.from_json(data)}
+
+
+@pytest.mark.parametrize("name", sorted(texts()))
+def test_every_clipping_plan_verifies(name):
+    assert problems(built(texts()[name])) == []
+
+
+def test_a_stage_without_the_norm_all_reduce_is_refused():
+    build = built(gpt("clip-tp2-sp-pp2-tied"))
+
+    def drop(data):
+        data["epilogue"] = [i for i in data["epilogue"]
+                            if i.get("node") != f"{COLLECTIVE}#s1"]
+
+    found = problems(build, changed(build, "stage1.json", drop))
+    assert found[:2] == [
+        "program stage1.json: 0 instructions all-reduces the gradient norm once per step in "
+        "the epilogue; grad_clip = 0.05 needs exactly one, after the gradients are final and "
+        "before the optimizer steps",
+        f"world group [0, 2]: collective 1 on this group is all_reduce {COLLECTIVE}#s0 on "
+        "rank 0 but nothing (it stops earlier) on rank 2: the group would deadlock or mix up "
+        "data"]
+
+
+def test_an_optimizer_step_before_the_clip_is_refused():
+    build = built(gpt("clip-cp2-dp2-zero1"))
+    (name,) = build.programs
+    moved = []
+
+    def early(data):
+        epilogue = data["epilogue"]
+        step = next(k for k, i in enumerate(epilogue) if i.get("node", "").startswith("O/")
+                    and i["node"].endswith("/optimizer"))
+        clip = next(k for k, i in enumerate(epilogue) if i.get("node") == "N/grad_clip#s0")
+        moved.append(epilogue[step]["node"])
+        epilogue.insert(clip, epilogue.pop(step))
+
+    found = [p for p in problems(build, changed(build, name, early)) if "clipped" in p]
+    assert found == [f"program {name}: compute {moved[0]} on stream compute updates with "
+                     f"gradients that compute N/grad_clip#s0 on stream compute has not "
+                     f"clipped yet"]
+
+
+def test_a_share_that_counts_a_replicated_value_twice_is_refused():
+    build = built(gpt("w", mesh="tp = 2; dp = 2", m=2))
+    (name,) = build.programs
+
+    def doubled(data):
+        for item in data["epilogue"]:
+            if item.get("node") == "N/grad_norm#s0":
+                item["operands"]["norm_ranges"] = [
+                    [b, s, e, min(1.0, 2 * w)] for b, s, e, w in item["operands"]["norm_ranges"]]
+
+    # head.weight, split over tp (vocabulary-parallel), is held alike by the 2 dp replicas
+    assert problems(build, changed(build, name, doubled)) == [
+        f"{name}: the operands of compute N/grad_norm#s0 are not those graph.json implies",
+        f"program {name}: compute N/grad_norm#s0 on stream compute counts head.weight (bucket "
+        f"c0.b0, elements 0..2047, held alike by 2 ranks) 2 times in the gradient norm; every "
+        f"element counts once"]
+
+
+# --- planc explain and planc simulate ------------------------------------------------------------
+
+def test_explain_lists_the_norm_all_reduce_with_its_group_and_why(tmp_path, capsys):
+    from planc.cli import main
+
+    source = tmp_path / "clip.plan"
+    source.write_text(gpt("clip-cp2-dp2-zero1", mesh="cp = 2; pp = 2"))
+    assert main(["explain", str(source), "--axis", "world"]) == 0
+    out = capsys.readouterr().out
+    lines = [line.strip() for line in out.splitlines()]
+    # one collective of every rank, shown once though each stage has its node
+    assert lines.count("O  all_reduce over world (4 ranks, intra-node: [0, 1, 2, 3])  8 B per "
+                       "step  [grad_norm]") == 1
+    assert "outside the layers: embedding, head, loss and pipeline: 1 transfer over world" \
+        in lines
+    text = " ".join(lines)
+    assert "grad_clip = 0.05 clips every gradient by their global L2 norm" in text
+    assert "one all-reduce of that fp64 number over all 4 ranks (tp x cp x pp x dp = 1 x 2 x " \
+        "2 x 1)" in text
+
+
+def test_the_simulator_charges_the_norm_and_joins_the_stages_at_it():
+    from planc.simulate import simulate
+    from planc.simulate.costs import InstructionCosts
+
+    build = built(gpt("clip-tp2-sp-pp2-tied"))
+    costs = InstructionCosts(build.plan, build.groups)
+    total = norm_steps(build)[0]["sum"]
+    seconds = costs.cost.transfer_seconds("all_reduce", 8, 4,
+                                          build.groups.crosses_nodes("world"))
+    assert costs(total, 0) == pytest.approx(seconds, rel=1e-12) and seconds > 0
+    stages = simulate(build).stages
+    # every stage leaves the norm together: the last to reach it held the other
+    waited = sorted(s.exposed_seconds["world"] for s in stages)
+    assert waited[0] == pytest.approx(seconds, rel=1e-9) and waited[1] > 1.01 * seconds
+    ends = [s.step_seconds for s in stages]
+    assert max(ends) - min(ends) < 0.01 * max(ends)
+
+
+# --- real runs -----------------------------------------------------------------------------------
+
+def reference_norm(text: str) -> float:
+    """The single process's gradient norm of the first step (torch's own)."""
+    import torch
+
+    from planc.runtime import reference
+    from planc.runtime.data import DataSource, batch_tokens
+
+    plan = load_text(text).plan
+    params = {n: reference.initial(plan, n, p.shape).requires_grad_()
+              for n, p in reference.parameters(plan).items()}
+    total, _ = reference.objective(plan, params, batch_tokens(DataSource.of(plan), 0, None))
+    total.backward()
+    return float(torch.nn.utils.clip_grad_norm_(list(params.values()), float("inf")))
+
+
+@pytest.fixture(scope="module")
+def curves() -> dict[str, list[float]]:
+    return {}
+
+
+# Every plan as written, and one with the passes that move the norm's steps off (each
+# collective on the compute stream after a sync; a bucket per parameter).
+RUNS = [(name, "") for name in sorted(texts())] + \
+    [("gpt-clip-tp2-sp-pp2-tied", switch) for switch in ("optimize.fuse=off",
+                                                         "optimize.overlap=off")]
+
+
+@pytest.mark.parametrize("name, switch", RUNS, ids=[f"{n}-{s or 'as-written'}" for n, s in RUNS])
+def test_every_clipping_plan_trains_exactly_like_one_process(name, switch, tmp_path, capfd,
+                                                             curves):
+    pytest.importorskip("torch")
+    text = texts()[name]
+    source, metrics = tmp_path / "clip.plan", tmp_path / "metrics.jsonl"
+    source.write_text(text)
+    status, err = run([source, "-o", tmp_path / "build", "--check", "--metrics", metrics,
+                       "--timeout", "60", *(["--set", switch] if switch else [])], capfd)
+    assert status == 0, err
+    assert "every loss" in err and "matches" in err
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    norms = [r["grad_norm"] for r in records]
+    # the coefficient C / (norm + 1e-6) was below 1: the run really clipped
+    assert len(norms) == 2 and all(n > 10 * CLIP for n in norms)
+    assert norms[0] == pytest.approx(reference_norm(text), rel=1e-5)
+    curves.setdefault(name, [r["loss"] for r in records])
+
+
+def test_gpt_plans_that_clip_follow_one_curve_another_than_without(curves, tmp_path, capfd):
+    """The two tied gpt layouts (one model) on one curve, and the same model without the
+    clip on another from the second step."""
+    names = [f"gpt-{n}" for n in GPT if "tied" in n]
+    if len(names) != 2 or any(n not in curves for n in names):
+        pytest.skip("needs the gpt runs")
+    first = curves[names[0]]
+    assert curves[names[1]] == pytest.approx(first, rel=1e-5)
+    source, metrics = tmp_path / "plain.plan", tmp_path / "plain.jsonl"
+    source.write_text(gpt_text("plain", model="; tie_embeddings = on"))
+    status, err = run([source, "-o", tmp_path / "build", "--metrics", metrics], capfd)
+    assert status == 0, err
+    plain = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert "grad_norm" not in json.loads(metrics.read_text().splitlines()[0])
+    assert plain[0] == pytest.approx(first[0], rel=1e-5)  # the same first step ...
+    assert plain[1] != pytest.approx(first[1], rel=1e-3)  # ... then the clip shows
+
+
+def test_a_resumed_run_clips_exactly_as_an_uninterrupted_one(tmp_path, capfd):
+    """1 step with a checkpoint, then 2 more resumed from it under another layout, checked
+    against one process that clipped every step."""
+    a, b = tmp_path / "a.plan", tmp_path / "b.plan"
+    a.write_text(gpt("clip-tp2-sp-pp2-tied").replace("steps = 2", "steps = 3"))
+    b.write_text(gpt("clip-pp2-dp2-zero3-tied").replace("steps = 2", "steps = 3"))
+    status, err = run([a, "-o", tmp_path / "build-a", "--steps", 1, "--checkpoint-dir",
+                       tmp_path / "ckpt"], capfd)
+    assert status == 0, err
+    status, err = run([b, "-o", tmp_path / "build-b", "--resume", tmp_path / "ckpt",
+                       "--check"], capfd)
+    assert status == 0, err
+    assert "check: 2 steps (from step 1, resumed)" in err
+    assert "every loss and parameter matches" in err
+
+
+@pytest.mark.parametrize("text", [
+    gpt_text("many", mesh="tp = 2; pp = 2", m=2, optimize="bucket = 8KB",
+             shard="tp { sequence_parallel = on }"),
+    test_llama.plan_text("zb", mesh="pp = 2; dp = 2", m=4, schedule="; pipeline = zb1p",
+                         shard="dp { zero = 1 }", optimize="bucket = 8KB"),
+])
+def test_clipping_adds_the_norm_and_changes_nothing_else(text):
+    """The same buckets (fusion reads when each gradient is final, not the clip the
+    optimizer waits for), the same blocks, prologue and receives: only the epilogue
+    gains the norm's three steps per stage."""
+    plain, clip = built(text), built(clipped(text))
+    assert len(plain.graph.graph["buckets"]) > 2
+    assert clip.graph.graph["buckets"] == plain.graph.graph["buckets"]
+    added = set(clip.graph.nodes) - set(plain.graph.nodes)
+    assert set(plain.graph.nodes) <= set(clip.graph.nodes) and len(added) == 3 * 2
+    for name, program in plain.programs.items():
+        other = clip.programs[name]
+        assert (other.blocks, other.prologue, other.receives, other.schedule) == \
+            (program.blocks, program.prologue, program.receives, program.schedule)
+        assert [i for i in other.epilogue if i.node not in added and
+                not (i.event or "").removeprefix("done:") in added] != []
