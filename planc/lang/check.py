@@ -371,8 +371,8 @@ class _Checker(TopologyReader):
         return optimize
 
     def _train(self, model: Model | None) -> Train | None:
-        keys = ("steps", "optimizer", "seed", "data", "eval_every", "eval_batches", "eval_data",
-                "grad_clip")
+        # grad_clip's default is None (off): not a key that must have a value
+        keys = ("steps", "optimizer", "seed", "data", "eval_every", "eval_batches", "eval_data")
         if not self.ready(*(f"train.{k}" for k in keys)):
             return None
         spec = self.value("train.optimizer")
