@@ -15,6 +15,7 @@ from functools import cached_property
 from typing import Any, Mapping
 
 from planc.diagnostics import Span
+from planc.lr_schedule import LrSchedule
 from planc.mesh import AXES
 from planc.schedules import DEFAULT_SCHEDULE, named as named_schedule
 
@@ -251,6 +252,11 @@ class Train:
     optimizer: Optimizer = Optimizer()
     seed: int = 0
     data: str = "synthetic"  # or the path of a file of little-endian uint16 tokens
+    # the lr of each step (planc.lr_schedule); plan.json omits the default, no schedule
+    lr_schedule: LrSchedule = field(default=LrSchedule(),
+                                    metadata={"omitted_when_default": True})
+    # samples in a seeded permutation per epoch (planc.sample_order); omitted when off
+    shuffle: bool = field(default=False, metadata={"omitted_when_default": True})
 
 
 @dataclass(frozen=True)
@@ -340,7 +346,9 @@ def json_form(section: Any) -> dict[str, Any]:
     model's options): how plan.json and a checkpoint's manifest write a section."""
     body = dataclasses.asdict(section)
     for f in dataclasses.fields(section):
+        default = dataclasses.asdict(f.default) if dataclasses.is_dataclass(f.default) \
+            else f.default
         if f.metadata.get("omitted_when_empty") and not body[f.name] or \
-                f.metadata.get("omitted_when_default") and body[f.name] == f.default:
+                f.metadata.get("omitted_when_default") and body[f.name] == default:
             del body[f.name]
     return body

@@ -20,6 +20,7 @@ from planc.lang import ast
 from planc.lang.blocks import BlockReader
 from planc.lang.hints import divisors_below, largest_divisors
 from planc.lang.hints import try_values as _try
+from planc.lang.lr_kinds import findings as schedule_findings
 from planc.lang.overrides import Override
 from planc.lang.overrides import apply as apply_overrides
 from planc.lang.schema import join_words, plan_schema
@@ -30,6 +31,7 @@ from planc.models import DEFAULT_FAMILY, FAMILIES
 from planc.plan import (LIMITS, ContextParallel, DataParallel, Mesh, Model, Optimize, Optimizer,
                         PipelineParallel, Plan, Schedule, Shard, Sources, TensorParallel, Train)
 from planc.schedules import PipelineShape
+from planc.tokens import SCAN_LIMIT
 from planc.schedules import named as schedule_named
 from planc.schedules import problems as schedule_problems
 
@@ -371,17 +373,27 @@ class _Checker(TopologyReader):
         return optimize
 
     def _train(self, model: Model | None) -> Train | None:
-        keys = ("steps", "optimizer", "seed", "data")
+        keys = ("steps", "optimizer", "seed", "data", "lr_schedule", "shuffle")
         if not self.ready(*(f"train.{k}" for k in keys)):
             return None
         spec = self.value("train.optimizer")
         data = self.value("train.data")
+        schedule = self.value("train.lr_schedule")
+        for message, span, hint in schedule_findings(schedule, spec.arguments["lr"],
+                                                     self.value("train.steps")):
+            self._reject(message, span, hint)
+        if data == "synthetic" and self.value("train.shuffle"):
+            self.report(warning("shuffle = on changes nothing with data = synthetic: each "
+                                "step's batch is drawn from the seed and the step alone",
+                                self.span("train.shuffle"), "remove shuffle, or name a "
+                                "token file in data"))
         if data != "synthetic":
             data = self._data_file(data, model)
             if data is None:
                 return None
         return Train(self.value("train.steps"), Optimizer(name=spec.name, **spec.arguments),
-                     self.value("train.seed"), data)
+                     self.value("train.seed"), data, schedule.schedule,
+                     self.value("train.shuffle"))
 
     def _data_file(self, data: str, model: Model | None) -> str | None:
         from planc.tokens import DataError, DataMissing, check_file  # no torch
@@ -400,8 +412,8 @@ class _Checker(TopologyReader):
         return resolved
 
 
-# Larger data files are scanned by planc run, which has torch to do it at GB/s; check
-# stays fast (pure Python scans tens of MB/s).
-DATA_SCAN_LIMIT = 16 << 20
+# Larger data files are checked a step at a time by planc run, as each step reads its
+# samples; check stays fast (pure Python scans tens of MB/s).
+DATA_SCAN_LIMIT = SCAN_LIMIT
 
 

@@ -19,7 +19,9 @@ from planc.lang.kinds import (BOOLEAN_WORDS, MAX_EXPRESSION_DEPTH, MAX_INTEGER, 
 from planc.lang.plan_kinds import (OPTIMIZER_ARGUMENTS, AxisOrder, DataSource, OptimizerCall,
                                    OptimizerSpec, PresetFile, PresetSource, StageRange, Stages,
                                    check_path)
+from planc.lang.lr_kinds import LrScheduleCall, LrScheduleSpec
 from planc.lang.units import COMPUTE, RATE, SIZE, TIME
+from planc.lr_schedule import LrSchedule
 from planc.models import DEFAULT_FAMILY, FAMILIES
 from planc.models.family import Family
 from planc.mesh import AXES
@@ -134,6 +136,8 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
                                                                 "weight_decay": 0.0})),
         "seed": Key(Integer(0), 0),
         "data": Key(DataSource(), "synthetic"),
+        "lr_schedule": Key(LrScheduleCall(), LrScheduleSpec(LrSchedule())),
+        "shuffle": Key(Boolean(), False),
     }),
 })
 

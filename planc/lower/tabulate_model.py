@@ -54,4 +54,5 @@ def model_table(plan: Plan) -> ModelTable:
         data=plan.train.data, seed=plan.train.seed,
         parameters={p.name: Initial(tuple(p.shape), initial_mean(p.name), INIT_STD)
                     for p in family.all_parameters(m)},
-        options=dict(m.options))
+        options=dict(m.options), lr_schedule=plan.train.lr_schedule,
+        steps=plan.train.steps, shuffle=plan.train.shuffle)

@@ -236,7 +236,7 @@ class Interpreter:
 
     def _compute(self, state: StepState, step: _Compute, mb: int | None):
         if step.optimizer:
-            return self._optimizer(step)
+            return self._optimizer(step, state.step)
         if step.weight_step:  # the parameter half of a split backward
             for saved, grad in state.saved.pop((step.node, mb)):  # one per piece
                 _, named = self.kernels.backward(step.spec, saved, grad, inputs=False)
@@ -270,7 +270,11 @@ class Interpreter:
             state.saved[(step.node, mb)] = saved  # what this step's backward will need
         return output
 
-    def _optimizer(self, step: _Compute) -> None:
+    def _optimizer(self, step: _Compute, train_step: int) -> None:
+        """One bucket's update, at the lr the build's schedule gives ``train_step``
+        (planc.lr_schedule: the compiler's formula, as torch's schedulers would set it)."""
+        for group in self.optimizers[step.node].param_groups:
+            group["lr"] = self.ctx.model.lr_at(train_step)
         bucket = step.bucket
         sharded = self.store.buckets[bucket]["sharded"]
         tensor = self.store.shard[bucket] if sharded else self.store.full[bucket]

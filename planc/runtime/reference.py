@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from planc.lower.tabulate_model import INIT_STD, initial_mean
+from planc.lr_schedule import lr_at
 from planc.models import family_of
 from planc.plan import Plan
 from planc.runtime.data import DataSource, batch_tokens
@@ -69,6 +70,9 @@ def train(plan: Plan, steps: int, identity=None
         optimizer.zero_grad()
         total, loss = objective(plan, params, batch_tokens(source, step, identity), dtype)
         total.backward()
+        for group in optimizer.param_groups:  # as a torch scheduler sets it
+            group["lr"] = lr_at(plan.train.lr_schedule, plan.train.optimizer.lr,
+                                plan.train.steps, step)
         optimizer.step()
         losses.append(loss.item())
     return losses, {k: v.detach() for k, v in params.items()}

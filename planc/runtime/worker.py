@@ -157,6 +157,7 @@ class _Metrics:
         record = {"step": step, "loss": loss, **values,
                   "tokens_per_s": self.ctx.tokens_per_step / values["time_s"],
                   "slowest_rank": slowest}
+        record["lr"] = self.ctx.model.lr_at(step)  # the lr of the step's update
         self.records.append(record)
         _progress(step, self.steps, record)
         if self.file:
