@@ -99,7 +99,9 @@ def describe(schedule: LrSchedule, lr: float, steps: int) -> str:
     if schedule.is_constant:
         return f"constant lr {lr:g}"
     parts = []
-    if schedule.warmup:
+    if schedule.warmup == 1:
+        parts.append(f"warm-up step 0 at {lr_at(schedule, lr, steps, 0):.4g}")
+    elif schedule.warmup:
         parts.append(f"warm-up over steps 0..{schedule.warmup - 1} from "
                      f"{lr_at(schedule, lr, steps, 0):.4g} to "
                      f"{lr_at(schedule, lr, steps, schedule.warmup - 1):.4g}")

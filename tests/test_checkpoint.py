@@ -44,7 +44,7 @@ TEMPLATE = """plan {name} {{
   mesh {{ {mesh} }}
   shard {{ {shard} }}
   schedule {{ microbatches = {m} }}
-  train {{ steps = {steps}; optimizer = {optimizer}; seed = 3 }}
+  train {{ steps = {steps}; optimizer = {optimizer}; seed = 3{train} }}
 }}
 """
 SGD = "sgd(lr = 0.5, momentum = 0.9)"
@@ -54,7 +54,7 @@ LLAMA = "; kv_heads = 2; ffn = 96"
 
 def plan_text(name: str, **case) -> str:
     values = dict(family="gpt", model="", mesh="", shard="", m=2, steps=4, optimizer=SGD,
-                  hidden=32, vocab=128)
+                  hidden=32, vocab=128, train="")
     values.update(case)
     return TEMPLATE.format(name=name, **values)
 
@@ -162,6 +162,28 @@ def resumed_run_matches_uninterrupted(case_a: dict, case_b: dict, tmp_path: Path
         [("a", 0, 1), ("b", 2, 3)]
     if plan.train.optimizer.name == "adamw":
         assert manifest["optimizer"]["steps"] == 4
+
+
+def test_a_resumed_run_continues_the_lr_schedule_and_the_shuffled_samples(tmp_path, capfd):
+    """2 steps, then 2 more resumed from the checkpoint of step 2, under a cosine schedule
+    with a warm-up step and the corpus's samples shuffled: the same lr, losses and
+    parameters as 4 steps in one go (the step number is in the checkpoint; the lr and the
+    samples of step k depend on k alone)."""
+    from planc.lr_schedule import lr_at
+    from planc.tools.corpus import main as make_corpus
+
+    assert make_corpus(["-o", str(tmp_path / "corpus.tokens")]) == 0
+    train = ('; lr_schedule = cosine(warmup = 1, min_lr = 0.05); shuffle = on; '
+             'data = "corpus.tokens"')
+    resumed_run_matches_uninterrupted(
+        dict(mesh="tp = 2", shard="tp { sequence_parallel = on }", vocab=1024, train=train),
+        dict(mesh="dp = 2", shard="dp { zero = 1 }", vocab=1024, train=train), tmp_path, capfd)
+    schedule = load_text(plan_text("a", vocab=1024, train=train)).plan.train.lr_schedule
+    records = [json.loads(line) for name in ("full", "first", "second")
+               for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+    expected = [lr_at(schedule, 0.5, 4, k) for k in range(4)]
+    assert [r["lr"] for r in records] == expected + expected
+    assert expected == pytest.approx([0.25, 0.5, 0.3875, 0.1625], rel=1e-15)
 
 
 # --- a run killed while checkpointing ----------------------------------------------------

@@ -95,3 +95,17 @@ def test_problems():
                    "from lr down to min_lr", "use a min_lr of at most 0.001, for example "
                    "0.0001")]
     assert problems(LrSchedule("wsd", warmup=4, decay=6, min_lr=1e-3), 1e-3, 10) == []
+
+
+def test_describe_names_the_landmarks():
+    from planc.lr_schedule import describe
+
+    assert describe(LrSchedule(), 0.1, 10) == "constant lr 0.1"
+    assert describe(LrSchedule("cosine", warmup=1, min_lr=0.05), 0.5, 4) == (
+        "lr_schedule cosine: warm-up step 0 at 0.25, cosine decay from 0.5 at step 1 to "
+        "0.1625 at step 3 (min_lr 0.05 at step 4)")
+    assert describe(LrSchedule("wsd", warmup=2, decay=4), 1.0, 10) == (
+        "lr_schedule wsd: warm-up over steps 0..1 from 0.3333 to 0.6667, 1 until step 5, "
+        "then linear decay to 0.25 at step 9 (min_lr 0 at step 10)")
+    assert describe(LrSchedule("constant", warmup=3), 1.0, 10) == (
+        "lr_schedule constant: warm-up over steps 0..2 from 0.25 to 0.75, then 1")
