@@ -3,7 +3,9 @@ schedulers, stepped on a dummy optimizer as a training loop steps them."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import pytest
 
@@ -109,3 +111,46 @@ def test_describe_names_the_landmarks():
         "then linear decay to 0.25 at step 9 (min_lr 0 at step 10)")
     assert describe(LrSchedule("constant", warmup=3), 1.0, 10) == (
         "lr_schedule constant: warm-up over steps 0..2 from 0.25 to 0.75, then 1")
+
+
+PLAN = """plan s {
+  model gpt { layers = 1; hidden = 8; heads = 2; vocab = 16; seq = 4; batch = 2 }
+  train { steps = 10; optimizer = adamw(lr = 1e-3); lr_schedule = %s }
+}
+"""
+
+
+def test_plan_json_and_the_model_table_carry_the_schedule_and_refuse_a_bad_one():
+    from planc.lang import load_text
+    from planc.lower.model_table import ModelTable
+    from planc.lower.tabulate_model import model_table
+    from planc.plan_json import plan_from_dict
+
+    plan = load_text(PLAN % "wsd(warmup = 2, decay = 3, min_lr = 1e-4)").plan
+    assert plan.train.lr_schedule == LrSchedule("wsd", 2, 1e-4, 3)
+    data = plan.to_dict()
+    assert data["train"]["lr_schedule"] == {"name": "wsd", "warmup": 2, "min_lr": 1e-4,
+                                            "decay": 3}
+    assert plan_from_dict(data) == plan
+    table = model_table(plan)
+    assert ModelTable.from_json(table.to_json()) == table
+    assert [table.lr_at(k) for k in (0, 6, 7, 9)] == \
+        [lr_at(plan.train.lr_schedule, 1e-3, 10, k) for k in (0, 6, 7, 9)]
+    assert table.lr_at(7) == 1e-3  # the first step of the decay, still at lr
+    assert table.lr_at(8) == pytest.approx(1e-3 + (1e-4 - 1e-3) / 3, rel=1e-15)
+    # without a schedule neither file names one: builds of older plans are unchanged
+    plain = load_text(PLAN % "constant").plan
+    assert "lr_schedule" not in plain.to_dict()["train"]
+    assert "lr_schedule" not in model_table(plain).to_json()
+    for key, value, message in (
+            ("warmup", 10, "plan.train.lr_schedule: warmup = 10 is not below train.steps = 10"),
+            ("name", "step", "plan.train.lr_schedule.name is 'step'"),
+            ("decay", 0, "plan.train.lr_schedule: decay is wsd's alone, and wsd needs it")):
+        bad = json.loads(json.dumps(data))
+        bad["train"]["lr_schedule"][key] = value
+        with pytest.raises(ValueError, match=re.escape(message)):
+            plan_from_dict(bad)
+        bad = table.to_json()
+        bad["lr_schedule"][key] = value
+        with pytest.raises(ValueError):
+            ModelTable.from_json(bad)
