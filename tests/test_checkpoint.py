@@ -184,6 +184,21 @@ def test_a_resumed_run_continues_the_lr_schedule_and_the_shuffled_samples(tmp_pa
     expected = [lr_at(schedule, 0.5, 4, k) for k in range(4)]
     assert [r["lr"] for r in records] == expected + expected
     assert expected == pytest.approx([0.25, 0.5, 0.3875, 0.1625], rel=1e-15)
+    # each segment of the history says which schedule and order trained it
+    from planc.checkpoint_manifest import check_manifest
+
+    path = tmp_path / "ckpt" / "step-000004" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    assert [(s["lr_schedule"], s["shuffle"]) for s in manifest["history"]] == [
+        ({"name": "cosine", "warmup": 1, "min_lr": 0.05, "decay": 0}, True)] * 2
+    for key, value, field in (("shuffle", False, "history[1].shuffle"),
+                              ("lr_schedule", {"name": "cosine"},
+                               "history[1].lr_schedule.warmup"),
+                              ("lr_schedule", [], "history[1].lr_schedule")):
+        damaged = json.loads(json.dumps(manifest))
+        damaged["history"][1][key] = value
+        with pytest.raises(fmt.CheckpointError, match=re.escape(f"{path}: {field} ")):
+            check_manifest(damaged, path)
 
 
 # --- a run killed while checkpointing ----------------------------------------------------
@@ -344,6 +359,17 @@ def test_bad_resume_inputs_are_one_line_and_exit_1(saved, tmp_path, capfd):
     seeded.write_text(plan_text("seeded", mesh="dp = 2").replace("seed = 3", "seed = 4"))
     assert "were trained with seed 3 (the plan: 4)" in \
         _refused([seeded, "--resume", saved, "--check"], capfd, tmp_path)
+    # ... and its lr schedule and sample order
+    scheduled = write_plan(tmp_path, "scheduled", mesh="dp = 2",
+                           train="; lr_schedule = cosine(warmup = 1)")
+    assert "were trained with lr_schedule None (the plan: {'name': 'cosine', 'warmup': 1, " \
+           "'min_lr': 0.0, 'decay': 0})" in \
+        _refused([scheduled, "--resume", saved, "--check"], capfd, tmp_path)
+    shuffled = write_plan(tmp_path, "shuffled", mesh="dp = 2", train="; shuffle = on")
+    status, err = run([shuffled, "--resume", saved, "--check", "-o", tmp_path / "never"], capfd)
+    assert status == 1 and "warning: shuffle = on changes nothing" in err  # synthetic data
+    assert "were trained with shuffle False (the plan: True); nothing was run" in \
+        err.strip().split("\n")[-1]
     # a step directory without a manifest, named directly
     partial = tmp_path / "ckpt" / "step-000002"
     shutil.copytree(saved / "step-000002", partial)
