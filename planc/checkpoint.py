@@ -114,7 +114,10 @@ def make_manifest(record: TrainingRecord, step: int, parameters: dict[str, dict]
 def history_segment(record: TrainingRecord, first: int, last: int) -> dict:
     """Who trained steps first..last: plan, layout, seed and data."""
     return {"plan": record.name, "first_step": first, "last_step": last,
-            "layout": dict(record.layout), "seed": record.seed, "data": record.data}
+            "layout": dict(record.layout), "seed": record.seed, "data": record.data,
+            # written only when set: the segments of plans without them stay as they were
+            **({"lr_schedule": record.lr_schedule} if record.lr_schedule else {}),
+            **({"shuffle": True} if record.shuffle else {})}
 
 
 def _planc_version() -> str:
@@ -262,16 +265,23 @@ def problems_resuming(manifest: dict, record: TrainingRecord, buckets: dict[str,
     return None
 
 
+# What a history segment that does not name these keys was trained with.
+TRAINED_WITHOUT = {"lr_schedule": None, "shuffle": False}
+
+
 def problems_checking(manifest: dict, record: TrainingRecord) -> str | None:
     """--check with --resume compares with one process trained from step 0 under the plan:
-    it needs every step of the checkpoint trained with the plan's seed and data."""
+    it needs every step of the checkpoint trained with the plan's seed, data, lr schedule
+    and sample order."""
     for segment in manifest["history"]:
-        for key, mine in (("seed", record.seed), ("data", record.data)):
-            if segment.get(key) != mine:
+        for key, mine in (("seed", record.seed), ("data", record.data),
+                          ("lr_schedule", record.lr_schedule), ("shuffle", record.shuffle)):
+            theirs = segment.get(key, TRAINED_WITHOUT.get(key))
+            if theirs != mine:
                 return (f"--check with --resume compares with one process trained from step "
                         f"0 under this plan, but steps {segment.get('first_step')}.."
                         f"{segment.get('last_step')} of the checkpoint were trained with "
-                        f"{key} {segment.get(key)!r} (the plan: {mine!r})")
+                        f"{key} {theirs!r} (the plan: {mine!r})")
     return None
 
 

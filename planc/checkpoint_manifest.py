@@ -328,6 +328,19 @@ def _layout(value: object, where: str) -> dict:
     return layout
 
 
+def _order(segment: dict, where: str) -> None:
+    """A segment's lr schedule and shuffle, written only when its plan set them."""
+    if "shuffle" in segment and segment["shuffle"] is not True:
+        raise _wrong(_at(where, "shuffle"), segment["shuffle"], "true")
+    if "lr_schedule" in segment:
+        at = _at(where, "lr_schedule")
+        schedule = _fields(segment["lr_schedule"], at, ("name", "warmup", "min_lr", "decay"))
+        _text(schedule["name"], _at(at, "name"))
+        _whole(schedule["warmup"], _at(at, "warmup"))
+        _whole(schedule["decay"], _at(at, "decay"))
+        _real(schedule["min_lr"], _at(at, "min_lr"))
+
+
 def _history(manifest: dict) -> None:
     """Which plans trained which steps: segments 0..a, a + 1..b, ..., up to step - 1, the
     last one by the plan, layout, seed and data that wrote the checkpoint."""
@@ -335,7 +348,10 @@ def _history(manifest: dict) -> None:
     following = 0
     for i, segment in enumerate(history):
         where = _at("history", i)
-        _fields(segment, where, ("plan", "first_step", "last_step", "layout", "seed", "data"))
+        _fields(segment, where, ("plan", "first_step", "last_step", "layout", "seed", "data")
+                + tuple(key for key in ("lr_schedule", "shuffle")
+                        if isinstance(segment, dict) and key in segment))
+        _order(segment, where)
         _text(segment["plan"], _at(where, "plan"))
         first = _whole(segment["first_step"], _at(where, "first_step"))
         last = _whole(segment["last_step"], _at(where, "last_step"))

@@ -15,6 +15,7 @@ from functools import cached_property
 from typing import Any, Mapping
 
 from planc.diagnostics import Span
+from planc.lr_schedule import LrSchedule
 from planc.mesh import AXES
 from planc.schedules import DEFAULT_SCHEDULE, named as named_schedule
 
@@ -251,10 +252,19 @@ class Train:
     optimizer: Optimizer = Optimizer()
     seed: int = 0
     data: str = "synthetic"  # or the path of a file of little-endian uint16 tokens
-    eval_every: int = 0  # steps between evaluations; 0: none
-    eval_batches: int = 1  # global batches each evaluation averages
-    eval_data: str = "synthetic"  # the evaluation's tokens (the training data unless set)
-    grad_clip: float | None = None  # clip by the global L2 norm of the gradients; None: off
+    # plan.json omits these where they have their defaults (as it does lr_schedule's)
+    eval_every: int = field(default=0, metadata={"omitted_when_default": True})  # 0: none
+    # global batches each evaluation averages; the evaluation's tokens (the training's
+    # data where eval_data is not written, synthetic when nothing evaluates)
+    eval_batches: int = field(default=1, metadata={"omitted_when_default": True})
+    eval_data: str = field(default="synthetic", metadata={"omitted_when_default": True})
+    # clip by the global L2 norm of the gradients; None: off
+    grad_clip: float | None = field(default=None, metadata={"omitted_when_default": True})
+    # the lr of each step (planc.lr_schedule); plan.json omits the default, no schedule
+    lr_schedule: LrSchedule = field(default=LrSchedule(),
+                                    metadata={"omitted_when_default": True})
+    # samples in a seeded permutation per epoch (planc.sample_order); omitted when off
+    shuffle: bool = field(default=False, metadata={"omitted_when_default": True})
 
 
 @dataclass(frozen=True)
@@ -344,7 +354,9 @@ def json_form(section: Any) -> dict[str, Any]:
     model's options): how plan.json and a checkpoint's manifest write a section."""
     body = dataclasses.asdict(section)
     for f in dataclasses.fields(section):
+        default = dataclasses.asdict(f.default) if dataclasses.is_dataclass(f.default) \
+            else f.default
         if f.metadata.get("omitted_when_empty") and not body[f.name] or \
-                f.metadata.get("omitted_when_default") and body[f.name] == f.default:
+                f.metadata.get("omitted_when_default") and body[f.name] == default:
             del body[f.name]
     return body

@@ -14,6 +14,7 @@ import typing
 from typing import Any, Mapping
 
 from planc.diagnostics import Span
+from planc.lr_schedule import SCHEDULE_ARGUMENTS, problems
 from planc.mesh import is_axis_order
 from planc.plan import DTYPE_BYTES, LIMITS, PLAN_FORMAT_VERSION, Plan, Sources
 
@@ -180,6 +181,7 @@ def _check_values(value: Any, where: str = "plan") -> None:
                              f"{family.name}")
     if plan.train.optimizer.name not in ("sgd", "adamw"):
         raise ValueError(f"plan.train.optimizer.name is {plan.train.optimizer.name!r}")
+    _check_lr_schedule(plan.train)
     mesh, pp = plan.mesh, plan.shard.pp
     for what, have in (("world", mesh.world), ("layers", plan.model.layers),
                        ("microbatches", plan.schedule.microbatches),
@@ -187,6 +189,17 @@ def _check_values(value: Any, where: str = "plan") -> None:
         if have > LIMITS[what]:
             raise ValueError(f"plan's {what} ({have}) is more than planc's limit of "
                              f"{LIMITS[what]}")
+
+
+def _check_lr_schedule(train) -> None:
+    """train.lr_schedule as planc check accepts it (planc.lr_schedule)."""
+    schedule = train.lr_schedule
+    if schedule.name not in SCHEDULE_ARGUMENTS:
+        raise ValueError(f"plan.train.lr_schedule.name is {schedule.name!r}")
+    found = problems(schedule, train.optimizer.lr, train.steps)
+    if found or (schedule.name == "wsd") != (schedule.decay > 0):
+        raise ValueError("plan.train.lr_schedule: " +
+                         (found[0][1] if found else "decay is wsd's alone, and wsd needs it"))
 
 
 def _check_consistency(plan: "Plan") -> None:

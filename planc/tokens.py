@@ -50,6 +50,10 @@ DTYPES = {2: "uint16", 4: "uint32"}  # token width in bytes -> its name
 # CPU's cache between the copy from the page cache and the reduction: on this project's
 # 2-core test machine 4 MiB scanned 2 GiB at 3-11 GB/s, 64 MiB at 1.5-4.5 (docs/data.md).
 CHUNK_BYTES = 4 << 20
+# The largest file that planc check and planc run read whole (every id below vocab) before
+# anything runs: tens of ms in Python, about 10 in torch. A larger file is checked as each
+# step reads its samples (planc.runtime.data.batch_tokens), so a 100 GB file starts at once.
+SCAN_LIMIT = 16 << 20
 
 _HEADER = struct.Struct("<8sII16s")
 ARRAY_CODES = {2: "H", 4: "I" if array("I").itemsize == 4 else "L"}

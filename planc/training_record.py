@@ -9,6 +9,7 @@ JSON: the same form ``planc run`` compares on its side before any rank starts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -25,6 +26,9 @@ class TrainingRecord:
     data: str | None  # the token file, or None: the synthetic batches of the seed
     steps: int  # train.steps
     layout: dict  # tp, cp, pp, dp, zero, microbatches
+    # train.lr_schedule as plan.json writes it, None without one; train.shuffle
+    lr_schedule: dict | None = None
+    shuffle: bool = False
 
     @staticmethod
     def of(plan_data: dict) -> "TrainingRecord":
@@ -36,6 +40,7 @@ class TrainingRecord:
         record = TrainingRecord(plan_data["name"], _as_read(plan_data["model"]),
                                 _as_read(train["optimizer"]), train["seed"], train["data"],
                                 train["steps"], layout)
+        record = _with_order(record, train)
         if not isinstance(record.name, str) or type(record.seed) is not int or \
                 type(record.steps) is not int or \
                 not (record.data is None or isinstance(record.data, str)):
@@ -49,3 +54,14 @@ def _as_read(section: dict) -> dict:
     if not isinstance(section, dict):
         raise TypeError("a section of plan.json is not an object")
     return json.loads(json.dumps(section))
+
+
+def _with_order(record: TrainingRecord, train: dict) -> TrainingRecord:
+    """The record with the plan's lr schedule and sample order (what a checkpoint's
+    history says of each segment, for --check of a resumed run)."""
+    schedule = train.get("lr_schedule")
+    shuffle = train.get("shuffle", False)
+    if not (schedule is None or isinstance(schedule, dict)) or type(shuffle) is not bool:
+        raise ValueError("its lr_schedule or shuffle is not of its kind")
+    return dataclasses.replace(record, lr_schedule=None if schedule is None
+                               else _as_read(schedule), shuffle=shuffle)

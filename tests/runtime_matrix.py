@@ -17,7 +17,7 @@ TEMPLATE = """plan {name} {{
   shard {{ {shard} }}
   schedule {{ microbatches = {m}{schedule} }}
   optimize {{ {optimize} }}
-  train {{ steps = 2; optimizer = sgd(lr = 0.5, momentum = 0.9); seed = 3 }}
+  train {{ steps = {steps}; optimizer = sgd(lr = 0.5, momentum = 0.9); seed = 3{train} }}
 }}
 """
 
@@ -68,8 +68,24 @@ MATRIX = {
 }
 
 
+# A cosine schedule with a warm-up step over 4 steps (train.lr_schedule): the lr of steps
+# 0..3 is 0.25, 0.5, 0.3875, 0.1625 (planc.lr_schedule), under tp with sequence
+# parallelism, pp with ZeRO 1, and with the samples of the project's corpus shuffled
+# (train.shuffle; the test names the corpus and a vocab that holds its ids).
+COSINE = "; lr_schedule = cosine(warmup = 1, min_lr = 0.05)"
+SCHEDULED = {
+    "cosine-tp-sp": dict(mesh="tp = 2", shard="tp { sequence_parallel = on }", steps=4,
+                         train=COSINE),
+    "cosine-pp2-dp2-zero1": dict(mesh="pp = 2; dp = 2", shard="dp { zero = 1 }", m=2, steps=4,
+                                 train=COSINE),
+    "cosine-shuffled-corpus-tp-dp": dict(mesh="tp = 2; dp = 2", m=2, steps=4,
+                                         train=COSINE + "; shuffle = on"),
+}
+
+
 def plan_text(name: str, **case) -> str:
-    values = dict(model="", mesh="", shard="", m=1, schedule="", optimize="", topology="")
+    values = dict(model="", mesh="", shard="", m=1, schedule="", optimize="", topology="",
+                  steps=2, train="")
     values.update(case)
     return TEMPLATE.format(name=name.replace("-", "_"), **values)
 

@@ -44,7 +44,7 @@ TEMPLATE = """plan {name} {{
   mesh {{ {mesh} }}
   shard {{ {shard} }}
   schedule {{ microbatches = {m} }}
-  train {{ steps = {steps}; optimizer = {optimizer}; seed = 3 }}
+  train {{ steps = {steps}; optimizer = {optimizer}; seed = 3{train} }}
 }}
 """
 SGD = "sgd(lr = 0.5, momentum = 0.9)"
@@ -54,7 +54,7 @@ LLAMA = "; kv_heads = 2; ffn = 96"
 
 def plan_text(name: str, **case) -> str:
     values = dict(family="gpt", model="", mesh="", shard="", m=2, steps=4, optimizer=SGD,
-                  hidden=32, vocab=128)
+                  hidden=32, vocab=128, train="")
     values.update(case)
     return TEMPLATE.format(name=name, **values)
 
@@ -162,6 +162,43 @@ def resumed_run_matches_uninterrupted(case_a: dict, case_b: dict, tmp_path: Path
         [("a", 0, 1), ("b", 2, 3)]
     if plan.train.optimizer.name == "adamw":
         assert manifest["optimizer"]["steps"] == 4
+
+
+def test_a_resumed_run_continues_the_lr_schedule_and_the_shuffled_samples(tmp_path, capfd):
+    """2 steps, then 2 more resumed from the checkpoint of step 2, under a cosine schedule
+    with a warm-up step and the corpus's samples shuffled: the same lr, losses and
+    parameters as 4 steps in one go (the step number is in the checkpoint; the lr and the
+    samples of step k depend on k alone)."""
+    from planc.lr_schedule import lr_at
+    from planc.tools.corpus import main as make_corpus
+
+    assert make_corpus(["-o", str(tmp_path / "corpus.tokens")]) == 0
+    train = ('; lr_schedule = cosine(warmup = 1, min_lr = 0.05); shuffle = on; '
+             'data = "corpus.tokens"')
+    resumed_run_matches_uninterrupted(
+        dict(mesh="tp = 2", shard="tp { sequence_parallel = on }", vocab=1024, train=train),
+        dict(mesh="dp = 2", shard="dp { zero = 1 }", vocab=1024, train=train), tmp_path, capfd)
+    schedule = load_text(plan_text("a", vocab=1024, train=train)).plan.train.lr_schedule
+    records = [json.loads(line) for name in ("full", "first", "second")
+               for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+    expected = [lr_at(schedule, 0.5, 4, k) for k in range(4)]
+    assert [r["lr"] for r in records] == expected + expected
+    assert expected == pytest.approx([0.25, 0.5, 0.3875, 0.1625], rel=1e-15)
+    # each segment of the history says which schedule and order trained it
+    from planc.checkpoint_manifest import check_manifest
+
+    path = tmp_path / "ckpt" / "step-000004" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    assert [(s["lr_schedule"], s["shuffle"]) for s in manifest["history"]] == [
+        ({"name": "cosine", "warmup": 1, "min_lr": 0.05, "decay": 0}, True)] * 2
+    for key, value, field in (("shuffle", False, "history[1].shuffle"),
+                              ("lr_schedule", {"name": "cosine"},
+                               "history[1].lr_schedule.warmup"),
+                              ("lr_schedule", [], "history[1].lr_schedule")):
+        damaged = json.loads(json.dumps(manifest))
+        damaged["history"][1][key] = value
+        with pytest.raises(fmt.CheckpointError, match=re.escape(f"{path}: {field} ")):
+            check_manifest(damaged, path)
 
 
 # --- a run killed while checkpointing ----------------------------------------------------
@@ -322,6 +359,17 @@ def test_bad_resume_inputs_are_one_line_and_exit_1(saved, tmp_path, capfd):
     seeded.write_text(plan_text("seeded", mesh="dp = 2").replace("seed = 3", "seed = 4"))
     assert "were trained with seed 3 (the plan: 4)" in \
         _refused([seeded, "--resume", saved, "--check"], capfd, tmp_path)
+    # ... and its lr schedule and sample order
+    scheduled = write_plan(tmp_path, "scheduled", mesh="dp = 2",
+                           train="; lr_schedule = cosine(warmup = 1)")
+    assert "were trained with lr_schedule None (the plan: {'name': 'cosine', 'warmup': 1, " \
+           "'min_lr': 0.0, 'decay': 0})" in \
+        _refused([scheduled, "--resume", saved, "--check"], capfd, tmp_path)
+    shuffled = write_plan(tmp_path, "shuffled", mesh="dp = 2", train="; shuffle = on")
+    status, err = run([shuffled, "--resume", saved, "--check", "-o", tmp_path / "never"], capfd)
+    assert status == 1 and "warning: shuffle = on changes nothing" in err  # synthetic data
+    assert "were trained with shuffle False (the plan: True); nothing was run" in \
+        err.strip().split("\n")[-1]
     # a step directory without a manifest, named directly
     partial = tmp_path / "ckpt" / "step-000002"
     shutil.copytree(saved / "step-000002", partial)

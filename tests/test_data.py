@@ -210,8 +210,9 @@ def test_a_raw_uint16_file_is_scanned_like_a_headed_one(tmp_path):
         os.close(fd)
 
 
-def test_check_scans_only_small_files_and_run_every_file(tmp_path, monkeypatch):
-    from planc.runtime.data import data_problem
+def test_check_and_run_scan_only_small_files_whole(tmp_path, monkeypatch):
+    """A file over the limit is left to the steps that read it (tests/test_data_order.py)."""
+    from planc.runtime.data import check_data, data_problem
 
     check = sys.modules["planc.lang.check"]  # planc.lang.check is also a function's name
 
@@ -225,6 +226,8 @@ def test_check_scans_only_small_files_and_run_every_file(tmp_path, monkeypatch):
     assert loaded.ok and loaded.diagnostics == ()
     assert data_problem(loaded.plan) == (f"data file {tmp_path / 'tokens.bin'} holds token id "
                                          f"900 (token 40 of the file), not below vocab = 512")
+    identity = check_data(loaded.plan, scan_limit=64)  # the header and the size only
+    assert identity is not None and identity.size == 82
 
 
 # --- paths that are not regular files ------------------------------------------------

@@ -23,7 +23,7 @@ TEMPLATE = """plan {name} {{
   shard {{ {shard} }}
   schedule {{ microbatches = {m}{schedule} }}
   optimize {{ {optimize} }}
-  train {{ steps = 2; optimizer = adamw(lr = 0.01, weight_decay = 0.1); seed = 5 }}
+  train {{ steps = {steps}; optimizer = adamw(lr = 0.01, weight_decay = 0.1); seed = 5{train} }}
 }}
 """
 
@@ -92,11 +92,17 @@ MATRIX = {
     "tp2-tp-overlap-4": dict(mesh="tp = 2", optimize="tp_overlap = 4"),
     "tp2-sp-kv1-tp-overlap-2": dict(mesh="tp = 2", kv=1, m=2, optimize="tp_overlap = 2",
                                     shard="tp { sequence_parallel = on }"),
+    # a cosine schedule with a warm-up (train.lr_schedule), 4 steps: its own curve
+    "cosine-tp2-sp": dict(mesh="tp = 2", shard="tp { sequence_parallel = on }", steps=4,
+                          train="; lr_schedule = cosine(warmup = 1, min_lr = 1e-3)"),
+    "cosine-pp2-dp2-zero1": dict(mesh="pp = 2; dp = 2", m=2, shard="dp { zero = 1 }", steps=4,
+                                 train="; lr_schedule = cosine(warmup = 1, min_lr = 1e-3)"),
 }
 
 
 def plan_text(name: str, **case) -> str:
-    values = dict(kv=2, model="", mesh="", shard="", m=1, schedule="", optimize="")
+    values = dict(kv=2, model="", mesh="", shard="", m=1, schedule="", optimize="", steps=2,
+                  train="")
     values.update(case)
     return TEMPLATE.format(name=name.replace("-", "_"), **values)
 
@@ -129,7 +135,8 @@ def test_every_llama_plan_of_one_model_follows_the_same_curve(curves):
     for name, curve in curves.items():
         kv = MATRIX[name].get("kv", 2)
         tied = "tie_embeddings" in MATRIX[name].get("model", "")
-        groups.setdefault((kv, tied), []).append((name, curve))
+        schedule = MATRIX[name].get("train", "")
+        groups.setdefault((kv, tied, schedule), []).append((name, curve))
     for members in groups.values():
         first = members[0][1]
         for name, curve in members:

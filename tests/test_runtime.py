@@ -16,7 +16,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.runtime_matrix import MATRIX, run_checked  # noqa: E402
+from planc.lr_schedule import LrSchedule, lr_at  # noqa: E402
+from tests.runtime_matrix import MATRIX, SCHEDULED, run_checked  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +65,7 @@ SWITCHES = {"": [], "fuse-off": ["--set", "optimize.fuse=off"],
 
 
 METRICS = {"step", "loss", "time_s", "compute_s", "comm_s", "exposed_comm_s", "pipeline_wait_s",
-           "tokens_per_s", "slowest_rank", "max_rss_mb", "build"}
+           "tokens_per_s", "slowest_rank", "max_rss_mb", "build", "lr"}
 METRICS |= {"tflops_per_device", "mfu", "peak_memory_mb", "peak_memory", "plan"}  # throughput
 
 
@@ -160,3 +161,34 @@ def test_every_plan_of_one_model_follows_the_same_loss_curve(losses):
         expected = tied if name in TIED else reference
         assert curve == pytest.approx(expected, rel=1e-5), (name, switch)
     assert tied != pytest.approx(reference, rel=1e-3)  # another model
+
+
+@pytest.fixture(scope="module")
+def scheduled() -> dict[str, list[float]]:
+    return {}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULED))
+def test_an_lr_schedule_and_shuffled_samples_train_exactly_like_one_process(
+        name, tmp_path, capfd, scheduled):
+    from planc.tools.corpus import main as make_corpus
+
+    switches = []
+    if "corpus" in name:  # make corpus's file, its 654 ids below the vocab
+        corpus = tmp_path / "tiny-corpus.tokens"
+        assert make_corpus(["-o", str(corpus)]) == 0
+        switches = ["--set", f'train.data="{corpus}"', "--set", "model.vocab=1024"]
+    records = run_checked(name, SCHEDULED[name], tmp_path, capfd, *switches)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    cosine = LrSchedule("cosine", warmup=1, min_lr=0.05)
+    assert [r["lr"] for r in records] == [lr_at(cosine, 0.5, 4, k) for k in range(4)] == \
+        pytest.approx([0.25, 0.5, 0.3875, 0.1625], rel=1e-15)
+    scheduled[name] = [r["loss"] for r in records]
+
+
+def test_the_plans_of_one_schedule_follow_one_curve(scheduled):
+    if len(scheduled) < len(SCHEDULED):
+        pytest.skip("needs every scheduled plan")
+    first, second, shuffled = (scheduled[name] for name in SCHEDULED)
+    assert second == pytest.approx(first, rel=1e-5)
+    assert shuffled != pytest.approx(first, rel=1e-3)  # other data, another curve

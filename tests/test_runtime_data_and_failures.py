@@ -115,8 +115,9 @@ def test_a_data_file_is_read_a_step_at_a_time_and_each_batch_checked(tmp_path):
     assert first[5].tolist() == list(range(1, 18))
     with pytest.raises(DataError) as caught:
         batch_tokens(plan, 1)
-    assert str(caught.value) == (f"data file {tokens} holds token id 500 in the batch of "
-                                 f"step 1, not below vocab = 128")
+    assert str(caught.value) == (f"data file {tokens} holds token id 500 (token 86 of the "
+                                 f"file, position 16 of sample 14, read by step 1), not "
+                                 f"below vocab = 128")
     tokens.write_bytes(b"\x01\x00" * 10)
     with pytest.raises(DataError) as caught:
         batch_tokens(plan, 0)

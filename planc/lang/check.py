@@ -20,6 +20,7 @@ from planc.lang import ast
 from planc.lang.blocks import BlockReader
 from planc.lang.hints import divisors_below, largest_divisors
 from planc.lang.hints import try_values as _try
+from planc.lang.lr_kinds import findings as schedule_findings
 from planc.lang.overrides import Override
 from planc.lang.overrides import apply as apply_overrides
 from planc.lang.schema import join_words, plan_schema
@@ -30,6 +31,7 @@ from planc.models import DEFAULT_FAMILY, FAMILIES
 from planc.plan import (LIMITS, ContextParallel, DataParallel, Mesh, Model, Optimize, Optimizer,
                         PipelineParallel, Plan, Schedule, Shard, Sources, TensorParallel, Train)
 from planc.schedules import PipelineShape
+from planc.tokens import SCAN_LIMIT
 from planc.schedules import named as schedule_named
 from planc.schedules import problems as schedule_problems
 
@@ -372,25 +374,38 @@ class _Checker(TopologyReader):
 
     def _train(self, model: Model | None) -> Train | None:
         # grad_clip's default is None (off): not a key that must have a value
-        keys = ("steps", "optimizer", "seed", "data", "eval_every", "eval_batches", "eval_data")
+        keys = ("steps", "optimizer", "seed", "data", "eval_every", "eval_batches", "eval_data",
+                "lr_schedule", "shuffle")
         if not self.ready(*(f"train.{k}" for k in keys)):
             return None
         spec = self.value("train.optimizer")
         data = self.value("train.data")
+        schedule = self.value("train.lr_schedule")
+        for message, span, hint in schedule_findings(schedule, spec.arguments["lr"],
+                                                     self.value("train.steps")):
+            self._reject(message, span, hint)
+        if data == "synthetic" and self.value("train.shuffle"):
+            self.report(warning("shuffle = on changes nothing with data = synthetic: each "
+                                "step's batch is drawn from the seed and the step alone",
+                                self.span("train.shuffle"), "remove shuffle, or name a "
+                                "token file in data"))
         if data != "synthetic":
             data = self._data_file(data, model)
             if data is None:
                 return None
         # the evaluation reads the training data unless eval_data says otherwise
         eval_data = self.value("train.eval_data") if self.span("train.eval_data") else data
+        if not self.value("train.eval_every"):
+            eval_data = "synthetic"  # nothing evaluates: the default, as plan.json omits it
         if eval_data != "synthetic" and eval_data != data:
             eval_data = self._data_file(eval_data, model, "train.eval_data")
             if eval_data is None:
                 return None
         return Train(self.value("train.steps"), Optimizer(name=spec.name, **spec.arguments),
-                     self.value("train.seed"), data, self.value("train.eval_every"),
-                     self.value("train.eval_batches"), eval_data,
-                     grad_clip=self.value("train.grad_clip"))
+                     self.value("train.seed"), data, eval_every=self.value("train.eval_every"),
+                     eval_batches=self.value("train.eval_batches"), eval_data=eval_data,
+                     grad_clip=self.value("train.grad_clip"), lr_schedule=schedule.schedule,
+                     shuffle=self.value("train.shuffle"))
 
     def _data_file(self, data: str, model: Model | None, key: str = "train.data"
                    ) -> str | None:
@@ -410,8 +425,8 @@ class _Checker(TopologyReader):
         return resolved
 
 
-# Larger data files are scanned by planc run, which has torch to do it at GB/s; check
-# stays fast (pure Python scans tens of MB/s).
-DATA_SCAN_LIMIT = 16 << 20
+# Larger data files are checked a step at a time by planc run, as each step reads its
+# samples; check stays fast (pure Python scans tens of MB/s).
+DATA_SCAN_LIMIT = SCAN_LIMIT
 
 

@@ -66,6 +66,26 @@ def join_words(words, conjunction: str = "or") -> str:
     return ", ".join(words[:-1]) + f" {conjunction} " + words[-1]
 
 
+def named_arguments(call: ast.Call, allowed, example: Callable[[ast.Argument], str]
+                    ) -> dict[str, ast.Argument]:
+    """The arguments of a call value such as ``adamw(lr = 1e-3)``, by name: each named,
+    one of ``allowed`` and given once, or a Problem (``example(argument)``: the hint
+    for an unnamed one)."""
+    given: dict[str, ast.Argument] = {}
+    for argument in call.args:
+        if argument.name is None:
+            raise Problem(f"arguments of {call.name} must be named", argument.span,
+                          example(argument))
+        if argument.name not in allowed:
+            raise Problem(f"{call.name} has no argument '{argument.name}'; it takes "
+                          f"{join_words(list(allowed))}", argument.name_span,
+                          did_you_mean(argument.name, allowed))
+        if argument.name in given:
+            raise Problem(f"argument '{argument.name}' given twice", argument.name_span)
+        given[argument.name] = argument
+    return given
+
+
 # --- expression scope --------------------------------------------------------------
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from planc.diagnostics import Span
 from planc.lang import ast
 from planc.lang.kinds import (Choice, Kind, Problem, Real, did_you_mean, evaluate_integer,
-                              join_words, word_text)
+                              join_words, named_arguments, word_text)
 from planc.lang.presets import PRESETS
 from planc.mesh import AXES
 
@@ -123,19 +123,13 @@ class OptimizerCall(Kind):
             raise Problem(f"unknown optimizer '{value.name}'; expected sgd or adamw",
                           value.name_span, did_you_mean(value.name, OPTIMIZER_ARGUMENTS))
         allowed = OPTIMIZER_ARGUMENTS[value.name]
-        given: dict[str, Any] = {}
-        for argument in value.args:
-            if argument.name is None:
-                shown = argument.value.text if isinstance(argument.value, ast.Number) else "0.1"
-                raise Problem(f"arguments of {value.name} must be named", argument.span,
-                              f"for example {value.name}(lr = {shown})")
-            if argument.name not in allowed:
-                raise Problem(f"{value.name} has no argument '{argument.name}'; it takes "
-                              f"{join_words(list(allowed))}", argument.name_span,
-                              did_you_mean(argument.name, allowed))
-            if argument.name in given:
-                raise Problem(f"argument '{argument.name}' given twice", argument.name_span)
-            given[argument.name] = self._argument(argument)
+
+        def example(argument: ast.Argument) -> str:
+            shown = argument.value.text if isinstance(argument.value, ast.Number) else "0.1"
+            return f"for example {value.name}(lr = {shown})"
+
+        given: dict[str, Any] = {name: self._argument(argument) for name, argument in
+                                 named_arguments(value, allowed, example).items()}
         missing = [name for name, default in allowed.items()
                    if default is None and name not in given]
         if missing:

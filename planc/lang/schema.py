@@ -20,7 +20,9 @@ from planc.lang.plan_kinds import (OPTIMIZER_ARGUMENTS, AxisOrder, ClipNorm, Dat
                                    OptimizerCall,
                                    OptimizerSpec, PresetFile, PresetSource, StageRange, Stages,
                                    check_path)
+from planc.lang.lr_kinds import LrScheduleCall, LrScheduleSpec
 from planc.lang.units import COMPUTE, RATE, SIZE, TIME
+from planc.lr_schedule import LrSchedule
 from planc.models import DEFAULT_FAMILY, FAMILIES
 from planc.models.family import Family
 from planc.mesh import AXES
@@ -139,6 +141,8 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
         "eval_batches": Key(Integer(1), 1),
         "eval_data": Key(DataSource(), "synthetic"),
         "grad_clip": Key(ClipNorm(), None),  # off
+        "lr_schedule": Key(LrScheduleCall(), LrScheduleSpec(LrSchedule())),
+        "shuffle": Key(Boolean(), False),
     }),
 })
 

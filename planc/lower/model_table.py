@@ -14,9 +14,10 @@ Torch-free, and free of the plan and the families, so that the runtime can impor
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from planc.lower.ranks import integer_of
+from planc.lr_schedule import SCHEDULE_ARGUMENTS, LrSchedule, lr_at
 
 MODEL_TABLE_FORMAT = "planc-model"
 MODEL_TABLE_VERSION = 1
@@ -92,6 +93,23 @@ class OptimizerSettings:
                                  _number(data["weight_decay"], "weight_decay"))
 
 
+def _schedule_of(data: dict) -> dict:
+    """The lr schedule and its steps, from the model table (none written: constant)."""
+    if "lr_schedule" not in data:
+        return {}
+    s = data["lr_schedule"]
+    name = _string(s["name"], "the lr schedule's name")
+    if name not in SCHEDULE_ARGUMENTS:
+        raise ValueError(f"the lr schedule {name!r} is not one of {list(SCHEDULE_ARGUMENTS)}")
+    steps = _positive(s["steps"], "the lr schedule's steps")
+    schedule = LrSchedule(name, integer_of(s["warmup"], "warmup"),
+                          _number(s["min_lr"], "min_lr"), integer_of(s["decay"], "decay"))
+    if not 0 <= schedule.warmup < steps or not 0 <= schedule.decay <= steps - schedule.warmup \
+            or schedule.min_lr < 0 or (name == "wsd") != (schedule.decay > 0):
+        raise ValueError("its lr schedule's warmup, decay or min_lr do not fit its steps")
+    return {"lr_schedule": schedule, "steps": steps}
+
+
 @dataclass(frozen=True)
 class Initial:
     """A parameter's initial value: N(mean, std) drawn in float64 from the seed, the
@@ -156,6 +174,14 @@ class ModelTable:
     # the family's own keys (a mixture's experts, top_k, ...), read as attributes
     options: dict[str, int | float | bool] = field(default_factory=dict)
     evaluation: Evaluation | None = None  # train.eval_every, when set
+    # the lr of each step (planc.lr_schedule) over train.steps; written only when set
+    lr_schedule: LrSchedule = LrSchedule()
+    steps: int = 1  # train.steps, what the schedule spans
+    shuffle: bool = False  # samples of a token file in a permutation per epoch
+
+    def lr_at(self, step: int) -> float:
+        """The lr of step ``step``'s optimizer update (planc.lr_schedule.lr_at)."""
+        return lr_at(self.lr_schedule, self.optimizer.lr, self.steps, step)
 
     def __getattr__(self, name: str):
         # Called only for names that are not fields: a family's own keys.
@@ -184,10 +210,13 @@ class ModelTable:
                            "rows_per_dp_rank": self.rows_per_dp_rank,
                            "microbatch_rows": self.microbatch_rows},
                 "optimizer": self.optimizer.to_json(),
-                "data": {"source": self.data, "seed": self.seed},
+                "data": {"source": self.data, "seed": self.seed,
+                         **({"shuffle": True} if self.shuffle else {})},
                 "parameters": {name: {"shape": list(p.shape), "mean": p.mean, "std": p.std}
                                for name, p in self.parameters.items()},
-                **({"evaluation": self.evaluation.to_json()} if self.evaluation else {})}
+                **({"evaluation": self.evaluation.to_json()} if self.evaluation else {}),
+                **({"lr_schedule": {**asdict(self.lr_schedule), "steps": self.steps}}
+                   if self.lr_schedule != LrSchedule() else {})}
 
     @staticmethod
     def from_json(data: dict) -> "ModelTable":
@@ -231,7 +260,8 @@ class ModelTable:
             optimizer=OptimizerSettings.from_json(data["optimizer"]),
             data=_string(source["source"], "the data source"),
             seed=integer_of(source["seed"], "the seed"), parameters=parameters,
-            options=dict(options),
+            options=dict(options), **_schedule_of(data), shuffle=_boolean(
+                source.get("shuffle", False), "shuffle"),
             evaluation=Evaluation.from_json(data["evaluation"]) if "evaluation" in data
             else None)
         if not table.family.isidentifier():

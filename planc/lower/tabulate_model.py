@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from planc.lower.evaluation import evaluation_of
 from planc.lower.model_table import Initial, ModelTable, OptimizerSettings
+from planc.lr_schedule import LrSchedule
 from planc.models import family_of
 from planc.plan import Plan
 
@@ -55,4 +56,7 @@ def model_table(plan: Plan) -> ModelTable:
         data=plan.train.data, seed=plan.train.seed,
         parameters={p.name: Initial(tuple(p.shape), initial_mean(p.name), INIT_STD)
                     for p in family.all_parameters(m)},
-        options=dict(m.options), evaluation=evaluation_of(plan))
+        options=dict(m.options), evaluation=evaluation_of(plan), shuffle=plan.train.shuffle,
+        # the steps only with a schedule, which spans them (model.json writes both or none)
+        **({"lr_schedule": plan.train.lr_schedule, "steps": plan.train.steps}
+           if plan.train.lr_schedule != LrSchedule() else {}))

@@ -3,7 +3,8 @@ step's batch into a tensor. The format, opening a file and the chunked scan are
 :mod:`planc.tokens` (torch-free; ``planc check`` reads files with it alone); this module
 adds torch's scan of a chunk (GB/s) and the batches.
 
-Sample j of a run starts at token ``j * (seq + 1)``, wrapping around the file; the batch of
+Sample j of a run starts where :func:`planc.sample_order.sample_start` says (consecutive
+stretches wrapping around the file, or with ``shuffle`` a permutation per epoch); the batch of
 step k is samples ``k * batch .. (k + 1) * batch - 1`` (docs/language.md, train). One
 step's batch reads only that step's samples, from the file the run was checked on
 (planc.data_identity).
@@ -24,10 +25,11 @@ from typing import TYPE_CHECKING
 from planc import tokens as token_files
 from planc.data_identity import Identity, how_changed
 from planc.runtime.seeds import seed_of
+from planc.sample_order import sample_start
 from planc.runtime.torch_threads import one_torch_thread
 from planc.tokens import (ARRAY_CODES, CHUNK_BYTES, DTYPES, HEADER_BYTES,  # noqa: F401 (API)
-                          DataChanged, DataError, DataMissing, TokenFile, header, open_tokens,
-                          write_tokens)
+                          SCAN_LIMIT, DataChanged, DataError, DataMissing, TokenFile, header,
+                          open_tokens, write_tokens)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -115,15 +117,18 @@ def check_file(path: str, name: str | None = None, *, seq: int | None = None,
                                   chunk_bytes=chunk_bytes, reducer=_reducer(engine))
 
 
-def check_data(plan: Plan, chunk_bytes: int = CHUNK_BYTES) -> Identity | None:
-    """The identity of the plan's data file, checked whole (None for synthetic data), or
-    DataError: checked once, before any rank starts, because the file may have appeared
-    or changed since planc check (which scans only files up to 16 MiB of tokens); the
-    ranks then read that file and no other. Scans the whole file, in bounded memory."""
+def check_data(plan: Plan, chunk_bytes: int = CHUNK_BYTES,
+               scan_limit: int | None = SCAN_LIMIT) -> Identity | None:
+    """The identity of the plan's data file (None for synthetic data), or DataError:
+    checked once, before any rank starts, because the file may have appeared or changed
+    since planc check; the ranks then read that file and no other. The header, the size
+    (whole tokens, at least one sample) always; every id below vocab only in a file of at
+    most ``scan_limit`` bytes (None: any size), so that a 100 GB file starts at once:
+    each step checks the ids it reads (:func:`batch_tokens`)."""
     if plan.train.data == "synthetic":
         return None
     return check_file(plan.train.data, seq=plan.model.seq, vocab=plan.model.vocab,
-                      chunk_bytes=chunk_bytes).identity
+                      scan_limit=scan_limit, chunk_bytes=chunk_bytes).identity
 
 
 def data_problem(plan: Plan, chunk_bytes: int = CHUNK_BYTES) -> str | None:
@@ -154,6 +159,7 @@ class DataSource:
     batch: int
     seq: int
     vocab: int
+    shuffle: bool = False  # a file's samples in a permutation per epoch (planc.sample_order)
 
     @staticmethod
     def of(plan_or_table) -> "DataSource":
@@ -161,16 +167,17 @@ class DataSource:
         (planc.lower.model_table: its data, seed and sizes)."""
         if hasattr(plan_or_table, "train"):
             m, train = plan_or_table.model, plan_or_table.train
-            return DataSource(train.data, train.seed, m.batch, m.seq, m.vocab)
+            return DataSource(train.data, train.seed, m.batch, m.seq, m.vocab, train.shuffle)
         t = plan_or_table
-        return DataSource(t.data, t.seed, t.batch, t.seq, t.vocab)
+        return DataSource(t.data, t.seed, t.batch, t.seq, t.vocab, t.shuffle)
 
 
 def batch_tokens(source, step: int, identity: Identity | None = None) -> torch.Tensor:
     """The global batch of ``step``: (batch, seq + 1) token ids, int64.
 
     From a file, sample j of the run starts at token ``j * (seq + 1)`` modulo the number
-    of sample starts (``count - seq``), so the run wraps around the file; only this
+    of sample starts (``count - seq``), so the run wraps around the file, or with shuffle
+    at file sample ``permute(j mod n, n, seed, j // n)`` (planc.sample_order); only this
     step's samples are read. Their ids are checked against vocab again, since the file
     may have changed since the run began. With ``identity`` (the file when the run
     began), a file that is not that one any more, before or after the reads, or a read
@@ -198,10 +205,10 @@ def batch_tokens(source, step: int, identity: Identity | None = None) -> torch.T
         if starts < 1:
             raise DataError(f"data file {path} no longer holds one sample (seq + 1 = "
                             f"{sample} tokens)")
-        width, rows = tokens.width, []
+        width, rows, first = tokens.width, [], []
         for j in range(step * m.batch, (step + 1) * m.batch):
-            rows.append(os.pread(fd, sample * width,
-                                 tokens.offset + (j * sample) % starts * width))
+            first.append(sample_start(j, tokens.count, m.seq, m.seed, m.shuffle))
+            rows.append(os.pread(fd, sample * width, tokens.offset + first[-1] * width))
             if identity is not None and len(rows[-1]) != sample * width:
                 raise DataChanged(path, f"a read of {sample * width} bytes returned "
                                   f"{len(rows[-1])}", step)
@@ -223,8 +230,10 @@ def batch_tokens(source, step: int, identity: Identity | None = None) -> torch.T
     signed = torch.frombuffer(raw, dtype={2: torch.int16, 4: torch.int32}[width])
     out = signed.to(torch.int64) & ((1 << (8 * width)) - 1)
     out = out.view(m.batch, sample)
-    largest = int(out.max())
-    if largest >= m.vocab:
-        raise DataError(f"data file {path} holds token id {largest} in the batch "
-                        f"of step {step}, not below vocab = {m.vocab}")
+    if int(out.max()) >= m.vocab:  # where, only when there is something to say
+        row, column = (int(i) for i in (out >= m.vocab).nonzero()[0])
+        raise DataError(f"data file {path} holds token id {int(out[row, column])} (token "
+                        f"{first[row] + column} of the file, position {column} of sample "
+                        f"{step * m.batch + row}, read by step {step}), not below vocab = "
+                        f"{m.vocab}")
     return out

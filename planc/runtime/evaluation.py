@@ -20,7 +20,9 @@ class Evaluator:
     def __init__(self, ctx: RankContext, program, store, executor_of):
         evaluation = ctx.model.evaluation
         self.every, self.batches = evaluation.every, evaluation.batches
-        model = dataclasses.replace(ctx.model, data=evaluation.data, seed=evaluation.seed)
+        # the evaluation's batches in the file's order, whatever train.shuffle says
+        model = dataclasses.replace(ctx.model, data=evaluation.data, seed=evaluation.seed,
+                                    shuffle=False)
         self.ctx = RankContext(model, ctx.ranks, ctx.rank, ctx.groups, ctx.device,
                                ctx.routes, identity_now(evaluation.data),
                                ctx.devices_per_node, record=ctx.record)

@@ -239,7 +239,7 @@ class Interpreter:
 
     def _compute(self, state: StepState, step: _Compute, mb: int | None):
         if step.optimizer:
-            return self._optimizer(step)
+            return self._optimizer(step, state.step)
         if step.clip is not None:  # the gradient norm's share, or the clip by the norm
             if step.clip.kernel == "grad_norm":
                 return grad_norm.share(self.ctx, self.store, step.clip.norm_ranges)
@@ -279,7 +279,11 @@ class Interpreter:
             state.saved[(step.node, mb)] = saved  # what this step's backward will need
         return output
 
-    def _optimizer(self, step: _Compute) -> None:
+    def _optimizer(self, step: _Compute, train_step: int) -> None:
+        """One bucket's update, at the lr the build's schedule gives ``train_step``
+        (planc.lr_schedule: the compiler's formula, as torch's schedulers would set it)."""
+        for group in self.optimizers[step.node].param_groups:
+            group["lr"] = self.ctx.model.lr_at(train_step)
         bucket = step.bucket
         sharded = self.store.buckets[bucket]["sharded"]
         tensor = self.store.shard[bucket] if sharded else self.store.full[bucket]

@@ -12,6 +12,7 @@ import torch
 
 from planc.lower.evaluation import evaluation_of
 from planc.lower.tabulate_model import INIT_STD, initial_mean
+from planc.lr_schedule import lr_at
 from planc.models import family_of
 from planc.plan import Plan
 from planc.runtime.data import DataSource, batch_tokens
@@ -86,6 +87,9 @@ def train(plan: Plan, steps: int, identity=None, evaluated: dict[int, float] | N
         total.backward()
         if plan.train.grad_clip is not None:  # train { grad_clip }, torch's own rule
             torch.nn.utils.clip_grad_norm_(list(params.values()), plan.train.grad_clip)
+        for group in optimizer.param_groups:  # as a torch scheduler sets it
+            group["lr"] = lr_at(plan.train.lr_schedule, plan.train.optimizer.lr,
+                                plan.train.steps, step)
         optimizer.step()
         losses.append(loss.item())
         every = plan.train.eval_every

@@ -178,6 +178,7 @@ class _Metrics:
         eval_loss = self.eval_losses.pop(step, None)
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
+        record["lr"] = self.ctx.model.lr_at(step)  # the lr of the step's update
         record.update(self.notes.pop(step, {}))
         record.update(throughput(self.mfu.model_flops_per_step, self.mfu.peak_flops_per_device,
                                  values["time_s"], self.world),

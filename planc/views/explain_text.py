@@ -266,7 +266,23 @@ def explain(plan: Plan, graph: nx.DiGraph, layer: int | None = None, param: str 
             for bucket_id in used:
                 out.extend(bucket_lines(plan, bucket_id, buckets[bucket_id], subject))
         out.append("")
-    return "\n".join(out + _passes(graph)).rstrip() + "\n"
+    return "\n".join(out + _passes(graph) + training_lines(plan)).rstrip() + "\n"
+
+
+def training_lines(plan: Plan) -> list[str]:
+    """The lr schedule's landmarks and the order of the samples, when the plan sets
+    them (planc.lr_schedule, planc.sample_order)."""
+    from planc.lr_schedule import LrSchedule, describe
+
+    train, lines = plan.train, []
+    if train.lr_schedule != LrSchedule():
+        lines.append("  " + describe(train.lr_schedule, train.optimizer.lr, train.steps))
+    if train.shuffle:
+        lines.append("  shuffle: " + ("on, but the synthetic batches do not depend on it"
+                                      if train.data == "synthetic" else
+                                      "each epoch's samples in a permutation of the seed "
+                                      "and the epoch (docs/data.md)"))
+    return ["", "training:", *lines] if lines else []
 
 
 def expert_lines(plan: Plan, graph: nx.DiGraph, layer: int) -> list[str]:
