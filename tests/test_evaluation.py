@@ -158,3 +158,18 @@ def test_a_resumed_run_evaluates_at_the_same_steps(tmp_path, capfd):
                  for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()
                  if "eval_loss" in json.loads(line)]
     assert evaluated == [1, 3]
+
+
+def test_without_eval_data_the_evaluation_reads_the_training_file(tmp_path):
+    from planc.tokens import write_tokens
+
+    write_tokens(tmp_path / "train.tokens", [(3 * i) % 128 for i in range(400)])
+    text = evaluated_plan("file", data='; data = "train.tokens"')
+    (tmp_path / "p.plan").write_text(text)
+    from planc.lang import load_file
+
+    plan = load_file(tmp_path / "p.plan").plan
+    assert plan.train.eval_data == plan.train.data == str(tmp_path / "train.tokens")
+    # nothing evaluates: eval_data keeps its default, which plan.json leaves out
+    quiet = load_text(plan_text("quiet")).plan
+    assert quiet.train.eval_data == "synthetic" and "eval_data" not in quiet.to_dict()["train"]

@@ -394,7 +394,8 @@ class _Checker(TopologyReader):
             if data is None:
                 return None
         # the evaluation reads the training data unless eval_data says otherwise
-        eval_data = self.value("train.eval_data") if self.span("train.eval_data") else data
+        eval_data = self.value("train.eval_data") if "train.eval_data" in self.spans \
+            else data
         if not self.value("train.eval_every"):
             eval_data = "synthetic"  # nothing evaluates: the default, as plan.json omits it
         if eval_data != "synthetic" and eval_data != data:
