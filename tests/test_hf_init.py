@@ -35,16 +35,18 @@ PLAN = """plan hf_init {{
   mesh {{ {mesh} }}
   shard {{ {shard} }}
   schedule {{ microbatches = {m} }}
-  train {{ steps = 2; optimizer = sgd(lr = 0.1, momentum = 0, weight_decay = 0); seed = 11; init = "{init}" }}
+  train {{ steps = 2; optimizer = sgd(lr = 0.1, momentum = 0, weight_decay = 0); seed = 11; init = "{init}"{train} }}
 }}
 """
 
 
-def plan_text(family="llama", mesh="", shard="", m=1, init="hf", **keys) -> str:
-    """The plan; ``keys``: the model's keys that differ from KEYS (and EXPERTS)."""
+def plan_text(family="llama", mesh="", shard="", m=1, init="hf", train="", **keys) -> str:
+    """The plan; ``keys``: the model's keys that differ from KEYS (and EXPERTS);
+    ``train``: more of the train block's entries."""
     values = {**KEYS, **(EXPERTS if family == "moe" else {}), **keys}
     model = "; ".join(f"{k} = {v}" for k, v in values.items())
-    return PLAN.format(family=family, model=model, mesh=mesh, shard=shard, m=m, init=init)
+    return PLAN.format(family=family, model=model, mesh=mesh, shard=shard, m=m, init=init,
+                       train=train)
 
 
 def save_llama(directory, kv=2, tie=False, shard=False) -> None:
@@ -95,8 +97,9 @@ RUNS = {  # name: (plan_text arguments, how the checkpoint is saved)
     "llama-1-rank": ({}, lambda d: save_llama(d)),
     "llama-tp2-pp2-shared-kv-sharded-files": (
         {"kv_heads": 1, "mesh": "tp = 2; pp = 2", "m": 2}, lambda d: save_llama(d, kv=1, shard=True)),
-    "llama-tp2-dp2-zero3-tied": (
-        {"tie_embeddings": "on", "mesh": "tp = 2; dp = 2", "shard": "dp { zero = 3 }"},
+    "llama-tp2-dp2-zero3-tied-evaluating": (
+        {"tie_embeddings": "on", "mesh": "tp = 2; dp = 2", "shard": "dp { zero = 3 }",
+         "train": "; eval_every = 1"},
         lambda d: save_llama(d, tie=True)),
     "mixtral-1-rank": ({"family": "moe"}, lambda d: save_mixtral(d)),
     "mixtral-in-memory-names": ({"family": "moe"}, lambda d: save_mixtral(
@@ -120,6 +123,8 @@ def test_first_loss_equals_transformers_and_check_passes(name, tmp_path, capfd):
     assert status == 0, err
     assert f"planc: started from Hugging Face checkpoint {tmp_path / 'hf'} in " in err
     assert "every loss and parameter matches" in err
+    if "eval_every" in arguments.get("train", ""):  # evaluated from the same weights
+        assert " and 2 evaluations against the single-process run" in err
     plan = load_file(source).plan
     first = json.loads(metrics.read_text().splitlines()[0])["loss"]
     assert first == pytest.approx(transformers_loss(plan), rel=1e-5)
