@@ -265,6 +265,12 @@ class Train:
                                     metadata={"omitted_when_default": True})
     # samples in a seeded permutation per epoch (planc.sample_order); omitted when off
     shuffle: bool = field(default=False, metadata={"omitted_when_default": True})
+    # a Hugging Face checkpoint directory to start from (plan.json omits it when None)
+    init: str | None = field(default=None, metadata={"omitted_when_default": True})
+    # how init's tensors are named, as the checker found them: "saved" (as save_pretrained
+    # writes them) or "memory" (as the transformers class holds them, and planc export
+    # writes them); planc.export.hf_init.saved_form
+    init_form: str | None = field(default=None, metadata={"omitted_when_default": True})
 
 
 @dataclass(frozen=True)

@@ -182,6 +182,8 @@ def _check_values(value: Any, where: str = "plan") -> None:
     if plan.train.optimizer.name not in ("sgd", "adamw"):
         raise ValueError(f"plan.train.optimizer.name is {plan.train.optimizer.name!r}")
     _check_lr_schedule(plan.train)
+    if plan.train.init_form not in ((None,) if plan.train.init is None else ("saved", "memory")):
+        raise ValueError(f"plan.train.init_form is {plan.train.init_form!r}")
     mesh, pp = plan.mesh, plan.shard.pp
     for what, have in (("world", mesh.world), ("layers", plan.model.layers),
                        ("microbatches", plan.schedule.microbatches),

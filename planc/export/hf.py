@@ -40,6 +40,9 @@ class Tensor:
     sources: tuple[str, ...]
     swap: tuple[int, int] | None = None
     join: int = 0
+    # one tensor per expert (``target`` names it with ``{}``), each a row of dimension 0
+    # of its one source, ``swap`` then applying to that row's dimensions
+    per_expert: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,9 @@ class Requirement:
     key: str
     value: Any
     why: str
+    # whether a model must have it to start from such a checkpoint (train { init }): a
+    # training choice, as a balance loss, is not the checkpoint's
+    for_init: bool = True
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,9 @@ class Architecture:
     layer: tuple[Tensor, ...]  # one decoder layer's tensors
     config: Callable[[Model], dict]  # config.json's keys beyond the common ones
     requires: tuple[Requirement, ...] = ()
+    # one decoder layer's tensors as save_pretrained writes them, where that differs from
+    # ``layer`` (the names the class holds in memory, which the export writes)
+    saved_layer: tuple[Tensor, ...] = ()
 
 
 def _linear(target: str, source: str) -> Tensor:
@@ -102,7 +111,16 @@ MIXTRAL = Architecture(
         Requirement("first_dense", 0, "every Mixtral block is a mixture of experts"),
         Requirement("norm_topk", True, "Mixtral always renormalises each token's top-k "
                                        "routing weights"),
-        Requirement("aux_loss", 0, "transformers' Mixtral has no sequence-wise balance loss"),
+        Requirement("aux_loss", 0, "transformers' Mixtral has no sequence-wise balance loss",
+                    for_init=False),
+    ),
+    # transformers 5 saves Mixtral as the Hub's checkpoints hold it (mistralai/Mixtral-8x7B):
+    # the router and each expert's w1 (gate), w3 (up) and w2 (down), each (out, in)
+    saved_layer=_ATTENTION + (
+        _linear("block_sparse_moe.gate.weight", "router.weight"),
+        *(Tensor(f"block_sparse_moe.experts.{{}}.{w}.weight", (f"experts.{x}.weight",),
+                 swap=(0, 1), per_expert=True)
+          for w, x in (("w1", "gate"), ("w3", "up"), ("w2", "down"))),
     ))
 
 ARCHITECTURES = {a.name: a for a in (LLAMA, MIXTRAL)}
@@ -119,14 +137,22 @@ def architecture(model: Model) -> Architecture | None:
 def hf_tensors(block: dict) -> list[Tensor]:
     """Every transformers tensor of a planc model block (as the checkpoint's manifest
     holds it), with full planc and transformers names."""
-    model = Model(**block)
+    return model_tensors(Model(**block))
+
+
+def model_tensors(model: Model, saved: bool = False) -> list[Tensor]:
+    """Every transformers tensor of a planc model, with full planc and transformers
+    names (a tied head has none: transformers ties lm_head to the embedding too);
+    ``saved``: as save_pretrained writes them (Architecture.saved_layer)."""
     arch = architecture(model)
     planc = {p.name for p in family_of(model).all_parameters(model)}
     tensors = list(_GLOBAL)
+    layer_tensors = arch.saved_layer if saved and arch.saved_layer else arch.layer
     for layer in range(model.layers):
         tensors += [Tensor(f"model.layers.{layer}.{t.target}",
-                           tuple(f"layers.{layer}.{s}" for s in t.sources), t.swap, t.join)
-                    for t in arch.layer]
+                           tuple(f"layers.{layer}.{s}" for s in t.sources), t.swap, t.join,
+                           t.per_expert)
+                    for t in layer_tensors]
     return [t for t in tensors if all(s in planc for s in t.sources)]
 
 

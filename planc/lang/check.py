@@ -378,6 +378,8 @@ class _Checker(TopologyReader):
                 "lr_schedule", "shuffle")
         if not self.ready(*(f"train.{k}" for k in keys)):
             return None
+        if "train.init" in self.given and not self.ready("train.init"):  # None: not given
+            return None
         spec = self.value("train.optimizer")
         data = self.value("train.data")
         schedule = self.value("train.lr_schedule")
@@ -402,11 +404,33 @@ class _Checker(TopologyReader):
             eval_data = self._data_file(eval_data, model, "train.eval_data")
             if eval_data is None:
                 return None
+        init, form = self.value("train.init"), None
+        if init is not None:
+            init, form = self._init_directory(init, model) or (None, None)
+            if init is None:
+                return None
         return Train(self.value("train.steps"), Optimizer(name=spec.name, **spec.arguments),
                      self.value("train.seed"), data, eval_every=self.value("train.eval_every"),
                      eval_batches=self.value("train.eval_batches"), eval_data=eval_data,
                      grad_clip=self.value("train.grad_clip"), lr_schedule=schedule.schedule,
-                     shuffle=self.value("train.shuffle"))
+                     shuffle=self.value("train.shuffle"), init=init, init_form=form)
+
+    def _init_directory(self, init: str, model: Model | None) -> tuple[str, str] | None:
+        """The Hugging Face checkpoint to start from, relative to the plan's directory as
+        ``data`` is, checked against the model (planc.export.hf_init), and how its
+        tensors are named."""
+        from planc.export.hf_init import HFCheckpointError, check_init
+
+        base = os.path.dirname(os.path.abspath(self.path)) if self.path else os.getcwd()
+        resolved = os.path.normpath(os.path.join(base, init))
+        if model is None:
+            return None
+        try:
+            return resolved, check_init(resolved, model)
+        except HFCheckpointError as exc:
+            return self._reject(f"init: {exc}", self.span("train.init"),
+                                "init names a directory saved by transformers' "
+                                "save_pretrained(safe_serialization=True) of the plan's model")
 
     def _data_file(self, data: str, model: Model | None, key: str = "train.data"
                    ) -> str | None:

@@ -186,6 +186,15 @@ class DataSource(Kind):
         raise self.mismatch(value)
 
 
+class CheckpointDirectory(Kind):
+    noun = "a Hugging Face checkpoint directory's path in quotes"
+
+    def read(self, value, scope):
+        if isinstance(value, ast.String):
+            return check_path(value, "init")
+        raise self.mismatch(value)
+
+
 class PresetFile(str):
     """A preset given as a quoted path: a topology that ``planc calibrate`` measured."""
 

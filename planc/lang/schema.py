@@ -21,6 +21,7 @@ from planc.lang.plan_kinds import (OPTIMIZER_ARGUMENTS, AxisOrder, ClipNorm, Dat
                                    OptimizerSpec, PresetFile, PresetSource, StageRange, Stages,
                                    check_path)
 from planc.lang.lr_kinds import LrScheduleCall, LrScheduleSpec
+from planc.lang.plan_kinds import CheckpointDirectory
 from planc.lang.units import COMPUTE, RATE, SIZE, TIME
 from planc.lr_schedule import LrSchedule
 from planc.models import DEFAULT_FAMILY, FAMILIES
@@ -143,6 +144,7 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
         "grad_clip": Key(ClipNorm(), None),  # off
         "lr_schedule": Key(LrScheduleCall(), LrScheduleSpec(LrSchedule())),
         "shuffle": Key(Boolean(), False),
+        "init": Key(CheckpointDirectory(), None),
     }),
 })
 

@@ -144,6 +144,72 @@ class Evaluation:
 
 
 @dataclass(frozen=True)
+class InitSource:
+    """Where a parameter's initial value lies in a Hugging Face checkpoint (train.init):
+    the part of transformers tensor ``tensor`` from ``start`` along its ``axis``, then
+    dimensions ``swap`` exchanged (planc.export.hf_init.init_sources)."""
+
+    tensor: str
+    axis: int
+    start: int
+    swap: tuple[int, int] | None
+    # > 0: one tensor per expert, ``tensor`` naming expert e with ``{}``; each is row e
+    # of the parameter's dimension 0 (axis, start and swap then count that row's dims)
+    experts: int = 0
+
+    def tensors(self) -> list[str]:
+        """The transformers tensors this parameter is read from."""
+        return [self.tensor.replace("{}", str(e)) for e in range(self.experts)] \
+            if self.experts else [self.tensor]
+
+
+@dataclass(frozen=True)
+class InitTable:
+    """The Hugging Face checkpoint the parameters start from: its directory, the shape of
+    each transformers tensor read and where each parameter lies in one."""
+
+    directory: str
+    tensors: dict[str, tuple[int, ...]]
+    sources: dict[str, InitSource]
+
+    def to_json(self) -> dict:
+        return {"directory": self.directory,
+                "tensors": {k: list(v) for k, v in self.tensors.items()},
+                "parameters": {k: {"tensor": s.tensor, "axis": s.axis, "start": s.start,
+                                   "swap": list(s.swap) if s.swap else None,
+                                   "experts": s.experts}
+                               for k, s in self.sources.items()}}
+
+    @staticmethod
+    def from_json(data: dict, parameters: dict[str, Initial]) -> "InitTable":
+        tensors = {_string(k, "a transformers tensor"): tuple(
+            _positive(n, f"a size of {k}") for n in v) for k, v in data["tensors"].items()}
+        sources = {}
+        for name, s in data["parameters"].items():
+            if name not in parameters:
+                raise ValueError(f"init names {name!r}, which is not a parameter")
+            tensor, swap = _string(s["tensor"], "a transformers tensor"), s["swap"]
+            axis, start = integer_of(s["axis"], "an axis"), integer_of(s["start"], "a start")
+            if swap is not None:
+                swap = tuple(integer_of(d, "a dimension") for d in swap)
+            source = InitSource(tensor, axis, start, swap, integer_of(s["experts"], "experts"))
+            if source.experts and source.experts != parameters[name].shape[0]:
+                raise ValueError(f"init reads {name} from {source.experts} experts' tensors")
+            for read in source.tensors():
+                shape = tensors.get(read)
+                if shape is None:
+                    raise ValueError(f"init reads {name} from {read!r}, which it lists not")
+                if not 0 <= axis < len(shape) or not 0 <= start < shape[axis] or \
+                        swap is not None and (len(swap) != 2 or
+                                              not all(0 <= d < len(shape) for d in swap)):
+                    raise ValueError(f"init's place of {name} is outside {read}")
+            sources[name] = source
+        if set(sources) != set(parameters):
+            raise ValueError("init does not place every parameter")
+        return InitTable(_string(data["directory"], "init's directory"), tensors, sources)
+
+
+@dataclass(frozen=True)
 class ModelTable:
     """The model's sizes carry the names of planc.plan.Model's fields, so the kernels
     read ``ctx.model.heads`` whichever the source."""
@@ -178,6 +244,7 @@ class ModelTable:
     lr_schedule: LrSchedule = LrSchedule()
     steps: int = 1  # train.steps, what the schedule spans
     shuffle: bool = False  # samples of a token file in a permutation per epoch
+    init: InitTable | None = None  # train.init: a Hugging Face checkpoint to start from
 
     def lr_at(self, step: int) -> float:
         """The lr of step ``step``'s optimizer update (planc.lr_schedule.lr_at)."""
@@ -216,7 +283,8 @@ class ModelTable:
                                for name, p in self.parameters.items()},
                 **({"evaluation": self.evaluation.to_json()} if self.evaluation else {}),
                 **({"lr_schedule": {**asdict(self.lr_schedule), "steps": self.steps}}
-                   if self.lr_schedule != LrSchedule() else {})}
+                   if self.lr_schedule != LrSchedule() else {}),
+                **({"init": self.init.to_json()} if self.init else {})}
 
     @staticmethod
     def from_json(data: dict) -> "ModelTable":
@@ -263,7 +331,8 @@ class ModelTable:
             options=dict(options), **_schedule_of(data), shuffle=_boolean(
                 source.get("shuffle", False), "shuffle"),
             evaluation=Evaluation.from_json(data["evaluation"]) if "evaluation" in data
-            else None)
+            else None,
+            init=InitTable.from_json(data["init"], parameters) if "init" in data else None)
         if not table.family.isidentifier():
             raise ValueError(f"family {table.family!r} is not a family's name")
         if table.microbatch_rows > table.rows_per_dp_rank or \

@@ -4,8 +4,9 @@ does not have to."""
 
 from __future__ import annotations
 
+from planc.export.hf_init import init_sources
 from planc.lower.evaluation import evaluation_of
-from planc.lower.model_table import Initial, ModelTable, OptimizerSettings
+from planc.lower.model_table import Initial, InitTable, ModelTable, OptimizerSettings
 from planc.lr_schedule import LrSchedule
 from planc.models import family_of
 from planc.plan import Plan
@@ -57,6 +58,16 @@ def model_table(plan: Plan) -> ModelTable:
         parameters={p.name: Initial(tuple(p.shape), initial_mean(p.name), INIT_STD)
                     for p in family.all_parameters(m)},
         options=dict(m.options), evaluation=evaluation_of(plan), shuffle=plan.train.shuffle,
+        init=init_table(plan),
         # the steps only with a schedule, which spans them (model.json writes both or none)
         **({"lr_schedule": plan.train.lr_schedule, "steps": plan.train.steps}
            if plan.train.lr_schedule != LrSchedule() else {}))
+
+
+def init_table(plan: Plan) -> InitTable | None:
+    """Where each parameter starts in the plan's Hugging Face checkpoint (train.init),
+    from the export's own table of tensors (planc.export.hf_init)."""
+    if plan.train.init is None:
+        return None
+    sources, tensors = init_sources(plan.model, plan.train.init_form == "saved")
+    return InitTable(plan.train.init, tensors, sources)

@@ -42,7 +42,7 @@ from planc.runtime.context import RankContext
 from planc.runtime.exchange import (PeerDataError, gather_json, integer, list_of, map_of,
                                     one_of, record, text)
 from planc.runtime.interpreter import Interpreter
-from planc.runtime.store import piece_index, shard_index, tp_piece
+from planc.runtime.store import piece_index, shard_index
 
 
 def _layer_key(name: str) -> tuple:
@@ -291,20 +291,6 @@ class Checkpoints(Loading):
                 for t, piece in enumerate(local):
                     whole.index_copy_(axis, self._indices(m, t), piece)
             out[name if key is None else fmt.state_name(name, key)] = whole.contiguous()
-
-    def _indices(self, member: dict, tp_rank: int) -> torch.Tensor:
-        """Indices, along the split axis of the whole tensor, of tp rank ``tp_rank``'s
-        piece (ep index's, for experts split over ep), in the piece's order: the store's
-        own split applied to the indices."""
-        full = member["full_shape"]
-        if member.get("ep_split"):
-            rows = full[0] // member["ep_split"]
-            return torch.arange(tp_rank * rows, (tp_rank + 1) * rows)
-        axis = member["tp_split"][1] % len(full)
-        shape = [1] * len(full)
-        shape[axis] = full[axis]
-        positions = torch.arange(full[axis]).view(shape)
-        return tp_piece(self.ctx, positions, member["tp_split"], tp_rank).reshape(-1)
 
     def _commit(self, root: Path, staging: Path, step: int, gathered: list[dict],
                 start: float) -> torch.Tensor:

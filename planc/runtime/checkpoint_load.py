@@ -29,7 +29,7 @@ import torch.distributed as dist
 from planc import checkpoint as fmt
 from planc.checkpoint_files import checked_path
 from planc.runtime.checkpoint_values import SECOND_MOMENTS, refuse_bad_values, rng_state
-from planc.runtime.store import shard_index
+from planc.runtime.store import shard_index, tp_piece
 
 FP32 = torch.float32
 
@@ -74,10 +74,19 @@ class Loading:
             torch.set_rng_state(rng)
         self.first_step = step
         self.history = list(manifest["history"])
-        elapsed = time.perf_counter() - start
+        elapsed, most = self._agree(problem, time.perf_counter() - start, read[0])
+        if self.rank == 0:
+            print(f"planc: resumed from {base} at step {step} in {elapsed:.3f} s (at "
+                  f"most {most / 1e6:.3f} MB read by one rank)", file=sys.stderr,
+                  flush=True)
+
+    def _agree(self, problem: str | None, elapsed: float, elements: int
+               ) -> tuple[float, float]:
+        """Every rank stops if any found a problem, the lowest such rank saying what it
+        is; else (the slowest rank's seconds, the most bytes one rank read)."""
         # the third figure: world - rank on a rank that found a problem, so that the
         # maximum names the lowest such rank
-        figures = torch.tensor([elapsed, float(read[0] * 4),
+        figures = torch.tensor([elapsed, float(elements * 4),
                                 float(self.world - self.rank if problem else 0)],
                                dtype=torch.float64)
         if self.group is not None:
@@ -85,28 +94,15 @@ class Loading:
         if figures[2] > 0:
             reporter = self.world - int(figures[2])
             raise SystemExit(f"planc: error: {problem}" if self.rank == reporter else 1)
-        if self.rank == 0:
-            print(f"planc: resumed from {base} at step {step} in {figures[0]:.3f} s (at "
-                  f"most {figures[1] / 1e6:.3f} MB read by one rank)", file=sys.stderr,
-                  flush=True)
+        return float(figures[0]), float(figures[1])
 
     def _load_bucket(self, bucket_id: str, manifest: dict, source, where: str,
                      read: list) -> None:
         bucket = self.store.buckets[bucket_id]
-        size, index = bucket["shard"], shard_index(self.ctx, bucket)
-        mine = (index * size, (index + 1) * size)
         params = manifest["parameters"]
-        # the parameters: the whole bucket, or under ZeRO-3 only this rank's shard
-        if bucket["zero3"]:
-            target, window = self.store.shard[bucket_id], mine
-        else:
-            target, window = self.store.full[bucket_id], (0, bucket["padded"])
-        with torch.no_grad():
-            self._fill(target, window, bucket, lambda m: (params[m["param"]]["file"],
-                                                          m["param"], False),
-                       source, where, read)
-            if bucket["sharded"] and not bucket["zero3"]:
-                self.store.shard[bucket_id].copy_(target[mine[0]:mine[1]])
+        mine = self._load_parameters(bucket_id, lambda m: (params[m["param"]]["file"],
+                                                           m["param"], False),
+                                     source, where, read)
         optimizer = self.optimizers.get(bucket_id)
         if optimizer is None:
             return
@@ -122,6 +118,38 @@ class Loading:
             state[key] = buffer
         if state or self.keys:
             optimizer.state[tensor] = state
+
+    def _load_parameters(self, bucket_id: str, locate, source, where: str, read: list
+                         ) -> tuple[int, int]:
+        """Fill a bucket's parameters (the whole bucket, or under ZeRO-3 only this rank's
+        shard, and the ZeRO shard of a whole one) with what ``locate`` finds in ``source``
+        (see :meth:`_fill`); returns this rank's shard's window of the bucket."""
+        bucket = self.store.buckets[bucket_id]
+        size, index = bucket["shard"], shard_index(self.ctx, bucket)
+        mine = (index * size, (index + 1) * size)
+        if bucket["zero3"]:
+            target, window = self.store.shard[bucket_id], mine
+        else:
+            target, window = self.store.full[bucket_id], (0, bucket["padded"])
+        with torch.no_grad():
+            self._fill(target, window, bucket, locate, source, where, read)
+            if bucket["sharded"] and not bucket["zero3"]:
+                self.store.shard[bucket_id].copy_(target[mine[0]:mine[1]])
+        return mine
+
+    def _indices(self, member: dict, tp_rank: int) -> torch.Tensor:
+        """Indices, along the split axis of the whole tensor, of tp rank ``tp_rank``'s
+        piece (ep index's, for experts split over ep), in the piece's order: the store's
+        own split applied to the indices."""
+        full = member["full_shape"]
+        if member.get("ep_split"):
+            rows = full[0] // member["ep_split"]
+            return torch.arange(tp_rank * rows, (tp_rank + 1) * rows)
+        axis = member["tp_split"][1] % len(full)
+        shape = [1] * len(full)
+        shape[axis] = full[axis]
+        positions = torch.arange(full[axis]).view(shape)
+        return tp_piece(self.ctx, positions, member["tp_split"], tp_rank).reshape(-1)
 
     def _load_scalars(self, manifest: dict) -> None:
         """AdamW's step count, which torch keeps per tensor (a float32 scalar on the

@@ -8,15 +8,20 @@ with an independent computation. Each family's whole-model loss is its runtime m
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import torch
 
 from planc.lower.evaluation import evaluation_of
+from planc.export.hf_init import init_sources
+from planc.hf_files import stored_tensors
 from planc.lower.tabulate_model import INIT_STD, initial_mean
 from planc.lr_schedule import lr_at
 from planc.models import family_of
 from planc.plan import Plan
 from planc.runtime.data import DataSource, batch_tokens
 from planc.runtime.families import family_module
+from planc.runtime.init_load import whole_value
 from planc.runtime.model import initial_value
 from planc.runtime.optim import optimizer_of
 
@@ -57,6 +62,29 @@ def initial(plan: Plan, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     return initial_value(plan.train.seed, name, shape, initial_mean(name), INIT_STD)
 
 
+def initial_values(plan: Plan) -> dict[str, torch.Tensor]:
+    """Every parameter's initial value: read whole from the plan's Hugging Face
+    checkpoint (train.init), else drawn by :func:`initial`."""
+    if plan.train.init is None:
+        return {name: initial(plan, name, p.shape) for name, p in parameters(plan).items()}
+    from safetensors import safe_open
+
+    sources, _ = init_sources(plan.model, plan.train.init_form == "saved")
+    stored = stored_tensors(plan.train.init)
+    with ExitStack() as stack:
+        opened = {}
+
+        def saved(tensor: str):
+            file = stored[tensor].file
+            if file not in opened:
+                opened[file] = stack.enter_context(safe_open(
+                    f"{plan.train.init}/{file}", framework="pt"))
+            return opened[file].get_slice(tensor)
+
+        return {name: whole_value(saved, sources[name], p.shape)
+                for name, p in parameters(plan).items()}
+
+
 def evaluate(plan: Plan, params: dict[str, torch.Tensor], dtype: torch.dtype) -> float:
     """The mean loss of the plan's evaluation batches (train.eval_batches of
     train.eval_data, planc.lower.evaluation) with ``params``."""
@@ -75,8 +103,7 @@ def train(plan: Plan, steps: int, identity=None, evaluated: dict[int, float] | N
     run began (planc.data_identity), which every batch must still be read from;
     ``evaluated``: filled with step -> the evaluation's loss after it, where the plan
     evaluates (train.eval_every)."""
-    params = {name: initial(plan, name, p.shape).requires_grad_()
-              for name, p in parameters(plan).items()}
+    params = {name: value.requires_grad_() for name, value in initial_values(plan).items()}
     optimizer = make_optimizer(plan, list(params.values()))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
         plan.model.dtype]

@@ -73,11 +73,12 @@ class ParamStore:
             flat = torch.zeros(bucket["padded"], dtype=FP32)
             piece = piece_index(ctx, bucket)
             for m in bucket["members"]:
-                rule = initial[m["param"]]  # the model table's rule for its initial value
-                value = initial_value(seed, m["param"], tuple(m["full_shape"]), rule.mean,
-                                      rule.std)
-                value = piece_of(ctx, value, m, piece)
-                flat[m["offset"]:m["offset"] + m["numel"]] = value.reshape(-1)
+                if ctx.model.init is None:  # else read from it (planc.runtime.init_load)
+                    rule = initial[m["param"]]  # the model table's rule for its initial value
+                    value = initial_value(seed, m["param"], tuple(m["full_shape"]),
+                                          rule.mean, rule.std)
+                    value = piece_of(ctx, value, m, piece)
+                    flat[m["offset"]:m["offset"] + m["numel"]] = value.reshape(-1)
                 self.members[m["param"]] = Member(bucket_id, m["offset"], m["numel"],
                                                   tuple(m["shape"]))
             flat = flat.to(ctx.device)

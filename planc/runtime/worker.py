@@ -40,6 +40,7 @@ from planc.runtime.exchange import (all_gather_json, boolean, broadcast_json, ei
                                     gather_json, integer, list_of, nothing, number, row, text)
 from planc.runtime.host_memory import keep_freed_memory
 from planc.runtime.evaluation import Evaluator
+from planc.runtime.init_load import InitialWeights
 from planc.runtime.executor import CpuExecutor, CudaExecutor, Hang, PeerLost
 from planc.runtime.interpreter import Interpreter
 from planc.runtime.launcher_protocol import ERROR_FILE, EXIT_HANG, REPORT_FILE, TRAINING_FILE
@@ -272,6 +273,8 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
             found = _resumable(args, built.record, all_buckets, steps, checkpoints)
         checkpoints.load(str(found.directory), found.manifest)
         first = found.manifest["step"]
+    elif built.model.init is not None:  # a checkpoint of the run wins over train.init
+        InitialWeights(ctx, store).load_initial()
     executor = (CudaExecutor if backend == "nccl" else CpuExecutor)(
         interpreter, args.timeout, trace=bool(args.trace))
     evaluator = Evaluator(ctx, program, store, lambda interp: type(executor)(

@@ -81,7 +81,7 @@ def settings(plan: Plan) -> str:
                      f"{opt.route}, overlap {_onoff(opt.overlap)}, recompute {opt.recompute}, "
                      f"pp_scatter_gather {_onoff(opt.pp_scatter_gather)}"),
         ("train", f"{counted(tr.steps, 'step')}, {optimizer}, seed {tr.seed}, "
-                  f"data {tr.data}"),
+                  f"data {tr.data}{f', init {tr.init}' if tr.init else ''}"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
