@@ -311,11 +311,11 @@ def curves() -> dict[str, list[float]]:
     return {}
 
 
-# Every plan as written, and one with the passes that move the norm's steps off (each
-# collective on the compute stream after a sync; a bucket per parameter).
+# Every plan as written, and one with the pass that moves the norm's steps off (each
+# collective on the compute stream after a sync). Fusion off (a bucket per parameter)
+# only changes how many ranges the share reads: the verifier's tests cover it.
 RUNS = [(name, "") for name in sorted(texts())] + \
-    [("gpt-clip-tp2-sp-pp2-tied", switch) for switch in ("optimize.fuse=off",
-                                                         "optimize.overlap=off")]
+    [("gpt-clip-tp2-sp-pp2-tied", "optimize.overlap=off")]
 
 
 @pytest.mark.parametrize("name, switch", RUNS, ids=[f"{n}-{s or 'as-written'}" for n, s in RUNS])

@@ -94,7 +94,7 @@ def transformers_loss(plan) -> float:
 
 
 RUNS = {  # name: (plan_text arguments, how the checkpoint is saved)
-    "llama-1-rank": ({}, lambda d: save_llama(d)),
+    # (one rank: the Mixtral rows; llama's layouts compare with transformers as well)
     "llama-tp2-pp2-shared-kv-sharded-files": (
         {"kv_heads": 1, "mesh": "tp = 2; pp = 2", "m": 2}, lambda d: save_llama(d, kv=1, shard=True)),
     "llama-tp2-dp2-zero3-tied-evaluating": (
