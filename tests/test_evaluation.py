@@ -125,13 +125,16 @@ def test_evaluation_reads_its_own_file(tmp_path, capfd):
 @pytest.mark.parametrize("plan", ["llama-tiny", "moe-tiny"])
 def test_llama_and_mixture_evaluations_match_one_process(plan, tmp_path, capfd):
     """tp 2 x pp 2 x dp 2 (the mixture over ep 4 with its balance loss, which the
-    evaluation's loss leaves out as the step's reported loss does)."""
+    evaluation's loss leaves out as the step's reported loss does, and a cosine
+    schedule: the mixture's row of the lr schedule's --check matrix)."""
     from tests.conftest import PLANS
 
     status, err = run([PLANS / f"{plan}.plan", "-o", tmp_path / "build", "--check",
                        "--timeout", "60", "--set", "train.steps=2", "--set",
                        "train.eval_every=1", "--set", "train.eval_batches=2",
-                       *(["--set", "model.aux_loss=0.01"] if plan == "moe-tiny" else [])],
+                       *(["--set", "model.aux_loss=0.01", "--set",
+                          "train.lr_schedule=cosine(warmup = 1, min_lr = 1e-4)"]
+                         if plan == "moe-tiny" else [])],
                       capfd)
     assert status == 0, err
     assert "and 2 evaluations against the single-process run" in err
