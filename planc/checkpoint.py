@@ -43,7 +43,8 @@ from planc.checkpoint_manifest import (FORMAT, MANIFEST, MODEL_INDEX,  # noqa: F
                                        OPTIMIZER_INDEX, RNG_FILE, RNG_TENSOR, VERSION,
                                        CheckpointError, read_manifest, reason, shown,
                                        state_keys, state_name)
-from planc.files import fsync_directory, kind_of, read_regular_file, write_atomically  # noqa: F401 (fsync_directory: API)
+from planc.files import (fsync_directory, kind_of, read_regular_file,  # noqa: F401 (API)
+                         unwritable_ancestor, write_atomically)
 from planc.training_record import TrainingRecord
 
 LATEST = "latest"
@@ -331,9 +332,7 @@ def writable_problem(path: str) -> str | None:
         if not os.access(target, os.W_OK | os.X_OK):
             return f"--checkpoint-dir {path}: is not writable"
         return None
-    parent = target.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    parent = unwritable_ancestor(target)
+    if parent is not None:
         return f"--checkpoint-dir {path}: cannot be created ({parent} is not writable)"
     return None

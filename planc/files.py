@@ -6,6 +6,7 @@ import errno
 import os
 import stat
 import tempfile
+from pathlib import Path
 
 
 # What a path that is not a regular file is, for messages ("it is a named pipe (FIFO)").
@@ -16,6 +17,18 @@ KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
 
 def kind_of(mode: int) -> str:
     return next((what for test, what in KINDS if test(mode)), "not a regular file")
+
+
+def unwritable_ancestor(path: str | os.PathLike) -> Path | None:
+    """For a directory that does not exist yet: its nearest existing ancestor when that
+    is no directory this process may create entries in (so the directory cannot be
+    made), else None."""
+    parent = Path(path).absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        return parent
+    return None
 
 
 def read_regular_file(path: str | os.PathLike, limit: int, follow: bool = True) -> bytes:

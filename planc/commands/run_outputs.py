@@ -8,6 +8,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+from planc.files import unwritable_ancestor
+
 
 def tensorboard_problem(path: str) -> str | None:
     """Why the leader could not write TensorBoard logs into ``path``, or None."""
@@ -21,9 +23,7 @@ def tensorboard_problem(path: str) -> str | None:
         if not os.access(target, os.W_OK | os.X_OK):
             return f"--tensorboard {path}: is not writable"
         return None
-    parent = target.absolute().parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    parent = unwritable_ancestor(target)
+    if parent is not None:
         return f"--tensorboard {path}: cannot be created ({parent} is not a writable directory)"
     return None
