@@ -246,12 +246,17 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
                 self.experts(name, program)
                 self.counts(name, program)
                 self.grad_norm(name, program)
-        self.collective_order()
-        self.pipeline()
-        if not self.report.problems:  # matched and ordered: now the streams together
-            self.progress()
+        self.transfers_and_progress()
         self.route_recipes()
         return self.report
+
+    def transfers_and_progress(self) -> None:
+        """Every group's collectives in one order and the pipeline's sends matched;
+        then, matched and ordered, the streams of every rank together."""
+        self.collective_order()
+        self.pipeline()
+        if not self.report.problems:
+            self.progress()
 
     def run_evaluation(self) -> Report:
         """The checks of a step's streams and transfers, on the evaluation's programs
@@ -263,10 +268,7 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
         for name, program in self.programs.items():
             if name in self.table.names:
                 self.events_and_buffers(name, program)
-        self.collective_order()
-        self.pipeline()
-        if not self.report.problems:
-            self.progress()
+        self.transfers_and_progress()
         return self.report
 
     # --- 5. routes ----------------------------------------------------------------------
