@@ -141,13 +141,10 @@ class _Metrics:
         self.build = fingerprint if self.file else None
         self.pending = None
         self.records: list[dict] = []
-        self.eval_losses: dict[int, float | None] = {}  # step -> its evaluation's loss
-        self.notes: dict[int, dict] = {}  # step -> values its record adds (grad_norm)
+        self.notes: dict[int, dict] = {}  # step -> values its record adds (grad_norm, ...)
 
-    def step(self, step: int, times, loss: float | None, eval_loss: float | None = None
-             ) -> None:
+    def step(self, step: int, times, loss: float | None) -> None:
         self.flush()
-        self.eval_losses[step] = eval_loss
         memory, self.memory_kind = peak_memory_mb(self.ctx.device)
         peak = memory if self.memory_kind == "max_rss" else \
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
@@ -176,9 +173,6 @@ class _Metrics:
         record = {"step": step, "loss": loss, **values,
                   "tokens_per_s": self.ctx.tokens_per_step / values["time_s"],
                   "slowest_rank": slowest}
-        eval_loss = self.eval_losses.pop(step, None)
-        if eval_loss is not None:
-            record["eval_loss"] = eval_loss
         record["lr"] = self.ctx.model.lr_at(step)  # the lr of the step's update
         record.update(self.notes.pop(step, {}))
         record.update(throughput(self.mfu.model_flops_per_step, self.mfu.peak_flops_per_device,
@@ -292,13 +286,14 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
                 losses.append(result.state.loss)
             trace.extend((step, e.stream, e.name, e.start, e.end, e.microbatch, e.op,
                           [list(flow) for flow in e.flows]) for e in result.trace)
+            notes = metrics.notes.setdefault(step, {})
             if result.state.grad_norm is not None:  # train { grad_clip }: before clipping
-                metrics.notes[step] = {"grad_norm": result.state.grad_norm}
+                notes["grad_norm"] = result.state.grad_norm
             done = step + 1
             evaluated = evaluator.run() if evaluator and evaluator.due(done) else None
             if evaluated is not None:
-                evaluations[step] = evaluated
-            metrics.step(step, result.times, result.state.loss, evaluated)
+                notes["eval_loss"] = evaluations[step] = evaluated
+            metrics.step(step, result.times, result.state.loss)
             if args.checkpoint_dir and (done == steps or (
                     args.checkpoint_every and done % args.checkpoint_every == 0)):
                 metrics.flush()  # this step's progress line before its checkpoint's
