@@ -138,17 +138,23 @@ class Instruction:
                            strings("frees"), operands)
 
 
+def _pairs(items, what: str) -> tuple[tuple[str, int], ...]:
+    """(block or node, microbatch) pairs from their JSON."""
+    return tuple((_string(name), integer_of(m, what)) for name, m in items)
+
+
+def _receives(data: dict) -> dict[str, tuple[tuple[str, int], ...]]:
+    """Receive stream -> its (recv node, microbatch) pairs, from their JSON."""
+    return {_string(stream): _pairs(items, "a microbatch of its receives")
+            for stream, items in data.items()}
+
+
 def _evaluation_of(data) -> dict:
     """Program's evaluation fields from their JSON (absent: no evaluation)."""
     if data is None:
         return {}
-    return {"evaluation": tuple((_string(b), integer_of(m, "a microbatch of the evaluation"))
-                                for b, m in data["schedule"]),
-            "evaluation_receives": {
-                _string(stream): tuple((_string(n), integer_of(m, "a microbatch of its "
-                                                               "receives"))
-                                       for n, m in items)
-                for stream, items in data["receives"].items()}}
+    return {"evaluation": _pairs(data["schedule"], "a microbatch of the evaluation"),
+            "evaluation_receives": _receives(data["receives"])}
 
 
 def guard_microbatch(guard: str | None, microbatches: int) -> int | None:
@@ -256,12 +262,8 @@ class Program:
             streams=tuple(map(_string, data["streams"])),
             blocks={_string(name): tuple(Instruction.from_json(i) for i in block)
                     for name, block in data["blocks"].items()},
-            schedule=tuple((_string(b), integer_of(m, "a microbatch of the schedule"))
-                           for b, m in data["schedule"]),
-            receives={_string(stream): tuple((_string(n), integer_of(m, "a microbatch of its "
-                                                                   "receives"))
-                                             for n, m in items)
-                      for stream, items in data["receives"].items()},
+            schedule=_pairs(data["schedule"], "a microbatch of the schedule"),
+            receives=_receives(data["receives"]),
             epilogue=tuple(Instruction.from_json(i) for i in data["epilogue"]),
             microbatches=microbatches,
             prologue=tuple(Instruction.from_json(i) for i in data.get("prologue", ())),
