@@ -11,7 +11,11 @@ Layout (format version 4, documented in docs/build.md):
                    groups.json (the process groups the programs use) and routes.json
                    (the recipes of tree and hierarchical routes) and model.json (the
                    model table: what the runtime needs of the model, as data)
-    logs/          written by planc run; carried into the new build when one is replaced
+    logs/          written by planc run
+
+Everything else a build directory holds is its user's or a later command's (a run's
+metrics, TensorBoard logs, a graph, a report, notes): replacing the build carries it,
+logs/ included, into the new one untouched; only the entries above are compile's.
 
 A build is written into a temporary sibling directory and renamed into place, so a
 reader never sees half a build, and a failed compile leaves the old build untouched.
@@ -150,25 +154,31 @@ def write(build: Build, directory: str | Path, source_path: str, source_text: st
     return target
 
 
+# What compile writes into a build directory; every other entry is carried over.
+COMPILED = frozenset({MANIFEST, *FILES, PROGRAMS})
+
+
 def _replace(staging: Path, target: Path) -> None:
-    """Move the finished build into place, swapping out an older one. The older build's
-    logs/ are run outputs, not compiler outputs: they move into the new build."""
+    """Move the finished build into place, swapping out an older one. What the older
+    build holds besides compile's own files (logs/, a run's metrics, a user's notes) is
+    not compile's to drop: it moves into the new build."""
     if not target.exists():
         os.rename(staging, target)
         return
     old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
     os.rmdir(old)
     os.rename(target, old)
-    logs = old / LOGS
-    carried = logs.is_dir() and not logs.is_symlink()
+    carried: list[str] = []
     try:
-        if carried:
-            os.rename(logs, staging / LOGS)
+        for name in sorted(os.listdir(old)):
+            if name not in COMPILED:
+                os.rename(old / name, staging / name)
+                carried.append(name)
         os.rename(staging, target)
     except OSError:
-        if carried and (staging / LOGS).is_dir():
-            os.rename(staging / LOGS, logs)
-        os.rename(old, target)  # put the old build back
+        for name in carried:  # put the old build back as it was
+            os.rename(staging / name, old / name)
+        os.rename(old, target)
         raise
     shutil.rmtree(old, ignore_errors=True)
 
@@ -178,11 +188,12 @@ class Earlier:
     """The build a compile into a directory would replace. ``kind``: "same" (this plan,
     compiled by this planc), "earlier" (another version of the same plan file, or the
     same text), "other" (another plan file, with other text) or "damaged" (its build.json
-    cannot be read); ``source`` the plan file it names; ``logs`` whether it has logs/."""
+    cannot be read); ``source`` the plan file it names; ``kept`` the entries that are
+    not compile's (logs/, a run's metrics, a user's files), which the new build keeps."""
 
     kind: str
     source: str | None
-    logs: bool
+    kept: tuple[str, ...]
 
 
 def earlier_build(directory: str | Path, plan: Plan, source_path: str,
@@ -193,23 +204,23 @@ def earlier_build(directory: str | Path, plan: Plan, source_path: str,
     try:
         if not target.is_dir() or not os.path.lexists(target / MANIFEST):
             return None
-        logs = (target / LOGS).is_dir() and not (target / LOGS).is_symlink()
+        kept = tuple(sorted(n for n in os.listdir(target) if n not in COMPILED))
     except OSError:
         return None
     try:
         manifest = _read_json(target, MANIFEST)
     except BuildError:
-        return Earlier("damaged", None, logs)
+        return Earlier("damaged", None, kept)
     source = manifest.get("source")
     if manifest.get("format") != "planc-build" or not isinstance(source, str):
-        return Earlier("damaged", None, logs)
+        return Earlier("damaged", None, kept)
     if (manifest.get("version"), manifest.get("planc"), manifest.get("plan_sha256")) == (
             BUILD_FORMAT_VERSION, __version__, _fingerprint(plan.to_dict())):
-        return Earlier("same", source, logs)
+        return Earlier("same", source, kept)
     if source != os.path.abspath(source_path) and manifest.get("source_sha256") != \
             hashlib.sha256(source_text.encode()).hexdigest():
-        return Earlier("other", source, logs)
-    return Earlier("earlier", source, logs)
+        return Earlier("other", source, kept)
+    return Earlier("earlier", source, kept)
 
 
 def plan_fingerprint(plan: Plan) -> str:

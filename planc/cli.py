@@ -29,7 +29,7 @@ class _Parser(argparse.ArgumentParser):
 def _add_input(parser: argparse.ArgumentParser, metavar: str = "FILE") -> None:
     from planc.diagnostics import MAX_SHOWN
 
-    parser.add_argument("file", metavar=metavar,
+    parser.add_argument("file", metavar=metavar, type=_path,
                         help="a .plan file" + (" or a build directory" if "DIR" in metavar
                                                else ""))
     parser.add_argument("--error-format", choices=("text", "json"), default="text",
@@ -38,6 +38,28 @@ def _add_input(parser: argparse.ArgumentParser, metavar: str = "FILE") -> None:
                         help=f"print at most N diagnostics, then count the rest (default: "
                         f"{MAX_SHOWN} as text, all as json; 0: all)")
     _add_overrides(parser)
+
+
+def _output(parser: argparse.ArgumentParser, *flags: str, kind: str, **options) -> None:
+    """An output path: declared with its kind (planc.outputs), so that the command checks
+    it before any work and no output flag escapes the rule (tests/test_outputs.py)."""
+    action = parser.add_argument(*flags, type=_path, **options)
+    declared = parser.get_default("outputs") or ()
+    parser.set_defaults(outputs=(*declared, (action.dest, flags[0], kind)))
+
+
+def _force(parser: argparse.ArgumentParser, what: str = "an output of the same kind that "
+           "planc wrote earlier") -> None:
+    parser.add_argument("--force", action="store_true", help=f"replace {what} (README, "
+                        f"\"Outputs\")")
+
+
+def _path(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path names nothing")
+    if "\0" in text:
+        raise argparse.ArgumentTypeError("a path cannot hold a NUL character")
+    return text
 
 
 def _add_overrides(parser: argparse.ArgumentParser) -> None:
@@ -92,11 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
         "step, and write plan.json, graph.json and summary.json to a build directory "
         "(docs/build.md).")
     _add_input(compile_)
-    compile_.add_argument("-o", "--output", metavar="DIR",
-                          help="build directory [build/NAME, NAME being the file's stem]")
-    compile_.add_argument("--force", action="store_true",
-                          help="replace a build of another plan file in DIR (its logs/ are "
-                          "kept)")
+    _output(compile_, "-o", "--output", kind="build", metavar="DIR",
+            help="build directory [build/NAME, NAME being the file's stem]")
+    _force(compile_, "a build of another plan file in DIR (what the build does not own, "
+           "such as logs/, is kept)")
 
     graph = commands.add_parser(
         "graph", help="draw the communication graph (dot, svg, png, graphml, json, html)",
@@ -105,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_input(graph, "FILE|DIR")
     graph.add_argument("--format", choices=GRAPH_FORMATS, default=None,
                        help="output format [from -o's extension, else dot]")
-    graph.add_argument("-o", "--output", metavar="OUT", help="output file [standard output]")
+    _output(graph, "-o", "--output", kind="graph", metavar="OUT",
+            help="output file [standard output]")
+    _force(graph)
     graph.add_argument("--stage", type=_int_list, metavar="S[,S...]", help="pipeline stages")
     graph.add_argument("--layers", type=_layer_range, metavar="A..B", help="layer or range")
     graph.add_argument("--microbatch", type=_microbatches, metavar="K[,K...]|all",
@@ -162,39 +185,40 @@ def build_parser() -> argparse.ArgumentParser:
         "on CPUs). For a cluster, start `torchrun ... -m planc.runtime.worker DIR` on "
         "every node instead.")
     _add_input(run, "FILE|DIR")
-    run.add_argument("-o", "--output", metavar="DIR",
-                     help="where to compile a plan file [build/NAME]")
-    run.add_argument("--force", action="store_true",
-                     help="replace a build of another plan file in DIR (its logs/ are kept)")
+    _output(run, "-o", "--output", kind="build", metavar="DIR",
+            help="where to compile a plan file [build/NAME]")
+    _force(run, "a build of another plan file in DIR, or an earlier run's metrics, trace, "
+           "TensorBoard logs or checkpoints at the paths given")
     run.add_argument("--steps", type=int, metavar="N",
                      help="steps from the start of training, also with --resume [the plan's "
                      "train.steps]")
     run.add_argument("--backend", choices=("gloo", "nccl"),
                      help="[nccl where CUDA is present, else gloo]")
-    run.add_argument("--metrics", metavar="M.jsonl", help="one JSON object per step")
-    run.add_argument("--trace", metavar="T.json", help="Chrome trace of every rank's streams")
+    _output(run, "--metrics", kind="metrics", metavar="M.jsonl",
+            help="one JSON object per step (a resumed run continues the file)")
+    _output(run, "--trace", kind="run-trace", metavar="T.json",
+            help="Chrome trace of every rank's streams")
     run.add_argument("--check", action="store_true",
                      help="also train in one process and compare every loss and parameter")
     run.add_argument("--timeout", type=float, default=120.0, metavar="S",
                      help="seconds without progress before every rank reports a hang [120]")
     run.add_argument("--no-verify", action="store_true",
                      help="run programs without verifying them (to debug a broken build)")
-    run.add_argument("--checkpoint-dir", metavar="D",
-                     help="write a consolidated checkpoint (whole fp32 tensors in "
-                     "safetensors, optimizer state, data position) into D/step-NNNNNN after "
-                     "the last step, and after every N-th with --checkpoint-every; any plan "
-                     "of the same model can resume from it (docs/checkpoints.md)")
+    _output(run, "--checkpoint-dir", kind="checkpoints", metavar="D",
+            help="write a consolidated checkpoint (whole fp32 tensors in safetensors, "
+            "optimizer state, data position) into D/step-NNNNNN after the last step, and "
+            "after every N-th with --checkpoint-every; any plan of the same model can "
+            "resume from it (docs/checkpoints.md)")
     run.add_argument("--checkpoint-every", type=int, metavar="N",
                      help="with --checkpoint-dir: also after every N-th step")
-    run.add_argument("--resume", metavar="D",
+    run.add_argument("--resume", metavar="D", type=_path,
                      help="continue from the newest complete checkpoint in D (or from D, a "
                      "step-NNNNNN directory), under any layout of the same model; steps "
                      "count from the start of training: with train.steps = 4 (or --steps "
                      "4) a step-2 checkpoint runs steps 2 and 3")
-    run.add_argument("--tensorboard", metavar="DIR",
-                     help="write every step's loss, lr, grad norm, tokens/s, TFLOP/s, MFU, "
-                     "exposed communication and step time as TensorBoard scalars into DIR "
-                     "(docs/metrics.md)")
+    _output(run, "--tensorboard", kind="tensorboard", metavar="DIR",
+            help="write every step's loss, lr, grad norm, tokens/s, TFLOP/s, MFU, exposed "
+            "communication and step time as TensorBoard scalars into DIR (docs/metrics.md)")
 
     simulate = commands.add_parser(
         "simulate", help="predict a training step: time, MFU, bubble, exposed comm, memory",
@@ -204,9 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
         "running anything.")
     _add_input(simulate, "FILE|DIR")
     simulate.add_argument("--json", action="store_true", help="the result as JSON")
-    simulate.add_argument("--trace", metavar="T.json",
-                          help="Chrome trace of the simulated step (Perfetto), with the "
-                          "tracks of planc run --trace")
+    _output(simulate, "--trace", kind="simulated-trace", metavar="T.json",
+            help="Chrome trace of the simulated step (Perfetto), with the tracks of planc "
+            "run --trace")
+    _force(simulate)
 
     tune = commands.add_parser(
         "tune", help="the best layouts of a plan's model on N devices, by the simulator",
@@ -228,8 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--budget", type=float, default=60.0, metavar="SECONDS",
                       help="stop simulating after this long; the candidates left, whose "
                       "estimates are the worst, are counted (default 60)")
-    tune.add_argument("-o", "--output", metavar="BEST.plan",
-                      help="write the best layout as a plan file")
+    _output(tune, "-o", "--output", kind="tuned-plan", metavar="BEST.plan",
+            help="write the best layout as a plan file")
+    _force(tune)
     tune.add_argument("--json", action="store_true", help="the result as JSON")
 
     report = commands.add_parser(
@@ -238,10 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
         "of the layout, memory per stage against the device, transfers per axis and kind, "
         "the simulated timeline of a step, and, with --metrics, predicted against measured.")
     _add_input(report, "FILE|DIR")
-    report.add_argument("-o", "--output", required=True, metavar="PAGE.html")
-    report.add_argument("--metrics", metavar="M.jsonl",
+    _output(report, "-o", "--output", kind="report", required=True, metavar="PAGE.html")
+    _force(report)
+    report.add_argument("--metrics", metavar="M.jsonl", type=_path,
                         help="a planc run --metrics file of the same build")
-    report.add_argument("--tune", metavar="T.json",
+    report.add_argument("--tune", metavar="T.json", type=_path,
                         help="a planc tune --json file: its ranked layouts beside this plan")
 
     export = commands.add_parser(
@@ -255,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
         "LlamaForCausalLM's for a llama model, MixtralForCausalLM's for a moe model "
         "without shared experts or dense first blocks.")
     _add_input(export, "FILE|DIR")
-    export.add_argument("-o", "--output", required=True, metavar="DIR")
+    _output(export, "-o", "--output", kind="export", required=True, metavar="DIR")
+    _force(export, "the files of an earlier planc export in DIR")
     export.add_argument("--format", choices=("chakra", "hf"), default="chakra",
                         help="chakra: execution traces of a plan or build; hf: a checkpoint "
                         "directory as a transformers checkpoint [chakra]")
@@ -266,8 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare two plans or builds: world, mesh, nodes, memory per stage, "
         "transfers and bytes per axis, and the simulated step time, MFU and bubble. "
         "--set-b changes B only, to compare a plan with a variant of itself.")
-    diff.add_argument("a", metavar="A", help="a .plan file or a build directory")
-    diff.add_argument("b", metavar="B", help="a .plan file or a build directory")
+    diff.add_argument("a", metavar="A", type=_path, help="a .plan file or a build directory")
+    diff.add_argument("b", metavar="B", type=_path, help="a .plan file or a build directory")
     diff.add_argument("--set-b", action="append", metavar="KEY=VALUE",
                       help="override a key of B (a .plan file), as --set does")
     diff.add_argument("--error-format", choices=("text", "json"), default="text",
@@ -278,10 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Draw one curve per planc run --metrics file, labelled with its plan's "
         "name: the loss against the step, or another metric of every step (docs/metrics.md). "
         "Needs matplotlib (planc[run]).")
-    plot.add_argument("metrics", nargs="+", metavar="M.jsonl",
+    plot.add_argument("metrics", nargs="+", metavar="M.jsonl", type=_path,
                       help="planc run --metrics files")
-    plot.add_argument("-o", "--output", required=True, metavar="PLOT.png",
-                      help="the image to write: .png or .svg")
+    _output(plot, "-o", "--output", kind="plot", required=True, metavar="PLOT.png",
+            help="the image to write: .png or .svg")
+    _force(plot)
     plot.add_argument("--metric", default="loss", choices=tuple(CURVE_METRICS),
                       help="what to draw [loss]")
 
@@ -292,8 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
         "topology that a plan names with topology { preset = \"FILE\" }, so that the cost "
         "model predicts this machine. On a cluster run `python -m planc.runtime.calibrate` "
         "on every node instead (docs/routes.md).")
-    calibrate.add_argument("-o", "--output", required=True, metavar="FILE",
-                           help="the topology to write (JSON)")
+    _output(calibrate, "-o", "--output", kind="topology", required=True, metavar="FILE",
+            help="the topology to write (JSON)")
+    _force(calibrate)
     calibrate.add_argument("--ranks", type=int, default=2, metavar="N",
                            help="ranks to start [2]")
     calibrate.add_argument("--nodes", type=int, default=1, metavar="K",

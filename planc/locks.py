@@ -97,6 +97,36 @@ def lock_build(directory: str, holder: str) -> Lock:
     return _acquire(build_lock_path(directory), holder)
 
 
+def lock_beside(path: str, holder: str) -> Lock:
+    """Lock a run's output file or directory (``--metrics``, ``--trace``,
+    ``--tensorboard``) through a sibling lock file, as a build is locked: the output may
+    be replaced by a rename, its sibling stays."""
+    return _acquire(build_lock_path(path), holder)
+
+
+def held_by(path: str) -> str | None:
+    """Who holds ``path`` (a build or output through its sibling lock, a checkpoint
+    directory through its lock inside), or None. Looked at with a shared lock taken and
+    dropped at once, so that nothing is created or left behind."""
+    for lock in (build_lock_path(path), os.path.join(path, DIRECTORY_LOCK)):
+        try:
+            fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK |
+                         getattr(os, "O_NOFOLLOW", 0))
+        except OSError:  # no lock file, or none that can be opened: nobody holds it
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return _holder_of(fd)
+            except OSError:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+    return None
+
+
 def lock_inside(directory: str, holder: str) -> Lock:
     """Lock ``directory`` (a checkpoint directory, created if missing, and removed again
     on release if it is then empty) through ``directory/.lock``."""

@@ -274,20 +274,21 @@ def test_refuses_a_non_empty_directory_that_is_not_a_build(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["mine"]
 
 
-def test_output_path_that_is_a_regular_file_exits_1(tmp_path):
+def test_output_path_that_is_a_regular_file_exits_2(tmp_path):
     target = tmp_path / "file"
     target.write_text("keep\n")
     result = planc("compile", TINY, "-o", target)
-    assert result.returncode == 1
+    assert result.returncode == 2  # a path of the wrong kind (README, "Exit status")
     assert result.out == ""
-    assert result.err == f"planc: error: {target} exists and is not a directory\n"
+    assert result.err == f"planc: error: -o {target}: is not a directory\n"
     assert target.read_text() == "keep\n"
     assert sorted(os.listdir(tmp_path)) == ["file"]
 
 
 def test_recompiling_an_edited_plan_replaces_its_build_and_keeps_the_logs(tmp_path):
     """The edit-compile loop: the same plan file, changed, replaces its build (said on
-    standard error); logs/ are run outputs, carried into the new build."""
+    standard error); logs/ and whatever else compile did not write (issue 34: a run's
+    metrics, a user's notes) are carried into the new build."""
     plan = tmp_path / "gpt-tiny.plan"
     plan.write_text(TINY.read_text())
     out = tmp_path / "out"
@@ -301,8 +302,9 @@ def test_recompiling_an_edited_plan_replaces_its_build_and_keeps_the_logs(tmp_pa
     result = planc("compile", "gpt-tiny.plan", "-o", "out", cwd=tmp_path)
     assert result.returncode == 0, result.err
     assert result.err == (f"planc: replaced out, which held an earlier build of {plan}; its "
-                          f"logs/ are kept in the new build\n")
-    assert sorted(os.listdir(out)) == sorted(BUILD_FILES + ["logs"])  # replaced, not merged
+                          f"logs/ and stale.txt are kept in the new build\n")
+    assert sorted(os.listdir(out)) == sorted(BUILD_FILES + ["logs", "stale.txt"])
+    assert (out / "stale.txt").read_text() == "from an older build\n"
     assert snapshot(out / "logs") == {"planc-1234abcd/0/stderr.log": b"a run's output\n"}
     manifest = json.loads((out / "build.json").read_text())
     assert manifest["source_sha256"] == hashlib.sha256(changed.encode()).hexdigest()
@@ -546,7 +548,7 @@ def test_graph_dot(tiny_build):
     assert dot.returncode == 0 and data.returncode == 0, dot.err + data.err
     assert dot.err == ""
     text = dot.out
-    assert text.startswith("digraph planc {\n")
+    assert text.startswith("// written by planc graph\ndigraph planc {\n")  # its mark
     assert text.rstrip().endswith("}")
     assert text.count("subgraph cluster_stage_0 {") == 1
     assert text.count("subgraph cluster_stage_1 {") == 1
@@ -567,7 +569,8 @@ def test_graph_json_is_node_link(tmp_path):
     assert stdout.returncode == 0 and written.returncode == 0
     assert written.out == ""
     data = json.loads(stdout.out)
-    assert set(data) == {"directed", "multigraph", "graph", "nodes", "edges"}
+    assert list(data)[0] == "generator" and data["generator"] == "planc graph"  # its mark
+    assert set(data) == {"generator", "directed", "multigraph", "graph", "nodes", "edges"}
     assert data["directed"] is True
     assert sorted(ids(data)) == sorted(tiny_graph().nodes)
     assert {(e["source"], e["target"]) for e in data["edges"]} == set(tiny_graph().edges)
@@ -649,14 +652,15 @@ def test_graph_unknown_extension_exits_2(tmp_path):
 def test_graph_output_files_are_0644(tmp_path):
     names = ["g.dot", "g.json", "g.graphml", "g.html"]
     old = tmp_path / "g.dot"
-    old.write_text("old")
-    old.chmod(0o600)  # replaced, not kept with its old mode
-    results = planc_many(*[["graph", TINY, "--layers", "0", "-o", tmp_path / n]
+    assert planc("graph", TINY, "--layers", "1", "-o", old).returncode == 0
+    old.chmod(0o600)  # replaced with --force, not kept with its old mode
+    results = planc_many(*[["graph", TINY, "--layers", "0", "-o", tmp_path / n, "--force"]
                            for n in names])
     assert [r.returncode for r in results] == [0] * len(names), [r.err for r in results]
     assert {n: mode(tmp_path / n) for n in names} == {n: 0o644 for n in names}
     assert sorted(os.listdir(tmp_path)) == sorted(names)  # no .planc-* temporaries
-    assert (tmp_path / "g.dot").read_text().startswith("digraph planc {")
+    assert (tmp_path / "g.dot").read_text().startswith("// written by planc graph\n"
+                                                       "digraph planc {")
 
 
 # --- 5. filters ---------------------------------------------------------------------------------

@@ -73,7 +73,8 @@ def test_chakra_traces_read_back(tmp_path, run_planc):
         meta = dict(_fields(metadata))
         assert meta[1] == b"0.0.4"
         assert _attributes([(10, raw) for f, raw in _fields(metadata) if f == 2]) == {
-            "schema": "planc", "plan": "gpt_tiny", "rank": rank, "stage": stage, "world": 8}
+            "schema": "planc", "generator": "planc export --format chakra", "plan": "gpt_tiny",
+        "rank": rank, "stage": stage, "world": 8}
         program = next(p for n, p in build.programs.items()
                        if build.table.stages.get(n) == stage)
         work = [i for i in program.expand() if i.op not in ("record", "wait", "sync")]

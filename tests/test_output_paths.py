@@ -30,7 +30,7 @@ def test_graph_through_a_symbolic_link_writes_its_target(tmp_path, capsys):
     link.symlink_to(tmp_path / "real.dot")
     assert main(["graph", TINY, "-o", str(link)]) == 0
     assert link.is_symlink() and os.readlink(link) == str(tmp_path / "real.dot")
-    assert (tmp_path / "real.dot").read_text().startswith("digraph")
+    assert (tmp_path / "real.dot").read_text().startswith("// written by planc graph\ndigraph")
 
 
 def test_graph_into_a_named_pipe_writes_into_it(tmp_path, capsys):
@@ -44,7 +44,7 @@ def test_graph_into_a_named_pipe_writes_into_it(tmp_path, capsys):
     finally:
         reader.join(timeout=30)
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
-    assert received and received[0].startswith(b"digraph")
+    assert received and received[0].startswith(b"// written by planc graph\ndigraph")
 
 
 def test_graph_into_a_named_pipe_without_a_reader_is_an_error(tmp_path, capsys):
@@ -111,7 +111,8 @@ def test_run_writes_metrics_and_trace_through_links_and_into_devices(tmp_path, c
                  "--metrics", str(metrics), "--trace", str(trace)]) == 0
     assert metrics.is_symlink() and trace.is_symlink()
     assert (tmp_path / "real-metrics.jsonl").read_text().count("\n") == 1
-    assert (tmp_path / "real-trace.json").read_text().startswith('{"traceEvents"')
+    assert (tmp_path / "real-trace.json").read_text().startswith(
+        '{"otherData": {"generator": "planc run --trace"}, "traceEvents"')
     assert main(["run", str(tmp_path / "b"), "--steps", "1", "--metrics", os.devnull,
                  "--trace", os.devnull]) == 0
     assert stat.S_ISCHR(os.stat(os.devnull).st_mode)
@@ -199,10 +200,11 @@ def test_run_never_replaces_the_build_of_another_plan(tmp_path, capfd, monkeypat
     assert json.loads((build / "build.json").read_text())["source"] == str(tmp_path / "x.plan")
 
 
-def test_force_with_a_build_directory_is_a_command_line_error(tmp_path, capsys):
+def test_output_with_a_build_directory_is_a_command_line_error(tmp_path, capsys):
     assert main(["compile", TINY, "-o", str(tmp_path / "b")]) == 0
     capsys.readouterr()
-    assert main(["run", str(tmp_path / "b"), "--force"]) == 2
+    assert main(["run", str(tmp_path / "b"), "-o", str(tmp_path / "c")]) == 2
     assert capsys.readouterr().err == (
-        f"planc: error: --force replaces the build a plan file is compiled into, but "
-        f"{tmp_path / 'b'} is a build directory already; run it without --force\n")
+        f"planc: error: -o names the build directory a plan file is compiled into, but "
+        f"{tmp_path / 'b'} is a build directory already; run it without -o\n")
+    assert sorted(os.listdir(tmp_path)) == ["b"]

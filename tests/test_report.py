@@ -31,7 +31,7 @@ SMALL = (str(PLANS / "llama-small.plan"), "--set", "mesh.tp=2", "--set", "mesh.p
 
 def _report(tmp_path, capsys, *args: str) -> str:
     page = tmp_path / "report.html"
-    assert main(["report", *args, "-o", str(page)]) == 0, capsys.readouterr().err
+    assert main(["report", *args, "-o", str(page), "--force"]) == 0, capsys.readouterr().err
     return page.read_text()
 
 
@@ -288,7 +288,7 @@ def test_a_run_writes_its_build_fingerprint_and_report_checks_it(tmp_path, capsy
     assert main(["report", str(build), "-o", str(page), "--metrics", str(metrics)]) == 0
     assert "warning" not in capsys.readouterr().err
     assert main(["report", str(plan), "--set", "model.layers=4", "-o", str(page),
-                 "--metrics", str(metrics)]) == 1
+                 "--metrics", str(metrics), "--force"]) == 1
     assert "holds the metrics of another build" in capsys.readouterr().err
 
 

@@ -163,7 +163,7 @@ def test_the_report_of_the_best_plan_shows_the_runner_ups(tmp_path, capsys):
     assert section.count("<tr>") == 1 + 3  # the header and the three layouts
     assert "<td>1 (this plan)</td>" in section
     ranked.write_text('{"format": "planc-tune", "version": 1, "candidates": [{"mesh": 1}]}')
-    assert main(["report", str(best), "--tune", str(ranked), "-o", str(page)]) == 1
+    assert main(["report", str(best), "--tune", str(ranked), "-o", str(page), "--force"]) == 1
     assert capsys.readouterr().err.strip() == (
         f"planc: error: {ranked}: candidate 1 has no valid mesh; it is not what planc tune "
         f"--json writes")

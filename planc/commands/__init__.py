@@ -161,7 +161,14 @@ def say_replaced(directory: str, earlier) -> None:
             "other": f"which held the build of {_shown(earlier.source)} (another plan; "
                      f"--force)",
             "damaged": "whose build.json could not be read"}[earlier.kind]
-    logs = "; its logs/ are kept in the new build" if earlier.logs else ""
+    kept = [(name if name.isprintable() else repr(name)) + "/" * os.path.isdir(
+        os.path.join(directory, name)) for name in earlier.kept]
+    logs = ""
+    if kept:
+        shown = kept[0] if len(kept) == 1 else ", ".join(kept[:-1][:4]) + (
+            f" and {kept[-1]}" if len(kept) <= 5 else f" and {len(kept) - 4} more")
+        verb = "is" if len(kept) == 1 and not kept[0].endswith("/") else "are"
+        logs = f"; its {shown} {verb} kept in the new build"
     print(f"planc: replaced {directory}, {what}{logs}", file=sys.stderr)
 
 
@@ -169,6 +176,37 @@ def _shown(path: str | None) -> str:
     """A path read from a build (untrusted): as it is, or quoted if it holds control
     characters."""
     return path if path and path.isprintable() else repr(path)
+
+
+def outputs_refused(args, inputs: tuple[tuple[str, str | None], ...] = (),
+                    paths: dict[str, str] | None = None, append: bool = False,
+                    members=None, made: str | None = None) -> int | None:
+    """Check every output path of the command line against planc.outputs' rule, before
+    any work: None if all may be written, else the exit status after saying why.
+    ``inputs``: (what, path) of what the command reads; ``paths``: the path an output
+    takes when its flag is not given (a build's default directory); ``append``: a
+    resumed run continues its metrics and logs; ``members``: for a directory output, the
+    names of the files it writes there; ``made``: a directory the command creates
+    first (a run's build), in which an output may be named."""
+    from planc import outputs
+
+    declared = []
+    for dest, flag, key in getattr(args, "outputs", ()):
+        path = getattr(args, dest, None) or (paths or {}).get(dest)
+        if path is None:
+            continue
+        if key == "export":
+            key = "hf" if args.format == "hf" else "chakra"
+        declared.append(outputs.Output(flag, path, outputs.BY_KEY[key], members))
+    refusal = outputs.first_problem(declared, getattr(args, "force", False), append,
+                                    [(what, path) for what, path in inputs if path],
+                                    None if made is None else os.path.realpath(made))
+    return None if refusal is None else fail(refusal.message, refusal.status)
+
+
+def the_input(path: str) -> tuple[str, str]:
+    """(what, path) of a command's plan file or build directory, for outputs_refused."""
+    return ("the build directory" if os.path.isdir(path) else "the plan file", path)
 
 
 def verified_line(built) -> str:

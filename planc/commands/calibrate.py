@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from planc.commands import EXIT_OK, EXIT_USAGE, MAX_LOCAL_RANKS, fail
+from planc.commands import EXIT_OK, EXIT_USAGE, MAX_LOCAL_RANKS, fail, outputs_refused
 from planc.interrupts import Interrupted, blocked_in_children
 
 
@@ -24,8 +24,9 @@ def main(args) -> int:
     if args.repeats < 1:
         return fail("--repeats must be at least 1", EXIT_USAGE)
     output = Path(args.output)
-    if output.is_dir() or not output.resolve().parent.is_dir():
-        return fail(f"cannot write {output}: not a file in an existing directory")
+    refused = outputs_refused(args)
+    if refused is not None:
+        return refused
     from planc.runtime.rendezvous import private_store, rank_environment, remove_store
 
     # the ranks meet in a store only this user can open, as planc run's do

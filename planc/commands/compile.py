@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from planc.commands import (EXIT_OK, command_line, counted, fail, load_plan, replaceable,
-                            say_replaced, take_lock, verified_line)
+from planc.commands import (EXIT_OK, command_line, counted, fail, load_plan, outputs_refused,
+                            replaceable, say_replaced, take_lock, verified_line)
 
 
 def main(args) -> int:
@@ -19,6 +19,9 @@ def main(args) -> int:
         return status
     output = args.output or os.path.join("build", os.path.splitext(os.path.basename(
         args.file))[0])
+    refused = outputs_refused(args, (("the plan file", args.file),), {"output": output})
+    if refused is not None:
+        return refused
     # held while the build is checked and written: a run of it, or another compile into
     # it, would lose its work (issue 20)
     lock, status = take_lock(lambda: lock_build(output, command_line(args)), output,

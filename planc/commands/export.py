@@ -7,16 +7,26 @@ import os
 import shlex
 import sys
 
-from planc.commands import EXIT_OK, EXIT_USAGE, fail, load_programs, missing_runtime
+from planc.commands import (EXIT_OK, EXIT_USAGE, fail, load_programs, missing_runtime,
+                            outputs_refused, the_input)
 
 
 def main(args) -> int:
-    from planc.export.chakra import export
+    from planc.export.chakra import export, trace_file
+    from planc.outputs import HF_FILES
 
-    if os.path.exists(args.output) and not os.path.isdir(args.output):
-        return fail(f"-o {args.output} exists and is not a directory", EXIT_USAGE)
     if args.format == "hf":
-        return _hugging_face(args)
+        what = "the checkpoint directory" if os.path.isdir(args.file) else "the input"
+        refused = outputs_refused(args, ((what, args.file),),
+                                  members=lambda name: name in HF_FILES)
+        return refused if refused is not None else _hugging_face(args)
+    if not args.prefix or "/" in args.prefix or args.prefix.startswith("."):
+        return fail(f"--prefix {args.prefix!r}: a file name's start, without '/' and not "
+                    f"starting with '.'", EXIT_USAGE)
+    refused = outputs_refused(args, (the_input(args.file),),
+                              members=lambda name: trace_file(name, args.prefix))
+    if refused is not None:
+        return refused
     if _a_checkpoint(args.file):
         command = shlex.join(["planc", "export", args.file, "--format", "hf", "-o",
                               args.output])
@@ -27,6 +37,7 @@ def main(args) -> int:
         return status
     try:
         written = export(built, args.output, args.prefix)
+        _remove_stale(args.output, args.prefix, {path.name for path in written})
     except OSError as exc:
         return fail(f"cannot write to {args.output}: {exc.strerror or exc}")
     print(f"wrote {len(written)} Chakra execution trace{'s' * (len(written) != 1)} (one per "
@@ -34,6 +45,19 @@ def main(args) -> int:
           + ", ".join(p.name for p in written[:4]) + (", ..." if len(written) > 4 else ""),
           file=sys.stderr)
     return EXIT_OK
+
+
+def _remove_stale(directory: str, prefix: str, written: set[str]) -> None:
+    """The traces an earlier export (replaced with --force) wrote for ranks this one has
+    not: they belong to the replaced output."""
+    from planc.export.chakra import trace_file
+    from planc.outputs import CHAKRA, is_ours
+
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if trace_file(name, prefix) and name not in written and os.path.isfile(path) and \
+                is_ours(path, CHAKRA):
+            os.unlink(path)
 
 
 def _a_checkpoint(path: str) -> bool:

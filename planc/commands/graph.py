@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import sys
 
-from planc.commands import EXIT_OK, EXIT_USAGE, GRAPH_FORMATS, fail, load_build
+from planc.commands import (EXIT_OK, EXIT_USAGE, GRAPH_FORMATS, fail, load_build,
+                            outputs_refused, the_input)
 
 
 def main(args) -> int:
     from planc.files import write_atomically
+    from planc.outputs import GRAPH, marked
     from planc.graph.select import Selection, default_selection, select
     from planc.views import render_graph
 
@@ -20,6 +22,9 @@ def main(args) -> int:
                     f"({', '.join(GRAPH_FORMATS)})", EXIT_USAGE)
     if fmt == "png" and not args.output:
         return fail("png output needs -o FILE", EXIT_USAGE)
+    refused = outputs_refused(args, (the_input(args.file),))
+    if refused is not None:
+        return refused
     built, status = load_build(args)
     if built is None:
         return status
@@ -51,7 +56,8 @@ def main(args) -> int:
     view = select(graph, selection)
     title = f"{built.plan.name}: {view.graph['selection']}"
     try:
-        data = render_graph.render(view, fmt, title, built.plan)
+        data = marked(render_graph.render(view, fmt, title, built.plan), fmt,
+                      GRAPH.generator)
     except render_graph.RenderError as exc:
         return fail(str(exc))
     if args.output:

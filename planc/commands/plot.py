@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from planc.commands import EXIT_OK, EXIT_USAGE, fail
+from planc.commands import EXIT_OK, EXIT_USAGE, fail, outputs_refused
 
 FORMATS = {".png": "png", ".svg": "svg"}
 
@@ -15,14 +15,16 @@ FORMATS = {".png": "png", ".svg": "svg"}
 def main(args) -> int:
     from planc.files import write_atomically
     from planc.metrics_file import read_metrics
+    from planc.outputs import PLOT, marked
     from planc.views.curves import CurveError, curve, distinct, draw
 
+    refused = outputs_refused(args, [("a metrics file it draws", path)
+                                     for path in args.metrics])
+    if refused is not None:
+        return refused
     image_format = FORMATS.get(os.path.splitext(args.output)[1].lower())
     if image_format is None:
         return fail(f"-o {args.output}: planc plot writes a .png or an .svg file; name one",
-                    EXIT_USAGE)
-    if os.path.isdir(args.output):
-        return fail(f"-o {args.output} is a directory; name the image, such as loss.png",
                     EXIT_USAGE)
     curves = []
     for path in args.metrics:
@@ -41,7 +43,7 @@ def main(args) -> int:
         return fail("planc plot needs matplotlib, which is not installed: pip install "
                     "'planc[run]'")
     try:
-        write_atomically(args.output, image)
+        write_atomically(args.output, marked(image, image_format, PLOT.generator))
     except OSError as exc:
         return fail(f"cannot write {args.output}: {exc.strerror or exc}")
     print(f"planc: {args.metric} of {len(curves)} run{'s' * (len(curves) > 1)} written to "

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 
-from planc.commands import EXIT_OK, EXIT_USAGE, fail, load_programs
+from planc.commands import EXIT_OK, fail, load_programs, outputs_refused, the_input
 from planc.metrics_file import read_metrics
 
 
@@ -68,12 +67,14 @@ def _tune(path: str) -> tuple[list[dict] | None, str | None]:
 def main(args) -> int:
     from planc.build import plan_fingerprint
     from planc.files import write_atomically
+    from planc.outputs import REPORT, marked
     from planc.simulate import simulate
     from planc.views import report_html
 
-    if os.path.isdir(args.output):
-        return fail(f"-o {args.output} is a directory; name the page, such as report.html",
-                    EXIT_USAGE)
+    refused = outputs_refused(args, (the_input(args.file), ("the metrics file", args.metrics),
+                                     ("the tune file", args.tune)))
+    if refused is not None:
+        return refused
     metrics = None
     if args.metrics:
         metrics, problem = read_metrics(args.metrics)
@@ -98,7 +99,7 @@ def main(args) -> int:
     result = simulate(built, keep_timeline=True)
     page = report_html.render(built, result, metrics, unchecked=unchecked, ranked=ranked)
     try:
-        write_atomically(args.output, page.encode())
+        write_atomically(args.output, marked(page.encode(), "html", REPORT.generator))
     except OSError as exc:
         return fail(f"cannot write {args.output}: {exc.strerror or exc}")
     print(f"report written to {args.output} ({len(page) // 1024} KB, self-contained)",

@@ -8,8 +8,9 @@ import sys
 import time
 
 from planc.commands import (EXIT_OK, EXIT_USAGE, MAX_LOCAL_RANKS, command_line, counted, fail,
-                            load_plan, missing_runtime, overrides_need_a_plan, replaceable,
-                            say_replaced, take_lock)
+                            load_plan, missing_runtime, outputs_refused, overrides_need_a_plan,
+                            replaceable, say_replaced, take_lock, the_input)
+from planc.commands.run_outputs import prepare_outputs
 
 
 def main(args) -> int:
@@ -24,6 +25,10 @@ def main(args) -> int:
     try:
         return _run(args)
     finally:
+        if args.checkpoint_dir:  # still locked: no other run can be writing there
+            from planc.commands.run_outputs import remove_staging
+
+            remove_staging(args.checkpoint_dir)
         for lock in reversed(locks):
             lock.release()
 
@@ -78,6 +83,11 @@ def _run(args) -> int:
         for skipped in found.skipped:
             print(f"planc: warning: --resume passed over {skipped}", file=sys.stderr)
         print(found.note, file=sys.stderr)
+    try:
+        prepare_outputs(args)  # the last step before the ranks: nothing failed before it
+    except OSError as exc:
+        return fail(f"cannot prepare {exc.filename or 'the outputs'} ({exc.strerror or exc});"
+                    f" nothing was run")
     print(f"planc: running {built.plan.name} from {directory} on "
           f"{counted(built.plan.world, 'rank')} ({backend}), "
           f"{counted(steps - first, 'step')}{resumed}", file=sys.stderr)
@@ -146,9 +156,9 @@ def _refused(args) -> int | None:
     """The exit status of a command line that cannot run, before anything is compiled."""
     if args.set and os.path.isdir(args.file):
         return overrides_need_a_plan(args.file)
-    if args.force and os.path.isdir(args.file):
-        return fail(f"--force replaces the build a plan file is compiled into, but "
-                    f"{args.file} is a build directory already; run it without --force",
+    if args.output and os.path.isdir(args.file):
+        return fail(f"-o names the build directory a plan file is compiled into, but "
+                    f"{args.file} is a build directory already; run it without -o",
                     EXIT_USAGE)
     if args.steps is not None and args.steps < 1:
         return fail("--steps must be at least 1", EXIT_USAGE)
@@ -160,34 +170,43 @@ def _refused(args) -> int | None:
             return fail("--checkpoint-every needs --checkpoint-dir", EXIT_USAGE)
         if args.checkpoint_every < 1:
             return fail("--checkpoint-every must be at least 1", EXIT_USAGE)
-    if args.checkpoint_dir:
-        from planc.checkpoint import writable_problem
-
-        problem = writable_problem(args.checkpoint_dir)
-        if problem:
-            return fail(problem, EXIT_USAGE)
     build_dir = _build_path(args)
     for flag, path in (("--checkpoint-dir", args.checkpoint_dir), ("--resume", args.resume)):
         if path and _inside(path, build_dir):
             return fail(f"{flag} {path} is inside the build directory {build_dir}, which "
                         f"compiling replaces as a whole; keep checkpoints elsewhere",
                         EXIT_USAGE)
+    for flag, path in (("--metrics", args.metrics), ("--trace", args.trace),
+                       ("--tensorboard", args.tensorboard)):
+        if path and args.checkpoint_dir and _inside(path, args.checkpoint_dir):
+            return fail(f"{flag} {path}: is inside --checkpoint-dir {args.checkpoint_dir}, "
+                        f"which holds only checkpoints; name a path outside it", EXIT_USAGE)
+    if args.tensorboard:
+        from planc.commands.run_outputs import tensorboard_missing
+
+        problem = tensorboard_missing()
+        if problem:
+            return fail(problem)
+    # every output path at once (planc.outputs): a resumed run continues its metrics and
+    # TensorBoard logs; a build directory given to run is its input, not an output
+    given = os.path.isdir(args.file)
+    refused = outputs_refused(args, (the_input(args.file), ("the checkpoint resumed from",
+                                                            args.resume)),
+                              {} if given else {"output": build_dir}, append=bool(args.resume),
+                              made=None if given else build_dir)
+    if refused is not None:
+        return refused
+    if args.checkpoint_dir:
+        from planc.commands.run_outputs import checkpoint_dir_problem
+
+        problem = checkpoint_dir_problem(args.checkpoint_dir, args.resume, args.force)
+        if problem:
+            return fail(problem, EXIT_USAGE)
     for flag, path in (("--metrics", args.metrics), ("--trace", args.trace)):
-        parent = os.path.dirname(os.path.abspath(path)) if path else None
-        if path and os.path.isdir(path):
-            return fail(f"{flag} {path}: is a directory; name a file")
-        if parent and not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
-            return fail(f"{flag} {path}: cannot write there ({parent} is not a writable "
-                        f"directory)")
+        parent = os.path.dirname(os.path.realpath(path)) if path else None
         if parent and _full(parent):
             return fail(f"{flag} {path}: the file system of {parent} is full (less than "
                         f"{MIN_FREE_BYTES // 2**20} MiB free)")
-    if args.tensorboard:
-        from planc.commands.run_outputs import tensorboard_problem
-
-        problem = tensorboard_problem(args.tensorboard)
-        if problem:
-            return fail(problem)
     logs = os.path.abspath(build_dir if os.path.isdir(build_dir) else
                            os.path.dirname(os.path.abspath(build_dir)) or ".")
     if os.path.isdir(logs) and _full(logs):
@@ -222,9 +241,11 @@ def _build_path(args) -> str:
 
 
 def _locks(args):
-    """The locks of the build directory and of --checkpoint-dir (planc.locks), or (None,
-    the status after saying who holds one)."""
-    from planc.locks import LockError, lock_build, lock_inside
+    """The locks of the build directory, of --checkpoint-dir and of the metrics, trace
+    and TensorBoard paths (planc.locks), or (None, the status after saying who holds
+    one)."""
+    from planc.commands.run_outputs import output_locks
+    from planc.locks import LockError, lock_beside, lock_build, lock_inside
 
     holder, directory = command_line(args), _build_path(args)
     given = os.path.isdir(args.file)
@@ -243,15 +264,21 @@ def _locks(args):
     builds, status = take_lock(build_lock, directory, hint)
     if builds is None:
         return None, status
-    if not args.checkpoint_dir:
-        return [builds], EXIT_OK
-    checkpoints, status = take_lock(
-        lambda: lock_inside(args.checkpoint_dir, holder), f"--checkpoint-dir "
-        f"{args.checkpoint_dir}", "wait for it to finish or use another --checkpoint-dir")
-    if checkpoints is None:
-        builds.release()
-        return None, status
-    return [builds, checkpoints], EXIT_OK
+    held = [builds]
+    wanted = [(lambda: lock_inside(args.checkpoint_dir, holder), f"--checkpoint-dir "
+               f"{args.checkpoint_dir}", "wait for it to finish or use another "
+               "--checkpoint-dir")] if args.checkpoint_dir else []
+    wanted += [(lambda path=path: lock_beside(path, holder), f"{flag} {path}",
+                f"wait for it to finish or use another {flag}")
+               for flag, path in output_locks(args, directory)]
+    for lock, what, hint in wanted:
+        taken, status = take_lock(lock, what, hint)
+        if taken is None:
+            for lock in reversed(held):
+                lock.release()
+            return None, status
+        held.append(taken)
+    return held, EXIT_OK
 
 
 def _build_directory(args, precheck=None) -> tuple[str | None, int]:

@@ -3,21 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 
-from planc.commands import EXIT_OK, fail, load_programs
+from planc.commands import EXIT_OK, fail, load_programs, outputs_refused, the_input
 
 
 def main(args) -> int:
     from planc.simulate import simulate
     from planc.views import simulate_text
 
+    refused = outputs_refused(args, (the_input(args.file),))
+    if refused is not None:
+        return refused
     built, status = load_programs(args, verified=True)
     if built is None:
         return status
-    if args.trace and os.path.isdir(args.trace):
-        return fail(f"cannot write the trace to {args.trace}: it is a directory")
     result = simulate(built, keep_timeline=bool(args.trace))
     if args.json:
         print(json.dumps(result.to_json(), indent=1))

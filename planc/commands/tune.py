@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from planc.commands import EXIT_OK, EXIT_USAGE, fail, load_plan
+from planc.commands import EXIT_OK, EXIT_USAGE, fail, load_plan, outputs_refused
 
 
 # The layout keys at values every model accepts: how tune reads a file whose own layout
@@ -59,8 +59,13 @@ def main(args) -> int:
     from planc.tune.space import KEEPABLE
     from planc.views import tune_text
 
+    from planc.plan import LIMITS
+
     if args.gpus < 1 or args.top < 1:
         return fail(f"--{'gpus' if args.gpus < 1 else 'top'} must be at least 1", EXIT_USAGE)
+    if args.gpus > LIMITS["world"]:  # the search grows with the devices' divisors
+        return fail(f"--gpus {args.gpus}: more than planc's limit of {LIMITS['world']:,} "
+                    f"ranks, the largest mesh a plan may have", EXIT_USAGE)
     unknown = [k for k in args.keep if k not in KEEPABLE]
     if unknown:
         return fail(f"--keep {unknown[0]}: not a choice tune makes; it can keep "
@@ -71,6 +76,9 @@ def main(args) -> int:
     if args.memory is not None and not args.memory > 0:
         return fail(f"--memory {args.memory:g}: memory per device must be more than 0 GB",
                     EXIT_USAGE)
+    refused = outputs_refused(args, (("the plan file", args.file),))
+    if refused is not None:  # before the search, which takes up to --budget seconds
+        return refused
     overrides = list(getattr(args, "set", None) or ())
     loaded = load_file(args.file, overrides)
     if not loaded.ok and loaded.source is not None and not args.keep:
@@ -99,8 +107,9 @@ def main(args) -> int:
     else:
         print(tune_text.render(search, args.gpus, args.top), end="")
     if search.best is None:
-        return fail("no layout of this model on "
-                    f"{args.gpus} devices passes the checker and fits in memory")
+        memory = "" if search.capacity is None else f" of {search.capacity / 1e9:g} GB"
+        return fail(f"no layout of this model on {args.gpus} devices passes the checker and "
+                    f"fits in the memory{memory} per device; nothing was written")
     if args.output:
         from planc.files import write_atomically
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from planc.cost import Route
 from planc.lower.operands import Operands
+from planc.outputs import CHAKRA
 from planc.simulate.costs import InstructionCosts
 
 CHAKRA_VERSION = "0.0.4"
@@ -162,6 +163,13 @@ def _nodes(build, program, rank: int, costs: InstructionCosts) -> list[bytes]:
     return out
 
 
+def trace_file(name: str, prefix: str) -> bool:
+    """Whether ``name`` is one of the files an export with ``prefix`` writes."""
+    rank = name[len(prefix) + 1:-3] if name.startswith(f"{prefix}.") and \
+        name.endswith(".et") else ""
+    return rank.isdigit()
+
+
 def export(build, directory: str | Path, prefix: str = "planc") -> list[Path]:
     """Write one ``.et`` file per representative rank (the first of each stage, from the
     group table's mesh); the paths written."""
@@ -177,12 +185,13 @@ def export(build, directory: str | Path, prefix: str = "planc") -> list[Path]:
     written = []
     for stage in range(plan.mesh.pp):
         rank = mesh.first_rank_of_stage(stage)
-        metadata = metadata_message([("schema", "planc"), ("plan", plan.name),
+        metadata = metadata_message([("schema", "planc"), ("generator", CHAKRA.generator),
+                                     ("plan", plan.name),
                                      ("rank", rank), ("stage", stage),
                                      ("world", plan.world)])
         body = _delimited(metadata) + b"".join(
             _delimited(n) for n in _nodes(build, programs[stage], rank, costs))
-        path = directory / f"{prefix}.{rank}.et"
+        path = directory / f"{prefix}.{rank}.et"  # trace_file's names
         write_atomically(path, body)
         written.append(path)
     return written

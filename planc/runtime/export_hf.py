@@ -13,6 +13,7 @@ from safetensors.torch import save
 from planc.checkpoint import CheckpointError, dump_json, find, reason, write_durably
 from planc.checkpoint_files import checked_path
 from planc.export.hf import DTYPES, Tensor, check_exportable, hf_config, hf_tensors
+from planc.outputs import HUGGING_FACE
 from planc.runtime.checkpoint_values import check_values
 
 
@@ -40,7 +41,8 @@ def export_hf(checkpoint: str, output: str) -> tuple[Path, int, str]:
     tensors = {t.target: hf_tensor(t, values).to(dtype) for t in hf_tensors(model)}
     os.makedirs(output, exist_ok=True)
     write_durably(Path(output) / "model.safetensors",
-                  save(tensors, metadata={"format": "pt"}))
+                  save(tensors, metadata={"format": "pt",  # transformers' loader reads it
+                                          "generator": HUGGING_FACE.generator}))
     write_durably(Path(output) / "config.json", dump_json(hf_config(model)))
     return found.directory, len(tensors), architecture.name
 

@@ -16,6 +16,8 @@ import sys
 
 import torch
 
+from planc.outputs import TENSORBOARD_SUFFIX
+
 # The record's keys written as TensorBoard scalars, in this order, where the record has
 # them (lr and grad_norm only when the plan's training computes them, eval_loss at the
 # steps that evaluate).
@@ -46,7 +48,8 @@ class TensorBoardLog:
     def __init__(self, directory: str):
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
-        self.writer = SummaryWriter(log_dir=directory)
+        # the suffix marks planc's event files: --force replaces only those (planc.outputs)
+        self.writer = SummaryWriter(log_dir=directory, filename_suffix=TENSORBOARD_SUFFIX)
 
     def write(self, record: dict) -> None:
         step = record["step"] + 1  # the progress line's and planc plot's step numbers

@@ -13,6 +13,7 @@ import zlib
 
 from planc.files import write_atomically
 from planc.names import STREAM_ORDER
+from planc.outputs import RUN_TRACE
 
 # A flow end: ("s" start or "f" finish, sending rank, receiving rank, the receive's
 # node, whether it is drawn at the end of the event rather than its start).
@@ -41,8 +42,10 @@ def flows_of(op: str, node: str, rank: int, peer: int | None, partner: str | Non
 
 
 def write(path: str, labels: dict[int, str],
-          events_by_rank: list[list[tuple]] | dict[int, list[tuple]]) -> None:
-    """``events_by_rank[r]``: (step, stream, node, start, end, microbatch, op, flows) of
+          events_by_rank: list[list[tuple]] | dict[int, list[tuple]],
+          generator: str = RUN_TRACE.generator) -> None:
+    """``generator``: the command named in the trace's metadata, first in the file, which
+    tells planc's own traces (planc.outputs). ``events_by_rank[r]``: (step, stream, node, start, end, microbatch, op, flows) of
     rank r (a list of every rank's, or a dict of some ranks'); times in seconds of one
     clock shared by the ranks (CLOCK_MONOTONIC on one machine, or the simulator's);
     ``labels[r]``: the name of rank r's process."""
@@ -75,5 +78,6 @@ def write(path: str, labels: dict[int, str],
                 if at_end:
                     flow["ts"] = (end - origin) * 1e6
                 trace.append(flow)
-    write_atomically(path, json.dumps({"traceEvents": trace,
+    write_atomically(path, json.dumps({"otherData": {"generator": generator},
+                                       "traceEvents": trace,
                                        "displayTimeUnit": "ms"}).encode())

@@ -137,7 +137,10 @@ class _Metrics:
         self.world = dist.get_world_size()
         self.group = dist.new_group(list(range(self.world)), backend="gloo") \
             if self.world > 1 else None
-        self.file = open(path, "w") if path and ctx.rank == self.leader else None
+        # appended: planc run has emptied a file --force replaces and kept a resumed
+        # run's (planc.outputs); under torchrun an existing file is continued, never
+        # replaced, and only if it is a metrics file
+        self.file = _metrics_file(path) if path and ctx.rank == self.leader else None
         self.build = fingerprint if self.file else None
         self.pending = None
         self.records: list[dict] = []
@@ -198,6 +201,15 @@ class _Metrics:
             self.file.close()
         if self.tensorboard:
             self.tensorboard.close()
+
+
+def _metrics_file(path: str):
+    from planc.outputs import METRICS, is_ours
+
+    if os.path.isfile(path) and os.path.getsize(path) and not is_ours(path, METRICS):
+        raise SystemExit(f"planc: error: --metrics {path}: exists and is not a metrics file "
+                         f"that planc wrote; planc never replaces such a file")
+    return open(path, "a")
 
 
 class StartupWatch:

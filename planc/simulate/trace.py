@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from planc.lower.operands import Operands
 from planc.mesh import RankMesh
+from planc.outputs import SIMULATED_TRACE
 from planc.runtime.trace import flows_of
 from planc.runtime.trace import write as write_events
 
@@ -83,4 +84,5 @@ def write(path: str, build, result) -> None:
                     out.append((0, stream_of[node], node, min(begin, start), start,
                                 microbatch, "recv",
                                 _flows(build, rank, node, "recv", program.received[node])))
-    write_events(path, {rank: rank_label(mesh, rank) for rank in events}, events)
+    write_events(path, {rank: rank_label(mesh, rank) for rank in events}, events,
+                 SIMULATED_TRACE.generator)

@@ -165,7 +165,12 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
     waiting.sort(key=lambda w: (w[0], w[2].text()))
     if plan.world == gpus:  # the file's own layout first: tune never ranks worse than it
         search.considered += 1
-        waiting.insert(0, (0.0, 0.0, of_plan(plan), plan))
+        own = of_plan(plan)
+        if search.capacity is not None and \
+                estimate(own, plan).peak.total_bytes > search.capacity:
+            search.pruned["memory"] += 1  # ranked only if it fits, as every other
+        else:
+            waiting.insert(0, (0.0, 0.0, own, plan))
     seen: set[str] = set()
     slowest = 0.0  # seconds, of the compilations and simulations so far
     written = set(written_values(source, DEFAULTS))

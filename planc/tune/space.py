@@ -18,6 +18,7 @@ judges every candidate before it is simulated.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -130,7 +131,8 @@ def of_plan(plan: Plan) -> Candidate:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def candidates(plan: Plan, gpus: int, keep: tuple[str, ...] = ()

@@ -1,0 +1,470 @@
+"""The output rule (issue 34, planc/outputs.py, README "Outputs"): every output flag of
+every command, pointed at every kind of path planc must not write over, is refused with
+one line before any work, and leaves every file as it was.
+
+The protected paths are real: a plan file, a build compiled from it (its own files and
+its logs), a checkpoint directory and its ``latest`` from a real run, that run's metrics
+(another run's records), a directory a live process holds with planc's lock, a user's
+notes, and each command's own input. Every option of every command is listed below as
+an output (with a case) or not: a new output flag without a case fails
+``test_every_option_is_an_output_with_a_case_or_named_as_none``."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planc.cli import build_parser, main
+from tests.conftest import PLANS, ROOT
+
+DEADLINE_S = 300
+# One rank and a model small enough that a run is a few seconds (the protected tree's).
+ONE_RANK = """plan one {
+  model gpt { layers = 1; hidden = 8; heads = 2; vocab = 64; seq = 8; batch = 2 }
+  train { steps = STEPS; optimizer = sgd(lr = 0.01) }
+}
+"""
+
+# Every output flag: the command line that writes OUT (a placeholder), from the inputs of
+# the fixture's tree (PLAN, CKPT, METRICS).
+OUTPUT_CASES = {
+    ("compile", "-o"): ["compile", "PLAN", "-o", "OUT"],
+    ("graph", "-o"): ["graph", "PLAN", "--format", "dot", "-o", "OUT"],
+    ("simulate", "--trace"): ["simulate", "PLAN", "--trace", "OUT"],
+    ("tune", "-o"): ["tune", "PLAN", "--gpus", "8", "--budget", "5", "-o", "OUT"],
+    ("report", "-o"): ["report", "PLAN", "-o", "OUT"],
+    ("export", "-o"): ["export", "PLAN", "-o", "OUT"],
+    ("plot", "-o"): ["plot", "METRICS", "-o", "OUT"],
+    ("calibrate", "-o"): ["calibrate", "-o", "OUT"],
+    ("run", "-o"): ["run", "PLAN", "--steps", "1", "-o", "OUT"],
+    ("run", "--metrics"): ["run", "PLAN", "--steps", "1", "-o", "BUILD2", "--metrics", "OUT"],
+    ("run", "--trace"): ["run", "PLAN", "--steps", "1", "-o", "BUILD2", "--trace", "OUT"],
+    ("run", "--tensorboard"): ["run", "PLAN", "--steps", "1", "-o", "BUILD2",
+                               "--tensorboard", "OUT"],
+    ("run", "--checkpoint-dir"): ["run", "PLAN", "--steps", "1", "-o", "BUILD2",
+                                  "--checkpoint-dir", "OUT"],
+}
+# Cases that write a second kind through the same flag.
+MORE_CASES = {("export", "-o", "hf"): ["export", "CKPT", "--format", "hf", "-o", "OUT"]}
+
+# Every other option of every command: none writes a file.
+NOT_OUTPUTS = {
+    "check": {"-h", "--error-format", "--max-errors", "--set", "-v"},
+    "layout": {"-h", "--error-format", "--max-errors", "--set", "--json"},
+    "compile": {"-h", "--error-format", "--max-errors", "--set", "--force"},
+    "graph": {"-h", "--error-format", "--max-errors", "--set", "--force", "--format",
+              "--stage", "--layers", "--microbatch", "--phase", "--axis", "--transfers-only",
+              "--all"},
+    "explain": {"-h", "--error-format", "--max-errors", "--set", "--layer", "--param",
+                "--axis", "--buckets", "--routes"},
+    "programs": {"-h", "--error-format", "--max-errors", "--set", "--rank", "--expand",
+                 "--microbatch"},
+    "verify": {"-h", "--error-format", "--max-errors", "--set"},
+    "run": {"-h", "--error-format", "--max-errors", "--set", "--force", "--steps", "--backend",
+            "--check", "--timeout", "--no-verify", "--checkpoint-every", "--resume"},
+    "simulate": {"-h", "--error-format", "--max-errors", "--set", "--force", "--json"},
+    "tune": {"-h", "--error-format", "--max-errors", "--set", "--force", "--gpus", "--top",
+             "--memory", "--keep", "--budget", "--json"},
+    "report": {"-h", "--error-format", "--max-errors", "--set", "--force", "--metrics",
+               "--tune"},
+    "export": {"-h", "--error-format", "--max-errors", "--set", "--force", "--format",
+               "--prefix"},
+    "diff": {"-h", "--set-b", "--error-format"},
+    "plot": {"-h", "--force", "--metric"},
+    "calibrate": {"-h", "--force", "--ranks", "--nodes", "--repeats"},
+}
+
+
+def _commands():
+    parser = build_parser()
+    (subparsers,) = [a for a in parser._actions if a.dest == "command"]
+    return subparsers.choices
+
+
+def test_every_option_is_an_output_with_a_case_or_named_as_none():
+    declared, options = set(), {}
+    for name, command in _commands().items():
+        outputs = {flag for _, flag, _ in command.get_default("outputs") or ()}
+        declared |= {(name, flag) for flag in outputs}
+        options[name] = {a.option_strings[0] for a in command._actions if a.option_strings}
+        assert options[name] - outputs == NOT_OUTPUTS[name], name
+    assert declared == set(OUTPUT_CASES)
+    assert set(options) == set(NOT_OUTPUTS)
+
+
+# --- the protected tree --------------------------------------------------------------------
+
+
+def _tree(root: Path) -> dict[str, str]:
+    """Every entry under ``root``: a file's sha256, a directory, a link's target (the
+    lock files of the holder are left out: they live while it does)."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        key = str(path.relative_to(root))
+        if path.is_symlink():
+            out[key] = "-> " + os.readlink(path)
+        elif path.is_dir():
+            out[key] = "dir"
+        else:
+            out[key] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def protected(tmp_path_factory):
+    """A tree of things planc must not write over, and a process holding two of them."""
+    pytest.importorskip("torch")
+    root = tmp_path_factory.mktemp("protected")
+    plan = root / "my.plan"
+    one: list[str] = []  # overrides every command of the tree takes
+    plan.write_text(ONE_RANK.replace("STEPS", "1"))
+    build, ckpt, metrics = root / "build", root / "ckpt", root / "m.jsonl"
+    assert main(["compile", str(plan), "-o", str(build), *one]) == 0
+    assert main(["run", str(build), "--steps", "1", "--checkpoint-dir", str(ckpt),
+                 "--metrics", str(metrics)]) == 0
+    assert (ckpt / "latest").read_text().strip() == "step-000001"
+    (root / "notes.md").write_text("my notes\n")
+    busy = root / "busy"  # a build another run holds
+    assert main(["compile", str(plan), "-o", str(busy), *one]) == 0
+    held = root / "held"  # a checkpoint directory another run is writing
+    held.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import sys
+from planc.locks import lock_build, lock_inside
+a = lock_build({str(busy)!r}, "planc run busy")
+b = lock_inside({str(held)!r}, "planc run x.plan --checkpoint-dir held")
+print("locked", flush=True)
+sys.stdin.read()
+"""], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "locked\n"  # the event: both locks are held
+    try:
+        yield root, holder.pid, one
+    finally:
+        holder.stdin.close()
+        holder.wait(DEADLINE_S)
+
+
+TARGETS = {  # file or directory under the tree -> what it is
+    "my.plan": "the plan file",
+    "build/build.json": "a build's manifest",
+    "build/plan.json": "a build's plan",
+    "build/programs/ranks.json": "a build's rank table",
+    "build/logs": "the run's logs",
+    "ckpt": "a checkpoint directory",
+    "ckpt/latest": "its latest",
+    "ckpt/step-000001/manifest.json": "a checkpoint's manifest",
+    "ckpt/new": "a new path inside a checkpoint directory",
+    "m.jsonl": "another run's metrics",
+    "busy": "a build another run holds",
+    "busy/new": "a new path inside it",
+    "held": "a checkpoint directory another run holds",
+    "held/new": "a new path inside it",
+    "notes.md": "a user's file",
+}
+
+
+def _argv(template: list[str], root: Path, target: str, one: list[str]) -> list[str]:
+    values = {"PLAN": str(root / "my.plan"), "CKPT": str(root / "ckpt"),
+              "METRICS": str(root / "m.jsonl"), "BUILD2": str(root / "build2"),
+              "OUT": str(root / target)}
+    argv = [values.get(part, part) for part in template]
+    return argv + (one if argv[0] in ("run", "compile", "simulate", "report") and
+                   argv[1].endswith(".plan") else [])
+
+
+@pytest.mark.parametrize("case", [*OUTPUT_CASES, *MORE_CASES], ids=lambda c: " ".join(c))
+def test_no_output_flag_writes_over_a_protected_path(protected, case, capfd):
+    root, holder_pid, one = protected
+    template = {**OUTPUT_CASES, **MORE_CASES}[case]
+    capfd.readouterr()
+    for target in TARGETS:
+        before = _tree(root)
+        status = main(_argv(template, root, target, one))
+        out, err = capfd.readouterr()
+        lines = err.splitlines()
+        assert status in (1, 2), (target, status, err)
+        assert len(lines) == 1 and lines[0].startswith("planc: error: "), (target, err)
+        assert "Traceback" not in err + out
+        assert _tree(root) == before, (target, err)
+        assert not (root / "build2").exists()
+        if target in ("busy", "busy/new", "held", "held/new"):
+            assert f"is in use by planc (pid {holder_pid}: planc run " in err, err
+            assert status == 1
+
+
+def test_the_messages_say_what_each_protected_path_is(protected, capfd):
+    root, holder_pid, one = protected
+    graph = ["graph", str(root / "my.plan"), "--format", "dot", "-o"]
+    expected = {
+        "my.plan": "is the plan file, which this command reads; name another path",
+        "build/plan.json": f"is plan.json of the build {root / 'build'}, which planc compile "
+                           f"and planc run write; name a path outside them",
+        "build/programs/ranks.json": f"is inside programs of the build {root / 'build'}, which "
+                                     f"planc compile and planc run write; name a path "
+                                     f"outside them",
+        "ckpt/latest": f"is inside {root / 'ckpt'}, a checkpoint directory, which holds only "
+                       f"checkpoints; name a path outside it",
+        "m.jsonl": "exists and is not a graph that planc wrote (it is a metrics file from "
+                   "planc run --metrics); planc never replaces such a file: name another "
+                   "path, or remove it first",
+        "notes.md": "exists and is not a graph that planc wrote; planc never replaces such "
+                    "a file: name another path, or remove it first",
+        "held/new": f"{root / 'held'}, which holds it, is in use by planc (pid {holder_pid}: "
+                    f"planc run x.plan --checkpoint-dir held); wait for it to finish or name "
+                    f"another path",
+    }
+    for target, message in expected.items():
+        capfd.readouterr()
+        status = main(graph + [str(root / target)])
+        err = capfd.readouterr().err
+        assert err == f"planc: error: -o {root / target}: {message}\n"
+        assert status == (1 if target == "held/new" else 2)
+
+
+# --- what may be written -------------------------------------------------------------------
+
+REWRITABLE = {  # a command line writing OUT, and the name OUT takes
+    "graph": (["graph", "PLAN", "-o", "OUT"], "g.svg"),
+    "simulate": (["simulate", "PLAN", "--trace", "OUT"], "t.json"),
+    "report": (["report", "PLAN", "-o", "OUT"], "r.html"),
+    "plot": (["plot", "METRICS", "-o", "OUT"], "p.png"),
+    "tune": (["tune", "PLAN", "--gpus", "2", "--top", "1", "--budget", "20", "-o", "OUT"],
+             "best.plan"),
+}
+
+
+@pytest.mark.parametrize("command", REWRITABLE)
+def test_an_earlier_output_is_replaced_only_with_force(protected, command, tmp_path, capfd):
+    root, _, one = protected
+    template, name = REWRITABLE[command]
+    out = tmp_path / name
+    out.write_bytes(b"")  # an empty file, as mktemp leaves: nothing to lose
+    argv = [{"PLAN": str(root / "my.plan"), "METRICS": str(root / "m.jsonl"),
+             "OUT": str(out)}.get(p, p) for p in template]
+    argv += one if command in ("simulate", "report") else []
+    assert main(argv) == 0, capfd.readouterr().err
+    first = out.read_bytes()
+    assert first
+    capfd.readouterr()
+    assert main(argv) == 2
+    what, generator = {"graph": ("a graph", "planc graph"),
+                       "simulate": ("a simulated trace", "planc simulate --trace"),
+                       "report": ("a report", "planc report"), "plot": ("a plot", "planc plot"),
+                       "tune": ("a tuned plan", "planc tune")}[command]
+    flag = "--trace" if command == "simulate" else "-o"
+    assert capfd.readouterr().err == (f"planc: error: {flag} {out}: holds {what} already "
+                                      f"({generator} wrote it); replace it with --force, or "
+                                      f"name another path\n")
+    assert out.read_bytes() == first
+    assert main(argv + ["--force"]) == 0
+    assert sorted(os.listdir(tmp_path)) == [name]  # no temporaries left
+
+
+def test_a_device_is_written_into_and_kept(protected, capfd):
+    root, _, one = protected
+    assert main(["simulate", str(root / "my.plan"), *one, "--trace", os.devnull]) == 0
+    assert main(["report", str(root / "my.plan"), *one, "-o", os.devnull]) == 0
+    assert os.path.exists(os.devnull) and not os.path.isfile(os.devnull)
+
+
+def test_two_outputs_of_one_command_on_one_path(protected, tmp_path, capfd):
+    root, _, one = protected
+    same = tmp_path / "x.json"
+    assert main(["run", str(root / "my.plan"), *one, "-o", str(tmp_path / "b"), "--metrics",
+                 str(same), "--trace", str(same)]) == 2
+    assert capfd.readouterr().err == (f"planc: error: --trace {same}: is also --metrics's "
+                                      f"path; name another\n")
+    assert os.listdir(tmp_path) == []
+
+
+def test_tune_checks_its_output_before_searching_and_a_layout_that_does_not_fit(
+        protected, tmp_path, capfd):
+    """-o to a directory or an unwritable path was refused only after the whole search;
+    with --memory 1e-9 every layout is over memory, yet one was ranked and written."""
+    root, _, _ = protected
+    plan = str(root / "my.plan")
+    assert main(["tune", plan, "--gpus", "16", "-o", str(tmp_path)]) == 2
+    assert capfd.readouterr().err == f"planc: error: -o {tmp_path}: is a directory; name a file\n"
+    assert main(["tune", plan, "--gpus", "8", "--memory", "1e-9", "-o",
+                 str(tmp_path / "best.plan")]) == 1
+    out, err = capfd.readouterr()
+    assert err.splitlines()[-1] == ("planc: error: no layout of this model on 8 devices "
+                                    "passes the checker and fits in the memory of 1e-09 GB "
+                                    "per device; nothing was written")
+    assert os.listdir(tmp_path) == []
+    assert main(["tune", plan, "--gpus", str(10**12)]) == 2
+    assert capfd.readouterr().err == ("planc: error: --gpus 1000000000000: more than "
+                                      "planc's limit of 524,288 ranks, the largest mesh a "
+                                      "plan may have\n")
+
+
+def test_export_refuses_its_own_checkpoint_and_plot_its_own_input(protected, capfd):
+    root, _, _ = protected
+    before = _tree(root)
+    assert main(["export", str(root / "ckpt"), "--format", "hf", "-o", str(root / "ckpt")]) == 2
+    assert capfd.readouterr().err == (f"planc: error: -o {root / 'ckpt'}: is the checkpoint "
+                                      f"directory, which this command reads; name another "
+                                      f"path\n")
+    shutil.copy(root / "m.jsonl", root / "mm.png")  # a metrics file with a .png name
+    before = _tree(root)
+    assert main(["plot", str(root / "mm.png"), "-o", str(root / "mm.png")]) == 2
+    assert capfd.readouterr().err == (f"planc: error: -o {root / 'mm.png'}: is a metrics "
+                                      f"file it draws, which this command reads; name "
+                                      f"another path\n")
+    assert _tree(root) == before
+    (root / "mm.png").unlink()
+
+
+def test_empty_paths_name_nothing(capfd):
+    for argv in (["run", str(PLANS / "gpt-tiny.plan"), "--metrics", ""],
+                 ["run", str(PLANS / "gpt-tiny.plan"), "--resume", ""],
+                 ["run", str(PLANS / "gpt-tiny.plan"), "--trace", ""],
+                 ["run", str(PLANS / "gpt-tiny.plan"), "--tensorboard", ""],
+                 ["graph", str(PLANS / "gpt-tiny.plan"), "-o", ""]):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2
+        flag = argv[2]
+        assert capfd.readouterr().err.splitlines()[-1] == (
+            f"planc {argv[0]}: error: argument {flag}{'/--output' if flag == '-o' else ''}: "
+            f"an empty path names nothing")
+
+
+def test_an_unwritable_tensorboard_directory_stops_the_run_before_compiling(tmp_path, capfd):
+    """/proc takes no new directory, even for root, whom os.access lets through."""
+    status = main(["run", str(PLANS / "gpt-tiny.plan"), "-o", str(tmp_path / "b"),
+                   "--tensorboard", "/proc/tb"])
+    err = capfd.readouterr().err
+    assert status == 1
+    assert err.startswith("planc: error: --tensorboard /proc/tb: cannot be created (/proc: ")
+    assert os.listdir(tmp_path) == []
+
+
+# --- runs: metrics, TensorBoard logs and checkpoints are a run's history ------------------
+
+
+def _records(path: Path) -> list[int]:
+    import json
+
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def test_a_run_continues_its_own_history_and_replaces_another_only_with_force(tmp_path,
+                                                                              capfd):
+    """Issue 34: two runs with one --metrics file overwrote each other; a resumed run
+    truncated its metrics; a fresh run replaced another run's step-000002 in its
+    checkpoint directory; compiling an edited plan deleted a run's metrics and notes."""
+    pytest.importorskip("torch")
+    plan, build = tmp_path / "one.plan", tmp_path / "b"
+    plan.write_text(ONE_RANK.replace("STEPS", "2"))
+    metrics, ckpt, tb = build / "m.jsonl", tmp_path / "ckpt", tmp_path / "tb"
+    outputs = ["--metrics", str(metrics), "--checkpoint-dir", str(ckpt), "--tensorboard",
+               str(tb)]
+    assert main(["run", str(plan), "-o", str(build), "--checkpoint-every", "1",
+                 *outputs]) == 0, capfd.readouterr().err
+    assert _records(metrics) == [0, 1]
+    first = metrics.read_bytes()
+    (events,) = os.listdir(tb)
+    assert events.startswith("events.out.tfevents.") and events.endswith(".planc")
+    before = _tree(tmp_path)
+    capfd.readouterr()
+    for argv, message in (
+            (["--metrics", str(metrics)], f"--metrics {metrics}: holds a metrics file "
+             f"already; continue it with --resume, replace it with --force, or name another "
+             f"file"),
+            (["--tensorboard", str(tb)], f"--tensorboard {tb}: holds TensorBoard logs "
+             f"already (1 event file); continue them with --resume, replace them with "
+             f"--force, or name another directory"),
+            (["--checkpoint-dir", str(ckpt)], f"--checkpoint-dir {ckpt}: holds 2 checkpoints "
+             f"of another run (the newest: step-000002); continue them with --resume {ckpt}, "
+             f"replace them with --force, or name another directory")):
+        assert main(["run", str(build), *argv]) == 2
+        assert capfd.readouterr().err == f"planc: error: {message}\n"
+    assert _tree(tmp_path) == before
+    # a run stopped while writing a record leaves part of a line: the resumed run drops it
+    with open(metrics, "ab") as handle:
+        handle.write(b'{"step": 2, "loss": 4.1')
+    (build / "notes.txt").write_text("mine\n")
+    plan.write_text(ONE_RANK.replace("STEPS", "3"))  # edited: compiled again into b
+    assert main(["run", str(plan), "-o", str(build), "--resume", str(ckpt / "step-000001"),
+                 *outputs]) == 0
+    err = capfd.readouterr().err
+    assert (f"planc: replaced {build}, which held an earlier build of {plan}; its logs/, "
+            f"m.jsonl and notes.txt are kept in the new build\n") in err
+    assert (f"planc: warning: --metrics {metrics} ended with a partial record (a run stopped "
+            f"while writing it); it was dropped before this run's records\n") in err
+    assert metrics.read_bytes().startswith(first)  # continued, not replaced
+    assert _records(metrics) == [0, 1, 1, 2]  # steps 1 and 2 of the resumed run after
+    assert (build / "notes.txt").read_text() == "mine\n"
+    assert len(os.listdir(tb)) == 2  # a second event file continues the logs
+    assert sorted(os.listdir(ckpt)) == ["latest", "step-000001", "step-000002", "step-000003"]
+    # --force: another run replaces them all
+    assert main(["run", str(plan), "-o", str(build), "--steps", "1", "--force",
+                 *outputs]) == 0
+    err = capfd.readouterr().err
+    assert (f"planc: --force: removed the 3 checkpoints of another run from {ckpt}\n") in err
+    assert _records(metrics) == [0]
+    assert sorted(os.listdir(ckpt)) == ["latest", "step-000001"]
+    assert len(os.listdir(tb)) == 1
+
+
+def test_a_live_run_holds_its_metrics(tmp_path):
+    """Two runs with one --metrics file left NUL bytes and lost ~1,900 records: while a
+    run writes its metrics, another run naming them is refused, even with --force."""
+    pytest.importorskip("torch")
+    plan = tmp_path / "long.plan"
+    plan.write_text(ONE_RANK.replace("STEPS", "100000"))
+    metrics = tmp_path / "m.jsonl"
+    first = subprocess.Popen([sys.executable, "-m", "planc", "run", str(plan), "-o",
+                              str(tmp_path / "a"), "--metrics", str(metrics)], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        for line in first.stderr:  # the event: its first step's progress line
+            if "step 1/100000" in line:
+                break
+        else:
+            pytest.fail("the first run ended before its first step")
+        second = subprocess.run([sys.executable, "-m", "planc", "run", str(plan), "-o",
+                                 str(tmp_path / "b"), "--metrics", str(metrics), "--force"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=DEADLINE_S)
+        assert second.returncode == 1
+        assert second.stderr == (
+            f"planc: error: --metrics {metrics} is in use by planc (pid {first.pid}: planc run "
+            f"{plan} -o {tmp_path / 'a'} --metrics {metrics}); wait for it to finish or use "
+            f"another --metrics\n")
+        assert not (tmp_path / "b").exists()
+    finally:
+        os.killpg(first.pid, 2)
+        first.communicate(timeout=DEADLINE_S)
+    assert first.returncode == 130
+    assert all(line.startswith('{"step": ') for line in metrics.read_text().splitlines())
+
+
+def test_a_checkpoint_that_fills_the_disk_leaves_no_partial_directory(tmp_path, capfd):
+    """The run fails with one line, the space its staging directory took is given back,
+    and the checkpoints written before stay (root only: a small tmpfs)."""
+    pytest.importorskip("torch")
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k",
+                                            "tmpfs", str(mount)]).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        plan = tmp_path / "wide.plan"
+        plan.write_text(ONE_RANK.replace("STEPS", "1").replace("hidden = 8", "hidden = 256")
+                        .replace("vocab = 64", "vocab = 512"))
+        status = main(["run", str(plan), "-o", str(tmp_path / "b"), "--checkpoint-dir",
+                       str(mount / "ckpt")])
+        err = capfd.readouterr().err
+        assert status == 1, err
+        assert "No space left on device" in err
+        assert os.listdir(mount) == []  # no .step-000001.partial; ckpt, made for the run, too
+    finally:
+        subprocess.run(["umount", str(mount)])
