@@ -42,6 +42,15 @@ def _run(args) -> int:
     status = _resumable(args, found, built.plan, built.graph.graph["buckets"])
     if status != EXIT_OK:
         return status
+    if found is None and built.plan.train.init is not None:
+        # the checkpoint to start from, as it is now, before any rank starts: a build
+        # compiled earlier was checked against the files of then
+        from planc.export.hf_init import HFCheckpointError, check_init
+
+        try:
+            check_init(built.plan.train.init, built.plan.model)
+        except HFCheckpointError as exc:
+            return fail(f"{exc}; nothing was run")
     try:
         # torch swallows a KeyboardInterrupt raised while it imports numpy: signals wait
         # until the import is done (planc.interrupts)
