@@ -143,7 +143,7 @@ def _resumable(args, found, plan, buckets=None) -> int:
     if problem is not None:
         return fail(f"--resume {found.directory}: {problem}; nothing was run")
     if buckets is not None:
-        for note in checkpoint.data_notes(found.manifest, record):
+        for note in checkpoint.resume_notes(found.manifest, record):
             print(f"planc: warning: {note}", file=sys.stderr)
     return EXIT_OK
 
