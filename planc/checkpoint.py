@@ -286,16 +286,22 @@ def problems_checking(manifest: dict, record: TrainingRecord) -> str | None:
     return None
 
 
-def data_notes(manifest: dict, record: TrainingRecord) -> list[str]:
-    """Warnings: the plan draws its batches from another seed or source than the
-    checkpoint's last steps did."""
-    data = manifest["data"]
+def resume_notes(manifest: dict, record: TrainingRecord) -> list[str]:
+    """Warnings: the plan draws its batches from another seed or source, follows another
+    lr schedule or reads its samples in another order than the checkpoint's last steps
+    did (what problems_checking refuses under --check)."""
+    data, last, step = manifest["data"], manifest["history"][-1], manifest["step"]
     notes = []
     for key, mine in (("seed", record.seed), ("source", record.data)):
         if data.get(key) != mine:
             notes.append(f"the checkpoint was trained with data {key} {data.get(key)!r}, the "
-                         f"plan has {mine!r}: steps from {manifest['step']} on read the "
-                         f"plan's")
+                         f"plan has {mine!r}: steps from {step} on read the plan's")
+    for key, mine, what in (("lr_schedule", record.lr_schedule, "follow the plan's"),
+                            ("shuffle", record.shuffle, "read the plan's order of samples")):
+        theirs = last.get(key, TRAINED_WITHOUT[key])
+        if theirs != mine:
+            notes.append(f"the checkpoint was trained with {key} {theirs!r}, the plan has "
+                         f"{mine!r}: steps from {step} on {what}")
     return notes
 
 

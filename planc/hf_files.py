@@ -6,7 +6,9 @@ A directory written by transformers' ``save_pretrained(safe_serialization=True)`
 files and ``model.safetensors.index.json`` whose ``weight_map`` names each tensor's file.
 A safetensors file starts with 8 bytes, the little-endian length N of a JSON header,
 then N bytes of header: ``{NAME: {"dtype", "shape", "data_offsets": [begin, end]}}``,
-offsets counted from the end of the header (github.com/huggingface/safetensors, format).
+offsets counted from the end of the header (github.com/huggingface/safetensors, format);
+the tensors tile the data after the header, each beginning where the previous ends, and
+an optional ``__metadata__`` maps strings to strings.
 Reading it costs N + 8 bytes whatever the model's size, so ``planc check`` validates a
 405B checkpoint in milliseconds. Symbolic links are followed: the Hugging Face hub's
 cache (``snapshots/REVISION/``) is a directory of links to its blobs. Every problem is a :class:`HFCheckpointError` with one
@@ -110,12 +112,36 @@ def header(path: Path) -> dict[str, StoredTensor]:
         raise HFCheckpointError(f"{path} is not a safetensors file (its header is not a "
                                 f"JSON object)")
     data_bytes = size - 8 - length
-    out = {}
+    metadata = table.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str)
+                                                 for v in metadata.values()):
+        raise HFCheckpointError(f"{path} is not a safetensors file (its __metadata__ is not "
+                                f"a map of strings to strings)")
+    out, spans = {}, []
     for name, entry in table.items():
         if name == "__metadata__":
             continue
         out[name] = _entry(path, name, entry, data_bytes)
+        spans.append((*entry["data_offsets"], name))
+    _tiles(path, sorted(spans), data_bytes)
     return out
+
+
+def _tiles(path: Path, spans: list[tuple[int, int, str]], data_bytes: int) -> None:
+    """The (begin, end, name) spans, sorted, tile the ``data_bytes`` after the header, as
+    the safetensors format requires (its reader refuses the file otherwise, once a rank
+    has started): the first begins at 0, each where the previous ends, the last at the
+    end."""
+    end, last = 0, None
+    for begin, stop, name in [*spans, (data_bytes, data_bytes, None)]:
+        if begin < end:
+            raise HFCheckpointError(f"{path} is not a safetensors file ({name} at bytes "
+                                    f"{begin}..{stop} after the header overlaps {last[2]} "
+                                    f"at bytes {last[0]}..{last[1]})")
+        if begin > end:
+            raise HFCheckpointError(f"{path} is not a safetensors file (bytes {end}..{begin} "
+                                    f"after the header belong to no tensor)")
+        end, last = stop, (begin, stop, name)
 
 
 def _entry(path: Path, name: str, entry, data_bytes: int) -> StoredTensor:

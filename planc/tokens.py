@@ -68,12 +68,23 @@ class DataMissing(DataError):
 
 
 class DataChanged(DataError):
-    """The data file is no longer the file the run began with; ``detail`` says how."""
+    """The data file is no longer the file the run began with; ``detail`` says how.
+    ``step`` read it, or, with ``evaluation`` (the training step, counted from 1, after
+    which an evaluation ran), that evaluation's batch ``step`` did: the training steps up
+    to it were trained, and the checkpoints before it written."""
 
-    def __init__(self, path: str, detail: str, step: int):
-        super().__init__(f"data file {path} changed during the run ({detail} at step {step}); "
-                         f"nothing from step {step} on was trained or checkpointed")
-        self.path, self.detail, self.step = path, detail, step
+    def __init__(self, path: str, detail: str, step: int, evaluation: int | None = None):
+        if evaluation is None:
+            text = (f"data file {path} changed during the run ({detail} at step {step}); "
+                    f"nothing from step {step} on was trained or checkpointed")
+        else:
+            text = (f"eval_data file {path} changed during the run ({detail} when the "
+                    f"evaluation after step {evaluation} read its batch {step}); steps 1 to "
+                    f"{evaluation} were trained and the checkpoints before step {evaluation} "
+                    f"written as asked; nothing from step {evaluation}'s evaluation on was "
+                    f"recorded or checkpointed")
+        super().__init__(text)
+        self.path, self.detail, self.step, self.evaluation = path, detail, step, evaluation
 
 
 @dataclass(frozen=True)

@@ -407,6 +407,32 @@ def test_a_damaged_checkpoint_is_refused(damage, saved, tmp_path, capfd):
     assert "holds no complete checkpoint" in line and expected in line
 
 
+def test_resuming_under_another_lr_schedule_or_sample_order_warns(tmp_path, capfd):
+    """As a seed or data file other than the checkpoint's does: the run goes on with the
+    plan's, from the checkpoint's step, and says so (--check refuses it, above)."""
+    from planc.tokens import write_tokens
+
+    data = tmp_path / "t.tokens"
+    write_tokens(data, [(7 * i) % 256 for i in range(4096)], 2)
+    tiny = [ROOT / "plans" / "gpt-tiny.plan", "--set", f'train.data="{data}"']
+    status, err = run([*tiny, "--steps", 2, "--checkpoint-dir", tmp_path / "ckpt", "-o",
+                       tmp_path / "a"], capfd)
+    assert status == 0, err
+    for change, warning in [
+            ("train.lr_schedule=cosine(warmup = 1)",
+             "the checkpoint was trained with lr_schedule None, the plan has {'name': "
+             "'cosine', 'warmup': 1, 'min_lr': 0.0, 'decay': 0}: steps from 2 on follow the "
+             "plan's"),
+            ("train.shuffle=on", "the checkpoint was trained with shuffle False, the plan has "
+                                 "True: steps from 2 on read the plan's order of samples")]:
+        status, err = run([*tiny, "--set", change, "--resume", tmp_path / "ckpt", "-o",
+                           tmp_path / change.split("=")[0]], capfd)
+        assert status == 0, err
+        assert [line for line in err.splitlines() if "warning" in line] == \
+            [f"planc: warning: {warning}"]
+        assert "(steps 2..2, resumed from " in err
+
+
 def test_bad_checkpoint_flags_are_one_line_and_exit_2(tmp_path, capfd):
     plan = write_plan(tmp_path, "p", mesh="dp = 2")
     assert _refused([plan, "--checkpoint-every", 2], capfd, tmp_path, 2) == \

@@ -402,6 +402,90 @@ def test_a_pinned_file_that_changed_stops_the_step_that_reads_it(tmp_path, chang
                                  f"3); nothing from step 3 on was trained or checkpointed")
 
 
+def test_an_evaluation_batch_names_its_evaluation_not_a_step(tmp_path):
+    """An evaluation reads batch j of eval_data after training step k (counted from 1, as
+    the progress line and the checkpoints count): a change of the file, or an id it
+    cannot train on, names both, and says that steps 1 to k were trained."""
+    pytest.importorskip("torch")
+    from planc.runtime.data import DataChanged, batch_tokens
+
+    path, plan, identity = _pinned(tmp_path)
+    with open(path, "r+b") as out:  # rewritten in place: the same size, another time
+        out.seek(HEADER_BYTES)
+        out.write(struct.pack("<8I", *[5] * 8))
+    os.utime(path, ns=(identity.mtime_ns + 10**9, identity.mtime_ns + 10**9))
+    with pytest.raises(DataChanged) as caught:
+        batch_tokens(plan, 1, identity, evaluation=600)
+    assert str(caught.value) == (
+        f"eval_data file {path} changed during the run (rewritten in place when the "
+        f"evaluation after step 600 read its batch 1); steps 1 to 600 were trained and the "
+        f"checkpoints before step 600 written as asked; nothing from step 600's evaluation "
+        f"on was recorded or checkpointed")
+    high = with_header(tmp_path / "high.tokens", [3] * 200, 4)
+    plan = plan_for(high, vocab=512)
+    with_header(high, [3] * 32 + [600] + [3] * 167, 4)  # in batch 1's first sample
+    with pytest.raises(DataError) as caught:
+        batch_tokens(plan, 1, evaluation=600)
+    assert str(caught.value) == (
+        f"data file {high} holds token id 600 (token 32 of the file, position 0 of sample 4, "
+        f"read by batch 1 of the evaluation after step 600), not below vocab = 512")
+
+
+@pytest.mark.slow
+def test_eval_data_rewritten_under_a_running_job_names_the_evaluation(tmp_path):
+    """The issue's run: eval_data rewritten in place while a job trained and evaluated
+    after every step stopped it "at step 0", the evaluation's batch, saying nothing was
+    trained. The message names the evaluation, its batch and the step after which it ran;
+    every checkpoint and metrics record before that evaluation is there, none after."""
+    pytest.importorskip("torch")
+    evaluated = tmp_path / "e.tokens"
+    write_tokens(evaluated, [random.Random(34).randrange(64) for _ in range(2000)], 4)
+    (tmp_path / "d.plan").write_text(
+        "plan d {\n  model gpt { layers = 1; hidden = 16; heads = 2; vocab = 64; seq = 7; "
+        "batch = 4 }\n  train { steps = 500; optimizer = sgd(lr = 0.1); eval_every = 1; "
+        "eval_batches = 2; eval_data = \"e.tokens\" }\n}\n")
+    checkpoints, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "planc", "run", str(tmp_path / "d.plan"), "-o",
+         str(tmp_path / "b"), "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "1",
+         "--metrics", str(metrics)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (checkpoints / "step-000001").is_dir():  # evaluating: rewrite it now
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "no checkpoint after 300 s"
+            time.sleep(0.01)
+        began = evaluated.stat().st_mtime_ns
+        with open(evaluated, "r+b") as out:  # the same size: only the time tells
+            out.seek(HEADER_BYTES)
+            out.write(bytes(4 * 100))
+        os.utime(evaluated, ns=(began + 10**9, began + 10**9))
+        _, err = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 1, err[-3000:]
+    found = re.findall(r"evaluation after step (\d+) read its batch (\d+)\)", err)
+    assert found, err[-3000:]
+    step, batch = (int(n) for n in found[0])
+    message = (f"planc: error: eval_data file {evaluated} changed during the run (rewritten in "
+               f"place when the evaluation after step {step} read its batch {batch}); steps 1 "
+               f"to {step} were trained and the checkpoints before step {step} written as "
+               f"asked; nothing from step {step}'s evaluation on was recorded or checkpointed")
+    reports = [line.split("] ", 1)[1] for line in err.splitlines()
+               if line.startswith("[rank ") and "planc: error:" in line]
+    assert reports == [message], err[-3000:]
+    assert "Traceback" not in err
+    assert 2 <= step < 500 and batch in (0, 1)
+    written = sorted(int(p.name[5:]) for p in checkpoints.glob("step-*"))
+    assert written == list(range(1, step)), (step, written)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(step - 1))  # 0-based: steps 1..k-1
+    assert all("eval_loss" in r for r in records)
+
+
 @pytest.mark.slow
 def test_a_token_file_truncated_under_a_running_job_stops_it(tmp_path):
     """Issue 20: a token file truncated to 7 samples while a job ran, and training went

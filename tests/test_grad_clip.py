@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -22,8 +23,10 @@ from tests.runtime_matrix import run
 CLIP = 0.05
 
 # The gpt, llama and moe plans that clip, axes combined, 4 ranks each: tp with sequence
-# parallelism, pp (1F1B and interleaved), cp, ZeRO 1, 2 and 3, a tied embedding, ep.
+# parallelism, pp (1F1B and interleaved), cp, ZeRO 1, 2 and 3, a tied embedding, ep; and
+# one rank, whose world group is itself.
 GPT = {
+    "clip-single": dict(mesh=""),
     "clip-tp2-sp-pp2-tied": dict(mesh="tp = 2; pp = 2", m=2, model="; tie_embeddings = on",
                                  shard="tp { sequence_parallel = on }"),
     "clip-cp2-dp2-zero1": dict(mesh="cp = 2; dp = 2", m=2, shard="dp { zero = 1 }"),
@@ -248,6 +251,125 @@ def test_a_share_that_counts_a_replicated_value_twice_is_refused():
         f"program {name}: compute N/grad_norm#s0 on stream compute counts head.weight (bucket "
         f"c0.b0, elements 0..2047, held alike by 2 ranks) 2 times in the gradient norm; every "
         f"element counts once"]
+
+
+# --- the group table: every group the programs name, on every mesh ---------------------------
+
+def named_groups(build) -> set[str]:
+    """Every group an instruction of the build's programs names."""
+    out = set()
+    for program in build.programs.values():
+        for i in program.written():
+            if i.operands is not None:
+                out |= {g for g in (i.operands.group, i.operands.counts_group) if g}
+    return out
+
+
+MESHES = [("gpt", mesh) for mesh in ("", "tp = 2", "cp = 2", "pp = 2", "dp = 2",
+                                     "tp = 2; pp = 2; dp = 2")] + \
+    [("llama", ""), ("llama", "tp = 2; cp = 2"), ("moe", ""), ("moe", "dp = 2; ep = 2"),
+     ("moe", "tp = 2; ep = 2")]
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("family, mesh", MESHES, ids=[f"{f}-{m or 'one-rank'}" for f, m in MESHES])
+def test_the_group_table_holds_every_group_the_programs_name(family, mesh, clip):
+    m = 2 if "pp" in mesh else 1
+    text = {"gpt": lambda: gpt_text("g", mesh=mesh, m=m, model="; tie_embeddings = on"),
+            "llama": lambda: test_llama.plan_text("l", mesh=mesh, m=m),
+            "moe": lambda: test_moe.plan_text("e", mesh=mesh, m=m, extra="; aux_loss = 0.1")}
+    build = built(clipped(text[family]()) if clip else text[family]())
+    named = named_groups(build)
+    assert ("world" in named) == clip
+    assert named <= {rule.ref for rule in build.groups.rules}
+
+
+def test_programs_that_name_a_group_the_table_lacks_are_refused():
+    build = built(gpt("clip-cp2-dp2-zero1"))
+    (name,) = build.programs
+    groups = replace(build.groups, rules=tuple(r for r in build.groups.rules
+                                               if r.ref != "world"))
+    stream = next(i.stream for i in build.programs[name].epilogue
+                  if i.node == f"{COLLECTIVE}#s0")
+    assert verify(build.plan, build.graph, build.programs, build.table, groups,
+                  build.routes).problems == [
+        f"program {name}: all_reduce {COLLECTIVE}#s0 on stream {stream} uses group 'world', "
+        f"which groups.json lacks"]
+
+
+# --- every command on a plan of one rank that clips ------------------------------------------
+
+def planc(capsys, *args, stream: str = "out") -> tuple[int, list[str]]:
+    """``planc ARGS`` in this process: its status and the lines it wrote to ``stream``
+    (out or err), each with its spaces collapsed (tables pad their columns to their
+    widest cell); nothing on the other stream."""
+    from planc.cli import main
+
+    status = main([*map(str, args)])
+    written = capsys.readouterr()._asdict()
+    assert written.pop("err" if stream == "out" else "out") == ""
+    return status, [" ".join(line.split()) for line in written[stream].splitlines()]
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    source = tmp_path / "single.plan"
+    source.write_text(gpt("clip-single"))
+    return source
+
+
+def test_simulate_a_one_rank_plan_that_clips(one_rank, capsys):
+    status, lines = planc(capsys, "simulate", one_rank)
+    assert status == 0
+    assert lines[0].startswith("clip_single: 1 rank, 1 pipeline stage: one step takes ")
+    assert lines[3] == "exposed communication (worst stage, per axis): none"
+
+
+def test_report_a_one_rank_plan_that_clips(one_rank, tmp_path, capsys):
+    page = tmp_path / "report.html"
+    status, lines = planc(capsys, "report", one_rank, "-o", page, stream="err")
+    text = page.read_text()
+    assert (status, lines) == (0, [f"report written to {page} ({len(text) // 1024} KB, "
+                                   f"self-contained)"])
+    assert text.startswith("<!doctype html>") and "world" in text
+
+
+def test_diff_clipping_on_one_rank(tmp_path, capsys):
+    source = tmp_path / "plain.plan"
+    source.write_text(gpt_text("plain"))
+    status, lines = planc(capsys, "diff", source, source, "--set-b", "train.grad_clip=1.0")
+    assert status == 0
+    assert "overrides train.grad_clip=1.0" in lines
+    assert "transfers over world 0, 0 B 1, 8 B" in lines
+
+
+def test_tune_a_one_rank_plan_that_clips(one_rank, capsys):
+    status, lines = planc(capsys, "tune", one_rank, "--gpus", 1)
+    assert status == 0
+    assert lines[0].startswith("planc tune: 16 layouts on 1 devices in ")
+    assert "1 dp 1 | 1f1b m 1 | zero 0" in " ".join(lines)
+    assert "transfers over world 1, 8 B 1, 8 B 1.00x" in lines
+
+
+def test_export_a_one_rank_plan_that_clips(one_rank, tmp_path, capsys):
+    from tests.test_export import _attributes, _fields, _messages
+
+    status, lines = planc(capsys, "export", one_rank, "-o", tmp_path / "traces", stream="err")
+    assert (status, lines) == (0, [f"wrote 1 Chakra execution trace (one per pipeline stage's "
+                                   f"first rank) to {tmp_path / 'traces'}/: planc.0.et"])
+    _, *nodes = _messages((tmp_path / "traces" / "planc.0.et").read_bytes())
+    # the norm's all-reduce, a collective (node type 7) over the world group
+    assert [_attributes(_fields(n))["pg_name"] for n in nodes
+            if dict(_fields(n))[3] == 7].count("world") == 1
+
+
+def test_explain_the_world_group_of_one_rank(one_rank, capsys):
+    status, lines = planc(capsys, "explain", one_rank, "--axis", "world")
+    assert status == 0
+    assert lines.count("O all_reduce over world (1 rank, intra-node: [0]) 8 B per step "
+                       "[grad_norm]") == 1
+    assert "one all-reduce of that fp64 number over its one rank (tp x cp x pp x dp = 1 x 1 " \
+        "x 1 x 1) gives every rank the same norm" in " ".join(lines)
 
 
 # --- planc explain and planc simulate ------------------------------------------------------------

@@ -163,6 +163,20 @@ def test_a_file_damaged_after_compile_stops_the_run_in_one_line(tmp_path, capfd)
     assert f"planc: error: {weights} is truncated or damaged: model.norm.weight" in err
 
 
+def test_a_build_whose_weights_no_longer_tile_their_file_starts_no_rank(tmp_path, capfd):
+    save_llama(tmp_path / "hf")
+    source = tmp_path / "init.plan"
+    source.write_text(plan_text(mesh="tp = 2"))
+    assert main(["compile", str(source), "-o", str(tmp_path / "build")]) == 0
+    weights = tmp_path / "hf" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes() + bytes(8))  # bytes no tensor holds
+    capfd.readouterr()
+    assert main(["run", str(tmp_path / "build")]) == 1
+    assert capfd.readouterr().err.splitlines() == [
+        f"planc: error: {weights} is not a safetensors file (bytes 108416..108424 after the "
+        f"header belong to no tensor); nothing was run"]
+
+
 # --- planc check --------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -207,6 +221,55 @@ def test_check_names_the_field_that_disagrees(keys, message, llama_dir, tmp_path
     assert status == 1
     assert err.splitlines()[0] == _error_line(tmp_path, text, f"{llama_dir}: {message}")
     assert "Traceback" not in err
+
+
+GONE = "(removed)"  # a key of config.json that a change removes
+
+
+def _configured(llama_dir, tmp_path, changes: dict):
+    """A copy of the checkpoint with ``changes`` to its config.json."""
+    hf = _copy(llama_dir, tmp_path / "hf")
+    config = {**json.loads((hf / "config.json").read_text()), **changes}
+    (hf / "config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                if v != GONE}))
+    return hf
+
+
+PLAIN = "planc's llama has plain RoPE (rope_type 'default', no scaling)"
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"rope_scaling": LLAMA3}, f"config.json's RoPE is 'llama3'; {PLAIN}"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}},
+     f"config.json's RoPE is 'linear'; {PLAIN}"),
+    ({"rope_scaling": 5}, f"config.json's rope_scaling is 5; {PLAIN}"),
+    ({"rope_scaling": {"factor": 2.0}}, f'config.json\'s rope_scaling is {{"factor": 2.0}}; '
+                                        f'{PLAIN}'),
+    # transformers 4's config.json: rope_theta and rope_scaling, no rope_parameters
+    ({"rope_parameters": GONE, "rope_theta": 500000.0, "rope_scaling": LLAMA3},
+     f"config.json's RoPE is 'llama3'; {PLAIN}"),
+    ({"rope_parameters": [500000.0]}, f"config.json's rope_parameters is [500000.0]; {PLAIN}"),
+], ids=["llama3", "linear", "a-number", "no-type", "transformers-4", "parameters-a-list"])
+def test_check_refuses_a_rope_scaling_planc_does_not_implement(changes, message, llama_dir,
+                                                                tmp_path, capfd):
+    hf = _configured(llama_dir, tmp_path, changes)
+    status, err = _checked(tmp_path, capfd, plan_text())
+    assert status == 1
+    assert err.splitlines()[0] == _error_line(tmp_path, plan_text(), f"{hf}: {message}")
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("changes", [
+    {"rope_scaling": None}, {"rope_scaling": {"rope_type": "default"}},
+    {"rope_parameters": GONE, "rope_theta": 500000.0},
+    {"rope_parameters": GONE, "rope_theta": 500000.0, "rope_scaling": None},
+], ids=["rope_scaling-null", "rope_scaling-default", "transformers-4", "transformers-4-null"])
+def test_check_accepts_plain_rope(changes, llama_dir, tmp_path, capfd):
+    _configured(llama_dir, tmp_path, changes)
+    status, err = _checked(tmp_path, capfd, plan_text())
+    assert status == 0, err
 
 
 def test_check_refuses_another_family(llama_dir, tmp_path, capfd):
@@ -274,6 +337,23 @@ def test_check_refuses_a_missing_tensor_a_shape_and_a_dtype(llama_dir, tmp_path,
         assert err.splitlines()[0] == _error_line(tmp_path, plan_text(), message)
 
 
+def _rewrite(path, change, tail: bytes = b"") -> None:
+    """The safetensors file ``path`` with its header changed by ``change(header)`` (padded
+    with spaces to a multiple of 8 bytes, as safetensors pads it) and ``tail`` appended to
+    its data."""
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    change(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + length:] + tail)
+
+
+def _set_header(hf, key, value) -> None:
+    _rewrite(hf / "model.safetensors", lambda header: header.update({key: value}))
+
+
 @pytest.mark.parametrize("damage,message", [
     (lambda hf: (hf / "config.json").unlink(), "{hf} has no config.json"),
     (lambda hf: (hf / "config.json").write_text("{"), "{hf}/config.json is not JSON "
@@ -288,7 +368,27 @@ def test_check_refuses_a_missing_tensor_a_shape_and_a_dtype(llama_dir, tmp_path,
         (hf / "model.safetensors").read_bytes()[:-4]),
      "{hf}/model.safetensors is truncated or damaged: model.norm.weight (F32 [32], 128 "
      "bytes) would lie at bytes 108288..108416 of the 108412 after the header"),
-], ids=["no-config", "bad-config", "no-weights", "not-safetensors", "truncated"])
+    # the safetensors format: the tensors tile the data after the header, each beginning
+    # where the previous ends, and __metadata__ maps strings to strings
+    (lambda hf: _set_header(hf, "model.embed_tokens.weight", {
+        "dtype": "F32", "shape": [96, 32], "data_offsets": [0, 12288]}),
+     "{hf}/model.safetensors is not a safetensors file (model.embed_tokens.weight at bytes "
+     "0..12288 after the header overlaps lm_head.weight at bytes 0..12288)"),
+    (lambda hf: _rewrite(hf / "model.safetensors", lambda header: None, tail=b"\0" * 8),
+     "{hf}/model.safetensors is not a safetensors file (bytes 108416..108424 after the header "
+     "belong to no tensor)"),
+    (lambda hf: _rewrite(hf / "model.safetensors", lambda header: header.pop(
+        "model.layers.0.input_layernorm.weight")),
+     "{hf}/model.safetensors is not a safetensors file (bytes 24576..24704 after the header "
+     "belong to no tensor)"),
+    (lambda hf: _set_header(hf, "__metadata__", {"format": 1}),
+     "{hf}/model.safetensors is not a safetensors file (its __metadata__ is not a map of "
+     "strings to strings)"),
+    (lambda hf: _set_header(hf, "__metadata__", "pt"),
+     "{hf}/model.safetensors is not a safetensors file (its __metadata__ is not a map of "
+     "strings to strings)"),
+], ids=["no-config", "bad-config", "no-weights", "not-safetensors", "truncated",
+        "overlapping", "trailing-bytes", "a-gap", "metadata-not-strings", "metadata-not-a-map"])
 def test_check_refuses_a_damaged_directory(damage, message, llama_dir, tmp_path, capfd):
     hf = _copy(llama_dir, tmp_path / "hf")
     damage(hf)

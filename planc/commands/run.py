@@ -47,6 +47,15 @@ def _run(args) -> int:
     status = _resumable(args, found, built.plan, built.graph.graph["buckets"])
     if status != EXIT_OK:
         return status
+    if found is None and built.plan.train.init is not None:
+        # the checkpoint to start from, as it is now, before any rank starts: a build
+        # compiled earlier was checked against the files of then
+        from planc.export.hf_init import HFCheckpointError, check_init
+
+        try:
+            check_init(built.plan.train.init, built.plan.model)
+        except HFCheckpointError as exc:
+            return fail(f"{exc}; nothing was run")
     try:
         # torch swallows a KeyboardInterrupt raised while it imports numpy: signals wait
         # until the import is done (planc.interrupts)
@@ -144,7 +153,7 @@ def _resumable(args, found, plan, buckets=None) -> int:
     if problem is not None:
         return fail(f"--resume {found.directory}: {problem}; nothing was run")
     if buckets is not None:
-        for note in checkpoint.data_notes(found.manifest, record):
+        for note in checkpoint.resume_notes(found.manifest, record):
             print(f"planc: warning: {note}", file=sys.stderr)
     return EXIT_OK
 

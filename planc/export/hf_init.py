@@ -109,20 +109,32 @@ _DEFAULTS = {"llama": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6,
                          "num_experts_per_tok": 2, "num_key_value_heads": 8}}
 
 
-def _rope(config: dict) -> tuple[object, object]:
-    """(rope_theta, the RoPE variant) as config.json holds them: transformers 5's
-    ``rope_parameters`` or 4's ``rope_theta`` and ``rope_scaling``."""
+def _rope_theta(config: dict) -> object:
+    """rope_theta as config.json holds it: in transformers 5's ``rope_parameters`` or at
+    the top, as 4 writes it."""
     rope = config.get("rope_parameters")
-    scaling = config.get("rope_scaling")
     theta = config.get("rope_theta")
-    if isinstance(rope, dict):
-        theta = rope.get("rope_theta", theta)
-        kind = rope.get("rope_type", "default")
-    elif isinstance(scaling, dict):
-        kind = scaling.get("rope_type", scaling.get("type"))
-    else:
-        kind = "default"
-    return theta, kind
+    return rope.get("rope_theta", theta) if isinstance(rope, dict) else theta
+
+
+def _rope_problem(config: dict, family: str) -> str | None:
+    """What config.json says of its RoPE that planc does not implement: planc's RoPE is
+    plain, so ``rope_parameters`` (transformers 5) and ``rope_scaling`` (4, which 5 still
+    reads) must each be absent, null or of rope_type 'default'. A dict of transformers 5
+    without a type is its default; 4's scaling always names one (``type`` before 4.45)."""
+    for key, untyped in (("rope_parameters", "default"), ("rope_scaling", None)):
+        value = config.get(key)
+        if value is None:
+            continue
+        kind = value.get("rope_type", value.get("type", untyped)) \
+            if isinstance(value, dict) else None
+        if kind == "default":
+            continue
+        what = f"RoPE is {kind!r}" if isinstance(kind, str) else \
+            f"{key} is {json.dumps(value)}"
+        return f"config.json's {what}; planc's {family} has plain RoPE (rope_type " \
+               f"'default', no scaling)"
+    return None
 
 
 def _same(a, b) -> bool:
@@ -139,16 +151,15 @@ def config_problem(model: Model, arch: Architecture, config: dict) -> str | None
     expected = hf_config(dataclasses.asdict(model))
     defaults = {"num_key_value_heads": config.get("num_attention_heads"),  # LlamaConfig's
                 **_DEFAULTS[arch.model_type], "head_dim": expected["head_dim"]}
-    theta, kind = _rope(config)
-    if kind != "default":
-        return (f"config.json's RoPE is {kind!r}; planc's {model.family} has plain RoPE "
-                f"(rope_type 'default', no scaling)")
+    problem = _rope_problem(config, model.family)
+    if problem is not None:
+        return problem
     window = config.get("sliding_window")
     if window is not None and arch.model_type == "mixtral" and not (
             type(window) is int and window >= model.seq):
         return (f"config.json's sliding_window is {json.dumps(window)}; planc attends to all "
                 f"{model.seq} tokens of a sequence (seq = {model.seq})")
-    found = {**config, "rope_theta": theta}
+    found = {**config, "rope_theta": _rope_theta(config)}
     for key, planc_key in _COMPARED:
         if key not in expected:
             continue

@@ -218,10 +218,11 @@ def bucket(plan: Plan, bucket_id: str, info: dict, kind: str, axis: str, phase: 
 def grad_norm(plan: Plan) -> str:
     """Reason of the gradient norm's all-reduce (planc.graph.grad_norm)."""
     m = plan.mesh
+    ranks = f"all {m.world} ranks" if m.world > 1 else "its one rank"
     return (f"grad_clip = {plan.train.grad_clip:g} clips every gradient by their global L2 "
             f"norm (torch.nn.utils.clip_grad_norm_), a sum over every parameter's shards "
             f"on every stage: each rank sums the squares of the gradients it holds once "
             f"they are reduced, a value replicated on k ranks weighted 1/k, and one "
-            f"all-reduce of that fp64 number over all {m.world} ranks (tp x cp x pp x dp = "
+            f"all-reduce of that fp64 number over {ranks} (tp x cp x pp x dp = "
             f"{m.tp} x {m.cp} x {m.pp} x {m.dp}) gives every rank the same norm before "
             f"any optimizer step")

@@ -294,6 +294,6 @@ def group_table(mesh: "Mesh", devices_per_node: int, tied: bool, virtual: int = 
                                across=True))
     if sequences and mesh.tp * mesh.cp > 1:
         rules.append(GroupRule(SEQUENCE, GROUPS[SEQUENCE].axes))
-    if world and mesh.world > 1:
+    if world:  # on one rank too: the programs' norm all-reduce names it all the same
         rules.append(GroupRule(Axis.WORLD.value, GROUPS[Axis.WORLD].axes))
     return GroupTable(RankMesh.of(mesh.sizes, mesh.order, devices_per_node), tuple(rules))

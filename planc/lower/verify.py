@@ -46,7 +46,7 @@ from planc.lower.verify_experts import ExpertChecks, is_expert_exchange
 from planc.lower.verify_grad_norm import GradNormChecks
 from planc.lower.verify_pipeline import PipelineChecks
 from planc.lower.verify_progress import ProgressChecks
-from planc.lower.verify_report import Report, ranks_text
+from planc.lower.verify_report import Report, describe, ranks_text
 from planc.lower.verify_ring import RingChecks, is_ring
 from planc.lower.verify_routes import check_routes
 from planc.lower.verify_streams import StreamChecks
@@ -114,6 +114,25 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
         if name not in self._texts:
             self._texts[name] = ranks_text(list(self.table.ranks(name)))
         return self._texts[name]
+
+    # --- groups ------------------------------------------------------------------------
+
+    def group_refs(self, name: str, program: Program) -> bool:
+        """Every group an instruction names is a rule of groups.json. A rank finds its
+        members there; one the table lacks would leave it alone in its group, and the
+        simulator and the traces could not size it."""
+        if self.groups is None:
+            return True
+        items = [*program.written()] + [program.receive(stream, node) for stream, receives
+                                        in program.receives.items() for node, _ in receives]
+        for instruction in items:
+            operands = instruction.operands
+            for ref in (operands.group, operands.counts_group) if operands else ():
+                if ref is not None and self.groups.rule(ref) is None:
+                    self.report.add(f"program {name}: {describe(instruction)} uses group "
+                                    f"{ref!r}, which groups.json lacks")
+                    return False
+        return True
 
     # --- bucket layouts --------------------------------------------------------------
 
@@ -236,6 +255,8 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
 
     def run(self) -> Report:
         if not self.rank_table():
+            return self.report
+        if not all([self.group_refs(name, self.programs[name]) for name in self.table.names]):
             return self.report
         for name, program in self.programs.items():
             if name in self.table.names:

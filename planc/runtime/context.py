@@ -79,6 +79,9 @@ class RankContext:
         self.record, self.rank, self.groups, self.device = record, rank, groups, device
         # the data file as the run began (planc.data_identity); None: not pinned
         self.data_identity = data_identity
+        # an evaluation's context: the training step (from 1) after which it reads its
+        # batches, for their messages (planc.runtime.evaluation); None: training's
+        self.evaluation: int | None = None
         self.routes = routes or RouteTable({})
         self.ranks = ranks
         self.devices_per_node = devices_per_node
@@ -115,7 +118,8 @@ class RankContext:
 
     def tokens(self, step: int) -> torch.Tensor:
         if self._batch is None or self._batch[0] != step:
-            self._batch = (step, batch_tokens(self.data, step, self.data_identity))
+            self._batch = (step, batch_tokens(self.data, step, self.data_identity,
+                                              self.evaluation))
         return self._batch[1]
 
     def positions(self, seq_sharded: bool) -> torch.Tensor:

@@ -140,10 +140,11 @@ def data_problem(plan: Plan, chunk_bytes: int = CHUNK_BYTES) -> str | None:
     return None
 
 
-def _unchanged(path: str, identity: Identity | None, step: int, info=None) -> None:
+def _unchanged(path: str, identity: Identity | None, step: int, info=None,
+               evaluation: int | None = None) -> None:
     change = how_changed(path, identity, info) if identity is not None else None
     if change is not None:
-        raise DataChanged(path, change, step)
+        raise DataChanged(path, change, step, evaluation)
 
 
 # --- one step's batch --------------------------------------------------------------
@@ -172,8 +173,11 @@ class DataSource:
         return DataSource(t.data, t.seed, t.batch, t.seq, t.vocab, t.shuffle)
 
 
-def batch_tokens(source, step: int, identity: Identity | None = None) -> torch.Tensor:
-    """The global batch of ``step``: (batch, seq + 1) token ids, int64.
+def batch_tokens(source, step: int, identity: Identity | None = None,
+                 evaluation: int | None = None) -> torch.Tensor:
+    """The global batch of ``step``: (batch, seq + 1) token ids, int64. With
+    ``evaluation`` (the training step, counted from 1, after which it runs), batch
+    ``step`` of that evaluation: its problems name the evaluation, not a step.
 
     From a file, sample j of the run starts at token ``j * (seq + 1)`` modulo the number
     of sample starts (``count - seq``), so the run wraps around the file, or with shuffle
@@ -191,16 +195,18 @@ def batch_tokens(source, step: int, identity: Identity | None = None) -> torch.T
         generator = torch.Generator().manual_seed(seed_of(m.seed, "data", step))
         return torch.randint(0, m.vocab, shape, generator=generator)
     path, sample = m.path, m.seq + 1
+    reader = f"step {step}" if evaluation is None else \
+        f"batch {step} of the evaluation after step {evaluation}"
     try:
         fd, tokens = open_tokens(path)
     except DataError as exc:
-        _unchanged(path, identity, step)  # removed, or a header or size now wrong
+        _unchanged(path, identity, step, None, evaluation)  # removed, or its header or size
         if isinstance(exc, DataMissing):
-            raise DataError(f"data file {path} cannot be read for step {step} "
+            raise DataError(f"data file {path} cannot be read for {reader} "
                             f"({os.strerror(errno.ENOENT)})") from None
         raise
     try:
-        _unchanged(path, identity, step, os.fstat(fd))
+        _unchanged(path, identity, step, os.fstat(fd), evaluation)
         starts = tokens.count - sample + 1
         if starts < 1:
             raise DataError(f"data file {path} no longer holds one sample (seq + 1 = "
@@ -211,10 +217,10 @@ def batch_tokens(source, step: int, identity: Identity | None = None) -> torch.T
             rows.append(os.pread(fd, sample * width, tokens.offset + first[-1] * width))
             if identity is not None and len(rows[-1]) != sample * width:
                 raise DataChanged(path, f"a read of {sample * width} bytes returned "
-                                  f"{len(rows[-1])}", step)
-        _unchanged(path, identity, step, os.fstat(fd))  # changed while it was read
+                                  f"{len(rows[-1])}", step, evaluation)
+        _unchanged(path, identity, step, os.fstat(fd), evaluation)  # changed while read
     except OSError as exc:
-        raise DataError(f"data file {path} cannot be read for step {step} "
+        raise DataError(f"data file {path} cannot be read for {reader} "
                         f"({exc.strerror})") from None
     finally:
         os.close(fd)
@@ -234,6 +240,6 @@ def batch_tokens(source, step: int, identity: Identity | None = None) -> torch.T
         row, column = (int(i) for i in (out >= m.vocab).nonzero()[0])
         raise DataError(f"data file {path} holds token id {int(out[row, column])} (token "
                         f"{first[row] + column} of the file, position {column} of sample "
-                        f"{step * m.batch + row}, read by step {step}), not below vocab = "
+                        f"{step * m.batch + row}, read by {reader}), not below vocab = "
                         f"{m.vocab}")
     return out

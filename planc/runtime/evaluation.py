@@ -32,9 +32,11 @@ class Evaluator:
         """Whether an evaluation follows the step that brings the run to ``done`` steps."""
         return done % self.every == 0
 
-    def run(self) -> float | None:
-        """The mean loss of the evaluation batches (None on a rank that does not learn
-        the loss); batch j is the evaluation data's batch j, every time."""
+    def run(self, after: int) -> float | None:
+        """The mean loss of the evaluation batches after training step ``after`` (counted
+        from 1), None on a rank that does not learn the loss; batch j is the evaluation
+        data's batch j, every time."""
+        self.ctx.evaluation = after  # what a problem reading a batch names
         losses = []
         with torch.no_grad():
             for batch in range(self.batches):

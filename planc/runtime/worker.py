@@ -302,7 +302,7 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
             if result.state.grad_norm is not None:  # train { grad_clip }: before clipping
                 notes["grad_norm"] = result.state.grad_norm
             done = step + 1
-            evaluated = evaluator.run() if evaluator and evaluator.due(done) else None
+            evaluated = evaluator.run(done) if evaluator and evaluator.due(done) else None
             if evaluated is not None:
                 notes["eval_loss"] = evaluations[step] = evaluated
             metrics.step(step, result.times, result.state.loss)

@@ -36,7 +36,7 @@ def _group_text(plan: Plan, ranks: Layout, data: dict) -> str:
         "inter-node" if len(nodes) == len(members) else "mixed")
     shown = (", ".join(map(str, members)) if len(members) <= 6 else
              ", ".join(map(str, members[:4])) + f", ... {members[-1]}")
-    return f"{len(members)} ranks, {where}: [{shown}]"
+    return f"{counted(len(members), 'rank')}, {where}: [{shown}]"
 
 
 def what_it_moves(data: dict, arrow: str = "->") -> str:
