@@ -1,21 +1,39 @@
 """A ``planc run --metrics`` file read as untrusted input: one JSON object per step
-(docs/metrics.md), for ``planc report`` and ``planc plot``. No torch."""
+(docs/metrics.md), for ``planc report`` and ``planc plot``. No torch.
+
+Every number a reader uses is checked here, once, so that no later arithmetic (a float
+of a huge integer, a division by a subnormal) overflows: a step is a whole number from 0
+to :data:`MAX_STEP`, every value of :data:`NUMBERS` a number that is 0 or between
+:data:`SMALLEST` and :data:`LARGEST` in magnitude."""
 
 from __future__ import annotations
 
 import json
 import math
 
+MAX_STEP = 10**12  # far past any run, and a float holds every step up to it exactly
+SMALLEST, LARGEST = 1e-100, 1e100  # the product or quotient of two stays a finite float
+# The record's numeric keys (docs/metrics.md): every one planc plot --metric or planc
+# report reads is here.
+NUMBERS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
+           "time_s", "compute_s", "comm_s", "exposed_comm_s", "pipeline_wait_s", "max_rss_mb")
+# What a diverging run computes as NaN or an infinity, and planc run writes as it is
+# (JSON's NaN, Infinity): a curve draws it as a gap.
+DIVERGING = ("loss", "eval_loss", "grad_norm")
+NOT_WRITTEN = "it is not what planc run --metrics writes"
+
 
 def read_metrics(path: str) -> tuple[list[dict] | None, str | None]:
     """The records of a ``planc run --metrics`` file, or why it cannot be read."""
     try:
         with open(path, encoding="utf-8") as handle:
-            records = [json.loads(line) for line in handle if line.strip()]
+            numbered = [(n, json.loads(line)) for n, line in enumerate(handle, 1)
+                        if line.strip()]
     except OSError as exc:
         return None, f"cannot read {path}: {exc.strerror or exc}"
     except (ValueError, RecursionError):  # not JSON, not UTF-8, nested past Python's stack
         return None, f"{path} is not a planc run metrics file (one JSON object per line)"
+    records = [record for _, record in numbered]
     if not records or not all(isinstance(r, dict) and seconds(r.get("time_s"), positive=True)
                               for r in records):
         return None, f"{path} is not a planc run metrics file (no step records with time_s)"
@@ -25,11 +43,38 @@ def read_metrics(path: str) -> tuple[list[dict] | None, str | None]:
     if not all(isinstance(r.get("build", ""), str) for r in records):
         return None, (f"{path} is not a planc run metrics file (a build fingerprint that is "
                       f"not text)")
+    for line, record in numbered:
+        problem = record_problem(record)
+        if problem:
+            return None, f"{path}: line {line} {problem}; {NOT_WRITTEN}"
     return records, None
 
 
+def record_problem(record: dict) -> str | None:
+    """What is wrong with the step and the numbers of one record, or None."""
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        return "has no step number (a whole number from 0 to 10^12)"
+    for key in NUMBERS:
+        value = record.get(key)
+        if value is not None and not in_range(value, key in DIVERGING):
+            return (f"(step {step + 1}) has a {key} that is not a number of magnitude 0 or "
+                    f"1e-100 to 1e100")
+    return None
+
+
+def in_range(value, diverged: bool = False) -> bool:
+    """Whether ``value`` is a number that is 0 or between SMALLEST and LARGEST in magnitude
+    (``diverged``: NaN and the infinities too). An integer is compared as it is: a float
+    of 10**400 overflows."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if isinstance(value, float) and not math.isfinite(value):
+        return diverged
+    return value == 0 or SMALLEST <= abs(value) <= LARGEST
+
+
 def seconds(value, positive: bool = False) -> bool:
-    """Whether ``value`` is a time a run can measure: a finite number, not negative
-    (``positive``: above zero, as a step's time must be to divide by)."""
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and \
-        math.isfinite(value) and (value > 0 if positive else value >= 0)
+    """Whether ``value`` is a time a run can measure: a number in range (:func:`in_range`),
+    not negative (``positive``: above zero, as a step's time must be to divide by)."""
+    return in_range(value) and (value > 0 if positive else value >= 0)

@@ -237,9 +237,10 @@ def test_plot_does_not_import_torch(tmp_path):
     ("", "p.png", "{d}/m.jsonl is not a planc run metrics file (no step records with time_s)"),
     ("not json\n", "p.png",
      "{d}/m.jsonl is not a planc run metrics file (one JSON object per line)"),
-    ('{"step": 0, "time_s": 1.0}\n', "p.png", "{d}/m.jsonl: record 1 (step 1) has no loss"),
+    ('{"step": 0, "time_s": 1.0}\n', "p.png", "{d}/m.jsonl: the record of step 1 has no loss"),
     ('{"time_s": 1.0, "loss": 2.0}\n', "p.png",
-     "{d}/m.jsonl: record 1 has no step number; it is not what planc run --metrics writes"),
+     "{d}/m.jsonl: line 1 has no step number (a whole number from 0 to 10^12); it is not "
+     "what planc run --metrics writes"),
     ('{"step": 0, "time_s": 1.0, "loss": 2.0}\n', "p.jpg",
      "-o {d}/p.jpg: planc plot writes a .png or an .svg file; name one"),
     ('{"step": 0, "time_s": 1.0, "loss": 2.0}\n', "dir.png",

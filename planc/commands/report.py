@@ -7,7 +7,7 @@ import os
 import sys
 
 from planc.commands import EXIT_OK, EXIT_USAGE, fail, load_programs
-from planc.metrics_file import read_metrics
+from planc.metrics_file import in_range, read_metrics
 
 
 def _other_build(path: str, records: list[dict], build_path: str, fingerprint: str
@@ -37,6 +37,7 @@ TUNE_FIELDS = {"mesh": dict, "order": list, "virtual": int, "microbatches": int,
                "pipeline": str, "zero": int, "sequence_parallel": bool, "recompute": str,
                "step_seconds": (int, float), "tflops_per_gpu": (int, float),
                "mfu": (int, float), "bubble": (int, float), "memory_bytes": (int, float)}
+TUNE_NUMBERS = ("step_seconds", "tflops_per_gpu", "mfu", "bubble", "memory_bytes")
 
 
 def _tune(path: str) -> tuple[list[dict] | None, str | None]:
@@ -59,6 +60,8 @@ def _tune(path: str) -> tuple[list[dict] | None, str | None]:
         if not bad and not (all(isinstance(mesh.get(a), int) and not isinstance(
                 mesh.get(a), bool) for a in ("tp", "cp", "pp", "dp", "ep"))):
             bad = ["mesh"]
+        if not bad:  # formatted with floats: 10**400 overflows, as in a metrics file
+            bad = [key for key in TUNE_NUMBERS if not (in_range(item[key]) and item[key] >= 0)]
         if bad:
             return None, (f"{path}: candidate {k} has no valid {bad[0]}; it is not what "
                           f"planc tune --json writes")

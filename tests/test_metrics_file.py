@@ -1,0 +1,176 @@
+"""A ``planc run --metrics`` file read as untrusted input by planc plot and planc report
+(docs/metrics.md, issue 34): its text is drawn as text, never as markup; its numbers are
+checked before any arithmetic. Files are crafted here; the runs that write real ones are
+in tests/test_run_metrics.py."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from planc.build import plan_fingerprint
+from planc.cli import main
+from planc.lang import load_file
+from planc.metrics_file import read_metrics
+from planc.views.curves import METRICS
+from tests.conftest import PLANS
+
+TINY = str(PLANS / "gpt-tiny.plan")
+
+
+@pytest.fixture(scope="module")
+def fingerprint() -> str:
+    """gpt-tiny's build fingerprint, which planc report asks of the metrics it draws."""
+    return plan_fingerprint(load_file(TINY).plan)
+
+
+def _record(step: int, build: str, **values) -> dict:
+    return {"step": step, "loss": 3.0 - step / 10, "time_s": 0.02, "exposed_comm_s": 0.001,
+            "tokens_per_s": 25600.0, "tflops_per_device": 0.1, "mfu": 1e-4,
+            "plan": "gpt_tiny", "build": build, **values}
+
+
+def _write(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _glyphs(svg: str, label: str) -> int:
+    """How many glyphs draw the text ``label`` in an SVG of matplotlib (each Text is
+    written as a comment of its string, then one <use> per glyph drawn)."""
+    group = re.search(r"<!-- " + re.escape(label) + r" -->\s*<g[^>]*>(.*?)</g>", svg, re.S)
+    assert group, label
+    return group.group(1).count("<use ")
+
+
+MARKUP = "$\\frac{a}{$"  # mathtext that does not parse: matplotlib raised on it
+DRAWN = "$x^2$"  # mathtext that parses: as markup it is 2 glyphs, as text 5
+
+
+@pytest.mark.parametrize("plan", [MARKUP, DRAWN])
+def test_plot_draws_a_plan_name_as_text_never_as_markup(tmp_path, capsys, plan):
+    metrics = _write(tmp_path / "m.jsonl", [_record(k, "f" * 64, plan=plan) for k in range(3)])
+    assert main(["plot", str(metrics), "-o", str(tmp_path / "p.svg")]) == 0
+    assert capsys.readouterr().err == f"planc: loss of 1 run written to {tmp_path / 'p.svg'}\n"
+    svg = (tmp_path / "p.svg").read_text()
+    assert _glyphs(svg, plan) == len(plan)  # every character, "$" and "\" included
+    assert "Oblique" not in svg  # no math italics anywhere
+    assert main(["plot", str(metrics), "-o", str(tmp_path / "p.png")]) == 0
+
+
+def test_the_report_draws_a_plan_name_of_the_metrics_as_text(tmp_path, capsys, fingerprint):
+    metrics = _write(tmp_path / "m.jsonl",
+                     [_record(k, fingerprint, plan=MARKUP) for k in range(3)])
+    page = tmp_path / "page.html"
+    assert main(["report", TINY, "-o", str(page), "--metrics", str(metrics)]) == 0
+    assert capsys.readouterr().err.startswith(f"report written to {page} (")
+    text = page.read_text()
+    assert "<h2>Loss per step (measured)</h2>" in text
+    assert _glyphs(text, MARKUP) == len(MARKUP)
+
+
+def test_a_label_is_printable_short_and_shown_even_when_it_starts_with_an_underscore(
+        tmp_path, capsys):
+    # matplotlib hides a label that starts with "_" from a legend it makes itself
+    long = "_" + "n" * 200
+    metrics = _write(tmp_path / "m.jsonl", [_record(k, "f" * 64, plan=long + "\x07")
+                                            for k in range(2)])
+    assert main(["plot", str(metrics), "-o", str(tmp_path / "p.svg")]) == 0
+    shown = long[:47] + "\u2026"
+    svg = (tmp_path / "p.svg").read_text()
+    assert _glyphs(svg, shown) == 48
+    assert capsys.readouterr().err == f"planc: loss of 1 run written to {tmp_path / 'p.svg'}\n"
+
+
+HUGE = 10**400  # a float of it overflows
+
+
+@pytest.mark.parametrize("change, problem", ids=[
+    "huge step", "step past 10^12", "negative step", "float step", "boolean step",
+    "huge tokens_per_s", "huge tflops_per_device", "NaN mfu", "subnormal lr", "text loss",
+    "loss past 1e100"], argvalues=[
+    ({"step": HUGE}, "line 2 has no step number (a whole number from 0 to 10^12)"),
+    ({"step": 10**12 + 1}, "line 2 has no step number (a whole number from 0 to 10^12)"),
+    ({"step": -1}, "line 2 has no step number (a whole number from 0 to 10^12)"),
+    ({"step": 1.0}, "line 2 has no step number (a whole number from 0 to 10^12)"),
+    ({"step": True}, "line 2 has no step number (a whole number from 0 to 10^12)"),
+    ({"tokens_per_s": HUGE}, "line 2 (step 2) has a tokens_per_s that is not a number of "
+                             "magnitude 0 or 1e-100 to 1e100"),
+    ({"tflops_per_device": HUGE}, "line 2 (step 2) has a tflops_per_device that is not a "
+                                  "number of magnitude 0 or 1e-100 to 1e100"),
+    ({"mfu": float("nan")}, "line 2 (step 2) has a mfu that is not a number of magnitude 0 "
+                            "or 1e-100 to 1e100"),
+    ({"lr": 1e-300}, "line 2 (step 2) has a lr that is not a number of magnitude 0 or "
+                     "1e-100 to 1e100"),
+    ({"loss": "2.0"}, "line 2 (step 2) has a loss that is not a number of magnitude 0 or "
+                      "1e-100 to 1e100"),
+    ({"loss": -1e101}, "line 2 (step 2) has a loss that is not a number of magnitude 0 or "
+                       "1e-100 to 1e100"),
+])
+def test_numbers_out_of_range_are_refused_by_plot_and_report(tmp_path, capsys, fingerprint,
+                                                             change, problem):
+    records = [_record(k, fingerprint) for k in range(3)]
+    records[1].update(change)
+    metrics = _write(tmp_path / "m.jsonl", records)
+    message = f"planc: error: {metrics}: {problem}; it is not what planc run --metrics writes\n"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["plot", str(metrics), "-o", str(tmp_path / "p.png")]) == 1
+    assert capsys.readouterr().err == message
+    assert main(["report", TINY, "-o", str(tmp_path / "page.html"), "--metrics",
+                 str(metrics)]) == 1
+    assert capsys.readouterr().err == message
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("time_s", [HUGE, 1e-300, float("inf"), 0],
+                         ids=["huge", "tiny", "infinite", "zero"])
+def test_a_step_time_out_of_range_is_refused(tmp_path, capsys, time_s):
+    records = [_record(k, "f" * 64) for k in range(2)]
+    records[1]["time_s"] = time_s
+    metrics = _write(tmp_path / "m.jsonl", records)
+    assert main(["plot", str(metrics), "-o", str(tmp_path / "p.png")]) == 1
+    assert capsys.readouterr().err == (f"planc: error: {metrics} is not a planc run metrics "
+                                       f"file (no step records with time_s)\n")
+
+
+def test_a_run_that_diverged_is_drawn_with_gaps(tmp_path, capsys, fingerprint):
+    """planc run writes a loss that is NaN or infinite as JSON's NaN, Infinity: the file
+    is read, the curve has a gap there."""
+    records = [_record(k, fingerprint) for k in range(4)]
+    records[2]["loss"], records[3]["loss"] = float("nan"), float("inf")
+    records[3]["grad_norm"] = float("-inf")
+    metrics = _write(tmp_path / "m.jsonl", records)
+    assert "NaN" in metrics.read_text() and "-Infinity" in metrics.read_text()
+    assert main(["plot", str(metrics), "-o", str(tmp_path / "p.png")]) == 0
+    assert main(["report", TINY, "-o", str(tmp_path / "page.html"), "--metrics",
+                 str(metrics)]) == 0
+    assert "Loss per step" in (tmp_path / "page.html").read_text()
+
+
+def test_the_report_measures_mfu_only_where_every_step_has_it_and_its_rate(
+        tmp_path, capsys, fingerprint):
+    records = [_record(k, fingerprint) for k in range(4)]
+    for record in records:
+        del record["tflops_per_device"]  # an mfu without its rate: a KeyError drew no page
+    page = tmp_path / "page.html"
+    metrics = _write(tmp_path / "m.jsonl", records)
+    assert main(["report", TINY, "-o", str(page), "--metrics", str(metrics)]) == 0
+    assert "<td>step time</td>" in page.read_text() and "<td>MFU</td>" not in page.read_text()
+    _write(metrics, [_record(k, fingerprint) for k in range(4)])
+    assert main(["report", TINY, "-o", str(page), "--metrics", str(metrics)]) == 0
+    assert "<td>MFU</td>" in page.read_text()
+
+
+def test_every_metric_plot_draws_is_checked_by_the_reader():
+    from planc.metrics_file import NUMBERS
+
+    assert set(METRICS) <= set(NUMBERS)
+
+
+def test_read_metrics_keeps_what_planc_run_writes(tmp_path):
+    records = [_record(k, "f" * 64, lr=0.0, grad_norm=0.5) for k in range(2)]
+    records[1]["eval_loss"] = 2.5
+    assert read_metrics(str(_write(tmp_path / "m.jsonl", records))) == (records, None)
