@@ -8,9 +8,17 @@ to :data:`MAX_STEP`, every value of :data:`NUMBERS` a number that is 0 or betwee
 
 from __future__ import annotations
 
+import errno
+import itertools
 import json
 import math
+import os
 
+from planc.files import open_regular_file
+
+# A run of 10^6 steps writes about 600 MB; a record is under 1 KiB.
+MAX_BYTES, MAX_LINE = 1 << 30, 1 << 20
+TOO_LARGE = "it is larger than 1 GiB, more than planc reads of a metrics file"
 MAX_STEP = 10**12  # far past any run, and a float holds every step up to it exactly
 SMALLEST, LARGEST = 1e-100, 1e100  # the product or quotient of two stays a finite float
 # The record's numeric keys (docs/metrics.md): every one planc plot --metric or planc
@@ -26,11 +34,14 @@ NOT_WRITTEN = "it is not what planc run --metrics writes"
 def read_metrics(path: str) -> tuple[list[dict] | None, str | None]:
     """The records of a ``planc run --metrics`` file, or why it cannot be read."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            numbered = [(n, json.loads(line)) for n, line in enumerate(handle, 1)
+        with open_regular_file(path) as handle:  # not a device, a pipe or a directory
+            numbered = [(n, json.loads(line.decode("utf-8"))) for n, line in _lines(handle)
                         if line.strip()]
     except OSError as exc:
         return None, f"cannot read {path}: {exc.strerror or exc}"
+    except _TooLong as exc:
+        return None, (f"{path} is not a planc run metrics file (line {exc.args[0]} is longer "
+                      f"than {MAX_LINE >> 20} MiB)")
     except (ValueError, RecursionError):  # not JSON, not UTF-8, nested past Python's stack
         return None, f"{path} is not a planc run metrics file (one JSON object per line)"
     records = [record for _, record in numbered]
@@ -48,6 +59,28 @@ def read_metrics(path: str) -> tuple[list[dict] | None, str | None]:
         if problem:
             return None, f"{path}: line {line} {problem}; {NOT_WRITTEN}"
     return records, None
+
+
+class _TooLong(Exception):
+    """A line longer than MAX_LINE (its number in args)."""
+
+
+def _lines(handle):
+    """(number, bytes) of every line of an open file, one at a time: at most MAX_LINE
+    bytes a line, MAX_BYTES in all (also of a file that grows while it is read)."""
+    if os.fstat(handle.fileno()).st_size > MAX_BYTES:  # refused unread
+        raise OSError(errno.EFBIG, TOO_LARGE)
+    total = 0
+    for number in itertools.count(1):
+        line = handle.readline(MAX_LINE + 1)
+        if not line:
+            return
+        total += len(line)
+        if total > MAX_BYTES:
+            raise OSError(errno.EFBIG, TOO_LARGE)
+        if len(line) > MAX_LINE:
+            raise _TooLong(number)
+        yield number, line
 
 
 def record_problem(record: dict) -> str | None:

@@ -6,7 +6,12 @@ in tests/test_run_metrics.py."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import resource
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +21,7 @@ from planc.cli import main
 from planc.lang import load_file
 from planc.metrics_file import read_metrics
 from planc.views.curves import METRICS
-from tests.conftest import PLANS
+from tests.conftest import PLANS, ROOT
 
 TINY = str(PLANS / "gpt-tiny.plan")
 
@@ -174,3 +179,65 @@ def test_read_metrics_keeps_what_planc_run_writes(tmp_path):
     records = [_record(k, "f" * 64, lr=0.0, grad_norm=0.5) for k in range(2)]
     records[1]["eval_loss"] = 2.5
     assert read_metrics(str(_write(tmp_path / "m.jsonl", records))) == (records, None)
+
+
+def _bounded_planc(*args) -> subprocess.CompletedProcess:
+    """planc in a child held to 4 GiB of address space and a minute: a reader that reads
+    /dev/zero without end fails the test, not the machine."""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    return subprocess.run([sys.executable, "-m", "planc", *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60,
+                          preexec_fn=limit)
+
+
+def _not_regular(tmp_path: Path, kind: str) -> tuple[Path, str]:
+    """A path that is no regular file, and what planc says it is."""
+    path = tmp_path / f"m-{kind}.jsonl"
+    if kind == "zero":
+        path.symlink_to("/dev/zero")
+        return path, "it is a character device, not a regular file"
+    if kind == "fifo":
+        os.mkfifo(path)  # no writer: open(2) without O_NONBLOCK waits for one
+        return path, "it is a named pipe (FIFO), not a regular file"
+    path.mkdir()
+    return path, "it is a directory, not a regular file"
+
+
+@pytest.mark.parametrize("kind", ["zero", "fifo", "directory"])
+def test_plot_and_report_read_only_a_regular_file(tmp_path, kind):
+    path, what = _not_regular(tmp_path, kind)
+    started = time.monotonic()
+    for command in (["plot", path, "-o", tmp_path / "p.png"],
+                    ["report", TINY, "-o", tmp_path / "page.html", "--metrics", path],
+                    ["report", TINY, "-o", tmp_path / "page.html", "--tune", path]):
+        done = _bounded_planc(*command)
+        assert (done.returncode, done.stderr) == (1, f"planc: error: cannot read {path}: "
+                                                     f"{what}\n"), command
+    assert time.monotonic() - started < 45  # three starts of planc, none of them waiting
+    assert not (tmp_path / "p.png").exists() and not (tmp_path / "page.html").exists()
+
+
+def test_a_metrics_or_tune_file_past_its_bound_is_refused_unread(tmp_path, capsys):
+    big = tmp_path / "big.jsonl"
+    with open(big, "wb") as handle:  # sparse: 1 GiB and a byte, nothing written
+        handle.truncate((1 << 30) + 1)
+    assert main(["plot", str(big), "-o", str(tmp_path / "p.png")]) == 1
+    assert capsys.readouterr().err == (f"planc: error: cannot read {big}: it is larger than "
+                                       f"1 GiB, more than planc reads of a metrics file\n")
+    with open(big, "r+b") as handle:
+        handle.truncate((64 << 20) + 1)  # past planc.commands.report.MAX_TUNE_BYTES
+    assert main(["report", TINY, "-o", str(tmp_path / "page.html"), "--tune", str(big)]) == 1
+    assert capsys.readouterr().err == (f"planc: error: cannot read {big}: it is larger than "
+                                       f"{64 << 20} bytes\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.jsonl"]
+
+
+def test_a_line_longer_than_a_record_can_be_is_refused_unparsed(tmp_path, capsys):
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text(json.dumps(_record(0, "f" * 64)) + "\n"
+                       + json.dumps(_record(1, "f" * 64, note="n" * (1 << 20))) + "\n")
+    assert main(["plot", str(metrics), "-o", str(tmp_path / "p.png")]) == 1
+    assert capsys.readouterr().err == (f"planc: error: {metrics} is not a planc run metrics "
+                                       f"file (line 2 is longer than 1 MiB)\n")

@@ -7,6 +7,7 @@ import os
 import sys
 
 from planc.commands import EXIT_OK, EXIT_USAGE, fail, load_programs
+from planc.files import read_regular_file
 from planc.metrics_file import in_range, read_metrics
 
 
@@ -37,14 +38,14 @@ TUNE_FIELDS = {"mesh": dict, "order": list, "virtual": int, "microbatches": int,
                "pipeline": str, "zero": int, "sequence_parallel": bool, "recompute": str,
                "step_seconds": (int, float), "tflops_per_gpu": (int, float),
                "mfu": (int, float), "bubble": (int, float), "memory_bytes": (int, float)}
+MAX_TUNE_BYTES = 64 << 20  # a candidate with its plan text is a few KiB
 TUNE_NUMBERS = ("step_seconds", "tflops_per_gpu", "mfu", "bubble", "memory_bytes")
 
 
 def _tune(path: str) -> tuple[list[dict] | None, str | None]:
     """The ranked candidates of a ``planc tune --json`` file, or why it cannot be read."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
+    try:  # a regular file of at most MAX_TUNE_BYTES: not /dev/zero, a pipe or a directory
+        data = json.loads(read_regular_file(path, MAX_TUNE_BYTES + 1).decode("utf-8"))
     except OSError as exc:
         return None, f"cannot read {path}: {exc.strerror or exc}"
     except (ValueError, RecursionError):
