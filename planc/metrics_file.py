@@ -13,6 +13,7 @@ import itertools
 import json
 import math
 import os
+from typing import NamedTuple
 
 from planc.files import open_regular_file
 
@@ -31,34 +32,57 @@ DIVERGING = ("loss", "eval_loss", "grad_norm")
 NOT_WRITTEN = "it is not what planc run --metrics writes"
 
 
-def read_metrics(path: str) -> tuple[list[dict] | None, str | None]:
-    """The records of a ``planc run --metrics`` file, or why it cannot be read."""
+class Metrics(NamedTuple):
+    """What :func:`read_metrics` read: the records, or the problem (one line) that keeps
+    the file from being used; ``warning``: a line to print where the records are used."""
+
+    records: list[dict] | None
+    problem: str | None = None
+    warning: str | None = None
+
+
+def read_metrics(path: str) -> Metrics:
+    """The records of a ``planc run --metrics`` file, or why it cannot be read. A last
+    line that is no JSON and has no newline is one a run stopped while writing (killed,
+    or out of disk): the records before it are read, and ``warning`` says so."""
+    numbered, cut = [], None
     try:
         with open_regular_file(path) as handle:  # not a device, a pipe or a directory
-            numbered = [(n, json.loads(line.decode("utf-8"))) for n, line in _lines(handle)
-                        if line.strip()]
+            for number, line in _lines(handle):
+                if not line.strip():
+                    continue
+                try:
+                    numbered.append((number, json.loads(line.decode("utf-8"))))
+                except (ValueError, RecursionError):
+                    if line.endswith(b"\n"):  # a whole line: the file is broken
+                        raise
+                    cut = number  # only the last line lacks its newline
     except OSError as exc:
-        return None, f"cannot read {path}: {exc.strerror or exc}"
+        return Metrics(None, f"cannot read {path}: {exc.strerror or exc}")
     except _TooLong as exc:
-        return None, (f"{path} is not a planc run metrics file (line {exc.args[0]} is longer "
-                      f"than {MAX_LINE >> 20} MiB)")
+        return Metrics(None, f"{path} is not a planc run metrics file (line {exc.args[0]} is "
+                             f"longer than {MAX_LINE >> 20} MiB)")
     except (ValueError, RecursionError):  # not JSON, not UTF-8, nested past Python's stack
-        return None, f"{path} is not a planc run metrics file (one JSON object per line)"
+        return Metrics(None, f"{path} is not a planc run metrics file (one JSON object per "
+                             f"line)")
     records = [record for _, record in numbered]
     if not records or not all(isinstance(r, dict) and seconds(r.get("time_s"), positive=True)
                               for r in records):
-        return None, f"{path} is not a planc run metrics file (no step records with time_s)"
+        return Metrics(None, f"{path} is not a planc run metrics file (no step records with "
+                             f"time_s)")
     if not all(seconds(r.get("exposed_comm_s", 0.0)) for r in records):
-        return None, (f"{path} is not a planc run metrics file (an exposed_comm_s that is "
-                      f"not a number of seconds)")
+        return Metrics(None, f"{path} is not a planc run metrics file (an exposed_comm_s "
+                             f"that is not a number of seconds)")
     if not all(isinstance(r.get("build", ""), str) for r in records):
-        return None, (f"{path} is not a planc run metrics file (a build fingerprint that is "
-                      f"not text)")
+        return Metrics(None, f"{path} is not a planc run metrics file (a build fingerprint "
+                             f"that is not text)")
     for line, record in numbered:
         problem = record_problem(record)
         if problem:
-            return None, f"{path}: line {line} {problem}; {NOT_WRITTEN}"
-    return records, None
+            return Metrics(None, f"{path}: line {line} {problem}; {NOT_WRITTEN}")
+    return Metrics(records, warning=None if cut is None else (
+        f"{path}: line {cut}, the last, is cut short (a run stopped while writing it); read "
+        f"the lines before it"))
 
 
 class _TooLong(Exception):

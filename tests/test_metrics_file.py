@@ -178,7 +178,7 @@ def test_every_metric_plot_draws_is_checked_by_the_reader():
 def test_read_metrics_keeps_what_planc_run_writes(tmp_path):
     records = [_record(k, "f" * 64, lr=0.0, grad_norm=0.5) for k in range(2)]
     records[1]["eval_loss"] = 2.5
-    assert read_metrics(str(_write(tmp_path / "m.jsonl", records))) == (records, None)
+    assert read_metrics(str(_write(tmp_path / "m.jsonl", records))) == (records, None, None)
 
 
 def _bounded_planc(*args) -> subprocess.CompletedProcess:
@@ -241,3 +241,57 @@ def test_a_line_longer_than_a_record_can_be_is_refused_unparsed(tmp_path, capsys
     assert main(["plot", str(metrics), "-o", str(tmp_path / "p.png")]) == 1
     assert capsys.readouterr().err == (f"planc: error: {metrics} is not a planc run metrics "
                                        f"file (line 2 is longer than 1 MiB)\n")
+
+
+def _cut(tmp_path: Path, build: str, tail: bytes) -> Path:
+    """Three whole records, then ``tail``: what a run stopped while writing leaves."""
+    metrics = _write(tmp_path / "m.jsonl", [_record(k, build) for k in range(3)])
+    with open(metrics, "ab") as handle:
+        handle.write(tail)
+    return metrics
+
+
+CUT_SHORT = [json.dumps(_record(3, "f" * 64)).encode()[:57],  # a record cut in a number
+             '{"plan": "gpt_tiny \u00e9'.encode()[:-1]]  # ... in a UTF-8 character
+
+
+@pytest.mark.parametrize("tail", CUT_SHORT, ids=["in a number", "in a character"])
+def test_plot_reads_up_to_a_last_line_cut_short_and_says_so(tmp_path, capsys, tail):
+    metrics = _cut(tmp_path, "f" * 64, tail)
+    assert main(["plot", str(metrics), "-o", str(tmp_path / "p.png")]) == 0
+    assert capsys.readouterr().err == (
+        f"planc: warning: {metrics}: line 4, the last, is cut short (a run stopped while "
+        f"writing it); read the lines before it\n"
+        f"planc: loss of 1 run written to {tmp_path / 'p.png'}\n")
+    assert [r["step"] for r in read_metrics(str(metrics)).records] == [0, 1, 2]
+
+
+def test_the_report_reads_up_to_a_last_line_cut_short_and_says_so(tmp_path, capsys,
+                                                                    fingerprint):
+    metrics = _cut(tmp_path, fingerprint, json.dumps(_record(3, fingerprint)).encode()[:-1])
+    page = tmp_path / "page.html"
+    assert main(["report", TINY, "-o", str(page), "--metrics", str(metrics)]) == 0
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"planc: warning: {metrics}: line 4, the last, is cut short (a run stopped while "
+        f"writing it); read the lines before it")
+    assert "median over 1 steps" in page.read_text()  # 3 records, 2 of them warm-up
+
+
+def test_a_broken_line_before_the_last_is_a_broken_file(tmp_path, capsys):
+    metrics = _cut(tmp_path, "f" * 64, CUT_SHORT[0] + b"\n"
+                   + json.dumps(_record(4, "f" * 64)).encode() + b"\n")
+    assert main(["plot", str(metrics), "-o", str(tmp_path / "p.png")]) == 1
+    assert capsys.readouterr().err == (f"planc: error: {metrics} is not a planc run metrics "
+                                       f"file (one JSON object per line)\n")
+    metrics.write_bytes(CUT_SHORT[0])  # nothing but a line cut short: no step at all
+    assert main(["plot", str(metrics), "-o", str(tmp_path / "p.png")]) == 1
+    assert capsys.readouterr().err == (f"planc: error: {metrics} is not a planc run metrics "
+                                       f"file (no step records with time_s)\n")
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_a_whole_last_record_without_its_newline_is_read_without_a_warning(tmp_path, capsys):
+    metrics = _cut(tmp_path, "f" * 64, json.dumps(_record(3, "f" * 64)).encode())
+    assert read_metrics(str(metrics)).warning is None
+    assert main(["plot", str(metrics), "-o", str(tmp_path / "p.png")]) == 0
+    assert capsys.readouterr().err == f"planc: loss of 1 run written to {tmp_path / 'p.png'}\n"

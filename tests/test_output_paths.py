@@ -206,3 +206,103 @@ def test_force_with_a_build_directory_is_a_command_line_error(tmp_path, capsys):
     assert capsys.readouterr().err == (
         f"planc: error: --force replaces the build a plan file is compiled into, but "
         f"{tmp_path / 'b'} is a build directory already; run it without --force\n")
+
+
+def _tmpfs(tmp_path, size: str):
+    """A tmpfs of ``size`` mounted in ``tmp_path`` (root only; None elsewhere)."""
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}",
+                                            "tmpfs", str(mount)],
+                                           capture_output=True).returncode:
+        return None
+    return mount
+
+
+def _fill(mount, pages_left: int) -> None:
+    """Fill ``mount`` (a tmpfs) until ``pages_left`` pages of it are free. A page that a
+    file has begun is the file's: it takes writes until it is full, and then the next
+    page is not there."""
+    filler = mount / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        while True:  # unbuffered: nothing is left to write when the file is closed
+            os.write(fd, b"\0" * (1 << 16))
+    except OSError:
+        pass  # full: the filler ends on a page boundary
+    finally:
+        os.close(fd)
+    page = os.statvfs(mount).f_frsize
+    os.truncate(filler, os.path.getsize(filler) - pages_left * page)
+    assert os.statvfs(mount).f_bavail == pages_left
+
+
+def _run_filling(argv: list[str], mount, pages_left: int, build):
+    """``planc argv`` in a child, ``mount`` filled to ``pages_left`` free pages once the
+    launcher has checked its outputs (its "planc: running" line) and before a rank has
+    begun (they start after it: python, torch, the build), so that the disk fills during
+    the run. Returns (exit status, stderr, the text of every rank's log)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    child = subprocess.Popen([sys.executable, "-m", "planc", *map(str, argv)], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        head = []
+        for line in child.stderr:
+            head.append(line)
+            if line.startswith("planc: running"):
+                _fill(mount, pages_left)
+                break
+        out, rest = child.communicate(timeout=600)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    err = "".join(head) + rest
+    logs = [log.read_text(errors="replace") for log in (build / "logs").rglob("*.log")]
+    assert logs, err[-3000:]
+    return child.returncode, err + out, logs
+
+
+def _unmount(mount) -> None:
+    import subprocess
+
+    subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_a_metrics_file_on_a_disk_that_fills_ends_with_a_whole_line(tmp_path):
+    """The disk fills part way through a record (a tmpfs with one page left): the record
+    is cut off again rather than left half written, the leader warns once and trains on,
+    and planc plot reads the file without a warning."""
+    import pytest
+
+    pytest.importorskip("torch")
+    mount = _tmpfs(tmp_path, "2m")
+    if mount is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        (tmp_path / "x.plan").write_text(ONE_RANK.replace("LR", "0.1"))
+        metrics, build = mount / "m.jsonl", tmp_path / "b"
+        status, err, logs = _run_filling(["run", tmp_path / "x.plan", "-o", build,
+                                          "--steps", 30, "--metrics", metrics], mount, 1, build)
+        assert status == 0, err[-3000:]
+        warnings = [line for line in err.splitlines() if "warning" in line]
+        text = metrics.read_text()
+        lines = text.splitlines()
+        assert 6 <= len(lines) < 30 and os.path.getsize(metrics) <= 4096  # one page
+        assert text.endswith("\n") and [json.loads(line)["step"] for line in lines] == \
+            list(range(len(lines)))
+        assert len(warnings) == 1 and warnings[0].endswith(
+            f"planc: warning: cannot write the metrics of step {len(lines) + 1} (No space "
+            f"left on device); no more metrics are written"), err[-3000:]
+        assert "step 30/30" in err.split(warnings[0])[1]  # trained on after the warning
+        for text in [err, *logs]:
+            assert "Traceback" not in text and "Exception ignored" not in text, text[-2000:]
+        assert main(["plot", str(metrics), "-o", str(tmp_path / "p.png")]) == 0
+    finally:
+        _unmount(mount)

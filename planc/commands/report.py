@@ -78,9 +78,9 @@ def main(args) -> int:
     if os.path.isdir(args.output):
         return fail(f"-o {args.output} is a directory; name the page, such as report.html",
                     EXIT_USAGE)
-    metrics = None
+    metrics = cut = None
     if args.metrics:
-        metrics, problem = read_metrics(args.metrics)
+        metrics, problem, cut = read_metrics(args.metrics)
         if problem:
             return fail(problem)
     ranked = None
@@ -97,6 +97,8 @@ def main(args) -> int:
                                           plan_fingerprint(built.plan))
         if refused:
             return fail(refused)
+        if cut:  # the records are used: say where they stopped
+            print(f"planc: warning: {cut}", file=sys.stderr)
         if unchecked:
             print(f"planc: warning: {unchecked}", file=sys.stderr)
     result = simulate(built, keep_timeline=True)
