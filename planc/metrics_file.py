@@ -42,9 +42,10 @@ class Metrics(NamedTuple):
 
 
 def read_metrics(path: str) -> Metrics:
-    """The records of a ``planc run --metrics`` file, or why it cannot be read. A last
-    line that is no JSON and has no newline is one a run stopped while writing (killed,
-    or out of disk): the records before it are read, and ``warning`` says so."""
+    """The records of a ``planc run --metrics`` file, one a step in step order (a file a
+    resumed run appended to: :func:`history`), or why it cannot be read. A last line that
+    is no JSON and has no newline is one a run stopped while writing (killed, or out of
+    disk): the records before it are read, and ``warning`` says so."""
     numbered, cut = [], None
     try:
         with open_regular_file(path) as handle:  # not a device, a pipe or a directory
@@ -80,9 +81,24 @@ def read_metrics(path: str) -> Metrics:
         problem = record_problem(record)
         if problem:
             return Metrics(None, f"{path}: line {line} {problem}; {NOT_WRITTEN}")
-    return Metrics(records, warning=None if cut is None else (
+    return Metrics(history(records), warning=None if cut is None else (
         f"{path}: line {cut}, the last, is cut short (a run stopped while writing it); read "
         f"the lines before it"))
+
+
+def history(records: list[dict]) -> list[dict]:
+    """The steps of the training the file records, in step order. A run resumed from a
+    checkpoint appends to the file of the run it resumes, from the checkpoint's step on: a
+    record whose step is not past the one before begins such a run, and replaces every
+    record of that step and after (the resumed run trained them again, from another
+    state). So each step is its last record in the file, and a step the resumed run has
+    not reached yet is dropped: it followed steps that were replaced."""
+    kept: list[dict] = []
+    for record in records:
+        while kept and kept[-1]["step"] >= record["step"]:
+            kept.pop()
+        kept.append(record)
+    return kept
 
 
 class _TooLong(Exception):

@@ -295,3 +295,57 @@ def test_a_whole_last_record_without_its_newline_is_read_without_a_warning(tmp_p
     assert read_metrics(str(metrics)).warning is None
     assert main(["plot", str(metrics), "-o", str(tmp_path / "p.png")]) == 0
     assert capsys.readouterr().err == f"planc: loss of 1 run written to {tmp_path / 'p.png'}\n"
+
+
+def _resumed(tmp_path: Path, build: str, first: range, second: range) -> Path:
+    """A run's records of ``first``, then those a run resumed from a checkpoint appended
+    for ``second``: other losses (2.0 and on) and other step times (20 ms against 1 s)."""
+    return _write(tmp_path / "m.jsonl",
+                  [_record(k, build, loss=5.0 - k / 10, time_s=1.0) for k in first]
+                  + [_record(k, build, loss=2.0 - k / 10, time_s=0.02) for k in second])
+
+
+def _line_points(svg: str) -> list[tuple[float, float]]:
+    """The vertices of the one curve of a planc plot SVG (clipped to the axes, in the
+    first colour; the legend's sample is not clipped, the grid is grey)."""
+    (path,) = re.findall(r'<path d="([^"]*)" clip-path="[^"]*" style="[^"]*stroke: #1f77b4',
+                         svg)
+    return [tuple(map(float, p.split())) for p in re.findall(r"[ML] ([\d.]+ [\d.]+)", path)]
+
+
+def test_each_step_is_its_last_record_in_step_order(tmp_path, capsys):
+    """Steps 0..3 of a run, then 2..5 of a run resumed from its step-2 checkpoint: the
+    history is 0, 1 of the first run and 2..5 of the resumed one."""
+    metrics = _resumed(tmp_path, "f" * 64, range(0, 4), range(2, 6))
+    records = read_metrics(str(metrics)).records
+    assert [(r["step"], r["loss"]) for r in records] == [
+        (0, 5.0), (1, 4.9), (2, 1.8), (3, 1.7), (4, 1.6), (5, 1.5)]
+    assert main(["plot", str(metrics), "-o", str(tmp_path / "p.svg")]) == 0
+    assert capsys.readouterr().err == f"planc: loss of 1 run written to {tmp_path / 'p.svg'}\n"
+    points = _line_points((tmp_path / "p.svg").read_text())
+    assert len(points) == 6  # one vertex a step, left to right, the loss going down
+    assert all(a[0] < b[0] for a, b in zip(points, points[1:]))
+    assert all(a[1] < b[1] for a, b in zip(points, points[1:]))  # SVG's y grows downwards
+
+
+def test_steps_a_resumed_run_has_not_reached_yet_are_dropped(tmp_path):
+    """Steps 0..5, then 2 and 3 of a run resumed from step 2 (and stopped): 4 and 5 of
+    the first run followed the steps the resumed run replaced."""
+    metrics = _resumed(tmp_path, "f" * 64, range(0, 6), range(2, 4))
+    assert [(r["step"], r["loss"]) for r in read_metrics(str(metrics)).records] == [
+        (0, 5.0), (1, 4.9), (2, 1.8), (3, 1.7)]
+    twice = _resumed(tmp_path, "f" * 64, range(0, 3), range(1, 3))  # resumed twice from 1
+    with open(twice, "a") as handle:
+        handle.write("".join(json.dumps(_record(k, "f" * 64, loss=1.0)) + "\n" for k in (1, 2)))
+    assert [(r["step"], r["loss"]) for r in read_metrics(str(twice)).records] == [
+        (0, 5.0), (1, 1.0), (2, 1.0)]
+
+
+def test_the_report_measures_the_resumed_history(tmp_path, capsys, fingerprint):
+    metrics = _resumed(tmp_path, fingerprint, range(0, 4), range(2, 6))
+    page = tmp_path / "page.html"
+    assert main(["report", TINY, "-o", str(page), "--metrics", str(metrics)]) == 0
+    text = page.read_text()
+    # steps 2..5 after 2 warm-up steps, all of the resumed run: 20 ms, not the first run's 1 s
+    assert "median over 4 steps" in text and "<td>20 ms</td>" in text
+    assert len(_line_points(text)) == 6
