@@ -306,3 +306,96 @@ def test_a_metrics_file_on_a_disk_that_fills_ends_with_a_whole_line(tmp_path):
         assert main(["plot", str(metrics), "-o", str(tmp_path / "p.png")]) == 0
     finally:
         _unmount(mount)
+
+
+def test_tensorboard_on_a_full_disk_is_refused_before_any_rank_starts(tmp_path, capsys):
+    """As --metrics: a file system with less than 1 MiB free, at the start, is refused."""
+    import pytest
+
+    mount = _full_tmpfs(tmp_path)
+    if mount is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        (tmp_path / "x.plan").write_text(ONE_RANK.replace("LR", "0.1"))
+        status = main(["run", str(tmp_path / "x.plan"), "-o", str(tmp_path / "b"),
+                       "--tensorboard", str(mount / "tb")])
+        assert (status, capsys.readouterr().err) == (1, (
+            f"planc: error: --tensorboard {mount / 'tb'}: the file system of {mount} is full "
+            f"(less than 1 MiB free)\n"))
+        assert not (tmp_path / "b").exists() and not (mount / "tb").exists()
+    finally:
+        _unmount(mount)
+
+
+def _steps_logged(directory) -> tuple[dict[int, set[str]], set[str]]:
+    """The tags of every step of the one event file in ``directory``, and the tags of its
+    first step (every scalar a step of this run writes)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    steps: dict[int, set[str]] = {}
+    for tag in events.Tags()["tensors"]:
+        for event in events.Tensors(tag):
+            steps.setdefault(event.step, set()).add(tag)
+    return steps, steps.get(1, set())
+
+
+def test_tensorboard_on_a_disk_that_fills_during_the_run(tmp_path):
+    """The disk fills during the run (a tmpfs left one page once the launcher has checked
+    it): the leader warns once, as for --metrics, writes no more TensorBoard logs, and
+    trains to the last step; the writer's thread prints nothing. The event file holds
+    every step before the one warned of whole, and nothing after it."""
+    import pytest
+
+    pytest.importorskip("tensorboard")
+    mount = _tmpfs(tmp_path, "2m")
+    if mount is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        (tmp_path / "x.plan").write_text(ONE_RANK.replace("LR", "0.1"))
+        build = tmp_path / "b"
+        status, err, logs = _run_filling(["run", tmp_path / "x.plan", "-o", build,
+                                          "--steps", 40, "--tensorboard", mount / "tb"],
+                                         mount, 1, build)
+        assert status == 0, err[-3000:]
+        steps, every = _steps_logged(mount / "tb")
+        last = max(steps)
+        assert {"loss", "lr", "time_s", "mfu"} <= every and last < 40
+        assert all(steps[k] == every for k in range(1, last)), steps
+        failed = last + (steps[last] == every)  # the step whose events did not all fit
+        warnings = [line for line in err.splitlines() if "warning" in line]
+        assert len(warnings) == 1 and warnings[0].endswith(
+            f"planc: warning: cannot write the TensorBoard logs of step {failed} (No space "
+            f"left on device); no more TensorBoard logs are written"), err[-3000:]
+        assert "step 40/40" in err.split(warnings[0])[1]  # trained on after the warning
+        for text in [err, *logs]:
+            assert "Traceback" not in text and "Exception ignored" not in text and \
+                "Exception in thread" not in text, text[-2000:]
+    finally:
+        _unmount(mount)
+
+
+def test_a_tensorboard_log_on_a_disk_full_when_the_rank_starts_is_a_warning(tmp_path):
+    """The disk filled between planc run's check and the leader's start: the leader
+    warns and trains without the log, and the writer's thread is never started (its
+    first event would fail there, with a traceback)."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("tensorboard")
+    mount = _full_tmpfs(tmp_path)
+    if mount is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        code = ("from planc.runtime.step_metrics import open_tensorboard; "
+                f"assert open_tensorboard({str(mount / 'tb')!r}) is None")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=300)
+        assert (done.returncode, done.stderr) == (0, (
+            f"planc: warning: cannot write TensorBoard logs into {mount / 'tb'} (No space "
+            f"left on device); training goes on without them\n"))
+    finally:
+        _unmount(mount)
