@@ -41,6 +41,32 @@ def read_regular_file(path: str | os.PathLike, limit: int, follow: bool = True) 
         return handle.read(limit)
 
 
+def append_line(handle, line: str) -> None:
+    """Write ``line`` (ending in a newline) at the end of the file open as ``handle``, with
+    one write(2) where the system takes it whole, so that a reader never sees a half line
+    that a failure could have avoided: when the disk fills part way through, the part
+    written is cut off again (a regular file; a pipe or a device keeps what it took) and
+    the OSError raised."""
+    handle.flush()  # what went through the file object goes first
+    fd = handle.fileno()
+    data = line.encode("utf-8")
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+    except OSError:
+        start = None  # a pipe or a terminal: nothing to cut off
+    written = 0
+    try:
+        while written < len(data):  # a short write (a pipe, a full disk): the rest, or why not
+            written += os.write(fd, data[written:])
+    except OSError:
+        if written and start is not None:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                pass  # a device: what it took is gone already
+        raise
+
+
 def umask() -> int:
     """The process's umask (reading it means setting it, so it is set back at once)."""
     mask = os.umask(0)

@@ -288,7 +288,7 @@ def problem(output: Output, force: bool = False, append: bool = False,
         return refusal
     try:
         mode = os.stat(real).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # the latter: a file above it
         mode = None
     except OSError as exc:
         return Refusal(f"{shown}: cannot be used ({exc.strerror})", EXIT_ERRORS)

@@ -208,3 +208,196 @@ def test_output_with_a_build_directory_is_a_command_line_error(tmp_path, capsys)
         f"planc: error: -o names the build directory a plan file is compiled into, but "
         f"{tmp_path / 'b'} is a build directory already; run it without -o\n")
     assert sorted(os.listdir(tmp_path)) == ["b"]
+
+
+def _tmpfs(tmp_path, size: str):
+    """A tmpfs of ``size`` mounted in ``tmp_path`` (root only; None elsewhere)."""
+    import subprocess
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}",
+                                            "tmpfs", str(mount)],
+                                           capture_output=True).returncode:
+        return None
+    return mount
+
+
+def _fill(mount, pages_left: int) -> None:
+    """Fill ``mount`` (a tmpfs) until ``pages_left`` pages of it are free. A page that a
+    file has begun is the file's: it takes writes until it is full, and then the next
+    page is not there."""
+    filler = mount / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        while True:  # unbuffered: nothing is left to write when the file is closed
+            os.write(fd, b"\0" * (1 << 16))
+    except OSError:
+        pass  # full: the filler ends on a page boundary
+    finally:
+        os.close(fd)
+    page = os.statvfs(mount).f_frsize
+    os.truncate(filler, os.path.getsize(filler) - pages_left * page)
+    assert os.statvfs(mount).f_bavail == pages_left
+
+
+def _run_filling(argv: list[str], mount, pages_left: int, build):
+    """``planc argv`` in a child, ``mount`` filled to ``pages_left`` free pages once the
+    launcher has checked its outputs (its "planc: running" line) and before a rank has
+    begun (they start after it: python, torch, the build), so that the disk fills during
+    the run. Returns (exit status, stderr, the text of every rank's log)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    child = subprocess.Popen([sys.executable, "-m", "planc", *map(str, argv)], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        head = []
+        for line in child.stderr:
+            head.append(line)
+            if line.startswith("planc: running"):
+                _fill(mount, pages_left)
+                break
+        out, rest = child.communicate(timeout=600)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    err = "".join(head) + rest
+    logs = [log.read_text(errors="replace") for log in (build / "logs").rglob("*.log")]
+    assert logs, err[-3000:]
+    return child.returncode, err + out, logs
+
+
+def _unmount(mount) -> None:
+    import subprocess
+
+    subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_a_metrics_file_on_a_disk_that_fills_ends_with_a_whole_line(tmp_path):
+    """The disk fills part way through a record (a tmpfs with one page left): the record
+    is cut off again rather than left half written, the leader warns once and trains on,
+    and planc plot reads the file without a warning."""
+    import pytest
+
+    pytest.importorskip("torch")
+    mount = _tmpfs(tmp_path, "2m")
+    if mount is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        (tmp_path / "x.plan").write_text(ONE_RANK.replace("LR", "0.1"))
+        metrics, build = mount / "m.jsonl", tmp_path / "b"
+        status, err, logs = _run_filling(["run", tmp_path / "x.plan", "-o", build,
+                                          "--steps", 30, "--metrics", metrics], mount, 1, build)
+        assert status == 0, err[-3000:]
+        warnings = [line for line in err.splitlines() if "warning" in line]
+        text = metrics.read_text()
+        lines = text.splitlines()
+        assert 6 <= len(lines) < 30 and os.path.getsize(metrics) <= 4096  # one page
+        assert text.endswith("\n") and [json.loads(line)["step"] for line in lines] == \
+            list(range(len(lines)))
+        assert len(warnings) == 1 and warnings[0].endswith(
+            f"planc: warning: cannot write the metrics of step {len(lines) + 1} (No space "
+            f"left on device); no more metrics are written"), err[-3000:]
+        assert "step 30/30" in err.split(warnings[0])[1]  # trained on after the warning
+        for text in [err, *logs]:
+            assert "Traceback" not in text and "Exception ignored" not in text, text[-2000:]
+        assert main(["plot", str(metrics), "-o", str(tmp_path / "p.png")]) == 0
+    finally:
+        _unmount(mount)
+
+
+def test_tensorboard_on_a_full_disk_is_refused_before_any_rank_starts(tmp_path, capsys):
+    """As --metrics: a file system with less than 1 MiB free, at the start, is refused."""
+    import pytest
+
+    mount = _full_tmpfs(tmp_path)
+    if mount is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        (tmp_path / "x.plan").write_text(ONE_RANK.replace("LR", "0.1"))
+        status = main(["run", str(tmp_path / "x.plan"), "-o", str(tmp_path / "b"),
+                       "--tensorboard", str(mount / "tb")])
+        assert (status, capsys.readouterr().err) == (1, (
+            f"planc: error: --tensorboard {mount / 'tb'}: the file system of {mount} is full "
+            f"(less than 1 MiB free)\n"))
+        assert not (tmp_path / "b").exists() and not (mount / "tb").exists()
+    finally:
+        _unmount(mount)
+
+
+def _steps_logged(directory) -> tuple[dict[int, set[str]], set[str]]:
+    """The tags of every step of the one event file in ``directory``, and the tags of its
+    first step (every scalar a step of this run writes)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    steps: dict[int, set[str]] = {}
+    for tag in events.Tags()["tensors"]:
+        for event in events.Tensors(tag):
+            steps.setdefault(event.step, set()).add(tag)
+    return steps, steps.get(1, set())
+
+
+def test_tensorboard_on_a_disk_that_fills_during_the_run(tmp_path):
+    """The disk fills during the run (a tmpfs left one page once the launcher has checked
+    it): the leader warns once, as for --metrics, writes no more TensorBoard logs, and
+    trains to the last step; the writer's thread prints nothing. The event file holds
+    every step before the one warned of whole, and nothing after it."""
+    import pytest
+
+    pytest.importorskip("tensorboard")
+    mount = _tmpfs(tmp_path, "2m")
+    if mount is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        (tmp_path / "x.plan").write_text(ONE_RANK.replace("LR", "0.1"))
+        build = tmp_path / "b"
+        status, err, logs = _run_filling(["run", tmp_path / "x.plan", "-o", build,
+                                          "--steps", 40, "--tensorboard", mount / "tb"],
+                                         mount, 1, build)
+        assert status == 0, err[-3000:]
+        steps, every = _steps_logged(mount / "tb")
+        last = max(steps)
+        assert {"loss", "lr", "time_s", "mfu"} <= every and last < 40
+        assert all(steps[k] == every for k in range(1, last)), steps
+        failed = last + (steps[last] == every)  # the step whose events did not all fit
+        warnings = [line for line in err.splitlines() if "warning" in line]
+        assert len(warnings) == 1 and warnings[0].endswith(
+            f"planc: warning: cannot write the TensorBoard logs of step {failed} (No space "
+            f"left on device); no more TensorBoard logs are written"), err[-3000:]
+        assert "step 40/40" in err.split(warnings[0])[1]  # trained on after the warning
+        for text in [err, *logs]:
+            assert "Traceback" not in text and "Exception ignored" not in text and \
+                "Exception in thread" not in text, text[-2000:]
+    finally:
+        _unmount(mount)
+
+
+def test_a_tensorboard_log_on_a_disk_full_when_the_rank_starts_is_a_warning(tmp_path):
+    """The disk filled between planc run's check and the leader's start: the leader
+    warns and trains without the log, and the writer's thread is never started (its
+    first event would fail there, with a traceback)."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("tensorboard")
+    mount = _full_tmpfs(tmp_path)
+    if mount is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        code = ("from planc.runtime.step_metrics import open_tensorboard; "
+                f"assert open_tensorboard({str(mount / 'tb')!r}) is None")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=300)
+        assert (done.returncode, done.stderr) == (0, (
+            f"planc: warning: cannot write TensorBoard logs into {mount / 'tb'} (No space "
+            f"left on device); training goes on without them\n"))
+    finally:
+        _unmount(mount)

@@ -251,8 +251,8 @@ def test_metrics_of_another_build_are_refused(tmp_path, capsys):
         f"{other[:12]}), not of {tiny} (fingerprint {mine[:12]}); report the build that "
         f"ran, or run this one with planc run {tiny} --metrics FILE\n")
     assert not page.exists()
-    metrics.write_text(json.dumps({"time_s": 0.03, "build": mine}) + "\n"
-                       + json.dumps({"time_s": 0.02, "build": other}) + "\n")
+    metrics.write_text(json.dumps({"step": 0, "time_s": 0.03, "build": mine}) + "\n"
+                       + json.dumps({"step": 1, "time_s": 0.02, "build": other}) + "\n")
     assert main(["report", tiny, "-o", str(page), "--metrics", str(metrics)]) == 1
     assert capsys.readouterr().err == (
         f"planc: error: {metrics} mixes the metrics of 2 runs (build fingerprints "
@@ -330,3 +330,35 @@ def test_a_calibrated_topology_far_from_the_run_says_which_machine_it_measured(t
     assert ('<p class="hint">The prediction is 10.0 times off: planc simulates a step on the '
             'machine measured into machine.json, and the run that wrote the metrics was on a '
             'faster machine. To predict the machine you ran on') in page
+
+
+def _candidate(**change) -> dict:
+    """A layout as planc tune --json ranks it."""
+    return {"mesh": {"tp": 1, "cp": 1, "pp": 2, "dp": 2, "ep": 1},
+            "order": ["tp", "cp", "dp", "pp"], "virtual": 1, "microbatches": 2,
+            "pipeline": "1f1b", "zero": 1, "sequence_parallel": False, "recompute": "none",
+            "step_seconds": 2.7e-05, "tflops_per_gpu": 6.5, "mfu": 0.0066, "bubble": 0.33,
+            "memory_bytes": 1.6e6, **change}
+
+
+@pytest.mark.parametrize("key, value", [
+    ("step_seconds", 10**400), ("tflops_per_gpu", 10**400), ("mfu", 10**400),
+    ("bubble", 10**400), ("memory_bytes", 10**400), ("step_seconds", float("nan")),
+    ("memory_bytes", -1.0)], ids=["huge step_seconds", "huge tflops_per_gpu", "huge mfu",
+                                  "huge bubble", "huge memory_bytes", "NaN step_seconds",
+                                  "negative memory_bytes"])
+def test_a_tune_file_whose_numbers_are_out_of_range_is_refused(tmp_path, capsys, key, value):
+    # each is formatted as a float: 10**400 raised OverflowError
+    ranked, page = tmp_path / "tune.json", tmp_path / "report.html"
+    ranked.write_text(json.dumps({"format": "planc-tune", "version": 1, "candidates": [
+        _candidate(), _candidate(**{key: value})]}))
+    assert main(["report", str(PLANS / "gpt-tiny.plan"), "--tune", str(ranked), "-o",
+                 str(page)]) == 1
+    assert capsys.readouterr().err == (f"planc: error: {ranked}: candidate 2 has no valid "
+                                       f"{key}; it is not what planc tune --json writes\n")
+    assert not page.exists()
+    ranked.write_text(json.dumps({"format": "planc-tune", "version": 1,
+                                  "candidates": [_candidate()]}))
+    assert main(["report", str(PLANS / "gpt-tiny.plan"), "--tune", str(ranked), "-o",
+                 str(page)]) == 0
+    assert "<h2>Layouts planc tune ranked</h2>" in page.read_text()

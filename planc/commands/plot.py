@@ -26,15 +26,16 @@ def main(args) -> int:
     if image_format is None:
         return fail(f"-o {args.output}: planc plot writes a .png or an .svg file; name one",
                     EXIT_USAGE)
-    curves = []
+    curves, warnings = [], []
     for path in args.metrics:
-        records, problem = read_metrics(path)
-        if problem:
-            return fail(problem)
+        metrics = read_metrics(path)
+        if metrics.problem:
+            return fail(metrics.problem)
         try:
-            curves.append(curve(records, args.metric, path))
+            curves.append(curve(metrics.records, args.metric, path))
         except CurveError as exc:
             return fail(str(exc))
+        warnings += [metrics.warning] if metrics.warning else []
     try:
         image = draw(distinct(curves, args.metrics), args.metric, image_format)
     except ImportError as exc:
@@ -46,6 +47,8 @@ def main(args) -> int:
         write_atomically(args.output, marked(image, image_format, PLOT.generator))
     except OSError as exc:
         return fail(f"cannot write {args.output}: {exc.strerror or exc}")
+    for warning in warnings:  # once the image is written: a failure prints its error alone
+        print(f"planc: warning: {warning}", file=sys.stderr)
     print(f"planc: {args.metric} of {len(curves)} run{'s' * (len(curves) > 1)} written to "
           f"{args.output}", file=sys.stderr)
     return EXIT_OK

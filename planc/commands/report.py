@@ -6,7 +6,8 @@ import json
 import sys
 
 from planc.commands import EXIT_OK, fail, load_programs, outputs_refused, the_input
-from planc.metrics_file import read_metrics
+from planc.files import read_regular_file
+from planc.metrics_file import in_range, read_metrics
 
 
 def _other_build(path: str, records: list[dict], build_path: str, fingerprint: str
@@ -36,13 +37,14 @@ TUNE_FIELDS = {"mesh": dict, "order": list, "virtual": int, "microbatches": int,
                "pipeline": str, "zero": int, "sequence_parallel": bool, "recompute": str,
                "step_seconds": (int, float), "tflops_per_gpu": (int, float),
                "mfu": (int, float), "bubble": (int, float), "memory_bytes": (int, float)}
+MAX_TUNE_BYTES = 64 << 20  # a candidate with its plan text is a few KiB
+TUNE_NUMBERS = ("step_seconds", "tflops_per_gpu", "mfu", "bubble", "memory_bytes")
 
 
 def _tune(path: str) -> tuple[list[dict] | None, str | None]:
     """The ranked candidates of a ``planc tune --json`` file, or why it cannot be read."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
+    try:  # a regular file of at most MAX_TUNE_BYTES: not /dev/zero, a pipe or a directory
+        data = json.loads(read_regular_file(path, MAX_TUNE_BYTES + 1).decode("utf-8"))
     except OSError as exc:
         return None, f"cannot read {path}: {exc.strerror or exc}"
     except (ValueError, RecursionError):
@@ -58,6 +60,8 @@ def _tune(path: str) -> tuple[list[dict] | None, str | None]:
         if not bad and not (all(isinstance(mesh.get(a), int) and not isinstance(
                 mesh.get(a), bool) for a in ("tp", "cp", "pp", "dp", "ep"))):
             bad = ["mesh"]
+        if not bad:  # formatted with floats: 10**400 overflows, as in a metrics file
+            bad = [key for key in TUNE_NUMBERS if not (in_range(item[key]) and item[key] >= 0)]
         if bad:
             return None, (f"{path}: candidate {k} has no valid {bad[0]}; it is not what "
                           f"planc tune --json writes")
@@ -75,9 +79,9 @@ def main(args) -> int:
                                      ("the tune file", args.tune)))
     if refused is not None:
         return refused
-    metrics = None
+    metrics = cut = None
     if args.metrics:
-        metrics, problem = read_metrics(args.metrics)
+        metrics, problem, cut = read_metrics(args.metrics)
         if problem:
             return fail(problem)
     ranked = None
@@ -94,6 +98,8 @@ def main(args) -> int:
                                           plan_fingerprint(built.plan))
         if refused:
             return fail(refused)
+        if cut:  # the records are used: say where they stopped
+            print(f"planc: warning: {cut}", file=sys.stderr)
         if unchecked:
             print(f"planc: warning: {unchecked}", file=sys.stderr)
     result = simulate(built, keep_timeline=True)

@@ -216,6 +216,13 @@ def _refused(args) -> int | None:
         if parent and _full(parent):
             return fail(f"{flag} {path}: the file system of {parent} is full (less than "
                         f"{MIN_FREE_BYTES // 2**20} MiB free)")
+    if args.tensorboard:
+        existing = os.path.abspath(args.tensorboard)  # the directory, or what will hold it
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if _full(existing):  # as --metrics: a full disk at the start is refused
+            return fail(f"--tensorboard {args.tensorboard}: the file system of {existing} is "
+                        f"full (less than {MIN_FREE_BYTES // 2**20} MiB free)")
     logs = os.path.abspath(build_dir if os.path.isdir(build_dir) else
                            os.path.dirname(os.path.abspath(build_dir)) or ".")
     if os.path.isdir(logs) and _full(logs):

@@ -10,7 +10,9 @@ time and every device of the run.
 
 from __future__ import annotations
 
+import errno
 import math
+import os
 import resource
 import sys
 
@@ -43,26 +45,91 @@ def throughput(model_flops_per_step: float, peak_flops_per_device: float, second
 
 class TensorBoardLog:
     """The leader's TensorBoard event file: every step's record as scalars, in float64
-    (TensorBoard's tensor summaries), so that they read back equal to the metrics file."""
+    (TensorBoard's tensor summaries), so that they read back equal to the metrics file.
+
+    A log that cannot be written (a full disk) costs the log, not the run, as the
+    metrics file does: one warning, then no more logs. SummaryWriter writes from a thread
+    of its own, which re-raises an OSError out of the thread (a traceback on stderr) and
+    hands it to a later call, so the event file's writes are guarded instead: the first
+    failure is kept (the part of the event written cut off again), and every step asks
+    for it after its flush, when that step's events have all been tried."""
 
     def __init__(self, directory: str):
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
+        if _no_room(directory):  # the first event would fail in the writer's thread
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), directory)
         # the suffix marks planc's event files: --force replaces only those (planc.outputs)
         self.writer = SummaryWriter(log_dir=directory, filename_suffix=TENSORBOARD_SUFFIX)
+        self.failure: OSError | None = None
+        self._guard(self.writer.file_writer.event_writer)
+
+    def _guard(self, event_writer) -> None:
+        """Catch the OSError of every write of the event file, in the thread that writes."""
+        events = getattr(event_writer, "_general_file_writer", None)  # tensorboard's GFile
+        if events is None:  # another tensorboard: its thread's errors surface in flush()
+            return
+        write = events.write
+
+        def guarded(data) -> None:
+            if self.failure is not None:
+                return
+            try:
+                start = os.stat(events.filename).st_size
+            except OSError:
+                start = None
+            try:
+                write(data)
+            except OSError as exc:
+                self.failure = exc
+                if start is not None:  # the event file ends with whole events
+                    try:
+                        os.truncate(events.filename, start)
+                    except OSError:
+                        pass
+
+        events.write = guarded
 
     def write(self, record: dict) -> None:
+        if self.writer is None:
+            return
         step = record["step"] + 1  # the progress line's and planc plot's step numbers
-        for key in TENSORBOARD_SCALARS:
-            value = record.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and \
-                    math.isfinite(value):
-                self.writer.add_scalar(key, value, step, new_style=True,
-                                       double_precision=True)
-        self.writer.flush()  # a run stopped later still has every step written so far
+        failure = None
+        try:
+            for key in TENSORBOARD_SCALARS:
+                value = record.get(key)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and \
+                        math.isfinite(value):
+                    self.writer.add_scalar(key, value, step, new_style=True,
+                                           double_precision=True)
+            self.writer.flush()  # a run stopped later still has every step written so far
+        except OSError as exc:
+            failure = exc
+        failure = failure or self.failure
+        if failure is not None:  # a full disk: say so once and train on
+            print(f"planc: warning: cannot write the TensorBoard logs of step {step} "
+                  f"({failure.strerror or failure}); no more TensorBoard logs are written",
+                  file=sys.stderr)
+            self.close()
 
     def close(self) -> None:
-        self.writer.close()
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except OSError:
+                pass  # nothing is left to write: every step was flushed, or warned of
+
+
+def _no_room(directory: str) -> bool:
+    """Whether the file system ``directory`` is (or will be made) on has no free block."""
+    path = os.path.abspath(directory)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return os.statvfs(path).f_bavail == 0
+    except OSError:
+        return False
 
 
 def open_tensorboard(directory: str | None) -> TensorBoardLog | None:
@@ -73,6 +140,7 @@ def open_tensorboard(directory: str | None) -> TensorBoardLog | None:
     try:
         return TensorBoardLog(directory)
     except (OSError, ImportError) as exc:
-        print(f"planc: warning: cannot write TensorBoard logs into {directory} ({exc}); "
-              f"training goes on without them", file=sys.stderr)
+        print(f"planc: warning: cannot write TensorBoard logs into {directory} "
+              f"({getattr(exc, 'strerror', None) or exc}); training goes on without them",
+              file=sys.stderr)
         return None

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from planc.build_files import BuildError, read_for_run
+from planc.files import append_line
 from planc import checkpoint as checkpoint_format
 from planc.runtime.checkpoint import Checkpoints
 from planc.runtime.context import RankContext, make_groups
@@ -187,12 +188,15 @@ class _Metrics:
         if self.tensorboard:
             self.tensorboard.write(record)
         if self.file:
-            try:
-                self.file.write(json.dumps({**record, "build": self.build}) + "\n")
-                self.file.flush()
+            try:  # the whole line or none of it: a reader stops at a half line
+                append_line(self.file, json.dumps({**record, "build": self.build}) + "\n")
             except OSError as exc:  # a full disk: say so once and train on
                 print(f"planc: warning: cannot write the metrics of step {step + 1} "
                       f"({exc.strerror}); no more metrics are written", file=sys.stderr)
+                try:  # now, not when collected: a buffer it cannot write is no traceback
+                    self.file.close()
+                except OSError:
+                    pass
                 self.file = None
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ global is set, and nothing here imports torch.
 from __future__ import annotations
 
 import io
+import math
 import os
 from dataclasses import dataclass
 
@@ -19,6 +20,10 @@ METRICS = {"loss": "loss", "eval_loss": "evaluation loss", "lr": "learning rate"
            "max_rss_mb": "peak resident memory, largest rank (MiB)"}
 WIDTH_IN, HEIGHT_IN, DPI = 8.0, 4.5, 100  # a PNG of 800 x 450 pixels
 LINE_STYLES = ("-", "--", ":", "-.")  # runs that coincide stay visible on top of each other
+MAX_LABEL = 48  # characters of a curve's label
+# Text from a file is drawn as it is, never as markup: no TeX (a user's matplotlibrc may
+# turn it on), and every Text is made with parse_math=False (no mathtext for "$...$").
+PLAIN_TEXT = {"text.usetex": False, "svg.hashsalt": "planc"}  # an SVG's ids from its content
 
 
 class CurveError(ValueError):
@@ -34,34 +39,40 @@ class Curve:
 
 def curve(records: list[dict], metric: str, path: str) -> Curve:
     """The values of ``metric`` against the step in the records of one ``planc run
-    --metrics`` file (read by planc.metrics_file.read_metrics): every step has a loss;
-    another metric is drawn at the steps that have it (eval_loss where the run evaluated)."""
+    --metrics`` file (read, and its steps and numbers checked, by
+    planc.metrics_file.read_metrics): every step has a loss; another metric is drawn at the
+    steps that have it (eval_loss where the run evaluated). A loss that is NaN or infinite
+    (a run that diverged) is drawn as a gap."""
     steps, values = [], []
-    for line, record in enumerate(records, 1):
-        step, value = record.get("step"), record.get(metric)
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise CurveError(f"{path}: record {line} has no step number; it is not what "
-                             f"planc run --metrics writes")
+    for record in records:
+        step, value = record["step"], record.get(metric)
         if metric != "loss" and value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise CurveError(f"{path}: record {line} (step {step + 1}) has no {metric}"
-                             + ("" if value is None else " that is a number"))
+        if value is None:
+            raise CurveError(f"{path}: the record of step {step + 1} has no {metric}")
         steps.append(step + 1)
-        values.append(float(value))
+        values.append(float(value) if math.isfinite(value) else math.nan)
     if not steps:
         raise CurveError(f"{path}: no step has {metric}: the run did not record it "
                          f"(planc plot --metric {metric} needs a run that did)")
     plans = {record.get("plan") for record in records}
     (plan,) = plans if len(plans) == 1 else (None,)
     label = plan if isinstance(plan, str) and plan else os.path.basename(path)
-    return Curve(label, tuple(steps), tuple(values))
+    return Curve(plain(label), tuple(steps), tuple(values))
+
+
+def plain(text: str) -> str:
+    """A label from a file as a legend shows it: printable characters only (a control
+    character has no glyph; matplotlib warns), at most MAX_LABEL of them (a legend as wide
+    as a long name takes minutes to lay out)."""
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text if len(text) <= MAX_LABEL else text[:MAX_LABEL - 1] + "\u2026"
 
 
 def distinct(curves: list[Curve], paths: list[str]) -> list[Curve]:
     """The curves, those of the same plan told apart by their file's name."""
     labels = [c.label for c in curves]
-    return [Curve(f"{c.label} ({os.path.basename(p)})", c.steps, c.values)
+    return [Curve(f"{c.label} ({plain(os.path.basename(p))})", c.steps, c.values)
             if labels.count(c.label) > 1 else c for c, p in zip(curves, paths)]
 
 
@@ -72,22 +83,24 @@ def draw(curves: list[Curve], metric: str, image_format: str = "png") -> bytes:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    figure = Figure(figsize=(WIDTH_IN, HEIGHT_IN), dpi=DPI, layout="constrained")
-    FigureCanvasAgg(figure)
-    axes = figure.add_subplot()
-    for k, c in enumerate(curves):
-        axes.plot(c.steps, c.values, LINE_STYLES[k % len(LINE_STYLES)],
-                  linewidth=2.2 - 0.4 * (k % len(LINE_STYLES)), label=c.label)
-    axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
-    axes.set_xlabel("step")
-    axes.set_ylabel(METRICS.get(metric, metric))
-    axes.set_title(f"{METRICS.get(metric, metric)} per step")
-    axes.grid(True, alpha=0.3)
-    axes.legend()
     out = io.BytesIO()
-    # no timestamps or generator versions: the same curves give the same file
-    metadata = {"Date": None} if image_format == "svg" else {"Software": None}
-    with rc_context({"svg.hashsalt": "planc"}):  # an SVG's ids from its content, not random
+    with rc_context(PLAIN_TEXT):  # Text reads usetex when it is made: the whole figure
+        figure = Figure(figsize=(WIDTH_IN, HEIGHT_IN), dpi=DPI, layout="constrained")
+        FigureCanvasAgg(figure)
+        axes = figure.add_subplot()
+        lines = [axes.plot(c.steps, c.values, LINE_STYLES[k % len(LINE_STYLES)],
+                           linewidth=2.2 - 0.4 * (k % len(LINE_STYLES)))[0]
+                 for k, c in enumerate(curves)]
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole
+        axes.set_xlabel("step", parse_math=False)
+        axes.set_ylabel(METRICS.get(metric, metric), parse_math=False)
+        axes.set_title(f"{METRICS.get(metric, metric)} per step", parse_math=False)
+        axes.grid(True, alpha=0.3)
+        # labels given with their lines: one starting with "_" is not hidden from them
+        for text in axes.legend(lines, [c.label for c in curves]).get_texts():
+            text.set_parse_math(False)
+        # no timestamps or generator versions: the same curves give the same file
+        metadata = {"Date": None} if image_format == "svg" else {"Software": None}
         figure.savefig(out, format=image_format, dpi=DPI, metadata=metadata)
     return out.getvalue()
 

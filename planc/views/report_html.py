@@ -224,7 +224,8 @@ def _measured(plan, result, metrics: list[dict] | None, warmup: int,
     predicted_exposed = max(sum(s.exposed_seconds.values()) for s in result.stages)
     rows.append(["exposed communication", format_quantity(predicted_exposed, TIME),
                  format_quantity(exposed, TIME), ""])
-    if all(isinstance(r.get("mfu"), (int, float)) for r in kept):  # planc run since issue 26
+    # planc run since issue 26 writes both (planc.metrics_file checked them where present)
+    if all(r.get("mfu") is not None and r.get("tflops_per_device") is not None for r in kept):
         rate = statistics.median(r["tflops_per_device"] for r in kept)
         rows.append(["FLOP/s per GPU", format_flop_rate(result.tflops_per_gpu * 1e12),
                      format_flop_rate(rate * 1e12), ""])
