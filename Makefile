@@ -16,7 +16,8 @@ $(STAMP):
 install: $(STAMP)
 
 # The demo trains plans/demo.plan on 8 local processes on the corpus below and checks it
-# against one process (about 20 s on 2 cores), then writes the comm graph and the report.
+# against one process (about 20 s on 2 cores), then writes the comm graph and the report;
+# --force: a second `make demo` replaces the first one's metrics, graph and report.
 DEMO   := build/demo
 CORPUS := data/tiny-corpus.tokens
 
@@ -27,9 +28,9 @@ demo: $(STAMP) $(CORPUS)
 	@echo
 	$(VENV)/bin/planc compile plans/demo.plan --set 'train.data="../$(CORPUS)"' -o $(DEMO)
 	@echo
-	$(VENV)/bin/planc run $(DEMO) --check --metrics $(DEMO)/metrics.jsonl
-	$(VENV)/bin/planc graph $(DEMO) -o $(DEMO)/graph.html
-	$(VENV)/bin/planc report $(DEMO) -o $(DEMO)/report.html --metrics $(DEMO)/metrics.jsonl
+	$(VENV)/bin/planc run $(DEMO) --check --metrics $(DEMO)/metrics.jsonl --force
+	$(VENV)/bin/planc graph $(DEMO) -o $(DEMO)/graph.html --force
+	$(VENV)/bin/planc report $(DEMO) -o $(DEMO)/report.html --metrics $(DEMO)/metrics.jsonl --force
 	@echo
 	@$(PY) -c 'import json, sys; loss = [json.loads(l)["loss"] for l in open(sys.argv[1])]; \
 	  print(f"loss: {loss[0]:.2f} at step 1, {loss[-1]:.2f} at step {len(loss)}")' \

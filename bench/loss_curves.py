@@ -54,7 +54,7 @@ def main() -> int:
           f"{losses[1][-1]:.4f}; the layouts differ by at most {max(gaps[:10]):.2g} over "
           f"steps 1-10, {gaps[-1]:.2g} at step {len(gaps)}, {gaps[worst]:.2g} at most (step "
           f"{worst + 1})")
-    subprocess.run(PLANC + ["plot", *files, "-o", args.plot], check=True)
+    subprocess.run(PLANC + ["plot", *files, "-o", args.plot, "--force"], check=True)
     shutil.rmtree(work, ignore_errors=True)
     return 0
 

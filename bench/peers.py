@@ -106,7 +106,7 @@ def run_planc(text: str, directory: Path) -> dict:
     captured = io.StringIO()
     with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(io.StringIO()):
         status = main(["run", str(plan), "-o", str(directory / "build"), "--metrics",
-                       str(metrics)])
+                       str(metrics), "--force"])  # the last round's metrics: replaced
     if status != 0:
         raise SystemExit(f"planc run failed:\n{captured.getvalue()[-3000:]}")
     records = [json.loads(line) for line in metrics.read_text().splitlines()]

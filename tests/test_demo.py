@@ -21,10 +21,11 @@ def test_make_demo_trains_on_the_corpus_and_prints_the_three_paths():
     assert compile_line == (".venv/bin/planc compile plans/demo.plan --set "
                             "'train.data=\"../data/tiny-corpus.tokens\"' -o build/demo")
     build = ROOT / "build" / "demo"
-    assert ".venv/bin/planc run build/demo --check --metrics build/demo/metrics.jsonl" in lines
-    assert ".venv/bin/planc graph build/demo -o build/demo/graph.html" in lines
+    assert (".venv/bin/planc run build/demo --check --metrics build/demo/metrics.jsonl "
+            "--force") in lines
+    assert ".venv/bin/planc graph build/demo -o build/demo/graph.html --force" in lines
     assert (".venv/bin/planc report build/demo -o build/demo/report.html --metrics "
-            "build/demo/metrics.jsonl") in lines
+            "build/demo/metrics.jsonl --force") in lines
     shown = [re.fullmatch(r'echo "(\w+): +(.*)"', line) for line in lines]
     assert [(m[1], m[2]) for m in shown if m] == [
         ("build", f"{build}/"), ("graph", f"{build}/graph.html"),
