@@ -752,15 +752,15 @@ def extreme_cases() -> list[tuple[str, str, str, dict]]:
         "set-json": (("check", "{plan}", "--error-format", "json", "--set", "mesh.tp=\x1c"), (1, 2)),
         "bad-error-format": (("check", "{plan}", "--error-format", "xml"), (2,)),
         "no-file": (("check",), (2,)),
-        "empty-file-name": (("check", ""), (1,)),
+        "empty-file-name": (("check", ""), (2,)),  # names nothing: a command line error
         "unknown-option": (("check", "{plan}", "--frobnicate"), (2,)),
         "unknown-command": (("frobnicate", "{plan}"), (2,)),
         "no-command": ((), (2,)),
         "path-100k": (("check", "x" * 100_000), (1,)),
-        "compile-output-is-a-file": (("compile", "{plan}", "-o", "{plan}"), (1,)),
+        "compile-output-is-a-file": (("compile", "{plan}", "-o", "{plan}"), (2,)),
         "compile-output-under-a-file": (("compile", "{plan}", "-o", "{plan}/sub"), (1,)),
-        "compile-output-dev-null": (("compile", "{plan}", "-o", "/dev/null"), (1,)),
-        "compile-output-fifo": (("compile", "{plan}", "-o", "{dir}/fifo"), (1,)),
+        "compile-output-dev-null": (("compile", "{plan}", "-o", "/dev/null"), (2,)),
+        "compile-output-fifo": (("compile", "{plan}", "-o", "{dir}/fifo"), (2,)),
         "compile-output-loop": (("compile", "{plan}", "-o", "{dir}/loop/sub"), (1,)),
     }
     for label, (args, expect) in usage.items():

@@ -439,7 +439,12 @@ def test_bad_checkpoint_flags_are_one_line_and_exit_2(tmp_path, capfd):
         "planc: error: --checkpoint-every needs --checkpoint-dir"
     assert _refused([plan, "--checkpoint-dir", tmp_path / "c", "--checkpoint-every", 0],
                     capfd, tmp_path, 2) == "planc: error: --checkpoint-every must be at least 1"
-    assert "is not a directory" in _refused([plan, "--checkpoint-dir", plan], capfd, tmp_path, 2)
+    assert "is the plan file, which this command reads" in _refused(
+        [plan, "--checkpoint-dir", plan], capfd, tmp_path, 2)
+    other = tmp_path / "other.txt"
+    other.write_text("x")
+    assert "is not a directory" in _refused([plan, "--checkpoint-dir", other], capfd, tmp_path, 2)
+    other.unlink()
     assert "holds 'p.plan', which is not a checkpoint" in \
         _refused([plan, "--checkpoint-dir", tmp_path], capfd, tmp_path, 2)
     assert "is inside the build directory" in \

@@ -199,8 +199,8 @@ def _refused(args) -> int | None:
     # every output path at once (planc.outputs): a resumed run continues its metrics and
     # TensorBoard logs; a build directory given to run is its input, not an output
     given = os.path.isdir(args.file)
-    refused = outputs_refused(args, (the_input(args.file), ("the checkpoint resumed from",
-                                                            args.resume)),
+    # (--resume is no input here: a run continues the checkpoint directory it resumed from)
+    refused = outputs_refused(args, (the_input(args.file),),
                               {} if given else {"output": build_dir}, append=bool(args.resume),
                               made=None if given else build_dir)
     if refused is not None:
