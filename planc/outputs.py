@@ -324,6 +324,16 @@ def _same(real: str, given: str) -> bool:
         return real == os.path.realpath(given)
 
 
+def existing_problem(flag: str, path: str, kind: Kind, force: bool = False,
+                     append: bool = False) -> Refusal | None:
+    """The rule's part about what already lies at ``path`` alone, for a rank started
+    without planc run (torchrun), which holds no locks and checked nothing."""
+    real = os.path.realpath(path)
+    if os.path.isfile(real) and os.path.getsize(real) > 0:
+        return _existing(f"{flag} {path}", real, kind, force, append and kind.appendable)
+    return None
+
+
 def _existing(shown: str, real: str, kind: Kind, force: bool, append: bool
               ) -> Refusal | None:
     """An existing, non-empty file at an output's path."""

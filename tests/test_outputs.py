@@ -468,3 +468,27 @@ def test_a_checkpoint_that_fills_the_disk_leaves_no_partial_directory(tmp_path, 
         assert os.listdir(mount) == []  # no .step-000001.partial; ckpt, made for the run, too
     finally:
         subprocess.run(["umount", str(mount)])
+
+
+def test_a_worker_under_torchrun_keeps_the_rule_it_can_keep_alone(tmp_path):
+    """Without planc run nobody checked the paths: rank 0 refuses a --trace that is not
+    a run's trace, the leader a --metrics that is not a metrics file; neither is touched."""
+    pytest.importorskip("torch")
+    plan = tmp_path / "one.plan"
+    plan.write_text(ONE_RANK.replace("STEPS", "1"))
+    assert main(["compile", str(plan), "-o", str(tmp_path / "b")]) == 0
+    notes = tmp_path / "notes.md"
+    notes.write_text("mine\n")
+    port = str(29500 + os.getpid() % 1000)
+    for flag in ("--trace", "--metrics"):
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+             "--master-port", port, "-m", "planc.runtime.worker", str(tmp_path / "b"), flag,
+             str(notes)], cwd=ROOT, capture_output=True, text=True, timeout=DEADLINE_S,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert done.returncode != 0
+        assert (f"planc: error: {flag} {notes}: exists and is not "
+                f"{'a run' + chr(39) + 's trace' if flag == '--trace' else 'a metrics file'} "
+                f"that planc wrote; planc never replaces such a file: name another path, or "
+                f"remove it first") in done.stderr, done.stderr[-2000:]
+        assert notes.read_text() == "mine\n"

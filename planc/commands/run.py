@@ -370,4 +370,6 @@ def _worker_arguments(args, found=None, identity=None) -> list[str]:
             out += [flag, os.path.abspath(value)]
     if args.check:
         out.append("--check")
+    if args.force:  # what planc run checked may be replaced: the trace, at its end
+        out.append("--force")
     return out

@@ -89,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--data-identity", type=Identity.parse, help=argparse.SUPPRESS)
     parser.add_argument("--tensorboard", metavar="DIR",
                         help="the leader writes TensorBoard scalars of every step into DIR")
+    parser.add_argument("--force", action="store_true",
+                        help="rank 0 may replace a trace an earlier run wrote at --trace")
     args = parser.parse_args(argv)
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         parser.error("--checkpoint-every must be at least 1")
@@ -208,11 +210,11 @@ class _Metrics:
 
 
 def _metrics_file(path: str):
-    from planc.outputs import METRICS, is_ours
+    from planc.outputs import METRICS, existing_problem
 
-    if os.path.isfile(path) and os.path.getsize(path) and not is_ours(path, METRICS):
-        raise SystemExit(f"planc: error: --metrics {path}: exists and is not a metrics file "
-                         f"that planc wrote; planc never replaces such a file")
+    refusal = existing_problem("--metrics", path, METRICS, append=True)  # continued
+    if refusal is not None:
+        raise SystemExit(f"planc: error: {refusal.message}")
     return open(path, "a")
 
 
@@ -247,6 +249,12 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     keep_freed_memory()  # before the first tensor: every step reuses the last one's memory
     built = read_for_run(args.build)  # programs/ and plan.json: no graph, nothing derived
+    if rank == 0 and args.trace:  # under torchrun nobody checked it (planc.outputs)
+        from planc.outputs import RUN_TRACE, existing_problem
+
+        refusal = existing_problem("--trace", args.trace, RUN_TRACE, args.force)
+        if refusal is not None:
+            raise SystemExit(f"planc: error: {refusal.message}")
     if world != built.table.world:
         raise SystemExit(f"planc: error: the plan needs {built.table.world} ranks, the "
                          f"launch has {world}")
