@@ -26,8 +26,10 @@ a process disappearing) under a generous deadline.
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -219,6 +221,89 @@ def test_ctrl_c_while_torch_imports_numpy_stops_the_run(stuck, tmp_path):
     assert err.endswith("planc: interrupted by signal 2\n"), err
     assert "Traceback" not in out + err and "running" not in err
     assert not (build / "logs").exists()  # no rank was started
+
+
+# Loaded by every Python process started with its directory on PYTHONPATH. In the fork
+# server alone (its command line runs multiprocessing.forkserver's `main(LISTENER, ...)`)
+# the import of the ranks' modules, its preload, waits for good once the launcher has
+# asked for rank 0 (a connection waits on the listener), after saying so on HELD: a fork
+# server still importing torch, the longest step of the start-up, and one that a busy
+# machine can stretch without bound (issue 34). A writer of RELEASE coming and going
+# lets it go on.
+HOLD_THE_FORK_SERVER = """
+import os, re, select, sys
+
+class HoldTheForkServer:
+    def find_spec(self, name, path=None, target=None):
+        if name == "planc.runtime.worker" and "multiprocessing.forkserver" in sys.orig_argv[-1]:
+            sys.meta_path.remove(self)
+            listener = int(re.search(r"main[(](\\d+),", sys.orig_argv[-1]).group(1))
+            select.select([listener], [], [])
+            release = os.open(RELEASE, os.O_RDONLY | os.O_NONBLOCK)
+            with open(HELD, "w") as held:
+                held.write("held\\n")
+            select.select([release], [], [])
+        return None
+
+sys.meta_path.insert(0, HoldTheForkServer())
+"""
+
+
+def _readable(fd: int, process, what: str) -> None:
+    """Wait until ``fd`` can be read, while ``process`` runs, under the deadline."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not select.select([fd], [], [], 0.5)[0]:
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, what
+
+
+@pytest.mark.parametrize("send", [_interrupt_launcher, _interrupt_group],
+                         ids=["launcher", "process-group"])
+def test_ctrl_c_while_the_fork_server_imports_torch_stops_the_run_at_once(stuck, tmp_path,
+                                                                          send):
+    """The launcher asks the fork server for rank 0 and waits for its process id, which
+    comes once the server has imported torch. A Ctrl-C then was only recorded: the run
+    went on for as long as that import took, and "running stuck ... on 2 ranks" was all
+    it printed (issue 34). Here the import never ends: the run must stop at once, with
+    the fork server, and no rank must ever start."""
+    held, release = tmp_path / "held", tmp_path / "release"
+    os.mkfifo(held)
+    os.mkfifo(release)
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(
+        HOLD_THE_FORK_SERVER.replace("HELD", repr(str(held))).replace("RELEASE",
+                                                                     repr(str(release))))
+    build = tmp_path / "b"
+    shutil.copytree(stuck, build)
+    announced = os.open(held, os.O_RDONLY | os.O_NONBLOCK)
+    process = start(build, "--timeout", "600",
+                    env={"PYTHONPATH": f"{tmp_path / 'hook'}{os.pathsep}{ROOT}"})
+    try:
+        _readable(announced, process, "the fork server was not asked for rank 0")
+        send(process.pid)
+        try:
+            out, err = process.communicate(timeout=DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"planc run was still running {DEADLINE_S:g} s after its SIGINT")
+        deadline = time.monotonic() + DEADLINE_S
+        while session(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = session(process.pid)
+    finally:
+        try:  # a fork server still held goes on with its import
+            os.close(os.open(release, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # ENXIO: nothing holds it any more
+            pass
+        os.close(announced)
+        kill_all(process)
+    assert process.returncode == 130, err
+    assert err.endswith("\nplanc: interrupted by signal 2; no rank had started\n"), err
+    assert "Traceback" not in out + err
+    assert left == []  # the fork server too, though its import never ended
+    assert list((build / "logs").glob("*/0")) == []
+    logs = "".join(p.read_text(errors="replace") for p in (build / "logs").rglob("*")
+                   if p.is_file())
+    assert "Traceback" not in logs
 
 
 def test_a_signal_inside_the_import_machinery_is_recorded_not_raised():

@@ -24,10 +24,12 @@ see planc.runtime.worker):
   it starts) or is stopped (SIGSTOP) for ``--timeout`` seconds, every other live rank
   is given the time to report too, then all are stopped.
 - **Ctrl-C at any moment.** From the first line of ``planc run`` (planc.interrupts) a
-  signal is never lost: while torch is imported and while ranks are started it is
-  recorded and acted on right after; ranks, and the fork server they come from, start
-  with SIGINT blocked (planc.interrupts.blocked_in_children), so a Ctrl-C sent to the
-  whole process group reaches only the launcher, which stops every rank.
+  signal is never lost: while torch is imported and while a rank's process is made it
+  is recorded and acted on right after; the wait for the fork server to answer, which
+  lasts until it has imported torch, is a helper thread's, so that a signal then stops
+  the launch, and the fork server, at once; ranks, and the fork server they come from,
+  start with SIGINT blocked (planc.interrupts.blocked_in_children), so a Ctrl-C sent to
+  the whole process group reaches only the launcher, which stops every rank.
 
 Every rank's standard output and error go to ``BUILD/logs/RUN_ID/RANK/`` and are copied
 to this console line by line, prefixed ``[rank R]``.
@@ -198,8 +200,9 @@ def _launch(build_dir: str, world: int, worker_args: list[str], backend: str,
                 return status
             _stop(ranks)
             _copy_output(ranks)
+            started = any(e.process.pid is not None for e in ranks)
             print(f"\nplanc: interrupted by signal {interrupts.received}; "
-                  f"{'every rank was stopped' if ranks else 'no rank had started'}",
+                  f"{'every rank was stopped' if started else 'no rank had started'}",
                   file=sys.stderr)
             return 128 + interrupts.received
         finally:
@@ -239,19 +242,47 @@ def _start_ranks(ranks: list[_Rank], world: int, logs: str, build_dir: str,
         context.set_forkserver_preload(["planc.runtime.worker"])
     _start_helpers(method, os.path.join(logs, "launcher.log"))
     joining = rank_environment(store)
+    for rank in range(world):
+        if interrupts.received:
+            return
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(world), **joining}
+        log_dir = os.path.join(logs, str(rank))
+        process = context.Process(
+            target=rank_process, name=f"planc-rank-{rank}",
+            args=(rank, env, log_dir, [build_dir, "--backend", backend, *worker_args],
+                  me, started))
+        ranks.append(_Rank(rank, process, log_dir))
+        # The fork server answers once it has imported torch (its preload): the longest
+        # step of the start-up, tens of seconds on a busy machine, without end if that
+        # import hangs. A signal meanwhile stops it: a rank it made after the launcher
+        # had stopped the others would be no one's.
+        if not interrupts.wait_for(_start_rank, process, stop=_stop_fork_server):
+            return
+
+
+def _start_rank(process: multiprocessing.process.BaseProcess) -> None:
+    """Start a rank's process with SIGINT blocked in this thread (a helper's:
+    Interrupts.wait_for), for a child made here to inherit: the rank itself under spawn,
+    under forkserver a fork server started again (planc.interrupts.blocked_in_children)."""
     with blocked_in_children(signal.SIGINT):
-        for rank in range(world):
-            if interrupts.received:
-                return
-            env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                   "LOCAL_WORLD_SIZE": str(world), **joining}
-            log_dir = os.path.join(logs, str(rank))
-            process = context.Process(
-                target=rank_process, name=f"planc-rank-{rank}",
-                args=(rank, env, log_dir, [build_dir, "--backend", backend, *worker_args],
-                      me, started))
-            ranks.append(_Rank(rank, process, log_dir))
-            process.start()
+        process.start()
+
+
+def _stop_fork_server() -> None:
+    """SIGKILL the fork server, which has not answered yet: the wait for it ends at once,
+    with the rank's process id if the server had made the rank (stopped then as any
+    other). multiprocessing keeps the server's process id in its ForkServer object and
+    has no public way to it (CPython's Lib/multiprocessing/forkserver.py); none under
+    spawn."""
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _start_helpers(method: str, log_path: str) -> None:
