@@ -306,6 +306,72 @@ def test_ctrl_c_while_the_fork_server_imports_torch_stops_the_run_at_once(stuck,
     assert "Traceback" not in logs
 
 
+# Like HOLD_THE_FORK_SERVER, but the fork server is held once it has made rank 0 and
+# before it tells the launcher so (os.register_at_fork runs in both processes around
+# the fork), and rank 0 is held until the fork server is gone: a server stopped between
+# making a rank and saying so leaves a rank that no launcher knows of.
+HOLD_THE_FORK_SERVER_AFTER_A_FORK = """
+import os, select, sys
+
+def hold_the_server():
+    release = os.open(RELEASE, os.O_RDONLY | os.O_NONBLOCK)
+    with open(HELD, "w") as held:
+        held.write("held\\n")
+    select.select([release], [], [])
+
+def hold_the_rank():
+    server = os.pidfd_open(os.getppid())
+    select.select([server], [], [])
+
+if "multiprocessing.forkserver" in sys.orig_argv[-1]:
+    os.register_at_fork(after_in_parent=hold_the_server, after_in_child=hold_the_rank)
+"""
+
+
+def test_a_rank_made_as_the_fork_server_is_stopped_dies_with_the_launcher(stuck, tmp_path):
+    """A Ctrl-C while the fork server has made rank 0 but not yet said so: the launcher
+    stops the server, never learns of the rank, and stops. The rank, left without the
+    parent it would die with and before it asked for its parent-death signal, must not
+    outlive the launcher (in its store's creation, which waits for the store's removed
+    directory without letting its launcher watch run, it would for minutes)."""
+    held, release = tmp_path / "held", tmp_path / "release"
+    os.mkfifo(held)
+    os.mkfifo(release)
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(
+        HOLD_THE_FORK_SERVER_AFTER_A_FORK.replace("HELD", repr(str(held))).replace(
+            "RELEASE", repr(str(release))))
+    build = tmp_path / "b"
+    shutil.copytree(stuck, build)
+    announced = os.open(held, os.O_RDONLY | os.O_NONBLOCK)
+    process = start(build, "--timeout", "600",
+                    env={"PYTHONPATH": f"{tmp_path / 'hook'}{os.pathsep}{ROOT}"})
+    try:
+        _readable(announced, process, "the fork server did not make rank 0")
+        os.kill(process.pid, signal.SIGINT)
+        try:
+            out, err = process.communicate(timeout=DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"planc run was still running {DEADLINE_S:g} s after its SIGINT")
+        deadline = time.monotonic() + DEADLINE_S
+        while session(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = session(process.pid)
+    finally:
+        try:
+            os.close(os.open(release, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+        os.close(announced)
+        kill_all(process)
+    assert process.returncode == 130, err
+    assert err.endswith("\nplanc: interrupted by signal 2; no rank had started\n"), err
+    assert left == []
+    logs = "".join(p.read_text(errors="replace") for p in (build / "logs").rglob("*")
+                   if p.is_file())
+    assert "Traceback" not in out + err + logs
+
+
 def test_a_signal_inside_the_import_machinery_is_recorded_not_raised():
     """Python prints an exception raised in its frozen import machinery (a module lock's
     weakref callback) as "Exception ignored in ..." with a traceback, and drops it: a
