@@ -6,9 +6,10 @@ and carries on (a Ctrl-C in the first seconds of ``planc run`` was ignored, and 
 trained to the end with status 0). So the command line installs :class:`Interrupts`:
 a signal raises :class:`Interrupted` at once, except inside :meth:`Interrupts.deferred`
 sections (imports of torch, starting and watching ranks), where it is recorded and acted
-on when the section ends or when the code there looks (``received``). The first signal
-wins; later ones change nothing, so a second Ctrl-C cannot interrupt the clean-up of
-the first.
+on when the section ends or when the code there looks (``received``). Code that looks must
+never wait where it cannot look: a wait on another process that is slow to answer goes
+through :meth:`Interrupts.wait_for`. The first signal wins; later ones change nothing, so
+a second Ctrl-C cannot interrupt the clean-up of the first.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import threading
 from contextlib import contextmanager
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+WAIT_POLL_S = 0.05  # how often Interrupts.wait_for looks at a signal
+STOPPED_WAIT_S = 10.0  # for a call whose wait Interrupts.wait_for has stopped
 
 
 class Interrupted(BaseException):
@@ -72,6 +75,41 @@ class Interrupts:
             self._deferring -= 1
         if raise_at_end and not self._deferring and self.received is not None:
             raise Interrupted(self.received)
+
+    def wait_for(self, call, *args, stop=None) -> bool:
+        """Run ``call(*args)`` in a helper thread and wait for it here, looking at
+        ``received``: True once it returned (what it raised is raised here), False when a
+        signal came first. Then ``stop()`` is to end the wait inside ``call`` (by stopping
+        the process it waits on), and the call has STOPPED_WAIT_S to end, what it raises
+        ignored: its effects are whole when this returns. Without ``stop``, or past that,
+        the call is left to its thread, a daemon, which does not keep the process alive.
+
+        A wait in the main thread cannot serve: Python runs signal handlers in the main
+        thread only, between bytecodes, and a system call (a pipe's read) is cut short
+        only in the thread the kernel delivers the signal to, not at all while that thread
+        blocks it (signal(7)), so a main thread waiting in C for a child that is slow to
+        answer would hold a Ctrl-C back for as long as the child takes."""
+        raised: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                call(*args)
+            except BaseException as exc:  # noqa: BLE001 - raised again in the waiting thread
+                raised.append(exc)
+
+        helper = threading.Thread(target=run, daemon=True,
+                                  name=f"planc-{getattr(call, '__name__', 'wait')}")
+        helper.start()
+        while helper.is_alive():
+            if self.received is not None:
+                if stop is not None:
+                    stop()
+                    helper.join(STOPPED_WAIT_S)
+                return False
+            helper.join(WAIT_POLL_S)
+        if raised:
+            raise raised[0]
+        return True
 
     def check(self) -> None:
         """Raise the signal received, if any (at a point where stopping is safe)."""

@@ -26,8 +26,10 @@ a process disappearing) under a generous deadline.
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -219,6 +221,155 @@ def test_ctrl_c_while_torch_imports_numpy_stops_the_run(stuck, tmp_path):
     assert err.endswith("planc: interrupted by signal 2\n"), err
     assert "Traceback" not in out + err and "running" not in err
     assert not (build / "logs").exists()  # no rank was started
+
+
+# Loaded by every Python process started with its directory on PYTHONPATH. In the fork
+# server alone (its command line runs multiprocessing.forkserver's `main(LISTENER, ...)`)
+# the import of the ranks' modules, its preload, waits for good once the launcher has
+# asked for rank 0 (a connection waits on the listener), after saying so on HELD: a fork
+# server still importing torch, the longest step of the start-up, and one that a busy
+# machine can stretch without bound (issue 34). A writer of RELEASE coming and going
+# lets it go on.
+HOLD_THE_FORK_SERVER = """
+import os, re, select, sys
+
+class HoldTheForkServer:
+    def find_spec(self, name, path=None, target=None):
+        if name == "planc.runtime.worker" and "multiprocessing.forkserver" in sys.orig_argv[-1]:
+            sys.meta_path.remove(self)
+            listener = int(re.search(r"main[(](\\d+),", sys.orig_argv[-1]).group(1))
+            select.select([listener], [], [])
+            release = os.open(RELEASE, os.O_RDONLY | os.O_NONBLOCK)
+            with open(HELD, "w") as held:
+                held.write("held\\n")
+            select.select([release], [], [])
+        return None
+
+sys.meta_path.insert(0, HoldTheForkServer())
+"""
+
+
+def _readable(fd: int, process, what: str) -> None:
+    """Wait until ``fd`` can be read, while ``process`` runs, under the deadline."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not select.select([fd], [], [], 0.5)[0]:
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, what
+
+
+@pytest.mark.parametrize("send", [_interrupt_launcher, _interrupt_group],
+                         ids=["launcher", "process-group"])
+def test_ctrl_c_while_the_fork_server_imports_torch_stops_the_run_at_once(stuck, tmp_path,
+                                                                          send):
+    """The launcher asks the fork server for rank 0 and waits for its process id, which
+    comes once the server has imported torch. A Ctrl-C then was only recorded: the run
+    went on for as long as that import took, and "running stuck ... on 2 ranks" was all
+    it printed (issue 34). Here the import never ends: the run must stop at once, with
+    the fork server, and no rank must ever start."""
+    held, release = tmp_path / "held", tmp_path / "release"
+    os.mkfifo(held)
+    os.mkfifo(release)
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(
+        HOLD_THE_FORK_SERVER.replace("HELD", repr(str(held))).replace("RELEASE",
+                                                                     repr(str(release))))
+    build = tmp_path / "b"
+    shutil.copytree(stuck, build)
+    announced = os.open(held, os.O_RDONLY | os.O_NONBLOCK)
+    process = start(build, "--timeout", "600",
+                    env={"PYTHONPATH": f"{tmp_path / 'hook'}{os.pathsep}{ROOT}"})
+    try:
+        _readable(announced, process, "the fork server was not asked for rank 0")
+        send(process.pid)
+        try:
+            out, err = process.communicate(timeout=DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"planc run was still running {DEADLINE_S:g} s after its SIGINT")
+        deadline = time.monotonic() + DEADLINE_S
+        while session(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = session(process.pid)
+    finally:
+        try:  # a fork server still held goes on with its import
+            os.close(os.open(release, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:  # ENXIO: nothing holds it any more
+            pass
+        os.close(announced)
+        kill_all(process)
+    assert process.returncode == 130, err
+    assert err.endswith("\nplanc: interrupted by signal 2; no rank had started\n"), err
+    assert "Traceback" not in out + err
+    assert left == []  # the fork server too, though its import never ended
+    assert list((build / "logs").glob("*/0")) == []
+    logs = "".join(p.read_text(errors="replace") for p in (build / "logs").rglob("*")
+                   if p.is_file())
+    assert "Traceback" not in logs
+
+
+# Like HOLD_THE_FORK_SERVER, but the fork server is held once it has made rank 0 and
+# before it tells the launcher so (os.register_at_fork runs in both processes around
+# the fork), and rank 0 is held until the fork server is gone: a server stopped between
+# making a rank and saying so leaves a rank that no launcher knows of.
+HOLD_THE_FORK_SERVER_AFTER_A_FORK = """
+import os, select, sys
+
+def hold_the_server():
+    release = os.open(RELEASE, os.O_RDONLY | os.O_NONBLOCK)
+    with open(HELD, "w") as held:
+        held.write("held\\n")
+    select.select([release], [], [])
+
+def hold_the_rank():
+    server = os.pidfd_open(os.getppid())
+    select.select([server], [], [])
+
+if "multiprocessing.forkserver" in sys.orig_argv[-1]:
+    os.register_at_fork(after_in_parent=hold_the_server, after_in_child=hold_the_rank)
+"""
+
+
+def test_a_rank_made_as_the_fork_server_is_stopped_dies_with_the_launcher(stuck, tmp_path):
+    """A Ctrl-C while the fork server has made rank 0 but not yet said so: the launcher
+    stops the server, never learns of the rank, and stops. The rank, left without the
+    parent it would die with and before it asked for its parent-death signal, must not
+    outlive the launcher (in its store's creation, which waits for the store's removed
+    directory without letting its launcher watch run, it would for minutes)."""
+    held, release = tmp_path / "held", tmp_path / "release"
+    os.mkfifo(held)
+    os.mkfifo(release)
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(
+        HOLD_THE_FORK_SERVER_AFTER_A_FORK.replace("HELD", repr(str(held))).replace(
+            "RELEASE", repr(str(release))))
+    build = tmp_path / "b"
+    shutil.copytree(stuck, build)
+    announced = os.open(held, os.O_RDONLY | os.O_NONBLOCK)
+    process = start(build, "--timeout", "600",
+                    env={"PYTHONPATH": f"{tmp_path / 'hook'}{os.pathsep}{ROOT}"})
+    try:
+        _readable(announced, process, "the fork server did not make rank 0")
+        os.kill(process.pid, signal.SIGINT)
+        try:
+            out, err = process.communicate(timeout=DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"planc run was still running {DEADLINE_S:g} s after its SIGINT")
+        deadline = time.monotonic() + DEADLINE_S
+        while session(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = session(process.pid)
+    finally:
+        try:
+            os.close(os.open(release, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+        os.close(announced)
+        kill_all(process)
+    assert process.returncode == 130, err
+    assert err.endswith("\nplanc: interrupted by signal 2; no rank had started\n"), err
+    assert left == []
+    logs = "".join(p.read_text(errors="replace") for p in (build / "logs").rglob("*")
+                   if p.is_file())
+    assert "Traceback" not in out + err + logs
 
 
 def test_a_signal_inside_the_import_machinery_is_recorded_not_raised():

@@ -15,19 +15,22 @@ see planc.runtime.worker):
   dies (``PR_SET_PDEATHSIG``: its parent under spawn) and watches the launcher's process
   (under the fork server, whose children keep it alive), against the start time the
   launcher read of itself, so a launcher killed with SIGKILL, even before a rank
-  started, leaves no rank training. The fork server and multiprocessing's resource
-  tracker write to ``launcher.log`` in the run's log directory, never to the caller's
-  terminal or pipe.
+  started, leaves no rank training; a rank whose fork server the launcher stopped before
+  the rank asked for its signal is the launcher's child by then (a child subreaper), and
+  dies with it. The fork server and multiprocessing's resource tracker write to
+  ``launcher.log`` in the run's log directory, never to the caller's terminal or pipe.
 - **One failure stops all.** When a rank exits with a non-zero status, every other rank
   is killed at once and the first failure's traceback is shown. When a rank stops making
   progress (it reports what its streams wait for after ``--timeout`` seconds, also while
   it starts) or is stopped (SIGSTOP) for ``--timeout`` seconds, every other live rank
   is given the time to report too, then all are stopped.
 - **Ctrl-C at any moment.** From the first line of ``planc run`` (planc.interrupts) a
-  signal is never lost: while torch is imported and while ranks are started it is
-  recorded and acted on right after; ranks, and the fork server they come from, start
-  with SIGINT blocked (planc.interrupts.blocked_in_children), so a Ctrl-C sent to the
-  whole process group reaches only the launcher, which stops every rank.
+  signal is never lost: while torch is imported and while a rank's process is made it
+  is recorded and acted on right after; the wait for the fork server to answer, which
+  lasts until it has imported torch, is a helper thread's, so that a signal then stops
+  the launch, and the fork server, at once; ranks, and the fork server they come from,
+  start with SIGINT blocked (planc.interrupts.blocked_in_children), so a Ctrl-C sent to
+  the whole process group reaches only the launcher, which stops every rank.
 
 Every rank's standard output and error go to ``BUILD/logs/RUN_ID/RANK/`` and are copied
 to this console line by line, prefixed ``[rank R]``.
@@ -52,7 +55,7 @@ from planc.runtime.launcher_protocol import ERROR_FILE, EXIT_HANG, REPORT_FILE, 
 from planc.runtime.rendezvous import private_store, rank_environment, remove_store
 
 POLL_S = 0.05
-PR_SET_PDEATHSIG = 1
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # prctl(2)
 
 
 def gpus() -> int:
@@ -72,6 +75,8 @@ def rank_process(rank: int, env: dict[str, str], log_dir: str, argv: list[str],
     already blocked here (inherited from the launcher: planc.interrupts.blocked_in_children),
     so a Ctrl-C sent to the whole process group cannot reach a rank before it ignores it."""
     _die_with_parent()
+    if _launcher_gone(launcher, launcher_started):  # before that signal could serve
+        os._exit(137)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_launcher, args=(launcher, launcher_started),
                      daemon=True).start()
@@ -93,10 +98,17 @@ def rank_process(rank: int, env: dict[str, str], log_dir: str, argv: list[str],
 
 
 def _die_with_parent() -> None:
-    """SIGKILL when the parent dies (Linux); elsewhere the launcher watch below serves."""
+    """SIGKILL when the parent dies (Linux); elsewhere the launcher watch below serves.
+    The parent is the one at the time it dies: a rank whose fork server was stopped
+    before it got here is the launcher's by then (_adopt_orphans)."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _prctl(option: int, value: int) -> None:
+    """Linux's prctl(2); nothing elsewhere."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(option, value, 0, 0, 0)
     except (OSError, AttributeError):
         pass
 
@@ -109,17 +121,21 @@ def _watch_launcher(launcher: int, started: str | None) -> None:
     launcher already gone when the rank starts (killed while the fork server was still
     importing torch) is seen as gone at once; a zombie, or a pid that now names another
     process (another start time), is gone too."""
-    while True:
-        if started is None:  # no /proc: only whether the pid exists
-            try:
-                os.kill(launcher, 0)
-            except ProcessLookupError:
-                os._exit(137)
-            except PermissionError:
-                pass
-        elif _start_time(launcher) != started:
-            os._exit(137)
+    while not _launcher_gone(launcher, started):
         time.sleep(0.5)
+    os._exit(137)
+
+
+def _launcher_gone(launcher: int, started: str | None) -> bool:
+    if started is None:  # no /proc: only whether the pid exists
+        try:
+            os.kill(launcher, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+    return _start_time(launcher) != started
 
 
 def _start_time(pid: int) -> str | None:
@@ -198,8 +214,9 @@ def _launch(build_dir: str, world: int, worker_args: list[str], backend: str,
                 return status
             _stop(ranks)
             _copy_output(ranks)
+            started = any(e.process.pid is not None for e in ranks)
             print(f"\nplanc: interrupted by signal {interrupts.received}; "
-                  f"{'every rank was stopped' if ranks else 'no rank had started'}",
+                  f"{'every rank was stopped' if started else 'no rank had started'}",
                   file=sys.stderr)
             return 128 + interrupts.received
         finally:
@@ -239,19 +256,47 @@ def _start_ranks(ranks: list[_Rank], world: int, logs: str, build_dir: str,
         context.set_forkserver_preload(["planc.runtime.worker"])
     _start_helpers(method, os.path.join(logs, "launcher.log"))
     joining = rank_environment(store)
+    for rank in range(world):
+        if interrupts.received:
+            return
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(world), **joining}
+        log_dir = os.path.join(logs, str(rank))
+        process = context.Process(
+            target=rank_process, name=f"planc-rank-{rank}",
+            args=(rank, env, log_dir, [build_dir, "--backend", backend, *worker_args],
+                  me, started))
+        ranks.append(_Rank(rank, process, log_dir))
+        # The fork server answers once it has imported torch (its preload): the longest
+        # step of the start-up, tens of seconds on a busy machine, without end if that
+        # import hangs. A signal meanwhile stops it: a rank it made after the launcher
+        # had stopped the others would be no one's.
+        if not interrupts.wait_for(_start_rank, process, stop=_stop_fork_server):
+            return
+
+
+def _start_rank(process: multiprocessing.process.BaseProcess) -> None:
+    """Start a rank's process with SIGINT blocked in this thread (a helper's:
+    Interrupts.wait_for), for a child made here to inherit: the rank itself under spawn,
+    under forkserver a fork server started again (planc.interrupts.blocked_in_children)."""
     with blocked_in_children(signal.SIGINT):
-        for rank in range(world):
-            if interrupts.received:
-                return
-            env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                   "LOCAL_WORLD_SIZE": str(world), **joining}
-            log_dir = os.path.join(logs, str(rank))
-            process = context.Process(
-                target=rank_process, name=f"planc-rank-{rank}",
-                args=(rank, env, log_dir, [build_dir, "--backend", backend, *worker_args],
-                      me, started))
-            ranks.append(_Rank(rank, process, log_dir))
-            process.start()
+        process.start()
+
+
+def _stop_fork_server() -> None:
+    """SIGKILL the fork server, which has not answered yet: the wait for it ends at once,
+    with the rank's process id if the server had made the rank (stopped then as any
+    other). multiprocessing keeps the server's process id in its ForkServer object and
+    has no public way to it (CPython's Lib/multiprocessing/forkserver.py); none under
+    spawn."""
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _start_helpers(method: str, log_path: str) -> None:
@@ -264,6 +309,8 @@ def _start_helpers(method: str, log_path: str) -> None:
     block the fork server is started under."""
     from multiprocessing import forkserver, resource_tracker
 
+    if method == "forkserver":
+        _adopt_orphans()
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -281,6 +328,14 @@ def _start_helpers(method: str, log_path: str) -> None:
         os.dup2(saved[1], 2)
         for fd in (*saved, target):
             os.close(fd)
+
+
+def _adopt_orphans() -> None:
+    """Be the parent of what the fork server leaves when it dies (Linux's child subreaper,
+    prctl(2)), rather than init: a rank it made just as _stop_fork_server killed it, too
+    early to have asked for its parent-death signal, then asks for it with this launcher
+    as its parent, and dies with it."""
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def _watch(ranks: list[_Rank], timeout: float, interrupts: Interrupts) -> int | None:
