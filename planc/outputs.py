@@ -413,8 +413,8 @@ def _directory_problem(output: Output, real: str, mode: int | None, force: bool,
 def _writable(shown: str, directory: str) -> Refusal | None:
     """Whether a file can be created in ``directory``: created and removed, for real."""
     if not os.path.isdir(directory):
-        return Refusal(f"{shown}: cannot write there ({directory} is not a directory)",
-                       EXIT_ERRORS)
+        what = "is not a directory" if os.path.lexists(directory) else "does not exist"
+        return Refusal(f"{shown}: cannot write there ({directory} {what})", EXIT_ERRORS)
     try:
         handle, probe = tempfile.mkstemp(prefix=".planc-probe-", dir=directory)
     except OSError as exc:

@@ -385,7 +385,8 @@ def test_calibrate_refuses_a_bad_command_line(tmp_path, run_planc):
                                                  "(4)\n")
     done = run_planc("calibrate", "-o", tmp_path / "missing" / "t.json")
     assert done.returncode == 1
-    assert done.stderr.startswith("planc: error: cannot write ")
+    assert done.stderr == (f"planc: error: -o {tmp_path / 'missing' / 't.json'}: cannot write "
+                           f"there ({tmp_path / 'missing'} does not exist)\n")
     assert not (tmp_path / "t.json").exists()
 
 

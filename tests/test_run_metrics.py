@@ -246,7 +246,7 @@ def test_plot_does_not_import_torch(tmp_path):
     ('{"step": 0, "time_s": 1.0, "loss": 2.0}\n', "dir.png",
      "-o {d}/dir.png: is a directory; name a file"),
     ('{"step": 0, "time_s": 1.0, "loss": 2.0}\n', "missing/p.png",
-     "-o {d}/missing/p.png: cannot write there ({d}/missing is not a directory)"),
+     "-o {d}/missing/p.png: cannot write there ({d}/missing does not exist)"),
 ])
 def test_plot_refuses_bad_input_in_one_line_and_writes_nothing(tmp_path, content, output,
                                                                 message):

@@ -263,9 +263,9 @@ def test_an_unwritable_output_path_is_refused_before_anything_runs(flag, tmp_pat
     status, err = run([plan, "-o", tmp_path / "b", flag, tmp_path / "missing" / "m.json"], capfd)
     assert status == 1
     assert err == (f"planc: error: {flag} {tmp_path / 'missing' / 'm.json'}: cannot write "
-                   f"there ({tmp_path / 'missing'} is not a writable directory)\n")
+                   f"there ({tmp_path / 'missing'} does not exist)\n")
     assert not (tmp_path / "b").exists()
     status, err = run([plan, "-o", tmp_path / "b", flag, tmp_path], capfd)
-    assert status == 1
+    assert status == 2
     assert err == f"planc: error: {flag} {tmp_path}: is a directory; name a file\n"
 
