@@ -119,27 +119,35 @@ class CostModel:
         tuning = link.tuning(kind)
         return (tuning.bandwidth, tuning.latency) if tuning else (link.bandwidth, 0.0)
 
-    def _ring_link(self, kind: str, placement: Placement) -> tuple[float, float, float]:
-        """(latency per call, latency per step, bus bandwidth) of a ring over the group:
-        the slowest hop's latency, and the bandwidth of the narrowest part (the node with
-        the fewest members' NICs)."""
-        intra, inter = self.topology.intra, self.topology.inter
-        inside, call = self._collective(intra, kind)
-        if not placement.crosses_nodes:
-            return call, intra.latency, inside
-        between, call = self._collective(inter, kind)
-        across = between * max(placement.fewest_per_node, 1)
-        return call, inter.latency, (min(inside, across) if placement.most_per_node > 1
-                                     else across)
-
     def ring_seconds(self, kind: str, nbytes: float, placement: Placement) -> float:
+        """NCCL's ring: a cost per call, a latency per step (the steps inside a node at
+        the intra-node link's, those that cross nodes at the network's, as NCCL's tuning
+        model counts them), and the buffer's bus bytes at the bandwidth of the narrowest
+        part (the node with the fewest members' NICs). Inside a node whose link carries a
+        measured size sweep the sweep gives the time whole (its small buffers are the
+        latency, its mid-sized ones the channels NCCL has not opened)."""
         if kind in POINT_TO_POINT_KINDS:
             return self._hop(self.link(placement.crosses_nodes), nbytes)
         n = placement.size
         if n <= 1:
             return 0.0
-        call, alpha, beta = self._ring_link(kind, placement)
-        return call + steps(kind, n) * alpha + bus_factor(kind, n) * nbytes / beta
+        intra, inter = self.topology.intra, self.topology.inter
+        inside, call = self._collective(intra, kind)
+        swept = intra.swept(nbytes)
+        if swept is not None:
+            inside = min(inside, swept)
+        moved = bus_factor(kind, n) * nbytes
+        if not placement.crosses_nodes:
+            if swept is not None:
+                return moved / inside
+            return call + steps(kind, n) * intra.latency + moved / inside
+        between, call = self._collective(inter, kind)
+        across = between * max(placement.fewest_per_node, 1)
+        beta = min(inside, across) if placement.most_per_node > 1 else across
+        network_steps = steps(kind, placement.nodes)
+        latency = call + (steps(kind, n) - network_steps) * intra.latency + \
+            network_steps * inter.latency
+        return latency + moved / beta
 
     def tree_seconds(self, nbytes: float, placement: Placement) -> float:
         """all_reduce as a reduce up and a broadcast down the two-level binary tree."""

@@ -134,9 +134,30 @@ class Link:
     bandwidth: float  # bytes/s per device, one direction
     latency: float  # seconds per message (one step of a ring, one hop of a tree)
     collectives: tuple[Tuning, ...] = ()  # measured figures per collective, if any
+    # A measured all_reduce size sweep inside a node (nccl-tests: buffer bytes, bus
+    # bandwidth), in increasing size: a collective of a mid-sized buffer reaches only
+    # part of the plateau (NCCL opens fewer channels and cannot fill its pipeline).
+    sweep: tuple[tuple[float, float], ...] = ()
 
     def tuning(self, kind: str) -> Tuning | None:
         return next((t for t in self.collectives if t.kind == kind), None)
+
+    def swept(self, nbytes: float) -> float | None:
+        """The bus bandwidth an all_reduce of an ``nbytes`` buffer reached in the sweep
+        (log-linear between its sizes; below the smallest, latency-bound: the time of the
+        smallest; above the largest, its plateau); None without a sweep."""
+        if not self.sweep:
+            return None
+        if nbytes >= self.sweep[-1][0]:
+            return self.sweep[-1][1]
+        if nbytes <= self.sweep[0][0]:
+            size, busbw = self.sweep[0]
+            return max(nbytes, 1.0) / size * busbw
+        for (a, fa), (b, fb) in zip(self.sweep, self.sweep[1:]):
+            if nbytes <= b:
+                t = (math.log2(nbytes) - math.log2(a)) / (math.log2(b) - math.log2(a))
+                return fa + t * (fb - fa)
+        return self.sweep[-1][1]
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from planc.commands import EXIT_OK, fail, load_programs, outputs_refused, the_in
 
 def main(args) -> int:
     from planc.simulate import simulate
+    from planc.simulate.accuracy import expected
     from planc.views import simulate_text
 
     refused = outputs_refused(args, (the_input(args.file),))
@@ -19,10 +20,14 @@ def main(args) -> int:
     if built is None:
         return status
     result = simulate(built, keep_timeline=bool(args.trace))
+    accuracy = expected(built.plan)
     if args.json:
-        print(json.dumps(result.to_json(), indent=1))
+        data = result.to_json()
+        data["expected_error"] = None if accuracy is None else {
+            "median": accuracy.median, "largest": accuracy.largest, "runs": accuracy.runs}
+        print(json.dumps(data, indent=1))
     else:
-        print(simulate_text.render(result), end="")
+        print(simulate_text.render(result, accuracy), end="")
     if args.trace:
         from planc.simulate.trace import write
 

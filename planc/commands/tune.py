@@ -55,6 +55,7 @@ def topology_settings(source: str, per_node: int, gpus: int) -> dict[str, str] |
 
 def main(args) -> int:
     from planc.lang import load_file, load_text
+    from planc.simulate.accuracy import expected
     from planc.tune import tune
     from planc.tune.space import KEEPABLE
     from planc.views import tune_text
@@ -105,7 +106,7 @@ def main(args) -> int:
     if args.json:
         print(json.dumps(search.to_json(args.top), indent=1))
     else:
-        print(tune_text.render(search, args.gpus, args.top), end="")
+        print(tune_text.render(search, args.gpus, args.top, expected(plan)), end="")
     if search.best is None:
         memory = "" if search.capacity is None else f" of {search.capacity / 1e9:g} GB"
         return fail(f"no layout of this model on {args.gpus} devices passes the checker and "

@@ -1,7 +1,8 @@
 """Named machines for ``topology { preset = ... }``, from vendors' published figures.
 
 Bandwidths are per device and per direction (NVIDIA quotes NVLink bidirectionally:
-600 GB/s on A100 is 300 GB/s each way). Compute is dense tensor-core peak for the
+600 GB/s on A100 is 300 GB/s each way), at what the communication library achieves on
+the link (NCCL's figures for the GPUs, below), not its line rate. Compute is dense tensor-core peak for the
 model's dtype (fp32 models use TF32 tensor cores, as PyTorch's matmul does with
 ``allow_tf32``). Latencies are the per-message start-up cost NCCL achieves on such
 links, not the raw hardware figure.
@@ -30,6 +31,7 @@ class Preset:
     inter_collectives: tuple[Tuning, ...] = ()
     memory_bandwidth: float = 1e12  # bytes/s of the device's memory
     overlap: float = 1.0  # fraction of a collective hidden behind compute (Device.overlap)
+    intra_sweep: tuple[tuple[float, float], ...] = ()  # Link.sweep
 
     def topology(self, nodes: int, dtype: str = "fp32") -> Topology:
         """The preset's machine with ``nodes`` nodes, every figure as measured."""
@@ -37,26 +39,80 @@ class Preset:
         return Topology(nodes, per_node, Device(self.flops[dtype], self.memory,
                                                 self.efficiency, self.memory_bandwidth,
                                                 self.overlap),
-                        Link(self.intra_bandwidth, self.intra_latency, self.intra_collectives),
+                        Link(self.intra_bandwidth, self.intra_latency, self.intra_collectives,
+                             self.intra_sweep),
                         Link(self.inter_bandwidth, self.inter_latency, self.inter_collectives),
                         self.name)
+
+
+# What NCCL achieves on these machines (the model of planc.cost prices collectives with
+# them, not with the links' line rates):
+# - Inside a node, the bus bandwidth of a ring: "~230GB/s" on A100's NVLink 3 (line rate
+#   240 GB/s of payload; NCCL maintainer, NVIDIA/nccl-tests issue 149) and "370GB/s" on
+#   H100's NVLink 4 (450 GB/s line rate less ~20 % protocol overhead; nccl-tests issue
+#   212); an H100 all_reduce runs NVLink SHARP, "peak busBw of ~480GB/s" (same issue).
+# - How much of that plateau a buffer reaches: Microsoft's published all_reduce sweeps
+#   inside one 8-GPU VM (Azure/AI-benchmarking-guide, nccl-tests in place, 1 KB to 8 GB),
+#   NCCL 2.18.5 on ND A100 v4 (A100-SXM4-80GB) and NCCL 2.20.5 on ND H200 v5, whose
+#   NVLink 4 and NVSwitch are the DGX H100's. A tensor-parallel all_reduce of 50 MB
+#   reaches about 150 of A100's 230 GB/s.
+# - Between nodes, "46-48GB/s per NIC" for NDR 400 Gb/s InfiniBand (nccl-tests issue
+#   290): 47 GB/s, 94 % of the line rate; HDR 200 Gb/s is taken at the same 94 % of its
+#   25 GB/s (no published figure found).
+# - Latencies from NCCL's own tuning model (src/graph/tuning.cc, commit 01afd20, ring with
+#   the Simple protocol that large buffers use): 8.4 us per call (baseLat), 3.4 us per
+#   NVLink step and 9.6 us per network step (hwLat).
+NCCL_CALL_LATENCY = 8.4e-6
+NVLINK_STEP_LATENCY = 3.4e-6
+NETWORK_STEP_LATENCY = 9.6e-6
+KIB, MIB, GIB = 1024, 1024 ** 2, 1024 ** 3
+A100_SWEEP = tuple((size, busbw * 1e9) for size, busbw in (
+    (KIB, 0.04), (2 * KIB, 0.08), (4 * KIB, 0.17), (8 * KIB, 0.33), (16 * KIB, 0.67),
+    (32 * KIB, 1.37), (64 * KIB, 2.70), (128 * KIB, 5.15), (256 * KIB, 10.11),
+    (512 * KIB, 19.24), (MIB, 36.22), (2 * MIB, 53.54), (4 * MIB, 71.43),
+    (8 * MIB, 89.99), (16 * MIB, 109.22), (32 * MIB, 132.77), (64 * MIB, 166.63),
+    (128 * MIB, 174.18), (256 * MIB, 213.87), (512 * MIB, 221.58), (GIB, 228.10),
+    (2 * GIB, 230.22), (4 * GIB, 230.48), (8 * GIB, 231.58)))
+H200_SWEEP = tuple((size, busbw * 1e9) for size, busbw in (
+    (KIB, 0.06), (2 * KIB, 0.12), (4 * KIB, 0.23), (8 * KIB, 0.47), (16 * KIB, 0.93),
+    (32 * KIB, 1.84), (64 * KIB, 3.72), (128 * KIB, 7.39), (256 * KIB, 14.75),
+    (512 * KIB, 29.38), (MIB, 52.96), (2 * MIB, 88.78), (4 * MIB, 138.44),
+    (8 * MIB, 181.94), (16 * MIB, 240.41), (32 * MIB, 300.91), (64 * MIB, 368.11),
+    (128 * MIB, 412.45), (256 * MIB, 432.24), (512 * MIB, 442.72), (GIB, 467.58),
+    (2 * GIB, 472.57), (4 * GIB, 477.41), (8 * GIB, 479.98)))
+NETWORK_EFFICIENCY = 47 / 50
+
+
+def _nccl(bandwidth: float, all_reduce: float | None = None) -> tuple[Tuning, ...]:
+    """NCCL's collectives on a link of ring bus ``bandwidth`` (``all_reduce``: where it
+    runs another algorithm, NVLink SHARP), each with NCCL's cost per call."""
+    return tuple(Tuning(kind, all_reduce if kind == "all_reduce" and all_reduce else
+                        bandwidth, NCCL_CALL_LATENCY)
+                 for kind in ("all_reduce", "reduce_scatter", "all_gather"))
 
 
 PRESETS: dict[str, Preset] = {
     # NVIDIA DGX A100 datasheet: 8x A100-SXM4-80GB, 312 TFLOP/s BF16/FP16 dense,
     # 156 TFLOP/s TF32 dense, 2,039 GB/s of HBM2e, NVLink 3 at 600 GB/s bidirectional
-    # per GPU through NVSwitch, 8x 200 Gb/s HDR InfiniBand (one ConnectX-6 per GPU).
-    # Efficiency 0.6: the one figure for A100 with which planc simulate's step times
-    # fall within 19 % of Korthikanti et al. 2022, Table 5 (tests/test_simulate.py).
+    # per GPU through NVSwitch, 8x 200 Gb/s HDR InfiniBand (one ConnectX-6 per GPU); the
+    # links at what NCCL achieves on them (above). Efficiency 0.8: what cuBLAS reaches on
+    # large GEMMs (planc.kernel_cost's ``large``), for the estimates that price compute
+    # with one figure (compile's, the tensor-parallel chooser's, tune's bound).
     "dgx-a100": Preset("dgx-a100", "NVIDIA DGX A100: 8x A100 80GB, NVLink 3, 8x HDR 200 Gb/s IB",
-                       8, {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12}, 80e9, 0.6,
-                       300e9, 2e-6, 25e9, 5e-6, memory_bandwidth=2.039e12),
+                       8, {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12}, 80e9, 0.8,
+                       230e9, NVLINK_STEP_LATENCY, 25e9 * NETWORK_EFFICIENCY,
+                       NETWORK_STEP_LATENCY, _nccl(230e9), _nccl(25e9 * NETWORK_EFFICIENCY),
+                       memory_bandwidth=2.039e12, intra_sweep=A100_SWEEP),
     # NVIDIA DGX H100 datasheet: 8x H100-SXM5-80GB, 989 TFLOP/s BF16/FP16 dense,
     # 494 TFLOP/s TF32 dense, 3.35 TB/s of HBM3, NVLink 4 at 900 GB/s bidirectional per
-    # GPU, 8x 400 Gb/s NDR InfiniBand (ConnectX-7).
+    # GPU, 8x 400 Gb/s NDR InfiniBand (ConnectX-7); the links as NCCL achieves them.
+    # Efficiency 0.79: cuBLAS's large-GEMM rate measured on an H100 (planc.kernel_cost).
     "dgx-h100": Preset("dgx-h100", "NVIDIA DGX H100: 8x H100 80GB, NVLink 4, 8x NDR 400 Gb/s IB",
-                       8, {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12}, 80e9, 0.5,
-                       450e9, 2e-6, 50e9, 5e-6, memory_bandwidth=3.35e12),
+                       8, {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12}, 80e9, 0.79,
+                       370e9, NVLINK_STEP_LATENCY, 50e9 * NETWORK_EFFICIENCY,
+                       NETWORK_STEP_LATENCY, _nccl(370e9, all_reduce=480e9),
+                       _nccl(50e9 * NETWORK_EFFICIENCY),
+                       memory_bandwidth=3.35e12, intra_sweep=H200_SWEEP),
     # One gloo process per socket of a dual-socket x86 server (32 cores at 2 GHz with
     # AVX-512: 32 x 2e9 x 32 fp32 FLOP/cycle = 2 TFLOP/s; bf16 is no faster on most
     # CPUs), eight DDR4-3200 channels per socket (205 GB/s), shared memory inside a

@@ -83,7 +83,8 @@ class TopologyReader(BlockReader):
         # A link given in the plan replaces the preset's, measured collectives and all.
         intra = Link(pick("intra.bandwidth", preset.intra_bandwidth),
                      pick("intra.latency", preset.intra_latency),
-                     () if "topology.intra" in self.given else preset.intra_collectives)
+                     *(((), ()) if "topology.intra" in self.given else
+                       (preset.intra_collectives, preset.intra_sweep)))
         inter = Link(pick("inter.bandwidth", preset.inter_bandwidth),
                      pick("inter.latency", preset.inter_latency),
                      () if "topology.inter" in self.given else preset.inter_collectives)

@@ -134,6 +134,16 @@ def _ordered(graph: nx.DiGraph, nodes: set[str], rank: dict[str, int]) -> list[s
     return order
 
 
+def _issue_rank(lowering: "_StageLowering", rank: dict[str, int]) -> dict:
+    """The prologue's ZeRO-1/2 gathers in the order the forward first reads their buckets
+    (Megatron-LM's ``overlap_param_gather`` dispatches the bucket the next layer needs
+    first): the buckets fill in backward order, so graph order would gather the
+    embedding's bucket last and hold the first forward step until every gather is done."""
+    first = {gather: min(rank[u] for u in users)
+             for gather, users in lowering.first_users.items()}
+    return {n: (first.get(n, len(rank)), r) for n, r in rank.items()}
+
+
 @dataclass(frozen=True)
 class _Where:
     part: str  # a block name, "prologue", "epilogue" or a receive stream
@@ -401,7 +411,9 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
                 receive_nodes[node] = where.stream
             else:
                 parts.setdefault(where.part, set()).add(node)
-        ordered = {name: _ordered(graph, nodes, rank) for name, nodes in parts.items()}
+        ordered = {name: _ordered(graph, nodes, _issue_rank(lowering, rank)
+                                  if name == PROLOGUE else rank)
+                   for name, nodes in parts.items()}
         waits = _waits(lowering, ordered)
         recorded = {item for items in waits.values() for item in items}
         listed = {name: _instructions(lowering, nodes, waits, recorded)

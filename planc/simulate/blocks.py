@@ -43,6 +43,11 @@ class BlockTime:
     compute_busy: float = 0.0  # time the compute stream spent computing
     exposed: dict[str, float] = field(default_factory=dict)  # axis -> compute waiting
     external: tuple[str, ...] = ()  # events waited for that the block does not record
+    # When the waiting stream reached each external wait, from the block's start: a
+    # block that waits for a gather of the prologue can start before the prologue ends.
+    external_at: dict[str, float] = field(default_factory=dict)
+    # Each event the block records: (when, the axis of the transfer it marks the end of).
+    recorded: dict[str, tuple[float, str | None]] = field(default_factory=dict)
     spans: list[Span] = field(default_factory=list)
 
     @property
@@ -73,6 +78,7 @@ def replay(instructions: tuple[Instruction, ...] | list[Instruction], duration,
         if item.op == "wait":
             if item.event not in events:
                 external.append(item.event)
+                out.external_at.setdefault(item.event, now)
                 continue
             ready, marked = events[item.event]
             if ready > now and stream == COMPUTE and marked is not None:
@@ -101,4 +107,6 @@ def replay(instructions: tuple[Instruction, ...] | list[Instruction], duration,
     out.compute_end = clock.get(COMPUTE, 0.0)
     out.stream_ends = clock
     out.external = tuple(external)
+    out.recorded = {event: (when, axis_of(marked.operands) if marked is not None else None)
+                    for event, (when, marked) in events.items()}
     return out

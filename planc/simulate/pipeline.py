@@ -42,6 +42,21 @@ class StageTime:
     epilogue: tuple[float, BlockTime] | None = None
 
 
+def _prologue_bound(prologue: BlockTime | None, block: BlockTime
+                    ) -> tuple[float, str]:
+    """The earliest start of ``block`` that its waits for the prologue's events allow (each
+    event's time less when the block reaches its wait), and the axis they are charged to."""
+    bound, axis = 0.0, STREAM_AXIS[Stream.DP]
+    if prologue is None:
+        return bound, axis
+    for event, reached in block.external_at.items():
+        if event in prologue.recorded:
+            when, marks = prologue.recorded[event]
+            if when - reached > bound:
+                bound, axis = when - reached, marks or axis
+    return bound, axis
+
+
 def _variant(program: Program, block: str, microbatch: int) -> tuple[Instruction, ...]:
     return tuple(i for i in program.blocks[block]
                  if guard_microbatch(i.guard, program.microbatches) in (None, microbatch))
@@ -80,8 +95,10 @@ def step(programs: dict[int, Program], durations, keep_spans: bool = False
     for stage, program in programs.items():
         prologue = replay(program.prologue, timings[stage], keep_spans)
         times[stage].prologue = prologue
-        ready[stage] = prologue.end
-        tails[stage] = {}
+        # The prologue's gathers run on their own stream (overlap on): the compute stream
+        # starts at once, and each block waits only for the gathers it reads (below).
+        ready[stage] = prologue.compute_end
+        tails[stage] = dict(prologue.stream_ends)
     arrivals: dict[tuple[int, int, int], float] = {}
     position = {stage: 0 for stage in programs}
     pending = sum(len(p.schedule) for p in programs.values())
@@ -105,6 +122,10 @@ def step(programs: dict[int, Program], durations, keep_spans: bool = False
             replayed = timed(stage, block, microbatch)
             start = max(ready[stage], arrival)
             time.waiting += start - ready[stage]
+            gathered, axis = _prologue_bound(time.prologue, replayed)
+            if gathered > start:  # the compute stream waits for a gather of the prologue
+                time.exposed[axis] = time.exposed.get(axis, 0.0) + gathered - start
+                start = gathered
             ready[stage] = start + replayed.compute_end
             time.busy += replayed.compute_busy
             for axis, seconds in replayed.exposed.items():

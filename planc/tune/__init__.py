@@ -67,6 +67,7 @@ class Search:
     seconds: float = 0.0
     ranked: list[Ranked] = field(default_factory=list)
     capacity: float | None = None
+    own: "Candidate | None" = None  # the file's own layout, when it was ranked
 
     @property
     def best(self) -> Ranked | None:
@@ -171,6 +172,7 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
             search.pruned["memory"] += 1  # ranked only if it fits, as every other
         else:
             waiting.insert(0, (0.0, 0.0, own, plan))
+            search.own = own
     seen: set[str] = set()
     slowest = 0.0  # seconds, of the compilations and simulations so far
     written = set(written_values(source, DEFAULTS))

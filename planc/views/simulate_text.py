@@ -9,7 +9,9 @@ from planc.views.tables import table
 SHOWN = 10  # stages listed; the rest are in --json
 
 
-def render(result) -> str:
+def render(result, accuracy=None) -> str:
+    """``accuracy``: the error to expect (planc.simulate.accuracy), None where the
+    simulator was not held to published runs of the plan's device."""
     step = result.step_seconds
     stages = result.stages
     worst = max(stages, key=lambda s: s.memory_bytes)
@@ -25,6 +27,9 @@ def render(result) -> str:
         f"{result.plan}: {result.world:,} rank{'s' * (result.world != 1)}, "
         f"{len(stages)} pipeline "
         f"stage{'s' * (len(stages) != 1)}: one step takes {format_quantity(step, TIME)}",
+        "  expected error: " + (accuracy.text() if accuracy is not None else
+                                "not measured on this device (the simulator is held to "
+                                "published runs on the dgx-a100 and dgx-h100 presets)"),
         f"  throughput: {format_flop_rate(result.tflops_per_gpu * 1e12)} per GPU, MFU "
         f"{format_share(result.mfu)} "
         f"(model FLOPs of Narayanan et al. 2021, recomputation not counted)",

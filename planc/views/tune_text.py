@@ -48,7 +48,31 @@ def _seconds(s: float) -> str:
     return format_quantity(s, TIME)
 
 
-def render(search, gpus: int, top: int) -> str:
+def _within(ratio: float, accuracy) -> str:
+    """What a simulated speed-up is worth beside the simulator's expected error."""
+    if accuracy is None:
+        return ", by a model not measured on this device"
+    if ratio - 1 <= accuracy.median:
+        return (f"; within the simulator's expected error of ± {accuracy.median:.1%}, so "
+                f"not a difference it can tell apart")
+    return ""
+
+
+def _own_line(search, accuracy) -> list[str]:
+    """Where the file's own layout ranks, and whether #1 is told apart from it."""
+    own = next((k for k, r in enumerate(search.ranked) if r.candidate == search.own), None)
+    if own is None:
+        return []
+    if own == 0:
+        return ["", "the file's own layout is #1."]
+    ratio = search.ranked[own].step_seconds / search.ranked[0].step_seconds
+    return ["", f"the file's own layout is #{own + 1}: #1 is {ratio:.3f}x faster by the "
+                f"simulator{_within(ratio, accuracy)}."]
+
+
+def render(search, gpus: int, top: int, accuracy=None) -> str:
+    """``accuracy``: the simulator's expected error for the plan
+    (planc.simulate.accuracy), None where it was not measured."""
     pruned = sum(search.pruned.values())
     lines = [f"planc tune: {counted(search.considered, 'layout')} on {gpus:,} devices in "
              f"{search.seconds:.1f} s: {pruned:,} pruned, {search.simulated:,} simulated"]
@@ -62,12 +86,13 @@ def render(search, gpus: int, top: int) -> str:
              format_bytes(r.memory_bytes)] for k, r in enumerate(search.ranked[:top])]
     lines += ["", table(["#", "layout", "step", "TFLOP/s", "MFU", "bubble", "exposed",
                          "memory"], rows)]
+    lines += _own_line(search, accuracy)
     if len(search.ranked) > 1 and search.ranked[1].build is not None:
         from planc.views import diff_text
 
         best, next_ = search.ranked[0], search.ranked[1]
         lines += ["", f"why #1 beats #2 ({next_.step_seconds / best.step_seconds:.3f}x "
-                      f"faster):",
+                      f"faster{_within(next_.step_seconds / best.step_seconds, accuracy)}):",
                   diff_text.render([("#2", next_.build, next_.simulation, []),
                                     ("#1", best.build, best.simulation, [])]).rstrip()]
     return "\n".join(lines) + "\n"

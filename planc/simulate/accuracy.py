@@ -1,0 +1,44 @@
+"""How far ``planc simulate`` is from published runs: the error it states beside a step.
+
+The figures are bench/validation.py's, over the published runs of docs/simulate.md's
+tables, each run with the layout its source states (Korthikanti et al. 2022, Table 5;
+the Megatron-LM README's H100 weak scaling; Narayanan et al. 2021, Table 1; Llama 3
+405B; the mixtures of experts of plans/moe-published/). They hold for the GPUs those runs
+used (the dgx-a100 and dgx-h100 presets); on any other device the simulator has not
+been held to published runs, and says so. Re-run bench/validation.py after a change to
+the cost model and update them (tests/test_simulate.py checks them against the tables).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planc.models import family_of, moe
+from planc.plan import Plan
+
+VALIDATED_PRESETS = ("dgx-a100", "dgx-h100")
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    runs: int  # published runs compared
+    median: float  # median absolute relative error of the step time
+    largest: float
+    what: str  # the runs, in words
+
+    def text(self) -> str:
+        return (f"± {self.median:.1%} (the median error over {self.runs} published runs of "
+                f"{self.what}; the largest {self.largest:.0%})")
+
+
+# bench/validation.py, 2026-11-28: dense rows 8 + 9 + 10 + 1, mixtures 8.
+DENSE = Accuracy(28, 0.044, 0.212, "dense models")
+MIXTURES = Accuracy(8, 0.221, 1.252, "mixtures of experts")
+
+
+def expected(plan: Plan) -> Accuracy | None:
+    """The error to expect of a simulation of ``plan``; None where no published run
+    of its device was compared."""
+    if plan.topology.preset not in VALIDATED_PRESETS:
+        return None
+    return MIXTURES if family_of(plan) is moe.FAMILY else DENSE
