@@ -81,8 +81,9 @@ def test_hierarchical_reduce_scatter_and_all_gather():
     for kind in ("reduce_scatter", "all_gather"):
         assert seconds(Route.HIERARCHICAL, kind, 1e8, EIGHT_ON_TWO) == pytest.approx(
             intra + inter)
+        # 7 steps: nodes - 1 = 1 across the network, 6 on a node
         assert seconds(Route.RING, kind, 1e8, EIGHT_ON_TWO) == pytest.approx(
-            7 * 5e-5 + 0.875 * 1e8 / 4e9)
+            1 * 5e-5 + 6 * 1e-5 + 0.875 * 1e8 / 4e9)
 
 
 def test_a_flat_ring_puts_7_4ths_the_bytes_of_hierarchical_on_the_inter_node_link():
@@ -365,7 +366,7 @@ def test_compile_prints_the_routes_and_explain_the_route_table(tmp_path, run_pla
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     # The gradient bucket: 34,176 fp32 parameters, 136,704 bytes, over 8 ranks, 4 per node.
-    # ring: 14 x 50 us + 1.75 x B / 4 GB/s = 760 us; tree: 2 x (2 x (10 us + 2 B / 10 GB/s)
+    # ring: 2 x 50 us across nodes + 12 x 10 us on them + 1.75 x B / 4 GB/s = 280 us; tree: 2 x (2 x (10 us + 2 B / 10 GB/s)
     # + (50 us + B / 4 GB/s)) = 318 us; hierarchical: 2 x (3 x 10 us + 0.75 B / 10 GB/s)
     # + 2 x 50 us + (B / 4) / 1 GB/s = 215 us.
     start = lines.index("     route: hierarchical, 215 us predicted (auto: the least predicted "
@@ -375,7 +376,7 @@ def test_compile_prints_the_routes_and_explain_the_route_table(tmp_path, run_pla
         "       route         predicted  chosen  why",
         "       ------------  ---------  ------  -----------------------------------------------"
         "------",
-        "       ring             760 us          the backend's native collective",
+        "       ring             280 us          the backend's native collective",
         "       tree             318 us          binary trees inside and between nodes, point "
         "to point",
         "       hierarchical     215 us  yes     inside nodes of 4, then between 2 nodes"]

@@ -205,10 +205,13 @@ def test_simulate_prints_the_step_and_writes_json_and_a_trace(tmp_path, run_plan
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("gpt_tiny: 8 ranks, 2 pipeline stages: one step takes ")
-    assert lines[1].startswith("  throughput: ") and " MFU " in lines[1]
-    assert lines[2].startswith("  pipeline bubble: ")
-    assert lines[3].startswith("  exposed communication (worst stage, per axis): ")
-    assert lines[4].startswith("  memory: ")
+    # gpt-tiny's topology is no preset whose published runs the simulator was held to
+    assert lines[1] == ("  expected error: not measured on this device (the simulator is held "
+                        "to published runs on the dgx-a100 and dgx-h100 presets)")
+    assert lines[2].startswith("  throughput: ") and " MFU " in lines[2]
+    assert lines[3].startswith("  pipeline bubble: ")
+    assert lines[4].startswith("  exposed communication (worst stage, per axis): ")
+    assert lines[5].startswith("  memory: ")
     trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     # The first rank of each stage: tp 2 makes stage 1 start at rank 2.
     assert {e["pid"] for e in trace if e["ph"] == "X"} == {0, 2}
@@ -249,7 +252,7 @@ def test_a_calibrated_cpu_prints_its_flop_rate_in_a_unit_that_shows_it(tmp_path,
     (tmp_path / "cpu.plan").write_text(CPU_PLAN)
     done = run_planc("simulate", tmp_path / "cpu.plan")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[:2] == [
+    assert [line for line in done.stdout.splitlines() if "expected error" not in line][:2] == [
         "cpu: 2 ranks, 1 pipeline stage: one step takes 498 us",
         "  throughput: 11.1 GFLOP/s per GPU, MFU 27.6% (model FLOPs of Narayanan et al. 2021, "
         "recomputation not counted)"]
@@ -257,7 +260,8 @@ def test_a_calibrated_cpu_prints_its_flop_rate_in_a_unit_that_shows_it(tmp_path,
                            "topology.device.flops=400TFLOP/s", "--set", "mesh.dp=1", "--set",
                            "topology.devices_per_node=1")
     assert big_device.returncode == 0, big_device.stderr
-    assert big_device.stdout.splitlines()[:2] == [
+    assert [line for line in big_device.stdout.splitlines()
+            if "expected error" not in line][:2] == [
         "cpu: 1 rank, 1 pipeline stage: one step takes 335 us",
         "  throughput: 32.8 GFLOP/s per GPU, MFU 0.0082% (model FLOPs of Narayanan et al. 2021, "
         "recomputation not counted)"]
