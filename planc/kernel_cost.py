@@ -34,11 +34,12 @@ forward at ``attention_forward`` FLOP/s, the backward (2.5 times the forward's F
 FlashAttention's count) at ``attention_backward``, both counting the FLOPs a causal mask
 leaves (half of the instruction's, which counts every key).
 
-**A mixture of experts** (the ``moe`` operator) is priced by its kernels at the expected
-(uniform) routing, as Megatron-Core's grouped-GEMM MoE layer runs them: the router's
+**A mixture of experts** (the ``moe`` operator) is priced by its kernels on the busiest
+rank of its ep group, as Megatron-Core's grouped-GEMM MoE layer runs them: the router's
 GEMM (tokens x experts, inner ``hidden``); the experts' gate-and-up and down GEMMs as one
 grouped GEMM each over the rank's ``experts / ep`` experts, each expert getting ``ep x
-tokens x top_k / experts`` rows (the tiles of every expert fill the waves together, as a
+tokens x top_k / experts`` rows times the routing's imbalance (model moe's
+``imbalance``, with ep > 1) (the tiles of every expert fill the waves together, as a
 grouped kernel schedules them; a backward runs the input- and the weight-gradient
 grouped GEMMs, whose inner dimension is an expert's rows); the shared experts as one
 dense SwiGLU on the tokens; and the memory traffic of what lies between them: the
@@ -91,8 +92,9 @@ from planc.plan import Plan
 
 # The typical cuBLAS tiles of the NVIDIA guide (rows x columns of the output).
 TILES = ((256, 128), (128, 256), (128, 128))
-# The operators that are one GEMM per step, and the tensor each multiplies (its K).
-GEMM_INPUT = {"qkv": "stream", "proj": "stream", "fc1": "stream", "fc2": "ffn",
+# The operators that are one GEMM per step, and the tensor each multiplies (its K); proj
+# multiplies what attention produced (heads x head_dim features).
+GEMM_INPUT = {"qkv": "stream", "proj": None, "fc1": "stream", "fc2": "ffn",
               "head": "stream"}
 SPLIT_N = ("column", "vocab")  # tensor-parallel layouts that split a GEMM's output features
 ATTENTION = "attention"
@@ -160,6 +162,9 @@ class Mixture:
     shared: int
     local: int  # experts / ep
     flops_per_token: float
+    # The busiest ep rank's rows over the mean (planc.models.moe.routing_imbalance); 1
+    # without ep, where every rank holds every expert and receives every row it routes.
+    imbalance: float = 1.0
 
     @staticmethod
     def of(plan: Plan) -> "Mixture | None":
@@ -167,8 +172,19 @@ class Mixture:
         if family_of(plan) is not moe.FAMILY:
             return None
         one = SimpleNamespace(model=m, batch=1, seq=1, hidden=m.hidden)  # one token
+        imbalance = moe.routing_imbalance(m) if plan.mesh.ep > 1 else 1.0
         return Mixture(m.hidden, m.expert_ffn, m.experts, m.top_k, m.shared_experts,
-                       m.experts // plan.mesh.ep, moe.forward_flops("moe", one))
+                       m.experts // plan.mesh.ep, moe.forward_flops("moe", one), imbalance)
+
+    def busiest_flops(self, flops: float) -> float:
+        """A mixture instruction's ``flops`` (at the mean routing) as the busiest ep rank
+        runs them: its routed experts' share scaled by the imbalance."""
+        if self.imbalance == 1.0:
+            return flops
+        # per token: its top_k experts and their weighted sum (planc.models.moe)
+        routed = self.top_k * (moe.expert_flops(1, self.hidden, self.expert_ffn)
+                               + 2.0 * self.hidden)
+        return flops * (1.0 + (self.imbalance - 1.0) * routed / self.flops_per_token)
 
 
 class KernelModel:
@@ -184,7 +200,7 @@ class KernelModel:
         output = family_of(plan).output_tensor
         self.features: dict[str, tuple[int, int]] = {}  # op -> (N, K) on one tp rank
         for op, source in GEMM_INPUT.items():
-            n, k = shapes.widths[output[op]], shapes.widths[source]
+            n, k = shapes.widths[output[op]], shapes.widths[source or output["attention"]]
             layout = getattr(plan.shard.tp, op, None)
             if tp > 1 and layout in SPLIT_N:
                 n //= tp
@@ -194,7 +210,7 @@ class KernelModel:
         # Unfused attention: per head, scores = Q K^T (s x s_full, inner head_dim), then
         # scores V (s x head_dim, inner s_full); heads of all microbatch rows stacked.
         self.mixture = Mixture.of(plan)
-        self.head_dim = shapes.hidden // shapes.heads
+        self.head_dim = shapes.model.head_dim
         self.seq_full = shapes.seq_full
         self.score_rows = shapes.batch * shapes.seq * max(shapes.heads // tp, 1)
 
@@ -240,7 +256,9 @@ class KernelModel:
         x = self.mixture
         backward = step == "backward"
         tokens = flops / (2.0 if backward else 1.0) / x.flops_per_token
-        rows = tokens * x.top_k  # received at uniform routing, over the local experts
+        # received by the busiest rank of the ep group, over its local experts: the step
+        # waits for it
+        rows = tokens * x.top_k * x.imbalance
         per_expert = rows / x.local
         h, e, shared = x.hidden, x.expert_ffn, x.shared * x.expert_ffn
         if backward:  # input gradients (inner: the outputs), then weight gradients

@@ -69,7 +69,16 @@ class Model:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        """Features of one attention head: the family's ``head_dim`` key where given
+        (Qwen3's 128 on a 2,048-wide stream), else hidden / heads."""
+        given = self.options.get("head_dim")
+        return given if given is not None else self.hidden // self.heads
+
+    @property
+    def attention_width(self) -> int:
+        """Features of the attention's output, the input of its output projection: the
+        query heads side by side."""
+        return self.heads * self.head_dim
 
     @property
     def key_value_heads(self) -> int:

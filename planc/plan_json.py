@@ -168,6 +168,7 @@ def _check_values(value: Any, where: str = "plan") -> None:
     if plan.model.dtype not in DTYPE_BYTES:
         raise ValueError(f"plan.model.dtype is {plan.model.dtype!r}, not one of "
                          f"{', '.join(DTYPE_BYTES)}")
+    from planc.lang.kinds import Integer
     from planc.models import FAMILIES
 
     if plan.model.family not in FAMILIES:
@@ -175,8 +176,10 @@ def _check_values(value: Any, where: str = "plan") -> None:
                          f"{', '.join(FAMILIES)}")
     family = FAMILIES[plan.model.family]
     for key, value in plan.model.options.items():
-        if key not in family.keys or not isinstance(value, (bool, int, float, str)) or \
-                isinstance(value, float) and not math.isfinite(value):
+        kind = family.keys[key].kind if key in family.keys else None
+        if kind is None or not isinstance(value, (bool, int, float, str)) or \
+                isinstance(value, float) and not math.isfinite(value) or \
+                isinstance(kind, Integer) and (type(value) is not int or value < kind.minimum):
             raise ValueError(f"plan.model.options.{key} is not a value of a key of model "
                              f"{family.name}")
     if plan.train.optimizer.name not in ("sgd", "adamw"):
@@ -218,5 +221,5 @@ def _check_consistency(plan: "Plan") -> None:
         # Only the first and the last chunk may be empty (the embedding or head alone).
         raise ValueError("plan.shard.pp.chunks do not cover the layers in order")
     if plan.model.batch % (mesh.dp * plan.schedule.microbatches) or \
-            plan.model.hidden % plan.model.heads:
+            "head_dim" not in plan.model.options and plan.model.hidden % plan.model.heads:
         raise ValueError("plan.model does not divide as the plan needs")

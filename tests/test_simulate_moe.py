@@ -241,11 +241,13 @@ TWO_NODES = """plan p {{
     (16, "tp, cp, dp, pp", Placement.of_counts((8, 8)))])
 def test_the_step_charges_each_mixtures_all_to_alls_to_the_ep_axis(ep, order, placement):
     """dp 16 on two nodes, one sequence each: a rank dispatches 16 tokens x top_k 2 rows of
-    64 bf16 features (4 KB); each of the 2 mixtures runs 2 all-to-alls forward and 2
-    backward; the step's exposed ep is those 8, priced on the group's placement."""
+    64 bf16 features (4 KB), the busiest rank 1.72 times that (the default imbalance);
+    each of the 2 mixtures runs 2 all-to-alls forward and 2 backward; the step's exposed
+    ep is those 8, priced on the group's placement."""
     build = compile_plan(load_text(TWO_NODES.format(ep=ep, order=order)).plan)
     result = simulate(build)
-    one = CostModel(build.plan.topology).all_to_all_seconds(16 * 2 * 64 * 2, placement)
+    one = CostModel(build.plan.topology).all_to_all_seconds(16 * 2 * 64 * 2 * 1.72,
+                                                            placement)
     assert result.stages[0].exposed_seconds["ep"] == pytest.approx(8 * one, rel=1e-12)
 
 
@@ -260,7 +262,8 @@ def test_a_grouped_gemm_fills_the_waves_with_every_experts_tiles():
 
 def test_a_mixture_is_priced_by_its_grouped_gemms_and_its_traffic():
     """mcore-mixtral-8x7b: a microbatch of 4,096 tokens (tp 1), 2 rows each, ep 8 over 8
-    experts: each rank's one expert gets 8 x 4096 x 2 / 8 = 8,192 rows. Forward: the
+    experts: each rank's one expert gets 8 x 4096 x 2 / 8 = 8,192 rows at the mean, the
+    busiest 1.72 times that (the default imbalance). Forward: the
     router (4096 x 8, inner 4,096), gate and up (8192 x 28,672, inner 4,096), down (8192 x
     4,096, inner 14,336); between them the rows permuted (read and written), unpermuted
     (rows read, tokens written), the activation (two rows of 14,336 read, one written), in
@@ -270,7 +273,7 @@ def test_a_mixture_is_priced_by_its_grouped_gemms_and_its_traffic():
     program = next(p for p in build.programs.values() if p.stage == 0)
     found = {i.node: i for block in program.blocks.values() for i in block}
     forward, backward = found["F/L4/moe"].operands, found["B/L4/moe"].operands
-    rows, tokens, h, e = 8192, 4096, 4096, 14336
+    rows, tokens, h, e = 8192 * 1.72, 4096, 4096, 14336
     moved = 2 * (rows * 2 * h + rows * h + tokens * h + rows * 3 * e) + 2 * 4 * tokens * 8
     assert kernels.seconds(forward, 0.0) == (
         kernels.gemm_seconds(tokens, 8, h) + kernels.grouped_gemm_seconds(1, rows, 2 * e, h)

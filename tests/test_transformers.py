@@ -26,7 +26,7 @@ from tests.conftest import checkpoint_tensors, trained_one_step  # noqa: E402
 
 LR = 1000.0
 PLAN = """plan hf_reference {{
-  model llama {{ layers = 3; hidden = 32; heads = 4; kv_heads = {kv}; ffn = 40; vocab = 96;
+  model llama {{ layers = 3; hidden = 32; heads = 4; kv_heads = {kv};{head_dim} ffn = 40; vocab = 96;
                 seq = 16; batch = 4; rope_theta = 500000; norm_eps = 1e-6 }}
   mesh {{ {mesh} }}
   schedule {{ microbatches = {m} }}
@@ -60,10 +60,11 @@ def _hf_loss(model, plan):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh,kv,m", [("", 2, 1), ("tp = 2; pp = 2", 1, 2)],
-                         ids=["1-rank", "tp2-pp2-shared-kv"])
-def test_loss_and_every_gradient_equal_transformers(mesh, kv, m, tmp_path, capfd):
-    text = PLAN.format(mesh=mesh, kv=kv, m=m, lr=LR)
+@pytest.mark.parametrize("mesh,kv,m,head_dim", [
+    ("", 2, 1, ""), ("tp = 2; pp = 2", 1, 2, ""), ("tp = 2", 2, 1, " head_dim = 12;")],
+    ids=["1-rank", "tp2-pp2-shared-kv", "tp2-head-dim-12"])
+def test_loss_and_every_gradient_equal_transformers(mesh, kv, m, head_dim, tmp_path, capfd):
+    text = PLAN.format(mesh=mesh, kv=kv, m=m, lr=LR, head_dim=head_dim)
     plan = load_text(text).plan
     planc_loss, final = trained_one_step(text, tmp_path, capfd)
 
@@ -85,8 +86,9 @@ def test_loss_and_every_gradient_equal_transformers(mesh, kv, m, tmp_path, capfd
 
 
 @pytest.mark.slow
-def test_export_loads_in_transformers_and_computes_the_same_loss(tmp_path, capfd):
-    text = PLAN.format(mesh="tp = 2", kv=2, m=1, lr=0.1)
+@pytest.mark.parametrize("head_dim", ["", " head_dim = 12;"], ids=["hidden-over-heads", "12"])
+def test_export_loads_in_transformers_and_computes_the_same_loss(head_dim, tmp_path, capfd):
+    text = PLAN.format(mesh="tp = 2", kv=2, m=1, lr=0.1, head_dim=head_dim)
     plan_file = tmp_path / "hf.plan"
     plan_file.write_text(text)
     plan = load_text(text).plan

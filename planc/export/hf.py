@@ -175,7 +175,7 @@ def hf_config(model: dict) -> dict:
         "architectures": [arch.name], "model_type": arch.model_type,
         "vocab_size": m.vocab, "hidden_size": m.hidden, "num_hidden_layers": m.layers,
         "num_attention_heads": heads, "num_key_value_heads": m.kv_heads or heads,
-        "head_dim": m.hidden // heads, "hidden_act": "silu",
+        "head_dim": m.head_dim, "hidden_act": "silu",
         "max_position_embeddings": m.seq, "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},

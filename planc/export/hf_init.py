@@ -93,7 +93,7 @@ def _architecture(model: Model) -> Architecture:
 # default (transformers' LlamaConfig and MixtralConfig), where it has one.
 _COMPARED = (("model_type", "model"), ("hidden_size", "hidden"),
              ("num_hidden_layers", "layers"), ("num_attention_heads", "heads"),
-             ("num_key_value_heads", "kv_heads"), ("head_dim", "hidden / heads"),
+             ("num_key_value_heads", "kv_heads"), ("head_dim", "head_dim"),
              ("intermediate_size", None), ("vocab_size", "vocab"),
              ("tie_word_embeddings", "tie_embeddings"), ("rope_theta", "rope_theta"),
              ("rms_norm_eps", "norm_eps"), ("hidden_act", None),

@@ -122,23 +122,28 @@ class _Checker(TopologyReader):
     def _model(self) -> Model | None:
         family = FAMILIES[self.labels.get("model", DEFAULT_FAMILY)]
         keys = tuple(k for k in family.keys if k != "preset")
+        # An optional key unset is no error; one given must have been read.
+        needed = tuple(k for k in keys if not family.keys[k].optional
+                       or f"model.{k}" in self.spans)
         preset_failed = "model.preset" in self.spans and self.values.get("model.preset") is None
         if family.presets and "model" in self.given and not preset_failed:
             # A family with presets: a key neither given nor in the preset is missing.
-            for key in keys:
+            for key in needed:
                 if self.values.get(f"model.{key}") is None and \
                         f"model.{key}" not in self.spans and key != "batch":
                     self.report(error(f"model {family.name} is missing the key '{key}'",
                                       self.span("model"),
                                       f"add {key} = ..., or a preset = "
                                       f"{' | '.join(family.presets)} that sets it"))
-        if not self.ready(*(f"model.{k}" for k in keys)):
+        if not self.ready(*(f"model.{k}" for k in needed)):
             return None
-        model = Model.of(family.name, {k: self.value(f"model.{k}") for k in keys})
+        model = Model.of(family.name, {k: self.value(f"model.{k}") for k in keys
+                                       if self.value(f"model.{k}") is not None})
         if model.layers > LIMITS["layers"]:
             return self._reject(_over_limit(f"layers ({model.layers})", "layers"),
                                 self.span("model.layers"))
-        if model.hidden % model.heads:
+        # Heads hidden / heads wide need hidden to divide; a head_dim given sets their width.
+        if "head_dim" not in model.options and model.hidden % model.heads:
             candidates = largest_divisors(model.hidden, model.heads)
             self.report(error(f"hidden ({model.hidden}) must divide by heads ({model.heads})",
                               self.span("model.heads"),

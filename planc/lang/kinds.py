@@ -416,3 +416,7 @@ class Key:
     default: Any = None
     required: bool = False
     doc: str = ""
+    # No value unless given (or set by a preset): the family then derives it (llama's
+    # head_dim, hidden / heads), and the model holds it only when set, so that plans
+    # without it keep their plan.json.
+    optional: bool = False

@@ -40,6 +40,9 @@ HEAD_OPS = ("final_ln", "head", "loss")
 # in its own words; the rest of a family's keys are its own.
 COMMON_KEYS = ("preset", "layers", "hidden", "heads", "ffn", "vocab", "seq", "batch",
                "dtype", "tie_embeddings")
+# Keys the plan text shows beside the common ones whatever the family (the head width,
+# after the heads), not among a family's own.
+SHOWN_KEYS = ("head_dim",)
 
 
 def pre_norm_block(activation: str) -> tuple[tuple[str, ...], tuple[tuple[str, str, str], ...]]:
@@ -198,7 +201,7 @@ class Family:
     def own_keys(self) -> tuple[str, ...]:
         """The keys only this family has (llama's kv_heads), in the order declared: what
         the plan text shows after the common ones."""
-        return tuple(k for k in self.keys if k not in COMMON_KEYS)
+        return tuple(k for k in self.keys if k not in COMMON_KEYS + SHOWN_KEYS)
 
     @property
     def layer_output(self) -> str:

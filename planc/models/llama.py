@@ -33,6 +33,8 @@ RULES = {
                              Weight("v.weight", "hidden", "kv")),
                   output_dim="qkv", input_dim="hidden", placement="qkv"),
     "attention": OpRule("attention"),
+    # o reads the heads side by side (heads x head_dim features, hidden unless head_dim
+    # says otherwise); over tp they split as the heads do, under the name "hidden".
     "proj": OpRule("linear", (Weight("o.weight", "hidden", "hidden"),),
                    output_dim="hidden", input_dim="hidden", placement="proj"),
     "attn_residual": OpRule("residual"),
@@ -52,7 +54,7 @@ RULES = {
 
 
 OUTPUT_TENSOR = {
-    "embedding": "stream", "ln1": "stream", "qkv": "qkv", "attention": "stream",
+    "embedding": "stream", "ln1": "stream", "qkv": "qkv", "attention": "context",
     "proj": "stream", "attn_residual": "stream", "ln2": "stream", "fc1": "gate_up",
     "swiglu": "ffn", "fc2": "stream", "mlp_residual": "stream", "final_ln": "stream",
     "head": "logits", "loss": "tokens",
@@ -72,8 +74,9 @@ PRESETS = {
 
 def widths(m: Model) -> dict[str, int]:
     hd = m.head_dim
-    return {"stream": m.hidden, "qkv": (m.heads + 2 * m.key_value_heads) * hd, "gate_up": 2 * m.ffn,
-            "ffn": m.ffn, "logits": m.vocab, "kv": 2 * m.key_value_heads * hd, "tokens": 1}
+    return {"stream": m.hidden, "qkv": (m.heads + 2 * m.key_value_heads) * hd,
+            "context": m.attention_width, "gate_up": 2 * m.ffn, "ffn": m.ffn,
+            "logits": m.vocab, "kv": 2 * m.key_value_heads * hd, "tokens": 1}
 
 
 def feature_groups(m: Model) -> dict[str, tuple[int, ...]]:
@@ -88,14 +91,14 @@ def feature_groups(m: Model) -> dict[str, tuple[int, ...]]:
 def forward_flops(op: str, s) -> float:
     m = s.model
     bs = s.batch * s.seq
-    h, hd, kv = s.hidden, m.head_dim, m.key_value_heads
+    h, hd, kv, a = s.hidden, m.head_dim, m.key_value_heads, m.attention_width
     return {
         "embedding": 0.0,
         "ln1": 4.0 * bs * h, "ln2": 4.0 * bs * h, "final_ln": 4.0 * bs * h,
         # the projections, then the rotation of q and k (a multiply-add per element)
         "qkv": 2.0 * bs * h * (s.heads + 2 * kv) * hd + 3.0 * bs * (s.heads + kv) * hd,
-        "attention": 4.0 * bs * s.seq_full * h + 5.0 * bs * s.heads * s.seq_full,
-        "proj": 2.0 * bs * h * h,
+        "attention": 4.0 * bs * s.seq_full * a + 5.0 * bs * s.heads * s.seq_full,
+        "proj": 2.0 * bs * a * h,
         "attn_residual": bs * h, "mlp_residual": bs * h,
         "fc1": 2.0 * bs * h * 2 * s.ffn,
         "swiglu": 5.0 * bs * s.ffn,
@@ -113,7 +116,7 @@ def layer_parameters(m: Model, layer: int) -> list[Parameter]:
         ("q.weight", (h, m.heads * hd), ("hidden", "q")),
         ("k.weight", (h, kv * hd), ("hidden", "kv")),
         ("v.weight", (h, kv * hd), ("hidden", "kv")),
-        ("o.weight", (h, h), ("hidden", "hidden")),
+        ("o.weight", (m.attention_width, h), ("hidden", "hidden")),
         ("ln2.weight", (h,), ("hidden",)),
         ("gate.weight", (h, f), ("hidden", "ffn")),
         ("up.weight", (h, f), ("hidden", "ffn")),
@@ -134,9 +137,9 @@ def head_parameters(m: Model) -> list[Parameter]:
 
 
 def model_flops_per_token(m: Model) -> float:
-    kv, hd = m.key_value_heads, m.head_dim
-    per_layer = (2 * m.hidden * (m.heads + 2 * kv) * hd + 2 * m.hidden * m.hidden
-                 + 4 * m.seq * m.hidden + 6 * m.hidden * m.ffn)
+    kv, hd, a = m.key_value_heads, m.head_dim, m.attention_width
+    per_layer = (2 * m.hidden * (m.heads + 2 * kv) * hd + 2 * a * m.hidden
+                 + 4 * m.seq * a + 6 * m.hidden * m.ffn)
     return m.layers * per_layer + 2 * m.hidden * m.vocab
 
 
@@ -153,7 +156,7 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     if recompute == "full":
         return sb * h / (tp if sp else 1) * m.dtype_bytes
     stream = 4 * sb * h / (tp if sp else 1)
-    split = sb * ((m.heads + 2 * kv) * hd + h + 3 * f) / tp
+    split = sb * ((m.heads + 2 * kv) * hd + m.attention_width + 3 * f) / tp
     scores = 0 if recompute == "selective" else m.heads * seq_full * sb / tp
     return (stream + split + scores) * m.dtype_bytes
 
@@ -197,6 +200,8 @@ def preset_keys(presets) -> dict[str, Key]:
         # grouped-query attention off: every head its own k and v
         "kv_heads": Key(Integer(1), or_else("kv_heads", lambda scope: scope.value("heads")),
                         doc="key/value heads of grouped-query attention (default: heads)"),
+        "head_dim": Key(Integer(1), given("head_dim"), optional=True,
+                        doc="features of one attention head (default: hidden / heads)"),
         "ffn": Key(Integer(1), given("ffn"), doc="SwiGLU width"),
         "vocab": Key(Integer(2), given("vocab"), doc="vocabulary size"),
         "seq": Key(Integer(1), given("seq"), doc="tokens per sequence"),
@@ -228,6 +233,11 @@ def head_dim_even(m: Model) -> Finding | None:
     """Rotary embedding turns pairs of features (Su et al. 2021)."""
     if m.head_dim % 2 == 0:
         return None
+    if "head_dim" in m.options:
+        return Finding(f"head_dim ({m.head_dim}) is odd; rotary embedding turns pairs of "
+                       f"features", ("model.head_dim",),
+                       try_values("head_dim", [d for d in (m.head_dim - 1, m.head_dim + 1)
+                                               if d > 0]))
     return Finding(f"the head dimension hidden / heads = {m.head_dim} is odd; rotary "
                    f"embedding turns pairs of features", ("model.heads",))
 

@@ -64,11 +64,11 @@ PRESETS = {
                       "expert_ffn": 16384, "experts": 8, "top_k": 2, "vocab": 32768,
                       "seq": 65536, "rope_theta": 1e6, "dtype": "bf16"},
     # Qwen3 technical report (Yang et al. 2025), Table 2, and Qwen/Qwen3-30B-A3B's
-    # config.json: 128 experts of width 768, 8 active, no shared expert. Its heads are
-    # 128 wide (32 x 128 = 4096 query features on a 2,048 stream) and normalise q and k
-    # per head; planc's heads are hidden / heads wide (64 here) and unnormalised.
+    # config.json: 128 experts of width 768, 8 active, no shared expert; heads 128 wide
+    # (32 x 128 = 4096 query features on a 2,048 stream). Qwen3 also normalises q and k
+    # per head, which planc's heads do not.
     "qwen3-30b-a3b": {"layers": 48, "hidden": 2048, "heads": 32, "kv_heads": 4,
-                      "expert_ffn": 768, "experts": 128, "top_k": 8, "vocab": 151936,
+                      "head_dim": 128, "expert_ffn": 768, "experts": 128, "top_k": 8, "vocab": 151936,
                       "seq": 32768, "rope_theta": 1e6, "dtype": "bf16"},
     # DeepSeek-V3's sizes (DeepSeek-AI 2024, section 4.2): 61 layers, the first 3 dense
     # (width 18,432), then 256 routed experts of width 2,048 (8 active) and 1 shared; 4k
@@ -80,6 +80,22 @@ PRESETS = {
                          "shared_experts": 1, "first_dense": 3, "vocab": 129280,
                          "seq": 4096, "rope_theta": 10000.0, "dtype": "bf16"},
 }
+
+
+# The load imbalance of real routing: the most loaded expert's tokens over the mean,
+# measured. Wang et al. 2024 (DeepSeek-AI, "Auxiliary-Loss-Free Load Balancing Strategy
+# for Mixture-of-Experts", arXiv 2408.15664, Table 1) report MaxVio_global = max load /
+# mean load - 1 = 0.72 for their 1B MoE trained with an auxiliary balance loss. An ep
+# rank holds experts / ep experts, so its own imbalance is at most the busiest expert's:
+# a plan that knows better says so (``imbalance = 1.0`` for a forced-balanced router).
+PUBLISHED_IMBALANCE = 1.72
+
+
+def routing_imbalance(m: Model) -> float:
+    """The busiest ep rank's (token, expert) rows over the mean that the simulator prices:
+    the plan's ``imbalance``, else the published measurement."""
+    given = m.options.get("imbalance")
+    return float(given) if given is not None else PUBLISHED_IMBALANCE
 
 
 def layer_block(m: Model, layer: int) -> tuple[tuple[str, ...], tuple]:
@@ -137,9 +153,9 @@ def layer_parameters(m: Model, layer: int) -> list[Parameter]:
 
 def model_flops_per_token(m: Model) -> float:
     """Narayanan et al. 2021's count with the active experts in place of the MLP."""
-    kv, hd = m.key_value_heads, m.head_dim
-    attention = (2 * m.hidden * (m.heads + 2 * kv) * hd + 2 * m.hidden * m.hidden
-                 + 4 * m.seq * m.hidden)
+    kv, hd, a = m.key_value_heads, m.head_dim, m.attention_width
+    attention = (2 * m.hidden * (m.heads + 2 * kv) * hd + 2 * a * m.hidden
+                 + 4 * m.seq * a)
     dense = 6 * m.hidden * m.ffn
     mixture = 2 * m.hidden * m.experts + \
         (m.top_k + m.shared_experts) * 6 * m.hidden * m.expert_ffn
@@ -203,12 +219,16 @@ _OWN = {
                                           "sum to 1"),
     "aux_loss": Key(Real(0.0, None), 0.0, doc="weight of DeepSeek-V3's sequence-wise "
                                               "load-balancing loss"),
+    "imbalance": Key(Real(1.0, None), None, optional=True,
+                     doc="the busiest ep rank's routed tokens over the mean, as the "
+                         "simulator prices the mixture (default: "
+                         f"{PUBLISHED_IMBALANCE:g}, measured; training routes for real)"),
 }
 # The order the plan text shows them in: llama's up to the batch, the mixture's, the rest.
 KEYS = {name: _OWN.get(name) or _LLAMA[name] for name in (
-    "preset", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "batch",
-    "experts", "top_k", "expert_ffn", "shared_experts", "first_dense", "norm_topk",
-    "aux_loss", "dtype", "rope_theta", "norm_eps", "tie_embeddings")}
+    "preset", "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "seq",
+    "batch", "experts", "top_k", "expert_ffn", "shared_experts", "first_dense", "norm_topk",
+    "aux_loss", "imbalance", "dtype", "rope_theta", "norm_eps", "tie_embeddings")}
 
 
 def top_k_within_experts(m: Model) -> Finding | None:

@@ -22,7 +22,9 @@ table alone (not graph.json): the one model the compiler optimises with (planc.c
   receive run together); in the backward a step's K/V shift and the previous block's
   dK/dV shift share the link (:func:`ring_seconds`).
 - A mixture of experts over an ep group adds its dispatch and combine, each an
-  all-to-all of ``bytes`` (its (token, expert) rows at uniform routing) over the group,
+  all-to-all of ``bytes`` (its (token, expert) rows at uniform routing) times the
+  routing's imbalance (the busiest rank's rows over the mean, model moe's ``imbalance``;
+  its experts' GEMMs take as many rows more) over the group,
   priced on where the group's members sit (:meth:`planc.cost.CostModel.all_to_all_seconds`:
   NVLink to peers on the node, the rank's NIC to the others, at once); the replay charges
   that part of the instruction to the ep axis as exposed communication, not to compute.
@@ -39,7 +41,7 @@ from planc.lower.groups import PIPELINE, GroupTable
 from planc.lower.operands import FORWARD_STEPS, Operands
 from planc.lower.program import Instruction
 from planc.plan import Plan
-from planc.kernel_cost import KernelModel
+from planc.kernel_cost import MIXTURE, KernelModel, Mixture
 
 # Bytes an operator moves per byte of its output: read the input and write the output;
 # a residual add reads two inputs; AdamW reads a parameter, its gradient and two moments
@@ -113,6 +115,7 @@ class InstructionCosts:
         self.optimizer_traffic = OPTIMIZER_TRAFFIC.get(plan.train.optimizer.name,
                                                        OPTIMIZER_TRAFFIC["adamw"])
         self.kernels = KernelModel.of(plan)  # None: the one-efficiency roofline
+        self.mixture = Mixture.of(plan)  # None: no mixture of experts
         self.groups = groups
         self.seconds: dict[str, float] = {}  # by node
         self.exchanges: dict[str, float] = {}  # a mixture's all-to-alls, by node
@@ -141,7 +144,10 @@ class InstructionCosts:
             if self.kernels is not None:
                 seconds = self.kernels.seconds(operands, traffic * operands.output_bytes)
             else:
-                seconds = max(self.cost.compute_seconds(operands.flops),
+                flops = operands.flops
+                if operands.kernel == MIXTURE and self.mixture is not None and flops:
+                    flops = self.mixture.busiest_flops(flops)
+                seconds = max(self.cost.compute_seconds(flops),
                               traffic * operands.output_bytes / self.bandwidth)
             if operands.ring_steps:
                 shift = self.cost.transfer_seconds(Kind.RECV.value, operands.bytes,
@@ -150,8 +156,11 @@ class InstructionCosts:
                 seconds = ring_seconds(seconds, shift, operands.ring_steps,
                                        operands.step == "backward")
             elif operands.group is not None:  # a mixture of experts over its ep group
+                # the busiest rank receives (dispatch) and sends back (combine) the
+                # most rows, and the all-to-all lasts as long as its share
+                imbalance = self.mixture.imbalance if self.mixture is not None else 1.0
                 exchange = EXPERT_ALL_TO_ALLS * self.expert_all_to_all(
-                    operands.group, operands.bytes or 0, stage)
+                    operands.group, (operands.bytes or 0) * imbalance, stage)
                 self.exchanges[instruction.node] = exchange
                 seconds += exchange
             # a balance loss's counts, in a forward: their backward sends nothing

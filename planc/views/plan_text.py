@@ -49,7 +49,9 @@ def settings(plan: Plan) -> str:
         optimizer = f"sgd(lr = {o.lr:g}, momentum = {o.momentum:g}, weight_decay = {o.weight_decay:g})"
     stages = ", ".join(range_text(shard.pp.chunks, c) for c in range(len(shard.pp.chunks)))
     memory_text = "unknown memory" if topo.device.memory is None else format_bytes(topo.device.memory)
-    own = "".join(f", {key} {_value_text(getattr(m, key))}" for key in family_of(m).own_keys)
+    family = family_of(m)
+    own = "".join(f", {key} {_value_text(getattr(m, key))}" for key in family.own_keys
+                  if not family.keys[key].optional or key in m.options)
     rows = [
         (f"model {m.family}", f"layers {m.layers}, hidden {m.hidden}, heads {m.heads} (head_dim "
                       f"{m.head_dim}){own}, ffn {m.ffn}, vocab {m.vocab}, seq {m.seq}, batch {m.batch}, "

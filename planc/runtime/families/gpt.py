@@ -64,7 +64,7 @@ def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     seq = inputs.shape[1]
     x = p["embedding.weight"][inputs] + p["position.weight"][:seq]
-    hd = m.hidden // m.heads
+    hd = m.head_dim
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
     for layer in range(m.layers):
         w = {k[len(f"layers.{layer}."):]: v for k, v in p.items()

@@ -111,7 +111,7 @@ def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
     p = {k: v.to(dtype) for k, v in params.items()}
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     b, seq = inputs.shape
-    hd, kv = m.hidden // m.heads, m.key_value_heads
+    hd, kv = m.head_dim, m.key_value_heads
 
     def norm(x, weight):
         x32 = x.float()
@@ -141,7 +141,7 @@ def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
         v = v.repeat_interleave(m.heads // kv, dim=1)
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
         scores = scores.masked_fill(~causal, float("-inf"))
-        context = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, seq, m.hidden)
+        context = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, seq, m.heads * hd)
         x = x + context @ w["o.weight"]
         h = norm(x, w["ln2.weight"])
         x = x + mlp(layer, h, w)
