@@ -52,6 +52,9 @@ from planc.lang import load_file  # noqa: E402
 from planc.simulate import Simulation, StageResult, model_flops, simulate  # noqa: E402
 from planc.simulate.costs import InstructionCosts  # noqa: E402
 from planc.simulate.pipeline import step  # noqa: E402
+from tests.test_simulate import (KORTHIKANTI_TABLE_5, MEGATRON_H100,  # noqa: E402
+                                 NARAYANAN_TABLE_1, SEQUENCE_SELECTIVE,
+                                 narayanan_step_flops)
 
 GB, GIB = 1e9, 2.0 ** 30
 
@@ -78,20 +81,10 @@ class Run:
     memory_note: str = ""
 
 
-SEQUENCE_SELECTIVE = ("shard.tp.sequence_parallel=on", "optimize.recompute=selective")
 SIZES = {"1_7b": "1.7B", "3_6b": "3.6B", "7_5b": "7.5B", "7_1b": "7.1B", "16b": "16B",
          "18b": "18B", "22b": "22B", "32b": "32B", "39b": "39B", "70b": "70B", "76b": "76B",
          "119b": "119B", "145b": "145B", "175b": "175B", "177b": "177B", "310b": "310B",
          "314b": "314B", "462b": "462B", "530b": "530B", "1t": "1T"}
-# Korthikanti et al. 2022, Table 5: (full recomputation, sequence parallel + selective) s.
-KORTHIKANTI_TABLE_5 = {"22b": (1.42, 1.10), "175b": (18.13, 13.75),
-                       "530b": (49.05, 37.83), "1t": (94.42, 71.49)}
-# The Megatron-LM README's weak-scaling table on H100s: TFLOP/s per GPU.
-MEGATRON_H100 = {"1_7b": 408.8, "7_1b": 465.9, "16b": 489.1, "32b": 459.6, "70b": 419.7,
-                 "119b": 420.5, "177b": 432.8, "314b": 474.4, "462b": 459.9}
-# Narayanan et al. (SC'21) Table 1: TFLOP/s per GPU by their eq. 3.
-NARAYANAN_TABLE_1 = {"1_7b": 137, "3_6b": 138, "7_5b": 142, "18b": 135, "39b": 138,
-                     "76b": 140, "145b": 148, "310b": 155, "530b": 163, "1t": 163}
 NVIDIA_SMI = "nvidia-smi on the first node (the allocator's cache and the CUDA context in)"
 TORCHTITAN_PEAK = "the largest over the GPUs, torchtitan's memory log"
 # plans/bloom/: (step s, peak GB); sources in each plan's header.
@@ -231,12 +224,6 @@ def simulate_on(build, gpu: GPU) -> Simulation:
         estimate.stages[t.stage].total_bytes) for t in times)
     return Simulation(plan.name, plan.world, stages, step_seconds, model_flops(plan),
                       plan.topology.device.flops, plan.topology.device.memory)
-
-
-def narayanan_step_flops(m) -> float:
-    """FLOPs of a step as Narayanan et al. (SC'21, eq. 3) count them, recomputation in."""
-    return 96 * m.batch * m.seq * m.layers * m.hidden ** 2 * (
-        1 + m.seq / (6 * m.hidden) + m.vocab / (16 * m.layers * m.hidden))
 
 
 def published_step(run: Run, plan) -> float:
