@@ -53,9 +53,12 @@ H100_MEDIAN_ERROR, H100_MAX_ERROR = 0.045, 0.22
 # recomputed forward: 96 B s l h^2 (1 + s / 6h + V / 16 l h) per step.
 NARAYANAN_TABLE_1 = {"1_7b": 137, "3_6b": 138, "7_5b": 142, "18b": 135, "39b": 138,
                      "76b": 140, "145b": 148, "310b": 155, "530b": 163, "1t": 163}
-# Guards as above. Reached: median 5.8 %, max 10.0 % (76B), of both signs (with the links'
-# line rates: 8.7 % and 15.5 %, every model predicted faster than published).
-HELD_OUT_MEDIAN_ERROR, HELD_OUT_MAX_ERROR = 0.06, 0.105
+# The plans have the layouts of the paper's run script (run_table_1.sh: microbatch size,
+# interleaved chunks; no tp overlap, and --DDP-impl local overlaps nothing). Reached:
+# median 12.1 %, max 18.8 % (18B), every model predicted faster than published. This
+# bound, like the two above, is a regression guard set just above what the model reaches,
+# not evidence of accuracy: bench/validation.py reports the errors (docs/simulate.md).
+HELD_OUT_MEDIAN_ERROR, HELD_OUT_MAX_ERROR = 0.125, 0.19
 
 
 def narayanan_step_flops(m) -> float:
