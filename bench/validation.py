@@ -45,13 +45,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PLANS = ROOT / "plans"
 sys.path.insert(0, str(ROOT))
 
-from planc import memory  # noqa: E402
 from planc.compile import compile_plan  # noqa: E402
-from planc.kernel_cost import GPUS, GPU, KernelModel  # noqa: E402
+from planc.kernel_cost import GPUS, GPU  # noqa: E402
 from planc.lang import load_file  # noqa: E402
-from planc.simulate import Simulation, StageResult, model_flops, simulate  # noqa: E402
-from planc.simulate.costs import InstructionCosts  # noqa: E402
-from planc.simulate.pipeline import step  # noqa: E402
+from planc.simulate import model_flops, simulate  # noqa: E402
 from tests.test_simulate import (KORTHIKANTI_TABLE_5, MEGATRON_H100,  # noqa: E402
                                  NARAYANAN_TABLE_1, SEQUENCE_SELECTIVE,
                                  narayanan_step_flops)
@@ -183,8 +180,6 @@ def attention_rates(path: Path, leave_out: str | None) -> tuple[float, float]:
 def loo_variant(table: str, kernels: Path | None) -> tuple[tuple[str, ...], GPU | None, str]:
     """What to simulate the held-out ``table`` with: (overrides, replacement H100 GPU or
     None, note). Raises ValueError when a constant cannot be re-derived."""
-    if table == "korthikanti":
-        return ("topology.device.efficiency=1",), None, "A100 efficiency removed"
     if table in ATTENTION_PLANS:
         if kernels is None:
             raise ValueError("needs bench/kernels_gpu.py's per-shape output on the H100 "
@@ -204,26 +199,6 @@ def loo_variant(table: str, kernels: Path | None) -> tuple[tuple[str, ...], GPU 
 
 
 # --- simulating ---------------------------------------------------------------------------
-
-
-def simulate_on(build, gpu: GPU) -> Simulation:
-    """planc.simulate.simulate with the kernel model's GPU replaced by ``gpu`` (for the
-    leave-one-table-out constants), nothing else changed and no module state touched.
-    planc.simulate has no parameter for it yet: this mirrors its body."""
-    plan = build.plan
-    programs = {program.stage: program for name, program in build.programs.items()
-                if build.table.stages.get(name) == program.stage}
-    costs = InstructionCosts(plan, build.groups)
-    costs.kernels = KernelModel(plan, gpu)
-    times = step(programs, costs.of_stage, False)
-    step_seconds = max(t.end for t in times)
-    estimate = memory.estimate(plan)
-    stages = tuple(StageResult(
-        t.stage, t.end, t.busy, t.waiting + (step_seconds - t.end),
-        {axis: seconds for axis, seconds in sorted(t.exposed.items()) if seconds > 0},
-        estimate.stages[t.stage].total_bytes) for t in times)
-    return Simulation(plan.name, plan.world, stages, step_seconds, model_flops(plan),
-                      plan.topology.device.flops, plan.topology.device.memory)
 
 
 def published_step(run: Run, plan) -> float:
@@ -264,7 +239,7 @@ def simulated(run: Run, kernels: Path | None = None) -> dict:
     if overrides:
         variant = simulate(compile_plan(loaded(run, overrides)))
     elif gpu is not None:
-        variant = simulate_on(compile_plan(plan), gpu)
+        variant = simulate(compile_plan(plan), gpu=gpu)
     else:
         variant = shipped
     row.update(loo_step=variant.step_seconds, loo_error=variant.step_seconds / step - 1,

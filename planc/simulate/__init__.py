@@ -82,12 +82,14 @@ class Simulation:
                             "memory_bytes": s.memory_bytes} for s in self.stages]}
 
 
-def simulate(build: Build, keep_timeline: bool = False) -> Simulation:
-    """One step of ``build`` (with its programs) on its plan's topology."""
+def simulate(build: Build, keep_timeline: bool = False, gpu=None) -> Simulation:
+    """One step of ``build`` (with its programs) on its plan's topology; ``gpu``: a
+    planc.kernel_cost.GPU to price the kernels with instead of the preset's (the
+    leave-one-table-out validation re-derives its figures without a table)."""
     plan = build.plan
     programs = {program.stage: program for name, program in build.programs.items()
                 if build.table.stages.get(name) == program.stage}
-    times = step(programs, InstructionCosts(plan, build.groups).of_stage, keep_timeline)
+    times = step(programs, InstructionCosts(plan, build.groups, gpu).of_stage, keep_timeline)
     step_seconds = max(t.end for t in times)
     estimate = memory.estimate(plan)
     stages = tuple(StageResult(

@@ -109,12 +109,13 @@ class InstructionCosts:
     """Seconds of each compute and transfer instruction of one build, found once per
     node: ``costs(instruction, stage)``."""
 
-    def __init__(self, plan: Plan, groups: GroupTable):
+    def __init__(self, plan: Plan, groups: GroupTable, gpu=None):
         self.cost = CostModel(plan.topology)
         self.bandwidth = plan.topology.device.bandwidth
         self.optimizer_traffic = OPTIMIZER_TRAFFIC.get(plan.train.optimizer.name,
                                                        OPTIMIZER_TRAFFIC["adamw"])
-        self.kernels = KernelModel.of(plan)  # None: the one-efficiency roofline
+        # None: the one-efficiency roofline
+        self.kernels = KernelModel(plan, gpu) if gpu is not None else KernelModel.of(plan)
         self.mixture = Mixture.of(plan)  # None: no mixture of experts
         self.groups = groups
         self.seconds: dict[str, float] = {}  # by node
