@@ -416,3 +416,26 @@ def test_a_ring_attention_step_is_priced_by_its_ring_steps():
                                   build.groups.crosses_nodes("cp"))
     assert costs(forward, 0) == ring_seconds(compute, shift, 4, backward=False)
     assert costs(backward, 0) > costs(forward, 0)
+
+
+def test_simulate_states_the_error_of_its_validation_on_the_gpus_it_was_held_to():
+    from planc.simulate.accuracy import DENSE, MIXTURES, expected
+    from planc.views.simulate_text import render
+
+    dense = load_file(PLANS / "korthikanti-22b.plan").plan
+    mixture = load_file(PLANS / "moe-published" / "mcore-mixtral-8x7b.plan").plan
+    assert expected(dense) is DENSE and expected(mixture) is MIXTURES
+    assert expected(load_file(PLANS / "gpt-tiny.plan").plan) is None
+    lines = render(simulate(compile_plan(dense)), expected(dense)).splitlines()
+    assert lines[1] == ("  expected error: ± 9.7% (the median error over 45 published runs "
+                        "of dense models; the largest 32%)")
+
+
+def test_tune_claims_no_speed_up_inside_the_simulators_expected_error():
+    from planc.simulate.accuracy import DENSE
+    from planc.views.tune_text import _within
+
+    assert _within(1.05, DENSE) == ("; within the simulator's expected error of ± 9.7%, so "
+                                    "not a difference it can tell apart")
+    assert _within(1.2, DENSE) == ""
+    assert _within(1.2, None) == ", by a model not measured on this device"
