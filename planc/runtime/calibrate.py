@@ -22,7 +22,9 @@ The compute rate is that of an fp32 matrix multiply with every rank multiplying 
 the memory bandwidth that of a 64 MB copy. The overlap is the share of an all_reduce that
 hides behind that multiply when both run at once (the device's ``overlap``, which
 tp_overlap's chooser reads): near 1 where the backend has its own engines, near 0 where
-gloo's threads need the cores the multiply fills.
+gloo's threads need the cores the multiply fills. The overhead is what a compute
+instruction costs beyond its arithmetic: the runtime's forward and backward step of a tiny
+operator (:func:`measure_overhead`), which on a CPU is most of a small model's step.
 Rank 0 writes the topology atomically (planc.lang.presets; a plan names it with
 ``topology { preset = "FILE" }``).
 """
@@ -232,12 +234,17 @@ def measure_memory(repeats: int) -> float:
 # dtype, the operator run with a graph: planc.runtime.kernels.Kernels.forward) and its
 # backward step (torch.autograd.grad of that one step: Kernels.backward), timed over
 # OVERHEAD_CALLS back to back, every rank at once, so that on a CPU shared by more ranks
-# than cores each rank's share of the cores is in the figure.
-OVERHEAD_CALLS = 200
+# than cores each rank's share of the cores is in the figure; the median of
+# OVERHEAD_WINDOWS such windows, so that a burst of other work on the machine during one
+# of them does not make the figure (on this 2-core machine under a load average of 15,
+# 3 windows of 100 calls gave 0.50 and 0.72 ms per instruction, 11 of 50 gave 0.45,
+# 0.34 and 0.46 ms).
+OVERHEAD_CALLS = 50
+OVERHEAD_WINDOWS = 11
 OVERHEAD_SHAPE = (4, 8)
 
 
-def measure_overhead(repeats: int) -> dict:
+def measure_overhead() -> dict:
     """Seconds of a tiny compute instruction as the runtime runs it, forward and
     backward: what the Python and the dispatcher cost, the arithmetic being nothing."""
     x, w = torch.randn(*OVERHEAD_SHAPE), torch.randn(OVERHEAD_SHAPE[1], OVERHEAD_SHAPE[1])
@@ -259,8 +266,8 @@ def measure_overhead(repeats: int) -> dict:
             leaf, weight, out = forward()
             torch.autograd.grad(out, [leaf, weight], grad)
 
-    forward_s = timed(forward_calls, 1 << 30, repeats) / OVERHEAD_CALLS
-    both_s = timed(step_calls, 1 << 30, repeats) / OVERHEAD_CALLS
+    forward_s = timed(forward_calls, 1 << 30, OVERHEAD_WINDOWS) / OVERHEAD_CALLS
+    both_s = timed(step_calls, 1 << 30, OVERHEAD_WINDOWS) / OVERHEAD_CALLS
     backward_s = max(both_s - forward_s, 0.0)
     return {"forward": forward_s, "backward": backward_s,
             "instruction": (forward_s + backward_s) / 2}
@@ -291,7 +298,7 @@ def calibrate(per_node: int, repeats: int) -> dict:
     flops = measure_compute(repeats)
     memory = measure_memory(repeats)
     measured["overlap"] = measure_overlap(repeats)
-    measured["overhead"] = measure_overhead(repeats)
+    measured["overhead"] = measure_overhead()
     return calibrated_document(f"calibrated {dist.get_backend()}, {world} ranks on {nodes} "
                                f"node{'s' * (nodes > 1)}", per_node, flops, intra, inter,
                                measured, memory, measured["overlap"]["overlap"],
@@ -307,8 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
-        global SIZES, OVERHEAD_CALLS
-        SIZES, OVERHEAD_CALLS = QUICK_SIZES, OVERHEAD_CALLS // 2
+        global SIZES
+        SIZES = QUICK_SIZES
     world = int(os.environ["WORLD_SIZE"])
     if args.devices_per_node < 1 or world % args.devices_per_node:
         print(f"planc calibrate: {world} ranks do not fill nodes of {args.devices_per_node}",
