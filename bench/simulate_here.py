@@ -18,6 +18,9 @@ Goal (issue 35): the step within 25 % on every plan; memory within 10 %.
     .venv/bin/python bench/simulate_here.py [--steps 10] [--plans demo,gpt-tiny]
         [--markdown FILE]
 
+``--peers`` runs the earlier comparison instead (docs/performance.md): the plans of
+bench/peers.py on a topology of ``planc calibrate --ranks 2``.
+
 The other plans of plans/ (hundreds of millions of parameters and more, or GPU-only
 features) do not train on 2 CPU cores in minutes and are left out.
 """
@@ -166,13 +169,70 @@ def table(rows: list[dict], baseline: float, steps: int) -> str:
     return "\n".join(lines)
 
 
+PEER_CASES = ("1 rank", "dp 2", "zero 3", "tp 2", "tp 2, sequence parallel", "pp 2, 1F1B",
+              "pp 2, GPipe")
+
+
+def peers(steps: int) -> int:
+    """The plans of bench/peers.py on this machine, calibrated with 2 ranks."""
+    import contextlib
+    import io
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from peers import PAIRS, WARMUP as PEER_WARMUP, plan_text
+    from planc.cli import main as run_planc
+    from planc.compile import compile_plan
+    from planc.lang import load_text
+    from planc.simulate import simulate
+
+    with tempfile.TemporaryDirectory() as scratch:
+        machine = Path(scratch) / "machine.json"
+        done = planc("calibrate", "-o", machine, "--ranks", 2)
+        if done.returncode:
+            raise SystemExit(done.stderr)
+        rows, errors = [], []
+        for name in PEER_CASES:
+            case = PAIRS[name][0]
+            text = plan_text(case, steps)
+            world = 2 if case.get("mesh") else 1
+            text = text.replace("  shard {", f'  topology {{ preset = "{machine}"; '
+                                             f'devices_per_node = {world} }}\n  shard {{', 1)
+            loaded = load_text(text)
+            if not loaded.ok:
+                raise SystemExit([d.message for d in loaded.diagnostics])
+            predicted = simulate(compile_plan(loaded.plan)).step_seconds
+            directory = Path(scratch) / name.replace(" ", "_").replace(",", "")
+            directory.mkdir()
+            (directory / "p.plan").write_text(text)
+            metrics = directory / "m.jsonl"
+            with contextlib.redirect_stderr(io.StringIO()), \
+                    contextlib.redirect_stdout(io.StringIO()):
+                status = run_planc(["run", str(directory / "p.plan"), "-o",
+                                    str(directory / "b"), "--metrics", str(metrics)])
+            if status:
+                raise SystemExit(f"planc run failed on {name}")
+            times = [json.loads(line)["time_s"] for line in metrics.read_text().splitlines()]
+            measured = statistics.median(times[PEER_WARMUP:])
+            errors.append(abs(predicted / measured - 1))
+            rows.append(f"| {name} | {measured * 1e3:.0f} | {predicted * 1e3:.0f} | "
+                        f"{predicted / measured - 1:+.0%} |")
+    print("| plan | measured ms | simulated ms | error |\n|---|---|---|---|")
+    print("\n".join(rows))
+    print(f"\nmedian error {statistics.median(errors):.0%}, largest {max(errors):.0%}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--peers", action="store_true",
+                        help="the plans of bench/peers.py instead (docs/performance.md)")
     parser.add_argument("--plans", default=",".join(HERE),
                         help="comma-separated names of plans/*.plan")
     parser.add_argument("--markdown", help="also write the table to this file")
     args = parser.parse_args()
+    if args.peers:
+        return peers(args.steps)
     names = [n for n in args.plans.split(",") if n]
     unknown = [n for n in names if not (ROOT / "plans" / f"{n}.plan").is_file()]
     if unknown or args.steps <= WARMUP:
