@@ -234,13 +234,14 @@ def measure_memory(repeats: int) -> float:
 # dtype, the operator run with a graph: planc.runtime.kernels.Kernels.forward) and its
 # backward step (torch.autograd.grad of that one step: Kernels.backward), timed over
 # OVERHEAD_CALLS back to back, every rank at once, so that on a CPU shared by more ranks
-# than cores each rank's share of the cores is in the figure; the median of
-# OVERHEAD_WINDOWS such windows, so that a burst of other work on the machine during one
-# of them does not make the figure (on this 2-core machine under a load average of 15,
-# 3 windows of 100 calls gave 0.50 and 0.72 ms per instruction, 11 of 50 gave 0.45,
-# 0.34 and 0.46 ms).
-OVERHEAD_CALLS = 50
-OVERHEAD_WINDOWS = 11
+# than cores each rank's share of the cores is in the figure. A window of 200 lasts about
+# as long as a small model's training step (hundreds of instructions), the span whose
+# median planc run reports; the median of OVERHEAD_WINDOWS of them. (Shorter windows
+# catch the quiet moments of a loaded machine: on this 2-core machine at a load average
+# of 10 to 17, the median of 11 windows of 50 gave 0.15 to 0.6 ms per instruction, and
+# predicted steps 30 to 84 % short of the measured ones, bench/simulate_here.py.)
+OVERHEAD_CALLS = 200
+OVERHEAD_WINDOWS = 5
 OVERHEAD_SHAPE = (4, 8)
 
 
