@@ -15,18 +15,25 @@ $(STAMP):
 
 install: $(STAMP)
 
-# The demo trains plans/demo.plan on 8 local processes on the corpus below and checks it
-# against one process (about 20 s on 2 cores), then writes the comm graph and the report;
-# --force: a second `make demo` replaces the first one's metrics, graph and report.
-DEMO   := build/demo
-CORPUS := data/tiny-corpus.tokens
+# The demo measures this machine with 8 gloo ranks (planc calibrate --quick, about 10 s
+# on 2 idle cores), trains plans/demo.plan on 8 local processes on the corpus below,
+# priced on that measurement, and checks it against one process (about 20 s on 2 cores),
+# then writes the comm graph and the report; --force: a second `make demo` replaces the
+# first one's machine, metrics, graph and report.
+DEMO    := build/demo
+CORPUS  := data/tiny-corpus.tokens
+MACHINE := build/demo-machine.json
+HERE    := --set 'topology.preset="../$(MACHINE)"'
 
 demo: $(STAMP) $(CORPUS)
-	$(VENV)/bin/planc check plans/demo.plan --verbose
+	@mkdir -p build
+	$(VENV)/bin/planc calibrate -o $(MACHINE) --ranks 8 --quick --repeats 3 --force
 	@echo
-	$(VENV)/bin/planc layout plans/demo.plan
+	$(VENV)/bin/planc check plans/demo.plan $(HERE) --verbose
 	@echo
-	$(VENV)/bin/planc compile plans/demo.plan --set 'train.data="../$(CORPUS)"' -o $(DEMO)
+	$(VENV)/bin/planc layout plans/demo.plan $(HERE)
+	@echo
+	$(VENV)/bin/planc compile plans/demo.plan --set 'train.data="../$(CORPUS)"' $(HERE) -o $(DEMO)
 	@echo
 	$(VENV)/bin/planc run $(DEMO) --check --metrics $(DEMO)/metrics.jsonl --force
 	$(VENV)/bin/planc graph $(DEMO) -o $(DEMO)/graph.html --force
@@ -35,6 +42,15 @@ demo: $(STAMP) $(CORPUS)
 	@$(PY) -c 'import json, sys; loss = [json.loads(l)["loss"] for l in open(sys.argv[1])]; \
 	  print(f"loss: {loss[0]:.2f} at step 1, {loss[-1]:.2f} at step {len(loss)}")' \
 	  $(DEMO)/metrics.jsonl
+	@$(VENV)/bin/planc simulate $(DEMO) --json > $(DEMO)/simulated.json
+	@$(PY) -c 'import json, statistics, sys; s = json.load(open(sys.argv[1])); \
+	  r = [json.loads(l) for l in open(sys.argv[2])][2:]; p = s["step_seconds"]; \
+	  m = statistics.median(x["time_s"] for x in r); u = statistics.median(x["mfu"] for x in r); \
+	  g = s["peak_flops"] / 1e9; \
+	  print(f"step:   {p * 1e3:.0f} ms predicted on this machine as calibrated, {m * 1e3:.0f} ms " \
+	        f"measured ({p / m - 1:+.0%}; median after 2 warm-up steps); MFU {u:.1%} of the " \
+	        f"measured {g:.3g} GFLOP/s per rank")' \
+	  $(DEMO)/simulated.json $(DEMO)/metrics.jsonl
 	@echo "build:  $(abspath $(DEMO))/"
 	@echo "graph:  $(abspath $(DEMO))/graph.html"
 	@echo "report: $(abspath $(DEMO))/report.html"

@@ -330,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
                            help="split the ranks into K nodes of consecutive ranks [1]")
     calibrate.add_argument("--repeats", type=int, default=5, metavar="R",
                            help="timed repetitions per size [5]")
+    calibrate.add_argument("--quick", action="store_true",
+                           help="messages of 4 KB to 1 MB, a small model's, instead of up "
+                                "to 16 MB: seconds rather than a minute (make demo)")
     return parser
 
 

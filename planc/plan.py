@@ -125,6 +125,10 @@ class Device:
     # network has its own engines (NCCL's kernels beside cuBLAS's), 0 where the
     # collective needs the cores the GEMM already fills (gloo on a CPU).
     overlap: float = 1.0
+    # Seconds every compute instruction costs beyond its arithmetic and memory traffic:
+    # on a CPU the Python and dispatch of the runtime's step (planc calibrate measures
+    # it); 0 for the GPU presets, whose launch cost the kernel model prices.
+    overhead: float = 0.0
 
 
 @dataclass(frozen=True)

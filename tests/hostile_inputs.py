@@ -644,6 +644,10 @@ def extreme_cases() -> list[tuple[str, str, str, dict]]:
             b"1" + b"0" * 400)),), (1,)),
         ("collectives-a-list", (("machine.json", "bytes", _calibrated(intra__collectives=[1, 2])),), (1,)),
         ("device-a-list", (("machine.json", "bytes", _calibrated(device=[])),), (1,)),
+        ("overhead-negative", (("machine.json", "bytes", _calibrated(device__overhead=-1e-3)),), (1,)),
+        ("overhead-a-string", (("machine.json", "bytes", _calibrated(device__overhead="1 ms")),), (1,)),
+        ("overhead-10^400", (("machine.json", "bytes", _raw_number(
+            _calibrated(device__overhead=1), b"overhead", b"1" + b"0" * 400)),), (1,)),
         ("name-100k", (("machine.json", "bytes", _calibrated(name="é" * 100_000)),), (0,)),
         ("name-control-chars", (("machine.json", "bytes", _calibrated(name="\x00\x1b[31m\u2028")),), (0,)),
         ("a-list", (("machine.json", "bytes", b"[]"),), (1,)),

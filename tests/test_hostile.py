@@ -50,7 +50,7 @@ COUNTS = {
     "baseline": 2, "big-file": 3, "bom": 9, "data-path": 34, "deep-nesting": 39, "exec": 14,
     "file-name": 21, "huge-number": 29, "limits": 9, "line-endings": 10, "long-line": 12,
     "many-diagnostics": 11, "mutant-example": 30, "mutant-invalid": 30, "nul": 10,
-    "plan-file": 12, "separator": 52, "topology-path": 39, "unicode": 39, "usage": 26,
+    "plan-file": 12, "separator": 52, "topology-path": 42, "unicode": 39, "usage": 26,
 }
 
 

@@ -77,7 +77,7 @@ NOT_OUTPUTS = {
                "--prefix"},
     "diff": {"-h", "--set-b", "--error-format"},
     "plot": {"-h", "--force", "--metric"},
-    "calibrate": {"-h", "--force", "--ranks", "--nodes", "--repeats"},
+    "calibrate": {"-h", "--force", "--ranks", "--nodes", "--repeats", "--quick"},
 }
 
 

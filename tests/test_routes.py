@@ -16,6 +16,7 @@ import pytest
 from planc.compile import compile_plan
 from planc.cost import CostModel, Placement, Route, counts_of
 from planc.lang import load_text
+from planc.lang.units import TIME, format_quantity
 from planc.lower.groups import group_table
 from planc.lower.routes import Recipe, Step, hierarchical, tree
 from planc.lower.verify_routes import check
@@ -416,6 +417,12 @@ def test_calibrate_writes_a_topology_that_a_plan_can_use(tmp_path, run_planc):
     share = (figures["gemm"] + figures["all_reduce"] - figures["together"]) / \
         min(figures["gemm"], figures["all_reduce"])
     assert data["device"]["overlap"] == min(1.0, max(0.0, share))
+    # a compute instruction's fixed cost: the mean of the tiny step's forward and backward
+    overhead = data["measured"]["overhead"]
+    assert data["device"]["overhead"] == (overhead["forward"] + overhead["backward"]) / 2 > 0
+    assert preset.overhead == data["device"]["overhead"]
+    assert lines[-3].endswith(f"GFLOP/s per rank, {format_quantity(preset.overhead, TIME)} "
+                              f"per instruction beyond its arithmetic")
     assert preset.devices_per_node == 2 and "inter" not in data["measured"]
     assert preset.inter_bandwidth == preset.intra_bandwidth
     assert {t.kind for t in preset.intra_collectives} == {"all_reduce", "reduce_scatter",

@@ -31,6 +31,7 @@ class Preset:
     inter_collectives: tuple[Tuning, ...] = ()
     memory_bandwidth: float = 1e12  # bytes/s of the device's memory
     overlap: float = 1.0  # fraction of a collective hidden behind compute (Device.overlap)
+    overhead: float = 0.0  # seconds per compute instruction (Device.overhead; calibrated)
     intra_sweep: tuple[tuple[float, float], ...] = ()  # Link.sweep
 
     def topology(self, nodes: int, dtype: str = "fp32") -> Topology:
@@ -38,7 +39,7 @@ class Preset:
         per_node = self.devices_per_node or 1
         return Topology(nodes, per_node, Device(self.flops[dtype], self.memory,
                                                 self.efficiency, self.memory_bandwidth,
-                                                self.overlap),
+                                                self.overlap, self.overhead),
                         Link(self.intra_bandwidth, self.intra_latency, self.intra_collectives,
                              self.intra_sweep),
                         Link(self.inter_bandwidth, self.inter_latency, self.inter_collectives),
@@ -137,7 +138,7 @@ CALIBRATED_FORMAT, CALIBRATED_VERSION = "planc-topology", 1
 
 def calibrated_document(name: str, devices_per_node: int, flops: float, intra: dict,
                         inter: dict, measured: dict, memory_bandwidth: float,
-                        overlap: float) -> dict:
+                        overlap: float, overhead: float = 0.0) -> dict:
     """The JSON of a measured machine. A link is ``{"bandwidth": B/s, "latency": s,
     "collectives": {kind: {"bandwidth": bus B/s, "latency": s per call}}}``: the
     point-to-point figures, and what the backend achieves for each collective (``tree``:
@@ -145,7 +146,8 @@ def calibrated_document(name: str, devices_per_node: int, flops: float, intra: d
     return {"format": CALIBRATED_FORMAT, "version": CALIBRATED_VERSION, "name": name,
             "devices_per_node": devices_per_node,
             "device": {"flops": flops, "memory": None, "efficiency": 1.0,
-                       "bandwidth": memory_bandwidth, "overlap": overlap},
+                       "bandwidth": memory_bandwidth, "overlap": overlap,
+                       "overhead": overhead},
             "intra": intra, "inter": inter, "measured": measured}
 
 
@@ -203,8 +205,10 @@ def calibrated_preset(data, name: str) -> Preset:
     overlap = _number(device.get("overlap", 1.0), "device.overlap", False)
     if overlap > 1:
         raise ValueError("device.overlap must be at most 1")
+    # Topologies calibrated before the overhead was measured: none.
+    overhead = _number(device.get("overhead", 0.0), "device.overhead", False)
     intra, inter = _link(data, "intra"), _link(data, "inter")
     return Preset(name, str(data.get("name", name)), per_node,
                   {"bf16": flops, "fp16": flops, "fp32": flops}, memory, efficiency,
                   intra[0], intra[1], inter[0], inter[1], intra[2], inter[2], bandwidth,
-                  overlap)
+                  overlap, overhead)

@@ -79,7 +79,7 @@ class TopologyReader(BlockReader):
                         pick("device.memory", preset.memory),
                         pick("device.efficiency", preset.efficiency),
                         pick("device.bandwidth", preset.memory_bandwidth),
-                        pick("device.overlap", preset.overlap))
+                        pick("device.overlap", preset.overlap), preset.overhead)
         # A link given in the plan replaces the preset's, measured collectives and all.
         intra = Link(pick("intra.bandwidth", preset.intra_bandwidth),
                      pick("intra.latency", preset.intra_latency),

@@ -22,7 +22,9 @@ The compute rate is that of an fp32 matrix multiply with every rank multiplying 
 the memory bandwidth that of a 64 MB copy. The overlap is the share of an all_reduce that
 hides behind that multiply when both run at once (the device's ``overlap``, which
 tp_overlap's chooser reads): near 1 where the backend has its own engines, near 0 where
-gloo's threads need the cores the multiply fills.
+gloo's threads need the cores the multiply fills. The overhead is what a compute
+instruction costs beyond its arithmetic: the runtime's forward and backward step of a tiny
+operator (:func:`measure_overhead`), which on a CPU is most of a small model's step.
 Rank 0 writes the topology atomically (planc.lang.presets; a plan names it with
 ``topology { preset = "FILE" }``).
 """
@@ -46,6 +48,10 @@ from planc.runtime.rendezvous import joined_store
 from planc.runtime.collectives import all_gather_single, reduce_scatter_single
 
 SIZES = (4 << 10, 4 << 20, 16 << 20)  # bytes: latency, then two for the slope
+# --quick: a small model's messages (a tiny plan's activations and gradients are tens
+# of KB to a MB), in seconds on 2 cores rather than a minute
+QUICK_SIZES = (4 << 10, 256 << 10, 1 << 20)
+QUICK_REPEATS = 3
 REPEATS = 5
 
 
@@ -223,13 +229,58 @@ def measure_memory(repeats: int) -> float:
     return 2 * source.numel() * 4 / seconds
 
 
+# A compute instruction's fixed cost: the runtime's forward step of a tiny operator
+# (its inputs and parameter made autograd leaves, the parameter cast to the model's
+# dtype, the operator run with a graph: planc.runtime.kernels.Kernels.forward) and its
+# backward step (torch.autograd.grad of that one step: Kernels.backward), timed over
+# OVERHEAD_CALLS back to back, every rank at once, so that on a CPU shared by more ranks
+# than cores each rank's share of the cores is in the figure. A window of 200 lasts about
+# as long as a small model's training step (hundreds of instructions), the span whose
+# median planc run reports; the median of OVERHEAD_WINDOWS of them. (Shorter windows
+# catch the quiet moments of a loaded machine: on this 2-core machine at a load average
+# of 10 to 17, the median of 11 windows of 50 gave 0.15 to 0.6 ms per instruction, and
+# predicted steps 30 to 84 % short of the measured ones, bench/simulate_here.py.)
+OVERHEAD_CALLS = 200
+OVERHEAD_WINDOWS = 5
+OVERHEAD_SHAPE = (4, 8)
+
+
+def measure_overhead() -> dict:
+    """Seconds of a tiny compute instruction as the runtime runs it, forward and
+    backward: what the Python and the dispatcher cost, the arithmetic being nothing."""
+    x, w = torch.randn(*OVERHEAD_SHAPE), torch.randn(OVERHEAD_SHAPE[1], OVERHEAD_SHAPE[1])
+    grad = torch.ones(OVERHEAD_SHAPE)
+
+    def forward():
+        leaf = x.detach().requires_grad_(True)
+        weight = w.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = leaf @ weight.to(torch.float32)
+        return leaf, weight, out
+
+    def forward_calls():
+        for _ in range(OVERHEAD_CALLS):
+            forward()
+
+    def step_calls():
+        for _ in range(OVERHEAD_CALLS):
+            leaf, weight, out = forward()
+            torch.autograd.grad(out, [leaf, weight], grad)
+
+    forward_s = timed(forward_calls, 1 << 30, OVERHEAD_WINDOWS) / OVERHEAD_CALLS
+    both_s = timed(step_calls, 1 << 30, OVERHEAD_WINDOWS) / OVERHEAD_CALLS
+    backward_s = max(both_s - forward_s, 0.0)
+    return {"forward": forward_s, "backward": backward_s,
+            "instruction": (forward_s + backward_s) / 2}
+
+
 def calibrate(per_node: int, repeats: int) -> dict:
     """Measure, on every rank at once; the topology document (the same on every rank)."""
     world = dist.get_world_size()
     nodes = world // per_node
     groups = subgroups(world, per_node)
     links, measured = {}, {"backend": dist.get_backend(), "world": world, "nodes": nodes,
-                           "repeats": repeats, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+                           "repeats": repeats, "sizes": list(SIZES), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     for level, members in (("intra", per_node), ("inter", nodes)):
         if members < 2:
             continue
@@ -248,9 +299,11 @@ def calibrate(per_node: int, repeats: int) -> dict:
     flops = measure_compute(repeats)
     memory = measure_memory(repeats)
     measured["overlap"] = measure_overlap(repeats)
+    measured["overhead"] = measure_overhead()
     return calibrated_document(f"calibrated {dist.get_backend()}, {world} ranks on {nodes} "
                                f"node{'s' * (nodes > 1)}", per_node, flops, intra, inter,
-                               measured, memory, measured["overlap"]["overlap"])
+                               measured, memory, measured["overlap"]["overlap"],
+                               measured["overhead"]["instruction"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,7 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", required=True)
     parser.add_argument("--repeats", type=int, default=REPEATS)
     parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
+    if args.quick:
+        global SIZES
+        SIZES = QUICK_SIZES
     world = int(os.environ["WORLD_SIZE"])
     if args.devices_per_node < 1 or world % args.devices_per_node:
         print(f"planc calibrate: {world} ranks do not fill nodes of {args.devices_per_node}",

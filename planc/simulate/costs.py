@@ -7,7 +7,9 @@ table alone (not graph.json): the one model the compiler optimises with (planc.c
   traffic, each plus a fixed cost per kernel. On any other device it takes the longer of
   its ``flops`` at the device's achievable rate (one efficiency) and its memory traffic
   at the device's memory bandwidth (a roofline: matrix multiplies are bound by the
-  first, layer norms, activations and residual adds by the second). The traffic is
+  first, layer norms, activations and residual adds by the second), plus the device's
+  fixed ``overhead`` per instruction (a CPU's Python and dispatch for the runtime's
+  step, measured by ``planc calibrate``; 0 elsewhere). The traffic is
   ``output_bytes`` times what the kernel moves per byte of its output.
 - A collective with a ``route`` takes that route's time on its group (ring, tree or
   hierarchical, as NCCL's tuning model prices its algorithms, ``src/graph/tuning.cc``):
@@ -112,6 +114,7 @@ class InstructionCosts:
     def __init__(self, plan: Plan, groups: GroupTable, gpu=None):
         self.cost = CostModel(plan.topology)
         self.bandwidth = plan.topology.device.bandwidth
+        self.overhead = plan.topology.device.overhead
         self.optimizer_traffic = OPTIMIZER_TRAFFIC.get(plan.train.optimizer.name,
                                                        OPTIMIZER_TRAFFIC["adamw"])
         # None: the one-efficiency roofline
@@ -149,7 +152,8 @@ class InstructionCosts:
                 if operands.kernel == MIXTURE and self.mixture is not None and flops:
                     flops = self.mixture.busiest_flops(flops)
                 seconds = max(self.cost.compute_seconds(flops),
-                              traffic * operands.output_bytes / self.bandwidth)
+                              traffic * operands.output_bytes / self.bandwidth) + \
+                    self.overhead
             if operands.ring_steps:
                 shift = self.cost.transfer_seconds(Kind.RECV.value, operands.bytes,
                                                    self._size(operands.group),
