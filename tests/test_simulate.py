@@ -419,13 +419,15 @@ def test_a_ring_attention_step_is_priced_by_its_ring_steps():
 
 
 def test_simulate_states_the_error_of_its_validation_on_the_gpus_it_was_held_to():
-    from planc.simulate.accuracy import DENSE, MIXTURES, expected
+    from planc.simulate.accuracy import CALIBRATED, DENSE, MIXTURES, expected
     from planc.views.simulate_text import render
 
     dense = load_file(PLANS / "korthikanti-22b.plan").plan
     mixture = load_file(PLANS / "moe-published" / "mcore-mixtral-8x7b.plan").plan
     assert expected(dense) is DENSE and expected(mixture) is MIXTURES
     assert expected(load_file(PLANS / "gpt-tiny.plan").plan) is None
+    # the demo's topology is this machine as planc calibrate measured it
+    assert expected(load_file(PLANS / "demo.plan").plan) is CALIBRATED
     lines = render(simulate(compile_plan(dense)), expected(dense)).splitlines()
     assert lines[1] == ("  expected error: ± 9.7% (the median error over 45 published runs "
                         "of dense models; the largest 32%)")
