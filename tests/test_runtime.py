@@ -118,9 +118,39 @@ PASSES_ON_ONLY = {"pp-interleaved-uneven-auto-tp-sp", "pp-interleaved-uneven-exp
 # plain, as every other layout's runs.
 FEATURED = ("single", "tp-sequence-parallel", "pp-interleaved", "tied-pp-zero1",
             "custom-order")
+# Which layouts run with each pass switched off. fuse packs gradient and parameter
+# collectives into buckets (tp partial sums first, ZeRO shards as slices of a bucket, a
+# ZeRO-3 unit per layer, the tied embedding's bucket on both stages); overlap moves tp,
+# cp, dp, tied-embedding and pipeline communication onto streams of their own, places
+# the reductions inside the backward blocks, the ZeRO-1/2 gathers in the next prologue
+# and prefetches ZeRO-3 units. Each switch runs where it changes communication, one
+# layout per code path:
+#   tp:                       tp-megatron, tp-qkv-replicate (replicated weights: tp
+#                             partial-sum gradients first in a bucket)
+#   sequence parallelism:     tp-sequence-parallel
+#   cp (all-gather, ring):    cp-allgather, cp-ring
+#   dp, ZeRO 0/1/2/3:         dp-zero0, dp-zero1, dp-zero2-sp, dp-zero3, tied-zero3
+#   ZeRO-3 with recompute:    dp-zero3-recompute (overlap off: the gathers of the
+#                             recomputed forward without prefetch)
+#   tp with recompute:        recompute-full (overlap off: recomputed tp collectives on
+#                             the compute stream)
+#   pp with dp (and tied):    tp2-pp2-dp2, tied-pp-zero1
+# The other layouts run with the passes as the plan says only: their communication
+# (tp with other placements, pp without dp, a tied head over pp without dp, a custom
+# rank order, no communication at all) takes the same paths through both passes as the
+# layouts above; the zero-bubble schedules cover overlap off once more (interleaved-zb),
+# and the featured tp2-sp-pp2-tied runs with overlap off.
+SWITCHED = {
+    "fuse-off": {"tp-megatron", "tp-qkv-replicate", "tp-sequence-parallel", "cp-allgather",
+                 "cp-ring", "dp-zero0", "dp-zero1", "dp-zero2-sp", "dp-zero3", "tied-zero3",
+                 "tp2-pp2-dp2", "tied-pp-zero1"},
+    "overlap-off": {"tp-megatron", "tp-qkv-replicate", "tp-sequence-parallel", "cp-allgather",
+                    "cp-ring", "dp-zero0", "dp-zero1", "dp-zero2-sp", "dp-zero3", "tied-zero3",
+                    "dp-zero3-recompute", "recompute-full", "tp2-pp2-dp2", "tied-pp-zero1"},
+}
+assert not PASSES_ON_ONLY & (SWITCHED["fuse-off"] | SWITCHED["overlap-off"])
 RUNS = [(name, switch) for name in MATRIX for switch in SWITCHES
-        if (switch == "" or name not in PASSES_ON_ONLY)
-        and not (switch == "" and name in FEATURED)]
+        if (name in SWITCHED[switch] if switch else name not in FEATURED)]
 
 
 @pytest.mark.parametrize("name,switch", RUNS,
