@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from planc.cli import main
 
 TEMPLATE = """plan {name} {{
@@ -68,19 +70,65 @@ MATRIX = {
 }
 
 
-# A cosine schedule with a warm-up step over 4 steps (train.lr_schedule): the lr of steps
-# 0..3 is 0.25, 0.5, 0.3875, 0.1625 (planc.lr_schedule), under tp with sequence
-# parallelism, pp with ZeRO 1, and with the samples of the project's corpus shuffled
-# (train.shuffle; the test names the corpus and a vocab that holds its ids).
-COSINE = "; lr_schedule = cosine(warmup = 1, min_lr = 0.05)"
-SCHEDULED = {
-    "cosine-tp-sp": dict(mesh="tp = 2", shard="tp { sequence_parallel = on }", steps=4,
-                         train=COSINE),
-    "cosine-pp2-dp2-zero1": dict(mesh="pp = 2; dp = 2", shard="dp { zero = 1 }", m=2, steps=4,
-                                 train=COSINE),
-    "cosine-shuffled-corpus-tp-dp": dict(mesh="tp = 2; dp = 2", m=2, steps=4,
-                                         train=COSINE + "; shuffle = on"),
-}
+# The features of training beyond the layout, all at once in one run per layout (a run
+# costs its launch, not its steps): a cosine schedule with a warm-up step
+# (train.lr_schedule), the global gradient norm clipped at CLIP, far below the norm of
+# every step, so that every step clips (train.grad_clip, against torch's
+# clip_grad_norm_), and an evaluation of 2 batches after steps 2 and 4 (train.eval_every),
+# over 4 steps. With the matrix's lr = 0.5 the lr of steps 0..3 is 0.25, 0.5, 0.3875,
+# 0.1625 (planc.lr_schedule). tests/test_llama.py and tests/test_moe.py run their
+# families' rows of it, tests/test_checkpoint.py a resumed run.
+CLIP = 0.05
+FEATURE_STEPS = 4
+
+
+def features(min_lr: str = "0.05", evaluate: bool = True) -> str:
+    """The train block's entries of FEATURES, for a plan whose lr is above ``min_lr``;
+    without the evaluations where ``evaluate`` is false."""
+    return (f"; lr_schedule = cosine(warmup = 1, min_lr = {min_lr}); grad_clip = {CLIP}"
+            + ("; eval_every = 2; eval_batches = 2" if evaluate else ""))
+
+
+def featured(case: dict, more: str = "", evaluate: bool = True) -> dict:
+    """A matrix row's case with FEATURES (and ``more`` train entries) over 4 steps."""
+    return {**case, "steps": FEATURE_STEPS,
+            "train": case.get("train", "") + features(evaluate=evaluate) + more}
+
+
+def reference_norm(text: str, overrides: tuple[str, ...] = ()) -> float:
+    """The single process's gradient norm of the first step (torch's own)."""
+    import torch
+
+    from planc.lang import load_text
+    from planc.runtime import reference
+    from planc.runtime.data import DataSource, batch_tokens
+
+    plan = load_text(text, "<plan>", overrides).plan
+    params = {n: reference.initial(plan, n, p.shape).requires_grad_()
+              for n, p in reference.parameters(plan).items()}
+    total, _ = reference.objective(plan, params, batch_tokens(DataSource.of(plan), 0, None))
+    total.backward()
+    return float(torch.nn.utils.clip_grad_norm_(list(params.values()), float("inf")))
+
+
+def check_features(records: list[dict], err: str, text: str, lr: float, min_lr: float,
+                   overrides: tuple[str, ...] = (), evaluated: bool = True) -> None:
+    """What a run of FEATURES must show beyond --check's verdict (which compares every
+    loss, evaluation and parameter with the single process that schedules, clips and
+    evaluates alike): 4 steps at the schedule's lr, every step clipped (the coefficient
+    CLIP / (norm + 1e-6) below 1) from the single process's first norm, evaluations
+    after steps 2 and 4, both compared (none where not ``evaluated``)."""
+    from planc.lr_schedule import LrSchedule, lr_at
+
+    assert [r["step"] for r in records] == list(range(FEATURE_STEPS))
+    cosine = LrSchedule("cosine", warmup=1, min_lr=min_lr)
+    assert [r["lr"] for r in records] == [lr_at(cosine, lr, FEATURE_STEPS, k)
+                                          for k in range(FEATURE_STEPS)]
+    norms = [r["grad_norm"] for r in records]
+    assert all(n > 10 * CLIP for n in norms), norms
+    assert norms[0] == pytest.approx(reference_norm(text, overrides), rel=1e-5)
+    assert [r["step"] for r in records if "eval_loss" in r] == ([1, 3] if evaluated else [])
+    assert ("and 2 evaluations against the single-process run" in err) == evaluated, err
 
 
 def plan_text(name: str, **case) -> str:
@@ -103,11 +151,18 @@ def run(args: list[str], capfd) -> tuple[int, str]:
 def run_checked(name: str, case: dict, tmp_path, capfd, *switches: str) -> list[dict]:
     """``planc run --check`` of the matrix plan ``name`` into tmp_path/build: it must match
     the one-process run; its metrics records."""
+    return run_checked_with_output(name, case, tmp_path, capfd, *switches)[0]
+
+
+def run_checked_with_output(name: str, case: dict, tmp_path, capfd, *switches: str
+                            ) -> tuple[list[dict], str, str]:
+    """As run_checked; with what the run wrote to stderr and the plan's text."""
     plan = tmp_path / f"{name}.plan"
-    plan.write_text(plan_text(name, **case))
+    text = plan_text(name, **case)
+    plan.write_text(text)
     metrics = tmp_path / "metrics.jsonl"
     status, err = run([plan, "-o", tmp_path / "build", "--check", "--metrics", metrics,
                        "--timeout", "60", *switches], capfd)
     assert status == 0, err
     assert "every loss and parameter matches" in err
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [json.loads(line) for line in metrics.read_text().splitlines()], err, text

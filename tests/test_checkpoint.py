@@ -109,9 +109,10 @@ def test_a_run_resumed_under_another_layout_matches_the_uninterrupted_run(name, 
 
 
 def resumed_run_matches_uninterrupted(case_a: dict, case_b: dict, tmp_path: Path,
-                                      capfd) -> None:
+                                      capfd) -> str:
     """Plan A trains 4 steps uninterrupted, and 2 steps with a checkpoint that plan B
-    resumes for 2 more: the same losses, parameters and optimizer state."""
+    resumes for 2 more: the same losses, parameters and optimizer state; what the resumed
+    run wrote to stderr."""
     a = write_plan(tmp_path, "a", **case_a)
     b = write_plan(tmp_path, "b", **case_b)
     # the uninterrupted run: 4 steps on A; its final checkpoint holds the final parameters
@@ -128,6 +129,7 @@ def resumed_run_matches_uninterrupted(case_a: dict, case_b: dict, tmp_path: Path
                        "--metrics", tmp_path / "second.jsonl", "--checkpoint-dir",
                        tmp_path / "ckpt", "--check"], capfd)
     assert status == 0, err
+    resumed_err = err
     assert "steps 2..3, resumed from" in err
     assert "check: 2 steps (from step 2, resumed)" in err
     assert "every loss and parameter matches" in err
@@ -162,20 +164,24 @@ def resumed_run_matches_uninterrupted(case_a: dict, case_b: dict, tmp_path: Path
         [("a", 0, 1), ("b", 2, 3)]
     if plan.train.optimizer.name == "adamw":
         assert manifest["optimizer"]["steps"] == 4
+    return resumed_err
 
 
 def test_a_resumed_run_continues_the_lr_schedule_and_the_shuffled_samples(tmp_path, capfd):
     """2 steps, then 2 more resumed from the checkpoint of step 2, under a cosine schedule
     with a warm-up step and the corpus's samples shuffled: the same lr, losses and
     parameters as 4 steps in one go (the step number is in the checkpoint; the lr and the
-    samples of step k depend on k alone)."""
+    samples of step k depend on k alone). The gradients are clipped every step (C = 0.05,
+    far below their norm) and evaluated every 2 steps: the resumed run clips as the
+    single process does (--check), and evaluates after steps 2 and 4 as the whole run
+    does, since evaluations count steps from the run's start."""
     from planc.lr_schedule import lr_at
     from planc.tools.corpus import main as make_corpus
 
     assert make_corpus(["-o", str(tmp_path / "corpus.tokens")]) == 0
     train = ('; lr_schedule = cosine(warmup = 1, min_lr = 0.05); shuffle = on; '
-             'data = "corpus.tokens"')
-    resumed_run_matches_uninterrupted(
+             'data = "corpus.tokens"; grad_clip = 0.05; eval_every = 2; eval_batches = 2')
+    resumed_err = resumed_run_matches_uninterrupted(
         dict(mesh="tp = 2", shard="tp { sequence_parallel = on }", vocab=1024, train=train),
         dict(mesh="dp = 2", shard="dp { zero = 1 }", vocab=1024, train=train), tmp_path, capfd)
     schedule = load_text(plan_text("a", vocab=1024, train=train)).plan.train.lr_schedule
@@ -183,6 +189,10 @@ def test_a_resumed_run_continues_the_lr_schedule_and_the_shuffled_samples(tmp_pa
                for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
     expected = [lr_at(schedule, 0.5, 4, k) for k in range(4)]
     assert [r["lr"] for r in records] == expected + expected
+    assert all(r["grad_norm"] > 10 * 0.05 for r in records)  # every step clipped
+    assert [r["step"] for r in records if "eval_loss" in r] == [1, 3, 1, 3]
+    assert "check: 2 steps (from step 2, resumed) and " in resumed_err
+    assert "and 1 evaluation against the single-process run" in resumed_err
     assert expected == pytest.approx([0.25, 0.5, 0.3875, 0.1625], rel=1e-15)
     # each segment of the history says which schedule and order trained it
     from planc.checkpoint_manifest import check_manifest

@@ -12,7 +12,7 @@ from planc.compile import compile_plan
 from planc.lang import load_text
 from planc.lower.program import Program
 from planc.lower.verify import verify_evaluation
-from tests.runtime_matrix import plan_text, run
+from tests.runtime_matrix import plan_text
 
 EVALUATED = "; eval_every = 2; eval_batches = 2"
 
@@ -85,79 +85,17 @@ def test_bad_evaluation_keys_are_errors_at_their_place(key, value, message):
     assert error.message == message and error.span.line == 8
 
 
-CASES = {
-    # (tp with sequence parallelism, pp and ZeRO-1: llama-tiny, below; interleaved pp:
-    # the file's case) a V schedule over cp with ZeRO-3 and a tied head
-    "cp-zbv-zero3-tied": dict(mesh="cp = 2; pp = 2", m=2, model="; tie_embeddings = on",
-                              shard="pp { virtual = 2 }", schedule="; pipeline = zbv"),
-}
+# The evaluation's loss against the single process under every layout: the evaluating
+# runs of tests/test_runtime.py's FEATURE_RUNS (tp with sequence parallelism, pp
+# interleaved on a token file of its own (eval_data, relative to the plan), cp with ZeRO-1,
+# pp with a tied head and ZeRO-3, the V schedule, which evaluates chunk 0 and the last
+# chunk on stage 0, over ZeRO-3 with a tied head) and tests/test_grad_clip.py's llama and
+# mixture runs (the mixture's balance loss, which the evaluation's loss leaves out as the
+# step's reported loss does).
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_the_evaluation_loss_is_the_single_process_one(name, tmp_path, capfd):
-    plan = tmp_path / f"{name}.plan"
-    plan.write_text(evaluated_plan(name, **CASES[name]))  # synthetic: the seed's next
-    metrics = tmp_path / "metrics.jsonl"
-    status, err = run([plan, "-o", tmp_path / "build", "--check", "--metrics", metrics,
-                       "--timeout", "60"], capfd)
-    assert status == 0, err
-    assert "and 2 evaluations against the single-process run" in err
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in records if "eval_loss" in r] == [1, 3]
-
-
-def test_evaluation_reads_its_own_file(tmp_path, capfd):
-    """eval_data: a token file of its own, relative to the plan; the check compares it."""
-    from planc.tokens import write_tokens
-
-    write_tokens(tmp_path / "held-out.tokens", [(7 * i) % 128 for i in range(400)])
-    plan = tmp_path / "file.plan"
-    plan.write_text(evaluated_plan("file", data='; eval_data = "held-out.tokens"',
-                                   mesh="dp = 2; pp = 2", m=2, schedule="; pipeline = "
-                                   "interleaved", shard="dp { zero = 2 }; pp { virtual = 2 }"))
-    status, err = run([plan, "-o", tmp_path / "build", "--check", "--timeout", "60"], capfd)
-    assert status == 0, err
-    assert "and 2 evaluations against the single-process run" in err
-    assert json.loads((tmp_path / "build" / "programs" / "model.json").read_text())[
-        "evaluation"]["source"] == str(tmp_path / "held-out.tokens")
-
-
-@pytest.mark.parametrize("plan", ["llama-tiny", "moe-tiny"])
-def test_llama_and_mixture_evaluations_match_one_process(plan, tmp_path, capfd):
-    """tp 2 x pp 2 x dp 2 (the mixture over ep 4 with its balance loss, which the
-    evaluation's loss leaves out as the step's reported loss does, and a cosine
-    schedule: the mixture's row of the lr schedule's --check matrix)."""
-    from tests.conftest import PLANS
-
-    status, err = run([PLANS / f"{plan}.plan", "-o", tmp_path / "build", "--check",
-                       "--timeout", "60", "--set", "train.steps=2", "--set",
-                       "train.eval_every=1", "--set", "train.eval_batches=2",
-                       *(["--set", "model.aux_loss=0.01", "--set",
-                          "train.lr_schedule=cosine(warmup = 1, min_lr = 1e-4)"]
-                         if plan == "moe-tiny" else [])],
-                      capfd)
-    assert status == 0, err
-    assert "and 2 evaluations against the single-process run" in err
-
-
-def test_a_resumed_run_evaluates_at_the_same_steps(tmp_path, capfd):
-    """Evaluations count steps from the run's start: 2 steps, then 2 more resumed under
-    another layout, evaluate after steps 2 and 4 as the whole run does."""
-    a, b = tmp_path / "a.plan", tmp_path / "b.plan"
-    a.write_text(evaluated_plan("a", mesh="dp = 2", m=1))
-    b.write_text(evaluated_plan("b", mesh="pp = 2", m=2))
-    status, err = run([a, "-o", tmp_path / "build-a", "--steps", 2, "--metrics",
-                       tmp_path / "first.jsonl", "--checkpoint-dir", tmp_path / "ckpt"], capfd)
-    assert status == 0, err
-    status, err = run([b, "-o", tmp_path / "build-b", "--resume", tmp_path / "ckpt",
-                       "--metrics", tmp_path / "second.jsonl", "--check"], capfd)
-    assert status == 0, err
-    assert "check: 2 steps (from step 2, resumed) and " in err
-    assert "and 1 evaluation against the single-process run" in err
-    evaluated = [json.loads(line)["step"] for name in ("first", "second")
-                 for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()
-                 if "eval_loss" in json.loads(line)]
-    assert evaluated == [1, 3]
+# (A resumed run evaluates at the same steps as the whole run: tests/test_checkpoint.py's
+# resumed run under the lr schedule.)
 
 
 def test_without_eval_data_the_evaluation_reads_the_training_file(tmp_path):

@@ -413,84 +413,62 @@ def test_the_simulator_charges_the_norm_and_joins_the_stages_at_it():
 
 # --- real runs -----------------------------------------------------------------------------------
 
-def reference_norm(text: str) -> float:
-    """The single process's gradient norm of the first step (torch's own)."""
-    import torch
-
-    from planc.runtime import reference
-    from planc.runtime.data import DataSource, batch_tokens
-
-    plan = load_text(text).plan
-    params = {n: reference.initial(plan, n, p.shape).requires_grad_()
-              for n, p in reference.parameters(plan).items()}
-    total, _ = reference.objective(plan, params, batch_tokens(DataSource.of(plan), 0, None))
-    total.backward()
-    return float(torch.nn.utils.clip_grad_norm_(list(params.values()), float("inf")))
-
-
 @pytest.fixture(scope="module")
 def curves() -> dict[str, list[float]]:
     return {}
 
 
-# Every plan as written, and one with the pass that moves the norm's steps off (each
-# collective on the compute stream after a sync). Fusion off (a bucket per parameter)
-# only changes how many ranges the share reads: the verifier's tests cover it.
-RUNS = [(name, "") for name in sorted(texts())] + \
-    [("gpt-clip-tp2-sp-pp2-tied", "optimize.overlap=off")]
+# The llama and mixture plans that clip, each with the other features beyond the layout
+# at once (tests/runtime_matrix.py FEATURES: a cosine schedule with a warm-up step and
+# evaluations after steps 2 and 4, over 4 steps; the mixture with its balance loss, which
+# the evaluation's loss leaves out as the step's reported loss does). The gpt plans that
+# clip train in tests/test_runtime.py's FEATURE_RUNS (as written, and tp2-sp-pp2-tied
+# with overlap off: each collective of the norm on the compute stream after a sync),
+# which also shows the clip against the same model without it. Fusion off (a bucket per
+# parameter) only changes how many ranges the share reads: the verifier's tests cover it.
+RUNS = sorted(name for name in texts() if not name.startswith("gpt-"))
+MIN_LR = "1e-4"
 
 
-@pytest.mark.parametrize("name, switch", RUNS, ids=[f"{n}-{s or 'as-written'}" for n, s in RUNS])
-def test_every_clipping_plan_trains_exactly_like_one_process(name, switch, tmp_path, capfd,
-                                                             curves):
+def feature_overrides(name: str) -> tuple[str, ...]:
+    return ("train.steps=4", f"train.lr_schedule=cosine(warmup = 1, min_lr = {MIN_LR})",
+            "train.eval_every=2", "train.eval_batches=2",
+            *(["model.aux_loss=0.01"] if name.startswith("moe-") else []))
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_every_clipping_plan_trains_exactly_like_one_process(name, tmp_path, capfd, curves):
     pytest.importorskip("torch")
+    from tests.runtime_matrix import check_features
+
     text = texts()[name]
     source, metrics = tmp_path / "clip.plan", tmp_path / "metrics.jsonl"
     source.write_text(text)
+    overrides = feature_overrides(name)
     status, err = run([source, "-o", tmp_path / "build", "--check", "--metrics", metrics,
-                       "--timeout", "60", *(["--set", switch] if switch else [])], capfd)
+                       "--timeout", "60", *(a for o in overrides for a in ("--set", o))],
+                      capfd)
     assert status == 0, err
     assert "every loss" in err and "matches" in err
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    norms = [r["grad_norm"] for r in records]
-    # the coefficient C / (norm + 1e-6) was below 1: the run really clipped
-    assert len(norms) == 2 and all(n > 10 * CLIP for n in norms)
-    assert norms[0] == pytest.approx(reference_norm(text), rel=1e-5)
-    curves.setdefault(name, [r["loss"] for r in records])
+    lr = load_text(text, "<plan>", overrides).plan.train.optimizer.lr
+    # 4 steps at the schedule's lr; the coefficient C / (norm + 1e-6) below 1 at every
+    # step (the run really clipped) from the single process's first norm; evaluations
+    # after steps 2 and 4, both compared
+    check_features(records, err, text, lr, float(MIN_LR), overrides)
+    curves[name] = [r["loss"] for r in records]
 
 
-def test_gpt_plans_that_clip_follow_one_curve_another_than_without(curves, tmp_path, capfd):
-    """The two tied gpt layouts (one model) on one curve, and the same model without the
-    clip on another from the second step."""
-    names = [f"gpt-{n}" for n in GPT if "tied" in n]
+def test_llama_plans_with_every_feature_follow_one_curve(curves):
+    """The two llama layouts (one model) on one curve under the schedule and the clip."""
+    names = [name for name in RUNS if name.startswith("llama-")]
     if len(names) != 2 or any(n not in curves for n in names):
-        pytest.skip("needs the gpt runs")
-    first = curves[names[0]]
-    assert curves[names[1]] == pytest.approx(first, rel=1e-5)
-    source, metrics = tmp_path / "plain.plan", tmp_path / "plain.jsonl"
-    source.write_text(gpt_text("plain", model="; tie_embeddings = on"))
-    status, err = run([source, "-o", tmp_path / "build", "--metrics", metrics], capfd)
-    assert status == 0, err
-    plain = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
-    assert "grad_norm" not in json.loads(metrics.read_text().splitlines()[0])
-    assert plain[0] == pytest.approx(first[0], rel=1e-5)  # the same first step ...
-    assert plain[1] != pytest.approx(first[1], rel=1e-3)  # ... then the clip shows
+        pytest.skip("needs the llama runs")
+    assert curves[names[1]] == pytest.approx(curves[names[0]], rel=1e-5)
 
 
-def test_a_resumed_run_clips_exactly_as_an_uninterrupted_one(tmp_path, capfd):
-    """1 step with a checkpoint, then 2 more resumed from it under another layout, checked
-    against one process that clipped every step."""
-    a, b = tmp_path / "a.plan", tmp_path / "b.plan"
-    a.write_text(gpt("clip-tp2-sp-pp2-tied").replace("steps = 2", "steps = 3"))
-    b.write_text(gpt("clip-pp2-dp2-zero3-tied").replace("steps = 2", "steps = 3"))
-    status, err = run([a, "-o", tmp_path / "build-a", "--steps", 1, "--checkpoint-dir",
-                       tmp_path / "ckpt"], capfd)
-    assert status == 0, err
-    status, err = run([b, "-o", tmp_path / "build-b", "--resume", tmp_path / "ckpt",
-                       "--check"], capfd)
-    assert status == 0, err
-    assert "check: 2 steps (from step 1, resumed)" in err
-    assert "every loss and parameter matches" in err
+# (A resumed run clips exactly as an uninterrupted one: tests/test_checkpoint.py's
+# resumed run under the lr schedule, which clips and evaluates too.)
 
 
 @pytest.mark.parametrize("text", [

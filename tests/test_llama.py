@@ -92,11 +92,8 @@ MATRIX = {
     "tp2-tp-overlap-4": dict(mesh="tp = 2", optimize="tp_overlap = 4"),
     "tp2-sp-kv1-tp-overlap-2": dict(mesh="tp = 2", kv=1, m=2, optimize="tp_overlap = 2",
                                     shard="tp { sequence_parallel = on }"),
-    # a cosine schedule with a warm-up (train.lr_schedule), 4 steps: its own curve
-    "cosine-tp2-sp": dict(mesh="tp = 2", shard="tp { sequence_parallel = on }", steps=4,
-                          train="; lr_schedule = cosine(warmup = 1, min_lr = 1e-3)"),
-    "cosine-pp2-dp2-zero1": dict(mesh="pp = 2; dp = 2", m=2, shard="dp { zero = 1 }", steps=4,
-                                 train="; lr_schedule = cosine(warmup = 1, min_lr = 1e-3)"),
+    # (a cosine schedule with a warm-up, with grad_clip and evaluations: the llama runs of
+    # tests/test_grad_clip.py)
 }
 
 

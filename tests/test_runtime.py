@@ -3,8 +3,9 @@
 Runs go through ``planc run`` in this process (tests/runtime_matrix.py), so
 torch.distributed's launcher starts workers from one fork server for the whole module
 (torch is imported once). Each run's --check trains the same model in one process and
-compares every loss and final parameter. The forced variants of the communication passes
-are in tests/test_runtime_comm.py, data, traces and failures in
+compares every loss and final parameter. The features beyond the layout (a cosine lr
+schedule, gradient clipping and evaluations) train together, one run per layout. The
+forced variants of the communication passes are in tests/test_runtime_comm.py, data, traces and failures in
 tests/test_runtime_data_and_failures.py: three files that pytest-xdist runs side by side.
 """
 
@@ -16,8 +17,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from planc.lr_schedule import LrSchedule, lr_at  # noqa: E402
-from tests.runtime_matrix import MATRIX, SCHEDULED, run_checked  # noqa: E402
+from tests.runtime_matrix import (CLIP, MATRIX, check_features, featured,  # noqa: E402
+                                  plan_text, run_checked, run_checked_with_output)
 
 pytestmark = pytest.mark.slow
 
@@ -45,9 +46,6 @@ ZERO_BUBBLE.update({
     "zbv-tp2-sp-tp-overlap-2": dict(mesh="tp = 2; pp = 2", m=4, schedule="; pipeline = zbv",
                                     shard="tp { sequence_parallel = on }; pp { virtual = 2 }",
                                     optimize="tp_overlap = 2"),
-    "zbv-tied-zero3": dict(mesh="pp = 2; dp = 2", m=2, schedule="; pipeline = zbv",
-                           model="; tie_embeddings = on",
-                           shard="pp { virtual = 2 }; dp { zero = 3 }"),
     "dualpipev-tied-zero1": dict(mesh="pp = 2; dp = 2", m=4, schedule="; pipeline = dualpipev",
                                  model="; tie_embeddings = on",
                                  shard="pp { virtual = 2 }; dp { zero = 1 }"),
@@ -57,8 +55,7 @@ ZERO_BUBBLE.update({
                                          "dp { zero = 2 }"),
 })
 TIED = ("tied-over-pp", "tied-zero3", "tied-pp-zero1",  # another model: its head is tied
-        "tied-pp-interleaved-uneven", "zb1p-tied-zero3", "zbv-tied-zero3",
-        "dualpipev-tied-zero1")
+        "tied-pp-interleaved-uneven", "zb1p-tied-zero3", "dualpipev-tied-zero1")
 # Every plan with the optimisation passes as the plan says (on), and with each turned off.
 SWITCHES = {"": [], "fuse-off": ["--set", "optimize.fuse=off"],
             "overlap-off": ["--set", "optimize.overlap=off"]}
@@ -116,8 +113,44 @@ def losses() -> dict[str, list[float]]:
 # they run with the passes as the plan says only (the suite's time).
 PASSES_ON_ONLY = {"pp-interleaved-uneven-auto-tp-sp", "pp-interleaved-uneven-explicit",
                   "tied-pp-interleaved-uneven"}
+# These layouts' passes-on runs train with the features beyond the layout
+# (tests/runtime_matrix.py FEATURES), below; their fuse-off and overlap-off runs stay
+# plain, as every other layout's runs.
+FEATURED = ("single", "tp-sequence-parallel", "pp-interleaved", "tied-pp-zero1",
+            "custom-order")
+# Which layouts run with each pass switched off. fuse packs gradient and parameter
+# collectives into buckets (tp partial sums first, ZeRO shards as slices of a bucket, a
+# ZeRO-3 unit per layer, the tied embedding's bucket on both stages); overlap moves tp,
+# cp, dp, tied-embedding and pipeline communication onto streams of their own, places
+# the reductions inside the backward blocks, the ZeRO-1/2 gathers in the next prologue
+# and prefetches ZeRO-3 units. Each switch runs where it changes communication, one
+# layout per code path:
+#   tp:                       tp-megatron, tp-qkv-replicate (replicated weights: tp
+#                             partial-sum gradients first in a bucket)
+#   sequence parallelism:     tp-sequence-parallel
+#   cp (all-gather, ring):    cp-allgather, cp-ring
+#   dp, ZeRO 0/1/2/3:         dp-zero0, dp-zero1, dp-zero2-sp, dp-zero3, tied-zero3
+#   ZeRO-3 with recompute:    dp-zero3-recompute (overlap off: the gathers of the
+#                             recomputed forward without prefetch)
+#   tp with recompute:        recompute-full (overlap off: recomputed tp collectives on
+#                             the compute stream)
+#   pp with dp (and tied):    tp2-pp2-dp2, tied-pp-zero1
+# The other layouts run with the passes as the plan says only: their communication
+# (tp with other placements, pp without dp, a tied head over pp without dp, a custom
+# rank order, no communication at all) takes the same paths through both passes as the
+# layouts above; the zero-bubble schedules cover overlap off once more (interleaved-zb),
+# and the featured tp2-sp-pp2-tied runs with overlap off.
+SWITCHED = {
+    "fuse-off": {"tp-megatron", "tp-qkv-replicate", "tp-sequence-parallel", "cp-allgather",
+                 "cp-ring", "dp-zero0", "dp-zero1", "dp-zero2-sp", "dp-zero3", "tied-zero3",
+                 "tp2-pp2-dp2", "tied-pp-zero1"},
+    "overlap-off": {"tp-megatron", "tp-qkv-replicate", "tp-sequence-parallel", "cp-allgather",
+                    "cp-ring", "dp-zero0", "dp-zero1", "dp-zero2-sp", "dp-zero3", "tied-zero3",
+                    "dp-zero3-recompute", "recompute-full", "tp2-pp2-dp2", "tied-pp-zero1"},
+}
+assert not PASSES_ON_ONLY & (SWITCHED["fuse-off"] | SWITCHED["overlap-off"])
 RUNS = [(name, switch) for name in MATRIX for switch in SWITCHES
-        if switch == "" or name not in PASSES_ON_ONLY]
+        if (name in SWITCHED[switch] if switch else name not in FEATURED)]
 
 
 @pytest.mark.parametrize("name,switch", RUNS,
@@ -155,7 +188,7 @@ def test_every_route_trains_exactly_like_one_process(name, tmp_path, capfd, loss
 def test_every_plan_of_one_model_follows_the_same_loss_curve(losses):
     if len(losses) < len(RUNS) + len(ROUTES):
         pytest.skip("needs the whole matrix")
-    reference = losses[("single", "")]
+    reference = losses[("tp-megatron", "")]
     tied = losses[("tied-over-pp", "")]
     for (name, switch), curve in losses.items():
         expected = tied if name in TIED else reference
@@ -163,32 +196,112 @@ def test_every_plan_of_one_model_follows_the_same_loss_curve(losses):
     assert tied != pytest.approx(reference, rel=1e-3)  # another model
 
 
+# --- every feature beyond the layout at once ------------------------------------------------
+
+OVERLAP_OFF = ["--set", "optimize.overlap=off"]
+# Each run: (case, switches). The FEATURED matrix layouts as the passes say, one of them
+# (pp-interleaved) evaluating on a token file of its own (train.eval_data, relative to the
+# plan) and one (custom-order) training on the project's corpus with its samples shuffled
+# (train.shuffle; the run names the corpus and a vocab that holds its ids). Then layouts
+# of their own, the norm's steps on their streams over the world: tp with sequence
+# parallelism and pp with a tied head (and once with overlap off, each collective on the
+# compute stream after a sync; without evaluations: with overlap off the loss's reduction
+# moves to the epilogue, which an evaluation program leaves out, test_evaluation.py), cp
+# with ZeRO-1, and ZeRO-3 over pp with a tied head (whose embedding all-reduce joins the
+# two stages: issued inside a block it held the dp stream, and the ZeRO-3 gathers queued
+# behind it, a deadlock under 1F1B found by the zero-bubble work); and the V schedule over
+# ZeRO-3 with a tied head, which evaluates chunk 0 and the last chunk on stage 0.
+EVAL_FILE = '; eval_data = "held-out.tokens"'
+TP_SP_PP_TIED = dict(mesh="tp = 2; pp = 2", m=2, model="; tie_embeddings = on",
+                     shard="tp { sequence_parallel = on }")
+FEATURE_RUNS = {
+    **{name: (featured(MATRIX[name], EVAL_FILE if name == "pp-interleaved"
+                       else "; shuffle = on" if name == "custom-order" else ""), [])
+       for name in FEATURED},
+    "tp2-sp-pp2-tied": (featured(TP_SP_PP_TIED), []),
+    "tp2-sp-pp2-tied-overlap-off": (featured(TP_SP_PP_TIED, evaluate=False), OVERLAP_OFF),
+    "cp2-dp2-zero1": (featured(dict(mesh="cp = 2; dp = 2", m=2, shard="dp { zero = 1 }")), []),
+    "pp2-dp2-zero3-tied": (featured(dict(mesh="pp = 2; dp = 2", m=2, model="; tie_embeddings = on",
+                                         shard="dp { zero = 3 }")), []),
+    "zbv-tied-zero3": (featured(dict(mesh="pp = 2; dp = 2", m=2, schedule="; pipeline = zbv",
+                                     model="; tie_embeddings = on",
+                                     shard="pp { virtual = 2 }; dp { zero = 3 }")), []),
+}
+CORPUS = "custom-order"  # another model (vocab 1024) on other data
+
+
 @pytest.fixture(scope="module")
-def scheduled() -> dict[str, list[float]]:
+def feature_curves() -> dict[str, tuple[list[float], list[float]]]:
     return {}
 
 
-@pytest.mark.parametrize("name", list(SCHEDULED))
-def test_an_lr_schedule_and_shuffled_samples_train_exactly_like_one_process(
-        name, tmp_path, capfd, scheduled):
+@pytest.mark.parametrize("name", list(FEATURE_RUNS))
+def test_every_feature_trains_exactly_like_one_process(name, tmp_path, capfd,
+                                                        feature_curves):
+    from planc.tokens import write_tokens
     from planc.tools.corpus import main as make_corpus
 
-    switches = []
-    if "corpus" in name:  # make corpus's file, its 654 ids below the vocab
+    case, switches = FEATURE_RUNS[name]
+    overrides: tuple[str, ...] = ()
+    if name == CORPUS:  # make corpus's file, its 654 ids below the vocab
         corpus = tmp_path / "tiny-corpus.tokens"
         assert make_corpus(["-o", str(corpus)]) == 0
-        switches = ["--set", f'train.data="{corpus}"', "--set", "model.vocab=1024"]
-    records = run_checked(name, SCHEDULED[name], tmp_path, capfd, *switches)
-    assert [r["step"] for r in records] == [0, 1, 2, 3]
-    cosine = LrSchedule("cosine", warmup=1, min_lr=0.05)
-    assert [r["lr"] for r in records] == [lr_at(cosine, 0.5, 4, k) for k in range(4)] == \
-        pytest.approx([0.25, 0.5, 0.3875, 0.1625], rel=1e-15)
-    scheduled[name] = [r["loss"] for r in records]
+        overrides = (f'train.data="{corpus}"', "model.vocab=1024")
+    if EVAL_FILE in case["train"]:
+        write_tokens(tmp_path / "held-out.tokens", [(7 * i) % 128 for i in range(400)])
+    records, err, text = run_checked_with_output(
+        name, case, tmp_path, capfd, *switches,
+        *(arg for o in overrides for arg in ("--set", o)))
+    evaluated = "eval_every" in case["train"]
+    check_features(records, err, text, 0.5, 0.05, overrides, evaluated)
+    assert [r["lr"] for r in records] == pytest.approx([0.25, 0.5, 0.3875, 0.1625],
+                                                       rel=1e-15)
+    for r in records:
+        assert set(r) == METRICS | {"grad_norm"} | (
+            {"eval_loss"} if evaluated and r["step"] in (1, 3) else set())
+    if "zb" in case.get("schedule", ""):
+        programs = json.loads((tmp_path / "build" / "programs" / "stage0.json").read_text())
+        assert any(block.startswith("W") for block, _ in programs["schedule"])
+    if EVAL_FILE in case["train"]:  # the check evaluated the same file
+        assert json.loads((tmp_path / "build" / "programs" / "model.json").read_text())[
+            "evaluation"]["source"] == str(tmp_path / "held-out.tokens")
+    feature_curves[name] = ([r["loss"] for r in records],
+                            [r["eval_loss"] for r in records if "eval_loss" in r])
 
 
-def test_the_plans_of_one_schedule_follow_one_curve(scheduled):
-    if len(scheduled) < len(SCHEDULED):
-        pytest.skip("needs every scheduled plan")
-    first, second, shuffled = (scheduled[name] for name in SCHEDULED)
-    assert second == pytest.approx(first, rel=1e-5)
-    assert shuffled != pytest.approx(first, rel=1e-3)  # other data, another curve
+def test_the_plans_of_one_model_follow_one_curve_with_every_feature(feature_curves):
+    """Every layout of one model on one curve of losses and evaluations; tied, untied and
+    the corpus's three others; and the clip shows: the single process without it (in this
+    process) leaves the curve after the first step."""
+    if len(feature_curves) < len(FEATURE_RUNS):
+        pytest.skip("needs every featured run")
+    from planc.lang import load_text
+    from planc.runtime import reference
+
+    groups: dict[str, list] = {}
+    for name, curve in feature_curves.items():
+        case = FEATURE_RUNS[name][0]
+        kind = "corpus" if name == CORPUS else "tied" if "tie_embeddings" in case.get(
+            "model", "") else "untied"
+        groups.setdefault(kind, []).append((name, curve))
+    assert sorted(groups) == ["corpus", "tied", "untied"]
+    assert len(groups["tied"]) >= 4 and len(groups["untied"]) >= 3
+    for members in groups.values():
+        losses = members[0][1][0]
+        # the evaluations of the same data (not pp-interleaved's file; none with overlap off)
+        same = [(name, e) for name, (_, e) in members
+                if e and EVAL_FILE not in FEATURE_RUNS[name][0]["train"]]
+        for name, (curve, _) in members:
+            assert curve == pytest.approx(losses, rel=1e-5), name
+        for name, evaluated in same:
+            assert evaluated == pytest.approx(same[0][1], rel=1e-5), name
+    firsts = {kind: members[0][1][0] for kind, members in groups.items()}
+    assert firsts["tied"] != pytest.approx(firsts["untied"], rel=1e-3)
+    assert firsts["corpus"] != pytest.approx(firsts["untied"], rel=1e-3)
+    text = plan_text("t", **FEATURE_RUNS["tp2-sp-pp2-tied"][0])
+    clipped, _ = reference.train(load_text(text).plan, 4)
+    unclipped, _ = reference.train(load_text(text.replace(f"grad_clip = {CLIP}; ", "")).plan,
+                                   4)
+    assert clipped == pytest.approx(firsts["tied"], rel=1e-5)
+    assert unclipped[0] == pytest.approx(clipped[0], rel=1e-6)  # the same first step ...
+    assert unclipped[1] != pytest.approx(clipped[1], rel=1e-3)  # ... then the clip shows
