@@ -322,7 +322,7 @@ def test_simulate_a_one_rank_plan_that_clips(one_rank, capsys):
     status, lines = planc(capsys, "simulate", one_rank)
     assert status == 0
     assert lines[0].startswith("clip_single: 1 rank, 1 pipeline stage: one step takes ")
-    assert lines[3] == "exposed communication (worst stage, per axis): none"
+    assert lines[4] == "exposed communication (worst stage, per axis): none"
 
 
 def test_report_a_one_rank_plan_that_clips(one_rank, tmp_path, capsys):

@@ -103,7 +103,7 @@ def _report(failures) -> str:
 
 def test_the_corpus_holds_exactly_the_inputs_it_says():
     assert dict(Counter(case.kind for case in CASES)) == COUNTS
-    assert len(CASES) == sum(COUNTS.values()) == 431
+    assert len(CASES) == sum(COUNTS.values()) == 434
     assert len({case.name for case in CASES}) == len(CASES)
     assert {case.command for case in CASES} == {"check", "check-json", "compile", "args"}
     # Every line separator, in a comment, a string, between tokens and at a line's start.
@@ -129,7 +129,7 @@ def test_the_corpus_is_deterministic():
 
 
 def test_every_input_ran(runs):
-    assert len(runs) == len(CASES) == 431
+    assert len(runs) == len(CASES) == 434
     for case, result, _ in runs.values():
         assert result.seconds > 0 and (result.status is not None or result.signal is not None), \
             case.name
