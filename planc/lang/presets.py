@@ -67,14 +67,21 @@ NCCL_CALL_LATENCY = 8.4e-6
 NVLINK_STEP_LATENCY = 3.4e-6
 NETWORK_STEP_LATENCY = 9.6e-6
 KIB, MIB, GIB = 1024, 1024 ** 2, 1024 ** 3
-A100_SWEEP = tuple((size, busbw * 1e9) for size, busbw in (
+
+
+def _sweep(points) -> tuple[tuple[float, float], ...]:
+    """A published sweep's (buffer bytes, bus GB/s) points as (bytes, bytes/s)."""
+    return tuple((size, busbw * 1e9) for size, busbw in points)
+
+
+A100_SWEEP = _sweep((
     (KIB, 0.04), (2 * KIB, 0.08), (4 * KIB, 0.17), (8 * KIB, 0.33), (16 * KIB, 0.67),
     (32 * KIB, 1.37), (64 * KIB, 2.70), (128 * KIB, 5.15), (256 * KIB, 10.11),
     (512 * KIB, 19.24), (MIB, 36.22), (2 * MIB, 53.54), (4 * MIB, 71.43),
     (8 * MIB, 89.99), (16 * MIB, 109.22), (32 * MIB, 132.77), (64 * MIB, 166.63),
     (128 * MIB, 174.18), (256 * MIB, 213.87), (512 * MIB, 221.58), (GIB, 228.10),
     (2 * GIB, 230.22), (4 * GIB, 230.48), (8 * GIB, 231.58)))
-H200_SWEEP = tuple((size, busbw * 1e9) for size, busbw in (
+H200_SWEEP = _sweep((
     (KIB, 0.06), (2 * KIB, 0.12), (4 * KIB, 0.23), (8 * KIB, 0.47), (16 * KIB, 0.93),
     (32 * KIB, 1.84), (64 * KIB, 3.72), (128 * KIB, 7.39), (256 * KIB, 14.75),
     (512 * KIB, 29.38), (MIB, 52.96), (2 * MIB, 88.78), (4 * MIB, 138.44),
