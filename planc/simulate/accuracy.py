@@ -29,6 +29,11 @@ class Accuracy:
     largest: float
     what: str  # the runs, in words
 
+    def tells_apart(self, ratio: float) -> bool:
+        """Whether a simulated speed-up ``ratio`` (slower step over faster) is larger than
+        the error to expect of either step: the median error, the typical one."""
+        return ratio - 1 > self.median
+
     def text(self) -> str:
         return (f"± {self.median:.1%} (the median error over {self.runs} {self.what}; the "
                 f"largest {self.largest:.0%})")

@@ -52,7 +52,7 @@ def _within(ratio: float, accuracy) -> str:
     """What a simulated speed-up is worth beside the simulator's expected error."""
     if accuracy is None:
         return ", by a model not measured on this device"
-    if ratio - 1 <= accuracy.median:
+    if not accuracy.tells_apart(ratio):
         return (f"; within the simulator's expected error of ± {accuracy.median:.1%}, so "
                 f"not a difference it can tell apart")
     return ""
