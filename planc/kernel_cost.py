@@ -75,6 +75,9 @@ The figures per GPU, and where they come from:
 - The A100's attention is unfused (``flash = False``): the Korthikanti and Narayanan runs
   used Megatron-LM's batched GEMMs with a fused scale-mask-softmax and a dropout between
   them (Korthikanti et al. 2022, section 4.2), not FlashAttention.
+- A plan that declares its own peak (``device { flops }`` over one of these presets: a
+  part at another power limit or clock, such as torchtitan's 500 W H100s) scales the
+  attention rates by its peak over the preset's, as ``peak`` scales the GEMMs.
 - ``launch = 4 us`` per kernel: the launch overhead of a CUDA kernel on these GPUs (NVIDIA,
   "Getting Started with CUDA Graphs", 2019: a few microseconds per kernel).
 """
