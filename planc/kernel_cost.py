@@ -145,8 +145,10 @@ GPUS = {
 
 def preset_peak(plan: Plan) -> float:
     """The peak FLOP/s of the topology preset's own device at the plan's dtype (its
-    datasheet figure), whatever ``device { flops }`` the plan declares."""
-    return PRESETS[plan.topology.preset].flops[plan.model.dtype]
+    datasheet figure), whatever ``device { flops }`` the plan declares; a topology of no
+    named preset has only its declared peak."""
+    preset = PRESETS.get(plan.topology.preset or "")
+    return preset.flops[plan.model.dtype] if preset is not None else plan.topology.device.flops
 
 
 def wave_efficiency(m: int, n: int, sms: int, groups: int = 1) -> float:
