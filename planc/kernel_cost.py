@@ -75,6 +75,9 @@ The figures per GPU, and where they come from:
 - The A100's attention is unfused (``flash = False``): the Korthikanti and Narayanan runs
   used Megatron-LM's batched GEMMs with a fused scale-mask-softmax and a dropout between
   them (Korthikanti et al. 2022, section 4.2), not FlashAttention.
+- A plan that declares its own peak (``device { flops }`` over one of these presets: a
+  part at another power limit or clock, such as torchtitan's 500 W H100s) scales the
+  attention rates by its peak over the preset's, as ``peak`` scales the GEMMs.
 - ``launch = 4 us`` per kernel: the launch overhead of a CUDA kernel on these GPUs (NVIDIA,
   "Getting Started with CUDA Graphs", 2019: a few microseconds per kernel).
 """
@@ -86,6 +89,7 @@ from math import ceil
 from types import SimpleNamespace
 
 from planc.graph.model import Shapes
+from planc.lang.presets import PRESETS
 from planc.lower.operands import Operands
 from planc.models import family_of, moe
 from planc.plan import Plan
@@ -137,6 +141,14 @@ GPUS = {
     "dgx-a100": GPU("A100 SXM4", 108, 0.80, 256, 187e12, 142e12, flash=False),
     "dgx-h100": GPU("H100 SXM5", 132, 0.79, 256, 164e12, 168e12),
 }
+
+
+def preset_peak(plan: Plan) -> float:
+    """The peak FLOP/s of the topology preset's own device at the plan's dtype (its
+    datasheet figure), whatever ``device { flops }`` the plan declares; a topology of no
+    named preset has only its declared peak."""
+    preset = PRESETS.get(plan.topology.preset or "")
+    return preset.flops[plan.model.dtype] if preset is not None else plan.topology.device.flops
 
 
 def wave_efficiency(m: int, n: int, sms: int, groups: int = 1) -> float:
@@ -193,6 +205,10 @@ class KernelModel:
     def __init__(self, plan: Plan, gpu: GPU):
         self.gpu = gpu
         self.peak = plan.topology.device.flops
+        # The attention rates are the preset's own device's; a plan that declares another
+        # peak (device { flops }: a part at a lower power limit or clock) scales them as
+        # the GEMMs scale, tensor cores both.
+        self.attention_scale = self.peak / preset_peak(plan)
         self.bandwidth = plan.topology.device.bandwidth
         shapes = Shapes.of(plan)
         self.dtype_bytes = shapes.dtype_bytes
@@ -227,7 +243,7 @@ class KernelModel:
         if gpu is None:
             return device.efficiency
         attention = max(gpu.attention_forward, gpu.attention_backward) if gpu.flash else 0.0
-        return min(1.0, max(gpu.large, 2 * attention / device.flops))
+        return min(1.0, max(gpu.large, 2 * attention / preset_peak(plan)))
 
     @staticmethod
     def of(plan: Plan) -> "KernelModel | None":
@@ -338,8 +354,10 @@ class KernelModel:
         if kernel == ATTENTION:
             if operands.step == "backward":
                 work = FLASH_BACKWARD * flops / 2.0 * CAUSAL
-                return work / self.gpu.attention_backward + self.gpu.launch
-            return flops * CAUSAL / self.gpu.attention_forward + self.gpu.launch
+                return work / (self.gpu.attention_backward * self.attention_scale) + \
+                    self.gpu.launch
+            return flops * CAUSAL / (self.gpu.attention_forward * self.attention_scale) + \
+                self.gpu.launch
         if kernel in LOSS_KERNELS:
             # It reads the logits (its output is one figure per token): the vocabulary
             # slice of every token, once per pass over them.

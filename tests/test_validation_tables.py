@@ -49,6 +49,20 @@ def test_the_layouts_are_the_sources():
     titan = load_file(PLANS / "torchtitan" / "torchtitan-70b-tp8.plan").plan
     assert (titan.mesh.tp, titan.mesh.dp, titan.model.batch, titan.model.seq) == \
         (8, 32, 512, 8192)
+    # torchtitan's files: local batch x FSDP degree, full AC for 70B and per-op selective
+    # for 8B (planc's selective stands for it), max_norm 1.0 in the tomls, the 500 W part
+    # at H100 NVL's datasheet peak
+    layouts = {"8b-fsdp8": (1, 8, 16, "selective"), "8b-fsdp128": (1, 128, 256, "selective"),
+               "8b-tp8": (8, 8, 96, "selective"), "8b-async-tp8": (8, 8, 96, "selective"),
+               "70b-tp8": (8, 32, 512, "full"), "70b-async-tp8": (8, 32, 512, "full")}
+    for name, (tp, dp, batch, recompute) in layouts.items():
+        titan = load_file(PLANS / "torchtitan" / f"torchtitan-{name}.plan").plan
+        assert (titan.mesh.tp, titan.mesh.dp, titan.model.batch, titan.model.seq,
+                titan.schedule.microbatches) == (tp, dp, batch, 8192, 1), name
+        assert titan.optimize.recompute == recompute, name
+        assert titan.optimize.tp_overlap is ("async" in name) or tp == 1, name
+        assert titan.train.grad_clip == 1.0, name
+        assert titan.topology.device.flops == 835.5e12, name
 
 
 def test_narayanan_plans_are_the_run_scripts():

@@ -45,7 +45,7 @@ CALIBRATED = Accuracy(7, 0.33, 0.74,
                       "runs of plans/ trained on a calibrated 2-core CPU machine")
 # bench/validation.py --json, 2026-11-28 ("all_dense" and the moe table's "shipped"):
 # 45 dense runs of 7 tables, 8 mixtures.
-DENSE = Accuracy(45, 0.097, 0.316, "published runs of dense models")
+DENSE = Accuracy(45, 0.094, 0.269, "published runs of dense models")
 MIXTURES = Accuracy(8, 0.484, 2.194, "published runs of mixtures of experts")
 
 
