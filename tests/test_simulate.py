@@ -159,19 +159,19 @@ def test_a_gemm_is_priced_by_its_shape_on_the_gpu_of_its_preset():
 
 
 def test_a_declared_peak_scales_attention_as_it_scales_the_gemms():
-    """torchtitan's 500 W H100s declare H100 NVL's 835.5 TFLOP/s over the dgx-h100
-    preset: FlashAttention's rates (measured on the preset's 989 TFLOP/s part) scale by
-    835.5 / 989, as the GEMMs' peak does; a plan that declares nothing keeps them."""
+    """torchtitan's 500 W H100s declare 912.25 TFLOP/s (between H100 NVL and SXM) over
+    the dgx-h100 preset: FlashAttention's rates (measured on the 989 TFLOP/s part) scale by
+    912.25 / 989, as the GEMMs' peak does; a plan that declares nothing keeps them."""
     titan = load_file(PLANS / "torchtitan" / "torchtitan-8b-fsdp8.plan").plan
     sxm = load_file(PLANS / "torchtitan" / "torchtitan-8b-fsdp8.plan",
                     ("topology.device.flops=989TFLOP/s",)).plan
-    assert titan.topology.device.flops == 835.5e12
+    assert titan.topology.device.flops == 912.25e12
     slow, fast = KernelModel.of(titan), KernelModel.of(sxm)
-    assert (slow.attention_scale, fast.attention_scale) == (835.5 / 989, 1.0)
+    assert (slow.attention_scale, fast.attention_scale) == (912.25 / 989, 1.0)
     # one layer's causal forward: 2 sequences x 8,192 tokens, 4 s h FLOPs per token
     flops = 4.0 * 2 * 8192 * 8192 * 4096
     operands = Operands(flops=flops, kernel="attention", step="forward")
-    assert slow.seconds(operands, 0.0) == flops * 0.5 / (164e12 * 835.5 / 989) + 4e-6
+    assert slow.seconds(operands, 0.0) == flops * 0.5 / (164e12 * 912.25 / 989) + 4e-6
     assert fast.seconds(operands, 0.0) == flops * 0.5 / 164e12 + 4e-6
     assert slow.gemm_seconds(16384, 4096, 4096) > fast.gemm_seconds(16384, 4096, 4096)
 
