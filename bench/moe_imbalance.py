@@ -14,9 +14,11 @@ qwen3-235b-a2a.plan states for the same benchmark's routing at 4,096. It is a re
 of that measurement through planc's model: whatever else dropless routing costs
 (the host copy of the token counts every layer) is counted as imbalance.
 
-Where the plan departs from that run: planc's selective recomputation is the norms and
-the activation, not the whole MoE layer; the run used DeepEP's dispatcher, planc a plain
-all-to-all (both ratios are of the same dispatcher).
+Where the plan departs from that run: it recomputes nothing, where the run recomputed
+the norms and the MoE layer, which planc cannot write (its ``selective`` recomputes the
+attention core, which the run's FlashAttention backward already does once, and ``full``
+the whole layer; with ``full`` the figure is 1.97); the run used DeepEP's dispatcher,
+planc prices a plain all-to-all (both ratios are of the same dispatcher).
 
     .venv/bin/python bench/moe_imbalance.py
 """
@@ -39,7 +41,6 @@ LONG_CONTEXT = """plan modelzoo_qwen3_235b_16k {{
   topology {{ preset = dgx-h100 }}
   shard {{ tp {{ sequence_parallel = on }}; pp {{ virtual = 4 }}; dp {{ zero = 1 }} }}
   schedule {{ microbatches = 32; pipeline = interleaved }}
-  optimize {{ recompute = selective }}
 }}"""
 
 
