@@ -343,13 +343,17 @@ def moe(write: bool, as_json: bool) -> dict:
         head, rest = text.split(BEGIN, 1)
         DOC.write_text(f"{head}{BEGIN}\n{table}\n{END}{rest.split(END, 1)[1]}")
         print(f"wrote the table into {DOC.relative_to(ROOT)}", file=sys.stderr)
-    # moe_rows' error is on throughput; as a step time's: 1 / (1 + e) - 1.
-    errors = [1 / (1 + r["error"]) - 1 for r in rows]
+    # moe_rows' error is on throughput; as a step time's: 1 / (1 + e) - 1. A refused
+    # run (its plan states what planc cannot express) has no error.
+    simulated = [r for r in rows if not r["refused"]]
+    errors = [1 / (1 + r["error"]) - 1 for r in simulated]
     return {"source": "plans/moe-published/ (tests/test_simulate_moe.py)",
             "shipped": summary(errors), "loo": summary(errors),
             "loo_note": "no constant derived from it",
             "rows": [{"label": r["run"], "plan": r["plan"], "error": e}
-                     for r, e in zip(rows, errors)]}
+                     for r, e in zip(simulated, errors)],
+            "refused": [{"label": r["run"], "plan": r["plan"], "refused": r["refused"]}
+                        for r in rows if r["refused"]]}
 
 
 TABLES = tuple(TABLE_SOURCES) + ("moe", "memory")
@@ -397,8 +401,10 @@ def main(argv=None) -> int:
         out["tables"]["moe"] = moe(args.write, args.json)
         if not args.json:
             s = out["tables"]["moe"]["shipped"]
-            print(f"\nShipped (on the step time): median {s['median']:.1%}, largest "
-                  f"{s['largest']:.1%}, {s['direction']}.\n")
+            refused = len(out["tables"]["moe"]["refused"])
+            print(f"\nShipped (on the step time, {s['rows']} runs simulated, {refused} "
+                  f"refused): median {s['median']:.1%}, largest {s['largest']:.1%}, "
+                  f"{s['direction']}.\n")
     if args.only in (None, "memory"):
         out["memory"] = memory_table(rows)
         if not args.json:
