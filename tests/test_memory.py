@@ -118,6 +118,17 @@ plan bf16_optimizer {{
         (2 * psi, 6 * psi, 12 * psi / nd)
 
 
+@pytest.mark.parametrize("name, accumulation", [("bloom-176b", 4), ("bloom-181b-pp6", 0)])
+def test_bloom_plans_count_the_bf16_optimizers_buffer_only_where_they_used_it(name,
+                                                                               accumulation):
+    # 02-28's rows ran DeepSpeed's BF16_Optimizer (fp32_grads); 02-25's are taken as fp16.
+    plan = load_file(PLANS / "bloom" / f"{name}.plan").plan
+    first = memory.estimate(plan).stages[0]
+    psi, dtype_bytes = first.parameters, plan.model.dtype_bytes
+    assert (first.parameter_bytes, first.gradient_bytes, first.optimizer_bytes) == \
+        (dtype_bytes * psi, (dtype_bytes + accumulation) * psi, 12 * psi / plan.mesh.dp)
+
+
 def test_fp32_grads_with_fp32_weights_warns_and_changes_nothing():
     text = """
 plan fp32_model {
