@@ -83,7 +83,8 @@ SIZES = {"1_7b": "1.7B", "3_6b": "3.6B", "7_5b": "7.5B", "7_1b": "7.1B", "16b": 
          "119b": "119B", "145b": "145B", "175b": "175B", "177b": "177B", "310b": "310B",
          "314b": "314B", "462b": "462B", "530b": "530B", "1t": "1T"}
 NVIDIA_SMI = "nvidia-smi on the first node (the allocator's cache and the CUDA context in)"
-TORCHTITAN_PEAK = "the largest over the GPUs, torchtitan's memory log"
+# torchtitan 9dec370, train.py's log line: memory_stats' reserved_bytes.all.peak.
+TORCHTITAN_PEAK = "max reserved (the caching allocator's peak), the largest over the GPUs"
 # plans/bloom/: (step s, peak GB); sources in each plan's header.
 BLOOM = {"bloom-176b": (104.70, 59), "bloom-176b-tp8": (121.63, 40),
          "bloom-176b-heads64": (102.03, 59), "bloom-176b-heads128": (105.89, 60),

@@ -9,6 +9,9 @@ replicas: p Psi + p Psi + K Psi / N_d, p Psi + (p + K) Psi / N_d, (2p + K) Psi /
 Here the replicas are the dp x cp ranks, which hold the same shard of every parameter;
 with ``mesh { ep }`` a routed expert's weights are split over ep and their replicas are
 the tp x cp x dp / ep ranks of the stage holding the same experts (MoE Parallel Folding).
+``shard { dp { fp32_grads = on } }`` adds an fp32 copy of every gradient, never sharded,
+as DeepSpeed's BF16_Optimizer accumulates them (BigScience tr11 README, "Deepspeed
+config": "4 bytes * params of additional memory").
 
 Activations follow Korthikanti et al., "Reducing Activation Recomputation in Large
 Transformer Models" (MLSys 2023), Table 2, per layer and microbatch in bytes for
@@ -253,11 +256,13 @@ def estimate(plan: Plan, activations: tuple[tuple[float, int], ...] | None = Non
     replicas = mesh.dp * mesh.cp
     expert_replicas = mesh.tp * replicas // mesh.ep
     k = optimizer_state_bytes(plan)
+    accumulation = FP32_BYTES if plan.shard.dp.fp32_grads and plan.model.dtype != "fp32" else 0
     stages = []
     for stage, (params, experts) in enumerate(parameters or stage_parameter_counts(plan)):
         dense = model_state_bytes(params, plan.model.dtype_bytes, k, zero, replicas)
         split = model_state_bytes(experts, plan.model.dtype_bytes, k, zero, expert_replicas)
         p, g, o = (a + b for a, b in zip(dense, split))
+        g += accumulation * (params + experts)
         held, in_flight = activations[stage] if activations is not None else \
             stage_activation_bytes(plan, stage)
         stages.append(StageMemory(stage, params + experts, p, g, o, held, in_flight))

@@ -236,6 +236,9 @@ class PipelineParallel:
 @dataclass(frozen=True)
 class DataParallel:
     zero: int = 0
+    # An fp32 gradient-accumulation buffer of every parameter beside the 16-bit
+    # gradients, never sharded (DeepSpeed's BF16_Optimizer); the memory estimate's only.
+    fp32_grads: bool = field(default=False, metadata={"omitted_when_default": True})
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,49 @@ def test_zero_paper_example_through_a_plan(zero, dp, cp):
     assert as_printed(sum(expected), zero) == ZERO_FIGURE_1[zero][0]
 
 
+def test_fp32_grads_adds_four_unsharded_bytes_per_parameter():
+    # DeepSpeed's BF16_Optimizer: "4 bytes * params of additional memory", not sharded
+    # (BigScience tr11 README, "Deepspeed config"); ZeRO-1 shards the rest as before.
+    psi, nd = ZERO_PSI, 64
+    plan = plan_of(f"""
+plan bf16_optimizer {{
+  model gpt {{ layers = {ZERO_LAYERS}; hidden = {ZERO_HIDDEN}; heads = 32
+              vocab = {ZERO_VOCAB}; seq = {ZERO_SEQ}; batch = 64; dtype = bf16 }}
+  mesh {{ dp = 64 }}
+  shard {{ dp {{ zero = 1; fp32_grads = on }} }}
+  train {{ optimizer = adamw(lr = 1e-4) }}
+}}""")
+    (stage,) = memory.estimate(plan).stages
+    assert (stage.parameter_bytes, stage.gradient_bytes, stage.optimizer_bytes) == \
+        (2 * psi, 6 * psi, 12 * psi / nd)
+
+
+@pytest.mark.parametrize("name, accumulation", [("bloom-176b", 4), ("bloom-181b-pp6", 0)])
+def test_bloom_plans_count_the_bf16_optimizers_buffer_only_where_they_used_it(name,
+                                                                               accumulation):
+    # 02-28's rows ran DeepSpeed's BF16_Optimizer (fp32_grads); 02-25's are taken as fp16.
+    plan = load_file(PLANS / "bloom" / f"{name}.plan").plan
+    first = memory.estimate(plan).stages[0]
+    psi, dtype_bytes = first.parameters, plan.model.dtype_bytes
+    assert (first.parameter_bytes, first.gradient_bytes, first.optimizer_bytes) == \
+        (dtype_bytes * psi, (dtype_bytes + accumulation) * psi, 12 * psi / plan.mesh.dp)
+
+
+def test_fp32_grads_with_fp32_weights_warns_and_changes_nothing():
+    text = """
+plan fp32_model {
+  model gpt { layers = 2; hidden = 64; heads = 4; vocab = 256; seq = 32; batch = 8 }
+  mesh { dp = 2 }
+  shard { dp { fp32_grads = on } }
+}"""
+    loaded = load_text(text)
+    assert loaded.ok
+    assert [d.message for d in loaded.diagnostics] == [
+        "fp32_grads = on has no effect with dtype = fp32: the gradients are fp32 already"]
+    plain = plan_of(text.replace("shard { dp { fp32_grads = on } }", ""))
+    assert memory.estimate(loaded.plan) == memory.estimate(plain)
+
+
 # --- Korthikanti et al. 2022, Table 2 -----------------------------------------------------
 
 def korthikanti_plan(sequence_parallel: bool, dtype: str = "bf16", recompute: str = "none"):

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from planc.cli import main
-from planc.lang import load_text
+from planc.lang import load_file, load_text
 from planc.tune import bounds, tune
 from planc.tune.plan_text import with_settings, written_value
-from planc.tune.space import candidates, dominates
+from planc.tune.space import candidates, dominates, of_plan
+from tests.conftest import PLANS
 
 SMALL = """# a small llama for the search's tests
 plan small {
@@ -202,10 +204,16 @@ def test_the_bound_is_below_the_simulated_step_of_published_plans(name):
     """The bound runs compute at the fastest kernel's rate (A100 presets: unfused
     attention, GEMMs at 80% of peak; H100: GEMMs at 79%, fused attention slower)."""
     from planc.compile import compile_plan
-    from planc.lang import load_file
     from planc.simulate import simulate
-    from tests.conftest import PLANS
     plan = load_file(PLANS / f"{name}.plan").plan
     step = simulate(compile_plan(plan)).step_seconds
     bound = bounds.Estimator(plan.topology.devices_per_node).lower_bound(plan)
     assert 0.5 * step < bound < step
+
+
+def test_a_variant_keeps_the_plans_fp32_gradient_buffer():
+    # planc tune estimates a variant's memory from bounds.plan_of: BLOOM's BF16
+    # optimizer buffer (shard { dp { fp32_grads } }) must stay when zero changes.
+    plan = load_file(PLANS / "bloom" / "bloom-176b.plan").plan
+    variant = bounds.plan_of(plan, dataclasses.replace(of_plan(plan), zero=0), 8)
+    assert (variant.shard.dp.zero, variant.shard.dp.fp32_grads) == (0, True)

@@ -106,6 +106,10 @@ class _Checker(TopologyReader):
         if mesh and zero and mesh.dp * mesh.cp == 1 and "shard.dp.zero" in self.given:
             self.report(warning(f"zero = {zero} has no effect with dp = 1 and cp = 1",
                                 self.span("shard.dp.zero")))
+        fp32_grads = self.value("shard.dp.fp32_grads")
+        if model and fp32_grads and model.dtype == "fp32":
+            self.report(warning("fp32_grads = on has no effect with dtype = fp32: the "
+                                "gradients are fp32 already", self.span("shard.dp.fp32_grads")))
         optimize = self._optimize()
         if optimize is not None and mesh and model:
             optimize = self._tp_overlap(optimize, mesh, model)
@@ -115,7 +119,7 @@ class _Checker(TopologyReader):
         if any(part is None for part in parts) or zero is None:
             return None
         return Plan(name=self.plan_name, model=model, mesh=mesh, topology=topology,
-                    shard=Shard(tensor, context, pipeline, DataParallel(zero)),
+                    shard=Shard(tensor, context, pipeline, DataParallel(zero, bool(fp32_grads))),
                     schedule=schedule, optimize=optimize, train=train,
                     sources=Sources(self.path, dict(self.spans), self.overrides))
 

@@ -117,7 +117,8 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
             "stages": Key(Stages(), "auto"),
             "virtual": Key(Integer(1), 1),
         }),
-        "dp": BlockSchema("dp", keys={"zero": Key(Integer(0, 3), 0)}),
+        "dp": BlockSchema("dp", keys={"zero": Key(Integer(0, 3), 0),
+                                      "fp32_grads": Key(Boolean(), False)}),
     }),
     "schedule": BlockSchema("schedule", keys={
         "microbatches": Key(Integer(1), 1),

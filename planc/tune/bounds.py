@@ -27,7 +27,7 @@ from planc.cost import CostModel
 from planc.kernel_cost import KernelModel
 from planc.graph.model import Shapes
 from planc.models import family_of
-from planc.plan import DataParallel, Mesh, Optimize, PipelineParallel, Plan, Schedule
+from planc.plan import Mesh, Optimize, PipelineParallel, Plan, Schedule
 from planc.schedules import named as named_schedule
 from planc.schedules.layers import EMBEDDING_WORK, balanced_chunks, range_text
 from planc.tune.space import Candidate
@@ -68,7 +68,7 @@ def plan_of(base: Plan, c: Candidate, per_node: int, chunks_of: dict | None = No
             shard, tp=dataclasses.replace(shard.tp, sequence_parallel=c.sequence_parallel),
             pp=PipelineParallel(chunks, c.virtual, c.stages == "auto" or
                                 c.stages == "file" and base.shard.pp.auto),
-            dp=DataParallel(c.zero)),
+            dp=dataclasses.replace(shard.dp, zero=c.zero)),
         schedule=Schedule(c.microbatches, c.pipeline),
         optimize=dataclasses.replace(base.optimize, recompute=c.recompute))
 

@@ -75,7 +75,8 @@ def settings(plan: Plan) -> str:
                      f"{_onoff(shard.cp.load_balance)}"),
         ("shard pp", f"stages [{stages}]{' (auto)' if shard.pp.auto else ''}, virtual "
                      f"{shard.pp.virtual}"),
-        ("shard dp", f"zero {shard.dp.zero}"),
+        ("shard dp", f"zero {shard.dp.zero}"
+                     + (", fp32_grads on" if shard.dp.fp32_grads else "")),
         ("schedule", f"{plan.schedule.pipeline}, "
                      f"{counted(plan.schedule.microbatches, 'microbatch', 'microbatches')} of "
                      f"{counted(plan.microbatch_size, 'sequence')} per data-parallel rank"),
