@@ -42,6 +42,7 @@ def test_the_layouts_are_the_sources():
     sizes = [last - first + 1 for first, last in bloom.shard.pp.chunks]
     assert sizes == [5] + [6] * 10 + [5]
     assert bloom.topology.inter.bandwidth == 6.25e9  # 4 x 100 Gb/s Omni-Path per 8 GPUs
+    assert bloom.train.grad_clip == 1.0  # tr11-176B-ml.slurm: --clip-grad 1.0
     for nodes, dp in ((280, 8), (350, 10), (420, 12)):
         mtnlg = load_file(PLANS / "mtnlg" / f"mtnlg-530b-{nodes}.plan").plan
         assert (mtnlg.mesh.tp, mtnlg.mesh.pp, mtnlg.mesh.dp) == (8, 35, dp)
@@ -52,7 +53,8 @@ def test_the_layouts_are_the_sources():
 
 
 def test_narayanan_plans_are_the_run_scripts():
-    """run_table_1.sh: --micro-batch-size and --num-layers-per-virtual-pipeline-stage."""
+    """run_table_1.sh: --micro-batch-size and --num-layers-per-virtual-pipeline-stage;
+    CONFIG.sh: --clip-grad 1.0."""
     script = {"1_7b": (16, 1), "3_6b": (16, 1), "7_5b": (16, 1), "18b": (8, 1),
               "39b": (4, 1), "76b": (2, 3), "145b": (2, 2), "310b": (1, 2), "530b": (1, 3),
               "1t": (1, 1)}
@@ -62,6 +64,7 @@ def test_narayanan_plans_are_the_run_scripts():
         assert m.batch // plan.mesh.dp // plan.schedule.microbatches == micro_size, name
         assert plan.shard.pp.virtual == chunks, name
         assert (plan.schedule.pipeline == "interleaved") == (chunks > 1), name
+        assert plan.train.grad_clip == 1.0, name
 
 
 @pytest.mark.parametrize("plan", ["torchtitan/torchtitan-8b-fsdp8.plan",
