@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 
-from bench import validation
+from bench import deepspeed_schedule, validation
 from planc.compile import compile_plan
 from planc.kernel_cost import GPUS
 from planc.lang import load_file
@@ -135,3 +135,21 @@ def test_bad_arguments_are_refused_without_a_traceback(tmp_path, capsys):
             validation.main(argv)
         assert exit_.value.code == 2
         assert "Traceback" not in capsys.readouterr().err
+
+
+def test_deepspeed_train_schedule_takes_1f1b_time():
+    """BLOOM's and MT-NLG's DeepSpeed TrainSchedule, replayed with blocking sends: 1F1B's
+    (m + p - 1) (F + B) with free transfers; each exchange's receive and send in series
+    add their transfers beyond it."""
+    for microbatches, stages in ((240, 35), (128, 12), (3, 4)):
+        assert deepspeed_schedule.replay(microbatches, stages, 1.0, 3.0) == \
+            (microbatches + stages - 1) * 4.0
+    # one stage: no exchanges, the microbatches one after another
+    assert deepspeed_schedule.replay(5, 1, 1.0, 3.0) == 20.0
+    assert deepspeed_schedule.replay(128, 12, 1.0, 3.0, transfer=0.02) > 556.0
+    # the last stage's program: forward then backward of each microbatch, its exchanges
+    # with stage 2 before each forward
+    last = deepspeed_schedule.step_commands(2, 4, 3)
+    assert last == [("recv", "activation", 0, 2), ("forward", 0), ("backward", 0),
+                    ("send", "grad", 0, 2), ("recv", "activation", 1, 2), ("forward", 1),
+                    ("backward", 1), ("send", "grad", 1, 2)]
