@@ -53,8 +53,9 @@ def test_the_layouts_are_the_sources():
 
 
 def test_narayanan_plans_are_the_run_scripts():
-    """run_table_1.sh: --micro-batch-size and --num-layers-per-virtual-pipeline-stage;
-    CONFIG.sh: --clip-grad 1.0."""
+    """run_table_1.sh: --micro-batch-size and --num-layers-per-virtual-pipeline-stage,
+    --DDP-impl torch (overlap) up to 18B; CONFIG.sh: --clip-grad 1.0. The Megatron-LM of
+    the paper had no asynchronous tensor-parallel all-reduce (weight_grad_overlap)."""
     script = {"1_7b": (16, 1), "3_6b": (16, 1), "7_5b": (16, 1), "18b": (8, 1),
               "39b": (4, 1), "76b": (2, 3), "145b": (2, 2), "310b": (1, 2), "530b": (1, 3),
               "1t": (1, 1)}
@@ -65,6 +66,8 @@ def test_narayanan_plans_are_the_run_scripts():
         assert plan.shard.pp.virtual == chunks, name
         assert (plan.schedule.pipeline == "interleaved") == (chunks > 1), name
         assert plan.train.grad_clip == 1.0, name
+        assert plan.optimize.overlap == (name in ("1_7b", "3_6b", "7_5b", "18b")), name
+        assert not (plan.optimize.overlap and plan.optimize.weight_grad_overlap), name
 
 
 @pytest.mark.parametrize("plan", ["torchtitan/torchtitan-8b-fsdp8.plan",
