@@ -25,10 +25,11 @@ Decisions, each an attribute the lowering follows (:mod:`planc.lower.lower`):
   current unit computes, and the gather of unit k + 2 waits until unit k is done, so
   at most two units are gathered at once (FSDP's forward and backward prefetch).
 - Split backward (``optimize { weight_grad_overlap }``, on by default): a backward step
-  whose input gradient feeds a collective computes that gradient first; its weight gradient becomes a step of its own (``W/...``) that runs
-  while the collective is in flight, before the step that waits for it (Megatron-LM's
-  asynchronous tensor-parallel all-reduce overlaps it with the weight gradient the same
-  way; zero-bubble pipelines split B and W likewise).
+  whose input gradient feeds a collective computes that gradient first; its weight
+  gradient becomes a step of its own (``W/...``) that runs while the collective is in
+  flight, before the step that waits for it (Megatron-LM's asynchronous tensor-parallel
+  all-reduce overlaps it with the weight gradient the same way; zero-bubble pipelines
+  split B and W likewise).
 
 Waits are placed by the lowering right before the consumer that needs them, so each
 is as late as its consumer allows. Results do not change.
