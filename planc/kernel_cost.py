@@ -57,7 +57,9 @@ The figures per GPU, and where they come from:
 
 - **A100 SXM4** (``dgx-a100``): 108 SMs; ``large = 0.80``: optimized GEMMs "reach up to
   80-90% of the theoretical maximum" (Dao, "FlashAttention-2", 2023, section 1), the low
-  end; FlashAttention rates of 187 TFLOP/s forward (60 % of peak) and 142 backward (45 %),
+  end: a statement, not a measurement of the CUDA 11 cuBLAS that the A100 runs of
+  2021-22 used (none was found; docs/simulate.md, "What the A100 tables still miss");
+  FlashAttention rates of 187 TFLOP/s forward (60 % of peak) and 142 backward (45 %),
   inside the ranges FlashAttention-2 reports on A100 (Dao 2023: 50-73 % forward, up to
   63 % backward), kept for completeness: the published A100 runs used unfused attention
   (below), and so does the model.
@@ -70,8 +72,9 @@ The figures per GPU, and where they come from:
   335 TFLOP/s with more heads and sequences per call).
 - ``k_overhead = 256``: on the H100 above, GEMMs with ``K`` of 896 to 2,304 ran at
   0.70-0.86 of the 8192^3 rate (``bench/kernels_gpu.py``), which ``K / (K + 256)``
-  (0.78-0.90) follows; the A100 is taken to be alike. Over the 93 GEMMs of those plans the
-  model's time is within 5.5 % of the measured one at the median, 20 % at most.
+  (0.78-0.90) follows; the A100 is taken to be alike (no A100 measurement was found).
+  Over the 93 GEMMs of those plans the model's time is within 5.5 % of the measured one
+  at the median, 20 % at most.
 - The A100's attention is unfused (``flash = False``): the Korthikanti and Narayanan runs
   used Megatron-LM's batched GEMMs with a fused scale-mask-softmax and a dropout between
   them (Korthikanti et al. 2022, section 4.2), not FlashAttention.

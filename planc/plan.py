@@ -261,6 +261,9 @@ class Optimize:
     bucket: float = 25e6  # bytes
     route: str = "auto"
     overlap: bool = True
+    # With overlap: a backward whose input gradient feeds a tp or cp collective computes
+    # its weight gradient while that collective is in flight (planc.passes.overlap).
+    weight_grad_overlap: bool = True
     recompute: str = "none"
     # Collective matmul over tp (planc.passes.tp_overlap): True lets the cost model
     # choose the chunk count, False is off, an integer forces that many chunks.

@@ -558,3 +558,22 @@ def test_tp_overlap_keeps_a_gemm_whole_whose_tokens_do_not_split_over_tp():
     line = next(r["line"] for r in build.graph.graph["passes"] if r["name"] == "tp_overlap")
     assert line == ("tp_overlap: 0 of 8 tp GEMMs split: the cost model predicts no gain "
                     "from chunking on this topology")
+
+
+def test_weight_grad_overlap_off_keeps_each_backward_whole():
+    """optimize { weight_grad_overlap = off }: no weight gradient is split off to run
+    while its input gradient's tp all-reduce is in flight (Megatron-LM before its
+    asynchronous tensor-parallel all-reduce); on, the default, splits every backward whose
+    input gradient is all-reduced over tp (qkv and fc1 of both layers, the head)."""
+    on = compile_plan(small("tp = 2", optimize="tp_overlap = off"))
+    off = compile_plan(small("tp = 2", optimize="tp_overlap = off; weight_grad_overlap = off"))
+    assert on.plan.optimize.weight_grad_overlap and not off.plan.optimize.weight_grad_overlap
+
+    def weight_steps(build) -> list[str]:
+        return sorted(n for n in build.graph.nodes if n.startswith("W/"))
+
+    assert weight_steps(on) == ["W/L0/fc1", "W/L0/qkv", "W/L1/fc1", "W/L1/qkv", "W/head"]
+    assert weight_steps(off) == []
+    line = next(r["line"] for r in off.graph.graph["passes"] if r["name"] == "overlap")
+    assert line == ("overlap: 0 once-per-step gradient reductions issued in the last "
+                    "microbatch's backward as soon as their inputs are final")

@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 
-from bench import validation
+from bench import deepspeed_schedule, validation
 from planc.compile import compile_plan
 from planc.kernel_cost import GPUS
 from planc.lang import load_file
@@ -42,6 +42,7 @@ def test_the_layouts_are_the_sources():
     sizes = [last - first + 1 for first, last in bloom.shard.pp.chunks]
     assert sizes == [5] + [6] * 10 + [5]
     assert bloom.topology.inter.bandwidth == 6.25e9  # 4 x 100 Gb/s Omni-Path per 8 GPUs
+    assert bloom.train.grad_clip == 1.0  # tr11-176B-ml.slurm: --clip-grad 1.0
     for nodes, dp in ((280, 8), (350, 10), (420, 12)):
         mtnlg = load_file(PLANS / "mtnlg" / f"mtnlg-530b-{nodes}.plan").plan
         assert (mtnlg.mesh.tp, mtnlg.mesh.pp, mtnlg.mesh.dp) == (8, 35, dp)
@@ -66,7 +67,9 @@ def test_the_layouts_are_the_sources():
 
 
 def test_narayanan_plans_are_the_run_scripts():
-    """run_table_1.sh: --micro-batch-size and --num-layers-per-virtual-pipeline-stage."""
+    """run_table_1.sh: --micro-batch-size and --num-layers-per-virtual-pipeline-stage,
+    --DDP-impl torch (overlap) up to 18B; CONFIG.sh: --clip-grad 1.0. The Megatron-LM of
+    the paper had no asynchronous tensor-parallel all-reduce (weight_grad_overlap)."""
     script = {"1_7b": (16, 1), "3_6b": (16, 1), "7_5b": (16, 1), "18b": (8, 1),
               "39b": (4, 1), "76b": (2, 3), "145b": (2, 2), "310b": (1, 2), "530b": (1, 3),
               "1t": (1, 1)}
@@ -76,6 +79,9 @@ def test_narayanan_plans_are_the_run_scripts():
         assert m.batch // plan.mesh.dp // plan.schedule.microbatches == micro_size, name
         assert plan.shard.pp.virtual == chunks, name
         assert (plan.schedule.pipeline == "interleaved") == (chunks > 1), name
+        assert plan.train.grad_clip == 1.0, name
+        assert plan.optimize.overlap == (name in ("1_7b", "3_6b", "7_5b", "18b")), name
+        assert not (plan.optimize.overlap and plan.optimize.weight_grad_overlap), name
 
 
 @pytest.mark.parametrize("plan", ["torchtitan/torchtitan-8b-fsdp8.plan",
@@ -146,3 +152,21 @@ def test_bad_arguments_are_refused_without_a_traceback(tmp_path, capsys):
             validation.main(argv)
         assert exit_.value.code == 2
         assert "Traceback" not in capsys.readouterr().err
+
+
+def test_deepspeed_train_schedule_takes_1f1b_time():
+    """BLOOM's and MT-NLG's DeepSpeed TrainSchedule, replayed with blocking sends: 1F1B's
+    (m + p - 1) (F + B) with free transfers; each exchange's receive and send in series
+    add their transfers beyond it."""
+    for microbatches, stages in ((240, 35), (128, 12), (3, 4)):
+        assert deepspeed_schedule.replay(microbatches, stages, 1.0, 3.0) == \
+            (microbatches + stages - 1) * 4.0
+    # one stage: no exchanges, the microbatches one after another
+    assert deepspeed_schedule.replay(5, 1, 1.0, 3.0) == 20.0
+    assert deepspeed_schedule.replay(128, 12, 1.0, 3.0, transfer=0.02) > 556.0
+    # the last stage's program: forward then backward of each microbatch, its exchanges
+    # with stage 2 before each forward
+    last = deepspeed_schedule.step_commands(2, 4, 3)
+    assert last == [("recv", "activation", 0, 2), ("forward", 0), ("backward", 0),
+                    ("send", "grad", 0, 2), ("recv", "activation", 1, 2), ("forward", 1),
+                    ("backward", 1), ("send", "grad", 1, 2)]

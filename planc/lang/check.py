@@ -349,8 +349,8 @@ class _Checker(TopologyReader):
                                 "the tokens between stages"))
 
     def _optimize(self) -> Optimize | None:
-        keys = ("fuse", "bucket", "route", "overlap", "recompute", "tp_overlap",
-                "pp_scatter_gather")
+        keys = ("fuse", "bucket", "route", "overlap", "weight_grad_overlap", "recompute",
+                "tp_overlap", "pp_scatter_gather")
         if not self.ready(*(f"optimize.{k}" for k in keys)):
             return None
         return Optimize(**{k: self.value(f"optimize.{k}") for k in keys})

@@ -129,6 +129,7 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
         "bucket": Key(Quantity(SIZE), 25e6),
         "route": Key(Choice(("ring", "tree", "hierarchical", "auto")), "auto"),
         "overlap": Key(Boolean(), True),
+        "weight_grad_overlap": Key(Boolean(), True),
         "tp_overlap": Key(OnOffOrCount(), True),
         "recompute": Key(Choice(("none", "selective", "full")), "none"),
         "pp_scatter_gather": Key(Boolean(), True),

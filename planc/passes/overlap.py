@@ -24,11 +24,12 @@ Decisions, each an attribute the lowering follows (:mod:`planc.lower.lower`):
 - ZeRO-3 prefetch: within a block, the gather of the next unit is issued while the
   current unit computes, and the gather of unit k + 2 waits until unit k is done, so
   at most two units are gathered at once (FSDP's forward and backward prefetch).
-- Split backward: a backward step whose input gradient feeds a collective computes that
-  gradient first; its weight gradient becomes a step of its own (``W/...``) that runs
-  while the collective is in flight, before the step that waits for it (Megatron-LM's
-  asynchronous tensor-parallel all-reduce overlaps it with the weight gradient the same
-  way; zero-bubble pipelines split B and W likewise).
+- Split backward (``optimize { weight_grad_overlap }``, on by default): a backward step
+  whose input gradient feeds a collective computes that gradient first; its weight
+  gradient becomes a step of its own (``W/...``) that runs while the collective is in
+  flight, before the step that waits for it (Megatron-LM's asynchronous tensor-parallel
+  all-reduce overlaps it with the weight gradient the same way; zero-bubble pipelines
+  split B and W likewise).
 
 Waits are placed by the lowering right before the consumer that needs them, so each
 is as late as its consumer allows. Results do not change.
@@ -88,7 +89,7 @@ def overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
             data["placement"] = "prologue"
             prologue += 1
     prefetched = _zero3_prefetch(out, PREFETCH_DEPTH)
-    split = _split_weight_gradients(out)
+    split = _split_weight_gradients(out) if ctx.plan.optimize.weight_grad_overlap else 0
     parts = [f"{guarded} once-per-step gradient reductions issued in the last "
              f"microbatch's backward as soon as their inputs are final"]
     if prologue:
