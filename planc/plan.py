@@ -127,8 +127,15 @@ class Device:
     overlap: float = 1.0
     # Seconds every compute instruction costs beyond its arithmetic and memory traffic:
     # on a CPU the Python and dispatch of the runtime's step (planc calibrate measures
-    # it); 0 for the GPU presets, whose launch cost the kernel model prices.
+    # it); 0 for the GPU presets, whose launch cost the kernel model prices. A backward
+    # step (its input half, its weight half or both) asks autograd for gradients, which
+    # costs several times a forward: ``backward_overhead`` (None: ``overhead``).
     overhead: float = 0.0
+    backward_overhead: float | None = None
+    # Seconds a transfer costs its rank beyond the backend's time: on a CPU the runtime
+    # hands it from the compute stream's thread to its own and the result back (planc
+    # calibrate measures that round trip); 0 on a GPU, where streams need no threads.
+    handoff: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -648,6 +648,12 @@ def extreme_cases() -> list[tuple[str, str, str, dict]]:
         ("overhead-a-string", (("machine.json", "bytes", _calibrated(device__overhead="1 ms")),), (1,)),
         ("overhead-10^400", (("machine.json", "bytes", _raw_number(
             _calibrated(device__overhead=1), b"overhead", b"1" + b"0" * 400)),), (1,)),
+        ("backward-overhead-negative", (("machine.json", "bytes", _calibrated(
+            device__backward_overhead=-1e-3)),), (1,)),
+        ("backward-overhead-a-string", (("machine.json", "bytes", _calibrated(
+            device__backward_overhead="2 ms")),), (1,)),
+        ("handoff-negative", (("machine.json", "bytes", _calibrated(device__handoff=-1e-4)),), (1,)),
+        ("handoff-a-list", (("machine.json", "bytes", _calibrated(device__handoff=[1])),), (1,)),
         ("name-100k", (("machine.json", "bytes", _calibrated(name="é" * 100_000)),), (0,)),
         ("name-control-chars", (("machine.json", "bytes", _calibrated(name="\x00\x1b[31m\u2028")),), (0,)),
         ("a-list", (("machine.json", "bytes", b"[]"),), (1,)),

@@ -60,7 +60,11 @@ def test_the_demo_plan_names_a_machine_that_planc_calibrate_measured():
     assert measured["measured"]["world"] == 8 == plan.mesh.world
     assert plan.topology.device.flops == measured["device"]["flops"]
     assert plan.topology.device.overhead == measured["device"]["overhead"] == \
-        measured["measured"]["overhead"]["instruction"] > 0
+        measured["measured"]["overhead"]["forward"] > 0
+    assert plan.topology.device.backward_overhead == \
+        measured["device"]["backward_overhead"] == measured["measured"]["overhead"]["backward"]
+    assert plan.topology.device.handoff == measured["device"]["handoff"] == \
+        measured["measured"]["handoff"] > 0
     assert plan.topology.device.bandwidth == measured["device"]["bandwidth"]
     assert plan.topology.intra.latency == measured["intra"]["latency"]
 

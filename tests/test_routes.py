@@ -417,12 +417,26 @@ def test_calibrate_writes_a_topology_that_a_plan_can_use(tmp_path, run_planc):
     share = (figures["gemm"] + figures["all_reduce"] - figures["together"]) / \
         min(figures["gemm"], figures["all_reduce"])
     assert data["device"]["overlap"] == min(1.0, max(0.0, share))
-    # a compute instruction's fixed cost: the mean of the tiny step's forward and backward
+    # a compute instruction's fixed cost: the tiny step's forward for a forward
+    # instruction, its backward for a backward one
     overhead = data["measured"]["overhead"]
-    assert data["device"]["overhead"] == (overhead["forward"] + overhead["backward"]) / 2 > 0
-    assert preset.overhead == data["device"]["overhead"]
-    assert lines[-3].endswith(f"GFLOP/s per rank, {format_quantity(preset.overhead, TIME)} "
-                              f"per instruction beyond its arithmetic")
+    assert data["device"]["overhead"] == overhead["forward"] > 0
+    assert data["device"]["backward_overhead"] == overhead["backward"] > 0
+    assert (preset.overhead, preset.backward_overhead) == (overhead["forward"],
+                                                           overhead["backward"])
+    assert lines[-4].endswith(
+        f"GFLOP/s per rank, {format_quantity(preset.overhead, TIME)} per forward "
+        f"instruction and {format_quantity(preset.backward_overhead, TIME)} per backward "
+        f"one beyond its arithmetic")
+    # a transfer's hand-off between the runtime's stream threads, measured while the
+    # other rank computes
+    assert data["device"]["handoff"] == preset.handoff == data["measured"]["handoff"] > 0
+    assert lines[-3] == (f"hand-off: {format_quantity(preset.handoff, TIME)} per transfer "
+                         f"between the runtime's stream threads")
+    # a message's latency in a step: a pair's all_gather of 4 KB while the others compute
+    under_load = data["measured"]["intra"]["calls_under_load"]
+    assert set(under_load) == {"all_reduce", "reduce_scatter", "all_gather", "tree"}
+    assert preset.intra_latency == under_load["all_gather"] > 0
     assert preset.devices_per_node == 2 and "inter" not in data["measured"]
     assert preset.inter_bandwidth == preset.intra_bandwidth
     assert {t.kind for t in preset.intra_collectives} == {"all_reduce", "reduce_scatter",

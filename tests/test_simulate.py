@@ -177,6 +177,45 @@ def test_a_declared_peak_scales_attention_as_it_scales_the_gemms():
     assert slow.gemm_seconds(16384, 4096, 4096) > fast.gemm_seconds(16384, 4096, 4096)
 
 
+def test_a_cpu_prices_forward_and_backward_overheads_apart_and_a_hand_off_per_transfer():
+    """On a calibrated CPU a forward instruction pays the forward overhead, a backward
+    or weight one the backward overhead, and a transfer the hand-off between the
+    runtime's stream threads, each on top of its arithmetic or its backend time."""
+    import dataclasses
+
+    plan = load_file(PLANS / "demo.plan").plan
+    device = dataclasses.replace(plan.topology.device, overhead=1e-3,
+                                 backward_overhead=3e-3, handoff=5e-4)
+    plan = dataclasses.replace(plan, topology=dataclasses.replace(plan.topology,
+                                                                  device=device))
+    build = compile_plan(plan)
+    costs = InstructionCosts(build.plan, build.groups)
+    program = next(p for p in build.programs.values() if p.stage == 0)
+    found = {i.node: i for block in program.blocks.values() for i in block}
+
+    def roofline(node: str) -> float:
+        operands = found[node].operands
+        return max(costs.cost.compute_seconds(operands.flops),
+                   2.0 * operands.output_bytes / device.bandwidth)
+
+    assert costs(found["F/L0/fc1"], 0) == roofline("F/L0/fc1") + 1e-3
+    assert costs(found["B/L0/fc1"], 0) == roofline("B/L0/fc1") + 3e-3
+    assert costs(found["W/L0/fc1"], 0) == roofline("W/L0/fc1") + 3e-3
+    transfer = next(i for i in found.values()
+                    if i.op == "all_reduce" and i.operands.group == "tp")
+    operands = transfer.operands
+    placements = build.groups.placements(operands.group, 0)
+    backend = max(costs.cost.route_time(operands.route, transfer.op, operands.bytes, p)
+                  for p in placements)
+    assert costs(transfer, 0) == backend + 5e-4
+    # a topology calibrated before the backward was measured apart: one overhead for all
+    old = dataclasses.replace(device, backward_overhead=None)
+    build = compile_plan(dataclasses.replace(plan, topology=dataclasses.replace(
+        plan.topology, device=old)))
+    old_costs = InstructionCosts(build.plan, build.groups)
+    assert old_costs(found["B/L0/fc1"], 0) == roofline("B/L0/fc1") + 1e-3
+
+
 def _simulated(name: str, overrides=()) -> float:
     loaded = load_file(PLANS / f"korthikanti-{name}.plan", overrides)
     assert loaded.ok, [d.message for d in loaded.diagnostics]

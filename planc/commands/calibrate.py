@@ -86,8 +86,13 @@ def main(args) -> int:
         for tuning in tunings:
             print(f"  {tuning.kind}: {tuning.bandwidth / 1e9:.3g} GB/s bus bandwidth, "
                   f"{format_quantity(tuning.latency, TIME)} per call")
+    backward = preset.overhead if preset.backward_overhead is None else \
+        preset.backward_overhead
     print(f"compute: {preset.flops['fp32'] / 1e9:.3g} GFLOP/s per rank, "
-          f"{format_quantity(preset.overhead, TIME)} per instruction beyond its arithmetic\n"
+          f"{format_quantity(preset.overhead, TIME)} per forward instruction and "
+          f"{format_quantity(backward, TIME)} per backward one beyond its arithmetic\n"
+          f"hand-off: {format_quantity(preset.handoff, TIME)} per transfer between the "
+          f"runtime's stream threads\n"
           f"overlap: {preset.overlap:.2f} of an all_reduce hidden behind a matrix multiply\n"
           f"written to {output}; use it with topology {{ preset = \"{output}\" }}")
     return EXIT_OK

@@ -33,13 +33,16 @@ class Preset:
     overlap: float = 1.0  # fraction of a collective hidden behind compute (Device.overlap)
     overhead: float = 0.0  # seconds per compute instruction (Device.overhead; calibrated)
     intra_sweep: tuple[tuple[float, float], ...] = ()  # Link.sweep
+    backward_overhead: float | None = None  # Device.backward_overhead (calibrated)
+    handoff: float = 0.0  # seconds per transfer (Device.handoff; calibrated)
 
     def topology(self, nodes: int, dtype: str = "fp32") -> Topology:
         """The preset's machine with ``nodes`` nodes, every figure as measured."""
         per_node = self.devices_per_node or 1
         return Topology(nodes, per_node, Device(self.flops[dtype], self.memory,
                                                 self.efficiency, self.memory_bandwidth,
-                                                self.overlap, self.overhead),
+                                                self.overlap, self.overhead,
+                                                self.backward_overhead, self.handoff),
                         Link(self.intra_bandwidth, self.intra_latency, self.intra_collectives,
                              self.intra_sweep),
                         Link(self.inter_bandwidth, self.inter_latency, self.inter_collectives),
@@ -145,7 +148,9 @@ CALIBRATED_FORMAT, CALIBRATED_VERSION = "planc-topology", 1
 
 def calibrated_document(name: str, devices_per_node: int, flops: float, intra: dict,
                         inter: dict, measured: dict, memory_bandwidth: float,
-                        overlap: float, overhead: float = 0.0) -> dict:
+                        overlap: float, overhead: float = 0.0,
+                        backward_overhead: float | None = None, handoff: float = 0.0
+                        ) -> dict:
     """The JSON of a measured machine. A link is ``{"bandwidth": B/s, "latency": s,
     "collectives": {kind: {"bandwidth": bus B/s, "latency": s per call}}}``: the
     point-to-point figures, and what the backend achieves for each collective (``tree``:
@@ -154,7 +159,10 @@ def calibrated_document(name: str, devices_per_node: int, flops: float, intra: d
             "devices_per_node": devices_per_node,
             "device": {"flops": flops, "memory": None, "efficiency": 1.0,
                        "bandwidth": memory_bandwidth, "overlap": overlap,
-                       "overhead": overhead},
+                       "overhead": overhead,
+                       **({} if backward_overhead is None else
+                          {"backward_overhead": backward_overhead}),
+                       "handoff": handoff},
             "intra": intra, "inter": inter, "measured": measured}
 
 
@@ -214,8 +222,14 @@ def calibrated_preset(data, name: str) -> Preset:
         raise ValueError("device.overlap must be at most 1")
     # Topologies calibrated before the overhead was measured: none.
     overhead = _number(device.get("overhead", 0.0), "device.overhead", False)
+    # Before the backward's own overhead was measured, "overhead" was the mean of the
+    # two, for every instruction; before the hand-off was measured: none.
+    backward_overhead = device.get("backward_overhead")
+    if backward_overhead is not None:
+        backward_overhead = _number(backward_overhead, "device.backward_overhead", False)
+    handoff = _number(device.get("handoff", 0.0), "device.handoff", False)
     intra, inter = _link(data, "intra"), _link(data, "inter")
     return Preset(name, str(data.get("name", name)), per_node,
                   {"bf16": flops, "fp16": flops, "fp32": flops}, memory, efficiency,
                   intra[0], intra[1], inter[0], inter[1], intra[2], inter[2], bandwidth,
-                  overlap, overhead)
+                  overlap, overhead, backward_overhead=backward_overhead, handoff=handoff)

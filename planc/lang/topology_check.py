@@ -79,7 +79,8 @@ class TopologyReader(BlockReader):
                         pick("device.memory", preset.memory),
                         pick("device.efficiency", preset.efficiency),
                         pick("device.bandwidth", preset.memory_bandwidth),
-                        pick("device.overlap", preset.overlap), preset.overhead)
+                        pick("device.overlap", preset.overlap), preset.overhead,
+                        preset.backward_overhead, preset.handoff)
         # A link given in the plan replaces the preset's, measured collectives and all.
         intra = Link(pick("intra.bandwidth", preset.intra_bandwidth),
                      pick("intra.latency", preset.intra_latency),

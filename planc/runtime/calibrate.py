@@ -16,7 +16,11 @@ training step puts on it):
   tree routes use;
 - all_reduce, reduce_scatter and all_gather on the level's groups (a node's ranks; the
   ranks with the same place on every node): the bus bandwidth each achieves and its
-  latency per call beyond the steps' latencies, as in NCCL's tuning model (planc.cost).
+  latency per call beyond the steps' latencies, as in NCCL's tuning model (planc.cost);
+- the same collectives of 4 KB, and planc's tree, on the level's first pair while every
+  other rank computes, as in a training step (:func:`while_others_compute`): the
+  latency a message pays in a step (the pair's all_gather, one ring step), which the
+  link's ``latency`` holds, and what each collective's call costs beyond its steps.
 
 The compute rate is that of an fp32 matrix multiply with every rank multiplying at once,
 the memory bandwidth that of a 64 MB copy. The overlap is the share of an all_reduce that
@@ -36,6 +40,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -46,6 +51,7 @@ from planc.files import write_atomically
 from planc.lang.presets import calibrated_document
 from planc.runtime.rendezvous import joined_store
 from planc.runtime.collectives import all_gather_single, reduce_scatter_single
+from planc.cost import steps, tree_depth
 
 SIZES = (4 << 10, 4 << 20, 16 << 20)  # bytes: latency, then two for the slope
 # --quick: a small model's messages (a tiny plan's activations and gradients are tens
@@ -175,7 +181,6 @@ def measure_collectives(level: str, groups: dict, repeats: int, latency: float
 def measure_tree(level_group: tuple, repeats: int) -> tuple[list, dict]:
     """A tree all-reduce (planc's recipe, run as planc runs it) on the level's groups:
     the latency and bandwidth of one hop, ``t = 2 depth (latency + fan bytes / bw)``."""
-    from planc.cost import tree_depth
     from planc.lower.routes import tree
     from planc.runtime.routes import Route, all_reduce
 
@@ -245,9 +250,12 @@ OVERHEAD_WINDOWS = 5
 OVERHEAD_SHAPE = (4, 8)
 
 
-def measure_overhead() -> dict:
-    """Seconds of a tiny compute instruction as the runtime runs it, forward and
-    backward: what the Python and the dispatcher cost, the arithmetic being nothing."""
+def tiny_operator() -> tuple:
+    """(forward, backward): the runtime's forward of a tiny operator (inputs and
+    parameter made autograd leaves, the parameter cast to the model's dtype, the operator
+    run with a graph: planc.runtime.kernels.Kernels.forward), returning its leaves and
+    output, and the backward of what it returned (``torch.autograd.grad`` of that one
+    step: Kernels.backward)."""
     x, w = torch.randn(*OVERHEAD_SHAPE), torch.randn(OVERHEAD_SHAPE[1], OVERHEAD_SHAPE[1])
     grad = torch.ones(OVERHEAD_SHAPE)
 
@@ -258,20 +266,150 @@ def measure_overhead() -> dict:
             out = leaf @ weight.to(torch.float32)
         return leaf, weight, out
 
-    def forward_calls():
-        for _ in range(OVERHEAD_CALLS):
-            forward()
+    def backward(leaf, weight, out):
+        torch.autograd.grad(out, [leaf, weight], grad)
 
-    def step_calls():
-        for _ in range(OVERHEAD_CALLS):
-            leaf, weight, out = forward()
-            torch.autograd.grad(out, [leaf, weight], grad)
+    return forward, backward
 
-    forward_s = timed(forward_calls, 1 << 30, OVERHEAD_WINDOWS) / OVERHEAD_CALLS
-    both_s = timed(step_calls, 1 << 30, OVERHEAD_WINDOWS) / OVERHEAD_CALLS
-    backward_s = max(both_s - forward_s, 0.0)
-    return {"forward": forward_s, "backward": backward_s,
-            "instruction": (forward_s + backward_s) / 2}
+
+def measure_overhead() -> dict:
+    """Seconds of a tiny compute instruction as the runtime runs it, forward and
+    backward apart: what the Python and the dispatcher cost, the arithmetic being
+    nothing. Each window times OVERHEAD_CALLS forwards and their backwards one after the
+    other, so that both figures see the same load; every rank at once."""
+    forward, backward = tiny_operator()
+    spent = {"forward": [], "backward": []}
+
+    def window():
+        forward_s = backward_s = 0.0
+        for _ in range(OVERHEAD_CALLS):
+            start = time.perf_counter()
+            kept = forward()
+            middle = time.perf_counter()
+            backward(*kept)
+            forward_s += middle - start
+            backward_s += time.perf_counter() - middle
+        spent["forward"].append(forward_s / OVERHEAD_CALLS)
+        spent["backward"].append(backward_s / OVERHEAD_CALLS)
+
+    timed(window, 1 << 30, OVERHEAD_WINDOWS)
+    # timed's first window is its warm-up; each rank's median over the others, the
+    # slowest rank's
+    figures = torch.tensor([statistics.median(spent[k][1:]) for k in ("forward", "backward")],
+                           dtype=torch.float64)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    return {"forward": figures[0].item(), "backward": figures[1].item()}
+
+
+def while_others_compute(members: tuple[int, ...], measure) -> float:
+    """``measure()`` (seconds) on the ranks ``members`` while every other rank runs the
+    tiny operator's forward and backward back to back, as the ranks that are not waiting
+    in a training step compute; the slowest member's figure, on every rank. A rank that
+    waits for a message, or a thread that waits for another, is woken only when a core
+    is free: with more ranks than cores that costs several times what it does while the
+    other ranks wait too (on this 2-core machine, a 4 KB all_reduce on a pair of 8 ranks
+    took 1.1 to 1.8 ms with every pair at it at once, 4.3 to 4.5 ms with the other six
+    ranks computing), and in a step the other ranks compute."""
+    rank = dist.get_rank()
+    dist.barrier()
+    seconds = 0.0
+    if rank in members:
+        seconds = measure()
+        done = dist.barrier(async_op=True)
+    else:
+        done = dist.barrier(async_op=True)
+        forward, backward = tiny_operator()
+        while not done.is_completed():
+            backward(*forward())
+    done.wait()
+    slowest = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest.item())
+
+
+def pair_of(level: str, per_node: int) -> tuple[int, int]:
+    """The first pair of ranks of a level: two ranks of node 0, or rank 0 and its place
+    on node 1."""
+    return (0, 1) if level == "intra" else (0, per_node)
+
+
+LOADED_BATCHES = 5  # at least, for the figures measured while the other ranks compute
+
+
+def calls_under_load(level: str, per_node: int, repeats: int, pair_group) -> dict:
+    """{kind: seconds}: each collective of 4 KB on the level's first pair, and planc's
+    tree all_reduce, while every other rank computes (:func:`while_others_compute`):
+    BATCH calls back to back, the median of ``repeats`` batches (LOADED_BATCHES at
+    least). A pair's collective is what tiny plans' groups (tp, dp, cp of 2) run; a
+    pair's all_gather is one ring step, a message each way at once: the latency of a
+    message in a step, which pipeline transfers and every ring step pay."""
+    from planc.lower.routes import tree
+    from planc.runtime.routes import Route, all_reduce
+
+    part = torch.ones(SIZES[0] // 4 // 2)
+    whole = torch.ones(SIZES[0] // 4)
+    members = pair_of(level, per_node)
+    index = members.index(dist.get_rank()) if dist.get_rank() in members else 0
+    recipe = tree("all_reduce", (2,))
+    route = Route(recipe.positions[index], recipe.chunks, index, {}, {}, pair_group, members)
+    operations = {
+        "all_reduce": lambda: dist.all_reduce(whole, group=pair_group),
+        "reduce_scatter": lambda: reduce_scatter_single(part, whole, group=pair_group),
+        "all_gather": lambda: all_gather_single(whole, part, group=pair_group),
+        "tree": lambda: all_reduce(route, whole),
+    }
+    calls = {}
+    for kind, operation in operations.items():
+        def batches(operation=operation) -> float:
+            times = []
+            for _ in range(max(repeats, LOADED_BATCHES) + 1):
+                start = time.perf_counter()
+                for _ in range(BATCH):
+                    operation()
+                times.append((time.perf_counter() - start) / BATCH)
+            return statistics.median(times[1:])
+        calls[kind] = while_others_compute(members, batches)
+    return calls
+
+
+def measure_handoff() -> float:
+    """Seconds of a hand-off round trip between two threads of a rank, as the CPU
+    executor makes one for every transfer the compute stream waits for
+    (planc.runtime.executor: the compute stream's thread sets an event, the transfer's
+    thread wakes from ``Event.wait``, does its work and sets another, the compute
+    thread wakes), on rank 0 while the others compute (:func:`while_others_compute`):
+    the median of OVERHEAD_WINDOWS windows of OVERHEAD_CALLS round trips. The work in
+    between is nothing: the transfer's own time is the backend's, measured above."""
+    go, back, stop = threading.Event(), threading.Event(), threading.Event()
+
+    def other_stream():
+        while True:
+            while not go.wait(0.05):
+                if stop.is_set():
+                    return
+            go.clear()
+            back.set()
+
+    thread = threading.Thread(target=other_stream, daemon=True)
+    thread.start()
+
+    def windows() -> float:
+        times = []
+        for _ in range(OVERHEAD_WINDOWS + 1):
+            start = time.perf_counter()
+            for _ in range(OVERHEAD_CALLS):
+                go.set()
+                while not back.wait(0.05):
+                    pass
+                back.clear()
+            times.append((time.perf_counter() - start) / OVERHEAD_CALLS)
+        return statistics.median(times[1:])
+
+    try:
+        return while_others_compute((0,), windows)
+    finally:
+        stop.set()
+        thread.join()
 
 
 def calibrate(per_node: int, repeats: int) -> dict:
@@ -279,6 +417,9 @@ def calibrate(per_node: int, repeats: int) -> dict:
     world = dist.get_world_size()
     nodes = world // per_node
     groups = subgroups(world, per_node)
+    # every rank creates every group, in one order
+    pairs = {level: dist.new_group(list(pair_of(level, per_node)))
+             for level, members in (("intra", per_node), ("inter", nodes)) if members > 1}
     links, measured = {}, {"backend": dist.get_backend(), "world": world, "nodes": nodes,
                            "repeats": repeats, "sizes": list(SIZES), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     for level, members in (("intra", per_node), ("inter", nodes)):
@@ -287,8 +428,18 @@ def calibrate(per_node: int, repeats: int) -> dict:
         p2p_points, (bandwidth, latency) = measure_point_to_point(level, per_node, nodes,
                                                                   repeats)
         points, tuned = measure_collectives(level, groups, repeats, latency)
-        links[level] = {"bandwidth": bandwidth, "latency": latency, "collectives": tuned}
-        measured[level] = {"point_to_point": [list(p) for p in p2p_points], **points}
+        # A collective's fixed cost per call comes from the figures measured with every
+        # rank at it; a message's latency, a ring's step, from the one measured while the
+        # other ranks compute, as in a step.
+        calls = calls_under_load(level, per_node, repeats, pairs[level])
+        loaded = calls["all_gather"]  # one ring step on a pair
+        for kind in ("all_reduce", "reduce_scatter"):  # beyond their steps on a pair
+            tuned[kind]["latency"] = max(calls[kind] - steps(kind, 2) * loaded, 0.0)
+        tuned["tree"]["latency"] = calls["tree"] / (2 * tree_depth(2))  # per hop
+        tuned["all_gather"]["latency"] = 0.0
+        links[level] = {"bandwidth": bandwidth, "latency": loaded, "collectives": tuned}
+        measured[level] = {"point_to_point": [list(p) for p in p2p_points], **points,
+                           "latency_every_pair": latency, "calls_under_load": calls}
     if not links:
         raise SystemExit("planc calibrate: a world of one rank has no link to measure; "
                          "start at least 2 ranks")
@@ -300,10 +451,12 @@ def calibrate(per_node: int, repeats: int) -> dict:
     memory = measure_memory(repeats)
     measured["overlap"] = measure_overlap(repeats)
     measured["overhead"] = measure_overhead()
+    measured["handoff"] = measure_handoff()
     return calibrated_document(f"calibrated {dist.get_backend()}, {world} ranks on {nodes} "
                                f"node{'s' * (nodes > 1)}", per_node, flops, intra, inter,
                                measured, memory, measured["overlap"]["overlap"],
-                               measured["overhead"]["instruction"])
+                               measured["overhead"]["forward"],
+                               measured["overhead"]["backward"], measured["handoff"])
 
 
 def main(argv: list[str] | None = None) -> int:

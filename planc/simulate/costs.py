@@ -9,7 +9,7 @@ table alone (not graph.json): the one model the compiler optimises with (planc.c
   at the device's memory bandwidth (a roofline: matrix multiplies are bound by the
   first, layer norms, activations and residual adds by the second), plus the device's
   fixed ``overhead`` per instruction (a CPU's Python and dispatch for the runtime's
-  step, measured by ``planc calibrate``; 0 elsewhere). The traffic is
+  step, measured by ``planc calibrate``, a backward step's apart; 0 elsewhere). The traffic is
   ``output_bytes`` times what the kernel moves per byte of its output.
 - A collective with a ``route`` takes that route's time on its group (ring, tree or
   hierarchical, as NCCL's tuning model prices its algorithms, ``src/graph/tuning.cc``):
@@ -18,6 +18,10 @@ table alone (not graph.json): the one model the compiler optimises with (planc.c
 - Any other transfer (pipeline sends and receives, all_to_all) takes the ring time of
   planc.cost on a group of its reference's size, inside or across nodes as rank 0's
   group of that reference lies.
+- Every transfer also pays the device's ``handoff``: on a CPU the runtime runs each
+  program stream in a thread of its own, and a transfer the compute stream waits for
+  costs a wake-up of the transfer's thread and one of the compute thread (the round
+  trip ``planc calibrate`` measures); 0 elsewhere.
 - Ring attention (a compute instruction with ``ring_steps`` over the cp group) runs its
   steps as the runtime does: each step's partial attention (1/steps of its compute)
   overlapped with the shift travelling meanwhile, one hop of ``bytes`` (its send and its
@@ -51,6 +55,9 @@ from planc.kernel_cost import MIXTURE, KernelModel, Mixture
 TRAFFIC = {"attn_residual": 3.0, "mlp_residual": 3.0}
 OPTIMIZER_TRAFFIC = {"adamw": 7.0, "sgd": 5.0}
 DEFAULT_TRAFFIC = 2.0
+# The steps that ask autograd for gradients: a whole backward, or either half of a split
+# one (planc.runtime.kernels.Kernels.backward); they pay the device's backward_overhead.
+BACKWARD_STEPS = ("backward", "weight")
 OPTIMIZER_KERNEL = "optimizer"
 
 
@@ -114,7 +121,11 @@ class InstructionCosts:
     def __init__(self, plan: Plan, groups: GroupTable, gpu=None):
         self.cost = CostModel(plan.topology)
         self.bandwidth = plan.topology.device.bandwidth
-        self.overhead = plan.topology.device.overhead
+        device = plan.topology.device
+        self.overhead = device.overhead
+        self.backward_overhead = device.overhead if device.backward_overhead is None else \
+            device.backward_overhead
+        self.handoff = device.handoff
         self.optimizer_traffic = OPTIMIZER_TRAFFIC.get(plan.train.optimizer.name,
                                                        OPTIMIZER_TRAFFIC["adamw"])
         # None: the one-efficiency roofline
@@ -153,7 +164,8 @@ class InstructionCosts:
                     flops = self.mixture.busiest_flops(flops)
                 seconds = max(self.cost.compute_seconds(flops),
                               traffic * operands.output_bytes / self.bandwidth) + \
-                    self.overhead
+                    (self.backward_overhead if operands.step in BACKWARD_STEPS else
+                     self.overhead)
             if operands.ring_steps:
                 shift = self.cost.transfer_seconds(Kind.RECV.value, operands.bytes,
                                                    self._size(operands.group),
@@ -189,6 +201,7 @@ class InstructionCosts:
         else:
             seconds = self.cost.transfer_seconds(kind, operands.bytes, self._size(ref),
                                                  self._crosses(ref))
+        seconds += self.handoff
         self.transfers[key] = seconds
         return seconds
 
