@@ -144,6 +144,9 @@ def measure(name: str, steps: int, scratch: Path) -> dict:
             "mfu": statistics.median(r["mfu"] for r in kept), "predicted_mfu": result.mfu,
             "flops": machine_data["device"]["flops"],
             "overhead": machine_data["device"]["overhead"],
+            "backward_overhead": machine_data["device"].get("backward_overhead",
+                                                            machine_data["device"]["overhead"]),
+            "handoff": machine_data["device"].get("handoff", 0.0),
             "load": (load_before, os.getloadavg()), "wall_s": wall}
 
 
@@ -249,8 +252,9 @@ def main() -> int:
             print(f"{name}: measured {row['measured_s'] * 1e3:.0f} ms, predicted "
                   f"{row['predicted_s'] * 1e3:.0f} ms; {row['measured_mib']:.0f} MiB peak RSS,"
                   f" {row['predicted_bytes'] / MIB:.2f} MiB predicted; calibrated "
-                  f"{row['flops'] / 1e9:.3g} GFLOP/s and {row['overhead'] * 1e6:.0f} us per "
-                  f"instruction; load {row['load'][0][0]:.1f} -> {row['load'][1][0]:.1f}; "
+                  f"{row['flops'] / 1e9:.3g} GFLOP/s, {row['overhead'] * 1e6:.0f} and "
+                  f"{row['backward_overhead'] * 1e6:.0f} us per forward and backward "
+                  f"instruction, {row['handoff'] * 1e6:.0f} us per hand-off; load {row['load'][0][0]:.1f} -> {row['load'][1][0]:.1f}; "
                   f"{row['wall_s']:.0f} s", file=sys.stderr, flush=True)
     text = table(rows, baseline, args.steps)
     print(text)
