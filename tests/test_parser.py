@@ -218,6 +218,12 @@ def test_grad_accumulation_says_how_microbatch_gradients_add_up():
     loaded = load_text(f"plan t {{ {MODEL}\n optimize {{ grad_accumulation = fusd }} }}")
     (error,) = loaded.diagnostics
     assert error.hints == ("did you mean 'fused'?",)
+    # planc check -v names it where it is not the default
+    from planc.views.plan_text import settings
+
+    assert "grad_accumulation" not in settings(plan_with())
+    assert ", grad_accumulation autograd\n" in settings(
+        plan_with("optimize { grad_accumulation = autograd }"))
 
 
 def test_hyphenated_word_is_read_as_one_enum_word():
