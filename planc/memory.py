@@ -92,6 +92,31 @@ def _local_elements(plan: Plan, params) -> int:
     """Elements of ``params`` on one tp rank, as the placements of the model's family
     store them (Megatron-LM: a column-parallel weight and bias and a row-parallel weight
     are split; a row-parallel bias, norms and shared k/v heads are whole)."""
+    split, tp = _split_over_tp(plan), plan.mesh.tp
+    count = 0
+    for param in params:
+        if param.split_over_experts(plan.mesh.ep):
+            continue  # counted by _expert_elements
+        count += param.numel // (tp if _local_name(param) in split else 1)
+    return count
+
+
+def local_parameter_elements(plan: Plan) -> dict[str, int]:
+    """Every parameter's global name -> its elements on one device (split over tp as
+    :func:`_local_elements` counts, a routed expert's over ep)."""
+    split, tp, ep = _split_over_tp(plan), plan.mesh.tp, plan.mesh.ep
+    return {param.name: param.numel // (ep if param.split_over_experts(ep) else
+                                        tp if _local_name(param) in split else 1)
+            for param in family_of(plan).all_parameters(plan.model)}
+
+
+def _local_name(param) -> str:
+    """A block's parameter without its layer prefix (the family's rules name it so)."""
+    return param.name.split(".", 2)[-1] if param.layer is not None else param.name
+
+
+def _split_over_tp(plan: Plan) -> set[str]:
+    """The parameters (block-local names) that tp splits."""
     family, tp, tensor = family_of(plan), plan.mesh.tp, plan.shard.tp
     split: set[str] = set()
     for rule in family.rules.values():
@@ -106,13 +131,7 @@ def _local_elements(plan: Plan, params) -> int:
             split.add(rule.bias)
     if tensor.embedding != "replicate":
         split.add("embedding.weight")
-    count = 0
-    for param in params:
-        if param.split_over_experts(plan.mesh.ep):
-            continue  # counted by _expert_elements
-        local = param.name.split(".", 2)[-1] if param.layer is not None else param.name
-        count += param.numel // (tp if local in split else 1)
-    return count
+    return split
 
 
 def stage_expert_parameters(plan: Plan, stage: int) -> int:

@@ -279,6 +279,18 @@ class Optimize:
     # the receiving stage (Narayanan et al. SC'21, 4.1); it acts where tp > 1, pp > 1 and
     # the activation is not already split over tp (sequence parallelism).
     pp_scatter_gather: bool = True
+    # How the weight gradients of the microbatches of a step add up, for the simulator's
+    # price (planc.simulate.costs.accumulation_seconds; the runtime always adds them
+    # separately): GRAD_ACCUMULATIONS.
+    grad_accumulation: str = field(default="fused", metadata={"omitted_when_default": True})
+
+
+# optimize { grad_accumulation }: "fused", the weight-gradient GEMM adds into the
+# gradient buffer (Megatron-LM's gradient_accumulation_fusion, from February 2022);
+# "buffer", a kernel adds each microbatch's gradient into a buffer zeroed each step
+# (Megatron-LM's main_grad hook, DeepSpeed's BF16_Optimizer); "autograd", autograd adds
+# into param.grad from the second microbatch on (the first's gradient becomes it).
+GRAD_ACCUMULATIONS = ("fused", "buffer", "autograd")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from planc.diagnostics import Span
 from planc.lr_schedule import SCHEDULE_ARGUMENTS, problems
 from planc.mesh import is_axis_order
-from planc.plan import DTYPE_BYTES, LIMITS, PLAN_FORMAT_VERSION, Plan, Sources
+from planc.plan import DTYPE_BYTES, GRAD_ACCUMULATIONS, LIMITS, PLAN_FORMAT_VERSION, Plan, Sources
 
 
 def plan_from_dict(data: Mapping[str, Any]) -> Plan:
@@ -184,6 +184,10 @@ def _check_values(value: Any, where: str = "plan") -> None:
                              f"{family.name}")
     if plan.train.optimizer.name not in ("sgd", "adamw"):
         raise ValueError(f"plan.train.optimizer.name is {plan.train.optimizer.name!r}")
+    if plan.optimize.grad_accumulation not in GRAD_ACCUMULATIONS:
+        raise ValueError(f"plan.optimize.grad_accumulation is "
+                         f"{plan.optimize.grad_accumulation!r}, not one of "
+                         f"{', '.join(GRAD_ACCUMULATIONS)}")
     _check_lr_schedule(plan.train)
     if plan.train.init_form not in ((None,) if plan.train.init is None else ("saved", "memory")):
         raise ValueError(f"plan.train.init_form is {plan.train.init_form!r}")

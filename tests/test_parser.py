@@ -208,6 +208,24 @@ def test_enum_words_are_case_sensitive():
     assert error.hints == ("did you mean '1f1b'?",)
 
 
+def test_grad_accumulation_says_how_microbatch_gradients_add_up():
+    assert plan_with().optimize.grad_accumulation == "fused"
+    for how in ("fused", "buffer", "autograd"):
+        assert plan_with(f"optimize {{ grad_accumulation = {how} }}").optimize.grad_accumulation == how
+    loaded = load_text(f"plan t {{ {MODEL}\n optimize {{ grad_accumulation = separate }} }}")
+    (error,) = loaded.diagnostics
+    assert error.message == "unknown value 'separate'; expected fused, buffer or autograd"
+    loaded = load_text(f"plan t {{ {MODEL}\n optimize {{ grad_accumulation = fusd }} }}")
+    (error,) = loaded.diagnostics
+    assert error.hints == ("did you mean 'fused'?",)
+    # planc check -v names it where it is not the default
+    from planc.views.plan_text import settings
+
+    assert "grad_accumulation" not in settings(plan_with())
+    assert ", grad_accumulation autograd\n" in settings(
+        plan_with("optimize { grad_accumulation = autograd }"))
+
+
 def test_hyphenated_word_is_read_as_one_enum_word():
     # The grammar sees a subtraction; where a word is expected, words joined by '-'
     # with no space are one word.

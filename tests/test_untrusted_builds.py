@@ -165,7 +165,10 @@ def _tamper_plan(build: Path, change) -> Path:
      "plan.train.optimizer.lr is nan, not a positive finite number"),
     (lambda d: d["schedule"].update(microbatches=10**9),
      "plan's microbatches (1000000000) is more than planc's limit of 65536"),
-], ids=["dtype-fp64", "bandwidth-0", "lr-negative", "lr-nan", "microbatches-1e9"])
+    (lambda d: d["optimize"].update(grad_accumulation="separate"),
+     "plan.optimize.grad_accumulation is 'separate', not one of fused, buffer, autograd"),
+], ids=["dtype-fp64", "bandwidth-0", "lr-negative", "lr-nan", "microbatches-1e9",
+        "grad-accumulation"])
 def test_a_resigned_plan_json_is_checked_again(build, capsys, change, reason):
     path = _tamper_plan(build, change)
     assert _refused(capsys, "verify", build) == (

@@ -43,10 +43,19 @@ def test_the_layouts_are_the_sources():
     assert sizes == [5] + [6] * 10 + [5]
     assert bloom.topology.inter.bandwidth == 6.25e9  # 4 x 100 Gb/s Omni-Path per 8 GPUs
     assert bloom.train.grad_clip == 1.0  # tr11-176B-ml.slurm: --clip-grad 1.0
+    # BF16_Optimizer adds every microbatch's gradient into its fp32 buffer
+    assert (bloom.optimize.grad_accumulation, bloom.shard.dp.fp32_grads) == ("buffer", True)
     for nodes, dp in ((280, 8), (350, 10), (420, 12)):
         mtnlg = load_file(PLANS / "mtnlg" / f"mtnlg-530b-{nodes}.plan").plan
         assert (mtnlg.mesh.tp, mtnlg.mesh.pp, mtnlg.mesh.dp) == (8, 35, dp)
         assert mtnlg.world == 8 * nodes and mtnlg.model.batch == 1920
+        assert mtnlg.optimize.grad_accumulation == "autograd"  # 2021: no fusion yet
+    # Megatron-LM of 2022 with fp16: no fusion, the main_grad hook; Megatron-Core r0.8 fuses
+    for name in ("22b", "175b", "530b", "1t"):
+        plan = load_file(PLANS / f"korthikanti-{name}.plan").plan
+        assert plan.optimize.grad_accumulation == "buffer", name
+    for path in PLANS.glob("megatron-h100-*.plan"):
+        assert load_file(path).plan.optimize.grad_accumulation == "fused", path.name
     titan = load_file(PLANS / "torchtitan" / "torchtitan-70b-tp8.plan").plan
     assert (titan.mesh.tp, titan.mesh.dp, titan.model.batch, titan.model.seq) == \
         (8, 32, 512, 8192)
@@ -82,6 +91,8 @@ def test_narayanan_plans_are_the_run_scripts():
         assert plan.train.grad_clip == 1.0, name
         assert plan.optimize.overlap == (name in ("1_7b", "3_6b", "7_5b", "18b")), name
         assert not (plan.optimize.overlap and plan.optimize.weight_grad_overlap), name
+        # 6985e58 had no gradient-accumulation fusion: autograd adds into param.grad
+        assert plan.optimize.grad_accumulation == "autograd", name
 
 
 @pytest.mark.parametrize("plan", ["torchtitan/torchtitan-8b-fsdp8.plan",

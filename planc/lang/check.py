@@ -350,7 +350,7 @@ class _Checker(TopologyReader):
 
     def _optimize(self) -> Optimize | None:
         keys = ("fuse", "bucket", "route", "overlap", "weight_grad_overlap", "recompute",
-                "tp_overlap", "pp_scatter_gather")
+                "tp_overlap", "pp_scatter_gather", "grad_accumulation")
         if not self.ready(*(f"optimize.{k}" for k in keys)):
             return None
         return Optimize(**{k: self.value(f"optimize.{k}") for k in keys})

@@ -27,6 +27,7 @@ from planc.lr_schedule import LrSchedule
 from planc.models import DEFAULT_FAMILY, FAMILIES
 from planc.models.family import Family
 from planc.mesh import AXES
+from planc.plan import GRAD_ACCUMULATIONS
 from planc import schedules
 
 __all__ = [  # the names other modules read here (the kinds live in planc.lang.kinds)
@@ -133,6 +134,7 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
         "tp_overlap": Key(OnOffOrCount(), True),
         "recompute": Key(Choice(("none", "selective", "full")), "none"),
         "pp_scatter_gather": Key(Boolean(), True),
+        "grad_accumulation": Key(Choice(GRAD_ACCUMULATIONS), "fused"),
     }),
     "train": BlockSchema("train", keys={
         "steps": Key(Integer(1), 1),

@@ -41,12 +41,15 @@ table alone (not graph.json): the one model the compiler optimises with (planc.c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from planc.cost import CostModel, Placement
 from planc.graph.ir import Kind
 from planc.lower.groups import PIPELINE, GroupTable
 from planc.lower.operands import FORWARD_STEPS, Operands
 from planc.lower.program import Instruction
-from planc.plan import Plan
+from planc.memory import local_parameter_elements
+from planc.plan import DTYPE_BYTES, Plan
 from planc.kernel_cost import MIXTURE, KernelModel, Mixture
 
 # Bytes an operator moves per byte of its output: read the input and write the output;
@@ -59,6 +62,42 @@ DEFAULT_TRAFFIC = 2.0
 # one (planc.runtime.kernels.Kernels.backward); they pay the device's backward_overhead.
 BACKWARD_STEPS = ("backward", "weight")
 OPTIMIZER_KERNEL = "optimizer"
+FP32_BYTES = 4
+# The steps that compute a weight gradient (a split backward's B step does not).
+WEIGHT_GRADIENT_STEPS = ("backward", "weight")
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """optimize { grad_accumulation } other than fused: after each microbatch's weight
+    gradient, a memory-bound kernel per parameter tensor adds it into the step's
+    gradient. In the gradient's dtype it reads both and writes the sum (``add_``: 3
+    elements' bytes, one kernel; Megatron-LM's ``param.main_grad.add_(param.grad)``, or
+    autograd's accumulation into ``param.grad``). Into an fp32 buffer beside 16-bit
+    gradients (shard { dp { fp32_grads } }: DeepSpeed's BF16_Optimizer,
+    ``update_hp_grads``: ``hp_grad.add_(lp.grad.to(fp32))``) a cast reads the 16-bit
+    gradient and writes an fp32 copy, then the add reads two fp32 tensors and writes one:
+    2 + 4 + 3 x 4 = 18 bytes a parameter, two kernels. ``autograd`` adds from the second
+    microbatch on (the first microbatch's gradient becomes ``param.grad``), so each
+    microbatch carries (m - 1) / m of one addition."""
+
+    bytes_per_parameter: float
+    kernels: int
+    share: float  # additions per microbatch, on average over the step's
+
+    @staticmethod
+    def of(plan: Plan) -> "Accumulation | None":
+        how = plan.optimize.grad_accumulation
+        if how == "fused":
+            return None
+        gradient = DTYPE_BYTES[plan.model.dtype]
+        if plan.shard.dp.fp32_grads and gradient != FP32_BYTES:
+            moved, kernels = gradient + FP32_BYTES + 3 * FP32_BYTES, 2
+        else:
+            moved, kernels = 3 * gradient, 1
+        microbatches = plan.schedule.microbatches
+        share = (microbatches - 1) / microbatches if how == "autograd" else 1.0
+        return Accumulation(moved, kernels, share)
 
 
 def group_of(operands: Operands) -> str:
@@ -131,6 +170,9 @@ class InstructionCosts:
         # None: the one-efficiency roofline
         self.kernels = KernelModel(plan, gpu) if gpu is not None else KernelModel.of(plan)
         self.mixture = Mixture.of(plan)  # None: no mixture of experts
+        self.accumulation = Accumulation.of(plan)  # None: fused into the GEMM
+        self.parameter_elements = local_parameter_elements(plan) \
+            if self.accumulation is not None else {}
         self.groups = groups
         self.seconds: dict[str, float] = {}  # by node
         self.exchanges: dict[str, float] = {}  # a mixture's all-to-alls, by node
@@ -166,6 +208,12 @@ class InstructionCosts:
                               traffic * operands.output_bytes / self.bandwidth) + \
                     (self.backward_overhead if operands.step in BACKWARD_STEPS else
                      self.overhead)
+            if self.accumulation is not None and operands.params and \
+                    operands.step in WEIGHT_GRADIENT_STEPS and \
+                    (operands.step == "weight" or operands.weight_step is None):
+                # a linear cut into pieces over its tokens (tp_overlap) adds once
+                pieces = operands.tokens[1] if operands.tokens is not None else 1
+                seconds += self.accumulation_seconds(operands.params) / pieces
             if operands.ring_steps:
                 shift = self.cost.transfer_seconds(Kind.RECV.value, operands.bytes,
                                                    self._size(operands.group),
@@ -204,6 +252,19 @@ class InstructionCosts:
         seconds += self.handoff
         self.transfers[key] = seconds
         return seconds
+
+    def accumulation_seconds(self, params: tuple[str, ...]) -> float:
+        """What adding one microbatch's gradients of ``params`` into the step's costs
+        (:class:`Accumulation`): their bytes at the memory bandwidth and a launch per
+        kernel, on average per microbatch."""
+        accumulation = self.accumulation
+        elements = sum(self.parameter_elements[name] for name in params)
+        if self.kernels is not None:
+            bandwidth, launch = self.kernels.bandwidth, self.kernels.gpu.launch
+        else:
+            bandwidth, launch = self.bandwidth, self.overhead
+        return accumulation.share * (elements * accumulation.bytes_per_parameter / bandwidth
+                                     + len(params) * accumulation.kernels * launch)
 
     def expert_all_to_all(self, ref: str, nbytes: float, stage: int) -> float:
         """One all-to-all of a mixture over the ep groups of ``ref`` on ``stage``: the

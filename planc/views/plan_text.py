@@ -82,7 +82,9 @@ def settings(plan: Plan) -> str:
                      f"{counted(plan.microbatch_size, 'sequence')} per data-parallel rank"),
         ("optimize", f"fuse {_onoff(opt.fuse)} (bucket {format_bytes(opt.bucket)}), route "
                      f"{opt.route}, overlap {_onoff(opt.overlap)}, recompute {opt.recompute}, "
-                     f"pp_scatter_gather {_onoff(opt.pp_scatter_gather)}"),
+                     f"pp_scatter_gather {_onoff(opt.pp_scatter_gather)}"
+                     + (f", grad_accumulation {opt.grad_accumulation}"
+                        if opt.grad_accumulation != "fused" else "")),
         ("train", f"{counted(tr.steps, 'step')}, {optimizer}, seed {tr.seed}, "
                   f"data {tr.data}{f', init {tr.init}' if tr.init else ''}"),
     ]
