@@ -49,9 +49,10 @@ from planc.compile import compile_plan  # noqa: E402
 from planc.kernel_cost import GPUS, GPU  # noqa: E402
 from planc.lang import load_file  # noqa: E402
 from planc.simulate import model_flops, simulate  # noqa: E402
-from tests.test_simulate import (KORTHIKANTI_TABLE_5, MEGATRON_H100,  # noqa: E402
-                                 NARAYANAN_TABLE_1, SEQUENCE_SELECTIVE,
-                                 narayanan_step_flops)
+from bench.published_runs import (BLOOM, KORTHIKANTI_TABLE_5, MEGATRON_H100,  # noqa: E402
+                                  MTNLG, NARAYANAN_TABLE_1, NVIDIA_SMI,
+                                  SEQUENCE_SELECTIVE, TORCHTITAN, TORCHTITAN_PEAK,
+                                  narayanan_step_flops)
 
 GB, GIB = 1e9, 2.0 ** 30
 
@@ -82,20 +83,6 @@ SIZES = {"1_7b": "1.7B", "3_6b": "3.6B", "7_5b": "7.5B", "7_1b": "7.1B", "16b": 
          "18b": "18B", "22b": "22B", "32b": "32B", "39b": "39B", "70b": "70B", "76b": "76B",
          "119b": "119B", "145b": "145B", "175b": "175B", "177b": "177B", "310b": "310B",
          "314b": "314B", "462b": "462B", "530b": "530B", "1t": "1T"}
-NVIDIA_SMI = "nvidia-smi on the first node (the allocator's cache and the CUDA context in)"
-# torchtitan 9dec370, train.py's log line: memory_stats' reserved_bytes.all.peak.
-TORCHTITAN_PEAK = "max reserved (the caching allocator's peak), the largest over the GPUs"
-# plans/bloom/: (step s, peak GB); sources in each plan's header.
-BLOOM = {"bloom-176b": (104.70, 59), "bloom-176b-tp8": (121.63, 40),
-         "bloom-176b-heads64": (102.03, 59), "bloom-176b-heads128": (105.89, 60),
-         "bloom-176b-mbs4": (102.27, 73), "bloom-181b-pp6": (111.71, 57),
-         "bloom-181b-tp2": (112.50, 63), "bloom-181b-pp24": (119.53, 44)}
-MTNLG = {"mtnlg-530b-280": 60.1, "mtnlg-530b-350": 50.2, "mtnlg-530b-420": 44.4}
-# plans/torchtitan/: (tokens/s per GPU, peak GiB or None).
-TORCHTITAN = {"torchtitan-8b-fsdp8": (5762, 82.4), "torchtitan-8b-fsdp128": (5605, 67.0),
-              "torchtitan-8b-tp8": (4378, None), "torchtitan-8b-async-tp8": (4809.4, None),
-              "torchtitan-70b-tp8": (597.3, None),
-              "torchtitan-70b-async-tp8": (652.4, None)}
 
 
 def runs() -> list[Run]:
