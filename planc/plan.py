@@ -246,6 +246,14 @@ class DataParallel:
     # An fp32 gradient-accumulation buffer of every parameter beside the 16-bit
     # gradients, never sharded (DeepSpeed's BF16_Optimizer); the memory estimate's only.
     fp32_grads: bool = field(default=False, metadata={"omitted_when_default": True})
+    # The dtype the gradients cross the data-parallel (and tied-embedding) reductions in:
+    # REDUCE_DTYPES; "model", the model's dtype, or "fp32" (DeepSpeed's BF16_Optimizer,
+    # Megatron-LM's accumulate_allreduce_grads_in_fp32). Sizes the derived collectives.
+    reduce_dtype: str = field(default="model", metadata={"omitted_when_default": True})
+
+
+# shard { dp { reduce_dtype } }: the gradients' dtype in their data-parallel reduction.
+REDUCE_DTYPES = ("model", "fp32")
 
 
 @dataclass(frozen=True)
@@ -398,6 +406,17 @@ class Plan:
         chunks = self.shard.pp.chunks
         return tuple(layer for c in self.chunks_of_stage(stage)
                      for layer in range(chunks[c][0], chunks[c][1] + 1))
+
+    @property
+    def reduce_dtype(self) -> str:
+        """The dtype of the gradients in their data-parallel and tied-embedding reductions
+        (``shard { dp { reduce_dtype } }``; "model" is the model's dtype)."""
+        dtype = self.shard.dp.reduce_dtype
+        return self.model.dtype if dtype == "model" else dtype
+
+    @property
+    def reduce_dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.reduce_dtype]
 
     @property
     def microbatch_size(self) -> int:

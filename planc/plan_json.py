@@ -16,7 +16,8 @@ from typing import Any, Mapping
 from planc.diagnostics import Span
 from planc.lr_schedule import SCHEDULE_ARGUMENTS, problems
 from planc.mesh import is_axis_order
-from planc.plan import DTYPE_BYTES, GRAD_ACCUMULATIONS, LIMITS, PLAN_FORMAT_VERSION, Plan, Sources
+from planc.plan import (DTYPE_BYTES, GRAD_ACCUMULATIONS, LIMITS, PLAN_FORMAT_VERSION,
+                        REDUCE_DTYPES, Plan, Sources)
 
 
 def plan_from_dict(data: Mapping[str, Any]) -> Plan:
@@ -188,6 +189,9 @@ def _check_values(value: Any, where: str = "plan") -> None:
         raise ValueError(f"plan.optimize.grad_accumulation is "
                          f"{plan.optimize.grad_accumulation!r}, not one of "
                          f"{', '.join(GRAD_ACCUMULATIONS)}")
+    if plan.shard.dp.reduce_dtype not in REDUCE_DTYPES:
+        raise ValueError(f"plan.shard.dp.reduce_dtype is {plan.shard.dp.reduce_dtype!r}, "
+                         f"not one of {', '.join(REDUCE_DTYPES)}")
     _check_lr_schedule(plan.train)
     if plan.train.init_form not in ((None,) if plan.train.init is None else ("saved", "memory")):
         raise ValueError(f"plan.train.init_form is {plan.train.init_form!r}")

@@ -21,7 +21,7 @@ B, S, H, HEADS, V, FFN = 4, 32, 64, 4, 256, 256  # microbatch size 4 with batch 
 
 def plan_text(*, layers=4, tp=1, cp=1, pp=1, dp=1, batch=16, microbatches=4, tp_block="",
               cp_block="", pp_block="", zero=0, pipeline="1f1b", dtype="fp32", tie="off",
-              recompute="none", seq=S, scatter_gather="on"):
+              recompute="none", seq=S, scatter_gather="on", dp_block=""):
     return f"""plan t {{
   model gpt {{ layers = {layers}; hidden = {H}; heads = {HEADS}; vocab = {V}; seq = {seq}
               batch = {batch}; dtype = {dtype}; tie_embeddings = {tie} }}
@@ -30,7 +30,7 @@ def plan_text(*, layers=4, tp=1, cp=1, pp=1, dp=1, batch=16, microbatches=4, tp_
     tp {{ {tp_block} }}
     cp {{ {cp_block} }}
     pp {{ {pp_block} }}
-    dp {{ zero = {zero} }}
+    dp {{ zero = {zero}; {dp_block} }}
   }}
   schedule {{ microbatches = {microbatches}; pipeline = {pipeline} }}
   optimize {{ recompute = {recompute}; pp_scatter_gather = {scatter_gather} }}
@@ -227,6 +227,42 @@ def test_zero3_moves_one_and_a_half_times_the_volume_of_zero0():
     assert _gradient_bytes(g3, 0, "all_gather", "forward") == params
     assert _gradient_bytes(g3, 0, "all_gather", "backward") == params
     assert _gradient_bytes(g3, 0, "reduce_scatter") == params
+
+
+@pytest.mark.parametrize("zero,kind", [(0, "all_reduce"), (1, "reduce_scatter")])
+def test_reduce_dtype_fp32_moves_four_bytes_a_parameter_in_the_dp_reduction(zero, kind):
+    # bf16 weights: 2 bytes a parameter, but DeepSpeed's BF16_Optimizer and Megatron-LM's
+    # accumulate_allreduce_grads_in_fp32 reduce the fp32 gradients, 4 bytes a parameter.
+    plan, g = compiled(dp=4, zero=zero, microbatches=2, dtype="bf16",
+                       dp_block="reduce_dtype = fp32")
+    reductions = transfers(g, axis="dp_cp", kind=kind)
+    assert {d["dtype"] for d in reductions} == {"fp32"}
+    assert _gradient_bytes(g, 0, kind) == stage_parameters(plan, 0) * 4
+    if zero:  # the updated bf16 weights are gathered in bf16
+        assert _gradient_bytes(g, 0, "all_gather", "optimizer") == stage_parameters(plan, 0) * 2
+    plain, g_model = compiled(dp=4, zero=zero, microbatches=2, dtype="bf16")
+    assert {d["dtype"] for d in transfers(g_model, axis="dp_cp", kind=kind)} == {"bf16"}
+    assert _gradient_bytes(g_model, 0, kind) == stage_parameters(plain, 0) * 2
+
+
+def test_reduce_dtype_fp32_survives_bucket_fusion_and_sizes_the_tied_all_reduce():
+    from planc.compile import compile_plan
+
+    def fused(dp_block):
+        loaded = load_text(plan_text(dp=2, pp=2, tie="on", dtype="bf16", dp_block=dp_block))
+        graph = compile_plan(loaded.plan).graph
+        return loaded.plan, [d for _, d in graph.nodes(data=True) if d["type"] == "transfer"
+                             and d["payload"] == "grad" and d["axis"] in ("dp_cp", "tied")]
+
+    plan, fp32 = fused("reduce_dtype = fp32")
+    for stage in range(2):
+        assert sum(d["bytes"] for d in fp32 if d["stage"] == stage and d["axis"] == "dp_cp") \
+            == stage_parameters(plan, stage) * 4
+    tied = [d for d in fp32 if d["axis"] == "tied"]
+    assert sorted(d["stage"] for d in tied) == [0, 1]
+    assert all(d["bytes"] == V * H * 4 and d["dtype"] == "fp32" for d in tied)
+    _, bf16 = fused("")
+    assert [d["bytes"] * 2 for d in bf16] == [d["bytes"] for d in fp32]
 
 
 def test_gradients_are_reduced_over_dp_and_cp_together():

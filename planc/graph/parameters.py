@@ -153,6 +153,8 @@ class ParameterRules:
         tied = buckets(self.graph)[bucket]["tied"]
         suffix = f"#s{stage}" if tied else ""
         nbytes = self._bucket_bytes(bucket)
+        # The dp and tied reductions move the gradient in the plan's reduce dtype.
+        reduced = buckets(self.graph)[bucket]["numel"] * self.plan.reduce_dtype_bytes
         last: list[str] = [self.graph.nodes[node]["backward"] for node, _ in site.uses]
         axis, replicas = self._replicated_over(param)
         # ZeRO-2/3 keep only a shard of the gradient, so they reduce every microbatch.
@@ -188,12 +190,13 @@ class ParameterRules:
                  elements=[0, buckets(self.graph)[bucket]["numel"]])
         if replicas > 1:
             kind = Kind.ALL_REDUCE if self.zero == 0 else Kind.REDUCE_SCATTER
-            step(kind, axis, nbytes, each_microbatch,
-                 reasons.data_parallel(self.plan, param.name, kind.value, axis))
+            step(kind, axis, reduced, each_microbatch,
+                 reasons.data_parallel(self.plan, param.name, kind.value, axis),
+                 dtype=self.plan.reduce_dtype)
         if tied:
             shard = self.replicas if sharded_grad else 1
-            step(Kind.ALL_REDUCE, Axis.TIED, nbytes / shard, False, reasons.tied(self.plan),
-                 collective=f"G/{param.name}:all_reduce@tied",
+            step(Kind.ALL_REDUCE, Axis.TIED, reduced / shard, False, reasons.tied(self.plan),
+                 dtype=self.plan.reduce_dtype, collective=f"G/{param.name}:all_reduce@tied",
                  peer_stage=self.plan.head_stage if stage == 0 else 0)
         return last
 

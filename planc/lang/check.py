@@ -110,16 +110,21 @@ class _Checker(TopologyReader):
         if model and fp32_grads and model.dtype == "fp32":
             self.report(warning("fp32_grads = on has no effect with dtype = fp32: the "
                                 "gradients are fp32 already", self.span("shard.dp.fp32_grads")))
+        reduce_dtype = self.value("shard.dp.reduce_dtype")
+        if model and reduce_dtype == "fp32" and model.dtype == "fp32":
+            self.report(warning("reduce_dtype = fp32 has no effect with dtype = fp32: the "
+                                "gradients are fp32 already", self.span("shard.dp.reduce_dtype")))
         optimize = self._optimize()
         if optimize is not None and mesh and model:
             optimize = self._tp_overlap(optimize, mesh, model)
         self._scatter_gather(mesh, tensor)
         train = self._train(model)
         parts = (model, mesh, topology, tensor, context, pipeline, schedule, optimize, train)
-        if any(part is None for part in parts) or zero is None:
+        if any(part is None for part in parts) or zero is None or reduce_dtype is None:
             return None
         return Plan(name=self.plan_name, model=model, mesh=mesh, topology=topology,
-                    shard=Shard(tensor, context, pipeline, DataParallel(zero, bool(fp32_grads))),
+                    shard=Shard(tensor, context, pipeline, DataParallel(zero, bool(fp32_grads),
+                                                                     reduce_dtype)),
                     schedule=schedule, optimize=optimize, train=train,
                     sources=Sources(self.path, dict(self.spans), self.overrides))
 

@@ -27,7 +27,7 @@ from planc.lr_schedule import LrSchedule
 from planc.models import DEFAULT_FAMILY, FAMILIES
 from planc.models.family import Family
 from planc.mesh import AXES
-from planc.plan import GRAD_ACCUMULATIONS
+from planc.plan import GRAD_ACCUMULATIONS, REDUCE_DTYPES
 from planc import schedules
 
 __all__ = [  # the names other modules read here (the kinds live in planc.lang.kinds)
@@ -119,7 +119,8 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
             "virtual": Key(Integer(1), 1),
         }),
         "dp": BlockSchema("dp", keys={"zero": Key(Integer(0, 3), 0),
-                                      "fp32_grads": Key(Boolean(), False)}),
+                                      "fp32_grads": Key(Boolean(), False),
+                                      "reduce_dtype": Key(Choice(REDUCE_DTYPES), "model")}),
     }),
     "schedule": BlockSchema("schedule", keys={
         "microbatches": Key(Integer(1), 1),

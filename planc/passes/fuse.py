@@ -228,8 +228,12 @@ def _merge(graph: nx.DiGraph, raw: list[str], bucket_id: str, bucket: dict,
                          bytes=elements * plan.model.dtype_bytes)
         else:
             kind, axis, payload, phase = key[:4]
-            size = bucket["tp_sum_numel"] * plan.model.dtype_bytes if axis == Axis.TP \
-                else nbytes
+            if axis == Axis.TP:
+                size = bucket["tp_sum_numel"] * plan.model.dtype_bytes
+            elif payload == Payload.GRAD:  # the dp or tied reduction, in the reduce dtype
+                size = bucket["numel"] * plan.reduce_dtype_bytes
+            else:
+                size = nbytes
             attrs.update(bytes=int(size), reason=reasons.bucket(plan, bucket_id, bucket,
                                                                 kind, axis, phase))
             if "elements" in attrs:  # the partial sums: the bucket's leading range

@@ -155,7 +155,7 @@ class Estimator:
                 "all_gather", kv * mesh.cp, mesh.cp, mesh.tp * mesh.cp > self.per_node)
         replicas = mesh.dp * mesh.cp
         if replicas > 1:
-            grads = stage_parameters * m.dtype_bytes
+            grads = stage_parameters * plan.reduce_dtype_bytes
             crosses = mesh.tp * mesh.cp * mesh.pp * mesh.dp > self.per_node
             reduce = cost.transfer_seconds("all_reduce", grads, replicas, crosses)
             each = compute / micro

@@ -76,7 +76,9 @@ def settings(plan: Plan) -> str:
         ("shard pp", f"stages [{stages}]{' (auto)' if shard.pp.auto else ''}, virtual "
                      f"{shard.pp.virtual}"),
         ("shard dp", f"zero {shard.dp.zero}"
-                     + (", fp32_grads on" if shard.dp.fp32_grads else "")),
+                     + (", fp32_grads on" if shard.dp.fp32_grads else "")
+                     + (f", reduce_dtype {shard.dp.reduce_dtype}"
+                        if shard.dp.reduce_dtype != "model" else "")),
         ("schedule", f"{plan.schedule.pipeline}, "
                      f"{counted(plan.schedule.microbatches, 'microbatch', 'microbatches')} of "
                      f"{counted(plan.microbatch_size, 'sequence')} per data-parallel rank"),
