@@ -226,6 +226,31 @@ def test_grad_accumulation_says_how_microbatch_gradients_add_up():
         plan_with("optimize { grad_accumulation = autograd }"))
 
 
+def test_reduce_dtype_says_the_dtype_of_the_data_parallel_gradient_reduction():
+    from planc.views.plan_text import settings
+
+    bf16 = MODEL.replace("batch = 16", "batch = 16; dtype = bf16")
+    plain = plan_with(model=bf16)
+    assert (plain.shard.dp.reduce_dtype, plain.reduce_dtype, plain.reduce_dtype_bytes) == \
+        ("model", "bf16", 2)
+    fp32 = plan_with("shard { dp { reduce_dtype = fp32 } }", model=bf16)
+    assert (fp32.shard.dp.reduce_dtype, fp32.reduce_dtype, fp32.reduce_dtype_bytes) == \
+        ("fp32", "fp32", 4)
+    loaded = load_text(f"plan t {{ {MODEL}\n shard {{ dp {{ reduce_dtype = bf16 }} }} }}")
+    (error,) = loaded.diagnostics
+    assert (error.severity, error.message) == ("error",
+                                               "unknown value 'bf16'; expected model or fp32")
+    assert loaded.plan is None
+    # fp32 weights have fp32 gradients: the key changes nothing, and says so
+    loaded = load_text(f"plan t {{ {MODEL.replace('batch = 16', 'batch = 16; dtype = fp32')}"
+                       f"\n shard {{ dp {{ reduce_dtype = fp32 }} }} }}")
+    assert [d.message for d in loaded.diagnostics] == [
+        "reduce_dtype = fp32 has no effect with dtype = fp32: the gradients are fp32 already"]
+    # planc check -v names it where it is not the default
+    assert "reduce_dtype" not in settings(plain)
+    assert "shard dp   zero 0, reduce_dtype fp32\n" in settings(fp32)
+
+
 def test_hyphenated_word_is_read_as_one_enum_word():
     # The grammar sees a subtraction; where a word is expected, words joined by '-'
     # with no space are one word.

@@ -167,8 +167,10 @@ def _tamper_plan(build: Path, change) -> Path:
      "plan's microbatches (1000000000) is more than planc's limit of 65536"),
     (lambda d: d["optimize"].update(grad_accumulation="separate"),
      "plan.optimize.grad_accumulation is 'separate', not one of fused, buffer, autograd"),
+    (lambda d: d["shard"]["dp"].update(reduce_dtype="fp8"),
+     "plan.shard.dp.reduce_dtype is 'fp8', not one of model, fp32"),
 ], ids=["dtype-fp64", "bandwidth-0", "lr-negative", "lr-nan", "microbatches-1e9",
-        "grad-accumulation"])
+        "grad-accumulation", "reduce-dtype"])
 def test_a_resigned_plan_json_is_checked_again(build, capsys, change, reason):
     path = _tamper_plan(build, change)
     assert _refused(capsys, "verify", build) == (

@@ -45,6 +45,8 @@ def test_the_layouts_are_the_sources():
     assert bloom.train.grad_clip == 1.0  # tr11-176B-ml.slurm: --clip-grad 1.0
     # BF16_Optimizer adds every microbatch's gradient into its fp32 buffer
     assert (bloom.optimize.grad_accumulation, bloom.shard.dp.fp32_grads) == ("buffer", True)
+    # ... and its pipeline engine all-reduces that fp32 buffer over dp (_bf16_reduce_grads)
+    assert bloom.shard.dp.reduce_dtype == "fp32" and bloom.reduce_dtype_bytes == 4
     for nodes, dp in ((280, 8), (350, 10), (420, 12)):
         mtnlg = load_file(PLANS / "mtnlg" / f"mtnlg-530b-{nodes}.plan").plan
         assert (mtnlg.mesh.tp, mtnlg.mesh.pp, mtnlg.mesh.dp) == (8, 35, dp)
@@ -181,3 +183,17 @@ def test_deepspeed_train_schedule_takes_1f1b_time():
     assert last == [("recv", "activation", 0, 2), ("forward", 0), ("backward", 0),
                     ("send", "grad", 0, 2), ("recv", "activation", 1, 2), ("forward", 1),
                     ("backward", 1), ("send", "grad", 1, 2)]
+
+
+def test_the_plans_reduce_gradients_in_the_dtype_their_sources_say():
+    # fp32: BF16_Optimizer (BLOOM from 02-28), Megatron-Core r0.8 with bf16, FSDP2's
+    # mixed_precision_reduce in torchtitan, Llama 3's "FP32 reduce-scatter"; the
+    # 02-25 BLOOM rows ran DeepSpeed's fp16 engine, which reduces the fp16 gradients.
+    fp32 = sorted(PLANS.glob("megatron-h100-*.plan")) + sorted(PLANS.glob("torchtitan/*.plan")) \
+        + sorted(PLANS.glob("bloom/bloom-176b*.plan")) + [PLANS / "llama3-405b.plan"]
+    assert len(fp32) == 9 + 6 + 5 + 1
+    for path in fp32:
+        assert load_file(path).plan.reduce_dtype == "fp32", path
+    for path in sorted(PLANS.glob("bloom/bloom-181b*.plan")):
+        plan = load_file(path).plan
+        assert (plan.shard.dp.reduce_dtype, plan.reduce_dtype) == ("model", "fp16"), path
