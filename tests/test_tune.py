@@ -217,3 +217,5 @@ def test_a_variant_keeps_the_plans_fp32_gradient_buffer():
     plan = load_file(PLANS / "bloom" / "bloom-176b.plan").plan
     variant = bounds.plan_of(plan, dataclasses.replace(of_plan(plan), zero=0), 8)
     assert (variant.shard.dp.zero, variant.shard.dp.fp32_grads) == (0, True)
+    # ... and its fp32 gradient reduction (shard { dp { reduce_dtype } })
+    assert variant.reduce_dtype_bytes == 4
