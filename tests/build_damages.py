@@ -51,7 +51,7 @@ from typing import Callable
 from tests import hostile_inputs as hostile
 from tests.conftest import PLANS, ROOT
 
-TIME_LIMIT = 10.0  # per run; a run on this small build takes well under a second
+TIME_LIMIT = 10.0  # CPU seconds per run; a run on this small build takes well under one
 PROGRAMS = "programs"
 # The files of a build of gpt-tiny (two pipeline stages), in the order they are read.
 FILES = ("build.json", "plan.json", "graph.json", "summary.json", "programs/ranks.json",

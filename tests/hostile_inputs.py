@@ -43,6 +43,7 @@ JOBS.json RESULTS.json``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -64,7 +65,12 @@ PLANS = ROOT / "plans"
 INVALID = ROOT / "tests" / "invalid"
 
 SEED = 20250611
-TIME_LIMIT = 20.0  # seconds of wall-clock time per input
+# What an input may take: TIME_LIMIT seconds of CPU (RLIMIT_CPU in the child: a runaway
+# computation costs the same CPU on an idle or a loaded machine, so the verdict does not
+# depend on what else runs), and WALL_FACTOR times as long on the clock (a child that
+# waits without computing: a lock, a FIFO, a sleep).
+TIME_LIMIT = 20.0
+WALL_FACTOR = 6
 MEMORY_LIMIT = 2 << 30  # bytes of address space per input
 OUTPUT_LIMIT = 1 << 30  # bytes a run may write to one file (its stdout, a build file)
 GiB, MiB = 1 << 30, 1 << 20
@@ -1023,7 +1029,7 @@ class Result:
     signal: int | None
     seconds: float
     maxrss_kb: int
-    timed_out: bool
+    timed_out: bool  # killed at its wall-clock limit or its CPU limit
     stdout_bytes: int
     stderr_bytes: int
     stdout: str  # its head and tail
@@ -1032,6 +1038,8 @@ class Result:
     stdout_json: bool | None = None  # whether stdout is one JSON document (if asked)
     baseline_kb: int = 0  # the driver's resident set when it forked (part of maxrss_kb)
     markers: tuple = ()  # the MARKERS found anywhere in stdout or stderr
+    cpu_seconds: float = 0.0  # user + system time of the child and what it waited for
+    out_of_cpu: bool = False  # stopped by its CPU limit (else, if timed out, by the clock)
 
 
 @dataclass
@@ -1040,7 +1048,7 @@ class Job:
     argv: list  # planc's arguments (fork), or the whole command line (exec)
     cwd: str
     mode: str = "fork"  # fork: planc.cli.main in a forked child; exec: execv argv[0]
-    time_limit: float = TIME_LIMIT
+    time_limit: float = TIME_LIMIT  # seconds of CPU; WALL_FACTOR times that on the clock
     keep_stdout: bool = False  # parse stdout as JSON
 
 
@@ -1129,6 +1137,10 @@ def _child(job: Job, out_path: str, err_path: str, memory_limit: int) -> None:
         for limit, value in ((resource.RLIMIT_AS, memory_limit),
                              (resource.RLIMIT_FSIZE, OUTPUT_LIMIT), (resource.RLIMIT_CORE, 0)):
             resource.setrlimit(limit, (value, value))
+        # SIGXCPU at the limit (it ends the process: no handler is installed before
+        # exec or planc's own), SIGKILL a second later should it be caught
+        cpu = max(1, math.ceil(job.time_limit))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         null = os.open(os.devnull, os.O_RDONLY)
         out = os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         err = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -1236,10 +1248,10 @@ def run_jobs(jobs: list[Job], scratch: str, workers: int = 2,
             pid, status, usage = os.wait4(-1, os.WNOHANG)
             if pid == 0:
                 now = time.monotonic()
-                next_deadline = min(start + job.time_limit for _, job, start, _, _, _ in
-                                    running.values())
+                next_deadline = min(start + job.time_limit * WALL_FACTOR
+                                    for _, job, start, _, _, _ in running.values())
                 for child, (_, job, start, _, _, _) in running.items():
-                    if now >= start + job.time_limit and child not in killed:
+                    if now >= start + job.time_limit * WALL_FACTOR and child not in killed:
                         try:
                             os.killpg(child, signal.SIGKILL)
                         except ProcessLookupError:
@@ -1261,7 +1273,12 @@ def run_jobs(jobs: list[Job], scratch: str, workers: int = 2,
             markers = tuple(sorted(_markers(out_path) | _markers(err_path)))
             os.unlink(out_path)
             os.unlink(err_path)
-            timed_out = pid in killed
+            cpu_seconds = usage.ru_utime + usage.ru_stime
+            out_of_cpu = os.WIFSIGNALED(status) and (
+                os.WTERMSIG(status) == signal.SIGXCPU or
+                (os.WTERMSIG(status) == signal.SIGKILL and pid not in killed and
+                 cpu_seconds >= math.ceil(job.time_limit)))
+            timed_out = pid in killed or out_of_cpu
             killed.discard(pid)
             harness = ""
             if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 125 and "harness:" in stderr:
@@ -1270,7 +1287,7 @@ def run_jobs(jobs: list[Job], scratch: str, workers: int = 2,
                 job.name, os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
                 os.WTERMSIG(status) if os.WIFSIGNALED(status) else None, seconds,
                 usage.ru_maxrss, timed_out, stdout_bytes, stderr_bytes, stdout, stderr, harness,
-                stdout_json, baseline, markers)
+                stdout_json, baseline, markers, cpu_seconds, out_of_cpu)
             if progress:
                 progress(index, results[index])
     finally:
@@ -1315,7 +1332,10 @@ def problems(case: Case, result: Result) -> list[str]:
     markers = set(result.markers) | {m for m in MARKERS if m in output}
     if result.harness_error:
         found.append(f"harness error: {result.harness_error.strip().splitlines()[-1]}")
-    if result.timed_out:
+    if result.out_of_cpu:
+        found.append(f"time-out: out of CPU after {result.cpu_seconds:.1f} s of CPU "
+                     f"({result.seconds:.1f} s on the clock)")
+    elif result.timed_out:
         found.append(f"time-out: killed after {result.seconds:.1f} s")
     elif result.signal is not None:
         found.append(f"killed by signal {signal.Signals(result.signal).name}")

@@ -33,7 +33,10 @@ import pytest
 
 from tests import hostile_inputs as hostile
 
-TIME_LIMIT = 10.0  # per input; each input here takes under about 2 s when planc behaves
+# Seconds of CPU per input (hostile_inputs.WALL_FACTOR times that on the clock): each
+# input here takes under about 7 s of CPU when planc behaves (a schedule of 65,536
+# microbatches on 2 stages, the slowest), whatever else the machine runs.
+TIME_LIMIT = 10.0
 MUTANTS = 60
 # Inputs run a second time through the real console script, in a fresh interpreter:
 # the verdict must be the same as in a forked driver.
@@ -170,11 +173,15 @@ def test_the_console_script_agrees_with_the_forked_driver(runs):
 # --- the harness itself --------------------------------------------------------------------
 
 
+LIMITS = {"time-out": 0.5, "out of CPU": 1.0}  # seconds of CPU (the rest: 20)
+
+
 def test_the_harness_catches_each_kind_of_failure(tmp_path):
     python = sys.executable
     jobs = {
         "traceback": [python, "-c", "raise RuntimeError('boom')"],
         "time-out": [python, "-c", "import time; time.sleep(30)"],
+        "out of CPU": [python, "-c", "while True: pass"],
         "memory": [python, "-c", "b = bytearray(3 << 30)"],
         "status 3": [python, "-c", "import sys; print('?'); sys.exit(3)"],
         "signal": [python, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"],
@@ -182,14 +189,20 @@ def test_the_harness_catches_each_kind_of_failure(tmp_path):
         "fine": [python, "-c", "import sys; print('x.plan: ok', file=sys.stderr)"],
     }
     results = hostile.run_jobs(
-        [hostile.Job(name, argv, str(tmp_path), "exec", 2.0 if name == "time-out" else 20.0)
+        [hostile.Job(name, argv, str(tmp_path), "exec", LIMITS.get(name, 20.0))
          for name, argv in jobs.items()], str(tmp_path / "io"), workers=2)
     case = hostile.Case("self-test", "self-test", "check", plan=b"", expect=(0, 1, 2))
     found = {result.name: hostile.problems(case, result) for result in results}
     assert found["traceback"] == ["traceback: RuntimeError: boom"]
-    # killed at its limit, 2 s, and found so within a second even on a busy machine
+    # a wait is killed at its limit on the clock (0.5 s of CPU: 3 s), and found so within
+    # a second even on a busy machine
     seconds = float(re.fullmatch(r"time-out: killed after (\d+\.\d) s", found["time-out"][0])[1])
-    assert 2.0 <= seconds < 3.0
+    assert 0.5 * hostile.WALL_FACTOR <= seconds < 0.5 * hostile.WALL_FACTOR + 1.0
+    # a computation, at its limit of CPU (1 s), however long that took on the clock
+    spent = re.fullmatch(r"time-out: out of CPU after (\d+\.\d) s of CPU \((\d+\.\d) s on "
+                         r"the clock\)", found["out of CPU"][0])
+    assert 0.5 <= float(spent[1]) < 2.5  # the kernel counts CPU finer than rusage reports it
+    assert float(spent[2]) < 1.0 * hostile.WALL_FACTOR
     assert "memory blow-up (MemoryError under the address-space limit)" in found["memory"]
     assert found["status 3"] == ["exit status 3"]
     assert found["signal"] == ["killed by signal SIGSEGV"]
