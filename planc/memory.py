@@ -92,27 +92,27 @@ def _local_elements(plan: Plan, params) -> int:
     """Elements of ``params`` on one tp rank, as the placements of the model's family
     store them (Megatron-LM: a column-parallel weight and bias and a row-parallel weight
     are split; a row-parallel bias, norms and shared k/v heads are whole)."""
-    split, tp = _split_over_tp(plan), plan.mesh.tp
-    count = 0
-    for param in params:
-        if param.split_over_experts(plan.mesh.ep):
-            continue  # counted by _expert_elements
-        count += param.numel // (tp if _local_name(param) in split else 1)
-    return count
+    split, ep = _split_over_tp(plan), plan.mesh.ep
+    # a routed expert's weights are counted by _expert_elements
+    return sum(_on_one_device(plan, param, split) for param in params
+               if not param.split_over_experts(ep))
 
 
 def local_parameter_elements(plan: Plan) -> dict[str, int]:
     """Every parameter's global name -> its elements on one device (split over tp as
     :func:`_local_elements` counts, a routed expert's over ep)."""
-    split, tp, ep = _split_over_tp(plan), plan.mesh.tp, plan.mesh.ep
-    return {param.name: param.numel // (ep if param.split_over_experts(ep) else
-                                        tp if _local_name(param) in split else 1)
+    split = _split_over_tp(plan)
+    return {param.name: _on_one_device(plan, param, split)
             for param in family_of(plan).all_parameters(plan.model)}
 
 
-def _local_name(param) -> str:
-    """A block's parameter without its layer prefix (the family's rules name it so)."""
-    return param.name.split(".", 2)[-1] if param.layer is not None else param.name
+def _on_one_device(plan: Plan, param, split: set[str]) -> int:
+    """``param``'s elements on one device: a routed expert's split over ep, a parameter
+    that tp splits (``split``: block-local names) over tp, any other whole."""
+    if param.split_over_experts(plan.mesh.ep):
+        return param.numel // plan.mesh.ep
+    local = param.name.split(".", 2)[-1] if param.layer is not None else param.name
+    return param.numel // (plan.mesh.tp if local in split else 1)
 
 
 def _split_over_tp(plan: Plan) -> set[str]:

@@ -137,6 +137,12 @@ class Device:
     # calibrate measures that round trip); 0 on a GPU, where streams need no threads.
     handoff: float = 0.0
 
+    @property
+    def gradient_step_overhead(self) -> float:
+        """Seconds a backward step (or either half of a split one) costs beyond its
+        arithmetic: ``backward_overhead``, or ``overhead`` where none was measured."""
+        return self.overhead if self.backward_overhead is None else self.backward_overhead
+
 
 @dataclass(frozen=True)
 class Tuning:

@@ -86,8 +86,7 @@ def main(args) -> int:
         for tuning in tunings:
             print(f"  {tuning.kind}: {tuning.bandwidth / 1e9:.3g} GB/s bus bandwidth, "
                   f"{format_quantity(tuning.latency, TIME)} per call")
-    backward = preset.overhead if preset.backward_overhead is None else \
-        preset.backward_overhead
+    backward = preset.topology(1).device.gradient_step_overhead
     print(f"compute: {preset.flops['fp32'] / 1e9:.3g} GFLOP/s per rank, "
           f"{format_quantity(preset.overhead, TIME)} per forward instruction and "
           f"{format_quantity(backward, TIME)} per backward one beyond its arithmetic\n"

@@ -19,6 +19,9 @@ PORTS = ("x", "skip", "kv", "max", "sum_exp", "grad")
 # Which step of a compute node's life an instruction runs (docs/programs.md, operands).
 STEPS = ("forward", "recompute", "backward", "weight", "optimizer", "clip")
 FORWARD_STEPS = STEPS[:2]  # the steps that run an operator's forward (and its collectives)
+# The steps that ask autograd for gradients: a whole backward, or either half of a split
+# one (its input gradient, B, and its weight gradient, W).
+GRADIENT_STEPS = STEPS[2:4]
 PAYLOADS = ("activation", "loss_stat", "loss", "kv", "dkv", "stream", "grad", "param",
             "grad_norm")
 REDUCE_OPS = ("sum", "max")

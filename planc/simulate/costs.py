@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from planc.cost import CostModel, Placement
 from planc.graph.ir import Kind
 from planc.lower.groups import PIPELINE, GroupTable
-from planc.lower.operands import FORWARD_STEPS, Operands
+from planc.lower.operands import FORWARD_STEPS, GRADIENT_STEPS, Operands
 from planc.lower.program import Instruction
 from planc.memory import local_parameter_elements
 from planc.plan import DTYPE_BYTES, Plan
@@ -58,13 +58,8 @@ from planc.kernel_cost import MIXTURE, KernelModel, Mixture
 TRAFFIC = {"attn_residual": 3.0, "mlp_residual": 3.0}
 OPTIMIZER_TRAFFIC = {"adamw": 7.0, "sgd": 5.0}
 DEFAULT_TRAFFIC = 2.0
-# The steps that ask autograd for gradients: a whole backward, or either half of a split
-# one (planc.runtime.kernels.Kernels.backward); they pay the device's backward_overhead.
-BACKWARD_STEPS = ("backward", "weight")
 OPTIMIZER_KERNEL = "optimizer"
 FP32_BYTES = 4
-# The steps that compute a weight gradient (a split backward's B step does not).
-WEIGHT_GRADIENT_STEPS = ("backward", "weight")
 
 
 @dataclass(frozen=True)
@@ -162,8 +157,7 @@ class InstructionCosts:
         self.bandwidth = plan.topology.device.bandwidth
         device = plan.topology.device
         self.overhead = device.overhead
-        self.backward_overhead = device.overhead if device.backward_overhead is None else \
-            device.backward_overhead
+        self.backward_overhead = device.gradient_step_overhead
         self.handoff = device.handoff
         self.optimizer_traffic = OPTIMIZER_TRAFFIC.get(plan.train.optimizer.name,
                                                        OPTIMIZER_TRAFFIC["adamw"])
@@ -206,11 +200,12 @@ class InstructionCosts:
                     flops = self.mixture.busiest_flops(flops)
                 seconds = max(self.cost.compute_seconds(flops),
                               traffic * operands.output_bytes / self.bandwidth) + \
-                    (self.backward_overhead if operands.step in BACKWARD_STEPS else
+                    (self.backward_overhead if operands.step in GRADIENT_STEPS else
                      self.overhead)
             if self.accumulation is not None and operands.params and \
-                    operands.step in WEIGHT_GRADIENT_STEPS and \
+                    operands.step in GRADIENT_STEPS and \
                     (operands.step == "weight" or operands.weight_step is None):
+                # a weight gradient: a whole backward's, or a split one's W step
                 # a linear cut into pieces over its tokens (tp_overlap) adds once
                 pieces = operands.tokens[1] if operands.tokens is not None else 1
                 seconds += self.accumulation_seconds(operands.params) / pieces
