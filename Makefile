@@ -82,12 +82,12 @@ bench-topology: $(STAMP)
 	$(PY) bench/topology.py --json build/topology.json --plot docs/topology.png
 
 # A tiny tokenised corpus, generated here without network or extra packages
-# (planc/tools/corpus.py, docs/data.md): data/tiny-corpus.tokens, .json and .txt.
+# (planc/data/corpus.py, docs/data.md): data/tiny-corpus.tokens, .json and .txt.
 corpus:
-	$(PYTHON) -m planc.tools.corpus -o $(CORPUS)
+	$(PYTHON) -m planc.data.corpus -o $(CORPUS)
 
 $(CORPUS):
-	$(PYTHON) -m planc.tools.corpus -o $@
+	$(PYTHON) -m planc.data.corpus -o $@
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

@@ -2,7 +2,7 @@
 
 A sparse file of 100 GB of uint32 tokens (a header, then zeros: every id is 0, valid;
 no disk space is used) is checked as ``planc run`` checks it before the ranks start
-(planc.runtime.data.check_file with its default scan limit: the header and the size),
+(planc.runtime.engine.data.check_file with its default scan limit: the header and the size),
 then as planc run checked every file before issue 26 (a scan of every token, 4 MiB at a
 time, reduced by torch). torch is imported first, outside both figures.
 
@@ -18,8 +18,8 @@ import os
 import tempfile
 import time
 
-from planc.runtime.data import SCAN_LIMIT, check_file
-from planc.tokens import header
+from planc.runtime.engine.data import SCAN_LIMIT, check_file
+from planc.data.tokens import header
 
 
 def main() -> None:

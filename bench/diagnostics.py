@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planc.collector import without_collector  # noqa: E402
+from planc.host.collector import without_collector  # noqa: E402
 from planc.diagnostics import MAX_SHOWN, render_text, summary_line  # noqa: E402
 from planc.lang import load_text  # noqa: E402
 

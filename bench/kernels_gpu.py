@@ -1,5 +1,5 @@
 """Benchmark, on a GPU: what the GEMMs and attention of the validation plans achieve, to
-check planc simulate's kernel model (planc/kernel_cost.py) against a real device.
+check planc simulate's kernel model (planc/estimate/kernel_cost.py) against a real device.
 
 For every plan of the Megatron-LM H100 table and Llama 3 405B (the shapes one
 tensor-parallel rank multiplies for one microbatch: forward, input gradient, weight

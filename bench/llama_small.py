@@ -3,7 +3,7 @@ its loss (docs/llama-small-loss.png); also time a checkpoint round trip.
 
     .venv/bin/python bench/llama_small.py [--steps 50] [--plot docs/llama-small-loss.png]
 
-Makes data/tiny-corpus.tokens first if it is missing (python -m planc.tools.corpus).
+Makes data/tiny-corpus.tokens first if it is missing (python -m planc.data.corpus).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def main() -> int:
     args = parser.parse_args()
     os.chdir(ROOT)
     if not os.path.exists("data/tiny-corpus.tokens"):
-        subprocess.run([sys.executable, "-m", "planc.tools.corpus", "-o",
+        subprocess.run([sys.executable, "-m", "planc.data.corpus", "-o",
                         "data/tiny-corpus.tokens"], check=True)
     work = tempfile.mkdtemp(prefix="planc-llama-small-")
     metrics = os.path.join(work, "metrics.jsonl")

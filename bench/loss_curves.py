@@ -5,7 +5,7 @@ single-process function, so the two curves lie on one another.
     .venv/bin/python bench/loss_curves.py [--steps 50] [--plot docs/loss-two-plans.png]
 
 The layouts: tp 2 with sequence parallelism (the plan as written), and dp 2 with ZeRO-3.
-Makes data/tiny-corpus.tokens first if it is missing (python -m planc.tools.corpus).
+Makes data/tiny-corpus.tokens first if it is missing (python -m planc.data.corpus).
 Prints the largest difference between the two runs' losses.
 """
 
@@ -35,7 +35,7 @@ def main() -> int:
     args = parser.parse_args()
     os.chdir(ROOT)
     if not os.path.exists("data/tiny-corpus.tokens"):
-        subprocess.run([sys.executable, "-m", "planc.tools.corpus", "-o",
+        subprocess.run([sys.executable, "-m", "planc.data.corpus", "-o",
                         "data/tiny-corpus.tokens"], check=True)
     work = tempfile.mkdtemp(prefix="planc-loss-curves-")
     files = []

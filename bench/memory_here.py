@@ -1,7 +1,7 @@
 """Benchmark: does ``planc simulate``'s peak memory per device hold for ``planc run`` on
 this machine? For each plan of plans/ that trains here (bench/simulate_here.py's list),
 run it for a few steps with gloo on this machine's CPUs, as many ranks as the plan has,
-and compare the simulated peak (planc.memory: parameters, gradients, optimizer state,
+and compare the simulated peak (planc.estimate.memory: parameters, gradients, optimizer state,
 activations; ``planc simulate --json``'s largest ``stages[].memory_bytes``) with what
 the run records: ``peak_memory_mb`` (docs/metrics.md), on a CPU the peak resident set
 of each rank (getrusage's ru_maxrss), the largest over the ranks, less two baselines:
@@ -11,8 +11,8 @@ of each rank (getrusage's ru_maxrss), the largest over the ranks, less two basel
   and torch, that has started gloo);
 - **warm**: the same rank once it has run one training step of a model of no size: an
   8 x 8 matrix product's forward and backward, a cross entropy's, one step of the plan's
-  optimizer as the runtime builds it (planc.runtime.optim, fused) and one all-reduce,
-  after planc.runtime.host_memory's allocator settings. What this holds beyond the cold
+  optimizer as the runtime builds it (planc.runtime.engine.optim, fused) and one all-reduce,
+  after planc.runtime.engine.host_memory's allocator settings. What this holds beyond the cold
   baseline is the libraries' working state (their code and buffers, loaded on first
   use), whatever the plan; what a run holds beyond it is the plan's own.
 
@@ -50,9 +50,9 @@ import datetime, json, multiprocessing, os, resource, sys, tempfile
 import planc.runtime.worker  # noqa: F401  (what planc run's fork server preloads)
 import torch
 import torch.distributed as dist
-from planc.plan import Optimizer
-from planc.runtime.host_memory import keep_freed_memory
-from planc.runtime.optim import optimizer_of
+from planc.plan.plan import Optimizer
+from planc.runtime.engine.host_memory import keep_freed_memory
+from planc.runtime.engine.optim import optimizer_of
 
 def child(queue, name):
     keep_freed_memory()

@@ -23,8 +23,8 @@ import lark  # noqa: E402
 
 from planc.lang import load_text  # noqa: E402
 from planc.lang.parser import _BracketAwareNewlines, grammar_text  # noqa: E402
-from planc.layout import Layout  # noqa: E402
-from planc.plan import Mesh  # noqa: E402
+from planc.plan.layout import Layout  # noqa: E402
+from planc.plan.plan import Mesh  # noqa: E402
 from planc.views import layout_text  # noqa: E402
 
 

@@ -7,7 +7,7 @@ compare
 
 - the simulated step with ``planc run``'s measured one (the median of the slowest rank's
   step after two warm-up steps), and
-- the simulated memory per device at peak (planc.memory: parameters, gradients,
+- the simulated memory per device at peak (planc.estimate.memory: parameters, gradients,
   optimizer state, activations) with the run's measured peak: the largest peak resident
   set of any rank (``peak_memory_mb``, docs/metrics.md), and the same less what a rank
   holds before it builds anything (a process forked, as planc run forks its ranks, from

@@ -10,9 +10,9 @@ For each link rate and world size (4 or 8 ranks, half on each node) it:
 1. calibrates the links with planc.runtime.calibrate (the same code as ``planc
    calibrate``), giving the cost model's alpha and beta for each link type;
 2. measures an all-reduce of every size from 4 KB to 64 MB by each route, as planc's
-   runtime runs them (the backend's ring; planc.runtime.routes executing the recipes
-   of planc.lower.routes for tree and hierarchical): the slowest rank's median time;
-3. predicts each route's time with planc.cost on the calibrated topology, and records
+   runtime runs them (the backend's ring; planc.runtime.engine.routes executing the recipes
+   of planc.program.routes for tree and hierarchical): the slowest rank's median time;
+3. predicts each route's time with planc.estimate.cost on the calibrated topology, and records
    the route ``auto`` would take.
 
 It reports how often ``auto`` picks the measured-fastest route (or one within 10 % of
@@ -43,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from planc.net import free_port  # noqa: E402
+from net import free_port  # noqa: E402
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 LARGE = 16 << 20  # "large sizes" for the prediction error
@@ -101,8 +101,8 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from planc.lower.routes import hierarchical, tree
-    from planc.runtime import routes as runtime_routes
+    from planc.program.routes import hierarchical, tree
+    from planc.runtime.engine import routes as runtime_routes
     from planc.runtime.calibrate import calibrate, timed
 
     torch.set_num_threads(1)
@@ -176,7 +176,7 @@ def run_world(ranks: int, rate: str, repeats: int) -> dict:
 # --- predictions and the report ---------------------------------------------------------
 
 def predict(document: dict, ranks: int) -> dict[int, dict]:
-    from planc.cost import CostModel, Placement
+    from planc.estimate.cost import CostModel, Placement
     from planc.lang.presets import calibrated_preset
 
     per_node = ranks // 2

@@ -46,7 +46,7 @@ PLANS = ROOT / "plans"
 sys.path.insert(0, str(ROOT))
 
 from planc.compile import compile_plan  # noqa: E402
-from planc.kernel_cost import GPUS, GPU  # noqa: E402
+from planc.estimate.kernel_cost import GPUS, GPU  # noqa: E402
 from planc.lang import load_file  # noqa: E402
 from planc.simulate import model_flops, simulate  # noqa: E402
 from bench.published_runs import (BLOOM, KORTHIKANTI_TABLE_5, MEGATRON_H100,  # noqa: E402
@@ -117,7 +117,7 @@ TABLE_SOURCES = {
 }
 
 # --- the constants derived from a table's runs ----------------------------------------
-# From the docstrings of planc/kernel_cost.py and planc/lang/presets.py: what each
+# From the docstrings of planc/estimate/kernel_cost.py and planc/lang/presets.py: what each
 # constant of the simulated step was derived from. A table absent here fed no constant,
 # so its leave-one-table-out prediction is the shipped one.
 

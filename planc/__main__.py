@@ -1,6 +1,6 @@
 """``python -m planc`` and the ``planc`` command.
 
-Until the command line installs its own handlers (planc.interrupts), a Ctrl-C ends planc
+Until the command line installs its own handlers (planc.host.interrupts), a Ctrl-C ends planc
 at once and quietly: at this point nothing has started, and a traceback from the middle
 of an import would only tell a user that planc was loading. The handler is installed
 before anything else is imported: ``_signal`` is built into the interpreter, and ``os``

@@ -14,7 +14,7 @@ import sys
 from typing import Sequence
 
 from planc import __version__
-from planc.interrupts import Interrupted, Interrupts
+from planc.host.interrupts import Interrupted, Interrupts
 from planc.views.curves import METRICS as CURVE_METRICS
 
 EXIT_OK, EXIT_USAGE = 0, 2
@@ -41,7 +41,7 @@ def _add_input(parser: argparse.ArgumentParser, metavar: str = "FILE") -> None:
 
 
 def _output(parser: argparse.ArgumentParser, *flags: str, kind: str, **options) -> None:
-    """An output path: declared with its kind (planc.outputs), so that the command checks
+    """An output path: declared with its kind (planc.host.outputs), so that the command checks
     it before any work and no output flag escapes the rule (tests/test_outputs.py)."""
     action = parser.add_argument(*flags, type=_path, **options)
     declared = parser.get_default("outputs") or ()

@@ -1,7 +1,7 @@
 """The compiler, end to end: derive -> passes -> lower -> verify.
 
 One function per stage, each with one input and one output; this module only chains
-them. Writing and reading build directories is :mod:`planc.build`'s.
+them. Writing and reading build directories is :mod:`planc.build.directory`'s.
 """
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ from typing import Callable
 import networkx as nx
 
 from planc import passes
-from planc.build import Build
-from planc.collector import without_collector
+from planc.build.directory import Build
+from planc.host.collector import without_collector
 from planc.graph.derive import derive
 from planc.graph.summary import summarize
-from planc.lower.groups import plan_group_table
+from planc.program.groups import plan_group_table
 from planc.lower.lower import lower
 from planc.lower.tabulate_model import model_table
-from planc.lower.routes import route_table, split_refs
-from planc.lower.verify import verify, verify_evaluation
-from planc.plan import Plan
+from planc.program.routes import route_table, split_refs
+from planc.verify.verifier import verify, verify_evaluation
+from planc.plan.plan import Plan
 
 
 class CompileError(Exception):

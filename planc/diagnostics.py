@@ -15,7 +15,6 @@ import unicodedata
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from planc.words import counted
 
 ERROR = "error"
 WARNING = "warning"
@@ -301,3 +300,8 @@ def to_json(diagnostics: Sequence[Diagnostic], path: str, limit: int | None = No
 
 def render_json(diagnostics: Sequence[Diagnostic], path: str, limit: int | None = None) -> str:
     return json.dumps(to_json(diagnostics, path, limit), indent=2)
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``3 ranks``, ``1 rank``, ``2 microbatches``: a count with its noun in agreement."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

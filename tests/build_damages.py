@@ -86,7 +86,7 @@ def _dumps(data) -> str:
 
 def _resign(build: Path) -> None:
     """Make build.json and graph.json name plan.json's new sha256, as an attacker would."""
-    from planc.build import _fingerprint
+    from planc.build.directory import _fingerprint
 
     fingerprint = _fingerprint(json.loads((build / "plan.json").read_text()))
     manifest = json.loads((build / "build.json").read_text())
@@ -346,9 +346,9 @@ def commands_for(index: int, damage: Damage) -> list[tuple[str, ...]]:
 
 # Imported by the driver before it forks, so that each run starts at once.
 PRELOAD = ("planc.cli", "planc.commands", "planc.commands.programs", "planc.commands.graph",
-           "planc.commands.explain", "planc.commands.simulate", "planc.build",
-           "planc.lower.verify", "planc.views.program_text", "planc.views.explain_text",
-           "planc.views.render_graph", "planc.views.simulate_text", "planc.graph.select",
+           "planc.commands.explain", "planc.commands.simulate", "planc.build.directory",
+           "planc.verify.verifier", "planc.views.program_text", "planc.views.explain_text",
+           "planc.views.graph.render", "planc.views.simulate_text", "planc.graph.select",
            "planc.simulate", "planc.lang.schema", "planc.compile")
 DRIVER = f"""
 import importlib, sys

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save
 
-from planc import checkpoint as fmt
+from planc.checkpoint import format as fmt
 
 PLAN = """plan damaged {{
   model gpt {{ layers = 2; hidden = 16; heads = 2; vocab = 32; seq = 8; batch = 4 }}

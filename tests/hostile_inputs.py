@@ -1197,9 +1197,9 @@ def preload() -> None:
     import importlib
 
     for module in ("planc.cli", "planc.commands", "planc.commands.check",
-                   "planc.commands.compile", "planc.lang", "planc.compile", "planc.build",
-                   "planc.runtime.data", "planc.views.summary_text", "planc.views.plan_text",
-                   "planc.memory", "planc.views.memory_text", "planc.locks"):
+                   "planc.commands.compile", "planc.lang", "planc.compile", "planc.build.directory",
+                   "planc.runtime.engine.data", "planc.views.summary_text", "planc.views.plan_text",
+                   "planc.estimate.memory", "planc.views.memory_text", "planc.host.locks"):
         try:
             importlib.import_module(module)
         except Exception:  # noqa: BLE001 - a child will show the failure as it happens

@@ -76,7 +76,7 @@ MATRIX = {
 # every step, so that every step clips (train.grad_clip, against torch's
 # clip_grad_norm_), and an evaluation of 2 batches after steps 2 and 4 (train.eval_every),
 # over 4 steps. With the matrix's lr = 0.5 the lr of steps 0..3 is 0.25, 0.5, 0.3875,
-# 0.1625 (planc.lr_schedule). tests/test_llama.py and tests/test_moe.py run their
+# 0.1625 (planc.plan.lr_schedule). tests/test_llama.py and tests/test_moe.py run their
 # families' rows of it, tests/test_checkpoint.py a resumed run.
 CLIP = 0.05
 FEATURE_STEPS = 4
@@ -100,8 +100,8 @@ def reference_norm(text: str, overrides: tuple[str, ...] = ()) -> float:
     import torch
 
     from planc.lang import load_text
-    from planc.runtime import reference
-    from planc.runtime.data import DataSource, batch_tokens
+    from planc.runtime.oracle import reference
+    from planc.runtime.engine.data import DataSource, batch_tokens
 
     plan = load_text(text, "<plan>", overrides).plan
     params = {n: reference.initial(plan, n, p.shape).requires_grad_()
@@ -118,7 +118,7 @@ def check_features(records: list[dict], err: str, text: str, lr: float, min_lr: 
     evaluates alike): 4 steps at the schedule's lr, every step clipped (the coefficient
     CLIP / (norm + 1e-6) below 1) from the single process's first norm, evaluations
     after steps 2 and 4, both compared (none where not ``evaluated``)."""
-    from planc.lr_schedule import LrSchedule, lr_at
+    from planc.plan.lr_schedule import LrSchedule, lr_at
 
     assert [r["step"] for r in records] == list(range(FEATURE_STEPS))
     cosine = LrSchedule("cosine", warmup=1, min_lr=min_lr)

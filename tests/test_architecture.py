@@ -24,9 +24,9 @@ MAX_LINES = 500
 # The runtime executes what the compiler wrote. Only the single-process reference (the
 # oracle of planc run --check), the check that compares against it and calibrate build
 # anything from the plan.
-RUNTIME_MAY_READ_THE_PLAN = {"planc.runtime.reference", "planc.runtime.check",
+RUNTIME_MAY_READ_THE_PLAN = {"planc.runtime.oracle.reference", "planc.runtime.oracle.check",
                              "planc.runtime.calibrate"}
-COMPILER_INPUTS = ("networkx", "planc.plan", "planc.models", "planc.layout",
+COMPILER_INPUTS = ("networkx", "planc.plan.plan", "planc.models", "planc.plan.layout",
                    "planc.graph.derive", "planc.graph.axes", "planc.graph.tensor_parallel",
                    "planc.graph.parameters", "planc.graph.model")
 
@@ -125,7 +125,7 @@ def test_the_runtime_reads_the_build_not_the_compilers_inputs():
 
 
 def test_a_rank_loads_none_of_the_compilers_inputs(tmp_path):
-    """Not only the runtime's own imports: a worker that reads a build (planc.build_files)
+    """Not only the runtime's own imports: a worker that reads a build (planc.build.files)
     and sets up its run loads no module of the language, the plan, the models, the layout,
     the cost model or the derivation, directly or through another module."""
     from planc.cli import main
@@ -134,8 +134,8 @@ def test_a_rank_loads_none_of_the_compilers_inputs(tmp_path):
     plan.write_text("plan one {\n  model gpt { layers = 2; hidden = 32; heads = 2; vocab = 64; "
                     "seq = 8; batch = 4 }\n  mesh { dp = 2 }\n}\n")
     assert main(["compile", str(plan), "-o", str(tmp_path / "b")]) == 0
-    code = ("import sys; from planc.runtime import worker, checkpoint, executor; "
-            "from planc.build_files import read_for_run; "
+    code = ("import sys; from planc.runtime import worker; from planc.runtime.checkpoint import checkpoints; from planc.runtime.engine import executor; "
+            "from planc.build.files import read_for_run; "
             f"read_for_run({str(tmp_path / 'b')!r}); "
             "print(sorted(m for m in sys.modules if m == 'networkx' or m == 'lark' or "
             "m.startswith('planc.') and not m.startswith('planc.runtime')))")
@@ -144,7 +144,7 @@ def test_a_rank_loads_none_of_the_compilers_inputs(tmp_path):
     loaded = ast.literal_eval(out)
     forbidden = [m for m in loaded if m in ("networkx", "lark") or any(
         m == c or m.startswith(c + ".") for c in COMPILER_INPUTS + (
-            "planc.lang", "planc.cost", "planc.memory", "planc.schedules", "planc.passes",
-            "planc.graph.ir", "planc.lower.lower", "planc.lower.verify"))]
+            "planc.lang", "planc.estimate.cost", "planc.estimate.memory", "planc.schedules", "planc.passes",
+            "planc.graph.ir", "planc.lower.lower", "planc.verify.verifier"))]
     assert forbidden == [], forbidden
-    assert "planc.lower.program" in loaded and "planc.build_files" in loaded
+    assert "planc.program.program" in loaded and "planc.build.files" in loaded

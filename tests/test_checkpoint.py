@@ -28,12 +28,12 @@ safetensors = pytest.importorskip("safetensors")
 
 from safetensors.torch import load_file  # noqa: E402
 
-from planc.training_record import TrainingRecord
-from planc import checkpoint as fmt  # noqa: E402
+from planc.checkpoint.training_record import TrainingRecord
+from planc.checkpoint import format as fmt  # noqa: E402
 from planc.cli import main  # noqa: E402
 from planc.lang import load_text  # noqa: E402
-from planc.runtime.check import update_floor  # noqa: E402
-from planc.runtime.checkpoint import boxes  # noqa: E402
+from planc.runtime.oracle.check import update_floor  # noqa: E402
+from planc.runtime.checkpoint.checkpoints import boxes  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -175,8 +175,8 @@ def test_a_resumed_run_continues_the_lr_schedule_and_the_shuffled_samples(tmp_pa
     far below their norm) and evaluated every 2 steps: the resumed run clips as the
     single process does (--check), and evaluates after steps 2 and 4 as the whole run
     does, since evaluations count steps from the run's start."""
-    from planc.lr_schedule import lr_at
-    from planc.tools.corpus import main as make_corpus
+    from planc.plan.lr_schedule import lr_at
+    from planc.data.corpus import main as make_corpus
 
     assert make_corpus(["-o", str(tmp_path / "corpus.tokens")]) == 0
     train = ('; lr_schedule = cosine(warmup = 1, min_lr = 0.05); shuffle = on; '
@@ -195,7 +195,7 @@ def test_a_resumed_run_continues_the_lr_schedule_and_the_shuffled_samples(tmp_pa
     assert "and 1 evaluation against the single-process run" in resumed_err
     assert expected == pytest.approx([0.25, 0.5, 0.3875, 0.1625], rel=1e-15)
     # each segment of the history says which schedule and order trained it
-    from planc.checkpoint_manifest import check_manifest
+    from planc.checkpoint.manifest import check_manifest
 
     path = tmp_path / "ckpt" / "step-000004" / "manifest.json"
     manifest = json.loads(path.read_text())
@@ -420,7 +420,7 @@ def test_a_damaged_checkpoint_is_refused(damage, saved, tmp_path, capfd):
 def test_resuming_under_another_lr_schedule_or_sample_order_warns(tmp_path, capfd):
     """As a seed or data file other than the checkpoint's does: the run goes on with the
     plan's, from the checkpoint's step, and says so (--check refuses it, above)."""
-    from planc.tokens import write_tokens
+    from planc.data.tokens import write_tokens
 
     data = tmp_path / "t.tokens"
     write_tokens(data, [(7 * i) % 256 for i in range(4096)], 2)

@@ -26,12 +26,12 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-from planc.build import graph_from_json
-from planc.cost import bus_factor
+from planc.build.directory import graph_from_json
+from planc.estimate.cost import bus_factor
 from planc.compile import compile_plan
 from planc.lang import load_file
-from planc.lang.units import format_bytes
-from planc.plan_json import plan_from_dict
+from planc.vocabulary.units import format_bytes
+from planc.plan.plan_json import plan_from_dict
 from planc.views import explain_text, summary_text
 from tests.conftest import BAD_TP, PLANS, ROOT
 
@@ -396,7 +396,7 @@ def _plan(change, refingerprint: bool = True):
     """Change plan.json; by default also its fingerprint in build.json, so that what is
     tested is the reading of a plan.json that claims to be the compiled one."""
     def apply(directory: Path) -> None:
-        from planc.build import _fingerprint
+        from planc.build.directory import _fingerprint
 
         _edit("plan.json", change)(directory)
         if refingerprint:
@@ -512,7 +512,7 @@ def test_empty_directory(tmp_path):
 
 
 def test_not_a_directory(tiny_build, tmp_path):
-    from planc import build
+    from planc.build import directory as build
 
     manifest = tmp_path / "build.json"
     shutil.copy(tiny_build / "build.json", manifest)

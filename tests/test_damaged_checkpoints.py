@@ -38,7 +38,7 @@ Per kind:
 * index (5): an index mapping a tensor to ``../`` (what export once followed), missing a
   tensor, with one more, a wrong total size, a weight map that is a list (resigned).
 
-Each goes through ``planc.checkpoint.find``, ``problems_resuming`` with the plan that
+Each goes through ``planc.checkpoint.format.find``, ``problems_resuming`` with the plan that
 resumes it, the values check and ``export_hf``, in this process: each must be refused with
 one line that names the damaged file, field or tensor, never with another exception; the
 messages of a representative subset are exact. A sample, the damage the issue lists and
@@ -68,8 +68,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
-from planc.training_record import TrainingRecord
-from planc import checkpoint as fmt  # noqa: E402
+from planc.checkpoint.training_record import TrainingRecord
+from planc.checkpoint import format as fmt  # noqa: E402
 from tests import hostile_inputs as hostile  # noqa: E402
 from tests.checkpoint_damages import (CLI, COUNTS, HASHED, INF, LATEST, MANIFEST,  # noqa: E402
                                       MODEL0, MODEL1, OPT0, OPT1, PLAN, QKV, SECTIONS,
@@ -86,8 +86,8 @@ def refusal(root: Path, plan, buckets, scratch: Path) -> tuple[str, str]:
     would give), ("accepted", "") or ("crash", what was raised). planc run: find (every
     file hashed), problems_resuming against the plan and its buckets, the values; then
     planc export --format hf, which must refuse it too (a gpt model, if nothing else)."""
-    from planc.runtime.checkpoint_values import check_values
-    from planc.runtime.export_hf import export_hf
+    from planc.runtime.checkpoint.values import check_values
+    from planc.runtime.checkpoint.export_hf import export_hf
 
     problem = ""
     try:
@@ -273,7 +273,7 @@ def test_the_refusals_say_exactly_what_is_wrong(verdicts):
 def test_export_names_a_parameter_its_model_does_not_have(pristine, corpus, tmp_path):
     """A checkpoint whose model block says llama but whose parameters are gpt's: export
     once reached hf_name's ValueError."""
-    from planc.runtime.export_hf import export_hf
+    from planc.runtime.checkpoint.export_hf import export_hf
 
     damage = next(d for d in corpus if d.name == "manifest.json:model.family=llama")
     root = materialize(pristine[0], damage, tmp_path)
@@ -349,8 +349,8 @@ def test_a_fuzz_of_the_manifest_is_refused_or_read_never_crashes(pristine, tmp_p
 
 # Imported by the driver before it forks, so that each run starts at once.
 PRELOAD = ("planc.cli", "planc.commands", "planc.commands.run", "planc.commands.export",
-           "planc.checkpoint", "planc.lang", "planc.compile", "planc.build",
-           "planc.runtime.checkpoint_values", "planc.runtime.export_hf")
+           "planc.checkpoint.format", "planc.lang", "planc.compile", "planc.build.directory",
+           "planc.runtime.checkpoint.values", "planc.runtime.checkpoint.export_hf")
 DRIVER = f"""
 import importlib, sys
 sys.path.insert(0, {str(ROOT)!r})

@@ -1,4 +1,4 @@
-"""Token files (planc/runtime/data.py, docs/data.md): both widths read the batches an
+"""Token files (planc/runtime/engine/data.py, docs/data.md): both widths read the batches an
 independent reading of the format predicts, the header is detected and checked, a token
 at or above vocab is named with its position, paths that are not regular files fail at
 once, the chunked scan agrees with a whole-file scan, memory stays bounded, and a run
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from planc.lang import load_file, load_text
-from planc.runtime.data import (CHUNK_BYTES, HEADER_BYTES, DataError, DataMissing,
+from planc.runtime.engine.data import (CHUNK_BYTES, HEADER_BYTES, DataError, DataMissing,
                                 check_file, header, largest_token, open_tokens, write_tokens)
 from tests.conftest import ROOT
 
@@ -83,7 +83,7 @@ def test_write_tokens_writes_what_the_format_says(tmp_path):
 @pytest.mark.parametrize("kind", ["raw16", "header16", "header32"])
 def test_both_widths_read_the_batches_an_independent_reader_predicts(kind, tmp_path):
     torch = pytest.importorskip("torch")
-    from planc.runtime.data import batch_tokens
+    from planc.runtime.engine.data import batch_tokens
 
     rng = random.Random(kind)
     limit = 70000 if kind == "header32" else 65536
@@ -155,7 +155,7 @@ def test_a_token_at_or_above_vocab_is_named_with_its_position(width, engine, tmp
 
 
 def test_planc_check_and_run_name_the_token_the_same_way(tmp_path):
-    from planc.runtime.data import data_problem
+    from planc.runtime.engine.data import data_problem
 
     ids = list(range(50))
     ids[44] = 70000
@@ -212,7 +212,7 @@ def test_a_raw_uint16_file_is_scanned_like_a_headed_one(tmp_path):
 
 def test_check_and_run_scan_only_small_files_whole(tmp_path, monkeypatch):
     """A file over the limit is left to the steps that read it (tests/test_data_order.py)."""
-    from planc.runtime.data import check_data, data_problem
+    from planc.runtime.engine.data import check_data, data_problem
 
     check = sys.modules["planc.lang.check"]  # planc.lang.check is also a function's name
 
@@ -255,7 +255,7 @@ def test_fifos_devices_directories_and_link_loops_fail_at_once(odd_paths, run_pl
     script = textwrap.dedent("""
         import dataclasses, json, sys
         from planc.lang import load_text
-        from planc.runtime.data import DataError, batch_tokens, check_file, data_problem
+        from planc.runtime.engine.data import DataError, batch_tokens, check_file, data_problem
         out = {}
         for name, path in json.loads(sys.argv[1]).items():
             try:
@@ -316,7 +316,7 @@ def test_a_step_reads_only_its_samples_and_a_scan_holds_one_chunk(tmp_path):
         import json, resource, sys, time
         import torch
         from planc.lang import load_text
-        from planc.runtime.data import batch_tokens, data_problem
+        from planc.runtime.engine.data import batch_tokens, data_problem
         def plan(path):
             return load_text('plan d { model gpt { layers = 1; hidden = 8; heads = 2; '
                              'vocab = 512; seq = 7; batch = 4 } train { data = "%s" } }'
@@ -343,7 +343,7 @@ def test_a_step_reads_only_its_samples_and_a_scan_holds_one_chunk(tmp_path):
 
 def _pinned(tmp_path, ids=None):
     """A token file, the plan reading it, and the file's identity as planc run checks it."""
-    from planc.runtime.data import check_data
+    from planc.runtime.engine.data import check_data
 
     path = with_header(tmp_path / "t.tokens", ids or list(range(200)), 4)
     plan = plan_for(path, vocab=512)
@@ -356,7 +356,7 @@ def _pinned(tmp_path, ids=None):
 
 def test_a_pinned_file_that_did_not_change_reads_as_before(tmp_path):
     pytest.importorskip("torch")
-    from planc.runtime.data import Identity, batch_tokens
+    from planc.runtime.engine.data import Identity, batch_tokens
 
     path, plan, identity = _pinned(tmp_path)
     assert Identity.parse(str(identity)) == identity
@@ -378,7 +378,7 @@ def test_a_pinned_file_that_changed_stops_the_step_that_reads_it(tmp_path, chang
     rewritten in place with the same size (another modification time), replaced by a
     rename, removed, or cut to a size no token file has: each is named, with the step."""
     pytest.importorskip("torch")
-    from planc.runtime.data import DataChanged, batch_tokens
+    from planc.runtime.engine.data import DataChanged, batch_tokens
 
     path, plan, identity = _pinned(tmp_path)
     if change == "truncated":
@@ -407,7 +407,7 @@ def test_an_evaluation_batch_names_its_evaluation_not_a_step(tmp_path):
     the progress line and the checkpoints count): a change of the file, or an id it
     cannot train on, names both, and says that steps 1 to k were trained."""
     pytest.importorskip("torch")
-    from planc.runtime.data import DataChanged, batch_tokens
+    from planc.runtime.engine.data import DataChanged, batch_tokens
 
     path, plan, identity = _pinned(tmp_path)
     with open(path, "r+b") as out:  # rewritten in place: the same size, another time
@@ -542,7 +542,7 @@ def test_a_run_on_two_ranks_trains_on_uint32_tokens(tmp_path, capfd):
     step by step with one process (--check)."""
     pytest.importorskip("torch")
     from planc.cli import main
-    from planc.runtime.data import batch_tokens
+    from planc.runtime.engine.data import batch_tokens
 
     rng = random.Random(3)
     ids = [65536 + rng.randrange(64) if rng.random() < 0.3 else rng.randrange(200)
@@ -567,7 +567,7 @@ def test_a_run_on_two_ranks_trains_on_uint32_tokens(tmp_path, capfd):
 
 
 def test_the_corpus_tool_is_deterministic_and_lossless(tmp_path):
-    from planc.tools import corpus
+    from planc.data import corpus
 
     text = corpus.tiny_text(20_000)
     assert "".join(corpus.pieces(text)) == text and text.isascii()
@@ -583,7 +583,7 @@ def test_the_corpus_tool_is_deterministic_and_lossless(tmp_path):
     outputs = []
     for hash_seed in ("1", "2"):
         out = tmp_path / hash_seed / "c.tokens"
-        done = subprocess.run([sys.executable, "-m", "planc.tools.corpus", "-o", str(out),
+        done = subprocess.run([sys.executable, "-m", "planc.data.corpus", "-o", str(out),
                                "--chars", "20000", "--vocab", "600"], cwd=ROOT, timeout=60,
                               capture_output=True, text=True,
                               env={**os.environ, "PYTHONHASHSEED": hash_seed})
@@ -601,7 +601,7 @@ def test_the_corpus_tool_is_deterministic_and_lossless(tmp_path):
 def test_the_corpus_tool_wraps_a_raw_file(tmp_path):
     ids = [0, 70000, 5, 2**32 - 1]
     (tmp_path / "raw.bin").write_bytes(struct.pack("<4I", *ids))
-    done = subprocess.run([sys.executable, "-m", "planc.tools.corpus", "--raw", "uint32",
+    done = subprocess.run([sys.executable, "-m", "planc.data.corpus", "--raw", "uint32",
                            str(tmp_path / "raw.bin"), "-o", str(tmp_path / "w.tokens")],
                           cwd=ROOT, timeout=60, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -1,4 +1,4 @@
-"""Which samples each step reads: train.shuffle's permutation per epoch (planc.sample_order,
+"""Which samples each step reads: train.shuffle's permutation per epoch (planc.data.sample_order,
 docs/data.md), and a large token file that planc check and planc run never read whole."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import struct
 
 import pytest
 
-from planc.sample_order import permute, sample_start
-from planc.tokens import SCAN_LIMIT, header, write_tokens
+from planc.data.sample_order import permute, sample_start
+from planc.data.tokens import SCAN_LIMIT, header, write_tokens
 
 
 def documented_permutation(count: int, seed: int, epoch: int) -> list[int]:
@@ -60,7 +60,7 @@ def test_the_permutation_of_a_huge_file_needs_no_table():
 
 def test_shuffled_steps_read_every_whole_sample_once_per_epoch(tmp_path):
     pytest.importorskip("torch")
-    from planc.runtime.data import DataSource, batch_tokens
+    from planc.runtime.engine.data import DataSource, batch_tokens
 
     # 10 whole samples of 8 tokens and a tail of 3 that is never read; sample i holds
     # the ids 8 i .. 8 i + 7, so a row names the file sample it came from
@@ -106,7 +106,7 @@ def plan_of(data, **train) -> str:
 def test_planc_check_and_run_start_on_a_100_gb_file_without_reading_it(
         big_file, tmp_path, capfd, monkeypatch):
     pytest.importorskip("torch")
-    from planc import tokens
+    from planc.data import tokens
     from planc.cli import main
 
     scanned = []  # every whole-file scan, by size: none of this file

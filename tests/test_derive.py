@@ -14,7 +14,7 @@ import pytest
 from planc.graph.derive import derive
 from planc.graph.schedules import simulate
 from planc.lang import load_text
-from planc.memory import stage_parameters
+from planc.estimate.memory import stage_parameters
 
 B, S, H, HEADS, V, FFN = 4, 32, 64, 4, 256, 256  # microbatch size 4 with batch 16, dp 1, m 4
 

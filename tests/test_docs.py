@@ -22,7 +22,7 @@ import pytest
 from planc.lang import load_text
 from planc.lang.presets import PRESETS
 from planc.lang.schema import OPTIMIZER_ARGUMENTS, PLAN_SCHEMA, BlockSchema, Choice
-from planc.lang.units import UNITS
+from planc.vocabulary.units import UNITS
 from tests.conftest import ROOT
 
 LANGUAGE = ROOT / "docs" / "language.md"

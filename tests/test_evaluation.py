@@ -10,8 +10,8 @@ import pytest
 
 from planc.compile import compile_plan
 from planc.lang import load_text
-from planc.lower.program import Program
-from planc.lower.verify import verify_evaluation
+from planc.program.program import Program
+from planc.verify.verifier import verify_evaluation
 from tests.runtime_matrix import plan_text
 
 EVALUATED = "; eval_every = 2; eval_batches = 2"
@@ -99,7 +99,7 @@ def test_bad_evaluation_keys_are_errors_at_their_place(key, value, message):
 
 
 def test_without_eval_data_the_evaluation_reads_the_training_file(tmp_path):
-    from planc.tokens import write_tokens
+    from planc.data.tokens import write_tokens
 
     write_tokens(tmp_path / "train.tokens", [(3 * i) % 128 for i in range(400)])
     text = evaluated_plan("file", data='; data = "train.tokens"')

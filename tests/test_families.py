@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from planc import models
-from planc.training_record import TrainingRecord
+from planc.checkpoint.training_record import TrainingRecord
 from planc.lang import load_text
-from planc.lang.kinds import Integer, Key, Real
+from planc.vocabulary.kinds import Integer, Key, Real
 from planc.models import FAMILIES, gpt
 from planc.models.family import Finding
-from planc.plan_json import plan_from_dict
+from planc.plan.plan_json import plan_from_dict
 from planc.views import plan_text
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,8 +14,8 @@ import pytest
 from planc.compile import compile_plan
 from planc.graph.grad_norm import COLLECTIVE
 from planc.lang import load_text
-from planc.lower.program import Program
-from planc.lower.verify import verify
+from planc.program.program import Program
+from planc.verify.verifier import verify
 from tests import test_llama, test_moe
 from tests.runtime_matrix import plan_text as gpt_text
 from tests.runtime_matrix import run

@@ -32,10 +32,12 @@ if str(ROOT) not in sys.path:  # run as a script
 from planc.compile import compile_plan  # noqa: E402
 from planc.graph.select import Selection, default_selection, select  # noqa: E402
 from planc.lang import load_file  # noqa: E402
-from planc.views import dot, graph_svg, html  # noqa: E402
+from planc.views import html  # noqa: E402
+from planc.views.graph import dot  # noqa: E402
+from planc.views.graph import svg as graph_svg  # noqa: E402
 from planc.views.explain_text import explain  # noqa: E402
-from planc.views.graph_facts import lane_labels  # noqa: E402
-from planc.views.graph_groups import groups_of  # noqa: E402
+from planc.views.graph.facts import lane_labels  # noqa: E402
+from planc.views.graph.groups import groups_of  # noqa: E402
 
 PLANS = ROOT / "plans"
 LLAMA = (PLANS / "llama-small.plan",
@@ -239,7 +241,7 @@ def test_the_llama_page_finds_a_bucket_collective_and_explains_it(browser, tmp_p
     plan, graph = view(LLAMA)
     path = write_page(tmp_path, LLAMA, None, "llama")
     page, errors = open_page(browser, path)
-    # The page places groups as planc.views.graph_layout.place does (the SVG's layout).
+    # The page places groups as planc.views.graph.layout.place does (the SVG's layout).
     placed = page.evaluate("() => Object.fromEntries([...plancGraph.layout().boxes]"
                            ".map(([k, b]) => [k, [b.x, b.y]]))")
     assert placed == page_data(plan, graph)["placed"]

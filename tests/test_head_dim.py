@@ -13,11 +13,11 @@ import json
 
 import pytest
 
-from planc import memory
+from planc.estimate import memory
 from planc.graph.model import Shapes, forward_flops
 from planc.lang import load_text
 from planc.models import family_of
-from planc.plan_json import plan_from_dict
+from planc.plan.plan_json import plan_from_dict
 
 PLAN = """plan head_dim {{
   model {family} {{ layers = 2; hidden = 32; heads = 4; kv_heads = 2; {head_dim}ffn = 48;

@@ -23,7 +23,7 @@ pytest.importorskip("safetensors")
 
 from planc.cli import main  # noqa: E402
 from planc.lang import load_file  # noqa: E402
-from planc.runtime.data import batch_tokens  # noqa: E402
+from planc.runtime.engine.data import batch_tokens  # noqa: E402
 
 SIZES = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
              max_position_embeddings=16, rms_norm_eps=1e-6, rope_theta=500000.0)
@@ -412,7 +412,7 @@ def test_init_is_a_path_in_quotes_and_shows_in_the_settings(llama_dir, tmp_path,
 
 
 def test_plan_json_holds_init_only_when_given(llama_dir, tmp_path):
-    from planc.plan_json import plan_from_dict
+    from planc.plan.plan_json import plan_from_dict
 
     plan = load_file(_write(tmp_path, plan_text(init=str(llama_dir)))).plan
     assert plan.to_dict()["train"]["init"] == str(llama_dir)

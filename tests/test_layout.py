@@ -1,4 +1,4 @@
-"""Ranks, coordinates, groups and nodes of the 4-D mesh (planc/layout.py).
+"""Ranks, coordinates, groups and nodes of the 4-D mesh (planc/plan/layout.py).
 
 Every expectation here is computed independently of planc: by a mixed-radix reading
 written in this file, by brute force over coordinates, or by hand (the spec's example
@@ -21,8 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planc.lang import load_file
-from planc.layout import Layout
-from planc.plan import Mesh
+from planc.plan.layout import Layout
+from planc.plan.plan import Mesh
 from tests.conftest import PLANS, ROOT
 
 AXES = ("tp", "cp", "pp", "dp")

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from planc.cost import MAX_RECIPE_MEMBERS, CostModel, Placement, Route
+from planc.estimate.cost import MAX_RECIPE_MEMBERS, CostModel, Placement, Route
 from planc.lang.check import LIMITS, largest_divisors
-from planc.plan import Device, Link, Topology
+from planc.plan.plan import Device, Link, Topology
 from tests.conftest import ROOT
 from tests.limit_plans import gpt
 

@@ -1,7 +1,7 @@
 """The llama family end to end: checks, the derivation and real runs on every axis.
 
 Every plan of the matrix runs on real gloo processes with ``planc run --check``, which
-trains the same model in one process (planc.runtime.reference) and compares every loss
+trains the same model in one process (planc.runtime.oracle.reference) and compares every loss
 and final parameter; all plans of one model must then follow the same loss curve.
 """
 
@@ -13,7 +13,7 @@ import pytest
 
 from planc.cli import main
 from planc.lang import load_text
-from planc import memory
+from planc.estimate import memory
 from tests.conftest import PLANS
 
 TEMPLATE = """plan {name} {{

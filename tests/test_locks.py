@@ -1,4 +1,4 @@
-"""Locks on the directories a run or a compile writes (issue 20, planc/locks.py): two runs
+"""Locks on the directories a run or a compile writes (issue 20, planc/host/locks.py): two runs
 with one --checkpoint-dir, or two commands with one -o, replaced each other's checkpoints
 and builds, logs included, while the first was still going. Now the second gets one line
 naming the holder's pid and command, before anything is compiled or any rank starts; the
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from planc.locks import DIRECTORY_LOCK, LockHeld, build_lock_path, lock_build, lock_inside
+from planc.host.locks import DIRECTORY_LOCK, LockHeld, build_lock_path, lock_build, lock_inside
 from tests.conftest import ROOT, unprivileged
 
 DEADLINE_S = 300  # generous: the suite runs on a busy 2-core machine
@@ -54,7 +54,7 @@ def test_a_lock_dies_with_its_holder_and_no_child_inherits_it(tmp_path):
     ready = tmp_path / "ready"
     holder = subprocess.Popen([sys.executable, "-c", f"""
 import subprocess, sys, time
-from planc.locks import lock_build
+from planc.host.locks import lock_build
 lock = lock_build({str(tmp_path / 'b')!r}, "planc run held.plan -o b")
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
                          close_fds=False)

@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from planc.build import read, read_programs, write
+from planc.build.directory import read, read_programs, write
 from planc.compile import compile_plan
 from planc.lang import load_file, load_text
-from planc.lower.operands import Input, Operands
-from planc.lower.program import Instruction, Program, RankTable
-from planc.lower.verify import verify
+from planc.program.operands import Input, Operands
+from planc.program.program import Instruction, Program, RankTable
+from planc.verify.verifier import verify
 from tests.conftest import PLANS
 
 EXAMPLES = sorted(PLANS.glob("*.plan"))

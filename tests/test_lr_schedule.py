@@ -1,4 +1,4 @@
-"""train.lr_schedule: planc.lr_schedule's formula against torch.optim.lr_scheduler's
+"""train.lr_schedule: planc.plan.lr_schedule's formula against torch.optim.lr_scheduler's
 schedulers, stepped on a dummy optimizer as a training loop steps them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from planc.lr_schedule import LrSchedule, lr_at, problems
+from planc.plan.lr_schedule import LrSchedule, lr_at, problems
 
 torch = pytest.importorskip("torch")
 from torch.optim import lr_scheduler  # noqa: E402
@@ -19,7 +19,7 @@ LR = 3e-3
 
 def torch_lrs(schedule: LrSchedule, steps: int, lr: float = LR) -> list[float]:
     """The lr each of ``steps`` optimizer steps uses, with the torch schedulers that
-    planc.lr_schedule's docstring names, stepped once after each optimizer step."""
+    planc.plan.lr_schedule's docstring names, stepped once after each optimizer step."""
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
     warmup, low = schedule.warmup, schedule.min_lr
     after = steps - warmup
@@ -100,7 +100,7 @@ def test_problems():
 
 
 def test_describe_names_the_landmarks():
-    from planc.lr_schedule import describe
+    from planc.plan.lr_schedule import describe
 
     assert describe(LrSchedule(), 0.1, 10) == "constant lr 0.1"
     assert describe(LrSchedule("cosine", warmup=1, min_lr=0.05), 0.5, 4) == (
@@ -122,9 +122,9 @@ PLAN = """plan s {
 
 def test_plan_json_and_the_model_table_carry_the_schedule_and_refuse_a_bad_one():
     from planc.lang import load_text
-    from planc.lower.model_table import ModelTable
+    from planc.program.model_table import ModelTable
     from planc.lower.tabulate_model import model_table
-    from planc.plan_json import plan_from_dict
+    from planc.plan.plan_json import plan_from_dict
 
     plan = load_text(PLAN % "wsd(warmup = 2, decay = 3, min_lr = 1e-4)").plan
     assert plan.train.lr_schedule == LrSchedule("wsd", 2, 1e-4, 3)

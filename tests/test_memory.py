@@ -1,4 +1,4 @@
-"""Memory per device (planc/memory.py) against the papers' own numbers and formulas.
+"""Memory per device (planc/estimate/memory.py) against the papers' own numbers and formulas.
 
 Model states: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
 Parameter Models" (SC'20), Figure 1 / section 3. Activations: Korthikanti et al.,
@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from planc import memory
+from planc.estimate import memory
 from planc.lang import load_file, load_text
 from tests.conftest import PLANS
 

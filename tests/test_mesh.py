@@ -1,4 +1,4 @@
-"""The mesh registry (planc/mesh.py) against groups worked out by hand.
+"""The mesh registry (planc/plan/mesh.py) against groups worked out by hand.
 
 Every list below was written from the mixed-radix rule on paper (the order's first axis
 varies fastest), not computed by planc: ranks ``r = tp + 2 cp + 4 pp + 8 dp`` for the
@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from planc import mesh as mesh_module
-from planc.mesh import AXES, GROUPS, LAYOUT_GROUPS, PlacedAxis, RankMesh, sub_group
+from planc.plan import mesh as mesh_module
+from planc.plan.mesh import AXES, GROUPS, LAYOUT_GROUPS, PlacedAxis, RankMesh, sub_group
 
 TWOS = {"tp": 2, "cp": 2, "pp": 2, "dp": 2}
 DEFAULT = RankMesh.of(TWOS, AXES, devices_per_node=4)
@@ -150,9 +150,9 @@ def test_rejects_what_is_not_a_mesh():
 
 def test_imports_only_the_standard_library():
     """The bottom of the compiler: importing it loads no other planc module."""
-    code = ("import sys, planc.mesh; "
+    code = ("import sys, planc.plan.mesh; "
             "print(sorted(m for m in sys.modules if m.startswith('planc')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
-    assert out.strip() == "['planc', 'planc.mesh']"
-    assert mesh_module.__name__ == "planc.mesh"
+    assert out.strip() == "['planc', 'planc.plan.mesh']"
+    assert mesh_module.__name__ == "planc.plan.mesh"

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from planc.build import plan_fingerprint
+from planc.build.directory import plan_fingerprint
 from planc.cli import main
 from planc.lang import load_file
-from planc.metrics_file import read_metrics
+from planc.data.metrics_file import read_metrics
 from planc.views.curves import METRICS
 from tests.conftest import PLANS, ROOT
 
@@ -170,7 +170,7 @@ def test_the_report_measures_mfu_only_where_every_step_has_it_and_its_rate(
 
 
 def test_every_metric_plot_draws_is_checked_by_the_reader():
-    from planc.metrics_file import NUMBERS
+    from planc.data.metrics_file import NUMBERS
 
     assert set(METRICS) <= set(NUMBERS)
 

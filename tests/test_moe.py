@@ -118,7 +118,7 @@ def test_ep_needs_a_model_with_experts():
 def test_ep_groups_are_runs_of_a_stages_ranks_fastest_axis_first():
     """Megatron-Core's MoE Parallel Folding: ep drawn from tp x cp x dp of one stage, in
     the mesh's order; the world does not change."""
-    from planc.lower.groups import EXPERTS, plan_group_table
+    from planc.program.groups import EXPERTS, plan_group_table
 
     plan = load_text(plan_text(mesh="tp = 2; pp = 2; dp = 2; ep = 4", m=2, batch=8)).plan
     table = plan_group_table(plan)
@@ -138,7 +138,7 @@ def test_experts_are_split_over_ep_and_reduced_over_their_replicas():
     the same experts, the edp group [0, 2] / [1, 3]; the router and the attention stay
     in the dp x cp buckets, their tp partial sums summed first."""
     from planc.compile import compile_plan
-    from planc.lower.groups import EXPERTS, plan_group_table
+    from planc.program.groups import EXPERTS, plan_group_table
     from planc.graph.ir import Axis
 
     plan = load_text(plan_text(mesh="tp = 2; dp = 2; ep = 2", m=2, batch=8,
@@ -175,7 +175,7 @@ def test_planc_layout_lists_the_ep_groups_and_the_experts_replicas(capsys):
     ranks at the same place of each run; both in the table and in --json."""
     import json
 
-    from planc.layout import Layout
+    from planc.plan.layout import Layout
 
     layout = Layout.of(load_text(plan_text(mesh="tp = 2; pp = 2; dp = 2; ep = 2", m=2,
                                            batch=8)).plan)
@@ -200,7 +200,7 @@ def test_the_memory_estimate_splits_the_experts_over_ep_and_their_replicas():
     """Model states of one device: the 3 x 4 x 32 x 24 expert elements of each of 3
     blocks, halved by ep 2; under ZeRO-1 their AdamW state is split over their 2 replicas
     (edp), as the rest's is over dp 2 (fp32: 4 bytes a weight, 8 of AdamW state)."""
-    from planc import memory
+    from planc.estimate import memory
 
     def states(mesh, zero):
         plan = load_text(plan_text(mesh=mesh, m=2, batch=8,
@@ -243,7 +243,7 @@ def test_the_memory_estimate_holds_the_worst_dispatch_buffers():
     """ep 4 over tp 2 x dp 2: a rank may receive, from each of its 4 ep peers, every row
     its 32 tokens (2 sequences of 32, over tp) can send to its 2 experts (top_k 2), and
     holds them with the experts' gate, up and product and their outputs."""
-    from planc import memory
+    from planc.estimate import memory
 
     def peak(mesh):
         plan = load_text(plan_text(mesh=mesh, m=2, batch=8, experts=8).replace(
@@ -329,7 +329,7 @@ def _mixtral(plan):
     """MixtralForCausalLM with planc's initial weights (planc stores x @ W, (in, out))."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from planc.runtime.reference import initial, parameters
+    from planc.runtime.oracle.reference import initial, parameters
 
     m = plan.model
     config = transformers.MixtralConfig(
@@ -399,8 +399,8 @@ def test_loss_and_every_gradient_equal_mixtral(mesh, m, tmp_path, capfd):
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
-    from planc.runtime.data import batch_tokens
-    from planc.runtime.reference import initial, parameters
+    from planc.runtime.engine.data import batch_tokens
+    from planc.runtime.oracle.reference import initial, parameters
 
     text = plan_text(mesh=mesh, m=m, steps=1,
                      optimizer=f"sgd(lr = {LR}, momentum = 0, weight_decay = 0)")

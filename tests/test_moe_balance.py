@@ -12,9 +12,9 @@ import pytest
 
 from planc.compile import compile_plan
 from planc.lang import load_text
-from planc.lower.groups import SEQUENCE
-from planc.lower.program import Program
-from planc.lower.verify import verify
+from planc.program.groups import SEQUENCE
+from planc.program.program import Program
+from planc.verify.verifier import verify
 from tests.test_moe import plan_text
 
 AUX = "; aux_loss = 0.01"

@@ -62,8 +62,8 @@ def test_export_loads_in_mixtral_and_computes_the_same_loss(tmp_path, capfd):
     """A tp 2 run's checkpoint, exported, is MixtralForCausalLM's: every tensor is the
     checkpoint's and the loss on the first batch is planc's reference forward loss."""
     transformers = pytest.importorskip("transformers")
-    from planc.runtime.data import batch_tokens
-    from planc.runtime.reference import forward_loss
+    from planc.runtime.engine.data import batch_tokens
+    from planc.runtime.oracle.reference import forward_loss
 
     text = plan_text("hf", mesh="tp = 2", steps=1,
                      optimizer="sgd(lr = 0.1, momentum = 0, weight_decay = 0)",

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from planc.compile import compile_plan
-from planc.cost import CostModel, Placement
-from planc.kernel_cost import Mixture
+from planc.estimate.cost import CostModel, Placement
+from planc.estimate.kernel_cost import Mixture
 from planc.lang import load_text
 from planc.models import moe
 from planc.simulate import simulate

@@ -1,4 +1,4 @@
-"""The output rule (issue 34, planc/outputs.py, README "Outputs"): every output flag of
+"""The output rule (issue 34, planc/host/outputs.py, README "Outputs"): every output flag of
 every command, pointed at every kind of path planc must not write over, is refused with
 one line before any work, and leaves every file as it was.
 
@@ -136,7 +136,7 @@ def protected(tmp_path_factory):
     held.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", f"""
 import sys
-from planc.locks import lock_build, lock_inside
+from planc.host.locks import lock_build, lock_inside
 a = lock_build({str(busy)!r}, "planc run busy")
 b = lock_inside({str(held)!r}, "planc run x.plan --checkpoint-dir held")
 print("locked", flush=True)

@@ -24,7 +24,7 @@ from planc.diagnostics import (
 )
 from planc.lang import OverrideError, load_file, load_text
 from planc.lang.overrides import parse_override
-from planc.plan import Mesh, Optimizer
+from planc.plan.plan import Mesh, Optimizer
 
 BASE = """\
 plan base {

@@ -9,11 +9,12 @@ import json
 import pytest
 
 from planc.diagnostics import Span, render_text
-from planc.lang import ast, load_file, load_text
+from planc.lang import load_file, load_text
+from planc.vocabulary import ast
 from planc.lang.parser import parse
-from planc.lang.units import UNITS
-from planc.plan import Optimizer, Plan
-from planc.plan_json import plan_from_dict
+from planc.vocabulary.units import UNITS
+from planc.plan.plan import Optimizer, Plan
+from planc.plan.plan_json import plan_from_dict
 from tests.conftest import PLANS
 
 MODEL = "model gpt { layers = 4; hidden = 64; heads = 4; vocab = 256; seq = 32; batch = 16 }"

@@ -17,8 +17,8 @@ from planc.compile import compile_plan
 from planc.graph import ir
 from planc.graph.model import all_parameters
 from planc.lang import load_file, load_text
-from planc.lower.program import Program
-from planc.lower.verify import verify
+from planc.program.program import Program
+from planc.verify.verifier import verify
 from planc.passes.fuse import FIRST_BUCKET_BYTES
 from tests.conftest import PLANS
 

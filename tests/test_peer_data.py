@@ -179,7 +179,7 @@ def test_the_source_check_finds_each_way_of_unpickling(tmp_path):
 RANKS = r'''
 import sys
 import torch, torch.distributed as dist
-from planc.runtime import exchange
+from planc.runtime.engine import exchange
 
 rank, path = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", rank=rank, world_size=2, store=dist.FileStore(path, 2))

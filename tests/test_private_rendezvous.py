@@ -33,7 +33,7 @@ pytest.importorskip("torch")
 # standard library (under /root)
 import torch.distributed as dist  # noqa: E402
 
-from planc.runtime.rendezvous import STORE_DIRECTORY  # noqa: E402
+from planc.runtime.launcher.rendezvous import STORE_DIRECTORY  # noqa: E402
 from tests.launched import (descendants, listening, start, stuck_build,  # noqa: E402
                             wait_for_training)
 

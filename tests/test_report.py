@@ -13,12 +13,12 @@ import xml.etree.ElementTree as ElementTree
 
 import pytest
 
-from planc import memory
-from planc.build import plan_fingerprint
+from planc.estimate import memory
+from planc.build.directory import plan_fingerprint
 from planc.cli import main
 from planc.compile import compile_plan
 from planc.lang import load_file, load_text
-from planc.lang.units import format_bytes
+from planc.vocabulary.units import format_bytes
 from planc.simulate import simulate
 from planc.views.plan_text import settings
 from planc.views.report_html import BAR_SPACE, BAR_START

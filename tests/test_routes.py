@@ -14,13 +14,13 @@ import shutil
 import pytest
 
 from planc.compile import compile_plan
-from planc.cost import CostModel, Placement, Route, counts_of
+from planc.estimate.cost import CostModel, Placement, Route, counts_of
 from planc.lang import load_text
-from planc.lang.units import TIME, format_quantity
-from planc.lower.groups import group_table
-from planc.lower.routes import Recipe, Step, hierarchical, tree
-from planc.lower.verify_routes import check
-from planc.plan import Device, Link, Topology
+from planc.vocabulary.units import TIME, format_quantity
+from planc.program.groups import group_table
+from planc.program.routes import Recipe, Step, hierarchical, tree
+from planc.verify.routes import check
+from planc.plan.plan import Device, Link, Topology
 
 # intra: 10 us, 10 GB/s; inter: 50 us, 1 GB/s per device.
 TOPOLOGY = Topology(2, 4, Device(1e12, None), Link(1e10, 1e-5), Link(1e9, 5e-5))
@@ -307,7 +307,7 @@ def _with_topology(tmp_path, document, extra: str = "") -> object:
 
 def test_a_calibrated_topology_supplies_links_and_measured_collectives(tmp_path):
     from planc.lang import load_file
-    from planc.plan import Tuning
+    from planc.plan.plan import Tuning
 
     loaded = load_file(_with_topology(tmp_path, CALIBRATED))
     assert loaded.ok, [d.message for d in loaded.diagnostics]
@@ -447,7 +447,7 @@ def test_calibrate_writes_a_topology_that_a_plan_can_use(tmp_path, run_planc):
 
 
 def test_auto_takes_the_simpler_route_within_one_percent():
-    from planc.cost import Candidate
+    from planc.estimate.cost import Candidate
     from planc.passes.route import choose
 
     candidates = [Candidate(Route.RING, 30e-6, ""), Candidate(Route.TREE, 14.0001e-6, ""),
@@ -470,7 +470,7 @@ def test_auto_takes_the_simpler_route_within_one_percent():
 def test_group_shapes_are_those_of_every_group(sizes, order, per_node):
     """The residue walk of GroupTable.shapes finds exactly the placements that walking
     every group finds."""
-    from planc.plan import Mesh
+    from planc.plan.plan import Mesh
 
     mesh = Mesh(**{"tp": 1, "cp": 1, "pp": 1, "dp": 1, **sizes}, order=order)
     table = group_table(mesh, per_node, True)

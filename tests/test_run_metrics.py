@@ -15,10 +15,10 @@ import pytest
 
 from conftest import PLANS, ROOT, unprivileged
 
-from planc.build import plan_fingerprint
+from planc.build.directory import plan_fingerprint
 from planc.compile import compile_plan
 from planc.lang import load_file
-from planc.metrics_file import read_metrics
+from planc.data.metrics_file import read_metrics
 from planc.models import step_model_flops
 from planc.simulate import simulate
 from planc.views.curves import HEIGHT_IN, WIDTH_IN, DPI, Curve, curve, inline_svg
@@ -58,12 +58,12 @@ def test_a_build_without_its_step_flops_is_refused_by_a_rank(tmp_path):
     manifest = json.loads(manifest_path.read_text())
     manifest["mfu"]["peak_flops_per_device"] = 0
     manifest_path.write_text(json.dumps(manifest))
-    done = subprocess.run([sys.executable, "-c", "from planc.build_files import read_for_run;"
+    done = subprocess.run([sys.executable, "-c", "from planc.build.files import read_for_run;"
                            f"read_for_run({str(tmp_path / 'b')!r})"],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 1
     assert done.stderr.strip().endswith(
-        f"planc.build_files.BuildError: {manifest_path} has no valid mfu section (the model "
+        f"planc.build.files.BuildError: {manifest_path} has no valid mfu section (the model "
         f"FLOPs of a step and the peak FLOP/s of a device, positive numbers); run planc "
         f"compile again")
 

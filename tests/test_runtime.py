@@ -238,8 +238,8 @@ def feature_curves() -> dict[str, tuple[list[float], list[float]]]:
 @pytest.mark.parametrize("name", list(FEATURE_RUNS))
 def test_every_feature_trains_exactly_like_one_process(name, tmp_path, capfd,
                                                         feature_curves):
-    from planc.tokens import write_tokens
-    from planc.tools.corpus import main as make_corpus
+    from planc.data.tokens import write_tokens
+    from planc.data.corpus import main as make_corpus
 
     case, switches = FEATURE_RUNS[name]
     overrides: tuple[str, ...] = ()
@@ -276,7 +276,7 @@ def test_the_plans_of_one_model_follow_one_curve_with_every_feature(feature_curv
     if len(feature_curves) < len(FEATURE_RUNS):
         pytest.skip("needs every featured run")
     from planc.lang import load_text
-    from planc.runtime import reference
+    from planc.runtime.oracle import reference
 
     groups: dict[str, list] = {}
     for name, curve in feature_curves.items():

@@ -51,7 +51,7 @@ def test_the_demo_plan_learns_the_corpus_exactly_like_one_process(tmp_path, capf
     """make demo's run, 16 of its 40 steps: plans/demo.plan on the corpus of make corpus.
     Uniform random tokens (the synthetic data) keep the loss at ln(vocab) whatever the
     model learns; the stories have structure, so the loss falls by more than 1.5."""
-    from planc.tools.corpus import main as make_corpus
+    from planc.data.corpus import main as make_corpus
 
     corpus = tmp_path / "tiny-corpus.tokens"
     assert make_corpus(["-o", str(corpus)]) == 0
@@ -99,7 +99,7 @@ def test_a_data_file_that_changed_after_compile_is_refused_before_any_rank_start
 
 def test_a_data_file_is_read_a_step_at_a_time_and_each_batch_checked(tmp_path):
     from planc.lang import load_text
-    from planc.runtime.data import DataError, batch_tokens
+    from planc.runtime.engine.data import DataError, batch_tokens
 
     tokens = tmp_path / "tokens.bin"
     values = list(range(100))

@@ -428,7 +428,7 @@ def test_a_signal_inside_the_import_machinery_is_recorded_not_raised():
     recorded, and planc.cli.main acts on it when the command returns."""
     from types import SimpleNamespace
 
-    from planc.interrupts import Interrupted, Interrupts
+    from planc.host.interrupts import Interrupted, Interrupts
 
     def frame(filename):
         return SimpleNamespace(f_code=SimpleNamespace(co_filename=filename))

@@ -15,19 +15,19 @@ import pytest
 
 from planc.compile import compile_plan
 from planc.lang import load_file, load_text
-from planc.lower.operands import Operands
-from planc.lower.program import Instruction, Program
+from planc.program.operands import Operands
+from planc.program.program import Instruction, Program
 from planc.simulate import model_flops, simulate
 from planc.simulate.blocks import replay
 from planc.simulate.costs import InstructionCosts, ring_seconds
-from planc.kernel_cost import GPUS, KernelModel, wave_efficiency
+from planc.estimate.kernel_cost import GPUS, KernelModel, wave_efficiency
 from planc.simulate.pipeline import step
 from bench.published_runs import (KORTHIKANTI_TABLE_5, MEGATRON_H100, NARAYANAN_TABLE_1,
                                   SEQUENCE_SELECTIVE, narayanan_step_flops)
 from tests.conftest import PLANS
 
 # Regression guards, not evidence of accuracy (that is bench/validation.py's, table by
-# table): the errors reached, rounded up. With the kernel model of planc.kernel_cost on
+# table): the errors reached, rounded up. With the kernel model of planc.estimate.kernel_cost on
 # A100s (GEMMs by shape, Megatron-LM's unfused attention of 2022) and NCCL's achieved
 # bandwidths (planc.lang.presets): median 3.1 %, max 11.3 % (the 22B model's second
 # column), of both signs. With the links' line rates they were 7.0 % and 16.7 %, every

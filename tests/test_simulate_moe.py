@@ -38,11 +38,11 @@ from pathlib import Path
 import pytest
 
 from planc.compile import compile_plan
-from planc.cost import CostModel, Placement
-from planc.kernel_cost import KernelModel, wave_efficiency
+from planc.estimate.cost import CostModel, Placement
+from planc.estimate.kernel_cost import KernelModel, wave_efficiency
 from planc.lang import load_file, load_text
-from planc.mesh import counts_of
-from planc.plan import Plan
+from planc.plan.mesh import counts_of
+from planc.plan.plan import Plan
 from planc.simulate import simulate
 from tests.conftest import PLANS, ROOT
 

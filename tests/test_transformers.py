@@ -18,10 +18,10 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from planc.cli import main  # noqa: E402
-from planc.export.hf import hf_config, hf_name  # noqa: E402
+from planc.hf.export import hf_config, hf_name  # noqa: E402
 from planc.lang import load_text  # noqa: E402
-from planc.runtime.data import batch_tokens  # noqa: E402
-from planc.runtime.reference import initial, parameters  # noqa: E402
+from planc.runtime.engine.data import batch_tokens  # noqa: E402
+from planc.runtime.oracle.reference import initial, parameters  # noqa: E402
 from tests.conftest import checkpoint_tensors, trained_one_step  # noqa: E402
 
 LR = 1000.0
@@ -104,7 +104,7 @@ def test_export_loads_in_transformers_and_computes_the_same_loss(head_dim, tmp_p
         target, transpose = hf_name(name)
         loaded = dict(model.named_parameters())[target].detach()
         assert torch.equal(loaded, value.t() if transpose else value), name
-    from planc.runtime.reference import forward_loss
+    from planc.runtime.oracle.reference import forward_loss
 
     with torch.no_grad():
         expected = forward_loss(plan, final, batch_tokens(plan, 0))

@@ -34,7 +34,7 @@ def _check(text: str):
 
 def _exhaustive(plan, source: str, gpus: int, capacity: float) -> list[tuple[float, str]]:
     """Every candidate the checker accepts and that fits, simulated: (step, layout)."""
-    from planc import memory
+    from planc.estimate import memory
     from planc.compile import compile_plan
     from planc.simulate import simulate
 

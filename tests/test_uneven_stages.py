@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from planc import memory
+from planc.estimate import memory
 from planc.cli import main
 from planc.lang import load_file, load_text
 from planc.schedules.layers import balanced_chunks, chunk_text, fewest_layers

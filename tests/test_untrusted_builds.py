@@ -137,7 +137,7 @@ def test_logs_that_is_not_a_directory_of_the_build(build, capsys, tmp_path, kind
 
 def _tamper_plan(build: Path, change) -> Path:
     """Edit plan.json and re-sign it as an attacker would (the sha256 is a checksum)."""
-    from planc.build import _fingerprint
+    from planc.build.directory import _fingerprint
 
     path = build / "plan.json"
     data = json.loads(path.read_text())

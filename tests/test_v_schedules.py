@@ -12,9 +12,9 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from planc import schedules
 from planc.compile import compile_plan
 from planc.lang import load_text
-from planc.lower.program import Program
-from planc.lower.verify import verify
-from planc.memory import layer_parameters, stage_parameters
+from planc.program.program import Program
+from planc.verify.verifier import verify
+from planc.estimate.memory import layer_parameters, stage_parameters
 from planc.schedules import Action, ActionKind, PipelineShape
 
 TORCH_KIND = {torch_schedules.FORWARD: ActionKind.FORWARD,

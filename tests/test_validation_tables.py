@@ -16,7 +16,7 @@ import pytest
 
 from bench import deepspeed_schedule, validation
 from planc.compile import compile_plan
-from planc.kernel_cost import GPUS
+from planc.estimate.kernel_cost import GPUS
 from planc.lang import load_file
 from planc.simulate import simulate
 from tests.conftest import PLANS

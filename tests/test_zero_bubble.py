@@ -11,8 +11,8 @@ import pytest
 from planc import schedules
 from planc.compile import compile_plan
 from planc.lang import load_file, load_text
-from planc.lower.program import Program
-from planc.lower.verify import verify
+from planc.program.program import Program
+from planc.verify.verifier import verify
 from planc.schedules import Action, ActionKind, PipelineShape
 from planc.schedules.zero_bubble import held_at_peak
 from planc.simulate import simulate

@@ -15,9 +15,9 @@ import os
 import sys
 from typing import TextIO
 
-from planc.collector import without_collector
+from planc.host.collector import without_collector
 from planc.diagnostics import MAX_SHOWN, render_json, render_text, summary_line
-from planc.words import counted
+from planc.diagnostics import counted
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
 MAX_LOCAL_RANKS = 64
@@ -31,7 +31,7 @@ def use_color(stream: TextIO) -> bool:
     return hasattr(stream, "isatty") and stream.isatty() and os.environ.get("TERM") != "dumb"
 
 
-@without_collector  # the plan, and its diagnostics as they are printed (planc.collector)
+@without_collector  # the plan, and its diagnostics as they are printed (planc.host.collector)
 def load_plan(args) -> tuple[object, int]:
     """Load the plan named on the command line and print its diagnostics."""
     from planc.lang import load_file
@@ -70,7 +70,7 @@ def fail(message: str, status: int = EXIT_ERRORS) -> int:
 
 def load_build(args):
     """A build from a directory, or compiled in memory from a plan file."""
-    from planc import build
+    from planc.build import directory as build
     from planc.compile import CompileError, compile_plan
 
     if os.path.isdir(args.file):
@@ -93,7 +93,7 @@ def load_programs(args, verified: bool = False):
     """The build with its programs. ``verified``: programs read from a build directory
     (untrusted input) must pass planc verify first, for commands that replay them (the
     simulator assumes programs that can run a whole step)."""
-    from planc import build
+    from planc.build import directory as build
 
     built, status = load_build(args)
     if built is None:
@@ -104,7 +104,7 @@ def load_programs(args, verified: bool = False):
         except build.BuildError as exc:
             return None, fail(str(exc))
         if verified:
-            from planc.lower.verify import verify
+            from planc.verify.verifier import verify
 
             report = verify(built.plan, built.graph, built.programs, built.table,
                             built.groups, built.routes)
@@ -127,9 +127,9 @@ def command_line(args) -> str:
 
 
 def take_lock(lock, what: str, hint: str):
-    """``lock()`` (planc.locks): (the lock, EXIT_OK), or (None, EXIT_ERRORS) after saying
+    """``lock()`` (planc.host.locks): (the lock, EXIT_OK), or (None, EXIT_ERRORS) after saying
     that ``what`` is in use, by whom, and ``hint``."""
-    from planc.locks import LockError, LockHeld
+    from planc.host.locks import LockError, LockHeld
 
     try:
         return lock(), EXIT_OK
@@ -141,10 +141,10 @@ def take_lock(lock, what: str, hint: str):
 
 def replaceable(directory: str, loaded, force: bool):
     """Whether compiling the plan ``loaded`` into ``directory`` may replace what it holds:
-    (planc.build.Earlier or None, EXIT_OK), or (None, EXIT_ERRORS) after saying why not.
+    (planc.build.directory.Earlier or None, EXIT_OK), or (None, EXIT_ERRORS) after saying why not.
     The build of another plan file is never replaced without ``--force``; an earlier
     version of the same plan is (the edit-compile loop)."""
-    from planc import build
+    from planc.build import directory as build
 
     earlier = build.earlier_build(directory, loaded.plan, loaded.path, loaded.source)
     if earlier is not None and earlier.kind == "other" and not force:
@@ -181,14 +181,14 @@ def _shown(path: str | None) -> str:
 def outputs_refused(args, inputs: tuple[tuple[str, str | None], ...] = (),
                     paths: dict[str, str] | None = None, append: bool = False,
                     members=None, made: str | None = None) -> int | None:
-    """Check every output path of the command line against planc.outputs' rule, before
+    """Check every output path of the command line against planc.host.outputs' rule, before
     any work: None if all may be written, else the exit status after saying why.
     ``inputs``: (what, path) of what the command reads; ``paths``: the path an output
     takes when its flag is not given (a build's default directory); ``append``: a
     resumed run continues its metrics and logs; ``members``: for a directory output, the
     names of the files it writes there; ``made``: a directory the command creates
     first (a run's build), in which an output may be named."""
-    from planc import outputs
+    from planc.host import outputs
 
     declared = []
     for dest, flag, key in getattr(args, "outputs", ()):

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from planc.commands import EXIT_OK, EXIT_USAGE, MAX_LOCAL_RANKS, fail, outputs_refused
-from planc.interrupts import Interrupted, blocked_in_children
+from planc.host.interrupts import Interrupted, blocked_in_children
 
 
 def _rank(env: dict[str, str], argv: list[str]) -> None:
@@ -24,7 +24,7 @@ def _rank(env: dict[str, str], argv: list[str]) -> None:
 
 def main(args) -> int:
     from planc.lang.presets import calibrated_preset
-    from planc.lang.units import TIME, format_quantity
+    from planc.vocabulary.units import TIME, format_quantity
 
     if not 2 <= args.ranks <= MAX_LOCAL_RANKS:
         return fail(f"--ranks must be between 2 and {MAX_LOCAL_RANKS}", EXIT_USAGE)
@@ -36,7 +36,7 @@ def main(args) -> int:
     refused = outputs_refused(args)
     if refused is not None:
         return refused
-    from planc.runtime.rendezvous import private_store, rank_environment, remove_store
+    from planc.runtime.launcher.rendezvous import private_store, rank_environment, remove_store
 
     # the ranks meet in a store only this user can open, as planc run's do
     store = private_store(tempfile.mkdtemp(prefix="planc-calibrate-"))
@@ -50,7 +50,7 @@ def main(args) -> int:
     try:
         with args.interrupts.deferred(raise_at_end=False):
             # torch once, here, without starting its thread pool (a forked child would
-            # inherit a pool whose threads are gone: planc.runtime.torch_threads)
+            # inherit a pool whose threads are gone: planc.runtime.launcher.torch_threads)
             import planc.runtime.calibrate  # noqa: F401
         args.interrupts.check()
         fork = multiprocessing.get_context("fork")

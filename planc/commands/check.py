@@ -8,7 +8,7 @@ from planc.commands import EXIT_OK, load_plan
 
 
 def check(args) -> int:
-    from planc import memory
+    from planc.estimate import memory
     from planc.views import memory_text, plan_text
 
     loaded, status = load_plan(args)
@@ -25,8 +25,8 @@ def check(args) -> int:
 
 
 def layout(args) -> int:
-    from planc import memory
-    from planc.layout import Layout
+    from planc.estimate import memory
+    from planc.plan.layout import Layout
     from planc.views import layout_text, memory_text
 
     loaded, status = load_plan(args)

@@ -9,9 +9,9 @@ from planc.commands import (EXIT_OK, command_line, counted, fail, load_plan, out
 
 
 def main(args) -> int:
-    from planc import build
+    from planc.build import directory as build
     from planc.compile import CompileError, compile_plan
-    from planc.locks import lock_build
+    from planc.host.locks import lock_build
     from planc.views import summary_text
 
     loaded, status = load_plan(args)

@@ -13,7 +13,7 @@ from planc.commands import (EXIT_OK, EXIT_USAGE, fail, load_programs, missing_ru
 
 def main(args) -> int:
     from planc.export.chakra import export, trace_file
-    from planc.outputs import HF_FILES
+    from planc.host.outputs import HF_FILES
 
     if args.format == "hf":
         what = "the checkpoint directory" if os.path.isdir(args.file) else "the input"
@@ -51,7 +51,7 @@ def _remove_stale(directory: str, prefix: str, written: set[str]) -> None:
     """The traces an earlier export (replaced with --force) wrote for ranks this one has
     not: they belong to the replaced output."""
     from planc.export.chakra import trace_file
-    from planc.outputs import CHAKRA, is_ours
+    from planc.host.outputs import CHAKRA, is_ours
 
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
@@ -63,8 +63,8 @@ def _remove_stale(directory: str, prefix: str, written: set[str]) -> None:
 def _a_checkpoint(path: str) -> bool:
     """A checkpoint directory (or one of its step directories) given where Chakra export
     needs a plan or a build: the user meant --format hf."""
-    from planc.build import MANIFEST as BUILD_MANIFEST
-    from planc.checkpoint import holds_checkpoints
+    from planc.build.directory import MANIFEST as BUILD_MANIFEST
+    from planc.checkpoint.format import holds_checkpoints
 
     return (os.path.isdir(path) and not os.path.lexists(os.path.join(path, BUILD_MANIFEST))
             and holds_checkpoints(path))
@@ -73,11 +73,11 @@ def _a_checkpoint(path: str) -> bool:
 def _hugging_face(args) -> int:
     """A checkpoint directory as a transformers checkpoint (needs torch and safetensors,
     the ``run`` extra)."""
-    from planc.checkpoint import CheckpointError
+    from planc.checkpoint.format import CheckpointError
 
     try:
         with args.interrupts.deferred():  # torch swallows a Ctrl-C during its import
-            from planc.runtime.export_hf import export_hf
+            from planc.runtime.checkpoint.export_hf import export_hf
     except ImportError as exc:
         if not missing_runtime(exc):
             raise

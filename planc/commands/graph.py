@@ -10,10 +10,10 @@ from planc.commands import (EXIT_OK, EXIT_USAGE, GRAPH_FORMATS, fail, load_build
 
 
 def main(args) -> int:
-    from planc.files import write_atomically
-    from planc.outputs import GRAPH, marked
+    from planc.host.files import write_atomically
+    from planc.host.outputs import GRAPH, marked
     from planc.graph.select import Selection, default_selection, select
-    from planc.views import render_graph
+    from planc.views.graph import render as render_graph
 
     fmt = args.format or (os.path.splitext(args.output)[1].lstrip(".").lower()
                           if args.output else "dot")

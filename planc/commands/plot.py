@@ -13,9 +13,9 @@ FORMATS = {".png": "png", ".svg": "svg"}
 
 
 def main(args) -> int:
-    from planc.files import write_atomically
-    from planc.metrics_file import read_metrics
-    from planc.outputs import PLOT, marked
+    from planc.host.files import write_atomically
+    from planc.data.metrics_file import read_metrics
+    from planc.host.outputs import PLOT, marked
     from planc.views.curves import CurveError, curve, distinct, draw
 
     refused = outputs_refused(args, [("a metrics file it draws", path)

@@ -37,7 +37,7 @@ def programs(args) -> int:
 
 
 def verify(args) -> int:
-    from planc.lower.verify import verify
+    from planc.verify.verifier import verify
 
     built, status = load_programs(args)
     if built is None:

@@ -6,8 +6,8 @@ import json
 import sys
 
 from planc.commands import EXIT_OK, fail, load_programs, outputs_refused, the_input
-from planc.files import read_regular_file
-from planc.metrics_file import in_range, read_metrics
+from planc.host.files import read_regular_file
+from planc.data.metrics_file import in_range, read_metrics
 
 
 def _other_build(path: str, records: list[dict], build_path: str, fingerprint: str
@@ -69,9 +69,9 @@ def _tune(path: str) -> tuple[list[dict] | None, str | None]:
 
 
 def main(args) -> int:
-    from planc.build import plan_fingerprint
-    from planc.files import write_atomically
-    from planc.outputs import REPORT, marked
+    from planc.build.directory import plan_fingerprint
+    from planc.host.files import write_atomically
+    from planc.host.outputs import REPORT, marked
     from planc.simulate import simulate
     from planc.views import report_html
 

@@ -50,7 +50,7 @@ def _run(args) -> int:
     if found is None and built.plan.train.init is not None:
         # the checkpoint to start from, as it is now, before any rank starts: a build
         # compiled earlier was checked against the files of then
-        from planc.export.hf_init import HFCheckpointError, check_init
+        from planc.hf.init import HFCheckpointError, check_init
 
         try:
             check_init(built.plan.train.init, built.plan.model)
@@ -58,10 +58,10 @@ def _run(args) -> int:
             return fail(f"{exc}; nothing was run")
     try:
         # torch swallows a KeyboardInterrupt raised while it imports numpy: signals wait
-        # until the import is done (planc.interrupts)
+        # until the import is done (planc.host.interrupts)
         with args.interrupts.deferred():
-            from planc.runtime.data import DataError, check_data
-            from planc.runtime.launch import fork_server_problem, gpus, launch
+            from planc.runtime.engine.data import DataError, check_data
+            from planc.runtime.launcher.launch import fork_server_problem, gpus, launch
 
             devices = gpus()  # imports torch: here, with signals deferred
     except ImportError as exc:
@@ -111,11 +111,11 @@ def _checkpoint(args):
     --resume. A checkpoint is an input: a problem with it is exit status 1."""
     if not args.resume:
         return None, EXIT_OK
-    from planc import checkpoint
+    from planc.checkpoint import format as checkpoint
 
     try:
         with args.interrupts.deferred():  # torch swallows a Ctrl-C during its import
-            from planc.runtime.checkpoint_values import check_values
+            from planc.runtime.checkpoint.values import check_values
     except ImportError as exc:  # no torch: the files are checked, planc run says it needs it
         if not missing_runtime(exc):
             raise
@@ -142,8 +142,8 @@ def _resumable(args, found, plan, buckets=None) -> int:
     is compiled, and again on the build's parameters."""
     if found is None:
         return EXIT_OK
-    from planc import checkpoint
-    from planc.training_record import TrainingRecord
+    from planc.checkpoint import format as checkpoint
+    from planc.checkpoint.training_record import TrainingRecord
 
     record = TrainingRecord.of(plan.to_dict())
     steps = args.steps or plan.train.steps
@@ -196,7 +196,7 @@ def _refused(args) -> int | None:
         problem = tensorboard_missing()
         if problem:
             return fail(problem)
-    # every output path at once (planc.outputs): a resumed run continues its metrics and
+    # every output path at once (planc.host.outputs): a resumed run continues its metrics and
     # TensorBoard logs; a build directory given to run is its input, not an output
     given = os.path.isdir(args.file)
     # (--resume is no input here: a run continues the checkpoint directory it resumed from)
@@ -258,10 +258,10 @@ def _build_path(args) -> str:
 
 def _locks(args):
     """The locks of the build directory, of --checkpoint-dir and of the metrics, trace
-    and TensorBoard paths (planc.locks), or (None, the status after saying who holds
+    and TensorBoard paths (planc.host.locks), or (None, the status after saying who holds
     one)."""
     from planc.commands.run_outputs import output_locks
-    from planc.locks import LockError, lock_beside, lock_build, lock_inside
+    from planc.host.locks import LockError, lock_beside, lock_build, lock_inside
 
     holder, directory = command_line(args), _build_path(args)
     given = os.path.isdir(args.file)
@@ -302,7 +302,7 @@ def _build_directory(args, precheck=None) -> tuple[str | None, int]:
     (once ``precheck(plan)`` found nothing wrong with the plan). A build of the same plan
     already there is run as it is (its logs stay); one of another plan file is not
     replaced without --force."""
-    from planc import build
+    from planc.build import directory as build
     from planc.compile import CompileError, compile_plan
 
     if os.path.isdir(args.file):
@@ -330,8 +330,8 @@ def _build_directory(args, precheck=None) -> tuple[str | None, int]:
 
 def _verified_build(args, directory: str):
     """The build with its programs, verified unless --no-verify, small enough to run here."""
-    from planc import build
-    from planc.lower.verify import verify
+    from planc.build import directory as build
+    from planc.verify.verifier import verify
 
     try:
         built = build.read_programs(build.read(directory))

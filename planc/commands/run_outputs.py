@@ -1,5 +1,5 @@
 """What ``planc run`` does with its outputs besides checking their paths
-(planc.outputs): the tensorboard package it needs, the checkpoint directory's history,
+(planc.host.outputs): the tensorboard package it needs, the checkpoint directory's history,
 and, once everything else has passed, the metrics, logs and checkpoints an explicit
 ``--force`` replaces or a resumed run continues. Without torch or tensorboard."""
 
@@ -10,7 +10,7 @@ import os
 import shutil
 import sys
 
-from planc.outputs import TENSORBOARD_SUFFIX, checkpoint_directory
+from planc.host.outputs import TENSORBOARD_SUFFIX, checkpoint_directory
 
 
 def tensorboard_missing() -> str | None:
@@ -27,7 +27,7 @@ def _within(path: str, directory: str) -> bool:
 
 
 def _steps(directory: str) -> list[str]:
-    from planc.checkpoint import STEP_DIR
+    from planc.checkpoint.format import STEP_DIR
 
     return sorted((e for e in os.listdir(directory) if STEP_DIR.fullmatch(e)),
                   key=lambda e: int(STEP_DIR.fullmatch(e).group(1)))
@@ -41,9 +41,9 @@ def continues(directory: str, resume: str | None) -> bool:
 
 def checkpoint_dir_problem(directory: str, resume: str | None, force: bool) -> str | None:
     """Why ``--checkpoint-dir`` cannot take this run's checkpoints, or None: a directory
-    of other files (planc.checkpoint.writable_problem), or the checkpoints of another
+    of other files (planc.checkpoint.format.writable_problem), or the checkpoints of another
     run, which only a run resumed from them continues and only --force replaces."""
-    from planc.checkpoint import writable_problem
+    from planc.checkpoint.format import writable_problem
 
     problem = writable_problem(directory)
     if problem or not os.path.isdir(directory) or not checkpoint_directory(directory):
@@ -58,7 +58,7 @@ def checkpoint_dir_problem(directory: str, resume: str | None, force: bool) -> s
 
 
 def output_locks(args, build: str) -> list[tuple[str, str]]:
-    """(flag, path) of the run's outputs that it locks while it runs (planc.locks, a
+    """(flag, path) of the run's outputs that it locks while it runs (planc.host.locks, a
     sibling lock file): files and directories, not devices or pipes it writes into, and
     not those inside its build directory, which the build's own lock holds."""
     out = []
@@ -79,12 +79,12 @@ def prepare_outputs(args) -> None:
     so that its own records follow whole lines; --force empties what it replaces: an
     earlier run's metrics file, its TensorBoard event files, the checkpoints of another
     run in --checkpoint-dir."""
-    from planc.files import write_atomically
+    from planc.host.files import write_atomically
 
     if args.metrics and os.path.isfile(args.metrics) and os.path.getsize(args.metrics):
         if args.resume:
             _drop_partial_record(args.metrics)
-        else:  # --force (planc.outputs refused it otherwise): a new, empty file
+        else:  # --force (planc.host.outputs refused it otherwise): a new, empty file
             write_atomically(args.metrics, b"")
     if args.tensorboard and args.force and not args.resume and os.path.isdir(args.tensorboard):
         for name in os.listdir(args.tensorboard):
@@ -93,7 +93,7 @@ def prepare_outputs(args) -> None:
     directory = args.checkpoint_dir
     if directory and args.force and os.path.isdir(directory) and \
             checkpoint_directory(directory) and not continues(directory, args.resume):
-        from planc.checkpoint import LATEST
+        from planc.checkpoint.format import LATEST
 
         steps = _steps(directory)
         for name in [*steps, LATEST]:
@@ -109,7 +109,7 @@ def prepare_outputs(args) -> None:
 def remove_staging(directory: str) -> None:
     """After a run, while its lock on ``directory`` is still held: the staging
     directories of checkpoints it did not finish (a full disk, a failed or stopped rank),
-    which nothing reads and which would hold the space (planc.checkpoint)."""
+    which nothing reads and which would hold the space (planc.checkpoint.format)."""
     import re
 
     try:

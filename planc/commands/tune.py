@@ -60,7 +60,7 @@ def main(args) -> int:
     from planc.tune.space import KEEPABLE
     from planc.views import tune_text
 
-    from planc.plan import LIMITS
+    from planc.plan.plan import LIMITS
 
     if args.gpus < 1 or args.top < 1:
         return fail(f"--{'gpus' if args.gpus < 1 else 'top'} must be at least 1", EXIT_USAGE)
@@ -112,7 +112,7 @@ def main(args) -> int:
         return fail(f"no layout of this model on {args.gpus} devices passes the checker and "
                     f"fits in the memory{memory} per device; nothing was written")
     if args.output:
-        from planc.files import write_atomically
+        from planc.host.files import write_atomically
 
         text = tune_text.best_file(search, args.gpus, args.argv)
         try:

@@ -22,9 +22,9 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from planc.cost import Route
-from planc.lower.operands import Operands
-from planc.outputs import CHAKRA
+from planc.estimate.cost import Route
+from planc.program.operands import Operands
+from planc.host.outputs import CHAKRA
 from planc.simulate.costs import InstructionCosts
 
 CHAKRA_VERSION = "0.0.4"
@@ -173,7 +173,7 @@ def trace_file(name: str, prefix: str) -> bool:
 def export(build, directory: str | Path, prefix: str = "planc") -> list[Path]:
     """Write one ``.et`` file per representative rank (the first of each stage, from the
     group table's mesh); the paths written."""
-    from planc.files import write_atomically
+    from planc.host.files import write_atomically
 
     plan = build.plan
     mesh = build.groups.ranks

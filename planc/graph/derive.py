@@ -60,7 +60,7 @@ from planc.graph.tensor_parallel import (
 from planc.graph.axes import PHASE_OF, AxisRules
 from planc.graph.grad_norm import add_grad_norm
 from planc.graph.parameters import ParameterRules, param_name
-from planc.plan import Plan
+from planc.plan.plan import Plan
 
 LOSS_PART_OP = {"max": Op.LOSS_MAX, "sum_exp": Op.LOSS_SUM_EXP}
 

@@ -32,7 +32,7 @@ import networkx as nx
 
 from planc.graph import reasons
 from planc.graph.ir import Axis, EdgeKind, Kind, Level, NodeType, Op, Payload, Phase, buckets
-from planc.plan import Plan
+from planc.plan.plan import Plan
 
 NORM_BYTES = 8  # one fp64 number
 COLLECTIVE = "N/grad_norm:all_reduce@world"

@@ -1,7 +1,7 @@
 """What a mixture of experts' compute node says of the collectives its kernel runs itself.
 
 Both run inside the operator's instruction, on its stream, over groups of their own
-(planc.lower.groups), so that the verifier, ``planc explain`` and the simulator see them:
+(planc.program.groups), so that the verifier, ``planc explain`` and the simulator see them:
 
 - over ``ep`` > 1 (GShard's expert parallelism, Lepikhin et al. 2021; Megatron-Core's
   token dispatcher): the size of the ep group (``experts_over``) and what each of its
@@ -19,7 +19,7 @@ from __future__ import annotations
 from planc.graph.model import Shapes
 from planc.graph.tensor_parallel import FP32_BYTES, OpLayout
 from planc.models.family import OpRule
-from planc.plan import Plan
+from planc.plan.plan import Plan
 
 
 def in_kernel_collectives(plan: Plan, rule: OpRule, shapes: Shapes, layout: OpLayout

@@ -12,7 +12,7 @@ from typing import Mapping
 
 from planc.models import family_of
 from planc.models.family import Parameter
-from planc.plan import Model, Plan
+from planc.plan.plan import Model, Plan
 
 __all__ = ["Parameter", "Shapes", "all_parameters", "forward_flops"]
 

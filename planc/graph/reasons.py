@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from planc.graph.layouts import Layout, Redistribution
 from planc.models import family_of
-from planc.plan import Plan
+from planc.plan.plan import Plan
 from planc.schedules.layers import chunk_text
 
 _PLACEMENT_WORDS = {"column": "column-parallel", "row": "row-parallel",

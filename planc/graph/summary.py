@@ -3,7 +3,7 @@
 Counts and bytes are what one device of the stage does in one training step: a node
 that runs once per microbatch counts ``repeat`` times. Bytes follow the nccl-tests
 convention (each rank's larger buffer), and ``bus_bytes`` what the ring algorithm
-actually moves per rank (:func:`planc.cost.bus_factor`), so that volumes of different
+actually moves per rank (:func:`planc.estimate.cost.bus_factor`), so that volumes of different
 collectives compare (an all-reduce moves twice its buffer).
 """
 
@@ -13,11 +13,11 @@ from collections import defaultdict
 
 import networkx as nx
 
-from planc import memory
-from planc.cost import CostModel, bus_factor
+from planc.estimate import memory
+from planc.estimate.cost import CostModel, bus_factor
 from planc.graph.ir import Axis
-from planc.layout import Layout as RankLayout
-from planc.plan import Plan
+from planc.plan.layout import Layout as RankLayout
+from planc.plan.plan import Plan
 
 SUMMARY_FORMAT_VERSION = 1
 

@@ -23,15 +23,15 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from planc.cost import CostModel
+from planc.estimate.cost import CostModel
 from planc.graph.layouts import (R, IllegalRedistribution, Layout, P, S, gradient_layout,
                                  redistribute)
 from planc.graph.model import Shapes, forward_flops
-from planc.layout import Layout as RankLayout
+from planc.plan.layout import Layout as RankLayout
 from planc.models import family_of
 from planc.models.family import OpRule
 from planc.models.family import shares_heads as family_shares_heads
-from planc.plan import Plan
+from planc.plan.plan import Plan
 
 LOSS_REDUCTIONS = ("max", "sum_exp")  # vocabulary-parallel cross-entropy (Megatron)
 FP32_BYTES = 4

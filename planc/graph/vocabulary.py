@@ -3,7 +3,7 @@ and edges, one place (:mod:`planc.graph.ir` is the module other code imports).
 
 The enums are ``StrEnum`` so that a graph serialises to plain JSON strings and a
 value read back compares equal to its member. The groups a transfer names (``Axis``)
-and the parts of a group (``Level``) come from the mesh's registry, :mod:`planc.mesh`.
+and the parts of a group (``Level``) come from the mesh's registry, :mod:`planc.plan.mesh`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from enum import StrEnum
 from math import ceil
 from typing import TYPE_CHECKING, Iterable
 
-from planc.mesh import GROUPS, INTER, INTRA, WHOLE
+from planc.plan.mesh import GROUPS, INTER, INTRA, WHOLE
 
 if TYPE_CHECKING:  # the schema itself is light: the command line reads its enums
     import networkx as nx
@@ -90,7 +90,7 @@ class Payload(StrEnum):
 
 
 class GraphGroup(StrEnum):
-    """What every group the graph names knows of itself, from planc.mesh's registry."""
+    """What every group the graph names knows of itself, from planc.plan.mesh's registry."""
 
     @property
     def mesh_axes(self) -> tuple[str, ...]:
@@ -104,7 +104,7 @@ class GraphGroup(StrEnum):
         return GROUPS[self.value].within_stage
 
 
-# Groups of the graph, one member per group of planc.mesh.GROUPS that transfers name:
+# Groups of the graph, one member per group of planc.plan.mesh.GROUPS that transfers name:
 # TP, CP and PP (the mesh axes); DP_CP, the ranks holding replicas of a parameter
 # (dp x cp), over which gradients are reduced; TIED, the first and last stage sharing a
 # tied embedding; STAGE, every rank of a stage. A new axis is a new registry entry.

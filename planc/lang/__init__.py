@@ -1,7 +1,7 @@
 """The front end: .plan file to validated Plan (parse, check, estimate memory).
 
 The names below live in :mod:`planc.lang.front` and load on first use: the model
-families declare their keys with :mod:`planc.lang.kinds`, and a package that imported
+families declare their keys with :mod:`planc.vocabulary.kinds`, and a package that imported
 its checker (which reads the families) up front could not be imported by them.
 """
 

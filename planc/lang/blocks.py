@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from planc.diagnostics import Diagnostic, Span, error
-from planc.lang import ast
+from planc.vocabulary import ast
 from planc.lang.schema import (BlockSchema, Scope, Unresolved, block_syntax, did_you_mean,
                                home_of, where_key_lives)
 

@@ -1,4 +1,4 @@
-"""Syntax tree to validated :class:`~planc.plan.Plan`: every rule of the language spec.
+"""Syntax tree to validated :class:`~planc.plan.plan.Plan`: every rule of the language spec.
 
 Two passes. The first reads each block against :mod:`planc.lang.schema` (unknown and
 duplicate keys, types, units, expressions). The second checks what holds across
@@ -16,22 +16,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planc.diagnostics import Diagnostic, error, warning
-from planc.lang import ast
+from planc.vocabulary import ast
 from planc.lang.blocks import BlockReader
-from planc.lang.hints import divisors_below, largest_divisors
-from planc.lang.hints import try_values as _try
+from planc.vocabulary.hints import divisors_below, largest_divisors
+from planc.vocabulary.hints import try_values as _try
 from planc.lang.lr_kinds import findings as schedule_findings
 from planc.lang.overrides import Override
 from planc.lang.overrides import apply as apply_overrides
 from planc.lang.schema import join_words, plan_schema
 from planc.lang.stages_check import StageProblem, auto_chunks, explicit_chunks, explicit_problems
 from planc.lang.topology_check import MAX_TOPOLOGY_BYTES, TopologyReader
-from planc.mesh import AXES
+from planc.plan.mesh import AXES
 from planc.models import DEFAULT_FAMILY, FAMILIES
-from planc.plan import (LIMITS, ContextParallel, DataParallel, Mesh, Model, Optimize, Optimizer,
+from planc.plan.plan import (LIMITS, ContextParallel, DataParallel, Mesh, Model, Optimize, Optimizer,
                         PipelineParallel, Plan, Schedule, Shard, Sources, TensorParallel, Train)
 from planc.schedules import PipelineShape
-from planc.tokens import SCAN_LIMIT
+from planc.data.tokens import SCAN_LIMIT
 from planc.schedules import named as schedule_named
 from planc.schedules import problems as schedule_problems
 
@@ -431,9 +431,9 @@ class _Checker(TopologyReader):
 
     def _init_directory(self, init: str, model: Model | None) -> tuple[str, str] | None:
         """The Hugging Face checkpoint to start from, relative to the plan's directory as
-        ``data`` is, checked against the model (planc.export.hf_init), and how its
+        ``data`` is, checked against the model (planc.hf.init), and how its
         tensors are named."""
-        from planc.export.hf_init import HFCheckpointError, check_init
+        from planc.hf.init import HFCheckpointError, check_init
 
         base = os.path.dirname(os.path.abspath(self.path)) if self.path else os.getcwd()
         resolved = os.path.normpath(os.path.join(base, init))
@@ -448,7 +448,7 @@ class _Checker(TopologyReader):
 
     def _data_file(self, data: str, model: Model | None, key: str = "train.data"
                    ) -> str | None:
-        from planc.tokens import DataError, DataMissing, check_file  # no torch
+        from planc.data.tokens import DataError, DataMissing, check_file  # no torch
 
         base = os.path.dirname(os.path.abspath(self.path)) if self.path else os.getcwd()
         resolved = os.path.normpath(os.path.join(base, data))

@@ -7,16 +7,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from planc.collector import without_collector
+from planc.host.collector import without_collector
 from planc.diagnostics import Diagnostic, Span, error, in_source_order, warning
-from planc.files import read_regular_file
+from planc.host.files import read_regular_file
 from planc.lang.check import check
 from planc.lang.overrides import Override, OverrideError, parse_overrides
 from planc.lang.parser import parse
 from planc.lang.placement import tp_placement_warnings
-from planc.lang.units import format_bytes
-from planc.plan import Plan
-from planc.words import counted
+from planc.vocabulary.units import format_bytes
+from planc.plan.plan import Plan
+from planc.diagnostics import counted
 
 # A plan is a few KB; even a generated one with an explicit stage list at the layer limit
 # is well under 100 KB. Reading and checking costs up to about a second per MB of the
@@ -83,7 +83,7 @@ def load_text(text: str, path: str = "<plan>", overrides: Sequence[str] = ()) ->
     return _load_text(text, path, parse_overrides(overrides))
 
 
-@without_collector  # a plan's syntax tree and diagnostics hold no cycles (planc.collector)
+@without_collector  # a plan's syntax tree and diagnostics hold no cycles (planc.host.collector)
 def _load_text(text: str, path: str, overrides: tuple[Override, ...]) -> Loaded:
     tree, diagnostics = parse(text)
     plan = None
@@ -95,7 +95,7 @@ def _load_text(text: str, path: str, overrides: tuple[Override, ...]) -> Loaded:
 
 
 def memory_warnings(plan: Plan) -> list[Diagnostic]:
-    from planc import memory
+    from planc.estimate import memory
 
     estimate = memory.estimate(plan)
     if not estimate.overflows:

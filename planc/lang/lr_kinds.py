@@ -1,6 +1,6 @@
 """The value of ``train { lr_schedule = ... }``: a schedule's name, or a call of it with
 named arguments (``cosine(warmup = 100, min_lr = 1e-5)``), read as the optimizer call is
-(planc.lang.plan_kinds.OptimizerCall). The formulas are planc.lr_schedule's; what the
+(planc.lang.plan_kinds.OptimizerCall). The formulas are planc.plan.lr_schedule's; what the
 arguments must satisfy against train.steps and the optimizer's lr is checked after the
 block is read (:func:`findings`), at the argument that is wrong."""
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planc.diagnostics import Span
-from planc.lang import ast
-from planc.lang.kinds import (Integer, Kind, Problem, Real, did_you_mean, join_words,
+from planc.vocabulary import ast
+from planc.vocabulary.kinds import (Integer, Kind, Problem, Real, did_you_mean, join_words,
                               named_arguments, word_text)
-from planc.lr_schedule import SCHEDULE_ARGUMENTS, LrSchedule, problems
+from planc.plan.lr_schedule import SCHEDULE_ARGUMENTS, LrSchedule, problems
 
 _KINDS = {"warmup": Integer(0), "decay": Integer(1), "min_lr": Real(0.0)}
 _EXAMPLES = {"constant": "constant(warmup = 100)", "cosine": "cosine(warmup = 100, min_lr = 1e-5)",
@@ -67,6 +67,6 @@ class LrScheduleCall(Kind):
 def findings(spec: LrScheduleSpec, lr: float, steps: int
              ) -> list[tuple[str, Span | None, str]]:
     """(message, where, hint) of each problem of the schedule for ``steps`` steps at
-    ``lr`` (planc.lr_schedule.problems), at the argument concerned."""
+    ``lr`` (planc.plan.lr_schedule.problems), at the argument concerned."""
     return [(message, spec.spans.get(argument, spec.span), hint)
             for argument, message, hint in problems(spec.schedule, lr, steps)]

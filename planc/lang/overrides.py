@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from planc.diagnostics import Diagnostic, Source, Span, TextRenderer, error, source_lines
-from planc.lang import ast
+from planc.vocabulary import ast
 from planc.lang.parser import parse_value
 from planc.lang.schema import BlockSchema, plan_schema
 

@@ -26,11 +26,12 @@ from lark import Token
 from lark.lark import PostLex
 
 from planc.diagnostics import Diagnostic, Span, error
-from planc.lang import ast, lalr
+from planc.lang import lalr
+from planc.vocabulary import ast
 from planc.lang.recovery import (closer_for, describe_expected, describe_token,
                                   nested_too_deep, span_of, syntax_errors,
                                   unexpected_character)
-from planc.lang.units import UNITS
+from planc.vocabulary.units import UNITS
 
 MAX_NESTING = 64
 
@@ -99,7 +100,7 @@ def _unescape(text: str) -> str:
 
 
 # --- the tree builders: one per rule (or alias) of the grammar, each taking its children
-# (tokens as lalr.Pieces) and returning a planc.lang.ast node; lalr runs them on each
+# (tokens as lalr.Pieces) and returning a planc.vocabulary.ast node; lalr runs them on each
 # reduction, so even very long or deeply nested inputs never recurse in Python.
 
 

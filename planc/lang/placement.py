@@ -13,10 +13,10 @@ from __future__ import annotations
 from math import lcm
 
 from planc.diagnostics import Diagnostic, warning
-from planc.lang.units import TIME, format_bytes, format_quantity
-from planc.layout import Layout
-from planc.plan import Plan
-from planc.words import counted
+from planc.vocabulary.units import TIME, format_bytes, format_quantity
+from planc.plan.layout import Layout
+from planc.plan.plan import Plan
+from planc.diagnostics import counted
 
 ALL_REDUCES_PER_LAYER = 4  # per microbatch: 2 in the forward, 2 in the backward
 
@@ -45,7 +45,7 @@ def tp_placement_warnings(plan: Plan) -> list[Diagnostic]:
     members = crossing_tp_group(layout)
     if members is None:
         return []
-    from planc.cost import CostModel, Placement  # imported only for a plan that needs it
+    from planc.estimate.cost import CostModel, Placement  # imported only for a plan that needs it
 
     per_node = topology.devices_per_node
     nodes = sorted({layout.node(r) for r in members})

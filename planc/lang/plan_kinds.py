@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from planc.diagnostics import Span
-from planc.lang import ast
-from planc.lang.kinds import (Choice, Kind, Problem, Real, did_you_mean, evaluate_integer,
+from planc.vocabulary import ast
+from planc.vocabulary.kinds import (Choice, Kind, Problem, Real, did_you_mean, evaluate_integer,
                               join_words, named_arguments, word_text)
 from planc.lang.presets import PRESETS
-from planc.mesh import AXES
+from planc.plan.mesh import AXES
 
 
 class AxisOrder(Kind):

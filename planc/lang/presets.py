@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planc.plan import Device, Link, Topology, Tuning
+from planc.plan.plan import Device, Link, Topology, Tuning
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class Preset:
                         self.name)
 
 
-# What NCCL achieves on these machines (the model of planc.cost prices collectives with
+# What NCCL achieves on these machines (the model of planc.estimate.cost prices collectives with
 # them, not with the links' line rates):
 # - Inside a node, the bus bandwidth of a ring: "~230GB/s" on A100's NVLink 3 (line rate
 #   240 GB/s of payload; NCCL maintainer, NVIDIA/nccl-tests issue 149) and "370GB/s" on
@@ -107,7 +107,7 @@ PRESETS: dict[str, Preset] = {
     # 156 TFLOP/s TF32 dense, 2,039 GB/s of HBM2e, NVLink 3 at 600 GB/s bidirectional
     # per GPU through NVSwitch, 8x 200 Gb/s HDR InfiniBand (one ConnectX-6 per GPU); the
     # links at what NCCL achieves on them (above). Efficiency 0.8: what cuBLAS reaches on
-    # large GEMMs (planc.kernel_cost's ``large``), for the estimates that price compute
+    # large GEMMs (planc.estimate.kernel_cost's ``large``), for the estimates that price compute
     # with one figure (compile's, the tensor-parallel chooser's, tune's bound).
     "dgx-a100": Preset("dgx-a100", "NVIDIA DGX A100: 8x A100 80GB, NVLink 3, 8x HDR 200 Gb/s IB",
                        8, {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12}, 80e9, 0.8,
@@ -117,7 +117,7 @@ PRESETS: dict[str, Preset] = {
     # NVIDIA DGX H100 datasheet: 8x H100-SXM5-80GB, 989 TFLOP/s BF16/FP16 dense,
     # 494 TFLOP/s TF32 dense, 3.35 TB/s of HBM3, NVLink 4 at 900 GB/s bidirectional per
     # GPU, 8x 400 Gb/s NDR InfiniBand (ConnectX-7); the links as NCCL achieves them.
-    # Efficiency 0.79: cuBLAS's large-GEMM rate measured on an H100 (planc.kernel_cost).
+    # Efficiency 0.79: cuBLAS's large-GEMM rate measured on an H100 (planc.estimate.kernel_cost).
     "dgx-h100": Preset("dgx-h100", "NVIDIA DGX H100: 8x H100 80GB, NVLink 4, 8x NDR 400 Gb/s IB",
                        8, {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12}, 80e9, 0.79,
                        370e9, NVLINK_STEP_LATENCY, 50e9 * NETWORK_EFFICIENCY,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from planc.diagnostics import Diagnostic, Span, error
 from planc.lang import lalr
 from planc.lang.lalr import CLOSERS, END, NEWLINE, OPENERS, Lexeme, Tables
-from planc.lang.units import UNITS
+from planc.vocabulary.units import UNITS
 
 TERMINAL_WORDS = {
     "NAME": "a name", "NUMBER": "a number", "STRING": "a string", "PLAN": "'plan'",

@@ -1,6 +1,6 @@
 """What every block and key of a .plan file may hold: the schema table.
 
-The kinds of values are :mod:`planc.lang.kinds` (the language's leaf) and
+The kinds of values are :mod:`planc.vocabulary.kinds` (the language's leaf) and
 :mod:`planc.lang.plan_kinds`; the keys of ``model NAME { }`` are the family's own
 (:mod:`planc.models`), read from its description when a plan is checked.
 """
@@ -12,7 +12,7 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from planc.lang.kinds import (BOOLEAN_WORDS, MAX_EXPRESSION_DEPTH, MAX_INTEGER, Boolean,
+from planc.vocabulary.kinds import (BOOLEAN_WORDS, MAX_EXPRESSION_DEPTH, MAX_INTEGER, Boolean,
                               Choice, Integer, Key, Kind, OnOffOrCount, Problem, Quantity, Real, Scope, Time,
                               Unresolved, check_literal, did_you_mean, evaluate_integer,
                               join_words, word_text)
@@ -22,15 +22,15 @@ from planc.lang.plan_kinds import (OPTIMIZER_ARGUMENTS, AxisOrder, ClipNorm, Dat
                                    check_path)
 from planc.lang.lr_kinds import LrScheduleCall, LrScheduleSpec
 from planc.lang.plan_kinds import CheckpointDirectory
-from planc.lang.units import COMPUTE, RATE, SIZE, TIME
-from planc.lr_schedule import LrSchedule
+from planc.vocabulary.units import COMPUTE, RATE, SIZE, TIME
+from planc.plan.lr_schedule import LrSchedule
 from planc.models import DEFAULT_FAMILY, FAMILIES
 from planc.models.family import Family
-from planc.mesh import AXES
-from planc.plan import GRAD_ACCUMULATIONS, REDUCE_DTYPES
+from planc.plan.mesh import AXES
+from planc.plan.plan import GRAD_ACCUMULATIONS, REDUCE_DTYPES
 from planc import schedules
 
-__all__ = [  # the names other modules read here (the kinds live in planc.lang.kinds)
+__all__ = [  # the names other modules read here (the kinds live in planc.vocabulary.kinds)
     "BOOLEAN_WORDS", "MAX_EXPRESSION_DEPTH", "MAX_INTEGER", "OPTIMIZER_ARGUMENTS",
     "PLAN_SCHEMA", "AxisOrder", "BlockSchema", "Boolean", "Choice", "DataSource", "Integer",
     "Key", "Kind", "OptimizerCall", "OptimizerSpec", "PresetFile", "PresetSource", "Problem",
@@ -81,7 +81,7 @@ _LINK = {"bandwidth": Key(Quantity(RATE)), "latency": Key(Time(TIME))}
 _SCHEMA_FAMILIES = tuple(FAMILIES.items())  # the families PLAN_SCHEMA's model block holds
 PLAN_SCHEMA = BlockSchema("plan", blocks={
     "model": model_schema(dict(_SCHEMA_FAMILIES)),
-    "mesh": BlockSchema("mesh", keys={  # a degree per axis of planc.mesh, then the order
+    "mesh": BlockSchema("mesh", keys={  # a degree per axis of planc.plan.mesh, then the order
         **{axis: Key(Integer(1), 1) for axis in AXES},
         "order": Key(AxisOrder(), AXES),
         "ep": Key(Integer(1), 1),  # experts, folded over a stage's tp x cp x dp ranks

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from planc.diagnostics import error
-from planc.files import read_regular_file
+from planc.host.files import read_regular_file
 from planc.lang.blocks import BlockReader
-from planc.lang.hints import try_values as _try
+from planc.vocabulary.hints import try_values as _try
 from planc.lang.presets import GENERIC, PRESETS, Preset, calibrated_preset
 from planc.lang.schema import PresetFile
-from planc.plan import Device, Link, Mesh, Model, Topology
+from planc.plan.plan import Device, Link, Mesh, Model, Topology
 
 MAX_TOPOLOGY_BYTES = 1 << 20  # a calibrated topology is a few KB
 

@@ -1,7 +1,7 @@
 """What each instruction operates on, decided from the graph when it is lowered.
 
 One function, :func:`operands_of`, turns a node of the graph (its attributes and its
-incoming edges) into the instruction's :class:`planc.lower.operands.Operands`: which
+incoming edges) into the instruction's :class:`planc.program.operands.Operands`: which
 buffer feeds which port, which gradient a backward step's output carries, where the
 consumer takes its own tp slice of a replicated value, the group, route and peer stage
 of a transfer. The lowering writes them into the programs; the verifier calls it again
@@ -16,8 +16,8 @@ from planc.graph.grad_norm import norm_ranges
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, Port
 from planc.graph.layouts import parse as parse_layout
 from planc.graph.layouts import R, S
-from planc.lower.groups import EXPERTS, SEQUENCE
-from planc.lower.operands import FEATURE_AXIS, SEQ_AXIS, Input, Operands
+from planc.program.groups import EXPERTS, SEQUENCE
+from planc.program.operands import FEATURE_AXIS, SEQ_AXIS, Input, Operands
 
 
 def _value(item):

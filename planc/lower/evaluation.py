@@ -16,8 +16,8 @@ the same way (``forward_backward_func`` with ``forward_only=True``).
 
 from __future__ import annotations
 
-from planc.lower.model_table import Evaluation
-from planc.plan import Plan
+from planc.program.model_table import Evaluation
+from planc.plan.plan import Plan
 from planc.schedules import Action, ActionKind
 
 # The synthetic evaluation batches are drawn from the seed after the training's, so

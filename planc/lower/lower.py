@@ -28,8 +28,8 @@ import networkx as nx
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, buckets
 from planc.lower.bind import operands_of
 from planc.lower.evaluation import evaluation_of, forward_only
-from planc.names import STREAM_ORDER
-from planc.lower.program import (
+from planc.program.names import STREAM_ORDER
+from planc.program.program import (
     STATE,
     Instruction,
     Program,
@@ -37,9 +37,9 @@ from planc.lower.program import (
     finished_before,
     vector_clocks,
 )
-from planc.lower.ranks import AXES
+from planc.program.ranks import AXES
 from planc.passes.overlap import COMPUTE, stream_of
-from planc.plan import Plan
+from planc.plan.plan import Plan
 from planc import schedules
 from planc.schedules import Action, ActionKind, Block
 
@@ -379,7 +379,7 @@ def _with_frees(blocks: dict[str, list[Instruction]], graph: nx.DiGraph,
 
 def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]:
     """One program per pipeline stage, and the table of which rank runs which."""
-    from planc.layout import Layout
+    from planc.plan.layout import Layout
 
     rank = {node: i for i, node in enumerate(graph.nodes)}
     pp, virtual = plan.mesh.pp, plan.shard.pp.virtual

@@ -1,15 +1,15 @@
-"""The model table of a plan (:class:`planc.lower.model_table.ModelTable`): the compiler's
+"""The model table of a plan (:class:`planc.program.model_table.ModelTable`): the compiler's
 side, which reads the plan and the model's family (planc.models) so that the runtime
 does not have to."""
 
 from __future__ import annotations
 
-from planc.export.hf_init import init_sources
+from planc.hf.init import init_sources
 from planc.lower.evaluation import evaluation_of
-from planc.lower.model_table import Initial, InitTable, ModelTable, OptimizerSettings
-from planc.lr_schedule import LrSchedule
+from planc.program.model_table import Initial, InitTable, ModelTable, OptimizerSettings
+from planc.plan.lr_schedule import LrSchedule
 from planc.models import family_of
-from planc.plan import Plan
+from planc.plan.plan import Plan
 
 # Matrices and embeddings are N(0, 0.02) as in GPT-2; norm weights 1 + N(0, 0.02) and
 # biases N(0, 0.02), so that every parameter already matters in the first step.
@@ -66,7 +66,7 @@ def model_table(plan: Plan) -> ModelTable:
 
 def init_table(plan: Plan) -> InitTable | None:
     """Where each parameter starts in the plan's Hugging Face checkpoint (train.init),
-    from the export's own table of tensors (planc.export.hf_init)."""
+    from the export's own table of tensors (planc.hf.init)."""
     if plan.train.init is None:
         return None
     sources, tensors = init_sources(plan.model, plan.train.init_form == "saved")

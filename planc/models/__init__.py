@@ -10,7 +10,7 @@ DEFAULT_FAMILY = "gpt"  # the family of a model block with no family word (repor
 
 
 def family_of(model) -> Family:
-    """The family of a :class:`planc.plan.Model` (or of a plan)."""
+    """The family of a :class:`planc.plan.plan.Model` (or of a plan)."""
     model = getattr(model, "model", model)
     return FAMILIES[model.family]
 

@@ -25,9 +25,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from planc.lang.kinds import Key
+from planc.vocabulary.kinds import Key
 
-# A planc.plan.Model (or a Mesh, or a shard { tp { } } block). The plan reads the families
+# A planc.plan.plan.Model (or a Mesh, or a shard { tp { } } block). The plan reads the families
 # (the keys a model holds, the checks it must pass), so a family names these types
 # without importing them.
 Model = Any
@@ -112,7 +112,7 @@ class OpRule:
     # A model key that, when set (non-zero), makes a ``tokenwise`` operator compute a
     # statistic of each whole sequence (a mixture's load-balancing loss): over tp it then
     # runs on a 1/tp share, and its kernel sums the statistic's counts over the ranks that
-    # hold the sequence's other tokens (tp x cp; planc.lower.groups.SEQUENCE).
+    # hold the sequence's other tokens (tp x cp; planc.program.groups.SEQUENCE).
     sequence_statistic_when: str | None = None
     # A ``tokenwise`` operator whose experts spread over the mesh's ep group: every rank
     # of the group must send it distinct tokens, so over tp it runs on a 1/tp share.

@@ -10,7 +10,7 @@ Activation memory is Korthikanti et al. 2022, Table 2.
 
 from __future__ import annotations
 
-from planc.lang.kinds import Boolean, Choice, Integer, Key
+from planc.vocabulary.kinds import Boolean, Choice, Integer, Key
 from planc.models.family import (HEAD_OPS, Family, Model, OpRule, Parameter, Weight,
                                  pre_norm_block, pre_norm_chains)
 

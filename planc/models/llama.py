@@ -17,8 +17,8 @@ SwiGLU, as Megatron-LM's ``num_floating_point_operations`` counts them.
 
 from __future__ import annotations
 
-from planc.lang.hints import divisors_below, largest_divisors, try_values
-from planc.lang.kinds import Boolean, Choice, Integer, Key, Real
+from planc.vocabulary.hints import divisors_below, largest_divisors, try_values
+from planc.vocabulary.kinds import Boolean, Choice, Integer, Key, Real
 from planc.models.family import (HEAD_OPS, Family, Finding, Model, OpRule, Parameter, Weight,
                                  pre_norm_block, pre_norm_chains)
 

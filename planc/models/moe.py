@@ -29,8 +29,8 @@ token's k and the shared ones), as MoE papers count them.
 
 from __future__ import annotations
 
-from planc.lang.hints import divisors_below, try_values
-from planc.lang.kinds import Boolean, Integer, Key, Real
+from planc.vocabulary.hints import divisors_below, try_values
+from planc.vocabulary.kinds import Boolean, Integer, Key, Real
 from planc.models import llama
 from planc.models.family import (HEAD_OPS, Family, Finding, Model, OpRule, Parameter,
                                  pre_norm_chains)

@@ -11,9 +11,9 @@ from typing import Callable
 
 import networkx as nx
 
-from planc.cost import CostModel
-from planc.layout import Layout
-from planc.plan import Plan
+from planc.estimate.cost import CostModel
+from planc.plan.layout import Layout
+from planc.plan.plan import Plan
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import networkx as nx
 
 from planc.graph import reasons
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, buckets, shard_numel
-from planc.lang.units import format_bytes
+from planc.vocabulary.units import format_bytes
 from planc.passes.context import PassContext, PassRecord, record
 
 FIRST_BUCKET_BYTES = 1_000_000  # torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES

@@ -42,7 +42,7 @@ from collections import defaultdict
 import networkx as nx
 
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase
-from planc.names import Stream
+from planc.program.names import Stream
 from planc.passes.context import PassContext, PassRecord, record
 from planc.passes.split_backward import split_step, splittable
 

@@ -1,6 +1,6 @@
 """The route pass: ring, tree or hierarchical for every collective, by the cost model.
 
-For each collective left after fusion the pass asks :meth:`planc.cost.CostModel.candidates`
+For each collective left after fusion the pass asks :meth:`planc.estimate.cost.CostModel.candidates`
 for every route's predicted time on the node's groups (one node stands for the groups of
 its axis in its stage; they may sit differently on nodes, and a route must suit them
 all, so a route's time is its slowest group's). ``route = auto`` takes the fastest;
@@ -11,7 +11,7 @@ backend's own algorithm.
 The node gets ``route`` and ``route_seconds``; the pass records every candidate with its
 time and reason, for ``planc explain`` and summary.json. Lowering turns tree and
 hierarchical routes into recipes of sub-group collectives and point-to-point steps
-(:mod:`planc.lower.routes`), in the manner of NCCL choosing an algorithm per call
+(:mod:`planc.program.routes`), in the manner of NCCL choosing an algorithm per call
 (``src/graph/tuning.cc``) but with the choice made once, at compile time.
 """
 
@@ -21,9 +21,9 @@ from collections import Counter
 
 import networkx as nx
 
-from planc.cost import Candidate, Placement, Route
+from planc.estimate.cost import Candidate, Placement, Route
 from planc.graph.ir import Axis, Kind, transfers
-from planc.lower.groups import PIPELINE, group_table
+from planc.program.groups import PIPELINE, group_table
 from planc.passes.context import PassContext, PassRecord, record
 
 ROUTED_KINDS = (Kind.ALL_REDUCE, Kind.ALL_GATHER, Kind.REDUCE_SCATTER)
@@ -31,7 +31,7 @@ ROUTED_KINDS = (Kind.ALL_REDUCE, Kind.ALL_GATHER, Kind.REDUCE_SCATTER)
 
 def group_placements(ctx: PassContext) -> dict[tuple[str, int], tuple[Placement, ...]]:
     """The distinct placements of the groups of each within-stage axis (and ``tied``),
-    by (axis, stage): :meth:`planc.lower.groups.GroupTable.placements`, which the
+    by (axis, stage): :meth:`planc.program.groups.GroupTable.placements`, which the
     simulator asks too, so that it times a route as this pass predicted it."""
     plan = ctx.plan
     table = group_table(plan.mesh, plan.topology.devices_per_node, plan.model.tie_embeddings)

@@ -8,7 +8,7 @@ The lowering puts the weight-gradient steps, and the gradient reductions that re
 they write, in the chunk's ``W`` block; the once-per-step reductions and the optimizer
 therefore wait for the last W of their parameters. Under every other schedule the pass
 changes nothing and records nothing. Results do not change: the two halves compute the
-same gradients as the whole backward (:meth:`planc.runtime.kernels.Kernels.backward`).
+same gradients as the whole backward (:meth:`planc.runtime.engine.kernels.Kernels.backward`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import networkx as nx
 
 from planc import schedules
 from planc.graph.ir import EdgeKind, NodeType, Op, Phase
-from planc.names import Stream
+from planc.program.names import Stream
 from planc.passes.context import PassContext, PassRecord, record
 
 

@@ -21,7 +21,7 @@ goes through a collective over tp is cut along the tokens into ``k`` pieces:
 
 Piece ``j`` of ``k`` over a tensor of ``n`` tokens spread over ``s`` tp ranks is, for every
 rank ``r < s``, the tokens ``r n/s + j n/(s k)`` up to ``r n/s + (j+1) n/(s k)``
-(:func:`planc.lower.operands.token_ranges`): the all-gather of each rank's ``j``-th slice
+(:func:`planc.program.operands.token_ranges`): the all-gather of each rank's ``j``-th slice
 yields exactly those tokens in that order, and the reduce-scatter of them gives each rank
 back its own ``j``-th slice. A linear acts on each token by itself, so the pieces compute
 what the whole GEMM computes.
@@ -29,7 +29,7 @@ what the whole GEMM computes.
 The chunk count, with ``tp_overlap = on``: the least predicted time of the two-stage
 pipeline ``c(B/k) + g(k) + (k - 1) (max(c, g) + (1 - o) min(c, g))`` (``c`` a chunk
 collective over its route by the cost model, ``g(k)`` the GEMM of one piece, by the
-simulator's kernel model on a known GPU, :mod:`planc.kernel_cost`, where a piece runs
+simulator's kernel model on a known GPU, :mod:`planc.estimate.kernel_cost`, where a piece runs
 less efficiently and pays a launch; ``o`` the device's ``overlap``, the share of a
 collective that hides behind a GEMM), summed over the linear's chunked collectives,
 among the counts 1, 2, 4 and 8 that divide the tokens; 1 (no split) when nothing beats
@@ -42,8 +42,8 @@ from __future__ import annotations
 
 import networkx as nx
 
-from planc.cost import Placement, Route
-from planc.kernel_cost import KernelModel
+from planc.estimate.cost import Placement, Route
+from planc.estimate.kernel_cost import KernelModel
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Phase
 from planc.passes.context import PassContext, PassRecord, record
 from planc.passes.route import group_placements

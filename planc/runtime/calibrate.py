@@ -3,7 +3,7 @@
 Run on every rank of a launched world (``planc calibrate`` starts one on this machine;
 on a cluster, or the emulated one of bench/topology.py, start it on every node with the
 usual RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; planc calibrate's own ranks meet in
-a private store instead, planc.runtime.rendezvous):
+a private store instead, planc.runtime.launcher.rendezvous):
 
     python -m planc.runtime.calibrate --devices-per-node L -o topology.json
 
@@ -16,7 +16,7 @@ training step puts on it):
   tree routes use;
 - all_reduce, reduce_scatter and all_gather on the level's groups (a node's ranks; the
   ranks with the same place on every node): the bus bandwidth each achieves and its
-  latency per call beyond the steps' latencies, as in NCCL's tuning model (planc.cost);
+  latency per call beyond the steps' latencies, as in NCCL's tuning model (planc.estimate.cost);
 - the same collectives of 4 KB, and planc's tree, on the level's first pair while every
   other rank computes, as in a training step (:func:`while_others_compute`): the
   latency a message pays in a step (the pair's all_gather, one ring step), which the
@@ -47,11 +47,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from planc.files import write_atomically
+from planc.host.files import write_atomically
 from planc.lang.presets import calibrated_document
-from planc.runtime.rendezvous import joined_store
-from planc.runtime.collectives import all_gather_single, reduce_scatter_single
-from planc.cost import steps, tree_depth
+from planc.runtime.launcher.rendezvous import joined_store
+from planc.runtime.engine.collectives import all_gather_single, reduce_scatter_single
+from planc.estimate.cost import steps, tree_depth
 
 SIZES = (4 << 10, 4 << 20, 16 << 20)  # bytes: latency, then two for the slope
 # --quick: a small model's messages (a tiny plan's activations and gradients are tens
@@ -181,8 +181,8 @@ def measure_collectives(level: str, groups: dict, repeats: int, latency: float
 def measure_tree(level_group: tuple, repeats: int) -> tuple[list, dict]:
     """A tree all-reduce (planc's recipe, run as planc runs it) on the level's groups:
     the latency and bandwidth of one hop, ``t = 2 depth (latency + fan bytes / bw)``."""
-    from planc.lower.routes import tree
-    from planc.runtime.routes import Route, all_reduce
+    from planc.program.routes import tree
+    from planc.runtime.engine.routes import Route, all_reduce
 
     group, size, index = level_group
     members = tuple(dist.get_process_group_ranks(group))
@@ -236,7 +236,7 @@ def measure_memory(repeats: int) -> float:
 
 # A compute instruction's fixed cost: the runtime's forward step of a tiny operator
 # (its inputs and parameter made autograd leaves, the parameter cast to the model's
-# dtype, the operator run with a graph: planc.runtime.kernels.Kernels.forward) and its
+# dtype, the operator run with a graph: planc.runtime.engine.kernels.Kernels.forward) and its
 # backward step (torch.autograd.grad of that one step: Kernels.backward), timed over
 # OVERHEAD_CALLS back to back, every rank at once, so that on a CPU shared by more ranks
 # than cores each rank's share of the cores is in the figure. A window of 200 lasts about
@@ -253,7 +253,7 @@ OVERHEAD_SHAPE = (4, 8)
 def tiny_operator() -> tuple:
     """(forward, backward): the runtime's forward of a tiny operator (inputs and
     parameter made autograd leaves, the parameter cast to the model's dtype, the operator
-    run with a graph: planc.runtime.kernels.Kernels.forward), returning its leaves and
+    run with a graph: planc.runtime.engine.kernels.Kernels.forward), returning its leaves and
     output, and the backward of what it returned (``torch.autograd.grad`` of that one
     step: Kernels.backward)."""
     x, w = torch.randn(*OVERHEAD_SHAPE), torch.randn(OVERHEAD_SHAPE[1], OVERHEAD_SHAPE[1])
@@ -343,8 +343,8 @@ def calls_under_load(level: str, per_node: int, repeats: int, pair_group) -> dic
     least). A pair's collective is what tiny plans' groups (tp, dp, cp of 2) run; a
     pair's all_gather is one ring step, a message each way at once: the latency of a
     message in a step, which pipeline transfers and every ring step pay."""
-    from planc.lower.routes import tree
-    from planc.runtime.routes import Route, all_reduce
+    from planc.program.routes import tree
+    from planc.runtime.engine.routes import Route, all_reduce
 
     part = torch.ones(SIZES[0] // 4 // 2)
     whole = torch.ones(SIZES[0] // 4)
@@ -375,7 +375,7 @@ def calls_under_load(level: str, per_node: int, repeats: int, pair_group) -> dic
 def measure_handoff() -> float:
     """Seconds of a hand-off round trip between two threads of a rank, as the CPU
     executor makes one for every transfer the compute stream waits for
-    (planc.runtime.executor: the compute stream's thread sets an event, the transfer's
+    (planc.runtime.engine.executor: the compute stream's thread sets an event, the transfer's
     thread wakes from ``Event.wait``, does its work and sets another, the compute
     thread wakes), on rank 0 while the others compute (:func:`while_others_compute`):
     the median of OVERHEAD_WINDOWS windows of OVERHEAD_CALLS round trips. The work in

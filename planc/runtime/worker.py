@@ -11,7 +11,7 @@ the rank of the loss's stage (the last, or stage 0 in a V) with tp = cp = dp = 0
 the progress and writes the metrics; rank 0 writes the Chrome trace and, with
 ``--check``, compares the run with the single-process reference. ``--checkpoint-dir``
 writes consolidated checkpoints at step boundaries and ``--resume`` continues from one,
-under any layout of the same model (planc.runtime.checkpoint, docs/checkpoints.md).
+under any layout of the same model (planc.runtime.checkpoint.checkpoints, docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -31,24 +31,24 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from planc.build_files import BuildError, read_for_run
-from planc.files import append_line
-from planc import checkpoint as checkpoint_format
-from planc.runtime.checkpoint import Checkpoints
-from planc.runtime.context import RankContext, make_groups
-from planc.data_identity import Identity, identity_now
-from planc.runtime.exchange import (all_gather_json, boolean, broadcast_json, either,
+from planc.build.files import BuildError, read_for_run
+from planc.host.files import append_line
+from planc.checkpoint import format as checkpoint_format
+from planc.runtime.checkpoint.checkpoints import Checkpoints
+from planc.runtime.engine.context import RankContext, make_groups
+from planc.data.identity import Identity, identity_now
+from planc.runtime.engine.exchange import (all_gather_json, boolean, broadcast_json, either,
                                     gather_json, integer, list_of, nothing, number, row, text)
-from planc.runtime.host_memory import keep_freed_memory
-from planc.runtime.evaluation import Evaluator
-from planc.runtime.init_load import InitialWeights
-from planc.runtime.executor import CpuExecutor, CudaExecutor, Hang, PeerLost
-from planc.runtime.interpreter import Interpreter
-from planc.runtime.launcher_protocol import ERROR_FILE, EXIT_HANG, REPORT_FILE, TRAINING_FILE
-from planc.runtime.data import DataError
-from planc.runtime.rendezvous import joined_store
+from planc.runtime.engine.host_memory import keep_freed_memory
+from planc.runtime.engine.evaluation import Evaluator
+from planc.runtime.checkpoint.init_load import InitialWeights
+from planc.runtime.engine.executor import CpuExecutor, CudaExecutor, Hang, PeerLost
+from planc.runtime.engine.interpreter import Interpreter
+from planc.runtime.launcher.protocol import ERROR_FILE, EXIT_HANG, REPORT_FILE, TRAINING_FILE
+from planc.runtime.engine.data import DataError
+from planc.runtime.launcher.rendezvous import joined_store
 from planc.runtime.step_metrics import open_tensorboard, peak_memory_mb, throughput
-from planc.runtime.store import ParamStore
+from planc.runtime.engine.store import ParamStore
 from planc.runtime.trace import write as write_trace
 
 PEER_LOST_GRACE_S = 5.0
@@ -84,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="continue from the newest complete checkpoint in D, or from the "
                         "step directory D; --steps counts from the start of training")
     parser.add_argument("--resume-verified", action="store_true", help=argparse.SUPPRESS)
-    # The data file as planc run checked it (planc.data_identity): every batch is
+    # The data file as planc run checked it (planc.data.identity): every batch is
     # read from that file, unchanged, or the run stops.
     parser.add_argument("--data-identity", type=Identity.parse, help=argparse.SUPPRESS)
     parser.add_argument("--tensorboard", metavar="DIR",
@@ -141,7 +141,7 @@ class _Metrics:
         self.group = dist.new_group(list(range(self.world)), backend="gloo") \
             if self.world > 1 else None
         # appended: planc run has emptied a file --force replaces and kept a resumed
-        # run's (planc.outputs); under torchrun an existing file is continued, never
+        # run's (planc.host.outputs); under torchrun an existing file is continued, never
         # replaced, and only if it is a metrics file
         self.file = _metrics_file(path) if path and ctx.rank == self.leader else None
         self.build = fingerprint if self.file else None
@@ -210,7 +210,7 @@ class _Metrics:
 
 
 def _metrics_file(path: str):
-    from planc.outputs import METRICS, existing_problem
+    from planc.host.outputs import METRICS, existing_problem
 
     refusal = existing_problem("--metrics", path, METRICS, append=True)  # continued
     if refusal is not None:
@@ -249,8 +249,8 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     keep_freed_memory()  # before the first tensor: every step reuses the last one's memory
     built = read_for_run(args.build)  # programs/ and plan.json: no graph, nothing derived
-    if rank == 0 and args.trace:  # under torchrun nobody checked it (planc.outputs)
-        from planc.outputs import RUN_TRACE, existing_problem
+    if rank == 0 and args.trace:  # under torchrun nobody checked it (planc.host.outputs)
+        from planc.host.outputs import RUN_TRACE, existing_problem
 
         refusal = existing_problem("--trace", args.trace, RUN_TRACE, args.force)
         if refusal is not None:
@@ -346,7 +346,7 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
                          for _, events in gathered])
     status = 0
     if args.check:
-        from planc.runtime.check import compare  # the oracle: it alone reads the plan
+        from planc.runtime.oracle.check import compare  # the oracle: it alone reads the plan
 
         status = compare(ctx, interpreter, built.plan_data, losses if _leader(ctx) else None,
                          steps, first, evaluations if _leader(ctx) else None)
@@ -356,7 +356,7 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
 
 
 # A rank's name and trace events as JSON: (step, stream, node, start, end, microbatch
-# or null, op, flows) each (planc.runtime.executor.TraceEvent, planc.runtime.trace.Flow).
+# or null, op, flows) each (planc.runtime.engine.executor.TraceEvent, planc.runtime.trace.Flow).
 _TRACE_FORM = row(text, list_of(row(integer, text, text, number, number,
                                     either(integer, nothing), text,
                                     list_of(row(text, integer, integer, text, boolean)))))

@@ -13,17 +13,17 @@ with the model FLOPs of Narayanan et al. (SC'21, eq. 3, with the MLP width as wr
 ``3 * tokens * (layers * (24 h^2-equivalent matmuls + 4 s h attention) + 2 h V)``,
 recomputation not counted (it is hardware FLOPs, not model FLOPs). The pipeline bubble is
 the time a stage's compute stream waits for its neighbours; exposed communication the
-time it waits for a transfer of its own, by axis. Memory is planc.memory's estimate.
+time it waits for a transfer of its own, by axis. Memory is planc.estimate.memory's estimate.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planc import memory
-from planc.build import Build
+from planc.estimate import memory
+from planc.build.directory import Build
 from planc.models import step_model_flops
-from planc.plan import Plan
+from planc.plan.plan import Plan
 from planc.simulate.costs import InstructionCosts
 from planc.simulate.pipeline import StageTime, step
 
@@ -84,7 +84,7 @@ class Simulation:
 
 def simulate(build: Build, keep_timeline: bool = False, gpu=None) -> Simulation:
     """One step of ``build`` (with its programs) on its plan's topology; ``gpu``: a
-    planc.kernel_cost.GPU to price the kernels with instead of the preset's (the
+    planc.estimate.kernel_cost.GPU to price the kernels with instead of the preset's (the
     leave-one-table-out validation re-derives its figures without a table)."""
     plan = build.plan
     programs = {program.stage: program for name, program in build.programs.items()

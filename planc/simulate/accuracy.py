@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planc.models import family_of, moe
-from planc.plan import Plan
+from planc.plan.plan import Plan
 
 VALIDATED_PRESETS = ("dgx-a100", "dgx-h100")
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from planc.lower.operands import Operands
-from planc.lower.program import Instruction
-from planc.names import Stream
+from planc.program.operands import Operands
+from planc.program.program import Instruction
+from planc.program.names import Stream
 from planc.simulate.costs import axis_of, group_of
 
 COMPUTE = Stream.COMPUTE

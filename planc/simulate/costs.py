@@ -1,7 +1,7 @@
 """What one instruction of a rank program costs, from its operands and the build's group
-table alone (not graph.json): the one model the compiler optimises with (planc.cost).
+table alone (not graph.json): the one model the compiler optimises with (planc.estimate.cost).
 
-- A compute instruction on a GPU that :mod:`planc.kernel_cost` knows (the
+- A compute instruction on a GPU that :mod:`planc.estimate.kernel_cost` knows (the
   topology's preset names it) takes what its kernels achieve there: a matrix multiply by
   its shape, attention at FlashAttention's published rates, anything else its memory
   traffic, each plus a fixed cost per kernel. On any other device it takes the longer of
@@ -16,7 +16,7 @@ table alone (not graph.json): the one model the compiler optimises with (planc.c
   on each placement on nodes that the groups of its reference have on its stage
   (programs/groups.json), the slowest, which is the time the route pass predicted.
 - Any other transfer (pipeline sends and receives, all_to_all) takes the ring time of
-  planc.cost on a group of its reference's size, inside or across nodes as rank 0's
+  planc.estimate.cost on a group of its reference's size, inside or across nodes as rank 0's
   group of that reference lies.
 - Every transfer also pays the device's ``handoff``: on a CPU the runtime runs each
   program stream in a thread of its own, and a transfer the compute stream waits for
@@ -31,7 +31,7 @@ table alone (not graph.json): the one model the compiler optimises with (planc.c
   all-to-all of ``bytes`` (its (token, expert) rows at uniform routing) times the
   routing's imbalance (the busiest rank's rows over the mean, model moe's ``imbalance``;
   its experts' GEMMs take as many rows more) over the group,
-  priced on where the group's members sit (:meth:`planc.cost.CostModel.all_to_all_seconds`:
+  priced on where the group's members sit (:meth:`planc.estimate.cost.CostModel.all_to_all_seconds`:
   NVLink to peers on the node, the rank's NIC to the others, at once); the replay charges
   that part of the instruction to the ep axis as exposed communication, not to compute.
 - A mixture whose balance loss spans the ranks of a sequence adds, to its forward and
@@ -43,14 +43,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planc.cost import CostModel, Placement
+from planc.estimate.cost import CostModel, Placement
 from planc.graph.ir import Kind
-from planc.lower.groups import PIPELINE, GroupTable
-from planc.lower.operands import FORWARD_STEPS, GRADIENT_STEPS, Operands
-from planc.lower.program import Instruction
-from planc.memory import local_parameter_elements
-from planc.plan import DTYPE_BYTES, Plan
-from planc.kernel_cost import MIXTURE, KernelModel, Mixture
+from planc.program.groups import PIPELINE, GroupTable
+from planc.program.operands import FORWARD_STEPS, GRADIENT_STEPS, Operands
+from planc.program.program import Instruction
+from planc.estimate.memory import local_parameter_elements
+from planc.plan.plan import DTYPE_BYTES, Plan
+from planc.estimate.kernel_cost import MIXTURE, KernelModel, Mixture
 
 # Bytes an operator moves per byte of its output: read the input and write the output;
 # a residual add reads two inputs; AdamW reads a parameter, its gradient and two moments

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from planc.lower.program import Instruction, Program, guard_microbatch
-from planc.names import Stream
+from planc.program.program import Instruction, Program, guard_microbatch
+from planc.program.names import Stream
 from planc.schedules import Block
 from planc.simulate.blocks import BlockTime, replay
 

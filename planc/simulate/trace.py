@@ -6,9 +6,9 @@ peer) and the group table (a ring shift's group), as the runtime finds them."""
 
 from __future__ import annotations
 
-from planc.lower.operands import Operands
-from planc.mesh import RankMesh
-from planc.outputs import SIMULATED_TRACE
+from planc.program.operands import Operands
+from planc.plan.mesh import RankMesh
+from planc.host.outputs import SIMULATED_TRACE
 from planc.runtime.trace import flows_of
 from planc.runtime.trace import write as write_events
 

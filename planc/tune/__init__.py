@@ -4,7 +4,7 @@ The search (docs/tune.md):
 
 1. every candidate of :mod:`planc.tune.space` (the mesh, its order, the schedule, ZeRO,
    sequence parallelism, recomputation), less those breaking the mesh's arithmetic;
-2. each one's plan, memory estimate (planc.memory) and lower bound on its step time
+2. each one's plan, memory estimate (planc.estimate.memory) and lower bound on its step time
    (:mod:`planc.tune.bounds`): a candidate that does not fit is pruned;
 3. the file's own layout first, when it is for ``gpus`` devices (so the best is never
    predicted slower than what the file says), then in the order of a rough estimate: a candidate whose bound is no better
@@ -25,8 +25,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from planc import memory
-from planc.plan import Plan
+from planc.estimate import memory
+from planc.plan.plan import Plan
 from planc.tune import bounds
 from planc.tune.space import DEFAULTS, ORDERS, Candidate, candidates, dominates, of_plan
 

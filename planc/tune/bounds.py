@@ -10,7 +10,7 @@ s runs the forward and backward of every microbatch, one after another:
 
 with F and B the forward and backward FLOPs of one microbatch (backward twice the
 forward's matrix work, plus the forward again where recomputed) at the fastest rate any
-compute instruction reaches in the simulator (planc.kernel_cost.KernelModel.
+compute instruction reaches in the simulator (planc.estimate.kernel_cost.KernelModel.
 fastest_fraction of the device's peak: a large GEMM's, or the roofline's efficiency), no
 communication, and each operator's FLOPs divided by tp (those run whole on every tp rank
 are counted as split too). Every term only undercounts what the simulator charges
@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from planc.cost import CostModel
-from planc.kernel_cost import KernelModel
+from planc.estimate.cost import CostModel
+from planc.estimate.kernel_cost import KernelModel
 from planc.graph.model import Shapes
 from planc.models import family_of
-from planc.plan import Mesh, Optimize, PipelineParallel, Plan, Schedule
+from planc.plan.plan import Mesh, Optimize, PipelineParallel, Plan, Schedule
 from planc.schedules import named as named_schedule
 from planc.schedules.layers import EMBEDDING_WORK, balanced_chunks, range_text
 from planc.tune.space import Candidate

@@ -8,7 +8,7 @@ choose. The result is what ``--set KEY=VALUE`` would make of the file, as a file
 
 from __future__ import annotations
 
-from planc.lang import ast
+from planc.vocabulary import ast
 from planc.lang.parser import parse
 
 

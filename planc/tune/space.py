@@ -22,8 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterator
 
-from planc.mesh import AXES
-from planc.plan import Plan
+from planc.plan.mesh import AXES
+from planc.plan.plan import Plan
 
 # Mesh orders tried: the default (pp inside dp, as Megatron-LM) and dp inside pp, which
 # keeps small dp groups on a node when pp crosses nodes.

@@ -40,7 +40,7 @@ class Curve:
 def curve(records: list[dict], metric: str, path: str) -> Curve:
     """The values of ``metric`` against the step in the records of one ``planc run
     --metrics`` file (read, and its steps and numbers checked, by
-    planc.metrics_file.read_metrics): every step has a loss; another metric is drawn at the
+    planc.data.metrics_file.read_metrics): every step has a loss; another metric is drawn at the
     steps that have it (eval_loss where the run evaluated). A loss that is NaN or infinite
     (a run that diverged) is drawn as a gap."""
     steps, values = [], []

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from planc.graph.summary import busiest_stage_by_axis, summarize
-from planc.lang.units import TIME, format_bytes, format_flop_rate, format_quantity, format_share
-from planc.mesh import AXES
+from planc.vocabulary.units import TIME, format_bytes, format_flop_rate, format_quantity, format_share
+from planc.plan.mesh import AXES
 from planc.views.tables import table
 
 

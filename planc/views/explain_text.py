@@ -9,12 +9,12 @@ from collections import defaultdict
 import networkx as nx
 
 from planc.graph.ir import Axis
-from planc.lang.units import TIME, format_bytes, format_quantity
-from planc.layout import Layout
-from planc.lower.groups import plan_group_table
-from planc.plan import Plan
+from planc.vocabulary.units import TIME, format_bytes, format_quantity
+from planc.plan.layout import Layout
+from planc.program.groups import plan_group_table
+from planc.plan.plan import Plan
 from planc.views.tables import table
-from planc.words import counted
+from planc.diagnostics import counted
 
 PHASE_LETTER = {"forward": "F", "backward": "B", "optimizer": "O"}
 MEMBERS_SHOWN = 8
@@ -271,8 +271,8 @@ def explain(plan: Plan, graph: nx.DiGraph, layer: int | None = None, param: str 
 
 def training_lines(plan: Plan) -> list[str]:
     """The lr schedule's landmarks and the order of the samples, when the plan sets
-    them (planc.lr_schedule, planc.sample_order)."""
-    from planc.lr_schedule import LrSchedule, describe
+    them (planc.plan.lr_schedule, planc.data.sample_order)."""
+    from planc.plan.lr_schedule import LrSchedule, describe
 
     train, lines = plan.train, []
     if train.lr_schedule != LrSchedule():
@@ -289,7 +289,7 @@ def expert_lines(plan: Plan, graph: nx.DiGraph, layer: int) -> list[str]:
     """A mixture over ep: the all-to-alls its instruction runs over its ep group, what
     they move at uniform routing and at the most (every row of the group sent to one
     rank's experts), and why they exist."""
-    from planc.lower.groups import EXPERTS, plan_group_table
+    from planc.program.groups import EXPERTS, plan_group_table
 
     node = f"F/L{layer}/moe"
     data = graph.nodes[node] if node in graph else {}
@@ -323,7 +323,7 @@ def counts_lines(plan: Plan, graph: nx.DiGraph, layer: int) -> list[str]:
     """A mixture whose balance loss spans the ranks of a sequence: the all-reduce of its
     per-(sequence, expert) counts that its instruction runs over the sequence group, what
     it moves, and why it exists."""
-    from planc.lower.groups import SEQUENCE, plan_group_table
+    from planc.program.groups import SEQUENCE, plan_group_table
 
     node = f"F/L{layer}/moe"
     data = graph.nodes[node] if node in graph else {}

@@ -1,6 +1,6 @@
 "use strict";
 // Placement of groups in lanes, edge paths and the mesh's group table, for graph_page.js.
-// place() is planc/views/graph_layout.py's place() and edgePath() graph_svg.py's
+// place() is planc/views/graph/layout.py's place() and edgePath() graph_svg.py's
 // edge_path(): the page's first view and the SVG agree (tests/test_graph_page.py checks).
 const Layout = (() => {
   function groupSize(item, G) {
@@ -62,7 +62,7 @@ const Layout = (() => {
   return {place, edgePath};
 })();
 
-// The mesh and the build's group table (planc/layout.py, planc/lower/groups.py): which
+// The mesh and the build's group table (planc/plan/layout.py, planc/program/groups.py): which
 // ranks a collective of a node joins, seen from any rank.
 const Mesh = (mesh, rules) => {
   const axes = Object.keys(mesh.sizes);

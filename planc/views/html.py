@@ -2,7 +2,7 @@
 
 The page embeds the whole (selected) graph: every node of every stage and layer, each
 group's inner layout for every node and for its transfers only (planc.views.
-graph_layout), the facts of each node's panel in human units (planc.views.graph_facts),
+graph_layout), the facts of each node's panel in human units (planc.views.graph.facts),
 the reasons of ``planc explain``, and the build's group table, from which the page
 computes the member ranks of every collective for any rank. Its script
 (graph_page.js, graph_page_layout.js) places the groups, draws the visible ones, and
@@ -19,15 +19,15 @@ from importlib import resources
 import networkx as nx
 
 from planc.graph.select import Selection, select
-from planc.layout import Layout
-from planc.lower.groups import GroupTable, plan_group_table
-from planc.lower.routes import split_refs
-from planc.mesh import WHOLE
-from planc.plan import Plan
-from planc.views.graph_facts import AXIS_COLORS, PHASE_FILLS, Facts, colours, lane_labels, \
+from planc.plan.layout import Layout
+from planc.program.groups import GroupTable, plan_group_table
+from planc.program.routes import split_refs
+from planc.plan.mesh import WHOLE
+from planc.plan.plan import Plan
+from planc.views.graph.facts import AXIS_COLORS, PHASE_FILLS, Facts, colours, lane_labels, \
     node_lines
-from planc.views.graph_groups import groups_of, summary_lines
-from planc.views.graph_layout import GEOMETRY, inner_layout, initially_expanded, place
+from planc.views.graph.groups import groups_of, summary_lines
+from planc.views.graph.layout import GEOMETRY, inner_layout, initially_expanded, place
 
 # The page expands every group of a graph this small, and only groups of at most
 # SMALL_GROUP nodes of a bigger one (a layer is a card until asked for).

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from planc.layout import EXPERT_GROUPS, Layout
-from planc.mesh import AXES, LAYOUT_GROUPS
+from planc.plan.layout import EXPERT_GROUPS, Layout
+from planc.plan.mesh import AXES, LAYOUT_GROUPS
 from planc.views.tables import table
-from planc.words import counted
+from planc.diagnostics import counted
 
 DEVICES_PER_ROW = 8
 NODES_SHOWN_AT_EACH_END = 2

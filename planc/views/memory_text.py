@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from planc.lang.units import format_bytes
-from planc.memory import MemoryEstimate
+from planc.vocabulary.units import format_bytes
+from planc.estimate.memory import MemoryEstimate
 from planc.views.tables import table
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from planc import memory
-from planc.lang.units import COMPUTE, RATE, TIME, format_bytes, format_quantity
+from planc.estimate import memory
+from planc.vocabulary.units import COMPUTE, RATE, TIME, format_bytes, format_quantity
 from planc.models import family_of
-from planc.plan import Plan
+from planc.plan.plan import Plan
 from planc.schedules.layers import range_text
-from planc.words import counted
+from planc.diagnostics import counted
 
 
 def _onoff(flag: bool) -> str:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import networkx as nx
 
 from planc.graph.ir import Axis
-from planc.layout import Layout
-from planc.lower.program import Instruction, Program, RankTable
-from planc.plan import Plan
+from planc.plan.layout import Layout
+from planc.program.program import Instruction, Program, RankTable
+from planc.plan.plan import Plan
 from planc import schedules
 from planc.schedules import Block
 from planc.schedules.layers import chunk_text

@@ -10,16 +10,16 @@ import html
 import re
 import statistics
 
-from planc import memory
+from planc.estimate import memory
 from planc.graph.summary import busiest_stage_transfers, summarize
 from planc.lang.presets import PRESETS
-from planc.lang.units import (COMPUTE, TIME, format_bytes, format_flop_rate, format_quantity,
+from planc.vocabulary.units import (COMPUTE, TIME, format_bytes, format_flop_rate, format_quantity,
                               format_share)
-from planc.mesh import AXES
+from planc.plan.mesh import AXES
 from planc.schedules import Block
 from planc.views.plan_text import settings
 from planc.views.report_layout import layout_svg
-from planc.words import counted
+from planc.diagnostics import counted
 
 PHASE_COLOURS = {"F": "#4e79a7", "B": "#e15759", "prologue": "#bab0ac",
                  "epilogue": "#59a14f"}
@@ -224,7 +224,7 @@ def _measured(plan, result, metrics: list[dict] | None, warmup: int,
     predicted_exposed = max(sum(s.exposed_seconds.values()) for s in result.stages)
     rows.append(["exposed communication", format_quantity(predicted_exposed, TIME),
                  format_quantity(exposed, TIME), ""])
-    # planc run since issue 26 writes both (planc.metrics_file checked them where present)
+    # planc run since issue 26 writes both (planc.data.metrics_file checked them where present)
     if all(r.get("mfu") is not None and r.get("tflops_per_device") is not None for r in kept):
         rate = statistics.median(r["tflops_per_device"] for r in kept)
         rows.append(["FLOP/s per GPU", format_flop_rate(result.tflops_per_gpu * 1e12),

@@ -11,9 +11,9 @@ from __future__ import annotations
 import colorsys
 import html
 
-from planc.layout import Layout
-from planc.mesh import GROUPS
-from planc.words import counted
+from planc.plan.layout import Layout
+from planc.plan.mesh import GROUPS
+from planc.diagnostics import counted
 
 DATA_AXES = GROUPS["dp"].axes
 # The ranks of one stage of one data-parallel replica differ along the stage's other axes.

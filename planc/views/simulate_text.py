@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from planc.lang.units import (TIME, format_bytes, format_flop_rate, format_quantity,
+from planc.vocabulary.units import (TIME, format_bytes, format_flop_rate, format_quantity,
                               format_share)
 from planc.views.tables import table
 

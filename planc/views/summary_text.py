@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from planc.lang.units import TIME, format_bytes, format_flops, format_quantity
+from planc.vocabulary.units import TIME, format_bytes, format_flops, format_quantity
 from planc.views.tables import table
 
 MAX_STAGES_SHOWN = 6

@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 from typing import TextIO
 
-from planc.lang.units import TIME, format_bytes, format_quantity
+from planc.vocabulary.units import TIME, format_bytes, format_quantity
 from planc.views.tables import table
-from planc.words import counted
+from planc.diagnostics import counted
 
 PRUNING_WORDS = {
-    "memory": "over the memory per device (planc.memory's estimate)",
+    "memory": "over the memory per device (planc.estimate.memory's estimate)",
     "dominated": "the same layout with less recomputation or a lower ZeRO stage fits",
     "bound": "slower at best than the K-th best already simulated (compute at the fastest kernel's rate)",
     "check": "refused by planc check",

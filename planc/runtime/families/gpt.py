@@ -1,7 +1,7 @@
 """The gpt family's own kernels: LayerNorm, multi-head attention, GELU (tanh).
 
 Each kernel runs on the local tensors the instruction's operands say the rank holds; the
-shared ones (linear, embedding, residual, loss) are in planc.runtime.kernels.
+shared ones (linear, embedding, residual, loss) are in planc.runtime.engine.kernels.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ KERNELS = {Op.LN1: layer_norm, Op.LN2: layer_norm, Op.FINAL_LN: layer_norm,
 
 def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
                    dtype: torch.dtype) -> torch.Tensor:
-    """The single-process reference's loss (planc.runtime.reference): the gpt family as
+    """The single-process reference's loss (planc.runtime.oracle.reference): the gpt family as
     docs/language.md defines it (model gpt), on whole tensors. ``m``: the plan's model."""
     p = {k: v.to(dtype) for k, v in params.items()}
     inputs, targets = tokens[:, :-1], tokens[:, 1:]

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from planc.graph.vocabulary import Op
-from planc.runtime.model import local_heads
+from planc.runtime.engine.model import local_heads
 
 
 def rms_norm(k, spec, x, p, step, mb, extra):
@@ -104,7 +104,7 @@ def dense_mlp(layer: int, h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.
 
 def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
                    dtype: torch.dtype, mlp=dense_mlp) -> torch.Tensor:
-    """The single-process reference's loss (planc.runtime.reference): the llama family as
+    """The single-process reference's loss (planc.runtime.oracle.reference): the llama family as
     docs/language.md defines it (model llama), one line per rule, on whole tensors.
     ``m``: the plan's model; ``mlp(layer, normed, weights)``: a block's MLP (the moe
     family's mixture)."""

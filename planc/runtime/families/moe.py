@@ -219,7 +219,7 @@ KERNELS = {**llama.KERNELS, Op.MOE: moe}
 
 def reference_objective(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The single-process reference (planc.runtime.reference): llama's, with the mixture
+    """The single-process reference (planc.runtime.oracle.reference): llama's, with the mixture
     in the blocks from ``first_dense`` on; (what is differentiated: the cross-entropy
     plus the balance loss of every mixture block averaged over the batch's sequences,
     what is reported: the cross-entropy, as Megatron-LM reports its lm loss)."""

@@ -1,0 +1,374 @@
+"""What the kernels of a compute instruction achieve on a known GPU: matrix multiplies by
+their shape, attention at FlashAttention's published rates, and a fixed cost per kernel.
+
+Beside :mod:`planc.estimate.cost` (which prices transfers and, with one efficiency, compute) so
+that a pass can price a GEMM the way the simulator does (``linear_seconds``: tp_overlap's
+choice of a chunk count, where smaller pieces run less efficiently). The simulator uses
+this model for a topology whose preset names a GPU below; any other device (a CPU
+measured by ``planc calibrate``, a hand-written one) keeps the roofline of one
+efficiency (:mod:`planc.simulate.costs`).
+
+**Matrix multiplies.** A GEMM of an ``M x K`` by a ``K x N`` matrix is computed tile by
+tile, one output tile per thread block, in waves of as many blocks as the GPU has SMs
+(NVIDIA, "Matrix Multiplication Background User's Guide", DU-09799-001, 2023: tile and
+wave quantization; typical cuBLAS tiles 256x128, 128x256 and 128x128, of which cuBLAS's
+heuristics pick one). Its time is the longer of
+
+- its FLOPs at ``peak x large x waves x K / (K + k_overhead)``: ``large`` is what cuBLAS
+  reaches on large well-shaped GEMMs; ``waves`` the useful share of the last wave, for the
+  best of the typical tiles; ``K / (K + k_overhead)`` the cost of filling and draining each
+  tile's main loop, which a short inner dimension (the row-parallel GEMMs' ``K = h / tp``)
+  cannot amortise;
+- the bytes it reads and writes (``M K + K N + M N`` elements) at the memory bandwidth
+  (the guide's math and memory bounds),
+
+plus the fixed cost of its launch. A forward runs one GEMM (``M x K`` by ``K x N``), a
+backward two: the input gradient (``M x N`` by ``N x K``) and the weight gradient
+(``K x M`` by ``M x N``); a split backward's B and W steps one each. ``N`` and ``K`` are the
+operator's features on its tensor-parallel rank (column-parallel operators split ``N``,
+row-parallel ones ``K``); ``M``, the tokens, follows from the instruction's FLOPs, so that a
+GEMM that a program splits into chunks is priced at its chunk's size.
+
+**Attention** runs at FlashAttention's rates for a causal mask, head dimension 128: the
+forward at ``attention_forward`` FLOP/s, the backward (2.5 times the forward's FLOPs,
+FlashAttention's count) at ``attention_backward``, both counting the FLOPs a causal mask
+leaves (half of the instruction's, which counts every key).
+
+**A mixture of experts** (the ``moe`` operator) is priced by its kernels on the busiest
+rank of its ep group, as Megatron-Core's grouped-GEMM MoE layer runs them: the router's
+GEMM (tokens x experts, inner ``hidden``); the experts' gate-and-up and down GEMMs as one
+grouped GEMM each over the rank's ``experts / ep`` experts, each expert getting ``ep x
+tokens x top_k / experts`` rows times the routing's imbalance (model moe's
+``imbalance``, with ep > 1) (the tiles of every expert fill the waves together, as a
+grouped kernel schedules them; a backward runs the input- and the weight-gradient
+grouped GEMMs, whose inner dimension is an expert's rows); the shared experts as one
+dense SwiGLU on the tokens; and the memory traffic of what lies between them: the
+router's fp32 probabilities, the permutation of the tokens into the dispatch buffer
+and back (with the weighted sum), the SwiGLU activation on every row; a launch per
+kernel. The all-to-alls are the simulator's (:mod:`planc.simulate.costs`).
+
+**Every other operator** (norms, activations, residual adds, the loss, the optimizer) is
+bound by its memory traffic, as in the roofline, plus its launch; a backward moves three
+tensors of its output's size (the forward's input and the output's gradient read, the
+input's gradient written), and the cross-entropy reads the logits twice (their largest,
+then the sum of their exponentials) though it writes one figure per token.
+
+The figures per GPU, and where they come from:
+
+- **A100 SXM4** (``dgx-a100``): 108 SMs; ``large = 0.80``: optimized GEMMs "reach up to
+  80-90% of the theoretical maximum" (Dao, "FlashAttention-2", 2023, section 1), the low
+  end: a statement, not a measurement of the CUDA 11 cuBLAS that the A100 runs of
+  2021-22 used (none was found; docs/simulate.md, "What the A100 tables still miss");
+  FlashAttention rates of 187 TFLOP/s forward (60 % of peak) and 142 backward (45 %),
+  inside the ranges FlashAttention-2 reports on A100 (Dao 2023: 50-73 % forward, up to
+  63 % backward), kept for completeness: the published A100 runs used unfused attention
+  (below), and so does the model.
+- **H100 SXM5** (``dgx-h100``): 132 SMs; ``large = 0.79``: cuBLAS bf16 8192^3 on an
+  H100 80GB HBM3 at 783 TFLOP/s (``bench/kernels_gpu.py``, docs/simulate.md; the
+  workplace's device notes saw 769-798); attention 164 TFLOP/s forward and 168 backward:
+  FlashAttention-2 through PyTorch's SDPA, causal, head dimension 128, the median over
+  the shapes of the Megatron-LM H100 plans and Llama 3 405B on that H100 (134-214 forward,
+  151-264 backward; Dao 2023, figure 7, reports FlashAttention-2 on H100 at up to
+  335 TFLOP/s with more heads and sequences per call).
+- ``k_overhead = 256``: on the H100 above, GEMMs with ``K`` of 896 to 2,304 ran at
+  0.70-0.86 of the 8192^3 rate (``bench/kernels_gpu.py``), which ``K / (K + 256)``
+  (0.78-0.90) follows; the A100 is taken to be alike (no A100 measurement was found).
+  Over the 93 GEMMs of those plans the model's time is within 5.5 % of the measured one
+  at the median, 20 % at most.
+- The A100's attention is unfused (``flash = False``): the Korthikanti and Narayanan runs
+  used Megatron-LM's batched GEMMs with a fused scale-mask-softmax and a dropout between
+  them (Korthikanti et al. 2022, section 4.2), not FlashAttention.
+- A plan that declares its own peak (``device { flops }`` over one of these presets: a
+  part at another power limit or clock, such as torchtitan's 500 W H100s) scales the
+  attention rates by its peak over the preset's, as ``peak`` scales the GEMMs.
+- ``launch = 4 us`` per kernel: the launch overhead of a CUDA kernel on these GPUs (NVIDIA,
+  "Getting Started with CUDA Graphs", 2019: a few microseconds per kernel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import ceil
+from types import SimpleNamespace
+
+from planc.graph.model import Shapes
+from planc.lang.presets import PRESETS
+from planc.program.operands import Operands
+from planc.models import family_of, moe
+from planc.plan.plan import Plan
+
+# The typical cuBLAS tiles of the NVIDIA guide (rows x columns of the output).
+TILES = ((256, 128), (128, 256), (128, 128))
+# The operators that are one GEMM per step, and the tensor each multiplies (its K); proj
+# multiplies what attention produced (heads x head_dim features).
+GEMM_INPUT = {"qkv": "stream", "proj": None, "fc1": "stream", "fc2": "ffn",
+              "head": "stream"}
+SPLIT_N = ("column", "vocab")  # tensor-parallel layouts that split a GEMM's output features
+ATTENTION = "attention"
+MIXTURE = "moe"
+# A mixture's kernels besides its GEMMs, forward: the router's softmax and top-k, the
+# permutation into the dispatch buffer, the activation, the unpermutation with its
+# weighted sum; the backward runs the gradient of each.
+MIXTURE_PASSES = 5
+CAUSAL = 0.5  # the share of an attention's FLOPs (every key counted) a causal mask leaves
+FLASH_BACKWARD = 2.5  # FlashAttention counts a backward as 2.5 forwards
+OPTIMIZER = "optimizer"
+# Bytes per score of unfused attention in 16-bit: the softmax reads and writes each (4),
+# the dropout reads it and writes it and its one-byte mask (5); the backward reads the
+# mask and the gradient and writes it (5), then the softmax's gradient reads the
+# probabilities and the gradient and writes one (6).
+UNFUSED_FORWARD_BYTES = 9
+UNFUSED_BACKWARD_BYTES = 11
+BACKWARD_TRAFFIC = 3.0
+# The cross-entropy's operators (planc.models: 5 FLOPs per logit): a pass reads the
+# logits to find the largest, a second sums their exponentials; the backward reads them
+# and writes their gradient.
+LOSS_KERNELS = ("loss", "loss_max", "loss_sum_exp")
+LOSS_FLOPS_PER_LOGIT = 5.0
+LOSS_PASSES = 2.0
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    sms: int
+    large: float  # fraction of peak a large GEMM reaches
+    k_overhead: int  # inner-dimension elements a tile's fill and drain cost
+    attention_forward: float  # FLOP/s, causal, head dimension 128
+    attention_backward: float
+    launch: float = 4e-6  # seconds per kernel
+    flash: bool = True  # the published runs on it used FlashAttention (else unfused)
+
+
+GPUS = {
+    "dgx-a100": GPU("A100 SXM4", 108, 0.80, 256, 187e12, 142e12, flash=False),
+    "dgx-h100": GPU("H100 SXM5", 132, 0.79, 256, 164e12, 168e12),
+}
+
+
+def preset_peak(plan: Plan) -> float:
+    """The peak FLOP/s of the topology preset's own device at the plan's dtype (its
+    datasheet figure), whatever ``device { flops }`` the plan declares; a topology of no
+    named preset has only its declared peak."""
+    preset = PRESETS.get(plan.topology.preset or "")
+    return preset.flops[plan.model.dtype] if preset is not None else plan.topology.device.flops
+
+
+def wave_efficiency(m: int, n: int, sms: int, groups: int = 1) -> float:
+    """The useful share of the waves of output tiles, for the best typical tile; a
+    grouped GEMM's ``groups`` GEMMs of one shape fill the waves together."""
+    best = 0.0
+    for rows, columns in TILES:
+        tiles = groups * ceil(m / rows) * ceil(n / columns)
+        waves = ceil(tiles / sms)
+        best = max(best, groups * m * n / (waves * sms * rows * columns))
+    return best
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """What pricing a plan's mixture of experts needs: its widths, the experts on one
+    rank of the ep group, and its forward FLOPs per token (planc.models.moe)."""
+
+    hidden: int
+    expert_ffn: int
+    experts: int
+    top_k: int
+    shared: int
+    local: int  # experts / ep
+    flops_per_token: float
+    # The busiest ep rank's rows over the mean (planc.models.moe.routing_imbalance); 1
+    # without ep, where every rank holds every expert and receives every row it routes.
+    imbalance: float = 1.0
+
+    @staticmethod
+    def of(plan: Plan) -> "Mixture | None":
+        m = plan.model
+        if family_of(plan) is not moe.FAMILY:
+            return None
+        one = SimpleNamespace(model=m, batch=1, seq=1, hidden=m.hidden)  # one token
+        imbalance = moe.routing_imbalance(m) if plan.mesh.ep > 1 else 1.0
+        return Mixture(m.hidden, m.expert_ffn, m.experts, m.top_k, m.shared_experts,
+                       m.experts // plan.mesh.ep, moe.forward_flops("moe", one), imbalance)
+
+    def busiest_flops(self, flops: float) -> float:
+        """A mixture instruction's ``flops`` (at the mean routing) as the busiest ep rank
+        runs them: its routed experts' share scaled by the imbalance."""
+        if self.imbalance == 1.0:
+            return flops
+        # per token: its top_k experts and their weighted sum (planc.models.moe)
+        routed = self.top_k * (moe.expert_flops(1, self.hidden, self.expert_ffn)
+                               + 2.0 * self.hidden)
+        return flops * (1.0 + (self.imbalance - 1.0) * routed / self.flops_per_token)
+
+
+class KernelModel:
+    """Seconds of a compute instruction on a known GPU: ``seconds(operands, traffic)``."""
+
+    def __init__(self, plan: Plan, gpu: GPU):
+        self.gpu = gpu
+        self.peak = plan.topology.device.flops
+        # The attention rates are the preset's own device's; a plan that declares another
+        # peak (device { flops }: a part at a lower power limit or clock) scales them as
+        # the GEMMs scale, tensor cores both.
+        self.attention_scale = self.peak / preset_peak(plan)
+        self.bandwidth = plan.topology.device.bandwidth
+        shapes = Shapes.of(plan)
+        self.dtype_bytes = shapes.dtype_bytes
+        tp = plan.mesh.tp
+        output = family_of(plan).output_tensor
+        self.features: dict[str, tuple[int, int]] = {}  # op -> (N, K) on one tp rank
+        for op, source in GEMM_INPUT.items():
+            n, k = shapes.widths[output[op]], shapes.widths[source or output["attention"]]
+            layout = getattr(plan.shard.tp, op, None)
+            if tp > 1 and layout in SPLIT_N:
+                n //= tp
+            elif tp > 1 and layout == "row":
+                k //= tp
+            self.features[op] = (max(n, 1), max(k, 1))
+        # Unfused attention: per head, scores = Q K^T (s x s_full, inner head_dim), then
+        # scores V (s x head_dim, inner s_full); heads of all microbatch rows stacked.
+        self.mixture = Mixture.of(plan)
+        self.head_dim = shapes.model.head_dim
+        self.seq_full = shapes.seq_full
+        self.score_rows = shapes.batch * shapes.seq * max(shapes.heads // tp, 1)
+
+    @staticmethod
+    def fastest_fraction(plan: Plan) -> float:
+        """The largest fraction of the device's peak that any compute instruction of
+        ``plan`` reaches, counting its FLOPs as the instruction does: a large GEMM's
+        ``large`` (tiles, waves and a short inner dimension only lower it), fused
+        attention's rates doubled (a causal mask leaves half of the FLOPs counted;
+        unfused attention is GEMMs), or, off the known GPUs, the roofline's one
+        efficiency. planc tune bounds step times with it."""
+        gpu = GPUS.get(plan.topology.preset or "")
+        device = plan.topology.device
+        if gpu is None:
+            return device.efficiency
+        attention = max(gpu.attention_forward, gpu.attention_backward) if gpu.flash else 0.0
+        return min(1.0, max(gpu.large, 2 * attention / preset_peak(plan)))
+
+    @staticmethod
+    def of(plan: Plan) -> "KernelModel | None":
+        gpu = GPUS.get(plan.topology.preset or "")
+        return KernelModel(plan, gpu) if gpu is not None else None
+
+    def gemm_seconds(self, m: float, n: int, k: int) -> float:
+        """One GEMM of an ``m x k`` by a ``k x n`` matrix."""
+        gpu = self.gpu
+        rate = self.peak * gpu.large * wave_efficiency(ceil(m), n, gpu.sms) * \
+            k / (k + gpu.k_overhead)
+        traffic = self.dtype_bytes * (m * k + k * n + m * n) / self.bandwidth
+        return max(2.0 * m * n * k / rate, traffic) + gpu.launch
+
+    def grouped_gemm_seconds(self, groups: int, m: float, n: int, k: float) -> float:
+        """One grouped GEMM: ``groups`` GEMMs of ``m x k`` by ``k x n`` in one launch,
+        whose output tiles fill the SMs' waves together."""
+        gpu, rows = self.gpu, ceil(m)
+        waves = wave_efficiency(rows, n, gpu.sms, groups)
+        rate = self.peak * gpu.large * waves * k / (k + gpu.k_overhead)
+        traffic = self.dtype_bytes * groups * (m * k + k * n + m * n) / self.bandwidth
+        return max(2.0 * groups * m * n * k / rate, traffic) + gpu.launch
+
+    def mixture_seconds(self, step: str | None, flops: float) -> float:
+        """A mixture's ``step`` (forward, recompute or backward) of ``flops``."""
+        x = self.mixture
+        backward = step == "backward"
+        tokens = flops / (2.0 if backward else 1.0) / x.flops_per_token
+        # received by the busiest rank of the ep group, over its local experts: the step
+        # waits for it
+        rows = tokens * x.top_k * x.imbalance
+        per_expert = rows / x.local
+        h, e, shared = x.hidden, x.expert_ffn, x.shared * x.expert_ffn
+        if backward:  # input gradients (inner: the outputs), then weight gradients
+            seconds = (self.grouped_gemm_seconds(x.local, per_expert, h, 2 * e)
+                       + self.grouped_gemm_seconds(x.local, per_expert, e, h)
+                       + self.grouped_gemm_seconds(x.local, h, 2 * e, per_expert)
+                       + self.grouped_gemm_seconds(x.local, e, h, per_expert)
+                       + self.gemm_seconds(tokens, h, x.experts)
+                       + self.gemm_seconds(h, x.experts, tokens))
+            if shared:
+                seconds += (self.gemm_seconds(tokens, h, 2 * shared)
+                            + self.gemm_seconds(tokens, shared, h)
+                            + self.gemm_seconds(h, 2 * shared, tokens)
+                            + self.gemm_seconds(shared, h, tokens))
+        else:
+            seconds = (self.gemm_seconds(tokens, x.experts, h)
+                       + self.grouped_gemm_seconds(x.local, per_expert, 2 * e, h)
+                       + self.grouped_gemm_seconds(x.local, per_expert, h, e))
+            if shared:
+                seconds += (self.gemm_seconds(tokens, 2 * shared, h)
+                            + self.gemm_seconds(tokens, h, shared))
+        # Between the GEMMs: the router's probabilities (fp32) written and read; the
+        # tokens gathered into the dispatch buffer (read and written) and scattered back
+        # with the weighted sum (the rows read, the tokens written); the activation
+        # reading gate and up and writing their product. A backward moves each twice
+        # (the forward's saved input and the gradient read, a gradient written).
+        elements = rows * 2 * h + rows * h + tokens * h + rows * 3 * e + \
+            shared * 3 * tokens
+        moved = elements * self.dtype_bytes + 2 * 4.0 * tokens * x.experts
+        passes = MIXTURE_PASSES * (2 if backward else 1)
+        return seconds + (2.0 if backward else 1.0) * moved / self.bandwidth + \
+            passes * self.gpu.launch
+
+    def linear_seconds(self, op: str, step: str | None, flops: float,
+                       split: bool = False) -> float:
+        """A linear's ``step`` (forward, recompute, backward, weight) of ``flops`` on one
+        tp rank; ``split``: its backward is split into B (input gradient) and W (weight
+        gradient) steps. The tokens follow from the FLOPs, so a pass that cuts a linear
+        into pieces (tp_overlap) prices each piece at its size."""
+        n, k = self.features[op]
+        # (rows, columns, inner) of each GEMM, with the tokens as 1 for now
+        if step == "backward" and not split:
+            gemms = ((1, k, n), (k, n, 1))  # dX = dY W^T, dW = X^T dY
+        elif step == "backward":
+            gemms = ((1, k, n),)  # a split backward's B step: dX only
+        elif step == "weight":
+            gemms = ((k, n, 1),)  # and its W step
+        else:
+            gemms = ((1, n, k),)
+        tokens = flops / (2.0 * n * k * len(gemms))
+        return sum(self.gemm_seconds(*(tokens if d == 1 else d for d in gemm))
+                   for gemm in gemms)
+
+    def unfused_attention(self, backward: bool) -> float:
+        """Megatron-LM's attention before FlashAttention (Korthikanti et al. 2022, section
+        4.2): two batched GEMMs with the scale-mask-softmax and the dropout between them,
+        which read and write every score; the backward runs four GEMMs and their
+        gradients."""
+        rows, d, keys = self.score_rows, self.head_dim, self.seq_full
+        scores = rows * keys  # elements
+        gemms = self.gemm_seconds(rows, keys, d) + self.gemm_seconds(rows, d, keys)
+        moved = UNFUSED_BACKWARD_BYTES if backward else UNFUSED_FORWARD_BYTES
+        # the backward's four GEMMs are two of each shape
+        return (2 if backward else 1) * gemms + moved * scores / self.bandwidth + \
+            2 * self.gpu.launch
+
+    def seconds(self, operands: Operands, traffic: float) -> float:
+        """``traffic``: the roofline's bytes moved, for an operator bound by memory."""
+        flops, kernel = operands.flops or 0.0, operands.kernel
+        if kernel in self.features:
+            return self.linear_seconds(kernel, operands.step, flops,
+                                       operands.weight_step is not None)
+        if kernel == MIXTURE and self.mixture is not None:
+            return self.mixture_seconds(operands.step, flops)
+        if kernel == ATTENTION and not self.gpu.flash:
+            return self.unfused_attention(operands.step == "backward")
+        if kernel == ATTENTION:
+            if operands.step == "backward":
+                work = FLASH_BACKWARD * flops / 2.0 * CAUSAL
+                return work / (self.gpu.attention_backward * self.attention_scale) + \
+                    self.gpu.launch
+            return flops * CAUSAL / (self.gpu.attention_forward * self.attention_scale) + \
+                self.gpu.launch
+        if kernel in LOSS_KERNELS:
+            # It reads the logits (its output is one figure per token): the vocabulary
+            # slice of every token, once per pass over them.
+            elements = flops / LOSS_FLOPS_PER_LOGIT / (2.0 if operands.step == "backward"
+                                                       else 1.0)
+            traffic = max(traffic, LOSS_PASSES * elements * self.dtype_bytes)
+        elif operands.step == "backward" and kernel != OPTIMIZER:
+            # A backward reads the forward's input and the output's gradient and writes
+            # the input's gradient: three tensors of the output's size, not two.
+            traffic = max(traffic, BACKWARD_TRAFFIC * (operands.output_bytes or 0))
+        return traffic / self.bandwidth + self.gpu.launch

@@ -1,0 +1,293 @@
+"""Memory per device and per pipeline stage: model states and activations.
+
+Model states follow the ZeRO paper (Rajbhandari et al., SC'20, section 3): with
+Psi parameters, p bytes per parameter and gradient and K bytes of optimizer state per
+parameter (fp32 master weights for bf16/fp16, plus Adam's two moments or SGD's
+momentum), a device holds (p + p + K) Psi without ZeRO, and stages 1, 2 and 3
+partition the optimizer state, then the gradients, then the parameters over the N_d
+replicas: p Psi + p Psi + K Psi / N_d, p Psi + (p + K) Psi / N_d, (2p + K) Psi / N_d.
+Here the replicas are the dp x cp ranks, which hold the same shard of every parameter;
+with ``mesh { ep }`` a routed expert's weights are split over ep and their replicas are
+the tp x cp x dp / ep ranks of the stage holding the same experts (MoE Parallel Folding).
+``shard { dp { fp32_grads = on } }`` adds an fp32 copy of every gradient, never sharded,
+as DeepSpeed's BF16_Optimizer accumulates them (BigScience tr11 README, "Deepspeed
+config": "4 bytes * params of additional memory").
+
+Activations follow Korthikanti et al., "Reducing Activation Recomputation in Large
+Transformer Models" (MLSys 2023), Table 2, per layer and microbatch in bytes for
+16-bit activations: s b h (10 + 24/t + 5 a s / (h t)) with tensor parallelism,
+s b h / t (34 + 5 a s / h) with sequence parallelism, s b h (10 + 24/t) and
+34 s b h / t with selective recomputation, and 2 s b h (/ t) with full
+recomputation. The formulas count dropout masks, which the gpt model does not have,
+so they over-estimate slightly. They are scaled by the dtype's size over 2, and the
+pipeline schedule decides how many microbatches each stage holds at once.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from planc import schedules
+from planc.models import family_of
+from planc.models.family import shares_heads
+from planc.plan.plan import Plan
+
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    stage: int
+    parameters: int  # parameter elements held by one device of the stage, before ZeRO
+    parameter_bytes: float
+    gradient_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float
+    microbatches_in_flight: int
+
+    @property
+    def total_bytes(self) -> float:
+        return (self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
+                + self.activation_bytes)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    stages: tuple[StageMemory, ...]
+    capacity: float | None  # bytes per device, None when unknown
+
+    @property
+    def peak(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.total_bytes)
+
+    @property
+    def overflows(self) -> bool:
+        return self.capacity is not None and self.peak.total_bytes > self.capacity
+
+
+def optimizer_state_bytes(plan: Plan) -> int:
+    """K of the ZeRO paper: optimizer bytes per parameter (fp32 master copy included)."""
+    optimizer = plan.train.optimizer
+    master = FP32_BYTES if plan.model.dtype != "fp32" else 0
+    if optimizer.name == "adamw":
+        return master + 2 * FP32_BYTES
+    return master + (FP32_BYTES if optimizer.momentum > 0 else 0)
+
+
+def model_state_bytes(parameters: float, dtype_bytes: int, optimizer_bytes: int, zero: int,
+                      replicas: int) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer) bytes on one device, by the ZeRO stage."""
+    p, k, n = dtype_bytes * parameters, optimizer_bytes * parameters, replicas
+    if zero == 0:
+        return p, p, k
+    if zero == 1:
+        return p, p, k / n
+    if zero == 2:
+        return p, p / n, k / n
+    return p / n, p / n, k / n
+
+
+def _local_elements(plan: Plan, params) -> int:
+    """Elements of ``params`` on one tp rank, as the placements of the model's family
+    store them (Megatron-LM: a column-parallel weight and bias and a row-parallel weight
+    are split; a row-parallel bias, norms and shared k/v heads are whole)."""
+    split, ep = _split_over_tp(plan), plan.mesh.ep
+    # a routed expert's weights are counted by _expert_elements
+    return sum(_on_one_device(plan, param, split) for param in params
+               if not param.split_over_experts(ep))
+
+
+def local_parameter_elements(plan: Plan) -> dict[str, int]:
+    """Every parameter's global name -> its elements on one device (split over tp as
+    :func:`_local_elements` counts, a routed expert's over ep)."""
+    split = _split_over_tp(plan)
+    return {param.name: _on_one_device(plan, param, split)
+            for param in family_of(plan).all_parameters(plan.model)}
+
+
+def _on_one_device(plan: Plan, param, split: set[str]) -> int:
+    """``param``'s elements on one device: a routed expert's split over ep, a parameter
+    that tp splits (``split``: block-local names) over tp, any other whole."""
+    if param.split_over_experts(plan.mesh.ep):
+        return param.numel // plan.mesh.ep
+    local = param.name.split(".", 2)[-1] if param.layer is not None else param.name
+    return param.numel // (plan.mesh.tp if local in split else 1)
+
+
+def _split_over_tp(plan: Plan) -> set[str]:
+    """The parameters (block-local names) that tp splits."""
+    family, tp, tensor = family_of(plan), plan.mesh.tp, plan.shard.tp
+    split: set[str] = set()
+    for rule in family.rules.values():
+        if rule.kind != "linear":
+            continue
+        placement = getattr(tensor, rule.placement)
+        for w in rule.weights:
+            if placement in ("column", "vocab") and not shares_heads(family, plan.model, tp, w.fan_out) or \
+                    placement == "row":
+                split.add(w.name)
+        if rule.bias is not None and placement in ("column", "vocab"):
+            split.add(rule.bias)
+    if tensor.embedding != "replicate":
+        split.add("embedding.weight")
+    return split
+
+
+def stage_expert_parameters(plan: Plan, stage: int) -> int:
+    """Elements of the routed experts split over ep held by one device of ``stage``:
+    its experts' rows, experts / ep of them (0 without mesh { ep })."""
+    family, ep = family_of(plan), plan.mesh.ep
+    if ep == 1:
+        return 0
+    return sum(p.numel // ep for layer in plan.layers_of_stage(stage)
+               for p in family.layer_parameters(plan.model, layer)
+               if p.split_over_experts(ep))
+
+
+def layer_parameters(plan: Plan, layer: int = 0) -> int:
+    """Parameter elements of transformer block ``layer`` on one tp rank."""
+    return _local_elements(plan, family_of(plan).layer_parameters(plan.model, layer))
+
+
+def stage_parameters(plan: Plan, stage: int, per_layer: int | None = None) -> int:
+    """Parameter elements held by one device of pipeline stage ``stage``; ``per_layer``:
+    :func:`layer_parameters` of a model whose blocks are all alike, if known."""
+    m, tensor, tp = plan.model, plan.shard.tp, plan.mesh.tp
+    family = family_of(plan)
+    embedding_table = m.vocab * m.hidden // (tp if tensor.embedding != "replicate" else 1)
+    head_table = m.vocab * m.hidden // (tp if tensor.head != "replicate" else 1)
+    if family.layer_block is None:  # every block alike
+        count = len(plan.layers_of_stage(stage)) * (layer_parameters(plan) if per_layer is None
+                                                     else per_layer)
+    else:
+        count = sum(layer_parameters(plan, layer) for layer in plan.layers_of_stage(stage))
+    if stage == 0:
+        count += _local_elements(plan, family.embedding_parameters(m))
+    if stage == plan.head_stage:
+        count += sum(p.numel for p in family.head_parameters(m)
+                     if p.name != "head.weight")  # the final norm
+        # A tied head on its own stage keeps a copy of the embedding (Megatron).
+        if not m.tie_embeddings or plan.head_stage != 0:
+            count += embedding_table if m.tie_embeddings else head_table
+    return count
+
+
+def microbatches_in_flight(plan: Plan, stage: int) -> int:
+    """Microbatch-chunks whose activations a stage holds at its peak."""
+    return _in_flight(plan.schedule.pipeline, stage, plan.mesh.pp, plan.schedule.microbatches,
+                      plan.shard.pp.virtual)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _in_flight(pipeline: str, stage: int, pp: int, microbatches: int, virtual: int) -> int:
+    # A V schedule's count replays its order; planc tune asks for thousands of layouts.
+    schedule = schedules.named(pipeline)
+    return schedule.in_flight(stage, pp, schedule.peak_microbatches(pp, microbatches, virtual),
+                              virtual)
+
+
+def layer_activation_bytes(plan: Plan, recompute: str | None = None) -> float:
+    """One block, one microbatch, one device, by the family's count (for gpt,
+    Korthikanti et al. 2022, Table 2)."""
+    m, tp = plan.model, plan.mesh.tp
+    return family_of(plan).activation_bytes(
+        m, seq=m.seq // plan.mesh.cp, seq_full=m.seq, batch=plan.microbatch_size, tp=tp,
+        sequence_parallel=plan.shard.tp.sequence_parallel,
+        recompute=recompute or plan.optimize.recompute)
+
+
+def layers_in_flight(plan: Plan, stage: int) -> float:
+    """Layer-microbatches whose activations a stage holds at its peak: the schedule's
+    microbatch-chunks in flight times the layers of a chunk when the stage's chunks are
+    alike; when they differ (uneven interleaving), the stage's schedule replayed, a
+    forward making its chunk's layers live and the chunk's last backward block
+    (B, or W of a split backward) freeing them, and the most layers live at once."""
+    pp, virtual = plan.mesh.pp, plan.shard.pp.virtual
+    sizes = [plan.shard.pp.chunk_layers(c) for c in plan.chunks_of_stage(stage)]
+    if len(set(sizes)) == 1:
+        return microbatches_in_flight(plan, stage) * sizes[0]
+    sizes_of_chunks = tuple(plan.shard.pp.chunk_layers(c)
+                            for c in range(len(plan.shard.pp.chunks)))
+    return _live_peak(plan.schedule.pipeline, stage, pp, plan.schedule.microbatches, virtual,
+                      sizes_of_chunks)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _live_peak(pipeline: str, stage: int, pp: int, microbatches: int, virtual: int,
+               sizes: tuple[int, ...]) -> int:
+    live = peak = 0
+    # A split backward keeps what its weight gradient reads (the layers' inputs and
+    # output gradients) until the W block, as the schedule's in-flight rule counts; a
+    # whole backward (B, which DualPipeV runs beside its split ones) frees them itself.
+    done = (schedules.ActionKind.BACKWARD, schedules.ActionKind.BACKWARD_WEIGHT)
+    schedule = schedules.named(pipeline)
+    for action in schedule.order(stage, pp, schedule.peak_microbatches(
+            pp, microbatches, virtual), virtual):
+        if action.kind.is_forward:
+            live += sizes[action.chunk]
+        elif action.kind in done:  # the backward is done with them
+            live -= sizes[action.chunk]
+        peak = max(peak, live)
+    return peak
+
+
+def stage_activation_bytes(plan: Plan, stage: int) -> tuple[float, int]:
+    m, tp = plan.model, plan.mesh.tp
+    in_flight = microbatches_in_flight(plan, stage)
+    total = layers_in_flight(plan, stage) * layer_activation_bytes(plan)
+    if plan.optimize.recompute == "full":
+        # Recomputing one layer materialises its full activations once more.
+        total += layer_activation_bytes(plan, "none")
+    transient = family_of(plan).transient_bytes
+    if transient is not None and plan.layers_of_stage(stage):
+        total += transient(m, plan.mesh, plan.microbatch_size * m.seq / plan.mesh.cp)
+    if stage == plan.head_stage:
+        s, b = m.seq // plan.mesh.cp, plan.microbatch_size
+        sp_div = tp if plan.shard.tp.sequence_parallel and tp > 1 else 1
+        vocab_div = tp if plan.shard.tp.head == "vocab" else 1
+        final_ln_and_head_inputs = 2 * s * b * m.hidden * m.dtype_bytes / sp_div
+        logits_fp32 = FP32_BYTES * s * b * m.vocab / vocab_div
+        total += min(in_flight, plan.schedule.microbatches) * (final_ln_and_head_inputs
+                                                               + logits_fp32)
+    return total, in_flight
+
+
+def stage_activations(plan: Plan) -> tuple[tuple[float, int], ...]:
+    """Every stage's :func:`stage_activation_bytes`: what ZeRO does not change."""
+    return tuple(stage_activation_bytes(plan, stage) for stage in range(plan.mesh.pp))
+
+
+def stage_parameter_counts(plan: Plan) -> tuple[tuple[int, int], ...]:
+    """Every stage's (:func:`stage_parameters`, :func:`stage_expert_parameters`): what
+    neither ZeRO, dp, cp, the microbatches nor recomputation change."""
+    per_layer = layer_parameters(plan) if family_of(plan).layer_block is None else None
+    return tuple((stage_parameters(plan, stage, per_layer),
+                  stage_expert_parameters(plan, stage)) for stage in range(plan.mesh.pp))
+
+
+def estimate(plan: Plan, activations: tuple[tuple[float, int], ...] | None = None,
+             parameters: tuple[tuple[int, int], ...] | None = None) -> MemoryEstimate:
+    """``activations``: :func:`stage_activations` of ``plan``, and ``parameters``:
+    :func:`stage_parameter_counts`, if known (planc tune estimates thousands of
+    variants of one layout with them)."""
+    mesh, zero = plan.mesh, plan.shard.dp.zero
+    replicas = mesh.dp * mesh.cp
+    expert_replicas = mesh.tp * replicas // mesh.ep
+    k = optimizer_state_bytes(plan)
+    accumulation = FP32_BYTES if plan.shard.dp.fp32_grads and plan.model.dtype != "fp32" else 0
+    stages = []
+    for stage, (params, experts) in enumerate(parameters or stage_parameter_counts(plan)):
+        dense = model_state_bytes(params, plan.model.dtype_bytes, k, zero, replicas)
+        split = model_state_bytes(experts, plan.model.dtype_bytes, k, zero, expert_replicas)
+        p, g, o = (a + b for a, b in zip(dense, split))
+        g += accumulation * (params + experts)
+        held, in_flight = activations[stage] if activations is not None else \
+            stage_activation_bytes(plan, stage)
+        stages.append(StageMemory(stage, params + experts, p, g, o, held, in_flight))
+    return MemoryEstimate(tuple(stages), plan.topology.device.memory)
+
+
+def total_parameters(plan: Plan) -> int:
+    """Parameters of the whole unsharded model (a tied head counted once)."""
+    return sum(p.numel for p in family_of(plan).all_parameters(plan.model))

@@ -1,0 +1,224 @@
+"""A planc checkpoint as a Hugging Face transformers checkpoint.
+
+``LlamaForCausalLM.from_pretrained(DIR)`` (a llama model) or
+``MixtralForCausalLM.from_pretrained(DIR)`` (a moe model that is a Mixtral: no shared
+experts, no dense first blocks) loads what this writes: ``config.json`` (the model block
+as transformers' config class names it) and ``model.safetensors`` with transformers'
+parameter names. A family names its transformers class (``Family.hf_architecture``);
+:data:`ARCHITECTURES` describes each class: its config keys, the tensors of one decoder
+layer and the model keys it needs. planc stores a linear weight as (in, out) and applies
+``x @ W``; torch.nn.Linear stores (out, in), so every projection is transposed. Mixtral
+keeps a block's experts stacked, as planc does, with gate and up fused into one tensor
+(``experts.gate_up_proj``, experts x 2 expert_ffn x hidden) and each expert's matrices
+(out, in). The tensors are the checkpoint's consolidated fp32 values, written as the
+model's dtype.
+
+This module is the mapping and the check of the checkpoint's model (no torch);
+:mod:`planc.runtime.checkpoint.export_hf` moves the tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from planc.checkpoint.format import CheckpointError
+from planc.models import FAMILIES, family_of
+from planc.plan.plan import Model
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One transformers tensor made of planc tensors: ``sources``, concatenated along
+    dimension ``join`` when there are several, then dimensions ``swap`` exchanged (None:
+    as planc stores it). Within a decoder layer, names are relative to the layer."""
+
+    target: str
+    sources: tuple[str, ...]
+    swap: tuple[int, int] | None = None
+    join: int = 0
+    # one tensor per expert (``target`` names it with ``{}``), each a row of dimension 0
+    # of its one source, ``swap`` then applying to that row's dimensions
+    per_expert: bool = False
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A model key the transformers class has only one value of, and why."""
+
+    key: str
+    value: Any
+    why: str
+    # whether a model must have it to start from such a checkpoint (train { init }): a
+    # training choice, as a balance loss, is not the checkpoint's
+    for_init: bool = True
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str  # the class: "LlamaForCausalLM"
+    model_type: str  # config.json's model_type
+    layer: tuple[Tensor, ...]  # one decoder layer's tensors
+    config: Callable[[Model], dict]  # config.json's keys beyond the common ones
+    requires: tuple[Requirement, ...] = ()
+    # one decoder layer's tensors as save_pretrained writes them, where that differs from
+    # ``layer`` (the names the class holds in memory, which the export writes)
+    saved_layer: tuple[Tensor, ...] = ()
+
+
+def _linear(target: str, source: str) -> Tensor:
+    return Tensor(target, (source,), swap=(0, 1))
+
+
+_GLOBAL = (
+    Tensor("model.embed_tokens.weight", ("embedding.weight",)),
+    Tensor("model.norm.weight", ("final_ln.weight",)),
+    _linear("lm_head.weight", "head.weight"),  # absent when tied to the embedding
+)
+_ATTENTION = (
+    Tensor("input_layernorm.weight", ("ln1.weight",)),
+    *(_linear(f"self_attn.{x}_proj.weight", f"{x}.weight") for x in "qkvo"),
+    Tensor("post_attention_layernorm.weight", ("ln2.weight",)),
+)
+
+LLAMA = Architecture(
+    name="LlamaForCausalLM", model_type="llama",
+    layer=_ATTENTION + tuple(_linear(f"mlp.{x}_proj.weight", f"{x}.weight")
+                             for x in ("gate", "up", "down")),
+    config=lambda m: {"intermediate_size": m.ffn, "attention_bias": False,
+                      "mlp_bias": False})
+
+MIXTRAL = Architecture(
+    name="MixtralForCausalLM", model_type="mixtral",
+    layer=_ATTENTION + (
+        _linear("mlp.gate.weight", "router.weight"),  # the router
+        # (experts, hidden, 2 expert_ffn) -> (experts, 2 expert_ffn, hidden): gate first
+        Tensor("mlp.experts.gate_up_proj", ("experts.gate.weight", "experts.up.weight"),
+               swap=(1, 2), join=2),
+        Tensor("mlp.experts.down_proj", ("experts.down.weight",), swap=(1, 2)),
+    ),
+    # Mixtral's load-balancing loss (Switch Transformer's) is not planc's: 0 keeps
+    # transformers' loss planc's
+    config=lambda m: {"intermediate_size": m.expert_ffn, "num_local_experts": m.experts,
+                      "num_experts_per_tok": m.top_k, "router_aux_loss_coef": 0.0,
+                      "router_jitter_noise": 0.0, "output_router_logits": False,
+                      "sliding_window": None},
+    requires=(
+        Requirement("shared_experts", 0, "Mixtral has no shared experts"),
+        Requirement("first_dense", 0, "every Mixtral block is a mixture of experts"),
+        Requirement("norm_topk", True, "Mixtral always renormalises each token's top-k "
+                                       "routing weights"),
+        Requirement("aux_loss", 0, "transformers' Mixtral has no sequence-wise balance loss",
+                    for_init=False),
+    ),
+    # transformers 5 saves Mixtral as the Hub's checkpoints hold it (mistralai/Mixtral-8x7B):
+    # the router and each expert's w1 (gate), w3 (up) and w2 (down), each (out, in)
+    saved_layer=_ATTENTION + (
+        _linear("block_sparse_moe.gate.weight", "router.weight"),
+        *(Tensor(f"block_sparse_moe.experts.{{}}.{w}.weight", (f"experts.{x}.weight",),
+                 swap=(0, 1), per_expert=True)
+          for w, x in (("w1", "gate"), ("w3", "up"), ("w2", "down"))),
+    ))
+
+ARCHITECTURES = {a.name: a for a in (LLAMA, MIXTRAL)}
+
+
+def architecture(model: Model) -> Architecture | None:
+    """The transformers class a model is written as, if its family has one."""
+    family = FAMILIES.get(model.family)
+    if family is None or family.hf_architecture is None:
+        return None
+    return ARCHITECTURES[family.hf_architecture]
+
+
+def hf_tensors(block: dict) -> list[Tensor]:
+    """Every transformers tensor of a planc model block (as the checkpoint's manifest
+    holds it), with full planc and transformers names."""
+    return model_tensors(Model(**block))
+
+
+def model_tensors(model: Model, saved: bool = False) -> list[Tensor]:
+    """Every transformers tensor of a planc model, with full planc and transformers
+    names (a tied head has none: transformers ties lm_head to the embedding too);
+    ``saved``: as save_pretrained writes them (Architecture.saved_layer)."""
+    arch = architecture(model)
+    planc = {p.name for p in family_of(model).all_parameters(model)}
+    tensors = list(_GLOBAL)
+    layer_tensors = arch.saved_layer if saved and arch.saved_layer else arch.layer
+    for layer in range(model.layers):
+        tensors += [Tensor(f"model.layers.{layer}.{t.target}",
+                           tuple(f"layers.{layer}.{s}" for s in t.sources), t.swap, t.join,
+                           t.per_expert)
+                    for t in layer_tensors]
+    return [t for t in tensors if all(s in planc for s in t.sources)]
+
+
+def hf_name(name: str) -> tuple[str, bool]:
+    """(transformers name, whether to transpose) of a llama parameter's planc name."""
+    if "." in name and name.split(".", 1)[0] == "layers":
+        _, layer, local = name.split(".", 2)
+        tensor = next(t for t in LLAMA.layer if t.sources == (local,))
+        return f"model.layers.{layer}.{tensor.target}", tensor.swap is not None
+    tensor = next(t for t in _GLOBAL if t.sources == (name,))
+    return tensor.target, tensor.swap is not None
+
+
+def hf_config(model: dict) -> dict:
+    """transformers' config (LlamaConfig, MixtralConfig) of a planc model block."""
+    m = Model(**model)
+    arch = architecture(m)
+    heads = m.heads
+    return {
+        "architectures": [arch.name], "model_type": arch.model_type,
+        "vocab_size": m.vocab, "hidden_size": m.hidden, "num_hidden_layers": m.layers,
+        "num_attention_heads": heads, "num_key_value_heads": m.kv_heads or heads,
+        "head_dim": m.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": m.seq, "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+        "tie_word_embeddings": m.tie_embeddings, "attention_dropout": 0.0,
+        "initializer_range": 0.02, "torch_dtype": DTYPES[m.dtype], "dtype": DTYPES[m.dtype],
+        "use_cache": True, "bos_token_id": None, "eos_token_id": None,
+        **arch.config(m),
+    }
+
+
+def _shown(value: Any) -> str:
+    return {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) \
+        else str(value)
+
+
+def check_exportable(directory: Path, manifest: dict) -> Architecture:
+    """The transformers class the checkpoint is written as; CheckpointError unless its
+    family has one, its model has the values that class needs, and it holds its model's
+    parameters, each of the shape its model block gives it: what hf_tensors needs."""
+    model = manifest["model"]
+    family = FAMILIES.get(model["family"])
+    if family is None or family.hf_architecture is None:
+        writable = ", ".join(f"{name} ({f.hf_architecture})" for name, f in FAMILIES.items()
+                             if f.hf_architecture)
+        raise CheckpointError(f"{directory} holds a model {model['family']}; "
+                              f"--format hf writes {writable} models")
+    block = Model(**model)  # every field checked with the manifest
+    arch = ARCHITECTURES[family.hf_architecture]
+    unmet = [r for r in arch.requires if getattr(block, r.key) != r.value]
+    if unmet:
+        needed = [f"{r.key} = {_shown(r.value)}" for r in arch.requires]
+        first = unmet[0]
+        raise CheckpointError(
+            f"{directory} holds a model {block.family} with {first.key} = "
+            f"{_shown(getattr(block, first.key))}, which {arch.name} cannot hold "
+            f"({first.why}); --format hf writes {block.family} models with "
+            f"{', '.join(needed[:-1])} and {needed[-1]}")
+    stored = {name: info["shape"] for name, info in manifest["parameters"].items()}
+    expected = {p.name: list(p.shape) for p in family_of(block).all_parameters(block)}
+    if stored != expected:
+        name = next(n for n in sorted(set(stored) | set(expected))
+                    if stored.get(n) != expected.get(n))
+        raise CheckpointError(f"{directory}: its parameters are not its model's "
+                              f"({name} is {stored.get(name, 'absent')} in the checkpoint, "
+                              f"{expected.get(name, 'absent')} in its {block.family} model)")
+    return arch

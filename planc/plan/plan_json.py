@@ -1,0 +1,233 @@
+"""Reading a plan back from plan.json: the inverse of :meth:`planc.plan.plan.Plan.to_dict`.
+
+A build directory is untrusted input, so plan.json is read strictly: every field present,
+of its type, within planc's limits (:data:`planc.plan.plan.LIMITS`) and consistent with the
+others, or a ValueError that names the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import typing
+from typing import Any, Mapping
+
+from planc.diagnostics import Span
+from planc.plan.lr_schedule import SCHEDULE_ARGUMENTS, problems
+from planc.plan.mesh import is_axis_order
+from planc.plan.plan import (DTYPE_BYTES, GRAD_ACCUMULATIONS, LIMITS, PLAN_FORMAT_VERSION,
+                        REDUCE_DTYPES, Plan, Sources)
+
+
+def plan_from_dict(data: Mapping[str, Any]) -> Plan:
+    """Inverse of :meth:`Plan.to_dict`. Strict: raises ValueError naming the field when a
+    field is missing, unknown, of the wrong type, or inconsistent with the others."""
+    if not isinstance(data, Mapping):
+        raise ValueError("the plan is not a JSON object")
+    if data.get("version") != PLAN_FORMAT_VERSION:
+        raise ValueError(f"unsupported plan format version {data.get('version')!r}")
+    body = {k: v for k, v in data.items() if k != "version"}
+    sources = body.pop("sources", None)
+    if not isinstance(sources, Mapping) or not isinstance(sources.get("path"), str) or \
+            not isinstance(sources.get("spans"), Mapping):
+        raise ValueError("plan.sources must hold a path and spans")
+    try:
+        spans = {str(k): Span(*v) for k, v in sources["spans"].items()}
+    except TypeError:
+        raise ValueError("plan.sources.spans holds a malformed span") from None
+    plan = _build(Plan, body, "plan", skip=("sources",))
+    plan = dataclasses.replace(plan, sources=Sources(sources["path"], spans))
+    _check_types(plan)
+    _check_values(plan)
+    _check_consistency(plan)
+    return plan
+
+
+@functools.lru_cache(maxsize=None)
+def _field_types(cls: type) -> dict[str, Any]:
+    """A dataclass's field annotations, evaluated (once per class: reading a plan.json
+    walks every section three times)."""
+    return typing.get_type_hints(cls)
+
+
+def _check_types(value: Any, where: str = "plan") -> None:  # noqa: C901
+    """Check every field of a dataclass tree against its annotation."""
+    hints = _field_types(type(value))
+    for f in dataclasses.fields(value):
+        item, hint = getattr(value, f.name), hints[f.name]
+        path = f"{where}.{f.name}"
+        if dataclasses.is_dataclass(item):
+            _check_types(item, path)
+            continue
+        if not _matches(item, hint):
+            raise TypeError(f"{path} has the wrong type ({type(item).__name__})")
+        if isinstance(item, int) and not isinstance(item, bool) and f.name in _COUNTS \
+                and item < 1:
+            raise ValueError(f"{path} must be at least 1, got {item}")
+
+
+_COUNTS = {"layers", "hidden", "heads", "ffn", "vocab", "seq", "batch", "tp", "cp", "pp", "dp",
+           "nodes", "devices_per_node", "virtual", "microbatches", "steps"}
+
+
+def _matches(item: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return any(_matches(item, a) for a in args)
+    if origin is tuple:
+        if not isinstance(item, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_matches(x, args[0]) for x in item)
+        return len(item) == len(args) and all(_matches(x, a) for x, a in zip(item, args))
+    if origin is not None:  # Mapping and the like: trust the container
+        return isinstance(item, origin)
+    if hint is type(None):
+        return item is None
+    if hint is float:
+        return isinstance(item, (int, float)) and not isinstance(item, bool)
+    if hint is int:
+        return isinstance(item, int) and not isinstance(item, bool)
+    return isinstance(item, hint)
+
+
+def _build(cls, data: Any, where: str, skip: tuple[str, ...] = ()) -> Any:
+    """A dataclass from its asdict() form, every field required and none unknown."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where} is not a JSON object")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    missing = [name for name in fields if name not in data and name not in skip
+               and not fields[name].metadata.get("omitted_when_empty")
+               and not fields[name].metadata.get("omitted_when_default")]
+    unknown = [name for name in data if name not in fields]
+    if missing or unknown:
+        raise ValueError(f"{where} has " + ", ".join(
+            ([f"no {', '.join(missing)}"] if missing else [])
+            + ([f"unknown {', '.join(unknown)}"] if unknown else [])))
+    hints = _field_types(cls)
+    values = {}
+    for name in fields:
+        if name in skip or name not in data:
+            continue
+        values[name] = _convert(data[name], hints[name], f"{where}.{name}")
+    return cls(**values)  # skipped fields take their defaults
+
+
+def _convert(value: Any, hint: Any, where: str) -> Any:
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _build(hint, value, where)
+    if typing.get_origin(hint) is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where} is not a list")
+        args = typing.get_args(hint)
+        inner = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else args
+        if len(inner) != len(value):
+            raise ValueError(f"{where} should hold {len(inner)} items")
+        return tuple(_convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, inner)))
+    return value
+
+
+# Floats that must be above 0; every other float must be 0 or more. None is finite.
+_POSITIVE = {"flops", "bandwidth", "efficiency", "lr", "eps", "memory", "norm_eps",
+             "rope_theta"}
+
+
+def _real(hint: Any) -> bool:
+    """Whether a field annotated ``hint`` holds a real number (JSON may write it as an
+    integer: 1 for 1.0)."""
+    return hint is float or float in typing.get_args(hint)
+
+
+def _check_values(value: Any, where: str = "plan") -> None:
+    """Every number finite and in its range, every enum word known, every limit kept:
+    what planc check guarantees, for a plan read back from a build's plan.json."""
+    hints = _field_types(type(value))
+    for f in dataclasses.fields(value):
+        item, path = getattr(value, f.name), f"{where}.{f.name}"
+        number = isinstance(item, (int, float)) and not isinstance(item, bool)
+        if dataclasses.is_dataclass(item):
+            _check_values(item, path)
+        elif isinstance(item, tuple):
+            for i, x in enumerate(item):
+                if dataclasses.is_dataclass(x):
+                    _check_values(x, f"{path}[{i}]")
+                elif isinstance(x, float) and not (math.isfinite(x) and 0 <= x < 1
+                                                   if f.name == "betas" else math.isfinite(x)):
+                    raise ValueError(f"{path}[{i}] is {x}")
+        elif number and (isinstance(item, float) or f.name in _POSITIVE or
+                         _real(hints[f.name])):
+            if not math.isfinite(item) or item < 0 or (item == 0 and f.name in _POSITIVE):
+                raise ValueError(f"{path} is {item}, not a "
+                                 f"{'positive' if f.name in _POSITIVE else 'non-negative'} "
+                                 f"finite number")
+    if where != "plan":
+        return
+    plan = value
+    if plan.model.dtype not in DTYPE_BYTES:
+        raise ValueError(f"plan.model.dtype is {plan.model.dtype!r}, not one of "
+                         f"{', '.join(DTYPE_BYTES)}")
+    from planc.vocabulary.kinds import Integer
+    from planc.models import FAMILIES
+
+    if plan.model.family not in FAMILIES:
+        raise ValueError(f"plan.model.family is {plan.model.family!r}, not one of "
+                         f"{', '.join(FAMILIES)}")
+    family = FAMILIES[plan.model.family]
+    for key, value in plan.model.options.items():
+        kind = family.keys[key].kind if key in family.keys else None
+        if kind is None or not isinstance(value, (bool, int, float, str)) or \
+                isinstance(value, float) and not math.isfinite(value) or \
+                isinstance(kind, Integer) and (type(value) is not int or value < kind.minimum):
+            raise ValueError(f"plan.model.options.{key} is not a value of a key of model "
+                             f"{family.name}")
+    if plan.train.optimizer.name not in ("sgd", "adamw"):
+        raise ValueError(f"plan.train.optimizer.name is {plan.train.optimizer.name!r}")
+    if plan.optimize.grad_accumulation not in GRAD_ACCUMULATIONS:
+        raise ValueError(f"plan.optimize.grad_accumulation is "
+                         f"{plan.optimize.grad_accumulation!r}, not one of "
+                         f"{', '.join(GRAD_ACCUMULATIONS)}")
+    if plan.shard.dp.reduce_dtype not in REDUCE_DTYPES:
+        raise ValueError(f"plan.shard.dp.reduce_dtype is {plan.shard.dp.reduce_dtype!r}, "
+                         f"not one of {', '.join(REDUCE_DTYPES)}")
+    _check_lr_schedule(plan.train)
+    if plan.train.init_form not in ((None,) if plan.train.init is None else ("saved", "memory")):
+        raise ValueError(f"plan.train.init_form is {plan.train.init_form!r}")
+    mesh, pp = plan.mesh, plan.shard.pp
+    for what, have in (("world", mesh.world), ("layers", plan.model.layers),
+                       ("microbatches", plan.schedule.microbatches),
+                       ("schedule", mesh.pp * pp.virtual * plan.schedule.microbatches)):
+        if have > LIMITS[what]:
+            raise ValueError(f"plan's {what} ({have}) is more than planc's limit of "
+                             f"{LIMITS[what]}")
+
+
+def _check_lr_schedule(train) -> None:
+    """train.lr_schedule as planc check accepts it (planc.plan.lr_schedule)."""
+    schedule = train.lr_schedule
+    if schedule.name not in SCHEDULE_ARGUMENTS:
+        raise ValueError(f"plan.train.lr_schedule.name is {schedule.name!r}")
+    found = problems(schedule, train.optimizer.lr, train.steps)
+    if found or (schedule.name == "wsd") != (schedule.decay > 0):
+        raise ValueError("plan.train.lr_schedule: " +
+                         (found[0][1] if found else "decay is wsd's alone, and wsd needs it"))
+
+
+def _check_consistency(plan: "Plan") -> None:
+    mesh, pp = plan.mesh, plan.shard.pp
+    if not is_axis_order(mesh.order):
+        raise ValueError("plan.mesh.order must name tp, cp, pp and dp once each")
+    if plan.topology.nodes * plan.topology.devices_per_node != mesh.world:
+        raise ValueError("plan.topology does not hold the mesh's world")
+    chunks = pp.chunks
+    if len(chunks) != mesh.pp * pp.virtual or chunks[0][0] != 0 or \
+            chunks[-1][1] != plan.model.layers - 1 or any(
+                b[0] != a[1] + 1 for a, b in zip(chunks, chunks[1:])) or any(
+                c[0] > c[1] for c in chunks[1:-1]) or any(c[0] > c[1] + 1 for c in chunks):
+        # Only the first and the last chunk may be empty (the embedding or head alone).
+        raise ValueError("plan.shard.pp.chunks do not cover the layers in order")
+    if plan.model.batch % (mesh.dp * plan.schedule.microbatches) or \
+            "head_dim" not in plan.model.options and plan.model.hidden % plan.model.heads:
+        raise ValueError("plan.model does not divide as the plan needs")

@@ -1,0 +1,456 @@
+"""Rank programs: what one rank executes in a training step, on named streams.
+
+A program belongs to a pipeline stage and is shared by every rank of that stage (they
+differ only in which tp, cp and dp groups they belong to, see the rank table). Like the
+graph it is folded over microbatches, in the spirit of torch.distributed.pipelining's
+per-rank action lists ("1F3"): a *block* is the instruction list of one model chunk's
+forward (``F0``) or backward (``B0``) for one microbatch, and the *schedule* says which
+block runs for which microbatch, in order. Pipeline receives live on their own streams
+in the order the sending stage sends. The *prologue* runs once at the start of the step
+(ZeRO parameter gathers), the *epilogue* once after the last block (optimizer steps).
+
+Instructions (semantics of CUDA streams, docs/semantics.md, the rank program):
+
+- ``compute NODE``: a compute node of the graph; ring attention runs its cp ring steps
+  within (operands ``ring_steps`` over ``group``: each step's shift to the next cp rank
+  posted before the partial attention on the block in hand);
+- ``<collective> NODE``: all_reduce, all_gather, reduce_scatter, all_to_all, broadcast
+  over the group the node names;
+- ``send NODE`` / ``recv NODE``: pipeline point-to-point with the peer stage;
+- ``record EVENT`` / ``wait EVENT``: an event recorded after the previous instruction of
+  its stream; a wait blocks only its own stream, until that instruction has finished;
+- ``sync``: the stream waits until every stream finished its earlier instructions.
+
+Every instruction writes the buffers in ``writes`` (by default the one named after its
+node) and reads those in ``reads``; ``frees`` lists buffers no later instruction reads,
+which the runtime may release after it. In an expanded program a per-microbatch name
+gets ``#k`` appended; names starting with ``@`` are the rank's state across microbatches
+(``@grad:BUCKET``, a bucket's gradient buffer, which backward steps accumulate into) and
+never do. An instruction with ``guard = "last"`` in a block runs only when
+the block runs for the last microbatch (``"first"``: the first): once-per-step work (a
+gradient bucket's reduction) issued as soon as its inputs are final, without unfolding
+the program.
+
+Every compute and transfer instruction carries its ``operands``
+(:class:`planc.program.operands.Operands`): the buffers it reads and the ports they feed,
+the gradient it takes, the local slice, its group or peer stage, shapes. The runtime
+runs them as written; docs/programs.md lists them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Iterator
+
+from planc.graph.vocabulary import Kind
+from planc.program.names import STREAM_ORDER
+from planc.program.operands import Operands
+from planc.program.ranks import RANK_TABLE_VERSION, RankTable, integer_of  # noqa: F401 (API)
+
+# Version 3: instructions carry typed operands (version 2 left them to graph.json).
+PROGRAM_FORMAT_VERSION = 3
+STATE = "@"  # state buffers (a bucket's gradient): one per step, never per microbatch
+COLLECTIVES = tuple(kind.value for kind in Kind if kind.is_collective)
+Opcode = StrEnum("Opcode", [(name.upper(), name) for name in (
+    "compute", "send", "recv", "record", "wait", "sync") + COLLECTIVES])
+OPS = tuple(op.value for op in Opcode)
+EVENT_OPS = (Opcode.RECORD, Opcode.WAIT, Opcode.SYNC)  # no node, no operands
+
+
+class Guard(StrEnum):
+    FIRST = "first"
+    LAST = "last"
+
+
+GUARDS = (None, Guard.FIRST, Guard.LAST)
+
+
+@dataclass(frozen=True)
+class Instruction:
+    op: str  # compute, a collective, send, recv, record, wait, sync
+    stream: str
+    node: str | None = None
+    event: str | None = None
+    reads: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
+    per_microbatch: bool = True  # names get the microbatch appended when expanded
+    guard: str | None = None  # "last": only on the block's last microbatch
+    frees: tuple[str, ...] = ()
+    operands: Operands | None = None  # compute and transfer instructions
+
+    def to_json(self) -> dict:
+        """Compact: keys with default values are left out."""
+        item: dict = {"op": self.op, "stream": self.stream}
+        if self.node is not None:
+            item["node"] = self.node
+        if self.event is not None:
+            item["event"] = self.event
+        if self.reads:
+            item["reads"] = list(self.reads)
+        if self.writes != ((self.node,) if self.node is not None else ()):
+            item["writes"] = list(self.writes)
+        if not self.per_microbatch:
+            item["per_microbatch"] = False
+        if self.guard is not None:
+            item["guard"] = self.guard
+        if self.frees:
+            item["frees"] = list(self.frees)
+        if self.operands is not None:
+            item["operands"] = self.operands.to_json()
+        return item
+
+    @staticmethod
+    def from_json(item: dict) -> "Instruction":
+        if not isinstance(item, dict):
+            raise ValueError(f"malformed instruction {item!r}")
+        unknown = set(item) - {"op", "stream", "node", "event", "reads", "writes",
+                               "per_microbatch", "guard", "frees", "operands"}
+        if unknown:
+            raise ValueError(f"instruction with unknown keys {sorted(unknown)}")
+        op, stream = item["op"], item["stream"]
+        if op not in OPS or not isinstance(stream, str) or not isinstance(op, str):
+            raise ValueError(f"instruction with an unknown op or stream: {item!r}")
+        node, event = item.get("node"), item.get("event")
+        if (op in ("record", "wait")) != (event is not None) or \
+                (op not in ("record", "wait", "sync")) != (node is not None):
+            raise ValueError(f"instruction {op} must name {'an event' if op in ('record', 'wait') else 'a node'}")  # noqa: E501
+        strings = lambda key: tuple(map(_string, item.get(key, ())))  # noqa: E731
+        writes = strings("writes") if "writes" in item else ((node,) if node else ())
+        guard = item.get("guard")
+        if guard not in GUARDS:
+            raise ValueError(f"instruction with guard {guard!r}; guards are 'first' and "
+                             f"'last'")
+        per_microbatch = item.get("per_microbatch", True)
+        if not isinstance(per_microbatch, bool):
+            raise ValueError("per_microbatch must be true or false")
+        operands = None
+        if op not in EVENT_OPS:
+            if "operands" not in item:
+                raise ValueError(f"instruction {op} {node} has no operands")
+            operands = Operands.from_json(item["operands"])
+        elif "operands" in item:
+            raise ValueError(f"instruction {op} has operands")
+        return Instruction(Opcode(op), stream, None if node is None else _string(node),
+                           None if event is None else _string(event), strings("reads"),
+                           writes, per_microbatch, None if guard is None else Guard(guard),
+                           strings("frees"), operands)
+
+
+def _pairs(items, what: str) -> tuple[tuple[str, int], ...]:
+    """(block or node, microbatch) pairs from their JSON."""
+    return tuple((_string(name), integer_of(m, what)) for name, m in items)
+
+
+def _receives(data: dict) -> dict[str, tuple[tuple[str, int], ...]]:
+    """Receive stream -> its (recv node, microbatch) pairs, from their JSON."""
+    return {_string(stream): _pairs(items, "a microbatch of its receives")
+            for stream, items in data.items()}
+
+
+def _evaluation_of(data) -> dict:
+    """Program's evaluation fields from their JSON (absent: no evaluation)."""
+    if data is None:
+        return {}
+    return {"evaluation": _pairs(data["schedule"], "a microbatch of the evaluation"),
+            "evaluation_receives": _receives(data["receives"])}
+
+
+def guard_microbatch(guard: str | None, microbatches: int) -> int | None:
+    """The only microbatch a guarded instruction runs on (None: every microbatch)."""
+    return None if guard is None else (0 if guard == "first" else microbatches - 1)
+
+
+def _string(value) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Expanded:
+    """One instruction of an expanded program, microbatch resolved."""
+
+    index: int  # position in the rank's issue order
+    op: str
+    stream: str
+    node: str | None
+    microbatch: int | None
+    event: str | None
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    where: str  # "F0 mb 2", "recv_prev", "prologue", "epilogue"
+    frees: tuple[str, ...] = ()
+    source: Instruction | None = None  # the folded instruction
+
+    def text(self) -> str:
+        mb = f" mb {self.microbatch}" if self.microbatch is not None else ""
+        what = self.event if self.op in ("record", "wait") else self.node
+        return f"#{self.index} {self.stream}: {self.op} {what}{mb}"
+
+
+@dataclass(frozen=True)
+class Program:
+    stage: int
+    streams: tuple[str, ...]
+    blocks: dict[str, tuple[Instruction, ...]]
+    schedule: tuple[tuple[str, int], ...]  # (block, microbatch)
+    receives: dict[str, tuple[tuple[str, int], ...]]  # stream -> (recv node, microbatch)
+    epilogue: tuple[Instruction, ...]
+    microbatches: int
+    prologue: tuple[Instruction, ...] = ()
+    buckets: dict[str, dict] = field(default_factory=dict)  # the stage's parameter buckets
+    info: dict = field(default_factory=dict, compare=False)
+    received: dict[str, Operands] = field(default_factory=dict)  # a receive's operands
+    # The evaluation's forward-only schedule and its receives, when train.eval_every
+    # asks for one (planc.lower.evaluation): empty otherwise.
+    evaluation: tuple[tuple[str, int], ...] = ()
+    evaluation_receives: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+
+    def for_evaluation(self) -> "Program":
+        """The program of an evaluation batch: the forward blocks on the forward-only
+        schedule the compiler wrote, the prologue (ZeRO's gathers), no epilogue (no
+        optimizer), and the receives of activations only."""
+        used = {block for block, _ in self.evaluation}
+        received = {node for items in self.evaluation_receives.values() for node, _ in items}
+        return Program(self.stage, self.streams,
+                       {name: block for name, block in self.blocks.items() if name in used},
+                       self.evaluation, dict(self.evaluation_receives), (),
+                       self.microbatches, self.prologue, self.buckets,
+                       received={n: o for n, o in self.received.items() if n in received})
+
+    def receive(self, stream: str, node: str) -> Instruction:
+        """The instruction of a pipeline receive (issued on its stream, see expand)."""
+        return Instruction(Opcode.RECV, stream, node, writes=(node,),
+                           operands=self.received[node])
+
+    def to_json(self) -> dict:
+        return {"format": "planc-program", "version": PROGRAM_FORMAT_VERSION,
+                "stage": self.stage, "microbatches": self.microbatches,
+                "streams": list(self.streams),
+                "buckets": self.buckets,
+                "prologue": [i.to_json() for i in self.prologue],
+                "blocks": {name: [i.to_json() for i in block] for name, block in
+                           self.blocks.items()},
+                "schedule": [list(s) for s in self.schedule],
+                "receives": {stream: [list(r) for r in items]
+                             for stream, items in self.receives.items()},
+                "epilogue": [i.to_json() for i in self.epilogue],
+                "received": {node: operands.to_json()
+                             for node, operands in self.received.items()},
+                **({"evaluation": {
+                    "schedule": [list(s) for s in self.evaluation],
+                    "receives": {stream: [list(r) for r in items]
+                                 for stream, items in self.evaluation_receives.items()}}}
+                   if self.evaluation else {})}
+
+    @staticmethod
+    def from_json(data: dict) -> "Program":
+        if data.get("format") != "planc-program":
+            raise ValueError("not a planc program")
+        if data.get("version") != PROGRAM_FORMAT_VERSION:
+            raise ValueError(f"program format version {data.get('version')!r}; this planc "
+                             f"reads version {PROGRAM_FORMAT_VERSION}, whose instructions "
+                             f"carry their operands")
+        microbatches = data["microbatches"]
+        if not isinstance(microbatches, int) or isinstance(microbatches, bool) or \
+                microbatches < 1:
+            raise ValueError("microbatches must be a positive integer")
+        program = Program(
+            stage=integer_of(data["stage"], "its stage"),
+            streams=tuple(map(_string, data["streams"])),
+            blocks={_string(name): tuple(Instruction.from_json(i) for i in block)
+                    for name, block in data["blocks"].items()},
+            schedule=_pairs(data["schedule"], "a microbatch of the schedule"),
+            receives=_receives(data["receives"]),
+            epilogue=tuple(Instruction.from_json(i) for i in data["epilogue"]),
+            microbatches=microbatches,
+            prologue=tuple(Instruction.from_json(i) for i in data.get("prologue", ())),
+            buckets=dict(data.get("buckets", {})),
+            received={_string(node): Operands.from_json(operands)
+                      for node, operands in data["received"].items()},
+            **_evaluation_of(data.get("evaluation")))
+        if any(s not in STREAM_ORDER for s in program.streams):
+            raise ValueError(f"streams {list(program.streams)}: one is not a stream planc "
+                             f"knows")
+        received = {node for items in program.receives.values() for node, _ in items}
+        if received != set(program.received):
+            raise ValueError("its receives and the operands of its receives name different "
+                             "nodes")
+        for name, block in program.blocks.items():
+            for instruction in block:
+                if instruction.stream not in program.streams:
+                    raise ValueError(f"block {name} uses stream {instruction.stream!r}, "
+                                     f"which the program does not declare")
+        for part in (program.prologue, program.epilogue):
+            for instruction in part:
+                if instruction.guard is not None:
+                    raise ValueError("only instructions of a block can have a guard")
+                if instruction.stream not in program.streams:
+                    raise ValueError(f"stream {instruction.stream!r} is not declared")
+        if any(not 0 <= mb < microbatches for _, mb in program.schedule + program.evaluation):
+            raise ValueError("the schedule names a microbatch outside the step")
+        if any(block not in program.blocks or not block.startswith("F")
+               for block, _ in program.evaluation):
+            raise ValueError("the evaluation's schedule names a block that is no forward "
+                             "block of the program")
+        if not {n for items in program.evaluation_receives.values() for n, _ in items} <= \
+                set(program.received):
+            raise ValueError("the evaluation receives a node the program never receives")
+        return program
+
+    def written(self) -> Iterator[Instruction]:
+        """Every instruction as the program writes it, once (blocks folded over
+        microbatches): the prologue, each block, the epilogue."""
+        for part in (self.prologue, *self.blocks.values(), self.epilogue):
+            yield from part
+
+    def last_microbatch(self) -> int:
+        return self.microbatches - 1
+
+    def runs(self, instruction: Instruction, microbatch: int | None) -> bool:
+        """Whether ``instruction`` runs in a block instance of ``microbatch``."""
+        return guard_microbatch(instruction.guard, self.microbatches) in (None, microbatch)
+
+    def running(self, block: str, microbatch: int) -> tuple[Instruction, ...]:
+        """The instructions of ``block`` that run for ``microbatch`` (guards applied)."""
+        return tuple(i for i in self.blocks[block] if self.runs(i, microbatch))
+
+    def expand(self, only: int | None = None) -> Iterator[Expanded]:
+        """Every instruction of one step, in issue order.
+
+        Issue order: the prologue; for each scheduled block, first the receives it waits
+        for (and any queued before them on the same receive stream; each receive records
+        the event ``done:NODE``), then the block's instructions (guarded ones only on the
+        last microbatch); after the schedule, any receive left, then the epilogue.
+
+        ``only``: yield only what belongs to that microbatch or to none (once-per-step
+        instructions), with the same indices, without expanding the other microbatches'
+        blocks (``planc programs --expand --microbatch K`` on a long schedule).
+        """
+        index = 0
+        position = {stream: 0 for stream in self.receives}
+        needed = self.receives_needed()
+        running: dict[tuple[str, bool, bool], tuple[Instruction, ...]] = {}
+        last = self.last_microbatch()
+
+        def emit(instruction: Instruction, microbatch: int | None, where: str) -> Expanded:
+            nonlocal index
+            mb = microbatch if instruction.per_microbatch else None
+            suffix = f"#{mb}" if mb is not None else ""
+
+            def named(names):
+                return tuple(r if r.startswith(STATE) else f"{r}{suffix}" for r in names)
+
+            index += 1
+            return Expanded(index - 1, instruction.op, instruction.stream,
+                            instruction.node, mb,
+                            f"{instruction.event}{suffix}" if instruction.event else None,
+                            named(instruction.reads), named(instruction.writes), where,
+                            named(instruction.frees), instruction)
+
+        def receive(stream: str) -> Iterator[Expanded]:
+            nonlocal index
+            node, mb = self.receives[stream][position[stream]]
+            position[stream] += 1
+            if only is not None and mb != only:
+                index += 2
+                return
+            yield emit(self.receive(stream, node), mb, stream)
+            yield emit(Instruction("record", stream, event=f"done:{node}"), mb, stream)
+
+        for instruction in self.prologue:
+            yield emit(instruction, None, "prologue")
+        for block, microbatch in self.schedule:
+            for stream, end in needed.get((block, microbatch), {}).items():
+                while position[stream] <= end:
+                    yield from receive(stream)
+            key = (block, microbatch == 0, microbatch == last)
+            if key not in running:
+                running[key] = self.running(block, microbatch)
+            where = f"{block} mb {microbatch}"
+            if only is None or microbatch == only:
+                for instruction in running[key]:
+                    yield emit(instruction, microbatch, where)
+                continue
+            start = index  # another microbatch: only its once-per-step instructions
+            for offset, instruction in enumerate(running[key]):
+                if not instruction.per_microbatch:
+                    index = start + offset
+                    yield emit(instruction, microbatch, where)
+            index = start + len(running[key])
+        for stream in self.receives:
+            while position[stream] < len(self.receives[stream]):
+                yield from receive(stream)
+        for instruction in self.epilogue:
+            yield emit(instruction, None, "epilogue")
+
+    def expanded_length(self) -> int:
+        """How many instructions :meth:`expand` yields, without expanding."""
+        counts: dict[tuple[str, bool, bool], int] = {}
+        last = self.last_microbatch()
+        total = len(self.prologue) + len(self.epilogue) + \
+            2 * sum(len(items) for items in self.receives.values())
+        for block, microbatch in self.schedule:
+            key = (block, microbatch == 0, microbatch == last)
+            if key not in counts:
+                counts[key] = len(self.running(block, microbatch))
+            total += counts[key]
+        return total
+
+    def receives_needed(self) -> dict[tuple[str, int], dict[str, int]]:
+        """For each scheduled (block, microbatch): per receive stream, the position of the
+        last receive whose event the block waits for."""
+        where = {(node, mb): (stream, i) for stream, items in self.receives.items()
+                 for i, (node, mb) in enumerate(items)}
+        received = {node for node, _ in where}
+        waits = {name: [i.event[len("done:"):] for i in block
+                        if i.op == "wait" and i.event.startswith("done:")
+                        and i.event[len("done:"):] in received]
+                 for name, block in self.blocks.items()}
+        out: dict[tuple[str, int], dict[str, int]] = {}
+        for block, microbatch in self.schedule:
+            need: dict[str, int] = {}
+            for node in waits.get(block, ()):
+                if (node, microbatch) in where:
+                    stream, i = where[(node, microbatch)]
+                    need[stream] = max(need.get(stream, -1), i)
+            out[(block, microbatch)] = need
+        return out
+
+
+def vector_clocks(instructions) -> tuple[list[dict[str, int]], dict[str, dict[str, int]]]:
+    """Happens-before among instructions on streams (Lamport 1978; Mattern 1989), with
+    CUDA's semantics: a stream runs in order; ``wait`` makes its stream follow the
+    matching ``record``; ``sync`` follows every stream. Returns each instruction's clock
+    (clock[s] = position of the last instruction of stream s known finished before it
+    starts) and each stream's clock at the end."""
+    clock: dict[str, dict[str, int]] = {}
+    events: dict[tuple, dict[str, int]] = {}
+    out = []
+    for position, instruction in enumerate(instructions):
+        mine = clock.setdefault(instruction.stream, {})
+        out.append(dict(mine))
+        key = (instruction.event, instruction.per_microbatch)
+        if instruction.op == "sync":
+            everything = {s: max(c.get(s, -1) for c in clock.values()) for s in clock}
+            for c in clock.values():
+                c.update(everything)
+        elif instruction.op == "wait":
+            for s, value in events.get(key, {}).items():
+                mine[s] = max(mine.get(s, -1), value)
+        elif instruction.op == "record":
+            events[key] = dict(mine)
+        else:
+            mine[instruction.stream] = position
+    return out, clock
+
+
+def finished_before(clocks: list[dict[str, int]], streams: list[str], a: int, b: int) -> bool:
+    """Whether instruction ``a`` finished before instruction ``b`` starts."""
+    return a < b and (streams[a] == streams[b] or clocks[b].get(streams[a], -1) >= a)
+
+
+def dumps(data: dict) -> str:
+    return json.dumps(data, separators=(",", ":")) + "\n"

@@ -1,0 +1,56 @@
+"""Writing a planc checkpoint as a transformers checkpoint (the tensor half of
+:mod:`planc.hf.export`, which holds the names, the layouts and the config)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save
+
+from planc.checkpoint.format import CheckpointError, dump_json, find, reason, write_durably
+from planc.checkpoint.files import checked_path
+from planc.hf.export import DTYPES, Tensor, check_exportable, hf_config, hf_tensors
+from planc.host.outputs import HUGGING_FACE
+from planc.runtime.checkpoint.values import check_values
+
+
+def export_hf(checkpoint: str, output: str) -> tuple[Path, int, str]:
+    """Write the newest complete checkpoint in (or at) ``checkpoint`` to ``output``;
+    returns the step directory read, the number of tensors written and the transformers
+    class that loads them."""
+    found = find(checkpoint)
+    check_values(found.directory, found.manifest)
+    architecture = check_exportable(found.directory, found.manifest)
+    model, parameters = found.manifest["model"], found.manifest["parameters"]
+    dtype = getattr(torch, DTYPES[model["dtype"]])
+    by_file: dict[str, list[str]] = {}
+    for name, info in sorted(parameters.items()):
+        by_file.setdefault(info["file"], []).append(name)
+    values = {}
+    for file, names in by_file.items():  # each file opened once
+        try:
+            with safe_open(checked_path(found.directory, file), framework="pt") as handle:
+                for name in names:
+                    values[name] = handle.get_tensor(name)
+        except (OSError, SafetensorError) as exc:  # changed since it was checked
+            raise CheckpointError(f"{found.directory / file} cannot be read "
+                                  f"({reason(exc)})") from None
+    tensors = {t.target: hf_tensor(t, values).to(dtype) for t in hf_tensors(model)}
+    os.makedirs(output, exist_ok=True)
+    write_durably(Path(output) / "model.safetensors",
+                  save(tensors, metadata={"format": "pt",  # transformers' loader reads it
+                                          "generator": HUGGING_FACE.generator}))
+    write_durably(Path(output) / "config.json", dump_json(hf_config(model)))
+    return found.directory, len(tensors), architecture.name
+
+
+def hf_tensor(tensor: Tensor, values: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One transformers tensor of the planc tensors ``values`` (by full planc name)."""
+    parts = [values[source] for source in tensor.sources]
+    value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=tensor.join)
+    if tensor.swap is not None:
+        value = value.transpose(*tensor.swap)
+    return value.contiguous()

@@ -1,0 +1,304 @@
+"""What each instruction does, whatever stream it runs on.
+
+Every instruction a program names is bound once, when the run starts, to a compute
+kernel (:mod:`planc.runtime.engine.kernels`) or a transfer (:mod:`planc.runtime.engine.transfers`),
+from the operands the compiler wrote on it (:mod:`planc.program.operands`): which buffer
+feeds which port, which gradient a backward step's output carries, where the consumer
+takes its own slice of a replicated value, its group. Running an instruction is then a
+table lookup and a call; nothing about the plan is decided here.
+
+Buffers of a step are keyed by (node, microbatch), microbatch None for once-per-step
+values. Parameter gradients do not go through buffers: backward steps add them into
+their bucket's gradient buffer (planc.runtime.engine.store).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from planc.program.operands import SEQ_AXIS, Input
+from planc.program.program import Instruction, Program
+from planc.runtime.engine import grad_norm
+from planc.runtime.engine.context import RankContext, pp_group_key
+from planc.runtime.engine.kernels import LOSS_STATISTICS, Kernels, Peers, Saved, Spec
+from planc.runtime.engine.model import split_feature
+from planc.runtime.engine.optim import optimizer_of
+from planc.runtime.engine.ring_attention import Ring
+from planc.runtime.engine.store import ParamStore
+from planc.runtime.engine.routes import resolve
+from planc.runtime.engine.transfers import Call, Transfers
+
+
+@dataclass
+class StepState:
+    step: int
+    buffers: dict[tuple[str, int | None], object] = field(default_factory=dict)
+    saved: dict[tuple[str, int | None], Saved] = field(default_factory=dict)
+    loss: float | None = None
+    grad_norm: float | None = None  # train { grad_clip }: the norm before clipping
+
+
+def combine(values: list[torch.Tensor]) -> torch.Tensor:
+    """Sum gradient contributions; a K/V gradient (narrower) adds to the k and v heads at
+    the end of a [q | k | v] gradient."""
+    if len(values) == 1:
+        return values[0]
+    widest = max(values, key=lambda v: v.shape[-1])
+    whole = [v for v in values if v.shape == widest.shape]
+    # One new tensor: the first sum allocates it, the rest add in place (the inputs are
+    # buffers other steps may still read).
+    total = whole[0] + whole[1] if len(whole) > 1 else whole[0].clone()
+    for value in whole[2:]:
+        total += value
+    for value in values:
+        if value.shape != widest.shape:
+            total[..., total.shape[-1] - value.shape[-1]:] += value
+    return total
+
+
+def select_tokens(value: torch.Tensor, index: int, count: int, spread: int) -> torch.Tensor:
+    """Piece ``index`` of ``count`` of the tokens of ``value`` (batch, tokens, ...), spread
+    over ``spread`` tp ranks: planc.program.operands.token_ranges, as one strided view."""
+    shape = value.shape
+    size = shape[SEQ_AXIS] // (spread * count)
+    grouped = value.reshape(shape[0], spread, count, size, *shape[2:])
+    return grouped[:, :, index].reshape(shape[0], spread * size, *shape[2:])
+
+
+def join_tokens(pieces: list[torch.Tensor], spread: int) -> torch.Tensor:
+    """The tensor whose pieces (in order) ``pieces`` are: :func:`select_tokens` undone."""
+    shape = pieces[0].shape
+    size = shape[SEQ_AXIS] // spread
+    grouped = [p.reshape(shape[0], spread, size, *shape[2:]) for p in pieces]
+    return torch.stack(grouped, dim=2).reshape(shape[0], spread * size * len(pieces),
+                                                *shape[2:])
+
+
+class _Compute:
+    def __init__(self, node: str, instruction: Instruction, ring: Ring | None = None,
+                 peers: Peers | None = None, counts: Peers | None = None):
+        operands = instruction.operands
+        self.clip = operands if operands.step == "clip" else None  # planc.runtime.engine.grad_norm
+        self.node, self.inputs = node, operands.inputs
+        self.spec = None if self.clip else Spec.of(operands, ring, peers, counts)
+        self.gathered = dict(operands.gathered)  # bucket -> the ZeRO-3 gather that filled it
+        self.per_microbatch = instruction.per_microbatch
+        step = operands.step
+        self.backward = step == "backward"
+        self.forward_of = operands.forward_of
+        self.saved_from = operands.saved_from
+        self.recompute = step == "recompute"
+        self.keep_graph = operands.keeps_graph
+        self.optimizer = step == "optimizer"
+        self.bucket = operands.bucket
+        self.weight_grad = operands.weight_step  # B: its W step computes param grads
+        self.weight_step = step == "weight"  # W: the parameter half of a split backward
+
+
+class _Transfer:
+    def __init__(self, node: str, instruction: Instruction, handler, call: Call):
+        operands = instruction.operands
+        self.node, self.inputs, self.handler, self.call = node, operands.inputs, handler, \
+            call
+        self.per_microbatch = instruction.per_microbatch
+        self.sums_microbatches = operands.payload == "loss"
+        self.reads_values = operands.payload not in ("grad", "param")
+        self.reports_loss = operands.payload == "loss"
+
+
+class Interpreter:
+    def __init__(self, ctx: RankContext, program: Program, store: ParamStore):
+        self.ctx, self.program, self.store = ctx, program, store
+        self.kernels = Kernels(ctx)
+        self.transfers = Transfers(ctx, store)
+        self.microbatches = program.microbatches
+        self.optimizers = {}  # optimizer node -> its torch optimizer
+        self.optimized: dict[str, str] = {}  # optimizer node -> its bucket
+        self.bound: dict[tuple[str, str], _Compute | _Transfer] = {}
+        for instruction in program.written():
+            if instruction.node is not None:
+                self._bind(instruction)
+        for stream, items in program.receives.items():
+            for node, _ in items:
+                self._bind(program.receive(stream, node))
+
+    # --- binding ---------------------------------------------------------------------------
+
+    def _bind(self, instruction: Instruction) -> None:
+        op, node = instruction.op, instruction.node
+        if (op, node) in self.bound:
+            return
+        operands = instruction.operands
+        if op == "compute":
+            ring = peers = None
+            if operands.ring_steps:  # ring attention: its steps over the cp group
+                call = self._call(op, instruction)
+                ring = Ring(operands.ring_steps, call.group, call.members, call.index)
+            elif operands.group is not None:  # a mixture of experts: its ep group
+                call = self._call(op, instruction)
+                peers = Peers(call.group, call.members, call.index)
+            counts = None if operands.counts_group is None else \
+                self._peers(operands.counts_group)  # its balance loss's counts
+            self.bound[(op, node)] = _Compute(node, instruction, ring, peers, counts)
+            if operands.step == "optimizer":
+                bucket = operands.bucket
+                tensor = self.store.shard[bucket] if operands.sharded else \
+                    self.store.full[bucket]
+                self.optimizers[node] = optimizer_of(self.ctx.optimizer, [tensor], fused=True)
+                self.optimized[node] = bucket
+            return
+        handler = self.transfers.table[(op, operands.payload)]
+        self.bound[(op, node)] = _Transfer(node, instruction, handler,
+                                           self._call(op, instruction))
+
+    def _peers(self, ref: str) -> Peers:
+        """This rank's group of ``ref``, for a kernel that communicates over it itself."""
+        groups, rank = self.ctx.groups, self.ctx.rank
+        members = groups.members.get(ref, (rank,))
+        return Peers(groups.handles.get(ref), members, members.index(rank))
+
+    def _call(self, op: str, instruction: Instruction) -> Call:
+        groups, ctx, operands = self.ctx.groups, self.ctx, instruction.operands
+        if operands.payload == "stream":  # pipeline: a group per pair and direction
+            peer = ctx.peer(operands.peer_stage)
+            pair = (ctx.rank, peer) if op == "send" else (peer, ctx.rank)
+            return Call(operands, instruction.per_microbatch,
+                        groups.handles[pp_group_key(operands.direction, *pair)],
+                        tuple(sorted(pair)), 0, peer=peer)
+        ref = operands.group
+        members = groups.members.get(ref, (ctx.rank,))
+        route = resolve(ctx.routes, op, operands.route, ref, members, ctx.rank, groups,
+                        ctx.devices_per_node)
+        return Call(operands, instruction.per_microbatch, groups.handles.get(ref), members,
+                    members.index(ctx.rank), route)
+
+    # --- reading buffers ---------------------------------------------------------------
+
+    def _value(self, state: StepState, item: Input, microbatch: int | None,
+               all_microbatches: bool = False):
+        if item.per_microbatch and (microbatch is None or all_microbatches):
+            values = [self._pick(state.buffers[(item.buffer, k)], item)
+                      for k in range(self.microbatches)]
+            values = [v for v in values if v is not None]
+            return sum(values[1:], values[0]) if values else None
+        key = (item.buffer, microbatch if item.per_microbatch else None)
+        return self._pick(state.buffers[key], item)
+
+    def _pick(self, value, item: Input):
+        if isinstance(value, dict):  # a backward step's gradients, by input port
+            value = value.get(item.grad_of)
+        if value is not None and item.local_slice is not None and self.ctx.tp > 1:
+            dim, axis = item.local_slice
+            value = split_feature(value, dim, self.ctx.tp, self.ctx.tp_rank, self.ctx.model,
+                                  axis)
+        if value is not None and item.tokens is not None:
+            value = select_tokens(value, *item.tokens)
+        return value
+
+    def _ports(self, state: StepState, inputs: tuple[Input, ...], microbatch: int | None,
+               all_microbatches: bool = False) -> dict[str, list]:
+        out: dict[str, list] = {}
+        pieces: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+        for item in inputs:
+            value = self._value(state, item, microbatch, all_microbatches)
+            if value is None:
+                continue
+            if item.piece is not None:  # put back together once every piece is in
+                got = pieces.setdefault((item.port, item.piece_of), {})
+                got[item.piece[0]] = value
+                if len(got) < item.piece[1]:
+                    continue
+                value = join_tokens([got[j] for j in range(item.piece[1])], item.piece[2])
+            out.setdefault(item.port, []).append(value)
+        return out
+
+    # --- running an instruction ------------------------------------------------------------
+
+    def run(self, state: StepState, op: str, node: str, microbatch: int | None) -> None:
+        bound = self.bound[(op, node)]
+        mb = microbatch if bound.per_microbatch else None
+        if isinstance(bound, _Compute):
+            result = self._compute(state, bound, microbatch)
+        else:
+            result = self._transfer(state, bound, microbatch)
+        if result is not None:
+            state.buffers[(node, mb)] = result
+
+    def _params(self, state: StepState, step: _Compute, microbatch: int | None) -> dict:
+        params = {}
+        for name in step.spec.params:
+            bucket = self.store.members[name].bucket
+            gather = step.gathered.get(bucket)
+            if gather is not None:  # a ZeRO-3 unit, gathered into a buffer of its own
+                params[name] = self.store.view(state.buffers[(gather, microbatch)], name)
+            else:
+                params[name] = self.store.param(name)
+        return params
+
+    def _compute(self, state: StepState, step: _Compute, mb: int | None):
+        if step.optimizer:
+            return self._optimizer(step, state.step)
+        if step.clip is not None:  # the gradient norm's share, or the clip by the norm
+            if step.clip.kernel == "grad_norm":
+                return grad_norm.share(self.ctx, self.store, step.clip.norm_ranges)
+            (summed,) = self._ports(state, step.inputs, None)["x"]
+            state.grad_norm = grad_norm.clip(self.store, summed, step.clip.max_norm)
+            return None
+        if step.weight_step:  # the parameter half of a split backward
+            for saved, grad in state.saved.pop((step.node, mb)):  # one per piece
+                _, named = self.kernels.backward(step.spec, saved, grad, inputs=False)
+                for name, value in named.items():
+                    self.store.grad_of(name).add_(value)
+            return None
+        if step.backward:
+            saved = state.saved.pop((step.saved_from, mb))
+            if step.saved_from != step.forward_of:
+                state.saved.pop((step.forward_of, mb), None)
+            grads = self._ports(state, step.inputs, mb).get("grad", [])
+            grad = combine(grads) if grads else None
+            if step.weight_grad is not None:  # the input half: its W step comes later
+                ports, _ = self.kernels.backward(step.spec, saved, grad, params=False)
+                state.saved.setdefault((step.weight_grad, mb), []).append((saved, grad))
+                return ports
+            ports, named = self.kernels.backward(step.spec, saved, grad)
+            for name, value in named.items():
+                self.store.grad_of(name).add_(value)
+            return ports
+        inputs = {port: combine(values) for port, values in
+                  self._ports(state, step.inputs, mb).items()}
+        if step.recompute:  # inputs from outside the layer: what the forward kept
+            kept = state.saved.get((step.forward_of, mb))
+            if kept is not None:
+                for port, tensor in kept.inputs.items():
+                    inputs.setdefault(port, tensor.detach())
+        output, saved = self.kernels.forward(step.spec, inputs, self._params(state, step, mb),
+                                             state.step, mb, keep_graph=step.keep_graph)
+        if step.spec.op not in LOSS_STATISTICS:
+            state.saved[(step.node, mb)] = saved  # what this step's backward will need
+        return output
+
+    def _optimizer(self, step: _Compute, train_step: int) -> None:
+        """One bucket's update, at the lr the build's schedule gives ``train_step``
+        (planc.plan.lr_schedule: the compiler's formula, as torch's schedulers would set it)."""
+        for group in self.optimizers[step.node].param_groups:
+            group["lr"] = self.ctx.model.lr_at(train_step)
+        bucket = step.bucket
+        sharded = self.store.buckets[bucket]["sharded"]
+        tensor = self.store.shard[bucket] if sharded else self.store.full[bucket]
+        tensor.grad = self.store.grad_shard[bucket] if sharded else self.store.grad[bucket]
+        self.optimizers[step.node].step()
+        tensor.grad = None
+        return None
+
+    def _transfer(self, state: StepState, step: _Transfer, mb: int | None):
+        value = None
+        if step.reads_values:
+            ports = self._ports(state, step.inputs, mb, step.sums_microbatches)
+            values = [v.detach() for v in ports.get("x", []) + ports.get("grad", [])]
+            value = combine(values) if values else None
+        result = step.handler(step.call, value)
+        if step.reports_loss:
+            state.loss = float(result)
+        return result

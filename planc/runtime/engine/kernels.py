@@ -1,0 +1,279 @@
+"""The compute steps every model family shares on one rank's shards, forward and backward.
+
+Every compute instruction runs here on the local tensors its operands say it holds
+(planc.program.operands; the compiler derived them from the node's tp layouts): a
+column-parallel linear multiplies by its
+columns, a vocabulary-parallel embedding looks up its rows and zeroes the rest,
+attention runs on its heads and, under context parallelism, on the keys and values the
+transfers brought. Dispatch goes through :data:`FORWARD`, keyed by the node's operator.
+
+A forward step keeps what its backward needs; the backward step asks autograd for the
+gradients of that one step (the inputs and the parameters it used). Attention is
+``scaled_dot_product_attention`` and the loss ``cross_entropy``, PyTorch's fused kernels;
+the vocabulary-parallel loss (Megatron) writes its gradient, softmax minus one-hot, out
+by hand, so that the logits are never gathered.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from planc.graph.vocabulary import Op
+from planc.program.operands import Operands, token_ranges
+from planc.runtime.engine.context import RankContext
+from planc.runtime.families import family_kernels
+from planc.runtime.engine.model import split_feature
+from planc.runtime.engine.ring_attention import Ring, ring_attention, step_masks
+
+FP32 = torch.float32
+# The vocabulary-parallel loss's per-token statistics: no autograd, nothing kept.
+LOSS_STATISTICS = (Op.LOSS_MAX, Op.LOSS_SUM_EXP)
+
+
+@dataclass
+class Saved:
+    """What a forward step keeps for its backward."""
+
+    inputs: dict[str, torch.Tensor]  # leaves, by input port
+    params: dict[str, torch.Tensor]  # leaves, by global parameter name
+    output: torch.Tensor | None  # with its autograd graph (None if run without one)
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Peers:
+    """A process group a compute step communicates over itself (a mixture of experts'
+    all-to-alls over its ep group, its balance loss's counts over the ranks holding each
+    sequence): the handle, the members, this rank's index."""
+
+    group: object  # a process group
+    members: tuple[int, ...]
+    index: int
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A compute instruction as the kernels need it, read once from its operands."""
+
+    op: Op
+    layer: int | None
+    seq_sharded: bool  # the input holds this tp rank's slice of the tokens
+    replicated: bool  # every tp rank holds the whole input
+    params: tuple[str, ...]
+    param_slices: dict[str, tuple[str, int]]
+    bias: str | None
+    vocab_parallel: bool
+    tokens: tuple[int, int, int] | None = None  # tp_overlap: the piece of tokens it runs
+    ring: Ring | None = None  # ring attention: its cp ring (planc.runtime.engine.ring_attention)
+    peers: Peers | None = None  # a mixture of experts: its ep group
+    counts: Peers | None = None  # its balance loss: the ranks holding parts of a sequence
+
+    @staticmethod
+    def of(operands: Operands, ring: Ring | None = None, peers: Peers | None = None,
+           counts: Peers | None = None) -> "Spec":
+        return Spec(Op(operands.kernel), operands.layer, operands.seq_sharded,
+                    operands.replicated, operands.params, dict(operands.param_slices),
+                    operands.bias, operands.vocab_parallel, operands.tokens, ring, peers,
+                    counts)
+
+
+class Kernels:
+    def __init__(self, ctx: RankContext):
+        self.ctx = ctx
+        model = ctx.model
+        self.hidden = model.hidden
+        self.head_dim = model.head_dim
+        # The operators every family shares, then the family's own (its runtime module,
+        # planc.runtime.families.NAME, as planc.models.NAME describes them).
+        self.forward_table: dict[Op, Callable] = {
+            Op.EMBEDDING: self._embedding, Op.POSITION: self._position,
+            Op.QKV: self._linear, Op.PROJ: self._linear, Op.FC1: self._linear,
+            Op.FC2: self._linear, Op.HEAD: self._head, Op.ATTN_RESIDUAL: self._residual,
+            Op.MLP_RESIDUAL: self._residual, Op.LOSS: self._loss,
+            Op.LOSS_MAX: self._loss_max, Op.LOSS_SUM_EXP: self._loss_sum_exp,
+        }
+        for op, kernel in family_kernels(model.family).items():
+            self.forward_table[op] = functools.partial(kernel, self)
+        self._ring_masks: dict[Ring, list] = {}
+
+    def ring_attention(self, spec: Spec, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of this rank's queries over every cp rank's K/V block, run as
+        the ring steps the instruction lists; which keys each step's queries see follows
+        the token positions of the model table."""
+        ring = spec.ring
+        masks = self._ring_masks.get(ring)
+        if masks is None:
+            masks = self._ring_masks[ring] = step_masks(
+                ring, self.ctx.positions(seq_sharded=False), self.ctx.block_positions,
+                self.ctx.dtype)
+        return ring_attention(q, k, v, ring, masks)
+
+    def positions(self, spec: Spec) -> torch.Tensor:
+        """Positions of the tokens a step's input holds (RoPE): its tp slice, or under
+        tp_overlap its piece of the tokens (planc.program.operands.token_ranges)."""
+        positions = self.ctx.positions(spec.seq_sharded)
+        if spec.tokens is None:
+            return positions
+        return torch.cat([positions[a:b] for a, b in
+                          token_ranges(positions.shape[0], *spec.tokens)])
+
+    # --- forward -----------------------------------------------------------------------
+
+    def forward(self, spec: Spec, inputs: dict[str, torch.Tensor],
+                params: dict[str, torch.Tensor], step: int, microbatch: int,
+                keep_graph: bool) -> tuple[torch.Tensor, Saved]:
+        """Run one forward compute node. ``params``: global name -> tensor as stored."""
+        if spec.op in LOSS_STATISTICS:
+            return self.forward_table[spec.op](spec, inputs, None, step, microbatch, {}), \
+                Saved({}, {}, None)
+        leaves = {port: t.detach().requires_grad_(keep_graph and t.is_floating_point())
+                  for port, t in inputs.items()}
+        param_leaves = {n: t.detach().requires_grad_(keep_graph) for n, t in params.items()}
+        dtype = self.ctx.dtype
+
+        def p(name: str) -> torch.Tensor:
+            value = param_leaves[name].to(dtype)
+            sliced = spec.param_slices.get(name)
+            if sliced is not None:
+                dim, axis = sliced
+                value = split_feature(value, dim, self.ctx.tp, self.ctx.tp_rank,
+                                      self.ctx.model, axis)
+            return value
+
+        extra: dict = {}
+        with torch.enable_grad() if keep_graph else torch.no_grad():
+            out = self.forward_table[spec.op](spec, leaves, p, step, microbatch, extra)
+        saved = Saved(leaves, param_leaves, out if keep_graph else None, extra)
+        # The loss's value for the report differs from the tensor to differentiate.
+        return extra.pop("report", out), saved
+
+    def _bias(self, spec: Spec, p) -> torch.Tensor | None:
+        """A row-parallel producer's bias, added once its partial sum has been reduced."""
+        return p(spec.bias) if spec.bias else None
+
+    def _embedding(self, spec: Spec, x, p, step, mb, extra):
+        ctx = self.ctx
+        ids, _ = ctx.microbatch(step, mb, spec.seq_sharded)
+        table = p(spec.params[0])
+        if spec.vocab_parallel:
+            rows = table.shape[0]
+            local = ids - ctx.tp_rank * rows
+            owned = (local >= 0) & (local < rows)
+            return table[local.clamp(0, rows - 1)] * owned.unsqueeze(-1)
+        return table[ids]
+
+    def _position(self, spec: Spec, x, p, step, mb, extra):
+        return x["x"] + p(spec.params[0])[self.ctx.positions(spec.seq_sharded)]
+
+    def _linear(self, spec: Spec, x, p, step, mb, extra):
+        """``x @ W`` (+ b); several weights (llama's q, k, v; gate, up) side by side in one
+        GEMM."""
+        weights = [name for name in spec.params if not name.endswith(".bias")]
+        own_bias = [name for name in spec.params if name.endswith(".bias") and
+                    name != spec.bias]
+        data = x["x"]
+        weight = p(weights[0]) if len(weights) == 1 else torch.cat(
+            [p(name) for name in weights], dim=1)
+        if not own_bias:
+            return data @ weight
+        # One fused kernel, as nn.Linear's addmm: the bias is the GEMM's beta term.
+        flat = torch.addmm(p(own_bias[0]), data.reshape(-1, data.shape[-1]), weight)
+        return flat.view(*data.shape[:-1], flat.shape[-1])
+
+    def _head(self, spec: Spec, x, p, step, mb, extra):
+        (table,) = spec.params
+        value = p(table)
+        # A tied head is the transposed embedding table (vocab x hidden).
+        return x["x"] @ (value.t() if table == "embedding.weight" else value)
+
+    def _residual(self, spec: Spec, x, p, step, mb, extra):
+        out = x["skip"] + x["x"]
+        bias = self._bias(spec, p)
+        return out if bias is None else out + bias
+
+    # --- the loss ----------------------------------------------------------------------
+
+    def _loss_max(self, spec: Spec, x, p, step, mb, extra):
+        return x["x"].detach().to(FP32).max(dim=-1).values
+
+    def _loss_sum_exp(self, spec: Spec, x, p, step, mb, extra):
+        # sum exp(logit - max) = exp(logsumexp - max): one fused pass over the logits
+        return (torch.logsumexp(x["x"].detach().to(FP32), dim=-1) - x["max"]).exp()
+
+    def _loss(self, spec: Spec, x, p, step, mb, extra):
+        """This rank's share of the step's mean cross-entropy: the sum over its tokens
+        divided by every token of the global batch; the value to report goes into
+        ``extra``."""
+        ctx = self.ctx
+        total = ctx.tokens_per_step
+        _, targets = ctx.microbatch(step, mb, spec.seq_sharded)
+        if spec.vocab_parallel:  # max and sum of exponentials already reduced over tp
+            logits = x["x"].detach().to(FP32)
+            vocab_local = logits.shape[-1]
+            local = targets - ctx.tp_rank * vocab_local
+            owned = (local >= 0) & (local < vocab_local)
+            lse = x["sum_exp"].log() + x["max"]
+            target_logit = logits.gather(-1, local.clamp(0, vocab_local - 1).unsqueeze(-1))
+            loss = ((lse - target_logit.squeeze(-1)) * owned).sum() / total
+            extra.update(logits=logits, max=x["max"], sum_exp=x["sum_exp"], local=local,
+                         owned=owned, report=loss.detach())
+            return loss
+        logits = x["x"].to(FP32)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               reduction="sum") / total
+        report = loss.detach()
+        if spec.replicated and ctx.tp > 1:
+            report = report / ctx.tp  # every tp rank holds the whole loss: report it once
+        extra["report"] = report
+        return loss
+
+    def _vocab_parallel_backward(self, saved: Saved) -> dict[str, torch.Tensor]:
+        """(softmax - one-hot) / tokens, in two passes over the local logits: the softmax
+        divided by the token count is exp(logit - lse - log tokens)."""
+        extra, total = saved.extra, self.ctx.tokens_per_step
+        shift = extra["sum_exp"].log() + extra["max"] + math.log(total)
+        grad = (extra["logits"] - shift.unsqueeze(-1)).exp_()
+        owned = extra["owned"].unsqueeze(-1).to(grad.dtype) / total
+        index = extra["local"].clamp(0, grad.shape[-1] - 1).unsqueeze(-1)
+        grad.scatter_add_(-1, index, -owned)
+        return {"x": grad.to(self.ctx.dtype)}
+
+    # --- backward ----------------------------------------------------------------------
+
+    def backward(self, spec: Spec, saved: Saved, grad: torch.Tensor | None,
+                 inputs: bool = True, params: bool = True
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Gradients of one compute node: (by input port, by parameter name). A split
+        backward asks for the inputs' first (keeping autograd's graph), then the
+        parameters'."""
+        if spec.op == Op.LOSS and spec.vocab_parallel:
+            return self._vocab_parallel_backward(saved), {}
+        wanted_inputs = [(port, t) for port, t in saved.inputs.items() if t.requires_grad] \
+            if inputs else []
+        wanted_params = list(saved.params.items()) if params else []
+        targets = [t for _, t in wanted_inputs] + [t for _, t in wanted_params]
+        if saved.output is None or not targets:
+            return {}, {}
+        if spec.op == Op.LOSS:
+            grad = torch.ones((), dtype=saved.output.dtype)
+        grads = torch.autograd.grad(saved.output, targets, grad.to(saved.output.dtype),
+                                    allow_unused=True, retain_graph=not params)
+        count = len(wanted_inputs)
+        ports = {port: torch.zeros_like(tensor) if g is None else g
+                 for (port, tensor), g in zip(wanted_inputs, grads[:count])}
+        if spec.op == Op.LOSS:
+            ports = {port: g.to(self.ctx.dtype) for port, g in ports.items()}
+        named = {name: g for (name, _), g in zip(wanted_params, grads[count:])
+                 if g is not None}
+        return ports, named

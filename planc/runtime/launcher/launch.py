@@ -1,0 +1,469 @@
+"""``planc run``: start every rank of a plan on this machine, watch them, stop them together.
+
+planc's own launcher, small on purpose (torchrun stays the way to launch on a cluster,
+see planc.runtime.worker):
+
+- **A private store, nothing beyond loopback.** The ranks meet in a torch FileStore in a
+  directory of the run's logs that only this user may enter (0700), removed when the run
+  ends; torch's launchers serve a TCPStore that anyone who reaches its port may use.
+  gloo's listeners are bound to the loopback interface (GLOO_SOCKET_IFNAME), so nothing
+  of the run listens on another one (docs/launching.md).
+- **Workers are forked from a fork server** that imported torch and planc once (Python's
+  ``forkserver`` start method with a preload): a world of eight starts without importing
+  torch eight times. CUDA runs use spawn, since CUDA cannot be forked.
+- **Workers die with the launcher.** Each asks the kernel for SIGKILL when its parent
+  dies (``PR_SET_PDEATHSIG``: its parent under spawn) and watches the launcher's process
+  (under the fork server, whose children keep it alive), against the start time the
+  launcher read of itself, so a launcher killed with SIGKILL, even before a rank
+  started, leaves no rank training; a rank whose fork server the launcher stopped before
+  the rank asked for its signal is the launcher's child by then (a child subreaper), and
+  dies with it. The fork server and multiprocessing's resource tracker write to
+  ``launcher.log`` in the run's log directory, never to the caller's terminal or pipe.
+- **One failure stops all.** When a rank exits with a non-zero status, every other rank
+  is killed at once and the first failure's traceback is shown. When a rank stops making
+  progress (it reports what its streams wait for after ``--timeout`` seconds, also while
+  it starts) or is stopped (SIGSTOP) for ``--timeout`` seconds, every other live rank
+  is given the time to report too, then all are stopped.
+- **Ctrl-C at any moment.** From the first line of ``planc run`` (planc.host.interrupts) a
+  signal is never lost: while torch is imported and while a rank's process is made it
+  is recorded and acted on right after; the wait for the fork server to answer, which
+  lasts until it has imported torch, is a helper thread's, so that a signal then stops
+  the launch, and the fork server, at once; ranks, and the fork server they come from,
+  start with SIGINT blocked (planc.host.interrupts.blocked_in_children), so a Ctrl-C sent to
+  the whole process group reaches only the launcher, which stops every rank.
+
+Every rank's standard output and error go to ``BUILD/logs/RUN_ID/RANK/`` and are copied
+to this console line by line, prefixed ``[rank R]``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+from planc.host.interrupts import Interrupts, blocked_in_children
+from planc.runtime.launcher.protocol import ERROR_FILE, EXIT_HANG, REPORT_FILE, TRAINING_FILE
+from planc.runtime.launcher.rendezvous import private_store, rank_environment, remove_store
+
+POLL_S = 0.05
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # prctl(2)
+
+
+def gpus() -> int:
+    """CUDA devices on this machine (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+# --- in the worker process ------------------------------------------------------------
+
+
+def rank_process(rank: int, env: dict[str, str], log_dir: str, argv: list[str],
+                 launcher: int, launcher_started: str | None) -> None:
+    """The body of one rank's process: die with the launcher, leave Ctrl-C to it, send
+    output to the rank's log files, run the worker and exit with its status. SIGINT is
+    already blocked here (inherited from the launcher: planc.host.interrupts.blocked_in_children),
+    so a Ctrl-C sent to the whole process group cannot reach a rank before it ignores it."""
+    _die_with_parent()
+    if _launcher_gone(launcher, launcher_started):  # before that signal could serve
+        os._exit(137)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_watch_launcher, args=(launcher, launcher_started),
+                     daemon=True).start()
+    os.environ.update(env)
+    os.makedirs(log_dir, exist_ok=True)
+    for fd, name in ((1, "stdout.log"), (2, "stderr.log")):
+        target = os.open(os.path.join(log_dir, name), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                         0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    from planc.runtime.worker import run_rank
+
+    status = run_rank(argv, log_dir)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _die_with_parent() -> None:
+    """SIGKILL when the parent dies (Linux); elsewhere the launcher watch below serves.
+    The parent is the one at the time it dies: a rank whose fork server was stopped
+    before it got here is the launcher's by then (_adopt_orphans)."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _prctl(option: int, value: int) -> None:
+    """Linux's prctl(2); nothing elsewhere."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _watch_launcher(launcher: int, started: str | None) -> None:
+    """Exit as soon as the launcher is gone. The parent-death signal cannot serve under
+    the fork server: every rank holds the server's keep-alive pipe (Python's forkserver
+    sends it to each child), so the server, a rank's parent, outlives a killed launcher.
+    ``started`` is the launcher's start time as the launcher itself read it, so a
+    launcher already gone when the rank starts (killed while the fork server was still
+    importing torch) is seen as gone at once; a zombie, or a pid that now names another
+    process (another start time), is gone too."""
+    while not _launcher_gone(launcher, started):
+        time.sleep(0.5)
+    os._exit(137)
+
+
+def _launcher_gone(launcher: int, started: str | None) -> bool:
+    if started is None:  # no /proc: only whether the pid exists
+        try:
+            os.kill(launcher, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+    return _start_time(launcher) != started
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time from /proc (Linux), '' once it is gone or a zombie, and
+    None where /proc does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            fields = handle.read().rsplit(b")", 1)[1].split()
+    except FileNotFoundError:
+        return "" if os.path.isdir("/proc/self") else None
+    except OSError:
+        return ""
+    return "" if fields[0] == b"Z" else fields[19].decode()
+
+
+# --- in the launcher --------------------------------------------------------------------
+
+
+@dataclass
+class _Rank:
+    rank: int
+    process: multiprocessing.process.BaseProcess
+    log_dir: str
+    offsets: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
+    partial: dict[str, bytes] = field(default_factory=lambda: {"stdout": b"", "stderr": b""})
+    stopped_since: float | None = None
+
+    def reported(self) -> bool:
+        """Whether the rank has reported what its streams wait for."""
+        return os.path.exists(os.path.join(self.log_dir, REPORT_FILE))
+
+    def training(self) -> bool:
+        """Whether the rank has started its first step."""
+        return os.path.exists(os.path.join(self.log_dir, TRAINING_FILE))
+
+    def state(self) -> str:
+        """The kernel's state letter of the process ('T' when stopped), or ''."""
+        try:
+            with open(f"/proc/{self.process.pid}/stat", "rb") as handle:
+                return handle.read().rsplit(b")", 1)[1].split()[0].decode()
+        except (OSError, IndexError):
+            return ""
+
+
+def launch(build_dir: str, world: int, worker_args: list[str], backend: str,
+           timeout: float = 120.0, interrupts: Interrupts | None = None) -> int:
+    """Run ``world`` ranks of the worker on ``build_dir``; 0 if every rank succeeded.
+    ``interrupts``: the command's signal handlers (planc.host.interrupts); a fresh set is
+    installed for the launch when none is given."""
+    with (nullcontext(interrupts) if interrupts else Interrupts()) as signals:
+        return _launch(build_dir, world, worker_args, backend, timeout, signals)
+
+
+def _launch(build_dir: str, world: int, worker_args: list[str], backend: str,
+            timeout: float, interrupts: Interrupts) -> int:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks share this machine's cores
+    # glibc returns freed blocks above a dynamic threshold to the system and maps them
+    # again on the next step: thousands of page faults per step with activations of a few
+    # MB each. Keeping freed memory (as PyTorch's CUDA caching allocator does on GPUs)
+    # removes them; a user's own setting wins.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 2**20))
+    os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 * 2**20))
+    run_id = f"planc-{uuid.uuid4().hex[:8]}"
+    logs = os.path.join(build_dir, "logs", run_id)
+    ranks: list[_Rank] = []
+    # From here on a signal only sets interrupts.received: starting a process is never
+    # cut in half (a rank started but not yet listed would never be stopped), and the
+    # watch loop below looks at it every POLL_S.
+    with interrupts.deferred(raise_at_end=False):
+        store = private_store(logs)
+        try:
+            _start_ranks(ranks, world, logs, build_dir, worker_args, backend, store,
+                         interrupts)
+            status = None if interrupts.received else _watch(ranks, timeout, interrupts)
+            if status is not None:
+                return status
+            _stop(ranks)
+            _copy_output(ranks)
+            started = any(e.process.pid is not None for e in ranks)
+            print(f"\nplanc: interrupted by signal {interrupts.received}; "
+                  f"{'every rank was stopped' if started else 'no rank had started'}",
+                  file=sys.stderr)
+            return 128 + interrupts.received
+        finally:
+            _stop(ranks)
+            remove_store(store)
+
+
+# A Unix socket's path holds at most 107 bytes (sun_path, Linux's unix(7)); Python's fork
+# server listens at TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, 32 bytes beyond TMPDIR.
+SOCKET_PATH_MAX, FORK_SERVER_SUFFIX = 107, 32
+
+
+def fork_server_problem(backend: str) -> str | None:
+    """Why the fork server that starts gloo ranks could not listen, before trying: a
+    temporary directory too long a path for its socket (else a traceback from deep
+    inside multiprocessing)."""
+    if backend == "nccl":
+        return None
+    directory = tempfile.gettempdir()
+    length = len(os.fsencode(directory))
+    if length + FORK_SERVER_SUFFIX <= SOCKET_PATH_MAX:
+        return None
+    return (f"the temporary directory {directory} is too long a path ({length} bytes) for "
+            f"the Unix socket through which the ranks are started (at most "
+            f"{SOCKET_PATH_MAX - FORK_SERVER_SUFFIX} bytes): set TMPDIR to a shorter "
+            f"directory; nothing was run")
+
+
+def _start_ranks(ranks: list[_Rank], world: int, logs: str, build_dir: str,
+                 worker_args: list[str], backend: str, store: str,
+                 interrupts: Interrupts) -> None:
+    """Start every rank, listing each before it starts; stop starting at a signal."""
+    method = "spawn" if backend == "nccl" else "forkserver"
+    context = multiprocessing.get_context(method)
+    me, started = os.getpid(), _start_time(os.getpid())
+    if method == "forkserver":
+        context.set_forkserver_preload(["planc.runtime.worker"])
+    _start_helpers(method, os.path.join(logs, "launcher.log"))
+    joining = rank_environment(store)
+    for rank in range(world):
+        if interrupts.received:
+            return
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(world), **joining}
+        log_dir = os.path.join(logs, str(rank))
+        process = context.Process(
+            target=rank_process, name=f"planc-rank-{rank}",
+            args=(rank, env, log_dir, [build_dir, "--backend", backend, *worker_args],
+                  me, started))
+        ranks.append(_Rank(rank, process, log_dir))
+        # The fork server answers once it has imported torch (its preload): the longest
+        # step of the start-up, tens of seconds on a busy machine, without end if that
+        # import hangs. A signal meanwhile stops it: a rank it made after the launcher
+        # had stopped the others would be no one's.
+        if not interrupts.wait_for(_start_rank, process, stop=_stop_fork_server):
+            return
+
+
+def _start_rank(process: multiprocessing.process.BaseProcess) -> None:
+    """Start a rank's process with SIGINT blocked in this thread (a helper's:
+    Interrupts.wait_for), for a child made here to inherit: the rank itself under spawn,
+    under forkserver a fork server started again (planc.host.interrupts.blocked_in_children)."""
+    with blocked_in_children(signal.SIGINT):
+        process.start()
+
+
+def _stop_fork_server() -> None:
+    """SIGKILL the fork server, which has not answered yet: the wait for it ends at once,
+    with the rank's process id if the server had made the rank (stopped then as any
+    other). multiprocessing keeps the server's process id in its ForkServer object and
+    has no public way to it (CPython's Lib/multiprocessing/forkserver.py); none under
+    spawn."""
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _start_helpers(method: str, log_path: str) -> None:
+    """Start multiprocessing's resource tracker and, for ``forkserver``, Python's fork
+    server, with their standard output and error in ``log_path``: they outlive a killed
+    launcher by the seconds the server takes to import torch, and must not hold the
+    caller's terminal or pipe meanwhile (a shell pipeline around planc would wait for
+    them). The tracker comes first and on its own: starting it unblocks SIGINT in this
+    thread (it blocks and then unblocks the signals it ignores), which must not undo the
+    block the fork server is started under."""
+    from multiprocessing import forkserver, resource_tracker
+
+    if method == "forkserver":
+        _adopt_orphans()
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    target = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+    try:
+        os.dup2(target, 1)
+        os.dup2(target, 2)
+        resource_tracker.ensure_running()
+        if method == "forkserver":
+            with blocked_in_children(signal.SIGINT):
+                forkserver.ensure_running()
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, target):
+            os.close(fd)
+
+
+def _adopt_orphans() -> None:
+    """Be the parent of what the fork server leaves when it dies (Linux's child subreaper,
+    prctl(2)), rather than init: a rank it made just as _stop_fork_server killed it, too
+    early to have asked for its parent-death signal, then asks for it with this launcher
+    as its parent, and dies with it."""
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _watch(ranks: list[_Rank], timeout: float, interrupts: Interrupts) -> int | None:
+    """Copy output and wait until every rank is done, or one fails: a crash stops the
+    world at once; a hang (a rank that reported what it waits for, or one stopped for
+    ``timeout`` seconds) stops it once every other live rank has reported too, or after
+    ``_reports_grace(timeout)``. None when a signal came first."""
+    failed: list[_Rank] = []
+    reports_due = None
+    while interrupts.received is None:
+        _copy_output(ranks)
+        now = time.monotonic()
+        for entry in ranks:
+            code = entry.process.exitcode
+            if code is not None and code != 0 and entry not in failed:
+                failed.append(entry)
+            if code is None and entry.state() in ("T", "t"):
+                entry.stopped_since = entry.stopped_since or now
+            elif code is None:
+                entry.stopped_since = None
+        crashed = [e for e in failed if e.process.exitcode != EXIT_HANG]
+        if crashed:
+            _stop(ranks)
+            _copy_output(ranks)
+            print(_failure_report(crashed), file=sys.stderr)
+            return 1
+        stopped = [e for e in ranks if e.stopped_since is not None
+                   and now - e.stopped_since >= timeout]
+        if reports_due is None and (failed or stopped or any(e.reported() for e in ranks)):
+            reports_due = now + _reports_grace(timeout)
+        if reports_due is not None:
+            silent = [e for e in ranks if e.process.exitcode is None
+                      and e.stopped_since is None and not e.reported()]
+            if silent and now < reports_due:
+                time.sleep(POLL_S)
+                continue
+            _stop(ranks)
+            _copy_output(ranks)
+            print(_hang_report(ranks, now, silent, timeout), file=sys.stderr)
+            return 1
+        if all(e.process.exitcode == 0 for e in ranks):
+            _copy_output(ranks)
+            return 0
+        time.sleep(POLL_S)
+    return None
+
+
+def _reports_grace(timeout: float) -> float:
+    """How long the other ranks may take to report once one has: each reports after
+    ``timeout`` seconds without progress, counted from its own last step forward, which
+    comes at most a step's work after the first's."""
+    return min(timeout, 30.0) + 5.0
+
+
+def _stop(ranks: list[_Rank]) -> None:
+    """SIGKILL every rank still running (a stopped one too) and reap it."""
+    started = [e for e in ranks if e.process.pid is not None]
+    for entry in started:
+        if entry.process.exitcode is None:
+            try:
+                os.kill(entry.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for entry in started:
+        entry.process.join(timeout=10)
+
+
+def _copy_output(ranks: list[_Rank]) -> None:
+    """New complete lines of every rank's output, to this console with ``[rank R]``."""
+    for entry in ranks:
+        for stream, console in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+            path = os.path.join(entry.log_dir, f"{stream}.log")
+            try:
+                with open(path, "rb") as handle:
+                    handle.seek(entry.offsets[stream])
+                    data = handle.read()
+            except OSError:
+                continue
+            if not data:
+                continue
+            entry.offsets[stream] += len(data)
+            data = entry.partial[stream] + data
+            *lines, entry.partial[stream] = data.split(b"\n")
+            if entry.process.exitcode is not None and entry.partial[stream]:
+                lines.append(entry.partial[stream])
+                entry.partial[stream] = b""
+            for line in lines:
+                console.write(f"[rank {entry.rank}] "
+                              f"{line.decode('utf-8', errors='replace')}\n")
+            console.flush()
+
+
+def _failure_report(failed: list[_Rank]) -> str:
+    """What failed, and the traceback of the first rank to fail."""
+    lines = []
+    for entry in sorted(failed, key=lambda e: e.rank):
+        code = entry.process.exitcode
+        what = f"killed by signal {-code}" if code is not None and code < 0 else \
+            f"exited with status {code}"
+        lines.append(f"planc: rank {entry.rank} {what}")
+    first = failed[0]
+    try:
+        with open(os.path.join(first.log_dir, ERROR_FILE), encoding="utf-8",
+                  errors="replace") as handle:
+            trace = handle.read().rstrip()
+    except OSError:
+        trace = ""
+    if trace:
+        lines.append(f"planc: traceback of rank {first.rank}, the first to fail:")
+        lines.append(trace)
+    return "\n".join(lines)
+
+
+def _hang_report(ranks: list[_Rank], now: float, silent: list[_Rank], timeout: float) -> str:
+    """Why a run that stopped making progress was stopped, rank by rank (what each rank
+    waits for is above, in its own output). A stopped rank is named whether or not it
+    has been stopped for the whole timeout: the others' reports may come first."""
+    lines = []
+    for entry in ranks:
+        if entry.stopped_since is not None:
+            lines.append(f"planc: rank {entry.rank} was stopped (by SIGSTOP or a debugger) "
+                         f"for {now - entry.stopped_since:.0f} s; the run was stopped")
+        elif entry in silent:
+            where = "" if entry.training() else \
+                " (it had not started training: it was still joining the process groups)"
+            lines.append(f"planc: rank {entry.rank} did not report what it waits for within "
+                         f"{_reports_grace(timeout):g} s{where}")
+        elif entry.reported() or entry.process.exitcode == EXIT_HANG:
+            lines.append(f"planc: rank {entry.rank} stopped after reporting what it waited "
+                         f"for (above)")
+    return "\n".join(lines)

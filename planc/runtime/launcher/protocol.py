@@ -1,0 +1,8 @@
+"""What a rank tells planc run's launcher, besides its output: files in the rank's log
+directory (``BUILD/logs/RUN_ID/RANK/``) and its exit status. Shared by the launcher
+(planc.runtime.launcher.launch, which imports torch only to count GPUs) and the worker."""
+
+EXIT_HANG = 3  # the rank reported what its streams wait for, then left
+ERROR_FILE = "error.txt"  # the traceback of a rank that failed
+REPORT_FILE = "hang.txt"  # what the rank's streams wait for, once it stopped progressing
+TRAINING_FILE = "training"  # the rank has started its first step

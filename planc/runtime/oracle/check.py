@@ -1,0 +1,243 @@
+"""``planc run --check``: compare a distributed run with the single-process reference.
+
+Every rank sends rank 0 its parameters (each bucket gathered from its ZeRO shards) with
+how each is split over tp (from its bucket); rank 0 trains the reference
+(planc.runtime.oracle.reference) and compares every loss and every copy of every parameter:
+each replica (dp x cp), each tp rank's copy of what is replicated over tp, and both
+stages' copies of a tied embedding.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+import torch.distributed as dist
+
+from planc.estimate.memory import total_parameters
+from planc.models import family_of
+from planc.plan.plan import Plan
+from planc.plan.plan_json import plan_from_dict
+from planc.runtime.engine.context import RankContext
+from planc.runtime.engine.data import DataChanged
+from planc.runtime.engine.exchange import (PeerDataError, either, gather_flat, gather_json, integer,
+                                    list_of, nothing, number, one_of, record, row, text)
+from planc.runtime.engine.interpreter import Interpreter
+from planc.runtime.engine.model import join_feature
+from planc.diagnostics import counted
+from planc.runtime.engine.collectives import all_gather_single
+
+
+def local_parameters(ctx: RankContext, interpreter: Interpreter) -> dict:
+    """name -> (tp-local tensor, tp split or None), ZeRO shards gathered per bucket, and
+    experts split over ep gathered whole from the ep group (every rank's copy of every
+    expert is then compared)."""
+    store, groups = interpreter.store, ctx.groups
+    out = {}
+    for bucket_id in sorted(store.buckets):
+        bucket = store.buckets[bucket_id]
+        if bucket["sharded"]:
+            flat = torch.empty(bucket["padded"], dtype=torch.float32, device=ctx.device)
+            group = groups.handles.get(bucket.get("over", "dp_cp"))
+            if group is None:
+                flat.copy_(store.shard[bucket_id])
+            else:
+                all_gather_single(flat, store.shard[bucket_id], group=group)
+        else:
+            flat = store.full[bucket_id]
+        for member in bucket["members"]:
+            value = store.view(flat, member["param"]).detach()
+            if member.get("ep_split"):
+                whole = value.new_empty((member["ep_split"] * value.shape[0],
+                                         *value.shape[1:]))
+                all_gather_single(whole, value.contiguous(), group=groups.handles["ep"])
+                value = whole
+            out[member["param"]] = (value.to("cpu", torch.float32).clone(),
+                                    member["tp_split"])
+    return out
+
+
+def _gather_parameters(ctx: RankContext, interpreter: Interpreter, plan: Plan,
+                       losses: list[float] | None,
+                       evaluations: dict[int, float] | None = None) -> tuple | None:
+    """On rank 0: the run's losses (from the rank that knows them), every rank's
+    parameters as {(name, dp, cp): {pp: {tp: tensor}}}, and each parameter's tp split;
+    None on the other ranks. Names, shapes, splits and losses travel as JSON, the values
+    as one flat fp32 tensor per rank (planc.runtime.engine.exchange: nothing is unpickled), and
+    a rank's coordinates are the rank table's, not what it says."""
+    params = local_parameters(ctx, interpreter)
+    about = {"losses": losses,
+             "evaluations": None if evaluations is None else sorted(
+                 [step, loss] for step, loss in evaluations.items()),
+             "params": [[name, list(value.shape), split]
+                                          for name, (value, split) in params.items()]}
+    flat = torch.cat([value.reshape(-1) for value, _ in params.values()]) if params \
+        else torch.zeros(0)
+    full = {p.name: p.shape for p in family_of(plan).all_parameters(plan.model)}
+    form = record(losses=either(nothing, list_of(number)),
+                  evaluations=either(nothing, list_of(row(integer, number))),
+                  params=list_of(row(one_of(full), list_of(integer),
+                                     either(nothing, row(text, integer)))))
+    described = gather_json(about, 0, form, "the names and shapes of its parameters")
+    # a rank holds at most every parameter once, and a tied embedding's second copy
+    values = gather_flat(flat, 0, "its parameters", 2 * total_parameters(plan))
+    if described is None:
+        return None
+    leader = ctx.leader
+    if described[leader]["losses"] is None:
+        raise PeerDataError(f"rank {leader}, the first rank of the stage with the loss, sent "
+                            f"no losses; the run was stopped")
+    copies: dict[tuple[str, int, int], dict[int, dict[int, torch.Tensor]]] = {}
+    splits: dict[str, list | None] = {}
+    for rank, (about, flat) in enumerate(zip(described, values)):
+        c = ctx.ranks.coords(rank)
+        fits = all(len(shape) == len(full[name]) and all(0 <= n <= whole for n, whole in
+                                                         zip(shape, full[name]))
+                   for name, shape, _ in about["params"])
+        sizes = [math.prod(shape) for _, shape, _ in about["params"]]
+        if not fits or sum(sizes) != flat.numel():
+            raise PeerDataError(f"rank {rank} sent parameters whose shapes do not fit the "
+                                f"model or its {flat.numel()} values; the run was stopped")
+        offset = 0
+        for (name, shape, split), size in zip(about["params"], sizes):
+            copies.setdefault((name, c["dp"], c["cp"]), {}).setdefault(c["pp"], {})[c["tp"]] \
+                = flat[offset:offset + size].view(shape)
+            splits[name] = split
+            offset += size
+    evaluated = {step: loss for step, loss in described[leader]["evaluations"] or ()}
+    return described[leader]["losses"], copies, splits, evaluated
+
+
+def compare(ctx: RankContext, interpreter: Interpreter, plan_data: dict,
+            losses: list[float] | None, steps: int, first: int = 0,
+            evaluations: dict[int, float] | None = None) -> int:
+    """Gather every parameter to rank 0 and compare with the single-process run of the
+    plan (``plan_data``: the build's plan.json, which the build's reader checked against
+    its fingerprint). A run resumed from a checkpoint ran steps ``first`` to ``steps`` - 1:
+    its losses are compared with those steps of the single process, which trains from
+    step 0."""
+    plan = plan_from_dict(plan_data)  # the oracle, and only it, builds from the plan
+    gathered = _gather_parameters(ctx, interpreter, plan, losses, evaluations)
+    if gathered is None:  # not rank 0
+        return 0
+    from planc.runtime.oracle.reference import train as reference_train
+
+    try:
+        expected_evaluations: dict[int, float] = {}
+        expected_losses, expected = reference_train(plan, steps, ctx.data_identity,
+                                                    expected_evaluations)
+    except DataChanged as exc:  # the run trained on the file as it was; this would not
+        print(f"planc: error: --check: data file {exc.path} changed after the run read it "
+              f"({exc.detail} when the single-process run read step {exc.step}); the run "
+              f"was not compared", file=sys.stderr, flush=True)
+        return 1
+    run_losses, copies, splits, evaluations = gathered
+    replicas = [(d, c) for d in range(plan.mesh.dp) for c in range(plan.mesh.cp)]
+    report, failed = [], False
+    tolerance = 1e-5 if plan.model.dtype == "fp32" else 2e-2
+    floor = update_floor(plan, steps)
+    for step, (got, want) in enumerate(zip(run_losses, expected_losses[first:]), first):
+        error = abs(got - want) / max(abs(want), 1e-12)
+        bad = error > tolerance
+        failed |= bad
+        report.append(f"  step {step}: loss {got:.8f}, single process {want:.8f}, relative "
+                      f"error {error:.2e}{'  MISMATCH' if bad else ''}")
+    for step, want in sorted(expected_evaluations.items()):
+        if step < first:
+            continue
+        got = (evaluations or {}).get(step)
+        error = abs(got - want) / max(abs(want), 1e-12) if got is not None else float("inf")
+        bad = error > tolerance
+        failed |= bad
+        report.append(f"  evaluation after step {step}: loss "
+                      + (f"{got:.8f}" if got is not None else "missing")
+                      + f", single process {want:.8f}, relative error {error:.2e}"
+                      + ("  MISMATCH" if bad else ""))
+    compare_parameters = floor is not None
+    worst = (0.0, 0.0, "")  # (share of the allowed difference, difference, parameter)
+    if compare_parameters:
+        worst, mismatches = _compare_parameters(ctx.model, expected, copies, splits, replicas,
+                                                tolerance, floor)
+        report += mismatches
+        failed |= bool(mismatches)
+    what = (f"{len(expected)} parameters" + (f" on each of {len(replicas)} replicas"
+                                             if len(replicas) > 1 else "")
+            if compare_parameters else "no parameters (bf16/fp16 with AdamW, see below)")
+    resumed = f" (from step {first}, resumed)" if first else ""
+    evaluated = sum(1 for step in expected_evaluations if step >= first)
+    what += f" and {counted(evaluated, 'evaluation')}" if evaluated else ""
+    header = (f"check: {counted(len(expected_losses) - first, 'step')}{resumed} and {what} "
+              f"against the single-process run (relative tolerance {tolerance:g}"
+              + (f", AdamW slack {floor:.1e}" if floor else "") + "): ")
+    if failed:
+        print(header + "FAILED", file=sys.stderr)
+        print("\n".join(report), file=sys.stderr, flush=True)
+        return 1
+    if not compare_parameters:
+        print(header + "every loss matches. AdamW turns bf16/fp16 rounding differences into "
+              "parameter differences of up to lr per step, as large as an error, so only the "
+              "losses are compared; check parameters in fp32.", file=sys.stderr, flush=True)
+        return 0
+    print(header + f"every loss and parameter matches (closest: {worst[2]}, difference "
+          f"{worst[1]:.1e}, {100 * worst[0]:.0f}% of what is allowed)", file=sys.stderr,
+          flush=True)
+    return 0
+
+
+def _compare_parameters(model, expected: dict, copies: dict, splits: dict, replicas: list,
+                        tolerance: float, floor: float) -> tuple[tuple, list[str]]:
+    """Each run copy of each expected parameter against it: the closest call as (share of
+    the allowed difference, difference, name), and a report line per mismatch."""
+    worst, mismatches = (0.0, 0.0, ""), []
+    for (name, want), (dp, cp) in ((item, r) for item in expected.items() for r in replicas):
+        by_stage = copies.get((name, dp, cp), {})
+        where = f" (replica dp {dp}, cp {cp})" if len(replicas) > 1 else ""
+        if not by_stage:
+            mismatches.append(f"  {name}{where}: no rank holds it  MISMATCH")
+            continue
+        split = splits.get(name)
+        scale = float(want.abs().max())
+        allowed = tolerance * scale + floor
+        for stage, by_tp in sorted(by_stage.items()):
+            ordered = [by_tp[k] for k in sorted(by_tp)]
+            try:
+                if split is not None and len(ordered) > 1:
+                    dim, axis = split
+                    candidates = [join_feature(ordered, dim, model, axis)]
+                else:
+                    candidates = ordered  # every tp rank's whole copy
+            except (RuntimeError, IndexError):  # pieces a rank sent that do not join
+                candidates = []
+            if any(got.shape != want.shape for got in candidates) or not candidates:
+                copy = f" (stage {stage})" if len(by_stage) > 1 else ""
+                mismatches.append(f"  {name}{where}{copy}: the run's copy does not have "
+                                  f"the shape {list(want.shape)}  MISMATCH")
+                continue
+            for got in candidates:
+                difference = float((got - want).abs().max())
+                if difference / allowed > worst[0]:
+                    worst = (difference / allowed, difference, name)
+                if difference > allowed:
+                    copy = f" (stage {stage})" if len(by_stage) > 1 else ""
+                    mismatches.append(f"  {name}{where}{copy}: largest difference "
+                                      f"{difference:.2e}, relative "
+                                      f"{difference / max(scale, 1e-12):.2e}  MISMATCH")
+                    break
+    return worst, mismatches
+
+
+def update_floor(plan, steps: int) -> float | None:
+    """Absolute slack for parameters under AdamW: 10% of the largest update AdamW can make
+    (lr per step). AdamW divides each gradient by its running magnitude, so where a
+    gradient is as small as eps (or is rounding noise along a null direction, such as the
+    key bias, whose true gradient is zero) it turns a rounding difference d into an update
+    difference of lr * d / eps: in fp32, up to about 1% of lr per step between two correct
+    computations that round differently. A real error moves parameters by the order of
+    lr, ten times the slack and more."""
+    optimizer = plan.train.optimizer
+    if optimizer.name != "adamw":
+        return 0.0
+    if plan.model.dtype != "fp32":
+        return None  # half precision: no slack below an error exists (see compare)
+    return 0.1 * optimizer.lr * steps

@@ -1,0 +1,2 @@
+"""The verifier: proves, without running anything, that a build's rank programs cannot
+deadlock or mix up data."""

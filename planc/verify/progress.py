@@ -1,0 +1,161 @@
+"""The verifier's proof that a step reaches its end when collectives span stages.
+
+:mod:`planc.verify.pipeline` simulates the stages block by block, with receives
+as the only thing a block waits for. That is exact while every collective lies inside
+one stage: all members of such a group run the same program, so they reach each
+collective together. A collective whose group spans stages (the tied embedding's
+gradient all-reduce between the first and the last stage, Megatron-LM's embedding
+group; anything over ``pp``) couples the stages through the streams: it holds its
+stream, and everything queued behind it, until every member stage issues it. Issued
+inside the last stage's backward it once held the dp stream, and the ZeRO-3 gathers
+behind it, until the first stage's last backward, which those gathers fed (a deadlock
+found by running pp 2 x dp 2 with tied embeddings under ZeRO 3).
+
+So here the whole step is executed as the runtime executes it, one actor per stage
+(standing for its ranks, which are symmetric): each program stream is a FIFO queue,
+in the program's issue order (:meth:`Program.expand`), and its head completes when
+
+- compute, a record, or a collective inside the stage: at once;
+- a wait: once its event was recorded on the stage;
+- a sync: once every other stream finished what was issued before it;
+- a send: together with its receive, at the head of the peer's receive stream
+  (rendezvous, as NCCL's point-to-point);
+- a collective over stages: together with the same collective, microbatch for
+  microbatch, at the head of a stream of every member stage.
+
+The step ends exactly when every queue drains; otherwise the heads that wait are the
+deadlock, reported with what each waits for. Linear in the expanded programs times the
+number of sweeps, so it runs only where some collective spans stages.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from planc.graph.ir import Axis
+from planc.program.program import COLLECTIVES, Expanded
+
+
+MAX_SHOWN = 5  # heads named in the report
+
+
+class ProgressChecks:
+    """Mixed into the verifier: needs ``self.plan``, ``self.graph``, ``self.programs``,
+    ``self.table``, ``self.layout``, ``self.report``, ``uniform`` and ``_receive_of``."""
+
+    def _stages_of(self, axis: str) -> tuple[int, ...]:
+        if axis == Axis.TIED.value:
+            return tuple(sorted({0, self.plan.head_stage}))
+        rank = self.layout.first_rank_of_stage(0)
+        return tuple(sorted({self.table.stage_of(r) for r in self.layout.group(rank, axis)}))
+
+    def _spans_stages(self, node: str | None) -> str | None:
+        """The axis of a collective whose group spans stages, else None."""
+        data = self.graph.nodes[node] if node in self.graph else {}
+        axis = data.get("axis")
+        if axis is None or Axis(axis).within_stage:
+            return None
+        return str(axis)
+
+    def progress(self) -> None:
+        if self.plan.mesh.pp == 1 or not self.uniform:
+            return  # one stage, or programs per rank: verify_pipeline's proof stands
+        stage_program = {stage: name for name, stage in self.table.stages.items()}
+        spanning = any(i.op in COLLECTIVES and self._spans_stages(i.node)
+                       for program in self.programs.values() for i in program.written())
+        if not spanning:
+            return
+        stages = {s: _Stage(s, self.programs[stage_program[s]].expand())
+                  for s in sorted(stage_program)}
+        receiver = {(i.node, i.microbatch): s for s, stage in stages.items()
+                    for queue in stage.queues.values() for i in queue if i.op == "recv"}
+        moved = True
+        while moved:
+            moved = False
+            for stage in stages.values():
+                for stream in list(stage.queues):
+                    while stage.queues[stream] and self._advance(stage, stream, stages,
+                                                                 receiver):
+                        moved = True
+        # the transfers that wait first (the cause), then the waits behind them
+        stuck = sorted(((s, queue[0]) for s, stage in stages.items()
+                        for queue in stage.queues.values() if queue),
+                       key=lambda item: (item[1].op in ("wait", "sync"), item[0],
+                                         item[1].index))
+        if stuck:
+            detail = "; ".join(f"stage {s} {head.text()} ({head.where}) waits for "
+                               f"{self._awaited(stages[s], head)}"
+                               for s, head in stuck[:MAX_SHOWN])
+            self.report.add(f"the programs deadlock (run stream by stream, the step cannot "
+                            f"finish): {detail}")
+
+    def _advance(self, stage: "_Stage", stream: str, stages: dict, receiver: dict) -> bool:
+        """Complete the head of ``stage``'s ``stream`` if it can; whether it did."""
+        head = stage.queues[stream][0]
+        if head.op == "wait":
+            if head.event not in stage.recorded:
+                return False
+        elif head.op == "sync":
+            if any(q and q[0].index < head.index for name, q in stage.queues.items()
+                   if name != stream):
+                return False
+        elif head.op == "send":
+            peer = stages.get(receiver.get((self._receive_of(head.node), head.microbatch)))
+            match = peer and peer.head_of(lambda i: i.op == "recv" and i.microbatch ==
+                                          head.microbatch and
+                                          i.node == self._receive_of(head.node))
+            if not match:
+                return False
+            peer.pop(match)
+        elif head.op == "recv":
+            return False  # completes with its send
+        elif head.op in COLLECTIVES and (axis := self._spans_stages(head.node)):
+            key = self._collective_key(head)
+            members = [stages[s] for s in self._stages_of(axis) if s != stage.number]
+            matches = [m.head_of(lambda i: i.op in COLLECTIVES and
+                                 self._collective_key(i) == key) for m in members]
+            if not all(matches):
+                return False
+            for member, match in zip(members, matches):
+                member.pop(match)
+        stage.pop(stream)
+        return True
+
+    def _collective_key(self, item: Expanded) -> tuple:
+        name = self.graph.nodes[item.node].get("collective", item.node) \
+            if item.node in self.graph else item.node
+        return item.op, name, item.microbatch
+
+    def _awaited(self, stage: "_Stage", head: Expanded) -> str:
+        if head.op == "wait":
+            return f"event {head.event}"
+        if head.op == "sync":
+            return "the stage's other streams"
+        if head.op == "send":
+            return "the peer stage to receive it"
+        if head.op == "recv":
+            return "the peer stage to send it"
+        axis = self._spans_stages(head.node)
+        others = [s for s in self._stages_of(axis) if s != stage.number]
+        return f"stage{'s' * (len(others) > 1)} {', '.join(map(str, others))} to join " \
+               f"this {axis} {head.op}"
+
+
+class _Stage:
+    """One stage's streams as FIFO queues of its expanded program."""
+
+    def __init__(self, number: int, expanded) -> None:
+        self.number = number
+        self.queues: dict[str, deque[Expanded]] = {}
+        for item in expanded:
+            self.queues.setdefault(item.stream, deque()).append(item)
+        self.recorded: set[str] = set()
+
+    def head_of(self, wanted) -> str | None:
+        """The stream whose head is ``wanted``, if any."""
+        return next((s for s, q in self.queues.items() if q and wanted(q[0])), None)
+
+    def pop(self, stream: str) -> None:
+        item = self.queues[stream].popleft()
+        if item.op == "record":
+            self.recorded.add(item.event)

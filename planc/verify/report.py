@@ -1,0 +1,49 @@
+"""What the verifier reports: problems, and the words it names ranks and instructions by."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from planc.program.program import Instruction
+
+MAX_PROBLEMS = 20
+
+
+@dataclass
+class Report:
+    problems: list[str] = field(default_factory=list)
+
+    def add(self, message: str) -> None:
+        if len(self.problems) < MAX_PROBLEMS and message not in self.problems:
+            self.problems.append(message)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def ranks_text(ranks) -> str:
+    ranks = sorted(ranks)
+    shown = ", ".join(map(str, ranks[:6])) + (f", ... {ranks[-1]}" if len(ranks) > 6 else "")
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown}"
+
+
+def describe(instruction: Instruction, microbatch: int | None = None) -> str:
+    what = instruction.event if instruction.op in ("record", "wait") else instruction.node
+    mb = f" (microbatch {microbatch})" if microbatch is not None and \
+        instruction.per_microbatch else ""
+    return f"{instruction.op} {what}{mb} on stream {instruction.stream}"
+
+
+class Lazy:
+    """Text computed the first time a report needs it."""
+
+    def __init__(self, make):
+        self.make, self.value = make, None
+
+    def __str__(self) -> str:
+        if self.value is None:
+            self.value = self.make()
+        return self.value
+
+    __format__ = lambda self, spec: format(str(self), spec)  # noqa: E731

@@ -1,0 +1,1 @@
+"""Drawing the communication graph: DOT, SVG, and the interactive HTML page."""
