@@ -177,7 +177,7 @@ def run_world(ranks: int, rate: str, repeats: int) -> dict:
 
 def predict(document: dict, ranks: int) -> dict[int, dict]:
     from planc.estimate.cost import CostModel, Placement
-    from planc.lang.presets import calibrated_preset
+    from planc.plan.presets import calibrated_preset
 
     per_node = ranks // 2
     cost = CostModel(calibrated_preset(document, "calibrated").topology(2))

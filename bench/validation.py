@@ -117,7 +117,7 @@ TABLE_SOURCES = {
 }
 
 # --- the constants derived from a table's runs ----------------------------------------
-# From the docstrings of planc/estimate/kernel_cost.py and planc/lang/presets.py: what each
+# From the docstrings of planc/estimate/kernel_cost.py and planc/plan/presets.py: what each
 # constant of the simulated step was derived from. A table absent here fed no constant,
 # so its leave-one-table-out prediction is the shipped one.
 

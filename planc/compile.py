@@ -15,10 +15,9 @@ from planc.build.directory import Build
 from planc.host.collector import without_collector
 from planc.graph.derive import derive
 from planc.graph.summary import summarize
-from planc.program.groups import plan_group_table
+from planc.lower.tables import plan_group_table, route_table, split_refs
 from planc.lower.lower import lower
 from planc.lower.tabulate_model import model_table
-from planc.program.routes import route_table, split_refs
 from planc.verify.verifier import verify, verify_evaluation
 from planc.plan.plan import Plan
 

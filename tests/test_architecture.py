@@ -28,7 +28,7 @@ RUNTIME_MAY_READ_THE_PLAN = {"planc.runtime.oracle.reference", "planc.runtime.or
                              "planc.runtime.calibrate"}
 COMPILER_INPUTS = ("networkx", "planc.plan.plan", "planc.models", "planc.plan.layout",
                    "planc.graph.derive", "planc.graph.axes", "planc.graph.tensor_parallel",
-                   "planc.graph.parameters", "planc.graph.model")
+                   "planc.graph.parameters", "planc.estimate.model")
 
 
 def modules() -> dict[str, Path]:
@@ -148,3 +148,73 @@ def test_a_rank_loads_none_of_the_compilers_inputs(tmp_path):
             "planc.graph.ir", "planc.lower.lower", "planc.verify.verifier"))]
     assert forbidden == [], forbidden
     assert "planc.program.program" in loaded and "planc.build.files" in loaded
+
+
+# The layers of planc, lowest first (docs/architecture.md, "Layers"): a module imports
+# only from its own layer or one below it. A package stands for every module under it;
+# a name in one layer's tuple may not import another of the same tuple unless it is
+# the same package.
+LAYERS = (
+    ("planc", "planc.diagnostics", "planc.host"),
+    ("planc.vocabulary",),
+    ("planc.models", "planc.schedules"),
+    ("planc.plan",),
+    ("planc.program",),
+    ("planc.estimate", "planc.data", "planc.checkpoint"),
+    ("planc.hf",),
+    ("planc.lang",),
+    ("planc.graph",),
+    ("planc.passes",),
+    ("planc.lower",),
+    ("planc.verify",),
+    ("planc.build",),
+    ("planc.compile",),
+    ("planc.runtime", "planc.simulate"),
+    ("planc.tune", "planc.export"),
+    ("planc.views",),
+    ("planc.commands",),
+    ("planc.cli",),
+    ("planc.__main__",),
+)
+MAX_ROOT_MODULES = 6
+MAX_MODULES_PER_FOLDER = 20
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """The layer of ``module`` and the package that places it there (the longest match)."""
+    best = None
+    for index, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".") and name != "planc") and (
+                    best is None or len(name) > len(best[1])):
+                best = (index, name)
+    if best is None and module.count(".") == 0:
+        best = (0, "planc")
+    assert best is not None, f"{module} is in no layer of LAYERS"
+    return best
+
+
+def test_every_module_has_a_layer():
+    assert all(layer_of(name) for name in modules())
+
+
+def test_no_import_runs_up_the_layers():
+    graph = import_graph()
+    upward = []
+    for name in modules():
+        here, home = layer_of(name)
+        for target in graph.successors(name):
+            if not target.startswith("planc"):
+                continue
+            there, other = layer_of(target)
+            if there > here or there == here and other != home:
+                upward.append(f"{name} -> {target}")
+    assert upward == []
+
+
+def test_the_root_holds_only_the_entry_points_and_no_folder_is_crowded():
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, root
+    crowded = {str(d.relative_to(ROOT)): n for d in [PACKAGE, *PACKAGE.rglob("*")]
+               if d.is_dir() and (n := len(list(d.glob("*.py")))) > MAX_MODULES_PER_FOLDER}
+    assert crowded == {}

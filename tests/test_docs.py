@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from planc.lang import load_text
-from planc.lang.presets import PRESETS
+from planc.plan.presets import PRESETS
 from planc.lang.schema import OPTIMIZER_ARGUMENTS, PLAN_SCHEMA, BlockSchema, Choice
 from planc.vocabulary.units import UNITS
 from tests.conftest import ROOT

@@ -14,7 +14,7 @@ import json
 import pytest
 
 from planc.estimate import memory
-from planc.graph.model import Shapes, forward_flops
+from planc.estimate.model import Shapes, forward_flops
 from planc.lang import load_text
 from planc.models import family_of
 from planc.plan.plan_json import plan_from_dict

@@ -118,7 +118,8 @@ def test_ep_needs_a_model_with_experts():
 def test_ep_groups_are_runs_of_a_stages_ranks_fastest_axis_first():
     """Megatron-Core's MoE Parallel Folding: ep drawn from tp x cp x dp of one stage, in
     the mesh's order; the world does not change."""
-    from planc.program.groups import EXPERTS, plan_group_table
+    from planc.program.groups import EXPERTS
+    from planc.lower.tables import plan_group_table
 
     plan = load_text(plan_text(mesh="tp = 2; pp = 2; dp = 2; ep = 4", m=2, batch=8)).plan
     table = plan_group_table(plan)
@@ -138,7 +139,8 @@ def test_experts_are_split_over_ep_and_reduced_over_their_replicas():
     the same experts, the edp group [0, 2] / [1, 3]; the router and the attention stay
     in the dp x cp buckets, their tp partial sums summed first."""
     from planc.compile import compile_plan
-    from planc.program.groups import EXPERTS, plan_group_table
+    from planc.program.groups import EXPERTS
+    from planc.lower.tables import plan_group_table
     from planc.graph.ir import Axis
 
     plan = load_text(plan_text(mesh="tp = 2; dp = 2; ep = 2", m=2, batch=8,

@@ -568,7 +568,7 @@ def test_writing_out_every_default_changes_nothing():
 
 
 @pytest.mark.parametrize("preset, dtype, figures", [
-    # the GPUs' links at what NCCL achieves on them (planc.lang.presets): 94 % of the NIC
+    # the GPUs' links at what NCCL achieves on them (planc.plan.presets): 94 % of the NIC
     ("dgx-a100", "bf16", (8, 312e12, 80e9, 0.8, 2.039e12, 230e9, 3.4e-6, 23.5e9, 9.6e-6)),
     ("dgx-a100", "fp32", (8, 156e12, 80e9, 0.8, 2.039e12, 230e9, 3.4e-6, 23.5e9, 9.6e-6)),
     ("dgx-h100", "fp16", (8, 989e12, 80e9, 0.79, 3.35e12, 370e9, 3.4e-6, 47e9, 9.6e-6)),

@@ -15,7 +15,7 @@ import pytest
 
 from planc.compile import compile_plan
 from planc.graph import ir
-from planc.graph.model import all_parameters
+from planc.estimate.model import all_parameters
 from planc.lang import load_file, load_text
 from planc.program.program import Program
 from planc.verify.verifier import verify

@@ -397,7 +397,7 @@ def test_calibrate_refuses_a_bad_command_line(tmp_path, run_planc):
 @pytest.mark.slow
 def test_calibrate_writes_a_topology_that_a_plan_can_use(tmp_path, run_planc):
     pytest.importorskip("torch")
-    from planc.lang.presets import calibrated_preset
+    from planc.plan.presets import calibrated_preset
 
     output = tmp_path / "machine.json"
     done = run_planc("calibrate", "-o", output, "--ranks", "2", "--repeats", "1",

@@ -29,7 +29,7 @@ from tests.conftest import PLANS
 # Regression guards, not evidence of accuracy (that is bench/validation.py's, table by
 # table): the errors reached, rounded up. With the kernel model of planc.estimate.kernel_cost on
 # A100s (GEMMs by shape, Megatron-LM's unfused attention of 2022) and NCCL's achieved
-# bandwidths (planc.lang.presets): median 3.1 %, max 11.3 % (the 22B model's second
+# bandwidths (planc.plan.presets): median 3.1 %, max 11.3 % (the 22B model's second
 # column), of both signs. With the links' line rates they were 7.0 % and 16.7 %, every
 # row too fast.
 MEDIAN_ERROR, MAX_ERROR = 0.035, 0.12

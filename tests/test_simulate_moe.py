@@ -283,7 +283,7 @@ def test_megatron_counts_mixtral_as_planc_does_but_for_the_router():
 
 def test_an_all_to_all_is_priced_on_where_its_ranks_sit():
     """dgx-h100 at what NCCL achieves: NVLink 370 GB/s and 3.4 us a step, one 47 GB/s
-    NIC per GPU and 9.6 us (planc.lang.presets). Each rank sends B = 64 MB in all, B / n
+    NIC per GPU and 9.6 us (planc.plan.presets). Each rank sends B = 64 MB in all, B / n
     to each member. 8 ranks of one node: 7/8 B over NVLink. 32 ranks on 4 nodes of 8:
     7/32 B over NVLink and, at once, 24/32 B over its NIC. 16 ranks, one per node: 15/16 B
     over the NIC."""

@@ -137,7 +137,7 @@ def test_the_a100_efficiency_is_derived_not_fitted_to_korthikanti():
     """The A100 preset's one efficiency (compile's estimates, the tensor-parallel chooser,
     tune's bound) is the kernel model's large-GEMM rate, not a figure chosen against
     Korthikanti Table 5: no constant of the model comes from that table."""
-    from planc.lang.presets import PRESETS
+    from planc.plan.presets import PRESETS
 
     assert PRESETS["dgx-a100"].efficiency == GPUS["dgx-a100"].large
     assert PRESETS["dgx-h100"].efficiency == GPUS["dgx-h100"].large

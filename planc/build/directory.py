@@ -45,9 +45,10 @@ from planc.build.files import read_json as _read_json
 from planc.host.collector import without_collector
 from planc.host.files import umask
 from planc.graph import ir
-from planc.program.groups import GroupTable, plan_group_table
+from planc.program.groups import GroupTable
+from planc.lower.tables import plan_group_table, split_refs
 from planc.program.model_table import ModelTable
-from planc.program.routes import RouteTable, split_refs
+from planc.program.routes import RouteTable
 from planc.program.program import Program, RankTable, dumps
 from planc.lower.tabulate_model import model_table
 from planc.models import step_model_flops

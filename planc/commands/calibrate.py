@@ -23,7 +23,7 @@ def _rank(env: dict[str, str], argv: list[str]) -> None:
 
 
 def main(args) -> int:
-    from planc.lang.presets import calibrated_preset
+    from planc.plan.presets import calibrated_preset
     from planc.vocabulary.units import TIME, format_quantity
 
     if not 2 <= args.ranks <= MAX_LOCAL_RANKS:

@@ -19,7 +19,7 @@ NEUTRAL = ("mesh.tp=1", "mesh.cp=1", "mesh.pp=1", "mesh.dp=1", "mesh.ep=1",
 def devices_per_node(plan, source: str, gpus: int) -> int:
     """How many of the ``gpus`` devices a node holds: the file's devices_per_node, or its
     preset's; a file that names neither is one node of them all."""
-    from planc.lang.presets import PRESETS
+    from planc.plan.presets import PRESETS
     from planc.tune.plan_text import written_value
 
     written = written_value(source, "topology.devices_per_node")

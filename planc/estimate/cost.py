@@ -42,7 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import floor, log2
 
-from planc.graph.ir import Kind
+from planc.program.names import Kind
 from planc.plan.mesh import Placement, counts_of  # noqa: F401 (API: the cost model's vocabulary)
 from planc.program.names import Route  # noqa: F401 (API)
 from planc.plan.plan import Link, Topology

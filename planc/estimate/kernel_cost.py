@@ -91,8 +91,8 @@ from dataclasses import dataclass
 from math import ceil
 from types import SimpleNamespace
 
-from planc.graph.model import Shapes
-from planc.lang.presets import PRESETS
+from planc.estimate.model import Shapes
+from planc.plan.presets import PRESETS
 from planc.program.operands import Operands
 from planc.models import family_of, moe
 from planc.plan.plan import Plan

@@ -47,7 +47,7 @@ from planc.graph.ir import (
 )
 from planc.graph.layouts import Layout, S, gradient_layout
 from planc.graph.mixture import in_kernel_collectives
-from planc.graph.model import Shapes, all_parameters, forward_flops
+from planc.estimate.model import Shapes, all_parameters, forward_flops
 from planc.models import family_of
 from planc.models.family import INPUT
 from planc.graph.schedules import schedule_text

@@ -16,7 +16,7 @@ Both run inside the operator's instruction, on its stream, over groups of their 
 
 from __future__ import annotations
 
-from planc.graph.model import Shapes
+from planc.estimate.model import Shapes
 from planc.graph.tensor_parallel import FP32_BYTES, OpLayout
 from planc.models.family import OpRule
 from planc.plan.plan import Plan

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from planc.estimate.cost import CostModel
 from planc.graph.layouts import (R, IllegalRedistribution, Layout, P, S, gradient_layout,
                                  redistribute)
-from planc.graph.model import Shapes, forward_flops
+from planc.estimate.model import Shapes, forward_flops
 from planc.plan.layout import Layout as RankLayout
 from planc.models import family_of
 from planc.models.family import OpRule

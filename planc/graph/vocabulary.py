@@ -14,6 +14,9 @@ from math import ceil
 from typing import TYPE_CHECKING, Iterable
 
 from planc.plan.mesh import GROUPS, INTER, INTRA, WHOLE
+# Transfer kinds and the groups transfers name are the programs' words too: defined beside
+# the programs' streams and routes, and part of the graph's vocabulary.
+from planc.program.names import Axis, GraphGroup, Kind  # noqa: F401
 
 if TYPE_CHECKING:  # the schema itself is light: the command line reads its enums
     import networkx as nx
@@ -59,22 +62,6 @@ class Op(StrEnum):
     GRAD_CLIP = "grad_clip"
 
 
-class Kind(StrEnum):
-    """Transfer kinds: the collectives of semantics section 3, and point to point."""
-
-    ALL_REDUCE = "all_reduce"
-    ALL_GATHER = "all_gather"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_TO_ALL = "all_to_all"
-    BROADCAST = "broadcast"
-    SEND = "send"
-    RECV = "recv"
-
-    @property
-    def is_collective(self) -> bool:
-        return self not in (Kind.SEND, Kind.RECV)
-
-
 class Payload(StrEnum):
     """What a transfer carries; with the kind, it says how the runtime executes it."""
 
@@ -87,29 +74,6 @@ class Payload(StrEnum):
     GRAD = "grad"  # parameter gradients: one bucket, or one parameter's tp fix-up
     PARAM = "param"  # parameters: one bucket gathered from its ZeRO shards
     GRAD_NORM = "grad_norm"  # the squared gradient norm, summed over every rank
-
-
-class GraphGroup(StrEnum):
-    """What every group the graph names knows of itself, from planc.plan.mesh's registry."""
-
-    @property
-    def mesh_axes(self) -> tuple[str, ...]:
-        """The mesh axes along which members of one group differ (``tied`` is the first
-        and last stage, ``stage`` every rank of a stage)."""
-        return GROUPS[self.value].axes
-
-    @property
-    def within_stage(self) -> bool:
-        """Every member of a group runs the same program (the group lies in one stage)."""
-        return GROUPS[self.value].within_stage
-
-
-# Groups of the graph, one member per group of planc.plan.mesh.GROUPS that transfers name:
-# TP, CP and PP (the mesh axes); DP_CP, the ranks holding replicas of a parameter
-# (dp x cp), over which gradients are reduced; TIED, the first and last stage sharing a
-# tied embedding; STAGE, every rank of a stage. A new axis is a new registry entry.
-Axis = GraphGroup("Axis", [(name.upper(), name) for name, kind in GROUPS.items()
-                           if kind.in_graph], module=__name__)
 
 
 class Level(StrEnum):

@@ -11,7 +11,7 @@ from planc.diagnostics import Span
 from planc.vocabulary import ast
 from planc.vocabulary.kinds import (Choice, Kind, Problem, Real, did_you_mean, evaluate_integer,
                               join_words, named_arguments, word_text)
-from planc.lang.presets import PRESETS
+from planc.plan.presets import PRESETS
 from planc.plan.mesh import AXES
 
 

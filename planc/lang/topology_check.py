@@ -1,4 +1,4 @@
-"""The topology block: a named machine (:mod:`planc.lang.presets`), one that planc
+"""The topology block: a named machine (:mod:`planc.plan.presets`), one that planc
 calibrate measured and wrote to a file, or one the plan describes, against the mesh."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from planc.diagnostics import error
 from planc.host.files import read_regular_file
 from planc.lang.blocks import BlockReader
 from planc.vocabulary.hints import try_values as _try
-from planc.lang.presets import GENERIC, PRESETS, Preset, calibrated_preset
+from planc.plan.presets import GENERIC, PRESETS, Preset, calibrated_preset
 from planc.lang.schema import PresetFile
 from planc.plan.plan import Device, Link, Mesh, Model, Topology
 

@@ -15,13 +15,12 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Iterator
 
-from planc.graph.vocabulary import Axis
+from planc.program.names import Axis
 from planc.program.ranks import integer_of
 from planc.plan.mesh import AXES, GROUPS, INTER, INTRA, PIPELINE_AXIS, Placement, RankMesh, \
     counts_of, expert_cut, is_axis_order, sub_group
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only
-    from planc.plan.plan import Plan
     from planc.plan.plan import Mesh
 
 GROUPS_FORMAT_VERSION = 1
@@ -254,19 +253,6 @@ class GroupTable:
         if devices < 1:
             raise ValueError(f"its devices_per_node is {devices}")
         return GroupTable(RankMesh.of(sizes, order, devices), tuple(rules))
-
-
-def plan_group_table(plan: "Plan", split: tuple[str, ...] = ()) -> GroupTable:
-    """:func:`group_table` of ``plan``: a tied embedding needs a group only when the head
-    is on another stage than the embedding, a V's stages send both ways, and a model
-    whose operator sums a statistic over each sequence needs the sequence group."""
-    from planc.models import family_of  # the compiler's side: a rank reads groups.json
-
-    return group_table(plan.mesh, plan.topology.devices_per_node,
-                       plan.model.tie_embeddings and plan.head_stage != 0,
-                       plan.shard.pp.virtual, split, plan.placement.name == "v",
-                       family_of(plan).sums_over_sequences(plan.model),
-                       plan.train.grad_clip is not None)
 
 
 def group_table(mesh: "Mesh", devices_per_node: int, tied: bool, virtual: int = 1,

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from planc.plan.mesh import GROUPS
+
 
 class Stream(StrEnum):
     COMPUTE = "compute"
@@ -34,3 +36,42 @@ class Route(StrEnum):
     RING = "ring"
     TREE = "tree"
     HIERARCHICAL = "hierarchical"
+
+
+class Kind(StrEnum):
+    """Transfer kinds: the collectives of semantics section 3, and point to point."""
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
+    SEND = "send"
+    RECV = "recv"
+
+    @property
+    def is_collective(self) -> bool:
+        return self not in (Kind.SEND, Kind.RECV)
+
+
+class GraphGroup(StrEnum):
+    """What every group the graph names knows of itself, from planc.plan.mesh's registry."""
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        """The mesh axes along which members of one group differ (``tied`` is the first
+        and last stage, ``stage`` every rank of a stage)."""
+        return GROUPS[self.value].axes
+
+    @property
+    def within_stage(self) -> bool:
+        """Every member of a group runs the same program (the group lies in one stage)."""
+        return GROUPS[self.value].within_stage
+
+
+# Groups of the graph, one member per group of planc.plan.mesh.GROUPS that transfers name:
+# TP, CP and PP (the mesh axes); DP_CP, the ranks holding replicas of a parameter
+# (dp x cp), over which gradients are reduced; TIED, the first and last stage sharing a
+# tied embedding; STAGE, every rank of a stage. A new axis is a new registry entry.
+Axis = GraphGroup("Axis", [(name.upper(), name) for name, kind in GROUPS.items()
+                           if kind.in_graph], module=__name__)

@@ -44,8 +44,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Iterator
 
-from planc.graph.vocabulary import Kind
-from planc.program.names import STREAM_ORDER
+from planc.program.names import STREAM_ORDER, Kind
 from planc.program.operands import Operands
 from planc.program.ranks import RANK_TABLE_VERSION, RankTable, integer_of  # noqa: F401 (API)
 

@@ -34,8 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
-from planc.program.names import Route
-from planc.graph.vocabulary import Kind
+from planc.program.names import Kind, Route
 from planc.plan.mesh import INTER, INTRA
 
 ROUTES_FORMAT_VERSION = 1
@@ -269,30 +268,3 @@ class RouteTable:
                 raise ValueError(f"route recipe {key!r} describes {recipe.key}")
             out[key] = recipe
         return RouteTable(out)
-
-
-def routed_nodes(graph) -> list[tuple[str, dict]]:
-    """The graph's transfers whose route is not the backend's own collective."""
-    return [(n, d) for n, d in graph.nodes(data=True)
-            if d.get("route") not in (None, Route.RING.value)]
-
-
-def split_refs(graph) -> tuple[str, ...]:
-    """The group references whose sub-groups hierarchical routes use."""
-    return tuple(sorted({str(d["axis"]) for _, d in routed_nodes(graph)
-                         if d["route"] == Route.HIERARCHICAL.value}))
-
-
-def route_table(graph, groups) -> RouteTable:
-    """A recipe for every routed transfer and every placement of its groups."""
-    recipes: dict[str, Recipe] = {}
-    shapes: dict[tuple[str, int], dict] = {}
-    for _, data in routed_nodes(graph):
-        key = (str(data["axis"]), data["stage"])
-        if key not in shapes:
-            shapes[key] = groups.shapes(*key)
-        for counts in sorted(shapes[key]):
-            recipe_id = recipe_key(str(data["kind"]), data["route"], counts)
-            if recipe_id not in recipes:
-                recipes[recipe_id] = build(str(data["kind"]), data["route"], counts)
-    return RouteTable(recipes)

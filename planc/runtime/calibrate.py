@@ -29,7 +29,7 @@ tp_overlap's chooser reads): near 1 where the backend has its own engines, near 
 gloo's threads need the cores the multiply fills. The overhead is what a compute
 instruction costs beyond its arithmetic: the runtime's forward and backward step of a tiny
 operator (:func:`measure_overhead`), which on a CPU is most of a small model's step.
-Rank 0 writes the topology atomically (planc.lang.presets; a plan names it with
+Rank 0 writes the topology atomically (planc.plan.presets; a plan names it with
 ``topology { preset = "FILE" }``).
 """
 
@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from planc.host.files import write_atomically
-from planc.lang.presets import calibrated_document
+from planc.plan.presets import calibrated_document
 from planc.runtime.launcher.rendezvous import joined_store
 from planc.runtime.engine.collectives import all_gather_single, reduce_scatter_single
 from planc.estimate.cost import steps, tree_depth

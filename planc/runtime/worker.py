@@ -49,7 +49,7 @@ from planc.runtime.engine.data import DataError
 from planc.runtime.launcher.rendezvous import joined_store
 from planc.runtime.step_metrics import open_tensorboard, peak_memory_mb, throughput
 from planc.runtime.engine.store import ParamStore
-from planc.runtime.trace import write as write_trace
+from planc.data.trace import write as write_trace
 
 PEER_LOST_GRACE_S = 5.0
 
@@ -356,7 +356,7 @@ def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
 
 
 # A rank's name and trace events as JSON: (step, stream, node, start, end, microbatch
-# or null, op, flows) each (planc.runtime.engine.executor.TraceEvent, planc.runtime.trace.Flow).
+# or null, op, flows) each (planc.runtime.engine.executor.TraceEvent, planc.data.trace.Flow).
 _TRACE_FORM = row(text, list_of(row(integer, text, text, number, number,
                                     either(integer, nothing), text,
                                     list_of(row(text, integer, integer, text, boolean)))))

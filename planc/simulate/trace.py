@@ -9,8 +9,8 @@ from __future__ import annotations
 from planc.program.operands import Operands
 from planc.plan.mesh import RankMesh
 from planc.host.outputs import SIMULATED_TRACE
-from planc.runtime.trace import flows_of
-from planc.runtime.trace import write as write_events
+from planc.data.trace import flows_of
+from planc.data.trace import write as write_events
 
 
 # The lane that shows which block of the schedule runs when (F, B, or a split backward's

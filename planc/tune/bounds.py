@@ -25,7 +25,7 @@ import dataclasses
 
 from planc.estimate.cost import CostModel
 from planc.estimate.kernel_cost import KernelModel
-from planc.graph.model import Shapes
+from planc.estimate.model import Shapes
 from planc.models import family_of
 from planc.plan.plan import Mesh, Optimize, PipelineParallel, Plan, Schedule
 from planc.schedules import named as named_schedule

@@ -22,7 +22,8 @@ from __future__ import annotations
 from typing import Callable
 
 from planc.graph.ir import Kind
-from planc.program.routes import COLLECTIVE_STEPS, Recipe, Step, recipe_key, routed_nodes
+from planc.program.routes import COLLECTIVE_STEPS, Recipe, Step, recipe_key
+from planc.lower.tables import routed_nodes
 from planc.plan.mesh import INTER, INTRA
 
 Contribution = int | None  # a bit per position; None: undefined

@@ -40,7 +40,8 @@ from planc.plan.layout import Layout as RankLayout
 from planc.lower.bind import operands_of
 from planc.program.groups import SEQUENCE, GroupTable
 from planc.program.program import COLLECTIVES, Program, RankTable
-from planc.program.routes import RouteTable, routed_nodes
+from planc.program.routes import RouteTable
+from planc.lower.tables import routed_nodes
 from planc.verify.counts import CountsChecks, sums_counts
 from planc.verify.experts import ExpertChecks, is_expert_exchange
 from planc.verify.grad_norm import GradNormChecks

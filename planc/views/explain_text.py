@@ -11,7 +11,7 @@ import networkx as nx
 from planc.graph.ir import Axis
 from planc.vocabulary.units import TIME, format_bytes, format_quantity
 from planc.plan.layout import Layout
-from planc.program.groups import plan_group_table
+from planc.lower.tables import plan_group_table
 from planc.plan.plan import Plan
 from planc.views.tables import table
 from planc.diagnostics import counted
@@ -289,7 +289,8 @@ def expert_lines(plan: Plan, graph: nx.DiGraph, layer: int) -> list[str]:
     """A mixture over ep: the all-to-alls its instruction runs over its ep group, what
     they move at uniform routing and at the most (every row of the group sent to one
     rank's experts), and why they exist."""
-    from planc.program.groups import EXPERTS, plan_group_table
+    from planc.program.groups import EXPERTS
+    from planc.lower.tables import plan_group_table
 
     node = f"F/L{layer}/moe"
     data = graph.nodes[node] if node in graph else {}
@@ -323,7 +324,8 @@ def counts_lines(plan: Plan, graph: nx.DiGraph, layer: int) -> list[str]:
     """A mixture whose balance loss spans the ranks of a sequence: the all-reduce of its
     per-(sequence, expert) counts that its instruction runs over the sequence group, what
     it moves, and why it exists."""
-    from planc.program.groups import SEQUENCE, plan_group_table
+    from planc.program.groups import SEQUENCE
+    from planc.lower.tables import plan_group_table
 
     node = f"F/L{layer}/moe"
     data = graph.nodes[node] if node in graph else {}

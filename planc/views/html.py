@@ -20,8 +20,8 @@ import networkx as nx
 
 from planc.graph.select import Selection, select
 from planc.plan.layout import Layout
-from planc.program.groups import GroupTable, plan_group_table
-from planc.program.routes import split_refs
+from planc.program.groups import GroupTable
+from planc.lower.tables import plan_group_table, split_refs
 from planc.plan.mesh import WHOLE
 from planc.plan.plan import Plan
 from planc.views.graph.facts import AXIS_COLORS, PHASE_FILLS, Facts, colours, lane_labels, \

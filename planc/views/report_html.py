@@ -12,7 +12,7 @@ import statistics
 
 from planc.estimate import memory
 from planc.graph.summary import busiest_stage_transfers, summarize
-from planc.lang.presets import PRESETS
+from planc.plan.presets import PRESETS
 from planc.vocabulary.units import (COMPUTE, TIME, format_bytes, format_flop_rate, format_quantity,
                               format_share)
 from planc.plan.mesh import AXES

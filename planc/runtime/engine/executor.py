@@ -31,7 +31,7 @@ import torch
 from planc.program.names import RECEIVE_STREAMS, Stream
 from planc.program.program import Expanded
 from planc.runtime.engine.interpreter import Interpreter, StepState
-from planc.runtime.trace import Flow, flows_of
+from planc.data.trace import Flow, flows_of
 
 COMPUTE = Stream.COMPUTE
 
@@ -57,7 +57,7 @@ class TraceEvent:
     end: float
     microbatch: int | None
     op: str
-    flows: tuple[Flow, ...] = ()  # arrows to and from peers (planc.runtime.trace)
+    flows: tuple[Flow, ...] = ()  # arrows to and from peers (planc.data.trace)
 
 
 @dataclass

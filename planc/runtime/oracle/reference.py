@@ -52,7 +52,7 @@ def make_optimizer(plan: Plan, tensors: list[torch.Tensor], fused: bool = False
 
 
 def parameters(plan: Plan) -> dict:
-    """Name -> planc.graph.model.Parameter (its full shape) of every parameter of the plan."""
+    """Name -> planc.estimate.model.Parameter (its full shape) of every parameter of the plan."""
     return {p.name: p for p in family_of(plan).all_parameters(plan.model)}
 
 
