@@ -11,6 +11,7 @@ from pathlib import Path
 
 from planc.commands import EXIT_OK, EXIT_USAGE, MAX_LOCAL_RANKS, fail, outputs_refused
 from planc.host.interrupts import Interrupted, blocked_in_children
+from planc.commands.arguments import Command, force, output
 
 
 def _rank(env: dict[str, str], argv: list[str]) -> None:
@@ -95,3 +96,32 @@ def main(args) -> int:
           f"overlap: {preset.overlap:.2f} of an all_reduce hidden behind a matrix multiply\n"
           f"written to {output}; use it with topology {{ preset = \"{output}\" }}")
     return EXIT_OK
+
+
+def add_arguments(parser) -> None:
+    """The arguments of planc calibrate."""
+    output(parser, "-o", "--output", kind="topology", required=True, metavar="FILE",
+           help="the topology to write (JSON)")
+    force(parser)
+    parser.add_argument("--ranks", type=int, default=2, metavar="N",
+                        help="ranks to start [2]")
+    parser.add_argument("--nodes", type=int, default=1, metavar="K",
+                        help="split the ranks into K nodes of consecutive ranks [1]")
+    parser.add_argument("--repeats", type=int, default=5, metavar="R",
+                        help="timed repetitions per size [5]")
+    parser.add_argument("--quick", action="store_true",
+                        help="messages of 4 KB to 1 MB, a small model's, instead of up "
+                             "to 16 MB: seconds rather than a minute (make demo)")
+
+
+# planc.cli adds these to its command line, in this order.
+COMMANDS = (
+    Command("calibrate", add_arguments, main,
+            help="measure this machine's links and write a topology plans can use",
+            description="Start ranks on this machine, measure the latency and bandwidth of "
+                        "all-reduces inside and between (emulated) nodes and the compute rate, "
+                        "and write a topology that a plan names with topology { preset = "
+                        "\"FILE\" }, so that the cost model predicts this machine. On a cluster "
+                        "run `python -m planc.runtime.calibrate` on every node instead "
+                        "(docs/routes.md)."),
+)

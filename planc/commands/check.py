@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from planc.commands import EXIT_OK, load_plan
+from planc.commands.arguments import Command, add_input
 
 
 def check(args) -> int:
@@ -40,3 +41,30 @@ def layout(args) -> int:
     print()
     print(memory_text.render(memory.estimate(loaded.plan)))
     return EXIT_OK
+
+
+def add_check_arguments(parser) -> None:
+    """The arguments of planc check."""
+    add_input(parser)
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="also print the resolved settings and the memory estimate")
+
+
+def add_layout_arguments(parser) -> None:
+    """The arguments of planc layout."""
+    add_input(parser)
+    parser.add_argument("--json", action="store_true",
+                        help="print the layout as JSON (see README)")
+
+
+# planc.cli adds these to its command line, in this order.
+COMMANDS = (
+    Command("check", add_check_arguments, check,
+            help="check a plan and report every problem",
+            description="Parse and check a .plan file; report every problem with its line and "
+                        "column."),
+    Command("layout", add_layout_arguments, layout,
+            help="show which rank sits where, and the groups",
+            description="Show the rank of every device, its mesh coordinates and node, and the "
+                        "communication groups."),
+)

@@ -6,6 +6,7 @@ import os
 
 from planc.commands import (EXIT_OK, command_line, counted, fail, load_plan, outputs_refused,
                             replaceable, say_replaced, take_lock, verified_line)
+from planc.commands.arguments import Command, add_input, force, output
 
 
 def main(args) -> int:
@@ -49,3 +50,22 @@ def main(args) -> int:
     print()
     print(summary_text.render(result.summary), end="")
     return EXIT_OK
+
+
+def add_arguments(parser) -> None:
+    """The arguments of planc compile."""
+    add_input(parser)
+    output(parser, "-o", "--output", kind="build", metavar="DIR",
+           help="build directory [build/NAME, NAME being the file's stem]")
+    force(parser, "a build of another plan file in DIR (what the build does not own, "
+          "such as logs/, is kept)")
+
+
+# planc.cli adds these to its command line, in this order.
+COMMANDS = (
+    Command("compile", add_arguments, main,
+            help="derive the communication graph and write a build directory",
+            description="Check a plan, derive every compute step and transfer of one training "
+                        "step, and write plan.json, graph.json and summary.json to a build "
+                        "directory (docs/build.md)."),
+)

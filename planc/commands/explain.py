@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from planc.commands import EXIT_OK, EXIT_USAGE, fail, load_build
+from planc.commands.arguments import Command, add_input
+from planc.program.names import Axis
 
 
 def main(args) -> int:
@@ -25,3 +27,28 @@ def main(args) -> int:
     print(explain_text.explain(plan, graph, args.layer, args.param, args.axis, args.buckets,
                                args.routes), end="")
     return EXIT_OK
+
+
+def add_arguments(parser) -> None:
+    """The arguments of planc explain."""
+    axes = tuple(axis.value for axis in Axis)
+    add_input(parser, "FILE|DIR")
+    parser.add_argument("--layer", type=int, metavar="N", help="a layer")
+    parser.add_argument("--param", metavar="NAME",
+                        help="a parameter, such as layers.3.qkv.weight or embedding.weight")
+    parser.add_argument("--axis", choices=axes, help="only transfers over this axis")
+    parser.add_argument("--buckets", action="store_true",
+                        help="every parameter bucket: its members and why it closed")
+    parser.add_argument("--routes", action="store_true",
+                        help="for each collective, every route (ring, tree, hierarchical) "
+                        "with its predicted time and why it was or was not chosen")
+
+
+# planc.cli adds these to its command line, in this order.
+COMMANDS = (
+    Command("explain", add_arguments, main,
+            help="why each transfer exists: kind, group, size, reason",
+            description="List the transfers of one layer (default: the first) or of one "
+                        "parameter's gradient, with kind, group, size and the reason for each, "
+                        "and totals per step."),
+)

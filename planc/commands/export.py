@@ -9,6 +9,7 @@ import sys
 
 from planc.commands import (EXIT_OK, EXIT_USAGE, fail, load_programs, missing_runtime,
                             outputs_refused, the_input)
+from planc.commands.arguments import Command, add_input, force, output
 
 
 def main(args) -> int:
@@ -92,3 +93,30 @@ def _hugging_face(args) -> int:
     print(f"wrote {count} tensors of {source} to {args.output}/ (config.json, "
           f"model.safetensors) for {architecture}.from_pretrained", file=sys.stderr)
     return EXIT_OK
+
+
+def add_arguments(parser) -> None:
+    """The arguments of planc export."""
+    add_input(parser, "FILE|DIR")
+    output(parser, "-o", "--output", kind="export", required=True, metavar="DIR")
+    force(parser, "the files of an earlier planc export in DIR")
+    parser.add_argument("--format", choices=("chakra", "hf"), default="chakra",
+                        help="chakra: execution traces of a plan or build; hf: a checkpoint "
+                        "directory as a transformers checkpoint [chakra]")
+    parser.add_argument("--prefix", default="planc", help="file name prefix [planc]")
+
+
+# planc.cli adds these to its command line, in this order.
+COMMANDS = (
+    Command("export", add_arguments, main,
+            help="a build as Chakra execution traces, or a checkpoint for transformers",
+            description="--format chakra (the default): write one step of a plan or build as "
+                        "Chakra execution traces (et_def.proto, length-delimited): one "
+                        "PREFIX.RANK.et file per pipeline stage's first rank, with compute, "
+                        "collective and point-to-point nodes, their stream dependencies and "
+                        "simulated durations. --format hf: write the newest complete checkpoint "
+                        "of a planc run --checkpoint-dir D as a Hugging Face checkpoint "
+                        "(config.json, model.safetensors) that from_pretrained loads: "
+                        "LlamaForCausalLM's for a llama model, MixtralForCausalLM's for a moe "
+                        "model without shared experts or dense first blocks."),
+)

@@ -7,6 +7,9 @@ import sys
 
 from planc.commands import (EXIT_OK, EXIT_USAGE, GRAPH_FORMATS, fail, load_build,
                             outputs_refused, the_input)
+from planc.commands.arguments import (Command, add_input, force, int_list, layer_range,
+                                      microbatches, output)
+from planc.program.names import Axis
 
 
 def main(args) -> int:
@@ -69,3 +72,35 @@ def main(args) -> int:
         sys.stdout.buffer.write(data)
         sys.stdout.flush()
     return EXIT_OK
+
+
+def add_arguments(parser) -> None:
+    """The arguments of planc graph."""
+    axes = tuple(axis.value for axis in Axis)
+    add_input(parser, "FILE|DIR")
+    parser.add_argument("--format", choices=GRAPH_FORMATS, default=None,
+                        help="output format [from -o's extension, else dot]")
+    output(parser, "-o", "--output", kind="graph", metavar="OUT",
+           help="output file [standard output]")
+    force(parser)
+    parser.add_argument("--stage", type=int_list, metavar="S[,S...]", help="pipeline stages")
+    parser.add_argument("--layers", type=layer_range, metavar="A..B", help="layer or range")
+    parser.add_argument("--microbatch", type=microbatches, metavar="K[,K...]|all",
+                        help="unfold these microbatches (default: folded, or 0 for big graphs)")
+    parser.add_argument("--phase", choices=("forward", "backward", "optimizer"),
+                        action="append", help="keep this phase (repeatable)")
+    parser.add_argument("--axis", choices=axes, action="append",
+                        help="keep transfers over this axis (repeatable)")
+    parser.add_argument("--transfers-only", action="store_true",
+                        help="only transfers, connected through the computation between them")
+    parser.add_argument("--all", action="store_true",
+                        help="the whole graph, even when it is big")
+
+
+# planc.cli adds these to its command line, in this order.
+COMMANDS = (
+    Command("graph", add_arguments, main,
+            help="draw the communication graph (dot, svg, png, graphml, json, html)",
+            description="Draw the communication graph of a plan file or a build directory. Big "
+                        "graphs show one layer and one microbatch unless told otherwise."),
+)

@@ -8,6 +8,8 @@ import os
 import sys
 
 from planc.commands import EXIT_OK, EXIT_USAGE, fail, outputs_refused
+from planc.commands.arguments import Command, force, output, path
+from planc.views.curves import METRICS as CURVE_METRICS
 
 FORMATS = {".png": "png", ".svg": "svg"}
 
@@ -52,3 +54,24 @@ def main(args) -> int:
     print(f"planc: {args.metric} of {len(curves)} run{'s' * (len(curves) > 1)} written to "
           f"{args.output}", file=sys.stderr)
     return EXIT_OK
+
+
+def add_arguments(parser) -> None:
+    """The arguments of planc plot."""
+    parser.add_argument("metrics", nargs="+", metavar="M.jsonl", type=path,
+                        help="planc run --metrics files")
+    output(parser, "-o", "--output", kind="plot", required=True, metavar="PLOT.png",
+           help="the image to write: .png or .svg")
+    force(parser)
+    parser.add_argument("--metric", default="loss", choices=tuple(CURVE_METRICS),
+                        help="what to draw [loss]")
+
+
+# planc.cli adds these to its command line, in this order.
+COMMANDS = (
+    Command("plot", add_arguments, main,
+            help="draw the loss of planc run --metrics files against the step",
+            description="Draw one curve per planc run --metrics file, labelled with its plan's "
+                        "name: the loss against the step, or another metric of every step "
+                        "(docs/metrics.md). Needs matplotlib (planc[run])."),
+)

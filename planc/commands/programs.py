@@ -13,6 +13,7 @@ from planc.commands import (
     load_programs,
     verified_line,
 )
+from planc.commands.arguments import Command, add_input
 
 
 def programs(args) -> int:
@@ -52,3 +53,35 @@ def verify(args) -> int:
         return EXIT_ERRORS
     print(verified_line(built))
     return EXIT_OK
+
+
+def add_programs_arguments(parser) -> None:
+    """The arguments of planc programs."""
+    add_input(parser, "FILE|DIR")
+    parser.add_argument("--rank", type=int, default=0, metavar="R", help="a rank [0]")
+    parser.add_argument("--expand", action="store_true",
+                        help="every instruction of one step, in issue order")
+    parser.add_argument("--microbatch", type=int, metavar="K",
+                        help="with --expand: only this microbatch (and per-step work)")
+
+
+def add_verify_arguments(parser) -> None:
+    """The arguments of planc verify."""
+    add_input(parser, "FILE|DIR")
+
+
+# planc.cli adds these to its command line, in this order.
+COMMANDS = (
+    Command("programs", add_programs_arguments, programs,
+            help="print a rank's program: streams, blocks, events, schedule",
+            description="Print the program a rank runs (the program of its pipeline stage): its "
+                        "blocks of instructions on named streams, the schedule of blocks, its "
+                        "receives and its epilogue. --expand prints one step's instructions in "
+                        "issue order."),
+    Command("verify", add_verify_arguments, verify,
+            help="prove a build's programs cannot deadlock or mix up data",
+            description="Check a build's rank programs without running them: collectives in the "
+                        "same order on every member of a group, every send matched by one "
+                        "receive of the same size, no deadlock, every wait after its record, no "
+                        "buffer overwritten while a transfer reads it."),
+)

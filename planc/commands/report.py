@@ -8,6 +8,7 @@ import sys
 from planc.commands import EXIT_OK, fail, load_programs, outputs_refused, the_input
 from planc.host.files import read_regular_file
 from planc.data.metrics_file import in_range, read_metrics
+from planc.commands.arguments import Command, add_input, force, output, path
 
 
 def _other_build(path: str, records: list[dict], build_path: str, fingerprint: str
@@ -111,3 +112,25 @@ def main(args) -> int:
     print(f"report written to {args.output} ({len(page) // 1024} KB, self-contained)",
           file=sys.stderr)
     return EXIT_OK
+
+
+def add_arguments(parser) -> None:
+    """The arguments of planc report."""
+    add_input(parser, "FILE|DIR")
+    output(parser, "-o", "--output", kind="report", required=True, metavar="PAGE.html")
+    force(parser)
+    parser.add_argument("--metrics", metavar="M.jsonl", type=path,
+                        help="a planc run --metrics file of the same build")
+    parser.add_argument("--tune", metavar="T.json", type=path,
+                        help="a planc tune --json file: its ranked layouts beside this plan")
+
+
+# planc.cli adds these to its command line, in this order.
+COMMANDS = (
+    Command("report", add_arguments, main,
+            help="one self-contained HTML page: layout, memory, transfers, timeline",
+            description="Write one offline HTML page about a plan or build: the plan, a picture "
+                        "of the layout, memory per stage against the device, transfers per axis "
+                        "and kind, the simulated timeline of a step, and, with --metrics, "
+                        "predicted against measured."),
+)

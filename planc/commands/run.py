@@ -11,6 +11,7 @@ from planc.commands import (EXIT_OK, EXIT_USAGE, MAX_LOCAL_RANKS, command_line, 
                             load_plan, missing_runtime, outputs_refused, overrides_need_a_plan,
                             replaceable, say_replaced, take_lock, the_input)
 from planc.commands.run_outputs import prepare_outputs
+from planc.commands.arguments import Command, add_input, force, output, path
 
 
 def main(args) -> int:
@@ -373,3 +374,53 @@ def _worker_arguments(args, found=None, identity=None) -> list[str]:
     if args.force:  # what planc run checked may be replaced: the trace, at its end
         out.append("--force")
     return out
+
+
+def add_arguments(parser) -> None:
+    """The arguments of planc run."""
+    add_input(parser, "FILE|DIR")
+    output(parser, "-o", "--output", kind="build", metavar="DIR",
+           help="where to compile a plan file [build/NAME]")
+    force(parser, "a build of another plan file in DIR, or an earlier run's metrics, trace, "
+          "TensorBoard logs or checkpoints at the paths given")
+    parser.add_argument("--steps", type=int, metavar="N",
+                        help="steps from the start of training, also with --resume [the plan's "
+                        "train.steps]")
+    parser.add_argument("--backend", choices=("gloo", "nccl"),
+                        help="[nccl where CUDA is present, else gloo]")
+    output(parser, "--metrics", kind="metrics", metavar="M.jsonl",
+           help="one JSON object per step (a resumed run continues the file)")
+    output(parser, "--trace", kind="run-trace", metavar="T.json",
+           help="Chrome trace of every rank's streams")
+    parser.add_argument("--check", action="store_true",
+                        help="also train in one process and compare every loss and parameter")
+    parser.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                        help="seconds without progress before every rank reports a hang [120]")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="run programs without verifying them (to debug a broken build)")
+    output(parser, "--checkpoint-dir", kind="checkpoints", metavar="D",
+           help="write a consolidated checkpoint (whole fp32 tensors in safetensors, "
+           "optimizer state, data position) into D/step-NNNNNN after the last step, and "
+           "after every N-th with --checkpoint-every; any plan of the same model can "
+           "resume from it (docs/checkpoints.md)")
+    parser.add_argument("--checkpoint-every", type=int, metavar="N",
+                        help="with --checkpoint-dir: also after every N-th step")
+    parser.add_argument("--resume", metavar="D", type=path,
+                        help="continue from the newest complete checkpoint in D (or from D, a "
+                        "step-NNNNNN directory), under any layout of the same model; steps "
+                        "count from the start of training: with train.steps = 4 (or --steps "
+                        "4) a step-2 checkpoint runs steps 2 and 3")
+    output(parser, "--tensorboard", kind="tensorboard", metavar="DIR",
+           help="write every step's loss, lr, grad norm, tokens/s, TFLOP/s, MFU, exposed "
+           "communication and step time as TensorBoard scalars into DIR (docs/metrics.md)")
+
+
+# planc.cli adds these to its command line, in this order.
+COMMANDS = (
+    Command("run", add_arguments, main,
+            help="train for real: every rank on this machine, torch.distributed",
+            description="Compile the plan if given a file, verify its programs, and run every "
+                        "rank on this machine with torch.distributed (NCCL with CUDA streams on "
+                        "GPUs, gloo on CPUs). For a cluster, start `torchrun ... -m "
+                        "planc.runtime.worker DIR` on every node instead."),
+)

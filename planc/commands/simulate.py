@@ -6,6 +6,7 @@ import json
 import sys
 
 from planc.commands import EXIT_OK, fail, load_programs, outputs_refused, the_input
+from planc.commands.arguments import Command, add_input, force, output
 
 
 def main(args) -> int:
@@ -38,3 +39,24 @@ def main(args) -> int:
         print(f"trace written to {args.trace} (open it in https://ui.perfetto.dev)",
               file=sys.stderr)
     return EXIT_OK
+
+
+def add_arguments(parser) -> None:
+    """The arguments of planc simulate."""
+    add_input(parser, "FILE|DIR")
+    parser.add_argument("--json", action="store_true", help="the result as JSON")
+    output(parser, "--trace", kind="simulated-trace", metavar="T.json",
+           help="Chrome trace of the simulated step (Perfetto), with the tracks of planc "
+           "run --trace")
+    force(parser)
+
+
+# planc.cli adds these to its command line, in this order.
+COMMANDS = (
+    Command("simulate", add_arguments, main,
+            help="predict a training step: time, MFU, bubble, exposed comm, memory",
+            description="Replay the rank programs of a plan or build on its topology's cost "
+                        "model: the step time, TFLOP/s per GPU and MFU, the pipeline bubble, "
+                        "the communication each stage waits for (per axis) and memory per "
+                        "stage, without running anything."),
+)

@@ -6,6 +6,7 @@ import json
 import sys
 
 from planc.commands import EXIT_OK, EXIT_USAGE, fail, load_plan, outputs_refused
+from planc.commands.arguments import Command, add_input, count, force, output
 
 
 # The layout keys at values every model accepts: how tune reads a file whose own layout
@@ -121,3 +122,36 @@ def main(args) -> int:
             return fail(f"cannot write {args.output}: {exc.strerror or exc}")
         print(f"best layout written to {args.output}", file=sys.stderr)
     return EXIT_OK
+
+
+def add_arguments(parser) -> None:
+    """The arguments of planc tune."""
+    add_input(parser)
+    parser.add_argument("--gpus", type=count, required=True, metavar="N",
+                        help="devices to lay the model out on")
+    parser.add_argument("--top", type=count, default=5, metavar="K",
+                        help="how many layouts to rank and show (default 5)")
+    parser.add_argument("--memory", type=float, metavar="GB",
+                        help="memory per device in GB (default: the topology's)")
+    parser.add_argument("--keep", action="append", default=[], metavar="KEY",
+                        help="hold the file's value of KEY (mesh.tp, schedule.pipeline, "
+                        "shard.dp.zero, ...); repeatable")
+    parser.add_argument("--budget", type=float, default=60.0, metavar="SECONDS",
+                        help="stop simulating after this long; the candidates left, whose "
+                        "estimates are the worst, are counted (default 60)")
+    output(parser, "-o", "--output", kind="tuned-plan", metavar="BEST.plan",
+           help="write the best layout as a plan file")
+    force(parser)
+    parser.add_argument("--json", action="store_true", help="the result as JSON")
+
+
+# planc.cli adds these to its command line, in this order.
+COMMANDS = (
+    Command("tune", add_arguments, main,
+            help="the best layouts of a plan's model on N devices, by the simulator",
+            description="Search the layouts of the plan's model on --gpus devices (tp, cp, pp, "
+                        "dp, ep, the mesh order, the pipeline schedule with its virtual stages "
+                        "and microbatches, ZeRO, sequence parallelism, recomputation), keep "
+                        "those planc check accepts and that fit in memory, and rank them by "
+                        "simulated step time (docs/tune.md)."),
+)
