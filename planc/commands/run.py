@@ -101,8 +101,7 @@ def _run(args) -> int:
     print(f"planc: running {built.plan.name} from {directory} on "
           f"{counted(built.plan.world, 'rank')} ({backend}), "
           f"{counted(steps - first, 'step')}{resumed}", file=sys.stderr)
-    return launch(os.path.abspath(directory), built.plan.world,
-                  _worker_arguments(args, found, identity), backend, args.timeout,
+    return launch(_run_options(args, directory, backend, found, identity), built.plan.world,
                   args.interrupts)
 
 
@@ -353,27 +352,21 @@ def _verified_build(args, directory: str):
     return built, EXIT_OK
 
 
-def _worker_arguments(args, found=None, identity=None) -> list[str]:
-    out = ["--timeout", str(args.timeout)]
-    if identity is not None:  # the data file as planc run checked it
-        out += ["--data-identity", str(identity)]
-    if args.steps:
-        out += ["--steps", str(args.steps)]
-    if args.checkpoint_dir:
-        out += ["--checkpoint-dir", os.path.abspath(args.checkpoint_dir)]
-    if args.checkpoint_every:
-        out += ["--checkpoint-every", str(args.checkpoint_every)]
-    if found is not None:  # the step directory checked here, its files hashed already
-        out += ["--resume", os.path.abspath(found.directory), "--resume-verified"]
-    for flag, value in (("--metrics", args.metrics), ("--trace", args.trace),
-                        ("--tensorboard", args.tensorboard)):
-        if value:
-            out += [flag, os.path.abspath(value)]
-    if args.check:
-        out.append("--check")
-    if args.force:  # what planc run checked may be replaced: the trace, at its end
-        out.append("--force")
-    return out
+def _run_options(args, directory: str, backend: str, found=None, identity=None):
+    """What the ranks are asked (planc.runtime.options.RunOptions), every path absolute."""
+    from planc.runtime.options import RunOptions
+
+    absolute = lambda path: os.path.abspath(path) if path else None  # noqa: E731
+    return RunOptions(
+        build=os.path.abspath(directory), backend=backend, steps=args.steps or None,
+        timeout=args.timeout, metrics=absolute(args.metrics), trace=absolute(args.trace),
+        tensorboard=absolute(args.tensorboard), check=args.check,
+        checkpoint_dir=absolute(args.checkpoint_dir),
+        checkpoint_every=args.checkpoint_every or None,
+        # the step directory checked here, its files hashed already
+        resume=absolute(found.directory) if found is not None else None,
+        resume_verified=found is not None, data_identity=identity,
+        force=args.force)  # what planc run checked may be replaced: the trace, at its end
 
 
 def add_arguments(parser) -> None:

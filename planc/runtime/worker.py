@@ -16,7 +16,6 @@ under any layout of the same model (planc.runtime.checkpoint.checkpoints, docs/c
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -36,7 +35,7 @@ from planc.host.files import append_line
 from planc.checkpoint import format as checkpoint_format
 from planc.runtime.checkpoint.checkpoints import Checkpoints
 from planc.runtime.engine.context import RankContext, make_groups
-from planc.data.identity import Identity, identity_now
+from planc.data.identity import identity_now
 from planc.runtime.engine.exchange import (all_gather_json, boolean, broadcast_json, either,
                                     gather_json, integer, list_of, nothing, number, row, text)
 from planc.runtime.engine.host_memory import keep_freed_memory
@@ -47,6 +46,7 @@ from planc.runtime.engine.interpreter import Interpreter
 from planc.runtime.launcher.protocol import ERROR_FILE, EXIT_HANG, REPORT_FILE, TRAINING_FILE
 from planc.runtime.engine.data import DataError
 from planc.runtime.launcher.rendezvous import joined_store
+from planc.runtime.options import RunOptions
 from planc.runtime.step_metrics import open_tensorboard, peak_memory_mb, throughput
 from planc.runtime.engine.store import ParamStore
 from planc.data.trace import write as write_trace
@@ -62,41 +62,6 @@ class Stuck(Exception):
     def __init__(self, report: str, linger: float):
         super().__init__(report)
         self.report, self.linger = report, linger
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="planc.runtime.worker",
-                                     description="One rank of a planc training run.")
-    parser.add_argument("build", metavar="DIR", help="a build directory (planc compile)")
-    parser.add_argument("--steps", type=int, help="optimizer steps [the plan's train.steps]")
-    parser.add_argument("--backend", choices=("gloo", "nccl"))
-    parser.add_argument("--metrics", metavar="M.jsonl", help="one JSON object per step")
-    parser.add_argument("--trace", metavar="T.json", help="Chrome trace of every rank")
-    parser.add_argument("--check", action="store_true",
-                        help="compare with the single-process reference")
-    parser.add_argument("--timeout", type=float, default=120.0,
-                        help="seconds without progress before a rank reports a hang")
-    parser.add_argument("--checkpoint-dir", metavar="D",
-                        help="write consolidated checkpoints into D (docs/checkpoints.md)")
-    parser.add_argument("--checkpoint-every", type=int, metavar="N",
-                        help="with --checkpoint-dir: after every N-th step (and the last)")
-    parser.add_argument("--resume", metavar="D",
-                        help="continue from the newest complete checkpoint in D, or from the "
-                        "step directory D; --steps counts from the start of training")
-    parser.add_argument("--resume-verified", action="store_true", help=argparse.SUPPRESS)
-    # The data file as planc run checked it (planc.data.identity): every batch is
-    # read from that file, unchanged, or the run stops.
-    parser.add_argument("--data-identity", type=Identity.parse, help=argparse.SUPPRESS)
-    parser.add_argument("--tensorboard", metavar="DIR",
-                        help="the leader writes TensorBoard scalars of every step into DIR")
-    parser.add_argument("--force", action="store_true",
-                        help="rank 0 may replace a trace an earlier run wrote at --trace")
-    args = parser.parse_args(argv)
-    if args.checkpoint_every is not None and args.checkpoint_every < 1:
-        parser.error("--checkpoint-every must be at least 1")
-    if args.checkpoint_every is not None and not args.checkpoint_dir:
-        parser.error("--checkpoint-every needs --checkpoint-dir")
-    return args
 
 
 def _leader(ctx: RankContext) -> bool:
@@ -245,7 +210,7 @@ class StartupWatch:
                      min(self.timeout, 30.0), self.log_dir)
 
 
-def train(args: argparse.Namespace, log_dir: str | None = None) -> int:
+def train(args: RunOptions, log_dir: str | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     keep_freed_memory()  # before the first tensor: every step reuses the last one's memory
     built = read_for_run(args.build)  # programs/ and plan.json: no graph, nothing derived
@@ -402,11 +367,15 @@ def _resumable(args, record, all_buckets: dict[str, dict], steps: int,
     return found
 
 
-def main(argv=None, log_dir: str | None = None) -> int:
+def main(argv=None) -> int:
+    """One rank started by torchrun (or by hand): its options from the command line."""
+    return run(RunOptions.parse(argv))
+
+
+def run(options: RunOptions, log_dir: str | None = None) -> int:
     """One rank; ``log_dir``: where planc run's launcher keeps this rank's files."""
-    args = parse_args(argv)
     try:
-        return train(args, log_dir)
+        return train(options, log_dir)
     except BuildError as exc:
         print(f"planc: error: {exc}", file=sys.stderr)
         return 1
@@ -436,11 +405,11 @@ def _tell_launcher(path: str, text: str) -> None:
         pass  # a full disk: the launcher stops the run after its grace period anyway
 
 
-def run_rank(argv: list[str], log_dir: str) -> int:
+def run_rank(options: RunOptions, log_dir: str) -> int:
     """One rank under planc run's launcher: its exit status, with an exception's
     traceback printed and kept in ``LOG_DIR/error.txt`` for the launcher's report."""
     try:
-        return main(argv, log_dir)
+        return run(options, log_dir)
     except SystemExit as exc:
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from planc.host.interrupts import Interrupts, blocked_in_children
 from planc.runtime.launcher.protocol import ERROR_FILE, EXIT_HANG, REPORT_FILE, TRAINING_FILE
 from planc.runtime.launcher.rendezvous import private_store, rank_environment, remove_store
+from planc.runtime.options import RunOptions
 
 POLL_S = 0.05
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # prctl(2)
@@ -68,7 +69,7 @@ def gpus() -> int:
 # --- in the worker process ------------------------------------------------------------
 
 
-def rank_process(rank: int, env: dict[str, str], log_dir: str, argv: list[str],
+def rank_process(rank: int, env: dict[str, str], log_dir: str, options: RunOptions,
                  launcher: int, launcher_started: str | None) -> None:
     """The body of one rank's process: die with the launcher, leave Ctrl-C to it, send
     output to the rank's log files, run the worker and exit with its status. SIGINT is
@@ -91,7 +92,7 @@ def rank_process(rank: int, env: dict[str, str], log_dir: str, argv: list[str],
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     from planc.runtime.worker import run_rank
 
-    status = run_rank(argv, log_dir)
+    status = run_rank(options, log_dir)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
@@ -180,17 +181,16 @@ class _Rank:
             return ""
 
 
-def launch(build_dir: str, world: int, worker_args: list[str], backend: str,
-           timeout: float = 120.0, interrupts: Interrupts | None = None) -> int:
-    """Run ``world`` ranks of the worker on ``build_dir``; 0 if every rank succeeded.
+def launch(options: RunOptions, world: int, interrupts: Interrupts | None = None) -> int:
+    """Run ``world`` ranks of the worker with ``options`` (its build directory and backend
+    set); 0 if every rank succeeded.
     ``interrupts``: the command's signal handlers (planc.host.interrupts); a fresh set is
     installed for the launch when none is given."""
     with (nullcontext(interrupts) if interrupts else Interrupts()) as signals:
-        return _launch(build_dir, world, worker_args, backend, timeout, signals)
+        return _launch(options, world, signals)
 
 
-def _launch(build_dir: str, world: int, worker_args: list[str], backend: str,
-            timeout: float, interrupts: Interrupts) -> int:
+def _launch(options: RunOptions, world: int, interrupts: Interrupts) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks share this machine's cores
     # glibc returns freed blocks above a dynamic threshold to the system and maps them
     # again on the next step: thousands of page faults per step with activations of a few
@@ -199,7 +199,7 @@ def _launch(build_dir: str, world: int, worker_args: list[str], backend: str,
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(64 * 2**20))
     os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 * 2**20))
     run_id = f"planc-{uuid.uuid4().hex[:8]}"
-    logs = os.path.join(build_dir, "logs", run_id)
+    logs = os.path.join(options.build, "logs", run_id)
     ranks: list[_Rank] = []
     # From here on a signal only sets interrupts.received: starting a process is never
     # cut in half (a rank started but not yet listed would never be stopped), and the
@@ -207,9 +207,9 @@ def _launch(build_dir: str, world: int, worker_args: list[str], backend: str,
     with interrupts.deferred(raise_at_end=False):
         store = private_store(logs)
         try:
-            _start_ranks(ranks, world, logs, build_dir, worker_args, backend, store,
-                         interrupts)
-            status = None if interrupts.received else _watch(ranks, timeout, interrupts)
+            _start_ranks(ranks, world, logs, options, store, interrupts)
+            status = None if interrupts.received else _watch(ranks, options.timeout,
+                                                             interrupts)
             if status is not None:
                 return status
             _stop(ranks)
@@ -245,11 +245,10 @@ def fork_server_problem(backend: str) -> str | None:
             f"directory; nothing was run")
 
 
-def _start_ranks(ranks: list[_Rank], world: int, logs: str, build_dir: str,
-                 worker_args: list[str], backend: str, store: str,
+def _start_ranks(ranks: list[_Rank], world: int, logs: str, options: RunOptions, store: str,
                  interrupts: Interrupts) -> None:
     """Start every rank, listing each before it starts; stop starting at a signal."""
-    method = "spawn" if backend == "nccl" else "forkserver"
+    method = "spawn" if options.backend == "nccl" else "forkserver"
     context = multiprocessing.get_context(method)
     me, started = os.getpid(), _start_time(os.getpid())
     if method == "forkserver":
@@ -264,8 +263,7 @@ def _start_ranks(ranks: list[_Rank], world: int, logs: str, build_dir: str,
         log_dir = os.path.join(logs, str(rank))
         process = context.Process(
             target=rank_process, name=f"planc-rank-{rank}",
-            args=(rank, env, log_dir, [build_dir, "--backend", backend, *worker_args],
-                  me, started))
+            args=(rank, env, log_dir, options, me, started))
         ranks.append(_Rank(rank, process, log_dir))
         # The fork server answers once it has imported torch (its preload): the longest
         # step of the start-up, tens of seconds on a busy machine, without end if that

@@ -1,0 +1,93 @@
+"""What one run asks of its ranks: a value that ``planc run`` builds from its command line
+and hands to the launcher, and that a rank started by torchrun parses from its own
+(``python -m planc.runtime.worker BUILD_DIR [options]``). No torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Sequence
+
+from planc.data.identity import Identity
+
+DEFAULT_TIMEOUT = 120.0  # seconds without progress before a rank reports a hang
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    build: str  # the build directory, absolute when planc run starts the ranks
+    backend: str | None = None  # None: nccl where CUDA is present, else gloo
+    steps: int | None = None  # None: the plan's train.steps
+    timeout: float = DEFAULT_TIMEOUT
+    metrics: str | None = None
+    trace: str | None = None
+    tensorboard: str | None = None
+    check: bool = False
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    resume: str | None = None
+    # planc run found and hashed the step directory already; a rank need not again
+    resume_verified: bool = False
+    # The data file as planc run checked it (planc.data.identity): every batch is read
+    # from that file, unchanged, or the run stops.
+    data_identity: Identity | None = None
+    force: bool = False  # rank 0 may replace a trace an earlier run wrote at trace
+
+    @staticmethod
+    def parse(argv: Sequence[str] | None = None) -> "RunOptions":
+        """The options of a worker's command line; a wrong one exits with status 2."""
+        parser = _parser()
+        args = parser.parse_args(argv)
+        if args.checkpoint_every is not None and args.checkpoint_every < 1:
+            parser.error("--checkpoint-every must be at least 1")
+        if args.checkpoint_every is not None and not args.checkpoint_dir:
+            parser.error("--checkpoint-every needs --checkpoint-dir")
+        return RunOptions(**vars(args))
+
+    def to_argv(self) -> list[str]:
+        """The worker's command line that :meth:`parse` reads back as these options."""
+        out = [self.build, "--timeout", str(self.timeout)]
+        if self.backend:
+            out += ["--backend", self.backend]
+        if self.data_identity is not None:
+            out += ["--data-identity", str(self.data_identity)]
+        for flag, value in (("--steps", self.steps), ("--checkpoint-dir", self.checkpoint_dir),
+                            ("--checkpoint-every", self.checkpoint_every),
+                            ("--resume", self.resume), ("--metrics", self.metrics),
+                            ("--trace", self.trace), ("--tensorboard", self.tensorboard)):
+            if value:
+                out += [flag, str(value)]
+        for flag, on in (("--resume-verified", self.resume_verified), ("--check", self.check),
+                         ("--force", self.force)):
+            if on:
+                out.append(flag)
+        return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="planc.runtime.worker",
+                                     description="One rank of a planc training run.")
+    parser.add_argument("build", metavar="DIR", help="a build directory (planc compile)")
+    parser.add_argument("--steps", type=int, help="optimizer steps [the plan's train.steps]")
+    parser.add_argument("--backend", choices=("gloo", "nccl"))
+    parser.add_argument("--metrics", metavar="M.jsonl", help="one JSON object per step")
+    parser.add_argument("--trace", metavar="T.json", help="Chrome trace of every rank")
+    parser.add_argument("--check", action="store_true",
+                        help="compare with the single-process reference")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                        help="seconds without progress before a rank reports a hang")
+    parser.add_argument("--checkpoint-dir", metavar="D",
+                        help="write consolidated checkpoints into D (docs/checkpoints.md)")
+    parser.add_argument("--checkpoint-every", type=int, metavar="N",
+                        help="with --checkpoint-dir: after every N-th step (and the last)")
+    parser.add_argument("--resume", metavar="D",
+                        help="continue from the newest complete checkpoint in D, or from the "
+                        "step directory D; --steps counts from the start of training")
+    parser.add_argument("--resume-verified", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--data-identity", type=Identity.parse, help=argparse.SUPPRESS)
+    parser.add_argument("--tensorboard", metavar="DIR",
+                        help="the leader writes TensorBoard scalars of every step into DIR")
+    parser.add_argument("--force", action="store_true",
+                        help="rank 0 may replace a trace an earlier run wrote at --trace")
+    return parser

@@ -1,0 +1,34 @@
+"""RunOptions: what planc run hands its ranks, and what a rank started by torchrun parses
+from its command line, are one value (planc.runtime.options)."""
+
+from __future__ import annotations
+
+import pytest
+
+from planc.data.identity import Identity
+from planc.runtime.options import RunOptions
+
+
+def test_every_option_survives_the_workers_command_line():
+    options = RunOptions(build="/b", backend="gloo", steps=3, timeout=60.5, metrics="/m.jsonl",
+                         trace="/t.json", tensorboard="/tb", check=True, checkpoint_dir="/c",
+                         checkpoint_every=2, resume="/c/step-000002", resume_verified=True,
+                         data_identity=Identity(1, 2, 3, 4), force=True)
+    assert RunOptions.parse(options.to_argv()) == options
+
+
+def test_defaults_make_the_shortest_command_line():
+    assert RunOptions("/b").to_argv() == ["/b", "--timeout", "120.0"]
+    assert RunOptions.parse(["/b"]) == RunOptions("/b")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["/b", "--checkpoint-every", "0", "--checkpoint-dir", "/c"],
+     "--checkpoint-every must be at least 1"),
+    (["/b", "--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir"),
+])
+def test_a_wrong_worker_command_line_exits_with_status_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        RunOptions.parse(argv)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"planc.runtime.worker: error: {message}"
