@@ -1198,7 +1198,7 @@ def preload() -> None:
 
     for module in ("planc.cli", "planc.commands", "planc.commands.check",
                    "planc.commands.compile", "planc.lang", "planc.compile", "planc.build.directory",
-                   "planc.runtime.engine.data", "planc.views.summary_text", "planc.views.plan_text",
+                   "planc.runtime.engine.data", "planc.views.summary_text", "planc.views.plan_summary",
                    "planc.estimate.memory", "planc.views.memory_text", "planc.host.locks"):
         try:
             importlib.import_module(module)

@@ -19,7 +19,7 @@ from planc.vocabulary.kinds import Integer, Key, Real
 from planc.models import FAMILIES, gpt
 from planc.models.family import Finding
 from planc.plan.plan_json import plan_from_dict
-from planc.views import plan_text
+from planc.views import plan_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,11 +70,11 @@ def test_a_family_registered_with_its_description_is_read_checked_and_printed(to
     model = loaded.plan.model
     assert (model.family, model.ffn, model.window, model.dropout) == ("toy", 128, 8, 0.1)
     assert model.options == {"window": 8, "dropout": 0.1}
-    text = plan_text.settings(loaded.plan)
+    text = plan_summary.settings(loaded.plan)
     assert text.startswith("model toy  layers 2, hidden 32, heads 4 (head_dim 8), window 8, "
                            "dropout 0.1, ffn 128, vocab 64, seq 16, batch 4, fp32, "
                            "tie_embeddings off; ")
-    assert plan_text.one_line(loaded.plan, "toy.plan").startswith("toy.plan: ok: plan toy_plan")
+    assert plan_summary.one_line(loaded.plan, "toy.plan").startswith("toy.plan: ok: plan toy_plan")
     # plan.json holds the family's own keys, and reads back to the same plan
     data = json.loads(json.dumps(loaded.plan.to_dict()))
     assert data["model"]["options"] == {"window": 8, "dropout": 0.1}

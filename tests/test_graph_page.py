@@ -241,7 +241,7 @@ def test_the_llama_page_finds_a_bucket_collective_and_explains_it(browser, tmp_p
     plan, graph = view(LLAMA)
     path = write_page(tmp_path, LLAMA, None, "llama")
     page, errors = open_page(browser, path)
-    # The page places groups as planc.views.graph.layout.place does (the SVG's layout).
+    # The page places groups as planc.views.graph.positions.place does (the SVG's layout).
     placed = page.evaluate("() => Object.fromEntries([...plancGraph.layout().boxes]"
                            ".map(([k, b]) => [k, [b.x, b.y]]))")
     assert placed == page_data(plan, graph)["placed"]

@@ -406,7 +406,7 @@ def test_stage_groups_are_the_ranks_of_one_pipeline_stage(case):
 @PROPERTY
 @given(layouts())
 def test_the_first_tp_group_that_spans_nodes_is_found(case):
-    from planc.lang.placement import crossing_tp_group
+    from planc.lang.group_spans import crossing_tp_group
 
     sizes, order, per_node = case
     layout = _make(sizes, order, per_node)
@@ -418,7 +418,7 @@ def test_the_first_tp_group_that_spans_nodes_is_found(case):
 
 def test_a_tp_group_straddling_two_nodes_is_found():
     """tp first, but nodes of 6 cut the tp groups of 4 at ranks 4..7."""
-    from planc.lang.placement import crossing_tp_group
+    from planc.lang.group_spans import crossing_tp_group
 
     assert crossing_tp_group(Layout(Mesh(tp=4, dp=3), 6)) == (4, 5, 6, 7)
     assert crossing_tp_group(Layout(Mesh(tp=4, dp=3), 12)) is None

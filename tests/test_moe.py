@@ -313,7 +313,7 @@ def test_the_balance_loss_is_deepseek_v3s_sequence_wise_loss():
 def test_with_a_balance_loss_the_mixture_runs_on_its_tp_share():
     """Over tp the mixture may take every token or this rank's share; with aux_loss only
     its share, its balance loss's counts summed over the tp x cp ranks of each sequence."""
-    from planc.graph.layouts import R, S
+    from planc.graph.sharding import R, S
     from planc.graph.tensor_parallel import choices
 
     for aux, inputs in (("", [R, S("seq")]), ("; aux_loss = 0.01", [S("seq")])):

@@ -86,7 +86,7 @@ def test_off_the_known_gpus_the_roofline_prices_the_busiest_ranks_flops():
 
 @pytest.mark.parametrize("imbalance", ["", "; imbalance = 2"])
 def test_the_plan_text_shows_the_key_only_when_given(imbalance):
-    from planc.views.plan_text import settings
+    from planc.views.plan_summary import settings
 
     text = settings(plan_of(imbalance))
     assert ("imbalance 2" in text) == bool(imbalance)

@@ -220,7 +220,7 @@ def test_grad_accumulation_says_how_microbatch_gradients_add_up():
     (error,) = loaded.diagnostics
     assert error.hints == ("did you mean 'fused'?",)
     # planc check -v names it where it is not the default
-    from planc.views.plan_text import settings
+    from planc.views.plan_summary import settings
 
     assert "grad_accumulation" not in settings(plan_with())
     assert ", grad_accumulation autograd\n" in settings(
@@ -228,7 +228,7 @@ def test_grad_accumulation_says_how_microbatch_gradients_add_up():
 
 
 def test_reduce_dtype_says_the_dtype_of_the_data_parallel_gradient_reduction():
-    from planc.views.plan_text import settings
+    from planc.views.plan_summary import settings
 
     bf16 = MODEL.replace("batch = 16", "batch = 16; dtype = bf16")
     plain = plan_with(model=bf16)

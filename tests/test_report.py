@@ -20,9 +20,9 @@ from planc.compile import compile_plan
 from planc.lang import load_file, load_text
 from planc.vocabulary.units import format_bytes
 from planc.simulate import simulate
-from planc.views.plan_text import settings
+from planc.views.plan_summary import settings
 from planc.views.report_html import BAR_SPACE, BAR_START
-from planc.views.report_layout import layout_svg, stage_colours
+from planc.views.rank_picture import layout_svg, stage_colours
 from tests.conftest import PLANS
 
 SMALL = (str(PLANS / "llama-small.plan"), "--set", "mesh.tp=2", "--set", "mesh.pp=2",

@@ -10,7 +10,7 @@ import pytest
 from planc.cli import main
 from planc.lang import load_file, load_text
 from planc.tune import bounds, tune
-from planc.tune.plan_text import with_settings, written_value
+from planc.tune.candidate_text import with_settings, written_value
 from planc.tune.space import candidates, dominates, of_plan
 from tests.conftest import PLANS
 

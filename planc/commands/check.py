@@ -10,16 +10,17 @@ from planc.commands.arguments import Command, add_input
 
 def check(args) -> int:
     from planc.estimate import memory
-    from planc.views import memory_text, plan_text
+    from planc.views import memory_text
+    from planc.views import plan_summary
 
     loaded, status = load_plan(args)
     if status != EXIT_OK or args.error_format == "json":
         return status
     plan = loaded.plan
-    print(plan_text.one_line(plan, loaded.path))
+    print(plan_summary.one_line(plan, loaded.path))
     if args.verbose:
         print()
-        print(plan_text.settings(plan))
+        print(plan_summary.settings(plan))
         print()
         print(memory_text.render(memory.estimate(plan)))
     return EXIT_OK

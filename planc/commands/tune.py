@@ -21,7 +21,7 @@ def devices_per_node(plan, source: str, gpus: int) -> int:
     """How many of the ``gpus`` devices a node holds: the file's devices_per_node, or its
     preset's; a file that names neither is one node of them all."""
     from planc.plan.presets import PRESETS
-    from planc.tune.plan_text import written_value
+    from planc.tune.candidate_text import written_value
 
     written = written_value(source, "topology.devices_per_node")
     if written is not None and written.isdigit() and int(written) > 0:
@@ -37,7 +37,7 @@ def devices_per_node(plan, source: str, gpus: int) -> int:
 def topology_settings(source: str, per_node: int, gpus: int) -> dict[str, str] | str:
     """The topology keys that put the file on ``gpus`` devices of ``per_node`` a node,
     or why it cannot be."""
-    from planc.tune.plan_text import written_value
+    from planc.tune.candidate_text import written_value
 
     has_nodes = written_value(source, "topology.nodes") is not None
     if gpus < per_node:  # part of one node

@@ -1,7 +1,7 @@
 """The transfers of the tp, cp and pp axes, as the derivation inserts them.
 
 - tp: wherever a producer's layout differs from its consumer's,
-  :func:`planc.graph.layouts.redistribute` gives the collective (a local slice moves no
+  :func:`planc.graph.sharding.redistribute` gives the collective (a local slice moves no
   data and is marked on the edge instead);
 - cp: K and V are all-gathered over cp (reduce-scattered in backward), or passed around
   the cp ring inside attention, one block per ring step, each step's shift overlapped with
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from planc.graph import reasons
 from planc.graph.ir import Axis, Kind, Payload, Phase, Port
-from planc.graph.layouts import Layout, R, S, redistribute
+from planc.graph.sharding import Layout, R, S, redistribute
 
 PHASE_OF = {"F": Phase.FORWARD, "B": Phase.BACKWARD, "R": Phase.BACKWARD}
 

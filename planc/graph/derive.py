@@ -11,7 +11,7 @@ millions. Node and edge attributes follow :mod:`planc.graph.ir`.
 
 Transfers come from four rules:
 - tp: :mod:`planc.graph.tensor_parallel` fixes every activation's layout; wherever a
-  producer's layout differs from its consumer's, :func:`planc.graph.layouts.redistribute`
+  producer's layout differs from its consumer's, :func:`planc.graph.sharding.redistribute`
   inserts a collective, forward on the activation and backward on its gradient (a
   local slice moves no data and is marked on the edge); replicated parameters applied
   to sharded data get their gradients fixed up.
@@ -45,7 +45,7 @@ from planc.graph.ir import (
     Port,
     buckets,
 )
-from planc.graph.layouts import Layout, S, gradient_layout
+from planc.graph.sharding import Layout, S, gradient_layout
 from planc.graph.mixture import in_kernel_collectives
 from planc.estimate.model import Shapes, all_parameters, forward_flops
 from planc.models import family_of

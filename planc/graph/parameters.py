@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from planc.graph import reasons
 from planc.graph.ir import Axis, Kind, Op, Payload, Phase, Port, buckets, shard_numel
-from planc.graph.layouts import Layout, gradient_layout
+from planc.graph.sharding import Layout, gradient_layout
 from planc.estimate.model import Parameter
 from planc.graph.tensor_parallel import ParamUse
 

@@ -6,7 +6,7 @@ as its ``reason`` attribute, so that "why is there an all-gather here?" has an a
 
 from __future__ import annotations
 
-from planc.graph.layouts import Layout, Redistribution
+from planc.graph.sharding import Layout, Redistribution
 from planc.models import family_of
 from planc.plan.plan import Plan
 from planc.schedules.layers import chunk_text

@@ -8,7 +8,7 @@ fixed by the plan: replicated, or sharded along the sequence with
 ``sequence_parallel`` (Korthikanti et al. 2022). Between two fixed points the
 operators form short chains (embedding; attention branch; MLP branch; head and
 loss); for each chain every combination of ways is tried, transfers are inserted
-with :func:`planc.graph.layouts.redistribute` forward and backward, and the
+with :func:`planc.graph.sharding.redistribute` forward and backward, and the
 combination of least estimated time per step wins (ties go to the earlier, more
 sharded way). For Megatron's placements this reproduces Megatron exactly; for any
 other placement it is the cheapest correct derivation.
@@ -24,7 +24,7 @@ import itertools
 from dataclasses import dataclass
 
 from planc.estimate.cost import CostModel
-from planc.graph.layouts import (R, IllegalRedistribution, Layout, P, S, gradient_layout,
+from planc.graph.sharding import (R, IllegalRedistribution, Layout, P, S, gradient_layout,
                                  redistribute)
 from planc.estimate.model import Shapes, forward_flops
 from planc.plan.layout import Layout as RankLayout

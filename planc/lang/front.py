@@ -13,7 +13,7 @@ from planc.host.files import read_regular_file
 from planc.lang.check import check
 from planc.lang.overrides import Override, OverrideError, parse_overrides
 from planc.lang.parser import parse
-from planc.lang.placement import tp_placement_warnings
+from planc.lang.group_spans import tp_placement_warnings
 from planc.vocabulary.units import format_bytes
 from planc.plan.plan import Plan
 from planc.diagnostics import counted

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from planc.diagnostics import Span
 from planc.lang.plan_kinds import StageRange
 from planc.schedules.layers import balanced_chunks, fewest_layers
-from planc.schedules.schedule import LOOP, Placement
+from planc.schedules.schedule import LOOP, ChunkPlacement
 
 Chunks = tuple[tuple[int, int], ...]
 
@@ -32,7 +32,7 @@ def _what(pp: int, virtual: int) -> str:
     return f"pp ({pp})" if virtual == 1 else f"pp x virtual ({pp} x {virtual} = {pp * virtual})"
 
 
-def auto_chunks(layers: int, pp: int, virtual: int, placement: Placement = LOOP
+def auto_chunks(layers: int, pp: int, virtual: int, placement: ChunkPlacement = LOOP
                 ) -> Chunks | StageProblem:
     """The chunks of ``stages = auto``, or why there are none."""
     if layers >= fewest_layers(pp, virtual):
@@ -58,7 +58,7 @@ def _text(r: StageRange) -> str:
 
 
 def explicit_problems(ranges: tuple[StageRange, ...], layers: int, pp: int,
-                      virtual: int, placement: Placement = LOOP) -> list[StageProblem]:
+                      virtual: int, placement: ChunkPlacement = LOOP) -> list[StageProblem]:
     """What is wrong with an explicit list, [] if nothing."""
     found = []
     chunks = pp * virtual

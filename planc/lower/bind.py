@@ -14,8 +14,8 @@ import networkx as nx
 
 from planc.graph.grad_norm import norm_ranges
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, Port
-from planc.graph.layouts import parse as parse_layout
-from planc.graph.layouts import R, S
+from planc.graph.sharding import parse as parse_layout
+from planc.graph.sharding import R, S
 from planc.program.groups import EXPERTS, SEQUENCE
 from planc.program.operands import FEATURE_AXIS, SEQ_AXIS, Input, Operands
 

@@ -382,7 +382,7 @@ class Plan:
 
     @property
     def placement(self):
-        """Where the schedule puts model chunks (a :class:`planc.schedules.Placement`)."""
+        """Where the schedule puts model chunks (a :class:`planc.schedules.ChunkPlacement`)."""
         return named_schedule(self.schedule.pipeline).placement
 
     def stage_of_chunk(self, chunk: int) -> int:

@@ -17,14 +17,14 @@ from planc.schedules.dualpipev import DUALPIPEV
 from planc.schedules.gpipe import GPIPE
 from planc.schedules.interleaved import INTERLEAVED
 from planc.schedules.one_f_one_b import ONE_F_ONE_B
-from planc.schedules.schedule import (LOOP, V, PipelineSchedule, PipelineShape, Placement,
+from planc.schedules.schedule import (LOOP, V, PipelineSchedule, PipelineShape, ChunkPlacement,
                                       ScheduleProblem)
 from planc.schedules.timeline import Timeline, simulate
 from planc.schedules.zero_bubble import INTERLEAVED_ZB, ZB1P
 from planc.schedules.zbv import ZBV
 
 __all__ = ["Action", "ActionKind", "Block", "LOOP", "V", "PipelineSchedule", "PipelineShape",
-           "Placement",
+           "ChunkPlacement",
            "ScheduleProblem", "SCHEDULES", "DEFAULT_SCHEDULE", "Timeline", "named", "names",
            "order", "problems", "simulate"]
 

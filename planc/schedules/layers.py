@@ -1,7 +1,7 @@
 """Which layers each model chunk runs when ``stages = auto``: the rule, on plain numbers.
 
 A chunk is an inclusive layer range ``(first, last)``; chunk c runs on the pipeline rank
-its schedule's placement gives (c mod pp, or a V: planc.schedules.schedule.Placement). A chunk with no transformer layer is written ``(first, first - 1)``: only the
+its schedule's placement gives (c mod pp, or a V: planc.schedules.schedule.ChunkPlacement). A chunk with no transformer layer is written ``(first, first - 1)``: only the
 model's first chunk (which still runs the embedding) and its last (the final norm, the
 head and the loss) may be one, as in Llama 3's layout (Dubey et al. 2024, "The Llama 3
 Herd of Models", section 3.3.2: "the first model chunk on the first stage has only the
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 
-from planc.schedules.schedule import LOOP, Placement
+from planc.schedules.schedule import LOOP, ChunkPlacement
 
 Chunks = tuple[tuple[int, int], ...]
 
@@ -38,7 +38,7 @@ def fewest_layers(pp: int, virtual: int) -> int:
     return max(chunks - 2, 1)
 
 
-def balanced_chunks(layers: int, pp: int, virtual: int, placement: Placement = LOOP,
+def balanced_chunks(layers: int, pp: int, virtual: int, placement: ChunkPlacement = LOOP,
                     ends: int = EMBEDDING_WORK) -> Chunks:
     """The chunks of ``stages = auto``, in chunk order (see the module's docstring), on
     the ranks ``placement`` puts them (round-robin, or a V: the head on rank 0).

@@ -44,7 +44,7 @@ class PipelineSchedule:
     the stage holds at its peak.
     ``problems(shape)``: what the plan must change for this schedule, [] if nothing.
     ``chunks_per_stage``: whether it runs several model chunks on a stage (virtual > 1).
-    ``placement``: where each model chunk lives (:class:`Placement`): round-robin
+    ``placement``: where each model chunk lives (:class:`ChunkPlacement`): round-robin
     (:data:`LOOP`, Megatron's interleaving) unless the schedule says otherwise (:data:`V`).
     ``overlapped(stage, pp, microbatches, virtual)``: the positions i in the stage's order
     whose action i (a forward) runs overlapped with action i + 1 (another microbatch's
@@ -64,7 +64,7 @@ class PipelineSchedule:
     problems: Callable[[PipelineShape], list[ScheduleProblem]]
     chunks_per_stage: bool = False
     splits_backward: bool = False
-    placement: "Placement" = None  # type: ignore[assignment]  # LOOP unless given
+    placement: "ChunkPlacement" = None  # type: ignore[assignment]  # LOOP unless given
     overlapped: Callable[[int, int, int, int], frozenset[int]] = None  # type: ignore
     steady: bool = True
 
@@ -132,7 +132,7 @@ def no_problems(shape: PipelineShape) -> list[ScheduleProblem]:
 
 
 @dataclass(frozen=True)
-class Placement:
+class ChunkPlacement:
     """Where model chunks live. ``stage_of_chunk(chunk, pp, virtual)``: the chunk's stage;
     ``descends(chunk, pp)``: whether the activation chunk ``chunk`` hands to the next
     chunk travels to a lower stage (the second arm of a V) rather than to the next one,
@@ -154,12 +154,12 @@ def _v_stage(chunk: int, pp: int, virtual: int) -> int:
 
 # Chunk c on stage c mod pp: the chunks go round the stages ``virtual`` times, the last
 # stage sending on to the first (Narayanan et al., SC'21, section 2.2).
-LOOP = Placement("loop", _loop_stage, lambda chunk, pp: False)
+LOOP = ChunkPlacement("loop", _loop_stage, lambda chunk, pp: False)
 # The V of ZB-V and DualPipeV (Qi et al., ICLR 2024, section 6; DeepSeek-AI, DeepSeek-V3
 # technical report, 2024, section 3.2.1): chunk c on stage c for c < pp and on 2pp - 1 - c
 # after, so stage 0 holds the first and the last chunk (the embedding and the loss) and
 # the last stage the two middle ones, which hand over without a transfer.
-V = Placement("v", _v_stage, lambda chunk, pp: (chunk // pp) % 2 == 1)
+V = ChunkPlacement("v", _v_stage, lambda chunk, pp: (chunk // pp) % 2 == 1)
 
 
 def no_overlap(stage: int, pp: int, microbatches: int, virtual: int) -> frozenset[int]:

@@ -98,7 +98,7 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
     candidates not yet simulated are counted as left, not simulated."""
     from planc.compile import compile_plan
     from planc.simulate import simulate
-    from planc.tune.plan_text import with_settings, written_values
+    from planc.tune.candidate_text import with_settings, written_values
 
     start = time.perf_counter()
     search = Search(capacity=capacity if capacity is not None else

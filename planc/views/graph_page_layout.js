@@ -1,6 +1,6 @@
 "use strict";
 // Placement of groups in lanes, edge paths and the mesh's group table, for graph_page.js.
-// place() is planc/views/graph/layout.py's place() and edgePath() graph_svg.py's
+// place() is planc/views/graph/positions.py's place() and edgePath() graph_svg.py's
 // edge_path(): the page's first view and the SVG agree (tests/test_graph_page.py checks).
 const Layout = (() => {
   function groupSize(item, G) {

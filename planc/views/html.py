@@ -27,7 +27,7 @@ from planc.plan.plan import Plan
 from planc.views.graph.facts import AXIS_COLORS, PHASE_FILLS, Facts, colours, lane_labels, \
     node_lines
 from planc.views.graph.groups import groups_of, summary_lines
-from planc.views.graph.layout import GEOMETRY, inner_layout, initially_expanded, place
+from planc.views.graph.positions import GEOMETRY, inner_layout, initially_expanded, place
 
 # The page expands every group of a graph this small, and only groups of at most
 # SMALL_GROUP nodes of a bigger one (a layer is a card until asked for).

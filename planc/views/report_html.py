@@ -17,8 +17,8 @@ from planc.vocabulary.units import (COMPUTE, TIME, format_bytes, format_flop_rat
                               format_share)
 from planc.plan.mesh import AXES
 from planc.schedules import Block
-from planc.views.plan_text import settings
-from planc.views.report_layout import layout_svg
+from planc.views.plan_summary import settings
+from planc.views.rank_picture import layout_svg
 from planc.diagnostics import counted
 
 PHASE_COLOURS = {"F": "#4e79a7", "B": "#e15759", "prologue": "#bab0ac",

@@ -18,7 +18,7 @@ import networkx as nx
 from planc.views.graph.facts import AXIS_COLORS, COMPUTE_STROKE, PHASE_FILLS, colours, \
     node_lines
 from planc.views.graph.groups import groups_of, summary_lines
-from planc.views.graph.layout import initially_expanded
+from planc.views.graph.positions import initially_expanded
 
 EXPAND_LIMIT = 300  # as the SVG: every node of a default view, big groups of more as cards
 

@@ -1,6 +1,6 @@
 """The communication graph as SVG, laid out and written by planc: no Graphviz, any size.
 
-The drawing is planc.views.graph.layout's: a lane per pipeline stage, the stage's groups
+The drawing is planc.views.graph.positions's: a lane per pipeline stage, the stage's groups
 left to right, a group's nodes top to bottom. Graphs of more than ``EXPAND_LIMIT``
 nodes draw their big groups as cards with counts (choose layers for their nodes), so
 that even a 1,024-rank plan's whole step is a picture a person can read, in a second.
@@ -16,8 +16,8 @@ import networkx as nx
 from planc.views.graph.facts import AXIS_COLORS, COMPUTE_STROKE, PHASE_FILLS, colours, \
     node_lines
 from planc.views.graph.groups import Group, groups_of, summary_lines
-from planc.views.graph.layout import (LANE_LABEL_W, LINE_H, NODE_H, NODE_W, PAD, TITLE_H,
-                                      Placement, inner_layout, initially_expanded, place)
+from planc.views.graph.positions import (LANE_LABEL_W, LINE_H, NODE_H, NODE_W, PAD, TITLE_H,
+                                      Positions, inner_layout, initially_expanded, place)
 
 EXPAND_LIMIT = 300  # planc.graph.select.DEFAULT_NODE_LIMIT: a default view shows every node
 HEADER_H = 58
@@ -32,7 +32,7 @@ class Drawing:
     groups: list[Group]
     owner: dict[str, str]  # node -> group key
     lines: dict[str, list[str]]  # group key -> its card's summary
-    placement: Placement
+    placement: Positions
 
 
 def lay_out(graph: nx.DiGraph, limit: int = EXPAND_LIMIT) -> Drawing:

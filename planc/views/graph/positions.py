@@ -111,7 +111,7 @@ class Lane:
 
 
 @dataclass
-class Placement:
+class Positions:
     lanes: list[Lane]
     groups: list[Placed]
     nodes: dict[str, tuple[float, float]]  # absolute, of the nodes of expanded groups
@@ -120,7 +120,7 @@ class Placement:
 
 
 def place(groups: list[Group], inners: dict[str, Inner], lines: dict[str, int],
-          expanded: set[str]) -> Placement:
+          expanded: set[str]) -> Positions:
     """Lanes stacked in stage order; each lane's groups side by side in ``groups``'
     order; the same rule as the page's placeGroups."""
     sizes = {g.key: group_size(g, inners[g.key], g.key in expanded, lines[g.key])
@@ -148,7 +148,7 @@ def place(groups: list[Group], inners: dict[str, Inner], lines: dict[str, int],
             for node, (nx_, ny) in inners[g.key].positions.items():
                 nodes[node] = (dx + nx_, dy + ny)
     width = max(lane_end.values(), default=LANE_LABEL_W) + GROUP_GAP
-    return Placement(lanes, placed, nodes, width, y)
+    return Positions(lanes, placed, nodes, width, y)
 
 
 def initially_expanded(groups: list[Group], total_nodes: int, limit: int,
