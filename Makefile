@@ -60,9 +60,11 @@ demo: $(STAMP) $(CORPUS)
 # (14.5 -> 10.2 min here); a file's shared fixtures are built once. Files start in the
 # order tests/conftest.py gives them (the longest first), not pytest-xdist's own.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 4 ? 4 : n )))
+# More pytest options, e.g. make test PYTEST_ARGS=--durations=40 (the slowest tests).
+PYTEST_ARGS ?=
 
 test: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/parse.py
