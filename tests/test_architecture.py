@@ -1,6 +1,6 @@
 """The rules of docs/architecture.md, checked on the source: no import cycles, no module
-over 500 lines, torch only under planc/runtime, and a runtime that reads the build, not
-the compiler's inputs.
+over 500 lines, torch only under planc/runtime, a runtime that reads the build, not
+the compiler's inputs, and instructions' ops and guards compared as members, never text.
 
 Imports are read from the source (nothing is imported), every ``import`` counts, at
 module level or inside a function: an import deferred into a function to dodge a cycle
@@ -218,3 +218,55 @@ def test_the_root_holds_only_the_entry_points_and_no_folder_is_crowded():
     crowded = {str(d.relative_to(ROOT)): n for d in [PACKAGE, *PACKAGE.rglob("*")]
                if d.is_dir() and (n := len(list(d.glob("*.py")))) > MAX_MODULES_PER_FOLDER}
     assert crowded == {}
+
+
+# Modules whose ``op`` is not an instruction's: the language's binary operators
+# (planc.vocabulary.kinds, planc.lang: "+", "-", ...) and the graph's operators
+# (planc.graph, planc.models: "embedding", "loss", ... keyed by the families' rules).
+OTHER_VOCABULARIES_OF_OP = ("planc.vocabulary.kinds", "planc.lang", "planc.graph",
+                            "planc.models")
+
+
+def _called_op_or_guard(node: ast.AST) -> bool:
+    name = node.id if isinstance(node, ast.Name) else \
+        node.attr if isinstance(node, ast.Attribute) else None
+    return name in ("op", "guard")
+
+
+def _text(node: ast.AST) -> bool:
+    """A string constant, or a tuple, list or set of them."""
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return bool(node.elts) and all(_text(item) for item in node.elts)
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
+def string_comparisons_of_op(path: Path) -> list[int]:
+    """The lines of ``path`` that compare an ``op`` or ``guard`` with text."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        for left, right in zip(sides, sides[1:]):
+            if _called_op_or_guard(left) and _text(right) or \
+                    _called_op_or_guard(right) and _text(left):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_no_instruction_op_or_guard_is_compared_with_text():
+    """Instructions carry an Opcode and a Guard (planc.program.instruction_set): code
+    compares members, so a renamed or mistyped op cannot silently never match."""
+    found = [f"{path.relative_to(ROOT)}:{line}" for name, path in modules().items()
+             if not any(name == other or name.startswith(other + ".")
+                        for other in OTHER_VOCABULARIES_OF_OP)
+             for line in string_comparisons_of_op(path)]
+    assert found == []
+
+
+def test_the_op_scan_sees_a_comparison_with_text(tmp_path):
+    source = tmp_path / "example.py"
+    source.write_text('if item.op == "wait" or op in ("send", "recv") or '
+                      'i.guard != "last":\n    pass\nif item.op is WAIT:\n    pass\n')
+    assert string_comparisons_of_op(source) == [1, 1, 1]

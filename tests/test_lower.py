@@ -13,8 +13,16 @@ import pytest
 from planc.build.directory import read, read_programs, write
 from planc.compile import compile_plan
 from planc.lang import load_file, load_text
-from planc.program.operands import Input, Operands
-from planc.program.program import Instruction, Program, RankTable
+from planc.program.operands import Input, Operands, StepKind
+from planc.program.program import (
+    Guard,
+    Instruction,
+    Opcode,
+    Program,
+    RankTable,
+    done_event,
+    node_of_done,
+)
 from planc.verify.verifier import verify
 from tests.conftest import PLANS
 
@@ -330,6 +338,20 @@ def test_instruction_json_carries_explicit_writes():
                    {"op": "wait", "stream": "s", "event": "e", "operands": {}}):
         with pytest.raises(ValueError):
             Instruction.from_json(broken)
+
+
+def test_instructions_read_back_typed_and_write_the_same_text():
+    item = {"op": "wait", "stream": "compute", "event": done_event("F/L0/qkv"),
+            "guard": "last"}
+    instruction = Instruction.from_json(item)
+    assert instruction.op is Opcode.WAIT and instruction.guard is Guard.LAST
+    assert node_of_done(instruction.event) == "F/L0/qkv"
+    assert node_of_done("gathered:x") is None
+    assert json.dumps(instruction.to_json()) == json.dumps(item)
+    compute = Instruction.from_json({"op": "compute", "stream": "compute", "node": "n",
+                                     "operands": {"step": "recompute"}})
+    assert compute.operands.step is StepKind.RECOMPUTE
+    assert json.dumps(compute.to_json()["operands"]) == '{"step": "recompute"}'
 
 
 def test_verification_of_the_largest_plan_is_folded(tmp_path):

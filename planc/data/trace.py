@@ -13,6 +13,7 @@ import zlib
 
 from planc.host.files import write_atomically
 from planc.program.names import STREAM_ORDER
+from planc.program.program import Opcode
 from planc.host.outputs import RUN_TRACE
 
 # A flow end: ("s" start or "f" finish, sending rank, receiving rank, the receive's
@@ -30,11 +31,11 @@ def flows_of(op: str, node: str, rank: int, peer: int | None, partner: str | Non
     flow to ``peer``'s receive ``partner``, a receive finishes the one from ``peer``; ring
     attention (a compute step over the cp ring) starts one to the next member of its
     group and finishes the one from the previous member."""
-    if op == "send" and peer is not None and partner is not None:
+    if op is Opcode.SEND and peer is not None and partner is not None:
         return (("s", rank, peer, partner, False),)
-    if op == "recv" and peer is not None:
+    if op is Opcode.RECV and peer is not None:
         return (("f", peer, rank, node, False),)
-    if op == "compute" and members:
+    if op is Opcode.COMPUTE and members:
         after = members[(index + 1) % len(members)]
         before = members[(index - 1) % len(members)]
         return (("s", rank, after, node, False), ("f", before, rank, node, True))
@@ -71,8 +72,8 @@ def write(path: str, labels: dict[int, str],
                           "args": {"step": step, "microbatch": microbatch, "op": op}})
             for phase, sender, receiver, name, at_end in flows:
                 flow = {"ph": phase, "id": _flow_id(sender, receiver, name, microbatch, step),
-                        "name": "ring" if op == "compute" else "send",
-                        "cat": "cp" if op == "compute" else "pp", **where}
+                        "name": "ring" if op is Opcode.COMPUTE else "send",
+                        "cat": "cp" if op is Opcode.COMPUTE else "pp", **where}
                 if phase == "f":
                     flow["bp"] = "e"
                 if at_end:

@@ -93,7 +93,7 @@ from types import SimpleNamespace
 
 from planc.estimate.model import Shapes
 from planc.plan.presets import PRESETS
-from planc.program.operands import Operands
+from planc.program.operands import Operands, StepKind
 from planc.models import family_of, moe
 from planc.plan.plan import Plan
 
@@ -353,9 +353,9 @@ class KernelModel:
         if kernel == MIXTURE and self.mixture is not None:
             return self.mixture_seconds(operands.step, flops)
         if kernel == ATTENTION and not self.gpu.flash:
-            return self.unfused_attention(operands.step == "backward")
+            return self.unfused_attention(operands.step == StepKind.BACKWARD)
         if kernel == ATTENTION:
-            if operands.step == "backward":
+            if operands.step == StepKind.BACKWARD:
                 work = FLASH_BACKWARD * flops / 2.0 * CAUSAL
                 return work / (self.gpu.attention_backward * self.attention_scale) + \
                     self.gpu.launch
@@ -364,10 +364,10 @@ class KernelModel:
         if kernel in LOSS_KERNELS:
             # It reads the logits (its output is one figure per token): the vocabulary
             # slice of every token, once per pass over them.
-            elements = flops / LOSS_FLOPS_PER_LOGIT / (2.0 if operands.step == "backward"
+            elements = flops / LOSS_FLOPS_PER_LOGIT / (2.0 if operands.step == StepKind.BACKWARD
                                                        else 1.0)
             traffic = max(traffic, LOSS_PASSES * elements * self.dtype_bytes)
-        elif operands.step == "backward" and kernel != OPTIMIZER:
+        elif operands.step == StepKind.BACKWARD and kernel != OPTIMIZER:
             # A backward reads the forward's input and the output's gradient and writes
             # the input's gradient: three tensors of the output's size, not two.
             traffic = max(traffic, BACKWARD_TRAFFIC * (operands.output_bytes or 0))

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from planc.estimate.cost import Route
 from planc.program.operands import Operands
+from planc.program.program import TRANSFER_OPS, Opcode
 from planc.host.outputs import CHAKRA
 from planc.simulate.costs import InstructionCosts
 
@@ -114,15 +115,15 @@ def _nodes(build, program, rank: int, costs: InstructionCosts) -> list[bytes]:
     ends: dict[int, float] = {}  # node id -> when it ends (the simulator's durations)
     next_id = 0
     for item in program.expand():
-        if item.op == "record":
+        if item.op is Opcode.RECORD:
             if item.stream in last_on_stream:
                 event_node[item.event] = last_on_stream[item.stream]
             continue
-        if item.op == "wait":
+        if item.op is Opcode.WAIT:
             if item.event in event_node:
                 pending_waits.setdefault(item.stream, []).append(event_node[item.event])
             continue
-        if item.op == "sync":
+        if item.op is Opcode.SYNC:
             pending_waits.setdefault(item.stream, []).extend(last_on_stream.values())
             continue
         instruction = item.source
@@ -134,10 +135,10 @@ def _nodes(build, program, rank: int, costs: InstructionCosts) -> list[bytes]:
         begin = max([ends[d] for d in deps], default=0.0)
         label = item.node + (f"#{item.microbatch}" if item.microbatch is not None else "")
         common: list[tuple[str, object]] = [("is_cpu_op", False)]
-        if item.op == "compute":
+        if item.op is Opcode.COMPUTE:
             parts = [(COMP_NODE, label, [("num_ops", int(operands.flops)),
                                          ("tensor_size", operands.output_bytes)])]
-        elif item.op in ("send", "recv"):
+        elif item.op in TRANSFER_OPS:
             parts = []
             halves = (item.op,)
             for half in halves:

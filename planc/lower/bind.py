@@ -17,7 +17,8 @@ from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, P
 from planc.graph.sharding import parse as parse_layout
 from planc.graph.sharding import R, S
 from planc.program.groups import EXPERTS, SEQUENCE
-from planc.program.operands import FEATURE_AXIS, SEQ_AXIS, Input, Operands
+from planc.program.operands import FEATURE_AXIS, SEQ_AXIS, Input, Operands, StepKind
+from planc.program.program import Opcode
 
 
 def _value(item):
@@ -54,17 +55,17 @@ def inputs_of(graph: nx.DiGraph, node: str, stage: int, position: dict[str, int]
 def _compute(graph: nx.DiGraph, node: str, data: dict, position: dict[str, int]
              ) -> Operands:
     if data["op"] == Op.OPTIMIZER:
-        step = "optimizer"
+        step = StepKind.OPTIMIZER
     elif data["op"] in (Op.GRAD_NORM, Op.GRAD_CLIP):
-        step = "clip"  # train { grad_clip }: the gradient norm's share, and the clip
+        step = StepKind.CLIP  # train { grad_clip }: the gradient norm's share, and the clip
     elif data.get("weight_grad_of") is not None:
-        step = "weight"  # the parameter half of a split backward
+        step = StepKind.WEIGHT  # the parameter half of a split backward
     elif data["recompute"]:
-        step = "recompute"
+        step = StepKind.RECOMPUTE
     elif data["phase"] == Phase.BACKWARD:
-        step = "backward"
+        step = StepKind.BACKWARD
     else:
-        step = "forward"
+        step = StepKind.FORWARD
     tp_input = parse_layout(data.get("tp_input", "R"))
     gathered = tuple(sorted((graph.nodes[u]["bucket"], u) for u, _, e in
                             graph.in_edges(node, data=True) if e.get("port") == Port.PARAM))
@@ -97,7 +98,7 @@ def _compute(graph: nx.DiGraph, node: str, data: dict, position: dict[str, int]
         max_norm=data.get("max_norm"))
 
 
-def _transfer(graph: nx.DiGraph, node: str, data: dict, op: str,
+def _transfer(graph: nx.DiGraph, node: str, data: dict, op: Opcode,
               position: dict[str, int]) -> Operands:
     source = node
     payload = data["payload"]
@@ -127,7 +128,7 @@ def _transfer(graph: nx.DiGraph, node: str, data: dict, op: str,
         bytes=data.get("bytes"))
 
 
-def operands_of(graph: nx.DiGraph, node: str, op: str, position: dict[str, int]
+def operands_of(graph: nx.DiGraph, node: str, op: Opcode, position: dict[str, int]
                 ) -> Operands:
     """The operands of the instruction ``op`` that runs ``node``; ``position``: each
     node's index in the graph's node order."""

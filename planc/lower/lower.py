@@ -30,10 +30,14 @@ from planc.lower.bind import operands_of
 from planc.lower.evaluation import evaluation_of, forward_only
 from planc.program.names import STREAM_ORDER
 from planc.program.program import (
+    EVENT_NAMING_OPS,
     STATE,
+    Guard,
     Instruction,
+    Opcode,
     Program,
     RankTable,
+    done_event,
     finished_before,
     vector_clocks,
 )
@@ -91,7 +95,7 @@ def _close_state(block: list[Instruction]) -> list[Instruction]:
                     writers.setdefault(w, set()).add(i.stream)
     closing: dict[tuple[str, Instruction], None] = {}  # (waiting stream, reader), in order
     for i in block:
-        if not i.per_microbatch or i.op in ("record", "wait"):
+        if not i.per_microbatch or i.op in EVENT_NAMING_OPS:
             continue
         for stream in sorted({s for r in i.reads if r in writers for s in writers[r]}):
             if stream != i.stream:
@@ -99,16 +103,19 @@ def _close_state(block: list[Instruction]) -> list[Instruction]:
     if not closing:
         return block
     readers = {i for _, i in closing}
-    recorded = {(i.event, i.stream) for i in block if i.op == "record" and i.per_microbatch}
+    recorded = {(i.event, i.stream) for i in block
+                if i.op is Opcode.RECORD and i.per_microbatch}
     out = []
     for instruction in block:
         out.append(instruction)
-        if instruction in readers and \
-                (f"done:{instruction.node}", instruction.stream) not in recorded:
-            out.append(Instruction("record", instruction.stream,
-                                   event=f"done:{instruction.node}"))
-            recorded.add((f"done:{instruction.node}", instruction.stream))
-    out += [Instruction("wait", stream, event=f"done:{i.node}") for stream, i in closing]
+        if instruction not in readers:
+            continue
+        done = (done_event(instruction.node), instruction.stream)
+        if done not in recorded:
+            out.append(Instruction(Opcode.RECORD, instruction.stream, event=done[0]))
+            recorded.add(done)
+    out += [Instruction(Opcode.WAIT, stream, event=done_event(i.node))
+            for stream, i in closing]
     return out
 
 
@@ -301,14 +308,14 @@ def _instructions(lowering: _StageLowering, nodes: list[str],
     for node in nodes:
         where = lowering.where[node]
         data = graph.nodes[node]
-        guard = "last" if where.guarded else None
+        guard = Guard.LAST if where.guarded else None
         for source, how in waits.get(node, ()):
             if (where.stream, source, how) in waited:
                 continue  # later instructions of the stream follow the first wait
             waited.add((where.stream, source, how))
-            out.append(Instruction("wait", where.stream, event=f"done:{source}",
+            out.append(Instruction(Opcode.WAIT, where.stream, event=done_event(source),
                                    per_microbatch=how == "mb", guard=guard))
-        op = "compute" if data["type"] == NodeType.COMPUTE else data["kind"].value
+        op = Opcode.COMPUTE if data["type"] == NodeType.COMPUTE else Opcode(data["kind"].value)
         reads = tuple(source for source, carries in lowering.sources(node) if carries)
         state_reads, state_writes = lowering.state_buffers(node)
         out.append(Instruction(op, where.stream, node, reads=reads + state_reads,
@@ -316,12 +323,12 @@ def _instructions(lowering: _StageLowering, nodes: list[str],
                                per_microbatch=data["per_microbatch"], guard=guard,
                                operands=operands_of(graph, node, op, lowering.rank)))
         if (node, "mb") in recorded:
-            out.append(Instruction("record", where.stream, event=f"done:{node}",
+            out.append(Instruction(Opcode.RECORD, where.stream, event=done_event(node),
                                    per_microbatch=True, guard=guard))
         if (node, "step") in recorded:  # once, on the last microbatch of a block
-            out.append(Instruction("record", where.stream, event=f"done:{node}",
+            out.append(Instruction(Opcode.RECORD, where.stream, event=done_event(node),
                                    per_microbatch=False,
-                                   guard="last" if where.per_microbatch or guard else None))
+                                   guard=Guard.LAST if where.per_microbatch or guard else None))
     return out
 
 
@@ -341,7 +348,7 @@ def _with_frees(blocks: dict[str, list[Instruction]], graph: nx.DiGraph,
     streams = {name: [i.stream for i in block] for name, block in blocks.items()}
     for name, block in blocks.items():
         for k, instruction in enumerate(block):
-            if instruction.op in ("record", "wait") or not instruction.per_microbatch:
+            if instruction.op in EVENT_NAMING_OPS or not instruction.per_microbatch:
                 for buffer in instruction.reads:
                     kept.add(buffer)
                 continue
@@ -429,7 +436,7 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
             # Every stream of the epilogue starts once every stream has drained the blocks.
             used = [st for st in STREAM_ORDER if st == COMPUTE or
                     any(i.stream == st for i in body)]
-            body = [Instruction("sync", st, per_microbatch=False) for st in used] + body
+            body = [Instruction(Opcode.SYNC, st, per_microbatch=False) for st in used] + body
         plan_schedule = tuple((a.block.name, a.microbatch) for a in actions[stage])
         receives = _receive_order(graph, receive_nodes, actions, lowering.split)
         evaluation, evaluation_receives = (), {}

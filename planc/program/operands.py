@@ -13,15 +13,31 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from enum import StrEnum
 
 # Ports of an input (planc.graph.ir.Port, as the kernels key their inputs).
 PORTS = ("x", "skip", "kv", "max", "sum_exp", "grad")
-# Which step of a compute node's life an instruction runs (docs/programs.md, operands).
-STEPS = ("forward", "recompute", "backward", "weight", "optimizer", "clip")
-FORWARD_STEPS = STEPS[:2]  # the steps that run an operator's forward (and its collectives)
+
+
+class StepKind(StrEnum):
+    """Which step of a compute node's life an instruction runs (docs/programs.md,
+    operands); its value is the JSON's ``step``."""
+
+    FORWARD = "forward"
+    RECOMPUTE = "recompute"  # the forward again, before its backward
+    BACKWARD = "backward"
+    WEIGHT = "weight"  # the parameter half of a split backward (W)
+    OPTIMIZER = "optimizer"
+    CLIP = "clip"  # train { grad_clip }: the gradient norm's share, or the clip by it
+
+
+STEPS = tuple(kind.value for kind in StepKind)
+_STEP_KIND_OF_TEXT = {kind.value: kind for kind in StepKind}
+# the steps that run an operator's forward (and its collectives)
+FORWARD_STEPS = (StepKind.FORWARD, StepKind.RECOMPUTE)
 # The steps that ask autograd for gradients: a whole backward, or either half of a split
 # one (its input gradient, B, and its weight gradient, W).
-GRADIENT_STEPS = STEPS[2:4]
+GRADIENT_STEPS = (StepKind.BACKWARD, StepKind.WEIGHT)
 PAYLOADS = ("activation", "loss_stat", "loss", "kv", "dkv", "stream", "grad", "param",
             "grad_norm")
 REDUCE_OPS = ("sum", "max")
@@ -60,6 +76,13 @@ def _one_of(choices):
             raise ValueError(f"expected one of {list(choices)}, got {value!r}")
         return value
     return check
+
+
+def _step_kind(value) -> StepKind:
+    kind = _STEP_KIND_OF_TEXT.get(value) if isinstance(value, str) else None
+    if kind is None:
+        raise ValueError(f"expected one of {list(STEPS)}, got {value!r}")
+    return kind
 
 
 def _slice(value) -> tuple[str, int]:
@@ -184,7 +207,7 @@ class Operands:
     inputs: tuple[Input, ...] = ()
     # --- compute ---
     kernel: str | None = None  # the operator (planc.graph.ir.Op's value)
-    step: str | None = None  # forward, recompute, backward, weight or optimizer
+    step: StepKind | None = None
     layer: int | None = None
     params: tuple[str, ...] = ()  # global parameter names, in the kernel's order
     param_slices: tuple[tuple[str, tuple[str, int]], ...] = ()  # name -> (dim, axis)
@@ -248,6 +271,8 @@ class Operands:
                 value = {k: list(v) if isinstance(v, tuple) else v for k, v in value}
             elif f.name == "norm_ranges":
                 value = [list(item) for item in value]
+            elif f.name == "step":
+                value = str(value)  # its text: the member serialises as the string it is
             elif isinstance(value, tuple):
                 value = list(value)
             out[f.name] = value
@@ -264,7 +289,7 @@ class Operands:
 
 
 _READERS = {
-    "inputs": _inputs, "kernel": _maybe(_string), "step": _maybe(_one_of(STEPS)),
+    "inputs": _inputs, "kernel": _maybe(_string), "step": _maybe(_step_kind),
     "layer": _maybe(_integer), "params": _tuple_of(_string),
     "param_slices": _pairs_of(_slice), "bias": _maybe(_string),
     "vocab_parallel": _boolean, "seq_sharded": _boolean, "replicated": _boolean,

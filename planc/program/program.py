@@ -41,47 +41,53 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Iterator
 
-from planc.program.names import STREAM_ORDER, Kind
+from planc.program.instruction_set import (  # noqa: F401 (the API of programs)
+    COLLECTIVES,
+    EVENT_NAMING_OPS,
+    EVENT_OPS,
+    GUARD_OF_TEXT,
+    OPCODE_OF_TEXT,
+    TRANSFER_OPS,
+    Guard,
+    Opcode,
+    done_event,
+    node_of_done,
+)
+from planc.program.names import STREAM_ORDER
 from planc.program.operands import Operands
 from planc.program.ranks import RANK_TABLE_VERSION, RankTable, integer_of  # noqa: F401 (API)
 
 # Version 3: instructions carry typed operands (version 2 left them to graph.json).
 PROGRAM_FORMAT_VERSION = 3
 STATE = "@"  # state buffers (a bucket's gradient): one per step, never per microbatch
-COLLECTIVES = tuple(kind.value for kind in Kind if kind.is_collective)
-Opcode = StrEnum("Opcode", [(name.upper(), name) for name in (
-    "compute", "send", "recv", "record", "wait", "sync") + COLLECTIVES])
-OPS = tuple(op.value for op in Opcode)
-EVENT_OPS = (Opcode.RECORD, Opcode.WAIT, Opcode.SYNC)  # no node, no operands
-
-
-class Guard(StrEnum):
-    FIRST = "first"
-    LAST = "last"
-
-
-GUARDS = (None, Guard.FIRST, Guard.LAST)
 
 
 @dataclass(frozen=True)
 class Instruction:
-    op: str  # compute, a collective, send, recv, record, wait, sync
+    op: Opcode
     stream: str
     node: str | None = None
     event: str | None = None
     reads: tuple[str, ...] = ()
     writes: tuple[str, ...] = ()
     per_microbatch: bool = True  # names get the microbatch appended when expanded
-    guard: str | None = None  # "last": only on the block's last microbatch
+    guard: Guard | None = None  # LAST: only on the block's last microbatch
     frees: tuple[str, ...] = ()
     operands: Operands | None = None  # compute and transfer instructions
 
+    def __post_init__(self):
+        # Members compare by identity everywhere; an op or guard given as its text (a
+        # test's hand-written instruction) becomes its member here, once.
+        if self.op.__class__ is not Opcode:
+            object.__setattr__(self, "op", Opcode(self.op))
+        if self.guard is not None and self.guard.__class__ is not Guard:
+            object.__setattr__(self, "guard", Guard(self.guard))
+
     def to_json(self) -> dict:
         """Compact: keys with default values are left out."""
-        item: dict = {"op": self.op, "stream": self.stream}
+        item: dict = {"op": self.op.value, "stream": self.stream}
         if self.node is not None:
             item["node"] = self.node
         if self.event is not None:
@@ -93,7 +99,7 @@ class Instruction:
         if not self.per_microbatch:
             item["per_microbatch"] = False
         if self.guard is not None:
-            item["guard"] = self.guard
+            item["guard"] = self.guard.value
         if self.frees:
             item["frees"] = list(self.frees)
         if self.operands is not None:
@@ -108,19 +114,23 @@ class Instruction:
                                "per_microbatch", "guard", "frees", "operands"}
         if unknown:
             raise ValueError(f"instruction with unknown keys {sorted(unknown)}")
-        op, stream = item["op"], item["stream"]
-        if op not in OPS or not isinstance(stream, str) or not isinstance(op, str):
+        text, stream = item["op"], item["stream"]
+        op = OPCODE_OF_TEXT.get(text) if isinstance(text, str) else None
+        if op is None or not isinstance(stream, str):
             raise ValueError(f"instruction with an unknown op or stream: {item!r}")
         node, event = item.get("node"), item.get("event")
-        if (op in ("record", "wait")) != (event is not None) or \
-                (op not in ("record", "wait", "sync")) != (node is not None):
-            raise ValueError(f"instruction {op} must name {'an event' if op in ('record', 'wait') else 'a node'}")  # noqa: E501
+        names_event = op in EVENT_NAMING_OPS
+        if names_event != (event is not None) or (op not in EVENT_OPS) != (node is not None):
+            raise ValueError(f"instruction {op} must name "
+                             f"{'an event' if names_event else 'a node'}")
         strings = lambda key: tuple(map(_string, item.get(key, ())))  # noqa: E731
         writes = strings("writes") if "writes" in item else ((node,) if node else ())
-        guard = item.get("guard")
-        if guard not in GUARDS:
-            raise ValueError(f"instruction with guard {guard!r}; guards are 'first' and "
-                             f"'last'")
+        guard_text, guard = item.get("guard"), None
+        if guard_text is not None:
+            guard = GUARD_OF_TEXT.get(guard_text) if isinstance(guard_text, str) else None
+            if guard is None:
+                raise ValueError(f"instruction with guard {guard_text!r}; guards are 'first' "
+                                 f"and 'last'")
         per_microbatch = item.get("per_microbatch", True)
         if not isinstance(per_microbatch, bool):
             raise ValueError("per_microbatch must be true or false")
@@ -131,10 +141,9 @@ class Instruction:
             operands = Operands.from_json(item["operands"])
         elif "operands" in item:
             raise ValueError(f"instruction {op} has operands")
-        return Instruction(Opcode(op), stream, None if node is None else _string(node),
+        return Instruction(op, stream, None if node is None else _string(node),
                            None if event is None else _string(event), strings("reads"),
-                           writes, per_microbatch, None if guard is None else Guard(guard),
-                           strings("frees"), operands)
+                           writes, per_microbatch, guard, strings("frees"), operands)
 
 
 def _pairs(items, what: str) -> tuple[tuple[str, int], ...]:
@@ -156,9 +165,9 @@ def _evaluation_of(data) -> dict:
             "evaluation_receives": _receives(data["receives"])}
 
 
-def guard_microbatch(guard: str | None, microbatches: int) -> int | None:
+def guard_microbatch(guard: Guard | None, microbatches: int) -> int | None:
     """The only microbatch a guarded instruction runs on (None: every microbatch)."""
-    return None if guard is None else (0 if guard == "first" else microbatches - 1)
+    return None if guard is None else (0 if guard is Guard.FIRST else microbatches - 1)
 
 
 def _string(value) -> str:
@@ -172,7 +181,7 @@ class Expanded:
     """One instruction of an expanded program, microbatch resolved."""
 
     index: int  # position in the rank's issue order
-    op: str
+    op: Opcode
     stream: str
     node: str | None
     microbatch: int | None
@@ -185,7 +194,7 @@ class Expanded:
 
     def text(self) -> str:
         mb = f" mb {self.microbatch}" if self.microbatch is not None else ""
-        what = self.event if self.op in ("record", "wait") else self.node
+        what = self.event if self.op in EVENT_NAMING_OPS else self.node
         return f"#{self.index} {self.stream}: {self.op} {what}{mb}"
 
 
@@ -357,7 +366,7 @@ class Program:
                 index += 2
                 return
             yield emit(self.receive(stream, node), mb, stream)
-            yield emit(Instruction("record", stream, event=f"done:{node}"), mb, stream)
+            yield emit(Instruction(Opcode.RECORD, stream, event=done_event(node)), mb, stream)
 
         for instruction in self.prologue:
             yield emit(instruction, None, "prologue")
@@ -404,9 +413,9 @@ class Program:
         where = {(node, mb): (stream, i) for stream, items in self.receives.items()
                  for i, (node, mb) in enumerate(items)}
         received = {node for node, _ in where}
-        waits = {name: [i.event[len("done:"):] for i in block
-                        if i.op == "wait" and i.event.startswith("done:")
-                        and i.event[len("done:"):] in received]
+        waits = {name: [node for node in (node_of_done(i.event) for i in block
+                                          if i.op is Opcode.WAIT)
+                        if node in received]
                  for name, block in self.blocks.items()}
         out: dict[tuple[str, int], dict[str, int]] = {}
         for block, microbatch in self.schedule:
@@ -432,14 +441,14 @@ def vector_clocks(instructions) -> tuple[list[dict[str, int]], dict[str, dict[st
         mine = clock.setdefault(instruction.stream, {})
         out.append(dict(mine))
         key = (instruction.event, instruction.per_microbatch)
-        if instruction.op == "sync":
+        if instruction.op is Opcode.SYNC:
             everything = {s: max(c.get(s, -1) for c in clock.values()) for s in clock}
             for c in clock.values():
                 c.update(everything)
-        elif instruction.op == "wait":
+        elif instruction.op is Opcode.WAIT:
             for s, value in events.get(key, {}).items():
                 mine[s] = max(mine.get(s, -1), value)
-        elif instruction.op == "record":
+        elif instruction.op is Opcode.RECORD:
             events[key] = dict(mine)
         else:
             mine[instruction.stream] = position

@@ -32,6 +32,7 @@ all_gather runs the same two steps backwards.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from itertools import accumulate
 
 from planc.program.names import Kind, Route
@@ -39,19 +40,40 @@ from planc.plan.mesh import INTER, INTRA
 
 ROUTES_FORMAT_VERSION = 1
 LEVELS = (INTRA, INTER)  # the sub-groups a route step may run on
-COLLECTIVE_STEPS = ("reduce_scatter", "all_reduce", "all_gather")
-P2P_STEPS = ("send", "recv", "recv_reduce")
+
+
+class StepOp(StrEnum):
+    """What a route step does (the module's docstring); its value is the JSON's ``op``."""
+
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    SEND = "send"
+    RECV = "recv"
+    RECV_REDUCE = "recv_reduce"
+
+
+COLLECTIVE_STEPS = (StepOp.REDUCE_SCATTER, StepOp.ALL_REDUCE, StepOp.ALL_GATHER)
+P2P_STEPS = (StepOp.SEND, StepOp.RECV, StepOp.RECV_REDUCE)
+RECEIVE_STEPS = (StepOp.RECV, StepOp.RECV_REDUCE)
+CHUNKS_PER_MEMBER_STEPS = (StepOp.REDUCE_SCATTER, StepOp.ALL_GATHER)  # a chunk list each
+_STEP_OP_OF_TEXT = {op.value: op for op in StepOp}
 
 
 @dataclass(frozen=True)
 class Step:
-    op: str
+    op: StepOp
     chunks: tuple  # reduce_scatter / all_gather: a tuple of chunk tuples per member
     level: str | None = None  # collectives: intra or inter
     peer: int | None = None  # point to point: the other member's position
 
+    def __post_init__(self):
+        # Members compare by identity; a step written with its op's text becomes one.
+        if self.op.__class__ is not StepOp:
+            object.__setattr__(self, "op", StepOp(self.op))
+
     def to_json(self) -> dict:
-        item: dict = {"op": self.op}
+        item: dict = {"op": self.op.value}
         if self.level is not None:
             item["level"] = self.level
         if self.peer is not None:
@@ -63,7 +85,8 @@ class Step:
     def from_json(item) -> "Step":
         if not isinstance(item, dict) or set(item) - {"op", "level", "peer", "chunks"}:
             raise ValueError(f"malformed route step {item!r}")
-        op, level, peer = item.get("op"), item.get("level"), item.get("peer")
+        text, level, peer = item.get("op"), item.get("level"), item.get("peer")
+        op = _STEP_OP_OF_TEXT.get(text) if isinstance(text, str) else None
         chunks = item.get("chunks")
         if op in COLLECTIVE_STEPS:
             if level not in LEVELS or peer is not None:
@@ -72,10 +95,10 @@ class Step:
             if level is not None or not isinstance(peer, int) or isinstance(peer, bool):
                 raise ValueError(f"route step {op} needs a peer position and no level")
         else:
-            raise ValueError(f"unknown route step {op!r}")
+            raise ValueError(f"unknown route step {text!r}")
         if not isinstance(chunks, list) or not chunks:
             raise ValueError(f"route step {op} lists no chunks")
-        if op in ("reduce_scatter", "all_gather"):
+        if op in CHUNKS_PER_MEMBER_STEPS:
             if not all(isinstance(c, list) and c and all(_is_int(x) for x in c)
                        for c in chunks):
                 raise ValueError(f"route step {op} needs a list of chunks per member")
@@ -189,18 +212,18 @@ def hierarchical(kind: str, counts: tuple[int, ...]) -> Recipe:
         node, mine = divmod(position, local)
         if kind == Kind.ALL_REDUCE:
             parts = tuple((j,) for j in range(local))
-            rows.append((Step("reduce_scatter", parts, INTRA),
-                         Step("all_reduce", (mine,), INTER),
-                         Step("all_gather", parts, INTRA)))
+            rows.append((Step(StepOp.REDUCE_SCATTER, parts, INTRA),
+                         Step(StepOp.ALL_REDUCE, (mine,), INTER),
+                         Step(StepOp.ALL_GATHER, parts, INTRA)))
             continue
         inside = tuple(tuple(k * local + j for k in range(nodes)) for j in range(local))
         across = tuple((k * local + mine,) for k in range(nodes))
         if kind == Kind.REDUCE_SCATTER:
-            rows.append((Step("reduce_scatter", inside, INTRA),
-                         Step("reduce_scatter", across, INTER)))
+            rows.append((Step(StepOp.REDUCE_SCATTER, inside, INTRA),
+                         Step(StepOp.REDUCE_SCATTER, across, INTER)))
         elif kind == Kind.ALL_GATHER:
-            rows.append((Step("all_gather", across, INTER),
-                         Step("all_gather", inside, INTRA)))
+            rows.append((Step(StepOp.ALL_GATHER, across, INTER),
+                         Step(StepOp.ALL_GATHER, inside, INTRA)))
         else:
             raise ValueError(f"{kind} has no hierarchical route")
     chunks = local if kind == Kind.ALL_REDUCE else n
@@ -226,10 +249,11 @@ def tree(kind: str, counts: tuple[int, ...]) -> Recipe:
                 parent = offsets[(node - 1) // 2]
             else:
                 parent = None
-            steps = [Step("recv_reduce", (0,), peer=p) for p in inside + across]
+            steps = [Step(StepOp.RECV_REDUCE, (0,), peer=p) for p in inside + across]
             if parent is not None:
-                steps += [Step("send", (0,), peer=parent), Step("recv", (0,), peer=parent)]
-            steps += [Step("send", (0,), peer=p) for p in across + inside]
+                steps += [Step(StepOp.SEND, (0,), peer=parent),
+                          Step(StepOp.RECV, (0,), peer=parent)]
+            steps += [Step(StepOp.SEND, (0,), peer=p) for p in across + inside]
             assert me == len(rows)
             rows.append(tuple(steps))
     return Recipe(str(kind), Route.TREE.value, tuple(counts), 1, tuple(rows))

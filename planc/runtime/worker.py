@@ -50,6 +50,7 @@ from planc.runtime.options import RunOptions
 from planc.runtime.step_metrics import open_tensorboard, peak_memory_mb, throughput
 from planc.runtime.engine.store import ParamStore
 from planc.data.trace import write as write_trace
+from planc.program.program import Opcode
 
 PEER_LOST_GRACE_S = 5.0
 
@@ -307,7 +308,8 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
         gathered = gather_json([ctx.label, trace], 0, _TRACE_FORM, "its trace events")
         if rank == 0:
             write_trace(args.trace, {r: label for r, (label, _) in enumerate(gathered)},
-                        [[tuple(e[:7]) + (tuple(map(tuple, e[7])),) for e in events]
+                        [[tuple(e[:6]) + (Opcode(e[6]), tuple(map(tuple, e[7])))
+                          for e in events]
                          for _, events in gathered])
     status = 0
     if args.check:

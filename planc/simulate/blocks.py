@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from planc.program.operands import Operands
-from planc.program.program import Instruction
+from planc.program.program import Instruction, Opcode
 from planc.program.names import Stream
 from planc.simulate.costs import axis_of, group_of
 
@@ -72,10 +72,10 @@ def replay(instructions: tuple[Instruction, ...] | list[Instruction], duration,
     for item in instructions:
         stream = item.stream
         now = clock.get(stream, 0.0)
-        if item.op == "record":
+        if item.op is Opcode.RECORD:
             events[item.event] = (now, latest.get(stream))
             continue
-        if item.op == "wait":
+        if item.op is Opcode.WAIT:
             if item.event not in events:
                 external.append(item.event)
                 out.external_at.setdefault(item.event, now)
@@ -87,20 +87,20 @@ def replay(instructions: tuple[Instruction, ...] | list[Instruction], duration,
                     out.exposed[axis] = out.exposed.get(axis, 0.0) + ready - now
             clock[stream] = max(now, ready)
             continue
-        if item.op == "sync":
+        if item.op is Opcode.SYNC:
             clock[stream] = max([now, *clock.values()])
             continue
         seconds = duration(item)
         end = now + seconds
         clock[stream] = end
         latest[stream] = item
-        if stream == COMPUTE and item.op == "compute":
+        if stream == COMPUTE and item.op is Opcode.COMPUTE:
             waiting = exchange(item) if exchange is not None else 0.0
             if waiting:
                 axis = group_of(item.operands).partition("/")[0]
                 out.exposed[axis] = out.exposed.get(axis, 0.0) + waiting
             out.compute_busy += seconds - waiting
-        if item.op == "send":
+        if item.op is Opcode.SEND:
             out.sends = max(out.sends or 0.0, end)
         if keep_spans:
             out.spans.append(Span(stream, item.node, item.op, now, end, item.operands))

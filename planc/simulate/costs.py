@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from planc.estimate.cost import CostModel, Placement
 from planc.graph.ir import Kind
 from planc.program.groups import PIPELINE, GroupTable
-from planc.program.operands import FORWARD_STEPS, GRADIENT_STEPS, Operands
+from planc.program.operands import FORWARD_STEPS, GRADIENT_STEPS, Operands, StepKind
 from planc.program.program import Instruction
 from planc.estimate.memory import local_parameter_elements
 from planc.plan.plan import DTYPE_BYTES, Plan
@@ -204,7 +204,7 @@ class InstructionCosts:
                      self.overhead)
             if self.accumulation is not None and operands.params and \
                     operands.step in GRADIENT_STEPS and \
-                    (operands.step == "weight" or operands.weight_step is None):
+                    (operands.step == StepKind.WEIGHT or operands.weight_step is None):
                 # a weight gradient: a whole backward's, or a split one's W step
                 # a linear cut into pieces over its tokens (tp_overlap) adds once
                 pieces = operands.tokens[1] if operands.tokens is not None else 1
@@ -214,7 +214,7 @@ class InstructionCosts:
                                                    self._size(operands.group),
                                                    self._crosses(operands.group))
                 seconds = ring_seconds(seconds, shift, operands.ring_steps,
-                                       operands.step == "backward")
+                                       operands.step == StepKind.BACKWARD)
             elif operands.group is not None:  # a mixture of experts over its ep group
                 # the busiest rank receives (dispatch) and sends back (combine) the
                 # most rows, and the all-to-all lasts as long as its share

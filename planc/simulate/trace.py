@@ -7,6 +7,7 @@ peer) and the group table (a ring shift's group), as the runtime finds them."""
 from __future__ import annotations
 
 from planc.program.operands import Operands
+from planc.program.program import TRANSFER_OPS, Opcode, node_of_done
 from planc.plan.mesh import RankMesh
 from planc.host.outputs import SIMULATED_TRACE
 from planc.data.trace import flows_of
@@ -28,10 +29,10 @@ def _flows(build, rank: int, node: str, op: str, operands: Operands | None) -> t
     """The flow ends of a simulated transfer (or ring attention step) on ``rank``."""
     if operands is None:
         return ()
-    if op in ("send", "recv") and operands.peer_stage is not None:
+    if op in TRANSFER_OPS and operands.peer_stage is not None:
         peer = build.table.peer(rank, operands.peer_stage)
-        return flows_of(op, node, rank, peer, operands.partner if op == "send" else None)
-    if op == "compute" and operands.ring_steps:  # ring attention: its shifts
+        return flows_of(op, node, rank, peer, operands.partner if op is Opcode.SEND else None)
+    if op is Opcode.COMPUTE and operands.ring_steps:  # ring attention: its shifts
         members = build.groups.members(rank, build.groups.rule(operands.group))
         return flows_of(op, node, rank, None, None, members, members.index(rank))
     return ()
@@ -42,7 +43,7 @@ def _senders(programs) -> dict[str, str]:
     out = {}
     for program in programs:
         for item in program.written():
-            if item.op == "send" and item.operands is not None and \
+            if item.op is Opcode.SEND and item.operands is not None and \
                     item.operands.partner is not None:
                 out[item.operands.partner] = item.node
     return out
@@ -75,14 +76,14 @@ def write(path: str, build, result) -> None:
                 out.append((0, span.stream, span.node, start + span.start, start + span.end,
                             microbatch, span.op,
                             _flows(build, rank, span.node, span.op, span.operands)))
-                if span.op == "send":
+                if span.op is Opcode.SEND:
                     sends[(span.node, microbatch)] = start + span.start
             for event in replayed.external:  # a pipeline receive, drawn until it is used
-                node = event.partition(":")[2]
+                node = node_of_done(event)
                 if node in stream_of:
                     begin = sends.get((sender_of.get(node), microbatch), start)
                     out.append((0, stream_of[node], node, min(begin, start), start,
-                                microbatch, "recv",
-                                _flows(build, rank, node, "recv", program.received[node])))
+                                microbatch, Opcode.RECV,
+                                _flows(build, rank, node, Opcode.RECV, program.received[node])))
     write_events(path, {rank: rank_label(mesh, rank) for rank in events}, events,
                  SIMULATED_TRACE.generator)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from planc.program.groups import SEQUENCE
 from planc.program.operands import FORWARD_STEPS
-from planc.program.program import Instruction, Program
+from planc.program.program import Instruction, Opcode, Program
 from planc.verify.report import describe
 from planc.plan.mesh import GROUPS
 
@@ -33,7 +33,7 @@ def sums_counts(instruction: Instruction) -> bool:
     """A mixture step whose forward all-reduces its balance loss's counts (a forward or a
     recomputed forward with ``counts_group``)."""
     operands = instruction.operands
-    return instruction.op == "compute" and operands is not None and \
+    return instruction.op is Opcode.COMPUTE and operands is not None and \
         operands.counts_group is not None and operands.step in FORWARD_STEPS
 
 
@@ -42,7 +42,7 @@ class CountsChecks:
 
     def counts(self, name: str, program: Program) -> None:
         instructions = [i for i in program.written() if i.operands is not None]
-        summing = [i for i in instructions if i.op == "compute" and
+        summing = [i for i in instructions if i.op is Opcode.COMPUTE and
                    i.operands.counts_group is not None]
         if not summing:
             return

@@ -21,13 +21,13 @@ member waits for one that another never enters when
 from __future__ import annotations
 
 from planc.program.groups import EXPERTS
-from planc.program.program import Instruction, Program
+from planc.program.program import Instruction, Opcode, Program
 from planc.verify.report import describe
 
 
 def is_expert_exchange(instruction: Instruction) -> bool:
     """A mixture dispatching over its ep group: a compute instruction on that group."""
-    return instruction.op == "compute" and instruction.operands is not None and \
+    return instruction.op is Opcode.COMPUTE and instruction.operands is not None and \
         instruction.operands.group == EXPERTS
 
 
@@ -38,7 +38,7 @@ class ExpertChecks:
     def experts(self, name: str, program: Program) -> None:
         ep = self.plan.mesh.ep
         instructions = list(program.written())
-        mixtures = [i for i in instructions if i.op == "compute" and i.node in self.graph
+        mixtures = [i for i in instructions if i.op is Opcode.COMPUTE and i.node in self.graph
                     and self.graph.nodes[i.node].get("experts_over")]
         for instruction in mixtures:
             over = self.graph.nodes[instruction.node]["experts_over"]

@@ -25,7 +25,8 @@ from __future__ import annotations
 from planc.graph.grad_norm import copies
 from planc.graph.ir import Axis
 from planc.lower.lower import gradient_buffers
-from planc.program.program import STATE, Instruction, Program
+from planc.program.operands import GRADIENT_STEPS, StepKind
+from planc.program.program import STATE, Instruction, Opcode, Program
 from planc.verify.report import describe
 from planc.plan.mesh import GROUPS
 
@@ -37,7 +38,7 @@ def _role(instruction: Instruction) -> str | None:
     operands = instruction.operands
     if operands is None:
         return None
-    if instruction.op == "compute" and operands.kernel in (SHARE, CLIP):
+    if instruction.op is Opcode.COMPUTE and operands.kernel in (SHARE, CLIP):
         return "share" if operands.kernel == SHARE else "clip"
     if operands.payload == "grad_norm":
         return "sum"
@@ -93,14 +94,14 @@ class GradNormChecks:
             operands = instruction.operands
             if operands is None or instruction is clip:
                 continue
-            writes_gradient = operands.payload == "grad" or instruction.op == "compute" and \
-                operands.step in ("backward", "weight")
+            writes_gradient = operands.payload == "grad" or instruction.op is Opcode.COMPUTE and \
+                operands.step in GRADIENT_STEPS
             if writes_gradient and k > at[id(share)]:
                 self.report.add(f"program {name}: {describe(share)} sums the squared "
                                 f"gradient norm before {describe(instruction)} makes the "
                                 f"gradients final")
                 return
-            if operands.step == "optimizer" and k < at[id(clip)]:
+            if operands.step == StepKind.OPTIMIZER and k < at[id(clip)]:
                 self.report.add(f"program {name}: {describe(instruction)} updates with "
                                 f"gradients that {describe(clip)} has not clipped yet")
                 return

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from planc.program.program import Program
+from planc.program.program import Opcode, Program, node_of_done
 from planc.verify.report import Lazy
 
 
@@ -54,7 +54,7 @@ class PipelineChecks:
         node it matches, microbatch)."""
         sends: dict[str, list[tuple[str, int]]] = {"send_next": [], "send_prev": []}
         per_block = {name: [(sends.setdefault(i.stream, []), self._receive_of(i.node))
-                            for i in block if i.op == "send"]
+                            for i in block if i.op is Opcode.SEND]
                      for name, block in program.blocks.items()}
         for block, mb in program.schedule:
             for into, receive in per_block.get(block, ()):
@@ -196,15 +196,15 @@ class _Actor:
                           for node, _ in items}
         # per block: the receives (stream, node) it waits for
         self.block_waits = {
-            name: [(receive_stream[i.event[len("done:"):]], i.event[len("done:"):])
-                   for i in block if i.op == "wait" and i.event.startswith("done:")
-                   and i.event[len("done:"):] in receive_stream]
+            name: [(receive_stream[node], node)
+                   for node in (node_of_done(i.event) for i in block if i.op is Opcode.WAIT)
+                   if node in receive_stream]
             for name, block in self.program.blocks.items()}
         self.block_sends = {}  # per block: how many sends it issues on each stream
         for name, block in self.program.blocks.items():
             counts: dict[str, int] = {}
             for i in block:
-                if i.op == "send":
+                if i.op is Opcode.SEND:
                     counts[i.stream] = counts.get(i.stream, 0) + 1
             self.block_sends[name] = tuple(counts.items())
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import deque
 
 from planc.graph.ir import Axis
-from planc.program.program import COLLECTIVES, Expanded
+from planc.program.program import COLLECTIVES, Expanded, Opcode
 
 
 MAX_SHOWN = 5  # heads named in the report
@@ -68,7 +68,7 @@ class ProgressChecks:
         stages = {s: _Stage(s, self.programs[stage_program[s]].expand())
                   for s in sorted(stage_program)}
         receiver = {(i.node, i.microbatch): s for s, stage in stages.items()
-                    for queue in stage.queues.values() for i in queue if i.op == "recv"}
+                    for queue in stage.queues.values() for i in queue if i.op is Opcode.RECV}
         moved = True
         while moved:
             moved = False
@@ -80,7 +80,7 @@ class ProgressChecks:
         # the transfers that wait first (the cause), then the waits behind them
         stuck = sorted(((s, queue[0]) for s, stage in stages.items()
                         for queue in stage.queues.values() if queue),
-                       key=lambda item: (item[1].op in ("wait", "sync"), item[0],
+                       key=lambda item: (item[1].op in (Opcode.WAIT, Opcode.SYNC), item[0],
                                          item[1].index))
         if stuck:
             detail = "; ".join(f"stage {s} {head.text()} ({head.where}) waits for "
@@ -92,22 +92,22 @@ class ProgressChecks:
     def _advance(self, stage: "_Stage", stream: str, stages: dict, receiver: dict) -> bool:
         """Complete the head of ``stage``'s ``stream`` if it can; whether it did."""
         head = stage.queues[stream][0]
-        if head.op == "wait":
+        if head.op is Opcode.WAIT:
             if head.event not in stage.recorded:
                 return False
-        elif head.op == "sync":
+        elif head.op is Opcode.SYNC:
             if any(q and q[0].index < head.index for name, q in stage.queues.items()
                    if name != stream):
                 return False
-        elif head.op == "send":
+        elif head.op is Opcode.SEND:
             peer = stages.get(receiver.get((self._receive_of(head.node), head.microbatch)))
-            match = peer and peer.head_of(lambda i: i.op == "recv" and i.microbatch ==
+            match = peer and peer.head_of(lambda i: i.op is Opcode.RECV and i.microbatch ==
                                           head.microbatch and
                                           i.node == self._receive_of(head.node))
             if not match:
                 return False
             peer.pop(match)
-        elif head.op == "recv":
+        elif head.op is Opcode.RECV:
             return False  # completes with its send
         elif head.op in COLLECTIVES and (axis := self._spans_stages(head.node)):
             key = self._collective_key(head)
@@ -127,13 +127,13 @@ class ProgressChecks:
         return item.op, name, item.microbatch
 
     def _awaited(self, stage: "_Stage", head: Expanded) -> str:
-        if head.op == "wait":
+        if head.op is Opcode.WAIT:
             return f"event {head.event}"
-        if head.op == "sync":
+        if head.op is Opcode.SYNC:
             return "the stage's other streams"
-        if head.op == "send":
+        if head.op is Opcode.SEND:
             return "the peer stage to receive it"
-        if head.op == "recv":
+        if head.op is Opcode.RECV:
             return "the peer stage to send it"
         axis = self._spans_stages(head.node)
         others = [s for s in self._stages_of(axis) if s != stage.number]
@@ -157,5 +157,5 @@ class _Stage:
 
     def pop(self, stream: str) -> None:
         item = self.queues[stream].popleft()
-        if item.op == "record":
+        if item.op is Opcode.RECORD:
             self.recorded.add(item.event)

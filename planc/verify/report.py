@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from planc.program.program import Instruction
+from planc.program.program import EVENT_NAMING_OPS, Instruction
 
 MAX_PROBLEMS = 20
 
@@ -29,7 +29,7 @@ def ranks_text(ranks) -> str:
 
 
 def describe(instruction: Instruction, microbatch: int | None = None) -> str:
-    what = instruction.event if instruction.op in ("record", "wait") else instruction.node
+    what = instruction.event if instruction.op in EVENT_NAMING_OPS else instruction.node
     mb = f" (microbatch {microbatch})" if microbatch is not None and \
         instruction.per_microbatch else ""
     return f"{instruction.op} {what}{mb} on stream {instruction.stream}"

@@ -19,7 +19,7 @@ anything. The instructions are then deadlock-free and match block for block when
 
 from __future__ import annotations
 
-from planc.program.program import Instruction, Program
+from planc.program.program import Instruction, Opcode, Program
 from planc.verify.report import describe
 
 CP_GROUP = "cp"
@@ -27,7 +27,7 @@ CP_GROUP = "cp"
 
 def is_ring(instruction: Instruction) -> bool:
     """A ring attention step: a compute instruction that runs cp ring steps."""
-    return instruction.op == "compute" and instruction.operands is not None and \
+    return instruction.op is Opcode.COMPUTE and instruction.operands is not None and \
         bool(instruction.operands.ring_steps)
 
 

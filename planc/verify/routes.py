@@ -22,7 +22,14 @@ from __future__ import annotations
 from typing import Callable
 
 from planc.graph.ir import Kind
-from planc.program.routes import COLLECTIVE_STEPS, Recipe, Step, recipe_key
+from planc.program.routes import (
+    COLLECTIVE_STEPS,
+    RECEIVE_STEPS,
+    Recipe,
+    Step,
+    StepOp,
+    recipe_key,
+)
 from planc.lower.tables import routed_nodes
 from planc.plan.mesh import INTER, INTRA
 
@@ -97,7 +104,7 @@ class _Run:
             self._check_chunks(q, step)
         m = len(members)
         where = f"{step.op} on the {step.level} sub-group of {self.who(members[0])}"
-        if step.op == "all_reduce":
+        if step.op is StepOp.ALL_REDUCE:
             for c in step.chunks:
                 value = self._sum([self.state[q][c] for q in members], where)
                 for q in members:
@@ -106,7 +113,7 @@ class _Run:
             if len(step.chunks) != m or len({len(x) for x in step.chunks}) != 1:
                 raise _Problem(f"{where}: needs {m} equal lists of chunks, one per member, "
                                f"not {[list(x) for x in step.chunks]}")
-            if step.op == "reduce_scatter":
+            if step.op is StepOp.REDUCE_SCATTER:
                 values = [[self._sum([self.state[q][c] for q in members], where)
                            for c in mine] for mine in step.chunks]
                 for j, q in enumerate(members):
@@ -132,11 +139,11 @@ class _Run:
         if not 0 <= step.peer < n or step.peer == position:
             raise _Problem(f"{self.who(position)}, {self.step_text(position)}: position "
                            f"{step.peer} is not another member of the group")
-        if step.op != "send":
+        if step.op is not StepOp.SEND:
             return False  # receives move when their sender does
         peer = step.peer
         other = self.pending(peer)
-        if other is None or other.op not in ("recv", "recv_reduce") or other.peer != position:
+        if other is None or other.op not in RECEIVE_STEPS or other.peer != position:
             return False
         self._check_chunks(position, step)
         self._check_chunks(peer, other)
@@ -148,7 +155,7 @@ class _Run:
             value = self.state[position][source]
             if value is None:
                 raise _Problem(f"{self.who(position)} sends a chunk that holds nothing yet")
-            if other.op == "recv_reduce":
+            if other.op is StepOp.RECV_REDUCE:
                 value = self._sum([self.state[peer][target], value], where)
             self.state[peer][target] = value
         self.next[position] += 1

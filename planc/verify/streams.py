@@ -4,7 +4,16 @@ blocks along the stage's schedule (docs/programs.md, the verifier, rules 3 to 9)
 
 from __future__ import annotations
 
-from planc.program.program import STATE, Instruction, Program, guard_microbatch, vector_clocks
+from planc.program.program import (
+    EVENT_OPS,
+    STATE,
+    Instruction,
+    Opcode,
+    Program,
+    done_event,
+    guard_microbatch,
+    vector_clocks,
+)
 from planc.verify.report import Lazy, describe
 from planc.passes.overlap import unit_of
 
@@ -50,7 +59,7 @@ class StreamChecks:
         arrivals: dict[str, set[int]] = {}
         for items in program.receives.values():
             for node, mb in items:
-                arrivals.setdefault(f"done:{node}", set()).add(mb)
+                arrivals.setdefault(done_event(node), set()).add(mb)
         received = {event: interned.setdefault(frozenset(mbs), frozenset(mbs))
                     for event, mbs in arrivals.items()}
         recorders: dict[tuple[str, bool], set[tuple[str, str | None]]] = {}
@@ -152,12 +161,12 @@ class StreamChecks:
         and a wait must run only where its record runs."""
         guard_of = {}
         for instruction in instructions:
-            if instruction.op == "record":
+            if instruction.op is Opcode.RECORD:
                 if not instruction.per_microbatch and instruction.guard is None:
                     self.report.add(f"{where}: {describe(instruction)} records a once-per-step "
                                     f"event on every microbatch; it needs a guard")
                 guard_of[(instruction.event, instruction.per_microbatch)] = instruction.guard
-            elif instruction.op == "wait":
+            elif instruction.op is Opcode.WAIT:
                 key = (instruction.event, instruction.per_microbatch)
                 if key in guard_of and guard_of[key] not in (None, instruction.guard):
                     self.report.add(f"{where}: {describe(instruction)} runs on microbatches "
@@ -206,7 +215,7 @@ class StreamChecks:
                         writers.setdefault(buffer, set()).add(block)
         for block, instructions in program.blocks.items():
             for instruction in instructions:
-                if instruction.per_microbatch or instruction.op in ("record", "wait", "sync"):
+                if instruction.per_microbatch or instruction.op in EVENT_OPS:
                     continue
                 mb = guard_microbatch(instruction.guard, program.microbatches)
                 at = positions.get((block, mb))
@@ -238,7 +247,7 @@ class StreamChecks:
         for k, instruction in enumerate(program.prologue):
             data = self.graph.nodes.get(instruction.node or "", {})
             if data.get("payload") == "param":
-                order[f"done:{instruction.node}"] = (instruction.stream, k)
+                order[done_event(instruction.node)] = (instruction.stream, k)
                 for member in program.buckets.get(data["bucket"], {}).get("members", ()):
                     gathers[member["param"]] = (instruction, k)
         if not gathers:
@@ -249,12 +258,12 @@ class StreamChecks:
             waited: dict[tuple[str, str], int] = {}
             reported: set[str] = set()
             for instruction in instructions:
-                if instruction.op == "wait" and not instruction.per_microbatch and \
+                if instruction.op is Opcode.WAIT and not instruction.per_microbatch and \
                         instruction.event in order:
                     stream, k = order[instruction.event]
                     key = (instruction.stream, stream)
                     waited[key] = max(waited.get(key, -1), k)
-                if instruction.op != "compute":
+                if instruction.op is not Opcode.COMPUTE:
                     continue
                 data = self.graph.nodes.get(instruction.node, {})
                 if data.get("phase") != "forward":
@@ -318,7 +327,7 @@ class StreamChecks:
 
     def _gathers(self, instructions) -> list[int]:
         """Positions of a block's ZeRO-3 parameter gathers."""
-        return [k for k, i in enumerate(instructions) if i.op == "all_gather" and
+        return [k for k, i in enumerate(instructions) if i.op is Opcode.ALL_GATHER and
                 i.node in self.graph and self.graph.nodes[i.node].get("payload") == "param"
                 and i.per_microbatch]
 
@@ -337,14 +346,14 @@ class StreamChecks:
         for position, instruction in enumerate(instructions):
             stream = instruction.stream
             mine = clock.setdefault(stream, {})
-            if instruction.op == "sync":
+            if instruction.op is Opcode.SYNC:
                 everything = {s: max(c.get(s, -1) for c in clock.values()) for s in clock}
                 for c in clock.values():
                     c.update(everything)
                 sequence.clocks.append(dict(mine) if keep else None)
                 continue
             key = (instruction.event, instruction.per_microbatch)
-            if instruction.op == "wait":
+            if instruction.op is Opcode.WAIT:
                 if key in events:
                     for s, value in events[key].items():
                         mine[s] = max(mine.get(s, -1), value)
@@ -356,7 +365,7 @@ class StreamChecks:
                                     f"records")
                 sequence.clocks.append(dict(mine) if keep else None)
                 continue
-            if instruction.op == "record":
+            if instruction.op is Opcode.RECORD:
                 events[key] = dict(mine)
                 sequence.records.add(key)
                 sequence.record_instructions.append(instruction)

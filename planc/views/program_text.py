@@ -6,7 +6,7 @@ import networkx as nx
 
 from planc.graph.ir import Axis
 from planc.plan.layout import Layout
-from planc.program.program import Instruction, Program, RankTable
+from planc.program.program import EVENT_NAMING_OPS, Instruction, Opcode, Program, RankTable
 from planc.plan.plan import Plan
 from planc import schedules
 from planc.schedules import Block
@@ -23,10 +23,10 @@ GUARD_TEXT = {"last": "  (last microbatch only)", "first": "  (first microbatch 
 
 def _instruction(i: Instruction, graph: nx.DiGraph) -> str:
     guard = GUARD_TEXT.get(i.guard, "")
-    if i.op in ("record", "wait"):
+    if i.op in EVENT_NAMING_OPS:
         scope = "" if i.per_microbatch else " (once per step)"
         return f"{i.stream:<10} {i.op} {i.event}{scope}{guard}"
-    if i.op == "sync":
+    if i.op is Opcode.SYNC:
         return f"{i.stream:<10} sync (every stream drained)"
     data = graph.nodes[i.node] if i.node in graph else {}
     extra = ""
@@ -102,7 +102,7 @@ def render(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program], table: R
                              f"all of microbatch K")
                 break
             shown += 1
-            what = item.event if item.op in ("record", "wait") else item.node
+            what = item.event if item.op in EVENT_NAMING_OPS else item.node
             mb = f"  (mb {item.microbatch})" if item.microbatch is not None else ""
             lines.append(f"  {item.index:>6}  {item.stream:<10} {item.op:<14} {what}{mb}")
         return "\n".join(lines) + "\n"

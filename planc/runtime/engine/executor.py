@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from planc.program.names import RECEIVE_STREAMS, Stream
-from planc.program.program import Expanded
+from planc.program.program import EVENT_NAMING_OPS, EVENT_OPS, Expanded, Opcode
 from planc.runtime.engine.interpreter import Interpreter, StepState
 from planc.data.trace import Flow, flows_of
 
@@ -83,15 +83,15 @@ class StepResult:
 
 def _describe(item: Expanded, interp: Interpreter) -> str:
     mb = f" (microbatch {item.microbatch})" if item.microbatch is not None else ""
-    if item.op in ("record", "wait"):
+    if item.op in EVENT_NAMING_OPS:
         return f"{item.op} {item.event}"
-    if item.op == "sync":
+    if item.op is Opcode.SYNC:
         return "sync: waiting for every other stream to drain"
-    if item.op == "compute":
+    if item.op is Opcode.COMPUTE:
         return f"compute {item.node}{mb}"
     call = interp.bound[(item.op, item.node)].call
     if call.peer is not None:
-        verb = "send to" if item.op == "send" else "receive from"
+        verb = "send to" if item.op is Opcode.SEND else "receive from"
         return f"{item.op} {item.node}{mb}: {verb} rank {call.peer} (pp)"
     size = f" ({call.operands.bytes:,} bytes)" if call.operands.bytes is not None else ""
     return f"{item.op} {item.node}{mb} over {call.operands.group} group " \
@@ -104,10 +104,10 @@ def _flows(interp: Interpreter) -> dict[tuple[str, str], tuple[Flow, ...]]:
     out = {}
     rank = interp.ctx.rank
     for (op, node), bound in interp.bound.items():
-        if op == "compute" and bound.spec.ring is not None:
+        if op is Opcode.COMPUTE and bound.spec.ring is not None:
             ring = bound.spec.ring
             out[(op, node)] = flows_of(op, node, rank, None, None, ring.members, ring.index)
-        elif op != "compute":
+        elif op is not Opcode.COMPUTE:
             call = bound.call
             out[(op, node)] = flows_of(op, node, rank, call.peer, call.operands.partner,
                                        call.members, call.index)
@@ -122,25 +122,25 @@ class _Plan:
         self.streams: dict[str, list[Expanded]] = defaultdict(list)
         for item in items:
             self.streams[item.stream].append(item)
-        recorder = {i.event: i.stream for i in items if i.op == "record"}
+        recorder = {i.event: i.stream for i in items if i.op is Opcode.RECORD}
         self.events = tuple(recorder)
         self.category: dict[int, str] = {}
         for item in items:
             if item.stream != COMPUTE:
                 continue
-            if item.op == "wait":
+            if item.op is Opcode.WAIT:
                 source = recorder.get(item.event, COMPUTE)
                 self.category[item.index] = "pipeline_wait" if source in RECEIVE_STREAMS \
                     else "exposed_comm"
-            elif item.op == "sync":
+            elif item.op is Opcode.SYNC:
                 self.category[item.index] = "exposed_comm"
-            elif item.op != "compute" and item.op != "record":
+            elif item.op is not Opcode.COMPUTE and item.op is not Opcode.RECORD:
                 self.category[item.index] = "exposed_comm"
         self.needed_before = {
             (name, item.index): {s: sum(1 for i in self.streams[s] if i.index < item.index)
                                  for s in self.streams if s != name}
             for name, stream_items in self.streams.items() for item in stream_items
-            if item.op == "sync"}
+            if item.op is Opcode.SYNC}
 
 
 class CpuExecutor:
@@ -177,14 +177,14 @@ class CpuExecutor:
                 return
             work.current[name] = item
             start = time.perf_counter()
-            if item.op == "wait":
+            if item.op is Opcode.WAIT:
                 event = work.events[item.event]
                 while not event.wait(0.05):
                     if work.abort.is_set():
                         return
-            elif item.op == "record":
+            elif item.op is Opcode.RECORD:
                 work.events[item.event].set()
-            elif item.op == "sync":
+            elif item.op is Opcode.SYNC:
                 needed = self.plan.needed_before[(name, item.index)]
                 with work.condition:
                     while not all(work.done[s] >= n for s, n in needed.items()):
@@ -199,8 +199,8 @@ class CpuExecutor:
             category = self.plan.category.get(item.index)
             if category is not None:
                 times[category] += end - start
-            if item.op not in ("wait", "record", "sync"):
-                times["compute" if item.op == "compute" else "comm"] += end - start
+            if item.op not in EVENT_OPS:
+                times["compute" if item.op is Opcode.COMPUTE else "comm"] += end - start
                 if self.tracing:
                     work.trace.append(TraceEvent(name, item.node, start, end,
                                                  item.microbatch, item.op,
@@ -296,12 +296,12 @@ class CudaExecutor:
         start = time.perf_counter()
         for item in self.items:
             stream = self.streams[item.stream]
-            if item.op == "record":
+            if item.op is Opcode.RECORD:
                 events[item.event] = torch.cuda.Event()
                 events[item.event].record(stream)
-            elif item.op == "wait":
+            elif item.op is Opcode.WAIT:
                 stream.wait_event(events[item.event])
-            elif item.op == "sync":
+            elif item.op is Opcode.SYNC:
                 torch.cuda.synchronize()
             else:
                 with torch.cuda.stream(stream):

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from planc.program.operands import SEQ_AXIS, Input
-from planc.program.program import Instruction, Program
+from planc.program.operands import SEQ_AXIS, Input, StepKind
+from planc.program.program import Instruction, Opcode, Program
 from planc.runtime.engine import grad_norm
 from planc.runtime.engine.context import RankContext, pp_group_key
 from planc.runtime.engine.kernels import LOSS_STATISTICS, Kernels, Peers, Saved, Spec
@@ -80,21 +80,18 @@ class _Compute:
     def __init__(self, node: str, instruction: Instruction, ring: Ring | None = None,
                  peers: Peers | None = None, counts: Peers | None = None):
         operands = instruction.operands
-        self.clip = operands if operands.step == "clip" else None  # planc.runtime.engine.grad_norm
+        self.kind = operands.step  # which handler of Interpreter._steps runs it
+        # planc.runtime.engine.grad_norm
+        self.clip = operands if operands.step is StepKind.CLIP else None
         self.node, self.inputs = node, operands.inputs
         self.spec = None if self.clip else Spec.of(operands, ring, peers, counts)
         self.gathered = dict(operands.gathered)  # bucket -> the ZeRO-3 gather that filled it
         self.per_microbatch = instruction.per_microbatch
-        step = operands.step
-        self.backward = step == "backward"
         self.forward_of = operands.forward_of
         self.saved_from = operands.saved_from
-        self.recompute = step == "recompute"
         self.keep_graph = operands.keeps_graph
-        self.optimizer = step == "optimizer"
         self.bucket = operands.bucket
         self.weight_grad = operands.weight_step  # B: its W step computes param grads
-        self.weight_step = step == "weight"  # W: the parameter half of a split backward
 
 
 class _Transfer:
@@ -117,6 +114,12 @@ class Interpreter:
         self.optimizers = {}  # optimizer node -> its torch optimizer
         self.optimized: dict[str, str] = {}  # optimizer node -> its bucket
         self.bound: dict[tuple[str, str], _Compute | _Transfer] = {}
+        # What each kind of compute step does; a step the program leaves unnamed runs
+        # the forward, as the operator's plain step.
+        self._steps = {StepKind.FORWARD: self._forward, StepKind.RECOMPUTE: self._recompute,
+                       StepKind.BACKWARD: self._backward, StepKind.WEIGHT: self._weight,
+                       StepKind.OPTIMIZER: self._optimizer, StepKind.CLIP: self._clip,
+                       None: self._forward}
         for instruction in program.written():
             if instruction.node is not None:
                 self._bind(instruction)
@@ -131,7 +134,7 @@ class Interpreter:
         if (op, node) in self.bound:
             return
         operands = instruction.operands
-        if op == "compute":
+        if op is Opcode.COMPUTE:
             ring = peers = None
             if operands.ring_steps:  # ring attention: its steps over the cp group
                 call = self._call(op, instruction)
@@ -142,7 +145,7 @@ class Interpreter:
             counts = None if operands.counts_group is None else \
                 self._peers(operands.counts_group)  # its balance loss's counts
             self.bound[(op, node)] = _Compute(node, instruction, ring, peers, counts)
-            if operands.step == "optimizer":
+            if operands.step is StepKind.OPTIMIZER:
                 bucket = operands.bucket
                 tensor = self.store.shard[bucket] if operands.sharded else \
                     self.store.full[bucket]
@@ -163,7 +166,7 @@ class Interpreter:
         groups, ctx, operands = self.ctx.groups, self.ctx, instruction.operands
         if operands.payload == "stream":  # pipeline: a group per pair and direction
             peer = ctx.peer(operands.peer_stage)
-            pair = (ctx.rank, peer) if op == "send" else (peer, ctx.rank)
+            pair = (ctx.rank, peer) if op is Opcode.SEND else (peer, ctx.rank)
             return Call(operands, instruction.per_microbatch,
                         groups.handles[pp_group_key(operands.direction, *pair)],
                         tuple(sorted(pair)), 0, peer=peer)
@@ -220,7 +223,7 @@ class Interpreter:
         bound = self.bound[(op, node)]
         mb = microbatch if bound.per_microbatch else None
         if isinstance(bound, _Compute):
-            result = self._compute(state, bound, microbatch)
+            result = self._steps[bound.kind](state, bound, microbatch)
         else:
             result = self._transfer(state, bound, microbatch)
         if result is not None:
@@ -237,53 +240,65 @@ class Interpreter:
                 params[name] = self.store.param(name)
         return params
 
-    def _compute(self, state: StepState, step: _Compute, mb: int | None):
-        if step.optimizer:
-            return self._optimizer(step, state.step)
-        if step.clip is not None:  # the gradient norm's share, or the clip by the norm
-            if step.clip.kernel == "grad_norm":
-                return grad_norm.share(self.ctx, self.store, step.clip.norm_ranges)
-            (summed,) = self._ports(state, step.inputs, None)["x"]
-            state.grad_norm = grad_norm.clip(self.store, summed, step.clip.max_norm)
-            return None
-        if step.weight_step:  # the parameter half of a split backward
-            for saved, grad in state.saved.pop((step.node, mb)):  # one per piece
-                _, named = self.kernels.backward(step.spec, saved, grad, inputs=False)
-                for name, value in named.items():
-                    self.store.grad_of(name).add_(value)
-            return None
-        if step.backward:
-            saved = state.saved.pop((step.saved_from, mb))
-            if step.saved_from != step.forward_of:
-                state.saved.pop((step.forward_of, mb), None)
-            grads = self._ports(state, step.inputs, mb).get("grad", [])
-            grad = combine(grads) if grads else None
-            if step.weight_grad is not None:  # the input half: its W step comes later
-                ports, _ = self.kernels.backward(step.spec, saved, grad, params=False)
-                state.saved.setdefault((step.weight_grad, mb), []).append((saved, grad))
-                return ports
-            ports, named = self.kernels.backward(step.spec, saved, grad)
+    def _clip(self, state: StepState, step: _Compute, mb: int | None):
+        """The gradient norm's share, or the clip by the norm."""
+        if step.clip.kernel == "grad_norm":
+            return grad_norm.share(self.ctx, self.store, step.clip.norm_ranges)
+        (summed,) = self._ports(state, step.inputs, None)["x"]
+        state.grad_norm = grad_norm.clip(self.store, summed, step.clip.max_norm)
+        return None
+
+    def _weight(self, state: StepState, step: _Compute, mb: int | None):
+        """The parameter half of a split backward."""
+        for saved, grad in state.saved.pop((step.node, mb)):  # one per piece
+            _, named = self.kernels.backward(step.spec, saved, grad, inputs=False)
             for name, value in named.items():
                 self.store.grad_of(name).add_(value)
+        return None
+
+    def _backward(self, state: StepState, step: _Compute, mb: int | None):
+        saved = state.saved.pop((step.saved_from, mb))
+        if step.saved_from != step.forward_of:
+            state.saved.pop((step.forward_of, mb), None)
+        grads = self._ports(state, step.inputs, mb).get("grad", [])
+        grad = combine(grads) if grads else None
+        if step.weight_grad is not None:  # the input half: its W step comes later
+            ports, _ = self.kernels.backward(step.spec, saved, grad, params=False)
+            state.saved.setdefault((step.weight_grad, mb), []).append((saved, grad))
             return ports
-        inputs = {port: combine(values) for port, values in
-                  self._ports(state, step.inputs, mb).items()}
-        if step.recompute:  # inputs from outside the layer: what the forward kept
-            kept = state.saved.get((step.forward_of, mb))
-            if kept is not None:
-                for port, tensor in kept.inputs.items():
-                    inputs.setdefault(port, tensor.detach())
+        ports, named = self.kernels.backward(step.spec, saved, grad)
+        for name, value in named.items():
+            self.store.grad_of(name).add_(value)
+        return ports
+
+    def _forward(self, state: StepState, step: _Compute, mb: int | None):
+        return self._run_forward(state, step, mb, self._inputs(state, step, mb))
+
+    def _recompute(self, state: StepState, step: _Compute, mb: int | None):
+        """The forward again, its inputs from outside the layer what the forward kept."""
+        inputs = self._inputs(state, step, mb)
+        kept = state.saved.get((step.forward_of, mb))
+        if kept is not None:
+            for port, tensor in kept.inputs.items():
+                inputs.setdefault(port, tensor.detach())
+        return self._run_forward(state, step, mb, inputs)
+
+    def _inputs(self, state: StepState, step: _Compute, mb: int | None) -> dict:
+        return {port: combine(values) for port, values in
+                self._ports(state, step.inputs, mb).items()}
+
+    def _run_forward(self, state: StepState, step: _Compute, mb: int | None, inputs: dict):
         output, saved = self.kernels.forward(step.spec, inputs, self._params(state, step, mb),
                                              state.step, mb, keep_graph=step.keep_graph)
         if step.spec.op not in LOSS_STATISTICS:
             state.saved[(step.node, mb)] = saved  # what this step's backward will need
         return output
 
-    def _optimizer(self, step: _Compute, train_step: int) -> None:
-        """One bucket's update, at the lr the build's schedule gives ``train_step``
+    def _optimizer(self, state: StepState, step: _Compute, mb: int | None) -> None:
+        """One bucket's update, at the lr the build's schedule gives the training step
         (planc.plan.lr_schedule: the compiler's formula, as torch's schedulers would set it)."""
         for group in self.optimizers[step.node].param_groups:
-            group["lr"] = self.ctx.model.lr_at(train_step)
+            group["lr"] = self.ctx.model.lr_at(state.step)
         bucket = step.bucket
         sharded = self.store.buckets[bucket]["sharded"]
         tensor = self.store.shard[bucket] if sharded else self.store.full[bucket]

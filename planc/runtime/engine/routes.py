@@ -15,7 +15,13 @@ import torch
 import torch.distributed as dist
 
 from planc.plan.mesh import counts_of
-from planc.program.routes import RouteTable, Step, recipe_key
+from planc.program.routes import (
+    CHUNKS_PER_MEMBER_STEPS,
+    RouteTable,
+    Step,
+    StepOp,
+    recipe_key,
+)
 from planc.runtime.engine.collectives import all_gather_single, reduce_scatter_single
 
 
@@ -72,16 +78,16 @@ def _empty(numel: int, like: torch.Tensor) -> torch.Tensor:
 
 def _run(route: Route, state: _Chunks, op) -> None:
     for step in route.steps:
-        if step.op == "all_reduce":
+        if step.op is StepOp.ALL_REDUCE:
             data = state.read(step.chunks)
             group = route.levels[step.level]
             if group is not None:
                 _wait(dist.all_reduce(data, op=op, group=group, async_op=True))
             state.write(step.chunks, data)
-        elif step.op in ("reduce_scatter", "all_gather"):
+        elif step.op in CHUNKS_PER_MEMBER_STEPS:
             group, lists = route.levels[step.level], step.chunks
             mine = lists[route.level_index[step.level]]
-            if step.op == "reduce_scatter":
+            if step.op is StepOp.REDUCE_SCATTER:
                 data = state.read([c for part in lists for c in part])
                 out = _empty(len(mine) * state.size, data)
                 if group is None:
@@ -98,13 +104,13 @@ def _run(route: Route, state: _Chunks, op) -> None:
                 else:
                     _wait(all_gather_single(out, data, group=group, async_op=True))
                 state.write([c for part in lists for c in part], out)
-        elif step.op == "send":
+        elif step.op is StepOp.SEND:
             _wait(dist.isend(state.read(step.chunks).contiguous(), route.members[step.peer],
                              group=route.group))
         else:  # recv, recv_reduce
             out = _empty(len(step.chunks) * state.size, state.buffer)
             _wait(dist.irecv(out, route.members[step.peer], group=route.group))
-            if step.op == "recv_reduce":
+            if step.op is StepOp.RECV_REDUCE:
                 mine = state.read(step.chunks)
                 out = torch.maximum(mine, out) if op == dist.ReduceOp.MAX else mine + out
             state.write(step.chunks, out)
