@@ -23,8 +23,8 @@ class AxisRules:
 
     # --- tp, cp and pp transfers ------------------------------------------------------
 
-    def _tp(self, letter: str, chunk: int, layer: int | None, tensor: str, source: Layout,
-            target: Layout, ops: tuple[str, str], u: str, backward: bool = False
+    def _tp(self, u: str, *, letter: str, chunk: int, layer: int | None, tensor: str,
+            source: Layout, target: Layout, ops: tuple[str, str], backward: bool = False
             ) -> tuple[str, Layout | None]:
         """Insert the tp transfer from ``source`` to ``target`` after ``u``; return the
         node that now carries the tensor (``u`` itself when no transfer is needed) and the
@@ -35,10 +35,12 @@ class AxisRules:
         if not move.is_transfer:
             return u, move.target
         node = self.transfer(
-            f"{self._prefix(letter, layer)}{ops[0]}>{ops[1]}:{move.kind}@tp", Kind(move.kind),
-            Axis.TP, Payload.ACTIVATION, PHASE_OF[letter], chunk, layer,
-            self.shapes.bytes(tensor) * move.buffer_fraction(self.tp), self.m,
-            reasons.tensor_parallel(self.plan, self.tpp, ops, move, backward, letter == "R"),
+            f"{self._prefix(letter, layer)}{ops[0]}>{ops[1]}:{move.kind}@tp",
+            kind=Kind(move.kind), axis=Axis.TP, payload=Payload.ACTIVATION,
+            phase=PHASE_OF[letter], chunk=chunk, layer=layer,
+            nbytes=self.shapes.bytes(tensor) * move.buffer_fraction(self.tp), repeat=self.m,
+            reason=reasons.tensor_parallel(self.plan, self.tpp, ops, move, backward,
+                                           letter == "R"),
             tensor=tensor, dim=move.dim, source_layout=str(move.source),
             target_layout=str(move.target), producer=ops[0], consumer=ops[1])
         return node, None
@@ -61,10 +63,12 @@ class AxisRules:
     def _cp_forward(self, letter: str, chunk: int, layer: int, source: str, attention: str):
         """K and V over cp, between the (tp-redistributed) qkv and attention."""
         if self.plan.shard.cp.attention == "allgather":
-            node = self.transfer(f"{letter}/L{layer}/kv:all_gather@cp", Kind.ALL_GATHER,
-                                 Axis.CP, Payload.KV, PHASE_OF[letter], chunk, layer,
-                                 self._kv_bytes() * self.cp, self.m,
-                                 reasons.context_allgather(self.plan, False, letter == "R"),
+            node = self.transfer(f"{letter}/L{layer}/kv:all_gather@cp", kind=Kind.ALL_GATHER,
+                                 axis=Axis.CP, payload=Payload.KV, phase=PHASE_OF[letter],
+                                 chunk=chunk, layer=layer,
+                                 nbytes=self._kv_bytes() * self.cp, repeat=self.m,
+                                 reason=reasons.context_allgather(self.plan, False,
+                                                                  letter == "R"),
                                  tensor="kv", dim="seq")
             self.edge(source, node, port=Port.X)
             self.edge(node, attention, port=Port.KV)
@@ -122,22 +126,25 @@ class AxisRules:
         # back of a V, where both turn round.
         descends = self.plan.placement.descends(min(source_chunk, target_chunk), self.pp)
         toward = "prev" if descends == (phase == Phase.FORWARD) else "next"
-        send = self.transfer(f"{name}:send@pp", Kind.SEND, Axis.PP, Payload.STREAM, phase,
-                             source_chunk, None, nbytes, self.m, reason, tensor="stream",
-                             peer_stage=self.stage_of[target_chunk], shape=shape,
-                             toward=toward, **extra)
-        recv = self.transfer(f"{name}:recv@pp", Kind.RECV, Axis.PP, Payload.STREAM, phase,
-                             target_chunk, None, nbytes, self.m, reason, tensor="stream",
-                             peer_stage=self.stage_of[source_chunk], shape=shape,
-                             toward=toward, **extra)
+        send = self.transfer(f"{name}:send@pp", kind=Kind.SEND, axis=Axis.PP,
+                             payload=Payload.STREAM, phase=phase, chunk=source_chunk,
+                             layer=None, nbytes=nbytes, repeat=self.m, reason=reason,
+                             tensor="stream", peer_stage=self.stage_of[target_chunk],
+                             shape=shape, toward=toward, **extra)
+        recv = self.transfer(f"{name}:recv@pp", kind=Kind.RECV, axis=Axis.PP,
+                             payload=Payload.STREAM, phase=phase, chunk=target_chunk,
+                             layer=None, nbytes=nbytes, repeat=self.m, reason=reason,
+                             tensor="stream", peer_stage=self.stage_of[source_chunk],
+                             shape=shape, toward=toward, **extra)
         self.edge(send, recv)
         if not scattered:
             return send, recv
         move = redistribute(layout, whole)
         gather = self.transfer(
-            f"{name}:{move.kind}@tp", Kind(move.kind), Axis.TP, Payload.ACTIVATION, phase,
-            target_chunk, None, self.shapes.bytes("stream") * move.buffer_fraction(self.tp),
-            self.m, reasons.scatter_gather(self.plan, phase.value), tensor="stream",
+            f"{name}:{move.kind}@tp", kind=Kind(move.kind), axis=Axis.TP,
+            payload=Payload.ACTIVATION, phase=phase, chunk=target_chunk, layer=None,
+            nbytes=self.shapes.bytes("stream") * move.buffer_fraction(self.tp), repeat=self.m,
+            reason=reasons.scatter_gather(self.plan, phase.value), tensor="stream",
             dim=move.dim, source_layout=str(layout), target_layout=str(move.target))
         self.edge(recv, gather, port=Port.X)
         return send, gather

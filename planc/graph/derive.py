@@ -27,8 +27,6 @@ Every parameter gets a bucket of its own, with its reductions and its optimizer 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import networkx as nx
 
 from planc.graph import reasons
@@ -60,25 +58,10 @@ from planc.graph.tensor_parallel import (
 from planc.graph.axes import PHASE_OF, AxisRules
 from planc.graph.grad_norm import add_grad_norm
 from planc.graph.parameters import ParameterRules, param_name
+from planc.graph.walk_records import Link
 from planc.plan.plan import Plan
 
 LOSS_PART_OP = {"max": Op.LOSS_MAX, "sum_exp": Op.LOSS_SUM_EXP}
-
-
-@dataclass(frozen=True)
-class _Link:
-    """A forward data edge, remembered to derive its backward twin."""
-
-    producer: str  # node id: a compute node, or the pipeline receive that starts a chunk
-    consumer: str
-    tensor: str
-    source: Layout  # producer's output layout over tp
-    target: Layout  # consumer's input layout over tp
-    grad: Layout  # layout of the gradient the consumer returns for this input
-    layer: int | None
-    ops: tuple[str, str]  # (producer, consumer) operator names
-    port: Port = Port.X  # the consumer's input
-    within_layer: bool = False  # both ends belong to ``layer`` (recomputed together)
 
 
 class _Derivation(AxisRules, ParameterRules):
@@ -102,7 +85,7 @@ class _Derivation(AxisRules, ParameterRules):
         self.family = family_of(plan)
         self.tied = plan.model.tie_embeddings and plan.head_stage != 0
         count = range(len(self.chunks))
-        self.links: dict[int, list[_Link]] = {c: [] for c in count}
+        self.links: dict[int, list[Link]] = {c: [] for c in count}
         self.forward_ops: dict[int, list[tuple[str, str, int | None]]] = {c: [] for c in count}
         self.chunk_output: dict[int, str] = {}
         self.carried: dict[tuple[str, str, str], tuple] = {}
@@ -114,23 +97,24 @@ class _Derivation(AxisRules, ParameterRules):
 
     # --- nodes and edges ----------------------------------------------------------------
 
-    def _node(self, node_id: str, per_microbatch: bool = True, **attrs) -> str:
+    def _node(self, node_id: str, *, per_microbatch: bool = True, **attrs) -> str:
         """``per_microbatch``: runs ``repeat / microbatches`` times for each microbatch;
         otherwise ``repeat`` times per step."""
         assert node_id not in self.graph, f"duplicate node {node_id}"
         self.graph.add_node(node_id, microbatch=None, per_microbatch=per_microbatch, **attrs)
         return node_id
 
-    def compute(self, node_id: str, op: Op, phase: Phase, chunk: int, layer: int | None,
+    def compute(self, node_id: str, *, op: Op, phase: Phase, chunk: int, layer: int | None,
                 flops: float, nbytes: float, repeat: int, **extra) -> str:
         extra.setdefault("recompute", False)
         return self._node(node_id, type=NodeType.COMPUTE, op=op, phase=phase,
                           stage=self.stage_of[chunk], chunk=chunk, layer=layer, repeat=repeat,
                           flops=float(flops), bytes=int(nbytes), **extra)
 
-    def transfer(self, node_id: str, kind: Kind, axis: Axis, payload: Payload, phase: Phase,
-                 chunk: int, layer: int | None, nbytes: float, repeat: int, reason: str,
-                 stage: int | None = None, dtype: str | None = None, **extra) -> str:
+    def transfer(self, node_id: str, *, kind: Kind, axis: Axis, payload: Payload,
+                 phase: Phase, chunk: int, layer: int | None, nbytes: float, repeat: int,
+                 reason: str, stage: int | None = None, dtype: str | None = None,
+                 **extra) -> str:
         return self._node(node_id, type=NodeType.TRANSFER, kind=kind, axis=axis,
                           level=Level.WHOLE, payload=payload,
                           group_size=self._group_size(axis), phase=phase,
@@ -143,7 +127,7 @@ class _Derivation(AxisRules, ParameterRules):
         return {Axis.TP: self.tp, Axis.CP: self.cp, Axis.PP: 2, Axis.DP_CP: self.replicas,
                 Axis.TIED: 2, Axis.STAGE: stage, Axis.EDP: stage // self.plan.mesh.ep}[axis]
 
-    def edge(self, u: str, v: str, kind: EdgeKind = EdgeKind.DATA, port: Port | None = None,
+    def edge(self, u: str, v: str, *, kind: EdgeKind = EdgeKind.DATA, port: Port | None = None,
              grad_of: Port | None = None, local_slice: Layout | None = None) -> None:
         """``port``: the input of v this edge feeds; ``grad_of``: on an edge out of a
         backward node, whose gradient it carries (the forward input's port);
@@ -173,10 +157,12 @@ class _Derivation(AxisRules, ParameterRules):
         extra = self._kernel_attributes(op, layer, layout)
         if letter != "F":
             extra["forward_of"] = forward
-        node = self.compute(f"{self._prefix(letter, layer)}{op}", Op(op), PHASE_OF[letter],
-                            chunk, layer, flops * (2 if letter == "B" else 1),
-                            self._local_bytes(self.family.output_tensor[op], layout.output), self.m,
-                            recompute=letter == "R", **extra)
+        node = self.compute(f"{self._prefix(letter, layer)}{op}", op=Op(op),
+                            phase=PHASE_OF[letter], chunk=chunk, layer=layer,
+                            flops=flops * (2 if letter == "B" else 1),
+                            nbytes=self._local_bytes(self.family.output_tensor[op],
+                                                     layout.output),
+                            repeat=self.m, recompute=letter == "R", **extra)
         if letter == "F":
             self.forward_ops[chunk].append((node, op, layer))
         return node
@@ -213,25 +199,26 @@ class _Derivation(AxisRules, ParameterRules):
 
     # --- forward ------------------------------------------------------------------------
 
-    def link(self, chunk: int, layer: int | None, producer_op: str, u: str, consumer_op: str,
-             v: str, source: Layout | None = None, tensor: str | None = None,
-             port: Port = Port.X, within_layer: bool = True) -> None:
+    def link(self, u: str, v: str, *, chunk: int, layer: int | None, ops: tuple[str, str],
+             source: Layout | None = None, tensor: str | None = None, port: Port = Port.X,
+             within_layer: bool = True) -> None:
         """A forward data edge u -> v into v's input ``port``, with whatever transfers the
-        layouts need."""
+        layouts need; ``ops``: the (producer, consumer) operators."""
+        producer_op, consumer_op = ops
         consumer = self.layout(consumer_op)
         source = source or self.layout(producer_op).output
         tensor = tensor or self.family.output_tensor[producer_op]
         # One value redistributed once, however many consumers read it (the embedding's
         # partial sum feeds both the first norm and the first residual).
         key = (u, str(source), str(consumer.input))
-        carried = self.carried.get(key) or self._tp("F", chunk, layer, tensor, source,
-                                                     consumer.input,
-                                                     (producer_op, consumer_op), u)
+        carried = self.carried.get(key) or self._tp(u, letter="F", chunk=chunk, layer=layer,
+                                                     tensor=tensor, source=source,
+                                                     target=consumer.input, ops=ops)
         self.carried[key] = carried
         self._connect(u, v, carried, port)  # with cp, the local queries and K/V block
         if (producer_op, consumer_op) == ("qkv", "attention") and self.cp > 1:
             self._cp_forward("F", chunk, layer, carried[0], v)
-        self.links[chunk].append(_Link(u, v, tensor, source, consumer.input,
+        self.links[chunk].append(Link(u, v, tensor, source, consumer.input,
                                        consumer.grad_input, layer, (producer_op, consumer_op),
                                        port, within_layer and layer is not None))
 
@@ -242,7 +229,7 @@ class _Derivation(AxisRules, ParameterRules):
             for op in self.family.embedding_ops:
                 node = self._op_node("F", chunk, None, op)
                 if x is not None:
-                    self.link(chunk, None, x[0], x[1], op, node)
+                    self.link(x[1], node, chunk=chunk, layer=None, ops=(x[0], op))
                 x = (op, node)
         else:
             x = self.chunk_entry.get(chunk) or (self.input_op[chunk], self.chunk_input[chunk])
@@ -276,12 +263,12 @@ class _Derivation(AxisRules, ParameterRules):
                 # layout (a partial sum when vocabulary-parallel) is redistributed here.
                 source = self.layout(x_op).output if x_op in self.family.embedding_ops \
                     else self.tpp.stream
-                self.link(chunk, layer, x_op, x_node, consumer, n[consumer],
+                self.link(x_node, n[consumer], chunk=chunk, layer=layer, ops=(x_op, consumer),
                           source=source, tensor="stream", port=Port(port),
                           within_layer=False)
             else:
-                self.link(chunk, layer, producer, n[producer], consumer, n[consumer],
-                          port=Port(port))
+                self.link(n[producer], n[consumer], chunk=chunk, layer=layer,
+                          ops=(producer, consumer), port=Port(port))
         output = self.family.layer_output
         return output, n[output]
 
@@ -290,9 +277,9 @@ class _Derivation(AxisRules, ParameterRules):
         head = self._op_node("F", chunk, None, "head")
         loss = self._op_node("F", chunk, None, "loss")
         x_op, x_node = x
-        self.link(chunk, None, x_op, x_node, "final_ln", final, source=self.tpp.stream,
-                  tensor="stream")
-        self.link(chunk, None, "final_ln", final, "head", head)
+        self.link(x_node, final, chunk=chunk, layer=None, ops=(x_op, "final_ln"),
+                  source=self.tpp.stream, tensor="stream")
+        self.link(final, head, chunk=chunk, layer=None, ops=("final_ln", "head"))
         if self.layout("loss").input == S("vocab") and self.tp > 1:
             # Vocabulary-parallel cross-entropy (Megatron): a max and a sum of exponentials
             # over the vocabulary, each an all-reduce of one fp32 number per token.
@@ -300,14 +287,18 @@ class _Derivation(AxisRules, ParameterRules):
             reduced: dict[Port, str] = {}
             for part in LOSS_REDUCTIONS:
                 port = Port(part)
-                local = self.compute(f"F/loss_{part}", LOSS_PART_OP[part], Phase.FORWARD, chunk,
-                                     None, self.shapes.elements("logits") * 2 / self.tp,
-                                     self.shapes.elements("tokens") * FP32_BYTES, self.m,
-                                     tp_input="S(vocab)", tp_output="P", params=[])
-                reduce = self.transfer(f"F/loss_{part}:all_reduce@tp", Kind.ALL_REDUCE, Axis.TP,
-                                       Payload.LOSS_STAT, Phase.FORWARD, chunk, None,
-                                       self.shapes.elements("tokens") * FP32_BYTES, self.m,
-                                       reasons.vocab_loss(self.plan, part), dtype="fp32",
+                local = self.compute(f"F/loss_{part}", op=LOSS_PART_OP[part],
+                                     phase=Phase.FORWARD, chunk=chunk, layer=None,
+                                     flops=self.shapes.elements("logits") * 2 / self.tp,
+                                     nbytes=self.shapes.elements("tokens") * FP32_BYTES,
+                                     repeat=self.m, tp_input="S(vocab)", tp_output="P",
+                                     params=[])
+                reduce = self.transfer(f"F/loss_{part}:all_reduce@tp", kind=Kind.ALL_REDUCE,
+                                       axis=Axis.TP, payload=Payload.LOSS_STAT,
+                                       phase=Phase.FORWARD, chunk=chunk, layer=None,
+                                       nbytes=self.shapes.elements("tokens") * FP32_BYTES,
+                                       repeat=self.m,
+                                       reason=reasons.vocab_loss(self.plan, part), dtype="fp32",
                                        tensor=f"loss_{part}", source_layout="P",
                                        target_layout="R",
                                        reduce_op="max" if part == "max" else "sum")
@@ -317,11 +308,12 @@ class _Derivation(AxisRules, ParameterRules):
                 self.edge(local, reduce, port=Port.X)
                 self.edge(reduce, loss, port=port)
                 reduced[port] = reduce
-        self.link(chunk, None, "head", head, "loss", loss)
-        report = self.transfer("F/loss:all_reduce@stage", Kind.ALL_REDUCE, Axis.STAGE,
-                               Payload.LOSS, Phase.FORWARD, chunk, None, FP32_BYTES, 1,
-                               reasons.loss_report(self.plan), dtype="fp32", tensor="loss",
-                               per_microbatch=False)
+        self.link(head, loss, chunk=chunk, layer=None, ops=("head", "loss"))
+        report = self.transfer("F/loss:all_reduce@stage", kind=Kind.ALL_REDUCE,
+                               axis=Axis.STAGE, payload=Payload.LOSS, phase=Phase.FORWARD,
+                               chunk=chunk, layer=None, nbytes=FP32_BYTES, repeat=1,
+                               reason=reasons.loss_report(self.plan), dtype="fp32",
+                               tensor="loss", per_microbatch=False)
         self.edge(loss, report, port=Port.X)
 
     # --- backward -----------------------------------------------------------------------
@@ -347,7 +339,7 @@ class _Derivation(AxisRules, ParameterRules):
                 Phase.BACKWARD, chunk, chunk - 1, self.layout(self.input_op[chunk]).output)
             backward[self.chunk_input[chunk]] = send
         first, last = self.chunks[chunk]
-        by_layer: dict[int, list[_Link]] = {}
+        by_layer: dict[int, list[Link]] = {}
         for link in self.links[chunk]:
             if link.within_layer:
                 by_layer.setdefault(link.layer, []).append(link)
@@ -366,7 +358,7 @@ class _Derivation(AxisRules, ParameterRules):
 
     def _backward_of(self, chunk: int, node: str, op: str, layer: int | None) -> str:
         b = self._op_node("B", chunk, layer, op)
-        self.edge(node, b, EdgeKind.SAVED)
+        self.edge(node, b, kind=EdgeKind.SAVED)
         return b
 
     def _recompute_just_in_time(self, layer: int) -> None:
@@ -380,9 +372,9 @@ class _Derivation(AxisRules, ParameterRules):
         backward, again = f"B/L{layer}/{op}", f"R/L{layer}/{first}"
         for source, _, data in list(self.graph.in_edges(backward, data=True)):
             if data.get("port") == Port.GRAD:
-                self.edge(source, again, EdgeKind.ORDER)
+                self.edge(source, again, kind=EdgeKind.ORDER)
 
-    def _backward_link(self, chunk: int, link: _Link, backward: dict[str, str]) -> None:
+    def _backward_link(self, chunk: int, link: Link, backward: dict[str, str]) -> None:
         """Gradient of a forward edge: consumer's backward -> producer's backward."""
         grad_from, grad_to = backward[link.consumer], backward[link.producer]
         target = gradient_layout(link.source)
@@ -393,21 +385,22 @@ class _Derivation(AxisRules, ParameterRules):
             # (ring attention's own K/V gradients come home inside its backward step)
             if ring and link.ops == ("qkv", "attention") and self.cp > 1:
                 self._ring_attention(grad_from, forward=False)
-            carried = self._tp("B", chunk, layer, link.tensor, link.grad, target, ops,
-                               grad_from, backward=True)
+            carried = self._tp(grad_from, letter="B", chunk=chunk, layer=layer,
+                               tensor=link.tensor, source=link.grad, target=target, ops=ops,
+                               backward=True)
             self._connect(grad_from, grad_to, carried, Port.GRAD, grad_of=link.port)
             return
         # K and V gradients come back over cp; the query gradient is local.
-        kv = self.transfer(f"B/L{layer}/dkv:reduce_scatter@cp", Kind.REDUCE_SCATTER,
-                           Axis.CP, Payload.DKV, Phase.BACKWARD, chunk, layer,
-                           self._kv_bytes() * self.cp, self.m,
-                           reasons.context_allgather(self.plan, True), tensor="dkv",
-                           dim="seq")
+        kv = self.transfer(f"B/L{layer}/dkv:reduce_scatter@cp", kind=Kind.REDUCE_SCATTER,
+                           axis=Axis.CP, payload=Payload.DKV, phase=Phase.BACKWARD,
+                           chunk=chunk, layer=layer, nbytes=self._kv_bytes() * self.cp,
+                           repeat=self.m, reason=reasons.context_allgather(self.plan, True),
+                           tensor="dkv", dim="seq")
         self.edge(grad_from, kv, port=Port.X, grad_of=Port.KV)
         # The gradients of this rank's K and V (from kv) and of its queries (straight
         # from attention) meet, through the tp redistribution if there is one.
-        carrier, local = self._tp("B", chunk, layer, link.tensor, link.grad, target, ops, kv,
-                                  backward=True)
+        carrier, local = self._tp(kv, letter="B", chunk=chunk, layer=layer, tensor=link.tensor,
+                                  source=link.grad, target=target, ops=ops, backward=True)
         if carrier == kv:
             self.edge(kv, grad_to, port=Port.GRAD, local_slice=local)
             self.edge(grad_from, grad_to, port=Port.GRAD, grad_of=Port.X, local_slice=local)
@@ -416,13 +409,13 @@ class _Derivation(AxisRules, ParameterRules):
             self.edge(kv, carrier, port=Port.X)
             self.edge(carrier, grad_to, port=Port.GRAD)
 
-    def _recompute_layer(self, chunk: int, layer: int, links: list[_Link]) -> None:
+    def _recompute_layer(self, chunk: int, layer: int, links: list[Link]) -> None:
         if self.recompute == "selective":
             again = self._op_node("R", chunk, layer, "attention")
             if self.cp > 1 and self.plan.shard.cp.attention == "ring":
                 self._ring_attention(again, forward=True)  # its blocks travel again
-            self.edge(f"F/L{layer}/attention", again, EdgeKind.SAVED)
-            self.edge(again, f"B/L{layer}/attention", EdgeKind.SAVED)
+            self.edge(f"F/L{layer}/attention", again, kind=EdgeKind.SAVED)
+            self.edge(again, f"B/L{layer}/attention", kind=EdgeKind.SAVED)
             self._recomputed_by(f"B/L{layer}/attention", again)
             return
         if self.recompute != "full":
@@ -433,17 +426,17 @@ class _Derivation(AxisRules, ParameterRules):
         nodes = {op: self._op_node("R", chunk, layer, op) for op in ops}
         for producer, consumer, _port in block_links:
             if producer == INPUT:  # reads the checkpointed block input
-                self.edge(f"F/L{layer}/{consumer}", nodes[consumer], EdgeKind.SAVED)
+                self.edge(f"F/L{layer}/{consumer}", nodes[consumer], kind=EdgeKind.SAVED)
         for link in links:
             producer, consumer = link.ops
             u, v = nodes[producer], nodes[consumer]
-            carried = self._tp("R", chunk, layer, link.tensor, link.source, link.target,
-                               link.ops, u)
+            carried = self._tp(u, letter="R", chunk=chunk, layer=layer, tensor=link.tensor,
+                               source=link.source, target=link.target, ops=link.ops)
             self._connect(u, v, carried, link.port)
             if link.ops == ("qkv", "attention") and self.cp > 1:
                 self._cp_forward("R", chunk, layer, carried[0], v)
         for op in ops:
-            self.edge(nodes[op], f"B/L{layer}/{op}", EdgeKind.SAVED)
+            self.edge(nodes[op], f"B/L{layer}/{op}", kind=EdgeKind.SAVED)
             self._recomputed_by(f"B/L{layer}/{op}", nodes[op])
 
     def _recomputed_by(self, backward: str, again: str) -> None:

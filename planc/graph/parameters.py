@@ -134,11 +134,12 @@ class ParameterRules:
                 consumer = node if letter == "F" else self.graph.nodes[node]["backward"]
                 # on the chunk of its reader (a V's tied head reads chunk 0's embedding)
                 gather = self.transfer(f"{letter}/{param.name}>{op}:all_gather@{axis}",
-                                       Kind.ALL_GATHER, axis, Payload.PARAM, phase,
-                                       self.graph.nodes[node]["chunk"],
-                                       param.layer, self._bucket_bytes(bucket), self.m,
-                                       reasons.zero3_gather(self.plan, param.name,
-                                                            phase.value, axis),
+                                       kind=Kind.ALL_GATHER, axis=axis, payload=Payload.PARAM,
+                                       phase=phase, chunk=self.graph.nodes[node]["chunk"],
+                                       layer=param.layer, nbytes=self._bucket_bytes(bucket),
+                                       repeat=self.m,
+                                       reason=reasons.zero3_gather(self.plan, param.name,
+                                                                   phase.value, axis),
                                        bucket=bucket)
                 self.edge(gather, consumer, port=Port.PARAM)
                 again = self.graph.nodes[consumer].get("recompute_of")
@@ -167,10 +168,12 @@ class ParameterRules:
         def step(kind: Kind, axis: Axis, size: float, per_microbatch: bool, reason: str,
                  **extra) -> None:
             nonlocal last
-            node = self.transfer(f"G/{param.name}:{kind}@{axis}{suffix}", kind, axis,
-                                 Payload.GRAD, Phase.BACKWARD, chunk, param.layer, size,
-                                 self.m if per_microbatch else 1, reason, stage=stage,
-                                 per_microbatch=per_microbatch, bucket=bucket, **extra)
+            node = self.transfer(f"G/{param.name}:{kind}@{axis}{suffix}", kind=kind,
+                                 axis=axis, payload=Payload.GRAD, phase=Phase.BACKWARD,
+                                 chunk=chunk, layer=param.layer, nbytes=size,
+                                 repeat=self.m if per_microbatch else 1, reason=reason,
+                                 stage=stage, per_microbatch=per_microbatch, bucket=bucket,
+                                 **extra)
             for source in last:
                 self.edge(source, node, port=Port.X)
             last = [node]
@@ -209,8 +212,9 @@ class ParameterRules:
         layer = info["members"][0]["layer"]
         elements = info["padded"] // info["parts"]
         flops = elements * OPTIMIZER_FLOPS_PER_ELEMENT[self.plan.train.optimizer.name]
-        node = self.compute(f"O/{bucket}/optimizer", Op.OPTIMIZER, Phase.OPTIMIZER, chunk,
-                            layer, flops, elements * self.plan.model.dtype_bytes, 1,
+        node = self.compute(f"O/{bucket}/optimizer", op=Op.OPTIMIZER, phase=Phase.OPTIMIZER,
+                            chunk=chunk, layer=layer, flops=flops,
+                            nbytes=elements * self.plan.model.dtype_bytes, repeat=1,
                             params=members, sharded=info["sharded"], bucket=bucket,
                             per_microbatch=False)
         for source in ready:
@@ -218,9 +222,10 @@ class ParameterRules:
         if self.zero not in (1, 2) or not info["sharded"]:
             return
         axis = Axis(info.get("over", Axis.DP_CP.value))
-        gather = self.transfer(f"O/{bucket}:all_gather@{axis}", Kind.ALL_GATHER, axis,
-                               Payload.PARAM, Phase.OPTIMIZER, chunk, layer,
-                               self._bucket_bytes(bucket), 1,
-                               reasons.zero_gather(self.plan, ", ".join(members), axis),
+        gather = self.transfer(f"O/{bucket}:all_gather@{axis}", kind=Kind.ALL_GATHER,
+                               axis=axis, payload=Payload.PARAM, phase=Phase.OPTIMIZER,
+                               chunk=chunk, layer=layer, nbytes=self._bucket_bytes(bucket),
+                               repeat=1,
+                               reason=reasons.zero_gather(self.plan, ", ".join(members), axis),
                                per_microbatch=False, bucket=bucket)
         self.edge(node, gather, port=Port.X)
