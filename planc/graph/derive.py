@@ -58,7 +58,14 @@ from planc.graph.tensor_parallel import (
 from planc.graph.axes import PHASE_OF, AxisRules
 from planc.graph.grad_norm import add_grad_norm
 from planc.graph.parameters import ParameterRules, param_name
-from planc.graph.walk_records import Link
+from planc.graph.walk_records import (
+    BackwardChunk,
+    ForwardChunk,
+    ForwardWalk,
+    Held,
+    Link,
+    Step,
+)
 from planc.plan.plan import Plan
 
 LOSS_PART_OP = {"max": Op.LOSS_MAX, "sum_exp": Op.LOSS_SUM_EXP}
@@ -76,24 +83,11 @@ class _Derivation(AxisRules, ParameterRules):
         self.chunks = plan.shard.pp.chunks
         self.last_chunk = len(self.chunks) - 1
         self.stage_of = [plan.stage_of_chunk(c) for c in range(len(self.chunks))]
-        # chunk -> the backward nodes of its forward nodes made early: a chunk handing its
-        # output to the next chunk on its stage (a V's turn) gets its gradient from it.
-        self.early_backward: dict[int, dict[str, str]] = {c: {} for c in range(len(self.chunks))}
         self.zero = plan.shard.dp.zero
         self.recompute = plan.optimize.recompute
         self.params = {p.name: p for p in all_parameters(plan)}
         self.family = family_of(plan)
         self.tied = plan.model.tie_embeddings and plan.head_stage != 0
-        count = range(len(self.chunks))
-        self.links: dict[int, list[Link]] = {c: [] for c in count}
-        self.forward_ops: dict[int, list[tuple[str, str, int | None]]] = {c: [] for c in count}
-        self.chunk_output: dict[int, str] = {}
-        self.carried: dict[tuple[str, str, str], tuple] = {}
-        self.chunk_input: dict[int, str] = {}  # chunk -> its forward receive
-        self.input_op: dict[int, str] = {}  # chunk -> the op whose output it receives
-        self.chunk_entry: dict[int, tuple[str, str]] = {}  # chunk -> (op, node) it reads
-        # when the previous chunk is on its own stage
-        self.gradient_input: dict[int, str] = {}  # chunk -> its backward receive
 
     # --- nodes and edges ----------------------------------------------------------------
 
@@ -163,8 +157,6 @@ class _Derivation(AxisRules, ParameterRules):
                             nbytes=self._local_bytes(self.family.output_tensor[op],
                                                      layout.output),
                             repeat=self.m, recompute=letter == "R", **extra)
-        if letter == "F":
-            self.forward_ops[chunk].append((node, op, layer))
         return node
 
     def _kernel_attributes(self, op: str, layer: int | None, layout: OpLayout) -> dict:
@@ -199,9 +191,14 @@ class _Derivation(AxisRules, ParameterRules):
 
     # --- forward ------------------------------------------------------------------------
 
-    def link(self, u: str, v: str, *, chunk: int, layer: int | None, ops: tuple[str, str],
-             source: Layout | None = None, tensor: str | None = None, port: Port = Port.X,
-             within_layer: bool = True) -> None:
+    def _forward_step(self, walk: ForwardWalk, layer: int | None, op: str) -> str:
+        node = self._op_node("F", walk.chunk, layer, op)
+        walk.steps.append(Step(node, op, layer))
+        return node
+
+    def link(self, walk: ForwardWalk, u: str, v: str, *, layer: int | None,
+             ops: tuple[str, str], source: Layout | None = None, tensor: str | None = None,
+             port: Port = Port.X, within_layer: bool = True) -> None:
         """A forward data edge u -> v into v's input ``port``, with whatever transfers the
         layouts need; ``ops``: the (producer, consumer) operators."""
         producer_op, consumer_op = ops
@@ -211,75 +208,75 @@ class _Derivation(AxisRules, ParameterRules):
         # One value redistributed once, however many consumers read it (the embedding's
         # partial sum feeds both the first norm and the first residual).
         key = (u, str(source), str(consumer.input))
-        carried = self.carried.get(key) or self._tp(u, letter="F", chunk=chunk, layer=layer,
-                                                     tensor=tensor, source=source,
+        carried = walk.carried.get(key) or self._tp(u, letter="F", chunk=walk.chunk,
+                                                     layer=layer, tensor=tensor, source=source,
                                                      target=consumer.input, ops=ops)
-        self.carried[key] = carried
+        walk.carried[key] = carried
         self._connect(u, v, carried, port)  # with cp, the local queries and K/V block
         if (producer_op, consumer_op) == ("qkv", "attention") and self.cp > 1:
-            self._cp_forward("F", chunk, layer, carried[0], v)
-        self.links[chunk].append(Link(u, v, tensor, source, consumer.input,
-                                       consumer.grad_input, layer, (producer_op, consumer_op),
-                                       port, within_layer and layer is not None))
+            self._cp_forward("F", walk.chunk, layer, carried[0], v)
+        walk.links.append(Link(u, v, tensor, source, consumer.input, consumer.grad_input,
+                               layer, ops, port, within_layer and layer is not None))
 
-    def _forward_chunk(self, chunk: int) -> None:
+    def _forward_chunk(self, chunk: int, entry: Held | None) -> ForwardChunk:
+        """``entry``: what the chunk before hands on (None on chunk 0)."""
+        walk = ForwardWalk(chunk)
         first, last = self.chunks[chunk]
+        x = entry
         if chunk == 0:
-            x = None
             for op in self.family.embedding_ops:
-                node = self._op_node("F", chunk, None, op)
+                node = self._forward_step(walk, None, op)
                 if x is not None:
-                    self.link(x[1], node, chunk=chunk, layer=None, ops=(x[0], op))
-                x = (op, node)
-        else:
-            x = self.chunk_entry.get(chunk) or (self.input_op[chunk], self.chunk_input[chunk])
+                    self.link(walk, x.node, node, layer=None, ops=(x.op, op))
+                x = Held(op, node)
         for layer in range(first, last + 1):
-            x = self._forward_layer(chunk, layer, x)
+            x = self._forward_layer(walk, layer, x)
+        output = next_entry = None
         if chunk == self.last_chunk:
-            self._forward_head(chunk, x)
+            self._forward_head(walk, x)
         elif self._local(chunk, chunk + 1):  # no transfer: the next chunk reads x
-            self.chunk_entry[chunk + 1] = x
-            self.chunk_output[chunk] = x[1]
+            next_entry = x
         else:
             # A first chunk of the embedding alone sends the embedding's output as it is;
             # the next chunk's first layer redistributes it as it would on chunk 0.
-            self.input_op[chunk + 1] = x[0]
             send, recv = self._pipeline(Phase.FORWARD, chunk, chunk + 1,
-                                        self.layout(x[0]).output)
-            self.edge(x[1], send, port=Port.X)
+                                        self.layout(x.op).output)
+            self.edge(x.node, send, port=Port.X)
             self._into_send(send)
-            self.chunk_input[chunk + 1] = recv
-            self.chunk_output[chunk] = x[1]
+            next_entry = Held(x.op, recv)
+        if chunk != self.last_chunk:
+            output = next(step for step in walk.steps if step.node == x.node)
+        return ForwardChunk(chunk, tuple(walk.steps), tuple(walk.links), entry, output,
+                            next_entry)
 
-    def _forward_layer(self, chunk: int, layer: int, x: tuple[str, str]) -> tuple[str, str]:
+    def _forward_layer(self, walk: ForwardWalk, layer: int, x: Held) -> Held:
         """One block, wired as its family's links say; the block's input is the residual
         stream, whose layout the plan fixes."""
         ops, links = self.family.block(self.plan.model, layer)
-        n = {op: self._op_node("F", chunk, layer, op) for op in ops}
-        x_op, x_node = x
+        n = {op: self._forward_step(walk, layer, op) for op in ops}
         for producer, consumer, port in links:
             if producer == INPUT:
                 # The residual stream, except straight after the embedding, whose own
                 # layout (a partial sum when vocabulary-parallel) is redistributed here.
-                source = self.layout(x_op).output if x_op in self.family.embedding_ops \
+                source = self.layout(x.op).output if x.op in self.family.embedding_ops \
                     else self.tpp.stream
-                self.link(x_node, n[consumer], chunk=chunk, layer=layer, ops=(x_op, consumer),
+                self.link(walk, x.node, n[consumer], layer=layer, ops=(x.op, consumer),
                           source=source, tensor="stream", port=Port(port),
                           within_layer=False)
             else:
-                self.link(n[producer], n[consumer], chunk=chunk, layer=layer,
+                self.link(walk, n[producer], n[consumer], layer=layer,
                           ops=(producer, consumer), port=Port(port))
         output = self.family.layer_output
-        return output, n[output]
+        return Held(output, n[output])
 
-    def _forward_head(self, chunk: int, x: tuple[str, str]) -> None:
-        final = self._op_node("F", chunk, None, "final_ln")
-        head = self._op_node("F", chunk, None, "head")
-        loss = self._op_node("F", chunk, None, "loss")
-        x_op, x_node = x
-        self.link(x_node, final, chunk=chunk, layer=None, ops=(x_op, "final_ln"),
+    def _forward_head(self, walk: ForwardWalk, x: Held) -> None:
+        chunk = walk.chunk
+        final = self._forward_step(walk, None, "final_ln")
+        head = self._forward_step(walk, None, "head")
+        loss = self._forward_step(walk, None, "loss")
+        self.link(walk, x.node, final, layer=None, ops=(x.op, "final_ln"),
                   source=self.tpp.stream, tensor="stream")
-        self.link(final, head, chunk=chunk, layer=None, ops=("final_ln", "head"))
+        self.link(walk, final, head, layer=None, ops=("final_ln", "head"))
         if self.layout("loss").input == S("vocab") and self.tp > 1:
             # Vocabulary-parallel cross-entropy (Megatron): a max and a sum of exponentials
             # over the vocabulary, each an all-reduce of one fp32 number per token.
@@ -308,7 +305,7 @@ class _Derivation(AxisRules, ParameterRules):
                 self.edge(local, reduce, port=Port.X)
                 self.edge(reduce, loss, port=port)
                 reduced[port] = reduce
-        self.link(head, loss, chunk=chunk, layer=None, ops=("head", "loss"))
+        self.link(walk, head, loss, layer=None, ops=("head", "loss"))
         report = self.transfer("F/loss:all_reduce@stage", kind=Kind.ALL_REDUCE,
                                axis=Axis.STAGE, payload=Payload.LOSS, phase=Phase.FORWARD,
                                chunk=chunk, layer=None, nbytes=FP32_BYTES, repeat=1,
@@ -318,47 +315,53 @@ class _Derivation(AxisRules, ParameterRules):
 
     # --- backward -----------------------------------------------------------------------
 
-    def _backward_chunk(self, chunk: int) -> None:
+    def _backward_chunk(self, forward: ForwardChunk, before: ForwardChunk | None,
+                        after: BackwardChunk | None) -> BackwardChunk:
+        """The backward walk of one chunk, from its forward walk; ``before``: the forward
+        walk of the chunk before (None on chunk 0); ``after``: the backward walk of the
+        chunk after (None on the last)."""
+        chunk = forward.chunk
+        early = after.early_backward if after is not None else None
         backward = {}  # forward node -> the node that receives its output's gradient
-        for node, op, layer in self.forward_ops[chunk]:
-            backward[node] = self.early_backward[chunk].get(node) or \
-                self._backward_of(chunk, node, op, layer)
-        local_output = chunk != self.last_chunk and self._local(chunk, chunk + 1)
-        if chunk != self.last_chunk and not local_output:  # made with the next chunk's backward
-            self.edge(self.gradient_input[chunk], backward[self.chunk_output[chunk]],
-                      port=Port.GRAD)
-        if chunk > 0 and self._local(chunk - 1, chunk):
-            node = self.chunk_output[chunk - 1]
-            op, layer = next((op, layer) for n, op, layer in self.forward_ops[chunk - 1]
-                             if n == node)
-            backward[node] = self.early_backward[chunk - 1][node] = \
-                self._backward_of(chunk - 1, node, op, layer)
+        for step in forward.steps:
+            made_early = early is not None and step.node == forward.output.node
+            backward[step.node] = early if made_early else self._backward_of(chunk, step)
+        if after is not None and after.gradient_receive is not None:
+            self.edge(after.gradient_receive, backward[forward.output.node], port=Port.GRAD)
+        backward_of = {step.node: backward[step.node] for step in forward.steps}
+        handed = BackwardChunk(backward_of)
+        if before is not None and self._local(chunk - 1, chunk):
+            output = before.output
+            backward[output.node] = self._backward_of(chunk - 1, output)
+            handed = BackwardChunk(backward_of, early_backward=backward[output.node])
         send = None
-        if chunk > 0 and not self._local(chunk - 1, chunk):
-            send, self.gradient_input[chunk - 1] = self._pipeline(
-                Phase.BACKWARD, chunk, chunk - 1, self.layout(self.input_op[chunk]).output)
-            backward[self.chunk_input[chunk]] = send
+        if before is not None and not self._local(chunk - 1, chunk):
+            send, receive = self._pipeline(Phase.BACKWARD, chunk, chunk - 1,
+                                           self.layout(forward.entry.op).output)
+            backward[forward.entry.node] = send
+            handed = BackwardChunk(backward_of, gradient_receive=receive)
         first, last = self.chunks[chunk]
         by_layer: dict[int, list[Link]] = {}
-        for link in self.links[chunk]:
+        for link in forward.links:
             if link.within_layer:
                 by_layer.setdefault(link.layer, []).append(link)
         for layer in range(first, last + 1):
             self._recompute_layer(chunk, layer, by_layer.get(layer, []))
-        for link in reversed(self.links[chunk]):
+        for link in reversed(forward.links):
             self._backward_link(chunk, link, backward)
         if send is not None:
             self._into_send(send)
         for layer in range(first, last + 1):
             self._recompute_just_in_time(layer)
+        return handed
 
     def _local(self, chunk: int, other: int) -> bool:
         """Whether two chunks share a stage (then nothing travels between them)."""
         return self.stage_of[chunk] == self.stage_of[other]
 
-    def _backward_of(self, chunk: int, node: str, op: str, layer: int | None) -> str:
-        b = self._op_node("B", chunk, layer, op)
-        self.edge(node, b, kind=EdgeKind.SAVED)
+    def _backward_of(self, chunk: int, step: Step) -> str:
+        b = self._op_node("B", chunk, step.layer, step.op)
+        self.edge(step.node, b, kind=EdgeKind.SAVED)
         return b
 
     def _recompute_just_in_time(self, layer: int) -> None:
@@ -448,18 +451,18 @@ class _Derivation(AxisRules, ParameterRules):
     # --- the whole step ---------------------------------------------------------------------
 
     def derive(self) -> nx.DiGraph:
+        forward: list[ForwardChunk] = []
         for chunk in range(len(self.chunks)):
-            self._forward_chunk(chunk)
+            forward.append(self._forward_chunk(chunk, forward[-1].next_entry if forward
+                                               else None))
+        backward_of: dict[str, str] = {}  # every forward step -> its backward step
+        after = None
         for chunk in reversed(range(len(self.chunks))):
-            self._backward_chunk(chunk)
-        for node, data in self.graph.nodes(data=True):
-            if data["type"] == NodeType.COMPUTE and "forward_of" in data and \
-                    not data["recompute"]:
-                self.graph.nodes[data["forward_of"]]["backward"] = node
+            before = forward[chunk - 1] if chunk > 0 else None
+            after = self._backward_chunk(forward[chunk], before, after)
+            backward_of.update(after.backward_of)
         for chunk in range(len(self.chunks)):
-            self._parameters(chunk)
-        for _, data in self.graph.nodes(data=True):
-            data.pop("backward", None)
+            self._parameters(chunk, forward, backward_of)
         self.graph.graph.update(self._attributes())
         return self.graph
 

@@ -19,13 +19,16 @@ skip the tp sum and are reduced, and sharded under ZeRO, over that group instead
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from planc.graph import reasons
 from planc.graph.ir import Axis, Kind, Op, Payload, Phase, Port, buckets, shard_numel
 from planc.graph.sharding import Layout, gradient_layout
 from planc.estimate.model import Parameter
 from planc.graph.tensor_parallel import ParamUse
+from planc.graph.walk_records import ForwardChunk
 
 OPTIMIZER_FLOPS_PER_ELEMENT = {"adamw": 12, "sgd": 3}
 GLOBAL_PARAMETERS = ("embedding.weight", "position.weight", "head.weight",
@@ -37,16 +40,24 @@ def param_name(name: str, layer: int | None) -> str:
     return name if layer is None or name in GLOBAL_PARAMETERS else f"layers.{layer}.{name}"
 
 
+class _Use(NamedTuple):
+    """One operator's use of a parameter."""
+
+    forward: str  # the forward step that reads it
+    backward: str  # the backward step that writes its gradient
+    how: ParamUse
+
+
 @dataclass(frozen=True)
 class _Site:
     """A parameter as the operators of one chunk use it."""
 
     param: Parameter
-    uses: tuple[tuple[str, ParamUse], ...]  # (forward node, use)
+    uses: tuple[_Use, ...]
 
     @property
     def storage(self) -> Layout:
-        return self.uses[0][1].storage
+        return self.uses[0].how.storage
 
 
 class ParameterRules:
@@ -54,17 +65,18 @@ class ParameterRules:
 
     # --- parameters ---------------------------------------------------------------------
 
-    def _sites(self, chunk: int) -> list[_Site]:
+    def _sites(self, chunk: int, forward: Sequence[ForwardChunk],
+               backward_of: Mapping[str, str]) -> list[_Site]:
         """The parameters whose home is ``chunk``: the first chunk of its stage that uses
         them. A parameter two chunks of one stage use (a tied embedding in a V, where the
         embedding and the head both sit on stage 0) is one site with every use."""
         sites: dict[str, tuple[Parameter, list, int]] = {}
         for other in self.plan.chunks_of_stage(self.plan.stage_of_chunk(chunk)):
-            for node, op, layer in self.forward_ops[other]:
+            for node, op, layer in forward[other].steps:
                 for use in self.layout(op).params:
                     name = param_name(use.name, layer)
                     sites.setdefault(name, (self.params[name], [], other))[1].append(
-                        (node, use))
+                        _Use(node, backward_of[node], use))
         return [_Site(param, tuple(uses)) for param, uses, home in sites.values()
                 if home == chunk]
 
@@ -73,7 +85,7 @@ class ParameterRules:
         if site.param.split_over_experts(self.plan.mesh.ep):
             shape[0] //= self.plan.mesh.ep
         elif site.storage.is_sharded and self.tp > 1:
-            shape[site.uses[0][1].storage_axis] //= self.tp
+            shape[site.uses[0].how.storage_axis] //= self.tp
         return shape
 
     def _replicated_over(self, param: Parameter) -> tuple[Axis, int]:
@@ -83,8 +95,11 @@ class ParameterRules:
             return Axis.EDP, self._group_size(Axis.EDP)
         return Axis.DP_CP, self.replicas
 
-    def _parameters(self, chunk: int) -> None:
-        for site in self._sites(chunk):
+    def _parameters(self, chunk: int, forward: Sequence[ForwardChunk],
+                    backward_of: Mapping[str, str]) -> None:
+        """``forward``: every chunk's forward walk; ``backward_of``: every forward step's
+        backward step."""
+        for site in self._sites(chunk, forward, backward_of):
             bucket = self._bucket(chunk, site)
             if buckets(self.graph)[bucket]["zero3"]:
                 self._zero3_gathers(chunk, site, bucket)
@@ -100,7 +115,7 @@ class ParameterRules:
         numel = 1
         for size in shape:
             numel *= size
-        use = site.uses[0][1]
+        use = site.uses[0].how
         axis, replicas = self._replicated_over(param)
         experts = axis == Axis.EDP
         fixup = use.gradient_transfer() if self.tp > 1 and not experts else None
@@ -128,10 +143,10 @@ class ParameterRules:
     def _zero3_gathers(self, chunk: int, site: _Site, bucket: str) -> None:
         param = site.param
         axis = self._replicated_over(param)[0]
-        for node, _use in site.uses:
+        for node, backward, _how in site.uses:
             op = self.graph.nodes[node]["op"]
             for letter, phase in (("F", Phase.FORWARD), ("B", Phase.BACKWARD)):
-                consumer = node if letter == "F" else self.graph.nodes[node]["backward"]
+                consumer = node if letter == "F" else backward
                 # on the chunk of its reader (a V's tied head reads chunk 0's embedding)
                 gather = self.transfer(f"{letter}/{param.name}>{op}:all_gather@{axis}",
                                        kind=Kind.ALL_GATHER, axis=axis, payload=Payload.PARAM,
@@ -149,14 +164,14 @@ class ParameterRules:
     def _gradient(self, chunk: int, site: _Site, bucket: str) -> str | list[str]:
         """The gradient's path from its backward operators to the optimizer."""
         param = site.param
-        use = site.uses[0][1]
+        use = site.uses[0].how
         stage = self.plan.stage_of_chunk(chunk)
         tied = buckets(self.graph)[bucket]["tied"]
         suffix = f"#s{stage}" if tied else ""
         nbytes = self._bucket_bytes(bucket)
         # The dp and tied reductions move the gradient in the plan's reduce dtype.
         reduced = buckets(self.graph)[bucket]["numel"] * self.plan.reduce_dtype_bytes
-        last: list[str] = [self.graph.nodes[node]["backward"] for node, _ in site.uses]
+        last: list[str] = [use.backward for use in site.uses]
         axis, replicas = self._replicated_over(param)
         # ZeRO-2/3 keep only a shard of the gradient, so they reduce every microbatch.
         each_microbatch = self.zero >= 2 and replicas > 1
