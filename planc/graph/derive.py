@@ -27,6 +27,8 @@ Every parameter gets a bucket of its own, with its reductions and its optimizer 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import networkx as nx
 
 from planc.graph import reasons
@@ -44,7 +46,7 @@ from planc.graph.ir import (
     buckets,
 )
 from planc.graph.sharding import Layout, S, gradient_layout
-from planc.graph.mixture import in_kernel_collectives
+from planc.graph.kernels import kernel_attributes
 from planc.estimate.model import Shapes, all_parameters, forward_flops
 from planc.models import family_of
 from planc.models.family import INPUT
@@ -57,7 +59,7 @@ from planc.graph.tensor_parallel import (
 )
 from planc.graph.axes import PHASE_OF, AxisRules
 from planc.graph.grad_norm import add_grad_norm
-from planc.graph.parameters import ParameterRules, param_name
+from planc.graph.parameters import ParameterRules
 from planc.graph.walk_records import (
     BackwardChunk,
     ForwardChunk,
@@ -143,14 +145,15 @@ class _Derivation(AxisRules, ParameterRules):
     def _prefix(letter: str, layer: int | None) -> str:
         return f"{letter}/L{layer}/" if layer is not None else f"{letter}/"
 
-    def _op_node(self, letter: str, chunk: int, layer: int | None, op: str) -> str:
-        """A compute node: F (forward), B (backward) or R (recomputed forward)."""
+    def _op_node(self, letter: str, chunk: int, layer: int | None, op: str,
+                 forward_of: str | None = None) -> str:
+        """A compute node: F (forward), B (backward) or R (recomputed forward, which like
+        the backward names its forward step in ``forward_of``)."""
         layout = self.layout(op)
         flops = forward_flops(op, self.shapes) / (self.tp if layout.sharded else 1)
-        forward = f"{self._prefix('F', layer)}{op}"
-        extra = self._kernel_attributes(op, layer, layout)
-        if letter != "F":
-            extra["forward_of"] = forward
+        extra = kernel_attributes(self.plan, self.family, self.shapes, op, layer, layout)
+        if forward_of is not None:
+            extra["forward_of"] = forward_of
         node = self.compute(f"{self._prefix(letter, layer)}{op}", op=Op(op),
                             phase=PHASE_OF[letter], chunk=chunk, layer=layer,
                             flops=flops * (2 if letter == "B" else 1),
@@ -158,33 +161,6 @@ class _Derivation(AxisRules, ParameterRules):
                                                      layout.output),
                             repeat=self.m, recompute=letter == "R", **extra)
         return node
-
-    def _kernel_attributes(self, op: str, layer: int | None, layout: OpLayout) -> dict:
-        """What the runtime needs to run the operator on its shards: its layouts, the
-        parameters it reads (and the slice it reads of a replicated one), the bias of a
-        row-parallel producer it adds, and whether it works on a slice of the vocabulary."""
-        attrs: dict = {"tp_input": str(layout.input), "tp_output": str(layout.output),
-                       "params": [param_name(u.name, layer) for u in layout.params]}
-        slices = {}
-        for use in layout.params:
-            data = use.data
-            if self.tp > 1 and not use.storage.is_sharded and data.is_sharded and \
-                    data.dim in use.dims and data.dim != "seq":
-                slices[param_name(use.name, layer)] = [data.dim, use.dims.index(data.dim)]
-            if self.tp > 1 and use.shared_slice is not None:
-                slices[param_name(use.name, layer)] = list(use.shared_slice)
-        if slices:
-            attrs["param_slices"] = slices
-        if layout.bias_from:
-            attrs["bias"] = param_name(f"{layout.bias_from}.bias", layer)
-        if op == "embedding":
-            attrs["vocab_parallel"] = self.tp > 1 and layout.params[0].storage == S("vocab")
-        if op == "loss":
-            attrs["vocab_parallel"] = self.tp > 1 and layout.input == S("vocab")
-        rule = self.family.rules.get(op)
-        if rule is not None:  # a mixture's all-to-alls over ep, its counts' all-reduce
-            attrs.update(in_kernel_collectives(self.plan, rule, self.shapes, layout))
-        return attrs
 
     def _local_bytes(self, tensor: str, layout: Layout) -> float:
         return self.shapes.bytes(tensor) / (self.tp if layout.is_sharded else 1)
@@ -345,14 +321,15 @@ class _Derivation(AxisRules, ParameterRules):
         for link in forward.links:
             if link.within_layer:
                 by_layer.setdefault(link.layer, []).append(link)
-        for layer in range(first, last + 1):
-            self._recompute_layer(chunk, layer, by_layer.get(layer, []))
+        recomputed = {layer: self._recompute_layer(forward, layer, by_layer.get(layer, []),
+                                                   backward)
+                      for layer in range(first, last + 1)}
         for link in reversed(forward.links):
             self._backward_link(chunk, link, backward)
         if send is not None:
             self._into_send(send)
         for layer in range(first, last + 1):
-            self._recompute_just_in_time(layer)
+            self._recompute_just_in_time(forward, layer, backward, recomputed[layer])
         return handed
 
     def _local(self, chunk: int, other: int) -> bool:
@@ -360,22 +337,25 @@ class _Derivation(AxisRules, ParameterRules):
         return self.stage_of[chunk] == self.stage_of[other]
 
     def _backward_of(self, chunk: int, step: Step) -> str:
-        b = self._op_node("B", chunk, step.layer, step.op)
+        b = self._op_node("B", chunk, step.layer, step.op, forward_of=step.node)
         self.edge(step.node, b, kind=EdgeKind.SAVED)
         return b
 
-    def _recompute_just_in_time(self, layer: int) -> None:
+    def _recompute_just_in_time(self, forward: ForwardChunk, layer: int,
+                                backward: Mapping[str, str],
+                                recomputed: Mapping[str, str]) -> None:
         """A recomputation starts once the gradient it is recomputed for is on its way
         (order edges from whatever feeds that gradient), not at the start of the
-        backward: else every layer would be recomputed at once and held."""
+        backward: else every layer would be recomputed at once and held.
+        ``recomputed``: the layer's recomputed steps by operator."""
         if self.recompute == "none":
             return
         op, first = ("attention", "attention") if self.recompute == "selective" else \
             (self.family.layer_output, self.family.layer_ops[0])
-        backward, again = f"B/L{layer}/{op}", f"R/L{layer}/{first}"
-        for source, _, data in list(self.graph.in_edges(backward, data=True)):
+        gradient_of = backward[forward.node(layer, op)]
+        for source, _, data in list(self.graph.in_edges(gradient_of, data=True)):
             if data.get("port") == Port.GRAD:
-                self.edge(source, again, kind=EdgeKind.ORDER)
+                self.edge(source, recomputed[first], kind=EdgeKind.ORDER)
 
     def _backward_link(self, chunk: int, link: Link, backward: dict[str, str]) -> None:
         """Gradient of a forward edge: consumer's backward -> producer's backward."""
@@ -412,24 +392,30 @@ class _Derivation(AxisRules, ParameterRules):
             self.edge(kv, carrier, port=Port.X)
             self.edge(carrier, grad_to, port=Port.GRAD)
 
-    def _recompute_layer(self, chunk: int, layer: int, links: list[Link]) -> None:
+    def _recompute_layer(self, forward: ForwardChunk, layer: int, links: list[Link],
+                         backward: Mapping[str, str]) -> dict[str, str]:
+        """The layer's recomputed steps, by operator (none without recomputation)."""
+        chunk = forward.chunk
         if self.recompute == "selective":
-            again = self._op_node("R", chunk, layer, "attention")
+            attention = forward.node(layer, "attention")
+            again = self._op_node("R", chunk, layer, "attention", forward_of=attention)
             if self.cp > 1 and self.plan.shard.cp.attention == "ring":
                 self._ring_attention(again, forward=True)  # its blocks travel again
-            self.edge(f"F/L{layer}/attention", again, kind=EdgeKind.SAVED)
-            self.edge(again, f"B/L{layer}/attention", kind=EdgeKind.SAVED)
-            self._recomputed_by(f"B/L{layer}/attention", again)
-            return
+            self.edge(attention, again, kind=EdgeKind.SAVED)
+            self.edge(again, backward[attention], kind=EdgeKind.SAVED)
+            self._recomputed_by(attention, backward[attention], again)
+            return {"attention": again}
         if self.recompute != "full":
-            return
+            return {}
         # Full recomputation runs the layer's forward again from its checkpointed input,
         # transfers included, just before its backward.
         ops, block_links = self.family.block(self.plan.model, layer)
-        nodes = {op: self._op_node("R", chunk, layer, op) for op in ops}
+        nodes = {op: self._op_node("R", chunk, layer, op, forward_of=forward.node(layer, op))
+                 for op in ops}
         for producer, consumer, _port in block_links:
             if producer == INPUT:  # reads the checkpointed block input
-                self.edge(f"F/L{layer}/{consumer}", nodes[consumer], kind=EdgeKind.SAVED)
+                self.edge(forward.node(layer, consumer), nodes[consumer],
+                          kind=EdgeKind.SAVED)
         for link in links:
             producer, consumer = link.ops
             u, v = nodes[producer], nodes[consumer]
@@ -439,14 +425,16 @@ class _Derivation(AxisRules, ParameterRules):
             if link.ops == ("qkv", "attention") and self.cp > 1:
                 self._cp_forward("R", chunk, layer, carried[0], v)
         for op in ops:
-            self.edge(nodes[op], f"B/L{layer}/{op}", kind=EdgeKind.SAVED)
-            self._recomputed_by(f"B/L{layer}/{op}", nodes[op])
+            step = forward.node(layer, op)
+            self.edge(nodes[op], backward[step], kind=EdgeKind.SAVED)
+            self._recomputed_by(step, backward[step], nodes[op])
+        return nodes
 
-    def _recomputed_by(self, backward: str, again: str) -> None:
+    def _recomputed_by(self, forward: str, backward: str, again: str) -> None:
         """The backward step differentiates the recomputed forward; the original forward
         keeps only its inputs."""
         self.graph.nodes[backward]["recompute_of"] = again
-        self.graph.nodes[self.graph.nodes[backward]["forward_of"]]["recomputed"] = True
+        self.graph.nodes[forward]["recomputed"] = True
 
     # --- the whole step ---------------------------------------------------------------------
 
