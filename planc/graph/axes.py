@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from planc.graph import reasons
+from planc.graph.builder import GraphBuilder
 from planc.graph.ir import Axis, Kind, Payload, Phase, Port
 from planc.graph.sharding import Layout, R, S, redistribute
 
@@ -19,13 +20,21 @@ PHASE_OF = {"F": Phase.FORWARD, "B": Phase.BACKWARD, "R": Phase.BACKWARD}
 
 
 class AxisRules:
-    """Mixed into the derivation, which provides the graph, the plan, nodes and edges."""
+    """The transfers of the tp, cp and pp axes, added to the graph ``builder`` makes."""
+
+    def __init__(self, builder: GraphBuilder):
+        # what the rules read of the graph under construction, and how they add to it
+        b = builder
+        self.plan, self.graph, self.tpp, self.shapes = b.plan, b.graph, b.tpp, b.shapes
+        self.m, self.tp, self.cp, self.pp, self.stage_of = b.m, b.tp, b.cp, b.pp, b.stage_of
+        self.transfer, self.edge, self.layout = b.transfer, b.edge, b.layout
+        self.prefix, self.local_bytes = b.prefix, b.local_bytes
 
     # --- tp, cp and pp transfers ------------------------------------------------------
 
-    def _tp(self, u: str, *, letter: str, chunk: int, layer: int | None, tensor: str,
-            source: Layout, target: Layout, ops: tuple[str, str], backward: bool = False
-            ) -> tuple[str, Layout | None]:
+    def tp_transfer(self, u: str, *, letter: str, chunk: int, layer: int | None,
+                     tensor: str, source: Layout, target: Layout, ops: tuple[str, str],
+                     backward: bool = False) -> tuple[str, Layout | None]:
         """Insert the tp transfer from ``source`` to ``target`` after ``u``; return the
         node that now carries the tensor (``u`` itself when no transfer is needed) and the
         slice the consumer takes locally, if any."""
@@ -35,7 +44,7 @@ class AxisRules:
         if not move.is_transfer:
             return u, move.target
         node = self.transfer(
-            f"{self._prefix(letter, layer)}{ops[0]}>{ops[1]}:{move.kind}@tp",
+            f"{self.prefix(letter, layer)}{ops[0]}>{ops[1]}:{move.kind}@tp",
             kind=Kind(move.kind), axis=Axis.TP, payload=Payload.ACTIVATION,
             phase=PHASE_OF[letter], chunk=chunk, layer=layer,
             nbytes=self.shapes.bytes(tensor) * move.buffer_fraction(self.tp), repeat=self.m,
@@ -45,9 +54,9 @@ class AxisRules:
             target_layout=str(move.target), producer=ops[0], consumer=ops[1])
         return node, None
 
-    def _connect(self, u: str, v: str, carried: tuple[str, Layout | None], port: Port,
+    def connect(self, u: str, v: str, carried: tuple[str, Layout | None], port: Port,
                  grad_of: Port | None = None) -> None:
-        """Edges u -> (transfer ->) v for a value carried as ``_tp`` returned it."""
+        """Edges u -> (transfer ->) v for a value carried as ``tp_transfer`` returned it."""
         carrier, local = carried
         if carrier == u:
             self.edge(u, v, port=port, grad_of=grad_of, local_slice=local)
@@ -55,27 +64,27 @@ class AxisRules:
             self.edge(u, carrier, port=Port.X, grad_of=grad_of)
             self.edge(carrier, v, port=port)
 
-    def _kv_bytes(self) -> float:
+    def kv_bytes(self) -> float:
         """This rank's K and V for one microbatch: local tokens, local heads."""
         heads_sharded = self.layout("attention").input.is_sharded and self.tp > 1
         return self.shapes.bytes("kv") / (self.tp if heads_sharded else 1)
 
-    def _cp_forward(self, letter: str, chunk: int, layer: int, source: str, attention: str):
+    def cp_forward(self, letter: str, chunk: int, layer: int, source: str, attention: str):
         """K and V over cp, between the (tp-redistributed) qkv and attention."""
         if self.plan.shard.cp.attention == "allgather":
             node = self.transfer(f"{letter}/L{layer}/kv:all_gather@cp", kind=Kind.ALL_GATHER,
                                  axis=Axis.CP, payload=Payload.KV, phase=PHASE_OF[letter],
                                  chunk=chunk, layer=layer,
-                                 nbytes=self._kv_bytes() * self.cp, repeat=self.m,
+                                 nbytes=self.kv_bytes() * self.cp, repeat=self.m,
                                  reason=reasons.context_allgather(self.plan, False,
                                                                   letter == "R"),
                                  tensor="kv", dim="seq")
             self.edge(source, node, port=Port.X)
             self.edge(node, attention, port=Port.KV)
         else:
-            self._ring_attention(attention, forward=letter != "B")
+            self.ring_attention(attention, forward=letter != "B")
 
-    def _ring_attention(self, attention: str, forward: bool) -> None:
+    def ring_attention(self, attention: str, forward: bool) -> None:
         """Ring attention runs as cp ring steps inside the attention step (Liu et al. 2023;
         picotron's ring attention): at step s the rank holds the K/V block of the cp rank
         s before it, sends it on to the next rank while it computes the partial attention
@@ -84,7 +93,7 @@ class AxisRules:
         dK/dV accumulator, which comes home after its last. The node records the steps
         and the block's bytes; the lowering writes them as its operands."""
         self.graph.nodes[attention].update(
-            ring_steps=self.cp, ring_bytes=int(round(self._kv_bytes())),
+            ring_steps=self.cp, ring_bytes=int(round(self.kv_bytes())),
             ring_reason=reasons.context_ring(self.plan, forward))
 
     def scatter_gather(self) -> bool:
@@ -100,8 +109,8 @@ class AxisRules:
         return {"applied": self.scatter_gather(),
                 "reason": reasons.scatter_gather_decision(self.plan, self.tpp.stream.is_sharded)}
 
-    def _pipeline(self, phase: Phase, source_chunk: int, target_chunk: int,
-                  layout: Layout) -> tuple[str, str]:
+    def pipeline(self, phase: Phase, source_chunk: int, target_chunk: int,
+                 layout: Layout) -> tuple[str, str]:
         """The send and receive of one chunk boundary and direction; returns the send and
         the node that holds the whole tensor on arrival. ``layout``: the forward tensor's
         (the residual stream's, or the embedding's output when it crosses from a chunk of
@@ -115,7 +124,7 @@ class AxisRules:
         scattered = self.scatter_gather() and layout == R
         if scattered:
             layout = S("seq")
-        nbytes = self._local_bytes("stream", layout)
+        nbytes = self.local_bytes("stream", layout)
         reason = reasons.pipeline(self.plan, phase.value, source_chunk, target_chunk,
                                   self.tp if scattered else 1)
         name = f"{letter}/c{source_chunk}>c{target_chunk}"
@@ -149,7 +158,7 @@ class AxisRules:
         self.edge(recv, gather, port=Port.X)
         return send, gather
 
-    def _into_send(self, send: str) -> None:
+    def into_send(self, send: str) -> None:
         """With scatter-gather, everything a send reads is this tp rank's slice of it."""
         if self.graph.nodes[send].get("scatter_gather"):
             for _, _, data in self.graph.in_edges(send, data=True):

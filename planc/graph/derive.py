@@ -23,6 +23,12 @@ Transfers come from four rules:
 
 Every parameter gets a bucket of its own, with its reductions and its optimizer step
 (:mod:`planc.graph.parameters`); :mod:`planc.passes.fuse` merges buckets.
+
+The forward walk of each chunk returns a record of it (:mod:`planc.graph.walk_records`);
+the backward walks, from the last chunk to the first, read those records and return
+theirs, and the parameters' rules come last, over all of them. Every node and edge is
+made through :class:`planc.graph.builder.GraphBuilder`, which the derivation, its axis
+rules and its parameter rules share.
 """
 
 from __future__ import annotations
@@ -31,35 +37,27 @@ from collections.abc import Mapping
 
 import networkx as nx
 
+from planc.estimate.model import forward_flops
 from planc.graph import reasons
+from planc.graph.axes import PHASE_OF, AxisRules
+from planc.graph.builder import GraphBuilder
+from planc.graph.grad_norm import add_grad_norm
 from planc.graph.ir import (
     GRAPH_FORMAT_VERSION,
     Axis,
     EdgeKind,
     Kind,
-    Level,
-    NodeType,
     Op,
     Payload,
     Phase,
     Port,
     buckets,
 )
-from planc.graph.sharding import Layout, S, gradient_layout
 from planc.graph.kernels import kernel_attributes
-from planc.estimate.model import Shapes, all_parameters, forward_flops
-from planc.models import family_of
-from planc.models.family import INPUT
-from planc.graph.schedules import schedule_text
-from planc.graph.tensor_parallel import (
-    FP32_BYTES,
-    LOSS_REDUCTIONS,
-    OpLayout,
-    plan_tensor_parallel,
-)
-from planc.graph.axes import PHASE_OF, AxisRules
-from planc.graph.grad_norm import add_grad_norm
+from planc.graph.sharding import Layout, S, gradient_layout
 from planc.graph.parameters import ParameterRules
+from planc.graph.schedules import schedule_text
+from planc.graph.tensor_parallel import FP32_BYTES, LOSS_REDUCTIONS
 from planc.graph.walk_records import (
     BackwardChunk,
     ForwardChunk,
@@ -68,82 +66,24 @@ from planc.graph.walk_records import (
     Link,
     Step,
 )
+from planc.models import family_of
+from planc.models.family import INPUT
 from planc.plan.plan import Plan
 
 LOSS_PART_OP = {"max": Op.LOSS_MAX, "sum_exp": Op.LOSS_SUM_EXP}
 
 
-class _Derivation(AxisRules, ParameterRules):
+class _Derivation(GraphBuilder):
+    """The walks over the chunks, and the rules they call on."""
+
     def __init__(self, plan: Plan):
-        self.plan = plan
-        self.graph = nx.DiGraph()
-        self.tpp = plan_tensor_parallel(plan)
-        self.shapes = Shapes.of(plan)
-        self.m = plan.schedule.microbatches
-        self.tp, self.cp, self.pp = plan.mesh.tp, plan.mesh.cp, plan.mesh.pp
-        self.replicas = plan.mesh.dp * plan.mesh.cp
-        self.chunks = plan.shard.pp.chunks
+        super().__init__(plan)
         self.last_chunk = len(self.chunks) - 1
-        self.stage_of = [plan.stage_of_chunk(c) for c in range(len(self.chunks))]
         self.zero = plan.shard.dp.zero
         self.recompute = plan.optimize.recompute
-        self.params = {p.name: p for p in all_parameters(plan)}
         self.family = family_of(plan)
-        self.tied = plan.model.tie_embeddings and plan.head_stage != 0
-
-    # --- nodes and edges ----------------------------------------------------------------
-
-    def _node(self, node_id: str, *, per_microbatch: bool = True, **attrs) -> str:
-        """``per_microbatch``: runs ``repeat / microbatches`` times for each microbatch;
-        otherwise ``repeat`` times per step."""
-        assert node_id not in self.graph, f"duplicate node {node_id}"
-        self.graph.add_node(node_id, microbatch=None, per_microbatch=per_microbatch, **attrs)
-        return node_id
-
-    def compute(self, node_id: str, *, op: Op, phase: Phase, chunk: int, layer: int | None,
-                flops: float, nbytes: float, repeat: int, **extra) -> str:
-        extra.setdefault("recompute", False)
-        return self._node(node_id, type=NodeType.COMPUTE, op=op, phase=phase,
-                          stage=self.stage_of[chunk], chunk=chunk, layer=layer, repeat=repeat,
-                          flops=float(flops), bytes=int(nbytes), **extra)
-
-    def transfer(self, node_id: str, *, kind: Kind, axis: Axis, payload: Payload,
-                 phase: Phase, chunk: int, layer: int | None, nbytes: float, repeat: int,
-                 reason: str, stage: int | None = None, dtype: str | None = None,
-                 **extra) -> str:
-        return self._node(node_id, type=NodeType.TRANSFER, kind=kind, axis=axis,
-                          level=Level.WHOLE, payload=payload,
-                          group_size=self._group_size(axis), phase=phase,
-                          stage=self.stage_of[chunk] if stage is None else stage, chunk=chunk,
-                          layer=layer, repeat=repeat, bytes=int(round(nbytes)),
-                          dtype=dtype or self.plan.model.dtype, reason=reason, **extra)
-
-    def _group_size(self, axis: Axis) -> int:
-        stage = self.tp * self.replicas
-        return {Axis.TP: self.tp, Axis.CP: self.cp, Axis.PP: 2, Axis.DP_CP: self.replicas,
-                Axis.TIED: 2, Axis.STAGE: stage, Axis.EDP: stage // self.plan.mesh.ep}[axis]
-
-    def edge(self, u: str, v: str, *, kind: EdgeKind = EdgeKind.DATA, port: Port | None = None,
-             grad_of: Port | None = None, local_slice: Layout | None = None) -> None:
-        """``port``: the input of v this edge feeds; ``grad_of``: on an edge out of a
-        backward node, whose gradient it carries (the forward input's port);
-        ``local_slice``: v takes its own slice of u's replicated value (R -> S(d), which
-        moves no data)."""
-        attrs: dict = {"kind": kind}
-        if port is not None:
-            attrs["port"] = port
-        if grad_of is not None:
-            attrs["grad_of"] = grad_of
-        if local_slice is not None:
-            attrs["slice"] = str(local_slice)
-        self.graph.add_edge(u, v, **attrs)
-
-    def layout(self, op: str) -> OpLayout:
-        return self.tpp.ops[op]
-
-    @staticmethod
-    def _prefix(letter: str, layer: int | None) -> str:
-        return f"{letter}/L{layer}/" if layer is not None else f"{letter}/"
+        self.axes = AxisRules(self)
+        self.parameters = ParameterRules(self)
 
     def _op_node(self, letter: str, chunk: int, layer: int | None, op: str,
                  forward_of: str | None = None) -> str:
@@ -154,16 +94,12 @@ class _Derivation(AxisRules, ParameterRules):
         extra = kernel_attributes(self.plan, self.family, self.shapes, op, layer, layout)
         if forward_of is not None:
             extra["forward_of"] = forward_of
-        node = self.compute(f"{self._prefix(letter, layer)}{op}", op=Op(op),
+        return self.compute(f"{self.prefix(letter, layer)}{op}", op=Op(op),
                             phase=PHASE_OF[letter], chunk=chunk, layer=layer,
                             flops=flops * (2 if letter == "B" else 1),
-                            nbytes=self._local_bytes(self.family.output_tensor[op],
-                                                     layout.output),
+                            nbytes=self.local_bytes(self.family.output_tensor[op],
+                                                    layout.output),
                             repeat=self.m, recompute=letter == "R", **extra)
-        return node
-
-    def _local_bytes(self, tensor: str, layout: Layout) -> float:
-        return self.shapes.bytes(tensor) / (self.tp if layout.is_sharded else 1)
 
     # --- forward ------------------------------------------------------------------------
 
@@ -184,13 +120,13 @@ class _Derivation(AxisRules, ParameterRules):
         # One value redistributed once, however many consumers read it (the embedding's
         # partial sum feeds both the first norm and the first residual).
         key = (u, str(source), str(consumer.input))
-        carried = walk.carried.get(key) or self._tp(u, letter="F", chunk=walk.chunk,
-                                                     layer=layer, tensor=tensor, source=source,
-                                                     target=consumer.input, ops=ops)
+        carried = walk.carried.get(key) or self.axes.tp_transfer(
+            u, letter="F", chunk=walk.chunk, layer=layer, tensor=tensor, source=source,
+            target=consumer.input, ops=ops)
         walk.carried[key] = carried
-        self._connect(u, v, carried, port)  # with cp, the local queries and K/V block
+        self.axes.connect(u, v, carried, port)  # with cp, the local queries and K/V block
         if (producer_op, consumer_op) == ("qkv", "attention") and self.cp > 1:
-            self._cp_forward("F", walk.chunk, layer, carried[0], v)
+            self.axes.cp_forward("F", walk.chunk, layer, carried[0], v)
         walk.links.append(Link(u, v, tensor, source, consumer.input, consumer.grad_input,
                                layer, ops, port, within_layer and layer is not None))
 
@@ -215,10 +151,10 @@ class _Derivation(AxisRules, ParameterRules):
         else:
             # A first chunk of the embedding alone sends the embedding's output as it is;
             # the next chunk's first layer redistributes it as it would on chunk 0.
-            send, recv = self._pipeline(Phase.FORWARD, chunk, chunk + 1,
-                                        self.layout(x.op).output)
+            send, recv = self.axes.pipeline(Phase.FORWARD, chunk, chunk + 1,
+                                            self.layout(x.op).output)
             self.edge(x.node, send, port=Port.X)
-            self._into_send(send)
+            self.axes.into_send(send)
             next_entry = Held(x.op, recv)
         if chunk != self.last_chunk:
             output = next(step for step in walk.steps if step.node == x.node)
@@ -305,17 +241,14 @@ class _Derivation(AxisRules, ParameterRules):
         if after is not None and after.gradient_receive is not None:
             self.edge(after.gradient_receive, backward[forward.output.node], port=Port.GRAD)
         backward_of = {step.node: backward[step.node] for step in forward.steps}
-        handed = BackwardChunk(backward_of)
+        send = receive = made_for_before = None
         if before is not None and self._local(chunk - 1, chunk):
-            output = before.output
-            backward[output.node] = self._backward_of(chunk - 1, output)
-            handed = BackwardChunk(backward_of, early_backward=backward[output.node])
-        send = None
-        if before is not None and not self._local(chunk - 1, chunk):
-            send, receive = self._pipeline(Phase.BACKWARD, chunk, chunk - 1,
-                                           self.layout(forward.entry.op).output)
+            made_for_before = self._backward_of(chunk - 1, before.output)
+            backward[before.output.node] = made_for_before
+        elif before is not None:
+            send, receive = self.axes.pipeline(Phase.BACKWARD, chunk, chunk - 1,
+                                               self.layout(forward.entry.op).output)
             backward[forward.entry.node] = send
-            handed = BackwardChunk(backward_of, gradient_receive=receive)
         first, last = self.chunks[chunk]
         by_layer: dict[int, list[Link]] = {}
         for link in forward.links:
@@ -327,10 +260,11 @@ class _Derivation(AxisRules, ParameterRules):
         for link in reversed(forward.links):
             self._backward_link(chunk, link, backward)
         if send is not None:
-            self._into_send(send)
+            self.axes.into_send(send)
         for layer in range(first, last + 1):
             self._recompute_just_in_time(forward, layer, backward, recomputed[layer])
-        return handed
+        return BackwardChunk(backward_of, gradient_receive=receive,
+                             early_backward=made_for_before)
 
     def _local(self, chunk: int, other: int) -> bool:
         """Whether two chunks share a stage (then nothing travels between them)."""
@@ -367,23 +301,24 @@ class _Derivation(AxisRules, ParameterRules):
         if link.ops != ("qkv", "attention") or self.cp == 1 or ring:
             # (ring attention's own K/V gradients come home inside its backward step)
             if ring and link.ops == ("qkv", "attention") and self.cp > 1:
-                self._ring_attention(grad_from, forward=False)
-            carried = self._tp(grad_from, letter="B", chunk=chunk, layer=layer,
-                               tensor=link.tensor, source=link.grad, target=target, ops=ops,
-                               backward=True)
-            self._connect(grad_from, grad_to, carried, Port.GRAD, grad_of=link.port)
+                self.axes.ring_attention(grad_from, forward=False)
+            carried = self.axes.tp_transfer(grad_from, letter="B", chunk=chunk, layer=layer,
+                                            tensor=link.tensor, source=link.grad,
+                                            target=target, ops=ops, backward=True)
+            self.axes.connect(grad_from, grad_to, carried, Port.GRAD, grad_of=link.port)
             return
         # K and V gradients come back over cp; the query gradient is local.
         kv = self.transfer(f"B/L{layer}/dkv:reduce_scatter@cp", kind=Kind.REDUCE_SCATTER,
                            axis=Axis.CP, payload=Payload.DKV, phase=Phase.BACKWARD,
-                           chunk=chunk, layer=layer, nbytes=self._kv_bytes() * self.cp,
+                           chunk=chunk, layer=layer, nbytes=self.axes.kv_bytes() * self.cp,
                            repeat=self.m, reason=reasons.context_allgather(self.plan, True),
                            tensor="dkv", dim="seq")
         self.edge(grad_from, kv, port=Port.X, grad_of=Port.KV)
         # The gradients of this rank's K and V (from kv) and of its queries (straight
         # from attention) meet, through the tp redistribution if there is one.
-        carrier, local = self._tp(kv, letter="B", chunk=chunk, layer=layer, tensor=link.tensor,
-                                  source=link.grad, target=target, ops=ops, backward=True)
+        carrier, local = self.axes.tp_transfer(kv, letter="B", chunk=chunk, layer=layer,
+                                               tensor=link.tensor, source=link.grad,
+                                               target=target, ops=ops, backward=True)
         if carrier == kv:
             self.edge(kv, grad_to, port=Port.GRAD, local_slice=local)
             self.edge(grad_from, grad_to, port=Port.GRAD, grad_of=Port.X, local_slice=local)
@@ -400,7 +335,7 @@ class _Derivation(AxisRules, ParameterRules):
             attention = forward.node(layer, "attention")
             again = self._op_node("R", chunk, layer, "attention", forward_of=attention)
             if self.cp > 1 and self.plan.shard.cp.attention == "ring":
-                self._ring_attention(again, forward=True)  # its blocks travel again
+                self.axes.ring_attention(again, forward=True)  # its blocks travel again
             self.edge(attention, again, kind=EdgeKind.SAVED)
             self.edge(again, backward[attention], kind=EdgeKind.SAVED)
             self._recomputed_by(attention, backward[attention], again)
@@ -419,11 +354,12 @@ class _Derivation(AxisRules, ParameterRules):
         for link in links:
             producer, consumer = link.ops
             u, v = nodes[producer], nodes[consumer]
-            carried = self._tp(u, letter="R", chunk=chunk, layer=layer, tensor=link.tensor,
-                               source=link.source, target=link.target, ops=link.ops)
-            self._connect(u, v, carried, link.port)
+            carried = self.axes.tp_transfer(u, letter="R", chunk=chunk, layer=layer,
+                                            tensor=link.tensor, source=link.source,
+                                            target=link.target, ops=link.ops)
+            self.axes.connect(u, v, carried, link.port)
             if link.ops == ("qkv", "attention") and self.cp > 1:
-                self._cp_forward("R", chunk, layer, carried[0], v)
+                self.axes.cp_forward("R", chunk, layer, carried[0], v)
         for op in ops:
             step = forward.node(layer, op)
             self.edge(nodes[op], backward[step], kind=EdgeKind.SAVED)
@@ -450,7 +386,7 @@ class _Derivation(AxisRules, ParameterRules):
             after = self._backward_chunk(forward[chunk], before, after)
             backward_of.update(after.backward_of)
         for chunk in range(len(self.chunks)):
-            self._parameters(chunk, forward, backward_of)
+            self.parameters.add(chunk, forward, backward_of)
         self.graph.graph.update(self._attributes())
         return self.graph
 
@@ -465,7 +401,7 @@ class _Derivation(AxisRules, ParameterRules):
             "chunks": [list(c) for c in self.chunks], "dtype": plan.model.dtype,
             "zero": self.zero, "recompute": self.recompute,
             "stream_layout": str(self.tpp.stream),
-            "pp_scatter_gather": self.scatter_gather_decision(),
+            "pp_scatter_gather": self.axes.scatter_gather_decision(),
             "layouts": {op: {"input": str(o.input), "output": str(o.output),
                              "grad_input": str(o.grad_input), "sharded": o.sharded}
                         for op, o in self.tpp.ops.items()},

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from planc.graph import reasons
+from planc.graph.builder import GraphBuilder
 from planc.graph.ir import Axis, Kind, Op, Payload, Phase, Port, buckets, shard_numel
 from planc.graph.sharding import Layout, gradient_layout
-from planc.estimate.model import Parameter
+from planc.estimate.model import Parameter, all_parameters
 from planc.graph.tensor_parallel import ParamUse
 from planc.graph.walk_records import ForwardChunk
 
@@ -61,7 +62,20 @@ class _Site:
 
 
 class ParameterRules:
-    """Mixed into the derivation, which provides the graph, the plan, nodes and edges."""
+    """The parameters' buckets, gradient paths and optimizer steps, added to the graph
+    ``builder`` makes once the walks over the chunks are done."""
+
+    def __init__(self, builder: GraphBuilder):
+        # what the rules read of the graph under construction, and how they add to it
+        b = builder
+        self.plan, self.graph, self.m, self.tp, self.replicas = \
+            b.plan, b.graph, b.m, b.tp, b.replicas
+        self.compute, self.transfer, self.edge = b.compute, b.transfer, b.edge
+        self.layout, self.group_size = b.layout, b.group_size
+        plan = self.plan
+        self.zero = plan.shard.dp.zero
+        self.params = {p.name: p for p in all_parameters(plan)}
+        self.tied = plan.model.tie_embeddings and plan.head_stage != 0
 
     # --- parameters ---------------------------------------------------------------------
 
@@ -92,10 +106,10 @@ class ParameterRules:
         """The group over which ``param``'s gradient is reduced (and ZeRO shards it), and
         its size: the expert-data-parallel group for a split expert, else dp x cp."""
         if param.split_over_experts(self.plan.mesh.ep):
-            return Axis.EDP, self._group_size(Axis.EDP)
+            return Axis.EDP, self.group_size(Axis.EDP)
         return Axis.DP_CP, self.replicas
 
-    def _parameters(self, chunk: int, forward: Sequence[ForwardChunk],
+    def add(self, chunk: int, forward: Sequence[ForwardChunk],
                     backward_of: Mapping[str, str]) -> None:
         """``forward``: every chunk's forward walk; ``backward_of``: every forward step's
         backward step."""

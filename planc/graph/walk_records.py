@@ -70,6 +70,7 @@ class ForwardChunk:
         object.__setattr__(self, "by_operator", index)
 
     def node(self, layer: int | None, op: str) -> str:
+        """The forward step of ``op`` in ``layer`` (None: outside the layers)."""
         return self.by_operator[(layer, op)]
 
 
