@@ -54,9 +54,9 @@ from planc.graph.ir import (
     buckets,
 )
 from planc.graph.kernels import kernel_attributes
-from planc.graph.sharding import Layout, S, gradient_layout
 from planc.graph.parameters import ParameterRules
 from planc.graph.schedules import schedule_text
+from planc.graph.sharding import Layout, S, gradient_layout
 from planc.graph.tensor_parallel import FP32_BYTES, LOSS_REDUCTIONS
 from planc.graph.walk_records import (
     BackwardChunk,

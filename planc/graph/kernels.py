@@ -4,9 +4,9 @@ its shards."""
 from __future__ import annotations
 
 from planc.estimate.model import Shapes
-from planc.graph.sharding import S
 from planc.graph.mixture import in_kernel_collectives
 from planc.graph.parameters import param_name
+from planc.graph.sharding import S
 from planc.graph.tensor_parallel import OpLayout
 from planc.models.family import Family
 from planc.plan.plan import Plan
