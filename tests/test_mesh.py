@@ -154,5 +154,5 @@ def test_imports_only_the_standard_library():
             "print(sorted(m for m in sys.modules if m.startswith('planc')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
-    assert out.strip() == "['planc', 'planc.plan.mesh']"
+    assert out.strip() == "['planc', 'planc.plan', 'planc.plan.mesh']"
     assert mesh_module.__name__ == "planc.plan.mesh"
