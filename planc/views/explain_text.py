@@ -9,6 +9,7 @@ from collections import defaultdict
 import networkx as nx
 
 from planc.graph.ir import Axis
+from planc.graph.vocabulary import Op, Phase
 from planc.vocabulary.units import TIME, format_bytes, format_quantity
 from planc.plan.layout import Layout
 from planc.lower.tables import plan_group_table
@@ -285,6 +286,14 @@ def training_lines(plan: Plan) -> list[str]:
     return ["", "training:", *lines] if lines else []
 
 
+def _mixture(graph: nx.DiGraph, layer: int) -> dict:
+    """The forward mixture-of-experts node of ``layer`` (its attributes), or {} for a
+    dense layer: found by what the node is, not by its id."""
+    return next((data for _, data in graph.nodes(data=True)
+                 if data.get("op") == Op.MOE and data.get("phase") == Phase.FORWARD
+                 and data.get("layer") == layer and not data.get("recompute")), {})
+
+
 def expert_lines(plan: Plan, graph: nx.DiGraph, layer: int) -> list[str]:
     """A mixture over ep: the all-to-alls its instruction runs over its ep group, what
     they move at uniform routing and at the most (every row of the group sent to one
@@ -292,8 +301,7 @@ def expert_lines(plan: Plan, graph: nx.DiGraph, layer: int) -> list[str]:
     from planc.program.groups import EXPERTS
     from planc.lower.tables import plan_group_table
 
-    node = f"F/L{layer}/moe"
-    data = graph.nodes[node] if node in graph else {}
+    data = _mixture(graph, layer)
     if not data.get("experts_over"):
         return []
     m, ep = plan.model, data["experts_over"]
@@ -327,8 +335,7 @@ def counts_lines(plan: Plan, graph: nx.DiGraph, layer: int) -> list[str]:
     from planc.program.groups import SEQUENCE
     from planc.lower.tables import plan_group_table
 
-    node = f"F/L{layer}/moe"
-    data = graph.nodes[node] if node in graph else {}
+    data = _mixture(graph, layer)
     if not data.get("counts_over"):
         return []
     table = plan_group_table(plan)
