@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -49,7 +50,15 @@ def start(build: Path, *args: str, env: dict | None = None,
     return subprocess.Popen([*prefix, sys.executable, "-m", "planc", "run", str(build),
                              "--no-verify", *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **(env or {})}, preexec_fn=_as_in_a_terminal)
+
+
+def _as_in_a_terminal() -> None:
+    """SIGINT at its default in the run, as for a command typed at a terminal: a suite
+    started in the background of a shell (``make test &``) inherits SIGINT ignored, an
+    ignored disposition survives exec, and Python then leaves it ignored until planc's
+    first line installs a handler, so a Ctrl-C sent before that line would be lost."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _stat(pid: int | str) -> list[str] | None:

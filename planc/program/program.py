@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 from planc.program.instruction_set import (  # noqa: F401 (the API of programs)
     COLLECTIVES,
@@ -176,9 +176,10 @@ def _string(value) -> str:
     return value
 
 
-@dataclass(frozen=True)
-class Expanded:
-    """One instruction of an expanded program, microbatch resolved."""
+class Expanded(NamedTuple):
+    """One instruction of an expanded program, microbatch resolved. A named tuple, not a
+    frozen dataclass: a step at scale expands to millions of them (the progress proof),
+    and a frozen dataclass's constructor sets each field through object.__setattr__."""
 
     index: int  # position in the rank's issue order
     op: Opcode
@@ -325,7 +326,7 @@ class Program:
         """The instructions of ``block`` that run for ``microbatch`` (guards applied)."""
         return tuple(i for i in self.blocks[block] if self.runs(i, microbatch))
 
-    def expand(self, only: int | None = None) -> Iterator[Expanded]:
+    def expand(self, only: int | None = None, operands: bool = True) -> Iterator[Expanded]:
         """Every instruction of one step, in issue order.
 
         Issue order: the prologue; for each scheduled block, first the receives it waits
@@ -336,6 +337,8 @@ class Program:
         ``only``: yield only what belongs to that microbatch or to none (once-per-step
         instructions), with the same indices, without expanding the other microbatches'
         blocks (``planc programs --expand --microbatch K`` on a long schedule).
+        ``operands=False``: without the buffers each reads, writes and frees (empty), for
+        a reader that needs only the order (the progress proof over millions of them).
         """
         index = 0
         position = {stream: 0 for stream in self.receives}
@@ -349,6 +352,10 @@ class Program:
             suffix = f"#{mb}" if mb is not None else ""
 
             def named(names):
+                if not operands:
+                    return ()
+                if not suffix:
+                    return names
                 return tuple(r if r.startswith(STATE) else f"{r}{suffix}" for r in names)
 
             index += 1

@@ -44,6 +44,11 @@ class ProgressChecks:
     ``self.table``, ``self.layout``, ``self.report``, ``uniform`` and ``_receive_of``."""
 
     def _stages_of(self, axis: str) -> tuple[int, ...]:
+        if axis not in self._stages_by_axis:
+            self._stages_by_axis[axis] = self._stages_of_group(axis)
+        return self._stages_by_axis[axis]
+
+    def _stages_of_group(self, axis: str) -> tuple[int, ...]:
         if axis == Axis.TIED.value:
             return tuple(sorted({0, self.plan.head_stage}))
         rank = self.layout.first_rank_of_stage(0)
@@ -57,6 +62,12 @@ class ProgressChecks:
             return None
         return str(axis)
 
+    def _spanning_axis(self, node: str | None) -> str | None:
+        """:meth:`_spans_stages`, once per node: the proof asks at every head."""
+        if node not in self._axis_of_node:
+            self._axis_of_node[node] = self._spans_stages(node)
+        return self._axis_of_node[node]
+
     def progress(self) -> None:
         if self.plan.mesh.pp == 1 or not self.uniform:
             return  # one stage, or programs per rank: verify_pipeline's proof stands
@@ -65,7 +76,9 @@ class ProgressChecks:
                        for program in self.programs.values() for i in program.written())
         if not spanning:
             return
-        stages = {s: _Stage(s, self.programs[stage_program[s]].expand())
+        self._stages_by_axis: dict[str, tuple[int, ...]] = {}
+        self._axis_of_node: dict[str | None, str | None] = {}
+        stages = {s: _Stage(s, self.programs[stage_program[s]].expand(operands=False))
                   for s in sorted(stage_program)}
         receiver = {(i.node, i.microbatch): s for s, stage in stages.items()
                     for queue in stage.queues.values() for i in queue if i.op is Opcode.RECV}
@@ -109,7 +122,7 @@ class ProgressChecks:
             peer.pop(match)
         elif head.op is Opcode.RECV:
             return False  # completes with its send
-        elif head.op in COLLECTIVES and (axis := self._spans_stages(head.node)):
+        elif head.op in COLLECTIVES and (axis := self._spanning_axis(head.node)):
             key = self._collective_key(head)
             members = [stages[s] for s in self._stages_of(axis) if s != stage.number]
             matches = [m.head_of(lambda i: i.op in COLLECTIVES and
