@@ -101,3 +101,4 @@ $(CORPUS):
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis
+	find planc tests bench -name __pycache__ -prune -exec rm -rf {} +
