@@ -76,6 +76,7 @@ class ParameterRules:
         self.zero = plan.shard.dp.zero
         self.params = {p.name: p for p in all_parameters(plan)}
         self.tied = plan.model.tie_embeddings and plan.head_stage != 0
+        self._sites_of_stage: dict[int, dict[int, list[_Site]]] = {}
 
     # --- parameters ---------------------------------------------------------------------
 
@@ -83,16 +84,23 @@ class ParameterRules:
                backward_of: Mapping[str, str]) -> list[_Site]:
         """The parameters whose home is ``chunk``: the first chunk of its stage that uses
         them. A parameter two chunks of one stage use (a tied embedding in a V, where the
-        embedding and the head both sit on stage 0) is one site with every use."""
-        sites: dict[str, tuple[Parameter, list, int]] = {}
-        for other in self.plan.chunks_of_stage(self.plan.stage_of_chunk(chunk)):
-            for node, op, layer in forward[other].steps:
-                for use in self.layout(op).params:
-                    name = param_name(use.name, layer)
-                    sites.setdefault(name, (self.params[name], [], other))[1].append(
-                        _Use(node, backward_of[node], use))
-        return [_Site(param, tuple(uses)) for param, uses, home in sites.values()
-                if home == chunk]
+        embedding and the head both sit on stage 0) is one site with every use. The
+        stage's sites are found once, for all its chunks: per chunk, the walk over the
+        stage's chunks made an interleaved stage of v chunks cost v squared."""
+        stage = self.plan.stage_of_chunk(chunk)
+        if stage not in self._sites_of_stage:
+            sites: dict[str, tuple[Parameter, list, int]] = {}
+            for other in self.plan.chunks_of_stage(stage):
+                for node, op, layer in forward[other].steps:
+                    for use in self.layout(op).params:
+                        name = param_name(use.name, layer)
+                        sites.setdefault(name, (self.params[name], [], other))[1].append(
+                            _Use(node, backward_of[node], use))
+            by_home: dict[int, list[_Site]] = {}
+            for param, uses, home in sites.values():
+                by_home.setdefault(home, []).append(_Site(param, tuple(uses)))
+            self._sites_of_stage[stage] = by_home
+        return self._sites_of_stage[stage].get(chunk, [])
 
     def _local_shape(self, site: _Site) -> list[int]:
         shape = list(site.param.shape)
