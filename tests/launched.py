@@ -107,15 +107,23 @@ def descendants(pid: int) -> list[int]:
 
 def ranks(pid: int) -> dict[int, int]:
     """Rank -> process id, for the rank processes under the launcher ``pid``: those whose
-    standard output is a rank's log file (BUILD/logs/RUN/RANK/stdout.log)."""
+    standard output is a rank's log file (BUILD/logs/RUN/RANK/stdout.log) and whose parent's
+    is not: a process a rank starts shares its output, and a signal meant for the rank
+    must not go to it."""
+    def output(process: int) -> str | None:
+        try:
+            return os.readlink(f"/proc/{process}/fd/1")
+        except OSError:
+            return None
+
     found = {}
     for child in descendants(pid):
-        try:
-            target = os.readlink(f"/proc/{child}/fd/1")
-        except OSError:
+        target = output(child)
+        fields = _stat(child)
+        if target is None or not target.endswith("/stdout.log") or fields is None or \
+                output(int(fields[1])) == target:
             continue
-        if target.endswith("/stdout.log"):
-            found[int(Path(target).parent.name)] = child
+        found[int(Path(target).parent.name)] = child
     return found
 
 
