@@ -41,7 +41,8 @@ MAX_SHOWN = 5  # heads named in the report
 
 class ProgressChecks:
     """Mixed into the verifier: needs ``self.plan``, ``self.graph``, ``self.programs``,
-    ``self.table``, ``self.layout``, ``self.report``, ``uniform`` and ``_receive_of``."""
+    ``self.table``, ``self.layout``, ``self.report``, ``uniform`` and ``_receive_of``;
+    :meth:`progress` keeps, for its one proof, each axis's stages and each node's axis."""
 
     def _stages_of(self, axis: str) -> tuple[int, ...]:
         if axis not in self._stages_by_axis:
@@ -55,29 +56,25 @@ class ProgressChecks:
         return tuple(sorted({self.table.stage_of(r) for r in self.layout.group(rank, axis)}))
 
     def _spans_stages(self, node: str | None) -> str | None:
-        """The axis of a collective whose group spans stages, else None."""
-        data = self.graph.nodes[node] if node in self.graph else {}
-        axis = data.get("axis")
-        if axis is None or Axis(axis).within_stage:
-            return None
-        return str(axis)
-
-    def _spanning_axis(self, node: str | None) -> str | None:
-        """:meth:`_spans_stages`, once per node: the proof asks at every head."""
+        """The axis of a collective whose group spans stages, else None; once per node,
+        as the proof asks at every head."""
         if node not in self._axis_of_node:
-            self._axis_of_node[node] = self._spans_stages(node)
+            data = self.graph.nodes[node] if node in self.graph else {}
+            axis = data.get("axis")
+            spans = axis is not None and not Axis(axis).within_stage
+            self._axis_of_node[node] = str(axis) if spans else None
         return self._axis_of_node[node]
 
     def progress(self) -> None:
         if self.plan.mesh.pp == 1 or not self.uniform:
             return  # one stage, or programs per rank: verify_pipeline's proof stands
+        self._stages_by_axis: dict[str, tuple[int, ...]] = {}
+        self._axis_of_node: dict[str | None, str | None] = {}
         stage_program = {stage: name for name, stage in self.table.stages.items()}
         spanning = any(i.op in COLLECTIVES and self._spans_stages(i.node)
                        for program in self.programs.values() for i in program.written())
         if not spanning:
             return
-        self._stages_by_axis: dict[str, tuple[int, ...]] = {}
-        self._axis_of_node: dict[str | None, str | None] = {}
         stages = {s: _Stage(s, self.programs[stage_program[s]].expand(operands=False))
                   for s in sorted(stage_program)}
         receiver = {(i.node, i.microbatch): s for s, stage in stages.items()
@@ -122,7 +119,7 @@ class ProgressChecks:
             peer.pop(match)
         elif head.op is Opcode.RECV:
             return False  # completes with its send
-        elif head.op in COLLECTIVES and (axis := self._spanning_axis(head.node)):
+        elif head.op in COLLECTIVES and (axis := self._spans_stages(head.node)):
             key = self._collective_key(head)
             members = [stages[s] for s in self._stages_of(axis) if s != stage.number]
             matches = [m.head_of(lambda i: i.op in COLLECTIVES and

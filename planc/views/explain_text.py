@@ -241,8 +241,9 @@ def explain(plan: Plan, graph: nx.DiGraph, layer: int | None = None, param: str 
             stage = next(d["stage"] for _, d in graph.nodes(data=True) if d["layer"] == layer)
             sections.append((f"layer {layer} (stage {stage})" + (f": {note}" if note else ""),
                              pick(lambda d: of_layer(d, layer)), None))
-            experts = expert_lines(plan, graph, layer)
-            counts = counts_lines(plan, graph, layer)
+            mixture = _mixture(graph, layer)
+            experts = expert_lines(plan, mixture, layer)
+            counts = counts_lines(plan, mixture, layer)
             experts += [""] + counts if experts and counts else counts
         if not (param or (layer is not None and note == "")):
             sections.append(("outside the layers: embedding, head, loss and pipeline",
@@ -294,14 +295,14 @@ def _mixture(graph: nx.DiGraph, layer: int) -> dict:
                  and data.get("layer") == layer and not data.get("recompute")), {})
 
 
-def expert_lines(plan: Plan, graph: nx.DiGraph, layer: int) -> list[str]:
+def expert_lines(plan: Plan, data: dict, layer: int) -> list[str]:
     """A mixture over ep: the all-to-alls its instruction runs over its ep group, what
     they move at uniform routing and at the most (every row of the group sent to one
-    rank's experts), and why they exist."""
+    rank's experts), and why they exist. ``data``: the layer's mixture node
+    (:func:`_mixture`)."""
     from planc.program.groups import EXPERTS
     from planc.lower.tables import plan_group_table
 
-    data = _mixture(graph, layer)
     if not data.get("experts_over"):
         return []
     m, ep = plan.model, data["experts_over"]
@@ -328,14 +329,13 @@ def expert_lines(plan: Plan, graph: nx.DiGraph, layer: int) -> list[str]:
     return lines
 
 
-def counts_lines(plan: Plan, graph: nx.DiGraph, layer: int) -> list[str]:
+def counts_lines(plan: Plan, data: dict, layer: int) -> list[str]:
     """A mixture whose balance loss spans the ranks of a sequence: the all-reduce of its
     per-(sequence, expert) counts that its instruction runs over the sequence group, what
     it moves, and why it exists."""
     from planc.program.groups import SEQUENCE
     from planc.lower.tables import plan_group_table
 
-    data = _mixture(graph, layer)
     if not data.get("counts_over"):
         return []
     table = plan_group_table(plan)
