@@ -30,10 +30,14 @@ STUCK_PLAN = """plan stuck {
 DEADLINE_S = 120.0
 
 
-def stuck_build(directory: Path, mesh: str = "pp = 2") -> Path:
+def stuck_build(directory: Path, mesh: str = "pp = 2", data: str | None = None) -> Path:
     """Compile a two-stage plan into ``directory/b`` and take every send out of stage 0's
-    program: its ranks wait for activations that never come, in the first step."""
-    (directory / "stuck.plan").write_text(STUCK_PLAN.replace("MESH", mesh))
+    program: its ranks wait for activations that never come, in the first step. ``data``:
+    a token file to train on instead of synthetic data."""
+    text = STUCK_PLAN.replace("MESH", mesh)
+    if data is not None:
+        text = text.replace("steps = 2", f'steps = 2; data = "{data}"')
+    (directory / "stuck.plan").write_text(text)
     assert main(["compile", str(directory / "stuck.plan"), "-o", str(directory / "b")]) == 0
     path = directory / "b" / "programs" / "stage0.json"
     data = json.loads(path.read_text())

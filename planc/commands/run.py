@@ -64,7 +64,9 @@ def _run(args) -> int:
             from planc.runtime.engine.data import DataError, check_data
             from planc.runtime.launcher.launch import fork_server_problem, gpus, launch
 
-            devices = gpus()  # imports torch: here, with signals deferred
+            devices = gpus()  # imports torch on a CUDA build: here, with signals deferred
+            if built.plan.train.data != "synthetic":
+                import torch  # noqa: F401 (check_data scans the token file with it)
     except ImportError as exc:
         if not missing_runtime(exc):
             raise

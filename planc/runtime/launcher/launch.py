@@ -60,7 +60,19 @@ PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # prctl(2)
 
 
 def gpus() -> int:
-    """CUDA devices on this machine (0 without CUDA)."""
+    """CUDA devices on this machine (0 without CUDA). A torch built for CPUs only ships
+    neither libtorch_cuda nor libtorch_hip (ROCm's): there the answer is 0 without
+    importing torch, whose seconds of import would delay the fork server, which imports
+    it again."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None:
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
+    library = os.path.join(os.path.dirname(spec.origin or ""), "lib")
+    if not any(os.path.exists(os.path.join(library, f"libtorch_{kind}.so"))
+               for kind in ("cuda", "hip")):
+        return 0
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -252,7 +264,10 @@ def _start_ranks(ranks: list[_Rank], world: int, logs: str, options: RunOptions,
     context = multiprocessing.get_context(method)
     me, started = os.getpid(), _start_time(os.getpid())
     if method == "forkserver":
-        context.set_forkserver_preload(["planc.runtime.worker"])
+        # torch._dynamo too: a rank's first optimizer imports it (torch 2.13 wraps
+        # Optimizer.add_param_group in torch._disable_dynamo), 2 s of CPU that every rank
+        # would pay again after the fork: 8 ranks on 2 cores started 9 s later
+        context.set_forkserver_preload(["planc.runtime.worker", "torch._dynamo"])
     _start_helpers(method, os.path.join(logs, "launcher.log"))
     joining = rank_environment(store)
     for rank in range(world):
