@@ -61,12 +61,11 @@ def _run(args) -> int:
         # torch swallows a KeyboardInterrupt raised while it imports numpy: signals wait
         # until the import is done (planc.host.interrupts)
         with args.interrupts.deferred():
-            from planc.runtime.engine.data import DataError, check_data
+            from planc.runtime.engine.data import DataError, check_data, import_scanner
             from planc.runtime.launcher.launch import fork_server_problem, gpus, launch
 
             devices = gpus()  # imports torch on a CUDA build: here, with signals deferred
-            if built.plan.train.data != "synthetic":
-                import torch  # noqa: F401 (check_data scans the token file with it)
+            import_scanner(built.plan)  # and to scan a token file
     except ImportError as exc:
         if not missing_runtime(exc):
             raise

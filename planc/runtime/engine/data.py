@@ -117,6 +117,14 @@ def check_file(path: str, name: str | None = None, *, seq: int | None = None,
                                   chunk_bytes=chunk_bytes, reducer=_reducer(engine))
 
 
+def import_scanner(plan: Plan) -> None:
+    """Import what :func:`check_data` scans the plan's token file with (torch, where it
+    is installed), so that the caller can do it at a moment of its choosing: torch's
+    import swallows a Ctrl-C that arrives during it (planc.host.interrupts)."""
+    if plan.train.data != "synthetic":
+        _reducer("auto")
+
+
 def check_data(plan: Plan, chunk_bytes: int = CHUNK_BYTES,
                scan_limit: int | None = SCAN_LIMIT) -> Identity | None:
     """The identity of the plan's data file (None for synthetic data), or DataError:
