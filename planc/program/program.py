@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 from planc.program.instruction_set import (  # noqa: F401 (the API of programs)
     COLLECTIVES,
@@ -326,7 +326,8 @@ class Program:
         """The instructions of ``block`` that run for ``microbatch`` (guards applied)."""
         return tuple(i for i in self.blocks[block] if self.runs(i, microbatch))
 
-    def expand(self, only: int | None = None, operands: bool = True) -> Iterator[Expanded]:
+    def expand(self, only: int | None = None, operands: bool = True,
+               keep: Callable[[Instruction], bool] | None = None) -> Iterator[Expanded]:
         """Every instruction of one step, in issue order.
 
         Issue order: the prologue; for each scheduled block, first the receives it waits
@@ -339,6 +340,8 @@ class Program:
         blocks (``planc programs --expand --microbatch K`` on a long schedule).
         ``operands=False``: without the buffers each reads, writes and frees (empty), for
         a reader that needs only the order (the progress proof over millions of them).
+        ``keep``: yield only the instructions it accepts, with the same indices (the
+        progress proof leaves out what completes at once), tested once per block.
         """
         index = 0
         position = {stream: 0 for stream in self.receives}
@@ -365,6 +368,10 @@ class Program:
                             named(instruction.reads), named(instruction.writes), where,
                             named(instruction.frees), instruction)
 
+        def kept(instructions) -> Iterator[tuple[int, Instruction]]:
+            return ((offset, i) for offset, i in enumerate(instructions)
+                    if keep is None or keep(i))
+
         def receive(stream: str) -> Iterator[Expanded]:
             nonlocal index
             node, mb = self.receives[stream][position[stream]]
@@ -372,11 +379,26 @@ class Program:
             if only is not None and mb != only:
                 index += 2
                 return
-            yield emit(self.receive(stream, node), mb, stream)
-            yield emit(Instruction(Opcode.RECORD, stream, event=done_event(node)), mb, stream)
+            pair = (self.receive(stream, node),
+                    Instruction(Opcode.RECORD, stream, event=done_event(node)))
+            start = index
+            for offset, instruction in kept(pair):
+                index = start + offset
+                yield emit(instruction, mb, stream)
+            index = start + 2
 
-        for instruction in self.prologue:
-            yield emit(instruction, None, "prologue")
+        def run(instructions: tuple[tuple[int, Instruction], ...], length: int,
+                microbatch: int | None, where: str) -> Iterator[Expanded]:
+            nonlocal index
+            start = index
+            for offset, instruction in instructions:
+                index = start + offset
+                yield emit(instruction, microbatch, where)
+            index = start + length
+
+        yield from run(tuple(kept(self.prologue)), len(self.prologue), None, "prologue")
+        # (block, first?, last?, every microbatch's instructions?) -> those that run
+        selected: dict[tuple[str, bool, bool, bool], tuple[tuple[int, Instruction], ...]] = {}
         for block, microbatch in self.schedule:
             for stream, end in needed.get((block, microbatch), {}).items():
                 while position[stream] <= end:
@@ -384,22 +406,18 @@ class Program:
             key = (block, microbatch == 0, microbatch == last)
             if key not in running:
                 running[key] = self.running(block, microbatch)
-            where = f"{block} mb {microbatch}"
-            if only is None or microbatch == only:
-                for instruction in running[key]:
-                    yield emit(instruction, microbatch, where)
-                continue
-            start = index  # another microbatch: only its once-per-step instructions
-            for offset, instruction in enumerate(running[key]):
-                if not instruction.per_microbatch:
-                    index = start + offset
-                    yield emit(instruction, microbatch, where)
-            index = start + len(running[key])
+            # another microbatch than ``only``: only its once-per-step instructions
+            whole = only is None or microbatch == only
+            if (*key, whole) not in selected:
+                selected[(*key, whole)] = tuple(
+                    (offset, i) for offset, i in kept(running[key])
+                    if whole or not i.per_microbatch)
+            yield from run(selected[(*key, whole)], len(running[key]), microbatch,
+                           f"{block} mb {microbatch}")
         for stream in self.receives:
             while position[stream] < len(self.receives[stream]):
                 yield from receive(stream)
-        for instruction in self.epilogue:
-            yield emit(instruction, None, "epilogue")
+        yield from run(tuple(kept(self.epilogue)), len(self.epilogue), None, "epilogue")
 
     def expanded_length(self) -> int:
         """How many instructions :meth:`expand` yields, without expanding."""

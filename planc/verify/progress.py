@@ -25,7 +25,8 @@ in the program's issue order (:meth:`Program.expand`), and its head completes wh
 
 The step ends exactly when every queue drains; otherwise the heads that wait are the
 deadlock, reported with what each waits for. Linear in the expanded programs times the
-number of sweeps, so it runs only where some collective spans stages.
+number of sweeps, so it runs only where some collective spans stages, and on what can
+hold a stream only (:meth:`ProgressChecks._can_hold`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,16 @@ class ProgressChecks:
             self._axis_of_node[node] = str(axis) if spans else None
         return self._axis_of_node[node]
 
+    def _can_hold(self, instruction) -> bool:
+        """Whether an instruction can hold its stream: not a compute or a collective
+        inside the stage, which complete at once and change nothing else. Left out of the
+        queues, they change neither what completes nor the heads of a deadlock: a sync
+        behind one waits for nothing it would not wait for otherwise."""
+        op = instruction.op
+        if op is Opcode.COMPUTE:
+            return False
+        return op not in COLLECTIVES or self._spans_stages(instruction.node) is not None
+
     def progress(self) -> None:
         if self.plan.mesh.pp == 1 or not self.uniform:
             return  # one stage, or programs per rank: verify_pipeline's proof stands
@@ -75,7 +86,8 @@ class ProgressChecks:
                        for program in self.programs.values() for i in program.written())
         if not spanning:
             return
-        stages = {s: _Stage(s, self.programs[stage_program[s]].expand(operands=False))
+        stages = {s: _Stage(s, self.programs[stage_program[s]].expand(
+                      operands=False, keep=self._can_hold))
                   for s in sorted(stage_program)}
         receiver = {(i.node, i.microbatch): s for s, stage in stages.items()
                     for queue in stage.queues.values() for i in queue if i.op is Opcode.RECV}
