@@ -35,24 +35,21 @@ plan bad {
 # --no-loadscope-reorder) hands files to its workers in collection order, so a long file
 # collected last runs alone at the end while the other workers wait; longest first, the
 # end is a tail of short files. The order follows the seconds of each file in a whole
-# `make test` (2 workers on 2 cores; the slowest tests of 2026-11-28's run, less the runs
-# folded or dropped since): the --check matrix (test_runtime.py, about 75 runs),
-# test_limits_compiled (every command at the limits, about 250 s under the suite),
-# test_llama, test_checkpoint, test_signals, test_compile_cli, test_moe,
-# test_runtime_data_and_failures, then the damaged-build corpora (one driver each, 65 to
-# 80 s), test_launcher, test_moe_export, test_output_paths, test_simulate, and the files
-# with a slow test or two (20 to 40 s): test_tune, test_locks, test_outputs, test_data,
-# test_peer_data, test_hostile, test_runtime_comm. Every other file follows, the most
-# tests first (pytest-xdist's own order).
+# `make test` (2 workers on 2 cores, 2026-11-29, after runs started 2x faster and the
+# examples were compiled once for test_lower and test_passes): test_limits_compiled
+# (every command at the limits, about 300 s), test_compile_cli, the --check matrix of
+# test_runtime, test_lower, the damaged-build corpora (one driver each, about 125 s),
+# test_signals, test_simulate, test_launcher, test_checkpoint, then the files of 40 to
+# 60 s. Every other file follows, the most tests first (pytest-xdist's own order).
 LONGEST_FIRST = (
-    "test_runtime.py", "test_limits_compiled.py", "test_llama.py", "test_checkpoint.py",
-    "test_signals.py", "test_compile_cli.py", "test_moe.py",
-    "test_runtime_data_and_failures.py", "test_damaged_programs.py",
-    "test_damaged_builds.py", "test_launcher.py", "test_moe_export.py",
-    "test_output_paths.py", "test_simulate.py", "test_damaged_checkpoints.py",
-    "test_graph_page.py", "test_tune.py", "test_locks.py", "test_outputs.py", "test_data.py",
-    "test_peer_data.py", "test_hostile.py", "test_runtime_comm.py", "test_grad_clip.py",
-    "test_simulate_moe.py", "test_passes.py")
+    "test_limits_compiled.py", "test_compile_cli.py", "test_runtime.py", "test_lower.py",
+    "test_damaged_builds.py", "test_damaged_programs.py", "test_signals.py",
+    "test_simulate.py", "test_launcher.py", "test_checkpoint.py", "test_hostile.py",
+    "test_llama.py", "test_runtime_data_and_failures.py", "test_fuzz.py", "test_moe.py",
+    "test_peer_data.py", "test_damaged_checkpoints.py", "test_cli.py", "test_data.py",
+    "test_outputs.py", "test_output_paths.py", "test_moe_export.py", "test_run_metrics.py",
+    "test_tune.py", "test_report.py", "test_locks.py", "test_runtime_comm.py",
+    "test_passes.py")
 
 
 def pytest_collection_modifyitems(items: list) -> None:

@@ -483,21 +483,45 @@ def _assert_one_line_error(result, *names: str) -> None:
         assert name in result.err, result.err
 
 
+@pytest.fixture(scope="module")
+def broken_runs(tiny_build, tmp_path_factory) -> dict:
+    """Every case of BROKEN: its build directory, the directory's files before, and
+    planc graph and planc explain run on it, each command a process of its own forked
+    from one driver that imported planc once (tests/build_damages.py), 2 at a time."""
+    from tests import hostile_inputs as hostile
+    from tests.build_damages import TIME_LIMIT, run
+
+    root = tmp_path_factory.mktemp("broken")
+    cases, jobs = {}, []
+    for case in sorted(BROKEN):
+        breaking, _, extra = BROKEN[case]
+        directory = root / case / "b"
+        shutil.copytree(tiny_build, directory)
+        breaking(directory)
+        cases[case] = (directory, snapshot(directory))
+        for argv in (["graph", str(directory), *map(str, extra)], ["explain", str(directory)]):
+            jobs.append(hostile.Job(f"{case}: planc {argv[0]}", argv, str(ROOT), "fork",
+                                    TIME_LIMIT))
+    results = iter(zip(jobs, run(jobs, root / "driver")))
+    return {case: (directory, before, [next(results), next(results)])
+            for case, (directory, before) in cases.items()}
+
+
 @pytest.mark.parametrize("case", sorted(BROKEN))
-def test_broken_build_directory(case, tiny_build, tmp_path):
-    breaking, named, extra = BROKEN[case]
-    directory = tmp_path / "b"
-    shutil.copytree(tiny_build, directory)
-    breaking(directory)
-    before = snapshot(directory)
-    results = planc_many(["graph", directory, *extra], ["explain", directory])
+def test_broken_build_directory(case, broken_runs):
+    directory, before, runs = broken_runs[case]
+    named = BROKEN[case][1]
     problems = []
-    for result in results:
+    for job, ran in runs:
+        assert not ran.harness_error and not ran.timed_out and ran.signal is None, \
+            (job.name, ran)
+        result = subprocess.CompletedProcess(job.argv, ran.status, ran.stdout, ran.stderr)
+        result.out, result.err = ran.stdout, ran.stderr
         try:
             _assert_one_line_error(result, str(directory), named)
         except AssertionError as exc:
-            problems.append(f"planc {result.args[3]}: exit {result.returncode}: "
-                            f"{result.err.strip()[-600:]!r} ({str(exc).splitlines()[0]})")
+            problems.append(f"planc {job.argv[0]}: exit {ran.status}: "
+                            f"{ran.stderr.strip()[-600:]!r} ({str(exc).splitlines()[0]})")
     assert not problems, "\n".join(problems)
     assert snapshot(directory) == before  # reading never writes
 
