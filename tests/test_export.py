@@ -8,6 +8,7 @@ from collections import Counter
 
 from planc.compile import compile_plan
 from planc.lang import load_file
+from planc.program.expansion import expand
 from tests.conftest import PLANS
 
 
@@ -77,7 +78,7 @@ def test_chakra_traces_read_back(tmp_path, run_planc):
         "rank": rank, "stage": stage, "world": 8}
         program = next(p for n, p in build.programs.items()
                        if build.table.stages.get(n) == stage)
-        work = [i for i in program.expand() if i.op not in ("record", "wait", "sync")]
+        work = [i for i in expand(program) if i.op not in ("record", "wait", "sync")]
         decoded = [dict((f, v) for f, v in _fields(n) if f != 10 and f != 4) | {
             "deps": [d for f, raw in _fields(n) if f == 4
                      for d in _packed(raw)], "attr": _attributes(_fields(n))} for n in nodes]

@@ -13,6 +13,7 @@ import pytest
 from planc.build.directory import read, read_programs, write
 from planc.compile import compile_plan
 from planc.lang import load_file, load_text
+from planc.program.expansion import expand
 from planc.program.operands import Input, Operands, StepKind
 from planc.program.program import (
     Guard,
@@ -96,7 +97,7 @@ def test_program_shape_of_a_two_stage_pipeline():
         ("all_reduce", "comm", None),
         ("record", "comm", "done:F/L0/proj>attn_residual:all_reduce@tp"),
         ("wait", "compute", "done:F/L0/proj>attn_residual:all_reduce@tp")]
-    expanded = list(stage0.expand())
+    expanded = list(expand(stage0))
     assert sum(1 for x in expanded if x.op == "send") == 4
     assert [x.op for x in expanded if x.stream == "recv_next"] == ["recv", "record"] * 4
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from planc.estimate.cost import Route
 from planc.program.operands import Operands
+from planc.program.expansion import expand
 from planc.program.program import TRANSFER_OPS, Opcode
 from planc.host.outputs import CHAKRA
 from planc.simulate.costs import InstructionCosts
@@ -114,7 +115,7 @@ def _nodes(build, program, rank: int, costs: InstructionCosts) -> list[bytes]:
     event_node: dict[str, int] = {}
     ends: dict[int, float] = {}  # node id -> when it ends (the simulator's durations)
     next_id = 0
-    for item in program.expand():
+    for item in expand(program):
         if item.op is Opcode.RECORD:
             if item.stream in last_on_stream:
                 event_node[item.event] = last_on_stream[item.stream]

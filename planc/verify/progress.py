@@ -13,7 +13,7 @@ found by running pp 2 x dp 2 with tied embeddings under ZeRO 3).
 
 So here the whole step is executed as the runtime executes it, one actor per stage
 (standing for its ranks, which are symmetric): each program stream is a FIFO queue,
-in the program's issue order (:meth:`Program.expand`), and its head completes when
+in the program's issue order (:func:`planc.program.expansion.expand`), and its head completes when
 
 - compute, a record, or a collective inside the stage: at once;
 - a wait: once its event was recorded on the stage;
@@ -34,7 +34,8 @@ from __future__ import annotations
 from collections import deque
 
 from planc.graph.ir import Axis
-from planc.program.program import COLLECTIVES, Expanded, Opcode
+from planc.program.expansion import Expanded, expand
+from planc.program.program import COLLECTIVES, Opcode
 
 
 MAX_SHOWN = 5  # heads named in the report
@@ -86,8 +87,8 @@ class ProgressChecks:
                        for program in self.programs.values() for i in program.written())
         if not spanning:
             return
-        stages = {s: _Stage(s, self.programs[stage_program[s]].expand(
-                      operands=False, keep=self._can_hold))
+        stages = {s: _Stage(s, expand(self.programs[stage_program[s]], operands=False,
+                                    keep=self._can_hold))
                   for s in sorted(stage_program)}
         receiver = {(i.node, i.microbatch): s for s, stage in stages.items()
                     for queue in stage.queues.values() for i in queue if i.op is Opcode.RECV}

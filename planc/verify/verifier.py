@@ -207,7 +207,7 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
 
     def _collectives(self, name: str, axis: str) -> list[tuple[str, str, int | None]]:
         """The collectives on ``axis`` that the program issues in one step, in issue order
-        (that of :meth:`Program.expand`, which receives do not change), as (op, node,
+        (that of :func:`planc.program.expansion.expand`, which receives do not change), as (op, node,
         microbatch): found once per block, then repeated along the schedule."""
         program = self.programs[name]
 

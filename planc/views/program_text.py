@@ -6,6 +6,7 @@ import networkx as nx
 
 from planc.graph.ir import Axis
 from planc.plan.layout import Layout
+from planc.program import expansion
 from planc.program.program import EVENT_NAMING_OPS, Instruction, Opcode, Program, RankTable
 from planc.plan.plan import Plan
 from planc import schedules
@@ -94,9 +95,9 @@ def render(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program], table: R
         lines.append("issue order of one step" + (f", microbatch {microbatch}"
                                                   if microbatch is not None else "") + ":")
         shown = 0
-        for item in program.expand(microbatch):
+        for item in expansion.expand(program, microbatch):
             if shown == EXPAND_LIMIT and microbatch is None:
-                rest = program.expanded_length() - item.index
+                rest = expansion.expanded_length(program) - item.index
                 lines.append(f"  ... and {rest:,} more: --expand lists the first "
                              f"{EXPAND_LIMIT:,} instructions of a step; --microbatch K lists "
                              f"all of microbatch K")

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from planc.program.names import RECEIVE_STREAMS, Stream
-from planc.program.program import EVENT_NAMING_OPS, EVENT_OPS, Expanded, Opcode
+from planc.program.expansion import Expanded, expand
+from planc.program.program import EVENT_NAMING_OPS, EVENT_OPS, Opcode
 from planc.runtime.engine.interpreter import Interpreter, StepState
 from planc.data.trace import Flow, flows_of
 
@@ -118,7 +119,7 @@ class _Plan:
     """The expanded program split over its streams, with what each wait waits for."""
 
     def __init__(self, interp: Interpreter):
-        items = list(interp.program.expand())
+        items = list(expand(interp.program))
         self.streams: dict[str, list[Expanded]] = defaultdict(list)
         for item in items:
             self.streams[item.stream].append(item)
@@ -285,7 +286,7 @@ class CudaExecutor:
     def __init__(self, interpreter: Interpreter, timeout: float, trace: bool = False):
         self.interpreter, self.timeout, self.tracing = interpreter, timeout, trace
         self.streams = {name: torch.cuda.Stream() for name in interpreter.program.streams}
-        self.items = list(interpreter.program.expand())  # the same every step
+        self.items = list(expand(interpreter.program))  # the same every step
 
     def run_step(self, step: int) -> StepResult:
         interp = self.interpreter
