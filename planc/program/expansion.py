@@ -133,6 +133,7 @@ def expand(program: Program, only: int | None = None, operands: bool = True,
             yield from receive(stream)
     yield from run(tuple(kept(program.epilogue)), len(program.epilogue), None, "epilogue")
 
+
 def expanded_length(program: Program) -> int:
     """How many instructions :func:`expand` yields, without expanding."""
     counts: dict[tuple[str, bool, bool], int] = {}
@@ -145,6 +146,7 @@ def expanded_length(program: Program) -> int:
             counts[key] = len(program.running(block, microbatch))
         total += counts[key]
     return total
+
 
 def receives_needed(program: Program) -> dict[tuple[str, int], dict[str, int]]:
     """For each scheduled (block, microbatch): per receive stream, the position of the

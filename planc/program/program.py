@@ -207,7 +207,8 @@ class Program:
                        received={n: o for n, o in self.received.items() if n in received})
 
     def receive(self, stream: str, node: str) -> Instruction:
-        """The instruction of a pipeline receive (issued on its stream, see planc.program.expansion)."""
+        """The instruction of a pipeline receive (issued on its stream:
+        planc.program.expansion)."""
         return Instruction(Opcode.RECV, stream, node, writes=(node,),
                            operands=self.received[node])
 
