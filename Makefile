@@ -65,9 +65,10 @@ demo: bytecode $(CORPUS)
 
 # The suite in up to 4 worker processes (pytest-xdist), a test file per worker at a time:
 # most tests wait on rank processes, torch's import or the disk, so even 2 cores gain
-# (14.5 -> 10.2 min when it was measured; the whole suite took 31 to 39 min on
-# 2026-11-28's 2-core machine); a file's shared fixtures are built once. Files start in the
-# order tests/conftest.py gives them (the longest first), not pytest-xdist's own.
+# (14.5 -> 10.2 min when it was measured; the whole suite took 18:47 on 2026-11-29's
+# 2-core machine, 36 min beside a second suite); a file's shared fixtures are built
+# once. Files start in the order tests/conftest.py gives them (the longest first), not
+# pytest-xdist's own.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 4 ? 4 : n )))
 # More pytest options, e.g. make test PYTEST_ARGS=--durations=40 (the slowest tests).
 PYTEST_ARGS ?=
