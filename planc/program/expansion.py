@@ -60,7 +60,6 @@ def expand(program: Program, only: int | None = None, operands: bool = True,
     index = 0
     position = {stream: 0 for stream in program.receives}
     needed = receives_needed(program)
-    running: dict[tuple[str, bool, bool], tuple[Instruction, ...]] = {}
     last = program.last_microbatch()
 
     def emit(instruction: Instruction, microbatch: int | None, where: str) -> Expanded:
@@ -111,23 +110,21 @@ def expand(program: Program, only: int | None = None, operands: bool = True,
         index = start + length
 
     yield from run(tuple(kept(program.prologue)), len(program.prologue), None, "prologue")
-    # (block, first?, last?, every microbatch's instructions?) -> those that run
-    selected: dict[tuple[str, bool, bool, bool], tuple[tuple[int, Instruction], ...]] = {}
+    # (block, first?, last?, whole?) -> the instructions yielded with their offsets, and
+    # how many run; not whole: a microbatch other than ``only``, its once-per-step ones
+    selected: dict[tuple[str, bool, bool, bool],
+                   tuple[tuple[tuple[int, Instruction], ...], int]] = {}
     for block, microbatch in program.schedule:
         for stream, end in needed.get((block, microbatch), {}).items():
             while position[stream] <= end:
                 yield from receive(stream)
-        key = (block, microbatch == 0, microbatch == last)
-        if key not in running:
-            running[key] = program.running(block, microbatch)
-        # another microbatch than ``only``: only its once-per-step instructions
         whole = only is None or microbatch == only
-        if (*key, whole) not in selected:
-            selected[(*key, whole)] = tuple(
-                (offset, i) for offset, i in kept(running[key])
-                if whole or not i.per_microbatch)
-        yield from run(selected[(*key, whole)], len(running[key]), microbatch,
-                       f"{block} mb {microbatch}")
+        key = (block, microbatch == 0, microbatch == last, whole)
+        if key not in selected:
+            running = program.running(block, microbatch)
+            selected[key] = (tuple((offset, i) for offset, i in kept(running)
+                                   if whole or not i.per_microbatch), len(running))
+        yield from run(*selected[key], microbatch, f"{block} mb {microbatch}")
     for stream in program.receives:
         while position[stream] < len(program.receives[stream]):
             yield from receive(stream)
