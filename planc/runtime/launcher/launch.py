@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from planc.host.interrupts import Interrupts, blocked_in_children
 from planc.runtime.launcher.protocol import ERROR_FILE, EXIT_HANG, REPORT_FILE, TRAINING_FILE
 from planc.runtime.launcher.rank_process import (PR_SET_CHILD_SUBREAPER, prctl, rank_process,
-                                                 start_time)
+                                                 start_time, stat_fields)
 from planc.runtime.launcher.rendezvous import private_store, rank_environment, remove_store
 from planc.runtime.options import RunOptions
 
@@ -100,8 +100,7 @@ class _Rank:
     def state(self) -> str:
         """The kernel's state letter of the process ('T' when stopped), or ''."""
         try:
-            with open(f"/proc/{self.process.pid}/stat", "rb") as handle:
-                return handle.read().rsplit(b")", 1)[1].split()[0].decode()
+            return stat_fields(self.process.pid)[0].decode()
         except (OSError, IndexError):
             return ""
 

@@ -87,12 +87,18 @@ def _launcher_gone(launcher: int, started: str | None) -> bool:
     return start_time(launcher) != started
 
 
+def stat_fields(pid: int) -> list[bytes]:
+    """The fields of /proc/PID/stat after the command name, which may hold spaces and
+    parentheses (proc(5)): the state first; OSError where it cannot be read."""
+    with open(f"/proc/{pid}/stat", "rb") as handle:
+        return handle.read().rsplit(b")", 1)[1].split()
+
+
 def start_time(pid: int) -> str | None:
     """The process's start time from /proc (Linux), '' once it is gone or a zombie, and
     None where /proc does not exist."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            fields = handle.read().rsplit(b")", 1)[1].split()
+        fields = stat_fields(pid)
     except FileNotFoundError:
         return "" if os.path.isdir("/proc/self") else None
     except OSError:
