@@ -74,6 +74,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:  # raised by Python's own handler, before ours
             print("\nplanc: interrupted by signal 2", file=sys.stderr)
             return 130
+        except Exception:
+            # Python wraps what some hooks raise in another exception (3.11 turns an
+            # exception from __set_name__, a dataclass field's, into RuntimeError), so a
+            # signal raised while a module defines its classes comes up as an error: once a
+            # signal was received, whatever ends the command is that signal's doing.
+            if interrupts.received is None:
+                raise
+            print(f"\nplanc: interrupted by signal {interrupts.received}", file=sys.stderr)
+            return 128 + interrupts.received
 
 
 def _dispatch(argv: Sequence[str] | None, interrupts: Interrupts) -> int:
