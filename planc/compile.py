@@ -17,6 +17,7 @@ from planc.graph.derive import derive
 from planc.graph.summary import summarize
 from planc.lower.tables import plan_group_table, route_table, split_refs
 from planc.lower.lower import lower
+from planc.lower.bind import Binding
 from planc.lower.tabulate_model import model_table
 from planc.verify.verifier import verify, verify_evaluation
 from planc.plan.plan import Plan
@@ -33,10 +34,11 @@ def compile_plan(plan: Plan, check: Callable[[nx.DiGraph, str], None] | None = N
     if check is not None:
         check(graph, "derive")
     graph = passes.run(graph, passes.PassContext.of(plan), check, owned=True)
-    programs, table = lower(plan, graph)
+    binding = Binding(graph)  # each instruction's operands, derived once for both
+    programs, table = lower(plan, graph, binding)
     groups = plan_group_table(plan, split_refs(graph))
     routes = route_table(graph, groups)
-    report = verify(plan, graph, programs, table, groups, routes)
+    report = verify(plan, graph, programs, table, groups, routes, binding)
     if report.ok and any(p.evaluation for p in programs.values()):
         # an evaluation batch runs the forward blocks alone: proven like a step
         report = verify_evaluation(plan, graph, programs, table, groups, routes)

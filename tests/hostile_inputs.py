@@ -1196,10 +1196,16 @@ def preload() -> None:
         return
     import importlib
 
-    for module in ("planc.cli", "planc.commands", "planc.commands.check",
-                   "planc.commands.compile", "planc.lang", "planc.compile", "planc.build.directory",
-                   "planc.runtime.engine.data", "planc.views.summary_text", "planc.views.plan_summary",
-                   "planc.estimate.memory", "planc.views.memory_text", "planc.host.locks"):
+    # every command's module (the command line imports them all to build its parser),
+    # and what the read-only commands import when they run
+    for module in ("planc.cli", *(f"planc.commands.{name}" for name in COMMAND_MODULES),
+                   "planc.lang", "planc.compile", "planc.build.directory",
+                   "planc.runtime.engine.data", "planc.views.summary_text",
+                   "planc.views.plan_summary", "planc.estimate.memory",
+                   "planc.views.memory_text", "planc.host.locks", "planc.verify.verifier",
+                   "planc.views.program_text", "planc.views.explain_text", "planc.simulate",
+                   "planc.views.simulate_text", "planc.views.graph", "planc.graph.select",
+                   "planc.host.outputs", "multiprocessing"):
         try:
             importlib.import_module(module)
         except Exception:  # noqa: BLE001 - a child will show the failure as it happens

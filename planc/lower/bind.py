@@ -5,7 +5,8 @@ incoming edges) into the instruction's :class:`planc.program.operands.Operands`:
 buffer feeds which port, which gradient a backward step's output carries, where the
 consumer takes its own tp slice of a replicated value, the group, route and peer stage
 of a transfer. The lowering writes them into the programs; the verifier calls it again
-and compares, so that a program's operands are always the graph's.
+and compares, so that a program's operands are always the graph's. Within one compile
+both read one :class:`Binding`, which derives each instruction's operands once.
 """
 
 from __future__ import annotations
@@ -136,3 +137,22 @@ def operands_of(graph: nx.DiGraph, node: str, op: Opcode, position: dict[str, in
     if data["type"] == NodeType.COMPUTE:
         return _compute(graph, node, data, position)
     return _transfer(graph, node, data, op, position)
+
+
+class Binding:
+    """The operands of a graph's instructions, each derived once (:func:`operands_of`):
+    the compiler's lowering and its verifier share one, so the verifier checks that every
+    instruction carries its own node's operands without deriving them a second time. The
+    graph must not change while a binding is in use."""
+
+    def __init__(self, graph: nx.DiGraph):
+        self.graph = graph
+        self.position = {node: i for i, node in enumerate(graph.nodes)}
+        self._derived: dict[tuple[str, str], Operands] = {}
+
+    def operands(self, node: str, op: Opcode | str) -> Operands:
+        key = (str(getattr(op, "value", op)), node)
+        found = self._derived.get(key)
+        if found is None:
+            found = self._derived[key] = operands_of(self.graph, node, op, self.position)
+        return found

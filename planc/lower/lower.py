@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import networkx as nx
 
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, buckets
-from planc.lower.bind import operands_of
+from planc.lower.bind import Binding
 from planc.lower.evaluation import evaluation_of, forward_only
 from planc.program.names import STREAM_ORDER
 from planc.program.program import (
@@ -160,11 +160,12 @@ class _Where:
 
 
 class _StageLowering:
-    def __init__(self, plan: Plan, graph: nx.DiGraph, stage: int, rank: dict[str, int],
+    def __init__(self, plan: Plan, graph: nx.DiGraph, stage: int, binding: Binding,
                  nodes: list[str], buckets: dict[str, dict], overlap: bool):
         """``nodes`` and ``buckets``: the stage's; ``overlap``: whether the overlap pass
         placed the graph's nodes (computed once for all stages: lowering stays linear)."""
-        self.plan, self.graph, self.stage, self.rank = plan, graph, stage, rank
+        self.plan, self.graph, self.stage = plan, graph, stage
+        self.binding, self.rank = binding, binding.position
         self.buckets = buckets
         self._sources: dict[str, list[tuple[str, bool]]] = {}
         self.overlap = overlap
@@ -321,7 +322,7 @@ def _instructions(lowering: _StageLowering, nodes: list[str],
         out.append(Instruction(op, where.stream, node, reads=reads + state_reads,
                                writes=(node,) + state_writes,
                                per_microbatch=data["per_microbatch"], guard=guard,
-                               operands=operands_of(graph, node, op, lowering.rank)))
+                               operands=lowering.binding.operands(node, op)))
         if (node, "mb") in recorded:
             out.append(Instruction(Opcode.RECORD, where.stream, event=done_event(node),
                                    per_microbatch=True, guard=guard))
@@ -384,11 +385,14 @@ def _with_frees(blocks: dict[str, list[Instruction]], graph: nx.DiGraph,
     return out
 
 
-def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]:
-    """One program per pipeline stage, and the table of which rank runs which."""
+def lower(plan: Plan, graph: nx.DiGraph, binding: Binding | None = None
+          ) -> tuple[dict[str, Program], RankTable]:
+    """One program per pipeline stage, and the table of which rank runs which;
+    ``binding``: the graph's operands, shared with the compiler's verifier."""
     from planc.plan.layout import Layout
 
-    rank = {node: i for i, node in enumerate(graph.nodes)}
+    binding = binding or Binding(graph)
+    rank = binding.position
     pp, virtual = plan.mesh.pp, plan.shard.pp.virtual
     m = plan.schedule.microbatches
     programs: dict[str, Program] = {}
@@ -407,7 +411,7 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
     overlap = plan.optimize.overlap and any("placement" in d for _, d in graph.nodes(data=True))
     for stage in range(pp):
         stage_buckets = buckets_of.get(stage, {})
-        lowering = _StageLowering(plan, graph, stage, rank, by_stage[stage], stage_buckets,
+        lowering = _StageLowering(plan, graph, stage, binding, by_stage[stage], stage_buckets,
                                   overlap)
         parts: dict[str, set[str]] = {}
         receive_nodes: dict[str, str] = {}  # recv node -> stream
@@ -449,7 +453,7 @@ def lower(plan: Plan, graph: nx.DiGraph) -> tuple[dict[str, Program], RankTable]
         programs[f"stage{stage}.json"] = Program(
             stage, streams, blocks, plan_schedule, receives, tuple(body), m,
             prologue=tuple(listed.get(PROLOGUE, ())), buckets=stage_buckets,
-            received={node: operands_of(graph, node, Kind.RECV.value, rank)
+            received={node: binding.operands(node, Kind.RECV.value)
                       for node in receive_nodes},
             evaluation=evaluation, evaluation_receives=evaluation_receives)
     layout = Layout.of(plan)

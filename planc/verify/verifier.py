@@ -37,7 +37,7 @@ import networkx as nx
 
 from planc.graph.ir import Axis, bucket_problems
 from planc.plan.layout import Layout as RankLayout
-from planc.lower.bind import operands_of
+from planc.lower.bind import Binding
 from planc.program.groups import SEQUENCE, GroupTable
 from planc.program.program import COLLECTIVES, Program, RankTable
 from planc.program.routes import RouteTable
@@ -59,14 +59,14 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
                 ProgressChecks, GradNormChecks):
     def __init__(self, plan: Plan, graph: nx.DiGraph, programs: dict[str, Program],
                  table: RankTable, groups: GroupTable | None = None,
-                 routes: RouteTable | None = None):
+                 routes: RouteTable | None = None, binding: Binding | None = None):
         self.plan, self.graph, self.programs, self.table = plan, graph, programs, table
         self.groups, self.routes = groups, routes
         self.report = Report()
         self.layout = RankLayout.of(plan)
         self._texts: dict[str, str] = {}
         self.receive_of_send: dict[str, str] = {}
-        self._position: dict[str, int] | None = None  # node -> index in the graph's order
+        self._binding = binding  # the graph's operands, made when first needed
 
     # --- 0. the rank table ------------------------------------------------------------
 
@@ -124,8 +124,7 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
         simulator and the traces could not size it."""
         if self.groups is None:
             return True
-        items = [*program.written()] + [program.receive(stream, node) for stream, receives
-                                        in program.receives.items() for node, _ in receives]
+        items = _with_operands(program)
         for instruction in items:
             operands = instruction.operands
             for ref in (operands.group, operands.counts_group) if operands else ():
@@ -158,20 +157,17 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
 
     def operands(self, name: str, program: Program) -> None:
         """Every instruction runs what its node of the graph says, as the lowering wrote it."""
-        items = [i for i in program.written() if i.operands is not None]
-        items += [program.receive(stream, node) for stream, receives in
-                  program.receives.items() for node, _ in receives]
+        items = [i for i in _with_operands(program) if i.operands is not None]
         checked: set[tuple[str, str]] = set()
-        if self._position is None:
-            self._position = {node: i for i, node in enumerate(self.graph.nodes)}
+        if self._binding is None:
+            self._binding = Binding(self.graph)
         for instruction in items:
             key = (instruction.op, instruction.node)
             if key in checked or instruction.node not in self.graph:
                 continue
             checked.add(key)
             try:
-                expected = operands_of(self.graph, instruction.node, instruction.op,
-                                       self._position)
+                expected = self._binding.operands(instruction.node, instruction.op)
             except (KeyError, TypeError, ValueError, StopIteration) as exc:
                 self.report.add(f"{name}: the operands of {instruction.op} "
                                 f"{instruction.node} cannot be derived from graph.json "
@@ -307,6 +303,14 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
             self.report.add(problem)
 
 
+def _with_operands(program: Program) -> list:
+    """The instructions a program writes, and one receive per node each receive stream
+    takes (a stream receives a node once per microbatch, with the same operands)."""
+    return [*program.written()] + [
+        program.receive(stream, node) for stream, receives in program.receives.items()
+        for node in dict.fromkeys(node for node, _ in receives)]
+
+
 def _collective_text(item) -> str:
     if item is None:
         return "nothing (it stops earlier)"
@@ -316,8 +320,10 @@ def _collective_text(item) -> str:
 
 def verify(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program],
            table: RankTable, groups: GroupTable | None = None,
-           routes: RouteTable | None = None) -> Report:
-    return _Verifier(plan, graph, programs, table, groups, routes).run()
+           routes: RouteTable | None = None, binding: Binding | None = None) -> Report:
+    """The problems of ``programs`` lowered from ``graph``; ``binding``: the graph's
+    operands as the lowering derived them (planc.lower.bind.Binding), when it is at hand."""
+    return _Verifier(plan, graph, programs, table, groups, routes, binding).run()
 
 
 def verify_evaluation(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program],
