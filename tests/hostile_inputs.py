@@ -1196,6 +1196,8 @@ def preload() -> None:
         return
     import importlib
 
+    from planc.cli import COMMAND_MODULES
+
     # every command's module (the command line imports them all to build its parser),
     # and what the read-only commands import when they run
     for module in ("planc.cli", *(f"planc.commands.{name}" for name in COMMAND_MODULES),
