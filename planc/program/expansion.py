@@ -85,6 +85,8 @@ def expand(program: Program, only: int | None = None, operands: bool = True,
         return ((offset, i) for offset, i in enumerate(instructions)
                 if keep is None or keep(i))
 
+    pairs: dict[tuple[str, str], tuple[tuple[int, Instruction], ...]] = {}
+
     def receive(stream: str) -> Iterator[Expanded]:
         nonlocal index
         node, mb = program.receives[stream][position[stream]]
@@ -92,10 +94,13 @@ def expand(program: Program, only: int | None = None, operands: bool = True,
         if only is not None and mb != only:
             index += 2
             return
-        pair = (program.receive(stream, node),
-                Instruction(Opcode.RECORD, stream, event=done_event(node)))
+        pair = pairs.get((stream, node))
+        if pair is None:  # a stream receives a node once per microbatch: made once
+            pair = pairs[(stream, node)] = tuple(kept((
+                program.receive(stream, node),
+                Instruction(Opcode.RECORD, stream, event=done_event(node)))))
         start = index
-        for offset, instruction in kept(pair):
+        for offset, instruction in pair:
             index = start + offset
             yield emit(instruction, mb, stream)
         index = start + 2

@@ -82,6 +82,7 @@ class ProgressChecks:
             return  # one stage, or programs per rank: verify_pipeline's proof stands
         self._stages_by_axis: dict[str, tuple[int, ...]] = {}
         self._axis_of_node: dict[str | None, str | None] = {}
+        self._collective_names: dict[str | None, str | None] = {}
         stage_program = {stage: name for name, stage in self.table.stages.items()}
         spanning = any(i.op in COLLECTIVES and self._spans_stages(i.node)
                        for program in self.programs.values() for i in program.written())
@@ -90,15 +91,26 @@ class ProgressChecks:
         stages = {s: _Stage(s, expand(self.programs[stage_program[s]], operands=False,
                                     keep=self._can_hold))
                   for s in sorted(stage_program)}
-        receiver = {(i.node, i.microbatch): s for s, stage in stages.items()
-                    for queue in stage.queues.values() for i in queue if i.op is Opcode.RECV}
+        # each receive by (node, microbatch): one per step, so a send finds its receive
+        # by looking at the head of one stream
+        receiver = {(i.node, i.microbatch): (stage, stream, i) for stage in stages.values()
+                    for stream, queue in stage.queues.items() for i in queue
+                    if i.op is Opcode.RECV}
+        # each collective over stages by (stage, key): where a member's instance waits
+        holders: dict[tuple[int, tuple], list[tuple[str, Expanded]]] = {}
+        for stage in stages.values():
+            for stream, queue in stage.queues.items():
+                for i in queue:
+                    if i.op in COLLECTIVES and self._spans_stages(i.node):
+                        holders.setdefault((stage.number, self._collective_key(i)),
+                                           []).append((stream, i))
         moved = True
         while moved:
             moved = False
             for stage in stages.values():
                 for stream in list(stage.queues):
                     while stage.queues[stream] and self._advance(stage, stream, stages,
-                                                                 receiver):
+                                                                 receiver, holders):
                         moved = True
         # the transfers that wait first (the cause), then the waits behind them
         stuck = sorted(((s, queue[0]) for s, stage in stages.items()
@@ -112,7 +124,8 @@ class ProgressChecks:
             self.report.add(f"the programs deadlock (run stream by stream, the step cannot "
                             f"finish): {detail}")
 
-    def _advance(self, stage: "_Stage", stream: str, stages: dict, receiver: dict) -> bool:
+    def _advance(self, stage: "_Stage", stream: str, stages: dict, receiver: dict,
+                 holders: dict) -> bool:
         """Complete the head of ``stage``'s ``stream`` if it can; whether it did."""
         head = stage.queues[stream][0]
         if head.op is Opcode.WAIT:
@@ -123,30 +136,39 @@ class ProgressChecks:
                    if name != stream):
                 return False
         elif head.op is Opcode.SEND:
-            peer = stages.get(receiver.get((self._receive_of(head.node), head.microbatch)))
-            match = peer and peer.head_of(lambda i: i.op is Opcode.RECV and i.microbatch ==
-                                          head.microbatch and
-                                          i.node == self._receive_of(head.node))
-            if not match:
+            found = receiver.get((self._receive_of(head.node), head.microbatch))
+            if found is None:
                 return False
-            peer.pop(match)
+            peer, peer_stream, match = found
+            queue = peer.queues[peer_stream]
+            if not queue or queue[0] is not match:
+                return False
+            peer.pop(peer_stream)
         elif head.op is Opcode.RECV:
             return False  # completes with its send
         elif head.op in COLLECTIVES and (axis := self._spans_stages(head.node)):
             key = self._collective_key(head)
-            members = [stages[s] for s in self._stages_of(axis) if s != stage.number]
-            matches = [m.head_of(lambda i: i.op in COLLECTIVES and
-                                 self._collective_key(i) == key) for m in members]
-            if not all(matches):
-                return False
+            members = []
+            matches = []
+            for number in self._stages_of(axis):
+                if number != stage.number:
+                    member = stages[number]
+                    match = member.holding(holders.get((number, key), ()))
+                    if match is None:
+                        return False
+                    members.append(member)
+                    matches.append(match)
             for member, match in zip(members, matches):
                 member.pop(match)
         stage.pop(stream)
         return True
 
     def _collective_key(self, item: Expanded) -> tuple:
-        name = self.graph.nodes[item.node].get("collective", item.node) \
-            if item.node in self.graph else item.node
+        name = self._collective_names.get(item.node)
+        if name is None:  # once per node: the proof asks at every head
+            name = self._collective_names[item.node] = \
+                self.graph.nodes[item.node].get("collective", item.node) \
+                if item.node in self.graph else item.node
         return item.op, name, item.microbatch
 
     def _awaited(self, stage: "_Stage", head: Expanded) -> str:
@@ -174,9 +196,11 @@ class _Stage:
             self.queues.setdefault(item.stream, deque()).append(item)
         self.recorded: set[str] = set()
 
-    def head_of(self, wanted) -> str | None:
-        """The stream whose head is ``wanted``, if any."""
-        return next((s for s, q in self.queues.items() if q and wanted(q[0])), None)
+    def holding(self, places: list[tuple[str, Expanded]]) -> str | None:
+        """The stream whose head is one of ``places``' instructions (stream, instruction),
+        if any."""
+        return next((stream for stream, item in places
+                     if (queue := self.queues[stream]) and queue[0] is item), None)
 
     def pop(self, stream: str) -> None:
         item = self.queues[stream].popleft()
