@@ -36,9 +36,12 @@ if TYPE_CHECKING:
 
 def _optional_problem(data: dict) -> str | None:
     """What is wrong with a node's optional attributes, or None."""
-    bad = [key for key, expected in OPTIONAL_TYPES.items()
-           if key in data and not _type_ok(data[key], expected)]
-    if bad:
+    # a node holds a few of the optional attributes: look at those it holds, and name
+    # the wrong ones in the schema's order
+    if not all(_type_ok(data[key], OPTIONAL_TYPES[key]) for key in data
+               if key in OPTIONAL_TYPES):
+        bad = [key for key, expected in OPTIONAL_TYPES.items()
+               if key in data and not _type_ok(data[key], expected)]
         return f"invalid {', '.join(bad)}"
     seconds = data.get("route_seconds")
     if seconds is not None and not 0 <= seconds < inf:
@@ -56,6 +59,13 @@ def _optional_problem(data: dict) -> str | None:
             "producer" in data or data.get("tensor") or "bucket" in data):
         return "a transfer with no producer, tensor or bucket: it moves nothing"
     return None
+
+
+def _rejects_bool(expected) -> bool:
+    """Whether :func:`_type_ok` refuses a bool that ``isinstance`` would accept (an int
+    type that does not list bool itself)."""
+    return not (isinstance(expected, type) and issubclass(expected, StrEnum)) and \
+        bool not in expected
 
 
 def _type_ok(value: Any, expected) -> bool:
@@ -88,19 +98,26 @@ def validate(graph: nx.DiGraph, *, microbatches: int | None = None,
 
     table = buckets(graph) if "buckets" in graph.graph else {}
     place = stage_of_chunk or (lambda chunk: chunk % stages)
+    schemas: dict[tuple, tuple] = {}  # (type, payload) -> the attributes it requires
     for node, data in graph.nodes(data=True):
         kind = data.get("type")
         if not isinstance(kind, NodeType):
             if not report(f"node {node!r}: type {kind!r} is not compute or transfer"):
                 return problems
             continue
-        required = {**COMMON_ATTRIBUTES, **(COMPUTE_ATTRIBUTES if kind == NodeType.COMPUTE
-                                            else TRANSFER_ATTRIBUTES)}
-        if kind == NodeType.TRANSFER and isinstance(data.get("payload"), Payload):
-            required.update(PAYLOAD_ATTRIBUTES.get(data["payload"], {}))
-        bad = [key for key, expected in required.items()
-               if not _type_ok(data.get(key), expected if isinstance(expected, tuple)
-                               or not isinstance(expected, type) else expected)]
+        payload = data.get("payload") if kind == NodeType.TRANSFER else None
+        schema = (kind, payload if isinstance(payload, Payload) else None)
+        required = schemas.get(schema)
+        if required is None:
+            required = schemas[schema] = tuple(
+                (key, expected, _rejects_bool(expected)) for key, expected in {
+                    **COMMON_ATTRIBUTES, **(COMPUTE_ATTRIBUTES if kind == NodeType.COMPUTE
+                                            else TRANSFER_ATTRIBUTES),
+                    **PAYLOAD_ATTRIBUTES.get(schema[1], {})}.items())
+        # _type_ok inlined: a graph read back holds a million attributes at the limits
+        bad = [key for key, expected, strict in required
+               if not isinstance(value := data.get(key), expected) or
+               (strict and value.__class__ is bool)]
         if bad:
             if not report(f"node {node!r}: missing or invalid {', '.join(bad)}"):
                 return problems
