@@ -450,6 +450,29 @@ def test_a_program_whose_operands_are_not_the_graphs_is_refused(change, message,
     assert "Traceback" not in result.stderr
 
 
+def test_a_shared_binding_still_catches_operands_on_the_wrong_instruction():
+    """compile_plan hands the verifier the lowering's Binding, so that operands are derived
+    once; the check still compares each instruction with its own node's operands."""
+    from planc.lower.bind import Binding
+    from planc.lower.lower import lower
+
+    build = built()
+    binding = Binding(build.graph)
+    programs, table = lower(build.plan, build.graph, binding)
+    assert verify(build.plan, build.graph, programs, table, build.groups, build.routes,
+                  binding).problems == []
+    program = programs["stage0.json"]
+    block = list(program.blocks["F0"])
+    first, second = [k for k, i in enumerate(block) if i.op is Opcode.COMPUTE][:2]
+    block[first] = dataclasses.replace(block[first], operands=block[second].operands)
+    swapped = {**programs, "stage0.json": dataclasses.replace(
+        program, blocks={**program.blocks, "F0": tuple(block)})}
+    assert verify(build.plan, build.graph, swapped, table, build.groups, build.routes,
+                  binding).problems == [
+        f"stage0.json: the operands of compute {block[first].node} are not those graph.json "
+        f"implies"]
+
+
 def test_a_piece_of_the_tokens_other_than_the_graph_says_is_refused():
     """tp_overlap's pieces are operands: a partial GEMM reading another slice of the
     tokens than its all-gather brought would compute wrong rows, silently."""
