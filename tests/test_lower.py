@@ -450,6 +450,22 @@ def test_a_program_whose_operands_are_not_the_graphs_is_refused(change, message,
     assert "Traceback" not in result.stderr
 
 
+def test_planc_programs_reads_only_the_program_of_its_rank(tmp_path, run_planc):
+    """`planc programs --rank R` on a build of a thousand stages reads one program, not a
+    thousand: R's own is read and checked, the others not at all; planc verify reads them
+    all."""
+    directory = write(built(), tmp_path / "b", str(tmp_path / "pp.plan"), PP_PLAN)
+    (directory / "programs" / "stage0.json").write_text("{}")
+    listed = run_planc("programs", directory, "--rank", "2")  # tp 2: rank 2 is stage 1's
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.startswith("rank 2: stage 1 ")
+    for command in (("programs", directory, "--rank", "0"), ("verify", directory)):
+        refused = run_planc(*command)
+        assert refused.returncode == 1
+        assert refused.stderr.startswith(f"planc: error: {directory / 'programs' / 'stage0.json'}"
+                                         f" is not a valid program"), refused.stderr
+
+
 def test_a_shared_binding_still_catches_operands_on_the_wrong_instruction():
     """compile_plan hands the verifier the lowering's Binding, so that operands are derived
     once; the check still compares each instruction with its own node's operands."""

@@ -283,12 +283,14 @@ def _check_graph(path: Path, graph: nx.DiGraph, plan: Plan) -> None:
 
 
 @without_collector
-def read_programs(build: Build) -> Build:
-    """The build with its rank programs and rank table, read from programs/."""
+def read_programs(build: Build, rank: int | None = None) -> Build:
+    """The build with its rank programs and rank table, read from programs/; with
+    ``rank`` (a rank of the plan's world), of the programs only the one it runs (planc
+    programs --rank on a build of a thousand stages reads one program, not all)."""
     directory = Path(build.path) / PROGRAMS
     plan = build.plan
     table, groups, routes, model, programs = read_program_files(
-        Path(build.path), PlanShape.of(plan.to_dict(), Path(build.path)))
+        Path(build.path), PlanShape.of(plan.to_dict(), Path(build.path)), rank)
     if groups != plan_group_table(plan, split_refs(build.graph)):
         raise BuildError(f"{directory / GROUPS} is not the group table of plan.json and "
                          f"graph.json; run planc compile again")

@@ -167,10 +167,11 @@ def _table(directory: Path, name: str, parse, what: str):
                          f"compile again") from None
 
 
-def read_program_files(path: Path, plan: PlanShape) -> tuple[
+def read_program_files(path: Path, plan: PlanShape, rank: int | None = None) -> tuple[
         RankTable, GroupTable, RouteTable, ModelTable, dict[str, Program]]:
     """The tables and programs of programs/, each well-formed and consistent with the
-    others and with the plan's mesh and microbatches."""
+    others and with the plan's mesh and microbatches; with ``rank`` (a rank of the
+    plan's world), of the programs only the one that rank runs."""
     directory = path / PROGRAMS
     if directory.is_symlink():
         raise BuildError(linked(directory))
@@ -191,16 +192,20 @@ def read_program_files(path: Path, plan: PlanShape) -> tuple[
                          f"planc compile again")
     routes = _table(directory, ROUTES, RouteTable.from_json, "route table")
     model = _table(directory, MODEL_TABLE, ModelTable.from_json, "model table")
-    programs = {}
     for name in table.names:
         if "/" in name or name.startswith(".") or name == MODEL_TABLE:
             raise BuildError(f"{directory / RANK_TABLE} names {name!r}, not a program file")
+    wanted = table.names if rank is None else [table.program_of(rank)]
+    programs = {}
+    for name in wanted:
         programs[name] = _table(directory, name, Program.from_json, "program")
         if programs[name].microbatches != plan.microbatches:
             raise BuildError(f"{directory / name} is for another number of microbatches than "
                              f"plan.json; run planc compile again")
-    for rank, name in [(None, name) for name in table.stages] + list(table.overrides.items()):
-        stage = table.stages[name] if rank is None else table.stage_of(rank)
+    for runs, name in [(None, name) for name in table.stages] + list(table.overrides.items()):
+        if name not in programs:
+            continue
+        stage = table.stages[name] if runs is None else table.stage_of(runs)
         if programs[name].stage != stage:
             raise BuildError(f"{directory / name} is the program of stage "
                              f"{programs[name].stage}, but {directory / RANK_TABLE} runs it "

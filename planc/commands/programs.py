@@ -19,12 +19,18 @@ from planc.commands.arguments import Command, add_input
 def programs(args) -> int:
     from planc.views import program_text
 
-    built, status = load_programs(args)
+    def rank(plan):
+        if 0 <= args.rank < plan.world:
+            return args.rank
+        fail(f"rank {args.rank} does not exist; the world has {plan.world} ranks "
+             f"(0..{plan.world - 1})", EXIT_USAGE)
+        return None
+
+    built, status = load_programs(args, rank=rank)
     if built is None:
         return status
-    if not 0 <= args.rank < built.plan.world:
-        return fail(f"rank {args.rank} does not exist; the world has {built.plan.world} "
-                    f"ranks (0..{built.plan.world - 1})", EXIT_USAGE)
+    if rank(built.plan) is None:  # a plan file, compiled here: every program at hand
+        return EXIT_USAGE
     m = built.plan.schedule.microbatches
     if args.microbatch is not None and not args.expand:
         return fail("--microbatch needs --expand (programs are listed folded over "
