@@ -230,20 +230,28 @@ def transfers(graph: nx.DiGraph) -> Iterable[tuple[str, dict]]:
 def coerce(graph: nx.DiGraph) -> nx.DiGraph:
     """Turn the strings of a graph read from JSON back into the schema's enums, in place
     (values that are not members are left for :func:`validate` to report)."""
-    node_enums = {"type": NodeType, "phase": Phase, "op": Op, "kind": Kind, "axis": Axis,
-                  "level": Level, "payload": Payload}
+    node_members = _members_by_value({"type": NodeType, "phase": Phase, "op": Op,
+                                      "kind": Kind, "axis": Axis, "level": Level,
+                                      "payload": Payload})
     for _, data in graph.nodes(data=True):
-        _to_members(data, node_enums)
+        _to_members(data, node_members)
+    edge_members = _members_by_value({"kind": EdgeKind, "port": Port})
     for _, _, data in graph.edges(data=True):
-        _to_members(data, {"kind": EdgeKind, "port": Port})
+        _to_members(data, edge_members)
     return graph
 
 
-def _to_members(data: dict, enums: dict) -> None:
-    for key, enum in enums.items():
+def _members_by_value(enums: dict) -> tuple[tuple[str, dict], ...]:
+    """Each attribute's enum as a map from a member's value to the member (what calling
+    the enum does, without its machinery: a graph at the limits has a million values)."""
+    return tuple((key, {member.value: member for member in enum})
+                 for key, enum in enums.items())
+
+
+def _to_members(data: dict, members: tuple[tuple[str, dict], ...]) -> None:
+    for key, by_value in members:
         value = data.get(key)
-        if isinstance(value, str) and not isinstance(value, enum):
-            try:
-                data[key] = enum(value)
-            except ValueError:
-                pass
+        if isinstance(value, str):
+            member = by_value.get(value)
+            if member is not None:
+                data[key] = member
