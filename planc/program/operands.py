@@ -78,6 +78,9 @@ def _one_of(choices):
     return check
 
 
+_port = _one_of(PORTS)
+
+
 def _step_kind(value) -> StepKind:
     kind = _STEP_KIND_OF_TEXT.get(value) if isinstance(value, str) else None
     if kind is None:
@@ -174,19 +177,23 @@ class Input:
 
     @staticmethod
     def from_json(item) -> "Input":
-        if not isinstance(item, dict) or set(item) - {"buffer", "port", "per_microbatch",
-                                                      "grad_of", "local_slice", "tokens",
-                                                      "piece", "piece_of"}:
+        if not isinstance(item, dict) or not _INPUT_KEYS.issuperset(item):
             raise ValueError(f"malformed input {item!r}")
         grad_of, local = item.get("grad_of"), item.get("local_slice")
         if ("piece" in item) != ("piece_of" in item):
             raise ValueError(f"a piece names the value it is a piece of: {item!r}")
-        return Input(_string(item["buffer"]), _one_of(PORTS)(item.get("port", "x")),
+        tokens, piece, piece_of = item.get("tokens"), item.get("piece"), item.get("piece_of")
+        return Input(_string(item["buffer"]), _port(item.get("port", "x")),
                      _boolean(item.get("per_microbatch", True)),
-                     None if grad_of is None else _one_of(PORTS)(grad_of),
+                     None if grad_of is None else _port(grad_of),
                      None if local is None else _slice(local),
-                     _maybe(_piece)(item.get("tokens")), _maybe(_piece)(item.get("piece")),
-                     _maybe(_string)(item.get("piece_of")))
+                     None if tokens is None else _piece(tokens),
+                     None if piece is None else _piece(piece),
+                     None if piece_of is None else _string(piece_of))
+
+
+_INPUT_KEYS = frozenset({"buffer", "port", "per_microbatch", "grad_of", "local_slice",
+                         "tokens", "piece", "piece_of"})
 
 
 def _inputs(value) -> tuple[Input, ...]:
@@ -282,9 +289,8 @@ class Operands:
     def from_json(data) -> "Operands":
         if not isinstance(data, dict):
             raise ValueError(f"operands must be an object, not {data!r}")
-        unknown = set(data) - set(_READERS)
-        if unknown:
-            raise ValueError(f"operands with unknown keys {sorted(unknown)}")
+        if not _READERS.keys() >= data.keys():
+            raise ValueError(f"operands with unknown keys {sorted(set(data) - set(_READERS))}")
         return Operands(**{key: _READERS[key](value) for key, value in data.items()})
 
 

@@ -110,10 +110,9 @@ class Instruction:
     def from_json(item: dict) -> "Instruction":
         if not isinstance(item, dict):
             raise ValueError(f"malformed instruction {item!r}")
-        unknown = set(item) - {"op", "stream", "node", "event", "reads", "writes",
-                               "per_microbatch", "guard", "frees", "operands"}
-        if unknown:
-            raise ValueError(f"instruction with unknown keys {sorted(unknown)}")
+        if not _INSTRUCTION_KEYS.issuperset(item):
+            raise ValueError(f"instruction with unknown keys "
+                             f"{sorted(set(item) - _INSTRUCTION_KEYS)}")
         text, stream = item["op"], item["stream"]
         op = OPCODE_OF_TEXT.get(text) if isinstance(text, str) else None
         if op is None or not isinstance(stream, str):
@@ -123,7 +122,7 @@ class Instruction:
         if names_event != (event is not None) or (op not in EVENT_OPS) != (node is not None):
             raise ValueError(f"instruction {op} must name "
                              f"{'an event' if names_event else 'a node'}")
-        strings = lambda key: tuple(map(_string, item.get(key, ())))  # noqa: E731
+        strings = lambda key: _strings(item.get(key, ()))  # noqa: E731
         writes = strings("writes") if "writes" in item else ((node,) if node else ())
         guard_text, guard = item.get("guard"), None
         if guard_text is not None:
@@ -147,8 +146,15 @@ class Instruction:
 
 
 def _pairs(items, what: str) -> tuple[tuple[str, int], ...]:
-    """(block or node, microbatch) pairs from their JSON."""
-    return tuple((_string(name), integer_of(m, what)) for name, m in items)
+    """(block or node, microbatch) pairs from their JSON (a schedule at the limits holds
+    a quarter of a million: the checks are called only for what is not a str and an
+    int)."""
+    out = []
+    for name, m in items:
+        if name.__class__ is not str or m.__class__ is not int:
+            name, m = _string(name), integer_of(m, what)
+        out.append((name, m))
+    return tuple(out)
 
 
 def _receives(data: dict) -> dict[str, tuple[tuple[str, int], ...]]:
@@ -174,6 +180,20 @@ def _string(value) -> str:
     if not isinstance(value, str):
         raise ValueError(f"expected a string, got {value!r}")
     return value
+
+
+def _strings(values) -> tuple[str, ...]:
+    """A list of strings, as a tuple (the common case, every item a str, checked without
+    a call per item: a program at the limits lists a million buffer names)."""
+    out = tuple(values)
+    if all(v.__class__ is str for v in out):
+        return out
+    return tuple(map(_string, out))
+
+
+# The keys an instruction's JSON may hold.
+_INSTRUCTION_KEYS = frozenset({"op", "stream", "node", "event", "reads", "writes",
+                               "per_microbatch", "guard", "frees", "operands"})
 
 
 @dataclass(frozen=True)
