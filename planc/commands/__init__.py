@@ -89,25 +89,24 @@ def load_build(args):
         return None, fail(str(exc))
 
 
-def load_programs(args, verified: bool = False, rank=None):
+def load_programs(args, verified: bool = False, rank: int | None = None):
     """The build with its programs. ``verified``: programs read from a build directory
     (untrusted input) must pass planc verify first, for commands that replay them (the
-    simulator assumes programs that can run a whole step). ``rank(plan)``: the one rank
-    whose program is wanted (the others are not read from a directory), or None after
-    it said what is wrong; without it, every program."""
+    simulator assumes programs that can run a whole step). ``rank``: the one rank whose
+    program is wanted (the others are not read from a directory); a rank outside the
+    plan's world is a wrong command line."""
     from planc.build import directory as build
 
     built, status = load_build(args)
     if built is None:
         return None, status
+    world = built.plan.world
+    if rank is not None and not 0 <= rank < world:
+        return None, fail(f"rank {rank} does not exist; the world has {world} ranks "
+                          f"(0..{world - 1})", EXIT_USAGE)
     if built.programs is None:
-        only = None
-        if rank is not None:
-            only = rank(built.plan)
-            if only is None:
-                return None, EXIT_USAGE
         try:
-            built = build.read_programs(built, only)
+            built = build.read_programs(built, rank)
         except build.BuildError as exc:
             return None, fail(str(exc))
         if verified:

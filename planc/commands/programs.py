@@ -19,18 +19,9 @@ from planc.commands.arguments import Command, add_input
 def programs(args) -> int:
     from planc.views import program_text
 
-    def rank(plan):
-        if 0 <= args.rank < plan.world:
-            return args.rank
-        fail(f"rank {args.rank} does not exist; the world has {plan.world} ranks "
-             f"(0..{plan.world - 1})", EXIT_USAGE)
-        return None
-
-    built, status = load_programs(args, rank=rank)
+    built, status = load_programs(args, rank=args.rank)
     if built is None:
         return status
-    if rank(built.plan) is None:  # a plan file, compiled here: every program at hand
-        return EXIT_USAGE
     m = built.plan.schedule.microbatches
     if args.microbatch is not None and not args.expand:
         return fail("--microbatch needs --expand (programs are listed folded over "

@@ -62,18 +62,15 @@ def _optional_problem(data: dict) -> str | None:
 
 
 def _rejects_bool(expected) -> bool:
-    """Whether :func:`_type_ok` refuses a bool that ``isinstance`` would accept (an int
-    type that does not list bool itself)."""
+    """Whether a bool, which ``isinstance`` takes for an int, is refused where ``expected``
+    is asked: an int type that does not list bool itself (a StrEnum holds no bool)."""
     return not (isinstance(expected, type) and issubclass(expected, StrEnum)) and \
         bool not in expected
 
 
 def _type_ok(value: Any, expected) -> bool:
-    if isinstance(expected, type) and issubclass(expected, StrEnum):
-        return isinstance(value, expected)
-    if isinstance(value, bool) and bool not in expected:
-        return False
-    return isinstance(value, expected)
+    return isinstance(value, expected) and not (value.__class__ is bool and
+                                                _rejects_bool(expected))
 
 
 def validate(graph: nx.DiGraph, *, microbatches: int | None = None,

@@ -151,7 +151,7 @@ class Binding:
         self._derived: dict[tuple[str, str], Operands] = {}
 
     def operands(self, node: str, op: Opcode | str) -> Operands:
-        key = (str(getattr(op, "value", op)), node)
+        key = (op, node)  # an Opcode is a StrEnum: its text finds the same entry
         found = self._derived.get(key)
         if found is None:
             found = self._derived[key] = operands_of(self.graph, node, op, self.position)

@@ -148,17 +148,14 @@ class ProgressChecks:
             return False  # completes with its send
         elif head.op in COLLECTIVES and (axis := self._spans_stages(head.node)):
             key = self._collective_key(head)
-            members = []
-            matches = []
+            found = []  # (member stage, the stream where it holds the collective)
             for number in self._stages_of(axis):
                 if number != stage.number:
-                    member = stages[number]
-                    match = member.holding(holders.get((number, key), ()))
+                    match = stages[number].holding(holders.get((number, key), ()))
                     if match is None:
                         return False
-                    members.append(member)
-                    matches.append(match)
-            for member, match in zip(members, matches):
+                    found.append((stages[number], match))
+            for member, match in found:
                 member.pop(match)
         stage.pop(stream)
         return True
