@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from planc.plan.plan import Optimizer
 from planc.runtime.engine.host_memory import keep_freed_memory
-from planc.runtime.engine.optim import optimizer_of
+from planc.runtime.engine.optim import BucketOptimizer
 
 def child(queue, name):
     keep_freed_memory()
@@ -62,7 +62,7 @@ def child(queue, name):
     weight = torch.zeros(8, 8, requires_grad=True)
     logits = torch.randn(4, 8) @ weight
     torch.nn.functional.cross_entropy(logits, torch.tensor([1, 2, 3, 4])).backward()
-    optimizer_of(Optimizer(name=name), [weight], fused=True).step()
+    BucketOptimizer(Optimizer(name=name), weight).step()
     dist.all_reduce(weight.grad)
     queue.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 

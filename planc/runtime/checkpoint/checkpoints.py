@@ -90,8 +90,7 @@ class Checkpoints(Loading):
         return self.store.shard[bucket_id] if sharded else self.store.full[bucket_id]
 
     def _state(self, bucket_id: str, key: str) -> torch.Tensor:
-        optimizer = self.optimizers[bucket_id]
-        state = optimizer.state.get(self._tensor(bucket_id), {})
+        state = self.optimizers[bucket_id].state
         if key not in state:
             raise RuntimeError(f"bucket {bucket_id} has no optimizer state {key!r} yet")
         return state[key]
@@ -107,7 +106,7 @@ class Checkpoints(Loading):
         steps = set()
         for bucket_id in self.store.buckets:
             optimizer = self.optimizers.get(bucket_id)
-            state = optimizer.state.get(self._tensor(bucket_id), {}) if optimizer else {}
+            state = optimizer.state if optimizer else {}
             if "step" in state:
                 steps.add(int(float(state["step"])))
         return steps.pop() if len(steps) == 1 else None

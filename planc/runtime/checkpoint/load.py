@@ -117,7 +117,7 @@ class Loading:
                     k in SECOND_MOMENTS), source, where, read)
             state[key] = buffer
         if state or self.keys:
-            optimizer.state[tensor] = state
+            optimizer.state = state
 
     def _load_parameters(self, bucket_id: str, locate, source, where: str, read: list
                          ) -> tuple[int, int]:
@@ -160,9 +160,8 @@ class Loading:
         if steps is None:
             steps = manifest["step"]
         for bucket_id, optimizer in self.optimizers.items():
-            tensor = self._tensor(bucket_id)
-            optimizer.state[tensor]["step"] = torch.tensor(float(steps), dtype=FP32,
-                                                           device=tensor.device)
+            optimizer.state["step"] = torch.tensor(float(steps), dtype=FP32,
+                                                   device=optimizer.tensor.device)
 
     def _fill(self, target: torch.Tensor, window: tuple[int, int], bucket: dict, locate,
               source, where: str, read: list) -> None:

@@ -24,7 +24,7 @@ from planc.runtime.engine import grad_norm
 from planc.runtime.engine.context import RankContext, pp_group_key
 from planc.runtime.engine.kernels import LOSS_STATISTICS, Kernels, Peers, Saved, Spec
 from planc.runtime.engine.model import split_feature
-from planc.runtime.engine.optim import optimizer_of
+from planc.runtime.engine.optim import BucketOptimizer
 from planc.runtime.engine.ring_attention import Ring
 from planc.runtime.engine.store import ParamStore
 from planc.runtime.engine.routes import resolve
@@ -111,7 +111,7 @@ class Interpreter:
         self.kernels = Kernels(ctx)
         self.transfers = Transfers(ctx, store)
         self.microbatches = program.microbatches
-        self.optimizers = {}  # optimizer node -> its torch optimizer
+        self.optimizers = {}  # optimizer node -> its BucketOptimizer
         self.optimized: dict[str, str] = {}  # optimizer node -> its bucket
         self.bound: dict[tuple[str, str], _Compute | _Transfer] = {}
         # What each kind of compute step does; a step the program leaves unnamed runs
@@ -149,7 +149,7 @@ class Interpreter:
                 bucket = operands.bucket
                 tensor = self.store.shard[bucket] if operands.sharded else \
                     self.store.full[bucket]
-                self.optimizers[node] = optimizer_of(self.ctx.optimizer, [tensor], fused=True)
+                self.optimizers[node] = BucketOptimizer(self.ctx.optimizer, tensor)
                 self.optimized[node] = bucket
             return
         handler = self.transfers.table[(op, operands.payload)]
@@ -297,13 +297,13 @@ class Interpreter:
     def _optimizer(self, state: StepState, step: _Compute, mb: int | None) -> None:
         """One bucket's update, at the lr the build's schedule gives the training step
         (planc.plan.lr_schedule: the compiler's formula, as torch's schedulers would set it)."""
-        for group in self.optimizers[step.node].param_groups:
-            group["lr"] = self.ctx.model.lr_at(state.step)
+        optimizer = self.optimizers[step.node]
+        optimizer.lr = self.ctx.model.lr_at(state.step)
         bucket = step.bucket
         sharded = self.store.buckets[bucket]["sharded"]
         tensor = self.store.shard[bucket] if sharded else self.store.full[bucket]
         tensor.grad = self.store.grad_shard[bucket] if sharded else self.store.grad[bucket]
-        self.optimizers[step.node].step()
+        optimizer.step()
         tensor.grad = None
         return None
 

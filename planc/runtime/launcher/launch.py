@@ -176,10 +176,11 @@ def _start_ranks(ranks: list[_Rank], world: int, logs: str, options: RunOptions,
     context = multiprocessing.get_context(method)
     me, started = os.getpid(), start_time(os.getpid())
     if method == "forkserver":
-        # torch._dynamo too: a rank's first optimizer imports it (torch 2.13 wraps
-        # Optimizer.add_param_group in torch._disable_dynamo), 2 s of CPU that every rank
-        # would pay again after the fork: 8 ranks on 2 cores started 9 s later
-        context.set_forkserver_preload(["planc.runtime.worker", "torch._dynamo"])
+        # What every rank would otherwise import after the fork, each paying again:
+        # torch.autograd.grad with given output gradients imports the symbolic-shapes
+        # module (and sympy), 1 s of CPU per rank
+        context.set_forkserver_preload(["planc.runtime.worker",
+                                        "torch.fx.experimental.symbolic_shapes"])
     _start_helpers(method, os.path.join(logs, "launcher.log"))
     joining = rank_environment(store)
     for rank in range(world):

@@ -23,7 +23,7 @@ from planc.runtime.engine.data import DataSource, batch_tokens
 from planc.runtime.families import family_module
 from planc.runtime.checkpoint.init_load import whole_value
 from planc.runtime.engine.model import initial_value
-from planc.runtime.engine.optim import optimizer_of
+from planc.runtime.engine.optim import torch_optimizer
 
 
 def forward_loss(plan: Plan, params: dict[str, torch.Tensor], tokens: torch.Tensor,
@@ -45,10 +45,9 @@ def objective(plan: Plan, params: dict[str, torch.Tensor], tokens: torch.Tensor,
     return loss, loss
 
 
-def make_optimizer(plan: Plan, tensors: list[torch.Tensor], fused: bool = False
-                   ) -> torch.optim.Optimizer:
-    """The plan's optimizer (planc.runtime.engine.optim)."""
-    return optimizer_of(plan.train.optimizer, tensors, fused)
+def make_optimizer(plan: Plan, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The plan's optimizer, torch.optim's own (planc.runtime.engine.optim)."""
+    return torch_optimizer(plan.train.optimizer, tensors)
 
 
 def parameters(plan: Plan) -> dict:
