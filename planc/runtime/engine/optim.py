@@ -1,82 +1,111 @@
 """The optimizer of a run, with the plan's hyper-parameters (train.optimizer,
-docs/language.md).
+docs/language.md): torch.optim's AdamW or SGD, called through torch.optim's functional
+form (``torch.optim.adam.adam`` with decoupled weight decay, ``torch.optim.sgd.sgd``),
+which is the computation ``torch.optim.AdamW.step`` and ``SGD.step`` run, with the state
+they would keep kept here.
 
-A rank updates each of its flat buckets with :class:`BucketOptimizer`: the one-pass
-kernels that ``torch.optim.AdamW(fused=True)`` and ``SGD(fused=True)`` call
-(``aten::_fused_adamw_``, ``aten::_fused_sgd_``), called directly on the bucket, with the
-state torch would keep. The numbers are torch's to the bit (tests/test_optim.py); what is
-left out is torch.optim's machinery for many parameter groups, hooks and compilation:
-its ``Optimizer`` imports ``torch._dynamo`` on first use, 3 s of CPU in every run's start.
-The single-process reference (``planc run --check``) keeps torch.optim itself
-(:func:`torch_optimizer`), to stay independent of the runtime.
+What is left out is torch.optim's ``Optimizer`` class, its parameter groups, hooks and
+compilation support: its first use imports ``torch._dynamo``, 3 s of CPU in every rank
+that makes one. A rank updates each flat bucket with torch's one-pass fused kernel
+(``fused``, the runtime's choice: the default implementation's temporaries of a whole
+bucket cost ten times as much); the single-process reference (``planc run --check``)
+runs torch's default implementation, to stay independent of the runtime. Both are
+torch.optim's to the bit (tests/test_optim.py).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.optim.adam import adam
+from torch.optim.sgd import sgd
 
-STEP_DTYPE = torch.float32  # torch.optim's step count under fused=True: a float32 scalar
+
+def _step_dtype(fused: bool) -> torch.dtype:
+    """The dtype of AdamW's step count as torch.optim keeps it (float32 when fused,
+    otherwise float64 only under a float64 default dtype)."""
+    if not fused and torch.get_default_dtype() == torch.float64:
+        return torch.float64
+    return torch.float32
 
 
-class BucketOptimizer:
-    """One flat tensor's update. ``state`` holds what torch.optim would keep for it:
-    AdamW's ``step`` (a float32 scalar on the tensor's device), ``exp_avg`` and
-    ``exp_avg_sq``; SGD's ``momentum_buffer`` when momentum is not 0. It starts empty and
-    is filled by the first step, or by a checkpoint before it. ``lr`` is set before each
-    step from the build's schedule, as a torch scheduler sets a group's lr."""
+class TensorOptimizer:
+    """AdamW or SGD over ``tensors``, each updated from its ``.grad`` (a tensor without one
+    is left alone, as torch.optim leaves it). ``states[i]`` holds what torch.optim keeps
+    for tensor i: AdamW's ``step`` (a scalar: on the tensor's device when fused, on the
+    CPU otherwise), ``exp_avg`` and ``exp_avg_sq``; SGD's ``momentum_buffer`` when momentum
+    is not 0. A state starts empty and is filled by the first step, or by a checkpoint
+    before it. ``lr`` is set before a step as a torch scheduler sets a group's lr."""
 
-    def __init__(self, settings, tensor: torch.Tensor):
+    def __init__(self, settings, tensors: list[torch.Tensor], fused: bool = False):
         self.settings = settings
-        self.tensor = tensor
+        self.tensors = list(tensors)
+        self.fused = fused
         self.lr = settings.lr
-        self.state: dict[str, torch.Tensor] = {}
+        self.states: list[dict[str, torch.Tensor]] = [{} for _ in self.tensors]
+
+    def zero_grad(self) -> None:
+        for tensor in self.tensors:
+            tensor.grad = None
 
     def step(self) -> None:
-        """One update of ``tensor`` from ``tensor.grad``."""
+        """One update of every tensor that has a gradient."""
+        chosen = [i for i, tensor in enumerate(self.tensors) if tensor.grad is not None]
+        if not chosen:
+            return
         with torch.no_grad():
             if self.settings.name == "adamw":
-                self._adamw()
+                self._adamw(chosen)
             else:
-                self._sgd()
+                self._sgd(chosen)
 
-    def _adamw(self) -> None:
-        """Loshchilov & Hutter's AdamW, as torch.optim.AdamW(fused=True) runs it: the step
-        count advanced first, then the kernel with it."""
-        tensor, state, settings = self.tensor, self.state, self.settings
-        if not state:
-            state["step"] = torch.zeros((), dtype=STEP_DTYPE, device=tensor.device)
-            state["exp_avg"] = torch.zeros_like(tensor, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(tensor,
-                                                   memory_format=torch.preserve_format)
-        steps = [state["step"]]
-        torch._foreach_add_(steps, 1)
+    def _adamw(self, chosen: list[int]) -> None:
+        """Loshchilov & Hutter's AdamW (Adam with decoupled weight decay)."""
+        settings, fused = self.settings, self.fused
+        for i in chosen:
+            state, tensor = self.states[i], self.tensors[i]
+            if not state:
+                state["step"] = torch.zeros((), dtype=_step_dtype(fused),
+                                            device=tensor.device if fused else "cpu")
+                state["exp_avg"] = torch.zeros_like(tensor,
+                                                    memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(tensor,
+                                                       memory_format=torch.preserve_format)
+        states = [self.states[i] for i in chosen]
         beta1, beta2 = settings.betas
-        torch._fused_adamw_([tensor], [tensor.grad], [state["exp_avg"]],
-                            [state["exp_avg_sq"]], [], steps, amsgrad=False, lr=self.lr,
-                            beta1=beta1, beta2=beta2, weight_decay=settings.weight_decay,
-                            eps=settings.eps, maximize=False, grad_scale=None,
-                            found_inf=None)
+        adam([self.tensors[i] for i in chosen], [self.tensors[i].grad for i in chosen],
+             [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
+             [s["step"] for s in states], fused=True if fused else None,
+             decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2,
+             lr=self.lr, weight_decay=settings.weight_decay, eps=settings.eps,
+             maximize=False)
 
-    def _sgd(self) -> None:
-        """SGD with momentum, as torch.optim.SGD(fused=True) runs it: the first step
-        starts the momentum buffer from the gradient (``is_first_step``)."""
-        tensor, state, settings = self.tensor, self.state, self.settings
-        buffers, first = [], False
+    def _sgd(self, chosen: list[int]) -> None:
+        """SGD with momentum: the first step starts the buffer from the gradient."""
+        settings = self.settings
+        buffers = [self.states[i].get("momentum_buffer") for i in chosen]
+        sgd([self.tensors[i] for i in chosen], [self.tensors[i].grad for i in chosen],
+            buffers, fused=True if self.fused else None, weight_decay=settings.weight_decay,
+            momentum=settings.momentum, lr=self.lr, dampening=0.0, nesterov=False,
+            maximize=False)
         if settings.momentum != 0:
-            first = "momentum_buffer" not in state
-            if first:
-                state["momentum_buffer"] = torch.empty_like(tensor.grad)
-            buffers = [state["momentum_buffer"]]
-        torch._fused_sgd_([tensor], [tensor.grad], buffers,
-                          weight_decay=settings.weight_decay, momentum=settings.momentum,
-                          lr=self.lr, dampening=0.0, nesterov=False, maximize=False,
-                          is_first_step=first, grad_scale=None, found_inf=None)
+            for i, buffer in zip(chosen, buffers):
+                self.states[i]["momentum_buffer"] = buffer
 
 
-def torch_optimizer(settings, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """torch.optim's own AdamW or SGD, unfused, over ``tensors``: the reference's."""
-    if settings.name == "adamw":
-        return torch.optim.AdamW(tensors, lr=settings.lr, betas=settings.betas,
-                                 eps=settings.eps, weight_decay=settings.weight_decay)
-    return torch.optim.SGD(tensors, lr=settings.lr, momentum=settings.momentum,
-                           weight_decay=settings.weight_decay)
+class BucketOptimizer(TensorOptimizer):
+    """One flat bucket's update with torch's fused kernel; ``state`` is the bucket's."""
+
+    def __init__(self, settings, tensor: torch.Tensor):
+        super().__init__(settings, [tensor], fused=True)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.tensors[0]
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.states[0]
+
+    @state.setter
+    def state(self, value: dict[str, torch.Tensor]) -> None:
+        self.states[0] = value

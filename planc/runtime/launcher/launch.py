@@ -176,11 +176,7 @@ def _start_ranks(ranks: list[_Rank], world: int, logs: str, options: RunOptions,
     context = multiprocessing.get_context(method)
     me, started = os.getpid(), start_time(os.getpid())
     if method == "forkserver":
-        # What every rank would otherwise import after the fork, each paying again:
-        # torch.autograd.grad with given output gradients imports the symbolic-shapes
-        # module (and sympy), 1 s of CPU per rank
-        context.set_forkserver_preload(["planc.runtime.worker",
-                                        "torch.fx.experimental.symbolic_shapes"])
+        context.set_forkserver_preload(["planc.runtime.launcher.fork_server"])
     _start_helpers(method, os.path.join(logs, "launcher.log"))
     joining = rank_environment(store)
     for rank in range(world):

@@ -23,7 +23,7 @@ from planc.runtime.engine.data import DataSource, batch_tokens
 from planc.runtime.families import family_module
 from planc.runtime.checkpoint.init_load import whole_value
 from planc.runtime.engine.model import initial_value
-from planc.runtime.engine.optim import torch_optimizer
+from planc.runtime.engine.optim import TensorOptimizer
 
 
 def forward_loss(plan: Plan, params: dict[str, torch.Tensor], tokens: torch.Tensor,
@@ -45,9 +45,10 @@ def objective(plan: Plan, params: dict[str, torch.Tensor], tokens: torch.Tensor,
     return loss, loss
 
 
-def make_optimizer(plan: Plan, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """The plan's optimizer, torch.optim's own (planc.runtime.engine.optim)."""
-    return torch_optimizer(plan.train.optimizer, tensors)
+def make_optimizer(plan: Plan, tensors: list[torch.Tensor]) -> TensorOptimizer:
+    """The plan's optimizer, torch.optim's default implementation
+    (planc.runtime.engine.optim)."""
+    return TensorOptimizer(plan.train.optimizer, tensors)
 
 
 def parameters(plan: Plan) -> dict:
@@ -113,9 +114,9 @@ def train(plan: Plan, steps: int, identity=None, evaluated: dict[int, float] | N
         total.backward()
         if plan.train.grad_clip is not None:  # train { grad_clip }, torch's own rule
             torch.nn.utils.clip_grad_norm_(list(params.values()), plan.train.grad_clip)
-        for group in optimizer.param_groups:  # as a torch scheduler sets it
-            group["lr"] = lr_at(plan.train.lr_schedule, plan.train.optimizer.lr,
-                                plan.train.steps, step)
+        # the step's lr, as a torch scheduler sets it
+        optimizer.lr = lr_at(plan.train.lr_schedule, plan.train.optimizer.lr,
+                             plan.train.steps, step)
         optimizer.step()
         losses.append(loss.item())
         every = plan.train.eval_every
