@@ -74,7 +74,9 @@ demo: bytecode $(CORPUS)
 # 14:28 with 3 (2026-11-29, fresh clones of one commit). Files start in the order
 # tests/conftest.py gives them (the longest first), not pytest-xdist's own.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 4 ? 4 : n )))
-# More pytest options, e.g. make test PYTEST_ARGS=--durations=40 (the slowest tests).
+# More pytest options, e.g. make test PYTEST_ARGS=--durations=40 (the slowest tests), or
+# PYTEST_ARGS="-p suite_cpu" PYTHONPATH=bench: each test's CPU-seconds, with the processes
+# it starts (bench/suite_cpu.py, root only, prints them per file).
 PYTEST_ARGS ?=
 
 test: bytecode
