@@ -297,11 +297,11 @@ class Interpreter:
     def _optimizer(self, state: StepState, step: _Compute, mb: int | None) -> None:
         """One bucket's update, at the lr the build's schedule gives the training step
         (planc.plan.lr_schedule: the compiler's formula, as torch's schedulers would set it)."""
-        optimizer = self.optimizers[step.node]
+        optimizer = self.optimizers[step.node]  # bound to the bucket's flat tensor
         optimizer.lr = self.ctx.model.lr_at(state.step)
         bucket = step.bucket
         sharded = self.store.buckets[bucket]["sharded"]
-        tensor = self.store.shard[bucket] if sharded else self.store.full[bucket]
+        tensor = optimizer.tensor
         tensor.grad = self.store.grad_shard[bucket] if sharded else self.store.grad[bucket]
         optimizer.step()
         tensor.grad = None

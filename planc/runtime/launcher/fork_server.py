@@ -10,9 +10,10 @@ are forked: planc.runtime.launcher.launch preloads this module).
 - Then it freezes its heap out of CPython's cyclic collector (``gc.freeze``), as the gc
   module's documentation advises for a process that forks without exec. Otherwise every
   rank's collections of the oldest generation scan the hundreds of thousands of objects
-  it inherited, and touching each object's header copies its page into the rank: an
-  8-rank run of 2 steps with ``--check`` took 21-24 CPU-seconds with the heap unfrozen,
-  13-14 frozen. Freezing it in the rank instead gains nothing: the rank's start, before
+  it inherited, and touching each object's header copies its page into the rank: three
+  8-rank runs of 2 steps with ``--check``, interleaved over 3 rounds, took 21.6-26.3
+  CPU-seconds with the heap unfrozen, 18.1-19.8 frozen (12.5-16.6 once the oracle was
+  preloaded too). Freezing it in the rank instead gains nothing: the rank's start, before
   its own code runs (multiprocessing unpickling the rank's arguments), already collects.
 """
 
