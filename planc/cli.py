@@ -14,6 +14,7 @@ import sys
 from typing import TYPE_CHECKING, Sequence
 
 from planc import __version__
+from planc.host.collector import paused
 from planc.host.interrupts import Interrupted, Interrupts
 
 if TYPE_CHECKING:  # annotations only
@@ -98,4 +99,8 @@ def _dispatch(argv: Sequence[str] | None, interrupts: Interrupts) -> int:
         return EXIT_USAGE
     args.interrupts = interrupts  # commands that start processes defer signals with it
     args.argv = words  # named in the locks it holds
-    return commands()[args.command].run(args)
+    command = commands()[args.command]
+    if command.keeps_collector:
+        return command.run(args)
+    with paused():
+        return command.run(args)

@@ -123,5 +123,6 @@ COMMANDS = (
                         "and write a topology that a plan names with topology { preset = "
                         "\"FILE\" }, so that the cost model predicts this machine. On a cluster "
                         "run `python -m planc.runtime.calibrate` on every node instead "
-                        "(docs/routes.md)."),
+                        "(docs/routes.md).",
+            keeps_collector=True),
 )

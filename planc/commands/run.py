@@ -416,5 +416,6 @@ COMMANDS = (
             description="Compile the plan if given a file, verify its programs, and run every "
                         "rank on this machine with torch.distributed (NCCL with CUDA streams on "
                         "GPUs, gloo on CPUs). For a cluster, start `torchrun ... -m "
-                        "planc.runtime.worker DIR` on every node instead."),
+                        "planc.runtime.worker DIR` on every node instead.",
+            keeps_collector=True),
 )

@@ -153,5 +153,6 @@ COMMANDS = (
                         "dp, ep, the mesh order, the pipeline schedule with its virtual stages "
                         "and microbatches, ZeRO, sequence parallelism, recomputation), keep "
                         "those planc check accepts and that fit in memory, and rank them by "
-                        "simulated step time (docs/tune.md)."),
+                        "simulated step time (docs/tune.md).",
+            keeps_collector=True),
 )
