@@ -49,6 +49,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from planc.runtime.engine.host_memory import keep_freed_memory  # noqa: E402
+
 DEFAULTS = {"layers": 4, "hidden": 256, "heads": 8, "ffn": 1024, "vocab": 2048, "seq": 128,
             "batch": 16, "seed": 1, "lr": 1e-3, "weight_decay": 0.01}
 
@@ -196,8 +199,10 @@ def batch(c: Config, step: int) -> torch.Tensor:
 
 
 def make_optimizer(c: Config, model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW as a careful user sets it up: torch's fused kernel (one kernel over every
+    parameter, as planc's ranks run it over each bucket), on DTensor shards too."""
     return torch.optim.AdamW(model.parameters(), lr=c.lr, betas=(0.9, 0.999), eps=1e-8,
-                             weight_decay=c.weight_decay)
+                             weight_decay=c.weight_decay, fused=True)
 
 
 # --- the peers: each builds (step function, notes) in every rank -----------------------
@@ -505,6 +510,9 @@ def _rank_main(rank: int, name: str, config: dict, steps: int, world: int, port:
                out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    # The allocator settings planc's ranks run with (planc.runtime.engine.host_memory):
+    # freed memory kept for the next step instead of mapped again page by page.
+    keep_freed_memory()
     # Raised by the vocab-parallel embedding's hooks, whose input (token ids) has no grad.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
     if world > 1:
@@ -577,7 +585,8 @@ def run_peer(name: str, config: dict | None = None, steps: int = 8) -> dict:
     port = _free_port()
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
-        with _environment(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
+        with _environment(OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_=str(64 * 2**20),
+                          MALLOC_TRIM_THRESHOLD_=str(256 * 2**20), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo"):
             mp.start_processes(_rank_main, args=(name, c, steps, world, port, out),
                                nprocs=world, start_method="spawn")

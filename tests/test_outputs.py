@@ -64,7 +64,7 @@ NOT_OUTPUTS = {
     "explain": {"-h", "--error-format", "--max-errors", "--set", "--layer", "--param",
                 "--axis", "--buckets", "--routes"},
     "programs": {"-h", "--error-format", "--max-errors", "--set", "--rank", "--expand",
-                 "--microbatch"},
+                 "--microbatch", "--code"},
     "verify": {"-h", "--error-format", "--max-errors", "--set"},
     "run": {"-h", "--error-format", "--max-errors", "--set", "--force", "--steps", "--backend",
             "--check", "--timeout", "--no-verify", "--checkpoint-every", "--resume"},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from itertools import islice
 
 from planc.commands import (
     EXIT_ERRORS,
@@ -15,6 +16,16 @@ from planc.commands import (
 )
 from planc.commands.arguments import Command, add_input
 
+# A step's code is a line per instruction: --code prints steps up to this long.
+MAX_CODE_INSTRUCTIONS = 100_000
+
+
+def expand_order(program):
+    """The step's instructions in issue order, without their buffers (only counted)."""
+    from planc.program.expansion import expand
+
+    return expand(program, operands=False)
+
 
 def programs(args) -> int:
     from planc.views import program_text
@@ -23,6 +34,11 @@ def programs(args) -> int:
     if built is None:
         return status
     m = built.plan.schedule.microbatches
+    if args.code:
+        if args.expand or args.microbatch is not None:
+            return fail("--code prints the whole step; it takes neither --expand nor "
+                        "--microbatch", EXIT_USAGE)
+        return _code(built, args.rank)
     if args.microbatch is not None and not args.expand:
         return fail("--microbatch needs --expand (programs are listed folded over "
                     "microbatches otherwise)", EXIT_USAGE)
@@ -31,6 +47,26 @@ def programs(args) -> int:
                      EXIT_USAGE)
     print(program_text.render(built.plan, built.graph, built.programs, built.table, args.rank,
                               args.expand, args.microbatch), end="")
+    return EXIT_OK
+
+
+def _code(built, rank: int) -> int:
+    """The step's code rank ``rank`` generates from its program and runs (planc run on
+    CPU; planc.program.step_code)."""
+    from planc.program import step_code
+
+    name = built.table.program_of(rank)
+    program = built.programs[name]
+    count = sum(1 for _ in islice(expand_order(program), MAX_CODE_INSTRUCTIONS + 1))
+    if count > MAX_CODE_INSTRUCTIONS:
+        return fail(f"rank {rank}'s step has more than {MAX_CODE_INSTRUCTIONS:,} "
+                    f"instructions, the most --code prints (--expand lists any step)",
+                    EXIT_USAGE)
+    code = step_code.generate(program)
+    step_code.check(code, program)
+    print(f"# rank {rank}: program {name}, {count:,} instructions on "
+          f"{len(code.streams)} streams")
+    print(code.source, end="")
     return EXIT_OK
 
 
@@ -60,6 +96,9 @@ def add_programs_arguments(parser) -> None:
                         help="every instruction of one step, in issue order")
     parser.add_argument("--microbatch", type=int, metavar="K",
                         help="with --expand: only this microbatch (and per-step work)")
+    parser.add_argument("--code", action="store_true",
+                        help="the Python code the rank generates from its program and runs: "
+                             "a function per stream, a statement per instruction")
 
 
 def add_verify_arguments(parser) -> None:

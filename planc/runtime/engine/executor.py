@@ -1,21 +1,22 @@
 """Run a rank program, step after step: its instructions on their streams.
 
 Two backends behind one interface. On CPU (gloo) every program stream is a thread,
-created once per run, that runs its instructions in order each step; ``record`` sets
-an event once the stream's previous instruction finished, ``wait`` blocks only its own
-stream, and collectives are issued asynchronously and waited on through their work
-handles, so computation and communication overlap as on a GPU (PyTorch releases the
-interpreter lock inside its kernels and gloo progresses on its own threads).
-Collectives of a group are issued by a single stream in program order, so every member
-issues them in the same order. On CUDA (NCCL) one host thread issues every instruction
-in program order onto a ``torch.cuda.Stream`` per program stream, with
-``torch.cuda.Event`` for record and wait.
+created once per run, that runs the function generated for it from the program
+(planc.program.step_code: one statement per instruction of the step, microbatches
+unrolled, checked to issue exactly the program's instructions in order): ``record`` sets
+an event, ``wait`` blocks only its own stream, and collectives are issued asynchronously
+and waited on through their work handles, so computation and communication overlap as
+on a GPU (PyTorch releases the interpreter lock inside its kernels and gloo progresses
+on its own threads). Collectives of a group are issued by a single stream in program
+order, so every member issues them in the same order. On CUDA (NCCL) one host thread
+issues every instruction in program order onto a ``torch.cuda.Stream`` per program
+stream, with ``torch.cuda.Event`` for record and wait.
 
 Each step reports its wall time and where the compute stream spent it: computing,
 running or waiting for collectives (exposed communication), or waiting for a pipeline
-receive. A step that stops making progress for ``timeout`` seconds raises :class:`Hang`,
-whose message lists what every stream was waiting for, in the spirit of NCCL's flight
-recorder.
+receive. A step whose streams finish no instruction for ``timeout`` seconds raises
+:class:`Hang`, whose message lists what every stream was waiting for, in the spirit of
+NCCL's flight recorder.
 """
 
 from __future__ import annotations
@@ -23,18 +24,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 
-from planc.program.names import RECEIVE_STREAMS, Stream
+from planc.program import step_code
 from planc.program.expansion import Expanded, expand
 from planc.program.program import EVENT_NAMING_OPS, EVENT_OPS, Opcode
 from planc.runtime.engine.interpreter import Interpreter, StepState
 from planc.data.trace import Flow, flows_of
-
-COMPUTE = Stream.COMPUTE
 
 
 class Hang(RuntimeError):
@@ -115,133 +113,97 @@ def _flows(interp: Interpreter) -> dict[tuple[str, str], tuple[Flow, ...]]:
     return out
 
 
-class _Plan:
-    """The expanded program split over its streams, with what each wait waits for."""
-
-    def __init__(self, interp: Interpreter):
-        items = list(expand(interp.program))
-        self.streams: dict[str, list[Expanded]] = defaultdict(list)
-        for item in items:
-            self.streams[item.stream].append(item)
-        recorder = {i.event: i.stream for i in items if i.op is Opcode.RECORD}
-        self.events = tuple(recorder)
-        self.category: dict[int, str] = {}
-        for item in items:
-            if item.stream != COMPUTE:
-                continue
-            if item.op is Opcode.WAIT:
-                source = recorder.get(item.event, COMPUTE)
-                self.category[item.index] = "pipeline_wait" if source in RECEIVE_STREAMS \
-                    else "exposed_comm"
-            elif item.op is Opcode.SYNC:
-                self.category[item.index] = "exposed_comm"
-            elif item.op is not Opcode.COMPUTE and item.op is not Opcode.RECORD:
-                self.category[item.index] = "exposed_comm"
-        self.needed_before = {
-            (name, item.index): {s: sum(1 for i in self.streams[s] if i.index < item.index)
-                                 for s in self.streams if s != name}
-            for name, stream_items in self.streams.items() for item in stream_items
-            if item.op is Opcode.SYNC}
+class _Aborted(Exception):
+    """Another stream failed: this one stops at its next wait."""
 
 
 class CpuExecutor:
-    """Program streams as threads, created once; see the module docstring."""
+    """Program streams as threads, created once, each running the function generated
+    for it from the program (planc.program.step_code, proven to issue the program's
+    instructions before it runs); see the module docstring."""
 
     def __init__(self, interpreter: Interpreter, timeout: float, trace: bool = False):
         self.interpreter, self.timeout, self.tracing = interpreter, timeout, trace
-        self.plan = _Plan(interpreter)
+        self.code = step_code.generate(interpreter.program, trace)
+        checked = step_code.check(self.code, interpreter.program)
+        namespace: dict = {}
+        exec(compile(checked, f"<planc step of rank {interpreter.ctx.rank}>", "exec"),
+             namespace)
+        self.functions = [namespace[stream.function] for stream in self.code.streams]
+        self.items = self.code.items()
+        self.calls: list = [None] * (max(self.items, default=-1) + 1)
+        for index, item in self.items.items():
+            if item.op not in EVENT_OPS:
+                self.calls[index] = interpreter.instruction(item.op, item.node,
+                                                            item.microbatch,
+                                                            item.source.frees)
         self.flows = _flows(interpreter) if trace else {}
-        self.inbox = {s: queue.SimpleQueue() for s in self.plan.streams}
+        self.inbox = [queue.SimpleQueue() for _ in self.code.streams]
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.threads = [threading.Thread(target=self._loop, args=(s,), name=f"stream-{s}",
-                                         daemon=True) for s in self.plan.streams]
+        self.threads = [threading.Thread(target=self._loop, args=(k,), daemon=True,
+                                         name=f"stream-{stream.name}")
+                        for k, stream in enumerate(self.code.streams)]
         for thread in self.threads:
             thread.start()
 
-    def _loop(self, name: str) -> None:
+    def _loop(self, k: int) -> None:
+        function, inbox = self.functions[k], self.inbox[k]
         while True:
-            work = self.inbox[name].get()
+            work = inbox.get()
             if work is None:
                 return
             try:
-                self._run_stream(name, work)
-                self.outbox.put((name, None))
+                spent = function(work.state, self.calls, work.events, work.wait, work.sync,
+                                 work.done, time.perf_counter, work.trace.append)
+                self.outbox.put((k, spent, None))
+            except _Aborted:
+                self.outbox.put((k, None, None))
             except BaseException as exc:  # noqa: BLE001 - reported by the main thread
                 work.abort.set()
-                self.outbox.put((name, exc))
-
-    def _run_stream(self, name: str, work: "_Step") -> None:
-        interp, state = self.interpreter, work.state
-        times = work.times[name]
-        for item in self.plan.streams[name]:
-            if work.abort.is_set():
-                return
-            work.current[name] = item
-            start = time.perf_counter()
-            if item.op is Opcode.WAIT:
-                event = work.events[item.event]
-                while not event.wait(0.05):
-                    if work.abort.is_set():
-                        return
-            elif item.op is Opcode.RECORD:
-                work.events[item.event].set()
-            elif item.op is Opcode.SYNC:
-                needed = self.plan.needed_before[(name, item.index)]
-                with work.condition:
-                    while not all(work.done[s] >= n for s, n in needed.items()):
-                        if work.abort.is_set():
-                            return
-                        work.condition.wait(0.05)
-            else:
-                interp.run(state, item.op, item.node, item.microbatch)
-                for buffer in item.source.frees:
-                    state.buffers.pop((buffer, item.microbatch), None)
-            end = time.perf_counter()
-            category = self.plan.category.get(item.index)
-            if category is not None:
-                times[category] += end - start
-            if item.op not in EVENT_OPS:
-                times["compute" if item.op is Opcode.COMPUTE else "comm"] += end - start
-                if self.tracing:
-                    work.trace.append(TraceEvent(name, item.node, start, end,
-                                                 item.microbatch, item.op,
-                                                 self.flows.get((item.op, item.node), ())))
-            with work.condition:
-                work.done[name] += 1
-                work.current[name] = None
-                work.progress = time.monotonic()
-                work.condition.notify_all()
+                self.outbox.put((k, None, exc))
 
     def run_step(self, step: int) -> StepResult:
-        work = _Step(StepState(step), self.plan.streams, self.plan.events)
+        work = _Step(StepState(step), self.code)
         self.interpreter.store.zero_grads()
         start = time.perf_counter()
-        for name in self.plan.streams:
-            self.inbox[name].put(work)
-        finished: set[str] = set()
-        while len(finished) < len(self.plan.streams):
+        for inbox in self.inbox:
+            inbox.put(work)
+        times = StepTimes()
+        finished, seen, progress = 0, 0, time.monotonic()
+        while finished < len(self.inbox):
             try:
-                name, error = self.outbox.get(timeout=0.05)
+                k, spent, error = self.outbox.get(timeout=0.05)
             except queue.Empty:
-                if time.monotonic() - work.progress > self.timeout:
+                done = sum(work.done)  # instructions finished: progress is a change
+                if done != seen:
+                    seen, progress = done, time.monotonic()
+                elif time.monotonic() - progress > self.timeout:
                     work.abort.set()
                     raise Hang(self._hang_report(work, step)) from None
                 continue
-            finished.add(name)
+            finished += 1
+            progress = time.monotonic()
             if error is not None:
                 # Streams blocked inside a transfer cannot be stopped: report at once.
                 work.abort.set()
                 self._raise(error, work, step)
-        total = time.perf_counter() - start
-        times = StepTimes(total=total)
-        for per_stream in work.times.values():
-            for key, value in per_stream.items():
-                setattr(times, key, getattr(times, key) + value)
-        return StepResult(work.state, times, work.trace)
+            if spent is not None:
+                compute, comm, exposed, pipeline = spent
+                times.compute += compute
+                times.comm += comm
+                times.exposed_comm += exposed
+                times.pipeline_wait += pipeline
+        times.total = time.perf_counter() - start
+        trace = []
+        for index, begin, end in work.trace:
+            item = self.items[index]
+            trace.append(TraceEvent(item.stream, item.node, begin, end, item.microbatch,
+                                    item.op, self.flows.get((item.op, item.node), ())))
+        return StepResult(work.state, times, trace)
 
     def close(self) -> None:
-        for name in self.plan.streams:
-            self.inbox[name].put(None)
+        for inbox in self.inbox:
+            inbox.put(None)
 
     def _raise(self, error: BaseException, work: "_Step", step: int):
         if isinstance(error, RuntimeError) and any(p in str(error) for p in _PEER_GONE):
@@ -257,27 +219,38 @@ class CpuExecutor:
         what = (f"lost a peer in step {step} ({lost})" if lost else
                 f"made no progress for {self.timeout:g} s in step {step}")
         lines = [f"{who} {what}; its streams wait on:"]
-        for stream in self.plan.streams:
-            item = work.current.get(stream)
-            text = "nothing (finished)" if item is None else \
-                f"#{item.index} {_describe(item, interp)}"
-            lines.append(f"  {stream}: {text}")
+        for k, stream in enumerate(self.code.streams):
+            done = work.done[k]
+            text = "nothing (finished)" if done >= len(stream.items) else \
+                f"#{stream.items[done].index} {_describe(stream.items[done], interp)}"
+            lines.append(f"  {stream.name}: {text}")
         return "\n".join(lines)
 
 
 class _Step:
-    """The shared state of one step's stream threads."""
+    """The shared state of one step's stream threads: its events, each stream's count of
+    finished instructions, the abort flag, the trace records."""
 
-    def __init__(self, state: StepState, streams, events):
+    def __init__(self, state: StepState, code: step_code.StepCode):
         self.state = state
-        self.events = {name: threading.Event() for name in events}
-        self.done = {s: 0 for s in streams}
-        self.current: dict[str, Expanded | None] = {s: None for s in streams}
-        self.condition = threading.Condition()
+        self.events = [threading.Event() for _ in code.events]
+        self.done = [0] * len(code.streams)
+        self.syncs = code.syncs
         self.abort = threading.Event()
-        self.progress = time.monotonic()
-        self.times = {s: defaultdict(float) for s in streams}
-        self.trace: list[TraceEvent] = []
+        self.trace: list[tuple[int, float, float]] = []
+
+    def wait(self, event: threading.Event) -> None:
+        while not event.wait(0.05):
+            if self.abort.is_set():
+                raise _Aborted
+
+    def sync(self, index: int) -> None:
+        """Until every other stream finished what it issues before instruction ``index``."""
+        needed = self.syncs[index]
+        while not all(self.done[k] >= n for k, n in needed):
+            if self.abort.is_set():
+                raise _Aborted
+            time.sleep(0.0005)
 
 
 class CudaExecutor:

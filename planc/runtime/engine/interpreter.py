@@ -15,6 +15,7 @@ their bucket's gradient buffer (planc.runtime.engine.store).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -228,6 +229,26 @@ class Interpreter:
             result = self._transfer(state, bound, microbatch)
         if result is not None:
             state.buffers[(node, mb)] = result
+
+    def instruction(self, op: str, node: str, microbatch: int | None,
+                    frees: tuple[str, ...]) -> Callable[[StepState], None]:
+        """Instruction ``(op, node)`` of ``microbatch`` as one call, bound once per run
+        (the generated step calls it, planc.program.step_code): :meth:`run`, then the
+        buffers no later instruction reads released."""
+        bound = self.bound[(op, node)]
+        handler = self._steps[bound.kind] if isinstance(bound, _Compute) else self._transfer
+        key = (node, microbatch if bound.per_microbatch else None)
+        freed = tuple((buffer, microbatch) for buffer in frees)
+
+        def run(state: StepState) -> None:
+            result = handler(state, bound, microbatch)
+            buffers = state.buffers
+            if result is not None:
+                buffers[key] = result
+            for name in freed:
+                buffers.pop(name, None)
+
+        return run
 
     def _params(self, state: StepState, step: _Compute, microbatch: int | None) -> dict:
         params = {}

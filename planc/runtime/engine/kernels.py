@@ -87,6 +87,27 @@ class Spec:
                     counts)
 
 
+def _autograd_grad(output, grad, targets, retain_graph):
+    return torch.autograd.grad(output, targets, grad, allow_unused=True,
+                               retain_graph=retain_graph)
+
+
+def _engine_grad(output, grad, targets, retain_graph):
+    """``torch.autograd.grad`` without its argument handling: the engine call it ends in.
+    A backward step asks for one output's vector-Jacobian product whose gradient the
+    compiler shaped (planc.program.operands), so ``_make_grads``' normalisation and shape
+    checks, a third of the call's CPU on a small layer's step (a profile of a 1-rank
+    run, yappi), are redone work; the engine still checks the shapes itself."""
+    return torch.autograd.graph._engine_run_backward(
+        (output,), (grad,), retain_graph, False, tuple(targets), True,
+        accumulate_grad=False)
+
+
+# torch 2.13's internal entry point (the Makefile pins torch); any other torch: its API.
+_vector_jacobian = _engine_grad if hasattr(torch.autograd.graph, "_engine_run_backward") \
+    else _autograd_grad
+
+
 class Kernels:
     def __init__(self, ctx: RankContext):
         self.ctx = ctx
@@ -267,8 +288,8 @@ class Kernels:
             return {}, {}
         if spec.op == Op.LOSS:
             grad = torch.ones((), dtype=saved.output.dtype)
-        grads = torch.autograd.grad(saved.output, targets, grad.to(saved.output.dtype),
-                                    allow_unused=True, retain_graph=not params)
+        grads = _vector_jacobian(saved.output, grad.to(saved.output.dtype), targets,
+                                 retain_graph=not params)
         count = len(wanted_inputs)
         ports = {port: torch.zeros_like(tensor) if g is None else g
                  for (port, tensor), g in zip(wanted_inputs, grads[:count])}
