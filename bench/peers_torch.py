@@ -200,9 +200,15 @@ def batch(c: Config, step: int) -> torch.Tensor:
 
 def make_optimizer(c: Config, model: nn.Module) -> torch.optim.Optimizer:
     """AdamW as a careful user sets it up: torch's fused kernel (one kernel over every
-    parameter, as planc's ranks run it over each bucket), on DTensor shards too."""
-    return torch.optim.AdamW(model.parameters(), lr=c.lr, betas=(0.9, 0.999), eps=1e-8,
-                             weight_decay=c.weight_decay, fused=True)
+    parameter, as planc's ranks run it over each bucket) where the parameters allow it;
+    on DTensor shards (FSDP2, tensor parallelism) torch 2.13's fused AdamW refuses the
+    plain step counters beside them, and its default, foreach, runs."""
+    from torch.distributed.tensor import DTensor
+
+    parameters = list(model.parameters())
+    fused = not any(isinstance(p, DTensor) for p in parameters)
+    return torch.optim.AdamW(parameters, lr=c.lr, betas=(0.9, 0.999), eps=1e-8,
+                             weight_decay=c.weight_decay, fused=fused or None)
 
 
 # --- the peers: each builds (step function, notes) in every rank -----------------------
