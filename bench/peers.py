@@ -7,7 +7,10 @@ torch.distributed.pipelining, and the no-communication floor of data parallelism
 runs of all pairs are interleaved in rounds (the order alternates), so that a slow
 moment of the machine hits both sides. A run's step time is the median, after two
 warm-up steps, of each step's slowest rank; a pair's figure is the median over the
-rounds, and the ratio is planc's figure over the peer's.
+rounds, and the ratio is planc's figure over the peer's. Both sides start from planc's
+initial weights on planc's batches, and every round checks that they train the same
+function: planc's first loss and the peer's agree to 1e-5 (relative), or the benchmark
+stops.
 
 It also compiles and runs the dp 2 and ZeRO-3 plans with fuse and with overlap turned
 off: collectives per step, step time and exposed communication.
@@ -117,6 +120,20 @@ def run_planc(text: str, directory: Path) -> dict:
     return {"records": records, "collectives_per_step": collectives}
 
 
+# Both sides start from planc's initial weights on planc's batches (bench/peers_torch.py),
+# so the first step's loss, computed before any update, is the same function of the same
+# numbers; only the order of floating-point sums differs (fp32: a few ulps of the loss).
+SAME_LOSS = 1e-5  # relative
+
+
+def same_function(name: str, first: dict[str, float]) -> None:
+    """Stop the benchmark unless planc and the peer computed the same first loss."""
+    planc, peer = first["planc"], first["peer"]
+    if abs(planc - peer) > SAME_LOSS * abs(peer):
+        raise SystemExit(f"{name}: planc's first loss {planc!r} and the peer's {peer!r} "
+                         f"differ: the two sides do not train the same function")
+
+
 def median_after_warmup(values: list[float]) -> float:
     return statistics.median(values[WARMUP:])
 
@@ -128,6 +145,8 @@ def measure_pairs(names: list[str], rounds: int, steps: int) -> dict:
     peer_times: dict[str, list[float]] = {n: [] for n in names}
     details: dict[str, dict] = {}
     peer_runs: dict[str, list[float]] = {}  # one peer may serve two pairs: run it once
+    peer_first: dict[str, float] = {}
+    first_losses: dict[str, dict[str, float]] = {}  # pair -> side -> the first step's loss
     for round_ in range(rounds):
         peer_runs.clear()
         for i, name in enumerate(names):
@@ -138,21 +157,26 @@ def measure_pairs(names: list[str], rounds: int, steps: int) -> dict:
                     if peer not in peer_runs:
                         result = run_peer(peer, steps=steps)
                         peer_runs[peer] = median_after_warmup(result["step_times"])
+                        peer_first[peer] = result["losses"][0]
                         details.setdefault(name, {})["peer_collectives"] = \
                             result.get("collectives_per_step")
                     peer_times[name].append(peer_runs[peer])
+                    first_losses.setdefault(name, {})["peer"] = peer_first[peer]
                 else:
                     with tempfile.TemporaryDirectory() as tmp:
                         result = run_planc(plan_text(case, steps), Path(tmp))
                     records = result["records"]
                     planc_times[name].append(median_after_warmup([r["time_s"] for r in
                                                                   records]))
+                    first_losses.setdefault(name, {})["planc"] = records[0]["loss"]
                     details.setdefault(name, {}).update(
                         planc_collectives=result["collectives_per_step"],
                         exposed_comm_s=median_after_warmup([r["exposed_comm_s"]
                                                             for r in records]))
             print(f"  round {round_ + 1}: {name}: planc {planc_times[name][-1] * 1e3:.0f} ms, "
                   f"{peer} {peer_times[name][-1] * 1e3:.0f} ms", file=sys.stderr, flush=True)
+            same_function(name, first_losses[name])
+            details.setdefault(name, {})["first_losses"] = dict(first_losses[name])
     out = {}
     for name in names:
         planc, peer = statistics.median(planc_times[name]), statistics.median(peer_times[name])

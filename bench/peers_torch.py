@@ -3,7 +3,9 @@ compared with.
 
 Every peer trains the same function from the same initial weights on the same data with
 the same optimizer, so their losses must agree with the one-process run (``plain``)
-except ``floor``, which skips gradient synchronisation on purpose. Multi-rank peers run
+except ``floor``, which skips gradient synchronisation on purpose. The weights and the
+batches are planc's own for the bench plan (planc.runtime.engine.model and .data), so
+the first loss of every peer equals planc's (bench/peers.py checks it). Multi-rank peers run
 as 2 processes (torch.multiprocessing, 'spawn') over gloo on 127.0.0.1; every rank
 process uses one intra-op thread (2 cores, 2 ranks). As with any 'spawn' start, a script
 that calls run_peer must do so under ``if __name__ == "__main__":``.
@@ -50,7 +52,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from planc.lower.tabulate_model import INIT_STD, initial_mean  # noqa: E402
+from planc.runtime.engine.data import DataSource, batch_tokens  # noqa: E402
 from planc.runtime.engine.host_memory import keep_freed_memory  # noqa: E402
+from planc.runtime.engine.model import initial_value  # noqa: E402
 
 DEFAULTS = {"layers": 4, "hidden": 256, "heads": 8, "ffn": 1024, "vocab": 2048, "seq": 128,
             "batch": 16, "seed": 1, "lr": 1e-3, "weight_decay": 0.01}
@@ -157,10 +162,11 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """planc's ``gpt``: token + position embedding, ``layers`` Blocks, final LayerNorm,
-    untied head without bias. Weights are drawn here, from ``c.seed`` alone, before any
-    wrapping: matrices, embeddings and biases N(0, 0.02), LayerNorm weights 1 + N(0, 0.02)
-    (so every parameter matters from the first step). A pipeline stage sets the parts it
-    does not own to None (tok, pos, norm, head) or deletes them (layers), as torchtitan."""
+    untied head without bias. Weights are set here, before any wrapping, to planc's
+    initial values of the same plan (:func:`planc_initial_values`: matrices, embeddings
+    and biases N(0, 0.02), LayerNorm weights 1 + N(0, 0.02), each drawn from the seed,
+    its name and its shape). A pipeline stage sets the parts it does not own to None
+    (tok, pos, norm, head) or deletes them (layers), as torchtitan."""
 
     def __init__(self, c: Config):
         super().__init__()
@@ -169,13 +175,10 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(c) for i in range(c.layers)})
         self.norm = nn.LayerNorm(c.hidden, eps=1e-5)
         self.head = nn.Linear(c.hidden, c.vocab, bias=False)
-        generator = torch.Generator().manual_seed(c.seed)
-        norms = {id(m.weight) for m in self.modules() if isinstance(m, nn.LayerNorm)}
+        values = planc_initial_values(c)
         with torch.no_grad():
-            for p in self.parameters():  # in registration order, the same in every peer
-                p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
-                if id(p) in norms:
-                    p.add_(1.0)
+            for name, p in self.named_parameters():
+                p.copy_(values[name])
 
     def forward(self, x):
         if self.tok is not None:
@@ -193,9 +196,45 @@ def loss_fn(logits, targets):
 
 
 def batch(c: Config, step: int) -> torch.Tensor:
-    """The global batch of ``step``: (batch, seq + 1) token ids, from (seed, step) only."""
-    generator = torch.Generator().manual_seed(c.seed * 1000 + step)
-    return torch.randint(0, c.vocab, (c.batch, c.seq + 1), generator=generator)
+    """The global batch of ``step``: (batch, seq + 1) token ids, planc's synthetic batch of
+    that step (planc.runtime.engine.data), so both sides see the same tokens."""
+    source = DataSource("synthetic", c.seed, c.batch, c.seq, c.vocab)
+    return batch_tokens(source, step)
+
+
+# planc's parameter names -> the peer's, and whether planc's (in, out) matrix is the
+# transpose of the peer's nn.Linear weight (out, in).
+def _peer_name(name: str) -> tuple[str, bool]:
+    fixed = {"embedding.weight": ("tok.weight", False), "position.weight": ("pos.weight", False),
+             "final_ln.weight": ("norm.weight", False), "final_ln.bias": ("norm.bias", False),
+             "head.weight": ("head.weight", True)}
+    if name in fixed:
+        return fixed[name]
+    _, layer, module, kind = name.split(".")
+    owner = {"qkv": "attn.qkv", "proj": "attn.proj", "fc1": "mlp.fc1", "fc2": "mlp.fc2",
+             "ln1": "ln1", "ln2": "ln2"}[module]
+    return f"layers.{layer}.{owner}.{kind}", kind == "weight" and module not in ("ln1", "ln2")
+
+
+def planc_initial_values(c: Config) -> dict[str, torch.Tensor]:
+    """planc's initial values of the bench plan's parameters (planc.runtime.engine.model:
+    each from the seed, its name and its shape), under the peer's names: both sides
+    start from the same weights, so their first losses must be equal."""
+    values = {}
+    shapes = {"embedding.weight": (c.vocab, c.hidden), "position.weight": (c.seq, c.hidden),
+              "final_ln.weight": (c.hidden,), "final_ln.bias": (c.hidden,),
+              "head.weight": (c.hidden, c.vocab)}
+    for i in range(c.layers):
+        for module, shape in (("ln1", (c.hidden,)), ("qkv", (c.hidden, 3 * c.hidden)),
+                              ("proj", (c.hidden, c.hidden)), ("ln2", (c.hidden,)),
+                              ("fc1", (c.hidden, c.ffn)), ("fc2", (c.ffn, c.hidden))):
+            shapes[f"layers.{i}.{module}.weight"] = shape
+            shapes[f"layers.{i}.{module}.bias"] = (shape[-1],)
+    for name, shape in shapes.items():
+        value = initial_value(c.seed, name, shape, initial_mean(name), INIT_STD)
+        peer, transposed = _peer_name(name)
+        values[peer] = value.t().contiguous() if transposed else value
+    return values
 
 
 def make_optimizer(c: Config, model: nn.Module) -> torch.optim.Optimizer:
