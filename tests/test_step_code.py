@@ -202,3 +202,31 @@ def test_planc_programs_code_prints_the_ranks_step(run_planc, tmp_path):
     assert refused.returncode == 2
     assert refused.stderr == "planc: error: --code prints the whole step; it takes neither " \
                              "--expand nor --microbatch\n"
+
+
+def test_a_wait_for_an_event_nobody_records_stops_an_unverified_run_in_one_line(
+        tmp_path, capfd):
+    """planc verify refuses such a program; run with --no-verify (or started by torchrun
+    on a build nobody verified), each rank stops at the code's generation with the
+    instruction named, never a traceback."""
+    import json
+
+    from planc.cli import main
+
+    (tmp_path / "p.plan").write_text(CASE_TEXTS["dp-zero3"])
+    assert main(["compile", str(tmp_path / "p.plan"), "-o", str(tmp_path / "b")]) == 0
+    path = tmp_path / "b" / "programs" / "stage0.json"
+    program = json.loads(path.read_text())
+    wait = next(item for items in program["blocks"].values() for item in items
+                if item["op"] == "wait")
+    wait["event"] = "done:nowhere"
+    path.write_text(json.dumps(program))
+    capfd.readouterr()
+    assert main(["run", str(tmp_path / "b"), "--no-verify", "--steps", "1",
+                 "--timeout", "60"]) == 1
+    err = capfd.readouterr().err
+    assert "Traceback" not in err
+    for rank in (0, 1):
+        assert re.search(rf"\[rank {rank}\] planc: error: rank {rank}: #\d+ wait "
+                         rf"'done:nowhere#0' mb 0 \('\w+ mb 0'\) on stream '\w+' waits for an "
+                         rf"event no instruction records\n", err), err

@@ -118,6 +118,9 @@ def _statement(item: Expanded, events: dict[str, int], on_compute: bool,
     if item.op is Opcode.RECORD:
         return f"E[{events[item.event]}].set()"  # costs nothing to time
     if item.op is Opcode.WAIT:
+        if item.event not in events:  # planc verify refuses it; a build run unverified
+            raise StepCodeError(f"{_describe(item)} on stream {str(item.stream)!r} waits for "
+                                f"an event no instruction records")
         call = f"W(E[{events[item.event]}])"
         if not on_compute:
             return f"{call}; t0 = T()"

@@ -41,6 +41,7 @@ from planc.runtime.engine.exchange import (all_gather_json, boolean, broadcast_j
 from planc.runtime.engine.host_memory import keep_freed_memory
 from planc.runtime.engine.evaluation import Evaluator
 from planc.runtime.checkpoint.init_load import InitialWeights
+from planc.program.step_code import StepCodeError
 from planc.runtime.engine.executor import CpuExecutor, CudaExecutor, Hang, PeerLost
 from planc.runtime.engine.interpreter import Interpreter
 from planc.runtime.launcher.protocol import ERROR_FILE, EXIT_HANG, REPORT_FILE, TRAINING_FILE
@@ -259,10 +260,13 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
         first = found.manifest["step"]
     elif built.model.init is not None:  # a checkpoint of the run wins over train.init
         InitialWeights(ctx, store).load_initial()
-    executor = (CudaExecutor if backend == "nccl" else CpuExecutor)(
-        interpreter, args.timeout, trace=bool(args.trace))
-    evaluator = Evaluator(ctx, program, store, lambda interp: type(executor)(
-        interp, args.timeout)) if built.model.evaluation is not None else None
+    try:
+        executor = (CudaExecutor if backend == "nccl" else CpuExecutor)(
+            interpreter, args.timeout, trace=bool(args.trace))
+        evaluator = Evaluator(ctx, program, store, lambda interp: type(executor)(
+            interp, args.timeout)) if built.model.evaluation is not None else None
+    except StepCodeError as exc:  # a program planc verify refuses, run without it
+        raise SystemExit(f"planc: error: rank {rank}: {exc}") from None
     with watch.waiting("creating the group that gathers the metrics (new_group)"):
         metrics = _Metrics(ctx, steps, args.metrics, built.plan_sha256, built.mfu,
                            built.record.name, args.tensorboard)
