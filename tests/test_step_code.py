@@ -55,7 +55,7 @@ def _calls(source: str) -> dict[str, list[str]]:
     for function in ast.parse(source).body:
         out[function.name] = [ast.unparse(s.value) for s in function.body
                               if isinstance(s, ast.Expr) and not
-                              ast.unparse(s.value).startswith("R(")]
+                              ast.unparse(s.value).startswith(("R(", "Z("))]
     return out
 
 
@@ -73,8 +73,17 @@ def test_the_code_issues_the_programs_instructions_in_order_on_each_stream(name)
                 f"Y({item.index})" if item.op is Opcode.SYNC else f"X[{item.index}](S)")
         calls = _calls(code.source)
         assert [s.name for s in code.streams] == list(per_stream)
+        functions = {f.name: f for f in ast.parse(code.source).body}
         for stream in code.streams:
             assert calls[stream.function] == per_stream[stream.name]
+            # a stop check (Z) at the start of every block, and nowhere else
+            checks = [k for k, statement in enumerate(
+                s for s in functions[stream.function].body if isinstance(s, ast.Expr)
+                and not ast.unparse(s).startswith("R(")) if ast.unparse(statement) == "Z()"]
+            items = stream.items
+            starts = [k for k in range(len(items))
+                      if k == 0 or items[k].where != items[k - 1].where]
+            assert len(checks) == len(starts)
         # the trace variant issues the same and reports each compute and transfer once
         traced = step_code.generate(program, trace=True)
         step_code.check(traced, program)
@@ -103,9 +112,9 @@ def _instruction_lines(code, stream: str = "compute") -> list[int]:
     """The lines of ``stream``'s function that issue an instruction."""
     lines = _lines(code)
     function = next(s.function for s in code.streams if s.name == stream)
-    start = lines.index(f"def {function}(S, X, E, W, Y, D, T, R):")
+    start = lines.index(f"def {function}(S, X, E, W, Y, Z, D, T, R):")
     end = lines.index("    return compute, comm, exposed, pipeline", start)
-    return [k for k in range(start, end) if re.match(r"    (X\[|W\(|E\[)", lines[k])]
+    return [k for k in range(start, end) if re.match(r"    (Z\(\); )?(X\[|W\(|E\[)", lines[k])]
 
 
 def test_dropping_an_instruction_is_refused(pipelined):

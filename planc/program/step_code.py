@@ -17,6 +17,8 @@ Each stream's function takes the step's state ``S`` and the run's tables:
 - ``E[j].set()`` records event ``j``; ``W(E[j])`` waits for it (only this stream);
 - ``Y(i)`` is a ``sync``: it waits until every other stream finished its instructions
   issued before ``#i``;
+- ``Z()``, at the start of each block, stops the stream if another one failed (it stops
+  at its next wait otherwise);
 - ``D[s] = n``: stream ``s`` finished ``n`` instructions (the hang report and ``sync``
   read it);
 - ``T()`` is the clock; each instruction's time is added to what it counts as (the
@@ -99,13 +101,17 @@ def generate(program: Program, trace: bool = False) -> StepCode:
         s = slot[name]
         function = f"stream_{s}"
         streams.append(StreamCode(name, function, tuple(stream_items)))
-        lines += ["", "", f"def {function}(S, X, E, W, Y, D, T, R):",
+        lines += ["", "", f"def {function}(S, X, E, W, Y, Z, D, T, R):",
                   f"    # stream {str(name)!r}: {len(stream_items)} instructions a step",
                   "    compute = comm = exposed = pipeline = 0.0",
                   "    t0 = T()"]
         on_compute = name == Stream.COMPUTE
+        where = None
         for n, item in enumerate(stream_items, 1):
-            lines.append(f"    {_statement(item, events, on_compute, recorder, trace)}; "
+            # at each block's start, stop if another stream failed (else at the next wait)
+            stop = "Z(); " if item.where != where else ""
+            where = item.where
+            lines.append(f"    {stop}{_statement(item, events, on_compute, recorder, trace)}; "
                          f"D[{s}] = {n}  # {_describe(item)}")
         lines.append("    return compute, comm, exposed, pipeline")
     return StepCode("\n".join(lines) + "\n", tuple(streams),
@@ -167,7 +173,7 @@ def _issued(function: ast.FunctionDef) -> list[tuple[str, int]]:
             out.append(("wait", _constant(call.args[0].slice)))
         elif _name(func) == "Y" and len(call.args) == 1:
             out.append(("sync", _constant(call.args[0])))
-        elif _name(func) != "R":
+        elif not (_name(func) == "R" or _name(func) == "Z" and not call.args):
             raise StepCodeError(f"line {statement.lineno}: a call that is no instruction")
     return out
 

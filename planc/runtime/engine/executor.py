@@ -154,7 +154,8 @@ class CpuExecutor:
                 return
             try:
                 spent = function(work.state, self.calls, work.events, work.wait, work.sync,
-                                 work.done, time.perf_counter, work.trace.append)
+                                 work.check, work.done, time.perf_counter,
+                                 work.trace.append)
                 self.outbox.put((k, spent, None))
             except _Aborted:
                 self.outbox.put((k, None, None))
@@ -243,6 +244,11 @@ class _Step:
         while not event.wait(0.05):
             if self.abort.is_set():
                 raise _Aborted
+
+    def check(self) -> None:
+        """Stop this stream if another one failed."""
+        if self.abort.is_set():
+            raise _Aborted
 
     def sync(self, index: int) -> None:
         """Until every other stream finished what it issues before instruction ``index``."""
