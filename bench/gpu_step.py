@@ -233,16 +233,15 @@ def table(result: dict) -> str:
 
 
 def main() -> int:
+    from rounds import check_rounds_and_steps
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="1b")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     args = parser.parse_args()
-    if args.rounds < 3:
-        parser.error("--rounds must be at least 3: speed claims need interleaved rounds")
-    if args.steps <= WARMUP:
-        parser.error(f"--steps must be more than the {WARMUP} warm-up steps")
+    check_rounds_and_steps(parser, args, WARMUP)
     result = measure(args.size, args.steps, args.rounds)
     print(table(result))
     if args.json:

@@ -227,6 +227,8 @@ def table(pairs: dict, switches: dict) -> str:
 
 
 def main() -> int:
+    from rounds import check_rounds_and_steps
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
@@ -235,10 +237,7 @@ def main() -> int:
                         help="skip the fuse/overlap on-off runs")
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     args = parser.parse_args()
-    if args.rounds < 3:
-        parser.error("--rounds must be at least 3: speed claims need interleaved rounds")
-    if args.steps <= WARMUP:
-        parser.error(f"--steps must be more than {WARMUP} (the warm-up steps)")
+    check_rounds_and_steps(parser, args, WARMUP)
     names = list(PAIRS)
     if args.only:
         try:
