@@ -23,7 +23,9 @@ Decisions, each an attribute the lowering follows (:mod:`planc.lower.lower`):
   step's gather to the next step's forward would close a cycle in the step's graph.
 - ZeRO-3 prefetch: within a block, the gather of the next unit is issued while the
   current unit computes, and the gather of unit k + 2 waits until unit k is done, so
-  at most two units are gathered at once (FSDP's forward and backward prefetch).
+  at most two units are gathered at once (FSDP's forward and backward prefetch); in a
+  backward block the next unit's gather comes before the current unit's gradient
+  reduction on the dp stream, as FSDP2 orders its backward prefetch.
 - Split backward (``optimize { weight_grad_overlap }``, on by default): a backward step
   whose input gradient feeds a collective computes that gradient first; its weight
   gradient becomes a step of its own (``W/...``) that runs while the collective is in
@@ -130,6 +132,11 @@ def _zero3_prefetch(graph: nx.DiGraph, depth: int) -> int:
             blocks[(data["chunk"], data["phase"])].append(node)
     if not blocks:
         return 0
+    reductions: dict[tuple, list[str]] = defaultdict(list)
+    for node, data in graph.nodes(data=True):
+        if data["type"] == NodeType.TRANSFER and data["payload"] == Payload.GRAD and \
+                data.get("bucket") is not None:
+            reductions[(data["chunk"], data["bucket"])].append(node)
     position = {n: i for i, n in enumerate(nx.lexicographical_topological_sort(
         graph, key={n: i for i, n in enumerate(graph.nodes)}.__getitem__))}
     count = 0
@@ -147,8 +154,27 @@ def _zero3_prefetch(graph: nx.DiGraph, depth: int) -> int:
             last = max((c for g in order[k - depth] for c in readers[g]),
                        key=position.__getitem__)
             graph.add_edge(last, unit[0], kind=EdgeKind.ORDER)
+        if depth > 1:
+            _gather_before_reduction(graph, order, reductions)
         count += len(gathers)
     return count
+
+
+def _gather_before_reduction(graph: nx.DiGraph, order: list[list[str]],
+                             reductions: dict[tuple, list[str]]) -> None:
+    """In a backward block, the next unit's gather is issued before the reduction of the
+    unit at hand's gradients, which waits for that unit's whole backward: on one dp
+    stream the gather would queue behind it, and the next unit's backward would wait for
+    both (FSDP2's backward prefetch issues the next all-gather before the current
+    reduce-scatter). No cycle: the next gather waits only for the gathers before it and
+    for the readers of the unit two back. ``reductions``: the gradient transfers by
+    (chunk, bucket)."""
+    if graph.nodes[order[0][0]]["phase"] != Phase.BACKWARD:
+        return
+    for unit, following in zip(order, order[1:]):
+        first = graph.nodes[unit[0]]
+        for reduction in reductions.get((first["chunk"], first["bucket"]), ()):
+            graph.add_edge(following[0], reduction, kind=EdgeKind.ORDER)
 
 
 def _split_weight_gradients(graph: nx.DiGraph) -> int:
