@@ -94,23 +94,21 @@ def run_planc(text: str, directory: Path) -> dict:
 
 
 def hf_model(plan, device):
-    """transformers' LlamaForCausalLM with planc's initial weights (as
-    tests/test_transformers.py builds it), SDPA attention, on ``device``."""
-    import torch
+    """transformers' LlamaForCausalLM with planc's initial weights, laid out as
+    ``planc export`` writes them (planc.hf.export's tensors), SDPA attention, on
+    ``device``."""
     import transformers
 
-    from planc.hf.export import hf_config, hf_name
-    from planc.runtime.oracle.reference import initial, parameters
+    from planc.hf.export import hf_config, model_tensors
+    from planc.runtime.checkpoint.export_hf import hf_tensor
+    from planc.runtime.oracle.reference import initial_values
 
     config = transformers.LlamaConfig(**{k: v for k, v in hf_config(
         dataclasses.asdict(plan.model)).items() if k not in ("architectures", "model_type")})
     config._attn_implementation = "sdpa"
     model = transformers.LlamaForCausalLM(config).float()
-    state = {}
-    for name, param in parameters(plan).items():
-        target, transpose = hf_name(name)
-        value = initial(plan, name, param.shape)
-        state[target] = value.t().contiguous() if transpose else value
+    values = initial_values(plan)
+    state = {t.target: hf_tensor(t, values) for t in model_tensors(plan.model)}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or not all("rotary" in k for k in missing):
         raise SystemExit(f"gpu_step: planc's weights do not fit transformers' llama: "

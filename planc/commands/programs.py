@@ -20,13 +20,6 @@ from planc.commands.arguments import Command, add_input
 MAX_CODE_INSTRUCTIONS = 100_000
 
 
-def expand_order(program):
-    """The step's instructions in issue order, without their buffers (only counted)."""
-    from planc.program.expansion import expand
-
-    return expand(program, operands=False)
-
-
 def programs(args) -> int:
     from planc.views import program_text
 
@@ -54,10 +47,13 @@ def _code(built, rank: int) -> int:
     """The step's code rank ``rank`` generates from its program and runs (planc run on
     CPU; planc.program.step_code)."""
     from planc.program import step_code
+    from planc.program.expansion import expand
 
     name = built.table.program_of(rank)
     program = built.programs[name]
-    count = sum(1 for _ in islice(expand_order(program), MAX_CODE_INSTRUCTIONS + 1))
+    # counted without the buffers, and no further than the bound
+    count = sum(1 for _ in islice(expand(program, operands=False),
+                                  MAX_CODE_INSTRUCTIONS + 1))
     if count > MAX_CODE_INSTRUCTIONS:
         return fail(f"rank {rank}'s step has more than {MAX_CODE_INSTRUCTIONS:,} "
                     f"instructions, the most --code prints (--expand lists any step)",

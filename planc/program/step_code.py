@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from planc.program.expansion import Expanded, expand
 from planc.program.names import RECEIVE_STREAMS, Stream
-from planc.program.program import Opcode, Program
+from planc.program.program import EVENT_NAMING_OPS, Opcode, Program
 
 
 class StepCodeError(ValueError):
@@ -68,7 +68,7 @@ class StepCode:
 
 def _describe(item: Expanded) -> str:
     """A comment naming the instruction; program names only through repr (one line)."""
-    what = item.event if item.op in (Opcode.RECORD, Opcode.WAIT) else item.node
+    what = item.event if item.op in EVENT_NAMING_OPS else item.node
     mb = f" mb {item.microbatch}" if item.microbatch is not None else ""
     named = f" {what!r}" if what is not None else ""
     return f"#{item.index} {item.op.value}{named}{mb} ({str(item.where)!r})"
@@ -256,8 +256,3 @@ def check(code: StepCode, program: Program) -> ast.Module:
                 f"instructions where the program has {len(want)}; they differ from "
                 f"instruction {at + 1} of the stream on (the program's {shown})")
     return tree
-
-
-def issued_instructions(code: StepCode) -> int:
-    """How many instructions the step issues, events and syncs included."""
-    return sum(len(s.items) for s in code.streams)

@@ -220,13 +220,14 @@ class Interpreter:
 
     # --- running an instruction ------------------------------------------------------------
 
+    def _handler(self, bound: _Compute | _Transfer):
+        """What runs a bound instruction: its step kind's handler, or the transfer's."""
+        return self._steps[bound.kind] if isinstance(bound, _Compute) else self._transfer
+
     def run(self, state: StepState, op: str, node: str, microbatch: int | None) -> None:
         bound = self.bound[(op, node)]
         mb = microbatch if bound.per_microbatch else None
-        if isinstance(bound, _Compute):
-            result = self._steps[bound.kind](state, bound, microbatch)
-        else:
-            result = self._transfer(state, bound, microbatch)
+        result = self._handler(bound)(state, bound, microbatch)
         if result is not None:
             state.buffers[(node, mb)] = result
 
@@ -236,7 +237,7 @@ class Interpreter:
         (the generated step calls it, planc.program.step_code): :meth:`run`, then the
         buffers no later instruction reads released."""
         bound = self.bound[(op, node)]
-        handler = self._steps[bound.kind] if isinstance(bound, _Compute) else self._transfer
+        handler = self._handler(bound)
         key = (node, microbatch if bound.per_microbatch else None)
         freed = tuple((buffer, microbatch) for buffer in frees)
 
