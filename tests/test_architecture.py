@@ -22,10 +22,11 @@ PACKAGE = ROOT / "planc"
 MAX_LINES = 500
 
 # The runtime executes what the compiler wrote. Only the single-process reference (the
-# oracle of planc run --check), the check that compares against it and calibrate build
+# oracle of planc run --check), the check that compares against it and calibrate (which
+# compiles and runs tiny plans of its own to time the runtime's instructions) build
 # anything from the plan.
 RUNTIME_MAY_READ_THE_PLAN = {"planc.runtime.oracle.reference", "planc.runtime.oracle.check",
-                             "planc.runtime.calibrate"}
+                             "planc.runtime.calibrate", "planc.runtime.calibrate_instructions"}
 COMPILER_INPUTS = ("networkx", "planc.plan.plan", "planc.models", "planc.plan.layout",
                    "planc.graph.derive", "planc.graph.axes", "planc.graph.tensor_parallel",
                    "planc.graph.parameters", "planc.estimate.model")

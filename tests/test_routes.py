@@ -345,6 +345,68 @@ def test_a_broken_calibrated_topology_is_an_error_at_the_path(tmp_path, change, 
     assert (diagnostic.span.line, diagnostic.span.column) == (4, 23)
 
 
+OVERHEADS = {"gelu": {"forward": 3e-5, "gradient": 5e-5},
+             "qkv": {"forward": 1e-5, "gradient": 2e-5}}
+
+
+def test_a_calibrated_topology_supplies_each_operators_fixed_cost(tmp_path):
+    """device.overheads (planc calibrate, on the runtime's own instructions): an operator
+    it names costs its figure, forward or gradient step; any other the device's."""
+    from planc.lang import load_file
+    from planc.simulate.costs import InstructionCosts
+    from planc.estimate.roofline import roofline_seconds, traffic
+    from planc.program.operands import GRADIENT_STEPS
+
+    document = {**CALIBRATED, "device": {**CALIBRATED["device"], "overhead": 7e-6,
+                                         "backward_overhead": 9e-6,
+                                         "overheads": OVERHEADS}}
+    loaded = load_file(_with_topology(tmp_path, document))
+    assert loaded.ok, [d.message for d in loaded.diagnostics]
+    device = loaded.plan.topology.device
+    assert device.overheads == (("gelu", 3e-5, 5e-5), ("qkv", 1e-5, 2e-5))
+    build = compile_plan(loaded.plan)
+    costs = InstructionCosts(loaded.plan, build.groups)
+    rate, bandwidth = device.flops * device.efficiency, device.bandwidth
+    seen = set()
+    for instruction in build.programs[build.table.names[0]].written():
+        operands = instruction.operands
+        if operands is None or operands.kernel is None or operands.kernel == "moe":
+            continue
+        gradient = operands.step in GRADIENT_STEPS
+        fixed = {("gelu", False): 3e-5, ("gelu", True): 5e-5, ("qkv", False): 1e-5,
+                 ("qkv", True): 2e-5}.get((operands.kernel, gradient),
+                                          9e-6 if gradient else 7e-6)
+        arithmetic = roofline_seconds(operands.flops or 0, traffic(
+            operands.kernel, loaded.plan.train.optimizer.name) * operands.output_bytes,
+            rate, bandwidth)
+        assert costs(instruction, 0) == pytest.approx(arithmetic + fixed, rel=1e-12), \
+            instruction.node
+        seen.add((operands.kernel, gradient))
+    assert {("gelu", False), ("gelu", True), ("qkv", False), ("qkv", True),
+            ("fc1", False), ("fc1", True)} <= seen
+
+
+@pytest.mark.parametrize("overheads, message", [
+    ([], "device.overheads must be an object"),
+    ({"gelu": {"forward": 1e-5}}, "device.overheads.gelu must hold forward and gradient"),
+    ({"gelu": {"forward": -1, "gradient": 0}},
+     "device.overheads.gelu.forward must be a non-negative number"),
+    ({"gelu": {"forward": 0, "gradient": float("nan")}},
+     "device.overheads.gelu.gradient must be a non-negative number"),
+    ({"not an op": {"forward": 0, "gradient": 0}},
+     "device.overheads names 'not an op', not an operator"),
+    ({f"op{k}": {"forward": 0, "gradient": 0} for k in range(65)},
+     "device.overheads names 65 operators; at most 64"),
+])
+def test_broken_operator_overheads_are_an_error_at_the_path(tmp_path, overheads, message):
+    from planc.lang import load_file
+
+    document = {**CALIBRATED, "device": {**CALIBRATED["device"], "overheads": overheads}}
+    loaded = load_file(_with_topology(tmp_path, document))
+    assert [d.message for d in loaded.diagnostics] == [
+        f"cannot use topology 'machine.json': {message}"]
+
+
 def test_a_missing_calibrated_topology_is_an_error(tmp_path):
     from planc.lang import load_file
 

@@ -91,6 +91,7 @@ def main(args) -> int:
     print(f"compute: {preset.flops['fp32'] / 1e9:.3g} GFLOP/s per rank, "
           f"{format_quantity(preset.overhead, TIME)} per forward instruction and "
           f"{format_quantity(backward, TIME)} per backward one beyond its arithmetic\n"
+          f"{_operators(preset.overheads)}"
           f"hand-off: {format_quantity(preset.handoff, TIME)} per transfer between the "
           f"runtime's stream threads\n"
           f"overlap: {preset.overlap:.2f} of an all_reduce hidden behind a matrix multiply\n"
@@ -126,3 +127,18 @@ COMMANDS = (
                         "(docs/routes.md).",
             keeps_collector=True),
 )
+
+
+def _operators(overheads: tuple[tuple[str, float, float], ...]) -> str:
+    """The line of the operators' own fixed costs, if any were measured."""
+    from planc.vocabulary.units import TIME, format_quantity
+
+    if not overheads:
+        return ""
+    slowest = max(overheads, key=lambda row: row[1] + row[2])
+    return (f"operators: {len(overheads)} timed on the runtime's own instructions, "
+            f"{format_quantity(min(r[1] for r in overheads), TIME)} to "
+            f"{format_quantity(max(r[1] for r in overheads), TIME)} forward and "
+            f"{format_quantity(min(r[2] for r in overheads), TIME)} to "
+            f"{format_quantity(max(r[2] for r in overheads), TIME)} a gradient step beyond "
+            f"their arithmetic (the most: {slowest[0]})\n")

@@ -136,12 +136,25 @@ class Device:
     # hands it from the compute stream's thread to its own and the result back (planc
     # calibrate measures that round trip); 0 on a GPU, where streams need no threads.
     handoff: float = 0.0
+    # The fixed cost by operator, where planc calibrate measured it on the runtime's own
+    # instructions: (kernel, forward seconds, gradient step seconds), sorted by kernel.
+    # An operator it did not measure costs ``overhead`` / ``backward_overhead``.
+    overheads: tuple[tuple[str, float, float], ...] = ()
 
     @property
     def gradient_step_overhead(self) -> float:
         """Seconds a backward step (or either half of a split one) costs beyond its
         arithmetic: ``backward_overhead``, or ``overhead`` where none was measured."""
         return self.overhead if self.backward_overhead is None else self.backward_overhead
+
+    def instruction_overhead(self, kernel: str | None, gradient: bool) -> float:
+        """Seconds a compute instruction of ``kernel`` costs beyond its arithmetic: the
+        operator's measured figure, else the device's; ``gradient``: a backward step or
+        either half of a split one."""
+        for name, forward, backward in self.overheads:
+            if name == kernel:
+                return backward if gradient else forward
+        return self.gradient_step_overhead if gradient else self.overhead
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ class Preset:
     intra_sweep: tuple[tuple[float, float], ...] = ()  # Link.sweep
     backward_overhead: float | None = None  # Device.backward_overhead (calibrated)
     handoff: float = 0.0  # seconds per transfer (Device.handoff; calibrated)
+    overheads: tuple[tuple[str, float, float], ...] = ()  # Device.overheads (calibrated)
 
     def topology(self, nodes: int, dtype: str = "fp32") -> Topology:
         """The preset's machine with ``nodes`` nodes, every figure as measured."""
@@ -42,7 +43,8 @@ class Preset:
         return Topology(nodes, per_node, Device(self.flops[dtype], self.memory,
                                                 self.efficiency, self.memory_bandwidth,
                                                 self.overlap, self.overhead,
-                                                self.backward_overhead, self.handoff),
+                                                self.backward_overhead, self.handoff,
+                                                self.overheads),
                         Link(self.intra_bandwidth, self.intra_latency, self.intra_collectives,
                              self.intra_sweep),
                         Link(self.inter_bandwidth, self.inter_latency, self.inter_collectives),
@@ -149,12 +151,13 @@ CALIBRATED_FORMAT, CALIBRATED_VERSION = "planc-topology", 1
 def calibrated_document(name: str, devices_per_node: int, flops: float, intra: dict,
                         inter: dict, measured: dict, memory_bandwidth: float,
                         overlap: float, overhead: float = 0.0,
-                        backward_overhead: float | None = None, handoff: float = 0.0
-                        ) -> dict:
+                        backward_overhead: float | None = None, handoff: float = 0.0,
+                        overheads: dict[str, dict[str, float]] | None = None) -> dict:
     """The JSON of a measured machine. A link is ``{"bandwidth": B/s, "latency": s,
     "collectives": {kind: {"bandwidth": bus B/s, "latency": s per call}}}``: the
     point-to-point figures, and what the backend achieves for each collective (``tree``:
-    per hop of planc's point-to-point tree)."""
+    per hop of planc's point-to-point tree). ``overheads``: by operator, its
+    instructions' fixed cost, ``{"forward": s, "gradient": s}`` (Device.overheads)."""
     return {"format": CALIBRATED_FORMAT, "version": CALIBRATED_VERSION, "name": name,
             "devices_per_node": devices_per_node,
             "device": {"flops": flops, "memory": None, "efficiency": 1.0,
@@ -162,7 +165,8 @@ def calibrated_document(name: str, devices_per_node: int, flops: float, intra: d
                        "overhead": overhead,
                        **({} if backward_overhead is None else
                           {"backward_overhead": backward_overhead}),
-                       "handoff": handoff},
+                       "handoff": handoff,
+                       **({} if not overheads else {"overheads": overheads})},
             "intra": intra, "inter": inter, "measured": measured}
 
 
@@ -193,6 +197,29 @@ def _link(data: dict, block: str) -> tuple[float, float, tuple[Tuning, ...]]:
                               _number(figures.get("latency"), f"{where}.latency", False)))
     return (_number(link.get("bandwidth"), f"{block}.bandwidth"),
             _number(link.get("latency"), f"{block}.latency", False), tuple(tunings))
+
+
+MAX_OPERATORS = 64  # far more than any family has (planc.graph.vocabulary.Op)
+
+
+def _overheads(table) -> tuple[tuple[str, float, float], ...]:
+    """``device.overheads``: operator -> {"forward": s, "gradient": s}, checked."""
+    if not isinstance(table, dict):
+        raise ValueError("device.overheads must be an object")
+    if len(table) > MAX_OPERATORS:
+        raise ValueError(f"device.overheads names {len(table)} operators; at most "
+                         f"{MAX_OPERATORS}")
+    out = []
+    for kernel, figures in sorted(table.items()):
+        if not kernel.isidentifier() or len(kernel) > 64:
+            raise ValueError(f"device.overheads names {kernel[:64]!r}, not an operator")
+        if not isinstance(figures, dict) or set(figures) != {"forward", "gradient"}:
+            raise ValueError(f"device.overheads.{kernel} must hold forward and gradient")
+        out.append((kernel, _number(figures["forward"],
+                                    f"device.overheads.{kernel}.forward", False),
+                    _number(figures["gradient"], f"device.overheads.{kernel}.gradient",
+                            False)))
+    return tuple(out)
 
 
 def calibrated_preset(data, name: str) -> Preset:
@@ -228,8 +255,10 @@ def calibrated_preset(data, name: str) -> Preset:
     if backward_overhead is not None:
         backward_overhead = _number(backward_overhead, "device.backward_overhead", False)
     handoff = _number(device.get("handoff", 0.0), "device.handoff", False)
+    overheads = _overheads(device.get("overheads", {}))  # none before they were measured
     intra, inter = _link(data, "intra"), _link(data, "inter")
     return Preset(name, str(data.get("name", name)), per_node,
                   {"bf16": flops, "fp16": flops, "fp32": flops}, memory, efficiency,
                   intra[0], intra[1], inter[0], inter[1], intra[2], inter[2], bandwidth,
-                  overlap, overhead, backward_overhead=backward_overhead, handoff=handoff)
+                  overlap, overhead, backward_overhead=backward_overhead, handoff=handoff,
+                  overheads=overheads)

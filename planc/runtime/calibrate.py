@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from planc.host.files import write_atomically
 from planc.plan.presets import calibrated_document
+from planc.runtime.calibrate_instructions import measure_instructions
 from planc.runtime.launcher.rendezvous import joined_store
 from planc.runtime.engine.collectives import all_gather_single, reduce_scatter_single
 from planc.estimate.cost import steps, tree_depth
@@ -452,11 +453,13 @@ def calibrate(per_node: int, repeats: int) -> dict:
     measured["overlap"] = measure_overlap(repeats)
     measured["overhead"] = measure_overhead()
     measured["handoff"] = measure_handoff()
+    measured["overheads"] = measure_instructions(per_node, repeats, flops, memory)
     return calibrated_document(f"calibrated {dist.get_backend()}, {world} ranks on {nodes} "
                                f"node{'s' * (nodes > 1)}", per_node, flops, intra, inter,
                                measured, memory, measured["overlap"]["overlap"],
                                measured["overhead"]["forward"],
-                               measured["overhead"]["backward"], measured["handoff"])
+                               measured["overhead"]["backward"], measured["handoff"],
+                               measured["overheads"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,11 +6,10 @@ table alone (not graph.json): the one model the compiler optimises with (planc.e
   its shape, attention at FlashAttention's published rates, anything else its memory
   traffic, each plus a fixed cost per kernel. On any other device it takes the longer of
   its ``flops`` at the device's achievable rate (one efficiency) and its memory traffic
-  at the device's memory bandwidth (a roofline: matrix multiplies are bound by the
-  first, layer norms, activations and residual adds by the second), plus the device's
-  fixed ``overhead`` per instruction (a CPU's Python and dispatch for the runtime's
-  step, measured by ``planc calibrate``, a backward step's apart; 0 elsewhere). The traffic is
-  ``output_bytes`` times what the kernel moves per byte of its output.
+  at the device's memory bandwidth (planc.estimate.roofline), plus the device's fixed
+  cost per instruction (a CPU's Python and dispatch for the runtime's step, which
+  ``planc calibrate`` measures on the runtime's own instructions, per operator and apart
+  for gradient steps: ``Device.instruction_overhead``; 0 elsewhere).
 - A collective with a ``route`` takes that route's time on its group (ring, tree or
   hierarchical, as NCCL's tuning model prices its algorithms, ``src/graph/tuning.cc``):
   on each placement on nodes that the groups of its reference have on its stage
@@ -51,14 +50,8 @@ from planc.program.program import Instruction
 from planc.estimate.memory import local_parameter_elements
 from planc.plan.plan import DTYPE_BYTES, Plan
 from planc.estimate.kernel_cost import MIXTURE, KernelModel, Mixture
+from planc.estimate.roofline import roofline_seconds, traffic
 
-# Bytes an operator moves per byte of its output: read the input and write the output;
-# a residual add reads two inputs; AdamW reads a parameter, its gradient and two moments
-# and writes three of them back (SGD with momentum: three reads, two writes).
-TRAFFIC = {"attn_residual": 3.0, "mlp_residual": 3.0}
-OPTIMIZER_TRAFFIC = {"adamw": 7.0, "sgd": 5.0}
-DEFAULT_TRAFFIC = 2.0
-OPTIMIZER_KERNEL = "optimizer"
 FP32_BYTES = 4
 
 
@@ -156,11 +149,10 @@ class InstructionCosts:
         self.cost = CostModel(plan.topology)
         self.bandwidth = plan.topology.device.bandwidth
         device = plan.topology.device
-        self.overhead = device.overhead
-        self.backward_overhead = device.gradient_step_overhead
         self.handoff = device.handoff
-        self.optimizer_traffic = OPTIMIZER_TRAFFIC.get(plan.train.optimizer.name,
-                                                       OPTIMIZER_TRAFFIC["adamw"])
+        self.device = device
+        self.optimizer = plan.train.optimizer.name
+        self.rate = device.flops * device.efficiency
         # None: the one-efficiency roofline
         self.kernels = KernelModel(plan, gpu) if gpu is not None else KernelModel.of(plan)
         self.mixture = Mixture.of(plan)  # None: no mixture of experts
@@ -190,18 +182,16 @@ class InstructionCosts:
         if operands is None:
             raise ValueError(f"{instruction.op} {instruction.node} has no operands to cost")
         if operands.kernel is not None:
-            traffic = self.optimizer_traffic if operands.kernel == OPTIMIZER_KERNEL else \
-                TRAFFIC.get(operands.kernel, DEFAULT_TRAFFIC)
+            moved = traffic(operands.kernel, self.optimizer) * operands.output_bytes
             if self.kernels is not None:
-                seconds = self.kernels.seconds(operands, traffic * operands.output_bytes)
+                seconds = self.kernels.seconds(operands, moved)
             else:
                 flops = operands.flops
                 if operands.kernel == MIXTURE and self.mixture is not None and flops:
                     flops = self.mixture.busiest_flops(flops)
-                seconds = max(self.cost.compute_seconds(flops),
-                              traffic * operands.output_bytes / self.bandwidth) + \
-                    (self.backward_overhead if operands.step in GRADIENT_STEPS else
-                     self.overhead)
+                seconds = roofline_seconds(flops, moved, self.rate, self.bandwidth) + \
+                    self.device.instruction_overhead(operands.kernel,
+                                                     operands.step in GRADIENT_STEPS)
             if self.accumulation is not None and operands.params and \
                     operands.step in GRADIENT_STEPS and \
                     (operands.step == StepKind.WEIGHT or operands.weight_step is None):
@@ -257,7 +247,7 @@ class InstructionCosts:
         if self.kernels is not None:
             bandwidth, launch = self.kernels.bandwidth, self.kernels.gpu.launch
         else:
-            bandwidth, launch = self.bandwidth, self.overhead
+            bandwidth, launch = self.bandwidth, self.device.overhead
         return accumulation.share * (elements * accumulation.bytes_per_parameter / bandwidth
                                      + len(params) * accumulation.kernels * launch)
 
