@@ -9,6 +9,7 @@ Gropp (2005) on a topology with round numbers, never read back from planc.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -457,6 +458,21 @@ def test_calibrate_refuses_a_bad_command_line(tmp_path, run_planc):
 
 
 @pytest.mark.slow
+def _kernels_of_the_tiny_plans(world: int) -> set[str]:
+    """The operators of calibrate's tiny plans' compute instructions."""
+    from planc.program.program import Opcode
+    from planc.runtime.calibrate_instructions import FAMILIES, plan_text
+
+    kernels = set()
+    for family in FAMILIES:
+        loaded = load_text(plan_text(family, world, world, 3))
+        assert loaded.ok, [d.message for d in loaded.diagnostics]
+        for program in compile_plan(loaded.plan).programs.values():
+            kernels |= {item.operands.kernel for item in program.written()
+                        if item.op is Opcode.COMPUTE and item.operands.kernel is not None}
+    return kernels
+
+
 def test_calibrate_writes_a_topology_that_a_plan_can_use(tmp_path, run_planc):
     pytest.importorskip("torch")
     from planc.plan.presets import calibrated_preset
@@ -486,10 +502,30 @@ def test_calibrate_writes_a_topology_that_a_plan_can_use(tmp_path, run_planc):
     assert data["device"]["backward_overhead"] == overhead["backward"] > 0
     assert (preset.overhead, preset.backward_overhead) == (overhead["forward"],
                                                            overhead["backward"])
-    assert lines[-4].endswith(
+    assert lines[-5].endswith(
         f"GFLOP/s per rank, {format_quantity(preset.overhead, TIME)} per forward "
         f"instruction and {format_quantity(preset.backward_overhead, TIME)} per backward "
         f"one beyond its arithmetic")
+    # each operator's own instructions (planc.runtime.calibrate_instructions): every
+    # operator of the three families' tiny plans, forward and gradient step
+    overheads = data["device"]["overheads"]
+    assert overheads == data["measured"]["overheads"]
+    assert set(overheads) == _kernels_of_the_tiny_plans(2)
+    assert {"attention", "qkv", "swiglu", "moe", "loss", "optimizer"} <= set(overheads)
+    for figures in overheads.values():
+        assert set(figures) == {"forward", "gradient"}
+        assert all(math.isfinite(v) and v >= 0 for v in figures.values())
+    assert preset.overheads == tuple((kernel, figures["forward"], figures["gradient"])
+                                     for kernel, figures in sorted(overheads.items()))
+    forward = [figures["forward"] for figures in overheads.values()]
+    gradient = [figures["gradient"] for figures in overheads.values()]
+    slowest = max(overheads, key=lambda k: overheads[k]["forward"] + overheads[k]["gradient"])
+    assert lines[-4] == (
+        f"operators: {len(overheads)} timed on the runtime's own instructions, "
+        f"{format_quantity(min(forward), TIME)} to {format_quantity(max(forward), TIME)} "
+        f"forward and {format_quantity(min(gradient), TIME)} to "
+        f"{format_quantity(max(gradient), TIME)} a gradient step beyond their arithmetic "
+        f"(the most: {slowest})")
     # a transfer's hand-off between the runtime's stream threads, measured while the
     # other rank computes
     assert data["device"]["handoff"] == preset.handoff == data["measured"]["handoff"] > 0

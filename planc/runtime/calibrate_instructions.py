@@ -59,7 +59,9 @@ WARMUP = 2  # steps left out: the first allocations, autograd's first graphs
 TIMEOUT = 300.0  # seconds without progress before a step is declared hung
 
 
-def _plan_text(family: str, world: int, per_node: int, steps: int) -> str:
+def plan_text(family: str, world: int, per_node: int, steps: int) -> str:
+    """The tiny plan of ``family`` on ``world`` ranks, nodes of ``per_node``: one sequence
+    of each of 2 microbatches per rank."""
     return PLAN.format(family=family, model=FAMILIES[family].replace("BATCH", str(2 * world)),
                        world=world, nodes=world // per_node, per_node=per_node, steps=steps)
 
@@ -69,7 +71,7 @@ def _samples(family: str, per_node: int, steps: int, rate: float, bandwidth: flo
     """Seconds beyond their arithmetic of this rank's compute instructions, by (operator,
     gradient step), over ``steps`` steps of the family's tiny plan after the warm-up."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    loaded = load_text(_plan_text(family, world, per_node, steps), f"<calibrate {family}>")
+    loaded = load_text(plan_text(family, world, per_node, steps), f"<calibrate {family}>")
     if not loaded.ok:  # the plans above are fixed: a failure here is planc's own bug
         raise RuntimeError(f"calibrate's {family} plan does not check: "
                            f"{[d.message for d in loaded.diagnostics]}")
