@@ -67,6 +67,12 @@ def test_the_demo_plan_names_a_machine_that_planc_calibrate_measured():
         measured["measured"]["handoff"] > 0
     assert plan.topology.device.bandwidth == measured["device"]["bandwidth"]
     assert plan.topology.intra.latency == measured["intra"]["latency"]
+    # each operator's own instructions, as calibrate timed them
+    assert plan.topology.device.overheads == tuple(
+        (kernel, figures["forward"], figures["gradient"])
+        for kernel, figures in sorted(measured["device"]["overheads"].items()))
+    assert {"attention", "qkv", "gelu", "head", "loss"} <= dict(
+        (row[0], row) for row in plan.topology.device.overheads).keys()
 
 
 def test_the_demo_s_mfu_is_of_the_calibrated_peak_in_the_build_simulate_and_the_run(

@@ -202,8 +202,9 @@ def test_a_cpu_prices_forward_and_backward_overheads_apart_and_a_hand_off_per_tr
     import dataclasses
 
     plan = load_file(PLANS / "demo.plan").plan
+    # the device's own figures, for every operator (the operators' own: tests/test_routes.py)
     device = dataclasses.replace(plan.topology.device, overhead=1e-3,
-                                 backward_overhead=3e-3, handoff=5e-4)
+                                 backward_overhead=3e-3, handoff=5e-4, overheads=())
     plan = dataclasses.replace(plan, topology=dataclasses.replace(plan.topology,
                                                                   device=device))
     build = compile_plan(plan)

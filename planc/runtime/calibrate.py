@@ -40,7 +40,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from datetime import timedelta
 
@@ -49,7 +48,9 @@ import torch.distributed as dist
 
 from planc.host.files import write_atomically
 from planc.plan.presets import calibrated_document
-from planc.runtime.calibrate_instructions import measure_instructions
+from planc.runtime.calibrate_instructions import (OVERHEAD_CALLS, OVERHEAD_WINDOWS,
+                                                  measure_handoff, measure_instructions,
+                                                  tiny_operator, while_others_compute)
 from planc.runtime.launcher.rendezvous import joined_store
 from planc.runtime.engine.collectives import all_gather_single, reduce_scatter_single
 from planc.estimate.cost import steps, tree_depth
@@ -235,44 +236,6 @@ def measure_memory(repeats: int) -> float:
     return 2 * source.numel() * 4 / seconds
 
 
-# A compute instruction's fixed cost: the runtime's forward step of a tiny operator
-# (its inputs and parameter made autograd leaves, the parameter cast to the model's
-# dtype, the operator run with a graph: planc.runtime.engine.kernels.Kernels.forward) and its
-# backward step (torch.autograd.grad of that one step: Kernels.backward), timed over
-# OVERHEAD_CALLS back to back, every rank at once, so that on a CPU shared by more ranks
-# than cores each rank's share of the cores is in the figure. A window of 200 lasts about
-# as long as a small model's training step (hundreds of instructions), the span whose
-# median planc run reports; the median of OVERHEAD_WINDOWS of them. (Shorter windows
-# catch the quiet moments of a loaded machine: on this 2-core machine at a load average
-# of 10 to 17, the median of 11 windows of 50 gave 0.15 to 0.6 ms per instruction, and
-# predicted steps 30 to 84 % short of the measured ones, bench/simulate_here.py.)
-OVERHEAD_CALLS = 200
-OVERHEAD_WINDOWS = 5
-OVERHEAD_SHAPE = (4, 8)
-
-
-def tiny_operator() -> tuple:
-    """(forward, backward): the runtime's forward of a tiny operator (inputs and
-    parameter made autograd leaves, the parameter cast to the model's dtype, the operator
-    run with a graph: planc.runtime.engine.kernels.Kernels.forward), returning its leaves and
-    output, and the backward of what it returned (``torch.autograd.grad`` of that one
-    step: Kernels.backward)."""
-    x, w = torch.randn(*OVERHEAD_SHAPE), torch.randn(OVERHEAD_SHAPE[1], OVERHEAD_SHAPE[1])
-    grad = torch.ones(OVERHEAD_SHAPE)
-
-    def forward():
-        leaf = x.detach().requires_grad_(True)
-        weight = w.detach().requires_grad_(True)
-        with torch.enable_grad():
-            out = leaf @ weight.to(torch.float32)
-        return leaf, weight, out
-
-    def backward(leaf, weight, out):
-        torch.autograd.grad(out, [leaf, weight], grad)
-
-    return forward, backward
-
-
 def measure_overhead() -> dict:
     """Seconds of a tiny compute instruction as the runtime runs it, forward and
     backward apart: what the Python and the dispatcher cost, the arithmetic being
@@ -302,32 +265,6 @@ def measure_overhead() -> dict:
     return {"forward": figures[0].item(), "backward": figures[1].item()}
 
 
-def while_others_compute(members: tuple[int, ...], measure) -> float:
-    """``measure()`` (seconds) on the ranks ``members`` while every other rank runs the
-    tiny operator's forward and backward back to back, as the ranks that are not waiting
-    in a training step compute; the slowest member's figure, on every rank. A rank that
-    waits for a message, or a thread that waits for another, is woken only when a core
-    is free: with more ranks than cores that costs several times what it does while the
-    other ranks wait too (on this 2-core machine, a 4 KB all_reduce on a pair of 8 ranks
-    took 1.1 to 1.8 ms with every pair at it at once, 4.3 to 4.5 ms with the other six
-    ranks computing), and in a step the other ranks compute."""
-    rank = dist.get_rank()
-    dist.barrier()
-    seconds = 0.0
-    if rank in members:
-        seconds = measure()
-        done = dist.barrier(async_op=True)
-    else:
-        done = dist.barrier(async_op=True)
-        forward, backward = tiny_operator()
-        while not done.is_completed():
-            backward(*forward())
-    done.wait()
-    slowest = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return float(slowest.item())
-
-
 def pair_of(level: str, per_node: int) -> tuple[int, int]:
     """The first pair of ranks of a level: two ranks of node 0, or rank 0 and its place
     on node 1."""
@@ -340,10 +277,13 @@ LOADED_BATCHES = 5  # at least, for the figures measured while the other ranks c
 def calls_under_load(level: str, per_node: int, repeats: int, pair_group) -> dict:
     """{kind: seconds}: each collective of 4 KB on the level's first pair, and planc's
     tree all_reduce, while every other rank computes (:func:`while_others_compute`):
-    BATCH calls back to back, the median of ``repeats`` batches (LOADED_BATCHES at
-    least). A pair's collective is what tiny plans' groups (tp, dp, cp of 2) run; a
-    pair's all_gather is one ring step, a message each way at once: the latency of a
-    message in a step, which pipeline transfers and every ring step pay."""
+    BATCH calls, each after a tiny operator's step of compute, as a step reaches its
+    collectives (the partner then arrives when its own compute and the scheduler let it,
+    not already waiting: back to back, a pair's tree all_reduce took 0.05-0.4 ms here,
+    after compute 1.1-1.6 ms, and the demo's runs wait about 4 ms for each of theirs),
+    the median of ``repeats`` batches (LOADED_BATCHES at least). A pair's collective is
+    what tiny plans' groups (tp, dp, cp of 2) run; a pair's all_gather is one ring step,
+    a message each way at once: the latency of a message in a step."""
     from planc.program.routes import tree
     from planc.runtime.engine.routes import Route, all_reduce
 
@@ -360,57 +300,21 @@ def calls_under_load(level: str, per_node: int, repeats: int, pair_group) -> dic
         "tree": lambda: all_reduce(route, whole),
     }
     calls = {}
+    forward, backward = tiny_operator()
     for kind, operation in operations.items():
         def batches(operation=operation) -> float:
             times = []
             for _ in range(max(repeats, LOADED_BATCHES) + 1):
-                start = time.perf_counter()
+                spent = 0.0
                 for _ in range(BATCH):
+                    backward(*forward())
+                    start = time.perf_counter()
                     operation()
-                times.append((time.perf_counter() - start) / BATCH)
+                    spent += time.perf_counter() - start
+                times.append(spent / BATCH)
             return statistics.median(times[1:])
         calls[kind] = while_others_compute(members, batches)
     return calls
-
-
-def measure_handoff() -> float:
-    """Seconds of a hand-off round trip between two threads of a rank, as the CPU
-    executor makes one for every transfer the compute stream waits for
-    (planc.runtime.engine.executor: the compute stream's thread sets an event, the transfer's
-    thread wakes from ``Event.wait``, does its work and sets another, the compute
-    thread wakes), on rank 0 while the others compute (:func:`while_others_compute`):
-    the median of OVERHEAD_WINDOWS windows of OVERHEAD_CALLS round trips. The work in
-    between is nothing: the transfer's own time is the backend's, measured above."""
-    go, back, stop = threading.Event(), threading.Event(), threading.Event()
-
-    def other_stream():
-        while True:
-            while not go.wait(0.05):
-                if stop.is_set():
-                    return
-            go.clear()
-            back.set()
-
-    thread = threading.Thread(target=other_stream, daemon=True)
-    thread.start()
-
-    def windows() -> float:
-        times = []
-        for _ in range(OVERHEAD_WINDOWS + 1):
-            start = time.perf_counter()
-            for _ in range(OVERHEAD_CALLS):
-                go.set()
-                while not back.wait(0.05):
-                    pass
-                back.clear()
-            times.append((time.perf_counter() - start) / OVERHEAD_CALLS)
-        return statistics.median(times[1:])
-
-    try:
-        return while_others_compute((0,), windows)
-    finally:
-        stop.set()
-        thread.join()
 
 
 def calibrate(per_node: int, repeats: int) -> dict:

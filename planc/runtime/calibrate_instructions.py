@@ -1,24 +1,32 @@
-"""What the runtime's compute instructions cost beyond their arithmetic on this machine,
-operator by operator: the fixed costs ``planc calibrate`` writes as ``device.overheads``
-(planc.plan.plan.Device) and ``planc simulate`` adds to each instruction's roofline time
-(planc.estimate.roofline).
+"""What the runtime's instructions cost a rank on this machine beyond what the links and
+the arithmetic take, for ``planc calibrate`` (planc.runtime.calibrate), and the load they
+are measured under.
 
-Measured on what runs: every rank of the calibration compiles a tiny data-parallel plan
-of each model family (:data:`FAMILIES`, ``dp`` = the calibration's world, so every rank
-runs it at once and the cores are shared as in a training step), runs a few steps of it
-through the runtime's own executor with its trace on, and takes, for every compute
-instruction after the warm-up, its traced time less its arithmetic at the measured
-compute rate and memory bandwidth. The figure of an operator is the median over its
-instructions, forward steps and gradient steps apart, the slowest rank's. On a CPU a
-small model's instruction is mostly this: the Python of the step, the dispatch of
-several PyTorch operators, autograd's bookkeeping, which a single matrix multiply (the
-device's one ``overhead``) undercounts several times over.
+- Each operator's compute instructions, ``device.overheads`` (planc.plan.plan.Device),
+  which ``planc simulate`` adds to each instruction's roofline time
+  (planc.estimate.roofline). Measured on what runs: every rank of the calibration
+  compiles a tiny data-parallel plan of each model family (:data:`FAMILIES`, ``dp`` = the
+  calibration's world, so every rank runs it at once and the cores are shared as in a
+  training step), runs a few steps of it through the runtime's own executor with its
+  trace on, and takes, for every compute instruction after the warm-up, its traced time
+  less its arithmetic at the measured compute rate and memory bandwidth. The figure of
+  an operator is the median over its instructions, forward steps and gradient steps
+  apart, the slowest rank's. On a CPU a small model's instruction is mostly this: the
+  Python of the step, the dispatch of several PyTorch operators, autograd's
+  bookkeeping, which a single matrix multiply (the device's one ``overhead``,
+  :func:`tiny_operator`) undercounts several times over.
+- The hand-off of a transfer between the executor's stream threads
+  (:func:`measure_handoff`, ``device.handoff``).
+- :func:`while_others_compute`: a measurement on some ranks while the others compute,
+  as in a step.
 """
 
 from __future__ import annotations
 
 import statistics
 import tempfile
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -131,3 +139,107 @@ def measure_instructions(per_node: int, repeats: int, rate: float, bandwidth: fl
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     return {kernel: {"forward": float(row[0]), "gradient": float(row[1])}
             for kernel, row in zip(kernels, figures)}
+
+
+# A compute instruction's fixed cost: the runtime's forward step of a tiny operator
+# (its inputs and parameter made autograd leaves, the parameter cast to the model's
+# dtype, the operator run with a graph: planc.runtime.engine.kernels.Kernels.forward) and its
+# backward step (torch.autograd.grad of that one step: Kernels.backward), timed over
+# OVERHEAD_CALLS back to back, every rank at once, so that on a CPU shared by more ranks
+# than cores each rank's share of the cores is in the figure. A window of 200 lasts about
+# as long as a small model's training step (hundreds of instructions), the span whose
+# median planc run reports; the median of OVERHEAD_WINDOWS of them. (Shorter windows
+# catch the quiet moments of a loaded machine: on this 2-core machine at a load average
+# of 10 to 17, the median of 11 windows of 50 gave 0.15 to 0.6 ms per instruction, and
+# predicted steps 30 to 84 % short of the measured ones, bench/simulate_here.py.)
+OVERHEAD_CALLS = 200
+OVERHEAD_WINDOWS = 5
+OVERHEAD_SHAPE = (4, 8)
+
+
+def tiny_operator() -> tuple:
+    """(forward, backward): the runtime's forward of a tiny operator (inputs and
+    parameter made autograd leaves, the parameter cast to the model's dtype, the operator
+    run with a graph: planc.runtime.engine.kernels.Kernels.forward), returning its leaves and
+    output, and the backward of what it returned (``torch.autograd.grad`` of that one
+    step: Kernels.backward)."""
+    x, w = torch.randn(*OVERHEAD_SHAPE), torch.randn(OVERHEAD_SHAPE[1], OVERHEAD_SHAPE[1])
+    grad = torch.ones(OVERHEAD_SHAPE)
+
+    def forward():
+        leaf = x.detach().requires_grad_(True)
+        weight = w.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = leaf @ weight.to(torch.float32)
+        return leaf, weight, out
+
+    def backward(leaf, weight, out):
+        torch.autograd.grad(out, [leaf, weight], grad)
+
+    return forward, backward
+
+
+def while_others_compute(members: tuple[int, ...], measure) -> float:
+    """``measure()`` (seconds) on the ranks ``members`` while every other rank runs the
+    tiny operator's forward and backward back to back, as the ranks that are not waiting
+    in a training step compute; the slowest member's figure, on every rank. A rank that
+    waits for a message, or a thread that waits for another, is woken only when a core
+    is free: with more ranks than cores that costs several times what it does while the
+    other ranks wait too (on this 2-core machine, a 4 KB all_reduce on a pair of 8 ranks
+    took 1.1 to 1.8 ms with every pair at it at once, 4.3 to 4.5 ms with the other six
+    ranks computing), and in a step the other ranks compute."""
+    rank = dist.get_rank()
+    dist.barrier()
+    seconds = 0.0
+    if rank in members:
+        seconds = measure()
+        done = dist.barrier(async_op=True)
+    else:
+        done = dist.barrier(async_op=True)
+        forward, backward = tiny_operator()
+        while not done.is_completed():
+            backward(*forward())
+    done.wait()
+    slowest = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest.item())
+
+
+def measure_handoff() -> float:
+    """Seconds of a hand-off round trip between two threads of a rank, as the CPU
+    executor makes one for every transfer the compute stream waits for
+    (planc.runtime.engine.executor: the compute stream's thread sets an event, the transfer's
+    thread wakes from ``Event.wait``, does its work and sets another, the compute
+    thread wakes), on rank 0 while the others compute (:func:`while_others_compute`):
+    the median of OVERHEAD_WINDOWS windows of OVERHEAD_CALLS round trips. The work in
+    between is nothing: the transfer's own time is the backend's, measured above."""
+    go, back, stop = threading.Event(), threading.Event(), threading.Event()
+
+    def other_stream():
+        while True:
+            while not go.wait(0.05):
+                if stop.is_set():
+                    return
+            go.clear()
+            back.set()
+
+    thread = threading.Thread(target=other_stream, daemon=True)
+    thread.start()
+
+    def windows() -> float:
+        times = []
+        for _ in range(OVERHEAD_WINDOWS + 1):
+            start = time.perf_counter()
+            for _ in range(OVERHEAD_CALLS):
+                go.set()
+                while not back.wait(0.05):
+                    pass
+                back.clear()
+            times.append((time.perf_counter() - start) / OVERHEAD_CALLS)
+        return statistics.median(times[1:])
+
+    try:
+        return while_others_compute((0,), windows)
+    finally:
+        stop.set()
+        thread.join()

@@ -40,10 +40,10 @@ class Accuracy:
 
 
 # bench/simulate_here.py on this project's 2-core machine, 2026-11-29 (quiet; after
-# calibrate measured each operator's instructions, docs/simulate.md "On this machine"):
-# 7 plans of plans/ trained with gloo on a topology planc calibrate measured, step
-# against simulate.
-CALIBRATED = Accuracy(7, 0.37, 0.74,
+# calibrate measured each operator's instructions and a pair's collectives reached from
+# compute, docs/simulate.md "On this machine"): 7 plans of plans/ trained with gloo on a
+# topology planc calibrate measured, step against simulate.
+CALIBRATED = Accuracy(7, 0.18, 0.35,
                       "runs of plans/ trained on a calibrated 2-core CPU machine")
 # bench/validation.py --json, 2026-11-28 ("all_dense" and the moe table's "shipped"; the
 # dense figure after the plans said the dtype of their gradient reduction, shard { dp {
