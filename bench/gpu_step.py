@@ -126,8 +126,10 @@ def run_torch(plan, steps: int, device, compiled: bool) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    else:  # as planc run's ranks (OMP_NUM_THREADS=1 unless the user sets it)
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    else:  # as planc run's one rank: the machine's cores, unless the user sets it
+        from planc.runtime.launcher.launch import threads_per_rank
+
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", threads_per_rank(1))))
     model = hf_model(plan, device)
     forward = torch.compile(model, mode="reduce-overhead" if device.type == "cuda" else None) \
         if compiled else model  # forward and backward compiled (AOTAutograd), as torchtitan

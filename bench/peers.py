@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -228,6 +229,10 @@ def table(pairs: dict, switches: dict) -> str:
 
 def main() -> int:
     from rounds import check_rounds_and_steps
+
+    # one intra-op thread for every rank of both sides (the peers set it for theirs):
+    # planc run would give a 1-rank plan every core of the machine
+    os.environ["OMP_NUM_THREADS"] = "1"
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)

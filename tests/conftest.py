@@ -13,6 +13,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = ROOT / "plans"
 
+# `make test` runs a test file per core (pytest-xdist), and planc run gives each rank the
+# machine's cores over its ranks as intra-op threads (planc.runtime.launcher.launch): one
+# thread a rank keeps two files' runs from oversubscribing the cores, and every run's sums
+# in the order its expectations were written against. A setting of the caller wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # A plan with exactly one error, the one of the language reference: tp = 8, heads = 12.
 BAD_TP = """\
 # tp does not divide heads

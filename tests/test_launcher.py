@@ -186,3 +186,16 @@ def test_a_timeout_that_is_not_a_number_of_seconds_is_refused(stuck, capfd, valu
     assert err.startswith("planc: error: --timeout must be a number of seconds above 0 and at "
                           "most 604800 (a week), not ")
     assert "running" not in err
+
+
+def test_ranks_share_the_machines_cores_as_intra_op_threads():
+    """planc run gives each of its ranks the cores over the ranks, at least one; the
+    suite pins one (tests/conftest.py), a caller's OMP_NUM_THREADS wins."""
+    from planc.runtime.launcher.launch import threads_per_rank
+
+    cores = len(os.sched_getaffinity(0))
+    assert threads_per_rank(1) == cores
+    assert threads_per_rank(2) == max(1, cores // 2)
+    assert threads_per_rank(cores) == 1
+    assert threads_per_rank(8 * cores) == 1
+    assert os.environ["OMP_NUM_THREADS"] == "1"

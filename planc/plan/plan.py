@@ -139,7 +139,8 @@ class Device:
     # The fixed cost by operator, where planc calibrate measured it on the runtime's own
     # instructions: (kernel, forward seconds, gradient step seconds), sorted by kernel.
     # An operator it did not measure costs ``overhead`` / ``backward_overhead``.
-    overheads: tuple[tuple[str, float, float], ...] = ()
+    overheads: tuple[tuple[str, float, float], ...] = field(
+        default=(), metadata={"omitted_when_default": True})
 
     @property
     def gradient_step_overhead(self) -> float:

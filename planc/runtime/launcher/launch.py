@@ -114,8 +114,20 @@ def launch(options: RunOptions, world: int, interrupts: Interrupts | None = None
         return _launch(options, world, signals)
 
 
+def threads_per_rank(ranks: int) -> int:
+    """Intra-op (OpenMP) threads for each of ``ranks`` ranks started on this machine: its
+    cores shared evenly (the cores this process may run on), at least one. One thread
+    for each of more ranks than cores; a 1-rank run on 2 cores gets both (with one, the
+    bench's 1-rank plan took 551 ms a step, with two 315 ms: docs/launching.md). A
+    user's OMP_NUM_THREADS wins."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+    return max(1, cores // max(ranks, 1))
+
+
 def _launch(options: RunOptions, world: int, interrupts: Interrupts) -> int:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # ranks share this machine's cores
+    # ranks share this machine's cores
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(world)))
     # glibc returns freed blocks above a dynamic threshold to the system and maps them
     # again on the next step: thousands of page faults per step with activations of a few
     # MB each. Keeping freed memory (as PyTorch's CUDA caching allocator does on GPUs)
