@@ -141,7 +141,8 @@ def measure_instructions(per_node: int, repeats: int, rate: float, bandwidth: fl
             for kernel, row in zip(kernels, figures)}
 
 
-# A compute instruction's fixed cost: the runtime's forward step of a tiny operator
+# The device's one fixed cost of a compute instruction, for the operators not timed
+# above (planc.runtime.calibrate.measure_overhead): the runtime's forward step of a tiny operator
 # (its inputs and parameter made autograd leaves, the parameter cast to the model's
 # dtype, the operator run with a graph: planc.runtime.engine.kernels.Kernels.forward) and its
 # backward step (torch.autograd.grad of that one step: Kernels.backward), timed over
@@ -212,7 +213,8 @@ def measure_handoff() -> float:
     thread wakes from ``Event.wait``, does its work and sets another, the compute
     thread wakes), on rank 0 while the others compute (:func:`while_others_compute`):
     the median of OVERHEAD_WINDOWS windows of OVERHEAD_CALLS round trips. The work in
-    between is nothing: the transfer's own time is the backend's, measured above."""
+    between is nothing: the transfer's own time is the backend's, measured with the
+    links (planc.runtime.calibrate)."""
     go, back, stop = threading.Event(), threading.Event(), threading.Event()
 
     def other_stream():
