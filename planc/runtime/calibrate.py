@@ -123,13 +123,14 @@ def _peer(level: str, per_node: int, nodes: int) -> int | None:
     return partner * per_node + local if partner < nodes else None
 
 
-def measure_point_to_point(level: str, per_node: int, nodes: int, repeats: int
+def measure_point_to_point(level: str, per_node: int, nodes: int, repeats: int,
+                           sizes: tuple[int, ...]
                            ) -> tuple[list, tuple[float, float]]:
     """(points, (bandwidth, latency)) of one message between pairs of ranks, every pair
     of the level at once; the lower rank of a pair sends, the other receives."""
     peer, rank = _peer(level, per_node, nodes), dist.get_rank()
     points = []
-    for nbytes in SIZES:
+    for nbytes in sizes:
         buffer = torch.ones(max(nbytes // 4, 1))
 
         def transfer(b=buffer):
@@ -148,7 +149,8 @@ def measure_point_to_point(level: str, per_node: int, nodes: int, repeats: int
     return points, (1 / slope, t_small / 2)
 
 
-def measure_collectives(level: str, groups: dict, repeats: int, latency: float
+def measure_collectives(level: str, groups: dict, repeats: int, latency: float,
+                        sizes: tuple[int, ...]
                         ) -> tuple[dict, dict]:
     """(points, {kind: {bandwidth, latency}}) of each collective on the level's groups,
     all groups at once: the bus bandwidth from the slope, the latency of a call from what
@@ -157,7 +159,7 @@ def measure_collectives(level: str, groups: dict, repeats: int, latency: float
     points, tuned = {}, {}
     for kind in ("all_reduce", "reduce_scatter", "all_gather"):
         measured = []
-        for nbytes in SIZES:
+        for nbytes in sizes:
             whole = torch.ones(nbytes // 4)
             part = torch.ones(nbytes // 4 // size)
             operation = {
@@ -176,11 +178,12 @@ def measure_collectives(level: str, groups: dict, repeats: int, latency: float
         tuned[kind] = {"bandwidth": factor / slope,
                        "latency": max(at_zero - steps * latency, 0.0)}
     if group is not None and size > 1:
-        points["tree"], tuned["tree"] = measure_tree(groups[level], repeats)
+        points["tree"], tuned["tree"] = measure_tree(groups[level], repeats, sizes)
     return points, tuned
 
 
-def measure_tree(level_group: tuple, repeats: int) -> tuple[list, dict]:
+def measure_tree(level_group: tuple, repeats: int, sizes: tuple[int, ...]
+                 ) -> tuple[list, dict]:
     """A tree all-reduce (planc's recipe, run as planc runs it) on the level's groups:
     the latency and bandwidth of one hop, ``t = 2 depth (latency + fan bytes / bw)``."""
     from planc.program.routes import tree
@@ -191,7 +194,7 @@ def measure_tree(level_group: tuple, repeats: int) -> tuple[list, dict]:
     recipe = tree("all_reduce", (size,))
     route = Route(recipe.positions[index], recipe.chunks, index, {}, {}, group, members)
     measured = []
-    for nbytes in SIZES:
+    for nbytes in sizes:
         buffer = torch.ones(nbytes // 4)
         measured.append((nbytes, timed(lambda b=buffer: all_reduce(route, b), nbytes,
                                        repeats)))
@@ -274,7 +277,8 @@ def pair_of(level: str, per_node: int) -> tuple[int, int]:
 LOADED_BATCHES = 5  # at least, for the figures measured while the other ranks compute
 
 
-def calls_under_load(level: str, per_node: int, repeats: int, pair_group) -> dict:
+def calls_under_load(level: str, per_node: int, repeats: int, pair_group,
+                     smallest: int) -> dict:
     """{kind: seconds}: each collective of 4 KB on the level's first pair, and planc's
     tree all_reduce, while every other rank computes (:func:`while_others_compute`):
     BATCH calls, each after a tiny operator's step of compute, as a step reaches its
@@ -287,8 +291,8 @@ def calls_under_load(level: str, per_node: int, repeats: int, pair_group) -> dic
     from planc.program.routes import tree
     from planc.runtime.engine.routes import Route, all_reduce
 
-    part = torch.ones(SIZES[0] // 4 // 2)
-    whole = torch.ones(SIZES[0] // 4)
+    part = torch.ones(smallest // 4 // 2)
+    whole = torch.ones(smallest // 4)
     members = pair_of(level, per_node)
     index = members.index(dist.get_rank()) if dist.get_rank() in members else 0
     recipe = tree("all_reduce", (2,))
@@ -317,7 +321,7 @@ def calls_under_load(level: str, per_node: int, repeats: int, pair_group) -> dic
     return calls
 
 
-def calibrate(per_node: int, repeats: int) -> dict:
+def calibrate(per_node: int, repeats: int, sizes: tuple[int, ...] = SIZES) -> dict:
     """Measure, on every rank at once; the topology document (the same on every rank)."""
     world = dist.get_world_size()
     nodes = world // per_node
@@ -326,17 +330,17 @@ def calibrate(per_node: int, repeats: int) -> dict:
     pairs = {level: dist.new_group(list(pair_of(level, per_node)))
              for level, members in (("intra", per_node), ("inter", nodes)) if members > 1}
     links, measured = {}, {"backend": dist.get_backend(), "world": world, "nodes": nodes,
-                           "repeats": repeats, "sizes": list(SIZES), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+                           "repeats": repeats, "sizes": list(sizes), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     for level, members in (("intra", per_node), ("inter", nodes)):
         if members < 2:
             continue
         p2p_points, (bandwidth, latency) = measure_point_to_point(level, per_node, nodes,
-                                                                  repeats)
-        points, tuned = measure_collectives(level, groups, repeats, latency)
+                                                                  repeats, sizes)
+        points, tuned = measure_collectives(level, groups, repeats, latency, sizes)
         # A collective's fixed cost per call comes from the figures measured with every
         # rank at it; a message's latency, a ring's step, from the one measured while the
         # other ranks compute, as in a step.
-        calls = calls_under_load(level, per_node, repeats, pairs[level])
+        calls = calls_under_load(level, per_node, repeats, pairs[level], sizes[0])
         loaded = calls["all_gather"]  # one ring step on a pair
         for kind in ("all_reduce", "reduce_scatter"):  # beyond their steps on a pair
             tuned[kind]["latency"] = max(calls[kind] - steps(kind, 2) * loaded, 0.0)
@@ -374,9 +378,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
-    if args.quick:
-        global SIZES
-        SIZES = QUICK_SIZES
     world = int(os.environ["WORLD_SIZE"])
     if args.devices_per_node < 1 or world % args.devices_per_node:
         print(f"planc calibrate: {world} ranks do not fill nodes of {args.devices_per_node}",
@@ -387,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group(args.backend, timeout=timeout, rank=int(os.environ["RANK"]),
                             world_size=world, store=joined_store(world, timeout))
     try:
-        document = calibrate(args.devices_per_node, args.repeats)
+        document = calibrate(args.devices_per_node, args.repeats,
+                             QUICK_SIZES if args.quick else SIZES)
         if dist.get_rank() == 0:
             write_atomically(args.output, (json.dumps(document, indent=1) + "\n").encode())
     finally:
