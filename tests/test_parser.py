@@ -227,6 +227,18 @@ def test_grad_accumulation_says_how_microbatch_gradients_add_up():
         plan_with("optimize { grad_accumulation = autograd }"))
 
 
+def test_kernels_says_how_the_elementwise_modules_run():
+    from planc.views.plan_summary import settings
+
+    assert plan_with().optimize.kernels == "fused"
+    assert plan_with("optimize { kernels = eager }").optimize.kernels == "eager"
+    loaded = load_text(f"plan t {{ {MODEL}\n optimize {{ kernels = compiled }} }}")
+    (error,) = loaded.diagnostics
+    assert error.message == "unknown value 'compiled'; expected fused or eager"
+    assert "kernels" not in settings(plan_with())
+    assert ", kernels eager\n" in settings(plan_with("optimize { kernels = eager }"))
+
+
 def test_reduce_dtype_says_the_dtype_of_the_data_parallel_gradient_reduction():
     from planc.views.plan_summary import settings
 

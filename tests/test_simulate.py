@@ -181,9 +181,11 @@ def test_a_declared_peak_scales_attention_as_it_scales_the_gemms():
     """torchtitan's 500 W H100s declare 912.25 TFLOP/s (between H100 NVL and SXM) over
     the dgx-h100 preset: FlashAttention's rates (measured on the 989 TFLOP/s part) scale by
     912.25 / 989, as the GEMMs' peak does; a plan that declares nothing keeps them."""
-    titan = load_file(PLANS / "torchtitan" / "torchtitan-8b-fsdp8.plan").plan
+    # attention's kernel alone: without the eager run's repeat_kv copies
+    fused = ("optimize.kernels=fused",)
+    titan = load_file(PLANS / "torchtitan" / "torchtitan-8b-fsdp8.plan", fused).plan
     sxm = load_file(PLANS / "torchtitan" / "torchtitan-8b-fsdp8.plan",
-                    ("topology.device.flops=989TFLOP/s",)).plan
+                    (*fused, "topology.device.flops=989TFLOP/s")).plan
     assert titan.topology.device.flops == 912.25e12
     slow, fast = KernelModel.of(titan), KernelModel.of(sxm)
     assert (slow.attention_scale, fast.attention_scale) == (912.25 / 989, 1.0)
@@ -193,6 +195,69 @@ def test_a_declared_peak_scales_attention_as_it_scales_the_gemms():
     assert slow.seconds(operands, 0.0) == flops * 0.5 / (164e12 * 912.25 / 989) + 4e-6
     assert fast.seconds(operands, 0.0) == flops * 0.5 / 164e12 + 4e-6
     assert slow.gemm_seconds(16384, 4096, 4096) > fast.gemm_seconds(16384, 4096, 4096)
+
+
+def _torchtitan_8b_costs(kernels: str) -> tuple[InstructionCosts, dict[str, Instruction]]:
+    """torchtitan-8b-fsdp8 (FSDP 8, no tp: 2 sequences of 8,192 tokens a rank, hidden
+    4,096, ffn 14,336, 32 heads sharing 8 k/v heads of 128, vocabulary 128,256) under
+    ``optimize { kernels }``."""
+    build = compile_plan(load_file(PLANS / "torchtitan" / "torchtitan-8b-fsdp8.plan",
+                                   (f"optimize.kernels={kernels}",)).plan)
+    program = next(iter(build.programs.values()))
+    found = {i.node: i for block in program.blocks.values() for i in block if i.node}
+    return InstructionCosts(build.plan, build.groups), found
+
+
+def test_eager_modules_are_priced_as_the_kernels_torchtitans_llama_runs():
+    """At 2.4 TB/s and 4 us a launch, in bf16 (2 bytes), per element: RMSNorm forward
+    28 + 4 x 2 bytes in 8 kernels, backward 76 + 8 x 2 in 16 (against one kernel reading
+    and writing 2 bytes each, fused); SwiGLU 5 x 2 in 2 and 9 x 2 in 3; RoPE after the
+    qkv GEMM 16 + 2 x 2 in 6 over q's and k's 40 heads of 128 (fused: one kernel of 2 x 2);
+    repeat_kv's copies before attention 2 x 2 x (1 + 8 / 32) in 2 over q's 32 heads; the
+    loss in fp32 22 bytes a logit in 3 kernels, its backward 26 in 4."""
+    bandwidth, launch, tokens = 2.4e12, 4e-6, 2 * 8192
+    eager, found = _torchtitan_8b_costs("eager")
+    fused, same = _torchtitan_8b_costs("fused")
+    stream = tokens * 4096
+    assert eager(found["F/L0/ln1"], 0) == pytest.approx(36 * stream / bandwidth + 8 * launch)
+    assert fused(same["F/L0/ln1"], 0) == pytest.approx(4 * stream / bandwidth + launch)
+    assert eager(found["B/L0/ln1"], 0) == pytest.approx(92 * stream / bandwidth + 16 * launch)
+    ffn = tokens * 14336
+    assert eager(found["F/L0/swiglu"], 0) == pytest.approx(10 * ffn / bandwidth + 2 * launch)
+    assert eager(found["B/L0/swiglu"], 0) == pytest.approx(18 * ffn / bandwidth + 3 * launch)
+    # the tokens follow from qkv's FLOPs, which count RoPE's 3 a rotated element beside
+    # the GEMM's 2 x 4,096 x 6,144 a token
+    rotated = tokens * (1 + 3 * 5120 / (2 * 4096 * 6144)) * 40 * 128
+    assert eager(found["F/L0/qkv"], 0) - fused(same["F/L0/qkv"], 0) == pytest.approx(
+        16 * rotated / bandwidth + 5 * launch)
+    assert eager(found["B/L0/qkv"], 0) - fused(same["B/L0/qkv"], 0) == pytest.approx(
+        16 * rotated / bandwidth + 5 * launch)
+    queries = tokens * 32 * 128
+    for node in ("F/L0/attention", "R/L0/attention", "B/L0/attention"):
+        assert eager(found[node], 0) - fused(same[node], 0) == pytest.approx(
+            5 * queries / bandwidth + 2 * launch)
+    logits = tokens * 128256
+    assert eager(found["F/loss"], 0) == pytest.approx(22 * logits / bandwidth + 3 * launch)
+    assert eager(found["B/loss"], 0) == pytest.approx(26 * logits / bandwidth + 4 * launch)
+    # what the modules do not touch is the same kernel either way
+    for node in ("F/L0/proj", "B/L0/fc2", "F/L0/attn_residual", "F/head"):
+        assert eager(found[node], 0) == fused(same[node], 0), node
+    # RoPE is priced under fused as one pass over q and k (none before this model)
+    kernels = KernelModel.of(compile_plan(load_file(
+        PLANS / "torchtitan" / "torchtitan-8b-fsdp8.plan",
+        ("optimize.kernels=fused",)).plan).plan)
+    assert fused(same["F/L0/qkv"], 0) == pytest.approx(
+        kernels.gemm_seconds(rotated / (40 * 128), 6144, 4096) + 4 * rotated / bandwidth
+        + launch)
+
+
+def test_a_gpt_has_no_eager_modules_to_price():
+    """GPT's LayerNorm and GELU are one kernel each in eager PyTorch too, and it has no
+    RoPE: kernels = eager changes nothing."""
+    plan = load_file(PLANS / "korthikanti-22b.plan").plan
+    eager = load_file(PLANS / "korthikanti-22b.plan", ("optimize.kernels=eager",)).plan
+    assert simulate(compile_plan(eager)).step_seconds == \
+        simulate(compile_plan(plan)).step_seconds
 
 
 def test_a_cpu_prices_forward_and_backward_overheads_apart_and_a_hand_off_per_transfer():

@@ -169,8 +169,10 @@ def _tamper_plan(build: Path, change) -> Path:
      "plan.optimize.grad_accumulation is 'separate', not one of fused, buffer, autograd"),
     (lambda d: d["shard"]["dp"].update(reduce_dtype="fp8"),
      "plan.shard.dp.reduce_dtype is 'fp8', not one of model, fp32"),
+    (lambda d: d["optimize"].update(kernels="compiled"),
+     "plan.optimize.kernels is 'compiled', not one of fused, eager"),
 ], ids=["dtype-fp64", "bandwidth-0", "lr-negative", "lr-nan", "microbatches-1e9",
-        "grad-accumulation", "reduce-dtype"])
+        "grad-accumulation", "reduce-dtype", "kernels"])
 def test_a_resigned_plan_json_is_checked_again(build, capsys, change, reason):
     path = _tamper_plan(build, change)
     assert _refused(capsys, "verify", build) == (

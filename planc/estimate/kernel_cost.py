@@ -83,6 +83,9 @@ The figures per GPU, and where they come from:
   attention rates by its peak over the preset's, as ``peak`` scales the GEMMs.
 - ``launch = 4 us`` per kernel: the launch overhead of a CUDA kernel on these GPUs (NVIDIA,
   "Getting Started with CUDA Graphs", 2019: a few microseconds per kernel).
+
+What a module runs beside its GEMMs (RoPE, an eager norm) is
+:mod:`planc.estimate.module_kernels`'s.
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ from math import ceil
 from types import SimpleNamespace
 
 from planc.estimate.model import Shapes
+from planc.estimate.module_kernels import ADDED_TO_THE_GRAPH, Passes, module_passes
 from planc.plan.presets import PRESETS
 from planc.program.operands import Operands, StepKind
 from planc.models import family_of, moe
@@ -229,6 +233,10 @@ class KernelModel:
         # Unfused attention: per head, scores = Q K^T (s x s_full, inner head_dim), then
         # scores V (s x head_dim, inner s_full); heads of all microbatch rows stacked.
         self.mixture = Mixture.of(plan)
+        self.module_passes = module_passes(plan, shapes)
+        # q's and k's features on one tp rank: what RoPE rotates
+        heads, kv = shapes.heads, getattr(shapes.model, "key_value_heads", shapes.heads)
+        self.rope_features = (max(heads // tp, 1) + max(kv // tp, 1)) * shapes.model.head_dim
         self.head_dim = shapes.model.head_dim
         self.seq_full = shapes.seq_full
         self.score_rows = shapes.batch * shapes.seq * max(shapes.heads // tp, 1)
@@ -311,25 +319,57 @@ class KernelModel:
         return seconds + (2.0 if backward else 1.0) * moved / self.bandwidth + \
             passes * self.gpu.launch
 
+    def _linear_gemms(self, op: str, step: str | None, split: bool
+                      ) -> tuple[tuple[int, int, int], ...]:
+        """(rows, columns, inner) of each GEMM of a linear's step, the tokens as 1."""
+        n, k = self.features[op]
+        if step == "backward" and not split:
+            return ((1, k, n), (k, n, 1))  # dX = dY W^T, dW = X^T dY
+        if step == "backward":
+            return ((1, k, n),)  # a split backward's B step: dX only
+        if step == "weight":
+            return ((k, n, 1),)  # and its W step
+        return ((1, n, k),)
+
+    def linear_tokens(self, op: str, step: str | None, flops: float,
+                      split: bool = False) -> float:
+        """The tokens a linear's step of ``flops`` runs on, on one tp rank."""
+        n, k = self.features[op]
+        return flops / (2.0 * n * k * len(self._linear_gemms(op, step, split)))
+
     def linear_seconds(self, op: str, step: str | None, flops: float,
                        split: bool = False) -> float:
         """A linear's ``step`` (forward, recompute, backward, weight) of ``flops`` on one
         tp rank; ``split``: its backward is split into B (input gradient) and W (weight
         gradient) steps. The tokens follow from the FLOPs, so a pass that cuts a linear
         into pieces (tp_overlap) prices each piece at its size."""
-        n, k = self.features[op]
-        # (rows, columns, inner) of each GEMM, with the tokens as 1 for now
-        if step == "backward" and not split:
-            gemms = ((1, k, n), (k, n, 1))  # dX = dY W^T, dW = X^T dY
-        elif step == "backward":
-            gemms = ((1, k, n),)  # a split backward's B step: dX only
-        elif step == "weight":
-            gemms = ((k, n, 1),)  # and its W step
-        else:
-            gemms = ((1, n, k),)
-        tokens = flops / (2.0 * n * k * len(gemms))
+        tokens = self.linear_tokens(op, step, flops, split)
         return sum(self.gemm_seconds(*(tokens if d == 1 else d for d in gemm))
-                   for gemm in gemms)
+                   for gemm in self._linear_gemms(op, step, split))
+
+    def passes_seconds(self, passes: Passes, elements: float) -> float:
+        """Elementwise kernels over ``elements`` at the memory bandwidth, a launch each."""
+        return passes.bytes(self.dtype_bytes) * elements / self.bandwidth + \
+            passes.kernels * self.gpu.launch
+
+    def module_seconds(self, operands: Operands, flops: float) -> float | None:
+        """What the operator's module runs beside what the graph prices (RoPE after the
+        qkv GEMM, repeat_kv before attention), or instead of it (an eager norm,
+        activation or loss); None where the plan's kernels add nothing."""
+        found = self.module_passes.get(operands.kernel)
+        if found is None or operands.step == StepKind.WEIGHT or operands.vocab_parallel:
+            return None
+        name, (forward, backward) = found
+        passes = backward if operands.step == StepKind.BACKWARD else forward
+        if name == "rope":
+            elements = self.rope_features * self.linear_tokens(
+                operands.kernel, operands.step, flops, operands.weight_step is not None)
+        elif name == "fp32_cross_entropy":
+            elements = flops / LOSS_FLOPS_PER_LOGIT / (
+                2.0 if operands.step == StepKind.BACKWARD else 1.0)
+        else:  # per element of the operator's output
+            elements = (operands.output_bytes or 0) / self.dtype_bytes
+        return self.passes_seconds(passes, elements)
 
     def unfused_attention(self, backward: bool) -> float:
         """Megatron-LM's attention before FlashAttention (Korthikanti et al. 2022, section
@@ -346,6 +386,15 @@ class KernelModel:
 
     def seconds(self, operands: Operands, traffic: float) -> float:
         """``traffic``: the roofline's bytes moved, for an operator bound by memory."""
+        flops, kernel = operands.flops or 0.0, operands.kernel
+        module = self.module_seconds(operands, flops)
+        if module is not None and kernel not in ADDED_TO_THE_GRAPH:
+            return module  # an eager module in place of the fused kernel
+        return self.graph_seconds(operands, traffic) + (module or 0.0)
+
+    def graph_seconds(self, operands: Operands, traffic: float) -> float:
+        """The instruction's own kernels: its GEMMs, attention, or one memory-bound
+        kernel."""
         flops, kernel = operands.flops or 0.0, operands.kernel
         if kernel in self.features:
             return self.linear_seconds(kernel, operands.step, flops,

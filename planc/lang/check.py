@@ -355,7 +355,7 @@ class _Checker(TopologyReader):
 
     def _optimize(self) -> Optimize | None:
         keys = ("fuse", "bucket", "route", "overlap", "weight_grad_overlap", "recompute",
-                "tp_overlap", "pp_scatter_gather", "grad_accumulation")
+                "tp_overlap", "pp_scatter_gather", "grad_accumulation", "kernels")
         if not self.ready(*(f"optimize.{k}" for k in keys)):
             return None
         return Optimize(**{k: self.value(f"optimize.{k}") for k in keys})

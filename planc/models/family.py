@@ -196,6 +196,11 @@ class Family:
     # keeps for its backward: (model, mesh, tokens it holds) -> bytes (a mixture's
     # dispatch buffers under the worst routing); None: nothing.
     transient_bytes: Callable[[Model, Mesh, float], float] | None = None
+    # Operators that the reference PyTorch module computes with elementwise kernels the
+    # graph does not show, by the name of what it runs (planc.estimate.kernel_cost's
+    # MODULE_PASSES: "rmsnorm", "rope", "repeat_kv", "swiglu", "fp32_cross_entropy"):
+    # what the simulator prices under optimize { kernels }. Absent: one kernel.
+    module_kernels: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def own_keys(self) -> tuple[str, ...]:

@@ -52,6 +52,13 @@ RULES = {
     "loss": OpRule("loss"),
 }
 
+# What a Llama module computes beside its GEMMs and attention, as torchtitan's Llama 3
+# writes it (torchtitan 9dec370, models/norms.py RMSNorm, models/llama/model.py
+# apply_rotary_emb, repeat_kv and FeedForward, train.py's loss_fn): priced by
+# planc.estimate.kernel_cost.
+MODULE_KERNELS = {"ln1": "rmsnorm", "ln2": "rmsnorm", "final_ln": "rmsnorm", "qkv": "rope",
+                  "attention": "repeat_kv", "swiglu": "swiglu", "loss": "fp32_cross_entropy"}
+
 
 OUTPUT_TENSOR = {
     "embedding": "stream", "ln1": "stream", "qkv": "qkv", "attention": "context",
@@ -284,4 +291,5 @@ FAMILY = Family(
     model_checks=(kv_heads_divide_heads, head_dim_even),
     tensor_parallel_checks=(kv_heads_split_over_tp,),
     hf_architecture="LlamaForCausalLM",
+    module_kernels=MODULE_KERNELS,
 )

@@ -293,4 +293,5 @@ FAMILY = Family(
     hf_architecture="MixtralForCausalLM",  # without shared experts or dense blocks
     layer_block=layer_block,
     transient_bytes=dispatch_bytes,
+    module_kernels=llama.MODULE_KERNELS,
 )

@@ -311,6 +311,9 @@ class Optimize:
     # price (planc.simulate.costs.accumulation_seconds; the runtime always adds them
     # separately): GRAD_ACCUMULATIONS.
     grad_accumulation: str = field(default="fused", metadata={"omitted_when_default": True})
+    # How the elementwise operators' kernels run, for the simulator's price
+    # (planc.estimate.kernel_cost; the runtime's own kernels do not change): KERNEL_MODES.
+    kernels: str = field(default="fused", metadata={"omitted_when_default": True})
 
 
 # optimize { grad_accumulation }: "fused", the weight-gradient GEMM adds into the
@@ -319,6 +322,11 @@ class Optimize:
 # (Megatron-LM's main_grad hook, DeepSpeed's BF16_Optimizer); "autograd", autograd adds
 # into param.grad from the second microbatch on (the first's gradient becomes it).
 GRAD_ACCUMULATIONS = ("fused", "buffer", "autograd")
+
+# optimize { kernels }: "fused", each norm, activation and loss one kernel (Megatron-LM's
+# fused kernels, or torch.compile); "eager", the PyTorch module's own operations, each a
+# kernel with its upcasts, as a model runs without torch.compile (torchtitan's Llama).
+KERNEL_MODES = ("fused", "eager")
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from typing import Any, Mapping
 from planc.diagnostics import Span
 from planc.plan.lr_schedule import SCHEDULE_ARGUMENTS, problems
 from planc.plan.mesh import is_axis_order
-from planc.plan.plan import (DTYPE_BYTES, GRAD_ACCUMULATIONS, LIMITS, PLAN_FORMAT_VERSION,
-                        REDUCE_DTYPES, Plan, Sources)
+from planc.plan.plan import (DTYPE_BYTES, GRAD_ACCUMULATIONS, KERNEL_MODES, LIMITS,
+                        PLAN_FORMAT_VERSION, REDUCE_DTYPES, Plan, Sources)
 
 
 def plan_from_dict(data: Mapping[str, Any]) -> Plan:
@@ -189,6 +189,9 @@ def _check_values(value: Any, where: str = "plan") -> None:
         raise ValueError(f"plan.optimize.grad_accumulation is "
                          f"{plan.optimize.grad_accumulation!r}, not one of "
                          f"{', '.join(GRAD_ACCUMULATIONS)}")
+    if plan.optimize.kernels not in KERNEL_MODES:
+        raise ValueError(f"plan.optimize.kernels is {plan.optimize.kernels!r}, not one of "
+                         f"{', '.join(KERNEL_MODES)}")
     if plan.shard.dp.reduce_dtype not in REDUCE_DTYPES:
         raise ValueError(f"plan.shard.dp.reduce_dtype is {plan.shard.dp.reduce_dtype!r}, "
                          f"not one of {', '.join(REDUCE_DTYPES)}")

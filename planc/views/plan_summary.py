@@ -86,7 +86,8 @@ def settings(plan: Plan) -> str:
                      f"{opt.route}, overlap {_onoff(opt.overlap)}, recompute {opt.recompute}, "
                      f"pp_scatter_gather {_onoff(opt.pp_scatter_gather)}"
                      + (f", grad_accumulation {opt.grad_accumulation}"
-                        if opt.grad_accumulation != "fused" else "")),
+                        if opt.grad_accumulation != "fused" else "")
+                     + (f", kernels {opt.kernels}" if opt.kernels != "fused" else "")),
         ("train", f"{counted(tr.steps, 'step')}, {optimizer}, seed {tr.seed}, "
                   f"data {tr.data}{f', init {tr.init}' if tr.init else ''}"),
     ]
