@@ -34,7 +34,7 @@ class _Parser(argparse.ArgumentParser):
 # does is imported by its function when it runs, so check and layout never load what
 # compile and run need.
 COMMAND_MODULES = ("check", "compile", "graph", "explain", "programs", "run", "simulate",
-                   "tune", "report", "export", "diff", "plot", "calibrate")
+                   "tune", "report", "export", "diff", "plot", "calibrate", "data")
 
 
 def commands() -> dict[str, "Command"]:

@@ -11,6 +11,7 @@ an output (with a case) or not: a new output flag without a case fails
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import shutil
@@ -49,6 +50,8 @@ OUTPUT_CASES = {
                                "--tensorboard", "OUT"],
     ("run", "--checkpoint-dir"): ["run", "PLAN", "--steps", "1", "-o", "BUILD2",
                                   "--checkpoint-dir", "OUT"],
+    ("data prepare", "-o"): ["data", "prepare", "DOCS", "-o", "OUT", "--tokenizer",
+                             "TOKENIZER"],
 }
 # Cases that write a second kind through the same flag.
 MORE_CASES = {("export", "-o", "hf"): ["export", "CKPT", "--format", "hf", "-o", "OUT"]}
@@ -78,13 +81,21 @@ NOT_OUTPUTS = {
     "diff": {"-h", "--set-b", "--error-format"},
     "plot": {"-h", "--force", "--metric"},
     "calibrate": {"-h", "--force", "--ranks", "--nodes", "--repeats", "--quick"},
+    "data": {"-h"},
+    "data prepare": {"-h", "--force", "--tokenizer", "--text-key", "--sample-by", "--eos"},
 }
 
 
-def _commands():
-    parser = build_parser()
-    (subparsers,) = [a for a in parser._actions if a.dest == "command"]
-    return subparsers.choices
+def _commands(parser=None, prefix=""):
+    """Every command's parser by name, a command's subcommands as "data prepare"."""
+    parser = parser or build_parser()
+    found = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, command in action.choices.items():
+                found[prefix + name] = command
+                found.update(_commands(command, f"{prefix}{name} "))
+    return found
 
 
 def test_every_option_is_an_output_with_a_case_or_named_as_none():
@@ -130,6 +141,8 @@ def protected(tmp_path_factory):
                  "--metrics", str(metrics)]) == 0
     assert (ckpt / "latest").read_text().strip() == "step-000001"
     (root / "notes.md").write_text("my notes\n")
+    (root / "docs.jsonl").write_text('{"text": "the cat sat"}\n')
+    _tokenizer(root / "tokenizer.json")
     busy = root / "busy"  # a build another run holds
     assert main(["compile", str(plan), "-o", str(busy), *one]) == 0
     held = root / "held"  # a checkpoint directory another run is writing
@@ -169,8 +182,18 @@ TARGETS = {  # file or directory under the tree -> what it is
 }
 
 
+def _tokenizer(path: Path) -> None:
+    """A word-level Hugging Face tokenizer of four words, ``<eos>`` among them."""
+    tokenizers = pytest.importorskip("tokenizers")
+    words = {"<eos>": 0, "the": 1, "cat": 2, "sat": 3}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="<eos>"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.save(str(path))
+
+
 def _argv(template: list[str], root: Path, target: str, one: list[str]) -> list[str]:
     values = {"PLAN": str(root / "my.plan"), "CKPT": str(root / "ckpt"),
+              "DOCS": str(root / "docs.jsonl"), "TOKENIZER": str(root / "tokenizer.json"),
               "METRICS": str(root / "m.jsonl"), "BUILD2": str(root / "build2"),
               "OUT": str(root / target)}
     argv = [values.get(part, part) for part in template]

@@ -6,6 +6,7 @@ import errno
 import os
 import stat
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -118,11 +119,20 @@ def write_atomically(path: str | os.PathLike, data: bytes, durable: bool = False
     if mode is not None and not stat.S_ISREG(mode):
         _write_into(path, data)  # /dev/null, a terminal, a pipe: written, never replaced
         return
-    directory = os.path.dirname(path)
-    handle, temporary = tempfile.mkstemp(prefix=".planc-", dir=directory)
+    with replacing(path, durable) as out:
+        out.write(data)
+
+
+@contextmanager
+def replacing(path: str, durable: bool = False):
+    """A binary file open for writing that replaces the regular file (or nothing) at
+    ``path`` when the block ends, through a hidden temporary file beside it and a rename;
+    an exception in the block (a Ctrl-C, a full disk) removes the temporary file and
+    leaves ``path`` as it was. ``durable``: fsync before the rename."""
+    handle, temporary = tempfile.mkstemp(prefix=".planc-", dir=os.path.dirname(path))
     try:
         with os.fdopen(handle, "wb") as out:
-            out.write(data)
+            yield out
             if durable:
                 out.flush()
                 os.fsync(out.fileno())
@@ -133,7 +143,7 @@ def write_atomically(path: str | os.PathLike, data: bytes, durable: bool = False
             os.unlink(temporary)
         raise
     if durable:
-        fsync_directory(directory)
+        fsync_directory(os.path.dirname(path))
 
 
 def open_regular_file(path: str | os.PathLike, follow: bool = True):

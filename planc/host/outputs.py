@@ -69,12 +69,13 @@ TUNED_PLAN = Kind("tuned-plan", "a tuned plan", "planc tune")
 TOPOLOGY = Kind("topology", "a calibrated topology", "planc calibrate")
 CHAKRA = Kind("chakra", "a Chakra trace", "planc export --format chakra", True)
 HUGGING_FACE = Kind("hf", "a Hugging Face export", "planc export --format hf", True)
+TOKENS = Kind("tokens", "a token file", "planc data prepare")
 TENSORBOARD = Kind("tensorboard", "TensorBoard logs",
                    "planc run --tensorboard", True, appendable=True)
 BUILD = Kind("build", "a build", "planc compile", True)
 CHECKPOINTS = Kind("checkpoints", "checkpoints", "planc run --checkpoint-dir", True)
 KINDS = (METRICS, RUN_TRACE, SIMULATED_TRACE, GRAPH, REPORT, PLOT, TUNED_PLAN, TOPOLOGY,
-         CHAKRA, HUGGING_FACE, TENSORBOARD, BUILD, CHECKPOINTS)
+         CHAKRA, HUGGING_FACE, TOKENS, TENSORBOARD, BUILD, CHECKPOINTS)
 BY_KEY = {kind.key: kind for kind in KINDS}
 
 # TensorBoard event files planc writes end so (SummaryWriter's filename_suffix), so that
@@ -211,6 +212,8 @@ def is_ours(path: str, kind: Kind) -> bool:
     if kind is HUGGING_FACE:
         directory = os.path.dirname(path)
         return _safetensors_of(os.path.join(directory, "model.safetensors"), kind.generator)
+    if kind is TOKENS:  # a token file's header is planc's alone; its description is marked
+        return head.startswith(b"PLANCTOK") or _carries(head, kind.generator)
     if kind is CHAKRA:  # protobuf: the mark is an attribute of the first message
         return kind.generator.encode() in head[:4096]
     return _carries(head, kind.generator)

@@ -421,7 +421,7 @@ class _Checker(TopologyReader):
         init, form = self.value("train.init"), None
         if init is not None:
             init, form = self._init_directory(init, model) or (None, None)
-            if init is None:
+            if init is None or data != "synthetic" and not self._cut_by(data, init):
                 return None
         return Train(self.value("train.steps"), Optimizer(name=spec.name, **spec.arguments),
                      self.value("train.seed"), data, eval_every=self.value("train.eval_every"),
@@ -445,6 +445,18 @@ class _Checker(TopologyReader):
             return self._reject(f"init: {exc}", self.span("train.init"),
                                 "init names a directory saved by transformers' "
                                 "save_pretrained(safe_serialization=True) of the plan's model")
+
+    def _cut_by(self, data: str, init: str) -> bool:
+        """Whether the data file was cut by the init checkpoint's tokenizer, as far as
+        its description says (planc.data.provenance); rejected at data if not."""
+        from planc.data.provenance import tokenizer_mismatch
+
+        why = tokenizer_mismatch(data, init, self.value("train.data"))
+        if why is not None:
+            self._reject(why, self.span("train.data"), "prepare the data with the "
+                         "checkpoint's tokenizer: planc data prepare SOURCE -o OUT.tokens "
+                         "--tokenizer INIT_DIRECTORY")
+        return why is None
 
     def _data_file(self, data: str, model: Model | None, key: str = "train.data"
                    ) -> str | None:

@@ -1,0 +1,194 @@
+"""The documents of the sources ``planc data prepare`` reads, one text at a time.
+
+- **JSONL** (``.jsonl``, ``.json``, either ``.gz``): one JSON object a line, its text in
+  a field (``text`` unless told otherwise), as Megatron-LM's ``preprocess_data.py`` and
+  most released corpora (The Pile, SlimPajama, FineWeb's JSONL) have it.
+- **Plain text** (any other file): documents cut as the Hugging Face ``text`` loader cuts
+  them, ``line`` (each line; its default), ``paragraph`` (blank lines between) or
+  ``document`` (the whole file).
+- **Parquet** (``.parquet``, through ``pyarrow``): the text column, row group by row
+  group, as FineWeb and most Hugging Face datasets store them.
+- **A Hugging Face dataset** saved by ``save_to_disk`` (a directory with
+  ``dataset_info.json`` or ``state.json``), through ``datasets``, read locally, never
+  over the network.
+
+A source that cannot be read stops with its path (and line, for JSONL) and what is wrong;
+planc data prepare then writes nothing.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+SAMPLE_BY = ("line", "paragraph", "document")
+JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson")
+PARQUET_SUFFIX = ".parquet"
+DATASET_MARKERS = ("dataset_info.json", "state.json")
+
+
+class SourceError(ValueError):
+    """A source cannot be read: the message names it."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """A path and how to read it: ``kind`` is jsonl, text, parquet or dataset."""
+
+    path: str
+    kind: str
+
+    @staticmethod
+    def of(path: str) -> "Source":
+        if os.path.isdir(path):
+            if any(os.path.isfile(os.path.join(path, name)) for name in DATASET_MARKERS):
+                return Source(path, "dataset")
+            raise SourceError(f"source {path} is a directory but not a Hugging Face dataset "
+                              f"saved by save_to_disk (it has no {DATASET_MARKERS[0]}); name "
+                              f"its files instead")
+        if not os.path.exists(path):
+            raise SourceError(f"source {path} does not exist")
+        if not os.path.isfile(path):
+            raise SourceError(f"source {path} is not a regular file")
+        lower = path.lower()
+        if lower.endswith(JSONL_SUFFIXES):
+            return Source(path, "jsonl")
+        if lower.endswith(PARQUET_SUFFIX):
+            return Source(path, "parquet")
+        return Source(path, "text")
+
+
+def documents(source: Source, text_key: str = "text", sample_by: str = "line"
+              ) -> Iterator[tuple[str, int]]:
+    """(text, bytes of the source it took) for each document of ``source``."""
+    if source.kind == "jsonl":
+        return _jsonl(source.path, text_key)
+    if source.kind == "text":
+        return _text(source.path, sample_by)
+    if source.kind == "parquet":
+        return _parquet(source.path, text_key)
+    return _dataset(source.path, text_key)
+
+
+def _open_binary(path: str):
+    return gzip.open(path, "rb") if path.lower().endswith(".gz") else open(path, "rb")
+
+
+def _jsonl(path: str, key: str) -> Iterator[tuple[str, int]]:
+    try:
+        with _open_binary(path) as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                yield _jsonl_text(path, number, line, key), len(line)
+    except (OSError, EOFError) as exc:  # gzip's damaged streams raise both
+        raise SourceError(f"source {path} cannot be read: {getattr(exc, 'strerror', None) or exc}"
+                          ) from None
+
+
+def _jsonl_text(path: str, number: int, line: bytes, key: str) -> str:
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError) as exc:
+        detail = exc.msg if isinstance(exc, json.JSONDecodeError) else "not JSON"
+        raise SourceError(f"{path}:{number}: not a JSON object ({detail})") from None
+    if not isinstance(record, dict):
+        raise SourceError(f"{path}:{number}: a JSON {type(record).__name__}, not an object "
+                          f"with a {key!r} field")
+    if key not in record:
+        raise SourceError(f"{path}:{number}: the object has no {key!r} field (it has "
+                          f"{', '.join(map(repr, list(record)[:5])) or 'none'}); name the "
+                          f"text's field with --text-key")
+    text = record[key]
+    if not isinstance(text, str):
+        raise SourceError(f"{path}:{number}: the {key!r} field is a JSON "
+                          f"{type(text).__name__}, not a string")
+    return text
+
+
+def _text(path: str, sample_by: str) -> Iterator[tuple[str, int]]:
+    try:
+        with open(path, "rb") as handle:
+            if sample_by == "document":
+                data = handle.read()
+                yield _decoded(path, data), len(data)
+                return
+            paragraph: list[bytes] = []
+            for line in handle:
+                if sample_by == "line":
+                    if line.strip():
+                        yield _decoded(path, line.rstrip(b"\r\n")), len(line)
+                    continue
+                if line.strip():
+                    paragraph.append(line)
+                elif paragraph:
+                    yield _paragraph(path, paragraph)
+                    paragraph = []
+            if paragraph:
+                yield _paragraph(path, paragraph)
+    except OSError as exc:
+        raise SourceError(f"source {path} cannot be read: {exc.strerror or exc}") from None
+
+
+def _paragraph(path: str, lines: list[bytes]) -> tuple[str, int]:
+    data = b"".join(lines)
+    return _decoded(path, data.rstrip(b"\r\n")), len(data)
+
+
+def _decoded(path: str, data: bytes) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SourceError(f"source {path} is not UTF-8 text (byte {exc.start} of a "
+                          f"document: {exc.reason})") from None
+
+
+def _parquet(path: str, key: str) -> Iterator[tuple[str, int]]:
+    try:
+        import pyarrow.parquet as parquet
+    except ImportError:
+        raise SourceError(f"source {path}: reading Parquet needs pyarrow, which is not "
+                          f"installed: pip install pyarrow") from None
+    try:
+        table = parquet.ParquetFile(path)
+        if key not in table.schema_arrow.names:
+            raise SourceError(f"source {path} has no column {key!r} (it has "
+                              f"{', '.join(table.schema_arrow.names[:5])}); name the text's "
+                              f"column with --text-key")
+        for batch in table.iter_batches(columns=[key]):
+            for text in batch.column(0).to_pylist():
+                if isinstance(text, str):
+                    yield text, len(text.encode("utf-8"))
+    except SourceError:
+        raise
+    except Exception as exc:  # pyarrow's own errors (ArrowInvalid, OSError)
+        raise SourceError(f"source {path} cannot be read as Parquet: {exc}") from None
+
+
+def _dataset(path: str, key: str) -> Iterator[tuple[str, int]]:
+    try:
+        import datasets
+    except ImportError:
+        raise SourceError(f"source {path}: reading a Hugging Face dataset needs the "
+                          f"datasets package, which is not installed: pip install "
+                          f"datasets") from None
+    try:
+        dataset = datasets.load_from_disk(path)
+    except Exception as exc:  # datasets' own errors
+        raise SourceError(f"source {path} cannot be loaded as a dataset: {exc}") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        if "train" not in dataset:
+            raise SourceError(f"source {path} holds the splits {', '.join(dataset)}, no "
+                              f"'train'; save the split to read with save_to_disk")
+        dataset = dataset["train"]
+    if key not in dataset.column_names:
+        raise SourceError(f"source {path} has no column {key!r} (it has "
+                          f"{', '.join(dataset.column_names[:5])}); name the text's column "
+                          f"with --text-key")
+    for row in dataset.select_columns([key]):
+        text = row[key]
+        if isinstance(text, str):
+            yield text, len(text.encode("utf-8"))

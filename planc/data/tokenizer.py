@@ -1,0 +1,117 @@
+"""The tokenizer text is cut with before it becomes a token file, and its identity.
+
+A tokenizer is a Hugging Face ``tokenizer.json``, named by the file or by the directory
+that holds it: the one that an ``init`` checkpoint ships beside its weights (Llama 3's,
+Qwen's), or the one ``make corpus`` trains for the tiny corpus (planc.data.corpus). It is
+loaded with the ``tokenizers`` library (Hugging Face's Rust implementation, the one
+transformers' fast tokenizers wrap).
+
+Its identity is the SHA-256 of the ``tokenizer.json`` bytes, with its vocabulary size and
+end-of-text id: ``planc data prepare`` records it beside the token file it writes
+(planc.data.provenance) and ``planc check`` compares it with the ``init`` checkpoint's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+# The end-of-text tokens of the common families, tried when the tokenizer's config names
+# none: Llama 3's, GPT-2's and Qwen's, Llama 2's and Mistral's, Gemma's.
+END_OF_TEXT_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer cannot be used: the message names the path and what is wrong."""
+
+
+@dataclass(frozen=True)
+class TokenizerIdentity:
+    """What a token file's ids mean: the tokenizer.json's SHA-256, its vocabulary size
+    (with the added tokens) and the id that ends each document."""
+
+    sha256: str
+    vocab_size: int
+    eos_id: int
+
+    def to_json(self) -> dict:
+        return {"sha256": self.sha256, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
+
+
+def tokenizer_file(path: str) -> str:
+    """The tokenizer.json that ``path`` names: the file itself, or the one in the
+    directory."""
+    if os.path.isdir(path):
+        inside = os.path.join(path, TOKENIZER_FILE)
+        if not os.path.isfile(inside):
+            raise TokenizerError(f"tokenizer directory {path} has no {TOKENIZER_FILE} (a "
+                                 f"Hugging Face tokenizer saved by save_pretrained)")
+        return inside
+    if not os.path.exists(path):
+        raise TokenizerError(f"tokenizer {path} does not exist")
+    if not os.path.isfile(path):
+        raise TokenizerError(f"tokenizer {path} is not a file or a directory")
+    return path
+
+
+def sha256_of(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class Tokenizer:
+    """A loaded tokenizer: ``encode(texts)`` gives each text's ids, the end-of-text id
+    appended, and ``identity`` what a token file records of it."""
+
+    def __init__(self, path: str, eos: str | None = None):
+        try:
+            import tokenizers
+        except ImportError:
+            raise TokenizerError("planc data prepare needs the tokenizers package, which is "
+                                 "not installed: pip install 'planc[run]'") from None
+        self.path = tokenizer_file(path)
+        try:
+            self.tokenizer = tokenizers.Tokenizer.from_file(self.path)
+        except Exception as exc:  # the Rust side raises its own exception type
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise TokenizerError(f"tokenizer {self.path} cannot be read: {first}") from None
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eos_id = self._end_of_text(eos)
+        self.identity = TokenizerIdentity(sha256_of(self.path), self.vocab_size, self.eos_id)
+        # encode_batch_fast (tokenizers 0.21) skips the offsets nobody reads here
+        self._batch = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
+
+    def _end_of_text(self, eos: str | None) -> int:
+        names = [eos] if eos is not None else [*self._configured_eos(), *END_OF_TEXT_NAMES]
+        for name in names:
+            found = self.tokenizer.token_to_id(name)
+            if found is not None:
+                return found
+        if eos is not None:
+            raise TokenizerError(f"tokenizer {self.path} has no token {eos!r} (--eos)")
+        raise TokenizerError(f"tokenizer {self.path} names no end-of-text token (its "
+                             f"{TOKENIZER_CONFIG} has no eos_token, and it has none of "
+                             f"{', '.join(END_OF_TEXT_NAMES)}): give one with --eos")
+
+    def _configured_eos(self) -> list[str]:
+        config = os.path.join(os.path.dirname(self.path), TOKENIZER_CONFIG)
+        try:
+            with open(config, encoding="utf-8") as handle:
+                eos = json.load(handle).get("eos_token")
+        except (OSError, ValueError, AttributeError, RecursionError):
+            return []
+        if isinstance(eos, dict):  # transformers' AddedToken, serialised
+            eos = eos.get("content")
+        return [eos] if isinstance(eos, str) else []
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        """Each text's ids as the model's tokenizer gives them (its special tokens, such
+        as Llama 3's <|begin_of_text|>, included), then the end-of-text id."""
+        return [encoding.ids + [self.eos_id] for encoding in self._batch(texts)]

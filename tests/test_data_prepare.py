@@ -1,0 +1,282 @@
+"""``planc data prepare`` (issue 38): text and JSONL cut by a model's own tokenizer into a
+token file, with a description that ``planc check`` joins to the ``init`` checkpoint.
+
+The tokenizer is a real Hugging Face one, trained here with the ``tokenizers`` library
+(a BPE over a few letters, small enough for the tiny Llama of tests/test_hf_init.py) and
+saved as ``tokenizer.json`` beside the checkpoint, as ``save_pretrained`` ships it. A run
+from that checkpoint on JSONL prepared with it must start at transformers' loss on the
+same batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+tokenizers = pytest.importorskip("tokenizers")
+
+from planc.cli import main  # noqa: E402
+from planc.data.documents import Source  # noqa: E402
+from planc.data.prepare import prepare  # noqa: E402
+from planc.data.tokenizer import Tokenizer  # noqa: E402
+from planc.data.tokens import HEADER_BYTES, open_tokens  # noqa: E402
+
+WORDS = ("the cat sat on a mat and the dog ran to the red barn while a bird sang "
+         "over the green hill near the old mill").split()
+EOS = "<|end_of_text|>"
+
+
+def documents(count: int, seed: int = 0) -> list[str]:
+    """``count`` short documents of WORDS, the same everywhere."""
+    state, out = seed, []
+    for _ in range(count):
+        words = []
+        for _ in range(6 + state % 9):
+            state = (state * 6364136223846793005 + 1442695040888963407) % (1 << 64)
+            words.append(WORDS[(state >> 33) % len(WORDS)])
+        out.append(" ".join(words))
+    return out
+
+
+def save_tokenizer(directory, vocab: int = 64, special=(EOS,), config_eos: str | None = EOS):
+    """A BPE of at most ``vocab`` ids trained on the documents, as tokenizer.json (and a
+    tokenizer_config.json naming its end-of-text token) in ``directory``."""
+    from tokenizers import Tokenizer as Rust, models, pre_tokenizers, trainers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = Rust(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(special),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(documents(200), trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    if config_eos is not None:
+        (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": config_eos}))
+    return directory / "tokenizer.json"
+
+
+def read_ids(path) -> list[int]:
+    fd, tokens = open_tokens(str(path))
+    try:
+        data = os.pread(fd, tokens.size, tokens.offset)
+    finally:
+        os.close(fd)
+    return [int.from_bytes(data[i:i + tokens.width], "little")
+            for i in range(0, len(data), tokens.width)]
+
+
+def write_jsonl(path, texts, key="text"):
+    path.write_text("".join(json.dumps({key: text, "n": i}) + "\n"
+                            for i, text in enumerate(texts)))
+
+
+def test_jsonl_becomes_each_documents_ids_and_its_end_of_text(tmp_path, capfd):
+    tokenizer_json = save_tokenizer(tmp_path / "tok")
+    texts = documents(40)
+    write_jsonl(tmp_path / "a.jsonl", texts[:25])
+    write_jsonl(tmp_path / "b.jsonl", texts[25:])
+    out = tmp_path / "out.tokens"
+    assert main(["data", "prepare", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"),
+                 "-o", str(out), "--tokenizer", str(tmp_path / "tok")]) == 0
+    rust = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+    eos = rust.token_to_id(EOS)
+    expected = [i for text in texts for i in rust.encode(text).ids + [eos]]
+    assert read_ids(out) == expected
+    assert out.stat().st_size == HEADER_BYTES + 2 * len(expected)  # uint16: 64 ids
+    described = json.loads((tmp_path / "out.tokens.json").read_text())
+    assert list(described)[0] == "generator"
+    assert (described["tokens"], described["documents"], described["width"]) == \
+        (len(expected), 40, 2)
+    assert described["tokenizer"]["eos_id"] == eos
+    assert [(s["kind"], s["documents"]) for s in described["sources"]] == \
+        [("jsonl", 25), ("jsonl", 15)]
+    err = capfd.readouterr().err
+    assert f"planc: {out} written ({len(expected):,} tokens of uint16, end-of-text id {eos})" \
+        in err
+    # a second time is refused without --force, and replaced with it
+    assert main(["data", "prepare", str(tmp_path / "a.jsonl"), "-o", str(out),
+                 "--tokenizer", str(tokenizer_json)]) == 2
+    assert "holds a token file already (planc data prepare wrote it)" in capfd.readouterr().err
+    assert main(["data", "prepare", str(tmp_path / "a.jsonl"), "-o", str(out),
+                 "--tokenizer", str(tokenizer_json), "--force"]) == 0
+    assert len(read_ids(out)) == sum(len(rust.encode(t).ids) + 1 for t in texts[:25])
+
+
+def test_plain_text_by_line_paragraph_or_document(tmp_path):
+    save_tokenizer(tmp_path / "tok")
+    tokenizer = Tokenizer(str(tmp_path / "tok"))
+    text = tmp_path / "notes.txt"
+    text.write_text("the cat sat\non a mat\n\nthe dog ran\n")
+    eos = tokenizer.eos_id
+    cut = {}
+    for sample_by in ("line", "paragraph", "document"):
+        out = tmp_path / f"{sample_by}.tokens"
+        progress = prepare([Source.of(str(text))], str(out), tokenizer, sample_by=sample_by)
+        cut[sample_by] = progress.documents
+        assert read_ids(out).count(eos) == progress.documents
+    assert cut == {"line": 3, "paragraph": 2, "document": 1}
+
+
+def test_a_vocabulary_beyond_65536_ids_is_written_as_uint32(tmp_path):
+    from tokenizers import Tokenizer as Rust, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(70_000)}
+    vocab["<eos>"] = 70_000
+    rust = Rust(models.WordLevel(vocab, unk_token="w0"))
+    rust.pre_tokenizer = pre_tokenizers.Whitespace()
+    rust.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "w69999 w3 w65536"}) + "\n")
+    out = tmp_path / "big.tokens"
+    prepare([Source.of(str(tmp_path / "d.jsonl"))], str(out),
+            Tokenizer(str(tmp_path / "tokenizer.json")))
+    assert read_ids(out) == [69_999, 3, 65_536, 70_000]
+    assert open_tokens(str(out))[1].width == 4
+
+
+def _leftovers(directory) -> list[str]:
+    return sorted(name for name in os.listdir(directory) if name.startswith("."))
+
+
+@pytest.mark.parametrize("line, message", [
+    (b"{\"text\": \"the cat\"", "not a JSON object (Expecting ',' delimiter)"),
+    (b"[1, 2]", "a JSON list, not an object with a 'text' field"),
+    (b"{\"body\": \"the cat\"}", "the object has no 'text' field (it has 'body'); name the "
+                               "text's field with --text-key"),
+    (b"{\"text\": 7}", "the 'text' field is a JSON int, not a string"),
+], ids=["truncated", "list", "no-field", "not-a-string"])
+def test_a_bad_line_names_its_file_and_line_and_writes_nothing(line, message, tmp_path,
+                                                               capfd):
+    save_tokenizer(tmp_path / "tok")
+    source = tmp_path / "d.jsonl"
+    source.write_bytes(b'{"text": "the cat sat"}\n\n' + line + b"\n")
+    out = tmp_path / "out.tokens"
+    assert main(["data", "prepare", str(source), "-o", str(out), "--tokenizer",
+                 str(tmp_path / "tok")]) == 1
+    assert capfd.readouterr().err.splitlines() == [
+        f"planc: error: {source}:3: {message}; {out} was not written"]
+    assert not out.exists() and not (tmp_path / "out.tokens.json").exists()
+    assert _leftovers(tmp_path) == []
+
+
+def test_an_interrupted_prepare_leaves_the_output_as_it_was(tmp_path):
+    """A Ctrl-C (here raised by the progress report after the first batch) removes the
+    partial file; an earlier output stays whole."""
+    save_tokenizer(tmp_path / "tok")
+    tokenizer = Tokenizer(str(tmp_path / "tok"))
+    write_jsonl(tmp_path / "d.jsonl", documents(300))
+    out = tmp_path / "out.tokens"
+    prepare([Source.of(str(tmp_path / "d.jsonl"))], str(out), tokenizer)
+    before = out.read_bytes()
+
+    def interrupt(progress):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        prepare([Source.of(str(tmp_path / "d.jsonl"))], str(out), tokenizer,
+                report=interrupt, batch_bytes=100)
+    assert out.read_bytes() == before
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda d: (d / "none").mkdir(), "tokenizer directory {d}/none has no tokenizer.json (a Hugging Face "
+                     "tokenizer saved by save_pretrained)"),
+    (lambda d: (d / "none").mkdir() or (d / "none" / "tokenizer.json").write_text("{"),
+     "tokenizer {d}/none/tokenizer.json cannot be read: "),
+    (lambda d: save_tokenizer(d / "none", special=("<pad>",), config_eos=None),
+     "tokenizer {d}/none/tokenizer.json names no end-of-text token (its "
+     "tokenizer_config.json has no eos_token, and it has none of <|end_of_text|>, "
+     "<|endoftext|>, </s>, <eos>): give one with --eos"),
+], ids=["no-tokenizer-json", "damaged", "no-end-of-text"])
+def test_a_tokenizer_that_cannot_cut_is_refused_in_one_line(setup, message, tmp_path, capfd):
+    setup(tmp_path)
+    write_jsonl(tmp_path / "d.jsonl", documents(3))
+    assert main(["data", "prepare", str(tmp_path / "d.jsonl"), "-o",
+                 str(tmp_path / "o.tokens"), "--tokenizer", str(tmp_path / "none")]) == 1
+    (line,) = capfd.readouterr().err.splitlines()
+    assert line.startswith("planc: error: " + message.format(d=tmp_path))
+    assert not (tmp_path / "o.tokens").exists()
+
+
+def test_an_output_planc_did_not_write_is_never_replaced(tmp_path, capfd):
+    save_tokenizer(tmp_path / "tok")
+    write_jsonl(tmp_path / "d.jsonl", documents(3))
+    notes = tmp_path / "notes.tokens"
+    notes.write_text("my notes\n")
+    assert main(["data", "prepare", str(tmp_path / "d.jsonl"), "-o", str(notes),
+                 "--tokenizer", str(tmp_path / "tok"), "--force"]) == 2
+    assert capfd.readouterr().err.splitlines() == [
+        f"planc: error: -o {notes}: exists and is not a token file that planc wrote; planc "
+        f"never replaces such a file: name another path, or remove it first"]
+    assert notes.read_text() == "my notes\n"
+    # a device is written into by other outputs; a token file must be a file
+    assert main(["data", "prepare", str(tmp_path / "d.jsonl"), "-o", "/dev/null",
+                 "--tokenizer", str(tmp_path / "tok")]) == 2
+    assert capfd.readouterr().err.splitlines() == [
+        "planc: error: -o /dev/null: is not a regular file; a token file is read back by "
+        "position, so name a file"]
+    assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
+
+
+# --- joined to an init checkpoint ----------------------------------------------------------
+
+def _llama_with_tokenizer(tmp_path):
+    """tests/test_hf_init.py's tiny Llama (vocabulary 96) with a tokenizer of 64 ids."""
+    hf_init = pytest.importorskip("tests.test_hf_init")
+    hf_init.save_llama(tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    write_jsonl(tmp_path / "docs.jsonl", documents(200))
+    return hf_init
+
+
+@pytest.mark.slow
+def test_a_run_from_a_checkpoint_on_data_cut_by_its_tokenizer_starts_at_transformers_loss(
+        tmp_path, capfd):
+    pytest.importorskip("torch")
+    hf_init = _llama_with_tokenizer(tmp_path)
+    out = tmp_path / "docs.tokens"
+    assert main(["data", "prepare", str(tmp_path / "docs.jsonl"), "-o", str(out),
+                 "--tokenizer", str(tmp_path / "hf")]) == 0
+    source, metrics = tmp_path / "init.plan", tmp_path / "m.jsonl"
+    source.write_text(hf_init.plan_text(mesh="tp = 2", train='; data = "docs.tokens"'))
+    status = main(["run", str(source), "-o", str(tmp_path / "build"), "--metrics",
+                   str(metrics), "--check", "--timeout", "60"])
+    err = capfd.readouterr().err
+    assert status == 0, err
+    assert "every loss and parameter matches" in err
+    plan = hf_init.load_file(source).plan
+    assert plan.train.data == str(out)
+    first = json.loads(metrics.read_text().splitlines()[0])["loss"]
+    assert first == pytest.approx(hf_init.transformers_loss(plan), rel=1e-5)
+
+
+def test_check_refuses_data_cut_by_another_tokenizer_than_inits(tmp_path, capfd):
+    pytest.importorskip("torch")
+    hf_init = _llama_with_tokenizer(tmp_path)
+    save_tokenizer(tmp_path / "other", vocab=48)  # another vocabulary: another tokenizer
+    out = tmp_path / "docs.tokens"
+    assert main(["data", "prepare", str(tmp_path / "docs.jsonl"), "-o", str(out),
+                 "--tokenizer", str(tmp_path / "other")]) == 0
+    source = tmp_path / "init.plan"
+    source.write_text(hf_init.plan_text(train='; data = "docs.tokens"'))
+    capfd.readouterr()
+    assert main(["check", str(source)]) == 1
+    err = capfd.readouterr().err
+    assert "error: data file 'docs.tokens' was cut by another tokenizer than the init " \
+           "checkpoint's (its tokenizer.json has SHA-256 " in err
+    assert "hint: prepare the data with the checkpoint's tokenizer: planc data prepare " \
+           "SOURCE -o OUT.tokens --tokenizer INIT_DIRECTORY" in err
+    # cut by the checkpoint's own: accepted
+    assert main(["data", "prepare", str(tmp_path / "docs.jsonl"), "-o", str(out),
+                 "--tokenizer", str(tmp_path / "hf"), "--force"]) == 0
+    assert main(["check", str(source)]) == 0
+    # a description that no longer matches its file is named
+    with open(out, "ab") as handle:
+        handle.write(bytes(2))
+    capfd.readouterr()
+    assert main(["check", str(source)]) == 1
+    size = out.stat().st_size
+    assert f"error: 'docs.tokens.json' describes a token file of {size - 2:,} bytes, but " \
+           f"'docs.tokens' has {size:,}; prepare the data again" in capfd.readouterr().err
