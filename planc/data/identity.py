@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from planc.data.megatron import stream_path
+
 
 @dataclass(frozen=True)
 class Identity:
@@ -47,7 +49,7 @@ def how_changed(path: str, identity: Identity, info: os.stat_result | None = Non
     cannot be examined for another reason, which reading it will report)."""
     if info is None:
         try:
-            info = os.stat(path)
+            info = os.stat(stream_path(path))
         except FileNotFoundError:
             return "removed"
         except OSError:
@@ -70,6 +72,6 @@ def identity_now(path: str) -> Identity | None:
     if path == "synthetic":
         return None
     try:
-        return Identity.of(os.stat(path))
+        return Identity.of(os.stat(stream_path(path)))
     except OSError:
         return None

@@ -39,6 +39,7 @@ import sys
 from array import array
 from dataclasses import dataclass
 
+from planc.data import megatron
 from planc.data.identity import Identity
 from planc.host.files import kind_of
 
@@ -138,6 +139,9 @@ def open_tokens(path: str, name: str | None = None) -> tuple[int, TokenFile]:
     ``O_NONBLOCK`` keeps ``open`` of a named pipe from waiting for a writer (POSIX
     open(2)); it changes nothing for a regular file, the only kind accepted."""
     name = path if name is None else name
+    pair = megatron.pair_of(path)
+    if pair is not None:
+        return _open_megatron(*pair, name)
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
@@ -152,6 +156,33 @@ def open_tokens(path: str, name: str | None = None) -> tuple[int, TokenFile]:
                                            identity=Identity.of(info))
         except OSError as exc:  # /proc/self/mem, a failing disk
             raise DataError(f"data file {name} cannot be read ({exc.strerror})") from None
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open_megatron(bin_path: str, idx_path: str, name: str) -> tuple[int, TokenFile]:
+    """A Megatron-LM indexed dataset (planc.data.megatron): its ``.bin`` as the token
+    stream, once its ``.idx`` has been checked against it."""
+    what = f"data file {name} (a Megatron dataset)"
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(bin_path, flags)
+    except OSError as exc:
+        reason = "does not exist" if exc.errno == errno.ENOENT else f"cannot be opened " \
+            f"({exc.strerror})"
+        raise DataError(f"{what}: its .bin {reason}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise DataError(f"{what}: its .bin is {kind_of(info.st_mode)}, not a regular file")
+        try:
+            width, _ = megatron.check_index(idx_path, info.st_size, SCAN_LIMIT)
+        except megatron.IndexDamage as exc:
+            raise DataError(f"{what}: its .idx {exc}") from None
+        except OSError as exc:
+            raise DataError(f"{what}: its .idx cannot be read ({exc.strerror})") from None
+        return fd, TokenFile(bin_path, info.st_size, 0, width, Identity.of(info))
     except BaseException:
         os.close(fd)
         raise
