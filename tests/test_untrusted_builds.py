@@ -171,8 +171,11 @@ def _tamper_plan(build: Path, change) -> Path:
      "plan.shard.dp.reduce_dtype is 'fp8', not one of model, fp32"),
     (lambda d: d["optimize"].update(kernels="compiled"),
      "plan.optimize.kernels is 'compiled', not one of fused, eager"),
+    (lambda d: d["train"].update(data='[[0.5, "a.tokens"]]'),
+     "plan.train.data is '[[0.5, \"a.tokens\"]]', neither a path nor a mixture of [weight, "
+     "path] pairs"),
 ], ids=["dtype-fp64", "bandwidth-0", "lr-negative", "lr-nan", "microbatches-1e9",
-        "grad-accumulation", "reduce-dtype", "kernels"])
+        "grad-accumulation", "reduce-dtype", "kernels", "one-source-mixture"])
 def test_a_resigned_plan_json_is_checked_again(build, capsys, change, reason):
     path = _tamper_plan(build, change)
     assert _refused(capsys, "verify", build) == (

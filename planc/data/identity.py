@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from planc.data.blend import paths_of
 from planc.data.megatron import stream_path
 
 
@@ -64,7 +65,17 @@ def how_changed(path: str, identity: Identity, info: os.stat_result | None = Non
     return None
 
 
-def identity_now(path: str) -> Identity | None:
+def parse_identities(text: str) -> "Identity | tuple[Identity, ...]":
+    """One identity (``DEVICE:INODE:SIZE:MTIME_NS``), or a mixture's, comma-separated."""
+    parts = text.split(",")
+    return Identity.parse(text) if len(parts) == 1 else tuple(map(Identity.parse, parts))
+
+
+def identities_text(identity: "Identity | tuple[Identity, ...]") -> str:
+    return ",".join(map(str, identity)) if isinstance(identity, tuple) else str(identity)
+
+
+def identity_now(path: str) -> "Identity | tuple[Identity, ...] | None":
     """The identity of the data file ``path`` now, for a rank that was given none (under
     torchrun, no planc run checked the file first: each rank pins the file it finds when
     it starts); None for synthetic data, or a file that cannot be found (its first batch
@@ -72,6 +83,7 @@ def identity_now(path: str) -> Identity | None:
     if path == "synthetic":
         return None
     try:
-        return Identity.of(os.stat(stream_path(path)))
+        found = tuple(Identity.of(os.stat(stream_path(p))) for p in paths_of(path))
     except OSError:
         return None
+    return found if len(found) > 1 else found[0]

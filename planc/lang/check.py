@@ -31,7 +31,7 @@ from planc.models import DEFAULT_FAMILY, FAMILIES
 from planc.plan.plan import (LIMITS, ContextParallel, DataParallel, Mesh, Model, Optimize, Optimizer,
                         PipelineParallel, Plan, Schedule, Shard, Sources, TensorParallel, Train)
 from planc.schedules import PipelineShape
-from planc.data.tokens import SCAN_LIMIT
+from planc.lang.data_check import DATA_SCAN_LIMIT, DataChecks
 from planc.schedules import named as schedule_named
 from planc.schedules import problems as schedule_problems
 
@@ -71,7 +71,7 @@ def _over_limit(what: str, limit: str) -> str:
 
 
 @dataclass
-class _Checker(TopologyReader):
+class _Checker(DataChecks, TopologyReader):
     """Pass 2, the rules across keys and blocks. Pass 1 is BlockReader's
     (:mod:`planc.lang.blocks`), the topology TopologyReader's; a model family's own rules
     are its description's (Family.model_checks, Family.tensor_parallel_checks)."""
@@ -446,38 +446,6 @@ class _Checker(TopologyReader):
                                 "init names a directory saved by transformers' "
                                 "save_pretrained(safe_serialization=True) of the plan's model")
 
-    def _cut_by(self, data: str, init: str) -> bool:
-        """Whether the data file was cut by the init checkpoint's tokenizer, as far as
-        its description says (planc.data.provenance); rejected at data if not."""
-        from planc.data.provenance import tokenizer_mismatch
 
-        why = tokenizer_mismatch(data, init, self.value("train.data"))
-        if why is not None:
-            self._reject(why, self.span("train.data"), "prepare the data with the "
-                         "checkpoint's tokenizer: planc data prepare SOURCE -o OUT.tokens "
-                         "--tokenizer INIT_DIRECTORY")
-        return why is None
-
-    def _data_file(self, data: str, model: Model | None, key: str = "train.data"
-                   ) -> str | None:
-        from planc.data.tokens import DataError, DataMissing, check_file  # no torch
-
-        base = os.path.dirname(os.path.abspath(self.path)) if self.path else os.getcwd()
-        resolved = os.path.normpath(os.path.join(base, data))
-        span = self.span(key)
-        try:
-            check_file(resolved, f"'{data}'", seq=model.seq if model else None,
-                       vocab=model.vocab if model else None, scan_limit=DATA_SCAN_LIMIT)
-        except DataMissing:
-            self.report(warning(f"data file '{data}' does not exist (yet); planc run will need "
-                                f"it", span))
-        except DataError as exc:
-            return self._reject(str(exc), span)
-        return resolved
-
-
-# Larger data files are checked a step at a time by planc run, as each step reads its
-# samples; check stays fast (pure Python scans tens of MB/s).
-DATA_SCAN_LIMIT = SCAN_LIMIT
 
 

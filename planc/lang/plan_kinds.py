@@ -171,12 +171,25 @@ def check_path(value: ast.String, what: str) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class Mixture:
+    """``data = [0.7, "web.tokens", 0.3, "code.tokens"]``: (weight, path, the path's span)
+    of each source, as written (planc.data.blend)."""
+
+    sources: tuple[tuple[float, str, Span], ...]
+
+
+_WEIGHT = Real(0.0, None, False)
+
+
 class DataSource(Kind):
-    noun = "synthetic or a file path in quotes"
+    noun = "synthetic, a file path in quotes, or a mixture [w1, \"a\", w2, \"b\", ...]"
 
     def read(self, value, scope):
         if isinstance(value, ast.String):
             return check_path(value, "data")
+        if isinstance(value, ast.ListValue):
+            return self._mixture(value)
         text = word_text(value)
         if text == "synthetic":
             return "synthetic"
@@ -184,6 +197,23 @@ class DataSource(Kind):
             raise Problem(f"unknown value '{text}'; expected synthetic or a file path in "
                           f"quotes", value.span, did_you_mean(text, ["synthetic"]))
         raise self.mismatch(value)
+
+
+    @staticmethod
+    def _mixture(value: ast.ListValue) -> Mixture:
+        """Megatron-LM's --data-path form: a weight before each source."""
+        items = value.items
+        example = 'for example [0.7, "web.tokens", 0.3, "code.tokens"]'
+        if len(items) < 4 or len(items) % 2:
+            raise Problem("a mixture is a weight before each of at least two token files",
+                          value.span, example)
+        sources = []
+        for weight, path in zip(items[::2], items[1::2]):
+            if not isinstance(path, ast.String):
+                raise Problem("expected a token file's path in quotes after each weight",
+                              path.span, example)
+            sources.append((_WEIGHT.read(weight, None), check_path(path, "data"), path.span))
+        return Mixture(tuple(sources))
 
 
 class CheckpointDirectory(Kind):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from planc.data.blend import blend_of
 from planc.program.ranks import integer_of
 from planc.plan.lr_schedule import SCHEDULE_ARGUMENTS, LrSchedule, lr_at
 
@@ -29,6 +30,17 @@ def _string(value, what: str) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{what} is {value!r}, not a string")
     return value
+
+
+def _source(value, what: str) -> str:
+    """A data source: "synthetic", a path, or a mixture's text (planc.data.blend)."""
+    text = _string(value, what)
+    try:
+        blend_of(text)
+    except ValueError:
+        raise ValueError(f"{what} is {text[:60]!r}, neither a path nor a mixture of "
+                         f"[weight, path] pairs") from None
+    return text
 
 
 def _number(value, what: str) -> float:
@@ -139,7 +151,7 @@ class Evaluation:
     def from_json(data: dict) -> "Evaluation":
         return Evaluation(_positive(data["every"], "eval_every"),
                           _positive(data["batches"], "eval_batches"),
-                          _string(data["source"], "the evaluation's data source"),
+                          _source(data["source"], "the evaluation's data source"),
                           integer_of(data["seed"], "the evaluation's seed"))
 
 
@@ -326,7 +338,7 @@ class ModelTable:
             rows_per_dp_rank=_positive(tokens["rows_per_dp_rank"], "rows_per_dp_rank"),
             microbatch_rows=_positive(tokens["microbatch_rows"], "microbatch_rows"),
             optimizer=OptimizerSettings.from_json(data["optimizer"]),
-            data=_string(source["source"], "the data source"),
+            data=_source(source["source"], "the data source"),
             seed=integer_of(source["seed"], "the seed"), parameters=parameters,
             options=dict(options), **_schedule_of(data), shuffle=_boolean(
                 source.get("shuffle", False), "shuffle"),

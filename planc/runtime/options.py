@@ -9,7 +9,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Sequence
 
-from planc.data.identity import Identity
+from planc.data.identity import Identity, identities_text, parse_identities
 
 DEFAULT_TIMEOUT = 120.0  # seconds without progress before a rank reports a hang
 
@@ -31,7 +31,7 @@ class RunOptions:
     resume_verified: bool = False
     # The data file as planc run checked it (planc.data.identity): every batch is read
     # from that file, unchanged, or the run stops.
-    data_identity: Identity | None = None
+    data_identity: Identity | tuple[Identity, ...] | None = None  # a mixture: one a source
     force: bool = False  # rank 0 may replace a trace an earlier run wrote at trace
 
     @staticmethod
@@ -51,7 +51,7 @@ class RunOptions:
         if self.backend:
             out += ["--backend", self.backend]
         if self.data_identity is not None:
-            out += ["--data-identity", str(self.data_identity)]
+            out += ["--data-identity", identities_text(self.data_identity)]
         for flag, value in (("--steps", self.steps), ("--checkpoint-dir", self.checkpoint_dir),
                             ("--checkpoint-every", self.checkpoint_every),
                             ("--resume", self.resume), ("--metrics", self.metrics),
@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="continue from the newest complete checkpoint in D, or from the "
                         "step directory D; --steps counts from the start of training")
     parser.add_argument("--resume-verified", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--data-identity", type=Identity.parse, help=argparse.SUPPRESS)
+    parser.add_argument("--data-identity", type=parse_identities, help=argparse.SUPPRESS)
     parser.add_argument("--tensorboard", metavar="DIR",
                         help="the leader writes TensorBoard scalars of every step into DIR")
     parser.add_argument("--force", action="store_true",

@@ -35,6 +35,7 @@ from planc.host.files import append_line
 from planc.checkpoint import format as checkpoint_format
 from planc.runtime.checkpoint.checkpoints import Checkpoints
 from planc.runtime.engine.context import RankContext, make_groups
+from planc.data.blend import shares
 from planc.data.identity import identity_now
 from planc.runtime.engine.exchange import (all_gather_json, boolean, broadcast_json, either,
                                     gather_json, integer, list_of, nothing, number, row, text)
@@ -147,6 +148,9 @@ class _Metrics:
                   "tokens_per_s": self.ctx.tokens_per_step / values["time_s"],
                   "slowest_rank": slowest}
         record["lr"] = self.ctx.model.lr_at(step)  # the lr of the step's update
+        share = shares(self.ctx.data.path, (step + 1) * self.ctx.data.batch)
+        if share is not None:  # a mixture: each source's share of the samples so far
+            record["data_share"] = share
         record.update(self.notes.pop(step, {}))
         record.update(throughput(self.mfu.model_flops_per_step, self.mfu.peak_flops_per_device,
                                  values["time_s"], self.world),

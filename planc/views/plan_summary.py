@@ -89,7 +89,17 @@ def settings(plan: Plan) -> str:
                         if opt.grad_accumulation != "fused" else "")
                      + (f", kernels {opt.kernels}" if opt.kernels != "fused" else "")),
         ("train", f"{counted(tr.steps, 'step')}, {optimizer}, seed {tr.seed}, "
-                  f"data {tr.data}{f', init {tr.init}' if tr.init else ''}"),
+                  f"data {_data(tr.data)}{f', init {tr.init}' if tr.init else ''}"),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _data(data: str) -> str:
+    """One source's path, or a mixture as its weights and paths."""
+    from planc.data.blend import blend_of
+
+    pairs = blend_of(data)
+    return data if pairs is None else \
+        "mixture of " + ", ".join(f"{weight:g} {path}" for weight, path in pairs)
+

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from planc.data import tokens as token_files
 from planc.data.identity import Identity, how_changed
 from planc.runtime.engine.seeds import seed_of
+from planc.data.blend import blend_of, paths_of, source_of
 from planc.data.sample_order import sample_start
 from planc.runtime.launcher.torch_threads import one_torch_thread
 from planc.data.tokens import (ARRAY_CODES, CHUNK_BYTES, DTYPES, HEADER_BYTES,  # noqa: F401 (API)
@@ -135,8 +136,10 @@ def check_data(plan: Plan, chunk_bytes: int = CHUNK_BYTES,
     each step checks the ids it reads (:func:`batch_tokens`)."""
     if plan.train.data == "synthetic":
         return None
-    return check_file(plan.train.data, seq=plan.model.seq, vocab=plan.model.vocab,
-                      scan_limit=scan_limit, chunk_bytes=chunk_bytes).identity
+    found = tuple(check_file(path, seq=plan.model.seq, vocab=plan.model.vocab,
+                             scan_limit=scan_limit, chunk_bytes=chunk_bytes).identity
+                  for path in paths_of(plan.train.data))
+    return found if len(found) > 1 else found[0]  # a mixture: one a source
 
 
 def data_problem(plan: Plan, chunk_bytes: int = CHUNK_BYTES) -> str | None:
@@ -181,8 +184,8 @@ class DataSource:
         return DataSource(t.data, t.seed, t.batch, t.seq, t.vocab, t.shuffle)
 
 
-def batch_tokens(source, step: int, identity: Identity | None = None,
-                 evaluation: int | None = None) -> torch.Tensor:
+def batch_tokens(source, step: int, identity=None, evaluation: int | None = None
+                 ) -> torch.Tensor:
     """The global batch of ``step``: (batch, seq + 1) token ids, int64. With
     ``evaluation`` (the training step, counted from 1, after which it runs), batch
     ``step`` of that evaluation: its problems name the evaluation, not a step.
@@ -190,21 +193,49 @@ def batch_tokens(source, step: int, identity: Identity | None = None,
     From a file, sample j of the run starts at token ``j * (seq + 1)`` modulo the number
     of sample starts (``count - seq``), so the run wraps around the file, or with shuffle
     at file sample ``permute(j mod n, n, seed, j // n)`` (planc.data.sample_order); only this
-    step's samples are read. Their ids are checked against vocab again, since the file
-    may have changed since the run began. With ``identity`` (the file when the run
-    began), a file that is not that one any more, before or after the reads, or a read
-    that comes back short, raises DataChanged. ``source``: a :class:`DataSource`, or a
-    plan or model table to take one from."""
+    step's samples are read. From a mixture, sample j is sample i of source d
+    (planc.data.blend.source_of), read from that file as its own run's sample i with the
+    seed ``seed + d``. Their ids are checked against vocab again, since a file may have
+    changed since the run began. With ``identity`` (the file when the run began; a
+    mixture's, one a source), a file that is not that one any more, before or after the
+    reads, or a read that comes back short, raises DataChanged. ``source``: a
+    :class:`DataSource`, or a plan or model table to take one from."""
     import torch
 
     m = source if isinstance(source, DataSource) else DataSource.of(source)
-    shape = (m.batch, m.seq + 1)
     if m.path == "synthetic":
         generator = torch.Generator().manual_seed(seed_of(m.seed, "data", step))
-        return torch.randint(0, m.vocab, shape, generator=generator)
-    path, sample = m.path, m.seq + 1
+        return torch.randint(0, m.vocab, (m.batch, m.seq + 1), generator=generator)
     reader = f"step {step}" if evaluation is None else \
         f"batch {step} of the evaluation after step {evaluation}"
+    samples = range(step * m.batch, (step + 1) * m.batch)
+    pairs = blend_of(m.path)
+    if pairs is None:
+        return _samples(m, m.path, identity, [(j, j) for j in samples], m.seed, step,
+                        evaluation, reader)
+    weights = tuple(weight for weight, _ in pairs)
+    identities = identity if isinstance(identity, tuple) else (None,) * len(pairs)
+    wanted: dict[int, list[tuple[int, int]]] = {}
+    for j in samples:
+        d, i = source_of(j, weights)
+        wanted.setdefault(d, []).append((i, j))
+    out = torch.empty((m.batch, m.seq + 1), dtype=torch.int64)
+    for d, taken in wanted.items():
+        rows = [j - samples.start for _, j in taken]
+        out[rows] = _samples(m, pairs[d][1], identities[d], taken, m.seed + d, step,
+                             evaluation, reader)
+    return out
+
+
+def _samples(m: DataSource, path: str, identity: Identity | None,
+             taken: list[tuple[int, int]], seed: int, step: int, evaluation: int | None,
+             reader: str) -> torch.Tensor:
+    """(len(taken), seq + 1) ids of the file at ``path``: its samples ``i`` of ``taken``
+    ((i, the run's sample j) pairs), cut as a run on that file alone with ``seed`` would
+    cut them."""
+    import torch
+
+    sample = m.seq + 1
     try:
         fd, tokens = open_tokens(path)
     except DataError as exc:
@@ -220,8 +251,8 @@ def batch_tokens(source, step: int, identity: Identity | None = None,
             raise DataError(f"data file {path} no longer holds one sample (seq + 1 = "
                             f"{sample} tokens)")
         width, rows, first = tokens.width, [], []
-        for j in range(step * m.batch, (step + 1) * m.batch):
-            first.append(sample_start(j, tokens.count, m.seq, m.seed, m.shuffle))
+        for i, _ in taken:
+            first.append(sample_start(i, tokens.count, m.seq, seed, m.shuffle))
             rows.append(os.pread(fd, sample * width, tokens.offset + first[-1] * width))
             if identity is not None and len(rows[-1]) != sample * width:
                 raise DataChanged(path, f"a read of {sample * width} bytes returned "
@@ -243,11 +274,11 @@ def batch_tokens(source, step: int, identity: Identity | None = None,
         raw = bytearray(ids.tobytes())
     signed = torch.frombuffer(raw, dtype={2: torch.int16, 4: torch.int32}[width])
     out = signed.to(torch.int64) & ((1 << (8 * width)) - 1)
-    out = out.view(m.batch, sample)
+    out = out.view(len(taken), sample)
     if int(out.max()) >= m.vocab:  # where, only when there is something to say
         row, column = (int(i) for i in (out >= m.vocab).nonzero()[0])
         raise DataError(f"data file {path} holds token id {int(out[row, column])} (token "
                         f"{first[row] + column} of the file, position {column} of sample "
-                        f"{step * m.batch + row}, read by {reader}), not below vocab = "
+                        f"{taken[row][1]}, read by {reader}), not below vocab = "
                         f"{m.vocab}")
     return out
