@@ -214,7 +214,7 @@ def test_check_and_run_scan_only_small_files_whole(tmp_path, monkeypatch):
     """A file over the limit is left to the steps that read it (tests/test_data_order.py)."""
     from planc.runtime.engine.data import check_data, data_problem
 
-    check = sys.modules["planc.lang.check"]  # planc.lang.check is also a function's name
+    check = sys.modules["planc.lang.data_check"]
 
     ids = [1] * 40 + [900]
     raw16(tmp_path / "tokens.bin", ids)

@@ -23,35 +23,11 @@ stores starts with ``[``, since every one is absolute.
 
 from __future__ import annotations
 
-import json
-import math
 from functools import lru_cache
 
+from planc.plan.data_source import blend_of
+
 BLOCK = 1024
-
-
-def blend_of(data: str) -> tuple[tuple[float, str], ...] | None:
-    """The (weight, path) pairs of a mixture's text, or None for one source."""
-    if not data.startswith("["):
-        return None
-    pairs = json.loads(data)
-    if not isinstance(pairs, list) or len(pairs) < 2 or not all(
-            isinstance(p, list) and len(p) == 2 and isinstance(p[0], (int, float))
-            and not isinstance(p[0], bool) and math.isfinite(p[0]) and p[0] > 0
-            and isinstance(p[1], str) and p[1] for p in pairs):
-        raise ValueError("a mixture is a list of at least two [weight, path] pairs with "
-                         "positive weights")
-    return tuple((float(w), p) for w, p in pairs)
-
-
-def blend_text(pairs) -> str:
-    return json.dumps([[weight, path] for weight, path in pairs])
-
-
-def paths_of(data: str) -> tuple[str, ...]:
-    """The files ``data`` reads: a mixture's sources, or the one path."""
-    pairs = blend_of(data)
-    return (data,) if pairs is None else tuple(path for _, path in pairs)
 
 
 @lru_cache(maxsize=16)

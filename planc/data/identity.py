@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from planc.data.blend import paths_of
+from planc.plan.data_source import paths_of
 from planc.data.megatron import stream_path
 
 

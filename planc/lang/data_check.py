@@ -10,6 +10,7 @@ import os
 from planc.diagnostics import warning
 from planc.data.tokens import SCAN_LIMIT
 from planc.lang.plan_kinds import Mixture
+from planc.plan.data_source import blend_of, blend_text
 from planc.plan.plan import Model
 
 # Larger data files are checked a step at a time by planc run, as each step reads its
@@ -25,7 +26,6 @@ class DataChecks:
     def _cut_by(self, data: str, init: str) -> bool:
         """Whether each data file was cut by the init checkpoint's tokenizer, as far as
         its description says; rejected at data if not."""
-        from planc.data.blend import blend_of
         from planc.data.provenance import tokenizer_mismatch
 
         written = self.value("train.data")
@@ -45,8 +45,6 @@ class DataChecks:
                    ) -> str | None:
         """The plan's data as planc keeps it (a resolved path, or a mixture's text,
         planc.data.blend), or None after an error."""
-        from planc.data.blend import blend_text
-
         if not isinstance(data, Mixture):
             return self._one_file(data, model, self.span(key))
         pairs = []

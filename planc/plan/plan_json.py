@@ -13,7 +13,7 @@ import math
 import typing
 from typing import Any, Mapping
 
-from planc.data.blend import blend_of
+from planc.plan.data_source import blend_of
 from planc.diagnostics import Span
 from planc.plan.lr_schedule import SCHEDULE_ARGUMENTS, problems
 from planc.plan.mesh import is_axis_order

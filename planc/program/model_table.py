@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from planc.data.blend import blend_of
+from planc.plan.data_source import blend_of
 from planc.program.ranks import integer_of
 from planc.plan.lr_schedule import SCHEDULE_ARGUMENTS, LrSchedule, lr_at
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from planc.estimate import memory
 from planc.vocabulary.units import COMPUTE, RATE, TIME, format_bytes, format_quantity
 from planc.models import family_of
+from planc.plan.data_source import blend_of
 from planc.plan.plan import Plan
 from planc.schedules.layers import range_text
 from planc.diagnostics import counted
@@ -97,8 +98,6 @@ def settings(plan: Plan) -> str:
 
 def _data(data: str) -> str:
     """One source's path, or a mixture as its weights and paths."""
-    from planc.data.blend import blend_of
-
     pairs = blend_of(data)
     return data if pairs is None else \
         "mixture of " + ", ".join(f"{weight:g} {path}" for weight, path in pairs)

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 from planc.data import tokens as token_files
 from planc.data.identity import Identity, how_changed
 from planc.runtime.engine.seeds import seed_of
-from planc.data.blend import blend_of, paths_of, source_of
+from planc.data.blend import source_of
+from planc.plan.data_source import blend_of, paths_of
 from planc.data.sample_order import sample_start
 from planc.runtime.launcher.torch_threads import one_torch_thread
 from planc.data.tokens import (ARRAY_CODES, CHUNK_BYTES, DTYPES, HEADER_BYTES,  # noqa: F401 (API)
