@@ -99,13 +99,14 @@ bench-topology: $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
 	$(PY) bench/topology.py --json build/topology.json --plot docs/topology.png
 
-# A tiny tokenised corpus, generated here without network or extra packages
-# (planc/data/corpus.py, docs/data.md): data/tiny-corpus.tokens, .json and .txt.
-corpus:
-	$(PYTHON) -m planc.data.corpus -o $(CORPUS)
+# A tiny tokenised corpus, generated here without network, its tokenizer trained by the
+# tokenizers library (planc/data/corpus.py, docs/data.md): data/tiny-corpus.tokens, .json
+# (the tokenizer.json) and .txt.
+corpus: $(STAMP)
+	$(PY) -m planc.data.corpus -o $(CORPUS)
 
-$(CORPUS):
-	$(PYTHON) -m planc.data.corpus -o $@
+$(CORPUS): | $(STAMP)
+	$(PY) -m planc.data.corpus -o $@
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

@@ -280,3 +280,26 @@ def test_check_refuses_data_cut_by_another_tokenizer_than_inits(tmp_path, capfd)
     size = out.stat().st_size
     assert f"error: 'docs.tokens.json' describes a token file of {size - 2:,} bytes, but " \
            f"'docs.tokens' has {size:,}; prepare the data again" in capfd.readouterr().err
+
+
+def test_check_refuses_data_cut_by_a_tokenizer_larger_than_the_models_vocabulary(
+        tmp_path, capfd, monkeypatch):
+    """A description names its tokenizer's size: a file too large to scan (here over a
+    scan limit of 64 bytes) is still refused before it runs."""
+    import planc.lang.data_check
+
+    monkeypatch.setattr(planc.lang.data_check, "DATA_SCAN_LIMIT", 64)
+    save_tokenizer(tmp_path / "tok")  # 64 ids
+    write_jsonl(tmp_path / "d.jsonl", documents(50))
+    assert main(["data", "prepare", str(tmp_path / "d.jsonl"), "-o",
+                 str(tmp_path / "d.tokens"), "--tokenizer", str(tmp_path / "tok")]) == 0
+    size = json.loads((tmp_path / "d.tokens.json").read_text())["tokenizer"]["vocab_size"]
+    plan = ('plan p {{\n  model gpt {{ layers = 1; hidden = 8; heads = 2; vocab = {v}; seq = 7; '
+            'batch = 4 }}\n  train {{ data = "d.tokens" }}\n}}\n')
+    (tmp_path / "p.plan").write_text(plan.format(v=size - 1))
+    capfd.readouterr()
+    assert main(["check", str(tmp_path / "p.plan")]) == 1
+    assert f"error: data file 'd.tokens' was cut by a tokenizer of {size} ids, more than the " \
+           f"model's vocab = {size - 1}" in capfd.readouterr().err
+    (tmp_path / "p.plan").write_text(plan.format(v=size))
+    assert main(["check", str(tmp_path / "p.plan")]) == 0

@@ -243,7 +243,7 @@ def test_every_feature_trains_exactly_like_one_process(name, tmp_path, capfd,
 
     case, switches = FEATURE_RUNS[name]
     overrides: tuple[str, ...] = ()
-    if name == CORPUS:  # make corpus's file, its 654 ids below the vocab
+    if name == CORPUS:  # make corpus's file, its 655 ids below the vocab
         corpus = tmp_path / "tiny-corpus.tokens"
         assert make_corpus(["-o", str(corpus)]) == 0
         overrides = (f'train.data="{corpus}"', "model.vocab=1024")

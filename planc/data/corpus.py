@@ -1,4 +1,5 @@
-"""A tiny tokenised corpus for ``planc run``, made offline from nothing but this file.
+"""A tiny tokenised corpus for ``planc run``, made offline from this file and the
+``tokenizers`` library.
 
     python -m planc.data.corpus -o data/tiny-corpus.tokens          # or: make corpus
     python -m planc.data.corpus notes.txt -o data/notes.tokens --vocab 4000
@@ -7,29 +8,28 @@
 Without a text file it writes short stories generated from a small grammar by a seeded
 generator (splitmix64, so the same bytes on every machine and Python version), trains a
 byte-level BPE tokenizer on the text itself and writes the ids as a token file of uint32
-with the PLANCTOK header (docs/data.md), beside ``<output>.json`` holding the merges and
-``<output>.txt`` holding the text. ``--raw`` wraps an existing headerless file of
-little-endian ids (say, one numpy wrote) with the header instead.
+with the PLANCTOK header (docs/data.md), beside ``<output>.json``, the tokenizer as a
+Hugging Face ``tokenizer.json`` (which ``planc data prepare --tokenizer`` takes for more
+text), and ``<output>.txt`` holding the text. ``--raw`` wraps an existing headerless file
+of little-endian ids (say, one numpy wrote) with the header instead.
 
 The tokenizer is the byte-pair encoding of Sennrich et al. (2016) over bytes, as GPT-2
-uses it (Radford et al. 2019): text is split into pieces (a word with its leading space,
-a digit, a run of punctuation, a run of blanks), each piece starts as its UTF-8 bytes
-(ids 0..255) and the most frequent adjacent pair inside pieces is merged into a new id
-until the vocabulary is full or no pair occurs twice. Ties go to the smallest pair, so
-training is deterministic. Digits stay single pieces, so numbers are spelled digit by
-digit (as in Llama's tokenizer) and the arithmetic in the stories is learnable.
+uses it (Radford et al. 2019), trained by Hugging Face's ``tokenizers`` (its
+``BpeTrainer``, deterministic: the most frequent pair first, ties by the pair): text is
+split into pieces (a word with its leading space, a digit, a run of punctuation, a run of
+blanks), each piece starts as its UTF-8 bytes and the most frequent adjacent pair inside
+pieces is merged into a new id until the vocabulary is full or no pair occurs twice.
+Digits stay single pieces, so numbers are spelled digit by digit (as in Llama's
+tokenizer) and the arithmetic in the stories is learnable. Id 0 is ``<|endoftext|>``,
+the end-of-text token ``planc data prepare`` ends documents with.
 """
 
 from __future__ import annotations
 
 import argparse
-import heapq
-import json
 import os
 import re
 import sys
-from collections import Counter, defaultdict
-from itertools import pairwise
 
 from planc.data.tokens import DTYPES, HEADER_BYTES, header, write_tokens
 
@@ -127,96 +127,40 @@ def tiny_text(chars: int = DEFAULT_CHARS, seed: int = SEED) -> str:
 
 # --- the tokenizer -------------------------------------------------------------------
 
+END_OF_TEXT = "<|endoftext|>"
+
 
 def pieces(text: str) -> list[str]:
     """The pre-tokenizer: pieces whose concatenation is ``text``; merges stay inside one."""
     return _PIECE.findall(text)
 
 
-def train(text: str, vocab: int = DEFAULT_VOCAB) -> list[tuple[int, int]]:
-    """BPE merges learnt on ``text``: merge i makes id 256 + i from a pair of ids.
+def train(text: str, vocab: int = DEFAULT_VOCAB):
+    """A byte-level BPE tokenizer (``tokenizers.Tokenizer``) of at most ``vocab`` ids
+    learnt on ``text``: the end-of-text token, the 256 bytes, then the merges."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    Pair counts are updated only for the pieces a merge touches, and the next merge is
-    taken from a heap of (-count, pair) whose stale entries are skipped, so training
-    costs about the pieces' length per merge rather than the whole text."""
-    if vocab < 256:
-        raise ValueError(f"a byte-level vocabulary holds at least 256 ids, not {vocab}")
-    counted = Counter(pieces(text))
-    words = [list(piece.encode("utf-8")) for piece in counted]
-    weights = list(counted.values())
-    pairs: Counter = Counter()
-    where: dict[tuple[int, int], set[int]] = defaultdict(set)
-    for i, word in enumerate(words):
-        for pair in pairwise(word):
-            pairs[pair] += weights[i]
-            where[pair].add(i)
-    heap = [(-count, pair) for pair, count in pairs.items()]
-    heapq.heapify(heap)
-    merges: list[tuple[int, int]] = []
-    while 256 + len(merges) < vocab and heap:
-        negative, pair = heapq.heappop(heap)
-        if pairs.get(pair, 0) != -negative:  # stale: the pair's count changed since
-            continue
-        if -negative < 2:
-            break
-        new = 256 + len(merges)
-        merges.append(pair)
-        touched = set()
-        for i in sorted(where.pop(pair, ())):
-            word, weight = words[i], weights[i]
-            for old in pairwise(word):
-                pairs[old] -= weight
-                touched.add(old)
-            word = words[i] = _merge(word, pair, new)
-            for fresh in pairwise(word):
-                pairs[fresh] += weight
-                where[fresh].add(i)
-                touched.add(fresh)
-        for changed in sorted(touched):
-            if pairs[changed] > 0:
-                heapq.heappush(heap, (-pairs[changed], changed))
-            else:
-                del pairs[changed]
-    return merges
+    if vocab < 257:
+        raise ValueError(f"a byte-level vocabulary holds at least 257 ids (the end-of-text "
+                         f"token and 256 bytes), not {vocab}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_PIECE.pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, min_frequency=2, show_progress=False,
+                                  special_tokens=[END_OF_TEXT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([text], trainer)
+    return tokenizer
 
 
-def _merge(word: list[int], pair: tuple[int, int], new: int) -> list[int]:
-    out, i = [], 0
-    while i < len(word):
-        if i + 1 < len(word) and word[i] == pair[0] and word[i + 1] == pair[1]:
-            out.append(new)
-            i += 2
-        else:
-            out.append(word[i])
-            i += 1
-    return out
+def encode(text: str, tokenizer) -> list[int]:
+    return tokenizer.encode(text).ids
 
 
-def encode(text: str, merges: list[tuple[int, int]]) -> list[int]:
-    """Token ids of ``text``: each piece's bytes, merged in the order the merges were
-    learnt (the lowest-ranked pair present first), as GPT-2's encoder does."""
-    rank = {pair: 256 + i for i, pair in enumerate(merges)}
-    cache: dict[str, list[int]] = {}
-    out: list[int] = []
-    for piece in pieces(text):
-        ids = cache.get(piece)
-        if ids is None:
-            ids = list(piece.encode("utf-8"))
-            while len(ids) > 1:
-                best = min(pairwise(ids), key=lambda p: rank.get(p, 1 << 62))
-                if best not in rank:
-                    break
-                ids = _merge(ids, best, rank[best])
-            cache[piece] = ids
-        out.extend(ids)
-    return out
-
-
-def decode(ids: list[int], merges: list[tuple[int, int]]) -> str:
-    table = [bytes([b]) for b in range(256)]
-    for a, b in merges:
-        table.append(table[a] + table[b])
-    return b"".join(table[i] for i in ids).decode("utf-8", errors="replace")
+def decode(ids: list[int], tokenizer) -> str:
+    return tokenizer.decode(ids)
 
 
 # --- files ---------------------------------------------------------------------------
@@ -263,29 +207,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.output}: {count} {args.raw} tokens after a {HEADER_BYTES}-byte "
               f"header")
         return 0
-    if not 256 <= args.vocab <= 32000:
-        parser.error("--vocab must be between 256 and 32000")
+    if not 257 <= args.vocab <= 32000:
+        parser.error("--vocab must be between 257 and 32000")
     if args.text:
         with open(args.text, encoding="utf-8") as f:
             text = f.read()
     else:
         text = tiny_text(args.chars)
-    merges = train(text, args.vocab)
-    ids = encode(text, merges)
-    if args.width == 2 and 256 + len(merges) > 1 << 16:
-        parser.error("the vocabulary does not fit uint16")
+    tokenizer = train(text, args.vocab)
+    ids = encode(text, tokenizer)
+    size = tokenizer.get_vocab_size()
     write_tokens(args.output, ids, args.width)
     stem = os.path.splitext(args.output)[0]
-    with open(stem + ".json", "w") as f:
-        json.dump({"kind": "byte-level BPE", "vocab": 256 + len(merges),
-                   "pieces": _PIECE.pattern, "merges": merges}, f)
-        f.write("\n")
+    tokenizer.save(stem + ".json")
     if not args.text:
         with open(stem + ".txt", "w", encoding="utf-8") as f:
             f.write(text)
     print(f"wrote {args.output}: {len(ids)} tokens of {len(text.encode('utf-8'))} bytes of "
           f"text ({len(text.encode('utf-8')) / max(len(ids), 1):.2f} bytes per token), "
-          f"vocab {256 + len(merges)}, largest id {max(ids, default=0)}; merges in "
+          f"vocab {size}, largest id {max(ids, default=0)}; the tokenizer in "
           f"{stem}.json", file=sys.stderr)
     return 0
 

@@ -107,3 +107,19 @@ def tokenizer_mismatch(tokens_path: str, init: str, name: str) -> str | None:
             f"(its tokenizer.json has SHA-256 {recorded['sha256'][:12]}..., the "
             f"checkpoint's {sha256_of(shipped)[:12]}...): its ids would be other words to "
             f"the model")
+
+
+def vocabulary_overflow(tokens_path: str, vocab: int, name: str) -> str | None:
+    """Why a token file whose description names a tokenizer of more ids than the model's
+    ``vocab`` cannot feed it (a large file's ids are otherwise checked only as each step
+    reads them), or None."""
+    try:
+        record = read_description(tokens_path, name)
+    except DescriptionError as exc:
+        return str(exc)
+    size = record["tokenizer"].get("vocab_size") if record is not None else None
+    if isinstance(size, int) and size > vocab:
+        return (f"data file '{name}' was cut by a tokenizer of {size:,} ids, more than the "
+                f"model's vocab = {vocab:,}")
+    return None
+

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from planc.diagnostics import warning
+from planc.data.provenance import vocabulary_overflow
 from planc.data.tokens import SCAN_LIMIT
 from planc.lang.plan_kinds import Mixture
 from planc.plan.data_source import blend_of, blend_text
@@ -68,4 +69,8 @@ class DataChecks:
                                 f"it", span))
         except DataError as exc:
             return self._reject(str(exc), span)
+        why = vocabulary_overflow(resolved, model.vocab, data) if model else None
+        if why is not None:
+            return self._reject(why, span, "set the model's vocab to the tokenizer's, or "
+                                "prepare the data with the model's tokenizer")
         return resolved
