@@ -119,6 +119,80 @@ def test_plain_text_by_line_paragraph_or_document(tmp_path):
     assert cut == {"line": 3, "paragraph": 2, "document": 1}
 
 
+def _expected(directory, texts) -> list[int]:
+    rust = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    eos = rust.token_to_id(EOS)
+    return [i for text in texts for i in rust.encode(text).ids + [eos]]
+
+
+def test_parquet_is_read_row_group_by_row_group_in_its_text_column(tmp_path, capfd):
+    pyarrow = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as parquet
+
+    save_tokenizer(tmp_path / "tok")
+    texts = documents(30)
+    table = pyarrow.table({"id": list(range(30)), "content": texts})
+    parquet.write_table(table, tmp_path / "d.parquet", row_group_size=7)
+    out = tmp_path / "p.tokens"
+    assert main(["data", "prepare", str(tmp_path / "d.parquet"), "-o", str(out),
+                 "--tokenizer", str(tmp_path / "tok"), "--text-key", "content"]) == 0
+    assert read_ids(out) == _expected(tmp_path / "tok", texts)
+    capfd.readouterr()
+    assert main(["data", "prepare", str(tmp_path / "d.parquet"), "-o", str(out), "--force",
+                 "--tokenizer", str(tmp_path / "tok")]) == 1
+    assert capfd.readouterr().err.splitlines() == [
+        f"planc: error: source {tmp_path / 'd.parquet'} has no column 'text' (it has id, "
+        f"content); name the text's column with --text-key; {out} was not written"]
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
+    assert main(["data", "prepare", str(tmp_path / "bad.parquet"), "-o",
+                 str(tmp_path / "b.tokens"), "--tokenizer", str(tmp_path / "tok")]) == 1
+    (line,) = capfd.readouterr().err.splitlines()
+    assert line.startswith(f"planc: error: source {tmp_path / 'bad.parquet'} cannot be read "
+                           f"as Parquet: ")
+    assert not (tmp_path / "b.tokens").exists() and _leftovers(tmp_path) == []
+
+
+def test_a_dataset_saved_to_disk_is_read_from_its_train_split(tmp_path, capfd):
+    datasets = pytest.importorskip("datasets")
+
+    save_tokenizer(tmp_path / "tok")
+    texts = documents(20)
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "one"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": texts[:12]}),
+                          "validation": datasets.Dataset.from_dict({"text": texts[12:]})}
+                         ).save_to_disk(str(tmp_path / "splits"))
+    datasets.DatasetDict({"test": datasets.Dataset.from_dict({"text": texts})}
+                         ).save_to_disk(str(tmp_path / "no-train"))
+    for name, expected in (("one", texts), ("splits", texts[:12])):
+        out = tmp_path / f"{name}.tokens"
+        assert main(["data", "prepare", str(tmp_path / name), "-o", str(out),
+                     "--tokenizer", str(tmp_path / "tok")]) == 0
+        assert read_ids(out) == _expected(tmp_path / "tok", expected)
+    # a Hub dataset as the local cache holds it: a snapshot directory of data files,
+    # streamed by datasets' own builders, offline
+    snapshot = tmp_path / "datasets--acme--stories" / "snapshots" / "0123abcd" / "data"
+    snapshot.mkdir(parents=True)
+    write_jsonl(snapshot / "train-00000.jsonl", texts[:9])
+    write_jsonl(snapshot / "train-00001.jsonl", texts[9:])
+    out = tmp_path / "hub.tokens"
+    assert main(["data", "prepare", str(snapshot.parent), "-o", str(out), "--tokenizer",
+                 str(tmp_path / "tok")]) == 0
+    assert read_ids(out) == _expected(tmp_path / "tok", texts)
+    (tmp_path / "empty").mkdir()
+    capfd.readouterr()
+    assert main(["data", "prepare", str(tmp_path / "empty"), "-o", str(tmp_path / "e.tokens"),
+                 "--tokenizer", str(tmp_path / "tok")]) == 1
+    (line,) = capfd.readouterr().err.splitlines()
+    assert line.startswith(f"planc: error: source {tmp_path / 'empty'} is neither a dataset "
+                           f"saved by save_to_disk nor a directory of data files datasets "
+                           f"can read: ")
+    assert main(["data", "prepare", str(tmp_path / "no-train"), "-o",
+                 str(tmp_path / "n.tokens"), "--tokenizer", str(tmp_path / "tok")]) == 1
+    assert capfd.readouterr().err.splitlines() == [
+        f"planc: error: source {tmp_path / 'no-train'} holds the splits test, no 'train'; "
+        f"save the split to read with save_to_disk; {tmp_path / 'n.tokens'} was not written"]
+
+
 def test_a_vocabulary_beyond_65536_ids_is_written_as_uint32(tmp_path):
     from tokenizers import Tokenizer as Rust, models, pre_tokenizers
 

@@ -99,7 +99,8 @@ def add_arguments(parser) -> None:
                     "failed or interrupted prepare leaves no file.")
     prepare.add_argument("sources", nargs="+", metavar="SOURCE", type=path,
                          help="JSONL (.jsonl, .json, .gz), plain text, Parquet (.parquet), "
-                              "or a directory saved by datasets' save_to_disk")
+                              "or a Hugging Face dataset's directory (save_to_disk's, or data "
+                              "files such as a Hub snapshot in the cache)")
     output(prepare, "-o", "--output", kind="tokens", required=True, metavar="OUT.tokens",
            help="the token file to write")
     prepare.add_argument("--tokenizer", required=True, type=path, metavar="T",

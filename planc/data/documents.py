@@ -9,8 +9,10 @@
 - **Parquet** (``.parquet``, through ``pyarrow``): the text column, row group by row
   group, as FineWeb and most Hugging Face datasets store them.
 - **A Hugging Face dataset** saved by ``save_to_disk`` (a directory with
-  ``dataset_info.json`` or ``state.json``), through ``datasets``, read locally, never
-  over the network.
+  ``dataset_info.json``, ``state.json`` or ``dataset_dict.json``), or any other
+  directory of data files datasets reads (a Hub dataset's snapshot in the local cache, a
+  folder of JSONL, CSV or Parquet files), streamed; its ``train`` split, through
+  ``datasets``, read locally, never over the network.
 
 A source that cannot be read stops with its path (and line, for JSONL) and what is wrong;
 planc data prepare then writes nothing.
@@ -27,7 +29,7 @@ from typing import Iterator
 SAMPLE_BY = ("line", "paragraph", "document")
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson")
 PARQUET_SUFFIX = ".parquet"
-DATASET_MARKERS = ("dataset_info.json", "state.json")
+DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
 class SourceError(ValueError):
@@ -46,9 +48,7 @@ class Source:
         if os.path.isdir(path):
             if any(os.path.isfile(os.path.join(path, name)) for name in DATASET_MARKERS):
                 return Source(path, "dataset")
-            raise SourceError(f"source {path} is a directory but not a Hugging Face dataset "
-                              f"saved by save_to_disk (it has no {DATASET_MARKERS[0]}); name "
-                              f"its files instead")
+            return Source(path, "repository")
         if not os.path.exists(path):
             raise SourceError(f"source {path} does not exist")
         if not os.path.isfile(path):
@@ -70,6 +70,8 @@ def documents(source: Source, text_key: str = "text", sample_by: str = "line"
         return _text(source.path, sample_by)
     if source.kind == "parquet":
         return _parquet(source.path, text_key)
+    if source.kind == "repository":
+        return _repository(source.path, text_key)
     return _dataset(source.path, text_key)
 
 
@@ -165,20 +167,58 @@ def _parquet(path: str, key: str) -> Iterator[tuple[str, int]]:
     except SourceError:
         raise
     except Exception as exc:  # pyarrow's own errors (ArrowInvalid, OSError)
-        raise SourceError(f"source {path} cannot be read as Parquet: {exc}") from None
+        raise SourceError(f"source {path} cannot be read as Parquet: "
+                          f"{str(exc).splitlines()[0].rstrip('.')}") from None
 
 
-def _dataset(path: str, key: str) -> Iterator[tuple[str, int]]:
+def _import_datasets(path: str):
+    # never the network: a source is what is on this machine (the variables are read when
+    # huggingface_hub is first imported, so they are set before)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     try:
         import datasets
     except ImportError:
         raise SourceError(f"source {path}: reading a Hugging Face dataset needs the "
                           f"datasets package, which is not installed: pip install "
                           f"datasets") from None
+    return datasets
+
+
+def _repository(path: str, key: str) -> Iterator[tuple[str, int]]:
+    """A dataset repository's files (a Hub snapshot in the cache, or a directory of
+    JSONL, CSV or Parquet files), streamed by datasets' builders: its train split."""
+    datasets = _import_datasets(path)
+    try:
+        rows = iter(datasets.load_dataset(path, split="train", streaming=True))
+        first = next(rows, None)
+    except Exception as exc:  # datasets' own errors: no data files, no train split
+        raise SourceError(f"source {path} is neither a dataset saved by save_to_disk nor a "
+                          f"directory of data files datasets can read: "
+                          f"{str(exc).splitlines()[0].rstrip('.')}") from None
+    if first is not None and key not in first:
+        raise SourceError(f"source {path} has no column {key!r} (it has "
+                          f"{', '.join(list(first)[:5])}); name the text's column with "
+                          f"--text-key")
+    for row in ([first] if first is not None else []):
+        yield from _row_text(row, key)
+    for row in rows:
+        yield from _row_text(row, key)
+
+
+def _row_text(row: dict, key: str) -> Iterator[tuple[str, int]]:
+    text = row.get(key)
+    if isinstance(text, str):
+        yield text, len(text.encode("utf-8"))
+
+
+def _dataset(path: str, key: str) -> Iterator[tuple[str, int]]:
+    datasets = _import_datasets(path)
     try:
         dataset = datasets.load_from_disk(path)
     except Exception as exc:  # datasets' own errors
-        raise SourceError(f"source {path} cannot be loaded as a dataset: {exc}") from None
+        raise SourceError(f"source {path} cannot be loaded as a dataset: "
+                          f"{str(exc).splitlines()[0].rstrip('.')}") from None
     if isinstance(dataset, datasets.DatasetDict):
         if "train" not in dataset:
             raise SourceError(f"source {path} holds the splits {', '.join(dataset)}, no "
