@@ -235,7 +235,11 @@ def test_a_wait_for_an_event_nobody_records_stops_an_unverified_run_in_one_line(
                  "--timeout", "60"]) == 1
     err = capfd.readouterr().err
     assert "Traceback" not in err
-    for rank in (0, 1):
-        assert re.search(rf"\[rank {rank}\] planc: error: rank {rank}: #\d+ wait "
-                         rf"'done:nowhere#0' mb 0 \('\w+ mb 0'\) on stream '\w+' waits for an "
-                         rf"event no instruction records\n", err), err
+    stopped = [rank for rank in (0, 1) if re.search(
+        rf"\[rank {rank}\] planc: error: rank {rank}: #\d+ wait 'done:nowhere#0' mb 0 "
+        rf"\('\w+ mb 0'\) on stream '\w+' waits for an event no instruction records\n", err)]
+    # both, unless one stopped while the other still connected its groups (a busy
+    # machine): that one then says it lost its peer there, in one line
+    assert stopped == [0, 1] or len(stopped) == 1 and re.search(
+        rf"\[rank {1 - stopped[0]}\] rank {1 - stopped[0]} lost a peer while creating the "
+        rf"process groups of the plan \(new_group\)\n", err), err

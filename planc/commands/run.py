@@ -180,6 +180,12 @@ def _refused(args) -> int | None:
             return fail("--checkpoint-every needs --checkpoint-dir", EXIT_USAGE)
         if args.checkpoint_every < 1:
             return fail("--checkpoint-every must be at least 1", EXIT_USAGE)
+    if args.checkpoint_async and not args.checkpoint_dir:
+        return fail("--checkpoint-async needs --checkpoint-dir", EXIT_USAGE)
+    if not 0 < args.straggler_margin <= 100:  # also refuses nan
+        return fail(f"--straggler-margin must be above 0 and at most 100 (a fraction: 0.2 "
+                    f"is 20 % slower than the peers), not {args.straggler_margin:g}",
+                    EXIT_USAGE)
     build_dir = _build_path(args)
     for flag, path in (("--checkpoint-dir", args.checkpoint_dir), ("--resume", args.resume)):
         if path and _inside(path, build_dir):
@@ -363,7 +369,8 @@ def _run_options(args, directory: str, backend: str, found=None, identity=None):
         timeout=args.timeout, metrics=absolute(args.metrics), trace=absolute(args.trace),
         tensorboard=absolute(args.tensorboard), check=args.check,
         checkpoint_dir=absolute(args.checkpoint_dir),
-        checkpoint_every=args.checkpoint_every or None,
+        checkpoint_every=args.checkpoint_every or None, checkpoint_async=args.checkpoint_async,
+        straggler_margin=args.straggler_margin,
         # the step directory checked here, its files hashed already
         resume=absolute(found.directory) if found is not None else None,
         resume_verified=found is not None, data_identity=identity,
@@ -399,6 +406,15 @@ def add_arguments(parser) -> None:
            "resume from it (docs/checkpoints.md)")
     parser.add_argument("--checkpoint-every", type=int, metavar="N",
                         help="with --checkpoint-dir: also after every N-th step")
+    parser.add_argument("--straggler-margin", type=float, default=0.2, metavar="F",
+                        help="name, on the progress line and in the metrics, a rank whose "
+                        "compute or transfer streams are busy more than 1 + F times its "
+                        "stage peers' for 3 steps in a row [0.2]")
+    parser.add_argument("--checkpoint-async", action="store_true",
+                        help="with --checkpoint-dir: copy each checkpoint's state out at the "
+                        "step boundary and write it from a background thread while the next "
+                        "steps train (committed atomically as ever; the next checkpoint waits "
+                        "for it)")
     parser.add_argument("--resume", metavar="D", type=path,
                         help="continue from the newest complete checkpoint in D (or from D, a "
                         "step-NNNNNN directory), under any layout of the same model; steps "

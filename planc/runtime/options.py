@@ -26,6 +26,8 @@ class RunOptions:
     check: bool = False
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
+    checkpoint_async: bool = False  # written by a thread while the next steps train
+    straggler_margin: float = 0.2  # planc.runtime.stragglers
     resume: str | None = None
     # planc run found and hashed the step directory already; a rank need not again
     resume_verified: bool = False
@@ -43,6 +45,8 @@ class RunOptions:
             parser.error("--checkpoint-every must be at least 1")
         if args.checkpoint_every is not None and not args.checkpoint_dir:
             parser.error("--checkpoint-every needs --checkpoint-dir")
+        if args.checkpoint_async and not args.checkpoint_dir:
+            parser.error("--checkpoint-async needs --checkpoint-dir")
         return RunOptions(**vars(args))
 
     def to_argv(self) -> list[str]:
@@ -52,6 +56,7 @@ class RunOptions:
             out += ["--backend", self.backend]
         if self.data_identity is not None:
             out += ["--data-identity", identities_text(self.data_identity)]
+        out += ["--straggler-margin", repr(self.straggler_margin)]
         for flag, value in (("--steps", self.steps), ("--checkpoint-dir", self.checkpoint_dir),
                             ("--checkpoint-every", self.checkpoint_every),
                             ("--resume", self.resume), ("--metrics", self.metrics),
@@ -59,7 +64,7 @@ class RunOptions:
             if value:
                 out += [flag, str(value)]
         for flag, on in (("--resume-verified", self.resume_verified), ("--check", self.check),
-                         ("--force", self.force)):
+                         ("--force", self.force), ("--checkpoint-async", self.checkpoint_async)):
             if on:
                 out.append(flag)
         return out
@@ -81,6 +86,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="write consolidated checkpoints into D (docs/checkpoints.md)")
     parser.add_argument("--checkpoint-every", type=int, metavar="N",
                         help="with --checkpoint-dir: after every N-th step (and the last)")
+    parser.add_argument("--checkpoint-async", action="store_true",
+                        help="with --checkpoint-dir: write each checkpoint in the background")
+    parser.add_argument("--straggler-margin", type=float, default=0.2, metavar="F",
+                        help="name a rank whose stream is busy more than 1 + F times its "
+                        "peers' for 3 steps in a row [0.2]")
     parser.add_argument("--resume", metavar="D",
                         help="continue from the newest complete checkpoint in D, or from the "
                         "step directory D; --steps counts from the start of training")

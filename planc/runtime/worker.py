@@ -36,6 +36,9 @@ from planc.checkpoint import format as checkpoint_format
 from planc.runtime.checkpoint.checkpoints import Checkpoints
 from planc.runtime.engine.context import RankContext, make_groups
 from planc.data.blend import shares
+from planc.runtime.stragglers import DEFAULT_MARGIN, StragglerWatch
+from planc.runtime.stragglers import STREAMS as STRAGGLER_STREAMS
+from planc.runtime.stragglers import describe as describe_straggler
 from planc.data.identity import identity_now
 from planc.runtime.engine.exchange import (all_gather_json, boolean, broadcast_json, either,
                                     gather_json, integer, list_of, nothing, number, row, text)
@@ -43,7 +46,7 @@ from planc.runtime.engine.host_memory import keep_freed_memory
 from planc.runtime.engine.evaluation import Evaluator
 from planc.runtime.checkpoint.init_load import InitialWeights
 from planc.program.step_code import StepCodeError
-from planc.runtime.engine.executor import CpuExecutor, CudaExecutor, Hang, PeerLost
+from planc.runtime.engine.executor import PEER_GONE, CpuExecutor, CudaExecutor, Hang, PeerLost
 from planc.runtime.engine.interpreter import Interpreter
 from planc.runtime.launcher.protocol import ERROR_FILE, EXIT_HANG, REPORT_FILE, TRAINING_FILE
 from planc.runtime.engine.data import DataError
@@ -83,7 +86,8 @@ def _progress(step: int, steps: int, record: dict) -> None:
             f" ms ({100 * exposed:.0f}%)  {record['tokens_per_s']:,.0f} tokens/s  "
             f"{record['tflops_per_device']:.3g} TFLOP/s per device  MFU "
             f"{100 * record['mfu']:.2g}%" +
-            (f"  eval loss {record['eval_loss']:.6f}" if "eval_loss" in record else ""))
+            (f"  eval loss {record['eval_loss']:.6f}" if "eval_loss" in record else "") +
+            (f"  {describe_straggler(record['straggler'])}" if "straggler" in record else ""))
     end = "\r" if sys.stderr.isatty() and step + 1 < steps else "\n"
     print(text, end=end, file=sys.stderr, flush=True)
 
@@ -100,7 +104,8 @@ class _Metrics:
     FIELDS = ("time_s", "compute_s", "comm_s", "exposed_comm_s", "pipeline_wait_s")
 
     def __init__(self, ctx: RankContext, steps: int, path: str | None, fingerprint: str,
-                 mfu, plan: str, tensorboard: str | None = None):
+                 mfu, plan: str, tensorboard: str | None = None,
+                 straggler_margin: float = DEFAULT_MARGIN):
         self.ctx, self.steps = ctx, steps
         self.mfu, self.plan = mfu, plan
         self.tensorboard = open_tensorboard(tensorboard) if ctx.rank == ctx.leader else None
@@ -116,6 +121,11 @@ class _Metrics:
         self.pending = None
         self.records: list[dict] = []
         self.notes: dict[int, dict] = {}  # step -> values its record adds (grad_norm, ...)
+        # peers run the same program: the ranks of one stage
+        stages: dict[int, list[int]] = {}
+        for rank in range(self.world):
+            stages.setdefault(ctx.ranks.stage_of(rank), []).append(rank)
+        self.stragglers = StragglerWatch(list(stages.values()), straggler_margin)
 
     def step(self, step: int, times, loss: float | None) -> None:
         self.flush()
@@ -148,6 +158,11 @@ class _Metrics:
                   "tokens_per_s": self.ctx.tokens_per_step / values["time_s"],
                   "slowest_rank": slowest}
         record["lr"] = self.ctx.model.lr_at(step)  # the lr of the step's update
+        straggler = self.stragglers.observe(
+            {key: [float(v) for v in table[:, self.FIELDS.index(key)]]
+             for _, key in STRAGGLER_STREAMS})
+        if straggler is not None:
+            record["straggler"] = straggler
         share = shares(self.ctx.data.path, (step + 1) * self.ctx.data.batch)
         if share is not None:  # a mixture: each source's share of the samples so far
             record["data_share"] = share
@@ -207,6 +222,14 @@ class StartupWatch:
         timer.start()
         try:
             yield
+        except RuntimeError as exc:
+            # A peer that stopped first (its own one-line error) closes the connections
+            # this rank is still making: that failure is the peer's, which the launcher
+            # reports; stay until it stops this rank, rather than print a traceback.
+            if not any(gone in str(exc) for gone in PEER_GONE):
+                raise
+            raise Stuck(f"rank {self.rank} lost a peer while {what}",
+                        linger=PEER_LOST_GRACE_S) from None
         finally:
             timer.cancel()
 
@@ -273,7 +296,7 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
         raise SystemExit(f"planc: error: rank {rank}: {exc}") from None
     with watch.waiting("creating the group that gathers the metrics (new_group)"):
         metrics = _Metrics(ctx, steps, args.metrics, built.plan_sha256, built.mfu,
-                           built.record.name, args.tensorboard)
+                           built.record.name, args.tensorboard, args.straggler_margin)
     losses, trace, evaluations = [], [], {}
     try:
         if log_dir is not None:  # the launcher's reports tell starting from training
@@ -295,7 +318,11 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
             if args.checkpoint_dir and (done == steps or (
                     args.checkpoint_every and done % args.checkpoint_every == 0)):
                 metrics.flush()  # this step's progress line before its checkpoint's
-                checkpoints.save(args.checkpoint_dir, done)
+                waited = checkpoints.save(args.checkpoint_dir, done, args.checkpoint_async)
+                # what the step boundary cost: the next step's record says it
+                metrics.notes.setdefault(done, {})["checkpoint_wait_s"] = waited
+        if checkpoints is not None:
+            checkpoints.wait()  # a checkpoint still being written is committed before the end
         metrics.close()
         if evaluator is not None:
             evaluator.close()

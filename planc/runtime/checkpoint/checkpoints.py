@@ -30,6 +30,7 @@ import math
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -81,6 +82,8 @@ class Checkpoints(Loading):
         self.keys = fmt.state_keys(ctx.optimizer.to_json())
         self.history: list[dict] = []
         self.first_step = 0
+        self._writer: threading.Thread | None = None  # a checkpoint written in the background
+        self._failure: BaseException | None = None
 
     # --- what this rank holds ------------------------------------------------------------
 
@@ -113,10 +116,21 @@ class Checkpoints(Loading):
 
     # --- writing -------------------------------------------------------------------------
 
-    def save(self, root: str, step: int) -> None:
+    def save(self, root: str, step: int, background: bool = False) -> float:
         """Write the checkpoint of the state after ``step`` steps (the next to run is
-        ``step``) into ``root``; every rank calls it at the same step boundary."""
+        ``step``) into ``root``; every rank calls it at the same step boundary. Returns
+        the seconds the step boundary waited for it.
+
+        ``background`` (``planc run --checkpoint-async``, as Megatron-LM's
+        ``--async-save`` and torchtitan's ``async_mode``): the state is copied out to
+        host memory here (the consolidation's sends and joins make copies on the stage's
+        writer), and a thread of this rank writes, hashes and commits it while the next
+        steps train, over the checkpoint's own gloo group. A checkpoint is visible only
+        once committed, as before; the next checkpoint first waits for this one, so two
+        never write at once; an error of the writer is raised at that wait or at
+        :meth:`wait`."""
         start = time.perf_counter()
+        self.wait()  # the previous checkpoint is committed first
         root_path = Path(root)
         staging = root_path / fmt.staging_name(step)
         if self.rank == 0:
@@ -130,14 +144,47 @@ class Checkpoints(Loading):
                 raise SystemExit(f"planc: error: cannot write checkpoint {staging}: "
                                  f"{exc.strerror}") from None
         self._barrier()
-        files = self._write_stage(staging, step)
+        params, states = self._consolidate()
+        rng, optimizer_steps = torch.get_rng_state(), self._optimizer_steps()  # now, not later
+        if not background:
+            self._finish(root_path, staging, step, params, states, rng, optimizer_steps,
+                         start)
+            return time.perf_counter() - start
+        self._writer = threading.Thread(
+            target=self._finish_catching, name=f"planc-checkpoint-{step}", daemon=True,
+            args=(root_path, staging, step, params, states, rng, optimizer_steps, start))
+        self._writer.start()
+        return time.perf_counter() - start
+
+    def wait(self) -> None:
+        """Until the checkpoint being written in the background is committed; its
+        writer's error, if it failed, is raised here."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.join()
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def _finish_catching(self, *args) -> None:
+        try:
+            self._finish(*args)
+        except BaseException as exc:  # SystemExit too: raised on the main thread by wait()
+            self._failure = exc
+
+    def _finish(self, root_path: Path, staging: Path, step: int, params: dict,
+                states: dict, rng: torch.Tensor, optimizer_steps: int | None,
+                start: float) -> None:
+        """Write the stage's files, then rank 0 commits once every stage's are durable."""
+        files = self._write_stage(staging, step, params, states)
         self._barrier()  # every stage's files are durable before the manifest names them
         gathered = self._gather_files(files)
         # files, bytes, seconds: rank 0 commits, the leader says so (see _say_written)
         written = torch.zeros(3, dtype=torch.float64)
         if self.rank == 0:
             try:
-                written = self._commit(root_path, staging, step, gathered, start)
+                written = self._commit(root_path, staging, step, gathered, start, rng,
+                                       optimizer_steps)
             except OSError as exc:
                 raise SystemExit(f"planc: error: cannot write checkpoint "
                                  f"{root_path / fmt.step_name(step)}: {exc.strerror}") from None
@@ -156,10 +203,9 @@ class Checkpoints(Loading):
         print(f"planc: checkpoint {final} written: step {step}, {int(files)} files, "
               f"{size / 1e6:.2f} MB in {seconds:.3f} s", file=sys.stderr, flush=True)
 
-    def _write_stage(self, staging: Path, step: int) -> dict:
-        """Send this rank's pieces to its stage's writer; the writer writes the stage's
-        files. Returns {file: {sha256, bytes, tensors}} of the files this rank wrote."""
-        params, states = self._consolidate()
+    def _write_stage(self, staging: Path, step: int, params: dict, states: dict) -> dict:
+        """The stage's writer writes the stage's files of what :meth:`_consolidate`
+        joined. Returns {file: {sha256, bytes, tensors}} of the files this rank wrote."""
         if self.rank != self.writer:
             return {}
         from safetensors.torch import save
@@ -292,7 +338,8 @@ class Checkpoints(Loading):
             out[name if key is None else fmt.state_name(name, key)] = whole.contiguous()
 
     def _commit(self, root: Path, staging: Path, step: int, gathered: list[dict],
-                start: float) -> torch.Tensor:
+                start: float, rng: torch.Tensor, optimizer_steps: int | None
+                ) -> torch.Tensor:
         """Rank 0, once every stage's files are durable: the indices, the RNG state, the
         manifest (last), then the step directory into place and ``latest`` to it.
         Returns the files written, their bytes and the seconds the checkpoint took."""
@@ -317,12 +364,12 @@ class Checkpoints(Loading):
                                   "weight_map": dict(sorted(mapping.items()))})
             files[index] = {"sha256": fmt.write_durably(staging / index, data),
                             "bytes": len(data)}
-        rng = save({fmt.RNG_TENSOR: torch.get_rng_state()}, {"format": "pt"})
-        files[fmt.RNG_FILE] = {"sha256": fmt.write_durably(staging / fmt.RNG_FILE, rng),
-                               "bytes": len(rng)}
+        rng_file = save({fmt.RNG_TENSOR: rng}, {"format": "pt"})
+        files[fmt.RNG_FILE] = {"sha256": fmt.write_durably(staging / fmt.RNG_FILE, rng_file),
+                               "bytes": len(rng_file)}
         history = self.history + [fmt.history_segment(self.record, self.first_step, step - 1)]
         manifest = fmt.make_manifest(self.record, step, parameters, dict(sorted(files.items())),
-                                     history, self._optimizer_steps())
+                                     history, optimizer_steps)
         fmt.write_durably(staging / fmt.MANIFEST, fmt.dump_json(manifest))
         final = root / fmt.step_name(step)
         if final.exists():  # an older run's checkpoint of this step: swap it out

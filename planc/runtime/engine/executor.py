@@ -44,8 +44,8 @@ class PeerLost(RuntimeError):
     was waiting for."""
 
 
-_PEER_GONE = ("Connection closed", "Connection reset", "Broken pipe", "Timed out",
-              "timed out", "NCCL communicator was aborted")
+PEER_GONE = ("Connection closed", "Connection reset", "Broken pipe", "Timed out",
+             "timed out", "NCCL communicator was aborted")
 
 
 @dataclass
@@ -207,7 +207,7 @@ class CpuExecutor:
             inbox.put(None)
 
     def _raise(self, error: BaseException, work: "_Step", step: int):
-        if isinstance(error, RuntimeError) and any(p in str(error) for p in _PEER_GONE):
+        if isinstance(error, RuntimeError) and any(p in str(error) for p in PEER_GONE):
             cause = str(error).split("\n")[0][:200]
             raise PeerLost(self._hang_report(work, step, lost=cause)) from error
         raise error
