@@ -20,12 +20,16 @@ def test_every_option_survives_the_workers_command_line():
 def test_defaults_make_the_shortest_command_line():
     assert RunOptions("/b").to_argv() == ["/b", "--timeout", "120.0"]
     assert RunOptions.parse(["/b"]) == RunOptions("/b")
+    # what planc run sets travels to every rank and back
+    set_ = RunOptions("/b", checkpoint_dir="/c", checkpoint_async=True, straggler_margin=0.5)
+    assert RunOptions.parse(set_.to_argv()) == set_
 
 
 @pytest.mark.parametrize("argv, message", [
     (["/b", "--checkpoint-every", "0", "--checkpoint-dir", "/c"],
      "--checkpoint-every must be at least 1"),
     (["/b", "--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir"),
+    (["/b", "--checkpoint-async"], "--checkpoint-async needs --checkpoint-dir"),
 ])
 def test_a_wrong_worker_command_line_exits_with_status_2(argv, message, capsys):
     with pytest.raises(SystemExit) as stop:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from planc.data.identity import Identity, identities_text, parse_identities
+from planc.runtime.stragglers import DEFAULT_MARGIN
 
 DEFAULT_TIMEOUT = 120.0  # seconds without progress before a rank reports a hang
 
@@ -27,7 +28,7 @@ class RunOptions:
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
     checkpoint_async: bool = False  # written by a thread while the next steps train
-    straggler_margin: float = 0.2  # planc.runtime.stragglers
+    straggler_margin: float = DEFAULT_MARGIN  # planc.runtime.stragglers
     resume: str | None = None
     # planc run found and hashed the step directory already; a rank need not again
     resume_verified: bool = False
@@ -56,7 +57,8 @@ class RunOptions:
             out += ["--backend", self.backend]
         if self.data_identity is not None:
             out += ["--data-identity", identities_text(self.data_identity)]
-        out += ["--straggler-margin", repr(self.straggler_margin)]
+        if self.straggler_margin != DEFAULT_MARGIN:
+            out += ["--straggler-margin", repr(self.straggler_margin)]
         for flag, value in (("--steps", self.steps), ("--checkpoint-dir", self.checkpoint_dir),
                             ("--checkpoint-every", self.checkpoint_every),
                             ("--resume", self.resume), ("--metrics", self.metrics),
@@ -88,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --checkpoint-dir: after every N-th step (and the last)")
     parser.add_argument("--checkpoint-async", action="store_true",
                         help="with --checkpoint-dir: write each checkpoint in the background")
-    parser.add_argument("--straggler-margin", type=float, default=0.2, metavar="F",
+    parser.add_argument("--straggler-margin", type=float, default=DEFAULT_MARGIN, metavar="F",
                         help="name a rank whose stream is busy more than 1 + F times its "
                         "peers' for 3 steps in a row [0.2]")
     parser.add_argument("--resume", metavar="D",
