@@ -214,14 +214,19 @@ def test_a_resumed_run_continues_the_lr_schedule_and_the_shuffled_samples(tmp_pa
 # --- a run killed while checkpointing ----------------------------------------------------
 
 
-def test_a_run_killed_while_checkpointing_leaves_the_previous_checkpoint_usable(tmp_path,
+@pytest.mark.parametrize("flags", [[], ["--checkpoint-async"]], ids=["sync", "async"])
+def test_a_run_killed_while_checkpointing_leaves_the_previous_checkpoint_usable(flags, tmp_path,
                                                                                 capfd):
+    """kill -9 of the run in a step or in a checkpoint's writing (with --checkpoint-async,
+    while its thread writes and the next steps train): the newest complete checkpoint
+    resumes and matches the single-process run."""
     plan = write_plan(tmp_path, "k", mesh="dp = 2", shard="dp { zero = 1 }", steps=400)
     assert main(["compile", str(plan), "-o", str(tmp_path / "b")]) == 0
     capfd.readouterr()
     ckpt = tmp_path / "ckpt"
     process = subprocess.Popen([sys.executable, "-m", "planc", "run", str(tmp_path / "b"),
-                                "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"],
+                                "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1",
+                                *flags],
                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
     try:

@@ -408,8 +408,8 @@ def add_arguments(parser) -> None:
                         help="with --checkpoint-dir: also after every N-th step")
     parser.add_argument("--straggler-margin", type=float, default=0.2, metavar="F",
                         help="name, on the progress line and in the metrics, a rank whose "
-                        "compute or transfer streams are busy more than 1 + F times its "
-                        "stage peers' for 3 steps in a row [0.2]")
+                        "compute stream is busy more than 1 + F times its "
+                        "stage peers' for 5 steps in a row [0.2]")
     parser.add_argument("--checkpoint-async", action="store_true",
                         help="with --checkpoint-dir: copy each checkpoint's state out at the "
                         "step boundary and write it from a background thread while the next "

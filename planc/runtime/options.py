@@ -91,8 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint-async", action="store_true",
                         help="with --checkpoint-dir: write each checkpoint in the background")
     parser.add_argument("--straggler-margin", type=float, default=DEFAULT_MARGIN, metavar="F",
-                        help="name a rank whose stream is busy more than 1 + F times its "
-                        "peers' for 3 steps in a row [0.2]")
+                        help="name a rank whose compute stream is busy more than 1 + F times its "
+                        "peers' for 5 steps in a row [0.2]")
     parser.add_argument("--resume", metavar="D",
                         help="continue from the newest complete checkpoint in D, or from the "
                         "step directory D; --steps counts from the start of training")

@@ -2,14 +2,14 @@
 (issue 39), before its slowness becomes a hang.
 
 Ranks of one pipeline stage run the same program on other data or other shards (dp, cp,
-tp and ep peers), so their compute stream's busy time (``compute_s``) and their transfer
-streams' (``comm_s``) should match within noise; a rank on a throttled GPU, a busy host
-or a slow link is busy longer on one of them, and its peers wait for it (their exposed
-communication grows, not their busy time). A rank is a straggler once, for ``patience``
-steps in a row, one of its streams is busy more than ``1 + margin`` times the median of
-its peers' on that stream (Meta's Llama 3 report, section 3.3.4, names the same signal:
-"a single straggler can slow down thousands of other GPUs"; its NCCLX traces locate
-them). Ranks of other stages are not peers: a pipeline's stages differ by design.
+tp and ep peers), so their compute stream's busy time (``compute_s``) should match
+within noise; a rank on a throttled GPU or a busy host computes longer, and its peers wait
+for it (their exposed communication grows, not their busy time). A rank is a straggler
+once, for ``patience`` steps in a row after the first ``warmup``, its compute stream is
+busy more than ``1 + margin`` times the median of its peers' (the Llama 3 report,
+Dubey et al. 2024, section 3.3.4, describes such stragglers slowing whole jobs and the
+tracing that finds them). Ranks of other stages are not peers: a pipeline's stages
+differ by design.
 
 Pure Python on the per-step table the metrics gather; no torch.
 """
@@ -19,9 +19,17 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-STREAMS = (("compute", "compute_s"), ("communication", "comm_s"))
+# The compute stream only: its busy time is the rank's own. A collective's time on a
+# transfer stream includes waiting for the slowest member (a fast rank's all-reduce lasts
+# until the straggler joins it), so per-rank stream times cannot tell a slow link from
+# the ranks that wait on it (bench/straggler.py saw a fast rank's comm_s 38x its peer's).
+STREAMS = (("compute", "compute_s"),)
 DEFAULT_MARGIN = 0.2  # 20 % over the peers' median
-DEFAULT_PATIENCE = 3  # steps in a row
+DEFAULT_PATIENCE = 5  # steps in a row
+# The first steps are left out, as benchmarks leave them: each rank warms its allocator and
+# caches at its own pace, and on a machine with more ranks than cores the scheduler's
+# noise alone can put one rank 20 % behind for a few steps.
+WARMUP_STEPS = 2
 NOISE_S = 1e-3  # excess below a millisecond is timer noise, not a straggler
 
 
@@ -32,12 +40,17 @@ class StragglerWatch:
     peers: list[list[int]]
     margin: float = DEFAULT_MARGIN
     patience: int = DEFAULT_PATIENCE
+    warmup: int = WARMUP_STEPS
     streak: dict[tuple[int, str], int] = field(default_factory=dict)
+    seen: int = 0
 
     def observe(self, busy: dict[str, list[float]]) -> dict | None:
         """One step's busy seconds by field (``compute_s``, ``comm_s``), each a list
         indexed by rank: the straggler it names (rank, stream, how much slower than its
         peers' median, for how many steps), or None."""
+        self.seen += 1
+        if self.seen <= self.warmup:
+            return None
         named = None
         for group in self.peers:
             if len(group) < 2:
