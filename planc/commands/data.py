@@ -9,8 +9,8 @@ import sys
 
 from planc.commands import EXIT_OK, EXIT_USAGE, fail
 from planc.commands.arguments import Command, force, output, path
+from planc.data.documents import SAMPLE_BY
 
-SAMPLE_BY = ("line", "paragraph", "document")
 REFRESH_SECONDS = 0.25
 
 
@@ -38,9 +38,10 @@ class _Bar:
 
 def prepare_main(args) -> int:
     from planc.data.documents import Source, SourceError
-    from planc.data.prepare import PrepareError, prepare
+    from planc.data.prepare import PrepareError, prepare, width_for
     from planc.data.provenance import description_path
     from planc.data.tokenizer import Tokenizer, TokenizerError
+    from planc.data.tokens import DTYPES
     from planc.host import outputs
 
     inputs = [("a source it reads", source) for source in args.sources] + \
@@ -72,7 +73,7 @@ def prepare_main(args) -> int:
     bar.close()
     print(f"{_progress_line(progress)}, in {progress.seconds:.1f} s", file=sys.stderr)
     print(f"planc: {args.output} written ({progress.tokens:,} tokens of "
-          f"{'uint16' if tokenizer.vocab_size <= 1 << 16 else 'uint32'}, end-of-text id "
+          f"{DTYPES[width_for(tokenizer.vocab_size)]}, end-of-text id "
           f"{tokenizer.eos_id}), described in {description_path(args.output)}",
           file=sys.stderr)
     return EXIT_OK

@@ -21,6 +21,7 @@ planc data prepare then writes nothing.
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -156,14 +157,9 @@ def _parquet(path: str, key: str) -> Iterator[tuple[str, int]]:
                           f"installed: pip install pyarrow") from None
     try:
         table = parquet.ParquetFile(path)
-        if key not in table.schema_arrow.names:
-            raise SourceError(f"source {path} has no column {key!r} (it has "
-                              f"{', '.join(table.schema_arrow.names[:5])}); name the text's "
-                              f"column with --text-key")
+        _has_column(path, key, table.schema_arrow.names)
         for batch in table.iter_batches(columns=[key]):
-            for text in batch.column(0).to_pylist():
-                if isinstance(text, str):
-                    yield text, len(text.encode("utf-8"))
+            yield from _texts(batch.column(0).to_pylist())
     except SourceError:
         raise
     except Exception as exc:  # pyarrow's own errors (ArrowInvalid, OSError)
@@ -196,20 +192,10 @@ def _repository(path: str, key: str) -> Iterator[tuple[str, int]]:
         raise SourceError(f"source {path} is neither a dataset saved by save_to_disk nor a "
                           f"directory of data files datasets can read: "
                           f"{str(exc).splitlines()[0].rstrip('.')}") from None
-    if first is not None and key not in first:
-        raise SourceError(f"source {path} has no column {key!r} (it has "
-                          f"{', '.join(list(first)[:5])}); name the text's column with "
-                          f"--text-key")
-    for row in ([first] if first is not None else []):
-        yield from _row_text(row, key)
-    for row in rows:
-        yield from _row_text(row, key)
-
-
-def _row_text(row: dict, key: str) -> Iterator[tuple[str, int]]:
-    text = row.get(key)
-    if isinstance(text, str):
-        yield text, len(text.encode("utf-8"))
+    if first is None:
+        return
+    _has_column(path, key, list(first))
+    yield from _texts(row.get(key) for row in itertools.chain([first], rows))
 
 
 def _dataset(path: str, key: str) -> Iterator[tuple[str, int]]:
@@ -224,11 +210,20 @@ def _dataset(path: str, key: str) -> Iterator[tuple[str, int]]:
             raise SourceError(f"source {path} holds the splits {', '.join(dataset)}, no "
                               f"'train'; save the split to read with save_to_disk")
         dataset = dataset["train"]
-    if key not in dataset.column_names:
+    _has_column(path, key, dataset.column_names)
+    yield from _texts(row[key] for row in dataset.select_columns([key]))
+
+
+def _has_column(path: str, key: str, names: list[str]) -> None:
+    if key not in names:
         raise SourceError(f"source {path} has no column {key!r} (it has "
-                          f"{', '.join(dataset.column_names[:5])}); name the text's column "
-                          f"with --text-key")
-    for row in dataset.select_columns([key]):
-        text = row[key]
+                          f"{', '.join(names[:5])}); name the text's column with "
+                          f"--text-key")
+
+
+def _texts(values) -> Iterator[tuple[str, int]]:
+    """(text, its UTF-8 bytes) of each value of a column that is a string (a null row,
+    None, is skipped)."""
+    for text in values:
         if isinstance(text, str):
             yield text, len(text.encode("utf-8"))

@@ -22,17 +22,20 @@ Since the sequences lie end to end, the ``.bin`` is a flat token stream, which p
 into samples as it does a token file (docs/data.md): uint16 ids as they are, int32 ids as
 uint32 (an id cannot be negative: one is refused as too large for the vocabulary). An
 ``.idx`` is untrusted input: its magic, version, dtype, its size against its counts, and,
-for an index of at most ``scan_limit`` bytes (planc.data.tokens.SCAN_LIMIT), every length, offset and document index, so
-that a damaged pair is one line naming what is wrong, never a traceback or a wrong read.
+for an index of at most ``scan_limit`` bytes (planc.data.tokens.SCAN_LIMIT), every
+length, offset and document index, so that a damaged pair is one line naming what is
+wrong, never a traceback or a wrong read.
 """
 
 from __future__ import annotations
 
+import errno
 import os
-import stat
 import struct
 import sys
 from array import array
+
+from planc.host.files import open_regular_file
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -67,24 +70,6 @@ def stream_path(path: str) -> str:
     return path if pair is None else pair[0]
 
 
-def _read_index(path: str, limit: int) -> tuple[bytes, int]:
-    """The first ``limit`` bytes of a regular file and its size, opened without blocking."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise IndexDamage("is not a regular file")
-        data, want = bytearray(), min(limit, info.st_size)
-        while len(data) < want:
-            got = os.pread(fd, want - len(data), len(data))
-            if not got:
-                break
-            data += got
-        return bytes(data), info.st_size
-    finally:
-        os.close(fd)
-
-
 def _ints(code: str, data: bytes) -> array:
     values = array(code)
     values.frombytes(data)
@@ -96,39 +81,47 @@ def _ints(code: str, data: bytes) -> array:
 def check_index(path: str, bin_size: int, scan_limit: int | None) -> tuple[int, int]:
     """(token width, documents) of the index at ``path`` for a ``.bin`` of ``bin_size``
     bytes, or IndexDamage saying what is wrong."""
-    data, size = _read_index(path, HEADER.size if scan_limit is not None else 1 << 62)
-    if size < HEADER.size:
-        raise IndexDamage(f"is {size} bytes long; its header alone is {HEADER.size}")
-    magic, version, code, sequences, indices = HEADER.unpack(data[:HEADER.size])
-    if magic != MAGIC:
-        raise IndexDamage("does not begin with Megatron's MMIDIDX magic")
-    if version != VERSION:
-        raise IndexDamage(f"is of version {version}; planc reads version {VERSION}")
-    if code not in WIDTHS:
-        kind = DTYPE_NAMES.get(code)
-        raise IndexDamage(f"holds {kind} tokens; planc reads uint16 or int32 token ids" if kind
-                          else f"has the unknown dtype code {code}")
-    width = WIDTHS[code]
-    expected = HEADER.size + 12 * sequences + 8 * indices
-    if size == expected + sequences and sequences:
-        raise IndexDamage("is a multimodal index (each sequence has a mode); planc reads "
-                          "token datasets")
-    if size != expected:
-        raise IndexDamage(f"is {size:,} bytes long, but its counts ({sequences:,} sequences, "
-                          f"{indices:,} document indices) make {expected:,}")
-    if indices < 1:
-        raise IndexDamage("has no document index (the first is always 0)")
-    if scan_limit is None or size <= scan_limit:
-        data, _ = _read_index(path, size)
-        _check_arrays(data, width, sequences, indices, bin_size)
-    else:  # the ends only: a bigger index is checked where it can go wrong at once
-        _check_ends(path, width, sequences, indices, bin_size)
+    try:
+        handle = open_regular_file(path)  # never a pipe or a device to block on
+    except OSError as exc:
+        if exc.errno in (errno.EISDIR, errno.EINVAL):
+            raise IndexDamage("is not a regular file") from None
+        raise
+    with handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size < HEADER.size:
+            raise IndexDamage(f"is {size} bytes long; its header alone is {HEADER.size}")
+        magic, version, code, sequences, indices = HEADER.unpack(handle.read(HEADER.size))
+        if magic != MAGIC:
+            raise IndexDamage("does not begin with Megatron's MMIDIDX magic")
+        if version != VERSION:
+            raise IndexDamage(f"is of version {version}; planc reads version {VERSION}")
+        if code not in WIDTHS:
+            kind = DTYPE_NAMES.get(code)
+            raise IndexDamage(f"holds {kind} tokens; planc reads uint16 or int32 token ids"
+                              if kind else f"has the unknown dtype code {code}")
+        width = WIDTHS[code]
+        expected = HEADER.size + 12 * sequences + 8 * indices
+        if size == expected + sequences and sequences:
+            raise IndexDamage("is a multimodal index (each sequence has a mode); planc "
+                              "reads token datasets")
+        if size != expected:
+            raise IndexDamage(f"is {size:,} bytes long, but its counts ({sequences:,} "
+                              f"sequences, {indices:,} document indices) make {expected:,}")
+        if indices < 1:
+            raise IndexDamage("has no document index (the first is always 0)")
+        if scan_limit is None or size <= scan_limit:
+            _check_arrays(handle.read(size - HEADER.size), width, sequences, indices,
+                          bin_size)
+        else:  # the ends only: a bigger index is checked where it can go wrong at once
+            _check_ends(handle.fileno(), width, sequences, indices, bin_size)
     return width, indices - 1
 
 
 def _check_arrays(data: bytes, width: int, sequences: int, indices: int, bin_size: int
                   ) -> None:
-    lengths_at, pointers_at = HEADER.size, HEADER.size + 4 * sequences
+    """``data``: the index after its header."""
+    lengths_at, pointers_at = 0, 4 * sequences
     documents_at = pointers_at + 8 * sequences
     lengths = _ints("i", data[lengths_at:pointers_at])
     pointers = _ints("q", data[pointers_at:documents_at])
@@ -159,24 +152,19 @@ def _check_documents(documents: array, sequences: int) -> None:
                           f"{sequences:,} sequences")
 
 
-def _check_ends(path: str, width: int, sequences: int, indices: int, bin_size: int) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        def read(code: str, at: int, count: int) -> array:
-            return _ints(code, os.pread(fd, count * array(code).itemsize, at))
+def _check_ends(fd: int, width: int, sequences: int, indices: int, bin_size: int) -> None:
+    def read(code: str, at: int) -> int:
+        return _ints(code, os.pread(fd, array(code).itemsize, at))[0]
 
-        pointers_at = HEADER.size + 4 * sequences
-        documents_at = pointers_at + 8 * sequences
-        if not sequences and bin_size:
-            raise IndexDamage(f"describes no sequence, but the .bin holds {bin_size:,} bytes")
-        if sequences:
-            (last_length,) = read("i", pointers_at - 4, 1)
-            first, last = read("q", pointers_at, 1)[0], read("q", documents_at - 8, 1)[0]
-            if first != 0 or last_length < 0 or last + last_length * width != bin_size:
-                raise IndexDamage(f"does not end its sequences where the .bin ends "
-                                  f"({bin_size:,} bytes)")
-        _check_documents(read("q", documents_at, 1) + read("q", documents_at + 8 *
-                                                             (indices - 1), 1)
-                         if indices > 1 else read("q", documents_at, 1), sequences)
-    finally:
-        os.close(fd)
+    pointers_at = HEADER.size + 4 * sequences
+    documents_at = pointers_at + 8 * sequences
+    if not sequences and bin_size:
+        raise IndexDamage(f"describes no sequence, but the .bin holds {bin_size:,} bytes")
+    if sequences:
+        last_length, first = read("i", pointers_at - 4), read("q", pointers_at)
+        last = read("q", documents_at - 8)
+        if first != 0 or last_length < 0 or last + last_length * width != bin_size:
+            raise IndexDamage(f"does not end its sequences where the .bin ends "
+                              f"({bin_size:,} bytes)")
+    _check_documents(array("q", [read("q", documents_at)] + (
+        [read("q", documents_at + 8 * (indices - 1))] if indices > 1 else [])), sequences)

@@ -77,9 +77,8 @@ def read_description(tokens_path: str, name: str | None = None) -> dict | None:
     return record
 
 
-def _same_tokenizer(first: str, second: str) -> bool:
-    if sha256_of(first) == sha256_of(second):
-        return True
+def _same_json(first: str, second: str) -> bool:
+    """Whether two tokenizer.json files hold the same JSON (the same bytes do too)."""
     try:
         with open(first, "rb") as a, open(second, "rb") as b:
             return json.load(a) == json.load(b)
@@ -98,15 +97,14 @@ def tokenizer_mismatch(tokens_path: str, init: str, name: str) -> str | None:
     shipped = os.path.join(init, TOKENIZER_FILE)
     if record is None or not os.path.isfile(shipped):
         return None
-    recorded = record["tokenizer"]
+    recorded, theirs = record["tokenizer"], sha256_of(shipped)
     used = recorded.get("path")
-    if recorded["sha256"] == sha256_of(shipped) or \
-            isinstance(used, str) and os.path.isfile(used) and _same_tokenizer(used, shipped):
+    if recorded["sha256"] == theirs or \
+            isinstance(used, str) and os.path.isfile(used) and _same_json(used, shipped):
         return None
     return (f"data file '{name}' was cut by another tokenizer than the init checkpoint's "
             f"(its tokenizer.json has SHA-256 {recorded['sha256'][:12]}..., the "
-            f"checkpoint's {sha256_of(shipped)[:12]}...): its ids would be other words to "
-            f"the model")
+            f"checkpoint's {theirs[:12]}...): its ids would be other words to the model")
 
 
 def vocabulary_overflow(tokens_path: str, vocab: int, name: str) -> str | None:

@@ -57,6 +57,8 @@ CHUNK_BYTES = 4 << 20
 SCAN_LIMIT = 16 << 20
 
 _HEADER = struct.Struct("<8sII16s")
+# Reading a data file: O_NONBLOCK keeps open(2) of a named pipe from waiting for a writer
+READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 ARRAY_CODES = {2: "H", 4: "I" if array("I").itemsize == 4 else "L"}
 
 
@@ -142,9 +144,8 @@ def open_tokens(path: str, name: str | None = None) -> tuple[int, TokenFile]:
     pair = megatron.pair_of(path)
     if pair is not None:
         return _open_megatron(*pair, name)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags)
+        fd = os.open(path, READ_FLAGS)
     except OSError as exc:
         raise _open_error(exc, path, name) from None
     try:
@@ -165,9 +166,8 @@ def _open_megatron(bin_path: str, idx_path: str, name: str) -> tuple[int, TokenF
     """A Megatron-LM indexed dataset (planc.data.megatron): its ``.bin`` as the token
     stream, once its ``.idx`` has been checked against it."""
     what = f"data file {name} (a Megatron dataset)"
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(bin_path, flags)
+        fd = os.open(bin_path, READ_FLAGS)
     except OSError as exc:
         reason = "does not exist" if exc.errno == errno.ENOENT else f"cannot be opened " \
             f"({exc.strerror})"

@@ -150,6 +150,12 @@ GPUS = {
 }
 
 
+def _logits(operands: Operands, flops: float) -> float:
+    """The logits a loss instruction of ``flops`` reads (planc.models: 5 FLOPs a logit
+    forward, twice that backward)."""
+    return flops / LOSS_FLOPS_PER_LOGIT / (2.0 if operands.step == StepKind.BACKWARD else 1.0)
+
+
 def preset_peak(plan: Plan) -> float:
     """The peak FLOP/s of the topology preset's own device at the plan's dtype (its
     datasheet figure), whatever ``device { flops }`` the plan declares; a topology of no
@@ -365,8 +371,7 @@ class KernelModel:
             elements = self.rope_features * self.linear_tokens(
                 operands.kernel, operands.step, flops, operands.weight_step is not None)
         elif name == "fp32_cross_entropy":
-            elements = flops / LOSS_FLOPS_PER_LOGIT / (
-                2.0 if operands.step == StepKind.BACKWARD else 1.0)
+            elements = _logits(operands, flops)
         else:  # per element of the operator's output
             elements = (operands.output_bytes or 0) / self.dtype_bytes
         return self.passes_seconds(passes, elements)
@@ -413,9 +418,7 @@ class KernelModel:
         if kernel in LOSS_KERNELS:
             # It reads the logits (its output is one figure per token): the vocabulary
             # slice of every token, once per pass over them.
-            elements = flops / LOSS_FLOPS_PER_LOGIT / (2.0 if operands.step == StepKind.BACKWARD
-                                                       else 1.0)
-            traffic = max(traffic, LOSS_PASSES * elements * self.dtype_bytes)
+            traffic = max(traffic, LOSS_PASSES * _logits(operands, flops) * self.dtype_bytes)
         elif operands.step == StepKind.BACKWARD and kernel != OPTIMIZER:
             # A backward reads the forward's input and the output's gradient and writes
             # the input's gradient: three tensors of the output's size, not two.

@@ -5,11 +5,12 @@
 :mod:`planc.estimate.kernel_cost` as its memory traffic), as Megatron-LM's fused
 kernels and torch.compile run them, and RoPE one more kernel after the qkv GEMM, reading
 and writing q and k (Megatron-LM's fused rotary kernel; a compiled graph cannot fold it
-into cuBLAS's GEMM or FlashAttention). ``eager``: the operations of the PyTorch module as written, each a kernel
-of its own, forward and, by the derivatives autograd takes of each (PyTorch's
-``derivatives.yaml``), backward; counted on torchtitan's Llama 3 (``9dec370``), which its
-published H100 runs without torch.compile executed (``MODULE_PASSES`` below, bytes per
-element of the tensor each pass runs over; reductions' per-token outputs left out).
+into cuBLAS's GEMM or FlashAttention). ``eager``: the operations of the PyTorch module as
+written, each a kernel of its own, forward and, by the derivatives autograd takes of each
+(PyTorch's ``derivatives.yaml``), backward; counted on torchtitan's Llama 3
+(``9dec370``), which its published H100 runs without torch.compile executed
+(``MODULE_PASSES`` below, bytes per element of the tensor each pass runs over;
+reductions' per-token outputs left out).
 Nothing here is fitted: it is the bytes those kernels move at the memory bandwidth, and
 a launch each.
 

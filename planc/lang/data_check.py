@@ -30,12 +30,9 @@ class DataChecks:
         from planc.data.provenance import tokenizer_mismatch
 
         written = self.value("train.data")
-        pairs = blend_of(data) or ((1.0, data),)
-        shown = [path for _, path, _ in written.sources] if isinstance(written, Mixture) \
-            else [written]
-        spans = [span for _, _, span in written.sources] if isinstance(written, Mixture) \
-            else [self.span("train.data")]
-        for (_, path), name, span in zip(pairs, shown, spans):
+        as_written = written.sources if isinstance(written, Mixture) else \
+            ((1.0, written, self.span("train.data")),)
+        for (_, path), (_, name, span) in zip(blend_of(data) or ((1.0, data),), as_written):
             why = tokenizer_mismatch(path, init, name)
             if why is not None:
                 self._reject(why, span, TOKENIZER_HINT)

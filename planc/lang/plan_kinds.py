@@ -198,7 +198,6 @@ class DataSource(Kind):
                           f"quotes", value.span, did_you_mean(text, ["synthetic"]))
         raise self.mismatch(value)
 
-
     @staticmethod
     def _mixture(value: ast.ListValue) -> Mixture:
         """Megatron-LM's --data-path form: a weight before each source."""

@@ -31,3 +31,15 @@ def paths_of(data: str) -> tuple[str, ...]:
     """The files ``data`` reads: a mixture's sources, or the one path."""
     pairs = blend_of(data)
     return (data,) if pairs is None else tuple(path for _, path in pairs)
+
+
+def checked(text: str, what: str) -> str:
+    """``text`` as a plan.json or model table holds a data source: "synthetic", a path or a
+    mixture's text; ValueError, naming ``what``, for a mixture's text that is not one."""
+    try:
+        blend_of(text)
+    except ValueError:
+        raise ValueError(f"{what} is {text[:60]!r}, neither a path nor a mixture of "
+                         f"[weight, path] pairs") from None
+    return text
+

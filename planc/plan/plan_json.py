@@ -13,7 +13,7 @@ import math
 import typing
 from typing import Any, Mapping
 
-from planc.plan.data_source import blend_of
+from planc.plan.data_source import checked
 from planc.diagnostics import Span
 from planc.plan.lr_schedule import SCHEDULE_ARGUMENTS, problems
 from planc.plan.mesh import is_axis_order
@@ -191,12 +191,7 @@ def _check_values(value: Any, where: str = "plan") -> None:
                          f"{plan.optimize.grad_accumulation!r}, not one of "
                          f"{', '.join(GRAD_ACCUMULATIONS)}")
     for key in ("data", "eval_data"):
-        text = getattr(plan.train, key)
-        try:
-            blend_of(text)
-        except ValueError:
-            raise ValueError(f"plan.train.{key} is {text[:60]!r}, neither a path nor a "
-                             f"mixture of [weight, path] pairs") from None
+        checked(getattr(plan.train, key), f"plan.train.{key}")
     if plan.optimize.kernels not in KERNEL_MODES:
         raise ValueError(f"plan.optimize.kernels is {plan.optimize.kernels!r}, not one of "
                          f"{', '.join(KERNEL_MODES)}")

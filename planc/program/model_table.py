@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from planc.plan.data_source import blend_of
+from planc.plan.data_source import checked
 from planc.program.ranks import integer_of
 from planc.plan.lr_schedule import SCHEDULE_ARGUMENTS, LrSchedule, lr_at
 
@@ -33,14 +33,8 @@ def _string(value, what: str) -> str:
 
 
 def _source(value, what: str) -> str:
-    """A data source: "synthetic", a path, or a mixture's text (planc.data.blend)."""
-    text = _string(value, what)
-    try:
-        blend_of(text)
-    except ValueError:
-        raise ValueError(f"{what} is {text[:60]!r}, neither a path nor a mixture of "
-                         f"[weight, path] pairs") from None
-    return text
+    """A data source: "synthetic", a path, or a mixture's text (planc.plan.data_source)."""
+    return checked(_string(value, what), what)
 
 
 def _number(value, what: str) -> float:
