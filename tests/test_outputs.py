@@ -71,7 +71,7 @@ NOT_OUTPUTS = {
     "verify": {"-h", "--error-format", "--max-errors", "--set"},
     "run": {"-h", "--error-format", "--max-errors", "--set", "--force", "--steps", "--backend",
             "--check", "--timeout", "--no-verify", "--checkpoint-every", "--checkpoint-async",
-            "--resume", "--straggler-margin"},
+            "--resume", "--straggler-margin", "--on-failure"},
     "simulate": {"-h", "--error-format", "--max-errors", "--set", "--force", "--json"},
     "tune": {"-h", "--error-format", "--max-errors", "--set", "--force", "--gpus", "--top",
              "--memory", "--keep", "--budget", "--json"},

@@ -21,6 +21,8 @@ def _other_build(path: str, records: list[dict], build_path: str, fingerprint: s
         return None, (f"{path} has no build fingerprint (a planc run older than "
                       f"fingerprints wrote it), so it cannot be checked against {build_path}; "
                       f"it is compared as it is")
+    if len(found) > 1 and fingerprint in found and _replanned(records):
+        return None, None
     if len(found) > 1:
         return (f"{path} mixes the metrics of {len(found)} runs (build fingerprints "
                 f"{', '.join(sorted(str(f)[:12] for f in found))}); give the file of one "
@@ -32,6 +34,13 @@ def _other_build(path: str, records: list[dict], build_path: str, fingerprint: s
                 f"report the build that ran, or run this one with planc run {build_path} "
                 f"--metrics FILE"), None
     return None, None
+
+
+def _replanned(records: list[dict]) -> bool:
+    """Whether the build changes only where a record says the run switched layouts
+    (``recovery``: planc run --on-failure replan): one run, over several builds."""
+    return all(a.get("build") == b.get("build") or "recovery" in b
+               for a, b in zip(records, records[1:]))
 
 
 TUNE_FIELDS = {"mesh": dict, "order": list, "virtual": int, "microbatches": int,
@@ -99,6 +108,13 @@ def main(args) -> int:
                                           plan_fingerprint(built.plan))
         if refused:
             return fail(refused)
+        mine = [r for r in metrics if r.get("build") == plan_fingerprint(built.plan)]
+        if unchecked is None and len(mine) < len(metrics):
+            print(f"planc: warning: {args.metrics} is a run that switched layouts (planc run "
+                  f"--on-failure replan): the {len(mine)} of its {len(metrics)} steps this "
+                  f"build ran are compared; report BUILD/replans/N for the others",
+                  file=sys.stderr)
+            metrics = mine
         if cut:  # the records are used: say where they stopped
             print(f"planc: warning: {cut}", file=sys.stderr)
         if unchecked:

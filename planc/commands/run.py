@@ -5,12 +5,13 @@ from __future__ import annotations
 import errno
 import os
 import sys
-import time
 
-from planc.commands import (EXIT_OK, EXIT_USAGE, MAX_LOCAL_RANKS, command_line, counted, fail,
+from planc.commands import (EXIT_OK, EXIT_USAGE, command_line, counted, fail,
                             load_plan, missing_runtime, outputs_refused, overrides_need_a_plan,
                             replaceable, say_replaced, take_lock, the_input)
 from planc.commands.run_outputs import prepare_outputs
+from planc.commands.run_prepare import (checkpoint_found, resume_problem, run_options,
+                                       verified_build)
 from planc.commands.arguments import Command, add_input, force, output, path
 
 
@@ -36,13 +37,13 @@ def main(args) -> int:
 
 def _run(args) -> int:
     """Everything after the command line was accepted and the directories were locked."""
-    found, status = _checkpoint(args)
+    found, status = checkpoint_found(args)
     if status != EXIT_OK:
         return status
     directory, status = _build_directory(args, lambda plan: _resumable(args, found, plan))
     if directory is None:
         return status
-    built, status = _verified_build(args, directory)
+    built, status = verified_build(args, directory)
     if built is None:
         return status
     status = _resumable(args, found, built.plan, built.graph.graph["buckets"])
@@ -102,38 +103,12 @@ def _run(args) -> int:
     print(f"planc: running {built.plan.name} from {directory} on "
           f"{counted(built.plan.world, 'rank')} ({backend}), "
           f"{counted(steps - first, 'step')}{resumed}", file=sys.stderr)
-    return launch(_run_options(args, directory, backend, found, identity), built.plan.world,
-                  args.interrupts)
+    options = run_options(args, directory, backend, found, identity)
+    if args.on_failure == "replan":
+        from planc.commands.replan import keep_training
 
-
-def _checkpoint(args):
-    """The checkpoint --resume names, found and verified (every file against its sha256,
-    every value finite) before anything is compiled or started; (None, EXIT_OK) without
-    --resume. A checkpoint is an input: a problem with it is exit status 1."""
-    if not args.resume:
-        return None, EXIT_OK
-    from planc.checkpoint import format as checkpoint
-
-    try:
-        with args.interrupts.deferred():  # torch swallows a Ctrl-C during its import
-            from planc.runtime.checkpoint.values import check_values
-    except ImportError as exc:  # no torch: the files are checked, planc run says it needs it
-        if not missing_runtime(exc):
-            raise
-        check_values = None
-    start = time.perf_counter()
-    try:
-        found = checkpoint.find(args.resume)
-        if check_values is not None:
-            check_values(found.directory, found.manifest)
-    except checkpoint.CheckpointError as exc:
-        return None, fail(f"--resume: {exc}")
-    files = found.manifest["files"]
-    size = sum(info["bytes"] for info in files.values())
-    found.note = (f"planc: checkpoint {found.directory} (step {found.manifest['step']}): "
-                  f"{len(files)} files, {size / 1e6:.2f} MB, sha256 and values verified in "
-                  f"{time.perf_counter() - start:.3f} s")
-    return found, EXIT_OK
+        return keep_training(args, built, directory, options, found, args.interrupts)
+    return launch(options, built.plan.world, args.interrupts)
 
 
 def _resumable(args, found, plan, buckets=None) -> int:
@@ -146,14 +121,11 @@ def _resumable(args, found, plan, buckets=None) -> int:
     from planc.checkpoint import format as checkpoint
     from planc.checkpoint.training_record import TrainingRecord
 
-    record = TrainingRecord.of(plan.to_dict())
-    steps = args.steps or plan.train.steps
-    problem = checkpoint.problems_resuming(found.manifest, record, buckets, steps)
-    if problem is None and args.check:
-        problem = checkpoint.problems_checking(found.manifest, record)
+    problem = resume_problem(args, found, plan, buckets)
     if problem is not None:
         return fail(f"--resume {found.directory}: {problem}; nothing was run")
     if buckets is not None:
+        record = TrainingRecord.of(plan.to_dict())
         for note in checkpoint.resume_notes(found.manifest, record):
             print(f"planc: warning: {note}", file=sys.stderr)
     return EXIT_OK
@@ -182,6 +154,10 @@ def _refused(args) -> int | None:
             return fail("--checkpoint-every must be at least 1", EXIT_USAGE)
     if args.checkpoint_async and not args.checkpoint_dir:
         return fail("--checkpoint-async needs --checkpoint-dir", EXIT_USAGE)
+    if args.on_failure == "replan" and not args.checkpoint_dir:
+        return fail("--on-failure replan needs --checkpoint-dir: a run goes on from its "
+                    "newest checkpoint (with --checkpoint-every N, at most N steps back)",
+                    EXIT_USAGE)
     if not 0 < args.straggler_margin <= 100:  # also refuses nan
         return fail(f"--straggler-margin must be above 0 and at most 100 (a fraction: 0.2 "
                     f"is 20 % slower than the peers), not {args.straggler_margin:g}",
@@ -335,48 +311,6 @@ def _build_directory(args, precheck=None) -> tuple[str | None, int]:
     return directory, EXIT_OK
 
 
-def _verified_build(args, directory: str):
-    """The build with its programs, verified unless --no-verify, small enough to run here."""
-    from planc.build import directory as build
-    from planc.verify.verifier import verify
-
-    try:
-        built = build.read_programs(build.read(directory))
-    except build.BuildError as exc:
-        return None, fail(str(exc))
-    if not args.no_verify:
-        report = verify(built.plan, built.graph, built.programs, built.table, built.groups,
-                        built.routes)
-        if not report.ok:
-            for problem in report.problems:
-                print(f"planc: error: {problem}", file=sys.stderr)
-            return None, fail("the programs failed verification; nothing was run")
-    if built.plan.world > MAX_LOCAL_RANKS:
-        return None, fail(f"the plan needs {built.plan.world} ranks and planc run starts "
-                          f"every rank on this machine (at most {MAX_LOCAL_RANKS}); on a "
-                          f"cluster start `torchrun ... -m planc.runtime.worker {directory}` "
-                          f"on every node (docs/programs.md)")
-    return built, EXIT_OK
-
-
-def _run_options(args, directory: str, backend: str, found=None, identity=None):
-    """What the ranks are asked (planc.runtime.options.RunOptions), every path absolute."""
-    from planc.runtime.options import RunOptions
-
-    absolute = lambda path: os.path.abspath(path) if path else None  # noqa: E731
-    return RunOptions(
-        build=os.path.abspath(directory), backend=backend, steps=args.steps or None,
-        timeout=args.timeout, metrics=absolute(args.metrics), trace=absolute(args.trace),
-        tensorboard=absolute(args.tensorboard), check=args.check,
-        checkpoint_dir=absolute(args.checkpoint_dir),
-        checkpoint_every=args.checkpoint_every or None, checkpoint_async=args.checkpoint_async,
-        straggler_margin=args.straggler_margin,
-        # the step directory checked here, its files hashed already
-        resume=absolute(found.directory) if found is not None else None,
-        resume_verified=found is not None, data_identity=identity,
-        force=args.force)  # what planc run checked may be replaced: the trace, at its end
-
-
 def add_arguments(parser) -> None:
     """The arguments of planc run."""
     add_input(parser, "FILE|DIR")
@@ -415,6 +349,11 @@ def add_arguments(parser) -> None:
                         "step boundary and write it from a background thread while the next "
                         "steps train (committed atomically as ever; the next checkpoint waits "
                         "for it)")
+    parser.add_argument("--on-failure", choices=("stop", "replan"), default="stop",
+                        help="when a rank is lost (killed, or stopped for --timeout): stop "
+                        "every rank, or replan: go on by itself on the fastest layout of the "
+                        "devices left that resumes from the newest checkpoint, and grow back "
+                        "onto all of them at the checkpoint after a SIGUSR1 [stop]")
     parser.add_argument("--resume", metavar="D", type=path,
                         help="continue from the newest complete checkpoint in D (or from D, a "
                         "step-NNNNNN directory), under any layout of the same model; steps "

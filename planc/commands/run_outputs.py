@@ -83,7 +83,7 @@ def prepare_outputs(args) -> None:
 
     if args.metrics and os.path.isfile(args.metrics) and os.path.getsize(args.metrics):
         if args.resume:
-            _drop_partial_record(args.metrics)
+            drop_partial_record(args.metrics)
         else:  # --force (planc.host.outputs refused it otherwise): a new, empty file
             write_atomically(args.metrics, b"")
     if args.tensorboard and args.force and not args.resume and os.path.isdir(args.tensorboard):
@@ -122,7 +122,7 @@ def remove_staging(directory: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _drop_partial_record(path: str) -> None:
+def drop_partial_record(path: str) -> None:
     with open(path, "rb+") as handle:
         size = handle.seek(0, os.SEEK_END)
         tail = b""

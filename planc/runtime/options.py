@@ -36,6 +36,9 @@ class RunOptions:
     # from that file, unchanged, or the run stops.
     data_identity: Identity | tuple[Identity, ...] | None = None  # a mixture: one a source
     force: bool = False  # rank 0 may replace a trace an earlier run wrote at trace
+    # planc run --on-failure replan: what the failure this run recovers from cost, as JSON
+    # (planc.commands.replan); the first step's record and progress line carry it
+    recovery: str | None = None
 
     @staticmethod
     def parse(argv: Sequence[str] | None = None) -> "RunOptions":
@@ -62,7 +65,8 @@ class RunOptions:
         for flag, value in (("--steps", self.steps), ("--checkpoint-dir", self.checkpoint_dir),
                             ("--checkpoint-every", self.checkpoint_every),
                             ("--resume", self.resume), ("--metrics", self.metrics),
-                            ("--trace", self.trace), ("--tensorboard", self.tensorboard)):
+                            ("--trace", self.trace), ("--tensorboard", self.tensorboard),
+                            ("--recovery", self.recovery)):
             if value:
                 out += [flag, str(value)]
         for flag, on in (("--resume-verified", self.resume_verified), ("--check", self.check),
@@ -98,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
                         "step directory D; --steps counts from the start of training")
     parser.add_argument("--resume-verified", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--data-identity", type=parse_identities, help=argparse.SUPPRESS)
+    parser.add_argument("--recovery", help=argparse.SUPPRESS)
     parser.add_argument("--tensorboard", metavar="DIR",
                         help="the leader writes TensorBoard scalars of every step into DIR")
     parser.add_argument("--force", action="store_true",

@@ -16,9 +16,7 @@ under any layout of the same model (planc.runtime.checkpoint.checkpoints, docs/c
 
 from __future__ import annotations
 
-import json
 import os
-import resource
 import sys
 import threading
 import time
@@ -31,14 +29,9 @@ import torch
 import torch.distributed as dist
 
 from planc.build.files import BuildError, read_for_run
-from planc.host.files import append_line
 from planc.checkpoint import format as checkpoint_format
 from planc.runtime.checkpoint.checkpoints import Checkpoints
 from planc.runtime.engine.context import RankContext, make_groups
-from planc.data.blend import shares
-from planc.runtime.stragglers import DEFAULT_MARGIN, StragglerWatch
-from planc.runtime.stragglers import STREAMS as STRAGGLER_STREAMS
-from planc.runtime.stragglers import describe as describe_straggler
 from planc.data.identity import identity_now
 from planc.runtime.engine.exchange import (all_gather_json, boolean, broadcast_json, either,
                                     gather_json, integer, list_of, nothing, number, row, text)
@@ -48,11 +41,12 @@ from planc.runtime.checkpoint.init_load import InitialWeights
 from planc.program.step_code import StepCodeError
 from planc.runtime.engine.executor import PEER_GONE, CpuExecutor, CudaExecutor, Hang, PeerLost
 from planc.runtime.engine.interpreter import Interpreter
-from planc.runtime.launcher.protocol import ERROR_FILE, EXIT_HANG, REPORT_FILE, TRAINING_FILE
+from planc.runtime.launcher.protocol import (ERROR_FILE, EXIT_HANG, REPORT_FILE, STEPS_FILE,
+                                             TRAINING_FILE)
 from planc.runtime.engine.data import DataError
 from planc.runtime.launcher.rendezvous import joined_store
 from planc.runtime.options import RunOptions
-from planc.runtime.step_metrics import open_tensorboard, peak_memory_mb, throughput
+from planc.runtime.step_records import StepRecords
 from planc.runtime.engine.store import ParamStore
 from planc.data.trace import write as write_trace
 from planc.program.program import Opcode
@@ -74,134 +68,6 @@ def _leader(ctx: RankContext) -> bool:
     """The rank that knows the loss first: the stage of the head (the last stage, stage 0
     in a V), tp = cp = dp = 0."""
     return ctx.rank == ctx.leader
-
-
-def _progress(step: int, steps: int, record: dict) -> None:
-    width = 24
-    filled = int(width * (step + 1) / steps)
-    bar = "#" * filled + "-" * (width - filled)
-    exposed = record["exposed_comm_s"] / max(record["time_s"], 1e-12)
-    text = (f"[{bar}] step {step + 1}/{steps}  loss {record['loss']:.6f}  "
-            f"{record['time_s'] * 1000:.0f} ms  exposed comm {record['exposed_comm_s'] * 1000:.0f}"
-            f" ms ({100 * exposed:.0f}%)  {record['tokens_per_s']:,.0f} tokens/s  "
-            f"{record['tflops_per_device']:.3g} TFLOP/s per device  MFU "
-            f"{100 * record['mfu']:.2g}%" +
-            (f"  eval loss {record['eval_loss']:.6f}" if "eval_loss" in record else "") +
-            (f"  {describe_straggler(record['straggler'])}" if "straggler" in record else ""))
-    end = "\r" if sys.stderr.isatty() and step + 1 < steps else "\n"
-    print(text, end=end, file=sys.stderr, flush=True)
-
-
-class _Metrics:
-    """Every step's times, gathered from every rank to the leader without holding up the
-    next step: the gather of step k is issued when step k ends and completed when step
-    k + 1 does. ``time_s`` is the slowest rank's step; the other times are that rank's;
-    ``max_rss_mb`` the largest peak resident memory of any rank so far; ``build`` the
-    build's fingerprint, so that ``planc report`` refuses the metrics of another build;
-    ``tflops_per_device`` and ``mfu`` the step's model FLOPs over ``time_s`` and every
-    device, ``peak_memory_mb`` every rank's peak memory (planc.runtime.step_metrics)."""
-
-    FIELDS = ("time_s", "compute_s", "comm_s", "exposed_comm_s", "pipeline_wait_s")
-
-    def __init__(self, ctx: RankContext, steps: int, path: str | None, fingerprint: str,
-                 mfu, plan: str, tensorboard: str | None = None,
-                 straggler_margin: float = DEFAULT_MARGIN):
-        self.ctx, self.steps = ctx, steps
-        self.mfu, self.plan = mfu, plan
-        self.tensorboard = open_tensorboard(tensorboard) if ctx.rank == ctx.leader else None
-        self.leader = ctx.leader
-        self.world = dist.get_world_size()
-        self.group = dist.new_group(list(range(self.world)), backend="gloo") \
-            if self.world > 1 else None
-        # appended: planc run has emptied a file --force replaces and kept a resumed
-        # run's (planc.host.outputs); under torchrun an existing file is continued, never
-        # replaced, and only if it is a metrics file
-        self.file = _metrics_file(path) if path and ctx.rank == self.leader else None
-        self.build = fingerprint if self.file else None
-        self.pending = None
-        self.records: list[dict] = []
-        self.notes: dict[int, dict] = {}  # step -> values its record adds (grad_norm, ...)
-        # peers run the same program: the ranks of one stage
-        stages: dict[int, list[int]] = {}
-        for rank in range(self.world):
-            stages.setdefault(ctx.ranks.stage_of(rank), []).append(rank)
-        self.stragglers = StragglerWatch(list(stages.values()), straggler_margin)
-
-    def step(self, step: int, times, loss: float | None) -> None:
-        self.flush()
-        memory, self.memory_kind = peak_memory_mb(self.ctx.device)
-        peak = memory if self.memory_kind == "max_rss" else \
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-        mine = torch.tensor(times.as_list() + [peak, memory], dtype=torch.float64)
-        if self.world == 1:
-            self.pending = (step, None, [mine], loss)
-            return
-        gathered = [torch.empty_like(mine) for _ in range(self.world)] \
-            if self.ctx.rank == self.leader else None
-        work = dist.gather(mine, gathered, dst=self.leader, group=self.group, async_op=True)
-        self.pending = (step, work, gathered, loss)
-
-    def flush(self) -> None:
-        if self.pending is None:
-            return
-        step, work, gathered, loss = self.pending
-        self.pending = None
-        if work is not None:
-            work.wait()
-        if self.ctx.rank != self.leader:
-            return
-        table = torch.stack(gathered)
-        slowest = int(table[:, 0].argmax())
-        values = dict(zip(self.FIELDS, (float(v) for v in table[slowest])))
-        values["max_rss_mb"] = round(float(table[:, len(self.FIELDS)].max()), 1)
-        record = {"step": step, "loss": loss, **values,
-                  "tokens_per_s": self.ctx.tokens_per_step / values["time_s"],
-                  "slowest_rank": slowest}
-        record["lr"] = self.ctx.model.lr_at(step)  # the lr of the step's update
-        straggler = self.stragglers.observe(
-            {key: [float(v) for v in table[:, self.FIELDS.index(key)]]
-             for _, key in STRAGGLER_STREAMS})
-        if straggler is not None:
-            record["straggler"] = straggler
-        share = shares(self.ctx.data.path, (step + 1) * self.ctx.data.batch)
-        if share is not None:  # a mixture: each source's share of the samples so far
-            record["data_share"] = share
-        record.update(self.notes.pop(step, {}))
-        record.update(throughput(self.mfu.model_flops_per_step, self.mfu.peak_flops_per_device,
-                                 values["time_s"], self.world),
-                      peak_memory_mb=[round(float(v), 1) for v in table[:, -1]],
-                      peak_memory=self.memory_kind, plan=self.plan)
-        self.records.append(record)
-        _progress(step, self.steps, record)
-        if self.tensorboard:
-            self.tensorboard.write(record)
-        if self.file:
-            try:  # the whole line or none of it: a reader stops at a half line
-                append_line(self.file, json.dumps({**record, "build": self.build}) + "\n")
-            except OSError as exc:  # a full disk: say so once and train on
-                print(f"planc: warning: cannot write the metrics of step {step + 1} "
-                      f"({exc.strerror}); no more metrics are written", file=sys.stderr)
-                try:  # now, not when collected: a buffer it cannot write is no traceback
-                    self.file.close()
-                except OSError:
-                    pass
-                self.file = None
-
-    def close(self) -> None:
-        self.flush()
-        if self.file:
-            self.file.close()
-        if self.tensorboard:
-            self.tensorboard.close()
-
-
-def _metrics_file(path: str):
-    from planc.host.outputs import METRICS, existing_problem
-
-    refusal = existing_problem("--metrics", path, METRICS, append=True)  # continued
-    if refusal is not None:
-        raise SystemExit(f"planc: error: {refusal.message}")
-    return open(path, "a")
 
 
 class StartupWatch:
@@ -295,8 +161,9 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
     except StepCodeError as exc:  # a program planc verify refuses, run without it
         raise SystemExit(f"planc: error: rank {rank}: {exc}") from None
     with watch.waiting("creating the group that gathers the metrics (new_group)"):
-        metrics = _Metrics(ctx, steps, args.metrics, built.plan_sha256, built.mfu,
-                           built.record.name, args.tensorboard, args.straggler_margin)
+        metrics = StepRecords(ctx, steps, args.metrics, built.plan_sha256, built.mfu,
+                           built.record.name, args.tensorboard, args.straggler_margin,
+                           args.recovery)
     losses, trace, evaluations = [], [], {}
     try:
         if log_dir is not None:  # the launcher's reports tell starting from training
@@ -315,6 +182,8 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
             if evaluated is not None:
                 notes["eval_loss"] = evaluations[step] = evaluated
             metrics.step(step, result.times, result.state.loss)
+            if log_dir is not None and _leader(ctx):  # what a replanning launcher reports
+                _tell_launcher(os.path.join(log_dir, STEPS_FILE), str(done))
             if args.checkpoint_dir and (done == steps or (
                     args.checkpoint_every and done % args.checkpoint_every == 0)):
                 metrics.flush()  # this step's progress line before its checkpoint's
@@ -336,6 +205,11 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
         # the launcher's first failure and hide the cause. The launcher stops this rank
         # as soon as it sees the peer's failure.
         raise Stuck(str(lost), linger=PEER_LOST_GRACE_S) from None
+    except RuntimeError as exc:  # a collective outside the executor's (a checkpoint's)
+        if not any(gone in str(exc) for gone in PEER_GONE):
+            raise
+        raise Stuck(f"rank {rank} lost a peer: {exc}".split("\n")[0],
+                    linger=PEER_LOST_GRACE_S) from None
     except DataError as exc:
         raise SystemExit(f"planc: error: {exc}") from None
     executor.close()

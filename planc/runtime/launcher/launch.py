@@ -47,12 +47,15 @@ import time
 import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Callable
 
 from planc.host.interrupts import Interrupts, blocked_in_children
-from planc.runtime.launcher.protocol import ERROR_FILE, EXIT_HANG, REPORT_FILE, TRAINING_FILE
+from planc.runtime.launcher.protocol import (EXIT_HANG, REPORT_FILE, STEPS_FILE,
+                                             TRAINING_FILE)
 from planc.runtime.launcher.rank_process import (PR_SET_CHILD_SUBREAPER, prctl, rank_process,
                                                  start_time, stat_fields)
 from planc.runtime.launcher.rendezvous import private_store, rank_environment, remove_store
+from planc.runtime.launcher.reports import failure_report, hang_report
 from planc.runtime.options import RunOptions
 
 POLL_S = 0.05
@@ -97,6 +100,15 @@ class _Rank:
         """Whether the rank has started its first step."""
         return os.path.exists(os.path.join(self.log_dir, TRAINING_FILE))
 
+    def steps_done(self) -> int | None:
+        """The steps the run had finished, as the leader last counted them (None: no
+        count in this rank's log)."""
+        try:
+            with open(os.path.join(self.log_dir, STEPS_FILE), encoding="utf-8") as handle:
+                return int(handle.read())
+        except (OSError, ValueError):
+            return None
+
     def state(self) -> str:
         """The kernel's state letter of the process ('T' when stopped), or ''."""
         try:
@@ -105,13 +117,38 @@ class _Rank:
             return ""
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """How a launch ended. ``status``: its exit status, None when ``until`` stopped it;
+    ``lost``: with ``lost_devices``, the ranks whose device is taken as gone (killed by a
+    signal the launcher did not send, or stopped for the timeout), which the others
+    failed for; ``failed_at``: the time (time.time()) the first was seen; ``steps_done``:
+    the steps the run had finished by then, as its leader counted them."""
+
+    status: int | None
+    lost: tuple[int, ...] = ()
+    failed_at: float | None = None
+    steps_done: int | None = None
+
+
 def launch(options: RunOptions, world: int, interrupts: Interrupts | None = None) -> int:
     """Run ``world`` ranks of the worker with ``options`` (its build directory and backend
     set); 0 if every rank succeeded.
     ``interrupts``: the command's signal handlers (planc.host.interrupts); a fresh set is
     installed for the launch when none is given."""
     with (nullcontext(interrupts) if interrupts else Interrupts()) as signals:
-        return _launch(options, world, signals)
+        return _launch(options, world, signals).status
+
+
+def launch_watched(options: RunOptions, world: int, interrupts: Interrupts,
+                   until: Callable[[], bool] | None = None,
+                   devices: tuple[int, ...] | None = None) -> Outcome:
+    """:func:`launch` for planc run --on-failure replan: the ranks lost in a failure are
+    named (a whole node's, killed together, within LOSS_GRACE_S of each other); ``until()``,
+    asked every POLL_S, stops every rank when it turns true (status None); ``devices``: the
+    GPUs rank 0, 1, ... use (CUDA_VISIBLE_DEVICES), for a world of fewer GPUs than the
+    machine's."""
+    return _launch(options, world, interrupts, until, devices, lost_devices=True)
 
 
 def threads_per_rank(ranks: int) -> int:
@@ -125,7 +162,9 @@ def threads_per_rank(ranks: int) -> int:
     return max(1, cores // max(ranks, 1))
 
 
-def _launch(options: RunOptions, world: int, interrupts: Interrupts) -> int:
+def _launch(options: RunOptions, world: int, interrupts: Interrupts,
+            until: Callable[[], bool] | None = None, devices: tuple[int, ...] | None = None,
+            lost_devices: bool = False) -> Outcome:
     # ranks share this machine's cores
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(world)))
     # glibc returns freed blocks above a dynamic threshold to the system and maps them
@@ -143,18 +182,18 @@ def _launch(options: RunOptions, world: int, interrupts: Interrupts) -> int:
     with interrupts.deferred(raise_at_end=False):
         store = private_store(logs)
         try:
-            _start_ranks(ranks, world, logs, options, store, interrupts)
-            status = None if interrupts.received else _watch(ranks, options.timeout,
-                                                             interrupts)
-            if status is not None:
-                return status
+            _start_ranks(ranks, world, logs, options, store, interrupts, devices)
+            outcome = None if interrupts.received else _watch(
+                ranks, options.timeout, interrupts, until, lost_devices)
+            if outcome is not None:
+                return outcome
             _stop(ranks)
             _copy_output(ranks)
             started = any(e.process.pid is not None for e in ranks)
             print(f"\nplanc: interrupted by signal {interrupts.received}; "
                   f"{'every rank was stopped' if started else 'no rank had started'}",
                   file=sys.stderr)
-            return 128 + interrupts.received
+            return Outcome(128 + interrupts.received)
         finally:
             _stop(ranks)
             remove_store(store)
@@ -182,7 +221,7 @@ def fork_server_problem(backend: str) -> str | None:
 
 
 def _start_ranks(ranks: list[_Rank], world: int, logs: str, options: RunOptions, store: str,
-                 interrupts: Interrupts) -> None:
+                 interrupts: Interrupts, devices: tuple[int, ...] | None = None) -> None:
     """Start every rank, listing each before it starts; stop starting at a signal."""
     method = "spawn" if options.backend == "nccl" else "forkserver"
     context = multiprocessing.get_context(method)
@@ -191,6 +230,8 @@ def _start_ranks(ranks: list[_Rank], world: int, logs: str, options: RunOptions,
         context.set_forkserver_preload(["planc.runtime.launcher.fork_server"])
     _start_helpers(method, os.path.join(logs, "launcher.log"))
     joining = rank_environment(store)
+    if devices is not None and options.backend == "nccl":
+        joining["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
     for rank in range(world):
         if interrupts.received:
             return
@@ -272,13 +313,17 @@ def _adopt_orphans() -> None:
     prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
-def _watch(ranks: list[_Rank], timeout: float, interrupts: Interrupts) -> int | None:
+def _watch(ranks: list[_Rank], timeout: float, interrupts: Interrupts,
+           until: Callable[[], bool] | None = None, lost_devices: bool = False
+           ) -> Outcome | None:
     """Copy output and wait until every rank is done, or one fails: a crash stops the
     world at once; a hang (a rank that reported what it waits for, or one stopped for
     ``timeout`` seconds) stops it once every other live rank has reported too, or after
-    ``_reports_grace(timeout)``. None when a signal came first."""
+    ``_reports_grace(timeout)``. None when a signal came first. With ``lost_devices``, a
+    rank killed by a signal is waited on for LOSS_GRACE_S more, for the rest of its node
+    (:class:`Outcome`)."""
     failed: list[_Rank] = []
-    reports_due = None
+    reports_due = lost_since = None
     while interrupts.received is None:
         _copy_output(ranks)
         now = time.monotonic()
@@ -291,30 +336,56 @@ def _watch(ranks: list[_Rank], timeout: float, interrupts: Interrupts) -> int | 
             elif code is None:
                 entry.stopped_since = None
         crashed = [e for e in failed if e.process.exitcode != EXIT_HANG]
-        if crashed:
+        killed = [e.rank for e in crashed if e.process.exitcode < 0]
+        if lost_devices and killed and lost_since is None:
+            lost_since, failed_at = now, time.time()
+        if crashed and not (killed and lost_devices and now - lost_since < LOSS_GRACE_S):
+            steps = _steps_done(ranks)
             _stop(ranks)
             _copy_output(ranks)
-            print(_failure_report(crashed), file=sys.stderr)
-            return 1
+            if killed and lost_devices:  # the others failed for want of them
+                print("\n".join(f"planc: rank {r} killed by signal "
+                                f"{-ranks[r].process.exitcode}: taken as lost, with its "
+                                f"device" for r in sorted(killed)), file=sys.stderr)
+                return Outcome(1, tuple(sorted(killed)), failed_at, steps)
+            print(failure_report(crashed), file=sys.stderr)
+            return Outcome(1)
         stopped = [e for e in ranks if e.stopped_since is not None
                    and now - e.stopped_since >= timeout]
         if reports_due is None and (failed or stopped or any(e.reported() for e in ranks)):
             reports_due = now + _reports_grace(timeout)
-        if reports_due is not None:
+        if reports_due is not None and not crashed:
             silent = [e for e in ranks if e.process.exitcode is None
                       and e.stopped_since is None and not e.reported()]
             if silent and now < reports_due:
                 time.sleep(POLL_S)
                 continue
+            steps = _steps_done(ranks)
             _stop(ranks)
             _copy_output(ranks)
-            print(_hang_report(ranks, now, silent, timeout), file=sys.stderr)
-            return 1
+            print(hang_report(ranks, now, silent, _reports_grace(timeout)), file=sys.stderr)
+            lost = tuple(e.rank for e in stopped) if lost_devices else ()
+            return Outcome(1, lost, time.time() if lost else None, steps)
         if all(e.process.exitcode == 0 for e in ranks):
             _copy_output(ranks)
-            return 0
+            return Outcome(0)
+        if until is not None and until():
+            _stop(ranks)
+            _copy_output(ranks)
+            return Outcome(None, steps_done=_steps_done(ranks))
         time.sleep(POLL_S)
     return None
+
+
+# How long after a rank killed by a signal the others are left running under
+# --on-failure replan: the ranks of a node that went away die within it of each other, and
+# are all counted lost (their peers, which lose a connection, wait PEER_LOST_GRACE_S).
+LOSS_GRACE_S = 1.0
+
+
+def _steps_done(ranks: list[_Rank]) -> int | None:
+    counts = [n for n in (e.steps_done() for e in ranks) if n is not None]
+    return max(counts) if counts else None
 
 
 def _reports_grace(timeout: float) -> float:
@@ -360,44 +431,3 @@ def _copy_output(ranks: list[_Rank]) -> None:
                 console.write(f"[rank {entry.rank}] "
                               f"{line.decode('utf-8', errors='replace')}\n")
             console.flush()
-
-
-def _failure_report(failed: list[_Rank]) -> str:
-    """What failed, and the traceback of the first rank to fail."""
-    lines = []
-    for entry in sorted(failed, key=lambda e: e.rank):
-        code = entry.process.exitcode
-        what = f"killed by signal {-code}" if code is not None and code < 0 else \
-            f"exited with status {code}"
-        lines.append(f"planc: rank {entry.rank} {what}")
-    first = failed[0]
-    try:
-        with open(os.path.join(first.log_dir, ERROR_FILE), encoding="utf-8",
-                  errors="replace") as handle:
-            trace = handle.read().rstrip()
-    except OSError:
-        trace = ""
-    if trace:
-        lines.append(f"planc: traceback of rank {first.rank}, the first to fail:")
-        lines.append(trace)
-    return "\n".join(lines)
-
-
-def _hang_report(ranks: list[_Rank], now: float, silent: list[_Rank], timeout: float) -> str:
-    """Why a run that stopped making progress was stopped, rank by rank (what each rank
-    waits for is above, in its own output). A stopped rank is named whether or not it
-    has been stopped for the whole timeout: the others' reports may come first."""
-    lines = []
-    for entry in ranks:
-        if entry.stopped_since is not None:
-            lines.append(f"planc: rank {entry.rank} was stopped (by SIGSTOP or a debugger) "
-                         f"for {now - entry.stopped_since:.0f} s; the run was stopped")
-        elif entry in silent:
-            where = "" if entry.training() else \
-                " (it had not started training: it was still joining the process groups)"
-            lines.append(f"planc: rank {entry.rank} did not report what it waits for within "
-                         f"{_reports_grace(timeout):g} s{where}")
-        elif entry.reported() or entry.process.exitcode == EXIT_HANG:
-            lines.append(f"planc: rank {entry.rank} stopped after reporting what it waited "
-                         f"for (above)")
-    return "\n".join(lines)

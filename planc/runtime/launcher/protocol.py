@@ -6,3 +6,4 @@ EXIT_HANG = 3  # the rank reported what its streams wait for, then left
 ERROR_FILE = "error.txt"  # the traceback of a rank that failed
 REPORT_FILE = "hang.txt"  # what the rank's streams wait for, once it stopped progressing
 TRAINING_FILE = "training"  # the rank has started its first step
+STEPS_FILE = "steps"  # the leader's count of steps finished, rewritten after each

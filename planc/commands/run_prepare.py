@@ -1,0 +1,101 @@
+"""What ``planc run`` settles before its ranks start, and again before each launch of
+``--on-failure replan`` (planc.commands.replan): the checkpoint to resume, verified; the
+build, verified and small enough for this machine; what the ranks are asked."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from planc.commands import EXIT_OK, MAX_LOCAL_RANKS, fail, missing_runtime
+
+
+def checkpoint_found(args):
+    """The checkpoint --resume names, found and verified (every file against its sha256,
+    every value finite) before anything is compiled or started; (None, EXIT_OK) without
+    --resume. A checkpoint is an input: a problem with it is exit status 1."""
+    if not args.resume:
+        return None, EXIT_OK
+    from planc.checkpoint import format as checkpoint
+
+    try:
+        with args.interrupts.deferred():  # torch swallows a Ctrl-C during its import
+            from planc.runtime.checkpoint.values import check_values
+    except ImportError as exc:  # no torch: the files are checked, planc run says it needs it
+        if not missing_runtime(exc):
+            raise
+        check_values = None
+    start = time.perf_counter()
+    try:
+        found = checkpoint.find(args.resume)
+        if check_values is not None:
+            check_values(found.directory, found.manifest)
+    except checkpoint.CheckpointError as exc:
+        return None, fail(f"--resume: {exc}")
+    files = found.manifest["files"]
+    size = sum(info["bytes"] for info in files.values())
+    found.note = (f"planc: checkpoint {found.directory} (step {found.manifest['step']}): "
+                  f"{len(files)} files, {size / 1e6:.2f} MB, sha256 and values verified in "
+                  f"{time.perf_counter() - start:.3f} s")
+    return found, EXIT_OK
+
+
+def verified_build(args, directory: str):
+    """The build with its programs, verified unless --no-verify, small enough to run here."""
+    from planc.build import directory as build
+    from planc.verify.verifier import verify
+
+    try:
+        built = build.read_programs(build.read(directory))
+    except build.BuildError as exc:
+        return None, fail(str(exc))
+    if not args.no_verify:
+        report = verify(built.plan, built.graph, built.programs, built.table, built.groups,
+                        built.routes)
+        if not report.ok:
+            for problem in report.problems:
+                print(f"planc: error: {problem}", file=sys.stderr)
+            return None, fail("the programs failed verification; nothing was run")
+    if built.plan.world > MAX_LOCAL_RANKS:
+        return None, fail(f"the plan needs {built.plan.world} ranks and planc run starts "
+                          f"every rank on this machine (at most {MAX_LOCAL_RANKS}); on a "
+                          f"cluster start `torchrun ... -m planc.runtime.worker {directory}` "
+                          f"on every node (docs/programs.md)")
+    return built, EXIT_OK
+
+
+def run_options(args, directory: str, backend: str, found=None, identity=None):
+    """What the ranks are asked (planc.runtime.options.RunOptions), every path absolute."""
+    from planc.runtime.options import RunOptions
+
+    absolute = lambda path: os.path.abspath(path) if path else None  # noqa: E731
+    return RunOptions(
+        build=os.path.abspath(directory), backend=backend, steps=args.steps or None,
+        timeout=args.timeout, metrics=absolute(args.metrics), trace=absolute(args.trace),
+        tensorboard=absolute(args.tensorboard), check=args.check,
+        checkpoint_dir=absolute(args.checkpoint_dir),
+        checkpoint_every=args.checkpoint_every or None, checkpoint_async=args.checkpoint_async,
+        straggler_margin=args.straggler_margin,
+        # the step directory checked here, its files hashed already
+        resume=absolute(found.directory) if found is not None else None,
+        resume_verified=found is not None, data_identity=identity,
+        force=args.force)  # what planc run checked may be replaced: the trace, at its end
+
+
+def resume_problem(args, found, plan, buckets: dict | None) -> str | None:
+    """Why ``plan`` cannot continue from the checkpoint ``found`` (None: from step 0): another
+    model or optimizer, no step left to run; with ``buckets`` (the build's), parameters of
+    other names or shapes; with --check, steps of the checkpoint trained on other data. None
+    if it can."""
+    if found is None:
+        return None
+    from planc.checkpoint import format as checkpoint
+    from planc.checkpoint.training_record import TrainingRecord
+
+    record = TrainingRecord.of(plan.to_dict())
+    steps = args.steps or plan.train.steps
+    problem = checkpoint.problems_resuming(found.manifest, record, buckets, steps)
+    if problem is None and args.check:
+        problem = checkpoint.problems_checking(found.manifest, record)
+    return problem
