@@ -89,7 +89,7 @@ def test_the_best_plan_written_checks_compiles_and_simulates_to_its_step(tmp_pat
                                    "zero", "sequence_parallel", "recompute", "stages",
                                    "step_seconds",
                                    "tflops_per_gpu", "mfu", "bubble", "exposed_seconds",
-                                   "memory_bytes", "plan"}
+                                   "memory_bytes", "effective_step_seconds", "plan"}
     assert result["searched"] == result["simulated"] + sum(result["pruned"].values())
     text = best.read_text()
     assert text.startswith("# Chosen by planc tune ")

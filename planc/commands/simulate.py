@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from planc.commands import EXIT_OK, fail, load_programs, outputs_refused, the_input
+from planc.commands import EXIT_OK, EXIT_USAGE, fail, load_programs, outputs_refused, the_input
 from planc.commands.arguments import Command, add_input, force, output
 
 
@@ -14,6 +14,9 @@ def main(args) -> int:
     from planc.simulate.accuracy import expected
     from planc.views import simulate_text
 
+    problem = resilience_problem(args)
+    if problem is not None:
+        return fail(problem, EXIT_USAGE)
     refused = outputs_refused(args, (the_input(args.file),))
     if refused is not None:
         return refused
@@ -22,13 +25,26 @@ def main(args) -> int:
         return status
     result = simulate(built, keep_timeline=bool(args.trace))
     accuracy = expected(built.plan)
+    priced = None
+    if args.mtbf is not None or args.checkpoint_every is not None:
+        from planc.estimate.resilience import price
+
+        priced = price(built.plan, result.step_seconds,
+                       None if args.mtbf is None else args.mtbf * 3600, args.checkpoint_every,
+                       args.checkpoint_async, args.storage * 1e9, args.restart)
     if args.json:
         data = result.to_json()
         data["expected_error"] = None if accuracy is None else {
             "median": accuracy.median, "largest": accuracy.largest, "runs": accuracy.runs}
+        if priced is not None:
+            data["checkpoints_and_failures"] = priced.to_json()
         print(json.dumps(data, indent=1))
     else:
         print(simulate_text.render(result, accuracy), end="")
+        if priced is not None:
+            from planc.views import resilience_text
+
+            print(resilience_text.render(priced, args.storage * 1e9), end="")
     if args.trace:
         from planc.simulate.trace import write
 
@@ -41,10 +57,45 @@ def main(args) -> int:
     return EXIT_OK
 
 
+def resilience_problem(args) -> str | None:
+    """Why the options that price checkpoints and failures cannot be used, or None."""
+    for flag, value in (("--mtbf", args.mtbf), ("--storage", args.storage),
+                        ("--restart", getattr(args, "restart", 0.0))):
+        if value is not None and not (0 <= value < float("inf")) or \
+                flag != "--restart" and value is not None and value <= 0:
+            return f"{flag} {value:g}: must be a number above 0"
+    if getattr(args, "checkpoint_every", None) is not None and args.checkpoint_every < 1:
+        return "--checkpoint-every must be at least 1"
+    return None
+
+
+def add_resilience_arguments(parser, checkpoints: bool = True) -> None:
+    """--mtbf and what prices a checkpoint (planc.estimate.resilience)."""
+    from planc.estimate.resilience import RESTART_S, STORAGE_BYTES_PER_S
+
+    parser.add_argument("--mtbf", type=float, metavar="HOURS",
+                        help="the job's mean time between failures, in hours (Llama 3 405B's "
+                        "pre-training on 16,384 GPUs: 3.1): price the time lost to failures "
+                        "and the best checkpoint interval")
+    if checkpoints:
+        parser.add_argument("--checkpoint-every", type=int, metavar="N",
+                            help="price a checkpoint every N steps [with --mtbf: Young's "
+                            "interval]")
+    parser.add_argument("--checkpoint-async", action="store_true",
+                        help="price asynchronous checkpoints (planc run --checkpoint-async)")
+    parser.add_argument("--storage", type=float, default=STORAGE_BYTES_PER_S / 1e9,
+                        metavar="GB/s", help="write rate of the file system per node "
+                        f"[{STORAGE_BYTES_PER_S / 1e9:.2f}: Llama 3's 2 TB/s over 2,048 nodes]")
+    parser.add_argument("--restart", type=float, default=RESTART_S, metavar="S",
+                        help="seconds from a failure to training again, before the "
+                        f"checkpoint is read [{RESTART_S:g}: measured here, bench/recovery.py]")
+
+
 def add_arguments(parser) -> None:
     """The arguments of planc simulate."""
     add_input(parser, "FILE|DIR")
     parser.add_argument("--json", action="store_true", help="the result as JSON")
+    add_resilience_arguments(parser)
     output(parser, "--trace", kind="simulated-trace", metavar="T.json",
            help="Chrome trace of the simulated step (Perfetto), with the tracks of planc "
            "run --trace")

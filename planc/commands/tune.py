@@ -75,6 +75,11 @@ def main(args) -> int:
     if args.budget is not None and not args.budget > 0:
         return fail(f"--budget {args.budget:g}: the search needs more than 0 seconds",
                     EXIT_USAGE)
+    from planc.commands.simulate import resilience_problem
+
+    problem = resilience_problem(args)
+    if problem is not None:
+        return fail(problem, EXIT_USAGE)
     if args.memory is not None and not args.memory > 0:
         return fail(f"--memory {args.memory:g}: memory per device must be more than 0 GB",
                     EXIT_USAGE)
@@ -100,14 +105,16 @@ def main(args) -> int:
 
     progress = tune_text.Progress(sys.stderr) if not args.json else None
     capacity = args.memory * 1e9 if args.memory is not None else None
+    effective = None if args.mtbf is None else _effective(args)
     search = tune(plan, loaded.source, args.gpus, args.top, capacity, tuple(args.keep),
-                  check, progress, topology, min(per_node, args.gpus), args.budget)
+                  check, progress, topology, min(per_node, args.gpus), args.budget, effective)
     if progress is not None:
         progress.close()
     if args.json:
         print(json.dumps(search.to_json(args.top), indent=1))
     else:
-        print(tune_text.render(search, args.gpus, args.top, expected(plan)), end="")
+        print(tune_text.render(search, args.gpus, args.top, expected(plan),
+                               args.mtbf), end="")
     if search.best is None:
         memory = "" if search.capacity is None else f" of {search.capacity / 1e9:g} GB"
         return fail(f"no layout of this model on {args.gpus} devices passes the checker and "
@@ -122,6 +129,16 @@ def main(args) -> int:
             return fail(f"cannot write {args.output}: {exc.strerror or exc}")
         print(f"best layout written to {args.output}", file=sys.stderr)
     return EXIT_OK
+
+
+def _effective(args):
+    """A layout's step with checkpoints and failures priced as --mtbf asks."""
+    from planc.estimate.resilience import price
+
+    def effective(candidate, step: float) -> float:
+        return price(candidate, step, args.mtbf * 3600, None, args.checkpoint_async,
+                     args.storage * 1e9, args.restart).effective_step_seconds
+    return effective
 
 
 def add_arguments(parser) -> None:
@@ -139,6 +156,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--budget", type=float, default=60.0, metavar="SECONDS",
                         help="stop simulating after this long; the candidates left, whose "
                         "estimates are the worst, are counted (default 60)")
+    from planc.commands.simulate import add_resilience_arguments
+
+    add_resilience_arguments(parser, checkpoints=False)  # ranked with failures priced
     output(parser, "-o", "--output", kind="tuned-plan", metavar="BEST.plan",
            help="write the best layout as a plan file")
     force(parser)

@@ -46,6 +46,8 @@ class Ranked:
     bubble: float
     exposed_seconds: float  # the worst stage's compute waiting on its own transfers
     memory_bytes: float  # the peak stage's estimate
+    # with failures and checkpoints priced (planc tune --mtbf), else the step
+    effective_seconds: float = 0.0
     simulation: object = field(repr=False, compare=False, default=None)
     build: object = field(repr=False, compare=False, default=None)  # kept for the top two
 
@@ -53,7 +55,8 @@ class Ranked:
         return {**self.candidate.to_json(), "step_seconds": self.step_seconds,
                 "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
                 "bubble": self.bubble, "exposed_seconds": self.exposed_seconds,
-                "memory_bytes": self.memory_bytes, "plan": self.text}
+                "memory_bytes": self.memory_bytes, "effective_step_seconds":
+                self.effective_seconds, "plan": self.text}
 
 
 @dataclass
@@ -89,13 +92,16 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
          keep: tuple[str, ...] = (), check: Callable[[str], Plan | None] | None = None,
          progress: Callable[[str, int, int], None] | None = None,
          topology: dict[str, str] | None = None, per_node: int | None = None,
-         budget: float | None = None) -> Search:
+         budget: float | None = None,
+         effective: Callable[[Plan, float], float] | None = None) -> Search:
     """The best ``top`` layouts of ``plan`` (read from the file text ``source``) on
     ``gpus`` devices. ``check(text)``: the checked plan of a plan text, or None where the
     checker refuses it; ``capacity``: bytes per device (default: the topology's);
     ``topology``: the keys that put the file on ``gpus`` devices of ``per_node`` a node
     (planc.commands.tune.topology_settings); ``budget``: seconds after which the
-    candidates not yet simulated are counted as left, not simulated."""
+    candidates not yet simulated are counted as left, not simulated; ``effective(plan,
+    step_seconds)``: the wall time a step costs with checkpoints and failures
+    (planc.estimate.resilience), by which the layouts are then ranked."""
     from planc.compile import compile_plan
     from planc.simulate import simulate
     from planc.tune.candidate_text import with_settings, written_values
@@ -179,7 +185,8 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
     for done, (_, bound, candidate, _) in enumerate(waiting):
         if progress is not None:
             progress("simulating", done, len(waiting))
-        if len(search.ranked) >= top and bound >= search.ranked[top - 1].step_seconds:
+        # a bound on the step bounds its effective time too, which is never shorter
+        if len(search.ranked) >= top and bound >= search.ranked[top - 1].effective_seconds:
             search.pruned["bound"] += 1
             continue
         # stop before a simulation that would end past the budget (the slowest so far
@@ -209,10 +216,11 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
         search.simulated += 1
         worst = max(sum(s.exposed_seconds.values()) for s in result.stages)
         peak = max(s.memory_bytes for s in result.stages)
-        search.ranked.append(Ranked(candidate, checked, text, result.step_seconds,
-                                    result.tflops_per_gpu, result.mfu, result.bubble,
-                                    worst, peak, result, build))
-        search.ranked.sort(key=lambda r: (r.step_seconds, r.candidate.text()))
+        search.ranked.append(Ranked(
+            candidate, checked, text, result.step_seconds, result.tflops_per_gpu, result.mfu,
+            result.bubble, worst, peak, result.step_seconds if effective is None else
+            effective(checked, result.step_seconds), result, build))
+        search.ranked.sort(key=lambda r: (r.effective_seconds, r.candidate.text()))
         # the best two keep their builds (planc diff's figures), the others drop theirs
         search.ranked[2:] = [dataclasses.replace(r, build=None) if r.build is not None
                              else r for r in search.ranked[2:]]

@@ -70,9 +70,10 @@ def _own_line(search, accuracy) -> list[str]:
                 f"simulator{_within(ratio, accuracy)}."]
 
 
-def render(search, gpus: int, top: int, accuracy=None) -> str:
+def render(search, gpus: int, top: int, accuracy=None, mtbf: float | None = None) -> str:
     """``accuracy``: the simulator's expected error for the plan
-    (planc.simulate.accuracy), None where it was not measured."""
+    (planc.simulate.accuracy), None where it was not measured; ``mtbf``: the hours
+    between failures the layouts were ranked with (planc tune --mtbf)."""
     pruned = sum(search.pruned.values())
     lines = [f"planc tune: {counted(search.considered, 'layout')} on {gpus:,} devices in "
              f"{search.seconds:.1f} s: {pruned:,} pruned, {search.simulated:,} simulated"]
@@ -84,8 +85,15 @@ def render(search, gpus: int, top: int, accuracy=None) -> str:
     rows = [[k + 1, r.candidate.text(), _seconds(r.step_seconds), f"{r.tflops_per_gpu:.1f}",
              f"{r.mfu:.1%}", f"{r.bubble:.1%}", _seconds(r.exposed_seconds),
              format_bytes(r.memory_bytes)] for k, r in enumerate(search.ranked[:top])]
-    lines += ["", table(["#", "layout", "step", "TFLOP/s", "MFU", "bubble", "exposed",
-                         "memory"], rows)]
+    header = ["#", "layout", "step", "TFLOP/s", "MFU", "bubble", "exposed", "memory"]
+    if mtbf is not None:  # ranked by this column
+        header.append("all in")
+        for row, r in zip(rows, search.ranked):
+            row.append(_seconds(r.effective_seconds))
+    lines += ["", table(header, rows)]
+    if mtbf is not None:
+        lines.append(f"all in: the step with checkpoints at Young's interval and a failure "
+                     f"every {mtbf:g} h (planc simulate --mtbf, docs/simulate.md); ranked by it")
     lines += _own_line(search, accuracy)
     if len(search.ranked) > 1 and search.ranked[1].build is not None:
         from planc.views import diff_text
