@@ -11,6 +11,11 @@ waiting for the previous checkpoint's writer when asynchronous); the figure is t
 median over the steps after the first two, then over the rounds.
 
     .venv/bin/python bench/checkpoint_async.py [--steps 12] [--rounds 3] [--ranks 2]
+        [--threads N]
+
+``--threads N`` gives each rank N compute threads (OMP_NUM_THREADS) instead of its share of
+the cores: ``--ranks 1 --threads 1`` leaves one of this machine's two cores to the
+writer, as a GPU node leaves its host CPUs to it while the GPUs compute.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -62,7 +68,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--threads", type=int, help="compute threads a rank [its share]")
     args = parser.parse_args()
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error("--threads must be at least 1")
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # planc run keeps a user's
     if args.steps < 5 or args.rounds < 1 or args.ranks < 1:
         parser.error("--steps must be at least 5, --rounds and --ranks at least 1")
     medians: dict[str, list[float]] = {way: [] for way in WAYS}

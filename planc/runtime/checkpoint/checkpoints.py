@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from planc.checkpoint import format as fmt
+from planc.runtime.checkpoint.tensor_file import write_tensor_file
 from planc.runtime.checkpoint.load import FP32, Loading, boxes  # noqa: F401 (boxes: API)
 from planc.runtime.engine.context import RankContext
 from planc.runtime.engine.exchange import (PeerDataError, gather_json, integer, list_of, map_of,
@@ -208,21 +209,18 @@ class Checkpoints(Loading):
         joined. Returns {file: {sha256, bytes, tensors}} of the files this rank wrote."""
         if self.rank != self.writer:
             return {}
-        from safetensors.torch import save
-
         stage, stages = self.ctx.stage, self.stages
         metadata = {"format": "pt", "planc": fmt.FORMAT, "step": str(step),
                     "stage": str(stage)}
         out = {}
         for name, tensors in ((fmt.model_file(stage, stages), params),
                               (fmt.optimizer_file(stage, stages), states)):
-            data = save(tensors, metadata)
             try:
-                digest = fmt.write_durably(staging / name, data)
+                written = write_tensor_file(staging / name, tensors, metadata)
             except OSError as exc:
                 raise SystemExit(f"planc: error: cannot write checkpoint file "
                                  f"{staging / name}: {exc.strerror}") from None
-            out[name] = {"sha256": digest, "bytes": len(data), "tensors": sorted(tensors)}
+            out[name] = {**written, "tensors": sorted(tensors)}
         return out
 
     def _consolidate(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -343,8 +341,6 @@ class Checkpoints(Loading):
         """Rank 0, once every stage's files are durable: the indices, the RNG state, the
         manifest (last), then the step directory into place and ``latest`` to it.
         Returns the files written, their bytes and the seconds the checkpoint took."""
-        from safetensors.torch import save
-
         files: dict[str, dict] = {}
         for written in gathered:
             files.update(written)
@@ -364,9 +360,8 @@ class Checkpoints(Loading):
                                   "weight_map": dict(sorted(mapping.items()))})
             files[index] = {"sha256": fmt.write_durably(staging / index, data),
                             "bytes": len(data)}
-        rng_file = save({fmt.RNG_TENSOR: rng}, {"format": "pt"})
-        files[fmt.RNG_FILE] = {"sha256": fmt.write_durably(staging / fmt.RNG_FILE, rng_file),
-                               "bytes": len(rng_file)}
+        files[fmt.RNG_FILE] = write_tensor_file(staging / fmt.RNG_FILE, {fmt.RNG_TENSOR: rng},
+                                                {"format": "pt"})
         history = self.history + [fmt.history_segment(self.record, self.first_step, step - 1)]
         manifest = fmt.make_manifest(self.record, step, parameters, dict(sorted(files.items())),
                                      history, optimizer_steps)
