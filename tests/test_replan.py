@@ -241,6 +241,48 @@ def test_a_whole_node_lost_and_the_run_grows_back_after_sigusr1(tmp_path):
     assert_checkpoints_intact(tmp_path / "ck")
 
 
+@pytest.mark.parametrize("flags", [[], ["--checkpoint-async"]])
+def test_a_node_lost_is_recovered_from_its_peers_memory(tmp_path, flags):
+    """Both stages' writers are on node 0 (ranks 0 and 2): killing node 0 leaves their
+    parts only in node 1's memory, a step newer than the file system's checkpoint."""
+    shared = set(os.listdir("/dev/shm"))
+    run = Run(str(ROOT / "plans" / "gpt-tiny.plan"), "-o", str(tmp_path / "b"), "--set", SGD,
+              "--steps", "12", "--metrics", str(tmp_path / "m.jsonl"), "--checkpoint-dir",
+              str(tmp_path / "ck"), "--checkpoint-every", "4", "--on-failure", "replan",
+              "--check", "--checkpoint-peer-memory", *flags)
+    wait_for_steps(run, tmp_path / "m.jsonl", 6)
+    pids = ranks(run.process.pid)
+    for rank in (0, 1, 2, 3):
+        os.kill(pids[rank], signal.SIGKILL)
+    assert run.finish() == 0, run.text()
+    out = run.text()
+    history = read_metrics(str(tmp_path / "m.jsonl")).records
+    assert [r["step"] for r in history] == list(range(12))
+    (recovery,) = [r["recovery"] for r in history if "recovery" in r]
+    assert recovery["lost_ranks"] == [0, 1, 2, 3] and recovery["resumed_step"] > 4, out
+    step = recovery["resumed_step"]
+    assert f"planc: the copy in peer memory (step {step}) is newer than {tmp_path / 'ck'}'s " \
+           f"(step 4)" in out
+    assert f"/assembled/step-{step:06d}" in out and "every loss and parameter matches" in out
+    assert set(os.listdir("/dev/shm")) == shared  # the run's memory went with it
+    assert run.left == []
+
+
+def test_a_copy_in_peer_memory_needs_two_nodes(tmp_path, capsys):
+    from planc.cli import main
+
+    assert main(["run", str(ROOT / "plans" / "gpt-tiny.plan"), "-o", str(tmp_path / "b"),
+                 "--set", "topology.nodes=1", "--set", "topology.devices_per_node=8",
+                 "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-peer-memory"]) == 1
+    assert capsys.readouterr().err.endswith(
+        "planc: error: --checkpoint-peer-memory keeps each copy on another node, and the "
+        "plan's 8 ranks are one node (topology devices_per_node 8); nothing was run\n")
+    assert main(["run", str(ROOT / "plans" / "gpt-tiny.plan"), "-o", str(tmp_path / "b"),
+                 "--checkpoint-peer-memory"]) == 2
+    assert capsys.readouterr().err == "planc: error: --checkpoint-peer-memory needs " \
+                                      "--checkpoint-dir\n"
+
+
 CANNOT_GO_ON = """plan two {
   model gpt { layers = 2; hidden = 64; heads = 4; vocab = 256; seq = 32; batch = 4 }
   mesh { dp = 2 }

@@ -117,6 +117,7 @@ def keep_training(args, built, directory: str, options, found, interrupts) -> in
                 event, failed_at = "lost", outcome.failed_at
                 gone = tuple(segment.devices[r] for r in outcome.lost)
                 lost.update(gone)
+                _forget_lost_nodes(args, segment, outcome.lost)
                 print(f"planc: lost {_ranks(outcome.lost)} (device"
                       f"{'s' * (len(gone) != 1)} {', '.join(map(str, gone))}) of "
                       f"{segment.layout} after step {reached}; replanning onto the "
@@ -187,11 +188,16 @@ def _switch(args, segment: Segment, first: Segment, directory: str, text: str, p
     from planc.lang import load_text
 
     found = segment.found
-    if newest_step(args.checkpoint_dir) >= 0:  # verified as --resume verifies one
+    newest = newest_step(args.checkpoint_dir)
+    in_memory = _in_peer_memory(args, newest)
+    if in_memory is not None or newest >= 0:  # verified as --resume verifies one
         found, status = checkpoint_found(argparse.Namespace(
-            **{**vars(args), "resume": args.checkpoint_dir}))
+            **{**vars(args), "resume": in_memory or args.checkpoint_dir}))
         if found is None:
             return status
+        if in_memory is not None:
+            print(f"planc: the copy in peer memory (step {found.manifest['step']}) is newer "
+                  f"than {args.checkpoint_dir}'s (step {newest})", file=sys.stderr)
     started = time.perf_counter()
     if len(left) == len(first.devices):  # the user's own layout, as the run began
         target, built, devices, layout = directory, first.built, first.devices, first.layout
@@ -241,6 +247,35 @@ def _switch(args, segment: Segment, first: Segment, directory: str, text: str, p
         run_options(args, target, segment.options.backend, found,
                     segment.options.data_identity), recovery=json.dumps(recovery))
     return Segment(built, options, devices, found, layout)
+
+
+def _forget_lost_nodes(args, segment: Segment, lost_ranks) -> None:
+    """--checkpoint-peer-memory: a node whose every rank was lost took its memory, and the
+    copies in it, along (on one machine, its directory is removed)."""
+    root = getattr(args, "peer_memory_root", None)
+    if root is None:
+        return
+    from planc.checkpoint.peer_copy import forget
+
+    per_node = segment.built.plan.topology.devices_per_node
+    forget(root, [node for node in {r // per_node for r in lost_ranks}
+                  if all(r in lost_ranks for r in range(node * per_node,
+                                                          (node + 1) * per_node))])
+
+
+def _in_peer_memory(args, newest: int) -> str | None:
+    """--checkpoint-peer-memory: the checkpoint put together from the nodes' memory, if it
+    is newer than the file system's newest (step ``newest``)."""
+    root = getattr(args, "peer_memory_root", None)
+    if root is None:
+        return None
+    from planc.checkpoint.format import STEP_DIR
+    from planc.checkpoint.peer_copy import assemble
+
+    assembled = assemble(root)
+    if assembled is None or int(STEP_DIR.fullmatch(assembled.name).group(1)) <= newest:
+        return None
+    return str(assembled)
 
 
 def _next_build(directory: str) -> str:

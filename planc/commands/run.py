@@ -103,12 +103,30 @@ def _run(args) -> int:
     print(f"planc: running {built.plan.name} from {directory} on "
           f"{counted(built.plan.world, 'rank')} ({backend}), "
           f"{counted(steps - first, 'step')}{resumed}", file=sys.stderr)
-    options = run_options(args, directory, backend, found, identity)
-    if args.on_failure == "replan":
-        from planc.commands.replan import keep_training
+    if args.checkpoint_peer_memory:
+        from planc.checkpoint import peer_copy
 
-        return keep_training(args, built, directory, options, found, args.interrupts)
-    return launch(options, built.plan.world, args.interrupts)
+        if built.plan.world // built.plan.topology.devices_per_node < 2:
+            return fail(f"--checkpoint-peer-memory keeps each copy on another node, and the "
+                        f"plan's {counted(built.plan.world, 'rank')} are one node (topology "
+                        f"devices_per_node {built.plan.topology.devices_per_node}); nothing "
+                        f"was run")
+        try:
+            args.peer_memory_root = peer_copy.make_root()
+        except OSError as exc:
+            return fail(f"--checkpoint-peer-memory: {exc}; nothing was run")
+    try:
+        options = run_options(args, directory, backend, found, identity)
+        if args.on_failure == "replan":
+            from planc.commands.replan import keep_training
+
+            return keep_training(args, built, directory, options, found, args.interrupts)
+        return launch(options, built.plan.world, args.interrupts)
+    finally:
+        if getattr(args, "peer_memory_root", None):  # host memory: gone with the run
+            from planc.checkpoint.peer_copy import remove
+
+            remove(args.peer_memory_root)
 
 
 def _resumable(args, found, plan, buckets=None) -> int:
@@ -154,6 +172,8 @@ def _refused(args) -> int | None:
             return fail("--checkpoint-every must be at least 1", EXIT_USAGE)
     if args.checkpoint_async and not args.checkpoint_dir:
         return fail("--checkpoint-async needs --checkpoint-dir", EXIT_USAGE)
+    if args.checkpoint_peer_memory and not args.checkpoint_dir:
+        return fail("--checkpoint-peer-memory needs --checkpoint-dir", EXIT_USAGE)
     if args.on_failure == "replan" and not args.checkpoint_dir:
         return fail("--on-failure replan needs --checkpoint-dir: a run goes on from its "
                     "newest checkpoint (with --checkpoint-every N, at most N steps back)",
@@ -349,6 +369,11 @@ def add_arguments(parser) -> None:
                         "step boundary and write it from a background thread while the next "
                         "steps train (committed atomically as ever; the next checkpoint waits "
                         "for it)")
+    parser.add_argument("--checkpoint-peer-memory", action="store_true",
+                        help="with --checkpoint-dir: also a checkpoint after every step in host "
+                        "memory, each stage's part on its writer's node and on the next node "
+                        "(Gemini); --on-failure replan goes on from it when it is newer than "
+                        "the file system's")
     parser.add_argument("--on-failure", choices=("stop", "replan"), default="stop",
                         help="when a rank is lost (killed, or stopped for --timeout): stop "
                         "every rank, or replan: go on by itself on the fastest layout of the "

@@ -39,6 +39,9 @@ class RunOptions:
     # planc run --on-failure replan: what the failure this run recovers from cost, as JSON
     # (planc.commands.replan); the first step's record and progress line carry it
     recovery: str | None = None
+    # planc run --checkpoint-peer-memory: the host-memory directory of the copies after
+    # every step (planc.runtime.checkpoint.peer_memory)
+    peer_memory: str | None = None
 
     @staticmethod
     def parse(argv: Sequence[str] | None = None) -> "RunOptions":
@@ -66,7 +69,7 @@ class RunOptions:
                             ("--checkpoint-every", self.checkpoint_every),
                             ("--resume", self.resume), ("--metrics", self.metrics),
                             ("--trace", self.trace), ("--tensorboard", self.tensorboard),
-                            ("--recovery", self.recovery)):
+                            ("--recovery", self.recovery), ("--peer-memory", self.peer_memory)):
             if value:
                 out += [flag, str(value)]
         for flag, on in (("--resume-verified", self.resume_verified), ("--check", self.check),
@@ -103,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume-verified", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--data-identity", type=parse_identities, help=argparse.SUPPRESS)
     parser.add_argument("--recovery", help=argparse.SUPPRESS)
+    parser.add_argument("--peer-memory", help=argparse.SUPPRESS)
     parser.add_argument("--tensorboard", metavar="DIR",
                         help="the leader writes TensorBoard scalars of every step into DIR")
     parser.add_argument("--force", action="store_true",

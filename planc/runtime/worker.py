@@ -31,6 +31,7 @@ import torch.distributed as dist
 from planc.build.files import BuildError, read_for_run
 from planc.checkpoint import format as checkpoint_format
 from planc.runtime.checkpoint.checkpoints import Checkpoints
+from planc.runtime.checkpoint.peer_memory import PeerMemory
 from planc.runtime.engine.context import RankContext, make_groups
 from planc.data.identity import identity_now
 from planc.runtime.engine.exchange import (all_gather_json, boolean, broadcast_json, either,
@@ -153,6 +154,13 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
         first = found.manifest["step"]
     elif built.model.init is not None:  # a checkpoint of the run wins over train.init
         InitialWeights(ctx, store).load_initial()
+    peer = None
+    if args.peer_memory:  # a copy after every step in the nodes' memory, with its own group
+        with watch.waiting("creating the group of the checkpoints in peer memory"):
+            peer = PeerMemory(Checkpoints(ctx, all_buckets, interpreter), args.peer_memory,
+                              built.groups.devices_per_node)
+        if args.resume:
+            peer.follow(checkpoints)
     try:
         executor = (CudaExecutor if backend == "nccl" else CpuExecutor)(
             interpreter, args.timeout, trace=bool(args.trace))
@@ -184,6 +192,9 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
             metrics.step(step, result.times, result.state.loss)
             if log_dir is not None and _leader(ctx):  # what a replanning launcher reports
                 _tell_launcher(os.path.join(log_dir, STEPS_FILE), str(done))
+            if peer is not None:  # what the step boundary cost: the next step's record says it
+                metrics.notes.setdefault(done, {})["peer_memory_wait_s"] = peer.save(
+                    done, args.checkpoint_async)
             if args.checkpoint_dir and (done == steps or (
                     args.checkpoint_every and done % args.checkpoint_every == 0)):
                 metrics.flush()  # this step's progress line before its checkpoint's
@@ -192,6 +203,8 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
                 metrics.notes.setdefault(done, {})["checkpoint_wait_s"] = waited
         if checkpoints is not None:
             checkpoints.wait()  # a checkpoint still being written is committed before the end
+        if peer is not None:
+            peer.wait()
         metrics.close()
         if evaluator is not None:
             evaluator.close()

@@ -30,7 +30,6 @@ import math
 import os
 import shutil
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -38,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from planc.checkpoint import format as fmt
+from planc.runtime.checkpoint.background import Background
 from planc.runtime.checkpoint.tensor_file import write_tensor_file
 from planc.runtime.checkpoint.load import FP32, Loading, boxes  # noqa: F401 (boxes: API)
 from planc.runtime.engine.context import RankContext
@@ -83,8 +83,7 @@ class Checkpoints(Loading):
         self.keys = fmt.state_keys(ctx.optimizer.to_json())
         self.history: list[dict] = []
         self.first_step = 0
-        self._writer: threading.Thread | None = None  # a checkpoint written in the background
-        self._failure: BaseException | None = None
+        self._writer = Background()  # a checkpoint written in the background
 
     # --- what this rank holds ------------------------------------------------------------
 
@@ -151,27 +150,14 @@ class Checkpoints(Loading):
             self._finish(root_path, staging, step, params, states, rng, optimizer_steps,
                          start)
             return time.perf_counter() - start
-        self._writer = threading.Thread(
-            target=self._finish_catching, name=f"planc-checkpoint-{step}", daemon=True,
-            args=(root_path, staging, step, params, states, rng, optimizer_steps, start))
-        self._writer.start()
+        self._writer.start(self._finish, (root_path, staging, step, params, states, rng,
+                                          optimizer_steps, start), f"planc-checkpoint-{step}")
         return time.perf_counter() - start
 
     def wait(self) -> None:
         """Until the checkpoint being written in the background is committed; its
         writer's error, if it failed, is raised here."""
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.join()
-        failure, self._failure = self._failure, None
-        if failure is not None:
-            raise failure
-
-    def _finish_catching(self, *args) -> None:
-        try:
-            self._finish(*args)
-        except BaseException as exc:  # SystemExit too: raised on the main thread by wait()
-            self._failure = exc
+        self._writer.wait()
 
     def _finish(self, root_path: Path, staging: Path, step: int, params: dict,
                 states: dict, rng: torch.Tensor, optimizer_steps: int | None,
@@ -204,12 +190,14 @@ class Checkpoints(Loading):
         print(f"planc: checkpoint {final} written: step {step}, {int(files)} files, "
               f"{size / 1e6:.2f} MB in {seconds:.3f} s", file=sys.stderr, flush=True)
 
-    def _write_stage(self, staging: Path, step: int, params: dict, states: dict) -> dict:
+    def _write_stage(self, staging: Path, step: int, params: dict, states: dict,
+                     stage: int | None = None) -> dict:
         """The stage's writer writes the stage's files of what :meth:`_consolidate`
-        joined. Returns {file: {sha256, bytes, tensors}} of the files this rank wrote."""
-        if self.rank != self.writer:
+        joined (``stage``: another stage's, which this rank was sent: a copy in peer
+        memory). Returns {file: {sha256, bytes, tensors}} of the files this rank wrote."""
+        if stage is None and self.rank != self.writer:
             return {}
-        stage, stages = self.ctx.stage, self.stages
+        stage, stages = self.ctx.stage if stage is None else stage, self.stages
         metadata = {"format": "pt", "planc": fmt.FORMAT, "step": str(step),
                     "stage": str(stage)}
         out = {}
