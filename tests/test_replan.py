@@ -261,8 +261,8 @@ def test_a_node_lost_is_recovered_from_its_peers_memory(tmp_path, flags):
     (recovery,) = [r["recovery"] for r in history if "recovery" in r]
     assert recovery["lost_ranks"] == [0, 1, 2, 3] and recovery["resumed_step"] > 4, out
     step = recovery["resumed_step"]
-    assert f"planc: the copy in peer memory (step {step}) is newer than {tmp_path / 'ck'}'s " \
-           f"(step 4)" in out
+    assert f"planc: going on from step {step} (the copy in peer memory, newer than " \
+           f"{tmp_path / 'ck'}'s step 4)" in out
     assert f"/assembled/step-{step:06d}" in out and "every loss and parameter matches" in out
     assert set(os.listdir("/dev/shm")) == shared  # the run's memory went with it
     assert run.left == []
@@ -333,3 +333,69 @@ def test_replan_needs_a_checkpoint_directory(tmp_path, capsys):
         "planc: error: --on-failure replan needs --checkpoint-dir: a run goes on from its "
         "newest checkpoint (with --checkpoint-every N, at most N steps back)\n")
     assert not (tmp_path / "b").exists()
+
+
+TWO = """plan two {
+  model gpt { layers = 2; hidden = 32; heads = 4; vocab = 128; seq = 16; batch = 4 }
+  mesh { dp = 2 }
+  train { steps = 40; optimizer = sgd(lr = 0.1, momentum = 0.9) }
+}
+"""
+
+
+def test_a_run_resumed_from_an_older_step_never_goes_back_to_the_steps_it_left(tmp_path):
+    """--resume ck/step-000002 while ck holds steps 4 and 6 of an earlier run: a failure
+    goes back to this run's own checkpoints, or to step 2, never to the abandoned 6."""
+    (tmp_path / "two.plan").write_text(TWO)
+    from planc.cli import main
+
+    assert main(["run", str(tmp_path / "two.plan"), "-o", str(tmp_path / "b"), "--steps", "6",
+                 "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"]) == 0
+    run = Run(str(tmp_path / "two.plan"), "-o", str(tmp_path / "b"), "--steps", "12",
+              "--resume", str(tmp_path / "ck" / "step-000002"), "--checkpoint-dir",
+              str(tmp_path / "ck"), "--checkpoint-every", "4", "--metrics",
+              str(tmp_path / "m.jsonl"), "--on-failure", "replan", "--check")
+    wait_for_steps(run, tmp_path / "m.jsonl", 1)
+    os.kill(ranks(run.process.pid)[1], signal.SIGKILL)
+    assert run.finish() == 0, run.text()
+    history = read_metrics(str(tmp_path / "m.jsonl")).records
+    assert [r["step"] for r in history] == list(range(2, 12))
+    (recovery,) = [r["recovery"] for r in history if "recovery" in r]
+    assert recovery["resumed_step"] in (2, 4), run.text()
+    assert "every loss and parameter matches" in run.text()
+
+
+def test_a_rank_stopped_is_lost_and_the_run_goes_on(tmp_path):
+    (tmp_path / "two.plan").write_text(TWO)
+    run = Run(str(tmp_path / "two.plan"), "-o", str(tmp_path / "b"), "--steps", "12",
+              "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2",
+              "--metrics", str(tmp_path / "m.jsonl"), "--on-failure", "replan", "--timeout",
+              "3")
+    wait_for_steps(run, tmp_path / "m.jsonl", 3)
+    os.kill(ranks(run.process.pid)[1], signal.SIGSTOP)
+    assert run.finish() == 0, run.text()
+    out = run.text()
+    assert "planc: rank 1 was stopped (by SIGSTOP or a debugger)" in out, out
+    assert "planc: lost rank 1 (device 1) of dp 2" in out, out
+    history = read_metrics(str(tmp_path / "m.jsonl")).records
+    assert [r["step"] for r in history] == list(range(12))
+    (recovery,) = [r["recovery"] for r in history if "recovery" in r]
+    assert recovery["lost_ranks"] == [1] and recovery["ranks"] == 1
+    assert run.left == []
+
+
+def test_a_build_compiled_with_set_is_refused_before_anything_runs(tmp_path, capsys):
+    from planc.cli import main
+
+    (tmp_path / "two.plan").write_text(TWO)
+    assert main(["compile", str(tmp_path / "two.plan"), "-o", str(tmp_path / "b"), "--set",
+                 "train.steps=5"]) == 0
+    capsys.readouterr()
+    assert main(["run", str(tmp_path / "b"), "--checkpoint-dir", str(tmp_path / "ck"),
+                 "--on-failure", "replan"]) == 1
+    assert capsys.readouterr().err.endswith(
+        f"planc: error: --on-failure replan: the build {tmp_path / 'b'} is not what its plan "
+        f"file {tmp_path / 'two.plan'} compiles to as it is now (the file changed, or the "
+        f"build was compiled with --set); run the plan file, with its --set, instead; "
+        f"nothing was run\n")
+    assert not (tmp_path / "b" / "logs").exists() and not (tmp_path / "ck").exists()

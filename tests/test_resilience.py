@@ -94,10 +94,13 @@ def test_simulate_prices_checkpoints_and_failures(capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--mtbf", "0"], "--mtbf 0: must be a number above 0"),
-    (["--mtbf", "nan"], "--mtbf nan: must be a number above 0"),
-    (["--storage", "-1", "--mtbf", "1"], "--storage -1: must be a number above 0"),
-    (["--restart", "-1", "--mtbf", "1"], "--restart -1: must be a number above 0"),
+    (["--mtbf", "0"], "--mtbf 0: must be a number from 1e-06 to 1e+09"),
+    (["--mtbf", "nan"], "--mtbf nan: must be a number from 1e-06 to 1e+09"),
+    (["--mtbf", "1e306"], "--mtbf 1e+306: must be a number from 1e-06 to 1e+09"),
+    (["--storage", "-1", "--mtbf", "1"], "--storage -1: must be a number from 1e-06 to 1e+09"),
+    (["--storage", "1e-310", "--mtbf", "1"],
+     "--storage 1e-310: must be a number from 1e-06 to 1e+09"),
+    (["--restart", "-1", "--mtbf", "1"], "--restart -1: must be a number from 0 to 1e+09"),
     (["--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
 ])
 def test_bad_pricing_options_are_refused(flags, message, capsys):
@@ -112,3 +115,14 @@ def test_tune_ranks_by_the_step_with_failures_priced(capsys):
     effective = [c["effective_step_seconds"] for c in ranked]
     assert effective == sorted(effective) and len(ranked) == 4
     assert all(c["effective_step_seconds"] > c["step_seconds"] for c in ranked)
+
+
+def test_failures_faster_than_recovery_leave_no_step(capsys):
+    # one failure every 3.6 s against a 5.6 s restart: the run never gets ahead
+    assert main(["simulate", str(PLANS / "llama3-405b.plan"), "--mtbf", "0.001",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)["checkpoints_and_failures"]
+    assert data["lost_fraction"] > 1 and data["effective_step_seconds"] is None
+    assert main(["simulate", str(PLANS / "llama3-405b.plan"), "--mtbf", "0.001"]) == 0
+    assert "  step, all in   never: a failure comes before the run gets back to where it " \
+           "was\n" in capsys.readouterr().out

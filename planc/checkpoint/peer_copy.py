@@ -69,6 +69,12 @@ def assemble(root: str) -> Path | None:
     return None
 
 
+def clear(root: str) -> None:
+    """Every node's memory, once what the run goes on from is put together."""
+    for holder in Path(root).glob("node-*"):
+        shutil.rmtree(holder, ignore_errors=True)
+
+
 def remove(root: str) -> None:
     """The run's peer memory, at its end."""
     shutil.rmtree(root, ignore_errors=True)

@@ -18,7 +18,6 @@ data-parallel replica fewer); a consolidated checkpoint lets planc change it ins
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -33,23 +32,42 @@ REPLANS = "replans"  # BUILD/replans/N: the build of a run's N-th switch of layo
 STEP_DIRECTORY = re.compile(r"step-([0-9]{6,})")
 
 
-def newest_step(directory: str) -> int:
-    """The step of the newest checkpoint directory in ``directory`` (complete: a step
-    directory appears only once renamed into place), -1 if none."""
+def committed(directory: str) -> dict[str, tuple[int, int]]:
+    """Every step directory of ``directory`` with a manifest: its name and the manifest's
+    (inode, modification time), which a checkpoint committed again changes."""
+    found = {}
     try:
         names = os.listdir(directory)
     except OSError:
-        return -1
-    steps = [int(m.group(1)) for m in map(STEP_DIRECTORY.fullmatch, names) if m]
-    return max(steps, default=-1)
+        return found
+    for name in filter(STEP_DIRECTORY.fullmatch, names):
+        try:
+            info = os.stat(os.path.join(directory, name, "manifest.json"))
+        except OSError:
+            continue
+        found[name] = (info.st_ino, info.st_mtime_ns)
+    return found
+
+
+def newest_own(directory: str, before: dict) -> tuple[int, str | None]:
+    """(step, path) of the newest checkpoint in ``directory`` that this run committed:
+    not there, or not the same, in ``before`` (:func:`committed` as the run began);
+    (-1, None) if none. Not ``latest``: a run resumed from an older step of the directory
+    would find the abandoned steps there."""
+    own = [name for name, seen in committed(directory).items() if before.get(name) != seen]
+    if not own:
+        return -1, None
+    name = max(own, key=lambda n: int(STEP_DIRECTORY.fullmatch(n).group(1)))
+    return int(STEP_DIRECTORY.fullmatch(name).group(1)), os.path.join(directory, name)
 
 
 class GrowSignal:
-    """SIGUSR1: the devices lost are back. :meth:`due` turns true once a checkpoint newer
-    than the newest at the signal is complete: the run grows back from it."""
+    """SIGUSR1: the devices lost are back. :meth:`due` turns true once this run has
+    committed a checkpoint newer than its newest at the signal, short of the last step:
+    the run grows back from it."""
 
-    def __init__(self, checkpoint_dir: str):
-        self.checkpoint_dir = checkpoint_dir
+    def __init__(self, checkpoint_dir: str, before: dict, steps: int):
+        self.checkpoint_dir, self.before, self.steps = checkpoint_dir, before, steps
         self.received_at: float | None = None
         self.mark: int | None = None
         self.previous = signal.signal(signal.SIGUSR1, self._handle)
@@ -60,9 +78,10 @@ class GrowSignal:
     def due(self) -> bool:
         if self.received_at is None:
             return False
+        newest = newest_own(self.checkpoint_dir, self.before)[0]
         if self.mark is None:
-            self.mark = newest_step(self.checkpoint_dir)
-        return newest_step(self.checkpoint_dir) > self.mark
+            self.mark = newest
+        return self.mark < newest < self.steps  # the last step's: the run is ending
 
     def reset(self) -> None:
         self.received_at = self.mark = None
@@ -83,24 +102,22 @@ class Segment:
     layout: str
 
 
-def keep_training(args, built, directory: str, options, found, interrupts) -> int:
+def keep_training(args, built, directory: str, options, found, source, interrupts) -> int:
     """Launch ``built`` (in ``directory``) with ``options`` (resuming from ``found``),
     and again on a new layout after each failure that loses devices, until the run ends
-    or cannot go on."""
+    or cannot go on; ``source``: :func:`plan_source`'s (text, path)."""
     from planc.commands.tune import devices_per_node
     from planc.runtime.launcher.launch import launch_watched
     from planc.tune.space import of_plan
 
-    source = plan_source(args, built)
-    if isinstance(source, str):
-        return fail(f"--on-failure replan: {source}")
     text, path = source
+    earlier = committed(args.checkpoint_dir)  # the checkpoints of earlier runs
     world = built.plan.world
     per_node = devices_per_node(built.plan, text, world)
     segment = first = Segment(built, options, tuple(range(world)), found,
                               of_plan(built.plan).text())
     reached = found.manifest["step"] if found else 0  # steps the run had finished
-    grow = GrowSignal(args.checkpoint_dir)
+    grow = GrowSignal(args.checkpoint_dir, earlier, args.steps or built.plan.train.steps)
     lost: set[int] = set()
     try:
         while True:
@@ -129,7 +146,7 @@ def keep_training(args, built, directory: str, options, found, interrupts) -> in
             recovery = {"event": event, "lost_ranks": list(outcome.lost),
                         "from": segment.layout, "failed_at": failed_at}
             following = _switch(args, segment, first, directory, text, path, per_node,
-                                left, reached, recovery)
+                                left, reached, recovery, earlier, interrupts)
             if isinstance(following, int):
                 return following
             segment = following
@@ -158,9 +175,10 @@ def plan_source(args, built) -> tuple[str, str] | str:
 
         try:
             with open(os.path.join(args.file, MANIFEST), encoding="utf-8") as handle:
-                path = json.load(handle).get("source") or ""
+                path = json.load(handle).get("source")
         except (OSError, ValueError, AttributeError):
             path = ""
+        path = path if isinstance(path, str) else ""
         overrides = []
     loaded = load_file(path, overrides) if path else None
     if loaded is None or not loaded.ok:
@@ -168,14 +186,16 @@ def plan_source(args, built) -> tuple[str, str] | str:
                 f"run the plan file itself")
     if os.path.isdir(args.file) and plan_fingerprint(loaded.plan) != \
             plan_fingerprint(built.plan):
-        return (f"the build {args.file} is no longer what its plan file {path} compiles to; "
-                f"run the plan file itself")
+        return (f"the build {args.file} is not what its plan file {path} compiles to as it "
+                f"is now (the file changed, or the build was compiled with --set); run the "
+                f"plan file, with its --set, instead")
     settings = {o.key: o.text.partition("=")[2].strip() for o in parse_overrides(overrides)}
     return (with_settings(loaded.source, settings) if settings else loaded.source), path
 
 
 def _switch(args, segment: Segment, first: Segment, directory: str, text: str, path: str,
-            per_node: int, left: tuple[int, ...], reached: int, recovery: dict):
+            per_node: int, left: tuple[int, ...], reached: int, recovery: dict,
+            earlier: dict, interrupts):
     """The next :class:`Segment`: on every device again, the run's own build; else the
     layout the search finds for the devices ``left``, compiled and verified; either
     resuming from the newest checkpoint. Or the exit status, after saying why the run
@@ -183,21 +203,10 @@ def _switch(args, segment: Segment, first: Segment, directory: str, text: str, p
     from planc.build import directory as build_dir
     from planc.commands import MAX_LOCAL_RANKS
     from planc.commands.replan_search import best_layout
-    from planc.commands.run_prepare import (checkpoint_found, resume_problem, run_options,
-                                           verified_build)
+    from planc.commands.run_prepare import resume_problem, run_options, verified_build
     from planc.lang import load_text
 
-    found = segment.found
-    newest = newest_step(args.checkpoint_dir)
-    in_memory = _in_peer_memory(args, newest)
-    if in_memory is not None or newest >= 0:  # verified as --resume verifies one
-        found, status = checkpoint_found(argparse.Namespace(
-            **{**vars(args), "resume": in_memory or args.checkpoint_dir}))
-        if found is None:
-            return status
-        if in_memory is not None:
-            print(f"planc: the copy in peer memory (step {found.manifest['step']}) is newer "
-                  f"than {args.checkpoint_dir}'s (step {newest})", file=sys.stderr)
+    found = newest_checkpoint(args, segment, earlier, interrupts)
     started = time.perf_counter()
     if len(left) == len(first.devices):  # the user's own layout, as the run began
         target, built, devices, layout = directory, first.built, first.devices, first.layout
@@ -263,19 +272,41 @@ def _forget_lost_nodes(args, segment: Segment, lost_ranks) -> None:
                                                           (node + 1) * per_node))])
 
 
-def _in_peer_memory(args, newest: int) -> str | None:
-    """--checkpoint-peer-memory: the checkpoint put together from the nodes' memory, if it
-    is newer than the file system's newest (step ``newest``)."""
-    root = getattr(args, "peer_memory_root", None)
-    if root is None:
-        return None
-    from planc.checkpoint.format import STEP_DIR
-    from planc.checkpoint.peer_copy import assemble
+def newest_checkpoint(args, segment: Segment, earlier: dict, interrupts):
+    """The newest whole checkpoint the run can go on from, verified as --resume verifies
+    one: the newest of this run's in --checkpoint-dir, the one put together from the
+    nodes' memory (--checkpoint-peer-memory) and the one the segment started from (None:
+    step 0); one that does not verify is passed over, with a warning."""
+    from planc.checkpoint.format import STEP_DIR, CheckpointError
+    from planc.commands.run_prepare import verified_checkpoint
 
-    assembled = assemble(root)
-    if assembled is None or int(STEP_DIR.fullmatch(assembled.name).group(1)) <= newest:
-        return None
-    return str(assembled)
+    candidates = []
+    step, own = newest_own(args.checkpoint_dir, earlier)
+    if own is not None:
+        candidates.append((step, own, ""))
+    root = getattr(args, "peer_memory_root", None)
+    if root is not None:
+        from planc.checkpoint.peer_copy import assemble, clear
+
+        assembled = assemble(root)
+        clear(root)  # the next layout's nodes start afresh; the assembled copy stays
+        if assembled is not None:
+            memory = int(STEP_DIR.fullmatch(assembled.name).group(1))
+            candidates.append((memory, str(assembled), f" (the copy in peer memory, newer "
+                                                       f"than {args.checkpoint_dir}'s step "
+                                                       f"{max(step, 0)})"))
+    if segment.found is not None:
+        candidates.append((segment.found.manifest["step"], str(segment.found.directory), ""))
+    for step, path, why in sorted(candidates, key=lambda c: -c[0]):
+        try:
+            found = verified_checkpoint(path, interrupts)
+        except CheckpointError as exc:
+            print(f"planc: warning: passing over {path}: {exc}", file=sys.stderr)
+            continue
+        if why:
+            print(f"planc: going on from step {step}{why}", file=sys.stderr)
+        return found
+    return None
 
 
 def _next_build(directory: str) -> str:

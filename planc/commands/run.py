@@ -95,38 +95,53 @@ def _run(args) -> int:
         for skipped in found.skipped:
             print(f"planc: warning: --resume passed over {skipped}", file=sys.stderr)
         print(found.note, file=sys.stderr)
-    try:
-        prepare_outputs(args)  # the last step before the ranks: nothing failed before it
-    except OSError as exc:
-        return fail(f"cannot prepare {exc.filename or 'the outputs'} ({exc.strerror or exc});"
-                    f" nothing was run")
-    print(f"planc: running {built.plan.name} from {directory} on "
-          f"{counted(built.plan.world, 'rank')} ({backend}), "
-          f"{counted(steps - first, 'step')}{resumed}", file=sys.stderr)
+    if args.checkpoint_peer_memory and \
+            built.plan.world // built.plan.topology.devices_per_node < 2:
+        return fail(f"--checkpoint-peer-memory keeps each copy on another node, and the "
+                    f"plan's {counted(built.plan.world, 'rank')} are one node (topology "
+                    f"devices_per_node {built.plan.topology.devices_per_node}); nothing "
+                    f"was run")
+    source = None
+    if args.on_failure == "replan":  # the text its layouts are searched from, checked now
+        from planc.commands.replan import plan_source
+
+        source = plan_source(args, built)
+        if isinstance(source, str):
+            return fail(f"--on-failure replan: {source}; nothing was run")
     if args.checkpoint_peer_memory:
         from planc.checkpoint import peer_copy
 
-        if built.plan.world // built.plan.topology.devices_per_node < 2:
-            return fail(f"--checkpoint-peer-memory keeps each copy on another node, and the "
-                        f"plan's {counted(built.plan.world, 'rank')} are one node (topology "
-                        f"devices_per_node {built.plan.topology.devices_per_node}); nothing "
-                        f"was run")
         try:
             args.peer_memory_root = peer_copy.make_root()
         except OSError as exc:
             return fail(f"--checkpoint-peer-memory: {exc}; nothing was run")
     try:
+        prepare_outputs(args)  # the last step before the ranks: nothing failed before it
+    except OSError as exc:
+        _forget_peer_memory(args)
+        return fail(f"cannot prepare {exc.filename or 'the outputs'} ({exc.strerror or exc});"
+                    f" nothing was run")
+    print(f"planc: running {built.plan.name} from {directory} on "
+          f"{counted(built.plan.world, 'rank')} ({backend}), "
+          f"{counted(steps - first, 'step')}{resumed}", file=sys.stderr)
+    try:
         options = run_options(args, directory, backend, found, identity)
         if args.on_failure == "replan":
             from planc.commands.replan import keep_training
 
-            return keep_training(args, built, directory, options, found, args.interrupts)
+            return keep_training(args, built, directory, options, found, source,
+                                 args.interrupts)
         return launch(options, built.plan.world, args.interrupts)
     finally:
-        if getattr(args, "peer_memory_root", None):  # host memory: gone with the run
-            from planc.checkpoint.peer_copy import remove
+        _forget_peer_memory(args)
 
-            remove(args.peer_memory_root)
+
+def _forget_peer_memory(args) -> None:
+    """--checkpoint-peer-memory: the run's host memory is gone with it."""
+    if getattr(args, "peer_memory_root", None):
+        from planc.checkpoint.peer_copy import remove
+
+        remove(args.peer_memory_root)
 
 
 def _resumable(args, found, plan, buckets=None) -> int:

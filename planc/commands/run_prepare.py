@@ -20,25 +20,34 @@ def checkpoint_found(args):
     from planc.checkpoint import format as checkpoint
 
     try:
-        with args.interrupts.deferred():  # torch swallows a Ctrl-C during its import
+        return verified_checkpoint(args.resume, args.interrupts), EXIT_OK
+    except checkpoint.CheckpointError as exc:
+        return None, fail(f"--resume: {exc}")
+
+
+def verified_checkpoint(path: str, interrupts):
+    """The checkpoint at ``path`` (planc.checkpoint.format.find), every file checked
+    against its sha256 and every value finite, with a ``note`` saying so; CheckpointError
+    if it is not whole."""
+    from planc.checkpoint import format as checkpoint
+
+    try:
+        with interrupts.deferred():  # torch swallows a Ctrl-C during its import
             from planc.runtime.checkpoint.values import check_values
     except ImportError as exc:  # no torch: the files are checked, planc run says it needs it
         if not missing_runtime(exc):
             raise
         check_values = None
     start = time.perf_counter()
-    try:
-        found = checkpoint.find(args.resume)
-        if check_values is not None:
-            check_values(found.directory, found.manifest)
-    except checkpoint.CheckpointError as exc:
-        return None, fail(f"--resume: {exc}")
+    found = checkpoint.find(path)
+    if check_values is not None:
+        check_values(found.directory, found.manifest)
     files = found.manifest["files"]
     size = sum(info["bytes"] for info in files.values())
     found.note = (f"planc: checkpoint {found.directory} (step {found.manifest['step']}): "
                   f"{len(files)} files, {size / 1e6:.2f} MB, sha256 and values verified in "
                   f"{time.perf_counter() - start:.3f} s")
-    return found, EXIT_OK
+    return found
 
 
 def verified_build(args, directory: str):

@@ -57,13 +57,17 @@ def main(args) -> int:
     return EXIT_OK
 
 
+# What the pricing options may be: far past any cluster, and never an overflow in a product.
+LIMITS = {"--mtbf": (1e-6, 1e9), "--storage": (1e-6, 1e9), "--restart": (0.0, 1e9)}
+
+
 def resilience_problem(args) -> str | None:
     """Why the options that price checkpoints and failures cannot be used, or None."""
     for flag, value in (("--mtbf", args.mtbf), ("--storage", args.storage),
-                        ("--restart", getattr(args, "restart", 0.0))):
-        if value is not None and not (0 <= value < float("inf")) or \
-                flag != "--restart" and value is not None and value <= 0:
-            return f"{flag} {value:g}: must be a number above 0"
+                        ("--restart", args.restart)):
+        low, high = LIMITS[flag]
+        if value is not None and not (low <= value <= high and (value > 0 or low == 0)):
+            return f"{flag} {value:g}: must be a number from {low:g} to {high:g}"
     if getattr(args, "checkpoint_every", None) is not None and args.checkpoint_every < 1:
         return "--checkpoint-every must be at least 1"
     return None

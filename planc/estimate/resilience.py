@@ -67,8 +67,13 @@ class Resilience:
         return self.blocked_seconds / self.every / self.step_seconds
 
     def to_json(self) -> dict:
-        return {key: getattr(self, key) for key in self.__dataclass_fields__} | {
+        """JSON-ready: a run that never gets ahead (failures faster than it recovers) has
+        no effective step (null)."""
+        out = {key: getattr(self, key) for key in self.__dataclass_fields__} | {
             "checkpoint_overhead": self.checkpoint_overhead}
+        if math.isinf(out["effective_step_seconds"]):
+            out["effective_step_seconds"] = None
+        return out
 
 
 def stage_parameters_whole(plan: Plan) -> list[int]:

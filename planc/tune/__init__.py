@@ -55,8 +55,10 @@ class Ranked:
         return {**self.candidate.to_json(), "step_seconds": self.step_seconds,
                 "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu,
                 "bubble": self.bubble, "exposed_seconds": self.exposed_seconds,
-                "memory_bytes": self.memory_bytes, "effective_step_seconds":
-                self.effective_seconds, "plan": self.text}
+                "memory_bytes": self.memory_bytes,
+                # null: failures come faster than the layout recovers (planc tune --mtbf)
+                "effective_step_seconds": self.effective_seconds
+                if self.effective_seconds < float("inf") else None, "plan": self.text}
 
 
 @dataclass

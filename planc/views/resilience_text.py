@@ -31,9 +31,13 @@ def render(res, storage_bytes_per_s: float) -> str:
                          f"time"],
             ["best interval", f"every {res.optimal_every:,} steps (Young 1974)"],
         ]
-    rows.append(["step, all in", f"{_time(res.effective_step_seconds)} "
-                                 f"({res.effective_step_seconds / res.step_seconds - 1:+.1%} "
-                                 f"on the step)"])
+    if res.lost_fraction >= 1:
+        rows.append(["step, all in", "never: a failure comes before the run gets back to "
+                                     "where it was"])
+    else:
+        rows.append(["step, all in", f"{_time(res.effective_step_seconds)} "
+                                     f"({res.effective_step_seconds / res.step_seconds - 1:+.1%}"
+                                     f" on the step)"])
     width = max(len(name) for name, _ in rows)
     return "\ncheckpoints and failures (docs/simulate.md)\n" + "".join(
         f"  {name.ljust(width)}  {text}\n" for name, text in rows)

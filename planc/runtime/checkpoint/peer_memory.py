@@ -90,7 +90,8 @@ class PeerMemory:
                 directory = node_directory(self.root, node)
                 ck._commit(directory, directory / staging, step, copy.deepcopy(gathered),
                            start, rng, optimizer_steps)
-                for older in directory.iterdir():  # the newest alone is kept
+            for node in range(self.nodes):  # once every node holds the new step
+                for older in node_directory(self.root, node).iterdir():
                     if older.name != fmt.step_name(step) and older.is_dir() and \
                             fmt.STEP_DIR.fullmatch(older.name):
                         shutil.rmtree(older, ignore_errors=True)

@@ -230,8 +230,10 @@ def _start_ranks(ranks: list[_Rank], world: int, logs: str, options: RunOptions,
         context.set_forkserver_preload(["planc.runtime.launcher.fork_server"])
     _start_helpers(method, os.path.join(logs, "launcher.log"))
     joining = rank_environment(store)
-    if devices is not None and options.backend == "nccl":
-        joining["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+    if devices is not None and options.backend == "nccl":  # device d: the d-th visible one
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        names = visible.split(",") if visible else [str(d) for d in range(max(devices) + 1)]
+        joining["CUDA_VISIBLE_DEVICES"] = ",".join(names[d] for d in devices)
     for rank in range(world):
         if interrupts.received:
             return
@@ -336,7 +338,9 @@ def _watch(ranks: list[_Rank], timeout: float, interrupts: Interrupts,
             elif code is None:
                 entry.stopped_since = None
         crashed = [e for e in failed if e.process.exitcode != EXIT_HANG]
-        killed = [e.rank for e in crashed if e.process.exitcode < 0]
+        # a device or host that goes away: SIGKILL (the OOM killer too) or SIGTERM; a
+        # segfault or an abort is the program's, and is reported as any crash
+        killed = [e.rank for e in crashed if -e.process.exitcode in LOST_SIGNALS]
         if lost_devices and killed and lost_since is None:
             lost_since, failed_at = now, time.time()
         if crashed and not (killed and lost_devices and now - lost_since < LOSS_GRACE_S):
@@ -364,12 +368,14 @@ def _watch(ranks: list[_Rank], timeout: float, interrupts: Interrupts,
             _stop(ranks)
             _copy_output(ranks)
             print(hang_report(ranks, now, silent, _reports_grace(timeout)), file=sys.stderr)
-            lost = tuple(e.rank for e in stopped) if lost_devices else ()
+            # a stopped rank is what the others wait for, however long it has been
+            lost = tuple(e.rank for e in ranks if e.stopped_since is not None) \
+                if lost_devices else ()
             return Outcome(1, lost, time.time() if lost else None, steps)
         if all(e.process.exitcode == 0 for e in ranks):
             _copy_output(ranks)
             return Outcome(0)
-        if until is not None and until():
+        if until is not None and lost_since is None and until():
             _stop(ranks)
             _copy_output(ranks)
             return Outcome(None, steps_done=_steps_done(ranks))
@@ -381,6 +387,7 @@ def _watch(ranks: list[_Rank], timeout: float, interrupts: Interrupts,
 # --on-failure replan: the ranks of a node that went away die within it of each other, and
 # are all counted lost (their peers, which lose a connection, wait PEER_LOST_GRACE_S).
 LOSS_GRACE_S = 1.0
+LOST_SIGNALS = (signal.SIGKILL, signal.SIGTERM)
 
 
 def _steps_done(ranks: list[_Rank]) -> int | None:

@@ -27,6 +27,9 @@ def rank_process(rank: int, env: dict[str, str], log_dir: str, options: RunOptio
     if _launcher_gone(launcher, launcher_started):  # before that signal could serve
         os._exit(137)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # planc run's own signal (--on-failure replan: the devices are back), also when it is
+    # sent to the whole process group
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     threading.Thread(target=_watch_launcher, args=(launcher, launcher_started),
                      daemon=True).start()
     os.environ.update(env)
