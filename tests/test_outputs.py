@@ -75,7 +75,7 @@ NOT_OUTPUTS = {
             "--checkpoint-peer-memory"},
     "simulate": {"-h", "--error-format", "--max-errors", "--set", "--force", "--json",
                  "--mtbf", "--checkpoint-every", "--checkpoint-async", "--storage",
-                 "--restart"},
+                 "--restart", "--imbalance-from"},
     "tune": {"-h", "--error-format", "--max-errors", "--set", "--force", "--gpus", "--top",
              "--memory", "--keep", "--budget", "--json", "--mtbf", "--checkpoint-async",
              "--storage", "--restart"},

@@ -20,6 +20,10 @@ def main(args) -> int:
     refused = outputs_refused(args, (the_input(args.file),))
     if refused is not None:
         return refused
+    if args.imbalance_from:
+        problem = measured_imbalance(args)
+        if problem is not None:
+            return fail(problem)
     built, status = load_programs(args, verified=True)
     if built is None:
         return status
@@ -73,6 +77,31 @@ def resilience_problem(args) -> str | None:
     return None
 
 
+def measured_imbalance(args) -> str | None:
+    """--imbalance-from M.jsonl: the median ``ep_imbalance`` of a run's steps becomes the
+    plan's ``model.imbalance`` (an override, as --set), or why it cannot."""
+    import os
+    import statistics
+
+    from planc.data.metrics_file import read_metrics
+
+    if os.path.isdir(args.file):
+        return (f"--imbalance-from sets model.imbalance, an override of the plan file: give "
+                f"the plan file, not the build {args.file}")
+    records, problem, _ = read_metrics(args.imbalance_from)
+    if problem:
+        return problem
+    measured = [r["ep_imbalance"] for r in records if r.get("ep_imbalance") is not None]
+    if not measured:
+        return (f"{args.imbalance_from} records no ep_imbalance: planc run writes it for a "
+                f"plan whose experts are split over ep")
+    value = max(1.0, statistics.median(measured))
+    args.set = [*(args.set or []), f"model.imbalance={value:.6g}"]
+    print(f"planc: model.imbalance = {value:.6g}, the median ep_imbalance of the "
+          f"{len(measured)} steps in {args.imbalance_from}", file=sys.stderr)
+    return None
+
+
 def add_resilience_arguments(parser, checkpoints: bool = True) -> None:
     """--mtbf and what prices a checkpoint (planc.estimate.resilience)."""
     from planc.estimate.resilience import RESTART_S, STORAGE_BYTES_PER_S
@@ -100,6 +129,9 @@ def add_arguments(parser) -> None:
     add_input(parser, "FILE|DIR")
     parser.add_argument("--json", action="store_true", help="the result as JSON")
     add_resilience_arguments(parser)
+    parser.add_argument("--imbalance-from", metavar="M.jsonl",
+                        help="take model.imbalance from a planc run --metrics file of the "
+                        "plan: the median of its steps' ep_imbalance")
     output(parser, "--trace", kind="simulated-trace", metavar="T.json",
            help="Chrome trace of the simulated step (Perfetto), with the tracks of planc "
            "run --trace")

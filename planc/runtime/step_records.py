@@ -21,6 +21,22 @@ from planc.runtime.stragglers import STREAMS as STRAGGLER_STREAMS
 from planc.runtime.stragglers import describe as describe_straggler
 
 
+def routing_balance(rows: list[float], groups: list[float]) -> dict:
+    """``ep_rows``: the (token, expert) rows each rank's experts ran in the step (None on a
+    rank without experts over ep); ``ep_imbalance``: the busiest rank's rows over its ep
+    group's mean, the worst group's (what ``model { imbalance }`` declares for planc
+    simulate). Empty without experts over ep."""
+    members: dict[int, list[float]] = {}
+    for count, group in zip(rows, groups):
+        if group >= 0:
+            members.setdefault(int(group), []).append(count)
+    if not members:
+        return {}
+    ratios = [max(c) * len(c) / sum(c) for c in members.values() if sum(c) > 0]
+    return {"ep_rows": [int(c) if g >= 0 else None for c, g in zip(rows, groups)],
+            "ep_imbalance": max(ratios) if ratios else 1.0}
+
+
 def describe_recovery(recovery: dict) -> str:
     """The progress line's words for the failure a run continues after."""
     lost = recovery["lost_ranks"]
@@ -86,7 +102,10 @@ class StepRecords:
             stages.setdefault(ctx.ranks.stage_of(rank), []).append(rank)
         self.stragglers = StragglerWatch(list(stages.values()), straggler_margin)
 
-    def step(self, step: int, times, loss: float | None) -> None:
+    def step(self, step: int, times, loss: float | None,
+             routed: tuple[int, tuple[int, ...]] | None = None) -> None:
+        """``routed``: the rows this rank's experts ran in the step and its ep group
+        (planc.runtime.engine.kernels.Kernels.take_routed), None without experts over ep."""
         self.flush()
         if self.recovery is not None and "seconds_lost" not in self.recovery:
             failed_at = self.recovery.pop("failed_at")
@@ -94,7 +113,9 @@ class StepRecords:
         memory, self.memory_kind = peak_memory_mb(self.ctx.device)
         peak = memory if self.memory_kind == "max_rss" else \
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-        mine = torch.tensor(times.as_list() + [peak, memory], dtype=torch.float64)
+        rows, group = routed if routed is not None else (0, (-1,))
+        mine = torch.tensor(times.as_list() + [rows, group[0], peak, memory],
+                            dtype=torch.float64)
         if self.world == 1:
             self.pending = (step, None, [mine], loss)
             return
@@ -115,7 +136,7 @@ class StepRecords:
         table = torch.stack(gathered)
         slowest = int(table[:, 0].argmax())
         values = dict(zip(self.FIELDS, (float(v) for v in table[slowest])))
-        values["max_rss_mb"] = round(float(table[:, len(self.FIELDS)].max()), 1)
+        values["max_rss_mb"] = round(float(table[:, -2].max()), 1)
         record = {"step": step, "loss": loss, **values,
                   "tokens_per_s": self.ctx.tokens_per_step / values["time_s"],
                   "slowest_rank": slowest}
@@ -128,6 +149,8 @@ class StepRecords:
         share = shares(self.ctx.data.path, (step + 1) * self.ctx.data.batch)
         if share is not None:  # a mixture: each source's share of the samples so far
             record["data_share"] = share
+        record.update(routing_balance(table[:, len(self.FIELDS)].tolist(),
+                                      table[:, len(self.FIELDS) + 1].tolist()))
         record.update(self.notes.pop(step, {}))
         if self.recovery is not None:
             record["recovery"], self.recovery = self.recovery, None

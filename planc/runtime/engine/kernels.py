@@ -144,6 +144,18 @@ class Kernels:
         for op, kernel in family_kernels(model.family).items():
             self.forward_table[op] = functools.partial(kernel, self)
         self._ring_masks: dict[Ring, list] = {}
+        # (step, microbatch, router) -> (rows this rank's experts ran, its ep group): what
+        # the metrics report of the routing's balance (planc.runtime.step_records)
+        self.routed: dict[tuple, tuple[int, tuple[int, ...]]] = {}
+
+    def take_routed(self, step: int) -> tuple[int, tuple[int, ...]] | None:
+        """The rows this rank's experts ran in ``step`` and its ep group, or None (no
+        experts split over ep here); forgets them."""
+        mine = [key for key in self.routed if key[0] == step]
+        if not mine:
+            return None
+        values = [self.routed.pop(key) for key in mine]
+        return sum(rows for rows, _ in values), values[0][1]
 
     def ring_attention(self, spec: Spec, q: torch.Tensor, k: torch.Tensor,
                        v: torch.Tensor) -> torch.Tensor:

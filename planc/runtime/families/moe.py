@@ -163,7 +163,7 @@ def _exchange(values: torch.Tensor, sent: list[int], received: list[int], group
 
 
 def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequences: int,
-                            batch: int, counts_over=None) -> torch.Tensor:
+                            batch: int, counts_over=None, tally=None) -> torch.Tensor:
     """The mixture with its experts spread over ``peers`` (expert parallelism: GShard,
     Lepikhin et al. 2021; Megatron-Core's token dispatcher): rank j of the ep group runs
     experts j E/ep ... (j + 1) E/ep - 1, the rows of the stacked weights it keeps. Each
@@ -181,6 +181,8 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     arriving = torch.empty_like(counts)
     dist.all_to_all_single(arriving, counts, group=peers.group)
     sent, received = counts.tolist(), arriving.tolist()
+    if tally is not None:  # the rows this rank's experts run: the routing's balance
+        tally(sum(received))
     rows = _AllToAll.apply(tokens[token_of], sent, received, peers.group)
     rows_expert = _exchange(expert_of, sent, received, peers.group)
     stacked = _stacked(weights_of)  # this rank's experts only
@@ -206,8 +208,11 @@ def moe(k, spec, x, p, step, mb, extra):
     # holds parts of it (cp's chunks and tp's share are cut along the tokens): the
     # balance loss's counts are summed per row over ``spec.counts``.
     if spec.peers is not None and spec.peers.size > 1:
-        out = expert_parallel_mixture(flat, weights_of, k.ctx.model, spec.peers,
-                                      data.shape[0], k.ctx.model.batch, spec.counts)
+        # keyed by block and microbatch: a recomputed forward counts once
+        key = (step, mb, by_suffix["router.weight"])
+        out = expert_parallel_mixture(
+            flat, weights_of, k.ctx.model, spec.peers, data.shape[0], k.ctx.model.batch,
+            spec.counts, lambda rows: k.routed.__setitem__(key, (rows, spec.peers.members)))
     else:
         out = mixture(flat, weights_of, k.ctx.model, data.shape[0], k.ctx.model.batch,
                       counts_over=spec.counts)
