@@ -24,11 +24,13 @@ def test_the_balance_of_rows_per_group():
     assert routing_balance([0, 0], [0, 0]) == {"ep_rows": [0, 0], "ep_imbalance": 1.0}
 
 
-def test_a_run_records_the_rows_every_ep_rank_ran(tmp_path):
+@pytest.mark.parametrize("recompute", ["none", "full"])  # a recomputed block counts once
+def test_a_run_records_the_rows_every_ep_rank_ran(tmp_path, recompute):
     pytest.importorskip("torch")
     metrics = tmp_path / "m.jsonl"
     assert main(["run", str(PLANS / "moe-tiny.plan"), "-o", str(tmp_path / "b"), "--steps",
-                 "2", "--metrics", str(metrics)]) == 0
+                 "2", "--metrics", str(metrics), "--set",
+                 f"optimize.recompute={recompute}"]) == 0
     # moe-tiny: batch 8 x seq 32 tokens, top_k 2, mixture blocks 1 (stage 0) and 2 and 3
     # (stage 1); ep 4 over each stage's tp x dp ranks (order tp, cp, pp, dp), each token
     # routed once, by the tp rank that holds it
