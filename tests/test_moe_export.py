@@ -108,7 +108,11 @@ def test_export_loads_in_mixtral_and_computes_the_same_loss(tmp_path, capfd):
      "Mixtral always renormalises each token's top-k routing weights"),
     (dict(extra="; aux_loss = 0.01"), "aux_loss = 0.01",
      "transformers' Mixtral has no sequence-wise balance loss"),
-], ids=["shared-experts", "first-dense", "norm-topk-off", "aux-loss"])
+    (dict(extra="; score = sigmoid"), "score = sigmoid",
+     "Mixtral's router scores are softmax probabilities"),
+    (dict(extra="; routed_scale = 2.5"), "routed_scale = 2.5",
+     "Mixtral does not scale its routing weights"),
+], ids=["shared-experts", "first-dense", "norm-topk-off", "aux-loss", "sigmoid", "scale"])
 def test_export_refuses_a_moe_model_that_is_not_a_mixtral(keys, value, why, tmp_path, capfd):
     checkpoints = _trained(plan_text("not_mixtral", layers=2, steps=1, **keys), tmp_path,
                            capfd)
@@ -117,7 +121,8 @@ def test_export_refuses_a_moe_model_that_is_not_a_mixtral(keys, value, why, tmp_
     assert capfd.readouterr().err == (
         f"planc: error: {checkpoints / 'step-000001'} holds a model moe with {value}, which "
         f"MixtralForCausalLM cannot hold ({why}); --format hf writes moe models with "
-        f"shared_experts = 0, first_dense = 0, norm_topk = on and aux_loss = 0\n")
+        f"shared_experts = 0, first_dense = 0, norm_topk = on, aux_loss = 0, score = "
+        f"softmax and routed_scale = 1.0\n")
     assert not exported.exists()
 
 

@@ -113,6 +113,9 @@ MIXTRAL = Architecture(
                                        "routing weights"),
         Requirement("aux_loss", 0, "transformers' Mixtral has no sequence-wise balance loss",
                     for_init=False),
+        # written only when set (unwritten: Mixtral's)
+        Requirement("score", "softmax", "Mixtral's router scores are softmax probabilities"),
+        Requirement("routed_scale", 1.0, "Mixtral does not scale its routing weights"),
     ),
     # transformers 5 saves Mixtral as the Hub's checkpoints hold it (mistralai/Mixtral-8x7B):
     # the router and each expert's w1 (gate), w3 (up) and w2 (down), each (out, in)
@@ -204,13 +207,13 @@ def check_exportable(directory: Path, manifest: dict) -> Architecture:
                               f"--format hf writes {writable} models")
     block = Model(**model)  # every field checked with the manifest
     arch = ARCHITECTURES[family.hf_architecture]
-    unmet = [r for r in arch.requires if getattr(block, r.key) != r.value]
+    unmet = [r for r in arch.requires if getattr(block, r.key, r.value) != r.value]
     if unmet:
         needed = [f"{r.key} = {_shown(r.value)}" for r in arch.requires]
         first = unmet[0]
         raise CheckpointError(
             f"{directory} holds a model {block.family} with {first.key} = "
-            f"{_shown(getattr(block, first.key))}, which {arch.name} cannot hold "
+            f"{_shown(getattr(block, first.key, first.value))}, which {arch.name} cannot hold "
             f"({first.why}); --format hf writes {block.family} models with "
             f"{', '.join(needed[:-1])} and {needed[-1]}")
     stored = {name: info["shape"] for name, info in manifest["parameters"].items()}

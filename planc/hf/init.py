@@ -80,7 +80,7 @@ def _architecture(model: Model) -> Architecture:
                                 f"checkpoint; model {model.family} has no transformers class")
     arch = ARCHITECTURES[family.hf_architecture]
     for r in arch.requires:
-        if r.for_init and getattr(model, r.key) != r.value:
+        if r.for_init and getattr(model, r.key, r.value) != r.value:  # unwritten: met
             raise HFCheckpointError(
                 f"model {model.family} with {r.key} = {_shown(getattr(model, r.key))} cannot "
                 f"start from a {arch.name} checkpoint ({r.why}); it needs {r.key} = "

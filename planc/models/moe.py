@@ -30,7 +30,7 @@ token's k and the shared ones), as MoE papers count them.
 from __future__ import annotations
 
 from planc.vocabulary.hints import divisors_below, try_values
-from planc.vocabulary.kinds import Boolean, Integer, Key, Real
+from planc.vocabulary.kinds import Boolean, Choice, Integer, Key, Real
 from planc.models import llama
 from planc.models.family import (HEAD_OPS, Family, Finding, Model, OpRule, Parameter,
                                  pre_norm_chains)
@@ -219,6 +219,13 @@ _OWN = {
                                           "sum to 1"),
     "aux_loss": Key(Real(0.0, None), 0.0, doc="weight of DeepSeek-V3's sequence-wise "
                                               "load-balancing loss"),
+    # written only when set: a plan, build or checkpoint without them is the softmax gate
+    "score": Key(Choice(("softmax", "sigmoid")), None, optional=True,
+                 doc="the router's scores: softmax probabilities (Mixtral, Qwen3) or "
+                     "DeepSeek-V3's sigmoid affinities [softmax]"),
+    "routed_scale": Key(Real(0.0, None, minimum_allowed=False), None, optional=True,
+                        doc="factor of the routed experts' weights (DeepSeek-V3's routed "
+                            "scaling factor, 2.5) [1]"),
     "imbalance": Key(Real(1.0, None), None, optional=True,
                      doc="the busiest ep rank's routed tokens over the mean, as the "
                          "simulator prices the mixture (default: "
@@ -228,7 +235,8 @@ _OWN = {
 KEYS = {name: _OWN.get(name) or _LLAMA[name] for name in (
     "preset", "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "seq",
     "batch", "experts", "top_k", "expert_ffn", "shared_experts", "first_dense", "norm_topk",
-    "aux_loss", "imbalance", "dtype", "rope_theta", "norm_eps", "tie_embeddings")}
+    "score", "routed_scale", "aux_loss", "imbalance", "dtype", "rope_theta", "norm_eps",
+    "tie_embeddings")}
 
 
 def top_k_within_experts(m: Model) -> Finding | None:

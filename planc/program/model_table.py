@@ -244,7 +244,7 @@ class ModelTable:
     seed: int
     parameters: dict[str, Initial] = field(default_factory=dict)
     # the family's own keys (a mixture's experts, top_k, ...), read as attributes
-    options: dict[str, int | float | bool] = field(default_factory=dict)
+    options: dict[str, int | float | bool | str] = field(default_factory=dict)
     evaluation: Evaluation | None = None  # train.eval_every, when set
     # the lr of each step (planc.plan.lr_schedule) over train.steps; written only when set
     lr_schedule: LrSchedule = LrSchedule()
@@ -321,8 +321,11 @@ class ModelTable:
         if not isinstance(options, dict) or not all(
                 isinstance(k, str) and k.isidentifier() and
                 (isinstance(v, bool) or isinstance(v, int) or
-                 isinstance(v, float) and math.isfinite(v)) for k, v in options.items()):
-            raise ValueError("its model options are not names with numbers or true/false")
+                 isinstance(v, float) and math.isfinite(v) or
+                 isinstance(v, str) and v.isidentifier() and len(v) <= 32)
+                for k, v in options.items()):
+            raise ValueError("its model options are not names with numbers, true/false or "
+                             "words")
         table = ModelTable(
             family=_string(m["family"], "family"), **sizes, dtype=dtype,
             tie_embeddings=_boolean(m["tie_embeddings"], "tie_embeddings"),

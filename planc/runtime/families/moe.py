@@ -18,26 +18,39 @@ from planc.graph.vocabulary import Op
 from planc.runtime.families import llama
 
 
-def route(tokens: torch.Tensor, router: torch.Tensor, k: int, norm_topk: bool
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(experts, weights), each (tokens, k): every token's k most probable experts, most
-    probable first and ties to the lower index (a stable sort), and their softmax
-    probabilities in fp32, renormalised over the k when ``norm_topk``."""
-    return top_k(probabilities_of(tokens, router), k, norm_topk)
+def route(tokens: torch.Tensor, router: torch.Tensor, k: int, norm_topk: bool,
+          score: str = "softmax", scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(experts, weights), each (tokens, k): every token's k highest-scoring experts,
+    highest first and ties to the lower index (a stable sort), and their scores in fp32,
+    renormalised over the k when ``norm_topk``, times ``scale``."""
+    return top_k(probabilities_of(tokens, router, score), k, norm_topk, scale)
 
 
-def probabilities_of(tokens: torch.Tensor, router: torch.Tensor) -> torch.Tensor:
-    """The router's softmax probabilities, in fp32."""
-    return torch.softmax(tokens.float() @ router.float(), dim=-1)
+def score_of(m) -> str:
+    """The router's score: ``softmax`` (Mixtral, Qwen3) or ``sigmoid`` (DeepSeek-V3)."""
+    return m.options.get("score") or "softmax"
 
 
-def top_k(probabilities: torch.Tensor, k: int, norm_topk: bool
+def scale_of(m) -> float:
+    """DeepSeek-V3's routed scaling factor (``routed_scale``), 1 unless written."""
+    return m.options.get("routed_scale") or 1.0
+
+
+def probabilities_of(tokens: torch.Tensor, router: torch.Tensor, score: str = "softmax"
+                     ) -> torch.Tensor:
+    """The router's scores in fp32: softmax probabilities, or DeepSeek-V3's sigmoid
+    affinities (DeepSeek-AI 2024, eq. 15)."""
+    logits = tokens.float() @ router.float()
+    return torch.sigmoid(logits) if score == "sigmoid" else torch.softmax(logits, dim=-1)
+
+
+def top_k(probabilities: torch.Tensor, k: int, norm_topk: bool, scale: float = 1.0
           ) -> tuple[torch.Tensor, torch.Tensor]:
     chosen = torch.sort(probabilities, dim=-1, descending=True, stable=True).indices[:, :k]
     weights = probabilities.gather(-1, chosen)
     if norm_topk:
         weights = weights / weights.sum(-1, keepdim=True)
-    return chosen, weights
+    return chosen, weights * scale if scale != 1.0 else weights
 
 
 def balance_loss(probabilities: torch.Tensor, chosen: torch.Tensor, sequences: int,
@@ -55,6 +68,8 @@ def balance_loss(probabilities: torch.Tensor, chosen: torch.Tensor, sequences: i
     each differentiates exactly its own tokens' probabilities (Megatron-Core's
     sequence_load_balancing_loss_func all-reduces its counts over the sequence's
     partition group the same way)."""
+    if score_of(m) == "sigmoid":  # eq. 19: each token's affinities normalised to sum to 1
+        probabilities = probabilities / probabilities.sum(-1, keepdim=True)
     per_sequence = probabilities.reshape(sequences, -1, m.experts)
     part = per_sequence.shape[1]
     routed = torch.zeros(sequences, part * m.top_k, m.experts, dtype=torch.float32,
@@ -119,8 +134,8 @@ def mixture(tokens: torch.Tensor, weights_of, m, sequences: int = 1, batch: int 
     """The mixture's output for ``tokens`` (n, hidden) of ``sequences`` sequences of a
     batch of ``batch``; ``weights_of(name)``: a weight of the block by its name within
     the block, in the model's dtype (see :func:`_shared_and_balance`)."""
-    probabilities = probabilities_of(tokens, weights_of("router.weight"))
-    experts, weights = top_k(probabilities, m.top_k, m.norm_topk)
+    probabilities = probabilities_of(tokens, weights_of("router.weight"), score_of(m))
+    experts, weights = top_k(probabilities, m.top_k, m.norm_topk, scale_of(m))
     weights = weights.to(tokens.dtype)
     stacked = _stacked(weights_of)
     out = torch.zeros_like(tokens)
@@ -171,8 +186,8 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     to the expert's rank with one all-to-all after the counts are exchanged (they vary
     step by step), comes back with another, and is added to its token weighted; a token's
     experts add in increasing order, as :func:`mixture` adds them."""
-    probabilities = probabilities_of(tokens, weights_of("router.weight"))
-    experts, weights = top_k(probabilities, m.top_k, m.norm_topk)
+    probabilities = probabilities_of(tokens, weights_of("router.weight"), score_of(m))
+    experts, weights = top_k(probabilities, m.top_k, m.norm_topk, scale_of(m))
     per_rank = m.experts // peers.size
     chosen = experts.reshape(-1)
     order = torch.sort(chosen, stable=True).indices  # by expert, then token and slot
