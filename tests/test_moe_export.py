@@ -112,7 +112,10 @@ def test_export_loads_in_mixtral_and_computes_the_same_loss(tmp_path, capfd):
      "Mixtral's router scores are softmax probabilities"),
     (dict(extra="; routed_scale = 2.5"), "routed_scale = 2.5",
      "Mixtral does not scale its routing weights"),
-], ids=["shared-experts", "first-dense", "norm-topk-off", "aux-loss", "sigmoid", "scale"])
+    (dict(extra="; expert_groups = 2; route_groups = 1"), "route_groups = 1",
+     "Mixtral routes to any of its experts"),
+], ids=["shared-experts", "first-dense", "norm-topk-off", "aux-loss", "sigmoid", "scale",
+        "groups"])
 def test_export_refuses_a_moe_model_that_is_not_a_mixtral(keys, value, why, tmp_path, capfd):
     checkpoints = _trained(plan_text("not_mixtral", layers=2, steps=1, **keys), tmp_path,
                            capfd)
@@ -122,7 +125,7 @@ def test_export_refuses_a_moe_model_that_is_not_a_mixtral(keys, value, why, tmp_
         f"planc: error: {checkpoints / 'step-000001'} holds a model moe with {value}, which "
         f"MixtralForCausalLM cannot hold ({why}); --format hf writes moe models with "
         f"shared_experts = 0, first_dense = 0, norm_topk = on, aux_loss = 0, score = "
-        f"softmax and routed_scale = 1.0\n")
+        f"softmax, routed_scale = 1.0 and route_groups = unset\n")
     assert not exported.exists()
 
 

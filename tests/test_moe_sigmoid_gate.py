@@ -26,7 +26,7 @@ PLAN = """plan ds {
 """
 
 
-def deepseek_mixture(m, weights: dict):
+def deepseek_mixture(m, weights: dict, groups: tuple[int, int] = (1, 1)):
     """transformers' DeepseekV3MoE of ``m``'s sizes holding planc's ``weights`` (planc
     stores x @ W: (in, out); torch's Linear holds (out, in))."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
@@ -34,7 +34,7 @@ def deepseek_mixture(m, weights: dict):
     config = transformers.DeepseekV3Config(
         hidden_size=m.hidden, n_routed_experts=m.options["experts"],
         num_experts_per_tok=m.options["top_k"], moe_intermediate_size=m.options["expert_ffn"],
-        n_shared_experts=m.options["shared_experts"], n_group=1, topk_group=1,
+        n_shared_experts=m.options["shared_experts"], n_group=groups[0], topk_group=groups[1],
         norm_topk_prob=True, routed_scaling_factor=m.options["routed_scale"], hidden_act="silu")
     module = DeepseekV3MoE(config).float()
     with torch.no_grad():
@@ -49,10 +49,12 @@ def deepseek_mixture(m, weights: dict):
     return module
 
 
-def test_the_sigmoid_gate_is_deepseek_v3s():
+@pytest.mark.parametrize("groups", [None, (4, 2)])  # DeepSeek-V3's node-limited routing
+def test_the_sigmoid_gate_is_deepseek_v3s(groups):
     from planc.runtime.families.moe import mixture, route
 
-    m = load_text(PLAN.replace("EXTRA", "")).plan.model
+    extra = "" if groups is None else f"; expert_groups = {groups[0]}; route_groups = {groups[1]}"
+    m = load_text(PLAN.replace("EXTRA", extra)).plan.model
     generator = torch.Generator().manual_seed(3)
     e, h, f = m.options["experts"], m.hidden, m.options["expert_ffn"]
     weights = {"router.weight": torch.randn(h, e, generator=generator) * 0.3,
@@ -63,9 +65,13 @@ def test_the_sigmoid_gate_is_deepseek_v3s():
                "shared.up.weight": torch.randn(h, f, generator=generator) * 0.1,
                "shared.down.weight": torch.randn(f, h, generator=generator) * 0.1}
     tokens = torch.randn(40, h, generator=generator)
-    theirs = deepseek_mixture(m, weights)
+    theirs = deepseek_mixture(m, weights, groups or (1, 1))
     _, their_weights, their_experts = theirs.gate(tokens)
-    experts, ours = route(tokens, weights["router.weight"], 2, True, "sigmoid", 2.5)
+    experts, ours = route(tokens, weights["router.weight"], 2, True, "sigmoid", 2.5, groups)
+    if groups is not None:  # every token's experts within its 2 best groups of 2 experts
+        assert all(len({e // 2 for e in row}) <= 2 for row in experts.tolist())
+        ungrouped = route(tokens, weights["router.weight"], 2, True, "sigmoid", 2.5)[0]
+        assert not torch.equal(ungrouped.sort(-1).values, experts.sort(-1).values)
     order = their_experts.sort(-1)
     assert torch.equal(experts.sort(-1).values, order.values)
     assert torch.allclose(ours.gather(-1, experts.sort(-1).indices),
@@ -77,7 +83,8 @@ def test_the_sigmoid_gate_is_deepseek_v3s():
                           atol=1e-6)
 
 
-@pytest.mark.parametrize("extra", ["", "; aux_loss = 0.01"])
+@pytest.mark.parametrize("extra", ["", "; aux_loss = 0.01",
+                                   "; expert_groups = 4; route_groups = 1"])
 def test_the_sigmoid_gate_trains_under_tp_dp_and_ep(tmp_path, extra, capsys):
     (tmp_path / "ds.plan").write_text(PLAN.replace("EXTRA", extra))
     assert main(["run", str(tmp_path / "ds.plan"), "-o", str(tmp_path / "b"), "--check"]) == 0
@@ -91,6 +98,14 @@ def test_the_keys_are_checked(capsys):
     loaded = load_text(PLAN.replace("EXTRA", "").replace("routed_scale = 2.5",
                                                          "routed_scale = 0"))
     assert not loaded.ok and "expected a number > 0, got 0" in str(loaded.diagnostics[0])
+    for groups, message in (
+            ("expert_groups = 3", "expert_groups (3) must divide experts (8)"),
+            ("expert_groups = 4; route_groups = 5",
+             "route_groups (5) must be at most expert_groups (4)"),
+            ("expert_groups = 8; route_groups = 1",
+             "top_k (2) must be at most the experts of route_groups groups (1 x 1)")):
+        loaded = load_text(PLAN.replace("EXTRA", f"; {groups}"))
+        assert not loaded.ok and message in str(loaded.diagnostics[0]), groups
     # written only when set: a plan without them keeps its plan.json
     plain = load_text(PLAN.replace("EXTRA", "").replace(
         "score = sigmoid; routed_scale = 2.5", "")).plan

@@ -116,6 +116,7 @@ MIXTRAL = Architecture(
         # written only when set (unwritten: Mixtral's)
         Requirement("score", "softmax", "Mixtral's router scores are softmax probabilities"),
         Requirement("routed_scale", 1.0, "Mixtral does not scale its routing weights"),
+        Requirement("route_groups", None, "Mixtral routes to any of its experts"),
     ),
     # transformers 5 saves Mixtral as the Hub's checkpoints hold it (mistralai/Mixtral-8x7B):
     # the router and each expert's w1 (gate), w3 (up) and w2 (down), each (out, in)
@@ -190,6 +191,8 @@ def hf_config(model: dict) -> dict:
 
 
 def _shown(value: Any) -> str:
+    if value is None:  # an optional key left out
+        return "unset"
     return {True: "on", False: "off"}.get(value, str(value)) if isinstance(value, bool) \
         else str(value)
 

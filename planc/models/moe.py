@@ -223,6 +223,12 @@ _OWN = {
     "score": Key(Choice(("softmax", "sigmoid")), None, optional=True,
                  doc="the router's scores: softmax probabilities (Mixtral, Qwen3) or "
                      "DeepSeek-V3's sigmoid affinities [softmax]"),
+    "expert_groups": Key(Integer(1), None, optional=True,
+                         doc="groups of experts, each a contiguous block of experts / "
+                             "expert_groups (DeepSeek-V3: one a node, 8) [1]"),
+    "route_groups": Key(Integer(1), None, optional=True,
+                        doc="groups each token's experts are chosen from (DeepSeek-V3's "
+                            "node-limited routing, 4) [every group]"),
     "routed_scale": Key(Real(0.0, None, minimum_allowed=False), None, optional=True,
                         doc="factor of the routed experts' weights (DeepSeek-V3's routed "
                             "scaling factor, 2.5) [1]"),
@@ -235,7 +241,8 @@ _OWN = {
 KEYS = {name: _OWN.get(name) or _LLAMA[name] for name in (
     "preset", "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "seq",
     "batch", "experts", "top_k", "expert_ffn", "shared_experts", "first_dense", "norm_topk",
-    "score", "routed_scale", "aux_loss", "imbalance", "dtype", "rope_theta", "norm_eps",
+    "score", "routed_scale", "expert_groups", "route_groups", "aux_loss", "imbalance",
+    "dtype", "rope_theta", "norm_eps",
     "tie_embeddings")}
 
 
@@ -245,6 +252,29 @@ def top_k_within_experts(m: Model) -> Finding | None:
     return Finding(f"top_k ({m.top_k}) must be at most experts ({m.experts}): each token "
                    f"goes to top_k different experts", ("model.top_k", "model.experts"),
                    try_values("top_k", [k for k in (1, 2, m.experts) if k <= m.experts]))
+
+
+def groups_of_experts(m: Model) -> Finding | None:
+    """DeepSeek-V3's group-limited routing: whole groups, and enough experts in the groups a
+    token may use for its top_k."""
+    groups, chosen = m.options.get("expert_groups"), m.options.get("route_groups")
+    if groups is None and chosen is None:
+        return None
+    groups = groups or 1
+    if m.experts % groups:
+        return Finding(f"expert_groups ({groups}) must divide experts ({m.experts}): each "
+                       f"group is a block of experts / expert_groups experts",
+                       ("model.expert_groups",), try_values("expert_groups",
+                                                            divisors_below(groups, m.experts)))
+    chosen = groups if chosen is None else chosen
+    if chosen > groups:
+        return Finding(f"route_groups ({chosen}) must be at most expert_groups ({groups})",
+                       ("model.route_groups",), try_values("route_groups", [groups]))
+    if m.top_k > chosen * (m.experts // groups):
+        return Finding(f"top_k ({m.top_k}) must be at most the experts of route_groups "
+                       f"groups ({chosen} x {m.experts // groups})",
+                       ("model.top_k", "model.route_groups"), None)
+    return None
 
 
 def first_dense_within_layers(m: Model) -> Finding | None:
@@ -295,7 +325,7 @@ FAMILY = Family(
     keys=KEYS,
     presets=PRESETS,
     model_checks=(llama.kv_heads_divide_heads, llama.head_dim_even, top_k_within_experts,
-                  first_dense_within_layers),
+                  first_dense_within_layers, groups_of_experts),
     tensor_parallel_checks=(llama.kv_heads_split_over_tp,),
     mesh_checks=(ep_divides_the_stage_and_the_experts,),
     hf_architecture="MixtralForCausalLM",  # without shared experts or dense blocks

@@ -19,11 +19,22 @@ from planc.runtime.families import llama
 
 
 def route(tokens: torch.Tensor, router: torch.Tensor, k: int, norm_topk: bool,
-          score: str = "softmax", scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+          score: str = "softmax", scale: float = 1.0, groups: tuple[int, int] | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(experts, weights), each (tokens, k): every token's k highest-scoring experts,
     highest first and ties to the lower index (a stable sort), and their scores in fp32,
-    renormalised over the k when ``norm_topk``, times ``scale``."""
-    return top_k(probabilities_of(tokens, router, score), k, norm_topk, scale)
+    renormalised over the k when ``norm_topk``, times ``scale``; ``groups``: (groups,
+    chosen), the experts of a token's ``chosen`` best groups alone (:func:`top_k`)."""
+    return top_k(probabilities_of(tokens, router, score), k, norm_topk, scale, groups)
+
+
+def groups_of(m) -> tuple[int, int] | None:
+    """(expert_groups, route_groups) of DeepSeek-V3's group-limited routing, or None."""
+    groups, chosen = m.options.get("expert_groups"), m.options.get("route_groups")
+    if groups is None and chosen is None:
+        return None
+    groups = groups or 1
+    return groups, chosen or groups
 
 
 def score_of(m) -> str:
@@ -44,9 +55,21 @@ def probabilities_of(tokens: torch.Tensor, router: torch.Tensor, score: str = "s
     return torch.sigmoid(logits) if score == "sigmoid" else torch.softmax(logits, dim=-1)
 
 
-def top_k(probabilities: torch.Tensor, k: int, norm_topk: bool, scale: float = 1.0
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    chosen = torch.sort(probabilities, dim=-1, descending=True, stable=True).indices[:, :k]
+def top_k(probabilities: torch.Tensor, k: int, norm_topk: bool, scale: float = 1.0,
+          groups: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """With ``groups`` = (G, M), DeepSeek-V3's node-limited routing (DeepSeek-AI 2024,
+    section 2.1.2, as its released code does it): the experts are G contiguous groups, a
+    group scores the sum of its two best experts' scores, and a token's k experts come
+    from its M best groups (ties to the lower group); the others are never chosen."""
+    candidates = probabilities
+    if groups is not None and groups[1] < groups[0]:
+        per_group = probabilities.reshape(probabilities.shape[0], groups[0], -1)
+        best = torch.sort(per_group, dim=-1, descending=True).values[..., :2].sum(-1)
+        kept = torch.sort(best, dim=-1, descending=True, stable=True).indices[:, :groups[1]]
+        mask = torch.zeros_like(best, dtype=torch.bool).scatter_(1, kept, True)
+        candidates = probabilities.masked_fill(
+            ~mask.repeat_interleave(per_group.shape[-1], dim=1), float("-inf"))
+    chosen = torch.sort(candidates, dim=-1, descending=True, stable=True).indices[:, :k]
     weights = probabilities.gather(-1, chosen)
     if norm_topk:
         weights = weights / weights.sum(-1, keepdim=True)
@@ -135,7 +158,7 @@ def mixture(tokens: torch.Tensor, weights_of, m, sequences: int = 1, batch: int 
     batch of ``batch``; ``weights_of(name)``: a weight of the block by its name within
     the block, in the model's dtype (see :func:`_shared_and_balance`)."""
     probabilities = probabilities_of(tokens, weights_of("router.weight"), score_of(m))
-    experts, weights = top_k(probabilities, m.top_k, m.norm_topk, scale_of(m))
+    experts, weights = top_k(probabilities, m.top_k, m.norm_topk, scale_of(m), groups_of(m))
     weights = weights.to(tokens.dtype)
     stacked = _stacked(weights_of)
     out = torch.zeros_like(tokens)
@@ -187,7 +210,7 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     step by step), comes back with another, and is added to its token weighted; a token's
     experts add in increasing order, as :func:`mixture` adds them."""
     probabilities = probabilities_of(tokens, weights_of("router.weight"), score_of(m))
-    experts, weights = top_k(probabilities, m.top_k, m.norm_topk, scale_of(m))
+    experts, weights = top_k(probabilities, m.top_k, m.norm_topk, scale_of(m), groups_of(m))
     per_rank = m.experts // peers.size
     chosen = experts.reshape(-1)
     order = torch.sort(chosen, stable=True).indices  # by expert, then token and slot
