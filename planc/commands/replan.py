@@ -21,15 +21,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import signal
 import sys
 import time
 
+from planc.checkpoint.format import MANIFEST, STEP_DIR
 from planc.commands import fail
 
 REPLANS = "replans"  # BUILD/replans/N: the build of a run's N-th switch of layout
-STEP_DIRECTORY = re.compile(r"step-([0-9]{6,})")
 
 
 def committed(directory: str) -> dict[str, tuple[int, int]]:
@@ -40,9 +39,9 @@ def committed(directory: str) -> dict[str, tuple[int, int]]:
         names = os.listdir(directory)
     except OSError:
         return found
-    for name in filter(STEP_DIRECTORY.fullmatch, names):
+    for name in filter(STEP_DIR.fullmatch, names):
         try:
-            info = os.stat(os.path.join(directory, name, "manifest.json"))
+            info = os.stat(os.path.join(directory, name, MANIFEST))
         except OSError:
             continue
         found[name] = (info.st_ino, info.st_mtime_ns)
@@ -57,8 +56,8 @@ def newest_own(directory: str, before: dict) -> tuple[int, str | None]:
     own = [name for name, seen in committed(directory).items() if before.get(name) != seen]
     if not own:
         return -1, None
-    name = max(own, key=lambda n: int(STEP_DIRECTORY.fullmatch(n).group(1)))
-    return int(STEP_DIRECTORY.fullmatch(name).group(1)), os.path.join(directory, name)
+    name = max(own, key=lambda n: int(STEP_DIR.fullmatch(n).group(1)))
+    return int(STEP_DIR.fullmatch(name).group(1)), os.path.join(directory, name)
 
 
 class GrowSignal:
@@ -135,10 +134,11 @@ def keep_training(args, built, directory: str, options, found, source, interrupt
                 gone = tuple(segment.devices[r] for r in outcome.lost)
                 lost.update(gone)
                 _forget_lost_nodes(args, segment, outcome.lost)
+                remaining = world - len(lost)
                 print(f"planc: lost {_ranks(outcome.lost)} (device"
                       f"{'s' * (len(gone) != 1)} {', '.join(map(str, gone))}) of "
                       f"{segment.layout} after step {reached}; replanning onto the "
-                      f"{world - len(lost)} device{'s' * (world - len(lost) != 1)} left", file=sys.stderr)
+                      f"{remaining} device{'s' * (remaining != 1)} left", file=sys.stderr)
             else:
                 return outcome.status
             grow.reset()
@@ -211,7 +211,10 @@ def _switch(args, segment: Segment, first: Segment, directory: str, text: str, p
     if len(left) == len(first.devices):  # the user's own layout, as the run began
         target, built, devices, layout = directory, first.built, first.devices, first.layout
         simulated = ""
-    else:
+        problem = resume_problem(args, found, built.plan, built.graph.graph["buckets"])
+        if problem is not None:
+            return fail(f"the run cannot go on: {problem}")
+    else:  # the search kept only layouts that resume from ``found``
         def check(candidate: str):
             loaded = load_text(candidate, path)
             return loaded.plan if loaded.ok else None
@@ -235,9 +238,6 @@ def _switch(args, segment: Segment, first: Segment, directory: str, text: str, p
             return status
         devices, layout = choice.devices, choice.layout
         simulated = f", simulated {choice.step_seconds * 1e3:.3g} ms a step"
-    problem = resume_problem(args, found, built.plan, built.graph.graph["buckets"])
-    if problem is not None:
-        return fail(f"the run cannot go on: {problem}")
     resumed = found.manifest["step"] if found else 0
     recovery.update({"to": layout, "ranks": built.plan.world, "resumed_step": resumed,
                      "steps_redone": max(reached - resumed, 0)})
@@ -277,7 +277,7 @@ def newest_checkpoint(args, segment: Segment, earlier: dict, interrupts):
     one: the newest of this run's in --checkpoint-dir, the one put together from the
     nodes' memory (--checkpoint-peer-memory) and the one the segment started from (None:
     step 0); one that does not verify is passed over, with a warning."""
-    from planc.checkpoint.format import STEP_DIR, CheckpointError
+    from planc.checkpoint.format import CheckpointError
     from planc.commands.run_prepare import verified_checkpoint
 
     candidates = []

@@ -33,9 +33,8 @@ def main(args) -> int:
     if args.mtbf is not None or args.checkpoint_every is not None:
         from planc.estimate.resilience import price
 
-        priced = price(built.plan, result.step_seconds,
-                       None if args.mtbf is None else args.mtbf * 3600, args.checkpoint_every,
-                       args.checkpoint_async, args.storage * 1e9, args.restart)
+        priced = price(built.plan, result.step_seconds, every=args.checkpoint_every,
+                       **pricing(args))
     if args.json:
         data = result.to_json()
         data["expected_error"] = None if accuracy is None else {
@@ -48,7 +47,8 @@ def main(args) -> int:
         if priced is not None:
             from planc.views import resilience_text
 
-            print(resilience_text.render(priced, args.storage * 1e9), end="")
+            print(resilience_text.render(priced, pricing(args)["storage_bytes_per_s"]),
+                  end="")
     if args.trace:
         from planc.simulate.trace import write
 
@@ -70,11 +70,19 @@ def resilience_problem(args) -> str | None:
     for flag, value in (("--mtbf", args.mtbf), ("--storage", args.storage),
                         ("--restart", args.restart)):
         low, high = LIMITS[flag]
-        if value is not None and not (low <= value <= high and (value > 0 or low == 0)):
+        if value is not None and not low <= value <= high:  # also refuses nan
             return f"{flag} {value:g}: must be a number from {low:g} to {high:g}"
     if getattr(args, "checkpoint_every", None) is not None and args.checkpoint_every < 1:
         return "--checkpoint-every must be at least 1"
     return None
+
+
+def pricing(args) -> dict:
+    """planc.estimate.resilience.price's settings from --mtbf (hours), --checkpoint-async,
+    --storage (GB/s) and --restart."""
+    return {"mtbf_seconds": None if args.mtbf is None else args.mtbf * 3600,
+            "asynchronous": args.checkpoint_async, "storage_bytes_per_s": args.storage * 1e9,
+            "restart_seconds": args.restart}
 
 
 def measured_imbalance(args) -> str | None:

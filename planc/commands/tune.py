@@ -133,11 +133,13 @@ def main(args) -> int:
 
 def _effective(args):
     """A layout's step with checkpoints and failures priced as --mtbf asks."""
+    from planc.commands.simulate import pricing
     from planc.estimate.resilience import price
 
+    settings = pricing(args)
+
     def effective(candidate, step: float) -> float:
-        return price(candidate, step, args.mtbf * 3600, None, args.checkpoint_async,
-                     args.storage * 1e9, args.restart).effective_step_seconds
+        return price(candidate, step, **settings).effective_step_seconds
     return effective
 
 

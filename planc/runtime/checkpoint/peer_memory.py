@@ -78,11 +78,10 @@ class PeerMemory:
         """Write the stage's part on this node and send it to the next; rank 0 commits
         every node's copy once all are written."""
         ck, staging = self.checkpoints, fmt.staging_name(step)
-        files = ck._write_stage(node_directory(self.root, self.node) / staging, step, params,
-                                states)
+        here = node_directory(self.root, self.node) / staging
+        files = ck._write_stage(here, step, params, states)
         for stage, (peer_params, peer_states) in self._exchange(params, states).items():
-            ck._write_stage(node_directory(self.root, self.node) / staging, step, peer_params,
-                            peer_states, stage)
+            ck._write_stage(here, step, peer_params, peer_states, stage)
         ck._barrier()
         gathered = ck._gather_files(files)
         if ck.rank == 0:
@@ -135,8 +134,8 @@ class PeerMemory:
             work.wait()
         out = {}
         for stage, (names, shapes, flat) in received.items():
-            pieces = iter(torch.split(flat, [math.prod(s) for s in shapes]))
-            tensors = [next(pieces).view(shape) for shape in shapes]
+            tensors = [piece.view(shape) for piece, shape in
+                       zip(torch.split(flat, [math.prod(s) for s in shapes]), shapes)]
             out[stage] = (dict(zip(names[0], tensors[:len(names[0])])),
                           dict(zip(names[1], tensors[len(names[0]):])))
         return out

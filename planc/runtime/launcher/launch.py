@@ -340,14 +340,15 @@ def _watch(ranks: list[_Rank], timeout: float, interrupts: Interrupts,
         crashed = [e for e in failed if e.process.exitcode != EXIT_HANG]
         # a device or host that goes away: SIGKILL (the OOM killer too) or SIGTERM; a
         # segfault or an abort is the program's, and is reported as any crash
-        killed = [e.rank for e in crashed if -e.process.exitcode in LOST_SIGNALS]
-        if lost_devices and killed and lost_since is None:
+        killed = [e.rank for e in crashed if -e.process.exitcode in LOST_SIGNALS] \
+            if lost_devices else []
+        if killed and lost_since is None:
             lost_since, failed_at = now, time.time()
-        if crashed and not (killed and lost_devices and now - lost_since < LOSS_GRACE_S):
+        if crashed and not (killed and now - lost_since < LOSS_GRACE_S):
             steps = _steps_done(ranks)
             _stop(ranks)
             _copy_output(ranks)
-            if killed and lost_devices:  # the others failed for want of them
+            if killed:  # the others failed for want of them
                 print("\n".join(f"planc: rank {r} killed by signal "
                                 f"{-ranks[r].process.exitcode}: taken as lost, with its "
                                 f"device" for r in sorted(killed)), file=sys.stderr)
