@@ -193,7 +193,11 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
                          interpreter.kernels.take_routed(step))
             if log_dir is not None and _leader(ctx):  # what a replanning launcher reports
                 _tell_launcher(os.path.join(log_dir, STEPS_FILE), str(done))
-            if peer is not None:  # what the step boundary cost: the next step's record says it
+            if peer is not None:
+                # the step's record first, as before a checkpoint's files: a run that goes
+                # on from this copy would never write it
+                metrics.flush()
+                # what the step boundary cost: the next step's record says it
                 metrics.notes.setdefault(done, {})["peer_memory_wait_s"] = peer.save(
                     done, args.checkpoint_async)
             if args.checkpoint_dir and (done == steps or (
