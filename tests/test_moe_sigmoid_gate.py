@@ -49,6 +49,18 @@ def deepseek_mixture(m, weights: dict, groups: tuple[int, int] = (1, 1)):
     return module
 
 
+def random_weights(m, generator) -> dict:
+    """A mixture block of ``m``'s sizes, every weight drawn from ``generator``."""
+    e, h, f = m.options["experts"], m.hidden, m.options["expert_ffn"]
+    return {"router.weight": torch.randn(h, e, generator=generator) * 0.3,
+            "experts.gate.weight": torch.randn(e, h, f, generator=generator) * 0.1,
+            "experts.up.weight": torch.randn(e, h, f, generator=generator) * 0.1,
+            "experts.down.weight": torch.randn(e, f, h, generator=generator) * 0.1,
+            "shared.gate.weight": torch.randn(h, f, generator=generator) * 0.1,
+            "shared.up.weight": torch.randn(h, f, generator=generator) * 0.1,
+            "shared.down.weight": torch.randn(f, h, generator=generator) * 0.1}
+
+
 @pytest.mark.parametrize("groups", [None, (4, 2)])  # DeepSeek-V3's node-limited routing
 def test_the_sigmoid_gate_is_deepseek_v3s(groups):
     from planc.runtime.families.moe import mixture, route
@@ -56,15 +68,8 @@ def test_the_sigmoid_gate_is_deepseek_v3s(groups):
     extra = "" if groups is None else f"; expert_groups = {groups[0]}; route_groups = {groups[1]}"
     m = load_text(PLAN.replace("EXTRA", extra)).plan.model
     generator = torch.Generator().manual_seed(3)
-    e, h, f = m.options["experts"], m.hidden, m.options["expert_ffn"]
-    weights = {"router.weight": torch.randn(h, e, generator=generator) * 0.3,
-               "experts.gate.weight": torch.randn(e, h, f, generator=generator) * 0.1,
-               "experts.up.weight": torch.randn(e, h, f, generator=generator) * 0.1,
-               "experts.down.weight": torch.randn(e, f, h, generator=generator) * 0.1,
-               "shared.gate.weight": torch.randn(h, f, generator=generator) * 0.1,
-               "shared.up.weight": torch.randn(h, f, generator=generator) * 0.1,
-               "shared.down.weight": torch.randn(f, h, generator=generator) * 0.1}
-    tokens = torch.randn(40, h, generator=generator)
+    weights = random_weights(m, generator)
+    tokens = torch.randn(40, m.hidden, generator=generator)
     theirs = deepseek_mixture(m, weights, groups or (1, 1))
     _, their_weights, their_experts = theirs.gate(tokens)
     experts, ours = route(tokens, weights["router.weight"], 2, True, "sigmoid", 2.5, groups)

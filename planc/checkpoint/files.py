@@ -141,18 +141,21 @@ def verify_files(directory: Path, manifest: dict, hashes: bool = True) -> None:
             except OSError as exc:
                 raise CheckpointError(f"{path} cannot be read ({reason(exc)})") from None
     keys = manifest["optimizer"]["state"]
-    for param, info in manifest["parameters"].items():
-        expected = [(info["file"], param)] + \
-            [(info["optimizer_file"], state_name(param, key)) for key in keys]
-        for file, tensor in expected:
-            entry = headers[file].get(tensor)
-            if entry is None:
-                raise CheckpointError(f"{directory}: {tensor} is not in {file}, the manifest "
-                                      f"says it is")
-            if entry["dtype"] != "F32" or entry["shape"] != info["shape"]:
-                raise CheckpointError(f"{directory / file}: {tensor} is {entry['dtype']} "
-                                      f"{entry['shape']}, the manifest says F32 "
-                                      f"{info['shape']}")
+    expected = [(where, tensor, info["shape"])
+                for param, info in manifest["parameters"].items()
+                for where, tensor in ((info["file"], param),
+                                      *((info["optimizer_file"], state_name(param, key))
+                                        for key in keys))]
+    expected += [(info["file"], buffer, info["shape"])  # state that is not trained
+                 for buffer, info in manifest.get("buffers", {}).items()]
+    for file, tensor, shape in expected:
+        entry = headers[file].get(tensor)
+        if entry is None:
+            raise CheckpointError(f"{directory}: {tensor} is not in {file}, the manifest "
+                                  f"says it is")
+        if entry["dtype"] != "F32" or entry["shape"] != shape:
+            raise CheckpointError(f"{directory / file}: {tensor} is {entry['dtype']} "
+                                  f"{entry['shape']}, the manifest says F32 {shape}")
     rng = manifest["rng"]["file"]
     entry = headers[rng].get(RNG_TENSOR)
     if entry is None or entry["dtype"] != "U8" or len(entry["shape"]) != 1:
@@ -170,6 +173,8 @@ def indices(manifest: dict) -> dict[str, dict[str, str]]:
         model[param] = info["file"]
         for key in manifest["optimizer"]["state"]:
             optimizer[state_name(param, key)] = info["optimizer_file"]
+    for buffer, info in manifest.get("buffers", {}).items():  # beside the parameters
+        model[buffer] = info["file"]
     return {MODEL_INDEX: dict(sorted(model.items())),
             OPTIMIZER_INDEX: dict(sorted(optimizer.items()))}
 

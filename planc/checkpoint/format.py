@@ -93,9 +93,11 @@ def dump_json(data: dict) -> bytes:
 
 
 def make_manifest(record: TrainingRecord, step: int, parameters: dict[str, dict], files: dict[str, dict],
-                  history: list[dict], optimizer_steps: int | None) -> dict:
+                  history: list[dict], optimizer_steps: int | None,
+                  buffers: dict[str, dict] | None = None) -> dict:
     """The manifest of the checkpoint written after ``step`` steps (0-based steps 0 to
-    step - 1 are done; the next to run is ``step``)."""
+    step - 1 are done; the next to run is ``step``); ``buffers``: the state that is not
+    trained (a mixture's balancing bias), written only when there is some."""
     optimizer = dict(record.optimizer)
     return {
         "format": FORMAT, "version": VERSION, "planc": _planc_version(),
@@ -108,6 +110,7 @@ def make_manifest(record: TrainingRecord, step: int, parameters: dict[str, dict]
         "layout": dict(record.layout),
         "history": history,
         "parameters": parameters,
+        **({"buffers": buffers} if buffers else {}),
         "files": files,
     }
 

@@ -407,24 +407,40 @@ def _listed(name: str, where: str, files: dict) -> None:
                      f"files")
 
 
-def _parameters(value: object, files: dict) -> None:
-    parameters = _fields(value, "parameters", value if isinstance(value, dict) else ())
-    if not parameters:
-        raise _wrong("parameters", parameters, "an object naming every parameter")
-    for name, info in parameters.items():
-        where = _at("parameters", name)
+def _tensors(value: object, field: str, files: dict, file_keys: tuple[str, ...],
+             what: str) -> None:
+    """The object of named tensors under ``field`` (parameters, buffers): each with its
+    shape and the safetensors files of ``file_keys``."""
+    tensors = _fields(value, field, value if isinstance(value, dict) else ())
+    if not tensors:
+        raise _wrong(field, tensors, what)
+    for name, info in tensors.items():
+        where = _at(field, name)
         _text(name, f"the name of {where}")
-        _fields(info, where, ("shape", "file", "optimizer_file"))
+        _fields(info, where, ("shape",) + file_keys)
         shape = _list(info["shape"], _at(where, "shape"), 0, MAX_DIMENSIONS)
         for i, size in enumerate(shape):
             _whole(size, _at(_at(where, "shape"), i))
-        for key in ("file", "optimizer_file"):
+        for key in file_keys:
             _listed(file_name(info[key], _at(where, key)), _at(where, key), files)
 
 
+def _parameters(value: object, files: dict) -> None:
+    _tensors(value, "parameters", files, ("file", "optimizer_file"),
+             "an object naming every parameter")
+
+
+def _buffers(value: object, files: dict) -> None:
+    """State that is not trained (a mixture's balancing bias): each a tensor of a model
+    file, with its shape."""
+    _tensors(value, "buffers", files, ("file",), "an object naming at least one buffer")
+
+
 def _check(manifest: dict) -> None:
+    # "buffers" only in a checkpoint with state that is not trained
     _fields(manifest, "", ("format", "version", "planc", "plan", "step", "model", "optimizer",
-                           "data", "rng", "layout", "history", "parameters", "files"))
+                           "data", "rng", "layout", "history", "parameters", "files")
+            + (("buffers",) if isinstance(manifest, dict) and "buffers" in manifest else ()))
     _text(manifest["planc"], "planc", _VERSION_TEXT, "a planc version")
     _text(manifest["plan"], "plan")
     step = _whole(manifest["step"], "step", 1)
@@ -444,3 +460,5 @@ def _check(manifest: dict) -> None:
     if rng["tensors"] != [RNG_TENSOR]:
         raise _wrong("rng.tensors", rng["tensors"], json.dumps([RNG_TENSOR]))
     _parameters(manifest["parameters"], files)
+    if "buffers" in manifest:
+        _buffers(manifest["buffers"], files)

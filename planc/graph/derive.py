@@ -42,6 +42,7 @@ from planc.graph import reasons
 from planc.graph.axes import PHASE_OF, AxisRules
 from planc.graph.builder import GraphBuilder
 from planc.graph.grad_norm import add_grad_norm
+from planc.graph.router_bias import add_router_bias
 from planc.graph.ir import (
     GRAPH_FORMAT_VERSION,
     Axis,
@@ -415,4 +416,4 @@ class _Derivation(GraphBuilder):
 
 def derive(plan: Plan) -> nx.DiGraph:
     """The raw communication graph of one training step of ``plan``."""
-    return add_grad_norm(plan, _Derivation(plan).derive())
+    return add_router_bias(plan, add_grad_norm(plan, _Derivation(plan).derive()))

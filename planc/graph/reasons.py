@@ -226,3 +226,16 @@ def grad_norm(plan: Plan) -> str:
             f"all-reduce of that fp64 number over {ranks} (tp x cp x pp x dp = "
             f"{m.tp} x {m.cp} x {m.pp} x {m.dp}) gives every rank the same norm before "
             f"any optimizer step")
+
+
+def router_load(plan: Plan, blocks: int) -> str:
+    """Reason of the balancing bias's all-reduce of the expert loads
+    (planc.graph.router_bias)."""
+    m = plan.mesh
+    return (f"bias_update = {plan.model.options['bias_update']:g}: DeepSeek-V3's "
+            f"auxiliary-loss-free balancing moves each expert's routing bias by the sign of "
+            f"(mean load - its load) over the step's whole batch; each rank counts the "
+            f"experts its tokens chose in the stage's {blocks} mixture block"
+            f"{'s' if blocks != 1 else ''}, and one all-reduce of those counts over the "
+            f"stage's {m.tp * m.cp * m.dp} ranks (tp x cp x dp = {m.tp} x {m.cp} x {m.dp}) "
+            f"gives every rank the same loads, so that every copy of the bias moves alike")

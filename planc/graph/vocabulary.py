@@ -60,6 +60,10 @@ class Op(StrEnum):
     # of every gradient of the stage by the global norm (planc.graph.grad_norm)
     GRAD_NORM = "grad_norm"
     GRAD_CLIP = "grad_clip"
+    # model moe { bias_update }: the step's expert loads this rank counted, and the update
+    # of the balancing bias by their sum over the stage (planc.graph.router_bias)
+    ROUTER_LOAD = "router_load"
+    ROUTER_BIAS = "router_bias"
 
 
 class Payload(StrEnum):
@@ -74,6 +78,7 @@ class Payload(StrEnum):
     GRAD = "grad"  # parameter gradients: one bucket, or one parameter's tp fix-up
     PARAM = "param"  # parameters: one bucket gathered from its ZeRO shards
     GRAD_NORM = "grad_norm"  # the squared gradient norm, summed over every rank
+    ROUTER_LOAD = "router_load"  # a mixture's expert loads, summed over the stage
 
 
 class Level(StrEnum):
@@ -149,6 +154,7 @@ PAYLOAD_ATTRIBUTES = {
     Payload.STREAM: {"peer_stage": INTEGER},
     Payload.GRAD: {"bucket": (str,)},
     Payload.PARAM: {"bucket": (str,)},
+    Payload.ROUTER_LOAD: {"router_layers": (list,)},
 }
 OPTIONAL = {
     "layer": "the transformer layer, or None outside the layers",
@@ -180,6 +186,10 @@ OPTIONAL = {
     "collective": "tied reductions and the gradient norm's sum: the name every stage "
                   "gives the collective",
     "max_norm": "the gradient clip (compute): train { grad_clip }, the norm it clips to",
+    "router_layers": "the balancing bias's loads, their sum and update: the stage's "
+                     "mixture blocks, in order",
+    "bias_update": "the balancing bias's update (compute): model moe { bias_update }, the "
+                   "step it moves each bias by",
     "sharded": "optimizer steps: whether they update a ZeRO shard",
     "stream": "placed by the overlap pass: the program stream it runs on",
     "guard": "placed by the overlap pass: 'last' to run on the last microbatch only",
@@ -204,7 +214,7 @@ OPTIONAL_TYPES = {
     "route_seconds": (int, float, type(None)), "tensor": TEXT, "bias": TEXT,
     "recomputed": (bool,), "vocab_parallel": (bool,), "peer_stage": INTEGER,
     "slice_axis": INTEGER, "shape": SEQUENCE, "elements": SEQUENCE,
-    "max_norm": NUMBER,
+    "max_norm": NUMBER, "router_layers": SEQUENCE, "bias_update": NUMBER,
 }
 
 

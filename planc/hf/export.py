@@ -117,6 +117,9 @@ MIXTRAL = Architecture(
         Requirement("score", "softmax", "Mixtral's router scores are softmax probabilities"),
         Requirement("routed_scale", 1.0, "Mixtral does not scale its routing weights"),
         Requirement("route_groups", None, "Mixtral routes to any of its experts"),
+        # a run starting from Mixtral's weights starts its biases at zero, as training does
+        Requirement("bias_update", None, "Mixtral's router has no balancing bias",
+                    for_init=False),
     ),
     # transformers 5 saves Mixtral as the Hub's checkpoints hold it (mistralai/Mixtral-8x7B):
     # the router and each expert's w1 (gate), w3 (up) and w2 (down), each (out, in)

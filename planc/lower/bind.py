@@ -59,6 +59,8 @@ def _compute(graph: nx.DiGraph, node: str, data: dict, position: dict[str, int]
         step = StepKind.OPTIMIZER
     elif data["op"] in (Op.GRAD_NORM, Op.GRAD_CLIP):
         step = StepKind.CLIP  # train { grad_clip }: the gradient norm's share, and the clip
+    elif data["op"] in (Op.ROUTER_LOAD, Op.ROUTER_BIAS):
+        step = StepKind.ROUTER  # model moe { bias_update }: the loads, and the update
     elif data.get("weight_grad_of") is not None:
         step = StepKind.WEIGHT  # the parameter half of a split backward
     elif data["recompute"]:
@@ -96,7 +98,9 @@ def _compute(graph: nx.DiGraph, node: str, data: dict, position: dict[str, int]
         counts_group=SEQUENCE if data.get("counts_over") else None,
         counts_bytes=data.get("counts_bytes"),
         norm_ranges=norm_ranges(graph, data["stage"]) if data["op"] == Op.GRAD_NORM else (),
-        max_norm=data.get("max_norm"))
+        max_norm=data.get("max_norm"),
+        router_layers=tuple(data.get("router_layers", ())),
+        bias_update=data.get("bias_update"))
 
 
 def _transfer(graph: nx.DiGraph, node: str, data: dict, op: Opcode,

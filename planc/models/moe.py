@@ -232,6 +232,13 @@ _OWN = {
     "routed_scale": Key(Real(0.0, None, minimum_allowed=False), None, optional=True,
                         doc="factor of the routed experts' weights (DeepSeek-V3's routed "
                             "scaling factor, 2.5) [1]"),
+    "bias_update": Key(Real(0.0, None), None, optional=True,
+                       doc="DeepSeek-V3's auxiliary-loss-free balancing: each expert's "
+                           "routing bias, added to its score to choose the top_k (never "
+                           "to weigh them), moves by this much after every step, up for "
+                           "an expert the step's tokens chose less than the mean, down "
+                           "for one chosen more (gamma, 0.001); 0 keeps it fixed [no "
+                           "bias]"),
     "imbalance": Key(Real(1.0, None), None, optional=True,
                      doc="the busiest ep rank's routed tokens over the mean, as the "
                          "simulator prices the mixture (default: "
@@ -241,7 +248,8 @@ _OWN = {
 KEYS = {name: _OWN.get(name) or _LLAMA[name] for name in (
     "preset", "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "seq",
     "batch", "experts", "top_k", "expert_ffn", "shared_experts", "first_dense", "norm_topk",
-    "score", "routed_scale", "expert_groups", "route_groups", "aux_loss", "imbalance",
+    "score", "routed_scale", "expert_groups", "route_groups", "bias_update", "aux_loss",
+    "imbalance",
     "dtype", "rope_theta", "norm_eps",
     "tie_embeddings")}
 

@@ -29,6 +29,7 @@ class StepKind(StrEnum):
     WEIGHT = "weight"  # the parameter half of a split backward (W)
     OPTIMIZER = "optimizer"
     CLIP = "clip"  # train { grad_clip }: the gradient norm's share, or the clip by it
+    ROUTER = "router"  # model moe { bias_update }: the expert loads, or the bias update
 
 
 STEPS = tuple(kind.value for kind in StepKind)
@@ -39,7 +40,7 @@ FORWARD_STEPS = (StepKind.FORWARD, StepKind.RECOMPUTE)
 # one (its input gradient, B, and its weight gradient, W).
 GRADIENT_STEPS = (StepKind.BACKWARD, StepKind.WEIGHT)
 PAYLOADS = ("activation", "loss_stat", "loss", "kv", "dkv", "stream", "grad", "param",
-            "grad_norm")
+            "grad_norm", "router_load")
 REDUCE_OPS = ("sum", "max")
 DIRECTIONS = ("forward", "backward")
 SEQ_AXIS, FEATURE_AXIS = 1, 2  # activations are (batch, tokens, features)
@@ -265,6 +266,11 @@ class Operands:
     # whole bucket (a ZeRO shard sums its part of them), and the norm the clip clips to
     norm_ranges: tuple[tuple[str, int, int, float], ...] = ()
     max_norm: float | None = None
+    # model moe { bias_update } (planc.graph.router_bias): the stage's mixture blocks whose
+    # expert loads a rank counts, sums and updates the balancing bias of, and the step
+    # each bias moves by
+    router_layers: tuple[int, ...] = ()
+    bias_update: float | None = None
 
     def to_json(self) -> dict:
         out: dict = {}
@@ -313,4 +319,5 @@ _READERS = {
     "tensor": _maybe(_string), "dim": _maybe(_string), "slice_axis": _maybe(_integer),
     "into_bucket": _boolean, "bytes": _maybe(_integer),
     "norm_ranges": _tuple_of(_norm_range), "max_norm": _maybe(_number),
+    "router_layers": _tuple_of(_integer), "bias_update": _maybe(_number),
 }

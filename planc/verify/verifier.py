@@ -19,7 +19,10 @@ The invariants of docs/semantics.md, section 5:
    whole step, stream by stream, runs to its end (:mod:`planc.verify.progress`);
 8. with ``train { grad_clip }``, every rank sums its share of the gradient norm once per
    step over the world group, after its gradient reductions and before its optimizer
-   steps, counting every gradient element once (:mod:`planc.verify.grad_norm`).
+   steps, counting every gradient element once (:mod:`planc.verify.grad_norm`);
+9. with ``model moe { bias_update }``, every rank of a stage holding mixture blocks
+   counts its expert loads, sums them over the stage and updates the balancing bias
+   once per step, in that order, in its epilogue (:mod:`planc.verify.router_bias`).
 
 Before any of these, every instruction's operands (what the runtime runs) must be the
 ones the graph implies (:func:`planc.lower.bind.operands_of`): the proofs below read the
@@ -45,6 +48,7 @@ from planc.lower.tables import routed_nodes
 from planc.verify.counts import CountsChecks, sums_counts
 from planc.verify.experts import ExpertChecks, is_expert_exchange
 from planc.verify.grad_norm import GradNormChecks
+from planc.verify.router_bias import RouterBiasChecks
 from planc.verify.pipeline import PipelineChecks
 from planc.verify.progress import ProgressChecks
 from planc.verify.report import Report, describe, ranks_text
@@ -56,7 +60,7 @@ from planc.plan.plan import Plan
 
 
 class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsChecks,
-                ProgressChecks, GradNormChecks):
+                ProgressChecks, GradNormChecks, RouterBiasChecks):
     def __init__(self, plan: Plan, graph: nx.DiGraph, programs: dict[str, Program],
                  table: RankTable, groups: GroupTable | None = None,
                  routes: RouteTable | None = None, binding: Binding | None = None):
@@ -264,6 +268,7 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
                 self.experts(name, program)
                 self.counts(name, program)
                 self.grad_norm(name, program)
+                self.router_bias(name, program)
         self.transfers_and_progress()
         self.route_recipes()
         return self.report

@@ -44,6 +44,7 @@ from planc.runtime.engine.context import RankContext
 from planc.runtime.engine.exchange import (PeerDataError, gather_json, integer, list_of, map_of,
                                     one_of, record, text)
 from planc.runtime.engine.interpreter import Interpreter
+from planc.runtime.engine import router_bias
 from planc.runtime.engine.store import piece_index, shard_index
 
 
@@ -78,6 +79,8 @@ class Checkpoints(Loading):
                 self.owner[m["param"]] = min(self.owner.get(m["param"], bucket["stage"]),
                                              bucket["stage"])
                 self.shapes[m["param"]] = list(m["full_shape"])
+        # the state that is not trained, by name: every stage's, as rank 0 commits them
+        self.buffer_shapes = router_bias.shapes(ctx.model)
         self.optimizers = {interpreter.optimized[node]: optimizer
                            for node, optimizer in interpreter.optimizers.items()}
         self.keys = fmt.state_keys(ctx.optimizer.to_json())
@@ -253,6 +256,9 @@ class Checkpoints(Loading):
                     self._join(bucket, pieces, key, params if key is None else states)
         for work in pending:
             work.wait()
+        if writer:  # the same on every rank of the stage: the writer's own
+            params.update({name: value.detach().to("cpu", FP32).clone()
+                           for name, value in self.store.buffers.items()})
         return params, states
 
     def _places(self) -> tuple[dict[tuple, int], dict[tuple, int]]:
@@ -291,7 +297,7 @@ class Checkpoints(Loading):
         names = {name(s, self.stages) for s in range(self.stages)
                  for name in (fmt.model_file, fmt.optimizer_file)}
         tensors = [*self.shapes, *(fmt.state_name(n, k) for n in self.shapes
-                                   for k in self.keys)]
+                                   for k in self.keys), *self.buffer_shapes]
         form = map_of(record(sha256=text, bytes=integer, tensors=list_of(one_of(tensors))),
                       names)
         gathered = gather_json(files, 0, form, "the checkpoint files it wrote", self.group)
@@ -340,6 +346,8 @@ class Checkpoints(Loading):
             parameters[name] = {"shape": self.shapes[name], "file": weight_map[name],
                                 "optimizer_file": fmt.optimizer_file(self.owner[name],
                                                                      self.stages)}
+        buffers = {name: {"shape": list(self.buffer_shapes[name]), "file": file}
+                   for name, file in sorted(weight_map.items()) if name not in self.shapes}
         total = sum(4 * math.prod(self.shapes[n]) for n in parameters)
         for index, mapping in ((fmt.MODEL_INDEX, weight_map),
                                (fmt.OPTIMIZER_INDEX, optimizer_map)):
@@ -352,7 +360,7 @@ class Checkpoints(Loading):
                                                 {"format": "pt"})
         history = self.history + [fmt.history_segment(self.record, self.first_step, step - 1)]
         manifest = fmt.make_manifest(self.record, step, parameters, dict(sorted(files.items())),
-                                     history, optimizer_steps)
+                                     history, optimizer_steps, buffers)
         fmt.write_durably(staging / fmt.MANIFEST, fmt.dump_json(manifest))
         final = root / fmt.step_name(step)
         if final.exists():  # an older run's checkpoint of this step: swap it out

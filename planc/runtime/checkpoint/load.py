@@ -64,6 +64,7 @@ class Loading:
                 for bucket_id in sorted(self.store.buckets):
                     self._load_bucket(bucket_id, manifest, source, where, read)
                 self._load_scalars(manifest)
+                self._load_buffers(manifest, source, where)
                 file = manifest["rng"]["file"]
                 rng = rng_state(where, file, source(file).get_tensor(fmt.RNG_TENSOR))
         except fmt.CheckpointError as exc:
@@ -150,6 +151,23 @@ class Loading:
         shape[axis] = full[axis]
         positions = torch.arange(full[axis]).view(shape)
         return tp_piece(self.ctx, positions, member["tp_split"], tp_rank).reshape(-1)
+
+    def _load_buffers(self, manifest: dict, source, where: str) -> None:
+        """The stage's state that is not trained (a mixture's balancing bias), whole on
+        every rank of the stage. A checkpoint of the same model holds it (the resume check
+        compares every key of the model block); one edited by hand may not."""
+        saved = manifest.get("buffers", {})
+        for name, tensor in sorted(self.store.buffers.items()):
+            info = saved.get(name)
+            if info is None:
+                raise fmt.CheckpointError(f"{where} holds no {name}, which the plan's "
+                                          f"routing needs (model.bias_update)")
+            if info["shape"] != list(tensor.shape):
+                raise fmt.CheckpointError(f"{where}: {name} is {info['shape']}, the plan "
+                                          f"needs {list(tensor.shape)}")
+            value = source(info["file"]).get_tensor(name)
+            refuse_bad_values(where, name, value)
+            tensor.copy_(value)
 
     def _load_scalars(self, manifest: dict) -> None:
         """AdamW's step count, which torch keeps per tensor (a float32 scalar on the

@@ -21,7 +21,7 @@ import torch
 
 from planc.program.operands import SEQ_AXIS, Input, StepKind
 from planc.program.program import Instruction, Opcode, Program
-from planc.runtime.engine import grad_norm
+from planc.runtime.engine import grad_norm, router_bias
 from planc.runtime.engine.context import RankContext, pp_group_key
 from planc.runtime.engine.kernels import LOSS_STATISTICS, Kernels, Peers, Saved, Spec
 from planc.runtime.engine.model import split_feature
@@ -84,8 +84,11 @@ class _Compute:
         self.kind = operands.step  # which handler of Interpreter._steps runs it
         # planc.runtime.engine.grad_norm
         self.clip = operands if operands.step is StepKind.CLIP else None
+        # planc.runtime.engine.router_bias
+        self.router = operands if operands.step is StepKind.ROUTER else None
         self.node, self.inputs = node, operands.inputs
-        self.spec = None if self.clip else Spec.of(operands, ring, peers, counts)
+        self.spec = None if self.clip or self.router else \
+            Spec.of(operands, ring, peers, counts)
         self.gathered = dict(operands.gathered)  # bucket -> the ZeRO-3 gather that filled it
         self.per_microbatch = instruction.per_microbatch
         self.forward_of = operands.forward_of
@@ -109,7 +112,7 @@ class _Transfer:
 class Interpreter:
     def __init__(self, ctx: RankContext, program: Program, store: ParamStore):
         self.ctx, self.program, self.store = ctx, program, store
-        self.kernels = Kernels(ctx)
+        self.kernels = Kernels(ctx, store.buffers)
         self.transfers = Transfers(ctx, store)
         self.microbatches = program.microbatches
         self.optimizers = {}  # optimizer node -> its BucketOptimizer
@@ -120,7 +123,7 @@ class Interpreter:
         self._steps = {StepKind.FORWARD: self._forward, StepKind.RECOMPUTE: self._recompute,
                        StepKind.BACKWARD: self._backward, StepKind.WEIGHT: self._weight,
                        StepKind.OPTIMIZER: self._optimizer, StepKind.CLIP: self._clip,
-                       None: self._forward}
+                       StepKind.ROUTER: self._router, None: self._forward}
         for instruction in program.written():
             if instruction.node is not None:
                 self._bind(instruction)
@@ -146,6 +149,10 @@ class Interpreter:
             counts = None if operands.counts_group is None else \
                 self._peers(operands.counts_group)  # its balance loss's counts
             self.bound[(op, node)] = _Compute(node, instruction, ring, peers, counts)
+            if operands.step is StepKind.ROUTER:  # the stage's balancing biases, counted
+                router_bias.hold(self.store.buffers, operands.router_layers,
+                                 self.ctx.model.experts, self.ctx.device)
+                self.kernels.chosen = {}
             if operands.step is StepKind.OPTIMIZER:
                 bucket = operands.bucket
                 tensor = self.store.shard[bucket] if operands.sharded else \
@@ -268,6 +275,16 @@ class Interpreter:
             return grad_norm.share(self.ctx, self.store, step.clip.norm_ranges)
         (summed,) = self._ports(state, step.inputs, None)["x"]
         state.grad_norm = grad_norm.clip(self.store, summed, step.clip.max_norm)
+        return None
+
+    def _router(self, state: StepState, step: _Compute, mb: int | None):
+        """The step's expert loads, or the balancing bias's update by their sum."""
+        layers = step.router.router_layers
+        if step.router.bias_update is None:
+            return router_bias.loads(self.kernels.chosen, state.step, layers,
+                                     self.ctx.model.experts, self.ctx.device)
+        (summed,) = self._ports(state, step.inputs, None)["x"]
+        router_bias.update(self.store.buffers, summed, layers, step.router.bias_update)
         return None
 
     def _weight(self, state: StepState, step: _Compute, mb: int | None):

@@ -127,8 +127,15 @@ def cross_entropy_grad(log_probs: torch.Tensor, targets: torch.Tensor, tokens: i
 
 
 class Kernels:
-    def __init__(self, ctx: RankContext):
+    def __init__(self, ctx: RankContext, buffers: dict[str, torch.Tensor] | None = None):
         self.ctx = ctx
+        # the rank's state that is not trained, read by kernels (a mixture's balancing
+        # bias: planc.runtime.engine.store.ParamStore.buffers)
+        self.buffers = {} if buffers is None else buffers
+        # (step, microbatch, layer) -> how many (token, slot) pairs chose each expert, what
+        # the balancing bias's update sums (planc.runtime.engine.router_bias); None: the
+        # program does not update a bias (an evaluation's), so nothing is counted
+        self.chosen: dict[tuple, torch.Tensor] | None = None
         model = ctx.model
         self.hidden = model.hidden
         self.head_dim = model.head_dim

@@ -68,6 +68,10 @@ class ParamStore:
         self.grad: dict[str, torch.Tensor] = {}
         self.grad_shard: dict[str, torch.Tensor] = {}
         self.members: dict[str, Member] = {}
+        # state that is not trained: name -> fp32 tensor, the same on every rank holding
+        # it (a mixture's balancing bias, planc.runtime.engine.router_bias), kept beside
+        # the parameters so that evaluations and checkpoints see it
+        self.buffers: dict[str, torch.Tensor] = {}
         seed, initial = ctx.model.seed, ctx.model.parameters
         for bucket_id, bucket in buckets.items():
             flat = torch.zeros(bucket["padded"], dtype=FP32)

@@ -72,6 +72,7 @@ class Transfers:
             ("all_gather", "grad"): self.grad_slice_gather,
             ("all_gather", "param"): self.param_gather,
             ("all_reduce", "grad_norm"): self.norm_sum,
+            ("all_reduce", "router_load"): self.norm_sum,
         }
 
     # --- collectives on a group -------------------------------------------------------
@@ -148,7 +149,8 @@ class Transfers:
 
     def norm_sum(self, call: Call, value: torch.Tensor) -> torch.Tensor:
         """The shares of the squared gradient norm (planc.runtime.engine.grad_norm), one fp64
-        number, summed over every rank."""
+        number, summed over every rank; or a stage's expert loads
+        (planc.runtime.engine.router_bias), fp64 integers, summed over the stage."""
         return self.all_reduce(value, call)
 
     # --- context parallel -----------------------------------------------------------------

@@ -19,13 +19,14 @@ from planc.runtime.families import llama
 
 
 def route(tokens: torch.Tensor, router: torch.Tensor, k: int, norm_topk: bool,
-          score: str = "softmax", scale: float = 1.0, groups: tuple[int, int] | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+          score: str = "softmax", scale: float = 1.0, groups: tuple[int, int] | None = None,
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(experts, weights), each (tokens, k): every token's k highest-scoring experts,
     highest first and ties to the lower index (a stable sort), and their scores in fp32,
     renormalised over the k when ``norm_topk``, times ``scale``; ``groups``: (groups,
-    chosen), the experts of a token's ``chosen`` best groups alone (:func:`top_k`)."""
-    return top_k(probabilities_of(tokens, router, score), k, norm_topk, scale, groups)
+    chosen), the experts of a token's ``chosen`` best groups alone; ``bias``: the
+    balancing bias that steers the choice (:func:`top_k`)."""
+    return top_k(probabilities_of(tokens, router, score), k, norm_topk, scale, groups, bias)
 
 
 def groups_of(m) -> tuple[int, int] | None:
@@ -47,6 +48,39 @@ def scale_of(m) -> float:
     return m.options.get("routed_scale") or 1.0
 
 
+def balanced(m) -> bool:
+    """Whether the routing carries DeepSeek-V3's balancing bias (``bias_update`` set)."""
+    return m.options.get("bias_update") is not None
+
+
+def bias_name(layer: int) -> str:
+    """The balancing bias of block ``layer``, as the rank's state and checkpoints name it
+    (Megatron-Core keeps it as the router's ``expert_bias`` buffer)."""
+    return f"layers.{layer}.router.balance_bias"
+
+
+def choose(tokens: torch.Tensor, weights_of, m, bias: torch.Tensor | None = None, count=None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scores, experts, weights) of ``tokens``: the router's fp32 scores, each token's
+    top_k experts and their weights (:func:`top_k`); ``count(per_expert)`` is told how
+    many of the tokens chose each expert, what the balancing bias's update sums."""
+    probabilities = probabilities_of(tokens, weights_of("router.weight"), score_of(m))
+    experts, weights = top_k(probabilities, m.top_k, m.norm_topk, scale_of(m), groups_of(m),
+                             bias)
+    if count is not None:
+        count(torch.bincount(experts.reshape(-1), minlength=m.experts))
+    return probabilities, experts, weights
+
+
+def update_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's bias update (DeepSeek-AI 2024, section 2.1.2; Megatron-Core's
+    ``moe_router_bias_update_rate``): ``b_i += rate * sign(mean(load) - load_i)``, in
+    place; ``load``: how many of the step's (token, slot) pairs chose each expert,
+    in fp64 (integers, or integers times the same factor: only their order matters)."""
+    direction = torch.sign(load.mean() - load).to(bias.dtype)
+    bias.add_(direction, alpha=rate)
+
+
 def probabilities_of(tokens: torch.Tensor, router: torch.Tensor, score: str = "softmax"
                      ) -> torch.Tensor:
     """The router's scores in fp32: softmax probabilities, or DeepSeek-V3's sigmoid
@@ -56,18 +90,23 @@ def probabilities_of(tokens: torch.Tensor, router: torch.Tensor, score: str = "s
 
 
 def top_k(probabilities: torch.Tensor, k: int, norm_topk: bool, scale: float = 1.0,
-          groups: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          groups: tuple[int, int] | None = None, bias: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """With ``groups`` = (G, M), DeepSeek-V3's node-limited routing (DeepSeek-AI 2024,
     section 2.1.2, as its released code does it): the experts are G contiguous groups, a
     group scores the sum of its two best experts' scores, and a token's k experts come
-    from its M best groups (ties to the lower group); the others are never chosen."""
-    candidates = probabilities
+    from its M best groups (ties to the lower group); the others are never chosen.
+
+    With ``bias`` (fp32, one per expert: DeepSeek-V3's auxiliary-loss-free balancing,
+    eq. 16), the choice, of the groups too, ranks ``probabilities + bias``; the weights
+    stay the unbiased scores of the chosen."""
+    candidates = probabilities if bias is None else probabilities + bias
     if groups is not None and groups[1] < groups[0]:
-        per_group = probabilities.reshape(probabilities.shape[0], groups[0], -1)
+        per_group = candidates.reshape(candidates.shape[0], groups[0], -1)
         best = torch.sort(per_group, dim=-1, descending=True).values[..., :2].sum(-1)
         kept = torch.sort(best, dim=-1, descending=True, stable=True).indices[:, :groups[1]]
         mask = torch.zeros_like(best, dtype=torch.bool).scatter_(1, kept, True)
-        candidates = probabilities.masked_fill(
+        candidates = candidates.masked_fill(
             ~mask.repeat_interleave(per_group.shape[-1], dim=1), float("-inf"))
     chosen = torch.sort(candidates, dim=-1, descending=True, stable=True).indices[:, :k]
     weights = probabilities.gather(-1, chosen)
@@ -153,12 +192,13 @@ def _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequ
 
 
 def mixture(tokens: torch.Tensor, weights_of, m, sequences: int = 1, batch: int = 1,
-            collected: list | None = None, counts_over=None) -> torch.Tensor:
+            collected: list | None = None, counts_over=None, bias=None, count=None
+            ) -> torch.Tensor:
     """The mixture's output for ``tokens`` (n, hidden) of ``sequences`` sequences of a
     batch of ``batch``; ``weights_of(name)``: a weight of the block by its name within
-    the block, in the model's dtype (see :func:`_shared_and_balance`)."""
-    probabilities = probabilities_of(tokens, weights_of("router.weight"), score_of(m))
-    experts, weights = top_k(probabilities, m.top_k, m.norm_topk, scale_of(m), groups_of(m))
+    the block, in the model's dtype (see :func:`_shared_and_balance`); ``bias`` and
+    ``count``: the balancing bias and its count (:func:`choose`)."""
+    probabilities, experts, weights = choose(tokens, weights_of, m, bias, count)
     weights = weights.to(tokens.dtype)
     stacked = _stacked(weights_of)
     out = torch.zeros_like(tokens)
@@ -201,7 +241,8 @@ def _exchange(values: torch.Tensor, sent: list[int], received: list[int], group
 
 
 def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequences: int,
-                            batch: int, counts_over=None, tally=None) -> torch.Tensor:
+                            batch: int, counts_over=None, tally=None, bias=None, count=None
+                            ) -> torch.Tensor:
     """The mixture with its experts spread over ``peers`` (expert parallelism: GShard,
     Lepikhin et al. 2021; Megatron-Core's token dispatcher): rank j of the ep group runs
     experts j E/ep ... (j + 1) E/ep - 1, the rows of the stacked weights it keeps. Each
@@ -209,8 +250,7 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     to the expert's rank with one all-to-all after the counts are exchanged (they vary
     step by step), comes back with another, and is added to its token weighted; a token's
     experts add in increasing order, as :func:`mixture` adds them."""
-    probabilities = probabilities_of(tokens, weights_of("router.weight"), score_of(m))
-    experts, weights = top_k(probabilities, m.top_k, m.norm_topk, scale_of(m), groups_of(m))
+    probabilities, experts, weights = choose(tokens, weights_of, m, bias, count)
     per_rank = m.experts // peers.size
     chosen = experts.reshape(-1)
     order = torch.sort(chosen, stable=True).indices  # by expert, then token and slot
@@ -245,34 +285,69 @@ def moe(k, spec, x, p, step, mb, extra):
     # Each row of the input is one sequence, on every rank of the tp x cp group that
     # holds parts of it (cp's chunks and tp's share are cut along the tokens): the
     # balance loss's counts are summed per row over ``spec.counts``.
+    m = k.ctx.model
+    # keyed by block and microbatch: a recomputed forward counts once
+    key = (step, mb, by_suffix["router.weight"])
+    bias = count = None
+    if balanced(m):  # the bias the last update left, and this step's choices counted
+        bias = k.buffers[bias_name(spec.layer)]
+        if k.chosen is not None:
+            count = lambda per_expert: k.chosen.__setitem__(  # noqa: E731
+                (step, mb, spec.layer), per_expert)
     if spec.peers is not None and spec.peers.size > 1:
-        # keyed by block and microbatch: a recomputed forward counts once
-        key = (step, mb, by_suffix["router.weight"])
         out = expert_parallel_mixture(
-            flat, weights_of, k.ctx.model, spec.peers, data.shape[0], k.ctx.model.batch,
-            spec.counts, lambda rows: k.routed.__setitem__(key, (rows, spec.peers.members)))
+            flat, weights_of, m, spec.peers, data.shape[0], m.batch, spec.counts,
+            lambda rows: k.routed.__setitem__(key, (rows, spec.peers.members)), bias, count)
     else:
-        out = mixture(flat, weights_of, k.ctx.model, data.shape[0], k.ctx.model.batch,
-                      counts_over=spec.counts)
+        out = mixture(flat, weights_of, m, data.shape[0], m.batch, counts_over=spec.counts,
+                      bias=bias, count=count)
     return out.reshape(data.shape)
 
 
 KERNELS = {**llama.KERNELS, Op.MOE: moe}
 
 
+def reference_state(m) -> dict | None:
+    """What the reference keeps from step to step: the balancing bias of every mixture
+    block (zeros at first), None without it."""
+    if not balanced(m):
+        return None
+    return {"bias": {layer: torch.zeros(m.experts, dtype=torch.float32)
+                     for layer in range(m.first_dense, m.layers)}, "chosen": {}}
+
+
+def reference_step_end(m, state: dict | None) -> None:
+    """After the reference's optimizer step: every block's bias updated from the step's
+    counts (:func:`update_bias`)."""
+    if state is None:
+        return
+    for layer, bias in state["bias"].items():
+        update_bias(bias, state["chosen"].pop(layer).to(torch.float64),
+                    m.options["bias_update"])
+
+
 def reference_objective(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
-                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                        dtype: torch.dtype, state: dict | None = None,
+                        counting: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The single-process reference (planc.runtime.oracle.reference): llama's, with the mixture
     in the blocks from ``first_dense`` on; (what is differentiated: the cross-entropy
     plus the balance loss of every mixture block averaged over the batch's sequences,
-    what is reported: the cross-entropy, as Megatron-LM reports its lm loss)."""
+    what is reported: the cross-entropy, as Megatron-LM reports its lm loss). ``state``:
+    :func:`reference_state`, whose biases route and, when ``counting`` (training, not an
+    evaluation), whose counts the batch's choices add to."""
     balance: list[torch.Tensor] = []
 
     def mlp(layer: int, h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         if layer < m.first_dense:
             return llama.dense_mlp(layer, h, w)
+        bias = count = None
+        if state is not None:
+            bias = state["bias"][layer]
+            if counting:
+                count = lambda per_expert: state["chosen"].__setitem__(  # noqa: E731
+                    layer, state["chosen"].get(layer, 0) + per_expert)
         out = mixture(h.reshape(-1, h.shape[-1]), w.__getitem__, m, h.shape[0], h.shape[0],
-                      balance)
+                      balance, bias=bias, count=count)
         return out.reshape(h.shape)
 
     loss = llama.reference_loss(m, params, tokens, dtype, mlp)

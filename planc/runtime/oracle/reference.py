@@ -33,14 +33,17 @@ def forward_loss(plan: Plan, params: dict[str, torch.Tensor], tokens: torch.Tens
 
 
 def objective(plan: Plan, params: dict[str, torch.Tensor], tokens: torch.Tensor,
-              dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+              dtype: torch.dtype = torch.float32, state: dict | None = None,
+              counting: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(what training differentiates, the loss it reports): the same, the mean
     cross-entropy, unless the family adds terms to the objective (a mixture of experts'
-    load-balancing loss: its ``reference_objective``)."""
+    load-balancing loss: its ``reference_objective``, which also routes with the state
+    the family keeps between steps, its balancing bias, and counts the training's
+    choices in it)."""
     module = family_module(plan.model.family)
     terms = getattr(module, "reference_objective", None)
     if terms is not None:
-        return terms(plan.model, params, tokens, dtype)
+        return terms(plan.model, params, tokens, dtype, state, counting)
     loss = module.reference_loss(plan.model, params, tokens, dtype)
     return loss, loss
 
@@ -85,14 +88,17 @@ def initial_values(plan: Plan) -> dict[str, torch.Tensor]:
                 for name, p in parameters(plan).items()}
 
 
-def evaluate(plan: Plan, params: dict[str, torch.Tensor], dtype: torch.dtype) -> float:
+def evaluate(plan: Plan, params: dict[str, torch.Tensor], dtype: torch.dtype,
+             state: dict | None = None) -> float:
     """The mean loss of the plan's evaluation batches (train.eval_batches of
-    train.eval_data, planc.lower.evaluation) with ``params``."""
+    train.eval_data, planc.lower.evaluation) with ``params`` (and the family's ``state``,
+    read, not counted in)."""
     evaluation = evaluation_of(plan)
     source = DataSource(evaluation.data, evaluation.seed, plan.model.batch, plan.model.seq,
                         plan.model.vocab)
     with torch.no_grad():
-        losses = [objective(plan, params, batch_tokens(source, batch), dtype)[1].item()
+        losses = [objective(plan, params, batch_tokens(source, batch), dtype, state,
+                            counting=False)[1].item()
                   for batch in range(evaluation.batches)]
     return sum(losses) / len(losses)
 
@@ -108,9 +114,13 @@ def train(plan: Plan, steps: int, identity=None, evaluated: dict[int, float] | N
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
         plan.model.dtype]
     losses, source = [], DataSource.of(plan)
+    module = family_module(plan.model.family)
+    # what the family keeps between steps (a mixture's balancing bias), or None
+    state = getattr(module, "reference_state", lambda m: None)(plan.model)
     for step in range(steps):
         optimizer.zero_grad()
-        total, loss = objective(plan, params, batch_tokens(source, step, identity), dtype)
+        total, loss = objective(plan, params, batch_tokens(source, step, identity), dtype,
+                                state)
         total.backward()
         if plan.train.grad_clip is not None:  # train { grad_clip }, torch's own rule
             torch.nn.utils.clip_grad_norm_(list(params.values()), plan.train.grad_clip)
@@ -118,8 +128,10 @@ def train(plan: Plan, steps: int, identity=None, evaluated: dict[int, float] | N
         optimizer.lr = lr_at(plan.train.lr_schedule, plan.train.optimizer.lr,
                              plan.train.steps, step)
         optimizer.step()
+        if state is not None:  # after the optimizer, as the programs' epilogue runs it
+            module.reference_step_end(plan.model, state)
         losses.append(loss.item())
         every = plan.train.eval_every
         if evaluated is not None and every and (step + 1) % every == 0:
-            evaluated[step] = evaluate(plan, params, dtype)
+            evaluated[step] = evaluate(plan, params, dtype, state)
     return losses, {k: v.detach() for k, v in params.items()}

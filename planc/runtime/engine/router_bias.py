@@ -1,0 +1,49 @@
+"""``model moe { bias_update }`` on a rank: the step's expert loads, and the bias update.
+
+The compiler wrote both steps (planc.graph.router_bias) with the stage's mixture blocks
+(``router_layers``); between them the program's all-reduce over the stage sums the loads
+(planc.runtime.engine.transfers). The mixtures' forwards (planc.runtime.families.moe) route
+with the biases held in the store and count each microbatch's choices, once per block and
+microbatch, a recomputed forward overwriting its own count with the same one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from planc.runtime.families.moe import balanced, bias_name, update_bias
+
+FP32, FP64 = torch.float32, torch.float64
+
+
+def shapes(model) -> dict[str, list[int]]:
+    """Every stage's biases, by name, with their shapes: what a checkpoint holds."""
+    if model.family != "moe" or not balanced(model):
+        return {}
+    return {bias_name(layer): [model.experts]
+            for layer in range(model.first_dense, model.layers)}
+
+
+def hold(buffers: dict[str, torch.Tensor], layers: tuple[int, ...], experts: int,
+         device) -> None:
+    """The stage's biases, zero before the first update (a checkpoint fills them)."""
+    for layer in layers:
+        buffers.setdefault(bias_name(layer), torch.zeros(experts, dtype=FP32, device=device))
+
+
+def loads(chosen: dict[tuple, torch.Tensor], step: int, layers: tuple[int, ...],
+          experts: int, device) -> torch.Tensor:
+    """This rank's counts of ``step``, (blocks x experts) in fp64, block by block as
+    ``layers`` lists them; forgets them."""
+    out = torch.zeros(len(layers), experts, dtype=FP64, device=device)
+    row = {layer: i for i, layer in enumerate(layers)}
+    for key in [key for key in chosen if key[0] == step]:
+        out[row[key[2]]] += chosen.pop(key).to(FP64)
+    return out.reshape(-1)
+
+
+def update(buffers: dict[str, torch.Tensor], summed: torch.Tensor,
+           layers: tuple[int, ...], rate: float) -> None:
+    """Every block's bias moved by the stage's summed loads."""
+    for layer, load in zip(layers, summed.reshape(len(layers), -1)):
+        update_bias(buffers[bias_name(layer)], load, rate)
