@@ -116,8 +116,10 @@ def test_export_loads_in_mixtral_and_computes_the_same_loss(tmp_path, capfd):
      "Mixtral routes to any of its experts"),
     (dict(extra="; bias_update = 0.001"), "bias_update = 0.001",
      "Mixtral's router has no balancing bias"),
+    (dict(extra="; capacity = 1.25"), "capacity = 1.25",
+     "Mixtral routes every token to its experts (dropless)"),
 ], ids=["shared-experts", "first-dense", "norm-topk-off", "aux-loss", "sigmoid", "scale",
-        "groups", "bias"])
+        "groups", "bias", "capacity"])
 def test_export_refuses_a_moe_model_that_is_not_a_mixtral(keys, value, why, tmp_path, capfd):
     checkpoints = _trained(plan_text("not_mixtral", layers=2, steps=1, **keys), tmp_path,
                            capfd)
@@ -127,7 +129,8 @@ def test_export_refuses_a_moe_model_that_is_not_a_mixtral(keys, value, why, tmp_
         f"planc: error: {checkpoints / 'step-000001'} holds a model moe with {value}, which "
         f"MixtralForCausalLM cannot hold ({why}); --format hf writes moe models with "
         f"shared_experts = 0, first_dense = 0, norm_topk = on, aux_loss = 0, score = "
-        f"softmax, routed_scale = 1.0, route_groups = unset and bias_update = unset\n")
+        f"softmax, routed_scale = 1.0, route_groups = unset, bias_update = unset and "
+        f"capacity = unset\n")
     assert not exported.exists()
 
 

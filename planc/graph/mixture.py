@@ -11,7 +11,10 @@ Both run inside the operator's instruction, on its stream, over groups of their 
   ranks: how many ranks hold parts of one sequence (cp, times tp since the operator then
   runs on a 1/tp share), over which the forward sums the per-(sequence, expert) counts
   with one all-reduce (``counts_over``), and the bytes of those fp32 counts
-  (``counts_bytes``: the microbatch's sequences x experts).
+  (``counts_bytes``: the microbatch's sequences x experts); with ``capacity``, over the
+  same ranks, the all-gathers of every part's choices of experts and its tokens'
+  positions (int64), from which each rank finds the tokens every expert drops, added to
+  ``counts_bytes``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from planc.estimate.model import Shapes
 from planc.graph.tensor_parallel import FP32_BYTES, OpLayout
 from planc.models.family import OpRule
 from planc.plan.plan import Plan
+
+INDEX_BYTES = 8  # an int64 expert index or token position
 
 
 def in_kernel_collectives(plan: Plan, rule: OpRule, shapes: Shapes, layout: OpLayout
@@ -35,5 +40,9 @@ def in_kernel_collectives(plan: Plan, rule: OpRule, shapes: Shapes, layout: OpLa
         attrs["dispatch_bytes"] = int(tokens * m.top_k * shapes.hidden * shapes.dtype_bytes)
     if rule.sums_over_sequences(m) and tp_share * mesh.cp > 1:
         attrs["counts_over"] = tp_share * mesh.cp
-        attrs["counts_bytes"] = int(shapes.batch * m.experts * FP32_BYTES)
+        counts = shapes.batch * m.experts * FP32_BYTES if m.options.get("aux_loss") else 0
+        if m.options.get("capacity") is not None:  # every part's choices and positions
+            held = shapes.seq // tp_share
+            counts += shapes.batch * held * m.top_k * INDEX_BYTES + held * INDEX_BYTES
+        attrs["counts_bytes"] = int(counts)
     return attrs

@@ -120,6 +120,8 @@ MIXTRAL = Architecture(
         # a run starting from Mixtral's weights starts its biases at zero, as training does
         Requirement("bias_update", None, "Mixtral's router has no balancing bias",
                     for_init=False),
+        Requirement("capacity", None, "Mixtral routes every token to its experts "
+                    "(dropless)", for_init=False),
     ),
     # transformers 5 saves Mixtral as the Hub's checkpoints hold it (mistralai/Mixtral-8x7B):
     # the router and each expert's w1 (gate), w3 (up) and w2 (down), each (out, in)

@@ -109,20 +109,20 @@ class OpRule:
     input_dim: str | None = None
     placement: str | None = None  # the shard.tp key that places this operator
     params: tuple[str, ...] = ()
-    # A model key that, when set (non-zero), makes a ``tokenwise`` operator compute a
-    # statistic of each whole sequence (a mixture's load-balancing loss): over tp it then
-    # runs on a 1/tp share, and its kernel sums the statistic's counts over the ranks that
-    # hold the sequence's other tokens (tp x cp; planc.program.groups.SEQUENCE).
-    sequence_statistic_when: str | None = None
+    # Model keys any of which, when set (non-zero), makes a ``tokenwise`` operator compute
+    # a statistic of each whole sequence (a mixture's load-balancing loss, its capacity's
+    # drops): over tp it then runs on a 1/tp share, and its kernel exchanges the
+    # statistic's counts with the ranks that hold the sequence's other tokens (tp x cp;
+    # planc.program.groups.SEQUENCE).
+    sequence_statistic_when: tuple[str, ...] = ()
     # A ``tokenwise`` operator whose experts spread over the mesh's ep group: every rank
     # of the group must send it distinct tokens, so over tp it runs on a 1/tp share.
     expert_parallel: bool = False
 
     def sums_over_sequences(self, model: Model) -> bool:
         """Whether the operator computes a statistic of each whole sequence on ``model``
-        (its :attr:`sequence_statistic_when` key is set there)."""
-        key = self.sequence_statistic_when
-        return bool(key and getattr(model, key))
+        (one of its :attr:`sequence_statistic_when` keys is set there)."""
+        return any(model.options.get(key) for key in self.sequence_statistic_when)
 
 
 # What tp must divide when a placement slot of a pre-norm block is split (Megatron-LM,

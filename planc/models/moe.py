@@ -29,6 +29,8 @@ token's k and the shared ones), as MoE papers count them.
 
 from __future__ import annotations
 
+import math
+
 from planc.vocabulary.hints import divisors_below, try_values
 from planc.vocabulary.kinds import Boolean, Choice, Integer, Key, Real
 from planc.models import llama
@@ -49,7 +51,7 @@ MOE_PARAMS = ("router.weight",) + EXPERT_WEIGHTS + SHARED_WEIGHTS
 # The load-balancing loss is a statistic of each sequence: its counts are summed over
 # the ranks holding a sequence's tokens (tp x cp), and each rank differentiates its own.
 RULES = {**llama.RULES, "moe": OpRule("tokenwise", params=MOE_PARAMS,
-                                      sequence_statistic_when="aux_loss",
+                                      sequence_statistic_when=("aux_loss", "capacity"),
                                       expert_parallel=True)}
 OUTPUT_TENSOR = {**llama.OUTPUT_TENSOR, "moe": "stream"}
 
@@ -93,9 +95,12 @@ PUBLISHED_IMBALANCE = 1.72
 
 def routing_imbalance(m: Model) -> float:
     """The busiest ep rank's (token, expert) rows over the mean that the simulator prices:
-    the plan's ``imbalance``, else the published measurement."""
+    the plan's ``imbalance``, else the published measurement; with ``capacity = F`` at
+    most F, since no expert takes more than F times the mean of a sequence's rows."""
     given = m.options.get("imbalance")
-    return float(given) if given is not None else PUBLISHED_IMBALANCE
+    imbalance = float(given) if given is not None else PUBLISHED_IMBALANCE
+    capacity = m.options.get("capacity")
+    return imbalance if capacity is None else max(1.0, min(imbalance, float(capacity)))
 
 
 def layer_block(m: Model, layer: int) -> tuple[tuple[str, ...], tuple]:
@@ -187,11 +192,19 @@ def dispatch_bytes(m: Model, mesh, tokens: float) -> float:
     a rank may receive from each of the ep ranks of its group every row of its tokens
     that can go to its experts, min(top_k, experts / ep) per token (over tp each rank
     dispatches tokens / tp), and holds them, the experts' gate, up and product on them
-    and their outputs at once."""
+    and their outputs at once; with ``capacity``, at most its experts' capacity of every
+    sequence each of the ep ranks holds a part of."""
     if mesh.ep == 1 or m.first_dense >= m.layers:
         return 0.0
     local = tokens / mesh.tp
     rows = mesh.ep * local * min(m.top_k, m.experts // mesh.ep)
+    capacity = m.options.get("capacity")
+    if capacity is not None:
+        # each of the rank's experts takes at most C rows of a sequence, from whichever
+        # ranks hold its parts: a rank holds parts of tokens x cp / seq sequences
+        per_sequence = math.ceil(capacity * m.seq * m.top_k / m.experts)
+        sequences = tokens * mesh.cp / m.seq
+        rows = min(rows, mesh.ep * sequences * (m.experts // mesh.ep) * per_sequence)
     return rows * (2 * m.hidden + 3 * m.expert_ffn) * m.dtype_bytes
 
 
@@ -239,6 +252,11 @@ _OWN = {
                            "an expert the step's tokens chose less than the mean, down "
                            "for one chosen more (gamma, 0.001); 0 keeps it fixed [no "
                            "bias]"),
+    "capacity": Key(Real(0.0, None, minimum_allowed=False), None, optional=True,
+                    doc="expert capacity factor F: each expert takes the first ceil(F x "
+                        "seq x top_k / experts) tokens of each sequence that chose it, the "
+                        "others' (token, expert) pairs are dropped (GShard; Megatron-Core's "
+                        "moe_expert_capacity_factor, position policy) [dropless]"),
     "imbalance": Key(Real(1.0, None), None, optional=True,
                      doc="the busiest ep rank's routed tokens over the mean, as the "
                          "simulator prices the mixture (default: "
@@ -248,8 +266,8 @@ _OWN = {
 KEYS = {name: _OWN.get(name) or _LLAMA[name] for name in (
     "preset", "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "seq",
     "batch", "experts", "top_k", "expert_ffn", "shared_experts", "first_dense", "norm_topk",
-    "score", "routed_scale", "expert_groups", "route_groups", "bias_update", "aux_loss",
-    "imbalance",
+    "score", "routed_scale", "expert_groups", "route_groups", "bias_update", "capacity",
+    "aux_loss", "imbalance",
     "dtype", "rope_theta", "norm_eps",
     "tie_embeddings")}
 

@@ -10,6 +10,8 @@ is added back to its token weighted by its routing probability.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -70,6 +72,53 @@ def choose(tokens: torch.Tensor, weights_of, m, bias: torch.Tensor | None = None
     if count is not None:
         count(torch.bincount(experts.reshape(-1), minlength=m.experts))
     return probabilities, experts, weights
+
+
+def capacity_of(m) -> int | None:
+    """How many of a sequence's tokens each expert takes with ``capacity = F``:
+    ceil(F x seq x top_k / experts) (GShard's expert capacity, Lepikhin et al. 2021, per
+    sequence), None without dropping."""
+    factor = m.options.get("capacity")
+    return None if factor is None else math.ceil(factor * m.seq * m.top_k / m.experts)
+
+
+def kept(experts: torch.Tensor, sequences: int, positions: torch.Tensor, m, over=None
+         ) -> torch.Tensor:
+    """Which of ``experts`` (n, top_k: the choices of this rank's tokens, ``sequences``
+    rows of tokens at ``positions`` in their sequence) the experts take under ``capacity``:
+    each expert the first ``capacity_of(m)`` tokens of each sequence that chose it, in
+    the order of their positions (GShard's and Megatron-Core's ``position`` policy); the
+    others are dropped. With ``over`` (kernels.Peers: the ranks holding the other parts of
+    the same sequences) the choices and positions of every part are gathered first, so
+    that every plan drops the same tokens as one process holding whole sequences."""
+    part = experts.reshape(sequences, -1, m.top_k)
+    if over is not None and over.size > 1:
+        parts = [torch.empty_like(part) for _ in range(over.size)]
+        dist.all_gather(parts, part.contiguous(), group=over.group)
+        places = [torch.empty_like(positions) for _ in range(over.size)]
+        dist.all_gather(places, positions.contiguous(), group=over.group)
+        whole, where = torch.cat(parts, dim=1), torch.cat(places)
+        mine = slice(over.index * part.shape[1], (over.index + 1) * part.shape[1])
+    else:
+        whole, where, mine = part, positions, slice(None)
+    order = torch.argsort(where)
+    chosen = whole[:, order]  # (sequences, tokens, top_k), tokens by position
+    picked = torch.zeros(*chosen.shape[:2], m.experts, dtype=torch.int64,
+                         device=experts.device).scatter_(2, chosen, 1)
+    earlier = picked.cumsum(1) - picked  # tokens before this one that chose each expert
+    taken = earlier.gather(2, chosen) < capacity_of(m)
+    keep = torch.empty_like(taken)
+    keep[:, order] = taken
+    return keep[:, mine].reshape(experts.shape)
+
+
+def routed_pairs(experts: torch.Tensor, sequences: int, positions, m, over=None
+                 ) -> torch.Tensor:
+    """``experts`` with the (token, slot) pairs ``capacity`` drops set to -1 (none
+    without it): what the experts run."""
+    if m.options.get("capacity") is None:
+        return experts
+    return experts.masked_fill(~kept(experts, sequences, positions, m, over), -1)
 
 
 def update_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
@@ -192,18 +241,23 @@ def _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequ
 
 
 def mixture(tokens: torch.Tensor, weights_of, m, sequences: int = 1, batch: int = 1,
-            collected: list | None = None, counts_over=None, bias=None, count=None
-            ) -> torch.Tensor:
+            collected: list | None = None, counts_over=None, bias=None, count=None,
+            positions: torch.Tensor | None = None) -> torch.Tensor:
     """The mixture's output for ``tokens`` (n, hidden) of ``sequences`` sequences of a
     batch of ``batch``; ``weights_of(name)``: a weight of the block by its name within
     the block, in the model's dtype (see :func:`_shared_and_balance`); ``bias`` and
-    ``count``: the balancing bias and its count (:func:`choose`)."""
+    ``count``: the balancing bias and its count (:func:`choose`); ``positions``: those of
+    each sequence's tokens (whole sequences in order when None), which ``capacity``
+    drops by (:func:`kept`)."""
     probabilities, experts, weights = choose(tokens, weights_of, m, bias, count)
+    if positions is None:
+        positions = torch.arange(tokens.shape[0] // sequences, device=tokens.device)
+    routed = routed_pairs(experts, sequences, positions, m, counts_over)
     weights = weights.to(tokens.dtype)
     stacked = _stacked(weights_of)
     out = torch.zeros_like(tokens)
     for expert in range(m.experts):
-        rows, slots = (experts == expert).nonzero(as_tuple=True)
+        rows, slots = (routed == expert).nonzero(as_tuple=True)
         if rows.numel() == 0:
             continue
         y = _expert(tokens[rows], stacked, expert)
@@ -241,8 +295,8 @@ def _exchange(values: torch.Tensor, sent: list[int], received: list[int], group
 
 
 def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequences: int,
-                            batch: int, counts_over=None, tally=None, bias=None, count=None
-                            ) -> torch.Tensor:
+                            batch: int, counts_over=None, tally=None, bias=None, count=None,
+                            positions: torch.Tensor | None = None) -> torch.Tensor:
     """The mixture with its experts spread over ``peers`` (expert parallelism: GShard,
     Lepikhin et al. 2021; Megatron-Core's token dispatcher): rank j of the ep group runs
     experts j E/ep ... (j + 1) E/ep - 1, the rows of the stacked weights it keeps. Each
@@ -252,8 +306,12 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     experts add in increasing order, as :func:`mixture` adds them."""
     probabilities, experts, weights = choose(tokens, weights_of, m, bias, count)
     per_rank = m.experts // peers.size
-    chosen = experts.reshape(-1)
-    order = torch.sort(chosen, stable=True).indices  # by expert, then token and slot
+    if positions is None:
+        positions = torch.arange(tokens.shape[0] // sequences, device=tokens.device)
+    chosen = routed_pairs(experts, sequences, positions, m, counts_over).reshape(-1)
+    pairs = (chosen >= 0).nonzero(as_tuple=True)[0]  # every pair, unless capacity drops
+    # by expert, then token and slot
+    order = pairs[torch.sort(chosen[pairs], stable=True).indices]
     token_of, expert_of = order // m.top_k, chosen[order]
     counts = torch.bincount(expert_of // per_rank, minlength=peers.size)
     arriving = torch.empty_like(counts)
@@ -294,13 +352,15 @@ def moe(k, spec, x, p, step, mb, extra):
         if k.chosen is not None:
             count = lambda per_expert: k.chosen.__setitem__(  # noqa: E731
                 (step, mb, spec.layer), per_expert)
+    positions = k.positions(spec)  # of this rank's tokens in their sequence: capacity's
     if spec.peers is not None and spec.peers.size > 1:
         out = expert_parallel_mixture(
             flat, weights_of, m, spec.peers, data.shape[0], m.batch, spec.counts,
-            lambda rows: k.routed.__setitem__(key, (rows, spec.peers.members)), bias, count)
+            lambda rows: k.routed.__setitem__(key, (rows, spec.peers.members)), bias, count,
+            positions)
     else:
         out = mixture(flat, weights_of, m, data.shape[0], m.batch, counts_over=spec.counts,
-                      bias=bias, count=count)
+                      bias=bias, count=count, positions=positions)
     return out.reshape(data.shape)
 
 

@@ -1,0 +1,86 @@
+"""Token dropping (issue 40): ``model moe { capacity = F }``. Each expert takes the first
+ceil(F x seq x top_k / experts) tokens of each sequence that chose it, by position, the
+rest of its (token, expert) pairs dropped, the same tokens in every plan as in one
+process: so --check holds under tp, cp, pp, dp and ep; the simulator and the memory
+estimate take the bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from planc.cli import main
+from planc.lang import load_text
+from planc.models import moe
+from tests.test_moe_balance_bias import plan_text as balanced_plan
+from tests.test_moe_sigmoid_gate import random_weights
+
+torch = pytest.importorskip("torch")
+
+def plan_text(mesh: str = "tp = 2; dp = 2; ep = 4", layers: int = 3) -> str:
+    """tests/test_moe_balance_bias.py's plan (DeepSeek-V3's gate at toy size, sequence
+    parallelism on) with a capacity of 1 in place of its balancing bias."""
+    return balanced_plan(mesh, layers).replace("bias_update = 0.01", "capacity = 1.0")
+
+
+def model(capacity: str = "1.0"):
+    return load_text(plan_text().replace("capacity = 1.0", f"capacity = {capacity}")
+                     ).plan.model
+
+
+def test_each_expert_takes_the_first_tokens_of_each_sequence_by_position():
+    from planc.runtime.families.moe import capacity_of, kept
+
+    m = model("0.375")  # ceil(0.375 x 32 x 2 / 8) = 3 rows per expert and sequence
+    assert capacity_of(m) == 3
+    # two sequences of 32 tokens; in the first, expert 5 is every token's first choice
+    experts = torch.stack([torch.full((64,), 5), torch.arange(64) % 4], dim=1)
+    experts[32:, 0] = 6
+    keep = kept(experts, 2, torch.arange(32), m)
+    assert keep[:, 0].tolist() == ([True] * 3 + [False] * 29) * 2
+    # expert t % 4 of each sequence: its first 3 tokens of that residue kept
+    assert keep[:32, 1].tolist() == [t < 12 for t in range(32)]
+    # positions out of order: the earliest positions win, wherever the rows lie
+    reversed_keep = kept(experts[:32].flip(0), 1, torch.arange(31, -1, -1), m)
+    assert torch.equal(reversed_keep.flip(0), keep[:32])
+
+
+def test_a_large_capacity_drops_nothing_and_a_small_one_changes_the_output():
+    from planc.runtime.families.moe import mixture
+
+    generator = torch.Generator().manual_seed(11)
+    weights = random_weights(model(), generator)
+    tokens = torch.randn(64, 64, generator=generator)
+    dropless = load_text(plan_text().replace("; capacity = 1.0", "")).plan.model
+    expected = mixture(tokens, weights.__getitem__, dropless, 2)
+    assert torch.equal(mixture(tokens, weights.__getitem__, model("4.0"), 2), expected)
+    assert not torch.allclose(mixture(tokens, weights.__getitem__, model("0.5"), 2),
+                              expected)
+
+
+@pytest.mark.parametrize("mesh, layers", [
+    ("tp = 2; dp = 2; ep = 4", 3),  # the tp share's choices gathered over tp
+    ("tp = 2; cp = 2; ep = 4", 3),  # over tp x cp, the cp chunks out of position order
+    ("pp = 2; dp = 2; ep = 2", 4),
+], ids=["tp2-sp-dp2-ep4", "tp2-cp2-ep4", "pp2-dp2-ep2"])
+def test_training_with_capacity_matches_the_reference(tmp_path, mesh, layers, capsys):
+    (tmp_path / "c.plan").write_text(plan_text(mesh, layers))
+    assert main(["run", str(tmp_path / "c.plan"), "-o", str(tmp_path / "c"), "--check"]) == 0
+    assert "every loss and parameter matches" in capsys.readouterr().err
+
+
+def test_the_simulator_and_the_memory_estimate_take_the_bound():
+    capped = load_text(plan_text()).plan
+    dropless = load_text(plan_text().replace("; capacity = 1.0", "")).plan
+    assert moe.routing_imbalance(dropless.model) == moe.PUBLISHED_IMBALANCE
+    assert moe.routing_imbalance(capped.model) == 1.0
+    assert moe.routing_imbalance(model("1.25")) == 1.25
+    # 128 tokens of 4 sequences on a rank, over tp 2: every one of the 4 ep ranks may
+    # send 64 x min(2, 2) rows without a bound, 4 sequences x 2 experts x 8 with it
+    row = 2 * 64 + 3 * 48  # input and output, gate, up and product; fp32
+    assert moe.dispatch_bytes(dropless.model, dropless.mesh, 128) == 4 * 64 * 2 * row * 4
+    assert moe.dispatch_bytes(capped.model, capped.mesh, 128) == 4 * 4 * 2 * 8 * row * 4
+
+
+def test_capacity_reads_a_positive_number():
+    loaded = load_text(plan_text().replace("capacity = 1.0", "capacity = 0"))
+    assert not loaded.ok and "expected a number > 0, got 0" in str(loaded.diagnostics[0])
