@@ -216,6 +216,14 @@ def preset_keys(presets) -> dict[str, Key]:
                                                     "data-parallel ranks"),
         "dtype": Key(Choice(("fp32", "bf16", "fp16")), or_else("dtype", "fp32"),
                      doc="parameter and activation type"),
+        # written only when set: a plan, build or checkpoint without them multiplies in dtype
+        "fp8": Key(Choice(("blockwise",)), None, optional=True,
+                   doc="the linear layers' GEMMs in FP8 (E4M3), forward and backward, with "
+                       "DeepSeek-V3's fine-grained scales: 1 x fp8_tile tiles of "
+                       "activations and gradients, fp8_tile x fp8_tile blocks of weights; "
+                       "emulated on CPUs [dtype]"),
+        "fp8_tile": Key(Integer(1), None, optional=True,
+                        doc="the FP8 scaling tile (DeepSeek-V3's 128) [128]"),
         "rope_theta": Key(Real(0.0, None, False), or_else("rope_theta", 10000.0),
                           doc="base of the rotary embedding's wavelengths"),
         "norm_eps": Key(Real(0.0, 1.0, False), 1e-5, doc="epsilon of RMSNorm"),
@@ -247,6 +255,27 @@ def head_dim_even(m: Model) -> Finding | None:
                                                if d > 0]))
     return Finding(f"the head dimension hidden / heads = {m.head_dim} is odd; rotary "
                    f"embedding turns pairs of features", ("model.heads",))
+
+
+def fp8_blocks_split_over_tp(m: Model, tensor, mesh) -> Finding | None:
+    """``fp8``: a tp shard of a linear layer holds whole scaling tiles (the columns of
+    each of q, k, v and gate, up on a rank; the rows of o and down), so that every rank
+    quantises in the groups one process would (planc.runtime.engine.fp8)."""
+    if m.options.get("fp8") is None or mesh.tp == 1:
+        return None
+    tile = m.options.get("fp8_tile") or 128
+    kv_heads = max(m.kv_heads // mesh.tp, 1)
+    dense = m.family != "moe" or m.first_dense > 0  # a mixture's experts are never split
+    widths = [("q", m.heads // mesh.tp * m.head_dim), ("k and v", kv_heads * m.head_dim)]
+    for what, local in widths + ([("gate and up", m.ffn // mesh.tp)] if dense else []):
+        if local % tile:
+            return Finding(f"fp8 scales tiles of {tile} features, but a tp rank holds "
+                           f"{local} of the features of {what} (tp = {mesh.tp}): a shard "
+                           f"must hold whole tiles to quantise as one process does",
+                           ("model.fp8_tile", "mesh.tp"),
+                           try_values("fp8_tile", [t for t in (128, 64, 32, 16)
+                                                   if local % t == 0][:2]))
+    return None
 
 
 def kv_heads_split_over_tp(m: Model, tensor, mesh) -> Finding | None:
@@ -289,7 +318,7 @@ FAMILY = Family(
     keys=KEYS,
     presets=PRESETS,
     model_checks=(kv_heads_divide_heads, head_dim_even),
-    tensor_parallel_checks=(kv_heads_split_over_tp,),
+    tensor_parallel_checks=(kv_heads_split_over_tp, fp8_blocks_split_over_tp),
     hf_architecture="LlamaForCausalLM",
     module_kernels=MODULE_KERNELS,
 )

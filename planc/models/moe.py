@@ -268,7 +268,7 @@ KEYS = {name: _OWN.get(name) or _LLAMA[name] for name in (
     "batch", "experts", "top_k", "expert_ffn", "shared_experts", "first_dense", "norm_topk",
     "score", "routed_scale", "expert_groups", "route_groups", "bias_update", "capacity",
     "aux_loss", "imbalance",
-    "dtype", "rope_theta", "norm_eps",
+    "dtype", "fp8", "fp8_tile", "rope_theta", "norm_eps",
     "tie_embeddings")}
 
 
@@ -352,7 +352,7 @@ FAMILY = Family(
     presets=PRESETS,
     model_checks=(llama.kv_heads_divide_heads, llama.head_dim_even, top_k_within_experts,
                   first_dense_within_layers, groups_of_experts),
-    tensor_parallel_checks=(llama.kv_heads_split_over_tp,),
+    tensor_parallel_checks=(llama.kv_heads_split_over_tp, llama.fp8_blocks_split_over_tp),
     mesh_checks=(ep_divides_the_stage_and_the_experts,),
     hf_architecture="MixtralForCausalLM",  # without shared experts or dense blocks
     layer_block=layer_block,

@@ -25,6 +25,7 @@ import torch
 
 from planc.graph.vocabulary import Op
 from planc.program.operands import Operands, token_ranges
+from planc.runtime.engine import fp8
 from planc.runtime.engine.context import RankContext
 from planc.runtime.families import family_kernels
 from planc.runtime.engine.model import split_feature
@@ -138,6 +139,7 @@ class Kernels:
         self.chosen: dict[tuple, torch.Tensor] | None = None
         model = ctx.model
         self.hidden = model.hidden
+        self.fp8_tile = fp8.tile_of(model)  # None: GEMMs in the model's dtype
         self.head_dim = model.head_dim
         # The operators every family shares, then the family's own (its runtime module,
         # planc.runtime.families.NAME, as planc.models.NAME describes them).
@@ -247,10 +249,10 @@ class Kernels:
         own_bias = [name for name in spec.params if name.endswith(".bias") and
                     name != spec.bias]
         data = x["x"]
+        if not own_bias:  # in FP8 with model { fp8 } (planc.runtime.engine.fp8)
+            return fp8.matmul(data, [p(name) for name in weights], self.fp8_tile)
         weight = p(weights[0]) if len(weights) == 1 else torch.cat(
             [p(name) for name in weights], dim=1)
-        if not own_bias:
-            return data @ weight
         # One fused kernel, as nn.Linear's addmm: the bias is the GEMM's beta term.
         flat = torch.addmm(p(own_bias[0]), data.reshape(-1, data.shape[-1]), weight)
         return flat.view(*data.shape[:-1], flat.shape[-1])

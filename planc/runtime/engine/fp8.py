@@ -1,0 +1,99 @@
+"""``model { fp8 = blockwise }``: DeepSeek-V3's FP8 GEMMs, emulated.
+
+DeepSeek-V3 (DeepSeek-AI 2024, section 3.3) multiplies in FP8 (E4M3) with fine-grained
+scales: an activation in tiles of 1 x 128 (each token's features in groups of 128), a
+weight in blocks of 128 x 128, one scale per tile or block, amax / 448; the three GEMMs of
+a linear layer (its forward, the input gradient and the weight gradient) take FP8 inputs
+and accumulate in higher precision. Megatron-Core calls it the ``blockwise`` recipe.
+
+Here each input is quantised to E4M3 and straight back (``quantise, dequantise,
+compute``): the GEMM itself runs in fp32 on what an FP8 GEMM would read, and its output is
+cast to the model's dtype. The forward quantises the input in 1 x T tiles along its
+features and each weight in T x T blocks (T: ``fp8_tile``, 128 unless written); the
+backward quantises the output's gradient in 1 x T tiles along its features, weight by
+weight where one GEMM computes several (q, k, v; gate, up), and multiplies it by the
+quantised weights (input gradient) and by the quantised input kept from the forward
+(weight gradient, the cached FP8 activation of the report). DeepSeek-V3 groups the weight
+gradient's inputs 128 x 1 along the tokens, which ties the groups to how tokens are split
+over ranks; tiles along the features keep every group inside one token, so that a plan
+computes what one process computes, whatever its layout.
+
+Every group lies inside one weight and one token, and a tp shard of whole tiles
+(:func:`planc.models.llama.fp8_blocks_split_over_tp` checks it) holds the same groups as
+the whole tensor: a sharded run quantises exactly as the one-process reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0  # the largest finite E4M3 number (OCP FP8 specification)
+FP32 = torch.float32
+DEFAULT_TILE = 128  # DeepSeek-V3's, section 3.3.1
+
+
+def tile_of(model) -> int | None:
+    """The tile of ``model``'s FP8 GEMMs, or None when it multiplies in its dtype."""
+    if model.options.get("fp8") is None:
+        return None
+    return model.options.get("fp8_tile") or DEFAULT_TILE
+
+
+def _quantised(groups: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """Each group (the elements along ``dims``) scaled to its amax / 448, rounded to E4M3
+    and scaled back, in fp32; a group of zeros stays zero."""
+    scale = groups.abs().amax(dim=dims, keepdim=True) / E4M3_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (groups / scale).to(E4M3).to(FP32) * scale
+
+
+def quantised_rows(x: torch.Tensor, tile: int) -> torch.Tensor:
+    """``x`` (..., n) quantised in tiles of 1 x ``tile`` along its last dimension (the
+    last tile shorter when ``tile`` does not divide n), in fp32."""
+    n = x.shape[-1]
+    pad = -n % tile
+    groups = F.pad(x.to(FP32), (0, pad)).reshape(*x.shape[:-1], -1, tile)
+    return _quantised(groups, (-1,)).reshape(*x.shape[:-1], n + pad)[..., :n]
+
+
+def quantised_blocks(w: torch.Tensor, tile: int) -> torch.Tensor:
+    """A weight (k, n) quantised in ``tile`` x ``tile`` blocks, in fp32."""
+    k, n = w.shape
+    padded = F.pad(w.to(FP32), (0, -n % tile, 0, -k % tile))
+    rows, cols = padded.shape
+    groups = padded.reshape(rows // tile, tile, cols // tile, tile)
+    return _quantised(groups, (1, 3)).reshape(rows, cols)[:k, :n]
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    """``x @ [w_1 | w_2 | ...]`` with FP8 inputs in all three GEMMs (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, tile: int, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        xq = quantised_rows(x, tile)
+        wq = torch.cat([quantised_blocks(w, tile) for w in weights], dim=1)
+        ctx.tile, ctx.widths = tile, [w.shape[1] for w in weights]
+        ctx.dtypes = (x.dtype, [w.dtype for w in weights])
+        ctx.save_for_backward(xq, wq)
+        return (xq @ wq).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        xq, wq = ctx.saved_tensors
+        tile, (x_dtype, w_dtypes) = ctx.tile, ctx.dtypes
+        gq = torch.cat([quantised_rows(part, tile) for part in grad.split(ctx.widths, -1)],
+                       dim=-1)
+        dx = (gq @ wq.t()).to(x_dtype) if ctx.needs_input_grad[1] else None
+        dw = xq.reshape(-1, xq.shape[-1]).t() @ gq.reshape(-1, gq.shape[-1])
+        dws = [part.to(dtype) if needed else None for part, dtype, needed in
+               zip(dw.split(ctx.widths, dim=1), w_dtypes, ctx.needs_input_grad[2:])]
+        return (None, dx, *dws)
+
+
+def matmul(x: torch.Tensor, weights: list[torch.Tensor], tile: int | None) -> torch.Tensor:
+    """``x @ cat(weights, dim=1)``: in FP8 with tiles of ``tile``, else as it is."""
+    if tile is None:
+        return x @ (weights[0] if len(weights) == 1 else torch.cat(weights, dim=1))
+    return _Fp8Matmul.apply(tile, x, *weights)
