@@ -8,7 +8,6 @@ Makes data/tiny-corpus.tokens first if it is missing (python -m planc.data.corpu
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -18,18 +17,13 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from bench.corpus import loss_axes, loss_bench_arguments  # noqa: E402 (the repository's root first)
 PLANC = [os.path.join(os.path.dirname(sys.executable), "planc")]
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--plot", default=os.path.join(ROOT, "docs", "llama-small-loss.png"))
-    args = parser.parse_args()
-    os.chdir(ROOT)
-    if not os.path.exists("data/tiny-corpus.tokens"):
-        subprocess.run([sys.executable, "-m", "planc.data.corpus", "-o",
-                        "data/tiny-corpus.tokens"], check=True)
+    args = loss_bench_arguments(__doc__.splitlines()[0], 50, "llama-small-loss.png", ROOT)
     work = tempfile.mkdtemp(prefix="planc-llama-small-")
     metrics = os.path.join(work, "metrics.jsonl")
     checkpoints = os.path.join(work, "checkpoints")
@@ -47,17 +41,11 @@ def main() -> int:
                             "--set", "shard.dp.zero=3", "--resume", checkpoints], check=True)
     print(f"resume on dp 2 with ZeRO-3 and one more step: {time.perf_counter() - start:.1f} s"
           f" in all (the run's own lines above give the write, verify and load times)")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+    drawn = loss_axes()
+    if drawn is None:
         return 0
-    figure, axes = plt.subplots(figsize=(6, 3.4))
+    figure, axes = drawn
     axes.plot(range(1, len(losses) + 1), losses, marker=".")
-    axes.set_xlabel("step")
-    axes.set_ylabel("training loss (cross-entropy)")
     axes.set_title("llama-small (19.2M parameters, tp 2 + SP) on the tiny corpus")
     axes.grid(alpha=0.3)
     figure.tight_layout()

@@ -11,7 +11,6 @@ Prints the largest difference between the two runs' losses.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -20,6 +19,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from bench.corpus import loss_bench_arguments  # noqa: E402 (the repository's root first)
 PLANC = [sys.executable, "-m", "planc"]
 LAYOUTS = {  # the metrics file's name (planc plot's label beside the plan's) -> overrides
     "tp2-sp.jsonl": [],
@@ -29,14 +30,7 @@ LAYOUTS = {  # the metrics file's name (planc plot's label beside the plan's) ->
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--plot", default=os.path.join(ROOT, "docs", "loss-two-plans.png"))
-    args = parser.parse_args()
-    os.chdir(ROOT)
-    if not os.path.exists("data/tiny-corpus.tokens"):
-        subprocess.run([sys.executable, "-m", "planc.data.corpus", "-o",
-                        "data/tiny-corpus.tokens"], check=True)
+    args = loss_bench_arguments(__doc__.splitlines()[0], 50, "loss-two-plans.png", ROOT)
     work = tempfile.mkdtemp(prefix="planc-loss-curves-")
     files = []
     for name, overrides in LAYOUTS.items():

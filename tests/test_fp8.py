@@ -122,3 +122,54 @@ def test_the_first_step_is_held_to_fp32s_tolerance_and_the_rest_to_fp8s():
     plain = load_text(DENSE.replace("MESH", "dp = 2").replace(
         "; fp8 = blockwise; fp8_tile = 16", "")).plan
     assert exact(plain) and first_step_tolerance(plain, 0, 1e-5) == 1e-5
+
+
+# --- the simulator ------------------------------------------------------------------------
+
+H100 = """plan big {
+  model llama { preset = llama3-8b; batch = 64; FP8 }
+  mesh { tp = 8; dp = 2 }
+  topology { preset = PRESET }
+  schedule { microbatches = 8 }
+}
+"""
+
+
+def _h100(fp8: bool, preset: str = "dgx-h100"):
+    return load_text(H100.replace("FP8", "fp8 = blockwise" if fp8 else "")
+                     .replace("PRESET", preset))
+
+
+def test_a_gemm_in_fp8_runs_at_the_fp8_peak_on_an_h100():
+    from planc.estimate.kernel_cost import KernelModel
+
+    model = KernelModel.of(_h100(True).plan)
+    assert model.fp8_speedup == pytest.approx(1979 / 989)  # the datasheet's peaks
+    launch = model.gpu.launch
+    big = (16384, 8192, 8192)
+    assert model.gemm_seconds(*big, fp8=True) - launch == pytest.approx(
+        (model.gemm_seconds(*big) - launch) * 989 / 1979)
+    # without fp8 in the plan, an FP8 GEMM is priced as any other
+    plain = KernelModel.of(_h100(False).plan)
+    assert plain.fp8_speedup is None
+    assert plain.gemm_seconds(*big, fp8=True) == plain.gemm_seconds(*big)
+
+
+def test_simulate_prices_the_fp8_recipe_below_bf16():
+    from planc.compile import compile_plan
+    from planc.simulate import simulate
+
+    fp8, bf16 = (simulate(compile_plan(_h100(flag).plan)).step_seconds
+                 for flag in (True, False))
+    assert 0.5 < fp8 / bf16 < 0.9
+
+
+def test_fp8_on_a_machine_without_fp8_tensor_cores_is_refused():
+    loaded = _h100(True, "dgx-a100")
+    assert not loaded.ok
+    (found,) = [d for d in loaded.diagnostics if d.severity == "error"]
+    assert found.message == (
+        "fp8 multiplies on FP8 tensor cores, which the dgx-a100 machine's GPUs do not have: "
+        "NVIDIA DGX A100: 8x A100 80GB, NVLink 3, 8x HDR 200 Gb/s IB")
+    assert found.hints == ("try preset = dgx-h100",)
+    assert _h100(False, "dgx-a100").ok

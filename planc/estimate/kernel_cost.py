@@ -222,6 +222,13 @@ class KernelModel:
         # peak (device { flops }: a part at a lower power limit or clock) scales them as
         # the GEMMs scale, tensor cores both.
         self.attention_scale = self.peak / preset_peak(plan)
+        # model { fp8 }: the linear layers' and the experts' GEMMs at the device's FP8
+        # peak, as many times its dtype's as the datasheets say (H100: 1,979 over 989
+        # TFLOP/s), scaled like the rest by a declared peak; None: at the dtype's
+        preset = PRESETS.get(plan.topology.preset or "")
+        self.fp8_speedup = preset.flops["fp8"] / preset.flops[plan.model.dtype] \
+            if plan.model.options.get("fp8") is not None and preset is not None and \
+            "fp8" in preset.flops else None
         self.bandwidth = plan.topology.device.bandwidth
         shapes = Shapes.of(plan)
         self.dtype_bytes = shapes.dtype_bytes
@@ -267,22 +274,33 @@ class KernelModel:
         gpu = GPUS.get(plan.topology.preset or "")
         return KernelModel(plan, gpu) if gpu is not None else None
 
-    def gemm_seconds(self, m: float, n: int, k: int) -> float:
-        """One GEMM of an ``m x k`` by a ``k x n`` matrix."""
-        gpu = self.gpu
-        rate = self.peak * gpu.large * wave_efficiency(ceil(m), n, gpu.sms) * \
-            k / (k + gpu.k_overhead)
-        traffic = self.dtype_bytes * (m * k + k * n + m * n) / self.bandwidth
-        return max(2.0 * m * n * k / rate, traffic) + gpu.launch
+    def gemm_seconds(self, m: float, n: int, k: int, fp8: bool = False) -> float:
+        """One GEMM of an ``m x k`` by a ``k x n`` matrix (``fp8``: one of the plan's FP8
+        GEMMs, :meth:`_fp8_inputs`)."""
+        return self.grouped_gemm_seconds(1, m, n, k, fp8)
 
-    def grouped_gemm_seconds(self, groups: int, m: float, n: int, k: float) -> float:
+    def grouped_gemm_seconds(self, groups: int, m: float, n: int, k: float,
+                             fp8: bool = False) -> float:
         """One grouped GEMM: ``groups`` GEMMs of ``m x k`` by ``k x n`` in one launch,
         whose output tiles fill the SMs' waves together."""
         gpu, rows = self.gpu, ceil(m)
         waves = wave_efficiency(rows, n, gpu.sms, groups)
         rate = self.peak * gpu.large * waves * k / (k + gpu.k_overhead)
-        traffic = self.dtype_bytes * groups * (m * k + k * n + m * n) / self.bandwidth
+        inputs = groups * (m * k + k * n)
+        traffic = (self.dtype_bytes * groups * m * n + self._input_bytes(fp8) * inputs) / \
+            self.bandwidth
+        if fp8 and self.fp8_speedup:
+            rate *= self.fp8_speedup
+            # each input read in the dtype and written in FP8 by its quantisation (a bound:
+            # DeepSeek-V3 fuses an activation's into the kernel before, and a weight's
+            # blocks serve every microbatch)
+            traffic += (self.dtype_bytes + 1) * inputs / self.bandwidth
         return max(2.0 * groups * m * n * k / rate, traffic) + gpu.launch
+
+    def _input_bytes(self, fp8: bool) -> float:
+        """Bytes of a GEMM input element: FP8's one with the plan's FP8 GEMMs on a device
+        that has them, else the dtype's."""
+        return 1.0 if fp8 and self.fp8_speedup else self.dtype_bytes
 
     def mixture_seconds(self, step: str | None, flops: float) -> float:
         """A mixture's ``step`` (forward, recompute or backward) of ``flops``."""
@@ -294,25 +312,26 @@ class KernelModel:
         rows = tokens * x.top_k * x.imbalance
         per_expert = rows / x.local
         h, e, shared = x.hidden, x.expert_ffn, x.shared * x.expert_ffn
+        f8 = self.fp8_speedup is not None  # the experts' GEMMs in FP8, not the router's
         if backward:  # input gradients (inner: the outputs), then weight gradients
-            seconds = (self.grouped_gemm_seconds(x.local, per_expert, h, 2 * e)
-                       + self.grouped_gemm_seconds(x.local, per_expert, e, h)
-                       + self.grouped_gemm_seconds(x.local, h, 2 * e, per_expert)
-                       + self.grouped_gemm_seconds(x.local, e, h, per_expert)
+            seconds = (self.grouped_gemm_seconds(x.local, per_expert, h, 2 * e, f8)
+                       + self.grouped_gemm_seconds(x.local, per_expert, e, h, f8)
+                       + self.grouped_gemm_seconds(x.local, h, 2 * e, per_expert, f8)
+                       + self.grouped_gemm_seconds(x.local, e, h, per_expert, f8)
                        + self.gemm_seconds(tokens, h, x.experts)
                        + self.gemm_seconds(h, x.experts, tokens))
             if shared:
-                seconds += (self.gemm_seconds(tokens, h, 2 * shared)
-                            + self.gemm_seconds(tokens, shared, h)
-                            + self.gemm_seconds(h, 2 * shared, tokens)
-                            + self.gemm_seconds(shared, h, tokens))
+                seconds += (self.gemm_seconds(tokens, h, 2 * shared, f8)
+                            + self.gemm_seconds(tokens, shared, h, f8)
+                            + self.gemm_seconds(h, 2 * shared, tokens, f8)
+                            + self.gemm_seconds(shared, h, tokens, f8))
         else:
             seconds = (self.gemm_seconds(tokens, x.experts, h)
-                       + self.grouped_gemm_seconds(x.local, per_expert, 2 * e, h)
-                       + self.grouped_gemm_seconds(x.local, per_expert, h, e))
+                       + self.grouped_gemm_seconds(x.local, per_expert, 2 * e, h, f8)
+                       + self.grouped_gemm_seconds(x.local, per_expert, h, e, f8))
             if shared:
-                seconds += (self.gemm_seconds(tokens, 2 * shared, h)
-                            + self.gemm_seconds(tokens, h, shared))
+                seconds += (self.gemm_seconds(tokens, 2 * shared, h, f8)
+                            + self.gemm_seconds(tokens, h, shared, f8))
         # Between the GEMMs: the router's probabilities (fp32) written and read; the
         # tokens gathered into the dispatch buffer (read and written) and scattered back
         # with the weighted sum (the rows read, the tokens written); the activation
@@ -350,7 +369,8 @@ class KernelModel:
         gradient) steps. The tokens follow from the FLOPs, so a pass that cuts a linear
         into pieces (tp_overlap) prices each piece at its size."""
         tokens = self.linear_tokens(op, step, flops, split)
-        return sum(self.gemm_seconds(*(tokens if d == 1 else d for d in gemm))
+        fp8 = self.fp8_speedup is not None  # every linear layer's GEMMs (model { fp8 })
+        return sum(self.gemm_seconds(*(tokens if d == 1 else d for d in gemm), fp8=fp8)
                    for gemm in self._linear_gemms(op, step, split))
 
     def passes_seconds(self, passes: Passes, elements: float) -> float:

@@ -74,6 +74,14 @@ class TopologyReader(BlockReader):
             given = self.value(f"topology.{key}")
             return fallback if given is None else given
 
+        if model is not None and model.options.get("fp8") is not None and \
+                given in PRESETS and "fp8" not in preset.flops:
+            self.report(error(f"fp8 multiplies on FP8 tensor cores, which the {preset.name} "
+                              f"machine's GPUs do not have: {preset.description}",
+                              self.span("topology.preset"),
+                              _try("preset", [n for n, p in PRESETS.items()
+                                              if "fp8" in p.flops])))
+            return None
         dtype = model.dtype if model else "fp32"
         device = Device(pick("device.flops", preset.flops[dtype]),
                         pick("device.memory", preset.memory),

@@ -117,11 +117,14 @@ PRESETS: dict[str, Preset] = {
                        NETWORK_STEP_LATENCY, _nccl(230e9), _nccl(25e9 * NETWORK_EFFICIENCY),
                        memory_bandwidth=2.039e12, intra_sweep=A100_SWEEP),
     # NVIDIA DGX H100 datasheet: 8x H100-SXM5-80GB, 989 TFLOP/s BF16/FP16 dense,
-    # 494 TFLOP/s TF32 dense, 3.35 TB/s of HBM3, NVLink 4 at 900 GB/s bidirectional per
-    # GPU, 8x 400 Gb/s NDR InfiniBand (ConnectX-7); the links as NCCL achieves them.
-    # Efficiency 0.79: cuBLAS's large-GEMM rate measured on an H100 (planc.estimate.kernel_cost).
+    # 1,979 TFLOP/s FP8 dense (3,958 with sparsity), 494 TFLOP/s TF32 dense, 3.35 TB/s of
+    # HBM3, NVLink 4 at 900 GB/s bidirectional per GPU, 8x 400 Gb/s NDR InfiniBand
+    # (ConnectX-7); the links as NCCL achieves them. Efficiency 0.79: cuBLAS's large-GEMM
+    # rate measured on an H100 (planc.estimate.kernel_cost). The A100 above has no FP8
+    # tensor cores, so its table has no "fp8" (model { fp8 } is refused there).
     "dgx-h100": Preset("dgx-h100", "NVIDIA DGX H100: 8x H100 80GB, NVLink 4, 8x NDR 400 Gb/s IB",
-                       8, {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12}, 80e9, 0.79,
+                       8, {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12, "fp8": 1979e12},
+                       80e9, 0.79,
                        370e9, NVLINK_STEP_LATENCY, 50e9 * NETWORK_EFFICIENCY,
                        NETWORK_STEP_LATENCY, _nccl(370e9, all_reduce=480e9),
                        _nccl(50e9 * NETWORK_EFFICIENCY),

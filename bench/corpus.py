@@ -1,0 +1,46 @@
+"""The project's tokenised corpus, which the loss benchmarks train on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+TOKENS = "data/tiny-corpus.tokens"
+
+
+def ensure_corpus(root: str) -> None:
+    """Make ``root``/data/tiny-corpus.tokens (python -m planc.data.corpus) if missing."""
+    if not os.path.exists(os.path.join(root, TOKENS)):
+        subprocess.run([sys.executable, "-m", "planc.data.corpus", "-o",
+                        os.path.join(root, TOKENS)], check=True)
+
+
+def loss_bench_arguments(description: str, steps: int, plot: str, root: str):
+    """A loss benchmark's ``--steps`` and ``--plot`` (``plot``: under docs/), parsed; the
+    working directory set to ``root`` and the corpus made."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--plot", default=os.path.join(root, "docs", plot))
+    args = parser.parse_args()
+    os.chdir(root)
+    ensure_corpus(root)
+    return args
+
+
+def loss_axes():
+    """A figure and axes for a loss curve (matplotlib, headless), or None without
+    matplotlib (it says so)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'): no plot")
+        return None
+    figure, axes = plt.subplots(figsize=(6, 3.4))
+    axes.set_xlabel("step")
+    axes.set_ylabel("training loss (cross-entropy)")
+    return figure, axes
