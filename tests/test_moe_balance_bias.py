@@ -225,3 +225,15 @@ def test_a_checkpoint_without_its_bias_is_refused(tmp_path, capfd):
         f"planc: error: --resume: {step / 'model.safetensors.index.json'}: its weight_map "
         f"maps \"layers.1.router.balance_bias\" to \"model-00000-of-00001.safetensors\", "
         f"the manifest to null\n")
+
+
+def test_node_limited_routing_with_the_bias_trains_on_two_nodes(tmp_path, capsys):
+    """DeepSeek-V3's gate whole on a 2-"node" topology: ep 4 over both nodes, the experts
+    in 2 groups of 4 (one a node's), each token's experts from its 1 best group, with the
+    balancing bias; --check against one process."""
+    text = plan_text("dp = 4; ep = 4").replace(
+        "bias_update = 0.01", "bias_update = 0.01; expert_groups = 2; route_groups = 1"
+    ).replace("  mesh {", "  topology { nodes = 2; devices_per_node = 2 }\n  mesh {")
+    (tmp_path / "b.plan").write_text(text)
+    assert _run(tmp_path, "--check") == 0
+    assert "every loss and parameter matches" in capsys.readouterr().err
