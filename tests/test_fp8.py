@@ -47,6 +47,16 @@ def test_a_tile_is_scaled_to_its_amax_and_rounded_to_e4m3():
         [0.0, 0.0, 1.0, 128 / 448, 0.0, 0.0, 88 / 448, 176 / 448], rel=1e-6)
 
 
+def test_a_linear_keeps_its_input_as_fp8_bytes_and_a_scale_a_tile():
+    from planc.runtime.engine.fp8 import decoded_rows, encoded_rows, quantised_rows
+
+    x = torch.randn(3, 5, 40, generator=torch.Generator().manual_seed(2))
+    codes, scale = encoded_rows(x, 16)
+    assert codes.dtype == torch.float8_e4m3fn and codes.element_size() == 1
+    assert codes.shape == (3, 5, 3, 16) and scale.shape == (3, 5, 3, 1)  # 40 -> 3 tiles
+    assert torch.equal(decoded_rows(codes, scale, 40), quantised_rows(x, 16))
+
+
 def test_a_shard_of_whole_tiles_quantises_as_the_whole_and_a_shard_across_tiles_does_not():
     from planc.runtime.engine.fp8 import quantised_blocks, quantised_rows
 
@@ -173,3 +183,19 @@ def test_fp8_on_a_machine_without_fp8_tensor_cores_is_refused():
         "NVIDIA DGX A100: 8x A100 80GB, NVLink 3, 8x HDR 200 Gb/s IB")
     assert found.hints == ("try preset = dgx-h100",)
     assert _h100(False, "dgx-a100").ok
+
+
+def test_the_memory_estimate_keeps_the_gemm_inputs_in_fp8():
+    from planc.models import llama
+
+    plain, fp8 = (load_text(DENSE.replace("MESH", "tp = 2").replace(
+        "fp8 = blockwise; fp8_tile = 16", extra)).plan.model
+        for extra in ("fp8_tile = 16", "fp8 = blockwise; fp8_tile = 16"))
+    assert llama.gemm_input_bytes(plain) == 4 and llama.gemm_input_bytes(fp8) == 1.25
+    shape = dict(seq=32, seq_full=32, batch=4, tp=2, sequence_parallel=True,
+                 recompute="none")
+    # the inputs of q/k/v and gate/up (2 x 128 tokens x 64 / tp) and of o and down
+    # (128 x (64 + 128) / tp) held in 1.25 bytes an element instead of 4
+    inputs = 2 * 128 * 64 / 2 + 128 * (64 + 128) / 2
+    assert llama.activation_bytes(plain, **shape) - llama.activation_bytes(fp8, **shape) == \
+        pytest.approx(inputs * (4 - 1.25))

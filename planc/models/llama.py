@@ -162,10 +162,21 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     sp = sequence_parallel and tp > 1
     if recompute == "full":
         return sb * h / (tp if sp else 1) * m.dtype_bytes
-    stream = 4 * sb * h / (tp if sp else 1)
-    split = sb * ((m.heads + 2 * kv) * hd + m.attention_width + 3 * f) / tp
+    stream = 2 * sb * h / (tp if sp else 1)  # the norms' inputs
+    split = sb * ((m.heads + 2 * kv) * hd + 2 * f) / tp  # rotated q, k, v; gate and up
     scores = 0 if recompute == "selective" else m.heads * seq_full * sb / tp
-    return (stream + split + scores) * m.dtype_bytes
+    # the GEMMs' inputs: of q/k/v and gate/up (a norm's output), of o and of down
+    inputs = 2 * sb * h / (tp if sp else 1) + sb * (m.attention_width + f) / tp
+    return (stream + split + scores) * m.dtype_bytes + inputs * gemm_input_bytes(m)
+
+
+def gemm_input_bytes(m: Model) -> float:
+    """Bytes a linear layer keeps per element of its input for the backward: the dtype's,
+    or with ``fp8`` one E4M3 byte and its tile's fp32 scale, 4 / fp8_tile (DeepSeek-AI
+    2024, section 3.3.3: the cached activations are FP8)."""
+    if m.options.get("fp8") is None:
+        return m.dtype_bytes
+    return 1.0 + 4.0 / (m.options.get("fp8_tile") or 128)
 
 
 def preset_default(name: str, presets=PRESETS):

@@ -181,9 +181,14 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
         return dense
     sb = seq * batch
     active = m.top_k + m.shared_experts
-    mixture = dense + ((sb * m.hidden + active * sb * (m.hidden + 3 * m.expert_ffn))
-                       * m.dtype_bytes + sb * m.experts * 4 - sb * 3 * m.ffn * m.dtype_bytes
-                       ) / tp
+    # llama's dense MLP out (gate and up in the dtype, down's input as a GEMM input), the
+    # router's input and fp32 probabilities in, and per expert a token goes through its
+    # gate and up outputs (dtype) and its two GEMMs' inputs (its rows, the product)
+    gemm = llama.gemm_input_bytes(m)
+    mixture = dense + (sb * m.hidden * m.dtype_bytes + sb * m.experts * 4
+                       + active * sb * (2 * m.expert_ffn * m.dtype_bytes
+                                        + (m.hidden + m.expert_ffn) * gemm)
+                       - sb * m.ffn * (2 * m.dtype_bytes + gemm)) / tp
     return max(dense, mixture) if m.first_dense else mixture
 
 

@@ -41,21 +41,43 @@ def tile_of(model) -> int | None:
     return model.options.get("fp8_tile") or DEFAULT_TILE
 
 
-def _quantised(groups: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    """Each group (the elements along ``dims``) scaled to its amax / 448, rounded to E4M3
-    and scaled back, in fp32; a group of zeros stays zero."""
+def _encoded(groups: torch.Tensor, dims: tuple[int, ...]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group (the elements along ``dims``) as E4M3 numbers and its fp32 scale,
+    amax / 448 (1 for a group of zeros)."""
     scale = groups.abs().amax(dim=dims, keepdim=True) / E4M3_MAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (groups / scale).to(E4M3).to(FP32) * scale
+    return (groups / scale).to(E4M3), scale
+
+
+def _quantised(groups: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """Each group rounded to E4M3 with its scale and scaled back, in fp32."""
+    codes, scale = _encoded(groups, dims)
+    return codes.to(FP32) * scale
+
+
+def _row_groups(x: torch.Tensor, tile: int) -> torch.Tensor:
+    """``x`` (..., n) as tiles of 1 x ``tile`` along its last dimension, zero-padded."""
+    return F.pad(x.to(FP32), (0, -x.shape[-1] % tile)).reshape(*x.shape[:-1], -1, tile)
 
 
 def quantised_rows(x: torch.Tensor, tile: int) -> torch.Tensor:
     """``x`` (..., n) quantised in tiles of 1 x ``tile`` along its last dimension (the
     last tile shorter when ``tile`` does not divide n), in fp32."""
     n = x.shape[-1]
-    pad = -n % tile
-    groups = F.pad(x.to(FP32), (0, pad)).reshape(*x.shape[:-1], -1, tile)
-    return _quantised(groups, (-1,)).reshape(*x.shape[:-1], n + pad)[..., :n]
+    return _quantised(_row_groups(x, tile), (-1,)).reshape(*x.shape[:-1], -1)[..., :n]
+
+
+def encoded_rows(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` as :func:`quantised_rows` rounds it, kept as it would be in memory: one E4M3
+    byte an element and an fp32 scale a tile (the FP8 activation a linear layer keeps
+    for its backward)."""
+    return _encoded(_row_groups(x, tile), (-1,))
+
+
+def decoded_rows(codes: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
+    """What :func:`encoded_rows` encoded, in fp32: :func:`quantised_rows` of it."""
+    return (codes.to(FP32) * scale).reshape(*codes.shape[:-2], -1)[..., :n]
 
 
 def quantised_blocks(w: torch.Tensor, tile: int) -> torch.Tensor:
@@ -72,16 +94,20 @@ class _Fp8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tile: int, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-        xq = quantised_rows(x, tile)
+        codes, scale = encoded_rows(x, tile)
+        xq = decoded_rows(codes, scale, x.shape[-1])
         wq = torch.cat([quantised_blocks(w, tile) for w in weights], dim=1)
-        ctx.tile, ctx.widths = tile, [w.shape[1] for w in weights]
+        ctx.tile, ctx.widths, ctx.features = tile, [w.shape[1] for w in weights], x.shape[-1]
         ctx.dtypes = (x.dtype, [w.dtype for w in weights])
-        ctx.save_for_backward(xq, wq)
+        # the input kept as FP8 bytes and scales (the report's cached activations); the
+        # weights' blocks, which a kernel would quantise again, kept decoded
+        ctx.save_for_backward(codes, scale, wq)
         return (xq @ wq).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        xq, wq = ctx.saved_tensors
+        codes, scale, wq = ctx.saved_tensors
+        xq = decoded_rows(codes, scale, ctx.features)
         tile, (x_dtype, w_dtypes) = ctx.tile, ctx.dtypes
         gq = torch.cat([quantised_rows(part, tile) for part in grad.split(ctx.widths, -1)],
                        dim=-1)
