@@ -84,3 +84,24 @@ def test_the_simulator_and_the_memory_estimate_take_the_bound():
 def test_capacity_reads_a_positive_number():
     loaded = load_text(plan_text().replace("capacity = 1.0", "capacity = 0"))
     assert not loaded.ok and "expected a number > 0, got 0" in str(loaded.diagnostics[0])
+
+
+def test_the_metrics_record_the_share_of_pairs_dropped_the_same_on_every_layout(tmp_path):
+    """Step 0 starts from the same weights on every layout, and the drops do not depend
+    on the layout: the share is the same number; a capacity that holds every pair
+    records 0."""
+    import json
+
+    shares = []
+    for mesh, layers in (("tp = 2; dp = 2; ep = 4", 3), ("dp = 2; ep = 2", 3)):
+        (tmp_path / "c.plan").write_text(plan_text(mesh, layers))
+        metrics = tmp_path / f"{len(shares)}.jsonl"
+        assert main(["run", str(tmp_path / "c.plan"), "-o", str(tmp_path / "c"), "--force",
+                     "--steps", "1", "--metrics", str(metrics)]) == 0
+        (record,) = [json.loads(line) for line in metrics.read_text().splitlines()]
+        shares.append(record["moe_dropped"])
+    assert 0.02 < shares[0] < 0.5 and shares[0] == shares[1]
+    (tmp_path / "c.plan").write_text(plan_text().replace("capacity = 1.0", "capacity = 4.0"))
+    assert main(["run", str(tmp_path / "c.plan"), "-o", str(tmp_path / "c"), "--force",
+                 "--steps", "1", "--metrics", str(tmp_path / "all.jsonl")]) == 0
+    assert json.loads((tmp_path / "all.jsonl").read_text())["moe_dropped"] == 0.0

@@ -103,9 +103,12 @@ class StepRecords:
         self.stragglers = StragglerWatch(list(stages.values()), straggler_margin)
 
     def step(self, step: int, times, loss: float | None,
-             routed: tuple[int, tuple[int, ...]] | None = None) -> None:
+             routed: tuple[int, tuple[int, ...]] | None = None,
+             dropped: tuple[int, int] | None = None) -> None:
         """``routed``: the rows this rank's experts ran in the step and its ep group
-        (planc.runtime.engine.kernels.Kernels.take_routed), None without experts over ep."""
+        (planc.runtime.engine.kernels.Kernels.take_routed), None without experts over ep;
+        ``dropped``: the (token, expert) pairs its mixtures dropped and chose
+        (``take_dropped``), None without ``capacity``."""
         self.flush()
         if self.recovery is not None and "seconds_lost" not in self.recovery:
             failed_at = self.recovery.pop("failed_at")
@@ -114,7 +117,8 @@ class StepRecords:
         peak = memory if self.memory_kind == "max_rss" else \
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         rows, group = routed if routed is not None else (0, (-1,))
-        mine = torch.tensor(times.as_list() + [rows, group[0], peak, memory],
+        lost, pairs = dropped if dropped is not None else (0, 0)
+        mine = torch.tensor(times.as_list() + [rows, group[0], lost, pairs, peak, memory],
                             dtype=torch.float64)
         if self.world == 1:
             self.pending = (step, None, [mine], loss)
@@ -149,8 +153,11 @@ class StepRecords:
         share = shares(self.ctx.data.path, (step + 1) * self.ctx.data.batch)
         if share is not None:  # a mixture: each source's share of the samples so far
             record["data_share"] = share
-        record.update(routing_balance(table[:, len(self.FIELDS)].tolist(),
-                                      table[:, len(self.FIELDS) + 1].tolist()))
+        at = len(self.FIELDS)
+        record.update(routing_balance(table[:, at].tolist(), table[:, at + 1].tolist()))
+        pairs = float(table[:, at + 3].sum())
+        if pairs > 0:  # model { capacity }: the share of the step's pairs it dropped
+            record["moe_dropped"] = float(table[:, at + 2].sum()) / pairs
         record.update(self.notes.pop(step, {}))
         if self.recovery is not None:
             record["recovery"], self.recovery = self.recovery, None

@@ -156,6 +156,18 @@ class Kernels:
         # (step, microbatch, router) -> (rows this rank's experts ran, its ep group): what
         # the metrics report of the routing's balance (planc.runtime.step_records)
         self.routed: dict[tuple, tuple[int, tuple[int, ...]]] = {}
+        # (step, microbatch, layer) -> (pairs dropped, pairs chosen) under capacity, for
+        # the metrics; a recomputed forward drops the same and overwrites its own
+        self.dropped: dict[tuple, tuple[int, int]] = {}
+
+    def take_dropped(self, step: int) -> tuple[int, int] | None:
+        """(pairs dropped, pairs chosen) by ``model { capacity }`` over this rank's
+        mixtures in ``step``, or None (no capacity); forgets them."""
+        mine = [key for key in self.dropped if key[0] == step]
+        if not mine:
+            return None
+        values = [self.dropped.pop(key) for key in mine]
+        return sum(d for d, _ in values), sum(n for _, n in values)
 
     def take_routed(self, step: int) -> tuple[int, tuple[int, ...]] | None:
         """The rows this rank's experts ran in ``step`` and its ep group, or None (no

@@ -113,13 +113,17 @@ def kept(experts: torch.Tensor, sequences: int, positions: torch.Tensor, m, over
     return keep[:, mine].reshape(experts.shape)
 
 
-def routed_pairs(experts: torch.Tensor, sequences: int, positions, m, over=None
-                 ) -> torch.Tensor:
+def routed_pairs(experts: torch.Tensor, sequences: int, positions, m, over=None,
+                 drops=None) -> torch.Tensor:
     """``experts`` with the (token, slot) pairs ``capacity`` drops set to -1 (none
-    without it): what the experts run."""
+    without it): what the experts run; ``drops(dropped, pairs)`` is told how many of
+    the pairs were dropped."""
     if m.options.get("capacity") is None:
         return experts
-    return experts.masked_fill(~kept(experts, sequences, positions, m, over), -1)
+    keep = kept(experts, sequences, positions, m, over)
+    if drops is not None:
+        drops(int(keep.numel() - keep.sum()), keep.numel())
+    return experts.masked_fill(~keep, -1)
 
 
 def update_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
@@ -246,17 +250,17 @@ def _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequ
 
 def mixture(tokens: torch.Tensor, weights_of, m, sequences: int = 1, batch: int = 1,
             collected: list | None = None, counts_over=None, bias=None, count=None,
-            positions: torch.Tensor | None = None) -> torch.Tensor:
+            positions: torch.Tensor | None = None, drops=None) -> torch.Tensor:
     """The mixture's output for ``tokens`` (n, hidden) of ``sequences`` sequences of a
     batch of ``batch``; ``weights_of(name)``: a weight of the block by its name within
     the block, in the model's dtype (see :func:`_shared_and_balance`); ``bias`` and
     ``count``: the balancing bias and its count (:func:`choose`); ``positions``: those of
     each sequence's tokens (whole sequences in order when None), which ``capacity``
-    drops by (:func:`kept`)."""
+    drops by (:func:`kept`), telling ``drops`` (:func:`routed_pairs`)."""
     probabilities, experts, weights = choose(tokens, weights_of, m, bias, count)
     if positions is None:
         positions = torch.arange(tokens.shape[0] // sequences, device=tokens.device)
-    routed = routed_pairs(experts, sequences, positions, m, counts_over)
+    routed = routed_pairs(experts, sequences, positions, m, counts_over, drops)
     weights = weights.to(tokens.dtype)
     stacked = _stacked(weights_of)
     out = torch.zeros_like(tokens)
@@ -300,7 +304,8 @@ def _exchange(values: torch.Tensor, sent: list[int], received: list[int], group
 
 def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequences: int,
                             batch: int, counts_over=None, tally=None, bias=None, count=None,
-                            positions: torch.Tensor | None = None) -> torch.Tensor:
+                            positions: torch.Tensor | None = None, drops=None
+                            ) -> torch.Tensor:
     """The mixture with its experts spread over ``peers`` (expert parallelism: GShard,
     Lepikhin et al. 2021; Megatron-Core's token dispatcher): rank j of the ep group runs
     experts j E/ep ... (j + 1) E/ep - 1, the rows of the stacked weights it keeps. Each
@@ -312,7 +317,7 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     per_rank = m.experts // peers.size
     if positions is None:
         positions = torch.arange(tokens.shape[0] // sequences, device=tokens.device)
-    chosen = routed_pairs(experts, sequences, positions, m, counts_over).reshape(-1)
+    chosen = routed_pairs(experts, sequences, positions, m, counts_over, drops).reshape(-1)
     pairs = (chosen >= 0).nonzero(as_tuple=True)[0]  # every pair, unless capacity drops
     # by expert, then token and slot
     order = pairs[torch.sort(chosen[pairs], stable=True).indices]
@@ -358,14 +363,16 @@ def moe(k, spec, x, p, step, mb, extra):
             count = lambda per_expert: k.chosen.__setitem__(  # noqa: E731
                 (step, mb, spec.layer), per_expert)
     positions = k.positions(spec)  # of this rank's tokens in their sequence: capacity's
+    drops = lambda dropped, pairs: k.dropped.__setitem__(  # noqa: E731 (the metrics')
+        (step, mb, spec.layer), (dropped, pairs))
     if spec.peers is not None and spec.peers.size > 1:
         out = expert_parallel_mixture(
             flat, weights_of, m, spec.peers, data.shape[0], m.batch, spec.counts,
             lambda rows: k.routed.__setitem__(key, (rows, spec.peers.members)), bias, count,
-            positions)
+            positions, drops)
     else:
         out = mixture(flat, weights_of, m, data.shape[0], m.batch, counts_over=spec.counts,
-                      bias=bias, count=count, positions=positions)
+                      bias=bias, count=count, positions=positions, drops=drops)
     return out.reshape(data.shape)
 
 
