@@ -70,14 +70,14 @@ def test_a_shard_of_whole_tiles_quantises_as_the_whole_and_a_shard_across_tiles_
 
 
 def test_the_three_gemms_take_quantised_inputs():
-    from planc.runtime.engine.fp8 import matmul, quantised_blocks, quantised_rows
+    from planc.runtime.engine.fp8 import Recipe, matmul, quantised_blocks, quantised_rows
 
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(3, 7, 32, generator=generator, requires_grad=True)
     a = torch.randn(32, 16, generator=generator, requires_grad=True)
     b = torch.randn(32, 8, generator=generator, requires_grad=True)
     grad = torch.randn(3, 7, 24, generator=generator)
-    out = matmul(x, [a, b], 8)
+    out = matmul(x, [a, b], Recipe(8))
     xq = quantised_rows(x.detach(), 8)
     wq = torch.cat([quantised_blocks(a.detach(), 8), quantised_blocks(b.detach(), 8)], 1)
     assert torch.equal(out, xq @ wq)
@@ -91,6 +91,13 @@ def test_the_three_gemms_take_quantised_inputs():
     # without fp8: the plain product
     assert torch.equal(matmul(x.detach(), [a.detach(), b.detach()], None),
                        x.detach() @ torch.cat([a.detach(), b.detach()], 1))
+    # TransformerEngine's HYBRID format: the output gradients in E5M2
+    x.grad = None
+    matmul(x, [a, b], Recipe(8, torch.float8_e5m2)).backward(grad)
+    g5 = torch.cat([quantised_rows(grad[..., :16], 8, torch.float8_e5m2),
+                    quantised_rows(grad[..., 16:], 8, torch.float8_e5m2)], -1)
+    assert torch.allclose(x.grad, g5 @ wq.t(), rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(g5, gq)
 
 
 def test_a_tp_shard_across_tiles_is_refused_at_the_key():
@@ -105,6 +112,10 @@ def test_a_tp_shard_across_tiles_is_refused_at_the_key():
     assert found.hints == ("try fp8_tile = 32 or fp8_tile = 16",)
     assert load_text(DENSE.replace("MESH", "dp = 2").replace("fp8_tile = 16",
                                                              "fp8_tile = 64")).ok
+    # nothing split over tp: nothing to cut
+    assert load_text(DENSE.replace("MESH", "tp = 2").replace("fp8_tile = 16", "fp8_tile = 64")
+                     .replace("sequence_parallel = on", "qkv = replicate; proj = replicate; "
+                              "fc1 = replicate; fc2 = replicate")).ok
     # gpt has no FP8 recipe
     assert not load_text(DENSE.replace("model llama", "model gpt").replace(
         "kv_heads = 2; ffn = 128; ", "").replace("MESH", "dp = 2")).ok
@@ -114,7 +125,8 @@ def test_a_tp_shard_across_tiles_is_refused_at_the_key():
     (DENSE, "tp = 2; pp = 2; dp = 2"),
     (MOE, "tp = 2; pp = 2; ep = 2"),
     (MOE, "dp = 2; ep = 2"),
-], ids=["llama-tp2-pp2-dp2", "moe-tp2-pp2-ep2", "moe-dp2-ep2"])
+    (DENSE.replace("fp8_tile = 16", "fp8_tile = 16; fp8_gradients = e5m2"), "tp = 2; dp = 2"),
+], ids=["llama-tp2-pp2-dp2", "moe-tp2-pp2-ep2", "moe-dp2-ep2", "llama-e5m2-tp2-dp2"])
 def test_fp8_training_matches_the_reference(tmp_path, text, mesh, capsys):
     (tmp_path / "f.plan").write_text(text.replace("MESH", mesh))
     assert main(["run", str(tmp_path / "f.plan"), "-o", str(tmp_path / "b"), "--check"]) == 0
@@ -183,6 +195,7 @@ def test_fp8_on_a_machine_without_fp8_tensor_cores_is_refused():
         "NVIDIA DGX A100: 8x A100 80GB, NVLink 3, 8x HDR 200 Gb/s IB")
     assert found.hints == ("try preset = dgx-h100",)
     assert _h100(False, "dgx-a100").ok
+    assert _h100(True, "cpu").ok  # emulated there
 
 
 def test_the_memory_estimate_keeps_the_gemm_inputs_in_fp8():
@@ -199,3 +212,13 @@ def test_the_memory_estimate_keeps_the_gemm_inputs_in_fp8():
     inputs = 2 * 128 * 64 / 2 + 128 * (64 + 128) / 2
     assert llama.activation_bytes(plain, **shape) - llama.activation_bytes(fp8, **shape) == \
         pytest.approx(inputs * (4 - 1.25))
+
+
+def test_the_head_stays_in_the_dtype():
+    from planc.estimate.kernel_cost import KernelModel
+
+    fp8, plain = (KernelModel.of(_h100(flag).plan) for flag in (True, False))
+    assert fp8.linear_seconds("head", "forward", 1e12) == \
+        plain.linear_seconds("head", "forward", 1e12)
+    assert fp8.linear_seconds("fc1", "forward", 1e12) < \
+        plain.linear_seconds("fc1", "forward", 1e12)

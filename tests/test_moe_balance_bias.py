@@ -168,8 +168,10 @@ def test_an_update_before_the_sum_and_a_missing_sum_are_refused():
 
 @pytest.mark.parametrize("mesh, sp", [
     ("tp = 2; dp = 2; ep = 4", "on"),  # each tp rank routes its share of the tokens
-    ("tp = 2; dp = 2; ep = 2", "off"),  # each tp rank routes them all: counted twice
-], ids=["tp2-sp-dp2-ep4", "tp2-dp2-ep2"])
+    # without ep or sequence parallelism the mixture runs whole on each tp rank, on the
+    # same tokens: every count doubled (ep > 1 would split the tokens over tp)
+    ("tp = 2; dp = 2", "off"),
+], ids=["tp2-sp-dp2-ep4", "tp2-dp2-replicated"])
 def test_training_with_the_bias_matches_the_reference(tmp_path, mesh, sp, capsys):
     (tmp_path / "b.plan").write_text(plan_text(mesh, sp=sp))
     assert _run(tmp_path, "--check") == 0
@@ -237,3 +239,34 @@ def test_node_limited_routing_with_the_bias_trains_on_two_nodes(tmp_path, capsys
     (tmp_path / "b.plan").write_text(text)
     assert _run(tmp_path, "--check") == 0
     assert "every loss and parameter matches" in capsys.readouterr().err
+
+
+def test_a_node_lost_is_recovered_with_its_biases_from_a_peers_memory(tmp_path):
+    """The balancing biases travel with each stage's copy in peer memory: a run that loses
+    node 0 (both stages' writers) goes on from node 1's copy and still matches one
+    process from step 0, which it cannot without the biases."""
+    import os
+    import signal
+
+    from planc.data.metrics_file import read_metrics
+    from tests.launched import ranks
+    from tests.test_replan import Run, wait_for_steps
+
+    text = plan_text("tp = 2; pp = 2; dp = 2; ep = 2", layers=4).replace(
+        "steps = 4", "steps = 10").replace(
+        "  mesh {", "  topology { nodes = 2; devices_per_node = 4 }\n  mesh {")
+    (tmp_path / "b.plan").write_text(text)
+    run = Run(str(tmp_path / "b.plan"), "-o", str(tmp_path / "b"), "--metrics",
+              str(tmp_path / "m.jsonl"), "--checkpoint-dir", str(tmp_path / "ck"),
+              "--checkpoint-every", "4", "--on-failure", "replan", "--check",
+              "--checkpoint-peer-memory")
+    wait_for_steps(run, tmp_path / "m.jsonl", 6)
+    pids = ranks(run.process.pid)
+    for rank in (0, 1, 2, 3):
+        os.kill(pids[rank], signal.SIGKILL)
+    assert run.finish() == 0, run.text()
+    out = run.text()
+    history = read_metrics(str(tmp_path / "m.jsonl")).records
+    (recovery,) = [r["recovery"] for r in history if "recovery" in r]
+    assert recovery["resumed_step"] > 4, out  # from the copy, newer than the file's
+    assert "every loss and parameter matches" in out

@@ -74,6 +74,7 @@ def test_the_simulator_and_the_memory_estimate_take_the_bound():
     assert moe.routing_imbalance(dropless.model) == moe.PUBLISHED_IMBALANCE
     assert moe.routing_imbalance(capped.model) == 1.0
     assert moe.routing_imbalance(model("1.25")) == 1.25
+    assert moe.routing_imbalance(model("0.5")) == 0.5  # no rank above half the mean
     # 128 tokens of 4 sequences on a rank, over tp 2: every one of the 4 ep ranks may
     # send 64 x min(2, 2) rows without a bound, 4 sequences x 2 experts x 8 with it
     row = 2 * 64 + 3 * 48  # input and output, gate, up and product; fp32

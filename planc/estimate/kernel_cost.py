@@ -150,6 +150,9 @@ GPUS = {
 }
 
 
+FP8_LINEARS = ("qkv", "proj", "fc1", "fc2")  # the GEMMs model { fp8 } runs in FP8
+
+
 def _logits(operands: Operands, flops: float) -> float:
     """The logits a loss instruction of ``flops`` reads (planc.models: 5 FLOPs a logit
     forward, twice that backward)."""
@@ -369,7 +372,9 @@ class KernelModel:
         gradient) steps. The tokens follow from the FLOPs, so a pass that cuts a linear
         into pieces (tp_overlap) prices each piece at its size."""
         tokens = self.linear_tokens(op, step, flops, split)
-        fp8 = self.fp8_speedup is not None  # every linear layer's GEMMs (model { fp8 })
+        # the layers' linears in FP8 (model { fp8 }); the head in the dtype, as DeepSeek-V3
+        # keeps it (section 3.3.1) and planc's runtime runs it
+        fp8 = self.fp8_speedup is not None and op in FP8_LINEARS
         return sum(self.gemm_seconds(*(tokens if d == 1 else d for d in gemm), fp8=fp8)
                    for gemm in self._linear_gemms(op, step, split))
 

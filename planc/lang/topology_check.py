@@ -12,7 +12,7 @@ from planc.diagnostics import error
 from planc.host.files import read_regular_file
 from planc.lang.blocks import BlockReader
 from planc.vocabulary.hints import try_values as _try
-from planc.plan.presets import GENERIC, PRESETS, Preset, calibrated_preset
+from planc.plan.presets import GENERIC, PRESETS, WITHOUT_FP8, Preset, calibrated_preset
 from planc.lang.schema import PresetFile
 from planc.plan.plan import Device, Link, Mesh, Model, Topology
 
@@ -75,7 +75,7 @@ class TopologyReader(BlockReader):
             return fallback if given is None else given
 
         if model is not None and model.options.get("fp8") is not None and \
-                given in PRESETS and "fp8" not in preset.flops:
+                given in WITHOUT_FP8:
             self.report(error(f"fp8 multiplies on FP8 tensor cores, which the {preset.name} "
                               f"machine's GPUs do not have: {preset.description}",
                               self.span("topology.preset"),

@@ -235,6 +235,10 @@ def preset_keys(presets) -> dict[str, Key]:
                        "emulated on CPUs [dtype]"),
         "fp8_tile": Key(Integer(1), None, optional=True,
                         doc="the FP8 scaling tile (DeepSeek-V3's 128) [128]"),
+        "fp8_gradients": Key(Choice(("e4m3", "e5m2")), None, optional=True,
+                             doc="the format of the output gradients in the backward GEMMs: "
+                                 "DeepSeek-V3's E4M3, or E5M2's wider range with a bit "
+                                 "less (TransformerEngine's HYBRID format) [e4m3]"),
         "rope_theta": Key(Real(0.0, None, False), or_else("rope_theta", 10000.0),
                           doc="base of the rotary embedding's wavelengths"),
         "norm_eps": Key(Real(0.0, 1.0, False), 1e-5, doc="epsilon of RMSNorm"),
@@ -270,15 +274,22 @@ def head_dim_even(m: Model) -> Finding | None:
 
 def fp8_blocks_split_over_tp(m: Model, tensor, mesh) -> Finding | None:
     """``fp8``: a tp shard of a linear layer holds whole scaling tiles (the columns of
-    each of q, k, v and gate, up on a rank; the rows of o and down), so that every rank
-    quantises in the groups one process would (planc.runtime.engine.fp8)."""
+    each of q, k, v and gate, up on a rank; the rows of o and down, where the placement
+    splits them), so that every rank quantises in the groups one process would
+    (planc.runtime.engine.fp8)."""
     if m.options.get("fp8") is None or mesh.tp == 1:
         return None
     tile = m.options.get("fp8_tile") or 128
     kv_heads = max(m.kv_heads // mesh.tp, 1)
     dense = m.family != "moe" or m.first_dense > 0  # a mixture's experts are never split
-    widths = [("q", m.heads // mesh.tp * m.head_dim), ("k and v", kv_heads * m.head_dim)]
-    for what, local in widths + ([("gate and up", m.ffn // mesh.tp)] if dense else []):
+    q, ffn = m.heads // mesh.tp * m.head_dim, m.ffn // mesh.tp
+    widths = [(what, local) for what, local, split in (
+        ("q", q, tensor.qkv == "column"), ("k and v", kv_heads * m.head_dim,
+                                           tensor.qkv == "column"),
+        ("o's input", q, tensor.proj == "row"),
+        ("gate and up", ffn, dense and tensor.fc1 == "column"),
+        ("down's input", ffn, dense and tensor.fc2 == "row")) if split]
+    for what, local in widths:
         if local % tile:
             return Finding(f"fp8 scales tiles of {tile} features, but a tp rank holds "
                            f"{local} of the features of {what} (tp = {mesh.tp}): a shard "

@@ -100,7 +100,7 @@ def routing_imbalance(m: Model) -> float:
     given = m.options.get("imbalance")
     imbalance = float(given) if given is not None else PUBLISHED_IMBALANCE
     capacity = m.options.get("capacity")
-    return imbalance if capacity is None else max(1.0, min(imbalance, float(capacity)))
+    return imbalance if capacity is None else min(imbalance, float(capacity))
 
 
 def layer_block(m: Model, layer: int) -> tuple[tuple[str, ...], tuple]:
@@ -273,7 +273,7 @@ KEYS = {name: _OWN.get(name) or _LLAMA[name] for name in (
     "batch", "experts", "top_k", "expert_ffn", "shared_experts", "first_dense", "norm_topk",
     "score", "routed_scale", "expert_groups", "route_groups", "bias_update", "capacity",
     "aux_loss", "imbalance",
-    "dtype", "fp8", "fp8_tile", "rope_theta", "norm_eps",
+    "dtype", "fp8", "fp8_tile", "fp8_gradients", "rope_theta", "norm_eps",
     "tie_embeddings")}
 
 

@@ -139,6 +139,10 @@ PRESETS: dict[str, Preset] = {
                   10e9, 10e-6, 3.125e9, 50e-6, memory_bandwidth=205e9, overlap=0.0),
 }
 
+# Machines whose GPUs have no FP8 tensor cores, where model { fp8 } is refused (the A100's
+# datasheet lists no FP8 rate); on CPUs planc emulates FP8, so the cpu preset takes it.
+WITHOUT_FP8 = frozenset({"dgx-a100"})
+
 # The topology of a plan that says nothing about it: one node, generic links, and no
 # memory limit (planc will not guess a capacity to warn against).
 GENERIC = Preset("generic", "one node, generic links", None,

@@ -79,8 +79,13 @@ class Checkpoints(Loading):
                 self.owner[m["param"]] = min(self.owner.get(m["param"], bucket["stage"]),
                                              bucket["stage"])
                 self.shapes[m["param"]] = list(m["full_shape"])
-        # the state that is not trained, by name: every stage's, as rank 0 commits them
+        # the state that is not trained, by name: every stage's, as rank 0 commits them,
+        # each kept by the stage of its block's parameters
         self.buffer_shapes = router_bias.shapes(ctx.model)
+        for name in self.buffer_shapes:
+            block = name.split(".router.")[0] + "."
+            self.owner[name] = min(stage for param, stage in self.owner.items()
+                                   if param.startswith(block))
         self.optimizers = {interpreter.optimized[node]: optimizer
                            for node, optimizer in interpreter.optimizers.items()}
         self.keys = fmt.state_keys(ctx.optimizer.to_json())

@@ -101,11 +101,14 @@ class PeerMemory:
         return (rank + self.per_node) % self.checkpoints.world
 
     def _names(self, stage: int) -> tuple[list[str], list[tuple[str, str]]]:
-        """The parameters of ``stage``'s file and its optimizer states (each with its
-        parameter), in the order sent."""
+        """The tensors of ``stage``'s model file (its parameters and buffers: a
+        mixture's balancing biases) and its optimizer states (each with its parameter),
+        in the order sent."""
         ck = self.checkpoints
         params = sorted(name for name in ck.shapes if ck.owner[name] == stage)
-        return params, sorted((fmt.state_name(n, k), n) for n in params for k in ck.keys)
+        buffers = sorted(name for name in ck.buffer_shapes if ck.owner[name] == stage)
+        return sorted(params + buffers), sorted((fmt.state_name(n, k), n) for n in params
+                                                for k in ck.keys)
 
     def _exchange(self, params: dict, states: dict) -> dict[int, tuple[dict, dict]]:
         """A writer sends its stage's tensors, as one buffer, to its peer on the next
@@ -126,7 +129,8 @@ class PeerMemory:
                 continue
             params_of, states_of = self._names(stage)
             names = (params_of, [s for s, _ in states_of])
-            shapes = [ck.shapes[n] for n in params_of] + [ck.shapes[n] for _, n in states_of]
+            shape_of = {**ck.shapes, **ck.buffer_shapes}
+            shapes = [shape_of[n] for n in params_of] + [ck.shapes[n] for _, n in states_of]
             flat = torch.empty(sum(math.prod(s) for s in shapes), dtype=torch.float32)
             pending.append(dist.irecv(flat, writer, group=ck.group))
             received[stage] = (names, shapes, flat)

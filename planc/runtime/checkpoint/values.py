@@ -60,7 +60,7 @@ def rng_state(where: str, file: str, state: torch.Tensor) -> torch.Tensor:
 
 
 def check_values(directory: Path, manifest: dict) -> None:
-    """Every parameter and optimizer state of a checkpoint (found and checked by
+    """Every parameter, buffer and optimizer state of a checkpoint (found and checked by
     :func:`planc.checkpoint.format.find`) finite, every second moment >= 0, and its RNG state one
     torch takes; CheckpointError naming the first tensor and index that is not."""
     where = f"checkpoint {directory}"
@@ -70,6 +70,8 @@ def check_values(directory: Path, manifest: dict) -> None:
         for key in manifest["optimizer"]["state"]:
             by_file.setdefault(info["optimizer_file"], []).append(
                 (state_name(param, key), key in SECOND_MOMENTS))
+    for buffer, info in manifest.get("buffers", {}).items():  # a mixture's biases
+        by_file.setdefault(info["file"], []).append((buffer, False))
     rng = manifest["rng"]["file"]
     with one_torch_thread():  # in planc run's launcher, which forks the ranks after
         _check_files(directory, where, by_file, rng)

@@ -25,34 +25,50 @@ the whole tensor: a sharded run quantises exactly as the one-process reference.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0  # the largest finite E4M3 number (OCP FP8 specification)
+E5M2 = torch.float8_e5m2
+# the largest finite number of each format (OCP 8-bit floating point specification)
+LARGEST = {E4M3: 448.0, E5M2: 57344.0}
+GRADIENT_FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
 FP32 = torch.float32
 DEFAULT_TILE = 128  # DeepSeek-V3's, section 3.3.1
 
 
-def tile_of(model) -> int | None:
-    """The tile of ``model``'s FP8 GEMMs, or None when it multiplies in its dtype."""
+@dataclass(frozen=True)
+class Recipe:
+    """A model's FP8 GEMMs: the scaling tile, and the format of the output gradients
+    (E4M3 as DeepSeek-V3; E5M2 as TransformerEngine's HYBRID format)."""
+
+    tile: int
+    gradients: torch.dtype = E4M3
+
+
+def recipe_of(model) -> Recipe | None:
+    """``model``'s FP8 recipe, or None when it multiplies in its dtype."""
     if model.options.get("fp8") is None:
         return None
-    return model.options.get("fp8_tile") or DEFAULT_TILE
+    return Recipe(model.options.get("fp8_tile") or DEFAULT_TILE,
+                  GRADIENT_FORMATS[model.options.get("fp8_gradients") or "e4m3"])
 
 
-def _encoded(groups: torch.Tensor, dims: tuple[int, ...]
+def _encoded(groups: torch.Tensor, dims: tuple[int, ...], form: torch.dtype = E4M3
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each group (the elements along ``dims``) as E4M3 numbers and its fp32 scale,
-    amax / 448 (1 for a group of zeros)."""
-    scale = groups.abs().amax(dim=dims, keepdim=True) / E4M3_MAX
+    """Each group (the elements along ``dims``) in ``form`` and its fp32 scale, amax over
+    the format's largest number (1 for a group of zeros)."""
+    scale = groups.abs().amax(dim=dims, keepdim=True) / LARGEST[form]
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (groups / scale).to(E4M3), scale
+    return (groups / scale).to(form), scale
 
 
-def _quantised(groups: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    """Each group rounded to E4M3 with its scale and scaled back, in fp32."""
-    codes, scale = _encoded(groups, dims)
+def _quantised(groups: torch.Tensor, dims: tuple[int, ...], form: torch.dtype = E4M3
+               ) -> torch.Tensor:
+    """Each group rounded to ``form`` with its scale and scaled back, in fp32."""
+    codes, scale = _encoded(groups, dims, form)
     return codes.to(FP32) * scale
 
 
@@ -61,11 +77,11 @@ def _row_groups(x: torch.Tensor, tile: int) -> torch.Tensor:
     return F.pad(x.to(FP32), (0, -x.shape[-1] % tile)).reshape(*x.shape[:-1], -1, tile)
 
 
-def quantised_rows(x: torch.Tensor, tile: int) -> torch.Tensor:
-    """``x`` (..., n) quantised in tiles of 1 x ``tile`` along its last dimension (the
-    last tile shorter when ``tile`` does not divide n), in fp32."""
+def quantised_rows(x: torch.Tensor, tile: int, form: torch.dtype = E4M3) -> torch.Tensor:
+    """``x`` (..., n) quantised to ``form`` in tiles of 1 x ``tile`` along its last
+    dimension (the last tile shorter when ``tile`` does not divide n), in fp32."""
     n = x.shape[-1]
-    return _quantised(_row_groups(x, tile), (-1,)).reshape(*x.shape[:-1], -1)[..., :n]
+    return _quantised(_row_groups(x, tile), (-1,), form).reshape(*x.shape[:-1], -1)[..., :n]
 
 
 def encoded_rows(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,11 +109,14 @@ class _Fp8Matmul(torch.autograd.Function):
     """``x @ [w_1 | w_2 | ...]`` with FP8 inputs in all three GEMMs (module docstring)."""
 
     @staticmethod
-    def forward(ctx, tile: int, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, recipe: Recipe, x: torch.Tensor, *weights: torch.Tensor
+                ) -> torch.Tensor:
+        tile = recipe.tile
         codes, scale = encoded_rows(x, tile)
         xq = decoded_rows(codes, scale, x.shape[-1])
         wq = torch.cat([quantised_blocks(w, tile) for w in weights], dim=1)
-        ctx.tile, ctx.widths, ctx.features = tile, [w.shape[1] for w in weights], x.shape[-1]
+        ctx.recipe, ctx.widths, ctx.features = recipe, [w.shape[1] for w in weights], \
+            x.shape[-1]
         ctx.dtypes = (x.dtype, [w.dtype for w in weights])
         # the input kept as FP8 bytes and scales (the report's cached activations); the
         # weights' blocks, which a kernel would quantise again, kept decoded
@@ -108,9 +127,9 @@ class _Fp8Matmul(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         codes, scale, wq = ctx.saved_tensors
         xq = decoded_rows(codes, scale, ctx.features)
-        tile, (x_dtype, w_dtypes) = ctx.tile, ctx.dtypes
-        gq = torch.cat([quantised_rows(part, tile) for part in grad.split(ctx.widths, -1)],
-                       dim=-1)
+        recipe, (x_dtype, w_dtypes) = ctx.recipe, ctx.dtypes
+        gq = torch.cat([quantised_rows(part, recipe.tile, recipe.gradients)
+                        for part in grad.split(ctx.widths, -1)], dim=-1)
         dx = (gq @ wq.t()).to(x_dtype) if ctx.needs_input_grad[1] else None
         dw = xq.reshape(-1, xq.shape[-1]).t() @ gq.reshape(-1, gq.shape[-1])
         dws = [part.to(dtype) if needed else None for part, dtype, needed in
@@ -118,8 +137,9 @@ class _Fp8Matmul(torch.autograd.Function):
         return (None, dx, *dws)
 
 
-def matmul(x: torch.Tensor, weights: list[torch.Tensor], tile: int | None) -> torch.Tensor:
-    """``x @ cat(weights, dim=1)``: in FP8 with tiles of ``tile``, else as it is."""
-    if tile is None:
+def matmul(x: torch.Tensor, weights: list[torch.Tensor], recipe: Recipe | None
+           ) -> torch.Tensor:
+    """``x @ cat(weights, dim=1)``: in FP8 by ``recipe``, else as it is."""
+    if recipe is None:
         return x @ (weights[0] if len(weights) == 1 else torch.cat(weights, dim=1))
-    return _Fp8Matmul.apply(tile, x, *weights)
+    return _Fp8Matmul.apply(recipe, x, *weights)

@@ -139,7 +139,7 @@ class Kernels:
         self.chosen: dict[tuple, torch.Tensor] | None = None
         model = ctx.model
         self.hidden = model.hidden
-        self.fp8_tile = fp8.tile_of(model)  # None: GEMMs in the model's dtype
+        self.fp8 = fp8.recipe_of(model)  # None: GEMMs in the model's dtype
         self.head_dim = model.head_dim
         # The operators every family shares, then the family's own (its runtime module,
         # planc.runtime.families.NAME, as planc.models.NAME describes them).
@@ -262,7 +262,7 @@ class Kernels:
                     name != spec.bias]
         data = x["x"]
         if not own_bias:  # in FP8 with model { fp8 } (planc.runtime.engine.fp8)
-            return fp8.matmul(data, [p(name) for name in weights], self.fp8_tile)
+            return fp8.matmul(data, [p(name) for name in weights], self.fp8)
         weight = p(weights[0]) if len(weights) == 1 else torch.cat(
             [p(name) for name in weights], dim=1)
         # One fused kernel, as nn.Linear's addmm: the bias is the GEMM's beta term.

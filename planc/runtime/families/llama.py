@@ -50,7 +50,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def qkv(k, spec, x, p, step, mb, extra):
     """The q, k and v projections in one GEMM, then RoPE on q and k."""
     data = x["x"]
-    out = fp8.matmul(data, [p(name) for name in spec.params], k.fp8_tile)
+    out = fp8.matmul(data, [p(name) for name in spec.params], k.fp8)
     model, hd = k.ctx.model, k.head_dim
     heads, kv = local_heads(model, out.shape[-1], k.ctx.tp)
     b, s, _ = out.shape
@@ -99,13 +99,13 @@ KERNELS = {Op.LN1: rms_norm, Op.LN2: rms_norm, Op.FINAL_LN: rms_norm,
 
 
 def dense_mlp(layer: int, h: torch.Tensor, w: dict[str, torch.Tensor],
-              tile: int | None = None) -> torch.Tensor:
+              recipe=None) -> torch.Tensor:
     """SwiGLU of block ``layer``'s weights ``w`` (named within the block); its GEMMs in
-    FP8 with tiles of ``tile`` (planc.runtime.engine.fp8), else in ``h``'s dtype."""
-    if tile is None:
+    FP8 by ``recipe`` (planc.runtime.engine.fp8), else in ``h``'s dtype."""
+    if recipe is None:
         return (F.silu(h @ w["gate.weight"]) * (h @ w["up.weight"])) @ w["down.weight"]
-    gate, up = fp8.matmul(h, [w["gate.weight"], w["up.weight"]], tile).chunk(2, dim=-1)
-    return fp8.matmul(F.silu(gate) * up, [w["down.weight"]], tile)
+    gate, up = fp8.matmul(h, [w["gate.weight"], w["up.weight"]], recipe).chunk(2, dim=-1)
+    return fp8.matmul(F.silu(gate) * up, [w["down.weight"]], recipe)
 
 
 def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
@@ -115,10 +115,10 @@ def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
     ``m``: the plan's model; ``mlp(layer, normed, weights)``: a block's MLP (the moe
     family's mixture)."""
     p = {k: v.to(dtype) for k, v in params.items()}
-    tile = fp8.tile_of(m)  # model { fp8 }: the linear layers' GEMMs in FP8
+    recipe = fp8.recipe_of(m)  # model { fp8 }: the linear layers' GEMMs in FP8
     if mlp is None:
         def mlp(layer, h, w):
-            return dense_mlp(layer, h, w, tile)
+            return dense_mlp(layer, h, w, recipe)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     b, seq = inputs.shape
     hd, kv = m.head_dim, m.key_value_heads
@@ -144,16 +144,16 @@ def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
         w = {k[len(f"layers.{layer}."):]: v for k, v in p.items()
              if k.startswith(f"layers.{layer}.")}
         h = norm(x, w["ln1.weight"])
-        q = rope(fp8.matmul(h, [w["q.weight"]], tile).view(b, seq, m.heads, hd)
+        q = rope(fp8.matmul(h, [w["q.weight"]], recipe).view(b, seq, m.heads, hd)
                  .transpose(1, 2))
-        k = rope(fp8.matmul(h, [w["k.weight"]], tile).view(b, seq, kv, hd).transpose(1, 2))
-        v = fp8.matmul(h, [w["v.weight"]], tile).view(b, seq, kv, hd).transpose(1, 2)
+        k = rope(fp8.matmul(h, [w["k.weight"]], recipe).view(b, seq, kv, hd).transpose(1, 2))
+        v = fp8.matmul(h, [w["v.weight"]], recipe).view(b, seq, kv, hd).transpose(1, 2)
         k = k.repeat_interleave(m.heads // kv, dim=1)
         v = v.repeat_interleave(m.heads // kv, dim=1)
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
         scores = scores.masked_fill(~causal, float("-inf"))
         context = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, seq, m.heads * hd)
-        x = x + fp8.matmul(context, [w["o.weight"]], tile)
+        x = x + fp8.matmul(context, [w["o.weight"]], recipe)
         h = norm(x, w["ln2.weight"])
         x = x + mlp(layer, h, w)
     x = norm(x, p["final_ln.weight"])

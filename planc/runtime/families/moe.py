@@ -215,13 +215,13 @@ class _WithBalanceLoss(torch.autograd.Function):
         return grad, torch.ones((), dtype=ctx.loss_dtype, device=ctx.loss_device)
 
 
-def _expert(x: torch.Tensor, weights: tuple, expert: int, tile: int | None = None
+def _expert(x: torch.Tensor, weights: tuple, expert: int, recipe=None
             ) -> torch.Tensor:
     """Routed expert ``expert``'s SwiGLU of rows ``x``; ``weights``: the stacked gate, up
-    and down; its GEMMs in FP8 with tiles of ``tile`` (planc.runtime.engine.fp8)."""
+    and down; its GEMMs in FP8 by ``recipe`` (planc.runtime.engine.fp8)."""
     gate, up, down = weights
     return llama.dense_mlp(-1, x, {"gate.weight": gate[expert], "up.weight": up[expert],
-                                   "down.weight": down[expert]}, tile)
+                                   "down.weight": down[expert]}, recipe)
 
 
 def _stacked(weights_of) -> tuple:
@@ -238,7 +238,7 @@ def _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequ
     if m.shared_experts:
         out = out + llama.dense_mlp(-1, tokens, {
             f"{w}.weight": weights_of(f"shared.{w}.weight") for w in ("gate", "up", "down")},
-            fp8.tile_of(m))
+            fp8.recipe_of(m))
     if m.aux_loss:
         loss = balance_loss(probabilities, experts, sequences, m, counts_over) / batch
         if collected is None:
@@ -268,7 +268,7 @@ def mixture(tokens: torch.Tensor, weights_of, m, sequences: int = 1, batch: int 
         rows, slots = (routed == expert).nonzero(as_tuple=True)
         if rows.numel() == 0:
             continue
-        y = _expert(tokens[rows], stacked, expert, fp8.tile_of(m))
+        y = _expert(tokens[rows], stacked, expert, fp8.recipe_of(m))
         out = out.index_add(0, rows, y * weights[rows, slots].unsqueeze(-1))
     return _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequences,
                                batch, collected, counts_over)
@@ -337,7 +337,7 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
         mine = (rows_expert == expert).nonzero(as_tuple=True)[0]
         if mine.numel():
             done = done.index_copy(0, mine, _expert(rows[mine], stacked, expert - first,
-                                                    fp8.tile_of(m)))
+                                                    fp8.recipe_of(m)))
     back = _AllToAll.apply(done, received, sent, peers.group)
     weighted = back * weights.reshape(-1)[order].to(tokens.dtype).unsqueeze(-1)
     out = torch.zeros_like(tokens).index_add(0, token_of, weighted)
@@ -411,7 +411,7 @@ def reference_objective(m, params: dict[str, torch.Tensor], tokens: torch.Tensor
 
     def mlp(layer: int, h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         if layer < m.first_dense:
-            return llama.dense_mlp(layer, h, w, fp8.tile_of(m))
+            return llama.dense_mlp(layer, h, w, fp8.recipe_of(m))
         bias = count = None
         if state is not None:
             bias = state["bias"][layer]
