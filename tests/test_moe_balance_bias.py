@@ -245,12 +245,7 @@ def test_a_node_lost_is_recovered_with_its_biases_from_a_peers_memory(tmp_path):
     """The balancing biases travel with each stage's copy in peer memory: a run that loses
     node 0 (both stages' writers) goes on from node 1's copy and still matches one
     process from step 0, which it cannot without the biases."""
-    import os
-    import signal
-
-    from planc.data.metrics_file import read_metrics
-    from tests.launched import ranks
-    from tests.test_replan import Run, wait_for_steps
+    from tests.test_replan import Run, node_zero_lost
 
     text = plan_text("tp = 2; pp = 2; dp = 2; ep = 2", layers=4).replace(
         "steps = 4", "steps = 10").replace(
@@ -260,13 +255,7 @@ def test_a_node_lost_is_recovered_with_its_biases_from_a_peers_memory(tmp_path):
               str(tmp_path / "m.jsonl"), "--checkpoint-dir", str(tmp_path / "ck"),
               "--checkpoint-every", "4", "--on-failure", "replan", "--check",
               "--checkpoint-peer-memory")
-    wait_for_steps(run, tmp_path / "m.jsonl", 6)
-    pids = ranks(run.process.pid)
-    for rank in (0, 1, 2, 3):
-        os.kill(pids[rank], signal.SIGKILL)
-    assert run.finish() == 0, run.text()
-    out = run.text()
-    history = read_metrics(str(tmp_path / "m.jsonl")).records
+    out, history = node_zero_lost(run, tmp_path / "m.jsonl", 6)
     (recovery,) = [r["recovery"] for r in history if "recovery" in r]
     assert recovery["resumed_step"] > 4, out  # from the copy, newer than the file's
     assert "every loss and parameter matches" in out

@@ -241,6 +241,17 @@ def test_a_whole_node_lost_and_the_run_grows_back_after_sigusr1(tmp_path):
     assert_checkpoints_intact(tmp_path / "ck")
 
 
+def node_zero_lost(run: Run, metrics: Path, after: int) -> tuple[str, list[dict]]:
+    """Ranks 0-3 (node 0 of two) killed once ``after`` steps are recorded; the run's
+    output and metrics records once it has finished, which it must."""
+    wait_for_steps(run, metrics, after)
+    pids = ranks(run.process.pid)
+    for rank in (0, 1, 2, 3):
+        os.kill(pids[rank], signal.SIGKILL)
+    assert run.finish() == 0, run.text()
+    return run.text(), read_metrics(str(metrics)).records
+
+
 @pytest.mark.parametrize("flags", [[], ["--checkpoint-async"]])
 def test_a_node_lost_is_recovered_from_its_peers_memory(tmp_path, flags):
     """Both stages' writers are on node 0 (ranks 0 and 2): killing node 0 leaves their
@@ -250,13 +261,7 @@ def test_a_node_lost_is_recovered_from_its_peers_memory(tmp_path, flags):
               "--steps", "12", "--metrics", str(tmp_path / "m.jsonl"), "--checkpoint-dir",
               str(tmp_path / "ck"), "--checkpoint-every", "4", "--on-failure", "replan",
               "--check", "--checkpoint-peer-memory", *flags)
-    wait_for_steps(run, tmp_path / "m.jsonl", 6)
-    pids = ranks(run.process.pid)
-    for rank in (0, 1, 2, 3):
-        os.kill(pids[rank], signal.SIGKILL)
-    assert run.finish() == 0, run.text()
-    out = run.text()
-    history = read_metrics(str(tmp_path / "m.jsonl")).records
+    out, history = node_zero_lost(run, tmp_path / "m.jsonl", 6)
     assert [r["step"] for r in history] == list(range(12))
     (recovery,) = [r["recovery"] for r in history if "recovery" in r]
     assert recovery["lost_ranks"] == [0, 1, 2, 3] and recovery["resumed_step"] > 4, out
