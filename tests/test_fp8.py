@@ -222,3 +222,69 @@ def test_the_head_stays_in_the_dtype():
         plain.linear_seconds("head", "forward", 1e12)
     assert fp8.linear_seconds("fc1", "forward", 1e12) < \
         plain.linear_seconds("fc1", "forward", 1e12)
+
+
+DISPATCH = r'''
+import sys
+import torch, torch.distributed as dist
+from planc.runtime.engine import fp8
+from planc.runtime.families.moe import _Fp8Dispatch
+
+rank, path = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", rank=rank, world_size=2, store=dist.FileStore(path, 2))
+rows = (torch.randn(5, 40, generator=torch.Generator().manual_seed(rank)) * 3).requires_grad_()
+sent, received = ([2, 3], [2, 1]) if rank == 0 else ([1, 4], [3, 4])
+got = _Fp8Dispatch.apply(rows, sent, received, None, 16)
+# what each peer sent, as its FP8 GEMM would read it
+theirs = [torch.randn(5, 40, generator=torch.Generator().manual_seed(r)) * 3 for r in (0, 1)]
+first = [0, 0] if rank == 0 else [2, 1]  # where each sender's rows for me start
+expected = torch.cat([fp8.quantised_rows(theirs[r][first[r]:first[r] + received[r]], 16)
+                      for r in (0, 1)])
+got.backward(torch.ones_like(got))
+print(torch.equal(got, expected), got.dtype, rows.grad.sum().item())
+sys.stdout.flush()
+import os
+os._exit(0)
+'''
+
+
+def test_the_dispatch_sends_fp8_bytes_and_the_gradients_back_in_the_dtype(tmp_path):
+    """Two ranks exchange rows through the FP8 dispatch: each receives exactly what its
+    experts' FP8 GEMM would read of the rows sent to it, and the backward returns every
+    row's gradient (ones) whole."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, "-c", DISPATCH, str(rank),
+                               str(tmp_path / "store")], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    assert [out.strip() for out, _ in outputs] == ["True torch.float32 200.0"] * 2, outputs
+
+
+def test_the_simulator_prices_a_forwards_dispatch_in_fp8_and_the_rest_in_the_dtype():
+    from planc.compile import compile_plan
+    from planc.simulate.costs import InstructionCosts
+
+    text = """plan m {
+      model moe { layers = 2; hidden = 4096; heads = 32; kv_heads = 8; vocab = 32000;
+                  seq = 4096; batch = 64; experts = 64; top_k = 8; expert_ffn = 1024;
+                  dtype = bf16 FP8 }
+      mesh { dp = 16; ep = 16 }
+      topology { preset = dgx-h100 }
+      schedule { microbatches = 4 }
+    }"""
+    exchanges = {}
+    for flag in ("", "; fp8 = blockwise"):
+        build = compile_plan(load_text(text.replace("FP8", flag)).plan)
+        costs = InstructionCosts(build.plan, build.groups)
+        assert costs.dispatch_share == (pytest.approx((1 + 4 / 128) / 2) if flag else 1.0)
+        for instruction in build.programs["stage0.json"].written():
+            if instruction.operands is not None and instruction.operands.kernel == "moe":
+                costs(instruction, 0)
+                exchanges[(flag, instruction.operands.step.value)] = \
+                    costs.exchanges[instruction.node]
+    assert exchanges[("; fp8 = blockwise", "forward")] < exchanges[("", "forward")]
+    assert exchanges[("; fp8 = blockwise", "backward")] == exchanges[("", "backward")]

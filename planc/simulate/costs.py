@@ -27,7 +27,8 @@ table alone (not graph.json): the one model the compiler optimises with (planc.e
   receive run together); in the backward a step's K/V shift and the previous block's
   dK/dV shift share the link (:func:`ring_seconds`).
 - A mixture of experts over an ep group adds its dispatch and combine, each an
-  all-to-all of ``bytes`` (its (token, expert) rows at uniform routing) times the
+  all-to-all of ``bytes`` (its (token, expert) rows at uniform routing; a forward's
+  dispatch with ``fp8``: one byte an element and a scale a tile) times the
   routing's imbalance (the busiest rank's rows over the mean, model moe's ``imbalance``;
   its experts' GEMMs take as many rows more) over the group,
   priced on where the group's members sit (:meth:`planc.estimate.cost.CostModel.all_to_all_seconds`:
@@ -156,6 +157,11 @@ class InstructionCosts:
         # None: the one-efficiency roofline
         self.kernels = KernelModel(plan, gpu) if gpu is not None else KernelModel.of(plan)
         self.mixture = Mixture.of(plan)  # None: no mixture of experts
+        # model { fp8 }: the dispatch moves each row as E4M3 bytes and a scale a tile
+        # (planc.runtime.families.moe._Fp8Dispatch), its share of the dtype's bytes
+        tile = plan.model.options.get("fp8_tile") or 128
+        self.dispatch_share = (1.0 + FP32_BYTES / tile) / DTYPE_BYTES[plan.model.dtype] \
+            if plan.model.options.get("fp8") is not None else 1.0
         self.accumulation = Accumulation.of(plan)  # None: fused into the GEMM
         self.parameter_elements = local_parameter_elements(plan) \
             if self.accumulation is not None else {}
@@ -209,8 +215,13 @@ class InstructionCosts:
                 # the busiest rank receives (dispatch) and sends back (combine) the
                 # most rows, and the all-to-all lasts as long as its share
                 imbalance = self.mixture.imbalance if self.mixture is not None else 1.0
-                exchange = EXPERT_ALL_TO_ALLS * self.expert_all_to_all(
-                    operands.group, (operands.bytes or 0) * imbalance, stage)
+                rows = (operands.bytes or 0) * imbalance
+                # a forward's dispatch in FP8 with model { fp8 }; its combine, and both
+                # of a backward's, in the dtype
+                dispatch = self.dispatch_share if operands.step in FORWARD_STEPS else 1.0
+                exchange = self.expert_all_to_all(operands.group, rows * dispatch, stage) + \
+                    (EXPERT_ALL_TO_ALLS - 1) * self.expert_all_to_all(operands.group, rows,
+                                                                        stage)
                 self.exchanges[instruction.node] = exchange
                 seconds += exchange
             # a balance loss's counts, in a forward: their backward sends nothing

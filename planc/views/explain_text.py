@@ -313,12 +313,18 @@ def expert_lines(plan: Plan, data: dict, layer: int) -> list[str]:
     most = rows * ep * min(m.top_k, per_rank) / m.top_k
     lines = [f"layer {layer}: the mixture's all-to-alls over ep ({ep} ranks: "
              f"{list(members)}), inside its instruction"]
-    for phase, what in (("F", "dispatch: each (token, expert) row to its expert's rank"),
-                        ("F", "combine: each expert's output back to its token's rank"),
-                        ("B", "the gradients of the combine, reversed"),
-                        ("B", "the gradients of the dispatch, reversed")):
-        lines.append(f"  {phase}  all_to_all over ep  {format_bytes(rows)} per microbatch at "
-                     f"uniform routing, at most {format_bytes(most)} received  [{what}]")
+    # model { fp8 }: the dispatch moves E4M3 bytes and a scale a tile
+    tile = m.options.get("fp8_tile") or 128
+    share = (1 + 4 / tile) / m.dtype_bytes if m.options.get("fp8") is not None else 1.0
+    dispatch = "dispatch in FP8" if share != 1.0 else "dispatch"
+    for phase, what, part in (
+            ("F", f"{dispatch}: each (token, expert) row to its expert's rank", share),
+            ("F", "combine: each expert's output back to its token's rank", 1.0),
+            ("B", "the gradients of the combine, reversed", 1.0),
+            ("B", "the gradients of the dispatch, reversed", 1.0)):
+        lines.append(f"  {phase}  all_to_all over ep  {format_bytes(rows * part)} per "
+                     f"microbatch at uniform routing, at most {format_bytes(most * part)} "
+                     f"received  [{what}]")
     lines.extend(textwrap.wrap(
         f"the {m.experts} experts of each mixture are spread over the ep group, {per_rank} "
         f"per rank (rank j runs experts j x {per_rank} to (j + 1) x {per_rank} - 1); each of "

@@ -294,6 +294,33 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
+class _Fp8Dispatch(torch.autograd.Function):
+    """The dispatch of model { fp8 } (DeepSeek-V3, section 3.3.4: activations dispatched
+    in FP8): each row sent as E4M3 bytes and one fp32 scale per tile
+    (planc.runtime.engine.fp8.encoded_rows), what the experts' first FP8 GEMM reads, and
+    decoded on arrival into the rows' dtype; the backward returns the gradients in the
+    dtype, as _AllToAll does (the report's combine and gradients stay in BF16)."""
+
+    @staticmethod
+    def forward(ctx, rows, sent, received, group, tile):
+        ctx.sent, ctx.received, ctx.group = sent, received, group
+        codes, scale = fp8.encoded_rows(rows, tile)
+        width, tiles = rows.shape[1], codes.shape[1]
+        codes_in = codes.view(torch.uint8).new_empty((sum(received), tiles, tile))
+        dist.all_to_all_single(codes_in, codes.view(torch.uint8).contiguous(), received,
+                               sent, group=group)
+        scale_in = scale.new_empty((sum(received), tiles, 1))
+        dist.all_to_all_single(scale_in, scale.contiguous(), received, sent, group=group)
+        return fp8.decoded_rows(codes_in.view(fp8.E4M3), scale_in, width).to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = grad.new_empty((sum(ctx.sent), grad.shape[1]))
+        dist.all_to_all_single(back, grad.contiguous(), ctx.sent, ctx.received,
+                               group=ctx.group)
+        return back, None, None, None, None
+
+
 def _exchange(values: torch.Tensor, sent: list[int], received: list[int], group
               ) -> torch.Tensor:
     """Integers to the group's ranks as _AllToAll sends rows (no gradient)."""
@@ -328,7 +355,9 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     sent, received = counts.tolist(), arriving.tolist()
     if tally is not None:  # the rows this rank's experts run: the routing's balance
         tally(sum(received))
-    rows = _AllToAll.apply(tokens[token_of], sent, received, peers.group)
+    recipe = fp8.recipe_of(m)
+    rows = _AllToAll.apply(tokens[token_of], sent, received, peers.group) if recipe is None \
+        else _Fp8Dispatch.apply(tokens[token_of], sent, received, peers.group, recipe.tile)
     rows_expert = _exchange(expert_of, sent, received, peers.group)
     stacked = _stacked(weights_of)  # this rank's experts only
     done = torch.zeros_like(rows)
