@@ -106,3 +106,15 @@ def test_the_metrics_record_the_share_of_pairs_dropped_the_same_on_every_layout(
     assert main(["run", str(tmp_path / "c.plan"), "-o", str(tmp_path / "c"), "--force",
                  "--steps", "1", "--metrics", str(tmp_path / "all.jsonl")]) == 0
     assert json.loads((tmp_path / "all.jsonl").read_text())["moe_dropped"] == 0.0
+
+
+def test_explain_names_the_capacitys_all_gathers_and_their_bytes(tmp_path, capsys):
+    """tp 2 shares each sequence: per microbatch, 2 sequences x 16 tokens x 2 choices and
+    16 positions, int64, from each rank: 640 B."""
+    (tmp_path / "c.plan").write_text(plan_text())
+    assert main(["explain", str(tmp_path / "c.plan"), "--layer", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index("layer 1: the capacity's all-gathers over sequence (2 ranks: [0, 1]), "
+                     "inside the mixture's instruction")
+    assert lines[at + 1] == ("  F  all_gather over sequence  640 B per microbatch from each "
+                             "rank  [its choices of experts and its tokens' positions: int64]")

@@ -13,8 +13,8 @@ Both run inside the operator's instruction, on its stream, over groups of their 
   with one all-reduce (``counts_over``), and the bytes of those fp32 counts
   (``counts_bytes``: the microbatch's sequences x experts); with ``capacity``, over the
   same ranks, the all-gathers of every part's choices of experts and its tokens'
-  positions (int64), from which each rank finds the tokens every expert drops, added to
-  ``counts_bytes``.
+  positions (int64), from which each rank finds the tokens every expert drops
+  (``capacity_bytes``: what one rank contributes).
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ def in_kernel_collectives(plan: Plan, rule: OpRule, shapes: Shapes, layout: OpLa
         attrs["dispatch_bytes"] = int(tokens * m.top_k * shapes.hidden * shapes.dtype_bytes)
     if rule.sums_over_sequences(m) and tp_share * mesh.cp > 1:
         attrs["counts_over"] = tp_share * mesh.cp
-        counts = shapes.batch * m.experts * FP32_BYTES if m.options.get("aux_loss") else 0
+        if m.options.get("aux_loss"):
+            attrs["counts_bytes"] = int(shapes.batch * m.experts * FP32_BYTES)
         if m.options.get("capacity") is not None:  # every part's choices and positions
             held = shapes.seq // tp_share
-            counts += shapes.batch * held * m.top_k * INDEX_BYTES + held * INDEX_BYTES
-        attrs["counts_bytes"] = int(counts)
+            attrs["capacity_bytes"] = int(shapes.batch * held * m.top_k * INDEX_BYTES
+                                          + held * INDEX_BYTES)
     return attrs

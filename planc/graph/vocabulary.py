@@ -177,6 +177,9 @@ OPTIONAL = {
                    "sequence (tp x cp), over which its forward all-reduces the loss's "
                    "per-sequence expert counts",
     "counts_bytes": "a mixture with a balance loss (compute): the bytes of those counts",
+    "capacity_bytes": "a mixture with a capacity whose sequences lie on several ranks "
+                      "(compute): the bytes of one rank's choices and positions, which its "
+                      "forward all-gathers over the same ranks",
     "scatter_gather": "pp send/recv with pp_scatter_gather: the tp ranks that each move 1/tp",
     "toward": "pipeline transfers: next or prev, the way the tensor travels along the "
               "stages (forward is next except on the way back of a V)",
@@ -208,6 +211,7 @@ OPTIONAL_TYPES = {
     "tp_input": TEXT, "tp_output": TEXT, "bucket": TEXT, "ring_steps": INTEGER,
     "ring_bytes": INTEGER, "ring_reason": TEXT, "experts_over": INTEGER,
     "dispatch_bytes": INTEGER, "counts_over": INTEGER, "counts_bytes": INTEGER,
+    "capacity_bytes": INTEGER,
     "scatter_gather": INTEGER, "toward": TEXT,
     "dim": (str, type(None)), "producer": TEXT, "consumer": TEXT, "collective": TEXT,
     "sharded": (bool,), "stream": TEXT, "placement": TEXT, "route": TEXT,

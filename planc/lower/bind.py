@@ -96,7 +96,7 @@ def _compute(graph: nx.DiGraph, node: str, data: dict, position: dict[str, int]
         bytes=data.get("ring_bytes") or data.get("dispatch_bytes"),
         # ... and its balance loss's counts, summed over the ranks holding each sequence
         counts_group=SEQUENCE if data.get("counts_over") else None,
-        counts_bytes=data.get("counts_bytes"),
+        counts_bytes=data.get("counts_bytes"), capacity_bytes=data.get("capacity_bytes"),
         norm_ranges=norm_ranges(graph, data["stage"]) if data["op"] == Op.GRAD_NORM else (),
         max_norm=data.get("max_norm"),
         router_layers=tuple(data.get("router_layers", ())),

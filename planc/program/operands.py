@@ -251,6 +251,9 @@ class Operands:
     # and the bytes of those counts
     counts_group: str | None = None
     counts_bytes: int | None = None
+    # ... and, with model moe { capacity }, the bytes of this rank's choices and positions
+    # its forward all-gathers over the same group
+    capacity_bytes: int | None = None
     peer_stage: int | None = None  # a pipeline transfer's other stage
     direction: str | None = None  # forward or backward: which pipeline group
     partner: str | None = None  # a pipeline send's receive on the peer stage (traces)
@@ -313,6 +316,7 @@ _READERS = {
     "reduce_op": _maybe(_one_of(REDUCE_OPS)), "source_dim": _maybe(_string),
     "target_dim": _maybe(_string), "ring_steps": _maybe(_integer),
     "counts_group": _maybe(_string), "counts_bytes": _maybe(_integer),
+    "capacity_bytes": _maybe(_integer),
     "peer_stage": _maybe(_integer), "direction": _maybe(_one_of(DIRECTIONS)),
     "partner": _maybe(_string),
     "shape": _tuple_of(_integer), "elements": _tuple_of(_integer),

@@ -36,7 +36,9 @@ table alone (not graph.json): the one model the compiler optimises with (planc.e
   that part of the instruction to the ep axis as exposed communication, not to compute.
 - A mixture whose balance loss spans the ranks of a sequence adds, to its forward and
   recomputed forward, the all-reduce of its counts (``counts_bytes``) over
-  ``counts_group``, in series (the loss needs the sum before it can be formed).
+  ``counts_group``, in series (the loss needs the sum before it can be formed); with a
+  capacity, the all-gather of every rank's choices and positions (``capacity_bytes``
+  each) over the same ranks.
 """
 
 from __future__ import annotations
@@ -226,9 +228,14 @@ class InstructionCosts:
                 seconds += exchange
             # a balance loss's counts, in a forward: their backward sends nothing
             if operands.counts_group is not None and operands.step in FORWARD_STEPS:
-                seconds += self.cost.transfer_seconds(
-                    Kind.ALL_REDUCE.value, operands.counts_bytes,
-                    self._size(operands.counts_group), self._crosses(operands.counts_group))
+                size, crosses = self._size(operands.counts_group), \
+                    self._crosses(operands.counts_group)
+                if operands.counts_bytes:
+                    seconds += self.cost.transfer_seconds(
+                        Kind.ALL_REDUCE.value, operands.counts_bytes, size, crosses)
+                if operands.capacity_bytes:  # the choices' and positions' all-gathers
+                    seconds += self.cost.transfer_seconds(
+                        Kind.ALL_GATHER.value, operands.capacity_bytes * size, size, crosses)
             return seconds
         kind = instruction.op
         ref, route = operands.group or PIPELINE, operands.route  # group_of, inlined

@@ -349,37 +349,36 @@ def counts_lines(plan: Plan, data: dict, layer: int) -> list[str]:
     parts = " x ".join(f"{axis} ({size})" for axis, size in
                        (("tp", data["counts_over"] // plan.mesh.cp), ("cp", plan.mesh.cp))
                        if size > 1)
-    lines, why = [], []
-    both = bool(plan.model.options.get("aux_loss")) and \
-        plan.model.options.get("capacity") is not None
-    size = "" if both else f"{format_bytes(data['counts_bytes'])} per microbatch  "
-    if plan.model.options.get("aux_loss"):
-        lines += [f"layer {layer}: the balance loss's count all-reduce over {SEQUENCE} "
-                  f"({data['counts_over']} ranks: {list(members)}), inside the mixture's "
-                  f"instruction",
-                  f"  F  all_reduce over {SEQUENCE}  {size}[the tokens each expert got in "
-                  f"each sequence: fp32, sequences x experts]"]
-        why.append(f"aux_loss (DeepSeek-V3's sequence-wise balance loss) weighs each "
-                   f"expert's mean probability over a sequence by the share of the "
-                   f"sequence's tokens routed to it; {parts} split each sequence's tokens "
-                   f"over these ranks, so they sum their counts (the counts carry no "
-                   f"gradient: the backward moves nothing for them, a recomputed forward "
-                   f"sums them again) and each adds its own tokens' part of the loss")
-    if plan.model.options.get("capacity") is not None:
-        lines += [f"layer {layer}: the capacity's all-gathers over {SEQUENCE} "
-                  f"({data['counts_over']} ranks: {list(members)}), inside the mixture's "
-                  f"instruction",
-                  f"  F  all_gather over {SEQUENCE}  {size}[each part's choices of experts "
-                  f"and its tokens' positions: int64]"]
-        why.append(f"capacity = {plan.model.options['capacity']:g} lets each expert take "
-                   f"only the first tokens of a sequence, by position; {parts} split each "
-                   f"sequence's tokens over these ranks, so each gathers the others' "
-                   f"choices to drop the same pairs as one process would")
-    if both:
-        lines.append(f"     {format_bytes(data['counts_bytes'])} per microbatch in all")
-    for text in why:
-        lines.extend(textwrap.wrap(text, width=96, initial_indent="     ",
+    lines: list[str] = []
+
+    def block(head: str, line: str, why: str) -> None:
+        lines.extend([head, line])
+        lines.extend(textwrap.wrap(why, width=96, initial_indent="     ",
                                    subsequent_indent="     ", break_on_hyphens=False))
+
+    where = f"over {SEQUENCE} ({data['counts_over']} ranks: {list(members)})"
+    if data.get("counts_bytes"):
+        block(f"layer {layer}: the balance loss's count all-reduce {where}, inside the "
+              f"mixture's instruction",
+              f"  F  all_reduce over {SEQUENCE}  {format_bytes(data['counts_bytes'])} per "
+              f"microbatch  [the tokens each expert got in each sequence: fp32, sequences x "
+              f"experts]",
+              f"aux_loss (DeepSeek-V3's sequence-wise balance loss) weighs each expert's "
+              f"mean probability over a sequence by the share of the sequence's tokens "
+              f"routed to it; {parts} split each sequence's tokens over these ranks, so they "
+              f"sum their counts (the counts carry no gradient: the backward moves nothing "
+              f"for them, a recomputed forward sums them again) and each adds its own "
+              f"tokens' part of the loss")
+    if data.get("capacity_bytes"):
+        block(f"layer {layer}: the capacity's all-gathers {where}, inside the mixture's "
+              f"instruction",
+              f"  F  all_gather over {SEQUENCE}  {format_bytes(data['capacity_bytes'])} per "
+              f"microbatch from each rank  [its choices of experts and its tokens' "
+              f"positions: int64]",
+              f"capacity = {plan.model.options['capacity']:g} lets each expert take only the "
+              f"first tokens of a sequence, by position; {parts} split each sequence's "
+              f"tokens over these ranks, so each gathers the others' choices to drop the "
+              f"same pairs as one process would")
     return lines
 
 
