@@ -30,9 +30,9 @@ def loss_bench_arguments(description: str, steps: int, plot: str, root: str):
     return args
 
 
-def loss_axes():
-    """A figure and axes for a loss curve (matplotlib, headless), or None without
-    matplotlib (it says so)."""
+def loss_axes(ylabel: str = "training loss (cross-entropy)"):
+    """A figure and axes for a curve over the steps (matplotlib, headless), or None
+    without matplotlib (it says so)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -42,5 +42,14 @@ def loss_axes():
         return None
     figure, axes = plt.subplots(figsize=(6, 3.4))
     axes.set_xlabel("step")
-    axes.set_ylabel("training loss (cross-entropy)")
+    axes.set_ylabel(ylabel)
     return figure, axes
+
+
+def save_curves(figure, axes, title: str, path: str) -> None:
+    """A legend and ``title`` on ``axes``, the figure written to ``path``."""
+    axes.set_title(title, fontsize=9)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"wrote {path}")

@@ -20,7 +20,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.corpus import loss_axes, loss_bench_arguments  # noqa: E402 (the repository's root first)
+from bench.corpus import loss_axes, loss_bench_arguments, save_curves  # noqa: E402 (the repository's root first)
 PLANC = [os.path.join(os.path.dirname(sys.executable), "planc")]
 RECIPES = {"bf16": [],
            "fp8 blockwise, E4M3 gradients (DeepSeek-V3)": ["--set", "model.fp8=blockwise"],
@@ -64,13 +64,9 @@ def main() -> int:
     figure, axes = drawn
     for name, values in losses.items():
         axes.plot(range(1, len(values) + 1), values, label=name, linewidth=1)
-    axes.set_title(f"llama-small, {args.steps} steps: FP8 GEMMs against bf16 (the last "
-                   f"{window} steps: " + ", ".join(f"{100 * g:+.1f}%" for g in gaps.values())
-                   + ")", fontsize=9)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(args.plot, dpi=120)
-    print(f"wrote {args.plot}")
+    save_curves(figure, axes, f"llama-small, {args.steps} steps: FP8 GEMMs against bf16 (the "
+                f"last {window} steps: " + ", ".join(f"{100 * g:+.1f}%" for g in gaps.values())
+                + ")", args.plot)
     return 0
 
 

@@ -259,3 +259,18 @@ def test_a_node_lost_is_recovered_with_its_biases_from_a_peers_memory(tmp_path):
     (recovery,) = [r["recovery"] for r in history if "recovery" in r]
     assert recovery["resumed_step"] > 4, out  # from the copy, newer than the file's
     assert "every loss and parameter matches" in out
+
+
+def test_the_metrics_record_the_busiest_experts_load_the_same_on_every_layout(tmp_path):
+    """moe_expert_imbalance: the busiest expert's load over the mean, the worst block, as
+    the update read the step's loads; at step 0 (the same weights) the same number on
+    tp 2 x dp 2 x ep 4 (sequence parallel), tp 2 x dp 2 (every count doubled) and pp 2."""
+    values = []
+    for mesh, sp in (("tp = 2; dp = 2; ep = 4", "on"), ("tp = 2; dp = 2", "off"),
+                     ("pp = 2; dp = 2", "on")):
+        (tmp_path / "b.plan").write_text(plan_text(mesh, sp=sp))
+        metrics = tmp_path / f"{len(values)}.jsonl"
+        assert _run(tmp_path, "--force", "--steps", "1", "--metrics", str(metrics)) == 0
+        (record,) = [json.loads(line) for line in metrics.read_text().splitlines()]
+        values.append(record["moe_expert_imbalance"])
+    assert values[0] > 1 and values == [values[0]] * 3, values

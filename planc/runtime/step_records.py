@@ -104,11 +104,14 @@ class StepRecords:
 
     def step(self, step: int, times, loss: float | None,
              routed: tuple[int, tuple[int, ...]] | None = None,
-             dropped: tuple[int, int] | None = None) -> None:
+             dropped: tuple[int, int] | None = None,
+             expert_imbalance: float | None = None) -> None:
         """``routed``: the rows this rank's experts ran in the step and its ep group
         (planc.runtime.engine.kernels.Kernels.take_routed), None without experts over ep;
         ``dropped``: the (token, expert) pairs its mixtures dropped and chose
-        (``take_dropped``), None without ``capacity``."""
+        (``take_dropped``), None without ``capacity``; ``expert_imbalance``: the busiest
+        expert's load over the mean of this rank's stage (its worst block), None without
+        ``bias_update``."""
         self.flush()
         if self.recovery is not None and "seconds_lost" not in self.recovery:
             failed_at = self.recovery.pop("failed_at")
@@ -118,7 +121,8 @@ class StepRecords:
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         rows, group = routed if routed is not None else (0, (-1,))
         lost, pairs = dropped if dropped is not None else (0, 0)
-        mine = torch.tensor(times.as_list() + [rows, group[0], lost, pairs, peak, memory],
+        mine = torch.tensor(times.as_list() + [rows, group[0], lost, pairs,
+                                               expert_imbalance or 0.0, peak, memory],
                             dtype=torch.float64)
         if self.world == 1:
             self.pending = (step, None, [mine], loss)
@@ -158,6 +162,9 @@ class StepRecords:
         pairs = float(table[:, at + 3].sum())
         if pairs > 0:  # model { capacity }: the share of the step's pairs it dropped
             record["moe_dropped"] = float(table[:, at + 2].sum()) / pairs
+        worst = float(table[:, at + 4].max())
+        if worst > 0:  # model { bias_update }: what the balancing bias works against
+            record["moe_expert_imbalance"] = worst
         record.update(self.notes.pop(step, {}))
         if self.recovery is not None:
             record["recovery"], self.recovery = self.recovery, None

@@ -191,7 +191,8 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
                 notes["eval_loss"] = evaluations[step] = evaluated
             metrics.step(step, result.times, result.state.loss,
                          interpreter.kernels.take_routed(step),
-                         interpreter.kernels.take_dropped(step))
+                         interpreter.kernels.take_dropped(step),
+                         result.state.expert_imbalance)
             if log_dir is not None and _leader(ctx):  # what a replanning launcher reports
                 _tell_launcher(os.path.join(log_dir, STEPS_FILE), str(done))
             if peer is not None:

@@ -39,6 +39,9 @@ class StepState:
     saved: dict[tuple[str, int | None], Saved] = field(default_factory=dict)
     loss: float | None = None
     grad_norm: float | None = None  # train { grad_clip }: the norm before clipping
+    # model moe { bias_update }: the busiest expert's load over the mean, the stage's
+    # worst block, as the update read the step's loads
+    expert_imbalance: float | None = None
 
 
 def combine(values: list[torch.Tensor]) -> torch.Tensor:
@@ -285,6 +288,7 @@ class Interpreter:
                                      self.ctx.model.experts, self.ctx.device)
         (summed,) = self._ports(state, step.inputs, None)["x"]
         router_bias.update(self.store.buffers, summed, layers, step.router.bias_update)
+        state.expert_imbalance = router_bias.imbalance(summed, layers)
         return None
 
     def _weight(self, state: StepState, step: _Compute, mb: int | None):

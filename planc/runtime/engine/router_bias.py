@@ -47,3 +47,10 @@ def update(buffers: dict[str, torch.Tensor], summed: torch.Tensor,
     """Every block's bias moved by the stage's summed loads."""
     for layer, load in zip(layers, summed.reshape(len(layers), -1)):
         update_bias(buffers[bias_name(layer)], load, rate)
+
+
+def imbalance(summed: torch.Tensor, layers: tuple[int, ...]) -> float:
+    """The busiest expert's load over the mean, the worst of the blocks: what the bias
+    works against (MaxVio + 1 in Wang et al. 2024, per block and step)."""
+    loads = summed.reshape(len(layers), -1)
+    return float((loads.max(dim=1).values / loads.mean(dim=1)).max())

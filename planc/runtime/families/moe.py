@@ -360,7 +360,10 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
         else _Fp8Dispatch.apply(tokens[token_of], sent, received, peers.group, recipe.tile)
     rows_expert = _exchange(expert_of, sent, received, peers.group)
     stacked = _stacked(weights_of)  # this rank's experts only
-    done = torch.zeros_like(rows)
+    # zeros that depend on ``rows``: a rank whose experts got no row in this microbatch
+    # still runs both all-to-alls' backward, which its peers wait for (with zeros_like,
+    # autograd would skip them there, and the ep group would hang)
+    done = rows * 0
     first = peers.index * per_rank
     for expert in range(first, first + per_rank):
         mine = (rows_expert == expert).nonzero(as_tuple=True)[0]
