@@ -274,3 +274,15 @@ def test_the_metrics_record_the_busiest_experts_load_the_same_on_every_layout(tm
         (record,) = [json.loads(line) for line in metrics.read_text().splitlines()]
         values.append(record["moe_expert_imbalance"])
     assert values[0] > 1 and values == [values[0]] * 3, values
+
+
+def test_planc_plot_draws_the_experts_balance(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "b.plan").write_text(plan_text("dp = 2; ep = 2"))
+    assert _run(tmp_path, "--steps", "2", "--metrics", str(tmp_path / "m.jsonl")) == 0
+    capsys.readouterr()
+    assert main(["plot", str(tmp_path / "m.jsonl"), "--metric", "moe_expert_imbalance",
+                 "-o", str(tmp_path / "b.png")]) == 0
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert capsys.readouterr().err == (f"planc: moe_expert_imbalance of 1 run written to "
+                                       f"{tmp_path / 'b.png'}\n")

@@ -17,7 +17,11 @@ METRICS = {"loss": "loss", "eval_loss": "evaluation loss", "lr": "learning rate"
            "grad_norm": "gradient norm",
            "tokens_per_s": "tokens/s", "tflops_per_device": "TFLOP/s per device",
            "mfu": "MFU", "time_s": "step time (s)", "exposed_comm_s": "exposed communication (s)",
-           "max_rss_mb": "peak resident memory, largest rank (MiB)"}
+           "max_rss_mb": "peak resident memory, largest rank (MiB)",
+           # a mixture of experts: its routing's balance, and what its capacity dropped
+           "ep_imbalance": "busiest ep rank's rows / mean",
+           "moe_expert_imbalance": "busiest expert's load / mean",
+           "moe_dropped": "share of (token, expert) pairs dropped"}
 WIDTH_IN, HEIGHT_IN, DPI = 8.0, 4.5, 100  # a PNG of 800 x 450 pixels
 LINE_STYLES = ("-", "--", ":", "-.")  # runs that coincide stay visible on top of each other
 MAX_LABEL = 48  # characters of a curve's label
