@@ -200,11 +200,12 @@ def test_fp8_on_a_machine_without_fp8_tensor_cores_is_refused():
 
 def test_the_memory_estimate_keeps_the_gemm_inputs_in_fp8():
     from planc.models import llama
+    from planc.vocabulary.model_options import gemm_input_bytes
 
     plain, fp8 = (load_text(DENSE.replace("MESH", "tp = 2").replace(
         "fp8 = blockwise; fp8_tile = 16", extra)).plan.model
         for extra in ("fp8_tile = 16", "fp8 = blockwise; fp8_tile = 16"))
-    assert llama.gemm_input_bytes(plain) == 4 and llama.gemm_input_bytes(fp8) == 1.25
+    assert gemm_input_bytes(plain) == 4 and gemm_input_bytes(fp8) == 1.25
     shape = dict(seq=32, seq_full=32, batch=4, tp=2, sequence_parallel=True,
                  recompute="none")
     # the inputs of q/k/v and gate/up (2 x 128 tokens x 64 / tp) and of o and down

@@ -277,7 +277,7 @@ def test_explain_names_a_mixtures_all_to_alls_and_their_bytes(capsys):
 
 def test_ties_go_to_the_lower_expert_and_weights_are_renormalised():
     torch = pytest.importorskip("torch")
-    from planc.runtime.families.moe import route
+    from planc.runtime.families.moe_gate import route
 
     tokens = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
     router = torch.tensor([[2.0, 1.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0]])

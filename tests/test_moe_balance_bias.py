@@ -49,7 +49,8 @@ def built(text: str):
 
 @pytest.mark.parametrize("groups", [None, (4, 2)])
 def test_the_bias_chooses_as_deepseek_v3s_router(groups):
-    from planc.runtime.families.moe import mixture, route
+    from planc.runtime.families.moe import mixture
+    from planc.runtime.families.moe_gate import route
 
     extra = "" if groups is None else f"; expert_groups = {groups[0]}; route_groups = {groups[1]}"
     m = load_text(plan_text().replace("bias_update = 0.01", "bias_update = 0.01" + extra)
@@ -78,7 +79,7 @@ def test_the_bias_chooses_as_deepseek_v3s_router(groups):
 
 
 def test_the_update_moves_each_bias_by_the_sign_of_mean_minus_load():
-    from planc.runtime.families.moe import update_bias
+    from planc.runtime.families.moe_gate import update_bias
 
     bias = torch.tensor([0.5, 0.0, -0.25, 0.0], dtype=torch.float32)
     update_bias(bias, torch.tensor([3.0, 1.0, 2.0, 2.0], dtype=torch.float64), 0.125)

@@ -28,10 +28,11 @@ def model(capacity: str = "1.0"):
 
 
 def test_each_expert_takes_the_first_tokens_of_each_sequence_by_position():
-    from planc.runtime.families.moe import capacity_of, kept
+    from planc.vocabulary.model_options import expert_capacity
+    from planc.runtime.families.moe_gate import kept
 
     m = model("0.375")  # ceil(0.375 x 32 x 2 / 8) = 3 rows per expert and sequence
-    assert capacity_of(m) == 3
+    assert expert_capacity(m) == 3
     # two sequences of 32 tokens; in the first, expert 5 is every token's first choice
     experts = torch.stack([torch.full((64,), 5), torch.arange(64) % 4], dim=1)
     experts[32:, 0] = 6

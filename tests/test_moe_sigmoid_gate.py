@@ -63,7 +63,8 @@ def random_weights(m, generator) -> dict:
 
 @pytest.mark.parametrize("groups", [None, (4, 2)])  # DeepSeek-V3's node-limited routing
 def test_the_sigmoid_gate_is_deepseek_v3s(groups):
-    from planc.runtime.families.moe import mixture, route
+    from planc.runtime.families.moe import mixture
+    from planc.runtime.families.moe_gate import route
 
     extra = "" if groups is None else f"; expert_groups = {groups[0]}; route_groups = {groups[1]}"
     m = load_text(PLAN.replace("EXTRA", extra)).plan.model

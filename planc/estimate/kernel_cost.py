@@ -279,31 +279,27 @@ class KernelModel:
 
     def gemm_seconds(self, m: float, n: int, k: int, fp8: bool = False) -> float:
         """One GEMM of an ``m x k`` by a ``k x n`` matrix (``fp8``: one of the plan's FP8
-        GEMMs, :meth:`_fp8_inputs`)."""
+        GEMMs, :meth:`grouped_gemm_seconds`)."""
         return self.grouped_gemm_seconds(1, m, n, k, fp8)
 
     def grouped_gemm_seconds(self, groups: int, m: float, n: int, k: float,
                              fp8: bool = False) -> float:
         """One grouped GEMM: ``groups`` GEMMs of ``m x k`` by ``k x n`` in one launch,
-        whose output tiles fill the SMs' waves together."""
+        whose output tiles fill the SMs' waves together. ``fp8`` on a device with FP8
+        (``fp8_speedup``): at its FP8 rate, the inputs one byte an element, and each
+        input read in the dtype and written in FP8 by its quantisation (a bound:
+        DeepSeek-V3 fuses an activation's into the kernel before, and a weight's blocks
+        serve every microbatch)."""
         gpu, rows = self.gpu, ceil(m)
         waves = wave_efficiency(rows, n, gpu.sms, groups)
         rate = self.peak * gpu.large * waves * k / (k + gpu.k_overhead)
-        inputs = groups * (m * k + k * n)
-        traffic = (self.dtype_bytes * groups * m * n + self._input_bytes(fp8) * inputs) / \
-            self.bandwidth
+        traffic = self.dtype_bytes * groups * (m * k + k * n + m * n) / self.bandwidth
         if fp8 and self.fp8_speedup:
             rate *= self.fp8_speedup
-            # each input read in the dtype and written in FP8 by its quantisation (a bound:
-            # DeepSeek-V3 fuses an activation's into the kernel before, and a weight's
-            # blocks serve every microbatch)
-            traffic += (self.dtype_bytes + 1) * inputs / self.bandwidth
+            inputs = groups * (m * k + k * n)  # read as one byte, and quantised: 1 + d + 1
+            traffic = (self.dtype_bytes * groups * m * n
+                       + (self.dtype_bytes + 2) * inputs) / self.bandwidth
         return max(2.0 * groups * m * n * k / rate, traffic) + gpu.launch
-
-    def _input_bytes(self, fp8: bool) -> float:
-        """Bytes of a GEMM input element: FP8's one with the plan's FP8 GEMMs on a device
-        that has them, else the dtype's."""
-        return 1.0 if fp8 and self.fp8_speedup else self.dtype_bytes
 
     def mixture_seconds(self, step: str | None, flops: float) -> float:
         """A mixture's ``step`` (forward, recompute or backward) of ``flops``."""

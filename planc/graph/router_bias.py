@@ -41,6 +41,12 @@ def bias_nodes(stage: int) -> tuple[str, str, str]:
             f"N/router_bias#s{stage}")
 
 
+def mixture_layers(plan: Plan, stage: int) -> list[int]:
+    """The mixture blocks of ``stage``, in order: those whose bias it counts and updates."""
+    return [layer for layer in plan.layers_of_stage(stage)
+            if layer >= plan.model.first_dense]
+
+
 def add_router_bias(plan: Plan, graph: nx.DiGraph) -> nx.DiGraph:
     """Add the balancing bias's nodes to the derived ``graph`` of ``plan`` (in place) when
     the model sets ``bias_update``; returns the graph."""
@@ -54,7 +60,7 @@ def add_router_bias(plan: Plan, graph: nx.DiGraph) -> nx.DiGraph:
                 data["phase"] == Phase.FORWARD:
             mixtures.setdefault(data["stage"], []).append(node)
     for stage in range(plan.mesh.pp):
-        layers = [layer for layer in plan.layers_of_stage(stage) if layer >= m.first_dense]
+        layers = mixture_layers(plan, stage)
         if not layers:
             continue
         load, reduce, update = bias_nodes(stage)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from planc.vocabulary.hints import divisors_below, largest_divisors, try_values
 from planc.vocabulary.kinds import Boolean, Choice, Integer, Key, Real
+from planc.vocabulary.model_options import fp8_tile, gemm_input_bytes
 from planc.models.family import (HEAD_OPS, Family, Finding, Model, OpRule, Parameter, Weight,
                                  pre_norm_block, pre_norm_chains)
 
@@ -170,15 +171,6 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     return (stream + split + scores) * m.dtype_bytes + inputs * gemm_input_bytes(m)
 
 
-def gemm_input_bytes(m: Model) -> float:
-    """Bytes a linear layer keeps per element of its input for the backward: the dtype's,
-    or with ``fp8`` one E4M3 byte and its tile's fp32 scale, 4 / fp8_tile (DeepSeek-AI
-    2024, section 3.3.3: the cached activations are FP8)."""
-    if m.options.get("fp8") is None:
-        return m.dtype_bytes
-    return 1.0 + 4.0 / (m.options.get("fp8_tile") or 128)
-
-
 def preset_default(name: str, presets=PRESETS):
     """The default of key ``name``: the chosen preset's value, or None (none chosen, the
     preset does not set it, or it is another family's: a model block of an unknown
@@ -277,9 +269,9 @@ def fp8_blocks_split_over_tp(m: Model, tensor, mesh) -> Finding | None:
     each of q, k, v and gate, up on a rank; the rows of o and down, where the placement
     splits them), so that every rank quantises in the groups one process would
     (planc.runtime.engine.fp8)."""
-    if m.options.get("fp8") is None or mesh.tp == 1:
+    tile = fp8_tile(m)
+    if tile is None or mesh.tp == 1:
         return None
-    tile = m.options.get("fp8_tile") or 128
     kv_heads = max(m.kv_heads // mesh.tp, 1)
     dense = m.family != "moe" or m.first_dense > 0  # a mixture's experts are never split
     q, ffn = m.heads // mesh.tp * m.head_dim, m.ffn // mesh.tp

@@ -29,11 +29,10 @@ token's k and the shared ones), as MoE papers count them.
 
 from __future__ import annotations
 
-import math
-
 from planc.vocabulary.hints import divisors_below, try_values
 from planc.vocabulary.kinds import Boolean, Choice, Integer, Key, Real
 from planc.models import llama
+from planc.vocabulary.model_options import expert_capacity, expert_groups_of, gemm_input_bytes
 from planc.models.family import (HEAD_OPS, Family, Finding, Model, OpRule, Parameter,
                                  pre_norm_chains)
 
@@ -184,7 +183,7 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     # llama's dense MLP out (gate and up in the dtype, down's input as a GEMM input), the
     # router's input and fp32 probabilities in, and per expert a token goes through its
     # gate and up outputs (dtype) and its two GEMMs' inputs (its rows, the product)
-    gemm = llama.gemm_input_bytes(m)
+    gemm = gemm_input_bytes(m)
     mixture = dense + (sb * m.hidden * m.dtype_bytes + sb * m.experts * 4
                        + active * sb * (2 * m.expert_ffn * m.dtype_bytes
                                         + (m.hidden + m.expert_ffn) * gemm)
@@ -203,11 +202,10 @@ def dispatch_bytes(m: Model, mesh, tokens: float) -> float:
         return 0.0
     local = tokens / mesh.tp
     rows = mesh.ep * local * min(m.top_k, m.experts // mesh.ep)
-    capacity = m.options.get("capacity")
-    if capacity is not None:
+    per_sequence = expert_capacity(m)
+    if per_sequence is not None:
         # each of the rank's experts takes at most C rows of a sequence, from whichever
         # ranks hold its parts: a rank holds parts of tokens x cp / seq sequences
-        per_sequence = math.ceil(capacity * m.seq * m.top_k / m.experts)
         sequences = tokens * mesh.cp / m.seq
         rows = min(rows, mesh.ep * sequences * (m.experts // mesh.ep) * per_sequence)
     return rows * (2 * m.hidden + 3 * m.expert_ffn) * m.dtype_bytes
@@ -288,16 +286,15 @@ def top_k_within_experts(m: Model) -> Finding | None:
 def groups_of_experts(m: Model) -> Finding | None:
     """DeepSeek-V3's group-limited routing: whole groups, and enough experts in the groups a
     token may use for its top_k."""
-    groups, chosen = m.options.get("expert_groups"), m.options.get("route_groups")
-    if groups is None and chosen is None:
+    limited = expert_groups_of(m)
+    if limited is None:
         return None
-    groups = groups or 1
+    groups, chosen = limited
     if m.experts % groups:
         return Finding(f"expert_groups ({groups}) must divide experts ({m.experts}): each "
                        f"group is a block of experts / expert_groups experts",
                        ("model.expert_groups",), try_values("expert_groups",
                                                             divisors_below(groups, m.experts)))
-    chosen = groups if chosen is None else chosen
     if chosen > groups:
         return Finding(f"route_groups ({chosen}) must be at most expert_groups ({groups})",
                        ("model.route_groups",), try_values("route_groups", [groups]))

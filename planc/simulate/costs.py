@@ -54,6 +54,7 @@ from planc.estimate.memory import local_parameter_elements
 from planc.plan.plan import DTYPE_BYTES, Plan
 from planc.estimate.kernel_cost import MIXTURE, KernelModel, Mixture
 from planc.estimate.roofline import roofline_seconds, traffic
+from planc.vocabulary.model_options import gemm_input_bytes
 
 FP32_BYTES = 4
 
@@ -161,9 +162,7 @@ class InstructionCosts:
         self.mixture = Mixture.of(plan)  # None: no mixture of experts
         # model { fp8 }: the dispatch moves each row as E4M3 bytes and a scale a tile
         # (planc.runtime.families.moe._Fp8Dispatch), its share of the dtype's bytes
-        tile = plan.model.options.get("fp8_tile") or 128
-        self.dispatch_share = (1.0 + FP32_BYTES / tile) / DTYPE_BYTES[plan.model.dtype] \
-            if plan.model.options.get("fp8") is not None else 1.0
+        self.dispatch_share = gemm_input_bytes(plan.model) / DTYPE_BYTES[plan.model.dtype]
         self.accumulation = Accumulation.of(plan)  # None: fused into the GEMM
         self.parameter_elements = local_parameter_elements(plan) \
             if self.accumulation is not None else {}

@@ -13,6 +13,7 @@ That the all-reduce is the same collective on every rank of the stage is
 
 from __future__ import annotations
 
+from planc.graph.router_bias import mixture_layers
 from planc.program.operands import StepKind
 from planc.program.program import Opcode, Program
 from planc.verify.report import describe
@@ -40,10 +41,8 @@ class RouterBiasChecks:
             role = _role(instruction)
             if role is not None:
                 parts[role].append(instruction)
-        m = self.plan.model
-        rate = m.options.get("bias_update")
-        layers = tuple(layer for layer in self.plan.layers_of_stage(program.stage)
-                       if layer >= m.first_dense) if rate is not None else ()
+        rate = self.plan.model.options.get("bias_update")
+        layers = tuple(mixture_layers(self.plan, program.stage)) if rate is not None else ()
         if not layers:
             found = [i for items in parts.values() for i in items]
             if found:

@@ -14,6 +14,7 @@ from planc.vocabulary.units import TIME, format_bytes, format_quantity
 from planc.plan.layout import Layout
 from planc.lower.tables import plan_group_table
 from planc.plan.plan import Plan
+from planc.vocabulary.model_options import gemm_input_bytes
 from planc.views.tables import table
 from planc.diagnostics import counted
 
@@ -314,8 +315,7 @@ def expert_lines(plan: Plan, data: dict, layer: int) -> list[str]:
     lines = [f"layer {layer}: the mixture's all-to-alls over ep ({ep} ranks: "
              f"{list(members)}), inside its instruction"]
     # model { fp8 }: the dispatch moves E4M3 bytes and a scale a tile
-    tile = m.options.get("fp8_tile") or 128
-    share = (1 + 4 / tile) / m.dtype_bytes if m.options.get("fp8") is not None else 1.0
+    share = gemm_input_bytes(m) / m.dtype_bytes
     dispatch = "dispatch in FP8" if share != 1.0 else "dispatch"
     for phase, what, part in (
             ("F", f"{dispatch}: each (token, expert) row to its expert's rank", share),

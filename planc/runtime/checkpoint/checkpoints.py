@@ -82,10 +82,8 @@ class Checkpoints(Loading):
         # the state that is not trained, by name: every stage's, as rank 0 commits them,
         # each kept by the stage of its block's parameters
         self.buffer_shapes = router_bias.shapes(ctx.model)
-        for name in self.buffer_shapes:
-            block = name.split(".router.")[0] + "."
-            self.owner[name] = min(stage for param, stage in self.owner.items()
-                                   if param.startswith(block))
+        for name, router in router_bias.beside(ctx.model).items():
+            self.owner[name] = self.owner[router]
         self.optimizers = {interpreter.optimized[node]: optimizer
                            for node, optimizer in interpreter.optimizers.items()}
         self.keys = fmt.state_keys(ctx.optimizer.to_json())

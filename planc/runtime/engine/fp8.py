@@ -30,13 +30,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from planc.vocabulary.model_options import fp8_tile
+
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 # the largest finite number of each format (OCP 8-bit floating point specification)
 LARGEST = {E4M3: 448.0, E5M2: 57344.0}
 GRADIENT_FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
 FP32 = torch.float32
-DEFAULT_TILE = 128  # DeepSeek-V3's, section 3.3.1
 
 
 @dataclass(frozen=True)
@@ -50,10 +51,10 @@ class Recipe:
 
 def recipe_of(model) -> Recipe | None:
     """``model``'s FP8 recipe, or None when it multiplies in its dtype."""
-    if model.options.get("fp8") is None:
+    tile = fp8_tile(model)
+    if tile is None:
         return None
-    return Recipe(model.options.get("fp8_tile") or DEFAULT_TILE,
-                  GRADIENT_FORMATS[model.options.get("fp8_gradients") or "e4m3"])
+    return Recipe(tile, GRADIENT_FORMATS[model.options.get("fp8_gradients") or "e4m3"])
 
 
 def _encoded(groups: torch.Tensor, dims: tuple[int, ...], form: torch.dtype = E4M3

@@ -127,6 +127,12 @@ def cross_entropy_grad(log_probs: torch.Tensor, targets: torch.Tensor, tokens: i
                                                    dtype=grad.dtype))
 
 
+def taken(table: dict[tuple, object], step: int) -> dict[tuple, object]:
+    """The entries of ``table`` (keyed by step first: what the mixtures record of each
+    step for the metrics and the balancing bias) of ``step``, removed from it."""
+    return {key: table.pop(key) for key in [key for key in table if key[0] == step]}
+
+
 class Kernels:
     def __init__(self, ctx: RankContext, buffers: dict[str, torch.Tensor] | None = None):
         self.ctx = ctx
@@ -163,19 +169,17 @@ class Kernels:
     def take_dropped(self, step: int) -> tuple[int, int] | None:
         """(pairs dropped, pairs chosen) by ``model { capacity }`` over this rank's
         mixtures in ``step``, or None (no capacity); forgets them."""
-        mine = [key for key in self.dropped if key[0] == step]
-        if not mine:
+        values = list(taken(self.dropped, step).values())
+        if not values:
             return None
-        values = [self.dropped.pop(key) for key in mine]
         return sum(d for d, _ in values), sum(n for _, n in values)
 
     def take_routed(self, step: int) -> tuple[int, tuple[int, ...]] | None:
         """The rows this rank's experts ran in ``step`` and its ep group, or None (no
         experts split over ep here); forgets them."""
-        mine = [key for key in self.routed if key[0] == step]
-        if not mine:
+        values = list(taken(self.routed, step).values())
+        if not values:
             return None
-        values = [self.routed.pop(key) for key in mine]
         return sum(rows for rows, _ in values), values[0][1]
 
     def ring_attention(self, spec: Spec, q: torch.Tensor, k: torch.Tensor,

@@ -11,16 +11,22 @@ from __future__ import annotations
 
 import torch
 
-from planc.runtime.families.moe import balanced, bias_name, update_bias
+from planc.runtime.engine.kernels import taken
+from planc.runtime.families.moe_gate import balanced, bias_name, update_bias
 
 FP32, FP64 = torch.float32, torch.float64
 
 
 def shapes(model) -> dict[str, list[int]]:
     """Every stage's biases, by name, with their shapes: what a checkpoint holds."""
+    return {name: [model.experts] for name in beside(model)}
+
+
+def beside(model) -> dict[str, str]:
+    """Every bias, by name, with the parameter whose stage keeps it: its block's router."""
     if model.family != "moe" or not balanced(model):
         return {}
-    return {bias_name(layer): [model.experts]
+    return {bias_name(layer): f"layers.{layer}.router.weight"
             for layer in range(model.first_dense, model.layers)}
 
 
@@ -37,8 +43,8 @@ def loads(chosen: dict[tuple, torch.Tensor], step: int, layers: tuple[int, ...],
     ``layers`` lists them; forgets them."""
     out = torch.zeros(len(layers), experts, dtype=FP64, device=device)
     row = {layer: i for i, layer in enumerate(layers)}
-    for key in [key for key in chosen if key[0] == step]:
-        out[row[key[2]]] += chosen.pop(key).to(FP64)
+    for (_, _, layer), per_expert in taken(chosen, step).items():
+        out[row[layer]] += per_expert.to(FP64)
     return out.reshape(-1)
 
 
