@@ -57,7 +57,8 @@ def validated(plan):
         seen.append(stage)
 
     build = compile_plan(plan, check)
-    assert seen == ["derive", "fuse", "route", "split_backward", "overlap", "tp_overlap"]
+    assert seen == ["derive", "fuse", "route", "split_dispatch", "split_backward", "overlap",
+                    "tp_overlap"]
     return build
 
 

@@ -234,8 +234,7 @@ REFUSED = {
     "modelzoo-qwen3-235b-tp4": "planc has no `optimize { moe_dispatcher = deepep }`",
     "automodel-deepseek-v3-256": "planc has no `optimize { moe_dispatcher = deepep }`",
     "automodel-deepseek-v3-1024": "planc has no `optimize { moe_dispatcher = deepep }`",
-    "deepseek-v3-h800": "planc has no `schedule { overlap_all_to_all = on }`, "
-                        "`optimize { moe_dispatcher = deepep }`",
+    "deepseek-v3-h800": "planc has no `optimize { moe_dispatcher = deepep }`",
 }
 
 
@@ -347,9 +346,10 @@ def test_a_mixture_is_priced_by_its_grouped_gemms_and_its_traffic():
     forward, backward = found["F/L4/moe"].operands, found["B/L4/moe"].operands
     rows, tokens, h, e = 8192 * 1.72, 4096, 4096, 14336
     moved = 2 * (rows * 2 * h + rows * h + tokens * h + rows * 3 * e) + 2 * 4 * tokens * 8
-    assert kernels.seconds(forward, 0.0) == (
+    assert kernels.seconds(forward, 0.0) == pytest.approx(
         kernels.gemm_seconds(tokens, 8, h) + kernels.grouped_gemm_seconds(1, rows, 2 * e, h)
-        + kernels.grouped_gemm_seconds(1, rows, h, e) + moved / 3.35e12 + 5 * 4e-6)
+        + kernels.grouped_gemm_seconds(1, rows, h, e) + moved / 3.35e12 + 5 * 4e-6,
+        rel=1e-12)
     # The backward: input gradients of gate-and-up (inner 28,672) and down (inner 4,096),
     # their weight gradients (inner: the expert's 8,192 rows), the router's two; twice
     # the traffic and the launches.

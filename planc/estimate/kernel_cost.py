@@ -110,10 +110,12 @@ GEMM_INPUT = {"qkv": "stream", "proj": None, "fc1": "stream", "fc2": "ffn",
 SPLIT_N = ("column", "vocab")  # tensor-parallel layouts that split a GEMM's output features
 ATTENTION = "attention"
 MIXTURE = "moe"
-# A mixture's kernels besides its GEMMs, forward: the router's softmax and top-k, the
-# permutation into the dispatch buffer, the activation, the unpermutation with its
-# weighted sum; the backward runs the gradient of each.
-MIXTURE_PASSES = 5
+# A mixture's parts, each a compute piece when cut at its all-to-alls
+# (planc.models.moe.part_flops). Its kernels besides its GEMMs, forward, are five: the
+# router's softmax and top-k, the permutation into the dispatch buffer, the experts'
+# activation, the shared experts', the unpermutation with its weighted sum; the backward
+# runs the gradient of each.
+MIXTURE_PARTS = ("moe_route", "moe_shared", "moe_experts", "moe_combine")
 CAUSAL = 0.5  # the share of an attention's FLOPs (every key counted) a causal mask leaves
 FLASH_BACKWARD = 2.5  # FlashAttention counts a backward as 2.5 forwards
 OPTIMIZER = "optimizer"
@@ -302,46 +304,59 @@ class KernelModel:
         return max(2.0 * groups * m * n * k / rate, traffic) + gpu.launch
 
     def mixture_seconds(self, step: str | None, flops: float) -> float:
-        """A mixture's ``step`` (forward, recompute or backward) of ``flops``."""
+        """A mixture's ``step`` (forward, recompute or backward) of ``flops``: its parts'
+        (:meth:`mixture_part_seconds`) added up."""
+        tokens = flops / (2.0 if step == "backward" else 1.0) / self.mixture.flops_per_token
+        return sum(self.mixture_part_seconds(part, step, tokens) for part in MIXTURE_PARTS)
+
+    def mixture_part_seconds(self, part: str, step: str | None, tokens: float) -> float:
+        """One part of a mixture's ``step`` on ``tokens`` (planc.models.moe.part_flops; a
+        piece of a mixture cut at its all-to-alls, planc.passes.split_dispatch): its GEMMs,
+        and the memory traffic and launches of its kernels between them."""
         x = self.mixture
         backward = step == "backward"
-        tokens = flops / (2.0 if backward else 1.0) / x.flops_per_token
         # received by the busiest rank of the ep group, over its local experts: the step
         # waits for it
         rows = tokens * x.top_k * x.imbalance
         per_expert = rows / x.local
         h, e, shared = x.hidden, x.expert_ffn, x.shared * x.expert_ffn
         f8 = self.fp8_speedup is not None  # the experts' GEMMs in FP8, not the router's
-        if backward:  # input gradients (inner: the outputs), then weight gradients
-            seconds = (self.grouped_gemm_seconds(x.local, per_expert, h, 2 * e, f8)
-                       + self.grouped_gemm_seconds(x.local, per_expert, e, h, f8)
-                       + self.grouped_gemm_seconds(x.local, h, 2 * e, per_expert, f8)
-                       + self.grouped_gemm_seconds(x.local, e, h, per_expert, f8)
-                       + self.gemm_seconds(tokens, h, x.experts)
-                       + self.gemm_seconds(h, x.experts, tokens))
-            if shared:
-                seconds += (self.gemm_seconds(tokens, h, 2 * shared, f8)
-                            + self.gemm_seconds(tokens, shared, h, f8)
-                            + self.gemm_seconds(h, 2 * shared, tokens, f8)
-                            + self.gemm_seconds(shared, h, tokens, f8))
-        else:
-            seconds = (self.gemm_seconds(tokens, x.experts, h)
-                       + self.grouped_gemm_seconds(x.local, per_expert, 2 * e, h, f8)
-                       + self.grouped_gemm_seconds(x.local, per_expert, h, e, f8))
-            if shared:
-                seconds += (self.gemm_seconds(tokens, 2 * shared, h, f8)
-                            + self.gemm_seconds(tokens, h, shared, f8))
+        seconds, elements, extra, passes = 0.0, 0.0, 0.0, 0
         # Between the GEMMs: the router's probabilities (fp32) written and read; the
         # tokens gathered into the dispatch buffer (read and written) and scattered back
         # with the weighted sum (the rows read, the tokens written); the activation
         # reading gate and up and writing their product. A backward moves each twice
         # (the forward's saved input and the gradient read, a gradient written).
-        elements = rows * 2 * h + rows * h + tokens * h + rows * 3 * e + \
-            shared * 3 * tokens
-        moved = elements * self.dtype_bytes + 2 * 4.0 * tokens * x.experts
-        passes = MIXTURE_PASSES * (2 if backward else 1)
+        if part == "moe_route":
+            seconds = self.gemm_seconds(tokens, h, x.experts) + \
+                self.gemm_seconds(h, x.experts, tokens) if backward else \
+                self.gemm_seconds(tokens, x.experts, h)
+            elements, extra, passes = rows * 2 * h, 2 * 4.0 * tokens * x.experts, 2
+        elif part == "moe_experts":
+            if backward:  # input gradients (inner: the outputs), then weight gradients
+                seconds = (self.grouped_gemm_seconds(x.local, per_expert, h, 2 * e, f8)
+                           + self.grouped_gemm_seconds(x.local, per_expert, e, h, f8)
+                           + self.grouped_gemm_seconds(x.local, h, 2 * e, per_expert, f8)
+                           + self.grouped_gemm_seconds(x.local, e, h, per_expert, f8))
+            else:
+                seconds = (self.grouped_gemm_seconds(x.local, per_expert, 2 * e, h, f8)
+                           + self.grouped_gemm_seconds(x.local, per_expert, h, e, f8))
+            elements, passes = rows * 3 * e, 1
+        elif part == "moe_shared":
+            passes = 1
+            seconds = self.gemm_seconds(tokens, 2 * shared, h, f8) + \
+                self.gemm_seconds(tokens, h, shared, f8) if shared else 0.0
+            if backward and shared:
+                seconds = (self.gemm_seconds(tokens, h, 2 * shared, f8)
+                           + self.gemm_seconds(tokens, shared, h, f8)
+                           + self.gemm_seconds(h, 2 * shared, tokens, f8)
+                           + self.gemm_seconds(shared, h, tokens, f8))
+            elements = shared * 3 * tokens
+        elif part == "moe_combine":
+            elements, passes = rows * h + tokens * h, 1
+        moved = elements * self.dtype_bytes + extra
         return seconds + (2.0 if backward else 1.0) * moved / self.bandwidth + \
-            passes * self.gpu.launch
+            (2 if backward else 1) * passes * self.gpu.launch
 
     def _linear_gemms(self, op: str, step: str | None, split: bool
                       ) -> tuple[tuple[int, int, int], ...]:
@@ -427,6 +442,9 @@ class KernelModel:
                                        operands.weight_step is not None)
         if kernel == MIXTURE and self.mixture is not None:
             return self.mixture_seconds(operands.step, flops)
+        if kernel in MIXTURE_PARTS and self.mixture is not None:  # cut at its all-to-alls
+            tokens = (operands.output_bytes or 0) / (self.mixture.hidden * self.dtype_bytes)
+            return self.mixture_part_seconds(kernel, operands.step, tokens)
         if kernel == ATTENTION and not self.gpu.flash:
             return self.unfused_attention(operands.step == StepKind.BACKWARD)
         if kernel == ATTENTION:

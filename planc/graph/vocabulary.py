@@ -49,6 +49,13 @@ class Op(StrEnum):
     SWIGLU = "swiglu"  # llama: silu(gate) * up
     FC2 = "fc2"
     MOE = "moe"  # a mixture of experts: router, top-k experts, shared experts
+    # schedule { overlap_all_to_all }: the mixture cut at its all-to-alls
+    # (planc.passes.split_dispatch): the router and the rows it dispatches, the shared
+    # experts, this rank's routed experts on the rows they received, the weighted sum
+    MOE_ROUTE = "moe_route"
+    MOE_SHARED = "moe_shared"
+    MOE_EXPERTS = "moe_experts"
+    MOE_COMBINE = "moe_combine"
     MLP_RESIDUAL = "mlp_residual"
     FINAL_LN = "final_ln"
     HEAD = "head"
@@ -78,6 +85,10 @@ class Payload(StrEnum):
     GRAD = "grad"  # parameter gradients: one bucket, or one parameter's tp fix-up
     PARAM = "param"  # parameters: one bucket gathered from its ZeRO shards
     GRAD_NORM = "grad_norm"  # the squared gradient norm, summed over every rank
+    # a mixture's (token, expert) rows to the ranks of their experts, and back
+    # (schedule { overlap_all_to_all }: planc.passes.split_dispatch)
+    DISPATCH = "dispatch"
+    COMBINE = "combine"
     ROUTER_LOAD = "router_load"  # a mixture's expert loads, summed over the stage
 
 
@@ -127,6 +138,10 @@ class Port(StrEnum):
     SUM_EXP = "sum_exp"
     GRAD = "grad"
     PARAM = "param"
+    # a mixture cut at its all-to-alls: what routed its rows (their splits over the ep
+    # group, their tokens), and the shared experts' output
+    ROUTING = "routing"
+    SHARED = "shared"
 
 
 GRAPH_FORMAT_VERSION = 2

@@ -117,6 +117,8 @@ class _Checker(DataChecks, TopologyReader):
         optimize = self._optimize()
         if optimize is not None and mesh and model:
             optimize = self._tp_overlap(optimize, mesh, model)
+        if schedule is not None and optimize is not None and mesh and model:
+            schedule = self._overlap_all_to_all(schedule, optimize, mesh, model)
         self._scatter_gather(mesh, tensor)
         train = self._train(model)
         parts = (model, mesh, topology, tensor, context, pipeline, schedule, optimize, train)
@@ -263,9 +265,11 @@ class _Checker(DataChecks, TopologyReader):
         return context
 
     def _schedule(self, mesh: Mesh | None, model: Model | None) -> Schedule | None:
-        if not self.ready("schedule.microbatches", "schedule.pipeline"):
+        if not self.ready("schedule.microbatches", "schedule.pipeline",
+                          "schedule.overlap_all_to_all"):
             return None
-        schedule = Schedule(self.value("schedule.microbatches"), self.value("schedule.pipeline"))
+        schedule = Schedule(self.value("schedule.microbatches"), self.value("schedule.pipeline"),
+                            bool(self.value("schedule.overlap_all_to_all")))
         if schedule.microbatches > LIMITS["microbatches"]:
             return self._reject(_over_limit(f"microbatches ({schedule.microbatches})",
                                             "microbatches"), self.span("schedule.microbatches"))
@@ -385,6 +389,30 @@ class _Checker(DataChecks, TopologyReader):
                 (f"use tp_overlap = {fits[0]}" if fits else "use tp_overlap = off") +
                 ", or on to let the cost model choose")
         return optimize
+
+    def _overlap_all_to_all(self, schedule: Schedule, optimize: Optimize, mesh, model
+                            ) -> Schedule | None:
+        """overlap_all_to_all's rules: it cuts a mixture of experts at the all-to-alls
+        over ep (planc.passes.split_dispatch), so without them it does nothing; a mixture
+        recomputed whole (recompute = full) would run its all-to-alls again inside the
+        recomputation, which the cut does not do yet."""
+        key = "schedule.overlap_all_to_all"
+        if not schedule.overlap_all_to_all:
+            return schedule
+        if model.family != "moe" or mesh.ep == 1:
+            self.report(warning("overlap_all_to_all = on has no effect without experts "
+                                "spread over ep: there is no all-to-all to overlap",
+                                self.span(key),
+                                "set mesh.ep to 2 or more on a model moe, or remove "
+                                "overlap_all_to_all"))
+            return dataclasses.replace(schedule, overlap_all_to_all=False)
+        if optimize.recompute == "full":
+            return self._reject("overlap_all_to_all = on does not run with recompute = "
+                                "full: the recomputed mixture would repeat its all-to-alls",
+                                self.span(key, "optimize.recompute"),
+                                "use recompute = selective (attention only) or none, or "
+                                "remove overlap_all_to_all")
+        return schedule
 
     def _train(self, model: Model | None) -> Train | None:
         # grad_clip's default is None (off): not a key that must have a value

@@ -125,6 +125,7 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
     "schedule": BlockSchema("schedule", keys={
         "microbatches": Key(Integer(1), 1),
         "pipeline": Key(Choice(schedules.names()), schedules.DEFAULT_SCHEDULE),
+        "overlap_all_to_all": Key(Boolean(), False),
     }),
     "optimize": BlockSchema("optimize", keys={
         "fuse": Key(Boolean(), True),

@@ -22,6 +22,9 @@ from planc.program.operands import FEATURE_AXIS, SEQ_AXIS, Input, Operands, Step
 from planc.program.program import Opcode
 
 
+ROUTED = (Payload.DISPATCH, Payload.COMBINE)  # a cut mixture's all-to-alls
+
+
 def _value(item):
     """An attribute as JSON holds it (enums by value)."""
     return None if item is None else getattr(item, "value", item)
@@ -121,7 +124,8 @@ def _transfer(graph: nx.DiGraph, node: str, data: dict, op: Opcode,
         reduce_op=data.get("reduce_op"), source_dim=source_dim, target_dim=target_dim,
         ring_steps=data.get("ring_steps"),
         peer_stage=data.get("peer_stage") if pipeline else None,
-        direction=_value(data["phase"]) if pipeline else None,
+        # a pipeline transfer's group, or which way a mixture's all-to-all moves its rows
+        direction=_value(data["phase"]) if pipeline or payload in ROUTED else None,
         partner=next(iter(graph.successors(node)), None)
         if pipeline and data["kind"] == Kind.SEND else None,
         shape=tuple(data["shape"]) if pipeline and data["kind"] == Kind.RECV else (),

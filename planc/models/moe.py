@@ -122,16 +122,23 @@ def expert_flops(tokens: float, hidden: int, width: int) -> float:
         2.0 * tokens * width * hidden
 
 
+def part_flops(m: Model, hidden: int) -> dict[str, float]:
+    """The forward FLOPs per token of each part of a mixture, as schedule
+    { overlap_all_to_all } cuts it (planc.passes.split_dispatch): the router (its GEMM,
+    softmax or sigmoid and top-k), the shared experts, the routed experts with their
+    weighting, and the sum (nothing it counts)."""
+    e = m.expert_ffn
+    return {"moe_route": 2.0 * hidden * m.experts + 5.0 * m.experts,
+            "moe_shared": m.shared_experts * expert_flops(1, hidden, e),
+            "moe_experts": m.top_k * expert_flops(1, hidden, e) + 2.0 * hidden * m.top_k,
+            "moe_combine": 0.0}
+
+
 def forward_flops(op: str, s) -> float:
     if op != "moe":
         return llama.forward_flops(op, s)
-    m = s.model
-    bs = s.batch * s.seq
-    h, e = s.hidden, m.expert_ffn
-    router = 2.0 * bs * h * m.experts + 5.0 * bs * m.experts
-    # each token through its k experts, weighted and summed, and the shared ones
-    return router + (m.top_k + m.shared_experts) * expert_flops(bs, h, e) + \
-        2.0 * bs * h * m.top_k
+    # the router, each token through its k experts, weighted and summed, and the shared
+    return s.batch * s.seq * sum(part_flops(s.model, s.hidden).values())
 
 
 def layer_parameters(m: Model, layer: int) -> list[Parameter]:

@@ -20,17 +20,20 @@ from planc.passes.fuse import fuse
 from planc.passes.overlap import overlap
 from planc.passes.route import route
 from planc.passes.split_backward import split_backward
+from planc.passes.split_dispatch import split_dispatch
 from planc.passes.tp_overlap import tp_overlap
 
 __all__ = ["PIPELINE", "Pass", "PassContext", "PassRecord", "copy_graph", "names", "record",
            "run"]
 
 # The passes in the order they run: fuse makes the buckets that route chooses a route
-# for, split_backward splits the backward steps a zero-bubble schedule orders apart
+# for, split_dispatch cuts a mixture of experts at its all-to-alls (only with
+# schedule { overlap_all_to_all }), split_backward splits the backward steps a zero-bubble schedule orders apart
 # (it changes nothing under other schedules), overlap schedules what route chose, and
 # tp_overlap then cuts the tp collectives overlap put on the comm stream, and the GEMMs
 # next to them, into pieces.
 PIPELINE: tuple[tuple[str, Pass], ...] = (("fuse", fuse), ("route", route),
+                                          ("split_dispatch", split_dispatch),
                                           ("split_backward", split_backward),
                                           ("overlap", overlap), ("tp_overlap", tp_overlap))
 

@@ -65,6 +65,8 @@ def stream_of(data: dict, overlap: bool) -> str:
         return SEND[ahead] if data["kind"] == Kind.SEND else RECEIVE[ahead]
     if not overlap:
         return COMPUTE
+    if data["axis"] == Axis.EP:  # a mixture's dispatch and combine: a stream of their own
+        return Stream.EP
     return DP if data["axis"] in (Axis.DP_CP, Axis.EDP, Axis.TIED) else COMM
 
 

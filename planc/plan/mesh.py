@@ -113,7 +113,7 @@ GROUPS: dict[str, GroupKind] = _group_kinds(
     # the ranks holding the same experts, over which the experts' gradients are reduced
     # (Megatron-Core's expert-data-parallel group).
     GroupKind("ep", ("tp", "cp", "dp"), "the ranks spreading the experts (runs of ep)",
-              experts="runs"),
+              in_graph=True, experts="runs"),
     GroupKind("edp", ("tp", "cp", "dp"), "the replicas of an expert (tp x cp x dp / ep)",
               in_graph=True, experts="across"),
     # With a statistic of each sequence (a mixture's balance loss): the ranks holding

@@ -288,6 +288,9 @@ class Shard:
 class Schedule:
     microbatches: int = 1
     pipeline: str = DEFAULT_SCHEDULE  # a name of planc.schedules.SCHEDULES
+    # A mixture of experts over ep: its dispatch and combine all-to-alls as transfers of
+    # their own on the ep stream (planc.passes.split_dispatch), not inside its compute.
+    overlap_all_to_all: bool = field(default=False, metadata={"omitted_when_default": True})
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ class Stream(StrEnum):
     COMPUTE = "compute"
     COMM = "comm"
     DP = "dp"
+    EP = "ep"  # a mixture's dispatch and combine (schedule { overlap_all_to_all })
     SEND_NEXT = "send_next"
     SEND_PREV = "send_prev"
     RECV_PREV = "recv_prev"

@@ -34,6 +34,10 @@ table alone (not graph.json): the one model the compiler optimises with (planc.e
   priced on where the group's members sit (:meth:`planc.estimate.cost.CostModel.all_to_all_seconds`:
   NVLink to peers on the node, the rank's NIC to the others, at once); the replay charges
   that part of the instruction to the ep axis as exposed communication, not to compute.
+- A mixture cut at its all-to-alls (schedule { overlap_all_to_all }) prices each piece
+  as its part of the whole (planc.estimate.kernel_cost.KernelModel.mixture_part_seconds)
+  and each dispatch and combine as a transfer: the same all-to-all, on the ep stream,
+  where the compute stream waits for it only if nothing else is left to run.
 - A mixture whose balance loss spans the ranks of a sequence adds, to its forward and
   recomputed forward, the all-reduce of its counts (``counts_bytes``) over
   ``counts_group``, in series (the loss needs the sum before it can be formed); with a
@@ -111,6 +115,10 @@ def axis_of(operands: Operands | None) -> str | None:
 # experts' GEMMs (no overlap within one microbatch: Megatron-Core's 1F1B A2A overlap
 # hides them behind another microbatch, which the replay does not model yet).
 EXPERT_ALL_TO_ALLS = 2
+# ... or cut at them (schedule { overlap_all_to_all }): its all-to-alls transfers of their
+# own, its routed experts a piece of their own
+CUT_MIXTURE = ("dispatch", "combine")
+CUT_EXPERTS = "moe_experts"
 
 
 def ring_seconds(compute: float, shift: float, steps: int, backward: bool) -> float:
@@ -196,6 +204,8 @@ class InstructionCosts:
                 flops = operands.flops
                 if operands.kernel == MIXTURE and self.mixture is not None and flops:
                     flops = self.mixture.busiest_flops(flops)
+                elif operands.kernel == CUT_EXPERTS and self.mixture is not None:
+                    flops *= self.mixture.imbalance  # every row routed: the busiest rank's
                 seconds = roofline_seconds(flops, moved, self.rate, self.bandwidth) + \
                     self.device.instruction_overhead(operands.kernel,
                                                      operands.step in GRADIENT_STEPS)
@@ -237,6 +247,8 @@ class InstructionCosts:
                         Kind.ALL_GATHER.value, operands.capacity_bytes * size, size, crosses)
             return seconds
         kind = instruction.op
+        if operands.payload in CUT_MIXTURE:
+            return self._cut_all_to_all(operands, stage)
         ref, route = operands.group or PIPELINE, operands.route  # group_of, inlined
         # Transfers of one size on one group cost the same (every layer's, for one).
         key = (kind, route, ref, stage if route is not None else None, operands.bytes)
@@ -254,6 +266,17 @@ class InstructionCosts:
         seconds += self.handoff
         self.transfers[key] = seconds
         return seconds
+
+    def _cut_all_to_all(self, operands: Operands, stage: int) -> float:
+        """A cut mixture's dispatch or combine (planc.passes.split_dispatch), priced as
+        the uncut mixture prices its all-to-alls: the busiest rank's rows (``bytes``
+        times the imbalance), a forward dispatch in FP8 with model { fp8 }, on where the
+        ep group's members sit; plus the handoff of a transfer on its own stream."""
+        imbalance = self.mixture.imbalance if self.mixture is not None else 1.0
+        share = self.dispatch_share if operands.payload == "dispatch" and \
+            operands.direction == "forward" else 1.0
+        return self.expert_all_to_all(operands.group, (operands.bytes or 0) * imbalance
+                                      * share, stage) + self.handoff
 
     def accumulation_seconds(self, params: tuple[str, ...]) -> float:
         """What adding one microbatch's gradients of ``params`` into the step's costs

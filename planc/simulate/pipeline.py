@@ -23,7 +23,7 @@ from planc.schedules import Block
 from planc.simulate.blocks import BlockTime, replay
 
 # The axis whose transfers a program stream carries (planc.passes.overlap's streams).
-STREAM_AXIS = {Stream.DP: "dp_cp", Stream.COMM: "tp", Stream.SEND_NEXT: "pp",
+STREAM_AXIS = {Stream.DP: "dp_cp", Stream.COMM: "tp", Stream.EP: "ep", Stream.SEND_NEXT: "pp",
                Stream.SEND_PREV: "pp", Stream.RECV_PREV: "pp", Stream.RECV_NEXT: "pp"}
 
 

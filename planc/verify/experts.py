@@ -21,6 +21,23 @@ member waits for one that another never enters when
 from __future__ import annotations
 
 from planc.program.groups import EXPERTS
+
+CUT_PAYLOADS = ("dispatch", "combine")  # a cut mixture's all-to-alls (split_dispatch)
+# what each of its all-to-alls comes after and before, by payload and direction: the
+# pieces' names after the mixture's (planc.passes.split_dispatch)
+_BETWEEN = {("dispatch", "forward"): ("", ":experts"),
+            ("combine", "forward"): (":experts", ":sum"),
+            ("combine", "backward"): (":sum", ":experts"),
+            ("dispatch", "backward"): (":experts", "")}
+
+
+def _neighbours(mixture: str, payload: str, direction: str | None) -> tuple[str, str]:
+    first, then = _BETWEEN[(payload, direction or "forward")]
+    return mixture + first, mixture + then
+
+
+def _op_of(node: str) -> Opcode:
+    return Opcode.COMPUTE
 from planc.program.program import Instruction, Opcode, Program
 from planc.verify.report import describe
 
@@ -49,9 +66,18 @@ class ExpertChecks:
                     f"program {name}: {describe(instruction)} dispatches over {over} ranks "
                     f"of group {group}; a mixture dispatches over the plan's ep group "
                     f"({ep} ranks), whose members hold the other experts")
+        cut = [i for i in instructions if i.op is Opcode.ALL_TO_ALL and
+               i.operands is not None and i.operands.payload in CUT_PAYLOADS]
         on_group = [i for i in instructions if i.operands is not None and
                     (i.operands.group or "").partition("/")[0] == EXPERTS]
-        strangers = [i for i in on_group if i not in mixtures]
+        for instruction in cut:
+            if instruction.operands.group != EXPERTS:
+                self.report.add(
+                    f"program {name}: {describe(instruction)} moves a mixture's rows over "
+                    f"group {instruction.operands.group}; they go to the ranks of the ep "
+                    f"group, which hold the other experts")
+        self._cut_order(name, program)
+        strangers = [i for i in on_group if i not in mixtures and i not in cut]
         for instruction in strangers:
             self.report.add(f"program {name}: {describe(instruction)} runs on the ep group, "
                             f"which only the mixtures' all-to-alls use")
@@ -61,3 +87,30 @@ class ExpertChecks:
                 f"program {name}: the ep group is used from streams {streams}; its "
                 f"all-to-alls must leave from one stream in program order, or two ranks "
                 f"could wait in different all-to-alls")
+
+    def _cut_order(self, name: str, program: Program) -> None:
+        """Rule 4: in each block, a cut mixture's two all-to-alls come in the order its
+        data needs them (the forward's dispatch before its combine, the backward's
+        combine before its dispatch) and each between the compute pieces it joins: an
+        all-to-all on the wrong side of its pair would wait for rows its own rank has not
+        sent yet."""
+        for block, items in program.blocks.items():
+            at = {(i.op, i.node): k for k, i in enumerate(items) if i.node is not None}
+            for (op, node), k in at.items():
+                if op is not Opcode.ALL_TO_ALL:
+                    continue
+                operands = items[k].operands
+                if operands is None or operands.payload not in CUT_PAYLOADS:
+                    continue
+                mixture, _, payload = node.rpartition(":")
+                before, after = _neighbours(mixture, payload, operands.direction)
+                for other, must in ((before, "after"), (after, "before")):
+                    k_other = at.get((_op_of(other), other))
+                    if k_other is None:
+                        continue
+                    if (must == "after") != (k > k_other):
+                        self.report.add(
+                            f"program {name}: block {block}: all_to_all {node} comes "
+                            f"{'before' if must == 'after' else 'after'} {other}; a "
+                            f"mixture's {payload} runs {must} it, or it would move rows "
+                            f"that are not there yet")

@@ -110,6 +110,8 @@ class _Transfer:
         self.sums_microbatches = operands.payload == "loss"
         self.reads_values = operands.payload not in ("grad", "param")
         self.reports_loss = operands.payload == "loss"
+        # a cut mixture's all-to-all: its rows, and the dispatch that routed them
+        self.routed = operands.payload in ("dispatch", "combine")
 
 
 class Interpreter:
@@ -352,7 +354,11 @@ class Interpreter:
 
     def _transfer(self, state: StepState, step: _Transfer, mb: int | None):
         value = None
-        if step.reads_values:
+        if step.routed:
+            ports = self._ports(state, step.inputs, mb)
+            (rows,) = ports.get("x", []) + ports.get("grad", [])
+            value = (rows.detach(), (ports.get("routing") or [None])[0])
+        elif step.reads_values:
             ports = self._ports(state, step.inputs, mb, step.sums_microbatches)
             values = [v.detach() for v in ports.get("x", []) + ports.get("grad", [])]
             value = combine(values) if values else None

@@ -133,6 +133,15 @@ def taken(table: dict[tuple, object], step: int) -> dict[tuple, object]:
     return {key: table.pop(key) for key in [key for key in table if key[0] == step]}
 
 
+def _leaf(port: str, value, keep_graph: bool):
+    """An input as a forward step differentiates it: a tensor, detached; a cut mixture's
+    rows between its instructions (planc.runtime.families.moe_dispatch.Routed), their
+    tensor detached, differentiated where they are the step's data (port ``x``)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(keep_graph and value.is_floating_point())
+    return value.leaf(keep_graph and port == "x")
+
+
 class Kernels:
     def __init__(self, ctx: RankContext, buffers: dict[str, torch.Tensor] | None = None):
         self.ctx = ctx
@@ -219,8 +228,7 @@ class Kernels:
                 loss = self.forward_table[spec.op](spec, inputs, None, step, microbatch,
                                                    extra)
             return extra.pop("report"), Saved({}, {}, loss, extra)
-        leaves = {port: t.detach().requires_grad_(keep_graph and t.is_floating_point())
-                  for port, t in inputs.items()}
+        leaves = {port: _leaf(port, t, keep_graph) for port, t in inputs.items()}
         param_leaves = {n: t.detach().requires_grad_(keep_graph) for n, t in params.items()}
         dtype = self.ctx.dtype
 
@@ -350,8 +358,9 @@ class Kernels:
         parameters'."""
         if spec.op == Op.LOSS:  # no parameters: a weight step has nothing to do
             return (self._loss_backward(saved) if inputs else {}), {}
-        wanted_inputs = [(port, t) for port, t in saved.inputs.items() if t.requires_grad] \
-            if inputs else []
+        wanted_inputs = [(port, t) for port, t in
+                         ((port, getattr(v, "rows", v)) for port, v in saved.inputs.items())
+                         if t.requires_grad] if inputs else []
         wanted_params = list(saved.params.items()) if params else []
         targets = [t for _, t in wanted_inputs] + [t for _, t in wanted_params]
         if saved.output is None or not targets:

@@ -22,11 +22,12 @@ import torch
 import torch.distributed as dist
 
 from planc.program.operands import FEATURE_AXIS, SEQ_AXIS, Operands
-from planc.runtime.engine import routes
+from planc.runtime.engine import fp8, routes
 from planc.runtime.engine.context import RankContext
 from planc.runtime.engine.model import join_feature, local_heads, split_feature
 from planc.runtime.engine.store import ParamStore
 from planc.runtime.engine.collectives import all_gather_single, reduce_scatter_single
+from planc.runtime.families import moe_dispatch
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -73,7 +74,23 @@ class Transfers:
             ("all_gather", "param"): self.param_gather,
             ("all_reduce", "grad_norm"): self.norm_sum,
             ("all_reduce", "router_load"): self.norm_sum,
+            ("all_to_all", "dispatch"): partial(self.expert_rows, dispatch=True),
+            ("all_to_all", "combine"): partial(self.expert_rows, dispatch=False),
         }
+        self.fp8 = fp8.recipe_of(ctx.model)  # None: a dispatch in the model's dtype
+
+    # --- a mixture's dispatch and combine (schedule { overlap_all_to_all }) -----------
+
+    def expert_rows(self, call: Call, value, dispatch: bool):
+        """``value``: (the rows or their gradients, the dispatch's Routed). The forward
+        dispatch exchanges the counts, then the rows (planc.runtime.families.moe_dispatch);
+        the others move rows the dispatch's way (the combine's gradients) or back."""
+        rows, routing = value
+        forward = call.operands.direction == "forward"
+        if dispatch and forward:
+            return moe_dispatch.dispatch(rows, call.group, call.members, call.index,
+                                         self.fp8)
+        return moe_dispatch.exchange(rows, routing, dispatch == forward, call.group)
 
     # --- collectives on a group -------------------------------------------------------
 

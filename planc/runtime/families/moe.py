@@ -16,67 +16,10 @@ import torch.distributed as dist
 from planc.graph.vocabulary import Op
 from planc.runtime.engine import fp8
 from planc.runtime.families import llama
-from planc.runtime.families.moe_gate import (balanced, bias_name, choose, routed_pairs,
-                                             score_of, update_bias)
-
-
-def balance_loss(probabilities: torch.Tensor, chosen: torch.Tensor, sequences: int,
-                 m, counts_over=None) -> torch.Tensor:
-    """DeepSeek-V3's sequence-wise load-balancing loss (DeepSeek-AI 2024, eqs. 17-20),
-    summed over ``sequences`` whose tokens ``probabilities`` (n, experts) and ``chosen``
-    (n, top_k) hold in order: per sequence of T tokens, ``aux_loss * sum_i f_i P_i`` with
-    ``f_i = experts / (top_k T) * (tokens routed to i)`` (no gradient) and ``P_i`` the
-    mean over the tokens of the softmax probability of i (already normalised).
-
-    With ``counts_over`` (kernels.Peers: the ranks holding the other parts of the same
-    sequences, tp x cp) the rows are this rank's part of each sequence: the counts are
-    summed over the group (one all-reduce) and the part's tokens add their probabilities
-    over the whole T. Since f carries no gradient, the group's parts sum to the loss and
-    each differentiates exactly its own tokens' probabilities (Megatron-Core's
-    sequence_load_balancing_loss_func all-reduces its counts over the sequence's
-    partition group the same way)."""
-    if score_of(m) == "sigmoid":  # eq. 19: each token's affinities normalised to sum to 1
-        probabilities = probabilities / probabilities.sum(-1, keepdim=True)
-    per_sequence = probabilities.reshape(sequences, -1, m.experts)
-    part = per_sequence.shape[1]
-    routed = torch.zeros(sequences, part * m.top_k, m.experts, dtype=torch.float32,
-                         device=probabilities.device)
-    routed.scatter_(-1, chosen.reshape(sequences, -1, 1), 1.0)
-    counts = routed.sum(1)  # integers: exact in fp32, in any order of summation
-    tokens = part
-    if counts_over is not None and counts_over.size > 1:
-        dist.all_reduce(counts, group=counts_over.group)
-        tokens = part * counts_over.size
-    f = counts * (m.experts / (m.top_k * tokens))
-    return m.aux_loss * (f * per_sequence.sum(1)).sum() / tokens
-
-
-class _WithBalanceLoss(torch.autograd.Function):
-    """The mixture's output, unchanged; its backward also differentiates the balance loss
-    (with gradient 1), which joins the objective without passing along the network
-    (Megatron-Core's MoEAuxLossAutoScaler does the same)."""
-
-    @staticmethod
-    def forward(ctx, output, loss):
-        ctx.loss_dtype, ctx.loss_device = loss.dtype, loss.device
-        return output
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, torch.ones((), dtype=ctx.loss_dtype, device=ctx.loss_device)
-
-
-def _expert(x: torch.Tensor, weights: tuple, expert: int, recipe=None
-            ) -> torch.Tensor:
-    """Routed expert ``expert``'s SwiGLU of rows ``x``; ``weights``: the stacked gate, up
-    and down; its GEMMs in FP8 by ``recipe`` (planc.runtime.engine.fp8)."""
-    gate, up, down = weights
-    return llama.dense_mlp(-1, x, {"gate.weight": gate[expert], "up.weight": up[expert],
-                                   "down.weight": down[expert]}, recipe)
-
-
-def _stacked(weights_of) -> tuple:
-    return tuple(weights_of(f"experts.{w}.weight") for w in ("gate", "up", "down"))
+from planc.runtime.families import moe_dispatch
+from planc.runtime.families.moe_dispatch import expert_output, stacked_experts
+from planc.runtime.families.moe_gate import (WithBalanceLoss, balance_loss, balanced,
+                                             bias_name, choose, routed_pairs, update_bias)
 
 
 def _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequences: int,
@@ -93,7 +36,7 @@ def _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequ
     if m.aux_loss:
         loss = balance_loss(probabilities, experts, sequences, m, counts_over) / batch
         if collected is None:
-            out = _WithBalanceLoss.apply(out, loss)
+            out = WithBalanceLoss.apply(out, loss)
         else:
             collected.append(loss)
     return out
@@ -112,13 +55,13 @@ def mixture(tokens: torch.Tensor, weights_of, m, sequences: int = 1, batch: int 
     probabilities, experts, weights = choose(tokens, weights_of, m, bias, count)
     routed = routed_pairs(experts, sequences, positions, m, counts_over, drops)
     weights = weights.to(tokens.dtype)
-    stacked, recipe = _stacked(weights_of), fp8.recipe_of(m)
+    stacked, recipe = stacked_experts(weights_of), fp8.recipe_of(m)
     out = torch.zeros_like(tokens)
     for expert in range(m.experts):
         rows, slots = (routed == expert).nonzero(as_tuple=True)
         if rows.numel() == 0:
             continue
-        y = _expert(tokens[rows], stacked, expert, recipe)
+        y = expert_output(tokens[rows], stacked, expert, recipe)
         out = out.index_add(0, rows, y * weights[rows, slots].unsqueeze(-1))
     return _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequences,
                                batch, collected, counts_over)
@@ -207,7 +150,7 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     rows = _AllToAll.apply(tokens[token_of], sent, received, peers.group) if recipe is None \
         else _Fp8Dispatch.apply(tokens[token_of], sent, received, peers.group, recipe.tile)
     rows_expert = _exchange(expert_of, sent, received, peers.group)
-    stacked = _stacked(weights_of)  # this rank's experts only
+    stacked = stacked_experts(weights_of)  # this rank's experts only
     # zeros that depend on ``rows``: a rank whose experts got no row in this microbatch
     # still runs both all-to-alls' backward, which its peers wait for (with zeros_like,
     # autograd would skip them there, and the ep group would hang)
@@ -216,7 +159,7 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     for expert in range(first, first + per_rank):
         mine = (rows_expert == expert).nonzero(as_tuple=True)[0]
         if mine.numel():
-            done = done.index_copy(0, mine, _expert(rows[mine], stacked, expert - first,
+            done = done.index_copy(0, mine, expert_output(rows[mine], stacked, expert - first,
                                                     recipe))
     back = _AllToAll.apply(done, received, sent, peers.group)
     weighted = back * weights.reshape(-1)[order].to(tokens.dtype).unsqueeze(-1)
@@ -256,7 +199,10 @@ def moe(k, spec, x, p, step, mb, extra):
     return out.reshape(data.shape)
 
 
-KERNELS = {**llama.KERNELS, Op.MOE: moe}
+KERNELS = {**llama.KERNELS, Op.MOE: moe,
+           # cut at its all-to-alls (schedule { overlap_all_to_all })
+           Op.MOE_ROUTE: moe_dispatch.route, Op.MOE_SHARED: moe_dispatch.shared,
+           Op.MOE_EXPERTS: moe_dispatch.experts, Op.MOE_COMBINE: moe_dispatch.total}
 
 
 def reference_state(m) -> dict | None:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from planc.vocabulary.model_options import expert_capacity, expert_groups_of
 
 
+
 def route(tokens: torch.Tensor, router: torch.Tensor, k: int, norm_topk: bool,
           score: str = "softmax", scale: float = 1.0, groups: tuple[int, int] | None = None,
           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,3 +149,49 @@ def top_k(probabilities: torch.Tensor, k: int, norm_topk: bool, scale: float = 1
     if norm_topk:
         weights = weights / weights.sum(-1, keepdim=True)
     return chosen, weights * scale if scale != 1.0 else weights
+
+
+def balance_loss(probabilities: torch.Tensor, chosen: torch.Tensor, sequences: int,
+                 m, counts_over=None) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise load-balancing loss (DeepSeek-AI 2024, eqs. 17-20),
+    summed over ``sequences`` whose tokens ``probabilities`` (n, experts) and ``chosen``
+    (n, top_k) hold in order: per sequence of T tokens, ``aux_loss * sum_i f_i P_i`` with
+    ``f_i = experts / (top_k T) * (tokens routed to i)`` (no gradient) and ``P_i`` the
+    mean over the tokens of the softmax probability of i (already normalised).
+
+    With ``counts_over`` (kernels.Peers: the ranks holding the other parts of the same
+    sequences, tp x cp) the rows are this rank's part of each sequence: the counts are
+    summed over the group (one all-reduce) and the part's tokens add their probabilities
+    over the whole T. Since f carries no gradient, the group's parts sum to the loss and
+    each differentiates exactly its own tokens' probabilities (Megatron-Core's
+    sequence_load_balancing_loss_func all-reduces its counts over the sequence's
+    partition group the same way)."""
+    if score_of(m) == "sigmoid":  # eq. 19: each token's affinities normalised to sum to 1
+        probabilities = probabilities / probabilities.sum(-1, keepdim=True)
+    per_sequence = probabilities.reshape(sequences, -1, m.experts)
+    part = per_sequence.shape[1]
+    routed = torch.zeros(sequences, part * m.top_k, m.experts, dtype=torch.float32,
+                         device=probabilities.device)
+    routed.scatter_(-1, chosen.reshape(sequences, -1, 1), 1.0)
+    counts = routed.sum(1)  # integers: exact in fp32, in any order of summation
+    tokens = part
+    if counts_over is not None and counts_over.size > 1:
+        dist.all_reduce(counts, group=counts_over.group)
+        tokens = part * counts_over.size
+    f = counts * (m.experts / (m.top_k * tokens))
+    return m.aux_loss * (f * per_sequence.sum(1)).sum() / tokens
+
+
+class WithBalanceLoss(torch.autograd.Function):
+    """The mixture's output, unchanged; its backward also differentiates the balance loss
+    (with gradient 1), which joins the objective without passing along the network
+    (Megatron-Core's MoEAuxLossAutoScaler does the same)."""
+
+    @staticmethod
+    def forward(ctx, output, loss):
+        ctx.loss_dtype, ctx.loss_device = loss.dtype, loss.device
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.ones((), dtype=ctx.loss_dtype, device=ctx.loss_device)

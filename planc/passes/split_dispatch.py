@@ -1,0 +1,243 @@
+"""split_dispatch: under ``schedule { overlap_all_to_all = on }``, every mixture of experts
+over ep is cut at its all-to-alls, so that they become transfers of the graph on a stream
+of their own, which another microbatch's compute (or the shared experts) can run beside,
+as DeepSeek-V3's DualPipe and Megatron-Core's combined 1F1B overlap hide them (DeepSeek-AI
+2024, section 3.2.1; Megatron-Core's ``--overlap-moe-expert-parallel-comm``).
+
+A forward ``F/L/moe`` becomes, in order of its data:
+
+- ``F/L/moe`` (``moe_route``): the router, the choice of each token's experts, their
+  (token, expert) rows sorted by expert with the routing weight as a last column, and
+  the rows of each expert counted;
+- ``F/L/moe:shared`` (``moe_shared``): the shared experts on the same tokens, free to run
+  while the dispatch travels;
+- ``F/L/moe:dispatch``: an all-to-all of those counts over ep (each rank learns how
+  many rows each peer sends each of its experts, Megatron-Core's
+  ``num_global_tokens_per_local_expert``), then one of the rows to the ranks of their
+  experts;
+- ``F/L/moe:experts`` (``moe_experts``): this rank's experts on the rows received, each
+  output scaled by its routing weight;
+- ``F/L/moe:combine``: an all-to-all of the outputs back to their tokens' ranks;
+- ``F/L/moe:sum`` (``moe_combine``): each token's outputs added up, plus the shared
+  experts'.
+
+The backward runs the same cut reversed: ``B/L/moe:sum``, the combine's all-to-all of
+the gradients (``B/L/moe:combine``), ``B/L/moe:experts``, the dispatch's
+(``B/L/moe:dispatch``), then ``B/L/moe:shared`` and ``B/L/moe``. Results do not change:
+the rows, their order and every sum are the ones the uncut mixture computes
+(planc.runtime.families.moe).
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, Port
+from planc.models import moe
+from planc.passes.context import PassContext, PassRecord, record
+from planc.plan.plan import Plan
+
+# (suffix, operator, which parameters of the block) of each compute piece
+PIECES = (("", Op.MOE_ROUTE, ("router.",)), (":shared", Op.MOE_SHARED, ("shared.",)),
+          (":experts", Op.MOE_EXPERTS, ("experts.",)), (":sum", Op.MOE_COMBINE, ()))
+
+
+def cut(data: dict) -> bool:
+    """A mixture's forward over ep, not cut yet (the pass runs before any recomputation
+    of it could exist: planc check refuses recompute = full with the cut)."""
+    return data["type"] == NodeType.COMPUTE and data.get("op") == Op.MOE and \
+        data["phase"] == Phase.FORWARD and bool(data.get("experts_over")) and \
+        not data["recompute"]
+
+
+def _flop_shares(plan: Plan) -> dict[Op, float]:
+    """Each piece's share of the mixture's forward FLOPs (planc.models.moe.part_flops)."""
+    parts = moe.part_flops(plan.model, plan.model.hidden)
+    total = sum(parts.values())
+    return {Op(op): flops / total for op, flops in parts.items()}
+
+
+def _reason(payload: Payload, phase: Phase, ep: int) -> str:
+    what = {(Payload.DISPATCH, Phase.FORWARD): "each (token, expert) row, with its routing "
+            "weight, goes to the rank of the ep group holding its expert",
+            (Payload.COMBINE, Phase.FORWARD): "each expert's weighted output goes back to "
+            "the rank holding its token",
+            (Payload.COMBINE, Phase.BACKWARD): "the outputs' gradients go to the ranks of "
+            "the experts that made them",
+            (Payload.DISPATCH, Phase.BACKWARD): "the rows' gradients go back to the ranks "
+            "holding their tokens"}[(payload, phase)]
+    return (f"{what} (expert parallelism over {ep} ranks: GShard; an all-to-all of its own "
+            f"on the ep stream with schedule {{ overlap_all_to_all }}, so that compute can "
+            f"run beside it)")
+
+
+class _Cutter:
+    def __init__(self, graph: nx.DiGraph, plan: Plan):
+        self.graph, self.plan = graph, plan
+        self.shares = _flop_shares(plan)
+        self.buckets = graph.graph.get("buckets", {})
+
+    def _bucket_params(self, bucket: str) -> set[str]:
+        return {member["param"] for member in self.buckets[bucket]["members"]}
+
+    def _piece(self, node: str, data: dict, suffix: str, op: Op, prefixes: tuple[str, ...]
+               ) -> str:
+        """The piece ``node + suffix`` of the mixture whose attributes were ``data``."""
+        graph = self.graph
+        name = node + suffix
+        params = [p for p in data["params"] if any(p.split(".", 2)[-1].startswith(x)
+                                                   for x in prefixes)]
+        attrs = {key: value for key, value in data.items()
+                 if key not in ("experts_over", "dispatch_bytes", "counts_over",
+                                "counts_bytes", "capacity_bytes")}
+        attrs.update(op=op, params=params, flops=data["flops"] * self.shares[op])
+        if op == Op.MOE_ROUTE:  # the balance loss's and the capacity's exchanges
+            attrs.update({key: data[key] for key in ("counts_over", "counts_bytes",
+                                                     "capacity_bytes") if key in data})
+        if suffix:
+            graph.add_node(name, **attrs)
+        else:
+            graph.nodes[name].clear()
+            graph.nodes[name].update(attrs)
+        return name
+
+    def _pieces(self, node: str, data: dict) -> dict[Op, str]:
+        """The compute pieces of mixture ``node`` (attributes ``data``), by operator."""
+        return {op: self._piece(node, data, suffix, op, prefixes)
+                for suffix, op, prefixes in PIECES
+                if op != Op.MOE_SHARED or self.plan.model.shared_experts}
+
+    def _transfer(self, node: str, payload: Payload, phase: Phase) -> str:
+        data = self.graph.nodes[node]
+        m = self.plan.model
+        # the rows of its (token, expert) pairs at uniform routing, and the dispatch's
+        # routing weights (one more column)
+        rows = data["dispatch_bytes"] // m.hidden
+        columns = m.hidden + (1 if payload == Payload.DISPATCH else 0)
+        name = f"{node}:{payload.value}"
+        self.graph.add_node(
+            name, type=NodeType.TRANSFER, kind=Kind.ALL_TO_ALL, axis=Axis.EP,
+            level="whole", payload=payload, group_size=self.plan.mesh.ep, phase=phase,
+            stage=data["stage"], chunk=data["chunk"], layer=data.get("layer"),
+            repeat=data["repeat"], per_microbatch=True, microbatch=None,
+            bytes=int(rows * columns), dtype=m.dtype,
+            tensor="expert_rows" if payload == Payload.DISPATCH else "expert_outputs",
+            reason=_reason(payload, phase, self.plan.mesh.ep))
+        return name
+
+    def forward(self, node: str) -> dict[str, str]:
+        graph = self.graph
+        data = dict(graph.nodes[node])
+        moved_out = [(v, e) for _, v, e in graph.out_edges(node, data=True)
+                     if e.get("kind", EdgeKind.DATA) != EdgeKind.SAVED]
+        inputs = [(u, e) for u, _, e in graph.in_edges(node, data=True)]
+        dispatch = self._transfer(node, Payload.DISPATCH, Phase.FORWARD)
+        combine = self._transfer(node, Payload.COMBINE, Phase.FORWARD)
+        shared = bool(self.plan.model.shared_experts)
+        names = {"dispatch": dispatch, "combine": combine, **self._pieces(node, data)}
+        route, experts, total = names[Op.MOE_ROUTE], names[Op.MOE_EXPERTS], \
+            names[Op.MOE_COMBINE]
+        for target, edge in moved_out:
+            graph.remove_edge(node, target)
+            graph.add_edge(total, target, **edge)
+        for source, edge in inputs:
+            if edge.get("port") == Port.PARAM:  # ZeRO-3's gathered parameters
+                graph.add_edge(source, experts, **edge)
+            if shared:  # the tokens, and the parameters
+                graph.add_edge(source, names[Op.MOE_SHARED], **edge)
+        graph.add_edge(route, dispatch, kind=EdgeKind.DATA, port=Port.X)
+        graph.add_edge(dispatch, experts, kind=EdgeKind.DATA, port=Port.X)
+        graph.add_edge(experts, combine, kind=EdgeKind.DATA, port=Port.X)
+        graph.add_edge(dispatch, combine, kind=EdgeKind.DATA, port=Port.ROUTING)
+        graph.add_edge(combine, total, kind=EdgeKind.DATA, port=Port.X)
+        graph.add_edge(route, total, kind=EdgeKind.DATA, port=Port.ROUTING)
+        if shared:
+            graph.add_edge(names[Op.MOE_SHARED], total, kind=EdgeKind.DATA, port=Port.SHARED)
+        return names
+
+    def _uses(self, piece: str, target: str) -> bool:
+        """Whether backward piece ``piece`` writes a gradient ``target`` (a bucket's
+        reduction or optimizer, a tp fix-up, the gradient norm) reads."""
+        params = set(self.graph.nodes[piece]["params"])
+        data = self.graph.nodes[target]
+        if not params:
+            return False
+        if data.get("bucket") is not None:
+            return bool(params & self._bucket_params(data["bucket"]))
+        if data.get("tensor") in params:
+            return True
+        return data.get("op") == Op.GRAD_NORM or data.get("tensor") is None
+
+    def backward(self, node: str, forward: dict[str, str]) -> None:
+        graph = self.graph
+        data = dict(graph.nodes[node])
+        out_edges = [(v, e) for _, v, e in graph.out_edges(node, data=True)]
+        grads_in = [(u, e) for u, _, e in graph.in_edges(node, data=True)
+                    if e.get("port") == Port.GRAD]
+        params_in = [(u, e) for u, _, e in graph.in_edges(node, data=True)
+                     if e.get("port") == Port.PARAM]
+        dispatch = self._transfer(node, Payload.DISPATCH, Phase.BACKWARD)
+        combine = self._transfer(node, Payload.COMBINE, Phase.BACKWARD)
+        shared = bool(self.plan.model.shared_experts)
+        names = self._pieces(node, data)
+        for op, piece in names.items():
+            graph.nodes[piece]["forward_of"] = forward[op]
+            graph.add_edge(forward[op], piece, kind=EdgeKind.SAVED)
+        route, experts, total = names[Op.MOE_ROUTE], names[Op.MOE_EXPERTS], \
+            names[Op.MOE_COMBINE]
+        for source, edge in grads_in:
+            graph.remove_edge(source, node)
+            graph.add_edge(source, total, **edge)
+        for source, edge in params_in:
+            for piece in names.values():
+                if graph.nodes[piece]["params"] and piece != route:
+                    graph.add_edge(source, piece, **edge)
+        routing = forward["dispatch"]
+        graph.add_edge(total, combine, kind=EdgeKind.DATA, port=Port.GRAD, grad_of=Port.X)
+        graph.add_edge(routing, combine, kind=EdgeKind.DATA, port=Port.ROUTING)
+        graph.add_edge(combine, experts, kind=EdgeKind.DATA, port=Port.GRAD)
+        graph.add_edge(experts, dispatch, kind=EdgeKind.DATA, port=Port.GRAD,
+                       grad_of=Port.X)
+        graph.add_edge(routing, dispatch, kind=EdgeKind.DATA, port=Port.ROUTING)
+        graph.add_edge(dispatch, route, kind=EdgeKind.DATA, port=Port.GRAD)
+        for target, edge in out_edges:
+            if edge.get("grad_of") == Port.X:  # the tokens' gradient: route's and shared's
+                if shared:
+                    graph.add_edge(names[Op.MOE_SHARED], target, **edge)
+                continue
+            if target in names.values():
+                continue
+            graph.remove_edge(node, target)
+            for piece in names.values():
+                if self._uses(piece, target):
+                    graph.add_edge(piece, target, **edge)
+        if shared:
+            graph.add_edge(total, names[Op.MOE_SHARED], kind=EdgeKind.DATA, port=Port.GRAD,
+                           grad_of=Port.SHARED)
+
+
+def split_dispatch(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
+    plan = ctx.plan
+    if not plan.schedule.overlap_all_to_all:
+        return graph
+    out = ctx.working_copy(graph)
+    chosen = [node for node, data in out.nodes(data=True) if cut(data)]
+    backward_of = {data["forward_of"]: node for node, data in out.nodes(data=True)
+                   if data["type"] == NodeType.COMPUTE and data.get("op") == Op.MOE and
+                   data["phase"] == Phase.BACKWARD and "forward_of" in data}
+    cutter = _Cutter(out, plan)
+    for node in chosen:
+        if out.nodes[node].get("recomputed"):
+            raise ValueError(f"{node} is recomputed: the cut mixture is not")
+        names = cutter.forward(node)
+        if node in backward_of:
+            cutter.backward(backward_of[node], names)
+    decisions = [{"node": node, "transfers": [f"{node}:dispatch", f"{node}:combine"]}
+                 for node in chosen]
+    return record(out, PassRecord(
+        "split_dispatch", True,
+        f"split_dispatch: {len(chosen)} mixtures of experts cut at their dispatch and "
+        f"combine, {4 * len(chosen)} all-to-alls over ep on a stream of their own "
+        f"(overlap_all_to_all = on)",
+        [{"what": "ep all-to-all transfers", "before": 0, "after": 4 * len(chosen)}],
+        decisions))

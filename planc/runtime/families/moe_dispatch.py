@@ -1,0 +1,199 @@
+"""A mixture of experts cut at its all-to-alls (schedule { overlap_all_to_all }:
+planc.passes.split_dispatch): its compute pieces, and the dispatch and combine the ep
+stream runs between them.
+
+The pieces compute what :func:`planc.runtime.families.moe.expert_parallel_mixture`
+computes, in the same order, so the results are the uncut mixture's:
+
+- the route (``moe_route``) chooses each token's experts and lays out its (token, expert)
+  rows sorted by expert, each with its routing weight as a last column (DeepEP's dispatch
+  carries the weights with the rows the same way), and counts the rows of every expert;
+- the dispatch exchanges those counts over the ep group, then the rows
+  (:func:`dispatch`);
+- the experts (``moe_experts``) run this rank's experts on the rows received, each
+  output scaled by its weight (the product the uncut mixture forms after the combine);
+- the combine returns the outputs (:func:`combine`), and the sum (``moe_combine``) adds
+  each token's outputs and the shared experts' (``moe_shared``).
+
+Between the instructions a :class:`Routed` carries the rows and what moved them: how many
+rows go to and come from each member of the ep group, and each row's token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from planc.runtime.engine import fp8
+from planc.runtime.families import llama
+from planc.runtime.families.moe_gate import (WithBalanceLoss, balance_loss, balanced, bias_name,
+                                             choose, routed_pairs)
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A mixture's rows between its instructions: ``rows`` (one per (token, expert)
+    pair, hidden features and the routing weight), ``counts`` (the route's: rows per
+    expert; after the dispatch: rows per (source member, local expert)), ``sent`` and
+    ``received`` (rows to and from each member of the ep group), ``tokens`` (each row's
+    token, the route's order) and the mixture's input shape."""
+
+    rows: torch.Tensor
+    counts: torch.Tensor
+    tokens: torch.Tensor
+    shape: tuple[int, ...]
+    sent: tuple[int, ...] = ()
+    received: tuple[int, ...] = ()
+    first_expert: int = 0  # this rank's first expert, after the dispatch
+    members: tuple[int, ...] = ()
+
+    def detach(self) -> "Routed":
+        return replace(self, rows=self.rows.detach())
+
+    def leaf(self, requires_grad: bool) -> "Routed":
+        return replace(self, rows=self.rows.detach().requires_grad_(requires_grad))
+
+    def is_floating_point(self) -> bool:
+        return False  # what it carries besides its rows is integers
+
+
+def expert_output(x: torch.Tensor, weights: tuple, expert: int, recipe=None
+            ) -> torch.Tensor:
+    """Routed expert ``expert``'s SwiGLU of rows ``x``; ``weights``: the stacked gate, up
+    and down; its GEMMs in FP8 by ``recipe`` (planc.runtime.engine.fp8)."""
+    gate, up, down = weights
+    return llama.dense_mlp(-1, x, {"gate.weight": gate[expert], "up.weight": up[expert],
+                                   "down.weight": down[expert]}, recipe)
+
+
+def stacked_experts(weights_of) -> tuple:
+    """The stacked gate, up and down weights of the block's routed experts (this rank's)."""
+    return tuple(weights_of(f"experts.{w}.weight") for w in ("gate", "up", "down"))
+
+
+def route(k, spec, x, p, step, mb, extra):
+    """The route piece: the rows to dispatch (its autograd output, with the balance loss
+    joined to it), and a :class:`Routed` for the transfers (``extra["report"]``)."""
+    data = x["x"]
+    m = k.ctx.model
+    by_suffix = {name.split(".", 2)[-1]: name for name in spec.params}
+    weights_of = lambda name: p(by_suffix[name])  # noqa: E731
+    tokens = data.reshape(-1, data.shape[-1])
+    bias = count = None
+    if balanced(m):
+        bias = k.buffers[bias_name(spec.layer)]
+        if k.chosen is not None:
+            count = lambda per_expert: k.chosen.__setitem__(  # noqa: E731
+                (step, mb, spec.layer), per_expert)
+    drops = lambda dropped, pairs: k.dropped.__setitem__(  # noqa: E731
+        (step, mb, spec.layer), (dropped, pairs))
+    probabilities, experts, weights = choose(tokens, weights_of, m, bias, count)
+    chosen = routed_pairs(experts, data.shape[0], k.positions(spec), m, spec.counts,
+                          drops).reshape(-1)
+    pairs = (chosen >= 0).nonzero(as_tuple=True)[0]
+    order = pairs[torch.sort(chosen[pairs], stable=True).indices]
+    token_of = order // m.top_k
+    counts = torch.bincount(chosen[order], minlength=m.experts)
+    rows = torch.cat([tokens[token_of],
+                      weights.reshape(-1)[order].to(tokens.dtype).unsqueeze(-1)], dim=1)
+    if m.aux_loss:
+        rows = WithBalanceLoss.apply(
+            rows, balance_loss(probabilities, experts, data.shape[0], m, spec.counts)
+            / m.batch)
+    extra["report"] = Routed(rows, counts, token_of, tuple(data.shape))
+    return rows
+
+
+def _exchange(rows: torch.Tensor, sent, received, group) -> torch.Tensor:
+    out = rows.new_empty((sum(received), rows.shape[1]))
+    dist.all_to_all_single(out, rows.contiguous(), list(received), list(sent), group=group)
+    return out
+
+
+def dispatch(routed: Routed, group, members: tuple[int, ...], index: int, recipe=None
+             ) -> Routed:
+    """The forward dispatch: the counts per expert over the group (each rank learns the
+    rows each member sends to each of its experts), then the rows, as FP8 with
+    ``recipe`` (DeepSeek-V3, section 3.3.4: the hidden features as E4M3 and a scale per
+    tile, the weights in the dtype)."""
+    ep = len(members)
+    arriving = torch.empty_like(routed.counts)
+    dist.all_to_all_single(arriving, routed.counts, group=group)
+    per_rank = routed.counts.numel() // ep
+    sent = tuple(routed.counts.reshape(ep, per_rank).sum(1).tolist())
+    arriving = arriving.reshape(ep, per_rank)
+    received = tuple(arriving.sum(1).tolist())
+    if recipe is None:
+        rows = _exchange(routed.rows, sent, received, group)
+    else:
+        features, weights = routed.rows[:, :-1], routed.rows[:, -1:]
+        codes, scale = fp8.encoded_rows(features, recipe.tile)
+        flat = codes.view(torch.uint8).reshape(codes.shape[0], -1)
+        codes_in = _exchange(flat, sent, received, group)
+        scales_in = _exchange(scale.reshape(scale.shape[0], -1), sent, received, group)
+        tiles = codes.shape[1]
+        decoded = fp8.decoded_rows(codes_in.view(fp8.E4M3).reshape(-1, tiles, recipe.tile),
+                                   scales_in.reshape(-1, tiles, 1), features.shape[1])
+        rows = torch.cat([decoded.to(routed.rows.dtype),
+                          _exchange(weights, sent, received, group)], dim=1)
+    return replace(routed, rows=rows, counts=arriving, sent=sent, received=received,
+                   first_expert=index * per_rank, members=members)
+
+
+def exchange(values: torch.Tensor, routing: Routed, outbound: bool, group
+             ) -> torch.Tensor:
+    """Rows to the ranks as the dispatch moved them (``outbound``: the forward dispatch's
+    way, which the combine's gradients take too) or back (the combine, the dispatch's
+    gradients)."""
+    if outbound:
+        return _exchange(values, routing.sent, routing.received, group)
+    return _exchange(values, routing.received, routing.sent, group)
+
+
+def experts(k, spec, x, p, step, mb, extra):
+    """This rank's experts on the rows dispatched to them, each output times its
+    weight."""
+    routed: Routed = x["x"]
+    m = k.ctx.model
+    rows = routed.rows
+    by_suffix = {name.split(".", 2)[-1]: name for name in spec.params}
+    stacked = stacked_experts(lambda name: p(by_suffix[name]))
+    local = routed.counts.shape[1]
+    # the rows of each member come sorted by expert: each row's local expert
+    expert_of = torch.repeat_interleave(
+        torch.arange(local, device=rows.device).repeat(routed.counts.shape[0]),
+        routed.counts.reshape(-1))
+    k.routed[(step, mb, spec.layer)] = (rows.shape[0], routed.members)
+    features, weights = rows[:, :-1], rows[:, -1:]
+    recipe = fp8.recipe_of(m)
+    # zeros that depend on the rows: a rank whose experts got none still runs the
+    # backward, whose all-to-alls its peers wait for
+    done = features * 0
+    for expert in range(local):
+        mine = (expert_of == expert).nonzero(as_tuple=True)[0]
+        if mine.numel():
+            done = done.index_copy(0, mine, expert_output(features[mine], stacked, expert, recipe))
+    return done * weights
+
+
+def shared(k, spec, x, p, step, mb, extra):
+    """The shared experts on the mixture's tokens (flattened), as the uncut one adds
+    them."""
+    data = x["x"]
+    by_suffix = {name.split(".", 2)[-1]: name for name in spec.params}
+    return llama.dense_mlp(-1, data.reshape(-1, data.shape[-1]), {
+        f"{w}.weight": p(by_suffix[f"shared.{w}.weight"]) for w in ("gate", "up", "down")},
+        fp8.recipe_of(k.ctx.model))
+
+
+def total(k, spec, x, p, step, mb, extra):
+    """Each token's weighted outputs added up (in the route's order), then the shared
+    experts'."""
+    rows, routing = x["x"], x["routing"]
+    shape = routing.shape
+    out = rows.new_zeros((shape[0] * shape[1], shape[2])).index_add(0, routing.tokens, rows)
+    if "shared" in x:
+        out = out + x["shared"]
+    return out.reshape(shape)

@@ -1,0 +1,174 @@
+"""schedule { overlap_all_to_all }: a mixture of experts over ep cut at its all-to-alls
+(planc.passes.split_dispatch). The graph's pieces and transfers, the programs' ep stream,
+the verifier's rule on their order, the simulator's price of the pieces against the
+whole, and training runs under --check in every layout the issue lists."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from planc.cli import main
+from planc.compile import compile_plan
+from planc.graph.ir import Axis, Kind, NodeType, Op, Payload, Phase
+from planc.lang import load_text
+from planc.program.names import Stream
+from planc.program.program import Opcode
+from planc.verify.verifier import verify
+
+PLAN = """plan cut {
+  model moe {
+    layers = LAYERS; hidden = 64; heads = 4; kv_heads = 2; vocab = 128; seq = 32; batch = 8
+    experts = 8; top_k = 2; expert_ffn = 48; shared_experts = SHARED; first_dense = 1
+    ffn = 128 EXTRA
+  }
+  TOPOLOGY
+  mesh { MESH }
+  shard { SHARD }
+  schedule { microbatches = MICROBATCHES; overlap_all_to_all = on PIPELINE }
+  train { steps = 3; optimizer = adamw(lr = 1e-3); seed = 0 }
+}
+"""
+
+
+def plan_text(mesh: str = "dp = 2; ep = 2", layers: int = 3, shared: int = 1, extra: str = "",
+              topology: str = "", shard: str = "", microbatches: int = 2,
+              pipeline: str = "") -> str:
+    return (PLAN.replace("LAYERS", str(layers)).replace("SHARED", str(shared))
+            .replace("EXTRA", f"; {extra}" if extra else "").replace("TOPOLOGY", topology)
+            .replace("MESH", mesh).replace("SHARD", shard)
+            .replace("MICROBATCHES", str(microbatches))
+            .replace("PIPELINE", f"; pipeline = {pipeline}" if pipeline else ""))
+
+
+def built(text: str):
+    loaded = load_text(text)
+    assert loaded.ok, [d.message for d in loaded.diagnostics]
+    return compile_plan(loaded.plan)
+
+
+# --- the graph --------------------------------------------------------------------------
+
+def test_each_mixture_becomes_four_pieces_and_four_all_to_alls():
+    build = built(plan_text())
+    graph = build.graph
+    mixtures = [n for n, d in graph.nodes(data=True) if d.get("op") == Op.MOE]
+    assert mixtures == []  # every one cut: layers 1 and 2
+    transfers = sorted(n for n, d in graph.nodes(data=True) if d["type"] == NodeType.TRANSFER
+                       and d["axis"] == Axis.EP)
+    assert transfers == sorted(f"{p}/L{layer}/moe:{what}" for p in "FB" for layer in (1, 2)
+                               for what in ("dispatch", "combine"))
+    for node in transfers:
+        data = graph.nodes[node]
+        assert (data["kind"], data["payload"], data["group_size"]) == \
+            (Kind.ALL_TO_ALL, Payload(node.rsplit(":", 1)[1]), 2)
+        assert data["phase"] == (Phase.FORWARD if node.startswith("F/") else Phase.BACKWARD)
+        assert data["stream"] == Stream.EP
+    # the rows of the 8 / 2 / 2 sequences of 32 tokens of a microbatch, 2 experts each, 64
+    # features of 4 bytes (fp32), and the dispatch's weight column
+    tokens = 8 // 2 // 2 * 32
+    assert graph.nodes["F/L1/moe:dispatch"]["bytes"] == tokens * 2 * 65 * 4
+    assert graph.nodes["F/L1/moe:combine"]["bytes"] == tokens * 2 * 64 * 4
+    pieces = {n: d["op"] for n, d in graph.nodes(data=True)
+              if d["type"] == NodeType.COMPUTE and n.startswith("F/L1/moe")}
+    assert pieces == {"F/L1/moe": Op.MOE_ROUTE, "F/L1/moe:shared": Op.MOE_SHARED,
+                      "F/L1/moe:experts": Op.MOE_EXPERTS, "F/L1/moe:sum": Op.MOE_COMBINE}
+    assert graph.nodes["F/L1/moe:experts"]["params"] == [
+        f"layers.1.experts.{w}.weight" for w in ("gate", "up", "down")]
+    # the pieces' FLOPs add up to the whole mixture's (planc.models.moe.part_flops)
+    uncut = built(plan_text().replace("; overlap_all_to_all = on", "")).graph
+    whole = uncut.nodes["F/L1/moe"]["flops"]
+    assert sum(graph.nodes[n]["flops"] for n in pieces) == pytest.approx(whole, rel=1e-12)
+
+
+def test_the_programs_run_the_all_to_alls_on_the_ep_stream_and_the_shared_experts_beside():
+    build = built(plan_text())
+    (program,) = build.programs.values()
+    assert Stream.EP in program.streams
+    forward = [(str(i.stream), str(i.op), i.node) for i in program.blocks["F0"]
+               if i.node is not None and i.node.startswith("F/L1/moe")]
+    assert forward == [
+        ("compute", "compute", "F/L1/moe"), ("ep", "all_to_all", "F/L1/moe:dispatch"),
+        ("compute", "compute", "F/L1/moe:shared"), ("compute", "compute", "F/L1/moe:experts"),
+        ("ep", "all_to_all", "F/L1/moe:combine"), ("compute", "compute", "F/L1/moe:sum")]
+
+
+def test_an_all_to_all_on_the_wrong_side_of_its_pair_gets_the_verifiers_message():
+    build = built(plan_text())
+    (name, program), = build.programs.items()
+    block = list(program.blocks["F0"])
+    at = {(i.op, i.node): k for k, i in enumerate(block)}
+    combine = block.pop(at[(Opcode.ALL_TO_ALL, "F/L1/moe:combine")])
+    block.insert(at[(Opcode.ALL_TO_ALL, "F/L1/moe:dispatch")], combine)  # before its pair
+    broken = dataclasses.replace(program, blocks={**program.blocks, "F0": tuple(block)})
+    report = verify(build.plan, build.graph, {name: broken}, build.table, build.groups,
+                    build.routes)
+    assert (f"program {name}: block F0: all_to_all F/L1/moe:combine comes before "
+            f"F/L1/moe:experts; a mixture's combine runs after it, or it would move rows "
+            f"that are not there yet") in report.problems
+
+
+def test_the_key_is_checked(tmp_path, capsys):
+    path = tmp_path / "p.plan"
+    path.write_text(plan_text(mesh="dp = 2"))
+    assert main(["check", str(path)]) == 0
+    assert "warning: overlap_all_to_all = on has no effect without experts spread over ep: " \
+        "there is no all-to-all to overlap" in capsys.readouterr().err
+    path.write_text(plan_text().replace("  train {", "  optimize { recompute = full }\n"
+                                        "  train {"))
+    assert main(["check", str(path)]) == 1
+    assert "error: overlap_all_to_all = on does not run with recompute = full: the " \
+        "recomputed mixture would repeat its all-to-alls" in capsys.readouterr().err
+
+
+# --- the simulator ----------------------------------------------------------------------
+
+def test_the_cut_mixture_costs_its_pieces_as_the_whole_costs_them():
+    from planc.estimate.kernel_cost import MIXTURE_PARTS, KernelModel
+
+    text = plan_text(mesh="dp = 8; ep = 8", topology="topology { preset = dgx-h100 }",
+                     microbatches=1)
+    model = KernelModel.of(load_text(text).plan)
+    for step in ("forward", "backward"):
+        flops = 3.5e12 * (2 if step == "backward" else 1)
+        tokens = flops / (2 if step == "backward" else 1) / model.mixture.flops_per_token
+        assert model.mixture_seconds(step, flops) == pytest.approx(
+            sum(model.mixture_part_seconds(part, step, tokens) for part in MIXTURE_PARTS),
+            rel=1e-12)
+
+
+# --- training ---------------------------------------------------------------------------
+
+LAYOUTS = {
+    # 1F1B with ep over tp (sequence parallel) and dp, pp 2, ZeRO-1
+    "1f1b-tp-sp-pp-dp": dict(mesh="tp = 2; pp = 2; dp = 2; ep = 4",
+                             shard="tp { sequence_parallel = on }; dp { zero = 1 }"),
+    "dualpipev": dict(mesh="pp = 2; dp = 2; ep = 2", shard="pp { virtual = 2 }", layers=4,
+                      microbatches=4, pipeline="dualpipev"),
+    "interleaved-zero2": dict(mesh="pp = 2; dp = 2; ep = 2",
+                              shard="pp { virtual = 2 }; dp { zero = 2 }", layers=4,
+                              microbatches=4, pipeline="interleaved"),
+    "zero3": dict(mesh="dp = 4; ep = 2", shard="dp { zero = 3 }"),
+    "cp-balance-loss": dict(mesh="cp = 2; dp = 2; ep = 4", extra="aux_loss = 0.01"),
+    # the sigmoid gate with its bias, node-limited to 1 of 2 groups, one a "node"
+    "gate-two-nodes": dict(mesh="dp = 4; ep = 4", topology="topology { nodes = 2; "
+                           "devices_per_node = 2 }",
+                           extra="score = sigmoid; routed_scale = 2.5; bias_update = 0.01; "
+                                 "expert_groups = 2; route_groups = 1"),
+    "capacity-tp": dict(mesh="tp = 2; dp = 2; ep = 4", extra="capacity = 1.0",
+                        shard="tp { sequence_parallel = on }"),
+    "fp8-tp-pp": dict(mesh="tp = 2; pp = 2; dp = 2; ep = 4", extra="fp8 = blockwise; "
+                      "fp8_tile = 16", shard="tp { sequence_parallel = on }"),
+    "no-shared-experts": dict(shared=0),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_the_cut_mixture_trains_as_one_process_does(layout, tmp_path, capfd):
+    pytest.importorskip("torch")
+    path = tmp_path / "p.plan"
+    path.write_text(plan_text(**LAYOUTS[layout]))
+    assert main(["run", str(path), "-o", str(tmp_path / "b"), "--check"]) == 0
+    out = "".join(capfd.readouterr())
+    assert "against the single-process run" in out and "matches" in out
