@@ -30,7 +30,7 @@ def test_the_registry_lists_the_axes_and_groups_in_their_order():
     assert GROUPS["stage"].axes == ("tp", "cp", "dp")
     assert GROUPS["tied"].axes == ("pp",)
     assert [n for n, g in GROUPS.items() if g.in_graph] == \
-        ["tp", "cp", "pp", "dp_cp", "tied", "stage", "edp", "world"]
+        ["tp", "cp", "pp", "dp_cp", "tied", "stage", "ep", "edp", "world"]
     assert [n for n, g in GROUPS.items() if g.within_stage] == \
         ["tp", "cp", "dp", "dp_cp", "stage", "ep", "edp", "sequence"]
     assert GROUPS["sequence"].axes == ("tp", "cp")

@@ -172,3 +172,82 @@ def test_the_cut_mixture_trains_as_one_process_does(layout, tmp_path, capfd):
     assert main(["run", str(path), "-o", str(tmp_path / "b"), "--check"]) == 0
     out = "".join(capfd.readouterr())
     assert "against the single-process run" in out and "matches" in out
+
+
+# --- overlapped pairs -------------------------------------------------------------------
+
+PIPELINED = {"dualpipev": LAYOUTS["dualpipev"], "interleaved": LAYOUTS["interleaved-zero2"],
+             "1f1b": LAYOUTS["1f1b-tp-sp-pp-dp"]}
+
+
+@pytest.mark.parametrize("schedule", sorted(PIPELINED))
+def test_a_forward_and_another_microbatchs_backward_run_interleaved(schedule):
+    from planc.program.expansion import expand
+    from planc.program.pairs import interleave
+
+    build = built(plan_text(**PIPELINED[schedule]))
+    # (1F1B's last stage runs each forward with its own microbatch's backward: no pair)
+    assert build.programs["stage0.json"].paired
+    for name, program in build.programs.items():
+        if not program.paired:
+            continue
+        for k in program.paired:
+            (first, m1), (second, m2) = program.schedule[k:k + 2]
+            assert first.startswith("F") and second[0] in "BI" and m1 != m2
+            blocks = (program.running(first, m1), program.running(second, m2))
+            order = interleave(*blocks)
+            # a merge: each block's instructions once, in their own order
+            for side in (0, 1):
+                assert [at for s, at in order if s == side] == list(range(len(blocks[side])))
+            # the second block's pipeline sends after every one of the first's
+            sends = [s for s, at in order if blocks[s][at].op is Opcode.SEND]
+            assert sends == sorted(sends)
+        # the first forward with a mixture gives way while its dispatch travels: the
+        # other microbatch's compute runs between the dispatch and the wait for it
+        k = next(k for k in program.paired if any(
+            i.node and i.node.endswith(":dispatch") for i in program.blocks[program.schedule[k][0]]))
+        (first, m1), (second, m2) = program.schedule[k:k + 2]
+        blocks = (program.running(first, m1), program.running(second, m2))
+        merged = [(s, blocks[s][at]) for s, at in interleave(*blocks)]
+        dispatch = next(n for n, (s, i) in enumerate(merged) if s == 0 and
+                        i.op is Opcode.ALL_TO_ALL)
+        waited = next(n for n, (s, i) in enumerate(merged) if s == 0 and n > dispatch and
+                      i.op is Opcode.WAIT and i.event.endswith(merged[dispatch][1].node))
+        assert any(s == 1 and i.op is Opcode.COMPUTE for s, i in merged[dispatch:waited])
+        assert verify(build.plan, build.graph, build.programs, build.table, build.groups,
+                      build.routes).problems == []
+        assert sum(1 for _ in expand(program)) == sum(
+            len(program.running(b, mb)) for b, mb in program.schedule) + len(
+            program.prologue) + len(program.epilogue) + 2 * sum(
+            len(items) for items in program.receives.values())
+
+
+def test_a_program_names_its_pairs_in_its_json():
+    from planc.program.program import Program
+
+    build = built(plan_text(**PIPELINED["dualpipev"]))
+    program = build.programs["stage0.json"]
+    assert Program.from_json(program.to_json()).paired == program.paired
+    bad = {**program.to_json(), "paired": [0, 1]}
+    with pytest.raises(ValueError, match="paired names positions that are not disjoint "
+                                         "pairs of the schedule"):
+        Program.from_json(bad)
+
+
+def test_the_simulator_hides_the_all_to_alls_behind_the_other_microbatch():
+    from planc.simulate import simulate
+
+    text = plan_text(mesh="pp = 2; dp = 8; ep = 8", layers=4, shard="pp { virtual = 2 }",
+                     microbatches=4, pipeline="dualpipev",
+                     topology="topology { preset = dgx-h100 }").replace("batch = 8",
+                                                                         "batch = 64")
+    exposed = {}
+    for mode in ("uncut", "cut", "paired"):
+        variant = text if mode != "uncut" else text.replace("; overlap_all_to_all = on", "")
+        build = built(variant)
+        if mode == "cut":  # the cut without its pairs
+            build = dataclasses.replace(build, programs={
+                n: dataclasses.replace(p, paired=()) for n, p in build.programs.items()})
+        exposed[mode] = max(stage.exposed_seconds.get("ep", 0.0)
+                            for stage in simulate(build).stages)
+    assert exposed["paired"] < exposed["cut"] < exposed["uncut"]

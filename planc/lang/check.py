@@ -399,7 +399,7 @@ class _Checker(DataChecks, TopologyReader):
         key = "schedule.overlap_all_to_all"
         if not schedule.overlap_all_to_all:
             return schedule
-        if model.family != "moe" or mesh.ep == 1:
+        if mesh.ep == 1:  # (ep > 1 on a family without experts is refused above)
             self.report(warning("overlap_all_to_all = on has no effect without experts "
                                 "spread over ep: there is no all-to-all to overlap",
                                 self.span(key),

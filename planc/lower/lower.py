@@ -28,6 +28,7 @@ import networkx as nx
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, buckets
 from planc.lower.bind import Binding
 from planc.lower.evaluation import evaluation_of, forward_only
+from planc.lower.paired import paired_blocks
 from planc.program.names import STREAM_ORDER
 from planc.program.program import (
     EVENT_NAMING_OPS,
@@ -455,7 +456,8 @@ def lower(plan: Plan, graph: nx.DiGraph, binding: Binding | None = None
             prologue=tuple(listed.get(PROLOGUE, ())), buckets=stage_buckets,
             received={node: binding.operands(node, Kind.RECV.value)
                       for node in receive_nodes},
-            evaluation=evaluation, evaluation_receives=evaluation_receives)
+            evaluation=evaluation, evaluation_receives=evaluation_receives,
+            paired=paired_blocks(plan, pipeline, stage, blocks))
     layout = Layout.of(plan)
     ranks = RankTable(plan.world, pp, layout.strides["pp"],
                       {f"stage{s}.json": s for s in range(pp)},

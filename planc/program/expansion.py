@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, NamedTuple
 
+from planc.program.pairs import interleave
 from planc.program.program import (
     EVENT_NAMING_OPS,
     STATE,
@@ -119,10 +120,26 @@ def expand(program: Program, only: int | None = None, operands: bool = True,
     # how many run; not whole: a microbatch other than ``only``, its once-per-step ones
     selected: dict[tuple[str, bool, bool, bool],
                    tuple[tuple[tuple[int, Instruction], ...], int]] = {}
-    for block, microbatch in program.schedule:
-        for stream, end in needed.get((block, microbatch), {}).items():
-            while position[stream] <= end:
-                yield from receive(stream)
+    paired = set(program.paired)
+    schedule = program.schedule
+    for k, (block, microbatch) in enumerate(schedule):
+        if k - 1 in paired:  # run with the block before it
+            continue
+        together = schedule[k:k + 2] if k in paired else schedule[k:k + 1]
+        for entry in together:
+            for stream, end in needed.get(entry, {}).items():
+                while position[stream] <= end:
+                    yield from receive(stream)
+        if k in paired:
+            start = index
+            for offset, (side, (instruction, mb)) in enumerate(
+                    _merged(program, *together)):
+                if (keep is None or keep(instruction)) and (
+                        only is None or mb == only or not instruction.per_microbatch):
+                    index = start + offset
+                    yield emit(instruction, mb, f"{together[side][0]} mb {mb}")
+            index = start + offset + 1
+            continue
         whole = only is None or microbatch == only
         key = (block, microbatch == 0, microbatch == last, whole)
         if key not in selected:
@@ -134,6 +151,16 @@ def expand(program: Program, only: int | None = None, operands: bool = True,
         while position[stream] < len(program.receives[stream]):
             yield from receive(stream)
     yield from run(tuple(kept(program.epilogue)), len(program.epilogue), None, "epilogue")
+
+
+def _merged(program: Program, first: tuple[str, int], second: tuple[str, int]
+            ) -> list[tuple[int, tuple[Instruction, int]]]:
+    """An overlapped pair's instructions in their interleaved order
+    (planc.program.pairs): (which block, (the instruction, its microbatch))."""
+    blocks = [program.running(*first), program.running(*second)]
+    microbatches = (first[1], second[1])
+    return [(side, (blocks[side][at], microbatches[side]))
+            for side, at in interleave(*blocks)]
 
 
 def expanded_length(program: Program) -> int:

@@ -213,6 +213,10 @@ class Program:
     # asks for one (planc.lower.evaluation): empty otherwise.
     evaluation: tuple[tuple[str, int], ...] = ()
     evaluation_receives: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+    # schedule { overlap_all_to_all } under a schedule with overlapped pairs: the
+    # positions k of the schedule whose block runs interleaved with block k + 1
+    # (planc.program.pairs)
+    paired: tuple[int, ...] = ()
 
     def for_evaluation(self) -> "Program":
         """The program of an evaluation batch: the forward blocks on the forward-only
@@ -241,6 +245,7 @@ class Program:
                 "blocks": {name: [i.to_json() for i in block] for name, block in
                            self.blocks.items()},
                 "schedule": [list(s) for s in self.schedule],
+                **({"paired": list(self.paired)} if self.paired else {}),
                 "receives": {stream: [list(r) for r in items]
                              for stream, items in self.receives.items()},
                 "epilogue": [i.to_json() for i in self.epilogue],
@@ -277,6 +282,7 @@ class Program:
             buckets=dict(data.get("buckets", {})),
             received={_string(node): Operands.from_json(operands)
                       for node, operands in data["received"].items()},
+            paired=tuple(integer_of(k, "a paired position") for k in data.get("paired", ())),
             **_evaluation_of(data.get("evaluation")))
         if any(s not in STREAM_ORDER for s in program.streams):
             raise ValueError(f"streams {list(program.streams)}: one is not a stream planc "
@@ -296,6 +302,12 @@ class Program:
                     raise ValueError("only instructions of a block can have a guard")
                 if instruction.stream not in program.streams:
                     raise ValueError(f"stream {instruction.stream!r} is not declared")
+        paired = program.paired
+        if any(not 0 <= k < len(program.schedule) - 1 for k in paired) or \
+                list(paired) != sorted(set(paired)) or \
+                any(k + 1 in paired for k in paired):
+            raise ValueError("paired names positions that are not disjoint pairs of the "
+                             "schedule")
         if any(not 0 <= mb < microbatches for _, mb in program.schedule + program.evaluation):
             raise ValueError("the schedule names a microbatch outside the step")
         if any(block not in program.blocks or not block.startswith("F")

@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from planc.program.program import Instruction, Program, guard_microbatch
+from planc.program.pairs import interleave
+from planc.program.program import Instruction, Opcode, Program, guard_microbatch
 from planc.program.names import Stream
 from planc.schedules import Block
 from planc.simulate.blocks import BlockTime, replay
@@ -62,6 +63,27 @@ def _variant(program: Program, block: str, microbatch: int) -> tuple[Instruction
                  if guard_microbatch(i.guard, program.microbatches) in (None, microbatch))
 
 
+def _pair_time(first: tuple[Instruction, ...], second: tuple[Instruction, ...], duration,
+               keep_spans: bool) -> tuple[BlockTime, tuple[BlockTime, BlockTime]]:
+    """An overlapped pair replayed in its interleaved order (planc.program.pairs): the
+    whole, and each block's part of it (its spans, its compute's end, its sends' end)."""
+    blocks = (first, second)
+    whole = replay([blocks[side][at] for side, at in interleave(first, second)], duration,
+                   keep_spans=True)
+    parts = []
+    for block in blocks:
+        nodes = {i.node for i in block if i.node is not None}
+        mine = [span for span in whole.spans if span.node in nodes]
+        sends = [span.end for span in mine if span.op is Opcode.SEND]
+        parts.append(BlockTime(
+            compute_end=max((span.end for span in mine if span.stream == Stream.COMPUTE),
+                            default=0.0),
+            sends=max(sends) if sends else None, spans=mine if keep_spans else []))
+    if not keep_spans:
+        whole.spans = []
+    return whole, (parts[0], parts[1])
+
+
 def _key(program: Program, block: str, microbatch: int) -> tuple[str, bool, bool]:
     """Block instances that run the same instructions share a replay."""
     last = program.microbatches - 1
@@ -90,6 +112,18 @@ def step(programs: dict[int, Program], durations, keep_spans: bool = False
                                   timings[stage], keep_spans)
         return replays[key]
 
+    pair_replays: dict[tuple, tuple[BlockTime, tuple[BlockTime, BlockTime]]] = {}
+
+    def timed_pair(stage: int, k: int) -> tuple[BlockTime, tuple[BlockTime, BlockTime]]:
+        program = programs[stage]
+        (first, m1), (second, m2) = program.schedule[k:k + 2]
+        key = (stage, _key(program, first, m1), _key(program, second, m2))
+        if key not in pair_replays:
+            pair_replays[key] = _pair_time(_variant(program, first, m1),
+                                           _variant(program, second, m2), timings[stage],
+                                           keep_spans)
+        return pair_replays[key]
+
     ready: dict[int, float] = {}
     tails: dict[int, dict[str, float]] = {}
     for stage, program in programs.items():
@@ -110,16 +144,29 @@ def step(programs: dict[int, Program], durations, keep_spans: bool = False
         queued.discard(stage)
         program = programs[stage]
         schedule, time = program.schedule, times[stage]
+        paired = set(program.paired)
         while position[stage] < len(schedule):
-            block, microbatch = schedule[position[stage]]
-            kind, chunk = typed[stage][block]
-            # Arrivals are keyed by direction (+1 forward, -1 backward) and receiving chunk.
-            flow = kind.flow
-            needs_input = flow != 0 and 0 <= chunk - flow <= last_chunk
-            if needs_input and (flow, chunk, microbatch) not in arrivals:
+            k = position[stage]
+            # an overlapped pair (planc.program.pairs) runs as one interleaved replay
+            entries = schedule[k:k + 2] if k in paired else schedule[k:k + 1]
+            inputs = []
+            for block, microbatch in entries:
+                kind, chunk = typed[stage][block]
+                # Arrivals are keyed by direction (+1 forward, -1 backward) and receiving
+                # chunk.
+                flow = kind.flow
+                needs_input = flow != 0 and 0 <= chunk - flow <= last_chunk
+                inputs.append((flow, chunk, microbatch, needs_input))
+            if any(needs and (flow, chunk, mb) not in arrivals
+                   for flow, chunk, mb, needs in inputs):
                 break
-            arrival = arrivals.get((flow, chunk, microbatch), 0.0)
-            replayed = timed(stage, block, microbatch)
+            arrival = max(arrivals.get((flow, chunk, mb), 0.0)
+                          for flow, chunk, mb, _ in inputs)
+            if k in paired:
+                replayed, parts = timed_pair(stage, k)
+            else:
+                replayed = timed(stage, *entries[0])
+                parts = (replayed,)
             start = max(ready[stage], arrival)
             time.waiting += start - ready[stage]
             gathered, axis = _prologue_bound(time.prologue, replayed)
@@ -132,18 +179,19 @@ def step(programs: dict[int, Program], durations, keep_spans: bool = False
                 time.exposed[axis] = time.exposed.get(axis, 0.0) + seconds
             for stream, end in replayed.stream_ends.items():
                 tails[stage][stream] = max(tails[stage].get(stream, 0.0), start + end)
-            sent = start + (replayed.sends if replayed.sends is not None
-                            else replayed.compute_end)
-            if flow:
-                arrivals[(flow, chunk + flow, microbatch)] = sent
-                waiting = chunk_stage.get(chunk + flow)
-                if waiting is not None and waiting in programs and waiting not in queued:
-                    work.append(waiting)
-                    queued.add(waiting)
-            if keep_spans:
-                time.blocks.append((block, microbatch, start, replayed))
-            position[stage] += 1
-            pending -= 1
+            for (flow, chunk, microbatch, _), part, (block, _) in zip(inputs, parts,
+                                                                    entries):
+                sent = start + (part.sends if part.sends is not None else part.compute_end)
+                if flow:
+                    arrivals[(flow, chunk + flow, microbatch)] = sent
+                    waiting = chunk_stage.get(chunk + flow)
+                    if waiting is not None and waiting in programs and waiting not in queued:
+                        work.append(waiting)
+                        queued.add(waiting)
+                if keep_spans:
+                    time.blocks.append((block, microbatch, start, part))
+            position[stage] += len(entries)
+            pending -= len(entries)
     if pending:
         raise RuntimeError("the pipeline schedule cannot progress (the verifier should "
                            "have caught this)")

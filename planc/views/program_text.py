@@ -45,6 +45,11 @@ def _schedule_text(plan: Plan, program: Program) -> str:
     if pairs and max(k + n for k, n in pairs.items()) <= len(texts):  # else another plan's
         for k, n in pairs.items():
             texts[k], texts[k + n - 1] = "[" + texts[k], texts[k + n - 1] + "]"
+    for k in program.paired:  # interleaved (planc.program.pairs)
+        if k + 1 < len(texts):
+            opened = texts[k].startswith("[")
+            texts[k] = ("[<" if opened else "<") + texts[k].lstrip("[")
+            texts[k + 1] = texts[k + 1] + ">"
     return " ".join(texts)
 
 
@@ -86,10 +91,14 @@ def render(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program], table: R
     actions = _schedule_text(plan, program)
     lines.append(f"schedule ({len(program.schedule)} blocks, block.microbatch): "
                  + (actions if len(actions) < 400 else actions[:400] + " ..."))
-    if "[" in actions:
+    if "[" in actions and not program.paired:
         lines.append("  [F... B...]: a forward run overlapped with another microbatch's "
                      "backward (DualPipe): back to back, the backward's sends on their own "
                      "stream")
+    if program.paired:
+        lines.append("  <F... B...>: two microbatches' blocks interleaved instruction by "
+                     "instruction, each giving way to the other while one of its mixture's "
+                     "all-to-alls travels (schedule { overlap_all_to_all })")
     if expand:
         lines.append("")
         lines.append("issue order of one step" + (f", microbatch {microbatch}"

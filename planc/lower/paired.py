@@ -1,0 +1,34 @@
+"""Which of a stage's scheduled blocks run as interleaved pairs (planc.program.pairs):
+decided once, when the programs are lowered, from the plan and the stage's blocks."""
+
+from __future__ import annotations
+
+from planc.graph.ir import Payload
+from planc.plan.plan import Plan
+from planc.program.program import Opcode
+from planc.schedules import ActionKind
+
+
+def paired_blocks(plan: Plan, pipeline, stage: int, blocks: dict) -> tuple[int, ...]:
+    """The schedule's overlapped pairs (a forward, and the backward or input-gradient
+    block of another microbatch after it) that run interleaved (planc.program.pairs):
+    with schedule { overlap_all_to_all }, where the stage's blocks hold a mixture's
+    all-to-alls for the interleave to hide."""
+    if not plan.schedule.overlap_all_to_all or not any(
+            i.op is Opcode.ALL_TO_ALL and i.operands is not None and
+            i.operands.payload in (Payload.DISPATCH, Payload.COMBINE)
+            for block in blocks.values() for i in block):
+        return ()
+    shape = (stage, plan.mesh.pp, plan.schedule.microbatches, plan.shard.pp.virtual)
+    pairs = pipeline.program_overlapped(*shape)
+    if pairs:  # the schedule's own (DualPipeV's)
+        return tuple(sorted(pairs))
+    # Megatron-Core's combined 1F1B: every forward followed at once by another
+    # microbatch's backward (1F1B's and interleaved's steady state)
+    order, out = pipeline.program_order(*shape), []
+    for k, (action, after) in enumerate(zip(order, order[1:])):
+        if action.kind is ActionKind.FORWARD and after.microbatch != action.microbatch and \
+                after.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and \
+                (not out or out[-1] != k - 1):
+            out.append(k)
+    return tuple(out)
