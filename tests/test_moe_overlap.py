@@ -251,3 +251,17 @@ def test_the_simulator_hides_the_all_to_alls_behind_the_other_microbatch():
         exposed[mode] = max(stage.exposed_seconds.get("ep", 0.0)
                             for stage in simulate(build).stages)
     assert exposed["paired"] < exposed["cut"] < exposed["uncut"]
+
+
+def test_tune_tries_the_overlap_where_there_are_all_to_alls_and_keeps_what_pays():
+    from planc.tune.space import candidates
+
+    plan = load_text(plan_text(mesh="dp = 4; ep = 4")).plan
+    found = [c for c in candidates(plan, 4, ()) if not isinstance(c, str)]
+    with_ep = [c for c in found if c.ep > 1 and c.recompute != "full"]
+    assert with_ep and {c.overlap_all_to_all for c in with_ep} == {False, True}
+    assert not any(c.overlap_all_to_all for c in found if c.ep == 1 or
+                   c.recompute == "full")
+    on = next(c for c in with_ep if c.overlap_all_to_all)
+    assert on.settings()["schedule.overlap_all_to_all"] == "on"
+    assert on.text().endswith("a2a overlap")

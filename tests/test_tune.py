@@ -123,7 +123,7 @@ def test_a_file_written_for_other_devices_is_tuned_for_these(tmp_path, capsys):
      "planc: error: --keep mesh.xp: not a choice tune makes; it can keep mesh.tp, mesh.cp, "
      "mesh.pp, mesh.dp, mesh.ep, mesh.order, shard.pp.virtual, schedule.microbatches, "
      "schedule.pipeline, shard.dp.zero, shard.tp.sequence_parallel, optimize.recompute, "
-     "shard.pp.stages"),
+     "shard.pp.stages, schedule.overlap_all_to_all"),
     (["--gpus", "6"], "planc: error: --gpus 6 does not fill whole nodes of 4 devices (the "
                       "topology's devices_per_node); try --gpus 4 or 8"),
     (["--gpus", "4", "--memory", "0"],

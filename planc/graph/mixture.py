@@ -1,7 +1,9 @@
 """What a mixture of experts' compute node says of the collectives its kernel runs itself.
 
 Both run inside the operator's instruction, on its stream, over groups of their own
-(planc.program.groups), so that the verifier, ``planc explain`` and the simulator see them:
+(planc.program.groups), so that the verifier, ``planc explain`` and the simulator see them
+(with schedule { overlap_all_to_all } the pass planc.passes.split_dispatch turns the ep
+all-to-alls into transfers of the graph instead):
 
 - over ``ep`` > 1 (GShard's expert parallelism, Lepikhin et al. 2021; Megatron-Core's
   token dispatcher): the size of the ep group (``experts_over``) and what each of its

@@ -157,12 +157,16 @@ def step(programs: dict[int, Program], durations, keep_spans: bool = False
                 flow = kind.flow
                 needs_input = flow != 0 and 0 <= chunk - flow <= last_chunk
                 inputs.append((flow, chunk, microbatch, needs_input))
-            if any(needs and (flow, chunk, mb) not in arrivals
-                   for flow, chunk, mb, needs in inputs):
+            missing = [needs and (flow, chunk, mb) not in arrivals
+                       for flow, chunk, mb, needs in inputs]
+            if missing[0]:
                 break
+            if any(missing):  # the pair's second input is not on its way yet: the first
+                # block runs alone (on the runtime its compute waits in the middle)
+                entries, inputs = entries[:1], inputs[:1]
             arrival = max(arrivals.get((flow, chunk, mb), 0.0)
                           for flow, chunk, mb, _ in inputs)
-            if k in paired:
+            if len(entries) == 2:
                 replayed, parts = timed_pair(stage, k)
             else:
                 replayed = timed(stage, *entries[0])

@@ -41,14 +41,15 @@ DEFAULTS = {"mesh.tp": "1", "mesh.cp": "1", "mesh.pp": "1", "mesh.dp": "1", "mes
             "mesh.order": f"[{', '.join(AXES)}]", "shard.pp.virtual": "1",
             "schedule.microbatches": "1", "schedule.pipeline": "1f1b", "shard.dp.zero": "0",
             "shard.tp.sequence_parallel": "off", "optimize.recompute": "none",
-            "shard.pp.stages": "auto"}
+            "shard.pp.stages": "auto", "schedule.overlap_all_to_all": "off"}
 
 # --keep KEY: the dotted key of the plan (as --set writes it) -> the candidate's field.
 KEEPABLE = {"mesh.tp": "tp", "mesh.cp": "cp", "mesh.pp": "pp", "mesh.dp": "dp",
             "mesh.ep": "ep", "mesh.order": "order", "shard.pp.virtual": "virtual",
             "schedule.microbatches": "microbatches", "schedule.pipeline": "pipeline",
             "shard.dp.zero": "zero", "shard.tp.sequence_parallel": "sequence_parallel",
-            "optimize.recompute": "recompute", "shard.pp.stages": "stages"}
+            "optimize.recompute": "recompute", "shard.pp.stages": "stages",
+            "schedule.overlap_all_to_all": "overlap_all_to_all"}
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,9 @@ class Candidate:
     # layer ranges: "auto" (the embedding and head counted as a layer each), "even" (the
     # layers alone spread evenly), or "file" (the file's own explicit stages)
     stages: str = "auto"
+    # a mixture over ep: its all-to-alls on a stream of their own, pairs interleaved
+    # (schedule { overlap_all_to_all }); the simulator says where it pays
+    overlap_all_to_all: bool = False
 
     def settings(self) -> dict[str, str]:
         """The candidate as ``--set`` keys and values (what it changes in the file)."""
@@ -80,6 +84,7 @@ class Candidate:
                "shard.tp.sequence_parallel": on, "optimize.recompute": self.recompute}
         if self.ep > 1:
             out["mesh.ep"] = str(self.ep)
+            out["schedule.overlap_all_to_all"] = "on" if self.overlap_all_to_all else "off"
         return out
 
     def text(self) -> str:
@@ -92,7 +97,8 @@ class Candidate:
             f" m {self.microbatches}"
         extra = [f"zero {self.zero}"] + (["sp"] if self.sequence_parallel else []) + \
             ([f"recompute {self.recompute}"] if self.recompute != "none" else []) + \
-            ([f"stages {self.stages}"] if self.stages != "auto" else [])
+            ([f"stages {self.stages}"] if self.stages != "auto" else []) + \
+            (["a2a overlap"] if self.overlap_all_to_all else [])
         return f"{mesh} | {pipe} | {' '.join(extra)}"
 
     def to_json(self) -> dict:
@@ -100,7 +106,8 @@ class Candidate:
                          "ep": self.ep}, "order": list(self.order), "virtual": self.virtual,
                 "microbatches": self.microbatches, "pipeline": self.pipeline,
                 "zero": self.zero, "sequence_parallel": self.sequence_parallel,
-                "recompute": self.recompute, "stages": self.stages}
+                "recompute": self.recompute, "stages": self.stages,
+                **({"overlap_all_to_all": True} if self.overlap_all_to_all else {})}
 
 
 RECOMPUTE_RANK = {name: rank for rank, name in enumerate(RECOMPUTE)}
@@ -127,7 +134,8 @@ def of_plan(plan: Plan) -> Candidate:
                      tuple(plan.mesh.order), plan.shard.pp.virtual,
                      plan.schedule.microbatches, plan.schedule.pipeline,
                      plan.shard.dp.zero, plan.shard.tp.sequence_parallel,
-                     plan.optimize.recompute, "auto" if plan.shard.pp.auto else "file")
+                     plan.optimize.recompute, "auto" if plan.shard.pp.auto else "file",
+                     plan.schedule.overlap_all_to_all)
 
 
 def _divisors(n: int) -> list[int]:
@@ -199,6 +207,9 @@ def _schedules(plan: Plan, fixed: dict, values, tp: int, cp: int, pp: int, dp: i
                             # lightest first: what heavier settings add (dominates)
                             for recompute in values("recompute", RECOMPUTE):
                                 for zero in zeros:
-                                    yield Candidate(tp, cp, pp, dp, ep, tuple(order),
-                                                    virtual, m, pipeline, zero, sp,
-                                                    recompute, stages)
+                                    for overlap in values("overlap_all_to_all", (
+                                            False, True) if ep > 1 and
+                                            recompute != "full" else (False,)):
+                                        yield Candidate(tp, cp, pp, dp, ep, tuple(order),
+                                                        virtual, m, pipeline, zero, sp,
+                                                        recompute, stages, overlap)

@@ -16,6 +16,13 @@ member waits for one that another never enters when
    microbatches: the members are ranks of one stage, which share a program; a rank with a
    program of its own is compared with its group by :meth:`planc.verify.verifier._Verifier.
    collective_order`, which counts the mixtures among the ep group's collectives.
+
+A mixture cut at its all-to-alls (schedule { overlap_all_to_all }: planc.passes.
+split_dispatch) has them as transfers of their own, on the ep stream: rule 1 holds them
+to the ep group, rule 2 to one stream, and
+
+4. in each block, a cut mixture's two all-to-alls come in the order its data needs them,
+   each between the compute pieces it joins (:meth:`ExpertChecks._cut_order`).
 """
 
 from __future__ import annotations
