@@ -265,3 +265,14 @@ def test_tune_tries_the_overlap_where_there_are_all_to_alls_and_keeps_what_pays(
     on = next(c for c in with_ep if c.overlap_all_to_all)
     assert on.settings()["schedule.overlap_all_to_all"] == "on"
     assert on.text().endswith("a2a overlap")
+
+
+def test_a_program_that_pairs_other_blocks_gets_the_verifiers_message():
+    build = built(plan_text(**PIPELINED["dualpipev"]))
+    program = build.programs["stage0.json"]
+    assert program.paired == (7, 10, 15)  # DualPipeV's pairs on stage 0 of 2, 4 microbatches
+    broken = dataclasses.replace(program, paired=(0,))  # F0.0 with F0.1: same chunk's forwards
+    report = verify(build.plan, build.graph, {**build.programs, "stage0.json": broken},
+                    build.table, build.groups, build.routes)
+    assert ("program stage0.json: it interleaves the blocks at positions [0] of its "
+            "schedule with the next; the plan's schedule pairs [7, 10, 15]") in report.problems

@@ -236,8 +236,9 @@ def split_dispatch(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
                  for node in chosen]
     return record(out, PassRecord(
         "split_dispatch", True,
-        f"split_dispatch: {len(chosen)} mixtures of experts cut at their dispatch and "
-        f"combine, {4 * len(chosen)} all-to-alls over ep on a stream of their own "
+        f"split_dispatch: {len(chosen)} mixture{'s' if len(chosen) != 1 else ''} of "
+        f"experts cut at {'their' if len(chosen) != 1 else 'its'} dispatch and combine, "
+        f"{4 * len(chosen)} all-to-alls over ep on a stream of their own "
         f"(overlap_all_to_all = on)",
         [{"what": "ep all-to-all transfers", "before": 0, "after": 4 * len(chosen)}],
         decisions))

@@ -22,11 +22,16 @@ split_dispatch) has them as transfers of their own, on the ep stream: rule 1 hol
 to the ep group, rule 2 to one stream, and
 
 4. in each block, a cut mixture's two all-to-alls come in the order its data needs them,
-   each between the compute pieces it joins (:meth:`ExpertChecks._cut_order`).
+   each between the compute pieces it joins (:meth:`ExpertChecks._cut_order`);
+5. the blocks a program interleaves (planc.program.pairs) are the pairs the plan's
+   schedule makes, a forward and another microbatch's backward
+   (:meth:`ExpertChecks._pairs`).
 """
 
 from __future__ import annotations
 
+from planc import schedules
+from planc.lower.paired import paired_blocks
 from planc.program.groups import EXPERTS
 
 CUT_PAYLOADS = ("dispatch", "combine")  # a cut mixture's all-to-alls (split_dispatch)
@@ -84,6 +89,7 @@ class ExpertChecks:
                     f"group {instruction.operands.group}; they go to the ranks of the ep "
                     f"group, which hold the other experts")
         self._cut_order(name, program)
+        self._pairs(name, program)
         strangers = [i for i in on_group if i not in mixtures and i not in cut]
         for instruction in strangers:
             self.report.add(f"program {name}: {describe(instruction)} runs on the ep group, "
@@ -121,3 +127,14 @@ class ExpertChecks:
                             f"{'before' if must == 'after' else 'after'} {other}; a "
                             f"mixture's {payload} runs {must} it, or it would move rows "
                             f"that are not there yet")
+
+    def _pairs(self, name: str, program: Program) -> None:
+        """Rule 5: the interleaved pairs are those the plan's schedule makes
+        (planc.lower.paired): a forward and the backward of another microbatch, whose
+        instructions read nothing of each other."""
+        expected = paired_blocks(self.plan, schedules.named(self.plan.schedule.pipeline),
+                                 program.stage, program.blocks)
+        if program.paired != expected:
+            self.report.add(f"program {name}: it interleaves the blocks at positions "
+                            f"{list(program.paired)} of its schedule with the next; the "
+                            f"plan's schedule pairs {list(expected)}")
