@@ -161,6 +161,14 @@ LAYOUTS = {
     "fp8-tp-pp": dict(mesh="tp = 2; pp = 2; dp = 2; ep = 4", extra="fp8 = blockwise; "
                       "fp8_tile = 16", shard="tp { sequence_parallel = on }"),
     "no-shared-experts": dict(shared=0),
+    # every option at once on 8 ranks: DualPipeV's interleaved pairs over tp (sp) and dp,
+    # ep 4, DeepSeek-V3's gate with its bias, a capacity, the balance loss, ZeRO-1
+    "everything-dualpipev": dict(mesh="tp = 2; pp = 2; dp = 2; ep = 4", layers=4,
+                                 microbatches=4, pipeline="dualpipev",
+                                 shard="tp { sequence_parallel = on }; pp { virtual = 2 }; "
+                                       "dp { zero = 1 }",
+                                 extra="score = sigmoid; routed_scale = 2.5; bias_update = "
+                                       "0.01; capacity = 1.5; aux_loss = 0.01"),
 }
 
 
