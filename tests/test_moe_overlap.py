@@ -50,15 +50,16 @@ def built(text: str):
 
 # --- the graph --------------------------------------------------------------------------
 
-def test_each_mixture_becomes_four_pieces_and_four_all_to_alls():
+def test_each_mixture_becomes_four_pieces_and_five_all_to_alls():
     build = built(plan_text())
     graph = build.graph
     mixtures = [n for n, d in graph.nodes(data=True) if d.get("op") == Op.MOE]
     assert mixtures == []  # every one cut: layers 1 and 2
     transfers = sorted(n for n, d in graph.nodes(data=True) if d["type"] == NodeType.TRANSFER
                        and d["axis"] == Axis.EP)
-    assert transfers == sorted(f"{p}/L{layer}/moe:{what}" for p in "FB" for layer in (1, 2)
-                               for what in ("dispatch", "combine"))
+    assert transfers == sorted([f"{p}/L{layer}/moe:{what}" for p in "FB" for layer in (1, 2)
+                                for what in ("dispatch", "combine")] +
+                               [f"F/L{layer}/moe:counts" for layer in (1, 2)])
     for node in transfers:
         data = graph.nodes[node]
         assert (data["kind"], data["payload"], data["group_size"]) == \
@@ -70,6 +71,7 @@ def test_each_mixture_becomes_four_pieces_and_four_all_to_alls():
     tokens = 8 // 2 // 2 * 32
     assert graph.nodes["F/L1/moe:dispatch"]["bytes"] == tokens * 2 * 65 * 4
     assert graph.nodes["F/L1/moe:combine"]["bytes"] == tokens * 2 * 64 * 4
+    assert graph.nodes["F/L1/moe:counts"]["bytes"] == 8 * 8  # an int64 for each expert
     pieces = {n: d["op"] for n, d in graph.nodes(data=True)
               if d["type"] == NodeType.COMPUTE and n.startswith("F/L1/moe")}
     assert pieces == {"F/L1/moe": Op.MOE_ROUTE, "F/L1/moe:shared": Op.MOE_SHARED,
@@ -89,7 +91,8 @@ def test_the_programs_run_the_all_to_alls_on_the_ep_stream_and_the_shared_expert
     forward = [(str(i.stream), str(i.op), i.node) for i in program.blocks["F0"]
                if i.node is not None and i.node.startswith("F/L1/moe")]
     assert forward == [
-        ("compute", "compute", "F/L1/moe"), ("ep", "all_to_all", "F/L1/moe:dispatch"),
+        ("compute", "compute", "F/L1/moe"), ("ep", "all_to_all", "F/L1/moe:counts"),
+        ("ep", "all_to_all", "F/L1/moe:dispatch"),
         ("compute", "compute", "F/L1/moe:shared"), ("compute", "compute", "F/L1/moe:experts"),
         ("ep", "all_to_all", "F/L1/moe:combine"), ("compute", "compute", "F/L1/moe:sum")]
 
@@ -218,7 +221,7 @@ def test_a_forward_and_another_microbatchs_backward_run_interleaved(schedule):
         blocks = (program.running(first, m1), program.running(second, m2))
         merged = [(s, blocks[s][at]) for s, at in interleave(*blocks)]
         dispatch = next(n for n, (s, i) in enumerate(merged) if s == 0 and
-                        i.op is Opcode.ALL_TO_ALL)
+                        i.op is Opcode.ALL_TO_ALL and i.node.endswith(":dispatch"))
         waited = next(n for n, (s, i) in enumerate(merged) if s == 0 and n > dispatch and
                       i.op is Opcode.WAIT and i.event.endswith(merged[dispatch][1].node))
         assert any(s == 1 and i.op is Opcode.COMPUTE for s, i in merged[dispatch:waited])

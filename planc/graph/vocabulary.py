@@ -87,6 +87,7 @@ class Payload(StrEnum):
     GRAD_NORM = "grad_norm"  # the squared gradient norm, summed over every rank
     # a mixture's (token, expert) rows to the ranks of their experts, and back
     # (schedule { overlap_all_to_all }: planc.passes.split_dispatch)
+    COUNTS = "counts"  # the rows each expert gets, exchanged before the dispatch
     DISPATCH = "dispatch"
     COMBINE = "combine"
     ROUTER_LOAD = "router_load"  # a mixture's expert loads, summed over the stage

@@ -22,7 +22,7 @@ from planc.program.operands import FEATURE_AXIS, SEQ_AXIS, Input, Operands, Step
 from planc.program.program import Opcode
 
 
-ROUTED = (Payload.DISPATCH, Payload.COMBINE)  # a cut mixture's all-to-alls
+ROUTED = (Payload.COUNTS, Payload.DISPATCH, Payload.COMBINE)  # a cut mixture's all-to-alls
 
 
 def _value(item):

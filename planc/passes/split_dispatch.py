@@ -11,10 +11,10 @@ A forward ``F/L/moe`` becomes, in order of its data:
   the rows of each expert counted;
 - ``F/L/moe:shared`` (``moe_shared``): the shared experts on the same tokens, free to run
   while the dispatch travels;
-- ``F/L/moe:dispatch``: an all-to-all of those counts over ep (each rank learns how
-  many rows each peer sends each of its experts, Megatron-Core's
-  ``num_global_tokens_per_local_expert``), then one of the rows to the ranks of their
-  experts;
+- ``F/L/moe:counts``: an all-to-all of those counts over ep (each rank learns how many
+  rows each peer sends each of its experts, Megatron-Core's
+  ``num_global_tokens_per_local_expert``);
+- ``F/L/moe:dispatch``: an all-to-all of the rows to the ranks of their experts;
 - ``F/L/moe:experts`` (``moe_experts``): this rank's experts on the rows received, each
   output scaled by its routing weight;
 - ``F/L/moe:combine``: an all-to-all of the outputs back to their tokens' ranks;
@@ -58,7 +58,10 @@ def _flop_shares(plan: Plan) -> dict[Op, float]:
 
 
 def _reason(payload: Payload, phase: Phase, ep: int) -> str:
-    what = {(Payload.DISPATCH, Phase.FORWARD): "each (token, expert) row, with its routing "
+    what = {(Payload.COUNTS, Phase.FORWARD): "each rank learns how many rows each peer "
+            "sends each of its experts, which change with every step (Megatron-Core's "
+            "num_global_tokens_per_local_expert)",
+            (Payload.DISPATCH, Phase.FORWARD): "each (token, expert) row, with its routing "
             "weight, goes to the rank of the ep group holding its expert",
             (Payload.COMBINE, Phase.FORWARD): "each expert's weighted output goes back to "
             "the rank holding its token",
@@ -114,6 +117,8 @@ class _Cutter:
         # routing weights (one more column)
         rows = data["dispatch_bytes"] // m.hidden
         columns = m.hidden + (1 if payload == Payload.DISPATCH else 0)
+        if payload == Payload.COUNTS:  # one int64 per expert
+            rows, columns = m.experts, 8
         name = f"{node}:{payload.value}"
         self.graph.add_node(
             name, type=NodeType.TRANSFER, kind=Kind.ALL_TO_ALL, axis=Axis.EP,
@@ -121,7 +126,8 @@ class _Cutter:
             stage=data["stage"], chunk=data["chunk"], layer=data.get("layer"),
             repeat=data["repeat"], per_microbatch=True, microbatch=None,
             bytes=int(rows * columns), dtype=m.dtype,
-            tensor="expert_rows" if payload == Payload.DISPATCH else "expert_outputs",
+            tensor={Payload.COUNTS: "expert_counts", Payload.DISPATCH: "expert_rows",
+                    Payload.COMBINE: "expert_outputs"}[payload],
             reason=_reason(payload, phase, self.plan.mesh.ep))
         return name
 
@@ -131,6 +137,7 @@ class _Cutter:
         moved_out = [(v, e) for _, v, e in graph.out_edges(node, data=True)
                      if e.get("kind", EdgeKind.DATA) != EdgeKind.SAVED]
         inputs = [(u, e) for u, _, e in graph.in_edges(node, data=True)]
+        counts = self._transfer(node, Payload.COUNTS, Phase.FORWARD)
         dispatch = self._transfer(node, Payload.DISPATCH, Phase.FORWARD)
         combine = self._transfer(node, Payload.COMBINE, Phase.FORWARD)
         shared = bool(self.plan.model.shared_experts)
@@ -145,7 +152,8 @@ class _Cutter:
                 graph.add_edge(source, experts, **edge)
             if shared:  # the tokens, and the parameters
                 graph.add_edge(source, names[Op.MOE_SHARED], **edge)
-        graph.add_edge(route, dispatch, kind=EdgeKind.DATA, port=Port.X)
+        graph.add_edge(route, counts, kind=EdgeKind.DATA, port=Port.X)
+        graph.add_edge(counts, dispatch, kind=EdgeKind.DATA, port=Port.X)
         graph.add_edge(dispatch, experts, kind=EdgeKind.DATA, port=Port.X)
         graph.add_edge(experts, combine, kind=EdgeKind.DATA, port=Port.X)
         graph.add_edge(dispatch, combine, kind=EdgeKind.DATA, port=Port.ROUTING)
@@ -232,13 +240,14 @@ def split_dispatch(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
         names = cutter.forward(node)
         if node in backward_of:
             cutter.backward(backward_of[node], names)
-    decisions = [{"node": node, "transfers": [f"{node}:dispatch", f"{node}:combine"]}
+    decisions = [{"node": node, "transfers": [f"{node}:counts", f"{node}:dispatch",
+                                              f"{node}:combine"]}
                  for node in chosen]
     return record(out, PassRecord(
         "split_dispatch", True,
         f"split_dispatch: {len(chosen)} mixture{'s' if len(chosen) != 1 else ''} of "
         f"experts cut at {'their' if len(chosen) != 1 else 'its'} dispatch and combine, "
-        f"{4 * len(chosen)} all-to-alls over ep on a stream of their own "
+        f"{5 * len(chosen)} all-to-alls over ep on a stream of their own "
         f"(overlap_all_to_all = on)",
-        [{"what": "ep all-to-all transfers", "before": 0, "after": 4 * len(chosen)}],
+        [{"what": "ep all-to-all transfers", "before": 0, "after": 5 * len(chosen)}],
         decisions))

@@ -40,7 +40,7 @@ FORWARD_STEPS = (StepKind.FORWARD, StepKind.RECOMPUTE)
 # one (its input gradient, B, and its weight gradient, W).
 GRADIENT_STEPS = (StepKind.BACKWARD, StepKind.WEIGHT)
 PAYLOADS = ("activation", "loss_stat", "loss", "kv", "dkv", "stream", "grad", "param",
-            "grad_norm", "router_load", "dispatch", "combine")
+            "grad_norm", "router_load", "counts", "dispatch", "combine")
 REDUCE_OPS = ("sum", "max")
 DIRECTIONS = ("forward", "backward")
 SEQ_AXIS, FEATURE_AXIS = 1, 2  # activations are (batch, tokens, features)

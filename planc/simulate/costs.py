@@ -117,7 +117,7 @@ def axis_of(operands: Operands | None) -> str | None:
 EXPERT_ALL_TO_ALLS = 2
 # ... or cut at them (schedule { overlap_all_to_all }): its all-to-alls transfers of their
 # own, its routed experts a piece of their own
-CUT_MIXTURE = ("dispatch", "combine")
+CUT_MIXTURE = ("counts", "dispatch", "combine")
 CUT_EXPERTS = "moe_experts"
 
 
@@ -268,11 +268,13 @@ class InstructionCosts:
         return seconds
 
     def _cut_all_to_all(self, operands: Operands, stage: int) -> float:
-        """A cut mixture's dispatch or combine (planc.passes.split_dispatch), priced as
-        the uncut mixture prices its all-to-alls: the busiest rank's rows (``bytes``
-        times the imbalance), a forward dispatch in FP8 with model { fp8 }, on where the
-        ep group's members sit; plus the handoff of a transfer on its own stream."""
-        imbalance = self.mixture.imbalance if self.mixture is not None else 1.0
+        """A cut mixture's counts, dispatch or combine (planc.passes.split_dispatch),
+        priced as the uncut mixture prices its all-to-alls: the busiest rank's rows
+        (``bytes`` times the imbalance; the counts are one integer an expert), a forward
+        dispatch in FP8 with model { fp8 }, on where the ep group's members sit; plus the
+        handoff of a transfer on its own stream."""
+        imbalance = self.mixture.imbalance if self.mixture is not None and \
+            operands.payload != "counts" else 1.0
         share = self.dispatch_share if operands.payload == "dispatch" and \
             operands.direction == "forward" else 1.0
         return self.expert_all_to_all(operands.group, (operands.bytes or 0) * imbalance

@@ -34,10 +34,11 @@ from planc import schedules
 from planc.lower.paired import paired_blocks
 from planc.program.groups import EXPERTS
 
-CUT_PAYLOADS = ("dispatch", "combine")  # a cut mixture's all-to-alls (split_dispatch)
+CUT_PAYLOADS = ("counts", "dispatch", "combine")  # a cut mixture's all-to-alls
 # what each of its all-to-alls comes after and before, by payload and direction: the
 # pieces' names after the mixture's (planc.passes.split_dispatch)
-_BETWEEN = {("dispatch", "forward"): ("", ":experts"),
+_BETWEEN = {("counts", "forward"): ("", ":dispatch"),
+            ("dispatch", "forward"): (":counts", ":experts"),
             ("combine", "forward"): (":experts", ":sum"),
             ("combine", "backward"): (":sum", ":experts"),
             ("dispatch", "backward"): (":experts", "")}
@@ -49,7 +50,8 @@ def _neighbours(mixture: str, payload: str, direction: str | None) -> tuple[str,
 
 
 def _op_of(node: str) -> Opcode:
-    return Opcode.COMPUTE
+    """A neighbour's opcode: another of the mixture's all-to-alls, or a compute piece."""
+    return Opcode.ALL_TO_ALL if node.rpartition(":")[2] in CUT_PAYLOADS else Opcode.COMPUTE
 from planc.program.program import Instruction, Opcode, Program
 from planc.verify.report import describe
 

@@ -111,7 +111,7 @@ class _Transfer:
         self.reads_values = operands.payload not in ("grad", "param")
         self.reports_loss = operands.payload == "loss"
         # a cut mixture's all-to-all: its rows, and the dispatch that routed them
-        self.routed = operands.payload in ("dispatch", "combine")
+        self.routed = operands.payload in ("counts", "dispatch", "combine")
 
 
 class Interpreter:

@@ -74,6 +74,7 @@ class Transfers:
             ("all_gather", "param"): self.param_gather,
             ("all_reduce", "grad_norm"): self.norm_sum,
             ("all_reduce", "router_load"): self.norm_sum,
+            ("all_to_all", "counts"): self.expert_counts,
             ("all_to_all", "dispatch"): partial(self.expert_rows, dispatch=True),
             ("all_to_all", "combine"): partial(self.expert_rows, dispatch=False),
         }
@@ -81,15 +82,19 @@ class Transfers:
 
     # --- a mixture's dispatch and combine (schedule { overlap_all_to_all }) -----------
 
+    def expert_counts(self, call: Call, value):
+        """``value``: (the route's Routed, None): its counts per expert exchanged."""
+        return moe_dispatch.exchange_counts(value[0], call.group, call.members, call.index)
+
     def expert_rows(self, call: Call, value, dispatch: bool):
         """``value``: (the rows or their gradients, the dispatch's Routed). The forward
-        dispatch exchanges the counts, then the rows (planc.runtime.families.moe_dispatch);
-        the others move rows the dispatch's way (the combine's gradients) or back."""
+        dispatch sends the rows its counts' exchange sized
+        (planc.runtime.families.moe_dispatch); the others move rows the dispatch's way
+        (the combine's gradients) or back."""
         rows, routing = value
         forward = call.operands.direction == "forward"
         if dispatch and forward:
-            return moe_dispatch.dispatch(rows, call.group, call.members, call.index,
-                                         self.fp8)
+            return moe_dispatch.dispatch(rows, call.group, self.fp8)
         return moe_dispatch.exchange(rows, routing, dispatch == forward, call.group)
 
     # --- collectives on a group -------------------------------------------------------

@@ -8,8 +8,8 @@ computes, in the same order, so the results are the uncut mixture's:
 - the route (``moe_route``) chooses each token's experts and lays out its (token, expert)
   rows sorted by expert, each with its routing weight as a last column (DeepEP's dispatch
   carries the weights with the rows the same way), and counts the rows of every expert;
-- the dispatch exchanges those counts over the ep group, then the rows
-  (:func:`dispatch`);
+- the counts' exchange tells every rank what it will receive (:func:`exchange_counts`),
+  and the dispatch sends the rows (:func:`dispatch`);
 - the experts (``moe_experts``) run this rank's experts on the rows received, each
   output scaled by its weight (the product the uncut mixture forms after the combine);
 - the combine returns the outputs (:func:`combine`), and the sum (``moe_combine``) adds
@@ -112,34 +112,39 @@ def _exchange(rows: torch.Tensor, sent, received, group) -> torch.Tensor:
     return out
 
 
-def dispatch(routed: Routed, group, members: tuple[int, ...], index: int, recipe=None
-             ) -> Routed:
-    """The forward dispatch: the counts per expert over the group (each rank learns the
-    rows each member sends to each of its experts), then the rows, as FP8 with
-    ``recipe`` (DeepSeek-V3, section 3.3.4: the hidden features as E4M3 and a scale per
-    tile, the weights in the dtype)."""
+def exchange_counts(routed: Routed, group, members: tuple[int, ...], index: int
+                    ) -> Routed:
+    """The counts per expert over the group: each rank learns the rows each member will
+    send to each of its experts (the rows themselves stay here until the dispatch)."""
     ep = len(members)
     arriving = torch.empty_like(routed.counts)
     dist.all_to_all_single(arriving, routed.counts, group=group)
     per_rank = routed.counts.numel() // ep
-    sent = tuple(routed.counts.reshape(ep, per_rank).sum(1).tolist())
     arriving = arriving.reshape(ep, per_rank)
-    received = tuple(arriving.sum(1).tolist())
+    return replace(routed, counts=arriving,
+                   sent=tuple(routed.counts.reshape(ep, per_rank).sum(1).tolist()),
+                   received=tuple(arriving.sum(1).tolist()), first_expert=index * per_rank,
+                   members=members)
+
+
+def dispatch(routed: Routed, group, recipe=None) -> Routed:
+    """The forward dispatch of the rows the counts' exchange sized, as FP8 with
+    ``recipe`` (DeepSeek-V3, section 3.3.4: the hidden features as E4M3 and a scale per
+    tile, the weights in the dtype)."""
+    sent, received = routed.sent, routed.received
     if recipe is None:
-        rows = _exchange(routed.rows, sent, received, group)
-    else:
-        features, weights = routed.rows[:, :-1], routed.rows[:, -1:]
-        codes, scale = fp8.encoded_rows(features, recipe.tile)
-        flat = codes.view(torch.uint8).reshape(codes.shape[0], -1)
-        codes_in = _exchange(flat, sent, received, group)
-        scales_in = _exchange(scale.reshape(scale.shape[0], -1), sent, received, group)
-        tiles = codes.shape[1]
-        decoded = fp8.decoded_rows(codes_in.view(fp8.E4M3).reshape(-1, tiles, recipe.tile),
-                                   scales_in.reshape(-1, tiles, 1), features.shape[1])
-        rows = torch.cat([decoded.to(routed.rows.dtype),
-                          _exchange(weights, sent, received, group)], dim=1)
-    return replace(routed, rows=rows, counts=arriving, sent=sent, received=received,
-                   first_expert=index * per_rank, members=members)
+        return replace(routed, rows=_exchange(routed.rows, sent, received, group))
+    features, weights = routed.rows[:, :-1], routed.rows[:, -1:]
+    codes, scale = fp8.encoded_rows(features, recipe.tile)
+    flat = codes.view(torch.uint8).reshape(codes.shape[0], -1)
+    codes_in = _exchange(flat, sent, received, group)
+    scales_in = _exchange(scale.reshape(scale.shape[0], -1), sent, received, group)
+    tiles = codes.shape[1]
+    decoded = fp8.decoded_rows(codes_in.view(fp8.E4M3).reshape(-1, tiles, recipe.tile),
+                               scales_in.reshape(-1, tiles, 1), features.shape[1])
+    return replace(routed, rows=torch.cat([decoded.to(routed.rows.dtype),
+                                           _exchange(weights, sent, received, group)],
+                                          dim=1))
 
 
 def exchange(values: torch.Tensor, routing: Routed, outbound: bool, group
