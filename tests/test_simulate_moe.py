@@ -23,8 +23,9 @@ Published figures, each with its source and what it states:
   tokens per second per GPU with a "fake balanced gate ... to simulate ideal expert
   routing", which is planc's uniform routing; Qwen3-30B-A3B on 8 GPUs and DeepSeek-V3 on
   256 and 1,024 (FSDP with ep; GPT-OSS and Kimi K2, which the moe family cannot write,
-  are left out). Every one of them ran DeepEP, whose plans planc refuses (REFUSED), as
-  it does the ModelZoo's two DeepEP rows and DeepSeek-V3's own run (FP8, DualPipe).
+  are left out). Every one of them ran DeepEP, as the ModelZoo's two DeepEP rows and
+  DeepSeek-V3's own run (FP8, DualPipe) did: their plans write it as
+  `optimize { moe_dispatcher = two_hop }`.
 - DeepSeek-V3's report (arXiv 2412.19437, abstract and section 1): 180K H800 GPU hours
   per trillion tokens, on 2,048 H800s.
 """
@@ -227,15 +228,9 @@ def test_the_moe_table_of_docs_simulate_md_is_what_the_simulator_predicts():
         assert _number(cells[6]) == pytest.approx(_number(expected[6]), abs=1.0), REGENERATE
 
 
-# What each refused run used that planc cannot express, as its plan states it.
-REFUSED = {
-    "automodel-qwen3-30b-a3b": "planc has no `optimize { moe_dispatcher = deepep }`",
-    "modelzoo-qwen3-235b-ep32": "planc has no `optimize { moe_dispatcher = deepep }`",
-    "modelzoo-qwen3-235b-tp4": "planc has no `optimize { moe_dispatcher = deepep }`",
-    "automodel-deepseek-v3-256": "planc has no `optimize { moe_dispatcher = deepep }`",
-    "automodel-deepseek-v3-1024": "planc has no `optimize { moe_dispatcher = deepep }`",
-    "deepseek-v3-h800": "planc has no `optimize { moe_dispatcher = deepep }`",
-}
+# What each refused run used that planc cannot express, as its plan states it: none
+# since optimize { moe_dispatcher = two_hop } writes DeepEP's dispatch.
+REFUSED: dict[str, str] = {}
 
 
 def test_the_published_moe_plans_are_valid_or_refused_naming_what_planc_lacks():

@@ -243,6 +243,23 @@ class CostModel:
                 parts.append(call + link.latency + peers / n * nbytes / bandwidth)
         return max(parts)
 
+    def two_hop_seconds(self, rows_bytes: float, node_bytes: float, placement: Placement
+                        ) -> float:
+        """A two-hop dispatch or combine (DeepSeek-V3's, section 3.2.2; DeepEP): each
+        rank sends ``node_bytes`` in all, one part to its peer at its own place on every
+        node (itself included), over its NIC; the peers forward ``rows_bytes`` in all,
+        one part to every rank of their node, over NVLink. The forwarding runs as rows
+        arrive, so the two links work at once: the slower, each paying its latency."""
+        nodes, per_node = placement.nodes, placement.most_per_node
+        parts = []
+        for link, share, nbytes in ((self.topology.inter, (nodes - 1) / nodes, node_bytes),
+                                    (self.topology.intra, (per_node - 1) / per_node,
+                                     rows_bytes)):
+            if share > 0:
+                bandwidth, call = self._collective(link, Kind.ALL_TO_ALL.value)
+                parts.append(call + link.latency + share * nbytes / bandwidth)
+        return max(parts, default=0.0)
+
     def transfer_seconds(self, kind: str, nbytes: float, group_size: int,
                          crosses_nodes: bool) -> float:
         """Ring time of a transfer on a group of ``group_size`` whose placement is known

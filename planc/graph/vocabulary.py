@@ -209,6 +209,8 @@ OPTIONAL = {
                      "mixture blocks, in order",
     "bias_update": "the balancing bias's update (compute): model moe { bias_update }, the "
                    "step it moves each bias by",
+    "hops": "a cut mixture's dispatch and combine (transfers): 2 with optimize "
+            "{ moe_dispatcher = two_hop } where the ep group spans nodes",
     "sharded": "optimizer steps: whether they update a ZeRO shard",
     "stream": "placed by the overlap pass: the program stream it runs on",
     "guard": "placed by the overlap pass: 'last' to run on the last microbatch only",
@@ -234,7 +236,7 @@ OPTIONAL_TYPES = {
     "route_seconds": (int, float, type(None)), "tensor": TEXT, "bias": TEXT,
     "recomputed": (bool,), "vocab_parallel": (bool,), "peer_stage": INTEGER,
     "slice_axis": INTEGER, "shape": SEQUENCE, "elements": SEQUENCE,
-    "max_norm": NUMBER, "router_layers": SEQUENCE, "bias_update": NUMBER,
+    "max_norm": NUMBER, "router_layers": SEQUENCE, "bias_update": NUMBER, "hops": INTEGER,
 }
 
 

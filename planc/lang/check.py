@@ -359,7 +359,8 @@ class _Checker(DataChecks, TopologyReader):
 
     def _optimize(self) -> Optimize | None:
         keys = ("fuse", "bucket", "route", "overlap", "weight_grad_overlap", "recompute",
-                "tp_overlap", "pp_scatter_gather", "grad_accumulation", "kernels")
+                "tp_overlap", "pp_scatter_gather", "grad_accumulation", "kernels",
+                "moe_dispatcher")
         if not self.ready(*(f"optimize.{k}" for k in keys)):
             return None
         return Optimize(**{k: self.value(f"optimize.{k}") for k in keys})
@@ -397,6 +398,17 @@ class _Checker(DataChecks, TopologyReader):
         recomputed whole (recompute = full) would run its all-to-alls again inside the
         recomputation, which the cut does not do yet."""
         key = "schedule.overlap_all_to_all"
+        if optimize.moe_dispatcher == "two_hop" and mesh.ep == 1:
+            self.report(warning("moe_dispatcher = two_hop has no effect without experts "
+                                "spread over ep: there is nothing to dispatch",
+                                self.span("optimize.moe_dispatcher"),
+                                "set mesh.ep to 2 or more on a model moe, or remove "
+                                "moe_dispatcher"))
+        elif optimize.moe_dispatcher == "two_hop" and optimize.recompute == "full":
+            return self._reject("moe_dispatcher = two_hop does not run with recompute = "
+                                "full: the recomputed mixture would repeat its all-to-alls",
+                                self.span("optimize.moe_dispatcher", "optimize.recompute"),
+                                "use recompute = selective (attention only) or none")
         if not schedule.overlap_all_to_all:
             return schedule
         if mesh.ep == 1:  # (ep > 1 on a family without experts is refused above)

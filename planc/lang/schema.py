@@ -27,7 +27,7 @@ from planc.plan.lr_schedule import LrSchedule
 from planc.models import DEFAULT_FAMILY, FAMILIES
 from planc.models.family import Family
 from planc.plan.mesh import AXES
-from planc.plan.plan import GRAD_ACCUMULATIONS, KERNEL_MODES, REDUCE_DTYPES
+from planc.plan.plan import GRAD_ACCUMULATIONS, KERNEL_MODES, MOE_DISPATCHERS, REDUCE_DTYPES
 from planc import schedules
 
 __all__ = [  # the names other modules read here (the kinds live in planc.vocabulary.kinds)
@@ -138,6 +138,7 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
         "pp_scatter_gather": Key(Boolean(), True),
         "grad_accumulation": Key(Choice(GRAD_ACCUMULATIONS), "fused"),
         "kernels": Key(Choice(KERNEL_MODES), "fused"),
+        "moe_dispatcher": Key(Choice(MOE_DISPATCHERS), "all_to_all"),
     }),
     "train": BlockSchema("train", keys={
         "steps": Key(Integer(1), 1),

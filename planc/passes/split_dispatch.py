@@ -74,9 +74,26 @@ def _reason(payload: Payload, phase: Phase, ep: int) -> str:
             f"run beside it)")
 
 
+def _hops(ctx: PassContext) -> dict[int, int]:
+    """Stage -> 2 where its ep groups span nodes, the same number of members on each
+    and more than one (where a token can cross the network once per node and then go on
+    inside it: optimize { moe_dispatcher = two_hop })."""
+    out = {}
+    per_node = ctx.plan.topology.devices_per_node
+    for stage in range(ctx.plan.mesh.pp):
+        members = ctx.layout.group(ctx.layout.first_rank_of_stage(stage), "ep")
+        on_node: dict[int, int] = {}
+        for member in members:
+            on_node[member // per_node] = on_node.get(member // per_node, 0) + 1
+        if len(on_node) > 1 and len(set(on_node.values())) == 1 and \
+                next(iter(on_node.values())) > 1:
+            out[stage] = 2
+    return out
+
+
 class _Cutter:
-    def __init__(self, graph: nx.DiGraph, plan: Plan):
-        self.graph, self.plan = graph, plan
+    def __init__(self, graph: nx.DiGraph, plan: Plan, hops: dict[int, int]):
+        self.graph, self.plan, self.hops = graph, plan, hops
         self.shares = _flop_shares(plan)
         self.buckets = graph.graph.get("buckets", {})
 
@@ -129,6 +146,9 @@ class _Cutter:
             tensor={Payload.COUNTS: "expert_counts", Payload.DISPATCH: "expert_rows",
                     Payload.COMBINE: "expert_outputs"}[payload],
             reason=_reason(payload, phase, self.plan.mesh.ep))
+        hops = self.hops.get(data["stage"])
+        if hops and payload != Payload.COUNTS:
+            self.graph.nodes[name]["hops"] = hops
         return name
 
     def forward(self, node: str) -> dict[str, str]:
@@ -158,7 +178,8 @@ class _Cutter:
         graph.add_edge(experts, combine, kind=EdgeKind.DATA, port=Port.X)
         graph.add_edge(dispatch, combine, kind=EdgeKind.DATA, port=Port.ROUTING)
         graph.add_edge(combine, total, kind=EdgeKind.DATA, port=Port.X)
-        graph.add_edge(route, total, kind=EdgeKind.DATA, port=Port.ROUTING)
+        # the rows the combine returns, and their tokens: the dispatch's
+        graph.add_edge(dispatch, total, kind=EdgeKind.DATA, port=Port.ROUTING)
         if shared:
             graph.add_edge(names[Op.MOE_SHARED], total, kind=EdgeKind.DATA, port=Port.SHARED)
         return names
@@ -226,14 +247,15 @@ class _Cutter:
 
 def split_dispatch(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
     plan = ctx.plan
-    if not plan.schedule.overlap_all_to_all:
+    two_hop = plan.optimize.moe_dispatcher == "two_hop"
+    if not plan.schedule.overlap_all_to_all and not two_hop:
         return graph
     out = ctx.working_copy(graph)
     chosen = [node for node, data in out.nodes(data=True) if cut(data)]
     backward_of = {data["forward_of"]: node for node, data in out.nodes(data=True)
                    if data["type"] == NodeType.COMPUTE and data.get("op") == Op.MOE and
                    data["phase"] == Phase.BACKWARD and "forward_of" in data}
-    cutter = _Cutter(out, plan)
+    cutter = _Cutter(out, plan, _hops(ctx) if two_hop else {})
     for node in chosen:
         if out.nodes[node].get("recomputed"):
             raise ValueError(f"{node} is recomputed: the cut mixture is not")

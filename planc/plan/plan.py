@@ -317,6 +317,8 @@ class Optimize:
     # How the elementwise operators' kernels run, for the simulator's price
     # (planc.estimate.kernel_cost; the runtime's own kernels do not change): KERNEL_MODES.
     kernels: str = field(default="fused", metadata={"omitted_when_default": True})
+    # How a mixture's dispatch and combine travel: MOE_DISPATCHERS.
+    moe_dispatcher: str = field(default="all_to_all", metadata={"omitted_when_default": True})
 
 
 # optimize { grad_accumulation }: "fused", the weight-gradient GEMM adds into the
@@ -330,6 +332,12 @@ GRAD_ACCUMULATIONS = ("fused", "buffer", "autograd")
 # fused kernels, or torch.compile); "eager", the PyTorch module's own operations, each a
 # kernel with its upcasts, as a model runs without torch.compile (torchtitan's Llama).
 KERNEL_MODES = ("fused", "eager")
+
+# optimize { moe_dispatcher }: "all_to_all", one row per (token, expert) to the expert's
+# rank; "two_hop", where the ep group spans nodes, one row per (token, node) over the
+# network to the rank at the sender's place on that node, which forwards a row per
+# (token, expert) inside the node (DeepSeek-V3's dispatch, section 3.2.2; DeepEP).
+MOE_DISPATCHERS = ("all_to_all", "two_hop")
 
 
 @dataclass(frozen=True)

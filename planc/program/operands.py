@@ -274,6 +274,9 @@ class Operands:
     # each bias moves by
     router_layers: tuple[int, ...] = ()
     bias_update: float | None = None
+    # a cut mixture's dispatch and combine in two hops, over the network once per node
+    # then inside it (optimize { moe_dispatcher = two_hop }: planc.passes.split_dispatch)
+    hops: int | None = None
 
     def to_json(self) -> dict:
         out: dict = {}
@@ -324,4 +327,5 @@ _READERS = {
     "into_bucket": _boolean, "bytes": _maybe(_integer),
     "norm_ranges": _tuple_of(_norm_range), "max_norm": _maybe(_number),
     "router_layers": _tuple_of(_integer), "bias_update": _maybe(_number),
+    "hops": _maybe(_integer),
 }

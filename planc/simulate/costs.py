@@ -277,8 +277,14 @@ class InstructionCosts:
             operands.payload != "counts" else 1.0
         share = self.dispatch_share if operands.payload == "dispatch" and \
             operands.direction == "forward" else 1.0
-        return self.expert_all_to_all(operands.group, (operands.bytes or 0) * imbalance
-                                      * share, stage) + self.handoff
+        nbytes = (operands.bytes or 0) * imbalance * share
+        if operands.hops == 2 and self.mixture is not None:
+            placements = self.groups.placements(operands.group, stage) or \
+                (Placement.within_node(self._size(operands.group)),)
+            return max(self.cost.two_hop_seconds(
+                nbytes, nbytes * self.mixture.nodes_per_token(p.nodes) / self.mixture.top_k,
+                p) for p in placements) + self.handoff
+        return self.expert_all_to_all(operands.group, nbytes, stage) + self.handoff
 
     def accumulation_seconds(self, params: tuple[str, ...]) -> float:
         """What adding one microbatch's gradients of ``params`` into the step's costs

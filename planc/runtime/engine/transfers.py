@@ -14,6 +14,7 @@ buckets (planc.runtime.engine.store): one flat buffer per collective.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -27,7 +28,7 @@ from planc.runtime.engine.context import RankContext
 from planc.runtime.engine.model import join_feature, local_heads, split_feature
 from planc.runtime.engine.store import ParamStore
 from planc.runtime.engine.collectives import all_gather_single, reduce_scatter_single
-from planc.runtime.families import moe_dispatch
+from planc.runtime.families import moe_dispatch, moe_two_hop
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -93,9 +94,29 @@ class Transfers:
         (the combine's gradients) or back."""
         rows, routing = value
         forward = call.operands.direction == "forward"
+        if call.operands.hops == 2:
+            return self._two_hops(call, rows, routing, dispatch, forward)
         if dispatch and forward:
             return moe_dispatch.dispatch(rows, call.group, self.fp8)
         return moe_dispatch.exchange(rows, routing, dispatch == forward, call.group)
+
+    def _two_hops(self, call: Call, rows, routing, dispatch: bool, forward: bool):
+        """optimize { moe_dispatcher = two_hop } (planc.runtime.families.moe_two_hop):
+        ``rows`` is the route's Routed for the forward dispatch, else a tensor."""
+        if dispatch and forward:
+            node_of = tuple(m // self.ctx.devices_per_node for m in call.members)
+            per_rank = self.ctx.model.experts // call.size
+            received, counts, hops = moe_two_hop.dispatch(
+                rows.rows, rows.experts, rows.tokens, node_of, call.index, per_rank,
+                call.group, self.fp8)
+            return dataclasses.replace(rows, rows=received, counts=counts,
+                                       tokens=hops.tokens1, hops=hops)
+        hops = routing.hops
+        if dispatch:
+            return moe_two_hop.dispatch_backward(rows, hops, hops.order1.numel(), call.group)
+        if forward:
+            return moe_two_hop.combine(rows, hops, call.group)
+        return moe_two_hop.combine_backward(rows, hops, call.group)
 
     # --- collectives on a group -------------------------------------------------------
 

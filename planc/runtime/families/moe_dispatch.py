@@ -48,6 +48,8 @@ class Routed:
     received: tuple[int, ...] = ()
     first_expert: int = 0  # this rank's first expert, after the dispatch
     members: tuple[int, ...] = ()
+    experts: torch.Tensor | None = None  # each pair's expert (the route's order)
+    hops: object = None  # a two-hop dispatch's planc.runtime.families.moe_two_hop.Hops
 
     def detach(self) -> "Routed":
         return replace(self, rows=self.rows.detach())
@@ -60,7 +62,7 @@ class Routed:
 
 
 def expert_output(x: torch.Tensor, weights: tuple, expert: int, recipe=None
-            ) -> torch.Tensor:
+                  ) -> torch.Tensor:
     """Routed expert ``expert``'s SwiGLU of rows ``x``; ``weights``: the stacked gate, up
     and down; its GEMMs in FP8 by ``recipe`` (planc.runtime.engine.fp8)."""
     gate, up, down = weights
@@ -102,7 +104,8 @@ def route(k, spec, x, p, step, mb, extra):
         rows = WithBalanceLoss.apply(
             rows, balance_loss(probabilities, experts, data.shape[0], m, spec.counts)
             / m.batch)
-    extra["report"] = Routed(rows, counts, token_of, tuple(data.shape))
+    extra["report"] = Routed(rows, counts, token_of, tuple(data.shape),
+                             experts=chosen[order])
     return rows
 
 
