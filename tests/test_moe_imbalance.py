@@ -10,7 +10,7 @@ import pytest
 
 from planc.compile import compile_plan
 from planc.estimate.cost import CostModel, Placement
-from planc.estimate.kernel_cost import Mixture
+from planc.estimate.mixture import Mixture
 from planc.lang import load_text
 from planc.models import moe
 from planc.simulate import simulate

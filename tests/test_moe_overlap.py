@@ -328,7 +328,7 @@ def test_two_hops_where_the_ep_group_spans_nodes_with_several_ranks_on_each():
 def test_a_tokens_experts_lie_on_as_many_nodes_as_counting_every_choice_says():
     from itertools import combinations
 
-    from planc.estimate.kernel_cost import Mixture
+    from planc.estimate.mixture import Mixture
 
     for experts, top_k, nodes, limit in ((8, 2, 2, None), (8, 3, 4, None), (12, 4, 3, None),
                                          (16, 4, 4, 2)):

@@ -91,16 +91,15 @@ What a module runs beside its GEMMs (RoPE, an eager norm) is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import ceil, comb
-from types import SimpleNamespace
+from math import ceil
 
+from planc.estimate.mixture import Mixture
 from planc.estimate.model import Shapes
 from planc.estimate.module_kernels import ADDED_TO_THE_GRAPH, Passes, module_passes
 from planc.plan.presets import PRESETS
 from planc.program.operands import Operands, StepKind
-from planc.models import family_of, moe
+from planc.models import family_of
 from planc.plan.plan import Plan
-from planc.vocabulary.model_options import expert_groups_of
 
 # The typical cuBLAS tiles of the NVIDIA guide (rows x columns of the output).
 TILES = ((256, 128), (128, 256), (128, 128))
@@ -179,59 +178,6 @@ def wave_efficiency(m: int, n: int, sms: int, groups: int = 1) -> float:
         waves = ceil(tiles / sms)
         best = max(best, groups * m * n / (waves * sms * rows * columns))
     return best
-
-
-@dataclass(frozen=True)
-class Mixture:
-    """What pricing a plan's mixture of experts needs: its widths, the experts on one
-    rank of the ep group, and its forward FLOPs per token (planc.models.moe)."""
-
-    hidden: int
-    expert_ffn: int
-    experts: int
-    top_k: int
-    shared: int
-    local: int  # experts / ep
-    flops_per_token: float
-    # The busiest ep rank's rows over the mean (planc.models.moe.routing_imbalance); 1
-    # without ep, where every rank holds every expert and receives every row it routes.
-    imbalance: float = 1.0
-    # node-limited routing (expert_groups, route_groups; None: every expert)
-    expert_groups: int = 1
-    route_groups: int | None = None
-
-    @staticmethod
-    def of(plan: Plan) -> "Mixture | None":
-        m = plan.model
-        if family_of(plan) is not moe.FAMILY:
-            return None
-        one = SimpleNamespace(model=m, batch=1, seq=1, hidden=m.hidden)  # one token
-        imbalance = moe.routing_imbalance(m) if plan.mesh.ep > 1 else 1.0
-        groups = expert_groups_of(m)
-        return Mixture(m.hidden, m.expert_ffn, m.experts, m.top_k, m.shared_experts,
-                       m.experts // plan.mesh.ep, moe.forward_flops("moe", one), imbalance,
-                       *(groups if groups is not None else (1, None)))
-
-    def nodes_per_token(self, nodes: int) -> float:
-        """How many of ``nodes`` (the ep group's, each holding experts / nodes of the
-        experts) one token's top_k experts lie on, on average at uniform routing; with
-        node-limited routing whose groups are those nodes, among its ``route_groups``
-        (planc.models.moe)."""
-        per_node = self.experts // nodes
-        among = self.experts if self.route_groups is None or \
-            self.expert_groups != nodes else self.route_groups * per_node
-        spread = among // per_node
-        return spread * (1.0 - comb(among - per_node, self.top_k) / comb(among, self.top_k))
-
-    def busiest_flops(self, flops: float) -> float:
-        """A mixture instruction's ``flops`` (at the mean routing) as the busiest ep rank
-        runs them: its routed experts' share scaled by the imbalance."""
-        if self.imbalance == 1.0:
-            return flops
-        # per token: its top_k experts and their weighted sum (planc.models.moe)
-        routed = self.top_k * (moe.expert_flops(1, self.hidden, self.expert_ffn)
-                               + 2.0 * self.hidden)
-        return flops * (1.0 + (self.imbalance - 1.0) * routed / self.flops_per_token)
 
 
 class KernelModel:

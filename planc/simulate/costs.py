@@ -56,7 +56,8 @@ from planc.program.operands import FORWARD_STEPS, GRADIENT_STEPS, Operands, Step
 from planc.program.program import Instruction
 from planc.estimate.memory import local_parameter_elements
 from planc.plan.plan import DTYPE_BYTES, Plan
-from planc.estimate.kernel_cost import MIXTURE, KernelModel, Mixture
+from planc.estimate.kernel_cost import MIXTURE, KernelModel
+from planc.estimate.mixture import Mixture
 from planc.estimate.roofline import roofline_seconds, traffic
 from planc.vocabulary.model_options import gemm_input_bytes
 
