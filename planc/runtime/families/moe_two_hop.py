@@ -85,22 +85,24 @@ def dispatch(rows: torch.Tensor, experts: torch.Tensor, tokens: torch.Tensor,
     place = [sum(1 for k in range(j) if node_of[k] == node_of[j]) for j in range(ep)]
     gateway = {node_of[j]: j for j in range(ep) if place[j] == place[index]}
     member = experts // per_rank
-    node = torch.tensor(node_of, dtype=INDEX)[member]
+    device = rows.device  # every index on the rows' device (the NCCL backend's GPU)
+    node = torch.tensor(node_of, dtype=INDEX, device=device)[member]
     # hop 1: one row per (node, token), to this rank's gateway on that node
     key = (node * (int(tokens.max()) + 1 if tokens.numel() else 1) + tokens)
     order1 = torch.sort(key * (int(experts.max()) + 1 if experts.numel() else 1) + experts,
                         stable=True).indices
     unique, row_in_order = torch.unique_consecutive(key[order1], return_inverse=True)
-    rows1_first = torch.zeros(unique.numel(), dtype=INDEX).scatter_reduce(
-        0, row_in_order, torch.arange(order1.numel()), "amin", include_self=False)
+    rows1_first = torch.zeros(unique.numel(), dtype=INDEX, device=device).scatter_reduce(
+        0, row_in_order, torch.arange(order1.numel(), device=device), "amin",
+        include_self=False)
     tokens1 = tokens[order1][rows1_first]
     node1 = node[order1][rows1_first]
     row_of_pair = torch.empty_like(order1)
     row_of_pair[order1] = row_in_order
-    first = torch.zeros(order1.numel(), dtype=torch.bool)
+    first = torch.zeros(order1.numel(), dtype=torch.bool, device=device)
     first[order1[rows1_first]] = True
-    to_member = torch.zeros(ep, dtype=INDEX)
-    pairs_to = torch.zeros(ep, dtype=INDEX)
+    to_member = torch.zeros(ep, dtype=INDEX, device=device)
+    pairs_to = torch.zeros(ep, dtype=INDEX, device=device)
     for n in nodes:
         to_member[gateway[n]] = int((node1 == n).sum())
         pairs_to[gateway[n]] = int((node[order1] == n).sum())
@@ -111,7 +113,7 @@ def dispatch(rows: torch.Tensor, experts: torch.Tensor, tokens: torch.Tensor,
     received_rows = _features_hop1(features, sent1, received1, group, recipe)
     # each pair: its row within its node's hop-1 rows, its expert, its weight
     start1 = torch.cumsum(to_member, 0) - to_member
-    gateway_of_node = torch.zeros(max(nodes) + 1, dtype=INDEX)
+    gateway_of_node = torch.zeros(max(nodes) + 1, dtype=INDEX, device=device)
     for n, j in gateway.items():
         gateway_of_node[n] = j
     local_row = row_in_order - start1[gateway_of_node[node[order1]]]
@@ -119,8 +121,10 @@ def dispatch(rows: torch.Tensor, experts: torch.Tensor, tokens: torch.Tensor,
                        pairs_received1, group)
     weights = _all_to_all(rows[:, -1:][order1], pairs_sent1, pairs_received1, group)
     # as a gateway: each pair's row among those received, then hop 2 over the node
-    source = torch.repeat_interleave(torch.arange(ep), torch.tensor(pairs_received1))
-    offset = torch.cumsum(torch.tensor(received1), 0) - torch.tensor(received1)
+    source = torch.repeat_interleave(torch.arange(ep, device=device),
+                                     torch.tensor(pairs_received1, device=device))
+    arrived = torch.tensor(received1, device=device)
+    offset = torch.cumsum(arrived, 0) - arrived
     gateway_rows = meta[:, 0] + offset[source]
     expert2 = meta[:, 1]
     order2 = torch.sort(expert2, stable=True).indices  # by member, then expert
