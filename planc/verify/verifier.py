@@ -189,7 +189,6 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
         if not self.uniform:  # some ranks run a program of their own: compare their groups
             for rank in sorted(table.overrides):
                 for axis in [a.value for a in Axis if a.within_stage and a != Axis.STAGE] + \
-                        (["ep"] if self.plan.mesh.ep > 1 else []) + \
                         ([SEQUENCE] if self.groups is not None and
                          self.groups.rule(SEQUENCE) is not None else []):
                     self._compare_members(axis, self.layout.group(rank, axis))

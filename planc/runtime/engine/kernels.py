@@ -142,6 +142,11 @@ def _leaf(port: str, value, keep_graph: bool):
     return value.leaf(keep_graph and port == "x")
 
 
+def _differentiated(value) -> torch.Tensor:
+    """The tensor :func:`_leaf` made of an input: itself, or a Routed's rows."""
+    return value if isinstance(value, torch.Tensor) else value.rows
+
+
 class Kernels:
     def __init__(self, ctx: RankContext, buffers: dict[str, torch.Tensor] | None = None):
         self.ctx = ctx
@@ -359,7 +364,7 @@ class Kernels:
         if spec.op == Op.LOSS:  # no parameters: a weight step has nothing to do
             return (self._loss_backward(saved) if inputs else {}), {}
         wanted_inputs = [(port, t) for port, t in
-                         ((port, getattr(v, "rows", v)) for port, v in saved.inputs.items())
+                         ((port, _differentiated(v)) for port, v in saved.inputs.items())
                          if t.requires_grad] if inputs else []
         wanted_params = list(saved.params.items()) if params else []
         targets = [t for _, t in wanted_inputs] + [t for _, t in wanted_params]

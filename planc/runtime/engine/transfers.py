@@ -85,7 +85,7 @@ class Transfers:
 
     def expert_counts(self, call: Call, value):
         """``value``: (the route's Routed, None): its counts per expert exchanged."""
-        return moe_dispatch.exchange_counts(value[0], call.group, call.members, call.index)
+        return moe_dispatch.exchange_counts(value[0], call.group, call.members)
 
     def expert_rows(self, call: Call, value, dispatch: bool):
         """``value``: (the rows or their gradients, the dispatch's Routed). The forward

@@ -19,7 +19,7 @@ from planc.runtime.families import llama
 from planc.runtime.families import moe_dispatch
 from planc.runtime.families.moe_dispatch import expert_output, stacked_experts
 from planc.runtime.families.moe_gate import (WithBalanceLoss, balance_loss, balanced,
-                                             bias_name, choose, routed_pairs, update_bias)
+                                             choose, routed_pairs, sorted_pairs, update_bias)
 
 
 def _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequences: int,
@@ -136,10 +136,8 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     probabilities, experts, weights = choose(tokens, weights_of, m, bias, count)
     per_rank = m.experts // peers.size
     chosen = routed_pairs(experts, sequences, positions, m, counts_over, drops).reshape(-1)
-    pairs = (chosen >= 0).nonzero(as_tuple=True)[0]  # every pair, unless capacity drops
-    # by expert, then token and slot
-    order = pairs[torch.sort(chosen[pairs], stable=True).indices]
-    token_of, expert_of = order // m.top_k, chosen[order]
+    order, token_of = sorted_pairs(chosen, m.top_k)  # every pair, unless capacity drops
+    expert_of = chosen[order]
     counts = torch.bincount(expert_of // per_rank, minlength=peers.size)
     arriving = torch.empty_like(counts)
     dist.all_to_all_single(arriving, counts, group=peers.group)
@@ -179,15 +177,8 @@ def moe(k, spec, x, p, step, mb, extra):
     m = k.ctx.model
     # keyed by block and microbatch: a recomputed forward counts once
     key = (step, mb, by_suffix["router.weight"])
-    bias = count = None
-    if balanced(m):  # the bias the last update left, and this step's choices counted
-        bias = k.buffers[bias_name(spec.layer)]
-        if k.chosen is not None:
-            count = lambda per_expert: k.chosen.__setitem__(  # noqa: E731
-                (step, mb, spec.layer), per_expert)
+    bias, count, drops = moe_dispatch.gate_hooks(k, spec, step, mb)
     positions = k.positions(spec)  # of this rank's tokens in their sequence: capacity's
-    drops = lambda dropped, pairs: k.dropped.__setitem__(  # noqa: E731 (the metrics')
-        (step, mb, spec.layer), (dropped, pairs))
     if spec.peers is not None and spec.peers.size > 1:
         out = expert_parallel_mixture(
             flat, weights_of, m, spec.peers, data.shape[0], m.batch, spec.counts,

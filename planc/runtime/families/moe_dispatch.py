@@ -29,7 +29,7 @@ import torch.distributed as dist
 from planc.runtime.engine import fp8
 from planc.runtime.families import llama
 from planc.runtime.families.moe_gate import (WithBalanceLoss, balance_loss, balanced, bias_name,
-                                             choose, routed_pairs)
+                                             choose, routed_pairs, sorted_pairs)
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,6 @@ class Routed:
     shape: tuple[int, ...]
     sent: tuple[int, ...] = ()
     received: tuple[int, ...] = ()
-    first_expert: int = 0  # this rank's first expert, after the dispatch
     members: tuple[int, ...] = ()
     experts: torch.Tensor | None = None  # each pair's expert (the route's order)
     hops: object = None  # a two-hop dispatch's planc.runtime.families.moe_two_hop.Hops
@@ -56,9 +55,6 @@ class Routed:
 
     def leaf(self, requires_grad: bool) -> "Routed":
         return replace(self, rows=self.rows.detach().requires_grad_(requires_grad))
-
-    def is_floating_point(self) -> bool:
-        return False  # what it carries besides its rows is integers
 
 
 def expert_output(x: torch.Tensor, weights: tuple, expert: int, recipe=None
@@ -75,6 +71,23 @@ def stacked_experts(weights_of) -> tuple:
     return tuple(weights_of(f"experts.{w}.weight") for w in ("gate", "up", "down"))
 
 
+def gate_hooks(k, spec, step: int, mb: int) -> tuple:
+    """(bias, count, drops) of a mixture's gate in step ``step``, microbatch ``mb``
+    (planc.runtime.families.moe_gate.choose and routed_pairs): the balancing bias the last
+    update left and where this step's choices are counted (None without bias_update or
+    when nothing counts them, as in an evaluation), and where capacity's drops are told
+    (the metrics'); a recomputed forward overwrites its own entries."""
+    bias = count = None
+    if balanced(k.ctx.model):
+        bias = k.buffers[bias_name(spec.layer)]
+        if k.chosen is not None:
+            count = lambda per_expert: k.chosen.__setitem__(  # noqa: E731
+                (step, mb, spec.layer), per_expert)
+    drops = lambda dropped, pairs: k.dropped.__setitem__(  # noqa: E731
+        (step, mb, spec.layer), (dropped, pairs))
+    return bias, count, drops
+
+
 def route(k, spec, x, p, step, mb, extra):
     """The route piece: the rows to dispatch (its autograd output, with the balance loss
     joined to it), and a :class:`Routed` for the transfers (``extra["report"]``)."""
@@ -83,20 +96,11 @@ def route(k, spec, x, p, step, mb, extra):
     by_suffix = {name.split(".", 2)[-1]: name for name in spec.params}
     weights_of = lambda name: p(by_suffix[name])  # noqa: E731
     tokens = data.reshape(-1, data.shape[-1])
-    bias = count = None
-    if balanced(m):
-        bias = k.buffers[bias_name(spec.layer)]
-        if k.chosen is not None:
-            count = lambda per_expert: k.chosen.__setitem__(  # noqa: E731
-                (step, mb, spec.layer), per_expert)
-    drops = lambda dropped, pairs: k.dropped.__setitem__(  # noqa: E731
-        (step, mb, spec.layer), (dropped, pairs))
+    bias, count, drops = gate_hooks(k, spec, step, mb)
     probabilities, experts, weights = choose(tokens, weights_of, m, bias, count)
     chosen = routed_pairs(experts, data.shape[0], k.positions(spec), m, spec.counts,
                           drops).reshape(-1)
-    pairs = (chosen >= 0).nonzero(as_tuple=True)[0]
-    order = pairs[torch.sort(chosen[pairs], stable=True).indices]
-    token_of = order // m.top_k
+    order, token_of = sorted_pairs(chosen, m.top_k)
     counts = torch.bincount(chosen[order], minlength=m.experts)
     rows = torch.cat([tokens[token_of],
                       weights.reshape(-1)[order].to(tokens.dtype).unsqueeze(-1)], dim=1)
@@ -115,8 +119,7 @@ def _exchange(rows: torch.Tensor, sent, received, group) -> torch.Tensor:
     return out
 
 
-def exchange_counts(routed: Routed, group, members: tuple[int, ...], index: int
-                    ) -> Routed:
+def exchange_counts(routed: Routed, group, members: tuple[int, ...]) -> Routed:
     """The counts per expert over the group: each rank learns the rows each member will
     send to each of its experts (the rows themselves stay here until the dispatch)."""
     ep = len(members)
@@ -126,8 +129,7 @@ def exchange_counts(routed: Routed, group, members: tuple[int, ...], index: int
     arriving = arriving.reshape(ep, per_rank)
     return replace(routed, counts=arriving,
                    sent=tuple(routed.counts.reshape(ep, per_rank).sum(1).tolist()),
-                   received=tuple(arriving.sum(1).tolist()), first_expert=index * per_rank,
-                   members=members)
+                   received=tuple(arriving.sum(1).tolist()), members=members)
 
 
 def dispatch(routed: Routed, group, recipe=None) -> Routed:

@@ -108,6 +108,15 @@ def routed_pairs(experts: torch.Tensor, sequences: int, positions, m, over=None,
     return experts.masked_fill(~keep, -1)
 
 
+def sorted_pairs(chosen: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept (token, slot) pairs of ``chosen`` (flat, -1 where capacity dropped one)
+    sorted by expert, then token and slot: their positions in ``chosen``, and their
+    tokens."""
+    pairs = (chosen >= 0).nonzero(as_tuple=True)[0]
+    order = pairs[torch.sort(chosen[pairs], stable=True).indices]
+    return order, order // top_k
+
+
 def update_bias(bias: torch.Tensor, load: torch.Tensor, rate: float) -> None:
     """DeepSeek-V3's bias update (DeepSeek-AI 2024, section 2.1.2; Megatron-Core's
     ``moe_router_bias_update_rate``): ``b_i += rate * sign(mean(load) - load_i)``, in
