@@ -320,6 +320,12 @@ def test_two_hops_where_the_ep_group_spans_nodes_with_several_ranks_on_each():
                 (Payload.DISPATCH, Payload.COMBINE)}
 
     assert hops("dp = 4; ep = 4", TWO_NODES) == {2}
+    # two hops exchange their own sizes inside the dispatch: no counts of their own
+    graph = built(plan_text(mesh="dp = 4; ep = 4", topology=TWO_NODES,
+                            optimize="moe_dispatcher = two_hop")).graph
+    assert "F/L1/moe:counts" not in graph and [
+        n for n in graph.successors("F/L1/moe")
+        if graph.nodes[n]["type"] == NodeType.TRANSFER] == ["F/L1/moe:dispatch"]
     assert hops("dp = 4; ep = 4", "topology { nodes = 1; devices_per_node = 4 }") == {None}
     assert hops("dp = 4; ep = 4", "topology { nodes = 4; devices_per_node = 1 }") == {None}
     assert hops("dp = 4; ep = 4", TWO_NODES, optimize="") == {None}

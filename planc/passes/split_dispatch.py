@@ -147,7 +147,7 @@ class _Cutter:
                     Payload.COMBINE: "expert_outputs"}[payload],
             reason=_reason(payload, phase, self.plan.mesh.ep))
         hops = self.hops.get(data["stage"])
-        if hops and payload != Payload.COUNTS:
+        if hops:
             self.graph.nodes[name]["hops"] = hops
         return name
 
@@ -157,7 +157,9 @@ class _Cutter:
         moved_out = [(v, e) for _, v, e in graph.out_edges(node, data=True)
                      if e.get("kind", EdgeKind.DATA) != EdgeKind.SAVED]
         inputs = [(u, e) for u, _, e in graph.in_edges(node, data=True)]
-        counts = self._transfer(node, Payload.COUNTS, Phase.FORWARD)
+        # two hops exchange their own sizes inside the dispatch (moe_two_hop.dispatch)
+        counts = None if self.hops.get(data["stage"]) else \
+            self._transfer(node, Payload.COUNTS, Phase.FORWARD)
         dispatch = self._transfer(node, Payload.DISPATCH, Phase.FORWARD)
         combine = self._transfer(node, Payload.COMBINE, Phase.FORWARD)
         shared = bool(self.plan.model.shared_experts)
@@ -172,8 +174,11 @@ class _Cutter:
                 graph.add_edge(source, experts, **edge)
             if shared:  # the tokens, and the parameters
                 graph.add_edge(source, names[Op.MOE_SHARED], **edge)
-        graph.add_edge(route, counts, kind=EdgeKind.DATA, port=Port.X)
-        graph.add_edge(counts, dispatch, kind=EdgeKind.DATA, port=Port.X)
+        if counts is None:
+            graph.add_edge(route, dispatch, kind=EdgeKind.DATA, port=Port.X)
+        else:
+            graph.add_edge(route, counts, kind=EdgeKind.DATA, port=Port.X)
+            graph.add_edge(counts, dispatch, kind=EdgeKind.DATA, port=Port.X)
         graph.add_edge(dispatch, experts, kind=EdgeKind.DATA, port=Port.X)
         graph.add_edge(experts, combine, kind=EdgeKind.DATA, port=Port.X)
         graph.add_edge(dispatch, combine, kind=EdgeKind.DATA, port=Port.ROUTING)
@@ -262,14 +267,19 @@ def split_dispatch(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
         names = cutter.forward(node)
         if node in backward_of:
             cutter.backward(backward_of[node], names)
-    decisions = [{"node": node, "transfers": [f"{node}:counts", f"{node}:dispatch",
-                                              f"{node}:combine"]}
+    decisions = [{"node": node, "transfers": [f"{node}:{what}" for what in
+                                              ("counts", "dispatch", "combine")
+                                              if f"{node}:{what}" in out]}
                  for node in chosen]
+    # per mixture 5, or 4 where two hops size their own dispatch
+    made = sum(1 for node in chosen for what in ("counts", "dispatch", "combine")
+               if f"{node}:{what}" in out) + 2 * len(backward_of.keys() & set(chosen))
+    keys = (["overlap_all_to_all = on"] if plan.schedule.overlap_all_to_all else []) + \
+        (["moe_dispatcher = two_hop"] if two_hop else [])
     return record(out, PassRecord(
         "split_dispatch", True,
         f"split_dispatch: {len(chosen)} mixture{'s' if len(chosen) != 1 else ''} of "
         f"experts cut at {'their' if len(chosen) != 1 else 'its'} dispatch and combine, "
-        f"{5 * len(chosen)} all-to-alls over ep on a stream of their own "
-        f"(overlap_all_to_all = on)",
-        [{"what": "ep all-to-all transfers", "before": 0, "after": 5 * len(chosen)}],
+        f"{made} all-to-alls over ep on a stream of their own ({', '.join(keys)})",
+        [{"what": "ep all-to-all transfers", "before": 0, "after": made}],
         decisions))

@@ -110,7 +110,7 @@ class Transfers:
                 rows.rows, rows.experts, rows.tokens, node_of, call.index, per_rank,
                 call.group, self.fp8)
             return dataclasses.replace(rows, rows=received, counts=counts,
-                                       tokens=hops.tokens1, hops=hops)
+                                       tokens=hops.tokens1, hops=hops, members=call.members)
         hops = routing.hops
         if dispatch:
             return moe_two_hop.dispatch_backward(rows, hops, hops.order1.numel(), call.group)
