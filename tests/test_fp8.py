@@ -100,6 +100,61 @@ def test_the_three_gemms_take_quantised_inputs():
     assert not torch.allclose(g5, gq)
 
 
+def test_an_experts_swiglu_keeps_its_inputs_in_fp8_and_recomputes_its_output():
+    """DeepSeek-V3's section 3.3.4: the forward is the FP8 down GEMM of silu(gate) * up;
+    the backward reads gate and up as their FP8 tiles decode, recomputes the product from
+    them for the weight gradient, and keeps no product."""
+    from planc.runtime.engine.fp8 import (Recipe, matmul, quantised_blocks, quantised_rows,
+                                          swiglu_down)
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(3)
+    gate = torch.randn(6, 24, generator=generator, requires_grad=True)
+    up = torch.randn(6, 24, generator=generator, requires_grad=True)
+    down = torch.randn(24, 16, generator=generator, requires_grad=True)
+    grad = torch.randn(6, 16, generator=generator)
+    out = swiglu_down(gate, up, down, Recipe(8))
+    product = F.silu(gate.detach()) * up.detach()
+    assert torch.equal(out, matmul(product, [down.detach()], Recipe(8)))
+    saved = out.grad_fn.saved_tensors
+    assert [t.dtype for t in saved] == [torch.float8_e4m3fn, torch.float32] * 2 + [torch.float32]
+    assert [tuple(t.shape) for t in saved[:4]] == [(6, 3, 8), (6, 3, 1)] * 2
+    out.backward(grad)
+    # the reference: autograd through the decoded inputs, the down GEMM's products in FP8
+    g8, u8 = (quantised_rows(t.detach(), 8).requires_grad_() for t in (gate, up))
+    wq, gq = quantised_blocks(down.detach(), 8), quantised_rows(grad, 8)
+    recomputed = F.silu(g8) * u8
+    (recomputed * (gq @ wq.t())).sum().backward()
+    assert torch.allclose(gate.grad, g8.grad, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(up.grad, u8.grad, rtol=1e-5, atol=1e-6)
+    dw = quantised_rows(recomputed.detach(), 8).t() @ gq
+    assert torch.allclose(down.grad, dw, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(gate.grad, (gq @ wq.t()) * up.detach() * torch.sigmoid(
+        gate.detach()) * (1 + gate.detach() * (1 - torch.sigmoid(gate.detach()))))
+
+
+def test_the_memory_estimate_keeps_an_experts_swiglu_inputs_in_fp8_and_no_product():
+    """Per (token, expert) row a mixture keeps its rows, gate and up outputs and the
+    product, (64 + 48 + 2 x 48) x 4 bytes in fp32; with fp8 the rows, gate and up as FP8
+    (1.25 bytes an element at tile 16) and the product not at all, (64 + 2 x 48) x 1.25;
+    llama's part changes as test_the_memory_estimate_keeps_the_gemm_inputs_in_fp8 has
+    it, less its dense MLP's down input, which a mixture does not keep."""
+    from planc.models import moe
+
+    plain, fp8 = (load_text(MOE.replace("MESH", "dp = 2").replace(
+        "fp8 = blockwise; fp8_tile = 16", extra).replace("first_dense = 1", "first_dense = 0")
+    ).plan.model for extra in ("fp8_tile = 16", "fp8 = blockwise; fp8_tile = 16"))
+    shape = dict(seq=32, seq_full=32, batch=1, tp=1, sequence_parallel=False,
+                 recompute="selective")
+    llama_gap = moe.llama.activation_bytes(plain, **shape) - \
+        moe.llama.activation_bytes(fp8, **shape)
+    dense_mlp_gap = 32 * 128 * (4 - 1.25)  # the dense MLP's down input, taken out
+    rows = 32 * 3  # top_k 2 and the shared expert
+    per_row = (64 + 48 + 2 * 48) * 4 - (64 + 2 * 48) * 1.25
+    assert moe.activation_bytes(plain, **shape) - moe.activation_bytes(fp8, **shape) == \
+        pytest.approx(llama_gap - dense_mlp_gap + rows * per_row, rel=1e-12)
+
+
 def test_a_tp_shard_across_tiles_is_refused_at_the_key():
     loaded = load_text(DENSE.replace("MESH", "tp = 2").replace("fp8_tile = 16",
                                                                "fp8_tile = 64"))

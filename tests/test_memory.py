@@ -397,3 +397,42 @@ def test_no_example_plan_overflows_its_devices(path):
     assert not [d for d in loaded.diagnostics
                 if d.message.startswith("estimated memory per device")]
     assert not memory.estimate(loaded.plan).overflows
+
+
+HEAD_PLAN = """plan h {
+  model llama {
+    layers = 16; hidden = 64; heads = 4; kv_heads = 2; ffn = 128; vocab = VOCAB; seq = 32
+    batch = 16
+  }
+  mesh { pp = 4 }
+  shard { pp { virtual = VIRTUAL } }
+  schedule { microbatches = 16; pipeline = PIPELINE }
+}
+"""
+
+
+@pytest.mark.parametrize("pipeline, virtual, stage, logits, chunks", [
+    ("1f1b", 1, 3, 1, 1),
+    ("interleaved", 2, 3, 1, 5),
+    ("interleaved_zb", 2, 3, 1, 8),  # the loss's backward is the split backward's first
+    ("dualpipev", 2, 0, 1, 9),  # the V's last chunk is on stage 0, beside its first
+    ("zbv", 2, 0, 1, 8),
+    ("gpipe", 1, 3, 16, 16),  # every forward before the first backward
+])
+def test_the_head_stage_holds_the_logits_of_the_last_chunks_microbatches_only(
+        pipeline, virtual, stage, logits, chunks):
+    """The head's stage holds the logits (fp32) and the final norm's and the head's inputs
+    of the microbatches its last chunk has run forward and not yet backward, not of every
+    microbatch-chunk the stage holds: a vocabulary larger by 1,000 adds 4 bytes a token
+    for each of them."""
+    def plan(vocab):
+        return plan_of(HEAD_PLAN.replace("VOCAB", str(vocab)).replace(
+            "VIRTUAL", str(virtual)).replace("PIPELINE", pipeline))
+
+    small, large = plan(128), plan(1128)
+    assert small.head_stage == stage
+    assert memory.head_microbatches_in_flight(small) == logits
+    assert memory.microbatches_in_flight(small, stage) == chunks
+    grown = (memory.stage_activation_bytes(large, stage)[0]
+             - memory.stage_activation_bytes(small, stage)[0])
+    assert grown == logits * 1000 * 32 * 4  # a microbatch of one 32-token sequence

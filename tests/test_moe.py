@@ -175,8 +175,6 @@ def test_experts_are_split_over_ep_and_reduced_over_their_replicas():
 def test_planc_layout_lists_the_ep_groups_and_the_experts_replicas(capsys):
     """pp 2 x dp 2 x tp 2 with ep 2: a stage's ranks (tp fastest) in runs of 2, and the
     ranks at the same place of each run; both in the table and in --json."""
-    import json
-
     from planc.plan.layout import Layout
 
     layout = Layout.of(load_text(plan_text(mesh="tp = 2; pp = 2; dp = 2; ep = 2", m=2,
@@ -241,20 +239,35 @@ def test_a_mixture_over_ep_names_its_group_and_its_all_to_all_bytes():
     assert apart > together
 
 
-def test_the_memory_estimate_holds_the_worst_dispatch_buffers():
-    """ep 4 over tp 2 x dp 2: a rank may receive, from each of its 4 ep peers, every row
-    its 32 tokens (2 sequences of 32, over tp) can send to its 2 experts (top_k 2), and
-    holds them with the experts' gate, up and product and their outputs."""
+def test_the_memory_estimate_holds_the_dispatch_buffers_at_the_priced_imbalance():
+    """ep 4 over tp 2 x dp 2: a rank's 32 tokens (2 sequences of 32, over tp) send 64 rows
+    (top_k 2); the busiest rank receives 1.72 times that mean (the imbalance the
+    simulator prices) and holds them with the experts' gate, up and product and their
+    outputs. At worst it may receive, from each of its 4 ep peers, every row their 32
+    tokens can send to its 2 experts: the estimate reports that beside its peak."""
     from planc.estimate import memory
+    from planc.views import memory_text
 
-    def peak(mesh):
+    def estimate(mesh):
         plan = load_text(plan_text(mesh=mesh, m=2, batch=8, experts=8).replace(
             "seq = 16", "seq = 32")).plan
-        return memory.estimate(plan).stages[0].activation_bytes
+        return memory.estimate(plan)
 
-    rows = 4 * (2 * 32 // 2) * 2
-    assert peak("tp = 2; dp = 2; ep = 4") - peak("tp = 2; dp = 2") == \
-        rows * (2 * 32 + 3 * 24) * 4
+    row = (2 * 32 + 3 * 24) * 4
+    split, whole = estimate("tp = 2; dp = 2; ep = 4"), estimate("tp = 2; dp = 2")
+    priced = 1.72 * 32 * 2
+    assert split.stages[0].activation_bytes - whole.stages[0].activation_bytes == \
+        pytest.approx(priced * row, rel=1e-12)
+    worst = 4 * 32 * 2
+    assert split.stages[0].worst_routing_extra_bytes == pytest.approx((worst - priced) * row,
+                                                                      rel=1e-12)
+    assert whole.worst_routing_peak is None
+    assert split.stages[0].total_bytes + (worst - priced) * row == pytest.approx(807e3, abs=500)
+    assert memory_text.worst_routing_text(whole) is None
+    assert memory_text.worst_routing_text(split) == (
+        "under the worst routing (a dropless mixture's every row of the ep group on one "
+        "rank's experts) stage 0 would need 807 KB; the estimate prices the routing's "
+        "imbalance, and model { capacity } bounds the worst case")
 
 
 def test_explain_names_a_mixtures_all_to_alls_and_their_bytes(capsys):

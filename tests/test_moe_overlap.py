@@ -359,3 +359,29 @@ def test_deepseek_v3s_run_simulates_within_15_percent_of_its_published_step():
     published = 15360 * 4096 / (1e12 / (180_000 * 3600) * 2048)  # 19.9 s
     step = simulate(compile_plan(plan)).step_seconds
     assert abs(step / published - 1) < 0.15, step
+
+
+def test_deepseek_v3s_run_fits_the_h800s_80_gb():
+    """The issue's memory bar for the H800 row, by the report's own recipe: FP8 GEMM
+    inputs and an expert's SwiGLU inputs in FP8 with its output recomputed (section
+    3.3.4), the dispatch buffers at the imbalance the simulator prices, and the logits of
+    the one microbatch DualPipeV's last chunk holds at a time; the worst routing
+    (every row of the ep group on one rank) is reported beside it, over the 80 GB."""
+    from planc.estimate import memory
+    from planc.lang import load_file
+    from planc.simulate import simulate
+    from planc.views import simulate_text
+
+    loaded = load_file("plans/moe-published/deepseek-v3-h800.plan")
+    assert [d for d in loaded.diagnostics if d.severity == "warning"] == []
+    estimate = memory.estimate(loaded.plan)
+    peak = estimate.peak
+    assert (peak.stage, peak.microbatches_in_flight) == (1, 33)
+    assert 60e9 < peak.total_bytes < 80e9, peak
+    assert memory.head_microbatches_in_flight(loaded.plan) == 1
+    worst = estimate.worst_routing_peak
+    assert worst.total_bytes + worst.worst_routing_extra_bytes > 80e9
+    text = simulate_text.render(simulate(compile_plan(loaded.plan)))
+    assert ("  memory: 69.1 GB of 80 GB at peak (stage 1)\n"
+            "  memory under the worst routing: 110 GB (stage 1; a dropless mixture's every "
+            "row of the ep group on one rank's experts)") in text

@@ -45,6 +45,9 @@ class StageMemory:
     optimizer_bytes: float
     activation_bytes: float
     microbatches_in_flight: int
+    # more bytes a block's transient buffers take under the worst input it can get than
+    # at the priced one (a dropless mixture's dispatch: planc.models.moe.dispatch_bytes)
+    worst_routing_extra_bytes: float = 0.0
 
     @property
     def total_bytes(self) -> float:
@@ -64,6 +67,14 @@ class MemoryEstimate:
     @property
     def overflows(self) -> bool:
         return self.capacity is not None and self.peak.total_bytes > self.capacity
+
+    @property
+    def worst_routing_peak(self) -> StageMemory | None:
+        """The stage that needs the most under the worst routing, or None where routing
+        cannot change what a stage holds."""
+        if not any(s.worst_routing_extra_bytes for s in self.stages):
+            return None
+        return max(self.stages, key=lambda s: s.total_bytes + s.worst_routing_extra_bytes)
 
 
 def optimizer_state_bytes(plan: Plan) -> int:
@@ -213,14 +224,30 @@ def layers_in_flight(plan: Plan, stage: int) -> float:
                       sizes_of_chunks)
 
 
+def head_microbatches_in_flight(plan: Plan) -> int:
+    """Microbatches whose logits the head's stage holds at its peak: those the last
+    chunk has run forward and not yet backward. Counting the stage's every chunk, as
+    :func:`microbatches_in_flight` does, would hold a V schedule's stage 0 (whose second
+    chunk is the last) at 2 pp + 1 microbatches of logits where the last chunk's forward
+    is followed at once by its backward."""
+    chunks = len(plan.shard.pp.chunks)
+    sizes = tuple(int(c == chunks - 1) for c in range(chunks))
+    # the loss's backward, the first of a split backward's two, is done with the logits
+    return _live_peak(plan.schedule.pipeline, plan.head_stage, plan.mesh.pp,
+                      plan.schedule.microbatches, plan.shard.pp.virtual, sizes,
+                      (schedules.ActionKind.BACKWARD, schedules.ActionKind.BACKWARD_INPUT))
+
+
+# A split backward keeps what its weight gradient reads (the layers' inputs and output
+# gradients) until the W block, as the schedule's in-flight rule counts; a whole backward
+# (B, which DualPipeV runs beside its split ones) frees them itself.
+_LAYERS_DONE = (schedules.ActionKind.BACKWARD, schedules.ActionKind.BACKWARD_WEIGHT)
+
+
 @functools.lru_cache(maxsize=1 << 16)
 def _live_peak(pipeline: str, stage: int, pp: int, microbatches: int, virtual: int,
-               sizes: tuple[int, ...]) -> int:
+               sizes: tuple[int, ...], done: tuple = _LAYERS_DONE) -> int:
     live = peak = 0
-    # A split backward keeps what its weight gradient reads (the layers' inputs and
-    # output gradients) until the W block, as the schedule's in-flight rule counts; a
-    # whole backward (B, which DualPipeV runs beside its split ones) frees them itself.
-    done = (schedules.ActionKind.BACKWARD, schedules.ActionKind.BACKWARD_WEIGHT)
     schedule = schedules.named(pipeline)
     for action in schedule.order(stage, pp, schedule.peak_microbatches(
             pp, microbatches, virtual), virtual):
@@ -248,8 +275,7 @@ def stage_activation_bytes(plan: Plan, stage: int) -> tuple[float, int]:
         vocab_div = tp if plan.shard.tp.head == "vocab" else 1
         final_ln_and_head_inputs = 2 * s * b * m.hidden * m.dtype_bytes / sp_div
         logits_fp32 = FP32_BYTES * s * b * m.vocab / vocab_div
-        total += min(in_flight, plan.schedule.microbatches) * (final_ln_and_head_inputs
-                                                               + logits_fp32)
+        total += head_microbatches_in_flight(plan) * (final_ln_and_head_inputs + logits_fp32)
     return total, in_flight
 
 
@@ -284,8 +310,19 @@ def estimate(plan: Plan, activations: tuple[tuple[float, int], ...] | None = Non
         g += accumulation * (params + experts)
         held, in_flight = activations[stage] if activations is not None else \
             stage_activation_bytes(plan, stage)
-        stages.append(StageMemory(stage, params + experts, p, g, o, held, in_flight))
+        stages.append(StageMemory(stage, params + experts, p, g, o, held, in_flight,
+                                  _worst_routing_extra_bytes(plan, stage)))
     return MemoryEstimate(tuple(stages), plan.topology.device.memory)
+
+
+def _worst_routing_extra_bytes(plan: Plan, stage: int) -> float:
+    family = family_of(plan)
+    if family.worst_transient_bytes is None or not plan.layers_of_stage(stage):
+        return 0.0
+    m = plan.model
+    tokens = plan.microbatch_size * m.seq / plan.mesh.cp
+    return (family.worst_transient_bytes(m, plan.mesh, tokens)
+            - family.transient_bytes(m, plan.mesh, tokens))
 
 
 def total_parameters(plan: Plan) -> int:

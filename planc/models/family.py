@@ -194,8 +194,11 @@ class Family:
     layer_block: Callable[[Model, int], tuple[tuple[str, ...], tuple]] | None = None
     # Bytes one device holds for a moment while one block runs, beyond what the block
     # keeps for its backward: (model, mesh, tokens it holds) -> bytes (a mixture's
-    # dispatch buffers under the worst routing); None: nothing.
+    # dispatch buffers at the routing's priced imbalance); None: nothing. The same under
+    # the worst input the block can get (every row of the ep group on one rank), which
+    # the memory estimate reports beside its peak.
     transient_bytes: Callable[[Model, Mesh, float], float] | None = None
+    worst_transient_bytes: Callable[[Model, Mesh, float], float] | None = None
     # Operators that the reference PyTorch module computes with elementwise kernels the
     # graph does not show, by the name of what it runs (planc.estimate.kernel_cost's
     # MODULE_PASSES: "rmsnorm", "rope", "repeat_kv", "swiglu", "fp32_cross_entropy"):

@@ -32,7 +32,8 @@ from __future__ import annotations
 from planc.vocabulary.hints import divisors_below, try_values
 from planc.vocabulary.kinds import Boolean, Choice, Integer, Key, Real
 from planc.models import llama
-from planc.vocabulary.model_options import expert_capacity, expert_groups_of, gemm_input_bytes
+from planc.vocabulary.model_options import (expert_capacity, expert_groups_of, fp8_tile,
+                                           gemm_input_bytes)
 from planc.models.family import (HEAD_OPS, Family, Finding, Model, OpRule, Parameter,
                                  pre_norm_chains)
 
@@ -189,11 +190,14 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     active = m.top_k + m.shared_experts
     # llama's dense MLP out (gate and up in the dtype, down's input as a GEMM input), the
     # router's input and fp32 probabilities in, and per expert a token goes through its
-    # gate and up outputs (dtype) and its two GEMMs' inputs (its rows, the product)
+    # rows (a GEMM input), its gate and up outputs and the product: in the dtype and a
+    # GEMM input, or with fp8 gate and up in FP8 and the product recomputed from them
+    # (DeepSeek-AI 2024, section 3.3.4; planc.runtime.engine.fp8.swiglu_down)
     gemm = gemm_input_bytes(m)
+    swiglu = 2 * m.expert_ffn * gemm if fp8_tile(m) else \
+        2 * m.expert_ffn * m.dtype_bytes + m.expert_ffn * gemm
     mixture = dense + (sb * m.hidden * m.dtype_bytes + sb * m.experts * 4
-                       + active * sb * (2 * m.expert_ffn * m.dtype_bytes
-                                        + (m.hidden + m.expert_ffn) * gemm)
+                       + active * sb * (m.hidden * gemm + swiglu)
                        - sb * m.ffn * (2 * m.dtype_bytes + gemm)) / tp
     return max(dense, mixture) if m.first_dense else mixture
 
@@ -204,9 +208,27 @@ def dispatch_bytes(m: Model, mesh, tokens: float) -> float:
     that can go to its experts, min(top_k, experts / ep) per token (over tp each rank
     dispatches tokens / tp), and holds them, the experts' gate, up and product on them
     and their outputs at once; with ``capacity``, at most its experts' capacity of every
-    sequence each of the ep ranks holds a part of."""
+    sequence each of the ep ranks holds a part of. Node-limited routing does not lower
+    it: it limits the nodes a token reaches, not the rows one rank's experts take."""
     if mesh.ep == 1 or m.first_dense >= m.layers:
         return 0.0
+    return _worst_rows(m, mesh, tokens) * _row_bytes(m)
+
+
+def priced_dispatch_bytes(m: Model, mesh, tokens: float) -> float:
+    """The dispatch buffers at the imbalance the simulator prices
+    (:func:`routing_imbalance`: the busiest rank takes that many times the mean,
+    top_k rows per token), at most :func:`dispatch_bytes`. The memory estimate holds
+    this: DeepSeek-V3 trained dropless on 80 GB H800s, which the worst case (every row
+    of the ep group on one rank's experts, tens of GB at its sizes) would not allow;
+    that worst case is reported beside it."""
+    if mesh.ep == 1 or m.first_dense >= m.layers:
+        return 0.0
+    mean = tokens / mesh.tp * m.top_k
+    return min(_worst_rows(m, mesh, tokens), routing_imbalance(m) * mean) * _row_bytes(m)
+
+
+def _worst_rows(m: Model, mesh, tokens: float) -> float:
     local = tokens / mesh.tp
     rows = mesh.ep * local * min(m.top_k, m.experts // mesh.ep)
     per_sequence = expert_capacity(m)
@@ -215,7 +237,12 @@ def dispatch_bytes(m: Model, mesh, tokens: float) -> float:
         # ranks hold its parts: a rank holds parts of tokens x cp / seq sequences
         sequences = tokens * mesh.cp / m.seq
         rows = min(rows, mesh.ep * sequences * (m.experts // mesh.ep) * per_sequence)
-    return rows * (2 * m.hidden + 3 * m.expert_ffn) * m.dtype_bytes
+    return rows
+
+
+def _row_bytes(m: Model) -> float:
+    """A dispatched row's input and output, and the gate, up and product on it."""
+    return (2 * m.hidden + 3 * m.expert_ffn) * m.dtype_bytes
 
 
 def _preset(name: str):
@@ -365,6 +392,7 @@ FAMILY = Family(
     mesh_checks=(ep_divides_the_stage_and_the_experts,),
     hf_architecture="MixtralForCausalLM",  # without shared experts or dense blocks
     layer_block=layer_block,
-    transient_bytes=dispatch_bytes,
+    transient_bytes=priced_dispatch_bytes,
+    worst_transient_bytes=dispatch_bytes,
     module_kernels=llama.MODULE_KERNELS,
 )

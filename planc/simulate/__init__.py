@@ -54,6 +54,9 @@ class Simulation:
     peak_flops: float  # per device
     memory_capacity: float | None
     timeline: tuple[StageTime, ...] = ()
+    # (stage, bytes) of the stage that needs the most under the worst routing a dropless
+    # mixture can get (planc.estimate.memory.MemoryEstimate.worst_routing_peak), or None
+    worst_routing_memory: tuple[int, float] | None = None
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -75,6 +78,9 @@ class Simulation:
                 "tflops_per_gpu": self.tflops_per_gpu,
                 "mfu": self.mfu, "bubble": self.bubble,
                 "memory_capacity": self.memory_capacity,
+                "worst_routing_memory": None if self.worst_routing_memory is None else {
+                    "stage": self.worst_routing_memory[0],
+                    "memory_bytes": self.worst_routing_memory[1]},
                 "stages": [{"stage": s.stage, "step_seconds": s.step_seconds,
                             "busy_seconds": s.busy_seconds,
                             "bubble_seconds": s.bubble_seconds,
@@ -97,6 +103,9 @@ def simulate(build: Build, keep_timeline: bool = False, gpu=None) -> Simulation:
         t.waiting + (step_seconds - t.end),
         {axis: seconds for axis, seconds in sorted(t.exposed.items()) if seconds > 0},
         estimate.stages[t.stage].total_bytes) for t in times)
+    worst = estimate.worst_routing_peak
     return Simulation(plan.name, plan.world, stages, step_seconds, model_flops(plan),
                       plan.topology.device.flops, plan.topology.device.memory,
-                      tuple(times) if keep_timeline else ())
+                      tuple(times) if keep_timeline else (),
+                      None if worst is None else
+                      (worst.stage, worst.total_bytes + worst.worst_routing_extra_bytes))

@@ -37,7 +37,20 @@ def render(estimate: MemoryEstimate) -> str:
     share = 100 * peak.total_bytes / estimate.capacity if estimate.capacity else 0.0
     used = ("" if estimate.capacity is None else
             f", peak {'<0.1' if share < 0.1 else f'{share:.1f}'}% on stage {peak.stage}")
-    return "\n".join([
-        f"memory per device (estimate; {capacity}{used})",
-        table(["stage", "params", "weights", "grads", "optimizer", "activations", "in flight",
-               "total"], rows)])
+    lines = [f"memory per device (estimate; {capacity}{used})",
+             table(["stage", "params", "weights", "grads", "optimizer", "activations",
+                    "in flight", "total"], rows)]
+    worst = worst_routing_text(estimate)
+    return "\n".join(lines + ([worst] if worst else []))
+
+
+def worst_routing_text(estimate: MemoryEstimate) -> str | None:
+    """A line on what the estimate's routing assumption leaves out, or None."""
+    worst = estimate.worst_routing_peak
+    if worst is None:
+        return None
+    return (f"under the worst routing (a dropless mixture's every row of the ep group on "
+            f"one rank's experts) stage {worst.stage} would need "
+            f"{format_bytes(worst.total_bytes + worst.worst_routing_extra_bytes)}; "
+            f"the estimate prices the routing's imbalance, and model {{ capacity }} bounds "
+            f"the worst case")

@@ -36,8 +36,12 @@ def render(result, accuracy=None) -> str:
         f"  pipeline bubble: {result.bubble:.1%} of the step (stage 0)",
         f"  exposed communication (worst stage, per axis): {exposed_text}",
         f"  memory: {format_bytes(worst.memory_bytes)}{capacity} at peak (stage {worst.stage})",
-        "",
     ]
+    if result.worst_routing_memory is not None:
+        stage, held = result.worst_routing_memory
+        lines.append(f"  memory under the worst routing: {format_bytes(held)} (stage {stage}; "
+                     f"a dropless mixture's every row of the ep group on one rank's experts)")
+    lines.append("")
     axes = sorted(exposed)
     rows = []
     shown = stages if len(stages) <= SHOWN else (*stages[:SHOWN // 2], None,

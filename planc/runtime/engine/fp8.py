@@ -138,6 +138,48 @@ class _Fp8Matmul(torch.autograd.Function):
         return (None, dx, *dws)
 
 
+class _Fp8SwiGLUDown(torch.autograd.Function):
+    """``(silu(gate) * up) @ down`` as DeepSeek-V3 runs a mixture's SwiGLU (section 3.3.4,
+    low-precision storage): its inputs, gate and up, are kept in FP8 (1 x T tiles) and
+    its output is recomputed from them in the backward, where :class:`_Fp8Matmul` would
+    keep the product as the down GEMM's cached input; the down GEMM's three products in
+    FP8 as in :class:`_Fp8Matmul`, the backward's weight gradient reading the recomputed
+    product."""
+
+    @staticmethod
+    def forward(ctx, recipe: Recipe, gate: torch.Tensor, up: torch.Tensor,
+                down: torch.Tensor) -> torch.Tensor:
+        tile = recipe.tile
+        wq = quantised_blocks(down, tile)
+        out = (quantised_rows(F.silu(gate) * up, tile) @ wq).to(gate.dtype)
+        ctx.recipe, ctx.dtypes, ctx.features = recipe, (gate.dtype, down.dtype), \
+            gate.shape[-1]
+        ctx.save_for_backward(*encoded_rows(gate, tile), *encoded_rows(up, tile), wq)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate_codes, gate_scale, up_codes, up_scale, wq = ctx.saved_tensors
+        recipe, (dtype, w_dtype), n = ctx.recipe, ctx.dtypes, ctx.features
+        gate = decoded_rows(gate_codes, gate_scale, n).to(dtype)
+        up = decoded_rows(up_codes, up_scale, n).to(dtype)
+        silu = F.silu(gate)
+        xq = quantised_rows(silu * up, recipe.tile)
+        gq = quantised_rows(grad, recipe.tile, recipe.gradients)
+        d_product = (gq @ wq.t()).to(dtype)
+        dw = xq.reshape(-1, n).t() @ gq.reshape(-1, gq.shape[-1])
+        sigmoid = torch.sigmoid(gate)
+        d_gate = d_product * up * sigmoid * (1 + gate * (1 - sigmoid))
+        return None, d_gate, d_product * silu, dw.to(w_dtype)
+
+
+def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                recipe: Recipe) -> torch.Tensor:
+    """``(silu(gate) * up) @ down`` in FP8, keeping gate and up in FP8 for the backward
+    rather than the product (:class:`_Fp8SwiGLUDown`)."""
+    return _Fp8SwiGLUDown.apply(recipe, gate, up, down)
+
+
 def matmul(x: torch.Tensor, weights: list[torch.Tensor], recipe: Recipe | None
            ) -> torch.Tensor:
     """``x @ cat(weights, dim=1)``: in FP8 by ``recipe``, else as it is."""

@@ -17,7 +17,7 @@ from planc.graph.vocabulary import Op
 from planc.runtime.engine import fp8
 from planc.runtime.families import llama
 from planc.runtime.families import moe_dispatch
-from planc.runtime.families.moe_dispatch import expert_output, stacked_experts
+from planc.runtime.families.moe_dispatch import expert_mlp, expert_output, stacked_experts
 from planc.runtime.families.moe_gate import (WithBalanceLoss, balance_loss, balanced,
                                              choose, routed_pairs, sorted_pairs, update_bias)
 
@@ -30,9 +30,8 @@ def _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequ
     their counts summed over ``counts_over``), divided by the batch, joined to the
     backward, or appended to ``collected`` (the reference, which adds it itself)."""
     if m.shared_experts:
-        out = out + llama.dense_mlp(-1, tokens, {
-            f"{w}.weight": weights_of(f"shared.{w}.weight") for w in ("gate", "up", "down")},
-            fp8.recipe_of(m))
+        out = out + expert_mlp(tokens, *(weights_of(f"shared.{w}.weight")
+                                         for w in ("gate", "up", "down")), fp8.recipe_of(m))
     if m.aux_loss:
         loss = balance_loss(probabilities, experts, sequences, m, counts_over) / batch
         if collected is None:

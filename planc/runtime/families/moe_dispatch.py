@@ -62,8 +62,19 @@ def expert_output(x: torch.Tensor, weights: tuple, expert: int, recipe=None
     """Routed expert ``expert``'s SwiGLU of rows ``x``; ``weights``: the stacked gate, up
     and down; its GEMMs in FP8 by ``recipe`` (planc.runtime.engine.fp8)."""
     gate, up, down = weights
-    return llama.dense_mlp(-1, x, {"gate.weight": gate[expert], "up.weight": up[expert],
-                                   "down.weight": down[expert]}, recipe)
+    return expert_mlp(x, gate[expert], up[expert], down[expert], recipe)
+
+
+def expert_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+               recipe=None) -> torch.Tensor:
+    """A routed or shared expert's SwiGLU of rows ``x``: in ``x``'s dtype, or by FP8
+    ``recipe`` with DeepSeek-V3's storage, the SwiGLU's inputs kept in FP8 and its output
+    recomputed (planc.runtime.engine.fp8.swiglu_down)."""
+    if recipe is None:
+        return llama.dense_mlp(-1, x, {"gate.weight": gate, "up.weight": up,
+                                       "down.weight": down})
+    gate_out, up_out = fp8.matmul(x, [gate, up], recipe).chunk(2, dim=-1)
+    return fp8.swiglu_down(gate_out, up_out, down, recipe)
 
 
 def stacked_experts(weights_of) -> tuple:
@@ -193,9 +204,9 @@ def shared(k, spec, x, p, step, mb, extra):
     them."""
     data = x["x"]
     by_suffix = {name.split(".", 2)[-1]: name for name in spec.params}
-    return llama.dense_mlp(-1, data.reshape(-1, data.shape[-1]), {
-        f"{w}.weight": p(by_suffix[f"shared.{w}.weight"]) for w in ("gate", "up", "down")},
-        fp8.recipe_of(k.ctx.model))
+    return expert_mlp(data.reshape(-1, data.shape[-1]),
+                      *(p(by_suffix[f"shared.{w}.weight"]) for w in ("gate", "up", "down")),
+                      fp8.recipe_of(k.ctx.model))
 
 
 def total(k, spec, x, p, step, mb, extra):
