@@ -28,7 +28,7 @@ import networkx as nx
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, buckets
 from planc.lower.bind import Binding
 from planc.lower.evaluation import evaluation_of, forward_only
-from planc.lower.paired import paired_blocks
+from planc.lower.paired import overlapped_blocks
 from planc.program.names import STREAM_ORDER
 from planc.program.program import (
     EVENT_NAMING_OPS,
@@ -451,13 +451,14 @@ def lower(plan: Plan, graph: nx.DiGraph, binding: Binding | None = None
                 graph, receive_nodes, forward_actions, lowering.split).items() if items}
         used_streams = {w.stream for n, w in lowering.where.items()} | set(receives)
         streams = tuple(s for s in STREAM_ORDER if s in used_streams or s == COMPUTE)
+        paired, paired_weights = overlapped_blocks(plan, pipeline, stage, blocks)
         programs[f"stage{stage}.json"] = Program(
             stage, streams, blocks, plan_schedule, receives, tuple(body), m,
             prologue=tuple(listed.get(PROLOGUE, ())), buckets=stage_buckets,
             received={node: binding.operands(node, Kind.RECV.value)
                       for node in receive_nodes},
             evaluation=evaluation, evaluation_receives=evaluation_receives,
-            paired=paired_blocks(plan, pipeline, stage, blocks))
+            paired=paired, paired_weights=paired_weights)
     layout = Layout.of(plan)
     ranks = RankTable(plan.world, pp, layout.strides["pp"],
                       {f"stage{s}.json": s for s in range(pp)},

@@ -9,6 +9,36 @@ from planc.program.program import Opcode
 from planc.schedules import ActionKind
 
 
+def overlapped_blocks(plan: Plan, pipeline, stage: int, blocks: dict
+                      ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(:func:`paired_blocks`, :func:`paired_weight_blocks`) of a stage."""
+    paired = paired_blocks(plan, pipeline, stage, blocks)
+    return paired, paired_weight_blocks(plan, pipeline, stage, paired)
+
+
+def paired_weight_blocks(plan: Plan, pipeline, stage: int, paired: tuple[int, ...]
+                         ) -> tuple[int, ...]:
+    """Of the pairs, those whose backward is an input gradient whose weight gradient the
+    schedule runs right after the pair: that block runs inside the pair, filling the
+    compute stream while the all-to-alls travel (DualPipe's pair holds the backward's W
+    steps: DeepSeek-AI 2024, Figure 4)."""
+    if not paired:
+        return ()
+    order = pipeline.program_order(stage, plan.mesh.pp, plan.schedule.microbatches,
+                                   plan.shard.pp.virtual)
+    taken = set(paired)
+    out = []
+    for k in paired:
+        if k + 2 >= len(order) or k + 2 in taken:
+            continue
+        backward, after = order[k + 1], order[k + 2]
+        if backward.kind is ActionKind.BACKWARD_INPUT and \
+                after.kind is ActionKind.BACKWARD_WEIGHT and \
+                (after.chunk, after.microbatch) == (backward.chunk, backward.microbatch):
+            out.append(k)
+    return tuple(out)
+
+
 def paired_blocks(plan: Plan, pipeline, stage: int, blocks: dict) -> tuple[int, ...]:
     """The schedule's overlapped pairs (a forward, and the backward or input-gradient
     block of another microbatch after it) that run interleaved (planc.program.pairs):

@@ -120,17 +120,17 @@ def expand(program: Program, only: int | None = None, operands: bool = True,
     # how many run; not whole: a microbatch other than ``only``, its once-per-step ones
     selected: dict[tuple[str, bool, bool, bool],
                    tuple[tuple[tuple[int, Instruction], ...], int]] = {}
-    paired = set(program.paired)
     schedule = program.schedule
     for k, (block, microbatch) in enumerate(schedule):
-        if k - 1 in paired:  # run with the block before it
+        count = program.together(k)
+        if not count:  # runs inside the pair before it
             continue
-        together = schedule[k:k + 2] if k in paired else schedule[k:k + 1]
+        together = schedule[k:k + count]
         for entry in together:
             for stream, end in needed.get(entry, {}).items():
                 while position[stream] <= end:
                     yield from receive(stream)
-        if k in paired:
+        if count > 1:
             start = index
             for offset, (side, (instruction, mb)) in enumerate(
                     _merged(program, *together)):
@@ -153,13 +153,13 @@ def expand(program: Program, only: int | None = None, operands: bool = True,
     yield from run(tuple(kept(program.epilogue)), len(program.epilogue), None, "epilogue")
 
 
-def _merged(program: Program, first: tuple[str, int], second: tuple[str, int]
+def _merged(program: Program, *together: tuple[str, int]
             ) -> list[tuple[int, tuple[Instruction, int]]]:
-    """An overlapped pair's instructions in their interleaved order
-    (planc.program.pairs): (which block, (the instruction, its microbatch))."""
-    blocks = [program.running(*first), program.running(*second)]
-    microbatches = (first[1], second[1])
-    return [(side, (blocks[side][at], microbatches[side]))
+    """An overlapped pair's instructions (and its weight gradients', when it takes them)
+    in their interleaved order (planc.program.pairs): (which block, (the instruction,
+    its microbatch))."""
+    blocks = [program.running(*entry) for entry in together]
+    return [(side, (blocks[side][at], together[side][1]))
             for side, at in interleave(*blocks)]
 
 

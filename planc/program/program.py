@@ -217,6 +217,19 @@ class Program:
     # positions k of the schedule whose block runs interleaved with block k + 1
     # (planc.program.pairs)
     paired: tuple[int, ...] = ()
+    # of those, the positions whose pair also runs block k + 2 inside it: the
+    # weight-gradient block of block k + 1's microbatch (DualPipe's W within its pair)
+    paired_weights: tuple[int, ...] = ()
+
+    def together(self, k: int) -> int:
+        """How many blocks of the schedule run together from position ``k``: 1 alone, 2
+        an overlapped pair, 3 a pair with its weight gradients; 0 where position ``k``
+        runs inside the pair before it."""
+        if k - 1 in self.paired or k - 2 in self.paired_weights:
+            return 0
+        if k in self.paired:
+            return 3 if k in self.paired_weights else 2
+        return 1
 
     def for_evaluation(self) -> "Program":
         """The program of an evaluation batch: the forward blocks on the forward-only
@@ -246,6 +259,8 @@ class Program:
                            self.blocks.items()},
                 "schedule": [list(s) for s in self.schedule],
                 **({"paired": list(self.paired)} if self.paired else {}),
+                **({"paired_weights": list(self.paired_weights)}
+                   if self.paired_weights else {}),
                 "receives": {stream: [list(r) for r in items]
                              for stream, items in self.receives.items()},
                 "epilogue": [i.to_json() for i in self.epilogue],
@@ -283,6 +298,8 @@ class Program:
             received={_string(node): Operands.from_json(operands)
                       for node, operands in data["received"].items()},
             paired=tuple(integer_of(k, "a paired position") for k in data.get("paired", ())),
+            paired_weights=tuple(integer_of(k, "a paired position") for k in
+                                 data.get("paired_weights", ())),
             **_evaluation_of(data.get("evaluation")))
         if any(s not in STREAM_ORDER for s in program.streams):
             raise ValueError(f"streams {list(program.streams)}: one is not a stream planc "
@@ -308,6 +325,11 @@ class Program:
                 any(k + 1 in paired for k in paired):
             raise ValueError("paired names positions that are not disjoint pairs of the "
                              "schedule")
+        weights = program.paired_weights
+        if not set(weights) <= set(paired) or list(weights) != sorted(set(weights)) or \
+                any(k + 2 >= len(program.schedule) or k + 2 in paired for k in weights):
+            raise ValueError("paired_weights names positions that are not pairs followed by "
+                             "a block of their own")
         if any(not 0 <= mb < microbatches for _, mb in program.schedule + program.evaluation):
             raise ValueError("the schedule names a microbatch outside the step")
         if any(block not in program.blocks or not block.startswith("F")

@@ -63,12 +63,12 @@ def _variant(program: Program, block: str, microbatch: int) -> tuple[Instruction
                  if guard_microbatch(i.guard, program.microbatches) in (None, microbatch))
 
 
-def _pair_time(first: tuple[Instruction, ...], second: tuple[Instruction, ...], duration,
-               keep_spans: bool) -> tuple[BlockTime, tuple[BlockTime, BlockTime]]:
-    """An overlapped pair replayed in its interleaved order (planc.program.pairs): the
-    whole, and each block's part of it (its spans, its compute's end, its sends' end)."""
-    blocks = (first, second)
-    whole = replay([blocks[side][at] for side, at in interleave(first, second)], duration,
+def _pair_time(blocks: tuple[tuple[Instruction, ...], ...], duration, keep_spans: bool
+               ) -> tuple[BlockTime, tuple[BlockTime, ...]]:
+    """An overlapped pair (with its weight gradients, when it takes them) replayed in its
+    interleaved order (planc.program.pairs): the whole, and each block's part of it (its
+    spans, its compute's end, its sends' end)."""
+    whole = replay([blocks[side][at] for side, at in interleave(*blocks)], duration,
                    keep_spans=True)
     parts = []
     for block in blocks:
@@ -81,7 +81,7 @@ def _pair_time(first: tuple[Instruction, ...], second: tuple[Instruction, ...], 
             sends=max(sends) if sends else None, spans=mine if keep_spans else []))
     if not keep_spans:
         whole.spans = []
-    return whole, (parts[0], parts[1])
+    return whole, tuple(parts)
 
 
 def _key(program: Program, block: str, microbatch: int) -> tuple[str, bool, bool]:
@@ -112,16 +112,15 @@ def step(programs: dict[int, Program], durations, keep_spans: bool = False
                                   timings[stage], keep_spans)
         return replays[key]
 
-    pair_replays: dict[tuple, tuple[BlockTime, tuple[BlockTime, BlockTime]]] = {}
+    pair_replays: dict[tuple, tuple[BlockTime, tuple[BlockTime, ...]]] = {}
 
-    def timed_pair(stage: int, k: int) -> tuple[BlockTime, tuple[BlockTime, BlockTime]]:
+    def timed_pair(stage: int, entries) -> tuple[BlockTime, tuple[BlockTime, ...]]:
         program = programs[stage]
-        (first, m1), (second, m2) = program.schedule[k:k + 2]
-        key = (stage, _key(program, first, m1), _key(program, second, m2))
+        key = (stage, *(_key(program, block, mb) for block, mb in entries))
         if key not in pair_replays:
-            pair_replays[key] = _pair_time(_variant(program, first, m1),
-                                           _variant(program, second, m2), timings[stage],
-                                           keep_spans)
+            pair_replays[key] = _pair_time(
+                tuple(_variant(program, block, mb) for block, mb in entries),
+                timings[stage], keep_spans)
         return pair_replays[key]
 
     ready: dict[int, float] = {}
@@ -144,11 +143,11 @@ def step(programs: dict[int, Program], durations, keep_spans: bool = False
         queued.discard(stage)
         program = programs[stage]
         schedule, time = program.schedule, times[stage]
-        paired = set(program.paired)
         while position[stage] < len(schedule):
             k = position[stage]
-            # an overlapped pair (planc.program.pairs) runs as one interleaved replay
-            entries = schedule[k:k + 2] if k in paired else schedule[k:k + 1]
+            # an overlapped pair (planc.program.pairs) runs as one interleaved replay; the
+            # blocks of one that ran apart (below) run alone
+            entries = schedule[k:k + max(1, program.together(k))]
             inputs = []
             for block, microbatch in entries:
                 kind, chunk = typed[stage][block]
@@ -166,8 +165,8 @@ def step(programs: dict[int, Program], durations, keep_spans: bool = False
                 entries, inputs = entries[:1], inputs[:1]
             arrival = max(arrivals.get((flow, chunk, mb), 0.0)
                           for flow, chunk, mb, _ in inputs)
-            if len(entries) == 2:
-                replayed, parts = timed_pair(stage, k)
+            if len(entries) > 1:
+                replayed, parts = timed_pair(stage, entries)
             else:
                 replayed = timed(stage, *entries[0])
                 parts = (replayed,)

@@ -31,7 +31,7 @@ to the ep group, rule 2 to one stream, and
 from __future__ import annotations
 
 from planc import schedules
-from planc.lower.paired import paired_blocks
+from planc.lower.paired import overlapped_blocks
 from planc.program.groups import EXPERTS
 
 CUT_PAYLOADS = ("counts", "dispatch", "combine")  # a cut mixture's all-to-alls
@@ -134,9 +134,15 @@ class ExpertChecks:
         """Rule 5: the interleaved pairs are those the plan's schedule makes
         (planc.lower.paired): a forward and the backward of another microbatch, whose
         instructions read nothing of each other."""
-        expected = paired_blocks(self.plan, schedules.named(self.plan.schedule.pipeline),
-                                 program.stage, program.blocks)
+        expected, weights = overlapped_blocks(
+            self.plan, schedules.named(self.plan.schedule.pipeline), program.stage,
+            program.blocks)
         if program.paired != expected:
             self.report.add(f"program {name}: it interleaves the blocks at positions "
                             f"{list(program.paired)} of its schedule with the next; the "
                             f"plan's schedule pairs {list(expected)}")
+        elif program.paired_weights != weights:
+            self.report.add(f"program {name}: its pairs at positions "
+                            f"{list(program.paired_weights)} take the weight gradients "
+                            f"after them; the plan's schedule has them after "
+                            f"{list(weights)}")

@@ -4,6 +4,7 @@ blocks along the stage's schedule (docs/programs.md, the verifier, rules 3 to 9)
 
 from __future__ import annotations
 
+from planc.program.pairs import interleave
 from planc.program.program import (
     EVENT_OPS,
     STATE,
@@ -40,6 +41,7 @@ class StreamChecks:
                                                     clocks=self._gathers(instructions))
             self._guards(where, instructions, summaries[block])
             self._prefetch(where, instructions, summaries[block])
+        self._paired_weights(ranks, name, program)
         positions: dict[tuple[str, int], int] = {}  # each block run's first position
         last_run: dict[str, int] = {}  # the last of a block's runs' first positions
         first_run: dict[str, int] = {}
@@ -127,6 +129,24 @@ class StreamChecks:
         self._frees(ranks, name, program, positions)
         self._gathered_first(ranks, name, program)
         self._written_before_read(ranks, name, program, positions)
+
+    def _paired_weights(self, ranks, name: str, program: Program) -> None:
+        """A pair that takes its weight gradients (planc.program.pairs) moves them among
+        the input gradient's instructions: checked as one sequence, the two blocks of one
+        microbatch free nothing a transfer may still read, and read nothing before it is
+        written (each instance once: the first, the last and any other microbatch)."""
+        seen = set()
+        for k in program.paired_weights:
+            entries = program.schedule[k:k + 3]
+            key = tuple((b, mb == 0, mb == program.microbatches - 1) for b, mb in entries)
+            if key in seen:
+                continue
+            seen.add(key)
+            blocks = [program.running(b, mb) for b, mb in entries]
+            merged = [blocks[side][at] for side, at in interleave(*blocks) if side]
+            self._check_sequence(merged, Lazy(lambda e=entries: (
+                f"{ranks} ({name}, blocks {e[1][0]} and {e[2][0]} interleaved, microbatch "
+                f"{e[1][1]})")), external=True)
 
     def _written_before_read(self, ranks, name: str, program: Program, positions) -> None:
         """A block that reads a value another block writes for the same microbatch (a

@@ -46,10 +46,14 @@ def _schedule_text(plan: Plan, program: Program) -> str:
         for k, n in pairs.items():
             texts[k], texts[k + n - 1] = "[" + texts[k], texts[k + n - 1] + "]"
     for k in program.paired:  # interleaved (planc.program.pairs)
-        if k + 1 < len(texts):
+        end = k + program.together(k) - 1
+        if end < len(texts):
             opened = texts[k].startswith("[")
             texts[k] = ("[<" if opened else "<") + texts[k].lstrip("[")
-            texts[k + 1] = texts[k + 1] + ">"
+            closed = any(text.endswith("]") for text in texts[k + 1:end + 1])
+            for at in range(k + 1, end + 1):
+                texts[at] = texts[at].rstrip("]")
+            texts[end] = texts[end] + (">]" if closed else ">")
     return " ".join(texts)
 
 
@@ -98,7 +102,10 @@ def render(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program], table: R
     if program.paired:
         lines.append("  <F... B...>: two microbatches' blocks interleaved instruction by "
                      "instruction, each giving way to the other while one of its mixture's "
-                     "all-to-alls travels (schedule { overlap_all_to_all })")
+                     "all-to-alls travels (schedule { overlap_all_to_all })"
+                     + ("; <F... I... W...>: with the input gradient's weight gradients, "
+                        "run as soon as what they read is there" if program.paired_weights
+                        else ""))
     if expand:
         lines.append("")
         lines.append("issue order of one step" + (f", microbatch {microbatch}"
