@@ -12,8 +12,8 @@ for one of its all-to-alls; and so on. Each such wait gives way once: when its b
 comes back to it, it is taken. So a mixture's dispatch or combine of one microbatch
 travels while the other microbatch computes, as DualPipe's pairs hide them. A block with
 fewer all-to-alls (a dense chunk, a chunk of fewer layers) gives each of the other's
-waits an equal share of its compute (by its instructions' flops), once it has issued its
-own next all-to-all, rather than all of it at the first.
+waits an equal share of its compute (by its instructions' flops), rather than all of it
+at the first.
 
 A pair may also take the weight-gradient block that follows it (zero-bubble's W of the
 backward's microbatch, which DualPipe computes inside the pair): its instructions run
