@@ -16,14 +16,21 @@ def ensure_corpus(root: str) -> None:
                         os.path.join(root, TOKENS)], check=True)
 
 
-def loss_bench_arguments(description: str, steps: int, plot: str, root: str):
-    """A loss benchmark's ``--steps`` and ``--plot`` (``plot``: under docs/), parsed; the
-    working directory set to ``root`` and the corpus made."""
+def loss_bench_arguments(description: str, steps: int, plot: str, root: str,
+                         flags: dict[str, str] | None = None,
+                         options: dict[str, tuple] | None = None):
+    """A loss benchmark's ``--steps`` and ``--plot`` (``plot``: under docs/), its own
+    on/off ``flags`` (name: help) and ``options`` (name: (type, default, help)),
+    parsed; the working directory set to ``root`` and the corpus made."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--plot", default=os.path.join(root, "docs", plot))
+    for flag, text in (flags or {}).items():
+        parser.add_argument(flag, action="store_true", help=text)
+    for option, (kind, default, text) in (options or {}).items():
+        parser.add_argument(option, type=kind, default=default, help=text)
     args = parser.parse_args()
     os.chdir(root)
     ensure_corpus(root)
