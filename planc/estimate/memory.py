@@ -54,6 +54,10 @@ class StageMemory:
         return (self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
                 + self.activation_bytes)
 
+    @property
+    def worst_routing_total_bytes(self) -> float:
+        return self.total_bytes + self.worst_routing_extra_bytes
+
 
 @dataclass(frozen=True)
 class MemoryEstimate:
@@ -74,7 +78,7 @@ class MemoryEstimate:
         cannot change what a stage holds."""
         if not any(s.worst_routing_extra_bytes for s in self.stages):
             return None
-        return max(self.stages, key=lambda s: s.total_bytes + s.worst_routing_extra_bytes)
+        return max(self.stages, key=lambda s: s.worst_routing_total_bytes)
 
 
 def optimizer_state_bytes(plan: Plan) -> int:
@@ -302,6 +306,7 @@ def estimate(plan: Plan, activations: tuple[tuple[float, int], ...] | None = Non
     expert_replicas = mesh.tp * replicas // mesh.ep
     k = optimizer_state_bytes(plan)
     accumulation = FP32_BYTES if plan.shard.dp.fp32_grads and plan.model.dtype != "fp32" else 0
+    worst_extra = _worst_routing_extra_bytes(plan)
     stages = []
     for stage, (params, experts) in enumerate(parameters or stage_parameter_counts(plan)):
         dense = model_state_bytes(params, plan.model.dtype_bytes, k, zero, replicas)
@@ -311,13 +316,15 @@ def estimate(plan: Plan, activations: tuple[tuple[float, int], ...] | None = Non
         held, in_flight = activations[stage] if activations is not None else \
             stage_activation_bytes(plan, stage)
         stages.append(StageMemory(stage, params + experts, p, g, o, held, in_flight,
-                                  _worst_routing_extra_bytes(plan, stage)))
+                                  worst_extra if plan.layers_of_stage(stage) else 0.0))
     return MemoryEstimate(tuple(stages), plan.topology.device.memory)
 
 
-def _worst_routing_extra_bytes(plan: Plan, stage: int) -> float:
+def _worst_routing_extra_bytes(plan: Plan) -> float:
+    """What a stage holding blocks needs more under the worst routing than the
+    estimate's transient buffers (the same on every such stage)."""
     family = family_of(plan)
-    if family.worst_transient_bytes is None or not plan.layers_of_stage(stage):
+    if family.worst_transient_bytes is None:
         return 0.0
     m = plan.model
     tokens = plan.microbatch_size * m.seq / plan.mesh.cp

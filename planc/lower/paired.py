@@ -11,21 +11,25 @@ from planc.schedules import ActionKind
 
 def overlapped_blocks(plan: Plan, pipeline, stage: int, blocks: dict
                       ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(:func:`paired_blocks`, :func:`paired_weight_blocks`) of a stage."""
-    paired = paired_blocks(plan, pipeline, stage, blocks)
-    return paired, paired_weight_blocks(plan, pipeline, stage, paired)
+    """(:func:`paired_blocks`, :func:`paired_weight_blocks`) of a stage: none without
+    schedule { overlap_all_to_all }, or where the stage's blocks hold no mixture's
+    all-to-alls for the interleave to hide."""
+    if not plan.schedule.overlap_all_to_all or not any(
+            i.op is Opcode.ALL_TO_ALL and i.operands is not None and
+            i.operands.payload in (Payload.DISPATCH, Payload.COMBINE)
+            for block in blocks.values() for i in block):
+        return (), ()
+    shape = (stage, plan.mesh.pp, plan.schedule.microbatches, plan.shard.pp.virtual)
+    order = pipeline.program_order(*shape)
+    paired = paired_blocks(pipeline, shape, order)
+    return paired, paired_weight_blocks(order, paired)
 
 
-def paired_weight_blocks(plan: Plan, pipeline, stage: int, paired: tuple[int, ...]
-                         ) -> tuple[int, ...]:
+def paired_weight_blocks(order, paired: tuple[int, ...]) -> tuple[int, ...]:
     """Of the pairs, those whose backward is an input gradient whose weight gradient the
     schedule runs right after the pair: that block runs inside the pair, filling the
     compute stream while the all-to-alls travel (DualPipe's pair holds the backward's W
     steps: DeepSeek-AI 2024, Figure 4)."""
-    if not paired:
-        return ()
-    order = pipeline.program_order(stage, plan.mesh.pp, plan.schedule.microbatches,
-                                   plan.shard.pp.virtual)
     taken = set(paired)
     out = []
     for k in paired:
@@ -39,23 +43,16 @@ def paired_weight_blocks(plan: Plan, pipeline, stage: int, paired: tuple[int, ..
     return tuple(out)
 
 
-def paired_blocks(plan: Plan, pipeline, stage: int, blocks: dict) -> tuple[int, ...]:
+def paired_blocks(pipeline, shape: tuple[int, int, int, int], order) -> tuple[int, ...]:
     """The schedule's overlapped pairs (a forward, and the backward or input-gradient
-    block of another microbatch after it) that run interleaved (planc.program.pairs):
-    with schedule { overlap_all_to_all }, where the stage's blocks hold a mixture's
-    all-to-alls for the interleave to hide."""
-    if not plan.schedule.overlap_all_to_all or not any(
-            i.op is Opcode.ALL_TO_ALL and i.operands is not None and
-            i.operands.payload in (Payload.DISPATCH, Payload.COMBINE)
-            for block in blocks.values() for i in block):
-        return ()
-    shape = (stage, plan.mesh.pp, plan.schedule.microbatches, plan.shard.pp.virtual)
+    block of another microbatch after it) that run interleaved (planc.program.pairs);
+    ``shape``: (stage, pp, microbatches, virtual), ``order``: the stage's program order."""
     pairs = pipeline.program_overlapped(*shape)
     if pairs:  # the schedule's own (DualPipeV's)
         return tuple(sorted(pairs))
     # Megatron-Core's combined 1F1B: every forward followed at once by another
     # microbatch's backward (1F1B's and interleaved's steady state)
-    order, out = pipeline.program_order(*shape), []
+    out = []
     for k, (action, after) in enumerate(zip(order, order[1:])):
         if action.kind is ActionKind.FORWARD and after.microbatch != action.microbatch and \
                 after.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and \

@@ -212,7 +212,15 @@ def dispatch_bytes(m: Model, mesh, tokens: float) -> float:
     it: it limits the nodes a token reaches, not the rows one rank's experts take."""
     if mesh.ep == 1 or m.first_dense >= m.layers:
         return 0.0
-    return _worst_rows(m, mesh, tokens) * _row_bytes(m)
+    local = tokens / mesh.tp
+    rows = mesh.ep * local * min(m.top_k, m.experts // mesh.ep)
+    per_sequence = expert_capacity(m)
+    if per_sequence is not None:
+        # each of the rank's experts takes at most C rows of a sequence, from whichever
+        # ranks hold its parts: a rank holds parts of tokens x cp / seq sequences
+        sequences = tokens * mesh.cp / m.seq
+        rows = min(rows, mesh.ep * sequences * (m.experts // mesh.ep) * per_sequence)
+    return rows * _row_bytes(m)
 
 
 def priced_dispatch_bytes(m: Model, mesh, tokens: float) -> float:
@@ -222,22 +230,9 @@ def priced_dispatch_bytes(m: Model, mesh, tokens: float) -> float:
     this: DeepSeek-V3 trained dropless on 80 GB H800s, which the worst case (every row
     of the ep group on one rank's experts, tens of GB at its sizes) would not allow;
     that worst case is reported beside it."""
-    if mesh.ep == 1 or m.first_dense >= m.layers:
-        return 0.0
     mean = tokens / mesh.tp * m.top_k
-    return min(_worst_rows(m, mesh, tokens), routing_imbalance(m) * mean) * _row_bytes(m)
-
-
-def _worst_rows(m: Model, mesh, tokens: float) -> float:
-    local = tokens / mesh.tp
-    rows = mesh.ep * local * min(m.top_k, m.experts // mesh.ep)
-    per_sequence = expert_capacity(m)
-    if per_sequence is not None:
-        # each of the rank's experts takes at most C rows of a sequence, from whichever
-        # ranks hold its parts: a rank holds parts of tokens x cp / seq sequences
-        sequences = tokens * mesh.cp / m.seq
-        rows = min(rows, mesh.ep * sequences * (m.experts // mesh.ep) * per_sequence)
-    return rows
+    return min(dispatch_bytes(m, mesh, tokens),
+               routing_imbalance(m) * mean * _row_bytes(m))
 
 
 def _row_bytes(m: Model) -> float:

@@ -101,15 +101,15 @@ def interleave(first: Sequence, second: Sequence, weights: Sequence = ()
     blocks = (first, second)
     exchanges = (_all_to_alls(first), _all_to_alls(second))
     sends_left = sum(1 for i in first if i.op is Opcode.SEND)
-    at, side, given_way = [0, 0], _leading(first, second), set()
+    at, side, given_way = [0, 0], _leading(exchanges), set()
     after_second, after_weights = _weight_dependencies(second, weights)
     placed = [False] * len(weights)
     out: list[tuple[int, int]] = []
 
+    waits = [sum(1 for i in blocks[k] if _waits_for_all_to_all(i, exchanges[k]))
+             for k in (0, 1)]
     # the weights' work is shared out over the waits of both blocks, as a filler's is
-    waits_total = sum(1 for side in (0, 1) for i in blocks[side]
-                      if _waits_for_all_to_all(i, exchanges[side]))
-    weight_share = sum(_flops(i) for i in weights) / max(1, waits_total)
+    weight_share = sum(_flops(i) for i in weights) / max(1, sum(waits))
     filled = [0.0, 0]  # flops placed, waits filled
 
     def fill(whole: bool = False) -> None:
@@ -131,8 +131,6 @@ def interleave(first: Sequence, second: Sequence, weights: Sequence = ()
     # A block with fewer all-to-alls than the other (a dense block, or fewer layers)
     # fills each of the other's waits with an equal share of its work (its compute's
     # flops), rather than all it can do at the first.
-    waits = [sum(1 for i in blocks[k] if _waits_for_all_to_all(i, exchanges[k]))
-             for k in (0, 1)]
     filler = 0 if waits[0] < waits[1] else 1 if waits[1] < waits[0] else None
     if filler is not None:
         share = sum(_flops(i) for i in blocks[filler]) / waits[1 - filler]
@@ -174,11 +172,9 @@ def _flops(instruction) -> float:
     return (operands.flops or 0.0) if operands is not None else 0.0
 
 
-def _leading(first: Sequence, second: Sequence) -> int:
+def _leading(exchanges: tuple[frozenset[str], frozenset[str]]) -> int:
     """The block that starts: the backward (``second``) where both hold all-to-alls, as
     DualPipe's pair starts with the backward's MLP (DeepSeek-AI 2024, Figure 4), whose
     combine's gradient is the first all-to-all either can issue (the forward's dispatch
     waits for its attention); else the block with all-to-alls, which the other fills."""
-    if not _all_to_alls(second):
-        return 0
-    return 1
+    return 1 if exchanges[1] else 0

@@ -108,4 +108,4 @@ def simulate(build: Build, keep_timeline: bool = False, gpu=None) -> Simulation:
                       plan.topology.device.flops, plan.topology.device.memory,
                       tuple(times) if keep_timeline else (),
                       None if worst is None else
-                      (worst.stage, worst.total_bytes + worst.worst_routing_extra_bytes))
+                      (worst.stage, worst.worst_routing_total_bytes))

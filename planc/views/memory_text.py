@@ -51,6 +51,6 @@ def worst_routing_text(estimate: MemoryEstimate) -> str | None:
         return None
     return (f"under the worst routing (a dropless mixture's every row of the ep group on "
             f"one rank's experts) stage {worst.stage} would need "
-            f"{format_bytes(worst.total_bytes + worst.worst_routing_extra_bytes)}; "
+            f"{format_bytes(worst.worst_routing_total_bytes)}; "
             f"the estimate prices the routing's imbalance, and model {{ capacity }} bounds "
             f"the worst case")
