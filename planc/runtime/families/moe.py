@@ -11,13 +11,14 @@ is added back to its token weighted by its routing probability.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from planc.graph.vocabulary import Op
 from planc.runtime.engine import fp8
 from planc.runtime.families import llama
 from planc.runtime.families import moe_dispatch
-from planc.runtime.families.moe_dispatch import expert_mlp, expert_output, stacked_experts
+from planc.runtime.families.moe_dispatch import (exchange_fp8_rows, exchange_rows,
+                                                 exchange_sizes, expert_mlp, expert_output,
+                                                 stacked_experts)
 from planc.runtime.families.moe_gate import (WithBalanceLoss, balance_loss, balanced,
                                              choose, routed_pairs, sorted_pairs, update_bias)
 
@@ -74,16 +75,11 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, sent, received, group):
         ctx.sent, ctx.received, ctx.group = sent, received, group
-        out = rows.new_empty((sum(received), rows.shape[1]))
-        dist.all_to_all_single(out, rows.contiguous(), received, sent, group=group)
-        return out
+        return exchange_rows(rows, sent, received, group)
 
     @staticmethod
     def backward(ctx, grad):
-        back = grad.new_empty((sum(ctx.sent), grad.shape[1]))
-        dist.all_to_all_single(back, grad.contiguous(), ctx.sent, ctx.received,
-                               group=ctx.group)
-        return back, None, None, None
+        return exchange_rows(grad, ctx.received, ctx.sent, ctx.group), None, None, None
 
 
 class _Fp8Dispatch(torch.autograd.Function):
@@ -96,29 +92,11 @@ class _Fp8Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, sent, received, group, tile):
         ctx.sent, ctx.received, ctx.group = sent, received, group
-        codes, scale = fp8.encoded_rows(rows, tile)
-        width, tiles = rows.shape[1], codes.shape[1]
-        codes_in = codes.view(torch.uint8).new_empty((sum(received), tiles, tile))
-        dist.all_to_all_single(codes_in, codes.view(torch.uint8).contiguous(), received,
-                               sent, group=group)
-        scale_in = scale.new_empty((sum(received), tiles, 1))
-        dist.all_to_all_single(scale_in, scale.contiguous(), received, sent, group=group)
-        return fp8.decoded_rows(codes_in.view(fp8.E4M3), scale_in, width).to(rows.dtype)
+        return exchange_fp8_rows(rows, sent, received, group, fp8.Recipe(tile))
 
     @staticmethod
     def backward(ctx, grad):
-        back = grad.new_empty((sum(ctx.sent), grad.shape[1]))
-        dist.all_to_all_single(back, grad.contiguous(), ctx.sent, ctx.received,
-                               group=ctx.group)
-        return back, None, None, None, None
-
-
-def _exchange(values: torch.Tensor, sent: list[int], received: list[int], group
-              ) -> torch.Tensor:
-    """Integers to the group's ranks as _AllToAll sends rows (no gradient)."""
-    out = values.new_empty(sum(received))
-    dist.all_to_all_single(out, values.contiguous(), received, sent, group=group)
-    return out
+        return exchange_rows(grad, ctx.received, ctx.sent, ctx.group), None, None, None, None
 
 
 def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequences: int,
@@ -138,15 +116,13 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     order, token_of = sorted_pairs(chosen, m.top_k)  # every pair, unless capacity drops
     expert_of = chosen[order]
     counts = torch.bincount(expert_of // per_rank, minlength=peers.size)
-    arriving = torch.empty_like(counts)
-    dist.all_to_all_single(arriving, counts, group=peers.group)
-    sent, received = counts.tolist(), arriving.tolist()
+    sent, received = counts.tolist(), exchange_sizes(counts, peers.group).tolist()
     if tally is not None:  # the rows this rank's experts run: the routing's balance
         tally(sum(received))
     recipe = fp8.recipe_of(m)
     rows = _AllToAll.apply(tokens[token_of], sent, received, peers.group) if recipe is None \
         else _Fp8Dispatch.apply(tokens[token_of], sent, received, peers.group, recipe.tile)
-    rows_expert = _exchange(expert_of, sent, received, peers.group)
+    rows_expert = exchange_rows(expert_of, sent, received, peers.group)
     stacked = stacked_experts(weights_of)  # this rank's experts only
     # zeros that depend on ``rows``: a rank whose experts got no row in this microbatch
     # still runs both all-to-alls' backward, which its peers wait for (with zeros_like,

@@ -124,18 +124,43 @@ def route(k, spec, x, p, step, mb, extra):
     return rows
 
 
-def _exchange(rows: torch.Tensor, sent, received, group) -> torch.Tensor:
-    out = rows.new_empty((sum(received), rows.shape[1]))
-    dist.all_to_all_single(out, rows.contiguous(), list(received), list(sent), group=group)
+def exchange_rows(values: torch.Tensor, sent, received, group) -> torch.Tensor:
+    """Rows to the ranks of ``group``, ``sent[j]`` of them to member j, ``received[j]``
+    from it (all_to_all_single with uneven splits)."""
+    out = values.new_empty((sum(received), *values.shape[1:]))
+    dist.all_to_all_single(out, values.contiguous(), list(received), list(sent), group=group)
     return out
+
+
+def exchange_sizes(counts: torch.Tensor, group) -> torch.Tensor:
+    """Equal shares of ``counts`` to the ranks of ``group`` (each rank's sizes for each
+    member), theirs back."""
+    arriving = torch.empty_like(counts)
+    dist.all_to_all_single(arriving, counts.contiguous(), group=group)
+    return arriving
+
+
+def exchange_fp8_rows(features: torch.Tensor, sent, received, group, recipe
+                      ) -> torch.Tensor:
+    """:func:`exchange_rows` of ``features``, as FP8 with ``recipe`` (DeepSeek-V3, section
+    3.3.4: E4M3 bytes and a scale per tile), decoded on arrival into their dtype."""
+    if recipe is None:
+        return exchange_rows(features, sent, received, group)
+    codes, scale = fp8.encoded_rows(features, recipe.tile)
+    tiles = codes.shape[1]
+    codes_in = exchange_rows(codes.view(torch.uint8).reshape(codes.shape[0], -1), sent,
+                             received, group)
+    scales_in = exchange_rows(scale.reshape(scale.shape[0], -1), sent, received, group)
+    return fp8.decoded_rows(codes_in.view(fp8.E4M3).reshape(-1, tiles, recipe.tile),
+                            scales_in.reshape(-1, tiles, 1), features.shape[1]
+                            ).to(features.dtype)
 
 
 def exchange_counts(routed: Routed, group, members: tuple[int, ...]) -> Routed:
     """The counts per expert over the group: each rank learns the rows each member will
     send to each of its experts (the rows themselves stay here until the dispatch)."""
     ep = len(members)
-    arriving = torch.empty_like(routed.counts)
-    dist.all_to_all_single(arriving, routed.counts, group=group)
+    arriving = exchange_sizes(routed.counts, group)
     per_rank = routed.counts.numel() // ep
     arriving = arriving.reshape(ep, per_rank)
     return replace(routed, counts=arriving,
@@ -149,18 +174,11 @@ def dispatch(routed: Routed, group, recipe=None) -> Routed:
     tile, the weights in the dtype)."""
     sent, received = routed.sent, routed.received
     if recipe is None:
-        return replace(routed, rows=_exchange(routed.rows, sent, received, group))
+        return replace(routed, rows=exchange_rows(routed.rows, sent, received, group))
     features, weights = routed.rows[:, :-1], routed.rows[:, -1:]
-    codes, scale = fp8.encoded_rows(features, recipe.tile)
-    flat = codes.view(torch.uint8).reshape(codes.shape[0], -1)
-    codes_in = _exchange(flat, sent, received, group)
-    scales_in = _exchange(scale.reshape(scale.shape[0], -1), sent, received, group)
-    tiles = codes.shape[1]
-    decoded = fp8.decoded_rows(codes_in.view(fp8.E4M3).reshape(-1, tiles, recipe.tile),
-                               scales_in.reshape(-1, tiles, 1), features.shape[1])
-    return replace(routed, rows=torch.cat([decoded.to(routed.rows.dtype),
-                                           _exchange(weights, sent, received, group)],
-                                          dim=1))
+    return replace(routed, rows=torch.cat([
+        exchange_fp8_rows(features, sent, received, group, recipe),
+        exchange_rows(weights, sent, received, group)], dim=1))
 
 
 def exchange(values: torch.Tensor, routing: Routed, outbound: bool, group
@@ -169,8 +187,8 @@ def exchange(values: torch.Tensor, routing: Routed, outbound: bool, group
     way, which the combine's gradients take too) or back (the combine, the dispatch's
     gradients)."""
     if outbound:
-        return _exchange(values, routing.sent, routing.received, group)
-    return _exchange(values, routing.received, routing.sent, group)
+        return exchange_rows(values, routing.sent, routing.received, group)
+    return exchange_rows(values, routing.received, routing.sent, group)
 
 
 def experts(k, spec, x, p, step, mb, extra):

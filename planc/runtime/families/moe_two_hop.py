@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from planc.runtime.engine import fp8
+from planc.runtime.families.moe_dispatch import (exchange_fp8_rows, exchange_rows,
+                                                 exchange_sizes)
 
 INDEX = torch.int64
 
@@ -44,32 +44,6 @@ class Hops:
     order2: torch.Tensor  # the received pairs in hop 2's order (by rank, expert)
     sent2: tuple[int, ...]
     received2: tuple[int, ...]
-
-
-def _all_to_all(values: torch.Tensor, sent, received, group) -> torch.Tensor:
-    out = values.new_empty((sum(received), *values.shape[1:]))
-    dist.all_to_all_single(out, values.contiguous(), list(received), list(sent), group=group)
-    return out
-
-
-def _sizes(counts: torch.Tensor, group) -> torch.Tensor:
-    arriving = torch.empty_like(counts)
-    dist.all_to_all_single(arriving, counts.contiguous(), group=group)
-    return arriving
-
-
-def _features_hop1(features: torch.Tensor, sent, received, group, recipe) -> torch.Tensor:
-    """Hop 1's rows, as FP8 with ``recipe`` (the report's dispatch in FP8)."""
-    if recipe is None:
-        return _all_to_all(features, sent, received, group)
-    codes, scale = fp8.encoded_rows(features, recipe.tile)
-    tiles = codes.shape[1]
-    codes_in = _all_to_all(codes.view(torch.uint8).reshape(codes.shape[0], -1), sent,
-                           received, group)
-    scales_in = _all_to_all(scale.reshape(scale.shape[0], -1), sent, received, group)
-    return fp8.decoded_rows(codes_in.view(fp8.E4M3).reshape(-1, tiles, recipe.tile),
-                            scales_in.reshape(-1, tiles, 1), features.shape[1]
-                            ).to(features.dtype)
 
 
 def dispatch(rows: torch.Tensor, experts: torch.Tensor, tokens: torch.Tensor,
@@ -106,20 +80,20 @@ def dispatch(rows: torch.Tensor, experts: torch.Tensor, tokens: torch.Tensor,
     for n in nodes:
         to_member[gateway[n]] = int((node1 == n).sum())
         pairs_to[gateway[n]] = int((node[order1] == n).sum())
-    sizes = _sizes(torch.stack([to_member, pairs_to], 1), group)
+    sizes = exchange_sizes(torch.stack([to_member, pairs_to], 1), group)
     sent1, pairs_sent1 = tuple(to_member.tolist()), tuple(pairs_to.tolist())
     received1, pairs_received1 = tuple(sizes[:, 0].tolist()), tuple(sizes[:, 1].tolist())
     features = rows[:, :-1][order1[rows1_first]]
-    received_rows = _features_hop1(features, sent1, received1, group, recipe)
+    received_rows = exchange_fp8_rows(features, sent1, received1, group, recipe)
     # each pair: its row within its node's hop-1 rows, its expert, its weight
     start1 = torch.cumsum(to_member, 0) - to_member
     gateway_of_node = torch.zeros(max(nodes) + 1, dtype=INDEX, device=device)
     for n, j in gateway.items():
         gateway_of_node[n] = j
     local_row = row_in_order - start1[gateway_of_node[node[order1]]]
-    meta = _all_to_all(torch.stack([local_row, experts[order1]], 1), pairs_sent1,
+    meta = exchange_rows(torch.stack([local_row, experts[order1]], 1), pairs_sent1,
                        pairs_received1, group)
-    weights = _all_to_all(rows[:, -1:][order1], pairs_sent1, pairs_received1, group)
+    weights = exchange_rows(rows[:, -1:][order1], pairs_sent1, pairs_received1, group)
     # as a gateway: each pair's row among those received, then hop 2 over the node
     source = torch.repeat_interleave(torch.arange(ep, device=device),
                                      torch.tensor(pairs_received1, device=device))
@@ -131,10 +105,10 @@ def dispatch(rows: torch.Tensor, experts: torch.Tensor, tokens: torch.Tensor,
     member2 = expert2[order2] // per_rank
     sent2 = tuple(torch.bincount(member2, minlength=ep).tolist())
     per_expert = torch.bincount(expert2, minlength=ep * per_rank).reshape(ep, per_rank)
-    arriving = _sizes(per_expert, group)
+    arriving = exchange_sizes(per_expert, group)
     received2 = tuple(arriving.sum(1).tolist())
     rows2 = torch.cat([received_rows[gateway_rows[order2]], weights[order2]], 1)
-    out = _all_to_all(rows2, sent2, received2, group)
+    out = exchange_rows(rows2, sent2, received2, group)
     return out, arriving, Hops(order1, row_of_pair, first, tokens1, sent1, received1,
                                pairs_sent1, pairs_received1, gateway_rows, order2, sent2,
                                received2)
@@ -143,20 +117,20 @@ def dispatch(rows: torch.Tensor, experts: torch.Tensor, tokens: torch.Tensor,
 def combine(outputs: torch.Tensor, hops: Hops, group) -> torch.Tensor:
     """The forward combine: the experts' outputs back over the node, added per hop-1 row
     at the gateway, and back over the network: one row per hop-1 row, in hop 1's order."""
-    back = _all_to_all(outputs, hops.received2, hops.sent2, group)
+    back = exchange_rows(outputs, hops.received2, hops.sent2, group)
     pairs = torch.empty_like(back)
     pairs[hops.order2] = back
     summed = back.new_zeros((sum(hops.received1), back.shape[1])).index_add(
         0, hops.gateway_rows, pairs)
-    return _all_to_all(summed, hops.received1, hops.sent1, group)
+    return exchange_rows(summed, hops.received1, hops.sent1, group)
 
 
 def combine_backward(grads: torch.Tensor, hops: Hops, group) -> torch.Tensor:
     """The gradients of the combine's hop-1 rows to the experts' outputs: copied to every
     pair of a row at its gateway (where the forward added them)."""
-    at_gateway = _all_to_all(grads, hops.sent1, hops.received1, group)
+    at_gateway = exchange_rows(grads, hops.sent1, hops.received1, group)
     pairs = at_gateway[hops.gateway_rows][hops.order2]
-    return _all_to_all(pairs, hops.sent2, hops.received2, group)
+    return exchange_rows(pairs, hops.sent2, hops.received2, group)
 
 
 def dispatch_backward(grads: torch.Tensor, hops: Hops, pairs: int, group
@@ -165,14 +139,14 @@ def dispatch_backward(grads: torch.Tensor, hops: Hops, pairs: int, group
     node, the features added per hop-1 row at the gateway (where the forward copied
     them), back over the network; each row's gradient to its first pair, each weight's
     gradient to its pair."""
-    back = _all_to_all(grads, hops.received2, hops.sent2, group)
+    back = exchange_rows(grads, hops.received2, hops.sent2, group)
     in_order = torch.empty_like(back)
     in_order[hops.order2] = back
     features = in_order[:, :-1]
     summed = features.new_zeros((sum(hops.received1), features.shape[1])).index_add(
         0, hops.gateway_rows, features)
-    rows1 = _all_to_all(summed, hops.received1, hops.sent1, group)
-    weights = _all_to_all(in_order[:, -1:], hops.pairs_received1, hops.pairs_sent1, group)
+    rows1 = exchange_rows(summed, hops.received1, hops.sent1, group)
+    weights = exchange_rows(in_order[:, -1:], hops.pairs_received1, hops.pairs_sent1, group)
     out = grads.new_zeros((pairs, grads.shape[1]))
     out[:, :-1] = rows1[hops.row_of_pair] * hops.first.unsqueeze(-1).to(grads.dtype)
     out[hops.order1, -1:] = weights
