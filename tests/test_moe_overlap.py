@@ -338,10 +338,13 @@ def test_a_pairs_weight_gradients_run_among_its_input_gradients_once_what_they_n
     """In the merged order: every instruction once, each block's own order kept but the
     weights'; a weight-gradient instruction after every input-gradient instruction it
     shares a buffer with, and after the compute stream has learnt that a transfer
-    reading what it frees is done. Where a chunk holds two mixtures (DeepSeek-V3's H800
-    plan), the first layer's weight gradients run before the input gradient's end; in
-    the small plan's one-layer chunks they can only follow it (the last dispatch's
-    gradient reads what they free)."""
+    reading what it frees is done. A weight gradient frees only what its input gradient
+    saved for it (``B/...:saved``), not the input gradient a dispatch's gradient still
+    sends, so where the backward holds a mixture its weight gradients run before the
+    input gradient's end: in every pair of DeepSeek-V3's H800 plan, and in the small
+    plan's first pair (the backward of chunk 3, a mixture); in its next two the backward
+    is chunk 0's dense layer, which fills the forward's waits to its end, and its
+    weight gradients follow it."""
     from planc.lang import load_file
     from planc.program.instruction_set import done_event
     from planc.program.pairs import _conflict, interleave
@@ -370,7 +373,7 @@ def test_a_pairs_weight_gradients_run_among_its_input_gradients_once_what_they_n
         last = where[(1, len(backward) - 1)]
         interleaved.append(any(where[(2, j)] < last for j, x in enumerate(weights)
                                if x.op is Opcode.COMPUTE))
-    assert interleaved == [source == "h800"] * 3
+    assert interleaved == ([True] * 3 if source == "h800" else [True, False, False])
 
 
 def test_a_program_whose_pairs_take_other_weights_gets_the_verifiers_message():
@@ -401,8 +404,8 @@ def test_a_dense_chunk_paired_with_a_mixture_fills_each_of_its_waits():
     blocks = (_variant(program, "F30", 40), _variant(program, "I1", 24),
               _variant(program, "W1", 24))
     whole = replay([blocks[s][k] for s, k in interleave(*blocks)], duration)
-    assert whole.exposed["ep"] < 1e-3
-    assert abs(whole.compute_end - whole.compute_busy - whole.exposed["ep"]) < 1e-9
+    assert whole.exposed.get("ep", 0.0) < 1e-3
+    assert abs(whole.compute_end - whole.compute_busy - whole.exposed.get("ep", 0.0)) < 1e-9
 
 
 # --- two hops ---------------------------------------------------------------------------
@@ -455,10 +458,11 @@ def test_deepseek_v3s_run_simulates_within_15_percent_of_its_published_step():
     result = simulate(compile_plan(plan))
     step = result.step_seconds
     assert abs(step / published - 1) < 0.15, step
-    # the issue's bar on the worst stage's exposed ep is 15 %; planc's DualPipeV pairs
-    # reach 21 % (stage 15, whose chunks hold 2 and 1 layers), 17.5 to 19.9 % elsewhere
-    exposed = max(s.exposed_seconds.get("ep", 0.0) for s in result.stages) / step
-    assert exposed < 0.22, exposed
+    # the issue's bar on the worst stage's exposed ep is 15 %: planc's DualPipeV pairs
+    # reach it on stages 0 to 14 (11.7 to 14.6 %), not on stage 15 (17.4 %), whose
+    # chunks hold 2 and 1 layers
+    exposed = [s.exposed_seconds.get("ep", 0.0) / step for s in result.stages]
+    assert max(exposed[:-1]) < 0.15 and exposed[-1] < 0.18, exposed
 
 
 def test_deepseek_v3s_run_fits_the_h800s_80_gb():

@@ -39,6 +39,7 @@ from planc.program.program import (
     Program,
     RankTable,
     done_event,
+    saved_for_weights,
     finished_before,
     vector_clocks,
 )
@@ -318,10 +319,12 @@ def _instructions(lowering: _StageLowering, nodes: list[str],
             out.append(Instruction(Opcode.WAIT, where.stream, event=done_event(source),
                                    per_microbatch=how == "mb", guard=guard))
         op = Opcode.COMPUTE if data["type"] == NodeType.COMPUTE else Opcode(data["kind"].value)
-        reads = tuple(source for source, carries in lowering.sources(node) if carries)
+        reads = tuple(saved_for_weights(source) if graph.nodes[source].get("weight_grad") ==
+                      node else source for source, carries in lowering.sources(node) if carries)
         state_reads, state_writes = lowering.state_buffers(node)
+        saved = (saved_for_weights(node),) if "weight_grad" in data else ()
         out.append(Instruction(op, where.stream, node, reads=reads + state_reads,
-                               writes=(node,) + state_writes,
+                               writes=(node,) + saved + state_writes,
                                per_microbatch=data["per_microbatch"], guard=guard,
                                operands=lowering.binding.operands(node, op)))
         if (node, "mb") in recorded:

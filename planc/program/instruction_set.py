@@ -59,6 +59,13 @@ def done_event(node: str) -> str:
     return _DONE + node
 
 
+def saved_for_weights(node: str) -> str:
+    """The buffer a split backward's input half leaves its weight-gradient step (what it
+    saved, and its output's gradient: Qi et al. 2024), apart from the input gradient it
+    writes, so that the W step frees it without waiting for a transfer of that gradient."""
+    return node + ":saved"
+
+
 def node_of_done(event: str) -> str | None:
     """The node whose completion ``event`` marks (None: another kind of event)."""
     return event[len(_DONE):] if event.startswith(_DONE) else None

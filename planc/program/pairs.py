@@ -13,7 +13,8 @@ comes back to it, it is taken. So a mixture's dispatch or combine of one microba
 travels while the other microbatch computes, as DualPipe's pairs hide them. A block with
 fewer all-to-alls (a dense chunk, a chunk of fewer layers) gives each of the other's
 waits an equal share of its compute (by its instructions' flops), rather than all of it
-at the first.
+at the first, and gives way only at a compute step: an all-to-all it can issue goes out
+first, to travel beside the other's compute.
 
 A pair may also take the weight-gradient block that follows it (zero-bubble's W of the
 backward's microbatch, which DualPipe computes inside the pair): its instructions run
@@ -146,9 +147,9 @@ def interleave(first: Sequence, second: Sequence, weights: Sequence = ()
             side = 0  # the first block's sends go first
             continue
         if side == filler and at[other] < len(blocks[other]) and \
-                done_flops >= share * gave[other] and not (
+                done_flops >= share * gave[other] and _computes(instruction) and not (
                     other == 1 and blocks[1][at[1]].op is Opcode.SEND and sends_left):
-            side = other  # its share of this wait is done
+            side = other  # its share of this wait is done (what it can issue, issued)
             continue
         if _waits_for_all_to_all(instruction, exchanges[side]):
             if (side, at[side]) not in given_way and at[other] < len(blocks[other]):
@@ -165,6 +166,12 @@ def interleave(first: Sequence, second: Sequence, weights: Sequence = ()
         at[side] += 1
     fill(whole=True)
     return out
+
+
+def _computes(instruction) -> bool:
+    """A compute step on the compute stream: where a filler may give way, once the
+    transfers it can start (a record, the ep stream's wait and all-to-all) are issued."""
+    return instruction.op is Opcode.COMPUTE and instruction.stream == Stream.COMPUTE
 
 
 def _flops(instruction) -> float:

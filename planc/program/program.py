@@ -54,6 +54,7 @@ from planc.program.instruction_set import (  # noqa: F401 (the API of programs)
     Opcode,
     done_event,
     node_of_done,
+    saved_for_weights,
 )
 from planc.program.names import STREAM_ORDER
 from planc.program.operands import Operands
