@@ -17,6 +17,7 @@ from planc.graph.derive import derive
 from planc.graph.summary import summarize
 from planc.lower.tables import plan_group_table, route_table, split_refs
 from planc.lower.lower import lower
+from planc.lower.paired import ordered_by_cost
 from planc.lower.bind import Binding
 from planc.lower.tabulate_model import model_table
 from planc.verify.verifier import verify, verify_evaluation
@@ -37,6 +38,7 @@ def compile_plan(plan: Plan, check: Callable[[nx.DiGraph, str], None] | None = N
     binding = Binding(graph)  # each instruction's operands, derived once for both
     programs, table = lower(plan, graph, binding)
     groups = plan_group_table(plan, split_refs(graph))
+    programs = ordered_by_cost(plan, programs, groups)  # needs the groups' placement
     routes = route_table(graph, groups)
     report = verify(plan, graph, programs, table, groups, routes, binding)
     if report.ok and any(p.evaluation for p in programs.values()):

@@ -322,7 +322,7 @@ def test_the_dispatch_sends_fp8_bytes_and_the_gradients_back_in_the_dtype(tmp_pa
 
 def test_the_simulator_prices_a_forwards_dispatch_in_fp8_and_the_rest_in_the_dtype():
     from planc.compile import compile_plan
-    from planc.simulate.costs import InstructionCosts
+    from planc.estimate.instruction_cost import InstructionCosts
 
     text = """plan m {
       model moe { layers = 2; hidden = 4096; heads = 32; kv_heads = 8; vocab = 32000;

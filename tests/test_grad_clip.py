@@ -395,7 +395,7 @@ def test_explain_lists_the_norm_all_reduce_with_its_group_and_why(tmp_path, caps
 
 def test_the_simulator_charges_the_norm_and_joins_the_stages_at_it():
     from planc.simulate import simulate
-    from planc.simulate.costs import InstructionCosts
+    from planc.estimate.instruction_cost import InstructionCosts
 
     build = built(gpt("clip-tp2-sp-pp2-tied"))
     costs = InstructionCosts(build.plan, build.groups)

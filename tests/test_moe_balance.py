@@ -179,7 +179,7 @@ def test_without_a_split_sequence_explain_names_no_count_all_reduce(tmp_path, ca
 
 def test_the_simulator_charges_the_count_all_reduce_to_the_forward_only():
     from planc.graph.ir import Kind
-    from planc.simulate.costs import InstructionCosts
+    from planc.estimate.instruction_cost import InstructionCosts
 
     build = built("cp = 2", "cp { attention = allgather }")
     costs = InstructionCosts(build.plan, build.groups)

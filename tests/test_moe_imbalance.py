@@ -14,7 +14,7 @@ from planc.estimate.mixture import Mixture
 from planc.lang import load_text
 from planc.models import moe
 from planc.simulate import simulate
-from planc.simulate.costs import InstructionCosts
+from planc.estimate.instruction_cost import InstructionCosts
 
 PLAN = """plan p {{
   model moe {{ layers = 2; hidden = 32; heads = 4; kv_heads = 2; vocab = 128; seq = 16;

@@ -354,7 +354,7 @@ def test_a_calibrated_topology_supplies_each_operators_fixed_cost(tmp_path):
     """device.overheads (planc calibrate, on the runtime's own instructions): an operator
     it names costs its figure, forward or gradient step; any other the device's."""
     from planc.lang import load_file
-    from planc.simulate.costs import InstructionCosts
+    from planc.estimate.instruction_cost import InstructionCosts
     from planc.estimate.roofline import roofline_seconds, traffic
     from planc.program.operands import GRADIENT_STEPS
 

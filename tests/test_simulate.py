@@ -18,8 +18,8 @@ from planc.lang import load_file, load_text
 from planc.program.operands import Operands
 from planc.program.program import Instruction, Program
 from planc.simulate import model_flops, simulate
-from planc.simulate.blocks import replay
-from planc.simulate.costs import InstructionCosts, ring_seconds
+from planc.estimate.block_replay import replay
+from planc.estimate.instruction_cost import InstructionCosts, ring_seconds
 from planc.estimate.kernel_cost import GPUS, KernelModel, wave_efficiency
 from planc.simulate.pipeline import step
 from bench.published_runs import (KORTHIKANTI_TABLE_5, MEGATRON_H100, NARAYANAN_TABLE_1,

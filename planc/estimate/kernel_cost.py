@@ -6,7 +6,7 @@ that a pass can price a GEMM the way the simulator does (``linear_seconds``: tp_
 choice of a chunk count, where smaller pieces run less efficiently). The simulator uses
 this model for a topology whose preset names a GPU below; any other device (a CPU
 measured by ``planc calibrate``, a hand-written one) keeps the roofline of one
-efficiency (:mod:`planc.simulate.costs`).
+efficiency (:mod:`planc.estimate.instruction_cost`).
 
 **Matrix multiplies.** A GEMM of an ``M x K`` by a ``K x N`` matrix is computed tile by
 tile, one output tile per thread block, in waves of as many blocks as the GPU has SMs
@@ -45,7 +45,7 @@ grouped GEMMs, whose inner dimension is an expert's rows); the shared experts as
 dense SwiGLU on the tokens; and the memory traffic of what lies between them: the
 router's fp32 probabilities, the permutation of the tokens into the dispatch buffer
 and back (with the weighted sum), the SwiGLU activation on every row; a launch per
-kernel. The all-to-alls are the simulator's (:mod:`planc.simulate.costs`).
+kernel. The all-to-alls are the simulator's (:mod:`planc.estimate.instruction_cost`).
 
 **Every other operator** (norms, activations, residual adds, the loss, the optimizer) is
 bound by its memory traffic, as in the roofline, plus its launch; a backward moves three

@@ -1,7 +1,7 @@
 """What pricing a plan's mixture of experts needs, read once from the plan: its widths,
 its experts over ep, its FLOPs per token, its routing's imbalance and, for a two-hop
 dispatch, how many nodes a token's experts lie on (planc.estimate.kernel_cost and
-planc.simulate.costs price with it)."""
+planc.estimate.instruction_cost price with it)."""
 
 from __future__ import annotations
 

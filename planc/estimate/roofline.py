@@ -5,8 +5,8 @@ roofline of Williams, Waterman and Patterson, CACM 2009). Matrix multiplies are 
 the first, layer norms, activations and residual adds by the second.
 
 The simulator adds the device's fixed cost per instruction to this
-(planc.simulate.costs); ``planc calibrate`` measures that fixed cost as what the runtime's
-own instructions take beyond this (planc.runtime.instruction_overheads).
+(planc.estimate.instruction_cost); ``planc calibrate`` measures that fixed cost as what
+the runtime's own instructions take beyond this (planc.runtime.instruction_overheads).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ dependencies are the previous node on its stream and the node whose end an event
 for every wait before it, so the graph keeps the program's stream semantics. Everything
 is the programs': sizes and groups from each instruction's operands, peers from the rank
 table (a pipeline peer) and the group table's mesh (a ring shift's neighbours), durations
-the simulator's cost of the instruction (:mod:`planc.simulate.costs`).
+the simulator's cost of the instruction (:mod:`planc.estimate.instruction_cost`).
 
 protobuf is written by hand (varints and length-delimited fields, proto3 encoding): the
 format is a few dozen lines, and planc does not depend on the protobuf package.
@@ -27,7 +27,7 @@ from planc.program.operands import Operands
 from planc.program.expansion import expand
 from planc.program.program import TRANSFER_OPS, Opcode
 from planc.host.outputs import CHAKRA
-from planc.simulate.costs import InstructionCosts
+from planc.estimate.instruction_cost import InstructionCosts
 
 CHAKRA_VERSION = "0.0.4"
 # et_def.proto's enums.

@@ -3,10 +3,21 @@ decided once, when the programs are lowered, from the plan and the stage's block
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from planc.estimate.block_replay import replay
+from planc.estimate.instruction_cost import InstructionCosts
 from planc.graph.ir import Payload
 from planc.plan.plan import Plan
-from planc.program.program import Opcode
+from planc.program.groups import GroupTable
+from planc.program.pair_orders import pair_key, scheduled
+from planc.program.pairs import interleave
+from planc.program.program import Opcode, Program
 from planc.schedules import ActionKind
+
+# The list schedule replaces the default merge where it saves more than this share of
+# the pair's time: below it, the two are the same within the cost model's own error.
+CHEAPER_BY = 0.01
 
 
 def overlapped_blocks(plan: Plan, pipeline, stage: int, blocks: dict
@@ -59,3 +70,36 @@ def paired_blocks(pipeline, shape: tuple[int, int, int, int], order) -> tuple[in
                 (not out or out[-1] != k - 1):
             out.append(k)
     return tuple(out)
+
+
+def ordered_by_cost(plan: Plan, programs: dict[str, Program], groups: GroupTable
+                    ) -> dict[str, Program]:
+    """Each program with pairs, with ``pair_orders``: for each pair of blocks whose
+    list schedule (planc.program.pair_orders.scheduled) the cost model prices more than
+    :data:`CHEAPER_BY` faster than the default merge (planc.program.pairs.interleave),
+    that order; the runtime, the simulator and the verifier run it."""
+    if not any(program.paired for program in programs.values()):
+        return programs
+    costs = InstructionCosts(plan, groups)
+    out = dict(programs)
+    for name, program in programs.items():
+        if not program.paired:
+            continue
+        duration, orders, tried = costs.of_stage(program.stage), {}, set()
+        for k in program.paired:
+            entries = program.schedule[k:k + program.together(k)]
+            key = pair_key(entries)
+            if key in tried:
+                continue
+            tried.add(key)
+            blocks = [program.blocks[block] for block, _ in entries]
+            default = interleave(*blocks)
+            listed = scheduled(blocks[0], blocks[1], blocks[2] if len(blocks) > 2 else (),
+                               duration)
+            seconds = [replay([blocks[side][at] for side, at in order], duration).compute_end
+                       for order in (default, listed)]
+            if seconds[1] < seconds[0] * (1 - CHEAPER_BY):
+                orders[key] = tuple(listed)
+        if orders:
+            out[name] = replace(program, pair_orders=orders)
+    return out

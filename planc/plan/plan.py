@@ -311,7 +311,7 @@ class Optimize:
     # the activation is not already split over tp (sequence parallelism).
     pp_scatter_gather: bool = True
     # How the weight gradients of the microbatches of a step add up, for the simulator's
-    # price (planc.simulate.costs.accumulation_seconds; the runtime always adds them
+    # price (planc.estimate.instruction_cost.accumulation_seconds; the runtime always adds them
     # separately): GRAD_ACCUMULATIONS.
     grad_accumulation: str = field(default="fused", metadata={"omitted_when_default": True})
     # How the elementwise operators' kernels run, for the simulator's price

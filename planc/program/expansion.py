@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, NamedTuple
 
-from planc.program.pairs import interleave
+from planc.program.pair_orders import merged
 from planc.program.program import (
     EVENT_NAMING_OPS,
     STATE,
@@ -156,11 +156,10 @@ def expand(program: Program, only: int | None = None, operands: bool = True,
 def _merged(program: Program, *together: tuple[str, int]
             ) -> list[tuple[int, tuple[Instruction, int]]]:
     """An overlapped pair's instructions (and its weight gradients', when it takes them)
-    in their interleaved order (planc.program.pairs): (which block, (the instruction,
+    in the order they run (planc.program.pair_orders): (which block, (the instruction,
     its microbatch))."""
-    blocks = [program.running(*entry) for entry in together]
-    return [(side, (blocks[side][at], together[side][1]))
-            for side, at in interleave(*blocks)]
+    return [(side, (instruction, together[side][1]))
+            for side, instruction in merged(program, together)]
 
 
 def expanded_length(program: Program) -> int:

@@ -158,6 +158,15 @@ def _pairs(items, what: str) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
+def _order(items) -> tuple[tuple[int, int], ...]:
+    """A pair's order from its JSON: [which block, position in it] for each instruction."""
+    if not isinstance(items, list) or any(not isinstance(e, list) or len(e) != 2
+                                          for e in items):
+        raise ValueError("a pair's order must list [block, position] pairs")
+    return tuple((integer_of(side, "a pair's block"), integer_of(at, "a position"))
+                 for side, at in items)
+
+
 def _receives(data: dict) -> dict[str, tuple[tuple[str, int], ...]]:
     """Receive stream -> its (recv node, microbatch) pairs, from their JSON."""
     return {_string(stream): _pairs(items, "a microbatch of its receives")
@@ -221,6 +230,10 @@ class Program:
     # of those, the positions whose pair also runs block k + 2 inside it: the
     # weight-gradient block of block k + 1's microbatch (DualPipe's W within its pair)
     paired_weights: tuple[int, ...] = ()
+    # pair's block names -> the order its instructions run in, (0, 1 or 2: which block,
+    # position in it), where the compiler's cost model chose one over the default merge
+    # (planc.program.pair_orders)
+    pair_orders: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
 
     def together(self, k: int) -> int:
         """How many blocks of the schedule run together from position ``k``: 1 alone, 2
@@ -262,6 +275,8 @@ class Program:
                 **({"paired": list(self.paired)} if self.paired else {}),
                 **({"paired_weights": list(self.paired_weights)}
                    if self.paired_weights else {}),
+                **({"pair_orders": {key: [list(entry) for entry in order] for key, order
+                                    in self.pair_orders.items()}} if self.pair_orders else {}),
                 "receives": {stream: [list(r) for r in items]
                              for stream, items in self.receives.items()},
                 "epilogue": [i.to_json() for i in self.epilogue],
@@ -301,6 +316,8 @@ class Program:
             paired=tuple(integer_of(k, "a paired position") for k in data.get("paired", ())),
             paired_weights=tuple(integer_of(k, "a paired position") for k in
                                  data.get("paired_weights", ())),
+            pair_orders={_string(key): _order(order)
+                         for key, order in dict(data.get("pair_orders", {})).items()},
             **_evaluation_of(data.get("evaluation")))
         if any(s not in STREAM_ORDER for s in program.streams):
             raise ValueError(f"streams {list(program.streams)}: one is not a stream planc "
@@ -331,6 +348,14 @@ class Program:
                 any(k + 2 >= len(program.schedule) or k + 2 in paired for k in weights):
             raise ValueError("paired_weights names positions that are not pairs followed by "
                              "a block of their own")
+        for key, order in program.pair_orders.items():
+            names = key.split(" ")
+            if len(names) not in (2, 3) or any(name not in program.blocks for name in names) \
+                    or any(not 0 <= side < len(names) or
+                           not 0 <= at < len(program.blocks[names[side]])
+                           for side, at in order):
+                raise ValueError(f"pair_orders: {key!r} names no blocks of the program, or "
+                                 f"its order names instructions they do not have")
         if any(not 0 <= mb < microbatches for _, mb in program.schedule + program.evaluation):
             raise ValueError("the schedule names a microbatch outside the step")
         if any(block not in program.blocks or not block.startswith("F")

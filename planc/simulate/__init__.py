@@ -2,7 +2,7 @@
 
 The rank programs are replayed (:mod:`planc.simulate.pipeline`): the instructions a rank
 runs, in the order it runs them, each timed from its operands by the model the compiler
-optimises with (:mod:`planc.simulate.costs`): a compute step by the roofline of its FLOPs
+optimises with (:mod:`planc.estimate.instruction_cost`): a compute step by the roofline of its FLOPs
 and memory traffic, a transfer by the route the compiler chose for it, on its group as
 programs/groups.json places it. Besides the programs, their rank table and group table,
 the simulator reads only the plan: the topology the cost model prices, the model whose
@@ -24,7 +24,7 @@ from planc.estimate import memory
 from planc.build.directory import Build
 from planc.models import step_model_flops
 from planc.plan.plan import Plan
-from planc.simulate.costs import InstructionCosts
+from planc.estimate.instruction_cost import InstructionCosts
 from planc.simulate.pipeline import StageTime, step
 
 

@@ -6,7 +6,7 @@ forward of model chunk ``g`` needs what chunk ``g - 1`` sent for the same microb
 the backward of chunk ``g`` what chunk ``g + 1`` sent back, the send finishing
 :attr:`BlockTime.sends` after the sending block began (the pipeline transfer's own time
 included). Every block instance of one (block, guard) is the same replay, done once
-(:mod:`planc.simulate.blocks`), so a step of the 1-trillion-parameter plan (64 stages,
+(:mod:`planc.estimate.block_replay`), so a step of the 1-trillion-parameter plan (64 stages,
 1,024 blocks each) costs 65,536 schedule steps, not millions of instructions. Work a block
 leaves on communication streams (a bucket's reduction) runs on past the block's end and
 delays only the epilogue that waits for it.
@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from planc.program.pairs import interleave
+from planc.program.pair_orders import merged
 from planc.program.program import Instruction, Opcode, Program, guard_microbatch
 from planc.program.names import Stream
 from planc.schedules import Block
-from planc.simulate.blocks import BlockTime, replay
+from planc.estimate.block_replay import BlockTime, replay
 
 # The axis whose transfers a program stream carries (planc.passes.overlap's streams).
 STREAM_AXIS = {Stream.DP: "dp_cp", Stream.COMM: "tp", Stream.EP: "ep", Stream.SEND_NEXT: "pp",
@@ -63,16 +63,16 @@ def _variant(program: Program, block: str, microbatch: int) -> tuple[Instruction
                  if guard_microbatch(i.guard, program.microbatches) in (None, microbatch))
 
 
-def _pair_time(blocks: tuple[tuple[Instruction, ...], ...], duration, keep_spans: bool
+def _pair_time(program: Program, entries, duration, keep_spans: bool
                ) -> tuple[BlockTime, tuple[BlockTime, ...]]:
-    """An overlapped pair (with its weight gradients, when it takes them) replayed in its
-    interleaved order (planc.program.pairs): the whole, and each block's part of it (its
-    spans, its compute's end, its sends' end)."""
-    whole = replay([blocks[side][at] for side, at in interleave(*blocks)], duration,
-                   keep_spans=True)
+    """An overlapped pair (with its weight gradients, when it takes them) replayed in the
+    order it runs (planc.program.pair_orders): the whole, and each block's part of it
+    (its spans, its compute's end, its sends' end)."""
+    order = merged(program, entries)
+    whole = replay([instruction for _, instruction in order], duration, keep_spans=True)
     parts = []
-    for block in blocks:
-        nodes = {i.node for i in block if i.node is not None}
+    for side in range(len(entries)):
+        nodes = {i.node for s, i in order if s == side and i.node is not None}
         mine = [span for span in whole.spans if span.node in nodes]
         sends = [span.end for span in mine if span.op is Opcode.SEND]
         parts.append(BlockTime(
@@ -94,7 +94,7 @@ def step(programs: dict[int, Program], durations, keep_spans: bool = False
          ) -> list[StageTime]:
     """Replay one step; ``programs`` by stage; ``durations(stage)``: the function giving
     the seconds of a compute or transfer instruction of that stage's program
-    (:meth:`planc.simulate.costs.InstructionCosts.of_stage`)."""
+    (:meth:`planc.estimate.instruction_cost.InstructionCosts.of_stage`)."""
     replays: dict[tuple[int, tuple], BlockTime] = {}
     times = {s: StageTime(s) for s in programs}
     typed = {stage: {name: Block.parse(name) for name in p.blocks}
@@ -118,9 +118,7 @@ def step(programs: dict[int, Program], durations, keep_spans: bool = False
         program = programs[stage]
         key = (stage, *(_key(program, block, mb) for block, mb in entries))
         if key not in pair_replays:
-            pair_replays[key] = _pair_time(
-                tuple(_variant(program, block, mb) for block, mb in entries),
-                timings[stage], keep_spans)
+            pair_replays[key] = _pair_time(program, entries, timings[stage], keep_spans)
         return pair_replays[key]
 
     ready: dict[int, float] = {}

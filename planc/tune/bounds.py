@@ -14,7 +14,7 @@ compute instruction reaches in the simulator (planc.estimate.kernel_cost.KernelM
 fastest_fraction of the device's peak: a large GEMM's, or the roofline's efficiency), no
 communication, and each operator's FLOPs divided by tp (those run whole on every tp rank
 are counted as split too). Every term only undercounts what the simulator charges
-(planc.simulate.costs: each kernel at its own rate, communication, the pipeline's
+(planc.estimate.instruction_cost: each kernel at its own rate, communication, the pipeline's
 waits), so a candidate whose bound is above a step time already simulated cannot beat
 it: pruning by the bound never drops a better plan.
 """

@@ -25,7 +25,8 @@ to the ep group, rule 2 to one stream, and
    each between the compute pieces it joins (:meth:`ExpertChecks._cut_order`);
 5. the blocks a program interleaves (planc.program.pairs) are the pairs the plan's
    schedule makes, a forward and another microbatch's backward
-   (:meth:`ExpertChecks._pairs`).
+   (:meth:`ExpertChecks._pairs`; the orders a program writes for its pairs are checked
+   before anything reads them: planc.verify.verifier's ``pair_orders``).
 """
 
 from __future__ import annotations
@@ -146,3 +147,4 @@ class ExpertChecks:
                             f"{list(program.paired_weights)} take the weight gradients "
                             f"after them; the plan's schedule has them after "
                             f"{list(weights)}")
+

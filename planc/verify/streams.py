@@ -4,7 +4,7 @@ blocks along the stage's schedule (docs/programs.md, the verifier, rules 3 to 9)
 
 from __future__ import annotations
 
-from planc.program.pairs import interleave
+from planc.program.pair_orders import merged
 from planc.program.program import (
     EVENT_OPS,
     STATE,
@@ -142,9 +142,8 @@ class StreamChecks:
             if key in seen:
                 continue
             seen.add(key)
-            blocks = [program.running(b, mb) for b, mb in entries]
-            merged = [blocks[side][at] for side, at in interleave(*blocks) if side]
-            self._check_sequence(merged, Lazy(lambda e=entries: (
+            both = [instruction for side, instruction in merged(program, entries) if side]
+            self._check_sequence(both, Lazy(lambda e=entries: (
                 f"{ranks} ({name}, blocks {e[1][0]} and {e[2][0]} interleaved, microbatch "
                 f"{e[1][1]})")), external=True)
 

@@ -41,6 +41,7 @@ import networkx as nx
 from planc.graph.ir import Axis, bucket_problems
 from planc.plan.layout import Layout as RankLayout
 from planc.lower.bind import Binding
+from planc.program.pair_orders import order_problem, pair_key
 from planc.program.groups import SEQUENCE, GroupTable
 from planc.program.program import COLLECTIVES, Program, RankTable
 from planc.program.routes import RouteTable
@@ -119,6 +120,26 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
         if name not in self._texts:
             self._texts[name] = ranks_text(list(self.table.ranks(name)))
         return self._texts[name]
+
+    # --- pairs -------------------------------------------------------------------------
+
+    def pair_orders(self, name: str, program: Program) -> bool:
+        """Each order the program writes for an overlapped pair (planc.program.pair_orders)
+        is one of the pair's: every instruction once, each block's own order, a weight
+        gradient after what it needs, the second block's sends after the first's. The
+        checks after this one read the pairs in that order."""
+        pairs = {pair_key(program.schedule[k:k + program.together(k)])
+                 for k in program.paired}
+        ok = True
+        for key, order in sorted(program.pair_orders.items()):
+            names = key.split(" ")
+            problem = "it runs no such pair" if key not in pairs else order_problem(
+                [program.blocks[block] for block in names], order)
+            if problem is not None:
+                self.report.add(f"program {name}: the order it writes for the pair {key}: "
+                                f"{problem}")
+                ok = False
+        return ok
 
     # --- groups ------------------------------------------------------------------------
 
@@ -257,6 +278,8 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
         if not self.rank_table():
             return self.report
         if not all([self.group_refs(name, self.programs[name]) for name in self.table.names]):
+            return self.report
+        if not all([self.pair_orders(name, self.programs[name]) for name in self.table.names]):
             return self.report
         for name, program in self.programs.items():
             if name in self.table.names:

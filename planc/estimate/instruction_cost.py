@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planc.estimate.cost import CostModel, Placement
-from planc.graph.ir import Kind
+from planc.program.names import Kind
 from planc.program.groups import PIPELINE, GroupTable
 from planc.program.operands import FORWARD_STEPS, GRADIENT_STEPS, Operands, StepKind
 from planc.program.program import Instruction

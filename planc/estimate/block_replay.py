@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from planc.program.operands import Operands
 from planc.program.program import Instruction, Opcode
 from planc.program.names import Stream
-from planc.simulate.costs import axis_of, group_of
+from planc.estimate.instruction_cost import axis_of, group_of
 
 COMPUTE = Stream.COMPUTE
 
@@ -61,7 +61,8 @@ def replay(instructions: tuple[Instruction, ...] | list[Instruction], duration,
     stream's wait for a transfer is charged, as exposed communication, to the axis of the
     transfer its event marks the end of (the stream's instruction before the record).
     When ``duration`` also prices the all-to-alls inside a compute instruction
-    (:class:`planc.simulate.costs.StageCosts`'s ``exchange``: a mixture of experts'), that
+    (:class:`planc.estimate.instruction_cost.StageCosts`'s ``exchange``: a mixture of
+    experts'), that
     part of it is charged to the axis of its group, not to computing."""
     exchange = getattr(duration, "exchange", None)
     clock: dict[str, float] = {}
