@@ -266,24 +266,40 @@ class KernelModel:
                        + (self.dtype_bytes + 2) * inputs) / self.bandwidth
         return max(2.0 * groups * m * n * k / rate, traffic) + gpu.launch
 
-    def mixture_seconds(self, step: str | None, flops: float) -> float:
-        """A mixture's ``step`` (forward, recompute or backward) of ``flops``: its parts'
-        (:meth:`mixture_part_seconds`) added up."""
-        tokens = flops / (2.0 if step == "backward" else 1.0) / self.mixture.flops_per_token
-        return sum(self.mixture_part_seconds(part, step, tokens) for part in MIXTURE_PARTS)
+    def mixture_seconds(self, step: str | None, flops: float, split: bool = False) -> float:
+        """A mixture's ``step`` (forward, recompute, backward or weight) of ``flops``: its
+        parts' (:meth:`mixture_part_seconds`) added up. ``split``: a backward whose weight
+        gradients are a step of their own; it and that step each hold half the whole
+        backward's flops (planc.passes.split_backward)."""
+        whole_backward = step == "backward" and not split
+        tokens = flops / (2.0 if whole_backward else 1.0) / self.mixture.flops_per_token
+        return sum(self.mixture_part_seconds(part, step, tokens, split)
+                   for part in MIXTURE_PARTS)
 
-    def mixture_part_seconds(self, part: str, step: str | None, tokens: float) -> float:
+    def mixture_part_seconds(self, part: str, step: str | None, tokens: float,
+                             split: bool = False) -> float:
         """One part of a mixture's ``step`` on ``tokens`` (planc.models.moe.part_flops; a
         piece of a mixture cut at its all-to-alls, planc.passes.split_dispatch): its GEMMs,
-        and the memory traffic and launches of its kernels between them."""
+        and the memory traffic and launches of its kernels between them. A backward with
+        ``split`` runs the input gradients' GEMMs only, and its ``weight`` step the
+        weight gradients' (Qi et al. 2024), which read what the backward saved and launch
+        nothing between them."""
         x = self.mixture
-        backward = step == "backward"
+        backward, weight = step == "backward", step == "weight"
         # received by the busiest rank of the ep group, over its local experts: the step
         # waits for it
         rows = tokens * x.top_k * x.imbalance
         per_expert = rows / x.local
         h, e, shared = x.hidden, x.expert_ffn, x.shared * x.expert_ffn
         f8 = self.fp8_speedup is not None  # the experts' GEMMs in FP8, not the router's
+
+        def gemms(forward: float, inputs: float, weights: float) -> float:
+            if weight:
+                return weights
+            if backward:
+                return inputs if split else inputs + weights
+            return forward
+
         seconds, elements, extra, passes = 0.0, 0.0, 0.0, 0
         # Between the GEMMs: the router's probabilities (fp32) written and read; the
         # tokens gathered into the dispatch buffer (read and written) and scattered back
@@ -291,32 +307,33 @@ class KernelModel:
         # reading gate and up and writing their product. A backward moves each twice
         # (the forward's saved input and the gradient read, a gradient written).
         if part == "moe_route":
-            seconds = self.gemm_seconds(tokens, h, x.experts) + \
-                self.gemm_seconds(h, x.experts, tokens) if backward else \
-                self.gemm_seconds(tokens, x.experts, h)
+            seconds = gemms(self.gemm_seconds(tokens, x.experts, h),
+                            self.gemm_seconds(tokens, h, x.experts),
+                            self.gemm_seconds(h, x.experts, tokens))
             elements, extra, passes = rows * 2 * h, 2 * 4.0 * tokens * x.experts, 2
-        elif part == "moe_experts":
-            if backward:  # input gradients (inner: the outputs), then weight gradients
-                seconds = (self.grouped_gemm_seconds(x.local, per_expert, h, 2 * e, f8)
-                           + self.grouped_gemm_seconds(x.local, per_expert, e, h, f8)
-                           + self.grouped_gemm_seconds(x.local, h, 2 * e, per_expert, f8)
-                           + self.grouped_gemm_seconds(x.local, e, h, per_expert, f8))
-            else:
-                seconds = (self.grouped_gemm_seconds(x.local, per_expert, 2 * e, h, f8)
-                           + self.grouped_gemm_seconds(x.local, per_expert, h, e, f8))
+        elif part == "moe_experts":  # gate and up in one GEMM, then down
+            seconds = gemms(
+                self.grouped_gemm_seconds(x.local, per_expert, 2 * e, h, f8)
+                + self.grouped_gemm_seconds(x.local, per_expert, h, e, f8),
+                self.grouped_gemm_seconds(x.local, per_expert, h, 2 * e, f8)
+                + self.grouped_gemm_seconds(x.local, per_expert, e, h, f8),
+                self.grouped_gemm_seconds(x.local, h, 2 * e, per_expert, f8)
+                + self.grouped_gemm_seconds(x.local, e, h, per_expert, f8))
             elements, passes = rows * 3 * e, 1
         elif part == "moe_shared":
             passes = 1
-            seconds = self.gemm_seconds(tokens, 2 * shared, h, f8) + \
-                self.gemm_seconds(tokens, h, shared, f8) if shared else 0.0
-            if backward and shared:
-                seconds = (self.gemm_seconds(tokens, h, 2 * shared, f8)
-                           + self.gemm_seconds(tokens, shared, h, f8)
-                           + self.gemm_seconds(h, 2 * shared, tokens, f8)
-                           + self.gemm_seconds(shared, h, tokens, f8))
+            seconds = gemms(
+                self.gemm_seconds(tokens, 2 * shared, h, f8)
+                + self.gemm_seconds(tokens, h, shared, f8),
+                self.gemm_seconds(tokens, h, 2 * shared, f8)
+                + self.gemm_seconds(tokens, shared, h, f8),
+                self.gemm_seconds(h, 2 * shared, tokens, f8)
+                + self.gemm_seconds(shared, h, tokens, f8)) if shared else 0.0
             elements = shared * 3 * tokens
         elif part == "moe_combine":
             elements, passes = rows * h + tokens * h, 1
+        if weight:  # the GEMMs alone
+            return seconds
         moved = elements * self.dtype_bytes + extra
         return seconds + (2.0 if backward else 1.0) * moved / self.bandwidth + \
             (2 if backward else 1) * passes * self.gpu.launch
@@ -403,11 +420,12 @@ class KernelModel:
         if kernel in self.features:
             return self.linear_seconds(kernel, operands.step, flops,
                                        operands.weight_step is not None)
+        split = operands.weight_step is not None
         if kernel == MIXTURE and self.mixture is not None:
-            return self.mixture_seconds(operands.step, flops)
+            return self.mixture_seconds(operands.step, flops, split)
         if kernel in MIXTURE_PARTS and self.mixture is not None:  # cut at its all-to-alls
             tokens = (operands.output_bytes or 0) / (self.mixture.hidden * self.dtype_bytes)
-            return self.mixture_part_seconds(kernel, operands.step, tokens)
+            return self.mixture_part_seconds(kernel, operands.step, tokens, split)
         if kernel == ATTENTION and not self.gpu.flash:
             return self.unfused_attention(operands.step == StepKind.BACKWARD)
         if kernel == ATTENTION:
