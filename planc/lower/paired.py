@@ -1,5 +1,7 @@
 """Which of a stage's scheduled blocks run as interleaved pairs (planc.program.pairs):
-decided once, when the programs are lowered, from the plan and the stage's blocks."""
+decided once, when the programs are lowered, from the plan and the stage's blocks; and
+in what order each pair runs, once the group table places the ranks: the default merge,
+or the list schedule where the cost model prices it faster (planc.program.pair_orders)."""
 
 from __future__ import annotations
 
@@ -77,7 +79,9 @@ def ordered_by_cost(plan: Plan, programs: dict[str, Program], groups: GroupTable
     """Each program with pairs, with ``pair_orders``: for each pair of blocks whose
     list schedule (planc.program.pair_orders.scheduled) the cost model prices more than
     :data:`CHEAPER_BY` faster than the default merge (planc.program.pairs.interleave),
-    that order; the runtime, the simulator and the verifier run it."""
+    that order; the runtime, the simulator and the verifier run it. Both are timed on
+    the blocks whole (what a guard leaves to one microbatch included), once per pair
+    of blocks: the order is written for every microbatch's instance."""
     if not any(program.paired for program in programs.values()):
         return programs
     costs = InstructionCosts(plan, groups)

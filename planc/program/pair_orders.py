@@ -3,8 +3,9 @@ the compiler chose on the cost model and wrote into the program (``pair_orders``
 
 :func:`interleave`'s merge follows the blocks' waits, not their times. Where a pair's
 blocks hold unequal all-to-alls (a chunk of two mixtures with a chunk of one: DeepSeek-V3's
-last stage under DualPipeV), that can leave the compute stream waiting for the last
-all-to-all with nothing to run beside it. :func:`scheduled` is a list scheduler over
+last stage under DualPipeV), the smaller block's compute goes to the other's waits in
+equal shares, whatever each wait lasts, and the compute stream can be left waiting for
+an all-to-all with nothing beside it. :func:`scheduled` is a list scheduler over
 the pair's instructions (Hu 1961; Kwok and Ahmad 1999, "HLFET": among the steps the
 compute stream can start earliest, the one with the longest path to its block's end
 first), each priced by the cost model; a record is issued as soon as its block reaches
