@@ -595,3 +595,10 @@ def test_an_order_that_breaks_its_pair_gets_the_verifiers_message():
                     build.table, build.groups, build.routes)
     assert any(p.startswith("program stage15.json: the order it writes for the pair F16 I15 "
                             "W15: weight-gradient instruction ") for p in report.problems)
+
+
+def test_planc_programs_names_the_pairs_that_run_the_compilers_order(capsys):
+    assert main(["programs", "plans/moe-published/deepseek-v3-h800.plan", "--rank",
+                 "1920"]) == 0
+    assert ("  in the order the compiler's cost model chose (a list schedule, not the "
+            "default merge): <F16 I15 W15>") in capsys.readouterr().out.splitlines()

@@ -106,6 +106,10 @@ def render(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program], table: R
                      + ("; <F... I... W...>: with the input gradient's weight gradients, "
                         "run as soon as what they read is there" if program.paired_weights
                         else ""))
+    if program.pair_orders:
+        lines.append("  in the order the compiler's cost model chose (a list schedule, "
+                     "not the default merge): " + ", ".join(
+                         f"<{key}>" for key in sorted(program.pair_orders)))
     if expand:
         lines.append("")
         lines.append("issue order of one step" + (f", microbatch {microbatch}"
