@@ -77,9 +77,11 @@ def paired_blocks(pipeline, shape: tuple[int, int, int, int], order) -> tuple[in
 def ordered_by_cost(plan: Plan, programs: dict[str, Program], groups: GroupTable
                     ) -> dict[str, Program]:
     """Each program with pairs, with ``pair_orders``: for each pair of blocks whose
-    list schedule (planc.program.pair_orders.scheduled) the cost model prices more than
-    :data:`CHEAPER_BY` faster than the default merge (planc.program.pairs.interleave),
-    that order; the runtime, the simulator and the verifier run it. Both are timed on
+    list schedule (planc.program.pair_orders.scheduled, the faster of its two: with and
+    without holding a step for a more critical one about to be ready) the cost model
+    prices more than :data:`CHEAPER_BY` faster than the default merge
+    (planc.program.pairs.interleave), that order; the runtime, the simulator and the
+    verifier run it. Both are timed on
     the blocks whole (what a guard leaves to one microbatch included), once per pair
     of blocks: the order is written for every microbatch's instance."""
     if not any(program.paired for program in programs.values()):
@@ -97,13 +99,16 @@ def ordered_by_cost(plan: Plan, programs: dict[str, Program], groups: GroupTable
                 continue
             tried.add(key)
             blocks = [program.blocks[block] for block, _ in entries]
-            default = interleave(*blocks)
-            listed = scheduled(blocks[0], blocks[1], blocks[2] if len(blocks) > 2 else (),
-                               duration)
-            seconds = [replay([blocks[side][at] for side, at in order], duration).compute_end
-                       for order in (default, listed)]
-            if seconds[1] < seconds[0] * (1 - CHEAPER_BY):
-                orders[key] = tuple(listed)
+            weights = blocks[2] if len(blocks) > 2 else ()
+            default, *listed = (interleave(*blocks), *(
+                scheduled(blocks[0], blocks[1], weights, duration, lookahead)
+                for lookahead in (False, True)))
+            default_seconds, *seconds = (
+                replay([blocks[side][at] for side, at in order], duration).compute_end
+                for order in (default, *listed))
+            fastest = min(range(len(listed)), key=lambda j: (seconds[j], j))
+            if seconds[fastest] < default_seconds * (1 - CHEAPER_BY):
+                orders[key] = tuple(listed[fastest])
         if orders:
             out[name] = replace(program, pair_orders=orders)
     return out

@@ -9,7 +9,9 @@ an all-to-all with nothing beside it. :func:`scheduled` is a list scheduler over
 the pair's instructions (Hu 1961; Kwok and Ahmad 1999, "HLFET": among the steps the
 compute stream can start earliest, the one with the longest path to its block's end
 first), each priced by the cost model; a record is issued as soon as its block reaches
-it, and the weight gradients fill what the two blocks leave. The lowering
+it, and the weight gradients fill what the two blocks leave. A variant looks ahead: it
+leaves the compute stream idle a moment rather than start a step that would hold back a
+more critical one whose all-to-all is about to land. The lowering
 (:func:`planc.lower.paired.ordered_by_cost`) keeps its order where the cost model
 prices it faster, and the runtime, the simulator and the verifier run what it wrote.
 """
@@ -66,11 +68,13 @@ def _levels(block: Sequence, duration: Callable) -> list[float]:
 
 
 def scheduled(first: Sequence, second: Sequence, weights: Sequence,
-              duration: Callable) -> list[tuple[int, int]]:
+              duration: Callable, lookahead: bool = False) -> list[tuple[int, int]]:
     """A list schedule of the pair, in :func:`interleave`'s terms ((0, 1 or 2, position)),
     under the same constraints: each block's own order, the weight gradients after what
     they need (:func:`planc.program.pairs._weight_dependencies`), the second block's
-    pipeline sends after the first's. ``duration(instruction)``: its seconds."""
+    pipeline sends after the first's. ``duration(instruction)``: its seconds.
+    ``lookahead``: a compute step is held back where a step with a longer path, whose
+    transfer lands while it would run, would otherwise wait for it (:func:`_held_for`)."""
     blocks = (first, second, weights)
     after_second, after_weights = _weight_dependencies(second, weights)
     levels = (_levels(first, duration), _levels(second, duration))
@@ -109,7 +113,10 @@ def scheduled(first: Sequence, second: Sequence, weights: Sequence,
             if not placed[k] and after_second[k] < at[1] and \
                     all(placed[j] for j in after_weights[k]):
                 candidates.append(candidate(instruction, 2, k, 0.0))
-        side, k = min(candidates)[3:]
+        best = min(candidates)
+        if lookahead:
+            best = _held_for(best, candidates, blocks, duration)
+        side, k = best[3:]
         instruction = blocks[side][k]
         began = start(instruction)
         if side == 2:
@@ -126,6 +133,22 @@ def scheduled(first: Sequence, second: Sequence, weights: Sequence,
         else:
             clock[instruction.stream] = began + duration(instruction)
     return out
+
+
+def _held_for(best: tuple, candidates: list[tuple], blocks, duration) -> tuple:
+    """The candidate to issue instead of ``best``, a compute step: a wait on the
+    compute stream for a step with a longer path to its end, whose transfer lands
+    before ``best`` would finish, nearer its start than its end (the stream idles the
+    shorter while)."""
+    when, kind, level, side, k = best
+    instruction = blocks[side][k]
+    if kind == 0 or instruction.op is not Opcode.COMPUTE:
+        return best
+    end = when + duration(instruction)
+    held = [c for c in candidates if c[1] == 1 and c[2] < level and
+            blocks[c[3]][c[4]].op is Opcode.WAIT and when < c[0] < end and
+            c[0] - when < end - c[0]]
+    return min(held) if held else best
 
 
 def order_problem(blocks: Sequence[Sequence], order: Sequence[tuple[int, int]]
