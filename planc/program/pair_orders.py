@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 from planc.program.instruction_set import Opcode
 from planc.program.names import Stream
-from planc.program.pairs import _weight_dependencies, interleave
+from planc.program.pairs import weight_dependencies, interleave
 
 COMPUTE = Stream.COMPUTE
 EVENT_ONLY = (Opcode.RECORD, Opcode.WAIT, Opcode.SYNC)
@@ -71,12 +71,12 @@ def scheduled(first: Sequence, second: Sequence, weights: Sequence,
               duration: Callable, lookahead: bool = False) -> list[tuple[int, int]]:
     """A list schedule of the pair, in :func:`interleave`'s terms ((0, 1 or 2, position)),
     under the same constraints: each block's own order, the weight gradients after what
-    they need (:func:`planc.program.pairs._weight_dependencies`), the second block's
+    they need (:func:`planc.program.pairs.weight_dependencies`), the second block's
     pipeline sends after the first's. ``duration(instruction)``: its seconds.
     ``lookahead``: a compute step is held back where a step with a longer path, whose
     transfer lands while it would run, would otherwise wait for it (:func:`_held_for`)."""
     blocks = (first, second, weights)
-    after_second, after_weights = _weight_dependencies(second, weights)
+    after_second, after_weights = weight_dependencies(second, weights)
     levels = (_levels(first, duration), _levels(second, duration))
     at, placed = [0, 0], [False] * len(weights)
     clock: dict[str, float] = {}
@@ -169,7 +169,7 @@ def order_problem(blocks: Sequence[Sequence], order: Sequence[tuple[int, int]]
         return "the second block sends before the first has sent"
     if len(blocks) == 3:
         where = {entry: n for n, entry in enumerate(order)}
-        after_second, after_weights = _weight_dependencies(blocks[1], blocks[2])
+        after_second, after_weights = weight_dependencies(blocks[1], blocks[2])
         for k in range(len(blocks[2])):
             needs = min(after_second[k], len(blocks[1]) - 1)  # past the end: after all
             if needs >= 0 and where[(2, k)] < where[(1, needs)] or \

@@ -53,7 +53,7 @@ def _conflict(a, b) -> bool:
     return bool(changed_a & (set(b.reads) | changed_b) or changed_b & set(a.reads))
 
 
-def _weight_dependencies(second: Sequence, weights: Sequence
+def weight_dependencies(second: Sequence, weights: Sequence
                          ) -> tuple[list[int], list[tuple[int, ...]]]:
     """For each instruction of ``weights`` (the weight-gradient block of ``second``'s
     microbatch, DualPipe's W inside its pair): the last instruction of ``second`` it
@@ -97,13 +97,13 @@ def interleave(first: Sequence, second: Sequence, weights: Sequence = ()
     applied) and of ``weights``, the weight-gradient block of ``second``'s microbatch
     when the pair takes it: (0, 1 or 2, the instruction's position in its block), each
     block's positions in increasing order but ``weights``', which run as soon as what
-    they read is written (:func:`_weight_dependencies`), wherever the compute stream
+    they read is written (:func:`weight_dependencies`), wherever the compute stream
     would otherwise wait for an all-to-all it has already given way to once."""
     blocks = (first, second)
     exchanges = (_all_to_alls(first), _all_to_alls(second))
     sends_left = sum(1 for i in first if i.op is Opcode.SEND)
     at, side, given_way = [0, 0], _leading(exchanges), set()
-    after_second, after_weights = _weight_dependencies(second, weights)
+    after_second, after_weights = weight_dependencies(second, weights)
     placed = [False] * len(weights)
     out: list[tuple[int, int]] = []
 
