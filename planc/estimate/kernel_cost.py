@@ -293,12 +293,18 @@ class KernelModel:
         h, e, shared = x.hidden, x.expert_ffn, x.shared * x.expert_ffn
         f8 = self.fp8_speedup is not None  # the experts' GEMMs in FP8, not the router's
 
-        def gemms(forward: float, inputs: float, weights: float) -> float:
-            if weight:
-                return weights
-            if backward:
-                return inputs if split else inputs + weights
-            return forward
+        def gemms(price, forward, inputs, weights) -> float:
+            """The step's GEMMs, each (rows, columns, inner) priced by ``price``: the
+            forward's, the input gradients', the weight gradients'."""
+            shapes = weights if weight else (inputs if split else inputs + weights) \
+                if backward else forward
+            return sum(price(*shape) for shape in shapes)
+
+        def dense(m, n, k):
+            return self.gemm_seconds(m, n, k, f8)
+
+        def grouped(m, n, k):
+            return self.grouped_gemm_seconds(x.local, m, n, k, f8)
 
         seconds, elements, extra, passes = 0.0, 0.0, 0.0, 0
         # Between the GEMMs: the router's probabilities (fp32) written and read; the
@@ -306,29 +312,20 @@ class KernelModel:
         # with the weighted sum (the rows read, the tokens written); the activation
         # reading gate and up and writing their product. A backward moves each twice
         # (the forward's saved input and the gradient read, a gradient written).
-        if part == "moe_route":
-            seconds = gemms(self.gemm_seconds(tokens, x.experts, h),
-                            self.gemm_seconds(tokens, h, x.experts),
-                            self.gemm_seconds(h, x.experts, tokens))
+        if part == "moe_route":  # in the activations' precision, never FP8
+            seconds = gemms(self.gemm_seconds, [(tokens, x.experts, h)],
+                            [(tokens, h, x.experts)], [(h, x.experts, tokens)])
             elements, extra, passes = rows * 2 * h, 2 * 4.0 * tokens * x.experts, 2
         elif part == "moe_experts":  # gate and up in one GEMM, then down
-            seconds = gemms(
-                self.grouped_gemm_seconds(x.local, per_expert, 2 * e, h, f8)
-                + self.grouped_gemm_seconds(x.local, per_expert, h, e, f8),
-                self.grouped_gemm_seconds(x.local, per_expert, h, 2 * e, f8)
-                + self.grouped_gemm_seconds(x.local, per_expert, e, h, f8),
-                self.grouped_gemm_seconds(x.local, h, 2 * e, per_expert, f8)
-                + self.grouped_gemm_seconds(x.local, e, h, per_expert, f8))
+            seconds = gemms(grouped, [(per_expert, 2 * e, h), (per_expert, h, e)],
+                            [(per_expert, h, 2 * e), (per_expert, e, h)],
+                            [(h, 2 * e, per_expert), (e, h, per_expert)])
             elements, passes = rows * 3 * e, 1
         elif part == "moe_shared":
             passes = 1
-            seconds = gemms(
-                self.gemm_seconds(tokens, 2 * shared, h, f8)
-                + self.gemm_seconds(tokens, h, shared, f8),
-                self.gemm_seconds(tokens, h, 2 * shared, f8)
-                + self.gemm_seconds(tokens, shared, h, f8),
-                self.gemm_seconds(h, 2 * shared, tokens, f8)
-                + self.gemm_seconds(shared, h, tokens, f8)) if shared else 0.0
+            seconds = gemms(dense, [(tokens, 2 * shared, h), (tokens, h, shared)],
+                            [(tokens, h, 2 * shared), (tokens, shared, h)],
+                            [(h, 2 * shared, tokens), (shared, h, tokens)]) if shared else 0.0
             elements = shared * 3 * tokens
         elif part == "moe_combine":
             elements, passes = rows * h + tokens * h, 1

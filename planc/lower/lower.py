@@ -39,8 +39,8 @@ from planc.program.program import (
     Program,
     RankTable,
     done_event,
-    saved_for_weights,
     finished_before,
+    saved_for_weights,
     vector_clocks,
 )
 from planc.program.ranks import AXES

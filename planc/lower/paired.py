@@ -81,9 +81,9 @@ def ordered_by_cost(plan: Plan, programs: dict[str, Program], groups: GroupTable
     without holding a step for a more critical one about to be ready) the cost model
     prices more than :data:`CHEAPER_BY` faster than the default merge
     (planc.program.pairs.interleave), that order; the runtime, the simulator and the
-    verifier run it. Both are timed on
-    the blocks whole (what a guard leaves to one microbatch included), once per pair
-    of blocks: the order is written for every microbatch's instance."""
+    verifier run it. The orders are timed on the blocks whole (what a guard leaves to
+    one microbatch included), once per pair of blocks: the order is written for every
+    microbatch's instance."""
     if not any(program.paired for program in programs.values()):
         return programs
     costs = InstructionCosts(plan, groups)

@@ -147,4 +147,3 @@ class ExpertChecks:
                             f"{list(program.paired_weights)} take the weight gradients "
                             f"after them; the plan's schedule has them after "
                             f"{list(weights)}")
-

@@ -132,9 +132,8 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
                  for k in program.paired}
         ok = True
         for key, order in sorted(program.pair_orders.items()):
-            names = key.split(" ")
             problem = "it runs no such pair" if key not in pairs else order_problem(
-                [program.blocks[block] for block in names], order)
+                [program.blocks[block] for block in key.split(" ")], order)
             if problem is not None:
                 self.report.add(f"program {name}: the order it writes for the pair {key}: "
                                 f"{problem}")
