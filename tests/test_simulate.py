@@ -74,6 +74,52 @@ def test_a_block_replays_streams_events_and_waits():
     assert timed.external == ("done:recv",)
 
 
+class _SharedSMs:
+    """Seconds by node; a transfer on the ep stream holds 20 SMs, and a compute step
+    beside 20 held takes twice its time, beside 40 four times."""
+
+    def __init__(self, seconds: dict[str, float]):
+        self.seconds = seconds
+
+    def __call__(self, instruction: Instruction) -> float:
+        return self.seconds[instruction.node]
+
+    def held_sms(self, instruction: Instruction) -> int:
+        return 20 if instruction.stream == "ep" else 0
+
+    def contended(self, instruction: Instruction, held: int) -> float:
+        return self.seconds[instruction.node] * {20: 2.0, 40: 4.0}[held]
+
+
+def test_a_compute_step_beside_an_all_to_all_works_on_the_sms_it_leaves():
+    """y (3 s) holds SMs from 0; a0 (2 s alone) does 3/4 of its work by 3 s and the rest
+    alone: it ends at 3.5. x (4 s) waits for a0: 3.5-7.5. b (10 s alone) does a fifth of
+    its work beside x, then 8 s alone: 3.5-15.5. The first replay (nothing held) put x
+    at 2-6; the replays stop when x no longer moves."""
+    def a2a(node: str) -> Instruction:
+        return Instruction("all_to_all", "ep", node,
+                           operands=Operands(payload="dispatch", group="ep"))
+    block = [a2a("y"), _compute("compute", "a0"),
+             Instruction("record", "compute", event="done:a0"),
+             Instruction("wait", "ep", event="done:a0"), a2a("x"),
+             _compute("compute", "b")]
+    timed = replay(block, _SharedSMs({"y": 3.0, "a0": 2.0, "x": 4.0, "b": 10.0}),
+                   keep_spans=True)
+    assert [(span.node, span.start, span.end) for span in timed.spans] == [
+        ("y", 0.0, 3.0), ("a0", 0.0, 3.5), ("x", 3.5, 7.5), ("b", 3.5, 15.5)]
+    assert timed.compute_end == 15.5 and timed.compute_busy == 15.5
+    # two transfers at once hold 40 SMs: c (1 s alone) works at a quarter of its rate
+    # while both run (0-2: half its work), then at half while v runs on (2-3: the rest)
+    block = [a2a("u"), Instruction("all_to_all", "ep2", "v", operands=Operands(
+        payload="dispatch", group="ep")), _compute("compute", "c")]
+
+    class TwoStreams(_SharedSMs):
+        def held_sms(self, instruction: Instruction) -> int:
+            return 20 if instruction.stream in ("ep", "ep2") else 0
+    timed = replay(block, TwoStreams({"u": 2.0, "v": 4.0, "c": 1.0}))
+    assert timed.compute_end == 3.0
+
+
 def test_two_stages_of_gpipe_by_hand():
     seconds = {"a": 1.0, "sa": 0.5, "b": 2.0, "c": 1.0, "d": 2.0, "sd": 0.5}
     first = Program(0, ("compute", "send_next"), {

@@ -21,6 +21,9 @@ from planc.program.names import Stream
 from planc.estimate.instruction_cost import axis_of, group_of
 
 COMPUTE = Stream.COMPUTE
+MARKS = (Opcode.RECORD, Opcode.WAIT, Opcode.SYNC)  # instructions that take no time
+CONTENTION_REPLAYS = 4
+SETTLED = 1e-9  # seconds: a compute step's time that no longer moves between replays
 
 
 @dataclass(frozen=True)
@@ -62,15 +65,68 @@ def replay(instructions: tuple[Instruction, ...] | list[Instruction], duration,
     transfer its event marks the end of (the stream's instruction before the record).
     When ``duration`` also prices the all-to-alls inside a compute instruction
     (:class:`planc.estimate.instruction_cost.StageCosts`'s ``exchange``: a mixture of
-    experts'), that
-    part of it is charged to the axis of its group, not to computing."""
+    experts'), that part of it is charged to the axis of its group, not to computing.
+
+    When ``duration`` also says which transfers hold SMs while they run (``held_sms``)
+    and what a compute step takes on the SMs they leave (``contended``), a compute step
+    beside such transfers does its work at the slower rate for as long as they run (a
+    CTA of a communication kernel does not share its SM: NVIDIA/nccl issue 689). Where
+    the transfers run depends on when the compute ends, so the block is replayed again on
+    the previous replay's transfers until they stop moving (at most
+    :data:`CONTENTION_REPLAYS` times).
+    """
+    instructions = tuple(instructions)
+    held_sms = getattr(duration, "held_sms", None)
+    holders = {index: held for index, item in enumerate(instructions)
+               if held_sms is not None and item.op not in MARKS
+               and (held := held_sms(item))}
+    held: list[tuple[float, float, int]] = []
+    for _ in range(CONTENTION_REPLAYS if holders else 1):
+        out, timeline = _replay(instructions, duration, keep_spans, held)
+        again = [(*timeline[index], sms) for index, sms in holders.items()
+                 if index in timeline]
+        if len(again) == len(held) and all(
+                abs(x[0] - y[0]) <= SETTLED and abs(x[1] - y[1]) <= SETTLED
+                for x, y in zip(again, held)):
+            break
+        held = again
+    return out
+
+
+def _finish(start: float, item: Instruction, duration,
+            held: list[tuple[float, float, int]]) -> float:
+    """When a compute step started at ``start`` ends, its work done at the rate of the
+    SMs left it at each moment by the transfers of ``held`` (start, end, SMs held)."""
+    alone = duration(item)
+    end = start + alone
+    if not held or not any(s < end and e > start for s, e, _ in held):
+        return end
+    cuts = sorted({t for s, e, _ in held for t in (s, e) if t > start})
+    at, left = start, 1.0  # the share of its work still to do
+    for cut in cuts:
+        sms = sum(n for s, e, n in held if s <= at < e)
+        seconds = duration.contended(item, sms) if sms else alone
+        if (cut - at) / seconds >= left:
+            return at + left * seconds
+        left -= (cut - at) / seconds
+        at = cut
+    return at + left * alone
+
+
+def _replay(instructions: tuple[Instruction, ...], duration, keep_spans: bool,
+            held: list[tuple[float, float, int]]
+            ) -> tuple[BlockTime, dict[int, tuple[float, float]]]:
+    """One replay, the compute steps slowed by the transfers ``held`` (start, end, SMs
+    held: the previous replay's). Also returns each timed instruction's (start, end), by
+    its index."""
     exchange = getattr(duration, "exchange", None)
+    timeline: dict[int, tuple[float, float]] = {}
     clock: dict[str, float] = {}
     latest: dict[str, Instruction] = {}  # stream -> the last instruction it ran
     events: dict[str, tuple[float, Instruction | None]] = {}  # -> (when, what it marks)
     out = BlockTime()
     external = []
-    for item in instructions:
+    for index, item in enumerate(instructions):
         stream = item.stream
         now = clock.get(stream, 0.0)
         if item.op is Opcode.RECORD:
@@ -91,8 +147,12 @@ def replay(instructions: tuple[Instruction, ...] | list[Instruction], duration,
         if item.op is Opcode.SYNC:
             clock[stream] = max([now, *clock.values()])
             continue
-        seconds = duration(item)
-        end = now + seconds
+        if held and stream == COMPUTE and item.op is Opcode.COMPUTE:
+            end = _finish(now, item, duration, held)
+        else:
+            end = now + duration(item)
+        seconds = end - now
+        timeline[index] = (now, end)
         clock[stream] = end
         latest[stream] = item
         if stream == COMPUTE and item.op is Opcode.COMPUTE:
@@ -110,4 +170,4 @@ def replay(instructions: tuple[Instruction, ...] | list[Instruction], duration,
     out.external = tuple(external)
     out.recorded = {event: (when, axis_of(marked.operands) if marked is not None else None)
                     for event, (when, marked) in events.items()}
-    return out
+    return out, timeline

@@ -38,6 +38,10 @@ table alone (not graph.json): the one model the compiler optimises with (planc.e
   as its part of the whole (planc.estimate.kernel_cost.KernelModel.mixture_part_seconds)
   and each dispatch and combine as a transfer: the same all-to-all, on the ep stream,
   where the compute stream waits for it only if nothing else is left to run.
+- While a cut mixture's all-to-all runs, its kernel holds SMs (:meth:`InstructionCosts.held_sms`)
+  and a compute step beside it takes what the kernel model prices on the SMs left
+  (:meth:`InstructionCosts.contended`); the replay runs it at that rate for as long as
+  they overlap (planc.estimate.block_replay).
 - A mixture whose balance loss spans the ranks of a sequence adds, to its forward and
   recomputed forward, the all-reduce of its counts (``counts_bytes``) over
   ``counts_group``, in series (the loss needs the sum before it can be formed); with a
@@ -56,7 +60,7 @@ from planc.program.operands import FORWARD_STEPS, GRADIENT_STEPS, Operands, Step
 from planc.program.program import Instruction
 from planc.estimate.memory import local_parameter_elements
 from planc.plan.plan import DTYPE_BYTES, Plan
-from planc.estimate.kernel_cost import MIXTURE, KernelModel
+from planc.estimate.kernel_cost import ALL_TO_ALL_SMS, MIXTURE, TWO_HOP_SMS, KernelModel
 from planc.estimate.mixture import Mixture
 from planc.estimate.roofline import roofline_seconds, traffic
 from planc.vocabulary.model_options import gemm_input_bytes
@@ -153,6 +157,12 @@ class StageCosts:
         self(instruction)  # prices it, and its all-to-alls with it
         return self.costs.exchanges.get(instruction.node, 0.0)
 
+    def held_sms(self, instruction: Instruction) -> int:
+        return self.costs.held_sms(instruction)
+
+    def contended(self, instruction: Instruction, held: int) -> float:
+        return self.costs.contended(instruction, self.stage, held)
+
 
 class InstructionCosts:
     """Seconds of each compute and transfer instruction of one build, found once per
@@ -181,6 +191,8 @@ class InstructionCosts:
         self.transfers: dict[tuple, float] = {}  # by what a transfer's time depends on
         self.sizes: dict[str, int] = {}
         self.crossing: dict[str, bool] = {}
+        self.sharing: dict[int, KernelModel] = {}  # by SMs held: the kernels beside them
+        self.slowed: dict[tuple[str, int], float] = {}  # by (node, SMs held)
 
     def __call__(self, instruction: Instruction, stage: int) -> float:
         seconds = self.seconds.get(instruction.node)
@@ -193,14 +205,40 @@ class InstructionCosts:
         one call: the replay asks it for every instruction it runs."""
         return StageCosts(self, stage)
 
-    def _priced(self, instruction: Instruction, stage: int) -> float:
+    def held_sms(self, instruction: Instruction) -> int:
+        """The SMs a transfer holds while it runs, which the compute kernels beside it
+        cannot use: a cut mixture's all-to-alls on a GPU the kernel model knows
+        (:data:`planc.estimate.kernel_cost.TWO_HOP_SMS` for a two-hop one, else
+        ``ALL_TO_ALL_SMS``); 0 for anything else (no other transfer's SMs are modelled)."""
+        operands = instruction.operands
+        if self.kernels is None or operands is None or operands.kernel is not None or \
+                operands.payload not in CUT_MIXTURE:
+            return 0
+        return TWO_HOP_SMS if operands.hops == 2 else ALL_TO_ALL_SMS
+
+    def contended(self, instruction: Instruction, stage: int, held: int) -> float:
+        """Seconds of a compute instruction run while transfers hold ``held`` SMs."""
+        key = (instruction.node, held)
+        seconds = self.slowed.get(key)
+        if seconds is None:
+            kernels = self.sharing.get(held)
+            if kernels is None and self.kernels is not None:
+                kernels = self.sharing[held] = self.kernels.sharing(held)
+            seconds = self.slowed[key] = self._priced(instruction, stage, kernels)
+        return seconds
+
+    def _priced(self, instruction: Instruction, stage: int,
+                kernels: KernelModel | None = None) -> float:
+        """``kernels``: the compute's kernel model, if not this build's own (the GPU
+        with some SMs held by transfers: :meth:`contended`)."""
         operands = instruction.operands
         if operands is None:
             raise ValueError(f"{instruction.op} {instruction.node} has no operands to cost")
+        kernels = kernels or self.kernels
         if operands.kernel is not None:
             moved = traffic(operands.kernel, self.optimizer) * operands.output_bytes
-            if self.kernels is not None:
-                seconds = self.kernels.seconds(operands, moved)
+            if kernels is not None:
+                seconds = kernels.seconds(operands, moved)
             else:
                 flops = operands.flops
                 if operands.kernel == MIXTURE and self.mixture is not None and flops:

@@ -90,7 +90,8 @@ What a module runs beside its GEMMs (RoPE, an eager norm) is
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from copy import copy
+from dataclasses import dataclass, replace
 from math import ceil
 
 from planc.estimate.mixture import Mixture
@@ -151,6 +152,15 @@ GPUS = {
     "dgx-h100": GPU("H100 SXM5", 132, 0.79, 256, 164e12, 168e12),
 }
 
+
+# The SMs an expert all-to-all's kernel holds while it runs: a CTA of NCCL's never shares
+# its SM with a compute kernel (NVIDIA/nccl issue 689), and one of DeepSeek's
+# communication kernels is alike. Two-hop dispatch and combine as DeepSeek-V3 runs them:
+# 20 SMs (its report, arXiv 2412.19437, section 3.2.2; DeepEP's default since). NCCL's
+# all-to-all on a node of 8 GPUs and 8 NICs: 16 (NVIDIA/nccl issue 689, "on DGX with 8
+# NICs ... it would use 16 SMs"; issue 1598: all_to_all_single launched 16 CTAs).
+TWO_HOP_SMS = 20
+ALL_TO_ALL_SMS = 16
 
 FP8_LINEARS = ("qkv", "proj", "fc1", "fc2")  # the GEMMs model { fp8 } runs in FP8
 
@@ -241,6 +251,17 @@ class KernelModel:
     def of(plan: Plan) -> "KernelModel | None":
         gpu = GPUS.get(plan.topology.preset or "")
         return KernelModel(plan, gpu) if gpu is not None else None
+
+    def sharing(self, held: int) -> "KernelModel":
+        """This model while communication kernels hold ``held`` of the GPU's SMs: the
+        GEMMs' tiles in waves over the SMs left, the GEMM and attention rates in
+        proportion to them; memory bandwidth and launches unchanged."""
+        left = max(self.gpu.sms - held, 1)
+        model = copy(self)
+        model.gpu = replace(self.gpu, sms=left)
+        model.peak = self.peak * left / self.gpu.sms
+        model.attention_scale = self.attention_scale * left / self.gpu.sms
+        return model
 
     def gemm_seconds(self, m: float, n: int, k: int, fp8: bool = False) -> float:
         """One GEMM of an ``m x k`` by a ``k x n`` matrix (``fp8``: one of the plan's FP8
