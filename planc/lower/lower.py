@@ -454,14 +454,14 @@ def lower(plan: Plan, graph: nx.DiGraph, binding: Binding | None = None
                 graph, receive_nodes, forward_actions, lowering.split).items() if items}
         used_streams = {w.stream for n, w in lowering.where.items()} | set(receives)
         streams = tuple(s for s in STREAM_ORDER if s in used_streams or s == COMPUTE)
-        paired, paired_weights = overlapped_blocks(plan, pipeline, stage, blocks)
+        paired, paired_weights, weighted = overlapped_blocks(plan, pipeline, stage, blocks)
         programs[f"stage{stage}.json"] = Program(
             stage, streams, blocks, plan_schedule, receives, tuple(body), m,
             prologue=tuple(listed.get(PROLOGUE, ())), buckets=stage_buckets,
             received={node: binding.operands(node, Kind.RECV.value)
                       for node in receive_nodes},
             evaluation=evaluation, evaluation_receives=evaluation_receives,
-            paired=paired, paired_weights=paired_weights)
+            paired=paired, paired_weights=paired_weights, weighted=weighted)
     layout = Layout.of(plan)
     ranks = RankTable(plan.world, pp, layout.strides["pp"],
                       {f"stage{s}.json": s for s in range(pp)},

@@ -23,19 +23,46 @@ CHEAPER_BY = 0.01
 
 
 def overlapped_blocks(plan: Plan, pipeline, stage: int, blocks: dict
-                      ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(:func:`paired_blocks`, :func:`paired_weight_blocks`) of a stage: none without
-    schedule { overlap_all_to_all }, or where the stage's blocks hold no mixture's
-    all-to-alls for the interleave to hide."""
+                      ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(:func:`paired_blocks`, :func:`paired_weight_blocks`, :func:`weighted_blocks`) of
+    a stage: none without schedule { overlap_all_to_all }, or where the stage's blocks
+    hold no mixture's all-to-alls for the interleave to hide."""
     if not plan.schedule.overlap_all_to_all or not any(
-            i.op is Opcode.ALL_TO_ALL and i.operands is not None and
-            i.operands.payload in (Payload.DISPATCH, Payload.COMBINE)
-            for block in blocks.values() for i in block):
-        return (), ()
+            _exchanges(block) for block in blocks.values()):
+        return (), (), ()
     shape = (stage, plan.mesh.pp, plan.schedule.microbatches, plan.shard.pp.virtual)
     order = pipeline.program_order(*shape)
     paired = paired_blocks(pipeline, shape, order)
-    return paired, paired_weight_blocks(order, paired)
+    weights = paired_weight_blocks(order, paired)
+    return paired, weights, weighted_blocks(order, paired, weights, blocks)
+
+
+def _exchanges(block) -> bool:
+    """Whether a block holds a mixture's dispatch or combine."""
+    return any(i.op is Opcode.ALL_TO_ALL and i.operands is not None and
+               i.operands.payload in (Payload.DISPATCH, Payload.COMBINE) for i in block)
+
+
+def weighted_blocks(order, paired: tuple[int, ...], paired_weights: tuple[int, ...],
+                    blocks: dict) -> tuple[int, ...]:
+    """The input-gradient blocks outside the pairs (a warm-up's or a cool-down's, which
+    have no forward beside them) that hold all-to-alls and that the schedule follows at
+    once with their own weight gradients: each runs with them interleaved, its weight
+    gradients filling the compute stream while its all-to-alls travel (Megatron-Core's
+    delayed weight-gradient computation, which runs the experts' weight gradients
+    beside the dispatch's backward all-to-all)."""
+    taken = {k + j for k in paired for j in range(3 if k in paired_weights else 2)}
+    out: list[int] = []
+    for k in range(len(order) - 1):
+        backward, after = order[k], order[k + 1]
+        if {k, k + 1} & taken or (out and out[-1] == k - 1):
+            continue
+        if backward.kind is ActionKind.BACKWARD_INPUT and \
+                after.kind is ActionKind.BACKWARD_WEIGHT and \
+                (after.chunk, after.microbatch) == (backward.chunk, backward.microbatch) and \
+                _exchanges(blocks.get(backward.block.name, ())):
+            out.append(k)
+    return tuple(out)
 
 
 def paired_weight_blocks(order, paired: tuple[int, ...]) -> tuple[int, ...]:

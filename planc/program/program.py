@@ -230,6 +230,9 @@ class Program:
     # of those, the positions whose pair also runs block k + 2 inside it: the
     # weight-gradient block of block k + 1's microbatch (DualPipe's W within its pair)
     paired_weights: tuple[int, ...] = ()
+    # positions k, in no pair, of an input-gradient block that runs interleaved with its
+    # own weight-gradient block at k + 1 (planc.program.pairs.interleave with no first)
+    weighted: tuple[int, ...] = ()
     # pair's block names -> the order its instructions run in, (0, 1 or 2: which block,
     # position in it), where the compiler's cost model chose one over the default merge
     # (planc.program.pair_orders)
@@ -237,13 +240,20 @@ class Program:
 
     def together(self, k: int) -> int:
         """How many blocks of the schedule run together from position ``k``: 1 alone, 2
-        an overlapped pair, 3 a pair with its weight gradients; 0 where position ``k``
-        runs inside the pair before it."""
-        if k - 1 in self.paired or k - 2 in self.paired_weights:
+        an overlapped pair or an input gradient with its weight gradients, 3 a pair with
+        its weight gradients; 0 where position ``k`` runs inside the pair before it."""
+        if k - 1 in self.paired or k - 2 in self.paired_weights or k - 1 in self.weighted:
             return 0
         if k in self.paired:
             return 3 if k in self.paired_weights else 2
-        return 1
+        return 2 if k in self.weighted else 1
+
+    def is_weighted(self, entries) -> bool:
+        """Whether ``entries`` ((block, microbatch) of each) are an input gradient and its
+        weight gradients run together (``weighted``), not an overlapped pair."""
+        return len(entries) == 2 and any(
+            self.schedule[k] == entries[0] and self.schedule[k + 1] == entries[1]
+            for k in self.weighted)
 
     def for_evaluation(self) -> "Program":
         """The program of an evaluation batch: the forward blocks on the forward-only
@@ -275,6 +285,7 @@ class Program:
                 **({"paired": list(self.paired)} if self.paired else {}),
                 **({"paired_weights": list(self.paired_weights)}
                    if self.paired_weights else {}),
+                **({"weighted": list(self.weighted)} if self.weighted else {}),
                 **({"pair_orders": {key: [list(entry) for entry in order] for key, order
                                     in self.pair_orders.items()}} if self.pair_orders else {}),
                 "receives": {stream: [list(r) for r in items]
@@ -316,6 +327,8 @@ class Program:
             paired=tuple(integer_of(k, "a paired position") for k in data.get("paired", ())),
             paired_weights=tuple(integer_of(k, "a paired position") for k in
                                  data.get("paired_weights", ())),
+            weighted=tuple(integer_of(k, "a weighted position") for k in
+                           data.get("weighted", ())),
             pair_orders={_string(key): _order(order)
                          for key, order in dict(data.get("pair_orders", {})).items()},
             **_evaluation_of(data.get("evaluation")))
@@ -348,6 +361,12 @@ class Program:
                 any(k + 2 >= len(program.schedule) or k + 2 in paired for k in weights):
             raise ValueError("paired_weights names positions that are not pairs followed by "
                              "a block of their own")
+        taken = {k + j for k in paired for j in range(3 if k in weights else 2)}
+        if list(program.weighted) != sorted(set(program.weighted)) or any(
+                not 0 <= k < len(program.schedule) - 1 or {k, k + 1} & taken or
+                k + 1 in program.weighted for k in program.weighted):
+            raise ValueError("weighted names positions that are not blocks of the schedule "
+                             "outside its pairs, followed by one of their own")
         for key, order in program.pair_orders.items():
             names = key.split(" ")
             if len(names) not in (2, 3) or any(name not in program.blocks for name in names) \

@@ -135,7 +135,7 @@ class ExpertChecks:
         """Rule 5: the interleaved pairs are those the plan's schedule makes
         (planc.lower.paired): a forward and the backward of another microbatch, whose
         instructions read nothing of each other."""
-        expected, weights = overlapped_blocks(
+        expected, weights, weighted = overlapped_blocks(
             self.plan, schedules.named(self.plan.schedule.pipeline), program.stage,
             program.blocks)
         if program.paired != expected:
@@ -147,3 +147,8 @@ class ExpertChecks:
                             f"{list(program.paired_weights)} take the weight gradients "
                             f"after them; the plan's schedule has them after "
                             f"{list(weights)}")
+        elif program.weighted != weighted:
+            self.report.add(f"program {name}: it interleaves the input gradients at "
+                            f"positions {list(program.weighted)} of its schedule with "
+                            f"their weight gradients; the plan's schedule has "
+                            f"{list(weighted)}")

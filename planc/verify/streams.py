@@ -131,21 +131,26 @@ class StreamChecks:
         self._written_before_read(ranks, name, program, positions)
 
     def _paired_weights(self, ranks, name: str, program: Program) -> None:
-        """A pair that takes its weight gradients (planc.program.pairs) moves them among
-        the input gradient's instructions: checked as one sequence, the two blocks of one
+        """A pair that takes its weight gradients (planc.program.pairs), or an input
+        gradient run with its own (``weighted``), moves them among the input gradient's
+        instructions: checked as one sequence, the two blocks of one
         microbatch free nothing a transfer may still read, and read nothing before it is
         written (each instance once: the first, the last and any other microbatch)."""
         seen = set()
-        for k in program.paired_weights:
-            entries = program.schedule[k:k + 3]
+        for k, first in [(k, 1) for k in program.paired_weights] + \
+                [(k, 0) for k in program.weighted]:
+            entries = program.schedule[k:k + program.together(k)]
+            if len(entries) != 3 - first:  # overlapping positions: the pairs' rule says so
+                continue
             key = tuple((b, mb == 0, mb == program.microbatches - 1) for b, mb in entries)
             if key in seen:
                 continue
             seen.add(key)
-            both = [instruction for side, instruction in merged(program, entries) if side]
-            self._check_sequence(both, Lazy(lambda e=entries: (
-                f"{ranks} ({name}, blocks {e[1][0]} and {e[2][0]} interleaved, microbatch "
-                f"{e[1][1]})")), external=True)
+            both = [instruction for side, instruction in merged(program, entries)
+                    if side >= first]
+            self._check_sequence(both, Lazy(lambda e=entries[first:]: (
+                f"{ranks} ({name}, blocks {e[0][0]} and {e[1][0]} interleaved, microbatch "
+                f"{e[0][1]})")), external=True)
 
     def _written_before_read(self, ranks, name: str, program: Program, positions) -> None:
         """A block that reads a value another block writes for the same microbatch (a

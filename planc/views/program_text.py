@@ -45,7 +45,7 @@ def _schedule_text(plan: Plan, program: Program) -> str:
     if pairs and max(k + n for k, n in pairs.items()) <= len(texts):  # else another plan's
         for k, n in pairs.items():
             texts[k], texts[k + n - 1] = "[" + texts[k], texts[k + n - 1] + "]"
-    for k in program.paired:  # interleaved (planc.program.pairs)
+    for k in program.paired + program.weighted:  # interleaved (planc.program.pairs)
         end = k + program.together(k) - 1
         if end < len(texts):
             opened = texts[k].startswith("[")
@@ -106,6 +106,9 @@ def render(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program], table: R
                      + ("; <F... I... W...>: with the input gradient's weight gradients, "
                         "run as soon as what they read is there" if program.paired_weights
                         else ""))
+    if program.weighted:
+        lines.append("  <I... W...>: an input gradient outside the pairs with its own weight "
+                     "gradients, which fill its waits for its all-to-alls")
     if program.pair_orders:
         lines.append("  in the order the compiler's cost model chose (a list schedule, "
                      "not the default merge): " + ", ".join(
