@@ -280,6 +280,20 @@ def test_the_head_stays_in_the_dtype():
         plain.linear_seconds("fc1", "forward", 1e12)
 
 
+def _two_ranks(script: str, tmp_path) -> list[tuple[str, str]]:
+    """``script`` run by two gloo ranks (its argv: the rank, a file store's path):
+    each one's (stdout, stderr)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, "-c", script, str(rank),
+                               str(tmp_path / "store")], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
+    return [rank.communicate(timeout=120) for rank in ranks]
+
+
 DISPATCH = r'''
 import sys
 import torch, torch.distributed as dist
@@ -308,19 +322,53 @@ def test_the_dispatch_sends_fp8_bytes_and_the_gradients_back_in_the_dtype(tmp_pa
     """Two ranks exchange rows through the FP8 dispatch: each receives exactly what its
     experts' FP8 GEMM would read of the rows sent to it, and the backward returns every
     row's gradient (ones) whole."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, "-c", DISPATCH, str(rank),
-                               str(tmp_path / "store")], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
-    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    outputs = _two_ranks(DISPATCH, tmp_path)
     assert [out.strip() for out, _ in outputs] == ["True torch.float32 200.0"] * 2, outputs
 
 
-def test_the_simulator_prices_a_forwards_dispatch_in_fp8_and_the_rest_in_the_dtype():
+COMBINE = r'''
+import sys
+import torch, torch.distributed as dist
+from planc.runtime.engine import fp8
+from planc.runtime.families.moe import _Fp8Combine
+
+rank, path = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", rank=rank, world_size=2, store=dist.FileStore(path, 2))
+outputs = torch.randn(5, 40, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+sent, received = ([2, 3], [2, 1]) if rank == 0 else ([1, 4], [3, 4])
+got = _Fp8Combine.apply(outputs, sent, received, None, 16)
+theirs = [torch.randn(5, 40, generator=torch.Generator().manual_seed(r)) for r in (0, 1)]
+first = [0, 0] if rank == 0 else [2, 1]  # where each sender's rows for me start
+whole = torch.equal(got, torch.cat([theirs[r][first[r]:first[r] + received[r]]
+                                    for r in (0, 1)]))
+# the gradients of what arrived, 3 x the row's position, go back as FP8
+got.backward(torch.arange(got.shape[0] * 40, dtype=torch.float32).reshape(-1, 40) * 3)
+grads = {r: torch.arange(n * 40, dtype=torch.float32).reshape(-1, 40) * 3
+         for r, n in ((0, 3), (1, 7))}  # the gradient of each rank's received rows
+expected = torch.cat([fp8.quantised_rows(grads[peer][at:at + n], 16)
+                      for peer, at, n in ((0, 0, 2), (1, 0, 3))] if rank == 0 else
+                     [fp8.quantised_rows(grads[peer][at:at + n], 16)
+                      for peer, at, n in ((0, 2, 1), (1, 3, 4))])
+print(whole, torch.equal(outputs.grad, expected),
+      torch.equal(outputs.grad, torch.cat([grads[0][:2], grads[1][:3]]) if rank == 0
+                  else torch.cat([grads[0][2:3], grads[1][3:7]])))
+sys.stdout.flush()
+import os
+os._exit(0)
+'''
+
+
+def test_the_combine_returns_the_dtype_and_sends_its_gradients_to_the_experts_in_fp8(
+        tmp_path):
+    """DeepSeek-V3 (section 3.3) sends the activation gradient before the experts'
+    down-projections in FP8, the combine itself in BF16: two ranks combine rows exactly,
+    and each gets back exactly what FP8 leaves of its rows' gradients, not the gradients
+    whole."""
+    outputs = _two_ranks(COMBINE, tmp_path)
+    assert [out.strip() for out, _ in outputs] == ["True True False"] * 2, outputs
+
+
+def test_the_simulator_prices_what_goes_to_the_experts_in_fp8_and_the_rest_in_the_dtype():
     from planc.compile import compile_plan
     from planc.estimate.instruction_cost import InstructionCosts
 
@@ -343,4 +391,6 @@ def test_the_simulator_prices_a_forwards_dispatch_in_fp8_and_the_rest_in_the_dty
                 exchanges[(flag, instruction.operands.step.value)] = \
                     costs.exchanges[instruction.node]
     assert exchanges[("; fp8 = blockwise", "forward")] < exchanges[("", "forward")]
-    assert exchanges[("; fp8 = blockwise", "backward")] == exchanges[("", "backward")]
+    # a backward's combine (the gradients to the experts) in FP8, its dispatch back not
+    assert exchanges[("; fp8 = blockwise", "backward")] == \
+        exchanges[("; fp8 = blockwise", "forward")] < exchanges[("", "backward")]

@@ -501,15 +501,16 @@ def test_a_tokens_experts_lie_on_as_many_nodes_as_counting_every_choice_says():
         assert mixture.nodes_per_token(nodes) == pytest.approx(counted, rel=1e-12)
 
 
-def test_deepseek_v3s_run_simulates_a_step_a_sixth_shorter_than_the_published_one():
+def test_deepseek_v3s_run_hides_its_all_to_alls_and_simulates_a_step_a_fifth_short():
     """The issue's bars for the H800 row (its FP8 recipe, DualPipe's overlap and DeepEP's
     two hops as the report describes them): a step within 15 % of the published one, and
     the worst stage's exposed ep under 15 %. Published: 180K H800 GPU hours per trillion
     tokens, 1e12 / (180,000 x 3,600 s) = 1,543 tokens a second a GPU on 2,048 GPUs, a
-    step of 15,360 sequences of 4,096 tokens: 19.9 s. planc simulates 16.93 s (17.6 %
-    more throughput) and 16.3 % exposed ep on stage 15, 15.3 % on stage 2, the compute
-    beside DeepEP's kernels on the 112 SMs they leave it (15.99 s, 20.5 % and 17.9 %
-    when it had all 132): neither bar is met. What the plan leaves out would add compute
+    step of 15,360 sequences of 4,096 tokens: 19.9 s. planc simulates 15.94 s (24.9 %
+    more throughput: that bar is missed) and 10.5 % exposed ep on stage 15, 9.6 % on
+    stage 2 (met), with the compute beside DeepEP's kernels on the 112 SMs they leave it
+    and the gradients sent to the experts in FP8 as the report sends them (16.89 s, 15.7
+    % and 13.7 % when they went in BF16). What the plan leaves out would add compute
     (multi-head latent attention, whose attention has heads of 192 and 128 features
     where the preset's have 56, and multi-token prediction)."""
     from planc.lang import load_file
@@ -519,9 +520,10 @@ def test_deepseek_v3s_run_simulates_a_step_a_sixth_shorter_than_the_published_on
     published = 15360 * 4096 / (1e12 / (180_000 * 3600) * 2048)
     result = simulate(compile_plan(plan))
     step = result.step_seconds
-    assert (round(published, 2), round(step, 2)) == (19.91, 16.89)
+    assert (round(published, 2), round(step, 2)) == (19.91, 15.94)
     exposed = [s.exposed_seconds.get("ep", 0.0) / step for s in result.stages]
-    assert [round(100 * exposed[k], 1) for k in (2, 15)] == [13.7, 15.7]
+    assert [round(100 * exposed[k], 1) for k in (2, 15)] == [9.6, 10.5]
+    assert max(exposed) < 0.15
     assert max(exposed) == exposed[15]
 
 
@@ -563,12 +565,12 @@ def test_the_compiler_writes_the_list_schedule_where_the_cost_model_prices_it_fa
     """DeepSeek-V3's last stage holds chunks of 2 layers and 1, so that a pair's blocks
     hold unequal all-to-alls, and the default merge gives the smaller block's compute to
     the other's waits in equal shares, whatever they last. The forward of layer 31 with
-    the backward of layers 30 and 29: 56.23 ms a pair merged, 55.23 ms listed. The
-    forward of layers 29 and 30 with the backward of layer 31: 45.55 ms merged, 45.19 ms
-    listed, 41.86 ms listed looking ahead (the forward's experts are not held behind the
-    backward's attention while their dispatch lands). Stage 0's forward of the first
-    chunk with the backward of the last too; every other pair keeps the default merge,
-    which neither list schedule beats by 1 %."""
+    the backward of layers 30 and 29: 51.77 ms a pair merged, 49.84 ms listed. The
+    forward of layers 29 and 30 with the backward of layer 31: 42.86 ms merged, 42.5 ms
+    listed, 39.17 ms listed looking ahead (the forward's experts are not held behind the
+    backward's attention while their dispatch lands). Stage 0's and stage 1's forward of
+    their first chunk with the backward of their last too; every other pair keeps the
+    default merge, which neither list schedule beats by 1 %."""
     from planc.estimate.block_replay import replay
     from planc.estimate.instruction_cost import InstructionCosts
     from planc.program.pair_orders import merged, order_problem, scheduled
@@ -577,11 +579,12 @@ def test_the_compiler_writes_the_list_schedule_where_the_cost_model_prices_it_fa
     build = _h800_build()
     assert {name: sorted(p.pair_orders) for name, p in build.programs.items()
             if p.pair_orders} == {"stage0.json": ["F0 I31 W31"],
+                                  "stage1.json": ["F1 I30 W30"],
                                   "stage15.json": ["F15 I16 W16", "F16 I15 W15"]}
     program = build.programs["stage15.json"]
     duration = InstructionCosts(build.plan, build.groups).of_stage(15)
-    for names, chosen, expected in ((("F16", "I15", "W15"), False, [56.23, 55.23, 55.23]),
-                                    (("F15", "I16", "W16"), True, [45.55, 45.19, 41.86])):
+    for names, chosen, expected in ((("F16", "I15", "W15"), False, [51.77, 49.84, 49.84]),
+                                    (("F15", "I16", "W16"), True, [42.86, 42.5, 39.17])):
         blocks = [program.blocks[name] for name in names]
         orders = [interleave(*blocks)] + [scheduled(*blocks, duration, lookahead)
                                           for lookahead in (False, True)]

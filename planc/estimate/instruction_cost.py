@@ -27,8 +27,9 @@ table alone (not graph.json): the one model the compiler optimises with (planc.e
   receive run together); in the backward a step's K/V shift and the previous block's
   dK/dV shift share the link (:func:`ring_seconds`).
 - A mixture of experts over an ep group adds its dispatch and combine, each an
-  all-to-all of ``bytes`` (its (token, expert) rows at uniform routing; a forward's
-  dispatch with ``fp8``: one byte an element and a scale a tile) times the
+  all-to-all of ``bytes`` (its (token, expert) rows at uniform routing; with ``fp8``
+  what goes to the experts, a forward's rows and a backward's gradients of their
+  outputs, one byte an element and a scale a tile) times the
   routing's imbalance (the busiest rank's rows over the mean, model moe's ``imbalance``;
   its experts' GEMMs take as many rows more) over the group,
   priced on where the group's members sit (:meth:`planc.estimate.cost.CostModel.all_to_all_seconds`:
@@ -266,10 +267,11 @@ class InstructionCosts:
                 # most rows, and the all-to-all lasts as long as its share
                 imbalance = self.mixture.imbalance if self.mixture is not None else 1.0
                 rows = (operands.bytes or 0) * imbalance
-                # a forward's dispatch in FP8 with model { fp8 }; its combine, and both
-                # of a backward's, in the dtype
-                dispatch = self.dispatch_share if operands.step in FORWARD_STEPS else 1.0
-                exchange = self.expert_all_to_all(operands.group, rows * dispatch, stage) + \
+                # with model { fp8 }, what goes to the experts is FP8 (a forward's rows, a
+                # backward's gradients: planc.runtime.families.moe._Fp8Combine), what
+                # comes back the dtype (DeepSeek-V3, section 3.3)
+                exchange = self.expert_all_to_all(
+                    operands.group, rows * self.dispatch_share, stage) + \
                     (EXPERT_ALL_TO_ALLS - 1) * self.expert_all_to_all(operands.group, rows,
                                                                         stage)
                 self.exchanges[instruction.node] = exchange
@@ -309,13 +311,15 @@ class InstructionCosts:
     def _cut_all_to_all(self, operands: Operands, stage: int) -> float:
         """A cut mixture's counts, dispatch or combine (planc.passes.split_dispatch),
         priced as the uncut mixture prices its all-to-alls: the busiest rank's rows
-        (``bytes`` times the imbalance; the counts are one integer an expert), a forward
-        dispatch in FP8 with model { fp8 }, on where the ep group's members sit; plus the
+        (``bytes`` times the imbalance; the counts are one integer an expert), what goes
+        to the experts (a forward's dispatch, a backward's combine: the gradients of
+        their outputs) in FP8 with model { fp8 }, on where the ep group's members sit; plus the
         handoff of a transfer on its own stream."""
         imbalance = self.mixture.imbalance if self.mixture is not None and \
             operands.payload != "counts" else 1.0
-        share = self.dispatch_share if operands.payload == "dispatch" and \
-            operands.direction == "forward" else 1.0
+        toward_experts = (operands.payload, operands.direction) in (
+            ("dispatch", "forward"), ("combine", "backward"))
+        share = self.dispatch_share if toward_experts else 1.0
         nbytes = (operands.bytes or 0) * imbalance * share
         if operands.hops == 2 and self.mixture is not None:
             placements = self.groups.placements(operands.group, stage) or \

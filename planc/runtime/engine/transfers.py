@@ -91,13 +91,17 @@ class Transfers:
         """``value``: (the rows or their gradients, the dispatch's Routed). The forward
         dispatch sends the rows its counts' exchange sized
         (planc.runtime.families.moe_dispatch); the others move rows the dispatch's way
-        (the combine's gradients) or back."""
+        (the combine's gradients, as FP8 with model { fp8 } as the dispatch's rows:
+        DeepSeek-V3, section 3.3) or back."""
         rows, routing = value
         forward = call.operands.direction == "forward"
         if call.operands.hops == 2:
             return self._two_hops(call, rows, routing, dispatch, forward)
         if dispatch and forward:
             return moe_dispatch.dispatch(rows, call.group, self.fp8)
+        if not dispatch and not forward:  # the combine's gradients, to the experts: FP8
+            return moe_dispatch.exchange_fp8_rows(rows, routing.sent, routing.received,
+                                                  call.group, self.fp8)
         return moe_dispatch.exchange(rows, routing, dispatch == forward, call.group)
 
     def _two_hops(self, call: Call, rows, routing, dispatch: bool, forward: bool):
@@ -116,7 +120,7 @@ class Transfers:
             return moe_two_hop.dispatch_backward(rows, hops, hops.order1.numel(), call.group)
         if forward:
             return moe_two_hop.combine(rows, hops, call.group)
-        return moe_two_hop.combine_backward(rows, hops, call.group)
+        return moe_two_hop.combine_backward(rows, hops, call.group, self.fp8)
 
     # --- collectives on a group -------------------------------------------------------
 

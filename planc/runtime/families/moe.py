@@ -83,11 +83,12 @@ class _AllToAll(torch.autograd.Function):
 
 
 class _Fp8Dispatch(torch.autograd.Function):
-    """The dispatch of model { fp8 } (DeepSeek-V3, section 3.3.4: activations dispatched
-    in FP8): each row sent as E4M3 bytes and one fp32 scale per tile
-    (planc.runtime.engine.fp8.encoded_rows), what the experts' first FP8 GEMM reads, and
-    decoded on arrival into the rows' dtype; the backward returns the gradients in the
-    dtype, as _AllToAll does (the report's combine and gradients stay in BF16)."""
+    """The dispatch of model { fp8 } (DeepSeek-V3, section 3.3, "Low-Precision
+    Communication": activations dispatched in FP8): each row sent as E4M3 bytes and one
+    fp32 scale per tile (planc.runtime.engine.fp8.encoded_rows), what the experts' first
+    FP8 GEMM reads, and decoded on arrival into the rows' dtype; the backward returns the
+    gradients in the dtype, as _AllToAll does (the report keeps its combine components,
+    forward and backward, in BF16)."""
 
     @staticmethod
     def forward(ctx, rows, sent, received, group, tile):
@@ -97,6 +98,25 @@ class _Fp8Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return exchange_rows(grad, ctx.received, ctx.sent, ctx.group), None, None, None, None
+
+
+class _Fp8Combine(torch.autograd.Function):
+    """The combine of model { fp8 }: the experts' outputs back in the dtype, as
+    _AllToAll sends them; the backward sends their gradients to the experts as FP8, as
+    the dispatch sends the rows (DeepSeek-V3, section 3.3: "a similar strategy is applied
+    to the activation gradient before MoE down-projections"). The down-projection's FP8
+    backward quantises that gradient in the same 1 x tile groups, so it reads what it
+    would have read of the gradient sent whole."""
+
+    @staticmethod
+    def forward(ctx, rows, sent, received, group, tile):
+        ctx.sent, ctx.received, ctx.group, ctx.tile = sent, received, group, tile
+        return exchange_rows(rows, sent, received, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (exchange_fp8_rows(grad, ctx.received, ctx.sent, ctx.group,
+                                  fp8.Recipe(ctx.tile)), None, None, None, None)
 
 
 def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequences: int,
@@ -134,7 +154,8 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
         if mine.numel():
             done = done.index_copy(0, mine, expert_output(rows[mine], stacked, expert - first,
                                                     recipe))
-    back = _AllToAll.apply(done, received, sent, peers.group)
+    back = _AllToAll.apply(done, received, sent, peers.group) if recipe is None \
+        else _Fp8Combine.apply(done, received, sent, peers.group, recipe.tile)
     weighted = back * weights.reshape(-1)[order].to(tokens.dtype).unsqueeze(-1)
     out = torch.zeros_like(tokens).index_add(0, token_of, weighted)
     return _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequences,

@@ -125,12 +125,15 @@ def combine(outputs: torch.Tensor, hops: Hops, group) -> torch.Tensor:
     return exchange_rows(summed, hops.received1, hops.sent1, group)
 
 
-def combine_backward(grads: torch.Tensor, hops: Hops, group) -> torch.Tensor:
+def combine_backward(grads: torch.Tensor, hops: Hops, group, recipe=None) -> torch.Tensor:
     """The gradients of the combine's hop-1 rows to the experts' outputs: copied to every
-    pair of a row at its gateway (where the forward added them)."""
-    at_gateway = exchange_rows(grads, hops.sent1, hops.received1, group)
+    pair of a row at its gateway (where the forward added them); as FP8 with ``recipe``
+    over both hops, as the dispatch sends its rows (DeepSeek-V3, section 3.3: the
+    activation gradient before the down-projections). A row decoded at the gateway is
+    encoded again into the same bytes and scales."""
+    at_gateway = exchange_fp8_rows(grads, hops.sent1, hops.received1, group, recipe)
     pairs = at_gateway[hops.gateway_rows][hops.order2]
-    return exchange_rows(pairs, hops.sent2, hops.received2, group)
+    return exchange_fp8_rows(pairs, hops.sent2, hops.received2, group, recipe)
 
 
 def dispatch_backward(grads: torch.Tensor, hops: Hops, pairs: int, group
