@@ -23,7 +23,7 @@ from planc.estimate.instruction_cost import axis_of, group_of
 COMPUTE = Stream.COMPUTE
 MARKS = (Opcode.RECORD, Opcode.WAIT, Opcode.SYNC)  # instructions that take no time
 CONTENTION_REPLAYS = 4
-SETTLED = 1e-9  # seconds: a compute step's time that no longer moves between replays
+SETTLED = 1e-9  # seconds a transfer may move between two replays and count as settled
 
 
 @dataclass(frozen=True)

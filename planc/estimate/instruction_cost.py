@@ -39,10 +39,10 @@ table alone (not graph.json): the one model the compiler optimises with (planc.e
   as its part of the whole (planc.estimate.kernel_cost.KernelModel.mixture_part_seconds)
   and each dispatch and combine as a transfer: the same all-to-all, on the ep stream,
   where the compute stream waits for it only if nothing else is left to run.
-- While a cut mixture's all-to-all runs, its kernel holds SMs (:meth:`InstructionCosts.held_sms`)
-  and a compute step beside it takes what the kernel model prices on the SMs left
-  (:meth:`InstructionCosts.contended`); the replay runs it at that rate for as long as
-  they overlap (planc.estimate.block_replay).
+- While a cut mixture's all-to-all runs, its kernel holds SMs
+  (:meth:`InstructionCosts.held_sms`), and a compute step beside it takes what the
+  kernel model prices on the SMs left (:meth:`InstructionCosts.contended`); the replay
+  runs it at that rate for as long as they overlap (planc.estimate.block_replay).
 - A mixture whose balance loss spans the ranks of a sequence adds, to its forward and
   recomputed forward, the all-reduce of its counts (``counts_bytes``) over
   ``counts_group``, in series (the loss needs the sum before it can be formed); with a
@@ -313,8 +313,8 @@ class InstructionCosts:
         priced as the uncut mixture prices its all-to-alls: the busiest rank's rows
         (``bytes`` times the imbalance; the counts are one integer an expert), what goes
         to the experts (a forward's dispatch, a backward's combine: the gradients of
-        their outputs) in FP8 with model { fp8 }, on where the ep group's members sit; plus the
-        handoff of a transfer on its own stream."""
+        their outputs) in FP8 with model { fp8 }, on where the ep group's members sit;
+        plus the handoff of a transfer on its own stream."""
         imbalance = self.mixture.imbalance if self.mixture is not None and \
             operands.payload != "counts" else 1.0
         toward_experts = (operands.payload, operands.direction) in (
