@@ -680,3 +680,49 @@ def test_the_compute_beside_deepeps_kernels_runs_on_the_sms_they_leave():
     assert beside == shared.seconds(experts.operands, moved)
     assert round(beside / alone, 3) == 1.165  # its launches and traffic as they were
     assert costs.contended(norm, 15, 20) == costs(norm, 15)
+
+
+TWO_HOP_FP8 = r'''
+import sys
+import torch, torch.distributed as dist
+from planc.runtime.engine import fp8
+from planc.runtime.families import moe_two_hop
+
+rank, path = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", rank=rank, world_size=4, store=dist.FileStore(path, 4))
+generator = torch.Generator().manual_seed(rank)
+experts = torch.sort(torch.randint(0, 8, (6,), generator=generator)).values
+tokens = torch.randint(0, 3, (6,), generator=generator)
+rows = torch.randn(6, 33, generator=generator) * 5
+recipe = fp8.Recipe(16)
+results = []
+for with_fp8 in (None, recipe):
+    received, _, hops = moe_two_hop.dispatch(rows, experts, tokens, (0, 0, 1, 1), rank, 2,
+                                             None, with_fp8)
+    grads = torch.randn(sum(hops.sent1), 32, generator=torch.Generator().manual_seed(9)) * 3
+    results.append((received, moe_two_hop.combine_backward(grads, hops, None, with_fp8)))
+(plain, plain_grads), (coded, coded_grads) = results
+print(torch.equal(coded[:, :-1], fp8.quantised_rows(plain[:, :-1], 16)),
+      torch.equal(coded[:, -1], plain[:, -1]),
+      torch.equal(coded_grads, fp8.quantised_rows(plain_grads, 16)))
+sys.stdout.flush()
+import os
+os._exit(0)
+'''
+
+
+def test_two_hops_forward_fp8_bytes_as_they_came(tmp_path):
+    """DeepEP forwards a token's FP8 bytes over NVLink as they crossed the network: with
+    model { fp8 } each expert's rows, and the gradients the combine's backward sends them,
+    are exactly one quantisation of what the plain hops deliver, on 4 gloo ranks of 2
+    "nodes" (the weights column in the dtype)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, "-c", TWO_HOP_FP8, str(rank),
+                               str(tmp_path / "store")], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for rank in range(4)]
+    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    assert [out.strip() for out, _ in outputs] == ["True True True"] * 4, outputs

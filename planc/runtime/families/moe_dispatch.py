@@ -147,13 +147,27 @@ def exchange_fp8_rows(features: torch.Tensor, sent, received, group, recipe
     if recipe is None:
         return exchange_rows(features, sent, received, group)
     codes, scale = fp8.encoded_rows(features, recipe.tile)
-    tiles = codes.shape[1]
+    return decoded(exchange_codes((codes, scale), sent, received, group),
+                   features.shape[1], features.dtype)
+
+
+def exchange_codes(encoded: tuple[torch.Tensor, torch.Tensor], sent, received, group
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows encoded as FP8 (planc.runtime.engine.fp8.encoded_rows: E4M3 codes and a
+    scale a tile) to the ranks of a group as :func:`exchange_rows` sends rows, still
+    encoded: a two-hop gateway forwards the bytes it received, as DeepEP does."""
+    codes, scale = encoded
+    tiles, tile = codes.shape[1], codes.shape[2]
     codes_in = exchange_rows(codes.view(torch.uint8).reshape(codes.shape[0], -1), sent,
                              received, group)
     scales_in = exchange_rows(scale.reshape(scale.shape[0], -1), sent, received, group)
-    return fp8.decoded_rows(codes_in.view(fp8.E4M3).reshape(-1, tiles, recipe.tile),
-                            scales_in.reshape(-1, tiles, 1), features.shape[1]
-                            ).to(features.dtype)
+    return codes_in.view(fp8.E4M3).reshape(-1, tiles, tile), scales_in.reshape(-1, tiles, 1)
+
+
+def decoded(encoded: tuple[torch.Tensor, torch.Tensor], features: int, dtype
+            ) -> torch.Tensor:
+    """FP8 rows (:func:`exchange_codes`) in ``dtype``, ``features`` wide."""
+    return fp8.decoded_rows(*encoded, features).to(dtype)
 
 
 def exchange_counts(routed: Routed, group, members: tuple[int, ...]) -> Routed:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from planc.runtime.families.moe_dispatch import (exchange_fp8_rows, exchange_rows,
+from planc.runtime.engine import fp8
+from planc.runtime.families.moe_dispatch import (decoded, exchange_codes, exchange_rows,
                                                  exchange_sizes)
 
 INDEX = torch.int64
@@ -84,7 +85,7 @@ def dispatch(rows: torch.Tensor, experts: torch.Tensor, tokens: torch.Tensor,
     sent1, pairs_sent1 = tuple(to_member.tolist()), tuple(pairs_to.tolist())
     received1, pairs_received1 = tuple(sizes[:, 0].tolist()), tuple(sizes[:, 1].tolist())
     features = rows[:, :-1][order1[rows1_first]]
-    received_rows = exchange_fp8_rows(features, sent1, received1, group, recipe)
+    received_rows = _hop(features, sent1, received1, group, recipe)
     # each pair: its row within its node's hop-1 rows, its expert, its weight
     start1 = torch.cumsum(to_member, 0) - to_member
     gateway_of_node = torch.zeros(max(nodes) + 1, dtype=INDEX, device=device)
@@ -107,8 +108,14 @@ def dispatch(rows: torch.Tensor, experts: torch.Tensor, tokens: torch.Tensor,
     per_expert = torch.bincount(expert2, minlength=ep * per_rank).reshape(ep, per_rank)
     arriving = exchange_sizes(per_expert, group)
     received2 = tuple(arriving.sum(1).tolist())
-    rows2 = torch.cat([received_rows[gateway_rows[order2]], weights[order2]], 1)
-    out = exchange_rows(rows2, sent2, received2, group)
+    at = gateway_rows[order2]
+    if recipe is None:  # the features and their weights in one exchange
+        out = exchange_rows(torch.cat([received_rows[at], weights[order2]], 1), sent2,
+                            received2, group)
+    else:
+        out = torch.cat([_forwarded(received_rows, at, sent2, received2, group, recipe,
+                                    features),
+                         exchange_rows(weights[order2], sent2, received2, group)], 1)
     return out, arriving, Hops(order1, row_of_pair, first, tokens1, sent1, received1,
                                pairs_sent1, pairs_received1, gateway_rows, order2, sent2,
                                received2)
@@ -129,11 +136,31 @@ def combine_backward(grads: torch.Tensor, hops: Hops, group, recipe=None) -> tor
     """The gradients of the combine's hop-1 rows to the experts' outputs: copied to every
     pair of a row at its gateway (where the forward added them); as FP8 with ``recipe``
     over both hops, as the dispatch sends its rows (DeepSeek-V3, section 3.3: the
-    activation gradient before the down-projections). A row decoded at the gateway is
-    encoded again into the same bytes and scales."""
-    at_gateway = exchange_fp8_rows(grads, hops.sent1, hops.received1, group, recipe)
-    pairs = at_gateway[hops.gateway_rows][hops.order2]
-    return exchange_fp8_rows(pairs, hops.sent2, hops.received2, group, recipe)
+    activation gradient before the down-projections)."""
+    at_gateway = _hop(grads, hops.sent1, hops.received1, group, recipe)
+    return _forwarded(at_gateway, hops.gateway_rows[hops.order2], hops.sent2,
+                      hops.received2, group, recipe, grads)
+
+
+def _hop(rows: torch.Tensor, sent, received, group, recipe):
+    """Hop 1: ``rows`` to the gateways, as FP8 codes and scales with ``recipe`` (still
+    encoded on arrival, for the gateway to forward), else as they are."""
+    if recipe is None:
+        return exchange_rows(rows, sent, received, group)
+    return exchange_codes(fp8.encoded_rows(rows, recipe.tile), sent, received, group)
+
+
+def _forwarded(arrived, rows: torch.Tensor, sent, received, group, recipe,
+               like: torch.Tensor) -> torch.Tensor:
+    """Hop 2: the gateway's ``rows`` of what hop 1 brought (:func:`_hop`) to the
+    experts' ranks on its node; with ``recipe`` the FP8 bytes forwarded as they came
+    (DeepEP forwards them so, and the experts read what one quantisation left), decoded
+    there into the features and dtype of ``like``, what hop 1 sent."""
+    if recipe is None:
+        return exchange_rows(arrived[rows], sent, received, group)
+    codes, scales = arrived
+    return decoded(exchange_codes((codes[rows], scales[rows]), sent, received, group),
+                   like.shape[1], like.dtype)
 
 
 def dispatch_backward(grads: torch.Tensor, hops: Hops, pairs: int, group
