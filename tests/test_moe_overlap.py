@@ -171,6 +171,10 @@ LAYOUTS = {
                              shard="tp { sequence_parallel = on }; dp { zero = 1 }"),
     "dualpipev": dict(mesh="pp = 2; dp = 2; ep = 2", shard="pp { virtual = 2 }", layers=4,
                       microbatches=4, pipeline="dualpipev"),
+    # 4 stages: a cool-down input gradient runs with an earlier microbatch's weight
+    # gradients (Program.weighted)
+    "dualpipev-pp4": dict(mesh="pp = 4; dp = 2; ep = 2", shard="pp { virtual = 2 }",
+                          layers=8, microbatches=8, pipeline="dualpipev", batch=16),
     "interleaved-zero2": dict(mesh="pp = 2; dp = 2; ep = 2",
                               shard="pp { virtual = 2 }; dp { zero = 2 }", layers=4,
                               microbatches=4, pipeline="interleaved"),
@@ -351,10 +355,11 @@ def test_a_dualpipev_pair_takes_the_weight_gradients_that_follow_it(capsys, tmp_
 
 def test_an_input_gradient_outside_the_pairs_runs_with_its_own_weight_gradients():
     """The warm-up's and cool-down's input gradients have no forward beside them: one
-    that holds all-to-alls and that the schedule follows with its own weight gradients
-    runs with them interleaved (``weighted``), as Megatron-Core delays the experts'
+    that holds all-to-alls and that the schedule follows with weight gradients of its
+    chunk runs with them interleaved (``weighted``), as Megatron-Core delays the experts'
     weight gradients into the dispatch's backward all-to-all; chunk 0's (a dense layer)
-    runs alone. The merge keeps the input gradient's order and puts each weight-gradient
+    runs alone. On 4 stages some cool-down input gradients run with an earlier
+    microbatch's weight gradients (LAYOUTS' dualpipev-pp4, which planc run --check runs). The merge keeps the input gradient's order and puts each weight-gradient
     step where the compute stream would wait for an all-to-all, once what it reads is
     written."""
     from planc.program.pair_orders import merged
@@ -380,6 +385,9 @@ def test_an_input_gradient_outside_the_pairs_runs_with_its_own_weight_gradients(
         with pytest.raises(ValueError, match="weighted names positions that are not "
                                              "blocks of the schedule outside its pairs"):
             Program.from_json(data)
+    four = built(plan_text(**LAYOUTS["dualpipev-pp4"])).programs["stage1.json"]
+    assert [four.schedule[k:k + 2] for k in four.weighted[-2:]] == [
+        (("I1", 6), ("W1", 5)), (("I1", 7), ("W1", 6))]
     report = verify(build.plan, build.graph, {**build.programs, "stage0.json":
                                               dataclasses.replace(program, weighted=(4,))},
                     build.table, build.groups, build.routes)
@@ -507,7 +515,7 @@ def test_deepseek_v3s_run_hides_its_all_to_alls_and_simulates_a_step_a_fifth_sho
     the worst stage's exposed ep under 15 %. Published: 180K H800 GPU hours per trillion
     tokens, 1e12 / (180,000 x 3,600 s) = 1,543 tokens a second a GPU on 2,048 GPUs, a
     step of 15,360 sequences of 4,096 tokens: 19.9 s. planc simulates 15.94 s (24.9 %
-    more throughput: that bar is missed) and 10.5 % exposed ep on stage 15, 9.6 % on
+    more throughput: that bar is missed) and 10.5 % exposed ep on stage 15, 8.9 % on
     stage 2 (met), with the compute beside DeepEP's kernels on the 112 SMs they leave it
     and the gradients sent to the experts in FP8 as the report sends them (16.89 s, 15.7
     % and 13.7 % when they went in BF16). What the plan leaves out would add compute
@@ -522,7 +530,7 @@ def test_deepseek_v3s_run_hides_its_all_to_alls_and_simulates_a_step_a_fifth_sho
     step = result.step_seconds
     assert (round(published, 2), round(step, 2)) == (19.91, 15.94)
     exposed = [s.exposed_seconds.get("ep", 0.0) / step for s in result.stages]
-    assert [round(100 * exposed[k], 1) for k in (2, 15)] == [9.6, 10.5]
+    assert [round(100 * exposed[k], 1) for k in (2, 15)] == [8.9, 10.5]
     assert max(exposed) < 0.15
     assert max(exposed) == exposed[15]
 

@@ -47,10 +47,13 @@ def weighted_blocks(order, paired: tuple[int, ...], paired_weights: tuple[int, .
                     blocks: dict) -> tuple[int, ...]:
     """The input-gradient blocks outside the pairs (a warm-up's or a cool-down's, which
     have no forward beside them) that hold all-to-alls and that the schedule follows at
-    once with their own weight gradients: each runs with them interleaved, its weight
-    gradients filling the compute stream while its all-to-alls travel (Megatron-Core's
-    delayed weight-gradient computation, which runs the experts' weight gradients
-    beside the dispatch's backward all-to-all)."""
+    once with weight gradients of their chunk (their own microbatch's, or in a
+    cool-down an earlier one's, whose input gradient has run): each runs with them
+    interleaved, the weight gradients filling the compute stream while its all-to-alls
+    travel (Megatron-Core's delayed weight-gradient computation, which runs the experts'
+    weight gradients beside the dispatch's backward all-to-all). A weight gradient of
+    another microbatch reads only its own stash (``B/...:saved``), which the runtime
+    keeps by microbatch; the merge orders it by buffer names all the same."""
     taken = {k + j for k in paired for j in range(3 if k in paired_weights else 2)}
     out: list[int] = []
     for k in range(len(order) - 1):
@@ -58,8 +61,7 @@ def weighted_blocks(order, paired: tuple[int, ...], paired_weights: tuple[int, .
         if {k, k + 1} & taken or (out and out[-1] == k - 1):
             continue
         if backward.kind is ActionKind.BACKWARD_INPUT and \
-                after.kind is ActionKind.BACKWARD_WEIGHT and \
-                (after.chunk, after.microbatch) == (backward.chunk, backward.microbatch) and \
+                after.kind is ActionKind.BACKWARD_WEIGHT and after.chunk == backward.chunk and \
                 _exchanges(blocks.get(backward.block.name, ())):
             out.append(k)
     return tuple(out)

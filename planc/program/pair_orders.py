@@ -37,9 +37,9 @@ def merged(program, entries: Sequence[tuple[str, int]]) -> list[tuple[int, objec
     """The instructions of the pair ``entries`` ((block, microbatch) of each block) in the
     order they run, as (which block, instruction): the order the compiler wrote for the
     blocks less what does not run on those microbatches (guards), or else
-    :func:`interleave`'s merge of what runs. An input gradient with its own weight
-    gradients (``program.weighted``) is :func:`interleave`'s merge with no first block:
-    the weight gradients fill the input gradient's waits for its all-to-alls."""
+    :func:`interleave`'s merge of what runs. An input gradient with weight gradients
+    of its chunk (``program.weighted``) is :func:`interleave`'s merge with no first
+    block: the weight gradients fill the input gradient's waits for its all-to-alls."""
     if program.is_weighted(entries):
         blocks = [(), *(program.running(*entry) for entry in entries)]
         return [(side - 1, blocks[side][at]) for side, at in interleave(*blocks)]

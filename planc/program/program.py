@@ -230,8 +230,9 @@ class Program:
     # of those, the positions whose pair also runs block k + 2 inside it: the
     # weight-gradient block of block k + 1's microbatch (DualPipe's W within its pair)
     paired_weights: tuple[int, ...] = ()
-    # positions k, in no pair, of an input-gradient block that runs interleaved with its
-    # own weight-gradient block at k + 1 (planc.program.pairs.interleave with no first)
+    # positions k, in no pair, of an input-gradient block that runs interleaved with the
+    # weight-gradient block of its chunk at k + 1 (planc.program.pairs.interleave with
+    # no first)
     weighted: tuple[int, ...] = ()
     # pair's block names -> the order its instructions run in, (0, 1 or 2: which block,
     # position in it), where the compiler's cost model chose one over the default merge

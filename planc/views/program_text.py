@@ -107,8 +107,8 @@ def render(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program], table: R
                         "run as soon as what they read is there" if program.paired_weights
                         else ""))
     if program.weighted:
-        lines.append("  <I... W...>: an input gradient outside the pairs with its own weight "
-                     "gradients, which fill its waits for its all-to-alls")
+        lines.append("  <I... W...>: an input gradient outside the pairs with the weight "
+                     "gradients after it, which fill its waits for its all-to-alls")
     if program.pair_orders:
         lines.append("  in the order the compiler's cost model chose (a list schedule, "
                      "not the default merge): " + ", ".join(
