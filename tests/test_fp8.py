@@ -280,16 +280,16 @@ def test_the_head_stays_in_the_dtype():
         plain.linear_seconds("fc1", "forward", 1e12)
 
 
-def _two_ranks(script: str, tmp_path) -> list[tuple[str, str]]:
-    """``script`` run by two gloo ranks (its argv: the rank, a file store's path):
-    each one's (stdout, stderr)."""
+def _two_ranks(script: str, tmp_path, *args: str) -> list[tuple[str, str]]:
+    """``script`` run by two gloo ranks (its argv: the rank, a file store's path, then
+    ``args``): each one's (stdout, stderr)."""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ranks = [subprocess.Popen([sys.executable, "-c", script, str(rank),
-                               str(tmp_path / "store")], stdout=subprocess.PIPE,
+                               str(tmp_path / "store"), *args], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
     return [rank.communicate(timeout=120) for rank in ranks]
 
@@ -333,10 +333,11 @@ from planc.runtime.engine import fp8
 from planc.runtime.families.moe import _Fp8Combine
 
 rank, path = int(sys.argv[1]), sys.argv[2]
+form = fp8.GRADIENT_FORMATS[sys.argv[3]]
 dist.init_process_group("gloo", rank=rank, world_size=2, store=dist.FileStore(path, 2))
 outputs = torch.randn(5, 40, generator=torch.Generator().manual_seed(rank)).requires_grad_()
 sent, received = ([2, 3], [2, 1]) if rank == 0 else ([1, 4], [3, 4])
-got = _Fp8Combine.apply(outputs, sent, received, None, 16)
+got = _Fp8Combine.apply(outputs, sent, received, None, fp8.Recipe(16, form))
 theirs = [torch.randn(5, 40, generator=torch.Generator().manual_seed(r)) for r in (0, 1)]
 first = [0, 0] if rank == 0 else [2, 1]  # where each sender's rows for me start
 whole = torch.equal(got, torch.cat([theirs[r][first[r]:first[r] + received[r]]
@@ -345,9 +346,9 @@ whole = torch.equal(got, torch.cat([theirs[r][first[r]:first[r] + received[r]]
 got.backward(torch.arange(got.shape[0] * 40, dtype=torch.float32).reshape(-1, 40) * 3)
 grads = {r: torch.arange(n * 40, dtype=torch.float32).reshape(-1, 40) * 3
          for r, n in ((0, 3), (1, 7))}  # the gradient of each rank's received rows
-expected = torch.cat([fp8.quantised_rows(grads[peer][at:at + n], 16)
+expected = torch.cat([fp8.quantised_rows(grads[peer][at:at + n], 16, form)
                       for peer, at, n in ((0, 0, 2), (1, 0, 3))] if rank == 0 else
-                     [fp8.quantised_rows(grads[peer][at:at + n], 16)
+                     [fp8.quantised_rows(grads[peer][at:at + n], 16, form)
                       for peer, at, n in ((0, 2, 1), (1, 3, 4))])
 print(whole, torch.equal(outputs.grad, expected),
       torch.equal(outputs.grad, torch.cat([grads[0][:2], grads[1][:3]]) if rank == 0
@@ -358,13 +359,14 @@ os._exit(0)
 '''
 
 
+@pytest.mark.parametrize("form", ["e4m3", "e5m2"])
 def test_the_combine_returns_the_dtype_and_sends_its_gradients_to_the_experts_in_fp8(
-        tmp_path):
+        tmp_path, form):
     """DeepSeek-V3 (section 3.3) sends the activation gradient before the experts'
     down-projections in FP8, the combine itself in BF16: two ranks combine rows exactly,
     and each gets back exactly what FP8 leaves of its rows' gradients, not the gradients
-    whole."""
-    outputs = _two_ranks(COMBINE, tmp_path)
+    whole, in the recipe's format of gradients (which the down GEMM's backward reads)."""
+    outputs = _two_ranks(COMBINE, tmp_path, form)
     assert [out.strip() for out, _ in outputs] == ["True True False"] * 2, outputs
 
 

@@ -702,7 +702,8 @@ generator = torch.Generator().manual_seed(rank)
 experts = torch.sort(torch.randint(0, 8, (6,), generator=generator)).values
 tokens = torch.randint(0, 3, (6,), generator=generator)
 rows = torch.randn(6, 33, generator=generator) * 5
-recipe = fp8.Recipe(16)
+form = fp8.GRADIENT_FORMATS[sys.argv[3]]
+recipe = fp8.Recipe(16, form)
 results = []
 for with_fp8 in (None, recipe):
     received, _, hops = moe_two_hop.dispatch(rows, experts, tokens, (0, 0, 1, 1), rank, 2,
@@ -712,25 +713,27 @@ for with_fp8 in (None, recipe):
 (plain, plain_grads), (coded, coded_grads) = results
 print(torch.equal(coded[:, :-1], fp8.quantised_rows(plain[:, :-1], 16)),
       torch.equal(coded[:, -1], plain[:, -1]),
-      torch.equal(coded_grads, fp8.quantised_rows(plain_grads, 16)))
+      torch.equal(coded_grads, fp8.quantised_rows(plain_grads, 16, form)))
 sys.stdout.flush()
 import os
 os._exit(0)
 '''
 
 
-def test_two_hops_forward_fp8_bytes_as_they_came(tmp_path):
+@pytest.mark.parametrize("form", ["e4m3", "e5m2"])
+def test_two_hops_forward_fp8_bytes_as_they_came(tmp_path, form):
     """DeepEP forwards a token's FP8 bytes over NVLink as they crossed the network: with
-    model { fp8 } each expert's rows, and the gradients the combine's backward sends them,
-    are exactly one quantisation of what the plain hops deliver, on 4 gloo ranks of 2
-    "nodes" (the weights column in the dtype)."""
+    model { fp8 } each expert's rows (E4M3), and the gradients the combine's backward
+    sends them (in the recipe's format of gradients), are exactly one quantisation of
+    what the plain hops deliver, on 4 gloo ranks of 2 "nodes" (the weights column in the
+    dtype)."""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ranks = [subprocess.Popen([sys.executable, "-c", TWO_HOP_FP8, str(rank),
-                               str(tmp_path / "store")], stdout=subprocess.PIPE,
+                               str(tmp_path / "store"), form], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for rank in range(4)]
     outputs = [rank.communicate(timeout=120) for rank in ranks]
     assert [out.strip() for out, _ in outputs] == ["True True True"] * 4, outputs

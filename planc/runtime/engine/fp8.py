@@ -85,11 +85,12 @@ def quantised_rows(x: torch.Tensor, tile: int, form: torch.dtype = E4M3) -> torc
     return _quantised(_row_groups(x, tile), (-1,), form).reshape(*x.shape[:-1], -1)[..., :n]
 
 
-def encoded_rows(x: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` as :func:`quantised_rows` rounds it, kept as it would be in memory: one E4M3
-    byte an element and an fp32 scale a tile (the FP8 activation a linear layer keeps
-    for its backward)."""
-    return _encoded(_row_groups(x, tile), (-1,))
+def encoded_rows(x: torch.Tensor, tile: int, form: torch.dtype = E4M3
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` as :func:`quantised_rows` rounds it, kept as it would be in memory: one byte
+    of ``form`` an element and an fp32 scale a tile (the FP8 activation a linear layer
+    keeps for its backward)."""
+    return _encoded(_row_groups(x, tile), (-1,), form)
 
 
 def decoded_rows(codes: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:

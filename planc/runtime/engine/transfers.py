@@ -101,7 +101,7 @@ class Transfers:
             return moe_dispatch.dispatch(rows, call.group, self.fp8)
         if not dispatch and not forward:  # the combine's gradients, to the experts: FP8
             return moe_dispatch.exchange_fp8_rows(rows, routing.sent, routing.received,
-                                                  call.group, self.fp8)
+                                                  call.group, self.fp8, gradients=True)
         return moe_dispatch.exchange(rows, routing, dispatch == forward, call.group)
 
     def _two_hops(self, call: Call, rows, routing, dispatch: bool, forward: bool):

@@ -109,14 +109,14 @@ class _Fp8Combine(torch.autograd.Function):
     would have read of the gradient sent whole."""
 
     @staticmethod
-    def forward(ctx, rows, sent, received, group, tile):
-        ctx.sent, ctx.received, ctx.group, ctx.tile = sent, received, group, tile
+    def forward(ctx, rows, sent, received, group, recipe):
+        ctx.sent, ctx.received, ctx.group, ctx.recipe = sent, received, group, recipe
         return exchange_rows(rows, sent, received, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return (exchange_fp8_rows(grad, ctx.received, ctx.sent, ctx.group,
-                                  fp8.Recipe(ctx.tile)), None, None, None, None)
+        return (exchange_fp8_rows(grad, ctx.received, ctx.sent, ctx.group, ctx.recipe,
+                                  gradients=True), None, None, None, None)
 
 
 def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequences: int,
@@ -155,7 +155,7 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
             done = done.index_copy(0, mine, expert_output(rows[mine], stacked, expert - first,
                                                     recipe))
     back = _AllToAll.apply(done, received, sent, peers.group) if recipe is None \
-        else _Fp8Combine.apply(done, received, sent, peers.group, recipe.tile)
+        else _Fp8Combine.apply(done, received, sent, peers.group, recipe)
     weighted = back * weights.reshape(-1)[order].to(tokens.dtype).unsqueeze(-1)
     out = torch.zeros_like(tokens).index_add(0, token_of, weighted)
     return _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequences,

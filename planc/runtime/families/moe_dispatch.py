@@ -140,13 +140,16 @@ def exchange_sizes(counts: torch.Tensor, group) -> torch.Tensor:
     return arriving
 
 
-def exchange_fp8_rows(features: torch.Tensor, sent, received, group, recipe
-                      ) -> torch.Tensor:
+def exchange_fp8_rows(features: torch.Tensor, sent, received, group, recipe,
+                      gradients: bool = False) -> torch.Tensor:
     """:func:`exchange_rows` of ``features``, as FP8 with ``recipe`` (DeepSeek-V3, section
-    3.3.4: E4M3 bytes and a scale per tile), decoded on arrival into their dtype."""
+    3.3.4: E4M3 bytes and a scale per tile; ``gradients``: in the recipe's format of
+    output gradients, which the GEMM that reads them quantises to), decoded on arrival
+    into their dtype."""
     if recipe is None:
         return exchange_rows(features, sent, received, group)
-    codes, scale = fp8.encoded_rows(features, recipe.tile)
+    codes, scale = fp8.encoded_rows(features, recipe.tile,
+                                    recipe.gradients if gradients else fp8.E4M3)
     return decoded(exchange_codes((codes, scale), sent, received, group),
                    features.shape[1], features.dtype)
 
@@ -161,7 +164,7 @@ def exchange_codes(encoded: tuple[torch.Tensor, torch.Tensor], sent, received, g
     codes_in = exchange_rows(codes.view(torch.uint8).reshape(codes.shape[0], -1), sent,
                              received, group)
     scales_in = exchange_rows(scale.reshape(scale.shape[0], -1), sent, received, group)
-    return codes_in.view(fp8.E4M3).reshape(-1, tiles, tile), scales_in.reshape(-1, tiles, 1)
+    return codes_in.view(codes.dtype).reshape(-1, tiles, tile), scales_in.reshape(-1, tiles, 1)
 
 
 def decoded(encoded: tuple[torch.Tensor, torch.Tensor], features: int, dtype

@@ -137,17 +137,19 @@ def combine_backward(grads: torch.Tensor, hops: Hops, group, recipe=None) -> tor
     pair of a row at its gateway (where the forward added them); as FP8 with ``recipe``
     over both hops, as the dispatch sends its rows (DeepSeek-V3, section 3.3: the
     activation gradient before the down-projections)."""
-    at_gateway = _hop(grads, hops.sent1, hops.received1, group, recipe)
+    at_gateway = _hop(grads, hops.sent1, hops.received1, group, recipe, gradients=True)
     return _forwarded(at_gateway, hops.gateway_rows[hops.order2], hops.sent2,
                       hops.received2, group, recipe, grads)
 
 
-def _hop(rows: torch.Tensor, sent, received, group, recipe):
-    """Hop 1: ``rows`` to the gateways, as FP8 codes and scales with ``recipe`` (still
-    encoded on arrival, for the gateway to forward), else as they are."""
+def _hop(rows: torch.Tensor, sent, received, group, recipe, gradients: bool = False):
+    """Hop 1: ``rows`` to the gateways, as FP8 codes and scales with ``recipe`` (E4M3, or
+    gradients in the recipe's format for them; still encoded on arrival, for the gateway
+    to forward), else as they are."""
     if recipe is None:
         return exchange_rows(rows, sent, received, group)
-    return exchange_codes(fp8.encoded_rows(rows, recipe.tile), sent, received, group)
+    form = recipe.gradients if gradients else fp8.E4M3
+    return exchange_codes(fp8.encoded_rows(rows, recipe.tile, form), sent, received, group)
 
 
 def _forwarded(arrived, rows: torch.Tensor, sent, received, group, recipe,
