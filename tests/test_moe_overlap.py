@@ -175,6 +175,13 @@ LAYOUTS = {
     # gradients (Program.weighted)
     "dualpipev-pp4": dict(mesh="pp = 4; dp = 2; ep = 2", shard="pp { virtual = 2 }",
                           layers=8, microbatches=8, pipeline="dualpipev", batch=16),
+    # the zero-bubble schedules: pairs where a forward meets a backward, and input
+    # gradients outside them with the weight gradients after them (Program.weighted)
+    "zb1p": dict(mesh="pp = 2; dp = 2; ep = 2", layers=4, microbatches=4, pipeline="zb1p"),
+    "interleaved-zb": dict(mesh="pp = 2; dp = 2; ep = 2", shard="pp { virtual = 2 }",
+                           layers=4, microbatches=4, pipeline="interleaved_zb"),
+    "zbv": dict(mesh="pp = 2; dp = 2; ep = 2", shard="pp { virtual = 2 }", layers=4,
+                microbatches=4, pipeline="zbv"),
     "interleaved-zero2": dict(mesh="pp = 2; dp = 2; ep = 2",
                               shard="pp { virtual = 2 }; dp { zero = 2 }", layers=4,
                               microbatches=4, pipeline="interleaved"),
@@ -385,6 +392,11 @@ def test_an_input_gradient_outside_the_pairs_runs_with_its_own_weight_gradients(
         with pytest.raises(ValueError, match="weighted names positions that are not "
                                              "blocks of the schedule outside its pairs"):
             Program.from_json(data)
+    # under the zero-bubble schedules too (planc run --check runs them: LAYOUTS)
+    assert {layout: [p.weighted for p in built(plan_text(**LAYOUTS[layout]))
+                     .programs.values()] for layout in ("zb1p", "interleaved-zb", "zbv")} == {
+        "zb1p": [(10,), (3, 6, 9)], "interleaved-zb": [(18,), (5, 17, 21)],
+        "zbv": [(4, 7, 13, 18), (20,)]}
     four = built(plan_text(**LAYOUTS["dualpipev-pp4"])).programs["stage1.json"]
     assert [four.schedule[k:k + 2] for k in four.weighted[-2:]] == [
         (("I1", 6), ("W1", 5)), (("I1", 7), ("W1", 6))]
