@@ -19,6 +19,19 @@ PLANS = ROOT / "plans"
 # in the order its expectations were written against. A setting of the caller wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+def script_on_ranks(script: str, tmp_path: Path, ranks: int = 2, *args: str
+                    ) -> list[tuple[str, str]]:
+    """``script`` (Python source) run by ``ranks`` processes that join one gloo group
+    through a file store: its argv is the rank, the store's path, then ``args``. Each
+    rank's (stdout, stderr), once all have exited."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    processes = [subprocess.Popen([sys.executable, "-c", script, str(rank),
+                                   str(tmp_path / "store"), *args], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env)
+                 for rank in range(ranks)]
+    return [process.communicate(timeout=120) for process in processes]
+
+
 # A plan with exactly one error, the one of the language reference: tp = 8, heads = 12.
 BAD_TP = """\
 # tp does not divide heads

@@ -9,6 +9,7 @@ import pytest
 
 from planc.cli import main
 from planc.lang import load_text
+from tests.conftest import script_on_ranks
 
 torch = pytest.importorskip("torch")
 
@@ -280,20 +281,6 @@ def test_the_head_stays_in_the_dtype():
         plain.linear_seconds("fc1", "forward", 1e12)
 
 
-def _two_ranks(script: str, tmp_path, *args: str) -> list[tuple[str, str]]:
-    """``script`` run by two gloo ranks (its argv: the rank, a file store's path, then
-    ``args``): each one's (stdout, stderr)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, "-c", script, str(rank),
-                               str(tmp_path / "store"), *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
-    return [rank.communicate(timeout=120) for rank in ranks]
-
-
 DISPATCH = r'''
 import sys
 import torch, torch.distributed as dist
@@ -322,7 +309,7 @@ def test_the_dispatch_sends_fp8_bytes_and_the_gradients_back_in_the_dtype(tmp_pa
     """Two ranks exchange rows through the FP8 dispatch: each receives exactly what its
     experts' FP8 GEMM would read of the rows sent to it, and the backward returns every
     row's gradient (ones) whole."""
-    outputs = _two_ranks(DISPATCH, tmp_path)
+    outputs = script_on_ranks(DISPATCH, tmp_path)
     assert [out.strip() for out, _ in outputs] == ["True torch.float32 200.0"] * 2, outputs
 
 
@@ -366,7 +353,7 @@ def test_the_combine_returns_the_dtype_and_sends_its_gradients_to_the_experts_in
     down-projections in FP8, the combine itself in BF16: two ranks combine rows exactly,
     and each gets back exactly what FP8 leaves of its rows' gradients, not the gradients
     whole, in the recipe's format of gradients (which the down GEMM's backward reads)."""
-    outputs = _two_ranks(COMBINE, tmp_path, form)
+    outputs = script_on_ranks(COMBINE, tmp_path, 2, form)
     assert [out.strip() for out, _ in outputs] == ["True True False"] * 2, outputs
 
 

@@ -5,11 +5,9 @@ skipped them and the group hung: moe-tiny with the sigmoid gate stopped at step 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.conftest import script_on_ranks
 
 pytest.importorskip("torch")
 
@@ -55,11 +53,7 @@ os._exit(0)
 
 
 def test_a_rank_whose_experts_get_no_rows_still_joins_the_backward(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, "-c", RANKS, str(rank), str(tmp_path / "s")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env) for rank in (0, 1)]
-    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    outputs = script_on_ranks(RANKS, tmp_path)
     # the output and the tokens' gradients as one process computes them; rank 0's experts
     # took every row (gradients), rank 1's none (no gradient: they never ran)
     assert [out.strip() for out, _ in outputs] == ["True True True"] * 2, outputs

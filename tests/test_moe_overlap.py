@@ -17,6 +17,7 @@ from planc.lang import load_text
 from planc.program.names import Stream
 from planc.program.program import Opcode, Program
 from planc.verify.verifier import verify
+from tests.conftest import script_on_ranks
 
 PLAN = """plan cut {
   model moe {
@@ -739,13 +740,5 @@ def test_two_hops_forward_fp8_bytes_as_they_came(tmp_path, form):
     sends them (in the recipe's format of gradients), are exactly one quantisation of
     what the plain hops deliver, on 4 gloo ranks of 2 "nodes" (the weights column in the
     dtype)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ranks = [subprocess.Popen([sys.executable, "-c", TWO_HOP_FP8, str(rank),
-                               str(tmp_path / "store"), form], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for rank in range(4)]
-    outputs = [rank.communicate(timeout=120) for rank in ranks]
+    outputs = script_on_ranks(TWO_HOP_FP8, tmp_path, 4, form)
     assert [out.strip() for out, _ in outputs] == ["True True True"] * 4, outputs

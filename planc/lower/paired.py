@@ -14,7 +14,7 @@ from planc.plan.plan import Plan
 from planc.program.groups import GroupTable
 from planc.program.pair_orders import pair_key, scheduled
 from planc.program.pairs import interleave
-from planc.program.program import Opcode, Program
+from planc.program.program import Opcode, Program, paired_positions
 from planc.schedules import ActionKind
 
 # The list schedule replaces the default merge where it saves more than this share of
@@ -54,7 +54,7 @@ def weighted_blocks(order, paired: tuple[int, ...], paired_weights: tuple[int, .
     weight gradients beside the dispatch's backward all-to-all). A weight gradient of
     another microbatch reads only its own stash (``B/...:saved``), which the runtime
     keeps by microbatch; the merge orders it by buffer names all the same."""
-    taken = {k + j for k in paired for j in range(3 if k in paired_weights else 2)}
+    taken = paired_positions(paired, paired_weights)
     out: list[int] = []
     for k in range(len(order) - 1):
         backward, after = order[k], order[k + 1]

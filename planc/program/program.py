@@ -181,6 +181,12 @@ def _evaluation_of(data) -> dict:
             "evaluation_receives": _receives(data["receives"])}
 
 
+def paired_positions(paired, paired_weights) -> set[int]:
+    """The schedule's positions an overlapped pair runs: each pair's two blocks, and the
+    weight-gradient block of those that take it (``paired_weights``)."""
+    return {k + j for k in paired for j in range(3 if k in paired_weights else 2)}
+
+
 def guard_microbatch(guard: Guard | None, microbatches: int) -> int | None:
     """The only microbatch a guarded instruction runs on (None: every microbatch)."""
     return None if guard is None else (0 if guard is Guard.FIRST else microbatches - 1)
@@ -362,7 +368,7 @@ class Program:
                 any(k + 2 >= len(program.schedule) or k + 2 in paired for k in weights):
             raise ValueError("paired_weights names positions that are not pairs followed by "
                              "a block of their own")
-        taken = {k + j for k in paired for j in range(3 if k in weights else 2)}
+        taken = paired_positions(paired, weights)
         if list(program.weighted) != sorted(set(program.weighted)) or any(
                 not 0 <= k < len(program.schedule) - 1 or {k, k + 1} & taken or
                 k + 1 in program.weighted for k in program.weighted):

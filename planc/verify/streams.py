@@ -132,10 +132,11 @@ class StreamChecks:
 
     def _paired_weights(self, ranks, name: str, program: Program) -> None:
         """A pair that takes its weight gradients (planc.program.pairs), or an input
-        gradient run with its own (``weighted``), moves them among the input gradient's
-        instructions: checked as one sequence, the two blocks of one
-        microbatch free nothing a transfer may still read, and read nothing before it is
-        written (each instance once: the first, the last and any other microbatch)."""
+        gradient run with the weight gradients after it (``weighted``: its own
+        microbatch's, or an earlier one's), moves them among the input gradient's
+        instructions: checked as one sequence, by buffer names, the two blocks free
+        nothing a transfer may still read, and read nothing before it is written (each
+        instance once: the first, the last and any other microbatch)."""
         seen = set()
         for k, first in [(k, 1) for k in program.paired_weights] + \
                 [(k, 0) for k in program.weighted]:
@@ -149,8 +150,9 @@ class StreamChecks:
             both = [instruction for side, instruction in merged(program, entries)
                     if side >= first]
             self._check_sequence(both, Lazy(lambda e=entries[first:]: (
-                f"{ranks} ({name}, blocks {e[0][0]} and {e[1][0]} interleaved, microbatch "
-                f"{e[0][1]})")), external=True)
+                f"{ranks} ({name}, blocks {e[0][0]} and {e[1][0]} interleaved, "
+                + (f"microbatch {e[0][1]})" if e[0][1] == e[1][1] else
+                   f"microbatches {e[0][1]} and {e[1][1]})"))), external=True)
 
     def _written_before_read(self, ranks, name: str, program: Program, positions) -> None:
         """A block that reads a value another block writes for the same microbatch (a

@@ -148,10 +148,18 @@ def exchange_fp8_rows(features: torch.Tensor, sent, received, group, recipe,
     into their dtype."""
     if recipe is None:
         return exchange_rows(features, sent, received, group)
-    codes, scale = fp8.encoded_rows(features, recipe.tile,
-                                    recipe.gradients if gradients else fp8.E4M3)
-    return decoded(exchange_codes((codes, scale), sent, received, group),
+    return decoded(exchange_encoded(features, sent, received, group, recipe, gradients),
                    features.shape[1], features.dtype)
+
+
+def exchange_encoded(features: torch.Tensor, sent, received, group, recipe,
+                     gradients: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``features`` encoded as FP8 with ``recipe`` (E4M3, or ``gradients`` in the
+    recipe's format of output gradients) and sent as :func:`exchange_codes` sends them,
+    still encoded on arrival."""
+    form = recipe.gradients if gradients else fp8.E4M3
+    return exchange_codes(fp8.encoded_rows(features, recipe.tile, form), sent, received,
+                          group)
 
 
 def exchange_codes(encoded: tuple[torch.Tensor, torch.Tensor], sent, received, group

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from planc.runtime.engine import fp8
-from planc.runtime.families.moe_dispatch import (decoded, exchange_codes, exchange_rows,
-                                                 exchange_sizes)
+from planc.runtime.families.moe_dispatch import (decoded, exchange_codes, exchange_encoded,
+                                                 exchange_rows, exchange_sizes)
 
 INDEX = torch.int64
 
@@ -148,8 +147,7 @@ def _hop(rows: torch.Tensor, sent, received, group, recipe, gradients: bool = Fa
     to forward), else as they are."""
     if recipe is None:
         return exchange_rows(rows, sent, received, group)
-    form = recipe.gradients if gradients else fp8.E4M3
-    return exchange_codes(fp8.encoded_rows(rows, recipe.tile, form), sent, received, group)
+    return exchange_encoded(rows, sent, received, group, recipe, gradients)
 
 
 def _forwarded(arrived, rows: torch.Tensor, sent, received, group, recipe,
