@@ -473,13 +473,12 @@ def test_a_dense_chunk_paired_with_a_mixture_fills_each_of_its_waits():
     from planc.program.pairs import interleave
     from planc.estimate.block_replay import replay
     from planc.estimate.instruction_cost import InstructionCosts
-    from planc.simulate.pipeline import _variant
 
     build = compile_plan(load_file("plans/moe-published/deepseek-v3-h800.plan").plan)
     program = build.programs["stage1.json"]
     duration = InstructionCosts(build.plan, build.groups).of_stage(1)
-    blocks = (_variant(program, "F30", 40), _variant(program, "I1", 24),
-              _variant(program, "W1", 24))
+    blocks = (program.running("F30", 40), program.running("I1", 24),
+              program.running("W1", 24))
     whole = replay([blocks[s][k] for s, k in interleave(*blocks)], duration)
     assert whole.exposed.get("ep", 0.0) < 1e-3
     assert abs(whole.compute_end - whole.compute_busy - whole.exposed.get("ep", 0.0)) < 1e-9

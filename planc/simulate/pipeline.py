@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from planc.program.pair_orders import merged
-from planc.program.program import Instruction, Opcode, Program, guard_microbatch
+from planc.program.program import Opcode, Program
 from planc.program.names import Stream
 from planc.schedules import Block
 from planc.estimate.block_replay import BlockTime, replay
@@ -56,11 +56,6 @@ def _prologue_bound(prologue: BlockTime | None, block: BlockTime
             if when - reached > bound:
                 bound, axis = when - reached, marks or axis
     return bound, axis
-
-
-def _variant(program: Program, block: str, microbatch: int) -> tuple[Instruction, ...]:
-    return tuple(i for i in program.blocks[block]
-                 if guard_microbatch(i.guard, program.microbatches) in (None, microbatch))
 
 
 def _pair_time(program: Program, entries, duration, keep_spans: bool
@@ -108,7 +103,7 @@ def step(programs: dict[int, Program], durations, keep_spans: bool = False
     def timed(stage: int, block: str, microbatch: int) -> BlockTime:
         key = (stage, _key(programs[stage], block, microbatch))
         if key not in replays:
-            replays[key] = replay(_variant(programs[stage], block, microbatch),
+            replays[key] = replay(programs[stage].running(block, microbatch),
                                   timings[stage], keep_spans)
         return replays[key]
 
