@@ -100,7 +100,7 @@ def test_a_family_s_defaults_and_checks_are_its_own(toy):
 def test_a_family_unregistered_is_unknown_and_plans_of_the_others_hold_no_options():
     assert "toy" not in models.FAMILIES
     assert _errors(load_text(PLAN.format(extra="", tp=1))) == [
-        "2:9: unknown model family 'toy'; planc knows gpt, llama, moe"]
+        "2:9: unknown model family 'toy'; planc knows gpt, llama, moe, deepseek"]
     gpt_plan = load_text(PLAN.replace("model toy", "model gpt").format(extra="", tp=1)).plan
     assert "options" not in gpt_plan.to_dict()["model"]
     assert "options" not in TrainingRecord.of(gpt_plan.to_dict()).model  # a checkpoint's manifest, as before

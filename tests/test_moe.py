@@ -76,7 +76,7 @@ def test_an_unknown_family_with_another_familys_preset_is_an_error_not_a_crash()
     tests/test_fuzz.py)."""
     loaded = load_text("plan p { model llama1f1b { preset = llama3-405b; batch = 8 } }")
     assert not loaded.ok
-    assert "unknown model family 'llama1f1b'; planc knows gpt, llama, moe" in \
+    assert "unknown model family 'llama1f1b'; planc knows gpt, llama, moe, deepseek" in \
         [d.message for d in loaded.diagnostics]
 
 

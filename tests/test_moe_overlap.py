@@ -521,18 +521,16 @@ def test_a_tokens_experts_lie_on_as_many_nodes_as_counting_every_choice_says():
         assert mixture.nodes_per_token(nodes) == pytest.approx(counted, rel=1e-12)
 
 
-def test_deepseek_v3s_run_hides_its_all_to_alls_and_simulates_a_step_a_fifth_short():
-    """The issue's bars for the H800 row (its FP8 recipe, DualPipe's overlap and DeepEP's
-    two hops as the report describes them): a step within 15 % of the published one, and
-    the worst stage's exposed ep under 15 %. Published: 180K H800 GPU hours per trillion
-    tokens, 1e12 / (180,000 x 3,600 s) = 1,543 tokens a second a GPU on 2,048 GPUs, a
-    step of 15,360 sequences of 4,096 tokens: 19.9 s. planc simulates 15.94 s (24.9 %
-    more throughput: that bar is missed) and 10.5 % exposed ep on stage 15, 8.9 % on
-    stage 2 (met), with the compute beside DeepEP's kernels on the 112 SMs they leave it
-    and the gradients sent to the experts in FP8 as the report sends them (16.89 s, 15.7
-    % and 13.7 % when they went in BF16). What the plan leaves out would add compute
-    (multi-head latent attention, whose attention has heads of 192 and 128 features
-    where the preset's have 56, and multi-token prediction)."""
+def test_deepseek_v3s_run_hides_its_all_to_alls_and_simulates_its_step_within_15_percent():
+    """The issue's bars for the H800 row (its multi-head latent attention, FP8 recipe,
+    recomputation, DualPipe's overlap and DeepEP's two hops as the report describes
+    them): a step within 15 % of the published one, and the worst stage's exposed ep
+    under 15 %. Published: 180K H800 GPU hours per trillion tokens, 1e12 / (180,000 x
+    3,600 s) = 1,543 tokens a second a GPU on 2,048 GPUs, a step of 15,360 sequences of
+    4,096 tokens: 19.9 s. planc simulates 22.54 s (11.7 % less throughput) and 9.2 %
+    exposed ep on stage 15, 6.3 % on stage 2. On the moe family's stand-in with llama's
+    attention (deepseek-v3-size) it simulated 15.94 s, 24.9 % more throughput. What the
+    plan leaves out: multi-token prediction."""
     from planc.lang import load_file
     from planc.simulate import simulate
 
@@ -540,17 +538,18 @@ def test_deepseek_v3s_run_hides_its_all_to_alls_and_simulates_a_step_a_fifth_sho
     published = 15360 * 4096 / (1e12 / (180_000 * 3600) * 2048)
     result = simulate(compile_plan(plan))
     step = result.step_seconds
-    assert (round(published, 2), round(step, 2)) == (19.91, 15.94)
+    assert (round(published, 2), round(step, 2)) == (19.91, 22.54)
+    assert abs(published / step - 1) < 0.15
     exposed = [s.exposed_seconds.get("ep", 0.0) / step for s in result.stages]
-    assert [round(100 * exposed[k], 1) for k in (2, 15)] == [8.9, 10.5]
+    assert [round(100 * exposed[k], 1) for k in (2, 15)] == [6.3, 9.2]
     assert max(exposed) < 0.15
     assert max(exposed) == exposed[15]
 
 
 def test_deepseek_v3s_run_fits_the_h800s_80_gb():
     """The issue's memory bar for the H800 row, by the report's own recipe: FP8 GEMM
-    inputs and an expert's SwiGLU inputs in FP8 with its output recomputed (section
-    3.3.4), the dispatch buffers at the imbalance the simulator prices, and the logits of
+    inputs, MLA's norms and up-projections recomputed (section 3.2.3) and an expert's
+    SwiGLU inputs in FP8 with its output recomputed (section 3.3.4), the dispatch buffers at the imbalance the simulator prices, and the logits of
     the one microbatch DualPipeV's last chunk holds at a time; the worst routing
     (every row of the ep group on one rank) is reported beside it, over the 80 GB."""
     from planc.estimate import memory
@@ -563,13 +562,13 @@ def test_deepseek_v3s_run_fits_the_h800s_80_gb():
     estimate = memory.estimate(loaded.plan)
     peak = estimate.peak
     assert (peak.stage, peak.microbatches_in_flight) == (1, 33)
-    assert 60e9 < peak.total_bytes < 80e9, peak
+    assert 50e9 < peak.total_bytes < 80e9, peak
     assert memory.head_microbatches_in_flight(loaded.plan) == 1
     worst = estimate.worst_routing_peak
     assert worst.total_bytes + worst.worst_routing_extra_bytes > 80e9
     text = simulate_text.render(simulate(compile_plan(loaded.plan)))
-    assert ("  memory: 69.1 GB of 80 GB at peak (stage 1)\n"
-            "  memory under the worst routing: 110 GB (stage 1; a dropless mixture's every "
+    assert ("  memory: 57.7 GB of 80 GB at peak (stage 1)\n"
+            "  memory under the worst routing: 98.4 GB (stage 1; a dropless mixture's every "
             "row of the ep group on one rank's experts)") in text
 
 
@@ -585,10 +584,10 @@ def test_the_compiler_writes_the_list_schedule_where_the_cost_model_prices_it_fa
     """DeepSeek-V3's last stage holds chunks of 2 layers and 1, so that a pair's blocks
     hold unequal all-to-alls, and the default merge gives the smaller block's compute to
     the other's waits in equal shares, whatever they last. The forward of layer 31 with
-    the backward of layers 30 and 29: 51.77 ms a pair merged, 49.84 ms listed. The
-    forward of layers 29 and 30 with the backward of layer 31: 42.86 ms merged, 42.5 ms
-    listed, 39.17 ms listed looking ahead (the forward's experts are not held behind the
-    backward's attention while their dispatch lands). Stage 0's and stage 1's forward of
+    the backward of layers 30 and 29: 73.76 ms a pair merged, 72.3 ms listed. The
+    forward of layers 29 and 30 with the backward of layer 31: 58.04 ms merged, 57.38 ms
+    listed, with or without looking ahead (the forward's experts held behind the
+    backward's attention while their dispatch lands or not). Stage 0's and stage 1's forward of
     their first chunk with the backward of their last too; every other pair keeps the
     default merge, which neither list schedule beats by 1 %."""
     from planc.estimate.block_replay import replay
@@ -603,8 +602,8 @@ def test_the_compiler_writes_the_list_schedule_where_the_cost_model_prices_it_fa
                                   "stage15.json": ["F15 I16 W16", "F16 I15 W15"]}
     program = build.programs["stage15.json"]
     duration = InstructionCosts(build.plan, build.groups).of_stage(15)
-    for names, chosen, expected in ((("F16", "I15", "W15"), False, [51.77, 49.84, 49.84]),
-                                    (("F15", "I16", "W16"), True, [42.86, 42.5, 39.17])):
+    for names, chosen, expected in ((("F16", "I15", "W15"), False, [73.76, 72.3, 72.3]),
+                                    (("F15", "I16", "W16"), True, [58.04, 57.38, 57.38])):
         blocks = [program.blocks[name] for name in names]
         orders = [interleave(*blocks)] + [scheduled(*blocks, duration, lookahead)
                                           for lookahead in (False, True)]

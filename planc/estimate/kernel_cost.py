@@ -211,16 +211,22 @@ class KernelModel:
         shapes = Shapes.of(plan)
         self.dtype_bytes = shapes.dtype_bytes
         tp = plan.mesh.tp
-        output = family_of(plan).output_tensor
-        self.features: dict[str, tuple[int, int]] = {}  # op -> (N, K) on one tp rank
+        family = family_of(plan)
+        output = family.output_tensor
+        # op -> (N, K) of each of its GEMMs on one tp rank: one, or the family's several
+        several = family.linear_gemms(plan.model) if family.linear_gemms else {}
+        self.features: dict[str, tuple[tuple[int, int], ...]] = {}
         for op, source in GEMM_INPUT.items():
+            if op in several:  # the family runs these with tp = 1
+                self.features[op] = tuple(several[op])
+                continue
             n, k = shapes.widths[output[op]], shapes.widths[source or output["attention"]]
             layout = getattr(plan.shard.tp, op, None)
             if tp > 1 and layout in SPLIT_N:
                 n //= tp
             elif tp > 1 and layout == "row":
                 k //= tp
-            self.features[op] = (max(n, 1), max(k, 1))
+            self.features[op] = ((max(n, 1), max(k, 1)),)
         # Unfused attention: per head, scores = Q K^T (s x s_full, inner head_dim), then
         # scores V (s x head_dim, inner s_full); heads of all microbatch rows stacked.
         self.mixture = Mixture.of(plan)
@@ -359,20 +365,23 @@ class KernelModel:
     def _linear_gemms(self, op: str, step: str | None, split: bool
                       ) -> tuple[tuple[int, int, int], ...]:
         """(rows, columns, inner) of each GEMM of a linear's step, the tokens as 1."""
-        n, k = self.features[op]
-        if step == "backward" and not split:
-            return ((1, k, n), (k, n, 1))  # dX = dY W^T, dW = X^T dY
-        if step == "backward":
-            return ((1, k, n),)  # a split backward's B step: dX only
-        if step == "weight":
-            return ((k, n, 1),)  # and its W step
-        return ((1, n, k),)
+        shapes: list[tuple[int, int, int]] = []
+        for n, k in self.features[op]:
+            if step == "backward" and not split:
+                shapes += [(1, k, n), (k, n, 1)]  # dX = dY W^T, dW = X^T dY
+            elif step == "backward":
+                shapes.append((1, k, n))  # a split backward's B step: dX only
+            elif step == "weight":
+                shapes.append((k, n, 1))  # and its W step
+            else:
+                shapes.append((1, n, k))
+        return tuple(shapes)
 
     def linear_tokens(self, op: str, step: str | None, flops: float,
                       split: bool = False) -> float:
         """The tokens a linear's step of ``flops`` runs on, on one tp rank."""
-        n, k = self.features[op]
-        return flops / (2.0 * n * k * len(self._linear_gemms(op, step, split)))
+        per_token = sum(2.0 * a * b * c for a, b, c in self._linear_gemms(op, step, split))
+        return flops / per_token
 
     def linear_seconds(self, op: str, step: str | None, flops: float,
                        split: bool = False) -> float:

@@ -36,7 +36,7 @@ class Mixture:
     @staticmethod
     def of(plan: Plan) -> "Mixture | None":
         m = plan.model
-        if family_of(plan) is not moe.FAMILY:
+        if not family_of(plan).has_mixture:
             return None
         one = SimpleNamespace(model=m, batch=1, seq=1, hidden=m.hidden)  # one token
         imbalance = moe.routing_imbalance(m) if plan.mesh.ep > 1 else 1.0

@@ -286,7 +286,8 @@ class _Derivation(GraphBuilder):
         if self.recompute == "none":
             return
         op, first = ("attention", "attention") if self.recompute == "selective" else \
-            (self.family.layer_output, self.family.layer_ops[0])
+            ("attention", self.family.layer_ops[0]) if self.recompute == "attention_inputs" \
+            else (self.family.layer_output, self.family.layer_ops[0])
         gradient_of = backward[forward.node(layer, op)]
         for source, _, data in list(self.graph.in_edges(gradient_of, data=True)):
             if data.get("port") == Port.GRAD:
@@ -341,19 +342,27 @@ class _Derivation(GraphBuilder):
             self.edge(again, backward[attention], kind=EdgeKind.SAVED)
             self._recomputed_by(attention, backward[attention], again)
             return {"attention": again}
-        if self.recompute != "full":
+        if self.recompute not in ("full", "attention_inputs"):
             return {}
         # Full recomputation runs the layer's forward again from its checkpointed input,
-        # transfers included, just before its backward.
+        # transfers included, just before its backward; attention_inputs runs its
+        # operators up to the attention core (the norm, qkv, attention) again from the
+        # same input, so that only the attention's output is kept of them (DeepSeek-V3's
+        # recomputation of its norms and MLA's up-projections, arXiv 2412.19437,
+        # section 3.2.3).
         ops, block_links = self.family.block(self.plan.model, layer)
+        if self.recompute == "attention_inputs":
+            ops = ops[:ops.index("attention") + 1]
         nodes = {op: self._op_node("R", chunk, layer, op, forward_of=forward.node(layer, op))
                  for op in ops}
         for producer, consumer, _port in block_links:
-            if producer == INPUT:  # reads the checkpointed block input
+            if producer == INPUT and consumer in nodes:  # reads the checkpointed input
                 self.edge(forward.node(layer, consumer), nodes[consumer],
                           kind=EdgeKind.SAVED)
         for link in links:
             producer, consumer = link.ops
+            if producer not in nodes or consumer not in nodes:
+                continue
             u, v = nodes[producer], nodes[consumer]
             carried = self.axes.tp_transfer(u, letter="R", chunk=chunk, layer=layer,
                                             tensor=link.tensor, source=link.source,

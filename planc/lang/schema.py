@@ -134,7 +134,7 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
         "overlap": Key(Boolean(), True),
         "weight_grad_overlap": Key(Boolean(), True),
         "tp_overlap": Key(OnOffOrCount(), True),
-        "recompute": Key(Choice(("none", "selective", "full")), "none"),
+        "recompute": Key(Choice(("none", "selective", "attention_inputs", "full")), "none"),
         "pp_scatter_gather": Key(Boolean(), True),
         "grad_accumulation": Key(Choice(GRAD_ACCUMULATIONS), "fused"),
         "kernels": Key(Choice(KERNEL_MODES), "fused"),

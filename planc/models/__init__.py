@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from planc.models import gpt, llama, moe
+from planc.models import deepseek, gpt, llama, moe
 from planc.models.family import Family
 
-FAMILIES: dict[str, Family] = {"gpt": gpt.FAMILY, "llama": llama.FAMILY, "moe": moe.FAMILY}
+FAMILIES: dict[str, Family] = {"gpt": gpt.FAMILY, "llama": llama.FAMILY, "moe": moe.FAMILY,
+                               "deepseek": deepseek.FAMILY}
 DEFAULT_FAMILY = "gpt"  # the family of a model block with no family word (reported)
 
 

@@ -204,6 +204,10 @@ class Family:
     # MODULE_PASSES: "rmsnorm", "rope", "repeat_kv", "swiglu", "fp32_cross_entropy"):
     # what the simulator prices under optimize { kernels }. Absent: one kernel.
     module_kernels: Mapping[str, str] = field(default_factory=dict)
+    # Operators that run several GEMMs, each (N, K) per token in order, where one linear
+    # layer of the rule's weights would not say what they cost (multi-head latent
+    # attention's four projections); None: every linear is one GEMM.
+    linear_gemms: Callable[[Model], Mapping[str, tuple[tuple[int, int], ...]]] | None = None
 
     @property
     def own_keys(self) -> tuple[str, ...]:
@@ -231,6 +235,11 @@ class Family:
         """Whether some operator computes a statistic of each whole sequence on ``model``
         (its counts are then summed over the tp x cp ranks holding a sequence's tokens)."""
         return any(rule.sums_over_sequences(model) for rule in self.rules.values())
+
+    @property
+    def has_mixture(self) -> bool:
+        """Whether blocks of this family may hold a mixture of experts (operator ``moe``)."""
+        return "moe" in self.rules
 
     def linear_rule(self, op: str) -> OpRule | None:
         rule = self.rules.get(op)

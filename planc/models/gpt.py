@@ -137,6 +137,11 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
         half = 2 * sbh / (tp if sp else 1)
     elif recompute == "selective":
         half = 34 * sbh / tp if sp else sbh * (10 + 24 / tp)
+    elif recompute == "attention_inputs":
+        # selective's, less the first LayerNorm's output (2sbh, the QKV GEMM's input) and
+        # Q, K and V (6sbh / tp), recomputed from the block's input
+        half = (34 * sbh / tp if sp else sbh * (10 + 24 / tp)) - \
+            2 * sbh / (tp if sp else 1) - 6 * sbh / tp
     elif sp:
         half = sbh / tp * (34 + 5 * a * seq_full / h)
     else:

@@ -157,17 +157,21 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     GPT's (their Table 2) for llama's tensors: the inputs of the two norms and of the
     q/k/v and gate/up GEMMs (sharded only with sequence parallelism), the rotated
     q, k and v, the softmax probabilities (dropped by selective recomputation), the
-    input of o, gate and up, and the input of down (sharded over tp)."""
+    input of o, gate and up, and the input of down (sharded over tp).
+    ``attention_inputs`` drops the first norm's output and q, k and v too: they are
+    recomputed from the block's input."""
     sb = seq * batch
     h, f, kv, hd = m.hidden, m.ffn, m.key_value_heads, m.head_dim
     sp = sequence_parallel and tp > 1
     if recompute == "full":
         return sb * h / (tp if sp else 1) * m.dtype_bytes
+    kept = recompute != "attention_inputs"  # the attention's inputs
     stream = 2 * sb * h / (tp if sp else 1)  # the norms' inputs
-    split = sb * ((m.heads + 2 * kv) * hd + 2 * f) / tp  # rotated q, k, v; gate and up
-    scores = 0 if recompute == "selective" else m.heads * seq_full * sb / tp
+    # rotated q, k, v; gate and up
+    split = sb * ((m.heads + 2 * kv) * hd * kept + 2 * f) / tp
+    scores = 0 if recompute != "none" else m.heads * seq_full * sb / tp
     # the GEMMs' inputs: of q/k/v and gate/up (a norm's output), of o and of down
-    inputs = 2 * sb * h / (tp if sp else 1) + sb * (m.attention_width + f) / tp
+    inputs = (1 + kept) * sb * h / (tp if sp else 1) + sb * (m.attention_width + f) / tp
     return (stream + split + scores) * m.dtype_bytes + inputs * gemm_input_bytes(m)
 
 

@@ -240,68 +240,73 @@ def _row_bytes(m: Model) -> float:
     return (2 * m.hidden + 3 * m.expert_ffn) * m.dtype_bytes
 
 
-def _preset(name: str):
-    return llama.preset_default(name, PRESETS)
+def mixture_keys(presets) -> dict[str, Key]:
+    """The mixture's own keys, their defaults read from ``presets`` (a family built on
+    this one, DeepSeek-V3's, passes its own)."""
+    def given(name: str):
+        return llama.preset_default(name, presets)
 
+    def or_else(name: str, fallback):
+        return llama.or_fallback(name, fallback, presets)
 
-def _with_preset(name: str, fallback):
-    return llama.or_fallback(name, fallback, PRESETS)
+    return {
+        "ffn": Key(Integer(1), or_else("ffn", lambda scope: scope.value("expert_ffn")),
+                   doc="SwiGLU width of the dense blocks before first_dense (default: "
+                       "expert_ffn)"),
+        "experts": Key(Integer(1), given("experts"), doc="routed experts per block"),
+        "top_k": Key(Integer(1), given("top_k"), doc="experts each token is routed to"),
+        "expert_ffn": Key(Integer(1), given("expert_ffn"), doc="SwiGLU width of one expert"),
+        "shared_experts": Key(Integer(0), or_else("shared_experts", 0),
+                              doc="experts every token goes through, unweighted"),
+        "first_dense": Key(Integer(0), or_else("first_dense", 0),
+                           doc="blocks, from the first, with a dense SwiGLU of width ffn"),
+        "norm_topk": Key(Boolean(), True, doc="renormalise each token's k routing weights to "
+                                              "sum to 1"),
+        "aux_loss": Key(Real(0.0, None), 0.0, doc="weight of DeepSeek-V3's sequence-wise "
+                                                  "load-balancing loss"),
+        # written only when set: a plan, build or checkpoint without them is the softmax gate
+        "score": Key(Choice(("softmax", "sigmoid")), None, optional=True,
+                     doc="the router's scores: softmax probabilities (Mixtral, Qwen3) or "
+                         "DeepSeek-V3's sigmoid affinities [softmax]"),
+        "expert_groups": Key(Integer(1), None, optional=True,
+                             doc="groups of experts, each a contiguous block of experts / "
+                                 "expert_groups (DeepSeek-V3: one a node, 8) [1]"),
+        "route_groups": Key(Integer(1), None, optional=True,
+                            doc="groups each token's experts are chosen from (DeepSeek-V3's "
+                                "node-limited routing, 4) [every group]"),
+        "routed_scale": Key(Real(0.0, None, minimum_allowed=False), None, optional=True,
+                            doc="factor of the routed experts' weights (DeepSeek-V3's routed "
+                                "scaling factor, 2.5) [1]"),
+        "bias_update": Key(Real(0.0, None), None, optional=True,
+                           doc="DeepSeek-V3's auxiliary-loss-free balancing: each expert's "
+                               "routing bias, added to its score to choose the top_k (never "
+                               "to weigh them), moves by this much after every step, up for "
+                               "an expert the step's tokens chose less than the mean, down "
+                               "for one chosen more (gamma, 0.001); 0 keeps it fixed [no "
+                               "bias]"),
+        "capacity": Key(Real(0.0, None, minimum_allowed=False), None, optional=True,
+                        doc="expert capacity factor F: each expert takes the first ceil(F x "
+                            "seq x top_k / experts) tokens of each sequence that chose it, the "
+                            "others' (token, expert) pairs are dropped (GShard; Megatron-Core's "
+                            "moe_expert_capacity_factor, position policy) [dropless]"),
+        "imbalance": Key(Real(1.0, None), None, optional=True,
+                         doc="the busiest ep rank's routed tokens over the mean, as the "
+                             "simulator prices the mixture (default: "
+                             f"{PUBLISHED_IMBALANCE:g}, measured; training routes for real)"),
+    }
 
 
 _LLAMA = llama.preset_keys(PRESETS)  # llama's keys, defaulting to these presets
-_OWN = {
-    "ffn": Key(Integer(1), _with_preset("ffn", lambda scope: scope.value("expert_ffn")),
-               doc="SwiGLU width of the dense blocks before first_dense (default: "
-                   "expert_ffn)"),
-    "experts": Key(Integer(1), _preset("experts"), doc="routed experts per block"),
-    "top_k": Key(Integer(1), _preset("top_k"), doc="experts each token is routed to"),
-    "expert_ffn": Key(Integer(1), _preset("expert_ffn"), doc="SwiGLU width of one expert"),
-    "shared_experts": Key(Integer(0), _with_preset("shared_experts", 0),
-                          doc="experts every token goes through, unweighted"),
-    "first_dense": Key(Integer(0), _with_preset("first_dense", 0),
-                       doc="blocks, from the first, with a dense SwiGLU of width ffn"),
-    "norm_topk": Key(Boolean(), True, doc="renormalise each token's k routing weights to "
-                                          "sum to 1"),
-    "aux_loss": Key(Real(0.0, None), 0.0, doc="weight of DeepSeek-V3's sequence-wise "
-                                              "load-balancing loss"),
-    # written only when set: a plan, build or checkpoint without them is the softmax gate
-    "score": Key(Choice(("softmax", "sigmoid")), None, optional=True,
-                 doc="the router's scores: softmax probabilities (Mixtral, Qwen3) or "
-                     "DeepSeek-V3's sigmoid affinities [softmax]"),
-    "expert_groups": Key(Integer(1), None, optional=True,
-                         doc="groups of experts, each a contiguous block of experts / "
-                             "expert_groups (DeepSeek-V3: one a node, 8) [1]"),
-    "route_groups": Key(Integer(1), None, optional=True,
-                        doc="groups each token's experts are chosen from (DeepSeek-V3's "
-                            "node-limited routing, 4) [every group]"),
-    "routed_scale": Key(Real(0.0, None, minimum_allowed=False), None, optional=True,
-                        doc="factor of the routed experts' weights (DeepSeek-V3's routed "
-                            "scaling factor, 2.5) [1]"),
-    "bias_update": Key(Real(0.0, None), None, optional=True,
-                       doc="DeepSeek-V3's auxiliary-loss-free balancing: each expert's "
-                           "routing bias, added to its score to choose the top_k (never "
-                           "to weigh them), moves by this much after every step, up for "
-                           "an expert the step's tokens chose less than the mean, down "
-                           "for one chosen more (gamma, 0.001); 0 keeps it fixed [no "
-                           "bias]"),
-    "capacity": Key(Real(0.0, None, minimum_allowed=False), None, optional=True,
-                    doc="expert capacity factor F: each expert takes the first ceil(F x "
-                        "seq x top_k / experts) tokens of each sequence that chose it, the "
-                        "others' (token, expert) pairs are dropped (GShard; Megatron-Core's "
-                        "moe_expert_capacity_factor, position policy) [dropless]"),
-    "imbalance": Key(Real(1.0, None), None, optional=True,
-                     doc="the busiest ep rank's routed tokens over the mean, as the "
-                         "simulator prices the mixture (default: "
-                         f"{PUBLISHED_IMBALANCE:g}, measured; training routes for real)"),
-}
+_OWN = mixture_keys(PRESETS)
 # The order the plan text shows them in: llama's up to the batch, the mixture's, the rest.
-KEYS = {name: _OWN.get(name) or _LLAMA[name] for name in (
+KEY_ORDER = (
     "preset", "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "seq",
     "batch", "experts", "top_k", "expert_ffn", "shared_experts", "first_dense", "norm_topk",
     "score", "routed_scale", "expert_groups", "route_groups", "bias_update", "capacity",
     "aux_loss", "imbalance",
     "dtype", "fp8", "fp8_tile", "fp8_gradients", "rope_theta", "norm_eps",
-    "tie_embeddings")}
+    "tie_embeddings")
+KEYS = {name: _OWN.get(name) or _LLAMA[name] for name in KEY_ORDER}
 
 
 def top_k_within_experts(m: Model) -> Finding | None:

@@ -110,7 +110,9 @@ class Candidate:
                 **({"overlap_all_to_all": True} if self.overlap_all_to_all else {})}
 
 
-RECOMPUTE_RANK = {name: rank for rank, name in enumerate(RECOMPUTE)}
+# How much each recomputes, least first; attention_inputs is not searched (DeepSeek-V3's
+# plans write it) but a plan that keeps it is ranked.
+RECOMPUTE_RANK = {"none": 0, "selective": 1, "attention_inputs": 2, "full": 3}
 
 
 def dominates(lighter: Candidate, heavier: Candidate) -> bool:

@@ -24,7 +24,7 @@ def shapes(model) -> dict[str, list[int]]:
 
 def beside(model) -> dict[str, str]:
     """Every bias, by name, with the parameter whose stage keeps it: its block's router."""
-    if model.family != "moe" or not balanced(model):
+    if "experts" not in model.options or not balanced(model):  # no mixture
         return {}
     return {bias_name(layer): f"layers.{layer}.router.weight"
             for layer in range(model.first_dense, model.layers)}

@@ -108,12 +108,20 @@ def dense_mlp(layer: int, h: torch.Tensor, w: dict[str, torch.Tensor],
     return fp8.matmul(F.silu(gate) * up, [w["down.weight"]], recipe)
 
 
+def reference_norm(m, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """RMSNorm as transformers computes it: in fp32, scaled after casting back."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + m.norm_eps)
+                     ).to(x.dtype)
+
+
 def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
-                   dtype: torch.dtype, mlp=None) -> torch.Tensor:
+                   dtype: torch.dtype, mlp=None, attention=None) -> torch.Tensor:
     """The single-process reference's loss (planc.runtime.oracle.reference): the llama family as
     docs/language.md defines it (model llama), one line per rule, on whole tensors.
     ``m``: the plan's model; ``mlp(layer, normed, weights)``: a block's MLP (the moe
-    family's mixture)."""
+    family's mixture); ``attention(normed, weights)``: a block's attention with its
+    output projection (the deepseek family's multi-head latent attention)."""
     p = {k: v.to(dtype) for k, v in params.items()}
     recipe = fp8.recipe_of(m)  # model { fp8 }: the linear layers' GEMMs in FP8
     if mlp is None:
@@ -124,9 +132,7 @@ def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
     hd, kv = m.head_dim, m.key_value_heads
 
     def norm(x, weight):
-        x32 = x.float()
-        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + m.norm_eps)
-                         ).to(x.dtype)
+        return reference_norm(m, x, weight)
 
     # rotary embedding, rotate-half convention, frequencies theta^(-2i/d) in fp32
     inv_freq = 1.0 / (m.rope_theta ** (torch.arange(0, hd, 2).float() / hd))
@@ -144,6 +150,11 @@ def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
         w = {k[len(f"layers.{layer}."):]: v for k, v in p.items()
              if k.startswith(f"layers.{layer}.")}
         h = norm(x, w["ln1.weight"])
+        if attention is not None:
+            x = x + attention(h, w)
+            h = norm(x, w["ln2.weight"])
+            x = x + mlp(layer, h, w)
+            continue
         q = rope(fp8.matmul(h, [w["q.weight"]], recipe).view(b, seq, m.heads, hd)
                  .transpose(1, 2))
         k = rope(fp8.matmul(h, [w["k.weight"]], recipe).view(b, seq, kv, hd).transpose(1, 2))

@@ -213,13 +213,15 @@ def reference_step_end(m, state: dict | None) -> None:
 
 def reference_objective(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
                         dtype: torch.dtype, state: dict | None = None,
-                        counting: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                        counting: bool = True, attention=None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The single-process reference (planc.runtime.oracle.reference): llama's, with the mixture
     in the blocks from ``first_dense`` on; (what is differentiated: the cross-entropy
     plus the balance loss of every mixture block averaged over the batch's sequences,
     what is reported: the cross-entropy, as Megatron-LM reports its lm loss). ``state``:
     :func:`reference_state`, whose biases route and, when ``counting`` (training, not an
-    evaluation), whose counts the batch's choices add to."""
+    evaluation), whose counts the batch's choices add to. ``attention``: a block's
+    attention in place of llama's (planc.runtime.families.llama.reference_loss)."""
     balance: list[torch.Tensor] = []
 
     def mlp(layer: int, h: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -235,7 +237,7 @@ def reference_objective(m, params: dict[str, torch.Tensor], tokens: torch.Tensor
                       balance, bias=bias, count=count)
         return out.reshape(h.shape)
 
-    loss = llama.reference_loss(m, params, tokens, dtype, mlp)
+    loss = llama.reference_loss(m, params, tokens, dtype, mlp, attention)
     return loss + sum(balance, torch.zeros(())), loss
 
 

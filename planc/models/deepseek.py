@@ -1,0 +1,248 @@
+"""The deepseek family: DeepSeek-V3's block, multi-head latent attention with the moe
+family's mixture of experts (DeepSeek-AI 2024, arXiv 2412.19437, section 2.1.1; MLA
+from DeepSeek-V2, arXiv 2405.04434, section 2.1), as Hugging Face transformers'
+``DeepseekV3Attention`` computes it.
+
+Multi-head latent attention compresses the queries, and the keys and values together,
+through low-rank latents, each normalised by its own RMSNorm:
+
+- ``c_q = rmsnorm_q(x W_qa)`` (``q_rank`` features), ``q = c_q W_qb``: per head
+  ``nope_dim`` features without positions and ``rope_dim`` rotated ones;
+- ``[c_kv | k_r] = x W_kva``: a ``kv_rank`` latent and ``rope_dim`` features of one key,
+  rotated and shared by every head; ``c_kv`` normalised, ``c_kv W_kvb`` gives per head
+  ``nope_dim`` key features and ``v_dim`` value features;
+- attention per head on ``q = [q_nope | q_rope]`` and ``k = [k_nope | k_r]``, scaled by
+  ``1 / sqrt(nope_dim + rope_dim)``, its values ``v_dim`` wide; ``o`` reads
+  ``heads x v_dim`` features.
+
+RoPE pairs neighbouring features (DeepSeek's interleaved layout: features 2i and 2i + 1
+turn by the i-th frequency) and writes the turned pairs' first and second members as
+two halves, as transformers' ``apply_rotary_pos_emb_interleave`` does.
+
+The operator ``qkv`` computes all of it up to the heads' q, k and v, which it hands to
+``attention`` side by side; the graph keeps llama's operators. DeepSeek-V3 trained
+without tensor parallelism (report, section 3.2) and without context parallelism, and
+so does this family: its heads are not split over tp and its keys do not travel over cp
+(the checks say so). Everything from ``ln2`` on is the moe family's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from planc.vocabulary.hints import try_values
+from planc.vocabulary.kinds import Integer, Key
+from planc.vocabulary.model_options import gemm_input_bytes
+from planc.models import llama, moe
+from planc.models.family import Finding, Model, OpRule, Parameter
+
+# The attention's own parameters, in the order the qkv kernel reads them.
+MLA_PARAMS = ("q_a.weight", "ln_q.weight", "q_b.weight", "kv_a.weight", "ln_kv.weight",
+              "kv_b.weight")
+LLAMA_ATTENTION = ("q.weight", "k.weight", "v.weight")
+
+# qkv is every token through replicated weights, as a mixture is: nothing of it is cut
+# over tp (the family runs with tp = 1).
+RULES = {**moe.RULES, "qkv": OpRule("tokenwise", params=MLA_PARAMS)}
+
+PRESETS = {
+    # DeepSeek-V3 (DeepSeek-AI 2024, section 4.2) and deepseek-ai/DeepSeek-V3's
+    # config.json: 61 layers, the first 3 dense (width 18,432), 256 routed experts of
+    # width 2,048 (8 active) and 1 shared; 128 heads, latents of 1,536 (queries) and
+    # 512 (keys and values), heads of 128 + 64 rotated features for q and k and 128 for
+    # v; 4k pre-training context. 671B parameters, 37B active, without its
+    # multi-token-prediction module.
+    "deepseek-v3": {"layers": 61, "hidden": 7168, "heads": 128, "ffn": 18432,
+                    "expert_ffn": 2048, "experts": 256, "top_k": 8, "shared_experts": 1,
+                    "first_dense": 3, "vocab": 129280, "seq": 4096, "rope_theta": 10000.0,
+                    "q_rank": 1536, "kv_rank": 512, "nope_dim": 128, "rope_dim": 64,
+                    "v_dim": 128, "dtype": "bf16"},
+}
+
+
+def qk_dim(m: Model) -> int:
+    """Features of one head's query and key: those without positions and the rotated."""
+    return m.nope_dim + m.rope_dim
+
+
+def widths(m: Model) -> dict[str, int]:
+    """The moe family's widths, with MLA's: q, k and v of every head side by side
+    (``qkv``), and the attention's output, heads x v_dim (``context``)."""
+    heads = m.heads
+    return {**moe.widths(m), "qkv": heads * (2 * qk_dim(m) + m.v_dim),
+            "context": heads * m.v_dim, "kv": heads * (qk_dim(m) + m.v_dim)}
+
+
+def feature_groups(m: Model) -> dict[str, tuple[int, ...]]:
+    """Only the dense SwiGLU's [gate | up] is cut in groups: nothing of the attention is
+    split over tp here."""
+    return {"gate_up": (m.ffn, m.ffn)}
+
+
+def projection_shapes(m: Model) -> tuple[tuple[int, int], ...]:
+    """(N, K) of each GEMM of ``qkv`` per token, in order: W_qa, W_qb, W_kva, W_kvb."""
+    h, heads = m.hidden, m.heads
+    return ((m.q_rank, h), (heads * qk_dim(m), m.q_rank), (m.kv_rank + m.rope_dim, h),
+            (heads * (m.nope_dim + m.v_dim), m.kv_rank))
+
+
+def linear_gemms(m: Model) -> dict[str, tuple[tuple[int, int], ...]]:
+    """The GEMMs of the operators that are several (planc.estimate.kernel_cost)."""
+    return {"qkv": projection_shapes(m)}
+
+
+def forward_flops(op: str, s) -> float:
+    m = s.model
+    bs = s.batch * s.seq
+    if op == "qkv":
+        # the four projections, the two latents' norms and the rotation of q's and the
+        # shared key's rotated features (a multiply-add per element)
+        gemms = sum(2.0 * n * k for n, k in projection_shapes(m))
+        return bs * (gemms + 4.0 * (m.q_rank + m.kv_rank) + 3.0 * (m.heads + 1) * m.rope_dim)
+    if op == "attention":
+        per_head = 2.0 * (qk_dim(m) + m.v_dim)  # q k^T, then the scores times v
+        return bs * s.seq_full * m.heads * (per_head + 5.0)
+    if op == "proj":
+        return 2.0 * bs * m.heads * m.v_dim * m.hidden
+    return moe.forward_flops(op, s)
+
+
+def attention_parameters(m: Model, layer: int) -> list[Parameter]:
+    h, heads = m.hidden, m.heads
+    shapes = [("q_a.weight", (h, m.q_rank), ("hidden", "q_rank")),
+              ("ln_q.weight", (m.q_rank,), ("q_rank",)),
+              ("q_b.weight", (m.q_rank, heads * qk_dim(m)), ("q_rank", "q")),
+              ("kv_a.weight", (h, m.kv_rank + m.rope_dim), ("hidden", "kv_latent")),
+              ("ln_kv.weight", (m.kv_rank,), ("kv_rank",)),
+              ("kv_b.weight", (m.kv_rank, heads * (m.nope_dim + m.v_dim)), ("kv_rank", "kv"))]
+    return [Parameter(f"layers.{layer}.{name}", shape, dims, layer)
+            for name, shape, dims in shapes]
+
+
+def layer_parameters(m: Model, layer: int) -> list[Parameter]:
+    """The moe family's block with MLA's parameters for llama's q, k and v, and ``o``
+    reading heads x v_dim features."""
+    out: list[Parameter] = []
+    for p in moe.layer_parameters(m, layer):
+        name = p.name.split(".", 2)[-1]
+        if name == "q.weight":
+            out.extend(attention_parameters(m, layer))
+        elif name == "o.weight":
+            out.append(Parameter(p.name, (m.heads * m.v_dim, m.hidden), p.dims, layer))
+        elif name not in LLAMA_ATTENTION:
+            out.append(p)
+    return out
+
+
+def attention_flops_per_token(m: Model) -> float:
+    """One block's attention, forward, per token (Narayanan et al. 2021's count for
+    MLA's projections and heads)."""
+    gemms = sum(2 * n * k for n, k in projection_shapes(m))
+    return gemms + 2 * m.heads * m.v_dim * m.hidden + 2 * m.seq * m.heads * (qk_dim(m) + m.v_dim)
+
+
+def model_flops_per_token(m: Model) -> float:
+    """The moe family's count with MLA in place of llama's attention."""
+    kv, hd, a = m.key_value_heads, m.head_dim, m.attention_width
+    llama_attention = (2 * m.hidden * (m.heads + 2 * kv) * hd + 2 * a * m.hidden
+                       + 4 * m.seq * a)
+    return moe.model_flops_per_token(m) + m.layers * (attention_flops_per_token(m)
+                                                      - llama_attention)
+
+
+def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
+                     sequence_parallel: bool, recompute: str) -> float:
+    """The moe family's count with MLA's attention in place of llama's: the latents
+    before their norms (in the dtype) and after (GEMM inputs), the heads' q, k and v,
+    the attention's output (o's input); the softmax's probabilities unless
+    recomputation drops them, as llama's. ``attention_inputs`` keeps the attention's
+    output alone (DeepSeek-V3's recomputation of its norms and up-projections)."""
+    mixture = moe.activation_bytes(m, seq=seq, seq_full=seq_full, batch=batch, tp=tp,
+                                   sequence_parallel=sequence_parallel, recompute=recompute)
+    if recompute == "full":
+        return mixture
+    sb = seq * batch
+    gemm = gemm_input_bytes(m)
+    kept = recompute != "attention_inputs"
+    llama_attention = sb * ((m.heads + 2 * m.key_value_heads) * m.head_dim * m.dtype_bytes
+                            * kept + m.attention_width * gemm)
+    latents = m.q_rank + m.kv_rank + m.rope_dim
+    heads = m.heads * (2 * qk_dim(m) + m.v_dim)
+    mla = sb * ((latents + heads) * m.dtype_bytes * kept
+                + ((m.q_rank + m.kv_rank) * kept + m.heads * m.v_dim) * gemm)
+    return mixture - llama_attention + mla
+
+
+def _preset(name: str):
+    return llama.preset_default(name, PRESETS)
+
+
+_LLAMA = llama.preset_keys(PRESETS)  # llama's and the mixture's keys, from these presets
+_MIXTURE = moe.mixture_keys(PRESETS)
+_OWN = {
+    "q_rank": Key(Integer(1), _preset("q_rank"), doc="features of the queries' latent "
+                                                     "(q_lora_rank)"),
+    "kv_rank": Key(Integer(1), _preset("kv_rank"), doc="features of the keys' and values' "
+                                                       "latent (kv_lora_rank)"),
+    "nope_dim": Key(Integer(1), _preset("nope_dim"),
+                    doc="features of a head's query and key without positions "
+                        "(qk_nope_head_dim)"),
+    "rope_dim": Key(Integer(2), _preset("rope_dim"),
+                    doc="rotated features of a head's query and of the shared key "
+                        "(qk_rope_head_dim)"),
+    "v_dim": Key(Integer(1), _preset("v_dim"), doc="features of a head's value "
+                                                   "(v_head_dim)"),
+}
+# The moe family's order, MLA's keys in place of grouped-query attention's.
+_HEADS = moe.KEY_ORDER.index("kv_heads")
+KEY_ORDER = moe.KEY_ORDER[:_HEADS] + tuple(_OWN) + tuple(
+    name for name in moe.KEY_ORDER[_HEADS:] if name not in ("kv_heads", "head_dim"))
+KEYS = {name: _OWN.get(name) or _MIXTURE.get(name) or _LLAMA[name] for name in KEY_ORDER}
+
+
+def rope_dim_even(m: Model) -> Finding | None:
+    """Rotary embedding turns pairs of features (Su et al. 2021)."""
+    if m.rope_dim % 2 == 0:
+        return None
+    return Finding(f"rope_dim ({m.rope_dim}) is odd; rotary embedding turns pairs of "
+                   f"features", ("model.rope_dim",),
+                   try_values("rope_dim", [m.rope_dim - 1, m.rope_dim + 1]))
+
+
+def no_tensor_or_context_parallelism(m: Model, mesh) -> Finding | None:
+    """DeepSeek-V3 trained with neither (report, section 3.2: "we do not use costly
+    tensor parallelism"); this family's heads are not cut over tp and its keys do not
+    travel over cp."""
+    for axis, instead in (("tp", "ep and dp"), ("cp", "dp")):
+        if mesh.size(axis) > 1:
+            return Finding(f"model deepseek runs with {axis} = 1: its multi-head latent "
+                           f"attention is not split over {axis} (DeepSeek-V3 trained "
+                           f"without it); spread the ranks over {instead} instead",
+                           (f"mesh.{axis}",), try_values(axis, [1]))
+    return None
+
+
+# The moe family's description, with MLA's attention and keys.
+FAMILY = replace(
+    moe.FAMILY,
+    name="deepseek",
+    summary="DeepSeek-V3: multi-head latent attention and the moe family's mixture of "
+            "experts",
+    rules=RULES,
+    widths=widths,
+    feature_groups=feature_groups,
+    forward_flops=forward_flops,
+    layer_parameters=layer_parameters,
+    model_flops_per_token=model_flops_per_token,
+    activation_bytes=activation_bytes,
+    keys=KEYS,
+    presets=PRESETS,
+    model_checks=(rope_dim_even, moe.top_k_within_experts, moe.first_dense_within_layers,
+                  moe.groups_of_experts),
+    tensor_parallel_checks=(),
+    mesh_checks=(no_tensor_or_context_parallelism, moe.ep_divides_the_stage_and_the_experts),
+    hf_architecture=None,
+    module_kernels={op: kernel for op, kernel in llama.MODULE_KERNELS.items()
+                    if op not in ("qkv", "attention")},
+    linear_gemms=linear_gemms,
+)

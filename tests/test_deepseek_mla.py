@@ -1,0 +1,273 @@
+"""The deepseek family (issue 40): multi-head latent attention checked against
+transformers' ``DeepseekV3Attention`` on the same weights, the published model's sizes
+from its preset, its checks, and training under pp, dp and ep with --check."""
+
+from __future__ import annotations
+
+import pytest
+
+from planc.cli import main
+from planc.lang import load_text
+from planc.models import FAMILIES
+
+PLAN = """plan ds {
+  model deepseek {
+    layers = 3; hidden = 64; heads = 4; vocab = 128; seq = 32; batch = 8
+    q_rank = 48; kv_rank = 32; nope_dim = 16; rope_dim = 8; v_dim = 24
+    experts = 8; top_k = 2; expert_ffn = 48; shared_experts = 1; first_dense = 1; ffn = 128
+    score = sigmoid; routed_scale = 2.5; bias_update = 0.001 EXTRA
+  }
+  mesh { MESH }
+  schedule { microbatches = 2 }
+  train { steps = 3; optimizer = adamw(lr = 1e-3, weight_decay = 0.01); seed = 0 }
+}
+"""
+
+
+def plan_text(mesh: str = "pp = 2; dp = 2; ep = 2", extra: str = "") -> str:
+    return PLAN.replace("MESH", mesh).replace("EXTRA", extra)
+
+
+def test_the_published_sizes_give_671b_parameters_and_37b_active():
+    """DeepSeek-V3's report (arXiv 2412.19437, section 1): 671B parameters, 37B active
+    per token, its multi-token-prediction module aside; the active ones counted without
+    the input embedding's table, which a token only looks up (37.55B with it)."""
+    m = load_text("plan p { model deepseek { preset = deepseek-v3; batch = 1 } }").plan.model
+    family = FAMILIES["deepseek"]
+    params = family.all_parameters(m)
+    total = sum(p.numel for p in params)
+    routed = sum(p.numel for p in params if p.dims[:1] == ("experts",))
+    active = total - routed * (1 - m.top_k / m.experts) - m.vocab * m.hidden
+    assert (round(total / 1e9), round(active / 1e9, 1)) == (671, 36.6)
+    attention = [p for p in params if p.layer == 5 and "." in p.name and
+                 p.name.split(".", 2)[-1] in ("q_a.weight", "ln_q.weight", "q_b.weight",
+                                               "kv_a.weight", "ln_kv.weight", "kv_b.weight",
+                                               "o.weight")]
+    assert {p.name.split(".", 2)[-1]: p.shape for p in attention} == {
+        "q_a.weight": (7168, 1536), "ln_q.weight": (1536,), "q_b.weight": (1536, 128 * 192),
+        "kv_a.weight": (7168, 576), "ln_kv.weight": (512,), "kv_b.weight": (512, 128 * 256),
+        "o.weight": (128 * 128, 7168)}
+
+
+def test_mla_runs_with_neither_tp_nor_cp(tmp_path, capsys):
+    for axis, instead in (("tp", "ep and dp"), ("cp", "dp")):
+        path = tmp_path / f"{axis}.plan"
+        path.write_text(plan_text(f"{axis} = 2; dp = 2; ep = 2"))
+        assert main(["check", str(path)]) == 1
+        err = capsys.readouterr().err
+        assert (f"error: model deepseek runs with {axis} = 1: its multi-head latent "
+                f"attention is not split over {axis} (DeepSeek-V3 trained without it); "
+                f"spread the ranks over {instead} instead") in err
+
+
+def test_an_odd_rope_dim_is_refused(tmp_path, capsys):
+    path = tmp_path / "odd.plan"
+    path.write_text(plan_text().replace("rope_dim = 8", "rope_dim = 7"))
+    assert main(["check", str(path)]) == 1
+    assert "rope_dim (7) is odd; rotary embedding turns pairs of features" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recompute,again", [
+    ("selective", ["attention"]), ("attention_inputs", ["ln1", "qkv", "attention"])])
+def test_attention_inputs_recomputes_the_operators_up_to_the_attention(recompute, again):
+    from planc.graph.derive import derive
+
+    text = plan_text("dp = 2; ep = 2").replace("  train {", f"  optimize {{ recompute = "
+                                                             f"{recompute} }}\n  train {{")
+    graph = derive(load_text(text).plan)
+    recomputed = sorted(n for n in graph if n.startswith("R/"))
+    assert recomputed == sorted(f"R/L{layer}/{op}" for layer in range(3) for op in again)
+
+
+def test_attention_inputs_keeps_the_attentions_output_alone():
+    """Of llama's attention, recompute = attention_inputs keeps o's input: selective's
+    count less the first norm's output (qkv's GEMM input) and q, k and v."""
+    m = load_text("plan p { model llama { preset = llama3-8b; batch = 1 } }").plan.model
+    llama = FAMILIES["llama"]
+    sizes = dict(seq=8192, seq_full=8192, batch=1, tp=1, sequence_parallel=False)
+    selective = llama.activation_bytes(m, recompute="selective", **sizes)
+    inputs = llama.activation_bytes(m, recompute="attention_inputs", **sizes)
+    assert selective - inputs == 8192 * (4096 + (32 + 2 * 8) * 128) * 2
+    ds = load_text("plan p { model deepseek { preset = deepseek-v3; batch = 1 } }").plan.model
+    deepseek = FAMILIES["deepseek"]
+    sizes["seq"] = sizes["seq_full"] = 4096
+    kept = deepseek.activation_bytes(ds, recompute="attention_inputs", **sizes)
+    whole = deepseek.activation_bytes(ds, recompute="selective", **sizes)
+    # the latents before and after their norms, the first norm's output, q, k and v
+    assert whole - kept == 4096 * 2 * (1536 + 512 + 64 + 128 * (2 * 192 + 128) + 1536 + 512
+                                       + 7168)
+
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def transformers_attention(m, weights: dict):
+    """transformers' DeepseekV3Attention of ``m``'s sizes holding planc's ``weights``
+    (planc stores x @ W: (in, out); torch's Linear holds (out, in)), and its rotary
+    embedding."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3Attention, DeepseekV3RotaryEmbedding)
+
+    o = m.options
+    config = transformers.DeepseekV3Config(
+        hidden_size=m.hidden, num_attention_heads=m.heads, num_key_value_heads=m.heads,
+        q_lora_rank=o["q_rank"], kv_lora_rank=o["kv_rank"], qk_nope_head_dim=o["nope_dim"],
+        qk_rope_head_dim=o["rope_dim"], v_head_dim=o["v_dim"], rms_norm_eps=m.norm_eps,
+        rope_theta=m.rope_theta, rope_interleave=True, attention_bias=False)
+    config._attn_implementation = "eager"
+    module = DeepseekV3Attention(config, layer_idx=0).float()
+    pairs = {"q_a_proj": "q_a.weight", "q_b_proj": "q_b.weight",
+             "kv_a_proj_with_mqa": "kv_a.weight", "kv_b_proj": "kv_b.weight",
+             "o_proj": "o.weight"}
+    with torch.no_grad():
+        for theirs, ours in pairs.items():
+            getattr(module, theirs).weight.copy_(weights[ours].T)
+        module.q_a_layernorm.weight.copy_(weights["ln_q.weight"])
+        module.kv_a_layernorm.weight.copy_(weights["ln_kv.weight"])
+    return module, DeepseekV3RotaryEmbedding(config)
+
+
+def rotate_half(x, cos, sin):
+    """llama's RoPE layout (features i and i + d/2 turn together), with ``cos`` and ``sin``
+    of one angle a pair: what DeepSeek's interleaved layout is not."""
+    half = x.shape[-1] // 2
+    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * torch.cat([cos, cos], dim=-1) + turned * torch.cat([sin, sin], dim=-1)
+
+
+@pytest.mark.parametrize("positions", ["from 0", "from 5"])
+def test_latent_attention_is_transformers_deepseek_v3_attention(positions, monkeypatch):
+    """planc's qkv and attention kernels' arithmetic (latent_heads, then causal attention
+    and o) on transformers' DeepseekV3Attention's weights, at positions that start at 0
+    and at 5 (RoPE's angles differ)."""
+    from planc.runtime.families import deepseek
+
+    m = load_text(plan_text()).plan.model
+    generator = torch.Generator().manual_seed(4)
+    shapes = {p.name.split(".", 2)[-1]: p.shape for p in
+              FAMILIES["deepseek"].layer_parameters(m, 0)}
+    weights = {name: torch.randn(shapes[name], generator=generator) * 0.2 for name in
+               ("q_a.weight", "q_b.weight", "kv_a.weight", "kv_b.weight", "o.weight")}
+    for norm in ("ln_q.weight", "ln_kv.weight"):
+        weights[norm] = 1 + 0.1 * torch.randn(shapes[norm], generator=generator)
+    h = torch.randn(2, 10, m.hidden, generator=generator)
+    start = 0 if positions == "from 0" else 5
+    at = torch.arange(start, start + 10)
+    module, rotary = transformers_attention(m, weights)
+    cos, sin = rotary(h, at[None, :])
+    mask = torch.full((10, 10), float("-inf")).triu(1)[None, None]
+    theirs, _ = module(h, (cos, sin), mask)
+
+    def ours():
+        q, key, v = deepseek._split_heads(m, deepseek.latent_heads(
+            m, h, weights.__getitem__, at, None))
+        context = torch.nn.functional.scaled_dot_product_attention(
+            q, key, v, is_causal=True,
+            scale=(m.options["nope_dim"] + m.options["rope_dim"]) ** -0.5)
+        return context.transpose(1, 2).reshape(2, 10, -1) @ weights["o.weight"]
+
+    # fp32 sums in another order (eager softmax against SDPA): within 1e-5 of the scale
+    assert (ours() - theirs).abs().max() <= 1e-5 * theirs.abs().max()
+    monkeypatch.setattr(deepseek, "interleaved_rope", rotate_half)  # llama's layout
+    assert (ours() - theirs).abs().max() > 1e-2 * theirs.abs().max()
+
+
+def transformers_model(m, weights: dict):
+    """transformers' DeepseekV3ForCausalLM of ``m``'s sizes holding planc's ``weights``
+    (full planc names; each projection transposed, a block's experts' gate and up fused)."""
+    o = m.options
+    config = transformers.DeepseekV3Config(
+        vocab_size=m.vocab, hidden_size=m.hidden, intermediate_size=m.ffn,
+        moe_intermediate_size=o["expert_ffn"], num_hidden_layers=m.layers,
+        num_attention_heads=m.heads, num_key_value_heads=m.heads,
+        n_shared_experts=o["shared_experts"], n_routed_experts=o["experts"],
+        num_experts_per_tok=o["top_k"], first_k_dense_replace=o["first_dense"],
+        n_group=1, topk_group=1, q_lora_rank=o["q_rank"], kv_lora_rank=o["kv_rank"],
+        qk_nope_head_dim=o["nope_dim"], qk_rope_head_dim=o["rope_dim"],
+        v_head_dim=o["v_dim"], routed_scaling_factor=o["routed_scale"], norm_topk_prob=True,
+        rms_norm_eps=m.norm_eps, rope_theta=m.rope_theta, rope_interleave=True,
+        tie_word_embeddings=False, max_position_embeddings=m.seq, hidden_act="silu")
+    config._attn_implementation = "eager"
+    model = transformers.DeepseekV3ForCausalLM(config).float()
+    names = {"self_attn.q_a_proj": "q_a", "self_attn.q_b_proj": "q_b",
+             "self_attn.kv_a_proj_with_mqa": "kv_a", "self_attn.kv_b_proj": "kv_b",
+             "self_attn.o_proj": "o", "mlp.gate_proj": "gate", "mlp.up_proj": "up",
+             "mlp.down_proj": "down", "mlp.gate": "router",
+             "mlp.shared_experts.gate_proj": "shared.gate",
+             "mlp.shared_experts.up_proj": "shared.up",
+             "mlp.shared_experts.down_proj": "shared.down"}
+    norms = {"input_layernorm": "ln1", "post_attention_layernorm": "ln2",
+             "self_attn.q_a_layernorm": "ln_q", "self_attn.kv_a_layernorm": "ln_kv"}
+    state = {"model.embed_tokens.weight": weights["embedding.weight"],
+             "model.norm.weight": weights["final_ln.weight"],
+             "lm_head.weight": weights["head.weight"].T}
+    for layer in range(m.layers):
+        ours = lambda name: weights.get(f"layers.{layer}.{name}.weight")  # noqa: E731
+        at = f"model.layers.{layer}."
+        for theirs, name in names.items():
+            if ours(name) is not None:
+                state[at + theirs + ".weight"] = ours(name).T
+        for theirs, name in norms.items():
+            state[at + theirs + ".weight"] = ours(name)
+        if ours("experts.gate") is not None:
+            state[at + "mlp.experts.gate_up_proj"] = torch.cat(
+                [ours("experts.gate"), ours("experts.up")], dim=2).transpose(1, 2)
+            state[at + "mlp.experts.down_proj"] = ours("experts.down").transpose(1, 2)
+            state[at + "mlp.gate.e_score_correction_bias"] = torch.zeros(o["experts"])
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def test_the_whole_model_is_transformers_deepseek_v3():
+    """planc's reference loss of the deepseek family, on weights drawn as planc's are, is
+    transformers' DeepseekV3ForCausalLM's cross-entropy on the same weights and tokens:
+    MLA, the dense first block, the sigmoid gate with its routed scale, the routed and
+    shared experts, the final norm and the head."""
+    from planc.runtime.oracle.reference import forward_loss, initial_values
+
+    plan = load_text(plan_text().replace("; bias_update = 0.001", "")).plan
+    # planc's initial weights, spread 8 times wider so that every part moves the loss
+    weights = {name: (value - value.mean()) * 8 + value.mean()
+               for name, value in initial_values(plan).items()}
+    tokens = torch.randint(0, plan.model.vocab, (2, plan.model.seq + 1),
+                           generator=torch.Generator().manual_seed(5))
+    ours = forward_loss(plan, weights, tokens)
+    model = transformers_model(plan.model, weights)
+    logits = model(input_ids=tokens[:, :-1]).logits
+    theirs = torch.nn.functional.cross_entropy(logits.reshape(-1, plan.model.vocab),
+                                               tokens[:, 1:].reshape(-1))
+    assert abs(ours.item() - theirs.item()) <= 1e-5 * theirs.item(), (ours, theirs)
+
+
+@pytest.mark.parametrize("mesh,extra,recompute", [
+    ("pp = 2; dp = 2; ep = 2", "", "none"),
+    ("pp = 2; dp = 2; ep = 2", "", "attention_inputs"),
+    ("dp = 4; ep = 4", "; fp8 = blockwise; fp8_tile = 8", "none"),
+])
+def test_training_matches_the_reference(tmp_path, capsys, mesh, extra, recompute):
+    (tmp_path / "ds.plan").write_text(plan_text(mesh, extra))
+    assert main(["run", str(tmp_path / "ds.plan"), "-o", str(tmp_path / "b"), "--check",
+                 "--set", f"optimize.recompute={recompute}"]) == 0
+    err = capsys.readouterr().err
+    assert "every loss and parameter matches" in err or \
+        (extra and "every loss matches" in err), err
+
+
+DEEPSEEK = ("; q_rank = 16; kv_rank = 8; nope_dim = 4; rope_dim = 4; v_dim = 8; experts = 4"
+            "; top_k = 2; expert_ffn = 24; shared_experts = 1; first_dense = 1; ffn = 48"
+            "; score = sigmoid; routed_scale = 2.5; bias_update = 0.01")
+
+
+def test_a_deepseek_run_resumes_across_expert_and_pipeline_parallelism(tmp_path, capfd):
+    """Written with the experts over ep 4 on dp 4, resumed on pp 2 x dp 2 with ep 2 under
+    ZeRO-1: the latents' weights, the experts and their balancing biases come back whole,
+    and the resumed run matches the uninterrupted one."""
+    from tests.test_checkpoint import resumed_run_matches_uninterrupted
+
+    resumed_run_matches_uninterrupted(
+        dict(family="deepseek", model=DEEPSEEK, mesh="dp = 4; ep = 4"),
+        dict(family="deepseek", model=DEEPSEEK, mesh="pp = 2; dp = 2; ep = 2",
+             shard="dp { zero = 1 }"),
+        tmp_path, capfd)
