@@ -271,3 +271,117 @@ def test_a_deepseek_run_resumes_across_expert_and_pipeline_parallelism(tmp_path,
         dict(family="deepseek", model=DEEPSEEK, mesh="pp = 2; dp = 2; ep = 2",
              shard="dp { zero = 1 }"),
         tmp_path, capfd)
+
+
+# --- to and from transformers' DeepseekV3ForCausalLM ------------------------------------
+
+HF_SIZES = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=4, max_position_embeddings=16, rms_norm_eps=1e-6,
+                intermediate_size=40, moe_intermediate_size=24, n_routed_experts=4,
+                num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+                v_head_dim=8)
+HF_PLAN = """plan ds_hf {{
+  model deepseek {{
+    layers = 3; hidden = 32; heads = 4; vocab = 96; seq = 16; batch = 4; ffn = 40
+    experts = 4; top_k = 2; expert_ffn = 24; shared_experts = 1; first_dense = 1
+    expert_groups = 2; route_groups = 1; score = sigmoid; routed_scale = 2.5
+    q_rank = 16; kv_rank = 8; nope_dim = 4; rope_dim = 4; v_dim = 8; norm_eps = 1e-6{extra}
+  }}
+  mesh {{ {mesh} }}
+  train {{ steps = 2; optimizer = sgd(lr = 0.1, momentum = 0, weight_decay = 0); seed = 11{train} }}
+}}
+"""
+
+
+def hf_plan(tmp_path, mesh="", extra="", train=""):
+    path = tmp_path / "hf.plan"
+    path.write_text(HF_PLAN.format(mesh=mesh, extra=extra, train=train))
+    return path
+
+
+def test_a_run_starts_from_a_deepseek_v3_checkpoint(tmp_path, capfd):
+    """save_pretrained's DeepseekV3ForCausalLM (the Hub's per-expert tensors), started
+    from under dp 2 with ep 2 and --check: the first loss is transformers' on the same
+    batch, and the run matches the reference started from the same weights."""
+    import json
+
+    from planc.lang import load_file
+    from planc.runtime.engine.data import batch_tokens
+
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF_SIZES))
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    source = hf_plan(tmp_path, "dp = 2; ep = 2", train='; init = "hf"')
+    metrics = tmp_path / "m.jsonl"
+    assert main(["run", str(source), "-o", str(tmp_path / "build"), "--metrics", str(metrics),
+                 "--check"]) == 0
+    err = capfd.readouterr().err
+    assert f"planc: started from Hugging Face checkpoint {tmp_path / 'hf'} in " in err
+    assert "every loss and parameter matches" in err
+    tokens = batch_tokens(load_file(source).plan, 0)
+    with torch.no_grad():
+        logits = model.eval()(input_ids=tokens[:, :-1]).logits
+    theirs = torch.nn.functional.cross_entropy(logits.reshape(-1, 96), tokens[:, 1:].reshape(-1))
+    first = json.loads(metrics.read_text().splitlines()[0])["loss"]
+    assert first == pytest.approx(theirs.item(), rel=1e-5)
+
+
+def test_export_loads_in_deepseek_v3_with_its_balancing_biases(tmp_path, capfd):
+    """A run with the balancing bias, checkpointed and exported: DeepseekV3ForCausalLM
+    loads every tensor (the biases as its e_score_correction_bias), none missing, and its
+    loss is the reference's routed with those biases."""
+    from planc.lang import load_file
+    from planc.runtime.engine.data import batch_tokens
+    from planc.runtime.families import deepseek
+    from tests.conftest import checkpoint_tensors
+
+    source = hf_plan(tmp_path, "dp = 2; ep = 2", extra="; bias_update = 0.05")
+    # without groups, so that the toy's loads leave the mean within 4 steps
+    source.write_text(source.read_text().replace("expert_groups = 2; route_groups = 1; ", "")
+                      .replace("steps = 2", "steps = 4"))
+    checkpoints, exported = tmp_path / "ckpt", tmp_path / "hf"
+    assert main(["run", str(source), "-o", str(tmp_path / "build"), "--checkpoint-dir",
+                 str(checkpoints), "--checkpoint-every", "4"]) == 0
+    capfd.readouterr()
+    assert main(["export", str(checkpoints), "--format", "hf", "-o", str(exported)]) == 0
+    assert capfd.readouterr().err == (
+        f"wrote 47 tensors of {checkpoints / 'step-000004'} to {exported}/ (config.json, "
+        f"model.safetensors) for DeepseekV3ForCausalLM.from_pretrained\n")  # 3 + 12 + 2 x 16
+    model, info = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        str(exported), attn_implementation="eager", output_loading_info=True)
+    assert not any(info.values()), info
+    final = checkpoint_tensors(checkpoints)
+    biases = {layer: final[f"layers.{layer}.router.balance_bias"] for layer in (1, 2)}
+    assert sum(float(b.abs().sum()) for b in biases.values()) > 0  # the updates moved them
+    for layer, bias in biases.items():
+        assert torch.equal(model.model.layers[layer].mlp.gate.e_score_correction_bias, bias)
+    plan = load_file(source).plan
+    tokens = batch_tokens(plan, 0)
+    with torch.no_grad():
+        logits = model(input_ids=tokens[:, :-1]).logits
+    theirs = torch.nn.functional.cross_entropy(logits.reshape(-1, 96), tokens[:, 1:].reshape(-1))
+    params = {k: v for k, v in final.items() if not k.endswith("balance_bias")}
+    state = {"bias": biases, "chosen": {}}
+    ours = deepseek.reference_objective(plan.model, params, tokens, torch.float32, state,
+                                        counting=False)[1]
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("key, message", [
+    ("q_rank = 12", "config.json's q_lora_rank is 16; the plan's model has q_rank = 12"),
+    # DeepseekV3Config's head_dim is its rotated features', compared first
+    ("rope_dim = 2", "config.json's head_dim is 4; the plan's model has rope_dim = 2"),
+])
+def test_check_names_the_deepseek_field_that_disagrees(key, message, tmp_path, capfd):
+    torch.manual_seed(0)
+    transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF_SIZES)) \
+        .save_pretrained(tmp_path / "hf", safe_serialization=True)
+    source = hf_plan(tmp_path, train='; init = "hf"')
+    name = key.split()[0]
+    text = source.read_text()
+    start = text.index(name + " = ")
+    source.write_text(text[:start] + key + text[text.index(";", start):])
+    assert main(["check", str(source)]) == 1
+    assert f"error: init: {tmp_path / 'hf'}: {message}\n" in capfd.readouterr().err

@@ -2,7 +2,8 @@
 
 ``LlamaForCausalLM.from_pretrained(DIR)`` (a llama model) or
 ``MixtralForCausalLM.from_pretrained(DIR)`` (a moe model that is a Mixtral: no shared
-experts, no dense first blocks) loads what this writes: ``config.json`` (the model block
+experts, no dense first blocks) or ``DeepseekV3ForCausalLM.from_pretrained(DIR)`` (a
+deepseek model with the sigmoid gate) loads what this writes: ``config.json`` (the model block
 as transformers' config class names it) and ``model.safetensors`` with transformers'
 parameter names. A family names its transformers class (``Family.hf_architecture``);
 :data:`ARCHITECTURES` describes each class: its config keys, the tensors of one decoder
@@ -26,6 +27,7 @@ from typing import Any, Callable
 from planc.checkpoint.format import CheckpointError
 from planc.models import FAMILIES, family_of
 from planc.plan.plan import Model
+from planc.vocabulary.model_options import balance_bias_names
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -132,7 +134,66 @@ MIXTRAL = Architecture(
           for w, x in (("w1", "gate"), ("w3", "up"), ("w2", "down"))),
     ))
 
-ARCHITECTURES = {a.name: a for a in (LLAMA, MIXTRAL)}
+_LATENT_ATTENTION = (
+    Tensor("input_layernorm.weight", ("ln1.weight",)),
+    _linear("self_attn.q_a_proj.weight", "q_a.weight"),
+    Tensor("self_attn.q_a_layernorm.weight", ("ln_q.weight",)),
+    _linear("self_attn.q_b_proj.weight", "q_b.weight"),
+    _linear("self_attn.kv_a_proj_with_mqa.weight", "kv_a.weight"),
+    Tensor("self_attn.kv_a_layernorm.weight", ("ln_kv.weight",)),
+    _linear("self_attn.kv_b_proj.weight", "kv_b.weight"),
+    _linear("self_attn.o_proj.weight", "o.weight"),
+    Tensor("post_attention_layernorm.weight", ("ln2.weight",)),
+)
+# A DeepSeek-V3 block's MLP: the dense SwiGLU of the first blocks, or the router (with its
+# balancing bias, DeepSeek's e_score_correction_bias, when the model keeps one), the
+# routed experts and the shared ones; a block holds one or the other.
+_DEEPSEEK_MLP = (
+    *(_linear(f"mlp.{x}_proj.weight", f"{x}.weight") for x in ("gate", "up", "down")),
+    _linear("mlp.gate.weight", "router.weight"),
+    Tensor("mlp.gate.e_score_correction_bias", ("router.balance_bias",)),
+    *(_linear(f"mlp.shared_experts.{x}_proj.weight", f"shared.{x}.weight")
+      for x in ("gate", "up", "down")),
+)
+
+
+def _deepseek_v3_config(m: Model) -> dict:
+    groups = m.options.get("expert_groups") or 1
+    return {"intermediate_size": m.ffn, "moe_intermediate_size": m.expert_ffn,
+            "n_routed_experts": m.experts, "num_experts_per_tok": m.top_k,
+            "n_shared_experts": m.shared_experts, "first_k_dense_replace": m.first_dense,
+            "n_group": groups, "topk_group": m.options.get("route_groups") or groups,
+            "norm_topk_prob": m.norm_topk,
+            "routed_scaling_factor": float(m.options.get("routed_scale") or 1.0),
+            "q_lora_rank": m.q_rank, "kv_lora_rank": m.kv_rank, "qk_nope_head_dim": m.nope_dim,
+            "qk_rope_head_dim": m.rope_dim, "v_head_dim": m.v_dim, "rope_interleave": True,
+            # DeepseekV3Config's head_dim is the rotated features'
+            "head_dim": m.rope_dim, "attention_bias": False}
+
+
+DEEPSEEK_V3 = Architecture(
+    name="DeepseekV3ForCausalLM", model_type="deepseek_v3",
+    layer=_LATENT_ATTENTION + _DEEPSEEK_MLP + (
+        # (experts, hidden, 2 expert_ffn) -> (experts, 2 expert_ffn, hidden): gate first
+        Tensor("mlp.experts.gate_up_proj", ("experts.gate.weight", "experts.up.weight"),
+               swap=(1, 2), join=2),
+        Tensor("mlp.experts.down_proj", ("experts.down.weight",), swap=(1, 2)),
+    ),
+    config=_deepseek_v3_config,
+    requires=(
+        Requirement("score", "sigmoid", "DeepSeek-V3's router scores are sigmoid affinities"),
+        Requirement("aux_loss", 0, "transformers' DeepSeek-V3 has no sequence-wise balance "
+                    "loss", for_init=False),
+        Requirement("capacity", None, "DeepSeek-V3 routes every token to its experts "
+                    "(dropless)", for_init=False),
+    ),
+    # transformers 5 saves DeepSeek-V3 as the Hub's checkpoints hold it: each expert's
+    # gate, up and down projections, each (out, in)
+    saved_layer=_LATENT_ATTENTION + _DEEPSEEK_MLP + tuple(
+        Tensor(f"mlp.experts.{{}}.{x}_proj.weight", (f"experts.{x}.weight",), swap=(0, 1),
+               per_expert=True) for x in ("gate", "up", "down")))
+
+ARCHITECTURES = {a.name: a for a in (LLAMA, MIXTRAL, DEEPSEEK_V3)}
 
 
 def architecture(model: Model) -> Architecture | None:
@@ -154,7 +215,8 @@ def model_tensors(model: Model, saved: bool = False) -> list[Tensor]:
     names (a tied head has none: transformers ties lm_head to the embedding too);
     ``saved``: as save_pretrained writes them (Architecture.saved_layer)."""
     arch = architecture(model)
-    planc = {p.name for p in family_of(model).all_parameters(model)}
+    planc = {p.name for p in family_of(model).all_parameters(model)} | \
+        set(balance_bias_names(model))
     tensors = list(_GLOBAL)
     layer_tensors = arch.saved_layer if saved and arch.saved_layer else arch.layer
     for layer in range(model.layers):

@@ -42,6 +42,8 @@ def init_sources(model: Model, saved: bool
     shapes = {p.name: tuple(p.shape) for p in family_of(model).all_parameters(model)}
     sources, tensors = {}, {}
     for t in model_tensors(model, saved):
+        if not all(s in shapes for s in t.sources):
+            continue  # a balancing bias: state that a run starts at zero, as training does
         whole = list(shapes[t.sources[0]][1:] if t.per_expert else shapes[t.sources[0]])
         join = t.join if len(t.sources) > 1 else 0  # a part of a concatenation, or all
         if len(t.sources) > 1:
@@ -74,8 +76,9 @@ def saved_form(model: Model, names) -> bool:
 def _architecture(model: Model) -> Architecture:
     family = FAMILIES.get(model.family)
     if family is None or family.hf_architecture is None:
-        readable = " and ".join(f"{name} ({f.hf_architecture})" for name, f in
-                                FAMILIES.items() if f.hf_architecture)
+        named = [f"{name} ({f.hf_architecture})" for name, f in FAMILIES.items()
+                 if f.hf_architecture]
+        readable = ", ".join(named[:-1]) + " and " + named[-1]
         raise HFCheckpointError(f"init starts {readable} models from a Hugging Face "
                                 f"checkpoint; model {model.family} has no transformers class")
     arch = ARCHITECTURES[family.hf_architecture]
@@ -98,15 +101,36 @@ _COMPARED = (("model_type", "model"), ("hidden_size", "hidden"),
              ("tie_word_embeddings", "tie_embeddings"), ("rope_theta", "rope_theta"),
              ("rms_norm_eps", "norm_eps"), ("hidden_act", None),
              ("attention_bias", None), ("mlp_bias", None),
-             ("num_local_experts", "experts"), ("num_experts_per_tok", "top_k"))
+             ("num_local_experts", "experts"), ("num_experts_per_tok", "top_k"),
+             # DeepSeek-V3's
+             ("n_routed_experts", "experts"), ("moe_intermediate_size", "expert_ffn"),
+             ("n_shared_experts", "shared_experts"), ("first_k_dense_replace", "first_dense"),
+             ("n_group", "expert_groups"), ("topk_group", "route_groups"),
+             ("norm_topk_prob", "norm_topk"), ("routed_scaling_factor", "routed_scale"),
+             ("q_lora_rank", "q_rank"), ("kv_lora_rank", "kv_rank"),
+             ("qk_nope_head_dim", "nope_dim"), ("qk_rope_head_dim", "rope_dim"),
+             ("v_head_dim", "v_dim"), ("rope_interleave", None))
 _PLANC_KEY = {("intermediate_size", "llama"): "ffn", ("intermediate_size", "mixtral"):
-              "expert_ffn"}
+              "expert_ffn", ("intermediate_size", "deepseek_v3"): "ffn",
+              ("head_dim", "deepseek_v3"): "rope_dim",
+              ("num_key_value_heads", "deepseek_v3"): "heads"}
 _DEFAULTS = {"llama": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6,
                        "tie_word_embeddings": False, "hidden_act": "silu",
                        "attention_bias": False, "mlp_bias": False},
              "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
                          "hidden_act": "silu", "num_local_experts": 8,
-                         "num_experts_per_tok": 2, "num_key_value_heads": 8}}
+                         "num_experts_per_tok": 2, "num_key_value_heads": 8},
+             # transformers' DeepseekV3Config's defaults: DeepSeek-V3's sizes
+             "deepseek_v3": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+                             "tie_word_embeddings": False, "hidden_act": "silu",
+                             "attention_bias": False, "intermediate_size": 18432,
+                             "moe_intermediate_size": 2048, "n_routed_experts": 256,
+                             "num_experts_per_tok": 8, "n_shared_experts": 1,
+                             "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4,
+                             "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+                             "q_lora_rank": 1536, "kv_lora_rank": 512,
+                             "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                             "v_head_dim": 128, "rope_interleave": True}}
 
 
 def _rope_theta(config: dict) -> object:

@@ -241,7 +241,7 @@ FAMILY = replace(
                   moe.groups_of_experts),
     tensor_parallel_checks=(),
     mesh_checks=(no_tensor_or_context_parallelism, moe.ep_divides_the_stage_and_the_experts),
-    hf_architecture=None,
+    hf_architecture="DeepseekV3ForCausalLM",
     module_kernels={op: kernel for op, kernel in llama.MODULE_KERNELS.items()
                     if op not in ("qkv", "attention")},
     linear_gemms=linear_gemms,

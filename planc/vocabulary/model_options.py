@@ -38,6 +38,19 @@ def expert_groups_of(m) -> tuple[int, int] | None:
     return groups, groups if chosen is None else chosen
 
 
+def balance_bias_name(layer: int) -> str:
+    """The balancing bias of block ``layer`` (``bias_update``), as the rank's state and
+    checkpoints name it (Megatron-Core keeps it as the router's ``expert_bias`` buffer)."""
+    return f"layers.{layer}.router.balance_bias"
+
+
+def balance_bias_names(m) -> list[str]:
+    """The balancing bias of every mixture block of ``m``, none without ``bias_update``."""
+    if m.options.get("bias_update") is None or m.options.get("experts") is None:
+        return []
+    return [balance_bias_name(layer) for layer in range(m.first_dense, m.layers)]
+
+
 def expert_capacity(m) -> int | None:
     """How many of a sequence's tokens each expert takes with ``capacity = F``:
     ceil(F x seq x top_k / experts) (GShard's expert capacity, Lepikhin et al. 2021, per

@@ -24,7 +24,10 @@ def export_hf(checkpoint: str, output: str) -> tuple[Path, int, str]:
     found = find(checkpoint)
     check_values(found.directory, found.manifest)
     architecture = check_exportable(found.directory, found.manifest)
-    model, parameters = found.manifest["model"], found.manifest["parameters"]
+    model = found.manifest["model"]
+    # the parameters, and the state a transformers class holds too (a mixture's balancing
+    # biases, DeepSeek-V3's e_score_correction_bias)
+    parameters = {**found.manifest.get("buffers", {}), **found.manifest["parameters"]}
     dtype = getattr(torch, DTYPES[model["dtype"]])
     by_file: dict[str, list[str]] = {}
     for name, info in sorted(parameters.items()):

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from planc.runtime.engine.kernels import taken
-from planc.runtime.families.moe_gate import balanced, bias_name, update_bias
+from planc.runtime.families.moe_gate import balanced, update_bias
+from planc.vocabulary.model_options import balance_bias_name
 
 FP32, FP64 = torch.float32, torch.float64
 
@@ -26,7 +27,7 @@ def beside(model) -> dict[str, str]:
     """Every bias, by name, with the parameter whose stage keeps it: its block's router."""
     if "experts" not in model.options or not balanced(model):  # no mixture
         return {}
-    return {bias_name(layer): f"layers.{layer}.router.weight"
+    return {balance_bias_name(layer): f"layers.{layer}.router.weight"
             for layer in range(model.first_dense, model.layers)}
 
 
@@ -34,7 +35,7 @@ def hold(buffers: dict[str, torch.Tensor], layers: tuple[int, ...], experts: int
          device) -> None:
     """The stage's biases, zero before the first update (a checkpoint fills them)."""
     for layer in layers:
-        buffers.setdefault(bias_name(layer), torch.zeros(experts, dtype=FP32, device=device))
+        buffers.setdefault(balance_bias_name(layer), torch.zeros(experts, dtype=FP32, device=device))
 
 
 def loads(chosen: dict[tuple, torch.Tensor], step: int, layers: tuple[int, ...],
@@ -52,7 +53,7 @@ def update(buffers: dict[str, torch.Tensor], summed: torch.Tensor,
            layers: tuple[int, ...], rate: float) -> None:
     """Every block's bias moved by the stage's summed loads."""
     for layer, load in zip(layers, summed.reshape(len(layers), -1)):
-        update_bias(buffers[bias_name(layer)], load, rate)
+        update_bias(buffers[balance_bias_name(layer)], load, rate)
 
 
 def imbalance(summed: torch.Tensor, layers: tuple[int, ...]) -> float:

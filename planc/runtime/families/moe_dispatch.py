@@ -28,8 +28,9 @@ import torch.distributed as dist
 
 from planc.runtime.engine import fp8
 from planc.runtime.families import llama
-from planc.runtime.families.moe_gate import (WithBalanceLoss, balance_loss, balanced, bias_name,
+from planc.runtime.families.moe_gate import (WithBalanceLoss, balance_loss, balanced,
                                              choose, routed_pairs, sorted_pairs)
+from planc.vocabulary.model_options import balance_bias_name
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def gate_hooks(k, spec, step: int, mb: int) -> tuple:
     (the metrics'); a recomputed forward overwrites its own entries."""
     bias = count = None
     if balanced(k.ctx.model):
-        bias = k.buffers[bias_name(spec.layer)]
+        bias = k.buffers[balance_bias_name(spec.layer)]
         if k.chosen is not None:
             count = lambda per_expert: k.chosen.__setitem__(  # noqa: E731
                 (step, mb, spec.layer), per_expert)

@@ -43,12 +43,6 @@ def balanced(m) -> bool:
     return m.options.get("bias_update") is not None
 
 
-def bias_name(layer: int) -> str:
-    """The balancing bias of block ``layer``, as the rank's state and checkpoints name it
-    (Megatron-Core keeps it as the router's ``expert_bias`` buffer)."""
-    return f"layers.{layer}.router.balance_bias"
-
-
 def choose(tokens: torch.Tensor, weights_of, m, bias: torch.Tensor | None = None, count=None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(scores, experts, weights) of ``tokens``: the router's fp32 scores, each token's
