@@ -20,10 +20,11 @@ turn by the i-th frequency) and writes the turned pairs' first and second member
 two halves, as transformers' ``apply_rotary_pos_emb_interleave`` does.
 
 The operator ``qkv`` computes all of it up to the heads' q, k and v, which it hands to
-``attention`` side by side; the graph keeps llama's operators. DeepSeek-V3 trained
-without tensor parallelism (report, section 3.2) and without context parallelism, and
-so does this family: its heads are not split over tp and its keys do not travel over cp
-(the checks say so). Everything from ``ln2`` on is the moe family's.
+``attention`` side by side; the graph keeps llama's operators. Under context
+parallelism the keys and values travel as llama's do (gathered, or around the ring),
+each head's k and v side by side. DeepSeek-V3 trained without tensor parallelism
+(report, section 3.2), and so does this family: its heads are not split over tp (a check
+says so). Everything from ``ln2`` on is the moe family's.
 """
 
 from __future__ import annotations
@@ -209,17 +210,14 @@ def rope_dim_even(m: Model) -> Finding | None:
                    try_values("rope_dim", [m.rope_dim - 1, m.rope_dim + 1]))
 
 
-def no_tensor_or_context_parallelism(m: Model, mesh) -> Finding | None:
-    """DeepSeek-V3 trained with neither (report, section 3.2: "we do not use costly
-    tensor parallelism"); this family's heads are not cut over tp and its keys do not
-    travel over cp."""
-    for axis, instead in (("tp", "ep and dp"), ("cp", "dp")):
-        if mesh.size(axis) > 1:
-            return Finding(f"model deepseek runs with {axis} = 1: its multi-head latent "
-                           f"attention is not split over {axis} (DeepSeek-V3 trained "
-                           f"without it); spread the ranks over {instead} instead",
-                           (f"mesh.{axis}",), try_values(axis, [1]))
-    return None
+def no_tensor_parallelism(m: Model, mesh) -> Finding | None:
+    """DeepSeek-V3 trained without it (report, section 3.2: "we do not use costly tensor
+    parallelism"); this family's heads are not cut over tp."""
+    if mesh.tp == 1:
+        return None
+    return Finding("model deepseek runs with tp = 1: its multi-head latent attention is "
+                   "not split over tp (DeepSeek-V3 trained without it); spread the ranks "
+                   "over ep, cp and dp instead", ("mesh.tp",), try_values("tp", [1]))
 
 
 # The moe family's description, with MLA's attention and keys.
@@ -240,7 +238,7 @@ FAMILY = replace(
     model_checks=(rope_dim_even, moe.top_k_within_experts, moe.first_dense_within_layers,
                   moe.groups_of_experts),
     tensor_parallel_checks=(),
-    mesh_checks=(no_tensor_or_context_parallelism, moe.ep_divides_the_stage_and_the_experts),
+    mesh_checks=(no_tensor_parallelism, moe.ep_divides_the_stage_and_the_experts),
     hf_architecture="DeepseekV3ForCausalLM",
     module_kernels={op: kernel for op, kernel in llama.MODULE_KERNELS.items()
                     if op not in ("qkv", "attention")},

@@ -104,16 +104,17 @@ def _narrow(grad: torch.Tensor, repeat: int) -> torch.Tensor:
     return grad.view(b, heads // repeat, repeat, tokens, d).sum(2)
 
 
-def _fused(q: torch.Tensor) -> bool:
-    """Whether PyTorch has a fused flash kernel with a log-sum-exp for this device."""
-    return q.device.type == "cpu"
+def _fused(q: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether PyTorch has a fused flash kernel with a log-sum-exp for this device and
+    these widths (its CPU kernel wants v as wide as q and k)."""
+    return q.device.type == "cpu" and value.shape[-1] == q.shape[-1]
 
 
 def _partial(q, key, value, mask: StepMask) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention of q on one block and its log-sum-exp (-inf for a query that sees
     none of the block's keys): PyTorch's fused flash kernel on the CPU, the same
     arithmetic written out elsewhere."""
-    if _fused(q):
+    if _fused(q, value):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, key, value, 0.0, False, attn_mask=mask.additive)
     else:
@@ -128,7 +129,7 @@ def _partial(q, key, value, mask: StepMask) -> tuple[torch.Tensor, torch.Tensor]
 def _partial_backward(dout, q, key, value, out, lse, mask: StepMask):
     """dq, dk, dv of one block from the whole attention's output and log-sum-exp
     (FlashAttention-2's backward: the block's probabilities are exp(scores - lse))."""
-    if _fused(q):
+    if _fused(q, value):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, key, value, out, lse, 0.0, False, attn_mask=mask.additive)
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -146,13 +147,15 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, ring: Ring, masks):
         repeat = q.shape[1] // k.shape[1]
         out = lse = None
-        block = torch.stack([k, v]).contiguous()
+        # k and v travel as one block, side by side along the features (their widths may
+        # differ: multi-head latent attention's v is narrower than its q and k)
+        block, width = torch.cat([k, v], dim=-1).contiguous(), k.shape[-1]
         for step in range(ring.steps):
             shift = _Shift(block, ring) if step < ring.steps - 1 else None
             mask = masks[step]
             if mask is not None:  # the partial attention on the block in hand
-                part, part_lse = _partial(q, _widen(block[0], repeat),
-                                          _widen(block[1], repeat), mask)
+                part, part_lse = _partial(q, _widen(block[..., :width], repeat),
+                                          _widen(block[..., width:], repeat), mask)
                 if out is None:  # step 0: the rank's own block, where every query sees
                     out, lse = part.to(FP32), part_lse  # at least itself
                 else:
@@ -174,7 +177,7 @@ class _RingAttention(torch.autograd.Function):
         repeat = q.shape[1] // k.shape[1]
         grad_out = grad_out.contiguous()
         dq = torch.zeros(q.shape, dtype=FP32, device=q.device)
-        block = torch.stack([k, v]).contiguous()
+        block, width = torch.cat([k, v], dim=-1).contiguous(), k.shape[-1]
         travelling = None  # the shift of the previous block's dK/dV accumulator
         for step in range(ring.steps):
             shift = _Shift(block, ring) if step < ring.steps - 1 else None
@@ -182,21 +185,24 @@ class _RingAttention(torch.autograd.Function):
             mask = masks[step]
             if mask is not None:
                 dq_part, dk, dv = _partial_backward(
-                    grad_out, q, _widen(block[0], repeat), _widen(block[1], repeat), out,
-                    lse, mask)
+                    grad_out, q, _widen(block[..., :width], repeat),
+                    _widen(block[..., width:], repeat), out, lse, mask)
                 dq += dq_part
-                share[0], share[1] = _narrow(dk.to(FP32), repeat), _narrow(dv.to(FP32), repeat)
+                share[..., :width] = _narrow(dk.to(FP32), repeat)
+                share[..., width:] = _narrow(dv.to(FP32), repeat)
             # This block's accumulator arrives from the rank that held the block last.
             accumulator = share if travelling is None else travelling.wait().to(FP32) + share
             travelling = _Shift(accumulator.to(block.dtype).contiguous(), ring)
             if shift is not None:
                 block = shift.wait()
         home = travelling.wait()  # this rank's own block, every rank's share added
-        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None
+        return dq.to(q.dtype), home[..., :width].to(k.dtype), home[..., width:].to(v.dtype), \
+            None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring,
                    masks: list[StepMask | None]) -> torch.Tensor:
-    """q: (batch, heads, tokens, head_dim); k, v: (batch, kv heads, tokens, head_dim), this
-    rank's block. The attention output, (batch, heads, tokens, head_dim)."""
+    """q: (batch, heads, tokens, head_dim); k: (batch, kv heads, tokens, head_dim), v:
+    (batch, kv heads, tokens, v features: head_dim, or MLA's own), this rank's block. The
+    attention output, (batch, heads, tokens, v features)."""
     return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring, masks)

@@ -28,7 +28,7 @@ from planc.runtime.engine.context import RankContext
 from planc.runtime.engine.model import join_feature, local_heads, split_feature
 from planc.runtime.engine.store import ParamStore
 from planc.runtime.engine.collectives import all_gather_single, reduce_scatter_single
-from planc.runtime.families import moe_dispatch, moe_two_hop
+from planc.runtime.families import family_module, moe_dispatch, moe_two_hop
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -203,9 +203,15 @@ class Transfers:
     # --- context parallel -----------------------------------------------------------------
 
     def _kv_of(self, qkv: torch.Tensor) -> torch.Tensor:
-        """The k and v heads of a local [q | k | v] activation: everything after q."""
-        heads, _ = local_heads(self.ctx.model, qkv.shape[-1], self.ctx.tp)
-        return qkv[..., heads * self.ctx.model.head_dim:].contiguous()
+        """The k and v heads of a local [q | k | v] activation: everything after q, whose
+        width the family's ``query_width`` gives where its heads are not head_dim wide
+        (multi-head latent attention's)."""
+        model = self.ctx.model
+        query_width = getattr(family_module(model.family), "query_width", None)
+        if query_width is not None:
+            return qkv[..., query_width(model):].contiguous()
+        heads, _ = local_heads(model, qkv.shape[-1], self.ctx.tp)
+        return qkv[..., heads * model.head_dim:].contiguous()
 
     def kv_all_gather(self, call: Call, qkv: torch.Tensor) -> torch.Tensor:
         """Every cp rank's keys and values, in cp rank order along the tokens."""

@@ -23,8 +23,8 @@ from planc.runtime.engine import fp8
 from planc.runtime.families import llama, moe
 from planc.runtime.families.moe import reference_state, reference_step_end
 
-__all__ = ("KERNELS", "latent_heads", "reference_loss", "reference_objective",
-           "reference_state", "reference_step_end")
+__all__ = ("KERNELS", "latent_heads", "query_width", "reference_loss",
+           "reference_objective", "reference_state", "reference_step_end")
 
 
 def interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -59,12 +59,22 @@ def latent_heads(m, h: torch.Tensor, weight, positions: torch.Tensor, recipe
                      dim=-1)
 
 
+def query_width(m) -> int:
+    """Features of the queries in [q | k | v]: what context parallelism leaves at home
+    (planc.runtime.engine.transfers gathers or passes on the rest)."""
+    return m.heads * (m.nope_dim + m.rope_dim)
+
+
+def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    b, s, _ = t.shape
+    return t.reshape(b, s, heads, -1).transpose(1, 2)
+
+
 def _split_heads(m, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v as (batch, heads, tokens, features) from [q | k | v]."""
-    b, s, _ = qkv.shape
-    heads, qk = m.heads, m.nope_dim + m.rope_dim
-    q, key, v = qkv.split([heads * qk, heads * qk, heads * m.v_dim], dim=-1)
-    return tuple(t.reshape(b, s, heads, -1).transpose(1, 2) for t in (q, key, v))
+    width = query_width(m)
+    q, key, v = qkv.split([width, width, m.heads * m.v_dim], dim=-1)
+    return tuple(_heads(t, m.heads) for t in (q, key, v))
 
 
 def qkv(k, spec, x, p, step, mb, extra):
@@ -74,12 +84,26 @@ def qkv(k, spec, x, p, step, mb, extra):
 
 
 def attention(k, spec, x, p, step, mb, extra):
-    """Causal attention of every head on the tokens of this rank's sequences (the family
-    runs with cp = 1)."""
+    """Causal attention of every head: on the tokens this rank holds, or over every cp
+    rank's keys and values, gathered (``x["kv"]``) or travelling the cp ring, as llama's
+    attention runs them; k and v travel together, v narrower than k."""
     m = k.ctx.model
-    q, key, v = _split_heads(m, x["x"])
-    out = F.scaled_dot_product_attention(q, key, v, is_causal=True,
-                                         scale=1.0 / math.sqrt(m.nope_dim + m.rope_dim))
+    if "kv" not in x and spec.ring is None:
+        q, key, v = _split_heads(m, x["x"])
+        out = F.scaled_dot_product_attention(q, key, v, is_causal=True,
+                                             scale=1.0 / math.sqrt(m.nope_dim + m.rope_dim))
+    else:
+        width = query_width(m)
+        q = _heads(x["x"][..., :width], m.heads)
+        pair = x["kv"] if "kv" in x else x["x"][..., width:]
+        key, v = (_heads(t, m.heads) for t in pair.split([width, m.heads * m.v_dim], dim=-1))
+        if spec.ring is not None:
+            out = k.ring_attention(spec, q, key, v)
+        else:
+            query = k.ctx.positions(seq_sharded=False)
+            allowed = k.ctx.all_key_positions().unsqueeze(0) <= query.unsqueeze(1)
+            out = F.scaled_dot_product_attention(
+                q, key, v, attn_mask=allowed, scale=1.0 / math.sqrt(m.nope_dim + m.rope_dim))
     b, _, s, _ = out.shape
     return out.transpose(1, 2).reshape(b, s, m.heads * m.v_dim)
 
