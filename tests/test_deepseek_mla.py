@@ -58,6 +58,14 @@ def test_mla_runs_without_tp(tmp_path, capsys):
             "and dp instead") in capsys.readouterr().err
 
 
+def test_the_settings_show_mlas_widths_and_no_head_dim():
+    from planc.views.plan_summary import settings
+
+    text = settings(load_text(plan_text()).plan)
+    assert "model deepseek  layers 3, hidden 64, heads 4, q_rank 48, kv_rank 32, nope_dim " \
+        "16, rope_dim 8, v_dim 24, experts 8," in text
+
+
 def test_an_odd_rope_dim_is_refused(tmp_path, capsys):
     path = tmp_path / "odd.plan"
     path.write_text(plan_text().replace("rope_dim = 8", "rope_dim = 7"))

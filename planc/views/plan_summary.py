@@ -53,9 +53,12 @@ def settings(plan: Plan) -> str:
     family = family_of(m)
     own = "".join(f", {key} {_value_text(getattr(m, key))}" for key in family.own_keys
                   if not family.keys[key].optional or key in m.options)
+    # heads of head_dim features where one linear layer makes them (not multi-head latent
+    # attention's, whose widths are its own keys)
+    width = f" (head_dim {m.head_dim})" if family.linear_rule("qkv") is not None else ""
     rows = [
-        (f"model {m.family}", f"layers {m.layers}, hidden {m.hidden}, heads {m.heads} (head_dim "
-                      f"{m.head_dim}){own}, ffn {m.ffn}, vocab {m.vocab}, seq {m.seq}, batch {m.batch}, "
+        (f"model {m.family}", f"layers {m.layers}, hidden {m.hidden}, heads {m.heads}{width}"
+                      f"{own}, ffn {m.ffn}, vocab {m.vocab}, seq {m.seq}, batch {m.batch}, "
                       f"{m.dtype}, tie_embeddings {_onoff(m.tie_embeddings)}; "
                       f"{memory.total_parameters(plan):,} parameters"),
         ("mesh", f"tp {mesh.tp} x cp {mesh.cp} x pp {mesh.pp} x dp {mesh.dp} = "
