@@ -397,3 +397,35 @@ def test_check_names_the_deepseek_field_that_disagrees(key, message, tmp_path, c
     source.write_text(text[:start] + key + text[text.index(";", start):])
     assert main(["check", str(source)]) == 1
     assert f"error: init: {tmp_path / 'hf'}: {message}\n" in capfd.readouterr().err
+
+
+MINIATURE = """plan deepseek_v3_miniature {
+  model deepseek {
+    layers = 4; hidden = 64; heads = 4; vocab = 128; seq = 32; batch = 16
+    q_rank = 48; kv_rank = 32; nope_dim = 16; rope_dim = 16; v_dim = 16
+    experts = 8; top_k = 2; expert_ffn = 48; shared_experts = 1; first_dense = 1; ffn = 128
+    score = sigmoid; routed_scale = 2.5; expert_groups = 4; route_groups = 2
+    bias_update = 0.01 FP8
+  }
+  mesh { pp = 2; dp = 4; ep = 4; order = [tp, cp, dp, pp] }
+  topology { nodes = 4; devices_per_node = 2 }
+  shard { pp { virtual = 2 }; dp { zero = 1 } }
+  schedule { microbatches = 4; pipeline = dualpipev; overlap_all_to_all = on }
+  optimize { recompute = attention_inputs; moe_dispatcher = two_hop }
+  train { steps = 3; optimizer = adamw(lr = 1e-3); seed = 0 }
+}
+"""
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_h800_plan_in_miniature_trains_as_one_process_does(fp8, tmp_path, capsys):
+    """plans/moe-published/deepseek-v3-h800.plan's recipe on 8 CPU processes: MLA with its
+    norms and up-projections recomputed, DualPipeV's pairs with the all-to-alls cut out
+    and overlapped, two hops over 4 "nodes" of 2, the sigmoid gate with its bias and
+    node-limited routing, ZeRO-1, and FP8 (losses) or not (losses and parameters)."""
+    (tmp_path / "mini.plan").write_text(MINIATURE.replace(
+        " FP8", "; fp8 = blockwise; fp8_tile = 16" if fp8 else ""))
+    assert main(["run", str(tmp_path / "mini.plan"), "-o", str(tmp_path / "b"),
+                 "--check"]) == 0
+    err = capsys.readouterr().err
+    assert ("every loss matches" if fp8 else "every loss and parameter matches") in err, err
