@@ -9,6 +9,7 @@ computed here by hand or from the formula, never by calling planc.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -204,6 +205,31 @@ def test_layer_activations_follow_the_plans_recompute_and_fp32_doubles(recompute
     assert memory.layer_activation_bytes(plan) == KORTHIKANTI[recompute, sp]
     fp32 = korthikanti_plan(sp, dtype="fp32", recompute=recompute)
     assert memory.layer_activation_bytes(fp32) == 2 * KORTHIKANTI[recompute, sp]
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_flash_attention_keeps_no_probabilities(recompute, sp):
+    """On the dgx-h100 preset, whose attention the kernel model prices as FlashAttention
+    (Dao et al. 2022: no s x S probabilities kept), Table 2's 5as/h term is gone: none
+    counts as selective; the A100's preset (Megatron before FlashAttention) keeps it."""
+    plan = korthikanti_plan(sp, recompute=recompute)
+    h100 = dataclasses.replace(plan, topology=dataclasses.replace(plan.topology,
+                                                                  preset="dgx-h100"))
+    expected = "selective" if recompute == "none" else recompute
+    assert memory.layer_activation_bytes(h100) == KORTHIKANTI[expected, sp]
+    a100 = dataclasses.replace(plan, topology=dataclasses.replace(plan.topology,
+                                                                  preset="dgx-a100"))
+    assert memory.layer_activation_bytes(a100) == KORTHIKANTI[recompute, sp]
+
+
+def test_mixtral_and_qwen3s_published_layouts_fit_80_gb():
+    """Their published runs (Megatron-Core, FlashAttention on H100s) fit 80 GB; with the
+    probabilities counted they did not (85.3 GB, 104 to 198 GB)."""
+    for name in ("mcore-mixtral-8x7b", "modelzoo-qwen3-235b-tp4", "modelzoo-qwen3-235b-ep32",
+                 "modelzoo-qwen3-235b-a2a"):
+        peak = memory.estimate(load_file(PLANS / "moe-published" / f"{name}.plan").plan).peak
+        assert 40 * GB < peak.total_bytes < 80 * GB, (name, peak.total_bytes / GB)
 
 
 # --- microbatches in flight -------------------------------------------------------------

@@ -29,6 +29,7 @@ import functools
 from dataclasses import dataclass
 
 from planc import schedules
+from planc.estimate.kernel_cost import GPUS
 from planc.models import family_of
 from planc.models.family import shares_heads
 from planc.plan.plan import Plan
@@ -204,12 +205,25 @@ def _in_flight(pipeline: str, stage: int, pp: int, microbatches: int, virtual: i
 
 def layer_activation_bytes(plan: Plan, recompute: str | None = None) -> float:
     """One block, one microbatch, one device, by the family's count (for gpt,
-    Korthikanti et al. 2022, Table 2)."""
+    Korthikanti et al. 2022, Table 2). On a GPU whose published runs used FlashAttention
+    (planc.estimate.kernel_cost.GPU.flash: the H100's), the attention keeps no s x s
+    probabilities: FlashAttention's backward recomputes them from q, k, v and a
+    log-sum-exp per query (Dao et al. 2022, section 3.1). Every family's ``selective``
+    count is its ``none`` less exactly those probabilities, so there ``none`` is counted
+    as ``selective``."""
     m, tp = plan.model, plan.mesh.tp
+    recompute = recompute or plan.optimize.recompute
+    if recompute == "none" and flash_attention(plan):
+        recompute = "selective"
     return family_of(plan).activation_bytes(
         m, seq=m.seq // plan.mesh.cp, seq_full=m.seq, batch=plan.microbatch_size, tp=tp,
-        sequence_parallel=plan.shard.tp.sequence_parallel,
-        recompute=recompute or plan.optimize.recompute)
+        sequence_parallel=plan.shard.tp.sequence_parallel, recompute=recompute)
+
+
+def flash_attention(plan: Plan) -> bool:
+    """Whether the plan's GPU runs FlashAttention, as the kernel model prices it."""
+    gpu = GPUS.get(plan.topology.preset or "")
+    return gpu is not None and gpu.flash
 
 
 def layers_in_flight(plan: Plan, stage: int) -> float:
