@@ -88,22 +88,21 @@ def attention(k, spec, x, p, step, mb, extra):
     rank's keys and values, gathered (``x["kv"]``) or travelling the cp ring, as llama's
     attention runs them; k and v travel together, v narrower than k."""
     m = k.ctx.model
+    scale = 1.0 / math.sqrt(m.nope_dim + m.rope_dim)
     if "kv" not in x and spec.ring is None:
         q, key, v = _split_heads(m, x["x"])
-        out = F.scaled_dot_product_attention(q, key, v, is_causal=True,
-                                             scale=1.0 / math.sqrt(m.nope_dim + m.rope_dim))
+        out = F.scaled_dot_product_attention(q, key, v, is_causal=True, scale=scale)
     else:
         width = query_width(m)
         q = _heads(x["x"][..., :width], m.heads)
         pair = x["kv"] if "kv" in x else x["x"][..., width:]
         key, v = (_heads(t, m.heads) for t in pair.split([width, m.heads * m.v_dim], dim=-1))
-        if spec.ring is not None:
+        if spec.ring is not None:  # scaled by q's width, nope_dim + rope_dim
             out = k.ring_attention(spec, q, key, v)
         else:
             query = k.ctx.positions(seq_sharded=False)
             allowed = k.ctx.all_key_positions().unsqueeze(0) <= query.unsqueeze(1)
-            out = F.scaled_dot_product_attention(
-                q, key, v, attn_mask=allowed, scale=1.0 / math.sqrt(m.nope_dim + m.rope_dim))
+            out = F.scaled_dot_product_attention(q, key, v, attn_mask=allowed, scale=scale)
     b, _, s, _ = out.shape
     return out.transpose(1, 2).reshape(b, s, m.heads * m.v_dim)
 
