@@ -429,3 +429,17 @@ def test_the_h800_plan_in_miniature_trains_as_one_process_does(fp8, tmp_path, ca
                  "--check"]) == 0
     err = capsys.readouterr().err
     assert ("every loss matches" if fp8 else "every loss and parameter matches") in err, err
+
+
+def test_unfused_attention_is_priced_on_mlas_head_widths():
+    """On a GPU without FlashAttention (the dgx-a100 preset), the scores' GEMM multiplies
+    a head's q and k features, nope_dim + rope_dim, and the output's its v_dim; a llama's
+    heads are head_dim wide both."""
+    from planc.estimate.kernel_cost import KernelModel
+
+    text = ("plan p {{ model {} {{ preset = {}; batch = 8 }} mesh {{ dp = 8 }} "
+            "topology {{ preset = dgx-a100 }} }}")
+    mla = KernelModel.of(load_text(text.format("deepseek", "deepseek-v3")).plan)
+    assert (mla.score_width, mla.value_width) == (192, 128)
+    gqa = KernelModel.of(load_text(text.format("llama", "llama3-8b")).plan)
+    assert (gqa.score_width, gqa.value_width) == (128, 128)

@@ -234,7 +234,11 @@ class KernelModel:
         # q's and k's features on one tp rank: what RoPE rotates
         heads, kv = shapes.heads, getattr(shapes.model, "key_value_heads", shapes.heads)
         self.rope_features = (max(heads // tp, 1) + max(kv // tp, 1)) * shapes.model.head_dim
-        self.head_dim = shapes.model.head_dim
+        # a head's q and k features (the scores' inner dimension) and its v features (the
+        # output's): head_dim both, or multi-head latent attention's own
+        heads_all = max(shapes.heads, 1)
+        self.score_width = max((shapes.widths["qkv"] - shapes.widths["kv"]) // heads_all, 1)
+        self.value_width = max(shapes.widths[output["attention"]] // heads_all, 1)
         self.seq_full = shapes.seq_full
         self.score_rows = shapes.batch * shapes.seq * max(shapes.heads // tp, 1)
 
@@ -424,9 +428,10 @@ class KernelModel:
         4.2): two batched GEMMs with the scale-mask-softmax and the dropout between them,
         which read and write every score; the backward runs four GEMMs and their
         gradients."""
-        rows, d, keys = self.score_rows, self.head_dim, self.seq_full
+        rows, keys = self.score_rows, self.seq_full
         scores = rows * keys  # elements
-        gemms = self.gemm_seconds(rows, keys, d) + self.gemm_seconds(rows, d, keys)
+        gemms = self.gemm_seconds(rows, keys, self.score_width) + \
+            self.gemm_seconds(rows, self.value_width, keys)
         moved = UNFUSED_BACKWARD_BYTES if backward else UNFUSED_FORWARD_BYTES
         # the backward's four GEMMs are two of each shape
         return (2 if backward else 1) * gemms + moved * scores / self.bandwidth + \
