@@ -44,11 +44,17 @@ def balance_bias_name(layer: int) -> str:
     return f"layers.{layer}.router.balance_bias"
 
 
+def balanced_layers(m) -> range:
+    """The blocks of ``m`` that keep a balancing bias: its mixtures, none without
+    ``bias_update``."""
+    if m.options.get("bias_update") is None or m.options.get("experts") is None:
+        return range(0)
+    return range(m.first_dense, m.layers)
+
+
 def balance_bias_names(m) -> list[str]:
     """The balancing bias of every mixture block of ``m``, none without ``bias_update``."""
-    if m.options.get("bias_update") is None or m.options.get("experts") is None:
-        return []
-    return [balance_bias_name(layer) for layer in range(m.first_dense, m.layers)]
+    return [balance_bias_name(layer) for layer in balanced_layers(m)]
 
 
 def expert_capacity(m) -> int | None:

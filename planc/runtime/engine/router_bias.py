@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from planc.runtime.engine.kernels import taken
-from planc.runtime.families.moe_gate import balanced, update_bias
-from planc.vocabulary.model_options import balance_bias_name
+from planc.runtime.families.moe_gate import update_bias
+from planc.vocabulary.model_options import balance_bias_name, balanced_layers
 
 FP32, FP64 = torch.float32, torch.float64
 
@@ -25,17 +25,16 @@ def shapes(model) -> dict[str, list[int]]:
 
 def beside(model) -> dict[str, str]:
     """Every bias, by name, with the parameter whose stage keeps it: its block's router."""
-    if "experts" not in model.options or not balanced(model):  # no mixture
-        return {}
     return {balance_bias_name(layer): f"layers.{layer}.router.weight"
-            for layer in range(model.first_dense, model.layers)}
+            for layer in balanced_layers(model)}
 
 
 def hold(buffers: dict[str, torch.Tensor], layers: tuple[int, ...], experts: int,
          device) -> None:
     """The stage's biases, zero before the first update (a checkpoint fills them)."""
     for layer in layers:
-        buffers.setdefault(balance_bias_name(layer), torch.zeros(experts, dtype=FP32, device=device))
+        buffers.setdefault(balance_bias_name(layer),
+                           torch.zeros(experts, dtype=FP32, device=device))
 
 
 def loads(chosen: dict[tuple, torch.Tensor], step: int, layers: tuple[int, ...],

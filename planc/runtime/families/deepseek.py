@@ -41,12 +41,12 @@ def latent_heads(m, h: torch.Tensor, weight, positions: torch.Tensor, recipe
     parameters by their names in the block (``q_a.weight``, ...)."""
     b, s, _ = h.shape
     heads, nope, rope, v_dim = m.heads, m.nope_dim, m.rope_dim, m.v_dim
-    latent_q = llama.reference_norm(m, fp8.matmul(h, [weight("q_a.weight")], recipe),
+    latent_q = llama.rms_normed(m, fp8.matmul(h, [weight("q_a.weight")], recipe),
                                     weight("ln_q.weight"))
     q = fp8.matmul(latent_q, [weight("q_b.weight")], recipe).view(b, s, heads, nope + rope)
     latent_kv, key_rope = fp8.matmul(h, [weight("kv_a.weight")], recipe).split(
         [m.kv_rank, rope], dim=-1)
-    latent_kv = llama.reference_norm(m, latent_kv, weight("ln_kv.weight"))
+    latent_kv = llama.rms_normed(m, latent_kv, weight("ln_kv.weight"))
     key_nope, v = fp8.matmul(latent_kv, [weight("kv_b.weight")], recipe).view(
         b, s, heads, nope + v_dim).split([nope, v_dim], dim=-1)
     cos, sin = llama.rotary_tables(positions, rope, m.rope_theta, h.dtype)

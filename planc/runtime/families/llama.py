@@ -21,14 +21,16 @@ from planc.runtime.engine import fp8
 from planc.runtime.engine.model import local_heads
 
 
+def rms_normed(m, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """RMSNorm as transformers computes it: in fp32, scaled after casting back."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + m.norm_eps)
+                     ).to(x.dtype)
+
+
 def rms_norm(k, spec, x, p, step, mb, extra):
     (weight,) = spec.params
-    value = x["x"]
-    dtype = value.dtype
-    hidden = value.to(torch.float32)
-    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True)
-                                  + k.ctx.model.norm_eps)
-    return p(weight) * hidden.to(dtype)
+    return rms_normed(k.ctx.model, x["x"], p(weight))
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype):
@@ -108,13 +110,6 @@ def dense_mlp(layer: int, h: torch.Tensor, w: dict[str, torch.Tensor],
     return fp8.matmul(F.silu(gate) * up, [w["down.weight"]], recipe)
 
 
-def reference_norm(m, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """RMSNorm as transformers computes it: in fp32, scaled after casting back."""
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + m.norm_eps)
-                     ).to(x.dtype)
-
-
 def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
                    dtype: torch.dtype, mlp=None, attention=None) -> torch.Tensor:
     """The single-process reference's loss (planc.runtime.oracle.reference): the llama family as
@@ -132,7 +127,7 @@ def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
     hd, kv = m.head_dim, m.key_value_heads
 
     def norm(x, weight):
-        return reference_norm(m, x, weight)
+        return rms_normed(m, x, weight)
 
     # rotary embedding, rotate-half convention, frequencies theta^(-2i/d) in fp32
     inv_freq = 1.0 / (m.rope_theta ** (torch.arange(0, hd, 2).float() / hd))
@@ -145,16 +140,8 @@ def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
         return x * cos + torch.cat([-x2, x1], -1) * sin
 
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
-    x = p["embedding.weight"][inputs]
-    for layer in range(m.layers):
-        w = {k[len(f"layers.{layer}."):]: v for k, v in p.items()
-             if k.startswith(f"layers.{layer}.")}
-        h = norm(x, w["ln1.weight"])
-        if attention is not None:
-            x = x + attention(h, w)
-            h = norm(x, w["ln2.weight"])
-            x = x + mlp(layer, h, w)
-            continue
+
+    def grouped_query_attention(h, w):
         q = rope(fp8.matmul(h, [w["q.weight"]], recipe).view(b, seq, m.heads, hd)
                  .transpose(1, 2))
         k = rope(fp8.matmul(h, [w["k.weight"]], recipe).view(b, seq, kv, hd).transpose(1, 2))
@@ -164,7 +151,14 @@ def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
         scores = scores.masked_fill(~causal, float("-inf"))
         context = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, seq, m.heads * hd)
-        x = x + fp8.matmul(context, [w["o.weight"]], recipe)
+        return fp8.matmul(context, [w["o.weight"]], recipe)
+    attention = attention or grouped_query_attention
+
+    x = p["embedding.weight"][inputs]
+    for layer in range(m.layers):
+        w = {k[len(f"layers.{layer}."):]: v for k, v in p.items()
+             if k.startswith(f"layers.{layer}.")}
+        x = x + attention(norm(x, w["ln1.weight"]), w)
         h = norm(x, w["ln2.weight"])
         x = x + mlp(layer, h, w)
     x = norm(x, p["final_ln.weight"])

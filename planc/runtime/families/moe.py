@@ -21,6 +21,7 @@ from planc.runtime.families.moe_dispatch import (exchange_fp8_rows, exchange_row
                                                  stacked_experts)
 from planc.runtime.families.moe_gate import (WithBalanceLoss, balance_loss, balanced,
                                              choose, routed_pairs, sorted_pairs, update_bias)
+from planc.vocabulary.model_options import balanced_layers
 
 
 def _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequences: int,
@@ -198,7 +199,7 @@ def reference_state(m) -> dict | None:
     if not balanced(m):
         return None
     return {"bias": {layer: torch.zeros(m.experts, dtype=torch.float32)
-                     for layer in range(m.first_dense, m.layers)}, "chosen": {}}
+                     for layer in balanced_layers(m)}, "chosen": {}}
 
 
 def reference_step_end(m, state: dict | None) -> None:
