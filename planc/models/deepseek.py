@@ -33,7 +33,6 @@ from dataclasses import replace
 
 from planc.vocabulary.hints import try_values
 from planc.vocabulary.kinds import Integer, Key
-from planc.vocabulary.model_options import gemm_input_bytes
 from planc.models import llama, moe
 from planc.models.family import Finding, Model, OpRule, Parameter
 
@@ -144,34 +143,25 @@ def attention_flops_per_token(m: Model) -> float:
 
 def model_flops_per_token(m: Model) -> float:
     """The moe family's count with MLA in place of llama's attention."""
-    kv, hd, a = m.key_value_heads, m.head_dim, m.attention_width
-    llama_attention = (2 * m.hidden * (m.heads + 2 * kv) * hd + 2 * a * m.hidden
-                       + 4 * m.seq * a)
-    return moe.model_flops_per_token(m) + m.layers * (attention_flops_per_token(m)
-                                                      - llama_attention)
+    return moe.model_flops_per_token(m, attention=attention_flops_per_token)
 
 
-def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
-                     sequence_parallel: bool, recompute: str) -> float:
-    """The moe family's count with MLA's attention in place of llama's: the latents
-    before their norms (in the dtype) and after (GEMM inputs), the heads' q, k and v,
-    the attention's output (o's input); the softmax's probabilities unless
-    recomputation drops them, as llama's. ``attention_inputs`` keeps the attention's
-    output alone (DeepSeek-V3's recomputation of its norms and up-projections)."""
-    mixture = moe.activation_bytes(m, seq=seq, seq_full=seq_full, batch=batch, tp=tp,
-                                   sequence_parallel=sequence_parallel, recompute=recompute)
-    if recompute == "full":
-        return mixture
-    sb = seq * batch
-    gemm = gemm_input_bytes(m)
+def latent_attention_kept(m: Model, recompute: str) -> tuple[int, int]:
+    """Features per token that MLA keeps for its backward (planc.models.llama's
+    ``attention_kept``): in the dtype, the latents before their norms and the heads' q,
+    k and v; as GEMM inputs, the normed latents and the attention's output (o's input).
+    ``attention_inputs`` keeps the attention's output alone (DeepSeek-V3's recomputation
+    of its norms and up-projections)."""
     kept = recompute != "attention_inputs"
-    llama_attention = sb * ((m.heads + 2 * m.key_value_heads) * m.head_dim * m.dtype_bytes
-                            * kept + m.attention_width * gemm)
     latents = m.q_rank + m.kv_rank + m.rope_dim
     heads = m.heads * (2 * qk_dim(m) + m.v_dim)
-    mla = sb * ((latents + heads) * m.dtype_bytes * kept
-                + ((m.q_rank + m.kv_rank) * kept + m.heads * m.v_dim) * gemm)
-    return mixture - llama_attention + mla
+    return (latents + heads) * kept, (m.q_rank + m.kv_rank) * kept + m.heads * m.v_dim
+
+
+def activation_bytes(m: Model, **sizes) -> float:
+    """The moe family's count with MLA's attention in place of llama's; the softmax's
+    probabilities unless recomputation drops them, as llama's."""
+    return moe.activation_bytes(m, attention=latent_attention_kept, **sizes)
 
 
 def _preset(name: str):

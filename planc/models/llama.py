@@ -144,34 +144,50 @@ def head_parameters(m: Model) -> list[Parameter]:
     return params
 
 
-def model_flops_per_token(m: Model) -> float:
+def attention_flops_per_token(m: Model) -> float:
+    """One block's attention, forward, per token: the q, k, v and o projections and the
+    attention over the sequence (Narayanan et al. 2021 extended to GQA)."""
     kv, hd, a = m.key_value_heads, m.head_dim, m.attention_width
-    per_layer = (2 * m.hidden * (m.heads + 2 * kv) * hd + 2 * a * m.hidden
-                 + 4 * m.seq * a + 6 * m.hidden * m.ffn)
+    return 2 * m.hidden * (m.heads + 2 * kv) * hd + 2 * a * m.hidden + 4 * m.seq * a
+
+
+def model_flops_per_token(m: Model) -> float:
+    per_layer = attention_flops_per_token(m) + 6 * m.hidden * m.ffn
     return m.layers * per_layer + 2 * m.hidden * m.vocab
 
 
+def attention_kept(m: Model, recompute: str) -> tuple[int, int]:
+    """Features per token that one block's attention keeps for its backward, before tp
+    splits them (its input norm's aside): in the dtype, the rotated q, k and v; as GEMM
+    inputs, o's input. ``attention_inputs`` keeps o's input alone."""
+    kept = recompute != "attention_inputs"
+    return (m.heads + 2 * m.key_value_heads) * m.head_dim * kept, m.attention_width
+
+
 def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
-                     sequence_parallel: bool, recompute: str) -> float:
+                     sequence_parallel: bool, recompute: str,
+                     attention=attention_kept) -> float:
     """One block, one microbatch, one device, counted as Korthikanti et al. 2022 count
     GPT's (their Table 2) for llama's tensors: the inputs of the two norms and of the
     q/k/v and gate/up GEMMs (sharded only with sequence parallelism), the rotated
     q, k and v, the softmax probabilities (dropped by selective recomputation), the
     input of o, gate and up, and the input of down (sharded over tp).
     ``attention_inputs`` drops the first norm's output and q, k and v too: they are
-    recomputed from the block's input."""
+    recomputed from the block's input. ``attention(m, recompute)``: what the attention
+    keeps (:func:`attention_kept`; the deepseek family's multi-head latent attention's)."""
     sb = seq * batch
-    h, f, kv, hd = m.hidden, m.ffn, m.key_value_heads, m.head_dim
+    h, f = m.hidden, m.ffn
     sp = sequence_parallel and tp > 1
     if recompute == "full":
         return sb * h / (tp if sp else 1) * m.dtype_bytes
-    kept = recompute != "attention_inputs"  # the attention's inputs
+    kept = recompute != "attention_inputs"  # the first norm's output, qkv's input
+    in_dtype, gemm_inputs = attention(m, recompute)
     stream = 2 * sb * h / (tp if sp else 1)  # the norms' inputs
-    # rotated q, k, v; gate and up
-    split = sb * ((m.heads + 2 * kv) * hd * kept + 2 * f) / tp
+    split = sb * (in_dtype + 2 * f) / tp  # the attention's; gate and up
     scores = 0 if recompute != "none" else m.heads * seq_full * sb / tp
-    # the GEMMs' inputs: of q/k/v and gate/up (a norm's output), of o and of down
-    inputs = (1 + kept) * sb * h / (tp if sp else 1) + sb * (m.attention_width + f) / tp
+    # the GEMMs' inputs: of q/k/v and gate/up (a norm's output), the attention's (o's) and
+    # down's
+    inputs = (1 + kept) * sb * h / (tp if sp else 1) + sb * (gemm_inputs + f) / tp
     return (stream + split + scores) * m.dtype_bytes + inputs * gemm_input_bytes(m)
 
 

@@ -163,11 +163,10 @@ def layer_parameters(m: Model, layer: int) -> list[Parameter]:
                         for name, shape, dims in shapes]
 
 
-def model_flops_per_token(m: Model) -> float:
-    """Narayanan et al. 2021's count with the active experts in place of the MLP."""
-    kv, hd, a = m.key_value_heads, m.head_dim, m.attention_width
-    attention = (2 * m.hidden * (m.heads + 2 * kv) * hd + 2 * a * m.hidden
-                 + 4 * m.seq * a)
+def model_flops_per_token(m: Model, attention=llama.attention_flops_per_token) -> float:
+    """Narayanan et al. 2021's count with the active experts in place of the MLP;
+    ``attention(m)``: a block's attention, llama's or another family's."""
+    attention = attention(m)
     dense = 6 * m.hidden * m.ffn
     mixture = 2 * m.hidden * m.experts + \
         (m.top_k + m.shared_experts) * 6 * m.hidden * m.expert_ffn
@@ -177,13 +176,16 @@ def model_flops_per_token(m: Model) -> float:
 
 
 def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
-                     sequence_parallel: bool, recompute: str) -> float:
+                     sequence_parallel: bool, recompute: str,
+                     attention=llama.attention_kept) -> float:
     """One block, the larger of the two kinds: llama's dense block, and the mixture's,
     whose MLP part keeps instead the router's input and fp32 probabilities and, per
     routed and shared expert a token goes through, its input, gate and up outputs (the
-    mixture runs whole on every tp rank, on a 1/tp share of the tokens)."""
+    mixture runs whole on every tp rank, on a 1/tp share of the tokens). ``attention``:
+    what a block's attention keeps (planc.models.llama.activation_bytes)."""
     dense = llama.activation_bytes(m, seq=seq, seq_full=seq_full, batch=batch, tp=tp,
-                                   sequence_parallel=sequence_parallel, recompute=recompute)
+                                   sequence_parallel=sequence_parallel, recompute=recompute,
+                                   attention=attention)
     if recompute == "full":
         return dense
     sb = seq * batch
