@@ -49,13 +49,47 @@ def test_the_published_sizes_give_671b_parameters_and_37b_active():
         "o.weight": (128 * 128, 7168)}
 
 
-def test_mla_runs_without_tp(tmp_path, capsys):
-    path = tmp_path / "tp.plan"
-    path.write_text(plan_text("tp = 2; dp = 2; ep = 2"))
+def test_mla_splits_its_heads_over_tp():
+    """Over tp each rank makes its own heads from the whole latents, as Megatron-Core's
+    multi-latent attention does: q_b and kv_b split by heads, the down-projections and
+    the latents' norms whole on every rank with their gradients summed over tp; the
+    attention takes the rank's heads, o reads them."""
+    from planc.estimate.kernel_cost import KernelModel
+    from planc.estimate.memory import layer_parameters
+    from planc.graph.sharding import P, R, S
+    from planc.graph.derive import derive
+    from planc.graph.tensor_parallel import plan_tensor_parallel
+
+    plan = load_text(plan_text("tp = 2; dp = 2; ep = 2").replace(
+        "  mesh {", "  topology { preset = dgx-h100; devices_per_node = 4 }\n  mesh {")).plan
+    ops = plan_tensor_parallel(plan).ops
+    qkv = ops["qkv"]
+    assert (qkv.input, qkv.output, qkv.grad_input) == (R, S("qkv"), P)
+    assert {u.name: (u.storage, u.local_gradient()) for u in qkv.params} == {
+        "q_a.weight": (R, P), "ln_q.weight": (R, P), "q_b.weight": (S("q"), S("q")),
+        "kv_a.weight": (R, P), "ln_kv.weight": (R, P), "kv_b.weight": (S("kv"), S("kv"))}
+    assert (ops["attention"].input, ops["proj"].input) == (S("qkv"), S("hidden"))
+    # the dense block on one of 2 ranks: q_b, kv_b, o and the MLP halved, the rest whole
+    whole = layer_parameters(load_text(plan_text("dp = 4; ep = 2")).plan, 0)
+    halved = 48 * 96 + 32 * 160 + 96 * 64 + 3 * 64 * 128
+    assert layer_parameters(plan, 0) == whole - halved // 2
+    # the kernel model prices W_qa and W_kva whole, W_qb and W_kvb on 2 of the 4 heads
+    gemms = KernelModel.of(plan).features["qkv"]
+    assert gemms == ((48, 64), (2 * 24, 48), (40, 64), (2 * 40, 32))
+    # and the graph's qkv on one rank: those GEMMs, both latents' norms, the rotation of
+    # the rank's 2 heads' and the shared key's rope_dim features; 2 x 32 tokens
+    flops = derive(plan).nodes["F/L1/qkv"]["flops"]
+    assert flops == 2 * 32 * (2 * (48 * 64 + 48 * 48 + 40 * 64 + 80 * 32) + 4 * (48 + 32)
+                              + 3 * (2 + 1) * 8)
+
+
+def test_an_fp8_shard_of_mlas_heads_must_hold_whole_tiles(tmp_path, capsys):
+    path = tmp_path / "fp8.plan"
+    path.write_text(plan_text("tp = 2; dp = 2; ep = 2", "; fp8 = blockwise; fp8_tile = 32"))
     assert main(["check", str(path)]) == 1
-    assert ("error: model deepseek runs with tp = 1: its multi-head latent attention is not "
-            "split over tp (DeepSeek-V3 trained without it); spread the ranks over ep, cp "
-            "and dp instead") in capsys.readouterr().err
+    assert ("error: fp8 scales tiles of 32 features, but a tp rank holds 48 of the "
+            "features of q (tp = 2): a shard must hold whole tiles to quantise as one "
+            "process does") in capsys.readouterr().err
 
 
 def test_the_settings_show_mlas_widths_and_no_head_dim():
@@ -254,11 +288,20 @@ def test_the_whole_model_is_transformers_deepseek_v3():
     # k and v (narrower) travel together: gathered, or around the ring (load-balanced)
     ("cp = 2; dp = 2; ep = 4", "", "none"),
     ("cp = 2; dp = 2; ep = 4", "", "attention_inputs"),
+    # the heads split over tp: with sequence parallelism, under pp; with cp's ring; fp8
+    ("tp = 2; pp = 2; dp = 2; ep = 2", "", "none"),
+    ("tp = 2; cp = 2; dp = 2; ep = 4", "", "attention_inputs"),
+    ("tp = 2; dp = 2; ep = 2", "; fp8 = blockwise; fp8_tile = 8", "none"),
 ])
 def test_training_matches_the_reference(tmp_path, capsys, mesh, extra, recompute):
     text = plan_text(mesh, extra)
+    shard = []
     if recompute == "attention_inputs" and "cp" in mesh:
-        text = text.replace("  schedule {", "  shard { cp { attention = ring } }\n  schedule {")
+        shard.append("cp { attention = ring }")
+    if "pp" in mesh and "tp" in mesh:
+        shard.append("tp { sequence_parallel = on }")
+    if shard:
+        text = text.replace("  schedule {", f"  shard {{ {'; '.join(shard)} }}\n  schedule {{")
     (tmp_path / "ds.plan").write_text(text)
     assert main(["run", str(tmp_path / "ds.plan"), "-o", str(tmp_path / "b"), "--check",
                  "--set", f"optimize.recompute={recompute}"]) == 0
@@ -282,6 +325,17 @@ def test_a_deepseek_run_resumes_across_expert_and_pipeline_parallelism(tmp_path,
         dict(family="deepseek", model=DEEPSEEK, mesh="dp = 4; ep = 4"),
         dict(family="deepseek", model=DEEPSEEK, mesh="pp = 2; dp = 2; ep = 2",
              shard="dp { zero = 1 }"),
+        tmp_path, capfd)
+
+
+def test_a_deepseek_run_resumes_from_tp_to_ep(tmp_path, capfd):
+    """Written with the heads over tp 2, resumed on dp 4 without tp: q_b's and kv_b's
+    shards come back whole, and the resumed run matches the uninterrupted one."""
+    from tests.test_checkpoint import resumed_run_matches_uninterrupted
+
+    resumed_run_matches_uninterrupted(
+        dict(family="deepseek", model=DEEPSEEK, mesh="tp = 2; dp = 2; ep = 2"),
+        dict(family="deepseek", model=DEEPSEEK, mesh="dp = 4; ep = 4"),
         tmp_path, capfd)
 
 

@@ -214,11 +214,12 @@ class KernelModel:
         family = family_of(plan)
         output = family.output_tensor
         # op -> (N, K) of each of its GEMMs on one tp rank: one, or the family's several
-        several = family.linear_gemms(plan.model) if family.linear_gemms else {}
+        several = family.linear_gemms(plan.model, 1) if family.linear_gemms else {}
         self.features: dict[str, tuple[tuple[int, int], ...]] = {}
         for op, source in GEMM_INPUT.items():
-            if op in several:  # the family runs these with tp = 1
-                self.features[op] = tuple(several[op])
+            if op in several:  # on its share of the heads where its placement splits them
+                split = tp if getattr(plan.shard.tp, op, None) in SPLIT_N else 1
+                self.features[op] = tuple(family.linear_gemms(plan.model, split)[op])
                 continue
             n, k = shapes.widths[output[op]], shapes.widths[source or output["attention"]]
             layout = getattr(plan.shard.tp, op, None)

@@ -136,6 +136,8 @@ def _split_over_tp(plan: Plan) -> set[str]:
     family, tp, tensor = family_of(plan), plan.mesh.tp, plan.shard.tp
     split: set[str] = set()
     for rule in family.rules.values():
+        if rule.column_weights and getattr(tensor, rule.placement) == "column":
+            split.update(w.name for w in rule.column_weights)
         if rule.kind != "linear":
             continue
         placement = getattr(tensor, rule.placement)

@@ -14,7 +14,7 @@ from planc.models import family_of
 from planc.models.family import Parameter
 from planc.plan.plan import Model, Plan
 
-__all__ = ["Parameter", "Shapes", "all_parameters", "forward_flops"]
+__all__ = ["Parameter", "Shapes", "all_parameters", "forward_flops", "split_flops"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,14 @@ class Shapes:
 def forward_flops(op: str, s: Shapes) -> float:
     """FLOPs of one operator for one microbatch on one cp rank (all tp ranks together)."""
     return family_of(s.model).forward_flops(op, s)
+
+
+def split_flops(op: str, s: Shapes, tp: int) -> float | None:
+    """FLOPs of one of ``tp`` ranks of an operator split over its features, where the split
+    leaves part of its work whole on every rank (multi-head latent attention's latents);
+    None where it divides the work evenly (``forward_flops / tp``)."""
+    family = family_of(s.model)
+    return family.split_flops(op, s, tp) if family.split_flops is not None else None
 
 
 def all_parameters(plan: Plan) -> list[Parameter]:

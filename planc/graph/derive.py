@@ -37,7 +37,7 @@ from collections.abc import Mapping
 
 import networkx as nx
 
-from planc.estimate.model import forward_flops
+from planc.estimate.model import forward_flops, split_flops
 from planc.graph import reasons
 from planc.graph.axes import PHASE_OF, AxisRules
 from planc.graph.builder import GraphBuilder
@@ -92,6 +92,8 @@ class _Derivation(GraphBuilder):
         the backward names its forward step in ``forward_of``)."""
         layout = self.layout(op)
         flops = forward_flops(op, self.shapes) / (self.tp if layout.sharded else 1)
+        if layout.sharded and layout.input != S("seq"):  # split over its features
+            flops = split_flops(op, self.shapes, self.tp) or flops
         extra = kernel_attributes(self.plan, self.family, self.shapes, op, layer, layout)
         if forward_of is not None:
             extra["forward_of"] = forward_of

@@ -178,6 +178,10 @@ def tied(plan: Plan) -> str:
 
 
 def parameter_fixup(plan: Plan, param: str, move: Redistribution, data: Layout) -> str:
+    if move.kind == "all_reduce" and not data.is_sharded:
+        return (f"{param} is replicated over tp and read by every token, but only through "
+                f"the rank's own heads, so each rank's gradient is a partial sum (P): "
+                f"all-reduce over tp")
     if move.kind == "all_reduce":
         return (f"{param} is replicated over tp but applied to data {_layout_words(data)}, "
                 f"so each rank's gradient covers only its share of the tokens (P): "
@@ -197,8 +201,9 @@ def bucket(plan: Plan, bucket_id: str, info: dict, kind: str, axis: str, phase: 
     what = f"bucket {bucket_id} packs {_members_text(info)} into one flat buffer"
     if axis == "tp":
         return (f"{what}; the first {info['tp_sum_numel']:,} elements are gradients of "
-                f"parameters replicated over tp but applied to data split over tp (partial "
-                f"sums): one all-reduce over tp sums them all")
+                f"parameters replicated over tp but applied to data split over tp, or read "
+                f"only through the rank's own heads (partial sums): one all-reduce over tp "
+                f"sums them all")
     group = _replicas_words(plan, axis)[0]
     if kind == "all_gather" and phase == "optimizer":
         return (f"{what}; each {group} rank updated its shard of the bucket (zero "

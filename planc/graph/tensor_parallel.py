@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from planc.estimate.cost import CostModel
 from planc.graph.sharding import (R, IllegalRedistribution, Layout, P, S, gradient_layout,
                                  redistribute)
-from planc.estimate.model import Shapes, forward_flops
+from planc.estimate.model import Shapes, forward_flops, split_flops
 from planc.plan.layout import Layout as RankLayout
 from planc.models import family_of
 from planc.models.family import OpRule
@@ -49,6 +49,9 @@ class ParamUse:
     # A replicated parameter each rank applies through its slice ``(dim, axis)`` of it,
     # a slice that other ranks share (k and v with fewer kv heads than tp ranks).
     shared_slice: tuple[str, int] | None = None
+    # A replicated parameter applied to replicated data whose use feeds only this rank's
+    # share of the operator's outputs (a latent that the rank's heads read): partial.
+    partial: bool = False
 
     @property
     def storage_axis(self) -> int:
@@ -64,7 +67,7 @@ class ParamUse:
         """
         if self.storage.is_sharded:
             return self.storage
-        if self.shared_slice is not None:
+        if self.shared_slice is not None or self.partial:
             return P  # every rank's slice gradient, zero elsewhere: summed over tp
         if self.data.is_sharded:
             return S(self.data.dim) if self.data.dim in self.dims else P
@@ -178,6 +181,8 @@ def choices(op: str, plan: Plan, stream: Layout) -> list[Choice]:
         # gradient is then a partial sum over tp.
         dims = _param_dims(plan)
         uses = [(name, dims[name]) for name in rule.params if name in dims]
+        if rule.column_weights and getattr(t, rule.placement) == "column":
+            return [_column_tokenwise(rule, uses)]
         whole = Choice(R, R, R, False, tuple(ParamUse(n, R, R, d) for n, d in uses))
         share = Choice(S("seq"), S("seq"), S("seq"), True,
                        tuple(ParamUse(n, R, S("seq"), d) for n, d in uses))
@@ -205,6 +210,19 @@ def choices(op: str, plan: Plan, stream: Layout) -> list[Choice]:
         return [Choice(S("vocab"), P, S("vocab"), True), Choice(R, R, R, False),
                 Choice(S("seq"), P, S("seq"), True)]
     raise KeyError(op)
+
+
+def _column_tokenwise(rule: OpRule, uses: list[tuple[str, tuple[str, ...]]]) -> Choice:
+    """A tokenwise operator whose column weights are split along their outputs (its
+    heads), every token on every rank: its input replicated, its output the rank's
+    share of ``rule.output_dim``, its input's gradient and its other parameters' partial
+    sums over tp (Megatron-Core's multi-latent attention: each rank reads the whole
+    latents through its own heads' up-projections)."""
+    column = {w.name: w for w in rule.column_weights}
+    params = tuple(
+        ParamUse(name, S(column[name].fan_out), R, dims, 1) if name in column
+        else ParamUse(name, R, R, dims, partial=True) for name, dims in uses)
+    return Choice(R, S(rule.output_dim), P, True, params)
 
 
 def _replicated(op: str, plan: Plan, stream: Layout) -> Choice:
@@ -251,9 +269,13 @@ class _Coster:
     def parameter(self, use: ParamUse, elements: int) -> float:
         return self.transfer(use.gradient_transfer(), elements * self.shapes.dtype_bytes)
 
-    def compute(self, op: str, sharded: bool) -> float:
+    def compute(self, op: str, choice: Choice) -> float:
+        own = split_flops(op, self.shapes, self.tp) \
+            if choice.sharded and choice.input != S("seq") else None
+        if own is not None:  # the split leaves part of the work whole on every rank
+            return self.cost.compute_seconds(3 * own)
         flops = 3 * forward_flops(op, self.shapes)  # forward and backward
-        return self.cost.compute_seconds(flops / (self.tp if sharded else 1))
+        return self.cost.compute_seconds(flops / (self.tp if choice.sharded else 1))
 
 
 def _param_elements(plan: Plan) -> dict[str, int]:
@@ -324,7 +346,7 @@ def _evaluate(ops: tuple[str, ...], picks: tuple[Choice, ...], source: Layout,
         nbytes = shapes.bytes(tensor)
         total += coster.microbatches * (coster.transfer(forward, nbytes)
                                         + coster.transfer(backward, nbytes)
-                                        + coster.compute(op, pick.sharded))
+                                        + coster.compute(op, pick))
         params, bias_from = pick.params, None
         rule = family.linear_rule(producer) if producer else None
         if layout.is_partial and rule is not None and rule.bias is not None:

@@ -23,8 +23,10 @@ The operator ``qkv`` computes all of it up to the heads' q, k and v, which it ha
 ``attention`` side by side; the graph keeps llama's operators. Under context
 parallelism the keys and values travel as llama's do (gathered, or around the ring),
 each head's k and v side by side. DeepSeek-V3 trained without tensor parallelism
-(report, section 3.2), and so does this family: its heads are not split over tp (a check
-says so). Everything from ``ln2`` on is the moe family's.
+(report, section 3.2); over tp this family splits the heads as Megatron-Core's
+multi-latent attention does (the up-projections column-parallel, the latents whole on
+every rank, their weights' gradients summed over tp). Everything from ``ln2`` on is the
+moe family's.
 """
 
 from __future__ import annotations
@@ -34,16 +36,21 @@ from dataclasses import replace
 from planc.vocabulary.hints import try_values
 from planc.vocabulary.kinds import Integer, Key
 from planc.models import llama, moe
-from planc.models.family import Finding, Model, OpRule, Parameter
+from planc.models.family import Finding, Model, OpRule, Parameter, Weight
 
 # The attention's own parameters, in the order the qkv kernel reads them.
 MLA_PARAMS = ("q_a.weight", "ln_q.weight", "q_b.weight", "kv_a.weight", "ln_kv.weight",
               "kv_b.weight")
 LLAMA_ATTENTION = ("q.weight", "k.weight", "v.weight")
 
-# qkv is every token through replicated weights, as a mixture is: nothing of it is cut
-# over tp (the family runs with tp = 1).
-RULES = {**moe.RULES, "qkv": OpRule("tokenwise", params=MLA_PARAMS)}
+# qkv reads every token; over tp (shard { tp { qkv = column } }) each rank makes its
+# own heads from the whole latents, as Megatron-Core's multi-latent attention does: the
+# up-projections q_b and kv_b split by heads, the down-projections and the latents'
+# norms whole on every rank (their gradients summed over tp).
+RULES = {**moe.RULES, "qkv": OpRule("tokenwise", params=MLA_PARAMS, placement="qkv",
+                                    output_dim="qkv",
+                                    column_weights=(Weight("q_b.weight", "q_rank", "q"),
+                                                    Weight("kv_b.weight", "kv_rank", "kv")))}
 
 PRESETS = {
     # DeepSeek-V3 (DeepSeek-AI 2024, section 4.2) and deepseek-ai/DeepSeek-V3's
@@ -74,37 +81,50 @@ def widths(m: Model) -> dict[str, int]:
 
 
 def feature_groups(m: Model) -> dict[str, tuple[int, ...]]:
-    """Only the dense SwiGLU's [gate | up] is cut in groups: nothing of the attention is
-    split over tp here."""
-    return {"gate_up": (m.ffn, m.ffn)}
+    """[q | k | v] of every head and the dense SwiGLU's [gate | up], each cut in its
+    groups over tp: a rank's share is its heads' q, k and v."""
+    return {"qkv": (m.heads * qk_dim(m), m.heads * qk_dim(m), m.heads * m.v_dim),
+            "gate_up": (m.ffn, m.ffn)}
 
 
-def projection_shapes(m: Model) -> tuple[tuple[int, int], ...]:
-    """(N, K) of each GEMM of ``qkv`` per token, in order: W_qa, W_qb, W_kva, W_kvb."""
-    h, heads = m.hidden, m.heads
+def projection_shapes(m: Model, tp: int = 1) -> tuple[tuple[int, int], ...]:
+    """(N, K) of each GEMM of ``qkv`` per token on one of ``tp`` ranks that split the
+    heads, in order: W_qa, W_qb, W_kva, W_kvb (the down-projections whole on each)."""
+    h, heads = m.hidden, m.heads // tp
     return ((m.q_rank, h), (heads * qk_dim(m), m.q_rank), (m.kv_rank + m.rope_dim, h),
             (heads * (m.nope_dim + m.v_dim), m.kv_rank))
 
 
-def linear_gemms(m: Model) -> dict[str, tuple[tuple[int, int], ...]]:
+def linear_gemms(m: Model, tp: int = 1) -> dict[str, tuple[tuple[int, int], ...]]:
     """The GEMMs of the operators that are several (planc.estimate.kernel_cost)."""
-    return {"qkv": projection_shapes(m)}
+    return {"qkv": projection_shapes(m, tp)}
 
 
 def forward_flops(op: str, s) -> float:
     m = s.model
     bs = s.batch * s.seq
     if op == "qkv":
-        # the four projections, the two latents' norms and the rotation of q's and the
-        # shared key's rotated features (a multiply-add per element)
-        gemms = sum(2.0 * n * k for n, k in projection_shapes(m))
-        return bs * (gemms + 4.0 * (m.q_rank + m.kv_rank) + 3.0 * (m.heads + 1) * m.rope_dim)
+        return split_flops(op, s, 1)
     if op == "attention":
         per_head = 2.0 * (qk_dim(m) + m.v_dim)  # q k^T, then the scores times v
         return bs * s.seq_full * m.heads * (per_head + 5.0)
     if op == "proj":
         return 2.0 * bs * m.heads * m.v_dim * m.hidden
     return moe.forward_flops(op, s)
+
+
+def split_flops(op: str, s, tp: int) -> float | None:
+    """``qkv`` on one of ``tp`` ranks that split the heads (planc.estimate.model's
+    ``split_flops``): the four projections, the two latents' norms and the rotation of
+    q's and the shared key's rotated features (a multiply-add per element), the latents'
+    GEMMs and norms and the shared key's rotation whole, the up-projections and q's
+    rotation on the rank's heads."""
+    if op != "qkv":
+        return None
+    m = s.model
+    gemms = sum(2.0 * n * k for n, k in projection_shapes(m, tp))
+    rotated = 3.0 * (m.heads // tp + 1) * m.rope_dim
+    return s.batch * s.seq * (gemms + 4.0 * (m.q_rank + m.kv_rank) + rotated)
 
 
 def attention_parameters(m: Model, layer: int) -> list[Parameter]:
@@ -146,16 +166,17 @@ def model_flops_per_token(m: Model) -> float:
     return moe.model_flops_per_token(m, attention=attention_flops_per_token)
 
 
-def latent_attention_kept(m: Model, recompute: str) -> tuple[int, int]:
+def latent_attention_kept(m: Model, recompute: str) -> tuple[int, int, int, int]:
     """Features per token that MLA keeps for its backward (planc.models.llama's
-    ``attention_kept``): in the dtype, the latents before their norms and the heads' q,
-    k and v; as GEMM inputs, the normed latents and the attention's output (o's input).
+    ``attention_kept``): split over tp with the heads, their q, k and v in the dtype and
+    the attention's output (o's input) as a GEMM input; whole on every tp rank, the
+    latents before their norms in the dtype and after them as GEMM inputs.
     ``attention_inputs`` keeps the attention's output alone (DeepSeek-V3's recomputation
     of its norms and up-projections)."""
     kept = recompute != "attention_inputs"
     latents = m.q_rank + m.kv_rank + m.rope_dim
     heads = m.heads * (2 * qk_dim(m) + m.v_dim)
-    return (latents + heads) * kept, (m.q_rank + m.kv_rank) * kept + m.heads * m.v_dim
+    return heads * kept, m.heads * m.v_dim, latents * kept, (m.q_rank + m.kv_rank) * kept
 
 
 def activation_bytes(m: Model, **sizes) -> float:
@@ -200,14 +221,12 @@ def rope_dim_even(m: Model) -> Finding | None:
                    try_values("rope_dim", [m.rope_dim - 1, m.rope_dim + 1]))
 
 
-def no_tensor_parallelism(m: Model, mesh) -> Finding | None:
-    """DeepSeek-V3 trained without it (report, section 3.2: "we do not use costly tensor
-    parallelism"); this family's heads are not cut over tp."""
-    if mesh.tp == 1:
-        return None
-    return Finding("model deepseek runs with tp = 1: its multi-head latent attention is "
-                   "not split over tp (DeepSeek-V3 trained without it); spread the ranks "
-                   "over ep, cp and dp instead", ("mesh.tp",), try_values("tp", [1]))
+def fp8_blocks_split_over_tp(m: Model, tensor, mesh) -> Finding | None:
+    """``fp8`` over tp: a rank's heads hold whole scaling tiles in q_b's and kv_b's
+    outputs and in o's input (planc.models.llama's check, on MLA's widths)."""
+    heads = m.heads // mesh.tp
+    return llama.fp8_tiles_whole(m, tensor, mesh, heads * qk_dim(m),
+                                 heads * (m.nope_dim + m.v_dim), heads * m.v_dim)
 
 
 # The moe family's description, with MLA's attention and keys.
@@ -227,10 +246,11 @@ FAMILY = replace(
     presets=PRESETS,
     model_checks=(rope_dim_even, moe.top_k_within_experts, moe.first_dense_within_layers,
                   moe.groups_of_experts),
-    tensor_parallel_checks=(),
-    mesh_checks=(no_tensor_parallelism, moe.ep_divides_the_stage_and_the_experts),
+    tensor_parallel_checks=(fp8_blocks_split_over_tp,),
+    mesh_checks=(moe.ep_divides_the_stage_and_the_experts,),
     hf_architecture="DeepseekV3ForCausalLM",
     module_kernels={op: kernel for op, kernel in llama.MODULE_KERNELS.items()
                     if op not in ("qkv", "attention")},
     linear_gemms=linear_gemms,
+    split_flops=split_flops,
 )

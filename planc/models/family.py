@@ -118,6 +118,12 @@ class OpRule:
     # A ``tokenwise`` operator whose experts spread over the mesh's ep group: every rank
     # of the group must send it distinct tokens, so over tp it runs on a 1/tp share.
     expert_parallel: bool = False
+    # A ``tokenwise`` operator's weights that its ``placement`` slot, when ``column``,
+    # splits along their outputs (the heads), into ``output_dim``'s groups; its other
+    # parameters stay whole on every tp rank, each rank's gradient of them a partial sum
+    # (Megatron-Core's multi-latent attention: the up-projections column-parallel, the
+    # down-projections and the latents' norms duplicated).
+    column_weights: tuple[Weight, ...] = ()
 
     def sums_over_sequences(self, model: Model) -> bool:
         """Whether the operator computes a statistic of each whole sequence on ``model``
@@ -206,8 +212,14 @@ class Family:
     module_kernels: Mapping[str, str] = field(default_factory=dict)
     # Operators that run several GEMMs, each (N, K) per token in order, where one linear
     # layer of the rule's weights would not say what they cost (multi-head latent
-    # attention's four projections); None: every linear is one GEMM.
-    linear_gemms: Callable[[Model], Mapping[str, tuple[tuple[int, int], ...]]] | None = None
+    # attention's four projections), on one of ``tp`` ranks that the operator's column
+    # weights are split over (1: whole); None: every linear is one GEMM.
+    linear_gemms: Callable[[Model, int], Mapping[str, tuple[tuple[int, int], ...]]] | None \
+        = None
+    # FLOPs of one of ``tp`` ranks of an operator whose split over the features leaves
+    # part of its work whole on every rank (MLA's latents), or None where the split
+    # divides it evenly: (op, shapes, tp) -> FLOPs or None.
+    split_flops: Callable[[str, object, int], "float | None"] | None = None
 
     @property
     def own_keys(self) -> tuple[str, ...]:

@@ -156,12 +156,13 @@ def model_flops_per_token(m: Model) -> float:
     return m.layers * per_layer + 2 * m.hidden * m.vocab
 
 
-def attention_kept(m: Model, recompute: str) -> tuple[int, int]:
-    """Features per token that one block's attention keeps for its backward, before tp
-    splits them (its input norm's aside): in the dtype, the rotated q, k and v; as GEMM
-    inputs, o's input. ``attention_inputs`` keeps o's input alone."""
+def attention_kept(m: Model, recompute: str) -> tuple[int, int, int, int]:
+    """Features per token that one block's attention keeps for its backward (its input
+    norm's aside): in the dtype, the rotated q, k and v; as GEMM inputs, o's input; both
+    split over tp, and nothing kept whole on every tp rank (the last two: in the dtype,
+    as GEMM inputs). ``attention_inputs`` keeps o's input alone."""
     kept = recompute != "attention_inputs"
-    return (m.heads + 2 * m.key_value_heads) * m.head_dim * kept, m.attention_width
+    return (m.heads + 2 * m.key_value_heads) * m.head_dim * kept, m.attention_width, 0, 0
 
 
 def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
@@ -181,13 +182,15 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     if recompute == "full":
         return sb * h / (tp if sp else 1) * m.dtype_bytes
     kept = recompute != "attention_inputs"  # the first norm's output, qkv's input
-    in_dtype, gemm_inputs = attention(m, recompute)
-    stream = 2 * sb * h / (tp if sp else 1)  # the norms' inputs
+    in_dtype, gemm_inputs, whole_in_dtype, whole_gemm_inputs = attention(m, recompute)
+    # the norms' inputs, and what the attention keeps whole on every tp rank
+    stream = 2 * sb * h / (tp if sp else 1) + sb * whole_in_dtype
     split = sb * (in_dtype + 2 * f) / tp  # the attention's; gate and up
     scores = 0 if recompute != "none" else m.heads * seq_full * sb / tp
     # the GEMMs' inputs: of q/k/v and gate/up (a norm's output), the attention's (o's) and
     # down's
-    inputs = (1 + kept) * sb * h / (tp if sp else 1) + sb * (gemm_inputs + f) / tp
+    inputs = (1 + kept) * sb * h / (tp if sp else 1) + sb * (gemm_inputs + f) / tp + \
+        sb * whole_gemm_inputs
     return (stream + split + scores) * m.dtype_bytes + inputs * gemm_input_bytes(m)
 
 
@@ -289,16 +292,23 @@ def fp8_blocks_split_over_tp(m: Model, tensor, mesh) -> Finding | None:
     each of q, k, v and gate, up on a rank; the rows of o and down, where the placement
     splits them), so that every rank quantises in the groups one process would
     (planc.runtime.engine.fp8)."""
+    kv_heads = max(m.kv_heads // mesh.tp, 1)
+    q = m.heads // mesh.tp * m.head_dim
+    return fp8_tiles_whole(m, tensor, mesh, q, kv_heads * m.head_dim, q)
+
+
+def fp8_tiles_whole(m: Model, tensor, mesh, q: int, kv: int, context: int
+                    ) -> Finding | None:
+    """The check of ``fp8_blocks_split_over_tp`` on a tp rank's features of q (``q``),
+    of k and v (``kv``) and of o's input (``context``), and of the dense MLP's."""
     tile = fp8_tile(m)
     if tile is None or mesh.tp == 1:
         return None
-    kv_heads = max(m.kv_heads // mesh.tp, 1)
-    dense = m.family != "moe" or m.first_dense > 0  # a mixture's experts are never split
-    q, ffn = m.heads // mesh.tp * m.head_dim, m.ffn // mesh.tp
+    dense = m.family == "llama" or m.first_dense > 0  # a mixture's experts are never split
+    ffn = m.ffn // mesh.tp
     widths = [(what, local) for what, local, split in (
-        ("q", q, tensor.qkv == "column"), ("k and v", kv_heads * m.head_dim,
-                                           tensor.qkv == "column"),
-        ("o's input", q, tensor.proj == "row"),
+        ("q", q, tensor.qkv == "column"), ("k and v", kv, tensor.qkv == "column"),
+        ("o's input", context, tensor.proj == "row"),
         ("gate and up", ffn, dense and tensor.fc1 == "column"),
         ("down's input", ffn, dense and tensor.fc2 == "row")) if split]
     for what, local in widths:

@@ -209,7 +209,7 @@ class Transfers:
         model = self.ctx.model
         query_width = getattr(family_module(model.family), "query_width", None)
         if query_width is not None:
-            return qkv[..., query_width(model):].contiguous()
+            return qkv[..., query_width(model, qkv.shape[-1]):].contiguous()
         heads, _ = local_heads(model, qkv.shape[-1], self.ctx.tp)
         return qkv[..., heads * model.head_dim:].contiguous()
 

@@ -38,9 +38,11 @@ def latent_heads(m, h: torch.Tensor, weight, positions: torch.Tensor, recipe
                  ) -> torch.Tensor:
     """[q | k | v] of every head, side by side, from the block's normed input ``h``
     (batch, tokens, hidden) at ``positions``: ``weight(name)`` gives the block's MLA
-    parameters by their names in the block (``q_a.weight``, ...)."""
+    parameters by their names in the block (``q_a.weight``, ...), the up-projections
+    whole or a tp rank's shard of them, whose heads it then makes."""
     b, s, _ = h.shape
-    heads, nope, rope, v_dim = m.heads, m.nope_dim, m.rope_dim, m.v_dim
+    nope, rope, v_dim = m.nope_dim, m.rope_dim, m.v_dim
+    heads = weight("q_b.weight").shape[1] // (nope + rope)
     latent_q = llama.rms_normed(m, fp8.matmul(h, [weight("q_a.weight")], recipe),
                                     weight("ln_q.weight"))
     q = fp8.matmul(latent_q, [weight("q_b.weight")], recipe).view(b, s, heads, nope + rope)
@@ -59,10 +61,16 @@ def latent_heads(m, h: torch.Tensor, weight, positions: torch.Tensor, recipe
                      dim=-1)
 
 
-def query_width(m) -> int:
-    """Features of the queries in [q | k | v]: what context parallelism leaves at home
-    (planc.runtime.engine.transfers gathers or passes on the rest)."""
-    return m.heads * (m.nope_dim + m.rope_dim)
+def local_heads(m, qkv_width: int) -> int:
+    """The heads in a [q | k | v] activation this wide: all, or a tp rank's."""
+    return qkv_width // (2 * (m.nope_dim + m.rope_dim) + m.v_dim)
+
+
+def query_width(m, qkv_width: int) -> int:
+    """Features of the queries in a [q | k | v] activation this wide: what context
+    parallelism leaves at home (planc.runtime.engine.transfers gathers or passes on the
+    rest)."""
+    return local_heads(m, qkv_width) * (m.nope_dim + m.rope_dim)
 
 
 def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -72,9 +80,9 @@ def _heads(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _split_heads(m, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v as (batch, heads, tokens, features) from [q | k | v]."""
-    width = query_width(m)
-    q, key, v = qkv.split([width, width, m.heads * m.v_dim], dim=-1)
-    return tuple(_heads(t, m.heads) for t in (q, key, v))
+    heads, width = local_heads(m, qkv.shape[-1]), query_width(m, qkv.shape[-1])
+    q, key, v = qkv.split([width, width, heads * m.v_dim], dim=-1)
+    return tuple(_heads(t, heads) for t in (q, key, v))
 
 
 def qkv(k, spec, x, p, step, mb, extra):
@@ -84,19 +92,21 @@ def qkv(k, spec, x, p, step, mb, extra):
 
 
 def attention(k, spec, x, p, step, mb, extra):
-    """Causal attention of every head: on the tokens this rank holds, or over every cp
-    rank's keys and values, gathered (``x["kv"]``) or travelling the cp ring, as llama's
-    attention runs them; k and v travel together, v narrower than k."""
+    """Causal attention of every head, or of this tp rank's: on the tokens this rank
+    holds, or over every cp rank's keys and values, gathered (``x["kv"]``) or travelling
+    the cp ring, as llama's attention runs them; k and v travel together, v narrower
+    than k."""
     m = k.ctx.model
     scale = 1.0 / math.sqrt(m.nope_dim + m.rope_dim)
+    heads = local_heads(m, x["x"].shape[-1])
     if "kv" not in x and spec.ring is None:
         q, key, v = _split_heads(m, x["x"])
         out = F.scaled_dot_product_attention(q, key, v, is_causal=True, scale=scale)
     else:
-        width = query_width(m)
-        q = _heads(x["x"][..., :width], m.heads)
+        width = query_width(m, x["x"].shape[-1])
+        q = _heads(x["x"][..., :width], heads)
         pair = x["kv"] if "kv" in x else x["x"][..., width:]
-        key, v = (_heads(t, m.heads) for t in pair.split([width, m.heads * m.v_dim], dim=-1))
+        key, v = (_heads(t, heads) for t in pair.split([width, heads * m.v_dim], dim=-1))
         if spec.ring is not None:  # scaled by q's width, nope_dim + rope_dim
             out = k.ring_attention(spec, q, key, v)
         else:
@@ -104,7 +114,7 @@ def attention(k, spec, x, p, step, mb, extra):
             allowed = k.ctx.all_key_positions().unsqueeze(0) <= query.unsqueeze(1)
             out = F.scaled_dot_product_attention(q, key, v, attn_mask=allowed, scale=scale)
     b, _, s, _ = out.shape
-    return out.transpose(1, 2).reshape(b, s, m.heads * m.v_dim)
+    return out.transpose(1, 2).reshape(b, s, heads * m.v_dim)
 
 
 KERNELS = {**moe.KERNELS, Op.QKV: qkv, Op.ATTENTION: attention}
