@@ -37,8 +37,10 @@ PLAN = """plan cut {
 
 def plan_text(mesh: str = "dp = 2; ep = 2", layers: int = 3, shared: int = 1, extra: str = "",
               topology: str = "", shard: str = "", microbatches: int = 2,
-              pipeline: str = "", optimize: str = "", batch: int = 8) -> str:
-    return (PLAN.replace("LAYERS", str(layers)).replace("SHARED", str(shared))
+              pipeline: str = "", optimize: str = "", batch: int = 8,
+              overlap: bool = True) -> str:
+    text = PLAN if overlap else PLAN.replace("; overlap_all_to_all = on", "")
+    return (text.replace("LAYERS", str(layers)).replace("SHARED", str(shared))
             .replace("EXTRA", f"; {extra}" if extra else "").replace("TOPOLOGY", topology)
             .replace("MESH", mesh).replace("SHARD", shard)
             .replace("MICROBATCHES", str(microbatches))
@@ -88,6 +90,36 @@ def test_each_mixture_becomes_four_pieces_and_five_all_to_alls():
     assert sum(graph.nodes[n]["flops"] for n in pieces) == pytest.approx(whole, rel=1e-12)
 
 
+def test_a_recomputed_mixture_is_cut_as_its_forward_and_its_all_to_alls_run_again():
+    """recompute = full: R/L/moe is cut into the forward's pieces and all-to-alls, which
+    run in the backward and move the rows the forward's way; each backward piece
+    differentiates its recomputed piece, and the forward's pieces keep only their inputs
+    (AutoModel's and Megatron's full recomputation repeat the all-to-alls as well)."""
+    build = built(plan_text(optimize="recompute = full"))
+    graph = build.graph
+    again = sorted(n for n, d in graph.nodes(data=True) if d.get("recomputes"))
+    assert again == sorted(f"R/L{layer}/moe:{what}" for layer in (1, 2)
+                           for what in ("counts", "dispatch", "combine"))
+    for node in again:
+        assert (graph.nodes[node]["phase"], graph.nodes[node]["stream"]) == \
+            (Phase.BACKWARD, Stream.EP)
+    pieces = {"": "", ":shared": ":shared", ":experts": ":experts", ":sum": ":sum"}
+    for suffix in pieces:
+        backward, recomputed = graph.nodes[f"B/L1/moe{suffix}"], graph.nodes[f"R/L1/moe{suffix}"]
+        assert backward["recompute_of"] == f"R/L1/moe{suffix}"
+        assert backward["forward_of"] == recomputed["forward_of"] == f"F/L1/moe{suffix}"
+        assert graph.nodes[f"F/L1/moe{suffix}"]["recomputed"]
+    # the recomputed rows go the forward's way: dispatch after the route, before experts
+    assert list(graph.predecessors("R/L1/moe:dispatch")) == ["R/L1/moe:counts"]
+    assert sorted(graph.predecessors("R/L1/moe:experts")) == ["F/L1/moe:experts",
+                                                             "R/L1/moe:dispatch"]
+    program = build.programs[sorted(build.programs)[0]]
+    directions = {i.node: i.operands.direction for i in program.written()
+                  if i.op is Opcode.ALL_TO_ALL}
+    assert directions["R/L1/moe:dispatch"] == directions["F/L1/moe:dispatch"] == "forward"
+    assert directions["B/L1/moe:dispatch"] == "backward"
+
+
 def test_the_programs_run_the_all_to_alls_on_the_ep_stream_and_the_shared_experts_beside():
     build = built(plan_text())
     (program,) = build.programs.values()
@@ -122,10 +154,6 @@ def test_the_key_is_checked(tmp_path, capsys):
     assert main(["check", str(path)]) == 0
     assert "warning: overlap_all_to_all = on has no effect without experts spread over ep: " \
         "there is no all-to-all to overlap" in capsys.readouterr().err
-    path.write_text(plan_text(optimize="recompute = full"))
-    assert main(["check", str(path)]) == 1
-    assert "error: overlap_all_to_all = on does not run with recompute = full: the " \
-        "recomputed mixture would repeat its all-to-alls" in capsys.readouterr().err
     path.write_text(plan_text(mesh="dp = 2", optimize="moe_dispatcher = two_hop"))
     assert main(["check", str(path)]) == 0
     assert "warning: moe_dispatcher = two_hop has no effect without experts spread over " \
@@ -198,6 +226,17 @@ LAYOUTS = {
     "fp8-tp-pp": dict(mesh="tp = 2; pp = 2; dp = 2; ep = 4", extra="fp8 = blockwise; "
                       "fp8_tile = 16", shard="tp { sequence_parallel = on }"),
     "no-shared-experts": dict(shared=0),
+    # recompute = full: the recomputed mixture cut as its forward, its all-to-alls again
+    # in the backward (under DualPipeV's pairs, and with two hops and ZeRO-3 unoverlapped)
+    "recompute-full-dualpipev": dict(mesh="pp = 2; dp = 2; ep = 2", shard="pp { virtual = 2 }",
+                                     layers=4, microbatches=4, pipeline="dualpipev",
+                                     optimize="recompute = full"),
+    "recompute-full-two-hop-zero3": dict(
+        mesh="pp = 2; dp = 4; ep = 4; order = [tp, cp, dp, pp]",
+        topology="topology { nodes = 4; devices_per_node = 2 }", overlap=False,
+        optimize="moe_dispatcher = two_hop; recompute = full", layers=4, batch=16,
+        microbatches=4, pipeline="interleaved", shard="pp { virtual = 2 }; dp { zero = 3 }",
+        extra="capacity = 1.5; aux_loss = 0.01"),
     # optimize { moe_dispatcher = two_hop } over 2 "nodes" of 2: DeepSeek-V3's gate, FP8,
     # and DualPipeV's pairs with a capacity and the balance loss
     "two-hop-gate": dict(mesh="dp = 4; ep = 4", topology=TWO_NODES,

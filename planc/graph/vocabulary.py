@@ -211,6 +211,8 @@ OPTIONAL = {
                    "step it moves each bias by",
     "hops": "a cut mixture's dispatch and combine (transfers): 2 with optimize "
             "{ moe_dispatcher = two_hop } where the ep group spans nodes",
+    "recomputes": "a cut mixture's all-to-alls (transfers) redoing the forward's in the "
+                  "backward (recompute = full): they move the rows the forward's way",
     "sharded": "optimizer steps: whether they update a ZeRO shard",
     "stream": "placed by the overlap pass: the program stream it runs on",
     "guard": "placed by the overlap pass: 'last' to run on the last microbatch only",
@@ -237,6 +239,7 @@ OPTIONAL_TYPES = {
     "recomputed": (bool,), "vocab_parallel": (bool,), "peer_stage": INTEGER,
     "slice_axis": INTEGER, "shape": SEQUENCE, "elements": SEQUENCE,
     "max_norm": NUMBER, "router_layers": SEQUENCE, "bias_update": NUMBER, "hops": INTEGER,
+    "recomputes": (bool,),
 }
 
 

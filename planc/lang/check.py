@@ -394,9 +394,8 @@ class _Checker(DataChecks, TopologyReader):
     def _overlap_all_to_all(self, schedule: Schedule, optimize: Optimize, mesh, model
                             ) -> Schedule | None:
         """overlap_all_to_all's rules: it cuts a mixture of experts at the all-to-alls
-        over ep (planc.passes.split_dispatch), so without them it does nothing; a mixture
-        recomputed whole (recompute = full) would run its all-to-alls again inside the
-        recomputation, which the cut does not do yet."""
+        over ep (planc.passes.split_dispatch), so without them it does nothing (a mixture
+        recomputed whole, recompute = full, is cut as its forward was)."""
         key = "schedule.overlap_all_to_all"
         if optimize.moe_dispatcher == "two_hop" and mesh.ep == 1:
             self.report(warning("moe_dispatcher = two_hop has no effect without experts "
@@ -404,11 +403,6 @@ class _Checker(DataChecks, TopologyReader):
                                 self.span("optimize.moe_dispatcher"),
                                 "set mesh.ep to 2 or more on a model moe, or remove "
                                 "moe_dispatcher"))
-        elif optimize.moe_dispatcher == "two_hop" and optimize.recompute == "full":
-            return self._reject("moe_dispatcher = two_hop does not run with recompute = "
-                                "full: the recomputed mixture would repeat its all-to-alls",
-                                self.span("optimize.moe_dispatcher", "optimize.recompute"),
-                                "use recompute = selective (attention only) or none")
         if not schedule.overlap_all_to_all:
             return schedule
         if mesh.ep == 1:  # (ep > 1 on a family without experts is refused above)
@@ -418,12 +412,6 @@ class _Checker(DataChecks, TopologyReader):
                                 "set mesh.ep to 2 or more on a model moe, or remove "
                                 "overlap_all_to_all"))
             return dataclasses.replace(schedule, overlap_all_to_all=False)
-        if optimize.recompute == "full":
-            return self._reject("overlap_all_to_all = on does not run with recompute = "
-                                "full: the recomputed mixture would repeat its all-to-alls",
-                                self.span(key, "optimize.recompute"),
-                                "use recompute = selective (attention only) or none, or "
-                                "remove overlap_all_to_all")
         return schedule
 
     def _train(self, model: Model | None) -> Train | None:

@@ -125,7 +125,8 @@ def _transfer(graph: nx.DiGraph, node: str, data: dict, op: Opcode,
         ring_steps=data.get("ring_steps"),
         peer_stage=data.get("peer_stage") if pipeline else None,
         # a pipeline transfer's group, or which way a mixture's all-to-all moves its rows
-        direction=_value(data["phase"]) if pipeline or payload in ROUTED else None,
+        direction=_value(Phase.FORWARD if data.get("recomputes") else data["phase"])
+        if pipeline or payload in ROUTED else None,
         partner=next(iter(graph.successors(node)), None)
         if pipeline and data["kind"] == Kind.SEND else None,
         shape=tuple(data["shape"]) if pipeline and data["kind"] == Kind.RECV else (),

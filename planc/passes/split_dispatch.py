@@ -43,8 +43,8 @@ PIECES = (("", Op.MOE_ROUTE, ("router.",)), (":shared", Op.MOE_SHARED, ("shared.
 
 
 def cut(data: dict) -> bool:
-    """A mixture's forward over ep, not cut yet (the pass runs before any recomputation
-    of it could exist: planc check refuses recompute = full with the cut)."""
+    """A mixture's forward over ep, not cut yet (its recomputation, under recompute =
+    full, is cut with it)."""
     return data["type"] == NodeType.COMPUTE and data.get("op") == Op.MOE and \
         data["phase"] == Phase.FORWARD and bool(data.get("experts_over")) and \
         not data["recompute"]
@@ -128,6 +128,8 @@ class _Cutter:
                 if op != Op.MOE_SHARED or self.plan.model.shared_experts}
 
     def _transfer(self, node: str, payload: Payload, phase: Phase) -> str:
+        """All-to-all ``payload`` of mixture ``node``, moving its rows the way of ``phase``
+        (a recomputed mixture's move the forward's way, in the backward)."""
         data = self.graph.nodes[node]
         m = self.plan.model
         # the rows of its (token, expert) pairs at uniform routing, and the dispatch's
@@ -146,6 +148,11 @@ class _Cutter:
             tensor={Payload.COUNTS: "expert_counts", Payload.DISPATCH: "expert_rows",
                     Payload.COMBINE: "expert_outputs"}[payload],
             reason=_reason(payload, phase, self.plan.mesh.ep))
+        if data["recompute"]:  # the recomputed forward's, run in the backward
+            self.graph.nodes[name].update(phase=data["phase"], recomputes=True,
+                                          reason=_reason(payload, phase, self.plan.mesh.ep)
+                                          + "; again, for the recomputed mixture "
+                                            "(recompute = full)")
         hops = self.hops.get(data["stage"])
         if hops:
             self.graph.nodes[name]["hops"] = hops
@@ -202,7 +209,21 @@ class _Cutter:
             return True
         return data.get("op") == Op.GRAD_NORM or data.get("tensor") is None
 
-    def backward(self, node: str, forward: dict[str, str]) -> None:
+    def recompute(self, node: str, forward: dict[str, str]) -> dict[str, str]:
+        """Cut recomputed mixture ``node`` as its forward was: each piece redoes the
+        forward's piece (``forward``), from what that kept, which is then its input alone."""
+        names = self.forward(node)
+        for op, piece in names.items():
+            if isinstance(op, Op):
+                self.graph.nodes[piece]["forward_of"] = forward[op]
+                self.graph.nodes[forward[op]]["recomputed"] = True
+                self.graph.add_edge(forward[op], piece, kind=EdgeKind.SAVED)
+        return names
+
+    def backward(self, node: str, forward: dict[str, str],
+                 again: dict[str, str] | None = None) -> None:
+        """Cut backward ``node`` of the mixture whose pieces are ``forward``, or, when it
+        was recomputed, ``again`` (its backward differentiates those)."""
         graph = self.graph
         data = dict(graph.nodes[node])
         out_edges = [(v, e) for _, v, e in graph.out_edges(node, data=True)]
@@ -216,7 +237,9 @@ class _Cutter:
         names = self._pieces(node, data)
         for op, piece in names.items():
             graph.nodes[piece]["forward_of"] = forward[op]
-            graph.add_edge(forward[op], piece, kind=EdgeKind.SAVED)
+            if again is not None:
+                graph.nodes[piece]["recompute_of"] = again[op]
+            graph.add_edge((again or forward)[op], piece, kind=EdgeKind.SAVED)
         route, experts, total = names[Op.MOE_ROUTE], names[Op.MOE_EXPERTS], \
             names[Op.MOE_COMBINE]
         for source, edge in grads_in:
@@ -226,7 +249,7 @@ class _Cutter:
             for piece in names.values():
                 if graph.nodes[piece]["params"] and piece != route:
                     graph.add_edge(source, piece, **edge)
-        routing = forward["dispatch"]
+        routing = (again or forward)["dispatch"]
         graph.add_edge(total, combine, kind=EdgeKind.DATA, port=Port.GRAD, grad_of=Port.X)
         graph.add_edge(routing, combine, kind=EdgeKind.DATA, port=Port.ROUTING)
         graph.add_edge(combine, experts, kind=EdgeKind.DATA, port=Port.GRAD)
@@ -259,21 +282,29 @@ def split_dispatch(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
     chosen = [node for node, data in out.nodes(data=True) if cut(data)]
     backward_of = {data["forward_of"]: node for node, data in out.nodes(data=True)
                    if data["type"] == NodeType.COMPUTE and data.get("op") == Op.MOE and
-                   data["phase"] == Phase.BACKWARD and "forward_of" in data}
+                   data["phase"] == Phase.BACKWARD and "forward_of" in data and
+                   not data["recompute"]}
     cutter = _Cutter(out, plan, _hops(ctx) if two_hop else {})
+    again_of = {}  # a recomputed mixture (recompute = full) -> its recomputation
     for node in chosen:
-        if out.nodes[node].get("recomputed"):
-            raise ValueError(f"{node} is recomputed: the cut mixture is not")
         names = cutter.forward(node)
-        if node in backward_of:
-            cutter.backward(backward_of[node], names)
-    decisions = [{"node": node, "transfers": [f"{node}:{what}" for what in
+        backward = backward_of.get(node)
+        again = out.nodes[backward].get("recompute_of") if backward else None
+        if again is not None:
+            again_of[node] = again
+            cutter.backward(backward, names, cutter.recompute(again, names))
+        elif backward is not None:
+            cutter.backward(backward, names)
+    cuts = [(node, again_of.get(node)) for node in chosen]
+    decisions = [{"node": node, "transfers": [f"{cut}:{what}" for cut in (node, again)
+                                              if cut for what in
                                               ("counts", "dispatch", "combine")
-                                              if f"{node}:{what}" in out]}
-                 for node in chosen]
-    # per mixture 5, or 4 where two hops size their own dispatch
-    made = sum(1 for node in chosen for what in ("counts", "dispatch", "combine")
-               if f"{node}:{what}" in out) + 2 * len(backward_of.keys() & set(chosen))
+                                              if f"{cut}:{what}" in out]}
+                 for node, again in cuts]
+    # per mixture 5, or 4 where two hops size their own dispatch; a recomputed one's
+    # forward all-to-alls again
+    made = sum(len(d["transfers"]) for d in decisions) + \
+        2 * len(backward_of.keys() & set(chosen))
     keys = (["overlap_all_to_all = on"] if plan.schedule.overlap_all_to_all else []) + \
         (["moe_dispatcher = two_hop"] if two_hop else [])
     return record(out, PassRecord(

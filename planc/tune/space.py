@@ -210,8 +210,7 @@ def _schedules(plan: Plan, fixed: dict, values, tp: int, cp: int, pp: int, dp: i
                             for recompute in values("recompute", RECOMPUTE):
                                 for zero in zeros:
                                     for overlap in values("overlap_all_to_all", (
-                                            False, True) if ep > 1 and
-                                            recompute != "full" else (False,)):
+                                            False, True) if ep > 1 else (False,)):
                                         yield Candidate(tp, cp, pp, dp, ep, tuple(order),
                                                         virtual, m, pipeline, zero, sp,
                                                         recompute, stages, overlap)
