@@ -90,7 +90,8 @@ def test_each_mixture_becomes_four_pieces_and_five_all_to_alls():
     assert sum(graph.nodes[n]["flops"] for n in pieces) == pytest.approx(whole, rel=1e-12)
 
 
-def test_a_recomputed_mixture_is_cut_as_its_forward_and_its_all_to_alls_run_again():
+def test_a_recomputed_mixture_is_cut_as_its_forward_and_its_all_to_alls_run_again(
+        tmp_path, capsys):
     """recompute = full: R/L/moe is cut into the forward's pieces and all-to-alls, which
     run in the backward and move the rows the forward's way; each backward piece
     differentiates its recomputed piece, and the forward's pieces keep only their inputs
@@ -118,6 +119,14 @@ def test_a_recomputed_mixture_is_cut_as_its_forward_and_its_all_to_alls_run_agai
                   if i.op is Opcode.ALL_TO_ALL}
     assert directions["R/L1/moe:dispatch"] == directions["F/L1/moe:dispatch"] == "forward"
     assert directions["B/L1/moe:dispatch"] == "backward"
+    # planc explain marks them R, with why they run again
+    path = tmp_path / "p.plan"
+    path.write_text(plan_text(optimize="recompute = full"))
+    assert main(["explain", str(path), "--layer", "1", "--axis", "ep"]) == 0
+    out = capsys.readouterr().out
+    assert [line[:24] for line in out.splitlines() if line.startswith("  R  ")] == \
+        ["  R  all_to_all over ep "] * 3
+    assert "again, for the recomputed mixture (recompute = full)" in out.replace("\n     ", " ")
 
 
 def test_the_programs_run_the_all_to_alls_on_the_ep_stream_and_the_shared_experts_beside():

@@ -139,7 +139,9 @@ def _rows(plan: Plan, graph: nx.DiGraph, nodes: list[str], routes: bool = False,
         per = "per microbatch" if data["per_microbatch"] else "per step"
         times = data["repeat"] // (plan.schedule.microbatches if data["per_microbatch"] else 1)
         count = f"x{times} " if times > 1 else ""
-        lines.append(f"  {PHASE_LETTER[data['phase']]}  {data['kind']} over {data['axis']} "
+        # a recomputed mixture's all-to-alls redo the forward's, in the backward
+        letter = "R" if data.get("recomputes") else PHASE_LETTER[data["phase"]]
+        lines.append(f"  {letter}  {data['kind']} over {data['axis']} "
                      f"({_group_text(plan, ranks, data)})  {format_bytes(data['bytes'])} "
                      f"{count}{per}  [{what_it_moves(data)}]")
         if param is not None and _is_shared(data, buckets):
