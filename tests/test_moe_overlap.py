@@ -366,10 +366,11 @@ def test_tune_tries_the_overlap_where_there_are_all_to_alls_and_keeps_what_pays(
 
     plan = load_text(plan_text(mesh="dp = 4; ep = 4")).plan
     found = [c for c in candidates(plan, 4, ()) if not isinstance(c, str)]
-    with_ep = [c for c in found if c.ep > 1 and c.recompute != "full"]
-    assert with_ep and {c.overlap_all_to_all for c in with_ep} == {False, True}
-    assert not any(c.overlap_all_to_all for c in found if c.ep == 1 or
-                   c.recompute == "full")
+    with_ep = [c for c in found if c.ep > 1]
+    for recompute in ("none", "full"):  # a recomputed mixture's cut too
+        assert {c.overlap_all_to_all for c in with_ep if c.recompute == recompute} == \
+            {False, True}
+    assert not any(c.overlap_all_to_all for c in found if c.ep == 1)
     on = next(c for c in with_ep if c.overlap_all_to_all)
     assert on.settings()["schedule.overlap_all_to_all"] == "on"
     assert on.text().endswith("a2a overlap")

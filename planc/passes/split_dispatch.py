@@ -295,12 +295,12 @@ def split_dispatch(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
             cutter.backward(backward, names, cutter.recompute(again, names))
         elif backward is not None:
             cutter.backward(backward, names)
-    cuts = [(node, again_of.get(node)) for node in chosen]
-    decisions = [{"node": node, "transfers": [f"{cut}:{what}" for cut in (node, again)
-                                              if cut for what in
+    decisions = [{"node": node, "transfers": [f"{mixture}:{what}"
+                                              for mixture in (node, again_of.get(node))
+                                              if mixture for what in
                                               ("counts", "dispatch", "combine")
-                                              if f"{cut}:{what}" in out]}
-                 for node, again in cuts]
+                                              if f"{mixture}:{what}" in out]}
+                 for node in chosen]
     # per mixture 5, or 4 where two hops size their own dispatch; a recomputed one's
     # forward all-to-alls again
     made = sum(len(d["transfers"]) for d in decisions) + \
