@@ -367,10 +367,12 @@ def hf_plan(tmp_path, mesh="", extra="", train=""):
     return path
 
 
-def test_a_run_starts_from_a_deepseek_v3_checkpoint(tmp_path, capfd):
+@pytest.mark.parametrize("mesh", ["dp = 2; ep = 2", "tp = 2; ep = 2"])
+def test_a_run_starts_from_a_deepseek_v3_checkpoint(mesh, tmp_path, capfd):
     """save_pretrained's DeepseekV3ForCausalLM (the Hub's per-expert tensors), started
-    from under dp 2 with ep 2 and --check: the first loss is transformers' on the same
-    batch, and the run matches the reference started from the same weights."""
+    from under dp 2 with ep 2, or with the heads over tp 2, and --check: the first loss is
+    transformers' on the same batch, and the run matches the reference started from the
+    same weights."""
     import json
 
     from planc.lang import load_file
@@ -379,7 +381,7 @@ def test_a_run_starts_from_a_deepseek_v3_checkpoint(tmp_path, capfd):
     torch.manual_seed(0)
     model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF_SIZES))
     model.save_pretrained(tmp_path / "hf", safe_serialization=True)
-    source = hf_plan(tmp_path, "dp = 2; ep = 2", train='; init = "hf"')
+    source = hf_plan(tmp_path, mesh, train='; init = "hf"')
     metrics = tmp_path / "m.jsonl"
     assert main(["run", str(source), "-o", str(tmp_path / "build"), "--metrics", str(metrics),
                  "--check"]) == 0
