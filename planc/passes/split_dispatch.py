@@ -57,7 +57,7 @@ def _flop_shares(plan: Plan) -> dict[Op, float]:
     return {Op(op): flops / total for op, flops in parts.items()}
 
 
-def _reason(payload: Payload, phase: Phase, ep: int) -> str:
+def _reason(payload: Payload, phase: Phase, plan: Plan) -> str:
     what = {(Payload.COUNTS, Phase.FORWARD): "each rank learns how many rows each peer "
             "sends each of its experts, which change with every step (Megatron-Core's "
             "num_global_tokens_per_local_expert)",
@@ -69,9 +69,11 @@ def _reason(payload: Payload, phase: Phase, ep: int) -> str:
             "the experts that made them",
             (Payload.DISPATCH, Phase.BACKWARD): "the rows' gradients go back to the ranks "
             "holding their tokens"}[(payload, phase)]
-    return (f"{what} (expert parallelism over {ep} ranks: GShard; an all-to-all of its own "
-            f"on the ep stream with schedule {{ overlap_all_to_all }}, so that compute can "
-            f"run beside it)")
+    # the key that cut the mixture: the overlap, else the two hops alone
+    key = "schedule { overlap_all_to_all }" if plan.schedule.overlap_all_to_all else \
+        "optimize { moe_dispatcher = two_hop }"
+    return (f"{what} (expert parallelism over {plan.mesh.ep} ranks: GShard; an all-to-all of "
+            f"its own on the ep stream with {key}, so that compute can run beside it)")
 
 
 def _hops(ctx: PassContext) -> dict[int, int]:
@@ -147,10 +149,10 @@ class _Cutter:
             bytes=int(rows * columns), dtype=m.dtype,
             tensor={Payload.COUNTS: "expert_counts", Payload.DISPATCH: "expert_rows",
                     Payload.COMBINE: "expert_outputs"}[payload],
-            reason=_reason(payload, phase, self.plan.mesh.ep))
+            reason=_reason(payload, phase, self.plan))
         if data["recompute"]:  # the recomputed forward's, run in the backward
             self.graph.nodes[name].update(phase=data["phase"], recomputes=True,
-                                          reason=_reason(payload, phase, self.plan.mesh.ep)
+                                          reason=_reason(payload, phase, self.plan)
                                           + "; again, for the recomputed mixture "
                                             "(recompute = full)")
         hops = self.hops.get(data["stage"])
