@@ -396,6 +396,46 @@ def test_a_run_starts_from_a_deepseek_v3_checkpoint(mesh, tmp_path, capfd):
     assert first == pytest.approx(theirs.item(), rel=1e-5)
 
 
+def test_a_run_starts_from_a_checkpoints_balancing_biases(tmp_path, capfd):
+    """A DeepseekV3ForCausalLM whose routers' e_score_correction_bias moved (as a trained
+    DeepSeek-V3's have) routes its tokens by them; a run with bias_update starts its
+    biases there, not at zero: its first loss is transformers', which the same weights
+    with zero biases miss, and --check's reference starts from them too."""
+    import json
+
+    from planc.lang import load_file
+    from planc.runtime.engine.data import batch_tokens
+
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**HF_SIZES))
+    biases = {}
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(4) * 0.5)
+            biases[layer] = layer.mlp.gate.e_score_correction_bias.clone()
+    model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    source = hf_plan(tmp_path, "dp = 2; ep = 2", extra="; bias_update = 0.001",
+                     train='; init = "hf"')
+    metrics = tmp_path / "m.jsonl"
+    assert main(["run", str(source), "-o", str(tmp_path / "build"), "--metrics", str(metrics),
+                 "--check"]) == 0
+    assert "every loss and parameter matches" in capfd.readouterr().err
+    tokens = batch_tokens(load_file(source).plan, 0)
+
+    def theirs() -> float:
+        with torch.no_grad():
+            logits = model.eval()(input_ids=tokens[:, :-1]).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 96),
+                                                 tokens[:, 1:].reshape(-1)).item()
+
+    first = json.loads(metrics.read_text().splitlines()[0])["loss"]
+    assert first == pytest.approx(theirs(), rel=1e-5)
+    with torch.no_grad():
+        for layer in biases:
+            layer.mlp.gate.e_score_correction_bias.zero_()
+    assert first != pytest.approx(theirs(), rel=1e-4)  # the biases route other experts
+
+
 def test_export_loads_in_deepseek_v3_with_its_balancing_biases(tmp_path, capfd):
     """A run with the balancing bias, checkpointed and exported: DeepseekV3ForCausalLM
     loads every tensor (the biases as its e_score_correction_bias), none missing, and its

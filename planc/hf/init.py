@@ -42,8 +42,9 @@ def init_sources(model: Model, saved: bool
     shapes = {p.name: tuple(p.shape) for p in family_of(model).all_parameters(model)}
     sources, tensors = {}, {}
     for t in model_tensors(model, saved):
-        if not all(s in shapes for s in t.sources):
-            continue  # a balancing bias: state that a run starts at zero, as training does
+        if not all(s in shapes for s in t.sources):  # a balancing bias (init_buffers)
+            tensors[t.target] = (model.experts,)
+            continue
         whole = list(shapes[t.sources[0]][1:] if t.per_expert else shapes[t.sources[0]])
         join = t.join if len(t.sources) > 1 else 0  # a part of a concatenation, or all
         if len(t.sources) > 1:
@@ -59,6 +60,15 @@ def init_sources(model: Model, saved: bool
             sources[s] = InitSource(t.target, _swapped(join, t.swap), start, t.swap, experts)
             start += shapes[s][join]
     return sources, tensors
+
+
+def init_buffers(model: Model, saved: bool) -> dict[str, str]:
+    """planc's state that a checkpoint also holds -> its transformers tensor: each
+    mixture's balancing bias (``bias_update``), DeepSeek-V3's ``e_score_correction_bias``,
+    which routes the checkpoint's tokens and so must start where it was, not at zero."""
+    params = {p.name for p in family_of(model).all_parameters(model)}
+    return {t.sources[0]: t.target for t in model_tensors(model, saved)
+            if not all(s in params for s in t.sources)}
 
 
 def saved_form(model: Model, names) -> bool:

@@ -4,7 +4,7 @@ does not have to."""
 
 from __future__ import annotations
 
-from planc.hf.init import init_sources
+from planc.hf.init import init_buffers, init_sources
 from planc.lower.evaluation import evaluation_of
 from planc.program.model_table import Initial, InitTable, ModelTable, OptimizerSettings
 from planc.plan.lr_schedule import LrSchedule
@@ -69,5 +69,6 @@ def init_table(plan: Plan) -> InitTable | None:
     from the export's own table of tensors (planc.hf.init)."""
     if plan.train.init is None:
         return None
-    sources, tensors = init_sources(plan.model, plan.train.init_form == "saved")
-    return InitTable(plan.train.init, tensors, sources)
+    saved = plan.train.init_form == "saved"
+    sources, tensors = init_sources(plan.model, saved)
+    return InitTable(plan.train.init, tensors, sources, init_buffers(plan.model, saved))

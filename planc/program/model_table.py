@@ -177,6 +177,9 @@ class InitTable:
     directory: str
     tensors: dict[str, tuple[int, ...]]
     sources: dict[str, InitSource]
+    # state that is not trained -> the transformers tensor it starts from, whole (a
+    # mixture's balancing bias: planc.hf.init.init_buffers)
+    buffers: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"directory": self.directory,
@@ -184,7 +187,8 @@ class InitTable:
                 "parameters": {k: {"tensor": s.tensor, "axis": s.axis, "start": s.start,
                                    "swap": list(s.swap) if s.swap else None,
                                    "experts": s.experts}
-                               for k, s in self.sources.items()}}
+                               for k, s in self.sources.items()},
+                **({"buffers": dict(self.buffers)} if self.buffers else {})}
 
     @staticmethod
     def from_json(data: dict, parameters: dict[str, Initial]) -> "InitTable":
@@ -212,7 +216,13 @@ class InitTable:
             sources[name] = source
         if set(sources) != set(parameters):
             raise ValueError("init does not place every parameter")
-        return InitTable(_string(data["directory"], "init's directory"), tensors, sources)
+        buffers = {}
+        for name, tensor in data.get("buffers", {}).items():
+            if _string(tensor, "a transformers tensor") not in tensors:
+                raise ValueError(f"init reads {name} from {tensor!r}, which it lists not")
+            buffers[_string(name, "a buffer")] = tensor
+        return InitTable(_string(data["directory"], "init's directory"), tensors, sources,
+                         buffers)
 
 
 @dataclass(frozen=True)

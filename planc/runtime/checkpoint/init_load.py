@@ -27,6 +27,7 @@ from planc.checkpoint.manifest import CheckpointError, reason
 from planc.hf.files import HFCheckpointError, check_tensors
 from planc.program.model_table import InitSource
 from planc.runtime.checkpoint.load import Loading
+from planc.runtime.checkpoint.values import refuse_bad_values
 from planc.runtime.engine.context import RankContext
 from planc.runtime.engine.store import ParamStore
 
@@ -107,6 +108,15 @@ class InitialWeights(Loading):
                 for bucket_id in sorted(self.store.buckets):
                     self._load_parameters(bucket_id, lambda m: (m["param"], m["param"], False),
                                           source, where, read)
+                # the state the checkpoint holds, whole, as each rank keeps it (a
+                # Mixtral checkpoint has no balancing bias: that starts at zero)
+                for name, tensor in sorted(self.store.buffers.items()):
+                    if name not in table.buffers:
+                        continue
+                    value = saved(table.buffers[name])[:].to(torch.float32)
+                    refuse_bad_values(where, name, value)
+                    tensor.copy_(value)
+                    read[0] += value.numel() * value.element_size()
         except (HFCheckpointError, CheckpointError) as exc:
             problem = str(exc)
         except (OSError, SafetensorError) as exc:  # changed since it was checked

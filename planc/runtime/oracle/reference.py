@@ -13,7 +13,7 @@ from contextlib import ExitStack
 import torch
 
 from planc.lower.evaluation import evaluation_of
-from planc.hf.init import init_sources
+from planc.hf.init import init_buffers, init_sources
 from planc.hf.files import stored_tensors
 from planc.lower.tabulate_model import INIT_STD, initial_mean
 from planc.plan.lr_schedule import lr_at
@@ -88,6 +88,19 @@ def initial_values(plan: Plan) -> dict[str, torch.Tensor]:
                 for name, p in parameters(plan).items()}
 
 
+def initial_buffers(plan: Plan) -> dict[str, torch.Tensor]:
+    """The state the plan's Hugging Face checkpoint holds (train.init), whole, in fp32:
+    each mixture's balancing bias (planc.hf.init.init_buffers)."""
+    from safetensors import safe_open
+
+    stored = stored_tensors(plan.train.init)
+    out = {}
+    for name, tensor in init_buffers(plan.model, plan.train.init_form == "saved").items():
+        with safe_open(f"{plan.train.init}/{stored[tensor].file}", framework="pt") as f:
+            out[name] = f.get_tensor(tensor).to(torch.float32)
+    return out
+
+
 def evaluate(plan: Plan, params: dict[str, torch.Tensor], dtype: torch.dtype,
              state: dict | None = None) -> float:
     """The mean loss of the plan's evaluation batches (train.eval_batches of
@@ -115,8 +128,12 @@ def train(plan: Plan, steps: int, identity=None, evaluated: dict[int, float] | N
         plan.model.dtype]
     losses, source = [], DataSource.of(plan)
     module = family_module(plan.model.family)
-    # what the family keeps between steps (a mixture's balancing bias), or None
+    # what the family keeps between steps (a mixture's balancing bias), or None; from the
+    # plan's Hugging Face checkpoint where it holds it (planc.hf.init.init_buffers)
     state = getattr(module, "reference_state", lambda m: None)(plan.model)
+    if state is not None and plan.train.init is not None:
+        for name, value in initial_buffers(plan).items():
+            state["bias"][int(name.split(".")[1])].copy_(value)
     for step in range(steps):
         optimizer.zero_grad()
         total, loss = objective(plan, params, batch_tokens(source, step, identity), dtype,
