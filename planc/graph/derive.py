@@ -37,7 +37,7 @@ from collections.abc import Mapping
 
 import networkx as nx
 
-from planc.estimate.model import forward_flops, split_flops
+from planc.estimate.model import forward_flops
 from planc.graph import reasons
 from planc.graph.axes import PHASE_OF, AxisRules
 from planc.graph.builder import GraphBuilder
@@ -58,7 +58,7 @@ from planc.graph.kernels import kernel_attributes
 from planc.graph.parameters import ParameterRules
 from planc.graph.schedules import schedule_text
 from planc.graph.sharding import Layout, S, gradient_layout
-from planc.graph.tensor_parallel import FP32_BYTES, LOSS_REDUCTIONS
+from planc.graph.tensor_parallel import FP32_BYTES, LOSS_REDUCTIONS, features_split_flops
 from planc.graph.walk_records import (
     BackwardChunk,
     ForwardChunk,
@@ -91,9 +91,9 @@ class _Derivation(GraphBuilder):
         """A compute node: F (forward), B (backward) or R (recomputed forward, which like
         the backward names its forward step in ``forward_of``)."""
         layout = self.layout(op)
-        flops = forward_flops(op, self.shapes) / (self.tp if layout.sharded else 1)
-        if layout.sharded and layout.input != S("seq"):  # split over its features
-            flops = split_flops(op, self.shapes, self.tp) or flops
+        flops = features_split_flops(op, self.shapes, self.tp, layout)
+        if flops is None:
+            flops = forward_flops(op, self.shapes) / (self.tp if layout.sharded else 1)
         extra = kernel_attributes(self.plan, self.family, self.shapes, op, layer, layout)
         if forward_of is not None:
             extra["forward_of"] = forward_of

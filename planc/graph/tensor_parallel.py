@@ -225,6 +225,17 @@ def _column_tokenwise(rule: OpRule, uses: list[tuple[str, tuple[str, ...]]]) -> 
     return Choice(R, S(rule.output_dim), P, True, params)
 
 
+def features_split_flops(op: str, shapes: Shapes, tp: int, way: "Choice | OpLayout"
+                         ) -> float | None:
+    """The forward FLOPs of one tp rank of ``op`` run ``way`` where its split over the
+    features leaves part of the work whole on every rank (multi-head latent attention's
+    latents: planc.estimate.model.split_flops); None where ``way`` divides the work evenly
+    over tp (its tokens, or a linear's features) or runs it whole."""
+    if not way.sharded or way.input == S("seq"):
+        return None
+    return split_flops(op, shapes, tp)
+
+
 def _replicated(op: str, plan: Plan, stream: Layout) -> Choice:
     """With tp = 1 every operator runs whole, as if every placement were replicate (a
     row-parallel bias is then the linear's own again)."""
@@ -270,9 +281,8 @@ class _Coster:
         return self.transfer(use.gradient_transfer(), elements * self.shapes.dtype_bytes)
 
     def compute(self, op: str, choice: Choice) -> float:
-        own = split_flops(op, self.shapes, self.tp) \
-            if choice.sharded and choice.input != S("seq") else None
-        if own is not None:  # the split leaves part of the work whole on every rank
+        own = features_split_flops(op, self.shapes, self.tp, choice)
+        if own is not None:
             return self.cost.compute_seconds(3 * own)
         flops = 3 * forward_flops(op, self.shapes)  # forward and backward
         return self.cost.compute_seconds(flops / (self.tp if choice.sharded else 1))

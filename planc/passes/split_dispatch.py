@@ -130,8 +130,9 @@ class _Cutter:
                 if op != Op.MOE_SHARED or self.plan.model.shared_experts}
 
     def _transfer(self, node: str, payload: Payload, phase: Phase) -> str:
-        """All-to-all ``payload`` of mixture ``node``, moving its rows the way of ``phase``
-        (a recomputed mixture's move the forward's way, in the backward)."""
+        """All-to-all ``payload`` of mixture ``node``, moving its rows the way of ``phase``,
+        in the mixture's own phase (a recomputed mixture's move the forward's way, in the
+        backward)."""
         data = self.graph.nodes[node]
         m = self.plan.model
         # the rows of its (token, expert) pairs at uniform routing, and the dispatch's
@@ -141,20 +142,21 @@ class _Cutter:
         if payload == Payload.COUNTS:  # one int64 per expert
             rows, columns = m.experts, 8
         name = f"{node}:{payload.value}"
+        reason = _reason(payload, phase, self.plan)
+        if data["recompute"]:  # the recomputed forward's, run in the backward
+            reason += "; again, for the recomputed mixture (recompute = full)"
         self.graph.add_node(
             name, type=NodeType.TRANSFER, kind=Kind.ALL_TO_ALL, axis=Axis.EP,
-            level="whole", payload=payload, group_size=self.plan.mesh.ep, phase=phase,
+            level="whole", payload=payload, group_size=self.plan.mesh.ep,
+            phase=data["phase"],
             stage=data["stage"], chunk=data["chunk"], layer=data.get("layer"),
             repeat=data["repeat"], per_microbatch=True, microbatch=None,
             bytes=int(rows * columns), dtype=m.dtype,
             tensor={Payload.COUNTS: "expert_counts", Payload.DISPATCH: "expert_rows",
                     Payload.COMBINE: "expert_outputs"}[payload],
-            reason=_reason(payload, phase, self.plan))
-        if data["recompute"]:  # the recomputed forward's, run in the backward
-            self.graph.nodes[name].update(phase=data["phase"], recomputes=True,
-                                          reason=_reason(payload, phase, self.plan)
-                                          + "; again, for the recomputed mixture "
-                                            "(recompute = full)")
+            reason=reason)
+        if data["recompute"]:
+            self.graph.nodes[name]["recomputes"] = True
         hops = self.hops.get(data["stage"])
         if hops:
             self.graph.nodes[name]["hops"] = hops

@@ -8,7 +8,7 @@ with an independent computation. Each family's whole-model loss is its runtime m
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 
 import torch
 
@@ -24,6 +24,7 @@ from planc.runtime.families import family_module
 from planc.runtime.checkpoint.init_load import whole_value
 from planc.runtime.engine.model import initial_value
 from planc.runtime.engine.optim import TensorOptimizer
+from planc.vocabulary.model_options import balance_bias_name
 
 
 def forward_loss(plan: Plan, params: dict[str, torch.Tensor], tokens: torch.Tensor,
@@ -65,14 +66,12 @@ def initial(plan: Plan, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     return initial_value(plan.train.seed, name, shape, initial_mean(name), INIT_STD)
 
 
-def initial_values(plan: Plan) -> dict[str, torch.Tensor]:
-    """Every parameter's initial value: read whole from the plan's Hugging Face
-    checkpoint (train.init), else drawn by :func:`initial`."""
-    if plan.train.init is None:
-        return {name: initial(plan, name, p.shape) for name, p in parameters(plan).items()}
+@contextmanager
+def _checkpoint_slices(plan: Plan):
+    """``saved(tensor)``: a slice reader of one of the plan's Hugging Face checkpoint's
+    tensors (train.init), each file opened once."""
     from safetensors import safe_open
 
-    sources, _ = init_sources(plan.model, plan.train.init_form == "saved")
     stored = stored_tensors(plan.train.init)
     with ExitStack() as stack:
         opened = {}
@@ -84,21 +83,29 @@ def initial_values(plan: Plan) -> dict[str, torch.Tensor]:
                     f"{plan.train.init}/{file}", framework="pt"))
             return opened[file].get_slice(tensor)
 
+        yield saved
+
+
+def initial_values(plan: Plan) -> dict[str, torch.Tensor]:
+    """Every parameter's initial value: read whole from the plan's Hugging Face
+    checkpoint (train.init), else drawn by :func:`initial`."""
+    if plan.train.init is None:
+        return {name: initial(plan, name, p.shape) for name, p in parameters(plan).items()}
+    sources, _ = init_sources(plan.model, plan.train.init_form == "saved")
+    with _checkpoint_slices(plan) as saved:
         return {name: whole_value(saved, sources[name], p.shape)
                 for name, p in parameters(plan).items()}
 
 
 def initial_buffers(plan: Plan) -> dict[str, torch.Tensor]:
-    """The state the plan's Hugging Face checkpoint holds (train.init), whole, in fp32:
-    each mixture's balancing bias (planc.hf.init.init_buffers)."""
-    from safetensors import safe_open
-
-    stored = stored_tensors(plan.train.init)
-    out = {}
-    for name, tensor in init_buffers(plan.model, plan.train.init_form == "saved").items():
-        with safe_open(f"{plan.train.init}/{stored[tensor].file}", framework="pt") as f:
-            out[name] = f.get_tensor(tensor).to(torch.float32)
-    return out
+    """The untrained state the plan's Hugging Face checkpoint holds (train.init), whole,
+    in fp32, by name: each mixture's balancing bias (planc.hf.init.init_buffers); none
+    without a checkpoint."""
+    if plan.train.init is None:
+        return {}
+    with _checkpoint_slices(plan) as saved:
+        return {name: saved(tensor)[:].to(torch.float32) for name, tensor in
+                init_buffers(plan.model, plan.train.init_form == "saved").items()}
 
 
 def evaluate(plan: Plan, params: dict[str, torch.Tensor], dtype: torch.dtype,
@@ -131,9 +138,11 @@ def train(plan: Plan, steps: int, identity=None, evaluated: dict[int, float] | N
     # what the family keeps between steps (a mixture's balancing bias), or None; from the
     # plan's Hugging Face checkpoint where it holds it (planc.hf.init.init_buffers)
     state = getattr(module, "reference_state", lambda m: None)(plan.model)
-    if state is not None and plan.train.init is not None:
-        for name, value in initial_buffers(plan).items():
-            state["bias"][int(name.split(".")[1])].copy_(value)
+    if state is not None:
+        buffers = initial_buffers(plan)
+        for layer, bias in state["bias"].items():
+            if balance_bias_name(layer) in buffers:
+                bias.copy_(buffers[balance_bias_name(layer)])
     for step in range(steps):
         optimizer.zero_grad()
         total, loss = objective(plan, params, batch_tokens(source, step, identity), dtype,
