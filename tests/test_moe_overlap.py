@@ -255,6 +255,13 @@ LAYOUTS = {
     "two-hop-fp8": dict(mesh="dp = 4; ep = 4", topology=TWO_NODES,
                         optimize="moe_dispatcher = two_hop",
                         extra="fp8 = blockwise; fp8_tile = 16"),
+    # on one node only the second hop moves rows (DeepEP's intranode dispatch, FP8 here);
+    # with one rank a node only the first
+    "two-hop-one-node-fp8": dict(mesh="dp = 4; ep = 4", optimize="moe_dispatcher = two_hop",
+                                 topology="topology { nodes = 1; devices_per_node = 4 }",
+                                 extra="fp8 = blockwise; fp8_tile = 16"),
+    "two-hop-one-rank-a-node": dict(mesh="dp = 4; ep = 4", optimize="moe_dispatcher = two_hop",
+                                    topology="topology { nodes = 4; devices_per_node = 1 }"),
     "two-hop-dualpipev": dict(mesh="pp = 2; dp = 4; ep = 4; order = [tp, cp, dp, pp]",
                               topology="topology { nodes = 4; devices_per_node = 2 }",
                               optimize="moe_dispatcher = two_hop", layers=4, batch=16,
@@ -549,25 +556,29 @@ def test_two_hops_where_the_ep_group_spans_nodes_with_several_ranks_on_each():
     assert "F/L1/moe:counts" not in graph and [
         n for n in graph.successors("F/L1/moe")
         if graph.nodes[n]["type"] == NodeType.TRANSFER] == ["F/L1/moe:dispatch"]
-    assert hops("dp = 4; ep = 4", "topology { nodes = 1; devices_per_node = 4 }") == {None}
-    assert hops("dp = 4; ep = 4", "topology { nodes = 4; devices_per_node = 1 }") == {None}
+    # on one node only hop 2 moves rows (once per rank), with one rank a node only hop 1
+    assert hops("dp = 4; ep = 4", "topology { nodes = 1; devices_per_node = 4 }") == {2}
+    assert hops("dp = 4; ep = 4", "topology { nodes = 4; devices_per_node = 1 }") == {2}
     assert hops("dp = 4; ep = 4", TWO_NODES, optimize="") == {None}
 
 
-def test_a_tokens_experts_lie_on_as_many_nodes_as_counting_every_choice_says():
+def test_a_tokens_experts_lie_on_as_many_nodes_and_ranks_as_counting_every_choice_says():
     from itertools import combinations
 
     from planc.estimate.mixture import Mixture
 
-    for experts, top_k, nodes, limit in ((8, 2, 2, None), (8, 3, 4, None), (12, 4, 3, None),
-                                         (16, 4, 4, 2)):
-        per_node = experts // nodes
+    for experts, top_k, nodes, ranks, limit in (
+            (8, 2, 2, 4, None), (8, 3, 4, 8, None), (12, 4, 3, 6, None), (16, 4, 4, 8, 2),
+            (16, 3, 1, 8, None), (32, 8, 4, 16, 2)):
+        per_node, per_rank = experts // nodes, experts // ranks
         among = experts if limit is None else limit * per_node  # the chosen nodes' experts
         choices = list(combinations(range(among), top_k))
-        counted = sum(len({e // per_node for e in c}) for c in choices) / len(choices)
-        mixture = Mixture(64, 48, experts, top_k, 0, experts // nodes, 1.0,
+        on_nodes = sum(len({e // per_node for e in c}) for c in choices) / len(choices)
+        on_ranks = sum(len({e // per_rank for e in c}) for c in choices) / len(choices)
+        mixture = Mixture(64, 48, experts, top_k, 0, experts // ranks, 1.0,
                           expert_groups=nodes if limit else 1, route_groups=limit)
-        assert mixture.nodes_per_token(nodes) == pytest.approx(counted, rel=1e-12)
+        assert mixture.nodes_per_token(nodes) == pytest.approx(on_nodes, rel=1e-12)
+        assert mixture.holders_per_token(ranks, nodes) == pytest.approx(on_ranks, rel=1e-12)
 
 
 def test_deepseek_v3s_run_hides_its_all_to_alls_and_simulates_its_step_within_15_percent():
@@ -769,7 +780,7 @@ for with_fp8 in (None, recipe):
     received, _, hops = moe_two_hop.dispatch(rows, experts, tokens, (0, 0, 1, 1), rank, 2,
                                              None, with_fp8)
     grads = torch.randn(sum(hops.sent1), 32, generator=torch.Generator().manual_seed(9)) * 3
-    results.append((received, moe_two_hop.combine_backward(grads, hops, None, with_fp8)))
+    results.append((received, moe_two_hop.combine_backward(grads, hops, with_fp8)))
 (plain, plain_grads), (coded, coded_grads) = results
 print(torch.equal(coded[:, :-1], fp8.quantised_rows(plain[:, :-1], 16)),
       torch.equal(coded[:, -1], plain[:, -1]),
@@ -789,3 +800,89 @@ def test_two_hops_forward_fp8_bytes_as_they_came(tmp_path, form):
     dtype)."""
     outputs = script_on_ranks(TWO_HOP_FP8, tmp_path, 4, form)
     assert [out.strip() for out, _ in outputs] == ["True True True"] * 4, outputs
+
+
+TWO_HOP_MAPS = r'''
+import sys
+import torch, torch.distributed as dist
+from planc.runtime.families import moe_two_hop
+
+rank, path, layout = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", rank=rank, world_size=4, store=dist.FileStore(path, 4))
+node_of = {"2x2": (0, 0, 1, 1), "1x4": (0, 0, 0, 0), "4x1": (0, 1, 2, 3)}[layout]
+generator = torch.Generator().manual_seed(rank)
+tokens_here, top_k, per_rank = 5, 3, 2
+chosen = torch.stack([torch.randperm(8, generator=generator)[:top_k]
+                      for _ in range(tokens_here)])
+experts, order = torch.sort(chosen.reshape(-1), stable=True)
+tokens = torch.arange(tokens_here).repeat_interleave(top_k)[order]
+rows = torch.randn(experts.numel(), 7, generator=generator, dtype=torch.float64)
+rows[:, :-1] = torch.randn(tokens_here, 6, generator=generator,
+                           dtype=torch.float64)[tokens]  # a token's pairs: one row
+received, counts, hops = moe_two_hop.dispatch(rows, experts, tokens, node_of, rank,
+                                              per_rank, None)
+# what each experts' rank received: every pair once, its token's row and weight
+mine = (experts // per_rank).tolist()
+want = torch.cat([rows[[i for i, m in enumerate(mine) if m == j]] for j in range(4)])
+everything = [None] * 4
+dist.all_gather_object(everything, want)
+sorted_rows = lambda t: sorted(map(tuple, t.tolist()))
+arrived = [None] * 4
+dist.all_gather_object(arrived, received)
+expect, got = sorted_rows(torch.cat(everything)), sorted_rows(torch.cat(arrived))
+# the adjoints: <D x, g> = <x, D* g> and <C y, h> = <y, C* h>, summed over the ranks
+g = torch.randn(received.shape, generator=generator, dtype=torch.float64)
+h = torch.randn(sum(hops.sent1), 6, generator=generator, dtype=torch.float64)
+y = torch.randn(received.shape[0], 6, generator=generator, dtype=torch.float64)
+sums = torch.tensor([
+    (received * g).sum(), (rows * moe_two_hop.dispatch_backward(g, hops, rows.shape[0])).sum(),
+    (moe_two_hop.combine(y, hops) * h).sum(), (y * moe_two_hop.combine_backward(h, hops)).sum(),
+    float(sum(hops.rows_received2)), float(len({(t, m) for t, m in zip(tokens.tolist(), mine)})),
+    float(received.shape[0]), float(counts.sum())], dtype=torch.float64)
+dist.all_reduce(sums)
+print(expect == got, bool(abs(sums[0] - sums[1]) < 1e-9), bool(abs(sums[2] - sums[3]) < 1e-9),
+      int(sums[4]), int(sums[5]), int(sums[6]) == int(sums[7]) == 4 * tokens_here * top_k)
+sys.stdout.flush()
+import os
+os._exit(0)
+'''
+
+
+@pytest.mark.parametrize("layout", ["2x2", "1x4", "4x1"])
+def test_two_hops_send_a_token_once_per_node_then_once_per_rank(tmp_path, layout):
+    """DeepEP's dispatch on 4 gloo ranks as 2 "nodes" of 2, one node of 4 and 4 nodes of
+    1: every (token, expert) pair reaches its expert's rank with its token's row and
+    weight, hop 2 carries one row per (token, rank) (as many as the distinct pairs of
+    source token and rank, fewer than the pairs), and the written-out backward maps are
+    the forward maps' adjoints (to float64's rounding)."""
+    outputs = script_on_ranks(TWO_HOP_MAPS, tmp_path, 4, layout)
+    lines = {out.strip() for out, _ in outputs}
+    assert len(lines) == 1, outputs
+    same, dispatch_adjoint, combine_adjoint, rows2, distinct, pairs = lines.pop().split()
+    assert (same, dispatch_adjoint, combine_adjoint, pairs) == ("True",) * 4
+    assert rows2 == distinct and int(rows2) < 4 * 5 * 3, (rows2, distinct)
+
+
+def test_two_hops_on_one_node_price_a_row_per_token_and_rank():
+    """Inside one node two_hop sends a token once per rank holding one of its experts
+    (DeepEP's intranode dispatch): with 8 experts over ep 4 and top_k 2 a token reaches
+    4 (1 - C(6, 2) / C(8, 2)) = 13/7 ranks on average, so the dispatch's bytes-dependent
+    time is 13/14 of the plain all-to-all's (the same link, peers and bandwidth)."""
+    from dataclasses import replace as changed
+
+    from planc.estimate.instruction_cost import InstructionCosts
+
+    def dispatch_seconds(optimize: str) -> tuple[float, float]:
+        build = built(plan_text(mesh="dp = 4; ep = 4", optimize=optimize,
+                                topology="topology { nodes = 1; devices_per_node = 4 }"))
+        costs = InstructionCosts(build.plan, build.groups)
+        dispatch = next(i for block in build.programs["stage0.json"].blocks.values()
+                        for i in block if i.node == "F/L1/moe:dispatch")
+        empty = changed(dispatch, node="empty",
+                        operands=changed(dispatch.operands, bytes=0))
+        return costs(dispatch, 0), costs(empty, 0)
+
+    two_hop, two_hop_fixed = dispatch_seconds("moe_dispatcher = two_hop")
+    plain, plain_fixed = dispatch_seconds("")
+    assert (two_hop - two_hop_fixed) / (plain - plain_fixed) == pytest.approx(13 / 14,
+                                                                              rel=1e-9)

@@ -324,9 +324,12 @@ class InstructionCosts:
         if operands.hops == 2 and self.mixture is not None:
             placements = self.groups.placements(operands.group, stage) or \
                 (Placement.within_node(self._size(operands.group)),)
+            # the rows of one pair a token; the hops carry one per node, then one per rank
+            per_token = nbytes / self.mixture.top_k
             return max(self.cost.two_hop_seconds(
-                nbytes, nbytes * self.mixture.nodes_per_token(p.nodes) / self.mixture.top_k,
-                p) for p in placements) + self.handoff
+                per_token * self.mixture.holders_per_token(p.size, p.nodes),
+                per_token * self.mixture.nodes_per_token(p.nodes), p)
+                for p in placements) + self.handoff
         return self.expert_all_to_all(operands.group, nbytes, stage) + self.handoff
 
     def accumulation_seconds(self, params: tuple[str, ...]) -> float:

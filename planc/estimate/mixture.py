@@ -1,6 +1,6 @@
 """What pricing a plan's mixture of experts needs, read once from the plan: its widths,
 its experts over ep, its FLOPs per token, its routing's imbalance and, for a two-hop
-dispatch, how many nodes a token's experts lie on (planc.estimate.kernel_cost and
+dispatch, how many nodes and ranks a token's experts lie on (planc.estimate.kernel_cost and
 planc.estimate.instruction_cost price with it)."""
 
 from __future__ import annotations
@@ -50,11 +50,19 @@ class Mixture:
         experts) one token's top_k experts lie on, on average at uniform routing; with
         node-limited routing whose groups are those nodes, among its ``route_groups``
         (planc.models.moe)."""
-        per_node = self.experts // nodes
+        return self.holders_per_token(nodes, nodes)
+
+    def holders_per_token(self, holders: int, nodes: int) -> float:
+        """How many of ``holders`` (the ep group's ranks or its nodes, each holding
+        experts / holders of the experts, on ``nodes`` nodes) one token's top_k experts
+        lie on, on average at uniform routing: ``N (1 - C(E - E/N, k) / C(E, k))``; with
+        node-limited routing whose groups are the nodes, among the holders of its
+        ``route_groups`` nodes."""
+        per_holder = self.experts // holders
         among = self.experts if self.route_groups is None or \
-            self.expert_groups != nodes else self.route_groups * per_node
-        spread = among // per_node
-        return spread * (1.0 - comb(among - per_node, self.top_k) / comb(among, self.top_k))
+            self.expert_groups != nodes else self.route_groups * (self.experts // nodes)
+        spread = among // per_holder
+        return spread * (1.0 - comb(among - per_holder, self.top_k) / comb(among, self.top_k))
 
     def busiest_flops(self, flops: float) -> float:
         """A mixture instruction's ``flops`` (at the mean routing) as the busiest ep rank

@@ -57,7 +57,7 @@ def _flop_shares(plan: Plan) -> dict[Op, float]:
     return {Op(op): flops / total for op, flops in parts.items()}
 
 
-def _reason(payload: Payload, phase: Phase, plan: Plan) -> str:
+def _reason(payload: Payload, phase: Phase, plan: Plan, two_hops: bool) -> str:
     what = {(Payload.COUNTS, Phase.FORWARD): "each rank learns how many rows each peer "
             "sends each of its experts, which change with every step (Megatron-Core's "
             "num_global_tokens_per_local_expert)",
@@ -69,6 +69,9 @@ def _reason(payload: Payload, phase: Phase, plan: Plan) -> str:
             "the experts that made them",
             (Payload.DISPATCH, Phase.BACKWARD): "the rows' gradients go back to the ranks "
             "holding their tokens"}[(payload, phase)]
+    if two_hops:  # DeepSeek-V3's dispatch, section 3.2.2; DeepEP
+        what += (", in two hops: a row per (token, node) between nodes, then a row per "
+                 "(token, rank) inside the node (DeepSeek-V3's dispatch; DeepEP)")
     # the key that cut the mixture: the overlap, else the two hops alone
     key = "schedule { overlap_all_to_all }" if plan.schedule.overlap_all_to_all else \
         "optimize { moe_dispatcher = two_hop }"
@@ -77,9 +80,10 @@ def _reason(payload: Payload, phase: Phase, plan: Plan) -> str:
 
 
 def _hops(ctx: PassContext) -> dict[int, int]:
-    """Stage -> 2 where its ep groups span nodes, the same number of members on each
-    and more than one (where a token can cross the network once per node and then go on
-    inside it: optimize { moe_dispatcher = two_hop })."""
+    """Stage -> 2 where its ep groups have more than one member and the same number on
+    each node they span (where a token can cross the network once per node, then NVLink
+    once per rank: optimize { moe_dispatcher = two_hop }; on one node only the second
+    hop moves rows, with one rank a node only the first)."""
     out = {}
     per_node = ctx.plan.topology.devices_per_node
     for stage in range(ctx.plan.mesh.pp):
@@ -87,8 +91,7 @@ def _hops(ctx: PassContext) -> dict[int, int]:
         on_node: dict[int, int] = {}
         for member in members:
             on_node[member // per_node] = on_node.get(member // per_node, 0) + 1
-        if len(on_node) > 1 and len(set(on_node.values())) == 1 and \
-                next(iter(on_node.values())) > 1:
+        if len(members) > 1 and len(set(on_node.values())) == 1:
             out[stage] = 2
     return out
 
@@ -142,7 +145,7 @@ class _Cutter:
         if payload == Payload.COUNTS:  # one int64 per expert
             rows, columns = m.experts, 8
         name = f"{node}:{payload.value}"
-        reason = _reason(payload, phase, self.plan)
+        reason = _reason(payload, phase, self.plan, bool(self.hops.get(data["stage"])))
         if data["recompute"]:  # the recomputed forward's, run in the backward
             reason += "; again, for the recomputed mixture (recompute = full)"
         self.graph.add_node(

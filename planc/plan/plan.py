@@ -334,9 +334,9 @@ GRAD_ACCUMULATIONS = ("fused", "buffer", "autograd")
 KERNEL_MODES = ("fused", "eager")
 
 # optimize { moe_dispatcher }: "all_to_all", one row per (token, expert) to the expert's
-# rank; "two_hop", where the ep group spans nodes, one row per (token, node) over the
-# network to the rank at the sender's place on that node, which forwards a row per
-# (token, expert) inside the node (DeepSeek-V3's dispatch, section 3.2.2; DeepEP).
+# rank; "two_hop", one row per (token, node) over the network to the rank at the sender's
+# place on that node, which forwards one row per (token, rank) inside the node, each
+# pair's expert and weight beside it (DeepSeek-V3's dispatch, section 3.2.2; DeepEP).
 MOE_DISPATCHERS = ("all_to_all", "two_hop")
 
 

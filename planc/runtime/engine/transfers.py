@@ -117,10 +117,10 @@ class Transfers:
                                        tokens=hops.tokens1, hops=hops, members=call.members)
         hops = routing.hops
         if dispatch:
-            return moe_two_hop.dispatch_backward(rows, hops, hops.order1.numel(), call.group)
+            return moe_two_hop.dispatch_backward(rows, hops, hops.order1.numel())
         if forward:
-            return moe_two_hop.combine(rows, hops, call.group)
-        return moe_two_hop.combine_backward(rows, hops, call.group, self.fp8)
+            return moe_two_hop.combine(rows, hops)
+        return moe_two_hop.combine_backward(rows, hops, self.fp8)
 
     # --- collectives on a group -------------------------------------------------------
 
