@@ -117,11 +117,11 @@ def test_the_qwen3_preset_has_its_128_wide_heads():
     m = load_text("plan q { model moe { preset = qwen3-30b-a3b; batch = 8 } }").plan.model
     assert (m.hidden, m.heads, m.kv_heads, m.head_dim, m.attention_width) == \
         (2048, 32, 4, 128, 4096)
-    # Qwen/Qwen3-30B-A3B's config.json: 30.5B parameters; planc's count lacks the q and k
-    # norms (2 x 128 per layer) and is otherwise the model's
+    # Qwen/Qwen3-30B-A3B's 30.5B parameters, its q and k norms (2 x 128 per layer) with
+    # them: qk_norm = on
+    assert m.qk_norm is True
     assert memory.total_parameters(load_text(
-        "plan q { model moe { preset = qwen3-30b-a3b; batch = 8 } }").plan) + \
-        48 * 2 * 128 == 30_532_122_624
+        "plan q { model moe { preset = qwen3-30b-a3b; batch = 8 } }").plan) == 30_532_122_624
 
 
 @pytest.mark.slow

@@ -284,7 +284,8 @@ def test_check_refuses_another_family(llama_dir, tmp_path, capfd):
     status, err = _checked(tmp_path, capfd, text)
     assert status == 1
     assert err.splitlines()[0] == _error_line(tmp_path, text, (
-        "init starts llama (LlamaForCausalLM), moe (MixtralForCausalLM) and deepseek "
+        "init starts llama (LlamaForCausalLM or, with qk_norm, Qwen3ForCausalLM), moe "
+        "(MixtralForCausalLM or, with qk_norm, Qwen3MoeForCausalLM) and deepseek "
         "(DeepseekV3ForCausalLM) models from a "
         "Hugging Face checkpoint; model gpt has no transformers class"))
 

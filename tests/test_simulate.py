@@ -297,6 +297,30 @@ def test_eager_modules_are_priced_as_the_kernels_torchtitans_llama_runs():
         + launch)
 
 
+def test_qk_norms_are_priced_beside_rope_in_the_qkv_operator():
+    """model { qk_norm } on torchtitan-8b-fsdp8: each head's q and k normalised before
+    RoPE, over the same 40 heads of 128 RoPE turns. Fused, one more kernel reading and
+    writing 2 bytes an element (3 in the backward: its gradient, its input, the input's
+    gradient); eager, the RMSNorm module's 28 + 4 x 2 bytes in 8 kernels (76 + 8 x 2 in
+    16 backward). The tokens follow from the FLOPs, which count the norms' 4 and RoPE's
+    3 a rotated element beside the GEMM's 2 x 4,096 x 6,144 a token."""
+    bandwidth, launch, tokens = 2.4e12, 4e-6, 2 * 8192
+    rotated = tokens * (1 + 7 * 5120 / (2 * 4096 * 6144)) * 40 * 128
+    for kernels, forward, backward in (("fused", (4 + 4, 2), (4 + 6, 2)),
+                                       ("eager", (20 + 36, 14), (20 + 92, 22))):
+        build = compile_plan(load_file(PLANS / "torchtitan" / "torchtitan-8b-fsdp8.plan",
+                                       (f"optimize.kernels={kernels}",
+                                        "model.qk_norm=on")).plan)
+        program = next(iter(build.programs.values()))
+        found = {i.node: i for block in program.blocks.values() for i in block if i.node}
+        costs, model = InstructionCosts(build.plan, build.groups), KernelModel.of(build.plan)
+        for node, (moved, launches) in (("F/L0/qkv", forward), ("B/L0/qkv", backward)):
+            gemms = costs(found[node], 0) - moved * rotated / bandwidth - launches * launch
+            assert gemms == pytest.approx(model.linear_seconds(
+                "qkv", found[node].operands.step, found[node].operands.flops,
+                found[node].operands.weight_step is not None)), (kernels, node)
+
+
 def test_a_gpt_has_no_eager_modules_to_price():
     """GPT's LayerNorm and GELU are one kernel each in eager PyTorch too, and it has no
     RoPE: kernels = eager changes nothing."""

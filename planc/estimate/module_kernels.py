@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from planc.estimate.model import Shapes
 from planc.models import family_of
+from planc.models.llama import qk_norm
 from planc.plan.plan import Plan
 
 
@@ -68,6 +69,16 @@ MODULE_PASSES = {
 # Under optimize { kernels = fused }, of the same modules only RoPE is a kernel the graph
 # does not price: one pass that reads q and k and writes them, forward and backward.
 FUSED_PASSES = {"rope": (Passes(0, 2, 1), Passes(0, 2, 1))}
+# model { qk_norm }: an RMSNorm of q and k before RoPE, inside the qkv operator. Fused (as
+# Megatron-LM's --qk-layernorm runs Transformer Engine's RMSNorm), one kernel reading and
+# writing each element, and in the backward reading its gradient and input and writing
+# the input's (per-token statistics and the weight's sum left out, as above); eager, the
+# RMSNorm module's passes.
+FUSED_QK_NORM = (Passes(0, 2, 1), Passes(0, 3, 1))
+
+
+def _joined(a: Passes, b: Passes) -> Passes:
+    return Passes(a.fixed + b.fixed, a.per_dtype_byte + b.per_dtype_byte, a.kernels + b.kernels)
 
 
 def repeat_kv_passes(heads: int, kv_heads: int) -> tuple[Passes, Passes] | None:
@@ -98,6 +109,9 @@ def module_passes(plan: Plan, shapes: Shapes) -> dict[str, tuple[str, tuple[Pass
                 if eager else None
         else:
             passes = (MODULE_PASSES if eager else FUSED_PASSES).get(name)
+        if name == "rope" and passes is not None and qk_norm(plan.model):
+            norm = MODULE_PASSES["rmsnorm"] if eager else FUSED_QK_NORM
+            passes = (_joined(passes[0], norm[0]), _joined(passes[1], norm[1]))
         if passes is not None:
             found[op] = (name, passes)
     return found

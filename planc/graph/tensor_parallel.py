@@ -105,8 +105,15 @@ def shares_heads(plan: Plan, dim: str) -> bool:
 
 def _linear(rule: OpRule, placement: str, plan: Plan) -> list[Choice]:
     """The ways to run a linear operator: its weights' outputs side by side along
-    ``rule.output_dim``, plus the optional bias."""
+    ``rule.output_dim``, plus the optional bias, then its ``params`` that the model has
+    (a norm of each head's features, Qwen3's q/k norms), whole on every rank: applied to
+    a column shard's heads, each rank's gradient of them is a partial sum."""
     out, fan = rule.output_dim, rule.input_dim
+    dims = _param_dims(plan) if rule.params else {}
+    whole = [(name, dims[name]) for name in rule.params if name in dims]
+
+    def norms(data: Layout, partial: bool = False):
+        return tuple(ParamUse(name, R, data, d, partial=partial) for name, d in whole)
 
     def weights(storage_of, data: Layout, axis: int | None):
         return tuple(ParamUse(w.name, storage_of(w), data, (w.fan_in, w.fan_out), axis)
@@ -127,13 +134,14 @@ def _linear(rule: OpRule, placement: str, plan: Plan) -> list[Choice]:
                                      shared_slice=(w.fan_out, 1)))
             else:
                 uses.append(ParamUse(w.name, S(w.fan_out), R, (w.fan_in, w.fan_out), 1))
-        return [Choice(R, S(out), P, True, tuple(uses) + bias(S(out), R))]
+        return [Choice(R, S(out), P, True, tuple(uses) + bias(S(out), R) + norms(R, True))]
     if placement == "row":
         # The bias is added after the partial sum is reduced, by the consumer.
         return [Choice(S(fan), P, S(fan), True, weights(lambda w: S(w.fan_in), S(fan), 0))]
-    return [Choice(R, R, R, False, weights(lambda w: R, R, None) + bias(R, R)),
+    return [Choice(R, R, R, False, weights(lambda w: R, R, None) + bias(R, R) + norms(R)),
             Choice(S("seq"), S("seq"), S("seq"), True,
-                   weights(lambda w: R, S("seq"), None) + bias(R, S("seq")))]
+                   weights(lambda w: R, S("seq"), None) + bias(R, S("seq"))
+                   + norms(S("seq")))]
 
 
 def _pointwise(rule: OpRule) -> list[Choice]:

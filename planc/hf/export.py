@@ -3,7 +3,8 @@
 ``LlamaForCausalLM.from_pretrained(DIR)`` (a llama model) or
 ``MixtralForCausalLM.from_pretrained(DIR)`` (a moe model that is a Mixtral: no shared
 experts, no dense first blocks) or ``DeepseekV3ForCausalLM.from_pretrained(DIR)`` (a
-deepseek model with the sigmoid gate) loads what this writes: ``config.json`` (the model block
+deepseek model with the sigmoid gate), or with ``qk_norm`` ``Qwen3ForCausalLM`` (llama)
+and ``Qwen3MoeForCausalLM`` (moe, as Mixtral's), loads what this writes: ``config.json`` (the model block
 as transformers' config class names it) and ``model.safetensors`` with transformers'
 parameter names. A family names its transformers class (``Family.hf_architecture``);
 :data:`ARCHITECTURES` describes each class: its config keys, the tensors of one decoder
@@ -134,6 +135,34 @@ MIXTRAL = Architecture(
           for w, x in (("w1", "gate"), ("w3", "up"), ("w2", "down"))),
     ))
 
+# Qwen3's attention: llama's, with an RMSNorm of each head's q and k (model { qk_norm })
+_QK_NORM_ATTENTION = _ATTENTION + (Tensor("self_attn.q_norm.weight", ("q_norm.weight",)),
+                                   Tensor("self_attn.k_norm.weight", ("k_norm.weight",)))
+_NO_SLIDING_WINDOW = {"attention_bias": False, "use_sliding_window": False,
+                      "sliding_window": None}
+
+QWEN3 = Architecture(
+    name="Qwen3ForCausalLM", model_type="qwen3",
+    layer=_QK_NORM_ATTENTION + tuple(_linear(f"mlp.{x}_proj.weight", f"{x}.weight")
+                                     for x in ("gate", "up", "down")),
+    config=lambda m: {"intermediate_size": m.ffn, **_NO_SLIDING_WINDOW})
+
+# Qwen3's mixture holds its experts as Mixtral's does (save_pretrained writes each
+# expert's gate_proj, up_proj and down_proj, as the Hub's Qwen/Qwen3-30B-A3B holds them);
+# every block a mixture (decoder_sparse_step 1, no mlp_only_layers), no shared expert.
+QWEN3_MOE = Architecture(
+    name="Qwen3MoeForCausalLM", model_type="qwen3_moe",
+    layer=_QK_NORM_ATTENTION + MIXTRAL.layer[len(_ATTENTION):],
+    config=lambda m: {"moe_intermediate_size": m.expert_ffn, "num_experts": m.experts,
+                      "num_experts_per_tok": m.top_k, "norm_topk_prob": m.norm_topk,
+                      "decoder_sparse_step": 1, "mlp_only_layers": [],
+                      "router_aux_loss_coef": 0.0, "output_router_logits": False,
+                      **_NO_SLIDING_WINDOW},
+    requires=tuple(r for r in MIXTRAL.requires if r.key != "norm_topk"),
+    saved_layer=_QK_NORM_ATTENTION + (_linear("mlp.gate.weight", "router.weight"),) + tuple(
+        Tensor(f"mlp.experts.{{}}.{x}_proj.weight", (f"experts.{x}.weight",), swap=(0, 1),
+               per_expert=True) for x in ("gate", "up", "down")))
+
 _LATENT_ATTENTION = (
     Tensor("input_layernorm.weight", ("ln1.weight",)),
     _linear("self_attn.q_a_proj.weight", "q_a.weight"),
@@ -193,15 +222,31 @@ DEEPSEEK_V3 = Architecture(
         Tensor(f"mlp.experts.{{}}.{x}_proj.weight", (f"experts.{x}.weight",), swap=(0, 1),
                per_expert=True) for x in ("gate", "up", "down")))
 
-ARCHITECTURES = {a.name: a for a in (LLAMA, MIXTRAL, DEEPSEEK_V3)}
+ARCHITECTURES = {a.name: a for a in (LLAMA, MIXTRAL, DEEPSEEK_V3, QWEN3, QWEN3_MOE)}
+# A family's class, and the one its models with model { qk_norm } are written as
+WITH_QK_NORM = {"LlamaForCausalLM": "Qwen3ForCausalLM",
+                "MixtralForCausalLM": "Qwen3MoeForCausalLM"}
+
+
+def classes_by_family() -> list[str]:
+    """Each family that has a transformers class, with it: "llama (LlamaForCausalLM or,
+    with qk_norm, Qwen3ForCausalLM)", for the messages that list them."""
+    return [f"{name} ({f.hf_architecture}"
+            + (f" or, with qk_norm, {WITH_QK_NORM[f.hf_architecture]}"
+               if f.hf_architecture in WITH_QK_NORM else "") + ")"
+            for name, f in FAMILIES.items() if f.hf_architecture]
 
 
 def architecture(model: Model) -> Architecture | None:
-    """The transformers class a model is written as, if its family has one."""
+    """The transformers class a model is written as, if its family has one: the
+    family's, or Qwen3's where the model normalises each head's q and k."""
     family = FAMILIES.get(model.family)
     if family is None or family.hf_architecture is None:
         return None
-    return ARCHITECTURES[family.hf_architecture]
+    name = family.hf_architecture
+    if model.options.get("qk_norm"):
+        name = WITH_QK_NORM.get(name, name)
+    return ARCHITECTURES[name]
 
 
 def hf_tensors(block: dict) -> list[Tensor]:
@@ -238,7 +283,8 @@ def hf_name(name: str) -> tuple[str, bool]:
 
 
 def hf_config(model: dict) -> dict:
-    """transformers' config (LlamaConfig, MixtralConfig) of a planc model block."""
+    """transformers' config (LlamaConfig, MixtralConfig, Qwen3Config, ...) of a planc
+    model block."""
     m = Model(**model)
     arch = architecture(m)
     heads = m.heads
@@ -271,12 +317,11 @@ def check_exportable(directory: Path, manifest: dict) -> Architecture:
     model = manifest["model"]
     family = FAMILIES.get(model["family"])
     if family is None or family.hf_architecture is None:
-        writable = ", ".join(f"{name} ({f.hf_architecture})" for name, f in FAMILIES.items()
-                             if f.hf_architecture)
+        writable = ", ".join(classes_by_family())
         raise CheckpointError(f"{directory} holds a model {model['family']}; "
                               f"--format hf writes {writable} models")
     block = Model(**model)  # every field checked with the manifest
-    arch = ARCHITECTURES[family.hf_architecture]
+    arch = architecture(block)
     unmet = [r for r in arch.requires if getattr(block, r.key, r.value) != r.value]
     if unmet:
         needed = [f"{r.key} = {_shown(r.value)}" for r in arch.requires]

@@ -19,7 +19,7 @@ import json
 import math
 from pathlib import Path
 
-from planc.hf.export import (ARCHITECTURES, Architecture, _shown, architecture, hf_config,
+from planc.hf.export import (Architecture, _shown, architecture, classes_by_family, hf_config,
                              model_tensors)
 from planc.hf.files import (HFCheckpointError, check_tensors, read_config,
                              stored_tensors)
@@ -86,12 +86,11 @@ def saved_form(model: Model, names) -> bool:
 def _architecture(model: Model) -> Architecture:
     family = FAMILIES.get(model.family)
     if family is None or family.hf_architecture is None:
-        named = [f"{name} ({f.hf_architecture})" for name, f in FAMILIES.items()
-                 if f.hf_architecture]
+        named = classes_by_family()
         readable = ", ".join(named[:-1]) + " and " + named[-1]
         raise HFCheckpointError(f"init starts {readable} models from a Hugging Face "
                                 f"checkpoint; model {model.family} has no transformers class")
-    arch = ARCHITECTURES[family.hf_architecture]
+    arch = architecture(model)
     for r in arch.requires:
         if r.for_init and getattr(model, r.key, r.value) != r.value:  # unwritten: met
             raise HFCheckpointError(
@@ -112,6 +111,9 @@ _COMPARED = (("model_type", "model"), ("hidden_size", "hidden"),
              ("rms_norm_eps", "norm_eps"), ("hidden_act", None),
              ("attention_bias", None), ("mlp_bias", None),
              ("num_local_experts", "experts"), ("num_experts_per_tok", "top_k"),
+             # Qwen3's (num_experts, which transformers 5 saves as num_local_experts)
+             ("num_experts", "experts"), ("decoder_sparse_step", None),
+             ("mlp_only_layers", None), ("use_sliding_window", None),
              # DeepSeek-V3's
              ("n_routed_experts", "experts"), ("moe_intermediate_size", "expert_ffn"),
              ("n_shared_experts", "shared_experts"), ("first_k_dense_replace", "first_dense"),
@@ -120,8 +122,11 @@ _COMPARED = (("model_type", "model"), ("hidden_size", "hidden"),
              ("q_lora_rank", "q_rank"), ("kv_lora_rank", "kv_rank"),
              ("qk_nope_head_dim", "nope_dim"), ("qk_rope_head_dim", "rope_dim"),
              ("v_head_dim", "v_dim"), ("rope_interleave", None))
+# a key of config.json that transformers 5 saves under another name
+_SAVED_AS = {"num_experts": "num_local_experts"}
 _PLANC_KEY = {("intermediate_size", "llama"): "ffn", ("intermediate_size", "mixtral"):
               "expert_ffn", ("intermediate_size", "deepseek_v3"): "ffn",
+              ("intermediate_size", "qwen3"): "ffn",
               ("head_dim", "deepseek_v3"): "rope_dim",
               ("num_key_value_heads", "deepseek_v3"): "heads"}
 _DEFAULTS = {"llama": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6,
@@ -130,6 +135,16 @@ _DEFAULTS = {"llama": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6,
              "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
                          "hidden_act": "silu", "num_local_experts": 8,
                          "num_experts_per_tok": 2, "num_key_value_heads": 8},
+             # transformers' Qwen3Config's and Qwen3MoeConfig's defaults
+             "qwen3": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "head_dim": 128,
+                       "tie_word_embeddings": False, "hidden_act": "silu",
+                       "attention_bias": False, "use_sliding_window": False},
+             "qwen3_moe": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "head_dim": 128,
+                           "tie_word_embeddings": False, "hidden_act": "silu",
+                           "attention_bias": False, "num_experts": 128,
+                           "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                           "norm_topk_prob": False, "decoder_sparse_step": 1,
+                           "mlp_only_layers": [], "use_sliding_window": False},
              # transformers' DeepseekV3Config's defaults: DeepSeek-V3's sizes
              "deepseek_v3": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6,
                              "tie_word_embeddings": False, "hidden_act": "silu",
@@ -184,7 +199,7 @@ def config_problem(model: Model, arch: Architecture, config: dict) -> str | None
     naming the field and both values; None when they agree."""
     expected = hf_config(dataclasses.asdict(model))
     defaults = {"num_key_value_heads": config.get("num_attention_heads"),  # LlamaConfig's
-                **_DEFAULTS[arch.model_type], "head_dim": expected["head_dim"]}
+                "head_dim": expected["head_dim"], **_DEFAULTS[arch.model_type]}
     problem = _rope_problem(config, model.family)
     if problem is not None:
         return problem
@@ -198,7 +213,7 @@ def config_problem(model: Model, arch: Architecture, config: dict) -> str | None
         if key not in expected:
             continue
         planc_key = _PLANC_KEY.get((key, arch.model_type), planc_key)
-        have = found.get(key)
+        have = found.get(key, found.get(_SAVED_AS.get(key)))
         if have is None:
             if key not in defaults or defaults[key] is None:
                 return f"config.json has no {key} (the plan's model has " \

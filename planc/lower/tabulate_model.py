@@ -17,9 +17,11 @@ INIT_STD = 0.02
 
 
 def initial_mean(name: str) -> float:
-    """1 for a norm's weight (``layers.I.ln1.weight``, ``final_ln.weight``), else 0."""
+    """1 for a norm's weight (``layers.I.ln1.weight``, ``final_ln.weight``, a head's
+    ``q_norm.weight``), else 0."""
     parts = name.split(".")
-    return 1.0 if len(parts) > 1 and parts[-2].startswith(("ln", "final_ln")) and \
+    return 1.0 if len(parts) > 1 and (parts[-2].startswith(("ln", "final_ln"))
+                                      or parts[-2].endswith("_norm")) and \
         parts[-1] == "weight" else 0.0
 
 

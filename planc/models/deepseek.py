@@ -208,7 +208,8 @@ _OWN = {
 # The moe family's order, MLA's keys in place of grouped-query attention's.
 _HEADS = moe.KEY_ORDER.index("kv_heads")
 KEY_ORDER = moe.KEY_ORDER[:_HEADS] + tuple(_OWN) + tuple(
-    name for name in moe.KEY_ORDER[_HEADS:] if name not in ("kv_heads", "head_dim"))
+    name for name in moe.KEY_ORDER[_HEADS:]
+    if name not in ("kv_heads", "head_dim", "qk_norm"))
 KEYS = {name: _OWN.get(name) or _MIXTURE.get(name) or _LLAMA[name] for name in KEY_ORDER}
 
 

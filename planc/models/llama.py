@@ -6,7 +6,10 @@ Token embedding (no position table); ``layers`` blocks of
 an untied head (unless ``tie_embeddings``). No biases. Grouped-query attention
 (Ainslie et al. 2023) with ``kv_heads`` key/value heads; rotary position embedding
 (Su et al. 2021) in the rotate-half convention, applied to q and k where they are made,
-so that under context parallelism K travels already rotated at its own positions.
+so that under context parallelism K travels already rotated at its own positions. With
+``qk_norm`` each head's q and k pass an RMSNorm over its features before the rotation
+(Qwen3, Yang et al. 2025; ``Qwen3ForCausalLM``), one weight of head_dim for every q head
+and one for every k head.
 
 Over tp (Megatron-LM): q, k, v, gate and up column-parallel, o and down row-parallel.
 With fewer key/value heads than tp ranks, each rank keeps a copy of the k and v columns
@@ -24,15 +27,19 @@ from planc.models.family import (HEAD_OPS, Family, Finding, Model, OpRule, Param
                                  pre_norm_block, pre_norm_chains)
 
 LAYER_OPS, LINKS = pre_norm_block("swiglu")
+QK_NORMS = ("q_norm.weight", "k_norm.weight")  # model { qk_norm }
 EMBEDDING_OPS = ("embedding",)
 
 RULES = {
     "embedding": OpRule("embedding", placement="embedding"),
     "ln1": OpRule("norm", params=("ln1.weight",)),
+    # with qk_norm, the heads' norms: whole on every tp rank, each rank's gradient of
+    # them from its own heads (planc.graph.tensor_parallel)
     "qkv": OpRule("linear", (Weight("q.weight", "hidden", "q"),
                              Weight("k.weight", "hidden", "kv"),
                              Weight("v.weight", "hidden", "kv")),
-                  output_dim="qkv", input_dim="hidden", placement="qkv"),
+                  output_dim="qkv", input_dim="hidden", placement="qkv",
+                  params=QK_NORMS),
     "attention": OpRule("attention"),
     # o reads the heads side by side (heads x head_dim features, hidden unless head_dim
     # says otherwise); over tp they split as the heads do, under the name "hidden".
@@ -103,8 +110,10 @@ def forward_flops(op: str, s) -> float:
     return {
         "embedding": 0.0,
         "ln1": 4.0 * bs * h, "ln2": 4.0 * bs * h, "final_ln": 4.0 * bs * h,
-        # the projections, then the rotation of q and k (a multiply-add per element)
-        "qkv": 2.0 * bs * h * (s.heads + 2 * kv) * hd + 3.0 * bs * (s.heads + kv) * hd,
+        # the projections, then the rotation of q and k (a multiply-add per element),
+        # after their heads' norms with qk_norm (4 per element, as a norm's)
+        "qkv": 2.0 * bs * h * (s.heads + 2 * kv) * hd
+        + (3.0 + 4.0 * qk_norm(m)) * bs * (s.heads + kv) * hd,
         "attention": 4.0 * bs * s.seq_full * a + 5.0 * bs * s.heads * s.seq_full,
         "proj": 2.0 * bs * a * h,
         "attn_residual": bs * h, "mlp_residual": bs * h,
@@ -125,6 +134,8 @@ def layer_parameters(m: Model, layer: int) -> list[Parameter]:
         ("k.weight", (h, kv * hd), ("hidden", "kv")),
         ("v.weight", (h, kv * hd), ("hidden", "kv")),
         ("o.weight", (m.attention_width, h), ("hidden", "hidden")),
+        *([("q_norm.weight", (hd,), ("head_dim",)), ("k_norm.weight", (hd,), ("head_dim",))]
+          if qk_norm(m) else []),
         ("ln2.weight", (h,), ("hidden",)),
         ("gate.weight", (h, f), ("hidden", "ffn")),
         ("up.weight", (h, f), ("hidden", "ffn")),
@@ -158,11 +169,18 @@ def model_flops_per_token(m: Model) -> float:
 
 def attention_kept(m: Model, recompute: str) -> tuple[int, int, int, int]:
     """Features per token that one block's attention keeps for its backward (its input
-    norm's aside): in the dtype, the rotated q, k and v; as GEMM inputs, o's input; both
-    split over tp, and nothing kept whole on every tp rank (the last two: in the dtype,
-    as GEMM inputs). ``attention_inputs`` keeps o's input alone."""
+    norm's aside): in the dtype, the rotated q, k and v (and, with qk_norm, q and k
+    before their norms); as GEMM inputs, o's input; both split over tp, and nothing kept
+    whole on every tp rank (the last two: in the dtype, as GEMM inputs).
+    ``attention_inputs`` keeps o's input alone."""
     kept = recompute != "attention_inputs"
-    return (m.heads + 2 * m.key_value_heads) * m.head_dim * kept, m.attention_width, 0, 0
+    heads = m.heads + 2 * m.key_value_heads + qk_norm(m) * (m.heads + m.key_value_heads)
+    return heads * m.head_dim * kept, m.attention_width, 0, 0
+
+
+def qk_norm(m: Model) -> bool:
+    """model { qk_norm }: whether each head's q and k are normalised (Qwen3)."""
+    return bool(m.options.get("qk_norm"))
 
 
 def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
@@ -235,6 +253,10 @@ def preset_keys(presets) -> dict[str, Key]:
                         doc="key/value heads of grouped-query attention (default: heads)"),
         "head_dim": Key(Integer(1), given("head_dim"), optional=True,
                         doc="features of one attention head (default: hidden / heads)"),
+        # written only when set: a plan, build or checkpoint without it has no such norms
+        "qk_norm": Key(Boolean(), given("qk_norm"), optional=True,
+                       doc="an RMSNorm over each head's q and k features before RoPE "
+                           "(Qwen3) [off]"),
         "ffn": Key(Integer(1), given("ffn"), doc="SwiGLU width"),
         "vocab": Key(Integer(2), given("vocab"), doc="vocabulary size"),
         "seq": Key(Integer(1), given("seq"), doc="tokens per sequence"),

@@ -67,10 +67,9 @@ PRESETS = {
                       "seq": 65536, "rope_theta": 1e6, "dtype": "bf16"},
     # Qwen3 technical report (Yang et al. 2025), Table 2, and Qwen/Qwen3-30B-A3B's
     # config.json: 128 experts of width 768, 8 active, no shared expert; heads 128 wide
-    # (32 x 128 = 4096 query features on a 2,048 stream). Qwen3 also normalises q and k
-    # per head, which planc's heads do not.
+    # (32 x 128 = 4096 query features on a 2,048 stream), q and k normalised per head.
     "qwen3-30b-a3b": {"layers": 48, "hidden": 2048, "heads": 32, "kv_heads": 4,
-                      "head_dim": 128, "expert_ffn": 768, "experts": 128, "top_k": 8, "vocab": 151936,
+                      "head_dim": 128, "qk_norm": True, "expert_ffn": 768, "experts": 128, "top_k": 8, "vocab": 151936,
                       "seq": 32768, "rope_theta": 1e6, "dtype": "bf16"},
     # DeepSeek-V3's sizes (DeepSeek-AI 2024, section 4.2): 61 layers, the first 3 dense
     # (width 18,432), then 256 routed experts of width 2,048 (8 active) and 1 shared; 4k
@@ -302,7 +301,8 @@ _LLAMA = llama.preset_keys(PRESETS)  # llama's keys, defaulting to these presets
 _OWN = mixture_keys(PRESETS)
 # The order the plan text shows them in: llama's up to the batch, the mixture's, the rest.
 KEY_ORDER = (
-    "preset", "layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab", "seq",
+    "preset", "layers", "hidden", "heads", "kv_heads", "head_dim", "qk_norm", "ffn", "vocab",
+    "seq",
     "batch", "experts", "top_k", "expert_ffn", "shared_experts", "first_dense", "norm_topk",
     "score", "routed_scale", "expert_groups", "route_groups", "bias_update", "capacity",
     "aux_loss", "imbalance",

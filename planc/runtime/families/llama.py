@@ -50,16 +50,23 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def qkv(k, spec, x, p, step, mb, extra):
-    """The q, k and v projections in one GEMM, then RoPE on q and k."""
+    """The q, k and v projections in one GEMM, then RoPE on q and k (with model {
+    qk_norm }, after an RMSNorm of each head's q and k: Qwen3's)."""
     data = x["x"]
-    out = fp8.matmul(data, [p(name) for name in spec.params], k.fp8)
+    norms = {name.rsplit(".", 2)[-2]: p(name) for name in spec.params
+             if name.endswith("_norm.weight")}
+    out = fp8.matmul(data, [p(name) for name in spec.params
+                            if not name.endswith("_norm.weight")], k.fp8)
     model, hd = k.ctx.model, k.head_dim
     heads, kv = local_heads(model, out.shape[-1], k.ctx.tp)
     b, s, _ = out.shape
     cos, sin = rotary_tables(k.positions(spec), hd, model.rope_theta,
                              out.dtype)
-    q = rotate(out[..., :heads * hd].reshape(b, s, heads, hd), cos, sin)
-    key = rotate(out[..., heads * hd:(heads + kv) * hd].reshape(b, s, kv, hd), cos, sin)
+    q = out[..., :heads * hd].reshape(b, s, heads, hd)
+    key = out[..., heads * hd:(heads + kv) * hd].reshape(b, s, kv, hd)
+    if norms:
+        q, key = rms_normed(model, q, norms["q_norm"]), rms_normed(model, key, norms["k_norm"])
+    q, key = rotate(q, cos, sin), rotate(key, cos, sin)
     return torch.cat([q.reshape(b, s, -1), key.reshape(b, s, -1),
                       out[..., (heads + kv) * hd:]], dim=-1)
 
@@ -141,10 +148,14 @@ def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
 
     causal = torch.ones(seq, seq, dtype=torch.bool).tril()
 
+    def head_norm(x, name, w):  # model { qk_norm }: each head's features (Qwen3)
+        return norm(x, w[name]) if name in w else x
+
     def grouped_query_attention(h, w):
-        q = rope(fp8.matmul(h, [w["q.weight"]], recipe).view(b, seq, m.heads, hd)
-                 .transpose(1, 2))
-        k = rope(fp8.matmul(h, [w["k.weight"]], recipe).view(b, seq, kv, hd).transpose(1, 2))
+        q = rope(head_norm(fp8.matmul(h, [w["q.weight"]], recipe).view(b, seq, m.heads, hd),
+                           "q_norm.weight", w).transpose(1, 2))
+        k = rope(head_norm(fp8.matmul(h, [w["k.weight"]], recipe).view(b, seq, kv, hd),
+                           "k_norm.weight", w).transpose(1, 2))
         v = fp8.matmul(h, [w["v.weight"]], recipe).view(b, seq, kv, hd).transpose(1, 2)
         k = k.repeat_interleave(m.heads // kv, dim=1)
         v = v.repeat_interleave(m.heads // kv, dim=1)
