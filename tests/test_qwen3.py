@@ -27,7 +27,8 @@ PLAN = """plan qwen3 {{
   model {family} {{ {model} }}
   mesh {{ {mesh} }}
   shard {{ {shard} }}
-  train {{ steps = {steps}; optimizer = sgd(lr = 0.5, momentum = 0, weight_decay = 0); seed = 3{train} }}
+  train {{ steps = {steps}; optimizer = sgd(lr = 0.5, momentum = 0, weight_decay = 0)
+          seed = 3{train} }}
 }}
 """
 KEYS = {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2, "head_dim": 16, "qk_norm": "on",

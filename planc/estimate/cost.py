@@ -248,8 +248,9 @@ class CostModel:
         """A two-hop dispatch or combine (DeepSeek-V3's, section 3.2.2; DeepEP): each
         rank sends ``node_bytes`` in all, one part to its peer at its own place on every
         node (itself included), over its NIC; the peers forward ``rows_bytes`` in all (a
-        row per token and rank), one part to every rank of their node, over NVLink. The forwarding runs as rows
-        arrive, so the two links work at once: the slower, each paying its latency."""
+        row per token and rank), one part to every rank of their node, over NVLink. The
+        forwarding runs as rows arrive, so the two links work at once: the slower, each
+        paying its latency."""
         nodes, per_node = placement.nodes, placement.most_per_node
         parts = []
         for link, share, nbytes in ((self.topology.inter, (nodes - 1) / nodes, node_bytes),

@@ -324,7 +324,8 @@ class InstructionCosts:
         if operands.hops == 2 and self.mixture is not None:
             placements = self.groups.placements(operands.group, stage) or \
                 (Placement.within_node(self._size(operands.group)),)
-            # the rows of one pair a token; the hops carry one per node, then one per rank
+            # one row a token (its pairs' bytes over top_k): the network carries one per
+            # node it reaches, NVLink one per rank
             per_token = nbytes / self.mixture.top_k
             return max(self.cost.two_hop_seconds(
                 per_token * self.mixture.holders_per_token(p.size, p.nodes),

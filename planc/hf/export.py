@@ -4,9 +4,10 @@
 ``MixtralForCausalLM.from_pretrained(DIR)`` (a moe model that is a Mixtral: no shared
 experts, no dense first blocks) or ``DeepseekV3ForCausalLM.from_pretrained(DIR)`` (a
 deepseek model with the sigmoid gate), or with ``qk_norm`` ``Qwen3ForCausalLM`` (llama)
-and ``Qwen3MoeForCausalLM`` (moe, as Mixtral's), loads what this writes: ``config.json`` (the model block
-as transformers' config class names it) and ``model.safetensors`` with transformers'
-parameter names. A family names its transformers class (``Family.hf_architecture``);
+and ``Qwen3MoeForCausalLM`` (moe, as Mixtral's), loads what this writes: ``config.json``
+(the model block as transformers' config class names it) and ``model.safetensors`` with
+transformers' parameter names. A family names its transformers class
+(``Family.hf_architecture``, or Qwen3's with ``qk_norm``: :data:`WITH_QK_NORM`);
 :data:`ARCHITECTURES` describes each class: its config keys, the tensors of one decoder
 layer and the model keys it needs. planc stores a linear weight as (in, out) and applies
 ``x @ W``; torch.nn.Linear stores (out, in), so every projection is transposed. Mixtral

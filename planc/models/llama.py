@@ -8,8 +8,8 @@ an untied head (unless ``tie_embeddings``). No biases. Grouped-query attention
 (Su et al. 2021) in the rotate-half convention, applied to q and k where they are made,
 so that under context parallelism K travels already rotated at its own positions. With
 ``qk_norm`` each head's q and k pass an RMSNorm over its features before the rotation
-(Qwen3, Yang et al. 2025; ``Qwen3ForCausalLM``), one weight of head_dim for every q head
-and one for every k head.
+(Qwen3, Yang et al. 2025; ``Qwen3ForCausalLM``): one weight of head_dim shared by the q
+heads, one by the k heads.
 
 Over tp (Megatron-LM): q, k, v, gate and up column-parallel, o and down row-parallel.
 With fewer key/value heads than tp ranks, each rank keeps a copy of the k and v columns
