@@ -52,9 +52,10 @@ CALIBRATED = Accuracy(7, 0.18, 0.35,
 # (6 of them had been refused before) and the experts' weight gradients were priced once
 # (bench/validation.py --only moe); its DeepSeek-V3 rows with multi-head latent
 # attention (model deepseek) since, the AutoModel rows with the full recomputation
-# their benchmark configs set, and two_hop forwarding a token once per rank, as DeepEP.
+# their benchmark configs set, two_hop forwarding a token once per rank, as DeepEP, and
+# the Qwen3 rows with their q/k norms (qk_norm).
 DENSE = Accuracy(45, 0.081, 0.455, "published runs of dense models")
-MIXTURES = Accuracy(8, 0.225, 0.337, "published runs of mixtures of experts")
+MIXTURES = Accuracy(8, 0.230, 0.342, "published runs of mixtures of experts")
 
 
 def expected(plan: Plan) -> Accuracy | None:
