@@ -132,9 +132,10 @@ def test_a_run_starts_from_a_qwen3_moe_checkpoint(tmp_path, capfd):
 
 
 @pytest.mark.parametrize("keys,message", [
-    ({"qk_norm": "off", "norm_topk": "on"},
-     'config.json\'s model_type is "qwen3_moe"; model moe starts from a "mixtral" '
-     'checkpoint (MixtralForCausalLM)'),
+    # the model_type first (before Mixtral's norm_topk = on), with the key that fits
+    ({"qk_norm": "off"}, 'config.json\'s model_type is "qwen3_moe"; model moe starts from a '
+                         '"mixtral" checkpoint (MixtralForCausalLM), with qk_norm = on from a '
+                         '"qwen3_moe" one'),
     ({"norm_topk": "on"}, "config.json's norm_topk_prob is false; the plan's model has "
                           "norm_topk = on"),
     ({"experts": 8}, "config.json's num_experts is 4; the plan's model has experts = 8"),

@@ -19,8 +19,8 @@ import json
 import math
 from pathlib import Path
 
-from planc.hf.export import (Architecture, _shown, architecture, classes_by_family, hf_config,
-                             model_tensors)
+from planc.hf.export import (ARCHITECTURES, WITH_QK_NORM, Architecture, _shown, architecture,
+                             classes_by_family, hf_config, model_tensors)
 from planc.hf.files import (HFCheckpointError, check_tensors, read_config,
                              stored_tensors)
 from planc.program.model_table import InitSource
@@ -84,20 +84,40 @@ def saved_form(model: Model, names) -> bool:
 
 
 def _architecture(model: Model) -> Architecture:
+    """The transformers class the plan's model starts from; HFCheckpointError where its
+    family has none."""
     family = FAMILIES.get(model.family)
     if family is None or family.hf_architecture is None:
         named = classes_by_family()
         readable = ", ".join(named[:-1]) + " and " + named[-1]
         raise HFCheckpointError(f"init starts {readable} models from a Hugging Face "
                                 f"checkpoint; model {model.family} has no transformers class")
-    arch = architecture(model)
+    return architecture(model)
+
+
+def _type_problem(model: Model, arch: Architecture, config: dict) -> str | None:
+    """config.json's model_type where it is not ``arch``'s, with the key that would make
+    the plan's model that type when there is one (Qwen3's q/k norms); None if it is."""
+    found = config.get("model_type")
+    if found is not None and found != arch.model_type:
+        family = FAMILIES[model.family].hf_architecture
+        flipped = {ARCHITECTURES[WITH_QK_NORM[family]].model_type: "on",
+                   ARCHITECTURES[family].model_type: "off"} if family in WITH_QK_NORM else {}
+        hint = f", with qk_norm = {flipped[found]} from a {json.dumps(found)} one" \
+            if isinstance(found, str) and found in flipped else ""
+        return (f"config.json's model_type is {json.dumps(found)}; model {model.family} "
+                f"starts from a {json.dumps(arch.model_type)} checkpoint ({arch.name}){hint}")
+    return None
+
+
+def _requirement_problem(model: Model, arch: Architecture) -> str | None:
+    """A model key ``arch`` has only one value of, where the plan's model has another."""
     for r in arch.requires:
         if r.for_init and getattr(model, r.key, r.value) != r.value:  # unwritten: met
-            raise HFCheckpointError(
-                f"model {model.family} with {r.key} = {_shown(getattr(model, r.key))} cannot "
-                f"start from a {arch.name} checkpoint ({r.why}); it needs {r.key} = "
-                f"{_shown(r.value)}")
-    return arch
+            return (f"model {model.family} with {r.key} = {_shown(getattr(model, r.key))} "
+                    f"cannot start from a {arch.name} checkpoint ({r.why}); it needs "
+                    f"{r.key} = {_shown(r.value)}")
+    return None
 
 
 # config.json's keys compared with the plan's model: (transformers key, planc key or
@@ -240,7 +260,20 @@ def check_init(directory: str | Path, model: Model) -> str:
     (``saved`` or ``memory``, see :func:`saved_form`); HFCheckpointError says what
     disagrees."""
     arch = _architecture(model)
-    config = read_config(directory)
+    # a readable config.json of another class says so first; a model key the class
+    # cannot hold is wrong whatever the directory holds
+    try:
+        config, unread = read_config(directory), None
+    except HFCheckpointError as exc:
+        config, unread = None, exc
+    problem = _type_problem(model, arch, config) if config is not None else None
+    if problem is not None:
+        raise HFCheckpointError(f"{directory}: {problem}")
+    problem = _requirement_problem(model, arch)
+    if problem is not None:
+        raise HFCheckpointError(problem)
+    if unread is not None:
+        raise unread
     problem = config_problem(model, arch, config)
     if problem is not None:
         raise HFCheckpointError(f"{directory}: {problem}")
