@@ -124,6 +124,37 @@ def test_the_qwen3_preset_has_its_128_wide_heads():
         "plan q { model moe { preset = qwen3-30b-a3b; batch = 8 } }").plan) == 30_532_122_624
 
 
+# Qwen/Qwen3-8B's config.json as the Hub holds it (transformers 4.51)
+QWEN3_8B_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 12288,
+    "max_position_embeddings": 40960, "max_window_layers": 36, "model_type": "qwen3",
+    "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+
+
+def test_the_qwen3_8b_preset_is_qwen3_8b():
+    """preset = qwen3-8b: Qwen3-8B's 8.19B parameters (6.95B without the embedding and
+    the head, as its model card counts them), and planc check would start it from the
+    Hub's config.json (every compared key agrees); with ffn changed it names the key."""
+    from planc.hf.export import architecture
+    from planc.hf.init import config_problem
+
+    plan = load_text("plan q { model llama { preset = qwen3-8b; batch = 8 } }").plan
+    total = memory.total_parameters(plan)
+    assert total == 8_190_735_360
+    assert total - 2 * 151936 * 4096 == 6_946_075_648
+    m = plan.model
+    assert architecture(m).name == "Qwen3ForCausalLM"
+    assert config_problem(m, architecture(m), QWEN3_8B_CONFIG) is None
+    assert config_problem(m, architecture(m), {**QWEN3_8B_CONFIG, "intermediate_size": 9728}
+                          ) == ("config.json's intermediate_size is 9728; the plan's model "
+                                "has ffn = 12288")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family,mesh,shard,extra", [
     ("llama", "tp = 2", "tp { sequence_parallel = on }", ""),

@@ -84,6 +84,12 @@ PRESETS = {
     "llama3-405b": {"layers": 126, "hidden": 16384, "heads": 128, "kv_heads": 8,
                     "ffn": 53248, "vocab": 128256, "seq": 8192, "rope_theta": 500000.0,
                     "dtype": "bf16"},
+    # Qwen/Qwen3-8B's config.json (Qwen3ForCausalLM): 36 layers of 32 heads 128 wide (8
+    # k/v heads) on a 4,096-wide stream, each head's q and k normalised, RMSNorm's epsilon
+    # 1e-6, rope theta 1e6, untied; 32k context (Yang et al. 2025). 8.19B parameters.
+    "qwen3-8b": {"layers": 36, "hidden": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128,
+                 "qk_norm": True, "ffn": 12288, "vocab": 151936, "seq": 32768,
+                 "rope_theta": 1e6, "norm_eps": 1e-6, "dtype": "bf16"},
 }
 
 
@@ -278,7 +284,8 @@ def preset_keys(presets) -> dict[str, Key]:
                                  "less (TransformerEngine's HYBRID format) [e4m3]"),
         "rope_theta": Key(Real(0.0, None, False), or_else("rope_theta", 10000.0),
                           doc="base of the rotary embedding's wavelengths"),
-        "norm_eps": Key(Real(0.0, 1.0, False), 1e-5, doc="epsilon of RMSNorm"),
+        "norm_eps": Key(Real(0.0, 1.0, False), or_else("norm_eps", 1e-5),
+                        doc="epsilon of RMSNorm"),
         "tie_embeddings": Key(Boolean(), False, doc="the head is the transposed embedding"),
     }
 

@@ -71,7 +71,7 @@ PRESETS = {
     "qwen3-30b-a3b": {"layers": 48, "hidden": 2048, "heads": 32, "kv_heads": 4,
                       "head_dim": 128, "qk_norm": True, "expert_ffn": 768, "experts": 128,
                       "top_k": 8, "vocab": 151936, "seq": 32768, "rope_theta": 1e6,
-                      "dtype": "bf16"},
+                      "norm_eps": 1e-6, "dtype": "bf16"},
     # DeepSeek-V3's sizes (DeepSeek-AI 2024, section 4.2): 61 layers, the first 3 dense
     # (width 18,432), then 256 routed experts of width 2,048 (8 active) and 1 shared; 4k
     # pre-training context. Its attention is multi-head latent attention with sigmoid
