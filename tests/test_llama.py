@@ -180,7 +180,8 @@ def test_llama_checks_name_the_rule_at_its_place():
         "tp key/value heads, or shares one with tp / kv_heads ranks"]
     # one error for a misspelt preset, not one per key it would have set
     assert _errors("plan bad { model llama { preset = llama3-9b; batch = 8 } }") == [
-        "1:35: unknown value 'llama3-9b'; expected llama3-8b, llama3-70b or llama3-405b"]
+        "1:35: unknown value 'llama3-9b'; expected llama3-8b, llama3-70b, llama3-405b or "
+        "qwen3-8b"]
 
 
 def test_llama_presets_are_the_published_configurations_and_keys_override_them():
