@@ -129,9 +129,9 @@ def dispatch(rows: torch.Tensor, experts: torch.Tensor, tokens: torch.Tensor,
     for n, j in gateway.items():
         gateway_of_node[n] = j
     local_row = row_in_order - start1[gateway_of_node[node[order1]]]
-    meta = hop1.rows(torch.stack([local_row, experts[order1]], 1), pairs_sent1,
-                     pairs_received1)
-    weights = hop1.rows(rows[:, -1:][order1], pairs_sent1, pairs_received1)
+    meta, weights = _unpacked(hop1.rows(_packed(
+        torch.stack([local_row, experts[order1]], 1), rows[:, -1:][order1]), pairs_sent1,
+        pairs_received1), 2, rows.dtype)
     # as a gateway: each pair's row among those received, then hop 2 over the node, a
     # row per (token, rank) and each pair's place among them
     source = torch.repeat_interleave(torch.arange(ep, device=device),
@@ -154,9 +154,10 @@ def dispatch(rows: torch.Tensor, experts: torch.Tensor, tokens: torch.Tensor,
     counts, rows_received2 = arriving[:, :per_rank], tuple(arriving[:, per_rank].tolist())
     received2 = tuple(counts.sum(1).tolist())
     sent2, rows_sent2 = tuple(sent2.tolist()), tuple(rows_sent2.tolist())
-    place2 = hop2.rows((row2_at_gateway - start2[member2])[order2].unsqueeze(1), sent2,
-                       received2).squeeze(1)
-    weights2 = hop2.rows(weights[order2], sent2, received2)
+    place2, weights2 = _unpacked(hop2.rows(_packed(
+        (row2_at_gateway - start2[member2])[order2].unsqueeze(1), weights[order2]), sent2,
+        received2), 1, rows.dtype)
+    place2 = place2.squeeze(1)
     source2 = torch.repeat_interleave(torch.arange(ep, device=device),
                                       torch.tensor(received2, device=device))
     landed = torch.tensor(rows_received2, device=device)
@@ -166,6 +167,18 @@ def dispatch(rows: torch.Tensor, experts: torch.Tensor, tokens: torch.Tensor,
                 rows_received2, row2_of_pair)
     forwarded = _forwarded(received_rows, hops, recipe, features)
     return torch.cat([forwarded[row2_of_pair], weights2], 1), counts, hops
+
+
+def _packed(indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """A pair's indices and its weight as one float64 row, so that one exchange moves
+    them (float64 holds an index below 2^53 and a weight of any narrower float exactly,
+    as DeepEP sends topk_idx and topk_weights with the rows)."""
+    return torch.cat([indices.to(torch.float64), weights.to(torch.float64)], 1)
+
+
+def _unpacked(packed: torch.Tensor, indices: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`_packed` packed: ``indices`` columns of indices, then the weight."""
+    return packed[:, :indices].to(INDEX), packed[:, indices:].to(dtype)
 
 
 def combine(outputs: torch.Tensor, hops: Hops) -> torch.Tensor:
