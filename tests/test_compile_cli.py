@@ -29,7 +29,7 @@ import pytest
 from planc.build.directory import graph_from_json
 from planc.estimate.cost import bus_factor
 from planc.compile import compile_plan
-from planc.lang import load_file
+from planc.lang import load_file, load_text
 from planc.vocabulary.units import format_bytes
 from planc.plan.plan_json import plan_from_dict
 from planc.views import explain_text, summary_text
@@ -910,6 +910,26 @@ def test_explain_layer(tiny_build):
     assert "  bucket c1.b0 (stage 1): 27 parameters, 235 KB, 0 elements of padding, 2 shards " \
            "of 29,344 elements" in result.out
     assert "     closed: the last gradient of the chunk" in result.out
+
+
+def test_explain_marks_a_recomputed_forwards_transfers_R(tmp_path):
+    """With recompute = full each layer's forward runs again in the backward, its tp
+    transfers and its cp all-gather with it: explain lists them R (recomputed), between
+    the forward's F and the backward's B, each with its reason."""
+    source = tmp_path / "r.plan"
+    source.write_text(
+        "plan r { model llama { layers = 2; hidden = 64; heads = 4; ffn = 96; vocab = 128; "
+        "seq = 32; batch = 8 }\n mesh { tp = 2; cp = 2 } shard { tp { sequence_parallel = on "
+        "}; cp { attention = allgather } } optimize { recompute = full } }\n")
+    result = planc("explain", source, "--layer", "1")
+    assert result.returncode == 0, result.err
+    letters = [line[2] for line in result.out.split("\n") if re.match(r"  [FBRO]  ", line)]
+    assert letters == ["F"] * 5 + ["R"] * 5 + ["B"] * 7
+    graph = compile_plan(load_text(source.read_text()).plan).graph
+    assert sorted(n for n, d in graph.nodes(data=True) if d.get("recomputes")) == sorted(
+        f"R/L{layer}/{name}" for layer in (0, 1) for name in (
+            "ln1>qkv:all_gather@tp", "kv:all_gather@cp", "proj>attn_residual:reduce_scatter@tp",
+            "ln2>fc1:all_gather@tp", "fc2>mlp_residual:reduce_scatter@tp"))
 
 
 def test_explain_param():

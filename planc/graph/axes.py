@@ -51,7 +51,8 @@ class AxisRules:
             reason=reasons.tensor_parallel(self.plan, self.tpp, ops, move, backward,
                                            letter == "R"),
             tensor=tensor, dim=move.dim, source_layout=str(move.source),
-            target_layout=str(move.target), producer=ops[0], consumer=ops[1])
+            target_layout=str(move.target), producer=ops[0], consumer=ops[1],
+            **_redoing(letter))
         return node, None
 
     def connect(self, u: str, v: str, carried: tuple[str, Layout | None], port: Port,
@@ -78,7 +79,7 @@ class AxisRules:
                                  nbytes=self.kv_bytes() * self.cp, repeat=self.m,
                                  reason=reasons.context_allgather(self.plan, False,
                                                                   letter == "R"),
-                                 tensor="kv", dim="seq")
+                                 tensor="kv", dim="seq", **_redoing(letter))
             self.edge(source, node, port=Port.X)
             self.edge(node, attention, port=Port.KV)
         else:
@@ -163,3 +164,9 @@ class AxisRules:
         if self.graph.nodes[send].get("scatter_gather"):
             for _, _, data in self.graph.in_edges(send, data=True):
                 data["slice"] = str(S("seq"))
+
+
+def _redoing(letter: str) -> dict:
+    """A recomputed forward's transfer (R) says so: it redoes the forward's in the
+    backward phase (``recomputes``, as a recomputed mixture's all-to-alls do)."""
+    return {"recomputes": True} if letter == "R" else {}

@@ -211,8 +211,9 @@ OPTIONAL = {
                    "step it moves each bias by",
     "hops": "a cut mixture's dispatch and combine (transfers): 2 with optimize "
             "{ moe_dispatcher = two_hop } where the ep group spans nodes",
-    "recomputes": "a cut mixture's all-to-alls (transfers) redoing the forward's in the "
-                  "backward (recompute = full): they move the rows the forward's way",
+    "recomputes": "transfers of a recomputed forward (R), redoing the forward's in the "
+                  "backward: a tp or cp transfer, or a cut mixture's all-to-alls "
+                  "(recompute = full), which move the rows the forward's way",
     "sharded": "optimizer steps: whether they update a ZeRO shard",
     "stream": "placed by the overlap pass: the program stream it runs on",
     "guard": "placed by the overlap pass: 'last' to run on the last microbatch only",

@@ -139,7 +139,7 @@ def _rows(plan: Plan, graph: nx.DiGraph, nodes: list[str], routes: bool = False,
         per = "per microbatch" if data["per_microbatch"] else "per step"
         times = data["repeat"] // (plan.schedule.microbatches if data["per_microbatch"] else 1)
         count = f"x{times} " if times > 1 else ""
-        # a recomputed mixture's all-to-alls redo the forward's, in the backward
+        # a recomputed forward's transfers redo the forward's, in the backward
         letter = "R" if data.get("recomputes") else PHASE_LETTER[data["phase"]]
         lines.append(f"  {letter}  {data['kind']} over {data['axis']} "
                      f"({_group_text(plan, ranks, data)})  {format_bytes(data['bytes'])} "
