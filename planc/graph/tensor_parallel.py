@@ -109,8 +109,7 @@ def _linear(rule: OpRule, placement: str, plan: Plan) -> list[Choice]:
     (a norm of each head's features, Qwen3's q/k norms), whole on every rank: applied to
     a column shard's heads, each rank's gradient of them is a partial sum."""
     out, fan = rule.output_dim, rule.input_dim
-    dims = _param_dims(plan) if rule.params else {}
-    whole = [(name, dims[name]) for name in rule.params if name in dims]
+    whole = _rule_params(rule, plan)
 
     def norms(data: Layout, partial: bool = False):
         return tuple(ParamUse(name, R, data, d, partial=partial) for name, d in whole)
@@ -187,8 +186,7 @@ def choices(op: str, plan: Plan, stream: Layout) -> list[Choice]:
         # experts whole on every tp rank): on every token, or on this rank's share of
         # them, as Megatron-Core splits the tokens over tp before routing; a weight's
         # gradient is then a partial sum over tp.
-        dims = _param_dims(plan)
-        uses = [(name, dims[name]) for name in rule.params if name in dims]
+        uses = _rule_params(rule, plan)
         if rule.column_weights and getattr(t, rule.placement) == "column":
             return [_column_tokenwise(rule, uses)]
         whole = Choice(R, R, R, False, tuple(ParamUse(n, R, R, d) for n, d in uses))
@@ -306,6 +304,15 @@ def _param_elements(plan: Plan) -> dict[str, int]:
     for param in family.embedding_parameters(plan.model) + family.head_parameters(plan.model):
         sizes[param.name] = param.numel
     return sizes
+
+
+def _rule_params(rule: OpRule, plan: Plan) -> list[tuple[str, tuple[str, ...]]]:
+    """(name, dimensions) of the operator's ``params`` that the plan's model has (an
+    optional one, as Qwen3's q/k norms, only where a key asks for it)."""
+    if not rule.params:
+        return []
+    dims = _param_dims(plan)
+    return [(name, dims[name]) for name in rule.params if name in dims]
 
 
 def _param_dims(plan: Plan) -> dict[str, tuple[str, ...]]:

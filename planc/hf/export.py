@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from planc.checkpoint.format import CheckpointError
 from planc.models import FAMILIES, family_of
+from planc.models.llama import qk_norm
 from planc.plan.plan import Model
 from planc.vocabulary.model_options import balance_bias_names
 
@@ -87,11 +88,17 @@ _ATTENTION = (
     *(_linear(f"self_attn.{x}_proj.weight", f"{x}.weight") for x in "qkvo"),
     Tensor("post_attention_layernorm.weight", ("ln2.weight",)),
 )
+# a dense block's SwiGLU (Llama's, Qwen3's, DeepSeek-V3's first blocks')
+_DENSE_MLP = tuple(_linear(f"mlp.{x}_proj.weight", f"{x}.weight")
+                   for x in ("gate", "up", "down"))
+# each routed expert's projections, as save_pretrained writes Qwen3's and DeepSeek-V3's
+_PER_EXPERT_SAVED = tuple(
+    Tensor(f"mlp.experts.{{}}.{x}_proj.weight", (f"experts.{x}.weight",), swap=(0, 1),
+           per_expert=True) for x in ("gate", "up", "down"))
 
 LLAMA = Architecture(
     name="LlamaForCausalLM", model_type="llama",
-    layer=_ATTENTION + tuple(_linear(f"mlp.{x}_proj.weight", f"{x}.weight")
-                             for x in ("gate", "up", "down")),
+    layer=_ATTENTION + _DENSE_MLP,
     config=lambda m: {"intermediate_size": m.ffn, "attention_bias": False,
                       "mlp_bias": False})
 
@@ -144,8 +151,7 @@ _NO_SLIDING_WINDOW = {"attention_bias": False, "use_sliding_window": False,
 
 QWEN3 = Architecture(
     name="Qwen3ForCausalLM", model_type="qwen3",
-    layer=_QK_NORM_ATTENTION + tuple(_linear(f"mlp.{x}_proj.weight", f"{x}.weight")
-                                     for x in ("gate", "up", "down")),
+    layer=_QK_NORM_ATTENTION + _DENSE_MLP,
     config=lambda m: {"intermediate_size": m.ffn, **_NO_SLIDING_WINDOW})
 
 # Qwen3's mixture holds its experts as Mixtral's does (save_pretrained writes each
@@ -160,9 +166,8 @@ QWEN3_MOE = Architecture(
                       "router_aux_loss_coef": 0.0, "output_router_logits": False,
                       **_NO_SLIDING_WINDOW},
     requires=tuple(r for r in MIXTRAL.requires if r.key != "norm_topk"),
-    saved_layer=_QK_NORM_ATTENTION + (_linear("mlp.gate.weight", "router.weight"),) + tuple(
-        Tensor(f"mlp.experts.{{}}.{x}_proj.weight", (f"experts.{x}.weight",), swap=(0, 1),
-               per_expert=True) for x in ("gate", "up", "down")))
+    saved_layer=_QK_NORM_ATTENTION + (_linear("mlp.gate.weight", "router.weight"),)
+    + _PER_EXPERT_SAVED)
 
 _LATENT_ATTENTION = (
     Tensor("input_layernorm.weight", ("ln1.weight",)),
@@ -179,7 +184,7 @@ _LATENT_ATTENTION = (
 # balancing bias, DeepSeek's e_score_correction_bias, when the model keeps one), the
 # routed experts and the shared ones; a block holds one or the other.
 _DEEPSEEK_MLP = (
-    *(_linear(f"mlp.{x}_proj.weight", f"{x}.weight") for x in ("gate", "up", "down")),
+    *_DENSE_MLP,
     _linear("mlp.gate.weight", "router.weight"),
     Tensor("mlp.gate.e_score_correction_bias", ("router.balance_bias",)),
     *(_linear(f"mlp.shared_experts.{x}_proj.weight", f"shared.{x}.weight")
@@ -219,9 +224,7 @@ DEEPSEEK_V3 = Architecture(
     ),
     # transformers 5 saves DeepSeek-V3 as the Hub's checkpoints hold it: each expert's
     # gate, up and down projections, each (out, in)
-    saved_layer=_LATENT_ATTENTION + _DEEPSEEK_MLP + tuple(
-        Tensor(f"mlp.experts.{{}}.{x}_proj.weight", (f"experts.{x}.weight",), swap=(0, 1),
-               per_expert=True) for x in ("gate", "up", "down")))
+    saved_layer=_LATENT_ATTENTION + _DEEPSEEK_MLP + _PER_EXPERT_SAVED)
 
 ARCHITECTURES = {a.name: a for a in (LLAMA, MIXTRAL, DEEPSEEK_V3, QWEN3, QWEN3_MOE)}
 # A family's class, and the one its models with model { qk_norm } are written as
@@ -245,7 +248,7 @@ def architecture(model: Model) -> Architecture | None:
     if family is None or family.hf_architecture is None:
         return None
     name = family.hf_architecture
-    if model.options.get("qk_norm"):
+    if qk_norm(model):
         name = WITH_QK_NORM.get(name, name)
     return ARCHITECTURES[name]
 

@@ -246,8 +246,7 @@ def config_problem(model: Model, arch: Architecture, config: dict) -> str | None
             return (f"config.json's {key} is {json.dumps(have)}; planc's {model.family} has "
                     f"{json.dumps(want)}")
         if planc_key == "model":
-            return (f"config.json's model_type is {json.dumps(have)}; model {model.family} "
-                    f"starts from a {json.dumps(want)} checkpoint ({arch.name})")
+            return _type_problem(model, arch, found)
         return (f"config.json's {key} is {json.dumps(have)}; the plan's model has "
                 f"{planc_key} = {_shown(want)}")
     return None

@@ -124,7 +124,7 @@ def dispatch(rows: torch.Tensor, experts: torch.Tensor, tokens: torch.Tensor,
     received_rows = hop1.rows(features, sent1, received1) if recipe is None else \
         hop1.encoded(features, sent1, received1, recipe)
     # each pair: its row within its node's hop-1 rows, its expert, its weight
-    start1 = torch.cumsum(to_member, 0) - to_member
+    start1 = _starts(to_member)
     gateway_of_node = torch.zeros(max(nodes) + 1, dtype=INDEX, device=device)
     for n, j in gateway.items():
         gateway_of_node[n] = j
@@ -134,11 +134,8 @@ def dispatch(rows: torch.Tensor, experts: torch.Tensor, tokens: torch.Tensor,
         pairs_received1), 2, rows.dtype)
     # as a gateway: each pair's row among those received, then hop 2 over the node, a
     # row per (token, rank) and each pair's place among them
-    source = torch.repeat_interleave(torch.arange(ep, device=device),
-                                     torch.tensor(pairs_received1, device=device))
-    arrived = torch.tensor(received1, device=device)
-    offset = torch.cumsum(arrived, 0) - arrived
-    gateway_rows = meta[:, 0] + offset[source]
+    gateway_rows = meta[:, 0] + _starts(torch.tensor(received1, device=device))[
+        _senders(pairs_received1, device)]
     expert2 = meta[:, 1]
     order2 = torch.sort(expert2, stable=True).indices  # by member, then expert
     member2 = expert2 // per_rank
@@ -148,7 +145,7 @@ def dispatch(rows: torch.Tensor, experts: torch.Tensor, tokens: torch.Tensor,
                                             return_inverse=True)
     rows2 = unique2 % width
     rows_sent2 = torch.bincount(unique2 // width, minlength=ep)
-    start2 = torch.cumsum(rows_sent2, 0) - rows_sent2
+    start2 = _starts(rows_sent2)
     per_expert = torch.bincount(expert2, minlength=ep * per_rank).reshape(ep, per_rank)
     arriving = hop2.sizes(torch.cat([per_expert, rows_sent2.unsqueeze(1)], 1))
     counts, rows_received2 = arriving[:, :per_rank], tuple(arriving[:, per_rank].tolist())
@@ -158,15 +155,25 @@ def dispatch(rows: torch.Tensor, experts: torch.Tensor, tokens: torch.Tensor,
         (row2_at_gateway - start2[member2])[order2].unsqueeze(1), weights[order2]), sent2,
         received2), 1, rows.dtype)
     place2 = place2.squeeze(1)
-    source2 = torch.repeat_interleave(torch.arange(ep, device=device),
-                                      torch.tensor(received2, device=device))
-    landed = torch.tensor(rows_received2, device=device)
-    row2_of_pair = place2 + (torch.cumsum(landed, 0) - landed)[source2]
+    row2_of_pair = place2 + _starts(torch.tensor(rows_received2, device=device))[
+        _senders(received2, device)]
     hops = Hops(hop1, hop2, order1, row_of_pair, first, tokens1, sent1, received1,
                 pairs_sent1, pairs_received1, order2, sent2, received2, rows2, rows_sent2,
                 rows_received2, row2_of_pair)
     forwarded = _forwarded(received_rows, hops, recipe, features)
     return torch.cat([forwarded[row2_of_pair], weights2], 1), counts, hops
+
+
+def _starts(counts: torch.Tensor) -> torch.Tensor:
+    """Where each member's block begins in rows laid out member by member, ``counts``
+    rows each (the exclusive prefix sum)."""
+    return torch.cumsum(counts, 0) - counts
+
+
+def _senders(received: tuple[int, ...], device) -> torch.Tensor:
+    """Each received row's sending member, ``received[j]`` rows from member j."""
+    return torch.repeat_interleave(torch.arange(len(received), device=device),
+                                   torch.tensor(received, device=device))
 
 
 def _packed(indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -222,13 +229,7 @@ def dispatch_backward(grads: torch.Tensor, hops: Hops, pairs: int) -> torch.Tens
     added per hop-2 row on the experts' rank and per hop-1 row at the gateway (where the
     forward copied them), back over the node and the network; each row's gradient to its
     first pair, each weight's gradient to its pair."""
-    features = grads[:, :-1]
-    per_rank = features.new_zeros((sum(hops.rows_received2), features.shape[1])).index_add(
-        0, hops.row2_of_pair, features)
-    back = hops.hop2.rows(per_rank, hops.rows_received2, hops.rows_sent2)
-    summed = back.new_zeros((sum(hops.received1), back.shape[1])).index_add(
-        0, hops.rows2, back)
-    rows1 = hops.hop1.rows(summed, hops.received1, hops.sent1)
+    rows1 = combine(grads[:, :-1], hops)  # the forward combine's map: the same sums
     weights_back = hops.hop2.rows(grads[:, -1:], hops.received2, hops.sent2)
     in_order = torch.empty_like(weights_back)
     in_order[hops.order2] = weights_back
