@@ -90,7 +90,7 @@ def test_a_family_s_defaults_and_checks_are_its_own(toy):
     assert _errors(load_text(PLAN.format(extra="; window = 9", tp=2))) == [
         "3:15: window (9) must divide by tp (2)"]
     assert _errors(load_text(PLAN.format(extra="; windw = 8", tp=1))) == [
-        "2:84: unknown key 'windw' in model gpt { } | did you mean 'window'?"]
+        "2:84: unknown key 'windw' in model toy { } | did you mean 'window'?"]
     # the other families do not have its keys
     gpt_plan = PLAN.replace("model toy", "model gpt")
     assert "unknown key 'window'" in _errors(load_text(gpt_plan.format(extra="; window = 8",

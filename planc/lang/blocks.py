@@ -13,7 +13,7 @@ from typing import Any
 from planc.diagnostics import Diagnostic, Span, error
 from planc.vocabulary import ast
 from planc.lang.schema import (BlockSchema, Scope, Unresolved, block_syntax, did_you_mean,
-                               home_of, where_key_lives)
+                               where_key_lives)
 
 
 def _where_given(span: Span) -> str:
@@ -35,12 +35,22 @@ class BlockReader:
     def report(self, diagnostic: Diagnostic) -> None:
         self.diagnostics.append(diagnostic)
 
+    def _syntax(self, path: str) -> str:
+        """How a message writes the block at ``path``: the model block with the family
+        the plan gives it (``model deepseek { }``), once its header has been read."""
+        return block_syntax(path, self.labels.get("model"))
+
+    def _home_of(self, key: str) -> str | None:
+        """The syntax of the first block that has ``key``, for a hint; None if none has."""
+        homes = where_key_lives(key)
+        return self._syntax(homes[0]) if homes else None
+
     # --- pass 1: blocks and keys -----------------------------------------------------
 
     def _read_block(self, schema: BlockSchema, entries, path: str, header: Span) -> None:
         keys: dict[str, ast.Assign] = {}
         blocks: dict[str, ast.Block] = {}
-        where = f"in {block_syntax(path)}" if path else "at the top of the plan"
+        where = f"in {self._syntax(path)}" if path else "at the top of the plan"
         for entry in entries:
             if isinstance(entry, ast.Assign):
                 self._index_key(schema, entry, keys, path, where)
@@ -61,7 +71,7 @@ class BlockReader:
             else:
                 if sub.required:
                     self.report(error(f"the plan has no {name} block", header,
-                                      f"add {block_syntax(inner)} with its keys"))
+                                      f"add {self._syntax(inner)} with its keys"))
                 self._read_block(sub, (), inner, header)
         self._read_keys(schema, keys, path, header, unknown)
 
@@ -76,7 +86,7 @@ class BlockReader:
         elif entry.key in schema.blocks:
             homes = [h for h in where_key_lives(entry.key) if h != path]
             self.report(error(f"'{entry.key}' is a block, not a key", entry.key_span,
-                              *[f"'{entry.key}' belongs in {block_syntax(h)}" for h in homes],
+                              *[f"'{entry.key}' belongs in {self._syntax(h)}" for h in homes],
                               f"write {entry.key} {{ ... }}"))
         else:
             self.report(error(f"unknown key '{entry.key}' {where}", entry.key_span,
@@ -112,14 +122,13 @@ class BlockReader:
             self.report(error(f"unknown block '{entry.name}' {where}", entry.name_span,
                               *self._unknown_hints(entry.name, schema, path)))
 
-    @staticmethod
-    def _unknown_hints(name: str, schema: BlockSchema, path: str) -> list[str]:
+    def _unknown_hints(self, name: str, schema: BlockSchema, path: str) -> list[str]:
         near = did_you_mean(name, list(schema.keys) + list(schema.blocks))
         if near:
             return [near]
         homes = [h for h in where_key_lives(name) if h != path]
         if homes:
-            return [f"'{name}' belongs in " + " or ".join(block_syntax(h) for h in homes)]
+            return [f"'{name}' belongs in " + " or ".join(self._syntax(h) for h in homes)]
         return []
 
     def _read_keys(self, schema: BlockSchema, entries: dict[str, ast.Assign], path: str,
@@ -128,7 +137,7 @@ class BlockReader:
         misspelt: set[str] | None = None  # found only if a required key is missing
         scope = Scope(entries, {k: key.kind for k, key in schema.keys.items()},
                       {k: key.default for k, key in schema.keys.items()}, required,
-                      home_of=home_of)
+                      home_of=self._home_of)
         for name, key in schema.keys.items():
             dotted = f"{path}.{name}"
             if name in entries:
@@ -138,7 +147,7 @@ class BlockReader:
                 if misspelt is None:
                     misspelt = {did_you_mean(word, schema.keys) for word in unknown}
                 if f"did you mean '{name}'?" not in misspelt:
-                    self.report(error(f"{block_syntax(path).split(' {')[0]} is missing the "
+                    self.report(error(f"{self._syntax(path).split(' {')[0]} is missing the "
                                       f"key '{name}'", header, f"add {name} = ..."))
             try:
                 self.values[dotted] = scope.value(name)

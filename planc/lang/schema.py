@@ -36,7 +36,7 @@ __all__ = [  # the names other modules read here (the kinds live in planc.vocabu
     "Key", "Kind", "OptimizerCall", "OptimizerSpec", "PresetFile", "PresetSource", "Problem",
     "Quantity", "Real", "Scope", "StageRange", "Stages", "Time", "Unresolved",
     "block_syntax", "check_literal", "check_path", "did_you_mean", "evaluate_integer",
-    "home_of", "join_words", "plan_schema", "where_key_lives", "word_text"]
+    "join_words", "plan_schema", "where_key_lives", "word_text"]
 
 
 @dataclass(frozen=True)
@@ -179,15 +179,11 @@ def _homes() -> dict[str, tuple[str, ...]]:
     return {key: tuple(paths) for key, paths in found.items()}
 
 
-def block_syntax(path: str) -> str:
-    """``shard.tp`` -> ``shard { tp { } }``; ``model`` -> ``model gpt { }``."""
+def block_syntax(path: str, family: str | None = None) -> str:
+    """``shard.tp`` -> ``shard { tp { } }``; ``model`` -> ``model gpt { }``, or the
+    ``family`` the plan's model block names (``model deepseek { }``)."""
     parts = path.split(".")
     if parts == ["model"]:
-        return f"model {DEFAULT_FAMILY} {{ }}"
+        return f"model {family or DEFAULT_FAMILY} {{ }}"
     return " ".join(f"{p} {{" for p in parts) + " " + " ".join("}" for _ in parts)
 
-
-def home_of(key: str) -> str | None:
-    """The syntax of the first block that has ``key``, for a hint; None if none has."""
-    homes = where_key_lives(key)
-    return block_syntax(homes[0]) if homes else None
