@@ -17,7 +17,7 @@ import pytest
 
 from planc.estimate.cost import MAX_RECIPE_MEMBERS, CostModel, Placement, Route
 from planc.lang.check import LIMITS, largest_divisors
-from planc.plan.plan import Device, Link, Topology
+from planc.plan.topology import Device, Link, Topology
 from tests.conftest import ROOT
 from tests.limit_plans import gpt
 

@@ -21,7 +21,7 @@ from planc.vocabulary.units import TIME, format_quantity
 from planc.program.groups import group_table
 from planc.program.routes import Recipe, Step, hierarchical, tree
 from planc.verify.routes import check
-from planc.plan.plan import Device, Link, Topology
+from planc.plan.topology import Device, Link, Topology
 
 # intra: 10 us, 10 GB/s; inter: 50 us, 1 GB/s per device.
 TOPOLOGY = Topology(2, 4, Device(1e12, None), Link(1e10, 1e-5), Link(1e9, 5e-5))
@@ -308,7 +308,7 @@ def _with_topology(tmp_path, document, extra: str = "") -> object:
 
 def test_a_calibrated_topology_supplies_links_and_measured_collectives(tmp_path):
     from planc.lang import load_file
-    from planc.plan.plan import Tuning
+    from planc.plan.topology import Tuning
 
     loaded = load_file(_with_topology(tmp_path, CALIBRATED))
     assert loaded.ok, [d.message for d in loaded.diagnostics]

@@ -45,7 +45,7 @@ from math import floor, log2
 from planc.program.names import Kind
 from planc.plan.mesh import Placement, counts_of  # noqa: F401 (API: the cost model's vocabulary)
 from planc.program.names import Route  # noqa: F401 (API)
-from planc.plan.plan import Link, Topology
+from planc.plan.topology import Link, Topology
 
 POINT_TO_POINT_KINDS = tuple(kind.value for kind in Kind if not kind.is_collective)
 

@@ -14,7 +14,8 @@ from planc.lang.blocks import BlockReader
 from planc.vocabulary.hints import try_values as _try
 from planc.plan.presets import GENERIC, PRESETS, WITHOUT_FP8, Preset, calibrated_preset
 from planc.lang.schema import PresetFile
-from planc.plan.plan import Device, Link, Mesh, Model, Topology
+from planc.plan.plan import Mesh, Model
+from planc.plan.topology import Device, Link, Topology
 
 MAX_TOPOLOGY_BYTES = 1 << 20  # a calibrated topology is a few KB
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planc.plan.plan import Device, Link, Topology, Tuning
+from planc.plan.topology import Device, Link, Topology, Tuning
 
 
 @dataclass(frozen=True)

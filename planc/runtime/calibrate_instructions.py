@@ -2,7 +2,7 @@
 the arithmetic take, for ``planc calibrate`` (planc.runtime.calibrate), and the load they
 are measured under.
 
-- Each operator's compute instructions, ``device.overheads`` (planc.plan.plan.Device),
+- Each operator's compute instructions, ``device.overheads`` (planc.plan.topology.Device),
   which ``planc simulate`` adds to each instruction's roofline time
   (planc.estimate.roofline). Measured on what runs: every rank of the calibration
   compiles a tiny data-parallel plan of each model family (:data:`FAMILIES`, ``dp`` = the
