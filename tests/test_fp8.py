@@ -242,6 +242,24 @@ def test_simulate_prices_the_fp8_recipe_below_bf16():
     assert 0.5 < fp8 / bf16 < 0.9
 
 
+def test_simulate_says_where_it_prices_fp8_at_the_dtype_rate():
+    from planc.compile import compile_plan
+    from planc.simulate import simulate
+    from planc.views import simulate_text
+
+    line = ("  fp8: its GEMMs are priced at the dtype's rate: the simulator knows an FP8 "
+            "rate only on a GPU preset that has one (dgx-h100)")
+    on_cpu, on_h100, plain = (simulate(compile_plan(_h100(fp8, preset).plan))
+                              for fp8, preset in ((True, "cpu"), (True, "dgx-h100"),
+                                                  (False, "cpu")))
+    assert on_cpu.fp8_at_the_dtype_rate and on_cpu.to_json()["fp8_at_the_dtype_rate"]
+    assert line in simulate_text.render(on_cpu).splitlines()
+    # on an H100 the GEMMs run at its FP8 peak; without fp8 there is nothing to say
+    for result in (on_h100, plain):
+        assert not result.fp8_at_the_dtype_rate
+        assert "fp8" not in simulate_text.render(result)
+
+
 def test_fp8_on_a_machine_without_fp8_tensor_cores_is_refused():
     loaded = _h100(True, "dgx-a100")
     assert not loaded.ok

@@ -57,6 +57,9 @@ class Simulation:
     # (stage, bytes) of the stage that needs the most under the worst routing a dropless
     # mixture can get (planc.estimate.memory.MemoryEstimate.worst_routing_peak), or None
     worst_routing_memory: tuple[int, float] | None = None
+    # model { fp8 } on a device the simulator knows no FP8 rate of: its GEMMs are priced
+    # at the dtype's (InstructionCosts.fp8_at_the_dtype_rate)
+    fp8_at_the_dtype_rate: bool = False
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -78,6 +81,7 @@ class Simulation:
                 "tflops_per_gpu": self.tflops_per_gpu,
                 "mfu": self.mfu, "bubble": self.bubble,
                 "memory_capacity": self.memory_capacity,
+                "fp8_at_the_dtype_rate": self.fp8_at_the_dtype_rate,
                 "worst_routing_memory": None if self.worst_routing_memory is None else {
                     "stage": self.worst_routing_memory[0],
                     "memory_bytes": self.worst_routing_memory[1]},
@@ -95,7 +99,8 @@ def simulate(build: Build, keep_timeline: bool = False, gpu=None) -> Simulation:
     plan = build.plan
     programs = {program.stage: program for name, program in build.programs.items()
                 if build.table.stages.get(name) == program.stage}
-    times = step(programs, InstructionCosts(plan, build.groups, gpu).of_stage, keep_timeline)
+    costs = InstructionCosts(plan, build.groups, gpu)
+    times = step(programs, costs.of_stage, keep_timeline)
     step_seconds = max(t.end for t in times)
     estimate = memory.estimate(plan)
     stages = tuple(StageResult(
@@ -108,4 +113,5 @@ def simulate(build: Build, keep_timeline: bool = False, gpu=None) -> Simulation:
                       plan.topology.device.flops, plan.topology.device.memory,
                       tuple(times) if keep_timeline else (),
                       None if worst is None else
-                      (worst.stage, worst.worst_routing_total_bytes))
+                      (worst.stage, worst.worst_routing_total_bytes),
+                      costs.fp8_at_the_dtype_rate)

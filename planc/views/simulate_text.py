@@ -41,6 +41,9 @@ def render(result, accuracy=None) -> str:
         stage, held = result.worst_routing_memory
         lines.append(f"  memory under the worst routing: {format_bytes(held)} (stage {stage}; "
                      f"a dropless mixture's every row of the ep group on one rank's experts)")
+    if result.fp8_at_the_dtype_rate:
+        lines.append("  fp8: its GEMMs are priced at the dtype's rate: the simulator knows an "
+                     "FP8 rate only on a GPU preset that has one (dgx-h100)")
     lines.append("")
     axes = sorted(exposed)
     rows = []
