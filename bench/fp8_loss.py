@@ -32,6 +32,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.corpus import loss_axes, loss_bench_arguments, save_curves  # noqa: E402 (the repository's root first)
+from planc.data.tokens import header, open_tokens  # noqa: E402
 PLANC = [os.path.join(os.path.dirname(sys.executable), "planc")]
 BF16, E4M3 = "bf16", "fp8 blockwise, E4M3 gradients (DeepSeek-V3)"
 RECIPES = {BF16: [],
@@ -42,25 +43,24 @@ RECIPES = {BF16: [],
 CORPUS = "data/stories-2m.tokens"
 TRAIN, HELD_OUT = "data/stories-2m-train.tokens", "data/stories-2m-heldout.tokens"
 TRAIN_TOKENS = 440_000  # the rest of the corpus is held out
-HEADER = 32  # bytes of a token file's PLANCTOK header (docs/data.md)
 EVAL_BATCHES = 32
 
 
 def split_corpus() -> None:
-    """Make the corpus if missing, and its training and held-out files, each the
-    corpus's own header and a run of its tokens."""
+    """Make the corpus if missing, and its training and held-out files: each a token
+    file's header (planc.data.tokens) and a run of the corpus's tokens."""
     if not os.path.exists(CORPUS):
         subprocess.run([sys.executable, "-m", "planc.data.corpus", "-o", CORPUS,
                         "--chars", "2000000"], check=True)
-    with open(CORPUS, "rb") as source:
-        whole = source.read()
-    header, tokens = whole[:HEADER], whole[HEADER:]
-    width = int.from_bytes(header[12:16], "little")
-    for path, part in ((TRAIN, tokens[:TRAIN_TOKENS * width]),
-                       (HELD_OUT, tokens[TRAIN_TOKENS * width:])):
+    descriptor, layout = open_tokens(CORPUS)
+    with os.fdopen(descriptor, "rb") as source:
+        source.seek(layout.offset)
+        tokens = source.read()
+    cut = TRAIN_TOKENS * layout.width
+    for path, part in ((TRAIN, tokens[:cut]), (HELD_OUT, tokens[cut:])):
         temporary = path + ".partial"
         with open(temporary, "wb") as out:
-            out.write(header + part)
+            out.write(header(layout.width) + part)
         os.replace(temporary, path)
 
 

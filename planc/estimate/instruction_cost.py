@@ -64,7 +64,7 @@ from planc.plan.plan import DTYPE_BYTES, Plan
 from planc.estimate.kernel_cost import ALL_TO_ALL_SMS, MIXTURE, TWO_HOP_SMS, KernelModel
 from planc.estimate.mixture import Mixture
 from planc.estimate.roofline import roofline_seconds, traffic
-from planc.vocabulary.model_options import gemm_input_bytes
+from planc.vocabulary.model_options import fp8_tile, gemm_input_bytes
 
 FP32_BYTES = 4
 
@@ -179,7 +179,11 @@ class InstructionCosts:
         self.rate = device.flops * device.efficiency
         # None: the one-efficiency roofline
         self.kernels = KernelModel(plan, gpu) if gpu is not None else KernelModel.of(plan)
-        self.plan_has_fp8 = plan.model.options.get("fp8") is not None
+        # model { fp8 } priced at the dtype's rate: only the kernel model of a GPU with an
+        # FP8 peak (a named preset's, such as dgx-h100) has FP8's; the roofline of one
+        # efficiency (a CPU, a calibrated or a hand-written device) has none
+        self.fp8_at_the_dtype_rate = fp8_tile(plan.model) is not None and (
+            self.kernels is None or not self.kernels.fp8_speedup)
         self.mixture = Mixture.of(plan)  # None: no mixture of experts
         # model { fp8 }: the dispatch moves each row as E4M3 bytes and a scale a tile
         # (planc.runtime.families.moe._Fp8Dispatch), its share of the dtype's bytes
@@ -195,14 +199,6 @@ class InstructionCosts:
         self.crossing: dict[str, bool] = {}
         self.sharing: dict[int, KernelModel] = {}  # by SMs held: the kernels beside them
         self.slowed: dict[tuple[str, int], float] = {}  # by (node, SMs held)
-
-    @property
-    def fp8_at_the_dtype_rate(self) -> bool:
-        """Whether ``model { fp8 }``'s GEMMs are priced at the dtype's rate: only the
-        kernel model of a GPU with an FP8 peak (a named preset's, such as dgx-h100)
-        prices them at FP8's; the roofline of one efficiency (a CPU, a calibrated or a
-        hand-written device) has no FP8 rate."""
-        return self.plan_has_fp8 and (self.kernels is None or not self.kernels.fp8_speedup)
 
     def __call__(self, instruction: Instruction, stage: int) -> float:
         seconds = self.seconds.get(instruction.node)
