@@ -363,7 +363,7 @@ def test_tensorboard_on_a_disk_that_fills_during_the_run(tmp_path):
         assert status == 0, err[-3000:]
         steps, every = _steps_logged(mount / "tb")
         last = max(steps)
-        assert {"loss", "lr", "time_s", "mfu"} <= every and last < 40
+        assert {"loss", "lr", "time_s", "tflops_per_device"} <= every and last < 40
         assert all(steps[k] == every for k in range(1, last)), steps
         failed = last + (steps[last] == every)  # the step whose events did not all fit
         warnings = [line for line in err.splitlines() if "warning" in line]

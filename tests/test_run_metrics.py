@@ -17,7 +17,7 @@ from conftest import PLANS, ROOT, unprivileged
 
 from planc.build.directory import plan_fingerprint
 from planc.compile import compile_plan
-from planc.lang import load_file
+from planc.lang import load_file, load_text
 from planc.data.metrics_file import read_metrics
 from planc.models import step_model_flops
 from planc.simulate import simulate
@@ -66,6 +66,35 @@ def test_a_build_without_its_step_flops_is_refused_by_a_rank(tmp_path):
         f"planc.build.files.BuildError: {manifest_path} has no valid mfu section (the model "
         f"FLOPs of a step and the peak FLOP/s of a device, positive numbers); run planc "
         f"compile again")
+
+
+NO_MACHINE = """plan x {
+  model gpt { layers = 1; hidden = 8; heads = 2; vocab = 64; seq = 8; batch = 2 }
+  train { steps = 2; optimizer = sgd(lr = 0.1) }
+}
+"""
+
+
+def test_a_plan_that_names_no_machine_reports_no_mfu(tmp_path):
+    """No topology: the compiler prices the plan on a generic machine whose 100 TFLOP/s
+    are no device's (an H200 once reported 'MFU 153%' against it), so there is no peak to
+    divide by; a peak the plan writes is one."""
+    (tmp_path / "x.plan").write_text(NO_MACHINE)
+    done = planc("run", tmp_path / "x.plan", "-o", tmp_path / "b", "--metrics",
+                 tmp_path / "m.jsonl")
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = json.loads((tmp_path / "b" / "build.json").read_text())
+    assert manifest["mfu"]["peak_flops_per_device"] is None
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [("mfu" in r, r["tflops_per_device"] > 0) for r in records] == [(False, True)] * 2
+    line = next(text for text in done.stderr.splitlines() if "step 2/2" in text)
+    assert line.endswith(" TFLOP/s per device") and "MFU" not in line
+    written = load_file(PLANS / "gpt-tiny.plan").plan.topology.device
+    assert written.peak_known
+    assert not load_text(NO_MACHINE).plan.topology.device.peak_known
+    flops_written = NO_MACHINE.replace("train {", "topology { device { flops = 5TFLOP/s } }\n"
+                                                  "  train {")
+    assert load_text(flops_written).plan.topology.device.peak_known
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +194,7 @@ def test_peak_memory_on_a_gpu_is_what_torch_allocated():
     from planc.runtime.step_metrics import peak_memory_mb
 
     device = torch.device("cuda", 0)
+    torch.zeros(1, device=device)  # the allocator's statistics exist once it has been used
     torch.cuda.reset_peak_memory_stats(device)
     block = torch.empty(64 * 2**20, dtype=torch.uint8, device=device)
     measured, kind = peak_memory_mb(device)

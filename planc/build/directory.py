@@ -116,7 +116,9 @@ def write(build: Build, directory: str | Path, source_path: str, source_text: st
                 "plan": build.plan.name, "plan_sha256": plan_fingerprint(build.plan),
                 "files": list(FILES) + [PROGRAMS],
                 "mfu": {"model_flops_per_step": step_model_flops(build.plan),
-                        "peak_flops_per_device": build.plan.topology.device.flops}}
+                        # none where the plan names no machine: no MFU against a guess
+                        "peak_flops_per_device": build.plan.topology.device.flops
+                        if build.plan.topology.device.peak_known else None}}
     graph_data = graph_to_json(build.graph)
     graph_data["graph"] = {**graph_data["graph"], "plan_sha256": manifest["plan_sha256"]}
     contents = {MANIFEST: manifest, "plan.json": build.plan.to_dict(),

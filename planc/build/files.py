@@ -241,22 +241,23 @@ class RunBuild:
 class StepFlops:
     """build.json's ``mfu``: what planc run divides to report TFLOP/s and MFU, written by
     the compiler (planc.models.step_model_flops, recomputation not counted, and the
-    topology's peak per device) so that a rank only divides."""
+    topology's peak per device, None where the plan names no machine) so that a rank
+    only divides."""
 
     model_flops_per_step: float
-    peak_flops_per_device: float
+    peak_flops_per_device: float | None
 
     @staticmethod
     def of(manifest: dict, path: Path) -> "StepFlops":
         section = manifest.get("mfu")
-        values = [section.get(key) if isinstance(section, dict) else None
-                  for key in ("model_flops_per_step", "peak_flops_per_device")]
+        flops, peak = [section.get(key) if isinstance(section, dict) else None
+                       for key in ("model_flops_per_step", "peak_flops_per_device")]
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and
-                   0 < v < float("inf") for v in values):
+                   0 < v < float("inf") for v in ([flops] if peak is None else [flops, peak])):
             raise BuildError(f"{path / MANIFEST} has no valid mfu section (the model FLOPs "
                              f"of a step and the peak FLOP/s of a device, positive numbers); "
                              f"run planc compile again")
-        return StepFlops(float(values[0]), float(values[1]))
+        return StepFlops(float(flops), None if peak is None else float(peak))
 
 
 def read_for_run(directory: str | Path) -> RunBuild:

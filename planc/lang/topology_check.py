@@ -89,7 +89,8 @@ class TopologyReader(BlockReader):
                         pick("device.efficiency", preset.efficiency),
                         pick("device.bandwidth", preset.memory_bandwidth),
                         pick("device.overlap", preset.overlap), preset.overhead,
-                        preset.backward_overhead, preset.handoff, preset.overheads)
+                        preset.backward_overhead, preset.handoff, preset.overheads,
+                        preset is not GENERIC or "topology.device.flops" in self.given)
         # A link given in the plan replaces the preset's, measured collectives and all.
         intra = Link(pick("intra.bandwidth", preset.intra_bandwidth),
                      pick("intra.latency", preset.intra_latency),

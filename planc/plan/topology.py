@@ -35,6 +35,10 @@ class Device:
     # An operator it did not measure costs ``overhead`` / ``backward_overhead``.
     overheads: tuple[tuple[str, float, float], ...] = field(
         default=(), metadata={"omitted_when_default": True})
+    # Whether ``flops`` is a machine's own peak (a preset's, a calibrated machine's or one
+    # the plan writes). A plan that names no machine is priced on a generic one, whose
+    # peak is no device's: planc run reports no MFU against it.
+    peak_known: bool = field(default=True, metadata={"omitted_when_default": True})
 
     @property
     def gradient_step_overhead(self) -> float:

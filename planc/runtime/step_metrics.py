@@ -36,10 +36,13 @@ def peak_memory_mb(device: torch.device) -> tuple[float, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "max_rss"
 
 
-def throughput(model_flops_per_step: float, peak_flops_per_device: float, seconds: float,
-               devices: int) -> dict[str, float]:
-    """Model TFLOP/s per device and MFU of a step of ``seconds`` on ``devices``."""
+def throughput(model_flops_per_step: float, peak_flops_per_device: float | None,
+               seconds: float, devices: int) -> dict[str, float]:
+    """Model TFLOP/s per device and MFU of a step of ``seconds`` on ``devices``; no MFU
+    without a peak (a plan that names no machine)."""
     per_device = model_flops_per_step / seconds / devices
+    if peak_flops_per_device is None:
+        return {"tflops_per_device": per_device / 1e12}
     return {"tflops_per_device": per_device / 1e12, "mfu": per_device / peak_flops_per_device}
 
 

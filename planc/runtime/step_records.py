@@ -55,8 +55,8 @@ def progress_line(step: int, steps: int, record: dict) -> None:
     text = (f"[{bar}] step {step + 1}/{steps}  loss {record['loss']:.6f}  "
             f"{record['time_s'] * 1000:.0f} ms  exposed comm {record['exposed_comm_s'] * 1000:.0f}"
             f" ms ({100 * exposed:.0f}%)  {record['tokens_per_s']:,.0f} tokens/s  "
-            f"{record['tflops_per_device']:.3g} TFLOP/s per device  MFU "
-            f"{100 * record['mfu']:.2g}%" +
+            f"{record['tflops_per_device']:.3g} TFLOP/s per device" +
+            (f"  MFU {100 * record['mfu']:.2g}%" if "mfu" in record else "") +
             (f"  eval loss {record['eval_loss']:.6f}" if "eval_loss" in record else "") +
             (f"  {describe_straggler(record['straggler'])}" if "straggler" in record else "") +
             (f"  {describe_recovery(record['recovery'])}" if "recovery" in record else ""))

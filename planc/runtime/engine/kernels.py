@@ -124,7 +124,7 @@ def cross_entropy_grad(log_probs: torch.Tensor, targets: torch.Tensor, tokens: i
     grad = log_probs.exp_().div_(tokens)
     index = targets.unsqueeze(-1)
     return grad.scatter_add_(-1, index, torch.full(index.shape, -1.0 / tokens,
-                                                   dtype=grad.dtype))
+                                                   dtype=grad.dtype, device=grad.device))
 
 
 def taken(table: dict[tuple, object], step: int) -> dict[tuple, object]:
