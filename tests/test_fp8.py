@@ -101,6 +101,51 @@ def test_the_three_gemms_take_quantised_inputs():
     assert not torch.allclose(g5, gq)
 
 
+def _emulated_and_scaled(function, recipe, inputs, grad) -> list[list]:
+    """``function``'s output and its inputs' gradients, emulated and then on the tensor
+    cores' path."""
+    results = []
+    for scaled in (False, True):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = function.apply(recipe, scaled, *leaves)
+        out.backward(grad)
+        results.append([out.detach()] + [t.grad for t in leaves])
+    return results
+
+
+@pytest.mark.parametrize("gradients", ["e4m3", "e5m2"])
+def test_the_tensor_core_gemms_compute_what_the_emulation_computes(gradients):
+    """The path a GPU with FP8 tensor cores takes (torch._scaled_mm per tile of the
+    contraction, the scales applied in fp32 on promotion), run through the same kernel's
+    CPU implementation: the forward and both gradients of a linear and of an expert's
+    SwiGLU equal the emulation's to fp32's rounding, with widths and features that leave
+    tiles partly padded. A CPU tensor never takes it by itself."""
+    from planc.runtime.engine.fp8 import (GRADIENT_FORMATS, Recipe, _Fp8Matmul,
+                                          _Fp8SwiGLUDown, encoded_blocks, encoded_rows,
+                                          runs_scaled, scaled_product)
+
+    recipe = Recipe(16, GRADIENT_FORMATS[gradients])
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 21, 40, generator=generator)  # 42 rows: padded to 48
+    a, b = torch.randn(40, 24, generator=generator), torch.randn(40, 8, generator=generator)
+    grad = torch.randn(2, 21, 32, generator=generator)
+    assert not runs_scaled(x, 16)
+    results = _emulated_and_scaled(_Fp8Matmul, recipe, (x, a, b), grad)
+    for emulated, scaled in zip(*results):
+        assert torch.allclose(scaled, emulated, rtol=1e-5, atol=1e-5)
+    # the FP8 products themselves are exact: only the order of fp32 sums differs
+    assert 0 < (results[1][0] - results[0][0]).abs().max() < 1e-4
+    gate, up = torch.randn(2, 2, 48, 40, generator=generator)
+    down, grad = torch.randn(40, 24, generator=generator), torch.randn(2, 48, 24,
+                                                                      generator=generator)
+    for emulated, scaled in zip(*_emulated_and_scaled(_Fp8SwiGLUDown, recipe, (gate, up, down),
+                                                      grad)):
+        assert torch.allclose(scaled, emulated, rtol=1e-5, atol=1e-5)
+    # an expert that no token chose
+    codes, scale = encoded_rows(gate[0, :0], 16)
+    assert scaled_product(codes, scale, *encoded_blocks(down, 16)).shape == (0, 32)
+
+
 def test_an_experts_swiglu_keeps_its_inputs_in_fp8_and_recomputes_its_output():
     """DeepSeek-V3's section 3.3.4: the forward is the FP8 down GEMM of silu(gate) * up;
     the backward reads gate and up as their FP8 tiles decode, recomputes the product from
@@ -191,12 +236,66 @@ def test_fp8_training_matches_the_reference(tmp_path, text, mesh, capsys):
            "matches" in err, err
 
 
+FP8_GPU = pytest.mark.skipif(
+    "not __import__('torch').cuda.is_available() or "
+    "__import__('torch').cuda.get_device_capability() < (8, 9)",
+    reason="needs a GPU with FP8 tensor cores (compute capability 8.9 or later)")
+
+
+@FP8_GPU
+@pytest.mark.parametrize("gradients", ["e4m3", "e5m2"])
+def test_on_fp8_tensor_cores_a_linear_computes_what_the_cpu_emulation_computes(gradients):
+    """On a GPU the forward and the input gradient run torch._scaled_mm; the CPU runs the
+    emulation: the two agree to the tensor cores' accumulation, the weight gradient (the
+    same emulation on both) too. Leaving the quantisation out moves these products by 4%
+    of their largest value, 80 times what this allows."""
+    from planc.runtime.engine.fp8 import GRADIENT_FORMATS, Recipe, matmul, runs_scaled
+
+    recipe = Recipe(128, GRADIENT_FORMATS[gradients])
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 64, 384, generator=generator)
+    a, b = torch.randn(384, 320, generator=generator), torch.randn(384, 128,
+                                                                   generator=generator)
+    grad = torch.randn(2, 64, 448, generator=generator)
+    results = []
+    for device in ("cpu", "cuda"):
+        leaves = [t.to(device).requires_grad_() for t in (x.clone(), a.clone(), b.clone())]
+        assert runs_scaled(leaves[0], 128) == (device == "cuda")
+        out = matmul(leaves[0], leaves[1:], recipe)
+        out.backward(grad.to(device))
+        results.append([t.cpu() for t in [out.detach()] + [t.grad for t in leaves]])
+    for emulated, scaled in zip(*results):
+        # Hopper's FP8 tensor cores accumulate with about 14 bits inside a tile (DeepSeek-V3,
+        # section 3.3.2): seen on an H200, differences of 2.6e-3 in outputs of about 50
+        assert (scaled - emulated).abs().max() <= 2**-11 * emulated.abs().max()
+
+
+@FP8_GPU
+@pytest.mark.parametrize("family", ["llama", "moe", "deepseek"])
+def test_fp8_training_on_one_gpu_matches_the_cpu_reference(tmp_path, family, capsys):
+    """One rank on nccl, its GEMMs on FP8 tensor cores, against the one-process run on
+    the CPU, which emulates them; DeepSeek-V3's attention and gate as well."""
+    from tests.test_deepseek_mla import plan_text
+
+    deepseek = plan_text("", "; fp8 = blockwise; fp8_tile = 16").replace(
+        "adamw(lr = 1e-3, weight_decay = 0.01)", "sgd(lr = 0.1, momentum = 0.9)")
+    text = {"llama": DENSE, "moe": MOE, "deepseek": deepseek}[family]
+    (tmp_path / "f.plan").write_text(text.replace("MESH", ""))
+    assert main(["run", str(tmp_path / "f.plan"), "-o", str(tmp_path / "b"), "--check",
+                 "--backend", "nccl"]) == 0
+    err = capsys.readouterr().err
+    assert "every loss and parameter matches" in err, err
+
+
 def test_the_first_step_is_held_to_fp32s_tolerance_and_the_rest_to_fp8s():
     from planc.runtime.oracle.check import exact, first_step_tolerance
 
     fp8 = load_text(DENSE.replace("MESH", "dp = 2")).plan
     assert not exact(fp8)
     assert [first_step_tolerance(fp8, step, 2e-2) for step in (0, 1)] == [1e-5, 2e-2]
+    # on FP8 tensor cores, whose sums keep about 14 bits (DeepSeek-V3, section 3.3.2)
+    assert [first_step_tolerance(fp8, step, 2e-2, tensor_cores=True) for step in (0, 1)] \
+        == [1e-4, 2e-2]
     plain = load_text(DENSE.replace("MESH", "dp = 2").replace(
         "; fp8 = blockwise; fp8_tile = 16", "")).plan
     assert exact(plain) and first_step_tolerance(plain, 0, 1e-5) == 1e-5

@@ -18,6 +18,18 @@ gradient's inputs 128 x 1 along the tokens, which ties the groups to how tokens 
 over ranks; tiles along the features keep every group inside one token, so that a plan
 computes what one process computes, whatever its layout.
 
+On a GPU with FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper) the
+forward and the input gradient run in FP8 for real (:func:`scaled_product`): each 1 x T
+tile of the rows against its T x T block, through ``torch._scaled_mm`` with an fp32
+output, then scaled by the two tiles' scales as the products are summed in fp32 (the
+report's section 3.3.2: FP8 products promoted to fp32 every 128 elements, the scales
+applied on promotion). The weight gradient stays emulated: its sum runs over tokens,
+along which a 1 x T tile's scale changes from one token to the next, so no scale can be
+taken out of the product. With a tile that is not a multiple of 16 (the kernel's
+dimensions must be), or on a CPU, the emulation runs. Hopper's FP8 tensor cores
+accumulate with about 14 bits inside a tile (the report's section 3.3.2), so their
+products differ from the emulation's exact sums by about 2^-14 of a row's size.
+
 Every group lies inside one weight and one token, and a tp shard of whole tiles
 (:func:`planc.models.llama.fp8_blocks_split_over_tp` checks it) holds the same groups as
 the whole tensor: a sharded run quantises exactly as the one-process reference.
@@ -75,7 +87,8 @@ def _quantised(groups: torch.Tensor, dims: tuple[int, ...], form: torch.dtype = 
 
 def _row_groups(x: torch.Tensor, tile: int) -> torch.Tensor:
     """``x`` (..., n) as tiles of 1 x ``tile`` along its last dimension, zero-padded."""
-    return F.pad(x.to(FP32), (0, -x.shape[-1] % tile)).reshape(*x.shape[:-1], -1, tile)
+    tiles = -(-x.shape[-1] // tile)
+    return F.pad(x.to(FP32), (0, -x.shape[-1] % tile)).reshape(*x.shape[:-1], tiles, tile)
 
 
 def quantised_rows(x: torch.Tensor, tile: int, form: torch.dtype = E4M3) -> torch.Tensor:
@@ -98,45 +111,124 @@ def decoded_rows(codes: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tens
     return (codes.to(FP32) * scale).reshape(*codes.shape[:-2], -1)[..., :n]
 
 
-def quantised_blocks(w: torch.Tensor, tile: int) -> torch.Tensor:
-    """A weight (k, n) quantised in ``tile`` x ``tile`` blocks, in fp32."""
+def encoded_blocks(w: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight (k, n) in E4M3, zero-padded to whole ``tile`` x ``tile`` blocks, and its
+    fp32 scales, one a block: (k', n') codes and (k' / tile, n' / tile) scales."""
     k, n = w.shape
     padded = F.pad(w.to(FP32), (0, -n % tile, 0, -k % tile))
     rows, cols = padded.shape
-    groups = padded.reshape(rows // tile, tile, cols // tile, tile)
-    return _quantised(groups, (1, 3)).reshape(rows, cols)[:k, :n]
+    codes, scale = _encoded(padded.reshape(rows // tile, tile, cols // tile, tile), (1, 3))
+    return codes.reshape(rows, cols), scale.reshape(rows // tile, cols // tile)
+
+
+def decoded_blocks(codes: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int]
+                   ) -> torch.Tensor:
+    """What :func:`encoded_blocks` encoded, in fp32, cut back to the weight's ``shape``."""
+    rows, cols = codes.shape
+    blocks, tile = scale.shape, rows // scale.shape[0]
+    decoded = codes.reshape(blocks[0], tile, blocks[1], tile).to(FP32) \
+        * scale.reshape(blocks[0], 1, blocks[1], 1)
+    return decoded.reshape(rows, cols)[:shape[0], :shape[1]]
+
+
+def quantised_blocks(w: torch.Tensor, tile: int) -> torch.Tensor:
+    """A weight (k, n) quantised in ``tile`` x ``tile`` blocks, in fp32."""
+    return decoded_blocks(*encoded_blocks(w, tile), w.shape)
+
+
+def tensor_cores(device: torch.device, tile: int) -> bool:
+    """Whether FP8 GEMMs on ``device`` run on its tensor cores (:func:`scaled_product`):
+    a CUDA device of compute capability 8.9 or later, and a tile that is a multiple of
+    16, as cuBLASLt's FP8 GEMMs require of their dimensions (the rows are padded to
+    one)."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+            and tile % 16 == 0)
+
+
+def runs_scaled(rows: torch.Tensor, tile: int) -> bool:
+    """Whether GEMMs over ``rows`` (..., features) run on FP8 tensor cores."""
+    return tensor_cores(rows.device, tile)
+
+
+def scaled_product(codes: torch.Tensor, scale: torch.Tensor, block_codes: torch.Tensor,
+                   block_scale: torch.Tensor) -> torch.Tensor:
+    """Rows in 1 x T tiles (``codes`` (..., K / T, T) and ``scale`` (..., K / T, 1), as
+    :func:`encoded_rows` gives them) times a matrix in T x T blocks (``block_codes``
+    (K, N) and ``block_scale`` (K / T, N / T), as :func:`encoded_blocks`), in fp32, with
+    N the blocks' padded width: for each tile of the contraction, the FP8 product by
+    ``torch._scaled_mm`` (unit scales, fp32 output), multiplied by the row tiles' and the
+    blocks' scales and summed in fp32 (DeepSeek-V3, section 3.3.2)."""
+    chunks, tile = codes.shape[-2:]
+    rows, width = codes[..., 0, 0].numel(), block_codes.shape[1]
+    out = torch.zeros(rows, width, dtype=FP32, device=codes.device)
+    if rows == 0:  # an expert that no token chose
+        return out
+    # one contiguous operand per tile of the contraction, the rows padded with zeros to
+    # a multiple of 16: the kernel reads a row-major left and a column-major right operand
+    left = codes.reshape(rows, chunks, tile).transpose(0, 1)
+    left = torch.cat([left, left.new_zeros(chunks, -rows % 16, tile)], dim=1)
+    left_scale = scale.reshape(rows, chunks).t()
+    right = block_codes.t().reshape(width, chunks, tile).transpose(0, 1).contiguous()
+    right_scale = block_scale.repeat_interleave(tile, dim=1)
+    unit = torch.ones((), dtype=FP32, device=codes.device)
+    for chunk in range(chunks):
+        product = torch._scaled_mm(left[chunk], right[chunk].t(), scale_a=unit,
+                                   scale_b=unit, out_dtype=FP32)[:rows]
+        out.addcmul_(product * left_scale[chunk][:, None], right_scale[chunk])
+    return out
+
+
+def _times_blocks(codes: torch.Tensor, scale: torch.Tensor, blocks, width: int
+                  ) -> torch.Tensor:
+    """:func:`scaled_product` cut to ``width`` columns, in the rows' leading shape."""
+    return scaled_product(codes, scale, *blocks)[:, :width].reshape(
+        *codes.shape[:-2], width)
 
 
 class _Fp8Matmul(torch.autograd.Function):
-    """``x @ [w_1 | w_2 | ...]`` with FP8 inputs in all three GEMMs (module docstring)."""
+    """``x @ [w_1 | w_2 | ...]`` with FP8 inputs in all three GEMMs (module docstring);
+    ``scaled``: the forward and the input gradient on FP8 tensor cores."""
 
     @staticmethod
-    def forward(ctx, recipe: Recipe, x: torch.Tensor, *weights: torch.Tensor
+    def forward(ctx, recipe: Recipe, scaled: bool, x: torch.Tensor, *weights: torch.Tensor
                 ) -> torch.Tensor:
         tile = recipe.tile
         codes, scale = encoded_rows(x, tile)
-        xq = decoded_rows(codes, scale, x.shape[-1])
-        wq = torch.cat([quantised_blocks(w, tile) for w in weights], dim=1)
-        ctx.recipe, ctx.widths, ctx.features = recipe, [w.shape[1] for w in weights], \
-            x.shape[-1]
+        blocks = [encoded_blocks(w, tile) for w in weights]
+        ctx.recipe, ctx.scaled, ctx.widths, ctx.features = recipe, scaled, \
+            [w.shape[1] for w in weights], x.shape[-1]
         ctx.dtypes = (x.dtype, [w.dtype for w in weights])
         # the input kept as FP8 bytes and scales (the report's cached activations); the
-        # weights' blocks, which a kernel would quantise again, kept decoded
+        # weights' blocks, which a kernel would quantise again, kept as the GEMMs read them
+        if scaled:
+            ctx.save_for_backward(codes, scale, *(part for block in blocks for part in block))
+            return torch.cat([_times_blocks(codes, scale, block, w.shape[1])
+                              for block, w in zip(blocks, weights)], dim=-1).to(x.dtype)
+        wq = torch.cat([decoded_blocks(*block, w.shape) for block, w in zip(blocks, weights)],
+                       dim=1)
         ctx.save_for_backward(codes, scale, wq)
-        return (xq @ wq).to(x.dtype)
+        return (decoded_rows(codes, scale, x.shape[-1]) @ wq).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        codes, scale, wq = ctx.saved_tensors
+        codes, scale, *kept = ctx.saved_tensors
         xq = decoded_rows(codes, scale, ctx.features)
         recipe, (x_dtype, w_dtypes) = ctx.recipe, ctx.dtypes
-        gq = torch.cat([quantised_rows(part, recipe.tile, recipe.gradients)
-                        for part in grad.split(ctx.widths, -1)], dim=-1)
-        dx = (gq @ wq.t()).to(x_dtype) if ctx.needs_input_grad[1] else None
+        parts = [encoded_rows(part, recipe.tile, recipe.gradients)
+                 for part in grad.split(ctx.widths, -1)]
+        gq = torch.cat([decoded_rows(*part, width) for part, width in zip(parts, ctx.widths)],
+                       dim=-1)
+        dx = None
+        if ctx.needs_input_grad[2] and ctx.scaled:
+            blocks = zip(kept[0::2], kept[1::2])
+            dx = sum(_times_blocks(*part, (block.t(), block_scale.t()), ctx.features)
+                     for part, (block, block_scale) in zip(parts, blocks)).to(x_dtype)
+        elif ctx.needs_input_grad[2]:
+            dx = (gq @ kept[0].t()).to(x_dtype)
         dw = xq.reshape(-1, xq.shape[-1]).t() @ gq.reshape(-1, gq.shape[-1])
         dws = [part.to(dtype) if needed else None for part, dtype, needed in
-               zip(dw.split(ctx.widths, dim=1), w_dtypes, ctx.needs_input_grad[2:])]
-        return (None, dx, *dws)
+               zip(dw.split(ctx.widths, dim=1), w_dtypes, ctx.needs_input_grad[3:])]
+        return (None, None, dx, *dws)
 
 
 class _Fp8SwiGLUDown(torch.autograd.Function):
@@ -148,37 +240,46 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
     product."""
 
     @staticmethod
-    def forward(ctx, recipe: Recipe, gate: torch.Tensor, up: torch.Tensor,
+    def forward(ctx, recipe: Recipe, scaled: bool, gate: torch.Tensor, up: torch.Tensor,
                 down: torch.Tensor) -> torch.Tensor:
         tile = recipe.tile
-        wq = quantised_blocks(down, tile)
-        out = (quantised_rows(F.silu(gate) * up, tile) @ wq).to(gate.dtype)
-        ctx.recipe, ctx.dtypes, ctx.features = recipe, (gate.dtype, down.dtype), \
-            gate.shape[-1]
-        ctx.save_for_backward(*encoded_rows(gate, tile), *encoded_rows(up, tile), wq)
-        return out
+        block = encoded_blocks(down, tile)
+        product = encoded_rows(F.silu(gate) * up, tile)
+        if scaled:
+            out = _times_blocks(*product, block, down.shape[1])
+        else:
+            block = (decoded_blocks(*block, down.shape),)
+            out = decoded_rows(*product, gate.shape[-1]) @ block[0]
+        ctx.recipe, ctx.scaled, ctx.dtypes, ctx.features = recipe, scaled, \
+            (gate.dtype, down.dtype), gate.shape[-1]
+        ctx.save_for_backward(*encoded_rows(gate, tile), *encoded_rows(up, tile), *block)
+        return out.to(gate.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        gate_codes, gate_scale, up_codes, up_scale, wq = ctx.saved_tensors
+        gate_codes, gate_scale, up_codes, up_scale, *block = ctx.saved_tensors
         recipe, (dtype, w_dtype), n = ctx.recipe, ctx.dtypes, ctx.features
         gate = decoded_rows(gate_codes, gate_scale, n).to(dtype)
         up = decoded_rows(up_codes, up_scale, n).to(dtype)
         silu = F.silu(gate)
         xq = quantised_rows(silu * up, recipe.tile)
-        gq = quantised_rows(grad, recipe.tile, recipe.gradients)
-        d_product = (gq @ wq.t()).to(dtype)
+        encoded = encoded_rows(grad, recipe.tile, recipe.gradients)
+        gq = decoded_rows(*encoded, grad.shape[-1])
+        if ctx.scaled:
+            d_product = _times_blocks(*encoded, (block[0].t(), block[1].t()), n).to(dtype)
+        else:
+            d_product = (gq @ block[0].t()).to(dtype)
         dw = xq.reshape(-1, n).t() @ gq.reshape(-1, gq.shape[-1])
         sigmoid = torch.sigmoid(gate)
         d_gate = d_product * up * sigmoid * (1 + gate * (1 - sigmoid))
-        return None, d_gate, d_product * silu, dw.to(w_dtype)
+        return None, None, d_gate, d_product * silu, dw.to(w_dtype)
 
 
 def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                 recipe: Recipe) -> torch.Tensor:
     """``(silu(gate) * up) @ down`` in FP8, keeping gate and up in FP8 for the backward
     rather than the product (:class:`_Fp8SwiGLUDown`)."""
-    return _Fp8SwiGLUDown.apply(recipe, gate, up, down)
+    return _Fp8SwiGLUDown.apply(recipe, runs_scaled(gate, recipe.tile), gate, up, down)
 
 
 def matmul(x: torch.Tensor, weights: list[torch.Tensor], recipe: Recipe | None
@@ -186,4 +287,4 @@ def matmul(x: torch.Tensor, weights: list[torch.Tensor], recipe: Recipe | None
     """``x @ cat(weights, dim=1)``: in FP8 by ``recipe``, else as it is."""
     if recipe is None:
         return x @ (weights[0] if len(weights) == 1 else torch.cat(weights, dim=1))
-    return _Fp8Matmul.apply(recipe, x, *weights)
+    return _Fp8Matmul.apply(recipe, runs_scaled(x, recipe.tile), x, *weights)

@@ -13,19 +13,20 @@ import math
 import sys
 
 import torch
-import torch.distributed as dist
 
 from planc.estimate.memory import total_parameters
 from planc.models import family_of
 from planc.plan.plan import Plan
 from planc.plan.plan_json import plan_from_dict
 from planc.runtime.engine.context import RankContext
+from planc.runtime.engine import fp8
 from planc.runtime.engine.data import DataChanged
 from planc.runtime.engine.exchange import (PeerDataError, either, gather_flat, gather_json, integer,
                                     list_of, nothing, number, one_of, record, row, text)
 from planc.runtime.engine.interpreter import Interpreter
 from planc.runtime.engine.model import join_feature
 from planc.diagnostics import counted
+from planc.vocabulary.model_options import fp8_tile
 from planc.runtime.engine.collectives import all_gather_single
 
 
@@ -136,10 +137,12 @@ def compare(ctx: RankContext, interpreter: Interpreter, plan_data: dict,
     replicas = [(d, c) for d in range(plan.mesh.dp) for c in range(plan.mesh.cp)]
     report, failed = [], False
     tolerance = 1e-5 if exact(plan) else 2e-2
+    tile = fp8_tile(plan.model)
+    on_tensor_cores = tile is not None and fp8.tensor_cores(ctx.device, tile)
     floor = update_floor(plan, steps)
     for step, (got, want) in enumerate(zip(run_losses, expected_losses[first:]), first):
         error = abs(got - want) / max(abs(want), 1e-12)
-        bad = error > first_step_tolerance(plan, step, tolerance)
+        bad = error > first_step_tolerance(plan, step, tolerance, on_tensor_cores)
         failed |= bad
         report.append(f"  step {step}: loss {got:.8f}, single process {want:.8f}, relative "
                       f"error {error:.2e}{'  MISMATCH' if bad else ''}")
@@ -168,11 +171,11 @@ def compare(ctx: RankContext, interpreter: Interpreter, plan_data: dict,
     resumed = f" (from step {first}, resumed)" if first else ""
     evaluated = sum(1 for step in expected_evaluations if step >= first)
     what += f" and {counted(evaluated, 'evaluation')}" if evaluated else ""
+    first_tolerance = first_step_tolerance(plan, 0, tolerance, on_tensor_cores)
     header = (f"check: {counted(len(expected_losses) - first, 'step')}{resumed} and {what} "
               f"against the single-process run (relative tolerance {tolerance:g}"
-              + (f", step 0's loss {first_step_tolerance(plan, 0, tolerance):g}"
-                 if first == 0 and first_step_tolerance(plan, 0, tolerance) != tolerance
-                 else "")
+              + (f", step 0's loss {first_tolerance:g}"
+                 if first == 0 and first_tolerance != tolerance else "")
               + (f", AdamW slack {floor:.1e}" if floor else "") + "): ")
     if failed:
         print(header + "FAILED", file=sys.stderr)
@@ -244,14 +247,26 @@ def exact(plan) -> bool:
     return plan.model.dtype == "fp32" and plan.model.options.get("fp8") is None
 
 
-def first_step_tolerance(plan, step: int, tolerance: float) -> float:
+# DeepSeek-V3's report (section 3.3.2): Hopper's FP8 tensor cores accumulate with about
+# 14 bits, where the reference's emulation sums exactly in fp32. Measured on an H200:
+# step 0's loss of a 2-layer llama 1.25e-5 from the CPU reference's
+TENSOR_CORES_FIRST_STEP = 1e-4
+
+
+def first_step_tolerance(plan, step: int, tolerance: float, tensor_cores: bool = False
+                         ) -> float:
     """The tolerance of ``step``'s loss. In fp32 with FP8 GEMMs, step 0's is fp32's: its
     forward starts from the weights the reference starts from, and only a rounding
     flipped by the order of a sum, one element in thousands, separates the two (1e-7
     relative on a 2-layer llama at tp 2 x pp 2 x dp 2, where leaving out the FP8
-    quantisation moves it by 3e-5): the check's hold on the recipe itself."""
+    quantisation moves it by 3e-5): the check's hold on the recipe itself. With the
+    GEMMs on FP8 tensor cores (``tensor_cores``), whose sums keep fewer bits than the
+    reference's, :data:`TENSOR_CORES_FIRST_STEP`; the recipe is then held by
+    tests/test_fp8.py's GPU test of the GEMMs themselves."""
     fp32_fp8 = plan.model.dtype == "fp32" and plan.model.options.get("fp8") is not None
-    return 1e-5 if fp32_fp8 and step == 0 else tolerance
+    if fp32_fp8 and step == 0:
+        return TENSOR_CORES_FIRST_STEP if tensor_cores else 1e-5
+    return tolerance
 
 
 def _rounding(plan) -> str:
