@@ -10,7 +10,9 @@ curve. Everything about the model comes from the build's model table
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable, Iterable, TypeVar
 
 import torch
 
@@ -28,6 +30,19 @@ def initial_value(seed: int, name: str, shape: tuple[int, ...], mean: float, std
     if mean:
         value += mean
     return value.to(torch.float32)
+
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+
+def drawn_at_once(draw: Callable[[Item], Result], items: Iterable[Item]) -> list[Result]:
+    """``draw`` of each item, on as many threads as torch's intra-op threads: each
+    parameter's value comes from its own generator (:func:`initial_value`), so the order
+    does not change a value, and one thread draws some 0.1 G values a second (a 1.1B
+    model took 30 s on one core of this project's machine)."""
+    with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        return list(pool.map(draw, items))
 
 
 @dataclass(frozen=True)

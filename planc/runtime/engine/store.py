@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from planc.runtime.engine.context import RankContext
-from planc.runtime.engine.model import initial_value, split_feature
+from planc.runtime.engine.model import drawn_at_once, initial_value, split_feature
 
 FP32 = torch.float32
 
@@ -76,13 +76,17 @@ class ParamStore:
         for bucket_id, bucket in buckets.items():
             flat = torch.zeros(bucket["padded"], dtype=FP32)
             piece = piece_index(ctx, bucket)
+
+            def fill(m: dict) -> None:  # each member's own slice of flat
+                rule = initial[m["param"]]  # the model table's rule for its initial value
+                value = initial_value(seed, m["param"], tuple(m["full_shape"]), rule.mean,
+                                      rule.std)
+                flat[m["offset"]:m["offset"] + m["numel"]] = \
+                    piece_of(ctx, value, m, piece).reshape(-1)
+
+            if ctx.model.init is None:  # else read from it (planc.runtime.checkpoint.init_load)
+                drawn_at_once(fill, bucket["members"])
             for m in bucket["members"]:
-                if ctx.model.init is None:  # else read from it (planc.runtime.checkpoint.init_load)
-                    rule = initial[m["param"]]  # the model table's rule for its initial value
-                    value = initial_value(seed, m["param"], tuple(m["full_shape"]),
-                                          rule.mean, rule.std)
-                    value = piece_of(ctx, value, m, piece)
-                    flat[m["offset"]:m["offset"] + m["numel"]] = value.reshape(-1)
                 self.members[m["param"]] = Member(bucket_id, m["offset"], m["numel"],
                                                   tuple(m["shape"]))
             flat = flat.to(ctx.device)

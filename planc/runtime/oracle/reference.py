@@ -22,7 +22,7 @@ from planc.plan.plan import Plan
 from planc.runtime.engine.data import DataSource, batch_tokens
 from planc.runtime.families import family_module
 from planc.runtime.checkpoint.init_load import whole_value
-from planc.runtime.engine.model import initial_value
+from planc.runtime.engine.model import drawn_at_once, initial_value
 from planc.runtime.engine.optim import TensorOptimizer
 from planc.vocabulary.model_options import balance_bias_name
 
@@ -90,7 +90,10 @@ def initial_values(plan: Plan) -> dict[str, torch.Tensor]:
     """Every parameter's initial value: read whole from the plan's Hugging Face
     checkpoint (train.init), else drawn by :func:`initial`."""
     if plan.train.init is None:
-        return {name: initial(plan, name, p.shape) for name, p in parameters(plan).items()}
+        wanted = parameters(plan)
+        return dict(zip(wanted, drawn_at_once(lambda name: initial(plan, name,
+                                                                   wanted[name].shape),
+                                              wanted)))
     sources, _ = init_sources(plan.model, plan.train.init_form == "saved")
     with _checkpoint_slices(plan) as saved:
         return {name: whole_value(saved, sources[name], p.shape)
