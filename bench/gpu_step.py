@@ -32,9 +32,7 @@ the card's name, in docs/performance.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import io
 import json
 import math
 import os
@@ -78,36 +76,31 @@ def plan_of(size: str, steps: int):
 
 
 def run_planc(text: str, directory: Path) -> dict:
-    from planc.cli import main
+    from planc_metrics import run_for_metrics
 
-    (directory / "step.plan").write_text(text)
-    metrics = directory / "metrics.jsonl"
-    captured = io.StringIO()
-    with contextlib.redirect_stderr(captured), contextlib.redirect_stdout(io.StringIO()):
-        status = main(["run", str(directory / "step.plan"), "-o", str(directory / "build"),
-                       "--metrics", str(metrics), "--force"])
-    if status != 0:
-        raise SystemExit(f"gpu_step: planc run failed:\n{captured.getvalue()[-3000:]}")
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records, printed = run_for_metrics(text, directory)
+    if records is None:
+        raise SystemExit(f"gpu_step: planc run failed:\n{printed}")
     return {"times": [r["time_s"] for r in records], "first_loss": records[0]["loss"],
             "peak_mb": max(records[-1]["peak_memory_mb"])}
 
 
-def hf_model(plan, device):
-    """transformers' LlamaForCausalLM with planc's initial weights, laid out as
-    ``planc export`` writes them (planc.hf.export's tensors), SDPA attention, on
-    ``device``."""
+def hf_model(plan, device, values):
+    """transformers' LlamaForCausalLM with planc's initial weights (``values``, by
+    planc's names), laid out as ``planc export`` writes them (planc.hf.export's tensors),
+    SDPA attention, on ``device``."""
     import transformers
 
     from planc.hf.export import hf_config, model_tensors
     from planc.runtime.checkpoint.export_hf import hf_tensor
-    from planc.runtime.oracle.reference import initial_values
 
     config = transformers.LlamaConfig(**{k: v for k, v in hf_config(
         dataclasses.asdict(plan.model)).items() if k not in ("architectures", "model_type")})
     config._attn_implementation = "sdpa"
-    model = transformers.LlamaForCausalLM(config).float()
-    values = initial_values(plan)
+    import torch
+
+    with torch.device(device):  # drawn where it runs: on a CPU, 1.1B values take seconds
+        model = transformers.LlamaForCausalLM(config).float()
     state = {t.target: hf_tensor(t, values) for t in model_tensors(plan.model)}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or not all("rotary" in k for k in missing):
@@ -116,7 +109,7 @@ def hf_model(plan, device):
     return model.to(device)
 
 
-def run_torch(plan, steps: int, device, compiled: bool) -> dict:
+def run_torch(plan, values, steps: int, device, compiled: bool) -> dict:
     """A plain loop: forward, mean cross-entropy, backward, fused AdamW, zero_grad."""
     import torch
     import torch.nn.functional as F
@@ -125,12 +118,13 @@ def run_torch(plan, steps: int, device, compiled: bool) -> dict:
 
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        torch.zeros(1, device=device)  # the allocator's statistics exist once it is used
         torch.cuda.reset_peak_memory_stats(device)
     else:  # as planc run's one rank: the machine's cores, unless the user sets it
         from planc.runtime.launcher.launch import threads_per_rank
 
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", threads_per_rank(1))))
-    model = hf_model(plan, device)
+    model = hf_model(plan, device, values)
     forward = torch.compile(model, mode="reduce-overhead" if device.type == "cuda" else None) \
         if compiled else model  # forward and backward compiled (AOTAutograd), as torchtitan
     train = plan.train.optimizer
@@ -156,7 +150,13 @@ def run_torch(plan, steps: int, device, compiled: bool) -> dict:
         times.append(time.perf_counter() - start)
         if first is None:
             first = float(loss)
-    return {"times": times, "first_loss": first, "peak_mb": peak_mb(device)}
+    result = {"times": times, "first_loss": first, "peak_mb": peak_mb(device)}
+    if device.type == "cuda":  # give the memory back before the next side needs it: a
+        # compiled module's CUDA graphs keep their pools while dynamo keeps the module
+        del model, forward, optimizer, batches
+        torch.compiler.reset()
+        torch.cuda.empty_cache()
+    return result
 
 
 def sync(device) -> None:
@@ -180,7 +180,10 @@ def measure(size: str, steps: int, rounds: int) -> dict:
     import torch
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from planc.runtime.oracle.reference import initial_values
+
     text, plan = plan_of(size, steps)
+    values = initial_values(plan)  # drawn once: 1.1B values take tens of seconds
     sides = ("planc", "eager", "compiled")
     figures: dict[str, list[float]] = {side: [] for side in sides}
     peaks: dict[str, float] = {}
@@ -192,7 +195,8 @@ def measure(size: str, steps: int, rounds: int) -> dict:
                 with tempfile.TemporaryDirectory() as tmp:
                     result = run_planc(text, Path(tmp))
             else:
-                result = run_torch(plan, steps, device, compiled=side == "compiled")
+                result = run_torch(plan, values, steps, device,
+                                   compiled=side == "compiled")
             figures[side].append(statistics.median(result["times"][WARMUP:]))
             peaks[side] = max(peaks.get(side, 0.0), result["peak_mb"])
             firsts[side] = result["first_loss"]
