@@ -521,12 +521,15 @@ def test_a_token_file_truncated_under_a_running_job_stops_it(tmp_path):
     found = re.findall(r"planc: error: data file .* at step (\d+)\)", err)
     assert found, err[-3000:]
     step = int(found[0])
-    message = (f"planc: error: data file {tokens} changed during the run ({size} bytes when "
-               f"the run began, {HEADER_BYTES + 7 * 8 * 4} at step {step}); nothing from step "
-               f"{step} on was trained or checkpointed")
+    # the size check before a read sees the cut, or, when the cut lands between the check
+    # and the read, the read that comes back short does: each names the file and the step
+    seen = (f"({size} bytes when the run began, {HEADER_BYTES + 7 * 8 * 4} at step {step})",
+            f"(a read of 32 bytes returned 0 at step {step})")
+    messages = {f"planc: error: data file {tokens} changed during the run {what}; nothing "
+                f"from step {step} on was trained or checkpointed" for what in seen}
     reports = [line.split("] ", 1)[1] for line in err.splitlines()
                if line.startswith("[rank ") and "planc: error:" in line]
-    assert reports and set(reports) == {message}, err[-3000:]
+    assert reports and set(reports) <= messages, err[-3000:]
     assert "Traceback" not in err
     written = sorted(int(p.name[5:]) for p in checkpoints.glob("step-*"))
     assert 1 <= step < 500 and written and max(written) <= step, (step, written)
