@@ -436,6 +436,8 @@ def test_the_workers_check_the_values_they_read(pristine, tmp_path, capfd):
     assert result.returncode != 0
     assert result.stderr.count("planc: error:") == 1, result.stderr
     assert f"planc: error: checkpoint {root / STEP}: {QKV} holds inf at index (3, 41)\n" in \
-        result.stderr
+        result.stderr, result.stderr
+    # both ranks stopped on the shared verdict: none aborted on its way out
+    assert "SIGABRT" not in result.stderr and "terminate called" not in result.stderr
     assert "planc/runtime" not in result.stderr  # no traceback of planc's (torchrun has its own)
     assert "step 3/3" not in result.stderr  # nothing trained

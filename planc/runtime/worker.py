@@ -354,11 +354,27 @@ def run_rank(options: RunOptions, log_dir: str) -> int:
         return 1
 
 
+def _exit_status(code) -> int:
+    """What ``sys.exit(code)`` would exit with, its message printed as Python would."""
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        return 1
+    return code or 0
+
+
 if __name__ == "__main__":
+    # Under torchrun. A rank leaves as planc run's ranks do (planc.runtime.launcher.
+    # rank_process): through os._exit once its output is out. A rank that stopped on an
+    # error its peers share (a damaged checkpoint) and went through the interpreter's
+    # teardown aborted one exit in four here ("terminate called without an active
+    # exception", from a C++ thread still running), its report written into the error's.
     try:
-        sys.exit(main())
-    except SystemExit:
-        raise
-    except BaseException:
+        status = main()
+    except SystemExit as exc:
+        status = _exit_status(exc.code)
+    except Exception:  # noqa: BLE001 - the traceback is the report
         traceback.print_exc()
-        raise
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
