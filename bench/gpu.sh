@@ -1,0 +1,32 @@
+#!/bin/bash
+# Everything planc checks and measures on one GPU, in one command (about 9 minutes on an
+# H200): the tests that need CUDA, bench/gpu_step.py (issue 37's one-GPU table) and
+# bench/gpu_moe.py (issue 40's MoE plans of one GPU). Each part has its own time limit
+# (seconds: TESTS_S, STEP_S, MOE_S), so that one part that runs long leaves the others
+# their time; every line also goes to OUT/log.txt, and the tables to OUT/*.json.
+#
+#   bench/gpu.sh [OUT]          OUT: where the log and the JSON go (default gpu-results)
+#   PYTHON=.venv/bin/python bench/gpu.sh
+set -u
+cd "$(dirname "$0")/.."
+out=${1:-gpu-results}
+python=${PYTHON:-python3}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+part() { echo "=== $(date +%T) $*"; }
+{
+    part machine
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    "$python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))"
+    part tests
+    timeout "${TESTS_S:-90}" "$python" -m pytest -q -p no:cacheprovider -rs tests/test_fp8.py \
+        tests/test_run_metrics.py tests/test_runtime_data_and_failures.py \
+        -k "gpu or tensor_core or cuda or nccl"
+    part gpu_step
+    timeout "${STEP_S:-330}" "$python" bench/gpu_step.py --steps 6 --rounds 3 \
+        --json "$out/gpu_step.json"
+    part gpu_moe
+    timeout "${MOE_S:-170}" "$python" bench/gpu_moe.py --steps 6 --json "$out/gpu_moe.json"
+    part done
+} 2>&1 | tee "$out/log.txt"
