@@ -122,14 +122,14 @@ def test_the_tensor_core_gemms_compute_what_the_emulation_computes(gradients):
     tiles partly padded. A CPU tensor never takes it by itself."""
     from planc.runtime.engine.fp8 import (GRADIENT_FORMATS, Recipe, _Fp8Matmul,
                                           _Fp8SwiGLUDown, encoded_blocks, encoded_rows,
-                                          runs_scaled, scaled_product)
+                                          scaled_product, tensor_cores)
 
     recipe = Recipe(16, GRADIENT_FORMATS[gradients])
     generator = torch.Generator().manual_seed(4)
     x = torch.randn(2, 21, 40, generator=generator)  # 42 rows: padded to 48
     a, b = torch.randn(40, 24, generator=generator), torch.randn(40, 8, generator=generator)
     grad = torch.randn(2, 21, 32, generator=generator)
-    assert not runs_scaled(x, 16)
+    assert not tensor_cores(x.device, 16)
     results = _emulated_and_scaled(_Fp8Matmul, recipe, (x, a, b), grad)
     for emulated, scaled in zip(*results):
         assert torch.allclose(scaled, emulated, rtol=1e-5, atol=1e-5)
@@ -249,7 +249,7 @@ def test_on_fp8_tensor_cores_a_linear_computes_what_the_cpu_emulation_computes(g
     emulation: the two agree to the tensor cores' accumulation, the weight gradient (the
     same emulation on both) too. Leaving the quantisation out moves these products by 4%
     of their largest value, 80 times what this allows."""
-    from planc.runtime.engine.fp8 import GRADIENT_FORMATS, Recipe, matmul, runs_scaled
+    from planc.runtime.engine.fp8 import GRADIENT_FORMATS, Recipe, matmul, tensor_cores
 
     recipe = Recipe(128, GRADIENT_FORMATS[gradients])
     generator = torch.Generator().manual_seed(5)
@@ -260,7 +260,7 @@ def test_on_fp8_tensor_cores_a_linear_computes_what_the_cpu_emulation_computes(g
     results = []
     for device in ("cpu", "cuda"):
         leaves = [t.to(device).requires_grad_() for t in (x.clone(), a.clone(), b.clone())]
-        assert runs_scaled(leaves[0], 128) == (device == "cuda")
+        assert tensor_cores(leaves[0].device, 128) == (device == "cuda")
         out = matmul(leaves[0], leaves[1:], recipe)
         out.backward(grad.to(device))
         results.append([t.cpu() for t in [out.detach()] + [t.grad for t in leaves]])

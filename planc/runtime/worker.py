@@ -336,30 +336,27 @@ def _tell_launcher(path: str, text: str) -> None:
         pass  # a full disk: the launcher stops the run after its grace period anyway
 
 
-def run_rank(options: RunOptions, log_dir: str) -> int:
-    """One rank under planc run's launcher: its exit status, with an exception's
-    traceback printed and kept in ``LOG_DIR/error.txt`` for the launcher's report."""
-    try:
-        return run(options, log_dir)
-    except SystemExit as exc:
-        if isinstance(exc.code, str):
-            print(exc.code, file=sys.stderr)
-            return 1
-        return exc.code or 0
-    except BaseException:  # the launcher shows it as the failure's cause
-        text = traceback.format_exc()
-        print(text, file=sys.stderr, end="")
-        with open(os.path.join(log_dir, ERROR_FILE), "w", encoding="utf-8") as handle:
-            handle.write(text)
-        return 1
-
-
 def _exit_status(code) -> int:
     """What ``sys.exit(code)`` would exit with, its message printed as Python would."""
     if isinstance(code, str):
         print(code, file=sys.stderr)
         return 1
     return code or 0
+
+
+def run_rank(options: RunOptions, log_dir: str) -> int:
+    """One rank under planc run's launcher: its exit status, with an exception's
+    traceback printed and kept in ``LOG_DIR/error.txt`` for the launcher's report."""
+    try:
+        return run(options, log_dir)
+    except SystemExit as exc:
+        return _exit_status(exc.code)
+    except BaseException:  # the launcher shows it as the failure's cause
+        text = traceback.format_exc()
+        print(text, file=sys.stderr, end="")
+        with open(os.path.join(log_dir, ERROR_FILE), "w", encoding="utf-8") as handle:
+            handle.write(text)
+        return 1
 
 
 if __name__ == "__main__":

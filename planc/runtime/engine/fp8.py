@@ -145,11 +145,6 @@ def tensor_cores(device: torch.device, tile: int) -> bool:
             and tile % 16 == 0)
 
 
-def runs_scaled(rows: torch.Tensor, tile: int) -> bool:
-    """Whether GEMMs over ``rows`` (..., features) run on FP8 tensor cores."""
-    return tensor_cores(rows.device, tile)
-
-
 def scaled_product(codes: torch.Tensor, scale: torch.Tensor, block_codes: torch.Tensor,
                    block_scale: torch.Tensor) -> torch.Tensor:
     """Rows in 1 x T tiles (``codes`` (..., K / T, T) and ``scale`` (..., K / T, 1), as
@@ -245,19 +240,20 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
         tile = recipe.tile
         block = encoded_blocks(down, tile)
         product = encoded_rows(F.silu(gate) * up, tile)
-        if scaled:
+        if scaled:  # the weight kept as the kernel reads it: FP8 blocks and their scales
+            kept = block
             out = _times_blocks(*product, block, down.shape[1])
-        else:
-            block = (decoded_blocks(*block, down.shape),)
-            out = decoded_rows(*product, gate.shape[-1]) @ block[0]
+        else:  # the weight kept decoded, as the emulation multiplies it
+            kept = (decoded_blocks(*block, down.shape),)
+            out = decoded_rows(*product, gate.shape[-1]) @ kept[0]
         ctx.recipe, ctx.scaled, ctx.dtypes, ctx.features = recipe, scaled, \
             (gate.dtype, down.dtype), gate.shape[-1]
-        ctx.save_for_backward(*encoded_rows(gate, tile), *encoded_rows(up, tile), *block)
+        ctx.save_for_backward(*encoded_rows(gate, tile), *encoded_rows(up, tile), *kept)
         return out.to(gate.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        gate_codes, gate_scale, up_codes, up_scale, *block = ctx.saved_tensors
+        gate_codes, gate_scale, up_codes, up_scale, *kept = ctx.saved_tensors
         recipe, (dtype, w_dtype), n = ctx.recipe, ctx.dtypes, ctx.features
         gate = decoded_rows(gate_codes, gate_scale, n).to(dtype)
         up = decoded_rows(up_codes, up_scale, n).to(dtype)
@@ -266,9 +262,9 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
         encoded = encoded_rows(grad, recipe.tile, recipe.gradients)
         gq = decoded_rows(*encoded, grad.shape[-1])
         if ctx.scaled:
-            d_product = _times_blocks(*encoded, (block[0].t(), block[1].t()), n).to(dtype)
+            d_product = _times_blocks(*encoded, (kept[0].t(), kept[1].t()), n).to(dtype)
         else:
-            d_product = (gq @ block[0].t()).to(dtype)
+            d_product = (gq @ kept[0].t()).to(dtype)
         dw = xq.reshape(-1, n).t() @ gq.reshape(-1, gq.shape[-1])
         sigmoid = torch.sigmoid(gate)
         d_gate = d_product * up * sigmoid * (1 + gate * (1 - sigmoid))
@@ -279,7 +275,8 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                 recipe: Recipe) -> torch.Tensor:
     """``(silu(gate) * up) @ down`` in FP8, keeping gate and up in FP8 for the backward
     rather than the product (:class:`_Fp8SwiGLUDown`)."""
-    return _Fp8SwiGLUDown.apply(recipe, runs_scaled(gate, recipe.tile), gate, up, down)
+    return _Fp8SwiGLUDown.apply(recipe, tensor_cores(gate.device, recipe.tile), gate, up,
+                                down)
 
 
 def matmul(x: torch.Tensor, weights: list[torch.Tensor], recipe: Recipe | None
@@ -287,4 +284,4 @@ def matmul(x: torch.Tensor, weights: list[torch.Tensor], recipe: Recipe | None
     """``x @ cat(weights, dim=1)``: in FP8 by ``recipe``, else as it is."""
     if recipe is None:
         return x @ (weights[0] if len(weights) == 1 else torch.cat(weights, dim=1))
-    return _Fp8Matmul.apply(recipe, runs_scaled(x, recipe.tile), x, *weights)
+    return _Fp8Matmul.apply(recipe, tensor_cores(x.device, recipe.tile), x, *weights)
