@@ -64,6 +64,7 @@ SWITCHES = {"": [], "fuse-off": ["--set", "optimize.fuse=off"],
 METRICS = {"step", "loss", "time_s", "compute_s", "comm_s", "exposed_comm_s", "pipeline_wait_s",
            "tokens_per_s", "slowest_rank", "max_rss_mb", "build", "lr"}
 METRICS |= {"tflops_per_device", "mfu", "peak_memory_mb", "peak_memory", "plan"}  # throughput
+METRICS |= {"page_faults"}
 
 
 def metrics_of(build) -> set[str]:

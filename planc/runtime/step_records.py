@@ -71,7 +71,8 @@ class StepRecords:
     ``max_rss_mb`` the largest peak resident memory of any rank so far; ``build`` the
     build's fingerprint, so that ``planc report`` refuses the metrics of another build;
     ``tflops_per_device`` and ``mfu`` the step's model FLOPs over ``time_s`` and every
-    device, ``peak_memory_mb`` every rank's peak memory (planc.runtime.step_metrics)."""
+    device, ``peak_memory_mb`` every rank's peak memory (planc.runtime.step_metrics);
+    ``page_faults`` the most minor page faults any rank took since its last record."""
 
     FIELDS = ("time_s", "compute_s", "comm_s", "exposed_comm_s", "pipeline_wait_s")
 
@@ -101,6 +102,7 @@ class StepRecords:
         for rank in range(self.world):
             stages.setdefault(ctx.ranks.stage_of(rank), []).append(rank)
         self.stragglers = StragglerWatch(list(stages.values()), straggler_margin)
+        self.faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
     def step(self, step: int, times, loss: float | None,
              routed: tuple[int, tuple[int, ...]] | None = None,
@@ -119,10 +121,12 @@ class StepRecords:
         memory, self.memory_kind = peak_memory_mb(self.ctx.device)
         peak = memory if self.memory_kind == "max_rss" else \
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+        faults, self.faults = self.faults, resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         rows, group = routed if routed is not None else (0, (-1,))
         lost, pairs = dropped if dropped is not None else (0, 0)
         mine = torch.tensor(times.as_list() + [rows, group[0], lost, pairs,
-                                               expert_imbalance or 0.0, peak, memory],
+                                               expert_imbalance or 0.0, self.faults - faults,
+                                               peak, memory],
                             dtype=torch.float64)
         if self.world == 1:
             self.pending = (step, None, [mine], loss)
@@ -165,6 +169,7 @@ class StepRecords:
         worst = float(table[:, at + 4].max())
         if worst > 0:  # model { bias_update }: what the balancing bias works against
             record["moe_expert_imbalance"] = worst
+        record["page_faults"] = int(table[:, at + 5].max())
         record.update(self.notes.pop(step, {}))
         if self.recovery is not None:
             record["recovery"], self.recovery = self.recovery, None

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+from planc.runtime.engine.host_memory import keep_freed_memory
 from planc.runtime.options import RunOptions
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # prctl(2)
@@ -23,6 +24,10 @@ def rank_process(rank: int, env: dict[str, str], log_dir: str, options: RunOptio
     output to the rank's log files, run the worker and exit with its status. SIGINT is
     already blocked here (inherited from the launcher: planc.host.interrupts.blocked_in_children),
     so a Ctrl-C sent to the whole process group cannot reach a rank before it ignores it."""
+    # Before this process's first thread: a thread that allocates before glibc is told
+    # to keep one arena gets an arena of its own, and the stream threads then share it
+    # (planc.runtime.engine.host_memory).
+    keep_freed_memory()
     _die_with_parent()
     if _launcher_gone(launcher, launcher_started):  # before that signal could serve
         os._exit(137)
