@@ -122,11 +122,12 @@ def test_every_step_reports_tflops_mfu_and_every_ranks_peak_memory(run):
         assert len(record["peak_memory_mb"]) == 4
         assert all(50 < mb < 4096 for mb in record["peak_memory_mb"])  # a torch process
         assert record["max_rss_mb"] == max(record["peak_memory_mb"])
-        assert isinstance(record["page_faults"], int) and record["page_faults"] > 0  # startup
+        assert isinstance(record["page_faults"], int) and record["page_faults"] >= 0
         # the keys of before, unchanged
         assert record["tokens_per_s"] == 16 * 32 / record["time_s"]
         assert record["build"] == json.loads((work / "b" / "build.json").read_text())[
             "plan_sha256"]
+    assert records[0]["page_faults"] > 1000  # the first step faults in what it grows into
     line = next(text for text in done.stderr.splitlines() if "step 2/2" in text)
     assert f"{records[1]['tflops_per_device']:.3g} TFLOP/s per device  MFU " \
            f"{100 * records[1]['mfu']:.2g}%" in line
@@ -143,7 +144,7 @@ PEERS_DP2 = """plan bench {
 """
 
 
-def test_a_trained_step_takes_no_page_faults_once_the_heap_has_grown(tmp_path):
+def test_a_trained_step_takes_few_page_faults_once_the_heap_has_grown(tmp_path):
     """Every rank's threads allocate from one glibc arena that keeps what a step frees
     (planc.runtime.engine.host_memory). A thread that allocated before the rank said so
     (the launcher's watch) had got an arena of its own, the stream threads shared it, and

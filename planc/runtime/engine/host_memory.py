@@ -10,10 +10,10 @@ the settings below. A thread other than the main one allocates from an arena of 
 own, made of 64 MiB heaps that glibc unmaps as soon as they are empty, whatever the
 thresholds say; the program's streams are threads (planc.runtime.engine.executor), so every
 thread shares the main heap (one arena: the stream threads allocate few, large blocks,
-so they hardly contend for its lock). glibc fixes its arena limit the first time a
-second thread allocates, so a rank asks before it starts any thread
-(planc.runtime.launcher.rank_process): the launcher's watch, started first, had got an
-arena of its own, the stream threads shared it, and a dp 2 step of bench/peers.py's
+so they hardly contend for its lock). A thread that allocates before the limit is set
+gets an arena of its own, which glibc then hands to later threads in turn, so a rank
+asks before it starts any thread (planc.runtime.launcher.rank_process): the launcher's
+watch, started first, had got one, the stream threads shared it, and a dp 2 step of bench/peers.py's
 model took 4,400 to 7,200 faults again (tests/test_run_metrics.py; ``page_faults`` in the
 metrics, docs/metrics.md). PyTorch's CPU performance guide gives the same advice
 (a caching allocator such as jemalloc or tcmalloc, or these glibc settings); CUDA's
