@@ -119,14 +119,14 @@ class StepRecords:
             failed_at = self.recovery.pop("failed_at")
             self.recovery["seconds_lost"] = round(time.time() - failed_at, 3)
         memory, self.memory_kind = peak_memory_mb(self.ctx.device)
-        peak = memory if self.memory_kind == "max_rss" else \
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-        faults, self.faults = self.faults, resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        peak = memory if self.memory_kind == "max_rss" else usage.ru_maxrss / 1024  # KiB
+        faults = usage.ru_minflt - self.faults
+        self.faults = usage.ru_minflt
         rows, group = routed if routed is not None else (0, (-1,))
         lost, pairs = dropped if dropped is not None else (0, 0)
         mine = torch.tensor(times.as_list() + [rows, group[0], lost, pairs,
-                                               expert_imbalance or 0.0, self.faults - faults,
-                                               peak, memory],
+                                               expert_imbalance or 0.0, faults, peak, memory],
                             dtype=torch.float64)
         if self.world == 1:
             self.pending = (step, None, [mine], loss)

@@ -108,7 +108,6 @@ class StartupWatch:
 
 def train(args: RunOptions, log_dir: str | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    keep_freed_memory()  # before the first tensor: every step reuses the last one's memory
     built = read_for_run(args.build)  # programs/ and plan.json: no graph, nothing derived
     if rank == 0 and args.trace:  # under torchrun nobody checked it (planc.host.outputs)
         from planc.host.outputs import RUN_TRACE, existing_problem
@@ -300,6 +299,9 @@ def _resumable(args, record, all_buckets: dict[str, dict], steps: int,
 
 def main(argv=None) -> int:
     """One rank started by torchrun (or by hand): its options from the command line."""
+    # before any thread and the first tensor, as planc run's ranks do (rank_process):
+    # every step reuses the last one's memory (planc.runtime.engine.host_memory)
+    keep_freed_memory()
     return run(RunOptions.parse(argv))
 
 

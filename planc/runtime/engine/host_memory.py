@@ -11,11 +11,12 @@ own, made of 64 MiB heaps that glibc unmaps as soon as they are empty, whatever 
 thresholds say; the program's streams are threads (planc.runtime.engine.executor), so every
 thread shares the main heap (one arena: the stream threads allocate few, large blocks,
 so they hardly contend for its lock). A thread that allocates before the limit is set
-gets an arena of its own, which glibc then hands to later threads in turn, so a rank
-asks before it starts any thread (planc.runtime.launcher.rank_process): the launcher's
-watch, started first, had got one, the stream threads shared it, and a dp 2 step of bench/peers.py's
-model took 4,400 to 7,200 faults again (tests/test_run_metrics.py; ``page_faults`` in the
-metrics, docs/metrics.md). PyTorch's CPU performance guide gives the same advice
+gets an arena of its own, which glibc then hands to later threads in turn, so each entry
+of a rank asks before it starts any thread (planc.runtime.launcher.rank_process under
+planc run, planc.runtime.worker's ``main`` under torchrun): the launcher's watch,
+started first, had got one, the stream threads shared it, and a dp 2 step of
+bench/peers.py's model took 4,400 to 7,200 faults again (tests/test_run_metrics.py;
+``page_faults`` in the metrics, docs/metrics.md). PyTorch's CPU performance guide gives the same advice
 (a caching allocator such as jemalloc or tcmalloc, or these glibc settings); CUDA's
 caching allocator does this for device memory.
 
