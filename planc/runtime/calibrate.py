@@ -52,6 +52,7 @@ from planc.runtime.calibrate_instructions import (OVERHEAD_CALLS, OVERHEAD_WINDO
                                                   measure_handoff, measure_instructions,
                                                   tiny_operator, while_others_compute)
 from planc.runtime.launcher.rendezvous import joined_store
+from planc.runtime.engine.host_memory import keep_freed_memory
 from planc.runtime.engine.collectives import all_gather_single, reduce_scatter_single
 from planc.estimate.cost import steps, tree_depth
 
@@ -378,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
+    # The allocator settings of the ranks whose instructions this times (planc run's and
+    # torchrun's, planc.runtime.engine.host_memory), before gloo starts its threads
+    keep_freed_memory()
     world = int(os.environ["WORLD_SIZE"])
     if args.devices_per_node < 1 or world % args.devices_per_node:
         print(f"planc calibrate: {world} ranks do not fill nodes of {args.devices_per_node}",

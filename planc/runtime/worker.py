@@ -37,6 +37,7 @@ from planc.data.identity import identity_now
 from planc.runtime.engine.exchange import (all_gather_json, boolean, broadcast_json, either,
                                     gather_json, integer, list_of, nothing, number, row, text)
 from planc.runtime.engine.host_memory import keep_freed_memory
+from planc.runtime.launcher.torch_threads import own_intra_op_threads
 from planc.runtime.engine.evaluation import Evaluator
 from planc.runtime.checkpoint.init_load import InitialWeights
 from planc.program.step_code import StepCodeError
@@ -119,6 +120,12 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
         raise SystemExit(f"planc: error: the plan needs {built.table.world} ranks, the "
                          f"launch has {world}")
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    # On CPU the compute stream's thread gets the rank's intra-op threads and this one
+    # runs on one, before its first operator: a second team of OpenMP threads would
+    # slow every parallel operator of the compute stream (planc.runtime.engine.executor)
+    compute_threads = torch.get_num_threads()
+    if backend == "gloo":
+        own_intra_op_threads(1)
     device = torch.device("cpu")
     if backend == "nccl":
         local = int(os.environ.get("LOCAL_RANK", 0))
@@ -161,8 +168,12 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
         if args.resume:
             peer.follow(checkpoints)
     try:
-        executor = (CudaExecutor if backend == "nccl" else CpuExecutor)(
-            interpreter, args.timeout, trace=bool(args.trace))
+        executor = CudaExecutor(interpreter, args.timeout, trace=bool(args.trace)) \
+            if backend == "nccl" else CpuExecutor(interpreter, args.timeout,
+                                                  trace=bool(args.trace),
+                                                  threads=compute_threads)
+        # on CPU the evaluation's streams compute on one thread: a second team beside
+        # the training's compute stream would slow every step after the first evaluation
         evaluator = Evaluator(ctx, program, store, lambda interp: type(executor)(
             interp, args.timeout)) if built.model.evaluation is not None else None
     except StepCodeError as exc:  # a program planc verify refuses, run without it
@@ -232,6 +243,8 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
     except DataError as exc:
         raise SystemExit(f"planc: error: {exc}") from None
     executor.close()
+    if backend == "gloo":  # the streams are gone: the check's reference gets the cores
+        own_intra_op_threads(compute_threads)
     if args.trace:
         gathered = gather_json([ctx.label, trace], 0, _TRACE_FORM, "its trace events")
         if rank == 0:

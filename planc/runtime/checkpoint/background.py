@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+from planc.runtime.launcher.torch_threads import own_intra_op_threads
+
 
 class Background:
     def __init__(self):
@@ -29,6 +31,9 @@ class Background:
             raise failure
 
     def _catching(self, work: Callable, args: tuple) -> None:
+        # beside the training's compute stream: a team of its own would slow it
+        # (planc.runtime.engine.executor)
+        own_intra_op_threads(1)
         try:
             work(*args)
         except BaseException as exc:  # SystemExit too: raised on the main thread by wait()

@@ -30,8 +30,10 @@ import torch
 
 from planc.program import step_code
 from planc.program.expansion import Expanded, expand
+from planc.program.names import Stream
 from planc.program.program import EVENT_NAMING_OPS, EVENT_OPS, Opcode
 from planc.runtime.engine.interpreter import Interpreter, StepState
+from planc.runtime.launcher.torch_threads import own_intra_op_threads
 from planc.data.trace import Flow, flows_of
 
 
@@ -120,11 +122,26 @@ class _Aborted(Exception):
 class CpuExecutor:
     """Program streams as threads, created once, each running the function generated
     for it from the program (planc.program.step_code, proven to issue the program's
-    instructions before it runs); see the module docstring."""
+    instructions before it runs); see the module docstring.
 
-    def __init__(self, interpreter: Interpreter, timeout: float, trace: bool = False):
+    The compute stream gets the rank's ``threads`` intra-op threads, every other stream
+    one, and the rank's main thread must run its operators on one (planc.runtime.worker)
+    while the streams run. Each thread that runs a parallel operator with more than one
+    thread keeps a team of OpenMP threads of its own (libgomp), and a team beside
+    another one, even an idle one, runs every parallel region about 2.5 times slower:
+    on 2 cores a 524,288-value multiply took 28 µs on a thread whose team was the
+    process's only one and 73 µs beside the main thread's idle team
+    (bench/omp_teams.py; docs/performance.md has a rank's step before and after). The
+    transfer streams' own work (copies into and out of buckets) is small beside the
+    compute, and gloo runs the collectives on threads of its own.
+    """
+
+    def __init__(self, interpreter: Interpreter, timeout: float, trace: bool = False,
+                 threads: int = 1):
         self.interpreter, self.timeout, self.tracing = interpreter, timeout, trace
         self.code = step_code.generate(interpreter.program, trace)
+        self.intra_op = [threads if stream.name == Stream.COMPUTE else 1
+                         for stream in self.code.streams]
         checked = step_code.check(self.code, interpreter.program)
         namespace: dict = {}
         exec(compile(checked, f"<planc step of rank {interpreter.ctx.rank}>", "exec"),
@@ -147,6 +164,7 @@ class CpuExecutor:
             thread.start()
 
     def _loop(self, k: int) -> None:
+        own_intra_op_threads(self.intra_op[k])
         function, inbox = self.functions[k], self.inbox[k]
         while True:
             work = inbox.get()

@@ -1,0 +1,110 @@
+"""A CPU rank's intra-op (OpenMP) threads: the compute stream runs with the rank's count,
+the rank's main thread with one while the streams run (a second team of OpenMP threads in
+the process slows every parallel operator of the first: planc.runtime.engine.executor),
+and each thread keeps the count it asked for whatever another thread sets later."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+from conftest import ROOT
+
+# Two threads ask for their counts in turn, each before the other's first operator;
+# each then reads back its own.
+TWO_THREADS = textwrap.dedent("""
+    import json, threading, torch
+    from planc.runtime.launcher.torch_threads import own_intra_op_threads
+    own_intra_op_threads(1)
+    first_set, second_set, seen = threading.Event(), threading.Event(), {}
+    def first():
+        own_intra_op_threads(2); first_set.set(); second_set.wait()
+        seen["first"] = torch.get_num_threads()
+    def second():
+        first_set.wait(); own_intra_op_threads(1); second_set.set()
+        seen["second"] = torch.get_num_threads()
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    seen["main"] = torch.get_num_threads()
+    print(json.dumps(seen))
+""")
+
+ONE_RANK_PLAN = """plan one {
+  model gpt { layers = 2; hidden = 64; heads = 4; vocab = 256; seq = 32; batch = 4 }
+  mesh { }
+  train { steps = 2; optimizer = adamw(lr = 1e-3); seed = 0 }
+}
+"""
+
+# One rank of ONE_RANK_PLAN, started as torchrun starts it (planc.runtime.worker's
+# main), every compute kernel and every step's record noting the thread it ran on and
+# that thread's intra-op count, as do the --check comparison and the writing of the
+# last step's checkpoint in the background (--checkpoint-async).
+ONE_RANK = textwrap.dedent("""
+    import json, sys, threading, torch
+    import planc.runtime.oracle.check as check
+    import planc.runtime.worker as worker
+    from planc.runtime.checkpoint.checkpoints import Checkpoints
+    from planc.runtime.engine.kernels import Kernels
+    seen = {"kernels": set(), "records": set(), "check": set(), "checkpoint": set()}
+    def noting(where, function):
+        def noted(*args, **kwargs):
+            seen[where].add((threading.current_thread().name, torch.get_num_threads()))
+            return function(*args, **kwargs)
+        return noted
+    Kernels.forward = noting("kernels", Kernels.forward)
+    worker.StepRecords.step = noting("records", worker.StepRecords.step)
+    check.compare = noting("check", check.compare)
+    Checkpoints._finish = noting("checkpoint", Checkpoints._finish)
+    saving = Checkpoints.save
+    def save_after_another_thread_asked_for_two(*args, **kwargs):
+        # the value torch shares between threads is now 2, whatever the streams set
+        other = threading.Thread(target=torch.set_num_threads, args=(2,))
+        other.start()
+        other.join()
+        return saving(*args, **kwargs)
+    Checkpoints.save = save_after_another_thread_asked_for_two
+    status = worker.main([sys.argv[1], "--steps", "2", "--check", "--checkpoint-dir",
+                          sys.argv[2], "--checkpoint-async"])
+    print(json.dumps({"status": status, **{k: sorted(v) for k, v in seen.items()}}))
+""")
+
+
+def _python(script: str, *args: str, env: dict[str, str]) -> dict:
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300, env={**os.environ, **env})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_thread_keeps_the_count_it_asked_for_when_another_thread_asks_later():
+    # torch sets a thread's count from a value every thread shares on its first
+    # operator: asked for without a read first, the first thread got the second's 1
+    seen = _python(TWO_THREADS, env={"OMP_NUM_THREADS": "2"})
+    assert seen == {"first": 2, "second": 1, "main": 1}
+
+
+def test_the_compute_stream_gets_the_ranks_threads_and_the_main_thread_one(tmp_path):
+    build, plan = tmp_path / "build", tmp_path / "one.plan"
+    plan.write_text(ONE_RANK_PLAN)
+    compiled = subprocess.run([sys.executable, "-m", "planc", "compile", str(plan), "-o",
+                               str(build)], capture_output=True, text=True, cwd=ROOT,
+                              timeout=120)
+    assert compiled.returncode == 0, compiled.stderr
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    seen = _python(ONE_RANK, str(build), str(tmp_path / "checkpoints"), env={
+        "OMP_NUM_THREADS": "2", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    assert seen["status"] == 0
+    assert seen["kernels"] == [["stream-compute", 2]]
+    assert seen["records"] == [["MainThread", 1]]
+    # the streams are gone: the one-process reference of --check gets the cores again
+    assert seen["check"] == [["MainThread", 2]]
+    assert seen["checkpoint"] == [["planc-checkpoint-2", 1]]
