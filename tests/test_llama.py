@@ -193,3 +193,38 @@ def test_llama_presets_are_the_published_configurations_and_keys_override_them()
     big = load_text((PLANS / "llama3-405b.plan").read_text()).plan
     assert memory.total_parameters(big) == 405_853_388_800  # "405B" (Dubey et al. 2024)
     assert (big.mesh.tp, big.mesh.cp, big.mesh.pp, big.mesh.dp) == (8, 1, 16, 128)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_rotary_embedding_of_q_and_k_is_the_rotate_half_formula_bit_for_bit(dtype):
+    """RotateQK (one output, its gradient by hand) against rotate-half applied to q and
+    k and concatenated with v, differentiated by autograd: the same bits forward and
+    backward, with 8 query heads, 4 key/value heads of 32 features and odd positions."""
+    import torch
+
+    from planc.runtime.families.llama import RotateQK, rotary_tables, rotate
+
+    kind = getattr(torch, dtype)
+    heads, kv, hd, b, s = 8, 4, 32, 3, 5
+    generator = torch.Generator().manual_seed(7)
+    out = torch.randn(b, s, (heads + 2 * kv) * hd, generator=generator).to(kind)
+    grad = torch.randn(out.shape, generator=generator).to(kind)
+    cos, sin = rotary_tables(torch.tensor([3, 4, 9, 10, 17]), hd, 10000.0, kind)
+
+    def by_formula(x):
+        q = x[..., :heads * hd].reshape(b, s, heads, hd)
+        k = x[..., heads * hd:(heads + kv) * hd].reshape(b, s, kv, hd)
+        return torch.cat([rotate(q, cos, sin).reshape(b, s, -1),
+                          rotate(k, cos, sin).reshape(b, s, -1),
+                          x[..., (heads + kv) * hd:]], dim=-1)
+
+    leaves = [out.clone().requires_grad_(True) for _ in range(2)]
+    expected = by_formula(leaves[0])
+    got = RotateQK.apply(leaves[1], cos, sin, (heads + kv) * hd, hd)
+    assert torch.equal(got, expected)
+    (expected_grad,) = torch.autograd.grad(expected, leaves[0], grad)
+    (got_grad,) = torch.autograd.grad(got, leaves[1], grad)
+    assert torch.equal(got_grad, expected_grad)
+    # v passes through untouched, and the rotation moved q and k
+    assert torch.equal(got[..., (heads + kv) * hd:], out[..., (heads + kv) * hd:])
+    assert not torch.equal(got[..., :heads * hd], out[..., :heads * hd])

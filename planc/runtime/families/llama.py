@@ -49,6 +49,60 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos[:, None, :] + turned * sin[:, None, :]
 
 
+def _turn(source: torch.Tensor, target: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          sign: int) -> None:
+    """``target`` = the rotate-half rotation of ``source`` (both (batch, tokens, heads,
+    head_dim)) by the angles of ``cos`` and ``sin`` (tokens, head_dim / 2), forward
+    (``sign`` 1) or back (-1): [x1 c - x2 s, x2 c + x1 s], the products and the sums of
+    :func:`rotate`'s, so the same bits."""
+    half = source.shape[-1] // 2
+    x1, x2 = source[..., :half], source[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    first, second = target[..., :half], target[..., half:]
+    torch.mul(x1, c, out=first)
+    torch.mul(x2, c, out=second)
+    if sign > 0:
+        first.sub_(x2 * s)
+        second.add_(x1 * s)
+    else:
+        first.add_(x2 * s)
+        second.sub_(x1 * s)
+
+
+class RotateQK(torch.autograd.Function):
+    """The rotary embedding of the q and k heads at the front of a q/k/v projection's
+    output (batch, tokens, features), v copied behind them: what :func:`rotate` and a
+    concatenation compute, written in one output without the turned copy of each head,
+    and differentiated by hand (a rotation's gradient is the rotation back): on 2 CPU
+    threads the small llama's q/k/v instructions took 0.92 (forward) and 0.87 (backward)
+    of their time (docs/performance.md); tests/test_llama.py holds it to the formula's
+    bits."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, width: int,
+                head_dim: int) -> torch.Tensor:
+        half = head_dim // 2
+        cos, sin = cos[:, :half], sin[:, :half]  # both halves of each table are equal
+        ctx.save_for_backward(cos, sin)
+        ctx.width, ctx.head_dim = width, head_dim
+        return RotateQK._apply(out, cos, sin, width, head_dim, 1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return RotateQK._apply(grad, cos, sin, ctx.width, ctx.head_dim, -1), None, None, \
+            None, None
+
+    @staticmethod
+    def _apply(source: torch.Tensor, cos, sin, width: int, head_dim: int, sign: int
+               ) -> torch.Tensor:
+        target = torch.empty_like(source)
+        _turn(source[..., :width].unflatten(-1, (-1, head_dim)),
+              target[..., :width].unflatten(-1, (-1, head_dim)), cos, sin, sign)
+        target[..., width:].copy_(source[..., width:])
+        return target
+
+
 def qkv(k, spec, x, p, step, mb, extra):
     """The q, k and v projections in one GEMM, then RoPE on q and k (with model {
     qk_norm }, after an RMSNorm of each head's q and k: Qwen3's)."""
@@ -62,10 +116,11 @@ def qkv(k, spec, x, p, step, mb, extra):
     b, s, _ = out.shape
     cos, sin = rotary_tables(k.positions(spec), hd, model.rope_theta,
                              out.dtype)
+    if not norms:
+        return RotateQK.apply(out, cos, sin, (heads + kv) * hd, hd)
     q = out[..., :heads * hd].reshape(b, s, heads, hd)
     key = out[..., heads * hd:(heads + kv) * hd].reshape(b, s, kv, hd)
-    if norms:
-        q, key = rms_normed(model, q, norms["q_norm"]), rms_normed(model, key, norms["k_norm"])
+    q, key = rms_normed(model, q, norms["q_norm"]), rms_normed(model, key, norms["k_norm"])
     q, key = rotate(q, cos, sin), rotate(key, cos, sin)
     return torch.cat([q.reshape(b, s, -1), key.reshape(b, s, -1),
                       out[..., (heads + kv) * hd:]], dim=-1)
