@@ -228,3 +228,27 @@ def test_the_rotary_embedding_of_q_and_k_is_the_rotate_half_formula_bit_for_bit(
     # v passes through untouched, and the rotation moved q and k
     assert torch.equal(got[..., (heads + kv) * hd:], out[..., (heads + kv) * hd:])
     assert not torch.equal(got[..., :heads * hd], out[..., :heads * hd])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_swiglu_is_silu_of_the_gate_times_up_bit_for_bit(dtype):
+    """SwiGLU (its gradient by hand into one tensor) against silu(gate) * up on the two
+    halves, differentiated by autograd: the same bits forward and backward."""
+    import torch
+    import torch.nn.functional as F
+
+    from planc.runtime.families.llama import SwiGLU
+
+    kind = getattr(torch, dtype)
+    generator = torch.Generator().manual_seed(11)
+    both = torch.randn(3, 5, 2 * 24, generator=generator).to(kind)
+    grad = torch.randn(3, 5, 24, generator=generator).to(kind)
+    leaves = [both.clone().requires_grad_(True) for _ in range(2)]
+    gate, up = leaves[0].chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    got = SwiGLU.apply(leaves[1])
+    assert torch.equal(got, expected)
+    (expected_grad,) = torch.autograd.grad(expected, leaves[0], grad)
+    (got_grad,) = torch.autograd.grad(got, leaves[1], grad)
+    assert torch.equal(got_grad, expected_grad)
+    assert not torch.equal(got_grad[..., :24], got_grad[..., 24:])

@@ -153,9 +153,31 @@ def attention(k, spec, x, p, step, mb, extra):
     return out.transpose(1, 2).reshape(b, s, heads * hd)
 
 
+class SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up`` of a [gate | up] input (Shazeer 2020), differentiated by hand
+    with autograd's own kernels, the gradients of both halves written into one tensor
+    where autograd's backward of the split concatenates them in a copy of the input's
+    size: the same bits (tests/test_llama.py)."""
+
+    @staticmethod
+    def forward(ctx, both: torch.Tensor) -> torch.Tensor:
+        gate, up = both.chunk(2, dim=-1)
+        activated = F.silu(gate)
+        ctx.save_for_backward(gate, up, activated)
+        return activated * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        gate, up, activated = ctx.saved_tensors
+        both = grad.new_empty(*grad.shape[:-1], 2 * grad.shape[-1])
+        to_gate, to_up = both.chunk(2, dim=-1)
+        torch.mul(grad, activated, out=to_up)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=to_gate)
+        return both
+
+
 def swiglu(k, spec, x, p, step, mb, extra):
-    gate, up = x["x"].chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return SwiGLU.apply(x["x"])
 
 
 KERNELS = {Op.LN1: rms_norm, Op.LN2: rms_norm, Op.FINAL_LN: rms_norm,
