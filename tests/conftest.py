@@ -32,6 +32,38 @@ def script_on_ranks(script: str, tmp_path: Path, ranks: int = 2, *args: str
     return [process.communicate(timeout=120) for process in processes]
 
 
+ONE_RANK_PLAN = """plan one {
+  model gpt { layers = 2; hidden = 64; heads = 4; vocab = 256; seq = 32; batch = 4 }
+  mesh { }
+  train { steps = 2; optimizer = adamw(lr = 1e-3); seed = 0 }
+}
+"""
+
+
+def run_one_rank(script: str, tmp_path: Path, *args: str, threads: int = 1) -> dict:
+    """``script`` (Python source) run as one rank of ONE_RANK_PLAN's build, with the
+    environment torchrun gives a rank and ``threads`` intra-op threads: its argv is the
+    build directory, then ``args``; the JSON object its last line of output prints."""
+    import socket
+
+    build, plan = tmp_path / "build", tmp_path / "one.plan"
+    plan.write_text(ONE_RANK_PLAN)
+    compiled = subprocess.run([sys.executable, "-m", "planc", "compile", str(plan), "-o",
+                               str(build)], capture_output=True, text=True, cwd=ROOT,
+                              timeout=120)
+    assert compiled.returncode == 0, compiled.stderr
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    done = subprocess.run([sys.executable, "-c", script, str(build), *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 # A plan with exactly one error, the one of the language reference: tp = 8, heads = 12.
 BAD_TP = """\
 # tp does not divide heads

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
-from conftest import ROOT
+from conftest import ROOT, run_one_rank
 
 # Two threads ask for their counts in turn, each before the other's first operator;
 # each then reads back its own.
@@ -34,14 +33,7 @@ TWO_THREADS = textwrap.dedent("""
     print(json.dumps(seen))
 """)
 
-ONE_RANK_PLAN = """plan one {
-  model gpt { layers = 2; hidden = 64; heads = 4; vocab = 256; seq = 32; batch = 4 }
-  mesh { }
-  train { steps = 2; optimizer = adamw(lr = 1e-3); seed = 0 }
-}
-"""
-
-# One rank of ONE_RANK_PLAN, started as torchrun starts it (planc.runtime.worker's
+# One rank of a 1-rank plan (conftest.run_one_rank), started as torchrun starts it (planc.runtime.worker's
 # main), every compute kernel and every step's record noting the thread it ran on and
 # that thread's intra-op count, as do the --check comparison and the writing of the
 # last step's checkpoint in the background (--checkpoint-async).
@@ -75,33 +67,19 @@ ONE_RANK = textwrap.dedent("""
 """)
 
 
-def _python(script: str, *args: str, env: dict[str, str]) -> dict:
-    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=300, env={**os.environ, **env})
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def test_a_thread_keeps_the_count_it_asked_for_when_another_thread_asks_later():
     # torch sets a thread's count from a value every thread shares on its first
     # operator: asked for without a read first, the first thread got the second's 1
-    seen = _python(TWO_THREADS, env={"OMP_NUM_THREADS": "2"})
+    done = subprocess.run([sys.executable, "-c", TWO_THREADS], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen == {"first": 2, "second": 1, "main": 1}
 
 
 def test_the_compute_stream_gets_the_ranks_threads_and_the_main_thread_one(tmp_path):
-    build, plan = tmp_path / "build", tmp_path / "one.plan"
-    plan.write_text(ONE_RANK_PLAN)
-    compiled = subprocess.run([sys.executable, "-m", "planc", "compile", str(plan), "-o",
-                               str(build)], capture_output=True, text=True, cwd=ROOT,
-                              timeout=120)
-    assert compiled.returncode == 0, compiled.stderr
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    seen = _python(ONE_RANK, str(build), str(tmp_path / "checkpoints"), env={
-        "OMP_NUM_THREADS": "2", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    seen = run_one_rank(ONE_RANK, tmp_path, str(tmp_path / "checkpoints"), threads=2)
     assert seen["status"] == 0
     assert seen["kernels"] == [["stream-compute", 2]]
     assert seen["records"] == [["MainThread", 1]]

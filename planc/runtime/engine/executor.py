@@ -183,8 +183,8 @@ class CpuExecutor:
 
     def run_step(self, step: int) -> StepResult:
         work = _Step(StepState(step), self.code)
+        start = time.perf_counter()  # the step's work includes zeroing its gradients
         self.interpreter.store.zero_grads()
-        start = time.perf_counter()
         for inbox in self.inbox:
             inbox.put(work)
         times = StepTimes()
@@ -288,10 +288,11 @@ class CudaExecutor:
     def run_step(self, step: int) -> StepResult:
         interp = self.interpreter
         state = StepState(step)
+        torch.cuda.synchronize()  # the previous step's kernels are done before the clock
+        start = time.perf_counter()  # the step's work includes zeroing its gradients
         interp.store.zero_grads()
         events: dict[str, torch.cuda.Event] = {}
-        torch.cuda.synchronize()
-        start = time.perf_counter()
+        torch.cuda.synchronize()  # zeroed before any program stream adds into them
         for item in self.items:
             stream = self.streams[item.stream]
             if item.op is Opcode.RECORD:
