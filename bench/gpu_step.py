@@ -22,6 +22,7 @@ goals on one GPU: <= 1.00x eager and <= 1.05x compiled.
     .venv/bin/python bench/gpu_step.py                 # ~1.1B parameters on one GPU
     .venv/bin/python bench/gpu_step.py --size small    # bench/peers.py's size, a CPU
     .venv/bin/python bench/gpu_step.py --size tiny     # a 2-layer model, any machine
+    .venv/bin/python bench/gpu_step.py --size small --compile-kernels  # planc with optimize { compile = on }
 
 The 1B model (16 layers, hidden 2048, 32 heads, 8 kv heads, ffn 8192, vocabulary 32,000,
 sequence 2,048, batch 4, fp32 with AdamW: about 18 GB of weights, gradients and optimizer
@@ -58,6 +59,7 @@ PLAN = """plan gpu_step {{
                 ffn = {ffn}; vocab = {vocab}; seq = {seq}; batch = {batch}; dtype = fp32 }}
   mesh {{ }}
   schedule {{ microbatches = 1 }}
+  optimize {{ compile = {compile} }}
   train {{ steps = {steps}; optimizer = adamw(lr = 1e-4, weight_decay = 0.01); seed = 1 }}
 }}
 """
@@ -65,10 +67,10 @@ WARMUP = 3
 SAME_LOSS = 1e-4  # relative: the first step's loss, before any update
 
 
-def plan_of(size: str, steps: int):
+def plan_of(size: str, steps: int, compile_kernels: bool = False):
     from planc.lang import load_text
 
-    text = PLAN.format(steps=steps, **SIZES[size])
+    text = PLAN.format(steps=steps, compile="on" if compile_kernels else "off", **SIZES[size])
     loaded = load_text(text, "gpu_step.plan")
     if not loaded.ok:
         raise SystemExit(f"gpu_step: the plan does not check: {loaded.diagnostics}")
@@ -176,13 +178,13 @@ def peak_mb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def measure(size: str, steps: int, rounds: int) -> dict:
+def measure(size: str, steps: int, rounds: int, compile_kernels: bool = False) -> dict:
     import torch
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     from planc.runtime.oracle.reference import initial_values
 
-    text, plan = plan_of(size, steps)
+    text, plan = plan_of(size, steps, compile_kernels)
     values = initial_values(plan)  # drawn once: 1.1B values take tens of seconds
     sides = ("planc", "eager", "compiled")
     figures: dict[str, list[float]] = {side: [] for side in sides}
@@ -244,9 +246,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    parser.add_argument("--compile-kernels", action="store_true",
+                        help="planc's plan with optimize { compile = on }")
     args = parser.parse_args()
     check_rounds_and_steps(parser, args, WARMUP)
-    result = measure(args.size, args.steps, args.rounds)
+    result = measure(args.size, args.steps, args.rounds, args.compile_kernels)
     print(table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

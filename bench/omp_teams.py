@@ -22,11 +22,15 @@ the cases' order.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rounds import check_rounds, rounds_and_threads  # noqa: E402
 
 CASES = ("alone", "beside main's team", "main on one thread")
 PROBE = """
@@ -62,12 +66,9 @@ def measure(case: str, threads: int) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser = rounds_and_threads(__doc__.split("\n")[0])
     args = parser.parse_args()
-    if args.rounds < 3:
-        parser.error("--rounds must be at least 3: speed claims need interleaved rounds")
+    check_rounds(parser, args)
     if args.threads < 2:
         parser.error("--threads must be at least 2: with one there is no team")
     seen: dict[str, list[float]] = {case: [] for case in CASES}

@@ -40,14 +40,16 @@ ONE_RANK_PLAN = """plan one {
 """
 
 
-def run_one_rank(script: str, tmp_path: Path, *args: str, threads: int = 1) -> dict:
-    """``script`` (Python source) run as one rank of ONE_RANK_PLAN's build, with the
-    environment torchrun gives a rank and ``threads`` intra-op threads: its argv is the
-    build directory, then ``args``; the JSON object its last line of output prints."""
+def run_one_rank(script: str, tmp_path: Path, *args: str, threads: int = 1,
+                 plan_text: str = ONE_RANK_PLAN, env: dict[str, str] | None = None
+                 ) -> subprocess.CompletedProcess:
+    """``script`` (Python source) run as one rank of ``plan_text``'s build (a 1-rank
+    plan), with the environment torchrun gives a rank (and ``env``) and ``threads``
+    intra-op threads: its argv is the build directory, then ``args``."""
     import socket
 
     build, plan = tmp_path / "build", tmp_path / "one.plan"
-    plan.write_text(ONE_RANK_PLAN)
+    plan.write_text(plan_text)
     compiled = subprocess.run([sys.executable, "-m", "planc", "compile", str(plan), "-o",
                                str(build)], capture_output=True, text=True, cwd=ROOT,
                               timeout=120)
@@ -55,11 +57,15 @@ def run_one_rank(script: str, tmp_path: Path, *args: str, threads: int = 1) -> d
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port)}
-    done = subprocess.run([sys.executable, "-c", script, str(build), *args],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300, env=env)
+    rank = {**os.environ, "OMP_NUM_THREADS": str(threads), "RANK": "0", "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), **(env or {})}
+    return subprocess.run([sys.executable, "-c", script, str(build), *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300, env=rank)
+
+
+def one_rank_printed(done: subprocess.CompletedProcess) -> dict:
+    """The JSON object the last line of a rank script's output prints, once it succeeded."""
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

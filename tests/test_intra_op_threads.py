@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 
-from conftest import ROOT, run_one_rank
+from conftest import ROOT, one_rank_printed, run_one_rank
 
 # Two threads ask for their counts in turn, each before the other's first operator;
 # each then reads back its own.
@@ -79,7 +79,8 @@ def test_a_thread_keeps_the_count_it_asked_for_when_another_thread_asks_later():
 
 
 def test_the_compute_stream_gets_the_ranks_threads_and_the_main_thread_one(tmp_path):
-    seen = run_one_rank(ONE_RANK, tmp_path, str(tmp_path / "checkpoints"), threads=2)
+    seen = one_rank_printed(run_one_rank(ONE_RANK, tmp_path,
+                                         str(tmp_path / "checkpoints"), threads=2))
     assert seen["status"] == 0
     assert seen["kernels"] == [["stream-compute", 2]]
     assert seen["records"] == [["MainThread", 1]]

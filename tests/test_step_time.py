@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import textwrap
 
-from conftest import run_one_rank
+from conftest import one_rank_printed, run_one_rank
 
 # One rank whose gradient zeroing lasts at least ZEROING_S: each step's recorded time
 # must hold it. (A lower bound: sleeping never takes less than asked.)
@@ -26,7 +26,8 @@ SLOW_ZEROING = textwrap.dedent(f"""
 
 
 def test_a_steps_time_counts_the_zeroing_of_its_gradients(tmp_path):
-    seen = run_one_rank(SLOW_ZEROING, tmp_path, str(tmp_path / "metrics.jsonl"))
+    seen = one_rank_printed(run_one_rank(SLOW_ZEROING, tmp_path,
+                                         str(tmp_path / "metrics.jsonl")))
     assert seen["status"] == 0
     assert len(seen["times"]) == 2
     assert all(time_s >= ZEROING_S for time_s in seen["times"]), seen["times"]

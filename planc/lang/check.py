@@ -115,6 +115,11 @@ class _Checker(DataChecks, TopologyReader):
             self.report(warning("reduce_dtype = fp32 has no effect with dtype = fp32: the "
                                 "gradients are fp32 already", self.span("shard.dp.reduce_dtype")))
         optimize = self._optimize()
+        if optimize is not None and model is not None and optimize.compile and \
+                not FAMILIES[model.family].module_kernels:
+            self.report(warning(f"compile = on has no effect on the {model.family} family: "
+                                f"its norms and activations are one kernel each already",
+                                self.span("optimize.compile")))
         if optimize is not None and mesh and model:
             optimize = self._tp_overlap(optimize, mesh, model)
         if schedule is not None and optimize is not None and mesh and model:
@@ -360,7 +365,7 @@ class _Checker(DataChecks, TopologyReader):
     def _optimize(self) -> Optimize | None:
         keys = ("fuse", "bucket", "route", "overlap", "weight_grad_overlap", "recompute",
                 "tp_overlap", "pp_scatter_gather", "grad_accumulation", "kernels",
-                "moe_dispatcher")
+                "moe_dispatcher", "compile")
         if not self.ready(*(f"optimize.{k}" for k in keys)):
             return None
         return Optimize(**{k: self.value(f"optimize.{k}") for k in keys})

@@ -139,6 +139,7 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
         "grad_accumulation": Key(Choice(GRAD_ACCUMULATIONS), "fused"),
         "kernels": Key(Choice(KERNEL_MODES), "fused"),
         "moe_dispatcher": Key(Choice(MOE_DISPATCHERS), "all_to_all"),
+        "compile": Key(Boolean(), False),
     }),
     "train": BlockSchema("train", keys={
         "steps": Key(Integer(1), 1),

@@ -222,6 +222,9 @@ class Optimize:
     kernels: str = field(default="fused", metadata={"omitted_when_default": True})
     # How a mixture's dispatch and combine travel: MOE_DISPATCHERS.
     moe_dispatcher: str = field(default="all_to_all", metadata={"omitted_when_default": True})
+    # The runtime compiles the family's elementwise formulas with torch.compile
+    # (planc.runtime.engine.kernels; the llama, moe and deepseek families).
+    compile: bool = field(default=False, metadata={"omitted_when_default": True})
 
 
 # optimize { grad_accumulation }: "fused", the weight-gradient GEMM adds into the

@@ -261,6 +261,8 @@ class ModelTable:
     steps: int = 1  # train.steps, what the schedule spans
     shuffle: bool = False  # samples of a token file in a permutation per epoch
     init: InitTable | None = None  # train.init: a Hugging Face checkpoint to start from
+    # optimize { compile }: the family's elementwise formulas run through torch.compile
+    compile_kernels: bool = False
 
     def lr_at(self, step: int) -> float:
         """The lr of step ``step``'s optimizer update (planc.plan.lr_schedule.lr_at)."""
@@ -300,7 +302,8 @@ class ModelTable:
                 **({"evaluation": self.evaluation.to_json()} if self.evaluation else {}),
                 **({"lr_schedule": {**asdict(self.lr_schedule), "steps": self.steps}}
                    if self.lr_schedule != LrSchedule() else {}),
-                **({"init": self.init.to_json()} if self.init else {})}
+                **({"init": self.init.to_json()} if self.init else {}),
+                **({"kernels": {"compile": True}} if self.compile_kernels else {})}
 
     @staticmethod
     def from_json(data: dict) -> "ModelTable":
@@ -336,6 +339,9 @@ class ModelTable:
                 for k, v in options.items()):
             raise ValueError("its model options are not names with numbers, true/false or "
                              "words")
+        kernels = data.get("kernels", {})
+        if not isinstance(kernels, dict) or set(kernels) - {"compile"}:
+            raise ValueError("its kernels are not {\"compile\": true or false}")
         table = ModelTable(
             family=_string(m["family"], "family"), **sizes, dtype=dtype,
             tie_embeddings=_boolean(m["tie_embeddings"], "tie_embeddings"),
@@ -351,7 +357,8 @@ class ModelTable:
                 source.get("shuffle", False), "shuffle"),
             evaluation=Evaluation.from_json(data["evaluation"]) if "evaluation" in data
             else None,
-            init=InitTable.from_json(data["init"], parameters) if "init" in data else None)
+            init=InitTable.from_json(data["init"], parameters) if "init" in data else None,
+            compile_kernels=_boolean(kernels.get("compile", False), "kernels.compile"))
         if not table.family.isidentifier():
             raise ValueError(f"family {table.family!r} is not a family's name")
         if table.microbatch_rows > table.rows_per_dp_rank or \

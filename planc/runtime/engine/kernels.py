@@ -27,6 +27,7 @@ from planc.graph.vocabulary import Op
 from planc.program.operands import Operands, token_ranges
 from planc.runtime.engine import fp8
 from planc.runtime.engine.context import RankContext
+from planc.runtime.families.compiled import compiled_formulas
 from planc.runtime.families import family_kernels
 from planc.runtime.engine.model import split_feature
 from planc.runtime.engine.ring_attention import Ring, ring_attention, step_masks
@@ -172,6 +173,10 @@ class Kernels:
         }
         for op, kernel in family_kernels(model.family).items():
             self.forward_table[op] = functools.partial(kernel, self)
+        # optimize { compile = on }: what the family's kernels run in place of their
+        # eager formulas (planc.runtime.families.compiled); empty: eager
+        self.compiled = compiled_formulas(model.family, ctx.device) \
+            if model.compile_kernels else {}
         self._ring_masks: dict[Ring, list] = {}
         # (step, microbatch, router) -> (rows this rank's experts ran, its ep group): what
         # the metrics report of the routing's balance (planc.runtime.step_records)

@@ -17,6 +17,12 @@ def family_module(name: str) -> ModuleType:
     return importlib.import_module(f"planc.runtime.families.{name}")
 
 
+def family_formulas(name: str) -> dict[str, Callable]:
+    """Name -> the pure tensor function of an elementwise kernel that ``optimize {
+    compile = on }`` hands to torch.compile (``FORMULAS``; none for a family without)."""
+    return getattr(family_module(name), "FORMULAS", {})
+
+
 def family_kernels(name: str) -> dict[Op, Callable]:
     """Operator -> kernel ``(kernels, spec, inputs, param, step, microbatch, extra)``."""
     return family_module(name).KERNELS

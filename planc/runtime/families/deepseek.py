@@ -23,7 +23,7 @@ from planc.runtime.engine import fp8
 from planc.runtime.families import llama, moe
 from planc.runtime.families.moe import reference_state, reference_step_end
 
-__all__ = ("KERNELS", "latent_heads", "query_width", "reference_loss",
+__all__ = ("FORMULAS", "KERNELS", "latent_heads", "query_width", "reference_loss",
            "reference_objective", "reference_state", "reference_step_end")
 
 
@@ -117,6 +117,7 @@ def attention(k, spec, x, p, step, mb, extra):
     return out.transpose(1, 2).reshape(b, s, heads * m.v_dim)
 
 
+FORMULAS = moe.FORMULAS  # optimize { compile }: the norms' and SwiGLU's
 KERNELS = {**moe.KERNELS, Op.QKV: qkv, Op.ATTENTION: attention}
 
 

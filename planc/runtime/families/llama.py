@@ -23,13 +23,14 @@ from planc.runtime.engine.model import local_heads
 
 def rms_normed(m, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """RMSNorm as transformers computes it: in fp32, scaled after casting back."""
-    x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + m.norm_eps)
-                     ).to(x.dtype)
+    return rms_norm_formula(x, weight, m.norm_eps)
 
 
 def rms_norm(k, spec, x, p, step, mb, extra):
     (weight,) = spec.params
+    compiled = k.compiled.get("rms_norm")
+    if compiled is not None:
+        return compiled(x["x"], p(weight), k.ctx.model.norm_eps)
     return rms_normed(k.ctx.model, x["x"], p(weight))
 
 
@@ -117,6 +118,9 @@ def qkv(k, spec, x, p, step, mb, extra):
     cos, sin = rotary_tables(k.positions(spec), hd, model.rope_theta,
                              out.dtype)
     if not norms:
+        compiled = k.compiled.get("rotate_qk")
+        if compiled is not None:
+            return compiled(out, cos, sin, (heads + kv) * hd, hd)
         return RotateQK.apply(out, cos, sin, (heads + kv) * hd, hd)
     q = out[..., :heads * hd].reshape(b, s, heads, hd)
     key = out[..., heads * hd:(heads + kv) * hd].reshape(b, s, kv, hd)
@@ -177,7 +181,31 @@ class SwiGLU(torch.autograd.Function):
 
 
 def swiglu(k, spec, x, p, step, mb, extra):
-    return SwiGLU.apply(x["x"])
+    compiled = k.compiled.get("swiglu")
+    return SwiGLU.apply(x["x"]) if compiled is None else compiled(x["x"])
+
+
+# optimize { compile }: the formulas of the kernels above as pure functions of tensors,
+# which planc.runtime.engine.kernels hands to torch.compile; inductor fuses each pass
+# (forward, backward) into one loop. bench/compile_kernels.py measures them.
+def rms_norm_formula(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def swiglu_formula(both: torch.Tensor) -> torch.Tensor:
+    gate, up = both.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotate_qk_formula(out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, width: int,
+                      head_dim: int) -> torch.Tensor:
+    turned = rotate(out[..., :width].unflatten(-1, (-1, head_dim)), cos, sin)
+    return torch.cat([turned.flatten(-2), out[..., width:]], dim=-1)
+
+
+FORMULAS = {"rms_norm": rms_norm_formula, "swiglu": swiglu_formula,
+            "rotate_qk": rotate_qk_formula}
 
 
 KERNELS = {Op.LN1: rms_norm, Op.LN2: rms_norm, Op.FINAL_LN: rms_norm,

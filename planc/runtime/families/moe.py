@@ -187,6 +187,7 @@ def moe(k, spec, x, p, step, mb, extra):
     return out.reshape(data.shape)
 
 
+FORMULAS = llama.FORMULAS  # optimize { compile }: llama's kernels read them
 KERNELS = {**llama.KERNELS, Op.MOE: moe,
            # cut at its all-to-alls (schedule { overlap_all_to_all })
            Op.MOE_ROUTE: moe_dispatch.route, Op.MOE_SHARED: moe_dispatch.shared,
