@@ -4,6 +4,8 @@
 # bench/gpu_moe.py (issue 40's MoE plans of one GPU). Each part has its own time limit
 # (seconds: TESTS_S, STEP_S, MOE_S), so that one part that runs long leaves the others
 # their time; every line also goes to OUT/log.txt, and the tables to OUT/*.json.
+# STEP_COMPILE_S (seconds, default 0: skipped) adds bench/gpu_step.py with planc's plan
+# under optimize { compile = on } (torch.compile of the llama's elementwise formulas).
 #
 #   bench/gpu.sh [OUT]          OUT: where the log and the JSON go (default gpu-results)
 #   PYTHON=.venv/bin/python bench/gpu.sh
@@ -26,6 +28,11 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))"
     part gpu_step
     timeout "${STEP_S:-330}" "$python" bench/gpu_step.py --steps 6 --rounds 3 \
         --json "$out/gpu_step.json"
+    if [ "${STEP_COMPILE_S:-0}" -gt 0 ]; then  # planc with optimize { compile = on }
+        part gpu_step_compile
+        timeout "$STEP_COMPILE_S" "$python" bench/gpu_step.py --steps 6 --rounds 3 \
+            --compile-kernels --json "$out/gpu_step_compile.json"
+    fi
     part gpu_moe
     timeout "${MOE_S:-170}" "$python" bench/gpu_moe.py --steps 6 --json "$out/gpu_moe.json"
     part done
