@@ -36,39 +36,32 @@ CALLS = 30
 
 
 def kernels():
-    """name -> (planc's function, the formula to compile, input shapes, output shape)."""
+    """name -> (planc's function, the formula to compile, input shapes, output shape):
+    llama's formulas are the family's ``FORMULAS``, what ``compile = on`` compiles."""
     import torch
     import torch.nn.functional as F
 
-    from planc.runtime.families.llama import RotateQK, SwiGLU, rotary_tables, rotate
+    from planc.runtime.families.llama import FORMULAS, RotateQK, SwiGLU, rotary_tables
 
     heads, kv, hd, b, s = 8, 4, 32, 16, 128
     cos, sin = rotary_tables(torch.arange(s), hd, 10000.0, torch.float32)
+    eps, width = 1e-5, (heads + kv) * hd  # the llama presets' eps; the rotated features
 
-    def rms(x, w):  # rms_normed's formula, eps of the llama presets
-        x32 = x.float()
-        return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
-
-    def swiglu(both):
-        gate, up = both.chunk(2, dim=-1)
-        return F.silu(gate) * up
+    def rms(x, w):
+        return FORMULAS["rms_norm"](x, w, eps)
 
     def rope(out):
-        q = out[..., :heads * hd].reshape(b, s, heads, hd)
-        k = out[..., heads * hd:(heads + kv) * hd].reshape(b, s, kv, hd)
-        return torch.cat([rotate(q, cos, sin).reshape(b, s, -1),
-                          rotate(k, cos, sin).reshape(b, s, -1),
-                          out[..., (heads + kv) * hd:]], dim=-1)
+        return FORMULAS["rotate_qk"](out, cos, sin, width, hd)
 
-    def gelu(x, bias):
+    def gelu(x, bias):  # the gpt family's GELU with a row-parallel producer's bias
         return F.gelu(x + bias, approximate="tanh")
 
-    width = (heads + 2 * kv) * hd
+    features = (heads + 2 * kv) * hd
     return {
         "RMSNorm": (rms, rms, [(b, s, 256), (256,)], (b, s, 256)),
-        "SwiGLU": (SwiGLU.apply, swiglu, [(b, s, 2 * 704)], (b, s, 704)),
-        "rotary q/k": (lambda out: RotateQK.apply(out, cos, sin, (heads + kv) * hd, hd),
-                       rope, [(b, s, width)], (b, s, width)),
+        "SwiGLU": (SwiGLU.apply, FORMULAS["swiglu"], [(b, s, 2 * 704)], (b, s, 704)),
+        "rotary q/k": (lambda out: RotateQK.apply(out, cos, sin, width, hd),
+                       rope, [(b, s, features)], (b, s, features)),
         "GELU + bias": (gelu, gelu, [(b, s, 1024), (1024,)], (b, s, 1024)),
     }
 

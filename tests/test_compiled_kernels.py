@@ -15,6 +15,7 @@ from conftest import one_rank_printed, run_one_rank
 from planc.lang import load_text
 from planc.lower.tabulate_model import model_table
 from planc.program.model_table import ModelTable
+from planc.runtime.families.compiled import CPP_COMPILERS
 
 LLAMA = """plan tiny_llama {
   model llama { layers = 2; hidden = 32; heads = 4; kv_heads = 2; ffn = 48; vocab = 128;
@@ -73,7 +74,7 @@ def test_the_gpt_family_has_nothing_to_compile_and_says_so():
         "kernel each already"]
 
 
-@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+@pytest.mark.skipif(not any(shutil.which(c) for c in CPP_COMPILERS),
                     reason="torch.compile on CPU needs a C++ compiler")
 def test_a_rank_runs_the_compiled_formulas_and_trains_as_the_reference(tmp_path):
     seen = one_rank_printed(run_one_rank(COMPILED_RUN, tmp_path, plan_text=LLAMA))

@@ -202,7 +202,7 @@ def test_the_rotary_embedding_of_q_and_k_is_the_rotate_half_formula_bit_for_bit(
     backward, with 8 query heads, 4 key/value heads of 32 features and odd positions."""
     import torch
 
-    from planc.runtime.families.llama import RotateQK, rotary_tables, rotate
+    from planc.runtime.families.llama import RotateQK, rotary_tables, rotate, rotate_qk_formula
 
     kind = getattr(torch, dtype)
     heads, kv, hd, b, s = 8, 4, 32, 3, 5
@@ -222,6 +222,9 @@ def test_the_rotary_embedding_of_q_and_k_is_the_rotate_half_formula_bit_for_bit(
     expected = by_formula(leaves[0])
     got = RotateQK.apply(leaves[1], cos, sin, (heads + kv) * hd, hd)
     assert torch.equal(got, expected)
+    # the formula optimize { compile = on } hands to torch.compile, run eagerly: the same
+    assert torch.equal(rotate_qk_formula(out, cos, sin, (heads + kv) * hd, hd),
+                       expected.detach())
     (expected_grad,) = torch.autograd.grad(expected, leaves[0], grad)
     (got_grad,) = torch.autograd.grad(got, leaves[1], grad)
     assert torch.equal(got_grad, expected_grad)
