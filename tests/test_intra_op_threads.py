@@ -11,7 +11,10 @@ import subprocess
 import sys
 import textwrap
 
-from conftest import ROOT, one_rank_printed, run_one_rank
+from conftest import ONE_RANK_PLAN, ROOT, one_rank_printed, run_one_rank
+
+# conftest's 1-rank plan with an evaluation after every step
+EVALUATED_PLAN = ONE_RANK_PLAN.replace("seed = 0 }", "seed = 0; eval_every = 1; eval_batches = 2 }")
 
 # Two threads ask for their counts in turn, each before the other's first operator;
 # each then reads back its own.
@@ -35,7 +38,7 @@ TWO_THREADS = textwrap.dedent("""
 
 # One rank of a 1-rank plan (conftest.run_one_rank), started as torchrun starts it (planc.runtime.worker's
 # main), every compute kernel and every step's record noting the thread it ran on and
-# that thread's intra-op count, as do the --check comparison and the writing of the
+# that thread's intra-op count (the evaluations' too), as do the --check comparison and the writing of the
 # last step's checkpoint in the background (--checkpoint-async).
 ONE_RANK = textwrap.dedent("""
     import json, sys, threading, torch
@@ -53,6 +56,11 @@ ONE_RANK = textwrap.dedent("""
     worker.StepRecords.step = noting("records", worker.StepRecords.step)
     check.compare = noting("check", check.compare)
     Checkpoints._finish = noting("checkpoint", Checkpoints._finish)
+    evaluated, evaluating = [], worker.Evaluator.run
+    def evaluate(*args, **kwargs):
+        evaluated.append(evaluating(*args, **kwargs))
+        return evaluated[-1]
+    worker.Evaluator.run = evaluate
     saving = Checkpoints.save
     def save_after_another_thread_asked_for_two(*args, **kwargs):
         # the value torch shares between threads is now 2, whatever the streams set
@@ -63,7 +71,8 @@ ONE_RANK = textwrap.dedent("""
     Checkpoints.save = save_after_another_thread_asked_for_two
     status = worker.main([sys.argv[1], "--steps", "2", "--check", "--checkpoint-dir",
                           sys.argv[2], "--checkpoint-async"])
-    print(json.dumps({"status": status, **{k: sorted(v) for k, v in seen.items()}}))
+    print(json.dumps({"status": status, "evaluations": len(evaluated),
+                      **{k: sorted(v) for k, v in seen.items()}}))
 """)
 
 
@@ -79,10 +88,15 @@ def test_a_thread_keeps_the_count_it_asked_for_when_another_thread_asks_later():
 
 
 def test_the_compute_stream_gets_the_ranks_threads_and_the_main_thread_one(tmp_path):
+    assert EVALUATED_PLAN != ONE_RANK_PLAN
     seen = one_rank_printed(run_one_rank(ONE_RANK, tmp_path,
-                                         str(tmp_path / "checkpoints"), threads=2))
+                                         str(tmp_path / "checkpoints"), threads=2,
+                                         plan_text=EVALUATED_PLAN))
     assert seen["status"] == 0
+    # the evaluation's forwards too, on the training's compute thread: an executor of
+    # its own computed them on a thread with one intra-op thread
     assert seen["kernels"] == [["stream-compute", 2]]
+    assert seen["evaluations"] == 2
     assert seen["records"] == [["MainThread", 1]]
     # the streams are gone: the one-process reference of --check gets the cores again
     assert seen["check"] == [["MainThread", 2]]

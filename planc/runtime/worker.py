@@ -172,10 +172,12 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
             if backend == "nccl" else CpuExecutor(interpreter, args.timeout,
                                                   trace=bool(args.trace),
                                                   threads=compute_threads)
-        # on CPU the evaluation's streams compute on one thread: a second team beside
-        # the training's compute stream would slow every step after the first evaluation
-        evaluator = Evaluator(ctx, program, store, lambda interp: type(executor)(
-            interp, args.timeout)) if built.model.evaluation is not None else None
+        # on CPU the evaluation runs on the training's stream threads (StreamThreads)
+        evaluate_with = (lambda interp: CudaExecutor(interp, args.timeout)) \
+            if backend == "nccl" else (lambda interp: CpuExecutor(
+                interp, args.timeout, shared=executor.streams))
+        evaluator = Evaluator(ctx, program, store, evaluate_with) \
+            if built.model.evaluation is not None else None
     except StepCodeError as exc:  # a program planc verify refuses, run without it
         raise SystemExit(f"planc: error: rank {rank}: {exc}") from None
     with watch.waiting("creating the group that gathers the metrics (new_group)"):

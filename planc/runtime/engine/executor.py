@@ -21,6 +21,7 @@ NCCL's flight recorder.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -119,6 +120,43 @@ class _Aborted(Exception):
     """Another stream failed: this one stops at its next wait."""
 
 
+class StreamThreads:
+    """One thread per program stream name, created on first use and kept for the run,
+    each running the stream functions it is handed in turn. The compute stream's thread
+    gets the rank's ``threads`` intra-op threads, every other one a single thread. The
+    evaluation's executor runs on the training's threads: a compute thread of its own
+    with the rank's count would be a second OpenMP team (the slowdown CpuExecutor
+    describes), and one with a single thread would evaluate on one core of many."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self._inboxes: dict[str, queue.SimpleQueue] = {}
+
+    def inbox(self, stream: str) -> queue.SimpleQueue:
+        """The queue of ``stream``'s thread: it runs each callable put there, and stops
+        at None."""
+        if stream not in self._inboxes:
+            inbox: queue.SimpleQueue = queue.SimpleQueue()
+            intra_op = self.threads if stream == Stream.COMPUTE else 1
+            threading.Thread(target=self._loop, args=(inbox, intra_op), daemon=True,
+                             name=f"stream-{stream}").start()
+            self._inboxes[stream] = inbox
+        return self._inboxes[stream]
+
+    @staticmethod
+    def _loop(inbox: queue.SimpleQueue, intra_op: int) -> None:
+        own_intra_op_threads(intra_op)
+        while True:
+            job = inbox.get()
+            if job is None:
+                return
+            job()
+
+    def close(self) -> None:
+        for inbox in self._inboxes.values():
+            inbox.put(None)
+
+
 class CpuExecutor:
     """Program streams as threads, created once, each running the function generated
     for it from the program (planc.program.step_code, proven to issue the program's
@@ -137,11 +175,9 @@ class CpuExecutor:
     """
 
     def __init__(self, interpreter: Interpreter, timeout: float, trace: bool = False,
-                 threads: int = 1):
+                 threads: int = 1, shared: "StreamThreads | None" = None):
         self.interpreter, self.timeout, self.tracing = interpreter, timeout, trace
         self.code = step_code.generate(interpreter.program, trace)
-        self.intra_op = [threads if stream.name == Stream.COMPUTE else 1
-                         for stream in self.code.streams]
         checked = step_code.check(self.code, interpreter.program)
         namespace: dict = {}
         exec(compile(checked, f"<planc step of rank {interpreter.ctx.rank}>", "exec"),
@@ -155,38 +191,30 @@ class CpuExecutor:
                                                             item.microbatch,
                                                             item.source.frees)
         self.flows = _flows(interpreter) if trace else {}
-        self.inbox = [queue.SimpleQueue() for _ in self.code.streams]
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.threads = [threading.Thread(target=self._loop, args=(k,), daemon=True,
-                                         name=f"stream-{stream.name}")
-                        for k, stream in enumerate(self.code.streams)]
-        for thread in self.threads:
-            thread.start()
+        # the threads are the run's (``shared``: the training's, for its evaluation)
+        self.owns_threads = shared is None
+        self.streams = StreamThreads(threads) if shared is None else shared
+        self.inbox = [self.streams.inbox(stream.name) for stream in self.code.streams]
 
-    def _loop(self, k: int) -> None:
-        own_intra_op_threads(self.intra_op[k])
-        function, inbox = self.functions[k], self.inbox[k]
-        while True:
-            work = inbox.get()
-            if work is None:
-                return
-            try:
-                spent = function(work.state, self.calls, work.events, work.wait, work.sync,
-                                 work.check, work.done, time.perf_counter,
-                                 work.trace.append)
-                self.outbox.put((k, spent, None))
-            except _Aborted:
-                self.outbox.put((k, None, None))
-            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-                work.abort.set()
-                self.outbox.put((k, None, exc))
+    def _run_stream(self, k: int, work: "_Step") -> None:
+        try:
+            spent = self.functions[k](work.state, self.calls, work.events, work.wait,
+                                      work.sync, work.check, work.done,
+                                      time.perf_counter, work.trace.append)
+            self.outbox.put((k, spent, None))
+        except _Aborted:
+            self.outbox.put((k, None, None))
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            work.abort.set()
+            self.outbox.put((k, None, exc))
 
     def run_step(self, step: int) -> StepResult:
         work = _Step(StepState(step), self.code)
         start = time.perf_counter()  # the step's work includes zeroing its gradients
         self.interpreter.store.zero_grads()
-        for inbox in self.inbox:
-            inbox.put(work)
+        for k, inbox in enumerate(self.inbox):
+            inbox.put(functools.partial(self._run_stream, k, work))
         times = StepTimes()
         finished, seen, progress = 0, 0, time.monotonic()
         while finished < len(self.inbox):
@@ -221,8 +249,8 @@ class CpuExecutor:
         return StepResult(work.state, times, trace)
 
     def close(self) -> None:
-        for inbox in self.inbox:
-            inbox.put(None)
+        if self.owns_threads:
+            self.streams.close()
 
     def _raise(self, error: BaseException, work: "_Step", step: int):
         if isinstance(error, RuntimeError) and any(p in str(error) for p in PEER_GONE):
