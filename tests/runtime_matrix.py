@@ -67,6 +67,10 @@ MATRIX = {
     "tied-zero3": dict(mesh="dp = 2", shard="dp { zero = 3 }", model="; tie_embeddings = on"),
     "tied-pp-zero1": dict(mesh="pp = 2; dp = 2", m=2, model="; tie_embeddings = on",
                           shard="dp { zero = 1 }"),
+    # ZeRO-1 as DeepSpeed's BF16_Optimizer sums its gradients: the whole bucket
+    # all-reduced, each replica keeping its shard of the sum
+    "tied-pp-zero1-all-reduce": dict(mesh="pp = 2; dp = 2", m=2, model="; tie_embeddings = on",
+                                     shard="dp { zero = 1; grad_reduce = all_reduce }"),
 }
 
 

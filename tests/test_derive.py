@@ -245,6 +245,47 @@ def test_reduce_dtype_fp32_moves_four_bytes_a_parameter_in_the_dp_reduction(zero
     assert _gradient_bytes(g_model, 0, kind) == stage_parameters(plain, 0) * 2
 
 
+def test_zero1_grad_reduce_all_reduce_sums_the_whole_gradient_once_a_step():
+    # DeepSpeed's BF16_Optimizer under its pipeline engine all-reduces the whole buffer
+    # and each replica updates its shard: an all-reduce of every parameter's bytes
+    # (twice a ring reduce-scatter's bus bytes), once a step, the shard kept
+    plan, g = compiled(dp=4, zero=1, microbatches=2, dtype="bf16",
+                       dp_block="reduce_dtype = fp32; grad_reduce = all_reduce")
+    reductions = transfers(g, axis="dp_cp", payload="grad")
+    assert {(d["kind"], d["repeat"], d.get("keeps_shard")) for d in reductions} == \
+        {("all_reduce", 1, True)}
+    assert _gradient_bytes(g, 0, "all_reduce") == stage_parameters(plan, 0) * 4
+    # ... and the updated shards are gathered as under any ZeRO-1
+    assert _gradient_bytes(g, 0, "all_gather", "optimizer") == stage_parameters(plan, 0) * 2
+    _, scattered = compiled(dp=4, zero=1, microbatches=2, dtype="bf16",
+                            dp_block="reduce_dtype = fp32")
+    assert {(d["kind"], d.get("keeps_shard")) for d in
+            transfers(scattered, axis="dp_cp", payload="grad")} == {("reduce_scatter", None)}
+    assert all("(zero 1, grad_reduce = all_reduce): all-reduce the whole gradient over "
+               in d["reason"] for d in reductions)
+
+
+def test_zero1_by_all_reduce_is_shown_in_the_buckets_reason_and_the_programs(tmp_path, capsys):
+    from planc.cli import main
+
+    text = plan_text(dp=2, zero=1, microbatches=2, dp_block="grad_reduce = all_reduce")
+    plan = tmp_path / "p.plan"
+    plan.write_text(text)
+    whole = stage_parameters(load_text(text).plan, 0) * 4  # one fp32 bucket: every parameter
+    assert main(["compile", str(plan), "-o", str(tmp_path / "b")]) == 0
+    capsys.readouterr()
+    assert main(["programs", str(tmp_path / "b")]) == 0
+    shown = [line.split(maxsplit=3)[3] for line in capsys.readouterr().out.splitlines()
+             if "G/c0.b0:all_reduce@dp_cp  [" in line]
+    assert shown == [f"G/c0.b0:all_reduce@dp_cp  [dp_cp, {whole:,} B, keeps its shard]  "
+                     f"<- @grad:c0.b0  (last microbatch only)"]
+    assert main(["explain", str(plan), "--axis", "dp_cp"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("each dp x cp rank keeps only its equal slice of the summed gradient (zero 1, "
+            "grad_reduce = all_reduce): one all-reduce of the whole bucket over dp x cp, once "
+            "per step, and each keeps its slice") in text
+
+
 def test_reduce_dtype_fp32_survives_bucket_fusion_and_sizes_the_tied_all_reduce():
     from planc.compile import compile_plan
 

@@ -239,6 +239,27 @@ def test_kernels_says_how_the_elementwise_modules_run():
     assert ", kernels eager\n" in settings(plan_with("optimize { kernels = eager }"))
 
 
+def test_grad_reduce_says_how_zero1_sums_its_gradients_and_needs_zero1():
+    from planc.views.plan_summary import settings
+
+    plain = plan_with("mesh { dp = 2 }\n  shard { dp { zero = 1 } }")
+    assert plain.shard.dp.grad_reduce == "reduce_scatter"
+    by_all_reduce = plan_with("mesh { dp = 2 }\n  shard { dp { zero = 1; grad_reduce = all_reduce } }")
+    assert by_all_reduce.shard.dp.grad_reduce == "all_reduce"
+    assert "grad_reduce" not in settings(plain)
+    assert "shard dp   zero 1, grad_reduce all_reduce\n" in settings(by_all_reduce)
+    for zero, why in ((0, "without ZeRO the gradients are all-reduced already"),
+                      (2, "ZeRO-2 and ZeRO-3 keep only a shard of each gradient"),
+                      (3, "ZeRO-2 and ZeRO-3 keep only a shard of each gradient")):
+        text = f"plan t {{ {MODEL}\n shard {{ dp {{ zero = {zero}; grad_reduce = all_reduce }} }} }}"
+        ((message, span),) = errors_of(text)
+        assert message == f"grad_reduce = all_reduce needs zero = 1, not zero = {zero}: {why}"
+        line = text.splitlines()[span.line - 1]
+        assert line[span.column - 1:span.end_column - 1] == "all_reduce"
+    ((message, _),) = errors_of(f"plan t {{ {MODEL}\n shard {{ dp {{ grad_reduce = gather }} }} }}")
+    assert message == "unknown value 'gather'; expected reduce_scatter or all_reduce"
+
+
 def test_reduce_dtype_says_the_dtype_of_the_data_parallel_gradient_reduction():
     from planc.views.plan_summary import settings
 

@@ -54,7 +54,7 @@ ZERO_BUBBLE.update({
                                    shard="tp { sequence_parallel = on }; pp { virtual = 2 }; "
                                          "dp { zero = 2 }"),
 })
-TIED = ("tied-over-pp", "tied-zero3", "tied-pp-zero1",  # another model: its head is tied
+TIED = ("tied-over-pp", "tied-zero3", "tied-pp-zero1", "tied-pp-zero1-all-reduce",  # tied head
         "tied-pp-interleaved-uneven", "zb1p-tied-zero3", "dualpipev-tied-zero1")
 # Every plan with the optimisation passes as the plan says (on), and with each turned off.
 SWITCHES = {"": [], "fuse-off": ["--set", "optimize.fuse=off"],
@@ -125,7 +125,7 @@ PASSES_ON_ONLY = {"pp-interleaved-uneven-auto-tp-sp", "pp-interleaved-uneven-exp
 # (tests/runtime_matrix.py FEATURES), below; their fuse-off and overlap-off runs stay
 # plain, as every other layout's runs.
 FEATURED = ("single", "tp-sequence-parallel", "pp-interleaved", "tied-pp-zero1",
-            "custom-order")
+            "tied-pp-zero1-all-reduce", "custom-order")
 # Which layouts run with each pass switched off. fuse packs gradient and parameter
 # collectives into buckets (tp partial sums first, ZeRO shards as slices of a bucket, a
 # ZeRO-3 unit per layer, the tied embedding's bucket on both stages); overlap moves tp,

@@ -641,7 +641,7 @@ def test_simulate_states_the_error_of_its_validation_on_the_gpus_it_was_held_to(
     # the demo's topology is this machine as planc calibrate measured it
     assert expected(load_file(PLANS / "demo.plan").plan) is CALIBRATED
     lines = render(simulate(compile_plan(dense)), expected(dense)).splitlines()
-    assert lines[1] == ("  expected error: ± 8.1% (the median error over 45 published runs "
+    assert lines[1] == ("  expected error: ± 7.8% (the median error over 45 published runs "
                         "of dense models; the largest 46%)")
 
 
@@ -649,7 +649,7 @@ def test_tune_claims_no_speed_up_inside_the_simulators_expected_error():
     from planc.simulate.accuracy import DENSE
     from planc.views.tune_text import _within
 
-    assert _within(1.05, DENSE) == ("; within the simulator's expected error of ± 8.1%, so "
+    assert _within(1.05, DENSE) == ("; within the simulator's expected error of ± 7.8%, so "
                                     "not a difference it can tell apart")
     assert _within(1.2, DENSE) == ""
     assert _within(1.2, None) == ", by a model not measured on this device"

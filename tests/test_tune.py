@@ -219,3 +219,8 @@ def test_a_variant_keeps_the_plans_fp32_gradient_buffer():
     assert (variant.shard.dp.zero, variant.shard.dp.fp32_grads) == (0, True)
     # ... and its fp32 gradient reduction (shard { dp { reduce_dtype } })
     assert variant.reduce_dtype_bytes == 4
+    # its ZeRO-1 all-reduce (grad_reduce) is ZeRO-1's alone: another zero reduce-scatters
+    assert plan.shard.dp.grad_reduce == "all_reduce"
+    assert variant.shard.dp.grad_reduce == "reduce_scatter"
+    same = bounds.plan_of(plan, dataclasses.replace(of_plan(plan), zero=1), 8)
+    assert same.shard.dp.grad_reduce == "all_reduce"

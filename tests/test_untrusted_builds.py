@@ -169,13 +169,18 @@ def _tamper_plan(build: Path, change) -> Path:
      "plan.optimize.grad_accumulation is 'separate', not one of fused, buffer, autograd"),
     (lambda d: d["shard"]["dp"].update(reduce_dtype="fp8"),
      "plan.shard.dp.reduce_dtype is 'fp8', not one of model, fp32"),
+    (lambda d: d["shard"]["dp"].update(grad_reduce="all_gather"),
+     "plan.shard.dp.grad_reduce is 'all_gather', not one of reduce_scatter, all_reduce"),
+    (lambda d: d["shard"]["dp"].update(grad_reduce="all_reduce", zero=2),
+     "plan.shard.dp.grad_reduce is all_reduce with zero = 2"),
     (lambda d: d["optimize"].update(kernels="compiled"),
      "plan.optimize.kernels is 'compiled', not one of fused, eager"),
     (lambda d: d["train"].update(data='[[0.5, "a.tokens"]]'),
      "plan.train.data is '[[0.5, \"a.tokens\"]]', neither a path nor a mixture of [weight, "
      "path] pairs"),
 ], ids=["dtype-fp64", "bandwidth-0", "lr-negative", "lr-nan", "microbatches-1e9",
-        "grad-accumulation", "reduce-dtype", "kernels", "one-source-mixture"])
+        "grad-accumulation", "reduce-dtype", "grad-reduce", "grad-reduce-zero2", "kernels",
+        "one-source-mixture"])
 def test_a_resigned_plan_json_is_checked_again(build, capsys, change, reason):
     path = _tamper_plan(build, change)
     assert _refused(capsys, "verify", build) == (

@@ -228,11 +228,17 @@ class ParameterRules:
             step(Kind.ALL_REDUCE, Axis.TP, nbytes, each_microbatch,
                  reasons.parameter_fixup(self.plan, param.name, fixup, use.data),
                  elements=[0, buckets(self.graph)[bucket]["numel"]])
+        # ZeRO-1 may sum the whole buffer and keep its shard of the sum (grad_reduce), as
+        # DeepSpeed's pipeline engine does (_exec_reduce_grads)
+        by_all_reduce = sharded_grad and self.zero == 1 and \
+            self.plan.shard.dp.grad_reduce == "all_reduce"
         if replicas > 1:
-            kind = Kind.ALL_REDUCE if self.zero == 0 else Kind.REDUCE_SCATTER
+            kind = Kind.ALL_REDUCE if self.zero == 0 or by_all_reduce else \
+                Kind.REDUCE_SCATTER
             step(kind, axis, reduced, each_microbatch,
                  reasons.data_parallel(self.plan, param.name, kind.value, axis),
-                 dtype=self.plan.reduce_dtype)
+                 dtype=self.plan.reduce_dtype, **({"keeps_shard": True} if by_all_reduce
+                                                  else {}))
         if tied:
             shard = self.replicas if sharded_grad else 1
             step(Kind.ALL_REDUCE, Axis.TIED, reduced / shard, False, reasons.tied(self.plan),

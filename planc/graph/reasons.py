@@ -150,6 +150,10 @@ def _replicas_words(plan: Plan, axis: str) -> tuple[str, str]:
 def data_parallel(plan: Plan, param: str, kind: str, axis: str = "dp_cp") -> str:
     group, who = _replicas_words(plan, axis)
     zero = plan.shard.dp.zero
+    if kind == "all_reduce" and zero == 1:
+        return (f"{param}'s gradient is summed over {who} and each keeps only its shard "
+                f"(zero 1, grad_reduce = all_reduce): all-reduce the whole gradient over "
+                f"{group}, once per step, and keep the shard")
     if kind == "all_reduce":
         return (f"{param} is replicated on {who} that each computed its gradient on "
                 f"their own data (zero 0): all-reduce the gradient over {group}")
@@ -211,6 +215,10 @@ def bucket(plan: Plan, bucket_id: str, info: dict, kind: str, axis: str, phase: 
     if kind == "all_gather":
         return (f"{what} stored sharded over {group} (zero 3): one all-gather of the bucket "
                 f"before its {phase} use, every microbatch")
+    if kind == "all_reduce" and plan.shard.dp.zero == 1:
+        return (f"{what}; each {group} rank keeps only its equal slice of the summed "
+                f"gradient (zero 1, grad_reduce = all_reduce): one all-reduce of the whole "
+                f"bucket over {group}, once per step, and each keeps its slice")
     if kind == "all_reduce":
         return (f"{what}; its gradients were computed by every {group} replica on its own "
                 f"data (zero 0): one all-reduce of the bucket over {group}")

@@ -35,6 +35,10 @@ from planc.lang.data_check import DATA_SCAN_LIMIT, DataChecks
 from planc.schedules import named as schedule_named
 from planc.schedules import problems as schedule_problems
 
+# why grad_reduce = all_reduce needs zero = 1, by zero (2 for 2 and 3)
+GRAD_REDUCE_ZERO = {0: "without ZeRO the gradients are all-reduced already",
+                    2: "ZeRO-2 and ZeRO-3 keep only a shard of each gradient"}
+
 __all__ = ["DATA_SCAN_LIMIT", "LIMITS", "LIMIT_REASONS", "MAX_TOPOLOGY_BYTES", "BlockReader",
            "check", "divisors_below", "largest_divisors"]
 
@@ -114,6 +118,12 @@ class _Checker(DataChecks, TopologyReader):
         if model and reduce_dtype == "fp32" and model.dtype == "fp32":
             self.report(warning("reduce_dtype = fp32 has no effect with dtype = fp32: the "
                                 "gradients are fp32 already", self.span("shard.dp.reduce_dtype")))
+        grad_reduce = self.value("shard.dp.grad_reduce")
+        if grad_reduce == "all_reduce" and zero is not None and zero != 1:
+            self.report(error(f"grad_reduce = all_reduce needs zero = 1, not zero = {zero}: "
+                              f"{GRAD_REDUCE_ZERO[min(zero, 2)]}",
+                              self.span("shard.dp.grad_reduce")))
+            grad_reduce = None
         optimize = self._optimize()
         if optimize is not None and model is not None and optimize.compile and \
                 not FAMILIES[model.family].module_kernels:
@@ -127,11 +137,13 @@ class _Checker(DataChecks, TopologyReader):
         self._scatter_gather(mesh, tensor)
         train = self._train(model)
         parts = (model, mesh, topology, tensor, context, pipeline, schedule, optimize, train)
-        if any(part is None for part in parts) or zero is None or reduce_dtype is None:
+        if any(part is None for part in parts) or zero is None or reduce_dtype is None or \
+                grad_reduce is None:
             return None
         return Plan(name=self.plan_name, model=model, mesh=mesh, topology=topology,
                     shard=Shard(tensor, context, pipeline, DataParallel(zero, bool(fp32_grads),
-                                                                     reduce_dtype)),
+                                                                     reduce_dtype,
+                                                                     grad_reduce)),
                     schedule=schedule, optimize=optimize, train=train,
                     sources=Sources(self.path, dict(self.spans), self.overrides))
 

@@ -27,7 +27,8 @@ from planc.plan.lr_schedule import LrSchedule
 from planc.models import DEFAULT_FAMILY, FAMILIES
 from planc.models.family import Family
 from planc.plan.mesh import AXES
-from planc.plan.plan import GRAD_ACCUMULATIONS, KERNEL_MODES, MOE_DISPATCHERS, REDUCE_DTYPES
+from planc.plan.plan import (GRAD_ACCUMULATIONS, GRAD_REDUCES, KERNEL_MODES, MOE_DISPATCHERS,
+                              REDUCE_DTYPES)
 from planc import schedules
 
 __all__ = [  # the names other modules read here (the kinds live in planc.vocabulary.kinds)
@@ -120,7 +121,9 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
         }),
         "dp": BlockSchema("dp", keys={"zero": Key(Integer(0, 3), 0),
                                       "fp32_grads": Key(Boolean(), False),
-                                      "reduce_dtype": Key(Choice(REDUCE_DTYPES), "model")}),
+                                      "reduce_dtype": Key(Choice(REDUCE_DTYPES), "model"),
+                                      "grad_reduce": Key(Choice(GRAD_REDUCES),
+                                                         "reduce_scatter")}),
     }),
     "schedule": BlockSchema("schedule", keys={
         "microbatches": Key(Integer(1), 1),

@@ -135,6 +135,7 @@ def _transfer(graph: nx.DiGraph, node: str, data: dict, op: Opcode,
         dim=data.get("dim") if payload == Payload.GRAD else None,
         slice_axis=data.get("slice_axis") if payload == Payload.GRAD else None,
         into_bucket=payload == Payload.PARAM and data["phase"] == Phase.OPTIMIZER,
+        into_shard=bool(data.get("keeps_shard")),
         bytes=data.get("bytes"), hops=data.get("hops"))
 
 

@@ -173,10 +173,18 @@ class DataParallel:
     # REDUCE_DTYPES; "model", the model's dtype, or "fp32" (DeepSpeed's BF16_Optimizer,
     # Megatron-LM's accumulate_allreduce_grads_in_fp32). Sizes the derived collectives.
     reduce_dtype: str = field(default="model", metadata={"omitted_when_default": True})
+    # How ZeRO-1 sums its gradients over the replicas: GRAD_REDUCES; "reduce_scatter", each
+    # replica receiving the sum of its own shard (ZeRO, Megatron-LM's distributed
+    # optimizer), or "all_reduce", the whole buffer summed on every replica, which then
+    # updates its shard (DeepSpeed's BF16_Optimizer under its pipeline engine:
+    # _bf16_reduce_grads all-reduces the fp32 gradients). zero = 1 only.
+    grad_reduce: str = field(default="reduce_scatter", metadata={"omitted_when_default": True})
 
 
 # shard { dp { reduce_dtype } }: the gradients' dtype in their data-parallel reduction.
 REDUCE_DTYPES = ("model", "fp32")
+# shard { dp { grad_reduce } }: ZeRO-1's gradient reduction.
+GRAD_REDUCES = ("reduce_scatter", "all_reduce")
 
 
 @dataclass(frozen=True)

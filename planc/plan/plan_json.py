@@ -17,7 +17,7 @@ from planc.plan.data_source import checked
 from planc.diagnostics import Span
 from planc.plan.lr_schedule import SCHEDULE_ARGUMENTS, problems
 from planc.plan.mesh import is_axis_order
-from planc.plan.plan import (DTYPE_BYTES, GRAD_ACCUMULATIONS, KERNEL_MODES, LIMITS,
+from planc.plan.plan import (DTYPE_BYTES, GRAD_ACCUMULATIONS, GRAD_REDUCES, KERNEL_MODES, LIMITS,
                         PLAN_FORMAT_VERSION, REDUCE_DTYPES, Plan, Sources)
 
 
@@ -198,6 +198,12 @@ def _check_values(value: Any, where: str = "plan") -> None:
     if plan.shard.dp.reduce_dtype not in REDUCE_DTYPES:
         raise ValueError(f"plan.shard.dp.reduce_dtype is {plan.shard.dp.reduce_dtype!r}, "
                          f"not one of {', '.join(REDUCE_DTYPES)}")
+    if plan.shard.dp.grad_reduce not in GRAD_REDUCES:
+        raise ValueError(f"plan.shard.dp.grad_reduce is {plan.shard.dp.grad_reduce!r}, "
+                         f"not one of {', '.join(GRAD_REDUCES)}")
+    if plan.shard.dp.grad_reduce == "all_reduce" and plan.shard.dp.zero != 1:
+        raise ValueError(f"plan.shard.dp.grad_reduce is all_reduce with zero = "
+                         f"{plan.shard.dp.zero}")
     _check_lr_schedule(plan.train)
     if plan.train.init_form not in ((None,) if plan.train.init is None else ("saved", "memory")):
         raise ValueError(f"plan.train.init_form is {plan.train.init_form!r}")

@@ -263,6 +263,9 @@ class Operands:
     dim: str | None = None
     slice_axis: int | None = None
     into_bucket: bool = False  # a parameter gather after the optimizer: into the bucket
+    # a ZeRO-1 gradient all-reduce (shard { dp { grad_reduce = all_reduce } }): the
+    # whole bucket summed, then the rank's shard of the sum kept
+    into_shard: bool = False
     bytes: int | None = None
     # train { grad_clip } (planc.graph.grad_norm): the ranges of the stage's buckets whose
     # squares a rank's share of the norm sums, as (bucket, start, end, weight) over the
@@ -324,7 +327,7 @@ _READERS = {
     "partner": _maybe(_string),
     "shape": _tuple_of(_integer), "elements": _tuple_of(_integer),
     "tensor": _maybe(_string), "dim": _maybe(_string), "slice_axis": _maybe(_integer),
-    "into_bucket": _boolean, "bytes": _maybe(_integer),
+    "into_bucket": _boolean, "into_shard": _boolean, "bytes": _maybe(_integer),
     "norm_ranges": _tuple_of(_norm_range), "max_norm": _maybe(_number),
     "router_layers": _tuple_of(_integer), "bias_update": _maybe(_number),
     "hops": _maybe(_integer),

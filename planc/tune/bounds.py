@@ -70,7 +70,9 @@ def plan_of(base: Plan, c: Candidate, per_node: int, chunks_of: dict | None = No
             shard, tp=dataclasses.replace(shard.tp, sequence_parallel=c.sequence_parallel),
             pp=PipelineParallel(chunks, c.virtual, c.stages == "auto" or
                                 c.stages == "file" and base.shard.pp.auto),
-            dp=dataclasses.replace(shard.dp, zero=c.zero)),
+            # grad_reduce = all_reduce is ZeRO-1's alone: another zero reduce-scatters
+            dp=dataclasses.replace(shard.dp, zero=c.zero, grad_reduce=shard.dp.grad_reduce
+                                   if c.zero == 1 else "reduce_scatter")),
         schedule=Schedule(c.microbatches, c.pipeline),
         optimize=dataclasses.replace(base.optimize, recompute=c.recompute))
 

@@ -82,7 +82,9 @@ def settings(plan: Plan) -> str:
         ("shard dp", f"zero {shard.dp.zero}"
                      + (", fp32_grads on" if shard.dp.fp32_grads else "")
                      + (f", reduce_dtype {shard.dp.reduce_dtype}"
-                        if shard.dp.reduce_dtype != "model" else "")),
+                        if shard.dp.reduce_dtype != "model" else "")
+                     + (f", grad_reduce {shard.dp.grad_reduce}"
+                        if shard.dp.grad_reduce != "reduce_scatter" else "")),
         ("schedule", f"{plan.schedule.pipeline}, "
                      f"{counted(plan.schedule.microbatches, 'microbatch', 'microbatches')} of "
                      f"{counted(plan.microbatch_size, 'sequence')} per data-parallel rank"),

@@ -32,7 +32,8 @@ def _instruction(i: Instruction, graph: nx.DiGraph) -> str:
     data = graph.nodes[i.node] if i.node in graph else {}
     extra = ""
     if data.get("type") == "transfer":
-        extra = f"  [{data['axis']}, {data['bytes']:,} B]"
+        kept = ", keeps its shard" if data.get("keeps_shard") else ""  # grad_reduce
+        extra = f"  [{data['axis']}, {data['bytes']:,} B{kept}]"
     reads = f"  <- {', '.join(i.reads)}" if i.reads else ""
     return f"{i.stream:<10} {i.op:<14} {i.node}{extra}{reads}{guard}"
 

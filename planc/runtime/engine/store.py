@@ -67,6 +67,7 @@ class ParamStore:
         self.shard: dict[str, torch.Tensor] = {}  # this rank's slice (sharded buckets)
         self.grad: dict[str, torch.Tensor] = {}
         self.grad_shard: dict[str, torch.Tensor] = {}
+        self.shard_range: dict[str, tuple[int, int]] = {}  # [start, end) of the shard
         self.members: dict[str, Member] = {}
         # state that is not trained: name -> fp32 tensor, the same on every rank holding
         # it (a mixture's balancing bias, planc.runtime.engine.router_bias), kept beside
@@ -92,6 +93,7 @@ class ParamStore:
             flat = flat.to(ctx.device)
             if bucket["sharded"]:
                 size, index = bucket["shard"], shard_index(ctx, bucket)
+                self.shard_range[bucket_id] = (index * size, (index + 1) * size)
                 self.shard[bucket_id] = flat[index * size:(index + 1) * size].clone()
                 self.grad_shard[bucket_id] = torch.zeros_like(self.shard[bucket_id])
             if not bucket["zero3"]:
@@ -108,6 +110,11 @@ class ParamStore:
 
     def grad_of(self, name: str) -> torch.Tensor:
         return self.view(self.grad[self.members[name].bucket], name)
+
+    def own_shard(self, bucket: str, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a whole (sharded) bucket ``flat``."""
+        start, end = self.shard_range[bucket]
+        return flat[start:end]
 
     def current_grad(self, bucket: str) -> torch.Tensor:
         """The bucket's gradient as the next reduction sees it: the shard once reduced

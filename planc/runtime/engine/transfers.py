@@ -235,12 +235,17 @@ class Transfers:
 
     def grad_all_reduce(self, call: Call, value=None) -> None:
         """Sum a bucket's gradient over the group: the range of elements the node names
-        (the partial sums over tp), or the whole gradient as it stands (over dp x cp
-        under ZeRO 0, or its shard between tied stages)."""
+        (the partial sums over tp), the whole buffer of which the rank keeps its ZeRO-1
+        shard (``into_shard``), or the whole gradient as it stands (over dp x cp under
+        ZeRO 0, or its shard between tied stages)."""
         bucket = call.operands.bucket
         if call.operands.elements:
             start, end = call.operands.elements
             self.all_reduce(self.store.grad[bucket][start:end], call, in_place=True)
+        elif call.operands.into_shard:  # ZeRO-1 by all-reduce, as DeepSpeed's BF16_Optimizer
+            self.all_reduce(self.store.grad[bucket], call, in_place=True)
+            self.store.grad_shard[bucket] += self.store.own_shard(bucket,
+                                                                  self.store.grad[bucket])
         else:
             self.all_reduce(self.store.current_grad(bucket), call, in_place=True)
 
