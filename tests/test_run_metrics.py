@@ -176,8 +176,9 @@ def test_tensorboard_scalars_equal_the_metrics_file(run):
     expected = {key: [(r["step"] + 1, r[key]) for r in records if key in r]
                 for key in TENSORBOARD_SCALARS if any(key in r for r in records)}
     assert {"loss", "tokens_per_s", "tflops_per_device", "mfu", "exposed_comm_s",
-            "time_s", "eval_loss"} <= set(expected)
+            "time_s", "eval_loss", "eval_s"} <= set(expected)
     assert [step for step, _ in expected["eval_loss"]] == [2]  # the steps that evaluated
+    assert [step for step, _ in expected["eval_s"]] == [2]
     assert sorted(events.Tags()["tensors"]) == sorted(expected)
     for key, values in expected.items():
         read = [(e.step, tensor_util.make_ndarray(e.tensor_proto).item())

@@ -266,7 +266,9 @@ def test_every_feature_trains_exactly_like_one_process(name, tmp_path, capfd,
                                                        rel=1e-15)
     for r in records:
         assert set(r) == metrics_of(tmp_path / "build") | {"grad_norm"} | (
-            {"eval_loss"} if evaluated and r["step"] in (1, 3) else set())
+            {"eval_loss", "eval_s"} if evaluated and r["step"] in (1, 3) else set())
+        if "eval_s" in r:  # two batches' forwards: some time, less than a training step's 4
+            assert 0 < r["eval_s"] < 10
     if "zb" in case.get("schedule", ""):
         programs = json.loads((tmp_path / "build" / "programs" / "stage0.json").read_text())
         assert any(block.startswith("W") for block, _ in programs["schedule"])

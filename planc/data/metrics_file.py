@@ -24,7 +24,7 @@ MAX_STEP = 10**12  # far past any run, and a float holds every step up to it exa
 SMALLEST, LARGEST = 1e-100, 1e100  # the product or quotient of two stays a finite float
 # The record's numeric keys (docs/metrics.md): every one planc plot --metric or planc
 # report reads is here.
-NUMBERS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
+NUMBERS = ("loss", "eval_loss", "eval_s", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
            "ep_imbalance", "moe_dropped", "moe_expert_imbalance",
            "time_s", "compute_s", "comm_s", "exposed_comm_s", "pipeline_wait_s", "max_rss_mb")
 # What a diverging run computes as NaN or an infinity, and planc run writes as it is

@@ -21,10 +21,10 @@ import torch
 from planc.host.outputs import TENSORBOARD_SUFFIX
 
 # The record's keys written as TensorBoard scalars, in this order, where the record has
-# them (lr and grad_norm only when the plan's training computes them, eval_loss at the
-# steps that evaluate).
+# them (lr and grad_norm only when the plan's training computes them, eval_loss and
+# eval_s at the steps that evaluate).
 TENSORBOARD_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",
-                       "exposed_comm_s", "time_s", "eval_loss")
+                       "exposed_comm_s", "time_s", "eval_loss", "eval_s")
 
 
 def peak_memory_mb(device: torch.device) -> tuple[float, str]:

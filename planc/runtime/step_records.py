@@ -58,6 +58,8 @@ def progress_line(step: int, steps: int, record: dict) -> None:
             f"{record['tflops_per_device']:.3g} TFLOP/s per device" +
             (f"  MFU {100 * record['mfu']:.2g}%" if "mfu" in record else "") +
             (f"  eval loss {record['eval_loss']:.6f}" if "eval_loss" in record else "") +
+            (f" ({record['eval_s']:.3g} s)" if "eval_loss" in record and "eval_s" in record
+             else "") +
             (f"  {describe_straggler(record['straggler'])}" if "straggler" in record else "") +
             (f"  {describe_recovery(record['recovery'])}" if "recovery" in record else ""))
     end = "\r" if sys.stderr.isatty() and step + 1 < steps else "\n"

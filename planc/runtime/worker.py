@@ -198,9 +198,12 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
             if result.state.grad_norm is not None:  # train { grad_clip }: before clipping
                 notes["grad_norm"] = result.state.grad_norm
             done = step + 1
-            evaluated = evaluator.run(done) if evaluator and evaluator.due(done) else None
-            if evaluated is not None:
-                notes["eval_loss"] = evaluations[step] = evaluated
+            if evaluator and evaluator.due(done):
+                started = time.perf_counter()
+                evaluated = evaluator.run(done)
+                notes["eval_s"] = time.perf_counter() - started  # what the evaluation cost
+                if evaluated is not None:
+                    notes["eval_loss"] = evaluations[step] = evaluated
             metrics.step(step, result.times, result.state.loss,
                          interpreter.kernels.take_routed(step),
                          interpreter.kernels.take_dropped(step),

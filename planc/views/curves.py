@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass
 
 # The numeric keys of a step's record planc plot draws, and their axis labels.
-METRICS = {"loss": "loss", "eval_loss": "evaluation loss", "lr": "learning rate",
+METRICS = {"loss": "loss", "eval_loss": "evaluation loss", "eval_s": "evaluation time (s)",
+           "lr": "learning rate",
            "grad_norm": "gradient norm",
            "tokens_per_s": "tokens/s", "tflops_per_device": "TFLOP/s per device",
            "mfu": "MFU", "time_s": "step time (s)", "exposed_comm_s": "exposed communication (s)",
