@@ -64,6 +64,27 @@ def run_one_rank(script: str, tmp_path: Path, *args: str, threads: int = 1,
                           capture_output=True, text=True, cwd=ROOT, timeout=300, env=rank)
 
 
+def resigned_plan(build: Path, change) -> Path:
+    """Edit a build's plan.json with ``change`` and sign it again (build.json's and
+    graph.json's plan_sha256, a checksum), as an attacker or an older planc would have
+    written it; its path."""
+    from planc.build.directory import _fingerprint
+
+    path = build / "plan.json"
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+    fingerprint = _fingerprint(data)
+    for name, keys in (("build.json", ("plan_sha256",)), ("graph.json", ("graph", "plan_sha256"))):
+        document = json.loads((build / name).read_text())
+        holder = document
+        for key in keys[:-1]:
+            holder = holder[key]
+        holder[keys[-1]] = fingerprint
+        (build / name).write_text(json.dumps(document))
+    return path
+
+
 def one_rank_printed(done: subprocess.CompletedProcess) -> dict:
     """The JSON object the last line of a rank script's output prints, once it succeeded."""
     assert done.returncode == 0, done.stderr[-3000:]

@@ -23,7 +23,7 @@ from planc.simulate import simulate
 from planc.views.plan_summary import settings
 from planc.views.report_html import BAR_SPACE, BAR_START
 from planc.views.rank_picture import layout_svg, stage_colours
-from tests.conftest import PLANS
+from tests.conftest import PLANS, resigned_plan
 
 SMALL = (str(PLANS / "llama-small.plan"), "--set", "mesh.tp=2", "--set", "mesh.pp=2",
          "--set", "mesh.dp=2")
@@ -291,6 +291,24 @@ def test_a_run_writes_its_build_fingerprint_and_report_checks_it(tmp_path, capsy
     assert main(["report", str(plan), "--set", "model.layers=4", "-o", str(page),
                  "--metrics", str(metrics), "--force"]) == 1
     assert "holds the metrics of another build" in capsys.readouterr().err
+
+
+def test_a_build_of_an_older_planc_keeps_its_metrics(tmp_path, capsys):
+    """A build whose plan.json an older planc wrote lacks the keys added since (here
+    shard.dp.grad_reduce): read back, its plan's fingerprint today differs from the one
+    in build.json, which its runs wrote into their metrics; report refused them as
+    another build's."""
+    build = tmp_path / "b"
+    assert main(["compile", str(PLANS / "gpt-tiny.plan"), "-o", str(build)]) == 0
+    # as planc wrote it before the key existed
+    resigned_plan(build, lambda data: data["shard"]["dp"].pop("grad_reduce"))
+    old = json.loads((build / "build.json").read_text())["plan_sha256"]
+    assert plan_fingerprint(load_file(PLANS / "gpt-tiny.plan").plan) != old
+    metrics, page = tmp_path / "m.jsonl", tmp_path / "report.html"
+    _metrics(metrics, [0.03, 0.02], old)
+    capsys.readouterr()
+    assert main(["report", str(build), "-o", str(page), "--metrics", str(metrics)]) == 0
+    assert capsys.readouterr().err == f"report written to {page} (12 KB, self-contained)\n"
 
 
 def test_report_and_diff_take_transfers_from_the_verified_graph(tmp_path, capsys):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from planc.cli import main
-from tests.conftest import PLANS, unprivileged
+from tests.conftest import PLANS, resigned_plan, unprivileged
 
 
 @pytest.fixture(scope="module")
@@ -135,25 +135,6 @@ def test_logs_that_is_not_a_directory_of_the_build(build, capsys, tmp_path, kind
     assert list((tmp_path / "elsewhere").iterdir() if kind == "symlink" else []) == []
 
 
-def _tamper_plan(build: Path, change) -> Path:
-    """Edit plan.json and re-sign it as an attacker would (the sha256 is a checksum)."""
-    from planc.build.directory import _fingerprint
-
-    path = build / "plan.json"
-    data = json.loads(path.read_text())
-    change(data)
-    path.write_text(json.dumps(data))
-    fingerprint = _fingerprint(data)
-    for name, keys in (("build.json", ("plan_sha256",)), ("graph.json", ("graph", "plan_sha256"))):
-        document = json.loads((build / name).read_text())
-        holder = document
-        for key in keys[:-1]:
-            holder = holder[key]
-        holder[keys[-1]] = fingerprint
-        (build / name).write_text(json.dumps(document))
-    return path
-
-
 @pytest.mark.parametrize("change, reason", [
     (lambda d: d["model"].update(dtype="fp64"),
      "plan.model.dtype is 'fp64', not one of fp32, bf16, fp16"),
@@ -182,7 +163,7 @@ def _tamper_plan(build: Path, change) -> Path:
         "grad-accumulation", "reduce-dtype", "grad-reduce", "grad-reduce-zero2", "kernels",
         "one-source-mixture"])
 def test_a_resigned_plan_json_is_checked_again(build, capsys, change, reason):
-    path = _tamper_plan(build, change)
+    path = resigned_plan(build, change)
     assert _refused(capsys, "verify", build) == (
         f"planc: error: {path} is not a valid plan ({reason}); run planc compile again\n")
 

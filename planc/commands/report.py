@@ -104,11 +104,14 @@ def main(args) -> int:
         return status
     unchecked = None
     if metrics:
-        refused, unchecked = _other_build(args.metrics, metrics, args.file,
-                                          plan_fingerprint(built.plan))
+        # a build directory's own fingerprint, as its runs wrote it (build.json, checked
+        # against plan.json when read): a plan.json of an older planc, without a key
+        # added since, reads back to a plan whose fingerprint today differs
+        fingerprint = built.graph.graph.get("plan_sha256") or plan_fingerprint(built.plan)
+        refused, unchecked = _other_build(args.metrics, metrics, args.file, fingerprint)
         if refused:
             return fail(refused)
-        mine = [r for r in metrics if r.get("build") == plan_fingerprint(built.plan)]
+        mine = [r for r in metrics if r.get("build") == fingerprint]
         if unchecked is None and len(mine) < len(metrics):
             print(f"planc: warning: {args.metrics} is a run that switched layouts (planc run "
                   f"--on-failure replan): the {len(mine)} of its {len(metrics)} steps this "
