@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from planc.runtime.engine.store import ParamStore, shard_index
+from planc.runtime.engine.store import ParamStore
 from planc.runtime.engine.context import RankContext
 
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
@@ -28,7 +28,7 @@ def share(ctx: RankContext, store: ParamStore, ranges) -> torch.Tensor:
         info = store.buckets[bucket]
         grad, offset = store.current_grad(bucket), 0
         if info["sharded"]:
-            offset = shard_index(ctx, info) * info["shard"]
+            offset, _ = store.shard_range[bucket]
         low, high = max(start - offset, 0), min(end - offset, grad.numel())
         if low < high:
             part = grad[low:high].to(torch.float64)

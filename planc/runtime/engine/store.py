@@ -94,7 +94,7 @@ class ParamStore:
             if bucket["sharded"]:
                 size, index = bucket["shard"], shard_index(ctx, bucket)
                 self.shard_range[bucket_id] = (index * size, (index + 1) * size)
-                self.shard[bucket_id] = flat[index * size:(index + 1) * size].clone()
+                self.shard[bucket_id] = self.own_shard(bucket_id, flat).clone()
                 self.grad_shard[bucket_id] = torch.zeros_like(self.shard[bucket_id])
             if not bucket["zero3"]:
                 self.full[bucket_id] = flat

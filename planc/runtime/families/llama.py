@@ -28,10 +28,8 @@ def rms_normed(m, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(k, spec, x, p, step, mb, extra):
     (weight,) = spec.params
-    compiled = k.compiled.get("rms_norm")
-    if compiled is not None:
-        return compiled(x["x"], p(weight), k.ctx.model.norm_eps)
-    return rms_normed(k.ctx.model, x["x"], p(weight))
+    formula = k.compiled.get("rms_norm", rms_norm_formula)  # compiled, or eager
+    return formula(x["x"], p(weight), k.ctx.model.norm_eps)
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype):
@@ -117,11 +115,8 @@ def qkv(k, spec, x, p, step, mb, extra):
     b, s, _ = out.shape
     cos, sin = rotary_tables(k.positions(spec), hd, model.rope_theta,
                              out.dtype)
-    if not norms:
-        compiled = k.compiled.get("rotate_qk")
-        if compiled is not None:
-            return compiled(out, cos, sin, (heads + kv) * hd, hd)
-        return RotateQK.apply(out, cos, sin, (heads + kv) * hd, hd)
+    if not norms:  # compiled, or the hand-differentiated function
+        return k.compiled.get("rotate_qk", RotateQK.apply)(out, cos, sin, (heads + kv) * hd, hd)
     q = out[..., :heads * hd].reshape(b, s, heads, hd)
     key = out[..., heads * hd:(heads + kv) * hd].reshape(b, s, kv, hd)
     q, key = rms_normed(model, q, norms["q_norm"]), rms_normed(model, key, norms["k_norm"])
@@ -181,8 +176,7 @@ class SwiGLU(torch.autograd.Function):
 
 
 def swiglu(k, spec, x, p, step, mb, extra):
-    compiled = k.compiled.get("swiglu")
-    return SwiGLU.apply(x["x"]) if compiled is None else compiled(x["x"])
+    return k.compiled.get("swiglu", SwiGLU.apply)(x["x"])  # compiled, or by hand
 
 
 # optimize { compile }: the formulas of the kernels above as pure functions of tensors,
