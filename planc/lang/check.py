@@ -28,16 +28,13 @@ from planc.lang.stages_check import StageProblem, auto_chunks, explicit_chunks, 
 from planc.lang.topology_check import MAX_TOPOLOGY_BYTES, TopologyReader
 from planc.plan.mesh import AXES
 from planc.models import DEFAULT_FAMILY, FAMILIES
-from planc.plan.plan import (LIMITS, ContextParallel, DataParallel, Mesh, Model, Optimize, Optimizer,
+from planc.plan.plan import (LIMITS, ContextParallel, Mesh, Model, Optimize, Optimizer,
                         PipelineParallel, Plan, Schedule, Shard, Sources, TensorParallel, Train)
 from planc.schedules import PipelineShape
 from planc.lang.data_check import DATA_SCAN_LIMIT, DataChecks
+from planc.lang.dp_check import DataParallelChecks
 from planc.schedules import named as schedule_named
 from planc.schedules import problems as schedule_problems
-
-# why grad_reduce = all_reduce needs zero = 1, by zero (2 for 2 and 3)
-GRAD_REDUCE_ZERO = {0: "without ZeRO the gradients are all-reduced already",
-                    2: "ZeRO-2 and ZeRO-3 keep only a shard of each gradient"}
 
 __all__ = ["DATA_SCAN_LIMIT", "LIMITS", "LIMIT_REASONS", "MAX_TOPOLOGY_BYTES", "BlockReader",
            "check", "divisors_below", "largest_divisors"]
@@ -75,7 +72,7 @@ def _over_limit(what: str, limit: str) -> str:
 
 
 @dataclass
-class _Checker(DataChecks, TopologyReader):
+class _Checker(DataChecks, DataParallelChecks, TopologyReader):
     """Pass 2, the rules across keys and blocks. Pass 1 is BlockReader's
     (:mod:`planc.lang.blocks`), the topology TopologyReader's; a model family's own rules
     are its description's (Family.model_checks, Family.tensor_parallel_checks)."""
@@ -106,24 +103,7 @@ class _Checker(DataChecks, TopologyReader):
         schedule = self._schedule(mesh, model)
         pipeline = self._pipeline(mesh, model, schedule)
         self._tied_embeddings(mesh, model, tensor)
-        zero = self.value("shard.dp.zero")
-        if mesh and zero and mesh.dp * mesh.cp == 1 and "shard.dp.zero" in self.given:
-            self.report(warning(f"zero = {zero} has no effect with dp = 1 and cp = 1",
-                                self.span("shard.dp.zero")))
-        fp32_grads = self.value("shard.dp.fp32_grads")
-        if model and fp32_grads and model.dtype == "fp32":
-            self.report(warning("fp32_grads = on has no effect with dtype = fp32: the "
-                                "gradients are fp32 already", self.span("shard.dp.fp32_grads")))
-        reduce_dtype = self.value("shard.dp.reduce_dtype")
-        if model and reduce_dtype == "fp32" and model.dtype == "fp32":
-            self.report(warning("reduce_dtype = fp32 has no effect with dtype = fp32: the "
-                                "gradients are fp32 already", self.span("shard.dp.reduce_dtype")))
-        grad_reduce = self.value("shard.dp.grad_reduce")
-        if grad_reduce == "all_reduce" and zero is not None and zero != 1:
-            self.report(error(f"grad_reduce = all_reduce needs zero = 1, not zero = {zero}: "
-                              f"{GRAD_REDUCE_ZERO[min(zero, 2)]}",
-                              self.span("shard.dp.grad_reduce")))
-            grad_reduce = None
+        data_parallel = self._data_parallel(mesh, model)
         optimize = self._optimize()
         if optimize is not None and model is not None and optimize.compile and \
                 not FAMILIES[model.family].module_kernels:
@@ -136,14 +116,12 @@ class _Checker(DataChecks, TopologyReader):
             schedule = self._overlap_all_to_all(schedule, optimize, mesh, model)
         self._scatter_gather(mesh, tensor)
         train = self._train(model)
-        parts = (model, mesh, topology, tensor, context, pipeline, schedule, optimize, train)
-        if any(part is None for part in parts) or zero is None or reduce_dtype is None or \
-                grad_reduce is None:
+        parts = (model, mesh, topology, tensor, context, pipeline, data_parallel, schedule,
+                 optimize, train)
+        if any(part is None for part in parts):
             return None
         return Plan(name=self.plan_name, model=model, mesh=mesh, topology=topology,
-                    shard=Shard(tensor, context, pipeline, DataParallel(zero, bool(fp32_grads),
-                                                                     reduce_dtype,
-                                                                     grad_reduce)),
+                    shard=Shard(tensor, context, pipeline, data_parallel),
                     schedule=schedule, optimize=optimize, train=train,
                     sources=Sources(self.path, dict(self.spans), self.overrides))
 
