@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import statistics
 
 import pytest
 
@@ -446,6 +447,41 @@ def test_compile_prints_the_routes_and_explain_the_route_table(tmp_path, run_pla
         "       hierarchical     215 us  yes     inside nodes of 4, then between 2 nodes"]
 
 
+def test_calibrate_fits_a_line_through_every_size_and_bounds_a_slope_noise_flattened():
+    """A collective's bandwidth is the slope of the least-squares line through its sizes;
+    where the largest size took no longer than the others (noise larger than the
+    transfer), the slope is bounded by the largest size's whole time, never a bandwidth
+    of 1e6 GB/s."""
+    pytest.importorskip("torch")
+    from planc.runtime.calibrate import _slope_fit
+
+    # exactly t = 1 ms + bytes / 1 GB/s
+    line = [(n, 1e-3 + n / 1e9) for n in (4 << 10, 256 << 10, 1 << 20)]
+    slope, at_zero = _slope_fit(line)
+    assert slope == pytest.approx(1e-9) and at_zero == pytest.approx(1e-3)
+    # a calibration's all_reduce on 8 ranks of 2 cores: the line through all three
+    # (statistics.linear_regression's), not the slope of the two largest
+    points = [(4 << 10, 17.36e-3), (256 << 10, 21.61e-3), (1 << 20, 24.14e-3)]
+    slope, at_zero = _slope_fit(points)
+    fitted = statistics.linear_regression(*zip(*points))
+    assert (slope, at_zero) == (pytest.approx(fitted.slope), pytest.approx(fitted.intercept))
+    assert 1 / slope == pytest.approx(174.67e6, rel=1e-4)
+    # the 1 MB call as fast as the 256 KB one and faster than the 4 KB one: bounded
+    slope, at_zero = _slope_fit([(4 << 10, 12e-3), (256 << 10, 10e-3), (1 << 20, 10e-3)])
+    assert slope == 10e-3 / (1 << 20)
+    assert at_zero == pytest.approx(12e-3 - 10e-3 * 4 / 1024)  # 11.96 ms
+
+
+def test_calibrate_measures_a_step_s_calls_on_every_pair_of_a_level():
+    pytest.importorskip("torch")
+    from planc.runtime.calibrate import level_pairs
+
+    assert level_pairs("intra", 8, 1) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert level_pairs("intra", 3, 2) == [(0, 1)]  # the third rank computes meanwhile
+    assert level_pairs("inter", 4, 2) == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert level_pairs("inter", 4, 1) == []
+
+
 def test_calibrate_refuses_a_bad_command_line(tmp_path, run_planc):
     done = run_planc("calibrate", "-o", tmp_path / "t.json", "--ranks", "4", "--nodes", "3")
     assert (done.returncode, done.stderr) == (2, "planc: error: --nodes must divide --ranks "
@@ -534,6 +570,7 @@ def test_calibrate_writes_a_topology_that_a_plan_can_use(tmp_path, run_planc):
     # a message's latency in a step: a pair's all_gather of 4 KB while the others compute
     under_load = data["measured"]["intra"]["calls_under_load"]
     assert set(under_load) == {"all_reduce", "reduce_scatter", "all_gather", "tree"}
+    assert data["measured"]["intra"]["pairs_under_load"] == [[0, 1]]
     assert preset.intra_latency == under_load["all_gather"] > 0
     assert preset.devices_per_node == 2 and "inter" not in data["measured"]
     assert preset.inter_bandwidth == preset.intra_bandwidth

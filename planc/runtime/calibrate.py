@@ -12,15 +12,16 @@ median time, every pair or group of the level at once, so that each link carries
 training step puts on it):
 
 - one message between pairs of ranks: its latency (half the smallest exchange) and its
-  bandwidth (the slope between the two largest sizes), the link's alpha and beta, which
-  tree routes use;
+  bandwidth (the slope of the least-squares line through the sizes), the link's alpha
+  and beta, which tree routes use;
 - all_reduce, reduce_scatter and all_gather on the level's groups (a node's ranks; the
   ranks with the same place on every node): the bus bandwidth each achieves and its
   latency per call beyond the steps' latencies, as in NCCL's tuning model (planc.estimate.cost);
-- the same collectives of 4 KB, and planc's tree, on the level's first pair while every
-  other rank computes, as in a training step (:func:`while_others_compute`): the
-  latency a message pays in a step (the pair's all_gather, one ring step), which the
-  link's ``latency`` holds, and what each collective's call costs beyond its steps.
+- the same collectives of 4 KB, and planc's tree, on each of the level's pairs in turn
+  while every other rank computes, as in a training step
+  (:func:`while_others_compute_each`): the latency a message pays in a step (a pair's
+  all_gather, one ring step), which the link's ``latency`` holds, and what each
+  collective's call costs beyond its steps.
 
 The compute rate is that of an fp32 matrix multiply with every rank multiplying at once,
 the memory bandwidth that of a 64 MB copy. The overlap is the share of an all_reduce that
@@ -50,7 +51,7 @@ from planc.host.files import write_atomically
 from planc.plan.presets import calibrated_document
 from planc.runtime.calibrate_instructions import (OVERHEAD_CALLS, OVERHEAD_WINDOWS,
                                                   measure_handoff, measure_instructions,
-                                                  tiny_operator, while_others_compute)
+                                                  tiny_operator, while_others_compute_each)
 from planc.runtime.launcher.rendezvous import joined_store
 from planc.runtime.engine.host_memory import keep_freed_memory
 from planc.runtime.engine.collectives import all_gather_single, reduce_scatter_single
@@ -105,10 +106,22 @@ def subgroups(world: int, per_node: int) -> dict[str, tuple[object, int, int]]:
 
 
 def _slope_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """(seconds per byte, seconds at zero bytes) through the smallest point and the slope
-    between the two largest."""
-    (small, t_small), (mid, t_mid), (large, t_large) = sorted(points)
-    slope = max((t_large - t_mid) / (large - mid), 1e-15)
+    """(seconds per byte, seconds at zero bytes): the least-squares line through every
+    measured size. The slope between the two largest sizes alone (this fit before) made
+    noise a bandwidth: with 8 ranks on 2 cores a 1 MB all_reduce could take no longer
+    than a 256 KB one, and calibrate printed 1.75e+06 GB/s. Where time does not grow
+    with size even so, the slope is bounded by the largest size's whole time taken as
+    its transfer (the least bandwidth that measurement allows), and the time at zero
+    bytes is then what the smallest size took beyond that rate."""
+    count = len(points)
+    mean_bytes = sum(b for b, _ in points) / count
+    mean_time = sum(t for _, t in points) / count
+    spread = sum((b - mean_bytes) ** 2 for b, _ in points)
+    slope = sum((b - mean_bytes) * (t - mean_time) for b, t in points) / spread
+    if slope > 0:
+        return slope, max(mean_time - slope * mean_bytes, 0.0)
+    (small, t_small), (large, t_large) = min(points), max(points)
+    slope = t_large / large
     return slope, max(t_small - slope * small, 0.0)
 
 
@@ -269,57 +282,66 @@ def measure_overhead() -> dict:
     return {"forward": figures[0].item(), "backward": figures[1].item()}
 
 
-def pair_of(level: str, per_node: int) -> tuple[int, int]:
-    """The first pair of ranks of a level: two ranks of node 0, or rank 0 and its place
-    on node 1."""
-    return (0, 1) if level == "intra" else (0, per_node)
+def level_pairs(level: str, per_node: int, nodes: int) -> list[tuple[int, int]]:
+    """The level's disjoint pairs of ranks: neighbours on node 0 (intra), or each place
+    of node 0 with the same place on node 1 (inter)."""
+    if level == "intra":
+        return [(local, local + 1) for local in range(0, per_node - 1, 2)]
+    return [(local, per_node + local) for local in range(per_node)] if nodes > 1 else []
 
 
 LOADED_BATCHES = 5  # at least, for the figures measured while the other ranks compute
 
 
-def calls_under_load(level: str, per_node: int, repeats: int, pair_group,
+def calls_under_load(pairs: list[tuple[tuple[int, int], object]], repeats: int,
                      smallest: int) -> dict:
-    """{kind: seconds}: each collective of 4 KB on the level's first pair, and planc's
-    tree all_reduce, while every other rank computes (:func:`while_others_compute`):
+    """{kind: seconds}: each collective of 4 KB on a pair of the level, and planc's tree
+    all_reduce, while every other rank computes (:func:`while_others_compute_each`):
     BATCH calls, each after a tiny operator's step of compute, as a step reaches its
     collectives (the partner then arrives when its own compute and the scheduler let it,
     not already waiting: back to back, a pair's tree all_reduce took 0.05-0.4 ms here,
-    after compute 1.1-1.6 ms, and the demo's runs wait about 4 ms for each of theirs),
-    the median of ``repeats`` batches (LOADED_BATCHES at least). A pair's collective is
-    what tiny plans' groups (tp, dp, cp of 2) run; a pair's all_gather is one ring step,
-    a message each way at once: the latency of a message in a step."""
+    after compute 1.1-1.6 ms, and the demo's runs wait about 4 ms for each of theirs).
+    ``pairs``: (the pair's ranks, its group), each of the level's pairs in turn; the
+    figure is the median of every pair's batches (``repeats`` of them, LOADED_BATCHES at
+    least), the slowest member's each. The first pair alone gave figures that moved by
+    half from one calibration to the next on 8 ranks of 2 cores (a tree all_reduce 2.5 to
+    4.8 ms, a message 2.1 to 3.5 ms: the demo's prediction 151 to 275 ms for a 200 to
+    230 ms step), which the pairs' pooled batches steady. A pair's collective is what
+    tiny plans' groups (tp, dp, cp of 2) run; a pair's all_gather is one ring step, a
+    message each way at once: the latency of a message in a step."""
     from planc.program.routes import tree
     from planc.runtime.engine.routes import Route, all_reduce
 
+    rank, count = dist.get_rank(), max(repeats, LOADED_BATCHES)
     part = torch.ones(smallest // 4 // 2)
     whole = torch.ones(smallest // 4)
-    members = pair_of(level, per_node)
-    index = members.index(dist.get_rank()) if dist.get_rank() in members else 0
     recipe = tree("all_reduce", (2,))
-    route = Route(recipe.positions[index], recipe.chunks, index, {}, {}, pair_group, members)
-    operations = {
-        "all_reduce": lambda: dist.all_reduce(whole, group=pair_group),
-        "reduce_scatter": lambda: reduce_scatter_single(part, whole, group=pair_group),
-        "all_gather": lambda: all_gather_single(whole, part, group=pair_group),
-        "tree": lambda: all_reduce(route, whole),
-    }
-    calls = {}
     forward, backward = tiny_operator()
-    for kind, operation in operations.items():
-        def batches(operation=operation) -> float:
-            times = []
-            for _ in range(max(repeats, LOADED_BATCHES) + 1):
-                spent = 0.0
-                for _ in range(BATCH):
-                    backward(*forward())
-                    start = time.perf_counter()
-                    operation()
-                    spent += time.perf_counter() - start
-                times.append(spent / BATCH)
-            return statistics.median(times[1:])
-        calls[kind] = while_others_compute(members, batches)
-    return calls
+    batches_of: dict[str, list[float]] = {}
+    for members, group in pairs:
+        index = members.index(rank) if rank in members else 0
+        route = Route(recipe.positions[index], recipe.chunks, index, {}, {}, group, members)
+        operations = {
+            "all_reduce": lambda g=group: dist.all_reduce(whole, group=g),
+            "reduce_scatter": lambda g=group: reduce_scatter_single(part, whole, group=g),
+            "all_gather": lambda g=group: all_gather_single(whole, part, group=g),
+            "tree": lambda r=route: all_reduce(r, whole),
+        }
+        for kind, operation in operations.items():
+            def batches(operation=operation) -> list[float]:
+                times = []
+                for _ in range(count + 1):
+                    spent = 0.0
+                    for _ in range(BATCH):
+                        backward(*forward())
+                        start = time.perf_counter()
+                        operation()
+                        spent += time.perf_counter() - start
+                    times.append(spent / BATCH)
+                return times[1:]
+            batches_of.setdefault(kind, []).extend(
+                while_others_compute_each(members, batches, count))
+    return {kind: statistics.median(times) for kind, times in batches_of.items()}
 
 
 def calibrate(per_node: int, repeats: int, sizes: tuple[int, ...] = SIZES) -> dict:
@@ -328,7 +350,8 @@ def calibrate(per_node: int, repeats: int, sizes: tuple[int, ...] = SIZES) -> di
     nodes = world // per_node
     groups = subgroups(world, per_node)
     # every rank creates every group, in one order
-    pairs = {level: dist.new_group(list(pair_of(level, per_node)))
+    pairs = {level: [(pair, dist.new_group(list(pair)))
+                     for pair in level_pairs(level, per_node, nodes)]
              for level, members in (("intra", per_node), ("inter", nodes)) if members > 1}
     links, measured = {}, {"backend": dist.get_backend(), "world": world, "nodes": nodes,
                            "repeats": repeats, "sizes": list(sizes), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -341,7 +364,7 @@ def calibrate(per_node: int, repeats: int, sizes: tuple[int, ...] = SIZES) -> di
         # A collective's fixed cost per call comes from the figures measured with every
         # rank at it; a message's latency, a ring's step, from the one measured while the
         # other ranks compute, as in a step.
-        calls = calls_under_load(level, per_node, repeats, pairs[level], sizes[0])
+        calls = calls_under_load(pairs[level], repeats, sizes[0])
         loaded = calls["all_gather"]  # one ring step on a pair
         for kind in ("all_reduce", "reduce_scatter"):  # beyond their steps on a pair
             tuned[kind]["latency"] = max(calls[kind] - steps(kind, 2) * loaded, 0.0)
@@ -349,7 +372,8 @@ def calibrate(per_node: int, repeats: int, sizes: tuple[int, ...] = SIZES) -> di
         tuned["all_gather"]["latency"] = 0.0
         links[level] = {"bandwidth": bandwidth, "latency": loaded, "collectives": tuned}
         measured[level] = {"point_to_point": [list(p) for p in p2p_points], **points,
-                           "latency_every_pair": latency, "calls_under_load": calls}
+                           "latency_every_pair": latency, "calls_under_load": calls,
+                           "pairs_under_load": [list(pair) for pair, _ in pairs[level]]}
     if not links:
         raise SystemExit("planc calibrate: a world of one rank has no link to measure; "
                          "start at least 2 ranks")

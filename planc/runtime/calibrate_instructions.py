@@ -17,8 +17,8 @@ are measured under.
   :func:`tiny_operator`) undercounts several times over.
 - The hand-off of a transfer between the executor's stream threads
   (:func:`measure_handoff`, ``device.handoff``).
-- :func:`while_others_compute`: a measurement on some ranks while the others compute,
-  as in a step.
+- :func:`while_others_compute` (and :func:`while_others_compute_each`, a batch at a
+  time): a measurement on some ranks while the others compute, as in a step.
 """
 
 from __future__ import annotations
@@ -189,9 +189,16 @@ def while_others_compute(members: tuple[int, ...], measure) -> float:
     other ranks wait too (on this 2-core machine, a 4 KB all_reduce on a pair of 8 ranks
     took 1.1 to 1.8 ms with every pair at it at once, 4.3 to 4.5 ms with the other six
     ranks computing), and in a step the other ranks compute."""
+    return while_others_compute_each(members, lambda: [measure()], 1)[0]
+
+
+def while_others_compute_each(members: tuple[int, ...], measure, count: int
+                              ) -> list[float]:
+    """:func:`while_others_compute` of a ``measure()`` that returns ``count`` figures
+    (one per batch of calls): each the slowest member's, on every rank."""
     rank = dist.get_rank()
     dist.barrier()
-    seconds = 0.0
+    seconds = [0.0] * count
     if rank in members:
         seconds = measure()
         done = dist.barrier(async_op=True)
@@ -201,9 +208,9 @@ def while_others_compute(members: tuple[int, ...], measure) -> float:
         while not done.is_completed():
             backward(*forward())
     done.wait()
-    slowest = torch.tensor([seconds], dtype=torch.float64)
+    slowest = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return float(slowest.item())
+    return slowest.tolist()
 
 
 def measure_handoff() -> float:
