@@ -509,6 +509,26 @@ def _kernels_of_the_tiny_plans(world: int) -> set[str]:
     return kernels
 
 
+def test_calibrate_measures_every_pair_of_two_nodes_under_load(tmp_path, run_planc):
+    """4 ranks as 2 nodes of 2: the figures measured while the others compute come from
+    the node's pair and from both pairs across the nodes, and make a topology."""
+    pytest.importorskip("torch")
+    from planc.plan.presets import calibrated_preset
+
+    output = tmp_path / "machine.json"
+    done = run_planc("calibrate", "-o", output, "--ranks", "4", "--nodes", "2", "--quick",
+                     "--repeats", "1", timeout=300)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(output.read_text())
+    assert data["measured"]["intra"]["pairs_under_load"] == [[0, 1]]
+    assert data["measured"]["inter"]["pairs_under_load"] == [[0, 2], [1, 3]]
+    preset = calibrated_preset(data, "machine.json")
+    for level, latency in (("intra", preset.intra_latency), ("inter", preset.inter_latency)):
+        assert latency == data["measured"][level]["calls_under_load"]["all_gather"] > 0
+    for tuning in preset.intra_collectives + preset.inter_collectives:
+        assert math.isfinite(tuning.bandwidth) and tuning.bandwidth > 0
+
+
 def test_calibrate_writes_a_topology_that_a_plan_can_use(tmp_path, run_planc):
     pytest.importorskip("torch")
     from planc.plan.presets import calibrated_preset
