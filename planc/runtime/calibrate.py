@@ -37,6 +37,7 @@ Rank 0 writes the topology atomically (planc.plan.presets; a plan names it with
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -319,30 +320,33 @@ def calls_under_load(pairs: list[tuple[tuple[int, int], object]], repeats: int,
     whole = torch.ones(smallest // 4)
     recipe = tree("all_reduce", (2,))
     forward, backward = tiny_operator()
+
+    def batches(operation) -> list[float]:
+        """Seconds per call of ``operation``, each batch's mean after a warm-up batch."""
+        times = []
+        for _ in range(count + 1):
+            spent = 0.0
+            for _ in range(BATCH):
+                backward(*forward())
+                start = time.perf_counter()
+                operation()
+                spent += time.perf_counter() - start
+            times.append(spent / BATCH)
+        return times[1:]
+
     batches_of: dict[str, list[float]] = {}
     for members, group in pairs:
         index = members.index(rank) if rank in members else 0
         route = Route(recipe.positions[index], recipe.chunks, index, {}, {}, group, members)
         operations = {
-            "all_reduce": lambda g=group: dist.all_reduce(whole, group=g),
-            "reduce_scatter": lambda g=group: reduce_scatter_single(part, whole, group=g),
-            "all_gather": lambda g=group: all_gather_single(whole, part, group=g),
-            "tree": lambda r=route: all_reduce(r, whole),
+            "all_reduce": lambda: dist.all_reduce(whole, group=group),
+            "reduce_scatter": lambda: reduce_scatter_single(part, whole, group=group),
+            "all_gather": lambda: all_gather_single(whole, part, group=group),
+            "tree": lambda: all_reduce(route, whole),
         }
         for kind, operation in operations.items():
-            def batches(operation=operation) -> list[float]:
-                times = []
-                for _ in range(count + 1):
-                    spent = 0.0
-                    for _ in range(BATCH):
-                        backward(*forward())
-                        start = time.perf_counter()
-                        operation()
-                        spent += time.perf_counter() - start
-                    times.append(spent / BATCH)
-                return times[1:]
-            batches_of.setdefault(kind, []).extend(
-                while_others_compute_each(members, batches, count))
+            batches_of.setdefault(kind, []).extend(while_others_compute_each(
+                members, functools.partial(batches, operation), count))
     return {kind: statistics.median(times) for kind, times in batches_of.items()}
 
 
