@@ -50,14 +50,17 @@ def build_parser(named: str | None = None) -> argparse.ArgumentParser:
     """The command line's parser: every command's, or only that of the command ``named``
     (the one a command line names: argparse spends about 1 ms on each command's parser, a
     third of a read-only command on a small build)."""
+    # allow_abbrev off: a prefix of a long option (diff's --set for --set-b) is an error,
+    # never silently another option
     parser = _Parser(prog="planc", description="planc: a declarative parallel-plan compiler "
-                     "for training transformer models.")
+                     "for training transformer models.", allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"planc {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for command in commands().values():
         if named is None or command.name == named:
             command.add_arguments(subparsers.add_parser(command.name, help=command.help,
-                                                        description=command.description))
+                                                        description=command.description,
+                                                        allow_abbrev=False))
     return parser
 
 

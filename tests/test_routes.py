@@ -332,7 +332,15 @@ def test_a_calibrated_topology_supplies_links_and_measured_collectives(tmp_path)
     ({"version": 9}, "cannot use topology 'machine.json': it is version 9 of the topology "
                      "format; this planc reads version 1"),
     ({"intra": {"bandwidth": -1, "latency": 0}}, "cannot use topology 'machine.json': "
-                                                 "intra.bandwidth must be a positive number"),
+                                                 "intra.bandwidth must be a number from 1 to "
+                                                 "1e+30"),
+    # a rate that would make a step's time infinite
+    ({"intra": {"bandwidth": 5e-324, "latency": 0}}, "cannot use topology 'machine.json': "
+                                                     "intra.bandwidth must be a number from "
+                                                     "1 to 1e+30"),
+    ({"inter": {"bandwidth": 1e9, "latency": 1e9}}, "cannot use topology 'machine.json': "
+                                                    "inter.latency must be a number from 0 "
+                                                    "to 3600"),
     ({"inter": {"bandwidth": 1e9, "latency": 0, "collectives": {"bcast": {}}}},
      "cannot use topology 'machine.json': inter.collectives names 'bcast'; it holds "
      "all_reduce, reduce_scatter, all_gather and tree"),
@@ -392,9 +400,9 @@ def test_a_calibrated_topology_supplies_each_operators_fixed_cost(tmp_path):
     ([], "device.overheads must be an object"),
     ({"gelu": {"forward": 1e-5}}, "device.overheads.gelu must hold forward and gradient"),
     ({"gelu": {"forward": -1, "gradient": 0}},
-     "device.overheads.gelu.forward must be a non-negative number"),
+     "device.overheads.gelu.forward must be a number from 0 to 3600"),
     ({"gelu": {"forward": 0, "gradient": float("nan")}},
-     "device.overheads.gelu.gradient must be a non-negative number"),
+     "device.overheads.gelu.gradient must be a number from 0 to 3600"),
     ({"not an op": {"forward": 0, "gradient": 0}},
      "device.overheads names 'not an op', not an operator"),
     ({f"op{k}": {"forward": 0, "gradient": 0} for k in range(65)},

@@ -64,8 +64,8 @@ def test_a_build_without_its_step_flops_is_refused_by_a_rank(tmp_path):
     assert done.returncode == 1
     assert done.stderr.strip().endswith(
         f"planc.build.files.BuildError: {manifest_path} has no valid mfu section (the model "
-        f"FLOPs of a step and the peak FLOP/s of a device, positive numbers); run planc "
-        f"compile again")
+        f"FLOPs of a step and the peak FLOP/s of a device, numbers from 1 to 1e+30); run "
+        f"planc compile again")
 
 
 NO_MACHINE = """plan x {

@@ -110,6 +110,11 @@ def write(build: Build, directory: str | Path, source_path: str, source_text: st
     if target.is_dir() and any(target.iterdir()) and not (target / MANIFEST).is_file():
         raise BuildError(f"{target} exists and is not a planc build directory (no {MANIFEST}); "
                          f"refusing to overwrite it")
+    earlier = earlier_build(target, build.plan, source_path, source_text)
+    if earlier is not None and earlier.kind == "foreign":
+        raise BuildError(f"{target} holds files planc did not write where a build's own go "
+                         f"({MANIFEST}, {', '.join(FILES)}, {PROGRAMS}/); refusing to "
+                         f"overwrite them")
     manifest = {"format": "planc-build", "version": BUILD_FORMAT_VERSION,
                 "planc": __version__, "source": os.path.abspath(source_path),
                 "source_sha256": hashlib.sha256(source_text.encode()).hexdigest(),
@@ -190,9 +195,11 @@ def _replace(staging: Path, target: Path) -> None:
 class Earlier:
     """The build a compile into a directory would replace. ``kind``: "same" (this plan,
     compiled by this planc), "earlier" (another version of the same plan file, or the
-    same text), "other" (another plan file, with other text) or "damaged" (its build.json
-    cannot be read); ``source`` the plan file it names; ``kept`` the entries that are
-    not compile's (logs/, a run's metrics, a user's files), which the new build keeps."""
+    same text), "other" (another plan file, with other text), "damaged" (its build.json
+    cannot be read, and the rest is what compile writes) or "foreign" (a build.json that
+    is not planc's, or files of someone else's where compile writes); ``source`` the plan
+    file it names; ``kept`` the entries that are not compile's (logs/, a run's metrics, a
+    user's files), which the new build keeps."""
 
     kind: str
     source: str | None
@@ -213,10 +220,13 @@ def earlier_build(directory: str | Path, plan: Plan, source_path: str,
     try:
         manifest = _read_json(target, MANIFEST)
     except BuildError:
-        return Earlier("damaged", None, kept)
+        return Earlier(_damaged_or_foreign(target), None, kept)
     source = manifest.get("source")
-    if manifest.get("format") != "planc-build" or not isinstance(source, str):
-        return Earlier("damaged", None, kept)
+    if manifest.get("format") != "planc-build":
+        # readable JSON that does not say it is planc's: a file of someone else's
+        return Earlier("foreign", None, kept)
+    if not isinstance(source, str):
+        return Earlier(_damaged_or_foreign(target), None, kept)
     if (manifest.get("version"), manifest.get("planc"), manifest.get("plan_sha256")) == (
             BUILD_FORMAT_VERSION, __version__, _fingerprint(plan.to_dict())):
         return Earlier("same", source, kept)
@@ -224,6 +234,32 @@ def earlier_build(directory: str | Path, plan: Plan, source_path: str,
             hashlib.sha256(source_text.encode()).hexdigest():
         return Earlier("other", source, kept)
     return Earlier("earlier", source, kept)
+
+
+def _damaged_or_foreign(target: Path) -> str:
+    """"damaged" where what a replacement would overwrite or delete looks like what
+    compile writes (plan.json, graph.json and summary.json, where present, JSON objects;
+    programs/ JSON files alone), else "foreign": a build.json that cannot be read proves
+    nothing, and a file of the user's there would be lost."""
+    programs = target / PROGRAMS
+    try:
+        for name in FILES:
+            path = target / name
+            if os.path.lexists(path):
+                if path.is_symlink() or not path.is_file():
+                    return "foreign"
+                with open(path, "rb") as file:
+                    if not file.read(64).lstrip().startswith(b"{"):
+                        return "foreign"
+        if os.path.lexists(programs):
+            if programs.is_symlink() or not programs.is_dir():
+                return "foreign"
+            for entry in os.scandir(programs):
+                if not entry.name.endswith(".json") or not entry.is_file(follow_symlinks=False):
+                    return "foreign"
+    except OSError:
+        return "foreign"
+    return "damaged"
 
 
 def plan_fingerprint(plan: Plan) -> str:

@@ -237,6 +237,9 @@ class RunBuild:
     mfu: "StepFlops"
 
 
+MAX_FLOPS = 1e30
+
+
 @dataclass(frozen=True)
 class StepFlops:
     """build.json's ``mfu``: what planc run divides to report TFLOP/s and MFU, written by
@@ -252,10 +255,13 @@ class StepFlops:
         section = manifest.get("mfu")
         flops, peak = [section.get(key) if isinstance(section, dict) else None
                        for key in ("model_flops_per_step", "peak_flops_per_device")]
+        # bounded so that a rank's TFLOP/s and MFU stay finite numbers (a metrics file
+        # holds no Infinity): no step of a model has 1e30 FLOPs, no device under 1 FLOP/s
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and
-                   0 < v < float("inf") for v in ([flops] if peak is None else [flops, peak])):
+                   1 <= v <= MAX_FLOPS for v in ([flops] if peak is None else [flops, peak])):
             raise BuildError(f"{path / MANIFEST} has no valid mfu section (the model FLOPs "
-                             f"of a step and the peak FLOP/s of a device, positive numbers); "
+                             f"of a step and the peak FLOP/s of a device, numbers from 1 to "
+                             f"{MAX_FLOPS:g}); "
                              f"run planc compile again")
         return StepFlops(float(flops), None if peak is None else float(peak))
 

@@ -134,13 +134,16 @@ def command_line(args) -> str:
 
 def take_lock(lock, what: str, hint: str):
     """``lock()`` (planc.host.locks): (the lock, EXIT_OK), or (None, EXIT_ERRORS) after saying
-    that ``what`` is in use, by whom, and ``hint``."""
-    from planc.host.locks import LockError, LockHeld
+    that ``what`` is in use, by whom, and ``hint``; (None, EXIT_USAGE) where a file of
+    someone else's is in the lock file's place (README, "Outputs": status 2)."""
+    from planc.host.locks import ForeignLockFile, LockError, LockHeld
 
     try:
         return lock(), EXIT_OK
     except LockHeld as exc:
         return None, fail(f"{what} is in use by planc ({exc.holder}); {hint}")
+    except ForeignLockFile as exc:
+        return None, fail(str(exc), EXIT_USAGE)
     except LockError as exc:
         return None, fail(str(exc))
 
@@ -153,6 +156,11 @@ def replaceable(directory: str, loaded, force: bool):
     from planc.build import directory as build
 
     earlier = build.earlier_build(directory, loaded.plan, loaded.path, loaded.source)
+    if earlier is not None and earlier.kind == "foreign":  # whatever the flags
+        return None, fail(f"{directory} holds files planc did not write where a build's own "
+                          f"go (build.json, plan.json, graph.json, summary.json, programs/); "
+                          f"refusing to replace them: compile elsewhere with -o DIR",
+                          EXIT_USAGE)
     if earlier is not None and earlier.kind == "other" and not force:
         return None, fail(f"{directory} holds the build of {_shown(earlier.source)} (another "
                           f"plan); compile elsewhere with -o DIR, or replace it with --force")

@@ -13,6 +13,10 @@ from planc.commands import EXIT_OK, EXIT_USAGE, MAX_LOCAL_RANKS, fail, outputs_r
 from planc.host.interrupts import Interrupted, blocked_in_children
 from planc.commands.arguments import Command, force, output
 
+# Each repeat times every size of every measurement once more: at the default 5 a
+# calibration takes seconds to a minute; a thousand, hours.
+MAX_REPEATS = 1000
+
 
 def _rank(env: dict[str, str], argv: list[str]) -> None:
     """One calibration rank, forked from this process once it has imported torch: eight
@@ -31,8 +35,8 @@ def main(args) -> int:
         return fail(f"--ranks must be between 2 and {MAX_LOCAL_RANKS}", EXIT_USAGE)
     if args.nodes < 1 or args.ranks % args.nodes:
         return fail(f"--nodes must divide --ranks ({args.ranks})", EXIT_USAGE)
-    if args.repeats < 1:
-        return fail("--repeats must be at least 1", EXIT_USAGE)
+    if not 1 <= args.repeats <= MAX_REPEATS:
+        return fail(f"--repeats must be between 1 and {MAX_REPEATS}", EXIT_USAGE)
     output = Path(args.output)
     refused = outputs_refused(args)
     if refused is not None:

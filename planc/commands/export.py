@@ -13,7 +13,7 @@ from planc.commands.arguments import Command, add_input, force, output
 
 
 def main(args) -> int:
-    from planc.export.chakra import export, trace_file
+    from planc.export.chakra import ExportTooLarge, export, trace_file
     from planc.host.outputs import HF_FILES
 
     if args.format == "hf":
@@ -39,8 +39,10 @@ def main(args) -> int:
     try:
         written = export(built, args.output, args.prefix)
         _remove_stale(args.output, args.prefix, {path.name for path in written})
+    except ExportTooLarge as exc:
+        return fail(str(exc), EXIT_USAGE)
     except OSError as exc:
-        return fail(f"cannot write to {args.output}: {exc.strerror or exc}")
+        return fail(f"cannot write {exc.filename or args.output}: {exc.strerror or exc}")
     print(f"wrote {len(written)} Chakra execution trace{'s' * (len(written) != 1)} (one per "
           f"pipeline stage's first rank) to {args.output}/: "
           + ", ".join(p.name for p in written[:4]) + (", ..." if len(written) > 4 else ""),

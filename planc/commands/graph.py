@@ -15,7 +15,8 @@ from planc.program.names import Axis
 def main(args) -> int:
     from planc.host.files import write_atomically
     from planc.host.outputs import GRAPH, marked
-    from planc.graph.select import Selection, default_selection, select
+    from planc.graph.select import (MAX_UNFOLDED_NODES, Selection, default_selection, select,
+                                    unfolded_size)
     from planc.views.graph import render as render_graph
 
     fmt = args.format or (os.path.splitext(args.output)[1].lstrip(".").lower()
@@ -56,6 +57,11 @@ def main(args) -> int:
             print(f"planc: note: the graph has {graph.number_of_nodes():,} nodes; showing "
                   f"{selection.describe()} (choose with --layers, --microbatch, --stage, or "
                   f"--all)", file=sys.stderr)
+    unfolded = unfolded_size(graph, selection)
+    if unfolded > MAX_UNFOLDED_NODES:
+        return fail(f"unfolding {selection.describe()} makes {unfolded:,} nodes, more than "
+                    f"planc graph draws ({MAX_UNFOLDED_NODES:,}); name fewer microbatches "
+                    f"(--microbatch 0,1), layers (--layers) or stages (--stage)", EXIT_USAGE)
     view = select(graph, selection)
     title = f"{built.plan.name}: {view.graph['selection']}"
     try:

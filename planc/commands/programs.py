@@ -58,8 +58,12 @@ def _code(built, rank: int) -> int:
         return fail(f"rank {rank}'s step has more than {MAX_CODE_INSTRUCTIONS:,} "
                     f"instructions, the most --code prints (--expand lists any step)",
                     EXIT_USAGE)
-    code = step_code.generate(program)
-    step_code.check(code, program)
+    try:  # a build's program is untrusted input: one that cannot become code is refused
+        code = step_code.generate(program)
+        step_code.check(code, program)
+    except step_code.StepCodeError as exc:
+        return fail(f"rank {rank}'s program {name} cannot become step code ({exc}); planc "
+                    f"verify {built.path} says what is wrong with it")
     print(f"# rank {rank}: program {name}, {count:,} instructions on "
           f"{len(code.streams)} streams")
     print(code.source, end="")

@@ -70,6 +70,8 @@ def _tune(path: str) -> tuple[list[dict] | None, str | None]:
         if not bad and not (all(isinstance(mesh.get(a), int) and not isinstance(
                 mesh.get(a), bool) for a in ("tp", "cp", "pp", "dp", "ep"))):
             bad = ["mesh"]
+        if not bad and not all(isinstance(axis, str) for axis in item["order"]):
+            bad = ["order"]  # the mesh's axes by name, joined as text
         if not bad:  # formatted with floats: 10**400 overflows, as in a metrics file
             bad = [key for key in TUNE_NUMBERS if not (in_range(item[key]) and item[key] >= 0)]
         if bad:

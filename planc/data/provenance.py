@@ -18,6 +18,7 @@ import json
 import os
 
 from planc.data.tokenizer import TOKENIZER_FILE, sha256_of
+from planc.host.files import open_regular_file
 
 GENERATOR = "planc data prepare"
 FORMAT = "planc-token-sources"
@@ -49,8 +50,8 @@ def read_description(tokens_path: str, name: str | None = None) -> dict | None:
     there is none, or DescriptionError."""
     name = name or tokens_path
     path, shown = description_path(tokens_path), f"'{description_path(name)}'"
-    try:
-        with open(path, "rb") as handle:
+    try:  # a named pipe or a device there is an error at once, never a hang
+        with open_regular_file(path) as handle:
             data = handle.read(MAX_BYTES + 1)
     except FileNotFoundError:
         return None

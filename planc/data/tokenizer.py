@@ -18,8 +18,11 @@ import json
 import os
 from dataclasses import dataclass
 
+from planc.host.files import read_regular_file
+
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+MAX_CONFIG_BYTES = 16 << 20  # a tokenizer_config.json is a few KB (a chat template at most)
 # The end-of-text tokens of the common families, tried when the tokenizer's config names
 # none: Llama 3's, GPT-2's and Qwen's, Llama 2's and Mistral's, Gemma's.
 END_OF_TEXT_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
@@ -82,7 +85,11 @@ class Tokenizer:
         except Exception as exc:  # the Rust side raises its own exception type
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise TokenizerError(f"tokenizer {self.path} cannot be read: {first}") from None
-        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        # ids, not entries: a vocabulary may leave gaps, and a token file's width and
+        # the plan's vocab must hold its largest id
+        self.vocab_size = max(self.tokenizer.get_vocab_size(with_added_tokens=True),
+                              max(self.tokenizer.get_vocab(with_added_tokens=True).values(),
+                                  default=-1) + 1)
         self.eos_id = self._end_of_text(eos)
         self.identity = TokenizerIdentity(sha256_of(self.path), self.vocab_size, self.eos_id)
         # encode_batch_fast (tokenizers 0.21) skips the offsets nobody reads here
@@ -102,9 +109,9 @@ class Tokenizer:
 
     def _configured_eos(self) -> list[str]:
         config = os.path.join(os.path.dirname(self.path), TOKENIZER_CONFIG)
-        try:
-            with open(config, encoding="utf-8") as handle:
-                eos = json.load(handle).get("eos_token")
+        try:  # a regular file of bounded size: a named pipe there would block
+            eos = json.loads(read_regular_file(config, MAX_CONFIG_BYTES).decode("utf-8")
+                             ).get("eos_token")
         except (OSError, ValueError, AttributeError, RecursionError):
             return []
         if isinstance(eos, dict):  # transformers' AddedToken, serialised

@@ -19,12 +19,14 @@ format is a few dozen lines, and planc does not depend on the protobuf package.
 
 from __future__ import annotations
 
+import errno
+import os
 import struct
 from pathlib import Path
 
 from planc.estimate.cost import Route
 from planc.program.operands import Operands
-from planc.program.expansion import expand
+from planc.program.expansion import expand, expanded_length
 from planc.program.program import TRANSFER_OPS, Opcode
 from planc.host.outputs import CHAKRA
 from planc.estimate.instruction_cost import InstructionCosts
@@ -172,9 +174,19 @@ def trace_file(name: str, prefix: str) -> bool:
     return rank.isdigit()
 
 
+class ExportTooLarge(Exception):
+    """The traces would hold more instructions than an export writes (MAX_TRACE_NODES)."""
+
+
+# Each node is encoded in Python, some 70 us apiece on one core: a million is about a
+# minute and 100 MB of traces; a plan at planc's limits would issue billions.
+MAX_TRACE_NODES = 1_000_000
+
+
 def export(build, directory: str | Path, prefix: str = "planc") -> list[Path]:
     """Write one ``.et`` file per representative rank (the first of each stage, from the
-    group table's mesh); the paths written."""
+    group table's mesh); the paths written. Every trace is encoded before any is
+    written, so that an error (or ExportTooLarge) leaves the directory as it was."""
     from planc.host.files import write_atomically
 
     plan = build.plan
@@ -182,18 +194,26 @@ def export(build, directory: str | Path, prefix: str = "planc") -> list[Path]:
     costs = InstructionCosts(plan, build.groups)
     programs = {program.stage: program for name, program in build.programs.items()
                 if build.table.stages.get(name) == program.stage}
+    instructions = sum(expanded_length(programs[stage]) for stage in range(plan.mesh.pp))
+    if instructions > MAX_TRACE_NODES:
+        raise ExportTooLarge(f"the traces would hold {instructions:,} instructions, more "
+                             f"than planc export writes ({MAX_TRACE_NODES:,}, about a "
+                             f"minute); export the plan with fewer microbatches or layers "
+                             f"(--set schedule.microbatches=N)")
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    written = []
+    bodies = {}
     for stage in range(plan.mesh.pp):
         rank = mesh.first_rank_of_stage(stage)
         metadata = metadata_message([("schema", "planc"), ("generator", CHAKRA.generator),
                                      ("plan", plan.name),
                                      ("rank", rank), ("stage", stage),
                                      ("world", plan.world)])
-        body = _delimited(metadata) + b"".join(
+        bodies[directory / f"{prefix}.{rank}.et"] = _delimited(metadata) + b"".join(
             _delimited(n) for n in _nodes(build, programs[stage], rank, costs))
-        path = directory / f"{prefix}.{rank}.et"  # trace_file's names
+    for path in bodies:  # trace_file's names
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise IsADirectoryError(errno.EISDIR, "it is not a regular file", str(path))
+    directory.mkdir(parents=True, exist_ok=True)
+    for path, body in bodies.items():
         write_atomically(path, body)
-        written.append(path)
-    return written
+    return list(bodies)

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 import networkx as nx
 
 DEFAULT_NODE_LIMIT = 300  # bigger graphs default to one layer and one microbatch
+# Unfolding microbatches copies nodes; past this many no drawing is readable, and a plan
+# at planc's limits would unfold billions (about 2 KB of memory each).
+MAX_UNFOLDED_NODES = 200_000
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class Selection:
             first, last = self.layers
             parts.append(f"layer {first}" if first == last else f"layers {first}-{last}")
         if self.microbatches is not None:
-            parts.append("microbatch " + ", ".join(map(str, self.microbatches)))
+            parts.append(_microbatches_text(self.microbatches))
         if self.phases is not None:
             parts.append(" and ".join(self.phases))
         if self.axes is not None:
@@ -44,6 +47,15 @@ class Selection:
         if self.transfers_only:
             parts.append("transfers only")
         return "; ".join(parts) or "whole step"
+
+
+def _microbatches_text(microbatches: tuple[int, ...]) -> str:
+    """"microbatch 0, 2" or, for a run of consecutive ones (--microbatch all of
+    thousands), "microbatches 0-4095"."""
+    first, last = min(microbatches), max(microbatches)
+    if len(microbatches) > 2 and len(set(microbatches)) == last - first + 1:
+        return f"microbatches {first}-{last}"
+    return "microbatch " + ", ".join(map(str, microbatches))
 
 
 def default_selection(graph: nx.DiGraph) -> Selection:
@@ -109,14 +121,36 @@ def _keep(data: dict, selection: Selection, buckets: dict[str, set[int]]) -> boo
     return not selection.transfers_only
 
 
+def _unfolded_part(graph: nx.DiGraph, selection: Selection,
+                   buckets: dict[str, set[int]]) -> nx.DiGraph:
+    """The nodes :func:`select` unfolds: those it keeps, or every node where it contracts
+    the dropped ones (``transfers_only``), which a path between two transfers crosses."""
+    if selection.transfers_only:
+        return graph
+    return graph.subgraph([n for n, d in graph.nodes(data=True) if _keep(d, selection, buckets)])
+
+
+def unfolded_size(graph: nx.DiGraph, selection: Selection) -> int:
+    """How many nodes :func:`select` builds before it keeps the selection's: what
+    unfolding the microbatches costs (``planc graph`` refuses over MAX_UNFOLDED_NODES)."""
+    if selection.microbatches is None:
+        return graph.number_of_nodes()
+    part = _unfolded_part(graph, selection, bucket_layers(graph))
+    per_microbatch = sum(1 for _, d in part.nodes(data=True) if d["per_microbatch"])
+    return part.number_of_nodes() + per_microbatch * (len(selection.microbatches) - 1)
+
+
 def select(graph: nx.DiGraph, selection: Selection) -> nx.DiGraph:
     """The part of ``graph`` the selection names, microbatches unfolded if asked.
 
     With ``transfers_only`` the dropped compute nodes are contracted, so that two
     transfers stay connected when one feeds the other through computation.
     """
-    source = graph if selection.microbatches is None else expand(graph, selection.microbatches)
     buckets = bucket_layers(graph)
+    if selection.microbatches is None:
+        source = graph
+    else:  # only what can be kept is unfolded (all of it where transfers are contracted)
+        source = expand(_unfolded_part(graph, selection, buckets), selection.microbatches)
     order = [n for n, d in source.nodes(data=True) if _keep(d, selection, buckets)]
     kept = set(order)
     out = nx.DiGraph()

@@ -25,6 +25,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import stat
 import time
 
 BUILD_LOCK = ".{}.lock"  # a sibling of the build directory
@@ -50,6 +51,10 @@ class LockError(Exception):
     def __init__(self, message: str, code: int | None = None):
         super().__init__(message)
         self.errno = code
+
+
+class ForeignLockFile(LockError):
+    """A file that planc did not make is where the lock file goes: refused, never written."""
 
 
 class Lock:
@@ -135,7 +140,7 @@ def lock_inside(directory: str, holder: str) -> Lock:
 
 def _acquire(path: str, holder: str) -> Lock:
     created = _make_parents(os.path.dirname(path))
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
     for _ in range(100):  # each round lost a race with a holder letting go
         try:
             fd = os.open(path, flags, 0o666)
@@ -145,6 +150,11 @@ def _acquire(path: str, holder: str) -> Lock:
         except OSError as exc:
             raise LockError(f"cannot create the lock file {path} ({_reason(exc)})",
                             exc.errno) from None
+        foreign = _not_a_lock_file(fd)
+        if foreign:
+            os.close(fd)
+            raise ForeignLockFile(f"planc locks through {path}, but that file is not planc's "
+                            f"({foreign}) and planc will not write over it: move it away")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -195,6 +205,26 @@ def _names(path: str, fd: int) -> bool:
         return False
     mine = os.fstat(fd)
     return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _not_a_lock_file(fd: int) -> str | None:
+    """Why the open file ``fd`` is not one planc made to lock (a file of someone else's,
+    which truncating, writing and removing would destroy), or None: a regular file of
+    one link, empty or holding a holder's record ("pid ...") of at most its size."""
+    status = os.fstat(fd)
+    if not stat.S_ISREG(status.st_mode):
+        return "it is not a regular file"
+    if status.st_nlink > 1:
+        return "it is a hard link to another file"
+    if status.st_size == 0:
+        return None  # just created, or left by a holder killed before it wrote its name
+    if status.st_size > MAX_HOLDER_BYTES + 1:
+        return f"it holds {status.st_size:,} bytes, more than a lock file's record"
+    try:
+        head = os.pread(fd, 4, 0)
+    except OSError as exc:
+        return f"it cannot be read ({_reason(exc)})"
+    return None if head == b"pid " else "it does not hold a planc holder's record"
 
 
 def _holder_of(fd: int) -> str:

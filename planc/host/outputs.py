@@ -186,8 +186,11 @@ def _topology(head: bytes) -> bool:
 
 def _safetensors_of(path: str, generator: str) -> bool:
     """A safetensors file whose header's ``__metadata__`` names ``generator``."""
-    try:
-        with open(path, "rb") as handle:
+    try:  # a named pipe in the file's place is not read (it would block)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return False
             size = struct.unpack("<Q", handle.read(8))[0]
             if size > MAX_SAFETENSORS_HEADER:
                 return False
@@ -403,7 +406,10 @@ def _directory_problem(output: Output, real: str, mode: int | None, force: bool,
     elif output.members is not None:
         for name in (e for e in entries if output.members(e)):
             member = os.path.join(real, name)
-            if os.path.isdir(member) or os.path.getsize(member) == 0:
+            try:
+                if os.path.isdir(member) or os.path.getsize(member) == 0:
+                    continue
+            except OSError:  # a dangling link or a loop: nothing there to lose
                 continue
             refusal = _existing(f"{output.flag} {os.path.join(output.path, name)}", member,
                                 kind, force, append)

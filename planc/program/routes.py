@@ -182,6 +182,9 @@ class Recipe:
             raise ValueError("route recipe counts must be positive integers")
         if not _is_int(chunks) or chunks < 1:
             raise ValueError("route recipe chunks must be a positive integer")
+        if chunks > sum(counts):  # a recipe cuts its buffer into at most one per member
+            raise ValueError(f"route recipe chunks ({chunks}) exceed its members "
+                             f"({sum(counts)})")
         steps = [Step.from_json(s) for s in item.get("steps", [])]
         positions = item.get("positions")
         if not isinstance(positions, list) or len(positions) != sum(counts):

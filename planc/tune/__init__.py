@@ -90,6 +90,11 @@ def _same_layout(a: Candidate, b: Candidate) -> bool:
     return dataclasses.replace(a, zero=b.zero, recompute=b.recompute) == b
 
 
+# The share of --budget the memory estimates and bounds of the candidates may take (on
+# hundreds of thousands of devices there are millions); the simulations get the rest.
+ESTIMATING_SHARE = 0.5
+
+
 def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | None = None,
          keep: tuple[str, ...] = (), check: Callable[[str], Plan | None] | None = None,
          progress: Callable[[str, int, int], None] | None = None,
@@ -101,7 +106,8 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
     checker refuses it; ``capacity``: bytes per device (default: the topology's);
     ``topology``: the keys that put the file on ``gpus`` devices of ``per_node`` a node
     (planc.commands.tune.topology_settings); ``budget``: seconds after which the
-    candidates not yet simulated are counted as left, not simulated; ``effective(plan,
+    candidates not yet simulated are counted as left, not simulated (those not yet
+    estimated once ESTIMATING_SHARE of it is spent); ``effective(plan,
     step_seconds)``: the wall time a step costs with checkpoints and failures
     (planc.estimate.resilience), by which the layouts are then ranked."""
     from planc.compile import compile_plan
@@ -133,6 +139,12 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
         return memory.estimate(trial, activations[key], parameters[held])
     items = list(candidates(plan, gpus, keep))
     for index, item in enumerate(items):
+        if budget is not None and index % 256 == 0 and len(waiting) >= top and \
+                time.perf_counter() - start > ESTIMATING_SHARE * budget:
+            # the rest is left unestimated once K fit: the simulations get the other share
+            search.considered += len(items) - index
+            search.pruned["unestimated"] += len(items) - index
+            break
         search.considered += 1
         if progress is not None and index % 256 == 0:
             progress("estimating", index, len(items))

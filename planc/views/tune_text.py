@@ -17,6 +17,8 @@ PRUNING_WORDS = {
     "same plan": "the same plan as a candidate already simulated",
     "budget": "not simulated: the time budget (--budget) ran out; their estimates were "
               "worse than every candidate simulated",
+    "unestimated": "neither estimated nor simulated: the estimates of the candidates "
+                   "before them took half the time budget (--budget)",
 }
 
 
