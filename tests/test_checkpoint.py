@@ -306,6 +306,14 @@ def test_incomplete_and_damaged_steps_are_passed_over(tmp_path, capfd):
     found = fmt.find(ckpt)
     assert found.directory == good
     assert any("optimizer-00000-of-00001.safetensors has" in s for s in found.skipped)
+    # An older step copied under a newer step's name is not taken for the newest: the
+    # newest is chosen by name, the step is the manifest's.
+    renamed = ckpt / "step-000007"
+    shutil.copytree(ckpt / "step-000001", renamed)
+    found = fmt.find(ckpt)
+    assert found.directory == good
+    assert (f"{renamed} holds the checkpoint of step 1, not of the step its name says"
+            in found.skipped)
     status, err = run([plan, "-o", tmp_path / "b", "--resume", ckpt, "--steps", 3, "--check"],
                       capfd)
     assert status == 0, err

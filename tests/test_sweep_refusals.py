@@ -73,8 +73,10 @@ def test_compile_refuses_an_unreadable_build_json_beside_files_of_the_user(capsy
     target.mkdir()
     (target / "build.json").write_text("garbage")
     (target / "plan.json").write_text("my notes\n")  # not a JSON object: not compile's
-    status, _ = planc(capsys, "compile", TINY, "-o", target)
+    status, err = planc(capsys, "compile", TINY, "-o", target, "--force")
     assert status == 2
+    assert err.startswith(f"planc: error: {target} holds files planc did not write where a "
+                          f"build's own go")
     assert (target / "plan.json").read_text() == "my notes\n"
 
 
@@ -82,14 +84,16 @@ def test_compile_still_replaces_a_damaged_build_of_its_own(capsys, tmp_path, bui
     target = tmp_path / "b"
     shutil.copytree(build, target)
     (target / "build.json").write_text("{ truncated")
+    (target / "summary.json").write_bytes(b"")  # as a power cut leaves an unsynced file
     status, err = planc(capsys, "compile", TINY, "-o", target)
     assert status == 0
     assert err == f"planc: replaced {target}, whose build.json could not be read\n"
     assert json.loads((target / "build.json").read_text())["format"] == "planc-build"
 
 
-@pytest.mark.parametrize("kind", ["text", "hard link", "fifo"])
+@pytest.mark.parametrize("kind", ["text", "hard link", "fifo", "symbolic link"])
 def test_a_file_in_the_lock_files_place_is_never_written(capsys, tmp_path, kind):
+    tmp_path = Path(os.path.realpath(tmp_path))  # planc names the lock by its real path
     lock = tmp_path / ".b.lock"
     victim = tmp_path / "victim.txt"
     victim.write_text("important data\n")
@@ -99,9 +103,12 @@ def test_a_file_in_the_lock_files_place_is_never_written(capsys, tmp_path, kind)
     elif kind == "hard link":
         os.link(victim, lock)
         why = "it is a hard link to another file"
-    else:
+    elif kind == "fifo":
         os.mkfifo(lock)
         why = "it is not a regular file"
+    else:
+        lock.symlink_to(victim)
+        why = "it is a symbolic link"
     status, err = planc(capsys, "compile", TINY, "-o", tmp_path / "b")
     assert status == 2
     assert err == (f"planc: error: planc locks through {lock}, but that file is not planc's "
@@ -110,6 +117,23 @@ def test_a_file_in_the_lock_files_place_is_never_written(capsys, tmp_path, kind)
     assert os.path.lexists(lock) and not (tmp_path / "b").exists()
     if kind == "text":
         assert lock.read_text() == "my precious notes\n"
+
+
+def test_a_held_lock_is_in_use_whatever_its_file_holds_at_that_moment(tmp_path):
+    """What the file holds is judged only once the lock is taken: a holder truncates it
+    before writing its record, so a second command that read it then would call a live
+    planc's lock a file of someone else's."""
+    from planc.host.locks import LockHeld, build_lock_path, lock_build
+
+    target = str(tmp_path / "b")
+    with lock_build(target, "planc run b"):
+        path = build_lock_path(target)
+        for held in (b"", b"not yet a record"):
+            with open(path, "r+b") as file:  # as between the holder's truncate and write
+                file.truncate(0)
+                file.write(held)
+            with pytest.raises(LockHeld):
+                lock_build(target, "planc compile x.plan -o b")
 
 
 def test_a_lock_file_a_killed_holder_left_is_taken(capsys, tmp_path):
@@ -132,14 +156,19 @@ def test_graph_refuses_to_unfold_millions_of_nodes(capsys, tmp_path):
     assert not (tmp_path / "g.svg").exists()
 
 
-def test_graph_unfolds_only_what_it_keeps(capsys, tmp_path, build):
+def test_graph_unfolds_only_what_it_keeps(monkeypatch, build):
     from planc.build import directory
+    from planc.graph import select as module
     from planc.graph.select import Selection, expand, select, unfolded_size
 
     graph = directory.read(build).graph
     selection = Selection(stages=(1,), layers=(1, 1), microbatches=(1, 3))
     whole = expand(graph, (1, 3))
+    given = []
+    monkeypatch.setattr(module, "expand", lambda g, mb: given.append(g) or expand(g, mb))
     kept = select(graph, selection)
+    assert given[0].number_of_nodes() < graph.number_of_nodes() / 4  # the kept ones only
+    monkeypatch.undo()
     # the same nodes and edges as selecting from the whole graph unfolded
     reference = select(whole, Selection(stages=(1,), layers=(1, 1)))
     assert sorted(kept.nodes) == sorted(reference.nodes)
@@ -151,8 +180,9 @@ def test_export_refuses_traces_of_millions_of_instructions(capsys, tmp_path):
     status, err = planc(capsys, "export", TINY, *MANY_MICROBATCHES, "-o", tmp_path / "t")
     assert status == 2
     assert err == ("planc: error: the traces would hold 14,614,544 instructions, more than "
-                   "planc export writes (1,000,000, about a minute); export the plan with "
-                   "fewer microbatches or layers (--set schedule.microbatches=N)\n")
+                   "planc export writes (1,000,000, about a minute); export a plan with "
+                   "fewer microbatches or layers (a plan file takes --set "
+                   "schedule.microbatches=N)\n")
     assert not (tmp_path / "t").exists()
 
 
@@ -160,8 +190,10 @@ def test_export_writes_nothing_when_a_trace_cannot_be_written(capsys, tmp_path, 
     out = tmp_path / "t"
     (out / "planc.2.et").mkdir(parents=True)  # stage 1's trace (rank 2) is a directory
     status, err = planc(capsys, "export", build, "-o", out, "--force")
-    assert status == 1
-    assert err == f"planc: error: cannot write {out}/planc.2.et: it is not a regular file\n"
+    assert status == 2
+    assert err == (f"planc: error: -o {out}/planc.2.et: is a directory, not a Chakra trace "
+                   f"that planc wrote; planc never replaces it: name another path, or remove "
+                   f"it first\n")
     assert sorted(os.listdir(out)) == ["planc.2.et"]  # stage 0's was not written either
 
 
@@ -170,8 +202,10 @@ def test_export_refuses_a_dangling_link_in_a_traces_place(capsys, tmp_path, buil
     out.mkdir()
     (out / "planc.0.et").symlink_to(tmp_path / "nowhere")
     status, err = planc(capsys, "export", build, "-o", out)
-    assert status == 1
-    assert err == f"planc: error: cannot write {out}/planc.0.et: it is not a regular file\n"
+    assert status == 2  # written through, it would land outside the directory
+    assert err == (f"planc: error: -o {out}/planc.0.et: is a symbolic link, not a Chakra "
+                   f"trace that planc wrote; planc never replaces it: name another path, or "
+                   f"remove it first\n")
     assert not (tmp_path / "nowhere").exists()
 
 
@@ -266,3 +300,30 @@ def test_a_token_files_width_holds_the_tokenizers_largest_id(capsys, tmp_path):
                    "--tokenizer", str(tokenizer)])
     assert status == 0
     assert "(2 tokens of uint32, end-of-text id 1)" in capsys.readouterr().err
+
+
+def test_tune_stops_estimating_at_half_its_budget_once_k_fit(capsys):
+    # 110,345 candidates on 4,096 devices: minutes of estimates before the budget applied
+    status = main(["tune", str(ROOT / "plans" / "gpt3-175b.plan"), "--gpus", "4096",
+                   "--budget", "0.5", "--top", "2", "--json"])
+    assert status == 0
+    search = json.loads(capsys.readouterr().out)
+    assert search["pruned"]["unestimated"] > 100_000
+    assert search["simulated"] >= 2  # at least K, as ever
+    assert search["searched"] == sum(search["pruned"].values()) + search["simulated"]
+
+
+def test_a_named_pipe_as_tokenizer_config_is_not_waited_on(run_planc, tmp_path):
+    pytest.importorskip("tokenizers")
+    (tmp_path / "a.txt").write_text("hello world\n")
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {
+        "type": "WordLevel", "vocab": {"hello": 0, "world": 1, "<|endoftext|>": 2},
+        "unk_token": "hello"}, "pre_tokenizer": {"type": "Whitespace"}}))
+    os.mkfifo(tokenizer / "tokenizer_config.json")
+    # in a child with a deadline: a hang is a failure, not a stuck suite
+    result = run_planc("data", "prepare", tmp_path / "a.txt", "-o", tmp_path / "t.tokens",
+                       "--tokenizer", tokenizer, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "end-of-text id 2" in result.stderr

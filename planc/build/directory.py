@@ -43,7 +43,7 @@ from planc.build.files import (BUILD_FORMAT_VERSION, GROUPS, MALFORMED,  # noqa:
 from planc.build.files import fingerprint as _fingerprint
 from planc.build.files import read_json as _read_json
 from planc.host.collector import without_collector
-from planc.host.files import umask
+from planc.host.files import open_regular_file, umask
 from planc.graph import ir
 from planc.program.groups import GroupTable
 from planc.lower.tables import plan_group_table, split_refs
@@ -238,19 +238,19 @@ def earlier_build(directory: str | Path, plan: Plan, source_path: str,
 
 def _damaged_or_foreign(target: Path) -> str:
     """"damaged" where what a replacement would overwrite or delete looks like what
-    compile writes (plan.json, graph.json and summary.json, where present, JSON objects;
-    programs/ JSON files alone), else "foreign": a build.json that cannot be read proves
-    nothing, and a file of the user's there would be lost."""
+    compile writes (plan.json, graph.json and summary.json, where present, JSON objects
+    or empty, as a power cut leaves a file; programs/ JSON files alone), else "foreign":
+    a build.json that cannot be read proves nothing, and a file of the user's there would
+    be lost."""
     programs = target / PROGRAMS
     try:
         for name in FILES:
             path = target / name
             if os.path.lexists(path):
-                if path.is_symlink() or not path.is_file():
+                with open_regular_file(path, follow=False) as file:
+                    head = file.read(64).lstrip()
+                if head and not head.startswith(b"{"):
                     return "foreign"
-                with open(path, "rb") as file:
-                    if not file.read(64).lstrip().startswith(b"{"):
-                        return "foreign"
         if os.path.lexists(programs):
             if programs.is_symlink() or not programs.is_dir():
                 return "foreign"

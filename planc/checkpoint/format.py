@@ -187,6 +187,11 @@ def find(path: str | os.PathLike, hashes: bool = True) -> Found:
             _step_directory(candidate, name == latest)
             manifest = read_manifest(candidate)
             verify_files(candidate, manifest, hashes)
+            # the newest is chosen by name: a step directory renamed (or copied under
+            # another step's name) would pass an older state off as the newest
+            if int(STEP_DIR.fullmatch(name).group(1)) != manifest["step"]:
+                raise CheckpointError(f"{candidate} holds the checkpoint of step "
+                                      f"{manifest['step']}, not of the step its name says")
         except CheckpointError as problem:
             skipped.append(str(problem))
             continue

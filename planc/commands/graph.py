@@ -58,7 +58,7 @@ def main(args) -> int:
                   f"{selection.describe()} (choose with --layers, --microbatch, --stage, or "
                   f"--all)", file=sys.stderr)
     unfolded = unfolded_size(graph, selection)
-    if unfolded > MAX_UNFOLDED_NODES:
+    if selection.microbatches is not None and unfolded > MAX_UNFOLDED_NODES:
         return fail(f"unfolding {selection.describe()} makes {unfolded:,} nodes, more than "
                     f"planc graph draws ({MAX_UNFOLDED_NODES:,}); name fewer microbatches "
                     f"(--microbatch 0,1), layers (--layers) or stages (--stage)", EXIT_USAGE)

@@ -185,8 +185,9 @@ MAX_TRACE_NODES = 1_000_000
 
 def export(build, directory: str | Path, prefix: str = "planc") -> list[Path]:
     """Write one ``.et`` file per representative rank (the first of each stage, from the
-    group table's mesh); the paths written. Every trace is encoded before any is
-    written, so that an error (or ExportTooLarge) leaves the directory as it was."""
+    group table's mesh); the paths written. Every trace is encoded and every target
+    checked before any is written, so that a plan too large (ExportTooLarge) or a
+    directory in a trace's place changes nothing; each file is then replaced whole."""
     from planc.host.files import write_atomically
 
     plan = build.plan
@@ -198,8 +199,8 @@ def export(build, directory: str | Path, prefix: str = "planc") -> list[Path]:
     if instructions > MAX_TRACE_NODES:
         raise ExportTooLarge(f"the traces would hold {instructions:,} instructions, more "
                              f"than planc export writes ({MAX_TRACE_NODES:,}, about a "
-                             f"minute); export the plan with fewer microbatches or layers "
-                             f"(--set schedule.microbatches=N)")
+                             f"minute); export a plan with fewer microbatches or layers (a plan "
+                             f"file takes --set schedule.microbatches=N)")
     directory = Path(directory)
     bodies = {}
     for stage in range(plan.mesh.pp):

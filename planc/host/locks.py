@@ -148,13 +148,14 @@ def _acquire(path: str, holder: str) -> Lock:
             created += _make_parents(os.path.dirname(path))
             continue
         except OSError as exc:
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW: a symbolic link in the file's place
+                raise _foreign(path, "it is a symbolic link") from None
             raise LockError(f"cannot create the lock file {path} ({_reason(exc)})",
                             exc.errno) from None
         foreign = _not_a_lock_file(fd)
         if foreign:
             os.close(fd)
-            raise ForeignLockFile(f"planc locks through {path}, but that file is not planc's "
-                            f"({foreign}) and planc will not write over it: move it away")
+            raise _foreign(path, foreign)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -165,6 +166,13 @@ def _acquire(path: str, holder: str) -> Lock:
             os.close(fd)
             raise LockError(f"cannot lock {path} ({_reason(exc)})", exc.errno) from None
         if _names(path, fd):
+            # What it holds is read once the lock is ours: no planc writes it then (a
+            # holder truncates it before writing its record, which read before the lock
+            # could catch empty-then-written or written-then-empty).
+            foreign = _not_a_record(fd)
+            if foreign:
+                os.close(fd)
+                raise _foreign(path, foreign)
             # a command line may hold file names that are not UTF-8: their bytes as they are
             record = f"pid {os.getpid()}: {holder}".encode(
                 errors="surrogateescape")[:MAX_HOLDER_BYTES]
@@ -207,19 +215,33 @@ def _names(path: str, fd: int) -> bool:
     return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
 
 
+def _foreign(path: str, why: str) -> ForeignLockFile:
+    return ForeignLockFile(f"planc locks through {path}, but that file is not planc's "
+                           f"({why}) and planc will not write over it: move it away")
+
+
 def _not_a_lock_file(fd: int) -> str | None:
-    """Why the open file ``fd`` is not one planc made to lock (a file of someone else's,
-    which truncating, writing and removing would destroy), or None: a regular file of
-    one link, empty or holding a holder's record ("pid ...") of at most its size."""
+    """Why the open file ``fd`` cannot be one planc made to lock, by its kind (before it
+    is locked: a named pipe is not waited on), or None: a regular file of one link (a
+    hard link's other name would be destroyed with it)."""
     status = os.fstat(fd)
     if not stat.S_ISREG(status.st_mode):
         return "it is not a regular file"
     if status.st_nlink > 1:
         return "it is a hard link to another file"
-    if status.st_size == 0:
-        return None  # just created, or left by a holder killed before it wrote its name
-    if status.st_size > MAX_HOLDER_BYTES + 1:
-        return f"it holds {status.st_size:,} bytes, more than a lock file's record"
+    return None
+
+
+def _not_a_record(fd: int) -> str | None:
+    """Why the locked file ``fd`` is not one planc made (a file of someone else's, which
+    truncating, writing and removing would destroy), or None: empty (just created, or
+    left by a holder killed before it wrote its name) or a holder's record ("pid ...")
+    of at most a record's size."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return None
+    if size > MAX_HOLDER_BYTES + 1:
+        return f"it holds {size:,} bytes, more than a lock file's record"
     try:
         head = os.pread(fd, 4, 0)
     except OSError as exc:

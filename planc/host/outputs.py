@@ -407,9 +407,17 @@ def _directory_problem(output: Output, real: str, mode: int | None, force: bool,
         for name in (e for e in entries if output.members(e)):
             member = os.path.join(real, name)
             try:
-                if os.path.isdir(member) or os.path.getsize(member) == 0:
-                    continue
-            except OSError:  # a dangling link or a loop: nothing there to lose
+                mode = os.lstat(member).st_mode
+            except OSError:  # gone since it was listed
+                continue
+            if stat.S_ISLNK(mode) or stat.S_ISDIR(mode):
+                # planc writes its members as files: a link (written through, outside
+                # the directory) or a directory there is someone else's
+                what = "a symbolic link" if stat.S_ISLNK(mode) else "a directory"
+                return Refusal(f"{output.flag} {os.path.join(output.path, name)}: is {what}, "
+                               f"not {kind.what} that planc wrote; planc never replaces it: "
+                               f"name another path, or remove it first", EXIT_USAGE)
+            if stat.S_ISREG(mode) and os.lstat(member).st_size == 0:
                 continue
             refusal = _existing(f"{output.flag} {os.path.join(output.path, name)}", member,
                                 kind, force, append)
