@@ -535,6 +535,27 @@ def test_calibrate_measures_every_pair_of_two_nodes_under_load(tmp_path, run_pla
         assert latency == data["measured"][level]["calls_under_load"]["all_gather"] > 0
     for tuning in preset.intra_collectives + preset.inter_collectives:
         assert math.isfinite(tuning.bandwidth) and tuning.bandwidth > 0
+    # each collective's line says whether its bandwidth is a steady figure
+    from planc.commands.calibrate import UNSTEADY, fixed_cost_bound
+
+    lines = done.stdout.splitlines()
+    for level, heading in (("intra", "intra-node: "), ("inter", "inter-node: ")):
+        start = next(k for k, line in enumerate(lines) if line.startswith(heading))
+        for line in lines[start + 1:start + 5]:
+            kind = line.split(":")[0].strip()
+            assert line.endswith(UNSTEADY) == fixed_cost_bound(
+                data["measured"][level][kind]), line
+
+
+def test_calibrate_says_when_a_bandwidth_is_the_slope_of_noise():
+    from planc.commands.calibrate import fixed_cost_bound
+
+    # an all_reduce of 8 ranks on 2 cores (2026-12-01): 18.7, 18.0 and 22.4 ms for 4 KB,
+    # 256 KB and 1 MB; its bandwidth was 15.8x apart over eight calibrations
+    assert fixed_cost_bound([[4096, 0.0187], [262144, 0.0180], [1048576, 0.0224]])
+    # planc's tree all-reduce in the same calibration: 1.8, 3.9 and 8.8 ms
+    assert not fixed_cost_bound([[4096, 0.00178], [262144, 0.00390], [1048576, 0.00883]])
+    assert not fixed_cost_bound(None) and not fixed_cost_bound([[4096, 0.001]])
 
 
 def test_calibrate_writes_a_topology_that_a_plan_can_use(tmp_path, run_planc):

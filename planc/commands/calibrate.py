@@ -86,11 +86,14 @@ def main(args) -> int:
             ("inter-node", preset.inter_bandwidth, preset.inter_latency,
              preset.inter_collectives)):
         measured = name.split("-")[0] in data["measured"]
+        points = data["measured"].get(name.split("-")[0], {})
         print(f"{name}: {bandwidth / 1e9:.3g} GB/s and {format_quantity(latency, TIME)} per "
-              f"message" + ("" if measured else " (not measured: the other link's figures)"))
+              f"message" + ("" if measured else " (not measured: the other link's figures)")
+              + (UNSTEADY if fixed_cost_bound(points.get("point_to_point")) else ""))
         for tuning in tunings:
             print(f"  {tuning.kind}: {tuning.bandwidth / 1e9:.3g} GB/s bus bandwidth, "
-                  f"{format_quantity(tuning.latency, TIME)} per call")
+                  f"{format_quantity(tuning.latency, TIME)} per call"
+                  + (UNSTEADY if fixed_cost_bound(points.get(tuning.kind)) else ""))
     backward = preset.topology(1).device.gradient_step_overhead
     print(f"compute: {preset.flops['fp32'] / 1e9:.3g} GFLOP/s per rank, "
           f"{format_quantity(preset.overhead, TIME)} per forward instruction and "
@@ -131,6 +134,23 @@ COMMANDS = (
                         "(docs/routes.md).",
             keeps_collector=True),
 )
+
+
+# Where the largest message took less than this much longer than the smallest, its
+# time is mostly the call's fixed cost: the bandwidth is the slope of a few percent of
+# the times, and noise moves it by ten times and more (eight calibrations of 8 ranks on 2
+# cores: 9.9x to 25.6x apart). Said beside the figure, not hidden.
+STEADY_GROWTH = 0.25
+UNSTEADY = " (the calls' fixed cost at every size measured: the bandwidth is not a steady figure)"
+
+
+def fixed_cost_bound(points) -> bool:
+    """Whether a collective's measured (bytes, seconds) points are dominated by the
+    call's fixed cost: the largest size took under STEADY_GROWTH more than the smallest."""
+    if not isinstance(points, list) or len(points) < 2:
+        return False
+    (_, smallest), (_, largest) = min(points), max(points)
+    return largest < smallest * (1 + STEADY_GROWTH)
 
 
 def _operators(overheads: tuple[tuple[str, float, float], ...]) -> str:
