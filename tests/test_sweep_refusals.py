@@ -327,3 +327,59 @@ def test_a_named_pipe_as_tokenizer_config_is_not_waited_on(run_planc, tmp_path):
                        "--tokenizer", tokenizer, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "end-of-text id 2" in result.stderr
+
+
+RUN_PLAN = """plan t2 {
+  model gpt { layers = 2; hidden = 32; heads = 4; vocab = 256; seq = 16; batch = 8 }
+  mesh { dp = 2 }
+  topology { nodes = 1; devices_per_node = 2 }
+  train { steps = 3; optimizer = adamw(lr = 1e-3, weight_decay = 0) }
+}
+"""
+
+
+def test_run_checks_the_evaluations_data_before_any_rank_starts(run_planc, tmp_path):
+    pytest.importorskip("torch")
+    (tmp_path / "t2.plan").write_text(RUN_PLAN)
+    # before: steps 1 and 2 trained (and checkpointed), then the first evaluation failed
+    result = run_planc("run", tmp_path / "t2.plan", "-o", tmp_path / "b", "--steps", 6,
+                       "--set", "train.eval_every=3", "--set", 'train.eval_data="nope.tokens"',
+                       cwd=tmp_path, timeout=300)
+    assert result.returncode == 1
+    assert result.stderr.endswith(f"planc: error: data file {tmp_path}/nope.tokens does not "
+                                  f"exist; nothing was run\n")
+    assert not (tmp_path / "b" / "logs").exists() or not os.listdir(tmp_path / "b" / "logs")
+
+
+def test_a_resumed_check_refuses_a_checkpoint_trained_under_another_grad_clip():
+    from planc.checkpoint.format import history_segment, problems_checking, resume_notes
+    from planc.checkpoint.training_record import TrainingRecord
+
+    layout = {"tp": 1, "cp": 1, "pp": 1, "dp": 2, "zero": 0, "microbatches": 1}
+    unclipped = TrainingRecord("t2", {}, {}, 0, None, 3, layout)
+    clipped = TrainingRecord("t2", {}, {}, 0, None, 5, layout, grad_clip=0.001)
+    manifest = {"history": [history_segment(unclipped, 0, 2)], "step": 3,
+                "data": {"seed": 0, "source": None}}
+    assert "grad_clip" not in manifest["history"][0]  # segments of plans without it
+    assert problems_checking(manifest, clipped) == (
+        "--check with --resume compares with one process trained from step 0 under this "
+        "plan, but steps 0..2 of the checkpoint were trained with grad_clip None (the plan: "
+        "0.001)")
+    assert resume_notes(manifest, clipped) == [
+        "the checkpoint was trained with grad_clip None, the plan has 0.001: steps from 3 "
+        "on clip as the plan says"]
+    manifest["history"] = [history_segment(clipped, 0, 2)]
+    assert manifest["history"][0]["grad_clip"] == 0.001
+    assert problems_checking(manifest, clipped) is None and resume_notes(manifest,
+                                                                         clipped) == []
+
+
+def test_a_killed_runs_temporary_of_latest_is_removed(tmp_path):
+    from planc.checkpoint.format import remove_stray_temporaries
+
+    (tmp_path / ".planc-xk_3uisz").write_text("step-000001\n")  # a rank killed mid-replace
+    (tmp_path / ".planc-dir").mkdir()  # not a file write_atomically leaves: kept
+    (tmp_path / "latest").write_text("step-000001\n")
+    (tmp_path / "notes.planc-x").write_text("kept\n")
+    remove_stray_temporaries(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == [".planc-dir", "latest", "notes.planc-x"]

@@ -62,6 +62,18 @@ def step_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
+STRAY_TEMPORARY = re.compile(r"\.planc-[A-Za-z0-9_]+")
+
+
+def remove_stray_temporaries(root: Path) -> None:
+    """Remove what a run killed while replacing ``latest`` left: write_atomically's
+    ``.planc-XXXXXXXX`` temporary (the directory is this run's while it holds its lock,
+    so no other writer's temporary is there)."""
+    for entry in os.scandir(root):
+        if STRAY_TEMPORARY.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+            os.unlink(entry.path)
+
+
 def staging_name(step: int) -> str:
     return f".{step_name(step)}.partial"
 
@@ -121,7 +133,8 @@ def history_segment(record: TrainingRecord, first: int, last: int) -> dict:
             "layout": dict(record.layout), "seed": record.seed, "data": record.data,
             # written only when set: the segments of plans without them stay as they were
             **({"lr_schedule": record.lr_schedule} if record.lr_schedule else {}),
-            **({"shuffle": True} if record.shuffle else {})}
+            **({"shuffle": True} if record.shuffle else {}),
+            **({"grad_clip": record.grad_clip} if record.grad_clip is not None else {})}
 
 
 def _planc_version() -> str:
@@ -275,16 +288,17 @@ def problems_resuming(manifest: dict, record: TrainingRecord, buckets: dict[str,
 
 
 # What a history segment that does not name these keys was trained with.
-TRAINED_WITHOUT = {"lr_schedule": None, "shuffle": False}
+TRAINED_WITHOUT = {"lr_schedule": None, "shuffle": False, "grad_clip": None}
 
 
 def problems_checking(manifest: dict, record: TrainingRecord) -> str | None:
     """--check with --resume compares with one process trained from step 0 under the plan:
-    it needs every step of the checkpoint trained with the plan's seed, data, lr schedule
-    and sample order."""
+    it needs every step of the checkpoint trained with the plan's seed, data, lr schedule,
+    sample order and gradient clipping."""
     for segment in manifest["history"]:
         for key, mine in (("seed", record.seed), ("data", record.data),
-                          ("lr_schedule", record.lr_schedule), ("shuffle", record.shuffle)):
+                          ("lr_schedule", record.lr_schedule), ("shuffle", record.shuffle),
+                          ("grad_clip", record.grad_clip)):
             theirs = segment.get(key, TRAINED_WITHOUT.get(key))
             if theirs != mine:
                 return (f"--check with --resume compares with one process trained from step "
@@ -305,7 +319,8 @@ def resume_notes(manifest: dict, record: TrainingRecord) -> list[str]:
             notes.append(f"the checkpoint was trained with data {key} {data.get(key)!r}, the "
                          f"plan has {mine!r}: steps from {step} on read the plan's")
     for key, mine, what in (("lr_schedule", record.lr_schedule, "follow the plan's"),
-                            ("shuffle", record.shuffle, "read the plan's order of samples")):
+                            ("shuffle", record.shuffle, "read the plan's order of samples"),
+                            ("grad_clip", record.grad_clip, "clip as the plan says")):
         theirs = last.get(key, TRAINED_WITHOUT[key])
         if theirs != mine:
             notes.append(f"the checkpoint was trained with {key} {theirs!r}, the plan has "

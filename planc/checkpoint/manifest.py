@@ -329,9 +329,12 @@ def _layout(value: object, where: str) -> dict:
 
 
 def _order(segment: dict, where: str) -> None:
-    """A segment's lr schedule and shuffle, written only when its plan set them."""
+    """A segment's lr schedule, shuffle and grad_clip, written only when its plan set
+    them."""
     if "shuffle" in segment and segment["shuffle"] is not True:
         raise _wrong(_at(where, "shuffle"), segment["shuffle"], "true")
+    if "grad_clip" in segment:
+        _real(segment["grad_clip"], _at(where, "grad_clip"), positive=True)
     if "lr_schedule" in segment:
         at = _at(where, "lr_schedule")
         schedule = _fields(segment["lr_schedule"], at, ("name", "warmup", "min_lr", "decay"))
@@ -349,7 +352,7 @@ def _history(manifest: dict) -> None:
     for i, segment in enumerate(history):
         where = _at("history", i)
         _fields(segment, where, ("plan", "first_step", "last_step", "layout", "seed", "data")
-                + tuple(key for key in ("lr_schedule", "shuffle")
+                + tuple(key for key in ("lr_schedule", "shuffle", "grad_clip")
                         if isinstance(segment, dict) and key in segment))
         _order(segment, where)
         _text(segment["plan"], _at(where, "plan"))

@@ -26,9 +26,11 @@ class TrainingRecord:
     data: str | None  # the token file, or None: the synthetic batches of the seed
     steps: int  # train.steps
     layout: dict  # tp, cp, pp, dp, zero, microbatches
-    # train.lr_schedule as plan.json writes it, None without one; train.shuffle
+    # train.lr_schedule as plan.json writes it, None without one; train.shuffle;
+    # train.grad_clip (None: off), which changes every step's update as the lr does
     lr_schedule: dict | None = None
     shuffle: bool = False
+    grad_clip: float | None = None
 
     @staticmethod
     def of(plan_data: dict) -> "TrainingRecord":
@@ -57,11 +59,14 @@ def _as_read(section: dict) -> dict:
 
 
 def _with_order(record: TrainingRecord, train: dict) -> TrainingRecord:
-    """The record with the plan's lr schedule and sample order (what a checkpoint's
-    history says of each segment, for --check of a resumed run)."""
+    """The record with the plan's lr schedule, sample order and gradient clipping (what a
+    checkpoint's history says of each segment, for --check of a resumed run)."""
     schedule = train.get("lr_schedule")
     shuffle = train.get("shuffle", False)
-    if not (schedule is None or isinstance(schedule, dict)) or type(shuffle) is not bool:
-        raise ValueError("its lr_schedule or shuffle is not of its kind")
+    clip = train.get("grad_clip")
+    if not (schedule is None or isinstance(schedule, dict)) or type(shuffle) is not bool or \
+            not (clip is None or type(clip) in (int, float) and clip > 0):
+        raise ValueError("its lr_schedule, shuffle or grad_clip is not of its kind")
     return dataclasses.replace(record, lr_schedule=None if schedule is None
-                               else _as_read(schedule), shuffle=shuffle)
+                               else _as_read(schedule), shuffle=shuffle,
+                               grad_clip=None if clip is None else float(clip))

@@ -144,6 +144,7 @@ class Checkpoints(Loading):
                 root_path.mkdir(parents=True, exist_ok=True)
                 if staging.exists():  # left by a run killed while writing this step
                     shutil.rmtree(staging)
+                fmt.remove_stray_temporaries(root_path)
                 staging.mkdir()
                 fmt.fsync_directory(root_path)
             except OSError as exc:
