@@ -43,8 +43,8 @@ from planc.checkpoint.manifest import (FORMAT, MANIFEST, MODEL_INDEX,  # noqa: F
                                        OPTIMIZER_INDEX, RNG_FILE, RNG_TENSOR, VERSION,
                                        CheckpointError, read_manifest, reason, shown,
                                        state_keys, state_name)
-from planc.host.files import (fsync_directory, kind_of, read_regular_file,  # noqa: F401 (API)
-                         unwritable_ancestor, write_atomically)
+from planc.host.files import (TEMPORARY_PREFIX, fsync_directory, kind_of,  # noqa: F401 (API)
+                              read_regular_file, unwritable_ancestor, write_atomically)
 from planc.checkpoint.training_record import TrainingRecord
 
 LATEST = "latest"
@@ -54,15 +54,13 @@ STEP_DIR = re.compile(r"step-([0-9]{6,})")
 # temporary files of `latest` (planc.host.files.write_atomically's ``.planc-XXXXXXXX``, left
 # behind by a run killed between writing and renaming one) and the lock of the run
 # writing it (planc.host.locks).
+STRAY_TEMPORARY = re.compile(re.escape(TEMPORARY_PREFIX) + r"[A-Za-z0-9_]+")
 _OURS = re.compile(r"^(step-\d{6,}|latest|\.step-\d{6,}\.(partial|old-.*)|\.latest\..*|"
-                   r"\.planc-[A-Za-z0-9_]+|\.lock)$")
+                   + STRAY_TEMPORARY.pattern + r"|\.lock)$")
 
 
 def step_name(step: int) -> str:
     return f"step-{step:06d}"
-
-
-STRAY_TEMPORARY = re.compile(r"\.planc-[A-Za-z0-9_]+")
 
 
 def remove_stray_temporaries(root: Path) -> None:

@@ -85,9 +85,10 @@ def main(args) -> int:
              preset.intra_collectives),
             ("inter-node", preset.inter_bandwidth, preset.inter_latency,
              preset.inter_collectives)):
-        measured = name.split("-")[0] in data["measured"]
+        level = name.split("-")[0]
+        measured = level in data["measured"]
         # an unmeasured level holds the measured one's figures, marks included
-        points = data["measured"].get(name.split("-")[0]) or data["measured"].get("intra", {})
+        points = data["measured"].get(level) or data["measured"].get("intra", {})
         print(f"{name}: {bandwidth / 1e9:.3g} GB/s and {format_quantity(latency, TIME)} per "
               f"message" + ("" if measured else " (not measured: the other link's figures)")
               + (UNSTEADY if fixed_cost_bound(points.get("point_to_point")) else ""))

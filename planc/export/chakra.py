@@ -19,8 +19,6 @@ format is a few dozen lines, and planc does not depend on the protobuf package.
 
 from __future__ import annotations
 
-import errno
-import os
 import struct
 from pathlib import Path
 
@@ -185,9 +183,10 @@ MAX_TRACE_NODES = 1_000_000
 
 def export(build, directory: str | Path, prefix: str = "planc") -> list[Path]:
     """Write one ``.et`` file per representative rank (the first of each stage, from the
-    group table's mesh); the paths written. Every trace is encoded and every target
-    checked before any is written, so that a plan too large (ExportTooLarge) or a
-    directory in a trace's place changes nothing; each file is then replaced whole."""
+    group table's mesh); the paths written. Every trace is encoded before any is written,
+    so that a plan too large (ExportTooLarge) changes nothing (what lies in a trace's
+    place, the command's output rule refused first: planc.host.outputs); each file is
+    then replaced whole."""
     from planc.host.files import write_atomically
 
     plan = build.plan
@@ -211,10 +210,7 @@ def export(build, directory: str | Path, prefix: str = "planc") -> list[Path]:
                                      ("world", plan.world)])
         bodies[directory / f"{prefix}.{rank}.et"] = _delimited(metadata) + b"".join(
             _delimited(n) for n in _nodes(build, programs[stage], rank, costs))
-    for path in bodies:  # trace_file's names
-        if os.path.lexists(path) and not os.path.isfile(path):
-            raise IsADirectoryError(errno.EISDIR, "it is not a regular file", str(path))
     directory.mkdir(parents=True, exist_ok=True)
-    for path, body in bodies.items():
+    for path, body in bodies.items():  # trace_file's names
         write_atomically(path, body)
     return list(bodies)

@@ -10,6 +10,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+# The hidden temporary beside a file being replaced (:func:`replacing`); a process killed
+# between writing and renaming leaves it (planc.checkpoint.format removes them).
+TEMPORARY_PREFIX = ".planc-"
+
 # What a path that is not a regular file is, for messages ("it is a named pipe (FIFO)").
 KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
@@ -129,7 +133,7 @@ def replacing(path: str, durable: bool = False):
     ``path`` when the block ends, through a hidden temporary file beside it and a rename;
     an exception in the block (a Ctrl-C, a full disk) removes the temporary file and
     leaves ``path`` as it was. ``durable``: fsync before the rename."""
-    handle, temporary = tempfile.mkstemp(prefix=".planc-", dir=os.path.dirname(path))
+    handle, temporary = tempfile.mkstemp(prefix=TEMPORARY_PREFIX, dir=os.path.dirname(path))
     try:
         with os.fdopen(handle, "wb") as out:
             yield out

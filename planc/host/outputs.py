@@ -32,6 +32,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from planc.host.files import open_regular_file
 from planc.host.locks import held_by
 
 EXIT_ERRORS, EXIT_USAGE = 1, 2
@@ -186,11 +187,8 @@ def _topology(head: bytes) -> bool:
 
 def _safetensors_of(path: str, generator: str) -> bool:
     """A safetensors file whose header's ``__metadata__`` names ``generator``."""
-    try:  # a named pipe in the file's place is not read (it would block)
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        with open(fd, "rb") as handle:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return False
+    try:  # a named pipe in the file's place is not read (it would block): OSError
+        with open_regular_file(path) as handle:
             size = struct.unpack("<Q", handle.read(8))[0]
             if size > MAX_SAFETENSORS_HEADER:
                 return False
@@ -407,17 +405,17 @@ def _directory_problem(output: Output, real: str, mode: int | None, force: bool,
         for name in (e for e in entries if output.members(e)):
             member = os.path.join(real, name)
             try:
-                mode = os.lstat(member).st_mode
+                found = os.lstat(member)
             except OSError:  # gone since it was listed
                 continue
-            if stat.S_ISLNK(mode) or stat.S_ISDIR(mode):
+            if stat.S_ISLNK(found.st_mode) or stat.S_ISDIR(found.st_mode):
                 # planc writes its members as files: a link (written through, outside
                 # the directory) or a directory there is someone else's
-                what = "a symbolic link" if stat.S_ISLNK(mode) else "a directory"
+                what = "a symbolic link" if stat.S_ISLNK(found.st_mode) else "a directory"
                 return Refusal(f"{output.flag} {os.path.join(output.path, name)}: is {what}, "
                                f"not {kind.what} that planc wrote; planc never replaces it: "
                                f"name another path, or remove it first", EXIT_USAGE)
-            if stat.S_ISREG(mode) and os.lstat(member).st_size == 0:
+            if stat.S_ISREG(found.st_mode) and found.st_size == 0:
                 continue
             refusal = _existing(f"{output.flag} {os.path.join(output.path, name)}", member,
                                 kind, force, append)

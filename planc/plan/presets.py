@@ -183,10 +183,11 @@ def calibrated_document(name: str, devices_per_node: int, flops: float, intra: d
 MAX_RATE, MAX_SECONDS = 1e30, 3600.0
 
 
-def _number(value, what: str, positive: bool = True) -> float:
+def _number(value, what: str, positive: bool = True,
+            within: tuple[float, float] | None = None) -> float:
     """A rate (``positive``: from 1 to MAX_RATE) or a time in seconds (from 0 to
-    MAX_SECONDS) of a calibrated topology."""
-    low, high = (1.0, MAX_RATE) if positive else (0.0, MAX_SECONDS)
+    MAX_SECONDS) of a calibrated topology, or a figure ``within`` (low, high)."""
+    low, high = within or ((1.0, MAX_RATE) if positive else (0.0, MAX_SECONDS))
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or \
             not low <= value <= high:
         raise ValueError(f"{what} must be a number from {low:g} to {high:g}")
@@ -252,18 +253,12 @@ def calibrated_preset(data, name: str) -> Preset:
         raise ValueError("it has no device")
     flops = _number(device.get("flops"), "device.flops")
     bandwidth = _number(device.get("bandwidth", 1e12), "device.bandwidth")
-    efficiency = device.get("efficiency")
-    if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or \
-            not 1e-6 <= efficiency <= 1:
-        raise ValueError("device.efficiency must be a number from 1e-06 to 1")
+    efficiency = _number(device.get("efficiency"), "device.efficiency", within=(1e-6, 1.0))
     memory = device.get("memory")
     if memory is not None:
         memory = _number(memory, "device.memory")
     # Topologies calibrated before overlap was measured: the Device default.
-    overlap = device.get("overlap", 1.0)
-    if isinstance(overlap, bool) or not isinstance(overlap, (int, float)) or \
-            not 0 <= overlap <= 1:
-        raise ValueError("device.overlap must be a number from 0 to 1")
+    overlap = _number(device.get("overlap", 1.0), "device.overlap", within=(0.0, 1.0))
     # Topologies calibrated before the overhead was measured: none.
     overhead = _number(device.get("overhead", 0.0), "device.overhead", False)
     # Before the backward's own overhead was measured, "overhead" was the mean of the

@@ -123,9 +123,16 @@ def import_scanner(plan: Plan) -> None:
     """Import what :func:`check_data` scans the plan's token file with (torch, where it
     is installed), so that the caller can do it at a moment of its choosing: torch's
     import swallows a Ctrl-C that arrives during it (planc.host.interrupts)."""
-    if plan.train.data != "synthetic" or plan.train.eval_every > 0 and \
-            plan.train.eval_data != "synthetic":
+    if plan.train.data != "synthetic" or _evaluation_file(plan) is not None:
         _reducer("auto")
+
+
+def _evaluation_file(plan: Plan) -> str | None:
+    """The evaluation's own token file (or mixture), where it reads one other than the
+    training's: checked with it before any rank starts."""
+    train = plan.train
+    evaluates = train.eval_every > 0 and train.eval_data not in ("synthetic", train.data)
+    return train.eval_data if evaluates else None
 
 
 def check_data(plan: Plan, chunk_bytes: int = CHUNK_BYTES,
@@ -136,18 +143,18 @@ def check_data(plan: Plan, chunk_bytes: int = CHUNK_BYTES,
     (whole tokens, at least one sample) always; every id below vocab only in a file of at
     most ``scan_limit`` bytes (None: any size), so that a 100 GB file starts at once:
     each step checks the ids it reads (:func:`batch_tokens`)."""
-    train = plan.train
-    if train.eval_every > 0 and train.eval_data not in ("synthetic", train.data):
-        # the evaluation's file too, before the ranks start: else a run found it missing
-        # only after eval_every steps of training (each evaluation takes its identity)
-        for path in paths_of(train.eval_data):
+    evaluation = _evaluation_file(plan)
+    if evaluation is not None:
+        # before the ranks start: else a run found it missing only after eval_every steps
+        # of training (each evaluation takes its identity)
+        for path in paths_of(evaluation):
             check_file(path, seq=plan.model.seq, vocab=plan.model.vocab,
                        scan_limit=scan_limit, chunk_bytes=chunk_bytes)
-    if train.data == "synthetic":
+    if plan.train.data == "synthetic":
         return None
     found = tuple(check_file(path, seq=plan.model.seq, vocab=plan.model.vocab,
                              scan_limit=scan_limit, chunk_bytes=chunk_bytes).identity
-                  for path in paths_of(train.data))
+                  for path in paths_of(plan.train.data))
     return found if len(found) > 1 else found[0]  # a mixture: one a source
 
 
