@@ -203,6 +203,7 @@ def outputs_refused(args, inputs: tuple[tuple[str, str | None], ...] = (),
     names of the files it writes there; ``made``: a directory the command creates
     first (a run's build), in which an output may be named."""
     from planc.host import outputs
+    from planc.host.output_kinds import BY_KEY
 
     declared = []
     for dest, flag, key in getattr(args, "outputs", ()):
@@ -211,7 +212,7 @@ def outputs_refused(args, inputs: tuple[tuple[str, str | None], ...] = (),
             continue
         if key == "export":
             key = "hf" if args.format == "hf" else "chakra"
-        declared.append(outputs.Output(flag, path, outputs.BY_KEY[key], members))
+        declared.append(outputs.Output(flag, path, BY_KEY[key], members))
     refusal = outputs.first_problem(declared, getattr(args, "force", False), append,
                                     [(what, path) for what, path in inputs if path],
                                     None if made is None else os.path.realpath(made))

@@ -43,12 +43,13 @@ def prepare_main(args) -> int:
     from planc.data.tokenizer import Tokenizer, TokenizerError
     from planc.data.tokens import DTYPES
     from planc.host import outputs
+    from planc.host.output_kinds import TOKENS
 
     inputs = [("a source it reads", source) for source in args.sources] + \
         [("the tokenizer it reads", args.tokenizer)]
     refusal = outputs.first_problem(
-        [outputs.Output("-o", args.output, outputs.TOKENS),
-         outputs.Output("-o", description_path(args.output), outputs.TOKENS)],
+        [outputs.Output("-o", args.output, TOKENS),
+         outputs.Output("-o", description_path(args.output), TOKENS)],
         args.force, inputs=inputs)
     if refusal is not None:
         return fail(refusal.message, refusal.status)

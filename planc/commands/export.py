@@ -14,7 +14,7 @@ from planc.commands.arguments import Command, add_input, force, output
 
 def main(args) -> int:
     from planc.export.chakra import ExportTooLarge, export, trace_file
-    from planc.host.outputs import HF_FILES
+    from planc.host.output_kinds import HF_FILES
 
     if args.format == "hf":
         what = "the checkpoint directory" if os.path.isdir(args.file) else "the input"
@@ -54,7 +54,7 @@ def _remove_stale(directory: str, prefix: str, written: set[str]) -> None:
     """The traces an earlier export (replaced with --force) wrote for ranks this one has
     not: they belong to the replaced output."""
     from planc.export.chakra import trace_file
-    from planc.host.outputs import CHAKRA, is_ours
+    from planc.host.output_kinds import CHAKRA, is_ours
 
     for name in os.listdir(directory):
         path = os.path.join(directory, name)

@@ -14,7 +14,7 @@ from planc.program.names import Axis
 
 def main(args) -> int:
     from planc.host.files import write_atomically
-    from planc.host.outputs import GRAPH, marked
+    from planc.host.output_kinds import GRAPH, marked
     from planc.graph.select import (MAX_UNFOLDED_NODES, Selection, default_selection, select,
                                     unfolded_size)
     from planc.views.graph import render as render_graph

@@ -17,7 +17,7 @@ FORMATS = {".png": "png", ".svg": "svg"}
 def main(args) -> int:
     from planc.host.files import write_atomically
     from planc.data.metrics_file import read_metrics
-    from planc.host.outputs import PLOT, marked
+    from planc.host.output_kinds import PLOT, marked
     from planc.views.curves import CurveError, curve, distinct, draw
 
     refused = outputs_refused(args, [("a metrics file it draws", path)

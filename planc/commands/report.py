@@ -83,7 +83,7 @@ def _tune(path: str) -> tuple[list[dict] | None, str | None]:
 def main(args) -> int:
     from planc.build.directory import plan_fingerprint
     from planc.host.files import write_atomically
-    from planc.host.outputs import REPORT, marked
+    from planc.host.output_kinds import REPORT, marked
     from planc.simulate import simulate
     from planc.views import report_html
 

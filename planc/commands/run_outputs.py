@@ -10,7 +10,7 @@ import os
 import shutil
 import sys
 
-from planc.host.outputs import TENSORBOARD_SUFFIX, checkpoint_directory
+from planc.host.output_kinds import TENSORBOARD_SUFFIX, checkpoint_directory
 
 
 def tensorboard_missing() -> str | None:

@@ -33,7 +33,7 @@ def description_path(tokens_path: str) -> str:
 def description(identity, tokens: int, documents: int, width: int, size: int,
                 sources: list[dict], tokenizer_path: str) -> bytes:
     """The description of a token file, as its bytes (the generator's key first, which
-    marks it as planc's: planc.host.outputs)."""
+    marks it as planc's: planc.host.output_kinds)."""
     record = {"generator": GENERATOR, "format": FORMAT, "version": VERSION,
               "tokenizer": {**identity.to_json(), "path": tokenizer_path},
               "tokens": tokens, "documents": documents, "width": width, "size": size,

@@ -14,7 +14,7 @@ import zlib
 from planc.host.files import write_atomically
 from planc.program.names import STREAM_ORDER
 from planc.program.program import Opcode
-from planc.host.outputs import RUN_TRACE
+from planc.host.output_kinds import RUN_TRACE
 
 # A flow end: ("s" start or "f" finish, sending rank, receiving rank, the receive's
 # node, whether it is drawn at the end of the event rather than its start).
@@ -46,7 +46,7 @@ def write(path: str, labels: dict[int, str],
           events_by_rank: list[list[tuple]] | dict[int, list[tuple]],
           generator: str = RUN_TRACE.generator) -> None:
     """``generator``: the command named in the trace's metadata, first in the file, which
-    tells planc's own traces (planc.host.outputs). ``events_by_rank[r]``: (step, stream, node, start, end, microbatch, op, flows) of
+    tells planc's own traces (planc.host.output_kinds). ``events_by_rank[r]``: (step, stream, node, start, end, microbatch, op, flows) of
     rank r (a list of every rank's, or a dict of some ranks'); times in seconds of one
     clock shared by the ranks (CLOCK_MONOTONIC on one machine, or the simulator's);
     ``labels[r]``: the name of rank r's process."""

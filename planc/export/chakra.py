@@ -26,7 +26,7 @@ from planc.estimate.cost import Route
 from planc.program.operands import Operands
 from planc.program.expansion import expand, expanded_length
 from planc.program.program import TRANSFER_OPS, Opcode
-from planc.host.outputs import CHAKRA
+from planc.host.output_kinds import CHAKRA
 from planc.estimate.instruction_cost import InstructionCosts
 
 CHAKRA_VERSION = "0.0.4"

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from planc.host.outputs import TENSORBOARD_SUFFIX
+from planc.host.output_kinds import TENSORBOARD_SUFFIX
 
 # The record's keys written as TensorBoard scalars, in this order, where the record has
 # them (lr and grad_norm only when the plan's training computes them, eval_loss and
@@ -62,7 +62,7 @@ class TensorBoardLog:
 
         if _no_room(directory):  # the first event would fail in the writer's thread
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), directory)
-        # the suffix marks planc's event files: --force replaces only those (planc.host.outputs)
+        # the suffix marks planc's event files: --force replaces only those (planc.host.output_kinds)
         self.writer = SummaryWriter(log_dir=directory, filename_suffix=TENSORBOARD_SUFFIX)
         self.failure: OSError | None = None
         self._guard(self.writer.file_writer.event_writer)

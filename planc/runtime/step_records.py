@@ -204,7 +204,8 @@ class StepRecords:
 
 
 def metrics_file(path: str):
-    from planc.host.outputs import METRICS, existing_problem
+    from planc.host.output_kinds import METRICS
+    from planc.host.outputs import existing_problem
 
     refusal = existing_problem("--metrics", path, METRICS, append=True)  # continued
     if refusal is not None:

@@ -111,7 +111,8 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     built = read_for_run(args.build)  # programs/ and plan.json: no graph, nothing derived
     if rank == 0 and args.trace:  # under torchrun nobody checked it (planc.host.outputs)
-        from planc.host.outputs import RUN_TRACE, existing_problem
+        from planc.host.output_kinds import RUN_TRACE
+        from planc.host.outputs import existing_problem
 
         refusal = existing_problem("--trace", args.trace, RUN_TRACE, args.force)
         if refusal is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from planc.program.operands import Operands
 from planc.program.program import TRANSFER_OPS, Opcode, node_of_done
 from planc.plan.mesh import RankMesh
-from planc.host.outputs import SIMULATED_TRACE
+from planc.host.output_kinds import SIMULATED_TRACE
 from planc.data.trace import flows_of
 from planc.data.trace import write as write_events
 

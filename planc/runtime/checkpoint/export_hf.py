@@ -13,7 +13,7 @@ from safetensors.torch import save
 from planc.checkpoint.format import CheckpointError, dump_json, find, reason, write_durably
 from planc.checkpoint.files import checked_path
 from planc.hf.export import DTYPES, Tensor, check_exportable, hf_config, hf_tensors
-from planc.host.outputs import HUGGING_FACE
+from planc.host.output_kinds import HUGGING_FACE
 from planc.runtime.checkpoint.values import check_values
 
 
