@@ -460,8 +460,7 @@ def test_calibrate_fits_a_line_through_every_size_and_bounds_a_slope_noise_flatt
     where the largest size took no longer than the others (noise larger than the
     transfer), the slope is bounded by the largest size's whole time, never a bandwidth
     of 1e6 GB/s."""
-    pytest.importorskip("torch")
-    from planc.runtime.calibrate import _slope_fit
+    from planc.runtime.calibrate_fit import slope_fit as _slope_fit
 
     # exactly t = 1 ms + bytes / 1 GB/s
     line = [(n, 1e-3 + n / 1e9) for n in (4 << 10, 256 << 10, 1 << 20)]
@@ -535,16 +534,30 @@ def test_calibrate_measures_every_pair_of_two_nodes_under_load(tmp_path, run_pla
         assert latency == data["measured"][level]["calls_under_load"]["all_gather"] > 0
     for tuning in preset.intra_collectives + preset.inter_collectives:
         assert math.isfinite(tuning.bandwidth) and tuning.bandwidth > 0
-    # each collective's line says whether its bandwidth is a steady figure
-    from planc.commands.calibrate import UNSTEADY, fixed_cost_bound
+    # each line says whether its bandwidth is a steady figure, and its interval from
+    # the timings kept beside the medians it was fitted to
+    from planc.commands.calibrate import UNSTEADY, fixed_cost_bound, interval_text
 
     lines = done.stdout.splitlines()
+    tunings = {"intra": preset.intra_collectives, "inter": preset.inter_collectives}
+    links = {"intra": preset.intra_bandwidth, "inter": preset.inter_bandwidth}
     for level, heading in (("intra", "intra-node: "), ("inter", "inter-node: ")):
+        measured = data["measured"][level]
+        assert set(measured["timings"]) == {"point_to_point", "all_gather", "all_reduce",
+                                            "reduce_scatter", "tree"}
+        for kind, timings in measured["timings"].items():
+            assert [[size, statistics.median(times)] for size, times in timings] == \
+                measured[kind]
+            assert [len(times) for _, times in timings] == [1, 1, 1]  # --repeats 1
         start = next(k for k, line in enumerate(lines) if line.startswith(heading))
+        assert interval_text(links[level], measured["timings"]["point_to_point"]) in \
+            lines[start]
+        by_kind = {tuning.kind: tuning.bandwidth for tuning in tunings[level]}
         for line in lines[start + 1:start + 5]:
             kind = line.split(":")[0].strip()
-            assert line.endswith(UNSTEADY) == fixed_cost_bound(
-                data["measured"][level][kind]), line
+            assert line.endswith(UNSTEADY) == fixed_cost_bound(measured[kind]), line
+            shown = interval_text(by_kind[kind], measured["timings"][kind])
+            assert shown.startswith(" (95 % interval: ") and shown in line, line
 
 
 def test_calibrate_says_when_a_bandwidth_is_the_slope_of_noise():
@@ -556,6 +569,40 @@ def test_calibrate_says_when_a_bandwidth_is_the_slope_of_noise():
     # planc's tree all-reduce in the same calibration: 1.8, 3.9 and 8.8 ms
     assert not fixed_cost_bound([[4096, 0.00178], [262144, 0.00390], [1048576, 0.00883]])
     assert not fixed_cost_bound(None) and not fixed_cost_bound([[4096, 0.001]])
+
+
+def test_a_bandwidth_s_interval_is_the_slope_s_through_every_timing():
+    """The 95 % interval of a bandwidth: Student's t times the least-squares standard
+    error of the slope through every timing, around the slope of the medians (no torch:
+    planc.runtime.calibrate_fit)."""
+    from planc.runtime.calibrate_fit import bandwidth_interval, t_975
+
+    # sizes 1, 2 and 3 bytes, two timings each, 0.1 s either side of t = 0.1 + bytes:
+    # the medians' slope is 1; through the six timings the residual variance is
+    # 6 x 0.01 / 4 and the spread of the sizes 4, so the slope's standard error is
+    # sqrt(0.015 / 4), times t at 4 degrees of freedom (2.776)
+    timings = [[1, [1.0, 1.2]], [2, [2.0, 2.2]], [3, [3.0, 3.2]]]
+    margin = 2.776 * math.sqrt(0.015 / 4)
+    count, lowest, highest = bandwidth_interval(timings)
+    assert count == 6
+    assert lowest == pytest.approx(1 / (1 + margin)) and lowest == pytest.approx(0.8547,
+                                                                                 abs=1e-4)
+    assert highest == pytest.approx(1 / (1 - margin)) and highest == pytest.approx(1.2048,
+                                                                                   abs=1e-4)
+    # times that do not grow with size: the slope's interval reaches zero, so the
+    # timings allow any bandwidth above the lowest (an all_reduce of 8 ranks on 2 cores)
+    flat = [[4096, [0.0187, 0.0150, 0.0210]], [262144, [0.0180, 0.0230, 0.0160]],
+            [1048576, [0.0224, 0.0170, 0.0190]]]
+    count, lowest, highest = bandwidth_interval(flat)
+    assert (count, highest) == (9, None) and 0 < lowest < 1
+    # too few timings, one size, or a topology calibrated before timings were kept
+    assert bandwidth_interval([[1, [1.0]], [2, [2.0]]]) is None
+    assert bandwidth_interval([[1, [1.0, 1.1, 1.2]]]) is None
+    assert bandwidth_interval(None) is None and bandwidth_interval([[1, "x"]]) is None
+    # Student's t: the table's ends, and the expansion beyond it
+    assert (t_975(1), t_975(4), t_975(30)) == (12.706, 2.776, 2.042)
+    assert t_975(31) == pytest.approx(2.0395, abs=2e-4)
+    assert t_975(120) == pytest.approx(1.9799, abs=2e-4)
 
 
 def test_calibrate_writes_a_topology_that_a_plan_can_use(tmp_path, run_planc):

@@ -89,11 +89,15 @@ def main(args) -> int:
         measured = level in data["measured"]
         # an unmeasured level holds the measured one's figures, marks included
         points = data["measured"].get(level) or data["measured"].get("intra", {})
-        print(f"{name}: {bandwidth / 1e9:.3g} GB/s and {format_quantity(latency, TIME)} per "
-              f"message" + ("" if measured else " (not measured: the other link's figures)")
+        timings = points.get("timings", {})
+        print(f"{name}: {bandwidth / 1e9:.3g} GB/s"
+              f"{interval_text(bandwidth, timings.get('point_to_point'))} and "
+              f"{format_quantity(latency, TIME)} per message"
+              + ("" if measured else " (not measured: the other link's figures)")
               + (UNSTEADY if fixed_cost_bound(points.get("point_to_point")) else ""))
         for tuning in tunings:
-            print(f"  {tuning.kind}: {tuning.bandwidth / 1e9:.3g} GB/s bus bandwidth, "
+            print(f"  {tuning.kind}: {tuning.bandwidth / 1e9:.3g} GB/s bus bandwidth"
+                  f"{interval_text(tuning.bandwidth, timings.get(tuning.kind))}, "
                   f"{format_quantity(tuning.latency, TIME)} per call"
                   + (UNSTEADY if fixed_cost_bound(points.get(tuning.kind)) else ""))
     backward = preset.topology(1).device.gradient_step_overhead
@@ -153,6 +157,23 @@ def fixed_cost_bound(points) -> bool:
         return False
     (_, smallest), (_, largest) = min(points), max(points)
     return largest < smallest * (1 + STEADY_GROWTH)
+
+
+def interval_text(bandwidth: float, timings) -> str:
+    """" (95 % interval: 1.5 to 5.1 GB/s over 9 timings)" for a bandwidth, from the
+    timings behind it (planc.runtime.calibrate_fit); nothing where they cannot say (fewer
+    than three timings, or a topology calibrated before timings were kept)."""
+    from planc.runtime.calibrate_fit import bandwidth_interval
+
+    interval = bandwidth_interval(timings)
+    if interval is None:
+        return ""
+    count, lowest, highest = interval
+    low = f"{bandwidth * lowest / 1e9:.3g}"
+    if highest is None:
+        return f" (95 % interval: {low} GB/s or more, over {count} timings)"
+    return f" (95 % interval: {low} to {bandwidth * highest / 1e9:.3g} GB/s over {count} " \
+        f"timings)"
 
 
 def _operators(overheads: tuple[tuple[str, float, float], ...]) -> str:

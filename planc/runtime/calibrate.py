@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from planc.host.files import write_atomically
+from planc.runtime.calibrate_fit import medians, slope_fit
 from planc.plan.presets import calibrated_document
 from planc.runtime.calibrate_instructions import (OVERHEAD_CALLS, OVERHEAD_WINDOWS,
                                                   measure_handoff, measure_instructions,
@@ -70,8 +71,8 @@ BATCH_BELOW = 1 << 20  # sizes below this are timed over a batch of calls
 BATCH = 10
 
 
-def timed(operation, nbytes: int, repeats: int) -> float:
-    """The median over ``repeats`` (after one warm-up) of the slowest rank's time. Small
+def timings(operation, nbytes: int, repeats: int) -> list[float]:
+    """The slowest rank's time of each of ``repeats`` runs, after one warm-up. Small
     operations run ``BATCH`` at a time, back to back as a training step issues them, so
     that ranks leaving the barrier at different moments do not count as latency."""
     count = BATCH if nbytes < BATCH_BELOW else 1
@@ -84,7 +85,12 @@ def timed(operation, nbytes: int, repeats: int) -> float:
         times.append((time.perf_counter() - start) / count)
     slowest = torch.tensor(times[1:], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return statistics.median(slowest.tolist())
+    return slowest.tolist()
+
+
+def timed(operation, nbytes: int, repeats: int) -> float:
+    """The median of :func:`timings`."""
+    return statistics.median(timings(operation, nbytes, repeats))
 
 
 def subgroups(world: int, per_node: int) -> dict[str, tuple[object, int, int]]:
@@ -106,26 +112,6 @@ def subgroups(world: int, per_node: int) -> dict[str, tuple[object, int, int]]:
     return mine
 
 
-def _slope_fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """(seconds per byte, seconds at zero bytes): the least-squares line through every
-    measured size. The slope between the two largest sizes alone (this fit before) made
-    noise a bandwidth: with 8 ranks on 2 cores a 1 MB all_reduce could take no longer
-    than a 256 KB one, and calibrate printed 1.75e+06 GB/s. Where time does not grow
-    with size even so, the slope is bounded by the largest size's whole time taken as
-    its transfer (the least bandwidth that measurement allows), and the time at zero
-    bytes is then what the smallest size took beyond that rate."""
-    count = len(points)
-    mean_bytes = sum(b for b, _ in points) / count
-    mean_time = sum(t for _, t in points) / count
-    spread = sum((b - mean_bytes) ** 2 for b, _ in points)
-    slope = sum((b - mean_bytes) * (t - mean_time) for b, t in points) / spread
-    if slope > 0:
-        return slope, max(mean_time - slope * mean_bytes, 0.0)
-    (small, t_small), (large, t_large) = min(points), max(points)
-    slope = t_large / large
-    return slope, max(t_small - slope * small, 0.0)
-
-
 def _peer(level: str, per_node: int, nodes: int) -> int | None:
     """This rank's partner for point-to-point measurements: the next local rank (intra)
     or the same place on the other node of a pair of nodes (inter); None: it sits out."""
@@ -141,10 +127,10 @@ def _peer(level: str, per_node: int, nodes: int) -> int | None:
 def measure_point_to_point(level: str, per_node: int, nodes: int, repeats: int,
                            sizes: tuple[int, ...]
                            ) -> tuple[list, tuple[float, float]]:
-    """(points, (bandwidth, latency)) of one message between pairs of ranks, every pair
+    """(timings, (bandwidth, latency)) of one message between pairs of ranks, every pair
     of the level at once; the lower rank of a pair sends, the other receives."""
     peer, rank = _peer(level, per_node, nodes), dist.get_rank()
-    points = []
+    measured = []
     for nbytes in sizes:
         buffer = torch.ones(max(nbytes // 4, 1))
 
@@ -157,21 +143,22 @@ def measure_point_to_point(level: str, per_node: int, nodes: int, repeats: int,
             else:
                 dist.recv(b, peer)
                 dist.send(b[:1], peer)
-        points.append((nbytes, timed(transfer, nbytes, repeats)))
+        measured.append([nbytes, timings(transfer, nbytes, repeats)])
+    points = medians(measured)
     (_, t_small) = sorted(points)[0]
-    slope, _ = _slope_fit(points)
+    slope, _ = slope_fit(points)
     # Half of the smallest exchange is one message's latency; the slope, its bytes.
-    return points, (1 / slope, t_small / 2)
+    return measured, (1 / slope, t_small / 2)
 
 
 def measure_collectives(level: str, groups: dict, repeats: int, latency: float,
                         sizes: tuple[int, ...]
                         ) -> tuple[dict, dict]:
-    """(points, {kind: {bandwidth, latency}}) of each collective on the level's groups,
-    all groups at once: the bus bandwidth from the slope, the latency of a call from what
-    the smallest size takes beyond the steps' latencies."""
+    """({kind: timings}, {kind: {bandwidth, latency}}) of each collective on the level's
+    groups, all groups at once: the bus bandwidth from the slope, the latency of a call
+    from what the smallest size takes beyond the steps' latencies."""
     group, size, _ = groups[level]
-    points, tuned = {}, {}
+    timed_kinds, tuned = {}, {}
     for kind in ("all_reduce", "reduce_scatter", "all_gather"):
         measured = []
         for nbytes in sizes:
@@ -182,25 +169,26 @@ def measure_collectives(level: str, groups: dict, repeats: int, latency: float,
                 "reduce_scatter": lambda: reduce_scatter_single(part, whole, group=group),
                 "all_gather": lambda: all_gather_single(whole, part, group=group),
             }[kind]
-            measured.append((nbytes, timed(operation if group is not None else lambda: None,
-                                           nbytes, repeats)))
-        points[kind] = [list(p) for p in measured]
+            measured.append([nbytes, timings(operation if group is not None else
+                                             lambda: None, nbytes, repeats)])
+        timed_kinds[kind] = measured
         if group is None:
             continue
-        slope, at_zero = _slope_fit(measured)
+        slope, at_zero = slope_fit(medians(measured))
         steps = 2 * (size - 1) if kind == "all_reduce" else size - 1
         factor = 2 * (size - 1) / size if kind == "all_reduce" else (size - 1) / size
         tuned[kind] = {"bandwidth": factor / slope,
                        "latency": max(at_zero - steps * latency, 0.0)}
     if group is not None and size > 1:
-        points["tree"], tuned["tree"] = measure_tree(groups[level], repeats, sizes)
-    return points, tuned
+        timed_kinds["tree"], tuned["tree"] = measure_tree(groups[level], repeats, sizes)
+    return timed_kinds, tuned
 
 
 def measure_tree(level_group: tuple, repeats: int, sizes: tuple[int, ...]
                  ) -> tuple[list, dict]:
-    """A tree all-reduce (planc's recipe, run as planc runs it) on the level's groups:
-    the latency and bandwidth of one hop, ``t = 2 depth (latency + fan bytes / bw)``."""
+    """(timings, {bandwidth, latency}) of a tree all-reduce (planc's recipe, run as planc
+    runs it) on the level's groups: the latency and bandwidth of one hop,
+    ``t = 2 depth (latency + fan bytes / bw)``."""
     from planc.program.routes import tree
     from planc.runtime.engine.routes import Route, all_reduce
 
@@ -211,12 +199,11 @@ def measure_tree(level_group: tuple, repeats: int, sizes: tuple[int, ...]
     measured = []
     for nbytes in sizes:
         buffer = torch.ones(nbytes // 4)
-        measured.append((nbytes, timed(lambda b=buffer: all_reduce(route, b), nbytes,
-                                       repeats)))
-    slope, at_zero = _slope_fit(measured)
+        measured.append([nbytes, timings(lambda b=buffer: all_reduce(route, b), nbytes,
+                                         repeats)])
+    slope, at_zero = slope_fit(medians(measured))
     hops, fan = 2 * tree_depth(size), (1 if size <= 2 else 2)
-    return [list(p) for p in measured], {"bandwidth": hops * fan / slope,
-                                         "latency": at_zero / hops}
+    return measured, {"bandwidth": hops * fan / slope, "latency": at_zero / hops}
 
 
 def measure_compute(repeats: int) -> float:
@@ -364,9 +351,10 @@ def calibrate(per_node: int, repeats: int, sizes: tuple[int, ...] = SIZES) -> di
     for level, members in (("intra", per_node), ("inter", nodes)):
         if members < 2:
             continue
-        p2p_points, (bandwidth, latency) = measure_point_to_point(level, per_node, nodes,
-                                                                  repeats, sizes)
-        points, tuned = measure_collectives(level, groups, repeats, latency, sizes)
+        p2p_timings, (bandwidth, latency) = measure_point_to_point(level, per_node, nodes,
+                                                                   repeats, sizes)
+        timed_kinds, tuned = measure_collectives(level, groups, repeats, latency, sizes)
+        timed_kinds = {"point_to_point": p2p_timings, **timed_kinds}
         # A collective's fixed cost per call comes from the figures measured with every
         # rank at it; a message's latency, a ring's step, from the one measured while the
         # other ranks compute, as in a step.
@@ -377,7 +365,11 @@ def calibrate(per_node: int, repeats: int, sizes: tuple[int, ...] = SIZES) -> di
         tuned["tree"]["latency"] = calls["tree"] / (2 * tree_depth(2))  # per hop
         tuned["all_gather"]["latency"] = 0.0
         links[level] = {"bandwidth": bandwidth, "latency": loaded, "collectives": tuned}
-        measured[level] = {"point_to_point": [list(p) for p in p2p_points], **points,
+        # the medians each figure is fitted to, and every timing behind them (the
+        # intervals planc calibrate prints: planc.runtime.calibrate_fit)
+        measured[level] = {**{kind: [list(p) for p in medians(timed)]
+                              for kind, timed in timed_kinds.items()},
+                           "timings": timed_kinds,
                            "latency_every_pair": latency, "calls_under_load": calls,
                            "pairs_under_load": [list(pair) for pair, _ in pairs[level]]}
     if not links:
