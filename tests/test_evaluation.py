@@ -44,6 +44,32 @@ def test_each_stage_runs_its_forward_blocks_chunk_by_chunk():
     assert Program.from_json(json.loads(json.dumps(stage0.to_json()))) == stage0
 
 
+def test_without_overlap_the_evaluation_reduces_its_loss_after_the_sync():
+    """With overlap off the loss's reduction runs once per step in the epilogue, after
+    every stream's sync: an evaluation keeps it, and nothing else of the epilogue (no
+    gradient reduction, no optimizer). It once kept nothing, and every evaluation of
+    such a plan reported no loss; the verifier now refuses a head stage whose evaluation
+    reduces no loss."""
+    from planc.program.program import Opcode
+
+    plan = _plan(evaluated_plan("ev", mesh="pp = 2; dp = 2", m=2,
+                                optimize="overlap = off"))
+    build = compile_plan(plan)
+    head = build.programs["stage1.json"]
+    kept = head.for_evaluation().epilogue
+    assert [(i.op, i.node) for i in kept] == [(Opcode.SYNC, None),
+                                              (Opcode.ALL_REDUCE, "F/loss:all_reduce@stage")]
+    assert kept[1] in head.epilogue and len(head.epilogue) > len(kept)  # the optimizer's
+    assert build.programs["stage0.json"].for_evaluation().epilogue == ()
+    # a head stage whose evaluation loses the reduction
+    programs = dict(build.programs)
+    programs["stage1.json"] = Program(**{**head.__dict__, "epilogue": head.epilogue[:1]})
+    report = verify_evaluation(plan, build.graph, programs, build.table, build.groups,
+                               build.routes)
+    assert report.problems == ["the evaluation: ranks 1, 3 (stage1.json): no instruction "
+                               "reduces the loss, so an evaluation would report none"]
+
+
 def test_a_plan_without_evaluation_writes_none():
     build = compile_plan(_plan(plan_text("plain", mesh="pp = 2", m=2)))
     assert all(not p.evaluation and "evaluation" not in p.to_json()

@@ -417,17 +417,17 @@ def test_a_buffer_freed_while_another_stream_still_reads_it_is_rejected():
 TP_SP = """plan t {{
   model gpt {{ layers = 1; hidden = 64; heads = 4; vocab = 128; seq = 16; batch = 4 }}
   mesh {{ tp = {tp} }}
-  shard {{ tp {{ sequence_parallel = {sp} }} }}
+  shard {{ tp {{ sequence_parallel = {sp}{placement} }} }}
   optimize {{ tp_overlap = {chunks} }}
 }}"""
 
 
-def _before_and_after_tp_overlap(tp=2, sp="on", chunks="2"):
+def _before_and_after_tp_overlap(tp=2, sp="on", chunks="2", placement=""):
     from planc import passes
     from planc.graph.derive import derive
     from planc.passes.tp_overlap import tp_overlap
 
-    plan = load_text(TP_SP.format(tp=tp, sp=sp, chunks=chunks)).plan
+    plan = load_text(TP_SP.format(tp=tp, sp=sp, chunks=chunks, placement=placement)).plan
     context = passes.PassContext.of(plan)
     graph = derive(plan)
     for name, apply in passes.PIPELINE:
@@ -478,6 +478,22 @@ def test_tp_overlap_without_sequence_parallelism_splits_the_all_reduces():
                      if d["type"] == "transfer" and "token_piece" in d)
     assert pieces == {"all_reduce": 16}
     assert after.edges["F/L0/ln1", "F/L0/qkv#t3"]["tokens"] == [3, 4, 2]
+
+
+@pytest.mark.parametrize("placement,split", [
+    ("; fc2 = replicate", "qkv 2, proj 2, fc1 2"),  # fc2's input gathered along ffn
+    ("; proj = column", "qkv 2, fc1 2, fc2 2"),  # proj's input and output along hidden
+])
+def test_tp_overlap_leaves_whole_a_linear_whose_collective_runs_along_the_features(
+        placement, split):
+    """A rank's j-th slice of tokens is a piece only of a tensor split along the tokens:
+    a gather along the features (a non-Megatron placement) holds every token on every
+    rank, so its linear stays whole (planc run --check under every tp placement with
+    tp_overlap forced: tests/test_runtime.py). Chunking it once trained another model."""
+    _, after = _before_and_after_tp_overlap(sp="off", placement=placement)
+    assert after.graph["passes"][-1]["line"] == (
+        f"tp_overlap: 3 of 3 tp GEMMs split into 2 chunks ({split}), each chunk's "
+        f"collective overlapped with another chunk's GEMM")
 
 
 def test_tp_overlap_off_and_tp_1_leave_the_graph_as_it_was():

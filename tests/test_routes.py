@@ -254,6 +254,53 @@ def test_sub_groups_of_a_strided_group():
     assert list(table.groups(table.rule("dp_cp/inter"))) == [(0, 4), (2, 6), (1, 5), (3, 7)]
 
 
+# A mixture over ep = 2 on tp 4 x dp 2, two nodes of 4: the experts' replicas (edp) are
+# {0, 2, 4, 6} and {1, 3, 5, 7}, two on each node, and their gradients' all-reduce takes
+# a hierarchical route. groups.json once gave edp no sub-groups (compile stopped at the
+# verifier), and then sub-groups of the whole stage rather than of the cut edp group
+# (the ranks' reduce-scatter failed): a run of the plan found both.
+EXPERT_REPLICAS = PLAN.replace("model gpt {{", "model moe {{ experts = 4; top_k = 2; "
+                                                "expert_ffn = 16;").format(
+    mesh="tp = 4; dp = 2; ep = 2", nodes=2, dpn=4, route="hierarchical", shard="")
+
+
+def test_the_expert_replicas_take_a_hierarchical_route_on_their_own_sub_groups():
+    from dataclasses import replace
+
+    from planc.verify.routes import check_routes
+
+    loaded = load_text(EXPERT_REPLICAS)
+    assert loaded.ok, [d.message for d in loaded.diagnostics]
+    build = compile_plan(loaded.plan)  # raises where the verifier finds a problem
+    routed = {n for n, d in build.graph.nodes(data=True)
+              if d.get("axis") == "edp" and d.get("route") == "hierarchical"}
+    assert routed == {"G/c0.e0:all_reduce@edp"}
+    groups = build.groups
+    assert list(groups.groups(groups.rule("edp"))) == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert list(groups.groups(groups.rule("edp/intra"))) == [(0, 2), (4, 6), (1, 3), (5, 7)]
+    assert list(groups.groups(groups.rule("edp/inter"))) == [(0, 4), (2, 6), (1, 5), (3, 7)]
+    assert [groups.members(r, groups.rule("edp/intra")) for r in range(8)] == [
+        (0, 2), (1, 3), (0, 2), (1, 3), (4, 6), (5, 7), (4, 6), (5, 7)]
+    # the verifier holds groups.json's sub-groups to those the recipe was proven on: a
+    # rule that forgot the cut gives rank 0 the node's four ranks
+    uncut = tuple(replace(rule, fold=0, across=False) if rule.ref == "edp/intra" else rule
+                  for rule in groups.rules)
+    assert check_routes(build.graph, replace(groups, rules=uncut), build.routes) == [
+        "G/c0.e0:all_reduce@edp: groups.json gives rank 0 the intra-node sub-group "
+        "[0, 1, 2, 3] of edp, but its hierarchical route runs on [0, 2], rank 0's "
+        "intra-node part of the edp group [0, 2, 4, 6]"]
+
+
+def test_the_expert_replicas_hierarchical_route_runs_and_matches(tmp_path, run_planc):
+    pytest.importorskip("torch")
+    source = tmp_path / "experts.plan"
+    source.write_text(EXPERT_REPLICAS)
+    done = run_planc("run", source, "-o", tmp_path / "build", "--check", "--timeout", "60",
+                     timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "every loss and parameter matches" in done.stderr
+
+
 def test_the_verifier_rejects_a_tampered_recipe(tmp_path, run_planc):
     source = tmp_path / "p.plan"
     source.write_text(PLAN.format(mesh="dp = 4", nodes=2, dpn=2, route="hierarchical",

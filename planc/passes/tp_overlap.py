@@ -64,9 +64,15 @@ def piece_name(node: str, index: int) -> str:
 
 
 def _tp_collective(graph: nx.DiGraph, node: str, kinds) -> bool:
+    """A per-microbatch tp collective of ``kinds`` that pieces of tokens can split: an
+    all-reduce, or an all-gather or reduce-scatter along the tokens (sequence
+    parallelism's). One along the features (``fc2 = replicate`` gathers ``ffn``, ``proj =
+    column`` ``hidden``) holds every token on every rank: a rank's j-th slice of tokens
+    is not a piece of it, so such a linear stays whole."""
     data = graph.nodes[node]
     return data["type"] == NodeType.TRANSFER and data.get("axis") == Axis.TP and \
-        data["kind"] in kinds and data["per_microbatch"]
+        data["kind"] in kinds and data["per_microbatch"] and \
+        (data["kind"] == Kind.ALL_REDUCE or data.get("dim") == "seq")
 
 
 def _sides(graph: nx.DiGraph, forward: str, backward: str) -> dict[str, str]:

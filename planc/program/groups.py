@@ -102,20 +102,17 @@ class GroupTable:
                         yield ("backward", rank, after)
             return
         for leader in ranks.leaders(rule.axes, rule.coordinates):
-            whole = ranks.members(leader, rule.axes, rule.coordinates)
-            if rule.fold:
-                yield from rule.cut(whole)
-            elif rule.split is None:
-                yield whole
-            else:  # the sub-groups, in order of their smallest member
-                yield from sorted({sub_group(whole, r, rule.split, self.devices_per_node)
-                                   for r in whole})
+            for whole in rule.cut(ranks.members(leader, rule.axes, rule.coordinates)):
+                if rule.split is None:
+                    yield whole
+                else:  # the sub-groups (of a cut group too), by their smallest member
+                    yield from sorted({sub_group(whole, r, rule.split,
+                                                 self.devices_per_node) for r in whole})
 
     def members(self, rank: int, rule: GroupRule) -> tuple[int, ...]:
-        """The members of ``rank``'s group of ``rule`` (empty if it is in none)."""
-        whole = self.ranks.members(rank, rule.axes, rule.coordinates)
-        if rule.fold:
-            return rule.cut(whole, rank)
+        """The members of ``rank``'s group of ``rule`` (empty if it is in none); for a
+        split rule, its sub-group of the (cut) group."""
+        whole = rule.cut(self.ranks.members(rank, rule.axes, rule.coordinates), rank)
         if rule.split is None or not whole:
             return whole
         return sub_group(whole, rank, rule.split, self.devices_per_node)
@@ -268,9 +265,6 @@ def group_table(mesh: "Mesh", devices_per_node: int, tied: bool, virtual: int = 
     if tied and mesh.pp > 1:
         rules.append(GroupRule(tied_group.name, tied_group.axes,
                                tied_group.coordinates(mesh.sizes)))
-    for base in [r for r in rules if r.ref in split]:
-        for part in (INTRA, INTER):
-            rules.append(replace(base, ref=f"{base.ref}/{part}", split=part))
     if mesh.pp > 1:
         rules.append(GroupRule(PIPELINE, wrap=virtual > 1 and not turns, turns=turns))
     if mesh.ep > 1:  # a stage's ranks, fastest mesh axis first, in runs of ep
@@ -278,6 +272,10 @@ def group_table(mesh: "Mesh", devices_per_node: int, tied: bool, virtual: int = 
         # ... and across the runs: the replicas of each rank's experts
         rules.append(GroupRule(Axis.EDP.value, GROUPS[Axis.EDP].axes, fold=mesh.ep,
                                across=True))
+    # after every axis's rule: edp's transfers take hierarchical routes too
+    for base in [r for r in rules if r.ref in split]:
+        for part in (INTRA, INTER):
+            rules.append(replace(base, ref=f"{base.ref}/{part}", split=part))
     if sequences and mesh.tp * mesh.cp > 1:
         rules.append(GroupRule(SEQUENCE, GROUPS[SEQUENCE].axes))
     if world:  # on one rank too: the programs' norm all-reduce names it all the same

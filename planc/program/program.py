@@ -264,13 +264,19 @@ class Program:
 
     def for_evaluation(self) -> "Program":
         """The program of an evaluation batch: the forward blocks on the forward-only
-        schedule the compiler wrote, the prologue (ZeRO's gathers), no epilogue (no
-        optimizer), and the receives of activations only."""
+        schedule the compiler wrote, the prologue (ZeRO's gathers), of the epilogue only
+        the loss's reduction (there without overlap, after the streams' sync) and what it
+        waits for, never the optimizer, and the receives of activations only."""
         used = {block for block, _ in self.evaluation}
         received = {node for items in self.evaluation_receives.values() for node, _ in items}
+        loss = [i for i in self.epilogue if i.operands is not None and
+                i.operands.payload == "loss"]
+        waited = {(i.stream, done_event(source)) for i in loss for source in i.reads}
+        epilogue = tuple(i for i in self.epilogue if i in loss or i.op is Opcode.SYNC and loss
+                         or i.op is Opcode.WAIT and (i.stream, i.event) in waited)
         return Program(self.stage, self.streams,
                        {name: block for name, block in self.blocks.items() if name in used},
-                       self.evaluation, dict(self.evaluation_receives), (),
+                       self.evaluation, dict(self.evaluation_receives), epilogue,
                        self.microbatches, self.prologue, self.buckets,
                        received={n: o for n, o in self.received.items() if n in received})
 

@@ -31,7 +31,7 @@ from planc.program.routes import (
     recipe_key,
 )
 from planc.lower.tables import routed_nodes
-from planc.plan.mesh import INTER, INTRA
+from planc.plan.mesh import INTER, INTRA, sub_group
 
 Contribution = int | None  # a bit per position; None: undefined
 
@@ -227,21 +227,27 @@ def check(recipe: Recipe, rank_of: Callable[[int], int] = lambda p: p) -> list[s
 
 def check_routes(graph, groups, routes) -> list[str]:
     """Every routed transfer has a recipe for each placement of its groups, the sub-groups
-    a hierarchical recipe needs exist, and every recipe computes its collective (checked
+    a hierarchical recipe needs exist and hold the members it was proven on, and every
+    recipe computes its collective (checked
     once per recipe, on the first group that uses it, whose ranks the messages name)."""
     problems: list[str] = []
     checked: set[str] = set()
+    split_checked: set[tuple[str, tuple[int, ...]]] = set()
     cache: dict[tuple[str, int], dict] = {}
     for node, data in routed_nodes(graph):
         axis = str(data["axis"])
-        if data["route"] == "hierarchical" and not all(
-                groups.rule(f"{axis}/{level}") for level in (INTRA, INTER)):
+        split = data["route"] == "hierarchical"
+        if split and not all(groups.rule(f"{axis}/{level}") for level in (INTRA, INTER)):
             problems.append(f"{node}: its hierarchical route needs the intra- and inter-node "
                             f"sub-groups of {axis}, which groups.json does not define")
+            split = False
         key = (axis, data["stage"])
         if key not in cache:
             cache[key] = groups.shapes(*key) if groups.rule(axis) else {}
         for counts, members in sorted(cache[key].items()):
+            if split and (axis, members) not in split_checked:
+                split_checked.add((axis, members))
+                problems += _sub_group_problems(node, axis, members, groups)
             recipe_id = recipe_key(str(data["kind"]), data["route"], counts)
             recipe = routes.recipes.get(recipe_id)
             if recipe is None:
@@ -255,3 +261,22 @@ def check_routes(graph, groups, routes) -> list[str]:
                          f"{list(members)}: {problem}"
                          for problem in check(recipe, lambda p, m=members: m[p])]
     return problems
+
+
+def _sub_group_problems(node: str, axis: str, members: tuple[int, ...], groups
+                        ) -> list[str]:
+    """The sub-groups groups.json gives each member of a group that a hierarchical recipe
+    runs on are the ones the recipe was proven on: the members on its node (intra), one
+    per node at its place (inter). A rank whose handle held other ranks would reduce with
+    the wrong ones or hang."""
+    for level in (INTRA, INTER):
+        rule = groups.rule(f"{axis}/{level}")
+        for rank in members:
+            want = sub_group(members, rank, level, groups.devices_per_node)
+            have = groups.members(rank, rule)
+            if have != want:
+                return [f"{node}: groups.json gives rank {rank} the {level}-node sub-group "
+                        f"{list(have)} of {axis}, but its hierarchical route runs on "
+                        f"{list(want)}, rank {rank}'s {level}-node part of the {axis} group "
+                        f"{list(members)}"]
+    return []

@@ -312,6 +312,12 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
         for name, program in self.programs.items():
             if name in self.table.names:
                 self.events_and_buffers(name, program)
+        head = f"stage{self.plan.head_stage}.json"
+        if head in self.programs and not any(
+                i.operands is not None and i.operands.payload == "loss"
+                for i in self.programs[head].written()):
+            self.report.add(f"{self.ranks_text(head)} ({head}): no instruction reduces the "
+                            f"loss, so an evaluation would report none")
         self.transfers_and_progress()
         return self.report
 
