@@ -295,10 +295,15 @@ def test_the_expert_replicas_hierarchical_route_runs_and_matches(tmp_path, run_p
     pytest.importorskip("torch")
     source = tmp_path / "experts.plan"
     source.write_text(EXPERT_REPLICAS)
+    trace = tmp_path / "trace.json"
     done = run_planc("run", source, "-o", tmp_path / "build", "--check", "--timeout", "60",
-                     timeout=300)
+                     "--trace", trace, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "every loss and parameter matches" in done.stderr
+    # every rank ran the recipe's steps for the replicas' reduction (the trace says so)
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {(e["pid"], e["args"].get("route")) for e in events
+            if e["name"] == "G/c0.e0:all_reduce@edp"} == {(r, "hierarchical") for r in range(8)}
 
 
 def test_the_verifier_rejects_a_tampered_recipe(tmp_path, run_planc):

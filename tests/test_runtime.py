@@ -183,13 +183,24 @@ def test_zero_bubble_schedules_train_exactly_like_one_process(name, tmp_path, ca
 
 @pytest.mark.parametrize("name", list(ROUTES))
 def test_every_route_trains_exactly_like_one_process(name, tmp_path, capfd, losses):
-    records = run_checked(name, ROUTES[name], tmp_path, capfd)
+    trace = tmp_path / "trace.json"
+    records = run_checked(name, ROUTES[name], tmp_path, capfd, "--trace", trace)
     graph = json.loads((tmp_path / "build" / "graph.json").read_text())
     decisions = next(p for p in graph["graph"]["passes"] if p["name"] == "route")["decisions"]
     expected = ROUTES_TAKEN[name]
     assert decisions and all(d["route"] in ("ring", "tree", "hierarchical") for d in decisions)
     if expected is not None:
         assert {(d["kind"], d["route"]) for d in decisions} == expected
+    # the ranks ran the recipes: each routed collective's every event on every rank
+    # names its route, and no other event names one (a plain collective names none)
+    routed = {node["id"]: node["route"] for node in graph["nodes"]
+              if node.get("route") in ("tree", "hierarchical")}
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    ran = {(e["pid"], e["name"], e["args"].get("route")) for e in events
+           if e["name"] in routed or "route" in e["args"]}
+    runs = {(e["pid"], e["name"]) for e in events if e["name"] in routed}
+    assert ran == {(rank, node, routed[node]) for rank, node in runs}
+    assert {node for _, node in runs} == set(routed)
     losses[(name, "route")] = [r["loss"] for r in records]
 
 

@@ -46,9 +46,10 @@ def write(path: str, labels: dict[int, str],
           events_by_rank: list[list[tuple]] | dict[int, list[tuple]],
           generator: str = RUN_TRACE.generator) -> None:
     """``generator``: the command named in the trace's metadata, first in the file, which
-    tells planc's own traces (planc.host.output_kinds). ``events_by_rank[r]``: (step, stream, node, start, end, microbatch, op, flows) of
-    rank r (a list of every rank's, or a dict of some ranks'); times in seconds of one
-    clock shared by the ranks (CLOCK_MONOTONIC on one machine, or the simulator's);
+    tells planc's own traces (planc.host.output_kinds). ``events_by_rank[r]``: (step,
+    stream, node, start, end, microbatch, op, flows[, route]) of rank r (a list of every
+    rank's, or a dict of some ranks'); times in seconds of one clock shared by the ranks
+    (CLOCK_MONOTONIC on one machine, or the simulator's);
     ``labels[r]``: the name of rank r's process."""
     by_rank = events_by_rank if isinstance(events_by_rank, dict) else \
         dict(enumerate(events_by_rank))
@@ -64,12 +65,14 @@ def write(path: str, labels: dict[int, str],
         for stream, i in tid.items():
             trace.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": i,
                           "args": {"name": stream}})
-        for step, stream, node, start, end, microbatch, op, flows in events:
+        for step, stream, node, start, end, microbatch, op, flows, *route in events:
             where = {"pid": rank, "tid": tid.get(stream, len(tid)),
                      "ts": (start - origin) * 1e6}
+            args = {"step": step, "microbatch": microbatch, "op": op}
+            if route and route[0]:  # a run's collective that ran a recipe's steps
+                args["route"] = route[0]
             trace.append({"ph": "X", "name": node, **where,
-                          "dur": max((end - start) * 1e6, 0.01),
-                          "args": {"step": step, "microbatch": microbatch, "op": op}})
+                          "dur": max((end - start) * 1e6, 0.01), "args": args})
             for phase, sender, receiver, name, at_end in flows:
                 flow = {"ph": phase, "id": _flow_id(sender, receiver, name, microbatch, step),
                         "name": "ring" if op is Opcode.COMPUTE else "send",

@@ -194,7 +194,7 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
             if result.state.loss is not None:
                 losses.append(result.state.loss)
             trace.extend((step, e.stream, e.name, e.start, e.end, e.microbatch, e.op,
-                          [list(flow) for flow in e.flows]) for e in result.trace)
+                          [list(flow) for flow in e.flows], e.route) for e in result.trace)
             notes = metrics.notes.setdefault(step, {})
             if result.state.grad_norm is not None:  # train { grad_clip }: before clipping
                 notes["grad_norm"] = result.state.grad_norm
@@ -255,7 +255,7 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
         gathered = gather_json([ctx.label, trace], 0, _TRACE_FORM, "its trace events")
         if rank == 0:
             write_trace(args.trace, {r: label for r, (label, _) in enumerate(gathered)},
-                        [[tuple(e[:6]) + (Opcode(e[6]), tuple(map(tuple, e[7])))
+                        [[tuple(e[:6]) + (Opcode(e[6]), tuple(map(tuple, e[7])), e[8])
                           for e in events]
                          for _, events in gathered])
     status = 0
@@ -273,7 +273,8 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
 # or null, op, flows) each (planc.runtime.engine.executor.TraceEvent, planc.data.trace.Flow).
 _TRACE_FORM = row(text, list_of(row(integer, text, text, number, number,
                                     either(integer, nothing), text,
-                                    list_of(row(text, integer, integer, text, boolean)))))
+                                    list_of(row(text, integer, integer, text, boolean)),
+                                    either(text, nothing))))
 
 
 def _resumable(args, record, all_buckets: dict[str, dict], steps: int,

@@ -60,6 +60,7 @@ class TraceEvent:
     microbatch: int | None
     op: str
     flows: tuple[Flow, ...] = ()  # arrows to and from peers (planc.data.trace)
+    route: str | None = None  # the recipe a collective ran (tree, hierarchical), if any
 
 
 @dataclass
@@ -114,6 +115,14 @@ def _flows(interp: Interpreter) -> dict[tuple[str, str], tuple[Flow, ...]]:
             out[(op, node)] = flows_of(op, node, rank, call.peer, call.operands.partner,
                                        call.members, call.index)
     return out
+
+
+def _routes(interp: Interpreter) -> dict[tuple[str, str], str]:
+    """The route of every collective bound to a recipe of the build's route table (a
+    tree or hierarchical route, run as its steps: planc.runtime.engine.routes), for the
+    trace to show which ran."""
+    return {(op, node): bound.call.operands.route for (op, node), bound in
+            interp.bound.items() if op is not Opcode.COMPUTE and bound.call.route is not None}
 
 
 class _Aborted(Exception):
@@ -191,6 +200,7 @@ class CpuExecutor:
                                                             item.microbatch,
                                                             item.source.frees)
         self.flows = _flows(interpreter) if trace else {}
+        self.routes = _routes(interpreter) if trace else {}
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         # the threads are the run's (``shared``: the training's, for its evaluation)
         self.owns_threads = shared is None
@@ -244,8 +254,9 @@ class CpuExecutor:
         trace = []
         for index, begin, end in work.trace:
             item = self.items[index]
+            key = (item.op, item.node)
             trace.append(TraceEvent(item.stream, item.node, begin, end, item.microbatch,
-                                    item.op, self.flows.get((item.op, item.node), ())))
+                                    item.op, self.flows.get(key, ()), self.routes.get(key)))
         return StepResult(work.state, times, trace)
 
     def close(self) -> None:
