@@ -241,9 +241,54 @@ def test_check_reports_a_wrong_result_per_parameter(tmp_path, capfd):
     status, err = run([build, "--check"], capfd)
     assert status == 1
     assert "against the single-process run (relative tolerance 1e-05): FAILED" in err
-    assert "MISMATCH" in err
-    assert "layers.1.fc2.weight: largest difference" in err
+    # the forward differs from the first step on: both losses, and the parameters
+    lines = [line.removeprefix("[rank 0] ") for line in err.splitlines()]
+    for step in (0, 1):
+        line = next(line for line in lines if line.startswith(f"  step {step}: loss "))
+        assert ", single process " in line and line.endswith("  MISMATCH"), line
+    assert any(line.startswith("  layers.1.fc2.weight: largest difference ") and
+               line.endswith("  MISMATCH") for line in lines), err
     assert "planc: rank 0 exited with status 1" in err
+
+
+def test_check_reports_each_loss_evaluation_and_replica_that_differs():
+    """--check's report, line by line (planc.runtime.oracle.check): a loss or an
+    evaluation off by more than the tolerance, a missing one, a replica whose copy
+    differs while the others match, a parameter no rank sent, one of another shape."""
+    from planc.runtime.oracle.check import evaluation_report, loss_report, parameter_report
+
+    lines, failed = loss_report([2.0, 1.5], [2.0, 1.0], 0, [1e-5, 1e-5])
+    assert failed and lines == [
+        "  step 0: loss 2.00000000, single process 2.00000000, relative error 0.00e+00",
+        "  step 1: loss 1.50000000, single process 1.00000000, relative error 5.00e-01  "
+        "MISMATCH"]
+    assert loss_report([1.0], [2.0, 1.0], 1, [1e-5, 1e-5]) == (
+        ["  step 1: loss 1.00000000, single process 1.00000000, relative error 0.00e+00"],
+        False)  # resumed at step 1
+    lines, failed = loss_report([2.0], [2.0, 1.0], 0, [1e-5, 1e-5])
+    assert failed and lines[-1] == "  the run reported 1 losses for steps 0 to 1  MISMATCH"
+    lines, failed = evaluation_report({2: 3.0}, {2: 3.0, 4: 2.5}, 0, 1e-5)
+    assert failed and lines == [
+        "  evaluation after step 2: loss 3.00000000, single process 3.00000000, relative "
+        "error 0.00e+00",
+        "  evaluation after step 4: loss missing, single process 2.50000000, relative error "
+        "inf  MISMATCH"]
+    assert evaluation_report({4: 2.5}, {2: 3.0, 4: 2.5}, 3, 1e-5)[1] is False
+    want = {"w": torch.tensor([1.0, -2.0]), "b": torch.tensor([0.5])}
+    replicas = [(0, 0), (1, 0)]
+    copies = {("w", 0, 0): {0: {0: want["w"].clone()}},
+              ("w", 1, 0): {0: {0: torch.tensor([1.0, -2.1])}},  # replica 1 only
+              ("b", 0, 0): {0: {0: torch.tensor([0.5, 0.5])}}}  # another shape; none on 1
+    worst, lines = parameter_report(None, want, copies, {}, replicas, 1e-5, 0.0)
+    assert lines == [
+        "  w (replica dp 1, cp 0): largest difference 1.00e-01, relative 5.00e-02  MISMATCH",
+        "  b (replica dp 0, cp 0): the run's copy does not have the shape [1]  MISMATCH",
+        "  b (replica dp 1, cp 0): no rank holds it  MISMATCH"]
+    assert worst[2] == "w" and worst[1] == pytest.approx(0.1, rel=1e-6)
+    copies[("w", 1, 0)] = {0: {0: want["w"].clone()}}
+    copies[("b", 0, 0)] = copies[("b", 1, 0)] = {0: {0: want["b"].clone()}}
+    assert parameter_report(None, want, copies, {}, replicas, 1e-5, 0.0) == (
+        (0.0, 0.0, ""), [])
 
 
 def test_bf16_with_adamw_compares_losses_and_says_why_not_parameters(tmp_path, capfd):

@@ -17,7 +17,7 @@ from planc.compile import compile_plan
 from planc.lang import load_file, load_text
 from planc.program.operands import Operands
 from planc.program.program import Instruction, Program
-from planc.simulate import model_flops, simulate
+from planc.simulate import Simulation, model_flops, simulate, stage_results
 from planc.estimate.block_replay import replay
 from planc.estimate.instruction_cost import InstructionCosts, ring_seconds
 from planc.estimate.kernel_cost import GPUS, KernelModel, wave_efficiency
@@ -143,6 +143,14 @@ def test_two_stages_of_gpipe_by_hand():
     assert (first_time.busy, first_time.waiting) == (6.0, 4.0)
     assert (last_time.busy, last_time.waiting) == (6.0, 1.5)
     assert last_time.exposed == {"pp": 0.5}
+    # the bubble: stage 0 waited 4 s and ends the step; stage 1 waited 1.5 s and then 2 s
+    # for stage 0 to end it. The headline is stage 0's: 40 % of the 10 s step.
+    first, last = stage_results((first_time, last_time), [1.0, 2.0])
+    assert (first.bubble_seconds, last.bubble_seconds) == (4.0, 3.5)
+    assert (first.step_seconds, last.step_seconds, last.memory_bytes) == (10.0, 8.0, 2.0)
+    assert (first.exposed_seconds, last.exposed_seconds) == ({}, {"pp": 0.5})
+    run = Simulation("p", 2, (first, last), 10.0, 1.0, 1.0, None)
+    assert run.bubble == 0.4 and run.to_json()["stages"][1]["bubble_seconds"] == 3.5
 
 
 def test_model_flops_are_narayanan_et_al():

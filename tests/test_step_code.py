@@ -44,6 +44,10 @@ def _cases():
                                   shard=f"pp {{ stages = auto{virtual} }}" if virtual else "",
                                   schedule=f"; pipeline = {schedule}")
     yield "moe-tiny", (PLANS / "moe-tiny.plan").read_text()
+    # every collective on the compute stream and a sync of every stream before the
+    # epilogue
+    yield "tp2-pp2-dp2-overlap-off", plan_text("off", **{**MATRIX["tp2-pp2-dp2"],
+                                                        "optimize": "overlap = off"})
 
 
 CASE_TEXTS = dict(_cases())
@@ -76,14 +80,29 @@ def test_the_code_issues_the_programs_instructions_in_order_on_each_stream(name)
         functions = {f.name: f for f in ast.parse(code.source).body}
         for stream in code.streams:
             assert calls[stream.function] == per_stream[stream.name]
-            # a stop check (Z) at the start of every block, and nowhere else
-            checks = [k for k, statement in enumerate(
-                s for s in functions[stream.function].body if isinstance(s, ast.Expr)
-                and not ast.unparse(s).startswith("R(")) if ast.unparse(statement) == "Z()"]
+            # a stop check (Z) right before the first instruction of every block, and
+            # nowhere else: the stream's instructions counted before each check
+            checks, issued = [], 0
+            for statement in functions[stream.function].body:
+                text = ast.unparse(statement)
+                if not isinstance(statement, ast.Expr) or text.startswith("R("):
+                    continue
+                if text == "Z()":
+                    checks.append(issued)
+                else:
+                    issued += 1
             items = stream.items
             starts = [k for k in range(len(items))
                       if k == 0 or items[k].where != items[k - 1].where]
-            assert len(checks) == len(starts)
+            assert checks == starts and issued == len(items)
+        # a sync (Y) waits until every other stream has issued what the expansion puts
+        # before it: per stream slot, that many instructions
+        expanded = list(expand(program))
+        slots = {name: k for k, name in enumerate(dict.fromkeys(i.stream for i in expanded))}
+        assert code.syncs == {
+            item.index: tuple((slots[other], sum(1 for i in expanded[:k] if i.stream == other))
+                              for other in slots if other != item.stream)
+            for k, item in enumerate(expanded) if item.op is Opcode.SYNC}
         # the trace variant issues the same and reports each compute and transfer once
         traced = step_code.generate(program, trace=True)
         step_code.check(traced, program)
@@ -181,16 +200,27 @@ def test_code_outside_the_streams_functions_is_refused(pipelined):
 
 
 def test_names_from_the_program_appear_only_in_comments():
-    """A build is untrusted: a node named like code is a string in a comment, and the
-    code does not change."""
+    """A build is untrusted: a node named like code (a newline, an import, a quote, a
+    comment's end) is a string in a comment, and the code does not change."""
+    import json
+
+    from planc.program.program import Program
+
     text = CASE_TEXTS["single"]
     program = next(iter(_programs(text).values()))
     code = step_code.generate(program)
-    for line in _lines(code):
-        statement = line.split("  #")[0]
-        for item in program.blocks.get("F0", ()):
-            if item.node is not None:
-                assert item.node not in statement
+    hostile = "F/L0/qkv\n    import os; os.system('x')  # ' \"\"\" \\"
+    renamed = Program.from_json(json.loads(json.dumps(program.to_json()).replace(
+        '"F/L0/qkv', json.dumps(hostile)[:-1])))
+    assert any(i.node == hostile for i in renamed.blocks["F0"])
+    changed = step_code.generate(renamed)
+    ast.parse(changed.source)
+    before, after = _lines(code), _lines(changed)
+    assert len(after) == len(before)
+    assert [line.split("  #")[0] for line in after] == [line.split("  #")[0] for line in before]
+    assert any(line.endswith(f"compute {hostile!r} mb 0 ('F0 mb 0')") for line in after)
+    for line in after:
+        assert "import os" not in line.split("  #")[0]
 
 
 def test_planc_programs_code_prints_the_ranks_step(run_planc, tmp_path):

@@ -92,6 +92,17 @@ class Simulation:
                             "memory_bytes": s.memory_bytes} for s in self.stages]}
 
 
+def stage_results(times, memory_bytes: list[float]) -> tuple[StageResult, ...]:
+    """Each stage's figures from its replayed step (planc.simulate.pipeline.StageTime):
+    its bubble is what it waited for other stages, plus the time from its own end to
+    the slowest stage's, when the step ends for every stage."""
+    step_seconds = max(t.end for t in times)
+    return tuple(StageResult(
+        t.stage, t.end, t.busy, t.waiting + (step_seconds - t.end),
+        {axis: seconds for axis, seconds in sorted(t.exposed.items()) if seconds > 0},
+        memory_bytes[t.stage]) for t in times)
+
+
 def simulate(build: Build, keep_timeline: bool = False, gpu=None) -> Simulation:
     """One step of ``build`` (with its programs) on its plan's topology; ``gpu``: a
     planc.estimate.kernel_cost.GPU to price the kernels with instead of the preset's (the
@@ -103,11 +114,7 @@ def simulate(build: Build, keep_timeline: bool = False, gpu=None) -> Simulation:
     times = step(programs, costs.of_stage, keep_timeline)
     step_seconds = max(t.end for t in times)
     estimate = memory.estimate(plan)
-    stages = tuple(StageResult(
-        t.stage, t.end, t.busy,
-        t.waiting + (step_seconds - t.end),
-        {axis: seconds for axis, seconds in sorted(t.exposed.items()) if seconds > 0},
-        estimate.stages[t.stage].total_bytes) for t in times)
+    stages = stage_results(times, [s.total_bytes for s in estimate.stages])
     worst = estimate.worst_routing_peak
     return Simulation(plan.name, plan.world, stages, step_seconds, model_flops(plan),
                       plan.topology.device.flops, plan.topology.device.memory,

@@ -135,33 +135,21 @@ def compare(ctx: RankContext, interpreter: Interpreter, plan_data: dict,
         return 1
     run_losses, copies, splits, evaluations = gathered
     replicas = [(d, c) for d in range(plan.mesh.dp) for c in range(plan.mesh.cp)]
-    report, failed = [], False
     tolerance = 1e-5 if exact(plan) else 2e-2
     tile = fp8_tile(plan.model)
     on_tensor_cores = tile is not None and fp8.tensor_cores(ctx.device, tile)
     floor = update_floor(plan, steps)
-    for step, (got, want) in enumerate(zip(run_losses, expected_losses[first:]), first):
-        error = abs(got - want) / max(abs(want), 1e-12)
-        bad = error > first_step_tolerance(plan, step, tolerance, on_tensor_cores)
-        failed |= bad
-        report.append(f"  step {step}: loss {got:.8f}, single process {want:.8f}, relative "
-                      f"error {error:.2e}{'  MISMATCH' if bad else ''}")
-    for step, want in sorted(expected_evaluations.items()):
-        if step < first:
-            continue
-        got = (evaluations or {}).get(step)
-        error = abs(got - want) / max(abs(want), 1e-12) if got is not None else float("inf")
-        bad = error > tolerance
-        failed |= bad
-        report.append(f"  evaluation after step {step}: loss "
-                      + (f"{got:.8f}" if got is not None else "missing")
-                      + f", single process {want:.8f}, relative error {error:.2e}"
-                      + ("  MISMATCH" if bad else ""))
+    report, failed = loss_report(run_losses, expected_losses, first,
+                                 [first_step_tolerance(plan, step, tolerance, on_tensor_cores)
+                                  for step in range(len(expected_losses))])
+    lines, bad = evaluation_report(evaluations, expected_evaluations, first, tolerance)
+    report += lines
+    failed |= bad
     compare_parameters = floor is not None
     worst = (0.0, 0.0, "")  # (share of the allowed difference, difference, parameter)
     if compare_parameters:
-        worst, mismatches = _compare_parameters(ctx.model, expected, copies, splits, replicas,
-                                                tolerance, floor)
+        worst, mismatches = parameter_report(ctx.model, expected, copies, splits, replicas,
+                                             tolerance, floor)
         report += mismatches
         failed |= bool(mismatches)
     what = (f"{len(expected)} parameters" + (f" on each of {len(replicas)} replicas"
@@ -194,8 +182,45 @@ def compare(ctx: RankContext, interpreter: Interpreter, plan_data: dict,
     return 0
 
 
-def _compare_parameters(model, expected: dict, copies: dict, splits: dict, replicas: list,
-                        tolerance: float, floor: float) -> tuple[tuple, list[str]]:
+def loss_report(run_losses: list[float], expected: list[float], first: int,
+                tolerances: list[float]) -> tuple[list[str], bool]:
+    """A line per step of the run (from ``first``) against the single process's loss of
+    that step, within ``tolerances[step]``, relative; and whether any is off."""
+    lines, failed = [], False
+    for step, (got, want) in enumerate(zip(run_losses, expected[first:]), first):
+        error = abs(got - want) / max(abs(want), 1e-12)
+        bad = error > tolerances[step]
+        failed |= bad
+        lines.append(f"  step {step}: loss {got:.8f}, single process {want:.8f}, relative "
+                     f"error {error:.2e}{'  MISMATCH' if bad else ''}")
+    if len(run_losses) != len(expected) - first:  # a rank that stopped early
+        failed = True
+        lines.append(f"  the run reported {len(run_losses)} losses for steps {first} to "
+                     f"{len(expected) - 1}  MISMATCH")
+    return lines, failed
+
+
+def evaluation_report(evaluations: dict[int, float] | None, expected: dict[int, float],
+                      first: int, tolerance: float) -> tuple[list[str], bool]:
+    """A line per evaluation after step ``first`` or later (a missing one is a mismatch);
+    and whether any is off."""
+    lines, failed = [], False
+    for step, want in sorted(expected.items()):
+        if step < first:
+            continue
+        got = (evaluations or {}).get(step)
+        error = abs(got - want) / max(abs(want), 1e-12) if got is not None else float("inf")
+        bad = error > tolerance
+        failed |= bad
+        lines.append(f"  evaluation after step {step}: loss "
+                     + (f"{got:.8f}" if got is not None else "missing")
+                     + f", single process {want:.8f}, relative error {error:.2e}"
+                     + ("  MISMATCH" if bad else ""))
+    return lines, failed
+
+
+def parameter_report(model, expected: dict, copies: dict, splits: dict, replicas: list,
+                     tolerance: float, floor: float) -> tuple[tuple, list[str]]:
     """Each run copy of each expected parameter against it: the closest call as (share of
     the allowed difference, difference, name), and a report line per mismatch."""
     worst, mismatches = (0.0, 0.0, ""), []
