@@ -261,11 +261,57 @@ def test_a_buffer_overwritten_while_a_transfer_reads_it():
 
     programs = _replace_program(build, "stage0.json", reuse)
     assert problems(build, programs) == [
+        # a step that writes another's buffer instead of its own value
+        "stage0.json: compute F/L0/ln2 does not list its own value among its writes",
         "ranks 0, 1 (stage0.json, block F0): compute F/L0/ln2 on stream compute (instruction "
         "14) overwrites F/L0/proj while all_reduce F/L0/proj>attn_residual:all_reduce@tp on "
         "stream comm (instruction 13) may still be reading it",
         "ranks 0, 1 (stage0.json, block F0): F/L0/proj is written twice, by instruction 10 "
         "and 14"]
+
+
+def test_a_transfer_whose_reads_leave_out_its_operands_is_refused():
+    """The proofs order an instruction by its reads; the runtime takes its operands. A
+    build whose all-reduce lists no reads and lost the wait before it would race the
+    computation of what it reduces: refused (planc.verify.reads_writes)."""
+    build = built()
+    node = "F/L0/proj>attn_residual:all_reduce@tp"
+
+    def unlisted(data):
+        block = data["blocks"]["F0"]
+        k = next(i for i, x in enumerate(block) if x.get("node") == node)
+        block[k]["reads"] = []
+        del block[k - 1]  # its wait for done:F/L0/proj
+
+    programs = _replace_program(build, "stage0.json", unlisted)
+    assert problems(build, programs) == [
+        f"stage0.json: all_reduce {node} takes F/L0/proj (its operands) but does not list "
+        f"it among its reads: nothing would order it after its writer"]
+
+    def unreduced(data):  # a gradient reduction that lists none of its bucket's buffers
+        for part in (*data["blocks"].values(), data["epilogue"]):
+            for x in part:
+                if x.get("operands", {}).get("payload") == "grad":
+                    x["reads"] = x["writes"] = [x["node"]]
+                    return x["node"]
+
+    build = built(PP_PLAN.replace("tp = 2; pp = 2", "pp = 2; dp = 2"))
+    programs = _replace_program(build, "stage0.json", unreduced)
+    assert problems(build, programs) == [
+        "stage0.json: all_reduce G/c0.b0:all_reduce@dp_cp runs on the gradient buffer "
+        "@grad:c0.b0 but does not list it among its reads and writes",
+        "ranks 0, 2 (stage0.json, block B0): all_reduce G/c0.b0:all_reduce@dp_cp on stream "
+        "dp (instruction 25) reads G/c0.b0:all_reduce@dp_cp before it is written"]
+
+    def unaccumulated(data):  # a backward step that no longer says it adds into a bucket
+        step = next(x for x in data["blocks"]["B0"] if x["op"] == "compute" and
+                    "@grad:c0.b0" in x.get("writes", ()))
+        step["writes"] = [step["node"]]
+
+    programs = _replace_program(build, "stage0.json", unaccumulated)
+    assert problems(build, programs) == [
+        "stage0.json: compute B/L1/fc2 adds its parameters' gradients into @grad:c0.b0 but "
+        "does not list it among its writes: their reduction could run before it"]
 
 
 def test_planc_verify_rejects_a_broken_build_directory(tmp_path, run_planc):

@@ -26,7 +26,9 @@ The invariants of docs/semantics.md, section 5:
 
 Before any of these, every instruction's operands (what the runtime runs) must be the
 ones the graph implies (:func:`planc.lower.bind.operands_of`): the proofs below read the
-graph, so they hold for the programs only where the two agree.
+graph, so they hold for the programs only where the two agree; and its reads and writes
+must name what those operands read and write (:mod:`planc.verify.reads_writes`), since
+the proofs order instructions by them.
 
 Programs are folded (blocks run per microbatch, see program.py), and so is most of the
 proof. This module checks the rank table, the buckets and the order of collectives on
@@ -46,6 +48,7 @@ from planc.program.groups import SEQUENCE, GroupTable
 from planc.program.program import COLLECTIVES, Program, RankTable
 from planc.program.routes import RouteTable
 from planc.lower.tables import routed_nodes
+from planc.verify.reads_writes import reads_and_writes_problem
 from planc.verify.counts import CountsChecks, sums_counts
 from planc.verify.experts import ExpertChecks, is_expert_exchange
 from planc.verify.grad_norm import GradNormChecks
@@ -201,6 +204,9 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
                 self.report.add(f"{name}: the operands of {instruction.op} "
                                 f"{instruction.node} are not those graph.json implies")
                 return
+        problem = reads_and_writes_problem(name, program)
+        if problem is not None:
+            self.report.add(problem)
 
     # --- 1. collective order ------------------------------------------------------------
 

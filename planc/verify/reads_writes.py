@@ -1,0 +1,74 @@
+"""Every instruction's reads and writes name what it runs on.
+
+The proofs of the verifier (events, buffers, frees: planc.verify.streams) order an
+instruction after the writers of what it ``reads`` and before the readers of what it
+``writes``; the runtime, though, takes its values from its operands (planc.lower.bind).
+A build whose reads left out a value its operands take (a build is untrusted input)
+would pass those proofs without the wait that value needs, and the runtime would read
+it while it is still being computed. So, for each instruction:
+
+- it writes its own node's value;
+- it reads every buffer its operands take; a gradient's reduction and an optimizer step
+  take theirs through the bucket's gradient buffers (a tp sum: the leading range only),
+  which they read, and a reduction also writes;
+- a backward or weight step that makes its parameters' gradients (not one that leaves
+  them to a later W step) writes the gradient buffers of the buckets holding them, into
+  which it adds: the reductions are ordered after it by those writes.
+"""
+
+from __future__ import annotations
+
+from planc.lower.lower import gradient_buffers
+from planc.program.program import Program
+
+
+def _accumulated_into(program: Program) -> dict[str, str]:
+    """Each parameter of the program's buckets -> the gradient buffer its steps add into
+    (the tp sum's range, or the rest)."""
+    owner = {}
+    for bucket, info in program.buckets.items():
+        names = gradient_buffers(bucket, info)
+        for member in info.get("members", ()):
+            summed = member["offset"] < info.get("tp_sum_numel", 0)
+            owner[member["param"]] = names[0] if summed else names[-1]
+    return owner
+
+
+def reads_and_writes_problem(name: str, program: Program) -> str | None:
+    """The first instruction of ``program`` whose reads or writes leave out what its
+    operands say it reads or writes, as a report line; None if there is none."""
+    owner = None
+    for instruction in program.written():
+        operands = instruction.operands
+        if operands is None:
+            continue
+        what = f"{name}: {instruction.op} {instruction.node}"
+        if instruction.node is not None and instruction.node not in instruction.writes:
+            return f"{what} does not list its own value among its writes"
+        reads = set(instruction.reads)
+        if operands.kernel == "optimizer" or operands.payload == "grad":
+            info = program.buckets.get(operands.bucket)
+            if info is None:
+                return f"{what} names bucket {operands.bucket}, which the program does not hold"
+            names = gradient_buffers(operands.bucket, info)
+            taken = names[:1] if operands.payload == "grad" and operands.elements else names
+            missing = [b for b in taken if b not in reads]
+            if not missing and operands.payload == "grad":
+                missing = [b for b in taken if b not in instruction.writes]
+            if missing:
+                return (f"{what} runs on the gradient buffer {missing[0]} but does not list "
+                        f"it among its reads and writes")
+        elif operands.payload != "param":  # a ZeRO gather reads the store, not a buffer
+            missing = [i.buffer for i in operands.inputs if i.buffer not in reads]
+            if missing:
+                return (f"{what} takes {missing[0]} (its operands) but does not list it "
+                        f"among its reads: nothing would order it after its writer")
+        if operands.step in ("backward", "weight") and operands.params and \
+                not operands.weight_step:
+            owner = _accumulated_into(program) if owner is None else owner
+            missing = sorted({owner[p] for p in operands.params if p in owner} -
+                             set(instruction.writes))
+            if missing:
+                return (f"{what} adds its parameters' gradients into {missing[0]} but does "
+                        f"not list it among its writes: their reduction could run before it")
+    return None
