@@ -216,6 +216,17 @@ def test_a_resumed_run_continues_the_lr_schedule_and_the_shuffled_samples(tmp_pa
 # --- a run killed while checkpointing ----------------------------------------------------
 
 
+def _being_written(ckpt: Path) -> bool:
+    """Whether a checkpoint's staging directory holds files: a writer is at work."""
+    for staging in ckpt.glob(".step-*.partial"):
+        try:
+            if any(staging.iterdir()):
+                return True
+        except OSError:  # committed (renamed) since it was listed
+            continue
+    return False
+
+
 @pytest.mark.parametrize("flags", [[], ["--checkpoint-async"]], ids=["sync", "async"])
 def test_a_run_killed_while_checkpointing_leaves_the_previous_checkpoint_usable(flags, tmp_path,
                                                                                 capfd):
@@ -232,18 +243,19 @@ def test_a_run_killed_while_checkpointing_leaves_the_previous_checkpoint_usable(
                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                text=True, start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # the kill lands while a checkpoint is written
             latest = ckpt / "latest"
-            if latest.exists() and latest.read_text().strip() >= "step-000003":
+            if latest.exists() and latest.read_text().strip() >= "step-000003" and \
+                    _being_written(ckpt):
                 break
-            time.sleep(0.01)
-        time.sleep(0.013)  # somewhere in a step or in the next checkpoint
+            time.sleep(0.001)
         os.killpg(process.pid, signal.SIGKILL)
         process.wait(timeout=30)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
+    assert _being_written(ckpt), "the run was not killed while it wrote a checkpoint"
     found = fmt.find(ckpt)  # every file checked against its sha256
     step = found.manifest["step"]
     assert step >= 3 and found.directory == ckpt / fmt.step_name(step)
@@ -610,6 +622,10 @@ def test_asynchronous_checkpoints_hold_what_synchronous_ones_do_and_resume(tmp_p
                            tmp_path / f"{way}.jsonl", *flags], capfd)
         assert status == 0, err
         assert err.count("planc: checkpoint ") == 4, err
+        # each written by the writer thread while the steps went on, or at the boundary
+        written = [line for line in err.splitlines() if "planc: checkpoint " in line]
+        assert [line.endswith(" s, in the background") for line in written] == \
+            [way == "async"] * 4, written
         runs[way] = [json.loads(line) for line in (tmp_path / f"{way}.jsonl").read_text()
                      .splitlines()]
     assert [r["loss"] for r in runs["sync"]] == [r["loss"] for r in runs["async"]]

@@ -153,6 +153,20 @@ def test_two_stages_of_gpipe_by_hand():
     assert run.bubble == 0.4 and run.to_json()["stages"][1]["bubble_seconds"] == 3.5
 
 
+def test_without_overlap_a_collective_on_the_compute_stream_is_exposed_on_its_axis():
+    """With overlap off every collective runs on the compute stream, so all of its time
+    is the stage's exposed communication, on its axis: computing, the bubble and the
+    exposed communication then add up to the step (the tp all-reduces were once in none
+    of them, and planc simulate reported no tp exposure for such plans)."""
+    loaded = load_file(PLANS / "korthikanti-22b.plan", ("optimize.overlap=off",))
+    assert loaded.ok, loaded.diagnostics
+    run = simulate(compile_plan(loaded.plan))
+    (stage,) = run.stages
+    assert set(stage.exposed_seconds) == {"stage", "tp"} and stage.exposed_seconds["tp"] > 0
+    assert stage.busy_seconds + stage.bubble_seconds + sum(stage.exposed_seconds.values()) \
+        == pytest.approx(run.step_seconds, rel=1e-12)
+
+
 def test_model_flops_are_narayanan_et_al():
     loaded = load_text("plan p { model gpt { layers = 2; hidden = 32; heads = 4; vocab = 128; "
                        "seq = 16; batch = 8 } }")

@@ -161,6 +161,10 @@ def _replay(instructions: tuple[Instruction, ...], duration, keep_spans: bool,
                 axis = group_of(item.operands).partition("/")[0]
                 out.exposed[axis] = out.exposed.get(axis, 0.0) + waiting
             out.compute_busy += seconds - waiting
+        elif stream == COMPUTE:  # a transfer the compute stream runs itself (overlap off):
+            axis = axis_of(item.operands)  # all of it exposed, on its axis
+            if axis:
+                out.exposed[axis] = out.exposed.get(axis, 0.0) + seconds
         if item.op is Opcode.SEND:
             out.sends = max(out.sends or 0.0, end)
         if keep_spans:

@@ -30,6 +30,7 @@ import math
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -194,8 +195,11 @@ class Checkpoints(Loading):
         progress (its step's line is out by now): the launcher copies each rank's output
         apart, so lines of two ranks would come in the order it happens to read them."""
         files, size, seconds = written.tolist()
+        # said by the thread that wrote it: a background writer's while the steps went on
+        aside = "" if threading.current_thread() is threading.main_thread() else \
+            ", in the background"
         print(f"planc: checkpoint {final} written: step {step}, {int(files)} files, "
-              f"{size / 1e6:.2f} MB in {seconds:.3f} s", file=sys.stderr, flush=True)
+              f"{size / 1e6:.2f} MB in {seconds:.3f} s{aside}", file=sys.stderr, flush=True)
 
     def _write_stage(self, staging: Path, step: int, params: dict, states: dict,
                      stage: int | None = None) -> dict:
