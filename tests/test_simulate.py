@@ -167,6 +167,29 @@ def test_without_overlap_a_collective_on_the_compute_stream_is_exposed_on_its_ax
         == pytest.approx(run.step_seconds, rel=1e-12)
 
 
+def test_without_load_balance_the_last_cp_rank_s_causal_attention_is_priced():
+    """cp 4 without load_balance: cp rank 3 holds the last quarter of the tokens, whose
+    queries see 7/8 of the keys on average, against half on every rank when the chunks
+    are dealt early and late; every cp collective waits for it, so its attention is the
+    stage's (the key once changed no figure of planc simulate)."""
+    from planc.estimate.kernel_cost import KernelModel, causal_share
+
+    seconds = {}
+    for balance in ("on", "off"):
+        plan = load_file(PLANS / "cp-ring-attention.plan",
+                         (f"shard.cp.load_balance={balance}",)).plan
+        kernels = KernelModel.of(plan)
+        build = compile_plan(plan)
+        attention = next(i.operands for p in build.programs.values() for i in p.written()
+                         if i.operands is not None and i.operands.kernel == "attention"
+                         and i.operands.step == "forward")
+        seconds[balance] = kernels.graph_seconds(attention, 0.0) - kernels.gpu.launch
+        assert causal_share(plan) == {"on": 0.5, "off": 7 / 8}[balance]
+        seconds[balance, "step"] = simulate(build).step_seconds
+    assert seconds["off"] / seconds["on"] == pytest.approx(1.75, rel=1e-12)
+    assert seconds["off", "step"] > seconds["on", "step"]
+
+
 def test_model_flops_are_narayanan_et_al():
     loaded = load_text("plan p { model gpt { layers = 2; hidden = 32; heads = 4; vocab = 128; "
                        "seq = 16; batch = 8 } }")

@@ -118,6 +118,19 @@ MIXTURE = "moe"
 # runs the gradient of each.
 MIXTURE_PARTS = ("moe_route", "moe_shared", "moe_experts", "moe_combine")
 CAUSAL = 0.5  # the share of an attention's FLOPs (every key counted) a causal mask leaves
+
+
+def causal_share(plan: Plan) -> float:
+    """The share of its attention's FLOPs (every key counted) that the busiest cp rank
+    computes under the causal mask: half, where the tokens are dealt in 2 cp chunks so
+    that each rank holds an early and a late one (``shard { cp { load_balance = on } }``,
+    Megatron-LM's and Llama 3's split); without it, cp rank r holds the r-th of cp
+    contiguous chunks, whose queries see (r + 1/2) / cp of the keys on average, and the
+    last rank, which every cp collective waits for, (2 cp - 1) / (2 cp)."""
+    cp = plan.mesh.cp
+    if cp == 1 or plan.shard.cp.load_balance:
+        return CAUSAL
+    return (2 * cp - 1) / (2 * cp)
 FLASH_BACKWARD = 2.5  # FlashAttention counts a backward as 2.5 forwards
 OPTIMIZER = "optimizer"
 # Bytes per score of unfused attention in 16-bit: the softmax reads and writes each (4),
@@ -200,6 +213,7 @@ class KernelModel:
         # peak (device { flops }: a part at a lower power limit or clock) scales them as
         # the GEMMs scale, tensor cores both.
         self.attention_scale = self.peak / preset_peak(plan)
+        self.causal = causal_share(plan)
         # model { fp8 }: the linear layers' and the experts' GEMMs at the device's FP8
         # peak, as many times its dtype's as the datasheets say (H100: 1,979 over 989
         # TFLOP/s), scaled like the rest by a declared peak; None: at the dtype's
@@ -463,10 +477,10 @@ class KernelModel:
             return self.unfused_attention(operands.step == StepKind.BACKWARD)
         if kernel == ATTENTION:
             if operands.step == StepKind.BACKWARD:
-                work = FLASH_BACKWARD * flops / 2.0 * CAUSAL
+                work = FLASH_BACKWARD * flops / 2.0 * self.causal
                 return work / (self.gpu.attention_backward * self.attention_scale) + \
                     self.gpu.launch
-            return flops * CAUSAL / (self.gpu.attention_forward * self.attention_scale) + \
+            return flops * self.causal / (self.gpu.attention_forward * self.attention_scale) + \
                 self.gpu.launch
         if kernel in LOSS_KERNELS:
             # It reads the logits (its output is one figure per token): the vocabulary
