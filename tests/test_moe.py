@@ -511,6 +511,48 @@ def test_every_moe_plan_trains_exactly_like_one_process(name, tmp_path, capfd):
     assert "every loss and parameter matches" in err
 
 
+# A mixture over ep whose all-to-alls run inside its step keeps its backward whole: its
+# experts' weight gradients are reached only back through the combine's all-to-all, so a
+# weight step of their own (weight_grad_overlap under 1F1B, every zero-bubble schedule)
+# issued that all-to-all again, and not at all on a rank whose experts got no rows that
+# microbatch: this plan's third step (seed 7) hung with rank 1 in W/L2/moe and rank 0 in
+# a tp all-reduce. A run of random plans found it.
+NO_ROWS = """plan no_rows {
+  model moe { layers = 3; hidden = 32; heads = 4; vocab = 128; seq = 16; batch = 4
+              experts = 4; top_k = 1; expert_ffn = 24; first_dense = 1; ffn = 64 }
+  mesh { tp = 2; ep = 2 }
+  schedule { microbatches = 2 }
+  train { steps = 3; optimizer = adamw(lr = 0.01); seed = 7 }
+}
+"""
+
+
+@pytest.mark.parametrize("mesh,pipeline", [("tp = 2; ep = 2", "1f1b"),
+                                           ("pp = 2; dp = 2; ep = 2", "zb1p")])
+def test_a_mixture_over_ep_keeps_its_backward_whole(mesh, pipeline):
+    from planc.compile import compile_plan
+
+    text = NO_ROWS.replace("microbatches = 2", f"microbatches = 2; pipeline = {pipeline}"
+                           ).replace("tp = 2; ep = 2", mesh)
+    loaded = load_text(text)
+    assert loaded.ok, [d.message for d in loaded.diagnostics]
+    graph = compile_plan(loaded.plan).graph
+    weights = sorted(n for n, d in graph.nodes(data=True) if d.get("weight_grad_of"))
+    assert not [n for n in weights if n.endswith("/moe")]
+    assert "W/L0/fc1" in weights  # the dense layer's are split as before
+
+
+def test_a_rank_whose_experts_get_no_rows_trains_exactly_like_one_process(tmp_path, capfd):
+    pytest.importorskip("torch")
+    source = tmp_path / "no_rows.plan"
+    source.write_text(NO_ROWS)
+    status = main(["run", str(source), "-o", str(tmp_path / "build"), "--check",
+                   "--backend", "gloo", "--timeout", "60"])
+    err = capfd.readouterr().err
+    assert status == 0, err
+    assert "every loss and parameter matches" in err
+
+
 # --- the verifier proves the mixtures' all-to-alls match -----------------------------------
 
 def _moe_build():

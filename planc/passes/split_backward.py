@@ -22,10 +22,15 @@ from planc.passes.context import PassContext, PassRecord, record
 
 
 def splittable(data: dict) -> bool:
-    """A backward step of the model (not a recomputation) with parameters, not split yet."""
+    """A backward step of the model (not a recomputation) with parameters, not split yet,
+    and no collective inside: a mixture over ep whose all-to-alls run within its step
+    (``experts_over``; not cut by split_dispatch) stays whole, since its experts' weight
+    gradients are reached only back through the combine's all-to-all, which a weight step
+    would issue a second time, and not at all on a rank whose experts got no rows that
+    microbatch (its ep group then mismatches or hangs)."""
     return data["type"] == NodeType.COMPUTE and data["phase"] == Phase.BACKWARD and \
         not data["recompute"] and bool(data["params"]) and "forward_of" in data and \
-        "weight_grad" not in data
+        "weight_grad" not in data and not data.get("experts_over")
 
 
 def split_step(graph: nx.DiGraph, node: str) -> str:
