@@ -383,6 +383,44 @@ def test_tune_tries_the_overlap_where_there_are_all_to_alls_and_keeps_what_pays(
     assert on.text().endswith("a2a overlap")
 
 
+GPIPE = """plan gpipe {
+  model moe { layers = 2; hidden = 32; heads = 4; vocab = 128; seq = 16; batch = 8
+              experts = 4; top_k = 1; expert_ffn = 16 }
+  mesh { pp = 2; dp = 2; ep = 2 }
+  schedule { microbatches = 2; pipeline = gpipe; overlap_all_to_all = on }
+  train { steps = 1; optimizer = sgd(lr = 0.5) }
+}
+"""
+
+
+def test_gpipe_pairs_nothing_and_a_pair_that_waits_for_itself_is_a_deadlock(tmp_path, capfd):
+    """GPipe's one forward followed by a backward is stage 0's last forward before its
+    first backward, whose gradient comes from stage 1 only after that forward's output
+    reached it: interleaved, the two stages waited for each other (this plan, found by
+    a run of random plans, hung). GPipe pairs nothing now; and the verifier runs a
+    program with merged blocks stream by stream, which finds that wait (it once ran the
+    blocks whole and said no deadlock)."""
+    from planc.verify.verifier import _Verifier
+
+    build = built(GPIPE)
+    assert [p.paired for p in build.programs.values()] == [(), ()]
+    stage0 = build.programs["stage0.json"]
+    assert stage0.schedule[1:3] == (("F0", 1), ("B0", 0))
+    forged = {**build.programs, "stage0.json": dataclasses.replace(stage0, paired=(1,))}
+    checks = _Verifier(build.plan, build.graph, forged, build.table, build.groups,
+                       build.routes)
+    assert checks.rank_table()
+    checks.transfers_and_progress()
+    (problem,) = checks.report.problems
+    assert problem.startswith("the programs deadlock (run stream by stream, the step cannot "
+                              "finish): stage 0 ") and "B/c1>c0:recv@pp mb 0" in problem
+    source = tmp_path / "gpipe.plan"
+    source.write_text(GPIPE)
+    assert main(["run", str(source), "-o", str(tmp_path / "b"), "--check", "--timeout",
+                 "60"]) == 0, capfd.readouterr().err
+    assert "every loss and parameter matches" in capfd.readouterr().err
+
+
 def test_a_program_that_pairs_other_blocks_gets_the_verifiers_message():
     build = built(plan_text(**PIPELINED["dualpipev"]))
     program = build.programs["stage0.json"]

@@ -92,6 +92,11 @@ def paired_blocks(pipeline, shape: tuple[int, int, int, int], order) -> tuple[in
     pairs = pipeline.program_overlapped(*shape)
     if pairs:  # the schedule's own (DualPipeV's)
         return tuple(sorted(pairs))
+    if not pipeline.steady:
+        # GPipe: its one forward followed by a backward is the last forward before the
+        # first backward, which waits, through the next stage, for that very forward's
+        # output: interleaved with it, the two stages would wait for each other
+        return ()
     # Megatron-Core's combined 1F1B: every forward followed at once by another
     # microbatch's backward (1F1B's and interleaved's steady state)
     out = []

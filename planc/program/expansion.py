@@ -120,6 +120,9 @@ def expand(program: Program, only: int | None = None, operands: bool = True,
     # how many run; not whole: a microbatch other than ``only``, its once-per-step ones
     selected: dict[tuple[str, bool, bool, bool],
                    tuple[tuple[tuple[int, Instruction], ...], int]] = {}
+    # a pair's merged order, by its blocks and which of them run a guarded instruction
+    # (the first or the last microbatch): the same for every other microbatch
+    merges: dict[tuple, list[tuple[int, Instruction]]] = {}
     schedule = program.schedule
     for k, (block, microbatch) in enumerate(schedule):
         count = program.together(k)
@@ -133,7 +136,7 @@ def expand(program: Program, only: int | None = None, operands: bool = True,
         if count > 1:
             start = index
             for offset, (side, (instruction, mb)) in enumerate(
-                    _merged(program, *together)):
+                    _merged(program, merges, *together)):
                 if (keep is None or keep(instruction)) and (
                         only is None or mb == only or not instruction.per_microbatch):
                     index = start + offset
@@ -153,13 +156,19 @@ def expand(program: Program, only: int | None = None, operands: bool = True,
     yield from run(tuple(kept(program.epilogue)), len(program.epilogue), None, "epilogue")
 
 
-def _merged(program: Program, *together: tuple[str, int]
+def _merged(program: Program, merges: dict, *together: tuple[str, int]
             ) -> list[tuple[int, tuple[Instruction, int]]]:
     """An overlapped pair's instructions (and its weight gradients', when it takes them)
     in the order they run (planc.program.pair_orders): (which block, (the instruction,
-    its microbatch))."""
-    return [(side, (instruction, together[side][1]))
-            for side, instruction in merged(program, together)]
+    its microbatch)); ``merges``: the orders found so far (a pair's order depends on its
+    microbatches only through the guards, which run on the first or the last)."""
+    last = program.last_microbatch()
+    key = (tuple((block, mb == 0, mb == last) for block, mb in together),
+           program.is_weighted(together))
+    order = merges.get(key)
+    if order is None:
+        order = merges[key] = merged(program, together)
+    return [(side, (instruction, together[side][1])) for side, instruction in order]
 
 
 def expanded_length(program: Program) -> int:

@@ -86,7 +86,12 @@ class ProgressChecks:
         stage_program = {stage: name for name, stage in self.table.stages.items()}
         spanning = any(i.op in COLLECTIVES and self._spans_stages(i.node)
                        for program in self.programs.values() for i in program.written())
-        if not spanning:
+        # blocks run interleaved (overlapped pairs, an input gradient with its weight
+        # gradients): the block-by-block simulation runs each whole, which a merged
+        # order is not, so a pair whose backward waits, through another stage, for its
+        # own forward's send is found only stream by stream
+        merged = any(p.paired or p.weighted for p in self.programs.values())
+        if not spanning and not merged:
             return
         stages = {s: _Stage(s, expand(self.programs[stage_program[s]], operands=False,
                                     keep=self._can_hold))
