@@ -24,6 +24,16 @@ DENSE = """plan f8 {
   train { steps = 4; optimizer = sgd(lr = 0.1, momentum = 0.9); seed = 0 }
 }
 """
+TWO_HOPS = """plan hops {
+  model moe { layers = 1; hidden = 32; heads = 4; vocab = 128; seq = 16; batch = 16
+              experts = 4; top_k = 1; expert_ffn = 16; fp8 = blockwise; fp8_tile = 4 }
+  mesh { tp = 2; ep = 2 }
+  topology { nodes = 2 }
+  schedule { microbatches = 16 }
+  optimize { moe_dispatcher = two_hop }
+  train { steps = 3; optimizer = sgd(lr = 0.5, momentum = 0.9); seed = 5 }
+}
+"""
 MOE = DENSE.replace("model llama {", "model moe {").replace(
     "ffn = 128;", "ffn = 128; experts = 8; top_k = 2; expert_ffn = 48; shared_experts = 1; "
                   "first_dense = 1;").replace("layers = 2", "layers = 3")
@@ -46,6 +56,19 @@ def test_a_tile_is_scaled_to_its_amax_and_rounded_to_e4m3():
     w = torch.tensor([[0.0, 0.0, 1.0, 0.3], [0.0, 0.0, 0.2, 0.4]])
     assert quantised_blocks(w, 2).reshape(-1).tolist() == pytest.approx(
         [0.0, 0.0, 1.0, 128 / 448, 0.0, 0.0, 88 / 448, 176 / 448], rel=1e-6)
+
+
+def test_no_rows_quantise_encode_and_decode_to_no_rows():
+    """A hop of a two-hop dispatch may carry no rows (a random plan's did: a traceback
+    reshaping 0 elements into [0, -1])."""
+    from planc.runtime.engine.fp8 import decoded_rows, encoded_rows, quantised_rows
+
+    empty = torch.zeros(0, 5)
+    assert quantised_rows(empty, 2).shape == (0, 5)
+    codes, scale = encoded_rows(empty, 2)
+    assert decoded_rows(codes, scale, 5).shape == (0, 5)
+    x = torch.tensor([[1.0, 3.0, 1000.0, 0.0, 5.0]])
+    assert torch.equal(decoded_rows(*encoded_rows(x, 2), 5), quantised_rows(x, 2))
 
 
 def test_a_linear_keeps_its_input_as_fp8_bytes_and_a_scale_a_tile():
@@ -227,7 +250,11 @@ def test_a_tp_shard_across_tiles_is_refused_at_the_key():
     (MOE, "tp = 2; pp = 2; ep = 2"),
     (MOE, "dp = 2; ep = 2"),
     (DENSE.replace("fp8_tile = 16", "fp8_tile = 16; fp8_gradients = e5m2"), "tp = 2; dp = 2"),
-], ids=["llama-tp2-pp2-dp2", "moe-tp2-pp2-ep2", "moe-dp2-ep2", "llama-e5m2-tp2-dp2"])
+    # two hops over 2 "nodes", 16 microbatches of one sequence: a hop that carries no
+    # rows (a random plan found it)
+    (TWO_HOPS, ""),
+], ids=["llama-tp2-pp2-dp2", "moe-tp2-pp2-ep2", "moe-dp2-ep2", "llama-e5m2-tp2-dp2",
+        "moe-two-hops-tp2-ep2"])
 def test_fp8_training_matches_the_reference(tmp_path, text, mesh, capsys):
     (tmp_path / "f.plan").write_text(text.replace("MESH", mesh))
     assert main(["run", str(tmp_path / "f.plan"), "-o", str(tmp_path / "b"), "--check"]) == 0

@@ -95,7 +95,9 @@ def quantised_rows(x: torch.Tensor, tile: int, form: torch.dtype = E4M3) -> torc
     """``x`` (..., n) quantised to ``form`` in tiles of 1 x ``tile`` along its last
     dimension (the last tile shorter when ``tile`` does not divide n), in fp32."""
     n = x.shape[-1]
-    return _quantised(_row_groups(x, tile), (-1,), form).reshape(*x.shape[:-1], -1)[..., :n]
+    groups = _row_groups(x, tile)  # the padded width given whole: a batch may hold no rows
+    return _quantised(groups, (-1,), form).reshape(
+        *x.shape[:-1], groups.shape[-2] * groups.shape[-1])[..., :n]
 
 
 def encoded_rows(x: torch.Tensor, tile: int, form: torch.dtype = E4M3
@@ -108,7 +110,8 @@ def encoded_rows(x: torch.Tensor, tile: int, form: torch.dtype = E4M3
 
 def decoded_rows(codes: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
     """What :func:`encoded_rows` encoded, in fp32: :func:`quantised_rows` of it."""
-    return (codes.to(FP32) * scale).reshape(*codes.shape[:-2], -1)[..., :n]
+    width = codes.shape[-2] * codes.shape[-1]  # given whole: a hop may carry no rows
+    return (codes.to(FP32) * scale).reshape(*codes.shape[:-2], width)[..., :n]
 
 
 def encoded_blocks(w: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
