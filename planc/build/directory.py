@@ -44,6 +44,7 @@ from planc.build.files import fingerprint as _fingerprint
 from planc.build.files import read_json as _read_json
 from planc.host.collector import without_collector
 from planc.host.files import open_regular_file, umask
+from planc.estimate.kernel_cost import mfu_peak
 from planc.graph import ir
 from planc.program.groups import GroupTable
 from planc.lower.tables import plan_group_table, split_refs
@@ -122,7 +123,7 @@ def write(build: Build, directory: str | Path, source_path: str, source_text: st
                 "files": list(FILES) + [PROGRAMS],
                 "mfu": {"model_flops_per_step": step_model_flops(build.plan),
                         # none where the plan names no machine: no MFU against a guess
-                        "peak_flops_per_device": build.plan.topology.device.flops
+                        "peak_flops_per_device": mfu_peak(build.plan)
                         if build.plan.topology.device.peak_known else None}}
     graph_data = graph_to_json(build.graph)
     graph_data["graph"] = {**graph_data["graph"], "plan_sha256": manifest["plan_sha256"]}

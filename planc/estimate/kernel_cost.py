@@ -120,6 +120,23 @@ MIXTURE_PARTS = ("moe_route", "moe_shared", "moe_experts", "moe_combine")
 CAUSAL = 0.5  # the share of an attention's FLOPs (every key counted) a causal mask leaves
 
 
+def fp8_speedup(plan: Plan) -> float | None:
+    """With ``model { fp8 }``, how many times its dtype's rate the device multiplies FP8
+    at, as its datasheet says (H100: 1,979 over 989 TFLOP/s); None without FP8 or on a
+    device with no FP8 rate (the GEMMs are then priced at the dtype's)."""
+    preset = PRESETS.get(plan.topology.preset or "")
+    if plan.model.options.get("fp8") is None or preset is None or "fp8" not in preset.flops:
+        return None
+    return preset.flops["fp8"] / preset.flops[plan.model.dtype]
+
+
+def mfu_peak(plan: Plan) -> float:
+    """The peak an MFU is of, per device: its dtype's, or the FP8 rate where the plan's
+    GEMMs run in FP8 (the fastest arithmetic the step uses, so that an MFU never passes
+    100 %; PaLM's definition, Chowdhery et al. 2022, appendix B: of the system's peak)."""
+    return plan.topology.device.flops * (fp8_speedup(plan) or 1.0)
+
+
 def causal_share(plan: Plan) -> float:
     """The share of its attention's FLOPs (every key counted) that the busiest cp rank
     computes under the causal mask: half, where the tokens are dealt in 2 cp chunks so
@@ -217,10 +234,7 @@ class KernelModel:
         # model { fp8 }: the linear layers' and the experts' GEMMs at the device's FP8
         # peak, as many times its dtype's as the datasheets say (H100: 1,979 over 989
         # TFLOP/s), scaled like the rest by a declared peak; None: at the dtype's
-        preset = PRESETS.get(plan.topology.preset or "")
-        self.fp8_speedup = preset.flops["fp8"] / preset.flops[plan.model.dtype] \
-            if plan.model.options.get("fp8") is not None and preset is not None and \
-            "fp8" in preset.flops else None
+        self.fp8_speedup = fp8_speedup(plan)
         self.bandwidth = plan.topology.device.bandwidth
         shapes = Shapes.of(plan)
         self.dtype_bytes = shapes.dtype_bytes

@@ -25,6 +25,7 @@ from planc.build.directory import Build
 from planc.models import step_model_flops
 from planc.plan.plan import Plan
 from planc.estimate.instruction_cost import InstructionCosts
+from planc.estimate.kernel_cost import fp8_speedup, mfu_peak
 from planc.simulate.pipeline import StageTime, step
 
 
@@ -60,6 +61,8 @@ class Simulation:
     # model { fp8 } on a device the simulator knows no FP8 rate of: its GEMMs are priced
     # at the dtype's (InstructionCosts.fp8_at_the_dtype_rate)
     fp8_at_the_dtype_rate: bool = False
+    # model { fp8 } at the device's FP8 rate: the MFU is of its FP8 peak (mfu_peak)
+    mfu_of_fp8: bool = False
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -82,6 +85,7 @@ class Simulation:
                 "mfu": self.mfu, "bubble": self.bubble,
                 "memory_capacity": self.memory_capacity,
                 "fp8_at_the_dtype_rate": self.fp8_at_the_dtype_rate,
+                "mfu_of_fp8": self.mfu_of_fp8,
                 "worst_routing_memory": None if self.worst_routing_memory is None else {
                     "stage": self.worst_routing_memory[0],
                     "memory_bytes": self.worst_routing_memory[1]},
@@ -117,8 +121,8 @@ def simulate(build: Build, keep_timeline: bool = False, gpu=None) -> Simulation:
     stages = stage_results(times, [s.total_bytes for s in estimate.stages])
     worst = estimate.worst_routing_peak
     return Simulation(plan.name, plan.world, stages, step_seconds, model_flops(plan),
-                      plan.topology.device.flops, plan.topology.device.memory,
+                      mfu_peak(plan), plan.topology.device.memory,
                       tuple(times) if keep_timeline else (),
                       None if worst is None else
                       (worst.stage, worst.worst_routing_total_bytes),
-                      costs.fp8_at_the_dtype_rate)
+                      costs.fp8_at_the_dtype_rate, fp8_speedup(plan) is not None)
