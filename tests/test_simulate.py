@@ -172,7 +172,8 @@ def test_without_load_balance_the_last_cp_rank_s_causal_attention_is_priced():
     queries see 7/8 of the keys on average, against half on every rank when the chunks
     are dealt early and late; every cp collective waits for it, so its attention is the
     stage's (the key once changed no figure of planc simulate)."""
-    from planc.estimate.kernel_cost import KernelModel, causal_share
+    from planc.estimate.kernel_cost import KernelModel
+    from planc.estimate.plan_rates import causal_share
 
     seconds = {}
     for balance in ("on", "off"):

@@ -44,7 +44,7 @@ from planc.build.files import fingerprint as _fingerprint
 from planc.build.files import read_json as _read_json
 from planc.host.collector import without_collector
 from planc.host.files import open_regular_file, umask
-from planc.estimate.kernel_cost import mfu_peak
+from planc.estimate.plan_rates import mfu_peak
 from planc.graph import ir
 from planc.program.groups import GroupTable
 from planc.lower.tables import plan_group_table, split_refs

@@ -25,7 +25,7 @@ from planc.build.directory import Build
 from planc.models import step_model_flops
 from planc.plan.plan import Plan
 from planc.estimate.instruction_cost import InstructionCosts
-from planc.estimate.kernel_cost import fp8_speedup, mfu_peak
+from planc.estimate.plan_rates import fp8_speedup, mfu_peak
 from planc.simulate.pipeline import StageTime, step
 
 
