@@ -24,7 +24,8 @@ from planc.lang.lr_kinds import findings as schedule_findings
 from planc.lang.overrides import Override
 from planc.lang.overrides import apply as apply_overrides
 from planc.lang.schema import join_words, plan_schema
-from planc.lang.stages_check import StageProblem, auto_chunks, explicit_chunks, explicit_problems
+from planc.lang.stages_check import (StageProblem, auto_chunks, explicit_chunks,
+                                     explicit_problems, microbatch_choices)
 from planc.lang.topology_check import MAX_TOPOLOGY_BYTES, TopologyReader
 from planc.plan.mesh import AXES
 from planc.models import DEFAULT_FAMILY, FAMILIES
@@ -284,7 +285,9 @@ class _Checker(DataChecks, DataParallelChecks, TopologyReader):
             self.report(error(f"{what} must divide by microbatches ({schedule.microbatches})",
                               self.span("schedule.microbatches"),
                               f"microbatches must divide {per_rank}; "
-                              f"{_try('microbatches', divisors_below(schedule.microbatches, per_rank) or [1])}"))
+                              + _try("microbatches", microbatch_choices(
+                                  per_rank, schedule.microbatches, schedule.pipeline, mesh.pp,
+                                  self.value("shard.pp.virtual") or 1, model.layers))))
             return None
         return schedule
 

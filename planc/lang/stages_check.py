@@ -114,3 +114,19 @@ def explicit_chunks(ranges: tuple[StageRange, ...], layers: int) -> Chunks:
     the empty range just before or after the layers."""
     return tuple((0, -1) if r.alone == "embedding" else (layers, layers - 1)
                  if r.alone == "head" else (r.first, r.last) for r in ranges)
+
+
+def microbatch_choices(per_rank: int, wanted: int, pipeline: str, pp: int, virtual: int,
+                       layers: int, count: int = 2) -> list[int]:
+    """For a hint: the ``count`` microbatch counts nearest ``wanted`` that divide a data-
+    parallel rank's batch and that the pipeline schedule takes as they are (an
+    interleaved schedule's must also divide by pp), 1 left out; [1] where none does, 1
+    dividing every batch."""
+    from planc.schedules import PipelineShape
+    from planc.schedules import problems as schedule_problems
+    from planc.vocabulary.hints import largest_divisors
+
+    divisors = largest_divisors(per_rank, per_rank + 1, count=64)
+    taken = [m for m in divisors if m not in (1, wanted) and not schedule_problems(
+        pipeline, PipelineShape(pp, virtual, m, layers))]
+    return sorted(taken, key=lambda m: (abs(m - wanted), -m))[:count] or [1]
