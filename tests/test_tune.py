@@ -150,6 +150,24 @@ def test_settings_replace_the_file_s_values_and_add_what_it_lacks():
     assert load_text(out).ok
 
 
+def test_a_comment_at_the_end_of_a_changed_line_goes_with_the_old_value():
+    """A tuned plan kept "# 128 nodes x 8 GPUs" beside 64 nodes (a run of random plans
+    found it): the comment ending a line whose value changed is dropped, the others and
+    a '#' inside a string stay."""
+    source = (PLANS / "gpt3-175b.plan").read_text()
+    out = with_settings(source, {"topology.nodes": "64", "schedule.microbatches": "48",
+                                 "mesh.dp": "16"})
+    assert "  topology { preset = dgx-a100; nodes = 64 }\n" in out
+    assert "    microbatches = 48\n" in out and "    dp = 16\n" in out
+    assert "# 128 nodes" not in out and "1536 / 8 data-parallel" not in out
+    assert out.splitlines()[:5] == source.splitlines()[:5]  # its header, unchanged
+    text = 'plan p {\n  train { data = "a#b.tokens"; steps = 2 }  # two steps\n}\n'
+    assert with_settings(text, {"train.steps": "3"}) == \
+        'plan p {\n  train { data = "a#b.tokens"; steps = 3 }\n}\n'
+    assert with_settings(text, {"train.seed": "1"}) == \
+        'plan p {\n  train { data = "a#b.tokens"; steps = 2; seed = 1 }\n}\n'
+
+
 def test_the_report_of_the_best_plan_shows_the_runner_ups(tmp_path, capsys):
     source = tmp_path / "small.plan"
     source.write_text(SMALL)

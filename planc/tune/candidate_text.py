@@ -103,7 +103,25 @@ def with_settings(source: str, settings: dict[str, str]) -> str:
         joined = "; ".join(texts)
         lead = " " if previous in ("{", ";") else "; "
         edits.append((len(source[:at].rstrip()), at, f"{lead}{joined} "))
+    # a comment at the end of a line whose value changed described the old one
+    # ("microbatches = 192  # 1536 / 8 data-parallel ranks"): it goes with the old value
+    stale = {_comment(source, end) for _, end, _ in edits} - {None}
+    edits += [(start, end, "") for start, end in stale]
     out = source
     for start, end, new in sorted(edits, key=lambda e: (e[0], e[1]), reverse=True):
         out = out[:start] + new + out[end:]
     return out
+
+
+def _comment(source: str, at: int) -> tuple[int, int] | None:
+    """(start, end) of the comment that ends the line holding offset ``at``, with the
+    spaces before it, if the rest of that line after ``at`` holds one outside a string."""
+    eol = source.find("\n", at)
+    eol = len(source) if eol < 0 else eol
+    quoted = False
+    for k in range(at, eol):
+        if source[k] == '"':
+            quoted = not quoted
+        elif source[k] == "#" and not quoted:
+            return len(source[:k].rstrip(" \t")), eol
+    return None
