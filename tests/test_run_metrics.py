@@ -114,6 +114,11 @@ def test_every_step_reports_tflops_mfu_and_every_ranks_peak_memory(run):
     records = [json.loads(line) for line in (work / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
     for record in records:
+        # the slowest rank's streams: tp 2 x pp 2 transfers (a received gradient goes to
+        # a tp all-reduce first: waiting for it counts as exposed, tests/test_runtime.py)
+        assert 0 < record["compute_s"] <= record["time_s"]
+        assert record["comm_s"] > 0 and record["exposed_comm_s"] > 0
+        assert record["pipeline_wait_s"] >= 0 and record["slowest_rank"] in range(4)
         per_device = GPT_TINY_STEP_FLOPS / record["time_s"] / 4  # the slowest rank's step
         assert record["tflops_per_device"] == per_device / 1e12
         assert record["mfu"] == per_device / 989e12

@@ -21,7 +21,9 @@ SLOW_ZEROING = textwrap.dedent(f"""
     ParamStore.zero_grads = slow_zeroing
     status = worker.main([sys.argv[1], "--steps", "2", "--metrics", sys.argv[2]])
     records = [json.loads(line) for line in open(sys.argv[2])]
-    print(json.dumps({{"status": status, "times": [r["time_s"] for r in records]}}))
+    print(json.dumps({{"status": status, "times": [r["time_s"] for r in records],
+                      "waits": [[r[k] for k in ("comm_s", "exposed_comm_s", "pipeline_wait_s",
+                                                 "slowest_rank")] for r in records]}}))
 """)
 
 
@@ -31,3 +33,7 @@ def test_a_steps_time_counts_the_zeroing_of_its_gradients(tmp_path):
     assert seen["status"] == 0
     assert len(seen["times"]) == 2
     assert all(time_s >= ZEROING_S for time_s in seen["times"]), seen["times"]
+    # one rank: no communication to wait for (its loss's all-reduce over a group of one
+    # costs a call) and no pipeline
+    assert [w[1:] for w in seen["waits"]] == [[0.0, 0.0, 0]] * 2
+    assert all(w[0] >= 0 for w in seen["waits"]), seen["waits"]
