@@ -514,7 +514,7 @@ def check_refused_cleanly(runs, file: str) -> None:
 # them; the verifier reads the graph's nodes, edges and kinds, not these), and what the
 # route pass recorded for planc explain; and in programs/, a freed buffer kept (memory,
 # not correctness), a field deleted whose default is the value it held, or an empty
-# table of rank overrides, and the route table's version written as true (== 1).
+# table of rank overrides.
 ACCEPTED_FIELDS = frozenset({
     *(f"build.json:{key}" for key in ("files", "mfu", "plan", "planc", "source",
                                       "source_sha256")),
@@ -535,7 +535,7 @@ ACCEPTED_FIELDS = frozenset({
     "programs/stage0.json:blocks.B0[].frees", "programs/stage0.json:blocks.F0[].frees",
     "programs/stage0.json:epilogue[].per_microbatch",
     "programs/stage0.json:prologue[].per_microbatch",
-    "programs/ranks.json:overrides", "programs/routes.json:version"})
+    "programs/ranks.json:overrides"})
 
 
 def _field(damage: str) -> str:

@@ -260,3 +260,37 @@ def test_a_build_that_cannot_be_read(pristine, tmp_path, permissions_apply, lock
         else:  # graph and explain read no program
             assert result.returncode == 0, (name, output[-2000:])
     assert not (tmp_path / "report.html").exists()
+
+
+def _readers():
+    from planc.compile import compile_plan
+    from planc.lang import load_file
+    from planc.plan.plan_json import plan_from_dict
+    from planc.plan.presets import calibrated_preset
+    from planc.program.groups import GroupTable
+    from planc.program.model_table import ModelTable
+    from planc.program.program import Program
+    from planc.program.ranks import RankTable
+    from planc.program.routes import RouteTable
+
+    built = compile_plan(load_file(PLANS / "gpt-tiny.plan").plan)
+    return [("program", Program.from_json, built.programs["stage0.json"].to_json()),
+            ("ranks", RankTable.from_json, built.table.to_json()),
+            ("groups", GroupTable.from_json, built.groups.to_json()),
+            ("routes", RouteTable.from_json, built.routes.to_json()),
+            ("model", ModelTable.from_json, built.model.to_json()),
+            ("plan", plan_from_dict, built.plan.to_dict()),
+            ("topology", lambda data: calibrated_preset(data, "t.json"),
+             json.loads((PLANS / "demo-machine.json").read_text()))]
+
+
+@pytest.mark.parametrize("version", [True, 1.0])
+def test_a_version_planc_never_writes_is_refused(version):
+    """JSON's true equals 1 in Python, and so does 1.0: a routes.json with "version":
+    true once verified (the damage corpus found it). Every reader of a version takes the
+    integer only; each document as written is read."""
+    for what, read, document in _readers():
+        read(json.loads(json.dumps(document)))  # as written: read
+        damaged = {**json.loads(json.dumps(document)), "version": version}
+        with pytest.raises(ValueError, match="version"):
+            read(damaged)

@@ -55,6 +55,7 @@ from planc.lower.tabulate_model import model_table
 from planc.models import step_model_flops
 from planc.plan.plan import Plan
 from planc.plan.plan_json import plan_from_dict
+from planc.vocabulary.versions import is_version
 
 FILES = ("plan.json", "graph.json", "summary.json")
 LOGS = "logs"
@@ -281,7 +282,7 @@ def read(directory: str | Path) -> Build:
     graph_data = _read_json(path, "graph.json")
     attributes = graph_data.get("graph")
     if not isinstance(attributes, dict) or \
-            attributes.get("version") != ir.GRAPH_FORMAT_VERSION:
+            not is_version(attributes.get("version"), ir.GRAPH_FORMAT_VERSION):
         raise BuildError(f"{path / 'graph.json'} is not a version {ir.GRAPH_FORMAT_VERSION} "
                          f"graph; run planc compile again")
     if attributes.get("plan_sha256") != manifest["plan_sha256"]:

@@ -25,6 +25,7 @@ from planc.program.program import Program, RankTable
 from planc.program.routes import RouteTable
 from planc.plan.mesh import AXES, is_axis_order
 from planc.checkpoint.training_record import TrainingRecord
+from planc.vocabulary.versions import is_version
 
 BUILD_FORMAT_VERSION = 4  # 3: programs/model.json, the model table; 4: build.json's mfu
 MANIFEST = "build.json"
@@ -111,7 +112,7 @@ def read_manifest_and_plan_data(path: Path) -> tuple[dict, dict]:
     if manifest.get("format") != "planc-build":
         raise BuildError(f"{path / MANIFEST} is not a planc build manifest (format "
                          f"{manifest.get('format')!r}); run planc compile again")
-    if manifest.get("version") != BUILD_FORMAT_VERSION:
+    if not is_version(manifest.get("version"), BUILD_FORMAT_VERSION):
         raise BuildError(f"{path / MANIFEST} says build format {manifest.get('version')!r}; "
                          f"this planc reads version {BUILD_FORMAT_VERSION}: compile again")
     plan_data = read_json(path, "plan.json")

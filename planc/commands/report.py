@@ -9,6 +9,7 @@ from planc.commands import EXIT_OK, fail, load_programs, outputs_refused, the_in
 from planc.host.files import read_regular_file
 from planc.data.metrics_file import in_range, read_metrics
 from planc.commands.arguments import Command, add_input, force, output, path
+from planc.vocabulary.versions import is_version
 
 
 def _other_build(path: str, records: list[dict], build_path: str, fingerprint: str
@@ -60,7 +61,7 @@ def _tune(path: str) -> tuple[list[dict] | None, str | None]:
     except (ValueError, RecursionError):
         return None, f"{path} is not a planc tune --json file (not JSON)"
     if not isinstance(data, dict) or data.get("format") != "planc-tune" or \
-            data.get("version") != 1 or not isinstance(data.get("candidates"), list):
+            not is_version(data.get("version"), 1) or not isinstance(data.get("candidates"), list):
         return None, f"{path} is not a planc tune --json file (format planc-tune, version 1)"
     for k, item in enumerate(data["candidates"], 1):
         bad = [key for key, kind in TUNE_FIELDS.items() if not isinstance(item, dict) or

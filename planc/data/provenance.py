@@ -19,6 +19,7 @@ import os
 
 from planc.data.tokenizer import TOKENIZER_FILE, sha256_of
 from planc.host.files import open_regular_file
+from planc.vocabulary.versions import is_version
 
 GENERATOR = "planc data prepare"
 FORMAT = "planc-token-sources"
@@ -63,7 +64,7 @@ def read_description(tokens_path: str, name: str | None = None) -> dict | None:
         record = None
     tokenizer = record.get("tokenizer") if isinstance(record, dict) else None
     if not isinstance(record, dict) or record.get("format") != FORMAT or \
-            record.get("version") != VERSION or not isinstance(tokenizer, dict) or \
+            not is_version(record.get("version"), VERSION) or not isinstance(tokenizer, dict) or \
             not isinstance(tokenizer.get("sha256"), str) or \
             not isinstance(record.get("size"), int):
         raise DescriptionError(f"{shown} is not a description planc data prepare wrote "

@@ -19,6 +19,7 @@ from planc.plan.lr_schedule import SCHEDULE_ARGUMENTS, problems
 from planc.plan.mesh import is_axis_order
 from planc.plan.plan import (DTYPE_BYTES, GRAD_ACCUMULATIONS, GRAD_REDUCES, KERNEL_MODES, LIMITS,
                         PLAN_FORMAT_VERSION, REDUCE_DTYPES, Plan, Sources)
+from planc.vocabulary.versions import is_version
 
 
 def plan_from_dict(data: Mapping[str, Any]) -> Plan:
@@ -26,7 +27,7 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
     field is missing, unknown, of the wrong type, or inconsistent with the others."""
     if not isinstance(data, Mapping):
         raise ValueError("the plan is not a JSON object")
-    if data.get("version") != PLAN_FORMAT_VERSION:
+    if not is_version(data.get("version"), PLAN_FORMAT_VERSION):
         raise ValueError(f"unsupported plan format version {data.get('version')!r}")
     body = {k: v for k, v in data.items() if k != "version"}
     sources = body.pop("sources", None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planc.plan.topology import Device, Link, Topology, Tuning
+from planc.vocabulary.versions import is_version
 
 
 @dataclass(frozen=True)
@@ -242,7 +243,7 @@ def calibrated_preset(data, name: str) -> Preset:
     """A Preset from a calibrated topology document; ValueError says what is wrong."""
     if not isinstance(data, dict) or data.get("format") != CALIBRATED_FORMAT:
         raise ValueError("it is not a planc topology (planc calibrate writes them)")
-    if data.get("version") != CALIBRATED_VERSION:
+    if not is_version(data.get("version"), CALIBRATED_VERSION):
         raise ValueError(f"it is version {data.get('version')!r} of the topology format; "
                          f"this planc reads version {CALIBRATED_VERSION}")
     per_node = data.get("devices_per_node")

@@ -19,6 +19,7 @@ from planc.program.names import Axis
 from planc.program.ranks import integer_of
 from planc.plan.mesh import AXES, GROUPS, INTER, INTRA, PIPELINE_AXIS, Placement, RankMesh, \
     counts_of, expert_cut, is_axis_order, sub_group
+from planc.vocabulary.versions import is_version
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only
     from planc.plan.plan import Mesh
@@ -219,7 +220,7 @@ class GroupTable:
     @staticmethod
     def from_json(data: dict) -> "GroupTable":
         if data.get("format") != "planc-groups" or \
-                data.get("version") != GROUPS_FORMAT_VERSION:
+                not is_version(data.get("version"), GROUPS_FORMAT_VERSION):
             raise ValueError(f"not a version {GROUPS_FORMAT_VERSION} planc group table")
         mesh_data = data["mesh"]
         sizes = {a: integer_of(mesh_data[a], f"its mesh's {a}") for a in AXES}

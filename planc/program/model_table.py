@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from planc.plan.data_source import checked
 from planc.program.ranks import integer_of
 from planc.plan.lr_schedule import SCHEDULE_ARGUMENTS, LrSchedule, lr_at
+from planc.vocabulary.versions import is_version
 
 MODEL_TABLE_FORMAT = "planc-model"
 MODEL_TABLE_VERSION = 1
@@ -308,7 +309,7 @@ class ModelTable:
     @staticmethod
     def from_json(data: dict) -> "ModelTable":
         if data.get("format") != MODEL_TABLE_FORMAT or \
-                data.get("version") != MODEL_TABLE_VERSION:
+                not is_version(data.get("version"), MODEL_TABLE_VERSION):
             raise ValueError(f"not a version {MODEL_TABLE_VERSION} planc model table")
         m, tokens = data["model"], data["tokens"]
         sizes = {key: _positive(m[key], key) for key in

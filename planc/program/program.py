@@ -59,6 +59,7 @@ from planc.program.instruction_set import (  # noqa: F401 (the API of programs)
 from planc.program.names import STREAM_ORDER
 from planc.program.operands import Operands
 from planc.program.ranks import RANK_TABLE_VERSION, RankTable, integer_of  # noqa: F401 (API)
+from planc.vocabulary.versions import is_version
 
 # Version 3: instructions carry typed operands (version 2 left them to graph.json).
 PROGRAM_FORMAT_VERSION = 3
@@ -316,7 +317,7 @@ class Program:
     def from_json(data: dict) -> "Program":
         if data.get("format") != "planc-program":
             raise ValueError("not a planc program")
-        if data.get("version") != PROGRAM_FORMAT_VERSION:
+        if not is_version(data.get("version"), PROGRAM_FORMAT_VERSION):
             raise ValueError(f"program format version {data.get('version')!r}; this planc "
                              f"reads version {PROGRAM_FORMAT_VERSION}, whose instructions "
                              f"carry their operands")

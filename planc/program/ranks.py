@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Iterator
+from planc.vocabulary.versions import is_version
 
 # Version 2: the mesh's axes (size and stride) and the leader (version 1 had pp only).
 RANK_TABLE_VERSION = 2
@@ -93,7 +94,8 @@ class RankTable:
 
     @staticmethod
     def from_json(data: dict) -> "RankTable":
-        if data.get("format") != "planc-ranks" or data.get("version") != RANK_TABLE_VERSION:
+        if data.get("format") != "planc-ranks" or \
+                not is_version(data.get("version"), RANK_TABLE_VERSION):
             raise ValueError(f"not a version {RANK_TABLE_VERSION} planc rank table")
         axes = data["axes"]
         if not isinstance(axes, dict) or sorted(axes) != sorted(AXES):

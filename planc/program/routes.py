@@ -37,6 +37,7 @@ from itertools import accumulate
 
 from planc.program.names import Kind, Route
 from planc.plan.mesh import INTER, INTRA
+from planc.vocabulary.versions import is_version
 
 ROUTES_FORMAT_VERSION = 1
 LEVELS = (INTRA, INTER)  # the sub-groups a route step may run on
@@ -283,7 +284,7 @@ class RouteTable:
     @staticmethod
     def from_json(data) -> "RouteTable":
         if not isinstance(data, dict) or data.get("format") != "planc-routes" or \
-                data.get("version") != ROUTES_FORMAT_VERSION:
+                not is_version(data.get("version"), ROUTES_FORMAT_VERSION):
             raise ValueError(f"not a version {ROUTES_FORMAT_VERSION} planc route table")
         recipes = data.get("recipes")
         if not isinstance(recipes, dict):
