@@ -3,6 +3,7 @@ buffers included (planc.runtime.engine.executor; docs/metrics.md, ``time_s``).""
 
 from __future__ import annotations
 
+import os
 import textwrap
 
 from conftest import one_rank_printed, run_one_rank
@@ -37,3 +38,56 @@ def test_a_steps_time_counts_the_zeroing_of_its_gradients(tmp_path):
     # costs a call) and no pipeline
     assert [w[1:] for w in seen["waits"]] == [[0.0, 0.0, 0]] * 2
     assert all(w[0] >= 0 for w in seen["waits"]), seen["waits"]
+
+
+# Two data-parallel ranks; rank 1's optimizer sleeps DELAY_S in step 0, after the step's
+# last collective. Step 0 is then rank 1's slowest (it ends DELAY_S later); in step 1
+# rank 0 starts DELAY_S earlier and waits in the gradients' all-reduce for rank 1, so
+# step 1 is rank 0's. Each record names that rank and holds its time.
+DELAY_S = 0.5
+DELAYED_OPTIMIZER = textwrap.dedent(f"""
+    import os, sys, time
+    import planc.runtime.worker as worker
+    from planc.runtime.engine.interpreter import Interpreter
+    optimizer = Interpreter._optimizer
+    slept = []
+    def delayed(self, state, step, mb):
+        if os.environ["RANK"] == "1" and state.step == 0 and not slept:
+            slept.append(True)
+            time.sleep({DELAY_S})
+        return optimizer(self, state, step, mb)
+    Interpreter._optimizer = delayed
+    sys.exit(worker.main([sys.argv[1], "--steps", "2", "--metrics", sys.argv[2]]))
+""")
+
+
+def test_a_steps_time_is_its_slowest_ranks(tmp_path):
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import ONE_RANK_PLAN, ROOT
+
+    plan, build = tmp_path / "two.plan", tmp_path / "build"
+    plan.write_text(ONE_RANK_PLAN.replace("mesh { }", "mesh { dp = 2 }"))
+    compiled = subprocess.run([sys.executable, "-m", "planc", "compile", str(plan), "-o",
+                               str(build)], capture_output=True, text=True, cwd=ROOT,
+                              timeout=120)
+    assert compiled.returncode == 0, compiled.stderr
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    metrics = tmp_path / "metrics.jsonl"
+    ranks = [subprocess.Popen(
+        [sys.executable, "-c", DELAYED_OPTIMIZER, str(build), str(metrics)], cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2",
+             "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port)}) for rank in (0, 1)]
+    outputs = [rank.communicate(timeout=300) for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [(r["step"], r["slowest_rank"]) for r in records] == [(0, 1), (1, 0)]
+    assert all(r["time_s"] >= DELAY_S * 0.5 for r in records), records
+    assert records[0]["time_s"] >= DELAY_S
