@@ -46,6 +46,15 @@ def run_one_rank(script: str, tmp_path: Path, *args: str, threads: int = 1,
     """``script`` (Python source) run as one rank of ``plan_text``'s build (a 1-rank
     plan), with the environment torchrun gives a rank (and ``env``) and ``threads``
     intra-op threads: its argv is the build directory, then ``args``."""
+    return run_ranks(script, tmp_path, *args, threads=threads, plan_text=plan_text,
+                     env=env)[0]
+
+
+def run_ranks(script: str, tmp_path: Path, *args: str, world: int = 1, threads: int = 1,
+              plan_text: str = ONE_RANK_PLAN, env: dict[str, str] | None = None
+              ) -> list[subprocess.CompletedProcess]:
+    """``script`` run as every rank of a ``world``-rank build of ``plan_text`` at once, as
+    :func:`run_one_rank` runs one; each rank's completed process, by rank."""
     import socket
 
     build, plan = tmp_path / "build", tmp_path / "one.plan"
@@ -57,11 +66,20 @@ def run_one_rank(script: str, tmp_path: Path, *args: str, threads: int = 1,
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    rank = {**os.environ, "OMP_NUM_THREADS": str(threads), "RANK": "0", "WORLD_SIZE": "1",
-            "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), **(env or {})}
-    return subprocess.run([sys.executable, "-c", script, str(build), *args],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300, env=rank)
+    started = []
+    for rank in range(world):
+        environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), **(env or {})}
+        started.append(subprocess.Popen([sys.executable, "-c", script, str(build), *args],
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, cwd=ROOT, env=environment))
+    done = []
+    for process in started:
+        out, err = process.communicate(timeout=300)
+        done.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    return done
 
 
 def resigned_plan(build: Path, change) -> Path:

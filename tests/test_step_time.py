@@ -3,7 +3,6 @@ buffers included (planc.runtime.engine.executor; docs/metrics.md, ``time_s``).""
 
 from __future__ import annotations
 
-import os
 import textwrap
 
 from conftest import one_rank_printed, run_one_rank
@@ -63,30 +62,13 @@ DELAYED_OPTIMIZER = textwrap.dedent(f"""
 
 def test_a_steps_time_is_its_slowest_ranks(tmp_path):
     import json
-    import socket
-    import subprocess
-    import sys
 
-    from conftest import ONE_RANK_PLAN, ROOT
+    from conftest import ONE_RANK_PLAN, run_ranks
 
-    plan, build = tmp_path / "two.plan", tmp_path / "build"
-    plan.write_text(ONE_RANK_PLAN.replace("mesh { }", "mesh { dp = 2 }"))
-    compiled = subprocess.run([sys.executable, "-m", "planc", "compile", str(plan), "-o",
-                               str(build)], capture_output=True, text=True, cwd=ROOT,
-                              timeout=120)
-    assert compiled.returncode == 0, compiled.stderr
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
     metrics = tmp_path / "metrics.jsonl"
-    ranks = [subprocess.Popen(
-        [sys.executable, "-c", DELAYED_OPTIMIZER, str(build), str(metrics)], cwd=ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2",
-             "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(port)}) for rank in (0, 1)]
-    outputs = [rank.communicate(timeout=300) for rank in ranks]
-    assert [rank.returncode for rank in ranks] == [0, 0], [err[-2000:] for _, err in outputs]
+    done = run_ranks(DELAYED_OPTIMIZER, tmp_path, str(metrics), world=2,
+                     plan_text=ONE_RANK_PLAN.replace("mesh { }", "mesh { dp = 2 }"))
+    assert [rank.returncode for rank in done] == [0, 0], [r.stderr[-2000:] for r in done]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [(r["step"], r["slowest_rank"]) for r in records] == [(0, 1), (1, 0)]
     assert all(r["time_s"] >= DELAY_S * 0.5 for r in records), records
