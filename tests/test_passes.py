@@ -480,20 +480,21 @@ def test_tp_overlap_without_sequence_parallelism_splits_the_all_reduces():
     assert after.edges["F/L0/ln1", "F/L0/qkv#t3"]["tokens"] == [3, 4, 2]
 
 
-@pytest.mark.parametrize("placement,split", [
-    ("; fc2 = replicate", "qkv 2, proj 2, fc1 2"),  # fc2's input gathered along ffn
-    ("; proj = column", "qkv 2, fc1 2, fc2 2"),  # proj's input and output along hidden
-])
-def test_tp_overlap_leaves_whole_a_linear_whose_collective_runs_along_the_features(
-        placement, split):
-    """A rank's j-th slice of tokens is a piece only of a tensor split along the tokens:
-    a gather along the features (a non-Megatron placement) holds every token on every
-    rank, so its linear stays whole (planc run --check under every tp placement with
-    tp_overlap forced: tests/test_runtime.py). Chunking it once trained another model."""
-    _, after = _before_and_after_tp_overlap(sp="off", placement=placement)
-    assert after.graph["passes"][-1]["line"] == (
-        f"tp_overlap: 3 of 3 tp GEMMs split into 2 chunks ({split}), each chunk's "
-        f"collective overlapped with another chunk's GEMM")
+@pytest.mark.parametrize("placement,sp,linears", [("; fc2 = replicate", "off", 3),
+                                                  ("; proj = column", "off", 3),
+                                                  ("; fc1 = replicate", "on", 4)])
+def test_tp_overlap_leaves_every_gemm_whole_under_placements_other_than_megatrons(
+        placement, sp, linears):
+    """Collective matmul splits Megatron's column- and row-parallel GEMMs; under another
+    placement a gather may run along the features (fc2 = replicate gathers ffn), or a
+    replicated GEMM sit between sequence-parallel collectives, which slices of tokens do
+    not split: random plans trained another model under each of these (planc run
+    --check under every tp placement with tp_overlap forced: tests/test_runtime.py)."""
+    _, after = _before_and_after_tp_overlap(sp=sp, placement=placement)
+    record = after.graph["passes"][-1]
+    assert record["line"] == (f"tp_overlap: 0 of {linears} tp GEMMs split: placements "
+                              f"other than Megatron's (column qkv and fc1, row proj and fc2)")
+    assert {d["chunks"] for d in record["decisions"]} == {1}
 
 
 def test_tp_overlap_off_and_tp_1_leave_the_graph_as_it_was():

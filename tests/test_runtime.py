@@ -223,10 +223,13 @@ def test_every_plan_of_one_model_follows_the_same_loss_curve(losses):
 
 
 # tp_overlap forced to 2 chunks under every tp placement (on gloo the cost model keeps
-# every GEMM whole): the pieces are slices of tokens, so a linear whose collective runs
-# along the features stays whole; chunked, fc2 = replicate once trained another model.
+# every GEMM whole): it splits Megatron's placements only; chunked, fc2 = replicate and
+# each replicated slot with sequence parallelism once trained another model.
 TP_OVERLAP = {**{name: case for name, case in MATRIX.items() if name.startswith("tp-")},
-              "tp-fc2-replicate": dict(mesh="tp = 2", shard="tp { fc2 = replicate }")}
+              "tp-fc2-replicate": dict(mesh="tp = 2", shard="tp { fc2 = replicate }"),
+              **{f"tp-{slot}-replicate-sp": dict(mesh="tp = 2", shard=f"tp {{ {slot} = "
+                                                 f"replicate; sequence_parallel = on }}")
+                 for slot in ("qkv", "proj", "fc1", "fc2")}}
 
 
 @pytest.mark.parametrize("name", list(TP_OVERLAP))

@@ -51,12 +51,20 @@ from planc.passes.route import group_placements
 LINEARS = (Op.QKV, Op.PROJ, Op.FC1, Op.FC2)
 COUNTS = (1, 2, 4, 8)
 RECOMPUTED = "recomputed in the backward: left whole"
+# Megatron-LM's placements, which collective matmul is built on (its column-parallel
+# GEMMs take an all-gather, its row-parallel ones give a reduction); under any other,
+# chunks of tokens split what another layout's collectives hold whole, and a random
+# plan trained another model (fc1 = replicate with sequence parallelism), so every GEMM
+# is left whole
+MEGATRON = {"qkv": "column", "proj": "row", "fc1": "column", "fc2": "row"}
+NOT_MEGATRON = "placements other than Megatron's (column qkv and fc1, row proj and fc2)"
 NO_GAIN = ("the cost model predicts no gain: a chunk collective costs about as much as the "
            "whole one (its fixed cost dominates), or the device hides no collective "
            "behind a GEMM (overlap = 0)")
 # The pass line's words for a reason no GEMM was split.
 NO_SPLIT = {RECOMPUTED: "each is recomputed in the backward (not chunked yet)",
-            NO_GAIN: "the cost model predicts no gain from chunking on this topology"}
+            NO_GAIN: "the cost model predicts no gain from chunking on this topology",
+            NOT_MEGATRON: NOT_MEGATRON}
 
 
 def piece_name(node: str, index: int) -> str:
@@ -155,6 +163,8 @@ def tp_overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
     linears = [n for n, d in out.nodes(data=True)
                if d["type"] == NodeType.COMPUTE and d["phase"] == Phase.FORWARD and
                d.get("op") in LINEARS and not d["recompute"] and d["per_microbatch"]]
+    megatron = all(getattr(plan.shard.tp, slot) == placement
+                   for slot, placement in MEGATRON.items())
     decisions, split, pieces = [], 0, set()
     for forward in linears:
         backward = backward_of.get(forward)
@@ -169,6 +179,8 @@ def tp_overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
                     "predicted_seconds": {str(c): s for c, s in seconds.items()}}
         if forward in recomputed:
             decision.update(chunks=1, reason=RECOMPUTED)
+        elif not megatron:
+            decision.update(chunks=1, reason=NOT_MEGATRON)
         elif k == 1:
             decision["reason"] = NO_GAIN
         else:
