@@ -170,10 +170,12 @@ def exchange_codes(encoded: tuple[torch.Tensor, torch.Tensor], sent, received, g
     encoded: a two-hop gateway forwards the bytes it received, as DeepEP does."""
     codes, scale = encoded
     tiles, tile = codes.shape[1], codes.shape[2]
-    codes_in = exchange_rows(codes.view(torch.uint8).reshape(codes.shape[0], -1), sent,
-                             received, group)
-    scales_in = exchange_rows(scale.reshape(scale.shape[0], -1), sent, received, group)
-    return codes_in.view(codes.dtype).reshape(-1, tiles, tile), scales_in.reshape(-1, tiles, 1)
+    # every width given whole: a rank may send or receive no rows
+    codes_in = exchange_rows(codes.view(torch.uint8).reshape(codes.shape[0], tiles * tile),
+                             sent, received, group)
+    scales_in = exchange_rows(scale.reshape(scale.shape[0], tiles), sent, received, group)
+    return codes_in.view(codes.dtype).reshape(codes_in.shape[0], tiles, tile), \
+        scales_in.reshape(scales_in.shape[0], tiles, 1)
 
 
 def decoded(encoded: tuple[torch.Tensor, torch.Tensor], features: int, dtype
