@@ -421,6 +421,24 @@ def test_gpipe_pairs_nothing_and_a_pair_that_waits_for_itself_is_a_deadlock(tmp_
     assert "every loss and parameter matches" in capfd.readouterr().err
 
 
+def test_1f1b_with_fewer_microbatches_than_stages_pairs_no_forward_with_its_own_wait(
+        tmp_path, capfd):
+    """1F1B over 3 stages with 2 microbatches warms up with both forwards, as GPipe does:
+    stage 0's second forward, followed by its first backward, was paired with it, and the
+    compile stopped at the verifier's deadlock (a second run of random plans). A pair is
+    made only where no later stage runs the forward before the backward."""
+    text = GPIPE.replace("layers = 2", "layers = 3").replace("pp = 2", "pp = 3").replace(
+        "pipeline = gpipe", "pipeline = 1f1b")
+    build = built(text)
+    # stage 1's F1 with B0 stays a pair: stage 2 runs B0 before F1 (F0 B0 F1 B1)
+    assert [build.programs[f"stage{s}.json"].paired for s in range(3)] == [(), (1,), ()]
+    source = tmp_path / "short.plan"
+    source.write_text(text)
+    assert main(["run", str(source), "-o", str(tmp_path / "b"), "--check", "--timeout",
+                 "60"]) == 0, capfd.readouterr().err
+    assert "every loss and parameter matches" in capfd.readouterr().err
+
+
 def test_a_program_that_pairs_other_blocks_gets_the_verifiers_message():
     build = built(plan_text(**PIPELINED["dualpipev"]))
     program = build.programs["stage0.json"]
