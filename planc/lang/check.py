@@ -243,12 +243,6 @@ class _Checker(DataChecks, DataParallelChecks, TopologyReader):
                 self.report(warning("shard { cp { } } has no effect with cp = 1",
                                     self.span("shard.cp")))
             return context
-        if mesh.tp > 1 and self.value("shard.tp.qkv") == "row":  # not yet right: refused
-            self.report(error(f"qkv = row over tp with cp = {cp} trains another model than "
-                              f"the plan's (planc run --check differs from step 0)",
-                              self.span("shard.tp.qkv", "mesh.cp"),
-                              "use qkv = column or qkv = replicate, or cp = 1"))
-            return None
         if context.load_balance:
             if model.seq % (2 * cp):
                 candidates = [c for c in divisors_below(cp, model.seq, count=99)

@@ -38,6 +38,8 @@ def attention(k, spec, x, p, step, mb, extra):
         out = F.scaled_dot_product_attention(q, key, v, is_causal=True)
     else:
         kv = x["kv"]
+        if bias is not None:  # a row-parallel qkv's bias, added after its reduction:
+            kv = kv + bias[heads * hd:]  # every cp rank's keys and values take it too
         key, v = kv.view(b, kv.shape[1], 2, heads, hd).permute(2, 0, 3, 1, 4).unbind(0)
         query = k.ctx.positions(seq_sharded=False)
         keys = k.ctx.all_key_positions()
