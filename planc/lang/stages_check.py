@@ -14,8 +14,11 @@ from dataclasses import dataclass
 
 from planc.diagnostics import Span
 from planc.lang.plan_kinds import StageRange
+from planc.schedules import PipelineShape
+from planc.schedules import problems as schedule_problems
 from planc.schedules.layers import balanced_chunks, fewest_layers
 from planc.schedules.schedule import LOOP, ChunkPlacement
+from planc.vocabulary.hints import largest_divisors
 
 Chunks = tuple[tuple[int, int], ...]
 
@@ -122,10 +125,6 @@ def microbatch_choices(per_rank: int, wanted: int, pipeline: str, pp: int, virtu
     parallel rank's batch and that the pipeline schedule takes as they are (an
     interleaved schedule's must also divide by pp), 1 left out; [1] where none does, 1
     dividing every batch."""
-    from planc.schedules import PipelineShape
-    from planc.schedules import problems as schedule_problems
-    from planc.vocabulary.hints import largest_divisors
-
     divisors = largest_divisors(per_rank, per_rank + 1, count=64)
     taken = [m for m in divisors if m not in (1, wanted) and not schedule_problems(
         pipeline, PipelineShape(pp, virtual, m, layers))]

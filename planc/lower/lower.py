@@ -77,6 +77,18 @@ def gradient_buffers(bucket: str, info: dict) -> tuple[str, ...]:
     return (f"{STATE}grad:{bucket}:sum", f"{STATE}grad:{bucket}:rest")
 
 
+def accumulated_into(buckets: dict[str, dict]) -> dict[str, str]:
+    """Each parameter of ``buckets`` -> the gradient buffer its backward steps add into:
+    the tp sum's leading range or the rest (:func:`gradient_buffers`)."""
+    owner = {}
+    for bucket, info in buckets.items():
+        names = gradient_buffers(bucket, info)
+        for member in info.get("members", ()):  # (a build's, read back: the verifier)
+            summed = member["offset"] < info.get("tp_sum_numel", 0)
+            owner[member["param"]] = names[0] if summed else names[-1]
+    return owner
+
+
 def _ordered(graph: nx.DiGraph, nodes: set[str], rank: dict[str, int]) -> list[str]:
     """Topological order of ``nodes`` (edges among them), ties by graph order."""
     indegree = {n: 0 for n in nodes}
@@ -180,12 +192,7 @@ class _StageLowering:
                     "weight_grad" not in data:  # a split step leaves them to its W step
                 owner = self.buffer_of
                 if owner is None:
-                    owner = self.buffer_of = {}
-                    for b, info in self.buckets.items():
-                        names = gradient_buffers(b, info)
-                        for m in info["members"]:
-                            summed = m["offset"] < info.get("tp_sum_numel", 0)
-                            owner[m["param"]] = names[0] if summed else names[-1]
+                    owner = self.buffer_of = accumulated_into(self.buckets)
                 return (), tuple(sorted({owner[p] for p in data["params"] if p in owner}))
             return (), ()
         if data["payload"] == Payload.GRAD:

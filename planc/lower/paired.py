@@ -100,33 +100,41 @@ def paired_blocks(pipeline, shape: tuple[int, int, int, int], order) -> tuple[in
     # Megatron-Core's combined 1F1B: every forward followed at once by another
     # microbatch's backward (1F1B's and interleaved's steady state)
     out = []
+    later = _later_positions(pipeline, shape)
     for k, (action, after) in enumerate(zip(order, order[1:])):
         if action.kind is ActionKind.FORWARD and after.microbatch != action.microbatch and \
                 after.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT) and \
                 (not out or out[-1] != k - 1) and \
-                not _waits_for_itself(pipeline, shape, action.microbatch, after.microbatch):
+                not _waits_for_itself(later, action.microbatch, after.microbatch):
             out.append(k)
     return tuple(out)
 
 
-def _waits_for_itself(pipeline, shape: tuple[int, int, int, int], forward: int,
-                      backward: int) -> bool:
+def _later_positions(pipeline, shape: tuple[int, int, int, int]) -> list[dict]:
+    """For each stage after this one, where its order runs each microbatch's forward
+    ((True, mb)) and backward ((False, mb)); none with several chunks a stage (they
+    interleave across the stages otherwise; the verifier's stream-by-stream proof holds
+    those pairs)."""
+    stage, pp, microbatches, virtual = shape
+    if virtual != 1:
+        return []
+    positions = []
+    for later in range(stage + 1, pp):
+        order = pipeline.program_order(later, pp, microbatches, virtual)
+        positions.append({(a.kind is ActionKind.FORWARD, a.microbatch): k
+                          for k, a in enumerate(order)
+                          if a.kind is not ActionKind.BACKWARD_WEIGHT})
+    return positions
+
+
+def _waits_for_itself(later: list[dict], forward: int, backward: int) -> bool:
     """Whether a stage's backward of microbatch ``backward`` waits, through a later stage,
     for its own forward of microbatch ``forward``: a later stage that runs that forward
     before that backward (1F1B with fewer microbatches than stages, whose warm-up is all
     of them, as GPipe's is) holds the backward's gradient behind the forward's output,
-    and the pair would wait for itself. With one chunk a stage (chunks of several stages
-    interleave otherwise; the verifier's stream-by-stream proof holds those)."""
-    stage, pp, microbatches, virtual = shape
-    if virtual != 1:
-        return False
-    for later in range(stage + 1, pp):
-        order = pipeline.program_order(later, pp, microbatches, virtual)
-        at = {(a.kind is ActionKind.FORWARD, a.microbatch): k for k, a in enumerate(order)
-              if a.kind is not ActionKind.BACKWARD_WEIGHT}
-        if at.get((True, forward), len(order)) < at.get((False, backward), -1):
-            return True
-    return False
+    and the pair would wait for itself. ``later``: :func:`_later_positions`."""
+    return any(at.get((True, forward), float("inf")) < at.get((False, backward), -1)
+               for at in later)
 
 
 def ordered_by_cost(plan: Plan, programs: dict[str, Program], groups: GroupTable

@@ -18,20 +18,8 @@ it while it is still being computed. So, for each instruction:
 
 from __future__ import annotations
 
-from planc.lower.lower import gradient_buffers
+from planc.lower.lower import accumulated_into, gradient_buffers
 from planc.program.program import Program
-
-
-def _accumulated_into(program: Program) -> dict[str, str]:
-    """Each parameter of the program's buckets -> the gradient buffer its steps add into
-    (the tp sum's range, or the rest)."""
-    owner = {}
-    for bucket, info in program.buckets.items():
-        names = gradient_buffers(bucket, info)
-        for member in info.get("members", ()):
-            summed = member["offset"] < info.get("tp_sum_numel", 0)
-            owner[member["param"]] = names[0] if summed else names[-1]
-    return owner
 
 
 def reads_and_writes_problem(name: str, program: Program) -> str | None:
@@ -65,7 +53,7 @@ def reads_and_writes_problem(name: str, program: Program) -> str | None:
                         f"among its reads: nothing would order it after its writer")
         if operands.step in ("backward", "weight") and operands.params and \
                 not operands.weight_step:
-            owner = _accumulated_into(program) if owner is None else owner
+            owner = accumulated_into(program.buckets) if owner is None else owner
             missing = sorted({owner[p] for p in operands.params if p in owner} -
                              set(instruction.writes))
             if missing:
