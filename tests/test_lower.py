@@ -261,6 +261,8 @@ def test_a_buffer_overwritten_while_a_transfer_reads_it():
 
     programs = _replace_program(build, "stage0.json", reuse)
     assert problems(build, programs) == [
+        "ranks 0, 1 (stage0.json): F/L0/ln2 is issued twice; every node of stage 0 runs "
+        "exactly once per step (per microbatch in its block)",
         # a step that writes another's buffer instead of its own value
         "stage0.json: compute F/L0/ln2 does not list its own value among its writes",
         "ranks 0, 1 (stage0.json, block F0): compute F/L0/ln2 on stream compute (instruction "
@@ -268,6 +270,99 @@ def test_a_buffer_overwritten_while_a_transfer_reads_it():
         "stream comm (instruction 13) may still be reading it",
         "ranks 0, 1 (stage0.json, block F0): F/L0/proj is written twice, by instruction 10 "
         "and 14"]
+
+
+EVERY_NODE = "every node of stage {} runs exactly once per step (per microbatch in its block)"
+EVERY_BLOCK = "every block runs once for each of the 4"
+
+
+def _drop_optimizer(data):
+    data["epilogue"] = [i for i in data["epilogue"] if not i.get("node", "").startswith("O/")]
+
+
+def _move_to(part: str, node: str, guard: str | None = None):
+    """Move ``node``'s instruction from block F0 to ``part`` (a block or the epilogue)."""
+    def move(data):
+        (instruction,) = [i for i in data["blocks"]["F0"] if i.get("node") == node]
+        data["blocks"]["F0"].remove(instruction)
+        if guard is not None:
+            instruction["guard"] = guard
+        (data["epilogue"] if part == "epilogue" else data["blocks"][part]).append(instruction)
+    return move
+
+
+@pytest.mark.parametrize("name, change, message", [
+    # no ordering or buffer rule sees these two: the run would train with stage 0's
+    # parameters frozen, or with microbatch 3's gradient added twice
+    ("stage0.json", _drop_optimizer,
+     f"ranks 0, 1 (stage0.json): O/c0.b0/optimizer is never issued; {EVERY_NODE.format(0)}"),
+    ("stage0.json", lambda data: data["schedule"].append(["B0", 3]),
+     f"ranks 0, 1 (stage0.json): the schedule runs block B0 twice for microbatch 3; "
+     f"{EVERY_BLOCK}"),
+    ("stage0.json", lambda data: data["schedule"].remove(["F0", 2]),
+     f"ranks 0, 1 (stage0.json): the schedule never runs block F0 for microbatch 2; "
+     f"{EVERY_BLOCK}"),
+    ("stage0.json", lambda data: data["blocks"]["F0"].remove(
+        [i for i in data["blocks"]["F0"] if i.get("node") == "F/L1/mlp_residual"][0]),
+     f"ranks 0, 1 (stage0.json): F/L1/mlp_residual is never issued; {EVERY_NODE.format(0)}"),
+    ("stage0.json", lambda data: data["blocks"]["F0"].append(
+        [i for i in data["blocks"]["F0"] if i.get("node") == "F/L0/ln1"][0]),
+     f"ranks 0, 1 (stage0.json): F/L0/ln1 is issued twice; {EVERY_NODE.format(0)}"),
+    ("stage0.json", _move_to("B0", "F/L0/ln1"),
+     "ranks 0, 1 (stage0.json): compute F/L0/ln1 in block B0 belongs to model chunk 0's "
+     "forward"),
+    ("stage0.json", _move_to("epilogue", "F/L0/ln1"),
+     "ranks 0, 1 (stage0.json): compute F/L0/ln1 in epilogue runs once per microbatch, not "
+     "once per step"),
+    ("stage0.json", _move_to("F0", "F/L0/ln1", guard="last"),
+     "ranks 0, 1 (stage0.json): compute F/L0/ln1 in block F0 runs once per microbatch but "
+     "is guarded to the last one"),
+    ("stage1.json", lambda data: data["receives"]["recv_prev"].pop(),
+     "ranks 2, 3 (stage1.json): F/c0>c1:recv@pp is received for microbatches 0, 1, 2; a "
+     "receive is taken once for each of the 4"),
+    ("stage1.json", lambda data: data["receives"]["recv_prev"].append(["F/c0>c1:recv@pp", 1]),
+     "ranks 2, 3 (stage1.json): F/c0>c1:recv@pp is received for microbatches 0, 1 (twice), "
+     "2, 3; a receive is taken once for each of the 4"),
+], ids=["optimizer-dropped", "block-run-twice", "block-never-run", "forward-dropped",
+        "forward-doubled", "forward-in-backward", "forward-in-epilogue", "forward-guarded",
+        "receive-dropped", "receive-doubled"])
+def test_a_program_that_drops_doubles_or_misplaces_work_is_refused(name, change, message):
+    """Rules of planc.verify.coverage: the program runs its stage's step whole."""
+    build = built()
+    assert problems(build) == []
+    found = problems(build, _replace_program(build, name, change))
+    assert message in found, found
+    if name == "stage0.json" and change is _drop_optimizer:
+        assert found == [message]  # nothing else would have refused it
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda schedule: schedule.append(["F0", 1]), "runs block F0 twice for microbatch 1"),
+    (lambda schedule: schedule.pop(), "never runs block F0 for microbatch 3"),
+])
+def test_an_evaluation_that_runs_a_forward_twice_or_never_is_refused(change, said):
+    build = built(PP_PLAN.replace("schedule {", "train { eval_every = 2; eval_batches = 2 }\n"
+                                  "  schedule {"))
+    assert problems(build) == []
+
+    def damage(data):
+        change(data["evaluation"]["schedule"])
+
+    assert problems(build, _replace_program(build, "stage0.json", damage)) == [
+        f"ranks 0, 1 (stage0.json): the evaluation's schedule {said}; every forward block "
+        f"runs once for each of the 4"]
+
+
+def test_an_instruction_of_another_stage_is_refused():
+    build = built()
+    borrowed = next(i for i in build.programs["stage1.json"].blocks["F1"] if i.node).to_json()
+
+    def borrow(data):
+        data["blocks"]["F0"].append(borrowed)
+
+    found = problems(build, _replace_program(build, "stage0.json", borrow))
+    assert found == [f"ranks 0, 1 (stage0.json): {borrowed['op']} {borrowed['node']} in block "
+                     f"F0 is a node of stage 1"]
 
 
 def test_a_transfer_whose_reads_leave_out_its_operands_is_refused():

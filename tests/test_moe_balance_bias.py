@@ -160,9 +160,11 @@ def test_an_update_before_the_sum_and_a_missing_sum_are_refused():
     def drop(data):
         data["epilogue"] = [i for i in data["epilogue"] if i.get("node") != total]
 
-    assert _problems(build, name, drop)[0] == (
+    assert _problems(build, name, drop)[:2] == [
+        f"ranks 0, 1, 2, 3 ({name}): {total} is never issued; every node of stage 0 runs "
+        f"exactly once per step (per microbatch in its block)",
         f"program {name}: 0 instructions all-reduces the expert loads once per step in the "
-        f"epilogue; bias_update = 0.01 needs exactly one, after the step's last forward")
+        f"epilogue; bias_update = 0.01 needs exactly one, after the step's last forward"]
 
 
 # --- training -------------------------------------------------------------------------------

@@ -84,7 +84,15 @@ def test_each_mixture_becomes_four_pieces_and_five_all_to_alls():
                       "F/L1/moe:experts": Op.MOE_EXPERTS, "F/L1/moe:sum": Op.MOE_COMBINE}
     assert graph.nodes["F/L1/moe:experts"]["params"] == [
         f"layers.1.experts.{w}.weight" for w in ("gate", "up", "down")]
-    # the pieces' FLOPs add up to the whole mixture's (planc.models.moe.part_flops)
+    # each piece's FLOPs for the rank's 64 tokens (planc.models.moe.part_flops): the
+    # router's h x e GEMM and 5 per expert for its softmax and top-k; an expert's SwiGLU
+    # (three h x ffn GEMMs and 5 per ffn feature), once for the shared expert and top_k
+    # times for the routed ones with their weighting (2 h per choice); the sum nothing
+    swiglu = 6 * 64 * 48 + 5 * 48
+    assert {n: graph.nodes[n]["flops"] for n in pieces} == {
+        "F/L1/moe": tokens * (2 * 64 * 8 + 5 * 8), "F/L1/moe:shared": tokens * swiglu,
+        "F/L1/moe:experts": tokens * (2 * swiglu + 2 * 64 * 2), "F/L1/moe:sum": 0.0}
+    # and they add up to the whole mixture's
     uncut = built(plan_text().replace("; overlap_all_to_all = on", "")).graph
     whole = uncut.nodes["F/L1/moe"]["flops"]
     assert sum(graph.nodes[n]["flops"] for n in pieces) == pytest.approx(whole, rel=1e-12)
@@ -177,12 +185,18 @@ def test_the_cut_mixture_costs_its_pieces_as_the_whole_costs_them():
     text = plan_text(mesh="dp = 8; ep = 8", topology="topology { preset = dgx-h100 }",
                      microbatches=1)
     model = KernelModel.of(load_text(text).plan)
-    for step in ("forward", "backward"):
-        flops = 3.5e12 * (2 if step == "backward" else 1)
-        tokens = flops / (2 if step == "backward" else 1) / model.mixture.flops_per_token
-        assert model.mixture_seconds(step, flops) == pytest.approx(
-            sum(model.mixture_part_seconds(part, step, tokens) for part in MIXTURE_PARTS),
-            rel=1e-12)
+    # the compiled pieces, priced as the simulator prices their instructions (the tokens
+    # of a piece read from its output), against the uncut mixture's instructions
+    cut, whole = built(text), built(text.replace("; overlap_all_to_all = on", ""))
+    cut_ops, whole_ops = ({i.node: i.operands for p in b.programs.values() for i in p.written()
+                           if i.node and i.operands is not None} for b in (cut, whole))
+    forward = ["F/L1/moe", "F/L1/moe:shared", "F/L1/moe:experts", "F/L1/moe:sum"]
+    backward = [n.replace("F/", "B/") for n in forward] + ["W/L1/moe:experts"]
+    for pieces, node in ((forward, "F/L1/moe"), (backward, "B/L1/moe")):
+        priced = [model.graph_seconds(cut_ops[n], 0.0) for n in pieces]
+        assert min(priced[:3]) > 0
+        assert sum(priced) == pytest.approx(model.graph_seconds(whole_ops[node], 0.0),
+                                            rel=1e-12)
     # A backward split from its weight gradients (optimize { weight_grad_overlap }, the
     # zero-bubble schedules): each half holds half its flops, and the two cost what the
     # whole does, each part's GEMMs counted once (the input half was priced as the

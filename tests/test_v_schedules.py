@@ -76,14 +76,24 @@ def test_a_v_places_the_first_and_last_chunk_on_stage_0():
 
 def test_the_v_orders_run_to_the_end_on_the_timeline():
     """Every action's inputs come before it on its own or another stage (no deadlock)."""
-    for name, pp, m in (("zbv", 2, 4), ("zbv", 4, 8), ("dualpipev", 2, 4),
-                        ("dualpipev", 4, 8)):
+    for name, pp, m, makespan in (("zbv", 2, 4, 25), ("zbv", 4, 8, 51),
+                                  ("dualpipev", 2, 4, 25), ("dualpipev", 4, 8, 51)):
         orders = {s: schedules.order(name, s, pp, m, 2) for s in range(pp)}
         timeline = schedules.simulate(orders, pp, 2)
-        # forward 1, backward 2 (I and W 1 each): the last stage's busy time is 3 per
-        # microbatch and chunk, and ZB-V's bubble is small
-        busy = 3 * 2 * m
-        assert busy <= timeline.makespan < busy + 3 * pp
+        # forward 1, backward 2 (I and W 1 each): a stage's busy time is 3 per
+        # microbatch and chunk, 3 x 2 x m; the V's leaves 1 unit idle at pp 2, 3 at pp 4
+        assert timeline.makespan == makespan == 3 * 2 * m + (1 if pp == 2 else 3)
+
+
+def test_a_v_order_that_waits_for_a_gradient_not_yet_made_deadlocks():
+    """Stage 0's input gradient of its first chunk needs the second chunk's (on stage
+    1), which needs the forward of every chunk before it: taken right after its own
+    forward, stage 0 waits for what waits for stage 0."""
+    orders = {s: list(schedules.order("zbv", s, 2, 4, 2)) for s in range(2)}
+    early = orders[0].pop(orders[0].index(Action(ActionKind.BACKWARD_INPUT, 0, 0)))
+    orders[0].insert(orders[0].index(Action(ActionKind.FORWARD, 0, 0)) + 1, early)
+    with pytest.raises(ValueError, match="^the pipeline schedules deadlock$"):
+        schedules.simulate(orders, 2, 2)
 
 
 @pytest.mark.parametrize("name, pp, m, expected", [

@@ -22,7 +22,10 @@ The invariants of docs/semantics.md, section 5:
    steps, counting every gradient element once (:mod:`planc.verify.grad_norm`);
 9. with ``model moe { bias_update }``, every rank of a stage holding mixture blocks
    counts its expert loads, sums them over the stage and updates the balancing bias
-   once per step, in that order, in its epilogue (:mod:`planc.verify.router_bias`).
+   once per step, in that order, in its epilogue (:mod:`planc.verify.router_bias`);
+10. every program runs its stage's step whole: each node of the graph once (per
+    microbatch in its own block), each block once for every microbatch
+    (:mod:`planc.verify.coverage`).
 
 Before any of these, every instruction's operands (what the runtime runs) must be the
 ones the graph implies (:func:`planc.lower.bind.operands_of`): the proofs below read the
@@ -50,6 +53,7 @@ from planc.program.routes import RouteTable
 from planc.lower.tables import routed_nodes
 from planc.verify.reads_writes import reads_and_writes_problem
 from planc.verify.counts import CountsChecks, sums_counts
+from planc.verify.coverage import CoverageChecks
 from planc.verify.experts import ExpertChecks, is_expert_exchange
 from planc.verify.grad_norm import GradNormChecks
 from planc.verify.router_bias import RouterBiasChecks
@@ -64,7 +68,7 @@ from planc.plan.plan import Plan
 
 
 class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsChecks,
-                ProgressChecks, GradNormChecks, RouterBiasChecks):
+                ProgressChecks, GradNormChecks, RouterBiasChecks, CoverageChecks):
     def __init__(self, plan: Plan, graph: nx.DiGraph, programs: dict[str, Program],
                  table: RankTable, groups: GroupTable | None = None,
                  routes: RouteTable | None = None, binding: Binding | None = None):
@@ -75,6 +79,7 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
         self._texts: dict[str, str] = {}
         self.receive_of_send: dict[str, str] = {}
         self._binding = binding  # the graph's operands, made when first needed
+        self._by_stage: dict[int, list[str]] | None = None  # the graph's nodes by stage
 
     # --- 0. the rank table ------------------------------------------------------------
 
@@ -288,6 +293,9 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
             return self.report
         for name, program in self.programs.items():
             if name in self.table.names:
+                self.coverage(name, program)
+                if program.evaluation:
+                    self.evaluation_coverage(name, program)
                 self.operands(name, program)
                 self.events_and_buffers(name, program)
                 self.buckets(name, program)
