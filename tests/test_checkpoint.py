@@ -474,8 +474,11 @@ def test_bad_checkpoint_flags_are_one_line_and_exit_2(tmp_path, capfd):
     plan = write_plan(tmp_path, "p", mesh="dp = 2")
     assert _refused([plan, "--checkpoint-every", 2], capfd, tmp_path, 2) == \
         "planc: error: --checkpoint-every needs --checkpoint-dir"
-    assert _refused([plan, "--checkpoint-dir", tmp_path / "c", "--checkpoint-every", 0],
-                    capfd, tmp_path, 2) == "planc: error: --checkpoint-every must be at least 1"
+    for flag, value in (("--checkpoint-every", 0), ("--checkpoint-every", 10**400),
+                        ("--steps", 0), ("--steps", 10**20)):
+        assert _refused([plan, "--checkpoint-dir", tmp_path / "c", flag, value], capfd,
+                        tmp_path, 2) == f"planc: error: {flag} must be a number of steps " \
+                                        f"from 1 to 10^12"
     assert "is the plan file, which this command reads" in _refused(
         [plan, "--checkpoint-dir", plan], capfd, tmp_path, 2)
     other = tmp_path / "other.txt"

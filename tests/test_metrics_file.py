@@ -96,7 +96,7 @@ HUGE = 10**400  # a float of it overflows
 @pytest.mark.parametrize("change, problem", ids=[
     "huge step", "step past 10^12", "negative step", "float step", "boolean step",
     "huge tokens_per_s", "huge tflops_per_device", "NaN mfu", "subnormal lr", "text loss",
-    "loss past 1e100"], argvalues=[
+    "loss past 1e100", "plan a list", "plan an object"], argvalues=[
     ({"step": HUGE}, "line 2 has no step number (a whole number from 0 to 10^12)"),
     ({"step": 10**12 + 1}, "line 2 has no step number (a whole number from 0 to 10^12)"),
     ({"step": -1}, "line 2 has no step number (a whole number from 0 to 10^12)"),
@@ -114,6 +114,9 @@ HUGE = 10**400  # a float of it overflows
                       "1e-100 to 1e100"),
     ({"loss": -1e101}, "line 2 (step 2) has a loss that is not a number of magnitude 0 or "
                        "1e-100 to 1e100"),
+    # plot and report group the steps by plan: a plan that is not text has no name
+    ({"plan": [1]}, "line 2 (step 2) has a plan name that is not text"),
+    ({"plan": {}}, "line 2 (step 2) has a plan name that is not text"),
 ])
 def test_numbers_out_of_range_are_refused_by_plot_and_report(tmp_path, capsys, fingerprint,
                                                              change, problem):

@@ -415,6 +415,17 @@ def test_a_run_continues_its_own_history_and_replaces_another_only_with_force(tm
         assert main(["run", str(build), *argv]) == 2
         assert capfd.readouterr().err == f"planc: error: {message}\n"
     assert _tree(tmp_path) == before
+    # a resumed run appends only to a file planc plot and planc report read
+    damaged = tmp_path / "damaged.jsonl"
+    damaged.write_bytes(first.replace(b'"step": 0', b'"step": "x"', 1))
+    assert main(["run", str(build), "--resume", str(ckpt / "step-000001"), "--metrics",
+                 str(damaged)]) == 2
+    assert capfd.readouterr().err == (
+        f"planc: error: --metrics: {damaged}: line 1 has no step number (a whole number "
+        f"from 0 to 10^12); it is not what planc run --metrics writes; a resumed run "
+        f"appends only to a metrics file planc plot and planc report can read\n")
+    assert damaged.read_bytes() == first.replace(b'"step": 0', b'"step": "x"', 1)
+    damaged.unlink()
     # a run stopped while writing a record leaves part of a line: the resumed run drops it
     with open(metrics, "ab") as handle:
         handle.write(b'{"step": 2, "loss": 4.1')

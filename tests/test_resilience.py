@@ -101,7 +101,13 @@ def test_simulate_prices_checkpoints_and_failures(capsys):
     (["--storage", "1e-310", "--mtbf", "1"],
      "--storage 1e-310: must be a number from 1e-06 to 1e+09"),
     (["--restart", "-1", "--mtbf", "1"], "--restart -1: must be a number from 0 to 1e+09"),
-    (["--checkpoint-every", "0"], "--checkpoint-every must be at least 1"),
+    (["--checkpoint-every", "0"],
+     "--checkpoint-every must be a number of steps from 1 to 10^12"),
+    # a number past a float's range stopped simulate with an OverflowError
+    (["--checkpoint-every", "1" + "0" * 400],
+     "--checkpoint-every must be a number of steps from 1 to 10^12"),
+    (["--checkpoint-every", str(10**12 + 1), "--mtbf", "3"],
+     "--checkpoint-every must be a number of steps from 1 to 10^12"),
 ])
 def test_bad_pricing_options_are_refused(flags, message, capsys):
     assert main(["simulate", str(PLANS / "gpt-tiny.plan"), *flags]) == 2

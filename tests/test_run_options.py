@@ -27,7 +27,9 @@ def test_defaults_make_the_shortest_command_line():
 
 @pytest.mark.parametrize("argv, message", [
     (["/b", "--checkpoint-every", "0", "--checkpoint-dir", "/c"],
-     "--checkpoint-every must be at least 1"),
+     "--checkpoint-every must be a number of steps from 1 to 10^12"),
+    (["/b", "--steps", str(10**12 + 1)], "--steps must be a number of steps from 1 to 10^12"),
+    (["/b", "--steps", "0"], "--steps must be a number of steps from 1 to 10^12"),
     (["/b", "--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir"),
     (["/b", "--checkpoint-async"], "--checkpoint-async needs --checkpoint-dir"),
 ])

@@ -13,6 +13,7 @@ from planc.commands.run_outputs import prepare_outputs
 from planc.commands.run_prepare import (checkpoint_found, resume_problem, run_options,
                                        verified_build)
 from planc.commands.arguments import Command, add_input, force, output, path
+from planc.data.metrics_file import MAX_STEP
 
 
 def main(args) -> int:
@@ -175,16 +176,17 @@ def _refused(args) -> int | None:
         return fail(f"-o names the build directory a plan file is compiled into, but "
                     f"{args.file} is a build directory already; run it without -o",
                     EXIT_USAGE)
-    if args.steps is not None and args.steps < 1:
-        return fail("--steps must be at least 1", EXIT_USAGE)
+    if args.steps is not None and not 1 <= args.steps <= MAX_STEP:  # what metrics record
+        return fail("--steps must be a number of steps from 1 to 10^12", EXIT_USAGE)
     if not 0 < args.timeout <= MAX_TIMEOUT_S:  # also refuses nan
         return fail(f"--timeout must be a number of seconds above 0 and at most "
                     f"{MAX_TIMEOUT_S} (a week), not {args.timeout:g}", EXIT_USAGE)
     if args.checkpoint_every is not None:
         if not args.checkpoint_dir:
             return fail("--checkpoint-every needs --checkpoint-dir", EXIT_USAGE)
-        if args.checkpoint_every < 1:
-            return fail("--checkpoint-every must be at least 1", EXIT_USAGE)
+        if not 1 <= args.checkpoint_every <= MAX_STEP:
+            return fail("--checkpoint-every must be a number of steps from 1 to 10^12",
+                        EXIT_USAGE)
     if args.checkpoint_async and not args.checkpoint_dir:
         return fail("--checkpoint-async needs --checkpoint-dir", EXIT_USAGE)
     if args.checkpoint_peer_memory and not args.checkpoint_dir:
@@ -223,6 +225,15 @@ def _refused(args) -> int | None:
                               made=None if given else build_dir)
     if refused is not None:
         return refused
+    if args.resume and args.metrics and os.path.isfile(args.metrics) and \
+            os.path.getsize(args.metrics):
+        # the file this run continues must stay one that plot and report read
+        from planc.data.metrics_file import read_metrics
+
+        problem = read_metrics(args.metrics).problem
+        if problem:
+            return fail(f"--metrics: {problem}; a resumed run appends only to a metrics "
+                        f"file planc plot and planc report can read", EXIT_USAGE)
     if args.checkpoint_dir:
         from planc.commands.run_outputs import checkpoint_dir_problem
 

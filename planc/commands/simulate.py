@@ -7,6 +7,7 @@ import sys
 
 from planc.commands import EXIT_OK, EXIT_USAGE, fail, load_programs, outputs_refused, the_input
 from planc.commands.arguments import Command, add_input, force, output
+from planc.data.metrics_file import MAX_STEP
 
 
 def main(args) -> int:
@@ -72,8 +73,9 @@ def resilience_problem(args) -> str | None:
         low, high = LIMITS[flag]
         if value is not None and not low <= value <= high:  # also refuses nan
             return f"{flag} {value:g}: must be a number from {low:g} to {high:g}"
-    if getattr(args, "checkpoint_every", None) is not None and args.checkpoint_every < 1:
-        return "--checkpoint-every must be at least 1"
+    every = getattr(args, "checkpoint_every", None)
+    if every is not None and not 1 <= every <= MAX_STEP:
+        return "--checkpoint-every must be a number of steps from 1 to 10^12"
     return None
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from planc.data.identity import Identity, identities_text, parse_identities
+from planc.data.metrics_file import MAX_STEP
 from planc.runtime.stragglers import DEFAULT_MARGIN
 
 DEFAULT_TIMEOUT = 120.0  # seconds without progress before a rank reports a hang
@@ -48,8 +49,10 @@ class RunOptions:
         """The options of a worker's command line; a wrong one exits with status 2."""
         parser = _parser()
         args = parser.parse_args(argv)
-        if args.checkpoint_every is not None and args.checkpoint_every < 1:
-            parser.error("--checkpoint-every must be at least 1")
+        for flag, value in (("--steps", args.steps), ("--checkpoint-every",
+                                                      args.checkpoint_every)):
+            if value is not None and not 1 <= value <= MAX_STEP:  # what metrics record
+                parser.error(f"{flag} must be a number of steps from 1 to 10^12")
         if args.checkpoint_every is not None and not args.checkpoint_dir:
             parser.error("--checkpoint-every needs --checkpoint-dir")
         if args.checkpoint_async and not args.checkpoint_dir:
