@@ -94,7 +94,9 @@ STAGING_SUFFIX = 16  # ".NAME.tmp-XXXXXXXX": the staging directory's extra bytes
 @without_collector
 def write(build: Build, directory: str | Path, source_path: str, source_text: str) -> Path:
     """Write ``build`` to ``directory`` atomically; replaces an earlier planc build there."""
-    target = Path(directory)
+    # a symbolic link is followed: its target is written and the link kept (README,
+    # "Outputs"); renaming over the link itself replaced it with a directory
+    target = Path(os.path.realpath(directory) if os.path.islink(directory) else directory)
     name_bytes = len(os.fsencode(target.name))
     if name_bytes > NAME_MAX - STAGING_SUFFIX:
         raise BuildError(f"the name {target.name[:40]}... is {name_bytes} bytes; a file name "
@@ -158,9 +160,11 @@ def write(build: Build, directory: str | Path, source_path: str, source_text: st
             for name, data in programs.items():
                 (staging / PROGRAMS / name).write_text(dumps(data), encoding="utf-8")
         _replace(staging, target)
-    except OSError as exc:
+    except BaseException as exc:  # a full disk, or a Ctrl-C: no half-written build is left
         shutil.rmtree(staging, ignore_errors=True)
-        raise BuildError(f"cannot write {target}: {exc.strerror}") from None
+        if isinstance(exc, OSError):
+            raise BuildError(f"cannot write {target}: {exc.strerror}") from None
+        raise
     return target
 
 
@@ -179,16 +183,19 @@ def _replace(staging: Path, target: Path) -> None:
     os.rmdir(old)
     os.rename(target, old)
     carried: list[str] = []
+    moved = False
     try:
         for name in sorted(os.listdir(old)):
             if name not in COMPILED:
                 os.rename(old / name, staging / name)
                 carried.append(name)
         os.rename(staging, target)
-    except OSError:
-        for name in carried:  # put the old build back as it was
-            os.rename(staging / name, old / name)
-        os.rename(old, target)
+        moved = True
+    except BaseException:  # an error or a signal between the renames
+        if not moved:
+            for name in carried:  # put the old build back as it was
+                os.rename(staging / name, old / name)
+            os.rename(old, target)
         raise
     shutil.rmtree(old, ignore_errors=True)
 
