@@ -65,6 +65,11 @@ def build_parser(named: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # A path is printed as the user gave it, bytes that are no UTF-8 included (Python
+    # holds them as surrogates): as \xff escapes, where a strict stream would raise.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     # Signals first: a Ctrl-C at any moment stops the command with 128 + its number and
     # one line, never a traceback; the imports below are inside the handling too.
     with Interrupts() as interrupts:

@@ -219,7 +219,10 @@ def _leftovers(directory) -> list[str]:
     (b"{\"body\": \"the cat\"}", "the object has no 'text' field (it has 'body'); name the "
                                "text's field with --text-key"),
     (b"{\"text\": 7}", "the 'text' field is a JSON int, not a string"),
-], ids=["truncated", "list", "no-field", "not-a-string"])
+    # JSON escapes a lone surrogate, which the tokenizer refused with a TypeError
+    (b"{\"text\": \"a\\udc80b\"}", "the 'text' field holds a lone surrogate (\\udc80), not "
+                                   "Unicode text"),
+], ids=["truncated", "list", "no-field", "not-a-string", "lone-surrogate"])
 def test_a_bad_line_names_its_file_and_line_and_writes_nothing(line, message, tmp_path,
                                                                capfd):
     save_tokenizer(tmp_path / "tok")

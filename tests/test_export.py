@@ -105,3 +105,18 @@ def _packed(raw: bytes) -> list[int]:
         value, at = _varint(raw, at)
         out.append(value)
     return out
+
+
+def test_a_prefix_too_long_for_a_trace_name_is_refused_before_anything_is_written(tmp_path,
+                                                                                    run_planc):
+    """A trace is PREFIX.RANK.et, for ranks up to 524,287: a prefix of 250 bytes stopped
+    the export at its first rank of two digits, with the traces of the others written."""
+    out = tmp_path / "out"
+    done = run_planc("export", PLANS / "gpt-tiny.plan", "-o", out, "--prefix", "p" * 246)
+    assert (done.returncode, done.stderr) == (2, (
+        "planc: error: --prefix is 246 bytes; a trace's file name (PREFIX.RANK.et) holds at "
+        "most 255, so the prefix at most 245\n"))
+    assert not out.exists()
+    done = run_planc("export", PLANS / "gpt-tiny.plan", "-o", out, "--prefix", "p" * 245)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == [f"{'p' * 245}.{r}.et" for r in (0, 2)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -101,6 +102,24 @@ def test_the_best_plan_written_checks_compiles_and_simulates_to_its_step(tmp_pat
                                                       rel=1e-12)
     assert result["candidates"][0] == result["best"]
     assert result["candidates"][1]["step_seconds"] >= result["best"]["step_seconds"]
+
+
+def test_the_header_of_the_best_plan_shows_any_file_name_on_one_comment_line(tmp_path,
+                                                                             capsys):
+    """A file name went into the header as it was: a newline in it ended the comment and
+    put the rest into the plan (planc check then refused it, or took what it said), and
+    bytes that are no UTF-8 stopped tune with a UnicodeEncodeError once it had searched."""
+    source = tmp_path / "nl\n}}}junk.plan"
+    source.write_text(SMALL)
+    best = os.fsdecode(os.fsencode(str(tmp_path)) + b"/best\xff.plan")
+    assert main(["tune", str(source), "--gpus", "4", "--top", "1", "--keep",
+                 "schedule.microbatches", "-o", best]) == 0
+    capsys.readouterr()
+    with open(best, encoding="utf-8") as handle:
+        first = handle.readline()
+    assert first == (f"# Chosen by planc tune '{tmp_path}/nl\\n}}}}}}junk.plan' --gpus 4 "
+                     f"--top 1 --keep schedule.microbatches -o '{tmp_path}/best\\xff.plan'\n")
+    assert main(["check", best]) == 0
 
 
 def test_a_file_written_for_other_devices_is_tuned_for_these(tmp_path, capsys):

@@ -24,6 +24,16 @@ def main(args) -> int:
     if not args.prefix or "/" in args.prefix or args.prefix.startswith("."):
         return fail(f"--prefix {args.prefix!r}: a file name's start, without '/' and not "
                     f"starting with '.'", EXIT_USAGE)
+    from planc.host.outputs import NAME_MAX
+    from planc.plan.plan import LIMITS
+
+    # checked before any work: a trace's name is PREFIX.RANK.et, for ranks up to the
+    # largest mesh's; a name too long stopped the export after writing the first traces
+    longest = len(os.fsencode(args.prefix)) + len(f".{LIMITS['world'] - 1}.et")
+    if longest > NAME_MAX:
+        return fail(f"--prefix is {len(os.fsencode(args.prefix))} bytes; a trace's file name "
+                    f"(PREFIX.RANK.et) holds at most {NAME_MAX}, so the prefix at most "
+                    f"{NAME_MAX - longest + len(os.fsencode(args.prefix))}", EXIT_USAGE)
     refused = outputs_refused(args, (the_input(args.file),),
                               members=lambda name: trace_file(name, args.prefix))
     if refused is not None:

@@ -28,6 +28,10 @@ def main(args) -> int:
     built, status = load_programs(args, verified=True)
     if built is None:
         return status
+    measured_on = getattr(args, "imbalance_plans", None)
+    if measured_on and built.plan.name not in measured_on:
+        print(f"planc: warning: {args.imbalance_from} records a run of {', '.join(measured_on)}"
+              f", not of {built.plan.name}: its imbalance is another plan's", file=sys.stderr)
     result = simulate(built, keep_timeline=bool(args.trace))
     accuracy = expected(built.plan)
     priced = None
@@ -105,8 +109,9 @@ def measured_imbalance(args) -> str | None:
     if not measured:
         return (f"{args.imbalance_from} records no ep_imbalance: planc run writes it for a "
                 f"plan whose experts are split over ep")
-    value = max(1.0, statistics.median(measured))
+    value = statistics.median(measured)  # at least 1: the reader refuses less
     args.set = [*(args.set or []), f"model.imbalance={value:.6g}"]
+    args.imbalance_plans = sorted({r["plan"] for r in records if r.get("plan")})
     print(f"planc: model.imbalance = {value:.6g}, the median ep_imbalance of the "
           f"{len(measured)} steps in {args.imbalance_from}", file=sys.stderr)
     return None

@@ -109,6 +109,11 @@ def _jsonl_text(path: str, number: int, line: bytes, key: str) -> str:
     if not isinstance(text, str):
         raise SourceError(f"{path}:{number}: the {key!r} field is a JSON "
                           f"{type(text).__name__}, not a string")
+    try:  # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer takes
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise SourceError(f"{path}:{number}: the {key!r} field holds a lone surrogate "
+                          f"({ascii(text[exc.start])[1:-1]}), not Unicode text") from None
     return text
 
 

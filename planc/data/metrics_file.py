@@ -134,6 +134,10 @@ def record_problem(record: dict) -> str | None:
         if value is not None and not in_range(value, key in DIVERGING):
             return (f"(step {step + 1}) has a {key} that is not a number of magnitude 0 or "
                     f"1e-100 to 1e100")
+    for key in ("ep_imbalance", "moe_expert_imbalance"):  # the busiest over the mean
+        value = record.get(key)
+        if value is not None and value < 1:
+            return f"(step {step + 1}) has an {key} under 1 (the busiest over the mean)"
     if not isinstance(record.get("plan", ""), str):  # plot and report group steps by it
         return f"(step {step + 1}) has a plan name that is not text"
     return None

@@ -113,7 +113,7 @@ def best_file(search, gpus: int, argv: list[str]) -> str:
     best = search.best
     runner = f"; #2 ({search.ranked[1].candidate.text()}) {_seconds(search.ranked[1].step_seconds)}" \
         if len(search.ranked) > 1 else ""
-    header = [f"# Chosen by planc {' '.join(argv)}",
+    header = [f"# Chosen by planc {' '.join(map(_shown_argument, argv))}",
               f"# on {gpus:,} devices: {best.candidate.text()}",
               f"# simulated step {_seconds(best.step_seconds)}, {best.tflops_per_gpu:.1f} "
               f"TFLOP/s per GPU, MFU {best.mfu:.1%}{runner}",
@@ -121,3 +121,14 @@ def best_file(search, gpus: int, argv: list[str]) -> str:
               f"{sum(search.pruned.values()):,} pruned)."]
     text = best.text if best.text.endswith("\n") else best.text + "\n"
     return "\n".join(header) + "\n" + text
+
+
+def _shown_argument(argument: str) -> str:
+    """An argument on one line of printable text, quoted for a shell where it needs to be:
+    a path's bytes that are no UTF-8 (held as surrogates) as ``\\xff``, and an argument
+    with a newline or another unprintable character as Python's ``ascii`` writes it, so
+    that a file name cannot end the header's comment and put its rest into the plan."""
+    import shlex
+
+    text = argument.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return shlex.quote(text) if text.isprintable() else ascii(text)
