@@ -34,6 +34,11 @@ def test_the_key_is_a_number_of_at_least_one_and_plan_json_keeps_it_only_when_gi
                                    topology="preset = dgx-h100")).diagnostics
     assert [(d.span.line, d.span.column, d.message) for d in errors if d.is_error] == [
         (3, 79, "expected a number >= 1, got 0.5")]
+    errors = load_text(PLAN.format(imbalance="; imbalance = 2.5", ep=2, dp=8,
+                                   topology="preset = dgx-h100")).diagnostics
+    assert [(d.span.line, d.span.column, d.message) for d in errors if d.is_error] == [
+        (3, 79, "imbalance (2.5) must be at most experts / top_k (2): the busiest expert "
+                "takes each token at most once")]
     assert "imbalance" not in plan_of().to_dict()["model"]["options"]
     assert plan_of("; imbalance = 1.3").to_dict()["model"]["options"]["imbalance"] == 1.3
 
@@ -80,7 +85,7 @@ def test_the_all_to_alls_and_the_experts_wait_for_the_busiest_rank():
 def test_off_the_known_gpus_the_roofline_prices_the_busiest_ranks_flops():
     cpu = "nodes = 1; devices_per_node = 8; device { flops = 1TFLOP/s; memory = 8GB }"
     steps = [simulate(compile_plan(plan_of(f"; imbalance = {i}", topology=cpu))).step_seconds
-             for i in (1.0, 3.0)]
+             for i in (1.0, 2.0)]  # 2: experts / top_k, every token on one expert
     assert steps[0] < steps[1]
 
 

@@ -160,7 +160,7 @@ def _replay(instructions: tuple[Instruction, ...], duration, keep_spans: bool,
             if waiting:
                 axis = group_of(item.operands).partition("/")[0]
                 out.exposed[axis] = out.exposed.get(axis, 0.0) + waiting
-            out.compute_busy += seconds - waiting
+            out.compute_busy += max(seconds - waiting, 0.0)  # rounding, at long exchanges
         elif stream == COMPUTE:  # a transfer the compute stream runs itself (overlap off):
             axis = axis_of(item.operands)  # all of it exposed, on its axis
             if axis:

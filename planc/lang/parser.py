@@ -92,11 +92,14 @@ def _at(piece: lalr.Piece) -> Span:
     return Span(piece[1], piece[2], piece[3], piece[4])
 
 
-def _unescape(text: str) -> str:
+def _string_node(text: str, span: Span) -> ast.String:
+    """A quoted string, its escapes decoded as Python's; one whose escapes do not decode
+    (``"\\u12"``) keeps its text and says why, for the checker to report at its span."""
     try:
-        return python_ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text[1:-1]
+        return ast.String(python_ast.literal_eval(text), span)
+    except (ValueError, SyntaxError) as exc:
+        reason = str(getattr(exc, "msg", exc) or exc).rpartition(": ")[2]
+        return ast.String(text[1:-1], span, reason or "an escape that does not decode")
 
 
 # --- the tree builders: one per rule (or alias) of the grammar, each taking its children
@@ -127,7 +130,7 @@ def _word(children):
 
 
 def _string(children):
-    return ast.String(_unescape(children[0][0]), _at(children[0]))
+    return _string_node(children[0][0], _at(children[0]))
 
 
 def _binop(children):
@@ -225,7 +228,7 @@ def _entry(key: str, line: int, key_column: int, key_end: int, atom: str, text: 
     elif atom == "NAME":
         value = ast.Word(text, span)
     else:
-        value = ast.String(_unescape(text), span)
+        value = _string_node(text, span)
     return ast.Assign(key, Span(line, key_column, line, key_end), value,
                       Span(line, key_column, line, end))
 

@@ -158,6 +158,10 @@ def check_path(value: ast.String, what: str) -> str:
     """A path as written in quotes, if the system can name a file with it: not empty, no
     NUL character (the end of a C string) and no lone surrogate (not encodable)."""
     text = value.value
+    if value.malformed:
+        raise Problem(f"the {what} path has a malformed escape ({value.malformed}); a "
+                      f"backslash starts an escape as in Python: write \\\\ for one",
+                      value.span)
     if not text:
         raise Problem(f"the {what} path is empty", value.span)
     if "\0" in text:

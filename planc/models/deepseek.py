@@ -246,7 +246,7 @@ FAMILY = replace(
     keys=KEYS,
     presets=PRESETS,
     model_checks=(rope_dim_even, moe.top_k_within_experts, moe.first_dense_within_layers,
-                  moe.groups_of_experts),
+                  moe.groups_of_experts, moe.imbalance_within_experts),
     tensor_parallel_checks=(fp8_blocks_split_over_tp,),
     mesh_checks=(moe.ep_divides_the_stage_and_the_experts,),
     hf_architecture="DeepseekV3ForCausalLM",

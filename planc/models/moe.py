@@ -320,6 +320,20 @@ def top_k_within_experts(m: Model) -> Finding | None:
                    try_values("top_k", [k for k in (1, 2, m.experts) if k <= m.experts]))
 
 
+def imbalance_within_experts(m: Model) -> Finding | None:
+    """The busiest expert takes each token at most once: experts / top_k times the mean
+    of its top_k x tokens slots over the experts, the most ``imbalance`` can be."""
+    given = m.options.get("imbalance")
+    most = m.experts / m.top_k
+    if given is None or m.top_k > m.experts or float(given) <= most:
+        return None
+    return Finding(f"imbalance ({float(given):g}) must be at most experts / top_k ({most:g}): "
+                   f"the busiest expert takes each token at most once",
+                   ("model.imbalance",),
+                   f"try imbalance = {PUBLISHED_IMBALANCE:g}, the published measurement"
+                   if PUBLISHED_IMBALANCE <= most else f"try imbalance = {most:g}")
+
+
 def groups_of_experts(m: Model) -> Finding | None:
     """DeepSeek-V3's group-limited routing: whole groups, and enough experts in the groups a
     token may use for its top_k."""
@@ -390,7 +404,7 @@ FAMILY = Family(
     keys=KEYS,
     presets=PRESETS,
     model_checks=(llama.kv_heads_divide_heads, llama.head_dim_even, top_k_within_experts,
-                  first_dense_within_layers, groups_of_experts),
+                  first_dense_within_layers, groups_of_experts, imbalance_within_experts),
     tensor_parallel_checks=(llama.kv_heads_split_over_tp, llama.fp8_blocks_split_over_tp),
     mesh_checks=(ep_divides_the_stage_and_the_experts,),
     hf_architecture="MixtralForCausalLM",  # without shared experts or dense blocks

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planc.plan.topology import Device, Link, Topology, Tuning
+from planc.vocabulary.units import MAX_RATE, MAX_SECONDS
 from planc.vocabulary.versions import is_version
 
 
@@ -179,11 +180,9 @@ def calibrated_document(name: str, devices_per_node: int, flops: float, intra: d
 
 
 # What a calibrated figure may be: a rate (FLOP/s, bytes/s, bytes) from 1 to 1e30, a time
-# (seconds) up to an hour. Beyond them a step's time is no longer a finite number (a
-# bandwidth of 5e-324 B/s) and nothing calibrate measures lies there.
-MAX_RATE, MAX_SECONDS = 1e30, 3600.0
-
-
+# (seconds) up to an hour, as a plan's own (planc.vocabulary.units.RANGES). Beyond them a
+# step's time is no longer a finite number (a bandwidth of 5e-324 B/s) and nothing
+# calibrate measures lies there.
 def _number(value, what: str, positive: bool = True,
             within: tuple[float, float] | None = None) -> float:
     """A rate (``positive``: from 1 to MAX_RATE) or a time in seconds (from 0 to

@@ -41,6 +41,7 @@ class Word:
 class String:
     value: str
     span: Span
+    malformed: str | None = None  # why its escapes do not decode: "truncated \\xXX escape"
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,15 @@ UNITS: dict[str, tuple[str, float]] = _build()
 
 EXAMPLES = {SIZE: "25MB", RATE: "50GB/s", TIME: "5us", COMPUTE: "312TFLOP/s"}
 
+# What a plan's quantities and a calibrated topology's figures may be: far beyond any
+# device or link that exists (an H100's 3.35 TB/s and 989 TFLOP/s, latencies of
+# microseconds), and near enough that the cost model's sums and differences of them stay
+# exact to far below a kernel's time (a latency of 1e30 s made a step minus its exposed
+# communication come out negative, one of 1e308 s infinite).
+MAX_RATE, MAX_SECONDS = 1e30, 3600.0
+RANGES = {SIZE: (1.0, MAX_RATE), RATE: (1.0, MAX_RATE), COMPUTE: (1.0, MAX_RATE),
+          TIME: (0.0, MAX_SECONDS)}
+
 
 def units_of(dimension: str) -> list[str]:
     return [name for name, (dim, _) in UNITS.items() if dim == dimension]
