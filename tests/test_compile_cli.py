@@ -1028,7 +1028,10 @@ def test_explain_axis_filter():
     (("--param", "nope"), "planc: error: the plan has no parameter 'nope'\n"),
     (("--param", "layers.0.qkv.weigth"), "planc: error: the plan has no parameter "
      "'layers.0.qkv.weigth'; did you mean 'layers.0.qkv.weight'?\n"),
-], ids=["layer-99", "param-nope", "param-typo"])
+    # one of the two was taken, the other ignored without a word
+    (("--layer", "1", "--param", "embedding.weight"), "planc: error: --layer and --param each "
+     "choose what to explain; give one of them\n"),
+], ids=["layer-99", "param-nope", "param-typo", "layer-and-param"])
 def test_explain_bad_values_exit_2(args, message):
     result = planc("explain", TINY, *args)
     assert result.returncode == 2

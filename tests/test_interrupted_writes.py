@@ -96,3 +96,24 @@ def test_compile_into_a_symbolic_link_writes_its_target_and_keeps_the_link(tmp_p
     assert link.is_symlink() and os.readlink(link) == "real"
     assert '"plan": "gpt_tiny"' in (real / "build.json").read_text()
     assert (real / "notes.txt").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("inside", [".", "programs"])
+def test_compile_into_the_directory_it_runs_in_or_one_holding_it_is_refused(inside, tmp_path):
+    """From inside the build's programs/, -o .. said only "Device or resource busy"."""
+    build = tmp_path / "b"
+    done = subprocess.run([sys.executable, "-m", "planc", "compile",
+                           str(PLANS / "gpt-tiny.plan"), "-o", str(build)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    before = _entries(build)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "planc", "compile",
+                           str(PLANS / "gpt-tiny.plan"), "-o",
+                           "." if inside == "." else "..", "--force"],
+                          capture_output=True, text=True, cwd=build / inside, env=env,
+                          timeout=300)
+    assert (done.returncode, done.stderr) == (1, (
+        "planc: error: planc replaces the whole build directory, so it cannot be the current "
+        "directory or hold it; name a subdirectory, such as -o build/NAME\n"))
+    assert _entries(build) == before and sorted(os.listdir(tmp_path)) == ["b"]

@@ -226,6 +226,26 @@ def test_no_output_flag_writes_over_a_protected_path(protected, case, capfd):
             assert status == 1
 
 
+FILE_OUTPUTS = [("graph", "-o"), ("simulate", "--trace"), ("tune", "-o"), ("report", "-o"),
+                ("plot", "-o"), ("calibrate", "-o"), ("run", "--metrics"), ("run", "--trace"),
+                ("data prepare", "-o")]
+
+
+@pytest.mark.parametrize("case", FILE_OUTPUTS, ids=lambda c: " ".join(c))
+def test_a_file_output_named_with_a_trailing_slash_is_refused(protected, case, capfd):
+    """'-o page.html/' names a directory; report wrote a file page.html there."""
+    root, _, one = protected
+    argv = [part + "/" if part == str(root / "new.out") else part  # Path drops the '/'
+            for part in _argv(OUTPUT_CASES[case], root, "new.out", one)]
+    before = _tree(root)
+    capfd.readouterr()
+    assert main(argv) == 2
+    flag = case[1]
+    assert capfd.readouterr().err == (f"planc: error: {flag} {root}/new.out/: ends with '/', "
+                                      f"which names a directory; name a file\n")
+    assert _tree(root) == before
+
+
 def test_the_messages_say_what_each_protected_path_is(protected, capfd):
     root, holder_pid, one = protected
     graph = ["graph", str(root / "my.plan"), "--format", "dot", "-o"]
@@ -299,6 +319,20 @@ def test_a_device_is_written_into_and_kept(protected, capfd):
     assert main(["simulate", str(root / "my.plan"), *one, "--trace", os.devnull]) == 0
     assert main(["report", str(root / "my.plan"), *one, "-o", os.devnull]) == 0
     assert os.path.exists(os.devnull) and not os.path.isfile(os.devnull)
+
+
+def test_dev_stdout_on_a_pipe_is_written_into(protected):
+    """/dev/stdout on a pipe is a link of /proc to "pipe:[N]", which names no path: it
+    was refused as "cannot write there (/proc/N/fd: No such file or directory)"."""
+    import subprocess
+    import sys
+
+    root, _, _ = protected
+    done = subprocess.run([sys.executable, "-m", "planc", "graph", str(root / "my.plan"),
+                           "--format", "dot", "-o", "/dev/stdout"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("// written by planc graph\ndigraph planc {\n")
 
 
 def test_two_outputs_of_one_command_on_one_path(protected, tmp_path, capfd):

@@ -108,10 +108,23 @@ def test_simulate_prices_checkpoints_and_failures(capsys):
      "--checkpoint-every must be a number of steps from 1 to 10^12"),
     (["--checkpoint-every", str(10**12 + 1), "--mtbf", "3"],
      "--checkpoint-every must be a number of steps from 1 to 10^12"),
+    # options that price checkpoints did nothing where nothing was priced
+    (["--storage", "5"], "--storage prices checkpoints, which only --mtbf or "
+                         "--checkpoint-every asks for"),
+    (["--restart", "5"], "--restart prices checkpoints, which only --mtbf or "
+                         "--checkpoint-every asks for"),
+    (["--checkpoint-async"], "--checkpoint-async prices checkpoints, which only --mtbf or "
+                             "--checkpoint-every asks for"),
 ])
 def test_bad_pricing_options_are_refused(flags, message, capsys):
     assert main(["simulate", str(PLANS / "gpt-tiny.plan"), *flags]) == 2
     assert capsys.readouterr().err == f"planc: error: {message}\n"
+
+
+def test_tune_refuses_a_pricing_option_without_mtbf(capsys):
+    assert main(["tune", str(PLANS / "gpt-tiny.plan"), "--gpus", "8", "--storage", "5"]) == 2
+    assert capsys.readouterr().err == ("planc: error: --storage prices checkpoints, which "
+                                       "only --mtbf asks for\n")
 
 
 def test_tune_ranks_by_the_step_with_failures_priced(capsys):

@@ -240,17 +240,37 @@ def test_programs_code_refuses_a_program_that_cannot_become_code(capsys, tmp_pat
     assert err.endswith(f"planc verify {damaged} says what is wrong with it\n")
 
 
-def test_report_refuses_a_tune_file_whose_order_is_not_axis_names(capsys, tmp_path, build):
+# a page showed "tp 10000000000000000000000000000000000000000, pp 2, dp 1" for 2 devices
+@pytest.mark.parametrize("change, field", [
+    ({"order": [1, 2]}, "order"),
+    ({"order": ["tp", "tp", "x"]}, "order"),
+    ({"mesh": {"tp": 10**40, "cp": 1, "pp": 2, "dp": 2, "ep": 1}}, "mesh"),
+    ({"mesh": {"tp": 2, "cp": 1, "pp": -1, "dp": 2, "ep": 1}}, "mesh"),
+    ({"mesh": {"tp": 1024, "cp": 1, "pp": 1024, "dp": 1, "ep": 1}}, "mesh"),  # > 524,288
+    ({"microbatches": -1}, "microbatches"),
+    ({"virtual": 0}, "virtual"),
+    ({"zero": 10**40}, "zero"),
+], ids=["order-numbers", "order-repeated", "tp-huge", "pp-negative", "world-past-limit",
+        "microbatches-negative", "virtual-zero", "zero-huge"])
+def test_report_refuses_a_tune_file_whose_layout_no_plan_could_have(change, field, capsys,
+                                                                     tmp_path, build):
     tune = tmp_path / "t.json"
-    candidate = {"mesh": {"tp": 2, "cp": 1, "pp": 2, "dp": 2, "ep": 1}, "order": [1, 2],
+    candidate = {"mesh": {"tp": 2, "cp": 1, "pp": 2, "dp": 2, "ep": 1},
+                 "order": ["tp", "cp", "pp", "dp"],
                  "virtual": 1, "microbatches": 4, "pipeline": "1f1b", "zero": 0,
                  "sequence_parallel": False, "recompute": "none", "step_seconds": 1.0,
                  "tflops_per_gpu": 1.0, "mfu": 0.1, "bubble": 0.1, "memory_bytes": 1.0}
-    tune.write_text(json.dumps({"format": "planc-tune", "version": 1,
-                                "candidates": [candidate]}))
-    status, err = planc(capsys, "report", build, "-o", tmp_path / "r.html", "--tune", tune)
+    for good in (True, False):
+        tune.write_text(json.dumps({"format": "planc-tune", "version": 1,
+                                    "candidates": [candidate if good else
+                                                   {**candidate, **change}]}))
+        status, err = planc(capsys, "report", build, "-o", tmp_path / "r.html", "--tune",
+                            tune, "--force")
+        if good:
+            assert status == 0, err
+            (tmp_path / "r.html").unlink()
     assert status == 1
-    assert err == (f"planc: error: {tune}: candidate 1 has no valid order; it is not what "
+    assert err == (f"planc: error: {tune}: candidate 1 has no valid {field}; it is not what "
                    f"planc tune --json writes\n")
     assert not (tmp_path / "r.html").exists()
 

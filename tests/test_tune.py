@@ -146,7 +146,11 @@ def test_a_file_written_for_other_devices_is_tuned_for_these(tmp_path, capsys):
     (["--gpus", "6"], "planc: error: --gpus 6 does not fill whole nodes of 4 devices (the "
                       "topology's devices_per_node); try --gpus 4 or 8"),
     (["--gpus", "4", "--memory", "0"],
-     "planc: error: --memory 0: memory per device must be more than 0 GB"),
+     "planc: error: --memory 0: memory per device must be more than 0 GB and at most "
+     "1e+21 GB"),
+    (["--gpus", "4", "--memory", "inf"],
+     "planc: error: --memory inf: memory per device must be more than 0 GB and at most "
+     "1e+21 GB"),
 ])
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys, args, message):
     source = tmp_path / "small.plan"

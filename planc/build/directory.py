@@ -108,9 +108,9 @@ def write(build: Build, directory: str | Path, source_path: str, source_text: st
         raise BuildError(f"cannot create {target}: {exc.strerror}") from None
     if target.exists() and not target.is_dir():
         raise BuildError(f"{target} exists and is not a directory")
-    if target.exists() and target.resolve() == Path.cwd().resolve():
+    if target.exists() and Path.cwd().resolve().is_relative_to(target.resolve()):
         raise BuildError("planc replaces the whole build directory, so it cannot be the current "
-                         "directory; name a subdirectory, such as -o build/NAME")
+                         "directory or hold it; name a subdirectory, such as -o build/NAME")
     if target.is_dir() and any(target.iterdir()) and not (target / MANIFEST).is_file():
         raise BuildError(f"{target} exists and is not a planc build directory (no {MANIFEST}); "
                          f"refusing to overwrite it")

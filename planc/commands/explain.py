@@ -11,6 +11,9 @@ def main(args) -> int:
     from planc.lang.schema import did_you_mean
     from planc.views import explain_text
 
+    if args.layer is not None and args.param is not None:  # one was taken, silently
+        return fail("--layer and --param each choose what to explain; give one of them",
+                    EXIT_USAGE)
     built, status = load_build(args)
     if built is None:
         return status

@@ -9,6 +9,8 @@ from planc.commands import EXIT_OK, fail, load_programs, outputs_refused, the_in
 from planc.host.files import read_regular_file
 from planc.data.metrics_file import in_range, read_metrics
 from planc.commands.arguments import Command, add_input, force, output, path
+from planc.plan.mesh import AXES
+from planc.plan.plan import LIMITS
 from planc.vocabulary.versions import is_version
 
 
@@ -71,8 +73,17 @@ def _tune(path: str) -> tuple[list[dict] | None, str | None]:
         if not bad and not (all(isinstance(mesh.get(a), int) and not isinstance(
                 mesh.get(a), bool) for a in ("tp", "cp", "pp", "dp", "ep"))):
             bad = ["mesh"]
-        if not bad and not all(isinstance(axis, str) for axis in item["order"]):
-            bad = ["order"]  # the mesh's axes by name, joined as text
+        if not bad and not all(1 <= mesh[a] <= LIMITS["world"] for a in mesh) or \
+                not bad and mesh["tp"] * mesh["cp"] * mesh["pp"] * mesh["dp"] > LIMITS["world"]:
+            bad = ["mesh"]  # degrees of a mesh planc check accepts
+        if not bad and not (sorted(item["order"]) == sorted(set(item["order"])) and
+                            set(item["order"]) <= set(AXES)):
+            bad = ["order"]  # the mesh's axes by name, each once
+        if not bad:
+            bad = [key for key, low, high in (("virtual", 1, LIMITS["layers"] + 2),
+                                              ("microbatches", 1, LIMITS["microbatches"]),
+                                              ("zero", 0, 3))
+                   if not low <= item[key] <= high][:1]
         if not bad:  # formatted with floats: 10**400 overflows, as in a metrics file
             bad = [key for key in TUNE_NUMBERS if not (in_range(item[key]) and item[key] >= 0)]
         if bad:

@@ -80,15 +80,26 @@ def resilience_problem(args) -> str | None:
     every = getattr(args, "checkpoint_every", None)
     if every is not None and not 1 <= every <= MAX_STEP:
         return "--checkpoint-every must be a number of steps from 1 to 10^12"
+    if args.mtbf is None and every is None:  # nothing is priced: the option would do nothing
+        needs = "--mtbf" if not hasattr(args, "checkpoint_every") else \
+            "--mtbf or --checkpoint-every"
+        for flag, given in (("--checkpoint-async", args.checkpoint_async),
+                            ("--storage", args.storage is not None),
+                            ("--restart", args.restart is not None)):
+            if given:
+                return f"{flag} prices checkpoints, which only {needs} asks for"
     return None
 
 
 def pricing(args) -> dict:
     """planc.estimate.resilience.price's settings from --mtbf (hours), --checkpoint-async,
-    --storage (GB/s) and --restart."""
+    --storage (GB/s) and --restart (each its default where not given)."""
+    from planc.estimate.resilience import RESTART_S, STORAGE_BYTES_PER_S
+
+    storage = STORAGE_BYTES_PER_S if args.storage is None else args.storage * 1e9
     return {"mtbf_seconds": None if args.mtbf is None else args.mtbf * 3600,
-            "asynchronous": args.checkpoint_async, "storage_bytes_per_s": args.storage * 1e9,
-            "restart_seconds": args.restart}
+            "asynchronous": args.checkpoint_async, "storage_bytes_per_s": storage,
+            "restart_seconds": RESTART_S if args.restart is None else args.restart}
 
 
 def measured_imbalance(args) -> str | None:
@@ -131,10 +142,9 @@ def add_resilience_arguments(parser, checkpoints: bool = True) -> None:
                             "interval]")
     parser.add_argument("--checkpoint-async", action="store_true",
                         help="price asynchronous checkpoints (planc run --checkpoint-async)")
-    parser.add_argument("--storage", type=float, default=STORAGE_BYTES_PER_S / 1e9,
-                        metavar="GB/s", help="write rate of the file system per node "
+    parser.add_argument("--storage", type=float, metavar="GB/s", help="write rate of the file system per node "
                         f"[{STORAGE_BYTES_PER_S / 1e9:.2f}: Llama 3's 2 TB/s over 2,048 nodes]")
-    parser.add_argument("--restart", type=float, default=RESTART_S, metavar="S",
+    parser.add_argument("--restart", type=float, metavar="S",
                         help="seconds from a failure to training again, before the "
                         f"checkpoint is read [{RESTART_S:g}: measured here, bench/recovery.py]")
 

@@ -7,6 +7,7 @@ import sys
 
 from planc.commands import EXIT_OK, EXIT_USAGE, fail, load_plan, outputs_refused
 from planc.commands.arguments import Command, add_input, count, force, output
+from planc.vocabulary.units import RANGES, SIZE
 
 
 # The layout keys at values every model accepts: how tune reads a file whose own layout
@@ -80,9 +81,10 @@ def main(args) -> int:
     problem = resilience_problem(args)
     if problem is not None:
         return fail(problem, EXIT_USAGE)
-    if args.memory is not None and not args.memory > 0:
-        return fail(f"--memory {args.memory:g}: memory per device must be more than 0 GB",
-                    EXIT_USAGE)
+    most = RANGES[SIZE][1] / 1e9  # as a plan's device { memory } (also refuses inf, nan)
+    if args.memory is not None and not 0 < args.memory <= most:
+        return fail(f"--memory {args.memory:g}: memory per device must be more than 0 GB "
+                    f"and at most {most:g} GB", EXIT_USAGE)
     refused = outputs_refused(args, (("the plan file", args.file),))
     if refused is not None:  # before the search, which takes up to --budget seconds
         return refused

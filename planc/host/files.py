@@ -106,6 +106,15 @@ def fsync_directory(path: str | os.PathLike) -> None:
         os.close(handle)
 
 
+def real_path(path: str | os.PathLike) -> str:
+    """What ``path`` names once its symbolic links are followed; a link of /proc that
+    names no path (/dev/stdout on a pipe: "pipe:[N]") but opens stays as it is."""
+    real = os.path.realpath(path)
+    if not os.path.lexists(real) and os.path.exists(path):
+        return os.path.abspath(path)
+    return real
+
+
 def write_atomically(path: str | os.PathLike, data: bytes, durable: bool = False) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same directory and a
     rename, so a reader sees the old file or the new one, never a part; the file gets the
@@ -113,7 +122,7 @@ def write_atomically(path: str | os.PathLike, data: bytes, durable: bool = False
     written); a device or a named pipe is written into, never replaced: ``-o /dev/null``
     as root must not replace /dev/null. ``durable`` (checkpoints) also fsyncs the file
     before the rename and the directory after it, so that the write survives a crash."""
-    path = os.path.realpath(path)  # a symbolic link: write what it names, keep the link
+    path = real_path(path)  # a symbolic link: write what it names, keep the link
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:

@@ -26,6 +26,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from planc.host.files import real_path
 from planc.host.locks import held_by
 from planc.host.output_kinds import (BUILD, CHECKPOINTS, METRICS, TENSORBOARD,
                                      TENSORBOARD_SUFFIX, BUILD_OWNED, Kind, build_directory,
@@ -80,7 +81,7 @@ def problem(output: Output, force: bool = False, append: bool = False,
         return Refusal(f"the name {os.path.basename(os.path.normpath(path))[:40]}... is "
                        f"{name_bytes} bytes; a file name holds at most {NAME_MAX}{extra}",
                        EXIT_ERRORS)
-    real = os.path.realpath(path)  # a symbolic link: its target is what is written
+    real = real_path(path)  # a symbolic link: its target is what is written
     for what, given in inputs:
         if given and _same(real, given):
             return Refusal(f"{shown}: is {what}, which this command reads; name another "
@@ -98,6 +99,9 @@ def problem(output: Output, force: bool = False, append: bool = False,
         return _directory_problem(output, real, mode, force, append)
     if mode is not None and stat.S_ISDIR(mode):
         return Refusal(f"{shown}: is a directory; name a file", EXIT_USAGE)
+    if path.endswith(os.sep):  # realpath dropped it: "page.html/" wrote a file page.html
+        return Refusal(f"{shown}: ends with '{os.sep}', which names a directory; name a "
+                       f"file", EXIT_USAGE)
     if mode is not None and stat.S_ISREG(mode) and os.stat(real).st_size > 0:
         refusal = _existing(shown, real, kind, force, append)
         if refusal is not None:
