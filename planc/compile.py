@@ -20,7 +20,7 @@ from planc.lower.lower import lower
 from planc.lower.paired import ordered_by_cost
 from planc.lower.bind import Binding
 from planc.lower.tabulate_model import model_table
-from planc.verify.verifier import verify, verify_evaluation
+from planc.verify.verifier import verify
 from planc.plan.plan import Plan
 
 
@@ -40,10 +40,8 @@ def compile_plan(plan: Plan, check: Callable[[nx.DiGraph, str], None] | None = N
     groups = plan_group_table(plan, split_refs(graph))
     programs = ordered_by_cost(plan, programs, groups)  # needs the groups' placement
     routes = route_table(graph, groups)
+    # the step, and an evaluation batch (the forward blocks alone) where the plan has one
     report = verify(plan, graph, programs, table, groups, routes, binding)
-    if report.ok and any(p.evaluation for p in programs.values()):
-        # an evaluation batch runs the forward blocks alone: proven like a step
-        report = verify_evaluation(plan, graph, programs, table, groups, routes)
     if not report.ok:
         raise CompileError("internal error: the lowered programs fail verification (a bug "
                            "in planc; please report it): " + "; ".join(report.problems))

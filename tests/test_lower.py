@@ -353,6 +353,23 @@ def test_an_evaluation_that_runs_a_forward_twice_or_never_is_refused(change, sai
         f"runs once for each of the 4"]
 
 
+def test_verify_proves_the_evaluation_of_a_build_too():
+    """planc verify, planc run and the commands that replay a build called verify alone,
+    which proved the training step: an evaluation whose receives came in another order
+    than stage 0 sends them passed (only compile proved the evaluation)."""
+    build = built(PP_PLAN.replace("schedule {", "train { eval_every = 2; eval_batches = 2 }\n"
+                                  "  schedule {"))
+
+    def reversed_receives(data):
+        (stream, items), = data["evaluation"]["receives"].items()
+        data["evaluation"]["receives"][stream] = items[::-1]
+
+    assert problems(build, _replace_program(build, "stage1.json", reversed_receives)) == [
+        "the evaluation: stage 0 (ranks 0, 1) sends F/c0>c1:recv@pp (microbatch 0) as send 1 "
+        "on send_next, but stage 1 (ranks 2, 3) expects F/c0>c1:recv@pp (microbatch 3) as "
+        "its receive 1 on recv_prev"]
+
+
 def test_an_instruction_of_another_stage_is_refused():
     build = built()
     borrowed = next(i for i in build.programs["stage1.json"].blocks["F1"] if i.node).to_json()

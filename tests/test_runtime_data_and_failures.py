@@ -226,19 +226,16 @@ def test_cuda_backend_refused_cleanly_without_gpus(tmp_path, capfd):
 
 def test_check_reports_a_wrong_result_per_parameter(tmp_path, capfd):
     build = _compiled(tmp_path, "tp-megatron", capfd)
-    graph = json.loads((build / "graph.json").read_text())
-    for node in graph["nodes"]:  # a sum that became a max: wrong numbers, no crash
-        if node["id"] == "F/L1/fc2>mlp_residual:all_reduce@tp":
-            node["reduce_op"] = "max"
-    (build / "graph.json").write_text(json.dumps(graph))
-    # the program is what runs: its operands say the same (the verifier checks they agree)
+    # the program is what runs: a sum that became a max, wrong numbers and no crash (the
+    # verifier refuses operands the graph does not imply, and the graph must be the
+    # plan's: run unverified, as --no-verify allows)
     program = json.loads((build / "programs" / "stage0.json").read_text())
     for block in program["blocks"].values():
         for instruction in block:
             if instruction.get("node") == "F/L1/fc2>mlp_residual:all_reduce@tp":
                 instruction["operands"]["reduce_op"] = "max"
     (build / "programs" / "stage0.json").write_text(json.dumps(program))
-    status, err = run([build, "--check"], capfd)
+    status, err = run([build, "--check", "--no-verify"], capfd)
     assert status == 1
     assert "against the single-process run (relative tolerance 1e-05): FAILED" in err
     # the forward differs from the first step on: both losses, and the parameters

@@ -208,6 +208,64 @@ def test_a_graph_node_with_an_op_no_kernel_runs(build, capsys):
         f"planc compile again\n")
 
 
+def test_a_graph_edited_along_with_its_programs_is_not_the_plans(tmp_path, capsys):
+    """The verifier proves the programs against graph.json; with the optimizer step of a
+    bucket taken out of both (its edge too; without ZeRO nothing reads its output), every
+    rule held, and the run would have trained with those parameters frozen. The graph
+    must be the one plan.json derives."""
+    build, step = tmp_path / "b", "O/c0.b0/optimizer"
+    assert main(["compile", str(PLANS / "gpt-tiny.plan"), "--set", "shard.dp.zero=0", "-o",
+                 str(build)]) == 0
+    capsys.readouterr()
+
+    def without_the_step(data):
+        data["nodes"] = [n for n in data["nodes"] if n["id"] != step]
+        data["edges"] = [e for e in data["edges"] if step not in (e["source"], e["target"])]
+
+    def without_its_instruction(data):
+        data["epilogue"] = [i for i in data["epilogue"] if i.get("node") != step]
+
+    _edit_json(build / "graph.json", without_the_step)
+    _edit_json(build / "programs" / "stage0.json", without_its_instruction)
+    assert _refused(capsys, "verify", build) == (
+        f"planc: error: {build / 'graph.json'} is not the graph this planc derives from "
+        f"plan.json (it was edited, or written by another version); run planc compile "
+        f"again\n")
+
+
+def test_a_worker_under_torchrun_verifies_the_build_before_it_trains(tmp_path):
+    """planc run proves the programs before it starts its ranks; a rank that torchrun
+    starts had nobody to, and trained whatever programs/ held: here, stage 0 without its
+    optimizer steps (no rule but the verifier's sees that)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ONE_RANK_PLAN, ROOT
+
+    pytest.importorskip("torch")
+    plan, build, metrics = tmp_path / "one.plan", tmp_path / "b", tmp_path / "m.jsonl"
+    plan.write_text(ONE_RANK_PLAN)
+    assert main(["compile", str(plan), "-o", str(build)]) == 0
+    steps = []
+
+    def without_the_optimizer(data):
+        steps.extend(i["node"] for i in data["epilogue"] if i.get("node", "").startswith("O/"))
+        data["epilogue"] = [i for i in data["epilogue"] if i.get("node") not in steps]
+
+    _edit_json(build / "programs" / "stage0.json", without_the_optimizer)
+    environment = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                   "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+                   "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "planc.runtime.worker", str(build),
+                           "--metrics", str(metrics)], capture_output=True, text=True,
+                          cwd=ROOT, env=environment, timeout=300)
+    assert (done.returncode, done.stderr) == (1, (
+        f"planc: error: the programs of {build} fail verification: rank 0 (stage0.json): "
+        f"{steps[0]} is never issued; every node of stage 0 runs exactly once per step (per "
+        f"microbatch in its block); nothing was run\n"))
+    assert not metrics.exists()
+
+
 # --- a build that cannot be read (mode 000) ------------------------------------------------
 # Every command that reads a build directory (planc/cli.py), and whether it reads programs/.
 READERS = {

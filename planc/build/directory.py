@@ -304,10 +304,28 @@ def read(directory: str | Path) -> Build:
         raise BuildError(f"{path / 'graph.json'} is not a valid graph ({exc}); run planc "
                          f"compile again") from None
     _check_graph(path / "graph.json", graph, plan)
+    if not _derived_from(graph_data, plan, manifest["plan_sha256"]):
+        raise BuildError(f"{path / 'graph.json'} is not the graph this planc derives from "
+                         f"plan.json (it was edited, or written by another version); run "
+                         f"planc compile again")
     summary = _read_json(path, "summary.json")
     if not isinstance(summary.get("stages"), list):
         raise BuildError(f"{path / 'summary.json'} has no stages; run planc compile again")
     return Build(plan, graph, summary, str(path))
+
+
+def _derived_from(graph_data: dict, plan: Plan, plan_sha256: str) -> bool:
+    """Whether graph.json is the graph the compiler derives from ``plan`` (derive, then
+    the passes; deterministic, and under a second for the largest plans): the programs
+    are proven against it (planc.verify), so a graph.json edited along with them, its
+    optimizer step gone from both, would otherwise pass as the plan's."""
+    from planc import passes
+    from planc.graph.derive import derive
+
+    derived = graph_to_json(passes.run(derive(plan), passes.PassContext.of(plan), None,
+                                       owned=True))
+    derived["graph"] = {**derived["graph"], "plan_sha256": plan_sha256}
+    return json.loads(_dump(derived, compact=True)) == graph_data  # as compile wrote it
 
 
 def _check_graph(path: Path, graph: nx.DiGraph, plan: Plan) -> None:

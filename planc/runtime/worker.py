@@ -322,7 +322,33 @@ def main(argv=None) -> int:
     # before any thread and the first tensor, as planc run's ranks do (rank_process):
     # every step reuses the last one's memory (planc.runtime.engine.host_memory)
     keep_freed_memory()
-    return run(RunOptions.parse(argv))
+    options = RunOptions.parse(argv)
+    problem = unverified(options.build)
+    if problem is not None:
+        print(f"planc: error: {problem}", file=sys.stderr)
+        return 1
+    return run(options)
+
+
+def unverified(directory: str) -> str | None:
+    """Why the build's programs must not run, or None: under torchrun nobody else proves
+    them (planc run verifies before it starts its ranks). Every rank reads and proves
+    the same files, so all of them stop, or none."""
+    from planc.build import directory as build
+    from planc.verify.verifier import verify
+
+    try:
+        built = build.read_programs(build.read(directory))
+    except build.BuildError as exc:
+        return str(exc)
+    report = verify(built.plan, built.graph, built.programs, built.table, built.groups,
+                    built.routes)
+    if report.ok:
+        return None
+    more = len(report.problems) - 1
+    return (f"the programs of {directory} fail verification: {report.problems[0]}"
+            + (f" (and {more} more; planc verify {directory} lists them)" if more else "")
+            + "; nothing was run")
 
 
 def run(options: RunOptions, log_dir: str | None = None) -> int:

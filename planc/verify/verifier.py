@@ -368,8 +368,14 @@ def verify(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program],
            table: RankTable, groups: GroupTable | None = None,
            routes: RouteTable | None = None, binding: Binding | None = None) -> Report:
     """The problems of ``programs`` lowered from ``graph``; ``binding``: the graph's
-    operands as the lowering derived them (planc.lower.bind.Binding), when it is at hand."""
-    return _Verifier(plan, graph, programs, table, groups, routes, binding).run()
+    operands as the lowering derived them (planc.lower.bind.Binding), when it is at hand.
+    Programs that pass, and that evaluate (``train { eval_every }``), are proven for an
+    evaluation batch too (:func:`verify_evaluation`): a build read back was run without
+    it, its evaluation unproven."""
+    report = _Verifier(plan, graph, programs, table, groups, routes, binding).run()
+    if report.ok and any(p.evaluation for p in programs.values()):
+        return verify_evaluation(plan, graph, programs, table, groups, routes)
+    return report
 
 
 def verify_evaluation(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program],
