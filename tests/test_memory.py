@@ -232,6 +232,21 @@ def test_mixtral_and_qwen3s_published_layouts_fit_80_gb():
         assert 40 * GB < peak.total_bytes < 80 * GB, (name, peak.total_bytes / GB)
 
 
+def test_an_experts_state_is_sharded_over_its_own_replicas():
+    """MoE Parallel Folding: a dense weight has dp x cp replicas, an expert tp x dp x cp
+    / ep. Mixtral 8x7B's published layout (tp 1, dp 16, ep 8, pp 4; ZeRO-1): stage 0's 8
+    layers hold 8 experts of three 4,096 x 14,336 weights each, 1/8 of them per rank; the
+    optimizer state of the dense weights is split 16 ways, the experts' 2 ways. With the
+    experts' split as the dense weights', it was 6.3 times too small and every peak still
+    fit the bounds above."""
+    plan = load_file(PLANS / "moe-published" / "mcore-mixtral-8x7b.plan").plan
+    first = memory.estimate(plan).stages[0]
+    experts = 8 * 8 * 3 * 4096 * 14336 // 8
+    dense = first.parameters - experts
+    k = memory.optimizer_state_bytes(plan)
+    assert first.optimizer_bytes == k * dense / 16 + k * experts / 2 == 2_935_308_288
+
+
 # --- microbatches in flight -------------------------------------------------------------
 
 def pipeline_plan(pp: int, microbatches: int, schedule: str, virtual: int = 1):

@@ -10,9 +10,10 @@ import pytest
 
 from planc.cli import main
 from planc.estimate.memory import total_parameters
-from planc.estimate.resilience import (HOST_COPY_BYTES_PER_S, STORAGE_BYTES_PER_S, price,
-                                       stage_parameters_whole, stage_state_bytes)
+from planc.estimate.resilience import (HOST_COPY_BYTES_PER_S, RESTART_S, STORAGE_BYTES_PER_S,
+                                       price, stage_parameters_whole, stage_state_bytes)
 from planc.lang import load_file
+from planc.plan.layout import Layout
 from tests.conftest import ROOT
 
 PLANS = ROOT / "plans"
@@ -53,12 +54,20 @@ def test_young_interval_and_its_costs():
     assert sync.blocked_seconds == cost
     assert sync.lost_fraction == pytest.approx(
         ((sync.every * step + cost) / 2 + sync.restart_seconds) / mtbf)
+    # a restart reads every stage's checkpoint back, each node its share (5.6 s here)
+    assert sync.restart_seconds == RESTART_S + sum(stages) / (
+        Layout.of(plan).nodes * STORAGE_BYTES_PER_S)
     # Young's interval is the one that loses least: shorter and longer ones lose more
     for every in (sync.every // 2, sync.every * 2):
         assert price(plan, step, mtbf, every).effective_step_seconds > \
             sync.effective_step_seconds
     # asynchronous: the steps wait for the copy alone, at an interval the writer keeps
     background = price(plan, step, mtbf, asynchronous=True)
+    # Young's interval of the copy alone (36 steps; of copy and write, 296), but never
+    # shorter than the writer needs
+    assert background.every == background.optimal_every == max(
+        round(math.sqrt(2 * background.copy_seconds * mtbf) / step),
+        math.ceil(background.write_seconds / step)) == 36
     assert background.every * step >= background.write_seconds
     assert background.blocked_seconds == background.copy_seconds
     assert background.effective_step_seconds < sync.effective_step_seconds
@@ -74,7 +83,10 @@ def test_young_interval_and_its_costs():
 def test_writers_of_stages_on_one_node_share_its_storage():
     plan = plan_of("gpt-tiny.plan", "mesh.order=[pp, tp, cp, dp]", "mesh.dp=1", "mesh.tp=1",
                    "topology.nodes=1", "topology.devices_per_node=2")
-    assert price(plan, 1.0, every=10).writers_per_node == 2
+    shared = price(plan, 1.0, every=10)
+    # the two writers of a node write at once, each at half the node's storage rate
+    assert shared.writers_per_node == 2
+    assert shared.write_seconds == 2 * max(stage_state_bytes(plan)) / STORAGE_BYTES_PER_S
 
 
 def test_simulate_prices_checkpoints_and_failures(capsys):

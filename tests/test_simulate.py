@@ -465,13 +465,21 @@ def test_simulate_prints_the_step_and_writes_json_and_a_trace(tmp_path, run_plan
     done = run_planc("simulate", PLANS / "gpt-tiny.plan", "--trace", tmp_path / "t.json")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].startswith("gpt_tiny: 8 ranks, 2 pipeline stages: one step takes ")
+    data = json.loads(run_planc("simulate", PLANS / "gpt-tiny.plan", "--json").stdout)
+    step = data["step_seconds"]
+    # the figures printed are the JSON's: the step, stage 0's bubble, the worst stage's
+    # exposure on each axis (dp_cp's worst on stage 0, tp's on stage 1)
+    worst = {a: max(s["exposed_seconds"].get(a, 0.0) for s in data["stages"])
+             for a in ("dp_cp", "tp")}
+    assert lines[0] == f"gpt_tiny: 8 ranks, 2 pipeline stages: one step takes {step * 1e6:.3g} us"
     # gpt-tiny's topology is no preset whose published runs the simulator was held to
     assert lines[1] == ("  expected error: not measured on this device (the simulator is held "
                         "to published runs on the dgx-a100 and dgx-h100 presets)")
     assert lines[2].startswith("  throughput: ") and " MFU " in lines[2]
-    assert lines[3].startswith("  pipeline bubble: ")
-    assert lines[4].startswith("  exposed communication (worst stage, per axis): ")
+    assert lines[3] == (f"  pipeline bubble: {data['stages'][0]['bubble_seconds'] / step:.1%} "
+                        f"of the step (stage 0)")
+    assert lines[4] == ("  exposed communication (worst stage, per axis): "
+                        f"dp_cp {worst['dp_cp'] * 1e6:.3g} us, tp {worst['tp'] * 1e6:.3g} us")
     assert lines[5].startswith("  memory: ")
     trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     # The first rank of each stage: tp 2 makes stage 1 start at rank 2.
@@ -658,22 +666,22 @@ def test_ring_attention_hides_each_shift_behind_its_block():
 
 
 def test_a_ring_attention_step_is_priced_by_its_ring_steps():
-    loaded = load_file(PLANS / "cp-ring-attention.plan", ("model.layers=2",))
+    """At seq 2,048 the shifts, not the blocks, set a ring step's time (at the plan's
+    32,768 every shift hides behind its block, and a step priced without its ring, or a
+    backward priced as a forward, passed): each direction is priced exactly."""
+    loaded = load_file(PLANS / "cp-ring-attention.plan", ("model.layers=2", "model.seq=2048"))
     build = compile_plan(loaded.plan)
     costs = InstructionCosts(build.plan, build.groups)
     (program,) = build.programs.values()
     ring = {i.node: i for part in program.blocks.values() for i in part
             if i.operands is not None and i.operands.ring_steps}
-    forward, backward = ring["F/L0/attention"], ring["B/L0/attention"]
-    cost = costs.cost
-    compute = costs.kernels.seconds(forward.operands, 2.0 * forward.operands.output_bytes) \
-        if costs.kernels is not None else max(cost.compute_seconds(forward.operands.flops),
-                                              2.0 * forward.operands.output_bytes /
-                                              costs.bandwidth)
-    shift = cost.transfer_seconds("recv", forward.operands.bytes, 4,
-                                  build.groups.crosses_nodes("cp"))
-    assert costs(forward, 0) == ring_seconds(compute, shift, 4, backward=False)
-    assert costs(backward, 0) > costs(forward, 0)
+    for node, backward in (("F/L0/attention", False), ("B/L0/attention", True)):
+        operands = ring[node].operands
+        compute = costs.kernels.seconds(operands, 2.0 * operands.output_bytes)
+        shift = costs.cost.transfer_seconds("recv", operands.bytes, 4,
+                                            build.groups.crosses_nodes("cp"))
+        assert costs(ring[node], 0) == ring_seconds(compute, shift, 4, backward=backward)
+        assert costs(ring[node], 0) > compute  # the shifts decide it
 
 
 def test_simulate_states_the_error_of_its_validation_on_the_gpus_it_was_held_to():
