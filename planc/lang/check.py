@@ -174,6 +174,10 @@ class _Checker(DataChecks, DataParallelChecks, TopologyReader):
             if found is not None:
                 self._reject(found.message, self.span(*found.keys), found.hint or None)
                 return
+        if mesh.ep > 1 and model.options.get("first_dense", 0) >= model.layers:
+            self.report(warning(f"ep = {mesh.ep} has no effect: every block is dense "
+                                f"(first_dense = {model.layers}), so no expert is spread",
+                                self.span("mesh.ep"), "remove ep, or lower first_dense"))
 
     def _mesh(self) -> Mesh | None:
         keys = (*AXES, "order", "ep")
