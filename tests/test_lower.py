@@ -370,6 +370,49 @@ def test_verify_proves_the_evaluation_of_a_build_too():
         "its receive 1 on recv_prev"]
 
 
+DP_PLAN = PP_PLAN.replace("mesh { tp = 2; pp = 2 }", "mesh { tp = 2; pp = 2; dp = 2 }")
+
+
+def _record_moved_early(data):  # done:B/L1/fc1 recorded before B/L1/fc1 has run
+    block = data["blocks"]["B0"]
+    block.insert(6, block.pop(8))
+
+
+@pytest.mark.parametrize("name, change, expected", [
+    ("stage0.json", _record_moved_early,
+     "ranks 0, 1, 4, 5 (stage0.json): block B0 records done:B/L1/fc1 on stream compute where "
+     "B/L1/fc1 has not run on that stream before it: the event would say B/L1/fc1 finished "
+     "while it may still run"),
+    ("stage0.json", lambda data: data["blocks"]["B0"][9].update(guard="last"),
+     "ranks 0, 1, 4, 5 (stage0.json): block B0: wait done:B/L1/fc1 on stream comm runs on the "
+     "last microbatch only, before all_reduce B/L1/fc1>ln2:all_reduce@tp on every "
+     "microbatch: the others' are not ordered"),
+    ("stage1.json", lambda data: data["blocks"]["F1"].pop(0),
+     "ranks 2, 3, 6, 7 (stage1.json): block F1: all_gather F/c0>c1:all_gather@tp on stream "
+     "comm reads the receive F/c0>c1:recv@pp without waiting for done:F/c0>c1:recv@pp"),
+    ("stage0.json", lambda data: data["epilogue"].pop(0),
+     "ranks 0, 1, 4, 5 (stage0.json): epilogue: compute O/c0.b0/optimizer on stream compute "
+     "reads @grad:c0.b0 without waiting for its reduction G/c0.b0:all_reduce@dp_cp on stream "
+     "dp"),
+    ("stage0.json", lambda data: next(i for i in data["blocks"]["F0"]
+                                      if i.get("node") == "F/L0/ln1").update(op="all_reduce"),
+     "ranks 0, 1, 4, 5 (stage0.json): all_reduce F/L0/ln1 in block F0 is a compute node of "
+     "the graph"),
+    ("stage0.json", lambda data: next(i for i in data["blocks"]["F0"] if i.get("node") ==
+                                      "F/L0/ln1").update(per_microbatch=False),
+     "ranks 0, 1, 4, 5 (stage0.json): compute F/L0/ln1 in block F0 runs once per microbatch, "
+     "not as per_microbatch = false says"),
+], ids=["record-before-its-node", "guarded-wait", "receive-not-waited",
+        "reduction-not-waited", "op-not-the-nodes", "per-microbatch-flag"])
+def test_events_that_do_not_say_what_they_claim_are_refused(name, change, expected):
+    """Single changes a run of mutated programs found accepted, each of which trained other
+    numbers or stopped a rank with a KeyError (planc.verify.events, and the op and
+    per_microbatch of planc.verify.coverage): the first problem reported is the rule's."""
+    build = built(DP_PLAN)
+    assert problems(build) == []
+    assert problems(build, _replace_program(build, name, change))[0] == expected
+
+
 def test_an_instruction_of_another_stage_is_refused():
     build = built()
     borrowed = next(i for i in build.programs["stage1.json"].blocks["F1"] if i.node).to_json()

@@ -160,9 +160,12 @@ def test_an_update_before_the_sum_and_a_missing_sum_are_refused():
     def drop(data):
         data["epilogue"] = [i for i in data["epilogue"] if i.get("node") != total]
 
-    assert _problems(build, name, drop)[:2] == [
+    assert _problems(build, name, drop)[:3] == [
         f"ranks 0, 1, 2, 3 ({name}): {total} is never issued; every node of stage 0 runs "
         f"exactly once per step (per microbatch in its block)",
+        f"ranks 0, 1, 2, 3 ({name}): epilogue records done:{total} on stream comm where "
+        f"{total} has not run on that stream before it: the event would say {total} "
+        f"finished while it may still run",
         f"program {name}: 0 instructions all-reduces the expert loads once per step in the "
         f"epilogue; bias_update = 0.01 needs exactly one, after the step's last forward"]
 

@@ -326,6 +326,9 @@ def test_a_bucket_issued_before_a_member_is_final_is_rejected():
     where = "ranks 0, 1 (stage0.json, block B0): "
     reduction = "all_reduce G/c0.b0:all_reduce@dp_cp on stream dp (instruction 24)"
     assert broken(build, early) == [
+        # its wait, guarded to the last microbatch, stays behind at the block's end
+        "ranks 0, 1 (stage0.json): block B0: wait done:B/embedding on stream dp runs on the "
+        "last microbatch only, and nothing of its stream follows it",
         f"{where}{reduction} reads @grad:c0.b0 while compute B/position on stream compute "
         f"(instruction 23) may still be writing it: no wait on its event",
         f"{where}{reduction} writes @grad:c0.b0 while compute B/position on stream compute "

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import Counter
 
 from planc.graph.ir import Axis, Kind, NodeType, Phase
-from planc.program.program import EVENT_OPS, Program
+from planc.program.program import EVENT_OPS, Opcode, Program
 from planc.schedules.actions import ActionKind, Block
 
 _FORWARD_KINDS = (ActionKind.FORWARD,)
@@ -51,7 +51,8 @@ class CoverageChecks:
                     continue
                 node = instruction.node
                 issued[node] += 1
-                problem = self._placement_problem(node, part, instruction.guard, stage)
+                problem = self._placement_problem(node, part, instruction.guard, stage) or \
+                    self._kind_problem(instruction)
                 if problem is not None:
                     self.report.add(f"{where}: {instruction.op} {node} in "
                                     f"{_part_text(part)} {problem}")
@@ -98,6 +99,20 @@ class CoverageChecks:
             return f"runs once per microbatch but is guarded to the {guard} one"
         if not data["per_microbatch"] and guard is None:
             return "runs once per step but is not guarded to one microbatch"
+        return None
+
+    def _kind_problem(self, instruction) -> str | None:
+        """Rule 2's other half: the instruction is the kind of work its node is, and runs
+        per microbatch exactly when its node does (the runtime read both from the
+        program: a compute step written as an all_reduce stopped a rank with a KeyError)."""
+        data = self.graph.nodes[instruction.node]
+        op = Opcode.COMPUTE if data["type"] == NodeType.COMPUTE else Opcode(data["kind"].value)
+        if instruction.op is not op:
+            return f"is a {op.value} node of the graph"
+        if instruction.per_microbatch != data["per_microbatch"]:
+            return ("runs once per microbatch" if data["per_microbatch"] else
+                    "runs once per step") + f", not as per_microbatch = " \
+                f"{str(instruction.per_microbatch).lower()} says"
         return None
 
     def _receives(self, where: str, program: Program, receives: list[str]) -> None:

@@ -25,7 +25,10 @@ The invariants of docs/semantics.md, section 5:
    once per step, in that order, in its epilogue (:mod:`planc.verify.router_bias`);
 10. every program runs its stage's step whole: each node of the graph once (per
     microbatch in its own block), each block once for every microbatch
-    (:mod:`planc.verify.coverage`).
+    (:mod:`planc.verify.coverage`);
+11. every event says what it claims: a record follows its node on its stream, a guarded
+    wait serves one instruction of its own instance, and receives and the reductions
+    the epilogue reads are waited for (:mod:`planc.verify.events`).
 
 Before any of these, every instruction's operands (what the runtime runs) must be the
 ones the graph implies (:func:`planc.lower.bind.operands_of`): the proofs below read the
@@ -54,6 +57,7 @@ from planc.lower.tables import routed_nodes
 from planc.verify.reads_writes import reads_and_writes_problem
 from planc.verify.counts import CountsChecks, sums_counts
 from planc.verify.coverage import CoverageChecks
+from planc.verify.events import EventChecks
 from planc.verify.experts import ExpertChecks, is_expert_exchange
 from planc.verify.grad_norm import GradNormChecks
 from planc.verify.router_bias import RouterBiasChecks
@@ -68,7 +72,8 @@ from planc.plan.plan import Plan
 
 
 class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsChecks,
-                ProgressChecks, GradNormChecks, RouterBiasChecks, CoverageChecks):
+                ProgressChecks, GradNormChecks, RouterBiasChecks, CoverageChecks,
+                EventChecks):
     def __init__(self, plan: Plan, graph: nx.DiGraph, programs: dict[str, Program],
                  table: RankTable, groups: GroupTable | None = None,
                  routes: RouteTable | None = None, binding: Binding | None = None):
@@ -297,6 +302,7 @@ class _Verifier(StreamChecks, PipelineChecks, RingChecks, ExpertChecks, CountsCh
                 if program.evaluation:
                     self.evaluation_coverage(name, program)
                 self.operands(name, program)
+                self.events(name, program)
                 self.events_and_buffers(name, program)
                 self.buckets(name, program)
                 self.ring(name, program)
