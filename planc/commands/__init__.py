@@ -110,17 +110,12 @@ def load_programs(args, verified: bool = False, rank: int | None = None):
         except build.BuildError as exc:
             return None, fail(str(exc))
         if verified:
-            from planc.verify.verifier import verify
+            from planc.verify.report import failed_line
+            from planc.verify.verifier import verify_build
 
-            report = verify(built.plan, built.graph, built.programs, built.table,
-                            built.groups, built.routes)
+            report = verify_build(built)
             if not report.ok:
-                count = len(report.problems)
-                return None, fail(f"the programs of {built.path} fail verification: "
-                                  f"{report.problems[0]}" + (
-                                      f" (and {counted(count - 1, 'more problem')}; planc "
-                                      f"verify {built.path} lists them)" if count > 1 else
-                                      ""))
+                return None, fail(failed_line(built.path, report))
     return built, EXIT_OK
 
 

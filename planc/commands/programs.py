@@ -71,13 +71,12 @@ def _code(built, rank: int) -> int:
 
 
 def verify(args) -> int:
-    from planc.verify.verifier import verify
+    from planc.verify.verifier import verify_build
 
     built, status = load_programs(args)
     if built is None:
         return status
-    report = verify(built.plan, built.graph, built.programs, built.table, built.groups,
-                    built.routes)
+    report = verify_build(built)
     if not report.ok:
         for problem in report.problems:
             print(f"planc: error: {problem}", file=sys.stderr)

@@ -53,15 +53,14 @@ def verified_checkpoint(path: str, interrupts):
 def verified_build(args, directory: str):
     """The build with its programs, verified unless --no-verify, small enough to run here."""
     from planc.build import directory as build
-    from planc.verify.verifier import verify
+    from planc.verify.verifier import verify_build
 
     try:
         built = build.read_programs(build.read(directory))
     except build.BuildError as exc:
         return None, fail(str(exc))
     if not args.no_verify:
-        report = verify(built.plan, built.graph, built.programs, built.table, built.groups,
-                        built.routes)
+        report = verify_build(built)
         if not report.ok:
             for problem in report.problems:
                 print(f"planc: error: {problem}", file=sys.stderr)

@@ -142,7 +142,8 @@ def add_resilience_arguments(parser, checkpoints: bool = True) -> None:
                             "interval]")
     parser.add_argument("--checkpoint-async", action="store_true",
                         help="price asynchronous checkpoints (planc run --checkpoint-async)")
-    parser.add_argument("--storage", type=float, metavar="GB/s", help="write rate of the file system per node "
+    parser.add_argument("--storage", type=float, metavar="GB/s",
+                        help="write rate of the file system per node "
                         f"[{STORAGE_BYTES_PER_S / 1e9:.2f}: Llama 3's 2 TB/s over 2,048 nodes]")
     parser.add_argument("--restart", type=float, metavar="S",
                         help="seconds from a failure to training again, before the "

@@ -16,12 +16,12 @@ import os
 from typing import NamedTuple
 
 from planc.host.files import open_regular_file
+from planc.vocabulary.units import LARGEST, SMALLEST
 
 # A run of 10^6 steps writes about 600 MB; a record is under 1 KiB.
 MAX_BYTES, MAX_LINE = 1 << 30, 1 << 20
 TOO_LARGE = "it is larger than 1 GiB, more than planc reads of a metrics file"
 MAX_STEP = 10**12  # far past any run, and a float holds every step up to it exactly
-SMALLEST, LARGEST = 1e-100, 1e100  # the product or quotient of two stays a finite float
 # The record's numeric keys (docs/metrics.md): every one planc plot --metric or planc
 # report reads is here.
 NUMBERS = ("loss", "eval_loss", "eval_s", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu",

@@ -55,6 +55,7 @@ from planc.graph.vocabulary import (
     Port,
     buckets,
     coerce,
+    is_pipeline_receive,
     node_is,
     shard_numel,
     transfers,
@@ -64,6 +65,6 @@ __all__ = [
     "Axis", "COMMON_ATTRIBUTES", "COMPUTE_ATTRIBUTES", "EdgeKind", "GRAPH_FORMAT_VERSION",
     "GraphGroup", "GroupRef", "Kind", "Level", "NodeType", "OPTIONAL", "OPTIONAL_TYPES",
     "Op", "PARAMETER_PORTS", "PAYLOAD_ATTRIBUTES", "Payload", "Phase", "Port",
-    "TRANSFER_ATTRIBUTES", "bucket_problems", "buckets", "coerce", "node_is",
+    "TRANSFER_ATTRIBUTES", "bucket_problems", "buckets", "coerce", "is_pipeline_receive", "node_is",
     "pass_report_problems", "shard_numel", "transfers", "validate",
 ]

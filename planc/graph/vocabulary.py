@@ -259,6 +259,11 @@ def node_is(data: dict, kind: Kind, payload: Payload | None = None) -> bool:
         (payload is None or data["payload"] == payload)
 
 
+def is_pipeline_receive(data: dict) -> bool:
+    """A receive of the pipeline: it runs on a receive stream of its own, not in a block."""
+    return node_is(data, Kind.RECV) and data["axis"] == Axis.PP
+
+
 def transfers(graph: nx.DiGraph) -> Iterable[tuple[str, dict]]:
     return ((n, d) for n, d in graph.nodes(data=True) if d["type"] == NodeType.TRANSFER)
 

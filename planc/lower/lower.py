@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, buckets
+from planc.graph.ir import (EdgeKind, Kind, NodeType, Op, Payload, Phase, buckets,
+                            is_pipeline_receive)
 from planc.lower.bind import Binding
 from planc.lower.block_buffers import close_state, with_frees
 from planc.lower.evaluation import evaluation_of, forward_only
@@ -162,8 +163,7 @@ class _StageLowering:
     def place(self, node: str) -> _Where:
         data = self.graph.nodes[node]
         stream = data.get("stream") or stream_of(data, self.plan.optimize.overlap)
-        if data["type"] == NodeType.TRANSFER and data["axis"] == Axis.PP and \
-                data["kind"] == Kind.RECV:
+        if is_pipeline_receive(data):
             return _Where(stream, stream, True, False)
         kind = ActionKind.BACKWARD_WEIGHT if self.split and _in_weight_block(data) else \
             _kind_of(data["phase"], self.split)

@@ -335,20 +335,15 @@ def unverified(directory: str) -> str | None:
     them (planc run verifies before it starts its ranks). Every rank reads and proves
     the same files, so all of them stop, or none."""
     from planc.build import directory as build
-    from planc.verify.verifier import verify
+    from planc.verify.report import failed_line
+    from planc.verify.verifier import verify_build
 
     try:
         built = build.read_programs(build.read(directory))
     except build.BuildError as exc:
         return str(exc)
-    report = verify(built.plan, built.graph, built.programs, built.table, built.groups,
-                    built.routes)
-    if report.ok:
-        return None
-    more = len(report.problems) - 1
-    return (f"the programs of {directory} fail verification: {report.problems[0]}"
-            + (f" (and {more} more; planc verify {directory} lists them)" if more else "")
-            + "; nothing was run")
+    report = verify_build(built)
+    return None if report.ok else f"{failed_line(directory, report)}; nothing was run"
 
 
 def run(options: RunOptions, log_dir: str | None = None) -> int:

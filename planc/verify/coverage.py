@@ -22,18 +22,14 @@ from __future__ import annotations
 
 from collections import Counter
 
-from planc.graph.ir import Axis, Kind, NodeType, Phase
+from planc.graph.ir import NodeType, Phase, is_pipeline_receive
 from planc.program.program import EVENT_OPS, Opcode, Program
 from planc.schedules.actions import ActionKind, Block
+from planc.verify.report import part_text
 
 _FORWARD_KINDS = (ActionKind.FORWARD,)
 _BACKWARD_KINDS = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
                    ActionKind.BACKWARD_WEIGHT)
-
-
-def _is_receive(data: dict) -> bool:
-    return data["type"] == NodeType.TRANSFER and data["axis"] == Axis.PP and \
-        data["kind"] == Kind.RECV
 
 
 class CoverageChecks:
@@ -55,10 +51,10 @@ class CoverageChecks:
                     self._kind_problem(instruction)
                 if problem is not None:
                     self.report.add(f"{where}: {instruction.op} {node} in "
-                                    f"{_part_text(part)} {problem}")
+                                    f"{part_text(part)} {problem}")
         mine = self._nodes_of_stage().get(stage, [])
         for node in mine:
-            if _is_receive(self.graph.nodes[node]):
+            if is_pipeline_receive(self.graph.nodes[node]):
                 continue
             count = issued.get(node, 0)
             if count != 1:
@@ -66,7 +62,7 @@ class CoverageChecks:
                                 f"stage {stage} runs exactly once per step (per microbatch "
                                 f"in its block)")
         self._receives(where, program, [n for n in mine
-                                        if _is_receive(self.graph.nodes[n])])
+                                        if is_pipeline_receive(self.graph.nodes[n])])
         self._schedule(where, program)
 
     def _nodes_of_stage(self) -> dict[int, list[str]]:
@@ -85,7 +81,7 @@ class CoverageChecks:
         data = self.graph.nodes[node]
         if data.get("stage") != stage:
             return f"is a node of stage {data.get('stage')}"
-        if _is_receive(data):
+        if is_pipeline_receive(data):
             return "is a pipeline receive, which runs on its receive stream"
         if part in ("prologue", "epilogue"):
             return "runs once per microbatch, not once per step" \
@@ -166,10 +162,6 @@ class CoverageChecks:
         if extra:
             self.report.add(f"{where}: {what} runs {extra[0][0]} for microbatch "
                             f"{extra[0][1]}, which it may not")
-
-def _part_text(part: str) -> str:
-    return part if part in ("prologue", "epilogue") else f"block {part}"
-
 
 def _issued(count: int) -> str:
     return "never issued" if count == 0 else f"issued {_times(count)}"

@@ -22,7 +22,11 @@ other numbers or stopped with a traceback behind it (docs/programs.md, rule 15):
 
 from __future__ import annotations
 
-from planc.program.program import COLLECTIVES, STATE, Instruction, Opcode, Program, node_of_done
+import networkx as nx
+
+from planc.program.program import (COLLECTIVES, STATE, Guard, Instruction, Opcode, Program,
+                                   done_event, node_of_done)
+from planc.verify.report import part_text
 
 
 class EventChecks:
@@ -30,7 +34,6 @@ class EventChecks:
 
     def events(self, name: str, program: Program) -> None:
         where = f"{self.ranks_text(name)} ({name})"
-        self._earliest_after: dict[str, dict[str, tuple[int, int]]] = {}
         parts = [("prologue", program.prologue), *program.blocks.items(),
                  ("epilogue", program.epilogue)]
         for part, instructions in parts:
@@ -54,26 +57,33 @@ class EventChecks:
                 continue
             source = seen.get(node)
             if source is None or source.stream != instruction.stream:
-                self.report.add(f"{where}: {_shown(part)} records {instruction.event} on "
+                self.report.add(f"{where}: {part_text(part)} records {instruction.event} on "
                                 f"stream {instruction.stream} where {node} has not run on "
                                 f"that stream before it: the event would say {node} "
                                 f"finished while it may still run")
-            elif instruction.guard not in (source.guard, *(() if source.guard else
-                                                            ("last",))):
-                self.report.add(f"{where}: {_shown(part)} records {instruction.event} "
+                continue
+            # a guarded node's record runs where it runs; an unguarded one's runs on every
+            # microbatch, or once, on the last (the lowering's once-per-step records)
+            allowed = (source.guard,) if source.guard else (None, Guard.LAST)
+            if instruction.guard not in allowed:
+                runs = "every microbatch" if source.guard is None else \
+                    f"the {source.guard} one"
+                self.report.add(f"{where}: {part_text(part)} records {instruction.event} "
                                 f"guarded to the {instruction.guard} microbatch, where "
-                                f"{node} runs on "
-                                f"{'every microbatch' if source.guard is None else 'the ' + source.guard + ' one'}")
+                                f"{node} runs on {runs}")
 
     def _guarded_waits(self, where: str, part: str, instructions) -> None:
         """Rule 2."""
-        for k, instruction in enumerate(instructions):
+        following: dict[str, Instruction] = {}  # stream -> the next instruction it runs
+        for instruction in reversed(instructions):
+            if instruction.op not in (Opcode.WAIT, Opcode.RECORD):
+                following[instruction.stream] = instruction
+                continue
             if instruction.op is not Opcode.WAIT or instruction.guard is None:
                 continue
-            served = next((i for i in instructions[k + 1:] if i.stream == instruction.stream
-                           and i.op not in (Opcode.WAIT, Opcode.RECORD)), None)
+            served = following.get(instruction.stream)
             if served is None or served.guard != instruction.guard:
-                head = (f"{where}: {_shown(part)}: wait {instruction.event} on stream "
+                head = (f"{where}: {part_text(part)}: wait {instruction.event} on stream "
                         f"{instruction.stream} runs on the {instruction.guard} microbatch "
                         f"only")
                 if served is None:
@@ -98,9 +108,9 @@ class EventChecks:
                 if buffer not in received:
                     continue
                 mine = waited.get(instruction.stream, set())
-                event = f"done:{buffer}"
+                event = done_event(buffer)
                 if (event, None) not in mine and (event, instruction.guard) not in mine:
-                    self.report.add(f"{where}: {_shown(part)}: {instruction.op} "
+                    self.report.add(f"{where}: {part_text(part)}: {instruction.op} "
                                     f"{instruction.node} on stream {instruction.stream} reads "
                                     f"the receive {buffer} without waiting for {event}")
 
@@ -109,6 +119,7 @@ class EventChecks:
         the graph orders after it, covers it: the lowering waits for the latest source on
         each stream only (planc.lower.lower._waits)."""
         ordered = _run_order(program)
+        reached: dict[str, dict[str, tuple[int, int]]] = {}  # writer -> stream -> earliest
         writers: dict[str, list[Instruction]] = {}  # state buffer -> reductions writing it
         for instruction in program.written():
             if instruction.op in COLLECTIVES:
@@ -132,7 +143,7 @@ class EventChecks:
             for buffer in instruction.reads:
                 for writer in writers.get(buffer, ()):
                     if writer.stream == stream or any(
-                            self._covers(ordered, done, writer)
+                            self._covers(ordered, reached, done, writer)
                             for done in waited.get(stream, ())):
                         continue
                     self.report.add(f"{where}: epilogue: {instruction.op} {instruction.node}"
@@ -140,14 +151,14 @@ class EventChecks:
                                     f"for its reduction {writer.node} on stream "
                                     f"{writer.stream}")
 
-    def _covers(self, ordered: dict, done: Instruction, writer: Instruction) -> bool:
+    def _covers(self, ordered: dict, reached: dict, done: Instruction,
+                writer: Instruction) -> bool:
         """Whether ``done`` having finished implies ``writer`` has: ``done`` runs on a
         stream no earlier than the writer or something the graph orders after it (the
-        reduce-scatter a tp sum feeds, then the later reductions of that stream)."""
-        first = self._earliest_after.get(writer.node)
+        reduce-scatter a tp sum feeds, then the later reductions of that stream).
+        ``reached``: each writer's earliest place on each stream, found once."""
+        first = reached.get(writer.node)
         if first is None:
-            import networkx as nx
-
             first = {}
             after = {writer.node}
             if writer.node in self.graph:
@@ -157,7 +168,7 @@ class EventChecks:
                     place, instruction = ordered[node]
                     stream = instruction.stream
                     first[stream] = min(first.get(stream, place), place)
-            self._earliest_after[writer.node] = first
+            reached[writer.node] = first
         place = first.get(done.stream)
         return place is not None and place <= ordered[done.node][0]
 
@@ -172,6 +183,3 @@ def _run_order(program: Program) -> dict[str, tuple[tuple[int, int], Instruction
     return {i.node: ((rank, k), i) for rank, part in parts for k, i in enumerate(part)
             if i.node is not None}
 
-
-def _shown(part: str) -> str:
-    return part if part in ("prologue", "epilogue") else f"block {part}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from planc.diagnostics import counted
 from planc.program.program import EVENT_NAMING_OPS, Instruction
 
 MAX_PROBLEMS = 20
@@ -33,6 +34,19 @@ def describe(instruction: Instruction, microbatch: int | None = None) -> str:
     mb = f" (microbatch {microbatch})" if microbatch is not None and \
         instruction.per_microbatch else ""
     return f"{instruction.op} {what}{mb} on stream {instruction.stream}"
+
+
+def failed_line(path: str, report: Report) -> str:
+    """One line for programs that fail: the first problem, and how many more."""
+    more = len(report.problems) - 1
+    return (f"the programs of {path} fail verification: {report.problems[0]}" + (
+        f" (and {counted(more, 'more problem')}; planc verify {path} lists them)" if more
+        else ""))
+
+
+def part_text(part: str) -> str:
+    """A program's part as the messages name it: the prologue, the epilogue, block F0."""
+    return part if part in ("prologue", "epilogue") else f"block {part}"
 
 
 class Lazy:

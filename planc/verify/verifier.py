@@ -384,6 +384,12 @@ def verify(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program],
     return report
 
 
+def verify_build(built) -> Report:
+    """:func:`verify` of a build read with its programs (planc.build.directory)."""
+    return verify(built.plan, built.graph, built.programs, built.table, built.groups,
+                  built.routes)
+
+
 def verify_evaluation(plan: Plan, graph: nx.DiGraph, programs: dict[str, Program],
                       table: RankTable, groups: GroupTable | None = None,
                       routes: RouteTable | None = None) -> Report:

@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 from planc.diagnostics import Span
 from planc.vocabulary import ast
-from planc.vocabulary.units import (COMPUTE, EXAMPLES, RANGES, RATE, SIZE, TIME, UNITS,
-                                    units_of)
+from planc.vocabulary.units import (EXAMPLES, LARGEST, RANGES, SI_UNITS, SMALLEST, TIME,
+                                    UNITS, units_of)
 
 MAX_INTEGER = 2**53  # beyond this a float cannot hold the value and nothing is sensible
 MAX_EXPRESSION_DEPTH = 200
@@ -275,7 +275,7 @@ class Real(Kind):
         result = sign * float(literal.value)
         # 0, or 1e-100 to 1e100 in magnitude, as a metrics file's numbers: a product or a
         # quotient of two stays a finite float (an efficiency of 1e-320 made a step inf)
-        if result != result or not (result == 0 or 1e-100 <= abs(result) <= 1e100):
+        if result != result or not (result == 0 or SMALLEST <= abs(result) <= LARGEST):
             raise Problem(f"number {literal.text} is out of range: 0, or 1e-100 to 1e100 in "
                           f"magnitude", value.span)
         too_low = result < self.minimum or (result == self.minimum and not self.minimum_allowed)
@@ -401,7 +401,7 @@ class Quantity(Kind):
         """``result`` if it lies in its dimension's range (planc.vocabulary.units.RANGES)."""
         low, high = RANGES[self.dimension]
         if not low <= result <= high:
-            unit = {TIME: "s", COMPUTE: "FLOP/s", RATE: "B/s", SIZE: "B"}[self.dimension]
+            unit = SI_UNITS[self.dimension]
             raise Problem(f"{value.text} is out of range: a {self.dimension} from "
                           f"{low:g}{unit} to {high:g}{unit}", value.span)
         return result

@@ -37,6 +37,10 @@ EXAMPLES = {SIZE: "25MB", RATE: "50GB/s", TIME: "5us", COMPUTE: "312TFLOP/s"}
 MAX_RATE, MAX_SECONDS = 1e30, 3600.0
 RANGES = {SIZE: (1.0, MAX_RATE), RATE: (1.0, MAX_RATE), COMPUTE: (1.0, MAX_RATE),
           TIME: (0.0, MAX_SECONDS)}
+SI_UNITS = {SIZE: "B", RATE: "B/s", TIME: "s", COMPUTE: "FLOP/s"}  # what RANGES count in
+# A plain number's magnitude, where it is not 0 (a plan's real numbers, a metrics file's
+# figures): the product or quotient of two stays a finite float.
+SMALLEST, LARGEST = 1e-100, 1e100
 
 
 def units_of(dimension: str) -> list[str]:
