@@ -1,8 +1,9 @@
 #!/bin/bash
 # Everything planc checks and measures on one GPU, in one command (about 9 minutes on an
-# H200): the tests that need CUDA, bench/gpu_step.py (issue 37's one-GPU table) and
-# bench/gpu_moe.py (issue 40's MoE plans of one GPU). Each part has its own time limit
-# (seconds: TESTS_S, STEP_S, MOE_S), so that one part that runs long leaves the others
+# H200): the tests that need CUDA, bench/gpu_step.py (issue 37's one-GPU table),
+# bench/gpu_moe.py (issue 40's MoE plans of one GPU) and bench/kernels_gpu.py --fp32 (the
+# fp32 rates of the simulator). Each part has its own time limit
+# (seconds: TESTS_S, STEP_S, MOE_S, KERNELS_S), so that one part that runs long leaves the others
 # their time; every line also goes to OUT/log.txt, and the tables to OUT/*.json.
 # STEP_COMPILE_S (seconds, default 0: skipped) adds bench/gpu_step.py with planc's plan
 # under optimize { compile = on } (torch.compile of the llama's elementwise formulas).
@@ -35,5 +36,7 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))"
     fi
     part gpu_moe
     timeout "${MOE_S:-170}" "$python" bench/gpu_moe.py --steps 6 --json "$out/gpu_moe.json"
+    part kernels_fp32  # the fp32 rates planc simulate assumes (docs/simulate.md)
+    timeout "${KERNELS_S:-60}" "$python" bench/kernels_gpu.py --fp32 > "$out/kernels_fp32.jsonl"
     part done
 } 2>&1 | tee "$out/log.txt"

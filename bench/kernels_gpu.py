@@ -7,7 +7,14 @@ gradient) it times ``torch.matmul`` in bf16, and causal FlashAttention (PyTorch'
 flash backend) forward and forward+backward at head dim 128. Prints one JSON object per
 line: shape, seconds (median of timed runs after warm-up), TFLOP/s.
 
+``--fp32`` measures instead what an fp32 plan runs (planc run keeps PyTorch's default of
+no TF32): square fp32 GEMMs, and causal SDPA in fp32 (its memory-efficient backend:
+FlashAttention takes no fp32) at the head widths of bench/gpu_step.py's llama and of
+the 2,048-wide plans, so that the simulator's fp32 rates (the datasheet's FP32 peak, the
+attention's bf16 rates scaled down to it) can be checked against a device.
+
     python3 bench/kernels_gpu.py > kernels.jsonl     (on a machine with a CUDA GPU)
+    python3 bench/kernels_gpu.py --fp32 > kernels-fp32.jsonl
 """
 
 from __future__ import annotations
@@ -47,17 +54,20 @@ def timed(fn, repeat: int = 10) -> float:
     return statistics.median(times)
 
 
-def gemm(m: int, n: int, k: int) -> float:
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+def gemm(m: int, n: int, k: int, dtype=torch.bfloat16) -> float:
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(k, n, device="cuda", dtype=dtype)
     return timed(lambda: torch.matmul(a, b))
 
 
-def attention(tokens: int, heads: int, head_dim: int = 128) -> tuple[float, float]:
+def attention(tokens: int, heads: int, head_dim: int = 128, dtype=torch.bfloat16,
+              batch: int = 1) -> tuple[float, float]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    q, k, v = (torch.randn(1, heads, tokens, head_dim, device="cuda", dtype=torch.bfloat16,
+    q, k, v = (torch.randn(batch, heads, tokens, head_dim, device="cuda", dtype=dtype,
                            requires_grad=True) for _ in range(3))
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    backend = SDPBackend.FLASH_ATTENTION if dtype != torch.float32 else \
+        SDPBackend.EFFICIENT_ATTENTION
+    with sdpa_kernel(backend):
         forward = timed(lambda: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True))
 
@@ -67,9 +77,35 @@ def attention(tokens: int, heads: int, head_dim: int = 128) -> tuple[float, floa
         return forward, timed(both)
 
 
+def fp32() -> int:
+    """What an fp32 plan's kernels reach, TF32 off as planc run leaves it."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    for size in (2048, 4096, 8192):
+        seconds = gemm(size, size, size, torch.float32)
+        print(json.dumps({"op": "square", "dtype": "fp32", "mnk": (size, size, size),
+                          "seconds": seconds, "tflops": 2 * size ** 3 / seconds / 1e12}),
+              flush=True)
+    # bench/gpu_step.py's 1b llama (batch 4, 32 heads of 64) and a head width of 128
+    for batch, tokens, heads, head_dim in ((4, 2048, 32, 64), (1, 4096, 16, 128)):
+        forward, both = attention(tokens, heads, head_dim, torch.float32, batch)
+        flops = 4 * tokens * tokens * head_dim * heads * batch / 2
+        print(json.dumps({"op": "attention", "dtype": "fp32", "batch": batch,
+                          "tokens": tokens, "heads": heads, "head_dim": head_dim,
+                          "forward_seconds": forward, "forward_tflops": flops / forward / 1e12,
+                          "both_seconds": both, "both_tflops": 3.5 * flops / both / 1e12}),
+              flush=True)
+    return 0
+
+
 def main() -> int:
     print(json.dumps({"device": torch.cuda.get_device_name(),
                       "sms": torch.cuda.get_device_properties(0).multi_processor_count}))
+    if sys.argv[1:] == ["--fp32"]:
+        return fp32()
+    if sys.argv[1:]:
+        print(f"usage: {sys.argv[0]} [--fp32]", file=sys.stderr)
+        return 2
     seen = set()
     for name, (tokens, h, heads, kv, ffn, gated, tp) in MODELS.items():
         head_dim = h // heads

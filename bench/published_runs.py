@@ -46,3 +46,10 @@ TORCHTITAN = {"torchtitan-8b-fsdp8": (5762, 82.4), "torchtitan-8b-fsdp128": (560
               "torchtitan-8b-tp8": (4378, None), "torchtitan-8b-async-tp8": (4809.4, None),
               "torchtitan-70b-tp8": (597.3, None),
               "torchtitan-70b-async-tp8": (652.4, None)}
+
+# planc's own runs on one NVIDIA H200 (plans/planc-h200/, docs/performance.md): bench/
+# gpu_step.py and bench/gpu_moe.py on 2026-11-30, (step s, peak MiB). The peak is planc
+# run's peak_memory_mb there: torch.cuda.max_memory_allocated.
+PLANC_H200 = {"llama-1b-fp32": (1.2176, 51068), "moe-bf16": (0.3925, 32659),
+              "deepseek-bf16": (0.2749, 39092), "deepseek-fp8": (1.5931, 35136)}
+CUDA_ALLOCATED = "torch.cuda.max_memory_allocated (tensors only: no cache, no context)"

@@ -17,6 +17,8 @@ it). The tables, their plans and their sources:
 - ``bloom``: BLOOM-176B and BigScience's layout search on Jean Zay (plans/bloom/);
 - ``mtnlg``: MT-NLG 530B at 280, 350 and 420 nodes (plans/mtnlg/);
 - ``torchtitan``: torchtitan's H100 Llama 3 benchmarks (plans/torchtitan/);
+- ``planc_h200``: planc run's own steps on one H200, as bench/gpu_step.py and
+  bench/gpu_moe.py measured them (plans/planc-h200/; not among the published dense runs);
 - ``moe``: the mixtures of experts of plans/moe-published/ (tests/test_simulate_moe.py
   lists the sources; ``--write`` puts that table into docs/simulate.md);
 - ``memory``: planc simulate's peak memory per device against the runs that publish theirs.
@@ -49,12 +51,13 @@ from planc.compile import compile_plan  # noqa: E402
 from planc.estimate.kernel_cost import GPUS, GPU  # noqa: E402
 from planc.lang import load_file  # noqa: E402
 from planc.simulate import model_flops, simulate  # noqa: E402
-from bench.published_runs import (BLOOM, KORTHIKANTI_TABLE_5, MEGATRON_H100,  # noqa: E402
-                                  MTNLG, NARAYANAN_TABLE_1, NVIDIA_SMI,
+from bench.published_runs import (BLOOM, CUDA_ALLOCATED, KORTHIKANTI_TABLE_5,  # noqa: E402
+                                  MEGATRON_H100, MTNLG, NARAYANAN_TABLE_1, NVIDIA_SMI,
+                                  PLANC_H200,
                                   SEQUENCE_SELECTIVE, TORCHTITAN, TORCHTITAN_PEAK,
                                   narayanan_step_flops)
 
-GB, GIB = 1e9, 2.0 ** 30
+GB, GIB, MIB = 1e9, 2.0 ** 30, 2.0 ** 20
 
 # --- the published runs -----------------------------------------------------------------
 
@@ -103,6 +106,8 @@ def runs() -> list[Run]:
     rows += [Run("torchtitan", n, f"torchtitan/{n}.plan", TOKENS, t,
                  memory=m * GIB if m else None, memory_note=TORCHTITAN_PEAK)
              for n, (t, m) in TORCHTITAN.items()]
+    rows += [Run("planc_h200", n, f"planc-h200/{n}.plan", STEP, s, memory=m * MIB,
+                 memory_note=CUDA_ALLOCATED) for n, (s, m) in PLANC_H200.items()]
     return rows
 
 
@@ -114,6 +119,7 @@ TABLE_SOURCES = {
     "bloom": "BigScience tr11: BLOOM-176B and chronicles-prequel.md (A100, Jean Zay)",
     "mtnlg": "Smith et al. 2022, MT-NLG 530B, section 2.4 (A100, Selene; transcribed)",
     "torchtitan": "torchtitan benchmarks/, Llama 3 on H100 96GB (Grand Teton)",
+    "planc_h200": "planc run on one H200: bench/gpu_step.py and bench/gpu_moe.py, 2026-11-30",
 }
 
 # --- the constants derived from a table's runs ----------------------------------------
@@ -345,6 +351,7 @@ def moe(write: bool, as_json: bool) -> dict:
 
 
 TABLES = tuple(TABLE_SOURCES) + ("moe", "memory")
+OWN_OR_MIXTURES = ("moe", "planc_h200")
 
 
 def main(argv=None) -> int:
@@ -398,12 +405,14 @@ def main(argv=None) -> int:
         if not args.json:
             print("## memory\n")
             print("\n".join(memory_markdown(out["memory"])) + "\n")
-    dense = [r["error"] for t, v in out["tables"].items() if t != "moe" for r in v["rows"]]
+    # published dense runs: the mixtures and planc's own runs have their own figures
+    dense = [r["error"] for t, v in out["tables"].items() if t not in OWN_OR_MIXTURES
+             for r in v["rows"]]
     if dense:
         out["all_dense"] = summary(dense)
         if not args.json:
             s = out["all_dense"]
-            print(f"Every dense run ({s['rows']}): median {s['median']:.1%}, largest "
+            print(f"Every published dense run ({s['rows']}): median {s['median']:.1%}, largest "
                   f"{s['largest']:.1%}, {s['direction']}.")
     if args.json:
         print(json.dumps(out, indent=1))

@@ -108,6 +108,48 @@ def test_a_run_of_each_new_table_simulates(plan):
     assert row["loo_error"] == row["error"]
 
 
+def test_planc_h200_plans_are_the_benchmarks_own():
+    """plans/planc-h200/ holds the plans bench/gpu_step.py and bench/gpu_moe.py trained on
+    the H200, key for key, with only the machine added; and their rows are step times
+    in seconds and peaks in MiB as those benchmarks printed them."""
+    from bench import gpu_moe, gpu_step
+    from bench.published_runs import PLANC_H200
+    from planc.lang import load_text
+
+    def ran(text):
+        return load_text(text, "ran.plan").plan
+
+    sources = {"llama-1b-fp32": ran(gpu_step.PLAN.format(steps=6, compile="off",
+                                                         **gpu_step.SIZES["1b"])),
+               "moe-bf16": ran(gpu_moe.plan_text("moe", False, "gpu", 6)),
+               "deepseek-bf16": ran(gpu_moe.plan_text("deepseek", False, "gpu", 6)),
+               "deepseek-fp8": ran(gpu_moe.plan_text("deepseek", True, "gpu", 6))}
+    assert sorted(sources) == sorted(PLANC_H200)
+    for name, source in sources.items():
+        plan = load_file(PLANS / "planc-h200" / f"{name}.plan").plan
+        assert (plan.model, plan.mesh, plan.shard, plan.schedule, plan.optimize,
+                plan.train) == (source.model, source.mesh, source.shard, source.schedule,
+                                source.optimize, source.train), name
+        device = plan.topology.device
+        # the H200's datasheet memory and bandwidth over the H100's compute, one GPU
+        assert (plan.topology.preset, plan.world, device.memory, device.bandwidth) == \
+            ("dgx-h100", 1, 141e9, 4.8e12), name
+        assert device.flops == (67e12 if plan.model.dtype == "fp32" else 989e12), name
+    rows = {r.label: r for r in RUNS if r.table == "planc_h200"}
+    assert (rows["llama-1b-fp32"].published, rows["llama-1b-fp32"].memory) == \
+        (1.2176, 51068 * 2 ** 20)
+    assert all(r.measure == validation.STEP for r in rows.values())
+
+
+def test_published_dense_runs_leave_out_planc_own():
+    """The expected error planc simulate states is over published runs: planc's own
+    (planc_h200) and the mixtures are summed apart."""
+    assert validation.OWN_OR_MIXTURES == ("moe", "planc_h200")
+    published = [r for r in RUNS if r.table not in validation.OWN_OR_MIXTURES]
+    from planc.simulate.accuracy import DENSE
+    assert len(published) == DENSE.runs == 45
+
+
 def test_published_figures_become_steps():
     by_plan = {r.plan: r for r in RUNS}
     titan = by_plan["torchtitan/torchtitan-8b-fsdp8.plan"]

@@ -171,12 +171,14 @@ def _logits(operands: Operands, flops: float) -> float:
     return flops / LOSS_FLOPS_PER_LOGIT / (2.0 if operands.step == StepKind.BACKWARD else 1.0)
 
 
-def preset_peak(plan: Plan) -> float:
-    """The peak FLOP/s of the topology preset's own device at the plan's dtype (its
-    datasheet figure), whatever ``device { flops }`` the plan declares; a topology of no
-    named preset has only its declared peak."""
+def attention_reference_peak(plan: Plan) -> float:
+    """The peak FLOP/s the preset's attention rates were measured against: its own
+    device's bf16 tensor-core peak (its datasheet figure; bench/kernels_gpu.py measures
+    FlashAttention in bf16), whatever ``device { flops }`` or dtype the plan has, so that
+    the rates scale with the plan's peak: by a declared lower clock, or down to the FP32
+    cores' for an fp32 model. A topology of no named preset has only its declared peak."""
     preset = PRESETS.get(plan.topology.preset or "")
-    return preset.flops[plan.model.dtype] if preset is not None else plan.topology.device.flops
+    return preset.flops["bf16"] if preset is not None else plan.topology.device.flops
 
 
 def wave_efficiency(m: int, n: int, sms: int, groups: int = 1) -> float:
@@ -196,10 +198,10 @@ class KernelModel:
     def __init__(self, plan: Plan, gpu: GPU):
         self.gpu = gpu
         self.peak = plan.topology.device.flops
-        # The attention rates are the preset's own device's; a plan that declares another
-        # peak (device { flops }: a part at a lower power limit or clock) scales them as
-        # the GEMMs scale, tensor cores both.
-        self.attention_scale = self.peak / preset_peak(plan)
+        # The attention rates are the preset's own device's in bf16; a plan that declares
+        # another peak (device { flops }: a part at a lower power limit or clock), or whose
+        # dtype runs on other cores (fp32), scales them as its GEMMs scale.
+        self.attention_scale = self.peak / attention_reference_peak(plan)
         self.causal = causal_share(plan)
         # model { fp8 }: the linear layers' and the experts' GEMMs at the device's FP8
         # peak, as many times its dtype's as the datasheets say (H100: 1,979 over 989
@@ -254,7 +256,7 @@ class KernelModel:
         if gpu is None:
             return device.efficiency
         attention = max(gpu.attention_forward, gpu.attention_backward) if gpu.flash else 0.0
-        return min(1.0, max(gpu.large, 2 * attention / preset_peak(plan)))
+        return min(1.0, max(gpu.large, 2 * attention / attention_reference_peak(plan)))
 
     @staticmethod
     def of(plan: Plan) -> "KernelModel | None":

@@ -2,10 +2,12 @@
 
 Bandwidths are per device and per direction (NVIDIA quotes NVLink bidirectionally:
 600 GB/s on A100 is 300 GB/s each way), at what the communication library achieves on
-the link (NCCL's figures for the GPUs, below), not its line rate. Compute is dense tensor-core peak for the
-model's dtype (fp32 models use TF32 tensor cores, as PyTorch's matmul does with
-``allow_tf32``). Latencies are the per-message start-up cost NCCL achieves on such
-links, not the raw hardware figure.
+the link (NCCL's figures for the GPUs, below), not its line rate. Compute is the dense
+peak for the model's dtype: the tensor cores' for bf16, fp16 and fp8, and the FP32 cores'
+for fp32, since PyTorch runs an fp32 matmul in full FP32 unless told to use TF32
+(``torch.backends.cuda.matmul.allow_tf32``, False by default) and planc run does not tell
+it. Latencies are the per-message start-up cost NCCL achieves on such links, not the raw
+hardware figure.
 """
 
 from __future__ import annotations
@@ -108,24 +110,24 @@ def _nccl(bandwidth: float, all_reduce: float | None = None) -> tuple[Tuning, ..
 
 PRESETS: dict[str, Preset] = {
     # NVIDIA DGX A100 datasheet: 8x A100-SXM4-80GB, 312 TFLOP/s BF16/FP16 dense,
-    # 156 TFLOP/s TF32 dense, 2,039 GB/s of HBM2e, NVLink 3 at 600 GB/s bidirectional
-    # per GPU through NVSwitch, 8x 200 Gb/s HDR InfiniBand (one ConnectX-6 per GPU); the
+    # 19.5 TFLOP/s FP32 (156 TFLOP/s TF32 dense, unused: above), 2,039 GB/s of HBM2e,
+    # NVLink 3 at 600 GB/s bidirectional per GPU through NVSwitch, 8x 200 Gb/s HDR InfiniBand (one ConnectX-6 per GPU); the
     # links at what NCCL achieves on them (above). Efficiency 0.8: what cuBLAS reaches on
     # large GEMMs (planc.estimate.kernel_cost's ``large``), for the estimates that price compute
     # with one figure (compile's, the tensor-parallel chooser's, tune's bound).
     "dgx-a100": Preset("dgx-a100", "NVIDIA DGX A100: 8x A100 80GB, NVLink 3, 8x HDR 200 Gb/s IB",
-                       8, {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12}, 80e9, 0.8,
+                       8, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 80e9, 0.8,
                        230e9, NVLINK_STEP_LATENCY, 25e9 * NETWORK_EFFICIENCY,
                        NETWORK_STEP_LATENCY, _nccl(230e9), _nccl(25e9 * NETWORK_EFFICIENCY),
                        memory_bandwidth=2.039e12, intra_sweep=A100_SWEEP),
     # NVIDIA DGX H100 datasheet: 8x H100-SXM5-80GB, 989 TFLOP/s BF16/FP16 dense,
-    # 1,979 TFLOP/s FP8 dense (3,958 with sparsity), 494 TFLOP/s TF32 dense, 3.35 TB/s of
-    # HBM3, NVLink 4 at 900 GB/s bidirectional per GPU, 8x 400 Gb/s NDR InfiniBand
-    # (ConnectX-7); the links as NCCL achieves them. Efficiency 0.79: cuBLAS's large-GEMM
+    # 1,979 TFLOP/s FP8 dense (3,958 with sparsity), 67 TFLOP/s FP32 (494 TFLOP/s TF32
+    # dense, unused: above), 3.35 TB/s of HBM3, NVLink 4 at 900 GB/s bidirectional per
+    # GPU, 8x 400 Gb/s NDR InfiniBand (ConnectX-7); the links as NCCL achieves them. Efficiency 0.79: cuBLAS's large-GEMM
     # rate measured on an H100 (planc.estimate.kernel_cost). The A100 above has no FP8
     # tensor cores, so its table has no "fp8" (model { fp8 } is refused there).
     "dgx-h100": Preset("dgx-h100", "NVIDIA DGX H100: 8x H100 80GB, NVLink 4, 8x NDR 400 Gb/s IB",
-                       8, {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12, "fp8": 1979e12},
+                       8, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp8": 1979e12},
                        80e9, 0.79,
                        370e9, NVLINK_STEP_LATENCY, 50e9 * NETWORK_EFFICIENCY,
                        NETWORK_STEP_LATENCY, _nccl(370e9, all_reduce=480e9),
