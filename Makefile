@@ -103,10 +103,10 @@ bench-topology: $(STAMP)
 # tokenizers library (planc/data/corpus.py, docs/data.md): data/tiny-corpus.tokens, .json
 # (the tokenizer.json) and .txt.
 corpus: $(STAMP)
-	$(PY) -m planc.data.corpus -o $(CORPUS)
+	$(PY) -m planc.data.corpus -o $(CORPUS) --force
 
 $(CORPUS): | $(STAMP)
-	$(PY) -m planc.data.corpus -o $@
+	$(PY) -m planc.data.corpus -o $@ --force
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

@@ -620,6 +620,49 @@ def test_the_corpus_tool_wraps_a_raw_file(tmp_path):
     assert (tmp_path / "w.tokens").read_bytes() == with_header(tmp_path / "x", ids, 4).read_bytes()
 
 
+def test_the_corpus_tool_refuses_what_it_cannot_do_and_replaces_only_its_own(tmp_path,
+                                                                              capsys):
+    """A missing or undecodable input is an error, not a traceback; an earlier corpus is
+    replaced only with --force; a file beside the token file that the tool did not
+    write is never replaced (README, "Outputs")."""
+    pytest.importorskip("tokenizers")
+    from planc.data import corpus
+
+    def run(*argv):
+        status = corpus.main([str(a) for a in argv])
+        return status, capsys.readouterr().err
+
+    missing = tmp_path / "none.txt"
+    assert run(missing, "-o", tmp_path / "n.tokens") == (
+        1, f"planc: error: {missing}: No such file or directory; {tmp_path}/n.tokens was "
+           f"not written\n")
+    assert run("--raw", "uint32", missing, "-o", tmp_path / "r.tokens")[0] == 1
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xfe text")
+    status, err = run(tmp_path / "bad.txt", "-o", tmp_path / "b.tokens", "--vocab", "300")
+    assert status == 1 and "can't decode byte 0xff" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.txt"]  # nothing written
+
+    small = ("--chars", "4000", "--vocab", "300")
+    assert run("-o", tmp_path / "c.tokens", *small)[0] == 0
+    written = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert sorted(written) == ["bad.txt", "c.json", "c.tokens", "c.txt"]
+    assert corpus.written_here(str(tmp_path / "c.json"))
+    assert run("-o", tmp_path / "c.tokens", *small) == (
+        1, f"planc: error: -o {tmp_path}/c.tokens: holds a token file already (planc data "
+           f"prepare wrote it); replace it with --force, or name another path\n")
+    assert run("-o", tmp_path / "c.tokens", *small, "--force")[0] == 0
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == written  # deterministic
+
+    (tmp_path / "d.json").write_text('{"mine": true}')
+    assert not corpus.written_here(str(tmp_path / "d.json"))
+    assert run("-o", tmp_path / "d.tokens", *small, "--force") == (
+        1, f"planc: error: {tmp_path}/d.json is there, and this tool writes the tokenizer "
+           f"beside -o {tmp_path}/d.tokens: planc did not write it; move it, or name "
+           f"another -o\n")
+    assert (tmp_path / "d.json").read_text() == '{"mine": true}'
+    assert not (tmp_path / "d.tokens").exists()
+
+
 def test_planc_check_reads_token_files_without_torch(tmp_path):
     ids = [3] * 30 + [70000]
     write_tokens(tmp_path / "tokens.bin", ids, 4)

@@ -198,3 +198,38 @@ def test_every_preset_is_documented(name):
 def test_every_optimizer_argument_is_documented(optimizer, argument):
     assert optimizer in DOC_SPANS and argument in DOC_SPANS
 
+
+
+def test_the_simulate_example_is_what_simulate_prints():
+    """docs/simulate.md opens with planc simulate's summary of plans/gpt-1t.plan: the
+    lines it shows are the command's own, as the cost model prices them now."""
+    from planc.compile import compile_plan
+    from planc.lang import load_file
+    from planc.simulate import simulate
+    from planc.simulate.accuracy import expected
+    from planc.views.simulate_text import render
+
+    text = (ROOT / "docs" / "simulate.md").read_text()
+    block = text.split("$ planc simulate plans/gpt-1t.plan\n", 1)[1].split("  ...\n```", 1)[0]
+    plan = load_file(ROOT / "plans" / "gpt-1t.plan").plan
+    printed = render(simulate(compile_plan(plan)), expected(plan)).splitlines()
+    shown = block.splitlines()
+    assert printed[:len(shown)] == shown
+
+
+@pytest.mark.parametrize("page", sorted((ROOT / "docs").glob("*.md")) + [README],
+                         ids=lambda p: p.name)
+def test_every_table_has_its_header(page):
+    """A table's rows follow its header and separator without a blank line: a row after a
+    blank line starts a table of no header, which Markdown shows as text with pipes."""
+    lines = page.read_text().splitlines()
+    fenced = False
+    headless = []
+    for number, line in enumerate(lines, 1):
+        if line.startswith("```"):
+            fenced = not fenced
+        starts = line.startswith("|") and (number == 1 or not lines[number - 2].startswith("|"))
+        if starts and not fenced and not (number < len(lines) and
+                                          re.match(r"^\|[-:| ]+\|$", lines[number])):
+            headless.append(number)
+    assert headless == [], f"{page.name}: table rows without a header at lines {headless}"

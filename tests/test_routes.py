@@ -475,8 +475,9 @@ def test_a_missing_calibrated_topology_is_an_error(tmp_path):
     source = _with_topology(tmp_path, CALIBRATED)
     (tmp_path / "machine.json").unlink()
     loaded = load_file(source)
-    assert [d.message for d in loaded.diagnostics] == [
-        "cannot read topology 'machine.json': No such file or directory"]
+    assert [(d.message, d.hints) for d in loaded.diagnostics] == [
+        (f"cannot read topology 'machine.json' ({tmp_path}/machine.json): No such file or "
+         f"directory", ("a topology's path is relative to the plan file",))]
 
 
 # --- what users see ----------------------------------------------------------------------
@@ -670,7 +671,8 @@ def test_calibrate_writes_a_topology_that_a_plan_can_use(tmp_path, run_planc):
     assert [line.split(":")[0].strip() for line in lines[1:5]] == [
         "all_gather", "all_reduce", "reduce_scatter", "tree"]
     assert lines[5].endswith("(not measured: the other link's figures)")
-    assert lines[-1] == f'written to {output}; use it with topology {{ preset = "{output}" }}'
+    assert lines[-1] == (f'written to {output}; use it with topology {{ preset = "PATH" }}, '
+                         f'PATH relative to the plan file ({output} from anywhere)')
     data = json.loads(output.read_text())
     preset = calibrated_preset(data, "machine.json")
     assert lines[-2] == (f"overlap: {data['device']['overlap']:.2f} of an all_reduce hidden "

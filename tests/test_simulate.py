@@ -733,3 +733,13 @@ def test_tune_claims_no_speed_up_inside_the_simulators_expected_error():
                                     "not a difference it can tell apart")
     assert _within(1.2, DENSE) == ""
     assert _within(1.2, None) == ", by a model not measured on this device"
+
+
+def test_a_streams_tail_is_charged_to_the_axis_of_its_last_transfer():
+    """The comm stream carries tp's collectives and the loss's all-reduce over its stage's
+    group: a wait for what it ran last is that transfer's axis, not tp's by the stream."""
+    plan = load_file(PLANS / "gpt-tiny.plan",
+                     ("mesh.tp=1", "mesh.pp=2", "mesh.dp=4")).plan
+    stages = simulate(compile_plan(plan)).stages
+    assert [sorted(k for k, v in s.exposed_seconds.items() if v > 0) for s in stages] == \
+        [["dp_cp"], ["stage"]]

@@ -108,7 +108,8 @@ def main(args) -> int:
           f"hand-off: {format_quantity(preset.handoff, TIME)} per transfer between the "
           f"runtime's stream threads\n"
           f"overlap: {preset.overlap:.2f} of an all_reduce hidden behind a matrix multiply\n"
-          f"written to {output}; use it with topology {{ preset = \"{output}\" }}")
+          f"written to {output}; use it with topology {{ preset = \"PATH\" }}, PATH "
+          f"relative to the plan file ({os.path.abspath(output)} from anywhere)")
     return EXIT_OK
 
 

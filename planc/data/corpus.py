@@ -11,7 +11,9 @@ byte-level BPE tokenizer on the text itself and writes the ids as a token file o
 with the PLANCTOK header (docs/data.md), beside ``<output>.json``, the tokenizer as a
 Hugging Face ``tokenizer.json`` (which ``planc data prepare --tokenizer`` takes for more
 text), and ``<output>.txt`` holding the text. ``--raw`` wraps an existing headerless file
-of little-endian ids (say, one numpy wrote) with the header instead.
+of little-endian ids (say, one numpy wrote) with the header instead. Its outputs follow
+planc's rule (README, "Outputs"): each written whole or not at all, none replacing a file
+this tool did not write, and one it wrote only with ``--force``.
 
 The tokenizer is the byte-pair encoding of Sennrich et al. (2016) over bytes, as GPT-2
 uses it (Radford et al. 2019), trained by Hugging Face's ``tokenizers`` (its
@@ -27,11 +29,12 @@ the end-of-text token ``planc data prepare`` ends documents with.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
 
-from planc.data.tokens import DTYPES, HEADER_BYTES, header, write_tokens
+from planc.data.tokens import DTYPES, HEADER_BYTES, header, token_bytes
 
 DEFAULT_VOCAB = 1024
 DEFAULT_CHARS = 200_000
@@ -168,16 +171,69 @@ def decode(ids: list[int], tokenizer) -> str:
 
 def wrap_raw(source: str, output: str, width: int, chunk_bytes: int = 4 << 20) -> int:
     """Copy a headerless file of little-endian ids behind a PLANCTOK header, a chunk at a
-    time; returns the number of tokens."""
+    time, replacing ``output`` whole at the end; returns the number of tokens."""
+    from planc.host.files import real_path, replacing
+
     size = os.path.getsize(source)
     if size % width:
         raise ValueError(f"{source} has {size} bytes, not a whole number of "
                          f"{DTYPES[width]} tokens")
-    with open(source, "rb") as src, open(output, "wb") as out:
+    with open(source, "rb") as src, replacing(real_path(output)) as out:
         out.write(header(width))
         while block := src.read(chunk_bytes):
             out.write(block)
     return size // width
+
+
+MAX_TOKENIZER_BYTES = 64 << 20  # far above a 32,000-word tokenizer.json (about 2 MB)
+
+
+def written_here(tokenizer_path: str) -> bool:
+    """Whether ``tokenizer_path`` is a tokenizer.json this tool wrote: it splits text with
+    this tool's own pattern and knows its end-of-text token."""
+    try:
+        if os.path.getsize(tokenizer_path) > MAX_TOKENIZER_BYTES:
+            return False
+        with open(tokenizer_path, encoding="utf-8") as f:
+            document = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return False
+    return json.dumps(_PIECE.pattern) in json.dumps(document.get("pre_tokenizer")) and \
+        END_OF_TEXT in json.dumps(document.get("added_tokens")) \
+        if isinstance(document, dict) else False
+
+
+def outputs_problem(args) -> str | None:
+    """Why the outputs of ``args`` may not be written, or None: the token file as every
+    planc output (planc.host.outputs); the tokenizer and the text beside it only where
+    this tool wrote them (with ``--force``) or nothing is there."""
+    from planc.host import outputs
+    from planc.host.output_kinds import TOKENS
+
+    inputs = [("the file it reads", args.text)] if args.text else []
+    refusal = outputs.first_problem([outputs.Output("-o", args.output, TOKENS)],
+                                    args.force, inputs=inputs)
+    if refusal is not None:
+        return refusal.message
+    if args.raw:
+        return None
+    stem = os.path.splitext(args.output)[0]
+    if args.output in (stem + ".json", stem + ".txt"):
+        return (f"-o {args.output}: the tokenizer and the text are written beside the token "
+                f"file as {stem}.json and {stem}.txt; name it NAME.tokens")
+    ours = written_here(stem + ".json")
+    for path, what in ((stem + ".json", "the tokenizer"), (stem + ".txt", "the text")):
+        if (what == "the text" and args.text) or not os.path.lexists(path):
+            continue
+        if not ours:
+            return (f"{path} is there, and this tool writes {what} beside -o {args.output}: "
+                    f"planc did not write it; move it, or name another -o")
+        if not args.force:
+            return (f"{path} is {what} of an earlier corpus; --force replaces it (and "
+                    f"{args.output})")
+        if not os.path.isfile(path):
+            return f"{path} is not a regular file; {what} is written there"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,19 +252,48 @@ def main(argv: list[str] | None = None) -> int:
                         help="bytes per token in the file (default 4: uint32)")
     parser.add_argument("--raw", choices=("uint16", "uint32"),
                         help="TEXT is a headerless token file of this type: add the header")
+    parser.add_argument("--force", action="store_true",
+                        help="replace the files an earlier run of this tool wrote there")
     args = parser.parse_args(argv)
+    if args.raw and not args.text:
+        parser.error("--raw needs the headerless token file")
+    if not args.raw and not 257 <= args.vocab <= 32000:
+        parser.error("--vocab must be between 257 and 32000")
+    if not args.raw and not 1 <= args.chars <= MAX_CHARS:
+        parser.error(f"--chars must be between 1 and {MAX_CHARS:,}")
     directory = os.path.dirname(os.path.abspath(args.output))
-    os.makedirs(directory, exist_ok=True)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        return _failed(f"cannot make {directory} ({exc.strerror or exc}); nothing was written")
+    problem = outputs_problem(args)
+    if problem is not None:
+        return _failed(problem)
+    try:
+        return _write(args)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        where = getattr(exc, "filename", None) or args.text or args.output
+        return _failed(f"{where}: {reason}; {args.output} was not written")
+
+
+MAX_CHARS = 100_000_000  # generated text held in memory at once
+
+
+def _failed(message: str) -> int:
+    print(f"planc: error: {message}", file=sys.stderr)
+    return 1
+
+
+def _write(args) -> int:
+    from planc.host.files import write_atomically
+
     if args.raw:
-        if not args.text:
-            parser.error("--raw needs the headerless token file")
         width = 2 if args.raw == "uint16" else 4
         count = wrap_raw(args.text, args.output, width)
         print(f"wrote {args.output}: {count} {args.raw} tokens after a {HEADER_BYTES}-byte "
               f"header")
         return 0
-    if not 257 <= args.vocab <= 32000:
-        parser.error("--vocab must be between 257 and 32000")
     if args.text:
         with open(args.text, encoding="utf-8") as f:
             text = f.read()
@@ -217,12 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = train(text, args.vocab)
     ids = encode(text, tokenizer)
     size = tokenizer.get_vocab_size()
-    write_tokens(args.output, ids, args.width)
     stem = os.path.splitext(args.output)[0]
-    tokenizer.save(stem + ".json")
+    # the tokenizer and the text first: the token file, last, is what a plan reads
+    write_atomically(stem + ".json", tokenizer.to_str(pretty=True).encode())
     if not args.text:
-        with open(stem + ".txt", "w", encoding="utf-8") as f:
-            f.write(text)
+        write_atomically(stem + ".txt", text.encode("utf-8"))
+    write_atomically(args.output, token_bytes(ids, args.width))
     print(f"wrote {args.output}: {len(ids)} tokens of {len(text.encode('utf-8'))} bytes of "
           f"text ({len(text.encode('utf-8')) / max(len(ids), 1):.2f} bytes per token), "
           f"vocab {size}, largest id {max(ids, default=0)}; the tokenizer in "

@@ -118,14 +118,18 @@ def header(width: int) -> bytes:
     return _HEADER.pack(MAGIC, VERSION, width, bytes(16))
 
 
-def write_tokens(path: str | os.PathLike, tokens, width: int = 4) -> None:
-    """Write ``tokens`` (ints) as a token file: header, then little-endian ids."""
+def token_bytes(tokens, width: int = 4) -> bytes:
+    """``tokens`` (ints) as a token file's bytes: header, then little-endian ids."""
     ids = array(ARRAY_CODES[width], tokens)
     if sys.byteorder != "little":
         ids.byteswap()
+    return header(width) + ids.tobytes()
+
+
+def write_tokens(path: str | os.PathLike, tokens, width: int = 4) -> None:
+    """Write ``tokens`` (ints) as a token file: header, then little-endian ids."""
     with open(path, "wb") as out:
-        out.write(header(width))
-        out.write(ids.tobytes())
+        out.write(token_bytes(tokens, width))
 
 
 # --- opening -----------------------------------------------------------------------

@@ -42,6 +42,9 @@ class BlockTime:
 
     compute_end: float = 0.0  # when the compute stream has finished the block
     stream_ends: dict[str, float] = field(default_factory=dict)
+    # the axis of the transfer each stream ran last (None: compute), to which a wait for
+    # that stream's tail is charged
+    stream_axes: dict[str, str | None] = field(default_factory=dict)
     sends: float | None = None  # when the block's last pipeline send has finished
     compute_busy: float = 0.0  # time the compute stream spent computing
     exposed: dict[str, float] = field(default_factory=dict)  # axis -> compute waiting
@@ -171,6 +174,7 @@ def _replay(instructions: tuple[Instruction, ...], duration, keep_spans: bool,
             out.spans.append(Span(stream, item.node, item.op, now, end, item.operands))
     out.compute_end = clock.get(COMPUTE, 0.0)
     out.stream_ends = clock
+    out.stream_axes = {stream: axis_of(item.operands) for stream, item in latest.items()}
     out.external = tuple(external)
     out.recorded = {event: (when, axis_of(marked.operands) if marked is not None else None)
                     for event, (when, marked) in events.items()}

@@ -109,8 +109,10 @@ class TopologyReader(BlockReader):
         try:
             text = read_regular_file(resolved, MAX_TOPOLOGY_BYTES + 1)
         except OSError as exc:
-            return self._reject(f"cannot read topology '{path}': "
-                                f"{exc.strerror or exc}", span)
+            shown = "" if os.path.normpath(path) == resolved else f" ({resolved})"
+            return self._reject(f"cannot read topology '{path}'{shown}: "
+                                f"{exc.strerror or exc}", span,
+                                "a topology's path is relative to the plan file")
         if len(text) > MAX_TOPOLOGY_BYTES:
             return self._reject(f"topology '{path}' is larger than "
                                 f"{MAX_TOPOLOGY_BYTES // 1024} KB; it is not one planc "

@@ -54,7 +54,7 @@ from planc.plan.presets import calibrated_document
 from planc.runtime.calibrate_instructions import (OVERHEAD_CALLS, OVERHEAD_WINDOWS,
                                                   measure_handoff, measure_instructions,
                                                   tiny_operator, while_others_compute_each)
-from planc.runtime.launcher.rendezvous import joined_store
+from planc.runtime.launcher.rendezvous import joined_store, launched_rank
 from planc.runtime.engine.host_memory import keep_freed_memory
 from planc.runtime.engine.collectives import all_gather_single, reduce_scatter_single
 from planc.estimate.cost import steps, tree_depth
@@ -404,7 +404,11 @@ def main(argv: list[str] | None = None) -> int:
     # The allocator settings of the ranks whose instructions this times (planc run's and
     # torchrun's, planc.runtime.engine.host_memory), before gloo starts its threads
     keep_freed_memory()
-    world = int(os.environ["WORLD_SIZE"])
+    launched = launched_rank()
+    if isinstance(launched, str):
+        print(f"planc calibrate: {launched}", file=sys.stderr)
+        return 2
+    world = launched[1]
     if args.devices_per_node < 1 or world % args.devices_per_node:
         print(f"planc calibrate: {world} ranks do not fill nodes of {args.devices_per_node}",
               file=sys.stderr)

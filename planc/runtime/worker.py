@@ -46,7 +46,7 @@ from planc.runtime.engine.interpreter import Interpreter
 from planc.runtime.launcher.protocol import (ERROR_FILE, EXIT_HANG, REPORT_FILE, STEPS_FILE,
                                              TRAINING_FILE)
 from planc.runtime.engine.data import DataError
-from planc.runtime.launcher.rendezvous import joined_store
+from planc.runtime.launcher.rendezvous import joined_store, launched_rank
 from planc.runtime.options import RunOptions
 from planc.runtime.step_records import StepRecords
 from planc.runtime.engine.store import ParamStore
@@ -323,6 +323,10 @@ def main(argv=None) -> int:
     # every step reuses the last one's memory (planc.runtime.engine.host_memory)
     keep_freed_memory()
     options = RunOptions.parse(argv)
+    launched = launched_rank()
+    if isinstance(launched, str):
+        print(f"planc: error: {launched}", file=sys.stderr)
+        return 2
     problem = unverified(options.build)
     if problem is not None:
         print(f"planc: error: {problem}", file=sys.stderr)

@@ -118,6 +118,7 @@ def step(programs: dict[int, Program], durations, keep_spans: bool = False
 
     ready: dict[int, float] = {}
     tails: dict[int, dict[str, float]] = {}
+    tail_axes: dict[int, dict[str, str | None]] = {}  # the axis of each stream's last transfer
     for stage, program in programs.items():
         prologue = replay(program.prologue, timings[stage], keep_spans)
         times[stage].prologue = prologue
@@ -125,6 +126,7 @@ def step(programs: dict[int, Program], durations, keep_spans: bool = False
         # starts at once, and each block waits only for the gathers it reads (below).
         ready[stage] = prologue.compute_end
         tails[stage] = dict(prologue.stream_ends)
+        tail_axes[stage] = dict(prologue.stream_axes)
     arrivals: dict[tuple[int, int, int], float] = {}
     position = {stage: 0 for stage in programs}
     pending = sum(len(p.schedule) for p in programs.values())
@@ -174,7 +176,9 @@ def step(programs: dict[int, Program], durations, keep_spans: bool = False
             for axis, seconds in replayed.exposed.items():
                 time.exposed[axis] = time.exposed.get(axis, 0.0) + seconds
             for stream, end in replayed.stream_ends.items():
-                tails[stage][stream] = max(tails[stage].get(stream, 0.0), start + end)
+                if start + end >= tails[stage].get(stream, 0.0):
+                    tails[stage][stream] = start + end
+                    tail_axes[stage][stream] = replayed.stream_axes.get(stream)
             for (flow, chunk, microbatch, _), part, (block, _) in zip(inputs, parts,
                                                                     entries):
                 sent = start + (part.sends if part.sends is not None else part.compute_end)
@@ -200,7 +204,7 @@ def step(programs: dict[int, Program], durations, keep_spans: bool = False
         stream, tail = max(tails[stage].items(), key=lambda item: item[1],
                            default=("compute", 0.0))
         if tail > ready[stage]:
-            axis = STREAM_AXIS.get(stream, stream)
+            axis = tail_axes[stage].get(stream) or STREAM_AXIS.get(stream, stream)
             time.exposed[axis] = time.exposed.get(axis, 0.0) + tail - ready[stage]
         start = max(ready[stage], tail)
         for axis, seconds in epilogue.exposed.items():

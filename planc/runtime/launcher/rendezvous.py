@@ -50,6 +50,33 @@ def rank_environment(store: str) -> dict[str, str]:
     return {STORE_VARIABLE: store, **({"GLOO_SOCKET_IFNAME": loopback} if loopback else {})}
 
 
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_rank() -> tuple[int, int] | str:
+    """(rank, world size) from the environment a launcher gives each rank (torchrun's
+    RANK and WORLD_SIZE, with MASTER_ADDR and MASTER_PORT naming its store, or planc's
+    own store), or why this process was not started as a rank."""
+    needed = LAUNCHER_VARIABLES if STORE_VARIABLE not in os.environ else \
+        LAUNCHER_VARIABLES[:2]
+    missing = [name for name in needed if not os.environ.get(name)]
+    if missing:
+        names = missing[0] if len(missing) == 1 else \
+            f"{', '.join(missing[:-1])} and {missing[-1]}"
+        return (f"{names} {'is' if len(missing) == 1 else 'are'} not set: "
+                f"this is one rank of a run, to be started by torchrun (torchrun "
+                f"--nproc-per-node N -m ...); planc run and planc calibrate start their own "
+                f"ranks (docs/launching.md)")
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except ValueError:
+        return (f"RANK ({os.environ['RANK']!r}) and WORLD_SIZE "
+                f"({os.environ['WORLD_SIZE']!r}) must be whole numbers")
+    if not 0 <= rank < world:
+        return f"RANK ({rank}) must be at least 0 and below WORLD_SIZE ({world})"
+    return rank, world
+
+
 def joined_store(world: int, timeout: timedelta):
     """The store named by the environment, joined (None without one: under torchrun the
     environment names a TCPStore of torch's, joined by init_process_group itself)."""
