@@ -410,7 +410,7 @@ def test_init_is_a_path_in_quotes_and_shows_in_the_settings(llama_dir, tmp_path,
     source = tmp_path / "init.plan"
     source.write_text(plan_text(init=str(llama_dir)))
     assert main(["check", "-v", str(source)]) == 0
-    assert f"seed 11, data synthetic, init {llama_dir}\n" in capfd.readouterr().out
+    assert f"seed 11, data synthetic, init {llama_dir}, shuffle off," in capfd.readouterr().out
 
 
 def test_plan_json_holds_init_only_when_given(llama_dir, tmp_path):

@@ -353,12 +353,14 @@ def test_layout_json_from_the_command_line(tmp_path):
         assert entry["node"] == entry["rank"] // per_node
     # Spot check by hand: strides pp 1, dp 3, tp 6, cp 12; 17 = 2 + 3 + 12.
     assert doc["ranks"][17]["coords"] == {"tp": 0, "cp": 1, "pp": 2, "dp": 1}
-    assert set(doc["groups"]) == {"tp", "cp", "pp", "dp", "dp_cp"}
-    for axis, axes in GROUP_AXES.items():
+    assert set(doc["groups"]) == {"tp", "cp", "pp", "dp", "dp_cp", "stage"}
+    for axis, axes in {**GROUP_AXES, "stage": ("tp", "cp", "dp")}.items():
         assert doc["groups"][axis] == ref_groups(sizes, order, axes), axis
     assert doc["groups"]["pp"][:3] == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     assert doc["groups"]["dp_cp"][0] == [0, 3, 12, 15]
-    assert set(doc["placement"]) == set(GROUP_AXES)
+    assert set(doc["placement"]) == {*GROUP_AXES, "stage"}
+    # pipeline stage 0: every rank with pp 0 (pp varies fastest: multiples of 3)
+    assert doc["groups"]["stage"][0] == list(range(0, 24, 3))
     assert doc["placement"]["pp"]["kind"] == "intra-node"
     assert doc["placement"]["cp"]["kind"] == "inter-node"
 

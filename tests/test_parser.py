@@ -219,11 +219,11 @@ def test_grad_accumulation_says_how_microbatch_gradients_add_up():
     loaded = load_text(f"plan t {{ {MODEL}\n optimize {{ grad_accumulation = fusd }} }}")
     (error,) = loaded.diagnostics
     assert error.hints == ("did you mean 'fused'?",)
-    # planc check -v names it where it is not the default
+    # planc check -v names it, default or not (every resolved setting)
     from planc.views.plan_summary import settings
 
-    assert "grad_accumulation" not in settings(plan_with())
-    assert ", grad_accumulation autograd\n" in settings(
+    assert ", grad_accumulation fused," in settings(plan_with())
+    assert ", grad_accumulation autograd," in settings(
         plan_with("optimize { grad_accumulation = autograd }"))
 
 
@@ -235,8 +235,8 @@ def test_kernels_says_how_the_elementwise_modules_run():
     loaded = load_text(f"plan t {{ {MODEL}\n optimize {{ kernels = compiled }} }}")
     (error,) = loaded.diagnostics
     assert error.message == "unknown value 'compiled'; expected fused or eager"
-    assert "kernels" not in settings(plan_with())
-    assert ", kernels eager\n" in settings(plan_with("optimize { kernels = eager }"))
+    assert ", kernels fused," in settings(plan_with())
+    assert ", kernels eager," in settings(plan_with("optimize { kernels = eager }"))
 
 
 def test_grad_reduce_says_how_zero1_sums_its_gradients_and_needs_zero1():
@@ -246,8 +246,10 @@ def test_grad_reduce_says_how_zero1_sums_its_gradients_and_needs_zero1():
     assert plain.shard.dp.grad_reduce == "reduce_scatter"
     by_all_reduce = plan_with("mesh { dp = 2 }\n  shard { dp { zero = 1; grad_reduce = all_reduce } }")
     assert by_all_reduce.shard.dp.grad_reduce == "all_reduce"
-    assert "grad_reduce" not in settings(plain)
-    assert "shard dp   zero 1, grad_reduce all_reduce\n" in settings(by_all_reduce)
+    assert "shard dp   zero 1, fp32_grads off, reduce_dtype model, grad_reduce " \
+        "reduce_scatter\n" in settings(plain)
+    assert "shard dp   zero 1, fp32_grads off, reduce_dtype model, grad_reduce " \
+        "all_reduce\n" in settings(by_all_reduce)
     for zero, why in ((0, "without ZeRO the gradients are all-reduced already"),
                       (2, "ZeRO-2 and ZeRO-3 keep only a shard of each gradient"),
                       (3, "ZeRO-2 and ZeRO-3 keep only a shard of each gradient")):
@@ -280,9 +282,9 @@ def test_reduce_dtype_says_the_dtype_of_the_data_parallel_gradient_reduction():
                        f"\n shard {{ dp {{ reduce_dtype = fp32 }} }} }}")
     assert [d.message for d in loaded.diagnostics] == [
         "reduce_dtype = fp32 has no effect with dtype = fp32: the gradients are fp32 already"]
-    # planc check -v names it where it is not the default
-    assert "reduce_dtype" not in settings(plain)
-    assert "shard dp   zero 0, reduce_dtype fp32\n" in settings(fp32)
+    # planc check -v names it, default or not
+    assert ", reduce_dtype model," in settings(plain)
+    assert "shard dp   zero 0, fp32_grads off, reduce_dtype fp32," in settings(fp32)
 
 
 def test_hyphenated_word_is_read_as_one_enum_word():
@@ -892,3 +894,41 @@ def test_too_deep_nesting_through_the_command_line(run_planc, tmp_path):
         "nest.plan:1:29: error: unexpected '4'; expected '=', '{' or a name",
         "nest.plan:1:107: error: brackets nested more than 64 deep"]
     assert result.stderr.endswith("2 errors generated.\n")
+
+
+def test_check_verbose_names_every_setting():
+    """planc check -v prints every resolved setting (README): each key of every block
+    but the model's (its family prints its own) is named in the settings, or shown as
+    the value it sets (below), for a plan that uses the keys shown only when in use."""
+    from planc.lang.schema import PLAN_SCHEMA
+    from planc.views.plan_summary import settings
+
+    shown_as_values = {  # key -> how the settings show it instead of its name
+        "nodes": "1 node", "devices_per_node": "x 8 devices", "preset": "(dgx-h100)",
+        "flops": "device 989 TFLOP/s", "memory": "80 GB", "latency": "3.4 us",
+        "stages": "stages [", "microbatches": "microbatches of", "pipeline": "interleaved,",
+        "steps": "2 steps", "optimizer": "adamw(lr = 0.001", "order": "order [tp,",
+        "tp": "tp 2 x", "cp": "cp 1 x", "pp": "pp 2 x", "dp": "dp 2 =",
+        "embedding": "embedding vocab", "qkv": "qkv column", "proj": "proj row",
+        "fc1": "fc1 column", "fc2": "fc2 row", "head": "head vocab", "attention": "attention allgather"}
+    text = settings(plan_with(
+        "mesh { tp = 2; pp = 2; dp = 2; ep = 4 }\n"
+        "  topology { preset = dgx-h100 }\n"
+        "  schedule { microbatches = 4; pipeline = interleaved; overlap_all_to_all = on }\n"
+        "  shard { pp { virtual = 2 } }\n"
+        "  train { steps = 2; optimizer = adamw(lr = 1e-3); eval_every = 1 }",
+        model="model moe { layers = 4; hidden = 64; heads = 4; ffn = 128; vocab = 256; "
+              "seq = 32; batch = 16; dtype = bf16; experts = 8; top_k = 2; expert_ffn = 32 }"))
+    missing = []
+    for block, schema in PLAN_SCHEMA.blocks.items():
+        if block == "model":
+            continue
+        stack = [schema]
+        while stack:
+            current = stack.pop()
+            stack += current.blocks.values()
+            for key in current.keys:
+                shown = shown_as_values.get(key, f"{key} ")
+                if shown not in text:
+                    missing.append(f"{block}: {key}")
+    assert missing == []

@@ -260,7 +260,7 @@ def test_metrics_of_another_build_are_refused(tmp_path, capsys):
         f"{', '.join(sorted([mine[:12], other[:12]]))}); give the file of one run\n")
     _metrics(metrics, [0.03, 0.02], mine)
     assert main(["report", tiny, "-o", str(page), "--metrics", str(metrics)]) == 0
-    assert capsys.readouterr().err == f"report written to {page} (12 KB, self-contained)\n"
+    assert capsys.readouterr().err == f"report written to {page} (13 KB, self-contained)\n"
 
 
 def test_metrics_without_a_fingerprint_are_used_with_a_warning(tmp_path, capsys):
@@ -308,7 +308,7 @@ def test_a_build_of_an_older_planc_keeps_its_metrics(tmp_path, capsys):
     _metrics(metrics, [0.03, 0.02], old)
     capsys.readouterr()
     assert main(["report", str(build), "-o", str(page), "--metrics", str(metrics)]) == 0
-    assert capsys.readouterr().err == f"report written to {page} (12 KB, self-contained)\n"
+    assert capsys.readouterr().err == f"report written to {page} (13 KB, self-contained)\n"
 
 
 def test_report_and_diff_take_transfers_from_the_verified_graph(tmp_path, capsys):

@@ -20,7 +20,7 @@ from planc.plan.plan import Mesh, Plan
 # The groups planc layout --json lists, by the mesh axes along which members differ.
 GROUP_AXES: dict[str, tuple[str, ...]] = {name: GROUPS[name].axes for name in LAYOUT_GROUPS}
 # The ranks of one pipeline stage, which differ in tp, cp and dp: the graph's "stage"
-# group (the loss's all-reduce), listed by planc layout but not part of its JSON.
+# group (the loss's all-reduce), listed by planc layout and its JSON after the axes'.
 STAGE_AXES = GROUPS["stage"].axes
 # With mesh { ep }: the ep groups and the experts' replicas, listed after the others.
 EXPERT_GROUPS: tuple[str, ...] = tuple(name for name, kind in GROUPS.items() if kind.experts)
@@ -141,7 +141,7 @@ class Layout:
         order = list(self.mesh.order)
         ranks = [{"rank": r, "coords": self.coords(r), "node": self.node(r)}
                  for r in range(self.world)]
-        listed = (*GROUP_AXES, *EXPERT_GROUPS) if self.mesh.ep > 1 else tuple(GROUP_AXES)
+        listed = (*GROUP_AXES, "stage", *(EXPERT_GROUPS if self.mesh.ep > 1 else ()))
         groups = {axis: [list(g) for g in self.groups(axis)] for axis in listed}
         placement = {}
         for axis in listed:

@@ -6,6 +6,7 @@ from planc.estimate import memory
 from planc.vocabulary.units import COMPUTE, RATE, TIME, format_bytes, format_quantity
 from planc.models import family_of
 from planc.plan.data_source import blend_of
+from planc.plan.lr_schedule import SCHEDULE_ARGUMENTS
 from planc.plan.plan import Plan
 from planc.schedules.layers import range_text
 from planc.diagnostics import counted
@@ -62,12 +63,15 @@ def settings(plan: Plan) -> str:
                       f"{m.dtype}, tie_embeddings {_onoff(m.tie_embeddings)}; "
                       f"{memory.total_parameters(plan):,} parameters"),
         ("mesh", f"tp {mesh.tp} x cp {mesh.cp} x pp {mesh.pp} x dp {mesh.dp} = "
-                 f"{counted(mesh.world, 'rank')}, order [{', '.join(mesh.order)}]"),
+                 f"{counted(mesh.world, 'rank')}, order [{', '.join(mesh.order)}]"
+                 + (f", ep {mesh.ep}" if mesh.ep > 1 else "")),
         ("topology", f"{counted(topo.nodes, 'node')} x "
                      f"{topo.devices_per_node} devices"
                      + (f" ({topo.preset})" if topo.preset else "")
                      + f"; device {format_quantity(topo.device.flops, COMPUTE)}, {memory_text}, "
-                       f"efficiency {topo.device.efficiency:g}"),
+                       f"bandwidth {format_quantity(topo.device.bandwidth, RATE)}, "
+                       f"efficiency {topo.device.efficiency:g}, overlap "
+                       f"{topo.device.overlap:g}"),
         ("", f"intra {format_quantity(topo.intra.bandwidth, RATE)} "
              f"{format_quantity(topo.intra.latency, TIME)}; inter "
              f"{format_quantity(topo.inter.bandwidth, RATE)} "
@@ -79,26 +83,44 @@ def settings(plan: Plan) -> str:
                      f"{_onoff(shard.cp.load_balance)}"),
         ("shard pp", f"stages [{stages}]{' (auto)' if shard.pp.auto else ''}, virtual "
                      f"{shard.pp.virtual}"),
-        ("shard dp", f"zero {shard.dp.zero}"
-                     + (", fp32_grads on" if shard.dp.fp32_grads else "")
-                     + (f", reduce_dtype {shard.dp.reduce_dtype}"
-                        if shard.dp.reduce_dtype != "model" else "")
-                     + (f", grad_reduce {shard.dp.grad_reduce}"
-                        if shard.dp.grad_reduce != "reduce_scatter" else "")),
+        ("shard dp", f"zero {shard.dp.zero}, fp32_grads {_onoff(shard.dp.fp32_grads)}, "
+                     f"reduce_dtype {shard.dp.reduce_dtype}, grad_reduce "
+                     f"{shard.dp.grad_reduce}"),
         ("schedule", f"{plan.schedule.pipeline}, "
                      f"{counted(plan.schedule.microbatches, 'microbatch', 'microbatches')} of "
-                     f"{counted(plan.microbatch_size, 'sequence')} per data-parallel rank"),
+                     f"{counted(plan.microbatch_size, 'sequence')} per data-parallel rank"
+                     + (", overlap_all_to_all on" if plan.schedule.overlap_all_to_all else "")),
         ("optimize", f"fuse {_onoff(opt.fuse)} (bucket {format_bytes(opt.bucket)}), route "
-                     f"{opt.route}, overlap {_onoff(opt.overlap)}, recompute {opt.recompute}, "
-                     f"pp_scatter_gather {_onoff(opt.pp_scatter_gather)}"
-                     + (f", grad_accumulation {opt.grad_accumulation}"
-                        if opt.grad_accumulation != "fused" else "")
-                     + (f", kernels {opt.kernels}" if opt.kernels != "fused" else "")),
+                     f"{opt.route}, overlap {_onoff(opt.overlap)}, weight_grad_overlap "
+                     f"{_onoff(opt.weight_grad_overlap)}, tp_overlap "
+                     f"{_value_text(opt.tp_overlap)}, recompute {opt.recompute}, "
+                     f"pp_scatter_gather {_onoff(opt.pp_scatter_gather)}, grad_accumulation "
+                     f"{opt.grad_accumulation}, kernels {opt.kernels}, moe_dispatcher "
+                     f"{opt.moe_dispatcher}, compile {_onoff(opt.compile)}"),
         ("train", f"{counted(tr.steps, 'step')}, {optimizer}, seed {tr.seed}, "
-                  f"data {_data(tr.data)}{f', init {tr.init}' if tr.init else ''}"),
+                  f"data {_data(tr.data)}, init {tr.init or 'none'}, shuffle "
+                  f"{_onoff(tr.shuffle)}, grad_clip "
+                  f"{'off' if tr.grad_clip is None else f'{tr.grad_clip:g}'}"),
+        ("", _lr_schedule(tr.lr_schedule) + ", " + _evaluation(tr)),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _lr_schedule(schedule) -> str:
+    """The lr schedule as the plan writes it: constant, cosine(warmup = 100, ...)."""
+    if schedule.is_constant:
+        return "lr_schedule constant"
+    arguments = ", ".join(f"{key} = {_value_text(getattr(schedule, key))}"
+                          for key in SCHEDULE_ARGUMENTS[schedule.name])
+    return f"lr_schedule {schedule.name}({arguments})"
+
+
+def _evaluation(train) -> str:
+    if not train.eval_every:
+        return "eval_every 0 (no evaluation)"
+    return (f"eval_every {train.eval_every}, eval_batches {train.eval_batches}, eval_data "
+            f"{_data(train.eval_data)}")
 
 
 def _data(data: str) -> str:
