@@ -415,6 +415,53 @@ def test_bad_resume_inputs_are_one_line_and_exit_1(saved, tmp_path, capfd):
         _refused([plan, "--resume", partial], capfd, tmp_path)
 
 
+def test_a_checkpoint_directory_of_what_planc_did_not_write_is_refused(saved, tmp_path,
+                                                                         capfd):
+    """A run writes latest in place, replaces a step directory whole and removes staging
+    directories: a link there (latest linked to a file elsewhere was overwritten through
+    it), a file of the user's inside a step directory (removed by --force) or under a
+    step's name, or a staging directory read as a checkpoint, is refused before anything
+    runs, and changes nothing."""
+    capfd.readouterr()
+    plan = write_plan(tmp_path, "p", mesh="tp = 2", steps=3)
+    elsewhere = tmp_path / "precious.txt"
+    elsewhere.write_text("precious")
+
+    def refused(make, *flags):
+        ckpt = tmp_path / f"c{len(list(tmp_path.glob('c*')))}"
+        shutil.copytree(saved, ckpt)
+        make(ckpt)
+        before = {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+        line = _refused([plan, "--checkpoint-dir", ckpt, *flags], capfd, tmp_path, 2)
+        assert {p: p.read_bytes() for p in ckpt.rglob("*") if p.is_file()} == before
+        return line.replace(f"{ckpt}", "D")
+
+    tail = ("; planc writes, replaces and removes only what it wrote there: move it, or "
+            "name another directory")
+
+    def link_latest(ckpt):
+        (ckpt / "latest").unlink()
+        (ckpt / "latest").symlink_to(elsewhere)
+    assert refused(link_latest, "--resume", saved) == \
+        f"planc: error: --checkpoint-dir D: latest is a symbolic link{tail}"
+    assert elsewhere.read_text() == "precious"
+    assert refused(lambda c: (c / "step-000002" / "notes.txt").write_text("mine"),
+                   "--force") == \
+        f"planc: error: --checkpoint-dir D: step-000002/notes.txt is not a file of a " \
+        f"checkpoint{tail}"
+    assert refused(lambda c: (c / "step-000003").write_text("mine"), "--force") == \
+        f"planc: error: --checkpoint-dir D: step-000003 is a file, not a checkpoint's " \
+        f"directory{tail}"
+    assert refused(lambda c: (c / ".step-000003.partial").symlink_to(tmp_path),
+                   "--force") == \
+        f"planc: error: --checkpoint-dir D: .step-000003.partial is a symbolic link{tail}"
+    staging = tmp_path / "staged" / ".step-000002.partial"
+    shutil.copytree(saved / "step-000002", staging)
+    assert _refused([plan, "--resume", staging], capfd, tmp_path) == (
+        f"planc: error: --resume: {staging} is a checkpoint being written or replaced, "
+        f"which is never read: name its checkpoint directory")
+
+
 @pytest.mark.parametrize("damage", ["flipped", "truncated", "deleted", "index"])
 def test_a_damaged_checkpoint_is_refused(damage, saved, tmp_path, capfd):
     capfd.readouterr()

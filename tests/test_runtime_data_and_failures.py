@@ -276,8 +276,8 @@ def test_check_reports_each_loss_evaluation_and_replica_that_differs():
     copies = {("w", 0, 0): {0: {0: want["w"].clone()}},
               ("w", 1, 0): {0: {0: torch.tensor([1.0, -2.1])}},  # replica 1 only
               ("b", 0, 0): {0: {0: torch.tensor([0.5, 0.5])}}}  # another shape; none on 1
-    worst, lines = parameter_report(None, want, copies, {}, replicas, 1e-5, 0.0)
-    assert lines == [
+    worst, lines, amplified = parameter_report(None, want, copies, {}, replicas, 1e-5, 0.0)
+    assert amplified == [] and lines == [
         "  w (replica dp 1, cp 0): largest difference 1.00e-01, relative 5.00e-02  MISMATCH",
         "  b (replica dp 0, cp 0): the run's copy does not have the shape [1]  MISMATCH",
         "  b (replica dp 1, cp 0): no rank holds it  MISMATCH"]
@@ -285,7 +285,24 @@ def test_check_reports_each_loss_evaluation_and_replica_that_differs():
     copies[("w", 1, 0)] = {0: {0: want["w"].clone()}}
     copies[("b", 0, 0)] = copies[("b", 1, 0)] = {0: {0: want["b"].clone()}}
     assert parameter_report(None, want, copies, {}, replicas, 1e-5, 0.0) == (
-        (0.0, 0.0, ""), [])
+        (0.0, 0.0, ""), [], [])
+    # AdamW's amplified rounding: one element in 10,000 (and always one) past the slack
+    # but within the ceiling passes, and is named; two, or one past the ceiling, do not
+    many = {"e": torch.zeros(20000)}
+    drifted = many["e"].clone()
+    drifted[7] = 0.05
+    same = [(0, 0)]
+    assert parameter_report(None, many, {("e", 0, 0): {0: {0: drifted}}}, {}, same, 1e-5,
+                            0.01, 0.06) == (
+        (0.0, 0.0, ""), [], ["e: 1 of 20,000 elements, up to 5.0e-02"])
+    drifted[8] = drifted[9] = 0.02
+    assert parameter_report(None, many, {("e", 0, 0): {0: {0: drifted}}}, {}, same, 1e-5,
+                            0.01, 0.06)[1] == [
+        "  e: largest difference 5.00e-02, relative 5.00e+10  MISMATCH"]
+    drifted[8] = drifted[9] = 0.0
+    assert parameter_report(None, many, {("e", 0, 0): {0: {0: drifted}}}, {}, same, 1e-5,
+                            0.01, 0.04)[1] == [
+        "  e: largest difference 5.00e-02, relative 5.00e+10  MISMATCH"]
 
 
 def test_bf16_with_adamw_compares_losses_and_says_why_not_parameters(tmp_path, capfd):

@@ -182,6 +182,9 @@ def find(path: str | os.PathLike, hashes: bool = True) -> Found:
             raise CheckpointError(f"{root} is not a directory (name a checkpoint directory "
                                   f"or one of its step-NNNNNN directories)")
         if is_step_directory(root):
+            if re.fullmatch(r"\.step-\d{6,}\.(partial|old-.*)", root.resolve().name):
+                raise CheckpointError(f"{root} is a checkpoint being written or replaced, "
+                                      f"which is never read: name its checkpoint directory")
             manifest = read_manifest(root)
             verify_files(root, manifest, hashes)
             return Found(root, manifest)
@@ -341,6 +344,40 @@ def _show(value) -> str:
 # --- the checkpoint directory --------------------------------------------------------------
 
 
+_STEP_FILE = re.compile(r"(model|optimizer)-\d{5}-of-\d{5}\.safetensors")
+_STEP_FILES = frozenset({MANIFEST, MODEL_INDEX, OPTIMIZER_INDEX, RNG_FILE})
+
+
+def _not_ours(root: Path, name: str) -> str | None:
+    """Why the entry ``name`` of a checkpoint directory, named as planc names its own, is
+    not one planc wrote, or None: a run writes ``latest`` and its temporaries in place
+    (never through a link), replaces a step directory whole and removes staging
+    directories, so each must be what planc makes: a regular file, or a directory of
+    nothing but a checkpoint's files (some perhaps missing or damaged)."""
+    if name == ".lock":  # the lock of a run (planc.host.locks checks it)
+        return None
+    mode = os.lstat(root / name).st_mode
+    if stat.S_ISLNK(mode):
+        return f"{name} is a symbolic link"
+    if not STEP_DIR.fullmatch(name) and not name.startswith(".step-"):  # latest, temporaries
+        return None if stat.S_ISREG(mode) else f"{name} is {kind_of(mode)}, not a file"
+    if not stat.S_ISDIR(mode):
+        what = "a file" if stat.S_ISREG(mode) else kind_of(mode)
+        return f"{name} is {what}, not a checkpoint's directory"
+    if not STEP_DIR.fullmatch(name):  # a staging or replaced directory: removed whole
+        return None
+    try:
+        inside = os.listdir(root / name)
+    except OSError as exc:
+        return f"{name} cannot be read ({reason(exc)})"
+    for entry in sorted(inside):  # a damaged checkpoint's files are still its own
+        if entry not in _STEP_FILES and not _STEP_FILE.fullmatch(entry):
+            return f"{name}/{entry} is not a file of a checkpoint"
+        if not stat.S_ISREG(os.lstat(root / name / entry).st_mode):
+            return f"{name}/{entry} is not a regular file"
+    return None
+
+
 def writable_problem(path: str) -> str | None:
     """Why ``--checkpoint-dir PATH`` cannot hold checkpoints, or None. PATH may not exist
     yet (its nearest existing parent must be writable); an existing one must be a
@@ -356,6 +393,12 @@ def writable_problem(path: str) -> str | None:
         if foreign:
             return (f"--checkpoint-dir {path}: holds {foreign[0]!r}, which is not a "
                     f"checkpoint; name an empty or a checkpoint directory")
+        for name in sorted(os.listdir(target)):
+            problem = _not_ours(target, name)
+            if problem:
+                return (f"--checkpoint-dir {path}: {problem}; planc writes, replaces and "
+                        f"removes only what it wrote there: move it, or name another "
+                        f"directory")
         if not os.access(target, os.W_OK | os.X_OK):
             return f"--checkpoint-dir {path}: is not writable"
         return None

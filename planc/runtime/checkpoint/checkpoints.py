@@ -150,7 +150,7 @@ class Checkpoints(Loading):
                 fmt.fsync_directory(root_path)
             except OSError as exc:
                 raise SystemExit(f"planc: error: cannot write checkpoint {staging}: "
-                                 f"{exc.strerror}") from None
+                                 f"{exc.strerror or exc}") from None
         self._barrier()
         params, states = self._consolidate()
         rng, optimizer_steps = torch.get_rng_state(), self._optimizer_steps()  # now, not later
