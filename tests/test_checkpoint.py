@@ -329,7 +329,7 @@ def test_incomplete_and_damaged_steps_are_passed_over(tmp_path, capfd):
     status, err = run([plan, "-o", tmp_path / "b", "--resume", ckpt, "--steps", 3, "--check"],
                       capfd)
     assert status == 0, err
-    assert "planc: warning: --resume passed over" in err and "step-000006" in err
+    assert "planc: warning: --resume passed over a checkpoint: " in err and "step-000006" in err
     assert f"resumed from {good} at step 2" in err
     assert "check: 1 step (from step 2, resumed)" in err
     # the staging directory of a killed writer does not block writing that step again
@@ -455,6 +455,13 @@ def test_a_checkpoint_directory_of_what_planc_did_not_write_is_refused(saved, tm
     assert refused(lambda c: (c / ".step-000003.partial").symlink_to(tmp_path),
                    "--force") == \
         f"planc: error: --checkpoint-dir D: .step-000003.partial is a symbolic link{tail}"
+    # a resumed run continues its own metrics, not another plan's
+    metrics = tmp_path / "other.jsonl"
+    metrics.write_text('{"step": 0, "time_s": 0.1, "loss": 1.0, "plan": "other"}\n')
+    assert _refused([plan, "--resume", saved, "--metrics", metrics], capfd, tmp_path, 2) == (
+        f"planc: error: --metrics {metrics}: holds the steps of plan other, and this run "
+        f"trains plan p: a resumed run continues its own run's metrics; name another file")
+    assert metrics.read_text() == '{"step": 0, "time_s": 0.1, "loss": 1.0, "plan": "other"}\n'
     staging = tmp_path / "staged" / ".step-000002.partial"
     shutil.copytree(saved / "step-000002", staging)
     assert _refused([plan, "--resume", staging], capfd, tmp_path) == (

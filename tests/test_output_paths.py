@@ -118,6 +118,21 @@ def test_run_writes_metrics_and_trace_through_links_and_into_devices(tmp_path, c
     assert stat.S_ISCHR(os.stat(os.devnull).st_mode)
 
 
+def test_metrics_into_a_named_pipe_without_a_reader_is_an_error(tmp_path, capfd):
+    """Opened for writing, a pipe no process reads blocks forever: the rank says so and
+    the run stops, instead of every other rank reporting itself stuck --timeout later."""
+    import pytest
+
+    pytest.importorskip("torch")
+    fifo = tmp_path / "metrics.fifo"
+    os.mkfifo(fifo)
+    assert main(["run", TINY, "-o", str(tmp_path / "b"), "--steps", "1", "--metrics",
+                 str(fifo), "--timeout", "300"]) == 1
+    assert (f"planc: error: --metrics {fifo}: a named pipe that no process reads; start "
+            f"its reader first") in capfd.readouterr().err
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
 def test_metrics_on_a_disk_that_fills_during_the_run(tmp_path, capfd):
     """/dev/full is what a disk that filled after the run started looks like: it opens,
     and its file system (/dev) has room, so the launcher's check before the run passes;

@@ -404,3 +404,40 @@ def test_a_build_compiled_with_set_is_refused_before_anything_runs(tmp_path, cap
         f"build was compiled with --set); run the plan file, with its --set, instead; "
         f"nothing was run\n")
     assert not (tmp_path / "b" / "logs").exists() and not (tmp_path / "ck").exists()
+
+
+def test_a_damaged_newest_checkpoint_leaves_the_one_before_it(tmp_path, capsys):
+    """The run's newest checkpoint damaged (a model file cut short): a recovery goes on
+    from the intact one before it, not from the step the run started from."""
+    import types
+
+    from planc.cli import main
+    from planc.commands.replan import Segment, newest_checkpoint
+    from planc.host.interrupts import Interrupts
+
+    (tmp_path / "two.plan").write_text(TWO)
+    assert main(["run", str(tmp_path / "two.plan"), "-o", str(tmp_path / "b"), "--steps", "3",
+                 "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "1"]) == 0
+    model = next((tmp_path / "ck" / "step-000003").glob("model-*.safetensors"))
+    model.write_bytes(model.read_bytes()[:100])
+    capsys.readouterr()
+    args = types.SimpleNamespace(checkpoint_dir=str(tmp_path / "ck"))
+    segment = Segment(None, None, (), None, "")
+    found = newest_checkpoint(args, segment, {}, Interrupts())
+    assert found.directory == tmp_path / "ck" / "step-000002"
+    assert capsys.readouterr().err.startswith(
+        f"planc: warning: passing over {tmp_path}/ck/step-000003: ")
+
+
+def test_the_progress_line_says_what_the_run_recovered_from():
+    from planc.runtime.step_records import describe_recovery
+
+    common = {"from": "tp 2 pp 2 dp 2", "to": "pp 2 dp 2", "ranks": 4, "resumed_step": 4,
+              "steps_redone": 2, "seconds_lost": 6.25}
+    assert describe_recovery({**common, "event": "lost", "lost_ranks": [5]}) == (
+        "recovered: lost rank 5 of tp 2 pp 2 dp 2; now pp 2 dp 2 on 4 ranks from step 4, "
+        "2 steps redone, 6.2 s from the failure to this step's end")
+    # growing back loses no rank: the line said "lost ranks  of" before
+    assert describe_recovery({**common, "event": "grew", "lost_ranks": []}) == (
+        "grew back from tp 2 pp 2 dp 2; now pp 2 dp 2 on 4 ranks from step 4, 2 steps "
+        "redone, 6.2 s from the failure to this step's end")

@@ -116,3 +116,35 @@ def test_export_refuses_a_missing_checkpoint_directory(tmp_path, capfd):
                  str(tmp_path / "out")]) == 1  # a checkpoint is an input
     err = capfd.readouterr().err
     assert "no such checkpoint directory" in err and "Traceback" not in err
+
+
+def test_export_refuses_values_past_the_dtypes_range(tmp_path, capfd):
+    """A checkpoint's values are fp32; an fp16 model's export writes them as fp16, whose
+    largest value is 65,504: one past it would load as inf, so nothing is written."""
+    import hashlib
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    text = PLAN.format(mesh="", kv=2, m=1, lr=0.1, head_dim="").replace(
+        "norm_eps = 1e-6", "norm_eps = 1e-6; dtype = fp16")
+    (tmp_path / "h.plan").write_text(text)
+    checkpoints = tmp_path / "ckpt"
+    assert main(["run", str(tmp_path / "h.plan"), "-o", str(tmp_path / "build"),
+                 "--checkpoint-dir", str(checkpoints)]) == 0
+    step = checkpoints / "step-000001"
+    manifest = json.loads((step / "manifest.json").read_text())
+    name = manifest["parameters"]["final_ln.weight"]["file"]
+    tensors = load_file(step / name)
+    tensors["final_ln.weight"][0] = 1e6
+    save_file(tensors, step / name, metadata={"format": "pt"})
+    data = (step / name).read_bytes()
+    manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    capfd.readouterr()
+    assert main(["export", str(checkpoints), "--format", "hf", "-o",
+                 str(tmp_path / "out")]) == 1
+    assert capfd.readouterr().err == (
+        f"planc: error: {step}: a value of model.norm.weight is beyond fp16's range (largest "
+        f"65504), as the model's dtype writes it; nothing was written\n")
+    assert not (tmp_path / "out").exists()

@@ -48,16 +48,21 @@ def committed(directory: str) -> dict[str, tuple[int, int]]:
     return found
 
 
-def newest_own(directory: str, before: dict) -> tuple[int, str | None]:
-    """(step, path) of the newest checkpoint in ``directory`` that this run committed:
-    not there, or not the same, in ``before`` (:func:`committed` as the run began);
-    (-1, None) if none. Not ``latest``: a run resumed from an older step of the directory
-    would find the abandoned steps there."""
+def own_checkpoints(directory: str, before: dict) -> list[tuple[int, str]]:
+    """(step, path) of every checkpoint in ``directory`` that this run committed, newest
+    first: not there, or not the same, in ``before`` (:func:`committed` as the run began).
+    Not ``latest``: a run resumed from an older step of the directory would find the
+    abandoned steps there."""
     own = [name for name, seen in committed(directory).items() if before.get(name) != seen]
-    if not own:
-        return -1, None
-    name = max(own, key=lambda n: int(STEP_DIR.fullmatch(n).group(1)))
-    return int(STEP_DIR.fullmatch(name).group(1)), os.path.join(directory, name)
+    steps = sorted(((int(STEP_DIR.fullmatch(name).group(1)), name) for name in own),
+                   reverse=True)
+    return [(step, os.path.join(directory, name)) for step, name in steps]
+
+
+def newest_own(directory: str, before: dict) -> tuple[int, str | None]:
+    """(step, path) of the newest of :func:`own_checkpoints`; (-1, None) if none."""
+    own = own_checkpoints(directory, before)
+    return own[0] if own else (-1, None)
 
 
 class GrowSignal:
@@ -274,16 +279,16 @@ def _forget_lost_nodes(args, segment: Segment, lost_ranks) -> None:
 
 def newest_checkpoint(args, segment: Segment, earlier: dict, interrupts):
     """The newest whole checkpoint the run can go on from, verified as --resume verifies
-    one: the newest of this run's in --checkpoint-dir, the one put together from the
+    one: the newest intact one of this run's in --checkpoint-dir, the one put together from the
     nodes' memory (--checkpoint-peer-memory) and the one the segment started from (None:
     step 0); one that does not verify is passed over, with a warning."""
     from planc.checkpoint.format import CheckpointError
     from planc.commands.run_prepare import verified_checkpoint
 
-    candidates = []
-    step, own = newest_own(args.checkpoint_dir, earlier)
-    if own is not None:
-        candidates.append((step, own, ""))
+    # every one of this run's, newest first: a damaged newest leaves the one before it
+    candidates = [(step, path, "") for step, path in own_checkpoints(args.checkpoint_dir,
+                                                                      earlier)]
+    step = candidates[0][0] if candidates else -1
     root = getattr(args, "peer_memory_root", None)
     if root is not None:
         from planc.checkpoint.peer_copy import assemble, clear

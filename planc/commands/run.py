@@ -94,7 +94,8 @@ def _run(args) -> int:
     resumed = f" (steps {first}..{steps - 1}, resumed from {found.directory})" if found else ""
     if found:
         for skipped in found.skipped:
-            print(f"planc: warning: --resume passed over {skipped}", file=sys.stderr)
+            print(f"planc: warning: --resume passed over a checkpoint: {skipped}",
+                  file=sys.stderr)
         print(found.note, file=sys.stderr)
     if args.checkpoint_peer_memory and \
             built.plan.world // built.plan.topology.devices_per_node < 2:
@@ -158,6 +159,15 @@ def _resumable(args, found, plan, buckets=None) -> int:
     problem = resume_problem(args, found, plan, buckets)
     if problem is not None:
         return fail(f"--resume {found.directory}: {problem}; nothing was run")
+    if args.metrics and os.path.isfile(args.metrics) and os.path.getsize(args.metrics):
+        from planc.data.metrics_file import read_metrics
+
+        records = read_metrics(args.metrics).records or []  # its problems: _refused's
+        other = next((r.get("plan") for r in reversed(records) if r.get("plan")), None)
+        if other is not None and other != plan.name:
+            return fail(f"--metrics {args.metrics}: holds the steps of plan {other}, and this "
+                        f"run trains plan {plan.name}: a resumed run continues its own "
+                        f"run's metrics; name another file", EXIT_USAGE)
     if buckets is not None:
         record = TrainingRecord.of(plan.to_dict())
         for note in checkpoint.resume_notes(found.manifest, record):

@@ -4,8 +4,11 @@ next step, printed as the progress line, written to the metrics file and TensorB
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import resource
+import stat
 import sys
 import time
 
@@ -41,8 +44,10 @@ def describe_recovery(recovery: dict) -> str:
     """The progress line's words for the failure a run continues after."""
     lost = recovery["lost_ranks"]
     redone = recovery["steps_redone"]
-    return (f"recovered: lost rank{'s' * (len(lost) != 1)} {', '.join(map(str, lost))} of "
-            f"{recovery['from']}; now {recovery['to']} on {recovery['ranks']} ranks from "
+    what = (f"grew back from {recovery['from']}" if recovery.get("event") == "grew" else
+            f"recovered: lost rank{'s' * (len(lost) != 1)} {', '.join(map(str, lost))} of "
+            f"{recovery['from']}")
+    return (f"{what}; now {recovery['to']} on {recovery['ranks']} ranks from "
             f"step {recovery['resumed_step']}, {redone} step{'s' * (redone != 1)} redone, "
             f"{recovery['seconds_lost']:.1f} s from the failure to this step's end")
 
@@ -210,4 +215,18 @@ def metrics_file(path: str):
     refusal = existing_problem("--metrics", path, METRICS, append=True)  # continued
     if refusal is not None:
         raise SystemExit(f"planc: error: {refusal.message}")
+    try:
+        fifo = stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        fifo = False
+    if fifo:  # opened for writing, a pipe no process reads would hold the rank forever
+        try:
+            descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                raise SystemExit(f"planc: error: --metrics {path}: a named pipe that no "
+                                 f"process reads; start its reader first") from None
+            raise
+        os.set_blocking(descriptor, True)
+        return os.fdopen(descriptor, "a")
     return open(path, "a")

@@ -313,7 +313,8 @@ def _resumable(args, record, all_buckets: dict[str, dict], steps: int,
         raise SystemExit(f"planc: error: {problem}" if first_rank else 1)
     if first_rank:
         for skipped in found.skipped:
-            print(f"planc: warning: passed over {skipped}", file=sys.stderr, flush=True)
+            print(f"planc: warning: passed over a checkpoint: {skipped}", file=sys.stderr,
+                  flush=True)
     return found
 
 

@@ -42,6 +42,12 @@ def export_hf(checkpoint: str, output: str) -> tuple[Path, int, str]:
             raise CheckpointError(f"{found.directory / file} cannot be read "
                                   f"({reason(exc)})") from None
     tensors = {t.target: hf_tensor(t, values).to(dtype) for t in hf_tensors(model)}
+    for name, value in tensors.items():  # fp32's finite values past fp16's largest
+        if not bool(torch.isfinite(value).all()):
+            raise CheckpointError(f"{found.directory}: a value of {name} is beyond "
+                                  f"{model['dtype']}'s range (largest "
+                                  f"{torch.finfo(dtype).max:g}), as the model's dtype "
+                                  f"writes it; nothing was written")
     os.makedirs(output, exist_ok=True)
     write_durably(Path(output) / "model.safetensors",
                   save(tensors, metadata={"format": "pt",  # transformers' loader reads it
