@@ -295,8 +295,17 @@ def test_check_refuses_a_moe_model_mixtral_cannot_hold(tmp_path, capfd):
     status, err = _checked(tmp_path, capfd, text)
     assert status == 1
     assert err.splitlines()[0] == _error_line(tmp_path, text, (
-        "model moe with shared_experts = 1 cannot start from a MixtralForCausalLM checkpoint "
-        "(Mixtral has no shared experts); it needs shared_experts = 0"))
+        f"model moe with shared_experts = 1 cannot start from a MixtralForCausalLM checkpoint "
+        f"(Mixtral has no shared experts); it needs shared_experts = 0; and no such "
+        f"directory: {tmp_path}/hf"))
+    # Qwen3's mixture says its own name; a directory that is not there is said too
+    text = plan_text("moe", shared_experts=1, qk_norm="on", init="nowhere")
+    status, err = _checked(tmp_path, capfd, text)
+    assert status == 1
+    assert err.splitlines()[0] == _error_line(tmp_path, text, (
+        f"model moe with shared_experts = 1 cannot start from a Qwen3MoeForCausalLM "
+        f"checkpoint (Qwen3-MoE has no shared experts); it needs shared_experts = 0; and no "
+        f"such directory: {tmp_path}/nowhere"))
 
 
 def test_a_relative_directory_is_the_plan_files(llama_dir, tmp_path, capfd):

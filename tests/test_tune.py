@@ -265,3 +265,21 @@ def test_a_variant_keeps_the_plans_fp32_gradient_buffer():
     assert variant.shard.dp.grad_reduce == "reduce_scatter"
     same = bounds.plan_of(plan, dataclasses.replace(of_plan(plan), zero=1), 8)
     assert same.shard.dp.grad_reduce == "all_reduce"
+
+
+def test_the_best_plan_drops_the_shard_blocks_of_axes_it_does_not_use(tmp_path, capsys):
+    """The file's tp placements kept under a best layout of tp 1 made every later check
+    of the written plan warn that they did nothing."""
+    from planc.tune.candidate_text import without_blocks
+
+    text = ("plan p {\n  shard {\n    tp { qkv = column; proj = row }\n    dp { zero = 1 }\n"
+            "  }\n  other { tp { a = 1 }; cp { b = 2 } }\n}\n")
+    assert without_blocks(text, [("shard", "tp"), ("other", "tp"), ("shard", "cp")]) == (
+        "plan p {\n  shard {\n    dp { zero = 1 }\n  }\n  other { cp { b = 2 } }\n}\n")
+    best = tmp_path / "best.plan"
+    assert main(["tune", str(PLANS / "gpt-tiny.plan"), "--gpus", "8", "--top", "1",
+                 "-o", str(best)]) == 0
+    capsys.readouterr()
+    assert load_file(best).plan.mesh.tp == 1 and "tp {" not in best.read_text()
+    assert main(["check", str(best)]) == 0
+    assert capsys.readouterr().err == ""  # no warning

@@ -22,7 +22,7 @@ This module is the mapping and the check of the checkpoint's model (no torch);
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -165,7 +165,8 @@ QWEN3_MOE = Architecture(
                       "decoder_sparse_step": 1, "mlp_only_layers": [],
                       "router_aux_loss_coef": 0.0, "output_router_logits": False,
                       **_NO_SLIDING_WINDOW},
-    requires=tuple(r for r in MIXTRAL.requires if r.key != "norm_topk"),
+    requires=tuple(replace(r, why=r.why.replace("Mixtral", "Qwen3-MoE"))
+                   for r in MIXTRAL.requires if r.key != "norm_topk"),
     saved_layer=_QK_NORM_ATTENTION + (_linear("mlp.gate.weight", "router.weight"),)
     + _PER_EXPERT_SAVED)
 

@@ -269,8 +269,8 @@ def check_init(directory: str | Path, model: Model) -> str:
     if problem is not None:
         raise HFCheckpointError(f"{directory}: {problem}")
     problem = _requirement_problem(model, arch)
-    if problem is not None:
-        raise HFCheckpointError(problem)
+    if problem is not None:  # and what the directory lacks, if it cannot be read either
+        raise HFCheckpointError(problem + (f"; and {unread}" if unread is not None else ""))
     if unread is not None:
         raise unread
     problem = config_problem(model, arch, config)

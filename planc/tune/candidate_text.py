@@ -125,3 +125,41 @@ def _comment(source: str, at: int) -> tuple[int, int] | None:
         elif source[k] == "#" and not quoted:
             return len(source[:k].rstrip(" \t")), eol
     return None
+
+
+def without_blocks(source: str, paths) -> str:
+    """``source`` without the blocks at ``paths`` (("shard", "tp"), ...) it writes: a
+    chosen layout of degree 1 on an axis drops that axis's shard block, which would say
+    nothing (planc check warns of it). A line the block leaves empty goes with it."""
+    tree, _ = parse(source)
+    if tree is None:
+        raise ValueError("the plan does not parse")
+    starts = _offsets(source)
+    cuts = []
+    for path in paths:
+        entries, found = tree.entries, None
+        for part in path:
+            found = next((e for e in entries if isinstance(e, ast.Block) and e.name == part),
+                         None)
+            if found is None:
+                break
+            entries = found.entries
+        if found is None:
+            continue
+        span = found.span
+        start = starts[span.line - 1] + span.column - 1
+        end = starts[span.end_line - 1] + span.end_column - 1
+        line_start = source.rfind("\n", 0, start) + 1
+        line_end = source.find("\n", end)
+        line_end = len(source) if line_end < 0 else line_end
+        rest = source[end:line_end]
+        if not source[line_start:start].strip() and rest.strip() in ("", ";"):
+            start, end = line_start, min(line_end + 1, len(source))  # the whole line
+        elif rest.lstrip().startswith(";"):  # and its separator, with the blanks after it
+            after = rest.lstrip()[1:]
+            end += len(rest) - len(after.lstrip(" \t"))
+        cuts.append((start, end))
+    out = source
+    for start, end in sorted(cuts, reverse=True):
+        out = out[:start] + out[end:]
+    return out

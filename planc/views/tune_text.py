@@ -6,6 +6,7 @@ import time
 from typing import TextIO
 
 from planc.vocabulary.units import TIME, format_bytes, format_quantity
+from planc.tune.candidate_text import without_blocks
 from planc.views.tables import table
 from planc.diagnostics import counted
 
@@ -120,6 +121,9 @@ def best_file(search, gpus: int, argv: list[str]) -> str:
               f"# out of {search.considered:,} layouts ({search.simulated:,} simulated, "
               f"{sum(search.pruned.values()):,} pruned)."]
     text = best.text if best.text.endswith("\n") else best.text + "\n"
+    chosen = best.candidate
+    text = without_blocks(text, [("shard", axis) for axis in ("tp", "cp", "pp")
+                                 if getattr(chosen, axis) == 1])
     return "\n".join(header) + "\n" + text
 
 
