@@ -233,3 +233,51 @@ def test_every_table_has_its_header(page):
                                           re.match(r"^\|[-:| ]+\|$", lines[number])):
             headless.append(number)
     assert headless == [], f"{page.name}: table rows without a header at lines {headless}"
+
+
+def test_every_attribute_of_graph_json_is_documented():
+    """docs/build.md lists every attribute a compiled graph's nodes and the graph itself
+    carry (a few plans that use the most features) and every optional one the graph's
+    vocabulary knows."""
+    from planc.compile import compile_plan
+    from planc.graph.vocabulary import OPTIONAL, OPTIONAL_TYPES
+    from planc.lang import load_file
+
+    text = (ROOT / "docs" / "build.md").read_text()
+    words = set()
+    for span in _code_spans(text):
+        words |= set(re.split(r"[,\s]+", span))
+    graph_attributes, node_attributes = set(), set(OPTIONAL) | set(OPTIONAL_TYPES)
+    for name in ("gpt-tiny", "moe-tiny", "cp-ring-attention", "zero3", "llama-tiny"):
+        graph = compile_plan(load_file(ROOT / "plans" / f"{name}.plan").plan).graph
+        graph_attributes |= set(graph.graph)
+        for _, data in graph.nodes(data=True):
+            node_attributes |= set(data)
+    assert sorted(graph_attributes - words) == []
+    assert sorted(node_attributes - words) == []
+
+
+def test_the_readme_shows_every_option_of_every_command():
+    """Each command's row of the README's table names every option its --help lists;
+    --error-format and --max-errors, which every command reading a plan takes, are said
+    once below the table."""
+    import argparse
+
+    from planc.cli import build_parser
+
+    text = README.read_text()
+    rows = {m[1]: re.split(r"(?<!\\)\|", line)[1]
+            for line in text.splitlines() if (m := re.match(r"\| `planc (\w+)", line))}
+    assert "also takes\n`--error-format text|json` and `--max-errors N`" in text
+    commands = next(a for a in build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction)).choices
+    missing = []
+    for name, parser in commands.items():
+        for action in parser._actions:
+            flags = [f for f in action.option_strings if f not in ("-h", "--help")]
+            if not flags or "--error-format" in flags or "--max-errors" in flags:
+                continue
+            if not any(re.search(re.escape(f) + r"(?![\w-])", rows.get(name, ""))
+                       for f in flags):
+                missing.append(f"{name} {flags[-1]}")
+    assert missing == []
