@@ -589,3 +589,85 @@ def test_weight_grad_overlap_off_keeps_each_backward_whole():
     line = next(r["line"] for r in off.graph.graph["passes"] if r["name"] == "overlap")
     assert line == ("overlap: 0 once-per-step gradient reductions issued in the last "
                     "microbatch's backward as soon as their inputs are final")
+
+
+# --- rules a mutation review found unguarded ------------------------------------------
+
+
+def test_a_bucket_closes_when_it_reaches_the_cap_exactly():
+    """DDP closes a bucket once it holds the cap (>=): the head's gradient, 64 x 32 fp32 =
+    8,192 bytes, fills a cap of 8 KiB on its own."""
+    build = compile_plan(small(**CASES["dp-zero0"], optimize="bucket = 8KiB"))
+    members = [[m["param"] for m in b["members"]] for b in build.graph.graph["buckets"].values()]
+    assert members[0] == ["head.weight"]
+
+
+def test_a_zero1_optimizer_step_updates_its_shard_only():
+    """ZeRO-1 (Rajbhandari et al. 2020): each rank updates its 1/dp of a bucket, so the
+    optimizer step's bytes are the shard's, 15,040 of the bucket's 30,080 elements."""
+    build = compile_plan(small(**CASES["dp-zero1"]))
+    buckets = build.graph.graph["buckets"]
+    steps = {n: d for n, d in build.graph.nodes(data=True)
+             if n.startswith("O/") and n.endswith("/optimizer")}
+    assert steps and all(d["bytes"] == buckets[d["bucket"]]["shard"] * 4 for d in steps.values())
+    assert (steps["O/c0.b0/optimizer"]["bytes"], buckets["c0.b0"]["numel"]) == (60160, 30080)
+
+
+def test_a_split_backward_divides_its_flops_between_input_and_weight_gradients():
+    """fc1 of 2 sequences of 16 tokens, 32 -> 128: 2 x 32 x 32 x 128 = 262,144 FLOPs
+    forward; its backward, twice that, half in B (input gradient), half in W (zb1p)."""
+    graph = compile_plan(small(mesh="pp = 2", m=4, schedule="; pipeline = zb1p")).graph
+    assert [graph.nodes[n]["flops"] for n in ("F/L0/fc1", "B/L0/fc1", "W/L0/fc1")] == \
+        [262144, 262144, 262144]
+
+
+def test_the_vocabulary_parallel_loss_reduces_its_maximum_and_reports_one_fp32():
+    """Megatron's vocabulary-parallel cross-entropy all-reduces the largest logit with
+    max and the sum of exponentials with sum, each rank working on vocab / tp logits; the
+    loss reported over the stage is one fp32 number."""
+    for tp, flops in ((2, 4096), (4, 2048)):  # 2 FLOPs a local logit: 64 tokens x 64 / tp
+        graph = compile_plan(small(mesh=f"tp = {tp}")).graph
+        assert graph.nodes["F/loss_max"]["flops"] == flops
+        assert graph.nodes["F/loss_max:all_reduce@tp"]["reduce_op"] == "max"
+        assert graph.nodes["F/loss_sum_exp:all_reduce@tp"]["reduce_op"] == "sum"
+        assert graph.nodes["F/loss:all_reduce@stage"]["bytes"] == 4
+
+
+def test_full_recomputation_keeps_layer_inputs_and_one_layer_in_full():
+    """Korthikanti et al. 2022, Table 2: a layer keeps s b h (34 + 5 a s / h) bytes at
+    2 bytes a value without recomputation, 2 s b h with full recomputation; the layer
+    being recomputed holds its full activations once more. s 16, b 4, h 32, a 4, fp32."""
+    from planc.estimate import memory
+
+    plan = small(mesh="pp = 2", model="; layers = 4", optimize="recompute = full")
+    sbh, scale = 16 * 4 * 32, 4 / 2
+    assert memory.layer_activation_bytes(plan, "none") == sbh * (34 + 5 * 4 * 16 / 32) * scale
+    assert memory.layer_activation_bytes(plan) == 2 * sbh * scale
+    in_flight = memory.layers_in_flight(plan, 0)
+    assert memory.stage_activation_bytes(plan, 0)[0] == \
+        in_flight * 2 * sbh * scale + sbh * 44 * scale
+
+
+def test_a_split_collective_moves_its_share_of_the_tokens():
+    """tp_overlap = 2: each of a collective's two pieces moves half its bytes (4 sequences
+    of 16 tokens x 32 fp32 = 8,192 bytes gathered whole), and the pieces sum to it."""
+    text = dict(mesh="tp = 2", shard="tp { sequence_parallel = on }")
+    whole = compile_plan(small(**text, optimize="tp_overlap = off")).graph
+    split = compile_plan(small(**text, optimize="tp_overlap = 2")).graph
+    for node in ("F/L0/ln1>qkv:all_gather@tp", "B/L0/qkv>ln1:reduce_scatter@tp",
+                 "F/L0/proj>attn_residual:reduce_scatter@tp"):
+        pieces = [split.nodes[f"{node}#t{j}"] for j in (0, 1)]
+        assert [p["token_piece"] for p in pieces] == [[0, 2, 2], [1, 2, 2]]
+        assert [p["bytes"] for p in pieces] == [4096, 4096] == [whole.nodes[node]["bytes"] // 2] * 2
+        assert node not in split
+
+
+def test_a_route_over_groups_placed_differently_is_its_slowest_groups():
+    from planc.estimate.cost import Candidate, Route
+    from planc.passes.route import _combined
+
+    first = [Candidate(Route.RING, 1.0, ""), Candidate(Route.TREE, 3.0, "")]
+    second = [Candidate(Route.RING, 2.0, ""), Candidate(Route.TREE, 1.0, "")]
+    assert [c.seconds for c in _combined([first, second])] == [2.0, 3.0]
+    blocked = [Candidate(Route.RING, 1.0, ""), Candidate(Route.TREE, None, "one node")]
+    assert [c.seconds for c in _combined([first, blocked])] == [1.0, None]

@@ -769,3 +769,27 @@ def test_group_shapes_are_those_of_every_group(sizes, order, per_node):
             shapes = table.shapes(rule.ref, stage)
             assert set(shapes) == every, (rule.ref, stage)
             assert all(counts_of(m, per_node) == c for c, m in shapes.items())
+
+
+def test_ring_and_all_to_all_times_by_hand():
+    """The cost model on 2 nodes of 4 (NVLink 10 GB/s 10 us, network 1 GB/s 50 us): a
+    ring is bounded by its slowest link, the node with the fewest members sending over
+    its NICs alone; an all-to-all keeps a rank's own 1/n."""
+    from planc.estimate.cost import CostModel
+    from planc.plan.mesh import Placement
+    from planc.plan.topology import Device, Link, Topology
+
+    slow = CostModel(Topology(2, 4, Device(1e12, None), Link(1e10, 1e-5), Link(1e9, 5e-5)))
+    # all_gather over 3 + 1 ranks: 3 steps, 1 of them over the network; 3/4 of 1e8
+    # bytes through the lone rank's one NIC
+    assert slow.ring_seconds("all_gather", 1e8, Placement.of_counts((3, 1))) == \
+        pytest.approx(2 * 1e-5 + 5e-5 + 0.75e8 / 1e9, rel=1e-12)
+    fast = CostModel(Topology(2, 4, Device(1e12, None), Link(1e10, 1e-5), Link(1e10, 5e-5)))
+    # all_reduce over 4 + 4: 14 steps, 2 over the network; four NICs a node outrun one
+    # NVLink, which then bounds the ring
+    assert fast.ring_seconds("all_reduce", 1e8, Placement.of_counts((4, 4))) == \
+        pytest.approx(12 * 1e-5 + 2 * 5e-5 + 1.75e8 / 1e10, rel=1e-12)
+    assert slow.all_to_all_seconds(8e6, Placement.within_node(4)) == \
+        pytest.approx(1e-5 + 0.75 * 8e6 / 1e10, rel=1e-12)
+    assert slow.all_to_all_seconds(8e6, Placement.of_counts((4, 4))) == \
+        pytest.approx(5e-5 + 0.5 * 8e6 / 1e9, rel=1e-12)
