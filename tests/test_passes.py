@@ -671,3 +671,31 @@ def test_a_route_over_groups_placed_differently_is_its_slowest_groups():
     assert [c.seconds for c in _combined([first, second])] == [2.0, 3.0]
     blocked = [Candidate(Route.RING, 1.0, ""), Candidate(Route.TREE, None, "one node")]
     assert [c.seconds for c in _combined([first, blocked])] == [1.0, None]
+
+
+def test_tp_overlap_considers_the_chunk_counts_that_divide_a_ranks_tokens():
+    """A chunk count must divide each tp rank's share of a sequence's tokens, seq / cp /
+    tp (docs/language.md, tp_overlap): 8 / 1 / 4 = 2 allows 1 and 2 chunks, 16 / 2 / 2 = 4
+    allows 1, 2 and 4."""
+    for mesh, seq, counts in (("tp = 4", 8, {"1", "2"}), ("tp = 2; cp = 2", 16, {"1", "2", "4"})):
+        text = SMALL.format(name="p", mesh=mesh, shard="tp { sequence_parallel = on }", m=2,
+                            model="; layers = 2", optimize="", schedule="")
+        graph = compile_plan(load_text(text.replace("seq = 16", f"seq = {seq}")).plan).graph
+        record = next(p for p in graph.graph["passes"] if p["name"] == "tp_overlap")
+        assert record["decisions"] and \
+            all(set(d["predicted_seconds"]) == counts for d in record["decisions"]), mesh
+
+
+@pytest.mark.parametrize("pipeline, virtual", [("1f1b", 1), ("gpipe", 1), ("zb1p", 1),
+                                               ("interleaved", 2), ("interleaved_zb", 2)])
+def test_the_memory_replay_of_a_schedule_agrees_with_its_in_flight_rule(pipeline, virtual):
+    """The replay that uneven chunks use frees a chunk's activations at its last backward
+    block (W of a split backward: zero-bubble keeps them until the weight gradient) and
+    must count what the schedule's own rule counts where chunks are alike: zb1p's last
+    stage holds 2 microbatches where 1F1B's holds 1."""
+    from planc.estimate.memory import _in_flight, _live_peak
+
+    for stage in range(2):
+        assert _live_peak(pipeline, stage, 2, 8, virtual, (1,) * (2 * virtual)) == \
+            _in_flight(pipeline, stage, 2, 8, virtual), stage
+    assert [_in_flight(p, 1, 2, 8, 1) for p in ("1f1b", "zb1p")] == [1, 2]
