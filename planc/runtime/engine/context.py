@@ -97,6 +97,9 @@ class RankContext:
         self._batch: tuple[int, torch.Tensor] | None = None
         # every cp rank's token positions, on the CPU (cut further per activation)
         self._positions = [token_positions(model, c) for c in range(self.cp)]
+        # ... and each cut on the device, made once: a copy from the host per instruction
+        # would stop a CUDA rank's one issuing thread until the device caught up
+        self._on_device: dict[tuple, torch.Tensor] = {}
 
     @property
     def leader(self) -> int:
@@ -122,25 +125,32 @@ class RankContext:
                                               self.evaluation))
         return self._batch[1]
 
+    def _device_copy(self, key: tuple, make) -> torch.Tensor:
+        """``make()`` (positions on the CPU) on the device, made once per ``key``; read
+        only, as every caller indexes with it."""
+        found = self._on_device.get(key)
+        if found is None:
+            found = self._on_device[key] = make().to(self.device)
+        return found
+
     def positions(self, seq_sharded: bool) -> torch.Tensor:
         """Positions of the tokens this rank holds for an activation: all of its cp
         chunk, or its tp slice of them when the activation is sharded along the tokens."""
-        positions = self._positions[self.cp_rank]
-        if seq_sharded and self.tp > 1:
-            positions = seq_split(positions, 0, self.tp, self.tp_rank)
-        return positions.to(self.device)
+        sliced = seq_sharded and self.tp > 1
+        return self.tp_positions(self.tp_rank) if sliced else \
+            self.block_positions(self.cp_rank)
 
     def tp_positions(self, tp_rank: int) -> torch.Tensor:
-        return seq_split(self._positions[self.cp_rank], 0, self.tp,
-                         tp_rank).to(self.device)
+        return self._device_copy(("tp", tp_rank), lambda: seq_split(
+            self._positions[self.cp_rank], 0, self.tp, tp_rank))
 
     def block_positions(self, cp_rank: int) -> torch.Tensor:
         """Positions of the tokens of cp rank ``cp_rank``'s K/V block (ring attention)."""
-        return self._positions[cp_rank].to(self.device)
+        return self._device_copy(("cp", cp_rank), lambda: self._positions[cp_rank])
 
     def all_key_positions(self) -> torch.Tensor:
         """Positions of every cp rank's tokens, in cp rank order (a gathered K/V)."""
-        return torch.cat(self._positions).to(self.device)
+        return self._device_copy(("all",), lambda: torch.cat(self._positions))
 
     def microbatch(self, step: int, microbatch: int, seq_sharded: bool
                    ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ NCCL's flight recorder.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import queue
 import threading
@@ -257,7 +258,7 @@ class CpuExecutor:
             key = (item.op, item.node)
             trace.append(TraceEvent(item.stream, item.node, begin, end, item.microbatch,
                                     item.op, self.flows.get(key, ()), self.routes.get(key)))
-        return StepResult(work.state, times, trace)
+        return StepResult(work.state.settle(), times, trace)
 
     def close(self) -> None:
         if self.owns_threads:
@@ -316,6 +317,28 @@ class _Step:
             time.sleep(0.0005)
 
 
+def tensors_in(value, depth: int = 0):
+    """Every tensor a buffer's value holds: itself, or those of a dict's values, a list's
+    or tuple's items and a dataclass's fields (a backward step's gradients by port, a
+    mixture's Routed rows and their Hops), so that each is kept from the caching
+    allocator until the stream that last reads it has finished: the allocator hands a
+    freed block back to its own stream at once unless it was recorded on the others
+    (torch.Tensor.record_stream)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth > 8 or value is None or isinstance(value, (str, bytes, int, float, bool)):
+        return
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from tensors_in(item, depth + 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from tensors_in(getattr(value, f.name), depth + 1)
+
+
 class CudaExecutor:
     """Program streams as CUDA streams, issued in program order by one host thread."""
 
@@ -346,10 +369,11 @@ class CudaExecutor:
                     interp.run(state, item.op, item.node, item.microbatch)
                 for buffer in item.source.frees:
                     value = state.buffers.pop((buffer, item.microbatch), None)
-                    if isinstance(value, torch.Tensor) and value.is_cuda:
-                        value.record_stream(stream)  # still read there until it finishes
+                    for tensor in tensors_in(value):  # a dict of gradients, a mixture's rows
+                        if tensor.is_cuda:
+                            tensor.record_stream(stream)  # read there until it finishes
         torch.cuda.synchronize()
-        return StepResult(state, StepTimes(total=time.perf_counter() - start))
+        return StepResult(state.settle(), StepTimes(total=time.perf_counter() - start))
 
     def close(self) -> None:
         pass

@@ -36,11 +36,12 @@ def share(ctx: RankContext, store: ParamStore, ranges) -> torch.Tensor:
     return total
 
 
-def clip(store: ParamStore, summed: torch.Tensor, max_norm: float) -> float:
+def clip(store: ParamStore, summed: torch.Tensor, max_norm: float) -> torch.Tensor:
     """Scale every gradient of the stage's buckets by the clip coefficient of the norm
-    whose square ``summed`` is; returns the norm before clipping."""
+    whose square ``summed`` is; returns the norm before clipping, as a tensor (read once
+    the step has ended: a number read here would stop a CUDA rank's issuing)."""
     norm = summed.sqrt().to(torch.float32)
     coefficient = torch.clamp(max_norm / (norm + EPS), max=1.0)
     for bucket in store.buckets:
         store.current_grad(bucket).mul_(coefficient)
-    return float(norm)
+    return norm.reshape(())

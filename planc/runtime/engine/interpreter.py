@@ -37,11 +37,22 @@ class StepState:
     step: int
     buffers: dict[tuple[str, int | None], object] = field(default_factory=dict)
     saved: dict[tuple[str, int | None], Saved] = field(default_factory=dict)
-    loss: float | None = None
-    grad_norm: float | None = None  # train { grad_clip }: the norm before clipping
+    # Held as tensors while the step runs and read once it has ended (settled): reading
+    # a number off a CUDA tensor mid-step would stop the host thread that issues every
+    # stream until the device caught up, and the backward would wait for it.
+    loss: float | torch.Tensor | None = None
+    grad_norm: float | torch.Tensor | None = None  # train { grad_clip }: before clipping
     # model moe { bias_update }: the busiest expert's load over the mean, the stage's
     # worst block, as the update read the step's loads
-    expert_imbalance: float | None = None
+    expert_imbalance: float | torch.Tensor | None = None
+
+    def settle(self) -> "StepState":
+        """The step's figures as numbers, once its work is done."""
+        for name in ("loss", "grad_norm", "expert_imbalance"):
+            value = getattr(self, name)
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, float(value))
+        return self
 
 
 def combine(values: list[torch.Tensor]) -> torch.Tensor:
@@ -363,6 +374,6 @@ class Interpreter:
             values = [v.detach() for v in ports.get("x", []) + ports.get("grad", [])]
             value = combine(values) if values else None
         result = step.handler(step.call, value)
-        if step.reports_loss:
-            state.loss = float(result)
+        if step.reports_loss:  # read at the step's end (StepState.settle)
+            state.loss = result.detach() if isinstance(result, torch.Tensor) else result
         return result

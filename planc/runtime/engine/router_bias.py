@@ -55,8 +55,9 @@ def update(buffers: dict[str, torch.Tensor], summed: torch.Tensor,
         update_bias(buffers[balance_bias_name(layer)], load, rate)
 
 
-def imbalance(summed: torch.Tensor, layers: tuple[int, ...]) -> float:
+def imbalance(summed: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
     """The busiest expert's load over the mean, the worst of the blocks: what the bias
-    works against (MaxVio + 1 in Wang et al. 2024, per block and step)."""
+    works against (MaxVio + 1 in Wang et al. 2024, per block and step); a tensor, read
+    once the step has ended."""
     loads = summed.reshape(len(layers), -1)
-    return float((loads.max(dim=1).values / loads.mean(dim=1)).max())
+    return (loads.max(dim=1).values / loads.mean(dim=1)).max()
