@@ -248,6 +248,63 @@ def test_check_reports_a_wrong_result_per_parameter(tmp_path, capfd):
     assert "planc: rank 0 exited with status 1" in err
 
 
+def _with_instruction(build: Path, node: str, change) -> int:
+    """Every instruction of ``node`` in the build's programs changed by ``change``
+    (operands -> None); how many there were."""
+    changed = 0
+    for path in sorted((build / "programs").glob("stage*.json")):
+        program = json.loads(path.read_text())
+
+        def walk(value):
+            nonlocal changed
+            if isinstance(value, dict):
+                if value.get("node") == node and "operands" in value:
+                    change(value["operands"])
+                    changed += 1
+                for item in value.values():
+                    walk(item)
+            elif isinstance(value, list):
+                for item in value:
+                    walk(item)
+        walk(program)
+        path.write_text(json.dumps(program))
+    return changed
+
+
+def test_check_fails_on_wrong_parameters_whose_losses_match(tmp_path, capfd):
+    """One step of dp 2 whose gradient reduction runs over a group of one rank (tp's,
+    here): each rank steps with its own half batch's gradient. Step 0's loss comes
+    before it and matches, so only the parameters can fail the check, and must."""
+    build = _compiled(tmp_path, "dp-zero0", capfd)
+    assert _with_instruction(build, "G/c0.b0:all_reduce@dp_cp",
+                             lambda operands: operands.update(group="tp")) == 1
+    status, err = run([build, "--steps", 1, "--check", "--no-verify"], capfd)
+    assert status == 1, err
+    lines = [line.removeprefix("[rank 0] ") for line in err.splitlines()]
+    step = next(line for line in lines if line.startswith("  step 0: loss "))
+    assert not step.endswith("MISMATCH"), err
+    assert any(line.startswith("  embedding.weight (replica dp 1, cp 0): largest difference")
+               and line.endswith("  MISMATCH") for line in lines), err
+
+
+def test_check_fails_on_one_wrong_element_of_a_small_tensor_under_adamw(tmp_path, capfd):
+    """A tp sum of the layer norms' gradients one element short (tp 2, dp 2, sequence
+    parallelism, ZeRO-2, AdamW): one element of a 32-element weight off by 4 x lr. AdamW's
+    allowance for amplified rounding (a few elements of a large tensor) passed it."""
+    plan = tmp_path / "spa.plan"
+    plan.write_text(plan_text("spa", **MATRIX["dp-zero2-sp"]).replace(
+        "sgd(lr = 0.5, momentum = 0.9)", "adamw(lr = 1e-3)"))
+    assert main(["compile", str(plan), "-o", str(tmp_path / "b")]) == 0
+    capfd.readouterr()
+    short = _with_instruction(tmp_path / "b", "G/c0.b0:all_reduce@tp",
+                              lambda operands: operands.update(
+                                  elements=[0, operands["elements"][1] - 1]))
+    assert short == 1
+    status, err = run([tmp_path / "b", "--steps", 3, "--check", "--no-verify"], capfd)
+    assert status == 1, err
+    assert "  layers.0.ln1.weight (replica dp 0, cp 0): largest difference " in err
+
+
 def test_check_reports_each_loss_evaluation_and_replica_that_differs():
     """--check's report, line by line (planc.runtime.oracle.check): a loss or an
     evaluation off by more than the tolerance, a missing one, a replica whose copy
@@ -286,8 +343,9 @@ def test_check_reports_each_loss_evaluation_and_replica_that_differs():
     copies[("b", 0, 0)] = copies[("b", 1, 0)] = {0: {0: want["b"].clone()}}
     assert parameter_report(None, want, copies, {}, replicas, 1e-5, 0.0) == (
         (0.0, 0.0, ""), [], [])
-    # AdamW's amplified rounding: one element in 10,000 (and always one) past the slack
-    # but within the ceiling passes, and is named; two, or one past the ceiling, do not
+    # AdamW's amplified rounding: one element in 10,000 past the slack but within the
+    # ceiling passes, and is named; more, or one past the ceiling, do not; of a tensor
+    # under 10,000 elements, none
     many = {"e": torch.zeros(20000)}
     drifted = many["e"].clone()
     drifted[7] = 0.05
@@ -300,6 +358,10 @@ def test_check_reports_each_loss_evaluation_and_replica_that_differs():
                             0.01, 0.06)[1] == [
         "  e: largest difference 5.00e-02, relative 5.00e+10  MISMATCH"]
     drifted[8] = drifted[9] = 0.0
+    small = {"e": torch.zeros(32)}  # one element of 32 (within the ceiling): an error
+    assert parameter_report(None, small, {("e", 0, 0): {0: {0: drifted[:32]}}}, {}, same,
+                            1e-5, 0.01, 0.06)[1] == [
+        "  e: largest difference 5.00e-02, relative 5.00e+10  MISMATCH"]
     assert parameter_report(None, many, {("e", 0, 0): {0: {0: drifted}}}, {}, same, 1e-5,
                             0.01, 0.04)[1] == [
         "  e: largest difference 5.00e-02, relative 5.00e+10  MISMATCH"]
@@ -328,3 +390,33 @@ def test_an_unwritable_output_path_is_refused_before_anything_runs(flag, tmp_pat
     assert status == 2
     assert err == f"planc: error: {flag} {tmp_path}: is a directory; name a file\n"
 
+
+
+def test_check_holds_the_documented_tolerances_exactly():
+    """Relative 1e-5 for losses, evaluations and parameters in fp32 (docs/programs.md),
+    AdamW's slack 0.1 lr a step, and its ceiling twice Adam's largest step (Kingma and Ba
+    2015, section 2.1: lr (1 - beta1) / sqrt(1 - beta2) for the default betas), each
+    tight: a difference of twice the tolerance fails, half of it passes."""
+    from planc.lang import load_text
+    from planc.runtime.oracle.check import (amplified_ceiling, evaluation_report,
+                                            loss_report, parameter_report, update_floor)
+
+    assert loss_report([1.0 + 2e-5], [1.0], 0, [1e-5])[1] is True
+    assert loss_report([1.0 + 5e-6], [1.0], 0, [1e-5])[1] is False
+    assert evaluation_report({1: 1.0 + 2e-5}, {1: 1.0}, 0, 1e-5)[1] is True
+    assert evaluation_report({1: 1.0 + 5e-6}, {1: 1.0}, 0, 1e-5)[1] is False
+    want = {"w": torch.tensor([1.0, -2.0])}
+    one = [(0, 0)]
+    for off, failed in ((4e-5, True), (1e-5, False)):  # scale 2: allowed 2e-5
+        copy = torch.tensor([1.0, -2.0 - off])
+        assert bool(parameter_report(None, want, {("w", 0, 0): {0: {0: copy}}}, {}, one,
+                                     1e-5, 0.0)[1]) is failed
+    # every tp rank's copy of a replicated parameter, not only the first
+    copies = {("w", 0, 0): {0: {0: want["w"].clone(), 1: torch.tensor([1.0, -2.001])}}}
+    assert parameter_report(None, want, copies, {"w": None}, one, 1e-5, 0.0)[1] == [
+        "  w: largest difference 1.00e-03, relative 5.00e-04  MISMATCH"]
+    adamw = load_text(plan_text("a", mesh="dp = 2").replace(
+        "sgd(lr = 0.5, momentum = 0.9)", "adamw(lr = 1e-3)")).plan
+    assert update_floor(adamw, 4) == pytest.approx(0.1 * 1e-3 * 4, rel=1e-12)
+    assert amplified_ceiling(adamw, 3) == pytest.approx(2 * 1e-3 * 3 * 0.1 / 0.001 ** 0.5,
+                                                        rel=1e-12)

@@ -182,6 +182,8 @@ def test_moving_an_instruction_to_another_stream_is_refused(pipelined):
     ("    import os", "a statement that is no instruction"),
     ("    print(S)", "a call that is no instruction"),
     ("    t0 = X[0](S)", "a call inside an assignment"),
+    # the clock T() takes nothing: a call hidden among its arguments would run unseen
+    ("    t1 = T(X[0](S))", "a call inside an assignment"),
     ("    X[D[0]](S)", "an index that is not a number"),
 ])
 def test_code_that_does_anything_else_is_refused(pipelined, statement, message):
