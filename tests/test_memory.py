@@ -477,3 +477,21 @@ def test_the_head_stage_holds_the_logits_of_the_last_chunks_microbatches_only(
     grown = (memory.stage_activation_bytes(large, stage)[0]
              - memory.stage_activation_bytes(small, stage)[0])
     assert grown == logits * 1000 * 32 * 4  # a microbatch of one 32-token sequence
+
+
+def test_the_fp32_gradient_copy_covers_a_ranks_experts_too():
+    """shard { dp { fp32_grads } } adds an fp32 copy of every gradient a rank holds
+    (DeepSpeed's BF16_Optimizer): the dense ones, 2 x (qkv 2,048 + proj 1,024 + norms 64
+    + router 128) + embedding 2,048 + head 2,048 + final norm 32 = 10,656, and its half of
+    the experts over ep 2, 2 layers x 4 experts x 3 x 32 x 16 / 2 = 6,144."""
+    from planc.lang import load_text
+
+    text = """plan m {
+  model moe { layers = 2; hidden = 32; heads = 4; kv_heads = 2; vocab = 64; seq = 8
+              batch = 8; dtype = bf16; experts = 4; top_k = 2; expert_ffn = 16 }
+  mesh { dp = 2; ep = 2 }
+  shard { dp { zero = 1%s } }
+}"""
+    on, off = (memory.estimate(load_text(text % extra).plan).stages[0]
+               for extra in ("; fp32_grads = on", ""))
+    assert on.gradient_bytes - off.gradient_bytes == 4 * (10656 + 6144)

@@ -699,3 +699,27 @@ def test_the_memory_replay_of_a_schedule_agrees_with_its_in_flight_rule(pipeline
         assert _live_peak(pipeline, stage, 2, 8, virtual, (1,) * (2 * virtual)) == \
             _in_flight(pipeline, stage, 2, 8, virtual), stage
     assert [_in_flight(p, 1, 2, 8, 1) for p in ("1f1b", "zb1p")] == [1, 2]
+
+
+def test_zero3_gathers_the_next_units_parameters_before_reducing_the_last_ones():
+    """FSDP2's backward prefetch: the all-gather of the unit the backward reaches next is
+    issued before the reduce-scatter of the unit it just left (an order edge each)."""
+    graph = compile_plan(small(**CASES["dp-zero3"])).graph
+    order = sorted((u, v) for u, v, d in graph.edges(data=True)
+                   if d.get("kind") == "order" and ":all_gather@dp_cp" in u
+                   and ":reduce_scatter@" in v)
+    assert order == [("B/c0.b1>L1:all_gather@dp_cp", "G/c0.b0:reduce_scatter@dp_cp"),
+                     ("B/c0.b2>L0:all_gather@dp_cp", "G/c0.b1:reduce_scatter@dp_cp"),
+                     ("B/c0.b3>embedding:all_gather@dp_cp", "G/c0.b2:reduce_scatter@dp_cp")]
+
+
+def test_the_route_pass_places_every_stages_collectives_and_skips_a_group_of_one():
+    routed = compile_plan(small(mesh="pp = 2; dp = 2")).graph
+    assert {(d["stage"], d.get("route")) for _, d in routed.nodes(data=True)
+            if d["type"] == "transfer" and d["kind"] in ("all_reduce", "reduce_scatter",
+                                                         "all_gather")} == \
+        {(0, "ring"), (1, "ring")}
+    alone = compile_plan(small(mesh="pp = 2")).graph  # the loss's group is one rank
+    assert [(n, d.get("route"), d.get("route_seconds")) for n, d in alone.nodes(data=True)
+            if d["type"] == "transfer" and d.get("group_size") == 1] == \
+        [("F/loss:all_reduce@stage", None, None)]

@@ -405,3 +405,19 @@ def test_without_matplotlib_plot_says_so_and_the_report_notes_it(run, tmp_path):
     assert ('<h2>Loss per step (measured)</h2>\n<div class="curve"><p class="note">The loss '
             'curve needs matplotlib: <code>pip install &#x27;planc[run]&#x27;</code>.</p>'
             '</div>') in (tmp_path / "r.html").read_text()
+
+
+def test_transfers_the_compute_stream_runs_itself_are_all_exposed(tmp_path):
+    """optimize { overlap = off } puts tp's collectives on the compute stream: their whole
+    time is communication the step waits for, so exposed_comm_s is at least comm_s less
+    what the rank's own loss all-reduce adds (docs/metrics.md)."""
+    plan = tmp_path / "tp.plan"
+    plan.write_text("plan tp {\n  model gpt { layers = 2; hidden = 64; heads = 4; vocab = 128; "
+                    "seq = 32; batch = 4 }\n  mesh { tp = 2 }\n  optimize { overlap = off }\n"
+                    "  train { steps = 3; optimizer = sgd(lr = 0.1) }\n}\n")
+    done = planc("run", plan, "-o", tmp_path / "b", "--metrics", tmp_path / "m.jsonl")
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert len(records) == 3
+    assert all(r["comm_s"] > 0 and r["exposed_comm_s"] >= 0.99 * r["comm_s"]
+               for r in records), records
