@@ -120,9 +120,11 @@ class RankContext:
     # --- data --------------------------------------------------------------------------
 
     def tokens(self, step: int) -> torch.Tensor:
+        """The step's batch, on the device: copied there once a step, not once per
+        instruction that reads a microbatch of it."""
         if self._batch is None or self._batch[0] != step:
             self._batch = (step, batch_tokens(self.data, step, self.data_identity,
-                                              self.evaluation))
+                                              self.evaluation).to(self.device))
         return self._batch[1]
 
     def _device_copy(self, key: tuple, make) -> torch.Tensor:
@@ -156,6 +158,6 @@ class RankContext:
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(input ids, target ids) of this rank's tokens of a microbatch."""
         rows = microbatch_rows(self.model, self.coords["dp"], microbatch)
-        tokens = self.tokens(step)[rows].to(self.device)
+        tokens = self.tokens(step)[rows]
         positions = self.positions(seq_sharded)
         return tokens[:, positions], tokens[:, positions + 1]

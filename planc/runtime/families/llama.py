@@ -34,9 +34,12 @@ def rms_norm(k, spec, x, p, step, mb, extra):
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype):
     """cos and sin, (tokens, head_dim), for the given positions."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64
+    # made where the positions are: a copy from the host for every instruction would
+    # stop a CUDA rank's issuing thread until the device caught up
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64,
+                                             device=positions.device
                                              ).to(torch.float32) / head_dim))
-    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(positions.device)
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
     table = torch.cat([freqs, freqs], dim=-1)
     return table.cos().to(dtype), table.sin().to(dtype)
 
