@@ -55,7 +55,9 @@ STEP_DIR = re.compile(r"step-([0-9]{6,})")
 # behind by a run killed between writing and renaming one) and the lock of the run
 # writing it (planc.host.locks).
 STRAY_TEMPORARY = re.compile(re.escape(TEMPORARY_PREFIX) + r"[A-Za-z0-9_]+")
-_OURS = re.compile(r"^(step-\d{6,}|latest|\.step-\d{6,}\.(partial|old-.*)|\.latest\..*|"
+# a step directory being written (staging) or replaced: never read as a checkpoint
+IN_PROGRESS = re.compile(r"\.step-\d{6,}\.(partial|old-.*)")
+_OURS = re.compile(r"^(step-\d{6,}|latest|" + IN_PROGRESS.pattern + r"|\.latest\..*|"
                    + STRAY_TEMPORARY.pattern + r"|\.lock)$")
 
 
@@ -182,7 +184,7 @@ def find(path: str | os.PathLike, hashes: bool = True) -> Found:
             raise CheckpointError(f"{root} is not a directory (name a checkpoint directory "
                                   f"or one of its step-NNNNNN directories)")
         if is_step_directory(root):
-            if re.fullmatch(r"\.step-\d{6,}\.(partial|old-.*)", root.resolve().name):
+            if IN_PROGRESS.fullmatch(root.resolve().name):
                 raise CheckpointError(f"{root} is a checkpoint being written or replaced, "
                                       f"which is never read: name its checkpoint directory")
             manifest = read_manifest(root)
@@ -359,7 +361,7 @@ def _not_ours(root: Path, name: str) -> str | None:
     mode = os.lstat(root / name).st_mode
     if stat.S_ISLNK(mode):
         return f"{name} is a symbolic link"
-    if not STEP_DIR.fullmatch(name) and not name.startswith(".step-"):  # latest, temporaries
+    if not STEP_DIR.fullmatch(name) and not IN_PROGRESS.fullmatch(name):  # files
         return None if stat.S_ISREG(mode) else f"{name} is {kind_of(mode)}, not a file"
     if not stat.S_ISDIR(mode):
         what = "a file" if stat.S_ISREG(mode) else kind_of(mode)

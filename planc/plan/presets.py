@@ -111,10 +111,11 @@ def _nccl(bandwidth: float, all_reduce: float | None = None) -> tuple[Tuning, ..
 PRESETS: dict[str, Preset] = {
     # NVIDIA DGX A100 datasheet: 8x A100-SXM4-80GB, 312 TFLOP/s BF16/FP16 dense,
     # 19.5 TFLOP/s FP32 (156 TFLOP/s TF32 dense, unused: above), 2,039 GB/s of HBM2e,
-    # NVLink 3 at 600 GB/s bidirectional per GPU through NVSwitch, 8x 200 Gb/s HDR InfiniBand (one ConnectX-6 per GPU); the
-    # links at what NCCL achieves on them (above). Efficiency 0.8: what cuBLAS reaches on
-    # large GEMMs (planc.estimate.kernel_cost's ``large``), for the estimates that price compute
-    # with one figure (compile's, the tensor-parallel chooser's, tune's bound).
+    # NVLink 3 at 600 GB/s bidirectional per GPU through NVSwitch, 8x 200 Gb/s HDR
+    # InfiniBand (one ConnectX-6 per GPU); the links at what NCCL achieves on them
+    # (above). Efficiency 0.8: what cuBLAS reaches on large GEMMs
+    # (planc.estimate.kernel_cost's ``large``), for the estimates that price compute with
+    # one figure (compile's, the tensor-parallel chooser's, tune's bound).
     "dgx-a100": Preset("dgx-a100", "NVIDIA DGX A100: 8x A100 80GB, NVLink 3, 8x HDR 200 Gb/s IB",
                        8, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12}, 80e9, 0.8,
                        230e9, NVLINK_STEP_LATENCY, 25e9 * NETWORK_EFFICIENCY,
@@ -123,8 +124,9 @@ PRESETS: dict[str, Preset] = {
     # NVIDIA DGX H100 datasheet: 8x H100-SXM5-80GB, 989 TFLOP/s BF16/FP16 dense,
     # 1,979 TFLOP/s FP8 dense (3,958 with sparsity), 67 TFLOP/s FP32 (494 TFLOP/s TF32
     # dense, unused: above), 3.35 TB/s of HBM3, NVLink 4 at 900 GB/s bidirectional per
-    # GPU, 8x 400 Gb/s NDR InfiniBand (ConnectX-7); the links as NCCL achieves them. Efficiency 0.79: cuBLAS's large-GEMM
-    # rate measured on an H100 (planc.estimate.kernel_cost). The A100 above has no FP8
+    # GPU, 8x 400 Gb/s NDR InfiniBand (ConnectX-7); the links as NCCL achieves them.
+    # Efficiency 0.79: cuBLAS's large-GEMM rate measured on an H100
+    # (planc.estimate.kernel_cost). The A100 above has no FP8
     # tensor cores, so its table has no "fp8" (model { fp8 } is refused there).
     "dgx-h100": Preset("dgx-h100", "NVIDIA DGX H100: 8x H100 80GB, NVLink 4, 8x NDR 400 Gb/s IB",
                        8, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp8": 1979e12},
