@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import statistics
 import sys
 import time
@@ -408,14 +407,14 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(launched, str):
         print(f"planc calibrate: {launched}", file=sys.stderr)
         return 2
-    world = launched[1]
+    rank, world = launched
     if args.devices_per_node < 1 or world % args.devices_per_node:
         print(f"planc calibrate: {world} ranks do not fill nodes of {args.devices_per_node}",
               file=sys.stderr)
         return 2
     torch.set_num_threads(1)
     timeout = timedelta(seconds=600)
-    dist.init_process_group(args.backend, timeout=timeout, rank=int(os.environ["RANK"]),
+    dist.init_process_group(args.backend, timeout=timeout, rank=rank,
                             world_size=world, store=joined_store(world, timeout))
     try:
         document = calibrate(args.devices_per_node, args.repeats,
