@@ -155,13 +155,18 @@ def main() -> int:
     warm = {name: warm_baseline_mib(name) for name in sorted({r["optimizer"] for r in rows})}
     text = table(rows, cold, warm, args.steps)
     print(text)
-    if args.write:
-        doc = DOC.read_text()
-        if BEGIN not in doc or END not in doc:
-            print(f"memory_here: {DOC} has no markers {BEGIN!r} ... {END!r}", file=sys.stderr)
-            return 1
-        head, rest = doc.split(BEGIN, 1)
-        DOC.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+    return write_between(DOC, BEGIN, END, text, "memory_here") if args.write else 0
+
+
+def write_between(doc_path: Path, begin: str, end: str, text: str, who: str) -> int:
+    """Put ``text`` into the document between its two marker lines; 1 (and a line on
+    stderr) if it has not both."""
+    doc = doc_path.read_text()
+    if begin not in doc or end not in doc:
+        print(f"{who}: {doc_path} has no markers {begin!r} ... {end!r}", file=sys.stderr)
+        return 1
+    head, rest = doc.split(begin, 1)
+    doc_path.write_text(f"{head}{begin}\n{text}\n{end}{rest.split(end, 1)[1]}")
     return 0
 
 

@@ -8,6 +8,7 @@ and final parameter; all plans of one model must then follow the same loss curve
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -255,3 +256,122 @@ def test_swiglu_is_silu_of_the_gate_times_up_bit_for_bit(dtype):
     (got_grad,) = torch.autograd.grad(got, leaves[1], grad)
     assert torch.equal(got_grad, expected_grad)
     assert not torch.equal(got_grad[..., :24], got_grad[..., 24:])
+
+
+def _saved_shapes(run):
+    """The shapes of the tensors autograd keeps for the backward of what ``run`` computes,
+    and whether each shares the storage of one of ``run``'s own tensors."""
+    import torch
+
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        out = run()
+    return out, kept
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_swiglu_keeps_its_input_alone(dtype):
+    """Megatron-LM's fused bias-SwiGLU keeps its input and computes silu(gate) again in
+    the backward: nothing ffn-wide beside the input (autograd would keep silu(gate))."""
+    import torch
+
+    from planc.runtime.families.llama import SwiGLU
+
+    both = torch.randn(3, 5, 48).to(getattr(torch, dtype)).requires_grad_(True)
+    _, kept = _saved_shapes(lambda: SwiGLU.apply(both))
+    assert [tuple(t.shape) for t in kept] == [(3, 5, 48)]
+    assert kept[0].untyped_storage().data_ptr() == both.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("shape", [(3, 5, 24), (2, 7, 512), (4, 33), (2, 3, 4, 64)])
+def test_rms_norm_by_hand_is_the_formula_bit_for_bit_and_keeps_less(dtype, shape):
+    """RMSNorm with its backward by hand against transformers' formula differentiated by
+    autograd (its derivative rules, operation for operation): the same bits forward and
+    backward, for a block's norm and for a head's q/k norm (4-d); it keeps the input, the
+    weight and one root per row, where autograd keeps the normalised input too (and, for
+    a 16-bit input, an fp32 copy of it)."""
+    import torch
+
+    from planc.runtime.families.llama import RMSNorm, rms_norm_formula
+
+    kind = getattr(torch, dtype)
+    generator = torch.Generator().manual_seed(5)
+    x = (3 * torch.randn(*shape, generator=generator)).to(kind)
+    weight = torch.randn(shape[-1], generator=generator).to(kind)
+    grad = torch.randn(*shape, generator=generator).to(kind)
+    formula = [x.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+    by_hand = [x.clone().requires_grad_(True), weight.clone().requires_grad_(True)]
+    expected, kept_by_autograd = _saved_shapes(lambda: rms_norm_formula(*formula, 1e-5))
+    got, kept = _saved_shapes(lambda: RMSNorm.apply(*by_hand, 1e-5))
+    assert torch.equal(got, expected)
+    for a, b in zip(torch.autograd.grad(got, by_hand, grad),
+                    torch.autograd.grad(expected, formula, grad)):
+        assert torch.equal(a, b)
+    rows = shape[:-1] + (1,)
+    assert [(tuple(t.shape), t.dtype) for t in kept] == [
+        (shape, kind), ((shape[-1],), kind), (rows, torch.float32)]
+    assert sum(t.numel() * t.element_size() for t in kept) < \
+        sum(t.numel() * t.element_size() for t in kept_by_autograd)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", ["contiguous", "column-major", "strided"])
+def test_joined_weights_multiply_as_their_concatenation_bit_for_bit(dtype, layout):
+    """x @ cat(q, k, v) in one GEMM with the backward by hand against autograd's matmul
+    of the concatenation (mm's derivative rules, their order for a column-major input
+    included): the same bits; it keeps the weights themselves, never their concatenation
+    (a copy of the layer's weights for every microbatch in flight)."""
+    import torch
+
+    from planc.runtime.engine.fp8 import JoinedMatmul
+
+    kind = getattr(torch, dtype)
+    generator = torch.Generator().manual_seed(7)
+    if layout == "column-major":
+        x = torch.randn(32, 40, generator=generator).to(kind).t()  # (40, 32), transposed
+    elif layout == "strided":
+        x = torch.randn(2, 20, 64, generator=generator).to(kind)[..., ::2]
+    else:
+        x = torch.randn(2, 20, 32, generator=generator).to(kind)
+    weights = [torch.randn(32, n, generator=generator).to(kind) for n in (32, 8, 8)]
+    grad = torch.randn(*x.shape[:-1], 48, generator=generator).to(kind)
+    leaves = [[x.detach().requires_grad_(True)] + [w.clone().requires_grad_(True)
+                                                   for w in weights] for _ in range(2)]
+    expected = leaves[0][0] @ torch.cat(leaves[0][1:], dim=1)
+    got, kept = _saved_shapes(lambda: JoinedMatmul.apply(*leaves[1]))
+    assert torch.equal(got, expected)
+    for a, b in zip(torch.autograd.grad(got, leaves[1], grad),
+                    torch.autograd.grad(expected, leaves[0], grad)):
+        assert torch.equal(a, b)
+    assert [tuple(t.shape) for t in kept] == [tuple(x.shape), (32, 32), (32, 8), (32, 8)]
+    assert [t.untyped_storage().data_ptr() for t in kept[1:]] == \
+        [w.untyped_storage().data_ptr() for w in leaves[1][1:]]
+
+
+def test_grouped_query_attention_on_a_cpu_keeps_the_key_value_heads_unrepeated():
+    """On a CPU, torch's flash kernel reads each k/v head for its group of query heads:
+    the backward keeps q, k, v and the output as they are, never k and v repeated per
+    query head (heads / kv_heads times their size); the values are the repeated
+    heads' (the gradients of k and v are their groups' sums, in another order)."""
+    import torch
+    import torch.nn.functional as F
+
+    from planc.runtime.families.llama import attention
+
+    heads, kv, hd, b, s = 8, 2, 16, 2, 12
+    model = SimpleNamespace(heads=heads, key_value_heads=kv, head_dim=hd, hidden=heads * hd)
+    k = SimpleNamespace(head_dim=hd, ctx=SimpleNamespace(model=model, tp=1))
+    spec = SimpleNamespace(ring=None)
+    qkv = torch.randn(b, s, (heads + 2 * kv) * hd, generator=torch.Generator().manual_seed(3))
+    leaf = qkv.clone().requires_grad_(True)
+    out, kept = _saved_shapes(lambda: attention(k, spec, {"x": leaf}, None, 0, 0, {}))
+    q = qkv[..., :heads * hd].reshape(b, s, heads, hd).transpose(1, 2)
+    key, v = qkv[..., heads * hd:].reshape(b, s, 2, kv, hd).permute(2, 0, 3, 1, 4).unbind(0)
+    expected = F.scaled_dot_product_attention(
+        q, key.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1),
+        is_causal=True).transpose(1, 2).reshape(b, s, heads * hd)
+    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-6)
+    four_d = [tuple(t.shape) for t in kept if t.dim() == 4]
+    assert sorted(four_d) == sorted([(b, heads, s, hd), (b, kv, s, hd), (b, kv, s, hd),
+                                     (b, heads, s, hd)])

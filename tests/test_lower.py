@@ -265,6 +265,9 @@ def test_a_buffer_overwritten_while_a_transfer_reads_it():
         "exactly once per step (per microbatch in its block)",
         # a step that writes another's buffer instead of its own value
         "stage0.json: compute F/L0/ln2 does not list its own value among its writes",
+        # ln1's value, apart from what it kept for its backward, is freed by its last reader
+        "ranks 0, 1 (stage0.json, block F0): compute F/L0/ln2 on stream compute (instruction "
+        "14) reads F/L0/ln1 after instruction 8 freed it",
         "ranks 0, 1 (stage0.json, block F0): compute F/L0/ln2 on stream compute (instruction "
         "14) overwrites F/L0/proj while all_reduce F/L0/proj>attn_residual:all_reduce@tp on "
         "stream comm (instruction 13) may still be reading it",
@@ -622,10 +625,10 @@ def _first_of(program: dict, node_part: str) -> dict:
 
 
 @pytest.mark.parametrize("change, message", [
-    # the program format before instructions carried their operands
-    (lambda p: p.update(version=2), "is not a valid program (program format version 2; "
-     "this planc reads version 3, whose instructions carry their operands); run planc "
-     "compile again"),
+    # the program format before a step's kept state was a buffer of its own
+    (lambda p: p.update(version=3), "is not a valid program (program format version 3; "
+     "this planc reads version 4, whose steps write what they keep for their backward "
+     "apart from their values); run planc compile again"),
     (lambda p: _first_of(p, "qkv").pop("operands"), "has no operands"),
     (lambda p: _first_of(p, "qkv")["operands"].update(kernel="exec"),
      "are not those graph.json implies"),
@@ -770,3 +773,80 @@ def test_ring_attention_on_two_streams_is_refused():
     assert found == [f"program {name}: the cp group is used from streams ['comm', "
                      "'compute']; its ring steps must leave from one stream in program "
                      "order, or two ranks could wait on each other's blocks"]
+
+
+def test_a_forward_value_is_freed_by_its_last_reader_and_what_it_kept_by_its_backward():
+    """What a forward step kept for its backward is a buffer of its own (NODE:saved): the
+    logits (a vocabulary wide, fp32 on the loss) are freed once the loss has read them,
+    not held until the head's backward."""
+    build = built()
+    steps = {i.node: i for block in build.programs["stage1.json"].blocks.values()
+             for i in block if i.node in ("F/head", "F/loss", "B/loss", "B/head")}
+    assert steps["F/head"].writes == ("F/head", "F/head:saved")
+    assert "F/head" in steps["F/loss"].frees
+    assert steps["B/head"].reads == ("F/head:saved", "B/loss")
+    assert "F/head:saved" in steps["B/head"].frees
+    assert steps["B/loss"].reads == ("F/loss:saved",)
+    assert [i.node for block in build.programs["stage1.json"].blocks.values() for i in block
+            if "F/head" in i.reads] == ["F/loss_max", "F/loss_sum_exp", "F/loss"]
+
+
+def test_a_backward_must_read_what_its_forward_kept_and_that_must_be_written():
+    build = built()
+
+    def unordered(data):  # the head's backward without its read of what the forward kept
+        step = next(x for x in data["blocks"]["B1"] if x.get("node") == "B/head")
+        step["reads"] = ["B/loss"]
+        step["frees"] = ["B/loss"]
+
+    assert problems(build, _replace_program(build, "stage1.json", unordered)) == [
+        "stage1.json: compute B/head continues F/head but does not list what it kept "
+        "(F/head:saved) among its reads: nothing would order it after that step"]
+
+    def unwritten(data):  # the forward no longer says it keeps anything
+        step = next(x for x in data["blocks"]["F1"] if x.get("node") == "F/head")
+        del step["writes"]
+
+    assert problems(build, _replace_program(build, "stage1.json", unwritten))[0] == \
+        "stage1.json: compute B/head reads F/head:saved, which no instruction of the " \
+        "program writes"
+
+
+def test_each_per_microbatch_buffer_is_freed_by_its_last_reader():
+    """Guards with_frees (planc/lower/block_buffers.py): one rank, one layer. A forward
+    value is freed by its last forward reader (the residual sums free both their
+    inputs; the loss, the logits); what a forward kept for its backward (F/X:saved) by
+    that backward; a gradient by the last backward step that reads it (the residual
+    branches read two), B/embedding, which nothing reads, by its writer. F/loss, which
+    the loss's once-a-step all-reduce reads, is kept for the step, and so are the
+    gradient buckets (@grad), which the optimizer reads."""
+    build = built("""plan f {
+  model gpt { layers = 1; hidden = 32; heads = 4; vocab = 64; seq = 16; batch = 8 }
+  schedule { microbatches = 2 }
+}""")
+    program = build.programs["stage0.json"]
+    assert {i.node: i.frees for i in program.blocks["F0"] if i.node} == {
+        "F/embedding": (), "F/position": ("F/embedding",), "F/L0/ln1": (),
+        "F/L0/qkv": ("F/L0/ln1",), "F/L0/attention": ("F/L0/qkv",),
+        "F/L0/proj": ("F/L0/attention",), "F/L0/attn_residual": ("F/L0/proj", "F/position"),
+        "F/L0/ln2": (), "F/L0/fc1": ("F/L0/ln2",), "F/L0/gelu": ("F/L0/fc1",),
+        "F/L0/fc2": ("F/L0/gelu",), "F/L0/mlp_residual": ("F/L0/attn_residual", "F/L0/fc2"),
+        "F/final_ln": ("F/L0/mlp_residual",), "F/head": ("F/final_ln",),
+        "F/loss": ("F/head",), "F/loss:all_reduce@stage": ()}
+    assert {i.node: i.frees for i in program.blocks["B0"]} == {
+        "B/loss": ("F/loss:saved",),
+        "B/head": ("B/loss", "F/head:saved"),
+        "B/final_ln": ("B/head", "F/final_ln:saved"),
+        "B/L0/mlp_residual": ("B/final_ln", "F/L0/mlp_residual:saved"),
+        "B/L0/fc2": ("F/L0/fc2:saved",),
+        "B/L0/gelu": ("B/L0/fc2", "F/L0/gelu:saved"),
+        "B/L0/fc1": ("B/L0/gelu", "F/L0/fc1:saved"),
+        "B/L0/ln2": ("B/L0/fc1", "F/L0/ln2:saved"),
+        "B/L0/attn_residual": ("B/L0/ln2", "B/L0/mlp_residual", "F/L0/attn_residual:saved"),
+        "B/L0/proj": ("F/L0/proj:saved",),
+        "B/L0/attention": ("B/L0/proj", "F/L0/attention:saved"),
+        "B/L0/qkv": ("B/L0/attention", "F/L0/qkv:saved"),
+        "B/L0/ln1": ("B/L0/qkv", "F/L0/ln1:saved"),
+        "B/position": ("B/L0/attn_residual", "B/L0/ln1", "F/position:saved"),
+        "B/embedding": ("B/embedding", "B/position", "F/embedding:saved")}
+    assert problems(build) == []

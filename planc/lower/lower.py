@@ -214,7 +214,8 @@ class _StageLowering:
         through_state = data["type"] == NodeType.COMPUTE and data["op"] == Op.OPTIMIZER or \
             data["type"] == NodeType.TRANSFER and data["payload"] in (Payload.GRAD,
                                                                      Payload.PARAM)
-        out = [(u, d.get("kind") != EdgeKind.ORDER and not through_state) for u, _, d in
+        out = [(u, d.get("kind") != EdgeKind.ORDER and not through_state
+                and keeps_for(self.graph, u, node, d)) for u, _, d in
                self.graph.in_edges(node, data=True)]
         if self.gathered_first and data["type"] == NodeType.COMPUTE and \
                 data["phase"] == Phase.FORWARD:
@@ -263,6 +264,18 @@ def _waits(lowering: _StageLowering, parts: dict[str, list[str]]
     return out
 
 
+def keeps_for(graph: nx.DiGraph, source: str, node: str, edge: dict) -> bool:
+    """Whether the edge ``source`` -> ``node`` hands over anything: not the SAVED edge from
+    a forward whose step is recomputed to its backward, which differentiates the
+    recomputation (``recompute_of``) and takes nothing the forward kept; that forward
+    so keeps only what its recomputation reads from it (the layer's input), as full
+    recomputation means (Chen et al. 2016; Korthikanti et al. 2022, section 4)."""
+    if edge.get("kind") != EdgeKind.SAVED:
+        return True
+    data = graph.nodes[node]
+    return data.get("recompute_of") in (None, source) or source != data.get("forward_of")
+
+
 def _instructions(lowering: _StageLowering, nodes: list[str],
                   waits: dict[str, list[tuple[str, str]]], recorded: set[tuple[str, str]]
                   ) -> list[Instruction]:
@@ -282,10 +295,18 @@ def _instructions(lowering: _StageLowering, nodes: list[str],
             out.append(Instruction(Opcode.WAIT, where.stream, event=done_event(source),
                                    per_microbatch=how == "mb", guard=guard))
         op = Opcode.COMPUTE if data["type"] == NodeType.COMPUTE else Opcode(data["kind"].value)
-        reads = tuple(saved_for_weights(source) if graph.nodes[source].get("weight_grad") ==
-                      node else source for source, carries in lowering.sources(node) if carries)
+        # What a step kept for a later one (its backward, recomputation or W step) is a
+        # buffer apart from its value: the value is freed once the steps reading it have
+        # run (the logits, once the loss has read them), what it kept once its backward
+        # has (planc.lower.block_buffers.with_frees).
+        kept_from = {u for u, _, d in graph.in_edges(node, data=True)
+                     if d.get("kind") == EdgeKind.SAVED}
+        reads = tuple(saved_for_weights(source) if source in kept_from else source
+                      for source, carries in lowering.sources(node) if carries)
         state_reads, state_writes = lowering.state_buffers(node)
-        saved = (saved_for_weights(node),) if "weight_grad" in data else ()
+        saved = (saved_for_weights(node),) if any(
+            d.get("kind") == EdgeKind.SAVED and keeps_for(graph, node, v, d)
+            for _, v, d in graph.out_edges(node, data=True)) else ()
         out.append(Instruction(op, where.stream, node, reads=reads + state_reads,
                                writes=(node,) + saved + state_writes,
                                per_microbatch=data["per_microbatch"], guard=guard,

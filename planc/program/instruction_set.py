@@ -60,9 +60,12 @@ def done_event(node: str) -> str:
 
 
 def saved_for_weights(node: str) -> str:
-    """The buffer a split backward's input half leaves its weight-gradient step (what it
-    saved, and its output's gradient: Qi et al. 2024), apart from the input gradient it
-    writes, so that the W step frees it without waiting for a transfer of that gradient."""
+    """The buffer of what ``node`` kept for a later step, apart from its value: a
+    forward's for its backward (or recomputation), which so frees the value once its
+    readers ran (the logits, a vocabulary wide, once the loss read them); a split
+    backward's input half's for its weight-gradient step (what it saved, and its
+    output's gradient: Qi et al. 2024), so that the W step frees it without waiting for a
+    transfer of the input gradient."""
     return node + ":saved"
 
 

@@ -62,7 +62,8 @@ from planc.program.ranks import RANK_TABLE_VERSION, RankTable, integer_of  # noq
 from planc.vocabulary.versions import is_version
 
 # Version 3: instructions carry typed operands (version 2 left them to graph.json).
-PROGRAM_FORMAT_VERSION = 3
+# Version 4: what a step keeps for a later one is a buffer of its own (NODE:saved).
+PROGRAM_FORMAT_VERSION = 4
 STATE = "@"  # state buffers (a bucket's gradient): one per step, never per microbatch
 
 
@@ -319,8 +320,8 @@ class Program:
             raise ValueError("not a planc program")
         if not is_version(data.get("version"), PROGRAM_FORMAT_VERSION):
             raise ValueError(f"program format version {data.get('version')!r}; this planc "
-                             f"reads version {PROGRAM_FORMAT_VERSION}, whose instructions "
-                             f"carry their operands")
+                             f"reads version {PROGRAM_FORMAT_VERSION}, whose steps write "
+                             f"what they keep for their backward apart from their values")
         microbatches = data["microbatches"]
         if not isinstance(microbatches, int) or isinstance(microbatches, bool) or \
                 microbatches < 1:

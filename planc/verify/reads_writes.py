@@ -13,19 +13,24 @@ it while it is still being computed. So, for each instruction:
   which they read, and a reduction also writes;
 - a backward or weight step that makes its parameters' gradients (not one that leaves
   them to a later W step) writes the gradient buffers of the buckets holding them, into
-  which it adds: the reductions are ordered after it by those writes.
+  which it adds: the reductions are ordered after it by those writes;
+- a backward step reads what the step it differentiates (its forward, or the forward's
+  recomputation) kept for it, ``NODE:saved``, and what any step reads so was written:
+  the runtime takes that state from the step that kept it, which nothing else would order
+  it after.
 """
 
 from __future__ import annotations
 
 from planc.lower.lower import accumulated_into, gradient_buffers
-from planc.program.program import Program
+from planc.program.program import Program, saved_for_weights
 
 
 def reads_and_writes_problem(name: str, program: Program) -> str | None:
     """The first instruction of ``program`` whose reads or writes leave out what its
     operands say it reads or writes, as a report line; None if there is none."""
     owner = None
+    written = {buffer for i in program.written() for buffer in i.writes}
     for instruction in program.written():
         operands = instruction.operands
         if operands is None:
@@ -51,6 +56,15 @@ def reads_and_writes_problem(name: str, program: Program) -> str | None:
             if missing:
                 return (f"{what} takes {missing[0]} (its operands) but does not list it "
                         f"among its reads: nothing would order it after its writer")
+        kept = saved_for_weights(operands.saved_from) if operands.saved_from else None
+        if operands.step == "backward" and kept not in reads:
+            return (f"{what} continues {operands.saved_from} but does not list what it kept "
+                    f"({kept}) among its reads: nothing would order it after that step")
+        unwritten = sorted(b for b in reads if b.endswith(saved_for_weights(""))
+                           and b not in written)
+        if unwritten:
+            return (f"{what} reads {unwritten[0]}, which no instruction of the program "
+                    f"writes")
         if operands.step in ("backward", "weight") and operands.params and \
                 not operands.weight_step:
             owner = accumulated_into(program.buckets) if owner is None else owner

@@ -14,16 +14,17 @@ their bucket's gradient buffer (planc.runtime.engine.store).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from planc.program.operands import SEQ_AXIS, Input, StepKind
-from planc.program.program import Instruction, Opcode, Program
+from planc.program.program import Instruction, Opcode, Program, saved_for_weights
 from planc.runtime.engine import grad_norm, router_bias
 from planc.runtime.engine.context import RankContext, pp_group_key
-from planc.runtime.engine.kernels import LOSS_STATISTICS, Kernels, Peers, Saved, Spec
+from planc.runtime.engine.kernels import Kernels, Peers, Saved, Spec
 from planc.runtime.engine.model import split_feature
 from planc.runtime.engine.optim import BucketOptimizer
 from planc.runtime.engine.ring_attention import Ring
@@ -103,11 +104,17 @@ class _Compute:
         self.node, self.inputs = node, operands.inputs
         self.spec = None if self.clip or self.router else \
             Spec.of(operands, ring, peers, counts)
+        if self.spec is not None and any(i.port == "x" and i.buffer in instruction.frees
+                                         for i in operands.inputs):
+            self.spec = dataclasses.replace(self.spec, frees_input=True)
         self.gathered = dict(operands.gathered)  # bucket -> the ZeRO-3 gather that filled it
         self.per_microbatch = instruction.per_microbatch
         self.forward_of = operands.forward_of
         self.saved_from = operands.saved_from
         self.keep_graph = operands.keeps_graph
+        # whether a later step (its backward, its recomputation) takes what it kept: the
+        # program says so by the buffer NODE:saved among its writes
+        self.keeps = saved_for_weights(node) in instruction.writes
         self.bucket = operands.bucket
         self.weight_grad = operands.weight_step  # B: its W step computes param grads
 
@@ -346,7 +353,7 @@ class Interpreter:
     def _run_forward(self, state: StepState, step: _Compute, mb: int | None, inputs: dict):
         output, saved = self.kernels.forward(step.spec, inputs, self._params(state, step, mb),
                                              state.step, mb, keep_graph=step.keep_graph)
-        if step.spec.op not in LOSS_STATISTICS:
+        if step.keeps:
             state.saved[(step.node, mb)] = saved  # what this step's backward will need
         return output
 

@@ -35,6 +35,8 @@ from planc.runtime.engine.ring_attention import Ring, ring_attention, step_masks
 FP32 = torch.float32
 # The vocabulary-parallel loss's per-token statistics: no autograd, nothing kept.
 LOSS_STATISTICS = (Op.LOSS_MAX, Op.LOSS_SUM_EXP)
+RESIDUALS = (Op.ATTN_RESIDUAL, Op.MLP_RESIDUAL)
+SUMMED = "summed"  # Saved.extra of a residual sum: its input ports' dtypes
 
 
 @dataclass
@@ -43,8 +45,28 @@ class Saved:
 
     inputs: dict[str, torch.Tensor]  # leaves, by input port
     params: dict[str, torch.Tensor]  # leaves, by global parameter name
-    output: torch.Tensor | None  # with its autograd graph (None if run without one)
+    # where the output's gradient enters autograd's graph (None if run without one)
+    output: "Output | torch.Tensor | None"
     extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Output:
+    """What a backward needs of its forward's output: the edge its gradient enters
+    autograd's graph by, and its dtype; not its values, which so are freed once the
+    steps reading them have run unless autograd keeps them itself (the logits, a
+    vocabulary wide, which the loss reads once and keeps as log-probabilities)."""
+
+    edge: torch.autograd.graph.GradientEdge
+    dtype: torch.dtype
+
+
+def _kept(out):
+    """The output as a forward step keeps it for its backward: its :class:`Output`
+    where autograd made it, else itself (a leaf, a mixture's rows)."""
+    if isinstance(out, torch.Tensor) and out.grad_fn is not None:
+        return Output(torch.autograd.graph.get_gradient_edge(out), out.dtype)
+    return out
 
 
 @dataclass(frozen=True)
@@ -78,6 +100,9 @@ class Spec:
     ring: Ring | None = None  # ring attention: its cp ring (planc.runtime.engine.ring_attention)
     peers: Peers | None = None  # a mixture of experts: its ep group
     counts: Peers | None = None  # its balance loss: the ranks holding parts of a sequence
+    # the program frees the step's input ``x`` after it: the step may write over it (the
+    # loss over the logits)
+    frees_input: bool = False
 
     @staticmethod
     def of(operands: Operands, ring: Ring | None = None, peers: Peers | None = None,
@@ -109,12 +134,16 @@ _vector_jacobian = _engine_grad if hasattr(torch.autograd.graph, "_engine_run_ba
     else _autograd_grad
 
 
-def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, tokens: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, tokens: int,
+                      in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The cross-entropy of ``logits`` (..., vocab, fp32) against ``targets``, summed and
     divided by ``tokens``, and the log-probabilities its gradient needs: one fused
-    ``log_softmax`` pass and a gather."""
-    log_probs = torch.log_softmax(logits, dim=-1)
+    ``log_softmax`` pass and a gather. ``in_place``: written over the logits, which are
+    the caller's to overwrite (Megatron-LM's cross-entropy works in its logits too): no
+    second tensor of the logits' size at the loss's peak. The kernel reads each element
+    before it writes it: the same bits (tests/test_loss_kernel.py)."""
+    log_probs = torch.log_softmax(logits, dim=-1, out=logits) if in_place else \
+        torch.log_softmax(logits, dim=-1)
     return -log_probs.gather(-1, targets.unsqueeze(-1)).sum() / tokens, log_probs
 
 
@@ -238,6 +267,13 @@ class Kernels:
                 loss = self.forward_table[spec.op](spec, inputs, None, step, microbatch,
                                                    extra)
             return extra.pop("report"), Saved({}, {}, loss, extra)
+        if spec.op in RESIDUALS and spec.bias is None and keep_graph:
+            # the gradient of a sum is its output's, to each input: nothing to keep (the
+            # inputs, which autograd would keep as leaves, are the two outputs of the
+            # block's row-parallel linears, hidden wide, whose backward reads neither)
+            with torch.no_grad():
+                out = self.forward_table[spec.op](spec, inputs, None, step, microbatch, {})
+            return out, Saved({}, {}, None, {SUMMED: {p: t.dtype for p, t in inputs.items()}})
         leaves = {port: _leaf(port, t, keep_graph) for port, t in inputs.items()}
         param_leaves = {n: t.detach().requires_grad_(keep_graph) for n, t in params.items()}
         dtype = self.ctx.dtype
@@ -254,7 +290,7 @@ class Kernels:
         extra: dict = {}
         with torch.enable_grad() if keep_graph else torch.no_grad():
             out = self.forward_table[spec.op](spec, leaves, p, step, microbatch, extra)
-        saved = Saved(leaves, param_leaves, out if keep_graph else None, extra)
+        saved = Saved(leaves, param_leaves, _kept(out) if keep_graph else None, extra)
         # The loss's value for the report differs from the tensor to differentiate.
         return extra.pop("report", out), saved
 
@@ -327,14 +363,18 @@ class Kernels:
         ctx = self.ctx
         total = ctx.tokens_per_step
         _, targets = ctx.microbatch(step, mb, spec.seq_sharded)
-        logits = x["x"].detach().to(FP32)
+        logits = x["x"].detach()
         if not spec.vocab_parallel:
-            loss, log_probs = cross_entropy_sum(logits, targets, total)
+            # a 16-bit model's fp32 copy is this step's own; fp32 logits are the head's,
+            # which nothing reads after the loss when the program frees them here
+            ours = logits.dtype != FP32 or spec.frees_input
+            loss, log_probs = cross_entropy_sum(logits.to(FP32), targets, total, ours)
             # every tp rank holds the whole loss if replicated: report it once
             report = loss / ctx.tp if spec.replicated and ctx.tp > 1 else loss
             extra.update(log_probs=log_probs, local=targets, report=report)
             return loss
         # max and sum of exponentials already reduced over tp
+        logits = logits.to(FP32)
         vocab_local = logits.shape[-1]
         local = targets - ctx.tp_rank * vocab_local
         owned = (local >= 0) & (local < vocab_local)
@@ -368,14 +408,19 @@ class Kernels:
         parameters'."""
         if spec.op == Op.LOSS:  # no parameters: a weight step has nothing to do
             return (self._loss_backward(saved) if inputs else {}), {}
+        if SUMMED in saved.extra:  # a residual sum without a bias
+            return ({port: grad.to(dtype) for port, dtype in saved.extra[SUMMED].items()}
+                    if inputs else {}), {}
         wanted_inputs = [(port, t) for port, t in
                          ((port, _differentiated(v)) for port, v in saved.inputs.items())
                          if t.requires_grad] if inputs else []
         wanted_params = list(saved.params.items()) if params else []
         targets = [t for _, t in wanted_inputs] + [t for _, t in wanted_params]
-        if saved.output is None or not targets:
+        output = saved.output
+        if output is None or not targets:
             return {}, {}
-        grads = _vector_jacobian(saved.output, grad.to(saved.output.dtype), targets,
+        edge = output.edge if isinstance(output, Output) else output
+        grads = _vector_jacobian(edge, grad.to(output.dtype), targets,
                                  retain_graph=not params)
         count = len(wanted_inputs)
         ports = {port: torch.zeros_like(tensor) if g is None else g

@@ -28,8 +28,42 @@ def rms_normed(m, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(k, spec, x, p, step, mb, extra):
     (weight,) = spec.params
-    formula = k.compiled.get("rms_norm", rms_norm_formula)  # compiled, or eager
+    formula = k.compiled.get("rms_norm", RMSNorm.apply)  # compiled, or by hand
     return formula(x["x"], p(weight), k.ctx.model.norm_eps)
+
+
+class RMSNorm(torch.autograd.Function):
+    """:func:`rms_norm_formula` keeping its input and one reciprocal root per token, the
+    normalised input computed again in the backward (as the fused RMSNorm kernels of
+    Megatron-LM and Apex keep them): autograd of the formula keeps the normalised
+    input besides (and, for a 16-bit model, the input in fp32: twice its size). The
+    backward is autograd's of the formula, operation for operation (its derivative
+    rules for mul, rsqrt, mean and pow, and the sum over broadcast dimensions), so the
+    same bits (tests/test_llama.py)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()
+        root = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, root)
+        return weight * (x32 * root).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight, root = ctx.saved_tensors
+        x32 = x.float()
+        normed = (x32 * root).to(x.dtype)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:  # summed over the dimensions weight was broadcast over
+            leading = tuple(range(grad.dim() - weight.dim()))
+            grad_weight = (grad * normed).sum(leading, keepdim=True).view(weight.shape)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_normed = (grad * weight).float()
+            grad_root = (grad_normed * x32).sum(-1, keepdim=True)
+            grad_square = (-0.5 * grad_root * root.pow(3)).expand(x32.shape) / x32.shape[-1]
+            grad_x = (grad_normed * root + grad_square * (2.0 * x32)).to(x.dtype)
+        return grad_x, grad_weight, None
 
 
 def rotary_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype):
@@ -122,7 +156,8 @@ def qkv(k, spec, x, p, step, mb, extra):
         return k.compiled.get("rotate_qk", RotateQK.apply)(out, cos, sin, (heads + kv) * hd, hd)
     q = out[..., :heads * hd].reshape(b, s, heads, hd)
     key = out[..., heads * hd:(heads + kv) * hd].reshape(b, s, kv, hd)
-    q, key = rms_normed(model, q, norms["q_norm"]), rms_normed(model, key, norms["k_norm"])
+    eps = model.norm_eps
+    q, key = RMSNorm.apply(q, norms["q_norm"], eps), RMSNorm.apply(key, norms["k_norm"], eps)
     q, key = rotate(q, cos, sin), rotate(key, cos, sin)
     return torch.cat([q.reshape(b, s, -1), key.reshape(b, s, -1),
                       out[..., (heads + kv) * hd:]], dim=-1)
@@ -143,6 +178,14 @@ def attention(k, spec, x, p, step, mb, extra):
     if spec.ring is not None:  # the K/V heads travel unrepeated
         out = k.ring_attention(spec, q, key, v)
         return out.transpose(1, 2).reshape(b, s, heads * hd)
+    if "kv" not in x and q.device.type == "cpu":
+        # the CPU's flash kernel reads each k/v head for its group itself; copies of them
+        # repeated per query head would be kept for the backward (heads / kv_heads times
+        # their size). CUDA's memory-efficient kernel, which fp32 runs, does not take
+        # groups (torch's SDPA would fall back to the math one, keeping s x s scores).
+        out = F.scaled_dot_product_attention(q, key, v, is_causal=True,
+                                             enable_gqa=kv != heads)
+        return out.transpose(1, 2).reshape(b, s, heads * hd)
     if kv != heads:
         key = key.repeat_interleave(heads // kv, dim=1)
         v = v.repeat_interleave(heads // kv, dim=1)
@@ -159,18 +202,22 @@ class SwiGLU(torch.autograd.Function):
     """``silu(gate) * up`` of a [gate | up] input (Shazeer 2020), differentiated by hand
     with autograd's own kernels, the gradients of both halves written into one tensor
     where autograd's backward of the split concatenates them in a copy of the input's
-    size: the same bits (tests/test_llama.py)."""
+    size: the same bits (tests/test_llama.py). It keeps its input alone and computes
+    ``silu(gate)`` again in the backward, as Megatron-LM's fused bias-SwiGLU does:
+    autograd would keep that ffn-wide tensor too, a third more than the block's MLP
+    needs (its input and down's)."""
 
     @staticmethod
     def forward(ctx, both: torch.Tensor) -> torch.Tensor:
         gate, up = both.chunk(2, dim=-1)
-        activated = F.silu(gate)
-        ctx.save_for_backward(gate, up, activated)
-        return activated * up
+        ctx.save_for_backward(both)
+        return F.silu(gate) * up
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        gate, up, activated = ctx.saved_tensors
+        (saved,) = ctx.saved_tensors
+        gate, up = saved.chunk(2, dim=-1)
+        activated = F.silu(gate)
         both = grad.new_empty(*grad.shape[:-1], 2 * grad.shape[-1])
         to_gate, to_up = both.chunk(2, dim=-1)
         torch.mul(grad, activated, out=to_up)

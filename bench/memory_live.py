@@ -1,0 +1,195 @@
+"""Benchmark: does ``planc simulate``'s peak memory hold, tensor for tensor, for what one
+rank of ``planc run`` holds on this machine? bench/memory_here.py compares it with each
+rank's peak resident set, in which the libraries' own memory (tens of MiB) hides the
+small plans of plans/; this one counts the bytes the rank has allocated and not freed
+(glibc's ``mallinfo2``: ``uordblks`` in use in the arenas, ``hblkhd`` in mapped
+blocks), sampled every half millisecond by a thread of the rank and after every
+instruction, less what the process held before the rank started. Every tensor of a CPU
+rank is allocated through glibc, so the difference is the rank's tensors (and a few
+hundred KiB of Python objects).
+
+The plans are written here, one rank each (the mesh's other axes change what a rank
+holds in ways the estimate prices by the same rules), sized so that a step's tensors
+are hundreds of MiB: llama (RMSNorm, grouped-query attention, SwiGLU) in fp32 and bf16,
+with full recomputation, and gpt. Each runs 2 steps; the second is measured.
+
+    .venv/bin/python bench/memory_live.py [--plans llama-fp32,gpt-fp32] [--write]
+
+``--write`` puts the table into docs/simulate.md, "### Memory", between its markers.
+Besides the table it prints, for each plan, the instruction during which the peak fell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from memory_here import write_between  # noqa: E402
+
+DOC = ROOT / "docs" / "simulate.md"
+BEGIN = "<!-- memory live: bench/memory_live.py --write regenerates it -->"
+END = "<!-- end of the memory live table -->"
+MIB = 1 << 20
+
+LLAMA = """plan {name} {{
+  model llama {{ layers = 4; hidden = 512; heads = 8; kv_heads = 2; ffn = 2048;
+                vocab = 8000; seq = 512; batch = 4; dtype = {dtype} }}
+  mesh {{ }}
+  topology {{ preset = dgx-h100; devices_per_node = 1 }}
+  schedule {{ microbatches = 1 }}
+  {optimize}
+  train {{ steps = 2; optimizer = adamw(lr = 1e-4, weight_decay = 0.01); seed = 1 }}
+}}
+"""
+GPT = """plan gpt_fp32 {
+  model gpt { layers = 4; hidden = 512; heads = 8; vocab = 8000; seq = 512; batch = 4;
+              dtype = fp32 }
+  mesh { }
+  topology { preset = dgx-h100; devices_per_node = 1 }
+  schedule { microbatches = 1 }
+  train { steps = 2; optimizer = adamw(lr = 1e-4, weight_decay = 0.01); seed = 1 }
+}
+"""
+PLANS = {
+    "llama-fp32": LLAMA.format(name="llama_fp32", dtype="fp32", optimize=""),
+    "llama-bf16": LLAMA.format(name="llama_bf16", dtype="bf16", optimize=""),
+    "llama-fp32-full": LLAMA.format(name="llama_fp32_full", dtype="fp32",
+                                    optimize="optimize { recompute = full }"),
+    "gpt-fp32": GPT,
+}
+
+# Runs in a fresh process as a torchrun rank would (planc.runtime.worker.main), with a
+# thread sampling the heap and every instruction reporting what it left.
+RANK = r"""
+import ctypes, json, sys, threading, time
+
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Mallinfo2
+
+def in_use():
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+import planc.runtime.worker as worker
+from planc.runtime.engine.interpreter import Interpreter
+
+after = []  # (node, bytes in use once it ran)
+instruction = Interpreter.instruction
+
+def reporting(self, op, node, microbatch, frees):
+    run = instruction(self, op, node, microbatch, frees)
+    def ran(state):
+        run(state)
+        after.append((node, in_use()))
+    return ran
+
+Interpreter.instruction = reporting
+samples, running = [], True
+
+def sample():
+    while running:
+        samples.append((len(after), in_use()))
+        time.sleep(0.0005)
+
+start = in_use()
+thread = threading.Thread(target=sample, daemon=True)
+thread.start()
+status = worker.main([sys.argv[1], "--steps", "2"])
+running = False
+thread.join()
+second = len(after) // 2  # the second step: the first allocates what later ones reuse
+peak_index, peak = max(((i, b) for i, b in samples if i >= second), key=lambda s: s[1])
+during = after[peak_index][0] if peak_index < len(after) else "after the step"
+print(json.dumps({"status": status, "peak": peak - start, "during": during,
+                  "step_start": after[second - 1][1] - start}))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def planc(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "planc", *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+
+
+def measure(name: str, scratch: Path) -> dict:
+    source = scratch / f"{name}.plan"
+    source.write_text(PLANS[name])
+    build = scratch / f"{name}-build"
+    for done in (planc("compile", source, "-o", build, "--force"),):
+        if done.returncode:
+            raise SystemExit(f"planc compile {name}: {done.stderr[-2000:]}")
+    simulated = planc("simulate", build, "--json")
+    if simulated.returncode:
+        raise SystemExit(f"planc simulate {name}: {simulated.stderr[-2000:]}")
+    predicted = max(s["memory_bytes"] for s in json.loads(simulated.stdout)["stages"])
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    done = subprocess.run([sys.executable, "-c", RANK, str(build)], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=1800)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        raise SystemExit(f"{name}: the rank failed: {done.stderr[-3000:]}")
+    result = json.loads(lines[-1])
+    return {"plan": name, "measured": result["peak"], "during": result["during"],
+            "step_start": result["step_start"], "predicted": predicted}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| plan (one rank) | held at the step's start | peak in use | simulated peak "
+             "| error | the peak fell in |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        error = r["predicted"] / r["measured"] - 1
+        lines.append(f"| {r['plan']} | {r['step_start'] / MIB:.1f} MiB | "
+                     f"{r['measured'] / MIB:.1f} MiB | {r['predicted'] / MIB:.1f} MiB | "
+                     f"{error:+.1%} | {r['during']} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--plans", default=",".join(PLANS),
+                        help=f"comma-separated, of {', '.join(PLANS)}")
+    parser.add_argument("--write", action="store_true",
+                        help="put the table into docs/simulate.md between its markers")
+    args = parser.parse_args()
+    names = [n for n in args.plans.split(",") if n]
+    unknown = [n for n in names if n not in PLANS]
+    if unknown or not names:
+        print(f"memory_live: no plan {unknown[0]!r} (the plans: {', '.join(PLANS)})"
+              if unknown else "memory_live: --plans names none", file=sys.stderr)
+        return 2
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in names:
+            rows.append(measure(name, Path(scratch)))
+            print(f"{name}: {rows[-1]['measured'] / MIB:.1f} MiB in use at the peak, "
+                  f"{rows[-1]['predicted'] / MIB:.1f} MiB simulated", file=sys.stderr,
+                  flush=True)
+    text = table(rows)
+    print(text)
+    return write_between(DOC, BEGIN, END, text, "memory_live") if args.write else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
