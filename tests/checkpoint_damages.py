@@ -364,13 +364,22 @@ def _headers() -> list[Damage]:
             for what, edit in cases.items()]
 
 
+def _tensor_extra() -> list[Damage]:
+    """A tensor beside the listed ones, in a file the manifest signs as it is."""
+    def add(tensors):
+        tensors["layers.9.qkv.weight"] = torch.zeros(16, 48)
+    return [Damage(f"{MODEL0}:tensor-extra", "values", ("layers.9.qkv.weight",),
+                   edit_tensors(MODEL0, add))]
+
+
 def _rng() -> list[Damage]:
     state = torch.get_rng_state()
     cases = {"no-tensor": {}, "f32": {"torch.cpu": state.view(torch.float32)},
              "short": {"torch.cpu": state[:100].clone()},
              "2-d": {"torch.cpu": state.view(2, -1)},
              "zeros": {"torch.cpu": torch.zeros_like(state)},
-             "other-name": {"torch.cuda": state}}
+             "other-name": {"torch.cuda": state},
+             "tensor-extra": {"torch.cpu": state, "torch.cuda": state.clone()}}
     return [Damage(f"{RNG}:{what}", "rng", (RNG,),
                    edit_tensors(RNG, lambda _, t=tensors: t))
             for what, tensors in cases.items()]
@@ -427,14 +436,14 @@ def damages(pristine: Path) -> list[Damage]:
                    (label(path + ("extra",)),), _set(path + ("extra",), 1))
             for path in SECTIONS]
     out += _manifest_text((step / MANIFEST).read_bytes())
-    out += _names(document) + _latest() + _step_directory() + _values() + _headers()
+    out += _names(document) + _latest() + _step_directory() + _values() + _tensor_extra() + _headers()
     out += _rng() + _index()
     return [Damage(d.name, d.kind, d.names, d.apply, d.name in CLI) for d in out]
 
 
 COUNTS = {"whole-file": 93, "resigned-file": 35, "field": 743, "item": 81,
           "unknown-field": 10, "manifest-text": 5, "names": 7, "latest": 4,
-          "step-directory": 4, "values": 8, "header": 17, "rng": 6, "index": 5}
+          "step-directory": 4, "values": 9, "header": 17, "rng": 7, "index": 5}
 
 
 def nodes(value, path: tuple = ()):

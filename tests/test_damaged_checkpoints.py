@@ -73,7 +73,7 @@ from planc.checkpoint import format as fmt  # noqa: E402
 from tests import hostile_inputs as hostile  # noqa: E402
 from tests.checkpoint_damages import (CLI, COUNTS, HASHED, INF, LATEST, MANIFEST,  # noqa: E402
                                       MODEL0, MODEL1, OPT0, OPT1, PLAN, QKV, SECTIONS,
-                                      STEP, STEPS, WRONG, Damage, damages, edit_tensors,
+                                      STEP, STEPS, WRONG, Damage, _set, damages, edit_tensors,
                                       label, manifest_of, nodes, set_value, value_at,
                                       write_manifest)
 from tests.conftest import ROOT  # noqa: E402
@@ -158,7 +158,7 @@ def verdicts(pristine, corpus, tmp_path_factory) -> dict[str, tuple[str, str, Pa
 
 def test_the_corpus_is_systematic_and_deterministic(pristine, corpus):
     names = [damage.name for damage in corpus]
-    assert len(names) == len(set(names)) == 1018
+    assert len(names) == len(set(names)) == 1020
     assert names == [damage.name for damage in damages(pristine[0])]
     assert Counter(damage.kind for damage in corpus) == COUNTS
     kinds = {}
@@ -256,6 +256,10 @@ EXPECTED = {
         N(f"{{S}}/{MODEL0}: {QKV} is I32 [16, 48], the manifest says F32 [16, 48]"),
     "rng.safetensors:no-tensor": N("{S}/rng.safetensors: torch.cpu is nothing, not the bytes "
                                    "(U8, one dimension) of torch's CPU generator state"),
+    f"{MODEL0}:tensor-extra": N(f'{{S}}/{MODEL0} holds "layers.9.qkv.weight", which the '
+                                 f'manifest does not list'),
+    "rng.safetensors:tensor-extra":
+        N('{S}/rng.safetensors holds "torch.cuda", which the manifest does not list'),
     "rng.safetensors:zeros": "checkpoint {S}: rng.safetensors holds a torch.cpu state that "
                              "torch's CPU generator does not take (Invalid mt19937 state)",
     f"{fmt.MODEL_INDEX}:up": N(
@@ -413,26 +417,32 @@ def test_the_commands_refuse_a_sample_with_status_1(pristine, corpus, verdicts, 
     assert not failures, "\n".join(failures)
 
 
-def test_the_workers_check_the_values_they_read(pristine, tmp_path, capfd):
-    """torchrun ... -m planc.runtime.worker --resume D has no planc run to check the values
-    first: each rank checks the blocks it reads. Under tp = 2 only rank 1 reads column 41
-    of qkv (a column of its v head): it names the index in the whole tensor, and every
-    rank stops with that one line."""
+def _torchrun_resuming(pristine, damage: Damage, tmp_path: Path, capfd, ports: int):
+    """The damaged checkpoint, and two ranks of torchrun resuming a tp = 2 build from it
+    (no planc run to check the values first)."""
     from planc.cli import main
 
-    damage = Damage("inf", "values", (QKV,), edit_tensors(MODEL0, set_value(QKV, (3, 41),
-                                                                                INF)))
     root = materialize(pristine[0], damage, tmp_path)
     plan = tmp_path / "w.plan"
     plan.write_text(PLAN.format(mesh="tp = 2", steps=STEPS))
     assert main(["compile", str(plan), "-o", str(tmp_path / "b")]) == 0
     capfd.readouterr()
-    port = str(30500 + os.getpid() % 1000)
-    result = subprocess.run(
+    port = str(ports + os.getpid() % 1000)
+    return root, subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", port, "-m", "planc.runtime.worker", str(tmp_path / "b"),
          "--resume", str(root)], cwd=ROOT, capture_output=True, text=True, timeout=120,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_the_workers_check_the_values_they_read(pristine, tmp_path, capfd):
+    """torchrun ... -m planc.runtime.worker --resume D has no planc run to check the values
+    first: each rank checks the blocks it reads. Under tp = 2 only rank 1 reads column 41
+    of qkv (a column of its v head): it names the index in the whole tensor, and every
+    rank stops with that one line."""
+    damage = Damage("inf", "values", (QKV,), edit_tensors(MODEL0, set_value(QKV, (3, 41),
+                                                                                INF)))
+    root, result = _torchrun_resuming(pristine, damage, tmp_path, capfd, 30500)
     assert result.returncode != 0
     assert result.stderr.count("planc: error:") == 1, result.stderr
     assert f"planc: error: checkpoint {root / STEP}: {QKV} holds inf at index (3, 41)\n" in \
@@ -441,3 +451,52 @@ def test_the_workers_check_the_values_they_read(pristine, tmp_path, capfd):
     assert "SIGABRT" not in result.stderr and "terminate called" not in result.stderr
     assert "planc/runtime" not in result.stderr  # no traceback of planc's (torchrun has its own)
     assert "step 3/3" not in result.stderr  # nothing trained
+
+
+def test_the_workers_refuse_a_negative_second_moment_they_read(pristine, tmp_path, capfd):
+    """Guards Loading._load_bucket under torchrun: a negative exp_avg_sq stops every rank."""
+    damage = Damage("negative", "values", (f"{QKV}.exp_avg_sq",), edit_tensors(
+        OPT0, set_value(f"{QKV}.exp_avg_sq", (3, 41), -0.5)))
+    root, result = _torchrun_resuming(pristine, damage, tmp_path, capfd, 31500)
+    assert result.returncode != 0
+    assert result.stderr.count("planc: error:") == 1, result.stderr
+    assert (f"planc: error: checkpoint {root / STEP}: {QKV}.exp_avg_sq holds -0.5 at index "
+            f"(3, 41); a second moment (a mean of squares) is never negative\n"
+            in result.stderr), result.stderr
+    assert "step 3/3" not in result.stderr  # nothing trained
+
+
+def test_a_model_block_of_another_family_is_refused_by_its_keys(pristine, tmp_path):
+    """A manifest whose model block names a family whose keys it lacks (a gpt checkpoint
+    said to be a mixture) is refused as planc check would refuse the block: export once
+    reached the family's missing key (AttributeError)."""
+    from planc.runtime.checkpoint.export_hf import export_hf
+
+    damage = Damage("family", "field", ("model",), _set(("model", "family"), "moe"))
+    root = materialize(pristine[0], damage, tmp_path)
+    with pytest.raises(fmt.CheckpointError) as refused:
+        export_hf(str(root), str(tmp_path / "hf"))
+    assert str(refused.value) == f"{root} holds no complete checkpoint (1 incomplete or " \
+        f"damaged; the newest: {root / STEP}/manifest.json: model.options has no experts, " \
+        f"a key of model moe)"
+    assert not (tmp_path / "hf").exists()
+
+
+def test_export_says_which_newer_checkpoint_it_passed_over(pristine, tmp_path, capfd):
+    """planc export of a checkpoint directory whose newest step directory is damaged
+    takes the newest intact one and says first what it passed over, as planc run
+    --resume does (it once said nothing); this gpt checkpoint then has no transformers
+    class."""
+    from planc.cli import main
+
+    root = tmp_path / "ck"
+    shutil.copytree(pristine[0], root)
+    shutil.copytree(root / STEP, root / "step-000003")  # step 2's state under step 3's name
+    (root / LATEST).write_text("step-000003\n")
+    capfd.readouterr()
+    status = main(["export", str(root), "--format", "hf", "-o", str(tmp_path / "hf")])
+    err = capfd.readouterr().err.splitlines()
+    assert status == 1 and len(err) == 2, err
+    assert err[0] == f"planc: warning: passed over a checkpoint: {root}/step-000003 holds " \
+        f"the checkpoint of step 2, not of the step its name says"
+    assert err[1].startswith(f"planc: error: {root / STEP} holds a model gpt; --format hf")

@@ -230,9 +230,8 @@ def test_a_checkpoint_without_its_bias_is_refused(tmp_path, capfd):
     (step / "manifest.json").write_text(json.dumps(manifest))
     assert _run(tmp_path, "--resume", str(step)) == 1
     assert capfd.readouterr().err == (
-        f"planc: error: --resume: {step / 'model.safetensors.index.json'}: its weight_map "
-        f"maps \"layers.1.router.balance_bias\" to \"model-00000-of-00001.safetensors\", "
-        f"the manifest to null\n")
+        f"planc: error: --resume: {step / 'model-00000-of-00001.safetensors'} holds "
+        f"\"layers.1.router.balance_bias\", which the manifest does not list\n")
 
 
 def test_node_limited_routing_with_the_bias_trains_on_two_nodes(tmp_path, capsys):

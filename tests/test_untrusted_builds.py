@@ -159,9 +159,26 @@ def test_logs_that_is_not_a_directory_of_the_build(build, capsys, tmp_path, kind
     (lambda d: d["train"].update(data='[[0.5, "a.tokens"]]'),
      "plan.train.data is '[[0.5, \"a.tokens\"]]', neither a path nor a mixture of [weight, "
      "path] pairs"),
+    # what planc check refuses, word for word or by range (each once reached a pass:
+    # ValueError, StopIteration, KeyError, ZeroDivisionError, MemoryError or no end)
+    (lambda d: d["schedule"].update(pipeline="x"),
+     "plan.schedule.pipeline is 'x', not one of gpipe, 1f1b, interleaved, zb1p, "
+     "interleaved_zb, zbv or dualpipev"),
+    (lambda d: d["optimize"].update(route="x"),
+     "plan.optimize.route is 'x', not one of ring, tree, hierarchical or auto"),
+    (lambda d: d["optimize"].update(recompute="x"),
+     "plan.optimize.recompute is 'x', not one of none, selective, attention_inputs or full"),
+    (lambda d: d["mesh"].update(ep=0), "plan.mesh.ep must be at least 1, got 0"),
+    (lambda d: d["mesh"].update(ep=10**9),
+     "plan.mesh.ep (1000000000) does not divide a stage's tp x cp x dp ranks"),
+    (lambda d: d["optimize"].update(tp_overlap=10**9),
+     "plan.optimize.tp_overlap (1000000000) does not cut seq / cp by tp"),
+    (lambda d: d["model"].update(family="moe"),
+     "plan.model.options has no experts, a key of model moe"),
 ], ids=["dtype-fp64", "bandwidth-0", "lr-negative", "lr-nan", "microbatches-1e9",
         "grad-accumulation", "reduce-dtype", "grad-reduce", "grad-reduce-zero2", "kernels",
-        "one-source-mixture"])
+        "one-source-mixture", "pipeline-word", "route-word", "recompute-word", "ep-0",
+        "ep-1e9", "tp-overlap-1e9", "family-without-its-keys"])
 def test_a_resigned_plan_json_is_checked_again(build, capsys, change, reason):
     path = resigned_plan(build, change)
     assert _refused(capsys, "verify", build) == (

@@ -54,6 +54,7 @@ from planc.program.program import Program, RankTable, dumps
 from planc.lower.tabulate_model import model_table
 from planc.models import step_model_flops
 from planc.plan.plan import Plan
+from planc.lang.schema import schema_problem
 from planc.plan.plan_json import plan_from_dict
 from planc.vocabulary.versions import is_version
 
@@ -286,6 +287,9 @@ def read(directory: str | Path) -> Build:
         plan = plan_from_dict(plan_data)
     except MALFORMED as exc:
         raise invalid_plan(path, exc) from None
+    problem = schema_problem(plan)  # as planc check reads each key's value
+    if problem is not None:
+        raise invalid_plan(path, ValueError(problem))
     graph_data = _read_json(path, "graph.json")
     attributes = graph_data.get("graph")
     if not isinstance(attributes, dict) or \

@@ -157,6 +157,12 @@ def verify_files(directory: Path, manifest: dict, hashes: bool = True) -> None:
             raise CheckpointError(f"{directory / file}: {tensor} is {entry['dtype']} "
                                   f"{entry['shape']}, the manifest says F32 {shape}")
     rng = manifest["rng"]["file"]
+    listed = {(file, tensor) for file, tensor, _ in expected} | {(rng, RNG_TENSOR)}
+    for file, header in headers.items():  # a file holding more than its manifest says is
+        for tensor in sorted(header):  # not the checkpoint the manifest describes
+            if (file, tensor) not in listed:
+                raise CheckpointError(f"{directory / file} holds {json.dumps(tensor)}, "
+                                      f"which the manifest does not list")
     entry = headers[rng].get(RNG_TENSOR)
     if entry is None or entry["dtype"] != "U8" or len(entry["shape"]) != 1:
         held = "nothing" if entry is None else f"{entry['dtype']} {entry['shape']}"

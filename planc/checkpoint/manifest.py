@@ -289,6 +289,12 @@ def _model(value: object, where: str) -> None:
                 _whole(item, at, 1)
         else:
             _text(item, at)
+    from planc.plan.plan_json import options_problem
+
+    # the family's keys, as planc check reads them (a family without any writes none)
+    problem = options_problem(value["family"], value.get("options", {}))
+    if problem is not None:
+        raise _Wrong(_at(where, "options") + problem)
 
 
 def _optimizer(value: object, where: str, step: int) -> None:

@@ -97,7 +97,9 @@ def _hugging_face(args) -> int:
         return fail(f"--format hf needs torch and safetensors ({exc}): pip install "
                     f"'planc[run]'")
     try:
-        source, count, architecture = export_hf(args.file, args.output)
+        # as planc run --resume says it: what is written is not the newest step
+        source, count, architecture = export_hf(args.file, args.output, lambda why: print(
+            f"planc: warning: passed over a checkpoint: {why}", file=sys.stderr))
     except CheckpointError as exc:  # a checkpoint is an input: status 1
         return fail(str(exc))
     except OSError as exc:

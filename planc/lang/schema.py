@@ -191,3 +191,29 @@ def block_syntax(path: str, family: str | None = None) -> str:
         return f"model {family or DEFAULT_FAMILY} {{ }}"
     return " ".join(f"{p} {{" for p in parts) + " " + " ".join("}" for _ in parts)
 
+
+
+def schema_problem(plan) -> str | None:
+    """The first field of ``plan`` (a planc.plan.plan.Plan read back from a build's
+    plan.json, which is untrusted) that holds a value the schema's key of the same path
+    never reads (an unknown schedule or recomputation, a word for a number), as
+    ``plan.PATH is VALUE, not WHAT``; None if none: a value planc check never lets
+    through would otherwise reach the compiler's passes. Fields the plan holds in
+    another form than they are written (a preset, the stages) are left to their rules."""
+    from planc.plan.plan_json import holds
+
+    def walk(block: BlockSchema, holder, where: str) -> str | None:
+        for name, key in block.keys.items():
+            value = getattr(holder, name, None)
+            if value is not None and not dataclasses.is_dataclass(value) and \
+                    not holds(key.kind, value):
+                return f"{where}.{name} is {value!r}, not {key.kind.noun}"
+        for name, inner in block.blocks.items():
+            held = getattr(holder, name, None)
+            if name != "model" and dataclasses.is_dataclass(held):
+                found = walk(inner, held, f"{where}.{name}")
+                if found:
+                    return found
+        return None
+
+    return walk(PLAN_SCHEMA, plan, "plan")

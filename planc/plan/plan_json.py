@@ -42,8 +42,59 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
     plan = dataclasses.replace(plan, sources=Sources(sources["path"], spans))
     _check_types(plan)
     _check_values(plan)
+    problem = options_problem(plan.model.family, plan.model.options)
+    if problem is not None:
+        raise ValueError(f"plan.model.options{problem}")
     _check_consistency(plan)
     return plan
+
+
+def holds(kind, value: Any) -> bool:
+    """Whether ``value``, as a plan holds it, is one the language's ``kind`` reads
+    (planc.vocabulary.kinds): an integer or a number in its range, on or off, one of a
+    choice's words, a positive quantity; True for the kinds this cannot judge alone
+    (checked by their own rules)."""
+    from planc.vocabulary.kinds import (MAX_INTEGER, Boolean, Choice, Integer, OnOffOrCount,
+                                        Quantity, Real)
+
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(kind, Integer):
+        return type(value) is int and kind.minimum <= value <= min(
+            MAX_INTEGER, kind.maximum if kind.maximum is not None else MAX_INTEGER)
+    if isinstance(kind, Real):
+        return number and math.isfinite(value) and (
+            value > kind.minimum or value == kind.minimum and kind.minimum_allowed) and \
+            (kind.maximum is None or value <= kind.maximum)
+    if isinstance(kind, Boolean):
+        return isinstance(value, bool)
+    if isinstance(kind, OnOffOrCount):
+        return isinstance(value, bool) or type(value) is int and 1 <= value <= MAX_INTEGER
+    if isinstance(kind, Choice):
+        return isinstance(value, str) and value in kind.words
+    if isinstance(kind, Quantity):  # and Time: a positive amount in its base unit
+        return number and math.isfinite(value) and value > 0
+    return True
+
+
+def options_problem(family: str, options: Mapping[str, Any]) -> str | None:
+    """What is wrong with a model block's family keys (``model.options`` of a plan.json or
+    of a checkpoint's manifest), as the rest of a message after ``options``; None if
+    nothing: every key of the family that is not optional is there, and each holds a
+    value its kind reads. ``family`` is one of planc.models.FAMILIES."""
+    from planc.models import FAMILIES
+    from planc.plan.plan import Model
+
+    described = FAMILIES[family]
+    core = {f.name for f in dataclasses.fields(Model)}
+    for name, key in described.keys.items():
+        if name in core or name == "preset":
+            continue
+        if name not in options:
+            if not key.optional:
+                return f" has no {name}, a key of model {described.name}"
+        elif not holds(key.kind, options[name]):
+            return f".{name} is {options[name]!r}, not {key.kind.noun}"
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,7 +120,7 @@ def _check_types(value: Any, where: str = "plan") -> None:  # noqa: C901
             raise ValueError(f"{path} must be at least 1, got {item}")
 
 
-_COUNTS = {"layers", "hidden", "heads", "ffn", "vocab", "seq", "batch", "tp", "cp", "pp", "dp",
+_COUNTS = {"layers", "hidden", "heads", "ffn", "vocab", "seq", "batch", "tp", "cp", "pp", "dp", "ep",
            "nodes", "devices_per_node", "virtual", "microbatches", "steps"}
 
 
@@ -241,6 +292,14 @@ def _check_consistency(plan: "Plan") -> None:
                 c[0] > c[1] for c in chunks[1:-1]) or any(c[0] > c[1] + 1 for c in chunks):
         # Only the first and the last chunk may be empty (the embedding or head alone).
         raise ValueError("plan.shard.pp.chunks do not cover the layers in order")
+    if (mesh.tp * mesh.cp * mesh.dp) % mesh.ep:
+        raise ValueError(f"plan.mesh.ep ({mesh.ep}) does not divide a stage's tp x cp x dp "
+                         f"ranks")
+    chunks_overlap = plan.optimize.tp_overlap
+    if type(chunks_overlap) is int and mesh.tp > 1 and \
+            (plan.model.seq // mesh.cp) % (mesh.tp * chunks_overlap):
+        raise ValueError(f"plan.optimize.tp_overlap ({chunks_overlap}) does not cut seq / cp "
+                         f"by tp")
     if plan.model.batch % (mesh.dp * plan.schedule.microbatches) or \
             "head_dim" not in plan.model.options and plan.model.hidden % plan.model.heads:
         raise ValueError("plan.model does not divide as the plan needs")

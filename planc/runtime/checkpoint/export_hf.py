@@ -17,11 +17,15 @@ from planc.host.output_kinds import HUGGING_FACE
 from planc.runtime.checkpoint.values import check_values
 
 
-def export_hf(checkpoint: str, output: str) -> tuple[Path, int, str]:
+def export_hf(checkpoint: str, output: str, passed_over=lambda why: None
+              ) -> tuple[Path, int, str]:
     """Write the newest complete checkpoint in (or at) ``checkpoint`` to ``output``;
     returns the step directory read, the number of tensors written and the transformers
-    class that loads them."""
+    class that loads them. ``passed_over(why)`` hears of each newer step directory that
+    was not complete or intact, before anything else is checked."""
     found = find(checkpoint)
+    for why in found.skipped:
+        passed_over(why)
     check_values(found.directory, found.manifest)
     architecture = check_exportable(found.directory, found.manifest)
     model = found.manifest["model"]
