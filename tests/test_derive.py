@@ -497,3 +497,28 @@ def test_pp_scatter_gather_off_or_under_sequence_parallelism_sends_as_before():
         "reason": "sequence parallelism already splits the activation between stages over tp: "
                   "each tp rank sends its own tokens, nothing more to do"}
     assert off.graph["pp_scatter_gather"]["applied"] is False
+
+
+def test_a_recomputation_waits_for_the_gradient_it_is_recomputed_for():
+    """Guards the recomputation's order edges: a layer is recomputed just before its
+    backward (Chen et al. 2016's checkpointing, Megatron-LM's full and selective
+    recomputation, Korthikanti et al. 2022), once the gradient of what it recomputes is on
+    its way: full recomputation of layer 1 starts after the final LayerNorm's backward
+    (the gradient of layer 1's output), of layer 0 after the backward steps of layer 1's
+    two readers of layer 0's output (its LayerNorm and its residual); selective
+    recomputation of the attention core after the backward of proj, its reader. Each
+    recomputed step feeds the backward step that differentiates it."""
+    expected = {"full": [("B/L1/attn_residual", "R/L0/ln1"), ("B/L1/ln1", "R/L0/ln1"),
+                         ("B/final_ln", "R/L1/ln1")],
+                "selective": [("B/L0/proj", "R/L0/attention"),
+                              ("B/L1/proj", "R/L1/attention")]}
+    for recompute, edges in expected.items():
+        _, g = compiled(layers=2, recompute=recompute)
+        assert sorted((u, v) for u, v, d in g.edges(data=True)
+                      if d.get("kind") == "order" and v.startswith("R/")) == edges
+        again = [n for n in g if n.startswith("R/")]
+        assert len(again) == (20 if recompute == "full" else 2)  # 10 operators a layer
+        assert all(g.has_edge(n, "B/" + n[2:]) and g.nodes["B/" + n[2:]]["recompute_of"] == n
+                   for n in again)
+    _, plain = compiled(layers=2)
+    assert not [n for n in plain if n.startswith("R/")]

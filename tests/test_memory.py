@@ -495,3 +495,66 @@ def test_the_fp32_gradient_copy_covers_a_ranks_experts_too():
     on, off = (memory.estimate(load_text(text % extra).plan).stages[0]
                for extra in ("; fp32_grads = on", ""))
     assert on.gradient_bytes - off.gradient_bytes == 4 * (10656 + 6144)
+
+
+def test_sequence_parallelism_splits_the_heads_inputs_over_tp():
+    """Guards the head's sequence-parallel term: the head's stage holds the final
+    LayerNorm's and the head's inputs, split over tp under sequence parallelism and whole
+    without it, and the fp32 logits split over the vocabulary (Korthikanti et al. 2022's
+    output layer, 4sbh/t (1 + v/h) with sequence parallelism, for 16-bit inputs and fp32
+    logits). gpt, s 32, b 1, h 64, a 4, t 2, bf16, V 128, 2 layers, one microbatch in
+    flight. With sequence parallelism: 2 layers x sbh/t (34 + 5as/h) = 2 x 1,024 x 44 =
+    90,112, inputs 2sbh x 2 / t = 4,096, logits 4sbV / t = 8,192. Without: 2 layers x
+    sbh (10 + 24/t + 5as/(ht)) = 2 x 2,048 x 27 = 110,592, inputs 2sbh x 2 = 8,192,
+    logits 8,192."""
+    text = """plan h {
+  model gpt { layers = 2; hidden = 64; heads = 4; vocab = 128; seq = 32; batch = 1
+              dtype = bf16 }
+  mesh { tp = 2 }
+  shard { tp { sequence_parallel = %s } }
+}"""
+    on, off = (plan_of(text % sp) for sp in ("on", "off"))
+    assert on.shard.tp.head == off.shard.tp.head == "vocab"
+    assert memory.stage_activation_bytes(on, 0) == (90_112 + 4_096 + 8_192, 1)
+    assert memory.stage_activation_bytes(off, 0) == (110_592 + 8_192 + 8_192, 1)
+
+
+def test_a_mixtures_dispatch_buffers_hold_one_cp_ranks_tokens():
+    """Guards cp in the transient term: a block's dispatch buffers hold the tokens of one
+    cp rank, b s / cp, not the whole sequence's. moe, b 4 (batch 8 over dp 2), s 8, cp 2:
+    16 tokens, top_k 2, imbalance 1.5, so the busiest rank's 1.5 x 16 x 2 = 48 rows of
+    (2 h + 3 expert_ffn) x 2 = 224 bytes each, 10,752 bytes; ep 1 dispatches nothing. The
+    worst routing, every row of the ep 2 group on one rank's 2 experts, 2 x 16 x 2 = 64
+    rows, is 3,584 bytes more."""
+    text = """plan m {
+  model moe { layers = 2; hidden = 32; heads = 4; kv_heads = 2; vocab = 64; seq = 8
+              batch = 8; dtype = bf16; experts = 4; top_k = 2; expert_ffn = 16
+              imbalance = 1.5 }
+  mesh { dp = 2; cp = 2; ep = %d }
+}"""
+    split, whole = plan_of(text % 2), plan_of(text % 1)
+    assert split.microbatch_size == 4
+    grown = (memory.stage_activation_bytes(split, 0)[0]
+             - memory.stage_activation_bytes(whole, 0)[0])
+    assert grown == 48 * 224 == 10_752
+    assert memory.estimate(split).stages[0].worst_routing_extra_bytes == 16 * 224 == 3_584
+
+
+def test_a_routed_experts_elements_are_split_over_ep():
+    """Guards experts per rank = experts / ep (Lepikhin et al. 2020's GShard, Megatron-Core's
+    expert parallelism): each of the 4 experts' gate, up and down weights (4 x 32 x 16 =
+    2,048 elements) sits on a rank as its experts / ep rows: 1,024 elements with ep 2,
+    512 with ep 4; the dense weights stay whole. Stage 0 of ep 2 holds the 10,656 dense
+    elements and 2 layers x 3 x 1,024 = 6,144 of the experts'."""
+    text = """plan m {
+  model moe { layers = 2; hidden = 32; heads = 4; kv_heads = 2; vocab = 64; seq = 8
+              batch = 8; dtype = bf16; experts = 4; top_k = 2; expert_ffn = 16 }
+  mesh { dp = 4; ep = %d }
+}"""
+    experts = [f"layers.{layer}.experts.{w}.weight" for layer in (0, 1)
+               for w in ("gate", "up", "down")]
+    for ep, rows in ((1, 2048), (2, 1024), (4, 512)):
+        local = memory.local_parameter_elements(plan_of(text % ep))
+        assert {name: local[name] for name in experts} == dict.fromkeys(experts, rows)
+        assert local["layers.0.q.weight"] == 32 * 32 and local["head.weight"] == 32 * 64
+    assert memory.stage_parameter_counts(plan_of(text % 2)) == ((10_656, 6_144),)

@@ -723,3 +723,46 @@ def test_the_route_pass_places_every_stages_collectives_and_skips_a_group_of_one
     assert [(n, d.get("route"), d.get("route_seconds")) for n, d in alone.nodes(data=True)
             if d["type"] == "transfer" and d.get("group_size") == 1] == \
         [("F/loss:all_reduce@stage", None, None)]
+
+
+def test_a_bucket_pads_to_whole_zero_shards_and_its_optimizer_step_updates_a_padded_shard():
+    """Guards the padded bucket: ZeRO (Rajbhandari et al. 2020) shards a flat buffer into
+    dp equal parts, as Megatron-LM's param-and-grad buffer pads to a multiple of dp. gpt
+    of 2 layers, h 32, V 64, s 16 over dp 3: 12 x 2 x 32^2 + 13 x 2 x 32 + (64 + 16) x 32
+    + 2 x 32 + 32 x 64 = 30,080 elements in one bucket, shards of ceil(30,080 / 3) =
+    10,027, padded to 30,081 (1 element of padding); each rank's optimizer step updates
+    its 10,027 fp32 elements, 40,108 bytes."""
+    text = """plan p {
+  model gpt { hidden = 32; heads = 4; vocab = 64; seq = 16; batch = 6; layers = 2 }
+  mesh { dp = 3 }
+  shard { dp { zero = 1 } }
+}"""
+    loaded = load_text(text)
+    assert loaded.ok, [d.message for d in loaded.diagnostics]
+    build = validated(loaded.plan)
+    buckets = build.graph.graph["buckets"]
+    assert [(b["numel"], b["parts"], b["shard"], b["padded"]) for b in buckets.values()] == \
+        [(30080, 3, 10027, 30081)]
+    fuse = next(r for r in build.graph.graph["passes"] if r["name"] == "fuse")
+    assert [(d["bucket"], d["bytes"], d["padding"]) for d in fuse["decisions"]] == \
+        [("c0.b0", 120320, 1)]
+    assert build.graph.nodes["O/c0.b0/optimizer"]["bytes"] == 40108
+
+
+def test_the_fuse_census_counts_each_collective_once_per_microbatch_it_runs():
+    """Guards the fuse pass's counts and bytes before and after fusion: under ZeRO-3 (FSDP)
+    a collective issued every microbatch counts repeat = 2 times. 29 parameters of
+    30,080 fp32 elements (120,320 bytes), 2 microbatches: 29 x 2 = 58 reduce-scatters of
+    2 x 120,320 = 240,640 bytes in all; 29 x 2 phases x 2 = 116 gathers of 4 x 120,320 =
+    481,280 bytes; after fusion 4 units: 8 reduce-scatters, 16 gathers, the same bytes;
+    29 then 4 optimizer steps over each rank's half, 60,160 bytes."""
+    fuse = next(r for r in compile_plan(small(**CASES["dp-zero3"])).graph.graph["passes"]
+                if r["name"] == "fuse")
+    assert [(c["what"], c["before"], c["after"]) for c in fuse["changes"]] == [
+        ("gradient reduce-scatters", {"count": 58, "bytes": 240640},
+         {"count": 8, "bytes": 240640}),
+        ("ZeRO-3 all-gathers", {"count": 116, "bytes": 481280}, {"count": 16, "bytes": 481280}),
+        ("optimizer steps", {"count": 29, "bytes": 60160}, {"count": 4, "bytes": 60160})]
+    assert fuse["line"].startswith(
+        "fuse: 58 gradient reduce-scatters -> 8; 116 ZeRO-3 all-gathers -> 16; "
+        "29 optimizer steps -> 4 (4 buckets: ")

@@ -420,3 +420,67 @@ def test_check_holds_the_documented_tolerances_exactly():
     assert update_floor(adamw, 4) == pytest.approx(0.1 * 1e-3 * 4, rel=1e-12)
     assert amplified_ceiling(adamw, 3) == pytest.approx(2 * 1e-3 * 3 * 0.1 / 0.001 ** 0.5,
                                                         rel=1e-12)
+
+
+def test_the_hang_report_names_each_streams_next_instruction_by_its_index():
+    """Guards CpuExecutor._hang_report: each stream's next instruction by its rank-wide index."""
+    from types import SimpleNamespace
+
+    from planc.compile import compile_plan
+    from planc.lang import load_text
+    from planc.program import step_code
+    from planc.runtime.engine.executor import CpuExecutor
+
+    build = compile_plan(load_text(plan_text("hang", **MATRIX["pp-1f1b-uneven"])).plan)
+    code = step_code.generate(build.programs["stage1.json"])
+    assert [(s.name, len(s.items)) for s in code.streams] == [
+        ("recv_prev", 8), ("compute", 277), ("send_prev", 8), ("comm", 2)]
+    ctx = SimpleNamespace(rank=1, stage=1, tp_rank=0, cp_rank=0, coords={"dp": 0})
+    executor = SimpleNamespace(interpreter=SimpleNamespace(ctx=ctx, bound={}), timeout=3.0,
+                               code=code)
+    # recv_prev 3 instructions in, compute at its last one, send_prev done, comm at its first
+    work = SimpleNamespace(done=[3, 276, 8, 0])
+    recv, compute, comm = (code.streams[0].items[3], code.streams[1].items[276],
+                           code.streams[3].items[0])
+    # rank-wide indices, which differ from the streams' own counts
+    assert (recv.index, compute.index, comm.index) == (74, 294, 256)
+    assert CpuExecutor._hang_report(executor, work, 0).splitlines() == [
+        "rank 1 (stage 1, tp 0, cp 0, dp 0) made no progress for 3 s in step 0; its streams "
+        "wait on:",
+        "  recv_prev: #74 record done:F/c0>c1:recv@pp#1",
+        "  compute: #294 compute O/c1.b0/optimizer",
+        "  send_prev: nothing (finished)",
+        "  comm: #256 wait done:F/loss#3"]
+
+
+def test_check_fails_when_only_an_evaluation_differs(monkeypatch, capsys):
+    """Guards oracle.check.compare: an evaluation off by more than the tolerance fails --check."""
+    from types import SimpleNamespace
+
+    from planc.lang import load_text
+    from planc.runtime.oracle import check, reference
+
+    plan = load_text(plan_text("ev", mesh="").replace("steps = 2", "steps = 4").replace(
+        "seed = 3 }", "seed = 3; eval_every = 2; eval_batches = 2 }")).plan
+    evaluations: dict[int, float] = {}
+    losses, params = reference.train(plan, 4, None, evaluations)
+    assert sorted(evaluations) == [1, 3]
+    ctx = SimpleNamespace(data_identity=None, device=torch.device("cpu"), model=None)
+
+    def run_gave(evaluated):  # the reference's own losses and parameters: only these differ
+        return lambda *_: (losses, {(name, 0, 0): {0: {0: value}} for name, value in
+                                    params.items()}, dict.fromkeys(params), evaluated)
+
+    header = ("check: 4 steps and 53 parameters and 2 evaluations against the single-process "
+              "run (relative tolerance 1e-05): ")
+    monkeypatch.setattr(check, "_gather_parameters", run_gave(dict(evaluations)))
+    assert check.compare(ctx, None, plan.to_dict(), losses, 4) == 0
+    assert capsys.readouterr().err.startswith(header + "every loss and parameter matches")
+    wrong = {**evaluations, 3: evaluations[3] + 0.01}
+    monkeypatch.setattr(check, "_gather_parameters", run_gave(wrong))
+    assert check.compare(ctx, None, plan.to_dict(), losses, 4) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == header + "FAILED"
+    assert [line for line in err if line.endswith("MISMATCH")] == [
+        f"  evaluation after step 3: loss {wrong[3]:.8f}, single process "
+        f"{evaluations[3]:.8f}, relative error {0.01 / evaluations[3]:.2e}  MISMATCH"]
