@@ -101,7 +101,8 @@ def _rank_cells(plan, layout: Layout) -> str:
     per_node, nodes = plan.topology.devices_per_node, layout.nodes
     colours = stage_colours(plan.mesh.pp)
     cell = max(MIN_CELL, min(60, (WIDTH - LABEL) // per_node))
-    parts = [f'<svg width="{LABEL + per_node * cell}" height="{nodes * (cell + 6) + 14}" '
+    width, height = LABEL + per_node * cell, nodes * (cell + 6) + 14
+    parts = [f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
              f'role="img" aria-label="ranks on nodes, coloured by pipeline stage">']
     for node in range(nodes):
         y = 8 + node * (cell + 6)
@@ -155,9 +156,10 @@ def _stage_blocks(plan, layout: Layout) -> str:
                        stage_colours(sum(s is not None for s in stages))))
     column = (WIDTH - LABEL) // len(replicas)
     row = 36
-    parts = [f'<svg width="{LABEL + len(replicas) * column}" '
-             f'height="{22 + len(stages) * (row + 4)}" role="img" aria-label="pipeline '
-             f'stages by data-parallel replicas, coloured by stage">']
+    width, height = LABEL + len(replicas) * column, 22 + len(stages) * (row + 4)
+    parts = [f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+             f'role="img" aria-label="pipeline stages by data-parallel replicas, coloured '
+             f'by stage">']
     for j, replica in enumerate(replicas):
         x = LABEL + j * column
         label = (f"dp {replica}" if replica is not None else

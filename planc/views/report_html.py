@@ -28,7 +28,9 @@ WIDTH = 960
 
 STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 1000px;
-       color: #222; }
+       padding: 0 12px; color: #222; }
+svg { max-width: 100%; height: auto; }
+.table { overflow-x: auto; } td:not(:first-child) { white-space: nowrap; }
 h1 { font-size: 22px; margin-bottom: 4px; } h2 { font-size: 17px; margin-top: 28px; }
 table { border-collapse: collapse; } td, th { padding: 3px 10px; text-align: right; }
 th { border-bottom: 1px solid #999; } td:first-child, th:first-child { text-align: left; }
@@ -60,7 +62,8 @@ def _table(header, rows) -> str:
     head = "".join(f"<th>{_e(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>"
                    for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+    # a number beside its unit on one line; on a narrow screen the table scrolls alone
+    return f'<div class="table"><table><tr>{head}</tr>{body}</table></div>'
 
 
 MEMORY_KINDS = (("parameters", "parameter_bytes", "#4e79a7"),
@@ -90,8 +93,9 @@ def _memory_svg(plan) -> str:
     bar = 16
     scale = BAR_SPACE / top
     bottom = len(stages) * (bar + 4) + 10
-    parts = [f'<svg width="{WIDTH}" height="{bottom + (22 if near else 0)}" role="img" '
-             f'aria-label="memory per device of each stage">']
+    height = bottom + (22 if near else 0)
+    parts = [f'<svg width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" '
+             f'role="img" aria-label="memory per device of each stage">']
     for i, stage in enumerate(stages):
         y = 10 + i * (bar + 4)
         parts.append(f'<text x="0" y="{y + 12}" font-size="12">stage {stage.stage}</text>')
@@ -153,8 +157,9 @@ def _timeline_svg(result) -> str:
     step = result.step_seconds or 1
     lane = 22
     scale = (WIDTH - 90) / step
-    parts = [f'<svg width="{WIDTH}" height="{len(lanes) * (lane + 6) + 34}" role="img" '
-             f'aria-label="simulated timeline per stage">']
+    height = len(lanes) * (lane + 6) + 34
+    parts = [f'<svg width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" '
+             f'role="img" aria-label="simulated timeline per stage">']
     for i, time in enumerate(lanes):
         y = 10 + i * (lane + 6)
         parts.append(f'<text x="0" y="{y + 15}" font-size="12">stage {time.stage}</text>')
@@ -204,11 +209,22 @@ def _far_off(plan, predicted: float, measured: float) -> str:
             f"{format_quantity(topology.device.flops, COMPUTE)} per device at efficiency " \
             f"{topology.device.efficiency:g})"
     how = "slower" if ratio < 1 else "faster"
-    return (f'<p class="hint">The prediction is {max(ratio, 1 / ratio):,.1f} times off: '
+    return (f'<p class="hint">The prediction is {max(ratio, 1 / ratio):,.0f} times off: '
             f'planc simulates a step on {_e(described)}, and the run that wrote the metrics '
             f'was on a {how} machine. To predict the machine you ran on, measure it with '
             f'<code>planc calibrate -o FILE</code> and name the result in the plan with '
             f'<code>topology {{ preset = "FILE" }}</code> (docs/routes.md).</p>')
+
+
+def _error(predicted: float, measured: float) -> str:
+    """The prediction's error against the measurement: a percentage, or, past FAR_OFF
+    times either way (where a percentage reads -100% whatever the miss), the ratio."""
+    if measured <= 0 or predicted <= 0:
+        return "" if predicted == measured else "n/a"
+    ratio = predicted / measured
+    if 1 / FAR_OFF <= ratio <= FAR_OFF:
+        return f"{ratio - 1:+.0%}"
+    return f"{ratio:,.0f}x too high" if ratio > 1 else f"{1 / ratio:,.0f}x too low"
 
 
 def _measured(plan, result, metrics: list[dict] | None, warmup: int,
@@ -219,18 +235,19 @@ def _measured(plan, result, metrics: list[dict] | None, warmup: int,
     kept = metrics[warmup:] or metrics
     measured = statistics.median(r["time_s"] for r in kept)
     rows = [["step time", format_quantity(result.step_seconds, TIME),
-             format_quantity(measured, TIME), f"{result.step_seconds / measured - 1:+.0%}"]]
+             format_quantity(measured, TIME), _error(result.step_seconds, measured)]]
     exposed = statistics.median(r.get("exposed_comm_s", 0.0) for r in kept)
     predicted_exposed = max(sum(s.exposed_seconds.values()) for s in result.stages)
     rows.append(["exposed communication", format_quantity(predicted_exposed, TIME),
-                 format_quantity(exposed, TIME), ""])
+                 format_quantity(exposed, TIME), _error(predicted_exposed, exposed)])
     # planc run since issue 26 writes both (planc.data.metrics_file checked them where present)
     if all(r.get("mfu") is not None and r.get("tflops_per_device") is not None for r in kept):
         rate = statistics.median(r["tflops_per_device"] for r in kept)
         rows.append(["FLOP/s per GPU", format_flop_rate(result.tflops_per_gpu * 1e12),
-                     format_flop_rate(rate * 1e12), ""])
-        rows.append(["MFU", format_share(result.mfu),
-                     format_share(statistics.median(r["mfu"] for r in kept)), ""])
+                     format_flop_rate(rate * 1e12), _error(result.tflops_per_gpu, rate)])
+        mfu = statistics.median(r["mfu"] for r in kept)
+        rows.append(["MFU", format_share(result.mfu), format_share(mfu),
+                     _error(result.mfu, mfu)])
     caveat = f'<p class="hint">{_e(unchecked)}</p>' if unchecked else ""
     return _table(["", "simulated", "measured", "error"], rows) + \
         f'<p class="note">Measured: median over {len(kept)} steps of the slowest rank ' \
@@ -321,6 +338,7 @@ def render(build, result, metrics: list[dict] | None = None, warmup: int = 2,
         *(["<h2>Layouts planc tune ranked</h2>", _ranked(plan, ranked)] if ranked else []),
         "<h2>The plan</h2>", _plan_text(plan),
     ]
-    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>planc '
+    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1"><title>planc '
             f'report: {_e(plan.name)}</title><style>{STYLE}</style></head><body>'
             + "\n".join(sections) + "</body></html>\n")
