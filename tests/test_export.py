@@ -107,6 +107,16 @@ def _packed(raw: bytes) -> list[int]:
     return out
 
 
+def test_a_prefix_with_a_control_character_is_refused(tmp_path, run_planc):
+    """A newline would start every trace's file name (it was written so)."""
+    out = tmp_path / "out"
+    done = run_planc("export", PLANS / "gpt-tiny.plan", "-o", out, "--prefix", "\nx")
+    assert (done.returncode, done.stderr) == (2, (
+        "planc: error: --prefix '\\nx': a file name's start, without '/' or control "
+        "characters and not starting with '.'\n"))
+    assert not out.exists()
+
+
 def test_a_prefix_too_long_for_a_trace_name_is_refused_before_anything_is_written(tmp_path,
                                                                                     run_planc):
     """A trace is PREFIX.RANK.et, for ranks up to 524,287: a prefix of 250 bytes stopped

@@ -117,6 +117,14 @@ def test_invalid_plan(path: Path):
         assert loaded.plan is not None and loaded.ok, "warnings alone must not reject a plan"
 
 
+def test_a_text_of_old_mac_line_ends_is_told_so():
+    """CR alone ends no line: a comment first makes the whole file one comment."""
+    loaded = load_text("# mine\rplan x {\r  model gpt { layers = 2 }\r}\r", "cr.plan")
+    assert [_text_of(d) for d in loaded.diagnostics] == [
+        "1:46: error: the file holds no plan; its lines end in CR alone (old Mac), which the "
+        "language reads as one line: save it with LF line ends"]
+
+
 def test_an_empty_text_holds_no_plan():
     loaded = load_text("", "empty.plan")
     assert [_text_of(d) for d in loaded.diagnostics] == ["1:1: error: the file holds no plan"]

@@ -91,7 +91,7 @@ def test_compile_still_replaces_a_damaged_build_of_its_own(capsys, tmp_path, bui
     assert json.loads((target / "build.json").read_text())["format"] == "planc-build"
 
 
-@pytest.mark.parametrize("kind", ["text", "hard link", "fifo", "symbolic link"])
+@pytest.mark.parametrize("kind", ["text", "hard link", "fifo", "symbolic link", "directory"])
 def test_a_file_in_the_lock_files_place_is_never_written(capsys, tmp_path, kind):
     tmp_path = Path(os.path.realpath(tmp_path))  # planc names the lock by its real path
     lock = tmp_path / ".b.lock"
@@ -106,6 +106,10 @@ def test_a_file_in_the_lock_files_place_is_never_written(capsys, tmp_path, kind)
     elif kind == "fifo":
         os.mkfifo(lock)
         why = "it is not a regular file"
+    elif kind == "directory":
+        lock.mkdir()
+        (lock / "mine").write_text("kept\n")
+        why = "it is a directory"
     else:
         lock.symlink_to(victim)
         why = "it is a symbolic link"
@@ -117,6 +121,8 @@ def test_a_file_in_the_lock_files_place_is_never_written(capsys, tmp_path, kind)
     assert os.path.lexists(lock) and not (tmp_path / "b").exists()
     if kind == "text":
         assert lock.read_text() == "my precious notes\n"
+    if kind == "directory":
+        assert (lock / "mine").read_text() == "kept\n"
 
 
 def test_a_held_lock_is_in_use_whatever_its_file_holds_at_that_moment(tmp_path):

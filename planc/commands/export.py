@@ -21,9 +21,10 @@ def main(args) -> int:
         refused = outputs_refused(args, ((what, args.file),),
                                   members=lambda name: name in HF_FILES)
         return refused if refused is not None else _hugging_face(args)
-    if not args.prefix or "/" in args.prefix or args.prefix.startswith("."):
-        return fail(f"--prefix {args.prefix!r}: a file name's start, without '/' and not "
-                    f"starting with '.'", EXIT_USAGE)
+    if not args.prefix or "/" in args.prefix or args.prefix.startswith(".") or \
+            not args.prefix.isprintable():
+        return fail(f"--prefix {args.prefix!r}: a file name's start, without '/' or control "
+                    f"characters and not starting with '.'", EXIT_USAGE)
     from planc.host.outputs import NAME_MAX
     from planc.plan.plan import LIMITS
 

@@ -30,7 +30,8 @@ def main(args) -> int:
         return status
     measured_on = getattr(args, "imbalance_plans", None)
     if measured_on and built.plan.name not in measured_on:
-        print(f"planc: warning: {args.imbalance_from} records a run of {', '.join(measured_on)}"
+        named = ", ".join(name if name.isprintable() else ascii(name) for name in measured_on)
+        print(f"planc: warning: {args.imbalance_from} records a run of {named}"  # text of a file
               f", not of {built.plan.name}: its imbalance is another plan's", file=sys.stderr)
     result = simulate(built, keep_timeline=bool(args.trace))
     accuracy = expected(built.plan)

@@ -150,6 +150,8 @@ def _acquire(path: str, holder: str) -> Lock:
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # O_NOFOLLOW: a symbolic link in the file's place
                 raise _foreign(path, "it is a symbolic link") from None
+            if exc.errno == errno.EISDIR:  # O_RDWR on a directory in the file's place
+                raise _foreign(path, "it is a directory") from None
             raise LockError(f"cannot create the lock file {path} ({_reason(exc)})",
                             exc.errno) from None
         foreign = _not_a_lock_file(fd)

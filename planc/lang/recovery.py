@@ -305,7 +305,11 @@ def _unexpected_end(reader: _Reader) -> Diagnostic:
             f"unexpected end of file: '{first}' opened at line {first.line} is never closed",
             span_of(first), f"add '{closer_for(first)}' to close it")
     if not reader.anything:
-        return error("the file holds no plan", span,
+        # a file of old Mac line ends (CR alone) is one line, a comment to its end
+        ends = "; its lines end in CR alone (old Mac), which the language reads as one " \
+            "line: save it with LF line ends" if "\r" in reader.text and \
+            "\n" not in reader.text else ""
+        return error(f"the file holds no plan{ends}", span,
                      "a plan file holds one 'plan NAME { ... }'")
     accepted = reader.expected()
     return error(f"unexpected end of file; expected {describe_expected(accepted, None)}",
