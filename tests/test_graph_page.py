@@ -322,3 +322,17 @@ def screenshots(directory: Path) -> list[Path]:
 if __name__ == "__main__":
     for written in screenshots(Path(sys.argv[1] if len(sys.argv) > 1 else "docs")):
         print(written)
+
+
+def test_tp_overlap_pieces_are_told_apart_in_their_labels():
+    """tp_overlap cuts a step into pieces of its tokens: each piece's label says which, so
+    that four boxes reading "F qkv · L0" do not look like the same step four times."""
+    from planc.compile import compile_plan
+    from planc.lang import load_file
+    from planc.views.graph.facts import node_lines
+
+    graph = compile_plan(load_file(PLANS / "pp-interleaved.plan").plan).graph
+    pieces = [(n, d) for n, d in graph.nodes(data=True)
+              if d.get("token_piece") is not None and n.startswith("F/L0/qkv#")]
+    assert [node_lines(d)[0] for _, d in sorted(pieces)] == [
+        "F qkv \u00b7 L0 \u00b7 piece 1/2", "F qkv \u00b7 L0 \u00b7 piece 2/2"]

@@ -55,6 +55,9 @@ def node_lines(data: dict) -> list[str]:
     layer = f" \u00b7 L{data['layer']}" if data["layer"] is not None else ""
     times = f" \u00d7{data['repeat']}" if data["repeat"] > 1 else ""
     microbatch = f" (mb {data['microbatch']})" if data.get("microbatch") is not None else ""
+    piece = data.get("token_piece")  # tp_overlap: which of the tokens' pieces it runs
+    if piece is not None:
+        layer += f" \u00b7 piece {piece[0] + 1}/{piece[1]}"
     if data["type"] == "compute":
         name = "optimizer " + data["bucket"] if data["op"] == "optimizer" else str(data["op"])
         return [f"{step_letter(data)} {name}{layer}{microbatch}",
