@@ -850,3 +850,19 @@ def test_each_per_microbatch_buffer_is_freed_by_its_last_reader():
         "B/position": ("B/L0/attn_residual", "B/L0/ln1", "F/position:saved"),
         "B/embedding": ("B/embedding", "B/position", "F/embedding:saved")}
     assert problems(build) == []
+
+
+def test_a_weight_step_must_read_what_its_input_half_kept():
+    """A split backward's W step differentiates what its input half kept (B/...:saved):
+    without that read nothing orders it after the input half (the lowering once left it
+    out under recomputation, and only a pair's order noticed)."""
+    build = built()
+
+    def unordered(data):
+        step = next(x for x in data["blocks"]["B1"] if x.get("node") == "W/head")
+        step["reads"] = []
+        step["frees"] = []
+
+    assert problems(build, _replace_program(build, "stage1.json", unordered))[0] == (
+        "stage1.json: compute W/head differentiates what B/head kept but does not list it "
+        "(B/head:saved) among its reads: nothing would order it after that step")

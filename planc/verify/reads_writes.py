@@ -15,7 +15,8 @@ it while it is still being computed. So, for each instruction:
   them to a later W step) writes the gradient buffers of the buckets holding them, into
   which it adds: the reductions are ordered after it by those writes;
 - a backward step reads what the step it differentiates (its forward, or the forward's
-  recomputation) kept for it, ``NODE:saved``, and what any step reads so was written:
+  recomputation) kept for it, ``NODE:saved``, a split backward's W step what its input
+  half kept, and what any step reads so was written:
   the runtime takes that state from the step that kept it, which nothing else would order
   it after.
 """
@@ -31,6 +32,9 @@ def reads_and_writes_problem(name: str, program: Program) -> str | None:
     operands say it reads or writes, as a report line; None if there is none."""
     owner = None
     written = {buffer for i in program.written() for buffer in i.writes}
+    # a split backward's W step, and the input half whose saved state it differentiates
+    halves = {i.operands.weight_step: i.node for i in program.written()
+              if i.operands is not None and i.operands.weight_step}
     for instruction in program.written():
         operands = instruction.operands
         if operands is None:
@@ -57,6 +61,12 @@ def reads_and_writes_problem(name: str, program: Program) -> str | None:
                 return (f"{what} takes {missing[0]} (its operands) but does not list it "
                         f"among its reads: nothing would order it after its writer")
         kept = saved_for_weights(operands.saved_from) if operands.saved_from else None
+        if operands.step == "weight" and instruction.node in halves:
+            kept = saved_for_weights(halves[instruction.node])
+            if kept not in reads:
+                return (f"{what} differentiates what {halves[instruction.node]} kept but "
+                        f"does not list it ({kept}) among its reads: nothing would order it "
+                        f"after that step")
         if operands.step == "backward" and kept not in reads:
             return (f"{what} continues {operands.saved_from} but does not list what it kept "
                     f"({kept}) among its reads: nothing would order it after that step")
