@@ -42,6 +42,14 @@ def test_each_stage_runs_its_forward_blocks_chunk_by_chunk():
     evaluation = stage1.for_evaluation()
     assert set(evaluation.blocks) == {"F1", "F3"} and evaluation.epilogue == ()
     assert Program.from_json(json.loads(json.dumps(stage0.to_json()))) == stage0
+    # no backward comes: a forward keeps neither autograd's graph nor its saved state
+    steps = [i for block in evaluation.blocks.values() for i in block
+             if i.operands is not None and i.operands.step == "forward"]
+    assert steps and not any(i.operands.keeps_graph for i in steps)
+    assert not any(w.endswith(":saved") for i in steps for w in i.writes)
+    training = [i for i in stage1.blocks["F1"] if i.operands is not None and
+                i.operands.step == "forward"]
+    assert all(i.operands.keeps_graph and f"{i.node}:saved" in i.writes for i in training)
 
 
 def test_without_overlap_the_evaluation_reduces_its_loss_after_the_sync():

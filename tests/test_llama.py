@@ -318,13 +318,12 @@ def test_rms_norm_by_hand_is_the_formula_bit_for_bit_and_keeps_less(dtype, shape
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("layout", ["contiguous", "column-major", "strided"])
 def test_joined_weights_multiply_as_their_concatenation_bit_for_bit(dtype, layout):
-    """x @ cat(q, k, v) in one GEMM with the backward by hand against autograd's matmul
-    of the concatenation (mm's derivative rules, their order for a column-major input
-    included): the same bits; it keeps the weights themselves, never their concatenation
-    (a copy of the layer's weights for every microbatch in flight)."""
+    """x @ cat(q, k, v) in one GEMM, keeping the weights instead of their concatenation,
+    against autograd's matmul of the concatenation: the same bits forward and backward,
+    whole or split into an input half and a weight half (zero-bubble's B and W)."""
     import torch
 
-    from planc.runtime.engine.fp8 import JoinedMatmul
+    from planc.runtime.engine.fp8 import joined_matmul
 
     kind = getattr(torch, dtype)
     generator = torch.Generator().manual_seed(7)
@@ -337,16 +336,55 @@ def test_joined_weights_multiply_as_their_concatenation_bit_for_bit(dtype, layou
     weights = [torch.randn(32, n, generator=generator).to(kind) for n in (32, 8, 8)]
     grad = torch.randn(*x.shape[:-1], 48, generator=generator).to(kind)
     leaves = [[x.detach().requires_grad_(True)] + [w.clone().requires_grad_(True)
-                                                   for w in weights] for _ in range(2)]
+                                                   for w in weights] for _ in range(3)]
     expected = leaves[0][0] @ torch.cat(leaves[0][1:], dim=1)
-    got, kept = _saved_shapes(lambda: JoinedMatmul.apply(*leaves[1]))
+    got = joined_matmul(leaves[1][0], leaves[1][1:])
     assert torch.equal(got, expected)
-    for a, b in zip(torch.autograd.grad(got, leaves[1], grad),
-                    torch.autograd.grad(expected, leaves[0], grad)):
+    wanted = torch.autograd.grad(expected, leaves[0], grad)
+    for a, b in zip(torch.autograd.grad(got, leaves[1], grad), wanted):
         assert torch.equal(a, b)
-    assert [tuple(t.shape) for t in kept] == [tuple(x.shape), (32, 32), (32, 8), (32, 8)]
-    assert [t.untyped_storage().data_ptr() for t in kept[1:]] == \
-        [w.untyped_storage().data_ptr() for w in leaves[1][1:]]
+    split = joined_matmul(leaves[2][0], leaves[2][1:])
+    (first,) = torch.autograd.grad(split, leaves[2][:1], grad, retain_graph=True)
+    assert torch.equal(first, wanted[0])
+    for a, b in zip(torch.autograd.grad(split, leaves[2][1:], grad), wanted[1:]):
+        assert torch.equal(a, b)
+
+
+def test_joined_weights_keep_no_copy_and_each_half_of_a_split_backward_one_gemm():
+    """What the forward leaves allocated is its output, not a copy of the weights (64 MiB
+    here, glibc's count of the bytes in use); the input half of a split backward runs one
+    GEMM and the weight half one, as autograd's own mm derivative computes only what is
+    asked (a hand-written backward computed both each time)."""
+    import ctypes
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from planc.runtime.engine.fp8 import joined_matmul
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = Mallinfo2
+
+    def in_use() -> int:
+        info = libc.mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    weights = [torch.randn(4096, 2048).requires_grad_(True) for _ in range(2)]
+    x = torch.randn(8, 4096).requires_grad_(True)
+    before = in_use()
+    out = joined_matmul(x, weights)
+    # the output (128 KiB) and the GEMM library's first buffers, not the 64 MiB copy
+    assert in_use() - before < 16 << 20
+    grad = torch.randn_like(out)
+    for targets in ([x], weights):
+        with profile(activities=[ProfilerActivity.CPU]) as run:
+            torch.autograd.grad(out, targets, grad, retain_graph=True)
+        assert sum(e.count for e in run.key_averages() if e.key == "aten::mm") == 1
 
 
 def test_grouped_query_attention_on_a_cpu_keeps_the_key_value_heads_unrepeated():

@@ -39,6 +39,7 @@ runs them as written; docs/programs.md lists them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -214,6 +215,19 @@ _INSTRUCTION_KEYS = frozenset({"op", "stream", "node", "event", "reads", "writes
                                "per_microbatch", "guard", "frees", "operands"})
 
 
+def _forward_only(instruction: Instruction) -> Instruction:
+    """An instruction as an evaluation batch runs it: a forward step keeps nothing for a
+    backward that never comes (no autograd graph, no ``NODE:saved``), so each
+    microbatch's activations are freed as training's last readers free them."""
+    operands = instruction.operands
+    if operands is None or operands.step != "forward":
+        return instruction
+    kept = saved_for_weights(instruction.node)
+    return dataclasses.replace(
+        instruction, writes=tuple(w for w in instruction.writes if w != kept),
+        operands=dataclasses.replace(operands, keeps_graph=False))
+
+
 @dataclass(frozen=True)
 class Program:
     stage: int
@@ -277,7 +291,8 @@ class Program:
         epilogue = tuple(i for i in self.epilogue if i in loss or i.op is Opcode.SYNC and loss
                          or i.op is Opcode.WAIT and (i.stream, i.event) in waited)
         return Program(self.stage, self.streams,
-                       {name: block for name, block in self.blocks.items() if name in used},
+                       {name: tuple(_forward_only(i) for i in block)
+                        for name, block in self.blocks.items() if name in used},
                        self.evaluation, dict(self.evaluation_receives), epilogue,
                        self.microbatches, self.prologue, self.buckets,
                        received={n: o for n, o in self.received.items() if n in received})

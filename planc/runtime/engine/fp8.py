@@ -286,46 +286,41 @@ def matmul(x: torch.Tensor, weights: list[torch.Tensor], recipe: Recipe | None
            ) -> torch.Tensor:
     """``x @ cat(weights, dim=1)``: in FP8 by ``recipe``, else as it is."""
     if recipe is None:
-        return x @ weights[0] if len(weights) == 1 else JoinedMatmul.apply(x, *weights)
+        return x @ weights[0] if len(weights) == 1 else joined_matmul(x, weights)
     return _Fp8Matmul.apply(recipe, tensor_cores(x.device, recipe.tile), x, *weights)
 
 
-class JoinedMatmul(torch.autograd.Function):
-    """``x @ cat(weights, dim=1)`` in one GEMM (llama's q, k and v; gate and up), keeping
-    the weights themselves for the backward, where autograd would keep their
-    concatenation: a copy of the weights for every microbatch in flight. The backward
-    joins them again for the input gradient and computes what autograd computes for
-    ``matmul`` of a folded input (``mm`` and its two derivative rules, with their choice
-    of order for a column-major operand), so the same bits (tests/test_llama.py)."""
+def joined_matmul(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """``x @ cat(weights, dim=1)`` in one GEMM (llama's q, k and v; gate and up), with
+    autograd's own derivative, which computes only the gradients a backward asks for (a
+    split backward's two halves each their own); but what it keeps of the concatenation
+    is the weights themselves, joined again when a backward reads it: autograd would keep
+    a copy of the layer's weights for every microbatch in flight. The same operations as
+    ``x @ cat(weights)``, so the same bits (tests/test_llama.py)."""
+    joined = torch.cat(weights, dim=1)
+    storage = joined.untyped_storage().data_ptr()
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, *weights)
-        joined = torch.cat(weights, dim=1)
-        return (x.reshape(-1, x.shape[-1]).mm(joined)).view(*x.shape[:-1], joined.shape[1])
+    def pack(saved: torch.Tensor):
+        if saved.untyped_storage().data_ptr() == storage:
+            return _Pieces(tuple(weights), saved.shape, saved.stride(), saved.storage_offset())
+        return saved
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, *weights = ctx.saved_tensors
-        joined = torch.cat(weights, dim=1)
-        folded = x.reshape(-1, x.shape[-1])
-        grad = grad.reshape(-1, joined.shape[1])
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            if _column_major(folded):
-                grad_x = joined.mm(grad.t()).t()
-            else:
-                grad_x = grad.mm(joined.t())
-            grad_x = grad_x.view(x.shape)
-        if not any(ctx.needs_input_grad[1:]):
-            return (grad_x, *(None for _ in weights))
-        grad_joined = folded.t().mm(grad)  # the concatenation is row-major
-        widths = [w.shape[1] for w in weights]
-        return (grad_x, *(part if needed else None for part, needed in
-                          zip(grad_joined.split(widths, dim=1), ctx.needs_input_grad[1:])))
+    with torch.autograd.graph.saved_tensors_hooks(pack, _unpacked):
+        return x @ joined
 
 
-def _column_major(matrix: torch.Tensor) -> bool:
-    """Whether autograd's ``mm`` derivative computes the first operand's gradient
-    transposed: the operand laid out column by column."""
-    return matrix.stride(0) == 1 and matrix.stride(1) == matrix.shape[0]
+class _Pieces:
+    """A concatenation of weights as a backward keeps it: the weights, and the layout of
+    the view of their concatenation the GEMM saved."""
+
+    def __init__(self, weights: tuple[torch.Tensor, ...], shape, stride, offset: int):
+        self.weights, self.shape, self.stride, self.offset = weights, shape, stride, offset
+
+
+def _unpacked(saved):
+    if not isinstance(saved, _Pieces):
+        return saved
+    return torch.cat(saved.weights, dim=1).as_strided(saved.shape, saved.stride,
+                                                      saved.offset)
+
+
