@@ -866,3 +866,25 @@ def test_a_weight_step_must_read_what_its_input_half_kept():
     assert problems(build, _replace_program(build, "stage1.json", unordered))[0] == (
         "stage1.json: compute W/head differentiates what B/head kept but does not list it "
         "(B/head:saved) among its reads: nothing would order it after that step")
+
+
+def test_a_recomputed_forward_keeps_only_the_inputs_its_recomputation_does_not_get_again():
+    """Full recomputation (Chen et al. 2016) keeps a layer's input: of the layer's
+    forward steps, the two reading it keep that port alone (the residual sum not the
+    projection's output, which the recomputation brings again), the others keep no input
+    and write nothing kept; without recomputation every step keeps what autograd needs."""
+    build = built("""plan r {
+  model gpt { layers = 2; hidden = 32; heads = 4; vocab = 64; seq = 16; batch = 8 }
+  optimize { recompute = full }
+}""")
+    block = build.programs["stage0.json"].blocks["F0"]
+    kept = {i.node: (i.operands.keeps_inputs, f"{i.node}:saved" in i.writes) for i in block
+            if i.node and i.node.startswith("F/L1/")}
+    assert kept == {"F/L1/ln1": (("x",), True), "F/L1/qkv": ((), False),
+                    "F/L1/attention": ((), False), "F/L1/proj": ((), False),
+                    "F/L1/attn_residual": (("skip",), True), "F/L1/ln2": ((), False),
+                    "F/L1/fc1": ((), False), "F/L1/gelu": ((), False),
+                    "F/L1/fc2": ((), False), "F/L1/mlp_residual": ((), False)}
+    assert all(i.operands.keeps_inputs is None for i in built().programs["stage0.json"]
+               .blocks["F0"] if i.operands is not None)
+    assert problems(build) == []

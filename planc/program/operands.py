@@ -226,6 +226,9 @@ class Operands:
     forward_of: str | None = None  # a backward or recomputed step's forward step
     saved_from: str | None = None  # the step whose kept tensors a backward step uses
     keeps_graph: bool = True  # a forward keeps autograd's graph (not when recomputed)
+    # a recomputed forward: the input ports its recomputation takes from what it kept
+    # (the others the program brings the recomputation again); None: every port
+    keeps_inputs: tuple[str, ...] | None = None
     weight_step: str | None = None  # a split backward: its W step, which comes later
     gathered: tuple[tuple[str, str], ...] = ()  # bucket -> the ZeRO-3 gather's buffer
     tokens: tuple[int, int, int] | None = None  # tp_overlap: the piece of the tokens it runs
@@ -315,7 +318,8 @@ _READERS = {
     "param_slices": _pairs_of(_slice), "bias": _maybe(_string),
     "vocab_parallel": _boolean, "seq_sharded": _boolean, "replicated": _boolean,
     "forward_of": _maybe(_string), "saved_from": _maybe(_string),
-    "keeps_graph": _boolean, "weight_step": _maybe(_string),
+    "keeps_graph": _boolean, "keeps_inputs": _maybe(_tuple_of(_string)),
+    "weight_step": _maybe(_string),
     "gathered": _pairs_of(_string), "tokens": _maybe(_piece), "flops": _maybe(_number),
     "output_bytes": _maybe(_integer), "bucket": _maybe(_string), "sharded": _boolean,
     "payload": _maybe(_one_of(PAYLOADS)), "group": _maybe(_string), "route": _maybe(_string),

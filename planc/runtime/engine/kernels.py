@@ -103,6 +103,8 @@ class Spec:
     # the program frees the step's input ``x`` after it: the step may write over it (the
     # loss over the logits)
     frees_input: bool = False
+    # a recomputed forward: the input ports its recomputation takes from it (None: all)
+    keeps_inputs: tuple[str, ...] | None = None
 
     @staticmethod
     def of(operands: Operands, ring: Ring | None = None, peers: Peers | None = None,
@@ -110,7 +112,7 @@ class Spec:
         return Spec(Op(operands.kernel), operands.layer, operands.seq_sharded,
                     operands.replicated, operands.params, dict(operands.param_slices),
                     operands.bias, operands.vocab_parallel, operands.tokens, ring, peers,
-                    counts)
+                    counts, keeps_inputs=operands.keeps_inputs)
 
 
 def _autograd_grad(output, grad, targets, retain_graph):
@@ -290,7 +292,9 @@ class Kernels:
         extra: dict = {}
         with torch.enable_grad() if keep_graph else torch.no_grad():
             out = self.forward_table[spec.op](spec, leaves, p, step, microbatch, extra)
-        saved = Saved(leaves, param_leaves, _kept(out) if keep_graph else None, extra)
+        kept = leaves if keep_graph or spec.keeps_inputs is None else \
+            {port: t for port, t in leaves.items() if port in spec.keeps_inputs}
+        saved = Saved(kept, param_leaves, _kept(out) if keep_graph else None, extra)
         # The loss's value for the report differs from the tensor to differentiate.
         return extra.pop("report", out), saved
 
