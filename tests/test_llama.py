@@ -313,6 +313,14 @@ def test_rms_norm_by_hand_is_the_formula_bit_for_bit_and_keeps_less(dtype, shape
         (shape, kind), ((shape[-1],), kind), (rows, torch.float32)]
     assert sum(t.numel() * t.element_size() for t in kept) < \
         sum(t.numel() * t.element_size() for t in kept_by_autograd)
+    # a weight of another dtype than the input (fp32 beside a 16-bit input): the same bits
+    formula[1], by_hand[1] = (weight.float().requires_grad_(True) for _ in range(2))
+    expected = rms_norm_formula(*formula, 1e-5)
+    got = RMSNorm.apply(*by_hand, 1e-5)
+    assert torch.equal(got, expected)
+    for a, b in zip(torch.autograd.grad(got, by_hand, grad.to(got.dtype)),
+                    torch.autograd.grad(expected, formula, grad.to(got.dtype))):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

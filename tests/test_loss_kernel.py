@@ -87,7 +87,7 @@ def test_a_residual_sum_keeps_nothing_and_passes_its_gradient_to_both_inputs():
     kernels = object.__new__(Kernels)
     kernels.ctx = SimpleNamespace(dtype=torch.float32)
     kernels.forward_table = {Op.MLP_RESIDUAL: functools.partial(Kernels._residual, kernels)}
-    spec = SimpleNamespace(op=Op.MLP_RESIDUAL, bias=None)
+    spec = SimpleNamespace(op=Op.MLP_RESIDUAL, bias=None, keeps_inputs=None)
     skip, x = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
     out, saved = kernels.forward(spec, {"skip": skip, "x": x}, {}, 0, 0, keep_graph=True)
     assert torch.equal(out, skip + x) and saved.inputs == {} and saved.output is None

@@ -59,7 +59,9 @@ class RMSNorm(torch.autograd.Function):
             grad_weight = (grad * normed).sum(leading, keepdim=True).view(weight.shape)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_normed = (grad * weight).float()
+            # autograd casts a product's gradient to its factor's dtype (the normalised
+            # input's, which a weight of another dtype promotes), then back to fp32
+            grad_normed = (grad * weight).to(x.dtype).float()
             grad_root = (grad_normed * x32).sum(-1, keepdim=True)
             grad_square = (-0.5 * grad_root * root.pow(3)).expand(x32.shape) / x32.shape[-1]
             grad_x = (grad_normed * root + grad_square * (2.0 * x32)).to(x.dtype)
