@@ -46,6 +46,10 @@ class StepState:
     # model moe { bias_update }: the busiest expert's load over the mean, the stage's
     # worst block, as the update read the step's loads
     expert_imbalance: float | torch.Tensor | None = None
+    # the parameters in the model's dtype, cast once a step for every microbatch (by name
+    # and CUDA stream): a cast for each forward was a copy of the weights that autograd
+    # kept for every microbatch in flight
+    casts: dict = field(default_factory=dict)
 
     def settle(self) -> "StepState":
         """The step's figures as numbers, once its work is done."""
@@ -289,8 +293,21 @@ class Interpreter:
             if gather is not None:  # a ZeRO-3 unit, gathered into a buffer of its own
                 params[name] = self.store.view(state.buffers[(gather, microbatch)], name)
             else:
-                params[name] = self.store.param(name)
+                params[name] = self._in_dtype(state, name)
         return params
+
+    def _in_dtype(self, state: StepState, name: str) -> torch.Tensor:
+        """Parameter ``name`` in the model's dtype: itself, or its copy of this step (the
+        parameters change only at the step's end). A copy is made on the stream that
+        reads it and read on that stream alone, so no later microbatch reads it early."""
+        param = self.store.param(name)
+        if param.dtype == self.ctx.dtype:
+            return param
+        key = (name, torch.cuda.current_stream() if param.is_cuda else None)
+        cast = state.casts.get(key)
+        if cast is None:
+            cast = state.casts[key] = param.to(self.ctx.dtype)
+        return cast
 
     def _clip(self, state: StepState, step: _Compute, mb: int | None):
         """The gradient norm's share, or the clip by the norm."""
