@@ -103,8 +103,8 @@ def test_a_parameter_is_cast_to_the_models_dtype_once_a_step():
     """A bf16 model's forwards read one bf16 copy of each parameter for the whole step (the
     parameters change only at its end): a cast in every forward was a copy of the
     weights that autograd kept for every microbatch in flight (a gpipe plan of 4
-    microbatches held 58 MiB more, bench/memory_live.py's way). An fp32 model reads the
-    parameter itself."""
+    microbatches held 58 MiB more, bench/memory_live.py's way), except a table only looked
+    up, whose backward keeps none. An fp32 model reads the parameter itself."""
     import torch
 
     from planc.runtime.engine.interpreter import Interpreter, StepState
@@ -118,5 +118,7 @@ def test_a_parameter_is_cast_to_the_models_dtype_once_a_step():
     assert first.dtype == torch.bfloat16 and torch.equal(first, weight.to(torch.bfloat16))
     assert interpreter._in_dtype(state, "w") is first  # the next microbatch's forward
     assert interpreter._in_dtype(StepState(1), "w") is not first  # the next step's
+    # a table only looked up (the embedding): cast by its forward, and freed with it
+    assert interpreter._in_dtype(state, "w", kept=False) is weight
     interpreter.ctx = SimpleNamespace(dtype=torch.float32)
     assert interpreter._in_dtype(StepState(2), "w") is weight

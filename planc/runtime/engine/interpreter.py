@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from planc.graph.vocabulary import Op
 from planc.program.operands import SEQ_AXIS, Input, StepKind
 from planc.program.program import Instruction, Opcode, Program, saved_for_weights
 from planc.runtime.engine import grad_norm, router_bias
@@ -31,6 +32,10 @@ from planc.runtime.engine.ring_attention import Ring
 from planc.runtime.engine.store import ParamStore
 from planc.runtime.engine.routes import resolve
 from planc.runtime.engine.transfers import Call, Transfers
+
+
+# Steps that look a parameter up (a table's rows): their backward does not keep it.
+LOOKUPS = (Op.EMBEDDING, Op.POSITION)
 
 
 @dataclass
@@ -293,15 +298,17 @@ class Interpreter:
             if gather is not None:  # a ZeRO-3 unit, gathered into a buffer of its own
                 params[name] = self.store.view(state.buffers[(gather, microbatch)], name)
             else:
-                params[name] = self._in_dtype(state, name)
+                params[name] = self._in_dtype(state, name, step.spec.op not in LOOKUPS)
         return params
 
-    def _in_dtype(self, state: StepState, name: str) -> torch.Tensor:
+    def _in_dtype(self, state: StepState, name: str, kept: bool = True) -> torch.Tensor:
         """Parameter ``name`` in the model's dtype: itself, or its copy of this step (the
         parameters change only at the step's end). A copy is made on the stream that
-        reads it and read on that stream alone, so no later microbatch reads it early."""
+        reads it and read on that stream alone, so no later microbatch reads it early.
+        ``kept``: whether the backward keeps it (a table only looked up is not kept, and
+        its copy is freed with the forward)."""
         param = self.store.param(name)
-        if param.dtype == self.ctx.dtype:
+        if param.dtype == self.ctx.dtype or not kept:
             return param
         key = (name, torch.cuda.current_stream() if param.is_cuda else None)
         cast = state.casts.get(key)
