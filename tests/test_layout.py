@@ -482,3 +482,15 @@ def test_a_tp_group_across_nodes_is_a_warning_with_its_cost(tmp_path, run_planc)
     megatron = run_planc("check", "tp.plan", "--set", "mesh.order=[tp, cp, pp, dp]",
                          cwd=tmp_path, env=env)
     assert (megatron.returncode, megatron.stderr) == (0, "")
+
+
+def test_the_text_on_every_stage_colour_reads_at_wcags_aa_ratio():
+    """White 9 px text on a Tableau teal read at 2.6:1; the ink is now whichever of black
+    and white contrasts more by WCAG 2's relative luminance, which is always at least
+    4.5:1 (AA) on any colour, for a few stages and for thousands (hsl() tones)."""
+    from planc.views.rank_picture import TABLEAU_10, _text_on, contrast, stage_colours
+
+    assert contrast("#000", "#fff") == 21.0 and contrast("#777", "#777") == 1.0
+    assert _text_on("#76b7b2") == "#000" and _text_on("#333333") == "#fff"
+    colours = [*TABLEAU_10, *stage_colours(64), *stage_colours(5000)[:100]]
+    assert min(contrast(c, _text_on(c)) for c in colours) >= 4.5
