@@ -120,5 +120,6 @@ def test_a_parameter_is_cast_to_the_models_dtype_once_a_step():
     assert interpreter._in_dtype(StepState(1), "w") is not first  # the next step's
     # a table only looked up (the embedding): cast by its forward, and freed with it
     assert interpreter._in_dtype(state, "w", kept=False) is weight
+    assert state.settle().casts == {}  # the step's result outlives it, not its copies
     interpreter.ctx = SimpleNamespace(dtype=torch.float32)
     assert interpreter._in_dtype(StepState(2), "w") is weight

@@ -57,7 +57,9 @@ class StepState:
     casts: dict = field(default_factory=dict)
 
     def settle(self) -> "StepState":
-        """The step's figures as numbers, once its work is done."""
+        """The step's figures as numbers, once its work is done; the step's parameter
+        copies let go (the state outlives the step in its result)."""
+        self.casts.clear()
         for name in ("loss", "grad_norm", "expert_imbalance"):
             value = getattr(self, name)
             if isinstance(value, torch.Tensor):
