@@ -175,10 +175,13 @@ def test_logs_that_is_not_a_directory_of_the_build(build, capsys, tmp_path, kind
      "plan.optimize.tp_overlap (1000000000) does not cut seq / cp by tp"),
     (lambda d: d["model"].update(family="moe"),
      "plan.model.options has no experts, a key of model moe"),
+    # a key every model holds, written among the options too, is read by its kind there
+    (lambda d: d["model"].update(options={"heads": 0}),
+     "plan.model.options.heads is 0, not a positive integer"),
 ], ids=["dtype-fp64", "bandwidth-0", "lr-negative", "lr-nan", "microbatches-1e9",
         "grad-accumulation", "reduce-dtype", "grad-reduce", "grad-reduce-zero2", "kernels",
         "one-source-mixture", "pipeline-word", "route-word", "recompute-word", "ep-0",
-        "ep-1e9", "tp-overlap-1e9", "family-without-its-keys"])
+        "ep-1e9", "tp-overlap-1e9", "family-without-its-keys", "core-key-in-options"])
 def test_a_resigned_plan_json_is_checked_again(build, capsys, change, reason):
     path = resigned_plan(build, change)
     assert _refused(capsys, "verify", build) == (

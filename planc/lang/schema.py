@@ -192,7 +192,6 @@ def block_syntax(path: str, family: str | None = None) -> str:
     return " ".join(f"{p} {{" for p in parts) + " " + " ".join("}" for _ in parts)
 
 
-
 def schema_problem(plan) -> str | None:
     """The first field of ``plan`` (a planc.plan.plan.Plan read back from a build's
     plan.json, which is untrusted) that holds a value the schema's key of the same path

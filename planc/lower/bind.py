@@ -56,14 +56,8 @@ def inputs_of(graph: nx.DiGraph, node: str, stage: int, position: dict[str, int]
     return tuple(out)
 
 
-def _ports(graph: nx.DiGraph, node: str) -> set[str]:
-    return {str(edge.get("port", Port.X)) for _, _, edge in graph.in_edges(node, data=True)
-            if edge.get("kind", EdgeKind.DATA) == EdgeKind.DATA and
-            edge.get("port") != Port.PARAM}
-
-
-def _kept_for_recomputation(graph: nx.DiGraph, node: str, data: dict
-                            ) -> tuple[str, ...] | None:
+def _kept_for_recomputation(graph: nx.DiGraph, node: str, data: dict,
+                            position: dict[str, int]) -> tuple[str, ...] | None:
     """A forward whose step is recomputed keeps, of its inputs, only those its
     recomputation does not get from the program again (under full recomputation the
     layer's input, not the outputs of the layer's own steps, which are recomputed): the
@@ -74,7 +68,11 @@ def _kept_for_recomputation(graph: nx.DiGraph, node: str, data: dict
              if edge.get("kind") == EdgeKind.SAVED and graph.nodes[v]["recompute"]]
     if not again:
         return ()
-    return tuple(sorted(_ports(graph, node) - set().union(*(_ports(graph, v) for v in again))))
+
+    def ports(step: str) -> set[str]:
+        return {i.port for i in inputs_of(graph, step, data["stage"], position)}
+
+    return tuple(sorted(ports(node) - set().union(*map(ports, again))))
 
 
 def _compute(graph: nx.DiGraph, node: str, data: dict, position: dict[str, int]
@@ -107,7 +105,7 @@ def _compute(graph: nx.DiGraph, node: str, data: dict, position: dict[str, int]
         forward_of=data.get("forward_of"),
         saved_from=data.get("recompute_of") or data.get("forward_of"),
         keeps_graph=bool(data["recompute"] or not data.get("recomputed", False)),
-        keeps_inputs=_kept_for_recomputation(graph, node, data),
+        keeps_inputs=_kept_for_recomputation(graph, node, data, position),
         weight_step=data.get("weight_grad"), gathered=gathered,
         tokens=tuple(data["token_piece"]) if "token_piece" in data else None,
         flops=data["flops"], output_bytes=data["bytes"],

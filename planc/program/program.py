@@ -58,7 +58,7 @@ from planc.program.instruction_set import (  # noqa: F401 (the API of programs)
     saved_for_weights,
 )
 from planc.program.names import STREAM_ORDER
-from planc.program.operands import Operands
+from planc.program.operands import Operands, StepKind
 from planc.program.ranks import RANK_TABLE_VERSION, RankTable, integer_of  # noqa: F401 (API)
 from planc.vocabulary.versions import is_version
 
@@ -220,7 +220,7 @@ def _forward_only(instruction: Instruction) -> Instruction:
     backward that never comes (no autograd graph, no ``NODE:saved``), so each
     microbatch's activations are freed as training's last readers free them."""
     operands = instruction.operands
-    if operands is None or operands.step != "forward":
+    if operands is None or operands.step is not StepKind.FORWARD:
         return instruction
     kept = saved_for_weights(instruction.node)
     return dataclasses.replace(

@@ -24,6 +24,7 @@ it while it is still being computed. So, for each instruction:
 from __future__ import annotations
 
 from planc.lower.lower import accumulated_into, gradient_buffers
+from planc.program.operands import StepKind
 from planc.program.program import Program, saved_for_weights
 
 
@@ -61,13 +62,13 @@ def reads_and_writes_problem(name: str, program: Program) -> str | None:
                 return (f"{what} takes {missing[0]} (its operands) but does not list it "
                         f"among its reads: nothing would order it after its writer")
         kept = saved_for_weights(operands.saved_from) if operands.saved_from else None
-        if operands.step == "weight" and instruction.node in halves:
+        if operands.step is StepKind.WEIGHT and instruction.node in halves:
             kept = saved_for_weights(halves[instruction.node])
             if kept not in reads:
                 return (f"{what} differentiates what {halves[instruction.node]} kept but "
                         f"does not list it ({kept}) among its reads: nothing would order it "
                         f"after that step")
-        if operands.step == "backward" and kept not in reads:
+        if operands.step is StepKind.BACKWARD and kept not in reads:
             return (f"{what} continues {operands.saved_from} but does not list what it kept "
                     f"({kept}) among its reads: nothing would order it after that step")
         unwritten = sorted(b for b in reads if b.endswith(saved_for_weights(""))
