@@ -569,6 +569,27 @@ def test_diff_puts_two_layouts_side_by_side(run_planc):
                                                  f"name the plan file instead\n")
 
 
+def test_a_diagnostic_of_an_override_names_the_option_that_gave_it(run_planc, tmp_path):
+    """diff's --set-b and simulate's --imbalance-from give overrides; their diagnostics
+    said --set, which the user never typed."""
+    plan = PLANS / "llama-tiny.plan"
+    done = run_planc("diff", plan, plan, "--set-b", "mesh.tpp=2")
+    assert (done.returncode, done.stderr) == (1, (
+        "--set-b mesh.tpp=2:1:6: error: unknown key 'tpp' in mesh { }\n"
+        "   1 | mesh.tpp=2\n     |      ^~~\n  hint: did you mean 'tp'?\n1 error generated.\n"))
+    done = run_planc("diff", plan, plan, "--set-b", "mesh.tp")
+    assert done.returncode == 2 and done.stderr.endswith(
+        "planc diff: error: argument --set-b: 'mesh.tp' has no '='; write KEY=VALUE, such "
+        "as mesh.tp=2\n")
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text('{"step": 0, "loss": 4.0, "time_s": 0.5, "ep_imbalance": 1.3}\n')
+    done = run_planc("simulate", plan, "--imbalance-from", metrics)
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[1] == (
+        f"--imbalance-from {metrics}: model.imbalance=1.3:1:7: error: unknown key "
+        f"'imbalance' in model llama {{ }}")
+
+
 def test_report_is_one_offline_page(tmp_path, run_planc):
     metrics = tmp_path / "m.jsonl"
     # Step times of a run: two warm-up steps, then 30, 10 and 20 ms (median 20 ms).

@@ -88,6 +88,13 @@ def override(text: str) -> str:
     return override_argument(text)
 
 
+def override_of_b(text: str) -> str:
+    """diff's ``--set-b``: an override whose diagnostics name that option."""
+    from planc.lang.overrides import override_argument
+
+    return override_argument(text, "--set-b")
+
+
 def int_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(part) for part in text.split(","))

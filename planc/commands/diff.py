@@ -7,7 +7,7 @@ import argparse
 import os
 
 from planc.commands import EXIT_OK, EXIT_USAGE, fail, load_programs
-from planc.commands.arguments import Command, override, path
+from planc.commands.arguments import Command, override_of_b, path
 
 
 def main(args) -> int:
@@ -32,7 +32,7 @@ def add_arguments(parser) -> None:
     """The arguments of planc diff."""
     parser.add_argument("a", metavar="A", type=path, help="a .plan file or a build directory")
     parser.add_argument("b", metavar="B", type=path, help="a .plan file or a build directory")
-    parser.add_argument("--set-b", action="append", type=override, metavar="KEY=VALUE",
+    parser.add_argument("--set-b", action="append", type=override_of_b, metavar="KEY=VALUE",
                         help="override a key of B (a .plan file), as --set does")
     parser.add_argument("--error-format", choices=("text", "json"), default="text",
                         help=argparse.SUPPRESS)

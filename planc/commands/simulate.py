@@ -110,6 +110,7 @@ def measured_imbalance(args) -> str | None:
     import statistics
 
     from planc.data.metrics_file import read_metrics
+    from planc.lang.overrides import Given
 
     if os.path.isdir(args.file):
         return (f"--imbalance-from sets model.imbalance, an override of the plan file: give "
@@ -122,7 +123,8 @@ def measured_imbalance(args) -> str | None:
         return (f"{args.imbalance_from} records no ep_imbalance: planc run writes it for a "
                 f"plan whose experts are split over ep")
     value = statistics.median(measured)  # at least 1: the reader refuses less
-    args.set = [*(args.set or []), f"model.imbalance={value:.6g}"]
+    args.set = [*(args.set or []), Given(f"model.imbalance={value:.6g}",
+                                         f"--imbalance-from {args.imbalance_from}:")]
     args.imbalance_plans = sorted({r["plan"] for r in records if r.get("plan")})
     print(f"planc: model.imbalance = {value:.6g}, the median ep_imbalance of the "
           f"{len(measured)} steps in {args.imbalance_from}", file=sys.stderr)

@@ -7,8 +7,9 @@ override replaces the key in the parsed file, or adds it (and the blocks on its 
 that the file lacks); the checker then sees the result as if the user had written it.
 
 Every span of an override lies in its own :class:`~planc.diagnostics.Source`, named
-``--set KEY=VALUE``, whose lines and columns count in ``KEY=VALUE``: a diagnostic about
-an override points into the override, one about the file into the file.
+``--set KEY=VALUE`` (or by the option that gave it: :class:`Given`), whose lines and
+columns count in ``KEY=VALUE``: a diagnostic about an override points into the
+override, one about the file into the file.
 
 A malformed override (no '=', no key, a path that is not a key path, names a block or
 goes through a key, or a value that does not parse) is a command-line error:
@@ -50,6 +51,20 @@ class OverrideError(ValueError):
         return "\n".join(lines)
 
 
+class Given(str):
+    """An override's ``KEY=VALUE`` text given by an option other than ``--set`` (diff's
+    ``--set-b``, simulate's ``--imbalance-from M.jsonl``), which its diagnostics name so
+    that the user finds what they typed. A str: it travels wherever an override's text
+    does."""
+
+    option: str
+
+    def __new__(cls, text: str, option: str) -> "Given":
+        given = super().__new__(cls, text)
+        given.option = option
+        return given
+
+
 @dataclass(frozen=True)
 class Override:
     """One parsed ``--set KEY=VALUE``."""
@@ -72,7 +87,7 @@ class Override:
 def parse_override(text: str, index: int = 1) -> Override:
     """Parse ``KEY=VALUE``; ``index`` is its place among the overrides (1 for the first).
     Raises OverrideError if the override is malformed."""
-    source = Source(f"--set {text}", text, index)
+    source = Source(f"{getattr(text, 'option', '--set')} {text}", str(text), index)
 
     def fail(message: str, span: Span | None, *hints: str):
         raise OverrideError(error(message, span, *hints))
@@ -220,13 +235,15 @@ def _set(entries: tuple[ast.Entry, ...], override: Override, depth: int,
     return entries + (block,)
 
 
-def override_argument(text: str) -> str:
-    """The argparse ``type`` of ``--set``: the override as given, once it is known to be
-    well formed; a malformed one is a command-line error (exit status 2)."""
+def override_argument(text: str, option: str = "--set") -> str:
+    """The argparse ``type`` of ``--set`` (or of ``option``, which gives overrides too):
+    the override as given, once it is known to be well formed; a malformed one is a
+    command-line error (exit status 2)."""
     import argparse
 
+    given = text if option == "--set" else Given(text, option)
     try:
-        parse_override(text)
+        parse_override(given)
     except OverrideError as exc:
         raise argparse.ArgumentTypeError(exc.describe()) from None
-    return text
+    return given
