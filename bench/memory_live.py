@@ -8,10 +8,12 @@ instruction, less what the process held before the rank started. Every tensor of
 rank is allocated through glibc, so the difference is the rank's tensors (and a few
 hundred KiB of Python objects).
 
-The plans are written here, one rank each (the mesh's other axes change what a rank
-holds in ways the estimate prices by the same rules), sized so that a step's tensors
-are hundreds of MiB: llama (RMSNorm, grouped-query attention, SwiGLU) in fp32 and bf16,
-with full recomputation, and gpt. Each runs 2 steps; the second is measured.
+The plans are written here, sized so that a step's tensors are hundreds of MiB: llama
+(RMSNorm, grouped-query attention, SwiGLU) in fp32 and bf16, with full recomputation,
+and gpt, one rank each (the mesh's other axes change what a rank holds in ways the
+estimate prices by the same rules); and llama under ZeRO-3 over two ranks, where what
+matters is that a unit's gathered parameters go once its forward is done. Each runs 2
+steps; the second is measured, on the rank holding the most.
 
     .venv/bin/python bench/memory_live.py [--plans llama-fp32,gpt-fp32] [--write]
 
@@ -42,10 +44,11 @@ MIB = 1 << 20
 
 LLAMA = """plan {name} {{
   model llama {{ layers = 4; hidden = 512; heads = 8; kv_heads = 2; ffn = 2048;
-                vocab = 8000; seq = 512; batch = 4; dtype = {dtype} }}
-  mesh {{ }}
-  topology {{ preset = dgx-h100; devices_per_node = 1 }}
+                vocab = 8000; seq = 512; batch = {batch}; dtype = {dtype} }}
+  mesh {{ {mesh} }}
+  topology {{ preset = dgx-h100; devices_per_node = {devices} }}
   schedule {{ microbatches = 1 }}
+  {shard}
   {optimize}
   train {{ steps = 2; optimizer = adamw(lr = 1e-4, weight_decay = 0.01); seed = 1 }}
 }}
@@ -59,13 +62,22 @@ GPT = """plan gpt_fp32 {
   train { steps = 2; optimizer = adamw(lr = 1e-4, weight_decay = 0.01); seed = 1 }
 }
 """
+ONE_RANK = {"batch": 4, "mesh": "", "devices": 1, "shard": ""}
+# ZeRO-3 over two ranks, each with the one-rank plans' tokens: the gathered parameters
+# must not stay while the forward goes on (FSDP frees them after each unit's forward)
+ZERO3 = {"batch": 8, "mesh": "dp = 2", "devices": 2, "shard": "shard { dp { zero = 3 } }"}
 PLANS = {
-    "llama-fp32": LLAMA.format(name="llama_fp32", dtype="fp32", optimize=""),
-    "llama-bf16": LLAMA.format(name="llama_bf16", dtype="bf16", optimize=""),
+    "llama-fp32": LLAMA.format(name="llama_fp32", dtype="fp32", optimize="", **ONE_RANK),
+    "llama-bf16": LLAMA.format(name="llama_bf16", dtype="bf16", optimize="", **ONE_RANK),
     "llama-fp32-full": LLAMA.format(name="llama_fp32_full", dtype="fp32",
-                                    optimize="optimize { recompute = full }"),
+                                    optimize="optimize { recompute = full }", **ONE_RANK),
     "gpt-fp32": GPT,
+    "llama-fp32-zero3": LLAMA.format(name="llama_fp32_zero3", dtype="fp32", optimize="",
+                                     **ZERO3),
+    "llama-bf16-zero3": LLAMA.format(name="llama_bf16_zero3", dtype="bf16", optimize="",
+                                     **ZERO3),
 }
+RANKS = {"llama-fp32-zero3": 2, "llama-bf16-zero3": 2}  # the others run one rank
 
 # Runs in a fresh process as a torchrun rank would (planc.runtime.worker.main), with a
 # thread sampling the heap and every instruction reporting what it left.
@@ -142,21 +154,28 @@ def measure(name: str, scratch: Path) -> dict:
     if simulated.returncode:
         raise SystemExit(f"planc simulate {name}: {simulated.stderr[-2000:]}")
     predicted = max(s["memory_bytes"] for s in json.loads(simulated.stdout)["stages"])
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
-    done = subprocess.run([sys.executable, "-c", RANK, str(build)], capture_output=True,
-                          text=True, cwd=ROOT, env=env, timeout=1800)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode or not lines:
-        raise SystemExit(f"{name}: the rank failed: {done.stderr[-3000:]}")
-    result = json.loads(lines[-1])
+    ranks, port = RANKS.get(name, 1), str(free_port())
+    ranks_run = [subprocess.Popen(
+        [sys.executable, "-c", RANK, str(build)], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "RANK": str(rank),
+             "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(rank),
+             "LOCAL_WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": port}) for rank in range(ranks)]
+    outputs = [run.communicate(timeout=1800) for run in ranks_run]
+    results = []
+    for run, (out, err) in zip(ranks_run, outputs):
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        if run.returncode or not lines:
+            raise SystemExit(f"{name}: a rank failed: {err[-3000:]}")
+        results.append(json.loads(lines[-1]))
+    result = max(results, key=lambda r: r["peak"])  # the rank holding the most
     return {"plan": name, "measured": result["peak"], "during": result["during"],
             "step_start": result["step_start"], "predicted": predicted}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| plan (one rank) | held at the step's start | peak in use | simulated peak "
+    lines = ["| plan | held at the step's start | peak in use | simulated peak "
              "| error | the peak fell in |", "|---|---|---|---|---|---|"]
     for r in rows:
         error = r["predicted"] / r["measured"] - 1

@@ -102,6 +102,26 @@ def test_zero_paper_example_through_a_plan(zero, dp, cp):
     assert as_printed(sum(expected), zero) == ZERO_FIGURE_1[zero][0]
 
 
+@pytest.mark.parametrize("zero, dp, units", [(3, 64, True), (2, 64, False), (3, 1, False)])
+def test_zero3_counts_its_largest_unit_whole_beside_the_shards(zero, dp, units):
+    """Twice in bf16 (the forward's, filled again, and the backward's gather) and its
+    fp32 gradient: 8 bytes a parameter of the largest unit, here the embedding (token
+    and position tables, 53,248 x 4096 + 2048 x 4096), larger than a block."""
+    (stage,) = memory.estimate(zero_plan(zero, dp)).stages
+    embedding = (ZERO_VOCAB + ZERO_SEQ) * ZERO_HIDDEN
+    block = memory.layer_parameters(zero_plan(zero, dp))
+    assert embedding > block == 12 * ZERO_HIDDEN ** 2 + 13 * ZERO_HIDDEN
+    assert stage.unsharded_bytes == (8 * embedding if units else 0.0)
+    assert stage.total_bytes == (stage.parameter_bytes + stage.gradient_bytes
+                                 + stage.optimizer_bytes + stage.activation_bytes
+                                 + stage.unsharded_bytes)
+    from planc.views import memory_text
+
+    header = memory_text.render(memory.estimate(zero_plan(zero, dp))).splitlines()[1].split()
+    assert header == ["stage", "params", "weights", "grads", "optimizer", "activations",
+                      "in", "flight", *(["unit", "whole"] if units else []), "total"]
+
+
 def test_fp32_grads_adds_four_unsharded_bytes_per_parameter():
     # DeepSpeed's BF16_Optimizer: "4 bytes * params of additional memory", not sharded
     # (BigScience tr11 README, "Deepspeed config"); ZeRO-1 shards the rest as before.

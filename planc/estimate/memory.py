@@ -49,11 +49,13 @@ class StageMemory:
     # more bytes a block's transient buffers take under the worst input it can get than
     # at the priced one (a dropless mixture's dispatch: planc.models.moe.dispatch_bytes)
     worst_routing_extra_bytes: float = 0.0
+    # ZeRO-3's largest unit whole while it is used (:func:`unsharded_unit_bytes`)
+    unsharded_bytes: float = 0.0
 
     @property
     def total_bytes(self) -> float:
         return (self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
-                + self.activation_bytes)
+                + self.activation_bytes + self.unsharded_bytes)
 
     @property
     def worst_routing_total_bytes(self) -> float:
@@ -189,6 +191,25 @@ def stage_parameters(plan: Plan, stage: int, per_layer: int | None = None) -> in
         if not m.tie_embeddings or plan.head_stage != 0:
             count += embedding_table if m.tie_embeddings else head_table
     return count
+
+
+def unsharded_unit_bytes(plan: Plan, stage: int) -> float:
+    """What ZeRO-3 holds whole beside the shards, at its most: the stage's largest unit
+    (a block, the embedding, the head and final norm) gathered twice in the model's dtype
+    and its gradient whole in fp32. The ZeRO paper's (2p + K) Psi / N_d counts only
+    shards; FSDP's peak adds the unsharded units in use (Zhao et al., "PyTorch FSDP",
+    VLDB 2023, section 3.2), and planc's backward holds the forward's views of a unit's
+    parameters (filled again), the backward's own gather where it ran first, and the
+    unit's whole gradient until its reduce-scatter (planc.runtime.engine.store)."""
+    if plan.shard.dp.zero != 3 or plan.mesh.dp * plan.mesh.cp == 1:
+        return 0.0
+    family, m = family_of(plan), plan.model
+    units = [layer_parameters(plan, layer) for layer in plan.layers_of_stage(stage)]
+    if stage == 0:
+        units.append(_local_elements(plan, family.embedding_parameters(m)))
+    if stage == plan.head_stage:
+        units.append(_local_elements(plan, family.head_parameters(m)))
+    return max(units, default=0) * (2 * m.dtype_bytes + FP32_BYTES)
 
 
 def microbatches_in_flight(plan: Plan, stage: int) -> int:
@@ -332,7 +353,8 @@ def estimate(plan: Plan, activations: tuple[tuple[float, int], ...] | None = Non
         held, in_flight = activations[stage] if activations is not None else \
             stage_activation_bytes(plan, stage)
         stages.append(StageMemory(stage, params + experts, p, g, o, held, in_flight,
-                                  worst_extra if plan.layers_of_stage(stage) else 0.0))
+                                  worst_extra if plan.layers_of_stage(stage) else 0.0,
+                                  unsharded_unit_bytes(plan, stage)))
     return MemoryEstimate(tuple(stages), plan.topology.device.memory)
 
 

@@ -72,6 +72,7 @@ def summarize(plan: Plan, graph: nx.DiGraph) -> dict:
                        "gradient_bytes": mem.gradient_bytes,
                        "optimizer_bytes": mem.optimizer_bytes,
                        "activation_bytes": mem.activation_bytes,
+                       "unsharded_bytes": mem.unsharded_bytes,
                        "microbatches_in_flight": mem.microbatches_in_flight,
                        "total_bytes": mem.total_bytes},
         })

@@ -110,5 +110,7 @@ def memory_warnings(plan: Plan) -> list[Diagnostic]:
         f"{format_bytes(peak.gradient_bytes)}, optimizer state "
         f"{format_bytes(peak.optimizer_bytes)}, activations "
         f"{format_bytes(peak.activation_bytes)} ("
-        f"{counted(peak.microbatches_in_flight, 'microbatch', 'microbatches')} in flight)",
+        f"{counted(peak.microbatches_in_flight, 'microbatch', 'microbatches')} in flight)"
+        + (f", ZeRO-3's largest unit whole {format_bytes(peak.unsharded_bytes)}"
+           if peak.unsharded_bytes else ""),
         "zero, recompute, more tp or pp, or a smaller microbatch would lower it")]

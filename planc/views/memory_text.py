@@ -22,14 +22,17 @@ def _stages_shown(estimate: MemoryEstimate) -> set[int]:
 def render(estimate: MemoryEstimate) -> str:
     rows = []
     shown = _stages_shown(estimate)
+    # ZeRO-3: a column for the largest unit held whole (planc.estimate.memory)
+    units = any(s.unsharded_bytes for s in estimate.stages)
     for s in estimate.stages:
         if s.stage not in shown:
             if s.stage - 1 in shown:
-                rows.append(["...", "", "", "", "", "", "", ""])
+                rows.append(["...", *[""] * (8 if units else 7)])
             continue
         rows.append([s.stage, f"{s.parameters:,}", format_bytes(s.parameter_bytes),
                      format_bytes(s.gradient_bytes), format_bytes(s.optimizer_bytes),
                      format_bytes(s.activation_bytes), s.microbatches_in_flight,
+                     *([format_bytes(s.unsharded_bytes)] if units else []),
                      format_bytes(s.total_bytes)])
     capacity = ("unknown capacity (no topology memory given)" if estimate.capacity is None
                 else f"device memory {format_bytes(estimate.capacity)}")
@@ -39,7 +42,7 @@ def render(estimate: MemoryEstimate) -> str:
             f", peak {'<0.1' if share < 0.1 else f'{share:.1f}'}% on stage {peak.stage}")
     lines = [f"memory per device (estimate; {capacity}{used})",
              table(["stage", "params", "weights", "grads", "optimizer", "activations",
-                    "in flight", "total"], rows)]
+                    "in flight", *(["unit whole"] if units else []), "total"], rows)]
     worst = worst_routing_text(estimate)
     return "\n".join(lines + ([worst] if worst else []))
 

@@ -69,7 +69,8 @@ def _table(header, rows) -> str:
 MEMORY_KINDS = (("parameters", "parameter_bytes", "#4e79a7"),
                 ("gradients", "gradient_bytes", "#f28e2b"),
                 ("optimizer", "optimizer_bytes", "#59a14f"),
-                ("activations", "activation_bytes", "#e15759"))
+                ("activations", "activation_bytes", "#e15759"),
+                ("ZeRO-3 unit whole", "unsharded_bytes", "#b07aa1"))
 BAR_START, BAR_SPACE = 80, WIDTH - 80 - 100  # the bars' left edge; room for the longest
 # The device's capacity is a line up to this many times the largest bar (the bars then
 # fill at least a quarter of the axis); beyond, a sentence.
@@ -102,6 +103,8 @@ def _memory_svg(plan) -> str:
         # Edges from the running total, so that the last one ends exactly at the total.
         held, left = 0.0, float(BAR_START)
         for label, attribute, colour in MEMORY_KINDS:
+            if not getattr(stage, attribute) and attribute == "unsharded_bytes":
+                continue  # not ZeRO-3
             held += getattr(stage, attribute)
             right = round(BAR_START + held * scale, 1)
             parts.append(f'<rect x="{left}" y="{y}" width="{round(right - left, 1)}" '
@@ -119,7 +122,9 @@ def _memory_svg(plan) -> str:
                      f'</text>')
     parts.append("</svg>")
     legend = " ".join(f'<span style="color:{c}">&#9632;</span> {label}'
-                      for label, _, c in MEMORY_KINDS)
+                      for label, attribute, c in MEMORY_KINDS
+                      if any(getattr(stage, attribute) for stage in stages)
+                      or attribute != "unsharded_bytes")
     if capacity is None:
         against = "The topology gives no device memory to compare with."
     elif near:

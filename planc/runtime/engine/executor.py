@@ -368,10 +368,12 @@ class CudaExecutor:
                 with torch.cuda.stream(stream):
                     interp.run(state, item.op, item.node, item.microbatch)
                 for buffer in item.source.frees:
-                    value = state.buffers.pop((buffer, item.microbatch), None)
+                    value, let_go = interp.release(state, buffer, item.microbatch)
                     for tensor in tensors_in(value):  # a dict of gradients, a mixture's rows
                         if tensor.is_cuda:
                             tensor.record_stream(stream)  # read there until it finishes
+                    if let_go is not None:  # recorded first: freed once the stream is done
+                        let_go()
         torch.cuda.synchronize()
         return StepResult(state.settle(), StepTimes(total=time.perf_counter() - start))
 

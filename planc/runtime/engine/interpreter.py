@@ -24,6 +24,7 @@ from planc.graph.vocabulary import Op
 from planc.program.operands import SEQ_AXIS, Input, StepKind
 from planc.program.program import Instruction, Opcode, Program, saved_for_weights
 from planc.runtime.engine import grad_norm, router_bias
+from planc.runtime.engine import store as buckets
 from planc.runtime.engine.context import RankContext, pp_group_key
 from planc.runtime.engine.kernels import Kernels, Peers, Saved, Spec
 from planc.runtime.engine.model import split_feature
@@ -55,11 +56,15 @@ class StepState:
     # and CUDA stream): a cast for each forward was a copy of the weights that autograd
     # kept for every microbatch in flight
     casts: dict = field(default_factory=dict)
+    # ZeRO-3: the forward's whole buckets whose storage was let go, by (gather,
+    # microbatch), until the backward's gather fills them (planc.runtime.engine.store)
+    let_go: dict = field(default_factory=dict)
 
     def settle(self) -> "StepState":
         """The step's figures as numbers, once its work is done; the step's parameter
         copies let go (the state outlives the step in its result)."""
         self.casts.clear()
+        self.let_go.clear()
         for name in ("loss", "grad_norm", "expert_imbalance"):
             value = getattr(self, name)
             if isinstance(value, torch.Tensor):
@@ -164,6 +169,10 @@ class Interpreter:
         for stream, items in program.receives.items():
             for node, _ in items:
                 self._bind(program.receive(stream, node))
+        # ZeRO-3 gathers whose storage goes when freed, though autograd keeps views of it,
+        # and the backward gathers that fill it again
+        self.let_go = buckets.forward_gathers(self.bound.values())
+        self.fills = buckets.pairs(self.bound.values(), self.let_go)
 
     # --- binding ---------------------------------------------------------------------------
 
@@ -280,7 +289,8 @@ class Interpreter:
         bound = self.bound[(op, node)]
         handler = self._handler(bound)
         key = (node, microbatch if bound.per_microbatch else None)
-        freed = tuple((buffer, microbatch) for buffer in frees)
+        freed = tuple((buffer, microbatch) for buffer in frees if buffer not in self.let_go)
+        let_go = tuple((buffer, microbatch) for buffer in frees if buffer in self.let_go)
 
         def run(state: StepState) -> None:
             result = handler(state, bound, microbatch)
@@ -289,8 +299,21 @@ class Interpreter:
                 buffers[key] = result
             for name in freed:
                 buffers.pop(name, None)
+            for name in let_go:
+                state.let_go[name] = buckets.let_go(buffers.pop(name, None))
 
         return run
+
+    def release(self, state: StepState, buffer: str, microbatch: int | None):
+        """Free ``(buffer, microbatch)``, as :meth:`instruction`'s call does after its
+        instruction, for an executor that issues them itself; returns the value (to
+        record on the streams that read it) and a function letting its storage go."""
+        value = state.buffers.pop((buffer, microbatch), None)
+        if buffer in self.let_go:
+            def let_go():
+                state.let_go[(buffer, microbatch)] = buckets.let_go(value)
+            return value, let_go
+        return value, None
 
     def _params(self, state: StepState, step: _Compute, microbatch: int | None) -> dict:
         params = {}
@@ -347,6 +370,8 @@ class Interpreter:
 
     def _backward(self, state: StepState, step: _Compute, mb: int | None):
         saved = state.saved.pop((step.saved_from, mb))
+        if saved.gathered:  # ZeRO-3: the forward's parameters, back from this gather
+            buckets.refill(saved.gathered, self._gathered(state, step, mb))
         if step.saved_from != step.forward_of:
             state.saved.pop((step.forward_of, mb), None)
         grads = self._ports(state, step.inputs, mb).get("grad", [])
@@ -381,7 +406,13 @@ class Interpreter:
                                              state.step, mb, keep_graph=step.keep_graph)
         if step.keeps:
             state.saved[(step.node, mb)] = saved  # what this step's backward will need
+            saved.gathered = self._gathered(state, step, mb)
         return output
+
+    def _gathered(self, state: StepState, step: _Compute, mb: int | None) -> dict:
+        """A ZeRO-3 step's whole buckets, by bucket (planc.runtime.engine.store)."""
+        return {bucket: state.buffers[(gather, mb)] for bucket, gather in
+                step.gathered.items()}
 
     def _optimizer(self, state: StepState, step: _Compute, mb: int | None) -> None:
         """One bucket's update, at the lr the build's schedule gives the training step
@@ -406,6 +437,8 @@ class Interpreter:
             ports = self._ports(state, step.inputs, mb, step.sums_microbatches)
             values = [v.detach() for v in ports.get("x", []) + ports.get("grad", [])]
             value = combine(values) if values else None
+        elif step.node in self.fills:  # a ZeRO-3 backward gather: into the forward's bytes
+            value = state.let_go.pop((self.fills[step.node], mb), None)
         result = step.handler(step.call, value)
         if step.reports_loss:  # read at the step's end (StepState.settle)
             state.loss = result.detach() if isinstance(result, torch.Tensor) else result

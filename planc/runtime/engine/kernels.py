@@ -48,6 +48,9 @@ class Saved:
     # where the output's gradient enters autograd's graph (None if run without one)
     output: "Output | torch.Tensor | None"
     extra: dict = field(default_factory=dict)
+    # ZeRO-3: the whole buckets ``params`` are views of, by bucket; let go after the
+    # forward and refilled before the backward (planc.runtime.engine.store)
+    gathered: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ members at the offsets the compiler chose, padded to whole ZeRO shards, as in
 Megatron-LM's param-and-grad buffer: a parameter is a view of its bucket, its gradient
 a view of the bucket's gradient buffer, and backward steps accumulate into those views.
 Under ZeRO the optimizer owns the rank's equal slice of the bucket (its shard); under
-ZeRO-3 only the shard is kept, and a gather fills the whole bucket before each use.
+ZeRO-3 only the shard is kept, and a gather fills the whole bucket before each use
+(its storage let go between a unit's forward and backward: the section at the end).
 With ``mesh { ep }`` a bucket of routed experts (``over`` edp) holds this rank's experts'
 rows of each member, and its ZeRO shard is its place in the experts' replicas (edp).
 """
@@ -13,9 +14,11 @@ rows of each member, and its ZeRO shard is its place in the experts' replicas (e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
+from planc.program.operands import StepKind
 from planc.runtime.engine.context import RankContext
 from planc.runtime.engine.model import drawn_at_once, initial_value, split_feature
 
@@ -109,7 +112,25 @@ class ParamStore:
         return self.view(self.full[self.members[name].bucket], name)
 
     def grad_of(self, name: str) -> torch.Tensor:
-        return self.view(self.grad[self.members[name].bucket], name)
+        return self.view(self.whole_grad(self.members[name].bucket), name)
+
+    def whole_grad(self, bucket: str) -> torch.Tensor:
+        """The bucket's whole gradient buffer; zeros again where a reduce-scatter let it
+        go (:meth:`let_go_grad`)."""
+        grad = self.grad[bucket]
+        storage = grad.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(grad.numel() * grad.element_size())
+            grad.zero_()
+        return grad
+
+    def let_go_grad(self, bucket: str) -> None:
+        """Free the whole gradient of a bucket whose shard has taken this microbatch's
+        sum (ZeRO-2/3): between a bucket's reduce-scatter and the next backward adding
+        into it, a rank holds only its shard, as the ZeRO paper's stage 2 counts (2Psi/N_d
+        bytes of gradient; Rajbhandari et al. 2020, section 5.2), and as FSDP frees each
+        unit's unsharded gradient once it is reduce-scattered."""
+        self.grad[bucket].untyped_storage().resize_(0)
 
     def own_shard(self, bucket: str, flat: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a whole (sharded) bucket ``flat``."""
@@ -124,4 +145,90 @@ class ParamStore:
 
     def zero_grads(self) -> None:
         for grad in (*self.grad.values(), *self.grad_shard.values()):
-            grad.zero_()
+            if grad.untyped_storage().nbytes():  # else let go: zeros when made again
+                grad.zero_()
+
+
+# --- ZeRO-3's whole buckets between a unit's forward and its backward ---
+#
+# A forward step of a ZeRO-3 unit reads its parameters as views of the bucket its gather
+# filled, and autograd keeps those views (the parameters as leaves, the weights its GEMMs
+# saved) until the backward. Were they kept as they are, every unit's whole parameters
+# would stay from its forward to its backward, the whole model at the end of the forward,
+# which is what ZeRO-3 exists to avoid (Rajbhandari et al., "ZeRO", 2020, section 5.3:
+# parameters are gathered before each use and "discarded" after it).
+#
+# So, as PyTorch's FSDP does (its flat parameter's storage is resized to zero after the
+# forward and gathered into again before the backward), the storage of the forward's
+# gathered bucket is let go when the program frees its buffer (its last reader, the
+# unit's last forward step, has run): the views keep their shapes but hold no bytes. The
+# backward's own gather brings the shards in again, into that same storage where it
+# was let go before the gather ran (pairs); else (the gather ran ahead of the
+# forward on its own stream) before the unit's first backward step differentiates the
+# forward's storage takes its values back from the gather's (refill). Views and
+# their offsets are unchanged, so autograd reads the same parameters it saved.
+
+# the steps whose gathers the backward reads again, by their own gather: the forward's
+# buffer can go after them
+_FORWARD = (StepKind.FORWARD, None)
+
+
+def forward_gathers(steps: Iterable) -> frozenset[str]:
+    """The gathers only forward steps read (bound compute steps with ``kind`` and
+    ``gathered``): the buffers whose storage is let go when they are freed. A gather a
+    backward or recomputation also reads is kept whole until its readers are done."""
+    forward, others = set(), set()
+    for step in steps:
+        gathered = getattr(step, "gathered", None)
+        if gathered:
+            (forward if step.kind in _FORWARD else others).update(gathered.values())
+    return frozenset(forward - others)
+
+
+def pairs(steps: Iterable, forward_only: frozenset[str]) -> dict[str, str]:
+    """Each backward gather -> the forward gather of the same unit it may fill again:
+    the gathers of a step's forward (``forward_of``) and its own, bucket by bucket."""
+    steps = [step for step in steps if getattr(step, "gathered", None)]
+    by_node = {step.node: step for step in steps}
+    out = {}
+    for step in steps:
+        forward = by_node.get(step.forward_of)
+        if step.kind in _FORWARD or forward is None:
+            continue
+        for bucket, gather in step.gathered.items():
+            first = forward.gathered.get(bucket)
+            if first in forward_only:
+                out[gather] = first
+    return out
+
+
+def let_go(value):
+    """Free a gathered bucket's bytes while views of it (autograd's) stay; returns it."""
+    if isinstance(value, torch.Tensor):
+        value.untyped_storage().resize_(0)
+    return value
+
+
+def filled_again(whole: torch.Tensor) -> torch.Tensor:
+    """A let-go bucket's storage made whole again, as a tensor to gather into: through
+    .data, so that the gather does not count as a change of the values autograd saved
+    (the version counter every view shares)."""
+    whole.untyped_storage().resize_(whole.numel() * whole.element_size())
+    return whole.data
+
+
+def refill(kept: dict[str, torch.Tensor], gathered: dict[str, torch.Tensor]) -> None:
+    """Put each bucket's values back into the forward's storage ``kept`` (bucket ->
+    whole bucket) from the backward's gather ``gathered``, where it was let go."""
+    for bucket, whole in kept.items():
+        storage = whole.untyped_storage()
+        if storage.nbytes() != 0:
+            continue  # never let go (a recomputation's), or already refilled
+        source = gathered.get(bucket)
+        if source is None:
+            raise RuntimeError(f"the backward reads bucket {bucket} the forward let go, "
+                               "but the program gives it no gather of that bucket")
+        storage.resize_(source.untyped_storage().nbytes())
+        # through .data: the same values autograd saved, so its version counter (shared
+        # with every view) must not count the copy as a change
+        whole.data.copy_(source)

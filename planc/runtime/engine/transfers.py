@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from planc.program.operands import FEATURE_AXIS, SEQ_AXIS, Operands
 from planc.runtime.engine import fp8, routes
+from planc.runtime.engine import store as buckets
 from planc.runtime.engine.context import RankContext
 from planc.runtime.engine.model import join_feature, local_heads, split_feature
 from planc.runtime.engine.store import ParamStore
@@ -241,19 +242,20 @@ class Transfers:
         bucket = call.operands.bucket
         if call.operands.elements:
             start, end = call.operands.elements
-            self.all_reduce(self.store.grad[bucket][start:end], call, in_place=True)
+            self.all_reduce(self.store.whole_grad(bucket)[start:end], call, in_place=True)
         elif call.operands.into_shard:  # ZeRO-1 by all-reduce, as DeepSpeed's BF16_Optimizer
-            self.all_reduce(self.store.grad[bucket], call, in_place=True)
-            self.store.grad_shard[bucket] += self.store.own_shard(bucket,
-                                                                  self.store.grad[bucket])
+            grad = self.store.whole_grad(bucket)
+            self.all_reduce(grad, call, in_place=True)
+            self.store.grad_shard[bucket] += self.store.own_shard(bucket, grad)
         else:
             self.all_reduce(self.store.current_grad(bucket), call, in_place=True)
 
     def grad_reduce_scatter(self, call: Call, value=None) -> None:
         """Each replica keeps the sum of its equal slice of the bucket's gradient; every
-        microbatch under ZeRO-2/3, whose whole buffer then starts again from zero."""
+        microbatch under ZeRO-2/3, whose whole buffer is then let go until the next
+        backward adds into it (planc.runtime.engine.store.ParamStore.let_go_grad)."""
         bucket = call.operands.bucket
-        grad = self.store.grad[bucket]
+        grad = self.store.whole_grad(bucket)
         out = torch.empty_like(self.store.grad_shard[bucket])
         if call.route is not None:
             routes.reduce_scatter(call.route, grad, out)
@@ -261,7 +263,9 @@ class Transfers:
             _wait(reduce_scatter_single(out, grad, group=call.group, async_op=True))
         self.store.grad_shard[bucket] += out
         if call.per_microbatch:
-            grad.zero_()
+            if grad.is_cuda:  # freed once this stream's reduction has read it
+                grad.record_stream(torch.cuda.current_stream())
+            self.store.let_go_grad(bucket)
 
     def grad_slice_gather(self, call: Call, value=None) -> None:
         """A replicated parameter used through slices: gather every rank's slice of its
@@ -280,12 +284,19 @@ class Transfers:
 
     def param_gather(self, call: Call, value=None) -> torch.Tensor:
         """Every replica's slice of a bucket's parameters: after a ZeRO-1/2 optimizer
-        step into the bucket itself, before a ZeRO-3 use into a buffer of its own."""
+        step into the bucket itself, before a ZeRO-3 use into a buffer of its own, in
+        the model's dtype, which is what the forward reads and what the graph's gather
+        moves (FSDP's ``param_dtype``; the cast commutes with the gather, so the bits are
+        the same as casting after it). ``value``: a backward's gather, the forward's
+        bucket whose storage was let go, to gather into (planc.runtime.engine.store)."""
         bucket = call.operands.bucket
         shard = self.store.shard[bucket]
         if call.operands.into_bucket:
             out = self.store.full[bucket]
+        elif value is not None:
+            shard, out = shard.to(self.ctx.dtype), buckets.filled_again(value)
         else:
+            shard = shard.to(self.ctx.dtype)
             out = torch.empty(self.store.buckets[bucket]["padded"], dtype=shard.dtype,
                               device=shard.device)
         if call.size == 1:

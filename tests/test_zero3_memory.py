@@ -1,0 +1,149 @@
+"""ZeRO-3 holds shards between uses (planc.runtime.engine.store): a unit's gathered
+parameters go once its forward is done, though autograd keeps views of them, and come
+back, the same values, for its backward; a bucket's whole gradient goes once its shard
+took the microbatch's sum. Seen from inside both ranks of a real 2-rank run."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from conftest import one_rank_printed, run_ranks
+
+PLAN = """plan zero3_held {
+  model llama { layers = 3; hidden = 64; heads = 4; kv_heads = 2; ffn = 176; vocab = 256;
+                seq = 32; batch = 4; dtype = DTYPE }
+  mesh { dp = 2 }
+  topology { devices_per_node = 2; device { flops = 989TFLOP/s; memory = 80GB }
+             intra { bandwidth = 450GB/s; latency = 2us } }
+  shard { dp { zero = 3 } }
+  schedule { microbatches = 2 }
+  train { steps = 2; optimizer = adamw(lr = 1e-3); seed = 0 }
+}
+"""
+
+# Every whole bucket the forward's gathers made is noted, by step and microbatch (its
+# storage, which outlives the tensor the program frees); after each instruction, the
+# bytes those of its step and microbatch still hold. After the run, the bytes each
+# bucket's whole gradient holds.
+RANK = textwrap.dedent("""
+    import json, sys
+    import planc.runtime.worker as worker
+    from planc.runtime.engine.interpreter import Interpreter
+    from planc.runtime.engine.store import ParamStore
+    forward_wholes, held, stores = {}, {}, []
+    transfer = Interpreter._transfer
+    def noting(self, state, step, mb):
+        out = transfer(self, state, step, mb)
+        if step.node.startswith("F/") and ":all_gather@" in step.node:  # a forward's gather
+            forward_wholes.setdefault((state.step, mb), []).append(out.untyped_storage())
+        return out
+    Interpreter._transfer = noting
+    instruction = Interpreter.instruction
+    def reporting(self, op, node, microbatch, frees):
+        run = instruction(self, op, node, microbatch, frees)
+        def ran(state):
+            run(state)
+            held[f"{state.step}:{node}#{microbatch}"] = sum(
+                s.nbytes() for s in forward_wholes.get((state.step, microbatch), ()))
+        return ran
+    Interpreter.instruction = reporting
+    init = ParamStore.__init__
+    def keeping(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        stores.append(self)
+    ParamStore.__init__ = keeping
+    status = worker.main([sys.argv[1], "--steps", "2"])
+    store = stores[0]
+    print(json.dumps({
+        "status": status, "held": held,
+        "bucket_bytes": {b: store.buckets[b]["padded"] for b in store.buckets},
+        "grad_bytes": {b: g.untyped_storage().nbytes() for b, g in store.grad.items()}}))
+""")
+
+
+@pytest.mark.parametrize("dtype,size", [("fp32", 4), ("bf16", 2)])
+def test_a_unit_holds_its_whole_parameters_only_while_it_is_used(tmp_path, dtype, size):
+    ranks = run_ranks(RANK, tmp_path, world=2, plan_text=PLAN.replace("DTYPE", dtype))
+    for done in ranks:
+        seen = one_rank_printed(done)
+        assert seen["status"] == 0
+        buckets = seen["bucket_bytes"]
+        # the units: the embedding, three blocks, the final norm and head
+        assert len(buckets) == 5
+        whole = sum(buckets.values()) * size
+        largest = max(buckets.values()) * size
+        # At the end of a microbatch's forward every unit had been gathered whole; all
+        # but the head's (which the backward gathers at once, on its own stream) and
+        # one block's (the next to be gathered for the backward) are let go.
+        at_loss = seen["held"]["1:F/loss#0"]  # the second step
+        assert at_loss <= 2 * largest < whole
+        # a bucket's whole gradient is let go after its reduce-scatter
+        assert seen["grad_bytes"] == {bucket: 0 for bucket in buckets}
+
+
+def _saved_matmul(whole):
+    """``x @ w`` with ``w`` a view of ``whole``, as a ZeRO-3 forward step reads a
+    parameter: autograd saves the view."""
+    import torch
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, requires_grad=True)
+    w = whole[4:16].view(3, 4).detach().requires_grad_()
+    return x, w, (x @ w).square().sum()
+
+
+@pytest.mark.parametrize("how", ["gathered into", "refilled"])
+def test_the_backward_reads_the_values_the_forward_saved_after_they_were_let_go(how):
+    import torch
+
+    from planc.runtime.engine import store
+
+    source = torch.arange(20, dtype=torch.float32) / 7  # what both gathers bring
+    x, w, loss = _saved_matmul(source.clone())
+    expected = torch.autograd.grad(loss, [x, w])
+    whole = source.clone()
+    x, w, loss = _saved_matmul(whole)
+    assert store.let_go(whole) is whole
+    assert whole.untyped_storage().nbytes() == 0 and w.untyped_storage().nbytes() == 0
+    if how == "gathered into":  # the backward's gather ran after the forward let it go
+        store.filled_again(whole).copy_(source)
+        store.refill({"b": whole}, {})  # nothing left to do: no gather needed
+    else:  # it ran first, into a buffer of its own
+        store.refill({"b": whole}, {"b": source})
+    # the copy is not a change of what autograd saved: no version error, the same bits
+    got = torch.autograd.grad(loss, [x, w])
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_a_let_go_bucket_with_no_gather_to_refill_it_is_a_clear_error():
+    import torch
+
+    from planc.runtime.engine import store
+
+    whole = store.let_go(torch.ones(8))
+    with pytest.raises(RuntimeError, match="^the backward reads bucket c0.b1 the forward "
+                                           "let go, but the program gives it no gather "
+                                           "of that bucket$"):
+        store.refill({"c0.b1": whole}, {"c0.b2": torch.ones(8)})
+
+
+def test_only_gathers_no_backward_reads_are_let_go_and_each_backward_gather_fills_its_own():
+    from types import SimpleNamespace as Step
+
+    from planc.program.operands import StepKind
+    from planc.runtime.engine import store
+
+    steps = [Step(node="F/a", kind=StepKind.FORWARD, forward_of=None,
+                  gathered={"b0": "F/g0", "b1": "F/g1"}),
+             Step(node="R/a", kind=StepKind.RECOMPUTE, forward_of="F/a",
+                  gathered={"b0": "B/g0"}),
+             Step(node="B/a", kind=StepKind.BACKWARD, forward_of="F/a",
+                  gathered={"b0": "B/g0", "b1": "B/g1"}),
+             Step(node="F/t", kind=None, forward_of=None, gathered={"b2": "F/g2"}),
+             Step(node="F/u", kind=StepKind.FORWARD, forward_of=None, gathered={}),
+             Step(node="X", kind=StepKind.OPTIMIZER, forward_of=None, gathered={})]
+    forward = store.forward_gathers(steps)
+    assert forward == {"F/g0", "F/g1", "F/g2"}
+    assert store.pairs(steps, forward) == {"B/g0": "F/g0", "B/g1": "F/g1"}
