@@ -122,6 +122,22 @@ def test_zero3_counts_its_largest_unit_whole_beside_the_shards(zero, dp, units):
                       "in", "flight", *(["unit", "whole"] if units else []), "total"]
 
 
+def test_zero3_s_largest_unit_may_be_a_blocks_experts_split_over_ep():
+    """The routed experts of a block split over ep are a ZeRO-3 unit of their own (over
+    edp): 8 experts of 3 x 64 x 256 over ep 2, 196,608 elements a rank (2 shards of
+    98,304 over edp 2: planc explain --buckets), larger than the block's attention,
+    router and norms or the embedding."""
+    plan = plan_of("""plan m {
+  model moe { layers = 2; hidden = 64; heads = 4; kv_heads = 4; experts = 8; top_k = 2
+              expert_ffn = 256; vocab = 256; seq = 32; batch = 8; dtype = bf16 }
+  mesh { dp = 4; ep = 2 }
+  shard { dp { zero = 3 } }
+}""")
+    experts = 4 * 3 * 64 * 256
+    assert memory.stage_expert_parameters(plan, 0) == 2 * experts
+    assert memory.unsharded_unit_bytes(plan, 0) == (2 * 2 + 4) * experts
+
+
 def test_fp32_grads_adds_four_unsharded_bytes_per_parameter():
     # DeepSpeed's BF16_Optimizer: "4 bytes * params of additional memory", not sharded
     # (BigScience tr11 README, "Deepspeed config"); ZeRO-1 shards the rest as before.
@@ -526,7 +542,8 @@ def test_sequence_parallelism_splits_the_heads_inputs_over_tp():
     flight. With sequence parallelism: 2 layers x sbh/t (34 + 5as/h) = 2 x 1,024 x 44 =
     90,112, inputs 2sbh x 2 / t = 4,096, logits 4sbV / t = 8,192. Without: 2 layers x
     sbh (10 + 24/t + 5as/(ht)) = 2 x 2,048 x 27 = 110,592, inputs 2sbh x 2 = 8,192,
-    logits 8,192."""
+    logits 8,192. Either way, the 16-bit logits beside their fp32 copy while the loss
+    reads them, 2sbV / t = 4,096."""
     text = """plan h {
   model gpt { layers = 2; hidden = 64; heads = 4; vocab = 128; seq = 32; batch = 1
               dtype = bf16 }
@@ -535,8 +552,8 @@ def test_sequence_parallelism_splits_the_heads_inputs_over_tp():
 }"""
     on, off = (plan_of(text % sp) for sp in ("on", "off"))
     assert on.shard.tp.head == off.shard.tp.head == "vocab"
-    assert memory.stage_activation_bytes(on, 0) == (90_112 + 4_096 + 8_192, 1)
-    assert memory.stage_activation_bytes(off, 0) == (110_592 + 8_192 + 8_192, 1)
+    assert memory.stage_activation_bytes(on, 0) == (90_112 + 4_096 + 8_192 + 4_096, 1)
+    assert memory.stage_activation_bytes(off, 0) == (110_592 + 8_192 + 8_192 + 4_096, 1)
 
 
 def test_a_mixtures_dispatch_buffers_hold_one_cp_ranks_tokens():

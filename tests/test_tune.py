@@ -122,6 +122,31 @@ def test_the_header_of_the_best_plan_shows_any_file_name_on_one_comment_line(tmp
     assert main(["check", best]) == 0
 
 
+BIG_VOCAB = """plan big_vocab {
+  model gpt { layers = 4; hidden = 1024; heads = 8; vocab = 128000; seq = 256; batch = 8
+              dtype = bf16 }
+  mesh { dp = 2 }
+  topology { preset = dgx-h100; devices_per_node = 2 }
+  train { optimizer = adamw(lr = 1e-4) }
+}
+"""
+
+
+def test_a_layout_is_not_given_up_when_zero3_s_whole_unit_outweighs_what_it_shards(
+        tmp_path, capsys):
+    """A 128,000-word embedding is ZeRO-3's largest unit, held whole while it is used
+    (1.05 GB beside the shards): ZeRO-2 needs less than ZeRO-3 here, and tune judged a
+    layout hopeless by its ZeRO-3 variant alone (0 simulated, "no layout fits")."""
+    source = tmp_path / "big.plan"
+    source.write_text(BIG_VOCAB)
+    keep = [arg for axis in ("tp", "cp", "pp", "dp") for arg in ("--keep", f"mesh.{axis}")]
+    status = main(["tune", str(source), "--gpus", "2", "--memory", "3.3", "--top", "1",
+                   "--json", *keep])
+    result = json.loads(capsys.readouterr().out)
+    assert status == 0
+    assert (result["best"]["zero"], result["best"]["memory_bytes"]) == (2, 3_281_754_112)
+
+
 def test_a_file_written_for_other_devices_is_tuned_for_these(tmp_path, capsys):
     """The file's mesh needs 8 devices; tune lays it out on 2 (part of a node)."""
     source = tmp_path / "eight.plan"

@@ -49,6 +49,12 @@ RANK = textwrap.dedent("""
                 s.nbytes() for s in forward_wholes.get((state.step, microbatch), ()))
         return ran
     Interpreter.instruction = reporting
+    from planc.runtime.engine.interpreter import StepState
+    settle, parked = StepState.settle, []
+    def settling(self):
+        parked.append(sorted(f"{g}#{mb}" for g, mb in self.let_go))
+        return settle(self)
+    StepState.settle = settling
     init = ParamStore.__init__
     def keeping(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -57,7 +63,7 @@ RANK = textwrap.dedent("""
     status = worker.main([sys.argv[1], "--steps", "2"])
     store = stores[0]
     print(json.dumps({
-        "status": status, "held": held,
+        "status": status, "held": held, "parked": parked,
         "bucket_bytes": {b: store.buckets[b]["padded"] for b in store.buckets},
         "grad_bytes": {b: g.untyped_storage().nbytes() for b, g in store.grad.items()}}))
 """)
@@ -81,6 +87,10 @@ def test_a_unit_holds_its_whole_parameters_only_while_it_is_used(tmp_path, dtype
         assert at_loss <= 2 * largest < whole
         # a bucket's whole gradient is let go after its reduce-scatter
         assert seen["grad_bytes"] == {bucket: 0 for bucket in buckets}
+        # every bucket let go went back to its backward: none waits until the step's end
+        # (the head's, whose backward gather runs before its forward lets it go, did:
+        # whole again for the backward, then held by the step for every microbatch)
+        assert seen["parked"] == [[], []]
 
 
 def _saved_matmul(whole):

@@ -203,8 +203,11 @@ def unsharded_unit_bytes(plan: Plan, stage: int) -> float:
     unit's whole gradient until its reduce-scatter (planc.runtime.engine.store)."""
     if plan.shard.dp.zero != 3 or plan.mesh.dp * plan.mesh.cp == 1:
         return 0.0
-    family, m = family_of(plan), plan.model
+    family, m, ep = family_of(plan), plan.model, plan.mesh.ep
     units = [layer_parameters(plan, layer) for layer in plan.layers_of_stage(stage)]
+    if ep > 1:  # a block's routed experts split over ep: a unit of their own, over edp
+        units += [sum(p.numel // ep for p in family.layer_parameters(m, layer)
+                      if p.split_over_experts(ep)) for layer in plan.layers_of_stage(stage)]
     if stage == 0:
         units.append(_local_elements(plan, family.embedding_parameters(m)))
     if stage == plan.head_stage:
@@ -317,6 +320,12 @@ def stage_activation_bytes(plan: Plan, stage: int) -> tuple[float, int]:
         final_ln_and_head_inputs = 2 * s * b * m.hidden * m.dtype_bytes / sp_div
         logits_fp32 = FP32_BYTES * s * b * m.vocab / vocab_div
         total += head_microbatches_in_flight(plan) * (final_ln_and_head_inputs + logits_fp32)
+        if m.dtype_bytes < FP32_BYTES:
+            # A 16-bit model's logits beside their fp32 copy while the loss reads them, and
+            # the gradient it returns in the model's dtype beside the fp32 softmax it came
+            # from: one microbatch's, once (Megatron-LM's cross-entropy likewise reads
+            # ``logits.float()`` while the 16-bit output is alive).
+            total += m.dtype_bytes * s * b * m.vocab / vocab_div
     return total, in_flight
 
 

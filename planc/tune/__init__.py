@@ -155,16 +155,19 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
         if any(dominates(f, item) for f in fitting):
             search.pruned["dominated"] += 1
             continue
-        # ZeRO-3 with full recomputation needs the least memory of a layout's variants:
-        # where even it does not fit, none does (one estimate for the lot)
+        # ZeRO-3 or ZeRO-2 with full recomputation needs the least memory of a layout's
+        # variants (ZeRO-3 holds its largest unit whole, which can outweigh what it
+        # shards): where neither fits, none does (two estimates for the lot)
+        zeros = (item.zero,) if "shard.dp.zero" in keep else (3, 2) \
+            if item.dp * item.cp > 1 else (0,)
         lightest = dataclasses.replace(
-            item, order=ORDERS[0],
-            zero=item.zero if "shard.dp.zero" in keep else 3 if item.dp * item.cp > 1 else 0,
+            item, order=ORDERS[0], zero=zeros[0],
             recompute=item.recompute if "optimize.recompute" in keep else "full")
         if lightest not in hopeless and search.capacity is not None:
-            light = bounds.plan_of(plan, lightest, per_node, chunks_of)
-            hopeless[lightest] = estimate(lightest, light).peak.total_bytes > \
-                search.capacity
+            hopeless[lightest] = all(
+                estimate(light, bounds.plan_of(plan, light, per_node, chunks_of)
+                         ).peak.total_bytes > search.capacity
+                for light in (dataclasses.replace(lightest, zero=z) for z in zeros))
         if hopeless.get(lightest):
             search.pruned["memory"] += 1
             continue

@@ -372,6 +372,10 @@ class Interpreter:
         saved = state.saved.pop((step.saved_from, mb))
         if saved.gathered:  # ZeRO-3: the forward's parameters, back from this gather
             buckets.refill(saved.gathered, self._gathered(state, step, mb))
+            # a gather that ran before the forward let go found nothing to fill: the
+            # parked storage, refilled, is autograd's alone from now on
+            for gather in step.gathered.values():
+                state.let_go.pop((self.fills.get(gather), mb), None)
         if step.saved_from != step.forward_of:
             state.saved.pop((step.forward_of, mb), None)
         grads = self._ports(state, step.inputs, mb).get("grad", [])
