@@ -157,3 +157,32 @@ def test_only_gathers_no_backward_reads_are_let_go_and_each_backward_gather_fill
     forward = store.forward_gathers(steps)
     assert forward == {"F/g0", "F/g1", "F/g2"}
     assert store.pairs(steps, forward) == {"B/g0": "F/g0", "B/g1": "F/g1"}
+
+
+@pytest.mark.parametrize("pipeline, backward_gathers", [("1f1b", 4 * 4), ("gpipe", 5 * 4)])
+def test_the_heads_unit_is_kept_for_its_backward_where_it_follows_at_once(
+        pipeline, backward_gathers):
+    """Under 1F1B a microbatch's head backward comes right after its forward: the head's
+    unit is not gathered a second time (FSDP2 keeps its root module so). Under GPipe
+    every microbatch's forward comes first, and keeping each head would hold 4 units."""
+    from planc.compile import compile_plan
+    from planc.graph.ir import NodeType, Payload, Phase
+    from planc.lang import load_text
+
+    text = PLAN.replace("DTYPE", "fp32").replace("batch = 4", "batch = 8").replace(
+        "microbatches = 2", f"microbatches = 4; pipeline = {pipeline}")
+    graph = compile_plan(load_text(text).plan).graph
+    gathers = {n: d for n, d in graph.nodes(data=True) if d["type"] == NodeType.TRANSFER
+               and d.get("payload") == Payload.PARAM}
+    counts = {phase: sum(d["repeat"] for d in gathers.values() if d["phase"] == phase)
+              for phase in (Phase.FORWARD, Phase.BACKWARD)}
+    assert counts == {Phase.FORWARD: 5 * 4, Phase.BACKWARD: backward_gathers}
+    head = "F/c0.b0>head:all_gather@dp_cp"
+    readers = sorted(graph.successors(head))
+    if pipeline == "1f1b":
+        assert readers == ["B/final_ln", "B/head", "F/final_ln", "F/head"]
+        assert gathers[head]["reason"].endswith(
+            "kept whole for its backward, which follows at once on the head's stage (as "
+            "FSDP keeps its root module)")
+    else:
+        assert readers == ["F/final_ln", "F/head"]

@@ -193,6 +193,18 @@ def stage_parameters(plan: Plan, stage: int, per_layer: int | None = None) -> in
     return count
 
 
+def head_unit_kept(plan: Plan) -> bool:
+    """Whether ZeRO-3 keeps the head's unit (the final norm and head) whole from its
+    forward to its backward instead of gathering it again: where the head's stage holds
+    one microbatch's head at a time, its backward comes as soon as its forward is done,
+    and a second gather would bring back what was just let go. FSDP2 does not reshard
+    its root module after the forward for this reason ("the root module is typically
+    required immediately when the backward pass begins": torch.distributed.fsdp.
+    fully_shard, ``reshard_after_forward``)."""
+    return plan.shard.dp.zero == 3 and plan.mesh.dp * plan.mesh.cp > 1 and \
+        head_microbatches_in_flight(plan) == 1
+
+
 def unsharded_unit_bytes(plan: Plan, stage: int) -> float:
     """What ZeRO-3 holds whole beside the shards, at its most: the stage's largest unit
     (a block, the embedding, the head and final norm) gathered twice in the model's dtype

@@ -27,6 +27,7 @@ from planc.graph import reasons
 from planc.graph.builder import GraphBuilder
 from planc.graph.ir import Axis, Kind, Op, Payload, Phase, Port, buckets, shard_numel
 from planc.graph.sharding import Layout, gradient_layout
+from planc.estimate.memory import head_unit_kept
 from planc.estimate.model import Parameter, all_parameters
 from planc.graph.tensor_parallel import ParamUse
 from planc.graph.walk_records import ForwardChunk
@@ -165,19 +166,25 @@ class ParameterRules:
     def _zero3_gathers(self, chunk: int, site: _Site, bucket: str) -> None:
         param = site.param
         axis = self._replicated_over(param)[0]
+        kept_unit = head_unit_kept(self.plan)
         for node, backward, _how in site.uses:
             op = self.graph.nodes[node]["op"]
+            # the head's unit, kept whole for its backward (memory.head_unit_kept)
+            kept = kept_unit and self.graph.nodes[node]["layer"] is None and \
+                op not in (Op.EMBEDDING, Op.POSITION)
+            gather = None
             for letter, phase in (("F", Phase.FORWARD), ("B", Phase.BACKWARD)):
                 consumer = node if letter == "F" else backward
-                # on the chunk of its reader (a V's tied head reads chunk 0's embedding)
-                gather = self.transfer(f"{letter}/{param.name}>{op}:all_gather@{axis}",
-                                       kind=Kind.ALL_GATHER, axis=axis, payload=Payload.PARAM,
-                                       phase=phase, chunk=self.graph.nodes[node]["chunk"],
-                                       layer=param.layer, nbytes=self._bucket_bytes(bucket),
-                                       repeat=self.m,
-                                       reason=reasons.zero3_gather(self.plan, param.name,
-                                                                   phase.value, axis),
-                                       bucket=bucket)
+                if gather is None or not kept:
+                    # on the chunk of its reader (a V's tied head reads chunk 0's embedding)
+                    reason = reasons.zero3_gather(self.plan, param.name, phase.value, axis,
+                                                  kept=kept)
+                    gather = self.transfer(
+                        f"{letter}/{param.name}>{op}:all_gather@{axis}",
+                        kind=Kind.ALL_GATHER, axis=axis, payload=Payload.PARAM,
+                        phase=phase, chunk=self.graph.nodes[node]["chunk"],
+                        layer=param.layer, nbytes=self._bucket_bytes(bucket),
+                        repeat=self.m, reason=reason, bucket=bucket)
                 self.edge(gather, consumer, port=Port.PARAM)
                 again = self.graph.nodes[consumer].get("recompute_of")
                 if letter == "B" and again is not None:

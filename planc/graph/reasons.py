@@ -169,8 +169,13 @@ def zero_gather(plan: Plan, param: str, axis: str = "dp_cp") -> str:
             f"{plan.shard.dp.zero}): all-gather the updated parameter for the next step")
 
 
-def zero3_gather(plan: Plan, param: str, phase: str, axis: str = "dp_cp") -> str:
+def zero3_gather(plan: Plan, param: str, phase: str, axis: str = "dp_cp",
+                 kept: bool = False) -> str:
     group = _replicas_words(plan, axis)[0]
+    if kept:
+        return (f"{param} is stored sharded over {group} (zero 3): all-gather it before its "
+                f"forward use, every microbatch, and keep it whole for its backward, which "
+                f"follows at once on the head's stage (as FSDP keeps its root module)")
     return (f"{param} is stored sharded over {group} (zero 3): all-gather it before its "
             f"{phase} use, every microbatch")
 
@@ -200,8 +205,10 @@ def _members_text(bucket: dict) -> str:
     return f"{len(names)} parameter{'s' if len(names) > 1 else ''} ({shown})"
 
 
-def bucket(plan: Plan, bucket_id: str, info: dict, kind: str, axis: str, phase: str) -> str:
-    """Reason of a fused bucket's collective (see planc.passes.fuse)."""
+def bucket(plan: Plan, bucket_id: str, info: dict, kind: str, axis: str, phase: str,
+           kept: bool = False) -> str:
+    """Reason of a fused bucket's collective (see planc.passes.fuse); ``kept``: a ZeRO-3
+    forward gather its backward reads too (planc.estimate.memory.head_unit_kept)."""
     what = f"bucket {bucket_id} packs {_members_text(info)} into one flat buffer"
     if axis == "tp":
         return (f"{what}; the first {info['tp_sum_numel']:,} elements are gradients of "
@@ -212,6 +219,10 @@ def bucket(plan: Plan, bucket_id: str, info: dict, kind: str, axis: str, phase: 
     if kind == "all_gather" and phase == "optimizer":
         return (f"{what}; each {group} rank updated its shard of the bucket (zero "
                 f"{plan.shard.dp.zero}): one all-gather of the bucket for the next step")
+    if kind == "all_gather" and kept:
+        return (f"{what} stored sharded over {group} (zero 3): one all-gather of the bucket "
+                f"before its forward use, every microbatch, kept whole for its backward, "
+                f"which follows at once on the head's stage (as FSDP keeps its root module)")
     if kind == "all_gather":
         return (f"{what} stored sharded over {group} (zero 3): one all-gather of the bucket "
                 f"before its {phase} use, every microbatch")

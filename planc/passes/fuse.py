@@ -234,8 +234,11 @@ def _merge(graph: nx.DiGraph, raw: list[str], bucket_id: str, bucket: dict,
                 size = bucket["numel"] * plan.reduce_dtype_bytes
             else:
                 size = nbytes
+            kept = payload == Payload.PARAM and phase == Phase.FORWARD and any(
+                graph.nodes[s]["phase"] == Phase.BACKWARD for n in nodes
+                for s in graph.successors(n))  # a ZeRO-3 unit kept for its backward
             attrs.update(bytes=int(size), reason=reasons.bucket(plan, bucket_id, bucket,
-                                                                kind, axis, phase))
+                                                                kind, axis, phase, kept))
             if "elements" in attrs:  # the partial sums: the bucket's leading range
                 attrs["elements"] = [0, bucket["tp_sum_numel"]]
             if payload == Payload.PARAM and phase != Phase.OPTIMIZER:

@@ -141,8 +141,15 @@ def _zero3_prefetch(graph: nx.DiGraph, depth: int) -> int:
             reductions[(data["chunk"], data["bucket"])].append(node)
     position = {n: i for i, n in enumerate(nx.lexicographical_topological_sort(
         graph, key={n: i for i, n in enumerate(graph.nodes)}.__getitem__))}
+    # a unit its forward gather keeps for the backward (the head's, under 1F1B): the
+    # backward's first unit, which has no gather in the backward's block
+    kept: dict[int, list[list[str]]] = defaultdict(list)
+    for (chunk, phase), gathers in blocks.items():
+        if phase == Phase.FORWARD:
+            kept[chunk] += [[g] for g in gathers if any(
+                graph.nodes[c]["phase"] == Phase.BACKWARD for c in graph.successors(g))]
     count = 0
-    for gathers in blocks.values():
+    for (chunk, phase), gathers in blocks.items():
         readers = {g: [c for _, c, d in graph.out_edges(g, data=True)
                        if d["kind"] == EdgeKind.DATA] for g in gathers}
         gathers.sort(key=lambda g: min(position[c] for c in readers[g]))
@@ -156,8 +163,8 @@ def _zero3_prefetch(graph: nx.DiGraph, depth: int) -> int:
             last = max((c for g in order[k - depth] for c in readers[g]),
                        key=position.__getitem__)
             graph.add_edge(last, unit[0], kind=EdgeKind.ORDER)
-        if depth > 1:
-            _gather_before_reduction(graph, order, reductions)
+        if depth > 1 and phase == Phase.BACKWARD:
+            _gather_before_reduction(graph, kept[chunk] + order, reductions)
         count += len(gathers)
     return count
 
@@ -169,10 +176,8 @@ def _gather_before_reduction(graph: nx.DiGraph, order: list[list[str]],
     stream the gather would queue behind it, and the next unit's backward would wait for
     both (FSDP2's backward prefetch issues the next all-gather before the current
     reduce-scatter). No cycle: the next gather waits only for the gathers before it and
-    for the readers of the unit two back. ``reductions``: the gradient transfers by
-    (chunk, bucket)."""
-    if graph.nodes[order[0][0]]["phase"] != Phase.BACKWARD:
-        return
+    for the readers of the unit two back. ``order``: a backward block's units by first
+    use; ``reductions``: the gradient transfers by (chunk, bucket)."""
     for unit, following in zip(order, order[1:]):
         first = graph.nodes[unit[0]]
         for reduction in reductions.get((first["chunk"], first["bucket"]), ()):

@@ -76,7 +76,7 @@ def reads_and_writes_problem(name: str, program: Program) -> str | None:
         if unwritten:
             return (f"{what} reads {unwritten[0]}, which no instruction of the program "
                     f"writes")
-        if operands.step in ("backward", "weight") and operands.params and \
+        if operands.step in (StepKind.BACKWARD, StepKind.WEIGHT) and operands.params and \
                 not operands.weight_step:
             owner = accumulated_into(program.buckets) if owner is None else owner
             missing = sorted({owner[p] for p in operands.params if p in owner} -
