@@ -1082,3 +1082,45 @@ def test_gpt_1t_compiles_and_the_graph_does_not_grow_with_dp_or_tp(tmp_path):
     worlds = [json.loads((tmp_path / d / "summary.json").read_text())["world"]
               for d in ("base", "dp", "tp")]
     assert worlds == [8 * 64 * 6, 8 * 64 * 600, 16 * 64 * 6]
+
+
+def test_the_summary_counts_a_mixtures_all_to_alls_inside_its_instruction(tmp_path):
+    """moe-tiny: layer 1 of stage 0 is a mixture over ep 4, run in one instruction that
+    dispatches and combines (2 all-to-alls a forward, 2 a backward) 2 microbatches of
+    16,384 bytes (8 x 32 tokens x top_k 2 x hidden 32 x fp32 at uniform routing); each
+    rank's all-to-all keeps 1/4 of its buffer, so the bus moves 3/4. They were missing
+    from compile's table and the report's; cut into transfers of their own
+    (overlap_all_to_all), they are counted once, as transfers."""
+    from planc.graph.summary import summarize
+    from planc.compile import compile_plan
+    from planc.lang import load_file
+
+    source = ROOT / "plans" / "moe-tiny.plan"
+    done = planc("compile", source, "-o", tmp_path / "out")
+    assert done.returncode == 0, done.err
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    rows = {(t["axis"], t["kind"], t["phase"]): (t["count"], t["bytes"], t["bus_bytes"])
+            for t in summary["stages"][0]["transfers"] if t["axis"] == "ep"}
+    assert rows == {("ep", "all_to_all", "forward"): (4, 65536, 49152.0),
+                    ("ep", "all_to_all", "backward"): (4, 65536, 49152.0)}
+    assert "  ep all_to_all: a mixture's dispatch and combine, inside its compute " \
+           "instruction unless cut into transfers of their own (at uniform routing)\n" \
+        in done.out
+    page = tmp_path / "report.html"
+    assert planc("report", source, "-o", page).returncode == 0
+    html = page.read_text()
+    # the busiest stage's: stage 1, whose two layers are mixtures
+    assert "<td>ep</td><td>all_to_all</td><td>backward</td><td>8</td><td>131 KB</td>" \
+           "<td>98.3 KB</td><td>1</td>" in html
+    assert "<code>ep all_to_all</code>: a mixture&#x27;s dispatch and combine, inside its " \
+           "compute instruction unless cut into transfers of their own (at uniform " \
+           "routing).</p>" in html
+    loaded = load_file(source, ["schedule.overlap_all_to_all=on"])
+    cut = compile_plan(loaded.plan)
+    inner = [n for n, d in cut.graph.nodes(data=True) if d.get("experts_over")]
+    assert inner == []  # every mixture cut: its all-to-alls are transfers
+    stage0 = summarize(loaded.plan, cut.graph)["stages"][0]["transfers"]
+    counted = sum(t["count"] for t in stage0 if t["axis"] == "ep")
+    cut_nodes = sum(d["repeat"] for _, d in cut.graph.nodes(data=True)
+                    if d["type"] == "transfer" and d["axis"] == "ep" and d["stage"] == 0)
+    assert counted == cut_nodes > 0

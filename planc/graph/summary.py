@@ -15,7 +15,8 @@ import networkx as nx
 
 from planc.estimate import memory
 from planc.estimate.cost import CostModel, bus_factor
-from planc.graph.ir import Axis
+from planc.graph.ir import Axis, Kind, Phase
+from planc.vocabulary.model_options import gemm_input_bytes
 from planc.plan.layout import Layout as RankLayout
 from planc.plan.plan import Plan
 
@@ -27,6 +28,30 @@ def crosses_nodes(layout: RankLayout, axis: Axis) -> bool:
     if axis in (Axis.TIED, Axis.STAGE):
         return layout.nodes > 1
     return layout.crosses_nodes(axis.value)
+
+
+def _count(entry: dict, key: tuple, kind: str, repeat: int, size: float, group: int,
+           seconds: float) -> None:
+    """One transfer of ``size`` bytes over a group of ``group``, ``repeat`` times a step."""
+    bucket = entry["transfers"][key]
+    bucket["count"] += repeat
+    bucket["bytes"] += repeat * size
+    bucket["bus_bytes"] += repeat * size * bus_factor(kind, group)
+    entry["transfer_seconds"] += repeat * seconds
+
+
+def _inner_all_to_alls(plan: Plan, node: dict) -> list[float]:
+    """The bytes of each all-to-all a mixture's compute step runs over its ep group
+    inside its instruction, at uniform routing: a forward's dispatch (FP8 under
+    ``model { fp8 }``) and combine, a backward's two reversed (as planc explain lists
+    them). None where the mixture's all-to-alls are transfers of their own
+    (planc.passes.split_dispatch) or it has no ep group."""
+    if not node.get("experts_over") or node["experts_over"] < 2:
+        return []
+    rows = node["dispatch_bytes"]
+    if node["phase"] == Phase.FORWARD and not node.get("recompute"):
+        return [rows * gemm_input_bytes(plan.model) / plan.model.dtype_bytes, rows]
+    return [rows, rows]
 
 
 def summarize(plan: Plan, graph: nx.DiGraph) -> dict:
@@ -44,18 +69,18 @@ def summarize(plan: Plan, graph: nx.DiGraph) -> dict:
         if node["type"] == "compute":
             entry["flops"] += repeat * node["flops"]
             entry["compute_seconds"] += repeat * cost.compute_seconds(node["flops"])
+            for size in _inner_all_to_alls(plan, node):
+                _count(entry, (Axis.EP, Kind.ALL_TO_ALL, node["phase"]), Kind.ALL_TO_ALL,
+                       repeat, size, node["experts_over"],
+                       cost.transfer_seconds(Kind.ALL_TO_ALL, size, node["experts_over"],
+                                             crosses[Axis.EP]))
             continue
-        key = (node["axis"], node["kind"], node["phase"])
-        bucket = entry["transfers"][key]
-        bucket["count"] += repeat
-        bucket["bytes"] += repeat * node["bytes"]
-        bucket["bus_bytes"] += repeat * node["bytes"] * bus_factor(node["kind"],
-                                                                    node["group_size"])
         seconds = node.get("route_seconds")  # the route pass's prediction, where it ran
         if seconds is None:
             seconds = cost.transfer_seconds(node["kind"], node["bytes"], node["group_size"],
                                             crosses[node["axis"]])
-        entry["transfer_seconds"] += repeat * seconds
+        _count(entry, (node["axis"], node["kind"], node["phase"]), node["kind"], repeat,
+               node["bytes"], node["group_size"], seconds)
     estimate = memory.estimate(plan)
     out_stages = []
     for stage, entry in stages.items():

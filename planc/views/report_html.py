@@ -19,6 +19,7 @@ from planc.plan.mesh import AXES
 from planc.schedules import Block
 from planc.views.plan_summary import settings
 from planc.views.rank_picture import layout_svg
+from planc.views.summary_text import INNER_ALL_TO_ALLS
 from planc.diagnostics import counted
 
 PHASE_COLOURS = {"F": "#4e79a7", "B": "#e15759", "prologue": "#bab0ac",
@@ -148,6 +149,9 @@ def _transfers(summary: dict) -> str:
         '<p class="note">What one device moves in one step, as <code>planc compile</code> '
         'prints it for its stage' + (': each row is a device of the stage that moves the '
                                      'most for it (the stage column).' if several else '.')
+        + (f" <code>ep all_to_all</code>{_e(INNER_ALL_TO_ALLS.removeprefix('ep all_to_all'))}."
+           if any(
+               row[0] == "ep" and row[1] == "all_to_all" for row in rows) else "")
         + '</p>')
 
 

@@ -28,6 +28,14 @@ def passes(summary: dict) -> str:
     return "".join(f"{record['line']}\n" for record in summary.get("passes", []))
 
 
+# what a mixture's all-to-alls in the table are (planc.graph.summary: one row whichever
+# the mixture; cut into transfers of their own, planc.passes.split_dispatch, they are
+# counted as any transfer and this line still holds of the rest)
+INNER_ALL_TO_ALLS = ("ep all_to_all: a mixture's dispatch and combine, inside its compute "
+                     "instruction unless cut into transfers of their own (at uniform "
+                     "routing)")
+
+
 def render(summary: dict) -> str:
     out = []
     for stage_id in _stage_ids(summary):
@@ -45,6 +53,8 @@ def render(summary: dict) -> str:
         if rows:
             out.append(table(["axis", "kind", "phase", "count", "bytes", "bus bytes"], rows,
                              indent="  "))
+            if any(t["axis"] == "ep" and t["kind"] == "all_to_all" for t in s["transfers"]):
+                out.append(f"  {INNER_ALL_TO_ALLS}")
         else:
             out.append("  no transfers")
         out.append("")
