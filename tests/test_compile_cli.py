@@ -1115,6 +1115,21 @@ def test_the_summary_counts_a_mixtures_all_to_alls_inside_its_instruction(tmp_pa
     assert "<code>ep all_to_all</code>: a mixture&#x27;s dispatch and combine, inside its " \
            "compute instruction unless cut into transfers of their own (at uniform " \
            "routing).</p>" in html
+    # model { fp8 }: what goes toward the experts (a dispatch, a combine's gradient) in
+    # FP8, 1 + 4/16 bytes an element beside bf16's 2, in every mixture step alike, cut
+    # or not (the cut's forward adds the counts and the routing's bytes)
+    fp8 = ["model.fp8=blockwise", "model.fp8_tile=16", "model.dtype=bf16"]
+    for cut_too in ([], ["schedule.overlap_all_to_all=on"]):
+        loaded = load_file(source, fp8 + cut_too)
+        rows = {t["phase"]: t for t in summarize(loaded.plan, compile_plan(
+            loaded.plan).graph)["stages"][0]["transfers"] if t["axis"] == "ep"}
+        moved = {phase: rows[phase]["bytes"] for phase in ("forward", "backward")}
+        if not cut_too:
+            assert moved == {"forward": 2 * (8192 * 1.25 / 2 + 8192),
+                             "backward": 2 * (8192 * 1.25 / 2 + 8192)}
+        else:  # a cut dispatch carries its rows' routing too: 8,320 bytes, not 8,192
+            assert moved["backward"] == 2 * (8192 * 1.25 / 2 + 8320)
+            assert moved["forward"] > moved["backward"]
     loaded = load_file(source, ["schedule.overlap_all_to_all=on"])
     cut = compile_plan(loaded.plan)
     inner = [n for n, d in cut.graph.nodes(data=True) if d.get("experts_over")]

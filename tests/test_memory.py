@@ -122,20 +122,36 @@ def test_zero3_counts_its_largest_unit_whole_beside_the_shards(zero, dp, units):
                       "in", "flight", *(["unit", "whole"] if units else []), "total"]
 
 
+def moe_zero3(dp: int):
+    """A mixture of 8 experts over ep 2 and ``dp`` ranks under ZeRO-3."""
+    return plan_of(f"""plan m {{
+  model moe {{ layers = 2; hidden = 64; heads = 4; kv_heads = 4; experts = 8; top_k = 2
+              expert_ffn = 256; vocab = 256; seq = 32; batch = 8; dtype = bf16 }}
+  mesh {{ dp = {dp}; ep = 2 }}
+  shard {{ dp {{ zero = 3 }} }}
+}}""")
+
+
 def test_zero3_s_largest_unit_may_be_a_blocks_experts_split_over_ep():
     """The routed experts of a block split over ep are a ZeRO-3 unit of their own (over
     edp): 8 experts of 3 x 64 x 256 over ep 2, 196,608 elements a rank (2 shards of
     98,304 over edp 2: planc explain --buckets), larger than the block's attention,
     router and norms or the embedding."""
-    plan = plan_of("""plan m {
-  model moe { layers = 2; hidden = 64; heads = 4; kv_heads = 4; experts = 8; top_k = 2
-              expert_ffn = 256; vocab = 256; seq = 32; batch = 8; dtype = bf16 }
-  mesh { dp = 4; ep = 2 }
-  shard { dp { zero = 3 } }
-}""")
+    plan = moe_zero3(dp=4)
     experts = 4 * 3 * 64 * 256
     assert memory.stage_expert_parameters(plan, 0) == 2 * experts
     assert memory.unsharded_unit_bytes(plan, 0) == (2 * 2 + 4) * experts
+
+
+def test_experts_with_no_replica_are_no_zero3_unit():
+    """dp 2 x ep 2: edp = tp x cp x dp / ep = 1, so the experts' bucket has no replica to
+    gather from and is never gathered; the largest unit is a block's attention, router and
+    norms (17,024 elements), not its experts' 196,608 a rank."""
+    plan = moe_zero3(dp=2)
+    block = memory.layer_parameters(plan)
+    assert block == 17_024
+    assert memory.unsharded_unit_bytes(plan, 0) == (2 * 2 + 4) * block
+    assert memory.stage_expert_parameters(plan, 0) == 2 * 196_608
 
 
 def test_fp32_grads_adds_four_unsharded_bytes_per_parameter():

@@ -371,6 +371,28 @@ def test_a_prefetch_whose_buffer_is_still_read_is_rejected():
         "whose buffer it reuses"]
 
 
+def test_a_backward_prefetch_while_the_kept_head_is_still_read_is_rejected():
+    """The head's unit, kept from its forward, is the first of the backward's two units
+    gathered at once: layer 0's gather (the third) moved before the wait for the head's
+    backward is refused."""
+    build = compile_plan(small(**CASES["dp-zero3"]))
+
+    def eager(data):
+        block = data["blocks"]["B0"]
+        third = _index(block, "B/c0.b2>L0:all_gather@dp_cp")
+        moved = block[third:third + 2]  # the gather and its record
+        del block[third:third + 2]
+        after = _index(block, "B/c0.b1>L1:all_gather@dp_cp") + 2
+        block[after:after] = moved
+
+    problems = broken(build, eager)
+    assert problems[0] == (
+        "ranks 0, 1 (stage0.json, block B0): all_gather B/c0.b2>L0:all_gather@dp_cp on "
+        "stream dp (instruction 8) prefetches a third ZeRO-3 unit while compute B/head on "
+        "stream compute (instruction 2) may still read F/c0.b0>head:all_gather@dp_cp, whose "
+        "buffer it reuses")
+
+
 def test_a_gradient_buffer_rewritten_while_a_reduction_reads_it_is_rejected():
     build = compile_plan(small(**CASES["dp-zero2"]))
 

@@ -147,6 +147,35 @@ def test_a_layout_is_not_given_up_when_zero3_s_whole_unit_outweighs_what_it_shar
     assert (result["best"]["zero"], result["best"]["memory_bytes"]) == (2, 3_281_754_112)
 
 
+ONE_LAYER_A_STAGE = """plan rc {
+  model llama { layers = 2; hidden = 128; heads = 4; kv_heads = 2; ffn = 352; vocab = 4096
+                seq = 256; batch = 4 }
+  mesh { pp = 2 }
+  topology { devices_per_node = 2; device { flops = 989TFLOP/s; memory = 80GB }
+             intra { bandwidth = 450GB/s; latency = 2us } }
+  train { optimizer = adamw(lr = 1e-3) }
+}
+"""
+
+
+def test_a_layout_is_not_given_up_when_full_recomputation_is_not_its_lightest(
+        tmp_path, capsys):
+    """A stage of one layer holds about one layer's activations in flight; full
+    recomputation keeps its inputs and recomputes a whole layer on top (41.9 MB at the
+    peak), more than selective (37.2 MB) and even none (41.4 MB): tune judged the layout
+    by its full-recomputation variant and found nothing under 39 MB."""
+    source = tmp_path / "rc.plan"
+    source.write_text(ONE_LAYER_A_STAGE)
+    keep = [arg for key in ("mesh.tp", "mesh.cp", "mesh.pp", "mesh.dp", "schedule.pipeline",
+                            "schedule.microbatches") for arg in ("--keep", key)]
+    status = main(["tune", str(source), "--gpus", "2", "--memory", "0.039", "--top", "1",
+                   "--json", *keep])
+    result = json.loads(capsys.readouterr().out)
+    assert status == 0
+    assert (result["best"]["recompute"], result["best"]["memory_bytes"]) == \
+        ("selective", 37_165_056)
+
+
 def test_a_file_written_for_other_devices_is_tuned_for_these(tmp_path, capsys):
     """The file's mesh needs 8 devices; tune lays it out on 2 (part of a node)."""
     source = tmp_path / "eight.plan"

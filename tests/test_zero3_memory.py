@@ -186,3 +186,30 @@ def test_the_heads_unit_is_kept_for_its_backward_where_it_follows_at_once(
             "FSDP keeps its root module)")
     else:
         assert readers == ["F/final_ln", "F/head"]
+
+
+@pytest.mark.parametrize("pipeline", ["1f1b", "zb1p", "zbv"])
+def test_the_kept_head_counts_among_the_two_units_gathered_at_once(pipeline):
+    """The backward gathers the unit two after the head only once the head's backward is
+    done: under a split backward the head's reduce-scatter waits for its W step, so
+    nothing else held the third unit back (the head, L3 and L2 whole at once)."""
+    import networkx as nx
+
+    from planc.compile import compile_plan
+    from planc.lang import load_text
+
+    text = PLAN.replace("DTYPE", "fp32").replace("mesh { dp = 2 }", "mesh { pp = 2; dp = 2 }")
+    text = text.replace("layers = 3", "layers = 8").replace("batch = 4", "batch = 8").replace(
+        "devices_per_node = 2", "devices_per_node = 4").replace(
+        "microbatches = 2", f"microbatches = 4; pipeline = {pipeline}").replace(
+        "dp { zero = 3 }", "dp { zero = 3 }" + ("; pp { virtual = 2 }" if pipeline == "zbv"
+                                                 else ""))
+    loaded = load_text(text)
+    assert loaded.plan is not None, [d.message for d in loaded.diagnostics]
+    build = compile_plan(loaded.plan)
+    graph = build.graph
+    gathers = sorted(n for n in graph if n.startswith("B/") and ":all_gather@" in n
+                     and graph.nodes[n]["chunk"] == graph.nodes["B/head"]["chunk"])
+    two_after = [n for n in gathers if nx.has_path(graph, "B/head", n)]
+    # the head's chunk: the block after the head's, and the one after that
+    assert len(gathers) - len(two_after) == 1, gathers

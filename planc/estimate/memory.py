@@ -217,7 +217,9 @@ def unsharded_unit_bytes(plan: Plan, stage: int) -> float:
         return 0.0
     family, m, ep = family_of(plan), plan.model, plan.mesh.ep
     units = [layer_parameters(plan, layer) for layer in plan.layers_of_stage(stage)]
-    if ep > 1:  # a block's routed experts split over ep: a unit of their own, over edp
+    if ep > 1 and plan.mesh.tp * plan.mesh.dp * plan.mesh.cp // ep > 1:
+        # a block's routed experts split over ep: a unit of their own, gathered over edp
+        # (with no replica, edp of one, they are never gathered)
         units += [sum(p.numel // ep for p in family.layer_parameters(m, layer)
                       if p.split_over_experts(ep)) for layer in plan.layers_of_stage(stage)]
     if stage == 0:

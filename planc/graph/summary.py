@@ -42,16 +42,31 @@ def _count(entry: dict, key: tuple, kind: str, repeat: int, size: float, group: 
 
 def _inner_all_to_alls(plan: Plan, node: dict) -> list[float]:
     """The bytes of each all-to-all a mixture's compute step runs over its ep group
-    inside its instruction, at uniform routing: a forward's dispatch (FP8 under
-    ``model { fp8 }``) and combine, a backward's two reversed (as planc explain lists
-    them). None where the mixture's all-to-alls are transfers of their own
-    (planc.passes.split_dispatch) or it has no ep group."""
+    inside its instruction, at uniform routing: a forward's (or recomputation's)
+    dispatch and combine, a backward's two reversed; what goes toward the experts (the
+    dispatch, the combine's gradient) in FP8 under ``model { fp8 }``
+    (planc.runtime.families.moe). None where the mixture's all-to-alls are transfers of
+    their own (planc.passes.split_dispatch) or it has no ep group."""
     if not node.get("experts_over") or node["experts_over"] < 2:
         return []
     rows = node["dispatch_bytes"]
-    if node["phase"] == Phase.FORWARD and not node.get("recompute"):
-        return [rows * gemm_input_bytes(plan.model) / plan.model.dtype_bytes, rows]
-    return [rows, rows]
+    return [rows * _toward_experts_share(plan), rows]
+
+
+def _toward_experts_share(plan: Plan) -> float:
+    """What an all-to-all toward the experts moves per byte of the model's dtype."""
+    return gemm_input_bytes(plan.model) / plan.model.dtype_bytes
+
+
+def _cut_bytes(plan: Plan, node: dict) -> float:
+    """A transfer's bytes; a cut mixture's dispatch (forward or recomputed) and its
+    combine's gradient (backward) in FP8 under ``model { fp8 }``, as the simulator
+    prices them (planc.estimate.instruction_cost)."""
+    direction = Phase.FORWARD if node.get("recomputes") else node["phase"]
+    if (node.get("payload"), direction) in (("dispatch", Phase.FORWARD),
+                                            ("combine", Phase.BACKWARD)):
+        return node["bytes"] * _toward_experts_share(plan)
+    return node["bytes"]
 
 
 def summarize(plan: Plan, graph: nx.DiGraph) -> dict:
@@ -80,7 +95,7 @@ def summarize(plan: Plan, graph: nx.DiGraph) -> dict:
             seconds = cost.transfer_seconds(node["kind"], node["bytes"], node["group_size"],
                                             crosses[node["axis"]])
         _count(entry, (node["axis"], node["kind"], node["phase"]), node["kind"], repeat,
-               node["bytes"], node["group_size"], seconds)
+               _cut_bytes(plan, node), node["group_size"], seconds)
     estimate = memory.estimate(plan)
     out_stages = []
     for stage, entry in stages.items():

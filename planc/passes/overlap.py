@@ -143,11 +143,13 @@ def _zero3_prefetch(graph: nx.DiGraph, depth: int) -> int:
         graph, key={n: i for i, n in enumerate(graph.nodes)}.__getitem__))}
     # a unit its forward gather keeps for the backward (the head's, under 1F1B): the
     # backward's first unit, which has no gather in the backward's block
-    kept: dict[int, list[list[str]]] = defaultdict(list)
+    kept_units: dict[int, dict[str, list[str]]] = defaultdict(dict)
     for (chunk, phase), gathers in blocks.items():
-        if phase == Phase.FORWARD:
-            kept[chunk] += [[g] for g in gathers if any(
-                graph.nodes[c]["phase"] == Phase.BACKWARD for c in graph.successors(g))]
+        for g in gathers:
+            if phase == Phase.FORWARD and any(graph.nodes[c]["phase"] == Phase.BACKWARD
+                                              for c in graph.successors(g)):
+                kept_units[chunk].setdefault(unit_of(graph, g), []).append(g)
+    kept = {chunk: list(units.values()) for chunk, units in kept_units.items()}
     count = 0
     for (chunk, phase), gathers in blocks.items():
         readers = {g: [c for _, c, d in graph.out_edges(g, data=True)
@@ -159,12 +161,19 @@ def _zero3_prefetch(graph: nx.DiGraph, depth: int) -> int:
         order = list(units.values())
         for k, gather in enumerate(gathers[1:], start=1):  # issued in order of first use
             graph.add_edge(gathers[k - 1], gather, kind=EdgeKind.ORDER)
+        if phase == Phase.BACKWARD:  # the kept unit is whole first, and counts as one
+            for unit in kept.get(chunk, []):
+                readers.update({g: [c for _, c, d in graph.out_edges(g, data=True)
+                                    if d["kind"] == EdgeKind.DATA and
+                                    graph.nodes[c]["phase"] == Phase.BACKWARD]
+                                for g in unit})
+            order = kept.get(chunk, []) + order
         for k, unit in enumerate(order[depth:], start=depth):
             last = max((c for g in order[k - depth] for c in readers[g]),
                        key=position.__getitem__)
             graph.add_edge(last, unit[0], kind=EdgeKind.ORDER)
         if depth > 1 and phase == Phase.BACKWARD:
-            _gather_before_reduction(graph, kept[chunk] + order, reductions)
+            _gather_before_reduction(graph, order, reductions)
         count += len(gathers)
     return count
 

@@ -155,19 +155,23 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
         if any(dominates(f, item) for f in fitting):
             search.pruned["dominated"] += 1
             continue
-        # ZeRO-3 or ZeRO-2 with full recomputation needs the least memory of a layout's
-        # variants (ZeRO-3 holds its largest unit whole, which can outweigh what it
-        # shards): where neither fits, none does (two estimates for the lot)
+        # The lightest of a layout's variants is among ZeRO-3 and ZeRO-2 (ZeRO-3 holds
+        # its largest unit whole, which can outweigh what it shards) with each
+        # recomputation (full recomputes a whole layer once more, which outweighs what
+        # it saves where a stage holds about one layer in flight): where none fits, no
+        # variant does (one set of estimates for the lot)
         zeros = (item.zero,) if "shard.dp.zero" in keep else (3, 2) \
             if item.dp * item.cp > 1 else (0,)
-        lightest = dataclasses.replace(
-            item, order=ORDERS[0], zero=zeros[0],
-            recompute=item.recompute if "optimize.recompute" in keep else "full")
+        recomputes = (item.recompute,) if "optimize.recompute" in keep else \
+            ("full", "selective")
+        lightest = dataclasses.replace(item, order=ORDERS[0], zero=zeros[0],
+                                       recompute=recomputes[0])
         if lightest not in hopeless and search.capacity is not None:
             hopeless[lightest] = all(
                 estimate(light, bounds.plan_of(plan, light, per_node, chunks_of)
                          ).peak.total_bytes > search.capacity
-                for light in (dataclasses.replace(lightest, zero=z) for z in zeros))
+                for light in (dataclasses.replace(lightest, zero=z, recompute=r)
+                              for z in zeros for r in recomputes))
         if hopeless.get(lightest):
             search.pruned["memory"] += 1
             continue

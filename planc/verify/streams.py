@@ -173,22 +173,33 @@ class StreamChecks(AcrossBlocksChecks):
 
     def _prefetch(self, where, instructions, summary: "_Sequence") -> None:
         """ZeRO-3: the gathers of unit k + 2 start only after every reader of unit k
-        finished, so at most two units are gathered at once (their buffers are reused)."""
-        units: dict[str, list[int]] = {}
-        for k in self._gathers(instructions):
-            units.setdefault(unit_of(self.graph, instructions[k].node), []).append(k)
-        order = list(units.values())
+        finished, so at most two units are gathered at once. A unit a forward's gather
+        keeps for this backward (the head's: planc.estimate.memory.head_unit_kept) is
+        whole when the block starts: its first unit."""
+        position = {instructions[k].node: k for k in self._gathers(instructions)}
+        units: dict[str, list[str]] = {}
+        for node in position:
+            units.setdefault(unit_of(self.graph, node), []).append(node)
+        kept: dict[str, list[str]] = {}
+        for reader in instructions:
+            for buffer in reader.reads:
+                if buffer not in position and buffer in self.graph and \
+                        self.graph.nodes[buffer].get("payload") == "param" and \
+                        self.graph.nodes[buffer].get("per_microbatch") and buffer not in \
+                        kept.get(unit_of(self.graph, buffer), ()):
+                    kept.setdefault(unit_of(self.graph, buffer), []).append(buffer)
+        order = list(kept.values()) + list(units.values())
         if len(order) < 3:
             return
         readers: dict[str, list[int]] = {}  # a gathered buffer -> the instructions reading it
-        gathered_nodes = {instructions[k].node for k in self._gathers(instructions)}
+        gathered_nodes = {node for unit in order for node in unit}
         for r, reader in enumerate(instructions):
             for buffer in set(reader.reads) & gathered_nodes:
                 readers.setdefault(buffer, []).append(r)
         for n, unit in enumerate(order[2:], start=2):
-            earlier = {instructions[k].node for k in order[n - 2]}
+            earlier = set(order[n - 2])
             reading = sorted({r for node in earlier for r in readers.get(node, ())})
-            for k in unit:
+            for k in map(position.__getitem__, unit):
                 for r in reading:
                     reader = instructions[r]
                     if not summary.before(r, k):
