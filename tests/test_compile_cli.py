@@ -1103,9 +1103,8 @@ def test_the_summary_counts_a_mixtures_all_to_alls_inside_its_instruction(tmp_pa
             for t in summary["stages"][0]["transfers"] if t["axis"] == "ep"}
     assert rows == {("ep", "all_to_all", "forward"): (4, 65536, 49152.0),
                     ("ep", "all_to_all", "backward"): (4, 65536, 49152.0)}
-    assert "  ep all_to_all: a mixture's dispatch and combine, inside its compute " \
-           "instruction unless cut into transfers of their own (at uniform routing)\n" \
-        in done.out
+    assert "\n  ep all_to_all: a mixture's dispatch and combine, inside its compute instruction " \
+           "unless\n    cut into transfers of their own (at uniform routing)\n" in done.out
     page = tmp_path / "report.html"
     assert planc("report", source, "-o", page).returncode == 0
     html = page.read_text()

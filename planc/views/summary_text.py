@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import textwrap
+
 from planc.vocabulary.units import TIME, format_bytes, format_flops, format_quantity
 from planc.views.tables import table
 
@@ -54,7 +56,8 @@ def render(summary: dict) -> str:
             out.append(table(["axis", "kind", "phase", "count", "bytes", "bus bytes"], rows,
                              indent="  "))
             if any(t["axis"] == "ep" and t["kind"] == "all_to_all" for t in s["transfers"]):
-                out.append(f"  {INNER_ALL_TO_ALLS}")
+                out.extend(textwrap.wrap(INNER_ALL_TO_ALLS, width=88, initial_indent="  ",
+                                         subsequent_indent="    "))
         else:
             out.append("  no transfers")
         out.append("")
