@@ -180,15 +180,13 @@ class StreamChecks(AcrossBlocksChecks):
         units: dict[str, list[str]] = {}
         for node in position:
             units.setdefault(unit_of(self.graph, node), []).append(node)
-        kept: dict[str, list[str]] = {}
+        kept: dict[str, dict[str, None]] = {}  # unit -> its gathers, in order of reading
         for reader in instructions:
             for buffer in reader.reads:
-                if buffer not in position and buffer in self.graph and \
-                        self.graph.nodes[buffer].get("payload") == "param" and \
-                        self.graph.nodes[buffer].get("per_microbatch") and buffer not in \
-                        kept.get(unit_of(self.graph, buffer), ()):
-                    kept.setdefault(unit_of(self.graph, buffer), []).append(buffer)
-        order = list(kept.values()) + list(units.values())
+                if buffer not in position and self._parameter_gather(buffer) and \
+                        self.graph.nodes[buffer].get("per_microbatch"):
+                    kept.setdefault(unit_of(self.graph, buffer), {})[buffer] = None
+        order = [list(unit) for unit in kept.values()] + list(units.values())
         if len(order) < 3:
             return
         readers: dict[str, list[int]] = {}  # a gathered buffer -> the instructions reading it
@@ -214,8 +212,11 @@ class StreamChecks(AcrossBlocksChecks):
     def _gathers(self, instructions) -> list[int]:
         """Positions of a block's ZeRO-3 parameter gathers."""
         return [k for k, i in enumerate(instructions) if i.op is Opcode.ALL_GATHER and
-                i.node in self.graph and self.graph.nodes[i.node].get("payload") == "param"
-                and i.per_microbatch]
+                self._parameter_gather(i.node) and i.per_microbatch]
+
+    def _parameter_gather(self, node: str | None) -> bool:
+        """Whether graph node ``node`` gathers parameters (ZeRO's)."""
+        return node in self.graph and self.graph.nodes[node].get("payload") == "param"
 
     def _check_sequence(self, instructions, where, external: bool,
                         clocks: list[int] | None = None) -> "_Sequence":

@@ -118,10 +118,8 @@ class ParamStore:
         """The bucket's whole gradient buffer; zeros again where a reduce-scatter let it
         go (:meth:`let_go_grad`)."""
         grad = self.grad[bucket]
-        storage = grad.untyped_storage()
-        if storage.nbytes() == 0:
-            storage.resize_(grad.numel() * grad.element_size())
-            grad.zero_()
+        if grad.untyped_storage().nbytes() == 0:
+            _made_whole(grad).zero_()
         return grad
 
     def let_go_grad(self, bucket: str) -> None:
@@ -130,7 +128,7 @@ class ParamStore:
         into it, a rank holds only its shard, as the ZeRO paper's stage 2 counts (2Psi/N_d
         bytes of gradient; Rajbhandari et al. 2020, section 5.2), and as FSDP frees each
         unit's unsharded gradient once it is reduce-scattered."""
-        self.grad[bucket].untyped_storage().resize_(0)
+        let_go(self.grad[bucket])
 
     def own_shard(self, bucket: str, flat: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a whole (sharded) bucket ``flat``."""
@@ -203,32 +201,33 @@ def pairs(steps: Iterable, forward_only: frozenset[str]) -> dict[str, str]:
 
 
 def let_go(value):
-    """Free a gathered bucket's bytes while views of it (autograd's) stay; returns it."""
+    """Free a whole bucket's bytes while views of it (autograd's) stay; returns it."""
     if isinstance(value, torch.Tensor):
         value.untyped_storage().resize_(0)
     return value
 
 
+def _made_whole(flat: torch.Tensor) -> torch.Tensor:
+    """A let-go flat buffer's storage grown back to its size (its values undefined)."""
+    flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+    return flat
+
+
 def filled_again(whole: torch.Tensor) -> torch.Tensor:
-    """A let-go bucket's storage made whole again, as a tensor to gather into: through
-    .data, so that the gather does not count as a change of the values autograd saved
+    """A let-go bucket's storage made whole again, as a tensor to write into: through
+    .data, so that the write does not count as a change of the values autograd saved
     (the version counter every view shares)."""
-    whole.untyped_storage().resize_(whole.numel() * whole.element_size())
-    return whole.data
+    return _made_whole(whole).data
 
 
 def refill(kept: dict[str, torch.Tensor], gathered: dict[str, torch.Tensor]) -> None:
     """Put each bucket's values back into the forward's storage ``kept`` (bucket ->
     whole bucket) from the backward's gather ``gathered``, where it was let go."""
     for bucket, whole in kept.items():
-        storage = whole.untyped_storage()
-        if storage.nbytes() != 0:
+        if whole.untyped_storage().nbytes() != 0:
             continue  # never let go (a recomputation's), or already refilled
         source = gathered.get(bucket)
         if source is None:
             raise RuntimeError(f"the backward reads bucket {bucket} the forward let go, "
                                "but the program gives it no gather of that bucket")
-        storage.resize_(source.untyped_storage().nbytes())
-        # through .data: the same values autograd saved, so its version counter (shared
-        # with every view) must not count the copy as a change
-        whole.data.copy_(source)
+        filled_again(whole).copy_(source)

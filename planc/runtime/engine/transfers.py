@@ -293,12 +293,10 @@ class Transfers:
         shard = self.store.shard[bucket]
         if call.operands.into_bucket:
             out = self.store.full[bucket]
-        elif value is not None:
-            shard, out = shard.to(self.ctx.dtype), buckets.filled_again(value)
         else:
             shard = shard.to(self.ctx.dtype)
-            out = torch.empty(self.store.buckets[bucket]["padded"], dtype=shard.dtype,
-                              device=shard.device)
+            out = buckets.filled_again(value) if value is not None else torch.empty(
+                self.store.buckets[bucket]["padded"], dtype=shard.dtype, device=shard.device)
         if call.size == 1:
             out.copy_(shard)
         elif call.route is not None:
