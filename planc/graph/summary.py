@@ -46,7 +46,7 @@ def _inner_all_to_alls(plan: Plan, node: dict) -> list[float]:
     dispatch and combine, a backward's two reversed; what goes toward the experts (the
     dispatch, the combine's gradient) in FP8 under ``model { fp8 }``
     (planc.runtime.families.moe). None where the mixture's all-to-alls are transfers of
-    their own (planc.passes.split_dispatch) or it has no ep group."""
+    their own (planc.passes.split_dispatch) or it has no ep group: an empty list."""
     if not node.get("experts_over") or node["experts_over"] < 2:
         return []
     rows = node["dispatch_bytes"]

@@ -234,9 +234,8 @@ def _merge(graph: nx.DiGraph, raw: list[str], bucket_id: str, bucket: dict,
                 size = bucket["numel"] * plan.reduce_dtype_bytes
             else:
                 size = nbytes
-            kept = payload == Payload.PARAM and phase == Phase.FORWARD and any(
-                graph.nodes[s]["phase"] == Phase.BACKWARD for n in nodes
-                for s in graph.successors(n))  # a ZeRO-3 unit kept for its backward
+            kept = payload == Payload.PARAM and phase == Phase.FORWARD and \
+                kept_for_backward(graph, nodes)
             attrs.update(bytes=int(size), reason=reasons.bucket(plan, bucket_id, bucket,
                                                                 kind, axis, phase, kept))
             if "elements" in attrs:  # the partial sums: the bucket's leading range
@@ -248,6 +247,13 @@ def _merge(graph: nx.DiGraph, raw: list[str], bucket_id: str, bucket: dict,
                 letter = "O" if phase == Phase.OPTIMIZER else "G"
                 name = f"{letter}/{bucket_id}:{kind}@{axis}"
         _replace(graph, nodes, name, attrs, renamed)
+
+
+def kept_for_backward(graph: nx.DiGraph, gathers) -> bool:
+    """Whether a forward's ZeRO-3 gathers (``gathers``, of one unit) are read by its
+    backward too: the unit kept whole between them (planc.estimate.memory.head_unit_kept)."""
+    return any(graph.nodes[s]["phase"] == Phase.BACKWARD for g in gathers
+               for s in graph.successors(g))
 
 
 def _consumer_region(graph: nx.DiGraph, node: str) -> str:

@@ -46,6 +46,7 @@ import networkx as nx
 from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase
 from planc.program.names import Stream
 from planc.passes.context import PassContext, PassRecord, record
+from planc.passes.fuse import kept_for_backward
 from planc.passes.split_backward import split_step, splittable
 
 COMPUTE, COMM, DP = Stream.COMPUTE, Stream.COMM, Stream.DP
@@ -146,8 +147,7 @@ def _zero3_prefetch(graph: nx.DiGraph, depth: int) -> int:
     kept_units: dict[int, dict[str, list[str]]] = defaultdict(dict)
     for (chunk, phase), gathers in blocks.items():
         for g in gathers:
-            if phase == Phase.FORWARD and any(graph.nodes[c]["phase"] == Phase.BACKWARD
-                                              for c in graph.successors(g)):
+            if phase == Phase.FORWARD and kept_for_backward(graph, (g,)):
                 kept_units[chunk].setdefault(unit_of(graph, g), []).append(g)
     kept = {chunk: list(units.values()) for chunk, units in kept_units.items()}
     count = 0
