@@ -11,8 +11,9 @@ hundred KiB of Python objects).
 The plans are written here, sized so that a step's tensors are hundreds of MiB: llama
 (RMSNorm, grouped-query attention, SwiGLU) in fp32 and bf16, with full recomputation,
 and gpt, one rank each (the mesh's other axes change what a rank holds in ways the
-estimate prices by the same rules); and llama under ZeRO-3 over two ranks, where what
-matters is that a unit's gathered parameters go once its forward is done. Each runs 2
+estimate prices by the same rules); llama under ZeRO-3 over two ranks, where what
+matters is that a unit's gathered parameters go once its forward is done; and the same
+under zb1p over two stages (4 ranks), where a weight-gradient half keeps what it reads. Each runs 2
 steps; the second is measured, on the rank holding the most.
 
     .venv/bin/python bench/memory_live.py [--plans llama-fp32,gpt-fp32] [--write]
@@ -66,6 +67,10 @@ ONE_RANK = {"batch": 4, "mesh": "", "devices": 1, "shard": ""}
 # ZeRO-3 over two ranks, each with the one-rank plans' tokens: the gathered parameters
 # must not stay while the forward goes on (FSDP frees them after each unit's forward)
 ZERO3 = {"batch": 8, "mesh": "dp = 2", "devices": 2, "shard": "shard { dp { zero = 3 } }"}
+# and under a zero-bubble pipeline over two stages, whose weight-gradient halves (W) run
+# after later microbatches' input-gradient halves: what they read is kept until then
+ZERO3_ZB = {"batch": 8, "mesh": "dp = 2; pp = 2", "devices": 4,
+            "shard": "shard { dp { zero = 3 } }"}
 PLANS = {
     "llama-fp32": LLAMA.format(name="llama_fp32", dtype="fp32", optimize="", **ONE_RANK),
     "llama-bf16": LLAMA.format(name="llama_bf16", dtype="bf16", optimize="", **ONE_RANK),
@@ -76,8 +81,11 @@ PLANS = {
                                      **ZERO3),
     "llama-bf16-zero3": LLAMA.format(name="llama_bf16_zero3", dtype="bf16", optimize="",
                                      **ZERO3),
+    "llama-fp32-zero3-zb": LLAMA.format(name="llama_fp32_zero3_zb", dtype="fp32", optimize="",
+                                        **ZERO3_ZB).replace(
+        "microbatches = 1", "microbatches = 4; pipeline = zb1p"),
 }
-RANKS = {"llama-fp32-zero3": 2, "llama-bf16-zero3": 2}  # the others run one rank
+RANKS = {"llama-fp32-zero3": 2, "llama-bf16-zero3": 2, "llama-fp32-zero3-zb": 4}  # the others run one rank
 
 # Runs in a fresh process as a torchrun rank would (planc.runtime.worker.main), with a
 # thread sampling the heap and every instruction reporting what it left.

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from planc.estimate import memory
+from planc.estimate import memory, parameter_counts
 from planc.lang import load_file, load_text
 from tests.conftest import PLANS
 
@@ -152,6 +152,50 @@ def test_experts_with_no_replica_are_no_zero3_unit():
     assert block == 17_024
     assert memory.unsharded_unit_bytes(plan, 0) == (2 * 2 + 4) * block
     assert memory.stage_expert_parameters(plan, 0) == 2 * 196_608
+
+
+def zb_plan(pipeline: str, zero: int = 0, dp: int = 1):
+    """A 4-layer llama over 2 stages, 4 microbatches of one 32-token sequence."""
+    return plan_of(f"""plan z {{
+  model llama {{ layers = 4; hidden = 64; heads = 4; kv_heads = 2; ffn = 128; vocab = 256
+                seq = 32; batch = {4 * dp} }}
+  mesh {{ pp = 2; dp = {dp} }}
+  shard {{ dp {{ zero = {zero} }} }}
+  schedule {{ microbatches = 4; pipeline = {pipeline} }}
+}}""")
+
+
+# One llama block's steps with parameters and the features of their outputs a token:
+# ln1 64, qkv (4 + 2 x 2) x 16 = 128, proj 64, ln2 64, fc1 2 x 128 = 256, fc2 64
+BLOCK_OUTPUTS = 64 + 128 + 64 + 64 + 256 + 64
+
+
+@pytest.mark.parametrize("stage, outputs, held", [
+    (0, 2 * BLOCK_OUTPUTS + 64, 1),  # F0 F1 I0 W0 ..: the embedding's output too
+    (1, 2 * BLOCK_OUTPUTS + 64 + 256, 2),  # F0 I0 F1 I1 W0 ..: the final norm's, the logits'
+])
+def test_a_split_backward_keeps_the_output_gradients_its_weight_half_reads(
+        stage, outputs, held):
+    """zb1p: every step with parameters keeps the gradient of its output from its input
+    half (I) to its weight half (W), which reads it; in fp32, 32 tokens a microbatch, for
+    the most microbatches of the stage between their I and their W. 1F1B keeps none."""
+    assert memory.weight_gradient_reads_bytes(zb_plan("1f1b"), stage) == 0.0
+    split = zb_plan("zb1p")
+    assert memory.weight_gradient_reads_bytes(split, stage) == held * outputs * 32 * 4
+
+
+@pytest.mark.parametrize("stage, held", [(0, 1), (1, 2)])
+def test_zero3_under_a_split_backward_keeps_a_chunks_units_whole_until_its_w(stage, held):
+    """ZeRO-3 over dp 2 under zb1p: autograd's W reads the graph its I ran through, whose
+    views hold the units' parameters as the backward's gather filled them, so a chunk's
+    units stay whole in fp32 from its I to its W: the blocks', with the embedding on the
+    first stage and the final norm and head on the last, for each microbatch between."""
+    plan, plain = zb_plan("zb1p", zero=3, dp=2), zb_plan("1f1b", zero=3, dp=2)
+    block = memory.layer_parameters(plan)
+    chunk = 2 * block + (256 * 64 if stage == 0 else 64 + 256 * 64)
+    assert memory.unsharded_unit_bytes(plan, stage) == \
+        memory.unsharded_unit_bytes(plain, stage) + held * chunk * 4
+    assert memory.unsharded_unit_bytes(zb_plan("zb1p", zero=2, dp=2), stage) == 0.0
 
 
 def test_fp32_grads_adds_four_unsharded_bytes_per_parameter():
@@ -504,20 +548,26 @@ HEAD_PLAN = """plan h {
 """
 
 
-@pytest.mark.parametrize("pipeline, virtual, stage, logits, chunks", [
-    ("1f1b", 1, 3, 1, 1),
-    ("interleaved", 2, 3, 1, 5),
-    ("interleaved_zb", 2, 3, 1, 8),  # the loss's backward is the split backward's first
-    ("dualpipev", 2, 0, 1, 9),  # the V's last chunk is on stage 0, beside its first
-    ("zbv", 2, 0, 1, 8),
-    ("gpipe", 1, 3, 16, 16),  # every forward before the first backward
+@pytest.mark.parametrize("pipeline, virtual, stage, logits, chunks, read_by_w", [
+    ("1f1b", 1, 3, 1, 1, 0),
+    ("interleaved", 2, 3, 1, 5, 0),
+    # the loss's backward is the split backward's first; the head's W runs 4 I's later
+    ("interleaved_zb", 2, 3, 1, 8, 4),
+    # the V's last chunk is on stage 0, beside its first; DualPipeV's head W runs beside
+    # fewer activations than the stage's peak: it adds part of a microbatch's there
+    ("dualpipev", 2, 0, 1, 9, None),
+    ("zbv", 2, 0, 1, 8, 1),
+    ("zb1p", 1, 3, 1, 4, 4),  # I0 .. I3, then W0
+    ("gpipe", 1, 3, 16, 16, 0),  # every forward before the first backward
 ])
 def test_the_head_stage_holds_the_logits_of_the_last_chunks_microbatches_only(
-        pipeline, virtual, stage, logits, chunks):
+        pipeline, virtual, stage, logits, chunks, read_by_w):
     """The head's stage holds the logits (fp32) and the final norm's and the head's inputs
     of the microbatches its last chunk has run forward and not yet backward, not of every
     microbatch-chunk the stage holds: a vocabulary larger by 1,000 adds 4 bytes a token
-    for each of them."""
+    for each of them. Under a split backward the head's output gradient (the logits',
+    a vocabulary wide) waits for its W: 4 bytes a token more for each microbatch whose
+    I has run and W has not at the stage's peak (its order replayed)."""
     def plan(vocab):
         return plan_of(HEAD_PLAN.replace("VOCAB", str(vocab)).replace(
             "VIRTUAL", str(virtual)).replace("PIPELINE", pipeline))
@@ -528,7 +578,13 @@ def test_the_head_stage_holds_the_logits_of_the_last_chunks_microbatches_only(
     assert memory.microbatches_in_flight(small, stage) == chunks
     grown = (memory.stage_activation_bytes(large, stage)[0]
              - memory.stage_activation_bytes(small, stage)[0])
-    assert grown == logits * 1000 * 32 * 4  # a microbatch of one 32-token sequence
+    reads = (memory.weight_gradient_reads_bytes(large, stage)
+             - memory.weight_gradient_reads_bytes(small, stage))
+    assert grown == logits * 1000 * 32 * 4 + reads  # a microbatch of one 32-token sequence
+    if read_by_w is not None:
+        assert reads == read_by_w * 1000 * 32 * 4
+    else:
+        assert 0 < reads < 1000 * 32 * 4
 
 
 def test_the_fp32_gradient_copy_covers_a_ranks_experts_too():
@@ -607,7 +663,7 @@ def test_a_routed_experts_elements_are_split_over_ep():
     experts = [f"layers.{layer}.experts.{w}.weight" for layer in (0, 1)
                for w in ("gate", "up", "down")]
     for ep, rows in ((1, 2048), (2, 1024), (4, 512)):
-        local = memory.local_parameter_elements(plan_of(text % ep))
+        local = parameter_counts.local_parameter_elements(plan_of(text % ep))
         assert {name: local[name] for name in experts} == dict.fromkeys(experts, rows)
         assert local["layers.0.q.weight"] == 32 * 32 and local["head.weight"] == 32 * 64
     assert memory.stage_parameter_counts(plan_of(text % 2)) == ((10_656, 6_144),)

@@ -59,7 +59,7 @@ from planc.program.names import Kind
 from planc.program.groups import PIPELINE, GroupTable
 from planc.program.operands import FORWARD_STEPS, GRADIENT_STEPS, Operands, StepKind
 from planc.program.program import Instruction
-from planc.estimate.memory import local_parameter_elements
+from planc.estimate.parameter_counts import local_parameter_elements
 from planc.plan.plan import DTYPE_BYTES, Plan
 from planc.estimate.kernel_cost import ALL_TO_ALL_SMS, MIXTURE, TWO_HOP_SMS, KernelModel
 from planc.estimate.mixture import Mixture

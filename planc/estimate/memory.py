@@ -30,8 +30,9 @@ from dataclasses import dataclass
 
 from planc import schedules
 from planc.estimate.kernel_cost import GPUS
+from planc.estimate.parameter_counts import (_local_elements, layer_parameters,
+                                             stage_expert_parameters, stage_parameters)
 from planc.models import family_of
-from planc.models.family import shares_heads
 from planc.plan.plan import Plan
 
 FP32_BYTES = 4
@@ -106,93 +107,6 @@ def model_state_bytes(parameters: float, dtype_bytes: int, optimizer_bytes: int,
     return p / n, p / n, k / n
 
 
-def _local_elements(plan: Plan, params) -> int:
-    """Elements of ``params`` on one tp rank, as the placements of the model's family
-    store them (Megatron-LM: a column-parallel weight and bias and a row-parallel weight
-    are split; a row-parallel bias, norms and shared k/v heads are whole)."""
-    split, ep = _split_over_tp(plan), plan.mesh.ep
-    # a routed expert's weights are counted by _expert_elements
-    return sum(_on_one_device(plan, param, split) for param in params
-               if not param.split_over_experts(ep))
-
-
-def local_parameter_elements(plan: Plan) -> dict[str, int]:
-    """Every parameter's global name -> its elements on one device (split over tp as
-    :func:`_local_elements` counts, a routed expert's over ep)."""
-    split = _split_over_tp(plan)
-    return {param.name: _on_one_device(plan, param, split)
-            for param in family_of(plan).all_parameters(plan.model)}
-
-
-def _on_one_device(plan: Plan, param, split: set[str]) -> int:
-    """``param``'s elements on one device: a routed expert's split over ep, a parameter
-    that tp splits (``split``: block-local names) over tp, any other whole."""
-    if param.split_over_experts(plan.mesh.ep):
-        return param.numel // plan.mesh.ep
-    local = param.name.split(".", 2)[-1] if param.layer is not None else param.name
-    return param.numel // (plan.mesh.tp if local in split else 1)
-
-
-def _split_over_tp(plan: Plan) -> set[str]:
-    """The parameters (block-local names) that tp splits."""
-    family, tp, tensor = family_of(plan), plan.mesh.tp, plan.shard.tp
-    split: set[str] = set()
-    for rule in family.rules.values():
-        if rule.column_weights and getattr(tensor, rule.placement) == "column":
-            split.update(w.name for w in rule.column_weights)
-        if rule.kind != "linear":
-            continue
-        placement = getattr(tensor, rule.placement)
-        for w in rule.weights:
-            if placement in ("column", "vocab") and not shares_heads(family, plan.model, tp, w.fan_out) or \
-                    placement == "row":
-                split.add(w.name)
-        if rule.bias is not None and placement in ("column", "vocab"):
-            split.add(rule.bias)
-    if tensor.embedding != "replicate":
-        split.add("embedding.weight")
-    return split
-
-
-def stage_expert_parameters(plan: Plan, stage: int) -> int:
-    """Elements of the routed experts split over ep held by one device of ``stage``:
-    its experts' rows, experts / ep of them (0 without mesh { ep })."""
-    family, ep = family_of(plan), plan.mesh.ep
-    if ep == 1:
-        return 0
-    return sum(p.numel // ep for layer in plan.layers_of_stage(stage)
-               for p in family.layer_parameters(plan.model, layer)
-               if p.split_over_experts(ep))
-
-
-def layer_parameters(plan: Plan, layer: int = 0) -> int:
-    """Parameter elements of transformer block ``layer`` on one tp rank."""
-    return _local_elements(plan, family_of(plan).layer_parameters(plan.model, layer))
-
-
-def stage_parameters(plan: Plan, stage: int, per_layer: int | None = None) -> int:
-    """Parameter elements held by one device of pipeline stage ``stage``; ``per_layer``:
-    :func:`layer_parameters` of a model whose blocks are all alike, if known."""
-    m, tensor, tp = plan.model, plan.shard.tp, plan.mesh.tp
-    family = family_of(plan)
-    embedding_table = m.vocab * m.hidden // (tp if tensor.embedding != "replicate" else 1)
-    head_table = m.vocab * m.hidden // (tp if tensor.head != "replicate" else 1)
-    if family.layer_block is None:  # every block alike
-        count = len(plan.layers_of_stage(stage)) * (layer_parameters(plan) if per_layer is None
-                                                     else per_layer)
-    else:
-        count = sum(layer_parameters(plan, layer) for layer in plan.layers_of_stage(stage))
-    if stage == 0:
-        count += _local_elements(plan, family.embedding_parameters(m))
-    if stage == plan.head_stage:
-        count += sum(p.numel for p in family.head_parameters(m)
-                     if p.name != "head.weight")  # the final norm
-        # A tied head on its own stage keeps a copy of the embedding (Megatron).
-        if not m.tie_embeddings or plan.head_stage != 0:
-            count += embedding_table if m.tie_embeddings else head_table
-    return count
-
-
 def head_unit_kept(plan: Plan) -> bool:
     """Whether ZeRO-3 keeps the head's unit (the final norm and head) whole from its
     forward to its backward instead of gathering it again: where the head's stage holds
@@ -226,7 +140,127 @@ def unsharded_unit_bytes(plan: Plan, stage: int) -> float:
         units.append(_local_elements(plan, family.embedding_parameters(m)))
     if stage == plan.head_stage:
         units.append(_local_elements(plan, family.head_parameters(m)))
-    return max(units, default=0) * (2 * m.dtype_bytes + FP32_BYTES)
+    return max(units, default=0) * (2 * m.dtype_bytes + FP32_BYTES) + \
+        _whole_until_weight_gradient(plan, stage)
+
+
+def _whole_until_weight_gradient(plan: Plan, stage: int) -> float:
+    """ZeRO-3 under a schedule that splits the backward: autograd's weight-gradient half
+    (W) reads the graph the input-gradient half (I) ran through, whose saved views hold
+    the unit's parameters as the backward's gather filled them, so every gathered unit of
+    a chunk stays whole in the model's dtype from the chunk's I to its W (Qi et al.,
+    "Zero Bubble Pipeline Parallelism", ICLR 2024: W is deferred into the bubbles, here
+    with what it reads): what that adds at the stage's peak, beside the output gradients
+    W reads (:func:`weight_gradient_reads_bytes`)."""
+    if not schedules.named(plan.schedule.pipeline).splits_backward:
+        return 0.0
+    reads = functools.partial(_output_gradient_bytes, plan)
+    units = functools.partial(_gathered_unit_bytes, plan)
+    return _beyond_activation_peak(plan, stage, lambda c: reads(c) + units(c)) - \
+        _beyond_activation_peak(plan, stage, reads)
+
+
+def _gathered_unit_bytes(plan: Plan, chunk: int) -> float:
+    """A chunk's parameters in the model's dtype as ZeRO-3 gathers them, whole: its
+    blocks' (with a mixture's routed experts where their step is split too, cut by
+    split_dispatch), the embedding on the first chunk, the final norm and head on the
+    last."""
+    family, m, chunks = family_of(plan), plan.model, plan.shard.pp.chunks
+    ep = plan.mesh.ep
+    first, last = chunks[chunk]
+    count = sum(layer_parameters(plan, layer) for layer in range(first, last + 1))
+    if plan.schedule.overlap_all_to_all and plan.mesh.tp * plan.mesh.dp * plan.mesh.cp // ep > 1:
+        count += sum(p.numel // ep for layer in range(first, last + 1)
+                     for p in family.layer_parameters(m, layer) if p.split_over_experts(ep))
+    if chunk == 0:
+        count += _local_elements(plan, family.embedding_parameters(m))
+    if chunk == len(chunks) - 1:
+        count += _local_elements(plan, family.head_parameters(m))
+    return count * m.dtype_bytes
+
+
+def _output_gradient_bytes(plan: Plan, chunk: int) -> float:
+    """One microbatch's output gradients of a chunk's steps with parameters, in the
+    model's dtype, each as wide as the step's output on one device: split over tp after a
+    column-parallel linear, over the sequence where sequence parallelism splits the
+    stream. A mixture over ep whose all-to-alls run inside its step keeps its backward
+    whole (planc.passes.split_backward.splittable): none of its."""
+    family, m, tp, tensor = family_of(plan), plan.model, plan.mesh.tp, plan.shard.tp
+    widths = family.widths(m)
+    sequence_split = tp if tensor.sequence_parallel and tp > 1 else 1
+    whole_mixture = plan.mesh.ep > 1 and not plan.schedule.overlap_all_to_all
+
+    def features(op: str) -> float:
+        rule = family.rules[op]
+        if not (rule.weights or rule.params or rule.bias or rule.column_weights
+                or rule.kind == "embedding") or (whole_mixture and rule.expert_parallel):
+            return 0
+        width = widths[family.output_tensor[op]]
+        if rule.kind == "linear":
+            return width / tp if getattr(tensor, rule.placement) in ("column", "vocab") \
+                else width
+        return width / sequence_split
+
+    chunks = plan.shard.pp.chunks
+    first, last = chunks[chunk]
+    ops = [op for layer in range(first, last + 1) for op in family.block(m, layer)[0]]
+    if chunk == 0:
+        ops += family.embedding_ops
+    if chunk == len(chunks) - 1:
+        ops += family.head_ops
+    tokens = plan.microbatch_size * m.seq / plan.mesh.cp
+    return sum(features(op) for op in ops) * tokens * m.dtype_bytes
+
+
+def weight_gradient_reads_bytes(plan: Plan, stage: int) -> float:
+    """Under a schedule that splits the backward, the output gradients of the steps with
+    parameters, which the input-gradient half (I) receives and the weight-gradient half
+    (W) reads (dW = x^T dy): kept from a chunk's I to its W, beside the activations
+    (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 2: W needs the
+    layer's input and its output gradient; Megatron-LM's zero-bubble keeps both until
+    then), one per step (:func:`_output_gradient_bytes`): what they add at the stage's
+    peak."""
+    if not schedules.named(plan.schedule.pipeline).splits_backward:
+        return 0.0
+    return _beyond_activation_peak(plan, stage,
+                                   functools.partial(_output_gradient_bytes, plan))
+
+
+def _beyond_activation_peak(plan: Plan, stage: int, pending) -> float:
+    """What ``pending(chunk)`` (one microbatch's bytes, held from the chunk's I to its W)
+    adds to the peak of the stage's activations: the order replayed, a forward making
+    its chunk's layers' activations live and the last backward block freeing them, an I
+    making ``pending`` live and the W freeing it; the most of both at once less the most
+    of the activations alone. Where Ws are held back to the end of the order (DualPipeV's
+    cool-down), few activations are left beside them."""
+    per_layer = layer_activation_bytes(plan)
+    count = len(plan.shard.pp.chunks)
+    mine = [plan.stage_of_chunk(c) == stage for c in range(count)]
+    activations = tuple(plan.shard.pp.chunk_layers(c) * per_layer if mine[c] else 0.0
+                        for c in range(count))
+    reads = tuple(pending(c) if mine[c] else 0.0 for c in range(count))
+    return _pending_beyond_peak(plan.schedule.pipeline, stage, plan.mesh.pp,
+                                plan.schedule.microbatches, plan.shard.pp.virtual,
+                                activations, reads)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _pending_beyond_peak(pipeline: str, stage: int, pp: int, microbatches: int, virtual: int,
+                         activations: tuple[float, ...], pending: tuple[float, ...]) -> float:
+    schedule, kinds = schedules.named(pipeline), schedules.ActionKind
+    live = held = peak = both = 0.0
+    for action in schedule.order(stage, pp, schedule.peak_microbatches(
+            pp, microbatches, virtual), virtual):
+        if action.kind.is_forward:
+            live += activations[action.chunk]
+        elif action.kind is kinds.BACKWARD_INPUT:
+            held += pending[action.chunk]
+        peak, both = max(peak, live), max(both, live + held)
+        if action.kind in _LAYERS_DONE:
+            live -= activations[action.chunk]
+        if action.kind is kinds.BACKWARD_WEIGHT:
+            held -= pending[action.chunk]
+    return both - peak
 
 
 def microbatches_in_flight(plan: Plan, stage: int) -> int:
@@ -340,7 +374,7 @@ def stage_activation_bytes(plan: Plan, stage: int) -> tuple[float, int]:
             # from: one microbatch's, once (Megatron-LM's cross-entropy likewise reads
             # ``logits.float()`` while the 16-bit output is alive).
             total += m.dtype_bytes * s * b * m.vocab / vocab_div
-    return total, in_flight
+    return total + weight_gradient_reads_bytes(plan, stage), in_flight
 
 
 def stage_activations(plan: Plan) -> tuple[tuple[float, int], ...]:
