@@ -1086,11 +1086,12 @@ def test_gpt_1t_compiles_and_the_graph_does_not_grow_with_dp_or_tp(tmp_path):
 
 def test_the_summary_counts_a_mixtures_all_to_alls_inside_its_instruction(tmp_path):
     """moe-tiny: layer 1 of stage 0 is a mixture over ep 4, run in one instruction that
-    dispatches and combines (2 all-to-alls a forward, 2 a backward) 2 microbatches of
-    16,384 bytes (8 x 32 tokens x top_k 2 x hidden 32 x fp32 at uniform routing); each
-    rank's all-to-all keeps 1/4 of its buffer, so the bus moves 3/4. They were missing
-    from compile's table and the report's; cut into transfers of their own
-    (overlap_all_to_all), they are counted once, as transfers."""
+    exchanges its counts (8 experts x 8 bytes), dispatches and combines (3 all-to-alls a
+    forward, 2 a backward) 2 microbatches of 16,384 bytes (8 x 32 tokens x top_k 2 x
+    hidden 32 x fp32 at uniform routing); each rank's all-to-all keeps 1/4 of its buffer,
+    so the bus moves 3/4. They were missing from compile's table and the report's; cut
+    into transfers of their own (overlap_all_to_all), they are counted once, as
+    transfers."""
     from planc.graph.summary import summarize
     from planc.compile import compile_plan
     from planc.lang import load_file
@@ -1101,17 +1102,18 @@ def test_the_summary_counts_a_mixtures_all_to_alls_inside_its_instruction(tmp_pa
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     rows = {(t["axis"], t["kind"], t["phase"]): (t["count"], t["bytes"], t["bus_bytes"])
             for t in summary["stages"][0]["transfers"] if t["axis"] == "ep"}
-    assert rows == {("ep", "all_to_all", "forward"): (4, 65536, 49152.0),
+    assert rows == {("ep", "all_to_all", "forward"): (6, 65536 + 2 * 64, 49152.0 + 2 * 48),
                     ("ep", "all_to_all", "backward"): (4, 65536, 49152.0)}
-    assert "\n  ep all_to_all: a mixture's dispatch and combine, inside its compute instruction " \
-           "unless\n    cut into transfers of their own (at uniform routing)\n" in done.out
+    assert "\n  ep all_to_all: a mixture's counts, dispatch and combine, inside its compute\n" \
+           "    instruction unless cut into transfers of their own (at uniform routing)\n" \
+           in done.out
     page = tmp_path / "report.html"
     assert planc("report", source, "-o", page).returncode == 0
     html = page.read_text()
     # the busiest stage's: stage 1, whose two layers are mixtures
     assert "<td>ep</td><td>all_to_all</td><td>backward</td><td>8</td><td>131 KB</td>" \
            "<td>98.3 KB</td><td>1</td>" in html
-    assert "<code>ep all_to_all</code>: a mixture&#x27;s dispatch and combine, inside its " \
+    assert "<code>ep all_to_all</code>: a mixture&#x27;s counts, dispatch and combine, inside its " \
            "compute instruction unless cut into transfers of their own (at uniform " \
            "routing).</p>" in html
     # model { fp8 }: what goes toward the experts (a dispatch, a combine's gradient) in
@@ -1124,7 +1126,7 @@ def test_the_summary_counts_a_mixtures_all_to_alls_inside_its_instruction(tmp_pa
             loaded.plan).graph)["stages"][0]["transfers"] if t["axis"] == "ep"}
         moved = {phase: rows[phase]["bytes"] for phase in ("forward", "backward")}
         if not cut_too:
-            assert moved == {"forward": 2 * (8192 * 1.25 / 2 + 8192),
+            assert moved == {"forward": 2 * (64 + 8192 * 1.25 / 2 + 8192),
                              "backward": 2 * (8192 * 1.25 / 2 + 8192)}
         else:  # a cut dispatch carries its rows' routing too: 8,320 bytes, not 8,192
             assert moved["backward"] == 2 * (8192 * 1.25 / 2 + 8320)

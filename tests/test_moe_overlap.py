@@ -697,8 +697,8 @@ def test_deepseek_v3s_run_fits_the_h800s_80_gb():
     worst = estimate.worst_routing_peak
     assert worst.total_bytes + worst.worst_routing_extra_bytes > 80e9
     text = simulate_text.render(simulate(compile_plan(loaded.plan)))
-    assert ("  memory: 57.7 GB of 80 GB at peak (stage 1)\n"
-            "  memory under the worst routing: 98.4 GB (stage 1; a dropless mixture's every "
+    assert ("  memory: 57.9 GB of 80 GB at peak (stage 1)\n"
+            "  memory under the worst routing: 98.5 GB (stage 1; a dropless mixture's every "
             "row of the ep group on one rank's experts)") in text
 
 

@@ -308,13 +308,16 @@ TWO_NODES = """plan p {{
 def test_the_step_charges_each_mixtures_all_to_alls_to_the_ep_axis(ep, order, placement):
     """dp 16 on two nodes, one sequence each: a rank dispatches 16 tokens x top_k 2 rows of
     64 bf16 features (4 KB), the busiest rank 1.72 times that (the default imbalance);
-    each of the 2 mixtures runs 2 all-to-alls forward and 2 backward; the step's exposed
-    ep is those 8, priced on the group's placement."""
+    each of the 2 mixtures runs 2 all-to-alls forward and 2 backward, and before its
+    forward's dispatch one of its counts (16 experts x 8 bytes); the step's exposed ep is
+    those 10, priced on the group's placement."""
     build = compile_plan(load_text(TWO_NODES.format(ep=ep, order=order)).plan)
     result = simulate(build)
-    one = CostModel(build.plan.topology).all_to_all_seconds(16 * 2 * 64 * 2 * 1.72,
-                                                            placement)
-    assert result.stages[0].exposed_seconds["ep"] == pytest.approx(8 * one, rel=1e-12)
+    cost = CostModel(build.plan.topology)
+    one = cost.all_to_all_seconds(16 * 2 * 64 * 2 * 1.72, placement)
+    counts = cost.all_to_all_seconds(16 * 8, placement)
+    assert result.stages[0].exposed_seconds["ep"] == pytest.approx(8 * one + 2 * counts,
+                                                                   rel=1e-12)
 
 
 # --- the experts' kernels ------------------------------------------------------------------

@@ -117,7 +117,8 @@ def axis_of(operands: Operands | None) -> str | None:
 
 
 # A mixture of experts over an ep group: the dispatch and the combine, forward or
-# backward, each an all-to-all of its rows at uniform routing, in series with the
+# backward, each an all-to-all of its rows at uniform routing (a forward's after one of
+# its counts, planc.models.moe.expert_counts_bytes), in series with the
 # experts' GEMMs (no overlap within one microbatch: Megatron-Core's 1F1B A2A overlap
 # hides them behind another microbatch, which the replay does not model yet).
 EXPERT_ALL_TO_ALLS = 2
@@ -279,6 +280,10 @@ class InstructionCosts:
                     operands.group, rows * self.dispatch_share, stage) + \
                     (EXPERT_ALL_TO_ALLS - 1) * self.expert_all_to_all(operands.group, rows,
                                                                         stage)
+                if operands.step in FORWARD_STEPS and self.mixture is not None:
+                    # the counts that size the dispatch, before it (as a cut one's)
+                    exchange += self.expert_all_to_all(
+                        operands.group, self.mixture.counts_bytes, stage)
                 self.exchanges[instruction.node] = exchange
                 seconds += exchange
             # a balance loss's counts, in a forward: their backward sends nothing

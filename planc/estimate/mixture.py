@@ -45,6 +45,11 @@ class Mixture:
                        m.experts // plan.mesh.ep, moe.forward_flops("moe", one), imbalance,
                        *(groups if groups is not None else (1, None)))
 
+    @property
+    def counts_bytes(self) -> int:
+        """The all-to-all of counts before a dispatch (planc.models.moe.expert_counts_bytes)."""
+        return moe.expert_counts_bytes(self.experts)
+
     def nodes_per_token(self, nodes: int) -> float:
         """How many of ``nodes`` (the ep group's, each holding experts / nodes of the
         experts) one token's top_k experts lie on, on average at uniform routing; with

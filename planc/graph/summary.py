@@ -16,6 +16,7 @@ import networkx as nx
 from planc.estimate import memory
 from planc.estimate.cost import CostModel, bus_factor
 from planc.graph.ir import Axis, Kind, Phase
+from planc.models import moe
 from planc.vocabulary.model_options import gemm_input_bytes
 from planc.plan.layout import Layout as RankLayout
 from planc.plan.plan import Plan
@@ -43,14 +44,16 @@ def _count(entry: dict, key: tuple, kind: str, repeat: int, size: float, group: 
 def _inner_all_to_alls(plan: Plan, node: dict) -> list[float]:
     """The bytes of each all-to-all a mixture's compute step runs over its ep group
     inside its instruction, at uniform routing: a forward's (or recomputation's)
-    dispatch and combine, a backward's two reversed; what goes toward the experts (the
-    dispatch, the combine's gradient) in FP8 under ``model { fp8 }``
+    counts, dispatch and combine, a backward's two reversed; what goes toward the
+    experts (the dispatch, the combine's gradient) in FP8 under ``model { fp8 }``
     (planc.runtime.families.moe). None where the mixture's all-to-alls are transfers of
     their own (planc.passes.split_dispatch) or it has no ep group: an empty list."""
     if not node.get("experts_over") or node["experts_over"] < 2:
         return []
     rows = node["dispatch_bytes"]
-    return [rows * _toward_experts_share(plan), rows]
+    counts = [moe.expert_counts_bytes(plan.model.experts)] \
+        if node["phase"] == Phase.FORWARD or node.get("recompute") else []
+    return counts + [rows * _toward_experts_share(plan), rows]
 
 
 def _toward_experts_share(plan: Plan) -> float:

@@ -204,6 +204,15 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     return max(dense, mixture) if m.first_dense else mixture
 
 
+def expert_counts_bytes(experts: int) -> int:
+    """What a rank sends in the all-to-all of counts that sizes a dispatch (before every
+    forward one, and a recomputed one): how many of its rows go to each expert, one int64
+    an expert, each member of the ep group receiving those of its own experts; the rows
+    then arrive sorted by expert, so their experts need no exchange of their own
+    (Megatron-Core's all-to-all token dispatcher exchanges its tokens per expert so)."""
+    return experts * 8
+
+
 def dispatch_bytes(m: Model, mesh, tokens: float) -> float:
     """A mixture's dispatch buffers when routing is as uneven as it can be: with ep > 1,
     a rank may receive from each of the ep ranks of its group every row of its tokens

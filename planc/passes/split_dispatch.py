@@ -143,7 +143,7 @@ class _Cutter:
         rows = data["dispatch_bytes"] // m.hidden
         columns = m.hidden + (1 if payload == Payload.DISPATCH else 0)
         if payload == Payload.COUNTS:  # one int64 per expert
-            rows, columns = m.experts, 8
+            rows, columns = 1, moe.expert_counts_bytes(m.experts)
         name = f"{node}:{payload.value}"
         reason = _reason(payload, phase, self.plan, bool(self.hops.get(data["stage"])))
         if data["recompute"]:  # the recomputed forward's, run in the backward

@@ -33,9 +33,9 @@ def passes(summary: dict) -> str:
 # what a mixture's all-to-alls in the table are (planc.graph.summary: one row whichever
 # the mixture; cut into transfers of their own, planc.passes.split_dispatch, they are
 # counted as any transfer and this line still holds of the rest)
-INNER_ALL_TO_ALLS = ("ep all_to_all: a mixture's dispatch and combine, inside its compute "
-                     "instruction unless cut into transfers of their own (at uniform "
-                     "routing)")
+INNER_ALL_TO_ALLS = ("ep all_to_all: a mixture's counts, dispatch and combine, inside its "
+                     "compute instruction unless cut into transfers of their own (at "
+                     "uniform routing)")
 
 
 def render(summary: dict) -> str:

@@ -130,31 +130,35 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     (token, expert) pair goes, sorted by expert,
     to the expert's rank with one all-to-all after the counts are exchanged (they vary
     step by step), comes back with another, and is added to its token weighted; a token's
-    experts add in increasing order, as :func:`mixture` adds them."""
+    experts add in increasing order, as :func:`mixture` adds them. The counts go per
+    expert, so that a rank knows each row's expert from where it lies among the rows
+    (sorted by expert) without a third exchange (Megatron-Core's all-to-all dispatcher
+    sends its tokens-per-expert counts the same way)."""
     probabilities, experts, weights = choose(tokens, weights_of, m, bias, count)
     per_rank = m.experts // peers.size
     chosen = routed_pairs(experts, sequences, positions, m, counts_over, drops).reshape(-1)
     order, token_of = sorted_pairs(chosen, m.top_k)  # every pair, unless capacity drops
-    expert_of = chosen[order]
-    counts = torch.bincount(expert_of // per_rank, minlength=peers.size)
-    sent, received = counts.tolist(), exchange_sizes(counts, peers.group).tolist()
+    per_expert = torch.bincount(chosen[order], minlength=m.experts)
+    # rows from each member for each of this rank's experts, in the order they arrive
+    arriving = exchange_sizes(per_expert, peers.group).reshape(peers.size, per_rank)
+    sent = per_expert.reshape(peers.size, per_rank).sum(1).tolist()
+    received = arriving.sum(1).tolist()
     if tally is not None:  # the rows this rank's experts run: the routing's balance
         tally(sum(received))
     recipe = fp8.recipe_of(m)
     rows = _AllToAll.apply(tokens[token_of], sent, received, peers.group) if recipe is None \
         else _Fp8Dispatch.apply(tokens[token_of], sent, received, peers.group, recipe.tile)
-    rows_expert = exchange_rows(expert_of, sent, received, peers.group)
+    local_expert = torch.repeat_interleave(  # each received row's expert on this rank
+        torch.arange(per_rank, device=rows.device).repeat(peers.size), arriving.reshape(-1))
     stacked = stacked_experts(weights_of)  # this rank's experts only
     # zeros that depend on ``rows``: a rank whose experts got no row in this microbatch
     # still runs both all-to-alls' backward, which its peers wait for (with zeros_like,
     # autograd would skip them there, and the ep group would hang)
     done = rows * 0
-    first = peers.index * per_rank
-    for expert in range(first, first + per_rank):
-        mine = (rows_expert == expert).nonzero(as_tuple=True)[0]
+    for expert in range(per_rank):
+        mine = (local_expert == expert).nonzero(as_tuple=True)[0]
         if mine.numel():
-            done = done.index_copy(0, mine, expert_output(rows[mine], stacked, expert - first,
-                                                    recipe))
+            done = done.index_copy(0, mine, expert_output(rows[mine], stacked, expert, recipe))
     back = _AllToAll.apply(done, received, sent, peers.group) if recipe is None \
         else _Fp8Combine.apply(done, received, sent, peers.group, recipe)
     weighted = back * weights.reshape(-1)[order].to(tokens.dtype).unsqueeze(-1)
