@@ -13,7 +13,8 @@ The plans are written here, sized so that a step's tensors are hundreds of MiB: 
 and gpt, one rank each (the mesh's other axes change what a rank holds in ways the
 estimate prices by the same rules); llama under ZeRO-3 over two ranks, where what
 matters is that a unit's gathered parameters go once its forward is done; and the same
-under zb1p over two stages (4 ranks), where a weight-gradient half keeps what it reads. Each runs 2
+under zb1p over two stages (4 ranks), where a weight-gradient half keeps what it reads,
+and zb1p with full recomputation (2 ranks), where that is the recomputed graph too. Each runs 2
 steps; the second is measured, on the rank holding the most.
 
     .venv/bin/python bench/memory_live.py [--plans llama-fp32,gpt-fp32] [--write]
@@ -84,8 +85,15 @@ PLANS = {
     "llama-fp32-zero3-zb": LLAMA.format(name="llama_fp32_zero3_zb", dtype="fp32", optimize="",
                                         **ZERO3_ZB).replace(
         "microbatches = 1", "microbatches = 4; pipeline = zb1p"),
+    # full recomputation under zb1p over two stages: a chunk's recomputed layers are
+    # kept from its input gradient to its weight gradient
+    "llama-fp32-full-zb": LLAMA.format(
+        name="llama_fp32_full_zb", dtype="fp32", optimize="optimize { recompute = full }",
+        batch=8, mesh="pp = 2", devices=2, shard="").replace(
+        "microbatches = 1", "microbatches = 4; pipeline = zb1p"),
 }
-RANKS = {"llama-fp32-zero3": 2, "llama-bf16-zero3": 2, "llama-fp32-zero3-zb": 4}  # the others run one rank
+RANKS = {"llama-fp32-zero3": 2, "llama-bf16-zero3": 2, "llama-fp32-zero3-zb": 4,
+         "llama-fp32-full-zb": 2}  # the others run one rank
 
 # Runs in a fresh process as a torchrun rank would (planc.runtime.worker.main), with a
 # thread sampling the heap and every instruction reporting what it left.

@@ -154,7 +154,7 @@ def test_experts_with_no_replica_are_no_zero3_unit():
     assert memory.stage_expert_parameters(plan, 0) == 2 * 196_608
 
 
-def zb_plan(pipeline: str, zero: int = 0, dp: int = 1):
+def zb_plan(pipeline: str, zero: int = 0, dp: int = 1, recompute: str = "none"):
     """A 4-layer llama over 2 stages, 4 microbatches of one 32-token sequence."""
     return plan_of(f"""plan z {{
   model llama {{ layers = 4; hidden = 64; heads = 4; kv_heads = 2; ffn = 128; vocab = 256
@@ -162,6 +162,7 @@ def zb_plan(pipeline: str, zero: int = 0, dp: int = 1):
   mesh {{ pp = 2; dp = {dp} }}
   shard {{ dp {{ zero = {zero} }} }}
   schedule {{ microbatches = 4; pipeline = {pipeline} }}
+  optimize {{ recompute = {recompute} }}
 }}""")
 
 
@@ -182,6 +183,27 @@ def test_a_split_backward_keeps_the_output_gradients_its_weight_half_reads(
     assert memory.weight_gradient_reads_bytes(zb_plan("1f1b"), stage) == 0.0
     split = zb_plan("zb1p")
     assert memory.weight_gradient_reads_bytes(split, stage) == held * outputs * 32 * 4
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_a_split_backward_keeps_a_recomputed_chunk_until_its_weight_half(recompute):
+    """Recomputation under zb1p: the recomputed forward's graph, which I differentiates
+    and W reads again, is each of the chunk's 2 layers' activations without recomputation
+    from I to W, beside the output gradients; the one layer that a whole backward holds
+    recomputed at a time is then part of it, not counted again."""
+    split, plain = zb_plan("zb1p", recompute=recompute), zb_plan("1f1b", recompute=recompute)
+    brought_back = memory.layer_activation_bytes(split, "none") - \
+        memory.layer_activation_bytes(split)
+    assert brought_back > 0
+    reads = 2 * BLOCK_OUTPUTS + 64 + 256  # stage 1's, as above: 2 microbatches held
+    assert memory.weight_gradient_reads_bytes(split, 1) == \
+        2 * (reads * 32 * 4 + 2 * brought_back)
+    one_layer = memory.layer_activation_bytes(plain, "none") if recompute == "full" else 0
+    held, in_flight = memory.stage_activation_bytes(split, 1)
+    assert held - memory.weight_gradient_reads_bytes(split, 1) == \
+        memory.stage_activation_bytes(plain, 1)[0] - one_layer + \
+        (in_flight - memory.stage_activation_bytes(plain, 1)[1]) * 2 * \
+        memory.layer_activation_bytes(split)
 
 
 @pytest.mark.parametrize("stage, held", [(0, 1), (1, 2)])

@@ -691,14 +691,16 @@ def test_deepseek_v3s_run_fits_the_h800s_80_gb():
     assert [d for d in loaded.diagnostics if d.severity == "warning"] == []
     estimate = memory.estimate(loaded.plan)
     peak = estimate.peak
-    assert (peak.stage, peak.microbatches_in_flight) == (1, 33)
+    # stage 14: up to 15 chunks' weight halves wait for DualPipeV's cool-down with what
+    # they read (memory.weight_gradient_reads_bytes)
+    assert (peak.stage, peak.microbatches_in_flight) == (14, 33)
     assert 50e9 < peak.total_bytes < 80e9, peak
     assert memory.head_microbatches_in_flight(loaded.plan) == 1
     worst = estimate.worst_routing_peak
     assert worst.total_bytes + worst.worst_routing_extra_bytes > 80e9
     text = simulate_text.render(simulate(compile_plan(loaded.plan)))
-    assert ("  memory: 57.9 GB of 80 GB at peak (stage 1)\n"
-            "  memory under the worst routing: 98.5 GB (stage 1; a dropless mixture's every "
+    assert ("  memory: 73.9 GB of 80 GB at peak (stage 14)\n"
+            "  memory under the worst routing: 115 GB (stage 14; a dropless mixture's every "
             "row of the ep group on one rank's experts)") in text
 
 

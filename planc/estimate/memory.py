@@ -218,12 +218,17 @@ def weight_gradient_reads_bytes(plan: Plan, stage: int) -> float:
     (W) reads (dW = x^T dy): kept from a chunk's I to its W, beside the activations
     (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 2: W needs the
     layer's input and its output gradient; Megatron-LM's zero-bubble keeps both until
-    then), one per step (:func:`_output_gradient_bytes`): what they add at the stage's
+    then), one per step (:func:`_output_gradient_bytes`), and under recomputation what it
+    brought back: the recomputed forward's graph, which I differentiates and W reads
+    again, is the chunk's activations without recomputation until its W (a whole
+    backward lets each layer's go as soon as it is done): what they add at the stage's
     peak."""
     if not schedules.named(plan.schedule.pipeline).splits_backward:
         return 0.0
-    return _beyond_activation_peak(plan, stage,
-                                   functools.partial(_output_gradient_bytes, plan))
+    recomputed = layer_activation_bytes(plan, "none") - layer_activation_bytes(plan)
+    chunk_layers = plan.shard.pp.chunk_layers
+    return _beyond_activation_peak(plan, stage, lambda chunk: _output_gradient_bytes(
+        plan, chunk) + chunk_layers(chunk) * recomputed)
 
 
 def _beyond_activation_peak(plan: Plan, stage: int, pending) -> float:
@@ -355,8 +360,10 @@ def stage_activation_bytes(plan: Plan, stage: int) -> tuple[float, int]:
     m, tp = plan.model, plan.mesh.tp
     in_flight = microbatches_in_flight(plan, stage)
     total = layers_in_flight(plan, stage) * layer_activation_bytes(plan)
-    if plan.optimize.recompute == "full":
-        # Recomputing one layer materialises its full activations once more.
+    if plan.optimize.recompute == "full" and \
+            not schedules.named(plan.schedule.pipeline).splits_backward:
+        # Recomputing one layer materialises its full activations once more (a split
+        # backward keeps its chunk's until the W: weight_gradient_reads_bytes).
         total += layer_activation_bytes(plan, "none")
     transient = family_of(plan).transient_bytes
     if transient is not None and plan.layers_of_stage(stage):
