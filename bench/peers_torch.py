@@ -300,16 +300,20 @@ def build_ddp(c: Config):
 def build_fsdp2(c: Config):
     """``torch.distributed.fsdp.fully_shard`` on every Block, then on the root (ZeRO-3:
     parameters, gradients and AdamW state sharded; all-gather before use,
-    reduce-scatter of gradients), over a CPU ``DeviceMesh`` whose backend is gloo."""
+    reduce-scatter of gradients), over a CPU ``DeviceMesh`` whose backend is gloo. As
+    torchtitan's ``apply_fsdp`` sets it by default, the last Block is not resharded after
+    its forward (its backward would gather it again at once), nor is the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = GPT(c)
-    for block in model.layers.values():
-        fully_shard(block, mesh=mesh)
+    blocks = list(model.layers.values())
+    for index, block in enumerate(blocks):
+        fully_shard(block, mesh=mesh, reshard_after_forward=index < len(blocks) - 1)
     fully_shard(model, mesh=mesh)
-    return _data_parallel_step(c, model, _dp_rows(c)), "default reshard_after_forward"
+    return _data_parallel_step(c, model, _dp_rows(c)), \
+        "the last block kept after its forward, as torchtitan"
 
 
 def interleave_qkv(attn: Attention, tp: int) -> None:

@@ -195,11 +195,12 @@ def test_a_collective_over_stages_that_holds_its_stream_deadlocks():
     """The tied embedding's all-reduce joins stage 0 and stage 1. Issued on the last
     microbatch inside stage 1's backward (where planc issued it before it moved to the
     epilogue, as Megatron-LM's finalize_model_grads does), it holds the dp stream until
-    stage 0 issues it in its epilogue; ZeRO 3's gather for layer 2's backward (issued
-    before the next reduce-scatter, behind the head's backward: the head's unit, kept
-    from its forward, is one of the two units gathered at once) waits behind it, stage
-    1's backward behind that, and stage 0's last backward for stage 1's gradient.
-    Each stage's blocks and sends alone are fine: only the streams show it."""
+    stage 0 issues it in its epilogue; issued there just before ZeRO 3's gather for
+    layer 2's backward (the first unit stage 1's backward gathers: the head's and the
+    last block's, kept from their forward, are the two units gathered at once), that
+    gather waits behind it, stage 1's backward behind that, and stage 0's last backward
+    for stage 1's gradient. Each stage's blocks and sends alone are fine: only the
+    streams show it."""
     build = built(TIED_ZERO3)
     assert problems(build) == []
     tied = "G/c1.b0:all_reduce@tied"
@@ -209,22 +210,22 @@ def test_a_collective_over_stages_that_holds_its_stream_deadlocks():
                  x["op"] == "record" and x["event"] == f"done:{tied}"]
         data["epilogue"] = [x for x in data["epilogue"] if x not in moved]
         block = data["blocks"]["B1"]
-        after = next(i for i, x in enumerate(block) if x["op"] == "record" and
-                     x["event"] == "done:G/c1.b0:reduce_scatter@dp_cp")
-        block[after + 1:after + 1] = [{**x, "guard": "last"} for x in moved]
+        before = next(i for i, x in enumerate(block)
+                      if x.get("node") == "B/c1.b3>L2:all_gather@dp_cp")
+        block[before:before] = [{**x, "guard": "last"} for x in moved]
 
     programs = _replace_program(build, "stage1.json", in_the_backward)
     assert problems(build, programs) == [
         "the programs deadlock (run stream by stream, the step cannot finish): "
         "stage 0 #135 recv_next: recv B/c1>c0:recv@pp mb 1 (recv_next) waits for the peer "
         "stage to send it; "
-        "stage 1 #166 dp: all_reduce G/c1.b0:all_reduce@tied (B1 mb 1) waits for stage 0 to "
+        "stage 1 #159 dp: all_reduce G/c1.b0:all_reduce@tied (B1 mb 1) waits for stage 0 to "
         "join this tied all_reduce; "
         "stage 0 #137 compute: wait done:B/c1>c0:recv@pp#1 mb 1 (B0 mb 1) waits for event "
         "done:B/c1>c0:recv@pp#1; "
         "stage 0 #166 dp: wait done:B/L1/ln1#1 mb 1 (B0 mb 1) waits for event "
         "done:B/L1/ln1#1; "
-        "stage 1 #170 compute: wait done:B/c1.b3>L2:all_gather@dp_cp#1 mb 1 (B1 mb 1) "
+        "stage 1 #163 compute: wait done:B/c1.b3>L2:all_gather@dp_cp#1 mb 1 (B1 mb 1) "
         "waits for event done:B/c1.b3>L2:all_gather@dp_cp#1"]
 
 

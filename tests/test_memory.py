@@ -106,12 +106,14 @@ def test_zero_paper_example_through_a_plan(zero, dp, cp):
 def test_zero3_counts_its_largest_unit_whole_beside_the_shards(zero, dp, units):
     """Twice in bf16 (the forward's, filled again, and the backward's gather) and its
     fp32 gradient: 8 bytes a parameter of the largest unit, here the embedding (token
-    and position tables, 53,248 x 4096 + 2048 x 4096), larger than a block."""
+    and position tables, 53,248 x 4096 + 2048 x 4096), larger than a block; and the
+    last block, kept whole from its forward to its backward, once more in bf16."""
     (stage,) = memory.estimate(zero_plan(zero, dp)).stages
     embedding = (ZERO_VOCAB + ZERO_SEQ) * ZERO_HIDDEN
     block = memory.layer_parameters(zero_plan(zero, dp))
     assert embedding > block == 12 * ZERO_HIDDEN ** 2 + 13 * ZERO_HIDDEN
-    assert stage.unsharded_bytes == (8 * embedding if units else 0.0)
+    assert memory.last_block_kept(zero_plan(zero, dp)) == units
+    assert stage.unsharded_bytes == (8 * embedding + 2 * block if units else 0.0)
     assert stage.total_bytes == (stage.parameter_bytes + stage.gradient_bytes
                                  + stage.optimizer_bytes + stage.activation_bytes
                                  + stage.unsharded_bytes)
@@ -140,7 +142,10 @@ def test_zero3_s_largest_unit_may_be_a_blocks_experts_split_over_ep():
     plan = moe_zero3(dp=4)
     experts = 4 * 3 * 64 * 256
     assert memory.stage_expert_parameters(plan, 0) == 2 * experts
-    assert memory.unsharded_unit_bytes(plan, 0) == (2 * 2 + 4) * experts
+    # and the last block, kept whole from its forward to its backward (its attention,
+    # router and norms, 17,024 elements, and its experts), once more in bf16
+    assert memory.unsharded_unit_bytes(plan, 0) == (2 * 2 + 4) * experts + \
+        2 * (17_024 + experts)
 
 
 def test_experts_with_no_replica_are_no_zero3_unit():
@@ -150,7 +155,8 @@ def test_experts_with_no_replica_are_no_zero3_unit():
     plan = moe_zero3(dp=2)
     block = memory.layer_parameters(plan)
     assert block == 17_024
-    assert memory.unsharded_unit_bytes(plan, 0) == (2 * 2 + 4) * block
+    # the last block's kept whole too (once more in bf16): its experts are not gathered
+    assert memory.unsharded_unit_bytes(plan, 0) == (2 * 2 + 4) * block + 2 * block
     assert memory.stage_expert_parameters(plan, 0) == 2 * 196_608
 
 
@@ -689,3 +695,23 @@ def test_a_routed_experts_elements_are_split_over_ep():
         assert {name: local[name] for name in experts} == dict.fromkeys(experts, rows)
         assert local["layers.0.q.weight"] == 32 * 32 and local["head.weight"] == 32 * 64
     assert memory.stage_parameter_counts(plan_of(text % 2)) == ((10_656, 6_144),)
+
+
+def test_the_last_block_is_kept_whole_only_beside_the_heads_unit_and_on_its_chunk():
+    """ZeRO-3 keeps the last block's units from their forward to their backward where it
+    keeps the head's (one microbatch's head at a time: 1F1B, not GPipe's every forward
+    first) and the block is on the head's chunk, so that only the head and the loss run
+    between; a last chunk of the head alone runs other microbatches' work between."""
+    assert memory.last_block_kept(zb_plan("1f1b", zero=3, dp=2))
+    assert memory.last_block_kept(zb_plan("zb1p", zero=3, dp=2))
+    assert not memory.last_block_kept(zb_plan("gpipe", zero=3, dp=2))
+    assert not memory.last_block_kept(zb_plan("1f1b", zero=2, dp=2))
+    assert not memory.last_block_kept(zb_plan("1f1b", zero=3, dp=1))
+    head_alone = plan_of("""plan z {
+  model llama { layers = 4; hidden = 64; heads = 4; kv_heads = 2; ffn = 128; vocab = 256
+                seq = 32; batch = 8 }
+  mesh { pp = 2; dp = 2 }
+  shard { dp { zero = 3 }; pp { virtual = 2; stages = [0..1, 2..2, 3..3, head] } }
+  schedule { microbatches = 4; pipeline = interleaved }
+}""")
+    assert memory.head_unit_kept(head_alone) and not memory.last_block_kept(head_alone)

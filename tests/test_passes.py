@@ -257,9 +257,9 @@ def test_zero3_gathers_one_unit_per_layer_and_use_every_microbatch():
     assert len(buckets) == 4  # layer 0, layer 1, the embedding unit, the head unit
     gathers = Counter((d["phase"], d["repeat"]) for _, d in build.graph.nodes(data=True)
                       if d["type"] == "transfer" and d["payload"] == "param")
-    # the head's unit is gathered once, kept for its backward, which follows at once
-    # (planc.estimate.memory.head_unit_kept)
-    assert gathers == {("forward", 2): 4, ("backward", 2): 3}
+    # the head's unit and the last block's are gathered once, kept for their backward,
+    # which follows at once (planc.estimate.memory.head_unit_kept, last_block_kept)
+    assert gathers == {("forward", 2): 4, ("backward", 2): 2}
     scatters = [d for _, d in build.graph.nodes(data=True) if d["type"] == "transfer" and
                 d["payload"] == "grad" and d["axis"] == "dp_cp"]
     assert len(scatters) == 4 and all(d["repeat"] == 2 for d in scatters)
@@ -372,23 +372,23 @@ def test_a_prefetch_whose_buffer_is_still_read_is_rejected():
 
 
 def test_a_backward_prefetch_while_the_kept_head_is_still_read_is_rejected():
-    """The head's unit, kept from its forward, is the first of the backward's two units
-    gathered at once: layer 0's gather (the third) moved before the wait for the head's
-    backward is refused."""
+    """The head's unit and the last block's, kept from their forward, are the backward's
+    two units gathered at once: layer 0's gather (the third) no longer waiting for the
+    head's backward is refused."""
     build = compile_plan(small(**CASES["dp-zero3"]))
 
     def eager(data):
         block = data["blocks"]["B0"]
         third = _index(block, "B/c0.b2>L0:all_gather@dp_cp")
-        moved = block[third:third + 2]  # the gather and its record
-        del block[third:third + 2]
-        after = _index(block, "B/c0.b1>L1:all_gather@dp_cp") + 2
-        block[after:after] = moved
+        wait = block[third - 1]
+        assert (wait["op"], wait["event"]) == ("wait", "done:B/final_ln")  # the head's last
+        # reader: now after the gather and its record, before the head's reduce-scatter
+        block.insert(third + 2, block.pop(third - 1))
 
     problems = broken(build, eager)
     assert problems[0] == (
         "ranks 0, 1 (stage0.json, block B0): all_gather B/c0.b2>L0:all_gather@dp_cp on "
-        "stream dp (instruction 8) prefetches a third ZeRO-3 unit while compute B/head on "
+        "stream dp (instruction 18) prefetches a third ZeRO-3 unit while compute B/head on "
         "stream compute (instruction 2) may still read F/c0.b0>head:all_gather@dp_cp, whose "
         "buffer it reuses")
 
@@ -732,7 +732,10 @@ def test_zero3_gathers_the_next_units_parameters_before_reducing_the_last_ones()
     order = sorted((u, v) for u, v, d in graph.edges(data=True)
                    if d.get("kind") == "order" and ":all_gather@dp_cp" in u
                    and ":reduce_scatter@" in v)
-    assert order == [("B/c0.b1>L1:all_gather@dp_cp", "G/c0.b0:reduce_scatter@dp_cp"),
+    # the head's unit (c0.b0) and the last block's (c0.b1) are kept from their forward:
+    # the backward gathers only layer 0's, before either of theirs is reduced, and the
+    # embedding's
+    assert order == [("B/c0.b2>L0:all_gather@dp_cp", "G/c0.b0:reduce_scatter@dp_cp"),
                      ("B/c0.b2>L0:all_gather@dp_cp", "G/c0.b1:reduce_scatter@dp_cp"),
                      ("B/c0.b3>embedding:all_gather@dp_cp", "G/c0.b2:reduce_scatter@dp_cp")]
 
@@ -778,18 +781,20 @@ def test_the_fuse_census_counts_each_collective_once_per_microbatch_it_runs():
     a collective issued every microbatch counts repeat = 2 times. 29 parameters of
     30,080 fp32 elements (120,320 bytes), 2 microbatches: 29 x 2 = 58 reduce-scatters of
     2 x 120,320 = 240,640 bytes in all; 29 x 2 phases x 2 = 116 gathers of 4 x 120,320 =
-    481,280 bytes, less the head unit's backward gathers (kept from its forward: the head
-    64 x 32 and the final LayerNorm's 2 x 32, 2,112 elements, 8,448 bytes, 3 parameters)
-    twice: 110 gathers, 464,384 bytes; after fusion 4 units: 8 reduce-scatters, 14
-    gathers, the same bytes; 29 then 4 optimizer steps over each rank's half, 60,160
-    bytes."""
+    481,280 bytes, less the backward gathers of the head's unit (kept from its forward:
+    the head 64 x 32 and the final LayerNorm's 2 x 32, 2,112 elements, 8,448 bytes, 3
+    parameters) and of the last block's (kept too: 12 x 32^2 + 13 x 32 = 12,704
+    elements, 50,816 bytes, 12 parameters) twice: 116 - 2 x 15 = 86 gathers,
+    481,280 - 2 x 59,264 = 362,752 bytes; after fusion 4 units: 8 reduce-scatters, 12
+    gathers (4 units forward, 2 backward, each twice), the same bytes; 29 then 4
+    optimizer steps over each rank's half, 60,160 bytes."""
     fuse = next(r for r in compile_plan(small(**CASES["dp-zero3"])).graph.graph["passes"]
                 if r["name"] == "fuse")
     assert [(c["what"], c["before"], c["after"]) for c in fuse["changes"]] == [
         ("gradient reduce-scatters", {"count": 58, "bytes": 240640},
          {"count": 8, "bytes": 240640}),
-        ("ZeRO-3 all-gathers", {"count": 110, "bytes": 464384}, {"count": 14, "bytes": 464384}),
+        ("ZeRO-3 all-gathers", {"count": 86, "bytes": 362752}, {"count": 12, "bytes": 362752}),
         ("optimizer steps", {"count": 29, "bytes": 60160}, {"count": 4, "bytes": 60160})]
     assert fuse["line"].startswith(
-        "fuse: 58 gradient reduce-scatters -> 8; 110 ZeRO-3 all-gathers -> 14; "
+        "fuse: 58 gradient reduce-scatters -> 8; 86 ZeRO-3 all-gathers -> 12; "
         "29 optimizer steps -> 4 (4 buckets: ")

@@ -119,6 +119,30 @@ def head_unit_kept(plan: Plan) -> bool:
         head_microbatches_in_flight(plan) == 1
 
 
+def last_block_kept(plan: Plan) -> bool:
+    """Whether ZeRO-3 keeps the last block's units whole from its forward to its backward
+    too: where the head's unit is kept (:func:`head_unit_kept`) and the last block is on
+    the head's chunk, only the head and the loss run between the block's forward and its
+    backward, and a gather would bring back at once what was just let go. torchtitan
+    leaves the last transformer block unresharded after the forward for this reason
+    ("FSDP would prefetch it immediately": its ``apply_fsdp``, reshard_after_forward
+    policy ``default``)."""
+    first, last = plan.shard.pp.chunks[-1]
+    return head_unit_kept(plan) and first <= last == plan.model.layers - 1
+
+
+def _last_block_elements(plan: Plan) -> int:
+    """The elements of the last block's ZeRO-3 units on one device: the block's, and its
+    routed experts' where they are gathered over edp."""
+    family, m, ep = family_of(plan), plan.model, plan.mesh.ep
+    layer = m.layers - 1
+    count = layer_parameters(plan, layer)
+    if ep > 1 and plan.mesh.tp * plan.mesh.dp * plan.mesh.cp // ep > 1:
+        count += sum(p.numel // ep for p in family.layer_parameters(m, layer)
+                     if p.split_over_experts(ep))
+    return count
+
+
 def unsharded_unit_bytes(plan: Plan, stage: int) -> float:
     """What ZeRO-3 holds whole beside the shards, at its most: the stage's largest unit
     (a block, the embedding, the head and final norm) gathered twice in the model's dtype
@@ -126,7 +150,9 @@ def unsharded_unit_bytes(plan: Plan, stage: int) -> float:
     shards; FSDP's peak adds the unsharded units in use (Zhao et al., "PyTorch FSDP",
     VLDB 2023, section 3.2), and planc's backward holds the forward's views of a unit's
     parameters (filled again), the backward's own gather where it ran first, and the
-    unit's whole gradient until its reduce-scatter (planc.runtime.engine.store)."""
+    unit's whole gradient until its reduce-scatter (planc.runtime.engine.store). The
+    last block kept whole (:func:`last_block_kept`) is whole beside the head's unit while
+    the loss runs: its parameters once more in the model's dtype."""
     if plan.shard.dp.zero != 3 or plan.mesh.dp * plan.mesh.cp == 1:
         return 0.0
     family, m, ep = family_of(plan), plan.model, plan.mesh.ep
@@ -140,7 +166,9 @@ def unsharded_unit_bytes(plan: Plan, stage: int) -> float:
         units.append(_local_elements(plan, family.embedding_parameters(m)))
     if stage == plan.head_stage:
         units.append(_local_elements(plan, family.head_parameters(m)))
-    return max(units, default=0) * (2 * m.dtype_bytes + FP32_BYTES) + \
+    kept = _last_block_elements(plan) * m.dtype_bytes \
+        if stage == plan.head_stage and last_block_kept(plan) else 0
+    return max(units, default=0) * (2 * m.dtype_bytes + FP32_BYTES) + kept + \
         _whole_until_weight_gradient(plan, stage)
 
 

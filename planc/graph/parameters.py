@@ -27,7 +27,7 @@ from planc.graph import reasons
 from planc.graph.builder import GraphBuilder
 from planc.graph.ir import Axis, Kind, Op, Payload, Phase, Port, buckets, shard_numel
 from planc.graph.sharding import Layout, gradient_layout
-from planc.estimate.memory import head_unit_kept
+from planc.estimate.memory import head_unit_kept, last_block_kept
 from planc.estimate.model import Parameter, all_parameters
 from planc.graph.tensor_parallel import ParamUse
 from planc.graph.walk_records import ForwardChunk
@@ -166,12 +166,13 @@ class ParameterRules:
     def _zero3_gathers(self, chunk: int, site: _Site, bucket: str) -> None:
         param = site.param
         axis = self._replicated_over(param)[0]
-        kept_unit = head_unit_kept(self.plan)
+        kept_unit, kept_block = head_unit_kept(self.plan), last_block_kept(self.plan)
         for node, backward, _how in site.uses:
-            op = self.graph.nodes[node]["op"]
-            # the head's unit, kept whole for its backward (memory.head_unit_kept)
-            kept = kept_unit and self.graph.nodes[node]["layer"] is None and \
-                op not in (Op.EMBEDDING, Op.POSITION)
+            op, layer = self.graph.nodes[node]["op"], self.graph.nodes[node]["layer"]
+            # the head's unit, and the last block's, kept whole for their backward
+            # (memory.head_unit_kept, memory.last_block_kept)
+            kept = kept_unit and layer is None and op not in (Op.EMBEDDING, Op.POSITION) or \
+                kept_block and layer == self.plan.model.layers - 1
             gather = None
             for letter, phase in (("F", Phase.FORWARD), ("B", Phase.BACKWARD)):
                 consumer = node if letter == "F" else backward

@@ -175,7 +175,8 @@ def zero3_gather(plan: Plan, param: str, phase: str, axis: str = "dp_cp",
     if kept:
         return (f"{param} is stored sharded over {group} (zero 3): all-gather it before its "
                 f"forward use, every microbatch, and keep it whole for its backward, which "
-                f"follows at once on the head's stage (as FSDP keeps its root module)")
+                f"follows at once on the head's stage (as FSDP keeps its root module and "
+                f"torchtitan the last block)")
     return (f"{param} is stored sharded over {group} (zero 3): all-gather it before its "
             f"{phase} use, every microbatch")
 
@@ -222,7 +223,8 @@ def bucket(plan: Plan, bucket_id: str, info: dict, kind: str, axis: str, phase: 
     if kind == "all_gather" and kept:
         return (f"{what} stored sharded over {group} (zero 3): one all-gather of the bucket "
                 f"before its forward use, every microbatch, kept whole for its backward, "
-                f"which follows at once on the head's stage (as FSDP keeps its root module)")
+                f"which follows at once on the head's stage (as FSDP keeps its root module "
+                f"and torchtitan the last block)")
     if kind == "all_gather":
         return (f"{what} stored sharded over {group} (zero 3): one all-gather of the bucket "
                 f"before its {phase} use, every microbatch")

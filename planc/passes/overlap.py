@@ -142,18 +142,27 @@ def _zero3_prefetch(graph: nx.DiGraph, depth: int) -> int:
             reductions[(data["chunk"], data["bucket"])].append(node)
     position = {n: i for i, n in enumerate(nx.lexicographical_topological_sort(
         graph, key={n: i for i, n in enumerate(graph.nodes)}.__getitem__))}
-    # a unit its forward gather keeps for the backward (the head's, under 1F1B): the
-    # backward's first unit, which has no gather in the backward's block
+    # the units their forward gathers keep for the backward (the head's and the last
+    # block's, under 1F1B): the backward's first units, with no gather in its block
     kept_units: dict[int, dict[str, list[str]]] = defaultdict(dict)
     for (chunk, phase), gathers in blocks.items():
         for g in gathers:
             if phase == Phase.FORWARD and kept_for_backward(graph, (g,)):
                 kept_units[chunk].setdefault(unit_of(graph, g), []).append(g)
-    kept = {chunk: list(units.values()) for chunk, units in kept_units.items()}
+
+    def first_backward_read(unit: list[str]) -> int:
+        return min(position[c] for g in unit for c in graph.successors(g)
+                   if graph.nodes[c]["phase"] == Phase.BACKWARD)
+
+    # the kept units (the head's, then the last block's) in the order the backward reads
+    kept = {chunk: sorted(units.values(), key=first_backward_read)
+            for chunk, units in kept_units.items()}
     count = 0
     for (chunk, phase), gathers in blocks.items():
+        # its readers in this block (a kept unit's backward reads it in another)
         readers = {g: [c for _, c, d in graph.out_edges(g, data=True)
-                       if d["kind"] == EdgeKind.DATA] for g in gathers}
+                       if d["kind"] == EdgeKind.DATA and graph.nodes[c]["phase"] == phase]
+                   for g in gathers}
         gathers.sort(key=lambda g: min(position[c] for c in readers[g]))
         units: dict[str, list[str]] = {}
         for gather in gathers:
@@ -169,6 +178,8 @@ def _zero3_prefetch(graph: nx.DiGraph, depth: int) -> int:
                                 for g in unit})
             order = kept.get(chunk, []) + order
         for k, unit in enumerate(order[depth:], start=depth):
+            if graph.nodes[unit[0]]["phase"] != phase:
+                continue  # kept from its forward: gathered there, long before
             last = max((c for g in order[k - depth] for c in readers[g]),
                        key=position.__getitem__)
             graph.add_edge(last, unit[0], kind=EdgeKind.ORDER)
@@ -187,7 +198,14 @@ def _gather_before_reduction(graph: nx.DiGraph, order: list[list[str]],
     reduce-scatter). No cycle: the next gather waits only for the gathers before it and
     for the readers of the unit two back. ``order``: a backward block's units by first
     use; ``reductions``: the gradient transfers by (chunk, bucket)."""
-    for unit, following in zip(order, order[1:]):
+    # the units the backward gathers itself: not those kept from their forward (the
+    # head's, the last block's), gathered long before
+    gathered = [k for k, unit in enumerate(order)
+                if graph.nodes[unit[0]]["phase"] == Phase.BACKWARD]
+    for k, unit in enumerate(order):
+        following = next((order[j] for j in gathered if j > k), None)
+        if following is None:
+            break
         first = graph.nodes[unit[0]]
         for reduction in reductions.get((first["chunk"], first["bucket"]), ()):
             graph.add_edge(following[0], reduction, kind=EdgeKind.ORDER)
