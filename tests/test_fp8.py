@@ -544,6 +544,7 @@ def test_the_simulator_prices_what_goes_to_the_experts_in_fp8_and_the_rest_in_th
                 costs(instruction, 0)
                 step = instruction.operands.step.value
                 exchanges[(flag, step)] = costs.exchanges[instruction.node]
+                group = instruction.operands.group
                 # one all-to-all of the busiest rank's rows in the dtype, and in FP8
                 rows = instruction.operands.bytes * costs.mixture.imbalance
                 one[(flag, step)] = tuple(
@@ -552,10 +553,15 @@ def test_the_simulator_prices_what_goes_to_the_experts_in_fp8_and_the_rest_in_th
     for step in ("forward", "backward"):
         dtype, fp8 = one[("; fp8 = blockwise", step)]
         assert fp8 < dtype and one[("", step)] == (dtype, dtype)
+        # a forward's counts before its dispatch: 64 experts of 8 bytes, in neither dtype
+        counts = costs.expert_all_to_all(group, 64 * 8, 0) if step == "forward" else 0.0
         # the dtype: both ways; FP8: to the experts only, the way back in the dtype
-        assert exchanges[("", step)] == pytest.approx(2 * dtype, rel=1e-12)
-        assert exchanges[("; fp8 = blockwise", step)] == pytest.approx(fp8 + dtype, rel=1e-12)
+        assert exchanges[("", step)] == pytest.approx(2 * dtype + counts, rel=1e-12)
+        assert exchanges[("; fp8 = blockwise", step)] == \
+            pytest.approx(fp8 + dtype + counts, rel=1e-12)
     assert exchanges[("; fp8 = blockwise", "forward")] < exchanges[("", "forward")]
     # a backward's combine (the gradients to the experts) in FP8, its dispatch back not
-    assert exchanges[("; fp8 = blockwise", "backward")] == \
-        exchanges[("; fp8 = blockwise", "forward")] < exchanges[("", "backward")]
+    assert exchanges[("; fp8 = blockwise", "backward")] == pytest.approx(
+        exchanges[("; fp8 = blockwise", "forward")] - costs.expert_all_to_all(group, 64 * 8, 0),
+        rel=1e-12)
+    assert exchanges[("; fp8 = blockwise", "backward")] < exchanges[("", "backward")]

@@ -191,25 +191,22 @@ def test_a_split_backward_keeps_the_output_gradients_its_weight_half_reads(
     assert memory.weight_gradient_reads_bytes(split, stage) == held * outputs * 32 * 4
 
 
-@pytest.mark.parametrize("recompute", ["selective", "full"])
-def test_a_split_backward_keeps_a_recomputed_chunk_until_its_weight_half(recompute):
-    """Recomputation under zb1p: the recomputed forward's graph, which I differentiates
-    and W reads again, is each of the chunk's 2 layers' activations without recomputation
-    from I to W, beside the output gradients; the one layer that a whole backward holds
-    recomputed at a time is then part of it, not counted again."""
-    split, plain = zb_plan("zb1p", recompute=recompute), zb_plan("1f1b", recompute=recompute)
-    brought_back = memory.layer_activation_bytes(split, "none") - \
-        memory.layer_activation_bytes(split)
-    assert brought_back > 0
-    reads = 2 * BLOCK_OUTPUTS + 64 + 256  # stage 1's, as above: 2 microbatches held
+@pytest.mark.parametrize("recompute, inputs", [
+    ("selective", 0),  # the attention core alone, which has no parameters: no W of its
+    # ln1 64, qkv 64 (ln1's output), proj 64 (the heads' context), ln2 64, fc1 64 and
+    # fc2 128 (the SwiGLU's output): what the recomputed steps' W graphs keep
+    ("full", 5 * 64 + 128)])
+def test_a_split_backward_keeps_a_recomputed_steps_inputs_until_its_weight_half(
+        recompute, inputs):
+    """Recomputation under zb1p: a recomputed step with parameters keeps its inputs in
+    the graph its I ran through until its W reads them (dW = x^T dy); steps without
+    parameters run their whole backward in I. Stage 1, 2 microbatches between their I and
+    W, each of 2 layers and the head's chunk (the final norm and the head are not
+    recomputed), fp32, 32 tokens."""
+    split = zb_plan("zb1p", recompute=recompute)
+    reads = 2 * BLOCK_OUTPUTS + 64 + 256
     assert memory.weight_gradient_reads_bytes(split, 1) == \
-        2 * (reads * 32 * 4 + 2 * brought_back)
-    one_layer = memory.layer_activation_bytes(plain, "none") if recompute == "full" else 0
-    held, in_flight = memory.stage_activation_bytes(split, 1)
-    assert held - memory.weight_gradient_reads_bytes(split, 1) == \
-        memory.stage_activation_bytes(plain, 1)[0] - one_layer + \
-        (in_flight - memory.stage_activation_bytes(plain, 1)[1]) * 2 * \
-        memory.layer_activation_bytes(split)
+        2 * (reads + 2 * inputs) * 32 * 4
 
 
 @pytest.mark.parametrize("stage, held", [(0, 1), (1, 2)])
@@ -581,9 +578,9 @@ HEAD_PLAN = """plan h {
     ("interleaved", 2, 3, 1, 5, 0),
     # the loss's backward is the split backward's first; the head's W runs 4 I's later
     ("interleaved_zb", 2, 3, 1, 8, 4),
-    # the V's last chunk is on stage 0, beside its first; DualPipeV's head W runs beside
-    # fewer activations than the stage's peak: it adds part of a microbatch's there
-    ("dualpipev", 2, 0, 1, 9, None),
+    # the V's last chunk is on stage 0, beside its first; DualPipeV's whole backward
+    # runs its I and W blocks one after the other: one microbatch's, for that moment
+    ("dualpipev", 2, 0, 1, 9, 1),
     ("zbv", 2, 0, 1, 8, 1),
     ("zb1p", 1, 3, 1, 4, 4),  # I0 .. I3, then W0
     ("gpipe", 1, 3, 16, 16, 0),  # every forward before the first backward
@@ -609,10 +606,7 @@ def test_the_head_stage_holds_the_logits_of_the_last_chunks_microbatches_only(
     reads = (memory.weight_gradient_reads_bytes(large, stage)
              - memory.weight_gradient_reads_bytes(small, stage))
     assert grown == logits * 1000 * 32 * 4 + reads  # a microbatch of one 32-token sequence
-    if read_by_w is not None:
-        assert reads == read_by_w * 1000 * 32 * 4
-    else:
-        assert 0 < reads < 1000 * 32 * 4
+    assert reads == read_by_w * 1000 * 32 * 4
 
 
 def test_the_fp32_gradient_copy_covers_a_ranks_experts_too():
@@ -715,3 +709,29 @@ def test_the_last_block_is_kept_whole_only_beside_the_heads_unit_and_on_its_chun
   schedule { microbatches = 4; pipeline = interleaved }
 }""")
     assert memory.head_unit_kept(head_alone) and not memory.last_block_kept(head_alone)
+
+
+def test_what_a_weight_half_reads_is_as_wide_as_its_steps_outputs_on_one_device():
+    """zb1p over 2 stages and tp 2, stage 1 (2 layers and the head's chunk, 2
+    microbatches between their I and W, 32 fp32 tokens each). llama with sequence
+    parallelism: the norms' outputs split over the sequence (64 / 2), a column-parallel
+    linear's over its features (qkv 128 / 2, fc1 256 / 2, the vocabulary-parallel head
+    256 / 2), a row-parallel one's whole (proj, fc2: 64). gpt without it: norms whole,
+    qkv 192 / 2, fc1 256 / 2, and the residuals, which carry the row-parallel proj's and
+    fc2's biases over tp (Megatron-LM), split too."""
+    def plan(family, sequence_parallel):
+        kv = "kv_heads = 2; ffn = 128;" if family == "llama" else "ffn = 256;"
+        return plan_of(f"""plan z {{
+  model {family} {{ layers = 4; hidden = 64; heads = 4; {kv} vocab = 256; seq = 32
+                   batch = 4 }}
+  mesh {{ pp = 2; tp = 2 }}
+  shard {{ tp {{ sequence_parallel = {sequence_parallel} }} }}
+  schedule {{ microbatches = 4; pipeline = zb1p }}
+}}""")
+
+    llama = 32 + 64 + 64 + 32 + 128 + 64
+    assert memory.weight_gradient_reads_bytes(plan("llama", "on"), 1) == \
+        2 * (2 * llama + 32 + 128) * 32 * 4
+    gpt = 64 + 96 + 64 + 64 + 64 + 128 + 64 + 64
+    assert memory.weight_gradient_reads_bytes(plan("gpt", "off"), 1) == \
+        2 * (2 * gpt + 64 + 128) * 32 * 4

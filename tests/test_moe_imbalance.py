@@ -63,16 +63,18 @@ def test_the_busiest_rank_runs_its_routed_share_of_the_flops_times_the_imbalance
 
 def test_the_all_to_alls_and_the_experts_wait_for_the_busiest_rank():
     """ep 2 inside a node, one sequence of 16 tokens a rank: each all-to-all carries the
-    busiest rank's rows, 1.5 times the mean."""
+    busiest rank's rows, 1.5 times the mean; the counts before the dispatch, one int64
+    an expert (4 of them), do not grow with it."""
     build = compile_plan(plan_of("; imbalance = 1.5"))
     costs = InstructionCosts(build.plan, build.groups)
     program = next(p for p in build.programs.values() if p.stage == 0)
     found = {i.node: i for block in program.blocks.values() for i in block}
     forward = found["F/L0/moe"]
     costs(forward, 0)
-    one = CostModel(build.plan.topology).all_to_all_seconds(
-        forward.operands.bytes * 1.5, Placement.within_node(2))
-    assert costs.exchanges["F/L0/moe"] == 2 * one
+    cost = CostModel(build.plan.topology)
+    one = cost.all_to_all_seconds(forward.operands.bytes * 1.5, Placement.within_node(2))
+    counts = cost.all_to_all_seconds(4 * 8, Placement.within_node(2))
+    assert costs.exchanges["F/L0/moe"] == 2 * one + counts
     # the step grows with the imbalance, and not at all without ep
     steps = [simulate(compile_plan(plan_of(f"; imbalance = {i}"))).step_seconds
              for i in (1.0, 1.5, 2.0)]

@@ -29,6 +29,7 @@ import functools
 from dataclasses import dataclass
 
 from planc import schedules
+from planc.estimate import weight_half
 from planc.estimate.kernel_cost import GPUS
 from planc.estimate.parameter_counts import (_local_elements, layer_parameters,
                                              stage_expert_parameters, stage_parameters)
@@ -173,127 +174,15 @@ def unsharded_unit_bytes(plan: Plan, stage: int) -> float:
 
 
 def _whole_until_weight_gradient(plan: Plan, stage: int) -> float:
-    """ZeRO-3 under a schedule that splits the backward: autograd's weight-gradient half
-    (W) reads the graph the input-gradient half (I) ran through, whose saved views hold
-    the unit's parameters as the backward's gather filled them, so every gathered unit of
-    a chunk stays whole in the model's dtype from the chunk's I to its W (Qi et al.,
-    "Zero Bubble Pipeline Parallelism", ICLR 2024: W is deferred into the bubbles, here
-    with what it reads): what that adds at the stage's peak, beside the output gradients
-    W reads (:func:`weight_gradient_reads_bytes`)."""
-    if not schedules.named(plan.schedule.pipeline).splits_backward:
-        return 0.0
-    reads = functools.partial(_output_gradient_bytes, plan)
-    units = functools.partial(_gathered_unit_bytes, plan)
-    return _beyond_activation_peak(plan, stage, lambda c: reads(c) + units(c)) - \
-        _beyond_activation_peak(plan, stage, reads)
-
-
-def _gathered_unit_bytes(plan: Plan, chunk: int) -> float:
-    """A chunk's parameters in the model's dtype as ZeRO-3 gathers them, whole: its
-    blocks' (with a mixture's routed experts where their step is split too, cut by
-    split_dispatch), the embedding on the first chunk, the final norm and head on the
-    last."""
-    family, m, chunks = family_of(plan), plan.model, plan.shard.pp.chunks
-    ep = plan.mesh.ep
-    first, last = chunks[chunk]
-    count = sum(layer_parameters(plan, layer) for layer in range(first, last + 1))
-    if plan.schedule.overlap_all_to_all and plan.mesh.tp * plan.mesh.dp * plan.mesh.cp // ep > 1:
-        count += sum(p.numel // ep for layer in range(first, last + 1)
-                     for p in family.layer_parameters(m, layer) if p.split_over_experts(ep))
-    if chunk == 0:
-        count += _local_elements(plan, family.embedding_parameters(m))
-    if chunk == len(chunks) - 1:
-        count += _local_elements(plan, family.head_parameters(m))
-    return count * m.dtype_bytes
-
-
-def _output_gradient_bytes(plan: Plan, chunk: int) -> float:
-    """One microbatch's output gradients of a chunk's steps with parameters, in the
-    model's dtype, each as wide as the step's output on one device: split over tp after a
-    column-parallel linear, over the sequence where sequence parallelism splits the
-    stream. A mixture over ep whose all-to-alls run inside its step keeps its backward
-    whole (planc.passes.split_backward.splittable): none of its."""
-    family, m, tp, tensor = family_of(plan), plan.model, plan.mesh.tp, plan.shard.tp
-    widths = family.widths(m)
-    sequence_split = tp if tensor.sequence_parallel and tp > 1 else 1
-    whole_mixture = plan.mesh.ep > 1 and not plan.schedule.overlap_all_to_all
-
-    def features(op: str) -> float:
-        rule = family.rules[op]
-        if not (rule.weights or rule.params or rule.bias or rule.column_weights
-                or rule.kind == "embedding") or (whole_mixture and rule.expert_parallel):
-            return 0
-        width = widths[family.output_tensor[op]]
-        if rule.kind == "linear":
-            return width / tp if getattr(tensor, rule.placement) in ("column", "vocab") \
-                else width
-        return width / sequence_split
-
-    chunks = plan.shard.pp.chunks
-    first, last = chunks[chunk]
-    ops = [op for layer in range(first, last + 1) for op in family.block(m, layer)[0]]
-    if chunk == 0:
-        ops += family.embedding_ops
-    if chunk == len(chunks) - 1:
-        ops += family.head_ops
-    tokens = plan.microbatch_size * m.seq / plan.mesh.cp
-    return sum(features(op) for op in ops) * tokens * m.dtype_bytes
+    """ZeRO-3's units kept whole from a chunk's input half to its weight half, at the
+    stage's peak (planc.estimate.weight_half.units_beyond_peak)."""
+    return weight_half.units_beyond_peak(plan, stage, layer_activation_bytes(plan))
 
 
 def weight_gradient_reads_bytes(plan: Plan, stage: int) -> float:
-    """Under a schedule that splits the backward, the output gradients of the steps with
-    parameters, which the input-gradient half (I) receives and the weight-gradient half
-    (W) reads (dW = x^T dy): kept from a chunk's I to its W, beside the activations
-    (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 2: W needs the
-    layer's input and its output gradient; Megatron-LM's zero-bubble keeps both until
-    then), one per step (:func:`_output_gradient_bytes`), and under recomputation what it
-    brought back: the recomputed forward's graph, which I differentiates and W reads
-    again, is the chunk's activations without recomputation until its W (a whole
-    backward lets each layer's go as soon as it is done): what they add at the stage's
-    peak."""
-    if not schedules.named(plan.schedule.pipeline).splits_backward:
-        return 0.0
-    recomputed = layer_activation_bytes(plan, "none") - layer_activation_bytes(plan)
-    chunk_layers = plan.shard.pp.chunk_layers
-    return _beyond_activation_peak(plan, stage, lambda chunk: _output_gradient_bytes(
-        plan, chunk) + chunk_layers(chunk) * recomputed)
-
-
-def _beyond_activation_peak(plan: Plan, stage: int, pending) -> float:
-    """What ``pending(chunk)`` (one microbatch's bytes, held from the chunk's I to its W)
-    adds to the peak of the stage's activations: the order replayed, a forward making
-    its chunk's layers' activations live and the last backward block freeing them, an I
-    making ``pending`` live and the W freeing it; the most of both at once less the most
-    of the activations alone. Where Ws are held back to the end of the order (DualPipeV's
-    cool-down), few activations are left beside them."""
-    per_layer = layer_activation_bytes(plan)
-    count = len(plan.shard.pp.chunks)
-    mine = [plan.stage_of_chunk(c) == stage for c in range(count)]
-    activations = tuple(plan.shard.pp.chunk_layers(c) * per_layer if mine[c] else 0.0
-                        for c in range(count))
-    reads = tuple(pending(c) if mine[c] else 0.0 for c in range(count))
-    return _pending_beyond_peak(plan.schedule.pipeline, stage, plan.mesh.pp,
-                                plan.schedule.microbatches, plan.shard.pp.virtual,
-                                activations, reads)
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _pending_beyond_peak(pipeline: str, stage: int, pp: int, microbatches: int, virtual: int,
-                         activations: tuple[float, ...], pending: tuple[float, ...]) -> float:
-    schedule, kinds = schedules.named(pipeline), schedules.ActionKind
-    live = held = peak = both = 0.0
-    for action in schedule.order(stage, pp, schedule.peak_microbatches(
-            pp, microbatches, virtual), virtual):
-        if action.kind.is_forward:
-            live += activations[action.chunk]
-        elif action.kind is kinds.BACKWARD_INPUT:
-            held += pending[action.chunk]
-        peak, both = max(peak, live), max(both, live + held)
-        if action.kind in _LAYERS_DONE:
-            live -= activations[action.chunk]
-        if action.kind is kinds.BACKWARD_WEIGHT:
-            held -= pending[action.chunk]
-    return both - peak
+    """What a split backward's weight halves read, kept from their input halves, at the
+    stage's peak (planc.estimate.weight_half.reads_beyond_peak)."""
+    return weight_half.reads_beyond_peak(plan, stage, layer_activation_bytes(plan))
 
 
 def microbatches_in_flight(plan: Plan, stage: int) -> int:

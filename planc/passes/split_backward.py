@@ -27,10 +27,13 @@ def splittable(data: dict) -> bool:
     (``experts_over``; not cut by split_dispatch) stays whole, since its experts' weight
     gradients are reached only back through the combine's all-to-all, which a weight step
     would issue a second time, and not at all on a rank whose experts got no rows that
-    microbatch (its ep group then mismatches or hangs)."""
+    microbatch (its ep group then mismatches or hangs). A cut mixture's route stays whole
+    too: its weight half would keep the gradient of every dispatched row (top_k rows a
+    token, each as wide as the stream) for the router's small GEMM."""
     return data["type"] == NodeType.COMPUTE and data["phase"] == Phase.BACKWARD and \
         not data["recompute"] and bool(data["params"]) and "forward_of" in data and \
-        "weight_grad" not in data and not data.get("experts_over")
+        "weight_grad" not in data and not data.get("experts_over") and \
+        data.get("op") != Op.MOE_ROUTE
 
 
 def split_step(graph: nx.DiGraph, node: str) -> str:

@@ -115,7 +115,8 @@ def scheduled(first: Sequence, second: Sequence, weights: Sequence,
                     candidates.append(candidate(instruction, side, at[side],
                                                 levels[side][at[side]]))
         for k, instruction in enumerate(weights):
-            if not placed[k] and after_second[k] < at[1] and \
+            # after_second: len(second) where only the whole block's end says it may run
+            if not placed[k] and (after_second[k] < at[1] or at[1] == len(second)) and \
                     all(placed[j] for j in after_weights[k]):
                 candidates.append(candidate(instruction, 2, k, 0.0))
         best = min(candidates)

@@ -3,7 +3,7 @@ deadlock.
 
 A mixture over ep (a compute instruction whose graph node has ``experts_over``, its
 operands naming the ep group: planc.lower.bind) runs its all-to-alls inside: the token
-counts, the (token, expert) rows and their experts to the experts' ranks, the outputs
+counts per expert, the (token, expert) rows to the experts' ranks, the outputs
 back, and in backward the gradients the same ways reversed (GShard's dispatch and
 combine, Lepikhin et al. 2021). Each is a collective every member of the group enters,
 and none waits on anything outside the instruction, so the instructions match and no

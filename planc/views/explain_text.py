@@ -332,7 +332,8 @@ def expert_lines(plan: Plan, data: dict, layer: int) -> list[str]:
         f"per rank (rank j runs experts j x {per_rank} to (j + 1) x {per_rank} - 1); each of "
         f"this rank's tokens goes to its top_k = {m.top_k} experts' ranks and comes back "
         f"weighted by its routing probability. The counts are exchanged first, an all-to-all "
-        f"of {ep} integers, since they change with every step", width=96,
+        f"of {m.experts} integers (the rows for each expert), since they change with every "
+        f"step", width=96,
         initial_indent="     ", subsequent_indent="     ", break_on_hyphens=False))
     return lines
 

@@ -1,0 +1,198 @@
+"""What a split backward's weight halves read, held from their input halves until they
+run: the memory estimate's share of the zero-bubble schedules (``zb1p``,
+``interleaved_zb``, ``zbv``, ``dualpipev``; Qi et al., "Zero Bubble Pipeline Parallelism",
+ICLR 2024).
+
+A backward step with parameters is split into its input gradient (I) and its weight
+gradient (W, planc.passes.split_backward); W differentiates the graph I ran through, so
+what that graph holds for the parameters' gradients stays from the chunk's I to its W:
+each step's output gradient and, under recomputation, the inputs it recomputed; under
+ZeRO-3, the units' parameters the backward's gather filled. The stage's order is
+replayed with its activations, and what these add at its peak is counted
+(planc.estimate.memory)."""
+
+from __future__ import annotations
+
+import functools
+
+from planc import schedules
+from planc.estimate.parameter_counts import _local_elements, layer_parameters
+from planc.models import family_of, moe
+from planc.models.family import INPUT
+from planc.plan.plan import Plan
+
+# the kinds after which a chunk's activations are no longer needed
+_LAYERS_DONE = (schedules.ActionKind.BACKWARD, schedules.ActionKind.BACKWARD_WEIGHT)
+
+
+def units_beyond_peak(plan: Plan, stage: int, per_layer: float) -> float:
+    """ZeRO-3 under a schedule that splits the backward: autograd's weight-gradient half
+    (W) reads the graph the input-gradient half (I) ran through, whose saved views hold
+    the unit's parameters as the backward's gather filled them, so every gathered unit of
+    a chunk stays whole in the model's dtype from the chunk's I to its W (Qi et al.,
+    "Zero Bubble Pipeline Parallelism", ICLR 2024: W is deferred into the bubbles, here
+    with what it reads): what that adds at the stage's peak, beside what W reads
+    (:func:`reads_beyond_peak`); ``per_layer``: a layer's activations, one microbatch's."""
+    if not schedules.named(plan.schedule.pipeline).splits_backward:
+        return 0.0
+    reads = functools.partial(_weight_half_bytes, plan)
+    units = functools.partial(_gathered_unit_bytes, plan)
+    return _beyond_activation_peak(plan, stage, per_layer, lambda c: reads(c) + units(c)) - \
+        _beyond_activation_peak(plan, stage, per_layer, reads)
+
+
+def _mixture_cut(plan: Plan) -> bool:
+    """Whether a mixture over ep runs as pieces of its own (planc.passes.split_dispatch:
+    ``overlap_all_to_all``, or the two-hop dispatcher), each split as any step is."""
+    return plan.mesh.ep > 1 and (plan.schedule.overlap_all_to_all or
+                                 plan.optimize.moe_dispatcher == "two_hop")
+
+
+def _gathered_unit_bytes(plan: Plan, chunk: int) -> float:
+    """A chunk's parameters in the model's dtype as ZeRO-3 gathers them, whole: its
+    blocks' (with a mixture's routed experts where their step is split too, cut by
+    split_dispatch), the embedding on the first chunk, the final norm and head on the
+    last."""
+    family, m, chunks = family_of(plan), plan.model, plan.shard.pp.chunks
+    ep = plan.mesh.ep
+    first, last = chunks[chunk]
+    count = sum(layer_parameters(plan, layer) for layer in range(first, last + 1))
+    if _mixture_cut(plan) and plan.mesh.tp * plan.mesh.dp * plan.mesh.cp // ep > 1:
+        count += sum(p.numel // ep for layer in range(first, last + 1)
+                     for p in family.layer_parameters(m, layer) if p.split_over_experts(ep))
+    if chunk == 0:
+        count += _local_elements(plan, family.embedding_parameters(m))
+    if chunk == len(chunks) - 1:
+        count += _local_elements(plan, family.head_parameters(m))
+    return count * m.dtype_bytes
+
+
+def _weight_half_bytes(plan: Plan, chunk: int) -> float:
+    """What a chunk's weight half reads, for one microbatch, in the model's dtype: the
+    output gradient of each step with parameters (:func:`_step_reads`), and under
+    recomputation the inputs of the recomputed ones (which their W graphs keep)."""
+    family, m = family_of(plan), plan.model
+    chunks = plan.shard.pp.chunks
+    first, last = chunks[chunk]
+    features = 0.0
+    for layer in range(first, last + 1):
+        ops, links = family.block(m, layer)
+        recomputed = _recomputed_ops(plan, ops)
+        features += sum(_step_reads(plan, op, links, op in recomputed) for op in ops)
+    if chunk == 0:
+        features += sum(_step_reads(plan, op, (), False) for op in family.embedding_ops)
+    if chunk == len(chunks) - 1:
+        features += sum(_step_reads(plan, op, (), False) for op in family.head_ops)
+    return features * plan.microbatch_size * m.seq / plan.mesh.cp * m.dtype_bytes
+
+
+def _recomputed_ops(plan: Plan, ops: tuple[str, ...]) -> frozenset[str]:
+    """The block's operators a recomputation runs again: every one under ``full``, those
+    before the attention core under ``attention_inputs`` (the core with them, which has
+    no parameters), none with parameters under ``selective`` (the core alone)."""
+    mode = plan.optimize.recompute
+    if mode == "full":
+        return frozenset(ops)
+    if mode == "attention_inputs" and "attention" in ops:
+        return frozenset(ops[:ops.index("attention")])
+    return frozenset()
+
+
+def _step_reads(plan: Plan, op: str, links, recomputed: bool) -> float:
+    """Features a token of what step ``op``'s weight half keeps from its input half: its
+    output's gradient, as wide as its output on one device (split over tp after a
+    column-parallel linear and a tokenwise step's column weights, over the sequence where
+    sequence parallelism splits the stream), and its input where it was recomputed. A
+    step without parameters, or a mixture over ep whose all-to-alls run inside it, runs
+    its whole backward in the input half (planc.passes.split_backward.splittable); a
+    residual carries a row-parallel linear's bias over tp (Megatron-LM), so it is split
+    there; a cut mixture's pieces keep their rows' gradients (planc.passes.split_dispatch:
+    the experts' on the rows received, at the priced imbalance; the shared experts'
+    output; its route runs whole)."""
+    family, m, tp, tensor = family_of(plan), plan.model, plan.mesh.tp, plan.shard.tp
+    rule, widths = family.rules[op], family.widths(m)
+    sequence_split = tp if tensor.sequence_parallel and tp > 1 else 1
+    producer = next((a for a, b, port in links if b == op and port == "x"), None)
+    if rule.kind == "residual":
+        before = family.rules.get(producer) if producer else None
+        carries_bias = tp > 1 and before is not None and before.bias is not None and \
+            getattr(tensor, before.placement, None) == "row"
+        return widths["stream"] / sequence_split if carries_bias else 0.0
+    if not (rule.weights or rule.params or rule.bias or rule.column_weights
+            or rule.kind == "embedding"):
+        return 0.0
+    if rule.expert_parallel and plan.mesh.ep > 1:
+        if not _mixture_cut(plan):
+            return 0.0
+        # (the route runs whole: planc.passes.split_backward.splittable)
+        rows = m.top_k / (tp if tp > 1 else 1)
+        return rows * moe.routing_imbalance(m) * m.hidden + \
+            (m.hidden / (tp if tp > 1 else 1) if m.shared_experts else 0.0)
+    width = widths[family.output_tensor[op]]
+    placement = getattr(tensor, rule.placement, None) if rule.placement else None
+    if rule.kind == "linear":
+        output = width / tp if placement in ("column", "vocab") else width
+    elif rule.column_weights and placement == "column" and tp > 1:
+        output = width / tp
+    else:
+        output = width / sequence_split
+    if not recomputed:
+        return output
+    source = widths["stream"] if producer in (None, INPUT) else \
+        widths[family.output_tensor[producer]]
+    if rule.kind == "linear" and placement == "row":
+        return output + source / tp
+    if rule.kind == "linear":
+        return output + source
+    return output + source / sequence_split
+
+
+def reads_beyond_peak(plan: Plan, stage: int, per_layer: float) -> float:
+    """Under a schedule that splits the backward, what each chunk's weight half (W)
+    reads, kept from its input half (I) until it runs, beside the activations: the
+    output gradients of the steps with parameters (dW = x^T dy: Qi et al., "Zero Bubble
+    Pipeline Parallelism", ICLR 2024, section 2; Megatron-LM's zero-bubble keeps them
+    until then), and under recomputation the recomputed inputs of those steps, which
+    their graphs keep for W (:func:`_weight_half_bytes`): what they add at the stage's
+    peak."""
+    if not schedules.named(plan.schedule.pipeline).splits_backward:
+        return 0.0
+    return _beyond_activation_peak(plan, stage, per_layer,
+                                   functools.partial(_weight_half_bytes, plan))
+
+
+def _beyond_activation_peak(plan: Plan, stage: int, per_layer: float, pending) -> float:
+    """What ``pending(chunk)`` (one microbatch's bytes, held from the chunk's I to its W)
+    adds to the peak of the stage's activations: the order replayed, a forward making
+    its chunk's layers' activations live and the last backward block freeing them, an I
+    making ``pending`` live and the W freeing it; the most of both at once less the most
+    of the activations alone. Where Ws are held back to the end of the order (DualPipeV's
+    cool-down), few activations are left beside them."""
+    count = len(plan.shard.pp.chunks)
+    mine = [plan.stage_of_chunk(c) == stage for c in range(count)]
+    activations = tuple(plan.shard.pp.chunk_layers(c) * per_layer if mine[c] else 0.0
+                        for c in range(count))
+    reads = tuple(pending(c) if mine[c] else 0.0 for c in range(count))
+    return _pending_beyond_peak(plan.schedule.pipeline, stage, plan.mesh.pp,
+                                plan.schedule.microbatches, plan.shard.pp.virtual,
+                                activations, reads)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _pending_beyond_peak(pipeline: str, stage: int, pp: int, microbatches: int, virtual: int,
+                         activations: tuple[float, ...], pending: tuple[float, ...]) -> float:
+    schedule, kinds = schedules.named(pipeline), schedules.ActionKind
+    live = held = peak = both = 0.0
+    for action in schedule.order(stage, pp, schedule.peak_microbatches(
+            pp, microbatches, virtual), virtual):
+        if action.kind.is_forward:
+            live += activations[action.chunk]
+        elif action.kind in (kinds.BACKWARD_INPUT, kinds.BACKWARD):
+            held += pending[action.chunk]
+        peak, both = max(peak, live), max(both, live + held)
+        if action.kind in _LAYERS_DONE:
+            live -= activations[action.chunk]
+        # a whole backward (DualPipeV's B) runs as an I block and its W block at once
+        if action.kind in (kinds.BACKWARD_WEIGHT, kinds.BACKWARD):
+            held -= pending[action.chunk]
+    return both - peak
