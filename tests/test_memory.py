@@ -578,9 +578,9 @@ HEAD_PLAN = """plan h {
     ("interleaved", 2, 3, 1, 5, 0),
     # the loss's backward is the split backward's first; the head's W runs 4 I's later
     ("interleaved_zb", 2, 3, 1, 8, 4),
-    # the V's last chunk is on stage 0, beside its first; DualPipeV's whole backward
-    # runs its I and W blocks one after the other: one microbatch's, for that moment
-    ("dualpipev", 2, 0, 1, 9, 1),
+    # the V's last chunk is on stage 0, beside its first; DualPipeV's head runs its I and
+    # W blocks one after the other, while the head's own terms count its gradient
+    ("dualpipev", 2, 0, 1, 9, 0),
     ("zbv", 2, 0, 1, 8, 1),
     ("zb1p", 1, 3, 1, 4, 4),  # I0 .. I3, then W0
     ("gpipe", 1, 3, 16, 16, 0),  # every forward before the first backward
@@ -592,7 +592,8 @@ def test_the_head_stage_holds_the_logits_of_the_last_chunks_microbatches_only(
     microbatch-chunk the stage holds: a vocabulary larger by 1,000 adds 4 bytes a token
     for each of them. Under a split backward the head's output gradient (the logits',
     a vocabulary wide) waits for its W: 4 bytes a token more for each microbatch whose
-    I has run and W has not at the stage's peak (its order replayed)."""
+    I has run and W has not at the stage's peak (its order replayed), once that I is
+    done (while it runs, the logits' own terms count it)."""
     def plan(vocab):
         return plan_of(HEAD_PLAN.replace("VOCAB", str(vocab)).replace(
             "VIRTUAL", str(virtual)).replace("PIPELINE", pipeline))
@@ -735,3 +736,25 @@ def test_what_a_weight_half_reads_is_as_wide_as_its_steps_outputs_on_one_device(
     gpt = 64 + 96 + 64 + 64 + 64 + 128 + 64 + 64
     assert memory.weight_gradient_reads_bytes(plan("gpt", "off"), 1) == \
         2 * (2 * gpt + 64 + 128) * 32 * 4
+
+
+def test_a_weight_half_reads_kv_heads_shared_over_tp_whole_and_a_gathered_embedding_gradient():
+    """llama, 4 heads of 8 and 2 k/v heads over tp 4, zb1p over 2 stages (stage 0, one
+    microbatch between its I and W, 32 fp32 tokens): qkv's output on a rank is its query
+    head and one k and one v head whole (Megatron-LM replicates k/v heads where there are
+    fewer than ranks): 24 features, not (4 + 2 x 2) x 8 / 4 = 16. Under sequence
+    parallelism a vocabulary-parallel embedding's gradient comes gathered over tp, the
+    whole sequence: 32 features, where a hidden-split one's is 32 / 4."""
+    def plan(embedding):
+        return plan_of(f"""plan z {{
+  model llama {{ layers = 4; hidden = 32; heads = 4; kv_heads = 2; ffn = 64; vocab = 256
+                seq = 32; batch = 4 }}
+  mesh {{ pp = 2; tp = 4 }}
+  shard {{ tp {{ sequence_parallel = on; embedding = {embedding} }} }}
+  schedule {{ microbatches = 4; pipeline = zb1p }}
+}}""")
+    # ln1 8, qkv 24, proj 32, ln2 8, fc1 128 / 4, fc2 32: sequence-split norms
+    layer = 8 + 24 + 32 + 8 + 32 + 32
+    for embedding, features in (("vocab", 32), ("hidden", 8)):
+        assert memory.weight_gradient_reads_bytes(plan(embedding), 0) == \
+            (2 * layer + features) * 32 * 4

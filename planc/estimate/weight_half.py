@@ -37,8 +37,10 @@ def units_beyond_peak(plan: Plan, stage: int, per_layer: float) -> float:
         return 0.0
     reads = functools.partial(_weight_half_bytes, plan)
     units = functools.partial(_gathered_unit_bytes, plan)
-    return _beyond_activation_peak(plan, stage, per_layer, lambda c: reads(c) + units(c)) - \
-        _beyond_activation_peak(plan, stage, per_layer, reads)
+    logits = functools.partial(_logits_gradient_bytes, plan)
+    return _beyond_activation_peak(plan, stage, per_layer, lambda c: reads(c) + units(c),
+                                   logits) - \
+        _beyond_activation_peak(plan, stage, per_layer, reads, logits)
 
 
 def _mixture_cut(plan: Plan) -> bool:
@@ -82,8 +84,27 @@ def _weight_half_bytes(plan: Plan, chunk: int) -> float:
     if chunk == 0:
         features += sum(_step_reads(plan, op, (), False) for op in family.embedding_ops)
     if chunk == len(chunks) - 1:
-        features += sum(_step_reads(plan, op, (), False) for op in family.head_ops)
+        features += sum(_step_reads(plan, op, (), False) for op in family.head_ops
+                        if op not in _LOGITS)
     return features * plan.microbatch_size * m.seq / plan.mesh.cp * m.dtype_bytes
+
+
+# the steps whose output gradient is the logits', a vocabulary wide
+_LOGITS = ("head",)
+
+
+def _logits_gradient_bytes(plan: Plan, chunk: int) -> float:
+    """The head's output gradient (the logits'), one microbatch's, on the last chunk:
+    kept for its W like any other, but at the moment its I makes it the head stage's
+    terms already count it (planc.estimate.memory.stage_activation_bytes: the logits in
+    fp32, whose buffer the loss's gradient is written into, and a 16-bit model's copy in
+    its dtype); it adds to them only once the next microbatch's logits are made."""
+    if chunk != len(plan.shard.pp.chunks) - 1:
+        return 0.0
+    m = plan.model
+    return sum(_step_reads(plan, op, (), False) for op in _LOGITS if op in
+               family_of(plan).head_ops) * plan.microbatch_size * m.seq / plan.mesh.cp * \
+        m.dtype_bytes
 
 
 def _recomputed_ops(plan: Plan, ops: tuple[str, ...]) -> frozenset[str]:
@@ -130,8 +151,12 @@ def _step_reads(plan: Plan, op: str, links, recomputed: bool) -> float:
             (m.hidden / (tp if tp > 1 else 1) if m.shared_experts else 0.0)
     width = widths[family.output_tensor[op]]
     placement = getattr(tensor, rule.placement, None) if rule.placement else None
-    if rule.kind == "linear":
-        output = width / tp if placement in ("column", "vocab") else width
+    if rule.kind == "linear" and placement in ("column", "vocab"):
+        output = _column_share(family, m, tp, rule, width)
+    elif rule.kind == "linear":
+        output = width
+    elif rule.kind == "embedding" and placement == "vocab":
+        output = width  # its gradient comes whole, gathered over tp (sequence parallel)
     elif rule.column_weights and placement == "column" and tp > 1:
         output = width / tp
     else:
@@ -147,6 +172,17 @@ def _step_reads(plan: Plan, op: str, links, recomputed: bool) -> float:
     return output + source / sequence_split
 
 
+def _column_share(family, m, tp: int, rule, width: float) -> float:
+    """A column-parallel linear's output features on one of ``tp`` ranks: each of its
+    groups' share (heads, or features), a group of fewer heads than ranks whole on each
+    (grouped-query attention's k and v with kv_heads < tp, which Megatron-LM replicates;
+    planc.models.family.shares_heads)."""
+    groups = family.feature_groups(m).get(rule.output_dim) if tp > 1 else None
+    if not groups:
+        return width / tp
+    return width / sum(groups) * sum(g / tp if g >= tp else 1 for g in groups)
+
+
 def reads_beyond_peak(plan: Plan, stage: int, per_layer: float) -> float:
     """Under a schedule that splits the backward, what each chunk's weight half (W)
     reads, kept from its input half (I) until it runs, beside the activations: the
@@ -158,29 +194,34 @@ def reads_beyond_peak(plan: Plan, stage: int, per_layer: float) -> float:
     if not schedules.named(plan.schedule.pipeline).splits_backward:
         return 0.0
     return _beyond_activation_peak(plan, stage, per_layer,
-                                   functools.partial(_weight_half_bytes, plan))
+                                   functools.partial(_weight_half_bytes, plan),
+                                   functools.partial(_logits_gradient_bytes, plan))
 
 
-def _beyond_activation_peak(plan: Plan, stage: int, per_layer: float, pending) -> float:
+def _beyond_activation_peak(plan: Plan, stage: int, per_layer: float, pending,
+                            after_input=lambda chunk: 0.0) -> float:
     """What ``pending(chunk)`` (one microbatch's bytes, held from the chunk's I to its W)
     adds to the peak of the stage's activations: the order replayed, a forward making
     its chunk's layers' activations live and the last backward block freeing them, an I
     making ``pending`` live and the W freeing it; the most of both at once less the most
     of the activations alone. Where Ws are held back to the end of the order (DualPipeV's
-    cool-down), few activations are left beside them."""
+    cool-down), few activations are left beside them. ``after_input(chunk)`` becomes
+    live only once its I is done (counted elsewhere while it runs)."""
     count = len(plan.shard.pp.chunks)
     mine = [plan.stage_of_chunk(c) == stage for c in range(count)]
     activations = tuple(plan.shard.pp.chunk_layers(c) * per_layer if mine[c] else 0.0
                         for c in range(count))
     reads = tuple(pending(c) if mine[c] else 0.0 for c in range(count))
+    later = tuple(after_input(c) if mine[c] else 0.0 for c in range(count))
     return _pending_beyond_peak(plan.schedule.pipeline, stage, plan.mesh.pp,
                                 plan.schedule.microbatches, plan.shard.pp.virtual,
-                                activations, reads)
+                                activations, reads, later)
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _pending_beyond_peak(pipeline: str, stage: int, pp: int, microbatches: int, virtual: int,
-                         activations: tuple[float, ...], pending: tuple[float, ...]) -> float:
+                         activations: tuple[float, ...], pending: tuple[float, ...],
+                         later: tuple[float, ...]) -> float:
     schedule, kinds = schedules.named(pipeline), schedules.ActionKind
     live = held = peak = both = 0.0
     for action in schedule.order(stage, pp, schedule.peak_microbatches(
@@ -190,9 +231,12 @@ def _pending_beyond_peak(pipeline: str, stage: int, pp: int, microbatches: int, 
         elif action.kind in (kinds.BACKWARD_INPUT, kinds.BACKWARD):
             held += pending[action.chunk]
         peak, both = max(peak, live), max(both, live + held)
+        if action.kind is kinds.BACKWARD_INPUT:
+            held += later[action.chunk]
         if action.kind in _LAYERS_DONE:
             live -= activations[action.chunk]
         # a whole backward (DualPipeV's B) runs as an I block and its W block at once
         if action.kind in (kinds.BACKWARD_WEIGHT, kinds.BACKWARD):
-            held -= pending[action.chunk]
+            held -= pending[action.chunk] + \
+                (later[action.chunk] if action.kind is kinds.BACKWARD_WEIGHT else 0.0)
     return both - peak
