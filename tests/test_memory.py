@@ -106,14 +106,15 @@ def test_zero_paper_example_through_a_plan(zero, dp, cp):
 def test_zero3_counts_its_largest_unit_whole_beside_the_shards(zero, dp, units):
     """Twice in bf16 (the forward's, filled again, and the backward's gather) and its
     fp32 gradient: 8 bytes a parameter of the largest unit, here the embedding (token
-    and position tables, 53,248 x 4096 + 2048 x 4096), larger than a block; and the
-    last block, kept whole from its forward to its backward, once more in bf16."""
+    and position tables, 53,248 x 4096 + 2048 x 4096), larger than a block. The last
+    block, kept whole from its forward to its backward beside the head's unit, is
+    within it (one copy of each)."""
     (stage,) = memory.estimate(zero_plan(zero, dp)).stages
     embedding = (ZERO_VOCAB + ZERO_SEQ) * ZERO_HIDDEN
     block = memory.layer_parameters(zero_plan(zero, dp))
     assert embedding > block == 12 * ZERO_HIDDEN ** 2 + 13 * ZERO_HIDDEN
     assert memory.last_block_kept(zero_plan(zero, dp)) == units
-    assert stage.unsharded_bytes == (8 * embedding + 2 * block if units else 0.0)
+    assert stage.unsharded_bytes == (8 * embedding if units else 0.0)
     assert stage.total_bytes == (stage.parameter_bytes + stage.gradient_bytes
                                  + stage.optimizer_bytes + stage.activation_bytes
                                  + stage.unsharded_bytes)
@@ -142,10 +143,7 @@ def test_zero3_s_largest_unit_may_be_a_blocks_experts_split_over_ep():
     plan = moe_zero3(dp=4)
     experts = 4 * 3 * 64 * 256
     assert memory.stage_expert_parameters(plan, 0) == 2 * experts
-    # and the last block, kept whole from its forward to its backward (its attention,
-    # router and norms, 17,024 elements, and its experts), once more in bf16
-    assert memory.unsharded_unit_bytes(plan, 0) == (2 * 2 + 4) * experts + \
-        2 * (17_024 + experts)
+    assert memory.unsharded_unit_bytes(plan, 0) == (2 * 2 + 4) * experts
 
 
 def test_experts_with_no_replica_are_no_zero3_unit():
@@ -155,8 +153,7 @@ def test_experts_with_no_replica_are_no_zero3_unit():
     plan = moe_zero3(dp=2)
     block = memory.layer_parameters(plan)
     assert block == 17_024
-    # the last block's kept whole too (once more in bf16): its experts are not gathered
-    assert memory.unsharded_unit_bytes(plan, 0) == (2 * 2 + 4) * block + 2 * block
+    assert memory.unsharded_unit_bytes(plan, 0) == (2 * 2 + 4) * block
     assert memory.stage_expert_parameters(plan, 0) == 2 * 196_608
 
 

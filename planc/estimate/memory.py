@@ -132,18 +132,6 @@ def last_block_kept(plan: Plan) -> bool:
     return head_unit_kept(plan) and first <= last == plan.model.layers - 1
 
 
-def _last_block_elements(plan: Plan) -> int:
-    """The elements of the last block's ZeRO-3 units on one device: the block's, and its
-    routed experts' where they are gathered over edp."""
-    family, m, ep = family_of(plan), plan.model, plan.mesh.ep
-    layer = m.layers - 1
-    count = layer_parameters(plan, layer)
-    if ep > 1 and plan.mesh.tp * plan.mesh.dp * plan.mesh.cp // ep > 1:
-        count += sum(p.numel // ep for p in family.layer_parameters(m, layer)
-                     if p.split_over_experts(ep))
-    return count
-
-
 def unsharded_unit_bytes(plan: Plan, stage: int) -> float:
     """What ZeRO-3 holds whole beside the shards, at its most: the stage's largest unit
     (a block, the embedding, the head and final norm) gathered twice in the model's dtype
@@ -152,8 +140,9 @@ def unsharded_unit_bytes(plan: Plan, stage: int) -> float:
     VLDB 2023, section 3.2), and planc's backward holds the forward's views of a unit's
     parameters (filled again), the backward's own gather where it ran first, and the
     unit's whole gradient until its reduce-scatter (planc.runtime.engine.store). The
-    last block kept whole (:func:`last_block_kept`) is whole beside the head's unit while
-    the loss runs: its parameters once more in the model's dtype."""
+    last block kept whole beside the head's unit while the loss runs
+    (:func:`last_block_kept`) is within that: one copy of each, no more than two of the
+    larger."""
     if plan.shard.dp.zero != 3 or plan.mesh.dp * plan.mesh.cp == 1:
         return 0.0
     family, m, ep = family_of(plan), plan.model, plan.mesh.ep
@@ -167,9 +156,7 @@ def unsharded_unit_bytes(plan: Plan, stage: int) -> float:
         units.append(_local_elements(plan, family.embedding_parameters(m)))
     if stage == plan.head_stage:
         units.append(_local_elements(plan, family.head_parameters(m)))
-    kept = _last_block_elements(plan) * m.dtype_bytes \
-        if stage == plan.head_stage and last_block_kept(plan) else 0
-    return max(units, default=0) * (2 * m.dtype_bytes + FP32_BYTES) + kept + \
+    return max(units, default=0) * (2 * m.dtype_bytes + FP32_BYTES) + \
         _whole_until_weight_gradient(plan, stage)
 
 
