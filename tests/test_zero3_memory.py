@@ -221,3 +221,25 @@ def test_the_kept_head_counts_among_the_two_units_gathered_at_once(pipeline):
                      and graph.nodes[n]["chunk"] == graph.nodes["B/head"]["chunk"])
     two_after = [n for n in gathers if nx.has_path(graph, "B/head", n)]
     assert gathers and two_after == gathers, gathers
+
+
+def test_an_evaluation_frees_the_gathers_training_keeps_for_the_backward():
+    """The head's unit and the last block's are kept from their forward for their
+    backward, whose last reader frees them; an evaluation batch runs no backward, so its
+    forward's last reader of each frees it instead (without that, every microbatch's
+    would stay until the batch ends)."""
+    from planc.compile import compile_plan
+    from planc.lang import load_text
+
+    text = PLAN.replace("DTYPE", "fp32").replace("steps = 2;", "steps = 2; eval_every = 1;")
+    program = compile_plan(load_text(text).plan).programs["stage0.json"]
+    kept = ("F/c0.b0>head:all_gather@dp_cp", "F/c0.b1>L2:all_gather@dp_cp")
+
+    def freeing(blocks):
+        return {i.node: [b for b in i.frees if b in kept] for block in blocks.values()
+                for i in block if set(i.frees) & set(kept)}
+
+    assert all(not any(b in kept for b in i.frees) for i in program.blocks["F0"])
+    assert freeing(program.for_evaluation().blocks) == {
+        "F/L2/fc2": ["F/c0.b1>L2:all_gather@dp_cp"],
+        "F/head": ["F/c0.b0>head:all_gather@dp_cp"]}

@@ -228,6 +228,28 @@ def _forward_only(instruction: Instruction) -> Instruction:
         operands=dataclasses.replace(operands, keeps_graph=False))
 
 
+def _freed_in(kept: dict[str, tuple], every: dict[str, tuple]) -> dict[str, tuple]:
+    """``kept`` (an evaluation's forward blocks) with each buffer that training frees in
+    a block the evaluation drops (a ZeRO-3 gather kept for its backward: the head's, the
+    last block's) freed by its last reader in the one kept block that reads it, so that
+    an evaluation batch does not hold one per microbatch until its end."""
+    freed = {b for name, block in every.items() if name not in kept
+             for i in block for b in i.frees}
+    freed -= {b for block in kept.values() for i in block for b in i.frees}
+    readers: dict[str, list[tuple[str, int]]] = {}
+    for name, block in kept.items():
+        for k, i in enumerate(block):
+            for buffer in set(i.reads) & freed:
+                readers.setdefault(buffer, []).append((name, k))
+    last: dict[tuple[str, int], list[str]] = {}
+    for buffer, where in readers.items():
+        if len({name for name, _ in where}) == 1:
+            last.setdefault(max(where), []).append(buffer)
+    return {name: tuple(dataclasses.replace(i, frees=i.frees + tuple(sorted(last[(name, k)])))
+                        if (name, k) in last else i for k, i in enumerate(block))
+            for name, block in kept.items()}
+
+
 @dataclass(frozen=True)
 class Program:
     stage: int
@@ -290,9 +312,9 @@ class Program:
         waited = {(i.stream, done_event(source)) for i in loss for source in i.reads}
         epilogue = tuple(i for i in self.epilogue if i in loss or i.op is Opcode.SYNC and loss
                          or i.op is Opcode.WAIT and (i.stream, i.event) in waited)
-        return Program(self.stage, self.streams,
-                       {name: tuple(_forward_only(i) for i in block)
-                        for name, block in self.blocks.items() if name in used},
+        blocks = {name: tuple(_forward_only(i) for i in block)
+                  for name, block in self.blocks.items() if name in used}
+        return Program(self.stage, self.streams, _freed_in(blocks, self.blocks),
                        self.evaluation, dict(self.evaluation_receives), epilogue,
                        self.microbatches, self.prologue, self.buckets,
                        received={n: o for n, o in self.received.items() if n in received})
