@@ -17,8 +17,8 @@ from planc.runtime.engine import fp8
 from planc.runtime.families import llama
 from planc.runtime.families import moe_dispatch
 from planc.runtime.families.moe_dispatch import (exchange_fp8_rows, exchange_rows,
-                                                 exchange_sizes, expert_mlp, expert_output,
-                                                 stacked_experts)
+                                                 exchanged_counts, expert_mlp, expert_output,
+                                                 received_experts, stacked_experts)
 from planc.runtime.families.moe_gate import (WithBalanceLoss, balance_loss, balanced,
                                              choose, routed_pairs, sorted_pairs, update_bias)
 from planc.vocabulary.model_options import balanced_layers
@@ -138,18 +138,14 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     per_rank = m.experts // peers.size
     chosen = routed_pairs(experts, sequences, positions, m, counts_over, drops).reshape(-1)
     order, token_of = sorted_pairs(chosen, m.top_k)  # every pair, unless capacity drops
-    per_expert = torch.bincount(chosen[order], minlength=m.experts)
-    # rows from each member for each of this rank's experts, in the order they arrive
-    arriving = exchange_sizes(per_expert, peers.group).reshape(peers.size, per_rank)
-    sent = per_expert.reshape(peers.size, per_rank).sum(1).tolist()
-    received = arriving.sum(1).tolist()
+    arriving, sent, received = exchanged_counts(
+        torch.bincount(chosen[order], minlength=m.experts), peers.group, peers.size)
     if tally is not None:  # the rows this rank's experts run: the routing's balance
         tally(sum(received))
     recipe = fp8.recipe_of(m)
     rows = _AllToAll.apply(tokens[token_of], sent, received, peers.group) if recipe is None \
         else _Fp8Dispatch.apply(tokens[token_of], sent, received, peers.group, recipe.tile)
-    local_expert = torch.repeat_interleave(  # each received row's expert on this rank
-        torch.arange(per_rank, device=rows.device).repeat(peers.size), arriving.reshape(-1))
+    local_expert = received_experts(arriving)
     stacked = stacked_experts(weights_of)  # this rank's experts only
     # zeros that depend on ``rows``: a rank whose experts got no row in this microbatch
     # still runs both all-to-alls' backward, which its peers wait for (with zeros_like,

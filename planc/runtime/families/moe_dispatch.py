@@ -184,16 +184,31 @@ def decoded(encoded: tuple[torch.Tensor, torch.Tensor], features: int, dtype
     return fp8.decoded_rows(*encoded, features).to(dtype)
 
 
+def exchanged_counts(per_expert: torch.Tensor, group, ep: int
+                     ) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """The all-to-all of the rows this rank sends each expert (``per_expert``, sorted by
+    expert, experts / ep to each of the ep members): (the rows each member sends each of
+    this rank's experts, ep x experts / ep; the rows sent to each member; the rows
+    received from each)."""
+    per_rank = per_expert.numel() // ep
+    arriving = exchange_sizes(per_expert, group).reshape(ep, per_rank)
+    return (arriving, tuple(per_expert.reshape(ep, per_rank).sum(1).tolist()),
+            tuple(arriving.sum(1).tolist()))
+
+
+def received_experts(arriving: torch.Tensor) -> torch.Tensor:
+    """Each received row's expert among this rank's: each member's rows come sorted by
+    expert, ``arriving`` (:func:`exchanged_counts`) of each."""
+    members, local = arriving.shape
+    return torch.repeat_interleave(
+        torch.arange(local, device=arriving.device).repeat(members), arriving.reshape(-1))
+
+
 def exchange_counts(routed: Routed, group, members: tuple[int, ...]) -> Routed:
     """The counts per expert over the group: each rank learns the rows each member will
     send to each of its experts (the rows themselves stay here until the dispatch)."""
-    ep = len(members)
-    arriving = exchange_sizes(routed.counts, group)
-    per_rank = routed.counts.numel() // ep
-    arriving = arriving.reshape(ep, per_rank)
-    return replace(routed, counts=arriving,
-                   sent=tuple(routed.counts.reshape(ep, per_rank).sum(1).tolist()),
-                   received=tuple(arriving.sum(1).tolist()), members=members)
+    arriving, sent, received = exchanged_counts(routed.counts, group, len(members))
+    return replace(routed, counts=arriving, sent=sent, received=received, members=members)
 
 
 def dispatch(routed: Routed, group, recipe=None) -> Routed:
@@ -228,10 +243,7 @@ def experts(k, spec, x, p, step, mb, extra):
     by_suffix = {name.split(".", 2)[-1]: name for name in spec.params}
     stacked = stacked_experts(lambda name: p(by_suffix[name]))
     local = routed.counts.shape[1]
-    # the rows of each member come sorted by expert: each row's local expert
-    expert_of = torch.repeat_interleave(
-        torch.arange(local, device=rows.device).repeat(routed.counts.shape[0]),
-        routed.counts.reshape(-1))
+    expert_of = received_experts(routed.counts)
     k.routed[(step, mb, spec.layer)] = (rows.shape[0], routed.members)
     features, weights = rows[:, :-1], rows[:, -1:]
     recipe = fp8.recipe_of(m)
