@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from planc import schedules
 from planc.estimate import weight_half
 from planc.estimate.kernel_cost import GPUS
-from planc.estimate.parameter_counts import (_local_elements, layer_parameters,
-                                             stage_expert_parameters, stage_parameters)
+from planc.estimate.parameter_counts import (_local_elements, layer_expert_parameters,
+                                             layer_parameters, stage_expert_parameters,
+                                             stage_parameters)
 from planc.models import family_of
 from planc.plan.plan import Plan
 
@@ -150,8 +151,7 @@ def unsharded_unit_bytes(plan: Plan, stage: int) -> float:
     if ep > 1 and plan.mesh.tp * plan.mesh.dp * plan.mesh.cp // ep > 1:
         # a block's routed experts split over ep: a unit of their own, gathered over edp
         # (with no replica, edp of one, they are never gathered)
-        units += [sum(p.numel // ep for p in family.layer_parameters(m, layer)
-                      if p.split_over_experts(ep)) for layer in plan.layers_of_stage(stage)]
+        units += [layer_expert_parameters(plan, layer) for layer in plan.layers_of_stage(stage)]
     if stage == 0:
         units.append(_local_elements(plan, family.embedding_parameters(m)))
     if stage == plan.head_stage:

@@ -61,11 +61,16 @@ def _split_over_tp(plan: Plan) -> set[str]:
 def stage_expert_parameters(plan: Plan, stage: int) -> int:
     """Elements of the routed experts split over ep held by one device of ``stage``:
     its experts' rows, experts / ep of them (0 without mesh { ep })."""
-    family, ep = family_of(plan), plan.mesh.ep
+    return sum(layer_expert_parameters(plan, layer) for layer in plan.layers_of_stage(stage))
+
+
+def layer_expert_parameters(plan: Plan, layer: int) -> int:
+    """Elements of block ``layer``'s routed experts split over ep on one device (0
+    without mesh { ep })."""
+    ep = plan.mesh.ep
     if ep == 1:
         return 0
-    return sum(p.numel // ep for layer in plan.layers_of_stage(stage)
-               for p in family.layer_parameters(plan.model, layer)
+    return sum(p.numel // ep for p in family_of(plan).layer_parameters(plan.model, layer)
                if p.split_over_experts(ep))
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import functools
 
 from planc import schedules
-from planc.estimate.parameter_counts import _local_elements, layer_parameters
+from planc.estimate.parameter_counts import (_local_elements, layer_expert_parameters,
+                                             layer_parameters)
 from planc.models import family_of, moe
 from planc.models.family import INPUT
 from planc.plan.plan import Plan
@@ -44,10 +45,8 @@ def units_beyond_peak(plan: Plan, stage: int, per_layer: float) -> float:
 
 
 def _mixture_cut(plan: Plan) -> bool:
-    """Whether a mixture over ep runs as pieces of its own (planc.passes.split_dispatch:
-    ``overlap_all_to_all``, or the two-hop dispatcher), each split as any step is."""
-    return plan.mesh.ep > 1 and (plan.schedule.overlap_all_to_all or
-                                 plan.optimize.moe_dispatcher == "two_hop")
+    """Whether a mixture over ep runs as pieces of its own, each split as any step is."""
+    return plan.mesh.ep > 1 and moe.cut_at_all_to_alls(plan)
 
 
 def _gathered_unit_bytes(plan: Plan, chunk: int) -> float:
@@ -56,12 +55,10 @@ def _gathered_unit_bytes(plan: Plan, chunk: int) -> float:
     split_dispatch), the embedding on the first chunk, the final norm and head on the
     last."""
     family, m, chunks = family_of(plan), plan.model, plan.shard.pp.chunks
-    ep = plan.mesh.ep
     first, last = chunks[chunk]
     count = sum(layer_parameters(plan, layer) for layer in range(first, last + 1))
-    if _mixture_cut(plan) and plan.mesh.tp * plan.mesh.dp * plan.mesh.cp // ep > 1:
-        count += sum(p.numel // ep for layer in range(first, last + 1)
-                     for p in family.layer_parameters(m, layer) if p.split_over_experts(ep))
+    if _mixture_cut(plan) and plan.mesh.tp * plan.mesh.dp * plan.mesh.cp // plan.mesh.ep > 1:
+        count += sum(layer_expert_parameters(plan, layer) for layer in range(first, last + 1))
     if chunk == 0:
         count += _local_elements(plan, family.embedding_parameters(m))
     if chunk == len(chunks) - 1:
@@ -86,7 +83,13 @@ def _weight_half_bytes(plan: Plan, chunk: int) -> float:
     if chunk == len(chunks) - 1:
         features += sum(_step_reads(plan, op, (), False) for op in family.head_ops
                         if op not in _LOGITS)
-    return features * plan.microbatch_size * m.seq / plan.mesh.cp * m.dtype_bytes
+    return features * _token_bytes(plan)
+
+
+def _token_bytes(plan: Plan) -> float:
+    """A feature of one microbatch's tokens on one device, in the model's dtype."""
+    m = plan.model
+    return plan.microbatch_size * m.seq / plan.mesh.cp * m.dtype_bytes
 
 
 # the steps whose output gradient is the logits', a vocabulary wide
@@ -101,10 +104,8 @@ def _logits_gradient_bytes(plan: Plan, chunk: int) -> float:
     its dtype); it adds to them only once the next microbatch's logits are made."""
     if chunk != len(plan.shard.pp.chunks) - 1:
         return 0.0
-    m = plan.model
     return sum(_step_reads(plan, op, (), False) for op in _LOGITS if op in
-               family_of(plan).head_ops) * plan.microbatch_size * m.seq / plan.mesh.cp * \
-        m.dtype_bytes
+               family_of(plan).head_ops) * _token_bytes(plan)
 
 
 def _recomputed_ops(plan: Plan, ops: tuple[str, ...]) -> frozenset[str]:
@@ -146,9 +147,9 @@ def _step_reads(plan: Plan, op: str, links, recomputed: bool) -> float:
         if not _mixture_cut(plan):
             return 0.0
         # (the route runs whole: planc.passes.split_backward.splittable)
-        rows = m.top_k / (tp if tp > 1 else 1)
+        rows = m.top_k / tp
         return rows * moe.routing_imbalance(m) * m.hidden + \
-            (m.hidden / (tp if tp > 1 else 1) if m.shared_experts else 0.0)
+            (m.hidden / tp if m.shared_experts else 0.0)
     width = widths[family.output_tensor[op]]
     placement = getattr(tensor, rule.placement, None) if rule.placement else None
     if rule.kind == "linear" and placement in ("column", "vocab"):

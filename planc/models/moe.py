@@ -204,6 +204,13 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     return max(dense, mixture) if m.first_dense else mixture
 
 
+def cut_at_all_to_alls(plan) -> bool:
+    """Whether a plan's mixtures over ep run cut at their all-to-alls, as transfers of
+    their own (planc.passes.split_dispatch): with ``schedule { overlap_all_to_all }``,
+    or the two-hop dispatcher."""
+    return plan.schedule.overlap_all_to_all or plan.optimize.moe_dispatcher == "two_hop"
+
+
 def expert_counts_bytes(experts: int) -> int:
     """What a rank sends in the all-to-all of counts that sizes a dispatch (before every
     forward one, and a recomputed one): how many of its rows go to each expert, one int64

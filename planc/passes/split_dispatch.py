@@ -283,7 +283,7 @@ class _Cutter:
 def split_dispatch(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
     plan = ctx.plan
     two_hop = plan.optimize.moe_dispatcher == "two_hop"
-    if not plan.schedule.overlap_all_to_all and not two_hop:
+    if not moe.cut_at_all_to_alls(plan):
         return graph
     out = ctx.working_copy(graph)
     chosen = [node for node, data in out.nodes(data=True) if cut(data)]
