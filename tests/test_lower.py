@@ -26,13 +26,15 @@ from planc.program.program import (
 )
 from planc.verify.verifier import verify
 from tests.conftest import PLANS
-from tests.test_passes import validated
+from tests.test_passes import validated_example
 
 EXAMPLES = sorted(PLANS.glob("*.plan"))
-# The held-out Narayanan et al. plans are the Megatron H100 plans' shapes at other sizes,
-# and tests/test_simulate.py compiles, lowers and replays every one of them: the suite
-# lowers and verifies the rest here, to stay within its time.
-DISTINCT_EXAMPLES = [p for p in EXAMPLES if not p.stem.startswith("narayanan-")]
+# The plans of the simulator's tables (Narayanan et al.'s, Korthikanti et al.'s and the
+# Megatron H100 plans) are each compiled, validated after every pass and lowered to
+# verified programs by tests/test_simulate.py, which replays them: the rest here, so that
+# the suite compiles each once.
+TABLES = ("narayanan-", "korthikanti-", "megatron-h100-")
+DISTINCT_EXAMPLES = [p for p in EXAMPLES if not p.stem.startswith(TABLES)]
 
 PP_PLAN = """plan pp {
   model gpt { layers = 4; hidden = 32; heads = 4; vocab = 128; seq = 16; batch = 8 }
@@ -52,22 +54,39 @@ def problems(build, programs=None, table=None) -> list[str]:
                   table or build.table, build.groups, build.routes).problems
 
 
-# The held-out Narayanan et al. plans are the Megatron H100 plans' shapes at other sizes
-# (tests/test_simulate.py compiles each): the others, each compiled once (the suite's
-# largest compiles), its graph validated after the derivation and after every pass
+# Each example's graph validated after the derivation and after every pass
 # (tests/test_passes.py), then its programs verified.
 @pytest.mark.parametrize("path", DISTINCT_EXAMPLES, ids=lambda p: p.stem)
 def test_every_example_passes_the_validator_after_every_pass_and_lowers_to_verified_programs(
         path):
-    build = validated(load_file(path).plan)
-    assert problems(build) == []
-    plan = build.plan
-    # one program per pipeline stage, every rank in exactly one, on its own stage
-    assert sorted(build.programs) == sorted(f"stage{s}.json" for s in range(plan.mesh.pp))
-    if plan.world <= 1024:  # every rank runs exactly one program, that of its stage
-        owners = {r: build.table.program_of(r) for r in range(plan.world)}
-        assert all(build.programs[owners[r]].stage == r // build.table.stride % plan.mesh.pp
-                   for r in owners)
+    validated_example(load_file(path).plan)
+
+
+def test_the_ranks_of_a_program_are_its_stages_with_the_overrides_applied():
+    """RankTable.ranks visits the stage's ranks (runs of ``stride`` every ``stride * pp``),
+    not the world's; the overrides add and remove ranks in order."""
+    table = RankTable(world=12, pp=3, stride=2,
+                      stages={"stage0.json": 0, "stage1.json": 1, "stage2.json": 2},
+                      overrides={2: "hand.json", 4: "stage1.json", 11: "stage1.json",
+                                 20: "stage1.json"})
+    assert list(table.ranks("stage0.json")) == [0, 1, 6, 7]
+    assert list(table.ranks("stage1.json")) == [3, 4, 8, 9, 11]  # 20 is past the world
+    assert list(table.ranks("stage2.json")) == [5, 10]
+    assert list(table.ranks("hand.json")) == [2]
+    assert list(table.ranks("none.json")) == []
+    # every rank in exactly one program, the one program_of names
+    everyone = sorted(r for name in table.names for r in table.ranks(name))
+    assert everyone == list(range(12))
+    assert all(table.program_of(r) == name for name in table.names for r in table.ranks(name))
+
+
+def test_every_table_plan_is_one_the_simulator_tests_compile():
+    from bench.published_runs import KORTHIKANTI_TABLE_5, MEGATRON_H100, NARAYANAN_TABLE_1
+
+    compiled_there = {*(f"narayanan-{n}" for n in NARAYANAN_TABLE_1),
+                      *(f"korthikanti-{n}" for n in KORTHIKANTI_TABLE_5),
+                      *(f"megatron-h100-{n}" for n in MEGATRON_H100)}
+    assert {p.stem for p in EXAMPLES if p.stem.startswith(TABLES)} == compiled_there
 
 
 def test_program_shape_of_a_two_stage_pipeline():

@@ -62,6 +62,20 @@ def validated(plan):
     return build
 
 
+def validated_example(plan):
+    """:func:`validated`, and its programs' shape: one program per pipeline stage, every
+    rank in exactly one, that of its own stage (compile_plan has verified them: it raises
+    CompileError otherwise). For the example plans (tests/test_lower.py), and for those
+    the simulator's tables compile (tests/test_simulate.py), each compiled once."""
+    build = validated(plan)
+    assert sorted(build.programs) == sorted(f"stage{s}.json" for s in range(plan.mesh.pp))
+    if plan.world <= 1024:
+        owners = {r: build.table.program_of(r) for r in range(plan.world)}
+        assert all(build.programs[owners[r]].stage == r // build.table.stride % plan.mesh.pp
+                   for r in owners)
+    return build
+
+
 CASES = {
     "dp-zero0": dict(mesh="dp = 2"),
     "dp-zero1": dict(mesh="dp = 2", shard="dp { zero = 1 }"),

@@ -156,9 +156,12 @@ def _trial(stuck: Path, root: Path, started: Path, index: int, moment: float,
 
 
 def _trials(stuck: Path, root: Path, started: Path, window: float, count: int,
-            send) -> list[Trial]:
-    # from the first milliseconds to a little after the ranks started
-    moments = [(window + 1.0) * i / (count - 1) for i in range(count)]
+            send, offset: float = 0.0) -> list[Trial]:
+    """``count`` trials at even moments from the first milliseconds to a little after the
+    ranks started, shifted by ``offset`` of a step (the two Ctrl-C tests interleave theirs:
+    together they try twice as many moments, each half as many runs)."""
+    moments = [(window + 1.0) * min(i + offset, count - 1) / (count - 1)
+               for i in range(count)]
     with ThreadPoolExecutor(PARALLEL) as pool:
         return list(pool.map(lambda im: _trial(stuck, root, started, im[0], im[1], send),
                              enumerate(moments)))
@@ -211,8 +214,8 @@ def _interrupted_problems(trials: list[Trial]) -> list[str]:
     return problems
 
 
-def _interrupted_at_every_moment(stuck, started, window, tmp_path, send) -> None:
-    trials = _trials(stuck, tmp_path, started, window, 12, send)
+def _interrupted_at_every_moment(stuck, started, window, tmp_path, send, offset) -> None:
+    trials = _trials(stuck, tmp_path, started, window, 8, send, offset)
     assert _interrupted_problems(trials) == []
     # planc's own handling was tried: at least the trials sent once the ranks ran
     assert sum(t.planc_started for t in trials) >= 1
@@ -220,17 +223,17 @@ def _interrupted_at_every_moment(stuck, started, window, tmp_path, send) -> None
 
 def test_ctrl_c_to_the_launcher_at_any_moment_stops_the_run(stuck, started, window,
                                                             tmp_path):
-    _interrupted_at_every_moment(stuck, started, window, tmp_path, _interrupt_launcher)
+    _interrupted_at_every_moment(stuck, started, window, tmp_path, _interrupt_launcher, 0.0)
 
 
 def test_ctrl_c_to_the_process_group_at_any_moment_stops_the_run(stuck, started, window,
                                                                  tmp_path):
-    _interrupted_at_every_moment(stuck, started, window, tmp_path, _interrupt_group)
+    _interrupted_at_every_moment(stuck, started, window, tmp_path, _interrupt_group, 0.5)
 
 
 def test_a_launcher_killed_at_any_moment_leaves_no_process(stuck, started, window,
                                                           tmp_path):
-    trials = _trials(stuck, tmp_path, started, window, 8, _kill_launcher)
+    trials = _trials(stuck, tmp_path, started, window, 6, _kill_launcher)
     assert [t.status for t in trials] == [-signal.SIGKILL] * len(trials)
     assert [(t.moment, t.left) for t in trials if t.left] == []
     # ranks watch the launcher every 0.5 s; the fork server ends once its import is done

@@ -25,6 +25,7 @@ from planc.simulate.pipeline import step
 from bench.published_runs import (KORTHIKANTI_TABLE_5, MEGATRON_H100, NARAYANAN_TABLE_1,
                                   SEQUENCE_SELECTIVE, narayanan_step_flops)
 from tests.conftest import PLANS
+from tests.test_passes import validated_example
 
 # Regression guards, not evidence of accuracy (that is bench/validation.py's, table by
 # table): the errors reached, rounded up. With the kernel model of planc.estimate.kernel_cost on
@@ -417,9 +418,12 @@ def test_a_cpu_prices_forward_and_backward_overheads_apart_and_a_hand_off_per_tr
 
 
 def _simulated(name: str, overrides=()) -> float:
+    """The plan as written is an example too: validated and its programs' shape checked
+    (tests/test_lower.py leaves the tables' plans to this file)."""
     loaded = load_file(PLANS / f"korthikanti-{name}.plan", overrides)
     assert loaded.ok, [d.message for d in loaded.diagnostics]
-    return simulate(compile_plan(loaded.plan)).step_seconds
+    build = compile_plan(loaded.plan) if overrides else validated_example(loaded.plan)
+    return simulate(build).step_seconds
 
 
 def test_step_times_of_korthikanti_et_al_table_5():
@@ -442,7 +446,8 @@ def test_throughput_of_the_megatron_lm_h100_weak_scaling_table():
     for name, published in MEGATRON_H100.items():
         loaded = load_file(PLANS / f"megatron-h100-{name}.plan")
         assert loaded.ok, [d.message for d in loaded.diagnostics]
-        errors[name] = simulate(compile_plan(loaded.plan)).tflops_per_gpu / published - 1
+        build = validated_example(loaded.plan)  # an example: tests/test_lower.py leaves it
+        errors[name] = simulate(build).tflops_per_gpu / published - 1
     sizes = [abs(e) for e in errors.values()]
     assert statistics.median(sizes) <= H100_MEDIAN_ERROR, errors
     assert max(sizes) <= H100_MAX_ERROR, errors
@@ -455,7 +460,8 @@ def test_step_times_of_narayanan_et_al_table_1_held_out():
         assert loaded.ok, [d.message for d in loaded.diagnostics]
         plan = loaded.plan
         step = narayanan_step_flops(plan.model) / (published * 1e12 * plan.world)
-        errors[name] = simulate(compile_plan(loaded.plan)).step_seconds / step - 1
+        build = validated_example(loaded.plan)  # an example: tests/test_lower.py leaves it
+        errors[name] = simulate(build).step_seconds / step - 1
     sizes = [abs(e) for e in errors.values()]
     assert statistics.median(sizes) <= HELD_OUT_MEDIAN_ERROR, errors
     assert max(sizes) <= HELD_OUT_MAX_ERROR, errors

@@ -78,6 +78,8 @@ class ParameterRules:
         self.params = {p.name: p for p in all_parameters(plan)}
         self.tied = plan.model.tie_embeddings and plan.head_stage != 0
         self._sites_of_stage: dict[int, dict[int, list[_Site]]] = {}
+        # once per plan: each replays the head's stage's schedule
+        self.kept_unit, self.kept_block = head_unit_kept(plan), last_block_kept(plan)
 
     # --- parameters ---------------------------------------------------------------------
 
@@ -166,7 +168,7 @@ class ParameterRules:
     def _zero3_gathers(self, chunk: int, site: _Site, bucket: str) -> None:
         param = site.param
         axis = self._replicated_over(param)[0]
-        kept_unit, kept_block = head_unit_kept(self.plan), last_block_kept(self.plan)
+        kept_unit, kept_block = self.kept_unit, self.kept_block
         for node, backward, _how in site.uses:
             op, layer = self.graph.nodes[node]["op"], self.graph.nodes[node]["layer"]
             # the head's unit, and the last block's, kept whole for their backward
