@@ -70,9 +70,10 @@ demo: bytecode $(CORPUS)
 
 # The suite in one worker process per core, up to 4 (pytest-xdist), a test file per
 # worker at a time; a file's shared fixtures are built once. On a 2-core machine the
-# suite is bound by CPU (about 1,500 CPU-seconds): pytest took 13:11 with 2 workers and
-# 14:28 with 3 (2026-11-29, fresh clones of one commit). Files start in the order
-# tests/conftest.py gives them (the longest first), not pytest-xdist's own.
+# suite is bound by CPU: about 840 CPU-seconds and 8:02 with 2 workers on a quiet machine
+# (2026-12-02), twice the CPU-seconds and 15:31 when the same machine was busy with other
+# work (14:28 with 3 workers, 2026-11-29). Files start in the order tests/conftest.py
+# gives them (the longest first), not pytest-xdist's own.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 4 ? 4 : n )))
 # More pytest options, e.g. make test PYTEST_ARGS=--durations=40 (the slowest tests), or
 # PYTEST_ARGS="-p suite_cpu" PYTHONPATH=bench: each test's CPU-seconds, with the processes

@@ -131,21 +131,20 @@ plan bad {
 # --no-loadscope-reorder) hands files to its workers in collection order, so a long file
 # collected last runs alone at the end while the other workers wait; longest first, the
 # end is a tail of short files. The order follows the seconds of each file in a whole
-# `make test` (2 workers on 2 cores, 2026-11-29, after runs started 2x faster and the
-# examples were compiled once for test_lower and test_passes): test_limits_compiled
-# (every command at the limits, about 300 s), test_compile_cli, the --check matrix of
-# test_runtime, test_lower, the damaged-build corpora (one driver each, about 125 s),
-# test_signals, test_simulate, test_launcher, test_checkpoint, then the files of 40 to
-# 60 s. Every other file follows, the most tests first (pytest-xdist's own order).
+# `make test` (2 workers on 2 cores, 2026-12-02, bench/suite_cpu.py): test_limits_compiled
+# (every command at the limits, about 90 s), test_replan, test_moe_overlap, test_runtime
+# (the --check matrix), then the files of 20 to 35 s. Every other file follows, the most
+# tests first (pytest-xdist's own order).
 LONGEST_FIRST = (
-    "test_limits_compiled.py", "test_compile_cli.py", "test_runtime.py", "test_lower.py",
-    "test_damaged_builds.py", "test_damaged_programs.py", "test_signals.py",
-    "test_simulate.py", "test_launcher.py", "test_checkpoint.py", "test_hostile.py",
-    "test_llama.py", "test_runtime_data_and_failures.py", "test_fuzz.py", "test_moe.py",
-    "test_peer_data.py", "test_damaged_checkpoints.py", "test_cli.py", "test_data.py",
-    "test_outputs.py", "test_output_paths.py", "test_moe_export.py", "test_run_metrics.py",
-    "test_tune.py", "test_report.py", "test_locks.py", "test_runtime_comm.py",
-    "test_passes.py")
+    "test_limits_compiled.py", "test_replan.py", "test_moe_overlap.py", "test_runtime.py",
+    "test_compile_cli.py", "test_simulate.py", "test_damaged_programs.py", "test_signals.py",
+    "test_checkpoint.py", "test_launcher.py", "test_deepseek_mla.py", "test_llama.py",
+    "test_moe_balance_bias.py", "test_damaged_builds.py", "test_routes.py",
+    "test_run_metrics.py", "test_runtime_data_and_failures.py", "test_damaged_checkpoints.py",
+    "test_lower.py", "test_fuzz.py", "test_hostile.py", "test_moe.py", "test_fp8.py",
+    "test_tune.py", "test_resilience.py", "test_untrusted_builds.py", "test_simulate_moe.py",
+    "test_cli.py", "test_data.py", "test_peer_data.py", "test_output_paths.py",
+    "test_moe_export.py", "test_outputs.py")
 
 
 def pytest_collection_modifyitems(items: list) -> None:

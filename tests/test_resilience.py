@@ -140,7 +140,7 @@ def test_tune_refuses_a_pricing_option_without_mtbf(capsys):
 
 
 def test_tune_ranks_by_the_step_with_failures_priced(capsys):
-    assert main(["tune", str(PLANS / "gpt-tiny.plan"), "--gpus", "8", "--top", "4",
+    assert main(["tune", str(PLANS / "gpt-tiny.plan"), "--gpus", "4", "--top", "4",
                  "--mtbf", "0.001", "--json", "--budget", "20"]) == 0
     ranked = json.loads(capsys.readouterr().out)["candidates"]
     effective = [c["effective_step_seconds"] for c in ranked]

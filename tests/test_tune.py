@@ -331,7 +331,8 @@ def test_the_best_plan_drops_the_shard_blocks_of_axes_it_does_not_use(tmp_path, 
     assert without_blocks(text, [("shard", "tp"), ("other", "tp"), ("shard", "cp")]) == (
         "plan p {\n  shard {\n    dp { zero = 1 }\n  }\n  other { cp { b = 2 } }\n}\n")
     best = tmp_path / "best.plan"
-    assert main(["tune", str(PLANS / "gpt-tiny.plan"), "--gpus", "8", "--top", "1",
+    # on 2 GPUs (a search of seconds, not of 20 at 8) the best layout is dp 2, tp 1
+    assert main(["tune", str(PLANS / "gpt-tiny.plan"), "--gpus", "2", "--top", "1",
                  "-o", str(best)]) == 0
     capsys.readouterr()
     assert load_file(best).plan.mesh.tp == 1 and "tp {" not in best.read_text()
