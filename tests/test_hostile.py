@@ -199,10 +199,10 @@ def test_the_harness_catches_each_kind_of_failure(tmp_path):
     case = hostile.Case("self-test", "self-test", "check", plan=b"", expect=(0, 1, 2))
     found = {result.name: hostile.problems(case, result) for result in results}
     assert found["traceback"] == ["traceback: RuntimeError: boom"]
-    # a wait is killed at its limit on the clock (0.5 s of CPU: 3 s), and found so within
-    # a second even on a busy machine
+    # a wait is killed at its limit on the clock (0.5 s of CPU: 3 s), and found so soon
+    # after (the harness wakes every 0.5 s at most; a busy machine delays the reaping)
     seconds = float(re.fullmatch(r"time-out: killed after (\d+\.\d) s", found["time-out"][0])[1])
-    assert 0.5 * hostile.WALL_FACTOR <= seconds < 0.5 * hostile.WALL_FACTOR + 1.0
+    assert 0.5 * hostile.WALL_FACTOR <= seconds < 0.5 * hostile.WALL_FACTOR + 3.0
     # a computation, at its limit of CPU (1 s), however long that took on the clock
     spent = re.fullmatch(r"time-out: out of CPU after (\d+\.\d) s of CPU \((\d+\.\d) s on "
                          r"the clock\)", found["out of CPU"][0])

@@ -170,11 +170,13 @@ def test_a_transfer_that_never_completes_makes_every_rank_report(tmp_path, capfd
         F0=[x for x in data["blocks"]["F0"] if x["op"] != "send"]))
     assert main(["verify", str(build)]) == 1  # the verifier would have refused it
     capfd.readouterr()
-    status, err = run([build, "--no-verify", "--timeout", "3"], capfd)
+    # 5 s: the start-up watch has the same timeout, and a rank that joins the world 3 s
+    # after the other on a busy machine would be reported stuck while joining
+    status, err = run([build, "--no-verify", "--timeout", "5"], capfd)
     assert status == 1
-    # The run ended on the watchdog's event at the 3 s given, not on a clock of this test
+    # The run ended on the watchdog's event at the 5 s given, not on a clock of this test
     # (which a busy machine's start-up of torch could pass): its report says so.
-    assert "rank 1 (stage 1, tp 0, cp 0, dp 0) made no progress for 3 s in step 0; its " \
+    assert "rank 1 (stage 1, tp 0, cp 0, dp 0) made no progress for 5 s in step 0; its " \
            "streams wait on:" in err
     assert "  recv_prev: #0 recv F/c0>c1:recv@pp (microbatch 0): receive from rank 0 (pp)" in err
     assert "rank 0 (stage 0, tp 0, cp 0, dp 0)" in err
