@@ -14,7 +14,8 @@ and gpt, one rank each (the mesh's other axes change what a rank holds in ways t
 estimate prices by the same rules); llama under ZeRO-3 over two ranks, where what
 matters is that a unit's gathered parameters go once its forward is done; and the same
 under zb1p over two stages (4 ranks), where a weight-gradient half keeps what it reads,
-and zb1p with full recomputation (2 ranks), where that is the recomputed graph too. Each runs 2
+zb1p alone (2 ranks), and zb1p with full recomputation (2 ranks), where that is the
+recomputed graph too. Each runs 2
 steps; the second is measured, on the rank holding the most.
 
     .venv/bin/python bench/memory_live.py [--plans llama-fp32,gpt-fp32] [--write]
@@ -85,6 +86,11 @@ PLANS = {
     "llama-fp32-zero3-zb": LLAMA.format(name="llama_fp32_zero3_zb", dtype="fp32", optimize="",
                                         **ZERO3_ZB).replace(
         "microbatches = 1", "microbatches = 4; pipeline = zb1p"),
+    # zb1p over two stages alone: a weight half keeps its steps' graphs and output
+    # gradients, and its input half has freed what the steps without parameters kept
+    "llama-fp32-zb": LLAMA.format(
+        name="llama_fp32_zb", dtype="fp32", optimize="", batch=8, mesh="pp = 2", devices=2,
+        shard="").replace("microbatches = 1", "microbatches = 4; pipeline = zb1p"),
     # full recomputation under zb1p over two stages: a chunk's recomputed layers are
     # kept from its input gradient to its weight gradient
     "llama-fp32-full-zb": LLAMA.format(
@@ -93,7 +99,7 @@ PLANS = {
         "microbatches = 1", "microbatches = 4; pipeline = zb1p"),
 }
 RANKS = {"llama-fp32-zero3": 2, "llama-bf16-zero3": 2, "llama-fp32-zero3-zb": 4,
-         "llama-fp32-full-zb": 2}  # the others run one rank
+         "llama-fp32-zb": 2, "llama-fp32-full-zb": 2}  # the others run one rank
 
 # Runs in a fresh process as a torchrun rank would (planc.runtime.worker.main), with a
 # thread sampling the heap and every instruction reporting what it left.

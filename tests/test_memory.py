@@ -188,6 +188,30 @@ def test_a_split_backward_keeps_the_output_gradients_its_weight_half_reads(
     assert memory.weight_gradient_reads_bytes(split, stage) == held * outputs * 32 * 4
 
 
+@pytest.mark.parametrize("stage, peak, freed", [
+    # F0 F1 I0 W0 ..: the peak at I0, before it frees anything
+    (0, 2 * BLOCK_OUTPUTS + 64, 0),
+    # F0 I0 F1 I1 W0 ..: the peak at I1: two microbatches' reads (the final norm's output
+    # too) and the first's logits gradient (the second's logits the head's terms count
+    # while its loss runs), less what I0 freed of the first's activations
+    (1, 2 * (2 * BLOCK_OUTPUTS + 64) + 256, 1),
+])
+def test_a_split_backwards_input_half_frees_what_the_steps_without_parameters_keep(
+        stage, peak, freed):
+    """zb1p: the steps without parameters run their whole backward in the input half (I),
+    which frees what they keep: the attention core's rotated q, k and v ((4 + 2 x 2) x 16
+    features a token) and its probabilities (4 heads x 32 positions), SwiGLU's gate and
+    up (2 x 128), for each of a chunk's 2 layers, in fp32, 32 tokens a microbatch. The
+    stage's peak of activations and what W reads is lower by what the Is done by then
+    freed. 1F1B splits nothing."""
+    assert memory.input_half_frees_bytes(zb_plan("1f1b"), stage) == 0.0
+    split = zb_plan("zb1p")
+    assert memory.layer_input_half_bytes(split) == (128 + 4 * 32 + 256) * 32 * 4
+    assert memory.weight_gradient_reads_bytes(split, stage) - \
+        memory.input_half_frees_bytes(split, stage) == \
+        peak * 32 * 4 - freed * 2 * memory.layer_input_half_bytes(split)
+
+
 @pytest.mark.parametrize("recompute, inputs", [
     ("selective", 0),  # the attention core alone, which has no parameters: no W of its
     # ln1 64, qkv 64 (ln1's output), proj 64 (the heads' context), ln2 64, fc1 64 and
@@ -603,7 +627,12 @@ def test_the_head_stage_holds_the_logits_of_the_last_chunks_microbatches_only(
              - memory.stage_activation_bytes(small, stage)[0])
     reads = (memory.weight_gradient_reads_bytes(large, stage)
              - memory.weight_gradient_reads_bytes(small, stage))
-    assert grown == logits * 1000 * 32 * 4 + reads  # a microbatch of one 32-token sequence
+    # (the larger logits gradient can move the stage's peak to where the input halves
+    # have freed more: memory.input_half_frees_bytes)
+    freed = (memory.input_half_frees_bytes(large, stage)
+             - memory.input_half_frees_bytes(small, stage))
+    # a microbatch of one 32-token sequence
+    assert grown == logits * 1000 * 32 * 4 + reads - freed
     assert reads == read_by_w * 1000 * 32 * 4
 
 

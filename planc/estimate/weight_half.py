@@ -26,22 +26,24 @@ from planc.plan.plan import Plan
 _LAYERS_DONE = (schedules.ActionKind.BACKWARD, schedules.ActionKind.BACKWARD_WEIGHT)
 
 
-def units_beyond_peak(plan: Plan, stage: int, per_layer: float) -> float:
+def units_beyond_peak(plan: Plan, stage: int, per_layer: float,
+                      freed_by_input: float = 0.0) -> float:
     """ZeRO-3 under a schedule that splits the backward: autograd's weight-gradient half
     (W) reads the graph the input-gradient half (I) ran through, whose saved views hold
     the unit's parameters as the backward's gather filled them, so every gathered unit of
     a chunk stays whole in the model's dtype from the chunk's I to its W (Qi et al.,
     "Zero Bubble Pipeline Parallelism", ICLR 2024: W is deferred into the bubbles, here
     with what it reads): what that adds at the stage's peak, beside what W reads
-    (:func:`reads_beyond_peak`); ``per_layer``: a layer's activations, one microbatch's."""
+    (:func:`reads_beyond_peak`); ``per_layer``: a layer's activations, one microbatch's,
+    and ``freed_by_input`` the part of them an I frees."""
     if not schedules.named(plan.schedule.pipeline).splits_backward:
         return 0.0
     reads = functools.partial(_weight_half_bytes, plan)
     units = functools.partial(_gathered_unit_bytes, plan)
     logits = functools.partial(_logits_gradient_bytes, plan)
-    return _beyond_activation_peak(plan, stage, per_layer, lambda c: reads(c) + units(c),
-                                   logits) - \
-        _beyond_activation_peak(plan, stage, per_layer, reads, logits)
+    return _beyond_activation_peak(plan, stage, per_layer, freed_by_input,
+                                   lambda c: reads(c) + units(c), logits) - \
+        _beyond_activation_peak(plan, stage, per_layer, freed_by_input, reads, logits)
 
 
 def _mixture_cut(plan: Plan) -> bool:
@@ -184,60 +186,72 @@ def _column_share(family, m, tp: int, rule, width: float) -> float:
     return width / sum(groups) * sum(g / tp if g >= tp else 1 for g in groups)
 
 
-def reads_beyond_peak(plan: Plan, stage: int, per_layer: float) -> float:
+def reads_beyond_peak(plan: Plan, stage: int, per_layer: float,
+                      freed_by_input: float = 0.0) -> float:
     """Under a schedule that splits the backward, what each chunk's weight half (W)
     reads, kept from its input half (I) until it runs, beside the activations: the
     output gradients of the steps with parameters (dW = x^T dy: Qi et al., "Zero Bubble
     Pipeline Parallelism", ICLR 2024, section 2; Megatron-LM's zero-bubble keeps them
     until then), and under recomputation the recomputed inputs of those steps, which
     their graphs keep for W (:func:`_weight_half_bytes`): what they add at the stage's
-    peak."""
+    peak, less what the I frees of the activations (``freed_by_input`` of a layer's
+    ``per_layer``: what the steps without parameters keep, whose backward runs whole in
+    the I; the rest is what W differentiates), which can make it negative."""
     if not schedules.named(plan.schedule.pipeline).splits_backward:
         return 0.0
-    return _beyond_activation_peak(plan, stage, per_layer,
+    return _beyond_activation_peak(plan, stage, per_layer, freed_by_input,
                                    functools.partial(_weight_half_bytes, plan),
                                    functools.partial(_logits_gradient_bytes, plan))
 
 
-def _beyond_activation_peak(plan: Plan, stage: int, per_layer: float, pending,
-                            after_input=lambda chunk: 0.0) -> float:
+def _beyond_activation_peak(plan: Plan, stage: int, per_layer: float, freed_by_input: float,
+                            pending, after_input=lambda chunk: 0.0) -> float:
     """What ``pending(chunk)`` (one microbatch's bytes, held from the chunk's I to its W)
     adds to the peak of the stage's activations: the order replayed, a forward making
-    its chunk's layers' activations live and the last backward block freeing them, an I
-    making ``pending`` live and the W freeing it; the most of both at once less the most
-    of the activations alone. Where Ws are held back to the end of the order (DualPipeV's
-    cool-down), few activations are left beside them. ``after_input(chunk)`` becomes
-    live only once its I is done (counted elsewhere while it runs)."""
+    its chunk's layers' activations live, the I freeing ``freed_by_input`` of each layer
+    and making ``pending`` live, the last backward block (B, or the W) freeing the rest;
+    the most of both at once less the most of the activations alone, freed whole by the
+    last backward block (planc.estimate.memory's count of the layers in flight). Where Ws
+    are held back to the end of the order (DualPipeV's cool-down), few activations are
+    left beside them. ``after_input(chunk)`` becomes live only once its I is done
+    (counted elsewhere while it runs)."""
     count = len(plan.shard.pp.chunks)
     mine = [plan.stage_of_chunk(c) == stage for c in range(count)]
-    activations = tuple(plan.shard.pp.chunk_layers(c) * per_layer if mine[c] else 0.0
-                        for c in range(count))
+    layers = tuple(plan.shard.pp.chunk_layers(c) if mine[c] else 0 for c in range(count))
     reads = tuple(pending(c) if mine[c] else 0.0 for c in range(count))
     later = tuple(after_input(c) if mine[c] else 0.0 for c in range(count))
     return _pending_beyond_peak(plan.schedule.pipeline, stage, plan.mesh.pp,
                                 plan.schedule.microbatches, plan.shard.pp.virtual,
-                                activations, reads, later)
+                                tuple(n * per_layer for n in layers),
+                                tuple(n * freed_by_input for n in layers), reads, later)
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def _pending_beyond_peak(pipeline: str, stage: int, pp: int, microbatches: int, virtual: int,
-                         activations: tuple[float, ...], pending: tuple[float, ...],
-                         later: tuple[float, ...]) -> float:
+                         activations: tuple[float, ...], freed: tuple[float, ...],
+                         pending: tuple[float, ...], later: tuple[float, ...]) -> float:
     schedule, kinds = schedules.named(pipeline), schedules.ActionKind
-    live = held = peak = both = 0.0
+    # live: the activations freed whole by the last backward block (the peak the estimate
+    # counts), left: as the runtime frees them, what an I frees at its end
+    live = left = held = peak = both = 0.0
     for action in schedule.order(stage, pp, schedule.peak_microbatches(
             pp, microbatches, virtual), virtual):
+        chunk = action.chunk
         if action.kind.is_forward:
-            live += activations[action.chunk]
+            live += activations[chunk]
+            left += activations[chunk]
         elif action.kind in (kinds.BACKWARD_INPUT, kinds.BACKWARD):
-            held += pending[action.chunk]
-        peak, both = max(peak, live), max(both, live + held)
+            held += pending[chunk]
+        peak, both = max(peak, live), max(both, left + held)
         if action.kind is kinds.BACKWARD_INPUT:
-            held += later[action.chunk]
+            held += later[chunk]
+            left -= freed[chunk]
         if action.kind in _LAYERS_DONE:
-            live -= activations[action.chunk]
+            live -= activations[chunk]
+            left -= activations[chunk] - (freed[chunk] if action.kind is
+                                          kinds.BACKWARD_WEIGHT else 0.0)
         # a whole backward (DualPipeV's B) runs as an I block and its W block at once
         if action.kind in (kinds.BACKWARD_WEIGHT, kinds.BACKWARD):
-            held -= pending[action.chunk] + \
-                (later[action.chunk] if action.kind is kinds.BACKWARD_WEIGHT else 0.0)
+            held -= pending[chunk] + \
+                (later[chunk] if action.kind is kinds.BACKWARD_WEIGHT else 0.0)
     return both - peak

@@ -185,6 +185,18 @@ def activation_bytes(m: Model, **sizes) -> float:
     return moe.activation_bytes(m, attention=latent_attention_kept, **sizes)
 
 
+def latent_attention_core_kept(m: Model, recompute: str) -> int:
+    """Of :func:`latent_attention_kept`'s features, the attention core's: its q, k and v
+    (the latents are the qkv step's, which holds their norms' weights)."""
+    return m.heads * (2 * qk_dim(m) + m.v_dim) * (recompute != "attention_inputs")
+
+
+def input_half_bytes(m: Model, **sizes) -> float:
+    """The moe family's (planc.models.moe.input_half_bytes) with MLA's attention."""
+    return moe.input_half_bytes(m, attention=latent_attention_kept,
+                                core=latent_attention_core_kept, **sizes)
+
+
 def _preset(name: str):
     return llama.preset_default(name, PRESETS)
 
@@ -243,6 +255,7 @@ FAMILY = replace(
     layer_parameters=layer_parameters,
     model_flops_per_token=model_flops_per_token,
     activation_bytes=activation_bytes,
+    input_half_bytes=input_half_bytes,
     keys=KEYS,
     presets=PRESETS,
     model_checks=(rope_dim_even, moe.top_k_within_experts, moe.first_dense_within_layers,

@@ -185,6 +185,11 @@ class Family:
     head_parameters: Callable[[Model], list[Parameter]]
     model_flops_per_token: Callable[[Model], float]  # forward, Narayanan et al. 2021
     activation_bytes: Callable[..., float]  # one block, one microbatch, one device
+    # Of activation_bytes, what the block's steps without parameters keep (the attention
+    # core's, the activation function's): their backward runs whole in a split backward's
+    # input half, which frees it; the rest stays until the weight half. None: count all
+    # of it as kept until the weight half.
+    input_half_bytes: Callable[..., float] | None = None
     keys: Mapping[str, Key] = field(default_factory=dict)  # the model block's keys
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # name -> keys
     model_checks: tuple[ModelCheck, ...] = ()

@@ -149,6 +149,26 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     return half * m.dtype_bytes / 2
 
 
+def input_half_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
+                     sequence_parallel: bool, recompute: str) -> float:
+    """Of :func:`activation_bytes`, what the steps without parameters keep, in Korthikanti
+    et al.'s Table 2 items: Q and K (4sbh), V (2sbh), the softmax's output, its dropout
+    mask and the dropout's output (5as^2b), GeLU's input (8sbh), and the two dropout masks
+    after the attention and the MLP (sbh each, whole on every tp rank without sequence
+    parallelism); the norms' and the four GEMMs' inputs (18sbh) stay for the weight half.
+    ``selective`` drops the softmax's items, ``attention_inputs`` Q, K and V too, and
+    ``full`` keeps the block's input alone, for the weight half's recomputation."""
+    s, b, h, a = seq, batch, m.hidden, m.heads
+    sp = sequence_parallel and tp > 1
+    sbh = s * b * h
+    if recompute == "full":
+        return 0.0
+    masks = 2 * sbh / tp if sp else 2 * sbh
+    qkv = 0 if recompute == "attention_inputs" else 6 * sbh / tp
+    scores = 5 * a * seq_full * s * b / tp if recompute == "none" else 0
+    return (masks + qkv + 8 * sbh / tp + scores) * m.dtype_bytes / 2
+
+
 def four_times_hidden(scope) -> int:
     """GPT-2's MLP width: four times the model width (Radford et al. 2019)."""
     return 4 * scope.integer("hidden", None)
@@ -197,5 +217,6 @@ FAMILY = Family(
     head_parameters=head_parameters,
     model_flops_per_token=model_flops_per_token,
     activation_bytes=activation_bytes,
+    input_half_bytes=input_half_bytes,
     keys=KEYS,
 )

@@ -184,6 +184,13 @@ def attention_kept(m: Model, recompute: str) -> tuple[int, int, int, int]:
     return heads * m.head_dim * kept, m.attention_width, 0, 0
 
 
+def attention_core_kept(m: Model, recompute: str) -> int:
+    """Of :func:`attention_kept`'s features in the dtype, those the attention core keeps
+    (the rotated q, k and v; with qk_norm, q and k before their norms are the qkv step's,
+    which holds the norms' weights)."""
+    return (m.heads + 2 * m.key_value_heads) * m.head_dim * (recompute != "attention_inputs")
+
+
 def qk_norm(m: Model) -> bool:
     """model { qk_norm }: whether each head's q and k are normalised (Qwen3)."""
     return bool(m.options.get("qk_norm"))
@@ -216,6 +223,20 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     inputs = (1 + kept) * sb * h / (tp if sp else 1) + sb * (gemm_inputs + f) / tp + \
         sb * whole_gemm_inputs
     return (stream + split + scores) * m.dtype_bytes + inputs * gemm_input_bytes(m)
+
+
+def input_half_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
+                     sequence_parallel: bool, recompute: str,
+                     core=attention_core_kept) -> float:
+    """Of :func:`activation_bytes`, what the steps without parameters keep: the attention
+    core's q, k and v (``core(m, recompute)``) and softmax probabilities, and SwiGLU's
+    inputs, gate and up; the norms' and the GEMMs' inputs stay for the weight half, and
+    under ``full`` the block's input alone is kept, for the recomputation."""
+    if recompute == "full":
+        return 0.0
+    sb = seq * batch
+    scores = 0 if recompute != "none" else m.heads * seq_full * sb / tp
+    return (sb * (core(m, recompute) + 2 * m.ffn) / tp + scores) * m.dtype_bytes
 
 
 def preset_default(name: str, presets=PRESETS):
@@ -388,6 +409,7 @@ FAMILY = Family(
     head_parameters=head_parameters,
     model_flops_per_token=model_flops_per_token,
     activation_bytes=activation_bytes,
+    input_half_bytes=input_half_bytes,
     keys=KEYS,
     presets=PRESETS,
     model_checks=(kv_heads_divide_heads, head_dim_even),

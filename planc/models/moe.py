@@ -204,6 +204,27 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     return max(dense, mixture) if m.first_dense else mixture
 
 
+def input_half_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
+                     sequence_parallel: bool, recompute: str,
+                     attention=llama.attention_kept, core=llama.attention_core_kept) -> float:
+    """Of :func:`activation_bytes`, what the steps without parameters keep, for the same
+    kind of block: llama's (planc.models.llama.input_half_bytes) for a dense one; for a
+    mixture, its attention core's alone, since its experts keep their rows, gate and up
+    in their own step, which has parameters (counted as kept until the weight half even
+    where a mixture over ep runs whole in the input half: an estimate that errs high)."""
+    sizes = dict(seq=seq, seq_full=seq_full, batch=batch, tp=tp,
+                 sequence_parallel=sequence_parallel, recompute=recompute)
+    dense = llama.input_half_bytes(m, core=core, **sizes)
+    if recompute == "full":
+        return dense
+    mixture = dense - seq * batch * 2 * m.ffn / tp * m.dtype_bytes
+    if not m.first_dense:
+        return mixture
+    dense_block = llama.activation_bytes(m, attention=attention, **sizes)
+    return mixture if activation_bytes(m, attention=attention, **sizes) > dense_block \
+        else dense
+
+
 def cut_at_all_to_alls(plan) -> bool:
     """Whether a plan's mixtures over ep run cut at their all-to-alls, as transfers of
     their own (planc.passes.split_dispatch): with ``schedule { overlap_all_to_all }``,
@@ -417,6 +438,7 @@ FAMILY = Family(
     head_parameters=llama.head_parameters,
     model_flops_per_token=model_flops_per_token,
     activation_bytes=activation_bytes,
+    input_half_bytes=input_half_bytes,
     keys=KEYS,
     presets=PRESETS,
     model_checks=(llama.kv_heads_divide_heads, llama.head_dim_even, top_k_within_experts,
