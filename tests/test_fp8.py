@@ -202,6 +202,28 @@ def test_an_experts_swiglu_keeps_its_inputs_in_fp8_and_recomputes_its_output():
         gate.detach()) * (1 + gate.detach() * (1 - torch.sigmoid(gate.detach()))))
 
 
+def test_the_memory_estimate_keeps_the_experts_gradients_for_their_weight_half_in_fp8():
+    """zb1p with the mixture cut at its all-to-alls: an experts piece's weight half reads
+    its output gradient, the rows sent to it in FP8 and kept so until then
+    (planc.runtime.engine.fp8.EncodedRows): per (token, expert) row, at the priced
+    imbalance, 64 features at 1.25 bytes (tile 16) rather than fp32's 4, in each of a
+    chunk's mixtures (the first layer is dense); a microbatch is one 32-token sequence."""
+    from planc.estimate import weight_half
+    from planc.models import moe
+
+    text = MOE.replace("MESH", "pp = 2; dp = 2; ep = 2").replace(
+        "schedule { microbatches = 2 }",
+        "schedule { microbatches = 4; pipeline = zb1p; overlap_all_to_all = on }")
+    plain, f8 = (load_text(text.replace("fp8 = blockwise; fp8_tile = 16", extra)).plan
+                 for extra in ("fp8_tile = 16", "fp8 = blockwise; fp8_tile = 16"))
+    assert [f8.shard.pp.chunks[c] for c in (0, 1)] == [(0, 1), (2, 2)]
+    row = 32 * 2 * moe.routing_imbalance(f8.model) * 64  # top_k 2
+    for chunk, mixtures in ((0, 1), (1, 1)):
+        gap = weight_half._weight_half_bytes(plain, chunk) - \
+            weight_half._weight_half_bytes(f8, chunk)
+        assert gap == pytest.approx(mixtures * row * (4 - 1.25), rel=1e-12)
+
+
 def test_the_memory_estimate_keeps_an_experts_swiglu_inputs_in_fp8_and_no_product():
     """Per (token, expert) row a mixture keeps its rows, gate and up outputs and the
     product, (64 + 48 + 2 x 48) x 4 bytes in fp32; with fp8 the rows, gate and up as FP8
@@ -483,6 +505,7 @@ import sys
 import torch, torch.distributed as dist
 from planc.runtime.engine import fp8
 from planc.runtime.families.moe import _Fp8Combine
+from planc.runtime.families.moe_dispatch import exchange_gradients
 
 rank, path = int(sys.argv[1]), sys.argv[2]
 form = fp8.GRADIENT_FORMATS[sys.argv[3]]
@@ -495,16 +518,22 @@ first = [0, 0] if rank == 0 else [2, 1]  # where each sender's rows for me start
 whole = torch.equal(got, torch.cat([theirs[r][first[r]:first[r] + received[r]]
                                     for r in (0, 1)]))
 # the gradients of what arrived, 3 x the row's position, go back as FP8
-got.backward(torch.arange(got.shape[0] * 40, dtype=torch.float32).reshape(-1, 40) * 3)
+got_grad = torch.arange(got.shape[0] * 40, dtype=torch.float32).reshape(-1, 40) * 3
+got.backward(got_grad)
 grads = {r: torch.arange(n * 40, dtype=torch.float32).reshape(-1, 40) * 3
          for r, n in ((0, 3), (1, 7))}  # the gradient of each rank's received rows
 expected = torch.cat([fp8.quantised_rows(grads[peer][at:at + n], 16, form)
                       for peer, at, n in ((0, 0, 2), (1, 0, 3))] if rank == 0 else
                      [fp8.quantised_rows(grads[peer][at:at + n], 16, form)
                       for peer, at, n in ((0, 2, 1), (1, 3, 4))])
+# the cut mixture's transfer of the same gradients keeps them as they arrived, one byte
+# an element, and decodes them to the same bits
+kept = exchange_gradients(got_grad, received, sent, None, fp8.Recipe(16, form))
 print(whole, torch.equal(outputs.grad, expected),
       torch.equal(outputs.grad, torch.cat([grads[0][:2], grads[1][:3]]) if rank == 0
-                  else torch.cat([grads[0][2:3], grads[1][3:7]])))
+                  else torch.cat([grads[0][2:3], grads[1][3:7]])),
+      type(kept).__name__, kept.codes.dtype == form, kept.codes.element_size(),
+      tuple(kept.scale.shape), torch.equal(kept.decoded(), outputs.grad))
 sys.stdout.flush()
 import os
 os._exit(0)
@@ -517,9 +546,12 @@ def test_the_combine_returns_the_dtype_and_sends_its_gradients_to_the_experts_in
     """DeepSeek-V3 (section 3.3) sends the activation gradient before the experts'
     down-projections in FP8, the combine itself in BF16: two ranks combine rows exactly,
     and each gets back exactly what FP8 leaves of its rows' gradients, not the gradients
-    whole, in the recipe's format of gradients (which the down GEMM's backward reads)."""
+    whole, in the recipe's format of gradients (which the down GEMM's backward reads).
+    The cut mixture's transfer keeps them as they arrived (5 rows of 3 tiles of 16 one
+    byte each, a scale a tile) for the experts' input and weight halves to decode alike."""
     outputs = script_on_ranks(COMBINE, tmp_path, 2, form)
-    assert [out.strip() for out, _ in outputs] == ["True True False"] * 2, outputs
+    assert [out.strip() for out, _ in outputs] == [
+        "True True False EncodedRows True 1 (5, 3, 1) True"] * 2, outputs
 
 
 def test_the_simulator_prices_what_goes_to_the_experts_in_fp8_and_the_rest_in_the_dtype():

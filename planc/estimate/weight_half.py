@@ -21,6 +21,7 @@ from planc.estimate.parameter_counts import (_local_elements, layer_expert_param
 from planc.models import family_of, moe
 from planc.models.family import INPUT
 from planc.plan.plan import Plan
+from planc.vocabulary.model_options import gemm_input_bytes
 
 # the kinds after which a chunk's activations are no longer needed
 _LAYERS_DONE = (schedules.ActionKind.BACKWARD, schedules.ActionKind.BACKWARD_WEIGHT)
@@ -131,8 +132,8 @@ def _step_reads(plan: Plan, op: str, links, recomputed: bool) -> float:
     its whole backward in the input half (planc.passes.split_backward.splittable); a
     residual carries a row-parallel linear's bias over tp (Megatron-LM), so it is split
     there; a cut mixture's pieces keep their rows' gradients (planc.passes.split_dispatch:
-    the experts' on the rows received, at the priced imbalance; the shared experts'
-    output; its route runs whole)."""
+    the experts' on the rows received, at the priced imbalance, in FP8 with model
+    { fp8 }; the shared experts' output; its route runs whole)."""
     family, m, tp, tensor = family_of(plan), plan.model, plan.mesh.tp, plan.shard.tp
     rule, widths = family.rules[op], family.widths(m)
     sequence_split = tp if tensor.sequence_parallel and tp > 1 else 1
@@ -148,8 +149,10 @@ def _step_reads(plan: Plan, op: str, links, recomputed: bool) -> float:
     if rule.expert_parallel and plan.mesh.ep > 1:
         if not _mixture_cut(plan):
             return 0.0
-        # (the route runs whole: planc.passes.split_backward.splittable)
-        rows = m.top_k / tp
+        # (the route runs whole: planc.passes.split_backward.splittable); with model
+        # { fp8 } the rows' gradients kept as they arrived, in FP8 (DeepSeek-V3, section
+        # 3.3.4; planc.runtime.engine.fp8.EncodedRows), here in the dtype's elements
+        rows = m.top_k / tp * gemm_input_bytes(m) / m.dtype_bytes
         return rows * moe.routing_imbalance(m) * m.hidden + \
             (m.hidden / tp if m.shared_experts else 0.0)
     width = widths[family.output_tensor[op]]

@@ -114,6 +114,30 @@ def decoded_rows(codes: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tens
     return (codes.to(FP32) * scale).reshape(*codes.shape[:-2], width)[..., :n]
 
 
+@dataclass(frozen=True)
+class EncodedRows:
+    """Rows kept as they arrived in FP8 (:func:`encoded_rows`' codes and scales),
+    ``features`` wide, read in ``dtype``: the experts' output gradients, sent to them in
+    FP8 (DeepSeek-V3, section 3.3.4: the activation gradient before the
+    down-projections), which a split backward's input half reads and its weight half
+    reads again later (the report's figure 6: the weight gradient's GEMM takes FP8
+    inputs): kept at one byte an element until then, not decoded into the dtype's two.
+    Each half decodes them alike, so both read the same bits."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    features: int
+    dtype: torch.dtype
+
+    def decoded(self) -> torch.Tensor:
+        return decoded_rows(self.codes, self.scale, self.features).to(self.dtype)
+
+
+def readable(value):
+    """``value`` as a tensor: :class:`EncodedRows` decoded, anything else as it is."""
+    return value.decoded() if isinstance(value, EncodedRows) else value
+
+
 def encoded_blocks(w: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight (k, n) in E4M3, zero-padded to whole ``tile`` x ``tile`` blocks, and its
     fp32 scales, one a block: (k', n') codes and (k' / tile, n' / tile) scales."""

@@ -23,7 +23,7 @@ import torch
 from planc.graph.vocabulary import Op
 from planc.program.operands import SEQ_AXIS, Input, StepKind
 from planc.program.program import Instruction, Opcode, Program, saved_for_weights
-from planc.runtime.engine import grad_norm, router_bias
+from planc.runtime.engine import fp8, grad_norm, router_bias
 from planc.runtime.engine import store as buckets
 from planc.runtime.engine.context import RankContext, pp_group_key
 from planc.runtime.engine.kernels import Kernels, Peers, Saved, Spec
@@ -74,9 +74,11 @@ class StepState:
 
 def combine(values: list[torch.Tensor]) -> torch.Tensor:
     """Sum gradient contributions; a K/V gradient (narrower) adds to the k and v heads at
-    the end of a [q | k | v] gradient."""
+    the end of a [q | k | v] gradient. A single one as it is, FP8 rows still encoded
+    (planc.runtime.engine.fp8.EncodedRows)."""
     if len(values) == 1:
         return values[0]
+    values = [fp8.readable(v) for v in values]
     widest = max(values, key=lambda v: v.shape[-1])
     whole = [v for v in values if v.shape == widest.shape]
     # One new tensor: the first sum allocates it, the rest add in place (the inputs are
@@ -363,7 +365,8 @@ class Interpreter:
     def _weight(self, state: StepState, step: _Compute, mb: int | None):
         """The parameter half of a split backward."""
         for saved, grad in state.saved.pop((step.node, mb)):  # one per piece
-            _, named = self.kernels.backward(step.spec, saved, grad, inputs=False)
+            _, named = self.kernels.backward(step.spec, saved, fp8.readable(grad),
+                                             inputs=False)
             for name, value in named.items():
                 self.store.grad_of(name).add_(value)
         return None
@@ -381,10 +384,12 @@ class Interpreter:
         grads = self._ports(state, step.inputs, mb).get("grad", [])
         grad = combine(grads) if grads else None
         if step.weight_grad is not None:  # the input half: its W step comes later
-            ports, _ = self.kernels.backward(step.spec, saved, grad, params=False)
+            ports, _ = self.kernels.backward(step.spec, saved, fp8.readable(grad),
+                                             params=False)
+            # kept as it came (FP8 rows stay FP8 until the W decodes them again)
             state.saved.setdefault((step.weight_grad, mb), []).append((saved, grad))
             return ports
-        ports, named = self.kernels.backward(step.spec, saved, grad)
+        ports, named = self.kernels.backward(step.spec, saved, fp8.readable(grad))
         for name, value in named.items():
             self.store.grad_of(name).add_(value)
         return ports

@@ -101,8 +101,8 @@ class Transfers:
         if dispatch and forward:
             return moe_dispatch.dispatch(rows, call.group, self.fp8)
         if not dispatch and not forward:  # the combine's gradients, to the experts: FP8
-            return moe_dispatch.exchange_fp8_rows(rows, routing.sent, routing.received,
-                                                  call.group, self.fp8, gradients=True)
+            return moe_dispatch.exchange_gradients(rows, routing.sent, routing.received,
+                                                   call.group, self.fp8)
         return moe_dispatch.exchange(rows, routing, dispatch == forward, call.group)
 
     def _two_hops(self, call: Call, rows, routing, dispatch: bool, forward: bool):

@@ -153,6 +153,16 @@ def exchange_fp8_rows(features: torch.Tensor, sent, received, group, recipe,
                    features.shape[1], features.dtype)
 
 
+def exchange_gradients(grads: torch.Tensor, sent, received, group, recipe):
+    """The combine's gradients to the experts: :func:`exchange_rows`, or with ``recipe``
+    in FP8 as :func:`exchange_fp8_rows` sends them, kept encoded on arrival
+    (planc.runtime.engine.fp8.EncodedRows) for the experts' backward to decode."""
+    if recipe is None:
+        return exchange_rows(grads, sent, received, group)
+    return fp8.EncodedRows(*exchange_encoded(grads, sent, received, group, recipe, True),
+                           grads.shape[1], grads.dtype)
+
+
 def exchange_encoded(features: torch.Tensor, sent, received, group, recipe,
                      gradients: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``features`` encoded as FP8 with ``recipe`` (E4M3, or ``gradients`` in the

@@ -200,15 +200,20 @@ def combine(outputs: torch.Tensor, hops: Hops) -> torch.Tensor:
     return hops.hop1.rows(summed, hops.received1, hops.sent1)
 
 
-def combine_backward(grads: torch.Tensor, hops: Hops, recipe=None) -> torch.Tensor:
+def combine_backward(grads: torch.Tensor, hops: Hops, recipe=None):
     """The gradients of the combine's hop-1 rows to the experts' outputs: copied to every
     hop-2 row of a hop-1 row at its gateway and to every pair of a hop-2 row on the
     experts' rank (where the forward added them); as FP8 with ``recipe`` over both hops,
     as the dispatch sends its rows (DeepSeek-V3, section 3.3: the activation gradient
-    before the down-projections)."""
-    at_gateway = hops.hop1.rows(grads, hops.sent1, hops.received1) if recipe is None else \
-        hops.hop1.encoded(grads, hops.sent1, hops.received1, recipe, gradients=True)
-    return _forwarded(at_gateway, hops, recipe, grads)[hops.row2_of_pair]
+    before the down-projections), and kept so on arrival
+    (planc.runtime.engine.fp8.EncodedRows) for the experts' backward to decode."""
+    if recipe is None:
+        at_gateway = hops.hop1.rows(grads, hops.sent1, hops.received1)
+        return _forwarded(at_gateway, hops, recipe, grads)[hops.row2_of_pair]
+    at_gateway = hops.hop1.encoded(grads, hops.sent1, hops.received1, recipe, gradients=True)
+    codes, scales = _forwarded_codes(at_gateway, hops)
+    return fp8.EncodedRows(codes[hops.row2_of_pair], scales[hops.row2_of_pair],
+                           grads.shape[1], grads.dtype)
 
 
 def _forwarded(arrived, hops: Hops, recipe, like: torch.Tensor) -> torch.Tensor:
@@ -218,10 +223,14 @@ def _forwarded(arrived, hops: Hops, recipe, like: torch.Tensor) -> torch.Tensor:
     there into the features and dtype of ``like``, what hop 1 sent."""
     if recipe is None:
         return hops.hop2.rows(arrived[hops.rows2], hops.rows_sent2, hops.rows_received2)
+    return decoded(_forwarded_codes(arrived, hops), like.shape[1], like.dtype)
+
+
+def _forwarded_codes(arrived, hops: Hops):
+    """Hop 2 of FP8 rows (codes and scales) as they came to the gateway, still encoded."""
     codes, scales = arrived
-    return decoded(hops.hop2.codes((codes[hops.rows2], scales[hops.rows2]),
-                                   hops.rows_sent2, hops.rows_received2),
-                   like.shape[1], like.dtype)
+    return hops.hop2.codes((codes[hops.rows2], scales[hops.rows2]), hops.rows_sent2,
+                           hops.rows_received2)
 
 
 def dispatch_backward(grads: torch.Tensor, hops: Hops, pairs: int) -> torch.Tensor:
