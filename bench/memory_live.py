@@ -65,6 +65,19 @@ GPT = """plan gpt_fp32 {
   train { steps = 2; optimizer = adamw(lr = 1e-4, weight_decay = 0.01); seed = 1 }
 }
 """
+# a mixture of experts cut at its all-to-alls (ep 2) under zb1p over two stages: each
+# experts piece's weight half keeps the gradients of the rows it received until it runs,
+# as they arrived (in FP8 with model { fp8 })
+MOE_ZB = """plan {name} {{
+  model moe {{ layers = 4; hidden = 512; heads = 8; kv_heads = 2; ffn = 2048; vocab = 8000
+              seq = 512; batch = 8; dtype = fp32; experts = 8; top_k = 2; expert_ffn = 1024
+              shared_experts = 1; first_dense = 1{extra} }}
+  mesh {{ pp = 2; dp = 2; ep = 2 }}
+  topology {{ preset = dgx-h100; devices_per_node = 4 }}
+  schedule {{ microbatches = 4; pipeline = zb1p; overlap_all_to_all = on }}
+  train {{ steps = 2; optimizer = adamw(lr = 1e-4, weight_decay = 0.01); seed = 1 }}
+}}
+"""
 ONE_RANK = {"batch": 4, "mesh": "", "devices": 1, "shard": ""}
 # ZeRO-3 over two ranks, each with the one-rank plans' tokens: the gathered parameters
 # must not stay while the forward goes on (FSDP frees them after each unit's forward)
@@ -97,9 +110,12 @@ PLANS = {
         name="llama_fp32_full_zb", dtype="fp32", optimize="optimize { recompute = full }",
         batch=8, mesh="pp = 2", devices=2, shard="").replace(
         "microbatches = 1", "microbatches = 4; pipeline = zb1p"),
+    "moe-fp32-zb": MOE_ZB.format(name="moe_fp32_zb", extra=""),
+    "moe-fp8-zb": MOE_ZB.format(name="moe_fp8_zb", extra="; fp8 = blockwise"),
 }
 RANKS = {"llama-fp32-zero3": 2, "llama-bf16-zero3": 2, "llama-fp32-zero3-zb": 4,
-         "llama-fp32-zb": 2, "llama-fp32-full-zb": 2}  # the others run one rank
+         "llama-fp32-zb": 2, "llama-fp32-full-zb": 2, "moe-fp32-zb": 4,
+         "moe-fp8-zb": 4}  # the others run one rank
 
 # Runs in a fresh process as a torchrun rank would (planc.runtime.worker.main), with a
 # thread sampling the heap and every instruction reporting what it left.

@@ -188,6 +188,13 @@ def test_an_experts_swiglu_keeps_its_inputs_in_fp8_and_recomputes_its_output():
     saved = out.grad_fn.saved_tensors
     assert [t.dtype for t in saved] == [torch.float8_e4m3fn, torch.float32] * 2 + [torch.float32]
     assert [tuple(t.shape) for t in saved[:4]] == [(6, 3, 8), (6, 3, 1)] * 2
+    # the weight itself, not a copy for each call: the backward quantises it again
+    assert saved[4].data_ptr() == down.data_ptr()
+    other = torch.randn(24, 8, generator=generator, requires_grad=True)
+    linear = matmul(gate, [down, other], Recipe(8))
+    kept = linear.grad_fn.saved_tensors  # the input's codes and scales, the weights
+    assert [t.dtype for t in kept[:2]] == [torch.float8_e4m3fn, torch.float32]
+    assert [t.data_ptr() for t in kept[2:]] == [down.data_ptr(), other.data_ptr()]
     out.backward(grad)
     # the reference: autograd through the decoded inputs, the down GEMM's products in FP8
     g8, u8 = (quantised_rows(t.detach(), 8).requires_grad_() for t in (gate, up))

@@ -209,31 +209,26 @@ def _times_blocks(codes: torch.Tensor, scale: torch.Tensor, blocks, width: int
 
 class _Fp8Matmul(torch.autograd.Function):
     """``x @ [w_1 | w_2 | ...]`` with FP8 inputs in all three GEMMs (module docstring);
-    ``scaled``: the forward and the input gradient on FP8 tensor cores."""
+    ``scaled``: the forward and the input gradient on FP8 tensor cores. The backward
+    keeps the input as FP8 bytes and scales (the report's cached activations) and the
+    weights themselves, which the step holds anyway (a GEMM in the dtype keeps them so),
+    and quantises them again: the same blocks, with no copy of the weights kept for
+    every microbatch in flight."""
 
     @staticmethod
     def forward(ctx, recipe: Recipe, scaled: bool, x: torch.Tensor, *weights: torch.Tensor
                 ) -> torch.Tensor:
-        tile = recipe.tile
-        codes, scale = encoded_rows(x, tile)
-        blocks = [encoded_blocks(w, tile) for w in weights]
+        codes, scale = encoded_rows(x, recipe.tile)
         ctx.recipe, ctx.scaled, ctx.widths, ctx.features = recipe, scaled, \
             [w.shape[1] for w in weights], x.shape[-1]
         ctx.dtypes = (x.dtype, [w.dtype for w in weights])
-        # the input kept as FP8 bytes and scales (the report's cached activations); the
-        # weights' blocks, which a kernel would quantise again, kept as the GEMMs read them
-        if scaled:
-            ctx.save_for_backward(codes, scale, *(part for block in blocks for part in block))
-            return torch.cat([_times_blocks(codes, scale, block, w.shape[1])
-                              for block, w in zip(blocks, weights)], dim=-1).to(x.dtype)
-        wq = torch.cat([decoded_blocks(*block, w.shape) for block, w in zip(blocks, weights)],
-                       dim=1)
-        ctx.save_for_backward(codes, scale, wq)
-        return (decoded_rows(codes, scale, x.shape[-1]) @ wq).to(x.dtype)
+        ctx.save_for_backward(codes, scale, *weights)
+        return _weights_product(codes, scale, weights, recipe.tile, scaled,
+                                x.shape[-1]).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        codes, scale, *kept = ctx.saved_tensors
+        codes, scale, *weights = ctx.saved_tensors
         xq = decoded_rows(codes, scale, ctx.features)
         recipe, (x_dtype, w_dtypes) = ctx.recipe, ctx.dtypes
         parts = [encoded_rows(part, recipe.tile, recipe.gradients)
@@ -242,15 +237,30 @@ class _Fp8Matmul(torch.autograd.Function):
                        dim=-1)
         dx = None
         if ctx.needs_input_grad[2] and ctx.scaled:
-            blocks = zip(kept[0::2], kept[1::2])
+            blocks = (encoded_blocks(w, recipe.tile) for w in weights)
             dx = sum(_times_blocks(*part, (block.t(), block_scale.t()), ctx.features)
                      for part, (block, block_scale) in zip(parts, blocks)).to(x_dtype)
         elif ctx.needs_input_grad[2]:
-            dx = (gq @ kept[0].t()).to(x_dtype)
+            dx = (gq @ _decoded_weights(weights, recipe.tile).t()).to(x_dtype)
         dw = xq.reshape(-1, xq.shape[-1]).t() @ gq.reshape(-1, gq.shape[-1])
         dws = [part.to(dtype) if needed else None for part, dtype, needed in
                zip(dw.split(ctx.widths, dim=1), w_dtypes, ctx.needs_input_grad[3:])]
         return (None, None, dx, *dws)
+
+
+def _decoded_weights(weights, tile: int) -> torch.Tensor:
+    """The weights as their T x T blocks quantise them, side by side, in fp32."""
+    return torch.cat([quantised_blocks(w, tile) for w in weights], dim=1)
+
+
+def _weights_product(codes: torch.Tensor, scale: torch.Tensor, weights, tile: int,
+                     scaled: bool, features: int) -> torch.Tensor:
+    """Rows in FP8 (:func:`encoded_rows`) times the weights side by side, each in T x T
+    blocks, in fp32: on the tensor cores (``scaled``), or emulated."""
+    if scaled:
+        return torch.cat([_times_blocks(codes, scale, encoded_blocks(w, tile), w.shape[1])
+                          for w in weights], dim=-1)
+    return decoded_rows(codes, scale, features) @ _decoded_weights(weights, tile)
 
 
 class _Fp8SwiGLUDown(torch.autograd.Function):
@@ -259,28 +269,22 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
     its output is recomputed from them in the backward, where :class:`_Fp8Matmul` would
     keep the product as the down GEMM's cached input; the down GEMM's three products in
     FP8 as in :class:`_Fp8Matmul`, the backward's weight gradient reading the recomputed
-    product."""
+    product, and the weight kept itself and quantised again."""
 
     @staticmethod
     def forward(ctx, recipe: Recipe, scaled: bool, gate: torch.Tensor, up: torch.Tensor,
                 down: torch.Tensor) -> torch.Tensor:
         tile = recipe.tile
-        block = encoded_blocks(down, tile)
         product = encoded_rows(F.silu(gate) * up, tile)
-        if scaled:  # the weight kept as the kernel reads it: FP8 blocks and their scales
-            kept = block
-            out = _times_blocks(*product, block, down.shape[1])
-        else:  # the weight kept decoded, as the emulation multiplies it
-            kept = (decoded_blocks(*block, down.shape),)
-            out = decoded_rows(*product, gate.shape[-1]) @ kept[0]
+        out = _weights_product(*product, (down,), tile, scaled, gate.shape[-1])
         ctx.recipe, ctx.scaled, ctx.dtypes, ctx.features = recipe, scaled, \
             (gate.dtype, down.dtype), gate.shape[-1]
-        ctx.save_for_backward(*encoded_rows(gate, tile), *encoded_rows(up, tile), *kept)
+        ctx.save_for_backward(*encoded_rows(gate, tile), *encoded_rows(up, tile), down)
         return out.to(gate.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        gate_codes, gate_scale, up_codes, up_scale, *kept = ctx.saved_tensors
+        gate_codes, gate_scale, up_codes, up_scale, down = ctx.saved_tensors
         recipe, (dtype, w_dtype), n = ctx.recipe, ctx.dtypes, ctx.features
         gate = decoded_rows(gate_codes, gate_scale, n).to(dtype)
         up = decoded_rows(up_codes, up_scale, n).to(dtype)
@@ -289,9 +293,10 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
         encoded = encoded_rows(grad, recipe.tile, recipe.gradients)
         gq = decoded_rows(*encoded, grad.shape[-1])
         if ctx.scaled:
-            d_product = _times_blocks(*encoded, (kept[0].t(), kept[1].t()), n).to(dtype)
+            block, block_scale = encoded_blocks(down, recipe.tile)
+            d_product = _times_blocks(*encoded, (block.t(), block_scale.t()), n).to(dtype)
         else:
-            d_product = (gq @ kept[0].t()).to(dtype)
+            d_product = (gq @ quantised_blocks(down, recipe.tile).t()).to(dtype)
         dw = xq.reshape(-1, n).t() @ gq.reshape(-1, gq.shape[-1])
         sigmoid = torch.sigmoid(gate)
         d_gate = d_product * up * sigmoid * (1 + gate * (1 - sigmoid))

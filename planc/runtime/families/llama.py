@@ -261,11 +261,30 @@ KERNELS = {Op.LN1: rms_norm, Op.LN2: rms_norm, Op.FINAL_LN: rms_norm,
 def dense_mlp(layer: int, h: torch.Tensor, w: dict[str, torch.Tensor],
               recipe=None) -> torch.Tensor:
     """SwiGLU of block ``layer``'s weights ``w`` (named within the block); its GEMMs in
-    FP8 by ``recipe`` (planc.runtime.engine.fp8), else in ``h``'s dtype."""
+    FP8 by ``recipe`` (planc.runtime.engine.fp8), else in ``h``'s dtype. The activation
+    by :class:`SiluTimes`, which keeps gate and up alone."""
     if recipe is None:
-        return (F.silu(h @ w["gate.weight"]) * (h @ w["up.weight"])) @ w["down.weight"]
+        return SiluTimes.apply(h @ w["gate.weight"], h @ w["up.weight"]) @ w["down.weight"]
     gate, up = fp8.matmul(h, [w["gate.weight"], w["up.weight"]], recipe).chunk(2, dim=-1)
-    return fp8.matmul(F.silu(gate) * up, [w["down.weight"]], recipe)
+    return fp8.matmul(SiluTimes.apply(gate, up), [w["down.weight"]], recipe)
+
+
+class SiluTimes(torch.autograd.Function):
+    """``silu(gate) * up`` of gate and up apart (a routed or shared expert's, and the
+    reference's dense MLP): :class:`SwiGLU`'s storage, gate and up alone with silu(gate)
+    computed again in the backward, where autograd's ``F.silu(gate) * up`` keeps it too
+    (one ffn-wide tensor more for every row an expert runs); autograd's own operations
+    in the backward, so the same bits."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
 
 
 def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,

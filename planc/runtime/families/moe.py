@@ -16,9 +16,10 @@ from planc.graph.vocabulary import Op
 from planc.runtime.engine import fp8
 from planc.runtime.families import llama
 from planc.runtime.families import moe_dispatch
-from planc.runtime.families.moe_dispatch import (exchange_fp8_rows, exchange_rows,
-                                                 exchanged_counts, expert_mlp, expert_output,
-                                                 received_experts, stacked_experts)
+from planc.runtime.families.moe_dispatch import (AddedByToken, exchange_fp8_rows,
+                                                 exchange_rows, exchanged_counts, expert_mlp,
+                                                 expert_output, received_experts,
+                                                 stacked_experts)
 from planc.runtime.families.moe_gate import (WithBalanceLoss, balance_loss, balanced,
                                              choose, routed_pairs, sorted_pairs, update_bias)
 from planc.vocabulary.model_options import balanced_layers
@@ -63,7 +64,7 @@ def mixture(tokens: torch.Tensor, weights_of, m, sequences: int = 1, batch: int 
         if rows.numel() == 0:
             continue
         y = expert_output(tokens[rows], stacked, expert, recipe)
-        out = out.index_add(0, rows, y * weights[rows, slots].unsqueeze(-1))
+        out = AddedByToken.apply(out, rows, y * weights[rows, slots].unsqueeze(-1))
     return _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequences,
                                batch, collected, counts_over)
 
@@ -158,7 +159,7 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     back = _AllToAll.apply(done, received, sent, peers.group) if recipe is None \
         else _Fp8Combine.apply(done, received, sent, peers.group, recipe)
     weighted = back * weights.reshape(-1)[order].to(tokens.dtype).unsqueeze(-1)
-    out = torch.zeros_like(tokens).index_add(0, token_of, weighted)
+    out = AddedByToken.apply(torch.zeros_like(tokens), token_of, weighted)
     return _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequences,
                                batch, None, counts_over)
 

@@ -78,6 +78,24 @@ def expert_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
     return fp8.swiglu_down(gate_out, up_out, down, recipe)
 
 
+class AddedByToken(torch.autograd.Function):
+    """``into.index_add(0, tokens, rows)``: each row added to its token's. Its backward
+    reads the indices alone (each row's gradient is its token's), where autograd's
+    index_add keeps ``rows`` too (a hidden-wide row per (token, expert) pair, for their
+    shape alone); the same operations, so the same bits."""
+
+    @staticmethod
+    def forward(ctx, into: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor
+                ) -> torch.Tensor:
+        ctx.save_for_backward(tokens)
+        return into.index_add(0, tokens, rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (tokens,) = ctx.saved_tensors
+        return grad, None, grad.index_select(0, tokens)
+
+
 def stacked_experts(weights_of) -> tuple:
     """The stacked gate, up and down weights of the block's routed experts (this rank's)."""
     return tuple(weights_of(f"experts.{w}.weight") for w in ("gate", "up", "down"))
@@ -282,7 +300,8 @@ def total(k, spec, x, p, step, mb, extra):
     experts'."""
     rows, routing = x["x"], x["routing"]
     shape = routing.shape
-    out = rows.new_zeros((shape[0] * shape[1], shape[2])).index_add(0, routing.tokens, rows)
+    out = AddedByToken.apply(rows.new_zeros((shape[0] * shape[1], shape[2])),
+                             routing.tokens, rows)
     if "shared" in x:
         out = out + x["shared"]
     return out.reshape(shape)
