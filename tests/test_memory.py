@@ -631,8 +631,13 @@ def test_the_head_stage_holds_the_logits_of_the_last_chunks_microbatches_only(
     # have freed more: memory.input_half_frees_bytes)
     freed = (memory.input_half_frees_bytes(large, stage)
              - memory.input_half_frees_bytes(small, stage))
+    # and the largest gradient a backward step returns is the head's table (1,128 x 64
+    # in fp32), where it was fc1's (64 x 2 x 128): memory.largest_step_gradient_bytes
+    table = 1128 * 64 * 4 - 64 * 2 * 128 * 4
+    assert memory.largest_step_gradient_bytes(large, stage) - \
+        memory.largest_step_gradient_bytes(small, stage) == table
     # a microbatch of one 32-token sequence
-    assert grown == logits * 1000 * 32 * 4 + reads - freed
+    assert grown == logits * 1000 * 32 * 4 + reads - freed + table
     assert reads == read_by_w * 1000 * 32 * 4
 
 
@@ -664,7 +669,8 @@ def test_sequence_parallelism_splits_the_heads_inputs_over_tp():
     90,112, inputs 2sbh x 2 / t = 4,096, logits 4sbV / t = 8,192. Without: 2 layers x
     sbh (10 + 24/t + 5as/(ht)) = 2 x 2,048 x 27 = 110,592, inputs 2sbh x 2 = 8,192,
     logits 8,192. Either way, the 16-bit logits beside their fp32 copy while the loss
-    reads them, 2sbV / t = 4,096."""
+    reads them, 2sbV / t = 4,096, and the largest gradient one backward step returns,
+    fc1's weight and bias on a tp rank in fp32, (64 x 256 + 256) / 2 x 4 = 33,280."""
     text = """plan h {
   model gpt { layers = 2; hidden = 64; heads = 4; vocab = 128; seq = 32; batch = 1
               dtype = bf16 }
@@ -673,8 +679,11 @@ def test_sequence_parallelism_splits_the_heads_inputs_over_tp():
 }"""
     on, off = (plan_of(text % sp) for sp in ("on", "off"))
     assert on.shard.tp.head == off.shard.tp.head == "vocab"
-    assert memory.stage_activation_bytes(on, 0) == (90_112 + 4_096 + 8_192 + 4_096, 1)
-    assert memory.stage_activation_bytes(off, 0) == (110_592 + 8_192 + 8_192 + 4_096, 1)
+    assert memory.largest_step_gradient_bytes(on, 0) == 33_280
+    assert memory.stage_activation_bytes(on, 0) == (
+        90_112 + 4_096 + 8_192 + 4_096 + 33_280, 1)
+    assert memory.stage_activation_bytes(off, 0) == (
+        110_592 + 8_192 + 8_192 + 4_096 + 33_280, 1)
 
 
 def test_a_mixtures_dispatch_buffers_hold_one_cp_ranks_tokens():
@@ -694,7 +703,10 @@ def test_a_mixtures_dispatch_buffers_hold_one_cp_ranks_tokens():
     assert split.microbatch_size == 4
     grown = (memory.stage_activation_bytes(split, 0)[0]
              - memory.stage_activation_bytes(whole, 0)[0])
-    assert grown == 48 * 224 == 10_752
+    # (less the mixture's gradient a backward returns: its experts halved over ep)
+    fewer = (memory.largest_step_gradient_bytes(whole, 0)
+             - memory.largest_step_gradient_bytes(split, 0))
+    assert grown + fewer == 48 * 224 == 10_752
     assert memory.estimate(split).stages[0].worst_routing_extra_bytes == 16 * 224 == 3_584
 
 

@@ -688,8 +688,10 @@ def test_deepseek_v3s_run_on_the_h800_fits_with_its_deferred_weight_halves_reads
     chunks' weight halves on stage 14, each holding what it reads (the experts' rows'
     output gradients, kept in FP8 as they arrived, and the recomputed inputs:
     memory.weight_gradient_reads_bytes), 15.1 GB there (26.8 GB when the gradients were
-    decoded into bf16 on arrival, which put the stage at 83.9 GB): every stage fits the
-    80 GB, and the checker says nothing. The worst routing is reported beside it."""
+    decoded into bf16 on arrival, which put the stage at 83.9 GB), and the 0.7 GB
+    gradient its experts' backward returns (memory.largest_step_gradient_bytes): every
+    stage fits the 80 GB, and the checker says nothing. The worst routing is reported
+    beside it."""
     from planc.estimate import memory
     from planc.lang import load_file
     from planc.simulate import simulate
@@ -707,7 +709,8 @@ def test_deepseek_v3s_run_on_the_h800_fits_with_its_deferred_weight_halves_reads
     worst = estimate.worst_routing_peak
     assert worst.total_bytes + worst.worst_routing_extra_bytes > 80e9
     text = simulate_text.render(simulate(compile_plan(loaded.plan)))
-    assert ("  memory: 72.1 GB of 80 GB at peak (stage 14)\n"
+    assert round(memory.largest_step_gradient_bytes(loaded.plan, 14) / 1e9, 2) == 0.70
+    assert ("  memory: 72.8 GB of 80 GB at peak (stage 14)\n"
             "  memory under the worst routing: 113 GB (stage 14; a dropless mixture's every "
             "row of the ep group on one rank's experts)") in text
 

@@ -62,7 +62,7 @@ def test_memory_bars_are_scaled_to_the_largest_stage_not_to_the_device(tmp_path,
     peak = estimate.peak.total_bytes
     assert ends == [BAR_START + BAR_SPACE,
                     round(BAR_START + estimate.stages[1].total_bytes * BAR_SPACE / peak, 1)]
-    assert ends == [860.0, 666.5]
+    assert ends == [860.0, 670.4]
     assert "<line" not in ElementTree.tostring(_svg(page, "memory"), encoding="unicode")
     assert ("The device has 80 GB; the largest stage uses &lt;0.1% of it, too small a share "
             "to draw on the device&#x27;s scale.") in page
@@ -77,7 +77,7 @@ def test_a_capacity_near_the_bars_is_drawn_as_a_line(tmp_path, capsys):
     page = _report(tmp_path, capsys, str(PLANS / "llama3-405b.plan"))
     svg = _svg(page, "memory")
     assert max(_bar_ends(svg)) == round(BAR_START + estimate.peak.total_bytes * BAR_SPACE
-                                        / 80e9, 1) == 810.3
+                                        / 80e9, 1) == 818.9
     (line,) = svg.iter("line")
     assert (line.get("x1"), line.get("x2")) == ("860.0", "860.0")
     assert "The dashed line is the device&#x27;s memory, 80 GB." in page
@@ -152,28 +152,28 @@ def test_every_command_prints_the_same_per_device_figures(tmp_path, capsys):
     estimate = memory.estimate(plan)
     peak, other = format_bytes(estimate.stages[1].total_bytes), format_bytes(
         estimate.stages[0].total_bytes)
-    assert (peak, other, estimate.peak.stage) == ("120 MB", "96.1 MB", 1)
+    assert (peak, other, estimate.peak.stage) == ("136 MB", "112 MB", 1)
     check = _cli(capsys, "check", *SMALL)
-    assert check.endswith(", 120 MB per device at peak (3 overrides applied)\n")
+    assert check.endswith(", 136 MB per device at peak (3 overrides applied)\n")
     verbose = _cli(capsys, "check", "-v", *SMALL).splitlines()
-    assert verbose[-2].endswith("  96.1 MB") and verbose[-1].endswith("   120 MB")
+    assert verbose[-2].endswith("  112 MB") and verbose[-1].endswith("  136 MB")
     layout = _cli(capsys, "layout", *SMALL).splitlines()
-    assert layout[-2].endswith("  96.1 MB") and layout[-1].endswith("   120 MB")
+    assert layout[-2].endswith("  112 MB") and layout[-1].endswith("  136 MB")
     compiled = _cli(capsys, "compile", *SMALL, "-o", str(tmp_path / "b"))
-    assert "; memory 96.1 MB\n" in compiled and "; memory 120 MB\n" in compiled
+    assert "; memory 112 MB\n" in compiled and "; memory 136 MB\n" in compiled
     assert compiled.count("  dp_cp  all_reduce      backward      2  19.2 MB    19.2 MB\n") == 2
     simulated = _cli(capsys, "simulate", *SMALL)
-    assert "  memory: 120 MB at peak (stage 1)\n" in simulated
+    assert "  memory: 136 MB at peak (stage 1)\n" in simulated
     diff = _cli(capsys, "diff", SMALL[0], SMALL[0], "--set-b", "mesh.tp=2", "--set-b",
                 "mesh.pp=2", "--set-b", "mesh.dp=2").splitlines()
     a_at, b_at, ratio_at = (diff[0].index(title) for title in ("A: ", "B: ", "B / A"))
     b_column = {line[:a_at].strip(): line[b_at:ratio_at].strip() for line in diff[2:]}
-    assert b_column["memory at peak"] == "120 MB (stage 1)"  # B: tp 2 x pp 2 x dp 2
+    assert b_column["memory at peak"] == "136 MB (stage 1)"  # B: tp 2 x pp 2 x dp 2
     assert b_column["transfers over dp_cp"] == "2, 19.2 MB (stage 1)"  # was 4, 38.3 MB
     page = _report(tmp_path, capsys, str(tmp_path / "b"))
-    assert "<b>120 MB</b>" in page
+    assert "<b>136 MB</b>" in page
     memory_texts = [t.text for t in _svg(page, "memory").iter("text")]
-    assert memory_texts == ["stage 0", "96.1 MB", "stage 1", "120 MB"]
+    assert memory_texts == ["stage 0", "112 MB", "stage 1", "136 MB"]
     assert ("<tr><td>dp_cp</td><td>all_reduce</td><td>backward</td><td>2</td>"
             "<td>19.2 MB</td><td>19.2 MB</td><td>1</td></tr>") in page
 

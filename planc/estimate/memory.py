@@ -34,7 +34,7 @@ from planc.estimate.kernel_cost import GPUS
 from planc.estimate.parameter_counts import (_local_elements, layer_expert_parameters,
                                              layer_parameters, stage_expert_parameters,
                                              stage_parameters)
-from planc.models import family_of
+from planc.models import family_of, moe
 from planc.plan.plan import Plan
 
 FP32_BYTES = 4
@@ -213,7 +213,24 @@ def layer_activation_bytes(plan: Plan, recompute: str | None = None) -> float:
         recompute = "selective"
     return family_of(plan).activation_bytes(
         m, seq=m.seq // plan.mesh.cp, seq_full=m.seq, batch=plan.microbatch_size, tp=tp,
-        sequence_parallel=plan.shard.tp.sequence_parallel, recompute=recompute)
+        sequence_parallel=plan.shard.tp.sequence_parallel, recompute=recompute,
+        **_mixture_cut(plan))
+
+
+def _cut_mixture(plan: Plan) -> bool:
+    """Whether the plan's mixtures run over ep cut at their all-to-alls
+    (planc.models.moe.cut_at_all_to_alls): their router, experts and shared experts each
+    a step of its own."""
+    return plan.mesh.ep > 1 and bool(getattr(plan.model, "experts", 0)) and \
+        moe.cut_at_all_to_alls(plan)
+
+
+def _mixture_cut(plan: Plan) -> dict:
+    """A cut mixture's experts piece keeps the rows it received: told to the mixture
+    families' counts. With model { fp8 } its experts keep FP8 copies and the rows go
+    after the forward (planc.runtime.families.moe_dispatch)."""
+    kept = _cut_mixture(plan) and plan.model.options.get("fp8") is None
+    return {"rows_received_kept": True} if kept else {}
 
 
 def layer_input_half_bytes(plan: Plan) -> float:
@@ -229,7 +246,8 @@ def layer_input_half_bytes(plan: Plan) -> float:
     if recompute == "none" and flash_attention(plan):
         recompute = "selective"
     return count(m, seq=m.seq // plan.mesh.cp, seq_full=m.seq, batch=plan.microbatch_size,
-                 tp=tp, sequence_parallel=plan.shard.tp.sequence_parallel, recompute=recompute)
+                 tp=tp, sequence_parallel=plan.shard.tp.sequence_parallel, recompute=recompute,
+                 **_mixture_cut(plan))
 
 
 def flash_attention(plan: Plan) -> bool:
@@ -298,6 +316,7 @@ def stage_activation_bytes(plan: Plan, stage: int) -> tuple[float, int]:
         # Recomputing one layer materialises its full activations once more (a split
         # backward keeps its chunk's until the W: weight_gradient_reads_bytes).
         total += layer_activation_bytes(plan, "none")
+    total += largest_step_gradient_bytes(plan, stage)
     transient = family_of(plan).transient_bytes
     if transient is not None and plan.layers_of_stage(stage):
         total += transient(m, plan.mesh, plan.microbatch_size * m.seq / plan.mesh.cp)
@@ -316,6 +335,42 @@ def stage_activation_bytes(plan: Plan, stage: int) -> tuple[float, int]:
             total += m.dtype_bytes * s * b * m.vocab / vocab_div
     return total + weight_gradient_reads_bytes(plan, stage) - \
         input_half_frees_bytes(plan, stage), in_flight
+
+
+def largest_step_gradient_bytes(plan: Plan, stage: int) -> float:
+    """The largest gradient one backward step of the stage returns for its parameters,
+    alive beside everything else while that step's backward runs: autograd returns it
+    whole, in fp32 (the rank's parameters are fp32 leaves), before the interpreter adds
+    it into the rank's gradient (planc.runtime.engine.interpreter; Megatron-LM's
+    gradient-accumulation fusion writes into its main gradient instead). A step's
+    parameters are its rule's: a linear's weights, a norm's, the embedding's table, the
+    head's, a mixture's (its router, its routed experts on this rank, its shared experts,
+    each a step of their own where it is cut at its all-to-alls). The largest is the
+    head's or embedding's vocabulary table, or a mixture's routed experts."""
+    family, m, ep = family_of(plan), plan.model, plan.mesh.ep
+    cut = _cut_mixture(plan)
+    layers = plan.layers_of_stage(stage)
+    # one layer of each kind the stage holds (a mixture's and a dense block's)
+    kinds = {family.block(m, layer): layer for layer in layers} if family.layer_block \
+        else ({None: layers[0]} if layers else {})
+    groups: list[list] = []
+    for layer in kinds.values():
+        prefix = f"layers.{layer}."
+        by_name = {p.name[len(prefix):]: p for p in family.layer_parameters(m, layer)}
+        for rule in family.rules.values():
+            owned = [n for n in (*(w.name for w in rule.weights), *rule.params,
+                                 *((rule.bias,) if rule.bias else ())) if n in by_name]
+            pieces = ("router.", "experts.", "shared.") if rule.expert_parallel and cut \
+                else ("",)
+            groups += [[by_name[n] for n in owned if n.startswith(piece)] for piece in pieces]
+    if stage == 0:
+        groups += [[p] for p in family.embedding_parameters(m)]
+    if stage == plan.head_stage:
+        groups += [[p] for p in family.head_parameters(m)]
+    largest = max((_local_elements(plan, group) + sum(
+        p.numel // ep for p in group if p.split_over_experts(ep)) for group in groups),
+        default=0)
+    return largest * FP32_BYTES
 
 
 def stage_activations(plan: Plan) -> tuple[tuple[float, int], ...]:

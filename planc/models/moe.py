@@ -177,12 +177,19 @@ def model_flops_per_token(m: Model, attention=llama.attention_flops_per_token) -
 
 def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
                      sequence_parallel: bool, recompute: str,
-                     attention=llama.attention_kept) -> float:
+                     attention=llama.attention_kept, rows_received_kept: bool = False
+                     ) -> float:
     """One block, the larger of the two kinds: llama's dense block, and the mixture's,
     whose MLP part keeps instead the router's input and fp32 probabilities and, per
-    routed and shared expert a token goes through, its input, gate and up outputs (the
-    mixture runs whole on every tp rank, on a 1/tp share of the tokens). ``attention``:
-    what a block's attention keeps (planc.models.llama.activation_bytes)."""
+    routed and shared expert a token goes through, its input, gate and up outputs (a
+    routed one's weight applied inside its SwiGLU, whose inputs its gradient reads:
+    nothing more kept); the mixture runs whole on every tp rank, on a 1/tp share of the
+    tokens. ``attention``: what a block's
+    attention keeps (planc.models.llama.activation_bytes); ``rows_received_kept``: a
+    mixture cut at its all-to-alls (:func:`cut_at_all_to_alls`), whose experts piece
+    keeps its input, the rows it received with their weights, in the dtype, for its
+    backward (planc.runtime.engine.kernels: a step's inputs are what autograd
+    differentiates to), beside its experts' own copies."""
     dense = llama.activation_bytes(m, seq=seq, seq_full=seq_full, batch=batch, tp=tp,
                                    sequence_parallel=sequence_parallel, recompute=recompute,
                                    attention=attention)
@@ -198,15 +205,17 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     gemm = gemm_input_bytes(m)
     swiglu = 2 * m.expert_ffn * gemm if fp8_tile(m) else \
         2 * m.expert_ffn * m.dtype_bytes + m.expert_ffn * gemm
+    received = m.top_k * sb * (m.hidden + 1) * m.dtype_bytes if rows_received_kept else 0.0
     mixture = dense + (sb * m.hidden * m.dtype_bytes + sb * m.experts * 4
-                       + active * sb * (m.hidden * gemm + swiglu)
+                       + active * sb * (m.hidden * gemm + swiglu) + received
                        - sb * m.ffn * (2 * m.dtype_bytes + gemm)) / tp
     return max(dense, mixture) if m.first_dense else mixture
 
 
 def input_half_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
                      sequence_parallel: bool, recompute: str,
-                     attention=llama.attention_kept, core=llama.attention_core_kept) -> float:
+                     attention=llama.attention_kept, core=llama.attention_core_kept,
+                     rows_received_kept: bool = False) -> float:
     """Of :func:`activation_bytes`, what the steps without parameters keep, for the same
     kind of block: llama's (planc.models.llama.input_half_bytes) for a dense one; for a
     mixture, its attention core's alone, since its experts keep their rows, gate and up
@@ -221,8 +230,9 @@ def input_half_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     if not m.first_dense:
         return mixture
     dense_block = llama.activation_bytes(m, attention=attention, **sizes)
-    return mixture if activation_bytes(m, attention=attention, **sizes) > dense_block \
-        else dense
+    return mixture if activation_bytes(m, attention=attention,
+                                       rows_received_kept=rows_received_kept,
+                                       **sizes) > dense_block else dense
 
 
 def cut_at_all_to_alls(plan) -> bool:

@@ -273,23 +273,27 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, recipe: Recipe, scaled: bool, gate: torch.Tensor, up: torch.Tensor,
-                down: torch.Tensor) -> torch.Tensor:
+                down: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         tile = recipe.tile
-        product = encoded_rows(F.silu(gate) * up, tile)
+        activated = F.silu(gate) * up
+        product = encoded_rows(activated if weights is None else activated * weights, tile)
         out = _weights_product(*product, (down,), tile, scaled, gate.shape[-1])
         ctx.recipe, ctx.scaled, ctx.dtypes, ctx.features = recipe, scaled, \
             (gate.dtype, down.dtype), gate.shape[-1]
-        ctx.save_for_backward(*encoded_rows(gate, tile), *encoded_rows(up, tile), down)
+        ctx.weighted = weights is not None
+        ctx.save_for_backward(*encoded_rows(gate, tile), *encoded_rows(up, tile), down,
+                              *((weights,) if ctx.weighted else ()))
         return out.to(gate.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        gate_codes, gate_scale, up_codes, up_scale, down = ctx.saved_tensors
+        gate_codes, gate_scale, up_codes, up_scale, down, *weights = ctx.saved_tensors
         recipe, (dtype, w_dtype), n = ctx.recipe, ctx.dtypes, ctx.features
         gate = decoded_rows(gate_codes, gate_scale, n).to(dtype)
         up = decoded_rows(up_codes, up_scale, n).to(dtype)
         silu = F.silu(gate)
-        xq = quantised_rows(silu * up, recipe.tile)
+        activated = silu * up
+        xq = quantised_rows(activated * weights[0] if weights else activated, recipe.tile)
         encoded = encoded_rows(grad, recipe.tile, recipe.gradients)
         gq = decoded_rows(*encoded, grad.shape[-1])
         if ctx.scaled:
@@ -298,17 +302,25 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
         else:
             d_product = (gq @ quantised_blocks(down, recipe.tile).t()).to(dtype)
         dw = xq.reshape(-1, n).t() @ gq.reshape(-1, gq.shape[-1])
+        d_weights = None
+        if weights:  # the product's gradient to each row's weight, then through it
+            d_weights = (d_product * activated).sum(-1, keepdim=True)
+            d_product = d_product * weights[0]
         sigmoid = torch.sigmoid(gate)
         d_gate = d_product * up * sigmoid * (1 + gate * (1 - sigmoid))
-        return None, None, d_gate, d_product * silu, dw.to(w_dtype)
+        # (weights given or not: as many gradients as the forward had inputs)
+        return (None, None, d_gate, d_product * silu, dw.to(w_dtype),
+                d_weights)[:len(ctx.needs_input_grad)]
 
 
 def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                recipe: Recipe) -> torch.Tensor:
+                recipe: Recipe, weights: torch.Tensor | None = None) -> torch.Tensor:
     """``(silu(gate) * up) @ down`` in FP8, keeping gate and up in FP8 for the backward
-    rather than the product (:class:`_Fp8SwiGLUDown`)."""
+    rather than the product (:class:`_Fp8SwiGLUDown`); ``weights`` (rows x 1): a routed
+    expert's routing weights, applied to the product before the down GEMM (Megatron-Core's
+    weighted SwiGLU), kept in the dtype."""
     return _Fp8SwiGLUDown.apply(recipe, tensor_cores(gate.device, recipe.tile), gate, up,
-                                down)
+                                down, weights)
 
 
 def matmul(x: torch.Tensor, weights: list[torch.Tensor], recipe: Recipe | None

@@ -63,8 +63,9 @@ def mixture(tokens: torch.Tensor, weights_of, m, sequences: int = 1, batch: int 
         rows, slots = (routed == expert).nonzero(as_tuple=True)
         if rows.numel() == 0:
             continue
-        y = expert_output(tokens[rows], stacked, expert, recipe)
-        out = AddedByToken.apply(out, rows, y * weights[rows, slots].unsqueeze(-1))
+        y = expert_output(tokens[rows], stacked, expert, recipe,
+                          weights[rows, slots].unsqueeze(-1))
+        out = AddedByToken.apply(out, rows, y)
     return _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequences,
                                batch, collected, counts_over)
 
@@ -146,20 +147,23 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     recipe = fp8.recipe_of(m)
     rows = _AllToAll.apply(tokens[token_of], sent, received, peers.group) if recipe is None \
         else _Fp8Dispatch.apply(tokens[token_of], sent, received, peers.group, recipe.tile)
+    # each pair's routing weight goes with its row: applied inside the expert's SwiGLU
+    scales = _AllToAll.apply(weights.reshape(-1)[order].to(tokens.dtype).unsqueeze(-1),
+                             sent, received, peers.group)
     local_expert = received_experts(arriving)
     stacked = stacked_experts(weights_of)  # this rank's experts only
-    # zeros that depend on ``rows``: a rank whose experts got no row in this microbatch
-    # still runs both all-to-alls' backward, which its peers wait for (with zeros_like,
-    # autograd would skip them there, and the ep group would hang)
-    done = rows * 0
+    # zeros that depend on ``rows`` and ``scales``: a rank whose experts got no row in
+    # this microbatch still runs the all-to-alls' backward, which its peers wait for
+    # (with zeros_like, autograd would skip them there, and the ep group would hang)
+    done = rows * 0 * scales
     for expert in range(per_rank):
         mine = (local_expert == expert).nonzero(as_tuple=True)[0]
         if mine.numel():
-            done = done.index_copy(0, mine, expert_output(rows[mine], stacked, expert, recipe))
+            done = done.index_copy(0, mine, expert_output(rows[mine], stacked, expert, recipe,
+                                                          scales[mine]))
     back = _AllToAll.apply(done, received, sent, peers.group) if recipe is None \
         else _Fp8Combine.apply(done, received, sent, peers.group, recipe)
-    weighted = back * weights.reshape(-1)[order].to(tokens.dtype).unsqueeze(-1)
-    out = AddedByToken.apply(torch.zeros_like(tokens), token_of, weighted)
+    out = AddedByToken.apply(torch.zeros_like(tokens), token_of, back)
     return _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequences,
                                batch, None, counts_over)
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from planc.runtime.engine import fp8
 from planc.runtime.families import llama
@@ -58,24 +59,51 @@ class Routed:
         return replace(self, rows=self.rows.detach().requires_grad_(requires_grad))
 
 
-def expert_output(x: torch.Tensor, weights: tuple, expert: int, recipe=None
-                  ) -> torch.Tensor:
-    """Routed expert ``expert``'s SwiGLU of rows ``x``; ``weights``: the stacked gate, up
-    and down; its GEMMs in FP8 by ``recipe`` (planc.runtime.engine.fp8)."""
+def expert_output(x: torch.Tensor, weights: tuple, expert: int, recipe=None,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed expert ``expert``'s SwiGLU of rows ``x``, each weighted by its ``scale``
+    (:func:`expert_mlp`); ``weights``: the stacked gate, up and down; its GEMMs in FP8
+    by ``recipe`` (planc.runtime.engine.fp8)."""
     gate, up, down = weights
-    return expert_mlp(x, gate[expert], up[expert], down[expert], recipe)
+    return expert_mlp(x, gate[expert], up[expert], down[expert], recipe, scale)
 
 
 def expert_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-               recipe=None) -> torch.Tensor:
+               recipe=None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """A routed or shared expert's SwiGLU of rows ``x``: in ``x``'s dtype, or by FP8
     ``recipe`` with DeepSeek-V3's storage, the SwiGLU's inputs kept in FP8 and its output
-    recomputed (planc.runtime.engine.fp8.swiglu_down)."""
+    recomputed (planc.runtime.engine.fp8.swiglu_down). ``scale`` (rows x 1): a routed
+    expert's routing weights, applied inside the SwiGLU, before the down projection
+    (Megatron-Core's weighted SwiGLU): the weighted output, with nothing hidden wide
+    kept for the weights' gradient, which the SwiGLU's own inputs give."""
     if recipe is None:
-        return llama.dense_mlp(-1, x, {"gate.weight": gate, "up.weight": up,
-                                       "down.weight": down})
+        if scale is None:
+            return llama.dense_mlp(-1, x, {"gate.weight": gate, "up.weight": up,
+                                           "down.weight": down})
+        return WeightedSwiGLU.apply(x @ gate, x @ up, scale) @ down
     gate_out, up_out = fp8.matmul(x, [gate, up], recipe).chunk(2, dim=-1)
-    return fp8.swiglu_down(gate_out, up_out, down, recipe)
+    return fp8.swiglu_down(gate_out, up_out, down, recipe, scale)
+
+
+class WeightedSwiGLU(torch.autograd.Function):
+    """``silu(gate) * up * scale``, a row's routing weight ``scale`` (rows x 1) applied
+    inside its expert's SwiGLU (Megatron-Core's weighted_bias_swiglu): it keeps gate, up
+    and the weights, and computes silu(gate) again in the backward (as
+    planc.runtime.families.llama.SiluTimes)."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor
+                ) -> torch.Tensor:
+        ctx.save_for_backward(gate, up, scale)
+        return F.silu(gate) * up * scale
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up, scale = ctx.saved_tensors
+        activated = F.silu(gate)
+        weighted = grad * scale
+        return (torch.ops.aten.silu_backward(weighted * up, gate), weighted * activated,
+                (grad * activated * up).sum(-1, keepdim=True))
 
 
 class AddedByToken(torch.autograd.Function):
@@ -263,8 +291,8 @@ def exchange(values: torch.Tensor, routing: Routed, outbound: bool, group
 
 
 def experts(k, spec, x, p, step, mb, extra):
-    """This rank's experts on the rows dispatched to them, each output times its
-    weight."""
+    """This rank's experts on the rows dispatched to them, each weighted inside its
+    SwiGLU (:func:`expert_mlp`)."""
     routed: Routed = x["x"]
     m = k.ctx.model
     rows = routed.rows
@@ -281,8 +309,23 @@ def experts(k, spec, x, p, step, mb, extra):
     for expert in range(local):
         mine = (expert_of == expert).nonzero(as_tuple=True)[0]
         if mine.numel():
-            done = done.index_copy(0, mine, expert_output(features[mine], stacked, expert, recipe))
-    return done * weights
+            done = done.index_copy(0, mine, expert_output(features[mine], stacked, expert,
+                                                          recipe, weights[mine]))
+    if recipe is not None and torch.is_grad_enabled():
+        _let_go_of_decoded(rows)
+    return done
+
+
+def _let_go_of_decoded(rows: torch.Tensor) -> None:
+    """With model { fp8 } the experts keep what their backward reads as FP8 codes (their
+    rows, gate and up: planc.runtime.engine.fp8) and their routing weights as copies, so
+    nothing reads the received rows, decoded into the dtype, once the forward is done:
+    their bytes go (the tensor stays, what the backward differentiates to, as ZeRO-3's
+    let-go buckets do: planc.runtime.engine.store), as DeepSeek-V3 keeps a mixture's
+    dispatched activations in FP8 alone (section 3.3.4). Nothing else reads them: the
+    combine and the dispatch's backward read the routing, and a recomputed mixture
+    dispatches its rows again."""
+    rows.untyped_storage().resize_(0)
 
 
 def shared(k, spec, x, p, step, mb, extra):
