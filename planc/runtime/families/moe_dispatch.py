@@ -324,7 +324,11 @@ def _let_go_of_decoded(rows: torch.Tensor) -> None:
     let-go buckets do: planc.runtime.engine.store), as DeepSeek-V3 keeps a mixture's
     dispatched activations in FP8 alone (section 3.3.4). Nothing else reads them: the
     combine and the dispatch's backward read the routing, and a recomputed mixture
-    dispatches its rows again."""
+    dispatches its rows again. On a GPU the rows came on the ep stream and the experts'
+    kernels that read them may still be queued on this one: recorded on it first, so
+    that the caching allocator hands their block out again only once they are done."""
+    if rows.is_cuda:
+        rows.record_stream(torch.cuda.current_stream())
     rows.untyped_storage().resize_(0)
 
 
