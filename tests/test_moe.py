@@ -601,3 +601,33 @@ def test_mixtures_on_two_streams_are_refused():
     assert found == [f"program {name}: the ep group is used from streams ['comm', "
                      "'compute']; its all-to-alls must leave from one stream in program "
                      "order, or two ranks could wait in different all-to-alls"]
+
+
+def test_a_routing_weight_inside_the_swiglu_gives_the_weighted_outputs_gradients():
+    """The routing weight is applied inside an expert's SwiGLU, before its down
+    projection (Megatron-Core's weighted SwiGLU), so that no expert output is kept for
+    the weight's gradient: the output and every gradient (rows, gate, up, down and the
+    weights) equal autograd's of the weighted output, ((silu(x g) * x u) d) w, to
+    float64's rounding; keeping gate, up and the weights alone, not silu(gate)."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    from planc.runtime.families.moe_dispatch import expert_mlp
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 16, generator=generator, dtype=torch.float64, requires_grad=True)
+    gate, up = (torch.randn(16, 24, generator=generator, dtype=torch.float64,
+                            requires_grad=True) for _ in range(2))
+    down = torch.randn(24, 16, generator=generator, dtype=torch.float64, requires_grad=True)
+    weights = torch.rand(7, 1, generator=generator, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(7, 16, generator=generator, dtype=torch.float64)
+    inside = expert_mlp(x, gate, up, down, None, weights)
+    outside = ((F.silu(x @ gate) * (x @ up)) @ down) * weights
+    assert (inside - outside).abs().max() < 1e-12
+    swiglu = next(node for node, _ in inside.grad_fn.next_functions  # the down's input
+                  if node is not None and "WeightedSwiGLU" in node.name())
+    assert [tuple(t.shape) for t in swiglu.saved_tensors] == [(7, 24), (7, 24), (7, 1)]
+    leaves = (x, gate, up, down, weights)
+    for ours, theirs in zip(torch.autograd.grad(inside, leaves, grad),
+                            torch.autograd.grad(outside, leaves, grad)):
+        assert (ours - theirs).abs().max() < 1e-12
