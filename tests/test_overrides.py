@@ -242,11 +242,11 @@ def test_a_warning_about_an_overridden_key():
     assert loaded.ok
     assert text_of(loaded) == (
         "--set topology.device.memory=1MB:1:24: warning: estimated memory per device is "
-        "2.86 MB, more than the device's 1 MB\n"
+        "2.93 MB, more than the device's 1 MB\n"
         "   1 | topology.device.memory=1MB\n"
         "     |                        ^~~\n"
         "  hint: parameters 561 KB, gradients 561 KB, optimizer state 0 B, activations "
-        "1.74 MB (1 microbatch in flight)\n"
+        "1.81 MB (1 microbatch in flight)\n"
         "  hint: zero, recompute, more tp or pp, or a smaller microbatch would lower it")
 
 
@@ -348,7 +348,7 @@ def test_check_with_overrides(capsys, base):
                              "optimize.fuse=off")
     assert (status, err) == (0, "")
     assert out == (f"{base}: ok: plan base, 276K parameters, 8 ranks (tp 4 x cp 1 x pp 1 x "
-                   f"dp 2) on 1 x 8 devices, 1.74 MB per device at peak (2 overrides "
+                   f"dp 2) on 1 x 8 devices, 1.78 MB per device at peak (2 overrides "
                    f"applied)\n")
 
 

@@ -682,8 +682,10 @@ def test_full_recomputation_keeps_layer_inputs_and_one_layer_in_full():
     assert memory.layer_activation_bytes(plan, "none") == sbh * (34 + 5 * 4 * 16 / 32) * scale
     assert memory.layer_activation_bytes(plan) == 2 * sbh * scale
     in_flight = memory.layers_in_flight(plan, 0)
+    # (and the largest gradient a backward step returns: memory.largest_step_gradient_bytes)
     assert memory.stage_activation_bytes(plan, 0)[0] == \
-        in_flight * 2 * sbh * scale + sbh * 44 * scale
+        in_flight * 2 * sbh * scale + sbh * 44 * scale + \
+        memory.largest_step_gradient_bytes(plan, 0)
 
 
 def test_a_split_collective_moves_its_share_of_the_tokens():

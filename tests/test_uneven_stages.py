@@ -126,7 +126,9 @@ def test_memory_follows_the_layers_of_the_chunks_in_flight():
     one = memory.layer_activation_bytes(plan)
     # Stage 0's warm-up holds every forward: F0.c0 F1.c0 F0.c2 F1.c2, 1 + 1 + 2 + 2 layers.
     assert memory.layers_in_flight(plan, 0) == 6
-    assert memory.stage_activation_bytes(plan, 0) == (6 * one, 4)
+    # (and the largest gradient a backward step returns: memory.largest_step_gradient_bytes)
+    assert memory.stage_activation_bytes(plan, 0) == (
+        6 * one + memory.largest_step_gradient_bytes(plan, 0), 4)
     # Stage 1's chunks are alike: the schedule's 3 chunk-microbatches of 1 layer.
     assert memory.layers_in_flight(plan, 1) == 3
     even = load_text(plan_text(layers=8)).plan  # 2 layers a chunk: as before
