@@ -201,36 +201,9 @@ def _in_flight(pipeline: str, stage: int, pp: int, microbatches: int, virtual: i
 
 def layer_activation_bytes(plan: Plan, recompute: str | None = None) -> float:
     """One block, one microbatch, one device, by the family's count (for gpt,
-    Korthikanti et al. 2022, Table 2). On a GPU whose published runs used FlashAttention
-    (planc.estimate.kernel_cost.GPU.flash: the H100's), the attention keeps no s x s
-    probabilities: FlashAttention's backward recomputes them from q, k, v and a
-    log-sum-exp per query (Dao et al. 2022, section 3.1). Every family's ``selective``
-    count is its ``none`` less exactly those probabilities, so there ``none`` is counted
-    as ``selective``."""
-    m, tp = plan.model, plan.mesh.tp
-    recompute = recompute or plan.optimize.recompute
-    if recompute == "none" and flash_attention(plan):
-        recompute = "selective"
-    return family_of(plan).activation_bytes(
-        m, seq=m.seq // plan.mesh.cp, seq_full=m.seq, batch=plan.microbatch_size, tp=tp,
-        sequence_parallel=plan.shard.tp.sequence_parallel, recompute=recompute,
-        **_mixture_cut(plan))
-
-
-def _cut_mixture(plan: Plan) -> bool:
-    """Whether the plan's mixtures run over ep cut at their all-to-alls
-    (planc.models.moe.cut_at_all_to_alls): their router, experts and shared experts each
-    a step of its own."""
-    return plan.mesh.ep > 1 and bool(getattr(plan.model, "experts", 0)) and \
-        moe.cut_at_all_to_alls(plan)
-
-
-def _mixture_cut(plan: Plan) -> dict:
-    """A cut mixture's experts piece keeps the rows it received: told to the mixture
-    families' counts. With model { fp8 } its experts keep FP8 copies and the rows go
-    after the forward (planc.runtime.families.moe_dispatch)."""
-    kept = _cut_mixture(plan) and plan.model.options.get("fp8") is None
-    return {"rows_received_kept": True} if kept else {}
+    Korthikanti et al. 2022, Table 2)."""
+    return _block_count(plan, family_of(plan).activation_bytes,
+                        recompute or plan.optimize.recompute)
 
 
 def layer_input_half_bytes(plan: Plan) -> float:
@@ -238,16 +211,27 @@ def layer_input_half_bytes(plan: Plan) -> float:
     the block's steps without parameters keep, whose backward runs whole there
     (planc.passes.split_backward.splittable; the family's ``input_half_bytes``, none if
     it does not say)."""
-    m, tp = plan.model, plan.mesh.tp
     count = family_of(plan).input_half_bytes
-    recompute = plan.optimize.recompute
-    if count is None:
-        return 0.0
+    return 0.0 if count is None else _block_count(plan, count, plan.optimize.recompute)
+
+
+def _block_count(plan: Plan, count, recompute: str) -> float:
+    """A family's per-block ``count`` (one microbatch, one device) of the plan's sizes.
+    On a GPU whose published runs used FlashAttention (planc.estimate.kernel_cost.GPU.flash:
+    the H100's), the attention keeps no s x s probabilities: FlashAttention's backward
+    recomputes them from q, k, v and a log-sum-exp per query (Dao et al. 2022, section
+    3.1). Every family's ``selective`` count is its ``none`` less exactly those
+    probabilities, so there ``none`` is counted as ``selective``. A mixture cut at its
+    all-to-alls (planc.models.moe.cut_over_ep) keeps the rows its experts piece received,
+    except with model { fp8 }, whose experts keep FP8 copies and let the rows go after
+    the forward (planc.runtime.families.moe_dispatch)."""
+    m = plan.model
     if recompute == "none" and flash_attention(plan):
         recompute = "selective"
+    rows_kept = moe.cut_over_ep(plan) and m.options.get("fp8") is None
     return count(m, seq=m.seq // plan.mesh.cp, seq_full=m.seq, batch=plan.microbatch_size,
-                 tp=tp, sequence_parallel=plan.shard.tp.sequence_parallel, recompute=recompute,
-                 **_mixture_cut(plan))
+                 tp=plan.mesh.tp, sequence_parallel=plan.shard.tp.sequence_parallel,
+                 recompute=recompute, **({"rows_received_kept": True} if rows_kept else {}))
 
 
 def flash_attention(plan: Plan) -> bool:
@@ -348,7 +332,7 @@ def largest_step_gradient_bytes(plan: Plan, stage: int) -> float:
     each a step of their own where it is cut at its all-to-alls). The largest is the
     head's or embedding's vocabulary table, or a mixture's routed experts."""
     family, m, ep = family_of(plan), plan.model, plan.mesh.ep
-    cut = _cut_mixture(plan)
+    cut = moe.cut_over_ep(plan)
     layers = plan.layers_of_stage(stage)
     # one layer of each kind the stage holds (a mixture's and a dense block's)
     kinds = {family.block(m, layer): layer for layer in layers} if family.layer_block \

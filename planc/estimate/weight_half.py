@@ -47,11 +47,6 @@ def units_beyond_peak(plan: Plan, stage: int, per_layer: float,
         _beyond_activation_peak(plan, stage, per_layer, freed_by_input, reads, logits)
 
 
-def _mixture_cut(plan: Plan) -> bool:
-    """Whether a mixture over ep runs as pieces of its own, each split as any step is."""
-    return plan.mesh.ep > 1 and moe.cut_at_all_to_alls(plan)
-
-
 def _gathered_unit_bytes(plan: Plan, chunk: int) -> float:
     """A chunk's parameters in the model's dtype as ZeRO-3 gathers them, whole: its
     blocks' (with a mixture's routed experts where their step is split too, cut by
@@ -60,7 +55,7 @@ def _gathered_unit_bytes(plan: Plan, chunk: int) -> float:
     family, m, chunks = family_of(plan), plan.model, plan.shard.pp.chunks
     first, last = chunks[chunk]
     count = sum(layer_parameters(plan, layer) for layer in range(first, last + 1))
-    if _mixture_cut(plan) and plan.mesh.tp * plan.mesh.dp * plan.mesh.cp // plan.mesh.ep > 1:
+    if moe.cut_over_ep(plan) and plan.mesh.tp * plan.mesh.dp * plan.mesh.cp // plan.mesh.ep > 1:
         count += sum(layer_expert_parameters(plan, layer) for layer in range(first, last + 1))
     if chunk == 0:
         count += _local_elements(plan, family.embedding_parameters(m))
@@ -147,7 +142,7 @@ def _step_reads(plan: Plan, op: str, links, recomputed: bool) -> float:
             or rule.kind == "embedding"):
         return 0.0
     if rule.expert_parallel and plan.mesh.ep > 1:
-        if not _mixture_cut(plan):
+        if not moe.cut_over_ep(plan):
             return 0.0
         # (the route runs whole: planc.passes.split_backward.splittable); with model
         # { fp8 } the rows' gradients kept as they arrived, in FP8 (DeepSeek-V3, section

@@ -242,6 +242,14 @@ def cut_at_all_to_alls(plan) -> bool:
     return plan.schedule.overlap_all_to_all or plan.optimize.moe_dispatcher == "two_hop"
 
 
+def cut_over_ep(plan) -> bool:
+    """Whether the plan has mixtures over ep and runs them cut at their all-to-alls
+    (:func:`cut_at_all_to_alls`): their route, experts and shared experts pieces each a
+    step of its own."""
+    return plan.mesh.ep > 1 and bool(getattr(plan.model, "experts", 0)) and \
+        cut_at_all_to_alls(plan)
+
+
 def expert_counts_bytes(experts: int) -> int:
     """What a rank sends in the all-to-all of counts that sizes a dispatch (before every
     forward one, and a recomputed one): how many of its rows go to each expert, one int64
