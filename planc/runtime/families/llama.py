@@ -264,27 +264,40 @@ def dense_mlp(layer: int, h: torch.Tensor, w: dict[str, torch.Tensor],
     FP8 by ``recipe`` (planc.runtime.engine.fp8), else in ``h``'s dtype. The activation
     by :class:`SiluTimes`, which keeps gate and up alone."""
     if recipe is None:
-        return SiluTimes.apply(h @ w["gate.weight"], h @ w["up.weight"]) @ w["down.weight"]
+        return SiluTimes.apply(h @ w["gate.weight"], h @ w["up.weight"], None) @ \
+            w["down.weight"]
     gate, up = fp8.matmul(h, [w["gate.weight"], w["up.weight"]], recipe).chunk(2, dim=-1)
-    return fp8.matmul(SiluTimes.apply(gate, up), [w["down.weight"]], recipe)
+    return fp8.matmul(SiluTimes.apply(gate, up, None), [w["down.weight"]], recipe)
 
 
 class SiluTimes(torch.autograd.Function):
     """``silu(gate) * up`` of gate and up apart (a routed or shared expert's, and the
-    reference's dense MLP): :class:`SwiGLU`'s storage, gate and up alone with silu(gate)
-    computed again in the backward, where autograd's ``F.silu(gate) * up`` keeps it too
-    (one ffn-wide tensor more for every row an expert runs); autograd's own operations
-    in the backward, so the same bits."""
+    reference's dense MLP), times ``scale`` (rows x 1) when given: a routed expert's
+    routing weights, applied inside its SwiGLU, before the down projection
+    (Megatron-Core's weighted_bias_swiglu), whose gradient gate and up give, so that no
+    expert output is kept for it. :class:`SwiGLU`'s storage: gate, up (and the weights)
+    alone, silu(gate) computed again in the backward, where autograd's ``F.silu(gate) *
+    up`` keeps it too (one ffn-wide tensor more for every row an expert runs);
+    autograd's own operations in the backward, so the same bits."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor | None
+                ) -> torch.Tensor:
+        if scale is None:
+            ctx.save_for_backward(gate, up)
+            return F.silu(gate) * up
+        ctx.save_for_backward(gate, up, scale)
+        return F.silu(gate) * up * scale
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        gate, up = ctx.saved_tensors
-        return torch.ops.aten.silu_backward(grad * up, gate), grad * F.silu(gate)
+        gate, up, *scale = ctx.saved_tensors
+        activated = F.silu(gate)
+        if not scale:
+            return torch.ops.aten.silu_backward(grad * up, gate), grad * activated, None
+        weighted = grad * scale[0]
+        return (torch.ops.aten.silu_backward(weighted * up, gate), weighted * activated,
+                (grad * activated * up).sum(-1, keepdim=True))
 
 
 def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,

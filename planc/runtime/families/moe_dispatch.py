@@ -25,7 +25,6 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from planc.runtime.engine import fp8
 from planc.runtime.families import llama
@@ -77,33 +76,9 @@ def expert_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
     (Megatron-Core's weighted SwiGLU): the weighted output, with nothing hidden wide
     kept for the weights' gradient, which the SwiGLU's own inputs give."""
     if recipe is None:
-        if scale is None:
-            return llama.dense_mlp(-1, x, {"gate.weight": gate, "up.weight": up,
-                                           "down.weight": down})
-        return WeightedSwiGLU.apply(x @ gate, x @ up, scale) @ down
+        return llama.SiluTimes.apply(x @ gate, x @ up, scale) @ down
     gate_out, up_out = fp8.matmul(x, [gate, up], recipe).chunk(2, dim=-1)
     return fp8.swiglu_down(gate_out, up_out, down, recipe, scale)
-
-
-class WeightedSwiGLU(torch.autograd.Function):
-    """``silu(gate) * up * scale``, a row's routing weight ``scale`` (rows x 1) applied
-    inside its expert's SwiGLU (Megatron-Core's weighted_bias_swiglu): it keeps gate, up
-    and the weights, and computes silu(gate) again in the backward (as
-    planc.runtime.families.llama.SiluTimes)."""
-
-    @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor
-                ) -> torch.Tensor:
-        ctx.save_for_backward(gate, up, scale)
-        return F.silu(gate) * up * scale
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        gate, up, scale = ctx.saved_tensors
-        activated = F.silu(gate)
-        weighted = grad * scale
-        return (torch.ops.aten.silu_backward(weighted * up, gate), weighted * activated,
-                (grad * activated * up).sum(-1, keepdim=True))
 
 
 class AddedByToken(torch.autograd.Function):
