@@ -225,6 +225,21 @@ def permissions_apply(tmp_path_factory) -> None:
                     f"{probe.stderr[-300:]}); file permissions cannot be tested")
 
 
+def counting(*ops):
+    """A torch dispatch mode that counts, while it is entered, the calls of ``ops``
+    (aten overloads such as ``torch.ops.aten.mm.default``): what a backward computes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func in ops
+            return func(*args, **(kwargs or {}))
+
+    return Counting()
+
+
 def checkpoint_tensors(directory: Path) -> dict:
     """Every tensor of the latest checkpoint in ``directory``, by its name."""
     from safetensors import safe_open

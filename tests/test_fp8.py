@@ -9,7 +9,7 @@ import pytest
 
 from planc.cli import main
 from planc.lang import load_text
-from tests.conftest import script_on_ranks
+from tests.conftest import counting, script_on_ranks
 
 torch = pytest.importorskip("torch")
 
@@ -207,6 +207,35 @@ def test_an_experts_swiglu_keeps_its_inputs_in_fp8_and_recomputes_its_output():
     assert torch.allclose(down.grad, dw, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(gate.grad, (gq @ wq.t()) * up.detach() * torch.sigmoid(
         gate.detach()) * (1 + gate.detach() * (1 - torch.sigmoid(gate.detach()))))
+
+
+def test_each_pass_of_a_split_backward_computes_only_the_products_it_is_asked_for():
+    """A split backward (zb1p's B then W) runs the graph twice: the inputs' pass computes
+    no weight gradient and the weights' pass no input gradient (autograd's own GEMMs skip
+    them; a Function's ``needs_input_grad`` would not), and the two passes give the
+    gradients of one backward, bit for bit. The weights' pass computes the SwiGLU's
+    input gradient again: the gate-and-up GEMM's weight gradient reads it."""
+    from planc.runtime.engine.fp8 import Recipe, matmul, swiglu_down
+
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 16, generator=generator, requires_grad=True)
+    gate_w, up_w = (torch.randn(16, 24, generator=generator, requires_grad=True)
+                    for _ in range(2))
+    down = torch.randn(24, 16, generator=generator, requires_grad=True)
+    grad = torch.randn(6, 16, generator=generator)
+
+    def forward():
+        gate, up = matmul(x, [gate_w, up_w], Recipe(8)).chunk(2, dim=-1)
+        return swiglu_down(gate, up, down, Recipe(8))
+
+    whole = torch.autograd.grad(forward(), [x, gate_w, up_w, down], grad)
+    out = forward()
+    with counting(torch.ops.aten.mm.default) as inputs_pass:
+        (dx,) = torch.autograd.grad(out, [x], grad, retain_graph=True)
+    with counting(torch.ops.aten.mm.default) as weights_pass:
+        dws = torch.autograd.grad(out, [gate_w, up_w, down], grad)
+    assert (inputs_pass.count, weights_pass.count) == (2, 3)
+    assert all(torch.equal(a, b) for a, b in zip(whole, (dx, *dws)))
 
 
 def test_the_memory_estimate_keeps_the_experts_gradients_for_their_weight_half_in_fp8():

@@ -323,6 +323,29 @@ def test_rms_norm_by_hand_is_the_formula_bit_for_bit_and_keeps_less(dtype, shape
         assert torch.equal(a, b)
 
 
+def test_each_pass_of_a_split_backward_computes_one_gradient_of_the_norm():
+    """zb1p's B step asks the norm for its input's gradient and its W step for its
+    weight's: each pass computes its own (one sum each: the root's gradient over the
+    features, the weight's over the tokens), and they are the formula's, bit for bit."""
+    import torch
+
+    from planc.runtime.families.llama import normed, rms_norm_formula
+    from tests.conftest import counting
+
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 5, 32, generator=generator, requires_grad=True)
+    weight = torch.randn(32, generator=generator, requires_grad=True)
+    grad = torch.randn(3, 5, 32, generator=generator)
+    whole = torch.autograd.grad(rms_norm_formula(x, weight, 1e-5), [x, weight], grad)
+    out = normed(x, weight, 1e-5)
+    with counting(torch.ops.aten.sum.dim_IntList) as inputs_pass:
+        (dx,) = torch.autograd.grad(out, [x], grad, retain_graph=True)
+    with counting(torch.ops.aten.sum.dim_IntList) as weights_pass:
+        (dw,) = torch.autograd.grad(out, [weight], grad)
+    assert (inputs_pass.count, weights_pass.count) == (1, 1)
+    assert torch.equal(dx, whole[0]) and torch.equal(dw, whole[1])
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("layout", ["contiguous", "column-major", "strided"])
 def test_joined_weights_multiply_as_their_concatenation_bit_for_bit(dtype, layout):

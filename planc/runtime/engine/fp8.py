@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from planc.runtime.engine.asked import asked_for, traceable
 from planc.vocabulary.model_options import fp8_tile
 
 E4M3 = torch.float8_e4m3fn
@@ -229,22 +230,27 @@ class _Fp8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         codes, scale, *weights = ctx.saved_tensors
-        xq = decoded_rows(codes, scale, ctx.features)
+        wanted = asked_for(ctx, first=2)
         recipe, (x_dtype, w_dtypes) = ctx.recipe, ctx.dtypes
         parts = [encoded_rows(part, recipe.tile, recipe.gradients)
                  for part in grad.split(ctx.widths, -1)]
-        gq = torch.cat([decoded_rows(*part, width) for part, width in zip(parts, ctx.widths)],
-                       dim=-1)
+        gq = None
+        if any(wanted[3:]) or (wanted[2] and not ctx.scaled):
+            gq = torch.cat([decoded_rows(*part, width)
+                            for part, width in zip(parts, ctx.widths)], dim=-1)
         dx = None
-        if ctx.needs_input_grad[2] and ctx.scaled:
+        if wanted[2] and ctx.scaled:
             blocks = (encoded_blocks(w, recipe.tile) for w in weights)
             dx = sum(_times_blocks(*part, (block.t(), block_scale.t()), ctx.features)
                      for part, (block, block_scale) in zip(parts, blocks)).to(x_dtype)
-        elif ctx.needs_input_grad[2]:
+        elif wanted[2]:
             dx = (gq @ _decoded_weights(weights, recipe.tile).t()).to(x_dtype)
-        dw = xq.reshape(-1, xq.shape[-1]).t() @ gq.reshape(-1, gq.shape[-1])
-        dws = [part.to(dtype) if needed else None for part, dtype, needed in
-               zip(dw.split(ctx.widths, dim=1), w_dtypes, ctx.needs_input_grad[3:])]
+        dws = [None] * len(weights)
+        if any(wanted[3:]):
+            xq = decoded_rows(codes, scale, ctx.features)
+            dw = xq.reshape(-1, xq.shape[-1]).t() @ gq.reshape(-1, gq.shape[-1])
+            dws = [part.to(dtype) if needed else None for part, dtype, needed in
+                   zip(dw.split(ctx.widths, dim=1), w_dtypes, wanted[3:])]
         return (None, None, dx, *dws)
 
 
@@ -288,20 +294,25 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate_codes, gate_scale, up_codes, up_scale, down, *weights = ctx.saved_tensors
+        wanted = asked_for(ctx, first=2)
         recipe, (dtype, w_dtype), n = ctx.recipe, ctx.dtypes, ctx.features
         gate = decoded_rows(gate_codes, gate_scale, n).to(dtype)
         up = decoded_rows(up_codes, up_scale, n).to(dtype)
         silu = F.silu(gate)
         activated = silu * up
-        xq = quantised_rows(activated * weights[0] if weights else activated, recipe.tile)
         encoded = encoded_rows(grad, recipe.tile, recipe.gradients)
-        gq = decoded_rows(*encoded, grad.shape[-1])
+        gq = decoded_rows(*encoded, grad.shape[-1]) if wanted[4] or not ctx.scaled else None
+        dw = None
+        if wanted[4]:  # the down GEMM's weight gradient reads the product recomputed
+            xq = quantised_rows(activated * weights[0] if weights else activated, recipe.tile)
+            dw = (xq.reshape(-1, n).t() @ gq.reshape(-1, gq.shape[-1])).to(w_dtype)
+        if not (wanted[2] or wanted[3] or (weights and wanted[5])):
+            return (None, None, None, None, dw, None)[:len(ctx.needs_input_grad)]
         if ctx.scaled:
             block, block_scale = encoded_blocks(down, recipe.tile)
             d_product = _times_blocks(*encoded, (block.t(), block_scale.t()), n).to(dtype)
         else:
             d_product = (gq @ quantised_blocks(down, recipe.tile).t()).to(dtype)
-        dw = xq.reshape(-1, n).t() @ gq.reshape(-1, gq.shape[-1])
         d_weights = None
         if weights:  # the product's gradient to each row's weight, then through it
             d_weights = (d_product * activated).sum(-1, keepdim=True)
@@ -309,7 +320,7 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
         sigmoid = torch.sigmoid(gate)
         d_gate = d_product * up * sigmoid * (1 + gate * (1 - sigmoid))
         # (weights given or not: as many gradients as the forward had inputs)
-        return (None, None, d_gate, d_product * silu, dw.to(w_dtype),
+        return (None, None, d_gate, d_product * silu, dw,
                 d_weights)[:len(ctx.needs_input_grad)]
 
 
@@ -319,8 +330,9 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
     rather than the product (:class:`_Fp8SwiGLUDown`); ``weights`` (rows x 1): a routed
     expert's routing weights, applied to the product before the down GEMM (Megatron-Core's
     weighted SwiGLU), kept in the dtype."""
-    return _Fp8SwiGLUDown.apply(recipe, tensor_cores(gate.device, recipe.tile), gate, up,
-                                down, weights)
+    return _Fp8SwiGLUDown.apply(recipe, tensor_cores(gate.device, recipe.tile),
+                                traceable(gate), traceable(up), traceable(down),
+                                traceable(weights))
 
 
 def matmul(x: torch.Tensor, weights: list[torch.Tensor], recipe: Recipe | None
@@ -328,7 +340,8 @@ def matmul(x: torch.Tensor, weights: list[torch.Tensor], recipe: Recipe | None
     """``x @ cat(weights, dim=1)``: in FP8 by ``recipe``, else as it is."""
     if recipe is None:
         return x @ weights[0] if len(weights) == 1 else joined_matmul(x, weights)
-    return _Fp8Matmul.apply(recipe, tensor_cores(x.device, recipe.tile), x, *weights)
+    return _Fp8Matmul.apply(recipe, tensor_cores(x.device, recipe.tile), traceable(x),
+                            *map(traceable, weights))
 
 
 def joined_matmul(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:

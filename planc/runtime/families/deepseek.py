@@ -43,12 +43,12 @@ def latent_heads(m, h: torch.Tensor, weight, positions: torch.Tensor, recipe
     b, s, _ = h.shape
     nope, rope, v_dim = m.nope_dim, m.rope_dim, m.v_dim
     heads = weight("q_b.weight").shape[1] // (nope + rope)
-    latent_q = llama.RMSNorm.apply(fp8.matmul(h, [weight("q_a.weight")], recipe),
+    latent_q = llama.normed(fp8.matmul(h, [weight("q_a.weight")], recipe),
                                    weight("ln_q.weight"), m.norm_eps)
     q = fp8.matmul(latent_q, [weight("q_b.weight")], recipe).view(b, s, heads, nope + rope)
     latent_kv, key_rope = fp8.matmul(h, [weight("kv_a.weight")], recipe).split(
         [m.kv_rank, rope], dim=-1)
-    latent_kv = llama.RMSNorm.apply(latent_kv, weight("ln_kv.weight"), m.norm_eps)
+    latent_kv = llama.normed(latent_kv, weight("ln_kv.weight"), m.norm_eps)
     key_nope, v = fp8.matmul(latent_kv, [weight("kv_b.weight")], recipe).view(
         b, s, heads, nope + v_dim).split([nope, v_dim], dim=-1)
     cos, sin = llama.rotary_tables(positions, rope, m.rope_theta, h.dtype)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from planc.graph.vocabulary import Op
 from planc.runtime.engine import fp8
+from planc.runtime.engine.asked import asked_for, traceable
 from planc.runtime.engine.model import local_heads
 
 
@@ -28,8 +29,14 @@ def rms_normed(m, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(k, spec, x, p, step, mb, extra):
     (weight,) = spec.params
-    formula = k.compiled.get("rms_norm", RMSNorm.apply)  # compiled, or by hand
+    formula = k.compiled.get("rms_norm", normed)  # compiled, or by hand
     return formula(x["x"], p(weight), k.ctx.model.norm_eps)
+
+
+def normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:class:`RMSNorm` of ``x``, its leaves given so that each pass of a split backward
+    computes only its own gradient (planc.runtime.engine.asked)."""
+    return RMSNorm.apply(traceable(x), traceable(weight), eps)
 
 
 class RMSNorm(torch.autograd.Function):
@@ -39,7 +46,8 @@ class RMSNorm(torch.autograd.Function):
     input besides (and, for a 16-bit model, the input in fp32: twice its size). The
     backward is autograd's of the formula, operation for operation (its derivative
     rules for mul, rsqrt, mean and pow, and the sum over broadcast dimensions), so the
-    same bits (tests/test_llama.py)."""
+    same bits (tests/test_llama.py). Each pass of a split backward computes the one
+    gradient it is asked for (:func:`normed`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,14 +59,15 @@ class RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight, root = ctx.saved_tensors
+        wanted = asked_for(ctx)
         x32 = x.float()
-        normed = (x32 * root).to(x.dtype)
         grad_weight = None
-        if ctx.needs_input_grad[1]:  # summed over the dimensions weight was broadcast over
+        if wanted[1]:  # summed over the dimensions weight was broadcast over
             leading = tuple(range(grad.dim() - weight.dim()))
-            grad_weight = (grad * normed).sum(leading, keepdim=True).view(weight.shape)
+            grad_weight = (grad * (x32 * root).to(x.dtype)).sum(leading, keepdim=True).view(
+                weight.shape)
         grad_x = None
-        if ctx.needs_input_grad[0]:
+        if wanted[0]:
             # autograd casts a product's gradient to its factor's dtype (the normalised
             # input's, which a weight of another dtype promotes), then back to fp32
             grad_normed = (grad * weight).to(x.dtype).float()
@@ -159,7 +168,7 @@ def qkv(k, spec, x, p, step, mb, extra):
     q = out[..., :heads * hd].reshape(b, s, heads, hd)
     key = out[..., heads * hd:(heads + kv) * hd].reshape(b, s, kv, hd)
     eps = model.norm_eps
-    q, key = RMSNorm.apply(q, norms["q_norm"], eps), RMSNorm.apply(key, norms["k_norm"], eps)
+    q, key = normed(q, norms["q_norm"], eps), normed(key, norms["k_norm"], eps)
     q, key = rotate(q, cos, sin), rotate(key, cos, sin)
     return torch.cat([q.reshape(b, s, -1), key.reshape(b, s, -1),
                       out[..., (heads + kv) * hd:]], dim=-1)
