@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from planc.runtime.engine.asked import asked_for, traceable
+from planc.runtime.backward_passes import asked_for, traceable
 from planc.vocabulary.model_options import fp8_tile
 
 E4M3 = torch.float8_e4m3fn

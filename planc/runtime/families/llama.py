@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from planc.graph.vocabulary import Op
 from planc.runtime.engine import fp8
-from planc.runtime.engine.asked import asked_for, traceable
+from planc.runtime.backward_passes import asked_for, traceable
 from planc.runtime.engine.model import local_heads
 
 
@@ -35,7 +35,7 @@ def rms_norm(k, spec, x, p, step, mb, extra):
 
 def normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:class:`RMSNorm` of ``x``, its leaves given so that each pass of a split backward
-    computes only its own gradient (planc.runtime.engine.asked)."""
+    computes only its own gradient (planc.runtime.backward_passes)."""
     return RMSNorm.apply(traceable(x), traceable(weight), eps)
 
 
