@@ -633,3 +633,36 @@ def test_the_simulator_prices_what_goes_to_the_experts_in_fp8_and_the_rest_in_th
         exchanges[("; fp8 = blockwise", "forward")] - costs.expert_all_to_all(group, 64 * 8, 0),
         rel=1e-12)
     assert exchanges[("; fp8 = blockwise", "backward")] < exchanges[("", "backward")]
+
+
+# Every run of a cut mixture's experts on a rank: whether the program told it to drop
+# its received rows, and the bytes those rows hold once it has run.
+EXPERTS_RAN = r'''
+import json, sys
+import planc.runtime.worker as worker
+from planc.graph.ir import Op
+from planc.runtime.families import moe
+ran, experts = [], moe.KERNELS[Op.MOE_EXPERTS]
+def noting(k, spec, x, p, step, mb, extra):
+    out = experts(k, spec, x, p, step, mb, extra)
+    ran.append([spec.drops_rows, x["x"].rows.untyped_storage().nbytes()])
+    return out
+moe.KERNELS[Op.MOE_EXPERTS] = noting
+print(json.dumps({"status": worker.main([sys.argv[1], "--steps", "1"]), "ran": ran}))
+'''
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_the_experts_let_their_received_rows_go_where_the_program_says(tmp_path, fp8):
+    """A cut mixture's experts (ep 2, two mixtures, two microbatches): with FP8 each of
+    the four forwards drops the rows it received, as its operands say, and the step
+    trains; without FP8 (their backward reads them) each keeps them."""
+    from tests.conftest import one_rank_printed, run_ranks
+    from tests.test_moe_overlap import plan_text
+
+    text = plan_text(extra="fp8 = blockwise; fp8_tile = 16" if fp8 else "")
+    for done in run_ranks(EXPERTS_RAN, tmp_path, world=2, plan_text=text):
+        printed = one_rank_printed(done)
+        assert printed["status"] == 0
+        assert [drops for drops, _ in printed["ran"]] == [fp8] * 4
+        assert [nbytes == 0 for _, nbytes in printed["ran"]] == [fp8] * 4

@@ -137,6 +137,36 @@ def test_a_recomputed_mixture_is_cut_as_its_forward_and_its_all_to_alls_run_agai
     assert "again, for the recomputed mixture (recompute = full)" in out.replace("\n     ", " ")
 
 
+def test_with_fp8_the_compiler_says_which_experts_let_their_received_rows_go():
+    """model { fp8 }: the experts keep FP8 copies of what their backward reads, so the
+    program has a forward's experts drop the rows they received (``drops_rows``), and a
+    recomputed forward's; never a forward that is recomputed (what it keeps is its
+    recomputation's input), a backward, or experts without FP8. A program that says so
+    where the graph does not gets the verifier's message."""
+    fp8 = "fp8 = blockwise; fp8_tile = 16"
+
+    def dropping(text: str) -> list[str]:
+        return sorted({i.node for p in built(text).programs.values() for i in p.written()
+                       if i.operands is not None and i.operands.drops_rows})
+
+    assert dropping(plan_text(extra=fp8)) == ["F/L1/moe:experts", "F/L2/moe:experts"]
+    assert dropping(plan_text(extra=fp8, optimize="recompute = full")) == [
+        "R/L1/moe:experts", "R/L2/moe:experts"]
+    assert dropping(plan_text()) == []
+    build = built(plan_text())
+    (name, program), = build.programs.items()
+    block = list(program.blocks["F0"])
+    at = next(k for k, i in enumerate(block)
+              if (i.op, i.node) == (Opcode.COMPUTE, "F/L1/moe:experts"))
+    block[at] = dataclasses.replace(block[at], operands=dataclasses.replace(
+        block[at].operands, drops_rows=True))
+    broken = dataclasses.replace(program, blocks={**program.blocks, "F0": tuple(block)})
+    report = verify(build.plan, build.graph, {name: broken}, build.table, build.groups,
+                    build.routes)
+    assert report.problems == [f"{name}: the operands of compute F/L1/moe:experts are not "
+                               f"those graph.json implies"]
+
+
 def test_the_programs_run_the_all_to_alls_on_the_ep_stream_and_the_shared_experts_beside():
     build = built(plan_text())
     (program,) = build.programs.values()

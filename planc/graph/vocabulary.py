@@ -211,6 +211,9 @@ OPTIONAL = {
                    "step it moves each bias by",
     "hops": "a cut mixture's dispatch and combine (transfers): 2 with optimize "
             "{ moe_dispatcher = two_hop } where the ep group spans nodes",
+    "drops_rows": "a cut mixture's experts with model { fp8 } (compute), not recomputed: "
+                  "the rows they received go once they have run (their backward reads "
+                  "FP8 copies; the combine and the sum read the routing)",
     "recomputes": "transfers of a recomputed forward (R), redoing the forward's in the "
                   "backward: a tp or cp transfer, or a cut mixture's all-to-alls "
                   "(recompute = full), which move the rows the forward's way",
@@ -240,7 +243,7 @@ OPTIONAL_TYPES = {
     "recomputed": (bool,), "vocab_parallel": (bool,), "peer_stage": INTEGER,
     "slice_axis": INTEGER, "shape": SEQUENCE, "elements": SEQUENCE,
     "max_norm": NUMBER, "router_layers": SEQUENCE, "bias_update": NUMBER, "hops": INTEGER,
-    "recomputes": (bool,),
+    "recomputes": (bool,), "drops_rows": (bool,),
 }
 
 

@@ -123,7 +123,7 @@ def _compute(graph: nx.DiGraph, node: str, data: dict, position: dict[str, int]
         norm_ranges=norm_ranges(graph, data["stage"]) if data["op"] == Op.GRAD_NORM else (),
         max_norm=data.get("max_norm"),
         router_layers=tuple(data.get("router_layers", ())),
-        bias_update=data.get("bias_update"))
+        bias_update=data.get("bias_update"), drops_rows=bool(data.get("drops_rows", False)))
 
 
 def _transfer(graph: nx.DiGraph, node: str, data: dict, op: Opcode,

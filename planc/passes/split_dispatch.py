@@ -36,6 +36,7 @@ from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Payload, Phase, P
 from planc.models import moe
 from planc.passes.context import PassContext, PassRecord, record
 from planc.plan.plan import Plan
+from planc.vocabulary.model_options import fp8_tile
 
 # (suffix, operator, which parameters of the block) of each compute piece
 PIECES = (("", Op.MOE_ROUTE, ("router.",)), (":shared", Op.MOE_SHARED, ("shared.",)),
@@ -119,6 +120,13 @@ class _Cutter:
         if op == Op.MOE_ROUTE:  # the balance loss's and the capacity's exchanges
             attrs.update({key: data[key] for key in ("counts_over", "counts_bytes",
                                                      "capacity_bytes") if key in data})
+        if op == Op.MOE_EXPERTS and fp8_tile(self.plan.model) is not None and \
+                (data["phase"] == Phase.FORWARD or data["recompute"]):
+            # with FP8 the experts keep what their backward reads as FP8 copies, and
+            # after them the combine and the sum read the routing alone: the received
+            # rows, decoded into the dtype, can go (DeepSeek-V3 keeps a mixture's
+            # dispatched activations in FP8 alone, section 3.3.4)
+            attrs["drops_rows"] = True
         if suffix:
             graph.add_node(name, **attrs)
         else:
@@ -224,6 +232,8 @@ class _Cutter:
             if isinstance(op, Op):
                 self.graph.nodes[piece]["forward_of"] = forward[op]
                 self.graph.nodes[forward[op]]["recomputed"] = True
+                # what the forward kept, its rows among them, is the recomputation's input
+                self.graph.nodes[forward[op]].pop("drops_rows", None)
                 self.graph.add_edge(forward[op], piece, kind=EdgeKind.SAVED)
         return names
 

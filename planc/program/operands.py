@@ -283,6 +283,9 @@ class Operands:
     # a cut mixture's dispatch and combine in two hops, over the network once per node
     # then inside it (optimize { moe_dispatcher = two_hop }: planc.passes.split_dispatch)
     hops: int | None = None
+    # a cut mixture's experts with model { fp8 }: after their forward the received rows'
+    # bytes go (they keep FP8 copies for their backward; later steps read the routing)
+    drops_rows: bool = False
 
     def to_json(self) -> dict:
         out: dict = {}
@@ -334,5 +337,5 @@ _READERS = {
     "into_bucket": _boolean, "into_shard": _boolean, "bytes": _maybe(_integer),
     "norm_ranges": _tuple_of(_norm_range), "max_norm": _maybe(_number),
     "router_layers": _tuple_of(_integer), "bias_update": _maybe(_number),
-    "hops": _maybe(_integer),
+    "hops": _maybe(_integer), "drops_rows": _boolean,
 }

@@ -108,6 +108,9 @@ class Spec:
     frees_input: bool = False
     # a recomputed forward: the input ports its recomputation takes from it (None: all)
     keeps_inputs: tuple[str, ...] | None = None
+    # a cut mixture's FP8 experts: the received rows' bytes go after them (the compiler's
+    # decision: planc.passes.split_dispatch)
+    drops_rows: bool = False
 
     @staticmethod
     def of(operands: Operands, ring: Ring | None = None, peers: Peers | None = None,
@@ -115,7 +118,8 @@ class Spec:
         return Spec(Op(operands.kernel), operands.layer, operands.seq_sharded,
                     operands.replicated, operands.params, dict(operands.param_slices),
                     operands.bias, operands.vocab_parallel, operands.tokens, ring, peers,
-                    counts, keeps_inputs=operands.keeps_inputs)
+                    counts, keeps_inputs=operands.keeps_inputs,
+                    drops_rows=operands.drops_rows)
 
 
 def _autograd_grad(output, grad, targets, retain_graph):

@@ -286,22 +286,21 @@ def experts(k, spec, x, p, step, mb, extra):
         if mine.numel():
             done = done.index_copy(0, mine, expert_output(features[mine], stacked, expert,
                                                           recipe, weights[mine]))
-    if recipe is not None and torch.is_grad_enabled():
+    if spec.drops_rows:
         _let_go_of_decoded(rows)
     return done
 
 
 def _let_go_of_decoded(rows: torch.Tensor) -> None:
-    """With model { fp8 } the experts keep what their backward reads as FP8 codes (their
-    rows, gate and up: planc.runtime.engine.fp8) and their routing weights as copies, so
-    nothing reads the received rows, decoded into the dtype, once the forward is done:
-    their bytes go (the tensor stays, what the backward differentiates to, as ZeRO-3's
-    let-go buckets do: planc.runtime.engine.store), as DeepSeek-V3 keeps a mixture's
-    dispatched activations in FP8 alone (section 3.3.4). Nothing else reads them: the
-    combine and the dispatch's backward read the routing, and a recomputed mixture
-    dispatches its rows again. On a GPU the rows came on the ep stream and the experts'
-    kernels that read them may still be queued on this one: recorded on it first, so
-    that the caching allocator hands their block out again only once they are done."""
+    """The received rows' bytes go, where the program says so (``drops_rows``: a cut
+    mixture's experts with model { fp8 }, whose backward reads FP8 codes of their rows,
+    gate and up, planc.runtime.engine.fp8, and copies of their routing weights, and after
+    which the combine and the sum read the routing alone). The tensor stays, what the
+    backward differentiates to, as ZeRO-3's let-go buckets do
+    (planc.runtime.engine.store). On a GPU the rows came on the ep stream and the
+    experts' kernels that read them may still be queued on this one: recorded on it
+    first, so that the caching allocator hands their block out again only once they are
+    done."""
     if rows.is_cuda:
         rows.record_stream(torch.cuda.current_stream())
     rows.untyped_storage().resize_(0)
