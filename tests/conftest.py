@@ -40,6 +40,16 @@ ONE_RANK_PLAN = """plan one {
 """
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that no process holds now, as the system hands one out: a
+    rendezvous of one test never meets another's, whatever else runs on the machine."""
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        return free.getsockname()[1]
+
+
 def run_one_rank(script: str, tmp_path: Path, *args: str, threads: int = 1,
                  plan_text: str = ONE_RANK_PLAN, env: dict[str, str] | None = None
                  ) -> subprocess.CompletedProcess:
@@ -55,17 +65,13 @@ def run_ranks(script: str, tmp_path: Path, *args: str, world: int = 1, threads: 
               ) -> list[subprocess.CompletedProcess]:
     """``script`` run as every rank of a ``world``-rank build of ``plan_text`` at once, as
     :func:`run_one_rank` runs one; each rank's completed process, by rank."""
-    import socket
-
     build, plan = tmp_path / "build", tmp_path / "one.plan"
     plan.write_text(plan_text)
     compiled = subprocess.run([sys.executable, "-m", "planc", "compile", str(plan), "-o",
                                str(build)], capture_output=True, text=True, cwd=ROOT,
                               timeout=120)
     assert compiled.returncode == 0, compiled.stderr
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = free_port()
     started = []
     for rank in range(world):
         environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "RANK": str(rank),

@@ -35,7 +35,7 @@ from planc.lang import load_text  # noqa: E402
 from planc.runtime.oracle.check import update_floor  # noqa: E402
 from planc.runtime.checkpoint.checkpoints import boxes  # noqa: E402
 from planc.runtime.engine import router_bias  # noqa: E402
-from tests.conftest import ROOT  # noqa: E402
+from tests.conftest import ROOT, free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -592,7 +592,7 @@ def test_the_worker_refuses_a_bad_resume_too(saved, tmp_path, capfd):
     plan = write_plan(tmp_path, "w", mesh="dp = 2", hidden=64)
     assert main(["compile", str(plan), "-o", str(tmp_path / "b")]) == 0
     capfd.readouterr()
-    port = str(29500 + os.getpid() % 1000)
+    port = str(free_port())
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", port, "-m", "planc.runtime.worker", str(tmp_path / "b"),

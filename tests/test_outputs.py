@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from planc.cli import build_parser, main
-from tests.conftest import PLANS, ROOT
+from tests.conftest import PLANS, ROOT, free_port
 
 DEADLINE_S = 300
 # One rank and a model small enough that a run is a few seconds (the protected tree's).
@@ -552,7 +552,7 @@ def test_a_worker_under_torchrun_keeps_the_rule_it_can_keep_alone(tmp_path):
     assert main(["compile", str(plan), "-o", str(tmp_path / "b")]) == 0
     notes = tmp_path / "notes.md"
     notes.write_text("mine\n")
-    port = str(29500 + os.getpid() % 1000)
+    port = str(free_port())
     for flag in ("--trace", "--metrics"):
         done = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",

@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from planc.cli import main  # noqa: E402
-from tests.conftest import PLANS, ROOT  # noqa: E402
+from tests.conftest import PLANS, ROOT, free_port  # noqa: E402
 from tests.runtime_matrix import MATRIX, plan_text, run  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -191,7 +191,7 @@ def test_two_torchrun_nodes_on_localhost_form_one_world(tmp_path, capfd):
     plan.write_text(plan_text("four", mesh="tp = 2; pp = 2", m=2))
     assert main(["compile", str(plan), "-o", str(tmp_path / "four")]) == 0
     capfd.readouterr()
-    port = str(29000 + os.getpid() % 1000)
+    port = str(free_port())
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
          str(i), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", port,
