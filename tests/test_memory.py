@@ -212,6 +212,40 @@ def test_a_split_backwards_input_half_frees_what_the_steps_without_parameters_ke
         peak * 32 * 4 - freed * 2 * memory.layer_input_half_bytes(split)
 
 
+MIXED = """plan mixed {
+  model moe { layers = 4; hidden = 64; heads = 4; kv_heads = 2; ffn = 256; vocab = 128
+              seq = 32; batch = 4; experts = 4; top_k = 2; expert_ffn = 128
+              shared_experts = 1; first_dense = 1 FP8 }
+  mesh { pp = 2 }
+  schedule { microbatches = 4; pipeline = zb1p }
+}
+"""
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_stage_of_mixtures_alone_is_counted_as_mixtures(fp8):
+    """Dense block 0 and mixtures 1 to 3 over 2 stages: stage 0 holds both kinds and
+    counts each block as the larger, stage 1 holds mixtures alone and counts them as
+    mixtures, activations and what an input half frees alike. With FP8 the dense block
+    is the larger (its SwiGLU's gate and up stay in the dtype, the experts' go to FP8),
+    and stage 1 was counted as freeing that SwiGLU in its input halves, which its
+    mixtures do not keep: 2 x 256 features of 32 tokens in fp32, a layer."""
+    from planc.models import moe
+
+    plan = load_text(MIXED.replace("FP8", "; fp8 = blockwise" if fp8 else "")).plan
+    sizes = dict(seq=32, seq_full=32, batch=1, tp=1, sequence_parallel=False,
+                 recompute="none")
+    dense, mixture = (moe.activation_bytes(plan.model, kinds=kinds, **sizes)
+                      for kinds in (moe.DENSE, moe.MIXTURE))
+    assert (dense > mixture) is fp8
+    assert memory.layer_activation_bytes(plan, stage=0) == max(dense, mixture) == \
+        memory.layer_activation_bytes(plan)
+    assert memory.layer_activation_bytes(plan, stage=1) == mixture
+    halves = [memory.layer_input_half_bytes(plan, stage) for stage in (0, 1)]
+    assert halves[1] == moe.input_half_bytes(plan.model, kinds=moe.MIXTURE, **sizes)
+    assert halves[0] - halves[1] == (2 * 256 * 32 * 4 if fp8 else 0)
+
+
 @pytest.mark.parametrize("recompute, inputs", [
     ("selective", 0),  # the attention core alone, which has no parameters: no W of its
     # ln1 64, qkv 64 (ln1's output), proj 64 (the heads' context), ln2 64, fc1 64 and

@@ -631,3 +631,24 @@ def test_a_routing_weight_inside_the_swiglu_gives_the_weighted_outputs_gradients
     for ours, theirs in zip(torch.autograd.grad(inside, leaves, grad),
                             torch.autograd.grad(outside, leaves, grad)):
         assert (ours - theirs).abs().max() < 1e-12
+
+
+def test_an_experts_output_is_written_into_its_rows_keeping_only_their_indices():
+    """Each expert's outputs are written over their rows of the experts piece's output
+    (copied_by_row): the same bits forward and backward as autograd's index_copy, which
+    keeps each expert's hidden-wide outputs for their shape alone; this keeps the rows'
+    indices."""
+    torch = pytest.importorskip("torch")
+
+    from planc.runtime.families.moe_dispatch import copied_by_row
+
+    generator = torch.Generator().manual_seed(1)
+    into = torch.randn(10, 6, generator=generator, requires_grad=True)
+    values = torch.randn(4, 6, generator=generator, requires_grad=True)
+    rows, grad = torch.tensor([7, 1, 3, 8]), torch.randn(10, 6, generator=generator)
+    ours, theirs = copied_by_row(into, rows, values), into.index_copy(0, rows, values)
+    assert torch.equal(ours, theirs)
+    assert [tuple(t.shape) for t in ours.grad_fn.saved_tensors] == [(4,)]
+    for a, b in zip(torch.autograd.grad(ours, (into, values), grad),
+                    torch.autograd.grad(theirs, (into, values), grad)):
+        assert torch.equal(a, b)

@@ -163,14 +163,15 @@ def unsharded_unit_bytes(plan: Plan, stage: int) -> float:
 def _whole_until_weight_gradient(plan: Plan, stage: int) -> float:
     """ZeRO-3's units kept whole from a chunk's input half to its weight half, at the
     stage's peak (planc.estimate.weight_half.units_beyond_peak)."""
-    return weight_half.units_beyond_peak(plan, stage, layer_activation_bytes(plan),
-                                         layer_input_half_bytes(plan))
+    return weight_half.units_beyond_peak(plan, stage, layer_activation_bytes(plan, stage=stage),
+                                         layer_input_half_bytes(plan, stage))
 
 
 def weight_gradient_reads_bytes(plan: Plan, stage: int) -> float:
     """What a split backward's weight halves read, kept from their input halves, at the
     stage's peak (planc.estimate.weight_half.reads_beyond_peak)."""
-    return weight_half.reads_beyond_peak(plan, stage, layer_activation_bytes(plan))
+    return weight_half.reads_beyond_peak(plan, stage,
+                                         layer_activation_bytes(plan, stage=stage))
 
 
 def input_half_frees_bytes(plan: Plan, stage: int) -> float:
@@ -180,9 +181,10 @@ def input_half_frees_bytes(plan: Plan, stage: int) -> float:
     runtime's W differentiates the graphs of the steps with parameters alone
     (planc.runtime.engine.interpreter; bench/memory_live.py's zb1p plan under ZeRO-3
     measured 366.5 MiB at peak, estimated 404.3 MiB without this, 369.7 with it)."""
-    per_layer = layer_activation_bytes(plan)
+    per_layer = layer_activation_bytes(plan, stage=stage)
     return weight_half.reads_beyond_peak(plan, stage, per_layer) - \
-        weight_half.reads_beyond_peak(plan, stage, per_layer, layer_input_half_bytes(plan))
+        weight_half.reads_beyond_peak(plan, stage, per_layer,
+                                      layer_input_half_bytes(plan, stage))
 
 
 def microbatches_in_flight(plan: Plan, stage: int) -> int:
@@ -199,23 +201,25 @@ def _in_flight(pipeline: str, stage: int, pp: int, microbatches: int, virtual: i
                               virtual)
 
 
-def layer_activation_bytes(plan: Plan, recompute: str | None = None) -> float:
+def layer_activation_bytes(plan: Plan, recompute: str | None = None,
+                           stage: int | None = None) -> float:
     """One block, one microbatch, one device, by the family's count (for gpt,
-    Korthikanti et al. 2022, Table 2)."""
+    Korthikanti et al. 2022, Table 2); of ``stage``'s blocks, or of the model's."""
     return _block_count(plan, family_of(plan).activation_bytes,
-                        recompute or plan.optimize.recompute)
+                        recompute or plan.optimize.recompute, stage)
 
 
-def layer_input_half_bytes(plan: Plan) -> float:
+def layer_input_half_bytes(plan: Plan, stage: int | None = None) -> float:
     """Of :func:`layer_activation_bytes`, what a split backward's input half frees: what
     the block's steps without parameters keep, whose backward runs whole there
     (planc.passes.split_backward.splittable; the family's ``input_half_bytes``, none if
     it does not say)."""
     count = family_of(plan).input_half_bytes
-    return 0.0 if count is None else _block_count(plan, count, plan.optimize.recompute)
+    return 0.0 if count is None else \
+        _block_count(plan, count, plan.optimize.recompute, stage)
 
 
-def _block_count(plan: Plan, count, recompute: str) -> float:
+def _block_count(plan: Plan, count, recompute: str, stage: int | None = None) -> float:
     """A family's per-block ``count`` (one microbatch, one device) of the plan's sizes.
     On a GPU whose published runs used FlashAttention (planc.estimate.kernel_cost.GPU.flash:
     the H100's), the attention keeps no s x s probabilities: FlashAttention's backward
@@ -224,14 +228,21 @@ def _block_count(plan: Plan, count, recompute: str) -> float:
     probabilities, so there ``none`` is counted as ``selective``. A mixture cut at its
     all-to-alls (planc.models.moe.cut_over_ep) keeps the rows its experts piece received,
     except with model { fp8 }, whose experts keep FP8 copies and let the rows go after
-    the forward (planc.runtime.families.moe_dispatch)."""
+    the forward (planc.runtime.families.moe_dispatch). A model of dense blocks and
+    mixtures counts, for ``stage``, the kinds of blocks it holds (the larger of the two
+    where it holds both, as for the whole model): a stage of mixtures alone is not
+    counted as holding the dense blocks' SwiGLU, nor as freeing it in an input half."""
     m = plan.model
     if recompute == "none" and flash_attention(plan):
         recompute = "selective"
-    rows_kept = moe.cut_over_ep(plan) and m.options.get("fp8") is None
+    extra = {}
+    if moe.cut_over_ep(plan) and m.options.get("fp8") is None:
+        extra["rows_received_kept"] = True
+    if stage is not None and getattr(m, "first_dense", 0):
+        extra["kinds"] = moe.kinds_of_layers(m, plan.layers_of_stage(stage))
     return count(m, seq=m.seq // plan.mesh.cp, seq_full=m.seq, batch=plan.microbatch_size,
                  tp=plan.mesh.tp, sequence_parallel=plan.shard.tp.sequence_parallel,
-                 recompute=recompute, **({"rows_received_kept": True} if rows_kept else {}))
+                 recompute=recompute, **extra)
 
 
 def flash_attention(plan: Plan) -> bool:
@@ -294,12 +305,12 @@ def _live_peak(pipeline: str, stage: int, pp: int, microbatches: int, virtual: i
 def stage_activation_bytes(plan: Plan, stage: int) -> tuple[float, int]:
     m, tp = plan.model, plan.mesh.tp
     in_flight = microbatches_in_flight(plan, stage)
-    total = layers_in_flight(plan, stage) * layer_activation_bytes(plan)
+    total = layers_in_flight(plan, stage) * layer_activation_bytes(plan, stage=stage)
     if plan.optimize.recompute == "full" and \
             not schedules.named(plan.schedule.pipeline).splits_backward:
         # Recomputing one layer materialises its full activations once more (a split
         # backward keeps its chunk's until the W: weight_gradient_reads_bytes).
-        total += layer_activation_bytes(plan, "none")
+        total += layer_activation_bytes(plan, "none", stage)
     total += largest_step_gradient_bytes(plan, stage)
     transient = family_of(plan).transient_bytes
     if transient is not None and plan.layers_of_stage(stage):

@@ -175,17 +175,38 @@ def model_flops_per_token(m: Model, attention=llama.attention_flops_per_token) -
         2 * m.hidden * m.vocab
 
 
+# Which blocks a count is of: a stage holding dense blocks alone, mixtures alone, or both
+# (the larger counted for every block: an estimate that errs high), as the model's first
+# ``first_dense`` blocks are dense and the rest mixtures.
+DENSE, MIXTURE, BOTH = "dense", "mixture", "both"
+BLOCK_KINDS = (DENSE, MIXTURE, BOTH)
+
+
+def _of_kinds(m: Model, kinds: str, dense: float, mixture: float) -> float:
+    """The count of a block of ``kinds``: the larger of the two where there are both."""
+    if not m.first_dense or kinds == MIXTURE:
+        return mixture
+    return dense if kinds == DENSE else max(dense, mixture)
+
+
+def kinds_of_layers(m: Model, layers) -> str:
+    """The kinds of blocks among ``layers`` (:data:`BLOCK_KINDS`); none: both."""
+    dense = [layer < m.first_dense for layer in layers]
+    return BOTH if not dense or any(dense) and not all(dense) else \
+        DENSE if all(dense) else MIXTURE
+
+
 def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
                      sequence_parallel: bool, recompute: str,
-                     attention=llama.attention_kept, rows_received_kept: bool = False
-                     ) -> float:
-    """One block, the larger of the two kinds: llama's dense block, and the mixture's,
-    whose MLP part keeps instead the router's input and fp32 probabilities and, per
-    routed and shared expert a token goes through, its input, gate and up outputs (a
-    routed one's weight applied inside its SwiGLU, whose inputs its gradient reads:
-    nothing more kept); the mixture runs whole on every tp rank, on a 1/tp share of the
-    tokens. ``attention``: what a block's
-    attention keeps (planc.models.llama.activation_bytes); ``rows_received_kept``: a
+                     attention=llama.attention_kept, rows_received_kept: bool = False,
+                     kinds: str = BOTH) -> float:
+    """One block of ``kinds`` (:data:`BLOCK_KINDS`: a stage's, or the model's), the larger
+    where there are two: llama's dense block, and the mixture's, whose MLP part keeps
+    instead the router's input and fp32 probabilities and, per routed and shared expert a
+    token goes through, its input, gate and up outputs (a routed one's weight applied
+    inside its SwiGLU, whose inputs its gradient reads: nothing more kept); the mixture
+    runs whole on every tp rank, on a 1/tp share of the tokens. ``attention``: what a
+    block's attention keeps (planc.models.llama.activation_bytes); ``rows_received_kept``: a
     mixture cut at its all-to-alls (:func:`cut_at_all_to_alls`), whose experts piece
     keeps its input, the rows it received with their weights, in the dtype, for its
     backward (planc.runtime.engine.kernels: a step's inputs are what autograd
@@ -209,26 +230,29 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     mixture = dense + (sb * m.hidden * m.dtype_bytes + sb * m.experts * 4
                        + active * sb * (m.hidden * gemm + swiglu) + received
                        - sb * m.ffn * (2 * m.dtype_bytes + gemm)) / tp
-    return max(dense, mixture) if m.first_dense else mixture
+    return _of_kinds(m, kinds, dense, mixture)
 
 
 def input_half_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
                      sequence_parallel: bool, recompute: str,
                      attention=llama.attention_kept, core=llama.attention_core_kept,
-                     rows_received_kept: bool = False) -> float:
+                     rows_received_kept: bool = False, kinds: str = BOTH) -> float:
     """Of :func:`activation_bytes`, what the steps without parameters keep, for the same
-    kind of block: llama's (planc.models.llama.input_half_bytes) for a dense one; for a
-    mixture, its attention core's alone, since its experts keep their rows, gate and up
-    in their own step, which has parameters (counted as kept until the weight half even
-    where a mixture over ep runs whole in the input half: an estimate that errs high)."""
+    kind of block (of ``kinds``): llama's (planc.models.llama.input_half_bytes) for a
+    dense one; for a mixture, its attention core's alone, since its experts keep their
+    rows, gate and up in their own step, which has parameters (counted as kept until the
+    weight half even where a mixture over ep runs whole in the input half: an estimate
+    that errs high)."""
     sizes = dict(seq=seq, seq_full=seq_full, batch=batch, tp=tp,
                  sequence_parallel=sequence_parallel, recompute=recompute)
     dense = llama.input_half_bytes(m, core=core, **sizes)
     if recompute == "full":
         return dense
     mixture = dense - seq * batch * 2 * m.ffn / tp * m.dtype_bytes
-    if not m.first_dense:
+    if not m.first_dense or kinds == MIXTURE:
         return mixture
+    if kinds == DENSE:
+        return dense
     dense_block = llama.activation_bytes(m, attention=attention, **sizes)
     return mixture if activation_bytes(m, attention=attention,
                                        rows_received_kept=rows_received_kept,

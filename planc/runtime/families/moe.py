@@ -16,7 +16,7 @@ from planc.graph.vocabulary import Op
 from planc.runtime.engine import fp8
 from planc.runtime.families import llama
 from planc.runtime.families import moe_dispatch
-from planc.runtime.families.moe_dispatch import (AddedByToken, exchange_fp8_rows,
+from planc.runtime.families.moe_dispatch import (added_by_token, copied_by_row, exchange_fp8_rows,
                                                  exchange_rows, exchanged_counts, expert_mlp,
                                                  expert_output, received_experts,
                                                  stacked_experts)
@@ -65,7 +65,7 @@ def mixture(tokens: torch.Tensor, weights_of, m, sequences: int = 1, batch: int 
             continue
         y = expert_output(tokens[rows], stacked, expert, recipe,
                           weights[rows, slots].unsqueeze(-1))
-        out = AddedByToken.apply(out, rows, y)
+        out = added_by_token(out, rows, y)
     return _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequences,
                                batch, collected, counts_over)
 
@@ -159,11 +159,11 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     for expert in range(per_rank):
         mine = (local_expert == expert).nonzero(as_tuple=True)[0]
         if mine.numel():
-            done = done.index_copy(0, mine, expert_output(rows[mine], stacked, expert, recipe,
-                                                          scales[mine]))
+            done = copied_by_row(done, mine, expert_output(rows[mine], stacked, expert,
+                                                               recipe, scales[mine]))
     back = _AllToAll.apply(done, received, sent, peers.group) if recipe is None \
         else _Fp8Combine.apply(done, received, sent, peers.group, recipe)
-    out = AddedByToken.apply(torch.zeros_like(tokens), token_of, back)
+    out = added_by_token(torch.zeros_like(tokens), token_of, back)
     return _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequences,
                                batch, None, counts_over)
 

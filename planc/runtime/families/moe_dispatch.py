@@ -81,22 +81,40 @@ def expert_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
     return fp8.swiglu_down(gate_out, up_out, down, recipe, scale)
 
 
-class AddedByToken(torch.autograd.Function):
-    """``into.index_add(0, tokens, rows)``: each row added to its token's. Its backward
-    reads the indices alone (each row's gradient is its token's), where autograd's
-    index_add keeps ``rows`` too (a hidden-wide row per (token, expert) pair, for their
-    shape alone); the same operations, so the same bits."""
+class _PutByRow(torch.autograd.Function):
+    """``values`` put into ``into`` at ``rows``: added (``into.index_add(0, rows,
+    values)``) or written over (``index_copy``). Its backward reads the indices alone
+    (each value's gradient is its row's; ``into``'s is the gradient, zero where a row was
+    written over), where autograd's index_add and index_copy keep ``values`` too
+    (hidden-wide rows, for their shape alone); autograd's operations, so the same
+    bits."""
 
     @staticmethod
-    def forward(ctx, into: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor
-                ) -> torch.Tensor:
-        ctx.save_for_backward(tokens)
-        return into.index_add(0, tokens, rows)
+    def forward(ctx, into: torch.Tensor, rows: torch.Tensor, values: torch.Tensor,
+                add: bool) -> torch.Tensor:
+        ctx.save_for_backward(rows)
+        ctx.add = add
+        return into.index_add(0, rows, values) if add else into.index_copy(0, rows, values)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (tokens,) = ctx.saved_tensors
-        return grad, None, grad.index_select(0, tokens)
+        (rows,) = ctx.saved_tensors
+        into = grad if ctx.add else grad.index_fill(0, rows, 0)
+        return into, None, grad.index_select(0, rows), None
+
+
+def added_by_token(into: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor
+                   ) -> torch.Tensor:
+    """Each of ``rows`` added to its token's row of ``into`` (a token's experts' outputs
+    summed, in the rows' order)."""
+    return _PutByRow.apply(into, tokens, rows, True)
+
+
+def copied_by_row(into: torch.Tensor, rows: torch.Tensor, values: torch.Tensor
+                  ) -> torch.Tensor:
+    """Each of ``values`` written over its row of ``into`` (an expert's outputs among the
+    experts piece's)."""
+    return _PutByRow.apply(into, rows, values, False)
 
 
 def stacked_experts(weights_of) -> tuple:
@@ -284,8 +302,8 @@ def experts(k, spec, x, p, step, mb, extra):
     for expert in range(local):
         mine = (expert_of == expert).nonzero(as_tuple=True)[0]
         if mine.numel():
-            done = done.index_copy(0, mine, expert_output(features[mine], stacked, expert,
-                                                          recipe, weights[mine]))
+            done = copied_by_row(done, mine, expert_output(
+                features[mine], stacked, expert, recipe, weights[mine]))
     if spec.drops_rows:
         _let_go_of_decoded(rows)
     return done
@@ -321,7 +339,7 @@ def total(k, spec, x, p, step, mb, extra):
     experts'."""
     rows, routing = x["x"], x["routing"]
     shape = routing.shape
-    out = AddedByToken.apply(rows.new_zeros((shape[0] * shape[1], shape[2])),
+    out = added_by_token(rows.new_zeros((shape[0] * shape[1], shape[2])),
                              routing.tokens, rows)
     if "shared" in x:
         out = out + x["shared"]
