@@ -214,7 +214,8 @@ class _Fp8Matmul(torch.autograd.Function):
     keeps the input as FP8 bytes and scales (the report's cached activations) and the
     weights themselves, which the step holds anyway (a GEMM in the dtype keeps them so),
     and quantises them again: the same blocks, with no copy of the weights kept for
-    every microbatch in flight."""
+    every microbatch in flight. Each pass of a split backward computes the products it
+    is asked for alone (planc.runtime.backward_passes)."""
 
     @staticmethod
     def forward(ctx, recipe: Recipe, scaled: bool, x: torch.Tensor, *weights: torch.Tensor
@@ -275,7 +276,9 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
     its output is recomputed from them in the backward, where :class:`_Fp8Matmul` would
     keep the product as the down GEMM's cached input; the down GEMM's three products in
     FP8 as in :class:`_Fp8Matmul`, the backward's weight gradient reading the recomputed
-    product, and the weight kept itself and quantised again."""
+    product, and the weight kept itself and quantised again; each pass of a split
+    backward computes what it is asked for (the weight's gradient in the weights' pass
+    alone)."""
 
     @staticmethod
     def forward(ctx, recipe: Recipe, scaled: bool, gate: torch.Tensor, up: torch.Tensor,
