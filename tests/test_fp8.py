@@ -266,20 +266,20 @@ def test_the_memory_estimate_keeps_an_experts_swiglu_inputs_in_fp8_and_no_produc
     (1.25 bytes an element at tile 16) and the product not at all, (64 + 2 x 48) x 1.25;
     llama's part changes as test_the_memory_estimate_keeps_the_gemm_inputs_in_fp8 has
     it, less its dense MLP's down input, which a mixture does not keep."""
-    from planc.models import moe
+    from planc.models import llama, moe_memory
 
     plain, fp8 = (load_text(MOE.replace("MESH", "dp = 2").replace(
         "fp8 = blockwise; fp8_tile = 16", extra).replace("first_dense = 1", "first_dense = 0")
     ).plan.model for extra in ("fp8_tile = 16", "fp8 = blockwise; fp8_tile = 16"))
     shape = dict(seq=32, seq_full=32, batch=1, tp=1, sequence_parallel=False,
                  recompute="selective")
-    llama_gap = moe.llama.activation_bytes(plain, **shape) - \
-        moe.llama.activation_bytes(fp8, **shape)
+    llama_gap = llama.activation_bytes(plain, **shape) - llama.activation_bytes(fp8, **shape)
     dense_mlp_gap = 32 * 128 * (4 - 1.25)  # the dense MLP's down input, taken out
     rows = 32 * 3  # top_k 2 and the shared expert
     per_row = (64 + 48 + 2 * 48) * 4 - (64 + 2 * 48) * 1.25
-    assert moe.activation_bytes(plain, **shape) - moe.activation_bytes(fp8, **shape) == \
-        pytest.approx(llama_gap - dense_mlp_gap + rows * per_row, rel=1e-12)
+    kept = [moe_memory.activation_bytes(model, **shape) for model in (plain, fp8)]
+    assert kept[0] - kept[1] == pytest.approx(llama_gap - dense_mlp_gap + rows * per_row,
+                                              rel=1e-12)
 
 
 def test_a_tp_shard_across_tiles_is_refused_at_the_key():

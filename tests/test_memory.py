@@ -230,19 +230,19 @@ def test_a_stage_of_mixtures_alone_is_counted_as_mixtures(fp8):
     is the larger (its SwiGLU's gate and up stay in the dtype, the experts' go to FP8),
     and stage 1 was counted as freeing that SwiGLU in its input halves, which its
     mixtures do not keep: 2 x 256 features of 32 tokens in fp32, a layer."""
-    from planc.models import moe
+    from planc.models import moe_memory
 
     plan = load_text(MIXED.replace("FP8", "; fp8 = blockwise" if fp8 else "")).plan
     sizes = dict(seq=32, seq_full=32, batch=1, tp=1, sequence_parallel=False,
                  recompute="none")
-    dense, mixture = (moe.activation_bytes(plan.model, kinds=kinds, **sizes)
-                      for kinds in (moe.DENSE, moe.MIXTURE))
+    dense, mixture = (moe_memory.activation_bytes(plan.model, kinds=kinds, **sizes)
+                      for kinds in (moe_memory.DENSE, moe_memory.MIXTURE))
     assert (dense > mixture) is fp8
     assert memory.layer_activation_bytes(plan, stage=0) == max(dense, mixture) == \
         memory.layer_activation_bytes(plan)
     assert memory.layer_activation_bytes(plan, stage=1) == mixture
     halves = [memory.layer_input_half_bytes(plan, stage) for stage in (0, 1)]
-    assert halves[1] == moe.input_half_bytes(plan.model, kinds=moe.MIXTURE, **sizes)
+    assert halves[1] == moe_memory.input_half_bytes(plan.model, kinds=moe_memory.MIXTURE, **sizes)
     assert halves[0] - halves[1] == (2 * 256 * 32 * 4 if fp8 else 0)
 
 

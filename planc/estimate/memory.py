@@ -34,7 +34,7 @@ from planc.estimate.kernel_cost import GPUS
 from planc.estimate.parameter_counts import (_local_elements, layer_expert_parameters,
                                              layer_parameters, stage_expert_parameters,
                                              stage_parameters)
-from planc.models import family_of, moe
+from planc.models import family_of, moe, moe_memory
 from planc.plan.plan import Plan
 
 FP32_BYTES = 4
@@ -239,7 +239,7 @@ def _block_count(plan: Plan, count, recompute: str, stage: int | None = None) ->
     if moe.cut_over_ep(plan) and m.options.get("fp8") is None:
         extra["rows_received_kept"] = True
     if stage is not None and getattr(m, "first_dense", 0):
-        extra["kinds"] = moe.kinds_of_layers(m, plan.layers_of_stage(stage))
+        extra["kinds"] = moe_memory.kinds_of_layers(m, plan.layers_of_stage(stage))
     return count(m, seq=m.seq // plan.mesh.cp, seq_full=m.seq, batch=plan.microbatch_size,
                  tp=plan.mesh.tp, sequence_parallel=plan.shard.tp.sequence_parallel,
                  recompute=recompute, **extra)

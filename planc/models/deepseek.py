@@ -35,7 +35,7 @@ from dataclasses import replace
 
 from planc.vocabulary.hints import try_values
 from planc.vocabulary.kinds import Integer, Key
-from planc.models import llama, moe
+from planc.models import llama, moe, moe_memory
 from planc.models.family import Finding, Model, OpRule, Parameter, Weight
 
 # The attention's own parameters, in the order the qkv kernel reads them.
@@ -182,7 +182,7 @@ def latent_attention_kept(m: Model, recompute: str) -> tuple[int, int, int, int]
 def activation_bytes(m: Model, **sizes) -> float:
     """The moe family's count with MLA's attention in place of llama's; the softmax's
     probabilities unless recomputation drops them, as llama's."""
-    return moe.activation_bytes(m, attention=latent_attention_kept, **sizes)
+    return moe_memory.activation_bytes(m, attention=latent_attention_kept, **sizes)
 
 
 def latent_attention_core_kept(m: Model, recompute: str) -> int:
@@ -192,8 +192,8 @@ def latent_attention_core_kept(m: Model, recompute: str) -> int:
 
 
 def input_half_bytes(m: Model, **sizes) -> float:
-    """The moe family's (planc.models.moe.input_half_bytes) with MLA's attention."""
-    return moe.input_half_bytes(m, attention=latent_attention_kept,
+    """The moe family's (planc.models.moe_memory.input_half_bytes) with MLA's attention."""
+    return moe_memory.input_half_bytes(m, attention=latent_attention_kept,
                                 core=latent_attention_core_kept, **sizes)
 
 
