@@ -652,3 +652,33 @@ def test_an_experts_output_is_written_into_its_rows_keeping_only_their_indices()
     for a, b in zip(torch.autograd.grad(ours, (into, values), grad),
                     torch.autograd.grad(theirs, (into, values), grad)):
         assert torch.equal(a, b)
+
+
+def test_a_ranks_experts_gradients_are_stacked_once_not_zero_filled_per_expert():
+    """The experts' stacked weights are taken as slices (stacked_experts): their
+    backward stacks the slices' gradients once per weight (3 stacks), where indexing per
+    expert returns a whole zero-filled gradient for each of the 4 experts and adds them
+    (12 select_backward, 9 adds); the same gradients."""
+    torch = pytest.importorskip("torch")
+
+    from planc.runtime.families.moe_dispatch import expert_output, stacked_experts
+    from tests.conftest import counting
+
+    generator = torch.Generator().manual_seed(2)
+    stacked = {f"experts.{w}.weight": torch.randn(
+        4, *((16, 24) if w != "down" else (24, 16)), generator=generator, requires_grad=True)
+        for w in ("gate", "up", "down")}
+    rows = [torch.randn(3, 16, generator=generator) for _ in range(4)]
+
+    def output(weights):
+        return sum(expert_output(rows[e], weights, e).sum() for e in range(4))
+
+    whole = tuple(stacked.values())
+    indexed = torch.autograd.grad(output(whole), whole)
+    sliced = output(stacked_experts(stacked.__getitem__))
+    ops = torch.ops.aten
+    with counting(ops.stack.default) as stacks, \
+            counting(ops.select_backward.default) as selects:
+        grads = torch.autograd.grad(sliced, whole)
+    assert (stacks.count, selects.count) == (3, 0)
+    assert all(torch.equal(a, b) for a, b in zip(grads, indexed))

@@ -61,7 +61,8 @@ class Routed:
 def expert_output(x: torch.Tensor, weights: tuple, expert: int, recipe=None,
                   scale: torch.Tensor | None = None) -> torch.Tensor:
     """Routed expert ``expert``'s SwiGLU of rows ``x``, each weighted by its ``scale``
-    (:func:`expert_mlp`); ``weights``: the stacked gate, up and down; its GEMMs in FP8
+    (:func:`expert_mlp`); ``weights``: the gate, up and down slices
+    (:func:`stacked_experts`); its GEMMs in FP8
     by ``recipe`` (planc.runtime.engine.fp8)."""
     gate, up, down = weights
     return expert_mlp(x, gate[expert], up[expert], down[expert], recipe, scale)
@@ -118,8 +119,12 @@ def copied_by_row(into: torch.Tensor, rows: torch.Tensor, values: torch.Tensor
 
 
 def stacked_experts(weights_of) -> tuple:
-    """The stacked gate, up and down weights of the block's routed experts (this rank's)."""
-    return tuple(weights_of(f"experts.{w}.weight") for w in ("gate", "up", "down"))
+    """The gate, up and down weights of the block's routed experts (this rank's), each as
+    its experts' slices of the stacked parameter (``unbind``): the backward stacks the
+    slices' gradients once, where indexing the parameter expert by expert would return a
+    whole zero-filled gradient of it for every expert, summed (as many times the memory
+    traffic as the rank has experts)."""
+    return tuple(weights_of(f"experts.{w}.weight").unbind(0) for w in ("gate", "up", "down"))
 
 
 def gate_hooks(k, spec, step: int, mb: int) -> tuple:
