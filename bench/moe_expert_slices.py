@@ -1,8 +1,16 @@
-"""One rank's routed experts, forward and backward, with their stacked weights indexed
-expert by expert (each backward returns a whole zero-filled gradient of the stacked
-weight, added up) or taken as slices (planc.runtime.families.moe_dispatch.stacked_experts:
-one stack of the slices' gradients per weight). Interleaved rounds, the median of each;
-the gradients must be equal.
+"""One rank's routed experts on the rows dispatched to them, forward and backward, three
+ways, in interleaved rounds (the median of each):
+
+- ``indexed``: each expert indexes the stacked weights, gathers its rows by index and
+  writes its outputs into a copy of the piece's output (planc before 2026-12-02): each
+  backward zero-fills a whole gradient of the stacked weights and of the rows, and each
+  forward copies the output whole, for every expert;
+- ``slices``: the weights as one unbind's slices (moe_dispatch.stacked_experts), the
+  rows still by index;
+- ``sorted``: the slices, and the rows sorted by expert once, each expert on its slice,
+  the outputs written back once (moe_dispatch.through_experts), as planc runs them.
+
+The outputs and every gradient must be equal.
 
     .venv/bin/python bench/moe_expert_slices.py [--experts 16] [--rounds 7]
 """
@@ -15,7 +23,10 @@ import time
 
 import torch
 
-from planc.runtime.families.moe_dispatch import expert_output, stacked_experts
+from planc.runtime.families.moe_dispatch import (copied_by_row, expert_output,
+                                                 stacked_experts, through_experts)
+
+WAYS = ("indexed", "slices", "sorted")
 
 
 def main() -> None:
@@ -32,26 +43,41 @@ def main() -> None:
     stacked = {f"experts.{w}.weight": torch.randn(args.experts, *shape, generator=generator,
                                                   requires_grad=True)
                for w, shape in shapes.items()}
-    whole = tuple(stacked.values())
-    rows = [torch.randn(args.rows, args.hidden, generator=generator)
-            for _ in range(args.experts)]
+    count = args.experts * args.rows
+    rows = torch.randn(count, args.hidden, generator=generator, requires_grad=True)
+    scales = torch.rand(count, 1, generator=generator, requires_grad=True)
+    # the rows of each member come sorted by expert, the members one after another
+    expert_of = torch.arange(args.experts).repeat_interleave(args.rows // 2).repeat(2)
+    leaves = (rows, scales, *stacked.values())
+    grad = torch.randn(count, args.hidden, generator=generator)
 
-    def step(sliced: bool):
-        weights = stacked_experts(stacked.__getitem__) if sliced else whole
-        out = sum(expert_output(rows[e], weights, e).sum() for e in range(args.experts))
-        return torch.autograd.grad(out, whole)
+    def step(way: str):
+        if way == "sorted":
+            out = through_experts(rows * 0, rows, scales, expert_of, args.experts,
+                                  stacked_experts(stacked.__getitem__))
+        else:
+            weights = stacked_experts(stacked.__getitem__) if way == "slices" else \
+                tuple(stacked.values())
+            out = rows * 0
+            for expert in range(args.experts):
+                mine = (expert_of == expert).nonzero(as_tuple=True)[0]
+                out = copied_by_row(out, mine, expert_output(rows[mine], weights, expert,
+                                                             scale=scales[mine]))
+        return (out, *torch.autograd.grad(out, leaves, grad))
 
-    same = all(torch.equal(a, b) for a, b in zip(step(False), step(True)))
-    times: dict[bool, list[float]] = {False: [], True: []}
+    results = [step(way) for way in WAYS]
+    same = all(torch.equal(a, b) for other in results[1:] for a, b in zip(results[0], other))
+    times: dict[str, list[float]] = {way: [] for way in WAYS}
     for _ in range(args.rounds + 1):  # the first round warms up
-        for sliced in (False, True):
+        for way in WAYS:
             start = time.perf_counter()
-            step(sliced)
-            times[sliced].append(time.perf_counter() - start)
-    indexed, sliced = (statistics.median(times[k][1:]) * 1e3 for k in (False, True))
+            step(way)
+            times[way].append(time.perf_counter() - start)
+    ms = {way: statistics.median(times[way][1:]) * 1e3 for way in WAYS}
     print(f"{args.experts} experts of {args.hidden} x {args.expert_ffn}, {args.rows} rows "
-          f"each, {args.rounds} rounds: indexed {indexed:.1f} ms, slices {sliced:.1f} ms "
-          f"(slices / indexed {sliced / indexed:.2f}); gradients equal: {same}")
+          f"each, {args.rounds} rounds: " + ", ".join(f"{way} {ms[way]:.1f} ms" for way in WAYS)
+          + f" (sorted / indexed {ms['sorted'] / ms['indexed']:.2f}); outputs and "
+          f"gradients equal: {same}")
 
 
 if __name__ == "__main__":

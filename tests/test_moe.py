@@ -682,3 +682,45 @@ def test_a_ranks_experts_gradients_are_stacked_once_not_zero_filled_per_expert()
         grads = torch.autograd.grad(sliced, whole)
     assert (stacks.count, selects.count) == (3, 0)
     assert all(torch.equal(a, b) for a, b in zip(grads, indexed))
+
+
+def test_a_ranks_rows_go_through_their_experts_sorted_once():
+    """The rows a rank's experts run (4 experts, one of them without rows) are gathered
+    in expert order once, each expert runs on its slice, and the outputs are written back
+    once (through_experts): one gather of the rows and one of their scales, one
+    index_copy, and in the backward one index_fill and two index_puts, where taking each
+    expert's rows by index did all of it per expert; the same bits as that loop, forward
+    and backward."""
+    torch = pytest.importorskip("torch")
+
+    from planc.runtime.families.moe_dispatch import (copied_by_row, expert_output,
+                                                     stacked_experts, through_experts)
+    from tests.conftest import counting
+
+    generator = torch.Generator().manual_seed(3)
+    stacked = {f"experts.{w}.weight": torch.randn(
+        4, *((16, 24) if w != "down" else (24, 16)), generator=generator, requires_grad=True)
+        for w in ("gate", "up", "down")}
+    rows = torch.randn(10, 16, generator=generator, requires_grad=True)
+    scales = torch.rand(10, 1, generator=generator, requires_grad=True)
+    expert_of = torch.tensor([2, 0, 2, 1, 0, 2, 0, 1, 2, 0])
+    grad = torch.randn(10, 16, generator=generator)
+    leaves = (rows, scales, *stacked.values())
+    weights = stacked_experts(stacked.__getitem__)
+    by_index = rows * 0
+    for expert in range(4):
+        mine = (expert_of == expert).nonzero(as_tuple=True)[0]
+        if mine.numel():
+            by_index = copied_by_row(by_index, mine, expert_output(
+                rows[mine], weights, expert, scale=scales[mine]))
+    ops = torch.ops.aten
+    with counting(ops.index.Tensor) as gathers, counting(ops.index_copy.default) as copies:
+        sorted_once = through_experts(rows * 0, rows, scales, expert_of, 4, weights)
+    assert (gathers.count, copies.count) == (2, 1)
+    assert torch.equal(sorted_once, by_index)
+    expected = torch.autograd.grad(by_index, leaves, grad)
+    with counting(ops.index_fill.int_Scalar) as fills, \
+            counting(ops.index_put.default) as puts:
+        got = torch.autograd.grad(sorted_once, leaves, grad)
+    assert (fills.count, puts.count) == (1, 2)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))

@@ -16,10 +16,10 @@ from planc.graph.vocabulary import Op
 from planc.runtime.engine import fp8
 from planc.runtime.families import llama
 from planc.runtime.families import moe_dispatch
-from planc.runtime.families.moe_dispatch import (added_by_token, copied_by_row, exchange_fp8_rows,
+from planc.runtime.families.moe_dispatch import (added_by_token, exchange_fp8_rows,
                                                  exchange_rows, exchanged_counts, expert_mlp,
                                                  expert_output, received_experts,
-                                                 stacked_experts)
+                                                 stacked_experts, through_experts)
 from planc.runtime.families.moe_gate import (WithBalanceLoss, balance_loss, balanced,
                                              choose, routed_pairs, sorted_pairs, update_bias)
 from planc.vocabulary.model_options import balanced_layers
@@ -155,12 +155,8 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     # zeros that depend on ``rows`` and ``scales``: a rank whose experts got no row in
     # this microbatch still runs the all-to-alls' backward, which its peers wait for
     # (with zeros_like, autograd would skip them there, and the ep group would hang)
-    done = rows * 0 * scales
-    for expert in range(per_rank):
-        mine = (local_expert == expert).nonzero(as_tuple=True)[0]
-        if mine.numel():
-            done = copied_by_row(done, mine, expert_output(rows[mine], stacked, expert,
-                                                               recipe, scales[mine]))
+    done = through_experts(rows * 0 * scales, rows, scales, local_expert, per_rank, stacked,
+                           recipe)
     back = _AllToAll.apply(done, received, sent, peers.group) if recipe is None \
         else _Fp8Combine.apply(done, received, sent, peers.group, recipe)
     out = added_by_token(torch.zeros_like(tokens), token_of, back)
