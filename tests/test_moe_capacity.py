@@ -119,3 +119,27 @@ def test_explain_names_the_capacitys_all_gathers_and_their_bytes(tmp_path, capsy
                      "inside the mixture's instruction")
     assert lines[at + 1] == ("  F  all_gather over sequence  640 B per microbatch from each "
                              "rank  [its choices of experts and its tokens' positions: int64]")
+
+
+def test_the_mixture_gathers_its_tokens_once_and_adds_each_experts_outputs_in_turn():
+    """The one-process mixture (a rank without ep, and --check's reference): its (token,
+    slot) pairs sorted by expert, the tokens gathered once (one index, one index_put in
+    the backward, where gathering per expert zero-filled a whole gradient of the tokens
+    for each of the 8 experts), and the outputs added to their tokens one expert after
+    another on one copy (8 in-place index_adds, one clone): a token's sum in expert
+    order on every device; pairs the capacity drops run no expert."""
+    from planc.runtime.families.moe import mixture
+    from tests.conftest import counting
+
+    generator = torch.Generator().manual_seed(11)
+    weights = {name: value.requires_grad_() for name, value in
+               random_weights(model(), generator).items()}
+    tokens = torch.randn(64, 64, generator=generator, requires_grad=True)
+    ops = torch.ops.aten
+    for capacity in ("4.0", "0.5"):
+        with counting(ops.index_add_.default) as adds, counting(ops.clone.default) as clones:
+            out = mixture(tokens, weights.__getitem__, model(capacity), 2)
+        assert (adds.count, clones.count) == (8, 1)
+        with counting(ops.index_put.default) as puts:
+            torch.autograd.grad(out.sum(), [tokens])
+        assert puts.count == 2  # the tokens, and the routing weights of the pairs

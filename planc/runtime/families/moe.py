@@ -58,14 +58,22 @@ def mixture(tokens: torch.Tensor, weights_of, m, sequences: int = 1, batch: int 
     routed = routed_pairs(experts, sequences, positions, m, counts_over, drops)
     weights = weights.to(tokens.dtype)
     stacked, recipe = stacked_experts(weights_of), fp8.recipe_of(m)
+    # the (token, slot) pairs by expert (a stable sort: each expert's in token order),
+    # gathered once, each expert on its slice (moe_dispatch.through_experts' reason), and
+    # added to their tokens expert after expert, as a token's experts are summed
+    pairs = routed.reshape(-1)
+    chosen = ((pairs >= 0) & (pairs < m.experts)).nonzero(as_tuple=True)[0]
+    order = chosen[torch.argsort(pairs[chosen], stable=True)]
+    counts = torch.bincount(pairs[order], minlength=m.experts).tolist()
+    token_of = order // routed.shape[1]
+    outputs = [expert_output(x, stacked, expert, recipe, scale)
+               for expert, (x, scale, n) in enumerate(zip(
+                   tokens[token_of].split(counts),
+                   weights.reshape(-1)[order].unsqueeze(-1).split(counts), counts)) if n]
     out = torch.zeros_like(tokens)
-    for expert in range(m.experts):
-        rows, slots = (routed == expert).nonzero(as_tuple=True)
-        if rows.numel() == 0:
-            continue
-        y = expert_output(tokens[rows], stacked, expert, recipe,
-                          weights[rows, slots].unsqueeze(-1))
-        out = added_by_token(out, rows, y)
+    if outputs:
+        out = added_by_token(out, token_of, torch.cat(outputs),
+                             [n for n in counts if n])
     return _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequences,
                                batch, collected, counts_over)
 

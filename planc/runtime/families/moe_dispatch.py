@@ -101,38 +101,48 @@ def expert_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
 
 class _PutByRow(torch.autograd.Function):
     """``values`` put into ``into`` at ``rows``: added (``into.index_add(0, rows,
-    values)``) or written over (``index_copy``). Its backward reads the indices alone
-    (each value's gradient is its row's; ``into``'s is the gradient, zero where a row was
-    written over), where autograd's index_add and index_copy keep ``values`` too
-    (hidden-wide rows, for their shape alone); autograd's operations, so the same
-    bits."""
+    values)``), group after group of ``groups`` rows where given, or written over
+    (``index_copy``). Its backward reads the indices alone (each value's gradient is its
+    row's; ``into``'s is the gradient, zero where a row was written over), where
+    autograd's index_add and index_copy keep ``values`` too (hidden-wide rows, for their
+    shape alone); autograd's operations, so the same bits."""
 
     @staticmethod
     def forward(ctx, into: torch.Tensor, rows: torch.Tensor, values: torch.Tensor,
-                add: bool) -> torch.Tensor:
+                add: bool, groups: list[int] | None = None) -> torch.Tensor:
         ctx.save_for_backward(rows)
         ctx.add = add
-        return into.index_add(0, rows, values) if add else into.index_copy(0, rows, values)
+        if not add:
+            return into.index_copy(0, rows, values)
+        if groups is None:
+            return into.index_add(0, rows, values)
+        out = into.clone()
+        for index, group in zip(rows.split(groups), values.split(groups)):
+            out.index_add_(0, index, group)
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (rows,) = ctx.saved_tensors
         into = grad if ctx.add else grad.index_fill(0, rows, 0)
-        return into, None, grad.index_select(0, rows), None
+        return into, None, grad.index_select(0, rows), None, None
 
 
-def added_by_token(into: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor
-                   ) -> torch.Tensor:
+def added_by_token(into: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor,
+                   groups: list[int] | None = None) -> torch.Tensor:
     """Each of ``rows`` added to its token's row of ``into`` (a token's experts' outputs
-    summed, in the rows' order)."""
-    return _PutByRow.apply(into, tokens, rows, True)
+    summed, in the rows' order); ``groups``: the sizes of groups of rows with a token at
+    most once each (an expert's), added one group after another, so that a token's
+    sum has one order on every device (one index_add of rows with repeated tokens adds
+    them in any order on a GPU)."""
+    return _PutByRow.apply(into, tokens, rows, True, groups)
 
 
 def copied_by_row(into: torch.Tensor, rows: torch.Tensor, values: torch.Tensor
                   ) -> torch.Tensor:
     """Each of ``values`` written over its row of ``into`` (an expert's outputs among the
     experts piece's)."""
-    return _PutByRow.apply(into, rows, values, False)
+    return _PutByRow.apply(into, rows, values, False, None)
 
 
 def stacked_experts(weights_of) -> tuple:
