@@ -667,13 +667,17 @@ def test_calibrate_writes_a_topology_that_a_plan_can_use(tmp_path, run_planc):
                      timeout=300)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].startswith("intra-node: ") and lines[0].endswith(" per message")
+    data = json.loads(output.read_text())
+    # a noisy machine's figures may be its calls' fixed cost alone, said beside them
+    from planc.commands.calibrate import UNSTEADY, fixed_cost_bound
+    unsteady = UNSTEADY if fixed_cost_bound(data["measured"]["intra"]["point_to_point"]) \
+        else ""
+    assert lines[0].startswith("intra-node: ") and lines[0].endswith(" per message" + unsteady)
     assert [line.split(":")[0].strip() for line in lines[1:5]] == [
         "all_gather", "all_reduce", "reduce_scatter", "tree"]
-    assert lines[5].endswith("(not measured: the other link's figures)")
+    assert lines[5].endswith("(not measured: the other link's figures)" + unsteady)
     assert lines[-1] == (f'written to {output}; use it with topology {{ preset = "PATH" }}, '
                          f'PATH relative to the plan file ({output} from anywhere)')
-    data = json.loads(output.read_text())
     preset = calibrated_preset(data, "machine.json")
     assert lines[-2] == (f"overlap: {data['device']['overlap']:.2f} of an all_reduce hidden "
                          f"behind a matrix multiply")
