@@ -305,10 +305,14 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
         activated = silu * up
         encoded = encoded_rows(grad, recipe.tile, recipe.gradients)
         gq = decoded_rows(*encoded, grad.shape[-1]) if wanted[4] or not ctx.scaled else None
+        # Each row-wide temporary goes as soon as it is read for the last time, and the
+        # gate's factor is computed in place: the same operations in the same order (a
+        # product's operands commute exactly), with fewer of them alive at once.
         dw = None
         if wanted[4]:  # the down GEMM's weight gradient reads the product recomputed
             xq = quantised_rows(activated * weights[0] if weights else activated, recipe.tile)
             dw = (xq.reshape(-1, n).t() @ gq.reshape(-1, gq.shape[-1])).to(w_dtype)
+            del xq
         if not (wanted[2] or wanted[3] or (weights and wanted[5])):
             return (None, None, None, None, dw, None)[:len(ctx.needs_input_grad)]
         if ctx.scaled:
@@ -316,15 +320,19 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
             d_product = _times_blocks(*encoded, (block.t(), block_scale.t()), n).to(dtype)
         else:
             d_product = (gq @ quantised_blocks(down, recipe.tile).t()).to(dtype)
+        del gq, encoded
         d_weights = None
         if weights:  # the product's gradient to each row's weight, then through it
             d_weights = (d_product * activated).sum(-1, keepdim=True)
             d_product = d_product * weights[0]
+        del activated
+        d_up = d_product * silu
+        del silu
         sigmoid = torch.sigmoid(gate)
-        d_gate = d_product * up * sigmoid * (1 + gate * (1 - sigmoid))
+        factor = (1 - sigmoid).mul_(gate).add_(1)  # 1 + gate * (1 - sigmoid)
+        d_gate = (d_product * up).mul_(sigmoid).mul_(factor)
         # (weights given or not: as many gradients as the forward had inputs)
-        return (None, None, d_gate, d_product * silu, dw,
-                d_weights)[:len(ctx.needs_input_grad)]
+        return (None, None, d_gate, d_up, dw, d_weights)[:len(ctx.needs_input_grad)]
 
 
 def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
