@@ -44,7 +44,7 @@ def latent_heads(m, h: torch.Tensor, weight, positions: torch.Tensor, recipe
     nope, rope, v_dim = m.nope_dim, m.rope_dim, m.v_dim
     heads = weight("q_b.weight").shape[1] // (nope + rope)
     latent_q = llama.normed(fp8.matmul(h, [weight("q_a.weight")], recipe),
-                                   weight("ln_q.weight"), m.norm_eps)
+                            weight("ln_q.weight"), m.norm_eps)
     q = fp8.matmul(latent_q, [weight("q_b.weight")], recipe).view(b, s, heads, nope + rope)
     latent_kv, key_rope = fp8.matmul(h, [weight("kv_a.weight")], recipe).split(
         [m.kv_rank, rope], dim=-1)

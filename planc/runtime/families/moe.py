@@ -18,7 +18,7 @@ from planc.runtime.families import llama
 from planc.runtime.families import moe_dispatch
 from planc.runtime.families.moe_dispatch import (added_by_token, exchange_fp8_rows,
                                                  exchange_rows, exchanged_counts, expert_mlp,
-                                                 expert_output, received_experts,
+                                                 outputs_by_expert, received_experts,
                                                  stacked_experts, through_experts)
 from planc.runtime.families.moe_gate import (WithBalanceLoss, balance_loss, balanced,
                                              choose, routed_pairs, sorted_pairs, update_bias)
@@ -66,14 +66,11 @@ def mixture(tokens: torch.Tensor, weights_of, m, sequences: int = 1, batch: int 
     order = chosen[torch.argsort(pairs[chosen], stable=True)]
     counts = torch.bincount(pairs[order], minlength=m.experts).tolist()
     token_of = order // routed.shape[1]
-    outputs = [expert_output(x, stacked, expert, recipe, scale)
-               for expert, (x, scale, n) in enumerate(zip(
-                   tokens[token_of].split(counts),
-                   weights.reshape(-1)[order].unsqueeze(-1).split(counts), counts)) if n]
+    outputs = outputs_by_expert(tokens[token_of], weights.reshape(-1)[order].unsqueeze(-1),
+                                counts, stacked, recipe)
     out = torch.zeros_like(tokens)
-    if outputs:
-        out = added_by_token(out, token_of, torch.cat(outputs),
-                             [n for n in counts if n])
+    if outputs is not None:
+        out = added_by_token(out, token_of, outputs, [n for n in counts if n])
     return _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequences,
                                batch, collected, counts_over)
 

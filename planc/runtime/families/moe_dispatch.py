@@ -62,8 +62,7 @@ def expert_output(x: torch.Tensor, weights: tuple, expert: int, recipe=None,
                   scale: torch.Tensor | None = None) -> torch.Tensor:
     """Routed expert ``expert``'s SwiGLU of rows ``x``, each weighted by its ``scale``
     (:func:`expert_mlp`); ``weights``: the gate, up and down slices
-    (:func:`stacked_experts`); its GEMMs in FP8
-    by ``recipe`` (planc.runtime.engine.fp8)."""
+    (:func:`stacked_experts`); its GEMMs in FP8 by ``recipe`` (planc.runtime.engine.fp8)."""
     gate, up, down = weights
     return expert_mlp(x, gate[expert], up[expert], down[expert], recipe, scale)
 
@@ -79,10 +78,18 @@ def through_experts(done: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor
     every expert, and writing each expert's outputs would copy ``done`` whole."""
     order = torch.argsort(expert_of, stable=True)
     counts = torch.bincount(expert_of, minlength=local).tolist()
+    outputs = outputs_by_expert(rows[order], scales[order], counts, weights, recipe)
+    return done if outputs is None else copied_by_row(done, order, outputs)
+
+
+def outputs_by_expert(rows: torch.Tensor, scales: torch.Tensor, counts: list[int],
+                      weights: tuple, recipe=None) -> torch.Tensor | None:
+    """Rows in expert order, ``counts[e]`` of expert e's one after another, each through
+    its expert, weighted by its scale (:func:`expert_output`), in the same order; None
+    when no expert has rows."""
     outputs = [expert_output(x, weights, expert, recipe, scale) for expert, (x, scale, n) in
-               enumerate(zip(rows[order].split(counts), scales[order].split(counts), counts))
-               if n]
-    return copied_by_row(done, order, torch.cat(outputs)) if outputs else done
+               enumerate(zip(rows.split(counts), scales.split(counts), counts)) if n]
+    return torch.cat(outputs) if outputs else None
 
 
 def expert_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
@@ -366,8 +373,8 @@ def total(k, spec, x, p, step, mb, extra):
     experts'."""
     rows, routing = x["x"], x["routing"]
     shape = routing.shape
-    out = added_by_token(rows.new_zeros((shape[0] * shape[1], shape[2])),
-                             routing.tokens, rows)
+    out = added_by_token(rows.new_zeros((shape[0] * shape[1], shape[2])), routing.tokens,
+                         rows)
     if "shared" in x:
         out = out + x["shared"]
     return out.reshape(shape)
