@@ -9,7 +9,9 @@ what that graph holds for the parameters' gradients stays from the chunk's I to 
 each step's output gradient and, under recomputation, the inputs it recomputed; under
 ZeRO-3, the units' parameters the backward's gather filled. The stage's order is
 replayed with its activations, and what these add at its peak is counted
-(planc.estimate.memory)."""
+(planc.estimate.memory). Where the gradients at a step's products take fewer bytes than
+its output gradient, the runtime keeps those instead (planc.runtime.backward_passes):
+the output gradient counted here is then an upper bound."""
 
 from __future__ import annotations
 

@@ -134,6 +134,14 @@ class EncodedRows:
         return decoded_rows(self.codes, self.scale, self.features).to(self.dtype)
 
 
+def kept_bytes(value) -> int | None:
+    """The bytes ``value`` holds: an :class:`EncodedRows`' codes and scales, a tensor's
+    elements (None: nothing)."""
+    if isinstance(value, EncodedRows):
+        return value.codes.nbytes + value.scale.nbytes
+    return None if value is None else value.nbytes
+
+
 def readable(value):
     """``value`` as a tensor: :class:`EncodedRows` decoded, anything else as it is."""
     return value.decoded() if isinstance(value, EncodedRows) else value

@@ -385,9 +385,11 @@ class Interpreter:
         grad = combine(grads) if grads else None
         if step.weight_grad is not None:  # the input half: its W step comes later
             ports, _ = self.kernels.backward(step.spec, saved, fp8.readable(grad),
-                                             params=False)
-            # kept as it came (FP8 rows stay FP8 until the W decodes them again)
-            state.saved.setdefault((step.weight_grad, mb), []).append((saved, grad))
+                                             params=False, kept=fp8.kept_bytes(grad))
+            # kept as it came (FP8 rows stay FP8 until the W decodes them again), unless
+            # the W starts from what the input half sent on (Saved.weight_roots)
+            kept = None if saved.weight_roots is not None else grad
+            state.saved.setdefault((step.weight_grad, mb), []).append((saved, kept))
             return ports
         ports, named = self.kernels.backward(step.spec, saved, fp8.readable(grad))
         for name, value in named.items():

@@ -25,6 +25,7 @@ import torch
 
 from planc.graph.vocabulary import Op
 from planc.program.operands import Operands, token_ranges
+from planc.runtime.backward_passes import WeightRoots, input_half, weight_half
 from planc.runtime.engine import fp8
 from planc.runtime.engine.context import RankContext
 from planc.runtime.families.compiled import compiled_formulas
@@ -51,6 +52,8 @@ class Saved:
     # ZeRO-3: the whole buckets ``params`` are views of, by bucket; let go after the
     # forward and refilled before the backward (planc.runtime.engine.store)
     gathered: dict = field(default_factory=dict)
+    # a split backward's input half: where its weight half starts (backward_passes)
+    weight_roots: WeightRoots | None = None
 
 
 @dataclass(frozen=True)
@@ -122,19 +125,19 @@ class Spec:
                     drops_rows=operands.drops_rows)
 
 
-def _autograd_grad(output, grad, targets, retain_graph):
-    return torch.autograd.grad(output, targets, grad, allow_unused=True,
+def _autograd_grad(outputs, grads, targets, retain_graph):
+    return torch.autograd.grad(list(outputs), targets, list(grads), allow_unused=True,
                                retain_graph=retain_graph)
 
 
-def _engine_grad(output, grad, targets, retain_graph):
+def _engine_grad(outputs, grads, targets, retain_graph):
     """``torch.autograd.grad`` without its argument handling: the engine call it ends in.
     A backward step asks for one output's vector-Jacobian product whose gradient the
     compiler shaped (planc.program.operands), so ``_make_grads``' normalisation and shape
     checks, a third of the call's CPU on a small layer's step (a profile of a 1-rank
     run, yappi), are redone work; the engine still checks the shapes itself."""
     return torch.autograd.graph._engine_run_backward(
-        (output,), (grad,), retain_graph, False, tuple(targets), True,
+        tuple(outputs), tuple(grads), retain_graph, False, tuple(targets), True,
         accumulate_grad=False)
 
 
@@ -216,6 +219,9 @@ class Kernels:
         self.compiled = compiled_formulas(model.family, ctx.device) \
             if model.compile_kernels else {}
         self._ring_masks: dict[Ring, list] = {}
+        # id of a step's Spec -> whether its input half found where a weight half can
+        # start (backward_passes.weight_splits): asked again only while it does
+        self._splits: dict[int, bool] = {}
         # (step, microbatch, router) -> (rows this rank's experts ran, its ep group): what
         # the metrics report of the routing's balance (planc.runtime.step_records)
         self.routed: dict[tuple, tuple[int, tuple[int, ...]]] = {}
@@ -412,11 +418,12 @@ class Kernels:
     # --- backward ----------------------------------------------------------------------
 
     def backward(self, spec: Spec, saved: Saved, grad: torch.Tensor | None,
-                 inputs: bool = True, params: bool = True
+                 inputs: bool = True, params: bool = True, kept: int | None = None
                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """Gradients of one compute node: (by input port, by parameter name). A split
         backward asks for the inputs' first (keeping autograd's graph), then the
-        parameters'."""
+        parameters'; ``kept``: the bytes its weight half would keep of ``grad`` (as it
+        came: FP8 rows stay FP8), its own size if not given."""
         if spec.op == Op.LOSS:  # no parameters: a weight step has nothing to do
             return (self._loss_backward(saved) if inputs else {}), {}
         if SUMMED in saved.extra:  # a residual sum without a bias
@@ -426,13 +433,29 @@ class Kernels:
                          ((port, _differentiated(v)) for port, v in saved.inputs.items())
                          if t.requires_grad] if inputs else []
         wanted_params = list(saved.params.items()) if params else []
+        if saved.weight_roots is not None and not inputs:
+            found = weight_half(saved.weight_roots, [t for _, t in wanted_params],
+                                _vector_jacobian)
+            return {}, {name: g for (name, _), g in zip(wanted_params, found)
+                        if g is not None}
         targets = [t for _, t in wanted_inputs] + [t for _, t in wanted_params]
         output = saved.output
         if output is None or not targets:
             return {}, {}
         edge = output.edge if isinstance(output, Output) else output
-        grads = _vector_jacobian(edge, grad.to(output.dtype), targets,
-                                 retain_graph=not params)
+        run = functools.partial(_vector_jacobian, (edge,), (grad.to(output.dtype),),
+                                targets, retain_graph=not params)
+        if not params and saved.params and self._splits.get(id(spec), True):
+            # the weight half may start where the paths to the weights part
+            # (backward_passes), not from the output gradient
+            grads, saved.weight_roots = input_half(
+                run, edge.node, targets, list(saved.params.values()),
+                grad.nbytes if kept is None else kept)
+            self._splits[id(spec)] = saved.weight_roots is not None
+            if saved.weight_roots is not None:
+                saved.output = None  # what the input half alone read goes now
+        else:
+            grads = run()
         count = len(wanted_inputs)
         ports = {port: torch.zeros_like(tensor) if g is None else g
                  for (port, tensor), g in zip(wanted_inputs, grads[:count])}
