@@ -67,7 +67,8 @@ def test_a_forward_step_keeps_where_its_output_enters_the_graph_not_its_values()
     del logits
     gc.collect()
     assert values() is None
-    for got, want in zip(_vector_jacobian(kept.edge, grad, (x, weight), False), expected):
+    for got, want in zip(_vector_jacobian((kept.edge,), (grad,), (x, weight), False),
+                         expected):
         assert torch.equal(got, want)
     leaf = torch.randn(3, requires_grad=True)
     assert _kept(leaf) is leaf  # no graph behind it: kept as it is
