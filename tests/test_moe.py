@@ -655,7 +655,7 @@ def test_an_experts_output_is_written_into_its_rows_keeping_only_their_indices()
 
 
 def test_a_ranks_experts_gradients_are_stacked_once_not_zero_filled_per_expert():
-    """The experts' stacked weights are taken as slices (stacked_experts): their
+    """The experts' stacked weights are taken as slices (Experts.slices): their
     backward stacks the slices' gradients once per weight (3 stacks), where indexing per
     expert returns a whole zero-filled gradient for each of the 4 experts and adds them
     (12 select_backward, 9 adds); the same gradients."""
@@ -675,7 +675,7 @@ def test_a_ranks_experts_gradients_are_stacked_once_not_zero_filled_per_expert()
 
     whole = tuple(stacked.values())
     indexed = torch.autograd.grad(output(whole), whole)
-    sliced = output(stacked_experts(stacked.__getitem__))
+    sliced = output(stacked_experts(stacked.__getitem__).slices())
     ops = torch.ops.aten
     with counting(ops.stack.default) as stacks, \
             counting(ops.select_backward.default) as selects:
@@ -689,8 +689,8 @@ def test_a_ranks_rows_go_through_their_experts_sorted_once():
     in expert order once, each expert runs on its slice, and the outputs are written back
     once (through_experts): one gather of the rows and one of their scales, one
     index_copy, and in the backward one index_fill and two index_puts, where taking each
-    expert's rows by index did all of it per expert; the same bits as that loop, forward
-    and backward."""
+    expert's rows by index did all of it per expert; what that loop computes, forward
+    and backward, to the rounding of the SwiGLU's exp."""
     torch = pytest.importorskip("torch")
 
     from planc.runtime.families.moe_dispatch import (copied_by_row, expert_output,
@@ -706,7 +706,8 @@ def test_a_ranks_rows_go_through_their_experts_sorted_once():
     expert_of = torch.tensor([2, 0, 2, 1, 0, 2, 0, 1, 2, 0])
     grad = torch.randn(10, 16, generator=generator)
     leaves = (rows, scales, *stacked.values())
-    weights = stacked_experts(stacked.__getitem__)
+    experts = stacked_experts(stacked.__getitem__)
+    weights = experts.slices()
     by_index = rows * 0
     for expert in range(4):
         mine = (expert_of == expert).nonzero(as_tuple=True)[0]
@@ -715,12 +716,91 @@ def test_a_ranks_rows_go_through_their_experts_sorted_once():
                 rows[mine], weights, expert, scale=scales[mine]))
     ops = torch.ops.aten
     with counting(ops.index.Tensor) as gathers, counting(ops.index_copy.default) as copies:
-        sorted_once = through_experts(rows * 0, rows, scales, expert_of, 4, weights)
+        sorted_once = through_experts(rows * 0, rows, scales, expert_of, 4, experts)
     assert (gathers.count, copies.count) == (2, 1)
-    assert torch.equal(sorted_once, by_index)
+    # the SwiGLU's exp over all the rows at once, not expert by expert: its vectorised
+    # loop leaves other elements to its scalar tail, which rounds otherwise
+    torch.testing.assert_close(sorted_once, by_index, rtol=1e-6, atol=1e-5)
     expected = torch.autograd.grad(by_index, leaves, grad)
     with counting(ops.index_fill.int_Scalar) as fills, \
             counting(ops.index_put.default) as puts:
         got = torch.autograd.grad(sorted_once, leaves, grad)
     assert (fills.count, puts.count) == (1, 2)
-    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,hidden,grouped", [
+    ("float32", 16, 3), ("bfloat16", 16, 3), ("float32", 6, 0), ("bfloat16", 4, 0)])
+def test_a_ranks_experts_run_as_three_grouped_gemms_where_the_widths_allow(
+        dtype, hidden, grouped):
+    """4 experts (one without rows) on 10 rows: where every row of the rows and weights
+    is a multiple of 16 bytes (``torch._grouped_mm``'s stride check), the forward runs
+    the three GEMMs as one grouped GEMM each over all the experts; elsewhere (6 fp32
+    features, 4 bf16), and with a stack of weights that is not contiguous, a GEMM an
+    expert. The same bits either way, forward and every gradient."""
+    torch = pytest.importorskip("torch")
+
+    from planc.runtime.families.moe_dispatch import Experts, through_experts
+    from tests.conftest import counting
+
+    kind = getattr(torch, dtype)
+    generator = torch.Generator().manual_seed(5)
+    stacked = [torch.randn(4, *shape, generator=generator).to(kind).requires_grad_()
+               for shape in ((hidden, 24), (hidden, 24), (24, hidden))]
+    rows = torch.randn(10, hidden, generator=generator).to(kind).requires_grad_()
+    scales = torch.rand(10, 1, generator=generator).to(kind).requires_grad_()
+    expert_of = torch.tensor([2, 0, 2, 1, 0, 2, 0, 1, 2, 0])
+    grad = torch.randn(10, hidden, generator=generator).to(kind)
+    # the same weights an expert's matrix apart in memory: each expert's contiguous as
+    # before, the stack not
+    spaced = [torch.stack([w.detach(), torch.zeros_like(w)], dim=1)[:, 0].requires_grad_()
+              for w in stacked]
+    results = []
+    for weights, calls in ((stacked, grouped), (spaced, 0)):
+        with counting(torch.ops.aten._grouped_mm.default) as counted:
+            out = through_experts(rows * 0, rows, scales, expert_of, 4, Experts(*weights))
+        assert counted.count == calls
+        results.append((out, *torch.autograd.grad(out, (rows, scales, *weights), grad)))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def _hopper():
+    torch = pytest.importorskip("torch")
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] in (9, 10)
+
+
+def test_on_a_hopper_gpu_the_experts_grouped_gemm_computes_what_their_loop_computes():
+    """On a GPU of compute capability 9 or 10, in bf16, a rank's 8 experts (one without
+    rows) on 300 rows 256 wide run as three grouped GEMMs (one ``torch._grouped_mm`` each,
+    CUTLASS's kernel), and compute what a GEMM an expert computes (a stack that is not
+    contiguous takes that loop), forward and every gradient, to bf16's rounding of
+    sums over 256 and 512 products."""
+    if not _hopper():
+        pytest.skip("needs a CUDA GPU of compute capability 9 or 10 (grouped GEMMs)")
+    import torch
+
+    from planc.runtime.families.moe_dispatch import Experts, through_experts
+    from tests.conftest import counting
+
+    generator = torch.Generator().manual_seed(6)
+    kind, device = torch.bfloat16, torch.device("cuda")
+
+    def made(*shape):
+        return (torch.randn(*shape, generator=generator) / shape[-2] ** 0.5).to(
+            device, kind).requires_grad_()
+
+    stacked = [made(8, 256, 512), made(8, 256, 512), made(8, 512, 256)]
+    spaced = [torch.stack([w.detach(), torch.zeros_like(w)], dim=1)[:, 0].requires_grad_()
+              for w in stacked]
+    rows, grad = made(300, 256), made(300, 256).detach()
+    scales = torch.rand(300, 1, generator=generator).to(device, kind).requires_grad_()
+    expert_of = torch.randint(0, 7, (300,), generator=generator).to(device)
+    results = []
+    for weights, calls in ((stacked, 3), (spaced, 0)):
+        with counting(torch.ops.aten._grouped_mm.default) as counted:
+            out = through_experts(rows * 0, rows, scales, expert_of, 8, Experts(*weights))
+        assert counted.count == calls
+        results.append((out, *torch.autograd.grad(out, (rows, scales, *weights), grad)))
+    for ours, loop in zip(*results):
+        torch.testing.assert_close(ours.float(), loop.float(), rtol=2e-2, atol=2e-2)

@@ -11,13 +11,13 @@ torch = pytest.importorskip("torch")
 from planc.runtime.backward_passes import input_half, weight_half, weight_splits  # noqa: E402
 from tests.conftest import counting  # noqa: E402
 
-MM = torch.ops.aten.mm.default
+GEMMS = (torch.ops.aten.mm.default, torch.ops.aten._grouped_mm.default)
 
 
 def _experts(recipe=None):
     """Three experts of a rank (stacked weights, 16 wide, SwiGLU of 24) on 2, 0 and 3
     rows in expert order, weighted by their scales, as planc runs them; their leaves."""
-    from planc.runtime.families.moe_dispatch import outputs_by_expert
+    from planc.runtime.families.moe_dispatch import Experts, outputs_by_expert
 
     generator = torch.Generator().manual_seed(7)
     rows = torch.randn(5, 16, generator=generator, requires_grad=True)
@@ -27,8 +27,7 @@ def _experts(recipe=None):
     grad = torch.randn(5, 16, generator=generator)
 
     def forward():
-        weights = tuple(w.unbind(0) for w in stacked)
-        return outputs_by_expert(rows, scales, [2, 0, 3], weights, recipe)
+        return outputs_by_expert(rows, scales, [2, 0, 3], Experts(*stacked), recipe)
 
     return forward, [rows, scales], stacked, grad
 
@@ -48,10 +47,10 @@ def _split(forward, inputs, params, grad):
     """The input half keeping where the weight half starts, then that weight half, and
     the GEMMs each runs."""
     out = forward()
-    with counting(MM) as inputs_pass:
+    with counting(*GEMMS) as inputs_pass:
         dinputs, roots = _input_half(out, inputs, params, grad)
     assert roots is not None
-    with counting(MM) as weights_pass:
+    with counting(*GEMMS) as weights_pass:
         dparams = weight_half(roots, params, _grad)
     return dinputs, dparams, inputs_pass.count, weights_pass.count
 
@@ -63,27 +62,26 @@ def _both_ways(forward, inputs, params, grad) -> tuple[int, int, int]:
     whole = torch.autograd.grad(forward(), inputs + params, grad)
     out = forward()
     torch.autograd.grad(out, inputs, grad, retain_graph=True)
-    with counting(MM) as from_output:
+    with counting(*GEMMS) as from_output:
         torch.autograd.grad(out, params, grad)
     dinputs, dparams, inputs_pass, weights_pass = _split(forward, inputs, params, grad)
     assert all(torch.equal(a, b) for a, b in zip(whole, [*dinputs, *dparams]))
     return inputs_pass, weights_pass, from_output.count
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_the_experts_weight_half_multiplies_by_no_weight_again(fp8):
-    """Two experts with rows: the input half multiplies by the down and by the gate and
-    up weights, 2 GEMMs an expert (3 in the dtype: gate and up apart); a weight half from
-    the root would multiply by the down weight again to reach the gate's and up's (one
-    GEMM an expert more than the weights' gradients), from the kept roots it computes
-    the weights' gradients alone: 3 an expert in the dtype, 2 in FP8 (gate and up
-    joined); the gradients are one backward's, bit for bit."""
+@pytest.mark.parametrize("fp8,gemms", [(False, (3, 3, 4)), (True, (4, 4, 6))])
+def test_the_experts_weight_half_multiplies_by_no_weight_again(fp8, gemms):
+    """Two experts with rows: the input half multiplies by the down weights and by the
+    gate's and up's; a weight half from the output gradient would multiply by the down
+    weights again to reach the gate's and up's, from the kept roots it computes the
+    weights' gradients alone. In the dtype each is one grouped GEMM over the experts (3
+    in the input half, 3 from the roots, 4 from the output); in FP8 each expert runs its
+    own, gate and up joined (2 an expert, 2, 3). The gradients are one backward's, bit
+    for bit."""
     from planc.runtime.engine.fp8 import Recipe
 
     forward, inputs, params, grad = _experts(Recipe(8) if fp8 else None)
-    per_expert = (2, 2) if fp8 else (3, 3)
-    assert _both_ways(forward, inputs, params, grad) == (
-        2 * per_expert[0], 2 * per_expert[1], 2 * per_expert[1] + 2)
+    assert _both_ways(forward, inputs, params, grad) == gemms
 
 
 def test_a_weight_reached_through_another_weights_product_is_not_split():

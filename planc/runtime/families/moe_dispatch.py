@@ -62,13 +62,13 @@ def expert_output(x: torch.Tensor, weights: tuple, expert: int, recipe=None,
                   scale: torch.Tensor | None = None) -> torch.Tensor:
     """Routed expert ``expert``'s SwiGLU of rows ``x``, each weighted by its ``scale``
     (:func:`expert_mlp`); ``weights``: the gate, up and down slices
-    (:func:`stacked_experts`); its GEMMs in FP8 by ``recipe`` (planc.runtime.engine.fp8)."""
+    (:meth:`Experts.slices`); its GEMMs in FP8 by ``recipe`` (planc.runtime.engine.fp8)."""
     gate, up, down = weights
     return expert_mlp(x, gate[expert], up[expert], down[expert], recipe, scale)
 
 
 def through_experts(done: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor,
-                    expert_of: torch.Tensor, local: int, weights: tuple, recipe=None
+                    expert_of: torch.Tensor, local: int, experts: Experts, recipe=None
                     ) -> torch.Tensor:
     """``done`` with each of ``rows`` written over by its expert's output, weighted by its
     scale (:func:`expert_output`; ``expert_of``: each row's expert among the rank's
@@ -78,18 +78,36 @@ def through_experts(done: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor
     every expert, and writing each expert's outputs would copy ``done`` whole."""
     order = torch.argsort(expert_of, stable=True)
     counts = torch.bincount(expert_of, minlength=local).tolist()
-    outputs = outputs_by_expert(rows[order], scales[order], counts, weights, recipe)
+    outputs = outputs_by_expert(rows[order], scales[order], counts, experts, recipe)
     return done if outputs is None else copied_by_row(done, order, outputs)
 
 
 def outputs_by_expert(rows: torch.Tensor, scales: torch.Tensor, counts: list[int],
-                      weights: tuple, recipe=None) -> torch.Tensor | None:
+                      experts: Experts, recipe=None) -> torch.Tensor | None:
     """Rows in expert order, ``counts[e]`` of expert e's one after another, each through
-    its expert, weighted by its scale (:func:`expert_output`), in the same order; None
-    when no expert has rows."""
-    outputs = [expert_output(x, weights, expert, recipe, scale) for expert, (x, scale, n) in
-               enumerate(zip(rows.split(counts), scales.split(counts), counts)) if n]
-    return torch.cat(outputs) if outputs else None
+    its expert, weighted by its scale (:func:`expert_mlp`), in the same order; None when
+    no expert has rows. In the dtype the SwiGLU runs once over every expert's rows, and
+    where :meth:`Experts.grouped` allows, each of the three GEMMs is one
+    ``torch._grouped_mm`` over them (Megatron-Core's grouped GEMM), else a GEMM an expert:
+    the same bits either way, three kernels where the loop launches three an expert. With
+    FP8 each expert runs its own (planc.runtime.engine.fp8.swiglu_down)."""
+    if not any(counts):
+        return None
+    if recipe is not None:
+        weights = experts.slices()
+        return torch.cat([expert_output(x, weights, expert, recipe, scale) for expert, (
+            x, scale) in enumerate(zip(rows.split(counts), scales.split(counts))) if x.numel()])
+    if experts.grouped(rows):
+        ends = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
+        gate, up = (torch._grouped_mm(rows, w, offs=ends) for w in (experts.gate, experts.up))
+        return torch._grouped_mm(llama.SiluTimes.apply(gate, up, scales), experts.down,
+                                 offs=ends)
+    gate, up, down = experts.slices()
+    mine = [(expert, x) for expert, x in enumerate(rows.split(counts)) if x.shape[0]]
+    activated = llama.SiluTimes.apply(torch.cat([x @ gate[e] for e, x in mine]),
+                                      torch.cat([x @ up[e] for e, x in mine]), scales)
+    return torch.cat([a @ down[e] for (e, _), a in
+                      zip(mine, activated.split([x.shape[0] for _, x in mine]))])
 
 
 def expert_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
@@ -152,13 +170,43 @@ def copied_by_row(into: torch.Tensor, rows: torch.Tensor, values: torch.Tensor
     return _PutByRow.apply(into, rows, values, False, None)
 
 
-def stacked_experts(weights_of) -> tuple:
-    """The gate, up and down weights of the block's routed experts (this rank's), each as
-    its experts' slices of the stacked parameter (``unbind``): the backward stacks the
-    slices' gradients once, where indexing the parameter expert by expert would return a
-    whole zero-filled gradient of it for every expert, summed (as many times the memory
-    traffic as the rank has experts)."""
-    return tuple(weights_of(f"experts.{w}.weight").unbind(0) for w in ("gate", "up", "down"))
+@dataclass(frozen=True)
+class Experts:
+    """The gate, up and down weights of a block's routed experts (a rank's), each stacked
+    (experts x in x out)."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+    def slices(self) -> tuple:
+        """Each weight as its experts' slices (``unbind``): the backward stacks the slices'
+        gradients once, where indexing the parameter expert by expert would return a
+        whole zero-filled gradient of it for every expert, summed (as many times the
+        memory traffic as the rank has experts)."""
+        return tuple(w.unbind(0) for w in (self.gate, self.up, self.down))
+
+    def grouped(self, rows: torch.Tensor) -> bool:
+        """Whether ``torch._grouped_mm`` takes these weights and ``rows`` (hidden wide):
+        every row 16-byte aligned, as its check of strides asks, and every tensor's
+        start on a GPU. On a GPU, only where it is one grouped GEMM, in bf16 on Hopper
+        and Blackwell (compute capability 9 and 10; Megatron-Core's and torchtitan's
+        routed experts); on a CPU torch loops over the experts' GEMMs as
+        :func:`outputs_by_expert` would, to the same bits (tests/test_moe.py)."""
+        if not hasattr(torch, "_grouped_mm") or rows.dim() != 2:
+            return False
+        if rows.is_cuda and (rows.dtype != torch.bfloat16 or
+                             torch.cuda.get_device_capability(rows.device)[0] not in (9, 10)):
+            return False
+        tensors = (rows, self.gate, self.up, self.down)
+        return all(t.dtype == rows.dtype and t.is_contiguous()
+                   and t.shape[-1] * t.element_size() % 16 == 0
+                   and (t.device.type == "cpu" or t.data_ptr() % 16 == 0) for t in tensors)
+
+
+def stacked_experts(weights_of) -> Experts:
+    """The block's routed experts' weights (this rank's), by ``weights_of(name)``."""
+    return Experts(*(weights_of(f"experts.{w}.weight") for w in ("gate", "up", "down")))
 
 
 def gate_hooks(k, spec, step: int, mb: int) -> tuple:
