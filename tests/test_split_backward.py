@@ -111,6 +111,21 @@ def test_a_weight_no_input_path_reaches_is_not_split():
     assert weight_splits(out.grad_fn, [x], [b]) is None
 
 
+def test_a_group_no_gradient_reached_gets_none():
+    """A group of weights whose nodes the input half sent nothing into: no gradient for
+    them, and the other groups' as from their nodes."""
+    from planc.runtime.backward_passes import WeightRoots
+
+    x = torch.randn(4, 8, requires_grad=True)
+    w, unused = torch.randn(8, 6, requires_grad=True), torch.randn(3, requires_grad=True)
+    out = x @ w
+    grad = torch.randn(4, 6)
+    edge = torch.autograd.graph.get_gradient_edge(out)
+    found = weight_half(WeightRoots([([], [], [1]), ([edge], [grad], [0])]), [w, unused],
+                        _grad)
+    assert found[1] is None and torch.equal(found[0], x.detach().t() @ grad)
+
+
 def _latent_heads(heads: int, q_rank: int, kv_rank: int):
     """Multi-head latent attention's q, k and v (planc.runtime.families.deepseek) of 2 x 6
     tokens 32 wide, heads of 16 + 8 rotary features and values 16 wide; its leaves."""

@@ -206,6 +206,8 @@ def weight_half(roots: WeightRoots, params: list[torch.Tensor], vector_jacobian
     passes another's nodes), the graph let go with the last."""
     found: list[torch.Tensor | None] = [None] * len(params)
     for number, (edges, grads, indices) in enumerate(roots.groups):
+        if not edges:  # no gradient reached the group's nodes: none for its weights
+            continue
         last = number == len(roots.groups) - 1
         for index, grad in zip(indices, vector_jacobian(
                 edges, grads, [params[i] for i in indices], retain_graph=not last)):
