@@ -165,8 +165,8 @@ def test_latent_attentions_weight_half_skips_the_up_projections_input_gradients(
 def test_where_the_products_gradients_take_more_the_weight_half_recomputes_them():
     """The H800 miniature's proportions (latents as wide as the heads): the gradients at
     the products hold more than the q, k and v gradient, so planc keeps that gradient
-    and the weight half recomputes from it; a rank's experts always so (their gate's and
-    up's gradients are wider than their output's)."""
+    and the weight half recomputes from it; a rank's experts so too (their gate's and
+    up's gradients would be kept beside their output's)."""
     for forward, inputs, params, grad in (_latent_heads(heads=4, q_rank=48, kv_rank=32),
                                           _experts()):
         _, roots = _input_half(forward(), inputs, params, grad)
