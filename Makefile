@@ -72,8 +72,9 @@ demo: bytecode $(CORPUS)
 # worker at a time; a file's shared fixtures are built once. On a 2-core machine the
 # suite is bound by CPU: about 840 CPU-seconds and 8:02 with 2 workers on a quiet machine
 # (2026-12-02), twice the CPU-seconds and 15:31 when the same machine was busy with other
-# work (14:28 with 3 workers, 2026-11-29). Files start in the order tests/conftest.py
-# gives them (the longest first), not pytest-xdist's own.
+# work (14:28 with 3 workers, 2026-11-29); 12:23 and 12:35 later on 2026-12-02 with
+# nothing else running (1,083 CPU-seconds with the install). Files start in the order
+# tests/conftest.py gives them (the longest first), not pytest-xdist's own.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 4 ? 4 : n )))
 # More pytest options, e.g. make test PYTEST_ARGS=--durations=40 (the slowest tests), or
 # PYTEST_ARGS="-p suite_cpu" PYTHONPATH=bench: each test's CPU-seconds, with the processes
