@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from planc.runtime.backward_passes import input_half, weight_half, weight_splits  # noqa: E402
+from planc.runtime.engine.kernels import _vector_jacobian  # noqa: E402
 from tests.conftest import counting  # noqa: E402
 
 GEMMS = (torch.ops.aten.mm.default, torch.ops.aten._grouped_mm.default)
@@ -32,10 +33,6 @@ def _experts(recipe=None):
     return forward, [rows, scales], stacked, grad
 
 
-def _grad(edges, grads, targets, retain_graph):
-    return torch.autograd.grad(edges, targets, grads, retain_graph=retain_graph)
-
-
 def _input_half(out, inputs, params, grad, limit=1 << 40):
     """The input half of ``out``'s backward as planc runs it, keeping where its weight
     half starts wherever that takes at most ``limit`` bytes: its gradients, the roots."""
@@ -51,7 +48,7 @@ def _split(forward, inputs, params, grad):
         dinputs, roots = _input_half(out, inputs, params, grad)
     assert roots is not None
     with counting(*GEMMS) as weights_pass:
-        dparams = weight_half(roots, params, _grad)
+        dparams = weight_half(roots, params, _vector_jacobian)
     return dinputs, dparams, inputs_pass.count, weights_pass.count
 
 
@@ -122,7 +119,7 @@ def test_a_group_no_gradient_reached_gets_none():
     grad = torch.randn(4, 6)
     edge = torch.autograd.graph.get_gradient_edge(out)
     found = weight_half(WeightRoots([([], [], [1]), ([edge], [grad], [0])]), [w, unused],
-                        _grad)
+                        _vector_jacobian)
     assert found[1] is None and torch.equal(found[0], x.detach().t() @ grad)
 
 

@@ -78,7 +78,8 @@ def weight_splits(root, inputs: list[torch.Tensor], params: list[torch.Tensor]
     way), each with the indices of its parameters: a weight pass that starts from them,
     with the gradients an input pass sent into them, recomputes nothing the input pass
     computed (a SwiGLU's product's gradient, an up-projection's input gradient). None
-    when there is nothing to gain (the paths part at ``root`` itself) or a group's nodes
+    when no such node lies under another (a weight pass from ``root`` would then multiply
+    by no weight the input pass multiplied by: nothing to gain), or when a group's nodes
     lie on one another's paths (a weight pass from both would count a gradient twice)."""
     parents: dict = {}
     seen, stack = {root}, [root]

@@ -132,8 +132,9 @@ def _autograd_grad(outputs, grads, targets, retain_graph):
 
 def _engine_grad(outputs, grads, targets, retain_graph):
     """``torch.autograd.grad`` without its argument handling: the engine call it ends in.
-    A backward step asks for one output's vector-Jacobian product whose gradient the
-    compiler shaped (planc.program.operands), so ``_make_grads``' normalisation and shape
+    A backward step asks for the vector-Jacobian product of its output (or, in a weight
+    half, of the edges its input half kept) with gradients whose shapes the compiler or
+    autograd made (planc.program.operands), so ``_make_grads``' normalisation and shape
     checks, a third of the call's CPU on a small layer's step (a profile of a 1-rank
     run, yappi), are redone work; the engine still checks the shapes itself."""
     return torch.autograd.graph._engine_run_backward(

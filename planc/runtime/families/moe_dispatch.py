@@ -188,11 +188,11 @@ class Experts:
 
     def grouped(self, rows: torch.Tensor) -> bool:
         """Whether ``torch._grouped_mm`` takes these weights and ``rows`` (hidden wide):
-        every row 16-byte aligned, as its check of strides asks, and every tensor's
-        start on a GPU. On a GPU, only where it is one grouped GEMM, in bf16 on Hopper
-        and Blackwell (compute capability 9 and 10; Megatron-Core's and torchtitan's
-        routed experts); on a CPU torch loops over the experts' GEMMs as
-        :func:`outputs_by_expert` would, to the same bits (tests/test_moe.py)."""
+        every row a multiple of 16 bytes, as its check of strides asks, and on a GPU
+        every tensor's start 16-byte aligned. On a GPU, only where it is one grouped
+        GEMM, in bf16 on Hopper and Blackwell (compute capability 9 and 10; Megatron-Core's
+        and torchtitan's routed experts); on a CPU torch loops over the experts' GEMMs
+        as :func:`outputs_by_expert` would, to the same bits (tests/test_moe.py)."""
         if not hasattr(torch, "_grouped_mm") or rows.dim() != 2:
             return False
         if rows.is_cuda and (rows.dtype != torch.bfloat16 or
