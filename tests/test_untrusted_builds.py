@@ -228,6 +228,26 @@ def test_a_graph_node_with_an_op_no_kernel_runs(build, capsys):
         f"planc compile again\n")
 
 
+def test_a_graph_in_another_json_layout_reads_as_the_one_compile_wrote(build, capsys):
+    """A graph.json byte for byte as compile writes it for plan.json is read without its
+    schema checked again; the same graph in another layout (indented, keys sorted) has its
+    schema checked and its content compared, and is the plan's all the same: both read
+    into equal graphs, and every command prints the same."""
+    import networkx as nx
+
+    from planc.build.directory import read
+
+    as_written = read(build)
+    printed = [main(["programs", str(build), "--expand"]), capsys.readouterr()]
+    path = build / "graph.json"
+    path.write_text(json.dumps(json.loads(path.read_text()), indent=2, sort_keys=True))
+    relaid = read(build)
+    assert nx.utils.graphs_equal(as_written.graph, relaid.graph)
+    assert as_written.graph.graph == relaid.graph.graph
+    assert [main(["programs", str(build), "--expand"]), capsys.readouterr()] == printed
+    assert printed[0] == 0 and printed[1].out.count("\n") > 100
+
+
 def test_a_graph_edited_along_with_its_programs_is_not_the_plans(tmp_path, capsys):
     """The verifier proves the programs against graph.json; with the optimizer step of a
     bucket taken out of both (its edge too; without ZeRO nothing reads its output), every

@@ -41,6 +41,7 @@ from planc.build.files import (BUILD_FORMAT_VERSION, GROUPS, MALFORMED,  # noqa:
                                ROUTES, BuildError, PlanShape, invalid_plan,
                                read_manifest_and_plan_data, read_program_files)
 from planc.build.files import fingerprint as _fingerprint
+from planc.build.files import parse_json, read_json_bytes
 from planc.build.files import read_json as _read_json
 from planc.host.collector import without_collector
 from planc.host.files import open_regular_file, umask
@@ -290,7 +291,8 @@ def read(directory: str | Path) -> Build:
     problem = schema_problem(plan)  # as planc check reads each key's value
     if problem is not None:
         raise invalid_plan(path, ValueError(problem))
-    graph_data = _read_json(path, "graph.json")
+    raw_graph = read_json_bytes(path, "graph.json")
+    graph_data = parse_json(path / "graph.json", raw_graph)
     attributes = graph_data.get("graph")
     if not isinstance(attributes, dict) or \
             not is_version(attributes.get("version"), ir.GRAPH_FORMAT_VERSION):
@@ -307,34 +309,40 @@ def read(directory: str | Path) -> Build:
     except (*MALFORMED, nx.NetworkXError) as exc:
         raise BuildError(f"{path / 'graph.json'} is not a valid graph ({exc}); run planc "
                          f"compile again") from None
-    _check_graph(path / "graph.json", graph, plan)
-    if not _derived_from(graph_data, plan, manifest["plan_sha256"]):
-        raise BuildError(f"{path / 'graph.json'} is not the graph this planc derives from "
-                         f"plan.json (it was edited, or written by another version); run "
-                         f"planc compile again")
+    ir.coerce(graph)  # the schema's enums, as the graph compile derived holds them
+    _check_graph_attributes(path / "graph.json", attributes, plan)
+    derived = _derived_text(plan, manifest["plan_sha256"])
+    # Byte for byte what compile writes for this plan: the schema holds by construction.
+    # Otherwise the schema's first problem names the damage, or, if none, the difference.
+    if raw_graph != derived.encode("utf-8"):
+        _check_graph(path / "graph.json", graph, plan)
+        if json.loads(derived) != graph_data:
+            raise BuildError(f"{path / 'graph.json'} is not the graph this planc derives "
+                             f"from plan.json (it was edited, or written by another "
+                             f"version); run planc compile again")
     summary = _read_json(path, "summary.json")
     if not isinstance(summary.get("stages"), list):
         raise BuildError(f"{path / 'summary.json'} has no stages; run planc compile again")
     return Build(plan, graph, summary, str(path))
 
 
-def _derived_from(graph_data: dict, plan: Plan, plan_sha256: str) -> bool:
-    """Whether graph.json is the graph the compiler derives from ``plan`` (derive, then
-    the passes; deterministic, and under a second for the largest plans): the programs
-    are proven against it (planc.verify), so a graph.json edited along with them, its
-    optimizer step gone from both, would otherwise pass as the plan's."""
+def _derived_text(plan: Plan, plan_sha256: str) -> str:
+    """graph.json as compile writes it for ``plan``: derive, then the passes
+    (deterministic). The programs are proven against the graph (planc.verify), so a
+    graph.json edited along with them, its optimizer step gone from both, must not pass
+    as the plan's."""
     from planc import passes
     from planc.graph.derive import derive
 
     derived = graph_to_json(passes.run(derive(plan), passes.PassContext.of(plan), None,
                                        owned=True))
     derived["graph"] = {**derived["graph"], "plan_sha256": plan_sha256}
-    return json.loads(_dump(derived, compact=True)) == graph_data  # as compile wrote it
+    return _dump(derived, compact=True)
 
 
-def _check_graph(path: Path, graph: nx.DiGraph, plan: Plan) -> None:
-    """The graph belongs to the plan and follows the schema of planc.graph.ir."""
-    attributes = graph.graph
+def _check_graph_attributes(path: Path, attributes: dict, plan: Plan) -> None:
+    """The graph's own attributes belong to the plan (read before the graph is derived
+    again, so that a graph of another plan is named as such)."""
     if attributes.get("sizes") != plan.mesh.sizes or \
             attributes.get("microbatches") != plan.schedule.microbatches or \
             not isinstance(attributes.get("schedule"), dict) or \
@@ -343,7 +351,11 @@ def _check_graph(path: Path, graph: nx.DiGraph, plan: Plan) -> None:
             not isinstance(attributes.get("passes"), list):
         raise BuildError(f"{path} does not match plan.json (mesh, microbatches, schedule or "
                          f"buckets); run planc compile again")
-    problems = ir.validate(ir.coerce(graph), microbatches=plan.schedule.microbatches,
+
+
+def _check_graph(path: Path, graph: nx.DiGraph, plan: Plan) -> None:
+    """The graph (coerced) follows the schema of planc.graph.ir."""
+    problems = ir.validate(graph, microbatches=plan.schedule.microbatches,
                            stages=plan.mesh.pp, layers=plan.model.layers,
                            chunks=len(plan.shard.pp.chunks), stage_of_chunk=plan.stage_of_chunk,
                            limit=1)

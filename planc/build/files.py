@@ -57,6 +57,12 @@ def read_json(directory: Path, name: str) -> dict:
     """One JSON file of a build, read as untrusted input: a regular file (a named pipe or a
     link to /dev/zero is refused, not read forever), of bounded size, whose numbers and
     nesting Python can hold."""
+    return parse_json(directory / name, read_json_bytes(directory, name))
+
+
+def read_json_bytes(directory: Path, name: str) -> bytes:
+    """The bytes of one JSON file of a build, unparsed (:func:`read_json`'s first half):
+    a regular file, not a link, of at most MAX_JSON_BYTES."""
     path = directory / name
     try:
         raw = read_regular_file(path, MAX_JSON_BYTES + 1, follow=False)
@@ -70,6 +76,12 @@ def read_json(directory: Path, name: str) -> dict:
     if len(raw) > MAX_JSON_BYTES:
         raise BuildError(f"{path} is larger than {MAX_JSON_BYTES >> 20} MiB; run planc "
                          f"compile again")
+    return raw
+
+
+def parse_json(path: Path, raw: bytes) -> dict:
+    """``raw``, the bytes of the build's file ``path``, as the JSON object it must hold
+    (:func:`read_json`'s second half)."""
     try:
         data = json.loads(raw.decode("utf-8"))
     except json.JSONDecodeError as exc:
