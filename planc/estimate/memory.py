@@ -133,6 +133,15 @@ def last_block_kept(plan: Plan) -> bool:
     return head_unit_kept(plan) and first <= last == plan.model.layers - 1
 
 
+def one_layer_of_each_block(plan: Plan, layers: tuple[int, ...]) -> tuple[int, ...]:
+    """One of ``layers`` for each block among them (a mixture's and a dense block's): the
+    layers of one block hold the same parameters and activations."""
+    family, m = family_of(plan), plan.model
+    if family.layer_block is None:
+        return layers[:1]
+    return tuple({family.block(m, layer): layer for layer in layers}.values())
+
+
 def unsharded_unit_bytes(plan: Plan, stage: int) -> float:
     """What ZeRO-3 holds whole beside the shards, at its most: the stage's largest unit
     (a block, the embedding, the head and final norm) gathered twice in the model's dtype
@@ -147,11 +156,12 @@ def unsharded_unit_bytes(plan: Plan, stage: int) -> float:
     if plan.shard.dp.zero != 3 or plan.mesh.dp * plan.mesh.cp == 1:
         return 0.0
     family, m, ep = family_of(plan), plan.model, plan.mesh.ep
-    units = [layer_parameters(plan, layer) for layer in plan.layers_of_stage(stage)]
+    layers = one_layer_of_each_block(plan, plan.layers_of_stage(stage))
+    units = [layer_parameters(plan, layer) for layer in layers]
     if ep > 1 and plan.mesh.tp * plan.mesh.dp * plan.mesh.cp // ep > 1:
         # a block's routed experts split over ep: a unit of their own, gathered over edp
         # (with no replica, edp of one, they are never gathered)
-        units += [layer_expert_parameters(plan, layer) for layer in plan.layers_of_stage(stage)]
+        units += [layer_expert_parameters(plan, layer) for layer in layers]
     if stage == 0:
         units.append(_local_elements(plan, family.embedding_parameters(m)))
     if stage == plan.head_stage:
@@ -291,9 +301,7 @@ _LAYERS_DONE = (schedules.ActionKind.BACKWARD, schedules.ActionKind.BACKWARD_WEI
 def _live_peak(pipeline: str, stage: int, pp: int, microbatches: int, virtual: int,
                sizes: tuple[int, ...], done: tuple = _LAYERS_DONE) -> int:
     live = peak = 0
-    schedule = schedules.named(pipeline)
-    for action in schedule.order(stage, pp, schedule.peak_microbatches(
-            pp, microbatches, virtual), virtual):
+    for action in schedules.peak_order(pipeline, stage, pp, microbatches, virtual):
         if action.kind.is_forward:
             live += sizes[action.chunk]
         elif action.kind in done:  # the backward is done with them
@@ -344,12 +352,8 @@ def largest_step_gradient_bytes(plan: Plan, stage: int) -> float:
     head's or embedding's vocabulary table, or a mixture's routed experts."""
     family, m, ep = family_of(plan), plan.model, plan.mesh.ep
     cut = moe.cut_over_ep(plan)
-    layers = plan.layers_of_stage(stage)
-    # one layer of each kind the stage holds (a mixture's and a dense block's)
-    kinds = {family.block(m, layer): layer for layer in layers} if family.layer_block \
-        else ({None: layers[0]} if layers else {})
     groups: list[list] = []
-    for layer in kinds.values():
+    for layer in one_layer_of_each_block(plan, plan.layers_of_stage(stage)):
         prefix = f"layers.{layer}."
         by_name = {p.name[len(prefix):]: p for p in family.layer_parameters(m, layer)}
         for rule in family.rules.values():

@@ -46,7 +46,7 @@ def units_beyond_peak(plan: Plan, stage: int, per_layer: float,
     logits = functools.partial(_logits_gradient_bytes, plan)
     return _beyond_activation_peak(plan, stage, per_layer, freed_by_input,
                                    lambda c: reads(c) + units(c), logits) - \
-        _beyond_activation_peak(plan, stage, per_layer, freed_by_input, reads, logits)
+        reads_beyond_peak(plan, stage, per_layer, freed_by_input)
 
 
 def _gathered_unit_bytes(plan: Plan, chunk: int) -> float:
@@ -66,6 +66,8 @@ def _gathered_unit_bytes(plan: Plan, chunk: int) -> float:
     return count * m.dtype_bytes
 
 
+# planc tune estimates thousands of layouts, each stage's reads two or three times over
+@functools.lru_cache(maxsize=1 << 12)
 def _weight_half_bytes(plan: Plan, chunk: int) -> float:
     """What a chunk's weight half reads, for one microbatch, in the model's dtype: the
     output gradient of each step with parameters (:func:`_step_reads`), and under
@@ -74,10 +76,15 @@ def _weight_half_bytes(plan: Plan, chunk: int) -> float:
     chunks = plan.shard.pp.chunks
     first, last = chunks[chunk]
     features = 0.0
+    per_block: dict[tuple, float] = {}  # a chunk's layers mostly share one block
     for layer in range(first, last + 1):
-        ops, links = family.block(m, layer)
-        recomputed = _recomputed_ops(plan, ops)
-        features += sum(_step_reads(plan, op, links, op in recomputed) for op in ops)
+        block = family.block(m, layer)
+        if block not in per_block:
+            ops, links = block
+            recomputed = _recomputed_ops(plan, ops)
+            per_block[block] = sum(_step_reads(plan, op, links, op in recomputed)
+                                   for op in ops)
+        features += per_block[block]
     if chunk == 0:
         features += sum(_step_reads(plan, op, (), False) for op in family.embedding_ops)
     if chunk == len(chunks) - 1:
@@ -186,6 +193,7 @@ def _column_share(family, m, tp: int, rule, width: float) -> float:
     return width / sum(groups) * sum(g / tp if g >= tp else 1 for g in groups)
 
 
+@functools.lru_cache(maxsize=1 << 12)  # see _weight_half_bytes
 def reads_beyond_peak(plan: Plan, stage: int, per_layer: float,
                       freed_by_input: float = 0.0) -> float:
     """Under a schedule that splits the backward, what each chunk's weight half (W)
@@ -216,7 +224,9 @@ def _beyond_activation_peak(plan: Plan, stage: int, per_layer: float, freed_by_i
     left beside them. ``after_input(chunk)`` becomes live only once its I is done
     (counted elsewhere while it runs)."""
     count = len(plan.shard.pp.chunks)
-    mine = [plan.stage_of_chunk(c) == stage for c in range(count)]
+    mine = [False] * count
+    for c in plan.chunks_of_stage(stage):
+        mine[c] = True
     layers = tuple(plan.shard.pp.chunk_layers(c) if mine[c] else 0 for c in range(count))
     reads = tuple(pending(c) if mine[c] else 0.0 for c in range(count))
     later = tuple(after_input(c) if mine[c] else 0.0 for c in range(count))
@@ -230,12 +240,11 @@ def _beyond_activation_peak(plan: Plan, stage: int, per_layer: float, freed_by_i
 def _pending_beyond_peak(pipeline: str, stage: int, pp: int, microbatches: int, virtual: int,
                          activations: tuple[float, ...], freed: tuple[float, ...],
                          pending: tuple[float, ...], later: tuple[float, ...]) -> float:
-    schedule, kinds = schedules.named(pipeline), schedules.ActionKind
+    kinds = schedules.ActionKind
     # live: the activations freed whole by the last backward block (the peak the estimate
     # counts), left: as the runtime frees them, what an I frees at its end
     live = left = held = peak = both = 0.0
-    for action in schedule.order(stage, pp, schedule.peak_microbatches(
-            pp, microbatches, virtual), virtual):
+    for action in schedules.peak_order(pipeline, stage, pp, microbatches, virtual):
         chunk = action.chunk
         if action.kind.is_forward:
             live += activations[chunk]

@@ -10,6 +10,7 @@ the rest of planc.
 
 from __future__ import annotations
 
+import functools
 from types import MappingProxyType
 
 from planc.schedules.actions import Action, ActionKind, Block
@@ -26,7 +27,7 @@ from planc.schedules.zbv import ZBV
 __all__ = ["Action", "ActionKind", "Block", "LOOP", "V", "PipelineSchedule", "PipelineShape",
            "ChunkPlacement",
            "ScheduleProblem", "SCHEDULES", "DEFAULT_SCHEDULE", "Timeline", "named", "names",
-           "order", "problems", "simulate"]
+           "order", "peak_order", "problems", "simulate"]
 
 # Name -> schedule, in the order the language lists them; read-only.
 SCHEDULES = MappingProxyType({s.name: s for s in (GPIPE, ONE_F_ONE_B, INTERLEAVED, ZB1P,
@@ -50,6 +51,17 @@ def named(name: str) -> PipelineSchedule:
 def order(name: str, stage: int, pp: int, microbatches: int, virtual: int = 1) -> list[Action]:
     """Stage ``stage``'s actions under the schedule ``name``."""
     return named(name).order(stage, pp, microbatches, virtual)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def peak_order(name: str, stage: int, pp: int, microbatches: int, virtual: int = 1
+               ) -> tuple[Action, ...]:
+    """Stage ``stage``'s actions over :meth:`PipelineSchedule.peak_microbatches`: an order
+    that reaches the same peaks of what it holds, as the memory estimate replays it
+    (planc tune estimates thousands of layouts of a few pipeline shapes)."""
+    schedule = named(name)
+    return tuple(schedule.order(stage, pp, schedule.peak_microbatches(pp, microbatches,
+                                                                      virtual), virtual))
 
 
 def problems(name: str, shape: PipelineShape) -> list[ScheduleProblem]:
