@@ -350,10 +350,25 @@ def largest_step_gradient_bytes(plan: Plan, stage: int) -> float:
     head's, a mixture's (its router, its routed experts on this rank, its shared experts,
     each a step of their own where it is cut at its all-to-alls). The largest is the
     head's or embedding's vocabulary table, or a mixture's routed experts."""
+    family, m = family_of(plan), plan.model
+    layers = plan.layers_of_stage(stage)
+    if family.layer_block is None:
+        kinds = (0,) if layers else ()
+    else:  # the model's first layer of each block the stage holds: stages share them
+        first: dict = {}
+        for layer in range(m.layers):
+            first.setdefault(family.block(m, layer), layer)
+        kinds = tuple(sorted({first[family.block(m, layer)] for layer in layers}))
+    return _largest_step_gradient_bytes(plan, kinds, stage == 0, stage == plan.head_stage)
+
+
+@functools.lru_cache(maxsize=1 << 12)  # planc tune asks for every stage of thousands
+def _largest_step_gradient_bytes(plan: Plan, layers: tuple[int, ...], embedding: bool,
+                                 head: bool) -> float:
     family, m, ep = family_of(plan), plan.model, plan.mesh.ep
     cut = moe.cut_over_ep(plan)
     groups: list[list] = []
-    for layer in one_layer_of_each_block(plan, plan.layers_of_stage(stage)):
+    for layer in layers:
         prefix = f"layers.{layer}."
         by_name = {p.name[len(prefix):]: p for p in family.layer_parameters(m, layer)}
         for rule in family.rules.values():
@@ -362,9 +377,9 @@ def largest_step_gradient_bytes(plan: Plan, stage: int) -> float:
             pieces = ("router.", "experts.", "shared.") if rule.expert_parallel and cut \
                 else ("",)
             groups += [[by_name[n] for n in owned if n.startswith(piece)] for piece in pieces]
-    if stage == 0:
+    if embedding:
         groups += [[p] for p in family.embedding_parameters(m)]
-    if stage == plan.head_stage:
+    if head:
         groups += [[p] for p in family.head_parameters(m)]
     largest = max((_local_elements(plan, group) + sum(
         p.numel // ep for p in group if p.split_over_experts(ep)) for group in groups),
