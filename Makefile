@@ -73,8 +73,11 @@ demo: bytecode $(CORPUS)
 # suite is bound by CPU: about 840 CPU-seconds and 8:02 with 2 workers on a quiet machine
 # (2026-12-02), twice the CPU-seconds and 15:31 when the same machine was busy with other
 # work (14:28 with 3 workers, 2026-11-29); 12:23 and 12:35 later on 2026-12-02 with
-# nothing else running (1,083 CPU-seconds with the install). Files start in the order
-# tests/conftest.py gives them (the longest first), not pytest-xdist's own.
+# nothing else running (1,083 CPU-seconds with the install); on a slower day of the same
+# host, 14:04 to 14:50 for the same code (1,615 CPU-seconds by bench/suite_cpu.py), then
+# 12:03 after the read-only commands and the memory estimate got faster (fresh clone of
+# 5d1cc1c). Files start in the order tests/conftest.py gives them (the longest first),
+# not pytest-xdist's own.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 4 ? 4 : n )))
 # More pytest options, e.g. make test PYTEST_ARGS=--durations=40 (the slowest tests), or
 # PYTEST_ARGS="-p suite_cpu" PYTHONPATH=bench: each test's CPU-seconds, with the processes
