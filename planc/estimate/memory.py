@@ -35,7 +35,7 @@ from planc.estimate.parameter_counts import (_local_elements, layer_expert_param
                                              layer_parameters, stage_expert_parameters,
                                              stage_parameters)
 from planc.models import family_of, moe, moe_memory
-from planc.plan.plan import Plan
+from planc.plan.plan import Model, Plan
 
 FP32_BYTES = 4
 
@@ -134,12 +134,23 @@ def last_block_kept(plan: Plan) -> bool:
 
 
 def one_layer_of_each_block(plan: Plan, layers: tuple[int, ...]) -> tuple[int, ...]:
-    """One of ``layers`` for each block among them (a mixture's and a dense block's): the
-    layers of one block hold the same parameters and activations."""
+    """The model's first layer of each block among ``layers`` (a mixture's and a dense
+    block's), in order: the layers of one block hold the same parameters and activations,
+    and stages that hold the same blocks get the same layers, so that what is worked out
+    from them is shared (:func:`_largest_step_gradient_bytes`)."""
     family, m = family_of(plan), plan.model
     if family.layer_block is None:
-        return layers[:1]
-    return tuple({family.block(m, layer): layer for layer in layers}.values())
+        return (0,) if layers else ()
+    first = dict(_first_layer_of_each_block(m))
+    return tuple(sorted({first[family.block(m, layer)] for layer in layers}))
+
+
+@functools.lru_cache(maxsize=1 << 8)  # asked for every stage, of every layout tune tries
+def _first_layer_of_each_block(m: Model) -> tuple[tuple[tuple, int], ...]:
+    family, first = family_of(m), {}
+    for layer in range(m.layers):
+        first.setdefault(family.block(m, layer), layer)
+    return tuple(first.items())
 
 
 def unsharded_unit_bytes(plan: Plan, stage: int) -> float:
@@ -350,16 +361,9 @@ def largest_step_gradient_bytes(plan: Plan, stage: int) -> float:
     head's, a mixture's (its router, its routed experts on this rank, its shared experts,
     each a step of their own where it is cut at its all-to-alls). The largest is the
     head's or embedding's vocabulary table, or a mixture's routed experts."""
-    family, m = family_of(plan), plan.model
-    layers = plan.layers_of_stage(stage)
-    if family.layer_block is None:
-        kinds = (0,) if layers else ()
-    else:  # the model's first layer of each block the stage holds: stages share them
-        first: dict = {}
-        for layer in range(m.layers):
-            first.setdefault(family.block(m, layer), layer)
-        kinds = tuple(sorted({first[family.block(m, layer)] for layer in layers}))
-    return _largest_step_gradient_bytes(plan, kinds, stage == 0, stage == plan.head_stage)
+    return _largest_step_gradient_bytes(
+        plan, one_layer_of_each_block(plan, plan.layers_of_stage(stage)), stage == 0,
+        stage == plan.head_stage)
 
 
 @functools.lru_cache(maxsize=1 << 12)  # planc tune asks for every stage of thousands
