@@ -15,8 +15,9 @@ estimate prices by the same rules); llama under ZeRO-3 over two ranks, where wha
 matters is that a unit's gathered parameters go once its forward is done; and the same
 under zb1p over two stages (4 ranks), where a weight-gradient half keeps what it reads,
 zb1p alone (2 ranks), and zb1p with full recomputation (2 ranks), where that is the
-recomputed graph too. Each runs 2
-steps; the second is measured, on the rank holding the most.
+recomputed graph too; and tp 2 with sequence parallelism (2 ranks), whose loss works on
+each rank's slice of the vocabulary. Each runs 2 steps; the second is measured, on the
+rank holding the most.
 
     .venv/bin/python bench/memory_live.py [--plans llama-fp32,gpt-fp32] [--write]
 
@@ -110,12 +111,17 @@ PLANS = {
         name="llama_fp32_full_zb", dtype="fp32", optimize="optimize { recompute = full }",
         batch=8, mesh="pp = 2", devices=2, shard="").replace(
         "microbatches = 1", "microbatches = 4; pipeline = zb1p"),
+    # tp 2 with sequence parallelism: the head's logits and the loss split over the
+    # vocabulary (Megatron-LM's vocabulary-parallel cross-entropy)
+    "llama-fp32-tp2-sp": LLAMA.format(
+        name="llama_fp32_tp2_sp", dtype="fp32", optimize="", batch=4, mesh="tp = 2",
+        devices=2, shard="shard { tp { sequence_parallel = on } }"),
     "moe-fp32-zb": MOE_ZB.format(name="moe_fp32_zb", extra=""),
     "moe-fp8-zb": MOE_ZB.format(name="moe_fp8_zb", extra="; fp8 = blockwise"),
 }
-RANKS = {"llama-fp32-zero3": 2, "llama-bf16-zero3": 2, "llama-fp32-zero3-zb": 4,
-         "llama-fp32-zb": 2, "llama-fp32-full-zb": 2, "moe-fp32-zb": 4,
-         "moe-fp8-zb": 4}  # the others run one rank
+RANKS = {"llama-fp32-tp2-sp": 2, "llama-fp32-zero3": 2, "llama-bf16-zero3": 2,
+         "llama-fp32-zero3-zb": 4, "llama-fp32-zb": 2, "llama-fp32-full-zb": 2,
+         "moe-fp32-zb": 4, "moe-fp8-zb": 4}  # the others run one rank
 
 # Runs in a fresh process as a torchrun rank would (planc.runtime.worker.main), with a
 # thread sampling the heap and every instruction reporting what it left.

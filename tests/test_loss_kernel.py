@@ -116,3 +116,100 @@ def test_the_loss_over_its_logits_in_place_is_the_same_bits(device, shape):
     loss, log_probs = cross_entropy_sum(given, targets, 1000, in_place=True)
     assert log_probs.data_ptr() == given.data_ptr()
     assert torch.equal(loss, expected_loss) and torch.equal(log_probs, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_elements", [50, 7 * 50, 1 << 22])
+def test_the_vocabulary_parallel_normaliser_is_the_sum_of_shifted_exponentials(
+        dtype, chunk_elements):
+    """sum(exp(logit - max)) per token, a chunk of tokens at a time (one token, 7 and 3
+    left over, all 51 at once): the same bits as the formula on the whole fp32 logits,
+    and torch's logsumexp within rounding."""
+    from planc.runtime.engine.kernels import sum_exp_shifted
+
+    logits, _ = _logits(3)
+    logits = logits.to(dtype)
+    shift = logits.float().amax(-1) + 0.5  # the max over tp ranks is at least the local
+    sums = sum_exp_shifted(logits, shift, chunk_elements)
+    assert sums.dtype == torch.float32 and sums.shape == shift.shape
+    assert torch.equal(sums, (logits.float() - shift.unsqueeze(-1)).exp().sum(-1))
+    torch.testing.assert_close(sums, (torch.logsumexp(logits.float(), -1) - shift).exp(),
+                               rtol=1e-6, atol=0)
+
+
+def test_the_vocabulary_parallel_normaliser_holds_one_chunk_beside_the_logits():
+    """Every tensor the normaliser makes is at most one chunk of fp32 rows, or its
+    per-token output: no copy of the logits' size (``torch.logsumexp`` makes two, and
+    casting 16-bit logits to fp32 a third)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from planc.runtime.engine.kernels import sum_exp_shifted
+
+    logits = torch.randn(64, 8, 1000).to(torch.bfloat16)  # 512 tokens
+    shift = logits.float().amax(-1)
+    known = {logits.untyped_storage().data_ptr(), shift.untyped_storage().data_ptr()}
+    made = {}  # storage -> (operator, bytes): the storages the call allocates
+
+    class Allocations(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in known:
+                    made.setdefault(storage.data_ptr(), (str(func), storage.nbytes()))
+            return out
+
+    with Allocations():
+        sums = sum_exp_shifted(logits, shift, chunk_elements=16 * 1000)
+    # the chunk (16 tokens of the vocabulary, fp32) and the per-token sums
+    assert sorted(nbytes for _, nbytes in made.values()) == [512 * 4, 16 * 1000 * 4], made
+    assert torch.equal(sums, (logits.float() - shift.unsqueeze(-1)).exp().sum(-1))
+
+
+VOCAB_PARALLEL = """plan vocab_parallel {
+  model llama { layers = 2; hidden = 64; heads = 4; kv_heads = 2; ffn = 176; vocab = 512;
+                seq = 32; batch = 4; dtype = DTYPE }
+  mesh { tp = 2 }
+  schedule { microbatches = 2 }
+  train { steps = 2; optimizer = adamw(lr = 1e-3); seed = 0 }
+}
+"""
+
+# Each vocabulary-parallel loss backward: whether the fp32 logits its forward kept hold
+# the gradient it returns once it ran, and their shapes and dtypes.
+IN_PLACE_RANK = """
+import json, sys
+import torch
+import planc.runtime.worker as worker
+from planc.runtime.engine.kernels import Kernels
+backward, seen = Kernels._loss_backward, []
+def noting(self, saved):
+    logits = saved.extra.get("logits")
+    grads = backward(self, saved)
+    if logits is not None:
+        # written over: the kept logits now hold the gradient (in the model's dtype, a
+        # cast of them)
+        seen.append([torch.equal(logits.to(grads["x"].dtype), grads["x"]),
+                     list(logits.shape), str(logits.dtype), str(grads["x"].dtype)])
+    return grads
+Kernels._loss_backward = noting
+status = worker.main([sys.argv[1], "--steps", "2"])
+print(json.dumps({"status": status, "seen": seen}))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_vocabulary_parallel_gradient_is_written_over_the_logits_it_read(tmp_path, dtype):
+    """The loss is the logits' last reader (the program frees them there), so its
+    backward computes softmax minus one-hot in their fp32 storage (a 16-bit model's fp32
+    copy is the loss's own), not in a second tensor of the logits' size."""
+    from conftest import one_rank_printed, run_ranks
+
+    ranks = run_ranks(IN_PLACE_RANK, tmp_path, world=2,
+                      plan_text=VOCAB_PARALLEL.replace("DTYPE", dtype))
+    for done in ranks:
+        seen = one_rank_printed(done)
+        assert seen["status"] == 0
+        # 2 steps of 2 microbatches, each of 2 sequences of 32 tokens over 256 words a rank
+        grad_dtype = "torch.float32" if dtype == "fp32" else "torch.bfloat16"
+        assert seen["seen"] == [[True, [2, 32, 256], "torch.float32", grad_dtype]] * 4

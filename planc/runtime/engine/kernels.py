@@ -38,6 +38,7 @@ FP32 = torch.float32
 LOSS_STATISTICS = (Op.LOSS_MAX, Op.LOSS_SUM_EXP)
 RESIDUALS = (Op.ATTN_RESIDUAL, Op.MLP_RESIDUAL)
 SUMMED = "summed"  # Saved.extra of a residual sum: its input ports' dtypes
+LOSS_CHUNK_ELEMENTS = 1 << 22  # sum_exp_shifted's temporary: 16 MiB of fp32
 
 
 @dataclass
@@ -158,6 +159,26 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, tokens: int,
     log_probs = torch.log_softmax(logits, dim=-1, out=logits) if in_place else \
         torch.log_softmax(logits, dim=-1)
     return -log_probs.gather(-1, targets.unsqueeze(-1)).sum() / tokens, log_probs
+
+
+def sum_exp_shifted(logits: torch.Tensor, shift: torch.Tensor,
+                    chunk_elements: int = LOSS_CHUNK_ELEMENTS) -> torch.Tensor:
+    """``sum(exp(logits - shift))`` over the vocabulary, per token, in fp32: a
+    vocabulary-parallel loss's local normaliser, shifted by the max over tp (Megatron-LM's
+    vocab_parallel_cross_entropy). A chunk of tokens at a time, so the only temporary is
+    one chunk's: ``torch.logsumexp`` makes two of the logits' size at once (the shifted
+    logits and their exponentials), in fp32 whatever the logits' dtype."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    shifts, sums = shift.reshape(-1, 1), torch.empty(rows.shape[0], dtype=FP32,
+                                                     device=logits.device)
+    step = max(1, chunk_elements // rows.shape[1])
+    chunk = torch.empty(min(step, rows.shape[0]), rows.shape[1], dtype=FP32,
+                        device=logits.device)
+    for start in range(0, rows.shape[0], step):
+        end = min(start + step, rows.shape[0])
+        part = torch.sub(rows[start:end], shifts[start:end], out=chunk[:end - start])
+        torch.sum(part.exp_(), dim=-1, out=sums[start:end])
+    return sums.view(shift.shape)
 
 
 def cross_entropy_grad(log_probs: torch.Tensor, targets: torch.Tensor, tokens: int
@@ -359,11 +380,11 @@ class Kernels:
     # --- the loss ----------------------------------------------------------------------
 
     def _loss_max(self, spec: Spec, x, p, step, mb, extra):
-        return x["x"].detach().to(FP32).max(dim=-1).values
+        # a max is exact in any dtype: cast the maxima, not a copy of the logits
+        return x["x"].detach().amax(dim=-1).to(FP32)
 
     def _loss_sum_exp(self, spec: Spec, x, p, step, mb, extra):
-        # sum exp(logit - max) = exp(logsumexp - max): one fused pass over the logits
-        return (torch.logsumexp(x["x"].detach().to(FP32), dim=-1) - x["max"]).exp()
+        return sum_exp_shifted(x["x"].detach(), x["max"])
 
     def _loss(self, spec: Spec, x, p, step, mb, extra):
         """This rank's share of the step's mean cross-entropy: the sum over its tokens
@@ -391,7 +412,9 @@ class Kernels:
             report = loss / ctx.tp if spec.replicated and ctx.tp > 1 else loss
             extra.update(log_probs=log_probs, local=targets, report=report)
             return loss
-        # max and sum of exponentials already reduced over tp
+        # max and sum of exponentials already reduced over tp; the fp32 logits are this
+        # step's own to overwrite in the backward when nothing else reads them
+        extra["ours"] = logits.dtype != FP32 or spec.frees_input
         logits = logits.to(FP32)
         vocab_local = logits.shape[-1]
         local = targets - ctx.tp_rank * vocab_local
@@ -411,7 +434,8 @@ class Kernels:
         if "log_probs" in extra:  # the last use of the log-probabilities
             grad = cross_entropy_grad(extra.pop("log_probs"), extra["local"], total)
             return {"x": grad.to(self.ctx.dtype)}
-        grad = (extra["logits"] - (extra["lse"] + math.log(total)).unsqueeze(-1)).exp_()
+        logits, shift = extra.pop("logits"), (extra["lse"] + math.log(total)).unsqueeze(-1)
+        grad = (logits.sub_(shift) if extra["ours"] else logits - shift).exp_()
         index = extra["local"].clamp(0, grad.shape[-1] - 1).unsqueeze(-1)
         grad.scatter_add_(-1, index, -(extra["owned"].unsqueeze(-1).to(grad.dtype) / total))
         return {"x": grad.to(self.ctx.dtype)}
