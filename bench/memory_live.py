@@ -20,6 +20,10 @@ each rank's slice of the vocabulary. Each runs 2 steps; the second is measured, 
 rank holding the most.
 
     .venv/bin/python bench/memory_live.py [--plans llama-fp32,gpt-fp32] [--write]
+    .venv/bin/python bench/memory_live.py --plans plans/llama-small.plan
+
+A name ending in ``.plan`` is that file (relative to the repository), run on as many
+ranks as its mesh has (not written into the table).
 
 ``--write`` puts the table into docs/simulate.md, "### Memory", between its markers.
 Besides the table it prints, for each plan, the instruction during which the peak fell.
@@ -188,9 +192,13 @@ def planc(*args) -> subprocess.CompletedProcess:
 
 
 def measure(name: str, scratch: Path) -> dict:
-    source = scratch / f"{name}.plan"
-    source.write_text(PLANS[name])
-    build = scratch / f"{name}-build"
+    stem = name.removesuffix(".plan").replace("/", "-")
+    if name.endswith(".plan"):  # compiled where it is: its relative paths hold
+        source = ROOT / name
+    else:
+        source = scratch / f"{stem}.plan"
+        source.write_text(PLANS[name])
+    build = scratch / f"{stem}-build"
     for done in (planc("compile", source, "-o", build, "--force"),):
         if done.returncode:
             raise SystemExit(f"planc compile {name}: {done.stderr[-2000:]}")
@@ -218,6 +226,17 @@ def measure(name: str, scratch: Path) -> dict:
             "step_start": result["step_start"], "predicted": predicted}
 
 
+def world_of(path: Path) -> int:
+    """The ranks of a plan file's mesh."""
+    sys.path.insert(0, str(ROOT))
+    from planc.lang import load_file
+
+    loaded = load_file(path)
+    if not loaded.ok:
+        raise SystemExit(f"{path}: {loaded.diagnostics[0].message}")
+    return loaded.plan.mesh.world
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| plan | held at the step's start | peak in use | simulated peak "
              "| error | the peak fell in |", "|---|---|---|---|---|---|"]
@@ -237,6 +256,16 @@ def main() -> int:
                         help="put the table into docs/simulate.md between its markers")
     args = parser.parse_args()
     names = [n for n in args.plans.split(",") if n]
+    if args.write and any(name.endswith(".plan") for name in names):
+        print("memory_live: --write takes the script's own plans only", file=sys.stderr)
+        return 2
+    for name in names:  # plan files, by their path
+        if name.endswith(".plan") and name not in PLANS:
+            path = ROOT / name
+            if not path.is_file():
+                print(f"memory_live: no plan file {name}", file=sys.stderr)
+                return 2
+            PLANS[name], RANKS[name] = path.read_text(), world_of(path)
     unknown = [n for n in names if n not in PLANS]
     if unknown or not names:
         print(f"memory_live: no plan {unknown[0]!r} (the plans: {', '.join(PLANS)})"
