@@ -25,6 +25,7 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))"
     part tests
     timeout "${TESTS_S:-90}" "$python" -m pytest -q -p no:cacheprovider -rs tests/test_fp8.py \
         tests/test_run_metrics.py tests/test_runtime_data_and_failures.py tests/test_moe.py \
+        tests/test_llama.py tests/test_loss_kernel.py \
         -k "gpu or tensor_core or cuda or nccl or hopper"
     part gpu_step
     timeout "${STEP_S:-330}" "$python" bench/gpu_step.py --steps 6 --rounds 3 \

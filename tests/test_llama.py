@@ -418,11 +418,23 @@ def test_joined_weights_keep_no_copy_and_each_half_of_a_split_backward_one_gemm(
         assert sum(e.count for e in run.key_averages() if e.key == "aten::mm") == 1
 
 
-def test_grouped_query_attention_on_a_cpu_keeps_the_key_value_heads_unrepeated():
-    """On a CPU, torch's flash kernel reads each k/v head for its group of query heads:
-    the backward keeps q, k, v and the output as they are, never k and v repeated per
-    query head (heads / kv_heads times their size); the values are the repeated
-    heads' (the gradients of k and v are their groups' sums, in another order)."""
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("device,dtype,tolerance", [
+    ("cpu", "float32", 1e-5),
+    pytest.param("cuda", "bfloat16", 2e-2, marks=pytest.mark.skipif(
+        not _cuda_available(), reason="needs a CUDA GPU"))])
+def test_grouped_query_attention_keeps_the_key_value_heads_unrepeated(device, dtype,
+                                                                       tolerance):
+    """On a CPU, and on CUDA in 16 bits (its flash kernel), torch's attention reads each
+    k/v head for its group of query heads: the backward keeps q, k, v and the output as
+    they are, never k and v repeated per query head (heads / kv_heads times their size);
+    the values are the repeated heads' (the gradients of k and v are their groups' sums,
+    in another order)."""
     import torch
     import torch.nn.functional as F
 
@@ -433,6 +445,7 @@ def test_grouped_query_attention_on_a_cpu_keeps_the_key_value_heads_unrepeated()
     k = SimpleNamespace(head_dim=hd, ctx=SimpleNamespace(model=model, tp=1))
     spec = SimpleNamespace(ring=None)
     qkv = torch.randn(b, s, (heads + 2 * kv) * hd, generator=torch.Generator().manual_seed(3))
+    qkv = qkv.to(device=device, dtype=getattr(torch, dtype))
     leaf = qkv.clone().requires_grad_(True)
     out, kept = _saved_shapes(lambda: attention(k, spec, {"x": leaf}, None, 0, 0, {}))
     q = qkv[..., :heads * hd].reshape(b, s, heads, hd).transpose(1, 2)
@@ -440,7 +453,7 @@ def test_grouped_query_attention_on_a_cpu_keeps_the_key_value_heads_unrepeated()
     expected = F.scaled_dot_product_attention(
         q, key.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1),
         is_causal=True).transpose(1, 2).reshape(b, s, heads * hd)
-    assert torch.allclose(out, expected, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(out, expected, rtol=tolerance, atol=tolerance / 10)
     four_d = [tuple(t.shape) for t in kept if t.dim() == 4]
     assert sorted(four_d) == sorted([(b, heads, s, hd), (b, kv, s, hd), (b, kv, s, hd),
                                      (b, heads, s, hd)])

@@ -197,6 +197,10 @@ def attention(k, spec, x, p, step, mb, extra):
         out = F.scaled_dot_product_attention(q, key, v, is_causal=True,
                                              enable_gqa=kv != heads)
         return out.transpose(1, 2).reshape(b, s, heads * hd)
+    if kv != heads and "kv" not in x and _flash_takes_groups(q, key, v):
+        # CUDA's flash kernel (16-bit) reads each k/v head for its group itself too
+        out = F.scaled_dot_product_attention(q, key, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(b, s, heads * hd)
     if kv != heads:
         key = key.repeat_interleave(heads // kv, dim=1)
         v = v.repeat_interleave(heads // kv, dim=1)
@@ -207,6 +211,18 @@ def attention(k, spec, x, p, step, mb, extra):
         allowed = k.ctx.all_key_positions().unsqueeze(0) <= query.unsqueeze(1)
         out = F.scaled_dot_product_attention(q, key, v, attn_mask=allowed)
     return out.transpose(1, 2).reshape(b, s, heads * hd)
+
+
+def _flash_takes_groups(q: torch.Tensor, key: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether CUDA's flash kernel runs this causal grouped-query attention with each
+    k/v head unrepeated (torch's own test of its constraints: 16-bit CUDA tensors, head
+    sizes it supports, flash not disabled). Its other kernels take no groups: torch's
+    SDPA would fall back to the math one, which keeps the s x s scores, so unless flash
+    runs, k and v are repeated per query head as before."""
+    if not q.is_cuda:
+        return False
+    params = torch.backends.cuda.SDPAParams(q, key, v, None, 0.0, True, True)
+    return torch.backends.cuda.can_use_flash_attention(params, False)
 
 
 class SwiGLU(torch.autograd.Function):
