@@ -96,7 +96,10 @@ def measure(name: str, steps: int, scratch: Path) -> dict:
     if not loaded.ok:
         raise SystemExit(f"{source}: {[d.message for d in loaded.diagnostics]}")
     plan = loaded.plan
-    predicted = max(s.memory_bytes for s in simulate(compile_plan(plan)).stages)
+    simulated = simulate(compile_plan(plan))
+    # what planc run holds, where planc simulate says it is more than the estimate
+    predicted = simulated.planc_run_memory[1] if simulated.planc_run_memory else max(
+        s.memory_bytes for s in simulated.stages)
     metrics = scratch / f"{name}.jsonl"
     done = planc("run", source, "-o", scratch / f"{name}-build", "--steps", steps,
                  "--metrics", metrics, "--force")

@@ -156,14 +156,20 @@ def test_every_command_prints_the_same_per_device_figures(tmp_path, capsys):
     check = _cli(capsys, "check", *SMALL)
     assert check.endswith(", 136 MB per device at peak (3 overrides applied)\n")
     verbose = _cli(capsys, "check", "-v", *SMALL).splitlines()
-    assert verbose[-2].endswith("  112 MB") and verbose[-1].endswith("  136 MB")
+    # sequence parallelism: what planc run holds beyond the estimate, after the table
+    held = format_bytes(estimate.planc_run_peak.planc_run_total_bytes)
+    assert verbose[-1].startswith(f"as planc run holds it stage 1 would need {held} (")
+    assert verbose[-3].endswith("  112 MB") and verbose[-2].endswith("  136 MB")
     layout = _cli(capsys, "layout", *SMALL).splitlines()
-    assert layout[-2].endswith("  112 MB") and layout[-1].endswith("  136 MB")
+    assert layout[-1] == verbose[-1]
+    assert layout[-3].endswith("  112 MB") and layout[-2].endswith("  136 MB")
     compiled = _cli(capsys, "compile", *SMALL, "-o", str(tmp_path / "b"))
     assert "; memory 112 MB\n" in compiled and "; memory 136 MB\n" in compiled
     assert compiled.count("  dp_cp  all_reduce      backward      2  19.2 MB    19.2 MB\n") == 2
     simulated = _cli(capsys, "simulate", *SMALL)
     assert "  memory: 136 MB at peak (stage 1)\n" in simulated
+    assert f"  memory as planc run holds it: {held} (stage 1; sequence parallelism: " \
+        in simulated
     diff = _cli(capsys, "diff", SMALL[0], SMALL[0], "--set-b", "mesh.tp=2", "--set-b",
                 "mesh.pp=2", "--set-b", "mesh.dp=2").splitlines()
     a_at, b_at, ratio_at = (diff[0].index(title) for title in ("A: ", "B: ", "B / A"))

@@ -54,6 +54,9 @@ class StageMemory:
     worst_routing_extra_bytes: float = 0.0
     # ZeRO-3's largest unit whole while it is used (:func:`unsharded_unit_bytes`)
     unsharded_bytes: float = 0.0
+    # what planc's runtime keeps beyond the count, under sequence parallelism
+    # (:func:`gathered_inputs_bytes`)
+    gathered_inputs_bytes: float = 0.0
 
     @property
     def total_bytes(self) -> float:
@@ -63,6 +66,10 @@ class StageMemory:
     @property
     def worst_routing_total_bytes(self) -> float:
         return self.total_bytes + self.worst_routing_extra_bytes
+
+    @property
+    def planc_run_total_bytes(self) -> float:
+        return self.total_bytes + self.gathered_inputs_bytes
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,14 @@ class MemoryEstimate:
     @property
     def overflows(self) -> bool:
         return self.capacity is not None and self.peak.total_bytes > self.capacity
+
+    @property
+    def planc_run_peak(self) -> StageMemory | None:
+        """The stage that needs the most as planc's runtime holds it, where that is more
+        than the estimate (Megatron-LM's count), or None."""
+        if not any(s.gathered_inputs_bytes for s in self.stages):
+            return None
+        return max(self.stages, key=lambda s: s.planc_run_total_bytes)
 
     @property
     def worst_routing_peak(self) -> StageMemory | None:
@@ -351,6 +366,35 @@ def stage_activation_bytes(plan: Plan, stage: int) -> tuple[float, int]:
         input_half_frees_bytes(plan, stage), in_flight
 
 
+# The column-parallel GEMMs whose input sequence parallelism gathers, kept by a block for
+# its backward, by recomputation: q/k/v's and fc1's (gate/up's) under none and
+# selective, fc1's alone under attention_inputs (q/k/v's input is recomputed), none
+# under full (the block's input alone)
+GATHERED_INPUTS_KEPT = {"none": 2, "selective": 2, "attention_inputs": 1}
+
+
+def gathered_inputs_bytes(plan: Plan, stage: int) -> float:
+    """What planc's runtime keeps under sequence parallelism beyond Korthikanti et al.'s
+    count (their Table 2, section 4.2.2), which the estimate is: a column-parallel GEMM's
+    input, gathered over tp, is kept whole for its weight gradient, where Megatron-LM
+    keeps each rank's shard and gathers it again in the backward; in every block of the
+    stage held in flight and, on the head's stage, the head's input. Not in the estimate's
+    total: it prices the layout as Megatron-LM runs it, which planc's runtime does not yet
+    (``planc simulate`` and ``planc check -v`` say both). gpt and llama blocks
+    (docs/simulate.md, "Memory": measured on a llama at tp 2); the other families' blocks
+    are not counted."""
+    m, tp = plan.model, plan.mesh.tp
+    if tp == 1 or not plan.shard.tp.sequence_parallel or m.family not in ("gpt", "llama"):
+        return 0.0
+    gathered_beyond_shard = (m.seq // plan.mesh.cp) * plan.microbatch_size * m.hidden * \
+        m.dtype_bytes * (1 - 1 / tp)
+    total = layers_in_flight(plan, stage) * \
+        GATHERED_INPUTS_KEPT.get(plan.optimize.recompute, 0) * gathered_beyond_shard
+    if stage == plan.head_stage:
+        total += head_microbatches_in_flight(plan) * gathered_beyond_shard
+    return total
+
+
 def largest_step_gradient_bytes(plan: Plan, stage: int) -> float:
     """The largest gradient one backward step of the stage returns for its parameters,
     alive beside everything else while that step's backward runs: autograd returns it
@@ -425,7 +469,8 @@ def estimate(plan: Plan, activations: tuple[tuple[float, int], ...] | None = Non
             stage_activation_bytes(plan, stage)
         stages.append(StageMemory(stage, params + experts, p, g, o, held, in_flight,
                                   worst_extra if plan.layers_of_stage(stage) else 0.0,
-                                  unsharded_unit_bytes(plan, stage)))
+                                  unsharded_unit_bytes(plan, stage),
+                                  gathered_inputs_bytes(plan, stage)))
     return MemoryEstimate(tuple(stages), plan.topology.device.memory)
 
 

@@ -63,6 +63,9 @@ class Simulation:
     fp8_at_the_dtype_rate: bool = False
     # model { fp8 } at the device's FP8 rate: the MFU is of its FP8 peak (mfu_peak)
     mfu_of_fp8: bool = False
+    # (stage, bytes) of the stage that needs the most as planc's runtime holds it, where
+    # that is more than the estimate (MemoryEstimate.planc_run_peak), or None
+    planc_run_memory: tuple[int, float] | None = None
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -89,6 +92,9 @@ class Simulation:
                 "worst_routing_memory": None if self.worst_routing_memory is None else {
                     "stage": self.worst_routing_memory[0],
                     "memory_bytes": self.worst_routing_memory[1]},
+                "planc_run_memory": None if self.planc_run_memory is None else {
+                    "stage": self.planc_run_memory[0],
+                    "memory_bytes": self.planc_run_memory[1]},
                 "stages": [{"stage": s.stage, "step_seconds": s.step_seconds,
                             "busy_seconds": s.busy_seconds,
                             "bubble_seconds": s.bubble_seconds,
@@ -119,10 +125,11 @@ def simulate(build: Build, keep_timeline: bool = False, gpu=None) -> Simulation:
     step_seconds = max(t.end for t in times)
     estimate = memory.estimate(plan)
     stages = stage_results(times, [s.total_bytes for s in estimate.stages])
-    worst = estimate.worst_routing_peak
+    worst, held = estimate.worst_routing_peak, estimate.planc_run_peak
     return Simulation(plan.name, plan.world, stages, step_seconds, model_flops(plan),
                       mfu_peak(plan), plan.topology.device.memory,
                       tuple(times) if keep_timeline else (),
                       None if worst is None else
                       (worst.stage, worst.worst_routing_total_bytes),
-                      costs.fp8_at_the_dtype_rate, fp8_speedup(plan) is not None)
+                      costs.fp8_at_the_dtype_rate, fp8_speedup(plan) is not None,
+                      None if held is None else (held.stage, held.planc_run_total_bytes))

@@ -8,6 +8,10 @@ from planc.views.tables import table
 
 
 MAX_ROWS = 8
+# Why planc's runtime holds more than the estimate (planc.estimate.memory.gathered_inputs_bytes)
+PLANC_RUN_HOLDS = ("sequence parallelism: planc keeps the gathered inputs of q/k/v, fc1 "
+                   "(gate/up) and the head whole, where Megatron-LM keeps shards and "
+                   "gathers them again in the backward")
 
 
 def _stages_shown(estimate: MemoryEstimate) -> set[int]:
@@ -43,8 +47,18 @@ def render(estimate: MemoryEstimate) -> str:
     lines = [f"memory per device (estimate; {capacity}{used})",
              table(["stage", "params", "weights", "grads", "optimizer", "activations",
                     "in flight", *(["unit whole"] if units else []), "total"], rows)]
-    worst = worst_routing_text(estimate)
-    return "\n".join(lines + ([worst] if worst else []))
+    notes = [text for text in (planc_run_text(estimate), worst_routing_text(estimate))
+             if text]
+    return "\n".join(lines + notes)
+
+
+def planc_run_text(estimate: MemoryEstimate) -> str | None:
+    """A line on what planc's runtime holds beyond the estimate, or None."""
+    held = estimate.planc_run_peak
+    if held is None:
+        return None
+    return (f"as planc run holds it stage {held.stage} would need "
+            f"{format_bytes(held.planc_run_total_bytes)} ({PLANC_RUN_HOLDS})")
 
 
 def worst_routing_text(estimate: MemoryEstimate) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from planc.vocabulary.units import (TIME, format_bytes, format_flop_rate, format_quantity,
                               format_share)
+from planc.views.memory_text import PLANC_RUN_HOLDS
 from planc.views.tables import table
 
 SHOWN = 10  # stages listed; the rest are in --json
@@ -41,6 +42,10 @@ def render(result, accuracy=None) -> str:
         stage, held = result.worst_routing_memory
         lines.append(f"  memory under the worst routing: {format_bytes(held)} (stage {stage}; "
                      f"a dropless mixture's every row of the ep group on one rank's experts)")
+    if result.planc_run_memory is not None:
+        stage, held = result.planc_run_memory
+        lines.append(f"  memory as planc run holds it: {format_bytes(held)} (stage {stage}; "
+                     f"{PLANC_RUN_HOLDS})")
     if result.fp8_at_the_dtype_rate:
         lines.append("  fp8: its GEMMs are priced at the dtype's rate: the simulator knows an "
                      "FP8 rate only on a GPU preset that has one (dgx-h100)")
