@@ -366,13 +366,6 @@ def stage_activation_bytes(plan: Plan, stage: int) -> tuple[float, int]:
         input_half_frees_bytes(plan, stage), in_flight
 
 
-# The column-parallel GEMMs whose input sequence parallelism gathers, kept by a block for
-# its backward, by recomputation: q/k/v's and fc1's (gate/up's) under none and
-# selective, fc1's alone under attention_inputs (q/k/v's input is recomputed), none
-# under full (the block's input alone)
-GATHERED_INPUTS_KEPT = {"none": 2, "selective": 2, "attention_inputs": 1}
-
-
 def gathered_inputs_bytes(plan: Plan, stage: int) -> float:
     """What planc's runtime keeps under sequence parallelism beyond Korthikanti et al.'s
     count (their Table 2, section 4.2.2), which the estimate is: a column-parallel GEMM's
@@ -380,16 +373,18 @@ def gathered_inputs_bytes(plan: Plan, stage: int) -> float:
     keeps each rank's shard and gathers it again in the backward; in every block of the
     stage held in flight and, on the head's stage, the head's input. Not in the estimate's
     total: it prices the layout as Megatron-LM runs it, which planc's runtime does not yet
-    (``planc simulate`` and ``planc check -v`` say both). gpt and llama blocks
-    (docs/simulate.md, "Memory": measured on a llama at tp 2); the other families' blocks
-    are not counted."""
+    (``planc simulate`` and ``planc check -v`` say both). How many inputs a block keeps
+    is its family's (``gathered_inputs_kept``: gpt's and llama's pre-norm blocks; measured
+    on a llama at tp 2, docs/simulate.md, "Memory"); the other families' are not
+    counted."""
     m, tp = plan.model, plan.mesh.tp
-    if tp == 1 or not plan.shard.tp.sequence_parallel or m.family not in ("gpt", "llama"):
+    kept = family_of(plan).gathered_inputs_kept
+    if tp == 1 or not plan.shard.tp.sequence_parallel or not kept:
         return 0.0
     gathered_beyond_shard = (m.seq // plan.mesh.cp) * plan.microbatch_size * m.hidden * \
         m.dtype_bytes * (1 - 1 / tp)
-    total = layers_in_flight(plan, stage) * \
-        GATHERED_INPUTS_KEPT.get(plan.optimize.recompute, 0) * gathered_beyond_shard
+    total = layers_in_flight(plan, stage) * kept.get(plan.optimize.recompute, 0) * \
+        gathered_beyond_shard
     if stage == plan.head_stage:
         total += head_microbatches_in_flight(plan) * gathered_beyond_shard
     return total

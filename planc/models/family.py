@@ -143,6 +143,13 @@ PRE_NORM_SPLITS = (
     ("vocab", "embedding", "vocab"), ("vocab", "head", "vocab"),
 )
 
+# A pre-norm block's column-parallel GEMM inputs that sequence parallelism gathers over tp
+# and planc's runtime keeps whole for the weight gradient, by recomputation: qkv's and
+# fc1's under none and selective, fc1's alone under attention_inputs (qkv's input is
+# recomputed), none under full (the block's input alone); Megatron-LM keeps their shards
+# and gathers again (Korthikanti et al. 2022, section 4.2.2; planc.estimate.memory)
+PRE_NORM_GATHERED_INPUTS = {"none": 2, "selective": 2, "attention_inputs": 1}
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -221,6 +228,9 @@ class Family:
     # weights are split over (1: whole); None: every linear is one GEMM.
     linear_gemms: Callable[[Model, int], Mapping[str, tuple[tuple[int, int], ...]]] | None \
         = None
+    # recompute -> the block's gathered inputs planc's runtime keeps under sequence
+    # parallelism (PRE_NORM_GATHERED_INPUTS); empty: not counted
+    gathered_inputs_kept: Mapping[str, int] = field(default_factory=dict)
     # FLOPs of one of ``tp`` ranks of an operator whose split over the features leaves
     # part of its work whole on every rank (MLA's latents), or None where the split
     # divides it evenly: (op, shapes, tp) -> FLOPs or None.

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from planc.vocabulary.kinds import Boolean, Choice, Integer, Key
 from planc.models.family import (HEAD_OPS, Family, Model, OpRule, Parameter, Weight,
-                                 pre_norm_block, pre_norm_chains)
+                                 PRE_NORM_GATHERED_INPUTS, pre_norm_block,
+                                 pre_norm_chains)
 
 LAYER_OPS, LINKS = pre_norm_block("gelu")
 EMBEDDING_OPS = ("embedding", "position")
@@ -218,5 +219,6 @@ FAMILY = Family(
     model_flops_per_token=model_flops_per_token,
     activation_bytes=activation_bytes,
     input_half_bytes=input_half_bytes,
+    gathered_inputs_kept=PRE_NORM_GATHERED_INPUTS,
     keys=KEYS,
 )

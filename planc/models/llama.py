@@ -24,7 +24,8 @@ from planc.vocabulary.hints import divisors_below, largest_divisors, try_values
 from planc.vocabulary.kinds import Boolean, Choice, Integer, Key, Real
 from planc.vocabulary.model_options import fp8_tile, gemm_input_bytes
 from planc.models.family import (HEAD_OPS, Family, Finding, Model, OpRule, Parameter, Weight,
-                                 pre_norm_block, pre_norm_chains)
+                                 PRE_NORM_GATHERED_INPUTS, pre_norm_block,
+                                 pre_norm_chains)
 
 LAYER_OPS, LINKS = pre_norm_block("swiglu")
 QK_NORMS = ("q_norm.weight", "k_norm.weight")  # model { qk_norm }
@@ -410,6 +411,7 @@ FAMILY = Family(
     model_flops_per_token=model_flops_per_token,
     activation_bytes=activation_bytes,
     input_half_bytes=input_half_bytes,
+    gathered_inputs_kept=PRE_NORM_GATHERED_INPUTS,
     keys=KEYS,
     presets=PRESETS,
     model_checks=(kv_heads_divide_heads, head_dim_even),
