@@ -403,18 +403,17 @@ class Kernels:
         total = ctx.tokens_per_step
         _, targets = ctx.microbatch(step, mb, spec.seq_sharded)
         logits = x["x"].detach()
+        # the fp32 logits are this step's to overwrite: a 16-bit model's fp32 copy is its
+        # own; fp32 logits are the head's, which nothing reads after the loss when the
+        # program frees them here
+        ours = logits.dtype != FP32 or spec.frees_input
         if not spec.vocab_parallel:
-            # a 16-bit model's fp32 copy is this step's own; fp32 logits are the head's,
-            # which nothing reads after the loss when the program frees them here
-            ours = logits.dtype != FP32 or spec.frees_input
             loss, log_probs = cross_entropy_sum(logits.to(FP32), targets, total, ours)
             # every tp rank holds the whole loss if replicated: report it once
             report = loss / ctx.tp if spec.replicated and ctx.tp > 1 else loss
             extra.update(log_probs=log_probs, local=targets, report=report)
             return loss
-        # max and sum of exponentials already reduced over tp; the fp32 logits are this
-        # step's own to overwrite in the backward when nothing else reads them
-        extra["ours"] = logits.dtype != FP32 or spec.frees_input
+        # max and sum of exponentials already reduced over tp
         logits = logits.to(FP32)
         vocab_local = logits.shape[-1]
         local = targets - ctx.tp_rank * vocab_local
@@ -422,7 +421,8 @@ class Kernels:
         lse = x["sum_exp"].log() + x["max"]
         target_logit = logits.gather(-1, local.clamp(0, vocab_local - 1).unsqueeze(-1))
         loss = ((lse - target_logit.squeeze(-1)) * owned).sum() / total
-        extra.update(logits=logits, lse=lse, local=local, owned=owned, report=loss)
+        extra.update(logits=logits, ours=ours, lse=lse, local=local, owned=owned,
+                     report=loss)
         return loss
 
     def _loss_backward(self, saved: Saved) -> dict[str, torch.Tensor]:
