@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 from planc.vocabulary.kinds import Key
@@ -148,7 +149,7 @@ PRE_NORM_SPLITS = (
 # fc1's under none and selective, fc1's alone under attention_inputs (qkv's input is
 # recomputed), none under full (the block's input alone); Megatron-LM keeps their shards
 # and gathers again (Korthikanti et al. 2022, section 4.2.2; planc.estimate.memory)
-PRE_NORM_GATHERED_INPUTS = {"none": 2, "selective": 2, "attention_inputs": 1}
+PRE_NORM_GATHERED_INPUTS = MappingProxyType({"none": 2, "selective": 2, "attention_inputs": 1})
 
 
 @dataclass(frozen=True)
