@@ -120,10 +120,16 @@ PLANS = {
     "llama-fp32-tp2-sp": LLAMA.format(
         name="llama_fp32_tp2_sp", dtype="fp32", optimize="", batch=4, mesh="tp = 2",
         devices=2, shard="shard { tp { sequence_parallel = on } }"),
+    # the same, the GEMMs' gathered inputs gathered again in the backward (Megatron-LM's)
+    "llama-fp32-tp2-sp-regather": LLAMA.format(
+        name="llama_fp32_tp2_sp_regather", dtype="fp32", optimize="", batch=4,
+        mesh="tp = 2", devices=2,
+        shard="shard { tp { sequence_parallel = on; gathered_inputs = regather } }"),
     "moe-fp32-zb": MOE_ZB.format(name="moe_fp32_zb", extra=""),
     "moe-fp8-zb": MOE_ZB.format(name="moe_fp8_zb", extra="; fp8 = blockwise"),
 }
-RANKS = {"llama-fp32-tp2-sp": 2, "llama-fp32-zero3": 2, "llama-bf16-zero3": 2,
+RANKS = {"llama-fp32-tp2-sp": 2, "llama-fp32-tp2-sp-regather": 2, "llama-fp32-zero3": 2,
+         "llama-bf16-zero3": 2,
          "llama-fp32-zero3-zb": 4, "llama-fp32-zb": 2, "llama-fp32-full-zb": 2,
          "moe-fp32-zb": 4, "moe-fp8-zb": 4}  # the others run one rank
 

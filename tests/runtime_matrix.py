@@ -32,6 +32,17 @@ MATRIX = {
     "tp-qkv-replicate": dict(mesh="tp = 2", shard="tp { qkv = replicate }"),
     "tp-embedding-hidden": dict(mesh="tp = 2", shard="tp { embedding = hidden }"),
     "tp-proj-column": dict(mesh="tp = 2", shard="tp { proj = column }"),
+    # the GEMMs' gathered inputs gathered again in the backward (Megatron-LM's), with a
+    # split backward, recomputation of the attention's inputs, and ZeRO-3
+    "tp-sp-regather": dict(
+        mesh="tp = 2", m=2, shard="tp { sequence_parallel = on; gathered_inputs = regather }"),
+    "tp-sp-regather-pp-zb1p-attention-inputs": dict(
+        mesh="tp = 2; pp = 2", m=4, schedule="; pipeline = zb1p",
+        optimize="recompute = attention_inputs",
+        shard="tp { sequence_parallel = on; gathered_inputs = regather }"),
+    "tp-sp-regather-zero3-selective": dict(
+        mesh="tp = 2; dp = 2", m=2, optimize="recompute = selective",
+        shard="tp { sequence_parallel = on; gathered_inputs = regather }; dp { zero = 3 }"),
     "tp-qkv-row-proj-row-sp": dict(mesh="tp = 2",
                                    shard="tp { qkv = row; proj = row; sequence_parallel = on }"),
     "cp-allgather": dict(mesh="cp = 2"),

@@ -372,14 +372,16 @@ def gathered_inputs_bytes(plan: Plan, stage: int) -> float:
     input, gathered over tp, is kept whole for its weight gradient, where Megatron-LM
     keeps each rank's shard and gathers it again in the backward; in every block of the
     stage held in flight and, on the head's stage, the head's input. Not in the estimate's
-    total: it prices the layout as Megatron-LM runs it, which planc's runtime does not yet
-    (``planc simulate`` and ``planc check -v`` say both). How many inputs a block keeps
+    total: it prices the layout as Megatron-LM runs it, which planc's runtime does with
+    ``shard { tp { gathered_inputs = regather } }`` (then this is 0); under the default,
+    ``keep``, ``planc simulate`` and ``planc check -v`` say both. How many inputs a block keeps
     is its family's (``gathered_inputs_kept``: gpt's and llama's pre-norm blocks; measured
     on a llama at tp 2, docs/simulate.md, "Memory"); the other families' are not
     counted."""
     m, tp = plan.model, plan.mesh.tp
     kept = family_of(plan).gathered_inputs_kept
-    if tp == 1 or not plan.shard.tp.sequence_parallel or not kept:
+    if tp == 1 or not plan.shard.tp.sequence_parallel or not kept or \
+            plan.shard.tp.gathered_inputs == "regather":
         return 0.0
     gathered_beyond_shard = (m.seq // plan.mesh.cp) * plan.microbatch_size * m.hidden * \
         m.dtype_bytes * (1 - 1 / tp)

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 from planc.graph import reasons
 from planc.graph.builder import GraphBuilder
-from planc.graph.ir import Axis, Kind, Payload, Phase, Port
+from planc.graph.ir import Axis, EdgeKind, Kind, Payload, Phase, Port
 from planc.graph.sharding import Layout, R, S, redistribute
 
 PHASE_OF = {"F": Phase.FORWARD, "B": Phase.BACKWARD, "R": Phase.BACKWARD}
+# The column-parallel GEMMs whose gathered input shard { tp { gathered_inputs = regather } }
+# gathers again in the backward: a pre-norm block's first GEMM of each sub-block, and the
+# head
+REGATHERED = ("qkv", "fc1", "head")
 
 
 class AxisRules:
@@ -64,6 +68,39 @@ class AxisRules:
         else:
             self.edge(u, carrier, port=Port.X, grad_of=grad_of)
             self.edge(carrier, v, port=port)
+
+    def regather(self, gather: str, producer: str, backward: str) -> str | None:
+        """The all-gather over tp that makes ``gather``'s output (a forward all-gather of
+        the tokens, sequence parallelism's, into a column-parallel GEMM) again for the
+        GEMM's ``backward`` step, from the shard ``producer`` wrote: the forward keeps the
+        shard, not the gathered input (Korthikanti et al. 2022, section 4.2.2;
+        Megatron-LM's sequence-parallel linear). It is issued once the gradient that
+        reaches ``backward`` is one step away (order edges from what feeds the step
+        before it, where there is one), so that it runs beside that step and each layer's
+        input is whole only around its own backward. None where ``gather`` is not such
+        an all-gather."""
+        data = self.graph.nodes[gather]
+        consumer = data.get("consumer")
+        if data.get("kind") != Kind.ALL_GATHER or data.get("axis") != Axis.TP or \
+                data.get("dim") != "seq" or consumer not in REGATHERED or \
+                self.graph.out_degree(gather) != 1:
+            return None
+        layer = data["layer"]
+        node = self.transfer(
+            f"{self.prefix('B', layer)}{data['producer']}>{consumer}:all_gather@tp",
+            kind=Kind.ALL_GATHER, axis=Axis.TP, payload=Payload.ACTIVATION,
+            phase=Phase.BACKWARD, chunk=data["chunk"], layer=layer, nbytes=data["bytes"],
+            repeat=self.m, reason=reasons.regather(self.plan, consumer),
+            tensor=data["tensor"], dim="seq", source_layout=data["source_layout"],
+            target_layout=data["target_layout"], producer=data["producer"],
+            consumer=consumer, regathers=gather)
+        self.edge(producer, node, port=Port.X)
+        self.edge(node, backward, port=Port.GATHERED)
+        feeding = _gradient_sources(self.graph, backward)
+        for source in {s for f in feeding for s in _gradient_sources(self.graph, f)} or \
+                feeding:
+            self.edge(source, node, kind=EdgeKind.ORDER)
+        return node
 
     def kv_bytes(self) -> float:
         """This rank's K and V for one microbatch: local tokens, local heads."""
@@ -164,6 +201,11 @@ class AxisRules:
         if self.graph.nodes[send].get("scatter_gather"):
             for _, _, data in self.graph.in_edges(send, data=True):
                 data["slice"] = str(S("seq"))
+
+
+def _gradient_sources(graph, node: str) -> set[str]:
+    """The steps whose output gradient flows into ``node``."""
+    return {u for u, _, e in graph.in_edges(node, data=True) if e.get("port") == Port.GRAD}
 
 
 def _redoing(letter: str) -> dict:

@@ -262,12 +262,25 @@ class _Derivation(GraphBuilder):
                       for layer in range(first, last + 1)}
         for link in reversed(forward.links):
             self._backward_link(chunk, link, backward)
+        if self.plan.shard.tp.gathered_inputs == "regather":
+            self._regathers(forward, backward)
         if send is not None:
             self.axes.into_send(send)
         for layer in range(first, last + 1):
             self._recompute_just_in_time(forward, layer, backward, recomputed[layer])
         return BackwardChunk(backward_of, gradient_receive=receive,
                              early_backward=made_for_before)
+
+    def _regathers(self, forward: ForwardChunk, backward: Mapping[str, str]) -> None:
+        """shard { tp { gathered_inputs = regather } }: each GEMM that differentiates its
+        own forward (not a recomputation) gets its gathered input again (AxisRules.regather)."""
+        for link in forward.links:
+            if self.graph.nodes[link.consumer].get("recomputed"):
+                continue
+            for gather, _, edge in list(self.graph.in_edges(link.consumer, data=True)):
+                if edge.get("port") == link.port and \
+                        self.graph.nodes[gather].get("producer") == link.ops[0]:
+                    self.axes.regather(gather, link.producer, backward[link.consumer])
 
     def _local(self, chunk: int, other: int) -> bool:
         """Whether two chunks share a stage (then nothing travels between them)."""

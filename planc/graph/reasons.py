@@ -61,6 +61,14 @@ def tensor_parallel(plan: Plan, tpp, names: tuple[str, str], move: Redistributio
             f"{move.kind.replace('_', '-')} over tp")
 
 
+def regather(plan: Plan, consumer: str) -> str:
+    """Reason of a backward all-gather of a column-parallel GEMM's input."""
+    return (f"{consumer}'s weight gradient reads its input whole, which sequence "
+            f"parallelism all-gathered over tp in the forward; the forward kept only this "
+            f"rank's shard (gathered_inputs = regather, as Megatron-LM does: Korthikanti "
+            f"et al. 2022, section 4.2.2): all-gather it again over tp")
+
+
 def vocab_loss(plan: Plan, part: str) -> str:
     what = {"max": "the maximum logit of each token",
             "sum_exp": "the sum of exponentials of each token's logits"}[part]

@@ -143,6 +143,9 @@ class Port(StrEnum):
     # group, their tokens), and the shared experts' output
     ROUTING = "routing"
     SHARED = "shared"
+    # a backward or weight step's forward input, gathered again over tp (shard { tp {
+    # gathered_inputs = regather } }): what its forward kept of it was let go
+    GATHERED = "gathered"
 
 
 GRAPH_FORMAT_VERSION = 2
@@ -217,6 +220,8 @@ OPTIONAL = {
     "recomputes": "transfers of a recomputed forward (R), redoing the forward's in the "
                   "backward: a tp or cp transfer, or a cut mixture's all-to-alls "
                   "(recompute = full), which move the rows the forward's way",
+    "regathers": "a tp all-gather of the backward (gathered_inputs = regather): the "
+                 "forward's all-gather whose output it makes again for the GEMM's backward",
     "sharded": "optimizer steps: whether they update a ZeRO shard",
     "stream": "placed by the overlap pass: the program stream it runs on",
     "guard": "placed by the overlap pass: 'last' to run on the last microbatch only",
@@ -243,7 +248,7 @@ OPTIONAL_TYPES = {
     "recomputed": (bool,), "vocab_parallel": (bool,), "peer_stage": INTEGER,
     "slice_axis": INTEGER, "shape": SEQUENCE, "elements": SEQUENCE,
     "max_norm": NUMBER, "router_layers": SEQUENCE, "bias_update": NUMBER, "hops": INTEGER,
-    "recomputes": (bool,), "drops_rows": (bool,),
+    "recomputes": (bool,), "drops_rows": (bool,), "regathers": TEXT,
 }
 
 

@@ -210,6 +210,11 @@ class _Checker(DataChecks, DataParallelChecks, TopologyReader):
                 self.report(warning("shard { tp { } } has no effect with tp = 1",
                                     self.span("shard.tp")))
             return tensor
+        if "shard.tp.gathered_inputs" in self.given and not tensor.sequence_parallel:
+            self.report(warning(f"gathered_inputs = {tensor.gathered_inputs} has no effect "
+                                f"without sequence_parallel = on",
+                                self.span("shard.tp.gathered_inputs"),
+                                "only sequence parallelism gathers a GEMM's input over tp"))
         for rule in family.tensor_parallel_checks:  # the family's own rules, in its order
             found = rule(model, tensor, mesh)
             if found is not None:

@@ -110,6 +110,7 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
             "fc2": Key(Choice(("column", "row", "replicate")), "row"),
             "head": Key(Choice(("vocab", "replicate")), "vocab"),
             "sequence_parallel": Key(Boolean(), False),
+            "gathered_inputs": Key(Choice(("keep", "regather")), "keep"),
         }),
         "cp": BlockSchema("cp", keys={
             "attention": Key(Choice(("allgather", "ring")), "allgather"),

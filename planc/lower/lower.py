@@ -122,6 +122,14 @@ def _issue_rank(lowering: "_StageLowering", rank: dict[str, int]) -> dict:
     return {n: (first.get(n, len(rank)), r) for n, r in rank.items()}
 
 
+def _regathers_first(graph: nx.DiGraph, rank: dict[str, int]) -> dict:
+    """A block's order: the graph's, except that an input gathered again for a backward
+    (gathered_inputs = regather) is issued as soon as its order edges allow, a step
+    ahead of the step that reads it (planc.graph.axes.AxisRules.regather), so that it
+    travels while that step's predecessor computes rather than after it."""
+    return {n: (0 if "regathers" in graph.nodes[n] else 1, r) for n, r in rank.items()}
+
+
 @dataclass(frozen=True)
 class _Where:
     part: str  # a block name, "prologue", "epilogue" or a receive stream
@@ -359,7 +367,7 @@ def lower(plan: Plan, graph: nx.DiGraph, binding: Binding | None = None
             else:
                 parts.setdefault(where.part, set()).add(node)
         ordered = {name: _ordered(graph, nodes, _issue_rank(lowering, rank)
-                                  if name == PROLOGUE else rank)
+                                  if name == PROLOGUE else _regathers_first(graph, rank))
                    for name, nodes in parts.items()}
         waits = _waits(lowering, ordered)
         recorded = {item for items in waits.values() for item in items}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import networkx as nx
 
 from planc import schedules
-from planc.graph.ir import EdgeKind, NodeType, Op, Phase
+from planc.graph.ir import EdgeKind, NodeType, Op, Phase, Port
 from planc.program.names import Stream
 from planc.passes.context import PassContext, PassRecord, record
 
@@ -39,13 +39,20 @@ def splittable(data: dict) -> bool:
 def split_step(graph: nx.DiGraph, node: str) -> str:
     """Split ``node`` in place: it keeps the input gradient and half its flops; a new
     ``W`` step, fed by what the node saved, computes the parameters' gradients and takes
-    over the edges to the gradient buckets. Returns the new step's name."""
+    over the edges to the gradient buckets and from the input gathered again for them.
+    Returns the new step's name."""
     data = graph.nodes[node]
     weight = "W" + node[1:] if node.startswith("B/") else f"W:{node}"
     graph.add_node(weight, **{**data, "flops": data["flops"] / 2, "weight_grad_of": node,
                               "stream": Stream.COMPUTE})
     data.update(flops=data["flops"] / 2, weight_grad=weight)
     graph.add_edge(node, weight, kind=EdgeKind.SAVED)
+    for source, _, edge in list(graph.in_edges(node, data=True)):
+        # the forward's input gathered again (gathered_inputs = regather): the weight
+        # gradient reads it, the input gradient does not
+        if edge.get("port") == Port.GATHERED:
+            graph.remove_edge(source, node)
+            graph.add_edge(source, weight, **edge)
     for _, target, edge in list(graph.out_edges(node, data=True)):
         # the parameter gradients' path, and the gradient norm that reads them
         if "bucket" in graph.nodes[target] or graph.nodes[target].get("op") == Op.GRAD_NORM:

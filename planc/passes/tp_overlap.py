@@ -44,7 +44,7 @@ import networkx as nx
 
 from planc.estimate.cost import Placement, Route
 from planc.estimate.kernel_cost import KernelModel
-from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Phase
+from planc.graph.ir import Axis, EdgeKind, Kind, NodeType, Op, Phase, Port
 from planc.passes.context import PassContext, PassRecord, record
 from planc.passes.route import group_placements
 
@@ -58,13 +58,17 @@ RECOMPUTED = "recomputed in the backward: left whole"
 # is left whole
 MEGATRON = {"qkv": "column", "proj": "row", "fc1": "column", "fc2": "row"}
 NOT_MEGATRON = "placements other than Megatron's (column qkv and fc1, row proj and fc2)"
+REGATHERED = ("its input is gathered again whole for the backward (gathered_inputs = "
+              "regather): left whole")
 NO_GAIN = ("the cost model predicts no gain: a chunk collective costs about as much as the "
            "whole one (its fixed cost dominates), or the device hides no collective "
            "behind a GEMM (overlap = 0)")
 # The pass line's words for a reason no GEMM was split.
 NO_SPLIT = {RECOMPUTED: "each is recomputed in the backward (not chunked yet)",
             NO_GAIN: "the cost model predicts no gain from chunking on this topology",
-            NOT_MEGATRON: NOT_MEGATRON}
+            NOT_MEGATRON: NOT_MEGATRON,
+            REGATHERED: "their inputs are gathered again whole in the backward "
+                        "(gathered_inputs = regather)"}
 
 
 def piece_name(node: str, index: int) -> str:
@@ -89,7 +93,7 @@ def _sides(graph: nx.DiGraph, forward: str, backward: str) -> dict[str, str]:
     for name, step in (("forward", forward), ("backward", backward)):
         for u, _, e in graph.in_edges(step, data=True):
             if e["kind"] == EdgeKind.DATA and _tp_collective(graph, u, (Kind.ALL_GATHER,)) \
-                    and graph.out_degree(u) == 1:
+                    and graph.out_degree(u) == 1 and e.get("port") != Port.GATHERED:
                 sides[f"{name} in"] = u
         for _, v, e in graph.out_edges(step, data=True):
             if e["kind"] == EdgeKind.DATA and \
@@ -97,6 +101,11 @@ def _sides(graph: nx.DiGraph, forward: str, backward: str) -> dict[str, str]:
                     graph.in_degree(v) == 1:
                 sides[f"{name} out"] = v
     return sides
+
+
+def _weight_step(graph: nx.DiGraph, backward: str) -> str:
+    """The step that computes ``backward``'s weight gradient: its W step, or itself."""
+    return graph.nodes[backward].get("weight_grad") or backward
 
 
 def collective_seconds(ctx: PassContext, placements: dict, data: dict, nbytes: float
@@ -179,6 +188,9 @@ def tp_overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
                     "predicted_seconds": {str(c): s for c, s in seconds.items()}}
         if forward in recomputed:
             decision.update(chunks=1, reason=RECOMPUTED)
+        elif any(e.get("port") == Port.GATHERED for _, _, e in
+                 out.in_edges(_weight_step(out, backward), data=True)):
+            decision.update(chunks=1, reason=REGATHERED)
         elif not megatron:
             decision.update(chunks=1, reason=NOT_MEGATRON)
         elif k == 1:

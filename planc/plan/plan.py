@@ -130,6 +130,10 @@ class TensorParallel:
     fc2: str = "row"
     head: str = "vocab"
     sequence_parallel: bool = False
+    # under sequence parallelism, what the backward of a column-parallel GEMM reads of its
+    # gathered input: "keep" (kept whole from the forward) or "regather" (the shard kept,
+    # gathered again over tp in the backward; Korthikanti et al. 2022, section 4.2.2)
+    gathered_inputs: str = "keep"
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from enum import StrEnum
 
 # Ports of an input (planc.graph.ir.Port, as the kernels key their inputs).
-PORTS = ("x", "skip", "kv", "max", "sum_exp", "grad", "routing", "shared")
+PORTS = ("x", "skip", "kv", "max", "sum_exp", "grad", "routing", "shared", "gathered")
 
 
 class StepKind(StrEnum):

@@ -11,7 +11,8 @@ MAX_ROWS = 8
 # Why planc's runtime holds more than the estimate (planc.estimate.memory.gathered_inputs_bytes)
 PLANC_RUN_HOLDS = ("sequence parallelism: planc keeps the gathered inputs of q/k/v, fc1 "
                    "(gate/up) and the head whole, where Megatron-LM keeps shards and "
-                   "gathers them again in the backward")
+                   "gathers them again in the backward (shard { tp { gathered_inputs = "
+                   "regather } })")
 
 
 def _stages_shown(estimate: MemoryEstimate) -> set[int]:

@@ -78,7 +78,8 @@ def settings(plan: Plan) -> str:
              f"{format_quantity(topo.inter.latency, TIME)}"),
         ("shard tp", f"embedding {shard.tp.embedding}, qkv {shard.tp.qkv}, proj {shard.tp.proj}, "
                      f"fc1 {shard.tp.fc1}, fc2 {shard.tp.fc2}, head {shard.tp.head}, "
-                     f"sequence_parallel {_onoff(shard.tp.sequence_parallel)}"),
+                     f"sequence_parallel {_onoff(shard.tp.sequence_parallel)}, "
+                     f"gathered_inputs {shard.tp.gathered_inputs}"),
         ("shard cp", f"attention {shard.cp.attention}, load_balance "
                      f"{_onoff(shard.cp.load_balance)}"),
         ("shard pp", f"stages [{stages}]{' (auto)' if shard.pp.auto else ''}, virtual "

@@ -175,6 +175,9 @@ class Interpreter:
         # and the backward gathers that fill it again
         self.let_go = buckets.forward_gathers(self.bound.values())
         self.fills = buckets.pairs(self.bound.values(), self.let_go)
+        # and the gathered inputs of GEMMs whose backward gathers them again
+        self.regathers = buckets.regathered_inputs(self.bound.values())
+        self.let_go |= frozenset(self.regathers.values())
 
     # --- binding ---------------------------------------------------------------------------
 
@@ -364,7 +367,10 @@ class Interpreter:
 
     def _weight(self, state: StepState, step: _Compute, mb: int | None):
         """The parameter half of a split backward."""
+        gathered = self._ports(state, step.inputs, mb).get(buckets.GATHERED_PORT)
         for saved, grad in state.saved.pop((step.node, mb)):  # one per piece
+            if gathered:  # its forward's input, gathered again (gathered_inputs = regather)
+                buckets.fill_input(saved.inputs["x"], gathered[0])
             _, named = self.kernels.backward(step.spec, saved, fp8.readable(grad),
                                              inputs=False)
             for name, value in named.items():
@@ -381,8 +387,11 @@ class Interpreter:
                 state.let_go.pop((self.fills.get(gather), mb), None)
         if step.saved_from != step.forward_of:
             state.saved.pop((step.forward_of, mb), None)
-        grads = self._ports(state, step.inputs, mb).get("grad", [])
+        ports = self._ports(state, step.inputs, mb)
+        grads = ports.get("grad", [])
         grad = combine(grads) if grads else None
+        if buckets.GATHERED_PORT in ports:  # its forward's input, gathered again
+            buckets.fill_input(saved.inputs["x"], ports[buckets.GATHERED_PORT][0])
         if step.weight_grad is not None:  # the input half: its W step comes later
             ports, _ = self.kernels.backward(step.spec, saved, fp8.readable(grad),
                                              params=False, kept=fp8.kept_bytes(grad))
@@ -448,6 +457,9 @@ class Interpreter:
             ports = self._ports(state, step.inputs, mb, step.sums_microbatches)
             values = [v.detach() for v in ports.get("x", []) + ports.get("grad", [])]
             value = combine(values) if values else None
+            into = state.let_go.pop((self.regathers.get(step.node), mb), None)
+            if into is not None:  # a GEMM's input again: into the forward's own bytes
+                return self.transfers.all_gather_into(step.call, value, into)
         elif step.node in self.fills:  # a ZeRO-3 backward gather: into the forward's bytes
             value = state.let_go.pop((self.fills[step.node], mb), None)
         result = step.handler(step.call, value)

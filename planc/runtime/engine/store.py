@@ -169,6 +169,7 @@ class ParamStore:
 # the steps whose gathers the backward reads again, by their own gather: the forward's
 # buffer can go after them
 _FORWARD = (StepKind.FORWARD, None)
+GATHERED_PORT = "gathered"  # planc.graph.vocabulary.Port.GATHERED
 
 
 def forward_gathers(steps: Iterable) -> frozenset[str]:
@@ -231,3 +232,48 @@ def refill(kept: dict[str, torch.Tensor], gathered: dict[str, torch.Tensor]) -> 
             raise RuntimeError(f"the backward reads bucket {bucket} the forward let go, "
                                "but the program gives it no gather of that bucket")
         filled_again(whole).copy_(source)
+
+
+# --- a GEMM's input gathered again for its backward (gathered_inputs = regather) ---
+#
+# Under sequence parallelism a column-parallel GEMM reads its input all-gathered over tp,
+# and autograd keeps that whole input for the weight gradient. With gathered_inputs =
+# regather the program frees the forward's gathered buffer after the GEMM, as Megatron-LM
+# keeps only the shard (Korthikanti et al. 2022, section 4.2.2): its storage is let go
+# while autograd's views of it stay, as ZeRO-3's buckets are above, and the backward's
+# own all-gather of the kept shard fills it again before the step that differentiates it.
+
+
+def regathered_inputs(steps: Iterable) -> dict[str, str]:
+    """Each backward all-gather of a GEMM's input (what a backward or weight step takes
+    through its ``gathered`` port) -> the forward's all-gather it makes again (the input
+    ``x`` of that step's forward), whose storage goes when the program frees it.
+    ``steps``: the bound instructions; compute steps are those naming a ``forward_of``."""
+    computes = [step for step in steps if hasattr(step, "forward_of")]
+    forwards = {step.node: step for step in computes if step.kind in _FORWARD}
+    out = {}
+    for step in computes:
+        forward = forwards.get(step.forward_of)
+        if step.kind in _FORWARD or forward is None:
+            continue
+        again = [i.buffer for i in step.inputs if i.port == GATHERED_PORT]
+        first = [i.buffer for i in forward.inputs if i.port == "x"]
+        if again and len(first) == 1:
+            out[again[0]] = first[0]
+    return out
+
+
+def into_let_go(kept: torch.Tensor) -> torch.Tensor:
+    """A let-go input's storage made whole again, as a tensor to write its values into
+    (through .data: autograd's saved views of it see no change of version)."""
+    kept.untyped_storage().resize_((kept.storage_offset() + kept.numel()) *
+                                   kept.element_size())
+    return kept.data
+
+
+def fill_input(kept: torch.Tensor, gathered: torch.Tensor) -> None:
+    """Put a let-go input's values back from the backward's all-gather ``gathered``,
+    where the gather did not write them there itself (its forward's buffer was not let
+    go before it ran); one whole already is left as it is."""
+    if kept.untyped_storage().nbytes() == 0:
+        into_let_go(kept).copy_(gathered)

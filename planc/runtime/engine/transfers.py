@@ -188,6 +188,15 @@ class Transfers:
         axis = SEQ_AXIS if source == "seq" else FEATURE_AXIS
         return join_feature(received, source, self.ctx.model, axis)
 
+    def all_gather_into(self, call: Call, value: torch.Tensor, into: torch.Tensor
+                        ) -> torch.Tensor:
+        """An all-gather of the tokens into the let-go storage of the forward's (a GEMM's
+        input gathered again for its backward, planc.runtime.engine.store): the pieces
+        joined straight into autograd's saved bytes, no copy of the whole beside them."""
+        pieces = self.all_gather_list(value, call)
+        torch.cat(pieces, dim=SEQ_AXIS, out=buckets.into_let_go(into))
+        return into
+
     def loss_statistic(self, call: Call, value: torch.Tensor) -> torch.Tensor:
         return self.all_reduce(value, call, REDUCE_OPS[call.operands.reduce_op])
 
