@@ -113,15 +113,24 @@ def test_it_is_issued_once_the_gradient_is_a_step_away():
         assert issued.index(before) < issued.index(gather) < issued.index(after)
 
 
-def test_tp_overlap_leaves_the_gemms_it_gathers_again_whole():
+def test_tp_overlap_cuts_the_gemms_and_gathers_their_whole_inputs_once_again():
+    """Collective matmul cuts qkv and fc1 into pieces, each saving its piece of the
+    gathered input; the backward gathers the whole input once, into the weight step,
+    which gives each piece its tokens."""
     build = compile_plan(plan_of(text(optimize="; tp_overlap = 2")))
-    record = next(p for p in build.graph.graph["passes"] if p["name"] == "tp_overlap")
-    chunks = {d["node"]: (d["chunks"], d.get("reason")) for d in record["decisions"]}
-    assert chunks["F/L0/qkv"] == (1, "its input is gathered again whole for the backward "
-                                     "(gathered_inputs = regather): left whole")
-    assert chunks["F/L0/fc1"][0] == 1
-    assert chunks["F/L0/proj"][0] == 2 and chunks["F/L0/fc2"][0] == 2
-    assert sorted(regathers(build.graph)) == sorted(QKV + FC1 + HEAD)
+    graph = build.graph
+    record = next(p for p in graph.graph["passes"] if p["name"] == "tp_overlap")
+    chunks = {d["node"]: d["chunks"] for d in record["decisions"]}
+    assert chunks == {f"F/L{i}/{op}": 2 for i in (0, 1)
+                      for op in ("qkv", "proj", "fc1", "fc2")}
+    assert sorted(regathers(graph)) == sorted(QKV + FC1 + HEAD)
+    for node in QKV + FC1:
+        (reader,) = graph.successors(node)
+        assert reader == "W" + node[1:].split(">")[0].rsplit("/", 1)[0] + "/" + \
+            regathers(graph)[node]["consumer"]
+        assert graph.nodes[reader]["weight_grad_of"].endswith("#t1")
+        assert graph.nodes[regathers(graph)[node]["regathers"] + "#t0"]["token_piece"] == \
+            [0, 2, 2]
 
 
 def test_the_estimate_is_what_the_runtime_holds():
@@ -172,7 +181,7 @@ RANK = textwrap.dedent("""
 
 
 def test_a_rank_lets_the_gathered_input_go_after_the_forward_and_fills_it_again(tmp_path):
-    ranks = run_ranks(RANK, tmp_path, world=2, plan_text=text())
+    ranks = run_ranks(RANK, tmp_path, world=2, plan_text=text(optimize="; tp_overlap = off"))
     for done in ranks:
         seen = one_rank_printed(done)
         assert seen["status"] == 0
@@ -190,13 +199,29 @@ def test_a_rank_lets_the_gathered_input_go_after_the_forward_and_fills_it_again(
         assert seen["filled"] == [[whole, whole]] * 10  # 5 inputs, 2 microbatches
 
 
-def _trained(tmp_path, inputs: str, schedule: str, mesh: str) -> dict[str, bytes]:
+def test_under_tp_overlap_each_piece_is_let_go_and_filled_from_the_whole(tmp_path):
+    ranks = run_ranks(RANK, tmp_path, world=2, plan_text=text(optimize="; tp_overlap = 2"))
+    whole = 32 * 4 // 2 * 64 * 4
+    pieces = [f"F{g[1:]}#t{j}" for g in QKV + FC1 for j in (0, 1)]
+    for done in ranks:
+        seen = one_rank_printed(done)
+        assert seen["status"] == 0
+        at_loss = seen["held"]["0:F/loss#0"]
+        assert at_loss == {g: 0 for g in pieces + ["F" + HEAD[0][1:]]}
+        # per microbatch: the head's input, which its gather wrote into, then 4 GEMMs
+        # of 2 pieces, each filled from empty with its half of the tokens
+        per_microbatch = [[whole, whole]] + [[0, whole // 2]] * 8
+        assert seen["filled"] == per_microbatch * 2
+
+
+def _trained(tmp_path, inputs: str, schedule: str, mesh: str, chunks: str
+             ) -> dict[str, bytes]:
     """The checkpoint's files after 2 steps of a real run of the plan."""
     from planc.cli import main
 
     plan = tmp_path / f"{inputs}.plan"
     plan.write_text(text(inputs=inputs, mesh=mesh, schedule=schedule,
-                         optimize="; tp_overlap = off"))
+                         optimize=f"; tp_overlap = {chunks}"))
     out = tmp_path / f"build-{inputs}"
     assert main(["compile", str(plan), "-o", str(out)]) == 0
     checkpoints = tmp_path / f"checkpoints-{inputs}"
@@ -205,11 +230,13 @@ def _trained(tmp_path, inputs: str, schedule: str, mesh: str) -> dict[str, bytes
     return {f.name: f.read_bytes() for f in sorted(step.iterdir())}
 
 
-@pytest.mark.parametrize("mesh,schedule", [("", ""), ("; pp = 2", "; pipeline = zb1p")],
-                         ids=["tp2", "tp2-pp2-zb1p"])
-def test_training_computes_the_same_bits_as_keeping_the_inputs(tmp_path, mesh, schedule):
-    keep = _trained(tmp_path, "keep", schedule, mesh)
-    again = _trained(tmp_path, "regather", schedule, mesh)
+@pytest.mark.parametrize("mesh,schedule,chunks", [
+    ("", "", "off"), ("; pp = 2", "; pipeline = zb1p", "off"), ("", "", "2")],
+    ids=["tp2", "tp2-pp2-zb1p", "tp2-tp-overlap-2"])
+def test_training_computes_the_same_bits_as_keeping_the_inputs(tmp_path, mesh, schedule,
+                                                               chunks):
+    keep = _trained(tmp_path, "keep", schedule, mesh, chunks)
+    again = _trained(tmp_path, "regather", schedule, mesh, chunks)
     assert sorted(keep) == sorted(again)
     assert [name for name in keep if keep[name] != again[name]] == []
     assert json.loads(keep["manifest.json"])["data"]["next_step"] == 2

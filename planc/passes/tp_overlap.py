@@ -17,7 +17,9 @@ goes through a collective over tp is cut along the tokens into ``k`` pieces:
 - the backward likewise: the all-gather of the output gradient before a row-parallel
   input-gradient GEMM, the reduce-scatter or all-reduce after a column-parallel one. The
   weight gradient is one step after the last piece (``W/...``), which sums the pieces'
-  gradients, and runs while the last piece's collective is in flight.
+  gradients, and runs while the last piece's collective is in flight. An input gathered
+  again for it (``gathered_inputs = regather``) stays one all-gather, into the weight
+  step, which takes each piece's tokens of it.
 
 Piece ``j`` of ``k`` over a tensor of ``n`` tokens spread over ``s`` tp ranks is, for every
 rank ``r < s``, the tokens ``r n/s + j n/(s k)`` up to ``r n/s + (j+1) n/(s k)``
@@ -58,17 +60,13 @@ RECOMPUTED = "recomputed in the backward: left whole"
 # is left whole
 MEGATRON = {"qkv": "column", "proj": "row", "fc1": "column", "fc2": "row"}
 NOT_MEGATRON = "placements other than Megatron's (column qkv and fc1, row proj and fc2)"
-REGATHERED = ("its input is gathered again whole for the backward (gathered_inputs = "
-              "regather): left whole")
 NO_GAIN = ("the cost model predicts no gain: a chunk collective costs about as much as the "
            "whole one (its fixed cost dominates), or the device hides no collective "
            "behind a GEMM (overlap = 0)")
 # The pass line's words for a reason no GEMM was split.
 NO_SPLIT = {RECOMPUTED: "each is recomputed in the backward (not chunked yet)",
             NO_GAIN: "the cost model predicts no gain from chunking on this topology",
-            NOT_MEGATRON: NOT_MEGATRON,
-            REGATHERED: "their inputs are gathered again whole in the backward "
-                        "(gathered_inputs = regather)"}
+            NOT_MEGATRON: NOT_MEGATRON}
 
 
 def piece_name(node: str, index: int) -> str:
@@ -101,11 +99,6 @@ def _sides(graph: nx.DiGraph, forward: str, backward: str) -> dict[str, str]:
                     graph.in_degree(v) == 1:
                 sides[f"{name} out"] = v
     return sides
-
-
-def _weight_step(graph: nx.DiGraph, backward: str) -> str:
-    """The step that computes ``backward``'s weight gradient: its W step, or itself."""
-    return graph.nodes[backward].get("weight_grad") or backward
 
 
 def collective_seconds(ctx: PassContext, placements: dict, data: dict, nbytes: float
@@ -188,9 +181,6 @@ def tp_overlap(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
                     "predicted_seconds": {str(c): s for c, s in seconds.items()}}
         if forward in recomputed:
             decision.update(chunks=1, reason=RECOMPUTED)
-        elif any(e.get("port") == Port.GATHERED for _, _, e in
-                 out.in_edges(_weight_step(out, backward), data=True)):
-            decision.update(chunks=1, reason=REGATHERED)
         elif not megatron:
             decision.update(chunks=1, reason=NOT_MEGATRON)
         elif k == 1:
@@ -250,6 +240,10 @@ def _split_linear(graph: nx.DiGraph, forward: str, backward: str, sides: dict[st
             if "bucket" in graph.nodes[target] or edge["kind"] == EdgeKind.ORDER:
                 graph.remove_edge(backward, target)
                 graph.add_edge(weight, target, **edge)
+        for source, _, edge in list(graph.in_edges(backward, data=True)):
+            if edge.get("port") == Port.GATHERED:  # the input gathered again, whole
+                graph.remove_edge(source, backward)
+                graph.add_edge(source, weight, **edge)
     for step in (forward, backward):
         phase = "forward" if step == forward else "backward"
         _split_step(graph, step, sides.get(f"{phase} in"), sides.get(f"{phase} out"), k, tp,

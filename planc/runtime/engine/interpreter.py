@@ -176,8 +176,8 @@ class Interpreter:
         self.let_go = buckets.forward_gathers(self.bound.values())
         self.fills = buckets.pairs(self.bound.values(), self.let_go)
         # and the gathered inputs of GEMMs whose backward gathers them again
-        self.regathers = buckets.regathered_inputs(self.bound.values())
-        self.let_go |= frozenset(self.regathers.values())
+        self.regathers, regathered = buckets.regathered_inputs(self.bound.values())
+        self.let_go |= regathered
 
     # --- binding ---------------------------------------------------------------------------
 
@@ -368,9 +368,12 @@ class Interpreter:
     def _weight(self, state: StepState, step: _Compute, mb: int | None):
         """The parameter half of a split backward."""
         gathered = self._ports(state, step.inputs, mb).get(buckets.GATHERED_PORT)
-        for saved, grad in state.saved.pop((step.node, mb)):  # one per piece
+        pieces = state.saved.pop((step.node, mb))  # one per piece, in order
+        for j, (saved, grad) in enumerate(pieces):
             if gathered:  # its forward's input, gathered again (gathered_inputs = regather)
-                buckets.fill_input(saved.inputs["x"], gathered[0])
+                whole = gathered[0]
+                buckets.fill_input(saved.inputs["x"], whole if len(pieces) == 1 else
+                                   select_tokens(whole, j, len(pieces), self.ctx.tp))
             _, named = self.kernels.backward(step.spec, saved, fp8.readable(grad),
                                              inputs=False)
             for name, value in named.items():

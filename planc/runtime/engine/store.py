@@ -244,23 +244,34 @@ def refill(kept: dict[str, torch.Tensor], gathered: dict[str, torch.Tensor]) -> 
 # own all-gather of the kept shard fills it again before the step that differentiates it.
 
 
-def regathered_inputs(steps: Iterable) -> dict[str, str]:
-    """Each backward all-gather of a GEMM's input (what a backward or weight step takes
-    through its ``gathered`` port) -> the forward's all-gather it makes again (the input
-    ``x`` of that step's forward), whose storage goes when the program frees it.
-    ``steps``: the bound instructions; compute steps are those naming a ``forward_of``."""
+def regathered_inputs(steps: Iterable) -> tuple[dict[str, str], frozenset[str]]:
+    """The backward all-gathers of GEMM inputs (what a backward or weight step takes
+    through its ``gathered`` port), and the forward all-gathers whose outputs they make
+    again: those, the inputs ``x`` of the forwards that step differentiates (its own, or,
+    for the weight step of a GEMM that tp_overlap cut into pieces, every piece's), have
+    their storage let go when the program frees them. Returns the pairs (backward gather
+    -> forward gather) where the step differentiates one forward, whose storage the
+    backward gather writes into, and every forward gather let go. ``steps``: the bound
+    instructions; compute steps are those naming a ``forward_of``."""
     computes = [step for step in steps if hasattr(step, "forward_of")]
     forwards = {step.node: step for step in computes if step.kind in _FORWARD}
-    out = {}
+    pieces: dict[str, list] = {}  # a weight step -> the input halves whose W it is
     for step in computes:
-        forward = forwards.get(step.forward_of)
-        if step.kind in _FORWARD or forward is None:
-            continue
+        if step.weight_grad is not None:
+            pieces.setdefault(step.weight_grad, []).append(step)
+    pairs, let_go = {}, set()
+    for step in computes:
         again = [i.buffer for i in step.inputs if i.port == GATHERED_PORT]
-        first = [i.buffer for i in forward.inputs if i.port == "x"]
-        if again and len(first) == 1:
-            out[again[0]] = first[0]
-    return out
+        if step.kind in _FORWARD or not again:
+            continue
+        differentiated = [forwards.get(half.forward_of)
+                          for half in pieces.get(step.node, [step])]
+        first = [i.buffer for forward in differentiated if forward is not None
+                 for i in forward.inputs if i.port == "x"]
+        let_go.update(first)
+        if len(first) == 1:
+            pairs[again[0]] = first[0]
+    return pairs, frozenset(let_go)
 
 
 def into_let_go(kept: torch.Tensor) -> torch.Tensor:
