@@ -8,7 +8,10 @@ header names its source and what it assumes); docs/simulate.md lists the sources
 # parallel + selective), seconds per step.
 KORTHIKANTI_TABLE_5 = {"22b": (1.42, 1.10), "175b": (18.13, 13.75),
                        "530b": (49.05, 37.83), "1t": (94.42, 71.49)}
-SEQUENCE_SELECTIVE = ("shard.tp.sequence_parallel=on", "optimize.recompute=selective")
+# the paper's sequence parallelism keeps each GEMM input's shard and gathers it again in
+# the backward (section 4.2.2)
+SEQUENCE_SELECTIVE = ("shard.tp.sequence_parallel=on", "optimize.recompute=selective",
+                      "shard.tp.gathered_inputs=regather")
 
 
 # The Megatron-LM README's weak-scaling table on H100s: model -> TFLOP/s per GPU.

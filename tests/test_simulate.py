@@ -40,8 +40,10 @@ MEDIAN_ERROR, MAX_ERROR = 0.035, 0.12
 # FlashAttention-2's measured rates), NCCL's achieved bandwidths, the ZeRO-1 parameter
 # gathers overlapped with the first forward and the gradients reduce-scattered in fp32
 # (accumulate_allreduce_grads_in_fp32 for bf16): median 3.7 %, max 31.3 % (the 32B plan,
-# too slow: its gathers and fp32 reductions over 48 nodes stay exposed).
-H100_MEDIAN_ERROR, H100_MAX_ERROR = 0.045, 0.32
+# too slow: its gathers and fp32 reductions over 48 nodes stay exposed); with each
+# column-parallel GEMM's input gathered again in the backward, as TransformerEngine's
+# linears do under sequence parallelism (gathered_inputs = regather), 5.9 % and 32.3 %.
+H100_MEDIAN_ERROR, H100_MAX_ERROR = 0.06, 0.33
 
 
 # The plans have the layouts of the paper's run script (run_table_1.sh: microbatch size,
@@ -749,7 +751,7 @@ def test_simulate_states_the_error_of_its_validation_on_the_gpus_it_was_held_to(
     assert expected(load_file(PLANS / "demo.plan").plan) is CALIBRATED
     lines = render(simulate(compile_plan(dense)), expected(dense)).splitlines()
     assert lines[1] == ("  expected error: ± 7.8% (the median error over 45 published runs "
-                        "of dense models; the largest 46%)")
+                        "of dense models; the largest 48%)")
 
 
 def test_tune_claims_no_speed_up_inside_the_simulators_expected_error():
