@@ -34,7 +34,8 @@ def _check(text: str):
 
 
 def _exhaustive(plan, source: str, gpus: int, capacity: float) -> list[tuple[float, str]]:
-    """Every candidate the checker accepts and that fits, simulated: (step, layout)."""
+    """Every candidate the checker accepts and that fits as planc run would hold it,
+    simulated: (step, layout)."""
     from planc.estimate import memory
     from planc.compile import compile_plan
     from planc.simulate import simulate
@@ -45,7 +46,7 @@ def _exhaustive(plan, source: str, gpus: int, capacity: float) -> list[tuple[flo
             continue
         checked = _check(with_settings(source, {
             **item.settings(), "shard.pp.stages": bounds.stages_setting(plan, item)}))
-        if checked is None or memory.estimate(checked).peak.total_bytes > capacity:
+        if checked is None or memory.estimate(checked).held_peak_bytes > capacity:
             continue
         out.append((simulate(compile_plan(checked)).step_seconds, item))
     return sorted(out, key=lambda e: (e[0], e[1].text()))
@@ -338,3 +339,29 @@ def test_the_best_plan_drops_the_shard_blocks_of_axes_it_does_not_use(tmp_path, 
     assert load_file(best).plan.mesh.tp == 1 and "tp {" not in best.read_text()
     assert main(["check", str(best)]) == 0
     assert capsys.readouterr().err == ""  # no warning
+
+
+@pytest.mark.parametrize("inputs", ["keep", "regather"])
+def test_a_layout_fits_only_as_planc_run_would_hold_it(inputs):
+    """Under sequence parallelism with gathered_inputs = keep, planc's runtime holds each
+    GEMM's gathered input whole: beyond the estimate (Megatron-LM's count), and tune
+    counts it; with regather the runtime holds the estimate. A capacity between the two
+    takes the one layout tp 2 with sequence parallelism (every key kept) out, or not."""
+    from planc.estimate import memory
+    from planc.tune.space import KEEPABLE
+
+    source = SMALL.replace("mesh { dp = 4 }", "mesh { tp = 2 }\n  shard { tp { "
+                           f"sequence_parallel = on; gathered_inputs = {inputs} }} }}"
+                           ).replace("devices_per_node = 4", "devices_per_node = 2")
+    plan = _check(source)
+    estimate = memory.estimate(plan)
+    keep = memory.estimate(dataclasses.replace(plan, shard=dataclasses.replace(
+        plan.shard, tp=dataclasses.replace(plan.shard.tp, gathered_inputs="keep"))))
+    assert keep.held_peak_bytes > estimate.peak.total_bytes
+    capacity = (estimate.peak.total_bytes + keep.held_peak_bytes) / 2
+    search = tune(plan, source, 2, top=1, capacity=capacity, keep=tuple(KEEPABLE),
+                  check=_check, per_node=2)
+    if inputs == "keep":
+        assert search.ranked == [] and search.pruned["memory"] >= 1
+    else:
+        assert [r.candidate for r in search.ranked] == [of_plan(plan)]

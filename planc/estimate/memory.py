@@ -86,6 +86,13 @@ class MemoryEstimate:
         return self.capacity is not None and self.peak.total_bytes > self.capacity
 
     @property
+    def held_peak_bytes(self) -> float:
+        """The most a stage's device holds as planc run runs the plan: the estimate's
+        peak, or more where the runtime keeps the gathered inputs of sequence
+        parallelism whole (gathered_inputs = keep)."""
+        return max(s.planc_run_total_bytes for s in self.stages)
+
+    @property
     def planc_run_peak(self) -> StageMemory | None:
         """The stage that needs the most as planc's runtime holds it, where that is more
         than the estimate (Megatron-LM's count), or None."""

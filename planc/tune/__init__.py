@@ -5,7 +5,9 @@ The search (docs/tune.md):
 1. every candidate of :mod:`planc.tune.space` (the mesh, its order, the schedule, ZeRO,
    sequence parallelism, recomputation), less those breaking the mesh's arithmetic;
 2. each one's plan, memory estimate (planc.estimate.memory) and lower bound on its step time
-   (:mod:`planc.tune.bounds`): a candidate that does not fit is pruned;
+   (:mod:`planc.tune.bounds`): a candidate that does not fit as planc run would hold it
+   (the estimate, and under sequence parallelism with ``gathered_inputs = keep`` the
+   gathered inputs the runtime keeps) is pruned;
 3. the file's own layout first, when it is for ``gpus`` devices (so the best is never
    predicted slower than what the file says), then in the order of a rough estimate: a candidate whose bound is no better
    than the K-th best step time simulated so far is pruned (it cannot enter the top K);
@@ -169,7 +171,7 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
         if lightest not in hopeless and search.capacity is not None:
             hopeless[lightest] = all(
                 estimate(light, bounds.plan_of(plan, light, per_node, chunks_of)
-                         ).peak.total_bytes > search.capacity
+                         ).held_peak_bytes > search.capacity
                 for light in (dataclasses.replace(lightest, zero=z, recompute=r)
                               for z in zeros for r in recomputes))
         if hopeless.get(lightest):
@@ -179,7 +181,7 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
         same = dataclasses.replace(item, order=ORDERS[0])
         if same not in known:
             need = estimate(same, trial)
-            fits = search.capacity is None or need.peak.total_bytes <= search.capacity
+            fits = search.capacity is None or need.held_peak_bytes <= search.capacity
             bound = estimator.lower_bound(trial) if fits else 0.0
             params = max(s.parameters for s in need.stages)
             known[same] = (fits, bound, estimator.estimate(trial, bound, params)
@@ -195,7 +197,7 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
         search.considered += 1
         own = of_plan(plan)
         if search.capacity is not None and \
-                estimate(own, plan).peak.total_bytes > search.capacity:
+                estimate(own, plan).held_peak_bytes > search.capacity:
             search.pruned["memory"] += 1  # ranked only if it fits, as every other
         else:
             waiting.insert(0, (0.0, 0.0, own, plan))

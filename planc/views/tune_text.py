@@ -11,7 +11,8 @@ from planc.views.tables import table
 from planc.diagnostics import counted
 
 PRUNING_WORDS = {
-    "memory": "over the memory per device (planc.estimate.memory's estimate)",
+    "memory": "over the memory per device (planc.estimate.memory's estimate, as planc run "
+              "holds it)",
     "dominated": "the same layout with less recomputation or a lower ZeRO stage fits",
     "bound": "slower at best than the K-th best already simulated (compute at the fastest kernel's rate)",
     "check": "refused by planc check",
