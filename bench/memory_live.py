@@ -127,11 +127,14 @@ PLANS = {
         shard="shard { tp { sequence_parallel = on; gathered_inputs = regather } }"),
     "moe-fp32-zb": MOE_ZB.format(name="moe_fp32_zb", extra=""),
     "moe-fp8-zb": MOE_ZB.format(name="moe_fp8_zb", extra="; fp8 = blockwise"),
+    # the experts' SwiGLU product computed again in the backward, not kept
+    "moe-fp32-zb-act": MOE_ZB.format(name="moe_fp32_zb_act", extra="").replace(
+        "  train {", "  optimize { recompute_moe_activation = on }\n  train {"),
 }
 RANKS = {"llama-fp32-tp2-sp": 2, "llama-fp32-tp2-sp-regather": 2, "llama-fp32-zero3": 2,
          "llama-bf16-zero3": 2,
          "llama-fp32-zero3-zb": 4, "llama-fp32-zb": 2, "llama-fp32-full-zb": 2,
-         "moe-fp32-zb": 4, "moe-fp8-zb": 4}  # the others run one rank
+         "moe-fp32-zb": 4, "moe-fp8-zb": 4, "moe-fp32-zb-act": 4}  # the others run one rank
 
 # Runs in a fresh process as a torchrun rank would (planc.runtime.worker.main), with a
 # thread sampling the heap and every instruction reporting what it left.

@@ -477,6 +477,10 @@ MATRIX = {
     "ep8-over-tp2-cp2-dp2-ring": dict(mesh="tp = 2; cp = 2; dp = 2; ep = 8", m=2, experts=8,
                                       shard="cp { attention = ring }"),
     "ep2-over-dp2-aux-loss": dict(mesh="dp = 2; ep = 2", m=2, extra="; aux_loss = 0.1"),
+    # the experts' SwiGLU product computed again in the backward (Megatron-Core's moe_act)
+    "ep2-over-tp2-sp-recompute-moe-activation": dict(
+        mesh="tp = 2; ep = 2", m=2, shared=1, shard="tp { sequence_parallel = on }",
+        optimize="recompute_moe_activation = on"),
     # each expert on 2 ranks (edp 2): its gradient reduced, and sharded, over them
     "ep2-over-tp2-dp2-zero3-edp2": dict(mesh="tp = 2; dp = 2; ep = 2", m=2, shared=1,
                                         shard="tp { sequence_parallel = on }; "

@@ -361,6 +361,12 @@ class KernelModel:
             elements = shared * 3 * tokens
         elif part == "moe_combine":
             elements, passes = rows * h + tokens * h, 1
+        # the SwiGLU's product again, for the down projection's backward: gate and up read,
+        # the product written, whenever autograd unpacks it (both halves of a split
+        # backward: planc.runtime.families.recomputed_product)
+        again = {"moe_experts": e * rows, "moe_shared": shared * tokens}.get(part, 0.0)
+        if x.product_recomputed and (backward or weight) and again:
+            seconds += 3 * again * self.dtype_bytes / self.bandwidth + self.gpu.launch
         if weight:  # the GEMMs alone
             return seconds
         moved = elements * self.dtype_bytes + extra

@@ -281,6 +281,8 @@ def _block_count(plan: Plan, count, recompute: str, stage: int | None = None) ->
     extra = {}
     if moe.cut_over_ep(plan) and m.options.get("fp8") is None:
         extra["rows_received_kept"] = True
+    if plan.optimize.recompute_moe_activation and "experts" in family_of(plan).keys:
+        extra["product_recomputed"] = True
     if stage is not None and getattr(m, "first_dense", 0):
         extra["kinds"] = moe_memory.kinds_of_layers(m, plan.layers_of_stage(stage))
     return count(m, seq=m.seq // plan.mesh.cp, seq_full=m.seq, batch=plan.microbatch_size,
@@ -356,6 +358,8 @@ def stage_activation_bytes(plan: Plan, stage: int) -> tuple[float, int]:
     transient = family_of(plan).transient_bytes
     if transient is not None and plan.layers_of_stage(stage):
         total += transient(m, plan.mesh, plan.microbatch_size * m.seq / plan.mesh.cp)
+    total += _block_count(plan, moe_memory.recomputed_product_bytes, plan.optimize.recompute,
+                          stage)  # a mixture's products, computed again in its backward
     if stage == plan.head_stage:
         s, b = m.seq // plan.mesh.cp, plan.microbatch_size
         sp_div = tp if plan.shard.tp.sequence_parallel and tp > 1 else 1

@@ -32,6 +32,9 @@ class Mixture:
     # node-limited routing (expert_groups, route_groups; None: every expert)
     expert_groups: int = 1
     route_groups: int | None = None
+    # optimize { recompute_moe_activation }: the experts' SwiGLU product computed again
+    # in the backward (and again in a split backward's weight step)
+    product_recomputed: bool = False
 
     @staticmethod
     def of(plan: Plan) -> "Mixture | None":
@@ -43,7 +46,9 @@ class Mixture:
         groups = expert_groups_of(m)
         return Mixture(m.hidden, m.expert_ffn, m.experts, m.top_k, m.shared_experts,
                        m.experts // plan.mesh.ep, moe.forward_flops("moe", one), imbalance,
-                       *(groups if groups is not None else (1, None)))
+                       *(groups if groups is not None else (1, None)),
+                       product_recomputed=plan.optimize.recompute_moe_activation and
+                       m.options.get("fp8") is None)
 
     @property
     def counts_bytes(self) -> int:

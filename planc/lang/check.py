@@ -34,6 +34,7 @@ from planc.plan.plan import (LIMITS, ContextParallel, Mesh, Model, Optimize, Opt
 from planc.schedules import PipelineShape
 from planc.lang.data_check import DATA_SCAN_LIMIT, DataChecks
 from planc.lang.dp_check import DataParallelChecks
+from planc.lang.optimize_check import OptimizeChecks
 from planc.schedules import named as schedule_named
 from planc.schedules import problems as schedule_problems
 
@@ -73,7 +74,7 @@ def _over_limit(what: str, limit: str) -> str:
 
 
 @dataclass
-class _Checker(DataChecks, DataParallelChecks, TopologyReader):
+class _Checker(DataChecks, DataParallelChecks, OptimizeChecks, TopologyReader):
     """Pass 2, the rules across keys and blocks. Pass 1 is BlockReader's
     (:mod:`planc.lang.blocks`), the topology TopologyReader's; a model family's own rules
     are its description's (Family.model_checks, Family.tensor_parallel_checks)."""
@@ -111,6 +112,8 @@ class _Checker(DataChecks, DataParallelChecks, TopologyReader):
             self.report(warning(f"compile = on has no effect on the {model.family} family: "
                                 f"its norms and activations are one kernel each already",
                                 self.span("optimize.compile")))
+        if optimize is not None and model is not None and optimize.recompute_moe_activation:
+            self._moe_activation(optimize, model)
         if optimize is not None and mesh and model:
             optimize = self._tp_overlap(optimize, mesh, model)
         if schedule is not None and optimize is not None and mesh and model:
@@ -367,7 +370,7 @@ class _Checker(DataChecks, DataParallelChecks, TopologyReader):
     def _optimize(self) -> Optimize | None:
         keys = ("fuse", "bucket", "route", "overlap", "weight_grad_overlap", "recompute",
                 "tp_overlap", "pp_scatter_gather", "grad_accumulation", "kernels",
-                "moe_dispatcher", "compile")
+                "moe_dispatcher", "compile", "recompute_moe_activation")
         if not self.ready(*(f"optimize.{k}" for k in keys)):
             return None
         return Optimize(**{k: self.value(f"optimize.{k}") for k in keys})

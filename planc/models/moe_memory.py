@@ -34,7 +34,7 @@ def kinds_of_layers(m: Model, layers) -> str:
 def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
                      sequence_parallel: bool, recompute: str,
                      attention=llama.attention_kept, rows_received_kept: bool = False,
-                     kinds: str = BOTH) -> float:
+                     kinds: str = BOTH, product_recomputed: bool = False) -> float:
     """One block of ``kinds`` (:data:`BLOCK_KINDS`: a stage's, or the model's), the larger
     where there are two: llama's dense block, and the mixture's, whose MLP part keeps
     instead the router's input and fp32 probabilities and, per routed and shared expert a
@@ -46,7 +46,8 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     (planc.models.moe.cut_at_all_to_alls), whose experts piece keeps its input, the rows
     it received with their weights, in the dtype, for its backward
     (planc.runtime.engine.kernels: a step's inputs are what autograd differentiates to),
-    beside its experts' own copies."""
+    beside its experts' own copies. ``product_recomputed``: the experts' SwiGLU product
+    is computed again in the backward, not kept (optimize { recompute_moe_activation })."""
     dense = llama.activation_bytes(m, seq=seq, seq_full=seq_full, batch=batch, tp=tp,
                                    sequence_parallel=sequence_parallel, recompute=recompute,
                                    attention=attention)
@@ -58,10 +59,11 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     # router's input and fp32 probabilities in, and per expert a token goes through its
     # rows (a GEMM input), its gate and up outputs and the product: in the dtype and a
     # GEMM input, or with fp8 gate and up in FP8 and the product recomputed from them
-    # (DeepSeek-AI 2024, section 3.3.4; planc.runtime.engine.fp8.swiglu_down)
+    # (DeepSeek-AI 2024, section 3.3.4; planc.runtime.engine.fp8.swiglu_down), or with
+    # recompute_moe_activation gate and up alone (planc.runtime.families.recomputed_product)
     gemm = gemm_input_bytes(m)
     swiglu = 2 * m.expert_ffn * gemm if fp8_tile(m) else \
-        2 * m.expert_ffn * m.dtype_bytes + m.expert_ffn * gemm
+        2 * m.expert_ffn * m.dtype_bytes + m.expert_ffn * gemm * (not product_recomputed)
     received = m.top_k * sb * (m.hidden + 1) * m.dtype_bytes if rows_received_kept else 0.0
     mixture = dense + (sb * m.hidden * m.dtype_bytes + sb * m.experts * 4
                        + active * sb * (m.hidden * gemm + swiglu) + received
@@ -69,10 +71,23 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     return _of_kinds(m, kinds, dense, mixture)
 
 
+def recomputed_product_bytes(m: Model, *, seq: int, batch: int, tp: int, recompute: str,
+                             product_recomputed: bool = False, kinds: str = BOTH,
+                             **_) -> float:
+    """What a mixture's backward holds for a moment beyond its count under
+    ``product_recomputed``: one block's experts' SwiGLU products of one microbatch,
+    computed again (planc.runtime.families.recomputed_product): the bytes
+    :func:`activation_bytes` does not count kept; none where nothing is computed again."""
+    if not product_recomputed or recompute == "full" or fp8_tile(m) or kinds == DENSE:
+        return 0.0
+    return (m.top_k + m.shared_experts) * seq * batch * m.expert_ffn * gemm_input_bytes(m) / tp
+
+
 def input_half_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
                      sequence_parallel: bool, recompute: str,
                      attention=llama.attention_kept, core=llama.attention_core_kept,
-                     rows_received_kept: bool = False, kinds: str = BOTH) -> float:
+                     rows_received_kept: bool = False, kinds: str = BOTH,
+                     product_recomputed: bool = False) -> float:
     """Of :func:`activation_bytes`, what the steps without parameters keep, for the same
     kind of block (of ``kinds``): llama's (planc.models.llama.input_half_bytes) for a
     dense one; for a mixture, its attention core's alone, since its experts keep their
@@ -92,4 +107,5 @@ def input_half_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     dense_block = llama.activation_bytes(m, attention=attention, **sizes)
     return mixture if activation_bytes(m, attention=attention,
                                        rows_received_kept=rows_received_kept,
+                                       product_recomputed=product_recomputed,
                                        **sizes) > dense_block else dense

@@ -237,6 +237,11 @@ class Optimize:
     # The runtime compiles the family's elementwise formulas with torch.compile
     # (planc.runtime.engine.kernels; the llama, moe and deepseek families).
     compile: bool = field(default=False, metadata={"omitted_when_default": True})
+    # A mixture's experts keep gate and up but not their SwiGLU's product, which the
+    # backward computes again for the down projection's weight gradient (Megatron-Core's
+    # recompute_modules "moe_act"; planc.runtime.families.moe_dispatch).
+    recompute_moe_activation: bool = field(default=False,
+                                           metadata={"omitted_when_default": True})
 
 
 # optimize { grad_accumulation }: "fused", the weight-gradient GEMM adds into the

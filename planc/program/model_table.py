@@ -264,6 +264,9 @@ class ModelTable:
     init: InitTable | None = None  # train.init: a Hugging Face checkpoint to start from
     # optimize { compile }: the family's elementwise formulas run through torch.compile
     compile_kernels: bool = False
+    # optimize { recompute_moe_activation }: the experts' SwiGLU product computed again
+    # in the backward rather than kept
+    recompute_moe_activation: bool = False
 
     def lr_at(self, step: int) -> float:
         """The lr of step ``step``'s optimizer update (planc.plan.lr_schedule.lr_at)."""
@@ -304,7 +307,13 @@ class ModelTable:
                 **({"lr_schedule": {**asdict(self.lr_schedule), "steps": self.steps}}
                    if self.lr_schedule != LrSchedule() else {}),
                 **({"init": self.init.to_json()} if self.init else {}),
-                **({"kernels": {"compile": True}} if self.compile_kernels else {})}
+                **({"kernels": self._kernels()} if self._kernels() else {})}
+
+    def _kernels(self) -> dict[str, bool]:
+        """The kernels' options that are on (none: the section is left out)."""
+        return {key: True for key, on in (("compile", self.compile_kernels),
+                                          ("recompute_moe_activation",
+                                           self.recompute_moe_activation)) if on}
 
     @staticmethod
     def from_json(data: dict) -> "ModelTable":
@@ -341,8 +350,10 @@ class ModelTable:
             raise ValueError("its model options are not names with numbers, true/false or "
                              "words")
         kernels = data.get("kernels", {})
-        if not isinstance(kernels, dict) or set(kernels) - {"compile"}:
-            raise ValueError("its kernels are not {\"compile\": true or false}")
+        if not isinstance(kernels, dict) or set(kernels) - {"compile",
+                                                             "recompute_moe_activation"}:
+            raise ValueError("its kernels are not {\"compile\", \"recompute_moe_activation\":"
+                             " true or false}")
         table = ModelTable(
             family=_string(m["family"], "family"), **sizes, dtype=dtype,
             tie_embeddings=_boolean(m["tie_embeddings"], "tie_embeddings"),
@@ -359,7 +370,9 @@ class ModelTable:
             evaluation=Evaluation.from_json(data["evaluation"]) if "evaluation" in data
             else None,
             init=InitTable.from_json(data["init"], parameters) if "init" in data else None,
-            compile_kernels=_boolean(kernels.get("compile", False), "kernels.compile"))
+            compile_kernels=_boolean(kernels.get("compile", False), "kernels.compile"),
+            recompute_moe_activation=_boolean(kernels.get("recompute_moe_activation", False),
+                                              "kernels.recompute_moe_activation"))
         if not table.family.isidentifier():
             raise ValueError(f"family {table.family!r} is not a family's name")
         if table.microbatch_rows > table.rows_per_dp_rank or \

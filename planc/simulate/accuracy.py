@@ -56,9 +56,10 @@ CALIBRATED = Accuracy(7, 0.18, 0.35,
 # (bench/validation.py --only moe); its DeepSeek-V3 rows with multi-head latent
 # attention (model deepseek) since, the AutoModel rows with the full recomputation
 # their benchmark configs set, two_hop forwarding a token once per rank, as DeepEP, and
-# the Qwen3 rows with their q/k norms (qk_norm).
+# the Qwen3 rows with their q/k norms (qk_norm); 2026-12-03, the two Qwen3 rows that
+# recomputed their experts' activation with it (optimize { recompute_moe_activation }).
 DENSE = Accuracy(45, 0.078, 0.478, "published runs of dense models")
-MIXTURES = Accuracy(8, 0.230, 0.342, "published runs of mixtures of experts")
+MIXTURES = Accuracy(8, 0.230, 0.355, "published runs of mixtures of experts")
 # No published run trains in fp32; the one fp32 run held to the simulator is planc's own
 # llama of 1.1B on one H200 (bench/validation.py --only planc_h200, 2026-12-01: +16.7 %,
 # with fp32 priced at the FP32 cores' peak, planc/plan/presets.py).

@@ -295,6 +295,13 @@ def dense_mlp(layer: int, h: torch.Tensor, w: dict[str, torch.Tensor],
     return fp8.matmul(SiluTimes.apply(gate, up, None), [w["down.weight"]], recipe)
 
 
+def silu_times(gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor | None
+               ) -> torch.Tensor:
+    """``silu(gate) * up`` (times ``scale`` when given): :class:`SiluTimes`' forward, and
+    its product computed again (planc.runtime.families.moe_dispatch.down_of_product)."""
+    return F.silu(gate) * up if scale is None else F.silu(gate) * up * scale
+
+
 class SiluTimes(torch.autograd.Function):
     """``silu(gate) * up`` of gate and up apart (a routed or shared expert's, and the
     reference's dense MLP), times ``scale`` (rows x 1) when given: a routed expert's
@@ -308,11 +315,8 @@ class SiluTimes(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor | None
                 ) -> torch.Tensor:
-        if scale is None:
-            ctx.save_for_backward(gate, up)
-            return F.silu(gate) * up
-        ctx.save_for_backward(gate, up, scale)
-        return F.silu(gate) * up * scale
+        ctx.save_for_backward(*(t for t in (gate, up, scale) if t is not None))
+        return silu_times(gate, up, scale)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

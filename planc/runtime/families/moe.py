@@ -20,6 +20,7 @@ from planc.runtime.families.moe_dispatch import (added_by_token, exchange_fp8_ro
                                                  exchange_rows, exchanged_counts, expert_mlp,
                                                  outputs_by_expert, received_experts,
                                                  stacked_experts, through_experts)
+from planc.runtime.families.recomputed_product import product_recomputed
 from planc.runtime.families.moe_gate import (WithBalanceLoss, balance_loss, balanced,
                                              choose, routed_pairs, sorted_pairs, update_bias)
 from planc.vocabulary.model_options import balanced_layers
@@ -34,7 +35,8 @@ def _shared_and_balance(out, tokens, probabilities, experts, weights_of, m, sequ
     backward, or appended to ``collected`` (the reference, which adds it itself)."""
     if m.shared_experts:
         out = out + expert_mlp(tokens, *(weights_of(f"shared.{w}.weight")
-                                         for w in ("gate", "up", "down")), fp8.recipe_of(m))
+                                         for w in ("gate", "up", "down")), fp8.recipe_of(m),
+                               again=product_recomputed(m))
     if m.aux_loss:
         loss = balance_loss(probabilities, experts, sequences, m, counts_over) / batch
         if collected is None:
@@ -67,7 +69,7 @@ def mixture(tokens: torch.Tensor, weights_of, m, sequences: int = 1, batch: int 
     counts = torch.bincount(pairs[order], minlength=m.experts).tolist()
     token_of = order // routed.shape[1]
     outputs = outputs_by_expert(tokens[token_of], weights.reshape(-1)[order].unsqueeze(-1),
-                                counts, stacked, recipe)
+                                counts, stacked, recipe, product_recomputed(m))
     out = torch.zeros_like(tokens)
     if outputs is not None:
         out = added_by_token(out, token_of, outputs, [n for n in counts if n])
@@ -161,7 +163,7 @@ def expert_parallel_mixture(tokens: torch.Tensor, weights_of, m, peers, sequence
     # this microbatch still runs the all-to-alls' backward, which its peers wait for
     # (with zeros_like, autograd would skip them there, and the ep group would hang)
     done = through_experts(rows * 0 * scales, rows, scales, local_expert, per_rank, stacked,
-                           recipe)
+                           recipe, product_recomputed(m))
     back = _AllToAll.apply(done, received, sent, peers.group) if recipe is None \
         else _Fp8Combine.apply(done, received, sent, peers.group, recipe)
     out = added_by_token(torch.zeros_like(tokens), token_of, back)

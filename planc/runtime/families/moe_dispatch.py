@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from planc.runtime.engine import fp8
-from planc.runtime.families import llama
+from planc.runtime.families.recomputed_product import down_of_product, product_recomputed
 from planc.runtime.families.moe_gate import (WithBalanceLoss, balance_loss, balanced,
                                              choose, routed_pairs, sorted_pairs)
 from planc.vocabulary.model_options import balance_bias_name
@@ -68,29 +68,33 @@ def expert_output(x: torch.Tensor, weights: tuple, expert: int, recipe=None,
 
 
 def through_experts(done: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor,
-                    expert_of: torch.Tensor, local: int, experts: Experts, recipe=None
-                    ) -> torch.Tensor:
+                    expert_of: torch.Tensor, local: int, experts: Experts, recipe=None,
+                    again: bool = False) -> torch.Tensor:
     """``done`` with each of ``rows`` written over by its expert's output, weighted by its
     scale (:func:`expert_output`; ``expert_of``: each row's expert among the rank's
     ``local``). The rows are sorted by expert once (a stable sort: each expert's rows in
     their order) and each expert runs on its slice, the outputs written back at once:
     taking each expert's rows by index would zero-fill a whole gradient of the rows for
-    every expert, and writing each expert's outputs would copy ``done`` whole."""
+    every expert, and writing each expert's outputs would copy ``done`` whole.
+    ``again``: the SwiGLU's product computed again in the backward
+    (planc.runtime.families.recomputed_product)."""
     order = torch.argsort(expert_of, stable=True)
     counts = torch.bincount(expert_of, minlength=local).tolist()
-    outputs = outputs_by_expert(rows[order], scales[order], counts, experts, recipe)
+    outputs = outputs_by_expert(rows[order], scales[order], counts, experts, recipe, again)
     return done if outputs is None else copied_by_row(done, order, outputs)
 
 
 def outputs_by_expert(rows: torch.Tensor, scales: torch.Tensor, counts: list[int],
-                      experts: Experts, recipe=None) -> torch.Tensor | None:
+                      experts: Experts, recipe=None, again: bool = False
+                      ) -> torch.Tensor | None:
     """Rows in expert order, ``counts[e]`` of expert e's one after another, each through
     its expert, weighted by its scale (:func:`expert_mlp`), in the same order; None when
     no expert has rows. In the dtype the SwiGLU runs once over every expert's rows, and
     where :meth:`Experts.grouped` allows, each of the three GEMMs is one
     ``torch._grouped_mm`` over them (Megatron-Core's grouped GEMM), else a GEMM an expert:
     the same bits either way, three kernels where the loop launches three an expert. With
-    FP8 each expert runs its own (planc.runtime.engine.fp8.swiglu_down)."""
+    FP8 each expert runs its own (planc.runtime.engine.fp8.swiglu_down). ``again``: the
+    product not kept but computed again (planc.runtime.families.recomputed_product)."""
     if not any(counts):
         return None
     if recipe is not None:
@@ -100,26 +104,28 @@ def outputs_by_expert(rows: torch.Tensor, scales: torch.Tensor, counts: list[int
     if experts.grouped(rows):
         ends = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
         gate, up = (torch._grouped_mm(rows, w, offs=ends) for w in (experts.gate, experts.up))
-        return torch._grouped_mm(llama.SiluTimes.apply(gate, up, scales), experts.down,
-                                 offs=ends)
+        return down_of_product(gate, up, scales, lambda product: torch._grouped_mm(
+            product, experts.down, offs=ends), again)
     gate, up, down = experts.slices()
     mine = [(expert, x) for expert, x in enumerate(rows.split(counts)) if x.shape[0]]
-    activated = llama.SiluTimes.apply(torch.cat([x @ gate[e] for e, x in mine]),
-                                      torch.cat([x @ up[e] for e, x in mine]), scales)
-    return torch.cat([a @ down[e] for (e, _), a in
-                      zip(mine, activated.split([x.shape[0] for _, x in mine]))])
+    return down_of_product(
+        torch.cat([x @ gate[e] for e, x in mine]), torch.cat([x @ up[e] for e, x in mine]),
+        scales, lambda product: torch.cat([a @ down[e] for (e, _), a in zip(
+            mine, product.split([x.shape[0] for _, x in mine]))]), again)
 
 
 def expert_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-               recipe=None, scale: torch.Tensor | None = None) -> torch.Tensor:
+               recipe=None, scale: torch.Tensor | None = None, again: bool = False
+               ) -> torch.Tensor:
     """A routed or shared expert's SwiGLU of rows ``x``: in ``x``'s dtype, or by FP8
     ``recipe`` with DeepSeek-V3's storage, the SwiGLU's inputs kept in FP8 and its output
     recomputed (planc.runtime.engine.fp8.swiglu_down). ``scale`` (rows x 1): a routed
     expert's routing weights, applied inside the SwiGLU, before the down projection
     (Megatron-Core's weighted SwiGLU): the weighted output, with nothing hidden wide
-    kept for the weights' gradient, which the SwiGLU's own inputs give."""
+    kept for the weights' gradient, which the SwiGLU's own inputs give. ``again``: the
+    product computed again in the backward (planc.runtime.families.recomputed_product)."""
     if recipe is None:
-        return llama.SiluTimes.apply(x @ gate, x @ up, scale) @ down
+        return down_of_product(x @ gate, x @ up, scale, lambda product: product @ down, again)
     gate_out, up_out = fp8.matmul(x, [gate, up], recipe).chunk(2, dim=-1)
     return fp8.swiglu_down(gate_out, up_out, down, recipe, scale)
 
@@ -385,7 +391,8 @@ def experts(k, spec, x, p, step, mb, extra):
     recipe = fp8.recipe_of(m)
     # zeros that depend on the rows: a rank whose experts got none still runs the
     # backward, whose all-to-alls its peers wait for
-    done = through_experts(features * 0, features, weights, expert_of, local, stacked, recipe)
+    done = through_experts(features * 0, features, weights, expert_of, local, stacked, recipe,
+                           product_recomputed(m))
     if spec.drops_rows:
         _let_go_of_decoded(rows)
     return done
@@ -413,7 +420,7 @@ def shared(k, spec, x, p, step, mb, extra):
     by_suffix = {name.split(".", 2)[-1]: name for name in spec.params}
     return expert_mlp(data.reshape(-1, data.shape[-1]),
                       *(p(by_suffix[f"shared.{w}.weight"]) for w in ("gate", "up", "down")),
-                      fp8.recipe_of(k.ctx.model))
+                      fp8.recipe_of(k.ctx.model), again=product_recomputed(k.ctx.model))
 
 
 def total(k, spec, x, p, step, mb, extra):
