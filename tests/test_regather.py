@@ -113,6 +113,64 @@ def test_it_is_issued_once_the_gradient_is_a_step_away():
         assert issued.index(before) < issued.index(gather) < issued.index(after)
 
 
+def test_under_tp_overlap_it_is_issued_once_the_input_half_is_done():
+    """Collective matmul gives the projection's and fc2's backward a weight step of their
+    own; the gather stays ordered after their input half (its last piece), not after that
+    weight step, which runs after the next GEMM's pieces and left the gather exposed."""
+    build = compile_plan(plan_of(text(optimize="; tp_overlap = 2")))
+    graph = build.graph
+    for gather, source in ((QKV[1], "B/L1/proj#t1"), (FC1[1], "B/L1/fc2#t1")):
+        orders = [u for u, _, e in graph.in_edges(gather, data=True)
+                  if e["kind"] == EdgeKind.ORDER]
+        assert orders == [source]
+    issued = [i.node for i in expand(build.programs["stage0.json"], only=0)
+              if i.node is not None and i.microbatch == 0 and i.op != "wait"]
+    for before, gather, after in (("B/L1/proj#t1", QKV[1], "B/L1/attention"),
+                                  ("B/L1/fc2#t1", FC1[1], "B/L1/swiglu")):
+        assert issued.index(before) < issued.index(gather) < issued.index(after)
+
+
+def test_under_a_zero_bubble_schedule_one_input_is_whole_at_a_time():
+    """zb1p defers the weight steps to the chunk's W block: a gather ordered after the
+    input halves held every input of the chunk whole until then (4 at once on a stage of
+    2 layers). It runs in the W block, after the weight halves it was ordered after, and
+    its weight step lets it go."""
+    build = compile_plan(plan_of(text(mesh="; pp = 2", schedule="; pipeline = zb1p")
+                                 .replace("microbatches = 2", "microbatches = 4")))
+    graph = build.graph
+    stage = "stage0.json"
+    whole, most = set(), 0
+    for i in expand(build.programs[stage]):
+        if i.node is None or i.op == "wait":
+            continue
+        data = graph.nodes[i.node]
+        if "regathers" in data:
+            whole.add((i.node, i.microbatch))
+        elif data.get("weight_grad_of") is not None:
+            whole -= {(g, i.microbatch) for g in graph.predecessors(i.node)}
+        most = max(most, len(whole))
+    assert most == 1
+    for gather in (QKV[0], FC1[0]):
+        orders = [u for u, _, e in graph.in_edges(gather, data=True)
+                  if e["kind"] == EdgeKind.ORDER]
+        assert orders and all(u.startswith("W/") for u in orders), orders
+
+
+def test_fp8_gemms_keep_their_codes_and_nothing_is_gathered_again():
+    """model { fp8 }: each GEMM keeps FP8 codes of its whole input for its weight
+    gradient, so a gather again would be read by nothing: check warns, the graph has none,
+    and the estimate counts the inputs as kept."""
+    source = text().replace("vocab = 256;", "vocab = 256; fp8 = blockwise; fp8_tile = 8;")
+    loaded = load_text(source)
+    assert [d.message for d in loaded.diagnostics if d.severity == "warning"] == [
+        "gathered_inputs = regather has no effect with fp8: the FP8 GEMMs keep FP8 codes "
+        "of their whole input for the weight gradient"]
+    assert not loaded.plan.regathers_gemm_inputs
+    assert regathers(compile_plan(loaded.plan).graph) == {}
+    assert gathered_inputs_bytes(loaded.plan, 0) == gathered_inputs_bytes(
+        plan_of(source.replace("gathered_inputs = regather", "gathered_inputs = keep")), 0) > 0
+
+
 def test_tp_overlap_cuts_the_gemms_and_gathers_their_whole_inputs_once_again():
     """Collective matmul cuts qkv and fc1 into pieces, each saving its piece of the
     gathered input; the backward gathers the whole input once, into the weight step,

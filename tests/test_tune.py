@@ -341,6 +341,27 @@ def test_the_best_plan_drops_the_shard_blocks_of_axes_it_does_not_use(tmp_path, 
     assert capsys.readouterr().err == ""  # no warning
 
 
+def test_a_best_layout_without_sequence_parallelism_drops_gathered_inputs(tmp_path, capsys):
+    """gathered_inputs acts only with sequence parallelism: a best layout without it wrote
+    the file's ``regather`` on, which every later check of the written plan warned of."""
+    from planc.tune.candidate_text import without_blocks
+
+    text = "plan p {\n  shard { tp { sequence_parallel = off; gathered_inputs = regather } }\n}\n"
+    assert without_blocks(text, [("shard", "tp", "gathered_inputs")]) == (
+        "plan p {\n  shard { tp { sequence_parallel = off } }\n}\n")
+    source, best = tmp_path / "t.plan", tmp_path / "best.plan"
+    source.write_text(SMALL.replace("mesh { dp = 4 }", "mesh { tp = 2 }\n  shard { tp { "
+                                    "sequence_parallel = off; gathered_inputs = regather } }"
+                                    ).replace("devices_per_node = 4", "devices_per_node = 2"))
+    assert main(["tune", str(source), "--gpus", "2", "--keep", "mesh.tp", "--keep",
+                 "shard.tp.sequence_parallel", "--top", "1", "-o", str(best)]) == 0
+    capsys.readouterr()
+    assert "sequence_parallel = off" in best.read_text()
+    assert "gathered_inputs" not in best.read_text()
+    assert main(["check", str(best)]) == 0
+    assert capsys.readouterr().err == ""  # no warning
+
+
 @pytest.mark.parametrize("inputs", ["keep", "regather"])
 def test_a_layout_fits_only_as_planc_run_would_hold_it(inputs):
     """Under sequence parallelism with gathered_inputs = keep, planc's runtime holds each

@@ -392,7 +392,7 @@ def gathered_inputs_bytes(plan: Plan, stage: int) -> float:
     m, tp = plan.model, plan.mesh.tp
     kept = family_of(plan).gathered_inputs_kept
     if tp == 1 or not plan.shard.tp.sequence_parallel or not kept or \
-            plan.shard.tp.gathered_inputs == "regather":
+            plan.regathers_gemm_inputs:
         return 0.0
     gathered_beyond_shard = (m.seq // plan.mesh.cp) * plan.microbatch_size * m.hidden * \
         m.dtype_bytes * (1 - 1 / tp)

@@ -262,7 +262,7 @@ class _Derivation(GraphBuilder):
                       for layer in range(first, last + 1)}
         for link in reversed(forward.links):
             self._backward_link(chunk, link, backward)
-        if self.plan.shard.tp.gathered_inputs == "regather":
+        if self.plan.regathers_gemm_inputs:
             self._regathers(forward, backward)
         if send is not None:
             self.axes.into_send(send)

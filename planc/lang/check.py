@@ -218,6 +218,10 @@ class _Checker(DataChecks, DataParallelChecks, OptimizeChecks, TopologyReader):
                                 f"without sequence_parallel = on",
                                 self.span("shard.tp.gathered_inputs"),
                                 "only sequence parallelism gathers a GEMM's input over tp"))
+        elif tensor.gathered_inputs == "regather" and model.options.get("fp8") is not None:
+            self.report(warning("gathered_inputs = regather has no effect with fp8: the FP8 "
+                                "GEMMs keep FP8 codes of their whole input for the weight "
+                                "gradient", self.span("shard.tp.gathered_inputs")))
         for rule in family.tensor_parallel_checks:  # the family's own rules, in its order
             found = rule(model, tensor, mesh)
             if found is not None:

@@ -168,12 +168,20 @@ class _StageLowering:
                                    if p in self.gathered_first}:
                         self.first_users.setdefault(gather, []).append(node)
 
+    def _gathers_for_weight_step(self, node: str, data: dict) -> bool:
+        """An input gathered again for a weight step (gathered_inputs = regather) runs
+        in the W block with the step that reads it (planc.passes.split_backward)."""
+        return "regathers" in data and any(
+            self.graph.nodes[v].get("weight_grad_of") is not None
+            for v in self.graph.successors(node))
+
     def place(self, node: str) -> _Where:
         data = self.graph.nodes[node]
         stream = data.get("stream") or stream_of(data, self.plan.optimize.overlap)
         if is_pipeline_receive(data):
             return _Where(stream, stream, True, False)
-        kind = ActionKind.BACKWARD_WEIGHT if self.split and _in_weight_block(data) else \
+        kind = ActionKind.BACKWARD_WEIGHT if self.split and (
+            _in_weight_block(data) or self._gathers_for_weight_step(node, data)) else \
             _kind_of(data["phase"], self.split)
         block = Block(kind, data["chunk"]).name
         if data["per_microbatch"]:

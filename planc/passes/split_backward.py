@@ -61,6 +61,18 @@ def split_step(graph: nx.DiGraph, node: str) -> str:
     return weight
 
 
+def _after_weight_halves(graph: nx.DiGraph, regather: str) -> None:
+    """An input gathered again for a weight step (gathered_inputs = regather) starts after
+    the weight halves of the steps it was ordered after, not after their input halves:
+    the schedule defers the W steps, and a gather started with the input halves would
+    hold every input of the chunk whole until its W block."""
+    for source, _, edge in list(graph.in_edges(regather, data=True)):
+        weight = graph.nodes[source].get("weight_grad")
+        if edge.get("kind") == EdgeKind.ORDER and weight is not None:
+            graph.remove_edge(source, regather)
+            graph.add_edge(weight, regather, **edge)
+
+
 def split_backward(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
     pipeline = ctx.plan.schedule.pipeline
     if not schedules.named(pipeline).splits_backward:
@@ -68,6 +80,8 @@ def split_backward(graph: nx.DiGraph, ctx: PassContext) -> nx.DiGraph:
     out = ctx.working_copy(graph)
     chosen = [node for node, data in out.nodes(data=True) if splittable(data)]
     weights = [split_step(out, node) for node in chosen]
+    for node in [n for n, data in out.nodes(data=True) if "regathers" in data]:
+        _after_weight_halves(out, node)
     decisions = [{"node": node, "weight_step": weight}
                  for node, weight in zip(chosen, weights)]
     return record(out, PassRecord(

@@ -237,7 +237,10 @@ def _split_linear(graph: nx.DiGraph, forward: str, backward: str, sides: dict[st
                                   "weight_grad_of": backward})
         graph.nodes[backward].update(flops=data["flops"] / 2, weight_grad=weight)
         for _, target, edge in list(graph.out_edges(backward, data=True)):
-            if "bucket" in graph.nodes[target] or edge["kind"] == EdgeKind.ORDER:
+            # (an input gathered again starts once this step's input gradient is done,
+            # not its weight gradient: that order stays, on the last piece)
+            if "bucket" in graph.nodes[target] or edge["kind"] == EdgeKind.ORDER and \
+                    "regathers" not in graph.nodes[target]:
                 graph.remove_edge(backward, target)
                 graph.add_edge(weight, target, **edge)
         for source, _, edge in list(graph.in_edges(backward, data=True)):

@@ -337,6 +337,14 @@ class Plan:
         return self.mesh.world
 
     @property
+    def regathers_gemm_inputs(self) -> bool:
+        """shard { tp { gathered_inputs = regather } } in effect: not with model { fp8 },
+        whose GEMMs keep FP8 codes of their whole input for the weight gradient
+        (planc.runtime.engine.fp8), so that a gather again would be read by nothing."""
+        return self.shard.tp.gathered_inputs == "regather" and \
+            self.model.options.get("fp8") is None
+
+    @property
     def placement(self):
         """Where the schedule puts model chunks (a :class:`planc.schedules.ChunkPlacement`)."""
         return named_schedule(self.schedule.pipeline).placement

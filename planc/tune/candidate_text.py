@@ -128,9 +128,10 @@ def _comment(source: str, at: int) -> tuple[int, int] | None:
 
 
 def without_blocks(source: str, paths) -> str:
-    """``source`` without the blocks at ``paths`` (("shard", "tp"), ...) it writes: a
-    chosen layout of degree 1 on an axis drops that axis's shard block, which would say
-    nothing (planc check warns of it). A line the block leaves empty goes with it."""
+    """``source`` without the blocks or keys at ``paths`` (("shard", "tp"), ...) it
+    writes: a chosen layout of degree 1 on an axis drops that axis's shard block, and one
+    without sequence parallelism the key that acts only with it, which would say nothing
+    (planc check warns of them). A line the entry leaves empty goes with it."""
     tree, _ = parse(source)
     if tree is None:
         raise ValueError("the plan does not parse")
@@ -138,10 +139,11 @@ def without_blocks(source: str, paths) -> str:
     cuts = []
     for path in paths:
         entries, found = tree.entries, None
-        for part in path:
-            found = next((e for e in entries if isinstance(e, ast.Block) and e.name == part),
-                         None)
-            if found is None:
+        for depth, part in enumerate(path):
+            last = depth == len(path) - 1
+            found = next((e for e in entries if isinstance(e, ast.Block) and e.name == part
+                          or last and isinstance(e, ast.Assign) and e.key == part), None)
+            if found is None or last:
                 break
             entries = found.entries
         if found is None:
@@ -158,6 +160,8 @@ def without_blocks(source: str, paths) -> str:
         elif rest.lstrip().startswith(";"):  # and its separator, with the blanks after it
             after = rest.lstrip()[1:]
             end += len(rest) - len(after.lstrip(" \t"))
+        elif source[line_start:start].rstrip(" \t").endswith(";"):  # the last: the one before
+            start = line_start + len(source[line_start:start].rstrip(" \t")) - 1
         cuts.append((start, end))
     out = source
     for start, end in sorted(cuts, reverse=True):

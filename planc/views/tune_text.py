@@ -124,7 +124,9 @@ def best_file(search, gpus: int, argv: list[str]) -> str:
     text = best.text if best.text.endswith("\n") else best.text + "\n"
     chosen = best.candidate
     text = without_blocks(text, [("shard", axis) for axis in ("tp", "cp", "pp")
-                                 if getattr(chosen, axis) == 1])
+                                 if getattr(chosen, axis) == 1] +
+                          ([] if chosen.sequence_parallel or chosen.tp == 1 else
+                           [("shard", "tp", "gathered_inputs")]))
     return "\n".join(header) + "\n" + text
 
 

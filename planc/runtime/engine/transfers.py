@@ -192,7 +192,7 @@ class Transfers:
                         ) -> torch.Tensor:
         """An all-gather of the tokens into the let-go storage of the forward's (a GEMM's
         input gathered again for its backward, planc.runtime.engine.store): the pieces
-        joined straight into autograd's saved bytes, no copy of the whole beside them."""
+        joined into autograd's saved bytes, which they outlive only for the join."""
         pieces = self.all_gather_list(value, call)
         torch.cat(pieces, dim=SEQ_AXIS, out=buckets.into_let_go(into))
         return into
