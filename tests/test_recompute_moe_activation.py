@@ -17,6 +17,7 @@ from planc.estimate.kernel_cost import KernelModel
 from planc.estimate.memory import (layer_activation_bytes, layers_in_flight,
                                     stage_activation_bytes)
 from planc.lang import load_text
+from planc.lower.tabulate_model import model_table
 from planc.simulate import simulate
 from tests.conftest import one_rank_printed, run_ranks
 from tests.test_moe import plan_text
@@ -40,10 +41,16 @@ def _warnings(source: str) -> list[str]:
 ])
 def test_where_no_mixture_keeps_the_product_the_key_is_warned_about(source, why):
     assert _warnings(source) == [f"recompute_moe_activation = on has no effect: {why}"]
+    # and it has none: the model table tells the runtime off, the estimates price nothing
+    plan = load_text(source).plan
+    assert not plan.recomputes_moe_activation
+    assert not model_table(plan).recompute_moe_activation
 
 
 def test_a_mixture_that_keeps_the_product_takes_it_silently():
     assert _warnings(plan_text(optimize=ON)) == []
+    plan = load_text(plan_text(optimize=ON)).plan
+    assert plan.recomputes_moe_activation and model_table(plan).recompute_moe_activation
 
 
 def test_the_estimate_drops_one_product_per_routed_and_shared_row():

@@ -281,7 +281,7 @@ def _block_count(plan: Plan, count, recompute: str, stage: int | None = None) ->
     extra = {}
     if moe.cut_over_ep(plan) and m.options.get("fp8") is None:
         extra["rows_received_kept"] = True
-    if plan.optimize.recompute_moe_activation and "experts" in family_of(plan).keys:
+    if plan.recomputes_moe_activation:
         extra["product_recomputed"] = True
     if stage is not None and getattr(m, "first_dense", 0):
         extra["kinds"] = moe_memory.kinds_of_layers(m, plan.layers_of_stage(stage))

@@ -47,8 +47,7 @@ class Mixture:
         return Mixture(m.hidden, m.expert_ffn, m.experts, m.top_k, m.shared_experts,
                        m.experts // plan.mesh.ep, moe.forward_flops("moe", one), imbalance,
                        *(groups if groups is not None else (1, None)),
-                       product_recomputed=plan.optimize.recompute_moe_activation and
-                       m.options.get("fp8") is None)
+                       product_recomputed=plan.recomputes_moe_activation)
 
     @property
     def counts_bytes(self) -> int:

@@ -71,14 +71,15 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     return _of_kinds(m, kinds, dense, mixture)
 
 
-def recomputed_product_bytes(m: Model, *, seq: int, batch: int, tp: int, recompute: str,
+def recomputed_product_bytes(m: Model, *, seq: int, batch: int, tp: int,
                              product_recomputed: bool = False, kinds: str = BOTH,
                              **_) -> float:
     """What a mixture's backward holds for a moment beyond its count under
     ``product_recomputed``: one block's experts' SwiGLU products of one microbatch,
     computed again (planc.runtime.families.recomputed_product): the bytes
-    :func:`activation_bytes` does not count kept; none where nothing is computed again."""
-    if not product_recomputed or recompute == "full" or fp8_tile(m) or kinds == DENSE:
+    :func:`activation_bytes` does not count kept; none where nothing is computed again
+    (planc.plan.plan.Plan.recomputes_moe_activation) or the blocks are dense."""
+    if not product_recomputed or kinds == DENSE:
         return 0.0
     return (m.top_k + m.shared_experts) * seq * batch * m.expert_ffn * gemm_input_bytes(m) / tp
 

@@ -345,6 +345,17 @@ class Plan:
             self.model.options.get("fp8") is None
 
     @property
+    def recomputes_moe_activation(self) -> bool:
+        """optimize { recompute_moe_activation } in effect: on a model with mixtures (not
+        every block dense), not under recompute = full (a block keeps only its input), nor
+        with model { fp8 }, whose experts compute the product again already; what the
+        model table tells the runtime, and what the estimates price."""
+        m = self.model
+        return self.optimize.recompute_moe_activation and bool(m.options.get("experts")) \
+            and m.options.get("first_dense", 0) < m.layers \
+            and self.optimize.recompute != "full" and m.options.get("fp8") is None
+
+    @property
     def placement(self):
         """Where the schedule puts model chunks (a :class:`planc.schedules.ChunkPlacement`)."""
         return named_schedule(self.schedule.pipeline).placement
