@@ -125,6 +125,10 @@ PLANS = {
         name="llama_fp32_tp2_sp_regather", dtype="fp32", optimize="", batch=4,
         mesh="tp = 2", devices=2,
         shard="shard { tp { sequence_parallel = on; gathered_inputs = regather } }"),
+    # a dense MLP's SwiGLU product computed again for down's backward, not kept
+    "llama-fp32-act": LLAMA.format(name="llama_fp32_act", dtype="fp32",
+                                   optimize="optimize { recompute_activation = on }",
+                                   **ONE_RANK),
     "moe-fp32-zb": MOE_ZB.format(name="moe_fp32_zb", extra=""),
     "moe-fp8-zb": MOE_ZB.format(name="moe_fp8_zb", extra="; fp8 = blockwise"),
     # the experts' SwiGLU product computed again in the backward, not kept

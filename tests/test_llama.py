@@ -93,6 +93,10 @@ MATRIX = {
     "tp2-tp-overlap-4": dict(mesh="tp = 2", optimize="tp_overlap = 4"),
     "tp2-sp-kv1-tp-overlap-2": dict(mesh="tp = 2", kv=1, m=2, optimize="tp_overlap = 2",
                                     shard="tp { sequence_parallel = on }"),
+    # optimize { recompute_activation }: down's input made again, in pieces, in both steps
+    # of the backward tp_overlap splits
+    "tp2-pp2-tp-overlap-2-act": dict(mesh="tp = 2; pp = 2", m=4,
+                                     optimize="tp_overlap = 2; recompute_activation = on"),
     # (a cosine schedule with a warm-up, with grad_clip and evaluations: the llama runs of
     # tests/test_grad_clip.py)
 }

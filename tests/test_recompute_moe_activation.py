@@ -161,13 +161,13 @@ def test_the_forward_leaves_the_product_unheld_and_the_backward_the_same_bits(gr
 RANK = textwrap.dedent("""
     import json, sys
     import planc.runtime.worker as worker
-    from planc.runtime.families import recomputed_product
+    from planc.runtime.families import recomputed_output
     computed = []
-    view = recomputed_product._Product.view
+    view = recomputed_output._Product.view
     def counting(self, *layout):
         computed.append(self.whole is None)
         return view(self, *layout)
-    recomputed_product._Product.view = counting
+    recomputed_output._Product.view = counting
     status = worker.main([sys.argv[1], "--steps", "1"])
     print(json.dumps({"status": status, "computed": computed}))
 """)

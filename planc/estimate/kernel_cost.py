@@ -111,6 +111,7 @@ GEMM_INPUT = {"qkv": "stream", "proj": None, "fc1": "stream", "fc2": "ffn",
               "head": "stream"}
 SPLIT_N = ("column", "vocab")  # tensor-parallel layouts that split a GEMM's output features
 ATTENTION = "attention"
+DOWN = "fc2"  # the down projection, whose input recompute_activation makes again
 MIXTURE = "moe"
 # A mixture's parts, each a compute piece when cut at its all-to-alls
 # (planc.models.moe.part_flops). Its kernels besides its GEMMs, forward, are five: the
@@ -231,6 +232,10 @@ class KernelModel:
         # Unfused attention: per head, scores = Q K^T (s x s_full, inner head_dim), then
         # scores V (s x head_dim, inner s_full); heads of all microbatch rows stacked.
         self.mixture = Mixture.of(plan)
+        # optimize { recompute_activation }: elements a dense MLP's activation moves per
+        # output element when its backward makes it again for down (SwiGLU reads gate and
+        # up, GeLU its input; one written), else 0
+        self.activation_again = (2 + ("swiglu" in family.rules)) * plan.recomputes_activation
         self.module_passes = module_passes(plan, shapes)
         # q's and k's features on one tp rank: what RoPE rotates
         heads, kv = shapes.heads, getattr(shapes.model, "key_value_heads", shapes.heads)
@@ -404,8 +409,14 @@ class KernelModel:
         # the layers' linears in FP8 (model { fp8 }); the head in the dtype, as DeepSeek-V3
         # keeps it (section 3.3.1) and planc's runtime runs it
         fp8 = self.fp8_speedup is not None and op in FP8_LINEARS
-        return sum(self.gemm_seconds(*(tokens if d == 1 else d for d in gemm), fp8=fp8)
-                   for gemm in self._linear_gemms(op, step, split))
+        seconds = sum(self.gemm_seconds(*(tokens if d == 1 else d for d in gemm), fp8=fp8)
+                      for gemm in self._linear_gemms(op, step, split))
+        if op == DOWN and self.activation_again and step in (StepKind.BACKWARD, StepKind.WEIGHT):
+            # its input made again, wherever autograd unpacks it: both halves of a split
+            elements = tokens * self.features[op][0][1]
+            seconds += self.activation_again * elements * self.dtype_bytes / self.bandwidth \
+                + self.gpu.launch
+        return seconds
 
     def passes_seconds(self, passes: Passes, elements: float) -> float:
         """Elementwise kernels over ``elements`` at the memory bandwidth, a launch each."""

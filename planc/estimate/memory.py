@@ -34,7 +34,7 @@ from planc.estimate.kernel_cost import GPUS
 from planc.estimate.parameter_counts import (_local_elements, layer_expert_parameters,
                                              layer_parameters, stage_expert_parameters,
                                              stage_parameters)
-from planc.models import family_of, moe, moe_memory
+from planc.models import family_of, moe, moe_memory, recomputed_activation_bytes
 from planc.plan.plan import Model, Plan
 
 FP32_BYTES = 4
@@ -281,8 +281,9 @@ def _block_count(plan: Plan, count, recompute: str, stage: int | None = None) ->
     extra = {}
     if moe.cut_over_ep(plan) and m.options.get("fp8") is None:
         extra["rows_received_kept"] = True
-    if plan.recomputes_moe_activation:
-        extra["product_recomputed"] = True
+    extra.update({key: True for key, on in (
+        ("product_recomputed", plan.recomputes_moe_activation),
+        ("activation_recomputed", plan.recomputes_activation)) if on})
     if stage is not None and getattr(m, "first_dense", 0):
         extra["kinds"] = moe_memory.kinds_of_layers(m, plan.layers_of_stage(stage))
     return count(m, seq=m.seq // plan.mesh.cp, seq_full=m.seq, batch=plan.microbatch_size,
@@ -358,8 +359,8 @@ def stage_activation_bytes(plan: Plan, stage: int) -> tuple[float, int]:
     transient = family_of(plan).transient_bytes
     if transient is not None and plan.layers_of_stage(stage):
         total += transient(m, plan.mesh, plan.microbatch_size * m.seq / plan.mesh.cp)
-    total += _block_count(plan, moe_memory.recomputed_product_bytes, plan.optimize.recompute,
-                          stage)  # a mixture's products, computed again in its backward
+    for again in (moe_memory.recomputed_product_bytes, recomputed_activation_bytes):
+        total += _block_count(plan, again, plan.optimize.recompute, stage)  # in a backward
     if stage == plan.head_stage:
         s, b = m.seq // plan.mesh.cp, plan.microbatch_size
         sp_div = tp if plan.shard.tp.sequence_parallel and tp > 1 else 1

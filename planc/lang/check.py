@@ -114,6 +114,8 @@ class _Checker(DataChecks, DataParallelChecks, OptimizeChecks, TopologyReader):
                                 self.span("optimize.compile")))
         if optimize is not None and model is not None and optimize.recompute_moe_activation:
             self._moe_activation(optimize, model)
+        if optimize is not None and model is not None and optimize.recompute_activation:
+            self._dense_activation(optimize, model, getattr(schedule, "pipeline", None))
         if optimize is not None and mesh and model:
             optimize = self._tp_overlap(optimize, mesh, model)
         if schedule is not None and optimize is not None and mesh and model:
@@ -374,7 +376,8 @@ class _Checker(DataChecks, DataParallelChecks, OptimizeChecks, TopologyReader):
     def _optimize(self) -> Optimize | None:
         keys = ("fuse", "bucket", "route", "overlap", "weight_grad_overlap", "recompute",
                 "tp_overlap", "pp_scatter_gather", "grad_accumulation", "kernels",
-                "moe_dispatcher", "compile", "recompute_moe_activation")
+                "moe_dispatcher", "compile", "recompute_moe_activation",
+                "recompute_activation")
         if not self.ready(*(f"optimize.{k}" for k in keys)):
             return None
         return Optimize(**{k: self.value(f"optimize.{k}") for k in keys})

@@ -145,6 +145,7 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
         "moe_dispatcher": Key(Choice(MOE_DISPATCHERS), "all_to_all"),
         "compile": Key(Boolean(), False),
         "recompute_moe_activation": Key(Boolean(), False),
+        "recompute_activation": Key(Boolean(), False),
     }),
     "train": BlockSchema("train", keys={
         "steps": Key(Integer(1), 1),

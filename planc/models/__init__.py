@@ -24,3 +24,16 @@ def step_model_flops(plan) -> float:
     model FLOPs. The family says what its forward costs per token."""
     m = plan.model
     return 3.0 * m.batch * m.seq * family_of(plan).model_flops_per_token(m)
+
+
+def recomputed_activation_bytes(m, *, seq: int, batch: int, tp: int,
+                                activation_recomputed: bool = False, kinds: str = "both",
+                                **_) -> float:
+    """What a dense block's backward holds for a moment beyond its count under optimize {
+    recompute_activation }: its MLP activation's output of one microbatch, computed again
+    for the down projection (planc.runtime.families.recomputed_output), FFN-wide, over tp;
+    none where nothing is computed again (planc.plan.plan.Plan.recomputes_activation) or
+    the stage holds mixtures alone (``kinds``: planc.models.moe_memory.BLOCK_KINDS)."""
+    if not activation_recomputed or kinds == "mixture":
+        return 0.0
+    return seq * batch * m.ffn * m.dtype_bytes / tp

@@ -129,8 +129,11 @@ def model_flops_per_token(m: Model) -> float:
 
 
 def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
-                     sequence_parallel: bool, recompute: str) -> float:
-    """Korthikanti et al. 2022, Table 2: one block, one microbatch, one device."""
+                     sequence_parallel: bool, recompute: str,
+                     activation_recomputed: bool = False) -> float:
+    """Korthikanti et al. 2022, Table 2: one block, one microbatch, one device;
+    ``activation_recomputed``: the second GEMM's input (GeLU's output, 8sbh / tp) is
+    computed again from GeLU's input, not kept (optimize { recompute_activation })."""
     s, b, h, a = seq, batch, m.hidden, m.heads
     sp = sequence_parallel and tp > 1
     sbh = s * b * h
@@ -147,18 +150,23 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
         half = sbh / tp * (34 + 5 * a * seq_full / h)
     else:
         half = sbh * (10 + 24 / tp + 5 * a * seq_full / (h * tp))
+    if activation_recomputed and recompute != "full":
+        half -= 8 * sbh / tp
     return half * m.dtype_bytes / 2
 
 
 def input_half_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
-                     sequence_parallel: bool, recompute: str) -> float:
+                     sequence_parallel: bool, recompute: str,
+                     activation_recomputed: bool = False) -> float:
     """Of :func:`activation_bytes`, what the steps without parameters keep, in Korthikanti
     et al.'s Table 2 items: Q and K (4sbh), V (2sbh), the softmax's output, its dropout
     mask and the dropout's output (5as^2b), GeLU's input (8sbh), and the two dropout masks
     after the attention and the MLP (sbh each, whole on every tp rank without sequence
     parallelism); the norms' and the four GEMMs' inputs (18sbh) stay for the weight half.
     ``selective`` drops the softmax's items, ``attention_inputs`` Q, K and V too, and
-    ``full`` keeps the block's input alone, for the weight half's recomputation."""
+    ``full`` keeps the block's input alone, for the weight half's recomputation. With
+    ``activation_recomputed`` GeLU's input stays for the weight half, which computes the
+    second GEMM's input again from it."""
     s, b, h, a = seq, batch, m.hidden, m.heads
     sp = sequence_parallel and tp > 1
     sbh = s * b * h
@@ -167,7 +175,8 @@ def input_half_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     masks = 2 * sbh / tp if sp else 2 * sbh
     qkv = 0 if recompute == "attention_inputs" else 6 * sbh / tp
     scores = 5 * a * seq_full * s * b / tp if recompute == "none" else 0
-    return (masks + qkv + 8 * sbh / tp + scores) * m.dtype_bytes / 2
+    gelu = 8 * sbh / tp * (not activation_recomputed)
+    return (masks + qkv + gelu + scores) * m.dtype_bytes / 2
 
 
 def four_times_hidden(scope) -> int:

@@ -199,7 +199,7 @@ def qk_norm(m: Model) -> bool:
 
 def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
                      sequence_parallel: bool, recompute: str,
-                     attention=attention_kept) -> float:
+                     attention=attention_kept, activation_recomputed: bool = False) -> float:
     """One block, one microbatch, one device, counted as Korthikanti et al. 2022 count
     GPT's (their Table 2) for llama's tensors: the inputs of the two norms and of the
     q/k/v and gate/up GEMMs (sharded only with sequence parallelism), the rotated
@@ -207,7 +207,9 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     input of o, gate and up, and the input of down (sharded over tp).
     ``attention_inputs`` drops the first norm's output and q, k and v too: they are
     recomputed from the block's input. ``attention(m, recompute)``: what the attention
-    keeps (:func:`attention_kept`; the deepseek family's multi-head latent attention's)."""
+    keeps (:func:`attention_kept`; the deepseek family's multi-head latent attention's).
+    ``activation_recomputed``: down's input is computed again from gate and up, not kept
+    (optimize { recompute_activation })."""
     sb = seq * batch
     h, f = m.hidden, m.ffn
     sp = sequence_parallel and tp > 1
@@ -221,23 +223,26 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     scores = 0 if recompute != "none" else m.heads * seq_full * sb / tp
     # the GEMMs' inputs: of q/k/v and gate/up (a norm's output), the attention's (o's) and
     # down's
-    inputs = (1 + kept) * sb * h / (tp if sp else 1) + sb * (gemm_inputs + f) / tp + \
-        sb * whole_gemm_inputs
+    inputs = (1 + kept) * sb * h / (tp if sp else 1) + \
+        sb * (gemm_inputs + f * (not activation_recomputed)) / tp + sb * whole_gemm_inputs
     return (stream + split + scores) * m.dtype_bytes + inputs * gemm_input_bytes(m)
 
 
 def input_half_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
                      sequence_parallel: bool, recompute: str,
-                     core=attention_core_kept) -> float:
+                     core=attention_core_kept, activation_recomputed: bool = False) -> float:
     """Of :func:`activation_bytes`, what the steps without parameters keep: the attention
     core's q, k and v (``core(m, recompute)``) and softmax probabilities, and SwiGLU's
     inputs, gate and up; the norms' and the GEMMs' inputs stay for the weight half, and
-    under ``full`` the block's input alone is kept, for the recomputation."""
+    under ``full`` the block's input alone is kept, for the recomputation. With
+    ``activation_recomputed`` gate and up stay for the weight half too, which computes
+    down's input again from them."""
     if recompute == "full":
         return 0.0
     sb = seq * batch
     scores = 0 if recompute != "none" else m.heads * seq_full * sb / tp
-    return (sb * (core(m, recompute) + 2 * m.ffn) / tp + scores) * m.dtype_bytes
+    swiglu = 2 * m.ffn * (not activation_recomputed)
+    return (sb * (core(m, recompute) + swiglu) / tp + scores) * m.dtype_bytes
 
 
 def preset_default(name: str, presets=PRESETS):

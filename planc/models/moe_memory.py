@@ -34,7 +34,8 @@ def kinds_of_layers(m: Model, layers) -> str:
 def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
                      sequence_parallel: bool, recompute: str,
                      attention=llama.attention_kept, rows_received_kept: bool = False,
-                     kinds: str = BOTH, product_recomputed: bool = False) -> float:
+                     kinds: str = BOTH, product_recomputed: bool = False,
+                     activation_recomputed: bool = False) -> float:
     """One block of ``kinds`` (:data:`BLOCK_KINDS`: a stage's, or the model's), the larger
     where there are two: llama's dense block, and the mixture's, whose MLP part keeps
     instead the router's input and fp32 probabilities and, per routed and shared expert a
@@ -47,10 +48,12 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     it received with their weights, in the dtype, for its backward
     (planc.runtime.engine.kernels: a step's inputs are what autograd differentiates to),
     beside its experts' own copies. ``product_recomputed``: the experts' SwiGLU product
-    is computed again in the backward, not kept (optimize { recompute_moe_activation })."""
+    is computed again in the backward, not kept (optimize { recompute_moe_activation });
+    ``activation_recomputed``: the dense blocks' (optimize { recompute_activation })."""
     dense = llama.activation_bytes(m, seq=seq, seq_full=seq_full, batch=batch, tp=tp,
                                    sequence_parallel=sequence_parallel, recompute=recompute,
-                                   attention=attention)
+                                   attention=attention,
+                                   activation_recomputed=activation_recomputed)
     if recompute == "full":
         return dense
     sb = seq * batch
@@ -60,14 +63,15 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     # rows (a GEMM input), its gate and up outputs and the product: in the dtype and a
     # GEMM input, or with fp8 gate and up in FP8 and the product recomputed from them
     # (DeepSeek-AI 2024, section 3.3.4; planc.runtime.engine.fp8.swiglu_down), or with
-    # recompute_moe_activation gate and up alone (planc.runtime.families.recomputed_product)
+    # recompute_moe_activation gate and up alone (planc.runtime.families.recomputed_output)
     gemm = gemm_input_bytes(m)
     swiglu = 2 * m.expert_ffn * gemm if fp8_tile(m) else \
         2 * m.expert_ffn * m.dtype_bytes + m.expert_ffn * gemm * (not product_recomputed)
     received = m.top_k * sb * (m.hidden + 1) * m.dtype_bytes if rows_received_kept else 0.0
+    down = gemm * (not activation_recomputed)  # the dense MLP's, which the mixture's replaces
     mixture = dense + (sb * m.hidden * m.dtype_bytes + sb * m.experts * 4
                        + active * sb * (m.hidden * gemm + swiglu) + received
-                       - sb * m.ffn * (2 * m.dtype_bytes + gemm)) / tp
+                       - sb * m.ffn * (2 * m.dtype_bytes + down)) / tp
     return _of_kinds(m, kinds, dense, mixture)
 
 
@@ -88,7 +92,8 @@ def input_half_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
                      sequence_parallel: bool, recompute: str,
                      attention=llama.attention_kept, core=llama.attention_core_kept,
                      rows_received_kept: bool = False, kinds: str = BOTH,
-                     product_recomputed: bool = False) -> float:
+                     product_recomputed: bool = False,
+                     activation_recomputed: bool = False) -> float:
     """Of :func:`activation_bytes`, what the steps without parameters keep, for the same
     kind of block (of ``kinds``): llama's (planc.models.llama.input_half_bytes) for a
     dense one; for a mixture, its attention core's alone, since its experts keep their
@@ -97,16 +102,20 @@ def input_half_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     that errs high)."""
     sizes = dict(seq=seq, seq_full=seq_full, batch=batch, tp=tp,
                  sequence_parallel=sequence_parallel, recompute=recompute)
-    dense = llama.input_half_bytes(m, core=core, **sizes)
+    dense = llama.input_half_bytes(m, core=core, activation_recomputed=activation_recomputed,
+                                   **sizes)
     if recompute == "full":
         return dense
-    mixture = dense - seq * batch * 2 * m.ffn / tp * m.dtype_bytes
+    mixture = llama.input_half_bytes(m, core=core, **sizes) - \
+        seq * batch * 2 * m.ffn / tp * m.dtype_bytes
     if not m.first_dense or kinds == MIXTURE:
         return mixture
     if kinds == DENSE:
         return dense
-    dense_block = llama.activation_bytes(m, attention=attention, **sizes)
+    dense_block = llama.activation_bytes(m, attention=attention,
+                                         activation_recomputed=activation_recomputed, **sizes)
     return mixture if activation_bytes(m, attention=attention,
                                        rows_received_kept=rows_received_kept,
                                        product_recomputed=product_recomputed,
+                                       activation_recomputed=activation_recomputed,
                                        **sizes) > dense_block else dense

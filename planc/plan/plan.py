@@ -242,6 +242,11 @@ class Optimize:
     # recompute_modules "moe_act"; planc.runtime.families.moe_dispatch).
     recompute_moe_activation: bool = field(default=False,
                                            metadata={"omitted_when_default": True})
+    # A dense block's MLP keeps its activation's input but not its output, which the
+    # backward computes again for the down projection's weight gradient (torchtitan's
+    # per-op selective checkpointing recomputes it; planc.runtime.families.
+    # recomputed_product).
+    recompute_activation: bool = field(default=False, metadata={"omitted_when_default": True})
 
 
 # optimize { grad_accumulation }: "fused", the weight-gradient GEMM adds into the
@@ -354,6 +359,20 @@ class Plan:
         return self.optimize.recompute_moe_activation and bool(m.options.get("experts")) \
             and m.options.get("first_dense", 0) < m.layers \
             and self.optimize.recompute != "full" and m.options.get("fp8") is None
+
+    @property
+    def recomputes_activation(self) -> bool:
+        """optimize { recompute_activation } in effect: on a model with dense blocks (a
+        family without experts, or a mixture's first_dense blocks), not under recompute =
+        full, nor with model { fp8 }, whose down projection keeps FP8 codes of its input
+        rather than the activation's output, nor under a schedule that defers the weight
+        gradients (zb1p, zbv, ...): there gate and up would stay for the deferred weight
+        gradient, twice what they replace."""
+        m = self.model
+        dense = m.options.get("first_dense", 0) if m.options.get("experts") else m.layers
+        return self.optimize.recompute_activation and dense > 0 \
+            and self.optimize.recompute != "full" and m.options.get("fp8") is None \
+            and not named_schedule(self.schedule.pipeline).splits_backward
 
     @property
     def placement(self):

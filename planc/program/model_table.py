@@ -23,6 +23,10 @@ from planc.vocabulary.versions import is_version
 
 MODEL_TABLE_FORMAT = "planc-model"
 MODEL_TABLE_VERSION = 1
+# model.json's "kernels" section: each key, and the table's field it sets
+KERNEL_OPTIONS = {"compile": "compile_kernels",
+                  "recompute_moe_activation": "recompute_moe_activation",
+                  "recompute_activation": "recompute_activation"}
 DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -267,6 +271,9 @@ class ModelTable:
     # optimize { recompute_moe_activation }: the experts' SwiGLU product computed again
     # in the backward rather than kept
     recompute_moe_activation: bool = False
+    # optimize { recompute_activation }: a dense MLP's activation output computed again in
+    # the backward rather than kept
+    recompute_activation: bool = False
 
     def lr_at(self, step: int) -> float:
         """The lr of step ``step``'s optimizer update (planc.plan.lr_schedule.lr_at)."""
@@ -307,13 +314,11 @@ class ModelTable:
                 **({"lr_schedule": {**asdict(self.lr_schedule), "steps": self.steps}}
                    if self.lr_schedule != LrSchedule() else {}),
                 **({"init": self.init.to_json()} if self.init else {}),
-                **({"kernels": self._kernels()} if self._kernels() else {})}
+                **({"kernels": kernels} if (kernels := self._kernels()) else {})}
 
     def _kernels(self) -> dict[str, bool]:
         """The kernels' options that are on (none: the section is left out)."""
-        return {key: True for key, on in (("compile", self.compile_kernels),
-                                          ("recompute_moe_activation",
-                                           self.recompute_moe_activation)) if on}
+        return {key: True for key in KERNEL_OPTIONS if getattr(self, KERNEL_OPTIONS[key])}
 
     @staticmethod
     def from_json(data: dict) -> "ModelTable":
@@ -350,10 +355,9 @@ class ModelTable:
             raise ValueError("its model options are not names with numbers, true/false or "
                              "words")
         kernels = data.get("kernels", {})
-        if not isinstance(kernels, dict) or set(kernels) - {"compile",
-                                                             "recompute_moe_activation"}:
-            raise ValueError("its kernels are not {\"compile\", \"recompute_moe_activation\":"
-                             " true or false}")
+        if not isinstance(kernels, dict) or set(kernels) - set(KERNEL_OPTIONS):
+            raise ValueError(f"its kernels are not {{{', '.join(map(repr, KERNEL_OPTIONS))}}}"
+                             " each true or false")
         table = ModelTable(
             family=_string(m["family"], "family"), **sizes, dtype=dtype,
             tie_embeddings=_boolean(m["tie_embeddings"], "tie_embeddings"),
@@ -370,9 +374,8 @@ class ModelTable:
             evaluation=Evaluation.from_json(data["evaluation"]) if "evaluation" in data
             else None,
             init=InitTable.from_json(data["init"], parameters) if "init" in data else None,
-            compile_kernels=_boolean(kernels.get("compile", False), "kernels.compile"),
-            recompute_moe_activation=_boolean(kernels.get("recompute_moe_activation", False),
-                                              "kernels.recompute_moe_activation"))
+            **{field: _boolean(kernels.get(key, False), f"kernels.{key}")
+               for key, field in KERNEL_OPTIONS.items()})
         if not table.family.isidentifier():
             raise ValueError(f"family {table.family!r} is not a family's name")
         if table.microbatch_rows > table.rows_per_dp_rank or \

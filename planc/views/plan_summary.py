@@ -98,7 +98,8 @@ def settings(plan: Plan) -> str:
                      f"pp_scatter_gather {_onoff(opt.pp_scatter_gather)}, grad_accumulation "
                      f"{opt.grad_accumulation}, kernels {opt.kernels}, moe_dispatcher "
                      f"{opt.moe_dispatcher}, compile {_onoff(opt.compile)}, "
-                     f"recompute_moe_activation {_onoff(opt.recompute_moe_activation)}"),
+                     f"recompute_moe_activation {_onoff(opt.recompute_moe_activation)}, "
+                     f"recompute_activation {_onoff(opt.recompute_activation)}"),
         ("train", f"{counted(tr.steps, 'step')}, {optimizer}, seed {tr.seed}, "
                   f"data {_data(tr.data)}, init {tr.init or 'none'}, shuffle "
                   f"{_onoff(tr.shuffle)}, grad_clip "

@@ -21,13 +21,13 @@ from typing import Callable
 import torch
 
 from planc.graph.vocabulary import Op
-from planc.program.operands import SEQ_AXIS, Input, StepKind
+from planc.program.operands import Input, StepKind
 from planc.program.program import Instruction, Opcode, Program, saved_for_weights
 from planc.runtime.engine import fp8, grad_norm, router_bias
 from planc.runtime.engine import store as buckets
 from planc.runtime.engine.context import RankContext, pp_group_key
 from planc.runtime.engine.kernels import Kernels, Peers, Saved, Spec
-from planc.runtime.engine.model import split_feature
+from planc.runtime.engine.model import join_tokens, select_tokens, split_feature
 from planc.runtime.engine.optim import BucketOptimizer
 from planc.runtime.engine.ring_attention import Ring
 from planc.runtime.engine.store import ParamStore
@@ -90,24 +90,6 @@ def combine(values: list[torch.Tensor]) -> torch.Tensor:
         if value.shape != widest.shape:
             total[..., total.shape[-1] - value.shape[-1]:] += value
     return total
-
-
-def select_tokens(value: torch.Tensor, index: int, count: int, spread: int) -> torch.Tensor:
-    """Piece ``index`` of ``count`` of the tokens of ``value`` (batch, tokens, ...), spread
-    over ``spread`` tp ranks: planc.program.operands.token_ranges, as one strided view."""
-    shape = value.shape
-    size = shape[SEQ_AXIS] // (spread * count)
-    grouped = value.reshape(shape[0], spread, count, size, *shape[2:])
-    return grouped[:, :, index].reshape(shape[0], spread * size, *shape[2:])
-
-
-def join_tokens(pieces: list[torch.Tensor], spread: int) -> torch.Tensor:
-    """The tensor whose pieces (in order) ``pieces`` are: :func:`select_tokens` undone."""
-    shape = pieces[0].shape
-    size = shape[SEQ_AXIS] // spread
-    grouped = [p.reshape(shape[0], spread, size, *shape[2:]) for p in pieces]
-    return torch.stack(grouped, dim=2).reshape(shape[0], spread * size * len(pieces),
-                                                *shape[2:])
 
 
 class _Compute:

@@ -30,6 +30,7 @@ from planc.runtime.engine import fp8
 from planc.runtime.engine.context import RankContext
 from planc.runtime.families.compiled import compiled_formulas
 from planc.runtime.families import family_kernels
+from planc.runtime.families.recomputed_output import Recipes
 from planc.runtime.engine.model import split_feature
 from planc.runtime.engine.ring_attention import Ring, ring_attention, step_masks
 
@@ -221,6 +222,7 @@ class Kernels:
         # the balancing bias's update sums (planc.runtime.engine.router_bias); None: the
         # program does not update a bias (an evaluation's), so nothing is counted
         self.chosen: dict[tuple, torch.Tensor] | None = None
+        self.recipes = Recipes()  # optimize { recompute_activation }: outputs made again
         model = ctx.model
         self.hidden = model.hidden
         self.fp8 = fp8.recipe_of(model)  # None: GEMMs in the model's dtype
@@ -354,10 +356,17 @@ class Kernels:
     def _linear(self, spec: Spec, x, p, step, mb, extra):
         """``x @ W`` (+ b); several weights (llama's q, k, v; gate, up) side by side in one
         GEMM."""
+        data = x["x"]
+        if self.ctx.model.recompute_activation:  # down keeps how to make its input again,
+            last = spec.tokens is None or spec.tokens[0] + 1 == spec.tokens[1]  # its last piece
+            return self.recipes.through(data, lambda: self._gemm(spec, data, p), spec.tokens,
+                                        last)
+        return self._gemm(spec, data, p)
+
+    def _gemm(self, spec: Spec, data: torch.Tensor, p):
         weights = [name for name in spec.params if not name.endswith(".bias")]
         own_bias = [name for name in spec.params if name.endswith(".bias") and
                     name != spec.bias]
-        data = x["x"]
         if not own_bias:  # in FP8 with model { fp8 } (planc.runtime.engine.fp8)
             return fp8.matmul(data, [p(name) for name in weights], self.fp8)
         weight = p(weights[0]) if len(weights) == 1 else torch.cat(

@@ -17,6 +17,7 @@ from typing import Callable, Iterable, TypeVar
 import torch
 
 from planc.program.heads import split_units
+from planc.program.operands import SEQ_AXIS
 from planc.program.model_table import ModelTable
 from planc.runtime.engine.seeds import seed_of
 
@@ -133,3 +134,21 @@ def local_heads(model: ModelTable, qkv_width: int, tp: int) -> tuple[int, int]:
 def flat_shard_size(numel: int, parts: int) -> int:
     """ZeRO shards a flattened tensor into equal parts, padding the last."""
     return math.ceil(numel / parts)
+
+
+def select_tokens(value: torch.Tensor, index: int, count: int, spread: int) -> torch.Tensor:
+    """Piece ``index`` of ``count`` of the tokens of ``value`` (batch, tokens, ...), spread
+    over ``spread`` tp ranks: planc.program.operands.token_ranges, as one strided view."""
+    shape = value.shape
+    size = shape[SEQ_AXIS] // (spread * count)
+    grouped = value.reshape(shape[0], spread, count, size, *shape[2:])
+    return grouped[:, :, index].reshape(shape[0], spread * size, *shape[2:])
+
+
+def join_tokens(pieces: list[torch.Tensor], spread: int) -> torch.Tensor:
+    """The tensor whose pieces (in order) ``pieces`` are: :func:`select_tokens` undone."""
+    shape = pieces[0].shape
+    size = shape[SEQ_AXIS] // spread
+    grouped = [p.reshape(shape[0], spread, size, *shape[2:]) for p in pieces]
+    return torch.stack(grouped, dim=2).reshape(shape[0], spread * size * len(pieces),
+                                                *shape[2:])

@@ -48,10 +48,17 @@ def attention(k, spec, x, p, step, mb, extra):
     return out.transpose(1, 2).reshape(b, s, heads * hd)
 
 
+def tanh_gelu(value: torch.Tensor) -> torch.Tensor:
+    return F.gelu(value, approximate="tanh")
+
+
 def gelu(k, spec, x, p, step, mb, extra):
     bias = k._bias(spec, p)
     value = x["x"] if bias is None else x["x"] + bias
-    return F.gelu(value, approximate="tanh")
+    out = tanh_gelu(value)
+    if k.ctx.model.recompute_activation:  # the down projection keeps how to make it
+        k.recipes.remember(out, value.detach(), tanh_gelu)
+    return out
 
 
 KERNELS = {Op.LN1: layer_norm, Op.LN2: layer_norm, Op.FINAL_LN: layer_norm,

@@ -253,7 +253,12 @@ class SwiGLU(torch.autograd.Function):
 
 
 def swiglu(k, spec, x, p, step, mb, extra):
-    return k.compiled.get("swiglu", SwiGLU.apply)(x["x"])  # compiled, or by hand
+    both = x["x"]
+    formula = k.compiled.get("swiglu", SwiGLU.apply)  # compiled, or by hand
+    out = formula(both)
+    if k.ctx.model.recompute_activation:  # the down projection keeps how to make it
+        k.recipes.remember(out, both.detach(), formula)
+    return out
 
 
 # optimize { compile }: the formulas of the kernels above as pure functions of tensors,

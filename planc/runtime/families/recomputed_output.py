@@ -1,0 +1,119 @@
+"""An activation's output computed again in the backward rather than kept: a mixture's
+experts' SwiGLU product (optimize { recompute_moe_activation }, Megatron-Core's
+``recompute_modules`` "moe_act", its ``CheckpointWithoutOutput`` around the experts'
+activation function), and a dense MLP's SwiGLU or GELU output (optimize {
+recompute_activation }, as torchtitan's per-op selective checkpointing recomputes every
+operation but its matmuls and attention).
+
+The down projection's backward reads its input, the activation's output (for a routed
+expert, times the routing weight), for the weight gradient. The activation's own backward
+keeps its input anyway (planc.runtime.families.llama.SiluTimes and SwiGLU, GELU's autograd
+node), so what the down projection keeps of the output can be how to compute it from that
+input: the output's bytes go when the forward is done, one FFN-wide tensor per row less
+for every microbatch in flight, for one more elementwise pass in the backward. The same
+operations compute it again, so the gradients are the same bits.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from planc.runtime.engine.model import select_tokens
+
+
+def kept_as_recipe(output: torch.Tensor, compute: Callable[[], torch.Tensor]):
+    """Saved-tensor hooks under which what a GEMM saves of ``output`` (the whole, or views
+    of it) is kept as ``compute``, which makes it again (from tensors the activation's
+    backward keeps anyway: ``compute`` holds them detached)."""
+    source = _Product(compute, output)
+    return torch.autograd.graph.saved_tensors_hooks(source.pack, _unpacked)
+
+
+class Recipes:
+    """A rank's dense activation output that its down projection has yet to read, with
+    the input and the formula that make it again (optimize { recompute_activation }). A
+    block's activation and down run one after the other, so one is pending at a time."""
+
+    def __init__(self):
+        self._pending: tuple[torch.Tensor, torch.Tensor, Callable] | None = None
+
+    def remember(self, output: torch.Tensor, kept: torch.Tensor,
+                 formula: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """``output`` = ``formula(kept)``, a dense activation's (``kept`` detached: the
+        activation's backward keeps it anyway)."""
+        self._pending = (output, kept, formula)
+
+    def through(self, data: torch.Tensor, gemm: Callable[[], torch.Tensor], tokens,
+                frees: bool) -> torch.Tensor:
+        """``gemm()`` of ``data``: where ``data`` is the pending output (an alias of it: a
+        step reads its inputs as leaves of the buffers it was given), or the piece
+        ``tokens`` of it (tp_overlap's pieces are copies: planc.runtime.engine.model.
+        select_tokens), what the GEMM saves of ``data`` is kept as how to make it again,
+        the piece alone from the piece of the input. With ``frees`` (down's last piece,
+        the output's last reader in the forward) the output's storage goes now: it stays
+        the root of the activation's backward step, which reads its shape alone (a storage
+        let go and the tensor kept, as ZeRO-3's gathered parameters,
+        planc.runtime.engine.store)."""
+        if self._pending is None:
+            return gemm()
+        output, kept, formula = self._pending
+        storage = output.untyped_storage()
+        if data.untyped_storage().data_ptr() == storage.data_ptr():
+            recipe = kept_as_recipe(output, lambda: formula(kept))
+        elif tokens is not None:
+            recipe = kept_as_recipe(data, lambda: formula(select_tokens(kept, *tokens)))
+        else:
+            return gemm()
+        with recipe:
+            result = gemm()
+        if frees:
+            self._pending = None
+            storage.resize_(0)
+        return result
+
+
+class _Product:
+    """How to compute an activation's output again (a function of its inputs, detached:
+    the activation's backward keeps the same tensors), and the storage its saved views
+    are of. The output computed again is shared by every view a backward unpacks (one per
+    expert where each runs its own GEMM) and dropped after the last of those packed."""
+
+    def __init__(self, compute: Callable[[], torch.Tensor], product: torch.Tensor):
+        self.compute = compute
+        self.storage = product.untyped_storage().data_ptr()
+        self.layout = (product.shape, product.stride())
+        self.packed = 0  # views saved, not yet unpacked
+        self.whole: torch.Tensor | None = None
+
+    def pack(self, saved: torch.Tensor):
+        if saved.untyped_storage().data_ptr() != self.storage:
+            return saved  # the weights, or anything else the GEMM keeps: as it is
+        self.packed += 1
+        return _View(self, tuple(saved.shape), saved.stride(), saved.storage_offset())
+
+    def view(self, shape, stride, offset: int) -> torch.Tensor:
+        whole = self.whole
+        if whole is None:
+            with torch.no_grad():
+                whole = self.compute()
+            if (whole.shape, whole.stride()) != self.layout:
+                raise RuntimeError("the activation computed again is not laid out as the "
+                                   "forward's")
+        self.packed -= 1
+        self.whole = whole if self.packed > 0 else None
+        return whole.as_strided(shape, stride, offset)
+
+
+class _View:
+    __slots__ = ("source", "shape", "stride", "offset")
+
+    def __init__(self, source: _Product, shape, stride, offset: int):
+        self.source, self.shape, self.stride, self.offset = source, shape, stride, offset
+
+
+def _unpacked(saved):
+    if not isinstance(saved, _View):
+        return saved
+    return saved.source.view(saved.shape, saved.stride, saved.offset)

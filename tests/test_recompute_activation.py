@@ -1,0 +1,204 @@
+"""optimize { recompute_activation }: a dense MLP's activation output (llama's SwiGLU
+product, gpt's GeLU) is not kept for the down projection's backward but computed again
+from the activation's input (what torchtitan's per-op selective checkpointing recomputes):
+the check's messages, the model table, the estimate and the simulator's price, how often
+a rank computes it again, and training that computes the same bits."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from planc.cli import main
+from planc.estimate.kernel_cost import KernelModel
+from planc.estimate.memory import (layer_activation_bytes, layers_in_flight,
+                                    stage_activation_bytes)
+from planc.lang import load_text
+from planc.lower.tabulate_model import model_table
+from planc.program.model_table import ModelTable
+from tests.conftest import one_rank_printed, run_ranks
+from tests.test_llama import plan_text
+from tests.test_moe import plan_text as moe_plan_text
+
+ON = "recompute_activation = on"
+GPT = ("plan g {{ model gpt {{ layers = 2; hidden = 32; heads = 4; vocab = 64; seq = 8; "
+       "batch = 4 }} mesh {{ {mesh} }} {topology} schedule {{ microbatches = 2 }} "
+       "optimize {{ {optimize} }} }}")
+
+
+def _warnings(source: str) -> list[str]:
+    return [d.message for d in load_text(source).diagnostics if d.severity == "warning"]
+
+
+@pytest.mark.parametrize("source,why", [
+    (moe_plan_text(optimize=ON), "every block is a mixture (first_dense = 0)"),
+    (plan_text("p", optimize=f"recompute = full; {ON}"),
+     "recompute = full keeps only each block's input"),
+    (plan_text("p", model="; fp8 = blockwise", optimize=ON),
+     "FP8 down projections keep FP8 codes of their input"),
+    (plan_text("p", mesh="pp = 2", m=4, schedule="; pipeline = zb1p", optimize=ON),
+     "pipeline = zb1p defers the weight gradients, which would keep the activation's "
+     "inputs, twice its output, until they run"),
+])
+def test_where_no_dense_mlp_keeps_its_output_the_key_is_warned_about(source, why):
+    assert _warnings(source) == [f"recompute_activation = on has no effect: {why}"]
+    plan = load_text(source).plan
+    assert not plan.recomputes_activation
+    assert not model_table(plan).recompute_activation
+
+
+@pytest.mark.parametrize("source", [
+    plan_text("p", optimize=ON), GPT.format(mesh="", topology="", optimize=ON),
+    moe_plan_text(layers=2, dense=1, optimize=ON)], ids=["llama", "gpt", "moe-first-dense"])
+def test_a_dense_mlp_takes_it_silently_and_the_model_table_carries_it(source):
+    assert _warnings(source) == []
+    table = model_table(load_text(source).plan)
+    assert table.recompute_activation
+    written = table.to_json()
+    assert written["kernels"] == {"recompute_activation": True}
+    assert ModelTable.from_json(json.loads(json.dumps(written))).recompute_activation
+
+
+def test_a_model_table_with_an_unknown_kernel_option_is_refused():
+    written = model_table(load_text(plan_text("p", optimize=ON)).plan).to_json()
+    written["kernels"]["recompute_everything"] = True
+    with pytest.raises(ValueError, match="its kernels are not {'compile', "
+                                         "'recompute_moe_activation', 'recompute_activation'}"):
+        ModelTable.from_json(written)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt"])
+def test_the_estimate_drops_down_s_input_of_every_block_but_one(family):
+    """Per block and microbatch, down's input: tokens x ffn over tp, in the dtype (fp32);
+    a stage holds every block's of every microbatch in flight less one block's, which its
+    backward makes again for a moment."""
+    def plan(optimize: str):
+        if family == "llama":  # ffn 48, 16 x 4 tokens a microbatch
+            return load_text(plan_text("p", mesh="tp = 2; pp = 2", m=2,
+                                       optimize=f"tp_overlap = off; {optimize}")).plan
+        return load_text(GPT.format(mesh="tp = 2; pp = 2", topology="",
+                                    optimize=f"tp_overlap = off; {optimize}")).plan
+    keep, again = plan(""), plan(ON)
+    ffn, tokens = (48, 16 * 4) if family == "llama" else (128, 8 * 2)
+    down_input = tokens * ffn * 4 / 2
+    assert layer_activation_bytes(keep) - layer_activation_bytes(again) == down_input
+    for stage in range(keep.mesh.pp):
+        (held, _), (held_again, _) = (stage_activation_bytes(p, stage) for p in (keep, again))
+        assert held - held_again == (layers_in_flight(keep, stage) - 1) * down_input
+
+
+H100 = "topology { preset = dgx-h100; nodes = 1; devices_per_node = 2 }"
+
+
+@pytest.mark.parametrize("step,split", [("backward", False), ("backward", True),
+                                        ("weight", True), ("forward", False)])
+@pytest.mark.parametrize("family,reads", [("llama", 2), ("gpt", 1)])
+def test_the_simulator_prices_the_output_again_wherever_down_s_backward_unpacks_it(
+        step, split, family, reads):
+    """The activation's inputs read (SwiGLU: gate and up; GeLU: one) and its output
+    written, over down's tokens and its input features on the tp rank, a launch with it;
+    in both halves of a split backward, none in the forward."""
+    def model(optimize: str) -> KernelModel:
+        if family == "llama":
+            text = plan_text("p", mesh="tp = 2", optimize=f"tp_overlap = off; {optimize}").replace(
+                "mesh {", H100 + "\n  mesh {")
+        else:
+            text = GPT.format(mesh="tp = 2", topology=H100,
+                              optimize=f"tp_overlap = off; {optimize}")
+        return KernelModel.of(load_text(text).plan)
+    keep, again = model(""), model(ON)
+    flops = 1e9
+    tokens = again.linear_tokens("fc2", step, flops, split)
+    ffn_local = (48 if family == "llama" else 128) // 2
+    more = again.linear_seconds("fc2", step, flops, split) - \
+        keep.linear_seconds("fc2", step, flops, split)
+    priced = (reads + 1) * tokens * ffn_local * 4 / again.bandwidth + again.gpu.launch \
+        if step != "forward" else 0.0
+    assert more == pytest.approx(priced, rel=1e-9, abs=1e-15)
+    assert again.linear_seconds("fc1", step, flops, split) == \
+        keep.linear_seconds("fc1", step, flops, split)
+
+
+# --- in real runs ----------------------------------------------------------------------
+
+# What a rank's down projections did over one step: each time an output was computed
+# again, and the bytes each activation output held once its last reader had run.
+RANK = textwrap.dedent("""
+    import json, sys
+    import planc.runtime.worker as worker
+    from planc.runtime.families import recomputed_output
+    computed, left = [], []
+    view, through = recomputed_output._Product.view, recomputed_output.Recipes.through
+    def counting(self, *layout):
+        computed.append(self.whole is None)
+        return view(self, *layout)
+    def watching(self, data, gemm, tokens, frees):
+        pending = self._pending
+        out = through(self, data, gemm, tokens, frees)
+        if frees and pending is not None:
+            left.append(pending[0].untyped_storage().nbytes())
+        return out
+    recomputed_output._Product.view = counting
+    recomputed_output.Recipes.through = watching
+    status = worker.main([sys.argv[1], "--steps", "1"])
+    print(json.dumps({"status": status, "computed": computed, "left": left}))
+""")
+
+RUNS = {
+    # 4 blocks x 2 microbatches, over tp
+    "tp2": (dict(mesh="tp = 2", m=2, optimize=f"tp_overlap = off; {ON}"), 2, 8, 8),
+    # down cut into 2 pieces, copies of the output's tokens, each made again alone, in
+    # both steps of a backward tp_overlap splits from its weight gradient
+    "tp2-tp-overlap-2": (dict(mesh="tp = 2", m=2, optimize=f"tp_overlap = 2; {ON}"), 2, 32,
+                         8),
+    # 2 blocks a stage x 4 microbatches
+    "pp2-1f1b": (dict(mesh="pp = 2", m=4, optimize=ON), 2, 8, 8),
+    "off": (dict(mesh="tp = 2", m=2), 2, 0, 0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_each_rank_lets_each_output_go_and_makes_it_again_in_the_backward(tmp_path, name):
+    plan, world, computed, freed = RUNS[name]
+    for done in run_ranks(RANK, tmp_path, world=world, plan_text=plan_text(name, **plan)):
+        seen = one_rank_printed(done)
+        assert seen["status"] == 0
+        assert seen["computed"] == [True] * computed
+        assert seen["left"] == [0] * freed
+
+
+def _trained(tmp_path, name: str, text: str) -> dict[str, bytes]:
+    """The checkpoint's files after 2 steps of a real run of ``text``."""
+    source = tmp_path / f"{name}.plan"
+    source.write_text(text)
+    build, checkpoints = tmp_path / f"build-{name}", tmp_path / f"checkpoints-{name}"
+    assert main(["compile", str(source), "-o", str(build)]) == 0
+    assert main(["run", str(build), "--steps", "2", "--checkpoint-dir", str(checkpoints)]) == 0
+    step = checkpoints / "step-000002"
+    return {f.name: f.read_bytes() for f in sorted(step.iterdir())}
+
+
+TRAINED = {
+    "llama-tp2-sp-tp-overlap-2": lambda optimize: plan_text(
+        "trained", mesh="tp = 2", m=2, shard="tp { sequence_parallel = on }",
+        optimize=f"tp_overlap = 2{optimize}"),
+    "gpt-tp2-tp-overlap-2": lambda optimize: GPT.format(
+        mesh="tp = 2", topology="", optimize=f"tp_overlap = 2{optimize}").replace(
+        "plan g {", "plan trained {"),
+    "gpt-pp2-interleaved": lambda optimize: GPT.format(
+        mesh="pp = 2", topology="", optimize=optimize.lstrip("; ")).replace(
+        "microbatches = 2", "microbatches = 2; pipeline = interleaved").replace(
+        "plan g {", "plan trained {").replace("layers = 2", "layers = 4").replace(
+        "mesh {", "shard { pp { virtual = 2 } } mesh {"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(TRAINED))
+def test_training_computes_the_same_bits_with_the_output_made_again(tmp_path, name):
+    pytest.importorskip("torch")
+    kept = _trained(tmp_path, "kept", TRAINED[name](""))
+    again = _trained(tmp_path, "again", TRAINED[name](f"; {ON}"))
+    assert kept == again
