@@ -89,6 +89,20 @@ def test_the_estimate_drops_down_s_input_of_every_block_but_one(family):
         assert held - held_again == (layers_in_flight(keep, stage) - 1) * down_input
 
 
+def test_a_stage_of_the_head_alone_holds_no_output_made_again():
+    """The last stage holds the head alone: no block's backward computes an output again
+    there, so its estimate is the same with the key; the stages of blocks hold less."""
+    def plan(optimize: str):
+        return load_text(plan_text("p", mesh="pp = 3", m=4,
+                                   shard="pp { stages = [0..1, 2..3, head] }",
+                                   optimize=optimize)).plan
+    keep, again = plan(""), plan(ON)
+    assert again.layers_of_stage(2) == ()
+    assert stage_activation_bytes(again, 2) == stage_activation_bytes(keep, 2)
+    for stage in (0, 1):
+        assert stage_activation_bytes(again, stage)[0] < stage_activation_bytes(keep, stage)[0]
+
+
 H100 = "topology { preset = dgx-h100; nodes = 1; devices_per_node = 2 }"
 
 
@@ -124,49 +138,64 @@ def test_the_simulator_prices_the_output_again_wherever_down_s_backward_unpacks_
 # --- in real runs ----------------------------------------------------------------------
 
 # What a rank's down projections did over one step: each time an output was computed
-# again, and the bytes each activation output held once its last reader had run.
+# again, the bytes each activation output held once its last reader had run, and those
+# each of tp_overlap's pieces (a copy of some of the output's tokens) held after its GEMM.
 RANK = textwrap.dedent("""
     import json, sys
     import planc.runtime.worker as worker
     from planc.runtime.families import recomputed_output
-    computed, left = [], []
+    computed, left, pieces = [], [], []
     view, through = recomputed_output._Product.view, recomputed_output.Recipes.through
     def counting(self, *layout):
         computed.append(self.whole is None)
         return view(self, *layout)
     def watching(self, data, gemm, tokens, frees):
         pending = self._pending
+        output = pending[0].untyped_storage() if pending is not None else None
+        piece = output is not None and data.untyped_storage().data_ptr() != output.data_ptr()
         out = through(self, data, gemm, tokens, frees)
-        if frees and pending is not None:
-            left.append(pending[0].untyped_storage().nbytes())
+        if piece:
+            pieces.append(data.untyped_storage().nbytes())
+        if frees and output is not None:
+            left.append(output.nbytes())
         return out
     recomputed_output._Product.view = counting
     recomputed_output.Recipes.through = watching
     status = worker.main([sys.argv[1], "--steps", "1"])
-    print(json.dumps({"status": status, "computed": computed, "left": left}))
+    print(json.dumps({"status": status, "computed": computed, "left": left,
+                      "pieces": pieces}))
 """)
 
 RUNS = {
     # 4 blocks x 2 microbatches, over tp
-    "tp2": (dict(mesh="tp = 2", m=2, optimize=f"tp_overlap = off; {ON}"), 2, 8, 8),
+    "tp2": (plan_text("tp2", mesh="tp = 2", m=2, optimize=f"tp_overlap = off; {ON}"), 2, 8,
+            8, 0),
     # down cut into 2 pieces, copies of the output's tokens, each made again alone, in
     # both steps of a backward tp_overlap splits from its weight gradient
-    "tp2-tp-overlap-2": (dict(mesh="tp = 2", m=2, optimize=f"tp_overlap = 2; {ON}"), 2, 32,
-                         8),
+    "tp2-tp-overlap-2": (plan_text("tp2_tp_overlap_2", mesh="tp = 2", m=2,
+                                   optimize=f"tp_overlap = 2; {ON}"), 2, 32, 8, 16),
     # 2 blocks a stage x 4 microbatches
-    "pp2-1f1b": (dict(mesh="pp = 2", m=4, optimize=ON), 2, 8, 8),
-    "off": (dict(mesh="tp = 2", m=2), 2, 0, 0),
+    "pp2-1f1b": (plan_text("pp2_1f1b", mesh="pp = 2", m=4, optimize=ON), 2, 8, 8, 0),
+    # gpt's GeLU: 2 chunks of 1 block a stage x 2 microbatches
+    "gpt-pp2-interleaved": (GPT.format(mesh="pp = 2", topology="", optimize=ON).replace(
+        "microbatches = 2", "microbatches = 2; pipeline = interleaved").replace(
+        "layers = 2", "layers = 4").replace("mesh {", "shard { pp { virtual = 2 } } mesh {"),
+        2, 4, 4, 0),
+    # a mixture's first dense block alone (1 microbatch); its mixtures keep their product
+    "moe-first-dense": (moe_plan_text(layers=2, dense=1, optimize=ON), 1, 1, 1, 0),
+    "off": (plan_text("off", mesh="tp = 2", m=2), 2, 0, 0, 0),
 }
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_each_rank_lets_each_output_go_and_makes_it_again_in_the_backward(tmp_path, name):
-    plan, world, computed, freed = RUNS[name]
-    for done in run_ranks(RANK, tmp_path, world=world, plan_text=plan_text(name, **plan)):
+    text, world, computed, freed, pieces = RUNS[name]
+    for done in run_ranks(RANK, tmp_path, world=world, plan_text=text):
         seen = one_rank_printed(done)
         assert seen["status"] == 0
         assert seen["computed"] == [True] * computed
         assert seen["left"] == [0] * freed
+        assert seen["pieces"] == [0] * pieces
 
 
 def _trained(tmp_path, name: str, text: str) -> dict[str, bytes]:

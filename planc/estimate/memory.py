@@ -278,12 +278,10 @@ def _block_count(plan: Plan, count, recompute: str, stage: int | None = None) ->
     m = plan.model
     if recompute == "none" and flash_attention(plan):
         recompute = "selective"
-    extra = {}
-    if moe.cut_over_ep(plan) and m.options.get("fp8") is None:
-        extra["rows_received_kept"] = True
-    extra.update({key: True for key, on in (
+    extra = {key: True for key, on in (
+        ("rows_received_kept", moe.cut_over_ep(plan) and m.options.get("fp8") is None),
         ("product_recomputed", plan.recomputes_moe_activation),
-        ("activation_recomputed", plan.recomputes_activation)) if on})
+        ("activation_recomputed", plan.recomputes_activation)) if on}
     if stage is not None and getattr(m, "first_dense", 0):
         extra["kinds"] = moe_memory.kinds_of_layers(m, plan.layers_of_stage(stage))
     return count(m, seq=m.seq // plan.mesh.cp, seq_full=m.seq, batch=plan.microbatch_size,
@@ -357,10 +355,11 @@ def stage_activation_bytes(plan: Plan, stage: int) -> tuple[float, int]:
         total += layer_activation_bytes(plan, "none", stage)
     total += largest_step_gradient_bytes(plan, stage)
     transient = family_of(plan).transient_bytes
-    if transient is not None and plan.layers_of_stage(stage):
-        total += transient(m, plan.mesh, plan.microbatch_size * m.seq / plan.mesh.cp)
-    for again in (moe_memory.recomputed_product_bytes, recomputed_activation_bytes):
-        total += _block_count(plan, again, plan.optimize.recompute, stage)  # in a backward
+    if plan.layers_of_stage(stage):  # not a stage of the head alone
+        if transient is not None:
+            total += transient(m, plan.mesh, plan.microbatch_size * m.seq / plan.mesh.cp)
+        for again in (moe_memory.recomputed_product_bytes, recomputed_activation_bytes):
+            total += _block_count(plan, again, plan.optimize.recompute, stage)  # in a backward
     if stage == plan.head_stage:
         s, b = m.seq // plan.mesh.cp, plan.microbatch_size
         sp_div = tp if plan.shard.tp.sequence_parallel and tp > 1 else 1

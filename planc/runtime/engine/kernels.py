@@ -357,8 +357,9 @@ class Kernels:
         """``x @ W`` (+ b); several weights (llama's q, k, v; gate, up) side by side in one
         GEMM."""
         data = x["x"]
-        if self.ctx.model.recompute_activation:  # down keeps how to make its input again,
-            last = spec.tokens is None or spec.tokens[0] + 1 == spec.tokens[1]  # its last piece
+        if spec.op is Op.FC2 and self.ctx.model.recompute_activation:  # down keeps how to
+            # make its input again; its last piece lets the input go
+            last = spec.tokens is None or spec.tokens[0] + 1 == spec.tokens[1]
             return self.recipes.through(data, lambda: self._gemm(spec, data, p), spec.tokens,
                                         last)
         return self._gemm(spec, data, p)

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from planc.program.operands import SEQ_AXIS
 from planc.runtime.engine.model import select_tokens
 
 
@@ -51,27 +52,38 @@ class Recipes:
         step reads its inputs as leaves of the buffers it was given), or the piece
         ``tokens`` of it (tp_overlap's pieces are copies: planc.runtime.engine.model.
         select_tokens), what the GEMM saves of ``data`` is kept as how to make it again,
-        the piece alone from the piece of the input. With ``frees`` (down's last piece,
-        the output's last reader in the forward) the output's storage goes now: it stays
-        the root of the activation's backward step, which reads its shape alone (a storage
-        let go and the tensor kept, as ZeRO-3's gathered parameters,
-        planc.runtime.engine.store)."""
+        the piece alone from the piece of the input, and the piece's copy goes once the
+        GEMM has read it (the step keeps it as a leaf, for its shape). With ``frees``
+        (down's last piece, the output's last reader in the forward) the output's storage
+        goes now: it stays the root of the activation's backward step, which reads its
+        shape alone (a storage let go and the tensor kept, as ZeRO-3's gathered
+        parameters, planc.runtime.engine.store)."""
         if self._pending is None:
             return gemm()
         output, kept, formula = self._pending
         storage = output.untyped_storage()
-        if data.untyped_storage().data_ptr() == storage.data_ptr():
+        piece = data.untyped_storage().data_ptr() != storage.data_ptr()
+        if not piece:
             recipe = kept_as_recipe(output, lambda: formula(kept))
-        elif tokens is not None:
+        elif tokens is not None and data.shape == _piece_shape(output, tokens):
             recipe = kept_as_recipe(data, lambda: formula(select_tokens(kept, *tokens)))
         else:
             return gemm()
         with recipe:
             result = gemm()
+        if piece:  # a copy of the output's tokens, which the GEMM alone reads
+            data.untyped_storage().resize_(0)
         if frees:
             self._pending = None
             storage.resize_(0)
         return result
+
+
+def _piece_shape(output: torch.Tensor, tokens) -> torch.Size:
+    """The shape of piece ``tokens`` (index, count, spread) of ``output``."""
+    shape = list(output.shape)
+    shape[SEQ_AXIS] //= tokens[1]
+    return torch.Size(shape)
 
 
 class _Product:
