@@ -138,6 +138,10 @@ PLANS = {
         name="llama_fp32_tp2_sp_overlap_act", dtype="fp32",
         optimize="optimize { tp_overlap = 2; recompute_activation = on }", batch=4,
         mesh="tp = 2", devices=2, shard="shard { tp { sequence_parallel = on } }"),
+    "llama-fp32-tp2-sp-regather-overlap": LLAMA.format(
+        name="llama_fp32_tp2_sp_regather_overlap", dtype="fp32",
+        optimize="optimize { tp_overlap = 2 }", batch=4, mesh="tp = 2", devices=2,
+        shard="shard { tp { sequence_parallel = on; gathered_inputs = regather } }"),
     "moe-fp32-zb": MOE_ZB.format(name="moe_fp32_zb", extra=""),
     "moe-fp8-zb": MOE_ZB.format(name="moe_fp8_zb", extra="; fp8 = blockwise"),
     # the experts' SwiGLU product computed again in the backward, not kept
@@ -146,6 +150,7 @@ PLANS = {
 }
 RANKS = {"llama-fp32-tp2-sp": 2, "llama-fp32-tp2-sp-regather": 2,
          "llama-fp32-tp2-sp-overlap": 2, "llama-fp32-tp2-sp-overlap-act": 2,
+         "llama-fp32-tp2-sp-regather-overlap": 2,
          "llama-fp32-zero3": 2, "llama-bf16-zero3": 2,
          "llama-fp32-zero3-zb": 4, "llama-fp32-zb": 2, "llama-fp32-full-zb": 2,
          "moe-fp32-zb": 4, "moe-fp8-zb": 4, "moe-fp32-zb-act": 4}  # the others run one rank

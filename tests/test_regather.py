@@ -209,7 +209,7 @@ RANK = textwrap.dedent("""
     import json, sys
     import planc.runtime.worker as worker
     from planc.runtime.engine.interpreter import Interpreter
-    gathered, held, filled = {}, {}, []
+    gathered, held, filled, waiting = {}, {}, [], {}
     transfer = Interpreter._transfer
     def noting(self, state, step, mb):
         out = transfer(self, state, step, mb)
@@ -224,6 +224,12 @@ RANK = textwrap.dedent("""
             run(state)
             mine = gathered.get((state.step, microbatch), {})
             held[f"{state.step}:{node}#{microbatch}"] = {g: s.nbytes() for g, s in mine.items()}
+            # what the let-go storage waiting for a fill holds (nothing, once filled),
+            # once a compute step has run: the steps that fill it run on that stream's
+            # thread, so a transfer's thread could find one halfway
+            if op == "compute":
+                waiting[f"{state.step}:{node}#{microbatch}"] = sum(
+                    t.untyped_storage().nbytes() for t in state.let_go.values())
         return ran
     Interpreter.instruction = reporting
     import planc.runtime.engine.store as store
@@ -234,7 +240,8 @@ RANK = textwrap.dedent("""
         filled.append([was, kept.untyped_storage().nbytes()])
     store.fill_input = counting
     status = worker.main([sys.argv[1], "--steps", "1"])
-    print(json.dumps({"status": status, "held": held, "filled": filled}))
+    print(json.dumps({"status": status, "held": held, "filled": filled,
+                      "waiting": waiting}))
 """)
 
 
@@ -255,6 +262,7 @@ def test_a_rank_lets_the_gathered_input_go_after_the_forward_and_fills_it_again(
         for gather in QKV + FC1 + HEAD:
             assert held[f"0:{gather}#0"]["F" + gather[1:]] == whole
         assert seen["filled"] == [[whole, whole]] * 10  # 5 inputs, 2 microbatches
+        assert set(seen["waiting"].values()) == {0}
 
 
 def test_under_tp_overlap_each_piece_is_let_go_and_filled_from_the_whole(tmp_path):
@@ -270,6 +278,9 @@ def test_under_tp_overlap_each_piece_is_let_go_and_filled_from_the_whole(tmp_pat
         # of 2 pieces, each filled from empty with its half of the tokens
         per_microbatch = [[whole, whole]] + [[0, whole // 2]] * 8
         assert seen["filled"] == per_microbatch * 2
+        # each piece, filled again, is its weight step's alone: no bytes kept for a
+        # fill already done (the step held the 8 pieces, 32 MiB in bench/memory_live.py)
+        assert set(seen["waiting"].values()) == {0}
 
 
 def _trained(tmp_path, inputs: str, schedule: str, mesh: str, chunks: str

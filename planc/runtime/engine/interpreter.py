@@ -56,8 +56,9 @@ class StepState:
     # and CUDA stream): a cast for each forward was a copy of the weights that autograd
     # kept for every microbatch in flight
     casts: dict = field(default_factory=dict)
-    # ZeRO-3: the forward's whole buckets whose storage was let go, by (gather,
-    # microbatch), until the backward's gather fills them (planc.runtime.engine.store)
+    # the forward's gathered storage let go, by (gather, microbatch), until the backward's
+    # gather fills it: ZeRO-3's whole buckets, regathered GEMM inputs
+    # (planc.runtime.engine.store)
     let_go: dict = field(default_factory=dict)
 
     def settle(self) -> "StepState":
@@ -158,8 +159,8 @@ class Interpreter:
         self.let_go = buckets.forward_gathers(self.bound.values())
         self.fills = buckets.pairs(self.bound.values(), self.let_go)
         # and the gathered inputs of GEMMs whose backward gathers them again
-        self.regathers, regathered = buckets.regathered_inputs(self.bound.values())
-        self.let_go |= regathered
+        self.regathers, self.refilled = buckets.regathered_inputs(self.bound.values())
+        self.let_go |= {buffer for filled in self.refilled.values() for buffer in filled}
 
     # --- binding ---------------------------------------------------------------------------
 
@@ -360,7 +361,14 @@ class Interpreter:
                                              inputs=False)
             for name, value in named.items():
                 self.store.grad_of(name).add_(value)
+        self._drop_refilled(state, step, mb)
         return None
+
+    def _drop_refilled(self, state: StepState, step: _Compute, mb: int | None) -> None:
+        """The let-go inputs that ``step`` read whole again, no longer held for a fill:
+        their bytes go with the step's saved tensors, not at the step's end."""
+        for buffer in self.refilled.get(step.node, ()):
+            state.let_go.pop((buffer, mb), None)
 
     def _backward(self, state: StepState, step: _Compute, mb: int | None):
         saved = state.saved.pop((step.saved_from, mb))
@@ -377,6 +385,7 @@ class Interpreter:
         grad = combine(grads) if grads else None
         if buckets.GATHERED_PORT in ports:  # its forward's input, gathered again
             buckets.fill_input(saved.inputs["x"], ports[buckets.GATHERED_PORT][0])
+            self._drop_refilled(state, step, mb)
         if step.weight_grad is not None:  # the input half: its W step comes later
             ports, _ = self.kernels.backward(step.spec, saved, fp8.readable(grad),
                                              params=False, kept=fp8.kept_bytes(grad))

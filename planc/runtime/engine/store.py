@@ -244,22 +244,24 @@ def refill(kept: dict[str, torch.Tensor], gathered: dict[str, torch.Tensor]) -> 
 # own all-gather of the kept shard fills it again before the step that differentiates it.
 
 
-def regathered_inputs(steps: Iterable) -> tuple[dict[str, str], frozenset[str]]:
+def regathered_inputs(steps: Iterable) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
     """The backward all-gathers of GEMM inputs (what a backward or weight step takes
     through its ``gathered`` port), and the forward all-gathers whose outputs they make
     again: those, the inputs ``x`` of the forwards that step differentiates (its own, or,
     for the weight step of a GEMM that tp_overlap cut into pieces, every piece's), have
     their storage let go when the program frees them. Returns the pairs (backward gather
     -> forward gather) where the step differentiates one forward, whose storage the
-    backward gather writes into, and every forward gather let go. ``steps``: the bound
-    instructions; compute steps are those naming a ``forward_of``."""
+    backward gather writes into, and, by the step that reads the gather again, the
+    forward gathers it fills (let go, each dropped once that step has run: whole again,
+    it is that step's alone). ``steps``: the bound instructions; compute steps are those
+    naming a ``forward_of``."""
     computes = [step for step in steps if hasattr(step, "forward_of")]
     forwards = {step.node: step for step in computes if step.kind in _FORWARD}
     pieces: dict[str, list] = {}  # a weight step -> the input halves whose W it is
     for step in computes:
         if step.weight_grad is not None:
             pieces.setdefault(step.weight_grad, []).append(step)
-    pairs, let_go = {}, set()
+    pairs, refilled = {}, {}
     for step in computes:
         again = [i.buffer for i in step.inputs if i.port == GATHERED_PORT]
         if step.kind in _FORWARD or not again:
@@ -268,10 +270,10 @@ def regathered_inputs(steps: Iterable) -> tuple[dict[str, str], frozenset[str]]:
                           for half in pieces.get(step.node, [step])]
         first = [i.buffer for forward in differentiated if forward is not None
                  for i in forward.inputs if i.port == "x"]
-        let_go.update(first)
+        refilled[step.node] = tuple(first)
         if len(first) == 1:
             pairs[again[0]] = first[0]
-    return pairs, frozenset(let_go)
+    return pairs, refilled
 
 
 def into_let_go(kept: torch.Tensor) -> torch.Tensor:
