@@ -147,7 +147,8 @@ RANK = textwrap.dedent("""
     computed, left, pieces = [], [], []
     view, through = recomputed_output._Product.view, recomputed_output.Recipes.through
     def counting(self, *layout):
-        computed.append(self.whole is None)
+        if type(self) is recomputed_output._Product:  # not tp_overlap's pieces taken again
+            computed.append(self.whole is None)
         return view(self, *layout)
     def watching(self, data, gemm, tokens, frees):
         pending = self._pending

@@ -281,6 +281,13 @@ def test_under_tp_overlap_each_piece_is_let_go_and_filled_from_the_whole(tmp_pat
         # each piece, filled again, is its weight step's alone: no bytes kept for a
         # fill already done (the step held the 8 pieces, 32 MiB in bench/memory_live.py)
         assert set(seen["waiting"].values()) == {0}
+        # and each piece goes once its weight gradient has run: the whole gathered input
+        # and one piece at a time, not every piece, while the weight step runs
+        for gather in QKV + FC1:
+            layer, gemm = gather.split("/")[1], gather.split(">")[1].split(":")[0]
+            for mb in (0, 1):
+                after = seen["held"][f"0:W/{layer}/{gemm}#{mb}"]
+                assert [after[f"F{gather[1:]}#t{j}"] for j in (0, 1)] == [0, 0]
 
 
 def _trained(tmp_path, inputs: str, schedule: str, mesh: str, chunks: str

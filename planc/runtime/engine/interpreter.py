@@ -361,6 +361,8 @@ class Interpreter:
                                              inputs=False)
             for name, value in named.items():
                 self.store.grad_of(name).add_(value)
+            if gathered:  # filled again for this weight gradient alone, which has run
+                saved.inputs["x"].untyped_storage().resize_(0)
         self._drop_refilled(state, step, mb)
         return None
 
@@ -416,12 +418,27 @@ class Interpreter:
                 self._ports(state, step.inputs, mb).items()}
 
     def _run_forward(self, state: StepState, step: _Compute, mb: int | None, inputs: dict):
+        piece_of = None
+        if step.spec.op is Op.PROJ and step.spec.tokens is not None:
+            piece_of = self._piece_of(state, step, mb)
         output, saved = self.kernels.forward(step.spec, inputs, self._params(state, step, mb),
-                                             state.step, mb, keep_graph=step.keep_graph)
+                                             state.step, mb, keep_graph=step.keep_graph,
+                                             piece_of=piece_of)
         if step.keeps:
             state.saved[(step.node, mb)] = saved  # what this step's backward will need
             saved.gathered = self._gathered(state, step, mb)
         return output
+
+    def _piece_of(self, state: StepState, step: _Compute, mb: int | None):
+        """tp_overlap: the whole tensor that the step's input ``x`` is a piece of the
+        tokens of, and which piece: the GEMM keeps how to take it again, not its copy,
+        for proj, whose whole (the attention's output) the attention's backward keeps.
+        Elsewhere nothing else keeps the whole, and the copies are its bytes."""
+        for item in step.inputs:
+            if item.port == "x" and item.tokens is not None and item.piece is None:
+                whole = self._value(state, dataclasses.replace(item, tokens=None), mb)
+                return (whole, item.tokens) if isinstance(whole, torch.Tensor) else None
+        return None
 
     def _gathered(self, state: StepState, step: _Compute, mb: int | None) -> dict:
         """A ZeRO-3 step's whole buckets, by bucket (planc.runtime.engine.store)."""

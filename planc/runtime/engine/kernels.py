@@ -30,7 +30,7 @@ from planc.runtime.engine import fp8
 from planc.runtime.engine.context import RankContext
 from planc.runtime.families.compiled import compiled_formulas
 from planc.runtime.families import family_kernels
-from planc.runtime.families.recomputed_output import Recipes
+from planc.runtime.families.recomputed_output import Recipes, taking_anew
 from planc.runtime.engine.model import split_feature
 from planc.runtime.engine.ring_attention import Ring, ring_attention, step_masks
 
@@ -295,8 +295,8 @@ class Kernels:
 
     def forward(self, spec: Spec, inputs: dict[str, torch.Tensor],
                 params: dict[str, torch.Tensor], step: int, microbatch: int,
-                keep_graph: bool) -> tuple[torch.Tensor, Saved]:
-        """Run one forward compute node. ``params``: global name -> tensor as stored."""
+                keep_graph: bool, piece_of=None) -> tuple[torch.Tensor, Saved]:
+        """One forward compute node. ``params``: global name -> tensor as stored."""
         if spec.op in LOSS_STATISTICS:
             return self.forward_table[spec.op](spec, inputs, None, step, microbatch, {}), \
                 Saved({}, {}, None)
@@ -327,7 +327,8 @@ class Kernels:
             return value
 
         extra: dict = {}
-        with torch.enable_grad() if keep_graph else torch.no_grad():
+        with torch.enable_grad() if keep_graph else torch.no_grad(), \
+                taking_anew(leaves.get("x"), piece_of, keep_graph):  # tp_overlap's proj
             out = self.forward_table[spec.op](spec, leaves, p, step, microbatch, extra)
         kept = leaves if keep_graph or spec.keeps_inputs is None else \
             {port: t for port, t in leaves.items() if port in spec.keeps_inputs}

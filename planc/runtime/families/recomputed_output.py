@@ -16,6 +16,7 @@ operations compute it again, so the gradients are the same bits.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -79,6 +80,44 @@ class Recipes:
         return result
 
 
+def taking_anew(piece, piece_of, keep_graph: bool):
+    """A GEMM's context for its input ``piece``: where it is a copy of tp_overlap's piece
+    of a whole (``piece_of``: the whole, and which piece) and the GEMM keeps its graph,
+    :class:`TokenPiece`; else nothing (a view of the whole, with one tp rank, holds no
+    bytes of its own)."""
+    if not keep_graph or piece_of is None or not isinstance(piece, torch.Tensor):
+        return contextlib.nullcontext()
+    whole, tokens = piece_of
+    if piece.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr():
+        return contextlib.nullcontext()
+    return TokenPiece(piece, whole, tokens)
+
+
+class TokenPiece:
+    """A GEMM of tp_overlap's piece ``tokens`` of ``whole`` (a copy: select_tokens), saving
+    the piece as how to take it of ``whole`` again: the piece's copy goes once the GEMM
+    has read it, and the weight gradient takes the piece of ``whole`` anew. ``whole`` is
+    kept anyway where its producer's backward keeps its output (the attention's, for
+    proj's pieces), which the copies held a second time; elsewhere it is the pieces'
+    bytes, kept whole instead of cut."""
+
+    def __init__(self, piece: torch.Tensor, whole: torch.Tensor, tokens):
+        whole = whole.detach()
+        self.piece = piece
+        self.source = _TakenAgain(lambda: select_tokens(whole, *tokens), piece)
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.source.pack, _unpacked)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *failed):
+        self.hooks.__exit__(*failed)
+        if self.source.packed and not failed[0]:  # autograd kept the recipe, not the copy
+            self.piece.untyped_storage().resize_(0)
+        return False
+
+
 def _piece_shape(output: torch.Tensor, tokens) -> torch.Size:
     """The shape of piece ``tokens`` (index, count, spread) of ``output``."""
     shape = list(output.shape)
@@ -116,6 +155,10 @@ class _Product:
         self.packed -= 1
         self.whole = whole if self.packed > 0 else None
         return whole.as_strided(shape, stride, offset)
+
+
+class _TakenAgain(_Product):
+    """A piece of a whole's tokens taken again (TokenPiece), not computed again."""
 
 
 class _View:
