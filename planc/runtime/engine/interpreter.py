@@ -118,6 +118,20 @@ class _Compute:
         self.keeps = saved_for_weights(node) in instruction.writes
         self.bucket = operands.bucket
         self.weight_grad = operands.weight_step  # B: its W step computes param grads
+        self.whole_input = _whole_input(self.spec, operands.inputs)
+
+
+def _whole_input(spec: Spec | None, inputs: tuple[Input, ...]) -> tuple[Input, tuple] | None:
+    """tp_overlap: for a piece of proj, its input ``x`` read whole, and which piece of the
+    tokens the step takes of it. proj keeps how to take the piece again, not its copy,
+    since the attention's backward keeps the whole; elsewhere nothing else keeps the
+    whole, and the copies are its bytes."""
+    if spec is None or spec.op is not Op.PROJ or spec.tokens is None:
+        return None
+    for item in inputs:
+        if item.port == "x" and item.tokens is not None and item.piece is None:
+            return dataclasses.replace(item, tokens=None), item.tokens
+    return None
 
 
 class _Transfer:
@@ -419,8 +433,10 @@ class Interpreter:
 
     def _run_forward(self, state: StepState, step: _Compute, mb: int | None, inputs: dict):
         piece_of = None
-        if step.spec.op is Op.PROJ and step.spec.tokens is not None:
-            piece_of = self._piece_of(state, step, mb)
+        if step.whole_input is not None:  # (kernels.Kernels.forward)
+            whole, tokens = step.whole_input
+            whole = self._value(state, whole, mb)
+            piece_of = (whole, tokens) if isinstance(whole, torch.Tensor) else None
         output, saved = self.kernels.forward(step.spec, inputs, self._params(state, step, mb),
                                              state.step, mb, keep_graph=step.keep_graph,
                                              piece_of=piece_of)
@@ -428,17 +444,6 @@ class Interpreter:
             state.saved[(step.node, mb)] = saved  # what this step's backward will need
             saved.gathered = self._gathered(state, step, mb)
         return output
-
-    def _piece_of(self, state: StepState, step: _Compute, mb: int | None):
-        """tp_overlap: the whole tensor that the step's input ``x`` is a piece of the
-        tokens of, and which piece: the GEMM keeps how to take it again, not its copy,
-        for proj, whose whole (the attention's output) the attention's backward keeps.
-        Elsewhere nothing else keeps the whole, and the copies are its bytes."""
-        for item in step.inputs:
-            if item.port == "x" and item.tokens is not None and item.piece is None:
-                whole = self._value(state, dataclasses.replace(item, tokens=None), mb)
-                return (whole, item.tokens) if isinstance(whole, torch.Tensor) else None
-        return None
 
     def _gathered(self, state: StepState, step: _Compute, mb: int | None) -> dict:
         """A ZeRO-3 step's whole buckets, by bucket (planc.runtime.engine.store)."""
