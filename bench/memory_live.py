@@ -109,6 +109,12 @@ PLANS = {
     "llama-fp32-zb": LLAMA.format(
         name="llama_fp32_zb", dtype="fp32", optimize="", batch=8, mesh="pp = 2", devices=2,
         shard="").replace("microbatches = 1", "microbatches = 4; pipeline = zb1p"),
+    # zb1p with the SwiGLU product made again: made once, in down's input half, and
+    # held for its deferred weight half; gate and up go with the SwiGLU's backward
+    "llama-fp32-zb-act": LLAMA.format(
+        name="llama_fp32_zb_act", dtype="fp32", optimize="optimize { recompute_activation = on }",
+        batch=8, mesh="pp = 2", devices=2, shard="").replace(
+        "microbatches = 1", "microbatches = 4; pipeline = zb1p"),
     # full recomputation under zb1p over two stages: a chunk's recomputed layers are
     # kept from its input gradient to its weight gradient
     "llama-fp32-full-zb": LLAMA.format(
@@ -152,7 +158,8 @@ RANKS = {"llama-fp32-tp2-sp": 2, "llama-fp32-tp2-sp-regather": 2,
          "llama-fp32-tp2-sp-overlap": 2, "llama-fp32-tp2-sp-overlap-act": 2,
          "llama-fp32-tp2-sp-regather-overlap": 2,
          "llama-fp32-zero3": 2, "llama-bf16-zero3": 2,
-         "llama-fp32-zero3-zb": 4, "llama-fp32-zb": 2, "llama-fp32-full-zb": 2,
+         "llama-fp32-zero3-zb": 4, "llama-fp32-zb": 2, "llama-fp32-zb-act": 2,
+         "llama-fp32-full-zb": 2,
          "moe-fp32-zb": 4, "moe-fp8-zb": 4, "moe-fp32-zb-act": 4}  # the others run one rank
 
 # Runs in a fresh process as a torchrun rank would (planc.runtime.worker.main), with a

@@ -38,9 +38,6 @@ def _warnings(source: str) -> list[str]:
      "recompute = full keeps only each block's input"),
     (plan_text("p", model="; fp8 = blockwise", optimize=ON),
      "FP8 down projections keep FP8 codes of their input"),
-    (plan_text("p", mesh="pp = 2", m=4, schedule="; pipeline = zb1p", optimize=ON),
-     "pipeline = zb1p defers the weight gradients, which would keep the activation's "
-     "inputs, twice its output, until they run"),
 ])
 def test_where_no_dense_mlp_keeps_its_output_the_key_is_warned_about(source, why):
     assert _warnings(source) == [f"recompute_activation = on has no effect: {why}"]
@@ -51,7 +48,9 @@ def test_where_no_dense_mlp_keeps_its_output_the_key_is_warned_about(source, why
 
 @pytest.mark.parametrize("source", [
     plan_text("p", optimize=ON), GPT.format(mesh="", topology="", optimize=ON),
-    moe_plan_text(layers=2, dense=1, optimize=ON)], ids=["llama", "gpt", "moe-first-dense"])
+    moe_plan_text(layers=2, dense=1, optimize=ON),
+    plan_text("p", mesh="pp = 2", m=4, schedule="; pipeline = zb1p", optimize=ON)],
+    ids=["llama", "gpt", "moe-first-dense", "llama-zb1p"])
 def test_a_dense_mlp_takes_it_silently_and_the_model_table_carries_it(source):
     assert _warnings(source) == []
     table = model_table(load_text(source).plan)
@@ -113,7 +112,8 @@ def test_the_simulator_prices_the_output_again_wherever_down_s_backward_unpacks_
         step, split, family, reads):
     """The activation's inputs read (SwiGLU: gate and up; GeLU: one) and its output
     written, over down's tokens and its input features on the tp rank, a launch with it;
-    in both halves of a split backward, none in the forward."""
+    in the backward, or in a split backward's input half, which holds it for the weight
+    half; none in the forward."""
     def model(optimize: str) -> KernelModel:
         if family == "llama":
             text = plan_text("p", mesh="tp = 2", optimize=f"tp_overlap = off; {optimize}").replace(
@@ -129,7 +129,7 @@ def test_the_simulator_prices_the_output_again_wherever_down_s_backward_unpacks_
     more = again.linear_seconds("fc2", step, flops, split) - \
         keep.linear_seconds("fc2", step, flops, split)
     priced = (reads + 1) * tokens * ffn_local * 4 / again.bandwidth + again.gpu.launch \
-        if step != "forward" else 0.0
+        if step == "backward" else 0.0
     assert more == pytest.approx(priced, rel=1e-9, abs=1e-15)
     assert again.linear_seconds("fc1", step, flops, split) == \
         keep.linear_seconds("fc1", step, flops, split)
@@ -137,19 +137,26 @@ def test_the_simulator_prices_the_output_again_wherever_down_s_backward_unpacks_
 
 # --- in real runs ----------------------------------------------------------------------
 
-# What a rank's down projections did over one step: each time an output was computed
-# again, the bytes each activation output held once its last reader had run, and those
-# each of tp_overlap's pieces (a copy of some of the output's tokens) held after its GEMM.
+# What a rank's down projections did over one step: how many times an output was
+# computed again, the bytes each activation output held once its last reader had run,
+# those each of tp_overlap's pieces (a copy of some of the output's tokens) held after its
+# GEMM, and for each activation's backward step, how many of its outputs a weight half yet
+# to run held made and how many recipes still held the activation's input after it.
 RANK = textwrap.dedent("""
     import json, sys
     import planc.runtime.worker as worker
     from planc.runtime.families import recomputed_output
-    computed, left, pieces = [], [], []
-    view, through = recomputed_output._Product.view, recomputed_output.Recipes.through
-    def counting(self, *layout):
+    computed, left, pieces, settled = [], [], [], []
+    made, through = recomputed_output._Product._made, recomputed_output.Recipes.through
+    settle = recomputed_output.Made.settle
+    def counting(self):
         if type(self) is recomputed_output._Product:  # not tp_overlap's pieces taken again
-            computed.append(self.whole is None)
-        return view(self, *layout)
+            computed.append(True)
+        return made(self)
+    def settling(self):
+        settle(self)
+        settled.append([sum(p.whole is not None for p in self.products),
+                        sum(p.compute is not None for p in self.products)])
     def watching(self, data, gemm, tokens, frees):
         pending = self._pending
         output = pending[0].untyped_storage() if pending is not None else None
@@ -160,43 +167,60 @@ RANK = textwrap.dedent("""
         if frees and output is not None:
             left.append(output.nbytes())
         return out
-    recomputed_output._Product.view = counting
+    recomputed_output._Product._made = counting
     recomputed_output.Recipes.through = watching
+    recomputed_output.Made.settle = settling
     status = worker.main([sys.argv[1], "--steps", "1"])
     print(json.dumps({"status": status, "computed": computed, "left": left,
-                      "pieces": pieces}))
+                      "pieces": pieces, "settled": settled}))
 """)
 
+# name: (plan, ranks, outputs computed again, outputs freed, pieces, each activation
+# backward's [outputs held made for a weight half, recipes still holding its input])
 RUNS = {
     # 4 blocks x 2 microbatches, over tp
     "tp2": (plan_text("tp2", mesh="tp = 2", m=2, optimize=f"tp_overlap = off; {ON}"), 2, 8,
-            8, 0),
-    # down cut into 2 pieces, copies of the output's tokens, each made again alone, in
-    # both steps of a backward tp_overlap splits from its weight gradient
+            8, 0, [[0, 0]] * 8),
+    # down cut into 2 pieces, copies of the output's tokens, each made again alone, once:
+    # the input half of a backward tp_overlap splits from its weight gradient holds it
+    # for the weight half, which runs after the activation's backward
     "tp2-tp-overlap-2": (plan_text("tp2_tp_overlap_2", mesh="tp = 2", m=2,
-                                   optimize=f"tp_overlap = 2; {ON}"), 2, 32, 8, 16),
+                                   optimize=f"tp_overlap = 2; {ON}"), 2, 16, 8, 16,
+                         [[2, 0]] * 8),
     # 2 blocks a stage x 4 microbatches
-    "pp2-1f1b": (plan_text("pp2_1f1b", mesh="pp = 2", m=4, optimize=ON), 2, 8, 8, 0),
+    "pp2-1f1b": (plan_text("pp2_1f1b", mesh="pp = 2", m=4, optimize=ON), 2, 8, 8, 0,
+                 [[0, 0]] * 8),
+    # zero-bubble: down's weight halves deferred; each output made once, in the input
+    # half, and held for the weight half, the activation's input let go
+    "pp2-zb1p": (plan_text("pp2_zb1p", mesh="pp = 2", m=4, schedule="; pipeline = zb1p",
+                           optimize=ON), 2, 8, 8, 0, [[1, 0]] * 8),
     # gpt's GeLU: 2 chunks of 1 block a stage x 2 microbatches
     "gpt-pp2-interleaved": (GPT.format(mesh="pp = 2", topology="", optimize=ON).replace(
         "microbatches = 2", "microbatches = 2; pipeline = interleaved").replace(
         "layers = 2", "layers = 4").replace("mesh {", "shard { pp { virtual = 2 } } mesh {"),
-        2, 4, 4, 0),
+        2, 4, 4, 0, [[0, 0]] * 4),
+    # and under the V schedule, whose weight halves are deferred too
+    "gpt-pp2-zbv": (GPT.format(mesh="pp = 2", topology="", optimize=ON).replace(
+        "microbatches = 2", "microbatches = 2; pipeline = zbv").replace(
+        "layers = 2", "layers = 4").replace("mesh {", "shard { pp { virtual = 2 } } mesh {"),
+        2, 4, 4, 0, [[1, 0]] * 4),
     # a mixture's first dense block alone (1 microbatch); its mixtures keep their product
-    "moe-first-dense": (moe_plan_text(layers=2, dense=1, optimize=ON), 1, 1, 1, 0),
-    "off": (plan_text("off", mesh="tp = 2", m=2), 2, 0, 0, 0),
+    "moe-first-dense": (moe_plan_text(layers=2, dense=1, optimize=ON), 1, 1, 1, 0,
+                        [[0, 0]]),
+    "off": (plan_text("off", mesh="tp = 2", m=2), 2, 0, 0, 0, []),
 }
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_each_rank_lets_each_output_go_and_makes_it_again_in_the_backward(tmp_path, name):
-    text, world, computed, freed, pieces = RUNS[name]
+    text, world, computed, freed, pieces, settled = RUNS[name]
     for done in run_ranks(RANK, tmp_path, world=world, plan_text=text):
         seen = one_rank_printed(done)
         assert seen["status"] == 0
         assert seen["computed"] == [True] * computed
         assert seen["left"] == [0] * freed
         assert seen["pieces"] == [0] * pieces
+        assert seen["settled"] == settled
 
 
 def _trained(tmp_path, name: str, text: str) -> dict[str, bytes]:
@@ -211,6 +235,9 @@ def _trained(tmp_path, name: str, text: str) -> dict[str, bytes]:
 
 
 TRAINED = {
+    "llama-pp2-zb1p": lambda optimize: plan_text(
+        "trained", mesh="pp = 2", m=4, schedule="; pipeline = zb1p",
+        optimize=optimize.lstrip("; ")),
     "llama-tp2-sp-tp-overlap-2": lambda optimize: plan_text(
         "trained", mesh="tp = 2", m=2, shard="tp { sequence_parallel = on }",
         optimize=f"tp_overlap = 2{optimize}"),

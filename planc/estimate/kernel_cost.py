@@ -411,8 +411,10 @@ class KernelModel:
         fp8 = self.fp8_speedup is not None and op in FP8_LINEARS
         seconds = sum(self.gemm_seconds(*(tokens if d == 1 else d for d in gemm), fp8=fp8)
                       for gemm in self._linear_gemms(op, step, split))
-        if op == DOWN and self.activation_again and step in (StepKind.BACKWARD, StepKind.WEIGHT):
-            # its input made again, wherever autograd unpacks it: both halves of a split
+        if op == DOWN and self.activation_again and step == StepKind.BACKWARD:
+            # its input made again where autograd first unpacks it; a split backward's
+            # input half holds it for the weight half
+            # (planc.runtime.families.recomputed_output.Made)
             elements = tokens * self.features[op][0][1]
             seconds += self.activation_again * elements * self.dtype_bytes / self.bandwidth \
                 + self.gpu.launch

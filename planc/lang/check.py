@@ -115,7 +115,7 @@ class _Checker(DataChecks, DataParallelChecks, OptimizeChecks, TopologyReader):
         if optimize is not None and model is not None and optimize.recompute_moe_activation:
             self._moe_activation(optimize, model)
         if optimize is not None and model is not None and optimize.recompute_activation:
-            self._dense_activation(optimize, model, getattr(schedule, "pipeline", None))
+            self._dense_activation(optimize, model)
         if optimize is not None and mesh and model:
             optimize = self._tp_overlap(optimize, mesh, model)
         if schedule is not None and optimize is not None and mesh and model:

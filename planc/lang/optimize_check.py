@@ -6,7 +6,6 @@ from __future__ import annotations
 from planc.diagnostics import warning
 from planc.models import FAMILIES
 from planc.plan.plan import Model, Optimize
-from planc.schedules import named as named_schedule
 
 
 class OptimizeChecks:
@@ -27,11 +26,8 @@ class OptimizeChecks:
             self.report(warning(f"recompute_moe_activation = on has no effect: {why}",
                                 self.span("optimize.recompute_moe_activation")))
 
-    def _dense_activation(self, optimize: Optimize, model: Model, pipeline: str | None
-                          ) -> None:
-        """recompute_activation = on where no dense MLP keeps its activation's output, or
-        where keeping its inputs instead would hold more (``pipeline``, the schedule,
-        defers the weight gradients)."""
+    def _dense_activation(self, optimize: Optimize, model: Model) -> None:
+        """recompute_activation = on where no dense MLP keeps its activation's output."""
         why = None
         if model.options.get("experts") and not model.options.get("first_dense", 0):
             why = "every block is a mixture (first_dense = 0)"
@@ -39,9 +35,6 @@ class OptimizeChecks:
             why = "recompute = full keeps only each block's input"
         elif model.options.get("fp8") is not None:
             why = "FP8 down projections keep FP8 codes of their input"
-        elif pipeline is not None and named_schedule(pipeline).splits_backward:
-            why = f"pipeline = {pipeline} defers the weight gradients, which would keep " \
-                  f"the activation's inputs, twice its output, until they run"
         if why is not None:
             self.report(warning(f"recompute_activation = on has no effect: {why}",
                                 self.span("optimize.recompute_activation")))

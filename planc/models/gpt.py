@@ -165,8 +165,9 @@ def input_half_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     parallelism); the norms' and the four GEMMs' inputs (18sbh) stay for the weight half.
     ``selective`` drops the softmax's items, ``attention_inputs`` Q, K and V too, and
     ``full`` keeps the block's input alone, for the weight half's recomputation. With
-    ``activation_recomputed`` GeLU's input stays for the weight half, which computes the
-    second GEMM's input again from it."""
+    ``activation_recomputed`` the input half makes the second GEMM's input again from
+    GeLU's input and keeps it for the weight half: as large as GeLU's input, which it
+    frees, so it frees none of the two."""
     s, b, h, a = seq, batch, m.hidden, m.heads
     sp = sequence_parallel and tp > 1
     sbh = s * b * h

@@ -235,13 +235,13 @@ def input_half_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     core's q, k and v (``core(m, recompute)``) and softmax probabilities, and SwiGLU's
     inputs, gate and up; the norms' and the GEMMs' inputs stay for the weight half, and
     under ``full`` the block's input alone is kept, for the recomputation. With
-    ``activation_recomputed`` gate and up stay for the weight half too, which computes
-    down's input again from them."""
+    ``activation_recomputed`` the input half makes down's input again from gate and up
+    and keeps it for the weight half: it frees gate and up, less the product it made."""
     if recompute == "full":
         return 0.0
     sb = seq * batch
     scores = 0 if recompute != "none" else m.heads * seq_full * sb / tp
-    swiglu = 2 * m.ffn * (not activation_recomputed)
+    swiglu = m.ffn * (1 if activation_recomputed else 2)
     return (sb * (core(m, recompute) + swiglu) / tp + scores) * m.dtype_bytes
 
 

@@ -365,14 +365,11 @@ class Plan:
         """optimize { recompute_activation } in effect: on a model with dense blocks (a
         family without experts, or a mixture's first_dense blocks), not under recompute =
         full, nor with model { fp8 }, whose down projection keeps FP8 codes of its input
-        rather than the activation's output, nor under a schedule that defers the weight
-        gradients (zb1p, zbv, ...): there gate and up would stay for the deferred weight
-        gradient, twice what they replace."""
+        rather than the activation's output."""
         m = self.model
         dense = m.options.get("first_dense", 0) if m.options.get("experts") else m.layers
         return self.optimize.recompute_activation and dense > 0 \
-            and self.optimize.recompute != "full" and m.options.get("fp8") is None \
-            and not named_schedule(self.schedule.pipeline).splits_backward
+            and self.optimize.recompute != "full" and m.options.get("fp8") is None
 
     @property
     def placement(self):

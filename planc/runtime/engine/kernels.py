@@ -9,15 +9,13 @@ transfers brought. Dispatch goes through :data:`FORWARD`, keyed by the node's op
 
 A forward step keeps what its backward needs; the backward step asks autograd for the
 gradients of that one step (the inputs and the parameters it used). Attention is
-``scaled_dot_product_attention``, PyTorch's fused kernel; the cross-entropy loss writes
-its gradient, softmax minus one-hot, out by hand (as Megatron's vocabulary-parallel loss,
-which so never gathers the logits).
+``scaled_dot_product_attention``, PyTorch's fused kernel; the cross-entropy loss
+(planc.runtime.engine.loss) writes its gradient, softmax minus one-hot, out by hand.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -26,20 +24,19 @@ import torch
 from planc.graph.vocabulary import Op
 from planc.program.operands import Operands, token_ranges
 from planc.runtime.backward_passes import WeightRoots, input_half, weight_half
-from planc.runtime.engine import fp8
+from planc.runtime.engine import fp8, loss
 from planc.runtime.engine.context import RankContext
 from planc.runtime.families.compiled import compiled_formulas
 from planc.runtime.families import family_kernels
-from planc.runtime.families.recomputed_output import Recipes, taking_anew
+from planc.runtime.families.recomputed_output import (MADE_AGAIN, READS_MADE, Recipes,
+                                                      taking_anew)
 from planc.runtime.engine.model import split_feature
 from planc.runtime.engine.ring_attention import Ring, ring_attention, step_masks
 
-FP32 = torch.float32
 # The vocabulary-parallel loss's per-token statistics: no autograd, nothing kept.
 LOSS_STATISTICS = (Op.LOSS_MAX, Op.LOSS_SUM_EXP)
 RESIDUALS = (Op.ATTN_RESIDUAL, Op.MLP_RESIDUAL)
 SUMMED = "summed"  # Saved.extra of a residual sum: its input ports' dtypes
-LOSS_CHUNK_ELEMENTS = 1 << 22  # sum_exp_shifted's temporary: 16 MiB of fp32
 
 
 @dataclass
@@ -149,49 +146,6 @@ _vector_jacobian = _engine_grad if hasattr(torch.autograd.graph, "_engine_run_ba
     else _autograd_grad
 
 
-def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, tokens: int,
-                      in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cross-entropy of ``logits`` (..., vocab, fp32) against ``targets``, summed and
-    divided by ``tokens``, and the log-probabilities its gradient needs: one fused
-    ``log_softmax`` pass and a gather. ``in_place``: written over the logits, which are
-    the caller's to overwrite (Megatron-LM's cross-entropy works in its logits too): no
-    second tensor of the logits' size at the loss's peak. The kernel reads each element
-    before it writes it: the same bits (tests/test_loss_kernel.py)."""
-    log_probs = torch.log_softmax(logits, dim=-1, out=logits) if in_place else \
-        torch.log_softmax(logits, dim=-1)
-    return -log_probs.gather(-1, targets.unsqueeze(-1)).sum() / tokens, log_probs
-
-
-def sum_exp_shifted(logits: torch.Tensor, shift: torch.Tensor,
-                    chunk_elements: int = LOSS_CHUNK_ELEMENTS) -> torch.Tensor:
-    """``sum(exp(logits - shift))`` over the vocabulary, per token, in fp32: a
-    vocabulary-parallel loss's local normaliser, shifted by the max over tp (Megatron-LM's
-    vocab_parallel_cross_entropy). A chunk of tokens at a time, so the only temporary is
-    one chunk's: ``torch.logsumexp`` makes two of the logits' size at once (the shifted
-    logits and their exponentials), in fp32 whatever the logits' dtype."""
-    rows = logits.reshape(-1, logits.shape[-1])
-    shifts, sums = shift.reshape(-1, 1), torch.empty(rows.shape[0], dtype=FP32,
-                                                     device=logits.device)
-    step = max(1, chunk_elements // rows.shape[1])
-    chunk = torch.empty(min(step, rows.shape[0]), rows.shape[1], dtype=FP32,
-                        device=logits.device)
-    for start in range(0, rows.shape[0], step):
-        end = min(start + step, rows.shape[0])
-        part = torch.sub(rows[start:end], shifts[start:end], out=chunk[:end - start])
-        torch.sum(part.exp_(), dim=-1, out=sums[start:end])
-    return sums.view(shift.shape)
-
-
-def cross_entropy_grad(log_probs: torch.Tensor, targets: torch.Tensor, tokens: int
-                       ) -> torch.Tensor:
-    """The gradient of :func:`cross_entropy_sum` by its logits, (softmax - one-hot) /
-    tokens, written into ``log_probs`` (exponentiated in place, then one scatter)."""
-    grad = log_probs.exp_().div_(tokens)
-    index = targets.unsqueeze(-1)
-    return grad.scatter_add_(-1, index, torch.full(index.shape, -1.0 / tokens,
-                                                   dtype=grad.dtype, device=grad.device))
-
-
 def taken(table: dict[tuple, object], step: int) -> dict[tuple, object]:
     """The entries of ``table`` (keyed by step first: what the mixtures record of each
     step for the metrics and the balancing bias) of ``step``, removed from it."""
@@ -233,8 +187,11 @@ class Kernels:
             Op.EMBEDDING: self._embedding, Op.POSITION: self._position,
             Op.QKV: self._linear, Op.PROJ: self._linear, Op.FC1: self._linear,
             Op.FC2: self._linear, Op.HEAD: self._head, Op.ATTN_RESIDUAL: self._residual,
-            Op.MLP_RESIDUAL: self._residual, Op.LOSS: self._loss,
-            Op.LOSS_MAX: self._loss_max, Op.LOSS_SUM_EXP: self._loss_sum_exp,
+            Op.MLP_RESIDUAL: self._residual,
+            # the loss's kernels take the rank's context, not the kernels (loss.py)
+            Op.LOSS: functools.partial(loss.loss_forward, ctx),
+            Op.LOSS_MAX: functools.partial(loss.loss_max, ctx),
+            Op.LOSS_SUM_EXP: functools.partial(loss.loss_sum_exp, ctx),
         }
         for op, kernel in family_kernels(model.family).items():
             self.forward_table[op] = functools.partial(kernel, self)
@@ -303,9 +260,9 @@ class Kernels:
         if spec.op is Op.LOSS:  # differentiated by hand: keeps only what its extra holds
             extra = {}
             with torch.no_grad():
-                loss = self.forward_table[spec.op](spec, inputs, None, step, microbatch,
-                                                   extra)
-            return extra.pop("report"), Saved({}, {}, loss, extra)
+                value = self.forward_table[spec.op](spec, inputs, None, step, microbatch,
+                                                    extra)
+            return extra.pop("report"), Saved({}, {}, value, extra)
         if spec.op in RESIDUALS and spec.bias is None and keep_graph:
             # the gradient of a sum is its output's, to each input: nothing to keep (the
             # inputs, which autograd would keep as leaves, are the two outputs of the
@@ -361,6 +318,9 @@ class Kernels:
         if spec.op is Op.FC2 and self.ctx.model.recompute_activation:  # down keeps how to
             # make its input again; its last piece lets the input go
             last = spec.tokens is None or spec.tokens[0] + 1 == spec.tokens[1]
+            made = self.recipes.pending()
+            if made is not None:  # its backward's halves hold and release it
+                extra[READS_MADE] = made
             return self.recipes.through(data, lambda: self._gemm(spec, data, p), spec.tokens,
                                         last)
         return self._gemm(spec, data, p)
@@ -388,69 +348,6 @@ class Kernels:
         bias = self._bias(spec, p)
         return out if bias is None else out + bias
 
-    # --- the loss ----------------------------------------------------------------------
-
-    def _loss_max(self, spec: Spec, x, p, step, mb, extra):
-        # a max is exact in any dtype: cast the maxima, not a copy of the logits
-        return x["x"].detach().amax(dim=-1).to(FP32)
-
-    def _loss_sum_exp(self, spec: Spec, x, p, step, mb, extra):
-        return sum_exp_shifted(x["x"].detach(), x["max"])
-
-    def _loss(self, spec: Spec, x, p, step, mb, extra):
-        """This rank's share of the step's mean cross-entropy: the sum over its tokens
-        divided by every token of the global batch; the value to report goes into
-        ``extra``.
-
-        Differentiated by hand (:meth:`_loss_backward`), never through autograd: the
-        gradient, softmax minus one-hot, is the kept log-probabilities exponentiated in
-        place and one scatter, where autograd's ``nll_loss`` backward fills a zeroed
-        tensor of the logits' size and ``log_softmax``'s backward makes a second pass
-        (the fused cross-entropy of Megatron-LM's vocabulary-parallel loss and of Liger
-        Kernel, here for every loss; bench/loss_kernel.py: 0.57x autograd's time at 2048
-        tokens x 2048 words, 0.46x at 512 x 32768, on one core). No input is kept: the
-        logits are freed once read."""
-        ctx = self.ctx
-        total = ctx.tokens_per_step
-        _, targets = ctx.microbatch(step, mb, spec.seq_sharded)
-        logits = x["x"].detach()
-        # the fp32 logits are this step's to overwrite: a 16-bit model's fp32 copy is its
-        # own; fp32 logits are the head's, which nothing reads after the loss when the
-        # program frees them here
-        ours = logits.dtype != FP32 or spec.frees_input
-        if not spec.vocab_parallel:
-            loss, log_probs = cross_entropy_sum(logits.to(FP32), targets, total, ours)
-            # every tp rank holds the whole loss if replicated: report it once
-            report = loss / ctx.tp if spec.replicated and ctx.tp > 1 else loss
-            extra.update(log_probs=log_probs, local=targets, report=report)
-            return loss
-        # max and sum of exponentials already reduced over tp
-        logits = logits.to(FP32)
-        vocab_local = logits.shape[-1]
-        local = targets - ctx.tp_rank * vocab_local
-        owned = (local >= 0) & (local < vocab_local)
-        lse = x["sum_exp"].log() + x["max"]
-        target_logit = logits.gather(-1, local.clamp(0, vocab_local - 1).unsqueeze(-1))
-        loss = ((lse - target_logit.squeeze(-1)) * owned).sum() / total
-        extra.update(logits=logits, ours=ours, lse=lse, local=local, owned=owned,
-                     report=loss)
-        return loss
-
-    def _loss_backward(self, saved: Saved) -> dict[str, torch.Tensor]:
-        """(softmax - one-hot) / tokens, in two passes over the local logits: the softmax
-        is exp(log-probability), or, vocabulary-parallel, exp(logit - lse) with the lse
-        reduced over tp; a target this rank's vocabulary slice does not hold gets no
-        one-hot."""
-        extra, total = saved.extra, self.ctx.tokens_per_step
-        if "log_probs" in extra:  # the last use of the log-probabilities
-            grad = cross_entropy_grad(extra.pop("log_probs"), extra["local"], total)
-            return {"x": grad.to(self.ctx.dtype)}
-        logits, shift = extra.pop("logits"), (extra["lse"] + math.log(total)).unsqueeze(-1)
-        grad = (logits.sub_(shift) if extra["ours"] else logits - shift).exp_()
-        index = extra["local"].clamp(0, grad.shape[-1] - 1).unsqueeze(-1)
-        grad.scatter_add_(-1, index, -(extra["owned"].unsqueeze(-1).to(grad.dtype) / total))
-        return {"x": grad.to(self.ctx.dtype)}
-
     # --- backward ----------------------------------------------------------------------
 
     def backward(self, spec: Spec, saved: Saved, grad: torch.Tensor | None,
@@ -461,7 +358,7 @@ class Kernels:
         parameters'; ``kept``: the bytes its weight half would keep of ``grad`` (as it
         came: FP8 rows stay FP8), its own size if not given."""
         if spec.op == Op.LOSS:  # no parameters: a weight step has nothing to do
-            return (self._loss_backward(saved) if inputs else {}), {}
+            return (loss.loss_backward(self.ctx, saved.extra) if inputs else {}), {}
         if SUMMED in saved.extra:  # a residual sum without a bias
             return ({port: grad.to(dtype) for port, dtype in saved.extra[SUMMED].items()}
                     if inputs else {}), {}
@@ -469,6 +366,12 @@ class Kernels:
                          ((port, _differentiated(v)) for port, v in saved.inputs.items())
                          if t.requires_grad] if inputs else []
         wanted_params = list(saved.params.items()) if params else []
+        reads = saved.extra.get(READS_MADE)
+        if reads is not None and inputs != params:  # one half of a split backward
+            if inputs:
+                reads.hold()
+            else:
+                reads.release()
         if saved.weight_roots is not None and not inputs:
             found = weight_half(saved.weight_roots, [t for _, t in wanted_params],
                                 _vector_jacobian)
@@ -492,6 +395,9 @@ class Kernels:
                 saved.output = None  # what the input half alone read goes now
         else:
             grads = run()
+        made = saved.extra.pop(MADE_AGAIN, None)
+        if made is not None:  # an activation's outputs a deferred weight half will read
+            made.settle()
         count = len(wanted_inputs)
         ports = {port: torch.zeros_like(tensor) if g is None else g
                  for (port, tensor), g in zip(wanted_inputs, grads[:count])}

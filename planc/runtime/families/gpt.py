@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from planc.graph.vocabulary import Op
+from planc.runtime.families.recomputed_output import MADE_AGAIN
 
 LN_EPS = 1e-5
 
@@ -57,7 +58,7 @@ def gelu(k, spec, x, p, step, mb, extra):
     value = x["x"] if bias is None else x["x"] + bias
     out = tanh_gelu(value)
     if k.ctx.model.recompute_activation:  # the down projection keeps how to make it
-        k.recipes.remember(out, value.detach(), tanh_gelu)
+        extra[MADE_AGAIN] = k.recipes.remember(out, value.detach(), tanh_gelu)
     return out
 
 

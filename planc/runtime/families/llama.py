@@ -20,6 +20,7 @@ from planc.graph.vocabulary import Op
 from planc.runtime.engine import fp8
 from planc.runtime.backward_passes import asked_for, traceable
 from planc.runtime.engine.model import local_heads
+from planc.runtime.families.recomputed_output import MADE_AGAIN
 
 
 def rms_normed(m, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -257,7 +258,7 @@ def swiglu(k, spec, x, p, step, mb, extra):
     formula = k.compiled.get("swiglu", SwiGLU.apply)  # compiled, or by hand
     out = formula(both)
     if k.ctx.model.recompute_activation:  # the down projection keeps how to make it
-        k.recipes.remember(out, both.detach(), formula)
+        extra[MADE_AGAIN] = k.recipes.remember(out, both.detach(), formula)
     return out
 
 

@@ -12,6 +12,12 @@ node), so what the down projection keeps of the output can be how to compute it 
 input: the output's bytes go when the forward is done, one FFN-wide tensor per row less
 for every microbatch in flight, for one more elementwise pass in the backward. The same
 operations compute it again, so the gradients are the same bits.
+
+Under a schedule that defers the weight gradients (zero-bubble's W, Qi et al. 2023), down's
+weight half runs after the activation's input half: kept as a recipe until then, the output
+would hold the activation's input, twice its size for SwiGLU. The activation's input half
+makes it again instead (:meth:`Made.settle`), once, and lets the input go: the weight half
+reads what it made, as it would have read the output kept.
 """
 
 from __future__ import annotations
@@ -24,13 +30,47 @@ import torch
 from planc.program.operands import SEQ_AXIS
 from planc.runtime.engine.model import select_tokens
 
+# the forward steps' extra (planc.runtime.engine.kernels.Saved) under optimize {
+# recompute_activation }: a dense activation's :class:`Made`, which its backward settles,
+# and the same in its down projection's, whose halves hold and release it
+MADE_AGAIN = "made_again"
+READS_MADE = "reads_made"
+
 
 def kept_as_recipe(output: torch.Tensor, compute: Callable[[], torch.Tensor]):
     """Saved-tensor hooks under which what a GEMM saves of ``output`` (the whole, or views
     of it) is kept as ``compute``, which makes it again (from tensors the activation's
     backward keeps anyway: ``compute`` holds them detached)."""
-    source = _Product(compute, output)
+    return _hooks(_Product(compute, output))
+
+
+def _hooks(source: "_Product"):
     return torch.autograd.graph.saved_tensors_hooks(source.pack, _unpacked)
+
+
+class Made:
+    """How to make one activation's output again (the whole, or each of tp_overlap's
+    pieces), for its down projection's backward. A backward pass unpacks what the GEMM
+    saved once per pass, so a split one (an input half, a weight half later) would make it
+    twice: down's input half holds what it made for the weight half (:meth:`hold`),
+    whose pass lets it go (:meth:`release`). The activation's own backward step, between
+    the two, settles it: made now if the input half did not, and the activation's input,
+    which the recipe held, let go."""
+
+    def __init__(self):
+        self.products: list[_Product] = []
+
+    def hold(self) -> None:
+        for product in self.products:
+            product.held = True
+
+    def release(self) -> None:
+        for product in self.products:
+            product.held = False
+
+    def settle(self) -> None:
+        for product in self.products:
+            product.settle()
 
 
 class Recipes:
@@ -39,13 +79,20 @@ class Recipes:
     block's activation and down run one after the other, so one is pending at a time."""
 
     def __init__(self):
-        self._pending: tuple[torch.Tensor, torch.Tensor, Callable] | None = None
+        self._pending: tuple[torch.Tensor, torch.Tensor, Callable, Made] | None = None
+
+    def pending(self) -> Made | None:
+        """The :class:`Made` of the output yet to be read, if any."""
+        return None if self._pending is None else self._pending[3]
 
     def remember(self, output: torch.Tensor, kept: torch.Tensor,
-                 formula: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                 formula: Callable[[torch.Tensor], torch.Tensor]) -> Made:
         """``output`` = ``formula(kept)``, a dense activation's (``kept`` detached: the
-        activation's backward keeps it anyway)."""
-        self._pending = (output, kept, formula)
+        activation's backward keeps it anyway); what the activation's backward step
+        settles (:class:`Made`)."""
+        made = Made()
+        self._pending = (output, kept, formula, made)
+        return made
 
     def through(self, data: torch.Tensor, gemm: Callable[[], torch.Tensor], tokens,
                 frees: bool) -> torch.Tensor:
@@ -61,16 +108,17 @@ class Recipes:
         parameters, planc.runtime.engine.store)."""
         if self._pending is None:
             return gemm()
-        output, kept, formula = self._pending
+        output, kept, formula, made = self._pending
         storage = output.untyped_storage()
         piece = data.untyped_storage().data_ptr() != storage.data_ptr()
         if not piece:
-            recipe = kept_as_recipe(output, lambda: formula(kept))
+            source = _Product(lambda: formula(kept), output)
         elif tokens is not None and data.shape == _piece_shape(output, tokens):
-            recipe = kept_as_recipe(data, lambda: formula(select_tokens(kept, *tokens)))
+            source = _Product(lambda: formula(select_tokens(kept, *tokens)), data)
         else:
             return gemm()
-        with recipe:
+        made.products.append(source)
+        with _hooks(source):
             result = gemm()
         if piece:  # a copy of the output's tokens, which the GEMM alone reads
             data.untyped_storage().resize_(0)
@@ -132,10 +180,12 @@ class _Product:
     expert where each runs its own GEMM) and dropped after the last of those packed."""
 
     def __init__(self, compute: Callable[[], torch.Tensor], product: torch.Tensor):
-        self.compute = compute
+        self.compute: Callable[[], torch.Tensor] | None = compute
         self.storage = product.untyped_storage().data_ptr()
         self.layout = (product.shape, product.stride())
-        self.packed = 0  # views saved, not yet unpacked
+        self.packed = 0  # views saved
+        self.unpacked = 0  # of them, unpacked by the backward pass now running
+        self.held = False  # a later pass unpacks them again: what this one made stays
         self.whole: torch.Tensor | None = None
 
     def pack(self, saved: torch.Tensor):
@@ -144,16 +194,31 @@ class _Product:
         self.packed += 1
         return _View(self, tuple(saved.shape), saved.stride(), saved.storage_offset())
 
+    def _made(self) -> torch.Tensor:
+        if self.compute is None:
+            raise RuntimeError("the activation's output is unpacked after its backward let "
+                               "its input go")
+        with torch.no_grad():
+            whole = self.compute()
+        if (whole.shape, whole.stride()) != self.layout:
+            raise RuntimeError("the activation computed again is not laid out as the "
+                               "forward's")
+        return whole
+
+    def settle(self) -> None:
+        """Made now where a weight half yet to run will unpack it (:attr:`held`) and no
+        pass made it; the tensors ``compute`` holds let go."""
+        if self.held and self.whole is None:
+            self.whole = self._made()
+        self.compute = None
+
     def view(self, shape, stride, offset: int) -> torch.Tensor:
-        whole = self.whole
-        if whole is None:
-            with torch.no_grad():
-                whole = self.compute()
-            if (whole.shape, whole.stride()) != self.layout:
-                raise RuntimeError("the activation computed again is not laid out as the "
-                                   "forward's")
-        self.packed -= 1
-        self.whole = whole if self.packed > 0 else None
+        whole = self.whole if self.whole is not None else self._made()
+        self.unpacked += 1
+        last = self.unpacked == self.packed  # the pass's last view: the pass is done
+        if last:
+            self.unpacked = 0
+        self.whole = None if last and not self.held else whole
         return whole.as_strided(shape, stride, offset)
 
 
