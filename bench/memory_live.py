@@ -135,6 +135,12 @@ PLANS = {
     "llama-fp32-act": LLAMA.format(name="llama_fp32_act", dtype="fp32",
                                    optimize="optimize { recompute_activation = on }",
                                    **ONE_RANK),
+    # the two norms' outputs made again for q/k/v's and gate/up's backward, not kept
+    "llama-fp32-norms": LLAMA.format(name="llama_fp32_norms", dtype="fp32",
+                                     optimize="optimize { recompute_norms = on }",
+                                     **ONE_RANK),
+    "gpt-fp32-norms": GPT.replace("plan gpt_fp32 {", "plan gpt_fp32_norms {").replace(
+        "  train {", "  optimize { recompute_norms = on }\n  train {"),
     # tp 2 with sequence parallelism, each GEMM cut in 2 pieces (tp_overlap): down's
     # pieces are copies of the product's tokens; with the key each goes after its GEMM
     "llama-fp32-tp2-sp-overlap": LLAMA.format(

@@ -64,7 +64,8 @@ def test_a_model_table_with_an_unknown_kernel_option_is_refused():
     written = model_table(load_text(plan_text("p", optimize=ON)).plan).to_json()
     written["kernels"]["recompute_everything"] = True
     with pytest.raises(ValueError, match="its kernels are not {'compile', "
-                                         "'recompute_moe_activation', 'recompute_activation'}"):
+                                         "'recompute_moe_activation', 'recompute_activation', "
+                                         "'recompute_norms'}"):
         ModelTable.from_json(written)
 
 

@@ -97,7 +97,8 @@ from math import ceil
 from planc.estimate.mixture import Mixture
 from planc.estimate.model import Shapes
 from planc.estimate.plan_rates import causal_share, fp8_speedup
-from planc.estimate.module_kernels import ADDED_TO_THE_GRAPH, Passes, module_passes
+from planc.estimate.module_kernels import (ADDED_TO_THE_GRAPH, Passes, made_again_passes,
+                                           module_passes)
 from planc.plan.presets import PRESETS
 from planc.program.operands import Operands, StepKind
 from planc.models import family_of
@@ -111,7 +112,6 @@ GEMM_INPUT = {"qkv": "stream", "proj": None, "fc1": "stream", "fc2": "ffn",
               "head": "stream"}
 SPLIT_N = ("column", "vocab")  # tensor-parallel layouts that split a GEMM's output features
 ATTENTION = "attention"
-DOWN = "fc2"  # the down projection, whose input recompute_activation makes again
 MIXTURE = "moe"
 # A mixture's parts, each a compute piece when cut at its all-to-alls
 # (planc.models.moe.part_flops). Its kernels besides its GEMMs, forward, are five: the
@@ -232,11 +232,10 @@ class KernelModel:
         # Unfused attention: per head, scores = Q K^T (s x s_full, inner head_dim), then
         # scores V (s x head_dim, inner s_full); heads of all microbatch rows stacked.
         self.mixture = Mixture.of(plan)
-        # optimize { recompute_activation }: elements a dense MLP's activation moves per
-        # output element when its backward makes it again for down (SwiGLU reads gate and
-        # up, GeLU its input; one written), else 0
-        self.activation_again = (2 + ("swiglu" in family.rules)) * plan.recomputes_activation
         self.module_passes = module_passes(plan, shapes)
+        # GEMM -> the passes its backward runs to make its input again (recompute_activation,
+        # recompute_norms)
+        self.made_again = made_again_passes(plan, self.module_passes)
         # q's and k's features on one tp rank: what RoPE rotates
         heads, kv = shapes.heads, getattr(shapes.model, "key_value_heads", shapes.heads)
         self.rope_features = (max(heads // tp, 1) + max(kv // tp, 1)) * shapes.model.head_dim
@@ -411,13 +410,10 @@ class KernelModel:
         fp8 = self.fp8_speedup is not None and op in FP8_LINEARS
         seconds = sum(self.gemm_seconds(*(tokens if d == 1 else d for d in gemm), fp8=fp8)
                       for gemm in self._linear_gemms(op, step, split))
-        if op == DOWN and self.activation_again and step == StepKind.BACKWARD:
-            # its input made again where autograd first unpacks it; a split backward's
-            # input half holds it for the weight half
-            # (planc.runtime.families.recomputed_output.Made)
-            elements = tokens * self.features[op][0][1]
-            seconds += self.activation_again * elements * self.dtype_bytes / self.bandwidth \
-                + self.gpu.launch
+        again = self.made_again.get(op)
+        if again is not None and step == StepKind.BACKWARD:  # input made again where first
+            # unpacked: a split's input half holds it for the weight half (recomputed_output)
+            seconds += self.passes_seconds(again, tokens * self.features[op][0][1])
         return seconds
 
     def passes_seconds(self, passes: Passes, elements: float) -> float:

@@ -281,7 +281,8 @@ def _block_count(plan: Plan, count, recompute: str, stage: int | None = None) ->
     extra = {key: True for key, on in (
         ("rows_received_kept", moe.cut_over_ep(plan) and m.options.get("fp8") is None),
         ("product_recomputed", plan.recomputes_moe_activation),
-        ("activation_recomputed", plan.recomputes_activation)) if on}
+        ("activation_recomputed", plan.recomputes_activation),
+        ("norms_recomputed", plan.recomputes_norms)) if on}
     if stage is not None and getattr(m, "first_dense", 0):
         extra["kinds"] = moe_memory.kinds_of_layers(m, plan.layers_of_stage(stage))
     return count(m, seq=m.seq // plan.mesh.cp, seq_full=m.seq, batch=plan.microbatch_size,

@@ -115,3 +115,23 @@ def module_passes(plan: Plan, shapes: Shapes) -> dict[str, tuple[str, tuple[Pass
         if passes is not None:
             found[op] = (name, passes)
     return found
+
+
+def made_again_passes(plan: Plan, passes: dict[str, tuple[str, tuple[Passes, Passes]]]
+                      ) -> dict[str, Passes]:
+    """GEMM -> the passes its backward runs to make its input again, per element of that
+    input: down's, the dense MLP's activation (optimize { recompute_activation }: SwiGLU
+    reads gate and up and writes the product, GeLU reads its input and writes it), and
+    q/k/v's and the MLP's first GEMM's, the norm before it (optimize { recompute_norms }:
+    its input read, its output written), each one kernel, or the eager module's forward
+    passes (``passes``: :func:`module_passes`' of the plan)."""
+    found = {}
+    if plan.recomputes_activation:
+        swiglu = "swiglu" in family_of(plan).rules
+        eager = passes.get("swiglu") if swiglu else None
+        found["fc2"] = eager[1][0] if eager else Passes(0, 2 + swiglu, 1)
+    if plan.recomputes_norms:
+        for gemm, norm in (("qkv", "ln1"), ("fc1", "ln2")):
+            eager = passes.get(norm)
+            found[gemm] = eager[1][0] if eager else Passes(0, 2, 1)
+    return found

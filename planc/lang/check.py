@@ -107,15 +107,8 @@ class _Checker(DataChecks, DataParallelChecks, OptimizeChecks, TopologyReader):
         self._tied_embeddings(mesh, model, tensor)
         data_parallel = self._data_parallel(mesh, model)
         optimize = self._optimize()
-        if optimize is not None and model is not None and optimize.compile and \
-                not FAMILIES[model.family].module_kernels:
-            self.report(warning(f"compile = on has no effect on the {model.family} family: "
-                                f"its norms and activations are one kernel each already",
-                                self.span("optimize.compile")))
-        if optimize is not None and model is not None and optimize.recompute_moe_activation:
-            self._moe_activation(optimize, model)
-        if optimize is not None and model is not None and optimize.recompute_activation:
-            self._dense_activation(optimize, model)
+        if optimize is not None and model is not None:
+            self._model_options(optimize, model, mesh, tensor)
         if optimize is not None and mesh and model:
             optimize = self._tp_overlap(optimize, mesh, model)
         if schedule is not None and optimize is not None and mesh and model:
@@ -377,7 +370,7 @@ class _Checker(DataChecks, DataParallelChecks, OptimizeChecks, TopologyReader):
         keys = ("fuse", "bucket", "route", "overlap", "weight_grad_overlap", "recompute",
                 "tp_overlap", "pp_scatter_gather", "grad_accumulation", "kernels",
                 "moe_dispatcher", "compile", "recompute_moe_activation",
-                "recompute_activation")
+                "recompute_activation", "recompute_norms")
         if not self.ready(*(f"optimize.{k}" for k in keys)):
             return None
         return Optimize(**{k: self.value(f"optimize.{k}") for k in keys})

@@ -5,11 +5,25 @@ from __future__ import annotations
 
 from planc.diagnostics import warning
 from planc.models import FAMILIES
-from planc.plan.plan import Model, Optimize
+from planc.plan.plan import NORMS_RECOMPUTED, Model, Optimize
 
 
 class OptimizeChecks:
     """A mixin of planc.lang.check's checker (its spans and reports)."""
+
+    def _model_options(self, optimize: Optimize, model: Model, mesh, tensor) -> None:
+        """The keys of ``optimize`` that do nothing on this model (``tensor``: the plan's
+        shard { tp } settings, or None)."""
+        if optimize.compile and not FAMILIES[model.family].module_kernels:
+            self.report(warning(f"compile = on has no effect on the {model.family} family: "
+                                f"its norms and activations are one kernel each already",
+                                self.span("optimize.compile")))
+        if optimize.recompute_moe_activation:
+            self._moe_activation(optimize, model)
+        if optimize.recompute_activation:
+            self._dense_activation(optimize, model)
+        if optimize.recompute_norms:
+            self._norms(optimize, model, mesh, tensor)
 
     def _moe_activation(self, optimize: Optimize, model: Model) -> None:
         """recompute_moe_activation = on where no mixture keeps the SwiGLU's product."""
@@ -38,3 +52,21 @@ class OptimizeChecks:
         if why is not None:
             self.report(warning(f"recompute_activation = on has no effect: {why}",
                                 self.span("optimize.recompute_activation")))
+
+    def _norms(self, optimize: Optimize, model: Model, mesh, tensor) -> None:
+        """recompute_norms = on where no GEMM keeps a norm's output (Plan.recomputes_norms
+        says where it does)."""
+        why = None
+        if model.family not in NORMS_RECOMPUTED:
+            why = f"planc makes the norms again for {' and '.join(NORMS_RECOMPUTED)} " \
+                  f"models, not {model.family}"
+        elif optimize.recompute in ("full", "attention_inputs"):
+            why = f"recompute = {optimize.recompute} keeps no norm's output"
+        elif model.options.get("fp8") is not None:
+            why = "FP8 GEMMs keep FP8 codes of their input"
+        elif mesh and mesh.tp > 1 and tensor is not None and tensor.sequence_parallel:
+            why = "under sequence parallelism the GEMMs keep the norms' outputs gathered " \
+                  "over tp"
+        if why is not None:
+            self.report(warning(f"recompute_norms = on has no effect: {why}",
+                                self.span("optimize.recompute_norms")))

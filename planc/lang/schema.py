@@ -146,6 +146,7 @@ PLAN_SCHEMA = BlockSchema("plan", blocks={
         "compile": Key(Boolean(), False),
         "recompute_moe_activation": Key(Boolean(), False),
         "recompute_activation": Key(Boolean(), False),
+        "recompute_norms": Key(Boolean(), False),
     }),
     "train": BlockSchema("train", keys={
         "steps": Key(Integer(1), 1),

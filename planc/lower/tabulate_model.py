@@ -63,6 +63,7 @@ def model_table(plan: Plan) -> ModelTable:
         init=init_table(plan), compile_kernels=plan.optimize.compile,
         recompute_moe_activation=plan.recomputes_moe_activation,
         recompute_activation=plan.recomputes_activation,
+        recompute_norms=plan.recomputes_norms,
         # the steps only with a schedule, which spans them (model.json writes both or none)
         **({"lr_schedule": plan.train.lr_schedule, "steps": plan.train.steps}
            if plan.train.lr_schedule != LrSchedule() else {}))

@@ -28,12 +28,14 @@ def step_model_flops(plan) -> float:
 
 def recomputed_activation_bytes(m, *, seq: int, batch: int, tp: int,
                                 activation_recomputed: bool = False, kinds: str = "both",
-                                **_) -> float:
+                                norms_recomputed: bool = False, **_) -> float:
     """What a dense block's backward holds for a moment beyond its count under optimize {
     recompute_activation }: its MLP activation's output of one microbatch, computed again
     for the down projection (planc.runtime.families.recomputed_output), FFN-wide, over tp;
     none where nothing is computed again (planc.plan.plan.Plan.recomputes_activation) or
-    the stage holds mixtures alone (``kinds``: planc.models.moe_memory.BLOCK_KINDS)."""
-    if not activation_recomputed or kinds == "mixture":
-        return 0.0
-    return seq * batch * m.ffn * m.dtype_bytes / tp
+    the stage holds mixtures alone (``kinds``: planc.models.moe_memory.BLOCK_KINDS). Under
+    optimize { recompute_norms } a norm's output, hidden-wide, whole on every tp rank, at
+    another moment of the backward: the larger of the two."""
+    activation = seq * batch * m.ffn * m.dtype_bytes / tp \
+        if activation_recomputed and kinds != "mixture" else 0.0
+    return max(activation, seq * batch * m.hidden * m.dtype_bytes * norms_recomputed)

@@ -130,10 +130,14 @@ def model_flops_per_token(m: Model) -> float:
 
 def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
                      sequence_parallel: bool, recompute: str,
-                     activation_recomputed: bool = False) -> float:
+                     activation_recomputed: bool = False, norms_recomputed: bool = False
+                     ) -> float:
     """Korthikanti et al. 2022, Table 2: one block, one microbatch, one device;
     ``activation_recomputed``: the second GEMM's input (GeLU's output, 8sbh / tp) is
-    computed again from GeLU's input, not kept (optimize { recompute_activation })."""
+    computed again from GeLU's input, not kept (optimize { recompute_activation });
+    ``norms_recomputed``: the two LayerNorms' outputs (2sbh each, the QKV GEMM's and the
+    MLP's first GEMM's inputs, whole on every tp rank) from their inputs (optimize {
+    recompute_norms }, never under sequence parallelism)."""
     s, b, h, a = seq, batch, m.hidden, m.heads
     sp = sequence_parallel and tp > 1
     sbh = s * b * h
@@ -152,12 +156,15 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
         half = sbh * (10 + 24 / tp + 5 * a * seq_full / (h * tp))
     if activation_recomputed and recompute != "full":
         half -= 8 * sbh / tp
+    if norms_recomputed:
+        half -= 4 * sbh
     return half * m.dtype_bytes / 2
 
 
 def input_half_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
                      sequence_parallel: bool, recompute: str,
-                     activation_recomputed: bool = False) -> float:
+                     activation_recomputed: bool = False, norms_recomputed: bool = False
+                     ) -> float:
     """Of :func:`activation_bytes`, what the steps without parameters keep, in Korthikanti
     et al.'s Table 2 items: Q and K (4sbh), V (2sbh), the softmax's output, its dropout
     mask and the dropout's output (5as^2b), GeLU's input (8sbh), and the two dropout masks
@@ -167,7 +174,9 @@ def input_half_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     ``full`` keeps the block's input alone, for the weight half's recomputation. With
     ``activation_recomputed`` the input half makes the second GEMM's input again from
     GeLU's input and keeps it for the weight half: as large as GeLU's input, which it
-    frees, so it frees none of the two."""
+    frees, so it frees none of the two. With ``norms_recomputed`` the LayerNorms' input
+    halves make their outputs again for the GEMMs' weight halves (4sbh), and free none of
+    their inputs, which their weight halves keep."""
     s, b, h, a = seq, batch, m.hidden, m.heads
     sp = sequence_parallel and tp > 1
     sbh = s * b * h
@@ -177,7 +186,8 @@ def input_half_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     qkv = 0 if recompute == "attention_inputs" else 6 * sbh / tp
     scores = 5 * a * seq_full * s * b / tp if recompute == "none" else 0
     gelu = 8 * sbh / tp * (not activation_recomputed)
-    return (masks + qkv + gelu + scores) * m.dtype_bytes / 2
+    norms = 4 * sbh * norms_recomputed
+    return (masks + qkv + gelu + scores - norms) * m.dtype_bytes / 2
 
 
 def four_times_hidden(scope) -> int:

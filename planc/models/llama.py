@@ -199,7 +199,8 @@ def qk_norm(m: Model) -> bool:
 
 def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
                      sequence_parallel: bool, recompute: str,
-                     attention=attention_kept, activation_recomputed: bool = False) -> float:
+                     attention=attention_kept, activation_recomputed: bool = False,
+                     norms_recomputed: bool = False) -> float:
     """One block, one microbatch, one device, counted as Korthikanti et al. 2022 count
     GPT's (their Table 2) for llama's tensors: the inputs of the two norms and of the
     q/k/v and gate/up GEMMs (sharded only with sequence parallelism), the rotated
@@ -209,7 +210,8 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     recomputed from the block's input. ``attention(m, recompute)``: what the attention
     keeps (:func:`attention_kept`; the deepseek family's multi-head latent attention's).
     ``activation_recomputed``: down's input is computed again from gate and up, not kept
-    (optimize { recompute_activation })."""
+    (optimize { recompute_activation }); ``norms_recomputed``: the norms' outputs, q/k/v's
+    and gate/up's inputs, from the norms' inputs (optimize { recompute_norms })."""
     sb = seq * batch
     h, f = m.hidden, m.ffn
     sp = sequence_parallel and tp > 1
@@ -223,26 +225,31 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     scores = 0 if recompute != "none" else m.heads * seq_full * sb / tp
     # the GEMMs' inputs: of q/k/v and gate/up (a norm's output), the attention's (o's) and
     # down's
-    inputs = (1 + kept) * sb * h / (tp if sp else 1) + \
+    inputs = (1 + kept) * sb * h / (tp if sp else 1) * (not norms_recomputed) + \
         sb * (gemm_inputs + f * (not activation_recomputed)) / tp + sb * whole_gemm_inputs
     return (stream + split + scores) * m.dtype_bytes + inputs * gemm_input_bytes(m)
 
 
 def input_half_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
                      sequence_parallel: bool, recompute: str,
-                     core=attention_core_kept, activation_recomputed: bool = False) -> float:
+                     core=attention_core_kept, activation_recomputed: bool = False,
+                     norms_recomputed: bool = False) -> float:
     """Of :func:`activation_bytes`, what the steps without parameters keep: the attention
     core's q, k and v (``core(m, recompute)``) and softmax probabilities, and SwiGLU's
     inputs, gate and up; the norms' and the GEMMs' inputs stay for the weight half, and
     under ``full`` the block's input alone is kept, for the recomputation. With
     ``activation_recomputed`` the input half makes down's input again from gate and up
-    and keeps it for the weight half: it frees gate and up, less the product it made."""
+    and keeps it for the weight half: it frees gate and up, less the product it made; with
+    ``norms_recomputed`` the norms' input halves make their outputs again for the GEMMs'
+    weight halves, and free nothing of theirs (the norms' weight halves keep the inputs):
+    less by the two outputs."""
     if recompute == "full":
         return 0.0
     sb = seq * batch
     scores = 0 if recompute != "none" else m.heads * seq_full * sb / tp
     swiglu = m.ffn * (1 if activation_recomputed else 2)
-    return (sb * (core(m, recompute) + swiglu) / tp + scores) * m.dtype_bytes
+    norms = 2 * sb * m.hidden * gemm_input_bytes(m) * norms_recomputed
+    return (sb * (core(m, recompute) + swiglu) / tp + scores) * m.dtype_bytes - norms
 
 
 def preset_default(name: str, presets=PRESETS):

@@ -25,6 +25,9 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # build's plan.json is read, since a build directory is untrusted input.
 LIMITS = {"world": 524_288, "layers": 1_024, "microbatches": 65_536, "schedule": 131_072}
 PLAN_FORMAT_VERSION = 1
+# the families whose block norms optimize { recompute_norms } makes again: each norm's
+# output is read by one dense GEMM (q/k/v, the MLP's first)
+NORMS_RECOMPUTED = ("gpt", "llama")
 
 
 @dataclass(frozen=True)
@@ -247,6 +250,10 @@ class Optimize:
     # per-op selective checkpointing recomputes it; planc.runtime.families.
     # recomputed_product).
     recompute_activation: bool = field(default=False, metadata={"omitted_when_default": True})
+    # A block's two norms keep their input but not their output, which the backward of
+    # the GEMM reading it computes again (Megatron-Core's recompute_modules "layernorm",
+    # torchtitan's per-op selective checkpointing; planc.runtime.families.recomputed_output).
+    recompute_norms: bool = field(default=False, metadata={"omitted_when_default": True})
 
 
 # optimize { grad_accumulation }: "fused", the weight-gradient GEMM adds into the
@@ -370,6 +377,19 @@ class Plan:
         dense = m.options.get("first_dense", 0) if m.options.get("experts") else m.layers
         return self.optimize.recompute_activation and dense > 0 \
             and self.optimize.recompute != "full" and m.options.get("fp8") is None
+
+    @property
+    def recomputes_norms(self) -> bool:
+        """optimize { recompute_norms } in effect: on a gpt or llama model (whose norms
+        feed the q/k/v and the MLP's first GEMM), not under recompute = full or
+        attention_inputs (which keep neither output), nor with model { fp8 } (FP8 GEMMs
+        keep FP8 codes of their input), nor under sequence parallelism with tp > 1, where
+        the GEMMs read and keep the norms' outputs gathered over tp, not the outputs."""
+        tp = self.mesh.tp
+        return self.optimize.recompute_norms and self.model.family in NORMS_RECOMPUTED \
+            and self.optimize.recompute in ("none", "selective") \
+            and self.model.options.get("fp8") is None \
+            and not (self.shard.tp.sequence_parallel and tp > 1)
 
     @property
     def placement(self):

@@ -26,7 +26,8 @@ MODEL_TABLE_VERSION = 1
 # model.json's "kernels" section: each key, and the table's field it sets
 KERNEL_OPTIONS = {"compile": "compile_kernels",
                   "recompute_moe_activation": "recompute_moe_activation",
-                  "recompute_activation": "recompute_activation"}
+                  "recompute_activation": "recompute_activation",
+                  "recompute_norms": "recompute_norms"}
 DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -274,6 +275,9 @@ class ModelTable:
     # optimize { recompute_activation }: a dense MLP's activation output computed again in
     # the backward rather than kept
     recompute_activation: bool = False
+    # optimize { recompute_norms }: a block's two norms' outputs computed again in the
+    # backward of the GEMM reading them rather than kept
+    recompute_norms: bool = False
 
     def lr_at(self, step: int) -> float:
         """The lr of step ``step``'s optimizer update (planc.plan.lr_schedule.lr_at)."""

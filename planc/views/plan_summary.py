@@ -99,7 +99,8 @@ def settings(plan: Plan) -> str:
                      f"{opt.grad_accumulation}, kernels {opt.kernels}, moe_dispatcher "
                      f"{opt.moe_dispatcher}, compile {_onoff(opt.compile)}, "
                      f"recompute_moe_activation {_onoff(opt.recompute_moe_activation)}, "
-                     f"recompute_activation {_onoff(opt.recompute_activation)}"),
+                     f"recompute_activation {_onoff(opt.recompute_activation)}, "
+                     f"recompute_norms {_onoff(opt.recompute_norms)}"),
         ("train", f"{counted(tr.steps, 'step')}, {optimizer}, seed {tr.seed}, "
                   f"data {_data(tr.data)}, init {tr.init or 'none'}, shuffle "
                   f"{_onoff(tr.shuffle)}, grad_clip "

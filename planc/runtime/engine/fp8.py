@@ -369,17 +369,29 @@ def joined_matmul(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
     split backward's two halves each their own); but what it keeps of the concatenation
     is the weights themselves, joined again when a backward reads it: autograd would keep
     a copy of the layer's weights for every microbatch in flight. The same operations as
-    ``x @ cat(weights)``, so the same bits (tests/test_llama.py)."""
+    ``x @ cat(weights)``, so the same bits (tests/test_llama.py). Hooks a caller set (a
+    recipe that makes ``x`` again: planc.runtime.families.recomputed_output), which these
+    replace while they are on, still keep what the GEMM saves of anything else."""
     joined = torch.cat(weights, dim=1)
     storage = joined.untyped_storage().data_ptr()
+    outer = _outer_hooks()
 
     def pack(saved: torch.Tensor):
         if saved.untyped_storage().data_ptr() == storage:
             return _Pieces(tuple(weights), saved.shape, saved.stride(), saved.storage_offset())
-        return saved
+        return saved if outer is None else (outer, outer[0](saved))
 
     with torch.autograd.graph.saved_tensors_hooks(pack, _unpacked):
         return x @ joined
+
+
+def _outer_hooks():
+    """The saved-tensor hooks in force (pack, unpack), or None: autograd applies only the
+    innermost pair, so a pair pushed inside another hands on what it does not keep itself.
+    torch's own accessor (its context manager keeps a stack of them); None where a torch
+    lacks it, and the caller's hooks then see nothing (they check)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
 
 
 class _Pieces:
@@ -391,6 +403,9 @@ class _Pieces:
 
 
 def _unpacked(saved):
+    if isinstance(saved, tuple):  # what the outer hooks packed, by them
+        (_, unpack), packed = saved
+        return unpack(packed)
     if not isinstance(saved, _Pieces):
         return saved
     return torch.cat(saved.weights, dim=1).as_strided(saved.shape, saved.stride,

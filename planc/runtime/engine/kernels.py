@@ -315,15 +315,27 @@ class Kernels:
         """``x @ W`` (+ b); several weights (llama's q, k, v; gate, up) side by side in one
         GEMM."""
         data = x["x"]
-        if spec.op is Op.FC2 and self.ctx.model.recompute_activation:  # down keeps how to
-            # make its input again; its last piece lets the input go
-            last = spec.tokens is None or spec.tokens[0] + 1 == spec.tokens[1]
-            made = self.recipes.pending()
-            if made is not None:  # its backward's halves hold and release it
-                extra[READS_MADE] = made
-            return self.recipes.through(data, lambda: self._gemm(spec, data, p), spec.tokens,
-                                        last)
+        if self.reads_recipe(spec):
+            return self.through_recipe(spec, data, extra, lambda: self._gemm(spec, data, p))
         return self._gemm(spec, data, p)
+
+    def reads_recipe(self, spec: Spec) -> bool:
+        """Whether the GEMM of ``spec`` keeps how to make its input again, as the model
+        table says: down, the activation's output (optimize { recompute_activation }); q/k/v
+        and the MLP's first, a norm's (optimize { recompute_norms })."""
+        m = self.ctx.model
+        return spec.op is Op.FC2 and m.recompute_activation or \
+            spec.op in (Op.QKV, Op.FC1) and m.recompute_norms
+
+    def through_recipe(self, spec: Spec, data: torch.Tensor, extra: dict, gemm):
+        """``gemm()`` of ``data``, keeping how to make it again (Recipes.through); the
+        GEMM's last piece lets the input go, and its backward's halves hold and release
+        what they make (``extra``)."""
+        last = spec.tokens is None or spec.tokens[0] + 1 == spec.tokens[1]
+        made = self.recipes.pending()
+        if made is not None:
+            extra[READS_MADE] = made
+        return self.recipes.through(data, gemm, spec.tokens, last)
 
     def _gemm(self, spec: Spec, data: torch.Tensor, p):
         weights = [name for name in spec.params if not name.endswith(".bias")]

@@ -19,7 +19,14 @@ LN_EPS = 1e-5
 
 def layer_norm(k, spec, x, p, step, mb, extra):
     weight, bias = spec.params
-    return F.layer_norm(x["x"], (k.hidden,), p(weight), p(bias), LN_EPS)
+    value, scale, shift = x["x"], p(weight), p(bias)
+    out = F.layer_norm(value, (k.hidden,), scale, shift, LN_EPS)
+    if spec.op is not Op.FINAL_LN and k.ctx.model.recompute_norms:
+        # the GEMM reading it keeps how to make it (llama.rms_norm's reasons)
+        scale, shift, width = scale.detach().clone(), shift.detach().clone(), (k.hidden,)
+        extra[MADE_AGAIN] = k.recipes.remember(
+            out, value.detach(), lambda kept: F.layer_norm(kept, width, scale, shift, LN_EPS))
+    return out
 
 
 def attention(k, spec, x, p, step, mb, extra):

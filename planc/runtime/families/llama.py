@@ -31,7 +31,15 @@ def rms_normed(m, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def rms_norm(k, spec, x, p, step, mb, extra):
     (weight,) = spec.params
     formula = k.compiled.get("rms_norm", normed)  # compiled, or by hand
-    return formula(x["x"], p(weight), k.ctx.model.norm_eps)
+    value, scale, eps = x["x"], p(weight), k.ctx.model.norm_eps
+    out = formula(value, scale, eps)
+    if spec.op is not Op.FINAL_LN and k.ctx.model.recompute_norms:
+        # the GEMM reading it keeps how to make it: from the input the norm's backward
+        # keeps, and a copy of the scale (a ZeRO-3 unit's storage comes and goes)
+        scale = scale.detach().clone()
+        extra[MADE_AGAIN] = k.recipes.remember(out, value.detach(),
+                                               lambda kept: formula(kept, scale, eps))
+    return out
 
 
 def normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -157,8 +165,11 @@ def qkv(k, spec, x, p, step, mb, extra):
     data = x["x"]
     norms = {name.rsplit(".", 2)[-2]: p(name) for name in spec.params
              if name.endswith("_norm.weight")}
-    out = fp8.matmul(data, [p(name) for name in spec.params
-                            if not name.endswith("_norm.weight")], k.fp8)
+    weights = [p(name) for name in spec.params if not name.endswith("_norm.weight")]
+    if k.reads_recipe(spec):  # the input norm's output, made again in the backward
+        out = k.through_recipe(spec, data, extra, lambda: fp8.matmul(data, weights, k.fp8))
+    else:
+        out = fp8.matmul(data, weights, k.fp8)
     model, hd = k.ctx.model, k.head_dim
     heads, kv = local_heads(model, out.shape[-1], k.ctx.tp)
     b, s, _ = out.shape

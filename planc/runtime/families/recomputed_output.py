@@ -1,9 +1,11 @@
 """An activation's output computed again in the backward rather than kept: a mixture's
 experts' SwiGLU product (optimize { recompute_moe_activation }, Megatron-Core's
 ``recompute_modules`` "moe_act", its ``CheckpointWithoutOutput`` around the experts'
-activation function), and a dense MLP's SwiGLU or GELU output (optimize {
+activation function), a dense MLP's SwiGLU or GELU output (optimize {
 recompute_activation }, as torchtitan's per-op selective checkpointing recomputes every
-operation but its matmuls and attention).
+operation but its matmuls and attention), and a block's two norms' outputs (optimize {
+recompute_norms }, Megatron-Core's ``recompute_modules`` "layernorm"), which q/k/v and the
+MLP's first GEMM read, as down reads the activation's.
 
 The down projection's backward reads its input, the activation's output (for a routed
 expert, times the routing weight), for the weight gradient. The activation's own backward
@@ -74,9 +76,9 @@ class Made:
 
 
 class Recipes:
-    """A rank's dense activation output that its down projection has yet to read, with
-    the input and the formula that make it again (optimize { recompute_activation }). A
-    block's activation and down run one after the other, so one is pending at a time."""
+    """A rank's dense activation or norm output that the GEMM after it has yet to read,
+    with the input and the formula that make it again (optimize { recompute_activation },
+    { recompute_norms }). Each runs right before its GEMM, so one is pending at a time."""
 
     def __init__(self):
         self._pending: tuple[torch.Tensor, torch.Tensor, Callable, Made] | None = None
@@ -87,9 +89,9 @@ class Recipes:
 
     def remember(self, output: torch.Tensor, kept: torch.Tensor,
                  formula: Callable[[torch.Tensor], torch.Tensor]) -> Made:
-        """``output`` = ``formula(kept)``, a dense activation's (``kept`` detached: the
-        activation's backward keeps it anyway); what the activation's backward step
-        settles (:class:`Made`)."""
+        """``output`` = ``formula(kept)``, a dense activation's or a norm's (``kept``
+        detached: its own backward keeps it anyway); what that backward step settles
+        (:class:`Made`)."""
         made = Made()
         self._pending = (output, kept, formula, made)
         return made
@@ -102,10 +104,11 @@ class Recipes:
         select_tokens), what the GEMM saves of ``data`` is kept as how to make it again,
         the piece alone from the piece of the input, and the piece's copy goes once the
         GEMM has read it (the step keeps it as a leaf, for its shape). With ``frees``
-        (down's last piece, the output's last reader in the forward) the output's storage
+        (the GEMM's last piece, the output's last reader in the forward) the output's storage
         goes now: it stays the root of the activation's backward step, which reads its
         shape alone (a storage let go and the tensor kept, as ZeRO-3's gathered
-        parameters, planc.runtime.engine.store)."""
+        parameters, planc.runtime.engine.store). Bytes go only where the GEMM saved them
+        through the recipe (hooks pushed inside hand on to it: fp8.joined_matmul)."""
         if self._pending is None:
             return gemm()
         output, kept, formula, made = self._pending
@@ -115,16 +118,19 @@ class Recipes:
             source = _Product(lambda: formula(kept), output)
         elif tokens is not None and data.shape == _piece_shape(output, tokens):
             source = _Product(lambda: formula(select_tokens(kept, *tokens)), data)
-        else:
+        else:  # another input: nothing to make again, and nothing kept beyond its reader
+            if frees:
+                self._pending = None
             return gemm()
         made.products.append(source)
         with _hooks(source):
             result = gemm()
-        if piece:  # a copy of the output's tokens, which the GEMM alone reads
+        if piece and source.packed:  # a copy of the output's tokens, the GEMM's alone
             data.untyped_storage().resize_(0)
         if frees:
             self._pending = None
-            storage.resize_(0)
+            if piece or source.packed:  # nothing else keeps the bytes
+                storage.resize_(0)
         return result
 
 
