@@ -1,7 +1,7 @@
 """Benchmark: planc's hand-differentiated cross-entropy against ``F.cross_entropy`` with
 autograd, forward and backward of one loss, on one thread.
 
-planc's loss (planc.runtime.engine.loss: ``cross_entropy_sum``, then
+planc's loss (planc.runtime.families.loss: ``cross_entropy_sum``, then
 ``cross_entropy_grad`` in place on the kept log-probabilities) against what a PyTorch
 user writes (``F.cross_entropy(..., reduction="sum") / tokens``, ``torch.autograd.grad``
 of it by the logits). Both run interleaved, ``--rounds`` rounds of ``--repeat`` calls
@@ -36,7 +36,7 @@ def main() -> int:
     import torch
     import torch.nn.functional as F
 
-    from planc.runtime.engine.loss import (cross_entropy_grad, cross_entropy_sum,
+    from planc.runtime.families.loss import (cross_entropy_grad, cross_entropy_sum,
                                               sum_exp_shifted)
 
     torch.set_num_threads(1)

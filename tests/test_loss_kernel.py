@@ -1,4 +1,4 @@
-"""The cross-entropy planc differentiates by hand (planc.runtime.engine.loss) against
+"""The cross-entropy planc differentiates by hand (planc.runtime.families.loss) against
 PyTorch's ``F.cross_entropy`` and autograd, on the same logits."""
 
 import pytest
@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-from planc.runtime.engine.loss import cross_entropy_grad, cross_entropy_sum  # noqa: E402
+from planc.runtime.families.loss import cross_entropy_grad, cross_entropy_sum  # noqa: E402
 
 
 def _logits(seed: int, shape=(3, 17, 50)):
@@ -125,7 +125,7 @@ def test_the_vocabulary_parallel_normaliser_is_the_sum_of_shifted_exponentials(
     """sum(exp(logit - max)) per token, a chunk of tokens at a time (one token, 7 and 3
     left over, all 51 at once): the same bits as the formula on the whole fp32 logits,
     and torch's logsumexp within rounding."""
-    from planc.runtime.engine.loss import sum_exp_shifted
+    from planc.runtime.families.loss import sum_exp_shifted
 
     logits, _ = _logits(3)
     logits = logits.to(dtype)
@@ -143,7 +143,7 @@ def test_the_vocabulary_parallel_normaliser_holds_one_chunk_beside_the_logits():
     casting 16-bit logits to fp32 a third)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from planc.runtime.engine.loss import sum_exp_shifted
+    from planc.runtime.families.loss import sum_exp_shifted
 
     logits = torch.randn(64, 8, 1000).to(torch.bfloat16)  # 512 tokens
     shift = logits.float().amax(-1)
@@ -181,7 +181,7 @@ IN_PLACE_RANK = """
 import json, sys
 import torch
 import planc.runtime.worker as worker
-from planc.runtime.engine import loss
+from planc.runtime.families import loss
 backward, seen = loss.loss_backward, []
 def noting(ctx, extra):
     logits = extra.get("logits")

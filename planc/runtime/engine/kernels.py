@@ -10,7 +10,7 @@ transfers brought. Dispatch goes through :data:`FORWARD`, keyed by the node's op
 A forward step keeps what its backward needs; the backward step asks autograd for the
 gradients of that one step (the inputs and the parameters it used). Attention is
 ``scaled_dot_product_attention``, PyTorch's fused kernel; the cross-entropy loss
-(planc.runtime.engine.loss) writes its gradient, softmax minus one-hot, out by hand.
+(planc.runtime.families.loss) writes its gradient, softmax minus one-hot, out by hand.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import torch
 from planc.graph.vocabulary import Op
 from planc.program.operands import Operands, token_ranges
 from planc.runtime.backward_passes import WeightRoots, input_half, weight_half
-from planc.runtime.engine import fp8, loss
+from planc.runtime.engine import fp8
 from planc.runtime.engine.context import RankContext
 from planc.runtime.families.compiled import compiled_formulas
-from planc.runtime.families import family_kernels
+from planc.runtime.families import family_kernels, loss
 from planc.runtime.families.recomputed_output import (MADE_AGAIN, READS_MADE, Recipes,
                                                       taking_anew)
 from planc.runtime.engine.model import split_feature

@@ -1,7 +1,9 @@
 """The kernels of each model family: one module per family of planc.models, named after
 it (``planc.runtime.families.NAME``), holding ``KERNELS`` and ``reference_loss``, the
 family's whole-model loss for the single-process reference (planc.runtime.oracle.reference);
-beside them, a part one family's module uses (moe_gate: the mixture's routing)."""
+beside them, parts one family's module uses (moe_gate: the mixture's routing) or every
+family's kernels share (loss: the cross-entropy, differentiated by hand; recomputed_output:
+outputs made again in the backward)."""
 
 from __future__ import annotations
 

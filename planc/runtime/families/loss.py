@@ -1,8 +1,8 @@
 """The cross-entropy loss on one rank's logits, forward and backward, differentiated by
 hand: its gradient, softmax minus one-hot, is written over the kept log-probabilities (or,
 vocabulary-parallel, over this rank's slice of the logits, as Megatron-LM's
-vocab_parallel_cross_entropy, which so never gathers them). planc.runtime.engine.kernels
-dispatches to it.
+vocab_parallel_cross_entropy, which so never gathers them): every family's last kernel,
+which planc.runtime.engine.kernels dispatches to.
 """
 
 from __future__ import annotations
