@@ -135,6 +135,10 @@ PLANS = {
     "llama-fp32-act": LLAMA.format(name="llama_fp32_act", dtype="fp32",
                                    optimize="optimize { recompute_activation = on }",
                                    **ONE_RANK),
+    # context parallelism, the keys and values all-gathered: the attention keeps every cp
+    # rank's, and the copies repeated per query head its masked SDPA reads
+    "llama-fp32-cp2": LLAMA.format(name="llama_fp32_cp2", dtype="fp32", optimize="",
+                                   batch=4, mesh="cp = 2", devices=2, shard=""),
     # the two norms' outputs made again for q/k/v's and gate/up's backward, not kept
     "llama-fp32-norms": LLAMA.format(name="llama_fp32_norms", dtype="fp32",
                                      optimize="optimize { recompute_norms = on }",
@@ -160,7 +164,7 @@ PLANS = {
     "moe-fp32-zb-act": MOE_ZB.format(name="moe_fp32_zb_act", extra="").replace(
         "  train {", "  optimize { recompute_moe_activation = on }\n  train {"),
 }
-RANKS = {"llama-fp32-tp2-sp": 2, "llama-fp32-tp2-sp-regather": 2,
+RANKS = {"llama-fp32-cp2": 2, "llama-fp32-tp2-sp": 2, "llama-fp32-tp2-sp-regather": 2,
          "llama-fp32-tp2-sp-overlap": 2, "llama-fp32-tp2-sp-overlap-act": 2,
          "llama-fp32-tp2-sp-regather-overlap": 2,
          "llama-fp32-zero3": 2, "llama-bf16-zero3": 2,

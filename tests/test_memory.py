@@ -876,3 +876,32 @@ def test_planc_run_keeps_the_inputs_sequence_parallelism_gathers_beyond_the_coun
             stage.total_bytes + mib * 2 ** 20
     else:
         assert estimate.planc_run_peak is None
+
+
+def test_the_keys_and_values_gathered_over_cp_are_counted_where_the_attention_keeps_them():
+    """A llama under cp 2 with the keys and values all-gathered: per block and microbatch,
+    every cp rank's keys and values (2 x 2 kv heads of 8 x 16 tokens x 4 sequences, fp32),
+    the copies repeated per query head (2 x 4 heads), and the mask (8 x 16); none with
+    the ring, none under full recomputation, the same count in a split backward's input
+    half (the attention is a step without parameters)."""
+    from planc.lang import load_text
+    from tests.test_llama import plan_text
+
+    def plan(shard: str = "", optimize: str = ""):
+        return load_text(plan_text("p", mesh="cp = 2", m=2, shard=shard,
+                                   optimize=optimize)).plan
+    gathered, ring = plan(), plan(shard="cp { attention = ring }")
+    keys = 2 * 8 * 16 * 4 * (2 + 4) * 4
+    mask = 8 * 16 * 4
+    assert memory.layer_activation_bytes(gathered) - memory.layer_activation_bytes(ring) == \
+        keys + mask
+    full = plan(optimize="recompute = full")
+    assert memory.layer_activation_bytes(full) == memory.layer_activation_bytes(
+        load_text(plan_text("p", mesh="cp = 2", m=2, shard="cp { attention = ring }",
+                            optimize="recompute = full")).plan)
+    def zb1p(shard: str = ""):
+        return load_text(plan_text("p", mesh="cp = 2; pp = 2", m=2, shard=shard,
+                                   schedule="; pipeline = zb1p")).plan
+    zb, zb_ring = zb1p(), zb1p("cp { attention = ring }")
+    assert memory.layer_input_half_bytes(zb) - memory.layer_input_half_bytes(zb_ring) == \
+        keys + mask

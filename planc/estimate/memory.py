@@ -34,8 +34,9 @@ from planc.estimate.kernel_cost import GPUS
 from planc.estimate.parameter_counts import (_local_elements, layer_expert_parameters,
                                              layer_parameters, stage_expert_parameters,
                                              stage_parameters)
-from planc.models import family_of, moe, moe_memory, recomputed_activation_bytes
-from planc.plan.plan import Model, Plan
+from planc.models import family_of, llama, moe, moe_memory, recomputed_activation_bytes
+from planc.estimate.step_gradient import largest_step_gradient_bytes, one_layer_of_each_block
+from planc.plan.plan import Plan
 
 FP32_BYTES = 4
 
@@ -155,26 +156,6 @@ def last_block_kept(plan: Plan) -> bool:
     return head_unit_kept(plan) and first <= last == plan.model.layers - 1
 
 
-def one_layer_of_each_block(plan: Plan, layers: tuple[int, ...]) -> tuple[int, ...]:
-    """The model's first layer of each block among ``layers`` (a mixture's and a dense
-    block's), in order: the layers of one block hold the same parameters and activations,
-    and stages that hold the same blocks get the same layers, so that what is worked out
-    from them is shared (:func:`_largest_step_gradient_bytes`)."""
-    family, m = family_of(plan), plan.model
-    if family.layer_block is None:
-        return (0,) if layers else ()
-    first = dict(_first_layer_of_each_block(m))
-    return tuple(sorted({first[family.block(m, layer)] for layer in layers}))
-
-
-@functools.lru_cache(maxsize=1 << 8)  # asked for every stage, of every layout tune tries
-def _first_layer_of_each_block(m: Model) -> tuple[tuple[tuple, int], ...]:
-    family, first = family_of(m), {}
-    for layer in range(m.layers):
-        first.setdefault(family.block(m, layer), layer)
-    return tuple(first.items())
-
-
 def unsharded_unit_bytes(plan: Plan, stage: int) -> float:
     """What ZeRO-3 holds whole beside the shards, at its most: the stage's largest unit
     (a block, the embedding, the head and final norm) gathered twice in the model's dtype
@@ -248,8 +229,19 @@ def layer_activation_bytes(plan: Plan, recompute: str | None = None,
                            stage: int | None = None) -> float:
     """One block, one microbatch, one device, by the family's count (for gpt,
     Korthikanti et al. 2022, Table 2); of ``stage``'s blocks, or of the model's."""
-    return _block_count(plan, family_of(plan).activation_bytes,
-                        recompute or plan.optimize.recompute, stage)
+    recompute = recompute or plan.optimize.recompute
+    return _block_count(plan, family_of(plan).activation_bytes, recompute, stage) + \
+        _gathered_kv(plan, recompute)
+
+
+def _gathered_kv(plan: Plan, recompute: str) -> float:
+    """The keys and values all-gathered over cp, which llama's attention (moe's too) keeps
+    (planc.models.llama.gathered_kv_bytes); a step without parameters' (its input half
+    frees them)."""
+    if plan.mesh.cp == 1 or plan.shard.cp.attention == "ring" or \
+            plan.model.family not in ("llama", "moe"):
+        return 0.0
+    return _block_count(plan, llama.gathered_kv_bytes, recompute)
 
 
 def layer_input_half_bytes(plan: Plan, stage: int | None = None) -> float:
@@ -257,9 +249,9 @@ def layer_input_half_bytes(plan: Plan, stage: int | None = None) -> float:
     the block's steps without parameters keep, whose backward runs whole there
     (planc.passes.split_backward.splittable; the family's ``input_half_bytes``, none if
     it does not say)."""
-    count = family_of(plan).input_half_bytes
+    count, recompute = family_of(plan).input_half_bytes, plan.optimize.recompute
     return 0.0 if count is None else \
-        _block_count(plan, count, plan.optimize.recompute, stage)
+        _block_count(plan, count, recompute, stage) + _gathered_kv(plan, recompute)
 
 
 def _block_count(plan: Plan, count, recompute: str, stage: int | None = None) -> float:
@@ -402,46 +394,6 @@ def gathered_inputs_bytes(plan: Plan, stage: int) -> float:
     if stage == plan.head_stage:
         total += head_microbatches_in_flight(plan) * gathered_beyond_shard
     return total
-
-
-def largest_step_gradient_bytes(plan: Plan, stage: int) -> float:
-    """The largest gradient one backward step of the stage returns for its parameters,
-    alive beside everything else while that step's backward runs: autograd returns it
-    whole, in fp32 (the rank's parameters are fp32 leaves), before the interpreter adds
-    it into the rank's gradient (planc.runtime.engine.interpreter; Megatron-LM's
-    gradient-accumulation fusion writes into its main gradient instead). A step's
-    parameters are its rule's: a linear's weights, a norm's, the embedding's table, the
-    head's, a mixture's (its router, its routed experts on this rank, its shared experts,
-    each a step of their own where it is cut at its all-to-alls). The largest is the
-    head's or embedding's vocabulary table, or a mixture's routed experts."""
-    return _largest_step_gradient_bytes(
-        plan, one_layer_of_each_block(plan, plan.layers_of_stage(stage)), stage == 0,
-        stage == plan.head_stage)
-
-
-@functools.lru_cache(maxsize=1 << 12)  # planc tune asks for every stage of thousands
-def _largest_step_gradient_bytes(plan: Plan, layers: tuple[int, ...], embedding: bool,
-                                 head: bool) -> float:
-    family, m, ep = family_of(plan), plan.model, plan.mesh.ep
-    cut = moe.cut_over_ep(plan)
-    groups: list[list] = []
-    for layer in layers:
-        prefix = f"layers.{layer}."
-        by_name = {p.name[len(prefix):]: p for p in family.layer_parameters(m, layer)}
-        for rule in family.rules.values():
-            owned = [n for n in (*(w.name for w in rule.weights), *rule.params,
-                                 *((rule.bias,) if rule.bias else ())) if n in by_name]
-            pieces = ("router.", "experts.", "shared.") if rule.expert_parallel and cut \
-                else ("",)
-            groups += [[by_name[n] for n in owned if n.startswith(piece)] for piece in pieces]
-    if embedding:
-        groups += [[p] for p in family.embedding_parameters(m)]
-    if head:
-        groups += [[p] for p in family.head_parameters(m)]
-    largest = max((_local_elements(plan, group) + sum(
-        p.numel // ep for p in group if p.split_over_experts(ep)) for group in groups),
-        default=0)
-    return largest * FP32_BYTES
 
 
 def stage_activations(plan: Plan) -> tuple[tuple[float, int], ...]:

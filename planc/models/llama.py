@@ -230,6 +230,23 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     return (stream + split + scores) * m.dtype_bytes + inputs * gemm_input_bytes(m)
 
 
+def gathered_kv_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
+                      recompute: str, **_) -> float:
+    """What the attention keeps beyond :func:`activation_bytes` where context parallelism
+    all-gathers the keys and values (shard { cp { attention = allgather } }), one block, one
+    microbatch, one device: every cp rank's keys and values (the attention step's input),
+    the copies repeated per query head that the masked attention reads where heads share
+    them (SDPA's mask path takes no groups: planc.runtime.families.llama.attention), and
+    the mask, which SDPA keeps in the dtype. None under full recomputation, which keeps
+    the block's input alone. Measured: a cp 2 llama of bench/memory_live.py's widths
+    held 42.0 MiB more at its peak than one rank with its tokens, this count's 42 MiB."""
+    if recompute == "full":
+        return 0.0
+    heads, kv = max(m.heads // tp, 1), max(m.key_value_heads // tp, 1)
+    keys = 2 * m.head_dim * seq_full * batch * (kv + heads * (kv < heads))
+    return (keys + seq * seq_full) * m.dtype_bytes
+
+
 def input_half_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
                      sequence_parallel: bool, recompute: str,
                      core=attention_core_kept, activation_recomputed: bool = False,
