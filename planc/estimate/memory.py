@@ -34,7 +34,7 @@ from planc.estimate.kernel_cost import GPUS
 from planc.estimate.parameter_counts import (_local_elements, layer_expert_parameters,
                                              layer_parameters, stage_expert_parameters,
                                              stage_parameters)
-from planc.models import family_of, llama, moe, moe_memory, recomputed_activation_bytes
+from planc.models import family_of, moe, moe_memory, recomputed_activation_bytes
 from planc.estimate.step_gradient import largest_step_gradient_bytes, one_layer_of_each_block
 from planc.plan.plan import Plan
 
@@ -235,13 +235,13 @@ def layer_activation_bytes(plan: Plan, recompute: str | None = None,
 
 
 def _gathered_kv(plan: Plan, recompute: str) -> float:
-    """The keys and values all-gathered over cp, which llama's attention (moe's too) keeps
-    (planc.models.llama.gathered_kv_bytes); a step without parameters' (its input half
+    """The keys and values all-gathered over cp, which the attention keeps (the family's
+    ``gathered_kv_bytes``: llama's and moe's); a step without parameters' (its input half
     frees them)."""
-    if plan.mesh.cp == 1 or plan.shard.cp.attention == "ring" or \
-            plan.model.family not in ("llama", "moe"):
+    count = family_of(plan).gathered_kv_bytes
+    if plan.mesh.cp == 1 or plan.shard.cp.attention == "ring" or count is None:
         return 0.0
-    return _block_count(plan, llama.gathered_kv_bytes, recompute)
+    return _block_count(plan, count, recompute)
 
 
 def layer_input_half_bytes(plan: Plan, stage: int | None = None) -> float:

@@ -256,6 +256,7 @@ FAMILY = replace(
     model_flops_per_token=model_flops_per_token,
     activation_bytes=activation_bytes,
     input_half_bytes=input_half_bytes,
+    gathered_kv_bytes=None,  # multi-head latent attention's are not counted
     keys=KEYS,
     presets=PRESETS,
     model_checks=(rope_dim_even, moe.top_k_within_experts, moe.first_dense_within_layers,

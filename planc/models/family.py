@@ -232,6 +232,9 @@ class Family:
     # recompute -> the block's gathered inputs planc's runtime keeps under sequence
     # parallelism (PRE_NORM_GATHERED_INPUTS); empty: not counted
     gathered_inputs_kept: Mapping[str, int] = field(default_factory=dict)
+    # what the attention keeps of the keys and values all-gathered over cp, one block and
+    # microbatch (the sizes of ``activation_bytes``); None: not counted
+    gathered_kv_bytes: Callable[..., float] | None = None
     # FLOPs of one of ``tp`` ranks of an operator whose split over the features leaves
     # part of its work whole on every rank (MLA's latents), or None where the split
     # divides it evenly: (op, shapes, tp) -> FLOPs or None.

@@ -441,6 +441,7 @@ FAMILY = Family(
     activation_bytes=activation_bytes,
     input_half_bytes=input_half_bytes,
     gathered_inputs_kept=PRE_NORM_GATHERED_INPUTS,
+    gathered_kv_bytes=gathered_kv_bytes,
     keys=KEYS,
     presets=PRESETS,
     model_checks=(kv_heads_divide_heads, head_dim_even),

@@ -396,6 +396,7 @@ FAMILY = Family(
     model_flops_per_token=model_flops_per_token,
     activation_bytes=moe_memory.activation_bytes,
     input_half_bytes=moe_memory.input_half_bytes,
+    gathered_kv_bytes=llama.gathered_kv_bytes,  # llama's attention
     keys=KEYS,
     presets=PRESETS,
     model_checks=(llama.kv_heads_divide_heads, llama.head_dim_even, top_k_within_experts,
