@@ -19,13 +19,9 @@ from planc.lower.tabulate_model import model_table
 from tests.conftest import one_rank_printed, run_ranks
 from tests.test_llama import plan_text
 from tests.test_moe import plan_text as moe_plan_text
-from tests.test_recompute_activation import GPT, H100, _trained
+from tests.test_recompute_activation import GPT, H100, _trained, _warnings
 
 ON = "recompute_norms = on"
-
-
-def _warnings(source: str) -> list[str]:
-    return [d.message for d in load_text(source).diagnostics if d.severity == "warning"]
 
 
 @pytest.mark.parametrize("source,why", [
