@@ -143,6 +143,9 @@ PLANS = {
     "llama-fp32-norms": LLAMA.format(name="llama_fp32_norms", dtype="fp32",
                                      optimize="optimize { recompute_norms = on }",
                                      **ONE_RANK),
+    # gpt's keys and values all-gathered over cp: kept with the qkv bias added
+    "gpt-fp32-cp2": GPT.replace("plan gpt_fp32 {", "plan gpt_fp32_cp2 {").replace(
+        "mesh { }", "mesh { cp = 2 }").replace("devices_per_node = 1", "devices_per_node = 2"),
     "gpt-fp32-norms": GPT.replace("plan gpt_fp32 {", "plan gpt_fp32_norms {").replace(
         "  train {", "  optimize { recompute_norms = on }\n  train {"),
     # tp 2 with sequence parallelism, each GEMM cut in 2 pieces (tp_overlap): down's
@@ -164,7 +167,8 @@ PLANS = {
     "moe-fp32-zb-act": MOE_ZB.format(name="moe_fp32_zb_act", extra="").replace(
         "  train {", "  optimize { recompute_moe_activation = on }\n  train {"),
 }
-RANKS = {"llama-fp32-cp2": 2, "llama-fp32-tp2-sp": 2, "llama-fp32-tp2-sp-regather": 2,
+RANKS = {"llama-fp32-cp2": 2, "gpt-fp32-cp2": 2, "llama-fp32-tp2-sp": 2,
+         "llama-fp32-tp2-sp-regather": 2,
          "llama-fp32-tp2-sp-overlap": 2, "llama-fp32-tp2-sp-overlap-act": 2,
          "llama-fp32-tp2-sp-regather-overlap": 2,
          "llama-fp32-zero3": 2, "llama-bf16-zero3": 2,

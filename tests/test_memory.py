@@ -905,3 +905,43 @@ def test_the_keys_and_values_gathered_over_cp_are_counted_where_the_attention_ke
     zb, zb_ring = zb1p(), zb1p("cp { attention = ring }")
     assert memory.layer_input_half_bytes(zb) - memory.layer_input_half_bytes(zb_ring) == \
         keys + mask
+
+
+def _cp_plan(family: str, shard: str, optimize: str):
+    from planc.lang import load_text
+    from tests.test_deepseek_mla import plan_text as deepseek_text
+    from tests.test_llama import plan_text as llama_text
+    from tests.test_recompute_activation import GPT
+    if family == "gpt":
+        source = GPT.format(mesh="cp = 2", topology=f"shard {{ {shard} }}", optimize=optimize)
+    elif family == "llama":
+        source = llama_text("p", mesh="cp = 2", m=2, shard=shard, optimize=optimize)
+    else:
+        source = deepseek_text(mesh="cp = 2").replace(
+            "  schedule {", f"  shard {{ {shard} }}\n  optimize {{ {optimize} }}\n  schedule {{")
+    loaded = load_text(source)
+    assert loaded.ok, [d.message for d in loaded.diagnostics]
+    return loaded.plan
+
+
+@pytest.mark.parametrize("family,keys,mask", [
+    # gpt: k and v of the 4 heads (hidden 32) over 8 tokens x 2 sequences; mask 4 x 8
+    ("gpt", 2 * 32 * 8 * 2, 4 * 8),
+    # deepseek: 4 heads of k (nope 16 + rope 8) and v (24) over 32 tokens x 4 sequences
+    ("deepseek", 4 * (16 + 8 + 24) * 32 * 4, 16 * 32)])
+def test_every_family_counts_the_keys_and_values_gathered_over_cp(family, keys, mask):
+    """gpt's and MLA's attention keep every cp rank's k and v (one head of each per query
+    head: no repeated copies) and the mask, fp32; none with the ring."""
+    gathered = _cp_plan(family, "", "")
+    ring = _cp_plan(family, "cp { attention = ring }", "")
+    assert memory.layer_activation_bytes(gathered) - memory.layer_activation_bytes(ring) == \
+        (keys + mask) * 4
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "deepseek"])
+def test_attention_inputs_gathers_the_keys_and_values_again_and_keeps_none(family):
+    """recompute = attention_inputs runs the attention again from the block's input, its
+    all-gather over cp included (planc.graph.derive): nothing gathered is kept."""
+    again = "recompute = attention_inputs"
+    assert memory.layer_activation_bytes(_cp_plan(family, "", again)) == \
+        memory.layer_activation_bytes(_cp_plan(family, "cp { attention = ring }", again))

@@ -16,6 +16,7 @@ from planc.estimate.memory import layer_activation_bytes, layers_in_flight, \
     stage_activation_bytes
 from planc.lang import load_text
 from planc.lower.tabulate_model import model_table
+from planc.models import recomputes_norms
 from tests.conftest import one_rank_printed, run_ranks
 from tests.test_llama import plan_text
 from tests.test_moe import plan_text as moe_plan_text
@@ -39,7 +40,7 @@ ON = "recompute_norms = on"
 def test_where_no_gemm_keeps_a_norm_s_output_the_key_is_warned_about(source, why):
     assert _warnings(source) == [f"recompute_norms = on has no effect: {why}"]
     plan = load_text(source).plan
-    assert not plan.recomputes_norms
+    assert not recomputes_norms(plan)
     assert not model_table(plan).recompute_norms
 
 

@@ -34,7 +34,8 @@ from planc.estimate.kernel_cost import GPUS
 from planc.estimate.parameter_counts import (_local_elements, layer_expert_parameters,
                                              layer_parameters, stage_expert_parameters,
                                              stage_parameters)
-from planc.models import family_of, moe, moe_memory, recomputed_activation_bytes
+from planc.models import (family_of, moe, moe_memory, recomputed_activation_bytes,
+                          recomputes_norms)
 from planc.estimate.step_gradient import largest_step_gradient_bytes, one_layer_of_each_block
 from planc.plan.plan import Plan
 
@@ -236,8 +237,7 @@ def layer_activation_bytes(plan: Plan, recompute: str | None = None,
 
 def _gathered_kv(plan: Plan, recompute: str) -> float:
     """The keys and values all-gathered over cp, which the attention keeps (the family's
-    ``gathered_kv_bytes``: llama's and moe's); a step without parameters' (its input half
-    frees them)."""
+    ``gathered_kv_bytes``); a step without parameters' (its input half frees them)."""
     count = family_of(plan).gathered_kv_bytes
     if plan.mesh.cp == 1 or plan.shard.cp.attention == "ring" or count is None:
         return 0.0
@@ -274,7 +274,7 @@ def _block_count(plan: Plan, count, recompute: str, stage: int | None = None) ->
         ("rows_received_kept", moe.cut_over_ep(plan) and m.options.get("fp8") is None),
         ("product_recomputed", plan.recomputes_moe_activation),
         ("activation_recomputed", plan.recomputes_activation),
-        ("norms_recomputed", plan.recomputes_norms)) if on}
+        ("norms_recomputed", recomputes_norms(plan))) if on}
     if stage is not None and getattr(m, "first_dense", 0):
         extra["kinds"] = moe_memory.kinds_of_layers(m, plan.layers_of_stage(stage))
     return count(m, seq=m.seq // plan.mesh.cp, seq_full=m.seq, batch=plan.microbatch_size,

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planc.estimate.model import Shapes
-from planc.models import family_of
+from planc.models import family_of, recomputes_norms
 from planc.models.llama import qk_norm
 from planc.plan.plan import Plan
 
@@ -130,7 +130,7 @@ def made_again_passes(plan: Plan, passes: dict[str, tuple[str, tuple[Passes, Pas
         swiglu = "swiglu" in family_of(plan).rules
         eager = passes.get("swiglu") if swiglu else None
         found["fc2"] = eager[1][0] if eager else Passes(0, 2 + swiglu, 1)
-    if plan.recomputes_norms:
+    if recomputes_norms(plan):
         for gemm, norm in (("qkv", "ln1"), ("fc1", "ln2")):
             eager = passes.get(norm)
             found[gemm] = eager[1][0] if eager else Passes(0, 2, 1)

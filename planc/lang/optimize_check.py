@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from planc.diagnostics import warning
 from planc.models import FAMILIES
-from planc.plan.plan import NORMS_RECOMPUTED, Model, Optimize
+from planc.plan.plan import Model, Optimize
 
 
 class OptimizeChecks:
@@ -54,11 +54,12 @@ class OptimizeChecks:
                                 self.span("optimize.recompute_activation")))
 
     def _norms(self, optimize: Optimize, model: Model, mesh, tensor) -> None:
-        """recompute_norms = on where no GEMM keeps a norm's output (Plan.recomputes_norms
-        says where it does)."""
+        """recompute_norms = on where no GEMM keeps a norm's output
+        (planc.models.recomputes_norms says where it does)."""
         why = None
-        if model.family not in NORMS_RECOMPUTED:
-            why = f"planc makes the norms again for {' and '.join(NORMS_RECOMPUTED)} " \
+        if not FAMILIES[model.family].norms_made_again:
+            made_again = [name for name, family in FAMILIES.items() if family.norms_made_again]
+            why = f"planc makes the norms again for {' and '.join(made_again)} " \
                   f"models, not {model.family}"
         elif optimize.recompute in ("full", "attention_inputs"):
             why = f"recompute = {optimize.recompute} keeps no norm's output"

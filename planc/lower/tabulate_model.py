@@ -8,7 +8,7 @@ from planc.hf.init import init_buffers, init_sources
 from planc.lower.evaluation import evaluation_of
 from planc.program.model_table import Initial, InitTable, ModelTable, OptimizerSettings
 from planc.plan.lr_schedule import LrSchedule
-from planc.models import family_of
+from planc.models import family_of, recomputes_norms
 from planc.plan.plan import Plan
 
 # Matrices and embeddings are N(0, 0.02) as in GPT-2; norm weights 1 + N(0, 0.02) and
@@ -63,7 +63,7 @@ def model_table(plan: Plan) -> ModelTable:
         init=init_table(plan), compile_kernels=plan.optimize.compile,
         recompute_moe_activation=plan.recomputes_moe_activation,
         recompute_activation=plan.recomputes_activation,
-        recompute_norms=plan.recomputes_norms,
+        recompute_norms=recomputes_norms(plan),
         # the steps only with a schedule, which spans them (model.json writes both or none)
         **({"lr_schedule": plan.train.lr_schedule, "steps": plan.train.steps}
            if plan.train.lr_schedule != LrSchedule() else {}))

@@ -26,6 +26,13 @@ def step_model_flops(plan) -> float:
     return 3.0 * m.batch * m.seq * family_of(plan).model_flops_per_token(m)
 
 
+def recomputes_norms(plan) -> bool:
+    """optimize { recompute_norms } in effect: the plan lets it act
+    (planc.plan.plan.Plan.norms_recomputable) on a family whose norms feed one GEMM each
+    (Family.norms_made_again: gpt's and llama's)."""
+    return family_of(plan).norms_made_again and plan.norms_recomputable
+
+
 def recomputed_activation_bytes(m, *, seq: int, batch: int, tp: int,
                                 activation_recomputed: bool = False, kinds: str = "both",
                                 norms_recomputed: bool = False, **_) -> float:

@@ -235,6 +235,9 @@ class Family:
     # what the attention keeps of the keys and values all-gathered over cp, one block and
     # microbatch (the sizes of ``activation_bytes``); None: not counted
     gathered_kv_bytes: Callable[..., float] | None = None
+    # optimize { recompute_norms } applies: each block norm's output is read by one dense
+    # GEMM alone (q/k/v, the MLP's first), whose backward can make it again
+    norms_made_again: bool = False
     # FLOPs of one of ``tp`` ranks of an operator whose split over the features leaves
     # part of its work whole on every rank (MLA's latents), or None where the split
     # divides it evenly: (op, shapes, tp) -> FLOPs or None.

@@ -212,6 +212,20 @@ KEYS = {
 }
 
 
+def gathered_kv_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
+                      recompute: str, **_) -> float:
+    """What the attention keeps beyond :func:`activation_bytes` where context parallelism
+    all-gathers the keys and values: every cp rank's k and v of this rank's heads (the
+    tensor the qkv bias is added to: planc.runtime.families.gpt.attention) and the mask,
+    which SDPA keeps in the dtype. None under full recomputation or attention_inputs,
+    which gather them again for the recomputed attention (planc.graph.derive). Measured
+    (bench/memory_live.py's gpt under cp 2): 36.5 MiB more at the peak than one rank with
+    its tokens, this count's 34 MiB."""
+    if recompute in ("full", "attention_inputs"):
+        return 0.0
+    return (2 * m.hidden // tp * seq_full * batch + seq * seq_full) * m.dtype_bytes
+
+
 FAMILY = Family(
     name="gpt",
     summary="GPT-2-style: learned positions, LayerNorm, GELU, biases, multi-head attention",
@@ -240,5 +254,7 @@ FAMILY = Family(
     activation_bytes=activation_bytes,
     input_half_bytes=input_half_bytes,
     gathered_inputs_kept=PRE_NORM_GATHERED_INPUTS,
+    gathered_kv_bytes=gathered_kv_bytes,
+    norms_made_again=True,
     keys=KEYS,
 )

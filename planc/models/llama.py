@@ -237,10 +237,11 @@ def gathered_kv_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     microbatch, one device: every cp rank's keys and values (the attention step's input),
     the copies repeated per query head that the masked attention reads where heads share
     them (SDPA's mask path takes no groups: planc.runtime.families.llama.attention), and
-    the mask, which SDPA keeps in the dtype. None under full recomputation, which keeps
-    the block's input alone. Measured: a cp 2 llama of bench/memory_live.py's widths
+    the mask, which SDPA keeps in the dtype. None under full recomputation or
+    attention_inputs, which gather them again for the recomputed attention
+    (planc.graph.derive). Measured: a cp 2 llama of bench/memory_live.py's widths
     held 42.0 MiB more at its peak than one rank with its tokens, this count's 42 MiB."""
-    if recompute == "full":
+    if recompute in ("full", "attention_inputs"):
         return 0.0
     heads, kv = max(m.heads // tp, 1), max(m.key_value_heads // tp, 1)
     keys = 2 * m.head_dim * seq_full * batch * (kv + heads * (kv < heads))
@@ -442,6 +443,7 @@ FAMILY = Family(
     input_half_bytes=input_half_bytes,
     gathered_inputs_kept=PRE_NORM_GATHERED_INPUTS,
     gathered_kv_bytes=gathered_kv_bytes,
+    norms_made_again=True,
     keys=KEYS,
     presets=PRESETS,
     model_checks=(kv_heads_divide_heads, head_dim_even),

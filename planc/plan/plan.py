@@ -25,9 +25,6 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # build's plan.json is read, since a build directory is untrusted input.
 LIMITS = {"world": 524_288, "layers": 1_024, "microbatches": 65_536, "schedule": 131_072}
 PLAN_FORMAT_VERSION = 1
-# the families whose block norms optimize { recompute_norms } makes again: each norm's
-# output is read by one dense GEMM (q/k/v, the MLP's first)
-NORMS_RECOMPUTED = ("gpt", "llama")
 
 
 @dataclass(frozen=True)
@@ -379,14 +376,15 @@ class Plan:
             and self.optimize.recompute != "full" and m.options.get("fp8") is None
 
     @property
-    def recomputes_norms(self) -> bool:
-        """optimize { recompute_norms } in effect: on a gpt or llama model (whose norms
-        feed the q/k/v and the MLP's first GEMM), not under recompute = full or
-        attention_inputs (which keep neither output), nor with model { fp8 } (FP8 GEMMs
-        keep FP8 codes of their input), nor under sequence parallelism with tp > 1, where
-        the GEMMs read and keep the norms' outputs gathered over tp, not the outputs."""
+    def norms_recomputable(self) -> bool:
+        """optimize { recompute_norms } asked where the rest of the plan lets it act: not
+        under recompute = full or attention_inputs (which keep neither output), nor with
+        model { fp8 } (FP8 GEMMs keep FP8 codes of their input), nor under sequence
+        parallelism with tp > 1, where the GEMMs read and keep the norms' outputs gathered
+        over tp, not the outputs. Whether the family's norms can be made again is the
+        family's (planc.models.recomputes_norms)."""
         tp = self.mesh.tp
-        return self.optimize.recompute_norms and self.model.family in NORMS_RECOMPUTED \
+        return self.optimize.recompute_norms \
             and self.optimize.recompute in ("none", "selective") \
             and self.model.options.get("fp8") is None \
             and not (self.shard.tp.sequence_parallel and tp > 1)
