@@ -1010,11 +1010,13 @@ def mutants(count: int, seed: int = SEED, source: str = "both") -> list[Case]:
 
 def originals() -> list[Case]:
     """Every example and invalid plan unchanged, under check-json (and compile for the
-    examples): the baseline the mutants depart from."""
+    examples): the baseline the mutants depart from. An example sits beside the files of
+    plans/ it may name (the demo's measured topology, demo-machine.json)."""
+    beside = tuple((p.name, "bytes", p.read_bytes()) for p in sorted(PLANS.glob("*.json")))
     cases = [Case("original", f"example-{p.stem}", "check-json", plan=p.read_bytes(),
-                  expect=(0,)) for p in sorted(PLANS.glob("*.plan"))]
+                  files=beside, expect=(0,)) for p in sorted(PLANS.glob("*.plan"))]
     cases += [Case("original", f"example-{p.stem}-compile", "compile", plan=p.read_bytes(),
-                   expect=(0,)) for p in sorted(PLANS.glob("*.plan"))]
+                   files=beside, expect=(0,)) for p in sorted(PLANS.glob("*.plan"))]
     cases += [Case("original", f"invalid-{p.stem}", "check", plan=p.read_bytes())
               for p in sorted(INVALID.glob("*.plan"))]
     return cases

@@ -112,22 +112,25 @@ def _ordered(graph: nx.DiGraph, nodes: set[str], rank: dict[str, int]) -> list[s
     return order
 
 
-def _issue_rank(lowering: "_StageLowering", rank: dict[str, int]) -> dict:
+def _issue_rank(lowering: "_StageLowering", rank: dict[str, int], nodes: set[str]) -> dict:
     """The prologue's ZeRO-1/2 gathers in the order the forward first reads their buckets
     (Megatron-LM's ``overlap_param_gather`` dispatches the bucket the next layer needs
     first): the buckets fill in backward order, so graph order would gather the
-    embedding's bucket last and hold the first forward step until every gather is done."""
+    embedding's bucket last and hold the first forward step until every gather is done.
+    Keys of ``nodes`` alone: a stage's part, not the whole graph, or lowering a thousand
+    stages would be quadratic."""
     first = {gather: min(rank[u] for u in users)
              for gather, users in lowering.first_users.items()}
-    return {n: (first.get(n, len(rank)), r) for n, r in rank.items()}
+    return {n: (first.get(n, len(rank)), rank[n]) for n in nodes}
 
 
-def _regathers_first(graph: nx.DiGraph, rank: dict[str, int]) -> dict:
+def _regathers_first(graph: nx.DiGraph, rank: dict[str, int], nodes: set[str]) -> dict:
     """A block's order: the graph's, except that an input gathered again for a backward
     (gathered_inputs = regather) is issued as soon as its order edges allow, a step
     ahead of the step that reads it (planc.graph.axes.AxisRules.regather), so that it
-    travels while that step's predecessor computes rather than after it."""
-    return {n: (0 if "regathers" in graph.nodes[n] else 1, r) for n, r in rank.items()}
+    travels while that step's predecessor computes rather than after it. Keys of
+    ``nodes`` alone (:func:`_issue_rank`'s reason)."""
+    return {n: (0 if "regathers" in graph.nodes[n] else 1, rank[n]) for n in nodes}
 
 
 @dataclass(frozen=True)
@@ -374,8 +377,8 @@ def lower(plan: Plan, graph: nx.DiGraph, binding: Binding | None = None
                 receive_nodes[node] = where.stream
             else:
                 parts.setdefault(where.part, set()).add(node)
-        ordered = {name: _ordered(graph, nodes, _issue_rank(lowering, rank)
-                                  if name == PROLOGUE else _regathers_first(graph, rank))
+        ordered = {name: _ordered(graph, nodes, _issue_rank(lowering, rank, nodes)
+                                  if name == PROLOGUE else _regathers_first(graph, rank, nodes))
                    for name, nodes in parts.items()}
         waits = _waits(lowering, ordered)
         recorded = {item for items in waits.values() for item in items}
