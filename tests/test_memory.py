@@ -907,13 +907,13 @@ def test_the_keys_and_values_gathered_over_cp_are_counted_where_the_attention_ke
         keys + mask
 
 
-def _cp_plan(family: str, shard: str, optimize: str):
+def _cp_plan(family: str, shard: str, optimize: str, mesh: str = "cp = 2"):
     from planc.lang import load_text
     from tests.test_deepseek_mla import plan_text as deepseek_text
     from tests.test_llama import plan_text as llama_text
     from tests.test_recompute_activation import GPT
     if family == "gpt":
-        source = GPT.format(mesh="cp = 2", topology=f"shard {{ {shard} }}", optimize=optimize)
+        source = GPT.format(mesh=mesh, topology=f"shard {{ {shard} }}", optimize=optimize)
     elif family == "llama":
         source = llama_text("p", mesh="cp = 2", m=2, shard=shard, optimize=optimize)
     else:
@@ -938,6 +938,19 @@ def test_every_family_counts_the_keys_and_values_gathered_over_cp(family, keys, 
         (keys + mask) * 4
 
 
+@pytest.mark.parametrize("qkv,copies", [("column", 1), ("row", 2)])
+def test_a_row_parallel_qkv_s_bias_makes_a_second_copy_of_the_gathered_keys(qkv, copies):
+    """gpt under tp 2 x cp 2: a column-parallel qkv adds its bias itself, and the attention
+    reads the gathered keys and values as they came; a row-parallel one's bias is added
+    after the reduction, so the attention keeps the biased copy beside the gathered step
+    input (k and v of 2 of the 4 heads, 8 tokens x 2 sequences; the mask 4 x 8)."""
+    mesh, placement = "tp = 2; cp = 2", f"tp {{ qkv = {qkv} }}"
+    gathered = _cp_plan("gpt", placement, "", mesh)
+    ring = _cp_plan("gpt", f"{placement}; cp {{ attention = ring }}", "", mesh)
+    assert memory.layer_activation_bytes(gathered) - memory.layer_activation_bytes(ring) == \
+        (copies * 2 * 16 * 8 * 2 + 4 * 8) * 4
+
+
 @pytest.mark.parametrize("family", ["gpt", "llama", "deepseek"])
 def test_attention_inputs_gathers_the_keys_and_values_again_and_keeps_none(family):
     """recompute = attention_inputs runs the attention again from the block's input, its
@@ -945,3 +958,30 @@ def test_attention_inputs_gathers_the_keys_and_values_again_and_keeps_none(famil
     again = "recompute = attention_inputs"
     assert memory.layer_activation_bytes(_cp_plan(family, "", again)) == \
         memory.layer_activation_bytes(_cp_plan(family, "cp { attention = ring }", again))
+
+
+@pytest.mark.parametrize("mesh,gathered", [("", 0), ("cp = 2", 1)])
+def test_attention_inputs_holds_one_layer_s_attention_inputs_while_it_makes_them(
+        mesh, gathered):
+    """Under recompute = attention_inputs a backward makes one layer's first norm's output
+    and q, k and v again (and gathers its keys and values over cp again), held until
+    that layer's attention has run its backward, with its softmax probabilities where
+    the GPU has no FlashAttention (this plan's): the stage's count beyond its kept
+    layers is selective's plus those (fp32; the llama's 4 query and 2 key/value heads of
+    8, 16 tokens x 4 sequences, or 8 of them under cp 2 with the 16 gathered)."""
+    from planc.lang import load_text
+    from tests.test_llama import plan_text
+
+    def beyond_layers(recompute):
+        plan = load_text(plan_text("p", mesh=mesh, m=2, optimize=f"recompute = {recompute}")
+                         ).plan
+        held, _ = memory.stage_activation_bytes(plan, 0)
+        return held - memory.layers_in_flight(plan, 0) * memory.layer_activation_bytes(plan)
+
+    seq, m = 16 // (2 if gathered else 1), load_text(plan_text("p", m=2)).plan.model
+    tokens = seq * 4
+    inputs = tokens * m.hidden + tokens * (4 + 2 * 2) * 8
+    probabilities = 4 * 16 * tokens
+    kv = gathered * (2 * 8 * 16 * 4 * (2 + 4) + seq * 16)
+    assert beyond_layers("attention_inputs") - beyond_layers("selective") == \
+        (inputs + probabilities + kv) * 4

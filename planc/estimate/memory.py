@@ -238,10 +238,14 @@ def layer_activation_bytes(plan: Plan, recompute: str | None = None,
 def _gathered_kv(plan: Plan, recompute: str) -> float:
     """The keys and values all-gathered over cp, which the attention keeps (the family's
     ``gathered_kv_bytes``); a step without parameters' (its input half frees them)."""
-    count = family_of(plan).gathered_kv_bytes
-    if plan.mesh.cp == 1 or plan.shard.cp.attention == "ring" or count is None:
+    family = family_of(plan)
+    if plan.mesh.cp == 1 or plan.shard.cp.attention == "ring" or \
+            family.gathered_kv_bytes is None:
         return 0.0
-    return _block_count(plan, count, recompute)
+    qkv = family.linear_rule("qkv")  # a row-parallel qkv's bias waits for the reduction
+    biased = plan.mesh.tp > 1 and plan.shard.tp.qkv == "row" and qkv is not None and \
+        qkv.bias is not None
+    return _block_count(plan, family.gathered_kv_bytes, recompute, bias_after_gather=biased)
 
 
 def layer_input_half_bytes(plan: Plan, stage: int | None = None) -> float:
@@ -254,7 +258,8 @@ def layer_input_half_bytes(plan: Plan, stage: int | None = None) -> float:
         _block_count(plan, count, recompute, stage) + _gathered_kv(plan, recompute)
 
 
-def _block_count(plan: Plan, count, recompute: str, stage: int | None = None) -> float:
+def _block_count(plan: Plan, count, recompute: str, stage: int | None = None,
+                 **sizes) -> float:
     """A family's per-block ``count`` (one microbatch, one device) of the plan's sizes.
     On a GPU whose published runs used FlashAttention (planc.estimate.kernel_cost.GPU.flash:
     the H100's), the attention keeps no s x s probabilities: FlashAttention's backward
@@ -266,7 +271,8 @@ def _block_count(plan: Plan, count, recompute: str, stage: int | None = None) ->
     the forward (planc.runtime.families.moe_dispatch). A model of dense blocks and
     mixtures counts, for ``stage``, the kinds of blocks it holds (the larger of the two
     where it holds both, as for the whole model): a stage of mixtures alone is not
-    counted as holding the dense blocks' SwiGLU, nor as freeing it in an input half."""
+    counted as holding the dense blocks' SwiGLU, nor as freeing it in an input half.
+    ``sizes``: more of the count's keywords (the gathered keys and values' bias)."""
     m = plan.model
     if recompute == "none" and flash_attention(plan):
         recompute = "selective"
@@ -279,7 +285,7 @@ def _block_count(plan: Plan, count, recompute: str, stage: int | None = None) ->
         extra["kinds"] = moe_memory.kinds_of_layers(m, plan.layers_of_stage(stage))
     return count(m, seq=m.seq // plan.mesh.cp, seq_full=m.seq, batch=plan.microbatch_size,
                  tp=plan.mesh.tp, sequence_parallel=plan.shard.tp.sequence_parallel,
-                 recompute=recompute, **extra)
+                 recompute=recompute, **extra, **sizes)
 
 
 def flash_attention(plan: Plan) -> bool:
@@ -341,11 +347,16 @@ def stage_activation_bytes(plan: Plan, stage: int) -> tuple[float, int]:
     m, tp = plan.model, plan.mesh.tp
     in_flight = microbatches_in_flight(plan, stage)
     total = layers_in_flight(plan, stage) * layer_activation_bytes(plan, stage=stage)
-    if plan.optimize.recompute == "full" and \
-            not schedules.named(plan.schedule.pipeline).splits_backward:
+    if not schedules.named(plan.schedule.pipeline).splits_backward:
         # Recomputing one layer materialises its full activations once more (a split
-        # backward keeps its chunk's until the W: weight_gradient_reads_bytes).
-        total += layer_activation_bytes(plan, "none", stage)
+        # backward keeps its chunk's until the W: weight_gradient_reads_bytes), and
+        # attention_inputs one layer's attention inputs: the first norm's output, q, k
+        # and v, and the keys and values gathered over cp again.
+        if plan.optimize.recompute == "full":
+            total += layer_activation_bytes(plan, "none", stage)
+        elif plan.optimize.recompute == "attention_inputs":
+            total += layer_activation_bytes(plan, "none", stage) - \
+                layer_activation_bytes(plan, "attention_inputs", stage)
     total += largest_step_gradient_bytes(plan, stage)
     transient = family_of(plan).transient_bytes
     if plan.layers_of_stage(stage):  # not a stage of the head alone

@@ -213,17 +213,20 @@ KEYS = {
 
 
 def gathered_kv_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
-                      recompute: str, **_) -> float:
+                      recompute: str, bias_after_gather: bool = False, **_) -> float:
     """What the attention keeps beyond :func:`activation_bytes` where context parallelism
-    all-gathers the keys and values: every cp rank's k and v of this rank's heads (the
-    tensor the qkv bias is added to: planc.runtime.families.gpt.attention) and the mask,
-    which SDPA keeps in the dtype. None under full recomputation or attention_inputs,
-    which gather them again for the recomputed attention (planc.graph.derive). Measured
-    (bench/memory_live.py's gpt under cp 2): 36.5 MiB more at the peak than one rank with
-    its tokens, this count's 34 MiB."""
+    all-gathers the keys and values: every cp rank's k and v of this rank's heads and the
+    mask, which SDPA keeps in the dtype; where the qkv bias is added after the gather
+    (``bias_after_gather``: a row-parallel qkv's, added once its partial sums are
+    reduced: planc.runtime.families.gpt.attention), the biased copy SDPA keeps beside the
+    gathered step input. None under full recomputation or attention_inputs, which
+    gather them again for the recomputed attention (planc.graph.derive). Measured
+    (bench/memory_live.py's gpt under cp 2): 36.5 MiB more at the peak than one rank
+    with its tokens, this count's 34 MiB."""
     if recompute in ("full", "attention_inputs"):
         return 0.0
-    return (2 * m.hidden // tp * seq_full * batch + seq * seq_full) * m.dtype_bytes
+    copies = 2 if bias_after_gather else 1
+    return (copies * 2 * m.hidden // tp * seq_full * batch + seq * seq_full) * m.dtype_bytes
 
 
 FAMILY = Family(
