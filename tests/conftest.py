@@ -246,6 +246,33 @@ def counting(*ops):
     return Counting()
 
 
+def most_alive(shape, run) -> int:
+    """The most tensors of ``shape`` with storage of their own (not views of a larger
+    tensor) that ``run()`` made and held at once: the storage a backward's temporaries
+    take at its peak."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Alive(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made, self.most = [], 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and tuple(out.shape) == shape and \
+                    out.untyped_storage().nbytes() == out.numel() * out.element_size():
+                self.made.append(weakref.ref(out))
+            self.most = max(self.most, sum(ref() is not None for ref in self.made))
+            return out
+
+    with Alive() as alive:
+        run()
+    return alive.most
+
+
 def checkpoint_tensors(directory: Path) -> dict:
     """Every tensor of the latest checkpoint in ``directory``, by its name."""
     from safetensors import safe_open

@@ -262,6 +262,21 @@ def test_swiglu_is_silu_of_the_gate_times_up_bit_for_bit(dtype):
     assert not torch.equal(got_grad[..., :24], got_grad[..., 24:])
 
 
+def test_swiglus_backward_lets_silu_of_the_gate_go_once_read():
+    """Its backward makes silu(gate) again, reads it for up's gradient, and lets it go
+    before gate's gradient needs a temporary of the same width: one ffn-wide tensor at a
+    time beside the two halves' gradient."""
+    import torch
+
+    from planc.runtime.families.llama import SwiGLU
+    from tests.conftest import most_alive
+
+    both = torch.randn(3, 5, 48, requires_grad=True)
+    out = SwiGLU.apply(both)
+    grad = torch.randn(3, 5, 24)
+    assert most_alive((3, 5, 24), lambda: torch.autograd.grad(out, both, grad)) == 1
+
+
 def _saved_shapes(run):
     """The shapes of the tensors autograd keeps for the backward of what ``run`` computes,
     and whether each shares the storage of one of ``run``'s own tensors."""

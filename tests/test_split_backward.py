@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from planc.runtime.backward_passes import input_half, weight_half, weight_splits  # noqa: E402
 from planc.runtime.engine.kernels import _vector_jacobian  # noqa: E402
-from tests.conftest import counting  # noqa: E402
+from tests.conftest import counting, most_alive  # noqa: E402
 
 GEMMS = (torch.ops.aten.mm.default, torch.ops.aten._grouped_mm.default)
 
@@ -169,6 +169,37 @@ def test_where_the_products_gradients_take_more_the_weight_half_recomputes_them(
         _, roots = _input_half(forward(), inputs, params, grad)
         assert roots.bytes() > grad.nbytes
         assert _input_half(forward(), inputs, params, grad, limit=grad.nbytes)[1] is None
+
+
+def test_a_weight_half_from_the_experts_output_gradient_computes_no_routing_gradient():
+    """Where the experts' weight half starts from their output gradient (their gate's and
+    up's gradients would hold more), it goes back through their SwiGLU for gate's and
+    up's gradients alone: the scales' (the routing weights, an input of the step) are
+    the input half's, which computes them once. Both halves give one whole backward's
+    bits."""
+    forward, inputs, params, grad = _experts()
+    whole = torch.autograd.grad(forward(), inputs + params, grad)
+    out = forward()
+    with counting(torch.ops.aten.sum.dim_IntList, torch.ops.aten.mul.Tensor) as input_pass:
+        dinputs = torch.autograd.grad(out, inputs, grad, retain_graph=True)
+    with counting(torch.ops.aten.sum.dim_IntList, torch.ops.aten.mul.Tensor) as weight_pass:
+        dparams = torch.autograd.grad(out, params, grad)
+    assert all(torch.equal(a, b) for a, b in zip(whole, [*dinputs, *dparams]))
+    # the input half: the scales' gradient (two products and a sum), the weighted
+    # gradient and its products with silu(gate) and up; the weight half: the last three
+    assert (input_pass.count, weight_pass.count) == (6, 3)
+
+
+def test_the_experts_swiglu_backward_holds_three_temporaries_at_most():
+    """The SwiGLU's backward lets each temporary go once read: beside the gradient it
+    is given, at most three of the experts' ffn-wide tensors at once in the input half,
+    where all six (silu(gate), the weighted gradient, gate's and up's gradients, the
+    scales' two products) were alive together."""
+    forward, inputs, params, grad = _experts()
+    out = forward()
+    assert most_alive((5, 24), lambda: torch.autograd.grad(
+        out, inputs, grad, retain_graph=True)) == 4
+    assert most_alive((5, 24), lambda: torch.autograd.grad(out, params, grad)) == 4
 
 
 PLAN = """plan mla_zb {

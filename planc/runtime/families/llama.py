@@ -260,6 +260,7 @@ class SwiGLU(torch.autograd.Function):
         both = grad.new_empty(*grad.shape[:-1], 2 * grad.shape[-1])
         to_gate, to_up = both.chunk(2, dim=-1)
         torch.mul(grad, activated, out=to_up)
+        del activated  # read: one ffn-wide tensor fewer while gate's gradient is made
         torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=to_gate)
         return both
 
@@ -327,7 +328,10 @@ class SiluTimes(torch.autograd.Function):
     expert output is kept for it. :class:`SwiGLU`'s storage: gate, up (and the weights)
     alone, silu(gate) computed again in the backward, where autograd's ``F.silu(gate) *
     up`` keeps it too (one ffn-wide tensor more for every row an expert runs);
-    autograd's own operations in the backward, so the same bits."""
+    autograd's own operations in the backward, so the same bits. Each pass computes only
+    the gradients it is asked for (:func:`asked_for`): a split backward's weight half that
+    starts from the experts' output gradient needs gate's and up's, not the scale's,
+    which are the routing weights, an input of the step."""
 
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, scale: torch.Tensor | None
@@ -338,12 +342,21 @@ class SiluTimes(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate, up, *scale = ctx.saved_tensors
-        activated = F.silu(gate)
-        if not scale:
-            return torch.ops.aten.silu_backward(grad * up, gate), grad * activated, None
-        weighted = grad * scale[0]
-        return (torch.ops.aten.silu_backward(weighted * up, gate), weighted * activated,
-                (grad * activated * up).sum(-1, keepdim=True))
+        gate_asked, up_asked, scale_asked = asked_for(ctx)
+        scale_asked = scale_asked and bool(scale)
+        # Each temporary goes once read, so that no more than three ffn-wide tensors are
+        # alive at once beside gate and up (six when all were made before any went).
+        activated = F.silu(gate) if up_asked or scale_asked else None
+        scale_grad = (grad * activated * up).sum(-1, keepdim=True) if scale_asked else None
+        weighted = grad * scale[0] if scale and (gate_asked or up_asked) else grad
+        up_grad = weighted * activated if up_asked else None
+        del activated
+        gate_grad = None
+        if gate_asked:
+            product = weighted * up
+            del weighted
+            gate_grad = torch.ops.aten.silu_backward(product, gate)
+        return gate_grad, up_grad, scale_grad
 
 
 def reference_loss(m, params: dict[str, torch.Tensor], tokens: torch.Tensor,
