@@ -28,6 +28,15 @@ GPT = ("plan g {{ model gpt {{ layers = 2; hidden = 32; heads = 4; vocab = 64; s
        "optimize {{ {optimize} }} }}")
 
 
+def gpt_two_chunks_a_stage(pipeline: str, optimize: str) -> str:
+    """GPT of 4 layers over pp 2, two chunks a stage, under ``pipeline``: the plan the
+    trained-bits tests compare with and without a key."""
+    return GPT.format(mesh="pp = 2", topology="", optimize=optimize).replace(
+        "microbatches = 2", f"microbatches = 2; pipeline = {pipeline}").replace(
+        "plan g {", "plan trained {").replace("layers = 2", "layers = 4").replace(
+        "mesh {", "shard { pp { virtual = 2 } } mesh {")
+
+
 def _warnings(source: str) -> list[str]:
     return [d.message for d in load_text(source).diagnostics if d.severity == "warning"]
 
@@ -245,11 +254,8 @@ TRAINED = {
     "gpt-tp2-tp-overlap-2": lambda optimize: GPT.format(
         mesh="tp = 2", topology="", optimize=f"tp_overlap = 2{optimize}").replace(
         "plan g {", "plan trained {"),
-    "gpt-pp2-interleaved": lambda optimize: GPT.format(
-        mesh="pp = 2", topology="", optimize=optimize.lstrip("; ")).replace(
-        "microbatches = 2", "microbatches = 2; pipeline = interleaved").replace(
-        "plan g {", "plan trained {").replace("layers = 2", "layers = 4").replace(
-        "mesh {", "shard { pp { virtual = 2 } } mesh {"),
+    "gpt-pp2-interleaved": lambda optimize: gpt_two_chunks_a_stage(
+        "interleaved", optimize.lstrip("; ")),
 }
 
 

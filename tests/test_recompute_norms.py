@@ -20,7 +20,8 @@ from planc.models import recomputes_norms
 from tests.conftest import one_rank_printed, run_ranks
 from tests.test_llama import plan_text
 from tests.test_moe import plan_text as moe_plan_text
-from tests.test_recompute_activation import GPT, H100, _trained, _warnings
+from tests.test_recompute_activation import (GPT, H100, _trained, _warnings,
+                                            gpt_two_chunks_a_stage)
 
 ON = "recompute_norms = on"
 
@@ -179,11 +180,7 @@ TRAINED = {
                                               shard="dp { zero = 3 }", optimize=optimize),
     "llama-pp2-zb1p": lambda optimize: plan_text(
         "trained", mesh="pp = 2", m=4, schedule="; pipeline = zb1p", optimize=optimize),
-    "gpt-pp2-zbv": lambda optimize: GPT.format(
-        mesh="pp = 2", topology="", optimize=optimize).replace(
-        "microbatches = 2", "microbatches = 2; pipeline = zbv").replace(
-        "plan g {", "plan trained {").replace("layers = 2", "layers = 4").replace(
-        "mesh {", "shard { pp { virtual = 2 } } mesh {"),
+    "gpt-pp2-zbv": lambda optimize: gpt_two_chunks_a_stage("zbv", optimize),
 }
 
 

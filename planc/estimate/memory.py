@@ -236,16 +236,21 @@ def layer_activation_bytes(plan: Plan, recompute: str | None = None,
 
 
 def _gathered_kv(plan: Plan, recompute: str) -> float:
-    """The keys and values all-gathered over cp, which the attention keeps (the family's
-    ``gathered_kv_bytes``); a step without parameters' (its input half frees them)."""
-    family = family_of(plan)
+    """The keys and values all-gathered over cp, which the attention keeps, one block and
+    microbatch: every cp rank's tokens at the family's ``gathered_kv_width`` and the mask,
+    which SDPA keeps in the dtype; none with the ring, nor under full recomputation or
+    attention_inputs, which gather them again for the recomputed attention
+    (planc.graph.derive). A step without parameters' (its input half frees them)."""
+    family, m = family_of(plan), plan.model
     if plan.mesh.cp == 1 or plan.shard.cp.attention == "ring" or \
-            family.gathered_kv_bytes is None:
+            family.gathered_kv_width is None or recompute in ("full", "attention_inputs"):
         return 0.0
     qkv = family.linear_rule("qkv")  # a row-parallel qkv's bias waits for the reduction
     biased = plan.mesh.tp > 1 and plan.shard.tp.qkv == "row" and qkv is not None and \
         qkv.bias is not None
-    return _block_count(plan, family.gathered_kv_bytes, recompute, bias_after_gather=biased)
+    width = family.gathered_kv_width(m, plan.mesh.tp, biased)
+    seq_full, seq = m.seq, m.seq // plan.mesh.cp
+    return (width * seq_full * plan.microbatch_size + seq * seq_full) * m.dtype_bytes
 
 
 def layer_input_half_bytes(plan: Plan, stage: int | None = None) -> float:
@@ -258,8 +263,7 @@ def layer_input_half_bytes(plan: Plan, stage: int | None = None) -> float:
         _block_count(plan, count, recompute, stage) + _gathered_kv(plan, recompute)
 
 
-def _block_count(plan: Plan, count, recompute: str, stage: int | None = None,
-                 **sizes) -> float:
+def _block_count(plan: Plan, count, recompute: str, stage: int | None = None) -> float:
     """A family's per-block ``count`` (one microbatch, one device) of the plan's sizes.
     On a GPU whose published runs used FlashAttention (planc.estimate.kernel_cost.GPU.flash:
     the H100's), the attention keeps no s x s probabilities: FlashAttention's backward
@@ -271,8 +275,7 @@ def _block_count(plan: Plan, count, recompute: str, stage: int | None = None,
     the forward (planc.runtime.families.moe_dispatch). A model of dense blocks and
     mixtures counts, for ``stage``, the kinds of blocks it holds (the larger of the two
     where it holds both, as for the whole model): a stage of mixtures alone is not
-    counted as holding the dense blocks' SwiGLU, nor as freeing it in an input half.
-    ``sizes``: more of the count's keywords (the gathered keys and values' bias)."""
+    counted as holding the dense blocks' SwiGLU, nor as freeing it in an input half."""
     m = plan.model
     if recompute == "none" and flash_attention(plan):
         recompute = "selective"
@@ -285,7 +288,7 @@ def _block_count(plan: Plan, count, recompute: str, stage: int | None = None,
         extra["kinds"] = moe_memory.kinds_of_layers(m, plan.layers_of_stage(stage))
     return count(m, seq=m.seq // plan.mesh.cp, seq_full=m.seq, batch=plan.microbatch_size,
                  tp=plan.mesh.tp, sequence_parallel=plan.shard.tp.sequence_parallel,
-                 recompute=recompute, **extra, **sizes)
+                 recompute=recompute, **extra)
 
 
 def flash_attention(plan: Plan) -> bool:

@@ -197,19 +197,13 @@ def input_half_bytes(m: Model, **sizes) -> float:
                                 core=latent_attention_core_kept, **sizes)
 
 
-def gathered_kv_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
-                      recompute: str, **_) -> float:
-    """What MLA's attention keeps beyond :func:`activation_bytes` where context
-    parallelism all-gathers the keys and values: every cp rank's heads of k (nope_dim +
-    rope_dim features) and v (v_dim), the one tensor they travel in
-    (planc.runtime.families.deepseek.attention), and the mask, in the dtype, as llama's
-    (planc.models.llama.gathered_kv_bytes); no copies per query head (each head has its
-    own k and v). None under full recomputation or attention_inputs, which gather
-    them again for the recomputed attention (planc.graph.derive)."""
-    if recompute in ("full", "attention_inputs"):
-        return 0.0
-    heads = max(m.heads // tp, 1)
-    return (heads * (qk_dim(m) + m.v_dim) * seq_full * batch + seq * seq_full) * m.dtype_bytes
+def gathered_kv_width(m: Model, tp: int, bias_after_gather: bool = False) -> int:
+    """Features per gathered token that MLA's attention keeps of the keys and values
+    all-gathered over cp, on one of ``tp`` ranks: its heads' k (nope_dim + rope_dim
+    features) and v (v_dim), the one tensor they travel in
+    (planc.runtime.families.deepseek.attention); no copies per query head (each head has
+    its own k and v)."""
+    return max(m.heads // tp, 1) * (qk_dim(m) + m.v_dim)
 
 
 def _preset(name: str):
@@ -271,7 +265,7 @@ FAMILY = replace(
     model_flops_per_token=model_flops_per_token,
     activation_bytes=activation_bytes,
     input_half_bytes=input_half_bytes,
-    gathered_kv_bytes=gathered_kv_bytes,
+    gathered_kv_width=gathered_kv_width,
     keys=KEYS,
     presets=PRESETS,
     model_checks=(rope_dim_even, moe.top_k_within_experts, moe.first_dense_within_layers,

@@ -232,9 +232,11 @@ class Family:
     # recompute -> the block's gathered inputs planc's runtime keeps under sequence
     # parallelism (PRE_NORM_GATHERED_INPUTS); empty: not counted
     gathered_inputs_kept: Mapping[str, int] = field(default_factory=dict)
-    # what the attention keeps of the keys and values all-gathered over cp, one block and
-    # microbatch (the sizes of ``activation_bytes``); None: not counted
-    gathered_kv_bytes: Callable[..., float] | None = None
+    # features per gathered token that the attention keeps of the keys and values
+    # all-gathered over cp, on one of tp ranks: (model, tp, bias_after_gather) -> features
+    # (planc.estimate.memory counts the tokens, the mask and the recomputations); None:
+    # not counted
+    gathered_kv_width: Callable[[Model, int, bool], int] | None = None
     # optimize { recompute_norms } applies: each block norm's output is read by one dense
     # GEMM alone (q/k/v, the MLP's first), whose backward can make it again
     norms_made_again: bool = False

@@ -212,21 +212,15 @@ KEYS = {
 }
 
 
-def gathered_kv_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
-                      recompute: str, bias_after_gather: bool = False, **_) -> float:
-    """What the attention keeps beyond :func:`activation_bytes` where context parallelism
-    all-gathers the keys and values: every cp rank's k and v of this rank's heads and the
-    mask, which SDPA keeps in the dtype; where the qkv bias is added after the gather
-    (``bias_after_gather``: a row-parallel qkv's, added once its partial sums are
-    reduced: planc.runtime.families.gpt.attention), the biased copy SDPA keeps beside the
-    gathered step input. None under full recomputation or attention_inputs, which
-    gather them again for the recomputed attention (planc.graph.derive). Measured
-    (bench/memory_live.py's gpt under cp 2): 36.5 MiB more at the peak than one rank
-    with its tokens, this count's 34 MiB."""
-    if recompute in ("full", "attention_inputs"):
-        return 0.0
-    copies = 2 if bias_after_gather else 1
-    return (copies * 2 * m.hidden // tp * seq_full * batch + seq * seq_full) * m.dtype_bytes
+def gathered_kv_width(m: Model, tp: int, bias_after_gather: bool = False) -> int:
+    """Features per gathered token that the attention keeps of the keys and values
+    all-gathered over cp, on one of ``tp`` ranks: k and v of its heads, and where the qkv
+    bias is added after the gather (``bias_after_gather``: a row-parallel qkv's, added
+    once its partial sums are reduced: planc.runtime.families.gpt.attention) the biased
+    copy SDPA keeps beside the gathered step input. Measured (bench/memory_live.py's gpt
+    under cp 2): 36.5 MiB more at the peak than one rank with its tokens, this count's
+    (with the mask) 34 MiB."""
+    return (2 if bias_after_gather else 1) * 2 * m.hidden // tp
 
 
 FAMILY = Family(
@@ -257,7 +251,7 @@ FAMILY = Family(
     activation_bytes=activation_bytes,
     input_half_bytes=input_half_bytes,
     gathered_inputs_kept=PRE_NORM_GATHERED_INPUTS,
-    gathered_kv_bytes=gathered_kv_bytes,
+    gathered_kv_width=gathered_kv_width,
     norms_made_again=True,
     keys=KEYS,
 )

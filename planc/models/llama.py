@@ -230,22 +230,16 @@ def activation_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
     return (stream + split + scores) * m.dtype_bytes + inputs * gemm_input_bytes(m)
 
 
-def gathered_kv_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
-                      recompute: str, **_) -> float:
-    """What the attention keeps beyond :func:`activation_bytes` where context parallelism
-    all-gathers the keys and values (shard { cp { attention = allgather } }), one block, one
-    microbatch, one device: every cp rank's keys and values (the attention step's input),
-    the copies repeated per query head that the masked attention reads where heads share
-    them (SDPA's mask path takes no groups: planc.runtime.families.llama.attention), and
-    the mask, which SDPA keeps in the dtype. None under full recomputation or
-    attention_inputs, which gather them again for the recomputed attention
-    (planc.graph.derive). Measured: a cp 2 llama of bench/memory_live.py's widths
-    held 42.0 MiB more at its peak than one rank with its tokens, this count's 42 MiB."""
-    if recompute in ("full", "attention_inputs"):
-        return 0.0
+def gathered_kv_width(m: Model, tp: int, bias_after_gather: bool = False) -> int:
+    """Features per gathered token that the attention keeps of the keys and values
+    all-gathered over cp (shard { cp { attention = allgather } }), on one of ``tp``
+    ranks: every cp rank's keys and values (the attention step's input) and the copies
+    repeated per query head that the masked attention reads where heads share them
+    (SDPA's mask path takes no groups: planc.runtime.families.llama.attention).
+    Measured: a cp 2 llama of bench/memory_live.py's widths held 42.0 MiB more at its
+    peak than one rank with its tokens, this count's (with the mask) 42 MiB."""
     heads, kv = max(m.heads // tp, 1), max(m.key_value_heads // tp, 1)
-    keys = 2 * m.head_dim * seq_full * batch * (kv + heads * (kv < heads))
-    return (keys + seq * seq_full) * m.dtype_bytes
+    return 2 * m.head_dim * (kv + heads * (kv < heads))
 
 
 def input_half_bytes(m: Model, *, seq: int, seq_full: int, batch: int, tp: int,
@@ -442,7 +436,7 @@ FAMILY = Family(
     activation_bytes=activation_bytes,
     input_half_bytes=input_half_bytes,
     gathered_inputs_kept=PRE_NORM_GATHERED_INPUTS,
-    gathered_kv_bytes=gathered_kv_bytes,
+    gathered_kv_width=gathered_kv_width,
     norms_made_again=True,
     keys=KEYS,
     presets=PRESETS,
