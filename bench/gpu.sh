@@ -7,6 +7,8 @@
 # their time; every line also goes to OUT/log.txt, and the tables to OUT/*.json.
 # STEP_COMPILE_S (seconds, default 0: skipped) adds bench/gpu_step.py with planc's plan
 # under optimize { compile = on } (torch.compile of the llama's elementwise formulas).
+# PARTS (default: all of tests gpu_step gpu_moe kernels_fp8 kernels_fp32) runs those named
+# alone, so that a lease too short for all of them can take them in two commands.
 #
 #   bench/gpu.sh [OUT]          OUT: where the log and the JSON go (default gpu-results)
 #   PYTHON=.venv/bin/python bench/gpu.sh
@@ -17,27 +19,33 @@ python=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 part() { echo "=== $(date +%T) $*"; }
+parts=" ${PARTS:-tests gpu_step gpu_moe kernels_fp8 kernels_fp32} "
+wanted() { [[ "$parts" == *" $1 "* ]]; }
 {
     part machine
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     "$python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))"
-    part tests
+    wanted tests && part tests && \
     timeout "${TESTS_S:-90}" "$python" -m pytest -q -p no:cacheprovider -rs tests/test_fp8.py \
         tests/test_run_metrics.py tests/test_runtime_data_and_failures.py tests/test_moe.py \
         tests/test_llama.py tests/test_loss_kernel.py \
         -k "gpu or tensor_core or cuda or nccl or hopper"
-    part gpu_step
+    wanted gpu_step && part gpu_step && \
     timeout "${STEP_S:-330}" "$python" bench/gpu_step.py --steps 6 --rounds 3 \
         --json "$out/gpu_step.json"
-    if [ "${STEP_COMPILE_S:-0}" -gt 0 ]; then  # planc with optimize { compile = on }
+    # planc with optimize { compile = on }
+    if wanted gpu_step && [ "${STEP_COMPILE_S:-0}" -gt 0 ]; then
         part gpu_step_compile
         timeout "$STEP_COMPILE_S" "$python" bench/gpu_step.py --steps 6 --rounds 3 \
             --compile-kernels --json "$out/gpu_step_compile.json"
     fi
-    part gpu_moe
+    wanted gpu_moe && part gpu_moe && \
     timeout "${MOE_S:-170}" "$python" bench/gpu_moe.py --steps 6 --json "$out/gpu_moe.json"
-    part kernels_fp32  # the fp32 rates planc simulate assumes (docs/simulate.md)
+    wanted kernels_fp8 && part kernels_fp8 && \
+    timeout "${KERNELS_FP8_S:-60}" "$python" bench/kernels_gpu.py --fp8 > "$out/kernels_fp8.jsonl"
+    # the fp32 rates planc simulate assumes (docs/simulate.md)
+    wanted kernels_fp32 && part kernels_fp32 && \
     timeout "${KERNELS_S:-60}" "$python" bench/kernels_gpu.py --fp32 > "$out/kernels_fp32.jsonl"
     part done
 } 2>&1 | tee "$out/log.txt"

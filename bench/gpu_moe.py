@@ -101,8 +101,9 @@ def parameters(text: str) -> int:
     return sum(p.numel for p in FAMILIES[model.family].all_parameters(model))
 
 
-def measure(size: str, steps: int, rounds: int, families: list[str]) -> list[dict]:
-    cases = [(family, fp8) for family in families for fp8 in (False, True)]
+def measure(size: str, steps: int, rounds: int, families: list[str],
+            recipes: list[str] = ("bf16", "fp8")) -> list[dict]:
+    cases = [(family, recipe == "fp8") for family in families for recipe in recipes]
     results: dict[tuple[str, bool], list[dict]] = {case: [] for case in cases}
     for round_ in range(rounds):
         shift = round_ % len(cases)
@@ -115,7 +116,11 @@ def measure(size: str, steps: int, rounds: int, families: list[str]) -> list[dic
                       file=sys.stderr, flush=True)
                 continue
             results[family, fp8].append(result)
-            print(f"  round {round_ + 1}: {name} {result['ms']:.1f} ms", file=sys.stderr,
+            # all of it, so that a run stopped at its time limit keeps what it measured
+            print(f"  round {round_ + 1}: {name} {result['ms']:.1f} ms, "
+                  f"{result['tokens_per_s']:,.0f} tokens/s, {result['tflops']:.1f} TFLOP/s, "
+                  f"peak {result['peak_mb']:,.0f} MiB, losses "
+                  f"{' '.join(f'{v:.4f}' for v in result['losses'])}", file=sys.stderr,
                   flush=True)
     rows = []
     for (family, fp8), runs in results.items():
@@ -157,6 +162,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--only", choices=sorted(MODELS), action="append",
                         help="one family (repeatable); both by default")
+    parser.add_argument("--recipe", choices=("bf16", "fp8"), action="append",
+                        help="the GEMMs of one recipe (repeatable); both by default")
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     args = parser.parse_args()
     if args.steps <= WARMUP:
@@ -166,7 +173,8 @@ def main() -> int:
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    rows = measure(args.size, args.steps, args.rounds, args.only or sorted(MODELS))
+    rows = measure(args.size, args.steps, args.rounds, args.only or sorted(MODELS),
+                   args.recipe or ["bf16", "fp8"])
     print(table(rows, device, args.size))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device, "size": args.size,

@@ -202,8 +202,9 @@ def measure(size: str, steps: int, rounds: int, compile_kernels: bool = False) -
             figures[side].append(statistics.median(result["times"][WARMUP:]))
             peaks[side] = max(peaks.get(side, 0.0), result["peak_mb"])
             firsts[side] = result["first_loss"]
-            print(f"  round {round_ + 1}: {side} {figures[side][-1] * 1e3:.1f} ms",
-                  file=sys.stderr, flush=True)
+            print(f"  round {round_ + 1}: {side} {figures[side][-1] * 1e3:.1f} ms, peak "
+                  f"{result['peak_mb']:,.0f} MiB, first loss {result['first_loss']:.6f}",
+                  file=sys.stderr, flush=True)  # kept if a time limit stops the rest
         for side in ("eager", "compiled"):
             if abs(firsts[side] - firsts["planc"]) > SAME_LOSS * abs(firsts["planc"]):
                 raise SystemExit(f"gpu_step: the first losses differ (planc "

@@ -13,8 +13,15 @@ FlashAttention takes no fp32) at the head widths of bench/gpu_step.py's llama an
 the 2,048-wide plans, so that the simulator's fp32 rates (the datasheet's FP32 peak, the
 attention's bf16 rates scaled down to it) can be checked against a device.
 
+``--fp8`` times planc's FP8 GEMMs (``model { fp8 = blockwise }``, DeepSeek-V3's 1 x 128
+and 128 x 128 scales) at a mixture's shapes against the same product in bf16: the product
+alone, tile by tile (planc.runtime.engine.fp8.tiled_product) and in one block-scaled call
+where the device has it (blockwise_product), and the whole GEMM as a forward runs it, the
+quantisation of the rows and the weight included (scaled_product's choice).
+
     python3 bench/kernels_gpu.py > kernels.jsonl     (on a machine with a CUDA GPU)
     python3 bench/kernels_gpu.py --fp32 > kernels-fp32.jsonl
+    python3 bench/kernels_gpu.py --fp8 > kernels-fp8.jsonl
 """
 
 from __future__ import annotations
@@ -98,13 +105,46 @@ def fp32() -> int:
     return 0
 
 
+def fp8() -> int:
+    """planc's FP8 GEMMs against bf16's (module docstring), at bench/gpu_moe.py's widths:
+    16,384 tokens (a batch of 8 x 2,048) through hidden 2,048 to an expert's 1,408 and
+    back, and a dense ffn of 10,944."""
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from planc.runtime.engine import fp8 as kernels
+
+    device = torch.device("cuda", 0)
+    output = kernels.blockwise_kernel(device, 128)
+    print(json.dumps({"blockwise_products": str(output)}), flush=True)
+    for m, n, k in ((16384, 1408, 2048), (16384, 2048, 1408), (16384, 10944, 2048),
+                    (16384, 2048, 10944)):
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        w = torch.randn(k, n, device=device, dtype=torch.bfloat16)
+        rows, blocks = kernels.encoded_rows(x, 128), kernels.encoded_blocks(w, 128)
+        flops = 2 * m * n * k
+        times = {"bf16": timed(lambda: x @ w),
+                 "tiles": timed(lambda: kernels.tiled_product(*rows, *blocks)),
+                 "whole": timed(lambda: kernels.scaled_product(
+                     *kernels.encoded_rows(x, 128), *kernels.encoded_blocks(w, 128)))}
+        if output is not None:
+            times["blockwise"] = timed(lambda: kernels.blockwise_product(*rows, *blocks,
+                                                                         output))
+        print(json.dumps({"op": "fp8", "mnk": (m, n, k), **{
+            f"{name}_tflops": flops / seconds / 1e12 for name, seconds in times.items()}}),
+            flush=True)
+        torch.cuda.empty_cache()
+    return 0
+
+
 def main() -> int:
     print(json.dumps({"device": torch.cuda.get_device_name(),
                       "sms": torch.cuda.get_device_properties(0).multi_processor_count}))
     if sys.argv[1:] == ["--fp32"]:
         return fp32()
+    if sys.argv[1:] == ["--fp8"]:
+        return fp8()
     if sys.argv[1:]:
-        print(f"usage: {sys.argv[0]} [--fp32]", file=sys.stderr)
+        print(f"usage: {sys.argv[0]} [--fp32 | --fp8]", file=sys.stderr)
         return 2
     seen = set()
     for name, (tokens, h, heads, kv, ffn, gated, tp) in MODELS.items():

@@ -367,6 +367,56 @@ def test_on_fp8_tensor_cores_a_linear_computes_what_the_cpu_emulation_computes(g
         assert (scaled - emulated).abs().max() <= 2**-11 * emulated.abs().max()
 
 
+def test_the_blockwise_kernel_is_hoppers_alone_and_128_wide():
+    """cuBLASLt's block scaling (one call that applies the recipe's scales itself) runs
+    on Hopper with 128-wide tiles alone; a CPU and other tiles go tile by tile."""
+    from planc.runtime.engine.fp8 import blockwise_kernel
+
+    assert blockwise_kernel(torch.device("cpu"), 128) is None
+    if torch.cuda.is_available():
+        assert blockwise_kernel(torch.device("cuda", 0), 16) is None
+
+
+HOPPER = pytest.mark.skipif(
+    "not __import__('torch').cuda.is_available() or "
+    "__import__('torch').cuda.get_device_capability() != (9, 0)",
+    reason="needs a Hopper GPU (compute capability 9.0)")
+
+
+@HOPPER
+def test_on_hopper_one_blockwise_call_computes_what_the_tiles_compute():
+    """The one-call product (the scales applied by cuBLASLt) against the tile-by-tile one
+    (the scales applied by PyTorch in fp32): rows that leave the padding to 16 partly
+    filled, tiles and blocks of very different scales, a weight read transposed (the
+    input gradient's), and no rows at all. Its output dtype is printed: fp32 where
+    cuBLASLt gives it (seen on an H200: 1.7e-7 of the largest product apart), else bf16,
+    each held to its own rounding; with 5 tiles of the contraction, the weight's scales
+    padded to 8 (PyTorch asks for a multiple of 4)."""
+    from planc.runtime.engine.fp8 import (blockwise_kernel, blockwise_product,
+                                          encoded_blocks, encoded_rows, scaled_product,
+                                          tiled_product)
+
+    device = torch.device("cuda", 0)
+    output = blockwise_kernel(device, 128)
+    print("blockwise kernel's products:", output)
+    assert output in (torch.float32, torch.bfloat16)
+    tolerance = 2**-16 if output == torch.float32 else 2**-7
+    generator = torch.Generator(device=device).manual_seed(6)
+    rows = torch.randn(3, 37, 640, device=device, generator=generator) \
+        * torch.rand(3, 37, 1, device=device, generator=generator).mul(100)
+    weight = torch.randn(640, 384, device=device, generator=generator)
+    weight[256:384] *= 1000
+    codes, scale = encoded_rows(rows, 128)
+    for block, block_scale in (encoded_blocks(weight, 128),
+                               [t.t() for t in encoded_blocks(weight.t(), 128)]):
+        expected = tiled_product(codes, scale, block, block_scale)
+        got = blockwise_product(codes, scale, block, block_scale, output)
+        assert got.shape == expected.shape == (111, block.shape[1])
+        assert (got - expected).abs().max() <= tolerance * expected.abs().max()
+        assert torch.equal(scaled_product(codes, scale, block, block_scale), got)
+    assert scaled_product(codes[:, :0], scale[:, :0], block, block_scale).shape == (0, 384)
+
+
 @FP8_GPU
 @pytest.mark.parametrize("family", ["llama", "moe", "deepseek"])
 def test_fp8_training_on_one_gpu_matches_the_cpu_reference(tmp_path, family, capsys):

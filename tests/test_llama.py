@@ -473,6 +473,9 @@ def test_grouped_query_attention_keeps_the_key_value_heads_unrepeated(device, dt
         q, key.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1),
         is_causal=True).transpose(1, 2).reshape(b, s, heads * hd)
     assert torch.allclose(out, expected, rtol=tolerance, atol=tolerance / 10)
-    four_d = [tuple(t.shape) for t in kept if t.dim() == 4]
+    # q, k and v as they came, and the output; beside them CUDA's flash kernel keeps a
+    # statistic a query row (seen on an H200: its logsumexp, b x heads x s x 1)
+    four_d = [tuple(t.shape) for t in kept if t.dim() == 4 and t.shape[-1] == hd]
     assert sorted(four_d) == sorted([(b, heads, s, hd), (b, kv, s, hd), (b, kv, s, hd),
                                      (b, heads, s, hd)])
+    assert all(t.numel() <= b * heads * s for t in kept if t.dim() == 4 and t.shape[-1] != hd)
