@@ -119,7 +119,7 @@ TABLE_SOURCES = {
     "bloom": "BigScience tr11: BLOOM-176B and chronicles-prequel.md (A100, Jean Zay)",
     "mtnlg": "Smith et al. 2022, MT-NLG 530B, section 2.4 (A100, Selene; transcribed)",
     "torchtitan": "torchtitan benchmarks/, Llama 3 on H100 96GB (Grand Teton)",
-    "planc_h200": "planc run on one H200: bench/gpu_step.py and bench/gpu_moe.py, 2026-11-30",
+    "planc_h200": "planc run on one H200: bench/gpu_step.py and bench/gpu_moe.py, 2026-12-04",
 }
 
 # --- the constants derived from a table's runs ----------------------------------------

@@ -747,9 +747,11 @@ def test_a_ring_attention_step_is_priced_by_its_ring_steps():
 def test_fp32_runs_on_the_fp32_cores():
     """PyTorch's fp32 matmuls do not use TF32 unless told (allow_tf32 is False) and planc
     run does not tell them: an fp32 plan on a DGX preset is priced at the datasheet's FP32
-    peak, and its attention (rates measured in bf16) scaled down as its GEMMs are. Before,
-    TF32's 494 TFLOP/s priced planc's own 1.1B llama on an H200 at 0.19 s a step; it
-    took 1.22 s (plans/planc-h200/llama-1b-fp32.plan)."""
+    peak, and its attention at the fp32 rates measured on the H100's compute (an H200's),
+    or on the A100, which has none measured, at its bf16 rates scaled down as its GEMMs
+    are. Before, TF32's 494 TFLOP/s priced planc's own 1.1B llama on an H200 at 0.19 s a
+    step, and the scaled-down attention at 1.42 s; it took 1.19 s
+    (plans/planc-h200/llama-1b-fp32.plan)."""
     from planc.estimate.kernel_cost import KernelModel
     from planc.simulate.accuracy import FP32, expected
 
@@ -757,16 +759,19 @@ def test_fp32_runs_on_the_fp32_cores():
     bf16 = load_file(PLANS / "planc-h200" / "llama-1b-fp32.plan",
                      ("model.dtype=bf16",)).plan
     assert (fp32.topology.device.flops, bf16.topology.device.flops) == (67e12, 989e12)
-    assert KernelModel.of(fp32).attention_scale == 67e12 / 989e12
-    assert KernelModel.of(bf16).attention_scale == 1.0
+    measured, scaled = KernelModel.of(fp32), KernelModel.of(bf16)
+    assert (measured.attention, measured.attention_scale) == ((39.1e12, 32.4e12), 1.0)
+    assert (scaled.attention, scaled.attention_scale) == ((164e12, 168e12), 1.0)
     a100 = load_file(PLANS / "korthikanti-22b.plan", ("model.dtype=fp32",)).plan
     assert a100.topology.device.flops == 19.5e12
+    assert KernelModel.of(a100).attention_scale == 19.5e12 / 312e12
+    assert round(simulate(compile_plan(fp32)).step_seconds, 2) == 1.19
     # the whole step: GEMM-bound, so about the ratio of the peaks (989 / 67 = 14.8)
     fp32_step = simulate(compile_plan(fp32)).step_seconds
     bf16_step = simulate(compile_plan(bf16)).step_seconds
     assert 8 < fp32_step / bf16_step < 14.8
     assert expected(fp32) is FP32 and FP32.text() == (
-        "± 16.7% (the error of the one fp32 run it was held to: planc's own on one H200; "
+        "± 0.5% (the error of the one fp32 run it was held to: planc's own on one H200; "
         "no published run is fp32)")
 
 

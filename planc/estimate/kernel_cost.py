@@ -53,36 +53,7 @@ tensors of its output's size (the forward's input and the output's gradient read
 input's gradient written), and the cross-entropy reads the logits twice (their largest,
 then the sum of their exponentials) though it writes one figure per token.
 
-The figures per GPU, and where they come from:
-
-- **A100 SXM4** (``dgx-a100``): 108 SMs; ``large = 0.80``: optimized GEMMs "reach up to
-  80-90% of the theoretical maximum" (Dao, "FlashAttention-2", 2023, section 1), the low
-  end: a statement, not a measurement of the CUDA 11 cuBLAS that the A100 runs of
-  2021-22 used (none was found; docs/simulate.md, "What the A100 tables still miss");
-  FlashAttention rates of 187 TFLOP/s forward (60 % of peak) and 142 backward (45 %),
-  inside the ranges FlashAttention-2 reports on A100 (Dao 2023: 50-73 % forward, up to
-  63 % backward), kept for completeness: the published A100 runs used unfused attention
-  (below), and so does the model.
-- **H100 SXM5** (``dgx-h100``): 132 SMs; ``large = 0.79``: cuBLAS bf16 8192^3 on an
-  H100 80GB HBM3 at 783 TFLOP/s (``bench/kernels_gpu.py``, docs/simulate.md; the
-  workplace's device notes saw 769-798); attention 164 TFLOP/s forward and 168 backward:
-  FlashAttention-2 through PyTorch's SDPA, causal, head dimension 128, the median over
-  the shapes of the Megatron-LM H100 plans and Llama 3 405B on that H100 (134-214 forward,
-  151-264 backward; Dao 2023, figure 7, reports FlashAttention-2 on H100 at up to
-  335 TFLOP/s with more heads and sequences per call).
-- ``k_overhead = 256``: on the H100 above, GEMMs with ``K`` of 896 to 2,304 ran at
-  0.70-0.86 of the 8192^3 rate (``bench/kernels_gpu.py``), which ``K / (K + 256)``
-  (0.78-0.90) follows; the A100 is taken to be alike (no A100 measurement was found).
-  Over the 93 GEMMs of those plans the model's time is within 5.5 % of the measured one
-  at the median, 20 % at most.
-- The A100's attention is unfused (``flash = False``): the Korthikanti and Narayanan runs
-  used Megatron-LM's batched GEMMs with a fused scale-mask-softmax and a dropout between
-  them (Korthikanti et al. 2022, section 4.2), not FlashAttention.
-- A plan that declares its own peak (``device { flops }`` over one of these presets: a
-  part at another power limit or clock, such as torchtitan's 500 W H100s) scales the
-  attention rates by its peak over the preset's, as ``peak`` scales the GEMMs.
-- ``launch = 4 us`` per kernel: the launch overhead of a CUDA kernel on these GPUs (NVIDIA,
-  "Getting Started with CUDA Graphs", 2019: a few microseconds per kernel).
+The figures per GPU, and where they come from, are :mod:`planc.estimate.gpus`'s.
 
 What a module runs beside its GEMMs (RoPE, an eager norm) is
 :mod:`planc.estimate.module_kernels`'s.
@@ -91,15 +62,15 @@ What a module runs beside its GEMMs (RoPE, an eager norm) is
 from __future__ import annotations
 
 from copy import copy
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from math import ceil
 
+from planc.estimate.gpus import GPU, GPUS, attention_rates
 from planc.estimate.mixture import Mixture
 from planc.estimate.model import Shapes
 from planc.estimate.plan_rates import causal_share, fp8_speedup
 from planc.estimate.module_kernels import (ADDED_TO_THE_GRAPH, Passes, made_again_passes,
                                            module_passes)
-from planc.plan.presets import PRESETS
 from planc.program.operands import Operands, StepKind
 from planc.models import family_of
 from planc.plan.plan import Plan
@@ -136,24 +107,6 @@ LOSS_FLOPS_PER_LOGIT = 5.0
 LOSS_PASSES = 2.0
 
 
-@dataclass(frozen=True)
-class GPU:
-    name: str
-    sms: int
-    large: float  # fraction of peak a large GEMM reaches
-    k_overhead: int  # inner-dimension elements a tile's fill and drain cost
-    attention_forward: float  # FLOP/s, causal, head dimension 128
-    attention_backward: float
-    launch: float = 4e-6  # seconds per kernel
-    flash: bool = True  # the published runs on it used FlashAttention (else unfused)
-
-
-GPUS = {
-    "dgx-a100": GPU("A100 SXM4", 108, 0.80, 256, 187e12, 142e12, flash=False),
-    "dgx-h100": GPU("H100 SXM5", 132, 0.79, 256, 164e12, 168e12),
-}
-
-
 # The SMs an expert all-to-all's kernel holds while it runs: a CTA of NCCL's never shares
 # its SM with a compute kernel (NVIDIA/nccl issue 689), and one of DeepSeek's
 # communication kernels is alike. Two-hop dispatch and combine as DeepSeek-V3 runs them:
@@ -170,16 +123,6 @@ def _logits(operands: Operands, flops: float) -> float:
     """The logits a loss instruction of ``flops`` reads (planc.models: 5 FLOPs a logit
     forward, twice that backward)."""
     return flops / LOSS_FLOPS_PER_LOGIT / (2.0 if operands.step == StepKind.BACKWARD else 1.0)
-
-
-def attention_reference_peak(plan: Plan) -> float:
-    """The peak FLOP/s the preset's attention rates were measured against: its own
-    device's bf16 tensor-core peak (its datasheet figure; bench/kernels_gpu.py measures
-    FlashAttention in bf16), whatever ``device { flops }`` or dtype the plan has, so that
-    the rates scale with the plan's peak: by a declared lower clock, or down to the FP32
-    cores' for an fp32 model. A topology of no named preset has only its declared peak."""
-    preset = PRESETS.get(plan.topology.preset or "")
-    return preset.flops["bf16"] if preset is not None else plan.topology.device.flops
 
 
 def wave_efficiency(m: int, n: int, sms: int, groups: int = 1) -> float:
@@ -199,10 +142,13 @@ class KernelModel:
     def __init__(self, plan: Plan, gpu: GPU):
         self.gpu = gpu
         self.peak = plan.topology.device.flops
-        # The attention rates are the preset's own device's in bf16; a plan that declares
-        # another peak (device { flops }: a part at a lower power limit or clock), or whose
-        # dtype runs on other cores (fp32), scales them as its GEMMs scale.
-        self.attention_scale = self.peak / attention_reference_peak(plan)
+        # The attention rates are the preset's own device's (in bf16, or measured in
+        # fp32); a plan that declares another peak (device { flops }: a part at a lower
+        # power limit or clock), or whose dtype runs on other cores without rates of its
+        # own (fp32 on the A100), scales them as its GEMMs scale.
+        forward, backward, reference = attention_rates(plan, gpu)
+        self.attention = (forward, backward)
+        self.attention_scale = self.peak / reference
         self.causal = causal_share(plan)
         # model { fp8 }: the linear layers' and the experts' GEMMs at the device's FP8
         # peak, as many times its dtype's as the datasheets say (H100: 1,979 over 989
@@ -259,8 +205,9 @@ class KernelModel:
         device = plan.topology.device
         if gpu is None:
             return device.efficiency
-        attention = max(gpu.attention_forward, gpu.attention_backward) if gpu.flash else 0.0
-        return min(1.0, max(gpu.large, 2 * attention / attention_reference_peak(plan)))
+        forward, backward, reference = attention_rates(plan, gpu)
+        attention = max(forward, backward) if gpu.flash else 0.0
+        return min(1.0, max(gpu.large, 2 * attention / reference))
 
     @staticmethod
     def of(plan: Plan) -> "KernelModel | None":
@@ -479,9 +426,8 @@ class KernelModel:
         if kernel == ATTENTION:
             if operands.step == StepKind.BACKWARD:
                 work = FLASH_BACKWARD * flops / 2.0 * self.causal
-                return work / (self.gpu.attention_backward * self.attention_scale) + \
-                    self.gpu.launch
-            return flops * self.causal / (self.gpu.attention_forward * self.attention_scale) + \
+                return work / (self.attention[1] * self.attention_scale) + self.gpu.launch
+            return flops * self.causal / (self.attention[0] * self.attention_scale) + \
                 self.gpu.launch
         if kernel in LOSS_KERNELS:
             # It reads the logits (its output is one figure per token): the vocabulary
