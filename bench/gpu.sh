@@ -1,10 +1,11 @@
 #!/bin/bash
-# Everything planc checks and measures on one GPU, in one command (about 9 minutes on an
-# H200): the tests that need CUDA, bench/gpu_step.py (issue 37's one-GPU table),
-# bench/gpu_moe.py (issue 40's MoE plans of one GPU) and bench/kernels_gpu.py --fp32 (the
-# fp32 rates of the simulator). Each part has its own time limit
-# (seconds: TESTS_S, STEP_S, MOE_S, KERNELS_S), so that one part that runs long leaves the others
-# their time; every line also goes to OUT/log.txt, and the tables to OUT/*.json.
+# Everything planc checks and measures on one GPU (about 10 minutes on an H200, more than
+# one command of a 10-minute limit: take it in two with PARTS, below): the tests that need
+# CUDA, bench/gpu_step.py (issue 37's one-GPU table), bench/gpu_moe.py (issue 40's MoE
+# plans of one GPU), bench/kernels_gpu.py --fp8 (planc's FP8 GEMMs) and --fp32 (the fp32
+# rates of the simulator). Each part has its own time limit (seconds: TESTS_S, STEP_S,
+# MOE_S, KERNELS_FP8_S, KERNELS_S), so that one part that runs long leaves the others
+# their time; every line also goes to OUT/log.txt, and the tables to OUT/*.json(l).
 # STEP_COMPILE_S (seconds, default 0: skipped) adds bench/gpu_step.py with planc's plan
 # under optimize { compile = on } (torch.compile of the llama's elementwise formulas).
 # PARTS (default: all of tests gpu_step gpu_moe kernels_fp8 kernels_fp32) runs those named

@@ -10,8 +10,9 @@ line: shape, seconds (median of timed runs after warm-up), TFLOP/s.
 ``--fp32`` measures instead what an fp32 plan runs (planc run keeps PyTorch's default of
 no TF32): square fp32 GEMMs, and causal SDPA in fp32 (its memory-efficient backend:
 FlashAttention takes no fp32) at the head widths of bench/gpu_step.py's llama and of
-the 2,048-wide plans, so that the simulator's fp32 rates (the datasheet's FP32 peak, the
-attention's bf16 rates scaled down to it) can be checked against a device.
+the 2,048-wide plans: the simulator's fp32 rates (the datasheet's FP32 peak for the
+GEMMs; planc/estimate/gpus.py's ``attention_fp32``, which its H200 run of 2026-12-04
+set) against a device. ``both`` is a forward and a backward, 3.5 forwards' FLOPs.
 
 ``--fp8`` times planc's FP8 GEMMs (``model { fp8 = blockwise }``, DeepSeek-V3's 1 x 128
 and 128 x 128 scales) at a mixture's shapes against the same product in bf16: the product

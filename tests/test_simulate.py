@@ -753,7 +753,7 @@ def test_fp32_runs_on_the_fp32_cores():
     step, and the scaled-down attention at 1.42 s; it took 1.19 s
     (plans/planc-h200/llama-1b-fp32.plan)."""
     from planc.estimate.kernel_cost import KernelModel
-    from planc.simulate.accuracy import FP32, expected
+    from planc.simulate.accuracy import FP32_MEASURED, FP32_SCALED, expected
 
     fp32 = load_file(PLANS / "planc-h200" / "llama-1b-fp32.plan").plan
     bf16 = load_file(PLANS / "planc-h200" / "llama-1b-fp32.plan",
@@ -770,9 +770,19 @@ def test_fp32_runs_on_the_fp32_cores():
     fp32_step = simulate(compile_plan(fp32)).step_seconds
     bf16_step = simulate(compile_plan(bf16)).step_seconds
     assert 8 < fp32_step / bf16_step < 14.8
-    assert expected(fp32) is FP32 and FP32.text() == (
-        "± 0.5% (the error of the one fp32 run it was held to: planc's own on one H200; "
-        "no published run is fp32)")
+    # one run within 0.5 % promises nothing of other fp32 plans: on the H100 they are
+    # given the dense published runs' error; on the A100, whose fp32 attention still
+    # scales its bf16 rates, that run's error under that scaling
+    assert expected(fp32) is FP32_MEASURED and FP32_MEASURED.text() == (
+        "± 7.6% (the median error over 45 published runs of dense models, in 16 bits; "
+        "planc's own fp32 run on one H200 came within 0.5 %; the largest 46%)")
+    assert expected(a100) is FP32_SCALED and FP32_SCALED.text() == (
+        "± 16.7% (the error of the one fp32 run it was held to with its attention priced as "
+        "this GPU's is, at the bf16 rates scaled down: planc's own on one H200; no published "
+        "run is fp32)")
+    # tune's bound: fp32 attention counts twice its causal FLOPs at 1.17 of the FP32 peak,
+    # above the GEMMs' 0.79, and is not cut to 1 (the bound would then exceed its price)
+    assert KernelModel.fastest_fraction(fp32) == 2 * 39.1e12 / 67e12
 
 
 def test_simulate_states_the_error_of_its_validation_on_the_gpus_it_was_held_to():

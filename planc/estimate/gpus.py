@@ -30,14 +30,16 @@ of their figures comes from.
 - ``launch = 4 us`` per kernel: the launch overhead of a CUDA kernel on these GPUs (NVIDIA,
   "Getting Started with CUDA Graphs", 2019: a few microseconds per kernel).
 - **fp32 attention** on the H100 (``attention_fp32``): 39.1 TFLOP/s forward and 32.4
-  backward, SDPA's memory-efficient kernel (FlashAttention takes no fp32), causal, head
-  dimension 128, batch 1 of 4,096 tokens and 16 heads: ``bench/kernels_gpu.py --fp32`` on
-  an H200 (2026-12-04), whose compute is the H100 SXM's (the same GH100 die, 132 SMs,
-  67 TFLOP/s FP32 on both datasheets). Its head dimension 64 at bench/gpu_step.py's
-  shape ran at 31.2 and 30.9. The A100 has none measured: its fp32 attention scales the
-  bf16 rates to the FP32 peak, as any declared peak scales them. The same run's fp32
-  GEMMs, 48.6-51.0 TFLOP/s on squares of 2,048 to 8,192 (0.73-0.76 of the FP32 peak),
-  agree with ``large = 0.79`` within 8 %, so the GEMMs keep it.
+  backward (2.5 forwards' FLOPs over the time of a forward and backward, 7.05 ms, less
+  the forward's, 1.76 ms), SDPA's memory-efficient kernel (FlashAttention takes no
+  fp32), causal, head dimension 128, batch 1 of 4,096 tokens and 16 heads:
+  ``bench/kernels_gpu.py --fp32`` on an H200 (2026-12-04), whose compute is the H100
+  SXM's (the same GH100 die, 132 SMs, 67 TFLOP/s FP32 on both datasheets). Its head
+  dimension 64 at bench/gpu_step.py's shape ran at 31.2 and 30.9. The A100 has none
+  measured: its fp32 attention scales the bf16 rates to the FP32 peak, as any declared
+  peak scales them. The same run's fp32 GEMMs, 48.6-51.0 TFLOP/s on squares of 2,048 to
+  8,192 (0.73-0.76 of the FP32 peak), agree with ``large = 0.79`` within 9 %, so the
+  GEMMs keep it.
 """
 
 from __future__ import annotations

@@ -32,7 +32,8 @@ GEMM that a program splits into chunks is priced at its chunk's size.
 **Attention** runs at FlashAttention's rates for a causal mask, head dimension 128: the
 forward at ``attention_forward`` FLOP/s, the backward (2.5 times the forward's FLOPs,
 FlashAttention's count) at ``attention_backward``, both counting the FLOPs a causal mask
-leaves (half of the instruction's, which counts every key).
+leaves (half of the instruction's, which counts every key); an fp32 model at its GPU's
+``attention_fp32`` rates where they were measured (:func:`planc.estimate.gpus.attention_rates`).
 
 **A mixture of experts** (the ``moe`` operator) is priced by its kernels on the busiest
 rank of its ep group, as Megatron-Core's grouped-GEMM MoE layer runs them: the router's
@@ -207,7 +208,9 @@ class KernelModel:
             return device.efficiency
         forward, backward, reference = attention_rates(plan, gpu)
         attention = max(forward, backward) if gpu.flash else 0.0
-        return min(1.0, max(gpu.large, 2 * attention / reference))
+        # not capped at 1: fp32 attention, priced at rates measured against the FP32
+        # cores' peak, counts twice its causal FLOPs at 1.17 of it on the H100
+        return max(gpu.large, 2 * attention / reference)
 
     @staticmethod
     def of(plan: Plan) -> "KernelModel | None":

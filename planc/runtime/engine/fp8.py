@@ -26,9 +26,10 @@ report's section 3.3.2: FP8 products promoted to fp32 every 128 elements, the sc
 applied on promotion). On Hopper (compute capability 9.0) with cuBLAS 12.9 or later and
 128-wide tiles, that is one call of PyTorch's scaled matmul with the recipe's own scales,
 1 x 128 for the rows and 128 x 128 for the weight, which cuBLASLt applies as it promotes
-each tile's products: on an H200 a bare call ran at 910 TFLOP/s where the tile-by-tile
-calls reached 30 (docs/performance.md; :func:`blockwise_kernel` tries it once per device
-and falls back to the tile-by-tile calls where it is refused or disagrees with them).
+each tile's products: on an H200, 250-843 TFLOP/s at a mixture's widths where the
+tile-by-tile calls reached 29-33 (bench/kernels_gpu.py --fp8; :func:`blockwise_kernel`
+tries it once per device and falls back to the tile-by-tile calls where it is refused or
+disagrees with them).
 The weight gradient stays emulated: its sum runs over tokens, along which a 1 x T tile's
 scale changes from one token to the next, so no scale can be taken out of the product.
 With a tile that is not a multiple of 16 (the kernel's dimensions must be), or on a CPU,
@@ -279,8 +280,8 @@ def blockwise_kernel(device: torch.device, tile: int) -> torch.dtype | None:
     for output, tolerance in ((FP32, 2**-16), (torch.bfloat16, 2**-7)):
         try:
             got = blockwise_product(codes, scale, *blocks, output)
-        except (RuntimeError, ValueError, NotImplementedError):
-            continue  # refused: no such output, layout or cuBLAS
+        except (RuntimeError, ValueError, NotImplementedError, TypeError, AttributeError):
+            continue  # refused: no such output, layout, cuBLAS or signature
         if (got - expected).abs().max() <= tolerance * expected.abs().max():
             return output
     return None
