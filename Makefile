@@ -68,17 +68,15 @@ demo: bytecode $(CORPUS)
 	@echo "graph:  $(abspath $(DEMO))/graph.html"
 	@echo "report: $(abspath $(DEMO))/report.html"
 
-# The suite in one worker process per core, up to 4 (pytest-xdist), a test file per
-# worker at a time; a file's shared fixtures are built once. On a 2-core machine the
-# suite is bound by CPU: about 840 CPU-seconds and 8:02 with 2 workers on a quiet machine
-# (2026-12-02), twice the CPU-seconds and 15:31 when the same machine was busy with other
-# work (14:28 with 3 workers, 2026-11-29); 12:23 and 12:35 later on 2026-12-02 with
-# nothing else running (1,083 CPU-seconds with the install); on a slower day of the same
-# host, 14:04 to 14:50 for the same code (1,615 CPU-seconds by bench/suite_cpu.py), then
-# 12:03 after the read-only commands and the memory estimate got faster (fresh clone of
-# 5d1cc1c). Files start in the order tests/conftest.py gives them (the longest first),
-# not pytest-xdist's own.
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 4 ? 4 : n )))
+# The suite in pytest-xdist worker processes, one more than the cores, up to 4, a test
+# file per worker at a time; a file's shared fixtures are built once. Many tests wait on
+# processes they started (ranks, launchers, signals), so a worker per core leaves the
+# cores idle a third of the time: on this 2-core machine 3,271 tests took 14:47 with 2
+# workers (1,127 CPU-seconds) and 12:47 with 3 (1,049), one run each, 2026-12-04 (the
+# first shared the machine with a few minutes of other tests); on 2026-11-29, on a busy
+# machine, 15:31 with 2 and 14:28 with 3. Files start in the order tests/conftest.py
+# gives them (the longest first), not pytest-xdist's own.
+TEST_WORKERS ?= $(shell n=$$(( $$(nproc 2>/dev/null || echo 2) + 1 )); echo $$(( n > 4 ? 4 : n )))
 # More pytest options, e.g. make test PYTEST_ARGS=--durations=40 (the slowest tests), or
 # PYTEST_ARGS="-p suite_cpu" PYTHONPATH=bench: each test's CPU-seconds, with the processes
 # it starts (bench/suite_cpu.py, root only, prints them per file).
