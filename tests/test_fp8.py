@@ -71,6 +71,49 @@ def test_no_rows_quantise_encode_and_decode_to_no_rows():
     assert torch.equal(decoded_rows(*encoded_rows(x, 2), 5), quantised_rows(x, 2))
 
 
+def _fp32_tensors_made(numel: int, run) -> int:
+    """How many tensors of fp32 with ``numel`` elements, each with storage of its own,
+    ``run()`` made (an in-place operation's output is its input's storage again)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    made: list = []  # held, so that no storage is freed and its address used again
+
+    class Made(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float32 \
+                    and out.numel() == numel:
+                made.append(out)
+            return out
+
+    with Made():
+        run()
+    return len({t.untyped_storage().data_ptr() for t in made})
+
+
+def test_quantising_reads_its_input_in_its_own_dtype_and_decoding_scales_in_place():
+    """Rows and a weight in bf16 whose widths the tile divides are encoded as they are:
+    no fp32 copy and no padding, each a whole pass over the tensor (on a GPU most of an
+    FP8 GEMM's time beside the block-scaled product): the one fp32 tensor of their size
+    is the division's. Decoding scales the fp32 copy it makes in place. The bits are an
+    fp32 copy's (the amax is exact in any float dtype; the division promotes each
+    element). Through an fp32 copy and a padding, encoding made four such tensors and
+    decoding two."""
+    from planc.runtime.engine.fp8 import decoded_rows, encoded_blocks, encoded_rows
+
+    generator = torch.Generator().manual_seed(8)
+    x = torch.randn(64, 256, generator=generator).to(torch.bfloat16)
+    w = torch.randn(256, 128, generator=generator).to(torch.bfloat16)
+    assert _fp32_tensors_made(x.numel(), lambda: encoded_rows(x, 128)) == 1
+    assert _fp32_tensors_made(w.numel(), lambda: encoded_blocks(w, 128)) == 1
+    codes, scale = encoded_rows(x, 128)
+    assert _fp32_tensors_made(x.numel(), lambda: decoded_rows(codes, scale, 256)) == 1
+    for got, expected in ((encoded_rows(x, 128), encoded_rows(x.float(), 128)),
+                          (encoded_blocks(w, 128), encoded_blocks(w.float(), 128))):
+        assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
+        assert torch.equal(got[1], expected[1])
+
+
 def test_a_linear_keeps_its_input_as_fp8_bytes_and_a_scale_a_tile():
     from planc.runtime.engine.fp8 import decoded_rows, encoded_rows, quantised_rows
 

@@ -81,8 +81,10 @@ def recipe_of(model) -> Recipe | None:
 def _encoded(groups: torch.Tensor, dims: tuple[int, ...], form: torch.dtype = E4M3
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each group (the elements along ``dims``) in ``form`` and its fp32 scale, amax over
-    the format's largest number (1 for a group of zeros)."""
-    scale = groups.abs().amax(dim=dims, keepdim=True) / LARGEST[form]
+    the format's largest number (1 for a group of zeros). ``groups`` in any float dtype:
+    the amax is exact in it, and the division promotes each element to fp32 as it goes,
+    the bits of a copy in fp32 first without its memory traffic."""
+    scale = groups.abs().amax(dim=dims, keepdim=True).to(FP32) / LARGEST[form]
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return (groups / scale).to(form), scale
 
@@ -91,13 +93,16 @@ def _quantised(groups: torch.Tensor, dims: tuple[int, ...], form: torch.dtype = 
                ) -> torch.Tensor:
     """Each group rounded to ``form`` with its scale and scaled back, in fp32."""
     codes, scale = _encoded(groups, dims, form)
-    return codes.to(FP32) * scale
+    return codes.to(FP32).mul_(scale)  # in place on the new fp32 copy: one tensor, not two
 
 
 def _row_groups(x: torch.Tensor, tile: int) -> torch.Tensor:
-    """``x`` (..., n) as tiles of 1 x ``tile`` along its last dimension, zero-padded."""
+    """``x`` (..., n) as tiles of 1 x ``tile`` along its last dimension, zero-padded, in
+    its own dtype (a view where ``tile`` divides n)."""
     tiles = -(-x.shape[-1] // tile)
-    return F.pad(x.to(FP32), (0, -x.shape[-1] % tile)).reshape(*x.shape[:-1], tiles, tile)
+    if x.shape[-1] % tile:
+        x = F.pad(x, (0, -x.shape[-1] % tile))
+    return x.reshape(*x.shape[:-1], tiles, tile)
 
 
 def quantised_rows(x: torch.Tensor, tile: int, form: torch.dtype = E4M3) -> torch.Tensor:
@@ -120,7 +125,7 @@ def encoded_rows(x: torch.Tensor, tile: int, form: torch.dtype = E4M3
 def decoded_rows(codes: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
     """What :func:`encoded_rows` encoded, in fp32: :func:`quantised_rows` of it."""
     width = codes.shape[-2] * codes.shape[-1]  # given whole: a hop may carry no rows
-    return (codes.to(FP32) * scale).reshape(*codes.shape[:-2], width)[..., :n]
+    return codes.to(FP32).mul_(scale).reshape(*codes.shape[:-2], width)[..., :n]
 
 
 @dataclass(frozen=True)
@@ -159,7 +164,7 @@ def encoded_blocks(w: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tens
     """A weight (k, n) in E4M3, zero-padded to whole ``tile`` x ``tile`` blocks, and its
     fp32 scales, one a block: (k', n') codes and (k' / tile, n' / tile) scales."""
     k, n = w.shape
-    padded = F.pad(w.to(FP32), (0, -n % tile, 0, -k % tile))
+    padded = F.pad(w, (0, -n % tile, 0, -k % tile)) if (n % tile or k % tile) else w
     rows, cols = padded.shape
     codes, scale = _encoded(padded.reshape(rows // tile, tile, cols // tile, tile), (1, 3))
     return codes.reshape(rows, cols), scale.reshape(rows // tile, cols // tile)
@@ -170,8 +175,8 @@ def decoded_blocks(codes: torch.Tensor, scale: torch.Tensor, shape: tuple[int, i
     """What :func:`encoded_blocks` encoded, in fp32, cut back to the weight's ``shape``."""
     rows, cols = codes.shape
     blocks, tile = scale.shape, rows // scale.shape[0]
-    decoded = codes.reshape(blocks[0], tile, blocks[1], tile).to(FP32) \
-        * scale.reshape(blocks[0], 1, blocks[1], 1)
+    decoded = codes.reshape(blocks[0], tile, blocks[1], tile).to(FP32).mul_(
+        scale.reshape(blocks[0], 1, blocks[1], 1))
     return decoded.reshape(rows, cols)[:shape[0], :shape[1]]
 
 
