@@ -20,7 +20,12 @@ python=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 part() { echo "=== $(date +%T) $*"; }
-parts=" ${PARTS:-tests gpu_step gpu_moe kernels_fp8 kernels_fp32} "
+known="tests gpu_step gpu_moe kernels_fp8 kernels_fp32"
+parts=" ${PARTS:-$known} "
+for name in $parts; do  # a misspelt part would spend a GPU lease on nothing
+    [[ " $known " == *" $name "* ]] ||
+        { echo "bench/gpu.sh: no part '$name' (parts: $known)" >&2; exit 2; }
+done
 wanted() { [[ "$parts" == *" $1 "* ]]; }
 {
     part machine
