@@ -114,6 +114,33 @@ def test_quantising_reads_its_input_in_its_own_dtype_and_decoding_scales_in_plac
         assert torch.equal(got[1], expected[1])
 
 
+def test_one_weights_product_is_not_copied_beside_itself():
+    """A GEMM of one weight (an expert's down, the attention's output) returns its product
+    as the kernel wrote it, emulated and on the tensor cores' path alike, and the
+    emulation multiplies the weight's quantised blocks as they are: a concatenation
+    only where several weights are multiplied at once (q, k, v; gate, up). Through a
+    concatenation of one, each copied its product or its weight whole."""
+    from planc.runtime.engine.fp8 import GRADIENT_FORMATS, Recipe, _Fp8Matmul
+    from tests.conftest import counting
+
+    recipe = Recipe(16, GRADIENT_FORMATS["e4m3"])
+    generator = torch.Generator().manual_seed(9)
+    x = torch.randn(32, 48, generator=generator)
+    a, b = torch.randn(48, 32, generator=generator), torch.randn(48, 16, generator=generator)
+    cat = torch.ops.aten.cat.default
+    # emulated: no concatenation for one weight, one for two
+    for weights, cats in (((a,), 0), ((a, b), 1)):
+        with counting(cat) as mode:
+            _Fp8Matmul.apply(recipe, False, x, *weights)
+        assert mode.count == cats
+    # on the tensor cores' path (the tiles, run here by the CPU's kernel): each weight's
+    # product pads its rows once (a concatenation), and two are joined once
+    for weights, cats in (((a,), 1), ((a, b), 3)):
+        with counting(cat) as mode:
+            _Fp8Matmul.apply(recipe, True, x, *weights)
+        assert mode.count == cats
+
+
 def test_a_linear_keeps_its_input_as_fp8_bytes_and_a_scale_a_tile():
     from planc.runtime.engine.fp8 import decoded_rows, encoded_rows, quantised_rows
 

@@ -237,13 +237,11 @@ def tiled_product(codes: torch.Tensor, scale: torch.Tensor, block_codes: torch.T
 
 def blockwise_product(codes: torch.Tensor, scale: torch.Tensor, block_codes: torch.Tensor,
                       block_scale: torch.Tensor, output: torch.dtype) -> torch.Tensor:
-    """:func:`scaled_product` as one call of PyTorch's scaled matmul whose kernel applies
-    the scales itself (``torch.nn.functional.scaled_mm`` with 1 x 128 and 128 x 128 block
-    scaling: cuBLASLt's, cuBLAS 12.9 and Hopper only), with an ``output`` product (fp32,
-    or bf16 where cuBLASLt gives no fp32), in fp32. The rows are padded with zeros to a
-    multiple of 16; each scale tensor is laid out outer-dimension-major, as the kernel
-    reads it, the weight's with its tiles of the contraction padded to a multiple of 4
-    (what PyTorch asks of it; the padding is never read)."""
+    """:func:`scaled_product` as one ``torch.nn.functional.scaled_mm`` whose kernel applies
+    the 1 x 128 and 128 x 128 scales itself (cuBLASLt's, cuBLAS 12.9, Hopper only), its
+    product in ``output`` (fp32, or bf16), returned in fp32. The rows are padded with
+    zeros to a multiple of 16; each scale tensor outer-dimension-major, the weight's with
+    its tiles of the contraction padded to a multiple of 4, as PyTorch asks."""
     chunks, tile = codes.shape[-2:]
     rows = codes[..., 0, 0].numel()
     padded = rows + -rows % 16
@@ -347,17 +345,20 @@ class _Fp8Matmul(torch.autograd.Function):
 
 
 def _decoded_weights(weights, tile: int) -> torch.Tensor:
-    """The weights as their T x T blocks quantise them, side by side, in fp32."""
-    return torch.cat([quantised_blocks(w, tile) for w in weights], dim=1)
+    """The weights as their T x T blocks quantise them, side by side, in fp32 (one
+    weight as it is: no copy of it beside itself)."""
+    blocks = [quantised_blocks(w, tile) for w in weights]
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
 
 
 def _weights_product(codes: torch.Tensor, scale: torch.Tensor, weights, tile: int,
                      scaled: bool, features: int) -> torch.Tensor:
     """Rows in FP8 (:func:`encoded_rows`) times the weights side by side, each in T x T
     blocks, in fp32: on the tensor cores (``scaled``), or emulated."""
-    if scaled:
-        return torch.cat([_times_blocks(codes, scale, encoded_blocks(w, tile), w.shape[1])
-                          for w in weights], dim=-1)
+    if scaled:  # one weight's product as it is, not copied beside itself
+        parts = [_times_blocks(codes, scale, encoded_blocks(w, tile), w.shape[1])
+                 for w in weights]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return decoded_rows(codes, scale, features) @ _decoded_weights(weights, tile)
 
 
