@@ -68,6 +68,7 @@ PLAN = """plan {name} {{
 }}
 """
 WARMUP = 3
+RECIPES = ("bf16", "fp8")  # the GEMMs in the dtype, and DeepSeek-V3's FP8 recipe
 
 
 def plan_text(family: str, fp8: bool, size: str, steps: int) -> str:
@@ -102,7 +103,7 @@ def parameters(text: str) -> int:
 
 
 def measure(size: str, steps: int, rounds: int, families: list[str],
-            recipes: list[str] = ("bf16", "fp8")) -> list[dict]:
+            recipes: tuple[str, ...] = RECIPES) -> list[dict]:
     cases = [(family, recipe == "fp8") for family in families for recipe in recipes]
     results: dict[tuple[str, bool], list[dict]] = {case: [] for case in cases}
     for round_ in range(rounds):
@@ -162,7 +163,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--only", choices=sorted(MODELS), action="append",
                         help="one family (repeatable); both by default")
-    parser.add_argument("--recipe", choices=("bf16", "fp8"), action="append",
+    parser.add_argument("--recipe", choices=RECIPES, action="append",
                         help="the GEMMs of one recipe (repeatable); both by default")
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     args = parser.parse_args()
@@ -174,7 +175,7 @@ def main() -> int:
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     rows = measure(args.size, args.steps, args.rounds, args.only or sorted(MODELS),
-                   args.recipe or ["bf16", "fp8"])
+                   tuple(args.recipe or RECIPES))
     print(table(rows, device, args.size))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device, "size": args.size,

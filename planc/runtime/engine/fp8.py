@@ -24,18 +24,17 @@ tile of the rows against its T x T block, through ``torch._scaled_mm`` with an f
 output, then scaled by the two tiles' scales as the products are summed in fp32 (the
 report's section 3.3.2: FP8 products promoted to fp32 every 128 elements, the scales
 applied on promotion). On Hopper (compute capability 9.0) with cuBLAS 12.9 or later and
-128-wide tiles, that is one call of PyTorch's scaled matmul with the recipe's own scales,
-1 x 128 for the rows and 128 x 128 for the weight, which cuBLASLt applies as it promotes
-each tile's products: on an H200, 250-843 TFLOP/s at a mixture's widths where the
-tile-by-tile calls reached 29-33 (bench/kernels_gpu.py --fp8; :func:`blockwise_kernel`
-tries it once per device and falls back to the tile-by-tile calls where it is refused or
-disagrees with them).
-The weight gradient stays emulated: its sum runs over tokens, along which a 1 x T tile's
-scale changes from one token to the next, so no scale can be taken out of the product.
-With a tile that is not a multiple of 16 (the kernel's dimensions must be), or on a CPU,
-the emulation runs. Hopper's FP8 tensor cores
-accumulate with about 14 bits inside a tile (the report's section 3.3.2), so their
-products differ from the emulation's exact sums by about 2^-14 of a row's size.
+128-wide tiles, that is one call of PyTorch's scaled matmul with the recipe's own
+scales, 1 x 128 for the rows and 128 x 128 for the weight, which cuBLASLt applies as it
+promotes each tile's products: on an H200, 250-843 TFLOP/s at a mixture's widths where
+the tile-by-tile calls reached 29-33 (bench/kernels_gpu.py --fp8;
+:func:`blockwise_kernel` tries it once per device and falls back to the tile-by-tile
+calls where it is refused or disagrees with them). The weight gradient stays emulated:
+its sum runs over tokens, along which a 1 x T tile's scale changes from one token to the
+next, so no scale can be taken out of the product. With a tile that is not a multiple of
+16 (the kernel's dimensions must be), or on a CPU, the emulation runs. Hopper's FP8
+tensor cores accumulate with about 14 bits inside a tile (the report's section 3.3.2),
+so their products differ from the emulation's exact sums by about 2^-14 of a row's size.
 
 Every group lies inside one weight and one token, and a tp shard of whole tiles
 (:func:`planc.models.llama.fp8_blocks_split_over_tp` checks it) holds the same groups as
@@ -344,21 +343,23 @@ class _Fp8Matmul(torch.autograd.Function):
         return (None, None, dx, *dws)
 
 
+def _side_by_side(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """``parts`` joined along ``dim``; one part as it is (a cat of one copies it whole)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
 def _decoded_weights(weights, tile: int) -> torch.Tensor:
-    """The weights as their T x T blocks quantise them, side by side, in fp32 (one
-    weight as it is: no copy of it beside itself)."""
-    blocks = [quantised_blocks(w, tile) for w in weights]
-    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+    """The weights as their T x T blocks quantise them, side by side, in fp32."""
+    return _side_by_side([quantised_blocks(w, tile) for w in weights], 1)
 
 
 def _weights_product(codes: torch.Tensor, scale: torch.Tensor, weights, tile: int,
                      scaled: bool, features: int) -> torch.Tensor:
     """Rows in FP8 (:func:`encoded_rows`) times the weights side by side, each in T x T
     blocks, in fp32: on the tensor cores (``scaled``), or emulated."""
-    if scaled:  # one weight's product as it is, not copied beside itself
-        parts = [_times_blocks(codes, scale, encoded_blocks(w, tile), w.shape[1])
-                 for w in weights]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    if scaled:
+        return _side_by_side([_times_blocks(codes, scale, encoded_blocks(w, tile), w.shape[1])
+                              for w in weights], -1)
     return decoded_rows(codes, scale, features) @ _decoded_weights(weights, tile)
 
 
