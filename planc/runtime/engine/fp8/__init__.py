@@ -43,21 +43,28 @@ the whole tensor: a sharded run quantises exactly as the one-process reference.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from planc.runtime.backward_passes import asked_for, traceable
+from planc.runtime.engine.fp8.codes import (E4M3, E5M2, EncodedRows, decoded_rows,
+                                            encoded_blocks, encoded_rows, kept_bytes,
+                                            quantised_blocks, quantised_rows, readable)
+from planc.runtime.engine.fp8.tensor_cores import (blockwise_kernel, blockwise_product,
+                                                   scaled_product, tensor_cores,
+                                                   tiled_product)
 from planc.vocabulary.model_options import fp8_tile
 
-E4M3 = torch.float8_e4m3fn
-E5M2 = torch.float8_e5m2
-# the largest finite number of each format (OCP 8-bit floating point specification)
-LARGEST = {E4M3: 448.0, E5M2: 57344.0}
+# what the rest of planc reads of FP8, wherever in the package it is written
+__all__ = ["E4M3", "EncodedRows", "GRADIENT_FORMATS", "Recipe", "blockwise_kernel",
+           "blockwise_product", "decoded_rows", "encoded_blocks", "encoded_rows",
+           "joined_matmul", "kept_bytes", "matmul", "quantised_blocks", "quantised_rows",
+           "readable", "recipe_of", "scaled_product", "swiglu_down", "tensor_cores",
+           "tiled_product"]
+
 GRADIENT_FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
-FP32 = torch.float32
 
 
 @dataclass(frozen=True)
@@ -75,218 +82,6 @@ def recipe_of(model) -> Recipe | None:
     if tile is None:
         return None
     return Recipe(tile, GRADIENT_FORMATS[model.options.get("fp8_gradients") or "e4m3"])
-
-
-def _encoded(groups: torch.Tensor, dims: tuple[int, ...], form: torch.dtype = E4M3
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each group (the elements along ``dims``) in ``form`` and its fp32 scale, amax over
-    the format's largest number (1 for a group of zeros). ``groups`` in any float dtype:
-    the amax is exact in it, and the division promotes each element to fp32 as it goes,
-    the bits of a copy in fp32 first without its memory traffic."""
-    scale = groups.abs().amax(dim=dims, keepdim=True).to(FP32) / LARGEST[form]
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (groups / scale).to(form), scale
-
-
-def _quantised(groups: torch.Tensor, dims: tuple[int, ...], form: torch.dtype = E4M3
-               ) -> torch.Tensor:
-    """Each group rounded to ``form`` with its scale and scaled back, in fp32."""
-    codes, scale = _encoded(groups, dims, form)
-    return codes.to(FP32).mul_(scale)  # in place on the new fp32 copy: one tensor, not two
-
-
-def _row_groups(x: torch.Tensor, tile: int) -> torch.Tensor:
-    """``x`` (..., n) as tiles of 1 x ``tile`` along its last dimension, zero-padded, in
-    its own dtype (a view where ``tile`` divides n)."""
-    tiles = -(-x.shape[-1] // tile)
-    if x.shape[-1] % tile:
-        x = F.pad(x, (0, -x.shape[-1] % tile))
-    return x.reshape(*x.shape[:-1], tiles, tile)
-
-
-def quantised_rows(x: torch.Tensor, tile: int, form: torch.dtype = E4M3) -> torch.Tensor:
-    """``x`` (..., n) quantised to ``form`` in tiles of 1 x ``tile`` along its last
-    dimension (the last tile shorter when ``tile`` does not divide n), in fp32."""
-    n = x.shape[-1]
-    groups = _row_groups(x, tile)  # the padded width given whole: a batch may hold no rows
-    return _quantised(groups, (-1,), form).reshape(
-        *x.shape[:-1], groups.shape[-2] * groups.shape[-1])[..., :n]
-
-
-def encoded_rows(x: torch.Tensor, tile: int, form: torch.dtype = E4M3
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` as :func:`quantised_rows` rounds it, kept as it would be in memory: one byte
-    of ``form`` an element and an fp32 scale a tile (the FP8 activation a linear layer
-    keeps for its backward)."""
-    return _encoded(_row_groups(x, tile), (-1,), form)
-
-
-def decoded_rows(codes: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
-    """What :func:`encoded_rows` encoded, in fp32: :func:`quantised_rows` of it."""
-    width = codes.shape[-2] * codes.shape[-1]  # given whole: a hop may carry no rows
-    return codes.to(FP32).mul_(scale).reshape(*codes.shape[:-2], width)[..., :n]
-
-
-@dataclass(frozen=True)
-class EncodedRows:
-    """Rows kept as they arrived in FP8 (:func:`encoded_rows`' codes and scales),
-    ``features`` wide, read in ``dtype``: the experts' output gradients, sent to them in
-    FP8 (DeepSeek-V3, section 3.3.4: the activation gradient before the
-    down-projections), which a split backward's input half reads and its weight half
-    reads again later (the report's figure 6: the weight gradient's GEMM takes FP8
-    inputs): kept at one byte an element until then, not decoded into the dtype's two.
-    Each half decodes them alike, so both read the same bits."""
-
-    codes: torch.Tensor
-    scale: torch.Tensor
-    features: int
-    dtype: torch.dtype
-
-    def decoded(self) -> torch.Tensor:
-        return decoded_rows(self.codes, self.scale, self.features).to(self.dtype)
-
-
-def kept_bytes(value) -> int | None:
-    """The bytes ``value`` holds: an :class:`EncodedRows`' codes and scales, a tensor's
-    elements (None: nothing)."""
-    if isinstance(value, EncodedRows):
-        return value.codes.nbytes + value.scale.nbytes
-    return None if value is None else value.nbytes
-
-
-def readable(value):
-    """``value`` as a tensor: :class:`EncodedRows` decoded, anything else as it is."""
-    return value.decoded() if isinstance(value, EncodedRows) else value
-
-
-def encoded_blocks(w: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight (k, n) in E4M3, zero-padded to whole ``tile`` x ``tile`` blocks, and its
-    fp32 scales, one a block: (k', n') codes and (k' / tile, n' / tile) scales."""
-    k, n = w.shape
-    padded = F.pad(w, (0, -n % tile, 0, -k % tile)) if (n % tile or k % tile) else w
-    rows, cols = padded.shape
-    codes, scale = _encoded(padded.reshape(rows // tile, tile, cols // tile, tile), (1, 3))
-    return codes.reshape(rows, cols), scale.reshape(rows // tile, cols // tile)
-
-
-def decoded_blocks(codes: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int]
-                   ) -> torch.Tensor:
-    """What :func:`encoded_blocks` encoded, in fp32, cut back to the weight's ``shape``."""
-    rows, cols = codes.shape
-    blocks, tile = scale.shape, rows // scale.shape[0]
-    decoded = codes.reshape(blocks[0], tile, blocks[1], tile).to(FP32).mul_(
-        scale.reshape(blocks[0], 1, blocks[1], 1))
-    return decoded.reshape(rows, cols)[:shape[0], :shape[1]]
-
-
-def quantised_blocks(w: torch.Tensor, tile: int) -> torch.Tensor:
-    """A weight (k, n) quantised in ``tile`` x ``tile`` blocks, in fp32."""
-    return decoded_blocks(*encoded_blocks(w, tile), w.shape)
-
-
-def tensor_cores(device: torch.device, tile: int) -> bool:
-    """Whether FP8 GEMMs on ``device`` run on its tensor cores (:func:`scaled_product`):
-    a CUDA device of compute capability 8.9 or later, and a tile that is a multiple of
-    16, as cuBLASLt's FP8 GEMMs require of their dimensions (the rows are padded to
-    one)."""
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-            and tile % 16 == 0)
-
-
-def scaled_product(codes: torch.Tensor, scale: torch.Tensor, block_codes: torch.Tensor,
-                   block_scale: torch.Tensor) -> torch.Tensor:
-    """Rows in 1 x T tiles (``codes`` (..., K / T, T) and ``scale`` (..., K / T, 1), as
-    :func:`encoded_rows` gives them) times a matrix in T x T blocks (``block_codes``
-    (K, N) and ``block_scale`` (K / T, N / T), as :func:`encoded_blocks`), in fp32, with
-    N the blocks' padded width, the scales applied to each tile's products as they are
-    summed in fp32 (DeepSeek-V3, section 3.3.2): by the kernel itself where the device
-    has block scaling and the rows are E4M3 (:func:`blockwise_product`; PyTorch refuses
-    E5M2 rows there, seen on an H200), else tile by tile (:func:`tiled_product`)."""
-    tile = codes.shape[-1]
-    rows, width = codes[..., 0, 0].numel(), block_codes.shape[1]
-    if rows == 0:  # an expert that no token chose
-        return torch.zeros(rows, width, dtype=FP32, device=codes.device)
-    output = blockwise_kernel(codes.device, tile)
-    if output is not None and codes.dtype == E4M3:  # cuBLASLt scales E4M3 blocks alone
-        return blockwise_product(codes, scale, block_codes, block_scale, output)
-    return tiled_product(codes, scale, block_codes, block_scale)
-
-
-def tiled_product(codes: torch.Tensor, scale: torch.Tensor, block_codes: torch.Tensor,
-                  block_scale: torch.Tensor) -> torch.Tensor:
-    """:func:`scaled_product` as one ``torch._scaled_mm`` a tile of the contraction, the
-    scales applied by PyTorch operations in fp32 (any FP8 tensor core, and the CPU)."""
-    chunks, tile = codes.shape[-2:]
-    rows, width = codes[..., 0, 0].numel(), block_codes.shape[1]
-    out = torch.zeros(rows, width, dtype=FP32, device=codes.device)
-    # one contiguous operand per tile of the contraction, the rows padded with zeros to
-    # a multiple of 16: the kernel reads a row-major left and a column-major right operand
-    left = codes.reshape(rows, chunks, tile).transpose(0, 1)
-    left = torch.cat([left, left.new_zeros(chunks, -rows % 16, tile)], dim=1)
-    left_scale = scale.reshape(rows, chunks).t()
-    right = block_codes.t().reshape(width, chunks, tile).transpose(0, 1).contiguous()
-    right_scale = block_scale.repeat_interleave(tile, dim=1)
-    unit = torch.ones((), dtype=FP32, device=codes.device)
-    for chunk in range(chunks):
-        product = torch._scaled_mm(left[chunk], right[chunk].t(), scale_a=unit,
-                                   scale_b=unit, out_dtype=FP32)[:rows]
-        out.addcmul_(product * left_scale[chunk][:, None], right_scale[chunk])
-    return out
-
-
-def blockwise_product(codes: torch.Tensor, scale: torch.Tensor, block_codes: torch.Tensor,
-                      block_scale: torch.Tensor, output: torch.dtype) -> torch.Tensor:
-    """:func:`scaled_product` as one ``torch.nn.functional.scaled_mm`` whose kernel applies
-    the 1 x 128 and 128 x 128 scales itself (cuBLASLt's, cuBLAS 12.9, Hopper only), its
-    product in ``output`` (fp32, or bf16), returned in fp32. The rows are padded with
-    zeros to a multiple of 16; each scale tensor outer-dimension-major, the weight's with
-    its tiles of the contraction padded to a multiple of 4, as PyTorch asks."""
-    chunks, tile = codes.shape[-2:]
-    rows = codes[..., 0, 0].numel()
-    padded = rows + -rows % 16
-    left = codes.reshape(rows, chunks * tile)
-    if padded > rows:
-        left = torch.cat([left, left.new_zeros(padded - rows, chunks * tile)])
-    left_scale = torch.ones(chunks, padded, dtype=FP32, device=codes.device)
-    left_scale[:, :rows] = scale.reshape(rows, chunks).t()
-    blocks_k, blocks_n = block_scale.shape
-    right_scale = torch.ones(blocks_n, blocks_k + -blocks_k % 4, dtype=FP32,
-                             device=codes.device)
-    right_scale[:, :blocks_k] = block_scale.t()
-    right = block_codes.t().contiguous().t()  # column-major, as the kernel reads it
-    product = F.scaled_mm(left, right, left_scale.t(), F.ScalingType.BlockWise1x128,
-                          right_scale.t(), F.ScalingType.BlockWise128x128,
-                          output_dtype=output)
-    return product[:rows].to(FP32)
-
-
-@functools.lru_cache(maxsize=None)  # a fact of the device and the installed PyTorch
-def blockwise_kernel(device: torch.device, tile: int) -> torch.dtype | None:
-    """The dtype of the products :func:`blockwise_product` gives on ``device`` (fp32 if it
-    can, else bf16), or None where it does not run: not Hopper, a tile other than 128, a
-    PyTorch without ``scaled_mm``'s block scaling or a cuBLAS before 12.9, or products
-    that disagree with :func:`tiled_product`'s on a product of two blocks by three (a
-    scale read from the wrong block would: PyTorch 2.11's older ``torch._scaled_mm``
-    accepts these scales and reads them so)."""
-    if device.type != "cuda" or tile != 128 or not hasattr(F, "scaled_mm") \
-            or torch.cuda.get_device_capability(device) != (9, 0):
-        return None
-    generator = torch.Generator(device=device).manual_seed(0)
-    rows = torch.randn(48, 256, device=device, generator=generator) \
-        * torch.rand(48, 1, device=device, generator=generator).mul(8)
-    weight = torch.randn(256, 384, device=device, generator=generator)
-    weight[:128, 128:256] *= 64  # blocks of different scales
-    codes, scale = encoded_rows(rows, tile)
-    blocks = encoded_blocks(weight, tile)
-    expected = tiled_product(codes, scale, *blocks)
-    for output, tolerance in ((FP32, 2**-16), (torch.bfloat16, 2**-7)):
-        try:
-            got = blockwise_product(codes, scale, *blocks, output)
-        except (RuntimeError, ValueError, NotImplementedError, TypeError, AttributeError):
-            continue  # refused: no such output, layout, cuBLAS or signature
-        if (got - expected).abs().max() <= tolerance * expected.abs().max():
-            return output
-    return None
 
 
 def _times_blocks(codes: torch.Tensor, scale: torch.Tensor, blocks, width: int
