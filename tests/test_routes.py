@@ -416,6 +416,8 @@ def test_a_calibrated_topology_supplies_each_operators_fixed_cost(tmp_path):
     it names costs its figure, forward or gradient step; any other the device's."""
     from planc.lang import load_file
     from planc.estimate.instruction_cost import InstructionCosts
+    from planc.estimate.kernel_cost import memory_bound_bytes
+    from planc.plan.plan import DTYPE_BYTES
     from planc.estimate.roofline import roofline_seconds, traffic
     from planc.program.operands import GRADIENT_STEPS
 
@@ -438,9 +440,10 @@ def test_a_calibrated_topology_supplies_each_operators_fixed_cost(tmp_path):
         fixed = {("gelu", False): 3e-5, ("gelu", True): 5e-5, ("qkv", False): 1e-5,
                  ("qkv", True): 2e-5}.get((operands.kernel, gradient),
                                           9e-6 if gradient else 7e-6)
-        arithmetic = roofline_seconds(operands.flops or 0, traffic(
+        moved = memory_bound_bytes(operands, traffic(
             operands.kernel, loaded.plan.train.optimizer.name) * operands.output_bytes,
-            rate, bandwidth)
+            DTYPE_BYTES[loaded.plan.model.dtype])
+        arithmetic = roofline_seconds(operands.flops or 0, moved, rate, bandwidth)
         assert costs(instruction, 0) == pytest.approx(arithmetic + fixed, rel=1e-12), \
             instruction.node
         seen.add((operands.kernel, gradient))

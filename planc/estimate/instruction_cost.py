@@ -61,7 +61,8 @@ from planc.program.operands import FORWARD_STEPS, GRADIENT_STEPS, Operands, Step
 from planc.program.program import Instruction
 from planc.estimate.parameter_counts import local_parameter_elements
 from planc.plan.plan import DTYPE_BYTES, Plan
-from planc.estimate.kernel_cost import ALL_TO_ALL_SMS, MIXTURE, TWO_HOP_SMS, KernelModel
+from planc.estimate.kernel_cost import (ALL_TO_ALL_SMS, MIXTURE, TWO_HOP_SMS, KernelModel,
+                                        memory_bound_bytes)
 from planc.estimate.mixture import Mixture
 from planc.estimate.roofline import roofline_seconds, traffic
 from planc.vocabulary.model_options import fp8_tile, gemm_input_bytes
@@ -177,6 +178,7 @@ class InstructionCosts:
         self.handoff = device.handoff
         self.device = device
         self.optimizer = plan.train.optimizer.name
+        self.dtype_bytes = DTYPE_BYTES[plan.model.dtype]
         self.rate = device.flops * device.efficiency
         # None: the one-efficiency roofline
         self.kernels = KernelModel(plan, gpu) if gpu is not None else KernelModel.of(plan)
@@ -252,6 +254,7 @@ class InstructionCosts:
                     flops = self.mixture.busiest_flops(flops)
                 elif operands.kernel == CUT_EXPERTS and self.mixture is not None:
                     flops *= self.mixture.imbalance  # every row routed: the busiest rank's
+                moved = memory_bound_bytes(operands, moved, self.dtype_bytes)
                 seconds = roofline_seconds(flops, moved, self.rate, self.bandwidth) + \
                     self.device.instruction_overhead(operands.kernel,
                                                      operands.step in GRADIENT_STEPS)

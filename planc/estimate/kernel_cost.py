@@ -74,6 +74,7 @@ from planc.estimate.module_kernels import (ADDED_TO_THE_GRAPH, Passes, made_agai
                                            module_passes)
 from planc.program.operands import Operands, StepKind
 from planc.models import family_of
+from planc.models.family import LOSS_PART_FLOPS_PER_LOGIT
 from planc.plan.plan import Plan
 
 # The typical cuBLAS tiles of the NVIDIA guide (rows x columns of the output).
@@ -122,8 +123,27 @@ FP8_LINEARS = ("qkv", "proj", "fc1", "fc2")  # the GEMMs model { fp8 } runs in F
 
 def _logits(operands: Operands, flops: float) -> float:
     """The logits a loss instruction of ``flops`` reads (planc.models: 5 FLOPs a logit
-    forward, twice that backward)."""
+    forward, twice that backward; a vocabulary-parallel loss's local max and sum of
+    exponentials, planc.graph.derive: LOSS_PART_FLOPS_PER_LOGIT each)."""
+    if operands.kernel != "loss":
+        return flops / LOSS_PART_FLOPS_PER_LOGIT
     return flops / LOSS_FLOPS_PER_LOGIT / (2.0 if operands.step == StepKind.BACKWARD else 1.0)
+
+
+def memory_bound_bytes(operands: Operands, traffic: float, dtype_bytes: int) -> float:
+    """The bytes a memory-bound kernel moves, at least ``traffic`` (the roofline's bytes
+    per byte of output times its output): a loss reads the logits, its output being one
+    figure per token; a backward reads three tensors of its output's size. The GPU's
+    kernel model and the roofline of a CPU or a calibrated device both price these."""
+    kernel = operands.kernel
+    if kernel in LOSS_KERNELS:
+        # the vocabulary slice of every token, once per pass over them
+        return max(traffic, LOSS_PASSES * _logits(operands, operands.flops or 0.0) *
+                   dtype_bytes)
+    if operands.step == StepKind.BACKWARD and kernel != OPTIMIZER:
+        # the forward's input and the output's gradient read, the input's gradient written
+        return max(traffic, BACKWARD_TRAFFIC * (operands.output_bytes or 0))
+    return traffic
 
 
 def wave_efficiency(m: int, n: int, sms: int, groups: int = 1) -> float:
@@ -432,12 +452,5 @@ class KernelModel:
                 return work / (self.attention[1] * self.attention_scale) + self.gpu.launch
             return flops * self.causal / (self.attention[0] * self.attention_scale) + \
                 self.gpu.launch
-        if kernel in LOSS_KERNELS:
-            # It reads the logits (its output is one figure per token): the vocabulary
-            # slice of every token, once per pass over them.
-            traffic = max(traffic, LOSS_PASSES * _logits(operands, flops) * self.dtype_bytes)
-        elif operands.step == StepKind.BACKWARD and kernel != OPTIMIZER:
-            # A backward reads the forward's input and the output's gradient and writes
-            # the input's gradient: three tensors of the output's size, not two.
-            traffic = max(traffic, BACKWARD_TRAFFIC * (operands.output_bytes or 0))
-        return traffic / self.bandwidth + self.gpu.launch
+        return memory_bound_bytes(operands, traffic, self.dtype_bytes) / self.bandwidth + \
+            self.gpu.launch

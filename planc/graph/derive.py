@@ -68,7 +68,7 @@ from planc.graph.walk_records import (
     Step,
 )
 from planc.models import family_of
-from planc.models.family import INPUT
+from planc.models.family import INPUT, LOSS_PART_FLOPS_PER_LOGIT
 from planc.plan.plan import Plan
 
 LOSS_PART_OP = {"max": Op.LOSS_MAX, "sum_exp": Op.LOSS_SUM_EXP}
@@ -201,7 +201,8 @@ class _Derivation(GraphBuilder):
                 port = Port(part)
                 local = self.compute(f"F/loss_{part}", op=LOSS_PART_OP[part],
                                      phase=Phase.FORWARD, chunk=chunk, layer=None,
-                                     flops=self.shapes.elements("logits") * 2 / self.tp,
+                                     flops=self.shapes.elements("logits") *
+                                     LOSS_PART_FLOPS_PER_LOGIT / self.tp,
                                      nbytes=self.shapes.elements("tokens") * FP32_BYTES,
                                      repeat=self.m, tp_input="S(vocab)", tp_output="P",
                                      params=[])

@@ -37,6 +37,9 @@ TensorParallel = Any
 
 INPUT = "input"  # in a block's links: the block's input (the residual stream)
 HEAD_OPS = ("final_ln", "head", "loss")
+# A vocabulary-parallel cross-entropy's local max and sum of exponentials (Megatron-LM):
+# per logit of the rank's slice, a compare or an exponential, and an add.
+LOSS_PART_FLOPS_PER_LOGIT = 2
 # Keys every family's model block has (or may have: preset), which the plan text shows
 # in its own words; the rest of a family's keys are its own.
 COMMON_KEYS = ("preset", "layers", "hidden", "heads", "ffn", "vocab", "seq", "batch",

@@ -243,7 +243,10 @@ def tune(plan: Plan, source: str, gpus: int, top: int = 5, capacity: float | Non
             candidate, checked, text, result.step_seconds, result.tflops_per_gpu, result.mfu,
             result.bubble, worst, peak, result.step_seconds if effective is None else
             effective(checked, result.step_seconds), result, build))
-        search.ranked.sort(key=lambda r: (r.effective_seconds, r.candidate.text()))
+        # times equal to 9 significant digits are a tie (a sum's last bits differ by the
+        # order it was added in), broken by the layout's text, not by rounding noise
+        search.ranked.sort(key=lambda r: (float(f"{r.effective_seconds:.9g}"),
+                                          r.candidate.text()))
         # the best two keep their builds (planc diff's figures), the others drop theirs
         search.ranked[2:] = [dataclasses.replace(r, build=None) if r.build is not None
                              else r for r in search.ranked[2:]]
