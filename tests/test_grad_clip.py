@@ -356,6 +356,31 @@ def test_tune_a_one_rank_plan_that_clips(one_rank, capsys):
     assert lines[0].startswith("planc tune: 16 layouts on 1 devices in ")
     assert "1 dp 1 | 1f1b m 1 | zero 0" in " ".join(lines)
     assert "transfers over world 1, 8 B 1, 8 B 1.00x" in lines
+    # four layouts of one simulated step (to the last bits of a sum): a tie, not a
+    # "1.000x faster", ranked by the layouts' text
+    assert "the file's own layout is #1." in lines
+    assert "#1 beside #2 (the same simulated step to 0.1 %: a tie, ranked by the layouts' " \
+        "text):" in lines
+
+
+def test_tune_says_the_files_own_layout_ties_with_the_best(one_rank):
+    """The search of the test above, its layouts' steps equal to 0.1 %, read as if the
+    file's own were the last of them."""
+    import dataclasses
+
+    from planc.lang import load_file, load_text
+    from planc.tune import tune
+    from planc.views.tune_text import render
+
+    def check(text: str):
+        checked = load_text(text)
+        return checked.plan if checked.ok else None
+
+    search = tune(load_file(one_rank).plan, one_rank.read_text(), 1, check=check)
+    assert len(search.ranked) == 4
+    last = dataclasses.replace(search, own=search.ranked[-1].candidate)
+    assert "the file's own layout is #4, with #1 the same simulated step to 0.1 %: a tie, " \
+        "ranked by the layouts' text." in render(last, 1, 5).splitlines()
 
 
 def test_export_a_one_rank_plan_that_clips(one_rank, tmp_path, capsys):

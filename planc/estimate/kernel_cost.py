@@ -103,7 +103,8 @@ UNFUSED_BACKWARD_BYTES = 11
 BACKWARD_TRAFFIC = 3.0
 # The cross-entropy's operators (planc.models: 5 FLOPs per logit): a pass reads the
 # logits to find the largest, a second sums their exponentials; the backward reads them
-# and writes their gradient.
+# and writes their gradient. A vocabulary-parallel loss runs the first two passes as
+# operators of their own (loss_max, loss_sum_exp), one pass each.
 LOSS_KERNELS = ("loss", "loss_max", "loss_sum_exp")
 LOSS_FLOPS_PER_LOGIT = 5.0
 LOSS_PASSES = 2.0
@@ -133,13 +134,15 @@ def _logits(operands: Operands, flops: float) -> float:
 def memory_bound_bytes(operands: Operands, traffic: float, dtype_bytes: int) -> float:
     """The bytes a memory-bound kernel moves, at least ``traffic`` (the roofline's bytes
     per byte of output times its output): a loss reads the logits, its output being one
-    figure per token; a backward reads three tensors of its output's size. The GPU's
-    kernel model and the roofline of a CPU or a calibrated device both price these."""
+    figure per token (the whole loss in two passes, a vocabulary-parallel loss's max or
+    sum of exponentials in one); a backward reads three tensors of its output's size.
+    The GPU's kernel model and the roofline of a CPU or a calibrated device both price
+    these."""
     kernel = operands.kernel
     if kernel in LOSS_KERNELS:
         # the vocabulary slice of every token, once per pass over them
-        return max(traffic, LOSS_PASSES * _logits(operands, operands.flops or 0.0) *
-                   dtype_bytes)
+        passes = LOSS_PASSES if kernel == "loss" else 1.0
+        return max(traffic, passes * _logits(operands, operands.flops or 0.0) * dtype_bytes)
     if operands.step == StepKind.BACKWARD and kernel != OPTIMIZER:
         # the forward's input and the output's gradient read, the input's gradient written
         return max(traffic, BACKWARD_TRAFFIC * (operands.output_bytes or 0))

@@ -62,6 +62,14 @@ def _within(ratio: float, accuracy) -> str:
     return ""
 
 
+def _tie(ratio: float) -> bool:
+    """Whether two simulated steps are the same as the ratio is printed (to 0.1 %)."""
+    return f"{ratio:.3f}" == "1.000"
+
+
+TIE = "the same simulated step to 0.1 %: a tie, ranked by the layouts' text"
+
+
 def _own_line(search, accuracy) -> list[str]:
     """Where the file's own layout ranks, and whether #1 is told apart from it."""
     own = next((k for k, r in enumerate(search.ranked) if r.candidate == search.own), None)
@@ -70,6 +78,8 @@ def _own_line(search, accuracy) -> list[str]:
     if own == 0:
         return ["", "the file's own layout is #1."]
     ratio = search.ranked[own].step_seconds / search.ranked[0].step_seconds
+    if _tie(ratio):
+        return ["", f"the file's own layout is #{own + 1}, with #1 {TIE}."]
     return ["", f"the file's own layout is #{own + 1}: #1 is {ratio:.3f}x faster by the "
                 f"simulator{_within(ratio, accuracy)}."]
 
@@ -103,8 +113,9 @@ def render(search, gpus: int, top: int, accuracy=None, mtbf: float | None = None
         from planc.views import diff_text
 
         best, next_ = search.ranked[0], search.ranked[1]
-        lines += ["", f"why #1 beats #2 ({next_.step_seconds / best.step_seconds:.3f}x "
-                      f"faster{_within(next_.step_seconds / best.step_seconds, accuracy)}):",
+        ratio = next_.step_seconds / best.step_seconds
+        lines += ["", f"#1 beside #2 ({TIE}):" if _tie(ratio) else
+                  f"why #1 beats #2 ({ratio:.3f}x faster{_within(ratio, accuracy)}):",
                   diff_text.render([("#2", next_.build, next_.simulation, []),
                                     ("#1", best.build, best.simulation, [])]).rstrip()]
     return "\n".join(lines) + "\n"
