@@ -74,7 +74,9 @@ demo: bytecode $(CORPUS)
 # cores idle a third of the time: on this 2-core machine 3,271 tests took 14:47 with 2
 # workers (1,127 CPU-seconds) and 12:47 with 3 (1,049), one run each, 2026-12-04 (the
 # first shared the machine with a few minutes of other tests); on 2026-11-29, on a busy
-# machine, 15:31 with 2 and 14:28 with 3. Files start in the order tests/conftest.py
+# machine, 15:31 with 2 and 14:28 with 3. Two workers more than the cores is too many:
+# 3,279 tests took 12:55 with 3 and 14:51 with 4 (1,050 and 1,200 CPU-seconds; one run
+# each, the quiet machine, 2026-12-04). Files start in the order tests/conftest.py
 # gives them (the longest first), not pytest-xdist's own.
 TEST_WORKERS ?= $(shell n=$$(( $$(nproc 2>/dev/null || echo 2) + 1 )); echo $$(( n > 4 ? 4 : n )))
 # More pytest options, e.g. make test PYTEST_ARGS=--durations=40 (the slowest tests), or
