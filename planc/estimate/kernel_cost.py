@@ -101,13 +101,13 @@ OPTIMIZER = "optimizer"
 UNFUSED_FORWARD_BYTES = 9
 UNFUSED_BACKWARD_BYTES = 11
 BACKWARD_TRAFFIC = 3.0
-# The cross-entropy's operators (planc.models: 5 FLOPs per logit): a pass reads the
-# logits to find the largest, a second sums their exponentials; the backward reads them
-# and writes their gradient. A vocabulary-parallel loss runs the first two passes as
-# operators of their own (loss_max, loss_sum_exp), one pass each.
-LOSS_KERNELS = ("loss", "loss_max", "loss_sum_exp")
-LOSS_FLOPS_PER_LOGIT = 5.0
-LOSS_PASSES = 2.0
+# The cross-entropy's operators, each as (FLOPs it counts per logit, its passes over the
+# logits). The loss (planc.models: 5 FLOPs a logit forward, twice that backward): a pass
+# reads the logits to find the largest, a second sums their exponentials; the backward
+# reads them and writes their gradient. A vocabulary-parallel loss runs the first two
+# passes as operators of their own, one pass each (planc.graph.derive).
+LOSS_READS = {"loss": (5.0, 2.0), "loss_max": (LOSS_PART_FLOPS_PER_LOGIT, 1.0),
+              "loss_sum_exp": (LOSS_PART_FLOPS_PER_LOGIT, 1.0)}
 
 
 # The SMs an expert all-to-all's kernel holds while it runs: a CTA of NCCL's never shares
@@ -123,12 +123,10 @@ FP8_LINEARS = ("qkv", "proj", "fc1", "fc2")  # the GEMMs model { fp8 } runs in F
 
 
 def _logits(operands: Operands, flops: float) -> float:
-    """The logits a loss instruction of ``flops`` reads (planc.models: 5 FLOPs a logit
-    forward, twice that backward; a vocabulary-parallel loss's local max and sum of
-    exponentials, planc.graph.derive: LOSS_PART_FLOPS_PER_LOGIT each)."""
-    if operands.kernel != "loss":
-        return flops / LOSS_PART_FLOPS_PER_LOGIT
-    return flops / LOSS_FLOPS_PER_LOGIT / (2.0 if operands.step == StepKind.BACKWARD else 1.0)
+    """The logits a loss instruction of ``flops`` reads (:data:`LOSS_READS`; a backward
+    counts twice its forward's FLOPs)."""
+    per_logit = LOSS_READS[operands.kernel][0]
+    return flops / per_logit / (2.0 if operands.step == StepKind.BACKWARD else 1.0)
 
 
 def memory_bound_bytes(operands: Operands, traffic: float, dtype_bytes: int) -> float:
@@ -139,9 +137,9 @@ def memory_bound_bytes(operands: Operands, traffic: float, dtype_bytes: int) -> 
     The GPU's kernel model and the roofline of a CPU or a calibrated device both price
     these."""
     kernel = operands.kernel
-    if kernel in LOSS_KERNELS:
+    if kernel in LOSS_READS:
         # the vocabulary slice of every token, once per pass over them
-        passes = LOSS_PASSES if kernel == "loss" else 1.0
+        passes = LOSS_READS[kernel][1]
         return max(traffic, passes * _logits(operands, operands.flops or 0.0) * dtype_bytes)
     if operands.step == StepKind.BACKWARD and kernel != OPTIMIZER:
         # the forward's input and the output's gradient read, the input's gradient written
