@@ -2,14 +2,17 @@
 # Everything planc checks and measures on one GPU (about 10 minutes on an H200, more than
 # one command of a 10-minute limit: take it in two with PARTS, below): the tests that need
 # CUDA, bench/gpu_step.py (issue 37's one-GPU table), bench/gpu_moe.py (issue 40's MoE
-# plans of one GPU), bench/kernels_gpu.py --fp8 (planc's FP8 GEMMs) and --fp32 (the fp32
-# rates of the simulator). Each part has its own time limit (seconds: TESTS_S, STEP_S,
-# MOE_S, KERNELS_FP8_S, KERNELS_S), so that one part that runs long leaves the others
-# their time; every line also goes to OUT/log.txt, and the tables to OUT/*.json(l).
+# plans of one GPU), bench/fp8_experts.py (one layer's routed experts in FP8 against
+# bf16, and the profile of an FP8 pass), bench/kernels_gpu.py --fp8 (planc's FP8 GEMMs)
+# and --fp32 (the fp32 rates of the simulator). Each part has its own time limit
+# (seconds: TESTS_S, STEP_S, MOE_S, EXPERTS_S, KERNELS_FP8_S, KERNELS_S), so that one
+# part that runs long leaves the others their time; every line also goes to
+# OUT/log.txt, and the tables to OUT/*.json(l).
 # STEP_COMPILE_S (seconds, default 0: skipped) adds bench/gpu_step.py with planc's plan
 # under optimize { compile = on } (torch.compile of the llama's elementwise formulas).
-# PARTS (default: all of tests gpu_step gpu_moe kernels_fp8 kernels_fp32) runs those named
-# alone, so that a lease too short for all of them can take them in two commands.
+# PARTS (default: all of tests gpu_step gpu_moe fp8_experts kernels_fp8 kernels_fp32)
+# runs those named alone, so that a lease too short for all of them can take them in two
+# commands.
 #
 #   bench/gpu.sh [OUT]          OUT: where the log and the JSON go (default gpu-results)
 #   PYTHON=.venv/bin/python bench/gpu.sh
@@ -20,7 +23,7 @@ python=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 part() { echo "=== $(date +%T) $*"; }
-known="tests gpu_step gpu_moe kernels_fp8 kernels_fp32"
+known="tests gpu_step gpu_moe fp8_experts kernels_fp8 kernels_fp32"
 parts=" ${PARTS:-$known} "
 for name in $parts; do  # a misspelt part would spend a GPU lease on nothing
     [[ " $known " == *" $name "* ]] ||
@@ -48,6 +51,8 @@ torch.cuda.get_device_name(0), torch.cuda.get_device_capability(0))"
     fi
     wanted gpu_moe && part gpu_moe && \
     timeout "${MOE_S:-170}" "$python" bench/gpu_moe.py --steps 6 --json "$out/gpu_moe.json"
+    wanted fp8_experts && part fp8_experts && \
+    timeout "${EXPERTS_S:-60}" "$python" bench/fp8_experts.py > "$out/fp8_experts.txt"
     wanted kernels_fp8 && part kernels_fp8 && \
     timeout "${KERNELS_FP8_S:-60}" "$python" bench/kernels_gpu.py --fp8 > "$out/kernels_fp8.jsonl"
     # the fp32 rates planc simulate assumes (docs/simulate.md)

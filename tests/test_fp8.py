@@ -120,7 +120,7 @@ def test_one_weights_product_is_not_copied_beside_itself():
     emulation multiplies the weight's quantised blocks as they are: a concatenation
     only where several weights are multiplied at once (q, k, v; gate, up). Through a
     concatenation of one, each copied its product or its weight whole."""
-    from planc.runtime.engine.fp8 import GRADIENT_FORMATS, Recipe, _Fp8Matmul
+    from planc.runtime.engine.fp8 import GRADIENT_FORMATS, ONE_WEIGHT, Recipe, _Fp8Matmul
     from tests.conftest import counting
 
     recipe = Recipe(16, GRADIENT_FORMATS["e4m3"])
@@ -131,13 +131,13 @@ def test_one_weights_product_is_not_copied_beside_itself():
     # emulated: no concatenation for one weight, one for two
     for weights, cats in (((a,), 0), ((a, b), 1)):
         with counting(cat) as mode:
-            _Fp8Matmul.apply(recipe, False, x, *weights)
+            _Fp8Matmul.apply(recipe, False, ONE_WEIGHT, x, *weights)
         assert mode.count == cats
     # on the tensor cores' path (the tiles, run here by the CPU's kernel): each weight's
     # product pads its rows once (a concatenation), and two are joined once
     for weights, cats in (((a,), 1), ((a, b), 3)):
         with counting(cat) as mode:
-            _Fp8Matmul.apply(recipe, True, x, *weights)
+            _Fp8Matmul.apply(recipe, True, ONE_WEIGHT, x, *weights)
         assert mode.count == cats
 
 
@@ -199,8 +199,10 @@ def _emulated_and_scaled(function, recipe, inputs, grad) -> list[list]:
     cores' path."""
     results = []
     for scaled in (False, True):
+        from planc.runtime.engine.fp8 import ONE_WEIGHT
+
         leaves = [t.clone().requires_grad_() for t in inputs]
-        out = function.apply(recipe, scaled, *leaves)
+        out = function.apply(recipe, scaled, ONE_WEIGHT, *leaves)
         out.backward(grad)
         results.append([out.detach()] + [t.grad for t in leaves])
     return results
@@ -237,6 +239,65 @@ def test_the_tensor_core_gemms_compute_what_the_emulation_computes(gradients):
     # an expert that no token chose
     codes, scale = encoded_rows(gate[0, :0], 16)
     assert scaled_product(codes, scale, *encoded_blocks(down, 16)).shape == (0, 32)
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_ranks_experts_in_fp8_at_once_compute_what_each_expert_alone_computes(scaled):
+    """A rank's routed experts quantise their rows and their stacked weights once a GEMM
+    (experts_swiglu's Groups): the output and every gradient (rows, routing weights,
+    the three stacks) equal, bit for bit, those of each expert's SwiGLU run alone on its
+    rows, as planc ran them before; emulated and on the tensor cores' path (run here by
+    the CPU's kernel), with an expert that no row chose and widths that leave tiles
+    padded; each quantisation once for all the experts (counted below)."""
+    from planc.runtime.engine import fp8
+    from planc.runtime.engine.fp8 import ONE_WEIGHT, Groups, Recipe, _Fp8Matmul, _Fp8SwiGLUDown
+    from tests.conftest import counting
+
+    recipe, counts = Recipe(16), (5, 0, 12, 3)
+    generator = torch.Generator().manual_seed(11)
+    rows = torch.randn(sum(counts), 40, generator=generator)
+    scales = torch.rand(sum(counts), 1, generator=generator)
+    stacks = [torch.randn(len(counts), *shape, generator=generator)
+              for shape in ((40, 24), (40, 24), (24, 40))]
+    grad = torch.randn(sum(counts), 40, generator=generator)
+
+    def run(forward):
+        leaves = [t.clone().requires_grad_() for t in (rows, scales, *stacks)]
+        out = forward(*leaves)
+        out.backward(grad)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    def at_once(x, s, gate, up, down):
+        groups = Groups(counts)
+        gate_out, up_out = _Fp8Matmul.apply(recipe, scaled, groups, x, gate, up).chunk(2, -1)
+        return _Fp8SwiGLUDown.apply(recipe, scaled, groups, gate_out, up_out, down, s)
+
+    def expert_by_expert(x, s, gate, up, down):
+        outs = []
+        for e, (part, weight) in enumerate(zip(x.split(counts), s.split(counts))):
+            if part.shape[0]:
+                gate_out, up_out = _Fp8Matmul.apply(recipe, scaled, ONE_WEIGHT, part, gate[e],
+                                                    up[e]).chunk(2, -1)
+                outs.append(_Fp8SwiGLUDown.apply(recipe, scaled, ONE_WEIGHT, gate_out,
+                                                 up_out, down[e], weight))
+        return torch.cat(outs)
+
+    expected, got = run(expert_by_expert), run(at_once)
+    assert [t.shape for t in got] == [t.shape for t in expected]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert torch.equal(got[3][1], torch.zeros(40, 24))  # the expert no row chose
+    # planc's entry point quantises each tensor once for every expert: 14 quantisations
+    # (an amax each) where each expert alone ran 14 of its own; the GEMMs are the same 6
+    # an expert (a forward's 2, an input gradient's 2, a weight gradient's 2)
+    leaves = [t.clone().requires_grad_() for t in (rows, scales, *stacks)]
+    with counting(torch.ops.aten.amax.default, torch.ops.aten.aminmax.default) as quantised, \
+            counting(torch.ops.aten.mm.default) as gemms:
+        fp8.experts_swiglu(leaves[0], leaves[1], list(counts), *leaves[2:],
+                           recipe).backward(grad)
+    assert (quantised.count, gemms.count) == (14, 6 * 3)
+    with counting(torch.ops.aten.amax.default, torch.ops.aten.aminmax.default) as quantised:
+        run(expert_by_expert)
+    assert quantised.count == 14 * 3
 
 
 def test_an_experts_swiglu_keeps_its_inputs_in_fp8_and_recomputes_its_output():
@@ -786,3 +847,45 @@ def test_the_experts_let_their_received_rows_go_where_the_program_says(tmp_path,
         assert printed["status"] == 0
         assert [drops for drops, _ in printed["ran"]] == [fp8] * 4
         assert [nbytes == 0 for _, nbytes in printed["ran"]] == [fp8] * 4
+
+
+def test_a_split_bf16_product_is_an_fp32_product_to_16_bits():
+    """The weight gradient on CUDA's bf16 tensor cores (split_product, Henry et al.
+    2019): three bf16 products of high and low parts, here multiplied in fp32 as the
+    GPU's accumulate, within 2^-15 of fp32's product for inputs of 28 significant bits
+    (E4M3 codes times fp32 scales, as the recipe's decoded rows are), where one bf16
+    product of the same inputs is 2^-9 away, and the CPU never takes it by itself."""
+    from planc.runtime.engine.fp8 import decoded_rows, encoded_rows, split_product
+    from planc.runtime.engine.fp8.tensor_cores import bf16_pair, split_weight_gradient
+
+    generator = torch.Generator().manual_seed(12)
+    x = decoded_rows(*encoded_rows(torch.randn(256, 96, generator=generator) * 3, 32), 96)
+    grad = decoded_rows(*encoded_rows(torch.randn(256, 64, generator=generator), 32), 64)
+    exact = x.double().t() @ grad.double()
+    split = split_product(tuple(t.t() for t in bf16_pair(x)), bf16_pair(grad))
+    one_bf16 = (x.bfloat16().t().float() @ grad.bfloat16().float()).double()
+    largest = exact.abs().max()
+    assert split.dtype == torch.float32 and split.shape == (96, 64)
+    assert (split.double() - exact).abs().max() < 2**-15 * largest
+    assert (one_bf16 - exact).abs().max() > 2**-11 * largest  # what the split avoids
+    assert not split_weight_gradient(torch.device("cpu"))
+
+
+@pytest.mark.skipif("not __import__('torch').cuda.is_available()", reason="needs a CUDA GPU")
+def test_on_cuda_a_weight_gradient_multiplies_split_bf16_on_the_tensor_cores():
+    """On a GPU, torch.mm's bf16 products in fp32 (out_dtype) give split_product the
+    same figure as the CPU's fp32 products of the same bf16 parts, to 2^-16 of it (one
+    bf16 GEMM would be 2^-8 away: the CPU test above)."""
+    from planc.runtime.engine.fp8 import decoded_rows, encoded_rows, split_product
+    from planc.runtime.engine.fp8.tensor_cores import bf16_pair, split_weight_gradient
+
+    device = torch.device("cuda", 0)
+    assert split_weight_gradient(device)
+    generator = torch.Generator().manual_seed(13)
+    x = decoded_rows(*encoded_rows(torch.randn(512, 256, generator=generator), 128), 256)
+    grad = decoded_rows(*encoded_rows(torch.randn(512, 384, generator=generator), 128), 384)
+    on_cpu = split_product(tuple(t.t() for t in bf16_pair(x)), bf16_pair(grad))
+    on_gpu = split_product(tuple(t.t() for t in bf16_pair(x.to(device))),
+                           bf16_pair(grad.to(device))).cpu()
+    assert on_gpu.dtype == torch.float32
+    assert (on_gpu - on_cpu).abs().max() <= 2**-16 * on_cpu.abs().max()

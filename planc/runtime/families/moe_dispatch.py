@@ -93,14 +93,14 @@ def outputs_by_expert(rows: torch.Tensor, scales: torch.Tensor, counts: list[int
     where :meth:`Experts.grouped` allows, each of the three GEMMs is one
     ``torch._grouped_mm`` over them (Megatron-Core's grouped GEMM), else a GEMM an expert:
     the same bits either way, three kernels where the loop launches three an expert. With
-    FP8 each expert runs its own (planc.runtime.engine.fp8.swiglu_down). ``again``: the
+    FP8 each GEMM quantises every expert's rows and weights at once, then multiplies
+    expert by expert (planc.runtime.engine.fp8.experts_swiglu). ``again``: the
     product not kept but computed again (planc.runtime.families.recomputed_product)."""
     if not any(counts):
         return None
     if recipe is not None:
-        weights = experts.slices()
-        return torch.cat([expert_output(x, weights, expert, recipe, scale) for expert, (
-            x, scale) in enumerate(zip(rows.split(counts), scales.split(counts))) if x.numel()])
+        return fp8.experts_swiglu(rows, scales, counts, experts.gate, experts.up,
+                                  experts.down, recipe)
     if experts.grouped(rows):
         ends = torch.tensor(counts, device=rows.device).cumsum(0).to(torch.int32)
         gate, up = (torch._grouped_mm(rows, w, offs=ends) for w in (experts.gate, experts.up))

@@ -29,10 +29,14 @@ scales, 1 x 128 for the rows and 128 x 128 for the weight, which cuBLASLt applie
 promotes each tile's products: on an H200, 250-843 TFLOP/s at a mixture's widths where
 the tile-by-tile calls reached 29-33 (bench/kernels_gpu.py --fp8;
 :func:`blockwise_kernel` tries it once per device and falls back to the tile-by-tile
-calls where it is refused or disagrees with them). The weight gradient stays emulated:
-its sum runs over tokens, along which a 1 x T tile's scale changes from one token to the
-next, so no scale can be taken out of the product. With a tile that is not a multiple of
-16 (the kernel's dimensions must be), or on a CPU, the emulation runs. Hopper's FP8
+calls where it is refused or disagrees with them). The weight gradient cannot run in
+FP8 here: its sum runs over tokens, along which a 1 x T tile's scale changes from one
+token to the next, so no scale can be taken out of the product. It multiplies the same
+decoded FP8 inputs on the bf16 tensor cores instead, each split into two bf16 parts
+(:func:`split_product`, 2^-17 of the largest product from fp32's on the recipe's
+inputs, where one bf16 GEMM is 2^-8 away), in place of one fp32 GEMM on CUDA cores some
+15 times slower. With a tile that is not a multiple of 16 (the kernel's dimensions must
+be), or on a CPU, the emulation runs. Hopper's FP8
 tensor cores accumulate with about 14 bits inside a tile (the report's section 3.3.2),
 so their products differ from the emulation's exact sums by about 2^-14 of a row's size.
 
@@ -43,26 +47,28 @@ the whole tensor: a sharded run quantises exactly as the one-process reference.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from planc.runtime.backward_passes import asked_for, traceable
-from planc.runtime.engine.fp8.codes import (E4M3, E5M2, EncodedRows, decoded_rows,
+from planc.runtime.engine.fp8.codes import (E4M3, E5M2, FP32, EncodedRows, decoded_rows,
                                             encoded_blocks, encoded_rows, kept_bytes,
                                             quantised_blocks, quantised_rows, readable)
-from planc.runtime.engine.fp8.tensor_cores import (blockwise_kernel, blockwise_product,
-                                                   scaled_product, tensor_cores,
-                                                   tiled_product)
+from planc.runtime.engine.fp8.tensor_cores import (bf16_pair, blockwise_kernel,
+                                                   blockwise_product, scaled_product,
+                                                   split_product, split_weight_gradient,
+                                                   tensor_cores, tiled_product)
 from planc.vocabulary.model_options import fp8_tile
 
 # what the rest of planc reads of FP8, wherever in the package it is written
 __all__ = ["E4M3", "EncodedRows", "GRADIENT_FORMATS", "Recipe", "blockwise_kernel",
            "blockwise_product", "decoded_rows", "encoded_blocks", "encoded_rows",
-           "joined_matmul", "kept_bytes", "matmul", "quantised_blocks", "quantised_rows",
-           "readable", "recipe_of", "scaled_product", "swiglu_down", "tensor_cores",
-           "tiled_product"]
+           "experts_swiglu", "joined_matmul", "kept_bytes", "matmul", "quantised_blocks",
+           "quantised_rows", "readable", "recipe_of", "scaled_product", "split_product",
+           "swiglu_down", "tensor_cores", "tiled_product"]
 
 GRADIENT_FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
 
@@ -84,6 +90,64 @@ def recipe_of(model) -> Recipe | None:
     return Recipe(tile, GRADIENT_FORMATS[model.options.get("fp8_gradients") or "e4m3"])
 
 
+@dataclass(frozen=True)
+class Groups:
+    """How a GEMM's rows meet its weights: all by one weight (no ``counts``), or a rank's
+    routed experts at once, ``counts[e]`` rows of expert e one after another, each by
+    slice e of stacked weights (experts x in x out). Experts run as one operation each,
+    so that a rank quantises its rows and its experts' weights once a GEMM rather than
+    once an expert: the same tiles and blocks, so the same bits (every group lies inside
+    one token or one weight), in a few kernels where an expert at a time launched some
+    250 (Megatron-Core's grouped GEMM; DeepSeek-V3's DeepGEMM quantises fused)."""
+
+    counts: tuple[int, ...] | None = None
+
+    def spans(self) -> list[tuple[int | None, slice]]:
+        """(expert, its rows) of each expert with rows; (None, all) for one weight."""
+        if self.counts is None:
+            return [(None, slice(None))]
+        ends = itertools.accumulate(self.counts)
+        return [(e, slice(end - n, end)) for e, (n, end) in enumerate(zip(self.counts, ends))
+                if n]
+
+    @staticmethod
+    def weight(w: torch.Tensor, expert: int | None) -> torch.Tensor:
+        """Expert ``expert``'s slice of a stack (or codes, or scales); ``w`` for None."""
+        return w if expert is None else w[expert]
+
+    def rows(self, product) -> torch.Tensor:
+        """``product(expert, rows)`` of each expert's rows, one after another."""
+        return _side_by_side([product(e, span) for e, span in self.spans()], 0)
+
+    def weight_gradient(self, x: torch.Tensor, grad: torch.Tensor, scaled: bool
+                        ) -> torch.Tensor:
+        """``x^T grad`` (fp32) over each expert's rows, stacked (zeros for an expert with
+        none); over all the rows for one weight. On tensor cores (``scaled``) where the
+        device multiplies bf16 into fp32, as :func:`split_product`'s three bf16 GEMMs
+        (its inputs split once for every expert), else one fp32 GEMM."""
+        x, grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        shape = (x.shape[-1], grad.shape[-1])
+        if scaled and split_weight_gradient(x.device):
+            high_low = bf16_pair(x), bf16_pair(grad)
+
+            def gemm(span: slice) -> torch.Tensor:
+                x_parts, grad_parts = high_low
+                return split_product(tuple(t[span].t() for t in x_parts),
+                                     tuple(t[span] for t in grad_parts))
+        else:
+            def gemm(span: slice) -> torch.Tensor:
+                return x[span].t() @ grad[span]
+        if self.counts is None:
+            return gemm(slice(None))
+        out = torch.zeros(len(self.counts), *shape, dtype=FP32, device=x.device)
+        for e, span in self.spans():
+            out[e] = gemm(span)
+        return out
+
+
+ONE_WEIGHT = Groups()
+
+
 def _times_blocks(codes: torch.Tensor, scale: torch.Tensor, blocks, width: int
                   ) -> torch.Tensor:
     """:func:`scaled_product` cut to ``width`` columns, in the rows' leading shape."""
@@ -91,51 +155,62 @@ def _times_blocks(codes: torch.Tensor, scale: torch.Tensor, blocks, width: int
         *codes.shape[:-2], width)
 
 
+def _expert_blocks(blocks, expert: int | None, transposed: bool = False):
+    """Expert ``expert``'s codes and scales of encoded (stacked) blocks, transposed for
+    an input gradient's product."""
+    pair = tuple(Groups.weight(t, expert) for t in blocks)
+    return tuple(t.t() for t in pair) if transposed else pair
+
+
 class _Fp8Matmul(torch.autograd.Function):
-    """``x @ [w_1 | w_2 | ...]`` with FP8 inputs in all three GEMMs (module docstring);
-    ``scaled``: the forward and the input gradient on FP8 tensor cores. The backward
-    keeps the input as FP8 bytes and scales (the report's cached activations) and the
-    weights themselves, which the step holds anyway (a GEMM in the dtype keeps them so),
-    and quantises them again: the same blocks, with no copy of the weights kept for
-    every microbatch in flight. Each pass of a split backward computes the products it
-    is asked for alone (planc.runtime.backward_passes)."""
+    """``x @ [w_1 | w_2 | ...]`` with FP8 inputs in all three GEMMs (module docstring),
+    its rows in :class:`Groups`; ``scaled``: the forward and the input gradient on FP8
+    tensor cores. The backward keeps the input as FP8 bytes and scales (the report's
+    cached activations) and the weights themselves, which the step holds anyway (a GEMM
+    in the dtype keeps them so), and quantises them again: the same blocks, with no copy
+    of the weights kept for every microbatch in flight. Each pass of a split backward
+    computes the products it is asked for alone (planc.runtime.backward_passes)."""
 
     @staticmethod
-    def forward(ctx, recipe: Recipe, scaled: bool, x: torch.Tensor, *weights: torch.Tensor
-                ) -> torch.Tensor:
+    def forward(ctx, recipe: Recipe, scaled: bool, groups: Groups, x: torch.Tensor,
+                *weights: torch.Tensor) -> torch.Tensor:
         codes, scale = encoded_rows(x, recipe.tile)
-        ctx.recipe, ctx.scaled, ctx.widths, ctx.features = recipe, scaled, \
-            [w.shape[1] for w in weights], x.shape[-1]
+        ctx.recipe, ctx.scaled, ctx.groups, ctx.features = recipe, scaled, groups, x.shape[-1]
+        ctx.widths = [w.shape[-1] for w in weights]
         ctx.dtypes = (x.dtype, [w.dtype for w in weights])
         ctx.save_for_backward(codes, scale, *weights)
-        return _weights_product(codes, scale, weights, recipe.tile, scaled,
-                                x.shape[-1]).to(x.dtype)
+        return _weights_product(codes, scale, weights, recipe.tile, scaled, x.shape[-1],
+                                groups).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         codes, scale, *weights = ctx.saved_tensors
-        wanted = asked_for(ctx, first=2)
-        recipe, (x_dtype, w_dtypes) = ctx.recipe, ctx.dtypes
+        wanted = asked_for(ctx, first=3)
+        recipe, groups, (x_dtype, w_dtypes) = ctx.recipe, ctx.groups, ctx.dtypes
         parts = [encoded_rows(part, recipe.tile, recipe.gradients)
                  for part in grad.split(ctx.widths, -1)]
         gq = None
-        if any(wanted[3:]) or (wanted[2] and not ctx.scaled):
+        if any(wanted[4:]) or (wanted[3] and not ctx.scaled):
             gq = torch.cat([decoded_rows(*part, width)
                             for part, width in zip(parts, ctx.widths)], dim=-1)
         dx = None
-        if wanted[2] and ctx.scaled:
-            blocks = (encoded_blocks(w, recipe.tile) for w in weights)
-            dx = sum(_times_blocks(*part, (block.t(), block_scale.t()), ctx.features)
-                     for part, (block, block_scale) in zip(parts, blocks)).to(x_dtype)
-        elif wanted[2]:
-            dx = (gq @ _decoded_weights(weights, recipe.tile).t()).to(x_dtype)
+        if wanted[3] and ctx.scaled:
+            blocks = [encoded_blocks(w, recipe.tile) for w in weights]
+            dx = groups.rows(lambda e, span: sum(
+                _times_blocks(part_codes[span], part_scale[span],
+                              _expert_blocks(block, e, True), ctx.features)
+                for (part_codes, part_scale), block in zip(parts, blocks))).to(x_dtype)
+        elif wanted[3]:
+            decoded = _decoded_weights(weights, recipe.tile)
+            dx = groups.rows(lambda e, span: gq[span] @ Groups.weight(decoded, e).t()
+                             ).to(x_dtype)
         dws = [None] * len(weights)
-        if any(wanted[3:]):
-            xq = decoded_rows(codes, scale, ctx.features)
-            dw = xq.reshape(-1, xq.shape[-1]).t() @ gq.reshape(-1, gq.shape[-1])
+        if any(wanted[4:]):
+            dw = groups.weight_gradient(decoded_rows(codes, scale, ctx.features), gq,
+                                        ctx.scaled)
             dws = [part.to(dtype) if needed else None for part, dtype, needed in
-                   zip(dw.split(ctx.widths, dim=1), w_dtypes, wanted[3:])]
-        return (None, None, dx, *dws)
+                   zip(dw.split(ctx.widths, dim=-1), w_dtypes, wanted[4:])]
+        return (None, None, None, dx, *dws)
 
 
 def _side_by_side(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
@@ -144,18 +219,24 @@ def _side_by_side(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
 
 
 def _decoded_weights(weights, tile: int) -> torch.Tensor:
-    """The weights as their T x T blocks quantise them, side by side, in fp32."""
-    return _side_by_side([quantised_blocks(w, tile) for w in weights], 1)
+    """The weights (or stacks of them) as their T x T blocks quantise them, side by side,
+    in fp32."""
+    return _side_by_side([quantised_blocks(w, tile) for w in weights], -1)
 
 
 def _weights_product(codes: torch.Tensor, scale: torch.Tensor, weights, tile: int,
-                     scaled: bool, features: int) -> torch.Tensor:
+                     scaled: bool, features: int, groups: Groups) -> torch.Tensor:
     """Rows in FP8 (:func:`encoded_rows`) times the weights side by side, each in T x T
-    blocks, in fp32: on the tensor cores (``scaled``), or emulated."""
+    blocks, in fp32, each expert's rows by its own (``groups``): on the tensor cores
+    (``scaled``), or emulated."""
     if scaled:
-        return _side_by_side([_times_blocks(codes, scale, encoded_blocks(w, tile), w.shape[1])
-                              for w in weights], -1)
-    return decoded_rows(codes, scale, features) @ _decoded_weights(weights, tile)
+        blocks = [encoded_blocks(w, tile) for w in weights]
+        return groups.rows(lambda e, span: _side_by_side(
+            [_times_blocks(codes[span], scale[span], _expert_blocks(block, e), w.shape[-1])
+             for block, w in zip(blocks, weights)], -1))
+    decoded = _decoded_weights(weights, tile)
+    return groups.rows(lambda e, span: decoded_rows(codes[span], scale[span], features)
+                       @ Groups.weight(decoded, e))
 
 
 class _Fp8SwiGLUDown(torch.autograd.Function):
@@ -163,20 +244,21 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
     low-precision storage): its inputs, gate and up, are kept in FP8 (1 x T tiles) and
     its output is recomputed from them in the backward, where :class:`_Fp8Matmul` would
     keep the product as the down GEMM's cached input; the down GEMM's three products in
-    FP8 as in :class:`_Fp8Matmul`, the backward's weight gradient reading the recomputed
-    product, and the weight kept itself and quantised again; each pass of a split
-    backward computes what it is asked for (the weight's gradient in the weights' pass
-    alone)."""
+    FP8 as in :class:`_Fp8Matmul`, its rows in :class:`Groups`, the backward's weight
+    gradient reading the recomputed product, and the weight kept itself and quantised
+    again; each pass of a split backward computes what it is asked for (the weight's
+    gradient in the weights' pass alone)."""
 
     @staticmethod
-    def forward(ctx, recipe: Recipe, scaled: bool, gate: torch.Tensor, up: torch.Tensor,
-                down: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(ctx, recipe: Recipe, scaled: bool, groups: Groups, gate: torch.Tensor,
+                up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor | None = None
+                ) -> torch.Tensor:
         tile = recipe.tile
         activated = F.silu(gate) * up
         product = encoded_rows(activated if weights is None else activated * weights, tile)
-        out = _weights_product(*product, (down,), tile, scaled, gate.shape[-1])
-        ctx.recipe, ctx.scaled, ctx.dtypes, ctx.features = recipe, scaled, \
-            (gate.dtype, down.dtype), gate.shape[-1]
+        out = _weights_product(*product, (down,), tile, scaled, gate.shape[-1], groups)
+        ctx.recipe, ctx.scaled, ctx.groups, ctx.dtypes, ctx.features = recipe, scaled, \
+            groups, (gate.dtype, down.dtype), gate.shape[-1]
         ctx.weighted = weights is not None
         ctx.save_for_backward(*encoded_rows(gate, tile), *encoded_rows(up, tile), down,
                               *((weights,) if ctx.weighted else ()))
@@ -185,30 +267,34 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         gate_codes, gate_scale, up_codes, up_scale, down, *weights = ctx.saved_tensors
-        wanted = asked_for(ctx, first=2)
-        recipe, (dtype, w_dtype), n = ctx.recipe, ctx.dtypes, ctx.features
+        wanted = asked_for(ctx, first=3)
+        recipe, groups, (dtype, w_dtype), n = ctx.recipe, ctx.groups, ctx.dtypes, ctx.features
         gate = decoded_rows(gate_codes, gate_scale, n).to(dtype)
         up = decoded_rows(up_codes, up_scale, n).to(dtype)
         silu = F.silu(gate)
         activated = silu * up
-        encoded = encoded_rows(grad, recipe.tile, recipe.gradients)
-        gq = decoded_rows(*encoded, grad.shape[-1]) if wanted[4] or not ctx.scaled else None
+        codes, scale = encoded_rows(grad, recipe.tile, recipe.gradients)
+        gq = decoded_rows(codes, scale, grad.shape[-1]) if wanted[5] or not ctx.scaled \
+            else None
         # Each row-wide temporary goes as soon as it is read for the last time, and the
         # gate's factor is computed in place: the same operations in the same order (a
         # product's operands commute exactly), with fewer of them alive at once.
         dw = None
-        if wanted[4]:  # the down GEMM's weight gradient reads the product recomputed
+        if wanted[5]:  # the down GEMM's weight gradient reads the product recomputed
             xq = quantised_rows(activated * weights[0] if weights else activated, recipe.tile)
-            dw = (xq.reshape(-1, n).t() @ gq.reshape(-1, gq.shape[-1])).to(w_dtype)
+            dw = groups.weight_gradient(xq, gq, ctx.scaled).to(w_dtype)
             del xq
-        if not (wanted[2] or wanted[3] or (weights and wanted[5])):
-            return (None, None, None, None, dw, None)[:len(ctx.needs_input_grad)]
+        if not (wanted[3] or wanted[4] or (weights and wanted[6])):
+            return (None, None, None, None, None, dw, None)[:len(ctx.needs_input_grad)]
         if ctx.scaled:
-            block, block_scale = encoded_blocks(down, recipe.tile)
-            d_product = _times_blocks(*encoded, (block.t(), block_scale.t()), n).to(dtype)
+            blocks = encoded_blocks(down, recipe.tile)
+            d_product = groups.rows(lambda e, span: _times_blocks(
+                codes[span], scale[span], _expert_blocks(blocks, e, True), n)).to(dtype)
         else:
-            d_product = (gq @ quantised_blocks(down, recipe.tile).t()).to(dtype)
-        del gq, encoded
+            decoded = quantised_blocks(down, recipe.tile)
+            d_product = groups.rows(lambda e, span: gq[span] @ Groups.weight(decoded, e).t()
+                                    ).to(dtype)
+        gq = codes = scale = None  # (the products above read them: released, not deleted)
         d_weights = None
         if weights:  # the product's gradient to each row's weight, then through it
             d_weights = (d_product * activated).sum(-1, keepdim=True)
@@ -220,7 +306,7 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
         factor = (1 - sigmoid).mul_(gate).add_(1)  # 1 + gate * (1 - sigmoid)
         d_gate = (d_product * up).mul_(sigmoid).mul_(factor)
         # (weights given or not: as many gradients as the forward had inputs)
-        return (None, None, d_gate, d_up, dw, d_weights)[:len(ctx.needs_input_grad)]
+        return (None, None, None, d_gate, d_up, dw, d_weights)[:len(ctx.needs_input_grad)]
 
 
 def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
@@ -229,9 +315,22 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
     rather than the product (:class:`_Fp8SwiGLUDown`); ``weights`` (rows x 1): a routed
     expert's routing weights, applied to the product before the down GEMM (Megatron-Core's
     weighted SwiGLU), kept in the dtype."""
-    return _Fp8SwiGLUDown.apply(recipe, tensor_cores(gate.device, recipe.tile),
+    return _Fp8SwiGLUDown.apply(recipe, tensor_cores(gate.device, recipe.tile), ONE_WEIGHT,
                                 traceable(gate), traceable(up), traceable(down),
                                 traceable(weights))
+
+
+def experts_swiglu(rows: torch.Tensor, scales: torch.Tensor, counts: list[int], gate,
+                   up, down, recipe: Recipe) -> torch.Tensor:
+    """A rank's routed experts' SwiGLU in FP8, each weighted by its routing weight
+    (:func:`swiglu_down`): ``rows`` in expert order, ``counts[e]`` of expert e's, by the
+    stacked weights (experts x in x out) ``gate``, ``up`` and ``down``, each GEMM and
+    each quantisation one operation over every expert (:class:`Groups`)."""
+    scaled, groups = tensor_cores(rows.device, recipe.tile), Groups(tuple(counts))
+    gate_out, up_out = _Fp8Matmul.apply(recipe, scaled, groups, traceable(rows),
+                                        traceable(gate), traceable(up)).chunk(2, dim=-1)
+    return _Fp8SwiGLUDown.apply(recipe, scaled, groups, gate_out, up_out, traceable(down),
+                                traceable(scales))
 
 
 def matmul(x: torch.Tensor, weights: list[torch.Tensor], recipe: Recipe | None
@@ -239,8 +338,8 @@ def matmul(x: torch.Tensor, weights: list[torch.Tensor], recipe: Recipe | None
     """``x @ cat(weights, dim=1)``: in FP8 by ``recipe``, else as it is."""
     if recipe is None:
         return x @ weights[0] if len(weights) == 1 else joined_matmul(x, weights)
-    return _Fp8Matmul.apply(recipe, tensor_cores(x.device, recipe.tile), traceable(x),
-                            *map(traceable, weights))
+    return _Fp8Matmul.apply(recipe, tensor_cores(x.device, recipe.tile), ONE_WEIGHT,
+                            traceable(x), *map(traceable, weights))
 
 
 def joined_matmul(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:

@@ -23,7 +23,12 @@ def _encoded(groups: torch.Tensor, dims: tuple[int, ...], form: torch.dtype = E4
     the format's largest number (1 for a group of zeros). ``groups`` in any float dtype:
     the amax is exact in it, and the division promotes each element to fp32 as it goes,
     the bits of a copy in fp32 first without its memory traffic."""
-    scale = groups.abs().amax(dim=dims, keepdim=True).to(FP32) / LARGEST[form]
+    if len(dims) == 1:  # tiles of rows, as large as the activations: one read of them
+        low, high = torch.aminmax(groups, dim=dims[0], keepdim=True)
+        largest = torch.maximum(high, low.neg())  # amax of abs, no magnitudes written
+    else:
+        largest = groups.abs().amax(dim=dims, keepdim=True)
+    scale = largest.to(FP32) / LARGEST[form]
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return (groups / scale).to(form), scale
 
@@ -100,25 +105,29 @@ def readable(value):
 
 
 def encoded_blocks(w: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight (k, n) in E4M3, zero-padded to whole ``tile`` x ``tile`` blocks, and its
-    fp32 scales, one a block: (k', n') codes and (k' / tile, n' / tile) scales."""
-    k, n = w.shape
+    """A weight (k, n), or a stack of them (..., k, n) (a rank's routed experts), in E4M3,
+    zero-padded to whole ``tile`` x ``tile`` blocks, and its fp32 scales, one a block:
+    (..., k', n') codes and (..., k' / tile, n' / tile) scales; each weight of a stack
+    encoded as it would be alone."""
+    *stack, k, n = w.shape
     padded = F.pad(w, (0, -n % tile, 0, -k % tile)) if (n % tile or k % tile) else w
-    rows, cols = padded.shape
-    codes, scale = _encoded(padded.reshape(rows // tile, tile, cols // tile, tile), (1, 3))
-    return codes.reshape(rows, cols), scale.reshape(rows // tile, cols // tile)
+    rows, cols = padded.shape[-2:]
+    codes, scale = _encoded(padded.reshape(*stack, rows // tile, tile, cols // tile, tile),
+                            (-3, -1))
+    return codes.reshape(*stack, rows, cols), scale.reshape(*stack, rows // tile, cols // tile)
 
 
-def decoded_blocks(codes: torch.Tensor, scale: torch.Tensor, shape: tuple[int, int]
+def decoded_blocks(codes: torch.Tensor, scale: torch.Tensor, shape: tuple[int, ...]
                    ) -> torch.Tensor:
-    """What :func:`encoded_blocks` encoded, in fp32, cut back to the weight's ``shape``."""
-    rows, cols = codes.shape
-    blocks, tile = scale.shape, rows // scale.shape[0]
-    decoded = codes.reshape(blocks[0], tile, blocks[1], tile).to(FP32).mul_(
-        scale.reshape(blocks[0], 1, blocks[1], 1))
-    return decoded.reshape(rows, cols)[:shape[0], :shape[1]]
+    """What :func:`encoded_blocks` encoded, in fp32, cut back to the weights' ``shape``."""
+    *stack, rows, cols = codes.shape
+    blocks, tile = scale.shape[-2:], rows // scale.shape[-2]
+    decoded = codes.reshape(*stack, blocks[0], tile, blocks[1], tile).to(FP32).mul_(
+        scale.reshape(*stack, blocks[0], 1, blocks[1], 1))
+    return decoded.reshape(*stack, rows, cols)[..., :shape[-2], :shape[-1]]
 
 
 def quantised_blocks(w: torch.Tensor, tile: int) -> torch.Tensor:
-    """A weight (k, n) quantised in ``tile`` x ``tile`` blocks, in fp32."""
+    """A weight (k, n), or a stack of them, quantised in ``tile`` x ``tile`` blocks, in
+    fp32."""
     return decoded_blocks(*encoded_blocks(w, tile), w.shape)
