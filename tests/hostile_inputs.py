@@ -661,6 +661,8 @@ def extreme_cases() -> list[tuple[str, str, str, dict]]:
             device__backward_overhead="2 ms")),), (1,)),
         ("handoff-negative", (("machine.json", "bytes", _calibrated(device__handoff=-1e-4)),), (1,)),
         ("handoff-a-list", (("machine.json", "bytes", _calibrated(device__handoff=[1])),), (1,)),
+        ("exp-rate-zero", (("machine.json", "bytes", _calibrated(device__exp_rate=0)),), (1,)),
+        ("exp-rate-a-string", (("machine.json", "bytes", _calibrated(device__exp_rate="1e9")),), (1,)),
         ("name-100k", (("machine.json", "bytes", _calibrated(name="é" * 100_000)),), (0,)),
         ("name-control-chars", (("machine.json", "bytes", _calibrated(name="\x00\x1b[31m\u2028")),), (0,)),
         ("a-list", (("machine.json", "bytes", b"[]"),), (1,)),

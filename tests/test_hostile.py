@@ -53,7 +53,7 @@ COUNTS = {
     "baseline": 2, "big-file": 3, "bom": 9, "data-path": 34, "deep-nesting": 39, "exec": 14,
     "file-name": 21, "huge-number": 29, "limits": 9, "line-endings": 10, "long-line": 12,
     "many-diagnostics": 11, "mutant-example": 30, "mutant-invalid": 30, "nul": 10,
-    "plan-file": 12, "separator": 52, "topology-path": 46, "unicode": 39, "usage": 26,
+    "plan-file": 12, "separator": 52, "topology-path": 48, "unicode": 39, "usage": 26,
 }
 
 
@@ -106,7 +106,7 @@ def _report(failures) -> str:
 
 def test_the_corpus_holds_exactly_the_inputs_it_says():
     assert dict(Counter(case.kind for case in CASES)) == COUNTS
-    assert len(CASES) == sum(COUNTS.values()) == 438
+    assert len(CASES) == sum(COUNTS.values()) == 440
     assert len({case.name for case in CASES}) == len(CASES)
     assert {case.command for case in CASES} == {"check", "check-json", "compile", "args"}
     # Every line separator, in a comment, a string, between tokens and at a line's start.
@@ -132,7 +132,7 @@ def test_the_corpus_is_deterministic():
 
 
 def test_every_input_ran(runs):
-    assert len(runs) == len(CASES) == 438
+    assert len(runs) == len(CASES) == 440
     for case, result, _ in runs.values():
         assert result.seconds > 0 and (result.status is not None or result.signal is not None), \
             case.name

@@ -396,6 +396,8 @@ def test_a_calibrated_topology_supplies_links_and_measured_collectives(tmp_path)
     ({"inter": {"bandwidth": 1e9, "latency": 0, "collectives": {"bcast": {}}}},
      "cannot use topology 'machine.json': inter.collectives names 'bcast'; it holds "
      "all_reduce, reduce_scatter, all_gather and tree"),
+    ({"device": {**CALIBRATED["device"], "exp_rate": 0}},
+     "cannot use topology 'machine.json': device.exp_rate must be a number from 1 to 1e+30"),
 ])
 def test_a_broken_calibrated_topology_is_an_error_at_the_path(tmp_path, change, message):
     from planc.lang import load_file
@@ -695,7 +697,11 @@ def test_calibrate_writes_a_topology_that_a_plan_can_use(tmp_path, run_planc):
     assert data["device"]["backward_overhead"] == overhead["backward"] > 0
     assert (preset.overhead, preset.backward_overhead) == (overhead["forward"],
                                                            overhead["backward"])
-    assert lines[-5].endswith(
+    # exponentials a second, as a loss computes them (Device.exp_rate)
+    assert data["device"]["exp_rate"] == preset.exp_rate > 0
+    assert preset.topology(1).device.exp_rate == preset.exp_rate
+    assert lines[-4] == f"exponentials: {preset.exp_rate / 1e9:.3g} billion a second per rank"
+    assert lines[-6].endswith(
         f"GFLOP/s per rank, {format_quantity(preset.overhead, TIME)} per forward "
         f"instruction and {format_quantity(preset.backward_overhead, TIME)} per backward "
         f"one beyond its arithmetic")
@@ -713,7 +719,7 @@ def test_calibrate_writes_a_topology_that_a_plan_can_use(tmp_path, run_planc):
     forward = [figures["forward"] for figures in overheads.values()]
     gradient = [figures["gradient"] for figures in overheads.values()]
     slowest = max(overheads, key=lambda k: overheads[k]["forward"] + overheads[k]["gradient"])
-    assert lines[-4] == (
+    assert lines[-5] == (
         f"operators: {len(overheads)} timed on the runtime's own instructions, "
         f"{format_quantity(min(forward), TIME)} to {format_quantity(max(forward), TIME)} "
         f"forward and {format_quantity(min(gradient), TIME)} to "

@@ -580,9 +580,11 @@ def test_a_calibrated_cpu_prices_the_logits_a_loss_reads_and_a_backwards_three_t
             continue
         gradient = operands.step in GRADIENT_STEPS
         # the loss's backward reads the logits and writes their gradient; its max and
-        # its sum of exponentials are one pass each
-        moved = {"loss": 2 * logits_bytes, "gelu": 3 * operands.output_bytes}.get(
-            operands.kernel, logits_bytes)
+        # its sum of exponentials are one pass each; the loss after them reads a logit
+        # a token (its output's traffic)
+        moved = {"B/loss": 2 * logits_bytes, "F/loss": 2 * operands.output_bytes}.get(
+            instruction.node, 3 * operands.output_bytes if operands.kernel == "gelu"
+            else logits_bytes)
         if operands.kernel == "gelu" and operands.step != StepKind.BACKWARD:
             continue
         expected = max(operands.flops / 4e10, moved / 6e9) + \
@@ -591,6 +593,52 @@ def test_a_calibrated_cpu_prices_the_logits_a_loss_reads_and_a_backwards_three_t
     assert {"F/loss_max", "F/loss_sum_exp", "B/loss", "B/L0/gelu"} <= set(found), found
     for node, (priced, expected) in found.items():
         assert priced == pytest.approx(expected, rel=1e-12), node
+
+
+@pytest.mark.parametrize("mesh", ["dp", "tp"])
+def test_a_calibrated_cpu_prices_a_losss_exponentials_at_its_measured_rate(tmp_path, mesh):
+    """device.exp_rate (planc calibrate: exponentials a second): a loss pass that
+    exponentiates each logit of its slice costs them at that rate on top of its FLOPs
+    (plans/llama-small.plan on a 2-rank calibration: its sum of exponentials measured
+    23.9 ms, priced 4.8 without the rate and 21.0 with it; its backward 20.9, priced 9.8
+    and 23.3). The whole loss exponentiates in its log-softmax and its backward; a
+    vocabulary-parallel one in its sum of exponentials and its backward, and its loss
+    after them reads no logit of fp32 (measured 0.41 ms, priced 9.7 as two passes
+    over them). A topology without the rate prices the FLOPs alone."""
+    from planc.estimate.instruction_cost import InstructionCosts
+    from planc.lang import load_file
+    from planc.program.operands import StepKind
+
+    text = CPU_PLAN.replace("vocab = 64", "vocab = 4096").replace("dp = 2", f"{mesh} = 2")
+    (tmp_path / "cpu.plan").write_text(text)
+    # the rank's tokens (batch x seq over dp) by its slice of the vocabulary (over tp)
+    logits = {"dp": 2 * 16 * 4096, "tp": 4 * 16 * 2048}[mesh]
+    passes = {"F/loss": 2 if mesh == "dp" else 0, "B/loss": 2, "F/loss_max": 1,
+              "F/loss_sum_exp": 1}  # over the logits, in fp32
+    exponentiating = {"dp": {"F/loss", "B/loss"}, "tp": {"F/loss_sum_exp", "B/loss"}}[mesh]
+    for exp_rate in (None, 2e8):
+        device = {**CPU_TOPOLOGY["device"], **({} if exp_rate is None else
+                                                {"exp_rate": exp_rate})}
+        (tmp_path / "machine.json").write_text(json.dumps({**CPU_TOPOLOGY, "device": device}))
+        plan = load_file(tmp_path / "cpu.plan").plan
+        assert plan.topology.device.exp_rate == exp_rate
+        build = compile_plan(plan)
+        costs = InstructionCosts(plan, build.groups)
+        found = set()
+        for instruction in build.programs[build.table.names[0]].written():
+            operands = instruction.operands
+            if operands is None or operands.kernel not in ("loss", "loss_max", "loss_sum_exp"):
+                continue
+            node = instruction.node
+            arithmetic = operands.flops / 4e10 + (
+                logits / exp_rate if exp_rate and node in exponentiating else 0.0)
+            moved = max(passes[node] * logits * 4, 2 * operands.output_bytes)
+            expected = max(arithmetic, moved / 6e9) + plan.topology.device.instruction_overhead(
+                operands.kernel, operands.step != StepKind.FORWARD)
+            assert costs(instruction, 0) == pytest.approx(expected, rel=1e-9), node
+            found.add(node)
+        assert found == set(passes) - ({"F/loss_max", "F/loss_sum_exp"} if mesh == "dp" else
+                                       set())
 
 
 def test_a_calibrated_cpu_prints_its_flop_rate_in_a_unit_that_shows_it(tmp_path, run_planc):

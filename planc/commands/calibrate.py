@@ -105,6 +105,8 @@ def main(args) -> int:
           f"{format_quantity(preset.overhead, TIME)} per forward instruction and "
           f"{format_quantity(backward, TIME)} per backward one beyond its arithmetic\n"
           f"{_operators(preset.overheads)}"
+          + (f"exponentials: {preset.exp_rate / 1e9:.3g} billion a second per rank\n"
+             if preset.exp_rate else "") +
           f"hand-off: {format_quantity(preset.handoff, TIME)} per transfer between the "
           f"runtime's stream threads\n"
           f"overlap: {preset.overlap:.2f} of an all_reduce hidden behind a matrix multiply\n"

@@ -62,7 +62,7 @@ from planc.program.program import Instruction
 from planc.estimate.parameter_counts import local_parameter_elements
 from planc.plan.plan import DTYPE_BYTES, Plan
 from planc.estimate.kernel_cost import (ALL_TO_ALL_SMS, MIXTURE, TWO_HOP_SMS, KernelModel,
-                                        memory_bound_bytes)
+                                        exponentials, memory_bound_bytes)
 from planc.estimate.mixture import Mixture
 from planc.estimate.roofline import roofline_seconds, traffic
 from planc.vocabulary.model_options import fp8_tile, gemm_input_bytes
@@ -255,7 +255,8 @@ class InstructionCosts:
                 elif operands.kernel == CUT_EXPERTS and self.mixture is not None:
                     flops *= self.mixture.imbalance  # every row routed: the busiest rank's
                 moved = memory_bound_bytes(operands, moved, self.dtype_bytes)
-                seconds = roofline_seconds(flops, moved, self.rate, self.bandwidth) + \
+                seconds = roofline_seconds(flops, moved, self.rate, self.bandwidth,
+                                           exponentials(operands), self.device.exp_rate) + \
                     self.device.instruction_overhead(operands.kernel,
                                                      operands.step in GRADIENT_STEPS)
             if self.accumulation is not None and operands.params and \

@@ -133,18 +133,37 @@ def memory_bound_bytes(operands: Operands, traffic: float, dtype_bytes: int) -> 
     """The bytes a memory-bound kernel moves, at least ``traffic`` (the roofline's bytes
     per byte of output times its output): a loss reads the logits, its output being one
     figure per token (the whole loss in two passes, a vocabulary-parallel loss's max or
-    sum of exponentials in one); a backward reads three tensors of its output's size.
+    sum of exponentials in one, the loss after them none of fp32 logits); a backward
+    reads three tensors of its output's size.
     The GPU's kernel model and the roofline of a CPU or a calibrated device both price
     these."""
     kernel = operands.kernel
     if kernel in LOSS_READS:
         # the vocabulary slice of every token, once per pass over them
         passes = LOSS_READS[kernel][1]
+        if kernel == "loss" and operands.vocab_parallel and \
+                operands.step != StepKind.BACKWARD:
+            # its passes were its max's and its sum's: it reads each token's target logit
+            # and normalisers, after a 16-bit model's logits are widened to fp32 (one
+            # pass; planc.runtime.families.loss.loss_forward)
+            passes = 0.0 if dtype_bytes >= 4 else 1.0
         return max(traffic, passes * _logits(operands, operands.flops or 0.0) * dtype_bytes)
     if operands.step == StepKind.BACKWARD and kernel != OPTIMIZER:
         # the forward's input and the output's gradient read, the input's gradient written
         return max(traffic, BACKWARD_TRAFFIC * (operands.output_bytes or 0))
     return traffic
+
+
+def exponentials(operands: Operands) -> float:
+    """The exponentials a loss instruction computes, one per logit of its slice where it
+    exponentiates them (planc.runtime.families.loss): the whole loss's log-softmax and
+    its backward's softmax, a vocabulary-parallel loss's sum of exponentials and its
+    backward's softmax; none in its max nor in the vocabulary-parallel loss itself, which
+    reads the target's logit and the reduced normaliser. 0 for any other kernel."""
+    kernel, backward = operands.kernel, operands.step == StepKind.BACKWARD
+    exponentiates = kernel == "loss_sum_exp" or (
+        kernel == "loss" and (backward or not operands.vocab_parallel))
+    return _logits(operands, operands.flops or 0.0) if exponentiates else 0.0
 
 
 def wave_efficiency(m: int, n: int, sms: int, groups: int = 1) -> float:

@@ -29,7 +29,10 @@ def traffic(kernel: str, optimizer: str) -> float:
 
 
 def roofline_seconds(flops: float, moved_bytes: float, rate: float,
-                     bandwidth: float) -> float:
-    """Seconds of ``flops`` at ``rate`` FLOP/s or of ``moved_bytes`` at ``bandwidth``
-    bytes/s, whichever is longer."""
-    return max(flops / rate, moved_bytes / bandwidth)
+                     bandwidth: float, exponentials: float = 0.0,
+                     exp_rate: float | None = None) -> float:
+    """Seconds of ``flops`` at ``rate`` FLOP/s, and of ``exponentials`` at ``exp_rate`` a
+    second where the device measured one, or of ``moved_bytes`` at ``bandwidth``
+    bytes/s, whichever is longer: an exponential runs on the same cores as the FLOPs."""
+    arithmetic = flops / rate + (exponentials / exp_rate if exp_rate else 0.0)
+    return max(arithmetic, moved_bytes / bandwidth)

@@ -90,7 +90,8 @@ class TopologyReader(BlockReader):
                         pick("device.bandwidth", preset.memory_bandwidth),
                         pick("device.overlap", preset.overlap), preset.overhead,
                         preset.backward_overhead, preset.handoff, preset.overheads,
-                        preset is not GENERIC or "topology.device.flops" in self.given)
+                        preset is not GENERIC or "topology.device.flops" in self.given,
+                        preset.exp_rate)
         # A link given in the plan replaces the preset's, measured collectives and all.
         intra = Link(pick("intra.bandwidth", preset.intra_bandwidth),
                      pick("intra.latency", preset.intra_latency),

@@ -40,6 +40,7 @@ class Preset:
     backward_overhead: float | None = None  # Device.backward_overhead (calibrated)
     handoff: float = 0.0  # seconds per transfer (Device.handoff; calibrated)
     overheads: tuple[tuple[str, float, float], ...] = ()  # Device.overheads (calibrated)
+    exp_rate: float | None = None  # exponentials a second (Device.exp_rate; calibrated)
 
     def topology(self, nodes: int, dtype: str = "fp32") -> Topology:
         """The preset's machine with ``nodes`` nodes, every figure as measured."""
@@ -48,7 +49,7 @@ class Preset:
                                                 self.efficiency, self.memory_bandwidth,
                                                 self.overlap, self.overhead,
                                                 self.backward_overhead, self.handoff,
-                                                self.overheads),
+                                                self.overheads, exp_rate=self.exp_rate),
                         Link(self.intra_bandwidth, self.intra_latency, self.intra_collectives,
                              self.intra_sweep),
                         Link(self.inter_bandwidth, self.inter_latency, self.inter_collectives),
@@ -165,12 +166,14 @@ def calibrated_document(name: str, devices_per_node: int, flops: float, intra: d
                         inter: dict, measured: dict, memory_bandwidth: float,
                         overlap: float, overhead: float = 0.0,
                         backward_overhead: float | None = None, handoff: float = 0.0,
-                        overheads: dict[str, dict[str, float]] | None = None) -> dict:
+                        overheads: dict[str, dict[str, float]] | None = None,
+                        exp_rate: float | None = None) -> dict:
     """The JSON of a measured machine. A link is ``{"bandwidth": B/s, "latency": s,
     "collectives": {kind: {"bandwidth": bus B/s, "latency": s per call}}}``: the
     point-to-point figures, and what the backend achieves for each collective (``tree``:
     per hop of planc's point-to-point tree). ``overheads``: by operator, its
-    instructions' fixed cost, ``{"forward": s, "gradient": s}`` (Device.overheads)."""
+    instructions' fixed cost, ``{"forward": s, "gradient": s}`` (Device.overheads);
+    ``exp_rate``: exponentials a second (Device.exp_rate)."""
     return {"format": CALIBRATED_FORMAT, "version": CALIBRATED_VERSION, "name": name,
             "devices_per_node": devices_per_node,
             "device": {"flops": flops, "memory": None, "efficiency": 1.0,
@@ -179,7 +182,8 @@ def calibrated_document(name: str, devices_per_node: int, flops: float, intra: d
                        **({} if backward_overhead is None else
                           {"backward_overhead": backward_overhead}),
                        "handoff": handoff,
-                       **({} if not overheads else {"overheads": overheads})},
+                       **({} if not overheads else {"overheads": overheads}),
+                       **({} if exp_rate is None else {"exp_rate": exp_rate})},
             "intra": intra, "inter": inter, "measured": measured}
 
 
@@ -272,9 +276,12 @@ def calibrated_preset(data, name: str) -> Preset:
         backward_overhead = _number(backward_overhead, "device.backward_overhead", False)
     handoff = _number(device.get("handoff", 0.0), "device.handoff", False)
     overheads = _overheads(device.get("overheads", {}))  # none before they were measured
+    exp_rate = device.get("exp_rate")  # none before it was measured
+    if exp_rate is not None:
+        exp_rate = _number(exp_rate, "device.exp_rate")
     intra, inter = _link(data, "intra"), _link(data, "inter")
     return Preset(name, str(data.get("name", name)), per_node,
                   {"bf16": flops, "fp16": flops, "fp32": flops}, memory, efficiency,
                   intra[0], intra[1], inter[0], inter[1], intra[2], inter[2], bandwidth,
                   overlap, overhead, backward_overhead=backward_overhead, handoff=handoff,
-                  overheads=overheads)
+                  overheads=overheads, exp_rate=exp_rate)

@@ -39,6 +39,12 @@ class Device:
     # the plan writes). A plan that names no machine is priced on a generic one, whose
     # peak is no device's: planc run reports no MFU against it.
     peak_known: bool = field(default=True, metadata={"omitted_when_default": True})
+    # Exponentials a second (planc calibrate measures them on a CPU): a loss's pass that
+    # exponentiates every logit costs that much more arithmetic than its FLOPs say, as an
+    # exponential costs a CPU core tens of operations (planc.estimate.kernel_cost.
+    # exponentials). None: priced by its FLOPs alone, as on every GPU preset, whose
+    # kernel model prices a loss by the logits it reads.
+    exp_rate: float | None = field(default=None, metadata={"omitted_when_default": True})
 
     @property
     def gradient_step_overhead(self) -> float:

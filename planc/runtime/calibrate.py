@@ -240,6 +240,18 @@ def measure_memory(repeats: int) -> float:
     return 2 * source.numel() * 4 / seconds
 
 
+def measure_exponentials(repeats: int) -> float:
+    """Exponentials a second of fp32 numbers, 4 Mi of them (16 MB) at a time, as a loss
+    exponentiates its shifted logits (planc.runtime.families.loss), the node's ranks all
+    at once: on a CPU an exponential costs tens of operations (on this 2-core machine,
+    the 33 million of plans/llama-small.plan's sum of exponentials took 45 ms), which a
+    loss's FLOPs do not count (Device.exp_rate)."""
+    source = -10 * torch.rand(4 << 20)  # shifted logits: at most 0
+    target = torch.empty_like(source)
+    seconds = timed(lambda: torch.exp(source, out=target), 1 << 30, repeats)
+    return source.numel() / seconds
+
+
 def measure_overhead() -> dict:
     """Seconds of a tiny compute instruction as the runtime runs it, forward and
     backward apart: what the Python and the dispatcher cost, the arithmetic being
@@ -380,6 +392,7 @@ def calibrate(per_node: int, repeats: int, sizes: tuple[int, ...] = SIZES) -> di
     inter = links.get("inter") or links["intra"]
     flops = measure_compute(repeats)
     memory = measure_memory(repeats)
+    exp_rate = measure_exponentials(repeats)
     measured["overlap"] = measure_overlap(repeats)
     measured["overhead"] = measure_overhead()
     measured["handoff"] = measure_handoff()
@@ -389,7 +402,7 @@ def calibrate(per_node: int, repeats: int, sizes: tuple[int, ...] = SIZES) -> di
                                measured, memory, measured["overlap"]["overlap"],
                                measured["overhead"]["forward"],
                                measured["overhead"]["backward"], measured["handoff"],
-                               measured["overheads"])
+                               measured["overheads"], exp_rate)
 
 
 def main(argv: list[str] | None = None) -> int:
