@@ -418,9 +418,8 @@ def test_a_calibrated_topology_supplies_each_operators_fixed_cost(tmp_path):
     it names costs its figure, forward or gradient step; any other the device's."""
     from planc.lang import load_file
     from planc.estimate.instruction_cost import InstructionCosts
-    from planc.estimate.kernel_cost import memory_bound_bytes
     from planc.plan.plan import DTYPE_BYTES
-    from planc.estimate.roofline import roofline_seconds, traffic
+    from planc.estimate.roofline import memory_bound_bytes, roofline_seconds, traffic
     from planc.program.operands import GRADIENT_STEPS
 
     document = {**CALIBRATED, "device": {**CALIBRATED["device"], "overhead": 7e-6,

@@ -61,10 +61,10 @@ from planc.program.operands import FORWARD_STEPS, GRADIENT_STEPS, Operands, Step
 from planc.program.program import Instruction
 from planc.estimate.parameter_counts import local_parameter_elements
 from planc.plan.plan import DTYPE_BYTES, Plan
-from planc.estimate.kernel_cost import (ALL_TO_ALL_SMS, MIXTURE, TWO_HOP_SMS, KernelModel,
-                                        exponentials, memory_bound_bytes)
+from planc.estimate.kernel_cost import ALL_TO_ALL_SMS, MIXTURE, TWO_HOP_SMS, KernelModel
 from planc.estimate.mixture import Mixture
-from planc.estimate.roofline import roofline_seconds, traffic
+from planc.estimate.roofline import (exponentials, memory_bound_bytes, roofline_seconds,
+                                     traffic)
 from planc.vocabulary.model_options import fp8_tile, gemm_input_bytes
 
 FP32_BYTES = 4

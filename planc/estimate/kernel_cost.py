@@ -74,8 +74,8 @@ from planc.estimate.module_kernels import (ADDED_TO_THE_GRAPH, Passes, made_agai
                                            module_passes)
 from planc.program.operands import Operands, StepKind
 from planc.models import family_of
-from planc.models.family import LOSS_PART_FLOPS_PER_LOGIT
 from planc.plan.plan import Plan
+from planc.estimate.roofline import loss_logits, memory_bound_bytes
 
 # The typical cuBLAS tiles of the NVIDIA guide (rows x columns of the output).
 TILES = ((256, 128), (128, 256), (128, 128))
@@ -93,22 +93,12 @@ MIXTURE = "moe"
 # runs the gradient of each.
 MIXTURE_PARTS = ("moe_route", "moe_shared", "moe_experts", "moe_combine")
 FLASH_BACKWARD = 2.5  # FlashAttention counts a backward as 2.5 forwards
-OPTIMIZER = "optimizer"
 # Bytes per score of unfused attention in 16-bit: the softmax reads and writes each (4),
 # the dropout reads it and writes it and its one-byte mask (5); the backward reads the
 # mask and the gradient and writes it (5), then the softmax's gradient reads the
 # probabilities and the gradient and writes one (6).
 UNFUSED_FORWARD_BYTES = 9
 UNFUSED_BACKWARD_BYTES = 11
-BACKWARD_TRAFFIC = 3.0
-# The cross-entropy's operators, each as (FLOPs it counts per logit, its passes over the
-# logits). The loss (planc.models: 5 FLOPs a logit forward, twice that backward): a pass
-# reads the logits to find the largest, a second sums their exponentials; the backward
-# reads them and writes their gradient. A vocabulary-parallel loss runs the first two
-# passes as operators of their own, one pass each (planc.graph.derive).
-LOSS_READS = {"loss": (5.0, 2.0), "loss_max": (LOSS_PART_FLOPS_PER_LOGIT, 1.0),
-              "loss_sum_exp": (LOSS_PART_FLOPS_PER_LOGIT, 1.0)}
-
 
 # The SMs an expert all-to-all's kernel holds while it runs: a CTA of NCCL's never shares
 # its SM with a compute kernel (NVIDIA/nccl issue 689), and one of DeepSeek's
@@ -120,50 +110,6 @@ TWO_HOP_SMS = 20
 ALL_TO_ALL_SMS = 16
 
 FP8_LINEARS = ("qkv", "proj", "fc1", "fc2")  # the GEMMs model { fp8 } runs in FP8
-
-
-def _logits(operands: Operands, flops: float) -> float:
-    """The logits a loss instruction of ``flops`` reads (:data:`LOSS_READS`; a backward
-    counts twice its forward's FLOPs)."""
-    per_logit = LOSS_READS[operands.kernel][0]
-    return flops / per_logit / (2.0 if operands.step == StepKind.BACKWARD else 1.0)
-
-
-def memory_bound_bytes(operands: Operands, traffic: float, dtype_bytes: int) -> float:
-    """The bytes a memory-bound kernel moves, at least ``traffic`` (the roofline's bytes
-    per byte of output times its output): a loss reads the logits, its output being one
-    figure per token (the whole loss in two passes, a vocabulary-parallel loss's max or
-    sum of exponentials in one, the loss after them none of fp32 logits); a backward
-    reads three tensors of its output's size.
-    The GPU's kernel model and the roofline of a CPU or a calibrated device both price
-    these."""
-    kernel = operands.kernel
-    if kernel in LOSS_READS:
-        # the vocabulary slice of every token, once per pass over them
-        passes = LOSS_READS[kernel][1]
-        if kernel == "loss" and operands.vocab_parallel and \
-                operands.step != StepKind.BACKWARD:
-            # its passes were its max's and its sum's: it reads each token's target logit
-            # and normalisers, after a 16-bit model's logits are widened to fp32 (one
-            # pass; planc.runtime.families.loss.loss_forward)
-            passes = 0.0 if dtype_bytes >= 4 else 1.0
-        return max(traffic, passes * _logits(operands, operands.flops or 0.0) * dtype_bytes)
-    if operands.step == StepKind.BACKWARD and kernel != OPTIMIZER:
-        # the forward's input and the output's gradient read, the input's gradient written
-        return max(traffic, BACKWARD_TRAFFIC * (operands.output_bytes or 0))
-    return traffic
-
-
-def exponentials(operands: Operands) -> float:
-    """The exponentials a loss instruction computes, one per logit of its slice where it
-    exponentiates them (planc.runtime.families.loss): the whole loss's log-softmax and
-    its backward's softmax, a vocabulary-parallel loss's sum of exponentials and its
-    backward's softmax; none in its max nor in the vocabulary-parallel loss itself, which
-    reads the target's logit and the reduced normaliser. 0 for any other kernel."""
-    kernel, backward = operands.kernel, operands.step == StepKind.BACKWARD
-    exponentiates = kernel == "loss_sum_exp" or (
-        kernel == "loss" and (backward or not operands.vocab_parallel))
-    return _logits(operands, operands.flops or 0.0) if exponentiates else 0.0
 
 
 def wave_efficiency(m: int, n: int, sms: int, groups: int = 1) -> float:
@@ -424,7 +370,7 @@ class KernelModel:
             elements = self.rope_features * self.linear_tokens(
                 operands.kernel, operands.step, flops, operands.weight_step is not None)
         elif name == "fp32_cross_entropy":
-            elements = _logits(operands, flops)
+            elements = loss_logits(operands, flops)
         else:  # per element of the operator's output
             elements = (operands.output_bytes or 0) / self.dtype_bytes
         return self.passes_seconds(passes, elements)

@@ -4,12 +4,19 @@ of its FLOPs at the achievable rate and the bytes it moves at the memory bandwid
 roofline of Williams, Waterman and Patterson, CACM 2009). Matrix multiplies are bound by
 the first, layer norms, activations and residual adds by the second.
 
+What a loss reads and exponentiates, and what a backward moves, beyond its output
+(:func:`memory_bound_bytes`, :func:`exponentials`) is here too: the GPU kernel model
+(planc.estimate.kernel_cost) prices the same bytes.
+
 The simulator adds the device's fixed cost per instruction to this
 (planc.estimate.instruction_cost); ``planc calibrate`` measures that fixed cost as what
 the runtime's own instructions take beyond this (planc.runtime.instruction_overheads).
 """
 
 from __future__ import annotations
+
+from planc.models.family import LOSS_PART_FLOPS_PER_LOGIT
+from planc.program.operands import Operands, StepKind
 
 # Bytes an operator moves per byte of its output: read the input and write the output;
 # a residual add reads two inputs; AdamW reads a parameter, its gradient and two moments
@@ -36,3 +43,60 @@ def roofline_seconds(flops: float, moved_bytes: float, rate: float,
     bytes/s, whichever is longer: an exponential runs on the same cores as the FLOPs."""
     arithmetic = flops / rate + (exponentials / exp_rate if exp_rate else 0.0)
     return max(arithmetic, moved_bytes / bandwidth)
+
+
+# What an instruction moves and computes beyond its output and its FLOPs, which the GPU
+# kernel model (planc.estimate.kernel_cost) and this roofline both price.
+BACKWARD_TRAFFIC = 3.0
+# The cross-entropy's operators, each as (FLOPs it counts per logit, its passes over the
+# logits). The loss (planc.models: 5 FLOPs a logit forward, twice that backward): a pass
+# reads the logits to find the largest, a second sums their exponentials; the backward
+# reads them and writes their gradient. A vocabulary-parallel loss runs the first two
+# passes as operators of their own, one pass each (planc.graph.derive).
+LOSS_READS = {"loss": (5.0, 2.0), "loss_max": (LOSS_PART_FLOPS_PER_LOGIT, 1.0),
+              "loss_sum_exp": (LOSS_PART_FLOPS_PER_LOGIT, 1.0)}
+
+
+def loss_logits(operands: Operands, flops: float) -> float:
+    """The logits a loss instruction of ``flops`` reads (:data:`LOSS_READS`; a backward
+    counts twice its forward's FLOPs)."""
+    per_logit = LOSS_READS[operands.kernel][0]
+    return flops / per_logit / (2.0 if operands.step == StepKind.BACKWARD else 1.0)
+
+
+def memory_bound_bytes(operands: Operands, traffic: float, dtype_bytes: int) -> float:
+    """The bytes a memory-bound kernel moves, at least ``traffic`` (the roofline's bytes
+    per byte of output times its output): a loss reads the logits, its output being one
+    figure per token (the whole loss in two passes, a vocabulary-parallel loss's max or
+    sum of exponentials in one, the loss after them none of fp32 logits); a backward
+    reads three tensors of its output's size.
+    The GPU's kernel model and the roofline of a CPU or a calibrated device both price
+    these."""
+    kernel = operands.kernel
+    if kernel in LOSS_READS:
+        # the vocabulary slice of every token, once per pass over them
+        passes = LOSS_READS[kernel][1]
+        if kernel == "loss" and operands.vocab_parallel and \
+                operands.step != StepKind.BACKWARD:
+            # its passes were its max's and its sum's: it reads each token's target logit
+            # and normalisers, after a 16-bit model's logits are widened to fp32 (one
+            # pass; planc.runtime.families.loss.loss_forward)
+            passes = 0.0 if dtype_bytes >= 4 else 1.0
+        logits = loss_logits(operands, operands.flops or 0.0)
+        return max(traffic, passes * logits * dtype_bytes)
+    if operands.step == StepKind.BACKWARD and kernel != OPTIMIZER_KERNEL:
+        # the forward's input and the output's gradient read, the input's gradient written
+        return max(traffic, BACKWARD_TRAFFIC * (operands.output_bytes or 0))
+    return traffic
+
+
+def exponentials(operands: Operands) -> float:
+    """The exponentials a loss instruction computes, one per logit of its slice where it
+    exponentiates them (planc.runtime.families.loss): the whole loss's log-softmax and
+    its backward's softmax, a vocabulary-parallel loss's sum of exponentials and its
+    backward's softmax; none in its max nor in the vocabulary-parallel loss itself, which
+    reads the target's logit and the reduced normaliser. 0 for any other kernel."""
+    kernel, backward = operands.kernel, operands.step == StepKind.BACKWARD
+    exponentiates = kernel == "loss_sum_exp" or (
+        kernel == "loss" and (backward or not operands.vocab_parallel))
+    return loss_logits(operands, operands.flops or 0.0) if exponentiates else 0.0

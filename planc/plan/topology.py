@@ -41,7 +41,7 @@ class Device:
     peak_known: bool = field(default=True, metadata={"omitted_when_default": True})
     # Exponentials a second (planc calibrate measures them on a CPU): a loss's pass that
     # exponentiates every logit costs that much more arithmetic than its FLOPs say, as an
-    # exponential costs a CPU core tens of operations (planc.estimate.kernel_cost.
+    # exponential costs a CPU core tens of operations (planc.estimate.roofline.
     # exponentials). None: priced by its FLOPs alone, as on every GPU preset, whose
     # kernel model prices a loss by the logits it reads.
     exp_rate: float | None = field(default=None, metadata={"omitted_when_default": True})
