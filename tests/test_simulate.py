@@ -604,7 +604,8 @@ def test_a_calibrated_cpu_prices_a_losss_exponentials_at_its_measured_rate(tmp_p
     and 23.3). The whole loss exponentiates in its log-softmax and its backward; a
     vocabulary-parallel one in its sum of exponentials and its backward, and its loss
     after them reads no logit of fp32 (measured 0.41 ms, priced 9.7 as two passes
-    over them). A topology without the rate prices the FLOPs alone."""
+    over them). GELU's tanhs are priced alike. A topology without the rate prices the
+    FLOPs alone."""
     from planc.estimate.instruction_cost import InstructionCosts
     from planc.lang import load_file
     from planc.program.operands import StepKind
@@ -627,18 +628,54 @@ def test_a_calibrated_cpu_prices_a_losss_exponentials_at_its_measured_rate(tmp_p
         found = set()
         for instruction in build.programs[build.table.names[0]].written():
             operands = instruction.operands
-            if operands is None or operands.kernel not in ("loss", "loss_max", "loss_sum_exp"):
+            if operands is None or operands.kernel not in ("loss", "loss_max", "loss_sum_exp",
+                                                           "gelu"):
                 continue
             node = instruction.node
-            arithmetic = operands.flops / 4e10 + (
-                logits / exp_rate if exp_rate and node in exponentiating else 0.0)
-            moved = max(passes[node] * logits * 4, 2 * operands.output_bytes)
+            if operands.kernel == "gelu":  # a tanh an element of its output, both ways
+                backward = operands.step == StepKind.BACKWARD
+                arithmetic = operands.flops / 4e10 + (
+                    operands.output_bytes / 4 / exp_rate if exp_rate else 0.0)
+                moved = (3 if backward else 2) * operands.output_bytes
+                found.add(f"{'B' if backward else 'F'}/gelu")
+            else:
+                arithmetic = operands.flops / 4e10 + (
+                    logits / exp_rate if exp_rate and node in exponentiating else 0.0)
+                moved = max(passes[node] * logits * 4, 2 * operands.output_bytes)
             expected = max(arithmetic, moved / 6e9) + plan.topology.device.instruction_overhead(
                 operands.kernel, operands.step != StepKind.FORWARD)
             assert costs(instruction, 0) == pytest.approx(expected, rel=1e-9), node
             found.add(node)
-        assert found == set(passes) - ({"F/loss_max", "F/loss_sum_exp"} if mesh == "dp" else
-                                       set())
+        assert {n for n in found if "/L" not in n} == {"F/gelu", "B/gelu"} | set(passes) - (
+            {"F/loss_max", "F/loss_sum_exp"} if mesh == "dp" else set())
+
+
+def test_an_activations_tanhs_and_sigmoids_count_as_exponentials():
+    """GPT's tanh GELU: a tanh an element of its output forward and backward; llama's
+    SwiGLU: a sigmoid forward, two backward (its silu made again and silu_backward's);
+    the other operators none (plans/llama-small.plan's SwiGLU backward measured 14.7 ms
+    a step, priced 4.0 by its FLOPs and bytes and 9.0 with its sigmoids)."""
+    from planc.estimate.roofline import transcendentals
+    from planc.lang import load_text
+
+    llama = CPU_PLAN.replace(
+        "model gpt { layers = 2; hidden = 32; heads = 4;",
+        "model llama { layers = 2; hidden = 32; heads = 4; kv_heads = 2; ffn = 48;").replace(
+        '  topology { preset = "machine.json" }\n', "")
+    counts = {}
+    for text in (CPU_PLAN.replace('  topology { preset = "machine.json" }\n', ""), llama):
+        plan = load_text(text, "p.plan").plan
+        build = compile_plan(plan)
+        for instruction in build.programs[build.table.names[0]].written():
+            operands = instruction.operands
+            if operands is None or operands.kernel is None or "/L0/" not in instruction.node:
+                continue
+            elements = (operands.output_bytes or 0) / 4
+            counts[instruction.node] = transcendentals(operands, 4) / elements \
+                if elements else 0.0
+    # transcendentals per element of each operator's output
+    assert {node: count for node, count in counts.items() if count} == {
+        "F/L0/gelu": 1.0, "B/L0/gelu": 1.0, "F/L0/swiglu": 1.0, "B/L0/swiglu": 2.0}
 
 
 def test_a_calibrated_cpu_prints_its_flop_rate_in_a_unit_that_shows_it(tmp_path, run_planc):

@@ -63,8 +63,8 @@ from planc.estimate.parameter_counts import local_parameter_elements
 from planc.plan.plan import DTYPE_BYTES, Plan
 from planc.estimate.kernel_cost import ALL_TO_ALL_SMS, MIXTURE, TWO_HOP_SMS, KernelModel
 from planc.estimate.mixture import Mixture
-from planc.estimate.roofline import (exponentials, memory_bound_bytes, roofline_seconds,
-                                     traffic)
+from planc.estimate.roofline import (memory_bound_bytes, roofline_seconds, traffic,
+                                     transcendentals)
 from planc.vocabulary.model_options import fp8_tile, gemm_input_bytes
 
 FP32_BYTES = 4
@@ -256,7 +256,8 @@ class InstructionCosts:
                     flops *= self.mixture.imbalance  # every row routed: the busiest rank's
                 moved = memory_bound_bytes(operands, moved, self.dtype_bytes)
                 seconds = roofline_seconds(flops, moved, self.rate, self.bandwidth,
-                                           exponentials(operands), self.device.exp_rate) + \
+                                           transcendentals(operands, self.dtype_bytes),
+                                           self.device.exp_rate) + \
                     self.device.instruction_overhead(operands.kernel,
                                                      operands.step in GRADIENT_STEPS)
             if self.accumulation is not None and operands.params and \

@@ -4,8 +4,9 @@ of its FLOPs at the achievable rate and the bytes it moves at the memory bandwid
 roofline of Williams, Waterman and Patterson, CACM 2009). Matrix multiplies are bound by
 the first, layer norms, activations and residual adds by the second.
 
-What a loss reads and exponentiates, and what a backward moves, beyond its output
-(:func:`memory_bound_bytes`, :func:`exponentials`) is here too: the GPU kernel model
+What a loss reads, what a loss or an activation exponentiates, and what a backward moves,
+beyond its output and its FLOPs (:func:`memory_bound_bytes`, :func:`transcendentals`)
+is here too: the GPU kernel model
 (planc.estimate.kernel_cost) prices the same bytes.
 
 The simulator adds the device's fixed cost per instruction to this
@@ -16,7 +17,7 @@ the runtime's own instructions take beyond this (planc.runtime.instruction_overh
 from __future__ import annotations
 
 from planc.models.family import LOSS_PART_FLOPS_PER_LOGIT
-from planc.program.operands import Operands, StepKind
+from planc.program.operands import FORWARD_STEPS, Operands, StepKind
 
 # Bytes an operator moves per byte of its output: read the input and write the output;
 # a residual add reads two inputs; AdamW reads a parameter, its gradient and two moments
@@ -38,8 +39,9 @@ def traffic(kernel: str, optimizer: str) -> float:
 def roofline_seconds(flops: float, moved_bytes: float, rate: float,
                      bandwidth: float, exponentials: float = 0.0,
                      exp_rate: float | None = None) -> float:
-    """Seconds of ``flops`` at ``rate`` FLOP/s, and of ``exponentials`` at ``exp_rate`` a
-    second where the device measured one, or of ``moved_bytes`` at ``bandwidth``
+    """Seconds of ``flops`` at ``rate`` FLOP/s, and of ``exponentials`` (transcendental
+    functions: :func:`transcendentals`) at ``exp_rate`` a second where the device
+    measured one, or of ``moved_bytes`` at ``bandwidth``
     bytes/s, whichever is longer: an exponential runs on the same cores as the FLOPs."""
     arithmetic = flops / rate + (exponentials / exp_rate if exp_rate else 0.0)
     return max(arithmetic, moved_bytes / bandwidth)
@@ -55,6 +57,12 @@ BACKWARD_TRAFFIC = 3.0
 # passes as operators of their own, one pass each (planc.graph.derive).
 LOSS_READS = {"loss": (5.0, 2.0), "loss_max": (LOSS_PART_FLOPS_PER_LOGIT, 1.0),
               "loss_sum_exp": (LOSS_PART_FLOPS_PER_LOGIT, 1.0)}
+# The activations' transcendental functions per element of their output, (forward,
+# backward), as planc.runtime.families computes them: GPT's tanh GELU one tanh, and its
+# backward (PyTorch's gelu_backward) the tanh again; llama's SwiGLU one sigmoid in its
+# silu, and its backward the silu again (made again, as Megatron-LM's fused bias-SwiGLU
+# does) and silu_backward's sigmoid.
+ACTIVATION_TRANSCENDENTALS = {"gelu": (1, 1), "swiglu": (1, 2)}
 
 
 def loss_logits(operands: Operands, flops: float) -> float:
@@ -90,13 +98,22 @@ def memory_bound_bytes(operands: Operands, traffic: float, dtype_bytes: int) -> 
     return traffic
 
 
-def exponentials(operands: Operands) -> float:
-    """The exponentials a loss instruction computes, one per logit of its slice where it
-    exponentiates them (planc.runtime.families.loss): the whole loss's log-softmax and
-    its backward's softmax, a vocabulary-parallel loss's sum of exponentials and its
-    backward's softmax; none in its max nor in the vocabulary-parallel loss itself, which
-    reads the target's logit and the reduced normaliser. 0 for any other kernel."""
+def transcendentals(operands: Operands, dtype_bytes: int) -> float:
+    """The exponentials (and tanhs and sigmoids, each an exponential's work) an
+    instruction computes: a loss one per logit of its slice where it exponentiates them
+    (planc.runtime.families.loss: the whole loss's log-softmax and its backward's
+    softmax, a vocabulary-parallel loss's sum of exponentials and its backward's
+    softmax; none in its max nor in the vocabulary-parallel loss itself, which reads the
+    target's logit and the reduced normaliser); an activation its
+    :data:`ACTIVATION_TRANSCENDENTALS` per element of its output. 0 for any other
+    kernel."""
     kernel, backward = operands.kernel, operands.step == StepKind.BACKWARD
+    per_element = ACTIVATION_TRANSCENDENTALS.get(kernel)
+    if per_element is not None:
+        elements = (operands.output_bytes or 0) / dtype_bytes
+        if backward:
+            return per_element[1] * elements
+        return per_element[0] * elements if operands.step in FORWARD_STEPS else 0.0
     exponentiates = kernel == "loss_sum_exp" or (
         kernel == "loss" and (backward or not operands.vocab_parallel))
     return loss_logits(operands, operands.flops or 0.0) if exponentiates else 0.0

@@ -40,10 +40,10 @@ class Device:
     # peak is no device's: planc run reports no MFU against it.
     peak_known: bool = field(default=True, metadata={"omitted_when_default": True})
     # Exponentials a second (planc calibrate measures them on a CPU): a loss's pass that
-    # exponentiates every logit costs that much more arithmetic than its FLOPs say, as an
-    # exponential costs a CPU core tens of operations (planc.estimate.roofline.
-    # exponentials). None: priced by its FLOPs alone, as on every GPU preset, whose
-    # kernel model prices a loss by the logits it reads.
+    # exponentiates every logit, or an activation's tanh or sigmoid, costs that much more
+    # arithmetic than its FLOPs say, as an exponential costs a CPU core tens of
+    # operations (planc.estimate.roofline.transcendentals). None: priced by its FLOPs
+    # alone, as on every GPU preset, whose kernel model prices them by their bytes.
     exp_rate: float | None = field(default=None, metadata={"omitted_when_default": True})
 
     @property

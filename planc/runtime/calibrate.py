@@ -396,7 +396,7 @@ def calibrate(per_node: int, repeats: int, sizes: tuple[int, ...] = SIZES) -> di
     measured["overlap"] = measure_overlap(repeats)
     measured["overhead"] = measure_overhead()
     measured["handoff"] = measure_handoff()
-    measured["overheads"] = measure_instructions(per_node, repeats, flops, memory)
+    measured["overheads"] = measure_instructions(per_node, repeats, flops, memory, exp_rate)
     return calibrated_document(f"calibrated {dist.get_backend()}, {world} ranks on {nodes} "
                                f"node{'s' * (nodes > 1)}", per_node, flops, intra, inter,
                                measured, memory, measured["overlap"]["overlap"],

@@ -9,7 +9,8 @@ are measured under.
   calibration's world, so every rank runs it at once and the cores are shared as in a
   training step), runs a few steps of it through the runtime's own executor with its
   trace on, and takes, for every compute instruction after the warm-up, its traced time
-  less its arithmetic at the measured compute rate and memory bandwidth. The figure of
+  less its arithmetic as the simulator prices it at the measured compute rate, memory
+  bandwidth and exponentials a second. The figure of
   an operator is the median over its instructions, forward steps and gradient steps
   apart, the slowest rank's. On a CPU a small model's instruction is mostly this: the
   Python of the step, the dispatch of several PyTorch operators, autograd's
@@ -35,7 +36,8 @@ from planc.build import directory as build_directory
 from planc.build.files import read_for_run
 from planc.compile import compile_plan
 from planc.data.identity import identity_now
-from planc.estimate.roofline import roofline_seconds, traffic
+from planc.estimate.roofline import (memory_bound_bytes, roofline_seconds, traffic,
+                                     transcendentals)
 from planc.lang.front import load_text
 from planc.program.operands import GRADIENT_STEPS
 from planc.program.program import Opcode
@@ -65,6 +67,7 @@ PLAN = """plan calibrate_{family} {{
 """
 WARMUP = 2  # steps left out: the first allocations, autograd's first graphs
 TIMEOUT = 300.0  # seconds without progress before a step is declared hung
+FP32_BYTES = 4
 
 
 def plan_text(family: str, world: int, per_node: int, steps: int) -> str:
@@ -74,10 +77,12 @@ def plan_text(family: str, world: int, per_node: int, steps: int) -> str:
                        world=world, nodes=world // per_node, per_node=per_node, steps=steps)
 
 
-def _samples(family: str, per_node: int, steps: int, rate: float, bandwidth: float
-             ) -> dict[tuple[str, bool], list[float]]:
+def _samples(family: str, per_node: int, steps: int, rate: float, bandwidth: float,
+             exp_rate: float | None) -> dict[tuple[str, bool], list[float]]:
     """Seconds beyond their arithmetic of this rank's compute instructions, by (operator,
-    gradient step), over ``steps`` steps of the family's tiny plan after the warm-up."""
+    gradient step), over ``steps`` steps of the family's tiny plan after the warm-up: the
+    arithmetic as the simulator prices it on this device (planc.estimate.roofline; the
+    plans are fp32)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     loaded = load_text(plan_text(family, world, per_node, steps), f"<calibrate {family}>")
     if not loaded.ok:  # the plans above are fixed: a failure here is planc's own bug
@@ -109,10 +114,10 @@ def _samples(family: str, per_node: int, steps: int, rate: float, bandwidth: flo
                         instruction.operands.kernel is None:
                     continue
                 operands = instruction.operands
-                arithmetic = roofline_seconds(
-                    operands.flops or 0.0,
-                    traffic(operands.kernel, optimizer) * (operands.output_bytes or 0),
-                    rate, bandwidth)
+                moved = memory_bound_bytes(operands, traffic(operands.kernel, optimizer) *
+                                           (operands.output_bytes or 0), FP32_BYTES)
+                arithmetic = roofline_seconds(operands.flops or 0.0, moved, rate, bandwidth,
+                                              transcendentals(operands, FP32_BYTES), exp_rate)
                 key = (operands.kernel, operands.step in GRADIENT_STEPS)
                 out.setdefault(key, []).append(event.end - event.start - arithmetic)
     finally:
@@ -120,8 +125,8 @@ def _samples(family: str, per_node: int, steps: int, rate: float, bandwidth: flo
     return out
 
 
-def measure_instructions(per_node: int, repeats: int, rate: float, bandwidth: float
-                         ) -> dict[str, dict[str, float]]:
+def measure_instructions(per_node: int, repeats: int, rate: float, bandwidth: float,
+                         exp_rate: float | None = None) -> dict[str, dict[str, float]]:
     """Operator -> {"forward": s, "gradient": s}: the median fixed cost of its
     instructions over ``repeats`` steps of each family after the warm-up, on this
     machine, the slowest rank's (see the module docstring). An operator with no gradient
@@ -129,7 +134,7 @@ def measure_instructions(per_node: int, repeats: int, rate: float, bandwidth: fl
     samples: dict[tuple[str, bool], list[float]] = {}
     for family in FAMILIES:
         for key, values in _samples(family, per_node, WARMUP + repeats, rate,
-                                    bandwidth).items():
+                                    bandwidth, exp_rate).items():
             samples.setdefault(key, []).extend(values)
     kernels = sorted({kernel for kernel, _ in samples})
     figures = torch.tensor([[max(statistics.median(samples.get((kernel, gradient)) or
