@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from planc.runtime.families.moe_dispatch import (copied_by_row, expert_output,
+from planc.runtime.families.moe_dispatch import (copied_by_row, expert_mlp,
                                                  stacked_experts, through_experts)
 
 WAYS = ("indexed", "slices", "sorted", "grouped")
@@ -66,15 +66,16 @@ def main() -> None:
             counts = torch.bincount(expert_of, minlength=args.experts).tolist()
             weights = experts.slices()
             out = copied_by_row(rows * 0, order, torch.cat([
-                expert_output(x, weights, expert, scale=scale) for expert, (x, scale) in
+                expert_mlp(x, *(w[expert] for w in weights), scale=scale)
+                for expert, (x, scale) in
                 enumerate(zip(rows[order].split(counts), scales[order].split(counts)))]))
         else:
             weights = experts.slices() if way == "slices" else tuple(stacked.values())
             out = rows * 0
             for expert in range(args.experts):
                 mine = (expert_of == expert).nonzero(as_tuple=True)[0]
-                out = copied_by_row(out, mine, expert_output(rows[mine], weights, expert,
-                                                             scale=scales[mine]))
+                out = copied_by_row(out, mine, expert_mlp(
+                    rows[mine], *(w[expert] for w in weights), scale=scales[mine]))
         return (out, *torch.autograd.grad(out, leaves, grad))
 
     results = [step(way) for way in WAYS]

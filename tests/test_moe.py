@@ -665,7 +665,7 @@ def test_a_ranks_experts_gradients_are_stacked_once_not_zero_filled_per_expert()
     (12 select_backward, 9 adds); the same gradients."""
     torch = pytest.importorskip("torch")
 
-    from planc.runtime.families.moe_dispatch import expert_output, stacked_experts
+    from planc.runtime.families.moe_dispatch import expert_mlp, stacked_experts
     from tests.conftest import counting
 
     generator = torch.Generator().manual_seed(2)
@@ -675,7 +675,7 @@ def test_a_ranks_experts_gradients_are_stacked_once_not_zero_filled_per_expert()
     rows = [torch.randn(3, 16, generator=generator) for _ in range(4)]
 
     def output(weights):
-        return sum(expert_output(rows[e], weights, e).sum() for e in range(4))
+        return sum(expert_mlp(rows[e], *(w[e] for w in weights)).sum() for e in range(4))
 
     whole = tuple(stacked.values())
     indexed = torch.autograd.grad(output(whole), whole)
@@ -697,7 +697,7 @@ def test_a_ranks_rows_go_through_their_experts_sorted_once():
     and backward, to the rounding of the SwiGLU's exp."""
     torch = pytest.importorskip("torch")
 
-    from planc.runtime.families.moe_dispatch import (copied_by_row, expert_output,
+    from planc.runtime.families.moe_dispatch import (copied_by_row, expert_mlp,
                                                      stacked_experts, through_experts)
     from tests.conftest import counting
 
@@ -716,8 +716,8 @@ def test_a_ranks_rows_go_through_their_experts_sorted_once():
     for expert in range(4):
         mine = (expert_of == expert).nonzero(as_tuple=True)[0]
         if mine.numel():
-            by_index = copied_by_row(by_index, mine, expert_output(
-                rows[mine], weights, expert, scale=scales[mine]))
+            by_index = copied_by_row(by_index, mine, expert_mlp(
+                rows[mine], *(w[expert] for w in weights), scale=scales[mine]))
     ops = torch.ops.aten
     with counting(ops.index.Tensor) as gathers, counting(ops.index_copy.default) as copies:
         sorted_once = through_experts(rows * 0, rows, scales, expert_of, 4, experts)

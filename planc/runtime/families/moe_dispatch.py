@@ -58,20 +58,11 @@ class Routed:
         return replace(self, rows=self.rows.detach().requires_grad_(requires_grad))
 
 
-def expert_output(x: torch.Tensor, weights: tuple, expert: int, recipe=None,
-                  scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Routed expert ``expert``'s SwiGLU of rows ``x``, each weighted by its ``scale``
-    (:func:`expert_mlp`); ``weights``: the gate, up and down slices
-    (:meth:`Experts.slices`); its GEMMs in FP8 by ``recipe`` (planc.runtime.engine.fp8)."""
-    gate, up, down = weights
-    return expert_mlp(x, gate[expert], up[expert], down[expert], recipe, scale)
-
-
 def through_experts(done: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor,
                     expert_of: torch.Tensor, local: int, experts: Experts, recipe=None,
                     again: bool = False) -> torch.Tensor:
     """``done`` with each of ``rows`` written over by its expert's output, weighted by its
-    scale (:func:`expert_output`; ``expert_of``: each row's expert among the rank's
+    scale (:func:`expert_mlp`; ``expert_of``: each row's expert among the rank's
     ``local``). The rows are sorted by expert once (a stable sort: each expert's rows in
     their order) and each expert runs on its slice, the outputs written back at once:
     taking each expert's rows by index would zero-fill a whole gradient of the rows for
