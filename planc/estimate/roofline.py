@@ -6,8 +6,7 @@ the first, layer norms, activations and residual adds by the second.
 
 What a loss reads, what a loss or an activation exponentiates, and what a backward moves,
 beyond its output and its FLOPs (:func:`memory_bound_bytes`, :func:`transcendentals`)
-is here too: the GPU kernel model
-(planc.estimate.kernel_cost) prices the same bytes.
+is here too: the GPU kernel model (planc.estimate.kernel_cost) prices the same bytes.
 
 The simulator adds the device's fixed cost per instruction to this
 (planc.estimate.instruction_cost); ``planc calibrate`` measures that fixed cost as what
@@ -41,8 +40,8 @@ def roofline_seconds(flops: float, moved_bytes: float, rate: float,
                      exp_rate: float | None = None) -> float:
     """Seconds of ``flops`` at ``rate`` FLOP/s, and of ``exponentials`` (transcendental
     functions: :func:`transcendentals`) at ``exp_rate`` a second where the device
-    measured one, or of ``moved_bytes`` at ``bandwidth``
-    bytes/s, whichever is longer: an exponential runs on the same cores as the FLOPs."""
+    measured one, or of ``moved_bytes`` at ``bandwidth`` bytes/s, whichever is longer:
+    an exponential runs on the same cores as the FLOPs."""
     arithmetic = flops / rate + (exponentials / exp_rate if exp_rate else 0.0)
     return max(arithmetic, moved_bytes / bandwidth)
 
@@ -72,6 +71,18 @@ def loss_logits(operands: Operands, flops: float) -> float:
     return flops / per_logit / (2.0 if operands.step == StepKind.BACKWARD else 1.0)
 
 
+def _loss_pass(operands: Operands, dtype_bytes: int) -> tuple[float, float]:
+    """A loss instruction's passes over its logits and exponentials per logit: its
+    :data:`LOSS_READS` passes, exponentiating in each but the max's; the
+    vocabulary-parallel loss after its max and sum reads each token's target logit and
+    normalisers alone, after a 16-bit model's logits are widened to fp32 (one pass;
+    planc.runtime.families.loss.loss_forward), and exponentiates none."""
+    kernel = operands.kernel
+    if kernel == "loss" and operands.vocab_parallel and operands.step != StepKind.BACKWARD:
+        return (0.0 if dtype_bytes >= 4 else 1.0), 0.0
+    return LOSS_READS[kernel][1], (0.0 if kernel == "loss_max" else 1.0)
+
+
 def memory_bound_bytes(operands: Operands, traffic: float, dtype_bytes: int) -> float:
     """The bytes a memory-bound kernel moves, at least ``traffic`` (the roofline's bytes
     per byte of output times its output): a loss reads the logits, its output being one
@@ -83,13 +94,7 @@ def memory_bound_bytes(operands: Operands, traffic: float, dtype_bytes: int) -> 
     kernel = operands.kernel
     if kernel in LOSS_READS:
         # the vocabulary slice of every token, once per pass over them
-        passes = LOSS_READS[kernel][1]
-        if kernel == "loss" and operands.vocab_parallel and \
-                operands.step != StepKind.BACKWARD:
-            # its passes were its max's and its sum's: it reads each token's target logit
-            # and normalisers, after a 16-bit model's logits are widened to fp32 (one
-            # pass; planc.runtime.families.loss.loss_forward)
-            passes = 0.0 if dtype_bytes >= 4 else 1.0
+        passes, _ = _loss_pass(operands, dtype_bytes)
         logits = loss_logits(operands, operands.flops or 0.0)
         return max(traffic, passes * logits * dtype_bytes)
     if operands.step == StepKind.BACKWARD and kernel != OPTIMIZER_KERNEL:
@@ -107,13 +112,14 @@ def transcendentals(operands: Operands, dtype_bytes: int) -> float:
     target's logit and the reduced normaliser); an activation its
     :data:`ACTIVATION_TRANSCENDENTALS` per element of its output. 0 for any other
     kernel."""
-    kernel, backward = operands.kernel, operands.step == StepKind.BACKWARD
+    kernel = operands.kernel
     per_element = ACTIVATION_TRANSCENDENTALS.get(kernel)
     if per_element is not None:
         elements = (operands.output_bytes or 0) / dtype_bytes
-        if backward:
+        if operands.step == StepKind.BACKWARD:
             return per_element[1] * elements
         return per_element[0] * elements if operands.step in FORWARD_STEPS else 0.0
-    exponentiates = kernel == "loss_sum_exp" or (
-        kernel == "loss" and (backward or not operands.vocab_parallel))
-    return loss_logits(operands, operands.flops or 0.0) if exponentiates else 0.0
+    if kernel not in LOSS_READS:
+        return 0.0
+    _, per_logit = _loss_pass(operands, dtype_bytes)
+    return per_logit * loss_logits(operands, operands.flops or 0.0)

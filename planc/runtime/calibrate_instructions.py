@@ -39,6 +39,7 @@ from planc.data.identity import identity_now
 from planc.estimate.roofline import (memory_bound_bytes, roofline_seconds, traffic,
                                      transcendentals)
 from planc.lang.front import load_text
+from planc.plan.plan import DTYPE_BYTES
 from planc.program.operands import GRADIENT_STEPS
 from planc.program.program import Opcode
 from planc.runtime.engine.context import RankContext, make_groups
@@ -67,7 +68,6 @@ PLAN = """plan calibrate_{family} {{
 """
 WARMUP = 2  # steps left out: the first allocations, autograd's first graphs
 TIMEOUT = 300.0  # seconds without progress before a step is declared hung
-FP32_BYTES = 4
 
 
 def plan_text(family: str, world: int, per_node: int, steps: int) -> str:
@@ -81,8 +81,7 @@ def _samples(family: str, per_node: int, steps: int, rate: float, bandwidth: flo
              exp_rate: float | None) -> dict[tuple[str, bool], list[float]]:
     """Seconds beyond their arithmetic of this rank's compute instructions, by (operator,
     gradient step), over ``steps`` steps of the family's tiny plan after the warm-up: the
-    arithmetic as the simulator prices it on this device (planc.estimate.roofline; the
-    plans are fp32)."""
+    arithmetic as the simulator prices it on this device (planc.estimate.roofline)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     loaded = load_text(plan_text(family, world, per_node, steps), f"<calibrate {family}>")
     if not loaded.ok:  # the plans above are fixed: a failure here is planc's own bug
@@ -100,6 +99,7 @@ def _samples(family: str, per_node: int, steps: int, rate: float, bandwidth: flo
     instructions = {item.node: item for item in program.written()
                     if item.op is Opcode.COMPUTE}
     optimizer = loaded.plan.train.optimizer.name
+    dtype_bytes = DTYPE_BYTES[loaded.plan.model.dtype]
     executor = CpuExecutor(Interpreter(ctx, program, ParamStore(ctx, program.buckets)),
                            TIMEOUT, trace=True)
     out: dict[tuple[str, bool], list[float]] = {}
@@ -115,9 +115,9 @@ def _samples(family: str, per_node: int, steps: int, rate: float, bandwidth: flo
                     continue
                 operands = instruction.operands
                 moved = memory_bound_bytes(operands, traffic(operands.kernel, optimizer) *
-                                           (operands.output_bytes or 0), FP32_BYTES)
+                                           (operands.output_bytes or 0), dtype_bytes)
                 arithmetic = roofline_seconds(operands.flops or 0.0, moved, rate, bandwidth,
-                                              transcendentals(operands, FP32_BYTES), exp_rate)
+                                              transcendentals(operands, dtype_bytes), exp_rate)
                 key = (operands.kernel, operands.step in GRADIENT_STEPS)
                 out.setdefault(key, []).append(event.end - event.start - arithmetic)
     finally:

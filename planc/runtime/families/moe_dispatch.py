@@ -110,15 +110,14 @@ def expert_mlp(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
                ) -> torch.Tensor:
     """A routed or shared expert's SwiGLU of rows ``x``: in ``x``'s dtype, or by FP8
     ``recipe`` with DeepSeek-V3's storage, the SwiGLU's inputs kept in FP8 and its output
-    recomputed (planc.runtime.engine.fp8.swiglu_down). ``scale`` (rows x 1): a routed
+    recomputed (planc.runtime.engine.fp8.experts_swiglu). ``scale`` (rows x 1): a routed
     expert's routing weights, applied inside the SwiGLU, before the down projection
     (Megatron-Core's weighted SwiGLU): the weighted output, with nothing hidden wide
     kept for the weights' gradient, which the SwiGLU's own inputs give. ``again``: the
     product computed again in the backward (planc.runtime.families.recomputed_product)."""
     if recipe is None:
         return down_of_product(x @ gate, x @ up, scale, lambda product: product @ down, again)
-    gate_out, up_out = fp8.matmul(x, [gate, up], recipe).chunk(2, dim=-1)
-    return fp8.swiglu_down(gate_out, up_out, down, recipe, scale)
+    return fp8.experts_swiglu(x, scale, None, gate, up, down, recipe)
 
 
 class _PutByRow(torch.autograd.Function):

@@ -320,13 +320,16 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                                 traceable(weights))
 
 
-def experts_swiglu(rows: torch.Tensor, scales: torch.Tensor, counts: list[int], gate,
-                   up, down, recipe: Recipe) -> torch.Tensor:
-    """A rank's routed experts' SwiGLU in FP8, each weighted by its routing weight
-    (:func:`swiglu_down`): ``rows`` in expert order, ``counts[e]`` of expert e's, by the
-    stacked weights (experts x in x out) ``gate``, ``up`` and ``down``, each GEMM and
-    each quantisation one operation over every expert (:class:`Groups`)."""
-    scaled, groups = tensor_cores(rows.device, recipe.tile), Groups(tuple(counts))
+def experts_swiglu(rows: torch.Tensor, scales: torch.Tensor | None, counts: list[int] | None,
+                   gate, up, down, recipe: Recipe) -> torch.Tensor:
+    """Experts' SwiGLU in FP8, each row weighted by its ``scales`` where given (a routed
+    expert's routing weight, :func:`swiglu_down`): a rank's routed experts, ``rows`` in
+    expert order, ``counts[e]`` of expert e's, by the stacked weights (experts x in x
+    out) ``gate``, ``up`` and ``down``, each GEMM and each quantisation one operation over
+    every expert (:class:`Groups`); or, without ``counts``, one expert (a shared one) by
+    its own weights."""
+    scaled = tensor_cores(rows.device, recipe.tile)
+    groups = ONE_WEIGHT if counts is None else Groups(tuple(counts))
     gate_out, up_out = _Fp8Matmul.apply(recipe, scaled, groups, traceable(rows),
                                         traceable(gate), traceable(up)).chunk(2, dim=-1)
     return _Fp8SwiGLUDown.apply(recipe, scaled, groups, gate_out, up_out, traceable(down),
