@@ -19,13 +19,23 @@ PLANS = ROOT / "plans"
 # in the order its expectations were written against. A setting of the caller wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# What every rank script ends with: it leaves as planc's own ranks do
+# (planc.runtime.worker), through os._exit once its output is out, not through the
+# interpreter's teardown, which a C++ thread still running aborts now and then
+# ("terminate called without an active exception", SIGABRT: seen on 2026-12-04 in a
+# fresh clone, tests/test_recompute_norms.py's one-rank llama, after its JSON was out).
+# A script that exits or fails before it leaves as it did.
+LEAVE = ("\nimport os as _os, sys as _sys\n_sys.stdout.flush()\n_sys.stderr.flush()\n"
+         "_os._exit(0)\n")
+
+
 def script_on_ranks(script: str, tmp_path: Path, ranks: int = 2, *args: str
                     ) -> list[tuple[str, str]]:
     """``script`` (Python source) run by ``ranks`` processes that join one gloo group
     through a file store: its argv is the rank, the store's path, then ``args``. Each
     rank's (stdout, stderr), once all have exited."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    processes = [subprocess.Popen([sys.executable, "-c", script, str(rank),
+    processes = [subprocess.Popen([sys.executable, "-c", script + LEAVE, str(rank),
                                    str(tmp_path / "store"), *args], stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True, env=env)
                  for rank in range(ranks)]
@@ -78,7 +88,8 @@ def run_ranks(script: str, tmp_path: Path, *args: str, world: int = 1, threads: 
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port), **(env or {})}
-        started.append(subprocess.Popen([sys.executable, "-c", script, str(build), *args],
+        started.append(subprocess.Popen([sys.executable, "-c", script + LEAVE, str(build),
+                                         *args],
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True, cwd=ROOT, env=environment))
     done = []
