@@ -51,10 +51,12 @@ TORCHTITAN = {"torchtitan-8b-fsdp8": (5762, 82.4), "torchtitan-8b-fsdp128": (560
               "torchtitan-70b-async-tp8": (652.4, None)}
 
 # planc's own runs on one NVIDIA H200 (plans/planc-h200/, docs/performance.md): bench/
-# gpu_step.py and bench/gpu_moe.py on 2026-12-04, (step s, peak MiB); the FP8 rows with
-# the one-call block-scaled GEMMs (planc.runtime.engine.fp8.blockwise_product). The peak
-# is planc run's peak_memory_mb there: torch.cuda.max_memory_allocated.
-PLANC_H200 = {"llama-1b-fp32": (1.1946, 39386), "moe-bf16": (0.1088, 23983),
-              "moe-fp8": (0.8383, 21816), "deepseek-bf16": (0.1387, 31813),
-              "deepseek-fp8": (0.7578, 29856)}
+# gpu_step.py and bench/gpu_moe.py, (step s, peak MiB). The dense row on 2026-12-04 (the
+# first H200 session); the mixtures from the last H200 session of 2026-12-04, after a
+# rank's experts were quantised at once and their FP8 weight gradients ran as split bf16
+# GEMMs (`PARTS="tests gpu_moe" bench/gpu.sh`; performance.md, "Mixtures of experts on
+# one GPU"). The peak is planc run's peak_memory_mb there: torch.cuda.max_memory_allocated.
+PLANC_H200 = {"llama-1b-fp32": (1.1946, 39386), "moe-bf16": (0.1078, 23983),
+              "moe-fp8": (0.3347, 23125), "deepseek-bf16": (0.1374, 31813),
+              "deepseek-fp8": (0.3900, 31684)}
 CUDA_ALLOCATED = "torch.cuda.max_memory_allocated (tensors only: no cache, no context)"
