@@ -71,6 +71,11 @@ __all__ = ["E4M3", "EncodedRows", "GRADIENT_FORMATS", "Recipe", "blockwise_kerne
            "swiglu_down", "tensor_cores", "tiled_product"]
 
 GRADIENT_FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
+# A weight gradient decodes its rows (and on CUDA splits them into bf16 halves) a run of
+# experts at a time, each about this fraction of the rank's rows: no fp32 copy of every
+# row is alive at once (bench/memory_live.py's moe-fp8-zb), in a few kernels a run where
+# an expert at a time would launch some for every expert.
+WEIGHT_GRADIENT_RUNS = 8
 
 
 @dataclass(frozen=True)
@@ -119,29 +124,46 @@ class Groups:
         """``product(expert, rows)`` of each expert's rows, one after another."""
         return _side_by_side([product(e, span) for e, span in self.spans()], 0)
 
-    def weight_gradient(self, x: torch.Tensor, grad: torch.Tensor, scaled: bool
-                        ) -> torch.Tensor:
-        """``x^T grad`` (fp32) over each expert's rows, stacked (zeros for an expert with
-        none); over all the rows for one weight. On tensor cores (``scaled``) where the
-        device multiplies bf16 into fp32, as :func:`split_product`'s three bf16 GEMMs
-        (its inputs split once for every expert), else one fp32 GEMM."""
-        x, grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
-        shape = (x.shape[-1], grad.shape[-1])
-        if scaled and split_weight_gradient(x.device):
-            high_low = bf16_pair(x), bf16_pair(grad)
-
-            def gemm(span: slice) -> torch.Tensor:
-                x_parts, grad_parts = high_low
-                return split_product(tuple(t[span].t() for t in x_parts),
-                                     tuple(t[span] for t in grad_parts))
-        else:
-            def gemm(span: slice) -> torch.Tensor:
-                return x[span].t() @ grad[span]
+    def runs(self) -> list[tuple[slice, list[tuple[int | None, slice]]]]:
+        """The experts with rows in runs of consecutive ones, each of about
+        1 / :data:`WEIGHT_GRADIENT_RUNS` of the rows (an expert's rows never split): the
+        run's rows, and each expert's rows within them; one run of all for one weight."""
         if self.counts is None:
-            return gemm(slice(None))
-        out = torch.zeros(len(self.counts), *shape, dtype=FP32, device=x.device)
+            return [(slice(None), self.spans())]
+        least = max(-(-sum(self.counts) // WEIGHT_GRADIENT_RUNS), 1)
+        runs: list[tuple[slice, list]] = []
         for e, span in self.spans():
-            out[e] = gemm(span)
+            if not runs or runs[-1][0].stop - runs[-1][0].start >= least:
+                runs.append((slice(span.start, span.start), []))
+            start = runs[-1][0].start
+            runs[-1] = (slice(start, span.stop),
+                        [*runs[-1][1], (e, slice(span.start - start, span.stop - start))])
+        return runs
+
+    def weight_gradient(self, x, grad, shape: tuple[int, int], scaled: bool,
+                        device: torch.device) -> torch.Tensor:
+        """``x^T grad`` (fp32, ``shape``) over each expert's rows, stacked (zeros for an
+        expert with none); over all the rows for one weight. ``x(rows)`` and
+        ``grad(rows)`` give a slice of the rows in fp32, read a run at a time
+        (:meth:`runs`; each row is decoded alike whatever its run, so the same bits). On
+        tensor cores (``scaled``) where the device multiplies bf16 into fp32, as
+        :func:`split_product`'s three bf16 GEMMs (each run split once for its experts),
+        else one fp32 GEMM."""
+        split = scaled and split_weight_gradient(device)
+        out = None if self.counts is None else \
+            torch.zeros(len(self.counts), *shape, dtype=FP32, device=device)
+        for rows, spans in self.runs():
+            x_rows, grad_rows = (t.reshape(-1, t.shape[-1]) for t in (x(rows), grad(rows)))
+            if split:
+                x_rows, grad_rows = bf16_pair(x_rows), bf16_pair(grad_rows)
+            for e, span in spans:
+                product = split_product(tuple(t[span].t() for t in x_rows),
+                                        tuple(t[span] for t in grad_rows)) if split \
+                    else x_rows[span].t() @ grad_rows[span]
+                if out is None:
+                    return product
+                out[e] = product
+            del x_rows, grad_rows  # before the next run's are read
         return out
 
 
@@ -189,10 +211,13 @@ class _Fp8Matmul(torch.autograd.Function):
         recipe, groups, (x_dtype, w_dtypes) = ctx.recipe, ctx.groups, ctx.dtypes
         parts = [encoded_rows(part, recipe.tile, recipe.gradients)
                  for part in grad.split(ctx.widths, -1)]
-        gq = None
-        if any(wanted[4:]) or (wanted[3] and not ctx.scaled):
-            gq = torch.cat([decoded_rows(*part, width)
-                            for part, width in zip(parts, ctx.widths)], dim=-1)
+
+        def gradient_rows(rows: slice) -> torch.Tensor:
+            return _side_by_side([decoded_rows(part_codes[rows], part_scale[rows], width)
+                                  for (part_codes, part_scale), width
+                                  in zip(parts, ctx.widths)], -1)
+
+        gq = gradient_rows(slice(None)) if wanted[3] and not ctx.scaled else None
         dx = None
         if wanted[3] and ctx.scaled:
             blocks = [encoded_blocks(w, recipe.tile) for w in weights]
@@ -206,8 +231,10 @@ class _Fp8Matmul(torch.autograd.Function):
                              ).to(x_dtype)
         dws = [None] * len(weights)
         if any(wanted[4:]):
-            dw = groups.weight_gradient(decoded_rows(codes, scale, ctx.features), gq,
-                                        ctx.scaled)
+            dw = groups.weight_gradient(
+                lambda rows: decoded_rows(codes[rows], scale[rows], ctx.features),
+                gradient_rows if gq is None else gq.__getitem__,
+                (ctx.features, sum(ctx.widths)), ctx.scaled, codes.device)
             dws = [part.to(dtype) if needed else None for part, dtype, needed in
                    zip(dw.split(ctx.widths, dim=-1), w_dtypes, wanted[4:])]
         return (None, None, None, dx, *dws)
@@ -274,17 +301,24 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
         silu = F.silu(gate)
         activated = silu * up
         codes, scale = encoded_rows(grad, recipe.tile, recipe.gradients)
-        gq = decoded_rows(codes, scale, grad.shape[-1]) if wanted[5] or not ctx.scaled \
-            else None
+        inputs_wanted = wanted[3] or wanted[4] or (weights and wanted[6])
+        width = grad.shape[-1]
+        gq = decoded_rows(codes, scale, width) if inputs_wanted and not ctx.scaled else None
         # Each row-wide temporary goes as soon as it is read for the last time, and the
         # gate's factor is computed in place: the same operations in the same order (a
         # product's operands commute exactly), with fewer of them alive at once.
         dw = None
         if wanted[5]:  # the down GEMM's weight gradient reads the product recomputed
-            xq = quantised_rows(activated * weights[0] if weights else activated, recipe.tile)
-            dw = groups.weight_gradient(xq, gq, ctx.scaled).to(w_dtype)
-            del xq
-        if not (wanted[3] or wanted[4] or (weights and wanted[6])):
+            product_codes, product_scale = encoded_rows(
+                activated * weights[0] if weights else activated, recipe.tile)
+            if not inputs_wanted:  # the weights' pass alone: only the codes are read
+                gate = up = silu = activated = None
+            dw = groups.weight_gradient(
+                lambda rows: decoded_rows(product_codes[rows], product_scale[rows], n),
+                (lambda rows: decoded_rows(codes[rows], scale[rows], width)) if gq is None
+                else gq.__getitem__, (n, width), ctx.scaled, codes.device).to(w_dtype)
+            del product_codes, product_scale
+        if not inputs_wanted:
             return (None, None, None, None, None, dw, None)[:len(ctx.needs_input_grad)]
         if ctx.scaled:
             blocks = encoded_blocks(down, recipe.tile)
