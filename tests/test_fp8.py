@@ -300,6 +300,35 @@ def test_a_ranks_experts_in_fp8_at_once_compute_what_each_expert_alone_computes(
     assert quantised.count == 14 * 3
 
 
+def test_the_experts_weight_gradients_decode_their_rows_a_run_of_experts_at_a_time():
+    """The weights' pass of a rank's FP8 experts (Groups) decodes their rows and output
+    gradients from FP8 a run of experts at a time (fp8.WEIGHT_GRADIENT_RUNS, an eighth of
+    the rows here), never every row at once in fp32 (1 GiB and 768 MiB at the H200's
+    moe-fp8 shapes); each expert's gradient is its decoded rows' product, bit for bit."""
+    from planc.runtime.engine.fp8 import Groups, Recipe, _Fp8Matmul, quantised_rows
+    from tests.conftest import most_alive
+
+    counts, hidden, ffn = (64,) * 8, 32, 16
+    rows = sum(counts)
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, hidden, generator=generator)
+    gate, up = (torch.randn(len(counts), hidden, ffn, generator=generator).requires_grad_()
+                for _ in range(2))
+    out = _Fp8Matmul.apply(Recipe(16), False, Groups(counts), x, gate, up)
+    grad = torch.randn(out.shape, generator=generator)
+    got = []
+
+    def weights_pass():
+        got[:] = torch.autograd.grad(out, (gate, up), grad, retain_graph=True)
+
+    assert most_alive((rows, hidden), weights_pass) == 0  # the rows, decoded
+    assert most_alive((rows, ffn), weights_pass) == 0  # each weight's output gradient
+    for e, (part, grad_part) in enumerate(zip(x.split(counts), grad.split(counts))):
+        decoded = quantised_rows(part, 16).t()
+        assert torch.equal(got[0][e], decoded @ quantised_rows(grad_part[:, :ffn], 16))
+        assert torch.equal(got[1][e], decoded @ quantised_rows(grad_part[:, ffn:], 16))
+
+
 def test_an_experts_swiglu_keeps_its_inputs_in_fp8_and_recomputes_its_output():
     """DeepSeek-V3's section 3.3.4: the forward is the FP8 down GEMM of silu(gate) * up;
     the backward reads gate and up as their FP8 tiles decode, recomputes the product from
