@@ -71,11 +71,12 @@ __all__ = ["E4M3", "EncodedRows", "GRADIENT_FORMATS", "Recipe", "blockwise_kerne
            "swiglu_down", "tensor_cores", "tiled_product"]
 
 GRADIENT_FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
-# A weight gradient decodes its rows (and on CUDA splits them into bf16 halves) a run of
-# experts at a time, each about this fraction of the rank's rows: no fp32 copy of every
-# row is alive at once (bench/memory_live.py's moe-fp8-zb), in a few kernels a run where
-# an expert at a time would launch some for every expert.
-WEIGHT_GRADIENT_RUNS = 8
+# A backward decodes its rows (and on CUDA splits them into bf16 halves for the weight
+# gradient) a run of experts at a time, each about this fraction of the rank's rows: no
+# temporary of every row is alive at once (a whole experts' backward held 30 MiB more
+# than an expert at a time: bench/memory_live.py's moe-fp8-zb), in a few kernels a run
+# where an expert at a time would launch some for every expert.
+RUNS = 8
 
 
 @dataclass(frozen=True)
@@ -126,11 +127,11 @@ class Groups:
 
     def runs(self) -> list[tuple[slice, list[tuple[int | None, slice]]]]:
         """The experts with rows in runs of consecutive ones, each of about
-        1 / :data:`WEIGHT_GRADIENT_RUNS` of the rows (an expert's rows never split): the
+        1 / :data:`RUNS` of the rows (an expert's rows never split): the
         run's rows, and each expert's rows within them; one run of all for one weight."""
         if self.counts is None:
             return [(slice(None), self.spans())]
-        least = max(-(-sum(self.counts) // WEIGHT_GRADIENT_RUNS), 1)
+        least = max(-(-sum(self.counts) // RUNS), 1)
         runs: list[tuple[slice, list]] = []
         for e, span in self.spans():
             if not runs or runs[-1][0].stop - runs[-1][0].start >= least:
@@ -145,25 +146,36 @@ class Groups:
         """``x^T grad`` (fp32, ``shape``) over each expert's rows, stacked (zeros for an
         expert with none); over all the rows for one weight. ``x(rows)`` and
         ``grad(rows)`` give a slice of the rows in fp32, read a run at a time
-        (:meth:`runs`; each row is decoded alike whatever its run, so the same bits). On
-        tensor cores (``scaled``) where the device multiplies bf16 into fp32, as
-        :func:`split_product`'s three bf16 GEMMs (each run split once for its experts),
-        else one fp32 GEMM."""
+        (:meth:`runs`; each row is decoded alike whatever its run, so the same bits)."""
         split = scaled and split_weight_gradient(device)
-        out = None if self.counts is None else \
-            torch.zeros(len(self.counts), *shape, dtype=FP32, device=device)
+        out = self.gradient_stack(shape, device)
         for rows, spans in self.runs():
-            x_rows, grad_rows = (t.reshape(-1, t.shape[-1]) for t in (x(rows), grad(rows)))
-            if split:
-                x_rows, grad_rows = bf16_pair(x_rows), bf16_pair(grad_rows)
-            for e, span in spans:
-                product = split_product(tuple(t[span].t() for t in x_rows),
-                                        tuple(t[span] for t in grad_rows)) if split \
-                    else x_rows[span].t() @ grad_rows[span]
-                if out is None:
-                    return product
-                out[e] = product
-            del x_rows, grad_rows  # before the next run's are read
+            out = self.products(out, spans, x(rows), grad(rows), split)
+        return out
+
+    def gradient_stack(self, shape: tuple[int, int], device: torch.device
+                       ) -> torch.Tensor | None:
+        """Zeros for every expert's weight gradient (``shape``); None for one weight."""
+        return None if self.counts is None else \
+            torch.zeros(len(self.counts), *shape, dtype=FP32, device=device)
+
+    @staticmethod
+    def products(out: torch.Tensor | None, spans, x_rows: torch.Tensor,
+                 grad_rows: torch.Tensor, split: bool) -> torch.Tensor:
+        """``x^T grad`` over each expert's ``spans`` of a run's rows (fp32), into its
+        slice of ``out``; for one weight (``out`` None), the product. ``split``: as
+        :func:`split_product`'s three bf16 GEMMs on tensor cores that multiply bf16 into
+        fp32 (the run split once for its experts), else one fp32 GEMM."""
+        x_rows, grad_rows = (t.reshape(-1, t.shape[-1]) for t in (x_rows, grad_rows))
+        if split:
+            x_rows, grad_rows = bf16_pair(x_rows), bf16_pair(grad_rows)
+        for e, span in spans:
+            product = split_product(tuple(t[span].t() for t in x_rows),
+                                    tuple(t[span] for t in grad_rows)) if split \
+                else x_rows[span].t() @ grad_rows[span]
+            if out is None:
+                return product
+            out[e] = product
         return out
 
 
@@ -217,7 +229,6 @@ class _Fp8Matmul(torch.autograd.Function):
                                   for (part_codes, part_scale), width
                                   in zip(parts, ctx.widths)], -1)
 
-        gq = gradient_rows(slice(None)) if wanted[3] and not ctx.scaled else None
         dx = None
         if wanted[3] and ctx.scaled:
             blocks = [encoded_blocks(w, recipe.tile) for w in weights]
@@ -227,13 +238,13 @@ class _Fp8Matmul(torch.autograd.Function):
                 for (part_codes, part_scale), block in zip(parts, blocks))).to(x_dtype)
         elif wanted[3]:
             decoded = _decoded_weights(weights, recipe.tile)
-            dx = groups.rows(lambda e, span: gq[span] @ Groups.weight(decoded, e).t()
-                             ).to(x_dtype)
+            dx = groups.rows(lambda e, span: gradient_rows(span)
+                             @ Groups.weight(decoded, e).t()).to(x_dtype)
         dws = [None] * len(weights)
         if any(wanted[4:]):
             dw = groups.weight_gradient(
                 lambda rows: decoded_rows(codes[rows], scale[rows], ctx.features),
-                gradient_rows if gq is None else gq.__getitem__,
+                gradient_rows,
                 (ctx.features, sum(ctx.widths)), ctx.scaled, codes.device)
             dws = [part.to(dtype) if needed else None for part, dtype, needed in
                    zip(dw.split(ctx.widths, dim=-1), w_dtypes, wanted[4:])]
@@ -296,51 +307,67 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
         gate_codes, gate_scale, up_codes, up_scale, down, *weights = ctx.saved_tensors
         wanted = asked_for(ctx, first=3)
         recipe, groups, (dtype, w_dtype), n = ctx.recipe, ctx.groups, ctx.dtypes, ctx.features
-        gate = decoded_rows(gate_codes, gate_scale, n).to(dtype)
-        up = decoded_rows(up_codes, up_scale, n).to(dtype)
-        silu = F.silu(gate)
-        activated = silu * up
         codes, scale = encoded_rows(grad, recipe.tile, recipe.gradients)
         inputs_wanted = wanted[3] or wanted[4] or (weights and wanted[6])
-        width = grad.shape[-1]
-        gq = decoded_rows(codes, scale, width) if inputs_wanted and not ctx.scaled else None
-        # Each row-wide temporary goes as soon as it is read for the last time, and the
-        # gate's factor is computed in place: the same operations in the same order (a
-        # product's operands commute exactly), with fewer of them alive at once.
-        dw = None
-        if wanted[5]:  # the down GEMM's weight gradient reads the product recomputed
-            product_codes, product_scale = encoded_rows(
-                activated * weights[0] if weights else activated, recipe.tile)
-            if not inputs_wanted:  # the weights' pass alone: only the codes are read
-                gate = up = silu = activated = None
-            dw = groups.weight_gradient(
-                lambda rows: decoded_rows(product_codes[rows], product_scale[rows], n),
-                (lambda rows: decoded_rows(codes[rows], scale[rows], width)) if gq is None
-                else gq.__getitem__, (n, width), ctx.scaled, codes.device).to(w_dtype)
-            del product_codes, product_scale
-        if not inputs_wanted:
-            return (None, None, None, None, None, dw, None)[:len(ctx.needs_input_grad)]
-        if ctx.scaled:
-            blocks = encoded_blocks(down, recipe.tile)
-            d_product = groups.rows(lambda e, span: _times_blocks(
-                codes[span], scale[span], _expert_blocks(blocks, e, True), n)).to(dtype)
-        else:
-            decoded = quantised_blocks(down, recipe.tile)
-            d_product = groups.rows(lambda e, span: gq[span] @ Groups.weight(decoded, e).t()
-                                    ).to(dtype)
-        gq = codes = scale = None  # (the products above read them: released, not deleted)
-        d_weights = None
-        if weights:  # the product's gradient to each row's weight, then through it
-            d_weights = (d_product * activated).sum(-1, keepdim=True)
-            d_product = d_product * weights[0]
-        del activated
-        d_up = d_product * silu
-        del silu
-        sigmoid = torch.sigmoid(gate)
-        factor = (1 - sigmoid).mul_(gate).add_(1)  # 1 + gate * (1 - sigmoid)
-        d_gate = (d_product * up).mul_(sigmoid).mul_(factor)
+        width, lead, device = grad.shape[-1], gate_codes.shape[:-2], down.device
+        split = ctx.scaled and split_weight_gradient(device)
+        blocks = None if not inputs_wanted else encoded_blocks(down, recipe.tile) \
+            if ctx.scaled else quantised_blocks(down, recipe.tile)
+        dw = groups.gradient_stack((n, width), device) if wanted[5] else None
+        made: dict[str, torch.Tensor] = {}  # the inputs' gradients, a run's rows at a time
+
+        def keep(name: str, rows: slice, value: torch.Tensor) -> None:
+            if rows == slice(None):
+                made[name] = value
+                return
+            if name not in made:
+                made[name] = value.new_empty(*lead, value.shape[-1])
+            made[name][rows] = value
+
+        # A run of experts at a time (Groups.runs); in a run each row-wide temporary goes
+        # as soon as it is read for the last time, and the gate's factor is computed in
+        # place: the same operations in the same order (a product's operands commute
+        # exactly), with fewer of them alive at once.
+        for rows, spans in groups.runs():
+            gate = decoded_rows(gate_codes[rows], gate_scale[rows], n).to(dtype)
+            up = decoded_rows(up_codes[rows], up_scale[rows], n).to(dtype)
+            silu = F.silu(gate)
+            activated = silu * up
+            run_codes, run_scale = codes[rows], scale[rows]
+            gq = decoded_rows(run_codes, run_scale, width) \
+                if wanted[5] or (inputs_wanted and not ctx.scaled) else None
+            if wanted[5]:  # the down GEMM's weight gradient reads the product recomputed
+                product = activated * weights[0][rows] if weights else activated
+                dw = groups.products(dw, spans, quantised_rows(product, recipe.tile), gq,
+                                     split)
+                del product
+            if not inputs_wanted:
+                continue
+            if ctx.scaled:
+                d_product = _side_by_side([_times_blocks(
+                    run_codes[span], run_scale[span], _expert_blocks(blocks, e, True), n)
+                    for e, span in spans], 0).to(dtype)
+            else:
+                d_product = _side_by_side([gq[span] @ Groups.weight(blocks, e).t()
+                                           for e, span in spans], 0).to(dtype)
+            gq = None
+            if weights:  # the product's gradient to each row's weight, then through it
+                keep("weights", rows, (d_product * activated).sum(-1, keepdim=True))
+                d_product = d_product * weights[0][rows]
+            del activated
+            keep("up", rows, d_product * silu)
+            del silu
+            sigmoid = torch.sigmoid(gate)
+            factor = (1 - sigmoid).mul_(gate).add_(1)  # 1 + gate * (1 - sigmoid)
+            keep("gate", rows, (d_product * up).mul_(sigmoid).mul_(factor))
+        if inputs_wanted and not made:  # no rows at all
+            made = {"gate": grad.new_empty(*lead, n, dtype=dtype),
+                    "up": grad.new_empty(*lead, n, dtype=dtype),
+                    "weights": grad.new_empty(*lead, 1, dtype=dtype)}
+        dw = None if dw is None else dw.to(w_dtype)
         # (weights given or not: as many gradients as the forward had inputs)
-        return (None, None, None, d_gate, d_up, dw, d_weights)[:len(ctx.needs_input_grad)]
+        return (None, None, None, made.get("gate"), made.get("up"), dw,
+                made.get("weights") if weights else None)[:len(ctx.needs_input_grad)]
 
 
 def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
