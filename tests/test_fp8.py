@@ -303,6 +303,26 @@ def test_a_ranks_experts_in_fp8_at_once_compute_what_each_expert_alone_computes(
     assert quantised.count == 14 * 3
 
 
+def test_the_experts_swiglu_backward_holds_no_temporary_of_every_row():
+    """A rank's FP8 experts' SwiGLU backward runs a run of experts at a time (fp8.RUNS):
+    of every row it holds only the gradients it returns (gate's and up's), not the
+    decoded inputs, silu, the product and its gradient over all the rows at once."""
+    from planc.runtime.engine.fp8 import Groups, Recipe, _Fp8SwiGLUDown
+    from tests.conftest import most_alive
+
+    counts, hidden, ffn = (64,) * 8, 32, 16
+    rows = sum(counts)
+    generator = torch.Generator().manual_seed(6)
+    gate, up = (torch.randn(rows, ffn, generator=generator).requires_grad_()
+                for _ in range(2))
+    weights = torch.rand(rows, 1, generator=generator).requires_grad_()
+    down = torch.randn(len(counts), ffn, hidden, generator=generator).requires_grad_()
+    out = _Fp8SwiGLUDown.apply(Recipe(16), False, Groups(counts), gate, up, down, weights)
+    grad = torch.randn(out.shape, generator=generator)
+    assert most_alive((rows, ffn), lambda: torch.autograd.grad(
+        out, (gate, up, down, weights), grad, retain_graph=True)) == 2
+
+
 def test_the_experts_weight_gradients_decode_their_rows_a_run_of_experts_at_a_time():
     """The weights' pass of a rank's FP8 experts (Groups) decodes their rows and output
     gradients from FP8 a run of experts at a time (fp8.WEIGHT_GRADIENT_RUNS, an eighth of
