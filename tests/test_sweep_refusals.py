@@ -256,8 +256,16 @@ def test_programs_code_refuses_a_program_that_cannot_become_code(capsys, tmp_pat
     ({"microbatches": -1}, "microbatches"),
     ({"virtual": 0}, "virtual"),
     ({"zero": 10**40}, "zero"),
+    ({"order": [1, "tp"]}, "order"),
+    ({"order": [["tp"]]}, "order"),
+    ({"mesh": {"tp": 2, "cp": 1, "pp": 2, "dp": 2, "ep": 1, "zz": "x"}}, "mesh"),
+    ({"mesh": {"tp": 2, "cp": 1, "pp": 2, "dp": 2, "ep": 1, "zz": None}}, "mesh"),
+    ({"pipeline": "\ud800"}, "pipeline"),
+    ({"recompute": "\ud800"}, "recompute"),
 ], ids=["order-numbers", "order-repeated", "tp-huge", "pp-negative", "world-past-limit",
-        "microbatches-negative", "virtual-zero", "zero-huge"])
+        "microbatches-negative", "virtual-zero", "zero-huge", "order-mixed", "order-lists",
+        "mesh-text-axis", "mesh-null-axis", "pipeline-lone-surrogate",
+        "recompute-lone-surrogate"])
 def test_report_refuses_a_tune_file_whose_layout_no_plan_could_have(change, field, capsys,
                                                                      tmp_path, build):
     tune = tmp_path / "t.json"

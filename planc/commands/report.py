@@ -70,15 +70,19 @@ def _tune(path: str) -> tuple[list[dict] | None, str | None]:
                not isinstance(item.get(key), kind) or isinstance(item.get(key), bool) and
                kind is not bool]
         mesh = item.get("mesh") if isinstance(item, dict) else None
-        if not bad and not (all(isinstance(mesh.get(a), int) and not isinstance(
-                mesh.get(a), bool) for a in ("tp", "cp", "pp", "dp", "ep"))):
+        if not bad and not (all(a in mesh for a in ("tp", "cp", "pp", "dp", "ep")) and all(
+                isinstance(degree, int) and not isinstance(degree, bool)
+                for degree in mesh.values())):
             bad = ["mesh"]
         if not bad and not all(1 <= mesh[a] <= LIMITS["world"] for a in mesh) or \
                 not bad and mesh["tp"] * mesh["cp"] * mesh["pp"] * mesh["dp"] > LIMITS["world"]:
             bad = ["mesh"]  # degrees of a mesh planc check accepts
-        if not bad and not (sorted(item["order"]) == sorted(set(item["order"])) and
+        if not bad and not (all(isinstance(a, str) for a in item["order"]) and
+                            sorted(item["order"]) == sorted(set(item["order"])) and
                             set(item["order"]) <= set(AXES)):
             bad = ["order"]  # the mesh's axes by name, each once
+        if not bad:  # JSON's escapes can name a lone surrogate, which no page can hold
+            bad = [key for key in ("pipeline", "recompute") if not _writable(item[key])][:1]
         if not bad:
             bad = [key for key, low, high in (("virtual", 1, LIMITS["layers"] + 2),
                                               ("microbatches", 1, LIMITS["microbatches"]),
@@ -90,6 +94,15 @@ def _tune(path: str) -> tuple[list[dict] | None, str | None]:
             return None, (f"{path}: candidate {k} has no valid {bad[0]}; it is not what "
                           f"planc tune --json writes")
     return data["candidates"], None
+
+
+def _writable(text: str) -> bool:
+    """Whether UTF-8 can write ``text``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def main(args) -> int:
