@@ -31,6 +31,17 @@ def source_lines(text: str) -> list[str]:
     return [line[:-1] if line.endswith("\r") else line for line in lines]
 
 
+def line_starts(text: str) -> list[int]:
+    """The offset in ``text`` where each line starts, lines counted as the lexer counts
+    them (:func:`source_lines`): a span's line and column are at
+    ``starts[line - 1] + column - 1``."""
+    starts, at = [0], text.find("\n")
+    while at >= 0:
+        starts.append(at + 1)
+        at = text.find("\n", at + 1)
+    return starts
+
+
 @dataclass(frozen=True)
 class Source:
     """A text other than the file being compiled that spans may point into: a

@@ -228,6 +228,20 @@ def test_settings_replace_the_file_s_values_and_add_what_it_lacks():
     assert load_text(out).ok
 
 
+@pytest.mark.parametrize("inside", ["\f", "\v", "\x1c", "\x85", "\u2028", "\r"])
+def test_settings_count_lines_as_the_lexer_does(inside):
+    """A form feed (or another character str.splitlines() breaks at) inside a line does
+    not end it for the lexer: the settings land where the parser's spans say. Before,
+    tune refused every layout of such a plan ("no layout ... passes the checker")."""
+    source = SMALL.replace("a small llama", f"a small{inside} llama")  # in a comment
+    if inside == "\f":  # and between tokens, where it is a blank
+        source = source.replace("mesh {", "\fmesh {")
+    assert load_text(source).ok
+    out = with_settings(source, {"mesh.tp": "2", "shard.dp.zero": "1"})
+    assert (written_value(out, "mesh.tp"), written_value(out, "shard.dp.zero")) == ("2", "1")
+    assert load_text(out).ok and out.count(inside) == source.count(inside)
+
+
 def test_a_comment_at_the_end_of_a_changed_line_goes_with_the_old_value():
     """A tuned plan kept "# 128 nodes x 8 GPUs" beside 64 nodes (a run of random plans
     found it): the comment ending a line whose value changed is dropped, the others and

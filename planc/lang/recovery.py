@@ -20,6 +20,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from planc.diagnostics import Diagnostic, Span, error
+from planc.diagnostics import line_starts as lexer_line_starts
 from planc.lang import lalr
 from planc.lang.lalr import CLOSERS, END, NEWLINE, OPENERS, Lexeme, Tables
 from planc.vocabulary.units import UNITS
@@ -131,13 +132,7 @@ class _Reader:
     def indent(self, token: Lexeme) -> int:
         """Blanks before the first token of ``token``'s line."""
         if self.line_starts is None:
-            starts = [0]
-            find = self.text.find
-            at = find("\n")
-            while at >= 0:
-                starts.append(at + 1)
-                at = find("\n", at + 1)
-            self.line_starts = starts
+            self.line_starts = lexer_line_starts(self.text)
         start = self.line_starts[token.line - 1]
         end = self.text.find("\n", start)
         line = self.text[start:end if end >= 0 else len(self.text)]

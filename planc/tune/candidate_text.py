@@ -8,16 +8,9 @@ choose. The result is what ``--set KEY=VALUE`` would make of the file, as a file
 
 from __future__ import annotations
 
+from planc.diagnostics import line_starts
 from planc.vocabulary import ast
 from planc.lang.parser import parse
-
-
-def _offsets(text: str) -> list[int]:
-    starts, total = [0], 0
-    for line in text.splitlines(keepends=True):
-        total += len(line)
-        starts.append(total)
-    return starts
 
 
 def _find(entries, path: tuple[str, ...]):
@@ -43,7 +36,7 @@ def written_values(source: str, keys) -> dict[str, str]:
     tree, _ = parse(source)
     if tree is None:
         return {}
-    starts, out = _offsets(source), {}
+    starts, out = line_starts(source), {}
     for key in keys:
         found = _find(tree.entries, tuple(key.split(".")))[0]
         if found is not None:
@@ -69,7 +62,7 @@ def with_settings(source: str, settings: dict[str, str]) -> str:
     tree, _ = parse(source)
     if tree is None:
         raise ValueError("the plan does not parse")
-    starts = _offsets(source)
+    starts = line_starts(source)
 
     def offset(line: int, column: int) -> int:
         return starts[line - 1] + column - 1
@@ -135,7 +128,7 @@ def without_blocks(source: str, paths) -> str:
     tree, _ = parse(source)
     if tree is None:
         raise ValueError("the plan does not parse")
-    starts = _offsets(source)
+    starts = line_starts(source)
     cuts = []
     for path in paths:
         entries, found = tree.entries, None
