@@ -63,6 +63,22 @@ def test_simulate_takes_the_measured_imbalance(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["step_seconds"] != measured  # 1.72 declared
 
 
+def test_imbalance_from_a_file_whose_last_line_is_cut_short_says_where_it_stopped(
+        tmp_path, capsys):
+    """A run killed while writing its last record: the records before it are read, and,
+    as planc plot and planc report do, simulate says where they stopped."""
+    metrics = tmp_path / "m.jsonl"
+    whole = "".join(json.dumps({"step": s, "loss": 4.0, "time_s": 0.5, "ep_imbalance": v})
+                    + "\n" for s, v in enumerate([1.2, 1.5, 1.4]))
+    metrics.write_text(whole[:-20])  # the last line cut short, without its newline
+    assert main(["simulate", str(PLANS / "moe-tiny.plan"), "--imbalance-from", str(metrics),
+                 "--json"]) == 0
+    assert capsys.readouterr().err == (
+        f"planc: warning: {metrics}: line 3, the last, is cut short (a run stopped while "
+        f"writing it); read the lines before it\nplanc: model.imbalance = 1.35, the median "
+        f"ep_imbalance of the 2 steps in {metrics}\n")
+
+
 def test_imbalance_from_a_file_without_it_is_refused(tmp_path, capsys):
     metrics = tmp_path / "m.jsonl"
     metrics.write_text(json.dumps({"step": 0, "loss": 4.0, "time_s": 0.5}) + "\n")

@@ -115,9 +115,11 @@ def measured_imbalance(args) -> str | None:
     if os.path.isdir(args.file):
         return (f"--imbalance-from sets model.imbalance, an override of the plan file: give "
                 f"the plan file, not the build {args.file}")
-    records, problem, _ = read_metrics(args.imbalance_from)
+    records, problem, cut = read_metrics(args.imbalance_from)
     if problem:
         return problem
+    if cut:  # the records are used: say where they stopped, as plot and report do
+        print(f"planc: warning: {cut}", file=sys.stderr)
     measured = [r["ep_imbalance"] for r in records if r.get("ep_imbalance") is not None]
     if not measured:
         return (f"{args.imbalance_from} records no ep_imbalance: planc run writes it for a "
