@@ -90,6 +90,23 @@ def test_a_label_is_printable_short_and_shown_even_when_it_starts_with_an_unders
     assert capsys.readouterr().err == f"planc: loss of 1 run written to {tmp_path / 'p.svg'}\n"
 
 
+def test_a_plot_of_many_runs_lists_the_first_and_counts_the_rest(tmp_path, capsys):
+    """300 runs' legend collapsed the axes (matplotlib warned, from planc's source): the
+    legend lists the first 9 and says how many more were drawn."""
+    import warnings
+
+    paths = [str(_write(tmp_path / f"m{k:03d}.jsonl", [_record(s, "f" * 64, plan=f"run{k}")
+                                                       for s in range(2)]))
+             for k in range(30)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert main(["plot", *paths, "-o", str(tmp_path / "p.svg")]) == 0
+    svg = (tmp_path / "p.svg").read_text()
+    assert _glyphs(svg, "run8") == 4 and "<!-- run9 -->" not in svg
+    assert _glyphs(svg, "and 21 more runs") == len("and 21 more runs")
+    assert capsys.readouterr().err == f"planc: loss of 30 runs written to {tmp_path / 'p.svg'}\n"
+
+
 HUGE = 10**400  # a float of it overflows
 
 

@@ -26,6 +26,9 @@ METRICS = {"loss": "loss", "eval_loss": "evaluation loss", "eval_s": "evaluation
 WIDTH_IN, HEIGHT_IN, DPI = 8.0, 4.5, 100  # a PNG of 800 x 450 pixels
 LINE_STYLES = ("-", "--", ":", "-.")  # runs that coincide stay visible on top of each other
 MAX_LABEL = 48  # characters of a curve's label
+# entries of a legend: more do not fit beside the axes of a WIDTH_IN x HEIGHT_IN figure
+# (300 runs' collapsed the axes to nothing); the rest are counted in the last entry
+MAX_LEGEND = 10
 # Text from a file is drawn as it is, never as markup: no TeX (a user's matplotlibrc may
 # turn it on), and every Text is made with parse_math=False (no mathtext for "$...$").
 PLAIN_TEXT = {"text.usetex": False, "svg.hashsalt": "planc"}  # an SVG's ids from its content
@@ -102,12 +105,24 @@ def draw(curves: list[Curve], metric: str, image_format: str = "png") -> bytes:
         axes.set_title(f"{METRICS.get(metric, metric)} per step", parse_math=False)
         axes.grid(True, alpha=0.3)
         # labels given with their lines: one starting with "_" is not hidden from them
-        for text in axes.legend(lines, [c.label for c in curves]).get_texts():
+        for text in axes.legend(*_legend(lines, [c.label for c in curves])).get_texts():
             text.set_parse_math(False)
         # no timestamps or generator versions: the same curves give the same file
         metadata = {"Date": None} if image_format == "svg" else {"Software": None}
         figure.savefig(out, format=image_format, dpi=DPI, metadata=metadata)
     return out.getvalue()
+
+
+def _legend(lines: list, labels: list[str]) -> tuple[list, list[str]]:
+    """The legend's entries: every line's label, or, past :data:`MAX_LEGEND` lines, the
+    first ones' and how many more were drawn."""
+    if len(lines) <= MAX_LEGEND:
+        return lines, labels
+    from matplotlib.lines import Line2D
+
+    more = len(lines) - (MAX_LEGEND - 1)
+    return ([*lines[:MAX_LEGEND - 1], Line2D([], [], linestyle="none")],
+            [*labels[:MAX_LEGEND - 1], f"and {more} more runs"])
 
 
 def inline_svg(curves: list[Curve], metric: str) -> str:
