@@ -104,7 +104,9 @@ class Groups:
     so that a rank quantises its rows and its experts' weights once a GEMM rather than
     once an expert: the same tiles and blocks, so the same bits (every group lies inside
     one token or one weight), in a few kernels where an expert at a time launched some
-    250 (Megatron-Core's grouped GEMM; DeepSeek-V3's DeepGEMM quantises fused)."""
+    250 (Megatron-Core's grouped GEMM; DeepSeek-V3's DeepGEMM quantises fused). A
+    backward's row-wide temporaries are made a run of experts at a time (:meth:`runs`),
+    so that none is of every row."""
 
     counts: tuple[int, ...] | None = None
 
@@ -126,9 +128,9 @@ class Groups:
         return _side_by_side([product(e, span) for e, span in self.spans()], 0)
 
     def runs(self) -> list[tuple[slice, list[tuple[int | None, slice]]]]:
-        """The experts with rows in runs of consecutive ones, each of about
-        1 / :data:`RUNS` of the rows (an expert's rows never split): the
-        run's rows, and each expert's rows within them; one run of all for one weight."""
+        """The experts with rows in runs of consecutive ones, each of about 1 /
+        :data:`RUNS` of the rows (an expert's rows never split): the run's rows, and each
+        expert's rows within them; one run of all for one weight."""
         if self.counts is None:
             return [(slice(None), self.spans())]
         least = max(-(-sum(self.counts) // RUNS), 1)
