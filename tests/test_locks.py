@@ -191,3 +191,17 @@ def _next_line(lines: queue.Queue, process: subprocess.Popen, prefix: str) -> st
             return line
         seen.append(line)
     raise AssertionError(f"no {prefix!r} in {DEADLINE_S} s")
+
+
+def test_a_directory_that_is_a_dangling_symbolic_link_is_named_so(tmp_path):
+    """A lock inside a directory that is a symbolic link to nothing (planc run
+    --checkpoint-dir LINK) said the lock file "keeps being replaced": the open failed
+    and was retried as if a holder had removed the directory."""
+    from planc.host.locks import LockError
+
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(LockError) as refused:
+        lock_inside(str(tmp_path / "link"), "planc run")
+    assert str(refused.value) == (f"cannot create {tmp_path / 'link'} for its lock file (it "
+                                  f"is a symbolic link to nothing)")
+    assert not (tmp_path / "nowhere").exists()

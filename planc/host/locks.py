@@ -200,7 +200,12 @@ def _make_parents(directory: str) -> list[str]:
             os.mkdir(path)
             created.append(path)
         except FileExistsError:
-            pass
+            if not os.path.isdir(path):  # not one a racing holder made: the lock is not
+                # made inside it (a dangling symbolic link: retried until given up)
+                what = "a symbolic link to nothing" if os.path.islink(path) else \
+                    "not a directory"
+                raise LockError(f"cannot create {path} for its lock file (it is {what})",
+                                errno.ENOTDIR) from None
         except OSError as exc:
             raise LockError(f"cannot create {path} for its lock file ({_reason(exc)})",
                             exc.errno) from None
