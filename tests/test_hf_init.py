@@ -235,6 +235,22 @@ def _configured(llama_dir, tmp_path, changes: dict):
     return hf
 
 
+def test_check_names_a_number_written_as_null(llama_dir, tmp_path, capfd):
+    """rms_norm_eps written as null is not the default: the message said "config.json's
+    rms_norm_eps is 1e-06", the default it had put in its place. A null that transformers
+    computes (num_key_value_heads, head_dim) still reads as its default."""
+    hf = _configured(llama_dir, tmp_path, {"rms_norm_eps": None})
+    status, err = _checked(tmp_path, capfd, plan_text())
+    assert status == 1
+    assert err.splitlines()[0] == _error_line(tmp_path, plan_text(), (
+        f"{hf}: config.json's rms_norm_eps is null; the plan's model has norm_eps = 1e-06"))
+    (tmp_path / "computed").mkdir()
+    _configured(llama_dir, tmp_path / "computed", {"head_dim": None})
+    status, err = _checked(tmp_path / "computed", capfd, plan_text(
+        init=str(tmp_path / "computed" / "hf")))
+    assert status == 0, err
+
+
 PLAIN = "planc's llama has plain RoPE (rope_type 'default', no scaling)"
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}

@@ -178,6 +178,11 @@ _DEFAULTS = {"llama": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6,
                              "v_head_dim": 128, "rope_interleave": True}}
 
 
+# keys transformers' configs compute when null (LlamaConfig: num_key_value_heads from the
+# attention heads, head_dim from hidden / heads)
+COMPUTED_IF_NULL = ("num_key_value_heads", "head_dim")
+
+
 def _rope_theta(config: dict) -> object:
     """rope_theta as config.json holds it: in transformers 5's ``rope_parameters`` or at
     the top, as 4 writes it."""
@@ -234,6 +239,13 @@ def config_problem(model: Model, arch: Architecture, config: dict) -> str | None
             continue
         planc_key = _PLANC_KEY.get((key, arch.model_type), planc_key)
         have = found.get(key, found.get(_SAVED_AS.get(key)))
+        if have is None and config.get(key, "absent") is None and key not in COMPUTED_IF_NULL \
+                and isinstance(defaults.get(key), (int, float)) and \
+                not isinstance(defaults.get(key), bool):
+            # written as null: transformers keeps None, not the default, for a number it
+            # does not compute itself (an eps of None fails in the first norm)
+            return f"config.json's {key} is null; the plan's model has " \
+                   f"{planc_key or key} = {_shown(expected[key])}"
         if have is None:
             if key not in defaults or defaults[key] is None:
                 return f"config.json has no {key} (the plan's model has " \
