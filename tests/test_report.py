@@ -391,12 +391,3 @@ def test_a_tune_file_whose_numbers_are_out_of_range_is_refused(tmp_path, capsys,
                  str(page)]) == 0
     assert "<h2>Layouts planc tune ranked</h2>" in page.read_text()
 
-
-def test_diff_set_b_on_a_directory_names_it_a_directory(tmp_path, capsys):
-    """--set-b edits B's plan file: a directory named as B is refused as a directory, not
-    called a build directory whatever it holds (an empty one was)."""
-    assert main(["diff", str(PLANS / "gpt-tiny.plan"), str(tmp_path), "--set-b",
-                 "mesh.tp=1"]) == 2
-    assert capsys.readouterr().err == (f"planc: error: --set-b needs B to be a .plan file, "
-                                       f"but {tmp_path} is a directory; name the plan file "
-                                       f"instead\n")

@@ -729,8 +729,8 @@ def test_diff_puts_two_layouts_side_by_side(run_planc):
     assert done.returncode == 1 and "missing.plan" in done.stderr
     done = run_planc("diff", PLANS / "gpt-tiny.plan", PLANS, "--set-b", "mesh.tp=4")
     assert (done.returncode, done.stderr) == (2, f"planc: error: --set-b needs B to be a .plan "
-                                                 f"file, but {PLANS} is a build directory; "
-                                                 f"name the plan file instead\n")
+                                                 f"file, but {PLANS} is a directory; name "
+                                                 f"the plan file instead\n")
 
 
 def test_a_diagnostic_of_an_override_names_the_option_that_gave_it(run_planc, tmp_path):
