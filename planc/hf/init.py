@@ -239,18 +239,17 @@ def config_problem(model: Model, arch: Architecture, config: dict) -> str | None
             continue
         planc_key = _PLANC_KEY.get((key, arch.model_type), planc_key)
         have = found.get(key, found.get(_SAVED_AS.get(key)))
-        if have is None and config.get(key, "absent") is None and key not in COMPUTED_IF_NULL \
-                and isinstance(defaults.get(key), (int, float)) and \
-                not isinstance(defaults.get(key), bool):
-            # written as null: transformers keeps None, not the default, for a number it
-            # does not compute itself (an eps of None fails in the first norm)
-            return f"config.json's {key} is null; the plan's model has " \
-                   f"{planc_key or key} = {_shown(expected[key])}"
-        if have is None:
-            if key not in defaults or defaults[key] is None:
+        default = defaults.get(key)
+        # written as null: transformers keeps None, not the default, for a number it does
+        # not compute itself (an eps of None fails in the first norm), so null is compared
+        written_null = key in config and config[key] is None and \
+            key not in COMPUTED_IF_NULL and isinstance(default, (int, float)) and \
+            not isinstance(default, bool)
+        if have is None and not written_null:
+            if default is None:
                 return f"config.json has no {key} (the plan's model has " \
                        f"{planc_key} = {_shown(expected[key])})"
-            have = defaults[key]
+            have = default
         want = expected[key]
         if _same(have, want):
             continue
