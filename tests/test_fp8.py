@@ -94,18 +94,22 @@ def _fp32_tensors_made(numel: int, run) -> int:
 def test_quantising_reads_its_input_in_its_own_dtype_and_decoding_scales_in_place():
     """Rows and a weight in bf16 whose widths the tile divides are encoded as they are:
     no fp32 copy and no padding, each a whole pass over the tensor (on a GPU most of an
-    FP8 GEMM's time beside the block-scaled product): the one fp32 tensor of their size
-    is the division's. Decoding scales the fp32 copy it makes in place. The bits are an
-    fp32 copy's (the amax is exact in any float dtype; the division promotes each
-    element). Through an fp32 copy and a padding, encoding made four such tensors and
-    decoding two."""
+    FP8 GEMM's time beside the block-scaled product): the only fp32 tensors are the
+    division's quotient, made a piece at a time (fp8.codes.PIECES: 8 of the rows' 64
+    rows at a time; the weight's 2 rows of blocks one at a time), never whole. Decoding
+    scales the fp32 copy it makes in place. The bits are an fp32 copy's (the amax is
+    exact in any float dtype; the division promotes each element). Through an fp32 copy
+    and a padding, encoding made four tensors of their size and decoding two; then the
+    division one."""
     from planc.runtime.engine.fp8 import decoded_rows, encoded_blocks, encoded_rows
 
     generator = torch.Generator().manual_seed(8)
     x = torch.randn(64, 256, generator=generator).to(torch.bfloat16)
     w = torch.randn(256, 128, generator=generator).to(torch.bfloat16)
-    assert _fp32_tensors_made(x.numel(), lambda: encoded_rows(x, 128)) == 1
-    assert _fp32_tensors_made(w.numel(), lambda: encoded_blocks(w, 128)) == 1
+    assert _fp32_tensors_made(x.numel(), lambda: encoded_rows(x, 128)) == 0
+    assert _fp32_tensors_made(x.numel() // 8, lambda: encoded_rows(x, 128)) == 8
+    assert _fp32_tensors_made(w.numel(), lambda: encoded_blocks(w, 128)) == 0
+    assert _fp32_tensors_made(w.numel() // 2, lambda: encoded_blocks(w, 128)) == 2
     codes, scale = encoded_rows(x, 128)
     assert _fp32_tensors_made(x.numel(), lambda: decoded_rows(codes, scale, 256)) == 1
     for got, expected in ((encoded_rows(x, 128), encoded_rows(x.float(), 128)),
@@ -233,8 +237,8 @@ def test_the_tensor_core_gemms_compute_what_the_emulation_computes(gradients):
     gate, up = torch.randn(2, 2, 48, 40, generator=generator)
     down, grad = torch.randn(40, 24, generator=generator), torch.randn(2, 48, 24,
                                                                       generator=generator)
-    for emulated, scaled in zip(*_emulated_and_scaled(_Fp8SwiGLUDown, recipe, (gate, up, down),
-                                                      grad)):
+    for emulated, scaled in zip(*_emulated_and_scaled(
+            _Fp8SwiGLUDown, recipe, (torch.cat([gate, up], -1), down), grad)):
         assert torch.allclose(scaled, emulated, rtol=1e-5, atol=1e-5)
     # an expert that no token chose
     codes, scale = encoded_rows(gate[0, :0], 16)
@@ -248,7 +252,7 @@ def test_a_ranks_experts_in_fp8_at_once_compute_what_each_expert_alone_computes(
     the three stacks) equal, bit for bit, those of each expert's SwiGLU run alone on its
     rows, as planc ran them before; emulated and on the tensor cores' path (run here by
     the CPU's kernel), with an expert that no row chose and widths that leave tiles
-    padded; each quantisation once for all the experts (counted below)."""
+    padded; each quantisation of rows once for all the experts (counted below)."""
     from planc.runtime.engine import fp8
     from planc.runtime.engine.fp8 import ONE_WEIGHT, Groups, Recipe, _Fp8Matmul, _Fp8SwiGLUDown
     from tests.conftest import counting
@@ -269,35 +273,37 @@ def test_a_ranks_experts_in_fp8_at_once_compute_what_each_expert_alone_computes(
 
     def at_once(x, s, gate, up, down):
         groups = Groups(counts)
-        gate_out, up_out = _Fp8Matmul.apply(recipe, scaled, groups, x, gate, up).chunk(2, -1)
-        return _Fp8SwiGLUDown.apply(recipe, scaled, groups, gate_out, up_out, down, s)
+        gate_up = _Fp8Matmul.apply(recipe, scaled, groups, x, gate, up)
+        return _Fp8SwiGLUDown.apply(recipe, scaled, groups, gate_up, down, s)
 
     def expert_by_expert(x, s, gate, up, down):
         outs = []
         for e, (part, weight) in enumerate(zip(x.split(counts), s.split(counts))):
             if part.shape[0]:
-                gate_out, up_out = _Fp8Matmul.apply(recipe, scaled, ONE_WEIGHT, part, gate[e],
-                                                    up[e]).chunk(2, -1)
-                outs.append(_Fp8SwiGLUDown.apply(recipe, scaled, ONE_WEIGHT, gate_out,
-                                                 up_out, down[e], weight))
+                gate_up = _Fp8Matmul.apply(recipe, scaled, ONE_WEIGHT, part, gate[e], up[e])
+                outs.append(_Fp8SwiGLUDown.apply(recipe, scaled, ONE_WEIGHT, gate_up,
+                                                 down[e], weight))
         return torch.cat(outs)
 
     expected, got = run(expert_by_expert), run(at_once)
     assert [t.shape for t in got] == [t.shape for t in expected]
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert torch.equal(got[3][1], torch.zeros(40, 24))  # the expert no row chose
-    # planc's entry point quantises each tensor once for every expert: 14 quantisations
-    # (an amax each) where each expert alone ran 14 of its own, but for the product the
-    # backward recomputes, quantised once a run of experts (here 3 runs: 16); the GEMMs
-    # are the same 6 an expert (a forward's 2, an input gradient's 2, a weight
-    # gradient's 2)
+    # planc's entry point quantises each row-wide tensor once for every expert: 14
+    # quantisations (an amax each) where each expert alone ran 14 of its own, but for
+    # the product the backward recomputes, quantised once a run of experts (here 3 runs:
+    # 16), and, emulated (this CPU), the weights, whose blocks are quantised an expert
+    # with rows at a time (3 here), so that no fp32 copy of every expert's is made: the
+    # 6 quantisations of a stack (gate, up and down, forward and input gradient) are 18
+    # (on FP8 tensor cores a stack is encoded once); the GEMMs are the same 6 an expert
+    # (a forward's 2, an input gradient's 2, a weight gradient's 2)
     leaves = [t.clone().requires_grad_() for t in (rows, scales, *stacks)]
     with counting(torch.ops.aten.amax.default, torch.ops.aten.aminmax.default) as quantised, \
-            counting(torch.ops.aten.mm.default) as gemms:
+            counting(torch.ops.aten.mm.default, torch.ops.aten.mm.out) as gemms:
         fp8.experts_swiglu(leaves[0], leaves[1], list(counts), *leaves[2:],
                            recipe).backward(grad)
     assert len(Groups(counts).runs()) == 3
-    assert (quantised.count, gemms.count) == (14 + 3 - 1, 6 * 3)
+    assert (quantised.count, gemms.count) == (14 + 3 - 1 - 6 + 6 * 3, 6 * 3)
     with counting(torch.ops.aten.amax.default, torch.ops.aten.aminmax.default) as quantised:
         run(expert_by_expert)
     assert quantised.count == 14 * 3
@@ -305,22 +311,83 @@ def test_a_ranks_experts_in_fp8_at_once_compute_what_each_expert_alone_computes(
 
 def test_the_experts_swiglu_backward_holds_no_temporary_of_every_row():
     """A rank's FP8 experts' SwiGLU backward runs a run of experts at a time (fp8.RUNS):
-    of every row it holds only the gradients it returns (gate's and up's), not the
-    decoded inputs, silu, the product and its gradient over all the rows at once."""
+    of every row it holds only the gradient it returns (gate's and up's side by side, in
+    one tensor), not the decoded inputs, silu, the product and its gradient over all the
+    rows at once."""
     from planc.runtime.engine.fp8 import Groups, Recipe, _Fp8SwiGLUDown
     from tests.conftest import most_alive
 
     counts, hidden, ffn = (64,) * 8, 32, 16
     rows = sum(counts)
     generator = torch.Generator().manual_seed(6)
-    gate, up = (torch.randn(rows, ffn, generator=generator).requires_grad_()
-                for _ in range(2))
+    gate_up = torch.randn(rows, 2 * ffn, generator=generator).requires_grad_()
     weights = torch.rand(rows, 1, generator=generator).requires_grad_()
     down = torch.randn(len(counts), ffn, hidden, generator=generator).requires_grad_()
-    out = _Fp8SwiGLUDown.apply(Recipe(16), False, Groups(counts), gate, up, down, weights)
+    out = _Fp8SwiGLUDown.apply(Recipe(16), False, Groups(counts), gate_up, down, weights)
     grad = torch.randn(out.shape, generator=generator)
-    assert most_alive((rows, ffn), lambda: torch.autograd.grad(
-        out, (gate, up, down, weights), grad, retain_graph=True)) == 2
+
+    def backward():
+        torch.autograd.grad(out, (gate_up, down, weights), grad, retain_graph=True)
+
+    assert most_alive((rows, ffn), backward) == 0
+    assert most_alive((rows, 2 * ffn), backward) == 1
+
+
+def _fp32_made(numel: int, run) -> list[tuple[str, tuple[int, ...]]]:
+    """(operation, shape) of each fp32 tensor of ``numel`` elements or more, with storage
+    of its own (no view), that ``run()`` made, but for zeros (a weight gradient's stack,
+    which is returned)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    made: list = []
+
+    class Made(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            given = {t.untyped_storage().data_ptr() for t in
+                     torch.utils._pytree.tree_leaves((args, kwargs))
+                     if isinstance(t, torch.Tensor)}
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float32 \
+                    and out.numel() >= numel and func is not torch.ops.aten.zeros.default \
+                    and out.untyped_storage().data_ptr() not in given:
+                made.append((str(func), tuple(out.shape)))
+            return out
+
+    with Made():
+        run()
+    return made
+
+
+def test_a_ranks_fp8_experts_make_no_fp32_copy_of_their_every_weight():
+    """Emulated, a rank's FP8 experts decode an expert's quantised weights as its rows
+    meet them, and encoding divides the weights by their scales a piece of the stack at a
+    time (fp8.codes.PIECES): neither the forward nor the backward makes an fp32 tensor
+    the size of a stack of weights (at the H200's moe-fp8 shapes, 32 experts' gate
+    weights are 192 MiB in fp32), where each GEMM decoded every expert's at once and each
+    encoding divided them all at once. The gradient of gate's and up's outputs is written
+    into one tensor: no copy joins gate's and up's."""
+    from planc.runtime.engine import fp8
+
+    counts, hidden, ffn = (16,) * 8, 64, 64
+    rows = sum(counts)
+    generator = torch.Generator().manual_seed(12)
+    x = torch.randn(rows, hidden, generator=generator).requires_grad_()
+    scales = torch.rand(rows, 1, generator=generator).requires_grad_()
+    stacks = [torch.randn(len(counts), *shape, generator=generator).requires_grad_()
+              for shape in ((hidden, ffn), (hidden, ffn), (ffn, hidden))]
+    out = []
+
+    def forward():
+        out[:] = [fp8.experts_swiglu(x, scales, list(counts), *stacks, fp8.Recipe(16))]
+
+    stack = len(counts) * hidden * ffn  # twice the rows' gate and up side by side
+    assert _fp32_made(stack, forward) == []
+    grad = torch.randn(out[0].shape, generator=generator)
+    backward = _fp32_made(rows * 2 * ffn, lambda: torch.autograd.grad(
+        out[0], [x, scales, *stacks], grad))  # as planc's runtime asks (no .grad to fill)
+    assert [op for op, shape in backward if shape[-1] == 2 * ffn] == [
+        "aten.new_empty.default"]  # gate's and up's gradient, written half by half
+    assert [op for op, shape in backward if shape[0] == len(counts)] == []
 
 
 def test_the_experts_weight_gradients_decode_their_rows_a_run_of_experts_at_a_time():

@@ -12,7 +12,8 @@ from planc.runtime.backward_passes import input_half, weight_half, weight_splits
 from planc.runtime.engine.kernels import _vector_jacobian  # noqa: E402
 from tests.conftest import counting, most_alive  # noqa: E402
 
-GEMMS = (torch.ops.aten.mm.default, torch.ops.aten._grouped_mm.default)
+# (an FP8 expert's weight gradient is written into its slice of the stack: mm.out)
+GEMMS = (torch.ops.aten.mm.default, torch.ops.aten.mm.out, torch.ops.aten._grouped_mm.default)
 
 
 def _experts(recipe=None):

@@ -172,9 +172,14 @@ class Groups:
         if split:
             x_rows, grad_rows = bf16_pair(x_rows), bf16_pair(grad_rows)
         for e, span in spans:
-            product = split_product(tuple(t[span].t() for t in x_rows),
-                                    tuple(t[span] for t in grad_rows)) if split \
-                else x_rows[span].t() @ grad_rows[span]
+            if split:
+                product = split_product(tuple(t[span].t() for t in x_rows),
+                                        tuple(t[span] for t in grad_rows))
+            elif out is not None:  # written where it goes, not made beside it
+                torch.mm(x_rows[span].t(), grad_rows[span], out=out[e])
+                continue
+            else:
+                product = x_rows[span].t() @ grad_rows[span]
             if out is None:
                 return product
             out[e] = product
@@ -239,9 +244,8 @@ class _Fp8Matmul(torch.autograd.Function):
                               _expert_blocks(block, e, True), ctx.features)
                 for (part_codes, part_scale), block in zip(parts, blocks))).to(x_dtype)
         elif wanted[3]:
-            decoded = _decoded_weights(weights, recipe.tile)
             dx = groups.rows(lambda e, span: gradient_rows(span)
-                             @ Groups.weight(decoded, e).t()).to(x_dtype)
+                             @ _decoded_weights(weights, e, recipe.tile).t()).to(x_dtype)
         dws = [None] * len(weights)
         if any(wanted[4:]):
             dw = groups.weight_gradient(
@@ -258,10 +262,13 @@ def _side_by_side(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
-def _decoded_weights(weights, tile: int) -> torch.Tensor:
-    """The weights (or stacks of them) as their T x T blocks quantise them, side by side,
-    in fp32."""
-    return _side_by_side([quantised_blocks(w, tile) for w in weights], -1)
+def _decoded_weights(weights, expert: int | None, tile: int) -> torch.Tensor:
+    """Expert ``expert``'s weights (the weights themselves for None) as their T x T
+    blocks quantise them, side by side, in fp32: an expert's at a time, so that no fp32
+    copy of a rank's every expert is made (each weight of a stack is quantised as it
+    would be alone: the same bits)."""
+    return _side_by_side([quantised_blocks(Groups.weight(w, expert), tile)
+                          for w in weights], -1)
 
 
 def _weights_product(codes: torch.Tensor, scale: torch.Tensor, weights, tile: int,
@@ -274,35 +281,37 @@ def _weights_product(codes: torch.Tensor, scale: torch.Tensor, weights, tile: in
         return groups.rows(lambda e, span: _side_by_side(
             [_times_blocks(codes[span], scale[span], _expert_blocks(block, e), w.shape[-1])
              for block, w in zip(blocks, weights)], -1))
-    decoded = _decoded_weights(weights, tile)
     return groups.rows(lambda e, span: decoded_rows(codes[span], scale[span], features)
-                       @ Groups.weight(decoded, e))
+                       @ _decoded_weights(weights, e, tile))
 
 
 class _Fp8SwiGLUDown(torch.autograd.Function):
     """``(silu(gate) * up) @ down`` as DeepSeek-V3 runs a mixture's SwiGLU (section 3.3.4,
-    low-precision storage): its inputs, gate and up, are kept in FP8 (1 x T tiles) and
-    its output is recomputed from them in the backward, where :class:`_Fp8Matmul` would
-    keep the product as the down GEMM's cached input; the down GEMM's three products in
-    FP8 as in :class:`_Fp8Matmul`, its rows in :class:`Groups`, the backward's weight
-    gradient reading the recomputed product, and the weight kept itself and quantised
-    again; each pass of a split backward computes what it is asked for (the weight's
-    gradient in the weights' pass alone)."""
+    low-precision storage), gate and up side by side in one tensor (``gate_up``, the
+    joined GEMM's output): they are kept in FP8 (1 x T tiles of each) and the output is
+    recomputed from them in the backward, where :class:`_Fp8Matmul` would keep the
+    product as the down GEMM's cached input; the down GEMM's three products in FP8 as in
+    :class:`_Fp8Matmul`, its rows in :class:`Groups`, the backward's weight gradient
+    reading the recomputed product, and the weight kept itself and quantised again; each
+    pass of a split backward computes what it is asked for (the weight's gradient in the
+    weights' pass alone). The gradient of ``gate_up`` is written into one tensor, half by
+    half: two halves would be joined by a copy of it all (autograd's own backward of a
+    split)."""
 
     @staticmethod
-    def forward(ctx, recipe: Recipe, scaled: bool, groups: Groups, gate: torch.Tensor,
-                up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        tile = recipe.tile
+    def forward(ctx, recipe: Recipe, scaled: bool, groups: Groups, gate_up: torch.Tensor,
+                down: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        tile, n = recipe.tile, gate_up.shape[-1] // 2
+        gate, up = gate_up[..., :n], gate_up[..., n:]
         activated = F.silu(gate) * up
         product = encoded_rows(activated if weights is None else activated * weights, tile)
-        out = _weights_product(*product, (down,), tile, scaled, gate.shape[-1], groups)
+        out = _weights_product(*product, (down,), tile, scaled, n, groups)
         ctx.recipe, ctx.scaled, ctx.groups, ctx.dtypes, ctx.features = recipe, scaled, \
-            groups, (gate.dtype, down.dtype), gate.shape[-1]
+            groups, (gate_up.dtype, down.dtype), n
         ctx.weighted = weights is not None
         ctx.save_for_backward(*encoded_rows(gate, tile), *encoded_rows(up, tile), down,
                               *((weights,) if ctx.weighted else ()))
-        return out.to(gate.dtype)
+        return out.to(gate_up.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -310,21 +319,16 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
         wanted = asked_for(ctx, first=3)
         recipe, groups, (dtype, w_dtype), n = ctx.recipe, ctx.groups, ctx.dtypes, ctx.features
         codes, scale = encoded_rows(grad, recipe.tile, recipe.gradients)
-        inputs_wanted = wanted[3] or wanted[4] or (weights and wanted[6])
+        inputs_wanted = wanted[3] or (weights and wanted[5])
         width, lead, device = grad.shape[-1], gate_codes.shape[:-2], down.device
         split = ctx.scaled and split_weight_gradient(device)
-        blocks = None if not inputs_wanted else encoded_blocks(down, recipe.tile) \
-            if ctx.scaled else quantised_blocks(down, recipe.tile)
-        dw = groups.gradient_stack((n, width), device) if wanted[5] else None
-        made: dict[str, torch.Tensor] = {}  # the inputs' gradients, a run's rows at a time
-
-        def keep(name: str, rows: slice, value: torch.Tensor) -> None:
-            if rows == slice(None):
-                made[name] = value
-                return
-            if name not in made:
-                made[name] = value.new_empty(*lead, value.shape[-1])
-            made[name][rows] = value
+        blocks = encoded_blocks(down, recipe.tile) if inputs_wanted and ctx.scaled \
+            else None  # emulated: each expert's decoded as its rows need it
+        dw = groups.gradient_stack((n, width), device) if wanted[4] else None
+        # the inputs' gradients, a run's rows at a time: gate's and up's side by side
+        made = {} if not inputs_wanted else {
+            "gate_up": grad.new_empty(*lead, 2 * n, dtype=dtype),
+            **({"weights": grad.new_empty(*lead, 1, dtype=dtype)} if weights else {})}
 
         # A run of experts at a time (Groups.runs); in a run each row-wide temporary goes
         # as soon as it is read for the last time, and the gate's factor is computed in
@@ -337,8 +341,8 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
             activated = silu * up
             run_codes, run_scale = codes[rows], scale[rows]
             gq = decoded_rows(run_codes, run_scale, width) \
-                if wanted[5] or (inputs_wanted and not ctx.scaled) else None
-            if wanted[5]:  # the down GEMM's weight gradient reads the product recomputed
+                if wanted[4] or (inputs_wanted and not ctx.scaled) else None
+            if wanted[4]:  # the down GEMM's weight gradient reads the product recomputed
                 product = activated * weights[0][rows] if weights else activated
                 dw = groups.products(dw, spans, quantised_rows(product, recipe.tile), gq,
                                      split)
@@ -350,25 +354,23 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
                     run_codes[span], run_scale[span], _expert_blocks(blocks, e, True), n)
                     for e, span in spans], 0).to(dtype)
             else:
-                d_product = _side_by_side([gq[span] @ Groups.weight(blocks, e).t()
-                                           for e, span in spans], 0).to(dtype)
+                d_product = _side_by_side(
+                    [gq[span] @ _decoded_weights((down,), e, recipe.tile).t()
+                     for e, span in spans], 0).to(dtype)
             gq = None
             if weights:  # the product's gradient to each row's weight, then through it
-                keep("weights", rows, (d_product * activated).sum(-1, keepdim=True))
+                made["weights"][rows] = (d_product * activated).sum(-1, keepdim=True)
                 d_product = d_product * weights[0][rows]
             del activated
-            keep("up", rows, d_product * silu)
+            joined = made["gate_up"][rows]
+            torch.mul(d_product, silu, out=joined[..., n:])  # up's
             del silu
             sigmoid = torch.sigmoid(gate)
             factor = (1 - sigmoid).mul_(gate).add_(1)  # 1 + gate * (1 - sigmoid)
-            keep("gate", rows, (d_product * up).mul_(sigmoid).mul_(factor))
-        if inputs_wanted and not made:  # no rows at all
-            made = {"gate": grad.new_empty(*lead, n, dtype=dtype),
-                    "up": grad.new_empty(*lead, n, dtype=dtype),
-                    "weights": grad.new_empty(*lead, 1, dtype=dtype)}
+            joined[..., :n] = (d_product * up).mul_(sigmoid).mul_(factor)  # gate's
         dw = None if dw is None else dw.to(w_dtype)
         # (weights given or not: as many gradients as the forward had inputs)
-        return (None, None, None, made.get("gate"), made.get("up"), dw,
+        return (None, None, None, made.get("gate_up"), dw,
                 made.get("weights") if weights else None)[:len(ctx.needs_input_grad)]
 
 
@@ -379,7 +381,7 @@ def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
     expert's routing weights, applied to the product before the down GEMM (Megatron-Core's
     weighted SwiGLU), kept in the dtype."""
     return _Fp8SwiGLUDown.apply(recipe, tensor_cores(gate.device, recipe.tile), ONE_WEIGHT,
-                                traceable(gate), traceable(up), traceable(down),
+                                torch.cat([gate, up], dim=-1), traceable(down),
                                 traceable(weights))
 
 
@@ -393,9 +395,9 @@ def experts_swiglu(rows: torch.Tensor, scales: torch.Tensor | None, counts: list
     its own weights."""
     scaled = tensor_cores(rows.device, recipe.tile)
     groups = ONE_WEIGHT if counts is None else Groups(tuple(counts))
-    gate_out, up_out = _Fp8Matmul.apply(recipe, scaled, groups, traceable(rows),
-                                        traceable(gate), traceable(up)).chunk(2, dim=-1)
-    return _Fp8SwiGLUDown.apply(recipe, scaled, groups, gate_out, up_out, traceable(down),
+    gate_up = _Fp8Matmul.apply(recipe, scaled, groups, traceable(rows), traceable(gate),
+                               traceable(up))
+    return _Fp8SwiGLUDown.apply(recipe, scaled, groups, gate_up, traceable(down),
                                 traceable(scales))
 
 

@@ -15,6 +15,8 @@ E5M2 = torch.float8_e5m2
 # the largest finite number of each format (OCP 8-bit floating point specification)
 LARGEST = {E4M3: 448.0, E5M2: 57344.0}
 FP32 = torch.float32
+# Encoding divides a tensor by its scales in this many pieces (:func:`_divided`).
+PIECES = 8
 
 
 def _encoded(groups: torch.Tensor, dims: tuple[int, ...], form: torch.dtype = E4M3
@@ -22,15 +24,38 @@ def _encoded(groups: torch.Tensor, dims: tuple[int, ...], form: torch.dtype = E4
     """Each group (the elements along ``dims``) in ``form`` and its fp32 scale, amax over
     the format's largest number (1 for a group of zeros). ``groups`` in any float dtype:
     the amax is exact in it, and the division promotes each element to fp32 as it goes,
-    the bits of a copy in fp32 first without its memory traffic."""
+    the bits of a copy in fp32 first without its memory traffic. The amax is the larger
+    of the largest element and the smallest's negation, so no magnitudes are written (a
+    tensor the size of ``groups``)."""
     if len(dims) == 1:  # tiles of rows, as large as the activations: one read of them
         low, high = torch.aminmax(groups, dim=dims[0], keepdim=True)
-        largest = torch.maximum(high, low.neg())  # amax of abs, no magnitudes written
     else:
-        largest = groups.abs().amax(dim=dims, keepdim=True)
+        low, high = groups.amin(dim=dims, keepdim=True), groups.amax(dim=dims, keepdim=True)
+    largest = torch.maximum(high, low.neg())
     scale = largest.to(FP32) / LARGEST[form]
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (groups / scale).to(form), scale
+    return _divided(groups, scale, dims, form), scale
+
+
+def _divided(groups: torch.Tensor, scale: torch.Tensor, dims: tuple[int, ...],
+             form: torch.dtype) -> torch.Tensor:
+    """``(groups / scale).to(form)``, a piece of about 1 / :data:`PIECES` of the groups
+    at a time along their longest dimension before the grouped ones: the division's fp32
+    quotient, four times the codes' bytes (twice a bf16 input's), is never whole (a
+    rank's stacked experts' weights: each piece a few experts). The same division and
+    the same cast, element by element, so the same bits."""
+    lead = min(d % groups.dim() for d in dims)
+    axis = max(range(lead), key=lambda d: groups.shape[d], default=None)
+    if axis is None or groups.shape[axis] < 2:
+        return (groups / scale).to(form)
+    codes = torch.empty(groups.shape, dtype=form, device=groups.device)
+    size = groups.shape[axis]
+    step = -(-size // PIECES)
+    for start in range(0, size, step):
+        length = min(step, size - start)
+        codes.narrow(axis, start, length).copy_(
+            groups.narrow(axis, start, length) / scale.narrow(axis, start, length))
+    return codes
 
 
 def _quantised(groups: torch.Tensor, dims: tuple[int, ...], form: torch.dtype = E4M3
