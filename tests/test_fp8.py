@@ -310,7 +310,7 @@ def test_a_ranks_experts_in_fp8_at_once_compute_what_each_expert_alone_computes(
 
 
 def test_the_experts_swiglu_backward_holds_no_temporary_of_every_row():
-    """A rank's FP8 experts' SwiGLU backward runs a run of experts at a time (fp8.RUNS):
+    """A rank's FP8 experts' SwiGLU backward runs a run of experts at a time (fp8.groups.RUNS):
     of every row it holds only the gradient it returns (gate's and up's side by side, in
     one tensor), not the decoded inputs, silu, the product and its gradient over all the
     rows at once."""
@@ -392,7 +392,7 @@ def test_a_ranks_fp8_experts_make_no_fp32_copy_of_their_every_weight():
 
 def test_the_experts_weight_gradients_decode_their_rows_a_run_of_experts_at_a_time():
     """The weights' pass of a rank's FP8 experts (Groups) decodes their rows and output
-    gradients from FP8 a run of experts at a time (fp8.WEIGHT_GRADIENT_RUNS, an eighth of
+    gradients from FP8 a run of experts at a time (fp8.groups.RUNS, an eighth of
     the rows here), never every row at once in fp32 (1 GiB and 768 MiB at the H200's
     moe-fp8 shapes); each expert's gradient is its decoded rows' product, bit for bit."""
     from planc.runtime.engine.fp8 import Groups, Recipe, _Fp8Matmul, quantised_rows

@@ -47,20 +47,20 @@ the whole tensor: a sharded run quantises exactly as the one-process reference.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from planc.runtime.backward_passes import asked_for, traceable
-from planc.runtime.engine.fp8.codes import (E4M3, E5M2, FP32, EncodedRows, decoded_rows,
+from planc.runtime.engine.fp8.codes import (E4M3, E5M2, EncodedRows, decoded_rows,
                                             encoded_blocks, encoded_rows, kept_bytes,
                                             quantised_blocks, quantised_rows, readable)
-from planc.runtime.engine.fp8.tensor_cores import (bf16_pair, blockwise_kernel,
-                                                   blockwise_product, scaled_product,
-                                                   split_product, split_weight_gradient,
-                                                   tensor_cores, tiled_product)
+from planc.runtime.engine.fp8.groups import ONE_WEIGHT, Groups, side_by_side
+from planc.runtime.engine.fp8.tensor_cores import (blockwise_kernel, blockwise_product,
+                                                   scaled_product, split_product,
+                                                   split_weight_gradient, tensor_cores,
+                                                   tiled_product)
 from planc.vocabulary.model_options import fp8_tile
 
 # what the rest of planc reads of FP8, wherever in the package it is written
@@ -71,12 +71,6 @@ __all__ = ["E4M3", "EncodedRows", "GRADIENT_FORMATS", "Recipe", "blockwise_kerne
            "swiglu_down", "tensor_cores", "tiled_product"]
 
 GRADIENT_FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
-# A backward decodes its rows (and on CUDA splits them into bf16 halves for the weight
-# gradient) a run of experts at a time, each about this fraction of the rank's rows: no
-# temporary of every row is alive at once (a whole experts' backward held 30 MiB more
-# than an expert at a time: bench/memory_live.py's moe-fp8-zb), in a few kernels a run
-# where an expert at a time would launch some for every expert.
-RUNS = 8
 
 
 @dataclass(frozen=True)
@@ -94,99 +88,6 @@ def recipe_of(model) -> Recipe | None:
     if tile is None:
         return None
     return Recipe(tile, GRADIENT_FORMATS[model.options.get("fp8_gradients") or "e4m3"])
-
-
-@dataclass(frozen=True)
-class Groups:
-    """How a GEMM's rows meet its weights: all by one weight (no ``counts``), or a rank's
-    routed experts at once, ``counts[e]`` rows of expert e one after another, each by
-    slice e of stacked weights (experts x in x out). Experts run as one operation each,
-    so that a rank quantises its rows and its experts' weights once a GEMM rather than
-    once an expert: the same tiles and blocks, so the same bits (every group lies inside
-    one token or one weight), in a few kernels where an expert at a time launched some
-    250 (Megatron-Core's grouped GEMM; DeepSeek-V3's DeepGEMM quantises fused). A
-    backward's row-wide temporaries are made a run of experts at a time (:meth:`runs`),
-    so that none is of every row."""
-
-    counts: tuple[int, ...] | None = None
-
-    def spans(self) -> list[tuple[int | None, slice]]:
-        """(expert, its rows) of each expert with rows; (None, all) for one weight."""
-        if self.counts is None:
-            return [(None, slice(None))]
-        ends = itertools.accumulate(self.counts)
-        return [(e, slice(end - n, end)) for e, (n, end) in enumerate(zip(self.counts, ends))
-                if n]
-
-    @staticmethod
-    def weight(w: torch.Tensor, expert: int | None) -> torch.Tensor:
-        """Expert ``expert``'s slice of a stack (or codes, or scales); ``w`` for None."""
-        return w if expert is None else w[expert]
-
-    def rows(self, product) -> torch.Tensor:
-        """``product(expert, rows)`` of each expert's rows, one after another."""
-        return _side_by_side([product(e, span) for e, span in self.spans()], 0)
-
-    def runs(self) -> list[tuple[slice, list[tuple[int | None, slice]]]]:
-        """The experts with rows in runs of consecutive ones, each of about 1 /
-        :data:`RUNS` of the rows (an expert's rows never split): the run's rows, and each
-        expert's rows within them; one run of all for one weight."""
-        if self.counts is None:
-            return [(slice(None), self.spans())]
-        least = max(-(-sum(self.counts) // RUNS), 1)
-        runs: list[tuple[slice, list]] = []
-        for e, span in self.spans():
-            if not runs or runs[-1][0].stop - runs[-1][0].start >= least:
-                runs.append((slice(span.start, span.start), []))
-            start = runs[-1][0].start
-            runs[-1] = (slice(start, span.stop),
-                        [*runs[-1][1], (e, slice(span.start - start, span.stop - start))])
-        return runs
-
-    def weight_gradient(self, x, grad, shape: tuple[int, int], scaled: bool,
-                        device: torch.device) -> torch.Tensor:
-        """``x^T grad`` (fp32, ``shape``) over each expert's rows, stacked (zeros for an
-        expert with none); over all the rows for one weight. ``x(rows)`` and
-        ``grad(rows)`` give a slice of the rows in fp32, read a run at a time
-        (:meth:`runs`; each row is decoded alike whatever its run, so the same bits)."""
-        split = scaled and split_weight_gradient(device)
-        out = self.gradient_stack(shape, device)
-        for rows, spans in self.runs():
-            out = self.products(out, spans, x(rows), grad(rows), split)
-        return out
-
-    def gradient_stack(self, shape: tuple[int, int], device: torch.device
-                       ) -> torch.Tensor | None:
-        """Zeros for every expert's weight gradient (``shape``); None for one weight."""
-        return None if self.counts is None else \
-            torch.zeros(len(self.counts), *shape, dtype=FP32, device=device)
-
-    @staticmethod
-    def products(out: torch.Tensor | None, spans, x_rows: torch.Tensor,
-                 grad_rows: torch.Tensor, split: bool) -> torch.Tensor:
-        """``x^T grad`` over each expert's ``spans`` of a run's rows (fp32), into its
-        slice of ``out``; for one weight (``out`` None), the product. ``split``: as
-        :func:`split_product`'s three bf16 GEMMs on tensor cores that multiply bf16 into
-        fp32 (the run split once for its experts), else one fp32 GEMM."""
-        x_rows, grad_rows = (t.reshape(-1, t.shape[-1]) for t in (x_rows, grad_rows))
-        if split:
-            x_rows, grad_rows = bf16_pair(x_rows), bf16_pair(grad_rows)
-        for e, span in spans:
-            if split:
-                product = split_product(tuple(t[span].t() for t in x_rows),
-                                        tuple(t[span] for t in grad_rows))
-            elif out is not None:  # written where it goes, not made beside it
-                torch.mm(x_rows[span].t(), grad_rows[span], out=out[e])
-                continue
-            else:
-                product = x_rows[span].t() @ grad_rows[span]
-            if out is None:
-                return product
-            out[e] = product
-        return out
-
-
-ONE_WEIGHT = Groups()
 
 
 def _times_blocks(codes: torch.Tensor, scale: torch.Tensor, blocks, width: int
@@ -232,7 +133,7 @@ class _Fp8Matmul(torch.autograd.Function):
                  for part in grad.split(ctx.widths, -1)]
 
         def gradient_rows(rows: slice) -> torch.Tensor:
-            return _side_by_side([decoded_rows(part_codes[rows], part_scale[rows], width)
+            return side_by_side([decoded_rows(part_codes[rows], part_scale[rows], width)
                                   for (part_codes, part_scale), width
                                   in zip(parts, ctx.widths)], -1)
 
@@ -257,17 +158,12 @@ class _Fp8Matmul(torch.autograd.Function):
         return (None, None, None, dx, *dws)
 
 
-def _side_by_side(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-    """``parts`` joined along ``dim``; one part as it is (a cat of one copies it whole)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
-
-
 def _decoded_weights(weights, expert: int | None, tile: int) -> torch.Tensor:
     """Expert ``expert``'s weights (the weights themselves for None) as their T x T
     blocks quantise them, side by side, in fp32: an expert's at a time, so that no fp32
     copy of a rank's every expert is made (each weight of a stack is quantised as it
     would be alone: the same bits)."""
-    return _side_by_side([quantised_blocks(Groups.weight(w, expert), tile)
+    return side_by_side([quantised_blocks(Groups.weight(w, expert), tile)
                           for w in weights], -1)
 
 
@@ -278,7 +174,7 @@ def _weights_product(codes: torch.Tensor, scale: torch.Tensor, weights, tile: in
     (``scaled``), or emulated."""
     if scaled:
         blocks = [encoded_blocks(w, tile) for w in weights]
-        return groups.rows(lambda e, span: _side_by_side(
+        return groups.rows(lambda e, span: side_by_side(
             [_times_blocks(codes[span], scale[span], _expert_blocks(block, e), w.shape[-1])
              for block, w in zip(blocks, weights)], -1))
     return groups.rows(lambda e, span: decoded_rows(codes[span], scale[span], features)
@@ -350,11 +246,11 @@ class _Fp8SwiGLUDown(torch.autograd.Function):
             if not inputs_wanted:
                 continue
             if ctx.scaled:
-                d_product = _side_by_side([_times_blocks(
+                d_product = side_by_side([_times_blocks(
                     run_codes[span], run_scale[span], _expert_blocks(blocks, e, True), n)
                     for e, span in spans], 0).to(dtype)
             else:
-                d_product = _side_by_side(
+                d_product = side_by_side(
                     [gq[span] @ _decoded_weights((down,), e, recipe.tile).t()
                      for e, span in spans], 0).to(dtype)
             gq = None
