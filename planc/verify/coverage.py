@@ -157,7 +157,8 @@ class CoverageChecks:
                     f"runs block {block} {_times(counts[mb])}"
                 self.report.add(f"{where}: {what} {said} for microbatch {mb}; every "
                                 f"{noun} runs once for each of the {m}")
-        extra = sorted(entry for entry in runs if entry[0] not in blocks or
+        allowed = set(blocks)  # a set: a schedule has blocks x microbatches entries
+        extra = sorted(entry for entry in runs if entry[0] not in allowed or
                        not 0 <= entry[1] < m)
         if extra:
             self.report.add(f"{where}: {what} runs {extra[0][0]} for microbatch "
