@@ -11,6 +11,8 @@ format is then loaded with ``from_pretrained`` and must compute the same loss.
 from __future__ import annotations
 
 
+import json
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -117,6 +119,35 @@ def test_export_refuses_a_missing_checkpoint_directory(tmp_path, capfd):
     err = capfd.readouterr().err
     assert "no such checkpoint directory" in err and "Traceback" not in err
 
+
+def test_export_replaces_its_own_config_and_never_a_users(tmp_path, capfd):
+    """Each file of an export is planc's by its own mark: a config.json a user wrote
+    beside planc's weights is refused, --force or not, and named; planc's own (its key
+    "planc" says "written by planc export --format hf") is replaced with --force.
+    Whether the directory's model.safetensors was planc's decided for both, so --force
+    replaced the user's config.json."""
+    text = PLAN.format(mesh="", kv=2, m=1, lr=0.1, head_dim="")
+    (tmp_path / "h.plan").write_text(text)
+    checkpoints, first, mine = tmp_path / "ckpt", tmp_path / "first", tmp_path / "mine"
+    assert main(["run", str(tmp_path / "h.plan"), "-o", str(tmp_path / "build"),
+                 "--checkpoint-dir", str(checkpoints)]) == 0
+    assert main(["export", str(checkpoints), "--format", "hf", "-o", str(first)]) == 0
+    assert json.loads((first / "config.json").read_text())["planc"] == \
+        "written by planc export --format hf"
+    mine.mkdir()
+    (mine / "model.safetensors").write_bytes((first / "model.safetensors").read_bytes())
+    (mine / "config.json").write_text('{"my": "hand-written config"}')
+    capfd.readouterr()
+    for force in ([], ["--force"]):
+        assert main(["export", str(checkpoints), "--format", "hf", "-o", str(mine),
+                     *force]) == 2
+        assert capfd.readouterr().err == (
+            f"planc: error: -o {mine}/config.json: exists and is not a Hugging Face export "
+            f"that planc wrote; planc never replaces such a file: name another path, or "
+            f"remove it first\n")
+        assert (mine / "config.json").read_text() == '{"my": "hand-written config"}'
+    assert main(["export", str(checkpoints), "--format", "hf", "-o", str(first),
+                 "--force"]) == 0
 
 def test_export_refuses_values_past_the_dtypes_range(tmp_path, capfd):
     """A checkpoint's values are fp32; an fp16 model's export writes them as fp16, whose

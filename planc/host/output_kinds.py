@@ -167,9 +167,11 @@ def is_ours(path: str, kind: Kind) -> bool:
         return _metrics_file(head)
     if kind is TOPOLOGY:
         return _topology(head)
-    if kind is HUGGING_FACE:
-        directory = os.path.dirname(path)
-        return _safetensors_of(os.path.join(directory, "model.safetensors"), kind.generator)
+    if kind is HUGGING_FACE:  # each file by its own mark: a user's config.json beside
+        # planc's weights is still the user's
+        if os.path.basename(path) == "model.safetensors":
+            return _safetensors_of(path, kind.generator)
+        return _carries(head, kind.generator)
     if kind is TOKENS:  # a token file's header is planc's alone; its description is marked
         return head.startswith(b"PLANCTOK") or _carries(head, kind.generator)
     if kind is CHAKRA:  # protobuf: the mark is an attribute of the first message

@@ -56,7 +56,11 @@ def export_hf(checkpoint: str, output: str, passed_over=lambda why: None
     write_durably(Path(output) / "model.safetensors",
                   save(tensors, metadata={"format": "pt",  # transformers' loader reads it
                                           "generator": HUGGING_FACE.generator}))
-    write_durably(Path(output) / "config.json", dump_json(hf_config(model)))
+    # marked as planc's, as the weights' metadata is, so that a later export may replace
+    # it and no other; under a key of its own (transformers keeps an unknown key as an
+    # attribute, but reads "generator" as a generator model's config)
+    write_durably(Path(output) / "config.json", dump_json(
+        {**hf_config(model), "planc": f"written by {HUGGING_FACE.generator}"}))
     return found.directory, len(tensors), architecture.name
 
 
