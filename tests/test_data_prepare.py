@@ -277,6 +277,27 @@ def test_a_tokenizer_that_cannot_cut_is_refused_in_one_line(setup, message, tmp_
     assert not (tmp_path / "o.tokens").exists()
 
 
+def test_an_end_of_text_name_that_is_not_text_is_refused_or_passed_over(tmp_path, capfd):
+    """--eos given bytes that are not UTF-8 (Python holds them as lone surrogates) is
+    refused in one line; a tokenizer_config.json whose eos_token is a lone surrogate
+    ("\\ud800") names no token and is passed over, as any other unusable eos_token:
+    the tokenizer's own end-of-text token is found. Both raised UnicodeEncodeError in the
+    tokenizer's lookup, a traceback."""
+    tokenizer = save_tokenizer(tmp_path / "tok")
+    write_jsonl(tmp_path / "d.jsonl", documents(3))
+    out = tmp_path / "o.tokens"
+    assert main(["data", "prepare", str(tmp_path / "d.jsonl"), "-o", str(out),
+                 "--tokenizer", str(tmp_path / "tok"), "--eos", "\udcff"]) == 1
+    assert capfd.readouterr().err.splitlines() == [
+        f"planc: error: --eos '\\udcff' is not valid UTF-8 text, so no token of tokenizer "
+        f"{tokenizer} can be named so"]
+    assert not out.exists()
+    (tmp_path / "tok" / "tokenizer_config.json").write_text('{"eos_token": "\\ud800"}')
+    assert main(["data", "prepare", str(tmp_path / "d.jsonl"), "-o", str(out),
+                 "--tokenizer", str(tmp_path / "tok")]) == 0
+    assert Tokenizer(str(tmp_path / "tok")).eos_id == \
+        Tokenizer(str(tmp_path / "tok"), EOS).eos_id
+
 def test_an_output_planc_did_not_write_is_never_replaced(tmp_path, capfd):
     save_tokenizer(tmp_path / "tok")
     write_jsonl(tmp_path / "d.jsonl", documents(3))

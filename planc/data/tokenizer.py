@@ -96,6 +96,9 @@ class Tokenizer:
         self._batch = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
 
     def _end_of_text(self, eos: str | None) -> int:
+        if eos is not None and not _utf8(eos):  # bytes of the command line, not text
+            raise TokenizerError(f"--eos {eos!r} is not valid UTF-8 text, so no token of "
+                                 f"tokenizer {self.path} can be named so")
         names = [eos] if eos is not None else [*self._configured_eos(), *END_OF_TEXT_NAMES]
         for name in names:
             found = self.tokenizer.token_to_id(name)
@@ -116,9 +119,21 @@ class Tokenizer:
             return []
         if isinstance(eos, dict):  # transformers' AddedToken, serialised
             eos = eos.get("content")
-        return [eos] if isinstance(eos, str) else []
+        # a name with a lone surrogate (JSON's "\ud800") names no token: as unusable as a
+        # number, and passed over as the rest of a damaged config is
+        return [eos] if isinstance(eos, str) and _utf8(eos) else []
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Each text's ids as the model's tokenizer gives them (its special tokens, such
         as Llama 3's <|begin_of_text|>, included), then the end-of-text id."""
         return [encoding.ids + [self.eos_id] for encoding in self._batch(texts)]
+
+
+def _utf8(text: str) -> bool:
+    """Whether ``text`` is text UTF-8 can write: no lone surrogates (which Python uses for
+    a command line's bytes that are not UTF-8, and which JSON's \\u escapes can make)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
