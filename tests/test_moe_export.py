@@ -134,6 +134,24 @@ def test_export_refuses_a_moe_model_that_is_not_a_mixtral(keys, value, why, tmp_
     assert not exported.exists()
 
 
+def test_a_checkpoint_whose_model_no_plan_could_describe_is_refused(tmp_path, capfd):
+    """A manifest's mixture is held to planc check's rule across its keys, top_k at most
+    experts: top_k = 5 of 4 experts (each value alone of its kind) was exported as a
+    config transformers cannot build (num_experts_per_tok 5 of num_local_experts 4),
+    status 0."""
+    checkpoints = _trained(plan_text("top_k", layers=2, steps=1), tmp_path, capfd)
+    manifest_path = checkpoints / "step-000001" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    experts = manifest["model"]["options"]["experts"]
+    manifest["model"]["options"]["top_k"] = experts + 1
+    manifest_path.write_text(json.dumps(manifest))
+    exported = tmp_path / "hf"
+    assert main(["export", str(checkpoints), "--format", "hf", "-o", str(exported)]) == 1
+    err = capfd.readouterr().err
+    assert f"model.options.top_k is {experts + 1}, more than model.options.experts " \
+        f"({experts}): each token goes to top_k different experts" in err, err
+    assert "Traceback" not in err and not exported.exists()
+
 # --- resuming under another layout -----------------------------------------------------------
 
 MOE = "; kv_heads = 2; experts = 4; top_k = 2; expert_ffn = 24"

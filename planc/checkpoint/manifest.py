@@ -295,6 +295,17 @@ def _model(value: object, where: str) -> None:
     problem = options_problem(value["family"], value.get("options", {}))
     if problem is not None:
         raise _Wrong(_at(where, "options") + problem)
+    _top_k_within_experts(value.get("options", {}), _at(where, "options"))
+
+
+def _top_k_within_experts(options: dict, where: str) -> None:
+    """A mixture's top_k at most its experts, as planc check holds a plan's
+    (planc.models.moe.top_k_within_experts): each value alone is of its kind, but
+    together no model has them (an export wrote a config transformers cannot build)."""
+    top_k, experts = options.get("top_k"), options.get("experts")
+    if isinstance(top_k, int) and isinstance(experts, int) and top_k > experts:
+        raise _Wrong(f"{_at(where, 'top_k')} is {top_k}, more than {_at(where, 'experts')} "
+                     f"({experts}): each token goes to top_k different experts")
 
 
 def _optimizer(value: object, where: str, step: int) -> None:
