@@ -35,6 +35,8 @@ class Mixture:
     # optimize { recompute_moe_activation }: the experts' SwiGLU product computed again
     # in the backward (and again in a split backward's weight step)
     product_recomputed: bool = False
+    # model { routing = consecutive }: a benchmark's forced gate, not a router's choice
+    consecutive: bool = False
 
     @staticmethod
     def of(plan: Plan) -> "Mixture | None":
@@ -47,7 +49,8 @@ class Mixture:
         return Mixture(m.hidden, m.expert_ffn, m.experts, m.top_k, m.shared_experts,
                        m.experts // plan.mesh.ep, moe.forward_flops("moe", one), imbalance,
                        *(groups if groups is not None else (1, None)),
-                       product_recomputed=plan.recomputes_moe_activation)
+                       product_recomputed=plan.recomputes_moe_activation,
+                       consecutive=moe.routes_consecutively(m))
 
     @property
     def counts_bytes(self) -> int:
@@ -66,8 +69,11 @@ class Mixture:
         experts / holders of the experts, on ``nodes`` nodes) one token's top_k experts
         lie on, on average at uniform routing: ``N (1 - C(E - E/N, k) / C(E, k))``; with
         node-limited routing whose groups are the nodes, among the holders of its
-        ``route_groups`` nodes."""
+        ``route_groups`` nodes; under ``routing = consecutive``, its k consecutive
+        experts' holders (planc.models.moe.consecutive_holders), whatever the groups."""
         per_holder = self.experts // holders
+        if self.consecutive:
+            return moe.consecutive_holders(self.experts, self.top_k, per_holder)
         among = self.experts if self.route_groups is None or \
             self.expert_groups != nodes else self.route_groups * (self.experts // nodes)
         spread = among // per_holder

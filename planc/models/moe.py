@@ -29,6 +29,9 @@ token's k and the shared ones), as MoE papers count them.
 
 from __future__ import annotations
 
+from functools import cache
+from math import gcd
+
 from planc.vocabulary.hints import divisors_below, try_values
 from planc.vocabulary.kinds import Boolean, Choice, Integer, Key, Real
 from planc.models import llama, moe_memory
@@ -91,13 +94,40 @@ PRESETS = {
 # a plan that knows better says so (``imbalance = 1.0`` for a forced-balanced router).
 PUBLISHED_IMBALANCE = 1.72
 
+# Where a token's top_k experts lie, as the simulator prices a two-hop dispatch: chosen
+# by a router (learned: spread as at uniform choice), or forced by a benchmark's gate to
+# token t's top_k consecutive experts from t x top_k on, modulo experts (consecutive: NeMo
+# AutoModel's FakeBalancedGate, nemo_automodel/components/moe/layers.py, `indices =
+# arange(tokens * top_k).view(-1, top_k) % experts`), which lie on one or two ranks.
+ROUTINGS = ("learned", "consecutive")
+
+
+def routes_consecutively(m: Model) -> bool:
+    return m.options.get("routing") == "consecutive"
+
+
+@cache
+def consecutive_holders(experts: int, top_k: int, per_holder: int) -> float:
+    """How many holders of ``per_holder`` contiguous experts each (an ep rank's, or a
+    node's) one token's experts lie on under ``routing = consecutive``, on average over
+    the tokens: token t's are t x top_k ... t x top_k + top_k - 1 modulo experts, so the
+    pattern repeats every experts / gcd(experts, top_k) tokens, each expert taking the
+    same share of them (balanced by construction)."""
+    period = experts // gcd(experts, top_k)
+    spans = sum(len({(t * top_k + j) % experts // per_holder for j in range(top_k)})
+                for t in range(period))
+    return spans / period
+
 
 def routing_imbalance(m: Model) -> float:
     """The busiest ep rank's (token, expert) rows over the mean that the simulator prices:
-    the plan's ``imbalance``, else the published measurement; with ``capacity = F`` at
-    most F, since no expert takes more than F times the mean of a sequence's rows."""
+    the plan's ``imbalance``, else 1 for ``routing = consecutive`` (balanced by
+    construction: :func:`consecutive_holders`), else the published measurement; with
+    ``capacity = F`` at most F, since no expert takes more than F times the mean of a
+    sequence's rows."""
     given = m.options.get("imbalance")
-    imbalance = float(given) if given is not None else PUBLISHED_IMBALANCE
+    imbalance = float(given) if given is not None else \
+        1.0 if routes_consecutively(m) else PUBLISHED_IMBALANCE
     capacity = m.options.get("capacity")
     return imbalance if capacity is None else min(imbalance, float(capacity))
 
@@ -288,7 +318,14 @@ def mixture_keys(presets) -> dict[str, Key]:
         "imbalance": Key(Real(1.0, None), None, optional=True,
                          doc="the busiest ep rank's routed tokens over the mean, as the "
                              "simulator prices the mixture (default: "
-                             f"{PUBLISHED_IMBALANCE:g}, measured; training routes for real)"),
+                             f"{PUBLISHED_IMBALANCE:g}, measured; 1 with routing = "
+                             "consecutive; training routes for real)"),
+        "routing": Key(Choice(ROUTINGS), None, optional=True,
+                       doc="where the simulator takes a token's top_k experts to lie: "
+                           "spread over the experts as a router chooses them (learned), or "
+                           "token t's the top_k from t x top_k on (mod experts), a "
+                           "benchmark's forced balance (consecutive: NeMo AutoModel's fake "
+                           "balanced gate); training routes for real [learned]"),
     }
 
 
@@ -300,7 +337,7 @@ KEY_ORDER = (
     "seq",
     "batch", "experts", "top_k", "expert_ffn", "shared_experts", "first_dense", "norm_topk",
     "score", "routed_scale", "expert_groups", "route_groups", "bias_update", "capacity",
-    "aux_loss", "imbalance",
+    "aux_loss", "imbalance", "routing",
     "dtype", "fp8", "fp8_tile", "fp8_gradients", "rope_theta", "norm_eps",
     "tie_embeddings")
 KEYS = {name: _OWN.get(name) or _LLAMA[name] for name in KEY_ORDER}

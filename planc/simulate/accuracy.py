@@ -4,12 +4,13 @@ The figures are bench/validation.py's, over the published runs of docs/simulate.
 tables, each run with the layout its source states (Korthikanti et al. 2022, Table 5;
 the Megatron-LM README's H100 weak scaling; Narayanan et al. 2021, Table 1, with the
 paper's run scripts; Llama 3 405B; BLOOM-176B and BigScience's layout search; MT-NLG
-530B; torchtitan's H100 Llama 3 runs; the mixtures of experts of plans/moe-published/). They hold for the GPUs those runs
-used (the dgx-a100 and dgx-h100 presets); on a topology ``planc calibrate`` measured, the
-closed loop of bench/simulate_here.py (plans trained here against their prediction)
-gives the figure; on any other device the simulator has not been held to runs, and says
-so. Re-run bench/validation.py after a change to
-the cost model and update them (tests/test_simulate.py checks them against the tables).
+530B; torchtitan's H100 Llama 3 runs; the mixtures of experts of plans/moe-published/).
+They hold for the GPUs those runs used (the dgx-a100 and dgx-h100 presets); on a
+topology ``planc calibrate`` measured, the closed loop of bench/simulate_here.py (plans
+trained here against their prediction) gives the figure; on any other device the
+simulator has not been held to runs, and says so. Re-run bench/validation.py after a
+change to the cost model and update them (tests/test_simulate.py checks them against the
+tables).
 """
 
 from __future__ import annotations
@@ -62,9 +63,11 @@ CALIBRATED = Accuracy(7, 0.18, 0.35,
 # the Qwen3 rows with their q/k norms (qk_norm); 2026-12-03, the two Qwen3 rows that
 # recomputed their experts' activation with it (optimize { recompute_moe_activation });
 # 2026-12-04, the dense figure once torchtitan's FSDP rows made their norms' outputs
-# again (optimize { recompute_norms }), as their per-op checkpointing does.
+# again (optimize { recompute_norms }), as their per-op checkpointing does; the moe
+# table's once NeMo AutoModel's three plans routed as their benchmark's gate does
+# (model { routing = consecutive }).
 DENSE = Accuracy(45, 0.076, 0.455, "published runs of dense models")
-MIXTURES = Accuracy(8, 0.230, 0.355, "published runs of mixtures of experts")
+MIXTURES = Accuracy(8, 0.166, 0.355, "published runs of mixtures of experts")
 # No published run trains in fp32; the one fp32 run held to the simulator is planc's own
 # llama of 1.1B on one H200 (bench/validation.py --only planc_h200). With fp32 attention
 # at the rates a micro-benchmark measured on the H100's compute (planc/estimate/gpus.py)
