@@ -482,6 +482,24 @@ def test_a_model_block_of_another_family_is_refused_by_its_keys(pristine, tmp_pa
     assert not (tmp_path / "hf").exists()
 
 
+def test_a_family_key_without_a_value_is_refused_by_its_name(pristine, tmp_path):
+    """A key of model.options holding null (or a list, or an object) is named with what
+    it holds: the message once said "model.options is an object, not an object of a
+    family's keys and their values", naming neither the key nor its value."""
+    from planc.runtime.checkpoint.export_hf import export_hf
+
+    for value, shown in ((None, "null"), ([4], "[4]"), ({"a": 1}, "an object")):
+        damage = Damage("null", "field", ("model",),
+                        _set(("model", "options"), {"dropout": value}))
+        root = materialize(pristine[0], damage, tmp_path / shown)
+        with pytest.raises(fmt.CheckpointError) as refused:
+            export_hf(str(root), str(tmp_path / "hf"))
+        assert str(refused.value) == f"{root} holds no complete checkpoint (1 incomplete " \
+            f"or damaged; the newest: {root / STEP}/manifest.json: model.options.dropout " \
+            f"is {shown}, not a number, text, true or false)"
+        assert not (tmp_path / "hf").exists()
+
+
 def test_export_says_which_newer_checkpoint_it_passed_over(pristine, tmp_path, capfd):
     """planc export of a checkpoint directory whose newest step directory is damaged
     takes the newest intact one and says first what it passed over, as planc run

@@ -270,9 +270,11 @@ def _model(value: object, where: str) -> None:
     for name in names:
         item, at, hint = value[name], _at(where, name), language.model_types[name]
         if name == "options":  # a family's own keys: names and plain JSON values
-            if not isinstance(item, dict) or not item or not all(
-                    isinstance(v, (bool, int, float, str)) for v in item.values()):
+            if not isinstance(item, dict) or not item:
                 raise _wrong(at, item, "an object of a family's keys and their values")
+            for key, option in item.items():  # named, as a plan names a wrong value
+                if not isinstance(option, (bool, int, float, str)):
+                    raise _wrong(_at(at, key), option, "a number, text, true or false")
         elif name == "dtype":
             _one_of(item, at, language.dtypes)
         elif name == "family":
