@@ -466,38 +466,37 @@ def test_the_workers_refuse_a_negative_second_moment_they_read(pristine, tmp_pat
     assert "step 3/3" not in result.stderr  # nothing trained
 
 
+def _refused_by_export(pristine, tmp_path: Path, edit) -> str:
+    """What export says of the pristine checkpoint with its manifest edited by ``edit``
+    (writing nothing), after the checkpoint's own path."""
+    from planc.runtime.checkpoint.export_hf import export_hf
+
+    root = materialize(pristine[0], Damage("model", "field", ("model",), edit), tmp_path)
+    with pytest.raises(fmt.CheckpointError) as refused:
+        export_hf(str(root), str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()
+    said = f"{root} holds no complete checkpoint (1 incomplete or damaged; the newest: " \
+        f"{root / STEP}/manifest.json: "
+    assert str(refused.value).startswith(said), refused.value
+    return str(refused.value)[len(said):]
+
+
 def test_a_model_block_of_another_family_is_refused_by_its_keys(pristine, tmp_path):
     """A manifest whose model block names a family whose keys it lacks (a gpt checkpoint
     said to be a mixture) is refused as planc check would refuse the block: export once
     reached the family's missing key (AttributeError)."""
-    from planc.runtime.checkpoint.export_hf import export_hf
-
-    damage = Damage("family", "field", ("model",), _set(("model", "family"), "moe"))
-    root = materialize(pristine[0], damage, tmp_path)
-    with pytest.raises(fmt.CheckpointError) as refused:
-        export_hf(str(root), str(tmp_path / "hf"))
-    assert str(refused.value) == f"{root} holds no complete checkpoint (1 incomplete or " \
-        f"damaged; the newest: {root / STEP}/manifest.json: model.options has no experts, " \
-        f"a key of model moe)"
-    assert not (tmp_path / "hf").exists()
+    assert _refused_by_export(pristine, tmp_path, _set(("model", "family"), "moe")) == \
+        "model.options has no experts, a key of model moe)"
 
 
-def test_a_family_key_without_a_value_is_refused_by_its_name(pristine, tmp_path):
+@pytest.mark.parametrize("value, shown", [(None, "null"), ([4], "[4]"), ({"a": 1}, "an object")])
+def test_a_family_key_without_a_value_is_refused_by_its_name(pristine, tmp_path, value, shown):
     """A key of model.options holding null (or a list, or an object) is named with what
     it holds: the message once said "model.options is an object, not an object of a
     family's keys and their values", naming neither the key nor its value."""
-    from planc.runtime.checkpoint.export_hf import export_hf
-
-    for value, shown in ((None, "null"), ([4], "[4]"), ({"a": 1}, "an object")):
-        damage = Damage("null", "field", ("model",),
-                        _set(("model", "options"), {"dropout": value}))
-        root = materialize(pristine[0], damage, tmp_path / shown)
-        with pytest.raises(fmt.CheckpointError) as refused:
-            export_hf(str(root), str(tmp_path / "hf"))
-        assert str(refused.value) == f"{root} holds no complete checkpoint (1 incomplete " \
-            f"or damaged; the newest: {root / STEP}/manifest.json: model.options.dropout " \
-            f"is {shown}, not a number, text, true or false)"
-        assert not (tmp_path / "hf").exists()
+    edit = _set(("model", "options"), {"dropout": value})
+    assert _refused_by_export(pristine, tmp_path, edit) == \
+        f"model.options.dropout is {shown}, not a number, text, true or false)"
 
 
 def test_export_says_which_newer_checkpoint_it_passed_over(pristine, tmp_path, capfd):

@@ -8,9 +8,9 @@ numbers Python can hold. Then every field the readers use is checked, with its t
 range (true is not a number; a count is a whole number within planc's limits; a file is
 a plain name inside the directory), and the fields that repeat each other must agree.
 After :func:`check_manifest`, the code that reads a manifest (planc.checkpoint.format,
-planc.runtime.checkpoint.checkpoints, planc.runtime.checkpoint.export_hf) can index it without checking: a
-manifest is refused with one line naming the file and the field, never with a
-traceback.
+planc.runtime.checkpoint.checkpoints, planc.runtime.checkpoint.export_hf) can index it
+without checking: a manifest is refused with one line naming the file and the field,
+never with a traceback.
 """
 
 from __future__ import annotations
