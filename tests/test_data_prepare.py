@@ -258,8 +258,8 @@ def test_an_interrupted_prepare_leaves_the_output_as_it_was(tmp_path):
 
 
 @pytest.mark.parametrize("setup, message", [
-    (lambda d: (d / "none").mkdir(), "tokenizer directory {d}/none has no tokenizer.json (a Hugging Face "
-                     "tokenizer saved by save_pretrained)"),
+    (lambda d: (d / "none").mkdir(), "tokenizer directory {d}/none has no tokenizer.json "
+                                     "(a Hugging Face tokenizer saved by save_pretrained)"),
     (lambda d: (d / "none").mkdir() or (d / "none" / "tokenizer.json").write_text("{"),
      "tokenizer {d}/none/tokenizer.json cannot be read: "),
     (lambda d: save_tokenizer(d / "none", special=("<pad>",), config_eos=None),
@@ -275,6 +275,36 @@ def test_a_tokenizer_that_cannot_cut_is_refused_in_one_line(setup, message, tmp_
     (line,) = capfd.readouterr().err.splitlines()
     assert line.startswith("planc: error: " + message.format(d=tmp_path))
     assert not (tmp_path / "o.tokens").exists()
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda c: c.write_text("{"), "it is not JSON: Expecting property name enclosed in "
+                                  "double quotes at line 1, column 2"),
+    (lambda c: c.write_bytes(b'{"eos_token": "\xff"}'), "it is not UTF-8 text"),
+    (lambda c: c.mkdir(), "it is a directory, not a regular file"),
+    (lambda c: c.symlink_to(c.parent / "gone.json"), "No such file or directory"),
+    (lambda c: c.write_text("[1]"), None),
+], ids=["not-json", "not-utf8", "directory", "dangling-link", "a-list"])
+def test_a_tokenizer_config_that_cannot_be_read_is_refused_not_passed_over(
+        damage, why, tmp_path, capfd):
+    """A tokenizer_config.json beside the tokenizer names the model's end-of-text token;
+    one that is there but cannot be read was passed over, and the documents cut at
+    whichever end-of-text name the vocabulary also has. --eos reads no config."""
+    tokenizer = save_tokenizer(tmp_path / "tok", config_eos=None)
+    config = tmp_path / "tok" / "tokenizer_config.json"
+    damage(config)
+    write_jsonl(tmp_path / "d.jsonl", documents(3))
+    out = tmp_path / "o.tokens"
+    command = ["data", "prepare", str(tmp_path / "d.jsonl"), "-o", str(out), "--tokenizer",
+               str(tmp_path / "tok")]
+    assert main(command) == 1
+    said = f"cannot be read ({why})" if why else "holds no JSON object"
+    assert capfd.readouterr().err.splitlines() == [
+        f"planc: error: {config} {said}: repair or remove it, or name the end-of-text token "
+        f"with --eos"]
+    assert not out.exists() and tokenizer.exists()
+    assert main(command + ["--eos", EOS]) == 0
+    assert out.exists()
 
 
 def test_an_end_of_text_name_that_is_not_text_is_refused_or_passed_over(tmp_path, capfd):

@@ -347,7 +347,7 @@ def test_tune_stops_estimating_at_half_its_budget_once_k_fit(capsys):
     assert search["searched"] == sum(search["pruned"].values()) + search["simulated"]
 
 
-def test_a_named_pipe_as_tokenizer_config_is_not_waited_on(run_planc, tmp_path):
+def test_a_named_pipe_as_tokenizer_config_is_not_waited_on_but_refused(run_planc, tmp_path):
     pytest.importorskip("tokenizers")
     (tmp_path / "a.txt").write_text("hello world\n")
     tokenizer = tmp_path / "tok"
@@ -359,8 +359,11 @@ def test_a_named_pipe_as_tokenizer_config_is_not_waited_on(run_planc, tmp_path):
     # in a child with a deadline: a hang is a failure, not a stuck suite
     result = run_planc("data", "prepare", tmp_path / "a.txt", "-o", tmp_path / "t.tokens",
                        "--tokenizer", tokenizer, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert "end-of-text id 2" in result.stderr
+    assert (result.returncode, result.stderr) == (1, (
+        f"planc: error: {tokenizer / 'tokenizer_config.json'} cannot be read (it is a named "
+        f"pipe (FIFO), not a regular file): repair or remove it, or name the end-of-text "
+        f"token with --eos\n"))
+    assert not (tmp_path / "t.tokens").exists()
 
 
 RUN_PLAN = """plan t2 {

@@ -111,22 +111,45 @@ class Tokenizer:
                              f"{', '.join(END_OF_TEXT_NAMES)}): give one with --eos")
 
     def _configured_eos(self) -> list[str]:
+        """The end-of-text name the tokenizer_config.json beside the tokenizer gives, if
+        any. One that is there but cannot be read is refused, not passed over: the
+        documents would be cut at whichever end-of-text name the tokenizer also has
+        (Llama 3's base and instruct tokenizers hold the same tokens; their configs name
+        <|end_of_text|> and <|eot_id|>)."""
         config = os.path.join(os.path.dirname(self.path), TOKENIZER_CONFIG)
-        try:  # a regular file of bounded size: a named pipe there would block
-            eos = json.loads(read_regular_file(config, MAX_CONFIG_BYTES).decode("utf-8")
-                             ).get("eos_token")
-        except (OSError, ValueError, AttributeError, RecursionError):
+        if not os.path.lexists(config):
             return []
+        try:  # a regular file of bounded size: a named pipe there would block
+            data = json.loads(read_regular_file(config, MAX_CONFIG_BYTES).decode("utf-8"))
+        except (OSError, ValueError, RecursionError) as exc:
+            raise TokenizerError(f"{config} cannot be read ({_unreadable(exc)}): repair or "
+                                 f"remove it, or name the end-of-text token with --eos"
+                                 ) from None
+        if not isinstance(data, dict):
+            raise TokenizerError(f"{config} holds no JSON object: repair or remove it, or "
+                                 f"name the end-of-text token with --eos")
+        eos = data.get("eos_token")
         if isinstance(eos, dict):  # transformers' AddedToken, serialised
             eos = eos.get("content")
-        # a name with a lone surrogate (JSON's "\ud800") names no token: as unusable as a
-        # number, and passed over as the rest of a damaged config is
+        # a name with a lone surrogate (JSON's "\ud800") names no token: passed over, as a
+        # number or a missing eos_token is
         return [eos] if isinstance(eos, str) and _utf8(eos) else []
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Each text's ids as the model's tokenizer gives them (its special tokens, such
         as Llama 3's <|begin_of_text|>, included), then the end-of-text id."""
         return [encoding.ids + [self.eos_id] for encoding in self._batch(texts)]
+
+
+def _unreadable(exc: BaseException) -> str:
+    """Why a JSON file could not be read, in a few words."""
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    if isinstance(exc, UnicodeDecodeError):
+        return "it is not UTF-8 text"
+    if isinstance(exc, json.JSONDecodeError):
+        return f"it is not JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
+    return "it nests too deep" if isinstance(exc, RecursionError) else str(exc)
 
 
 def _utf8(text: str) -> bool:
