@@ -13,7 +13,7 @@ Published figures, each with its source and what it states:
   whole, not halved for the causal mask, which is planc's count.
 - Megatron-MoE-ModelZoo (github.com/yanring/Megatron-MoE-ModelZoo,
   best_practice/Qwen3/readme.md): Qwen3-235B-A22B on 256 H100s in bf16, step times and
-  TFLOP/s per GPU for five layouts; three are here, and its long-context table's
+  TFLOP/s per GPU for five layouts; four are here, and its long-context table's
   forced-balance and dropless TFLOP/s give the routing imbalance its plans state
   (bench/moe_imbalance.py). Their TFLOP/s count causal attention
   as half (200 TFLOP/s x 256 GPUs x 24.2 s is 148 GFLOP per token, which is Qwen3's count
@@ -21,9 +21,11 @@ Published figures, each with its source and what it states:
 - NeMo AutoModel's performance summary (github.com/NVIDIA-NeMo/Automodel at 01926a5,
   docs/performance-summary.md, DGX-H100, bf16, updated 2025-10-02): step times and
   tokens per second per GPU with a "fake balanced gate ... to simulate ideal expert
-  routing", which is planc's uniform routing; Qwen3-30B-A3B on 8 GPUs and DeepSeek-V3 on
-  256 and 1,024 (FSDP with ep; GPT-OSS and Kimi K2, which the moe family cannot write,
-  are left out). Every one of them ran DeepEP, as the ModelZoo's two DeepEP rows and
+  routing", which sends token t to the experts t x top_k on (`routing = consecutive`);
+  Qwen3-30B-A3B on 8 GPUs and DeepSeek-V3 on 256 and 1,024 (FSDP with ep; GPT-OSS, which
+  the moe family cannot write, and Kimi K2, whose step runs its pipeline schedule twice,
+  "GA 2", which a planc step cannot, are left out). Every one of them ran DeepEP, as the
+  ModelZoo's DeepEP rows and
   DeepSeek-V3's own run (FP8, DualPipe) did: their plans write it as
   `optimize { moe_dispatcher = two_hop }`.
 - DeepSeek-V3's report (arXiv 2412.19437, abstract and section 1): 180K H800 GPU hours
