@@ -277,19 +277,39 @@ def test_a_tokenizer_that_cannot_cut_is_refused_in_one_line(setup, message, tmp_
     assert not (tmp_path / "o.tokens").exists()
 
 
-@pytest.mark.parametrize("damage, why", [
-    (lambda c: c.write_text("{"), "it is not JSON: Expecting property name enclosed in "
-                                  "double quotes at line 1, column 2"),
-    (lambda c: c.write_bytes(b'{"eos_token": "\xff"}'), "it is not UTF-8 text"),
-    (lambda c: c.mkdir(), "it is a directory, not a regular file"),
-    (lambda c: c.symlink_to(c.parent / "gone.json"), "No such file or directory"),
-    (lambda c: c.write_text("[1]"), None),
-], ids=["not-json", "not-utf8", "directory", "dangling-link", "a-list"])
-def test_a_tokenizer_config_that_cannot_be_read_is_refused_not_passed_over(
-        damage, why, tmp_path, capfd):
+REPAIR = "repair or remove it, or name the end-of-text token with --eos"
+NAMED = "repair it, or name the end-of-text token with --eos"
+
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda c: c.write_text("{"), "cannot be read (it is not JSON: Expecting property name "
+                                  "enclosed in double quotes, line 1, column 2): " + REPAIR),
+    (lambda c: c.write_text('{"eos_token": "a\x01'), "cannot be read (it is not JSON: "
+                                                      "Invalid control character, line 1, "
+                                                      "column 17): " + REPAIR),
+    (lambda c: c.write_bytes(b'{"eos_token": "\xff"}'), "cannot be read (it is not UTF-8 "
+                                                          "text): " + REPAIR),
+    (lambda c: c.write_text('{"n": ' + "9" * 5000 + "}"), "cannot be read (it holds a "
+                                                          "number too long to read): " + REPAIR),
+    (lambda c: c.mkdir(), "cannot be read (it is a directory, not a regular file): " + REPAIR),
+    (lambda c: c.symlink_to(c.parent / "gone.json"), "is a symbolic link that leads to no "
+                                                     "file: " + REPAIR),
+    (lambda c: c.write_text("[1]"), "holds no JSON object: " + REPAIR),
+    (lambda c: c.write_text('{"eos_token": 5}'), "gives eos_token 5, which is not a token's "
+                                                 "name: " + NAMED),
+    (lambda c: c.write_text('{"eos_token": {"content": [1]}}'), "gives eos_token [1], which "
+                                                                "is not a token's name: "
+                                                                + NAMED),
+    (lambda c: c.write_text('{"eos_token": "\\ud800"}'), 'gives eos_token "\\ud800", which '
+                                                         "is not a token's name: " + NAMED),
+], ids=["not-json", "control-character", "not-utf8", "long-number", "directory",
+        "dangling-link", "a-list", "a-number", "a-list-in-a-token", "lone-surrogate"])
+def test_a_tokenizer_config_that_names_no_token_is_refused_not_passed_over(
+        damage, said, tmp_path, capfd):
     """A tokenizer_config.json beside the tokenizer names the model's end-of-text token;
-    one that is there but cannot be read was passed over, and the documents cut at
-    whichever end-of-text name the vocabulary also has. --eos reads no config."""
+    one that is there but cannot be read, or whose eos_token names no token, was passed
+    over, and the documents cut at whichever end-of-text name the vocabulary also has.
+    --eos reads no config."""
     tokenizer = save_tokenizer(tmp_path / "tok", config_eos=None)
     config = tmp_path / "tok" / "tokenizer_config.json"
     damage(config)
@@ -298,21 +318,38 @@ def test_a_tokenizer_config_that_cannot_be_read_is_refused_not_passed_over(
     command = ["data", "prepare", str(tmp_path / "d.jsonl"), "-o", str(out), "--tokenizer",
                str(tmp_path / "tok")]
     assert main(command) == 1
-    said = f"cannot be read ({why})" if why else "holds no JSON object"
-    assert capfd.readouterr().err.splitlines() == [
-        f"planc: error: {config} {said}: repair or remove it, or name the end-of-text token "
-        f"with --eos"]
+    assert capfd.readouterr().err.splitlines() == [f"planc: error: {config} {said}"]
     assert not out.exists() and tokenizer.exists()
     assert main(command + ["--eos", EOS]) == 0
     assert out.exists()
 
 
-def test_an_end_of_text_name_that_is_not_text_is_refused_or_passed_over(tmp_path, capfd):
+def test_a_tokenizer_config_is_the_end_of_text_token_it_names_or_none(tmp_path, capfd):
+    """The config's eos_token is the end-of-text token, as a name or as transformers'
+    AddedToken; a name the vocabulary lacks is refused, not replaced by the usual names;
+    no eos_token, or null, leaves the usual names."""
+    tokenizer = save_tokenizer(tmp_path / "tok", special=(EOS, "</s>"), config_eos=None)
+    config = tmp_path / "tok" / "tokenizer_config.json"
+    for text, name in (('{"eos_token": "</s>"}', "</s>"),
+                       ('{"eos_token": {"content": "</s>", "lstrip": false}}', "</s>"),
+                       ('{"eos_token": null}', EOS), ("{}", EOS)):
+        config.write_text(text)
+        assert Tokenizer(str(tokenizer)).eos_id == \
+            Tokenizer(str(tokenizer), name).eos_id, text
+    assert Tokenizer(str(tokenizer), "</s>").eos_id != Tokenizer(str(tokenizer), EOS).eos_id
+    config.write_text('{"eos_token": "<nope>"}')
+    write_jsonl(tmp_path / "d.jsonl", documents(3))
+    assert main(["data", "prepare", str(tmp_path / "d.jsonl"), "-o", str(tmp_path / "o"),
+                 "--tokenizer", str(tmp_path / "tok")]) == 1
+    assert capfd.readouterr().err.splitlines() == [
+        f'planc: error: {config} gives eos_token "<nope>", which tokenizer {tokenizer} has '
+        f"no token for: " + NAMED]
+
+
+def test_an_end_of_text_name_that_is_not_text_is_refused(tmp_path, capfd):
     """--eos given bytes that are not UTF-8 (Python holds them as lone surrogates) is
-    refused in one line; a tokenizer_config.json whose eos_token is a lone surrogate
-    ("\\ud800") names no token and is passed over, as any other unusable eos_token:
-    the tokenizer's own end-of-text token is found. Both raised UnicodeEncodeError in the
-    tokenizer's lookup, a traceback."""
+    refused in one line (a tokenizer_config.json whose eos_token is a lone surrogate,
+    above, too). It raised UnicodeEncodeError in the tokenizer's lookup, a traceback."""
     tokenizer = save_tokenizer(tmp_path / "tok")
     write_jsonl(tmp_path / "d.jsonl", documents(3))
     out = tmp_path / "o.tokens"
@@ -322,30 +359,6 @@ def test_an_end_of_text_name_that_is_not_text_is_refused_or_passed_over(tmp_path
         f"planc: error: --eos '\\udcff' is not valid UTF-8 text, so no token of tokenizer "
         f"{tokenizer} can be named so"]
     assert not out.exists()
-    (tmp_path / "tok" / "tokenizer_config.json").write_text('{"eos_token": "\\ud800"}')
-    assert main(["data", "prepare", str(tmp_path / "d.jsonl"), "-o", str(out),
-                 "--tokenizer", str(tmp_path / "tok")]) == 0
-    assert Tokenizer(str(tmp_path / "tok")).eos_id == \
-        Tokenizer(str(tmp_path / "tok"), EOS).eos_id
-
-def test_an_output_planc_did_not_write_is_never_replaced(tmp_path, capfd):
-    save_tokenizer(tmp_path / "tok")
-    write_jsonl(tmp_path / "d.jsonl", documents(3))
-    notes = tmp_path / "notes.tokens"
-    notes.write_text("my notes\n")
-    assert main(["data", "prepare", str(tmp_path / "d.jsonl"), "-o", str(notes),
-                 "--tokenizer", str(tmp_path / "tok"), "--force"]) == 2
-    assert capfd.readouterr().err.splitlines() == [
-        f"planc: error: -o {notes}: exists and is not a token file that planc wrote; planc "
-        f"never replaces such a file: name another path, or remove it first"]
-    assert notes.read_text() == "my notes\n"
-    # a device is written into by other outputs; a token file must be a file
-    assert main(["data", "prepare", str(tmp_path / "d.jsonl"), "-o", "/dev/null",
-                 "--tokenizer", str(tmp_path / "tok")]) == 2
-    assert capfd.readouterr().err.splitlines() == [
-        "planc: error: -o /dev/null: is not a regular file; a token file is read back by "
-        "position, so name a file"]
-    assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
 
 
 # --- joined to an init checkpoint ----------------------------------------------------------

@@ -99,26 +99,45 @@ class Tokenizer:
         if eos is not None and not _utf8(eos):  # bytes of the command line, not text
             raise TokenizerError(f"--eos {eos!r} is not valid UTF-8 text, so no token of "
                                  f"tokenizer {self.path} can be named so")
-        names = [eos] if eos is not None else [*self._configured_eos(), *END_OF_TEXT_NAMES]
-        for name in names:
+        if eos is not None:
+            found = self.tokenizer.token_to_id(eos)
+            if found is None:
+                raise TokenizerError(f"tokenizer {self.path} has no token {eos!r} (--eos)")
+            return found
+        configured = self._configured_eos()
+        if configured is not None:  # the model's own: another name would cut elsewhere
+            found = self.tokenizer.token_to_id(configured)
+            if found is None:
+                raise TokenizerError(
+                    f"{self._config()} gives eos_token {_shown(configured)}, which "
+                    f"tokenizer {self.path} has no token for: repair it, or name the "
+                    f"end-of-text token with --eos")
+            return found
+        for name in END_OF_TEXT_NAMES:
             found = self.tokenizer.token_to_id(name)
             if found is not None:
                 return found
-        if eos is not None:
-            raise TokenizerError(f"tokenizer {self.path} has no token {eos!r} (--eos)")
         raise TokenizerError(f"tokenizer {self.path} names no end-of-text token (its "
                              f"{TOKENIZER_CONFIG} has no eos_token, and it has none of "
                              f"{', '.join(END_OF_TEXT_NAMES)}): give one with --eos")
 
-    def _configured_eos(self) -> list[str]:
-        """The end-of-text name the tokenizer_config.json beside the tokenizer gives, if
-        any. One that is there but cannot be read is refused, not passed over: the
-        documents would be cut at whichever end-of-text name the tokenizer also has
-        (Llama 3's base and instruct tokenizers hold the same tokens; their configs name
-        <|end_of_text|> and <|eot_id|>)."""
-        config = os.path.join(os.path.dirname(self.path), TOKENIZER_CONFIG)
+    def _config(self) -> str:
+        return os.path.join(os.path.dirname(self.path), TOKENIZER_CONFIG)
+
+    def _configured_eos(self) -> str | None:
+        """The end-of-text name the tokenizer_config.json beside the tokenizer gives; None
+        without the file or its eos_token (or with eos_token null). A config that is there
+        but cannot be read, or whose eos_token names no token, is refused, not passed
+        over: the documents would be cut at whichever end-of-text name the tokenizer also
+        has (Llama 3's base and instruct tokenizers hold the same tokens; their configs
+        name <|end_of_text|> and <|eot_id|>)."""
+        config = self._config()
         if not os.path.lexists(config):
-            return []
+            return None
+        if not os.path.exists(config):
+            raise TokenizerError(f"{config} is a symbolic link that leads to no file: "
+                                 f"repair or remove it, or name the end-of-text token with "
+                                 f"--eos")
         try:  # a regular file of bounded size: a named pipe there would block
             data = json.loads(read_regular_file(config, MAX_CONFIG_BYTES).decode("utf-8"))
         except (OSError, ValueError, RecursionError) as exc:
@@ -131,9 +150,14 @@ class Tokenizer:
         eos = data.get("eos_token")
         if isinstance(eos, dict):  # transformers' AddedToken, serialised
             eos = eos.get("content")
-        # a name with a lone surrogate (JSON's "\ud800") names no token: passed over, as a
-        # number or a missing eos_token is
-        return [eos] if isinstance(eos, str) and _utf8(eos) else []
+        if eos is None:
+            return None
+        # a name with a lone surrogate (JSON's "\ud800") names no token either
+        if not isinstance(eos, str) or not _utf8(eos):
+            raise TokenizerError(f"{config} gives eos_token {_shown(eos)}, which is not a "
+                                 f"token's name: repair it, or name the end-of-text token "
+                                 f"with --eos")
+        return eos
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Each text's ids as the model's tokenizer gives them (its special tokens, such
@@ -147,9 +171,20 @@ def _unreadable(exc: BaseException) -> str:
         return exc.strerror or str(exc)
     if isinstance(exc, UnicodeDecodeError):
         return "it is not UTF-8 text"
-    if isinstance(exc, json.JSONDecodeError):
-        return f"it is not JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
-    return "it nests too deep" if isinstance(exc, RecursionError) else str(exc)
+    if isinstance(exc, json.JSONDecodeError):  # some of its messages end in "at"
+        return f"it is not JSON: {exc.msg.removesuffix(' at')}, line {exc.lineno}, " \
+            f"column {exc.colno}"
+    if isinstance(exc, RecursionError):
+        return "it nests too deep"
+    if "digits" in str(exc):  # int()'s limit on the digits it converts
+        return "it holds a number too long to read"
+    return str(exc).split("\n")[0]
+
+
+def _shown(value) -> str:
+    """A JSON value, short (it may be a list of any length)."""
+    text = json.dumps(value, ensure_ascii=True)
+    return text if len(text) <= 48 else text[:40] + "..."
 
 
 def _utf8(text: str) -> bool:
