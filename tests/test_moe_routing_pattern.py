@@ -55,6 +55,22 @@ def test_a_tokens_consecutive_experts_lie_on_as_many_holders_as_counting_the_tok
         counted(experts, top_k, nodes), rel=1e-12)
 
 
+def test_a_tokens_consecutive_experts_lie_on_as_many_holders_as_counted_by_hand():
+    """12 experts in blocks of 3, top 5: the 12 tokens of a round start at experts 0, 5,
+    10, 3, 8, 1, 6, 11, 4, 9, 2, 7 and span 2, 3, 2, 2, 3, 2, 2, 3, 2, 2, 3, 2 blocks (28
+    in all); 64 experts in blocks of 4, top 6: every token's 6 start at an even expert
+    and span 2 blocks; a token whose top_k is every expert reaches every holder."""
+    from fractions import Fraction
+
+    assert Fraction(moe.consecutive_holders(12, 5, 3)).limit_denominator(100) == \
+        Fraction(28, 12)
+    assert moe.consecutive_holders(64, 6, 4) == 2.0
+    assert moe.consecutive_holders(16, 16, 2) == 8.0
+    # a million experts in a few tenths of a second: counted per round, not per token
+    assert moe.consecutive_holders(1 << 20, 4095, 1 << 12) == pytest.approx(
+        1 + 4094 / 4096, rel=1e-12)
+
+
 def test_deepseek_v3s_forced_gate_reaches_2_ranks_of_one_node_where_a_router_reaches_7_7():
     spread = Mixture(7168, 2048, 256, 8, 1, 4, 1.0)
     forced = Mixture(7168, 2048, 256, 8, 1, 4, 1.0, consecutive=True)
@@ -86,10 +102,11 @@ def test_the_forced_gate_is_balanced_unless_the_plan_says_otherwise():
     assert Mixture.of(plan_of("; routing = consecutive; imbalance = 1.5")).imbalance == 1.5
 
 
-def test_routing_moves_a_two_hop_dispatch_and_nothing_else():
+def test_at_a_stated_imbalance_routing_moves_a_two_hop_dispatch_and_nothing_else():
     """Two nodes of 4, 8 experts of top 2, one a rank: a router's choice reaches 2 ranks
     on 1.57 nodes a token, the forced gate's (experts 2t and 2t + 1) 2 ranks of one
-    node. The plain all-to-all sends a row per (token, expert) pair wherever they lie."""
+    node. The plain all-to-all sends a row per (token, expert) pair wherever they lie.
+    (Unstated, the imbalance is 1 under the forced gate: the test above.)"""
     def step(routing: str, optimize: str) -> float:
         plan = plan_of(f"; imbalance = 1.0; routing = {routing}", optimize)
         return simulate(compile_plan(plan)).step_seconds

@@ -22,9 +22,11 @@ Published figures, each with its source and what it states:
   docs/performance-summary.md, DGX-H100, bf16, updated 2025-10-02): step times and
   tokens per second per GPU with a "fake balanced gate ... to simulate ideal expert
   routing", which sends token t to the experts t x top_k on (`routing = consecutive`);
-  Qwen3-30B-A3B on 8 GPUs and DeepSeek-V3 on 256 and 1,024 (FSDP with ep; GPT-OSS, which
-  the moe family cannot write, and Kimi K2, whose step runs its pipeline schedule twice,
-  "GA 2", which a planc step cannot, are left out). Every one of them ran DeepEP, as the
+  Qwen3-30B-A3B on 8 GPUs and DeepSeek-V3 on 256 and 1,024 (FSDP with ep). GPT-OSS is
+  left out: the moe family cannot write it. Kimi K2 is not here yet: the deepseek family
+  could write it, but its step runs the pipeline schedule twice ("GA 2"), which a planc
+  step cannot, and the 1,024-GPU DeepSeek-V3 row (GA 4, run as one schedule of 32
+  microbatches) already carries that difference. Every one of them ran DeepEP, as the
   ModelZoo's DeepEP rows and
   DeepSeek-V3's own run (FP8, DualPipe) did: their plans write it as
   `optimize { moe_dispatcher = two_hop }`.

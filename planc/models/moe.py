@@ -98,7 +98,8 @@ PUBLISHED_IMBALANCE = 1.72
 # by a router (learned: spread as at uniform choice), or forced by a benchmark's gate to
 # token t's top_k consecutive experts from t x top_k on, modulo experts (consecutive: NeMo
 # AutoModel's FakeBalancedGate, nemo_automodel/components/moe/layers.py, `indices =
-# arange(tokens * top_k).view(-1, top_k) % experts`), which lie on one or two ranks.
+# arange(tokens * top_k).view(-1, top_k) % experts`), which at AutoModel's layouts lie
+# on one or two ranks of one node.
 ROUTINGS = ("learned", "consecutive")
 
 
@@ -113,10 +114,20 @@ def consecutive_holders(experts: int, top_k: int, per_holder: int) -> float:
     the tokens: token t's are t x top_k ... t x top_k + top_k - 1 modulo experts, so the
     pattern repeats every experts / gcd(experts, top_k) tokens, each expert taking the
     same share of them (balanced by construction)."""
-    period = experts // gcd(experts, top_k)
-    spans = sum(len({(t * top_k + j) % experts // per_holder for j in range(top_k)})
-                for t in range(period))
-    return spans / period
+    step = gcd(experts, top_k)  # the first experts of the tokens: the multiples of step
+    blocks = (experts - 1) // per_holder + 1
+    if top_k >= experts:
+        return float(blocks)
+    spans = 0
+    for first in range(0, experts, step):
+        last = first + top_k - 1
+        if last < experts:
+            spans += last // per_holder - first // per_holder + 1
+        else:  # round past the last expert: [first, experts) and [0, last - experts]
+            wrapped = (last - experts) // per_holder + 1
+            spans += min(blocks, (experts - 1) // per_holder - first // per_holder + 1
+                         + wrapped)
+    return spans / (experts // step)
 
 
 def routing_imbalance(m: Model) -> float:
