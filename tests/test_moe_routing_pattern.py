@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from planc.compile import compile_plan
-from planc.estimate.mixture import Mixture
+from planc.estimate.mixture import Mixture, consecutive_holders
 from planc.lang import load_file, load_text
 from planc.models import moe
 from planc.simulate import simulate
@@ -62,12 +62,12 @@ def test_a_tokens_consecutive_experts_lie_on_as_many_holders_as_counted_by_hand(
     and span 2 blocks; a token whose top_k is every expert reaches every holder."""
     from fractions import Fraction
 
-    assert Fraction(moe.consecutive_holders(12, 5, 3)).limit_denominator(100) == \
+    assert Fraction(consecutive_holders(12, 5, 3)).limit_denominator(100) == \
         Fraction(28, 12)
-    assert moe.consecutive_holders(64, 6, 4) == 2.0
-    assert moe.consecutive_holders(16, 16, 2) == 8.0
+    assert consecutive_holders(64, 6, 4) == 2.0
+    assert consecutive_holders(16, 16, 2) == 8.0
     # a million experts in a few tenths of a second: counted per round, not per token
-    assert moe.consecutive_holders(1 << 20, 4095, 1 << 12) == pytest.approx(
+    assert consecutive_holders(1 << 20, 4095, 1 << 12) == pytest.approx(
         1 + 4094 / 4096, rel=1e-12)
 
 

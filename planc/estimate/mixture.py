@@ -6,7 +6,8 @@ planc.estimate.instruction_cost price with it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import comb
+from functools import cache
+from math import comb, gcd
 from types import SimpleNamespace
 
 from planc.models import family_of, moe
@@ -70,10 +71,10 @@ class Mixture:
         lie on, on average at uniform routing: ``N (1 - C(E - E/N, k) / C(E, k))``; with
         node-limited routing whose groups are the nodes, among the holders of its
         ``route_groups`` nodes; under ``routing = consecutive``, its k consecutive
-        experts' holders (planc.models.moe.consecutive_holders), whatever the groups."""
+        experts' holders (:func:`consecutive_holders`), whatever the groups."""
         per_holder = self.experts // holders
         if self.consecutive:
-            return moe.consecutive_holders(self.experts, self.top_k, per_holder)
+            return consecutive_holders(self.experts, self.top_k, per_holder)
         among = self.experts if self.route_groups is None or \
             self.expert_groups != nodes else self.route_groups * (self.experts // nodes)
         spread = among // per_holder
@@ -88,3 +89,26 @@ class Mixture:
         routed = self.top_k * (moe.expert_flops(1, self.hidden, self.expert_ffn)
                                + 2.0 * self.hidden)
         return flops * (1.0 + (self.imbalance - 1.0) * routed / self.flops_per_token)
+
+
+@cache
+def consecutive_holders(experts: int, top_k: int, per_holder: int) -> float:
+    """How many holders of ``per_holder`` contiguous experts each (an ep rank's, or a
+    node's) one token's experts lie on under ``routing = consecutive``, on average over
+    the tokens: token t's are t x top_k ... t x top_k + top_k - 1 modulo experts, so the
+    pattern repeats every experts / gcd(experts, top_k) tokens, each expert taking the
+    same share of them (balanced by construction)."""
+    step = gcd(experts, top_k)  # the first experts of the tokens: the multiples of step
+    blocks = (experts - 1) // per_holder + 1
+    if top_k >= experts:
+        return float(blocks)
+    spans = 0
+    for first in range(0, experts, step):
+        last = first + top_k - 1
+        if last < experts:
+            spans += last // per_holder - first // per_holder + 1
+        else:  # round past the last expert: [first, experts) and [0, last - experts]
+            wrapped = (last - experts) // per_holder + 1
+            spans += min(blocks, (experts - 1) // per_holder - first // per_holder + 1
+                         + wrapped)
+    return spans / (experts // step)

@@ -29,9 +29,6 @@ token's k and the shared ones), as MoE papers count them.
 
 from __future__ import annotations
 
-from functools import cache
-from math import gcd
-
 from planc.vocabulary.hints import divisors_below, try_values
 from planc.vocabulary.kinds import Boolean, Choice, Integer, Key, Real
 from planc.models import llama, moe_memory
@@ -107,35 +104,12 @@ def routes_consecutively(m: Model) -> bool:
     return m.options.get("routing") == "consecutive"
 
 
-@cache
-def consecutive_holders(experts: int, top_k: int, per_holder: int) -> float:
-    """How many holders of ``per_holder`` contiguous experts each (an ep rank's, or a
-    node's) one token's experts lie on under ``routing = consecutive``, on average over
-    the tokens: token t's are t x top_k ... t x top_k + top_k - 1 modulo experts, so the
-    pattern repeats every experts / gcd(experts, top_k) tokens, each expert taking the
-    same share of them (balanced by construction)."""
-    step = gcd(experts, top_k)  # the first experts of the tokens: the multiples of step
-    blocks = (experts - 1) // per_holder + 1
-    if top_k >= experts:
-        return float(blocks)
-    spans = 0
-    for first in range(0, experts, step):
-        last = first + top_k - 1
-        if last < experts:
-            spans += last // per_holder - first // per_holder + 1
-        else:  # round past the last expert: [first, experts) and [0, last - experts]
-            wrapped = (last - experts) // per_holder + 1
-            spans += min(blocks, (experts - 1) // per_holder - first // per_holder + 1
-                         + wrapped)
-    return spans / (experts // step)
-
-
 def routing_imbalance(m: Model) -> float:
     """The busiest ep rank's (token, expert) rows over the mean that the simulator prices:
     the plan's ``imbalance``, else 1 for ``routing = consecutive`` (balanced by
-    construction: :func:`consecutive_holders`), else the published measurement; with
-    ``capacity = F`` at most F, since no expert takes more than F times the mean of a
-    sequence's rows."""
+    construction: planc.estimate.mixture.consecutive_holders), else the published
+    measurement; with ``capacity = F`` at most F, since no expert takes more than F times
+    the mean of a sequence's rows."""
     given = m.options.get("imbalance")
     imbalance = float(given) if given is not None else \
         1.0 if routes_consecutively(m) else PUBLISHED_IMBALANCE
