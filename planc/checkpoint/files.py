@@ -18,10 +18,10 @@ import os
 import struct
 from pathlib import Path
 
-from planc.checkpoint.manifest import (FORMAT, MAX_DIMENSIONS, MAX_WHOLE, MODEL_INDEX,
-                                       OPTIMIZER_INDEX, PLAIN_NAME, RNG_TENSOR,
-                                       CheckpointError, parse_json, reason, shown,
+from planc.checkpoint.manifest import (FORMAT, MAX_DIMENSIONS, MODEL_INDEX, OPTIMIZER_INDEX,
+                                       RNG_TENSOR, CheckpointError, parse_json, reason,
                                        state_name)
+from planc.checkpoint.manifest_fields import MAX_WHOLE, PLAIN_NAME, shown
 from planc.host.files import open_regular_file, read_regular_file
 
 # Bytes per element of the dtypes safetensors knows (a planc checkpoint uses F32 and U8).
