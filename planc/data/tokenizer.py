@@ -23,6 +23,8 @@ from planc.host.files import read_regular_file
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 MAX_CONFIG_BYTES = 16 << 20  # a tokenizer_config.json is a few KB (a chat template at most)
+# How every refusal of a tokenizer_config.json ends: --eos reads no config.
+NAME_IT = "or name the end-of-text token with --eos"
 # The end-of-text tokens of the common families, tried when the tokenizer's config names
 # none: Llama 3's, GPT-2's and Qwen's, Llama 2's and Mistral's, Gemma's.
 END_OF_TEXT_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>")
@@ -108,10 +110,9 @@ class Tokenizer:
         if configured is not None:  # the model's own: another name would cut elsewhere
             found = self.tokenizer.token_to_id(configured)
             if found is None:
-                raise TokenizerError(
-                    f"{self._config()} gives eos_token {_shown(configured)}, which "
-                    f"tokenizer {self.path} has no token for: repair it, or name the "
-                    f"end-of-text token with --eos")
+                raise TokenizerError(f"{self._config()} gives eos_token "
+                                     f"{_shown(configured)}, which tokenizer {self.path} "
+                                     f"has no token for: repair it, {NAME_IT}")
             return found
         for name in END_OF_TEXT_NAMES:
             found = self.tokenizer.token_to_id(name)
@@ -136,17 +137,15 @@ class Tokenizer:
             return None
         if not os.path.exists(config):
             raise TokenizerError(f"{config} is a symbolic link that leads to no file: "
-                                 f"repair or remove it, or name the end-of-text token with "
-                                 f"--eos")
+                                 f"repair or remove it, {NAME_IT}")
         try:  # a regular file of bounded size: a named pipe there would block
             data = json.loads(read_regular_file(config, MAX_CONFIG_BYTES).decode("utf-8"))
         except (OSError, ValueError, RecursionError) as exc:
             raise TokenizerError(f"{config} cannot be read ({_unreadable(exc)}): repair or "
-                                 f"remove it, or name the end-of-text token with --eos"
-                                 ) from None
+                                 f"remove it, {NAME_IT}") from None
         if not isinstance(data, dict):
-            raise TokenizerError(f"{config} holds no JSON object: repair or remove it, or "
-                                 f"name the end-of-text token with --eos")
+            raise TokenizerError(f"{config} holds no JSON object: repair or remove it, "
+                                 f"{NAME_IT}")
         eos = data.get("eos_token")
         if isinstance(eos, dict):  # transformers' AddedToken, serialised
             eos = eos.get("content")
@@ -155,8 +154,7 @@ class Tokenizer:
         # a name with a lone surrogate (JSON's "\ud800") names no token either
         if not isinstance(eos, str) or not _utf8(eos):
             raise TokenizerError(f"{config} gives eos_token {_shown(eos)}, which is not a "
-                                 f"token's name: repair it, or name the end-of-text token "
-                                 f"with --eos")
+                                 f"token's name: repair it, {NAME_IT}")
         return eos
 
     def encode(self, texts: list[str]) -> list[list[int]]:
