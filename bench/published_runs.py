@@ -43,6 +43,22 @@ BLOOM = {"bloom-176b": (104.70, 59), "bloom-176b-tp8": (121.63, 40),
          "bloom-176b-heads64": (102.03, 59), "bloom-176b-heads128": (105.89, 60),
          "bloom-176b-mbs4": (102.27, 73), "bloom-181b-pp6": (111.71, 57),
          "bloom-181b-tp2": (112.50, 63), "bloom-181b-pp24": (119.53, 44)}
+# Held out: the readings of the same day's layout search that the table above leaves out.
+# BigScience, train/tr11-176B-ml/chronicles-prequel.md, "GBS Variations" (2022-02-25, the
+# day bloom-181b-* come from): NLAYERS 72, NHIDDEN 14336, NHEADS 64 on 48 nodes, fp16,
+# ZeRO-1, plans/bloom/bloom-181b-tp2.plan's shape with each reading's layout; a snapshot
+# of iteration 2 each, which the page says "can fluctuate a bit". (dp, tp, pp,
+# micro-batch size, global batch) -> seconds per iteration and nvidia-smi GB on the first
+# node (None where the page leaves it blank). dp 8, tp 4, pp 12, MBS 2 was read twice.
+BLOOM_SEARCH = (((8, 8, 6, 4, 1568), 113.01, 56), ((8, 8, 6, 4, 2048), 114.11, 55),
+                ((8, 8, 6, 6, 2016), 123.57, 66), ((4, 8, 12, 4, 1568), 92.75, None),
+                ((4, 8, 12, 4, 2048), 117.07, 49), ((4, 8, 12, 2, 1568), 99.93, None),
+                ((4, 8, 12, 2, 2048), 128.82, None), ((6, 8, 8, 4, 2016), 113.16, 52),
+                ((12, 8, 4, 2, 2016), 125.52, 53), ((12, 8, 4, 4, 2016), 114.81, 59),
+                ((24, 8, 2, 1, 2016), 145.45, 65), ((24, 8, 2, 2, 2016), 136.13, 76),
+                ((8, 4, 12, 4, 2048), 111.89, 60), ((8, 4, 12, 2, 2048), 110.48, 44),
+                ((8, 4, 12, 2, 2048), 113.54, 38), ((16, 4, 6, 4, 2048), 117.11, 75),
+                ((8, 2, 24, 2, 2048), 122.75, 53), ((4, 4, 24, 1, 2048), 130.60, None))
 MTNLG = {"mtnlg-530b-280": 60.1, "mtnlg-530b-350": 50.2, "mtnlg-530b-420": 44.4}
 # plans/torchtitan/: (tokens/s per GPU, peak GiB or None).
 TORCHTITAN = {"torchtitan-8b-fsdp8": (5762, 82.4), "torchtitan-8b-fsdp128": (5605, 67.0),

@@ -15,6 +15,8 @@ it). The tables, their plans and their sources:
   run scripts (plans/narayanan-*.plan); its TFLOP/s count the recomputed forward (eq. 3);
 - ``llama3``: Dubey et al. 2024, Table 4, the 16,384-GPU row (plans/llama3-405b.plan);
 - ``bloom``: BLOOM-176B and BigScience's layout search on Jean Zay (plans/bloom/);
+- ``bloom_search``: held out, the readings of that layout search's day (2022-02-25) which
+  ``bloom`` leaves out, each bloom-181b-tp2.plan with the reading's layout;
 - ``mtnlg``: MT-NLG 530B at 280, 350 and 420 nodes (plans/mtnlg/);
 - ``torchtitan``: torchtitan's H100 Llama 3 benchmarks (plans/torchtitan/);
 - ``planc_h200``: planc run's own steps on one H200, as bench/gpu_step.py and
@@ -51,9 +53,9 @@ from planc.compile import compile_plan  # noqa: E402
 from planc.estimate.kernel_cost import GPUS, GPU  # noqa: E402
 from planc.lang import load_file  # noqa: E402
 from planc.simulate import model_flops, simulate  # noqa: E402
-from bench.published_runs import (BLOOM, CUDA_ALLOCATED, KORTHIKANTI_TABLE_5,  # noqa: E402
-                                  MEGATRON_H100, MTNLG, NARAYANAN_TABLE_1, NVIDIA_SMI,
-                                  PLANC_H200,
+from bench.published_runs import (BLOOM, BLOOM_SEARCH, CUDA_ALLOCATED,  # noqa: E402
+                                  KORTHIKANTI_TABLE_5, MEGATRON_H100, MTNLG,
+                                  NARAYANAN_TABLE_1, NVIDIA_SMI, PLANC_H200,
                                   SEQUENCE_SELECTIVE, TORCHTITAN, TORCHTITAN_PEAK,
                                   narayanan_step_flops)
 
@@ -102,6 +104,7 @@ def runs() -> list[Run]:
     rows.append(Run("llama3", "405B, 16,384 GPUs", "llama3-405b.plan", TFLOPS, 400.0))
     rows += [Run("bloom", n, f"bloom/{n}.plan", STEP, s, memory=m * GB,
                  memory_note=NVIDIA_SMI) for n, (s, m) in BLOOM.items()]
+    rows += bloom_search()
     rows += [Run("mtnlg", n, f"mtnlg/{n}.plan", STEP, s) for n, s in MTNLG.items()]
     rows += [Run("torchtitan", n, f"torchtitan/{n}.plan", TOKENS, t,
                  memory=m * GIB if m else None, memory_note=TORCHTITAN_PEAK)
@@ -111,12 +114,30 @@ def runs() -> list[Run]:
     return rows
 
 
+def bloom_search() -> list[Run]:
+    """BLOOM_SEARCH's readings: bloom-181b-tp2.plan at each one's layout and batch."""
+    rows, seen = [], set()
+    for (dp, tp, pp, micro, batch), seconds, gb in BLOOM_SEARCH:
+        label = f"dp {dp}, tp {tp}, pp {pp}, mbs {micro}, batch {batch}"
+        if label in seen:
+            label += " (read again)"
+        seen.add(label)
+        overrides = (f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}", f"model.batch={batch}",
+                     f"schedule.microbatches={batch // dp // micro}")
+        rows.append(Run("bloom_search", label, "bloom/bloom-181b-tp2.plan", STEP, seconds,
+                        overrides, memory=gb * GB if gb else None, memory_note=NVIDIA_SMI))
+    return rows
+
+
 TABLE_SOURCES = {
     "korthikanti": "Korthikanti et al. 2022, Table 5 (A100, Selene)",
     "h100": "Megatron-LM README, H100 weak scaling (Megatron-Core r0.8)",
     "narayanan": "Narayanan et al. SC'21, Table 1, layouts of run_table_1.sh (A100, Selene)",
     "llama3": "Dubey et al. 2024, Table 4 (16,384 H100s)",
     "bloom": "BigScience tr11: BLOOM-176B and chronicles-prequel.md (A100, Jean Zay)",
+    "bloom_search": "Held out: BigScience's layout search of 2022-02-25, the readings the "
+                    "bloom table leaves out (chronicles-prequel.md, GBS Variations; 181B, "
+                    "fp16, A100, Jean Zay)",
     "mtnlg": "Smith et al. 2022, MT-NLG 530B, section 2.4 (A100, Selene; transcribed)",
     "torchtitan": "torchtitan benchmarks/, Llama 3 on H100 96GB (Grand Teton)",
     "planc_h200": "planc run on one H200: bench/gpu_step.py and bench/gpu_moe.py, 2026-12-04",
@@ -301,23 +322,35 @@ def memory_table(rows: list[dict]) -> dict:
     measured = [r for r in rows if r["published_memory"]]
     for r in measured:
         r["memory_error"] = r["memory"] / r["published_memory"] - 1
+    tables = {}
+    for r in measured:
+        tables.setdefault(r["table"], []).append(r["memory_error"])
     return {"rows": [{k: r[k] for k in ("table", "label", "plan", "gpus", "memory",
                                         "published_memory", "memory_note", "memory_error")}
                      for r in measured],
-            **({"summary": summary([r["memory_error"] for r in measured])} if measured else {})}
+            **({"summary": summary([r["memory_error"] for r in measured]),
+                "tables": {t: summary(e) for t, e in tables.items()}} if measured else {})}
+
+
+def _under_over(direction: str) -> str:
+    return direction.replace("too fast", "under").replace("too slow", "over")
 
 
 def memory_markdown(result: dict) -> list[str]:
-    lines = ["| run | GPUs | published peak | simulated peak | error | published as |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| table | run | GPUs | published peak | simulated peak | error | published as |",
+             "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        lines.append(f"| {r['label']} | {r['gpus']:,} | {r['published_memory'] / GB:.1f} GB "
+        lines.append(f"| {r['table']} | {r['label']} | {r['gpus']:,} "
+                     f"| {r['published_memory'] / GB:.1f} GB "
                      f"| {r['memory'] / GB:.1f} GB | {r['memory_error']:+.1%} "
                      f"| {r['memory_note']} |")
     if "summary" in result:
         s = result["summary"]
         lines += ["", f"Median {s['median']:.1%}, largest {s['largest']:.1%}, "
-                      f"{s['direction'].replace('too fast', 'under').replace('too slow', 'over')}."]
+                      f"{_under_over(s['direction'])}, over the {s['rows']} runs; by table:", ""]
+        for table, t in result["tables"].items():
+            lines.append(f"- {table} ({t['rows']}): median {t['median']:.1%}, largest "
+                         f"{t['largest']:.1%}, {_under_over(t['direction'])}")
     return lines
 
 

@@ -327,8 +327,12 @@ def test_a_variant_keeps_the_plans_fp32_gradient_buffer():
     plan = load_file(PLANS / "bloom" / "bloom-176b.plan").plan
     variant = bounds.plan_of(plan, dataclasses.replace(of_plan(plan), zero=0), 8)
     assert (variant.shard.dp.zero, variant.shard.dp.fp32_grads) == (0, True)
-    # ... and its fp32 gradient reduction (shard { dp { reduce_dtype } })
-    assert variant.reduce_dtype_bytes == 4
+    # ... and a reduction's dtype (shard { dp { reduce_dtype } }): BLOOM's is bf16's, the
+    # model's; said fp32, a variant keeps it
+    assert variant.reduce_dtype_bytes == 2
+    fp32 = load_file(PLANS / "bloom" / "bloom-176b.plan", ("shard.dp.reduce_dtype=fp32",)).plan
+    assert bounds.plan_of(fp32, dataclasses.replace(of_plan(fp32), zero=0),
+                          8).reduce_dtype_bytes == 4
     # its ZeRO-1 all-reduce (grad_reduce) is ZeRO-1's alone: another zero reduce-scatters
     assert plan.shard.dp.grad_reduce == "all_reduce"
     assert variant.shard.dp.grad_reduce == "reduce_scatter"

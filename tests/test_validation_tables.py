@@ -45,8 +45,9 @@ def test_the_layouts_are_the_sources():
     assert bloom.train.grad_clip == 1.0  # tr11-176B-ml.slurm: --clip-grad 1.0
     # BF16_Optimizer adds every microbatch's gradient into its fp32 buffer
     assert (bloom.optimize.grad_accumulation, bloom.shard.dp.fp32_grads) == ("buffer", True)
-    # ... and its pipeline engine all-reduces that fp32 buffer over dp (_bf16_reduce_grads)
-    assert bloom.shard.dp.reduce_dtype == "fp32" and bloom.reduce_dtype_bytes == 4
+    # ... and its pipeline engine all-reduces that fp32 buffer over dp (_bf16_reduce_grads),
+    # cast to the engine's communication_data_type, bf16
+    assert bloom.shard.dp.reduce_dtype == "model" and bloom.reduce_dtype_bytes == 2
     for nodes, dp in ((280, 8), (350, 10), (420, 12)):
         mtnlg = load_file(PLANS / "mtnlg" / f"mtnlg-530b-{nodes}.plan").plan
         assert (mtnlg.mesh.tp, mtnlg.mesh.pp, mtnlg.mesh.dp) == (8, 35, dp)
@@ -148,7 +149,7 @@ def test_published_dense_runs_leave_out_planc_own():
     assert validation.OWN_OR_MIXTURES == ("moe", "planc_h200")
     published = [r for r in RUNS if r.table not in validation.OWN_OR_MIXTURES]
     from planc.simulate.accuracy import DENSE
-    assert len(published) == DENSE.runs == 45
+    assert len(published) == DENSE.runs == 63
 
 
 def test_published_figures_become_steps():
@@ -229,14 +230,47 @@ def test_deepspeed_train_schedule_takes_1f1b_time():
 
 
 def test_the_plans_reduce_gradients_in_the_dtype_their_sources_say():
-    # fp32: BF16_Optimizer (BLOOM from 02-28), Megatron-Core r0.8 with bf16, FSDP2's
-    # mixed_precision_reduce in torchtitan, Llama 3's "FP32 reduce-scatter"; the
-    # 02-25 BLOOM rows ran DeepSpeed's fp16 engine, which reduces the fp16 gradients.
+    # fp32: Megatron-Core r0.8 with bf16, FSDP2's mixed_precision_reduce in torchtitan,
+    # Llama 3's "FP32 reduce-scatter". The model's dtype: DeepSpeed's engine casts a
+    # bucket to its communication_data_type before the all-reduce, bf16 for BLOOM's
+    # BF16_Optimizer (02-28 on), whose fp32 gradients it hands over, and fp16 for the
+    # 02-25 rows' fp16 engine.
     fp32 = sorted(PLANS.glob("megatron-h100-*.plan")) + sorted(PLANS.glob("torchtitan/*.plan")) \
-        + sorted(PLANS.glob("bloom/bloom-176b*.plan")) + [PLANS / "llama3-405b.plan"]
-    assert len(fp32) == 9 + 6 + 5 + 1
+        + [PLANS / "llama3-405b.plan"]
+    assert len(fp32) == 9 + 6 + 1
     for path in fp32:
         assert load_file(path).plan.reduce_dtype == "fp32", path
-    for path in sorted(PLANS.glob("bloom/bloom-181b*.plan")):
+    for path, dtype in [(p, "bf16") for p in sorted(PLANS.glob("bloom/bloom-176b*.plan"))] + \
+            [(p, "fp16") for p in sorted(PLANS.glob("bloom/bloom-181b*.plan"))]:
         plan = load_file(path).plan
-        assert (plan.shard.dp.reduce_dtype, plan.reduce_dtype) == ("model", "fp16"), path
+        assert (plan.shard.dp.reduce_dtype, plan.reduce_dtype) == ("model", dtype), path
+
+
+def test_the_held_out_bloom_readings_are_the_pages_and_not_the_tables():
+    """bloom_search: the 18 readings of chronicles-prequel.md's 2022-02-25 tables that the
+    bloom table leaves out, each bloom-181b-tp2.plan at the reading's layout; 14 give
+    nvidia-smi's memory; the layout read twice is labelled apart."""
+    held = [r for r in RUNS if r.table == "bloom_search"]
+    assert len(held) == 18 and sum(r.memory is not None for r in held) == 14
+    assert len({r.label for r in held}) == 18
+    assert [r.label for r in held if "again" in r.label] == \
+        ["dp 8, tp 4, pp 12, mbs 2, batch 2048 (read again)"]
+    in_table = set()
+    for name in ("tp2", "pp6", "pp24"):
+        plan = load_file(PLANS / "bloom" / f"bloom-181b-{name}.plan").plan
+        in_table.add((plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.microbatch_size,
+                      plan.model.batch))
+    layouts = set()
+    for run in held:
+        plan = validation.loaded(run)
+        m = plan.model
+        assert (m.layers, m.hidden, m.heads, m.dtype, plan.world) == \
+            (72, 14336, 64, "fp16", 384), run.label
+        layout = (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.microbatch_size, m.batch)
+        assert run.label.startswith("dp {}, tp {}, pp {}, mbs {}, batch {}".format(*layout))
+        layouts.add(layout)
+    assert not layouts & in_table and len(layouts) == 17
+    # the page's figures for the two readings of one layout: 110.48 s at 44 GB and
+    # 113.54 s at 38 GB
+    twice = sorted((r.published, r.memory) for r in held if "tp 4, pp 12, mbs 2" in r.label)
+    assert twice == [(110.48, 44e9), (113.54, 38e9)]
