@@ -65,6 +65,10 @@ TORCHTITAN = {"torchtitan-8b-fsdp8": (5762, 82.4), "torchtitan-8b-fsdp128": (560
               "torchtitan-8b-tp8": (4378, None), "torchtitan-8b-async-tp8": (4809.4, None),
               "torchtitan-70b-tp8": (597.3, None),
               "torchtitan-70b-async-tp8": (652.4, None)}
+# The same file's FSDP rows with torch.compile (benchmarks/llama3_h100_202412_torchtitan.md,
+# Tables 1 and 3, "FSDP + torch.compile"; its Float8 rows planc cannot express): the
+# plans above with the elementwise kernels fused (optimize { kernels = fused }).
+TORCHTITAN_COMPILED = {"torchtitan-8b-fsdp8": (6667, 77.0), "torchtitan-8b-fsdp128": (6514, 62.0)}
 
 # planc's own runs on one NVIDIA H200 (plans/planc-h200/, docs/performance.md): bench/
 # gpu_step.py and bench/gpu_moe.py, (step s, peak MiB). The dense row on 2026-12-04 (the

@@ -56,7 +56,8 @@ from planc.simulate import model_flops, simulate  # noqa: E402
 from bench.published_runs import (BLOOM, BLOOM_SEARCH, CUDA_ALLOCATED,  # noqa: E402
                                   KORTHIKANTI_TABLE_5, MEGATRON_H100, MTNLG,
                                   NARAYANAN_TABLE_1, NVIDIA_SMI, PLANC_H200,
-                                  SEQUENCE_SELECTIVE, TORCHTITAN, TORCHTITAN_PEAK,
+                                  SEQUENCE_SELECTIVE, TORCHTITAN, TORCHTITAN_COMPILED,
+                                  TORCHTITAN_PEAK,
                                   narayanan_step_flops)
 
 GB, GIB, MIB = 1e9, 2.0 ** 30, 2.0 ** 20
@@ -109,6 +110,9 @@ def runs() -> list[Run]:
     rows += [Run("torchtitan", n, f"torchtitan/{n}.plan", TOKENS, t,
                  memory=m * GIB if m else None, memory_note=TORCHTITAN_PEAK)
              for n, (t, m) in TORCHTITAN.items()]
+    rows += [Run("torchtitan", f"{n} + torch.compile", f"torchtitan/{n}.plan", TOKENS, t,
+                 ("optimize.kernels=fused",), memory=m * GIB, memory_note=TORCHTITAN_PEAK)
+             for n, (t, m) in TORCHTITAN_COMPILED.items()]
     rows += [Run("planc_h200", n, f"planc-h200/{n}.plan", STEP, s, memory=m * MIB,
                  memory_note=CUDA_ALLOCATED) for n, (s, m) in PLANC_H200.items()]
     return rows

@@ -149,15 +149,22 @@ def test_published_dense_runs_leave_out_planc_own():
     assert validation.OWN_OR_MIXTURES == ("moe", "planc_h200")
     published = [r for r in RUNS if r.table not in validation.OWN_OR_MIXTURES]
     from planc.simulate.accuracy import DENSE
-    assert len(published) == DENSE.runs == 63
+    assert len(published) == DENSE.runs == 65
 
 
 def test_published_figures_become_steps():
     by_plan = {r.plan: r for r in RUNS}
-    titan = by_plan["torchtitan/torchtitan-8b-fsdp8.plan"]
+    by_label = {r.label: r for r in RUNS if r.table == "torchtitan"}
+    titan = by_label["torchtitan-8b-fsdp8"]
     plan = validation.loaded(titan)
     # 16 sequences of 8,192 tokens over 8 GPUs at 5,762 tokens/s each
     assert validation.published_step(titan, plan) == 16 * 8192 / (5762 * 8)
+    # the same plan with torch.compile's fused kernels, at the file's 6,667 tokens/s
+    compiled = by_label["torchtitan-8b-fsdp8 + torch.compile"]
+    plan = validation.loaded(compiled)
+    assert (compiled.plan, plan.optimize.kernels) == (titan.plan, "fused")
+    assert validation.published_step(compiled, plan) == 16 * 8192 / (6667 * 8)
+    assert validation.loaded(titan).optimize.kernels == "eager"
     narayanan = by_plan["narayanan-1_7b.plan"]
     plan = validation.loaded(narayanan)
     eq3 = 96 * 512 * 2048 * 24 * 2304 ** 2 * (1 + 2048 / (6 * 2304) + 51200 / (16 * 24 * 2304))
