@@ -59,6 +59,21 @@ BLOOM_SEARCH = (((8, 8, 6, 4, 1568), 113.01, 56), ((8, 8, 6, 4, 2048), 114.11, 5
                 ((8, 4, 12, 4, 2048), 111.89, 60), ((8, 4, 12, 2, 2048), 110.48, 44),
                 ((8, 4, 12, 2, 2048), 113.54, 38), ((16, 4, 6, 4, 2048), 117.11, 75),
                 ((8, 2, 24, 2, 2048), 122.75, 53), ((4, 4, 24, 1, 2048), 130.60, None))
+# The same page's "Rebalancing layers" (2022-02-28, the day of bloom-176b-tp8, -heads64,
+# -heads128 and -mbs4): the BF16 optimizer and the embedding-aware partition of
+# plans/bloom/bloom-176b.plan at the other shapes it tried, global batch 2048. (layers,
+# hidden, heads), (dp, tp, pp, micro-batch size) -> seconds per iteration and nvidia-smi
+# GB on the first node; the 176B readings are the bloom table's. "OOM": the page's
+# reading for a layout that ran out of the 80 GB.
+BLOOM_SEARCH_BF16 = (
+    ((106, 12288, 64), (8, 4, 12, 2), 116.54, 67), ((106, 12288, 96), (8, 4, 12, 2), 118.79, 65),
+    ((106, 12288, 128), (8, 4, 12, 2), 121.42, 67), ((106, 12288, 96), (8, 4, 12, 4), 120.34, 79),
+    ((100, 12288, 64), (16, 4, 6, 2), None, "OOM"), ((100, 12288, 64), (16, 4, 6, 1), None, "OOM"),
+    ((100, 12288, 64), (8, 8, 6, 2), 139.72, 61), ((100, 12288, 64), (8, 8, 6, 4), 120.96, 72),
+    ((82, 13312, 64), (4, 8, 12, 4), 111.79, 52), ((82, 13312, 64), (8, 4, 12, 2), 104.45, 63),
+    ((82, 13312, 104), (8, 4, 12, 2), 123.71, 62), ((82, 13312, 128), (8, 4, 12, 2), 108.78, 60),
+    ((82, 13312, 64), (8, 4, 12, 4), 104.82, 74), ((94, 13312, 128), (8, 4, 12, 2), 124.10, 67),
+    ((82, 14336, 128), (8, 4, 12, 2), None, "OOM"))
 MTNLG = {"mtnlg-530b-280": 60.1, "mtnlg-530b-350": 50.2, "mtnlg-530b-420": 44.4}
 # plans/torchtitan/: (tokens/s per GPU, peak GiB or None).
 TORCHTITAN = {"torchtitan-8b-fsdp8": (5762, 82.4), "torchtitan-8b-fsdp128": (5605, 67.0),

@@ -50,11 +50,12 @@ PLANS = ROOT / "plans"
 sys.path.insert(0, str(ROOT))
 
 from planc.compile import compile_plan  # noqa: E402
+from planc.estimate.memory import estimate as memory_estimate  # noqa: E402
 from planc.estimate.kernel_cost import GPUS, GPU  # noqa: E402
 from planc.lang import load_file  # noqa: E402
 from planc.simulate import model_flops, simulate  # noqa: E402
-from bench.published_runs import (BLOOM, BLOOM_SEARCH, CUDA_ALLOCATED,  # noqa: E402
-                                  KORTHIKANTI_TABLE_5, MEGATRON_H100, MTNLG,
+from bench.published_runs import (BLOOM, BLOOM_SEARCH, BLOOM_SEARCH_BF16,  # noqa: E402
+                                  CUDA_ALLOCATED, KORTHIKANTI_TABLE_5, MEGATRON_H100, MTNLG,
                                   NARAYANAN_TABLE_1, NVIDIA_SMI, PLANC_H200,
                                   SEQUENCE_SELECTIVE, TORCHTITAN, TORCHTITAN_COMPILED,
                                   TORCHTITAN_PEAK,
@@ -119,17 +120,50 @@ def runs() -> list[Run]:
 
 
 def bloom_search() -> list[Run]:
-    """BLOOM_SEARCH's readings: bloom-181b-tp2.plan at each one's layout and batch."""
+    """BLOOM_SEARCH's readings, bloom-181b-tp2.plan at each one's layout and batch, and
+    BLOOM_SEARCH_BF16's that ran, bloom-176b.plan at each one's shape and layout."""
     rows, seen = [], set()
     for (dp, tp, pp, micro, batch), seconds, gb in BLOOM_SEARCH:
         label = f"dp {dp}, tp {tp}, pp {pp}, mbs {micro}, batch {batch}"
         if label in seen:
             label += " (read again)"
         seen.add(label)
-        overrides = (f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}", f"model.batch={batch}",
-                     f"schedule.microbatches={batch // dp // micro}")
         rows.append(Run("bloom_search", label, "bloom/bloom-181b-tp2.plan", STEP, seconds,
-                        overrides, memory=gb * GB if gb else None, memory_note=NVIDIA_SMI))
+                        _layout(dp, tp, pp, micro, batch), memory=gb * GB if gb else None,
+                        memory_note=NVIDIA_SMI))
+    for shape, layout, seconds, gb in BLOOM_SEARCH_BF16:
+        if seconds is not None:
+            label, overrides = _bf16_shape(shape, layout)
+            rows.append(Run("bloom_search", label, "bloom/bloom-176b.plan", STEP, seconds,
+                            overrides, memory=gb * GB, memory_note=NVIDIA_SMI))
+    return rows
+
+
+def _layout(dp: int, tp: int, pp: int, micro: int, batch: int) -> tuple[str, ...]:
+    return (f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}", f"model.batch={batch}",
+            f"schedule.microbatches={batch // dp // micro}")
+
+
+def _bf16_shape(shape, layout) -> tuple[str, tuple[str, ...]]:
+    (layers, hidden, heads), (dp, tp, pp, micro) = shape, layout
+    return (f"02-28, {layers} x {hidden}, {heads} heads: dp {dp}, tp {tp}, pp {pp}, "
+            f"mbs {micro}",
+            (f"model.layers={layers}", f"model.hidden={hidden}", f"model.heads={heads}")
+            + _layout(dp, tp, pp, micro, 2048))
+
+
+def out_of_memory() -> list[dict]:
+    """The layouts BLOOM_SEARCH_BF16 reads as out of memory: the estimate's peak against
+    the device's capacity (above which planc check warns that the plan does not fit)."""
+    rows = []
+    for shape, layout, seconds, gb in BLOOM_SEARCH_BF16:
+        if seconds is None:
+            label, overrides = _bf16_shape(shape, layout)
+            plan = loaded(Run("bloom_search", label, "bloom/bloom-176b.plan", STEP, 0.0,
+                              overrides))
+            estimate = memory_estimate(plan)
+            rows.append({"label": label, "memory": estimate.peak.total_bytes,
+                         "capacity": estimate.capacity, "over": estimate.overflows})
     return rows
 
 
@@ -355,6 +389,13 @@ def memory_markdown(result: dict) -> list[str]:
         for table, t in result["tables"].items():
             lines.append(f"- {table} ({t['rows']}): median {t['median']:.1%}, largest "
                          f"{t['largest']:.1%}, {_under_over(t['direction'])}")
+    if result.get("out_of_memory"):
+        lines += ["", "Layouts that ran out of memory (bloom_search, nvidia-smi's page):", "",
+                  "| run | simulated peak | capacity | planc check |", "|---|---|---|---|"]
+        for r in result["out_of_memory"]:
+            lines.append(f"| {r['label']} | {r['memory'] / GB:.1f} GB | "
+                         f"{r['capacity'] / GB:.0f} GB | "
+                         f"{'warns it does not fit' if r['over'] else 'says it fits'} |")
     return lines
 
 
@@ -439,6 +480,7 @@ def main(argv=None) -> int:
                   f"{s['direction']}.\n")
     if args.only in (None, "memory"):
         out["memory"] = memory_table(rows)
+        out["memory"]["out_of_memory"] = out_of_memory()
         if not args.json:
             print("## memory\n")
             print("\n".join(memory_markdown(out["memory"])) + "\n")

@@ -68,12 +68,12 @@ CALIBRATED = Accuracy(7, 0.18, 0.35,
 # (model { routing = consecutive }) and reduced as their FSDP2 under pipelining does
 # (zero = 1), and the ModelZoo's ep 32 rows (one added, with its all-to-all overlap)
 # forced to balance, as its run script ran them. 2026-12-04, later: the dense figure over
-# 65 runs, once the 18 readings of BigScience's layout search of 2022-02-25 that the
-# bloom table leaves out were held against the model (table bloom_search, every one too
-# fast, median 15.4 %), BLOOM-176B's plans reduced in bf16, as DeepSpeed's engine casts
+# 77 runs, once the 30 readings of BigScience's layout search (2022-02-25 and 02-28) that
+# the bloom table leaves out were held against the model (table bloom_search, every one
+# too fast, median 13.5 %), BLOOM-176B's plans reduced in bf16, as DeepSpeed's engine casts
 # BF16_Optimizer's fp32 gradients before its all-reduce, and torchtitan's two FSDP rows
 # with torch.compile joined its table (45 runs, 7.6 %, before).
-DENSE = Accuracy(65, 0.103, 0.455, "published runs of dense models")
+DENSE = Accuracy(77, 0.106, 0.455, "published runs of dense models")
 MIXTURES = Accuracy(9, 0.136, 0.294, "published runs of mixtures of experts")
 # No published run trains in fp32; the one fp32 run held to the simulator is planc's own
 # llama of 1.1B on one H200 (bench/validation.py --only planc_h200). With fp32 attention
