@@ -15,8 +15,9 @@ it). The tables, their plans and their sources:
   run scripts (plans/narayanan-*.plan); its TFLOP/s count the recomputed forward (eq. 3);
 - ``llama3``: Dubey et al. 2024, Table 4, the 16,384-GPU row (plans/llama3-405b.plan);
 - ``bloom``: BLOOM-176B and BigScience's layout search on Jean Zay (plans/bloom/);
-- ``bloom_search``: held out, the readings of that layout search's day (2022-02-25) which
-  ``bloom`` leaves out, each bloom-181b-tp2.plan with the reading's layout;
+- ``bloom_search``: held out, the readings of that layout search's two days (2022-02-25
+  and 02-28) which ``bloom`` leaves out, each a bloom plan of that day with the reading's
+  shape and layout;
 - ``mtnlg``: MT-NLG 530B at 280, 350 and 420 nodes (plans/mtnlg/);
 - ``torchtitan``: torchtitan's H100 Llama 3 benchmarks (plans/torchtitan/);
 - ``planc_h200``: planc run's own steps on one H200, as bench/gpu_step.py and
@@ -173,9 +174,9 @@ TABLE_SOURCES = {
     "narayanan": "Narayanan et al. SC'21, Table 1, layouts of run_table_1.sh (A100, Selene)",
     "llama3": "Dubey et al. 2024, Table 4 (16,384 H100s)",
     "bloom": "BigScience tr11: BLOOM-176B and chronicles-prequel.md (A100, Jean Zay)",
-    "bloom_search": "Held out: BigScience's layout search of 2022-02-25, the readings the "
-                    "bloom table leaves out (chronicles-prequel.md, GBS Variations; 181B, "
-                    "fp16, A100, Jean Zay)",
+    "bloom_search": "Held out: BigScience's layout search of 2022-02-25 and 02-28, the "
+                    "readings the bloom table leaves out (chronicles-prequel.md, GBS "
+                    "Variations and Rebalancing layers; A100, Jean Zay)",
     "mtnlg": "Smith et al. 2022, MT-NLG 530B, section 2.4 (A100, Selene; transcribed)",
     "torchtitan": "torchtitan benchmarks/, Llama 3 on H100 96GB (Grand Teton)",
     "planc_h200": "planc run on one H200: bench/gpu_step.py and bench/gpu_moe.py, 2026-12-04",
