@@ -160,9 +160,7 @@ def out_of_memory() -> list[dict]:
     for shape, layout, seconds, gb in BLOOM_SEARCH_BF16:
         if seconds is None:
             label, overrides = _bf16_shape(shape, layout)
-            plan = loaded(Run("bloom_search", label, "bloom/bloom-176b.plan", STEP, 0.0,
-                              overrides))
-            estimate = memory_estimate(plan)
+            estimate = memory_estimate(plan_of("bloom/bloom-176b.plan", overrides))
             rows.append({"label": label, "memory": estimate.peak.total_bytes,
                          "capacity": estimate.capacity, "over": estimate.overflows})
     return rows
@@ -268,9 +266,14 @@ def published_step(run: Run, plan) -> float:
 
 
 def loaded(run: Run, overrides=()):
-    result = load_file(PLANS / run.plan, run.overrides + tuple(overrides))
+    return plan_of(run.plan, run.overrides + tuple(overrides))
+
+
+def plan_of(path: str, overrides: tuple[str, ...]):
+    """plans/``path`` with ``overrides``; ValueError with the diagnostics if it fails."""
+    result = load_file(PLANS / path, overrides)
     if not result.ok:
-        raise ValueError(f"{run.plan}: " + "; ".join(d.message for d in result.diagnostics))
+        raise ValueError(f"{path}: " + "; ".join(d.message for d in result.diagnostics))
     return result.plan
 
 
@@ -359,10 +362,9 @@ def markdown(name: str, result: dict) -> list[str]:
 
 def memory_table(rows: list[dict]) -> dict:
     measured = [r for r in rows if r["published_memory"]]
+    tables: dict[str, list[float]] = {}
     for r in measured:
         r["memory_error"] = r["memory"] / r["published_memory"] - 1
-    tables = {}
-    for r in measured:
         tables.setdefault(r["table"], []).append(r["memory_error"])
     return {"rows": [{k: r[k] for k in ("table", "label", "plan", "gpus", "memory",
                                         "published_memory", "memory_note", "memory_error")}
