@@ -43,9 +43,11 @@ BLOOM = {"bloom-176b": (104.70, 59), "bloom-176b-tp8": (121.63, 40),
          "bloom-176b-heads64": (102.03, 59), "bloom-176b-heads128": (105.89, 60),
          "bloom-176b-mbs4": (102.27, 73), "bloom-181b-pp6": (111.71, 57),
          "bloom-181b-tp2": (112.50, 63), "bloom-181b-pp24": (119.53, 44)}
-# Held out: the readings of the same day's layout search that the table above leaves out.
+# Held out: readings of the same day's layout search that the table above leaves out.
 # BigScience, train/tr11-176B-ml/chronicles-prequel.md, "GBS Variations" (2022-02-25, the
-# day bloom-181b-* come from): NLAYERS 72, NHIDDEN 14336, NHEADS 64 on 48 nodes, fp16,
+# day bloom-181b-* come from), its 181B shape (not yet held: its 177B reading, 96 x 12288
+# at tp 1, pp 48, and three layouts it read as out of memory): NLAYERS 72, NHIDDEN 14336,
+# NHEADS 64 on 48 nodes, fp16,
 # ZeRO-1, plans/bloom/bloom-181b-tp2.plan's shape with each reading's layout; a snapshot
 # of iteration 2 each, which the page says "can fluctuate a bit". (dp, tp, pp,
 # micro-batch size, global batch) -> seconds per iteration and nvidia-smi GB on the first
@@ -63,7 +65,8 @@ BLOOM_SEARCH = (((8, 8, 6, 4, 1568), 113.01, 56), ((8, 8, 6, 4, 2048), 114.11, 5
 # -heads128 and -mbs4): the BF16 optimizer and the embedding-aware partition of
 # plans/bloom/bloom-176b.plan at the other shapes it tried, global batch 2048. (layers,
 # hidden, heads), (dp, tp, pp, micro-batch size) -> seconds per iteration and nvidia-smi
-# GB on the first node; the 176B readings are the bloom table's. "OOM": the page's
+# GB on the first node; the 176B readings are the bloom table's (its 112-head one as the
+# README's 104.70 s, the page's 104.50 s not held apart). "OOM": the page's
 # reading for a layout that ran out of the 80 GB.
 BLOOM_SEARCH_BF16 = (
     ((106, 12288, 64), (8, 4, 12, 2), 116.54, 67), ((106, 12288, 96), (8, 4, 12, 2), 118.79, 65),
