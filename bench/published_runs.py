@@ -43,40 +43,56 @@ BLOOM = {"bloom-176b": (104.70, 59), "bloom-176b-tp8": (121.63, 40),
          "bloom-176b-heads64": (102.03, 59), "bloom-176b-heads128": (105.89, 60),
          "bloom-176b-mbs4": (102.27, 73), "bloom-181b-pp6": (111.71, 57),
          "bloom-181b-tp2": (112.50, 63), "bloom-181b-pp24": (119.53, 44)}
-# Held out: readings of the same day's layout search that the table above leaves out.
-# BigScience, train/tr11-176B-ml/chronicles-prequel.md, "GBS Variations" (2022-02-25, the
-# day bloom-181b-* come from), its 181B shape (not yet held: its 177B reading, 96 x 12288
-# at tp 1, pp 48, and three layouts it read as out of memory): NLAYERS 72, NHIDDEN 14336,
-# NHEADS 64 on 48 nodes, fp16,
-# ZeRO-1, plans/bloom/bloom-181b-tp2.plan's shape with each reading's layout; a snapshot
-# of iteration 2 each, which the page says "can fluctuate a bit". (dp, tp, pp,
-# micro-batch size, global batch) -> seconds per iteration and nvidia-smi GB on the first
-# node (None where the page leaves it blank). dp 8, tp 4, pp 12, MBS 2 was read twice.
-BLOOM_SEARCH = (((8, 8, 6, 4, 1568), 113.01, 56), ((8, 8, 6, 4, 2048), 114.11, 55),
-                ((8, 8, 6, 6, 2016), 123.57, 66), ((4, 8, 12, 4, 1568), 92.75, None),
-                ((4, 8, 12, 4, 2048), 117.07, 49), ((4, 8, 12, 2, 1568), 99.93, None),
-                ((4, 8, 12, 2, 2048), 128.82, None), ((6, 8, 8, 4, 2016), 113.16, 52),
-                ((12, 8, 4, 2, 2016), 125.52, 53), ((12, 8, 4, 4, 2016), 114.81, 59),
-                ((24, 8, 2, 1, 2016), 145.45, 65), ((24, 8, 2, 2, 2016), 136.13, 76),
-                ((8, 4, 12, 4, 2048), 111.89, 60), ((8, 4, 12, 2, 2048), 110.48, 44),
-                ((8, 4, 12, 2, 2048), 113.54, 38), ((16, 4, 6, 4, 2048), 117.11, 75),
-                ((8, 2, 24, 2, 2048), 122.75, 53), ((4, 4, 24, 1, 2048), 130.60, None))
-# The same page's "Rebalancing layers" (2022-02-28, the day of bloom-176b-tp8, -heads64,
-# -heads128 and -mbs4): the BF16 optimizer and the embedding-aware partition of
-# plans/bloom/bloom-176b.plan at the other shapes it tried, global batch 2048. (layers,
-# hidden, heads), (dp, tp, pp, micro-batch size) -> seconds per iteration and nvidia-smi
-# GB on the first node; the 176B readings are the bloom table's (its 112-head one as the
-# README's 104.70 s, the page's 104.50 s not held apart). "OOM": the page's
-# reading for a layout that ran out of the 80 GB.
+# Held out: readings of the same days' layout search that the table above leaves out,
+# from BigScience, train/tr11-176B-ml/chronicles-prequel.md. Each is (layers, hidden,
+# heads), (dp, tp, pp, micro-batch size, global batch) -> seconds per iteration and
+# nvidia-smi GB on the first node (None where the page leaves it blank; None and "OOM"
+# for a layout the page reads as out of the 80 GB). Iteration 2's snapshot each, which
+# the page says "can fluctuate a bit".
+#
+# "GBS Variations" (2022-02-25, the day bloom-181b-* come from): fp16, ZeRO-1, 48 nodes,
+# plans/bloom/bloom-181b-tp2.plan at each reading's shape and layout. Its 181B shape is
+# NLAYERS 72, NHIDDEN 14336, NHEADS 64; dp 8, tp 4, pp 12, MBS 2 was read twice. Its one
+# 177B reading (NHIDDEN 12288, NLAYERS 96) states no NHEADS: 64 taken, the section's
+# and the best of the 177B's 02-24 NHEADS table (64, 96, 128).
+BLOOM_181B = (72, 14336, 64)
+BLOOM_SEARCH = (
+    (BLOOM_181B, (8, 8, 6, 4, 1568), 113.01, 56), (BLOOM_181B, (8, 8, 6, 4, 2048), 114.11, 55),
+    (BLOOM_181B, (8, 8, 6, 6, 2016), 123.57, 66), (BLOOM_181B, (4, 8, 12, 4, 1568), 92.75, None),
+    (BLOOM_181B, (4, 8, 12, 4, 2048), 117.07, 49), (BLOOM_181B, (4, 8, 12, 2, 1568), 99.93, None),
+    (BLOOM_181B, (4, 8, 12, 2, 2048), 128.82, None), (BLOOM_181B, (6, 8, 8, 4, 2016), 113.16, 52),
+    (BLOOM_181B, (12, 8, 4, 2, 2016), 125.52, 53), (BLOOM_181B, (12, 8, 4, 4, 2016), 114.81, 59),
+    (BLOOM_181B, (24, 8, 2, 1, 2016), 145.45, 65), (BLOOM_181B, (24, 8, 2, 2, 2016), 136.13, 76),
+    (BLOOM_181B, (48, 8, 1, 1, 2016), None, "OOM"),
+    (BLOOM_181B, (8, 4, 12, 4, 2048), 111.89, 60), (BLOOM_181B, (8, 4, 12, 2, 2048), 110.48, 44),
+    (BLOOM_181B, (8, 4, 12, 2, 2048), 113.54, 38), (BLOOM_181B, (16, 4, 6, 4, 2048), 117.11, 75),
+    (BLOOM_181B, (32, 2, 6, 2, 2048), None, "OOM"), (BLOOM_181B, (32, 2, 6, 1, 2048), None, "OOM"),
+    (BLOOM_181B, (8, 2, 24, 2, 2048), 122.75, 53), (BLOOM_181B, (4, 4, 24, 1, 2048), 130.60, None),
+    ((96, 12288, 64), (8, 1, 48, 1, 2048), 142.17, 58))
+# "Rebalancing layers" (2022-02-28, the day of bloom-176b-tp8, -heads64, -heads128 and
+# -mbs4): the BF16 optimizer and the embedding-aware partition of
+# plans/bloom/bloom-176b.plan at the other shapes it tried, global batch 2048. The 176B
+# readings are the bloom table's; its 112-head one is the README's 104.70 s there, and
+# the page's 104.50 s for the same plan and layout is not counted a second time.
 BLOOM_SEARCH_BF16 = (
-    ((106, 12288, 64), (8, 4, 12, 2), 116.54, 67), ((106, 12288, 96), (8, 4, 12, 2), 118.79, 65),
-    ((106, 12288, 128), (8, 4, 12, 2), 121.42, 67), ((106, 12288, 96), (8, 4, 12, 4), 120.34, 79),
-    ((100, 12288, 64), (16, 4, 6, 2), None, "OOM"), ((100, 12288, 64), (16, 4, 6, 1), None, "OOM"),
-    ((100, 12288, 64), (8, 8, 6, 2), 139.72, 61), ((100, 12288, 64), (8, 8, 6, 4), 120.96, 72),
-    ((82, 13312, 64), (4, 8, 12, 4), 111.79, 52), ((82, 13312, 64), (8, 4, 12, 2), 104.45, 63),
-    ((82, 13312, 104), (8, 4, 12, 2), 123.71, 62), ((82, 13312, 128), (8, 4, 12, 2), 108.78, 60),
-    ((82, 13312, 64), (8, 4, 12, 4), 104.82, 74), ((94, 13312, 128), (8, 4, 12, 2), 124.10, 67),
-    ((82, 14336, 128), (8, 4, 12, 2), None, "OOM"))
+    ((106, 12288, 64), (8, 4, 12, 2, 2048), 116.54, 67),
+    ((106, 12288, 96), (8, 4, 12, 2, 2048), 118.79, 65),
+    ((106, 12288, 128), (8, 4, 12, 2, 2048), 121.42, 67),
+    ((106, 12288, 96), (8, 4, 12, 4, 2048), 120.34, 79),
+    ((100, 12288, 64), (16, 4, 6, 2, 2048), None, "OOM"),
+    ((100, 12288, 64), (16, 4, 6, 1, 2048), None, "OOM"),
+    ((100, 12288, 64), (8, 8, 6, 2, 2048), 139.72, 61),
+    ((100, 12288, 64), (8, 8, 6, 4, 2048), 120.96, 72),
+    ((82, 13312, 64), (4, 8, 12, 4, 2048), 111.79, 52),
+    ((82, 13312, 64), (8, 4, 12, 2, 2048), 104.45, 63),
+    ((82, 13312, 104), (8, 4, 12, 2, 2048), 123.71, 62),
+    ((82, 13312, 128), (8, 4, 12, 2, 2048), 108.78, 60),
+    ((82, 13312, 64), (8, 4, 12, 4, 2048), 104.82, 74),
+    ((94, 13312, 128), (8, 4, 12, 2, 2048), 124.10, 67),
+    ((82, 14336, 128), (8, 4, 12, 2, 2048), None, "OOM"))
+# (date, plan, the plan's own (layers, hidden, heads), readings)
+BLOOM_SEARCH_DAYS = (("02-25", "bloom/bloom-181b-tp2.plan", BLOOM_181B, BLOOM_SEARCH),
+                     ("02-28", "bloom/bloom-176b.plan", (70, 14336, 112), BLOOM_SEARCH_BF16))
 MTNLG = {"mtnlg-530b-280": 60.1, "mtnlg-530b-350": 50.2, "mtnlg-530b-420": 44.4}
 # plans/torchtitan/: (tokens/s per GPU, peak GiB or None).
 TORCHTITAN = {"torchtitan-8b-fsdp8": (5762, 82.4), "torchtitan-8b-fsdp128": (5605, 67.0),

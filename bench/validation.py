@@ -55,7 +55,7 @@ from planc.estimate.memory import estimate as memory_estimate  # noqa: E402
 from planc.estimate.kernel_cost import GPUS, GPU  # noqa: E402
 from planc.lang import load_file  # noqa: E402
 from planc.simulate import model_flops, simulate  # noqa: E402
-from bench.published_runs import (BLOOM, BLOOM_SEARCH, BLOOM_SEARCH_BF16,  # noqa: E402
+from bench.published_runs import (BLOOM, BLOOM_SEARCH_DAYS,  # noqa: E402
                                   CUDA_ALLOCATED, KORTHIKANTI_TABLE_5, MEGATRON_H100, MTNLG,
                                   NARAYANAN_TABLE_1, NVIDIA_SMI, PLANC_H200,
                                   SEQUENCE_SELECTIVE, TORCHTITAN, TORCHTITAN_COMPILED,
@@ -121,49 +121,52 @@ def runs() -> list[Run]:
 
 
 def bloom_search() -> list[Run]:
-    """BLOOM_SEARCH's readings, bloom-181b-tp2.plan at each one's layout and batch, and
-    BLOOM_SEARCH_BF16's that ran, bloom-176b.plan at each one's shape and layout."""
+    """The timed readings of BLOOM_SEARCH_DAYS, each day's plan at the reading's shape and
+    layout."""
     rows, seen = [], set()
-    for (dp, tp, pp, micro, batch), seconds, gb in BLOOM_SEARCH:
-        label = f"dp {dp}, tp {tp}, pp {pp}, mbs {micro}, batch {batch}"
+    for date, plan, own, shape, layout, seconds, gb in _bloom_readings():
+        if seconds is None:
+            continue
+        label, overrides = _bloom_reading(date, own, shape, layout)
         if label in seen:
             label += " (read again)"
         seen.add(label)
-        rows.append(Run("bloom_search", label, "bloom/bloom-181b-tp2.plan", STEP, seconds,
-                        _layout(dp, tp, pp, micro, batch), memory=gb * GB if gb else None,
-                        memory_note=NVIDIA_SMI))
-    for shape, layout, seconds, gb in BLOOM_SEARCH_BF16:
-        if seconds is not None:
-            label, overrides = _bf16_shape(shape, layout)
-            rows.append(Run("bloom_search", label, "bloom/bloom-176b.plan", STEP, seconds,
-                            overrides, memory=gb * GB, memory_note=NVIDIA_SMI))
+        rows.append(Run("bloom_search", label, plan, STEP, seconds, overrides,
+                        memory=gb * GB if gb else None, memory_note=NVIDIA_SMI))
     return rows
-
-
-def _layout(dp: int, tp: int, pp: int, micro: int, batch: int) -> tuple[str, ...]:
-    return (f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}", f"model.batch={batch}",
-            f"schedule.microbatches={batch // dp // micro}")
-
-
-def _bf16_shape(shape, layout) -> tuple[str, tuple[str, ...]]:
-    (layers, hidden, heads), (dp, tp, pp, micro) = shape, layout
-    return (f"02-28, {layers} x {hidden}, {heads} heads: dp {dp}, tp {tp}, pp {pp}, "
-            f"mbs {micro}",
-            (f"model.layers={layers}", f"model.hidden={hidden}", f"model.heads={heads}")
-            + _layout(dp, tp, pp, micro, 2048))
 
 
 def out_of_memory() -> list[dict]:
-    """The layouts BLOOM_SEARCH_BF16 reads as out of memory: the estimate's peak against
+    """The layouts of BLOOM_SEARCH_DAYS read as out of memory: the estimate's peak against
     the device's capacity (above which planc check warns that the plan does not fit)."""
     rows = []
-    for shape, layout, seconds, gb in BLOOM_SEARCH_BF16:
+    for date, plan, own, shape, layout, seconds, _ in _bloom_readings():
         if seconds is None:
-            label, overrides = _bf16_shape(shape, layout)
-            estimate = memory_estimate(plan_of("bloom/bloom-176b.plan", overrides))
+            label, overrides = _bloom_reading(date, own, shape, layout)
+            estimate = memory_estimate(plan_of(plan, overrides))
             rows.append({"label": label, "memory": estimate.peak.total_bytes,
                          "capacity": estimate.capacity, "over": estimate.overflows})
     return rows
+
+
+def _bloom_readings():
+    for date, plan, own, readings in BLOOM_SEARCH_DAYS:
+        for shape, layout, seconds, gb in readings:
+            yield date, plan, own, shape, layout, seconds, gb
+
+
+def _bloom_reading(date, own, shape, layout) -> tuple[str, tuple[str, ...]]:
+    """A reading's label and its overrides of the day's plan: the layout, and the shape
+    where it is not the plan's own (the label then names the day and the shape)."""
+    (layers, hidden, heads), (dp, tp, pp, micro, batch) = shape, layout
+    overrides = (f"mesh.dp={dp}", f"mesh.tp={tp}", f"mesh.pp={pp}", f"model.batch={batch}",
+                 f"schedule.microbatches={batch // dp // micro}")
+    if shape == own:
+        return f"dp {dp}, tp {tp}, pp {pp}, mbs {micro}, batch {batch}", overrides
+    return (f"{date}, {layers} x {hidden}, {heads} heads: dp {dp}, tp {tp}, pp {pp}, "
+            f"mbs {micro}",
+            (f"model.layers={layers}", f"model.hidden={hidden}", f"model.heads={heads}")
+            + overrides)
 
 
 TABLE_SOURCES = {
@@ -393,7 +396,8 @@ def memory_markdown(result: dict) -> list[str]:
             lines.append(f"- {table} ({t['rows']}): median {t['median']:.1%}, largest "
                          f"{t['largest']:.1%}, {_under_over(t['direction'])}")
     if result.get("out_of_memory"):
-        lines += ["", "Layouts that ran out of memory (bloom_search, nvidia-smi's page):", "",
+        lines += ["", "Layouts that ran out of memory (bloom_search: chronicles-prequel.md reads "
+                      "them as OOM):", "",
                   "| run | simulated peak | capacity | planc check |", "|---|---|---|---|"]
         for r in result["out_of_memory"]:
             lines.append(f"| {r['label']} | {r['memory'] / GB:.1f} GB | "

@@ -149,7 +149,7 @@ def test_published_dense_runs_leave_out_planc_own():
     assert validation.OWN_OR_MIXTURES == ("moe", "planc_h200")
     published = [r for r in RUNS if r.table not in validation.OWN_OR_MIXTURES]
     from planc.simulate.accuracy import DENSE
-    assert len(published) == DENSE.runs == 77
+    assert len(published) == DENSE.runs == 78
 
 
 def test_published_figures_become_steps():
@@ -256,16 +256,17 @@ def test_the_plans_reduce_gradients_in_the_dtype_their_sources_say():
 
 
 def test_the_held_out_bloom_readings_are_the_pages_and_not_the_tables():
-    """bloom_search: the 18 readings of chronicles-prequel.md's 2022-02-25 tables that the
-    bloom table leaves out, each bloom-181b-tp2.plan at the reading's layout, and the 12
-    of its 2022-02-28 tables at the shapes other than the 176B's, bloom-176b.plan at the
-    reading's shape and layout; 26 give nvidia-smi's memory; the layout read twice is
-    labelled apart; the three layouts the page read as out of memory are not timed."""
-    from bench.published_runs import BLOOM_SEARCH_BF16
+    """bloom_search: the 19 timed readings of chronicles-prequel.md's 2022-02-25 tables
+    that the bloom table leaves out, each bloom-181b-tp2.plan at the reading's layout (18
+    of its 181B shape, one of a 177B shape), and the 12 of its 2022-02-28 tables at the
+    shapes other than the 176B's, bloom-176b.plan at the reading's shape and layout; 27
+    give nvidia-smi's memory; the layout read twice is labelled apart; the six layouts the
+    page read as out of memory are not timed."""
+    from bench.published_runs import BLOOM_SEARCH, BLOOM_SEARCH_BF16
 
     held = [r for r in RUNS if r.table == "bloom_search"]
-    assert len(held) == 30 and sum(r.memory is not None for r in held) == 26
-    assert len({r.label for r in held}) == 30
+    assert len(held) == 31 and sum(r.memory is not None for r in held) == 27
+    assert len({r.label for r in held}) == 31
     assert [r.label for r in held if "again" in r.label] == \
         ["dp 8, tp 4, pp 12, mbs 2, batch 2048 (read again)"]
     in_table = set()
@@ -280,17 +281,22 @@ def test_the_held_out_bloom_readings_are_the_pages_and_not_the_tables():
         plan = validation.loaded(run)
         m = plan.model
         layout = (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp, plan.microbatch_size, m.batch)
+        shape_label = "{}, {} x {}, {} heads: dp {}, tp {}, pp {}, mbs {}".format(
+            run.label[:5], m.layers, m.hidden, m.heads, *layout[:4])
         if run.label.startswith("02-28"):
             assert (m.dtype, m.batch, plan.world, plan.shard.dp.fp32_grads) == \
                 ("bf16", 2048, 384, True), run.label
-            assert run.label == "02-28, {} x {}, {} heads: dp {}, tp {}, pp {}, mbs {}".format(
-                m.layers, m.hidden, m.heads, *layout[:4])
+            assert run.label == shape_label
+        elif run.label.startswith("02-25"):
+            assert (m.layers, m.hidden, m.heads, m.dtype, plan.world, run.plan) == \
+                (96, 12288, 64, "fp16", 384, "bloom/bloom-181b-tp2.plan"), run.label
+            assert (run.label, run.published, run.memory) == (shape_label, 142.17, 58e9)
         else:
             assert (m.layers, m.hidden, m.heads, m.dtype, plan.world) == \
                 (72, 14336, 64, "fp16", 384), run.label
             assert run.label.startswith("dp {}, tp {}, pp {}, mbs {}, batch {}".format(*layout))
         layouts.add((m.layers, m.hidden, m.heads) + layout)
-    assert not layouts & in_table and len(layouts) == 29
+    assert not layouts & in_table and len(layouts) == 30
     # the page's figures for the two readings of one layout: 110.48 s at 44 GB and
     # 113.54 s at 38 GB
     twice = sorted((r.published, r.memory) for r in held if "tp 4, pp 12, mbs 2, b" in r.label)
@@ -298,11 +304,16 @@ def test_the_held_out_bloom_readings_are_the_pages_and_not_the_tables():
     # what ran out of memory is priced for memory only, against the 80 GB
     oom = validation.out_of_memory()
     assert [r["label"] for r in oom] == [
+        "dp 48, tp 8, pp 1, mbs 1, batch 2016",
+        "dp 32, tp 2, pp 6, mbs 2, batch 2048",
+        "dp 32, tp 2, pp 6, mbs 1, batch 2048",
         "02-28, 100 x 12288, 64 heads: dp 16, tp 4, pp 6, mbs 2",
         "02-28, 100 x 12288, 64 heads: dp 16, tp 4, pp 6, mbs 1",
         "02-28, 82 x 14336, 128 heads: dp 8, tp 4, pp 12, mbs 2"]
-    assert sum(seconds is None for _, _, seconds, _ in BLOOM_SEARCH_BF16) == 3
-    # docs/simulate.md, Memory: planc check warns of one; the other two it lets through
-    assert [(round(r["memory"] / 1e9, 1), r["over"]) for r in oom] == \
-        [(84.6, True), (79.0, False), (58.3, False)]
+    assert [sum(seconds is None for _, _, seconds, _ in day)
+            for day in (BLOOM_SEARCH, BLOOM_SEARCH_BF16)] == [3, 3]
+    # docs/simulate.md, Memory: planc check warns of four; the other two it lets through
+    assert [(round(r["memory"] / 1e9, 1), r["over"]) for r in oom] == [
+        (103.5, True), (91.0, True), (85.5, True), (84.6, True), (79.0, False),
+        (58.3, False)]
     assert all(r["capacity"] == 80e9 for r in oom)
