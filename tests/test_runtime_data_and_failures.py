@@ -164,6 +164,33 @@ def test_a_rank_that_raises_brings_the_run_down_with_its_traceback(tmp_path, cap
     assert "KeyError: ('B/final_ln', 0)" in err
 
 
+def test_an_instruction_without_its_kernel_stops_an_unverified_run_in_one_line(
+        tmp_path, capfd):
+    """A damaged build (a compute instruction whose kernel was taken out) run with
+    --no-verify: each rank stops while binding its program, the instruction named, never
+    a traceback; planc verify refuses the same build."""
+    build = _compiled(tmp_path, "pp-1f1b-uneven", capfd)
+    taken = []
+
+    def drop_kernel(data):
+        for block in data["blocks"].values():
+            for item in block:
+                if item["op"] == "compute" and "kernel" in item.get("operands", {}):
+                    taken.append(item["node"])
+                    del item["operands"]["kernel"]
+                    return
+
+    _edit(build, "stage0.json", drop_kernel)
+    assert main(["verify", str(build)]) == 1
+    capfd.readouterr()
+    status, err = run([build, "--no-verify", "--timeout", "60"], capfd)
+    assert status == 1
+    assert "Traceback" not in err and "traceback" not in err
+    assert f"[rank 0] planc: error: rank 0: its program's compute {taken[0]} on stream " \
+           f"compute cannot be run: None is not a valid Op (planc verify {build} says " \
+           f"what is wrong with the build)\n" in err
+
+
 def test_a_transfer_that_never_completes_makes_every_rank_report(tmp_path, capfd):
     build = _compiled(tmp_path, "pp-1f1b-uneven", capfd)
     _edit(build, "stage0.json", lambda data: data["blocks"].update(

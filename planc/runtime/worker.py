@@ -42,7 +42,7 @@ from planc.runtime.engine.evaluation import Evaluator
 from planc.runtime.checkpoint.init_load import InitialWeights
 from planc.program.step_code import StepCodeError
 from planc.runtime.engine.executor import PEER_GONE, CpuExecutor, CudaExecutor, Hang, PeerLost
-from planc.runtime.engine.interpreter import Interpreter
+from planc.runtime.engine.interpreter import Interpreter, UnboundInstruction
 from planc.runtime.launcher.protocol import (ERROR_FILE, EXIT_HANG, REPORT_FILE, STEPS_FILE,
                                              TRAINING_FILE)
 from planc.runtime.engine.data import DataError
@@ -145,7 +145,11 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
                       built.groups.devices_per_node, record=built.record)
     program = built.programs[built.table.program_of(rank)]
     store = ParamStore(ctx, program.buckets)
-    interpreter = Interpreter(ctx, program, store)
+    try:
+        interpreter = Interpreter(ctx, program, store)
+    except UnboundInstruction as exc:  # a program planc verify refuses, run without it
+        raise SystemExit(f"planc: error: rank {rank}: {exc} (planc verify {args.build} "
+                         f"says what is wrong with the build)") from None
     steps = args.steps or built.record.steps
     # every stage's parameter buckets: what a checkpoint holds, from the programs
     all_buckets = {bucket: info for name in built.table.names

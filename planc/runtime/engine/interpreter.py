@@ -39,6 +39,11 @@ from planc.runtime.engine.transfers import Call, Transfers
 LOOKUPS = (Op.EMBEDDING, Op.POSITION)
 
 
+class UnboundInstruction(ValueError):
+    """An instruction whose operands name nothing the runtime has: a program that planc
+    verify refuses (a damaged build), run with ``planc run --no-verify``."""
+
+
 @dataclass
 class StepState:
     step: int
@@ -164,10 +169,10 @@ class Interpreter:
                        StepKind.ROUTER: self._router, None: self._forward}
         for instruction in program.written():
             if instruction.node is not None:
-                self._bind(instruction)
+                self._bind_checked(instruction)
         for stream, items in program.receives.items():
             for node, _ in items:
-                self._bind(program.receive(stream, node))
+                self._bind_checked(program.receive(stream, node))
         # ZeRO-3 gathers whose storage goes when freed, though autograd keeps views of it,
         # and the backward gathers that fill it again
         self.let_go = buckets.forward_gathers(self.bound.values())
@@ -177,6 +182,16 @@ class Interpreter:
         self.let_go |= {buffer for filled in self.refilled.values() for buffer in filled}
 
     # --- binding ---------------------------------------------------------------------------
+
+    def _bind_checked(self, instruction: Instruction) -> None:
+        try:
+            self._bind(instruction)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+            detail = str(exc) if isinstance(exc, ValueError) else \
+                f"{type(exc).__name__} {exc}"
+            raise UnboundInstruction(
+                f"its program's {instruction.op.value} {instruction.node} on stream "
+                f"{instruction.stream} cannot be run: {detail}") from exc
 
     def _bind(self, instruction: Instruction) -> None:
         op, node = instruction.op, instruction.node
