@@ -313,6 +313,8 @@ def render_json(diagnostics: Sequence[Diagnostic], path: str, limit: int | None 
     return json.dumps(to_json(diagnostics, path, limit), indent=2)
 
 
-def counted(n: int, noun: str, plural: str | None = None) -> str:
-    """``3 ranks``, ``1 rank``, ``2 microbatches``: a count with its noun in agreement."""
-    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+def counted(n: int, noun: str, plural: str | None = None, grouped: bool = False) -> str:
+    """``3 ranks``, ``1 rank``, ``2 microbatches``: a count with its noun in agreement;
+    ``grouped``: its thousands separated (``1,024 documents``)."""
+    number = f"{n:,}" if grouped else f"{n}"
+    return f"{number} {noun if n == 1 else plural or noun + 's'}"

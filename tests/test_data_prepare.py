@@ -119,6 +119,57 @@ def test_plain_text_by_line_paragraph_or_document(tmp_path):
     assert cut == {"line": 3, "paragraph": 2, "document": 1}
 
 
+def test_gzipped_text_is_read_as_its_text_and_a_false_gz_is_refused(tmp_path, capfd):
+    import gzip
+
+    save_tokenizer(tmp_path / "tok")
+    plain = "the cat sat\non a mat\n\nthe dog ran\n"
+    (tmp_path / "notes.txt").write_text(plain)
+    (tmp_path / "notes.txt.gz").write_bytes(gzip.compress(plain.encode()))
+    (tmp_path / "false.txt.gz").write_text(plain)  # a name that says gzip, plain inside
+    for name in ("notes.txt", "notes.txt.gz"):
+        assert main(["data", "prepare", str(tmp_path / name), "-o",
+                     str(tmp_path / f"{name}.tokens"), "--tokenizer",
+                     str(tmp_path / "tok")]) == 0
+    assert read_ids(tmp_path / "notes.txt.gz.tokens") == read_ids(tmp_path / "notes.txt.tokens")
+    capfd.readouterr()
+    out = tmp_path / "false.tokens"
+    assert main(["data", "prepare", str(tmp_path / "false.txt.gz"), "-o", str(out),
+                 "--tokenizer", str(tmp_path / "tok")]) == 1
+    assert capfd.readouterr().err == (f"planc: error: source {tmp_path / 'false.txt.gz'} "
+                                      f"cannot be read: Not a gzipped file (b'th'); {out} was "
+                                      f"not written\n")
+    assert not out.exists()
+
+
+def test_blank_documents_are_skipped_and_counted(tmp_path, capfd):
+    """A JSONL text of white space, or an empty file read whole, is no document (as
+    Megatron-LM's preprocess_data.py leaves out a document of no ids): not an end-of-text
+    id alone."""
+    tokenizer_json = save_tokenizer(tmp_path / "tok")
+    (tmp_path / "some.jsonl").write_text(
+        '{"text": ""}\n{"text": "the cat"}\n{"text": " \\n "}\n')
+    out = tmp_path / "some.tokens"
+    assert main(["data", "prepare", str(tmp_path / "some.jsonl"), "-o", str(out),
+                 "--tokenizer", str(tmp_path / "tok")]) == 0
+    rust = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+    assert read_ids(out) == rust.encode("the cat").ids + [rust.token_to_id(EOS)]
+    assert json.loads((tmp_path / "some.tokens.json").read_text())["documents"] == 1
+    err = capfd.readouterr().err
+    assert err.startswith(f"planc data prepare: 1 document (2 blank ones skipped), "
+                          f"{len(read_ids(out))} tokens, 0.0 MB read at "), err
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.txt").write_text("\n \n")
+    for sample_by, name, why in (("document", "blank.txt", " (1 blank document skipped)"),
+                                 ("line", "empty.txt", "")):
+        none = tmp_path / f"{sample_by}.tokens"
+        assert main(["data", "prepare", str(tmp_path / name), "-o", str(none),
+                     "--tokenizer", str(tmp_path / "tok"), "--sample-by", sample_by]) == 1
+        assert capfd.readouterr().err == (f"planc: error: the sources hold no document{why}: "
+                                          f"nothing to write; {none} was not written\n")
+        assert not none.exists()
+
+
 def _expected(directory, texts) -> list[int]:
     rust = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
     eos = rust.token_to_id(EOS)
@@ -215,14 +266,15 @@ def _leftovers(directory) -> list[str]:
 
 @pytest.mark.parametrize("line, message", [
     (b"{\"text\": \"the cat\"", "not a JSON object (Expecting ',' delimiter)"),
-    (b"[1, 2]", "a JSON list, not an object with a 'text' field"),
+    (b"[1, 2]", "a JSON array, not an object with a 'text' field"),
     (b"{\"body\": \"the cat\"}", "the object has no 'text' field (it has 'body'); name the "
                                "text's field with --text-key"),
-    (b"{\"text\": 7}", "the 'text' field is a JSON int, not a string"),
+    (b"{\"text\": 7}", "the 'text' field is a JSON number, not a string"),
+    (b"{\"text\": null}", "the 'text' field is a JSON null, not a string"),
     # JSON escapes a lone surrogate, which the tokenizer refused with a TypeError
     (b"{\"text\": \"a\\udc80b\"}", "the 'text' field holds a lone surrogate (\\udc80), not "
                                    "Unicode text"),
-], ids=["truncated", "list", "no-field", "not-a-string", "lone-surrogate"])
+], ids=["truncated", "list", "no-field", "not-a-string", "null", "lone-surrogate"])
 def test_a_bad_line_names_its_file_and_line_and_writes_nothing(line, message, tmp_path,
                                                                capfd):
     save_tokenizer(tmp_path / "tok")

@@ -126,6 +126,20 @@ def test_dp2_fuses_53_gradient_all_reduces_into_two_buckets_like_ddp():
     assert gradient_collectives(unfused) == len(all_parameters(unfused.plan)) == 53
 
 
+def test_a_bucket_of_the_wrong_json_kind_is_named_in_json_words():
+    """graph.json is read back from a build (untrusted): its problems say JSON's kinds,
+    "null" and "array", never Python's NoneType and list."""
+    build = compile_plan(small(**CASES["dp-zero1"]))
+    bucket = copy.deepcopy(next(iter(build.graph.graph["buckets"].values())))
+    assert ir.bucket_problems([]) == ["malformed (a JSON array, not an object)"]
+    first = bucket["members"][0]["param"]
+    bucket["members"][0] = None
+    assert ir.bucket_problems(bucket) == ["malformed (member None: a JSON null, not an object)"]
+    bucket["members"][0] = {"param": first}
+    assert ir.bucket_problems(bucket)[0].startswith(
+        f"malformed (member {first!r}: missing or invalid offset, numel")
+
+
 def _numel(shape) -> int:
     count = 1
     for size in shape:

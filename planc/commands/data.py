@@ -10,13 +10,17 @@ import sys
 from planc.commands import EXIT_OK, EXIT_USAGE, fail
 from planc.commands.arguments import Command, force, output, path
 from planc.data.documents import SAMPLE_BY
+from planc.diagnostics import counted
 
 REFRESH_SECONDS = 0.25
 
 
 def _progress_line(progress) -> str:
-    return (f"planc data prepare: {progress.documents:,} documents, {progress.tokens:,} "
-            f"tokens, {progress.bytes_read / 1e6:,.1f} MB read at "
+    documents = counted(progress.documents, "document", grouped=True)
+    if progress.blank:
+        documents += f" ({counted(progress.blank, 'blank one', grouped=True)} skipped)"
+    return (f"planc data prepare: {documents}, {counted(progress.tokens, 'token', grouped=True)}"
+            f", {progress.bytes_read / 1e6:,.1f} MB read at "
             f"{progress.megabytes_per_second:,.1f} MB/s")
 
 
@@ -73,7 +77,8 @@ def prepare_main(args) -> int:
         return fail(f"cannot write {args.output}: {exc.strerror or exc}")
     bar.close()
     print(f"{_progress_line(progress)}, in {progress.seconds:.1f} s", file=sys.stderr)
-    print(f"planc: {args.output} written ({progress.tokens:,} tokens of "
+    tokens = counted(progress.tokens, "token", grouped=True)
+    print(f"planc: {args.output} written ({tokens} of "
           f"{DTYPES[width_for(tokenizer.vocab_size)]}, end-of-text id "
           f"{tokenizer.eos_id}), described in {description_path(args.output)}",
           file=sys.stderr)

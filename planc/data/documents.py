@@ -3,9 +3,9 @@
 - **JSONL** (``.jsonl``, ``.json``, either ``.gz``): one JSON object a line, its text in
   a field (``text`` unless told otherwise), as Megatron-LM's ``preprocess_data.py`` and
   most released corpora (The Pile, SlimPajama, FineWeb's JSONL) have it.
-- **Plain text** (any other file): documents cut as the Hugging Face ``text`` loader cuts
-  them, ``line`` (each line; its default), ``paragraph`` (blank lines between) or
-  ``document`` (the whole file).
+- **Plain text** (any other file, decompressed if its name ends in ``.gz``): documents cut
+  as the Hugging Face ``text`` loader cuts them, ``line`` (each line; its default),
+  ``paragraph`` (blank lines between) or ``document`` (the whole file).
 - **Parquet** (``.parquet``, through ``pyarrow``): the text column, row group by row
   group, as FineWeb and most Hugging Face datasets store them.
 - **A Hugging Face dataset** saved by ``save_to_disk`` (a directory with
@@ -13,6 +13,11 @@
   directory of data files datasets reads (a Hub dataset's snapshot in the local cache, a
   folder of JSONL, CSV or Parquet files), streamed; its ``train`` split, through
   ``datasets``, read locally, never over the network.
+
+A document of white space alone (an empty file read whole, a JSONL record whose text is
+"") is no document: planc.data.prepare skips it and says how many it skipped, as
+Megatron-LM's ``preprocess_data.py`` leaves out a document that cuts into no ids
+(end-of-text id included). A blank line between documents is no document either.
 
 A source that cannot be read stops with its path (and line, for JSONL) and what is wrong;
 planc data prepare then writes nothing.
@@ -26,6 +31,8 @@ import json
 import os
 from dataclasses import dataclass
 from typing import Iterator
+
+from planc.host.json_values import json_kind
 
 SAMPLE_BY = ("line", "paragraph", "document")
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson")
@@ -88,8 +95,12 @@ def _jsonl(path: str, key: str) -> Iterator[tuple[str, int]]:
                     continue
                 yield _jsonl_text(path, number, line, key), len(line)
     except (OSError, EOFError) as exc:  # gzip's damaged streams raise both
-        raise SourceError(f"source {path} cannot be read: {getattr(exc, 'strerror', None) or exc}"
-                          ) from None
+        raise _unreadable(path, exc) from None
+
+
+def _unreadable(path: str, exc: OSError | EOFError) -> SourceError:
+    return SourceError(f"source {path} cannot be read: "
+                       f"{getattr(exc, 'strerror', None) or exc}")
 
 
 def _jsonl_text(path: str, number: int, line: bytes, key: str) -> str:
@@ -99,7 +110,7 @@ def _jsonl_text(path: str, number: int, line: bytes, key: str) -> str:
         detail = exc.msg if isinstance(exc, json.JSONDecodeError) else "not JSON"
         raise SourceError(f"{path}:{number}: not a JSON object ({detail})") from None
     if not isinstance(record, dict):
-        raise SourceError(f"{path}:{number}: a JSON {type(record).__name__}, not an object "
+        raise SourceError(f"{path}:{number}: a JSON {json_kind(record)}, not an object "
                           f"with a {key!r} field")
     if key not in record:
         raise SourceError(f"{path}:{number}: the object has no {key!r} field (it has "
@@ -108,7 +119,7 @@ def _jsonl_text(path: str, number: int, line: bytes, key: str) -> str:
     text = record[key]
     if not isinstance(text, str):
         raise SourceError(f"{path}:{number}: the {key!r} field is a JSON "
-                          f"{type(text).__name__}, not a string")
+                          f"{json_kind(text)}, not a string")
     try:  # JSON's \ud800 escapes decode to lone surrogates, which no tokenizer takes
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -119,7 +130,7 @@ def _jsonl_text(path: str, number: int, line: bytes, key: str) -> str:
 
 def _text(path: str, sample_by: str) -> Iterator[tuple[str, int]]:
     try:
-        with open(path, "rb") as handle:
+        with _open_binary(path) as handle:
             if sample_by == "document":
                 data = handle.read()
                 yield _decoded(path, data), len(data)
@@ -137,8 +148,8 @@ def _text(path: str, sample_by: str) -> Iterator[tuple[str, int]]:
                     paragraph = []
             if paragraph:
                 yield _paragraph(path, paragraph)
-    except OSError as exc:
-        raise SourceError(f"source {path} cannot be read: {exc.strerror or exc}") from None
+    except (OSError, EOFError) as exc:  # gzip's damaged streams raise both
+        raise _unreadable(path, exc) from None
 
 
 def _paragraph(path: str, lines: list[bytes]) -> tuple[str, int]:

@@ -28,6 +28,7 @@ from itertools import chain
 from typing import Callable, Iterator
 
 from planc.data.documents import Source, documents
+from planc.diagnostics import counted
 from planc.data.provenance import description, description_path
 from planc.data.tokenizer import Tokenizer
 from planc.data.tokens import ARRAY_CODES, header
@@ -44,6 +45,7 @@ class PrepareError(ValueError):
 @dataclass
 class Progress:
     documents: int = 0
+    blank: int = 0  # documents of white space alone, skipped (planc.data.documents)
     tokens: int = 0
     bytes_read: int = 0
     started: float = field(default_factory=time.perf_counter)
@@ -63,18 +65,22 @@ def width_for(vocab_size: int) -> int:
 
 
 def _batches(sources: list[Source], text_key: str, sample_by: str, batch_bytes: int
-             ) -> Iterator[tuple[int, list[str], int]]:
-    """(source index, texts, bytes read) of about ``batch_bytes`` of text at a time."""
+             ) -> Iterator[tuple[int, list[str], int, int]]:
+    """(source index, texts, bytes read, blank documents skipped) of about
+    ``batch_bytes`` of text at a time."""
     for index, source in enumerate(sources):
-        texts, size = [], 0
+        texts, size, blank = [], 0, 0
         for text, taken in documents(source, text_key, sample_by):
-            texts.append(text)
             size += taken
+            if not text or text.isspace():
+                blank += 1
+            else:
+                texts.append(text)
             if size >= batch_bytes:
-                yield index, texts, size
-                texts, size = [], 0
-        if texts:
-            yield index, texts, size
+                yield index, texts, size, blank
+                texts, size, blank = [], 0, 0
+        if texts or blank:
+            yield index, texts, size, blank
 
 
 def _read_ahead(batches: Iterator, depth: int = 2) -> Iterator:
@@ -127,11 +133,13 @@ def prepare(sources: list[Source], output: str, tokenizer: Tokenizer, *,
     target = os.path.realpath(output)
     with replacing(target, durable=True) as out:
         out.write(header(width))
-        for index, texts, size in _read_ahead(_batches(sources, text_key, sample_by,
-                                                       batch_bytes)):
-            ids = array(ARRAY_CODES[width], chain.from_iterable(tokenizer.encode(texts)))
+        for index, texts, size, blank in _read_ahead(_batches(sources, text_key, sample_by,
+                                                              batch_bytes)):
+            ids = array(ARRAY_CODES[width],
+                        chain.from_iterable(tokenizer.encode(texts) if texts else ()))
             out.write(ids.tobytes() if sys.byteorder == "little" else _swapped(ids))
             progress.documents += len(texts)
+            progress.blank += blank
             progress.tokens += len(ids)
             progress.bytes_read += size
             progress.sources[index]["documents"] += len(texts)
@@ -139,7 +147,9 @@ def prepare(sources: list[Source], output: str, tokenizer: Tokenizer, *,
             if report is not None:
                 report(progress)
         if progress.documents == 0:
-            raise PrepareError("the sources hold no document: nothing to write")
+            blank = counted(progress.blank, "blank document", grouped=True)
+            blank = f" ({blank} skipped)" if progress.blank else ""
+            raise PrepareError(f"the sources hold no document{blank}: nothing to write")
     write_atomically(description_path(target), description(
         tokenizer.identity, progress.tokens, progress.documents, width,
         os.stat(target).st_size, progress.sources, os.path.abspath(tokenizer.path)))

@@ -11,6 +11,7 @@ from math import inf
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from planc.host.json_values import json_kind
 from planc.graph.vocabulary import (
     COMMON_ATTRIBUTES,
     COMPUTE_ATTRIBUTES,
@@ -182,7 +183,7 @@ _MEMBER_FIELDS = {"param": TEXT, "offset": INTEGER, "numel": INTEGER, "shape": S
 
 def _fields_problem(item, fields: dict) -> str | None:
     if not isinstance(item, dict):
-        return f"{type(item).__name__}, not an object"
+        return f"a JSON {json_kind(item)}, not an object"
     bad = [key for key, expected in fields.items()
            if key not in item or not _type_ok(item[key], expected)]
     if bad:

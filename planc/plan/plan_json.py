@@ -13,6 +13,7 @@ import math
 import typing
 from typing import Any, Mapping
 
+from planc.host.json_values import json_kind
 from planc.plan.data_source import checked
 from planc.diagnostics import Span
 from planc.plan.lr_schedule import SCHEDULE_ARGUMENTS, problems
@@ -114,7 +115,7 @@ def _check_types(value: Any, where: str = "plan") -> None:  # noqa: C901
             _check_types(item, path)
             continue
         if not _matches(item, hint):
-            raise TypeError(f"{path} has the wrong type ({type(item).__name__})")
+            raise TypeError(f"{path} has the wrong type (a JSON {json_kind(item)})")
         if isinstance(item, int) and not isinstance(item, bool) and f.name in _COUNTS \
                 and item < 1:
             raise ValueError(f"{path} must be at least 1, got {item}")
