@@ -42,7 +42,8 @@ from planc.runtime.engine.evaluation import Evaluator
 from planc.runtime.checkpoint.init_load import InitialWeights
 from planc.program.step_code import StepCodeError
 from planc.runtime.engine.executor import PEER_GONE, CpuExecutor, CudaExecutor, Hang, PeerLost
-from planc.runtime.engine.interpreter import Interpreter, UnboundInstruction
+from planc.runtime.engine.bound import UnboundInstruction
+from planc.runtime.engine.interpreter import Interpreter
 from planc.runtime.launcher.protocol import (ERROR_FILE, EXIT_HANG, REPORT_FILE, STEPS_FILE,
                                              TRAINING_FILE)
 from planc.runtime.engine.data import DataError

@@ -14,7 +14,6 @@ their bucket's gradient buffer (planc.runtime.engine.store).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -22,11 +21,12 @@ import torch
 
 from planc.graph.vocabulary import Op
 from planc.program.operands import Input, StepKind
-from planc.program.program import Instruction, Opcode, Program, saved_for_weights
+from planc.program.program import Instruction, Opcode, Program
 from planc.runtime.engine import fp8, grad_norm, router_bias
 from planc.runtime.engine import store as buckets
+from planc.runtime.engine.bound import BoundCompute, BoundTransfer, UnboundInstruction
 from planc.runtime.engine.context import RankContext, pp_group_key
-from planc.runtime.engine.kernels import Kernels, Peers, Saved, Spec
+from planc.runtime.engine.kernels import Kernels, Peers, Saved
 from planc.runtime.engine.model import join_tokens, select_tokens, split_feature
 from planc.runtime.engine.optim import BucketOptimizer
 from planc.runtime.engine.ring_attention import Ring
@@ -37,11 +37,6 @@ from planc.runtime.engine.transfers import Call, Transfers
 
 # Steps that look a parameter up (a table's rows): their backward does not keep it.
 LOOKUPS = (Op.EMBEDDING, Op.POSITION)
-
-
-class UnboundInstruction(ValueError):
-    """An instruction whose operands name nothing the runtime has: a program that planc
-    verify refuses (a damaged build), run with ``planc run --no-verify``."""
 
 
 @dataclass
@@ -98,60 +93,6 @@ def combine(values: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-class _Compute:
-    def __init__(self, node: str, instruction: Instruction, ring: Ring | None = None,
-                 peers: Peers | None = None, counts: Peers | None = None):
-        operands = instruction.operands
-        self.kind = operands.step  # which handler of Interpreter._steps runs it
-        # planc.runtime.engine.grad_norm
-        self.clip = operands if operands.step is StepKind.CLIP else None
-        # planc.runtime.engine.router_bias
-        self.router = operands if operands.step is StepKind.ROUTER else None
-        self.node, self.inputs = node, operands.inputs
-        self.spec = None if self.clip or self.router else \
-            Spec.of(operands, ring, peers, counts)
-        if self.spec is not None and any(i.port == "x" and i.buffer in instruction.frees
-                                         for i in operands.inputs):
-            self.spec = dataclasses.replace(self.spec, frees_input=True)
-        self.gathered = dict(operands.gathered)  # bucket -> the ZeRO-3 gather that filled it
-        self.per_microbatch = instruction.per_microbatch
-        self.forward_of = operands.forward_of
-        self.saved_from = operands.saved_from
-        self.keep_graph = operands.keeps_graph
-        # whether a later step (its backward, its recomputation) takes what it kept: the
-        # program says so by the buffer NODE:saved among its writes
-        self.keeps = saved_for_weights(node) in instruction.writes
-        self.bucket = operands.bucket
-        self.weight_grad = operands.weight_step  # B: its W step computes param grads
-        self.whole_input = _whole_input(self.spec, operands.inputs)
-
-
-def _whole_input(spec: Spec | None, inputs: tuple[Input, ...]) -> tuple[Input, tuple] | None:
-    """tp_overlap: for a piece of proj, its input ``x`` read whole, and which piece of the
-    tokens the step takes of it. proj keeps how to take the piece again, not its copy,
-    since the attention's backward keeps the whole; elsewhere nothing else keeps the
-    whole, and the copies are its bytes."""
-    if spec is None or spec.op is not Op.PROJ or spec.tokens is None:
-        return None
-    for item in inputs:
-        if item.port == "x" and item.tokens is not None and item.piece is None:
-            return dataclasses.replace(item, tokens=None), item.tokens
-    return None
-
-
-class _Transfer:
-    def __init__(self, node: str, instruction: Instruction, handler, call: Call):
-        operands = instruction.operands
-        self.node, self.inputs, self.handler, self.call = node, operands.inputs, handler, \
-            call
-        self.per_microbatch = instruction.per_microbatch
-        self.sums_microbatches = operands.payload == "loss"
-        self.reads_values = operands.payload not in ("grad", "param")
-        self.reports_loss = operands.payload == "loss"
-        # a cut mixture's all-to-all: its rows, and the dispatch that routed them
-        self.routed = operands.payload in ("counts", "dispatch", "combine")
-
-
 class Interpreter:
     def __init__(self, ctx: RankContext, program: Program, store: ParamStore):
         self.ctx, self.program, self.store = ctx, program, store
@@ -160,7 +101,7 @@ class Interpreter:
         self.microbatches = program.microbatches
         self.optimizers = {}  # optimizer node -> its BucketOptimizer
         self.optimized: dict[str, str] = {}  # optimizer node -> its bucket
-        self.bound: dict[tuple[str, str], _Compute | _Transfer] = {}
+        self.bound: dict[tuple[str, str], BoundCompute | BoundTransfer] = {}
         # What each kind of compute step does; a step the program leaves unnamed runs
         # the forward, as the operator's plain step.
         self._steps = {StepKind.FORWARD: self._forward, StepKind.RECOMPUTE: self._recompute,
@@ -208,7 +149,7 @@ class Interpreter:
                 peers = Peers(call.group, call.members, call.index)
             counts = None if operands.counts_group is None else \
                 self._peers(operands.counts_group)  # its balance loss's counts
-            self.bound[(op, node)] = _Compute(node, instruction, ring, peers, counts)
+            self.bound[(op, node)] = BoundCompute(node, instruction, ring, peers, counts)
             if operands.step is StepKind.ROUTER:  # the stage's balancing biases, counted
                 router_bias.hold(self.store.buffers, operands.router_layers,
                                  self.ctx.model.experts, self.ctx.device)
@@ -221,7 +162,7 @@ class Interpreter:
                 self.optimized[node] = bucket
             return
         handler = self.transfers.table[(op, operands.payload)]
-        self.bound[(op, node)] = _Transfer(node, instruction, handler,
+        self.bound[(op, node)] = BoundTransfer(node, instruction, handler,
                                            self._call(op, instruction))
 
     def _peers(self, ref: str) -> Peers:
@@ -287,9 +228,9 @@ class Interpreter:
 
     # --- running an instruction ------------------------------------------------------------
 
-    def _handler(self, bound: _Compute | _Transfer):
+    def _handler(self, bound: BoundCompute | BoundTransfer):
         """What runs a bound instruction: its step kind's handler, or the transfer's."""
-        return self._steps[bound.kind] if isinstance(bound, _Compute) else self._transfer
+        return self._steps[bound.kind] if isinstance(bound, BoundCompute) else self._transfer
 
     def run(self, state: StepState, op: str, node: str, microbatch: int | None) -> None:
         bound = self.bound[(op, node)]
@@ -332,7 +273,7 @@ class Interpreter:
             return value, let_go
         return value, None
 
-    def _params(self, state: StepState, step: _Compute, microbatch: int | None) -> dict:
+    def _params(self, state: StepState, step: BoundCompute, microbatch: int | None) -> dict:
         params = {}
         for name in step.spec.params:
             bucket = self.store.members[name].bucket
@@ -358,7 +299,7 @@ class Interpreter:
             cast = state.casts[key] = param.to(self.ctx.dtype)
         return cast
 
-    def _clip(self, state: StepState, step: _Compute, mb: int | None):
+    def _clip(self, state: StepState, step: BoundCompute, mb: int | None):
         """The gradient norm's share, or the clip by the norm."""
         if step.clip.kernel == "grad_norm":
             return grad_norm.share(self.ctx, self.store, step.clip.norm_ranges)
@@ -366,7 +307,7 @@ class Interpreter:
         state.grad_norm = grad_norm.clip(self.store, summed, step.clip.max_norm)
         return None
 
-    def _router(self, state: StepState, step: _Compute, mb: int | None):
+    def _router(self, state: StepState, step: BoundCompute, mb: int | None):
         """The step's expert loads, or the balancing bias's update by their sum."""
         layers = step.router.router_layers
         if step.router.bias_update is None:
@@ -377,7 +318,7 @@ class Interpreter:
         state.expert_imbalance = router_bias.imbalance(summed, layers)
         return None
 
-    def _weight(self, state: StepState, step: _Compute, mb: int | None):
+    def _weight(self, state: StepState, step: BoundCompute, mb: int | None):
         """The parameter half of a split backward."""
         gathered = self._ports(state, step.inputs, mb).get(buckets.GATHERED_PORT)
         pieces = state.saved.pop((step.node, mb))  # one per piece, in order
@@ -395,13 +336,13 @@ class Interpreter:
         self._drop_refilled(state, step, mb)
         return None
 
-    def _drop_refilled(self, state: StepState, step: _Compute, mb: int | None) -> None:
+    def _drop_refilled(self, state: StepState, step: BoundCompute, mb: int | None) -> None:
         """The let-go inputs that ``step`` read whole again, no longer held for a fill:
         their bytes go with the step's saved tensors, not at the step's end."""
         for buffer in self.refilled.get(step.node, ()):
             state.let_go.pop((buffer, mb), None)
 
-    def _backward(self, state: StepState, step: _Compute, mb: int | None):
+    def _backward(self, state: StepState, step: BoundCompute, mb: int | None):
         saved = state.saved.pop((step.saved_from, mb))
         if saved.gathered:  # ZeRO-3: the forward's parameters, back from this gather
             buckets.refill(saved.gathered, self._gathered(state, step, mb))
@@ -430,10 +371,10 @@ class Interpreter:
             self.store.grad_of(name).add_(value)
         return ports
 
-    def _forward(self, state: StepState, step: _Compute, mb: int | None):
+    def _forward(self, state: StepState, step: BoundCompute, mb: int | None):
         return self._run_forward(state, step, mb, self._inputs(state, step, mb))
 
-    def _recompute(self, state: StepState, step: _Compute, mb: int | None):
+    def _recompute(self, state: StepState, step: BoundCompute, mb: int | None):
         """The forward again, its inputs from outside the layer what the forward kept."""
         inputs = self._inputs(state, step, mb)
         kept = state.saved.get((step.forward_of, mb))
@@ -442,11 +383,11 @@ class Interpreter:
                 inputs.setdefault(port, tensor.detach())
         return self._run_forward(state, step, mb, inputs)
 
-    def _inputs(self, state: StepState, step: _Compute, mb: int | None) -> dict:
+    def _inputs(self, state: StepState, step: BoundCompute, mb: int | None) -> dict:
         return {port: combine(values) for port, values in
                 self._ports(state, step.inputs, mb).items()}
 
-    def _run_forward(self, state: StepState, step: _Compute, mb: int | None, inputs: dict):
+    def _run_forward(self, state: StepState, step: BoundCompute, mb: int | None, inputs: dict):
         piece_of = None
         if step.whole_input is not None:  # (kernels.Kernels.forward)
             whole, tokens = step.whole_input
@@ -460,12 +401,12 @@ class Interpreter:
             saved.gathered = self._gathered(state, step, mb)
         return output
 
-    def _gathered(self, state: StepState, step: _Compute, mb: int | None) -> dict:
+    def _gathered(self, state: StepState, step: BoundCompute, mb: int | None) -> dict:
         """A ZeRO-3 step's whole buckets, by bucket (planc.runtime.engine.store)."""
         return {bucket: state.buffers[(gather, mb)] for bucket, gather in
                 step.gathered.items()}
 
-    def _optimizer(self, state: StepState, step: _Compute, mb: int | None) -> None:
+    def _optimizer(self, state: StepState, step: BoundCompute, mb: int | None) -> None:
         """One bucket's update, at the lr the build's schedule gives the training step
         (planc.plan.lr_schedule: the compiler's formula, as torch's schedulers would set it)."""
         optimizer = self.optimizers[step.node]  # bound to the bucket's flat tensor
@@ -478,7 +419,7 @@ class Interpreter:
         tensor.grad = None
         return None
 
-    def _transfer(self, state: StepState, step: _Transfer, mb: int | None):
+    def _transfer(self, state: StepState, step: BoundTransfer, mb: int | None):
         value = None
         if step.routed:
             ports = self._ports(state, step.inputs, mb)
