@@ -150,7 +150,11 @@ def out_of_memory() -> list[dict]:
 
 
 def _bloom_readings():
-    for date, plan, own, readings in BLOOM_SEARCH_DAYS:
+    """Each reading of BLOOM_SEARCH_DAYS with its day, its plan and the plan's own (layers,
+    hidden, heads)."""
+    for date, plan, readings in BLOOM_SEARCH_DAYS:
+        model = plan_of(plan, ()).model
+        own = (model.layers, model.hidden, model.heads)
         for shape, layout, seconds, gb in readings:
             yield date, plan, own, shape, layout, seconds, gb
 
