@@ -140,6 +140,21 @@ def test_gzipped_text_is_read_as_its_text_and_a_false_gz_is_refused(tmp_path, ca
                                       f"cannot be read: Not a gzipped file (b'th'); {out} was "
                                       f"not written\n")
     assert not out.exists()
+    # .ndjson.gz is JSONL, not text; a stream damaged inside is refused in one line
+    (tmp_path / "d.ndjson.gz").write_bytes(gzip.compress(b'{"text": "the cat"}\n'))
+    assert main(["data", "prepare", str(tmp_path / "d.ndjson.gz"), "-o",
+                 str(tmp_path / "d.tokens"), "--tokenizer", str(tmp_path / "tok")]) == 0
+    assert json.loads((tmp_path / "d.tokens.json").read_text())["sources"][0]["kind"] == \
+        "jsonl"
+    damaged = bytearray(gzip.compress(plain.encode() * 200))
+    damaged[12:30] = bytes(18)
+    (tmp_path / "damaged.txt.gz").write_bytes(bytes(damaged))
+    capfd.readouterr()
+    assert main(["data", "prepare", str(tmp_path / "damaged.txt.gz"), "-o", str(out),
+                 "--tokenizer", str(tmp_path / "tok")]) == 1
+    assert capfd.readouterr().err == (
+        f"planc: error: source {tmp_path / 'damaged.txt.gz'} cannot be read: Error -3 while "
+        f"decompressing data: invalid code -- missing end-of-block; {out} was not written\n")
 
 
 def test_blank_documents_are_skipped_and_counted(tmp_path, capfd):

@@ -246,6 +246,15 @@ def test_a_file_output_named_with_a_trailing_slash_is_refused(protected, case, c
     assert capfd.readouterr().err == (f"planc: error: {flag} {root}/new.out/: ends with '/', "
                                       f"which names a directory; name a file\n")
     assert _tree(root) == before
+    # a dangling link named with a slash is still the link
+    argv = [part + "/" if part == str(root / "dangling") else part
+            for part in _argv(OUTPUT_CASES[case], root, "dangling", one)]
+    assert main(argv) == 2
+    assert capfd.readouterr().err == (
+        f"planc: error: {flag} {root}/dangling/: is a symbolic link to {root}/nothing.out, "
+        f"which does not exist; planc does not write through a dangling link: name its "
+        f"target, or another path\n")
+    assert _tree(root) == before
 
 
 def test_the_messages_say_what_each_protected_path_is(protected, capfd):
@@ -323,6 +332,11 @@ def test_a_device_is_written_into_and_kept(protected, capfd):
     root, _, one = protected
     assert main(["simulate", str(root / "my.plan"), *one, "--trace", os.devnull]) == 0
     assert main(["report", str(root / "my.plan"), *one, "-o", os.devnull]) == 0
+    capfd.readouterr()
+    # calibrate reads its file back for its summary: not a device's (it read JSON from
+    # /dev/null and raised)
+    assert main(["calibrate", "-o", os.devnull, "--quick", "--repeats", "1"]) == 0
+    assert capfd.readouterr().out == f"planc: the calibration was written to {os.devnull}\n"
     assert os.path.exists(os.devnull) and not os.path.isfile(os.devnull)
 
 

@@ -105,7 +105,8 @@ def add_arguments(parser) -> None:
                     "planc check compares with an init checkpoint's tokenizer. Atomic: a "
                     "failed or interrupted prepare leaves no file.")
     prepare.add_argument("sources", nargs="+", metavar="SOURCE", type=path,
-                         help="JSONL (.jsonl, .json, .gz), plain text, Parquet (.parquet), "
+                         help="JSONL (.jsonl, .json, .ndjson; each may be .gz), plain text "
+                              "(may be .gz), Parquet (.parquet), "
                               "or a Hugging Face dataset's directory (save_to_disk's, or data "
                               "files such as a Hub snapshot in the cache)")
     output(prepare, "-o", "--output", kind="tokens", required=True, metavar="OUT.tokens",

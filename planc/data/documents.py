@@ -1,8 +1,9 @@
 """The documents of the sources ``planc data prepare`` reads, one text at a time.
 
-- **JSONL** (``.jsonl``, ``.json``, either ``.gz``): one JSON object a line, its text in
-  a field (``text`` unless told otherwise), as Megatron-LM's ``preprocess_data.py`` and
-  most released corpora (The Pile, SlimPajama, FineWeb's JSONL) have it.
+- **JSONL** (``.jsonl``, ``.json``, ``.ndjson``, each optionally ``.gz``): one JSON object
+  a line, its text in a field (``text`` unless told otherwise), as Megatron-LM's
+  ``preprocess_data.py`` and most released corpora (The Pile, SlimPajama, FineWeb's
+  JSONL) have it.
 - **Plain text** (any other file, decompressed if its name ends in ``.gz``): documents cut
   as the Hugging Face ``text`` loader cuts them, ``line`` (each line; its default),
   ``paragraph`` (blank lines between) or ``document`` (the whole file).
@@ -15,9 +16,9 @@
   ``datasets``, read locally, never over the network.
 
 A document of white space alone (an empty file read whole, a JSONL record whose text is
-"") is no document: planc.data.prepare skips it and says how many it skipped, as
-Megatron-LM's ``preprocess_data.py`` leaves out a document that cuts into no ids
-(end-of-text id included). A blank line between documents is no document either.
+"") is no document: planc.data.prepare skips it and says how many it skipped, rather
+than write an end-of-text id alone (Megatron-LM's ``preprocess_data.py`` leaves out a
+document that cuts into no ids). A blank line between documents is no document either.
 
 A source that cannot be read stops with its path (and line, for JSONL) and what is wrong;
 planc data prepare then writes nothing.
@@ -29,13 +30,14 @@ import gzip
 import itertools
 import json
 import os
+import zlib
 from dataclasses import dataclass
 from typing import Iterator
 
 from planc.host.json_values import json_kind
 
 SAMPLE_BY = ("line", "paragraph", "document")
-JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson")
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz")
 PARQUET_SUFFIX = ".parquet"
 DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
@@ -94,11 +96,11 @@ def _jsonl(path: str, key: str) -> Iterator[tuple[str, int]]:
                 if not line.strip():
                     continue
                 yield _jsonl_text(path, number, line, key), len(line)
-    except (OSError, EOFError) as exc:  # gzip's damaged streams raise both
+    except (OSError, EOFError, zlib.error) as exc:  # gzip's damaged streams
         raise _unreadable(path, exc) from None
 
 
-def _unreadable(path: str, exc: OSError | EOFError) -> SourceError:
+def _unreadable(path: str, exc: Exception) -> SourceError:
     return SourceError(f"source {path} cannot be read: "
                        f"{getattr(exc, 'strerror', None) or exc}")
 
@@ -148,7 +150,7 @@ def _text(path: str, sample_by: str) -> Iterator[tuple[str, int]]:
                     paragraph = []
             if paragraph:
                 yield _paragraph(path, paragraph)
-    except (OSError, EOFError) as exc:  # gzip's damaged streams raise both
+    except (OSError, EOFError, zlib.error) as exc:  # gzip's damaged streams
         raise _unreadable(path, exc) from None
 
 
