@@ -81,14 +81,6 @@ def problem(output: Output, force: bool = False, append: bool = False,
         return Refusal(f"the name {os.path.basename(os.path.normpath(path))[:40]}... is "
                        f"{name_bytes} bytes; a file name holds at most {NAME_MAX}{extra}",
                        EXIT_ERRORS)
-    link = path.rstrip(os.sep) or path  # "dangling/" is the link itself
-    if os.path.islink(link) and _missing(link):
-        # writing through it would create a file (or directory) somewhere the command
-        # line does not name; GNU cp refuses the same ("not writing through dangling
-        # symlink")
-        return Refusal(f"{shown}: is a symbolic link to {os.path.realpath(link)}, which "
-                       f"does not exist; planc does not write through a dangling link: "
-                       f"name its target, or another path", EXIT_USAGE)
     real = real_path(path)  # a symbolic link: its target is what is written
     for what, given in inputs:
         if given and _same(real, given):
@@ -121,17 +113,6 @@ def problem(output: Output, force: bool = False, append: bool = False,
             os.path.abspath(parent) == os.path.abspath(made):
         return _creatable(shown, parent)
     return _writable(shown, parent)
-
-
-def _missing(path: str) -> bool:
-    """Whether ``path``'s links end at nothing (a loop of links is another error)."""
-    try:
-        os.stat(path)
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    return False
 
 
 def _device(path: str) -> bool:
