@@ -178,6 +178,24 @@ def test_compile_writes_the_build_files(tmp_path):
                           + summary_text.render(summary))
 
 
+@pytest.mark.parametrize("section, key, value, message", [
+    ("mesh", "tp", 2.0, "plan.mesh.tp is 2.0 where a whole number (no decimal point) belongs"),
+    ("model", "layers", None, "plan.model.layers is a JSON null where a whole number (no "
+                              "decimal point) belongs"),
+    ("model", "tie_embeddings", 1, "plan.model.tie_embeddings is a JSON number where true or "
+                                   "false belongs"),
+    ("model", "kv_heads", "4", "plan.model.kv_heads is a JSON string where a whole number "
+                               "(no decimal point) or null belongs"),
+    ("model", "norm_eps", [], "plan.model.norm_eps is a JSON array where a number belongs")])
+def test_a_plan_json_field_of_the_wrong_type_says_what_belongs_there(section, key, value,
+                                                                     message):
+    data = json.loads(json.dumps(_loaded(TINY).plan.to_dict()))
+    data[section][key] = value
+    with pytest.raises(TypeError) as refused:
+        plan_from_dict(data)
+    assert str(refused.value) == message
+
+
 def test_compile_summary_totals_are_sums_over_graph_json(tmp_path):
     out = tmp_path / "out"
     assert planc("compile", TINY, "-o", out).returncode == 0

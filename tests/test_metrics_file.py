@@ -150,15 +150,34 @@ def test_numbers_out_of_range_are_refused_by_plot_and_report(tmp_path, capsys, f
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
-@pytest.mark.parametrize("time_s", [HUGE, 1e-300, float("inf"), 0],
-                         ids=["huge", "tiny", "infinite", "zero"])
-def test_a_step_time_out_of_range_is_refused(tmp_path, capsys, time_s):
+@pytest.mark.parametrize("time_s, shown", [
+    (HUGE, "an integer of 401 digits"), (1e-300, "1e-300"), (float("inf"), "inf"), (0, "0")],
+    ids=["huge", "tiny", "infinite", "zero"])
+def test_a_step_time_out_of_range_is_refused(tmp_path, capsys, time_s, shown):
     records = [_record(k, "f" * 64) for k in range(2)]
     records[1]["time_s"] = time_s
     metrics = _write(tmp_path / "m.jsonl", records)
     assert main(["plot", str(metrics), "-o", str(tmp_path / "p.png")]) == 1
+    assert capsys.readouterr().err == (
+        f"planc: error: {metrics} is not a planc run metrics file (line 2 has a time_s of "
+        f"{shown}; a step's time is above 0, from 1e-100 to 1e100 seconds)\n")
+
+
+@pytest.mark.parametrize("line, why", [
+    ("[1, 2]", "is a JSON array, not a step record"),
+    ('"step"', "is a JSON string, not a step record"),
+    ('{"step": 1}', "has no time_s, the step's time"),
+    ('{"step": 1, "time_s": "0.5"}', "has a time_s that is a JSON string, not a number of "
+                                     "seconds"),
+    ('{"step": 1, "time_s": true}', "has a time_s that is a JSON boolean, not a number of "
+                                    "seconds")])
+def test_a_line_that_is_no_step_record_is_named(tmp_path, capsys, line, why):
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text(json.dumps(_record(0, "f" * 64)) + "\n" + line + "\n")
+    assert main(["plot", str(metrics), "-o", str(tmp_path / "p.png")]) == 1
     assert capsys.readouterr().err == (f"planc: error: {metrics} is not a planc run metrics "
-                                       f"file (no step records with time_s)\n")
+                                       f"file (line 2 {why})\n")
+    assert not (tmp_path / "p.png").exists()
 
 
 def test_a_run_that_diverged_is_drawn_with_gaps(tmp_path, capsys, fingerprint):
@@ -173,6 +192,19 @@ def test_a_run_that_diverged_is_drawn_with_gaps(tmp_path, capsys, fingerprint):
     assert main(["report", TINY, "-o", str(tmp_path / "page.html"), "--metrics",
                  str(metrics)]) == 0
     assert "Loss per step" in (tmp_path / "page.html").read_text()
+    assert "warning" not in capsys.readouterr().err  # a gap, among points
+
+
+def test_a_run_without_one_finite_loss_is_drawn_with_a_warning(tmp_path, capsys, fingerprint):
+    records = [_record(k, fingerprint) for k in range(3)]
+    for record, loss in zip(records, (float("nan"), float("inf"), float("nan"))):
+        record["loss"] = loss
+    metrics = _write(tmp_path / "m.jsonl", records)
+    assert main(["plot", str(metrics), "-o", str(tmp_path / "p.png")]) == 0
+    assert capsys.readouterr().err == (
+        f"planc: warning: {metrics}: every step's loss is NaN or infinite (the run diverged "
+        f"from its first step): its curve has no point\n"
+        f"planc: loss of 1 run written to {tmp_path / 'p.png'}\n")
 
 
 def test_the_report_measures_mfu_only_where_every_step_has_it_and_its_rate(
@@ -306,7 +338,7 @@ def test_a_broken_line_before_the_last_is_a_broken_file(tmp_path, capsys):
     metrics.write_bytes(CUT_SHORT[0])  # nothing but a line cut short: no step at all
     assert main(["plot", str(metrics), "-o", str(tmp_path / "p.png")]) == 1
     assert capsys.readouterr().err == (f"planc: error: {metrics} is not a planc run metrics "
-                                       f"file (no step records with time_s)\n")
+                                       f"file (no step records)\n")
     assert not (tmp_path / "p.png").exists()
 
 

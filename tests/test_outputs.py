@@ -319,11 +319,27 @@ def test_a_device_is_written_into_and_kept(protected, capfd):
     assert main(["simulate", str(root / "my.plan"), *one, "--trace", os.devnull]) == 0
     assert main(["report", str(root / "my.plan"), *one, "-o", os.devnull]) == 0
     capfd.readouterr()
-    # calibrate reads its file back for its summary: not a device's (it read JSON from
-    # /dev/null and raised)
+    # calibrate's summary is of what its ranks measured, never of the output read back
+    # (it read JSON from /dev/null and raised)
     assert main(["calibrate", "-o", os.devnull, "--quick", "--repeats", "1"]) == 0
-    assert capfd.readouterr().out == f"planc: the calibration was written to {os.devnull}\n"
+    summary = capfd.readouterr().out
+    assert summary.startswith("intra-node: ")
+    assert summary.endswith(f"\nwritten into {os.devnull}\n")
     assert os.path.exists(os.devnull) and not os.path.isfile(os.devnull)
+
+
+def test_a_named_pipe_without_a_reader_is_refused_in_one_line(tmp_path, capfd):
+    """Opened without blocking, a pipe no process reads fails (ENXIO) where a blocking
+    open would wait for ever; calibrate's rank raised it as a traceback."""
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    assert main(["calibrate", "-o", str(pipe), "--quick", "--repeats", "1"]) == 1
+    captured = capfd.readouterr()
+    assert captured.err.splitlines()[-1] == (
+        f"planc: error: cannot write the calibration to {pipe}: it is a named pipe that no "
+        f"process reads; start its reader first")
+    assert "Traceback" not in captured.err and captured.out == ""
+    assert sorted(os.listdir(tmp_path)) == ["pipe"]
 
 
 def test_dev_stdout_on_a_pipe_is_written_into(protected):

@@ -305,7 +305,7 @@ def test_plot_does_not_import_torch(tmp_path):
 
 @pytest.mark.parametrize("content, output, message", [
     (None, "p.png", "cannot read {d}/m.jsonl: No such file or directory"),
-    ("", "p.png", "{d}/m.jsonl is not a planc run metrics file (no step records with time_s)"),
+    ("", "p.png", "{d}/m.jsonl is not a planc run metrics file (no step records)"),
     ("not json\n", "p.png",
      "{d}/m.jsonl is not a planc run metrics file (one JSON object per line)"),
     ('{"step": 0, "time_s": 1.0}\n', "p.png", "{d}/m.jsonl: the record of step 1 has no loss"),

@@ -191,6 +191,30 @@ def test_an_instruction_without_its_kernel_stops_an_unverified_run_in_one_line(
            f"what is wrong with the build)\n" in err
 
 
+def test_a_send_to_a_stage_that_does_not_exist_is_named_as_the_build_writes_it(
+        tmp_path, capfd):
+    """A lookup that fails while binding (a KeyError) names what the program asked for
+    as its files write it, not as Python's repr of a tuple of enums."""
+    build = _compiled(tmp_path, "pp-1f1b-uneven", capfd)
+    sent = []
+
+    def send_far(data):
+        for block in data["blocks"].values():
+            for item in block:
+                if item["op"] == "send":
+                    sent.append(item["node"])
+                    item["operands"]["peer_stage"] = 7
+                    return
+
+    _edit(build, "stage0.json", send_far)
+    status, err = run([build, "--no-verify", "--timeout", "60"], capfd)
+    assert status == 1
+    assert "Traceback" not in err and "traceback" not in err
+    assert f"[rank 0] planc: error: rank 0: its program's send {sent[0]} on stream " \
+           f"send_next cannot be run: it names pp:forward:0>7, which its program does " \
+           f"not hold (planc verify {build} says what is wrong with the build)\n" in err
+
+
 def test_a_transfer_that_never_completes_makes_every_rank_report(tmp_path, capfd):
     build = _compiled(tmp_path, "pp-1f1b-uneven", capfd)
     _edit(build, "stage0.json", lambda data: data["blocks"].update(

@@ -404,3 +404,16 @@ def test_a_layout_fits_only_as_planc_run_would_hold_it(inputs):
         assert search.ranked == [] and search.pruned["memory"] >= 1
     else:
         assert [r.candidate for r in search.ranked] == [of_plan(plan)]
+
+
+def test_a_wrong_override_is_named_before_any_search(tmp_path, capsys):
+    """The neutral layout tune reads a file by must not hide an override's own error:
+    every candidate got the override too, and the search ended in 'no layout fits'."""
+    output = tmp_path / "best.plan"
+    assert main(["tune", str(PLANS / "demo.plan"), "--gpus", "8", "--set", "mesh.dp=0",
+                 "-o", str(output)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        "--set mesh.dp=0:1:9: error: expected a positive integer, got 0",
+        "   1 | mesh.dp=0", "     |         ^", "1 error generated."]
+    assert captured.out == "" and not output.exists()

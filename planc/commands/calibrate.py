@@ -43,11 +43,15 @@ def main(args) -> int:
         return refused
     from planc.runtime.launcher.rendezvous import private_store, rank_environment, remove_store
 
-    # the ranks meet in a store only this user can open, as planc run's do
-    store = private_store(tempfile.mkdtemp(prefix="planc-calibrate-"))
+    # the ranks meet in a store only this user can open, as planc run's do; rank 0 leaves
+    # its measurement beside it, and this process writes the output (the ranks write
+    # nothing the command line names, so a refused output is this process's one line)
+    private = tempfile.mkdtemp(prefix="planc-calibrate-")
+    store = private_store(private)
+    measured_file = os.path.join(private, "calibration.json")
     env = {**os.environ, **rank_environment(store), "WORLD_SIZE": str(args.ranks),
            "OMP_NUM_THREADS": "1"}
-    argv = ["--devices-per-node", str(args.ranks // args.nodes), "-o", str(output),
+    argv = ["--devices-per-node", str(args.ranks // args.nodes), "-o", measured_file,
             "--repeats", str(args.repeats)] + ["--quick"] * args.quick
     print(f"planc: calibrating {args.ranks} gloo ranks on {args.nodes} "
           f"node{'s' * (args.nodes > 1)} of this machine", file=sys.stderr)
@@ -75,13 +79,20 @@ def main(args) -> int:
         return fail("interrupted; nothing was written", stop.status)
     finally:
         remove_store(store)
-        os.rmdir(os.path.dirname(os.path.dirname(store)))
-    if any(codes):
-        return fail(f"a calibration rank exited with status {max(codes)}; nothing was written")
-    if not output.is_file():  # /dev/null, a pipe: written into, nothing to read back
-        print(f"planc: the calibration was written to {output}")
-        return EXIT_OK
-    data = json.loads(output.read_text())
+        text = _taken(measured_file)
+        os.rmdir(private)
+    failed = next((code for code in codes if code), None)
+    if failed is not None or text is None:
+        return fail("the calibration ranks wrote no measurement; nothing was written"
+                    if failed is None else f"a calibration rank {_ended(failed)}; nothing "
+                    f"was written")
+    from planc.host.files import write_atomically
+
+    try:
+        write_atomically(output, text)
+    except OSError as exc:
+        return fail(f"cannot write the calibration to {output}: {exc.strerror or exc}")
+    data = json.loads(text)
     preset = calibrated_preset(data, str(output))
     for name, bandwidth, latency, tunings in (
             ("intra-node", preset.intra_bandwidth, preset.intra_latency,
@@ -113,9 +124,35 @@ def main(args) -> int:
           f"hand-off: {format_quantity(preset.handoff, TIME)} per transfer between the "
           f"runtime's stream threads\n"
           f"overlap: {preset.overlap:.2f} of an all_reduce hidden behind a matrix multiply\n"
-          f"written to {output}; use it with topology {{ preset = \"PATH\" }}, PATH "
-          f"relative to the plan file ({os.path.abspath(output)} from anywhere)")
+          + (f"written to {output}; use it with topology {{ preset = \"PATH\" }}, PATH "
+             f"relative to the plan file ({os.path.abspath(output)} from anywhere)"
+             if output.is_file() else f"written into {output}"))
     return EXIT_OK
+
+
+def _ended(code: int) -> str:
+    """How a rank that failed ended, from its exit code (negative: the signal that
+    killed it, as multiprocessing reports one)."""
+    if code < 0:
+        import signal
+
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _taken(path: str) -> bytes | None:
+    """The measurement rank 0 left at ``path`` (None when it left none), removed."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read()
+    except FileNotFoundError:
+        return None
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
 
 
 def add_arguments(parser) -> None:

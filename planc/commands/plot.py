@@ -38,6 +38,9 @@ def main(args) -> int:
         except CurveError as exc:
             return fail(str(exc))
         warnings += [metrics.warning] if metrics.warning else []
+        if all(value != value for value in curves[-1].values):  # NaN: a gap where it is
+            warnings.append(f"{path}: every step's {args.metric} is NaN or infinite (the "
+                            f"run diverged from its first step): its curve has no point")
     try:
         image = draw(distinct(curves, args.metrics), args.metric, image_format)
     except ImportError as exc:

@@ -55,6 +55,13 @@ def topology_settings(source: str, per_node: int, gpus: int) -> dict[str, str] |
     return settings
 
 
+def _an_override_is_wrong(loaded) -> bool:
+    """Whether an error is at a --set override: the neutral layout must not hide it, as
+    every candidate of the search would then fail on it (``--set mesh.dp=0``)."""
+    return any(d.is_error and d.span is not None and d.span.source is not None
+               for d in loaded.diagnostics)
+
+
 def main(args) -> int:
     from planc.lang import load_file, load_text
     from planc.simulate.accuracy import expected
@@ -90,7 +97,8 @@ def main(args) -> int:
         return refused
     overrides = list(getattr(args, "set", None) or ())
     loaded = load_file(args.file, overrides)
-    if not loaded.ok and loaded.source is not None and not args.keep:
+    if not loaded.ok and loaded.source is not None and not args.keep \
+            and not _an_override_is_wrong(loaded):
         neutral = load_file(args.file, overrides + list(NEUTRAL))
         loaded = neutral if neutral.ok else loaded
     if not loaded.ok:  # the file's own diagnostics, as planc check prints them

@@ -16,6 +16,7 @@ import os
 from typing import NamedTuple
 
 from planc.host.files import open_regular_file
+from planc.host.json_values import json_kind
 from planc.vocabulary.units import LARGEST, SMALLEST
 
 # A run of 10^6 steps writes about 600 MB; a record is under 1 KiB.
@@ -68,10 +69,13 @@ def read_metrics(path: str) -> Metrics:
         return Metrics(None, f"{path} is not a planc run metrics file (one JSON object per "
                              f"line)")
     records = [record for _, record in numbered]
-    if not records or not all(isinstance(r, dict) and seconds(r.get("time_s"), positive=True)
-                              for r in records):
-        return Metrics(None, f"{path} is not a planc run metrics file (no step records with "
-                             f"time_s)")
+    if not records:
+        return Metrics(None, f"{path} is not a planc run metrics file (no step records)")
+    for line, record in numbered:
+        problem = _not_a_step(record)
+        if problem:
+            return Metrics(None, f"{path} is not a planc run metrics file (line {line} "
+                                 f"{problem})")
     if not all(seconds(r.get("exposed_comm_s", 0.0)) for r in records):
         return Metrics(None, f"{path} is not a planc run metrics file (an exposed_comm_s "
                              f"that is not a number of seconds)")
@@ -122,6 +126,25 @@ def _lines(handle):
         if len(line) > MAX_LINE:
             raise _TooLong(number)
         yield number, line
+
+
+def _not_a_step(record) -> str | None:
+    """Why one line's JSON is no step record (a step's time is what every reader needs),
+    or None."""
+    if not isinstance(record, dict):
+        return f"is a JSON {json_kind(record)}, not a step record"
+    if "time_s" not in record:
+        return "has no time_s, the step's time"
+    value = record["time_s"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"has a time_s that is a JSON {json_kind(value)}, not a number of seconds"
+    if not seconds(value, positive=True):
+        digits = len(str(abs(value))) if isinstance(value, int) else 0
+        shown = f"{value:g}" if isinstance(value, float) else (
+            str(value) if digits <= 20 else f"an integer of {digits:,} digits")
+        return (f"has a time_s of {shown}; a step's time is above 0, from 1e-100 to 1e100 "
+                f"seconds")
+    return None
 
 
 def record_problem(record: dict) -> str | None:

@@ -82,7 +82,14 @@ def umask() -> int:
 def _write_into(path: str, data: bytes) -> None:
     """Write into an existing device or named pipe (a pipe without a reader is an error,
     ENXIO, rather than a wait)."""
-    fd = os.open(path, os.O_WRONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = os.open(path, os.O_WRONLY | getattr(os, "O_NONBLOCK", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno == errno.ENXIO and stat.S_ISFIFO(os.stat(path).st_mode):
+            raise OSError(errno.ENXIO, "it is a named pipe that no process reads; start "
+                          "its reader first", path) from None
+        raise
     try:
         os.set_blocking(fd, True)
         view = memoryview(data)

@@ -27,6 +27,8 @@ from functools import cached_property
 from math import prod
 from typing import Iterable, Mapping
 
+from planc.diagnostics import counted
+
 
 @dataclass(frozen=True)
 class MeshAxis:
@@ -216,7 +218,7 @@ class Placement:
     def text(self) -> str:
         per = (f"{self.per_node} per node" if self.per_node is not None else
                f"{self.fewest_per_node}..{self.most_per_node} per node")
-        return f"{self.size} ranks on {self.nodes} node{'s' * (self.nodes != 1)}, {per}"
+        return f"{counted(self.size, 'rank')} on {counted(self.nodes, 'node')}, {per}"
 
 
 @dataclass(frozen=True)

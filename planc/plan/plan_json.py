@@ -115,7 +115,9 @@ def _check_types(value: Any, where: str = "plan") -> None:  # noqa: C901
             _check_types(item, path)
             continue
         if not _matches(item, hint):
-            raise TypeError(f"{path} has the wrong type (a JSON {json_kind(item)})")
+            # 2.0 in a count: the number shown, as JSON wrote it
+            what = repr(item) if isinstance(item, float) else f"a JSON {json_kind(item)}"
+            raise TypeError(f"{path} is {what} where {_expected(hint)} belongs")
         if isinstance(item, int) and not isinstance(item, bool) and f.name in _COUNTS \
                 and item < 1:
             raise ValueError(f"{path} must be at least 1, got {item}")
@@ -123,6 +125,23 @@ def _check_types(value: Any, where: str = "plan") -> None:  # noqa: C901
 
 _COUNTS = {"layers", "hidden", "heads", "ffn", "vocab", "seq", "batch", "tp", "cp", "pp", "dp", "ep",
            "nodes", "devices_per_node", "virtual", "microbatches", "steps"}
+
+
+# A field's Python type as JSON calls what it holds, for messages.
+_JSON_NAMES = {int: "a whole number (no decimal point)", float: "a number", str: "a string",
+               bool: "true or false", type(None): "null"}
+
+
+def _expected(hint: Any) -> str:
+    """What a field of type ``hint`` holds, in JSON's words ("a whole number or null")."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " or ".join(dict.fromkeys(_expected(a) for a in args))
+    if origin is tuple:
+        return "an array"
+    if origin is not None:
+        return "an object"
+    return _JSON_NAMES.get(hint, f"a {getattr(hint, '__name__', hint)}")
 
 
 def _matches(item: Any, hint: Any) -> bool:

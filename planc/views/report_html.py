@@ -332,7 +332,8 @@ def render(build, result, metrics: list[dict] | None = None, warmup: int = 2,
     mesh = " x ".join(f"{a} {plan.mesh.size(a)}" for a in AXES)
     sections = [
         f"<h1>planc report: {_e(plan.name)}</h1>",
-        f'<p>{plan.world:,} ranks ({_e(mesh)}) on {plan.topology.nodes:,} '
+        f'<p>{counted(plan.world, "rank", grouped=True)} ({_e(mesh)}) on '
+        f'{plan.topology.nodes:,} '
         f'{"node" if plan.topology.nodes == 1 else "nodes"} of '
         f'{counted(plan.topology.devices_per_node, "device")}</p>',
         cards,

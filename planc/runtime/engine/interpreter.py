@@ -14,6 +14,7 @@ their bucket's gradient buffer (planc.runtime.engine.store).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -93,6 +94,14 @@ def combine(values: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
+def _named(key) -> str:
+    """A lookup's key as the build's files write it: ``send grad_norm`` where Python
+    shows ``(<Opcode.SEND: 'send'>, 'grad_norm')``."""
+    if isinstance(key, tuple):
+        return " ".join(_named(part) for part in key)
+    return str(key.value) if isinstance(key, enum.Enum) else str(key)
+
+
 class Interpreter:
     def __init__(self, ctx: RankContext, program: Program, store: ParamStore):
         self.ctx, self.program, self.store = ctx, program, store
@@ -129,7 +138,8 @@ class Interpreter:
             self._bind(instruction)
         except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
             detail = str(exc) if isinstance(exc, ValueError) else \
-                f"{type(exc).__name__} {exc}"
+                f"it names {_named(exc.args[0])}, which its program does not hold" \
+                if isinstance(exc, KeyError) and exc.args else f"{type(exc).__name__} {exc}"
             raise UnboundInstruction(
                 f"its program's {instruction.op.value} {instruction.node} on stream "
                 f"{instruction.stream} cannot be run: {detail}") from exc
