@@ -687,7 +687,7 @@ def test_a_calibrated_cpu_prints_its_flop_rate_in_a_unit_that_shows_it(tmp_path,
     assert done.returncode == 0, done.stderr
     assert [line for line in done.stdout.splitlines() if "expected error" not in line][:2] == [
         "cpu: 2 ranks, 1 pipeline stage: one step takes 513 us",
-        "  throughput: 10.7 GFLOP/s per GPU, MFU 26.8% (model FLOPs of Narayanan et al. 2021, "
+        "  throughput: 10.7 GFLOP/s per device, MFU 26.8% (model FLOPs of Narayanan et al. 2021, "
         "recomputation not counted)"]
     big_device = run_planc("simulate", tmp_path / "cpu.plan", "--set",
                            "topology.device.flops=400TFLOP/s", "--set", "mesh.dp=1", "--set",
@@ -696,17 +696,17 @@ def test_a_calibrated_cpu_prints_its_flop_rate_in_a_unit_that_shows_it(tmp_path,
     assert [line for line in big_device.stdout.splitlines()
             if "expected error" not in line][:2] == [
         "cpu: 1 rank, 1 pipeline stage: one step takes 397 us",
-        "  throughput: 27.8 GFLOP/s per GPU, MFU 0.0069% (model FLOPs of Narayanan et al. 2021, "
+        "  throughput: 27.8 GFLOP/s per device, MFU 0.0069% (model FLOPs of Narayanan et al. 2021, "
         "recomputation not counted)"]
     # diff and report print the same figures the same way
     compared = run_planc("diff", tmp_path / "cpu.plan", tmp_path / "cpu.plan")
     assert compared.returncode == 0, compared.stderr
     assert [line.split()[3:6] for line in compared.stdout.splitlines()
-            if line.startswith("FLOP/s per GPU")] == [["10.7", "GFLOP/s", "10.7"]]
+            if line.startswith("FLOP/s per device")] == [["10.7", "GFLOP/s", "10.7"]]
     page = run_planc("report", tmp_path / "cpu.plan", "-o", tmp_path / "r.html")
     assert page.returncode == 0, page.stderr
     text = (tmp_path / "r.html").read_text()
-    assert "FLOP/s per GPU<b>10.7 GFLOP/s</b>" in text and "MFU<b>26.8%</b>" in text
+    assert "FLOP/s per device<b>10.7 GFLOP/s</b>" in text and "MFU<b>26.8%</b>" in text
 
 
 def test_diff_puts_two_layouts_side_by_side(run_planc):

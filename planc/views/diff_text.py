@@ -39,7 +39,7 @@ def render(sides) -> str:
         ["step (simulated)", format_quantity(sim_a.step_seconds, TIME),
          format_quantity(sim_b.step_seconds, TIME), _ratio(sim_a.step_seconds,
                                                             sim_b.step_seconds)],
-        ["FLOP/s per GPU", format_flop_rate(sim_a.tflops_per_gpu * 1e12),
+        ["FLOP/s per device", format_flop_rate(sim_a.tflops_per_gpu * 1e12),
          format_flop_rate(sim_b.tflops_per_gpu * 1e12),
          _ratio(sim_a.tflops_per_gpu, sim_b.tflops_per_gpu)],
         ["MFU", format_share(sim_a.mfu), format_share(sim_b.mfu), ""],

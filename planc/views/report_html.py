@@ -252,7 +252,7 @@ def _measured(plan, result, metrics: list[dict] | None, warmup: int,
     # planc run since issue 26 writes both (planc.data.metrics_file checked them where present)
     if all(r.get("mfu") is not None and r.get("tflops_per_device") is not None for r in kept):
         rate = statistics.median(r["tflops_per_device"] for r in kept)
-        rows.append(["FLOP/s per GPU", format_flop_rate(result.tflops_per_gpu * 1e12),
+        rows.append(["FLOP/s per device", format_flop_rate(result.tflops_per_gpu * 1e12),
                      format_flop_rate(rate * 1e12), _error(result.tflops_per_gpu, rate)])
         mfu = statistics.median(r["mfu"] for r in kept)
         rows.append(["MFU", format_share(result.mfu), format_share(mfu),
@@ -323,7 +323,7 @@ def render(build, result, metrics: list[dict] | None = None, warmup: int = 2,
     peak = max(result.stages, key=lambda s: s.memory_bytes)
     cards = _cards([
         ("step (simulated)", format_quantity(result.step_seconds, TIME)),
-        ("FLOP/s per GPU", format_flop_rate(result.tflops_per_gpu * 1e12)),
+        ("FLOP/s per device", format_flop_rate(result.tflops_per_gpu * 1e12)),
         ("MFU", format_share(result.mfu)),
         ("pipeline bubble", f"{result.bubble:.1%}"),
         ("memory at peak", format_bytes(peak.memory_bytes)

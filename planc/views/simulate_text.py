@@ -31,7 +31,7 @@ def render(result, accuracy=None) -> str:
         "  expected error: " + (accuracy.text() if accuracy is not None else
                                 "not measured on this device (the simulator is held to "
                                 "published runs on the dgx-a100 and dgx-h100 presets)"),
-        f"  throughput: {format_flop_rate(result.tflops_per_gpu * 1e12)} per GPU, MFU "
+        f"  throughput: {format_flop_rate(result.tflops_per_gpu * 1e12)} per device, MFU "
         f"{format_share(result.mfu)}{' of the FP8 peak' * result.mfu_of_fp8} "
         f"(model FLOPs of Narayanan et al. 2021, recomputation not counted)",
         f"  pipeline bubble: {result.bubble:.1%} of the step (stage 0)",

@@ -129,7 +129,7 @@ def best_file(search, gpus: int, argv: list[str]) -> str:
     header = [f"# Chosen by planc {' '.join(map(_shown_argument, argv))}",
               f"# on {gpus:,} devices: {best.candidate.text()}",
               f"# simulated step {_seconds(best.step_seconds)}, {best.tflops_per_gpu:.1f} "
-              f"TFLOP/s per GPU, MFU {best.mfu:.1%}{runner}",
+              f"TFLOP/s per device, MFU {best.mfu:.1%}{runner}",
               f"# out of {search.considered:,} layouts ({search.simulated:,} simulated, "
               f"{sum(search.pruned.values()):,} pruned)."]
     text = best.text if best.text.endswith("\n") else best.text + "\n"
