@@ -262,10 +262,12 @@ def test_programs_code_refuses_a_program_that_cannot_become_code(capsys, tmp_pat
     ({"mesh": {"tp": 2, "cp": 1, "pp": 2, "dp": 2, "ep": 1, "zz": None}}, "mesh"),
     ({"pipeline": "\ud800"}, "pipeline"),
     ({"recompute": "\ud800"}, "recompute"),
+    ({"pipeline": "<b>1f1b</b>"}, "pipeline"),
+    ({"recompute": "everything"}, "recompute"),
 ], ids=["order-numbers", "order-repeated", "tp-huge", "pp-negative", "world-past-limit",
         "microbatches-negative", "virtual-zero", "zero-huge", "order-mixed", "order-lists",
         "mesh-text-axis", "mesh-null-axis", "pipeline-lone-surrogate",
-        "recompute-lone-surrogate"])
+        "recompute-lone-surrogate", "pipeline-no-schedule", "recompute-no-such-mode"])
 def test_report_refuses_a_tune_file_whose_layout_no_plan_could_have(change, field, capsys,
                                                                      tmp_path, build):
     tune = tmp_path / "t.json"

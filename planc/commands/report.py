@@ -81,8 +81,9 @@ def _tune(path: str) -> tuple[list[dict] | None, str | None]:
                             sorted(item["order"]) == sorted(set(item["order"])) and
                             set(item["order"]) <= set(AXES)):
             bad = ["order"]  # the mesh's axes by name, each once
-        if not bad:  # JSON's escapes can name a lone surrogate, which no page can hold
-            bad = [key for key in ("pipeline", "recompute") if not _writable(item[key])][:1]
+        if not bad:  # a schedule and a recomputation planc check accepts, by name
+            bad = [key for key in ("pipeline", "recompute")
+                   if item[key] not in _words(key)][:1]
         if not bad:
             bad = [key for key, low, high in (("virtual", 1, LIMITS["layers"] + 2),
                                               ("microbatches", 1, LIMITS["microbatches"]),
@@ -96,13 +97,13 @@ def _tune(path: str) -> tuple[list[dict] | None, str | None]:
     return data["candidates"], None
 
 
-def _writable(text: str) -> bool:
-    """Whether UTF-8 can write ``text``."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+def _words(key: str) -> tuple[str, ...]:
+    """The values a tune candidate's ``pipeline`` or ``recompute`` may have: the plan
+    language's own (planc.lang.schema)."""
+    from planc.lang.schema import PLAN_SCHEMA
+
+    block = "schedule" if key == "pipeline" else "optimize"
+    return PLAN_SCHEMA.blocks[block].keys[key].kind.words
 
 
 def main(args) -> int:
