@@ -472,6 +472,16 @@ def test_error_format_json(tmp_path):
         }
 
 
+def test_error_format_json_for_a_clean_plan_is_a_document_too(tmp_path):
+    """A tool that reads standard output as JSON got nothing for a plan without any
+    diagnostic."""
+    result = planc("check", str(PLANS / "gpt-tiny.plan"), "--error-format", "json",
+                   cwd=tmp_path)
+    assert (result.returncode, result.stderr) == (0, "")
+    assert json.loads(result.stdout) == {"version": 1, "diagnostics": [], "errors": 0,
+                                         "warnings": 0}
+
+
 def test_error_format_json_for_a_file_level_error(tmp_path):
     result = planc("check", "missing.plan", "--error-format", "json", cwd=tmp_path)
     assert result.returncode == 1

@@ -196,6 +196,30 @@ def test_a_plan_json_field_of_the_wrong_type_says_what_belongs_there(section, ke
     assert str(refused.value) == message
 
 
+@pytest.mark.parametrize("where, value, message", [
+    (("intra", "collectives", 0, "bandwidth"), "x", "plan.topology.intra.collectives[0]."
+     "bandwidth is a JSON string where a number belongs"),
+    (("intra", "collectives", 0, "latency"), None, "plan.topology.intra.collectives[0]."
+     "latency is a JSON null where a number belongs"),
+    (("inter", "collectives", 1, "bandwidth"), True, "plan.topology.inter.collectives[1]."
+     "bandwidth is a JSON boolean where a number belongs"),
+    (("intra", "collectives", 0, "kind"), "x", "plan.topology.intra.collectives[0].kind is "
+     "'x', not one of all_reduce, reduce_scatter, all_gather, tree"),
+    (("device", "overheads", 0, 1), "x", "plan.topology.device.overheads[0][1] is a JSON "
+     "string where a number belongs")])
+def test_a_calibrated_topology_s_damaged_item_in_plan_json_is_named(where, value, message):
+    """Items of a tuple were checked as a whole (a Tuning whose bandwidth was text passed,
+    and the cost model raised on it in every command that read the build)."""
+    data = json.loads(json.dumps(_loaded(PLANS / "demo.plan").plan.to_dict()))
+    holder = data["topology"]
+    for key in where[:-1]:
+        holder = holder[key]
+    holder[where[-1]] = value
+    with pytest.raises((TypeError, ValueError)) as refused:
+        plan_from_dict(data)
+    assert str(refused.value) == message
+
+
 def test_compile_summary_totals_are_sums_over_graph_json(tmp_path):
     out = tmp_path / "out"
     assert planc("compile", TINY, "-o", out).returncode == 0
@@ -284,7 +308,7 @@ def test_refuses_a_non_empty_directory_that_is_not_a_build(tmp_path):
     other.mkdir()
     (other / "notes.txt").write_text("precious\n")
     result = planc("compile", TINY, "-o", other)
-    assert result.returncode == 1
+    assert result.returncode == 2  # a refused output (README, "Outputs")
     assert result.out == ""
     assert result.err == (f"planc: error: {other} exists and is not a planc build directory "
                           f"(no build.json); refusing to overwrite it\n")
@@ -344,7 +368,7 @@ def test_the_build_of_another_plan_is_replaced_only_with_force(tmp_path):
     copy = tmp_path / "gpt-tiny.plan"
     copy.write_text(TINY.read_text().replace("microbatches = 4", "microbatches = 2"))
     refused = planc("compile", copy, "-o", out)
-    assert (refused.returncode, refused.out) == (1, "")
+    assert (refused.returncode, refused.out) == (2, "")
     assert refused.err == (f"planc: error: {out} holds the build of {TINY} (another plan); "
                            f"compile elsewhere with -o DIR, or replace it with --force\n")
     assert snapshot(out) == before

@@ -193,7 +193,7 @@ def test_run_never_replaces_the_build_of_another_plan(tmp_path, capfd, monkeypat
     assert main(["run", "copy/x.plan"]) == 0
     assert "planc: running x from build/x on 1 rank (gloo), 1 step\n" in capfd.readouterr().err
     before = _files(build)
-    assert main(["run", "x.plan"]) == 1
+    assert main(["run", "x.plan"]) == 2
     assert capfd.readouterr().err == (
         f"planc: error: build/x holds the build of {tmp_path / 'copy' / 'x.plan'} (another "
         f"plan); compile elsewhere with -o DIR, or replace it with --force\n")

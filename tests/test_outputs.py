@@ -12,6 +12,7 @@ an output (with a case) or not: a new output flag without a case fails
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import shutil
@@ -541,16 +542,44 @@ def test_a_live_run_holds_its_metrics(tmp_path):
     assert all(line.startswith('{"step": ') for line in metrics.read_text().splitlines())
 
 
+@contextlib.contextmanager
+def _small_disk(tmp_path, size: str):
+    """A tmpfs of ``size`` mounted for the test (skipped where it cannot be: root only)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}",
+                                            "tmpfs", str(mount)]).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)])
+
+
+def test_an_export_that_fills_the_disk_leaves_nothing_and_replaces_nothing(tmp_path, capfd):
+    """The first trace fitted and the second did not: the first stayed, in a directory
+    the failed export had made (root only: a small tmpfs)."""
+    with _small_disk(tmp_path, "60k") as mount:
+        plan = PLANS / "gpt-tiny.plan"
+        (mount / "filler").write_bytes(bytes(48_000))
+        assert main(["export", str(plan), "-o", str(mount / "traces")]) == 1
+        assert "No space left on device" in capfd.readouterr().err
+        assert os.listdir(mount) == ["filler"]  # no traces/, no temporary
+        (mount / "filler").unlink()
+        assert main(["export", str(plan), "-o", str(mount / "traces")]) == 0
+        before = {p.name: p.read_bytes() for p in (mount / "traces").iterdir()}
+        space = os.statvfs(mount)
+        free = space.f_bavail * space.f_frsize  # room for less than the second trace
+        (mount / "filler").write_bytes(bytes(free - max(map(len, before.values())) // 2))
+        assert main(["export", str(plan), "-o", str(mount / "traces"), "--force"]) == 1
+        assert {p.name: p.read_bytes() for p in (mount / "traces").iterdir()} == before
+
+
 def test_a_checkpoint_that_fills_the_disk_leaves_no_partial_directory(tmp_path, capfd):
     """The run fails with one line, the space its staging directory took is given back,
     and the checkpoints written before stay (root only: a small tmpfs)."""
     pytest.importorskip("torch")
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k",
-                                            "tmpfs", str(mount)]).returncode:
-        pytest.skip("needs root to mount a small tmpfs")
-    try:
+    with _small_disk(tmp_path, "1200k") as mount:
         plan = tmp_path / "wide.plan"
         plan.write_text(ONE_RANK.replace("STEPS", "1").replace("hidden = 8", "hidden = 256")
                         .replace("vocab = 64", "vocab = 512"))
@@ -560,8 +589,6 @@ def test_a_checkpoint_that_fills_the_disk_leaves_no_partial_directory(tmp_path, 
         assert status == 1, err
         assert "No space left on device" in err
         assert os.listdir(mount) == []  # no .step-000001.partial; ckpt, made for the run, too
-    finally:
-        subprocess.run(["umount", str(mount)])
 
 
 def test_a_worker_under_torchrun_keeps_the_rule_it_can_keep_alone(tmp_path):

@@ -115,6 +115,23 @@ def test_a_schedule_naming_a_block_that_does_not_exist(build, capsys):
         f"compile again\n")
 
 
+@pytest.mark.parametrize("name, key, value, what, why", [
+    ("ranks.json", "stages", None, "rank table", "a JSON null where an object belongs"),
+    ("stage0.json", "streams", 7, "program", "a JSON number where an array or an object "
+                                             "belongs"),
+    ("stage0.json", "blocks", [], "program", "a JSON array where an object belongs"),
+    ("groups.json", "mesh", "x", "group table", "a JSON string where an object or an array "
+                                                "belongs"),
+    ("model.json", "model", None, "model table", "a JSON null where an object or an array "
+                                                 "belongs")])
+def test_a_value_of_the_wrong_json_type_is_named_in_json_s_words(build, capsys, name, key,
+                                                                   value, what, why):
+    """Python's own message ('NoneType' object is not iterable) named its types."""
+    path = _edit_json(build / "programs" / name, lambda data: data.update({key: value}))
+    assert _refused(capsys, "verify", build) == (
+        f"planc: error: {path} is not a valid {what} ({why}); run planc compile again\n")
+
+
 @pytest.mark.parametrize("kind", ["file", "symlink"])
 def test_logs_that_is_not_a_directory_of_the_build(build, capsys, tmp_path, kind):
     pytest.importorskip("torch")

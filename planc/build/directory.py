@@ -45,6 +45,7 @@ from planc.build.files import parse_json, read_json_bytes
 from planc.build.files import read_json as _read_json
 from planc.host.collector import without_collector
 from planc.host.files import open_regular_file, umask
+from planc.host.json_values import malformed_text
 from planc.estimate.plan_rates import mfu_peak
 from planc.graph import ir
 from planc.program.groups import GroupTable
@@ -307,7 +308,8 @@ def read(directory: str | Path) -> Build:
     try:
         graph = graph_from_json(graph_data)
     except (*MALFORMED, nx.NetworkXError) as exc:
-        raise BuildError(f"{path / 'graph.json'} is not a valid graph ({exc}); run planc "
+        raise BuildError(f"{path / 'graph.json'} is not a valid graph ({malformed_text(exc)}); "
+                         f"run planc "
                          f"compile again") from None
     ir.coerce(graph)  # the schema's enums, as the graph compile derived holds them
     _check_graph_attributes(path / "graph.json", attributes, plan)

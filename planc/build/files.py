@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planc.host.files import read_regular_file
+from planc.host.json_values import malformed_text
 from planc.program.groups import GroupTable
 from planc.program.model_table import ModelTable
 from planc.program.program import Program, RankTable
@@ -135,7 +136,8 @@ def read_manifest_and_plan_data(path: Path) -> tuple[dict, dict]:
 
 
 def invalid_plan(path: Path, exc: BaseException) -> BuildError:
-    return BuildError(f"{path / 'plan.json'} is not a valid plan ({exc}); run planc compile "
+    return BuildError(f"{path / 'plan.json'} is not a valid plan ({malformed_text(exc)}); run "
+                      f"planc compile "
                       f"again")
 
 
@@ -176,7 +178,8 @@ def _table(directory: Path, name: str, parse, what: str):
     try:
         return parse(read_json(directory, name))
     except MALFORMED as exc:
-        raise BuildError(f"{directory / name} is not a valid {what} ({exc}); run planc "
+        raise BuildError(f"{directory / name} is not a valid {what} ({malformed_text(exc)}); "
+                         f"run planc "
                          f"compile again") from None
 
 
@@ -300,7 +303,8 @@ def read_for_run(directory: str | Path) -> RunBuild:
                            if m["param"] not in model.parameters or
                            list(model.parameters[m["param"]].shape) != m["full_shape"]), None)
         except MALFORMED as exc:
-            raise BuildError(f"{path / PROGRAMS / name} has malformed buckets ({exc}); run "
+            raise BuildError(f"{path / PROGRAMS / name} has malformed buckets "
+                             f"({malformed_text(exc)}); run "
                              f"planc compile again") from None
         if member is not None:
             raise BuildError(f"{path / PROGRAMS / name} holds parameter {member!r}, which "

@@ -145,11 +145,17 @@ def take_lock(lock, what: str, hint: str):
 
 def replaceable(directory: str, loaded, force: bool):
     """Whether compiling the plan ``loaded`` into ``directory`` may replace what it holds:
-    (planc.build.directory.Earlier or None, EXIT_OK), or (None, EXIT_ERRORS) after saying why not.
+    (planc.build.directory.Earlier or None, EXIT_OK), or (None, EXIT_USAGE) after saying why
+    not (README, "Outputs": a refused output is status 2).
     The build of another plan file is never replaced without ``--force``; an earlier
     version of the same plan is (the edit-compile loop)."""
     from planc.build import directory as build
 
+    manifest = os.path.join(directory, build.MANIFEST)
+    if os.path.isdir(directory) and not os.path.isfile(manifest) and os.listdir(directory):
+        # a directory of your own, whatever the flags
+        return None, fail(f"{directory} exists and is not a planc build directory (no "
+                          f"{build.MANIFEST}); refusing to overwrite it", EXIT_USAGE)
     earlier = build.earlier_build(directory, loaded.plan, loaded.path, loaded.source)
     if earlier is not None and earlier.kind == "foreign":  # whatever the flags
         return None, fail(f"{directory} holds files planc did not write where a build's own "
@@ -158,7 +164,8 @@ def replaceable(directory: str, loaded, force: bool):
                           EXIT_USAGE)
     if earlier is not None and earlier.kind == "other" and not force:
         return None, fail(f"{directory} holds the build of {_shown(earlier.source)} (another "
-                          f"plan); compile elsewhere with -o DIR, or replace it with --force")
+                          f"plan); compile elsewhere with -o DIR, or replace it with --force",
+                          EXIT_USAGE)
     return earlier, EXIT_OK
 
 

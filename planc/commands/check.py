@@ -14,6 +14,10 @@ def check(args) -> int:
     from planc.views import plan_summary
 
     loaded, status = load_plan(args)
+    if status == EXIT_OK and args.error_format == "json" and not loaded.diagnostics:
+        from planc.diagnostics import render_json
+
+        print(render_json((), loaded.path, args.max_errors))  # a clean plan: a document too
     if status != EXIT_OK or args.error_format == "json":
         return status
     plan = loaded.plan

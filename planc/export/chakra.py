@@ -185,9 +185,9 @@ def export(build, directory: str | Path, prefix: str = "planc") -> list[Path]:
     """Write one ``.et`` file per representative rank (the first of each stage, from the
     group table's mesh); the paths written. Every trace is encoded before any is written,
     so that a plan too large (ExportTooLarge) changes nothing (what lies in a trace's
-    place, the command's output rule refused first: planc.host.outputs); each file is
-    then replaced whole."""
-    from planc.host.files import write_atomically
+    place, the command's output rule refused first: planc.host.outputs); the files are
+    then replaced together (a full disk part way changes nothing)."""
+    from planc.host.files import real_path, write_together
 
     plan = build.plan
     mesh = build.groups.ranks
@@ -210,7 +210,15 @@ def export(build, directory: str | Path, prefix: str = "planc") -> list[Path]:
                                      ("world", plan.world)])
         bodies[directory / f"{prefix}.{rank}.et"] = _delimited(metadata) + b"".join(
             _delimited(n) for n in _nodes(build, programs[stage], rank, costs))
+    made = [d for d in (directory, *directory.parents) if not d.exists()]
     directory.mkdir(parents=True, exist_ok=True)
-    for path, body in bodies.items():  # trace_file's names
-        write_atomically(path, body)
+    try:  # a full disk leaves no trace and replaces none (trace_file's names)
+        write_together({real_path(path): body for path, body in bodies.items()})
+    except BaseException:
+        for made_directory in made:  # the directories this export made, if left empty
+            try:
+                made_directory.rmdir()
+            except OSError:
+                break
+        raise
     return list(bodies)

@@ -143,6 +143,32 @@ def write_atomically(path: str | os.PathLike, data: bytes, durable: bool = False
         out.write(data)
 
 
+def write_together(files: dict[str, bytes]) -> None:
+    """Write every file of ``files`` (regular files, or none yet, at paths whose links
+    are followed) each into a hidden temporary beside its place, and only once all are
+    written rename them into place: a failure part way (a full disk) removes the
+    temporaries and leaves every path as it was."""
+    staged: list[tuple[str, str]] = []
+    path = None
+    try:
+        for path, data in files.items():
+            handle, temporary = tempfile.mkstemp(prefix=TEMPORARY_PREFIX,
+                                                 dir=os.path.dirname(path))
+            staged.append((temporary, path))
+            with os.fdopen(handle, "wb") as out:
+                out.write(data)
+            os.chmod(temporary, 0o666 & ~umask())
+    except BaseException as exc:
+        if isinstance(exc, OSError) and exc.filename is None:
+            exc.filename = path  # a full disk: the file it stopped in
+        for temporary, _ in staged:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+        raise
+    for temporary, path in staged:
+        os.replace(temporary, path)
+
+
 @contextmanager
 def replacing(path: str, durable: bool = False):
     """A binary file open for writing that replaces the regular file (or nothing) at

@@ -20,3 +20,34 @@ def json_kind(value) -> str:
     if isinstance(value, dict):
         return "object"
     return type(value).__name__
+
+
+# Python's names of the types json.load makes, as JSON calls them.
+_PYTHON_TYPES = {"NoneType": "a JSON null", "bool": "a JSON boolean", "int": "a JSON number",
+                 "float": "a JSON number", "str": "a JSON string", "list": "a JSON array",
+                 "dict": "a JSON object"}
+# What Python says when a parser met one of them where something else belongs, by the
+# end of its message: the JSON value that belongs there.
+_WANTED = (("has no attribute 'items'", "an object"), ("has no attribute 'get'", "an object"),
+           ("has no attribute 'keys'", "an object"), ("is not iterable", "an array or an object"),
+           ("is not subscriptable", "an object or an array"),
+           ("object is not a mapping", "an object"))
+
+
+def malformed_text(exc: BaseException) -> str:
+    """What a parser's TypeError or AttributeError on a JSON file's values means, in
+    JSON's words ("a JSON null where an array belongs"), where Python's message names its
+    own types ("'NoneType' object is not iterable"); any other exception's own text."""
+    text = str(exc)
+    if not isinstance(exc, (TypeError, AttributeError)):
+        return text
+    if text.startswith("string indices must be integers"):
+        return "a JSON string where an object or an array belongs"
+    if text.startswith("list indices must be integers"):
+        return "a JSON array where an object belongs"
+    found = next((json for python, json in _PYTHON_TYPES.items()
+                  if text.startswith(f"'{python}' object")), None)
+    wanted = next((json for end, json in _WANTED if text.endswith(end)), None)
+    if found is not None and wanted is not None:
+        return f"{found} where {wanted} belongs"
+    return "a value of the wrong JSON type" if "'" in text else text

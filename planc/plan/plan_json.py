@@ -18,6 +18,7 @@ from planc.plan.data_source import checked
 from planc.diagnostics import Span
 from planc.plan.lr_schedule import SCHEDULE_ARGUMENTS, problems
 from planc.plan.mesh import is_axis_order
+from planc.plan.topology import TUNED_COLLECTIVES
 from planc.plan.plan import (DTYPE_BYTES, GRAD_ACCUMULATIONS, GRAD_REDUCES, KERNEL_MODES, LIMITS,
                         PLAN_FORMAT_VERSION, REDUCE_DTYPES, Plan, Sources)
 from planc.vocabulary.versions import is_version
@@ -111,16 +112,30 @@ def _check_types(value: Any, where: str = "plan") -> None:  # noqa: C901
     for f in dataclasses.fields(value):
         item, hint = getattr(value, f.name), hints[f.name]
         path = f"{where}.{f.name}"
-        if dataclasses.is_dataclass(item):
-            _check_types(item, path)
-            continue
-        if not _matches(item, hint):
-            # 2.0 in a count: the number shown, as JSON wrote it
-            what = repr(item) if isinstance(item, float) else f"a JSON {json_kind(item)}"
-            raise TypeError(f"{path} is {what} where {_expected(hint)} belongs")
+        _check_item(item, hint, path)
         if isinstance(item, int) and not isinstance(item, bool) and f.name in _COUNTS \
                 and item < 1:
             raise ValueError(f"{path} must be at least 1, got {item}")
+
+
+def _check_item(item: Any, hint: Any, path: str) -> None:
+    """One field's value against its annotation; a tuple's items one by one, so that a
+    message names the item (``plan.topology.intra.collectives[0].bandwidth``)."""
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        _check_types(item, path)
+        return
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple and isinstance(item, tuple):
+        inner = (args[0],) * len(item) if len(args) == 2 and args[1] is Ellipsis else args
+        if len(inner) == len(item):
+            for i, (x, a) in enumerate(zip(item, inner)):
+                _check_item(x, a, f"{path}[{i}]")
+            return
+        raise TypeError(f"{path} holds {len(item)} items where {len(inner)} belong")
+    if not _matches(item, hint):
+        # 2.0 in a count: the number shown, as JSON wrote it
+        what = repr(item) if isinstance(item, float) else f"a JSON {json_kind(item)}"
+        raise TypeError(f"{path} is {what} where {_expected(hint)} belongs")
 
 
 _COUNTS = {"layers", "hidden", "heads", "ffn", "vocab", "seq", "batch", "tp", "cp", "pp", "dp", "ep",
@@ -262,6 +277,11 @@ def _check_values(value: Any, where: str = "plan") -> None:
                          f"{', '.join(GRAD_ACCUMULATIONS)}")
     for key in ("data", "eval_data"):
         checked(getattr(plan.train, key), f"plan.train.{key}")
+    for level in ("intra", "inter"):
+        for i, tuning in enumerate(getattr(plan.topology, level).collectives):
+            if tuning.kind not in TUNED_COLLECTIVES:
+                raise ValueError(f"plan.topology.{level}.collectives[{i}].kind is "
+                                 f"{tuning.kind!r}, not one of {', '.join(TUNED_COLLECTIVES)}")
     if plan.optimize.kernels not in KERNEL_MODES:
         raise ValueError(f"plan.optimize.kernels is {plan.optimize.kernels!r}, not one of "
                          f"{', '.join(KERNEL_MODES)}")

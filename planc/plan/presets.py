@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planc.plan.topology import Device, Link, Topology, Tuning
+from planc.plan.topology import TUNED_COLLECTIVES, Device, Link, Topology, Tuning
 from planc.vocabulary.units import MAX_RATE, MAX_SECONDS
 from planc.vocabulary.versions import is_version
 
@@ -211,7 +211,7 @@ def _link(data: dict, block: str) -> tuple[float, float, tuple[Tuning, ...]]:
         raise ValueError(f"{block}.collectives must be an object")
     tunings = []
     for kind, figures in sorted(table.items()):
-        if kind not in ("all_reduce", "reduce_scatter", "all_gather", "tree"):
+        if kind not in TUNED_COLLECTIVES:
             raise ValueError(f"{block}.collectives names {kind!r}; it holds all_reduce, "
                              f"reduce_scatter, all_gather and tree")
         if not isinstance(figures, dict):

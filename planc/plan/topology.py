@@ -62,6 +62,11 @@ class Device:
         return self.gradient_step_overhead if gradient else self.overhead
 
 
+# The collectives a link's measured figures may name (planc calibrate's "tree" is its
+# tree all-reduce).
+TUNED_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "tree")
+
+
 @dataclass(frozen=True)
 class Tuning:
     """What a backend achieves for one collective on a link, as ``planc calibrate``
