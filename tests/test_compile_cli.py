@@ -815,7 +815,11 @@ def test_transfers_only_connects_transfers_through_computation():
                         "range A..B, got 'x'\n"),
     (("--stage", "-1"), "planc graph: error: argument --stage: expected non-negative "
                         "integers, got '-1'\n"),
-], ids=["layers-99", "stage-5", "microbatch-7", "layers-x", "stage-minus-1"])
+    (("--stage", "1", "--layers", "0"), "planc: error: no node of the graph is in stage 1; "
+     "layer 0: the options choose nothing together (a layer of another stage, an axis with "
+     "no transfer in the graph)\n"),
+], ids=["layers-99", "stage-5", "microbatch-7", "layers-x", "stage-minus-1",
+        "a-layer-of-another-stage"])
 def test_bad_filter_values_exit_2(args, message):
     result = planc("graph", TINY, *args)
     assert result.returncode == 2
@@ -1045,6 +1049,16 @@ def test_explain_buckets_lists_every_bucket_and_why_it_closed():
     assert lines[1] == ("  bucket c0.b0 (stage 0): 26 parameters, 242 KB, 0 elements of "
                         "padding, 2 shards of 30,304 elements")
     assert "passes:" in lines
+
+
+@pytest.mark.parametrize("chosen", [["--layer", "2"], ["--param", "embedding.weight"],
+                                    ["--axis", "dp_cp"], ["--routes"]])
+def test_explain_buckets_with_a_choice_it_would_not_read_is_refused(chosen):
+    """--buckets lists every bucket and returned before the other options were read."""
+    result = planc("explain", TINY, "--buckets", *chosen)
+    assert (result.returncode, result.out) == (2, "")
+    assert result.err == (f"planc: error: --buckets lists every bucket of the build; "
+                          f"{chosen[0]} chooses what else to explain: give one of them\n")
 
 
 def test_explain_axis_filter():

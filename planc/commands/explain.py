@@ -14,6 +14,12 @@ def main(args) -> int:
     if args.layer is not None and args.param is not None:  # one was taken, silently
         return fail("--layer and --param each choose what to explain; give one of them",
                     EXIT_USAGE)
+    chosen = [flag for flag, value in (("--layer", args.layer), ("--param", args.param),
+                                       ("--axis", args.axis), ("--routes", args.routes or None))
+              if value is not None]
+    if args.buckets and chosen:  # --buckets lists every bucket: the others went unread
+        return fail(f"--buckets lists every bucket of the build; {chosen[0]} chooses what "
+                    f"else to explain: give one of them", EXIT_USAGE)
     built, status = load_build(args)
     if built is None:
         return status

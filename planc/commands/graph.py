@@ -63,6 +63,10 @@ def main(args) -> int:
                     f"planc graph draws ({MAX_UNFOLDED_NODES:,}); name fewer microbatches "
                     f"(--microbatch 0,1), layers (--layers) or stages (--stage)", EXIT_USAGE)
     view = select(graph, selection)
+    if view.number_of_nodes() == 0 and graph.number_of_nodes():  # an empty drawing, exit 0
+        return fail(f"no node of the graph is in {selection.describe()}: the options choose "
+                    f"nothing together (a layer of another stage, an axis with no transfer "
+                    f"in the graph)", EXIT_USAGE)
     title = f"{built.plan.name}: {view.graph['selection']}"
     try:
         data = marked(render_graph.render(view, fmt, title, built.plan), fmt,
