@@ -343,6 +343,25 @@ def test_a_named_pipe_without_a_reader_is_refused_in_one_line(tmp_path, capfd):
     assert sorted(os.listdir(tmp_path)) == ["pipe"]
 
 
+def test_calibrate_under_torchrun_says_why_its_output_cannot_be_written(tmp_path):
+    """Started by hand or by torchrun, rank 0 writes the topology itself: one line, and
+    exit status 1, where it raised the OSError."""
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    port = str(free_port())
+    ranks = [subprocess.Popen(
+        [sys.executable, "-m", "planc.runtime.calibrate", "--devices-per-node", "2", "-o",
+         str(pipe), "--quick", "--repeats", "1"], cwd=ROOT, stderr=subprocess.PIPE,
+        text=True, env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                        "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+        for rank in range(2)]
+    errors = [rank.communicate(timeout=300)[1] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [1, 0]
+    assert errors[0] == (f"planc calibrate: cannot write {pipe}: it is a named pipe that no "
+                         f"process reads; start its reader first\n")
+
+
 def test_dev_stdout_on_a_pipe_is_written_into(protected):
     """/dev/stdout on a pipe is a link of /proc to "pipe:[N]", which names no path: it
     was refused as "cannot write there (/proc/N/fd: No such file or directory)"."""

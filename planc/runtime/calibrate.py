@@ -433,7 +433,13 @@ def main(argv: list[str] | None = None) -> int:
         document = calibrate(args.devices_per_node, args.repeats,
                              QUICK_SIZES if args.quick else SIZES)
         if dist.get_rank() == 0:
-            write_atomically(args.output, (json.dumps(document, indent=1) + "\n").encode())
+            try:
+                write_atomically(args.output,
+                                 (json.dumps(document, indent=1) + "\n").encode())
+            except OSError as exc:  # under torchrun: nobody else says it in one line
+                print(f"planc calibrate: cannot write {args.output}: {exc.strerror or exc}",
+                      file=sys.stderr)
+                return 1
     finally:
         dist.destroy_process_group()
     return 0
