@@ -27,8 +27,6 @@ from functools import cached_property
 from math import prod
 from typing import Iterable, Mapping
 
-from planc.diagnostics import counted
-
 
 @dataclass(frozen=True)
 class MeshAxis:
@@ -218,7 +216,8 @@ class Placement:
     def text(self) -> str:
         per = (f"{self.per_node} per node" if self.per_node is not None else
                f"{self.fewest_per_node}..{self.most_per_node} per node")
-        return f"{counted(self.size, 'rank')} on {counted(self.nodes, 'node')}, {per}"
+        return (f"{self.size} rank{'s' * (self.size != 1)} on {self.nodes} "
+                f"node{'s' * (self.nodes != 1)}, {per}")
 
 
 @dataclass(frozen=True)
