@@ -343,6 +343,41 @@ def test_a_named_pipe_without_a_reader_is_refused_in_one_line(tmp_path, capfd):
     assert sorted(os.listdir(tmp_path)) == ["pipe"]
 
 
+def test_a_run_s_trace_that_cannot_be_written_is_one_line(tmp_path, capfd):
+    """Rank 0 raised the OSError (a traceback, then the other ranks' lost peer); the run
+    trains, says why the trace is missing, and exits 1."""
+    pytest.importorskip("torch")
+    plan = tmp_path / "one.plan"
+    plan.write_text(ONE_RANK.replace("STEPS", "1"))
+    assert main(["run", str(plan), "-o", str(tmp_path / "b"), "--trace", "/dev/full"]) == 1
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "traceback" not in err
+    assert "planc: error: cannot write the trace to /dev/full: No space left on device\n" in err
+
+
+def test_a_calibration_rank_killed_while_writing_leaves_nothing(tmp_path, capfd,
+                                                                monkeypatch):
+    """Rank 0 killed after it made its temporary file: the calibration's private directory
+    was not empty, and removing it raised; the rank is named by its signal."""
+    import signal
+    import tempfile
+
+    import planc.runtime.calibrate as ranks
+
+    def killed(path, data):  # the ranks are forked from this process: they inherit it
+        (tmp_path / "wrote").write_text(path)
+        open(os.path.join(os.path.dirname(path), ".planc-partial"), "wb").write(data[:10])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    monkeypatch.setattr(ranks, "write_atomically", killed)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where mkdtemp makes it
+    output = tmp_path / "topology.json"
+    assert main(["calibrate", "-o", str(output), "--quick", "--repeats", "1"]) == 1
+    assert capfd.readouterr().err.splitlines()[-1] == (
+        "planc: error: a calibration rank was killed by SIGKILL; nothing was written")
+    assert sorted(os.listdir(tmp_path)) == ["wrote"] and not output.exists()
+
+
 def test_calibrate_under_torchrun_says_why_its_output_cannot_be_written(tmp_path):
     """Started by hand or by torchrun, rank 0 writes the topology itself: one line, and
     exit status 1, where it raised the OSError."""

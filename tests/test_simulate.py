@@ -696,8 +696,8 @@ def test_a_calibrated_cpu_prints_its_flop_rate_in_a_unit_that_shows_it(tmp_path,
     assert [line for line in big_device.stdout.splitlines()
             if "expected error" not in line][:2] == [
         "cpu: 1 rank, 1 pipeline stage: one step takes 397 us",
-        "  throughput: 27.8 GFLOP/s per device, MFU 0.0069% (model FLOPs of Narayanan et al. 2021, "
-        "recomputation not counted)"]
+        "  throughput: 27.8 GFLOP/s per device, MFU 0.0069% (model FLOPs of Narayanan et al. "
+        "2021, recomputation not counted)"]
     # diff and report print the same figures the same way
     compared = run_planc("diff", tmp_path / "cpu.plan", tmp_path / "cpu.plan")
     assert compared.returncode == 0, compared.stderr

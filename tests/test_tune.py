@@ -417,3 +417,13 @@ def test_a_wrong_override_is_named_before_any_search(tmp_path, capsys):
         "--set mesh.dp=0:1:9: error: expected a positive integer, got 0",
         "   1 | mesh.dp=0", "     |         ^", "1 error generated."]
     assert captured.out == "" and not output.exists()
+
+
+@pytest.mark.parametrize("override", ["schedule.microbatches=16", "schedule.pipeline=interleaved"])
+def test_an_override_wrong_only_under_the_file_s_own_layout_is_searched(tmp_path, override):
+    """The file's dp 2 leaves 8 sequences a replica, and it has no virtual stages: each
+    override fails there, and the search finds layouts where it holds."""
+    output = tmp_path / "best.plan"
+    assert main(["tune", str(PLANS / "gpt-tiny.plan"), "--gpus", "8", "--top", "1",
+                 "--set", override, "-o", str(output)]) == 0
+    assert load_file(output, [override]).ok

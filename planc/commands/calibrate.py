@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -80,7 +81,8 @@ def main(args) -> int:
     finally:
         remove_store(store)
         text = _taken(measured_file)
-        os.rmdir(private)
+        # and what a rank killed while writing left (its temporary file)
+        shutil.rmtree(private, ignore_errors=True)
     failed = next((code for code in codes if code), None)
     if failed is not None or text is None:
         return fail("the calibration ranks wrote no measurement; nothing was written"

@@ -174,7 +174,7 @@ COMMANDS = (
     Command("simulate", add_arguments, main,
             help="predict a training step: time, MFU, bubble, exposed comm, memory",
             description="Replay the rank programs of a plan or build on its topology's cost "
-                        "model: the step time, TFLOP/s per GPU and MFU, the pipeline bubble, "
+                        "model: the step time, TFLOP/s per device and MFU, the pipeline bubble, "
                         "the communication each stage waits for (per axis) and memory per "
                         "stage, without running anything."),
 )

@@ -56,8 +56,11 @@ def topology_settings(source: str, per_node: int, gpus: int) -> dict[str, str] |
 
 
 def _an_override_is_wrong(loaded) -> bool:
-    """Whether an error is at a --set override: the neutral layout must not hide it, as
-    every candidate of the search would then fail on it (``--set mesh.dp=0``)."""
+    """Whether an error is at a --set override. The neutral layout tune reads the file by
+    hides it; where no candidate checks either (each got the override: ``--set
+    mesh.dp=0``), it is what to print, not "no layout fits". An override that fails only
+    under the file's own layout (``schedule.pipeline = interleaved`` where the file has no
+    virtual stages) is searched as before."""
     return any(d.is_error and d.span is not None and d.span.source is not None
                for d in loaded.diagnostics)
 
@@ -97,8 +100,8 @@ def main(args) -> int:
         return refused
     overrides = list(getattr(args, "set", None) or ())
     loaded = load_file(args.file, overrides)
-    if not loaded.ok and loaded.source is not None and not args.keep \
-            and not _an_override_is_wrong(loaded):
+    as_written = loaded
+    if not loaded.ok and loaded.source is not None and not args.keep:
         neutral = load_file(args.file, overrides + list(NEUTRAL))
         loaded = neutral if neutral.ok else loaded
     if not loaded.ok:  # the file's own diagnostics, as planc check prints them
@@ -120,6 +123,8 @@ def main(args) -> int:
                   check, progress, topology, min(per_node, args.gpus), args.budget, effective)
     if progress is not None:
         progress.close()
+    if search.best is None and _an_override_is_wrong(as_written):
+        return load_plan(args)[1]  # every candidate got it: say where, as check does
     if args.json:
         print(json.dumps(search.to_json(args.top), indent=1))
     else:

@@ -256,19 +256,25 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
     executor.close()
     if backend == "gloo":  # the streams are gone: the check's reference gets the cores
         own_intra_op_threads(compute_threads)
+    status = 0
     if args.trace:
         gathered = gather_json([ctx.label, trace], 0, _TRACE_FORM, "its trace events")
         if rank == 0:
-            write_trace(args.trace, {r: label for r, (label, _) in enumerate(gathered)},
-                        [[tuple(e[:6]) + (Opcode(e[6]), tuple(map(tuple, e[7])), e[8])
-                          for e in events]
-                         for _, events in gathered])
-    status = 0
+            try:
+                write_trace(args.trace, {r: label for r, (label, _) in enumerate(gathered)},
+                            [[tuple(e[:6]) + (Opcode(e[6]), tuple(map(tuple, e[7])), e[8])
+                              for e in events]
+                             for _, events in gathered])
+            except OSError as exc:  # the training stands: the other ranks meet at the end
+                print(f"planc: error: cannot write the trace to {args.trace}: "
+                      f"{exc.strerror or exc}", file=sys.stderr, flush=True)
+                status = 1
     if args.check:
         from planc.runtime.oracle.check import compare  # the oracle: it alone reads the plan
 
-        status = compare(ctx, interpreter, built.plan_data, losses if _leader(ctx) else None,
-                         steps, first, evaluations if _leader(ctx) else None)
+        status = max(status, compare(ctx, interpreter, built.plan_data,
+                                     losses if _leader(ctx) else None, steps, first,
+                                     evaluations if _leader(ctx) else None))
     dist.barrier()
     dist.destroy_process_group()
     return status
