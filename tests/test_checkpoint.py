@@ -399,13 +399,13 @@ def test_bad_resume_inputs_are_one_line_and_exit_1(saved, tmp_path, capfd):
     # ... and its lr schedule and sample order
     scheduled = write_plan(tmp_path, "scheduled", mesh="dp = 2",
                            train="; lr_schedule = cosine(warmup = 1)")
-    assert "were trained with lr_schedule None (the plan: {'name': 'cosine', 'warmup': 1, " \
-           "'min_lr': 0.0, 'decay': 0})" in \
+    assert "were trained with lr_schedule constant (the plan: cosine(warmup = 1, min_lr = " \
+           "0.0, decay = 0))" in \
         _refused([scheduled, "--resume", saved, "--check"], capfd, tmp_path)
     shuffled = write_plan(tmp_path, "shuffled", mesh="dp = 2", train="; shuffle = on")
     status, err = run([shuffled, "--resume", saved, "--check", "-o", tmp_path / "never"], capfd)
     assert status == 1 and "warning: shuffle = on changes nothing" in err  # synthetic data
-    assert "were trained with shuffle False (the plan: True); nothing was run" in \
+    assert "were trained with shuffle off (the plan: on); nothing was run" in \
         err.strip().split("\n")[-1]
     # a step directory without a manifest, named directly
     partial = tmp_path / "ckpt" / "step-000002"
@@ -511,11 +511,10 @@ def test_resuming_under_another_lr_schedule_or_sample_order_warns(tmp_path, capf
     assert status == 0, err
     for change, warning in [
             ("train.lr_schedule=cosine(warmup = 1)",
-             "the checkpoint was trained with lr_schedule None, the plan has {'name': "
-             "'cosine', 'warmup': 1, 'min_lr': 0.0, 'decay': 0}: steps from 2 on follow the "
-             "plan's"),
-            ("train.shuffle=on", "the checkpoint was trained with shuffle False, the plan has "
-                                 "True: steps from 2 on read the plan's order of samples")]:
+             "the checkpoint was trained with lr_schedule constant, the plan has cosine("
+             "warmup = 1, min_lr = 0.0, decay = 0): steps from 2 on follow the plan's"),
+            ("train.shuffle=on", "the checkpoint was trained with shuffle off, the plan has "
+                                 "on: steps from 2 on read the plan's order of samples")]:
         status, err = run([*tiny, "--set", change, "--resume", tmp_path / "ckpt", "-o",
                            tmp_path / change.split("=")[0]], capfd)
         assert status == 0, err

@@ -326,7 +326,7 @@ def test_the_report_reads_up_to_a_last_line_cut_short_and_says_so(tmp_path, caps
     assert capsys.readouterr().err.splitlines()[0] == (
         f"planc: warning: {metrics}: line 4, the last, is cut short (a run stopped while "
         f"writing it); read the lines before it")
-    assert "median over 1 steps" in page.read_text()  # 3 records, 2 of them warm-up
+    assert "median over 1 step of" in page.read_text()  # 3 records, 2 of them warm-up
 
 
 def test_a_broken_line_before_the_last_is_a_broken_file(tmp_path, capsys):

@@ -645,6 +645,24 @@ def test_a_checkpoint_that_fills_the_disk_leaves_no_partial_directory(tmp_path, 
         assert os.listdir(mount) == []  # no .step-000001.partial; ckpt, made for the run, too
 
 
+@pytest.mark.parametrize("resume", [["--resume", "nosuchdir"], []])
+def test_a_file_of_yours_in_a_checkpoint_staging_directory_is_never_removed(tmp_path, capfd,
+                                                                            resume):
+    """planc run removed every .step-N.partial directory when it ended, a refused run's
+    too, with whatever was in it; one holding a file no checkpoint has is refused now,
+    and kept."""
+    pytest.importorskip("torch")
+    plan = tmp_path / "one.plan"
+    plan.write_text(ONE_RANK.replace("STEPS", "1"))
+    notes = tmp_path / "ck" / ".step-000009.partial" / "notes.txt"
+    notes.parent.mkdir(parents=True)
+    notes.write_text("my notes\n")
+    assert main(["run", str(plan), "-o", str(tmp_path / "b"), "--checkpoint-dir",
+                 str(tmp_path / "ck"), *resume]) != 0
+    capfd.readouterr()
+    assert notes.read_text() == "my notes\n"
+
+
 def test_a_worker_under_torchrun_keeps_the_rule_it_can_keep_alone(tmp_path):
     """Without planc run nobody checked the paths: rank 0 refuses a --trace that is not
     a run's trace, the leader a --metrics that is not a metrics file; neither is touched."""

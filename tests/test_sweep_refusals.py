@@ -402,10 +402,10 @@ def test_a_resumed_check_refuses_a_checkpoint_trained_under_another_grad_clip():
     assert "grad_clip" not in manifest["history"][0]  # segments of plans without it
     assert problems_checking(manifest, clipped) == (
         "--check with --resume compares with one process trained from step 0 under this "
-        "plan, but steps 0..2 of the checkpoint were trained with grad_clip None (the plan: "
+        "plan, but steps 0..2 of the checkpoint were trained with grad_clip off (the plan: "
         "0.001)")
     assert resume_notes(manifest, clipped) == [
-        "the checkpoint was trained with grad_clip None, the plan has 0.001: steps from 3 "
+        "the checkpoint was trained with grad_clip off, the plan has 0.001: steps from 3 "
         "on clip as the plan says"]
     manifest["history"] = [history_segment(clipped, 0, 2)]
     assert manifest["history"][0]["grad_clip"] == 0.001

@@ -294,6 +294,24 @@ def problems_resuming(manifest: dict, record: TrainingRecord, buckets: dict[str,
 TRAINED_WITHOUT = {"lr_schedule": None, "shuffle": False, "grad_clip": None}
 
 
+def _as_planned(key: str, value) -> str:
+    """A training setting as a .plan file writes it (``cosine(warmup = 1, ...)``, ``on``,
+    ``off``), not as Python shows it (a dict, True, None)."""
+    if value is None:
+        return {"lr_schedule": "constant", "source": "synthetic",
+                "data": "synthetic"}.get(key, "off")
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, dict) and isinstance(value.get("name"), str):
+        if value["name"] == "constant" and not value.get("warmup"):
+            return "constant"
+        return value["name"] + "(" + ", ".join(
+            f"{k} = {_as_planned(k, v)}" for k, v in value.items() if k != "name") + ")"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return str(value)
+
+
 def problems_checking(manifest: dict, record: TrainingRecord) -> str | None:
     """--check with --resume compares with one process trained from step 0 under the plan:
     it needs every step of the checkpoint trained with the plan's seed, data, lr schedule,
@@ -307,7 +325,8 @@ def problems_checking(manifest: dict, record: TrainingRecord) -> str | None:
                 return (f"--check with --resume compares with one process trained from step "
                         f"0 under this plan, but steps {segment.get('first_step')}.."
                         f"{segment.get('last_step')} of the checkpoint were trained with "
-                        f"{key} {theirs!r} (the plan: {mine!r})")
+                        f"{key} {_as_planned(key, theirs)} (the plan: "
+                        f"{_as_planned(key, mine)})")
     return None
 
 
@@ -319,15 +338,16 @@ def resume_notes(manifest: dict, record: TrainingRecord) -> list[str]:
     notes = []
     for key, mine in (("seed", record.seed), ("source", record.data)):
         if data.get(key) != mine:
-            notes.append(f"the checkpoint was trained with data {key} {data.get(key)!r}, the "
-                         f"plan has {mine!r}: steps from {step} on read the plan's")
+            notes.append(f"the checkpoint was trained with data {key} "
+                         f"{_as_planned(key, data.get(key))}, the plan has "
+                         f"{_as_planned(key, mine)}: steps from {step} on read the plan's")
     for key, mine, what in (("lr_schedule", record.lr_schedule, "follow the plan's"),
                             ("shuffle", record.shuffle, "read the plan's order of samples"),
                             ("grad_clip", record.grad_clip, "clip as the plan says")):
         theirs = last.get(key, TRAINED_WITHOUT[key])
         if theirs != mine:
-            notes.append(f"the checkpoint was trained with {key} {theirs!r}, the plan has "
-                         f"{mine!r}: steps from {step} on {what}")
+            notes.append(f"the checkpoint was trained with {key} {_as_planned(key, theirs)}, "
+                         f"the plan has {_as_planned(key, mine)}: steps from {step} on {what}")
     return notes
 
 
@@ -350,7 +370,7 @@ _STEP_FILE = re.compile(r"(model|optimizer)-\d{5}-of-\d{5}\.safetensors")
 _STEP_FILES = frozenset({MANIFEST, MODEL_INDEX, OPTIMIZER_INDEX, RNG_FILE})
 
 
-def _not_ours(root: Path, name: str) -> str | None:
+def not_ours(root: Path, name: str) -> str | None:
     """Why the entry ``name`` of a checkpoint directory, named as planc names its own, is
     not one planc wrote, or None: a run writes ``latest`` and its temporaries in place
     (never through a link), replaces a step directory whole and removes staging
@@ -366,13 +386,14 @@ def _not_ours(root: Path, name: str) -> str | None:
     if not stat.S_ISDIR(mode):
         what = "a file" if stat.S_ISREG(mode) else kind_of(mode)
         return f"{name} is {what}, not a checkpoint's directory"
-    if not STEP_DIR.fullmatch(name):  # a staging or replaced directory: removed whole
-        return None
-    try:
+    staging = not STEP_DIR.fullmatch(name)  # being written or replaced: removed whole,
+    try:  # so it too must hold nothing but a checkpoint's files
         inside = os.listdir(root / name)
     except OSError as exc:
         return f"{name} cannot be read ({reason(exc)})"
     for entry in sorted(inside):  # a damaged checkpoint's files are still its own
+        if staging and STRAY_TEMPORARY.fullmatch(entry):  # a write cut short
+            continue
         if entry not in _STEP_FILES and not _STEP_FILE.fullmatch(entry):
             return f"{name}/{entry} is not a file of a checkpoint"
         if not stat.S_ISREG(os.lstat(root / name / entry).st_mode):
@@ -396,7 +417,7 @@ def writable_problem(path: str) -> str | None:
             return (f"--checkpoint-dir {path}: holds {foreign[0]!r}, which is not a "
                     f"checkpoint; name an empty or a checkpoint directory")
         for name in sorted(os.listdir(target)):
-            problem = _not_ours(target, name)
+            problem = not_ours(target, name)
             if problem:
                 return (f"--checkpoint-dir {path}: {problem}; planc writes, replaces and "
                         f"removes only what it wrote there: move it, or name another "

@@ -111,6 +111,9 @@ def remove_staging(directory: str) -> None:
     directories of checkpoints it did not finish (a full disk, a failed or stopped rank),
     which nothing reads and which would hold the space (planc.checkpoint.format)."""
     import re
+    from pathlib import Path
+
+    from planc.checkpoint.format import not_ours
 
     try:
         names = os.listdir(directory)
@@ -118,7 +121,9 @@ def remove_staging(directory: str) -> None:
         return
     for name in names:
         path = os.path.join(directory, name)
-        if re.fullmatch(r"\.step-[0-9]{6,}\.partial", name) and not os.path.islink(path):
+        # only what a checkpoint's writing leaves: never a file of yours put there
+        if re.fullmatch(r"\.step-[0-9]{6,}\.partial", name) and not os.path.islink(path) \
+                and not_ours(Path(directory), name) is None:
             shutil.rmtree(path, ignore_errors=True)
 
 

@@ -128,8 +128,9 @@ def measured_imbalance(args) -> str | None:
     args.set = [*(args.set or []), Given(f"model.imbalance={value:.6g}",
                                          f"--imbalance-from {args.imbalance_from}:")]
     args.imbalance_plans = sorted({r["plan"] for r in records if r.get("plan")})
-    print(f"planc: model.imbalance = {value:.6g}, the median ep_imbalance of the "
-          f"{len(measured)} steps in {args.imbalance_from}", file=sys.stderr)
+    print(f"planc: model.imbalance = {value:.6g}, the median ep_imbalance of "
+          + (f"the {len(measured)} steps" if len(measured) != 1 else "the one step")
+          + f" in {args.imbalance_from}", file=sys.stderr)
     return None
 
 

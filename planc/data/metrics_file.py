@@ -155,8 +155,9 @@ def record_problem(record: dict) -> str | None:
     for key in NUMBERS:
         value = record.get(key)
         if value is not None and not in_range(value, key in DIVERGING):
-            return (f"(step {step + 1}) has a {key} that is not a number of magnitude 0 or "
-                    f"1e-100 to 1e100")
+            article = "an" if key[0] in "aeiou" else "a"
+            return (f"(step {step + 1}) has {article} {key} that is not a number of "
+                    f"magnitude 0 or 1e-100 to 1e100")
     for key in ("ep_imbalance", "moe_expert_imbalance"):  # the busiest over the mean
         value = record.get(key)
         if value is not None and value < 1:

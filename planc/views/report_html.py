@@ -259,7 +259,7 @@ def _measured(plan, result, metrics: list[dict] | None, warmup: int,
                      _error(result.mfu, mfu)])
     caveat = f'<p class="hint">{_e(unchecked)}</p>' if unchecked else ""
     return _table(["", "simulated", "measured", "error"], rows) + \
-        f'<p class="note">Measured: median over {len(kept)} steps of the slowest rank ' \
+        f'<p class="note">Measured: median over {counted(len(kept), "step")} of the slowest rank ' \
         f'(after {min(warmup, len(metrics))} warm-up steps).</p>' + \
         _far_off(plan, result.step_seconds, measured) + caveat
 

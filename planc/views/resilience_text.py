@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from planc.diagnostics import counted
 from planc.vocabulary.units import TIME, format_bytes, format_quantity
 
 
@@ -20,7 +21,8 @@ def render(res, storage_bytes_per_s: float) -> str:
         ["writing", f"{_time(res.write_seconds)} ({format_bytes(storage_bytes_per_s)}/s a "
                     f"node, {res.writers_per_node} writer{'s' * (res.writers_per_node != 1)} "
                     f"on a node)"],
-        ["every", f"{res.every:,} steps{chosen}, {mode}: each holds the steps up "
+        ["every", f"{counted(res.every, 'step', grouped=True)}{chosen}, {mode}: each holds "
+                  f"the steps up "
                   f"{_time(res.blocked_seconds)}, {res.checkpoint_overhead:.2%} of a step"],
     ]
     if res.mtbf_seconds is not None:
