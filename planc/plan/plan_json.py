@@ -118,20 +118,25 @@ def _check_types(value: Any, where: str = "plan") -> None:  # noqa: C901
             raise ValueError(f"{path} must be at least 1, got {item}")
 
 
+def _item_hints(hint: Any, count: int) -> tuple:
+    """The annotation of each of ``count`` items of a tuple annotated ``hint``:
+    ``tuple[X, ...]``'s X for each, or ``tuple[X, Y]``'s own (their number is then the
+    count the items must have)."""
+    args = typing.get_args(hint)
+    return (args[0],) * count if len(args) == 2 and args[1] is Ellipsis else args
+
+
 def _check_item(item: Any, hint: Any, path: str) -> None:
     """One field's value against its annotation; a tuple's items one by one, so that a
     message names the item (``plan.topology.intra.collectives[0].bandwidth``)."""
     if dataclasses.is_dataclass(item) and not isinstance(item, type):
         _check_types(item, path)
         return
-    args = typing.get_args(hint)
     if typing.get_origin(hint) is tuple and isinstance(item, tuple):
-        inner = (args[0],) * len(item) if len(args) == 2 and args[1] is Ellipsis else args
-        if len(inner) == len(item):
-            for i, (x, a) in enumerate(zip(item, inner)):
-                _check_item(x, a, f"{path}[{i}]")
-            return
-        raise TypeError(f"{path} holds {len(item)} items where {len(inner)} belong")
+        # as many items as the hint names: _convert refused any other count
+        for i, (x, a) in enumerate(zip(item, _item_hints(hint, len(item)))):
+            _check_item(x, a, f"{path}[{i}]")
+        return
     if not _matches(item, hint):
         # 2.0 in a count: the number shown, as JSON wrote it
         what = repr(item) if isinstance(item, float) else f"a JSON {json_kind(item)}"
@@ -168,9 +173,8 @@ def _matches(item: Any, hint: Any) -> bool:
     if origin is tuple:
         if not isinstance(item, tuple):
             return False
-        if len(args) == 2 and args[1] is Ellipsis:
-            return all(_matches(x, args[0]) for x in item)
-        return len(item) == len(args) and all(_matches(x, a) for x, a in zip(item, args))
+        inner = _item_hints(hint, len(item))
+        return len(item) == len(inner) and all(_matches(x, a) for x, a in zip(item, inner))
     if origin is not None:  # Mapping and the like: trust the container
         return isinstance(item, origin)
     if hint is type(None):
@@ -210,8 +214,7 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
     if typing.get_origin(hint) is tuple:
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{where} is not a list")
-        args = typing.get_args(hint)
-        inner = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else args
+        inner = _item_hints(hint, len(value))
         if len(inner) != len(value):
             raise ValueError(f"{where} should hold {len(inner)} items")
         return tuple(_convert(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, inner)))
