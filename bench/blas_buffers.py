@@ -21,26 +21,17 @@ import os
 import subprocess
 import sys
 
-MIB = 1 << 20
-IN_USE = r"""
-import ctypes, json, sys, threading, time
+from pathlib import Path
 
-class Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = Mallinfo2
+from memory_live import IN_USE, MIB, free_port  # noqa: E402
 
-def in_use():
-    info = libc.mallinfo2()
-    return info.uordblks + info.hblkhd
-
+TORCH = IN_USE + r"""
 import torch
 torch.set_num_threads(1)
 """
-GEMM = IN_USE + r"""
+GEMM = TORCH + r"""
 m, k, n = map(int, sys.argv[1].split("x"))
 a, b = torch.randn(m, k), torch.randn(k, n)
 before, done, measured = in_use(), threading.Event(), []
@@ -58,7 +49,7 @@ done.set()
 thread.join()
 print(json.dumps({"kept": measured[0], "after_exit": in_use() - before}))
 """
-GLOO = IN_USE + r"""
+GLOO = TORCH + r"""
 import os
 import torch.distributed as dist
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
@@ -84,14 +75,6 @@ def probe(code: str, argument: str, fast_mm: bool = True) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def free_port() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default="8x8x8,64x64x64,512x64x256,2048x2048x2048",
@@ -103,7 +86,7 @@ def main() -> int:
         fast, plain = probe(GEMM, shape), probe(GEMM, shape, fast_mm=False)
         print(f"| {shape} | {fast['kept'] / MIB:.2f} MiB | {fast['after_exit'] / MIB:.2f} MiB "
               f"| {plain['kept'] / MIB:.2f} MiB |")
-    gloo = probe(GLOO, free_port())
+    gloo = probe(GLOO, str(free_port()))
     print(f"\ngloo: {gloo['world'] / 1024:.0f} KiB for the world's process group, "
           f"{gloo['group'] / 1024:.0f} KiB for one more group (one rank each, after an "
           f"all-reduce)")

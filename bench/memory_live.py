@@ -176,9 +176,9 @@ RANKS = {"llama-fp32-cp2": 2, "gpt-fp32-cp2": 2, "llama-fp32-tp2-sp": 2,
          "llama-fp32-full-zb": 2,
          "moe-fp32-zb": 4, "moe-fp8-zb": 4, "moe-fp32-zb-act": 4}  # the others run one rank
 
-# Runs in a fresh process as a torchrun rank would (planc.runtime.worker.main), with a
-# thread sampling the heap and every instruction reporting what it left.
-RANK = r"""
+# The start of a probe's code: in_use(), the bytes glibc's allocator has handed out and
+# not had back (bench/blas_buffers.py's probes start with it too).
+IN_USE = r"""
 import ctypes, json, sys, threading, time
 
 class Mallinfo2(ctypes.Structure):
@@ -192,7 +192,10 @@ libc.mallinfo2.restype = Mallinfo2
 def in_use():
     info = libc.mallinfo2()
     return info.uordblks + info.hblkhd
-
+"""
+# Runs in a fresh process as a torchrun rank would (planc.runtime.worker.main), with a
+# thread sampling the heap and every instruction reporting what it left.
+RANK = IN_USE + r"""
 import planc.runtime.worker as worker
 from planc.runtime.engine.interpreter import Interpreter
 
