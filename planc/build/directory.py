@@ -309,8 +309,7 @@ def read(directory: str | Path) -> Build:
         graph = graph_from_json(graph_data)
     except (*MALFORMED, nx.NetworkXError) as exc:
         raise BuildError(f"{path / 'graph.json'} is not a valid graph ({malformed_text(exc)}); "
-                         f"run planc "
-                         f"compile again") from None
+                         f"run planc compile again") from None
     ir.coerce(graph)  # the schema's enums, as the graph compile derived holds them
     _check_graph_attributes(path / "graph.json", attributes, plan)
     derived = _derived_text(plan, manifest["plan_sha256"])

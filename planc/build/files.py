@@ -137,8 +137,7 @@ def read_manifest_and_plan_data(path: Path) -> tuple[dict, dict]:
 
 def invalid_plan(path: Path, exc: BaseException) -> BuildError:
     return BuildError(f"{path / 'plan.json'} is not a valid plan ({malformed_text(exc)}); run "
-                      f"planc compile "
-                      f"again")
+                      f"planc compile again")
 
 
 @dataclass(frozen=True)
@@ -179,8 +178,7 @@ def _table(directory: Path, name: str, parse, what: str):
         return parse(read_json(directory, name))
     except MALFORMED as exc:
         raise BuildError(f"{directory / name} is not a valid {what} ({malformed_text(exc)}); "
-                         f"run planc "
-                         f"compile again") from None
+                         f"run planc compile again") from None
 
 
 def read_program_files(path: Path, plan: PlanShape, rank: int | None = None) -> tuple[
@@ -304,8 +302,7 @@ def read_for_run(directory: str | Path) -> RunBuild:
                            list(model.parameters[m["param"]].shape) != m["full_shape"]), None)
         except MALFORMED as exc:
             raise BuildError(f"{path / PROGRAMS / name} has malformed buckets "
-                             f"({malformed_text(exc)}); run "
-                             f"planc compile again") from None
+                             f"({malformed_text(exc)}); run planc compile again") from None
         if member is not None:
             raise BuildError(f"{path / PROGRAMS / name} holds parameter {member!r}, which "
                              f"{MODEL_TABLE} does not list with that shape; run planc "
