@@ -160,7 +160,21 @@ def test_logs_that_is_not_a_directory_of_the_build(build, capsys, tmp_path, kind
     (lambda d: d["train"]["optimizer"].update(lr=-1.0),
      "plan.train.optimizer.lr is -1.0, not a positive finite number"),
     (lambda d: d["train"]["optimizer"].update(lr=float("nan")),
-     "plan.train.optimizer.lr is nan, not a positive finite number"),
+     "plan.train.optimizer.lr is NaN, not a positive finite number"),
+    # a topology's numbers in a calibrated topology's range, rows of numbers included
+    # (each of these once reached the cost model: math domain error, StopIteration,
+    # ZeroDivisionError, or a step of 1e300 s printed)
+    (lambda d: d["topology"]["intra"].update(latency=1e300),
+     "plan.topology.intra.latency is 1e+300, not a number from 0 to 3600"),
+    (lambda d: d["topology"]["intra"].update(sweep=[[0, 1e9], [1e6, 2e9]]),
+     "plan.topology.intra.sweep[0][0] is 0, not a number from 1 to 1e+30"),
+    (lambda d: d["topology"]["intra"].update(sweep=[[1e3, 1e-300]]),
+     "plan.topology.intra.sweep[0][1] is 1e-300, not a number from 1 to 1e+30"),
+    (lambda d: d["topology"]["intra"].update(sweep=[[1e6, 1e9], [1e6, 2e9]]),
+     "plan.topology.intra.sweep[1][0] is 1000000.0, not above "
+     "plan.topology.intra.sweep[0][0] (1000000.0): a sweep's buffer sizes increase"),
+    (lambda d: d["topology"]["device"].update(overheads=[["matmul", float("nan"), 1.0]]),
+     "plan.topology.device.overheads[0][1] is NaN, not a number from 0 to 3600"),
     (lambda d: d["schedule"].update(microbatches=10**9),
      "plan's microbatches (1000000000) is more than planc's limit of 65536"),
     (lambda d: d["optimize"].update(grad_accumulation="separate"),
@@ -195,7 +209,8 @@ def test_logs_that_is_not_a_directory_of_the_build(build, capsys, tmp_path, kind
     # a key every model holds, written among the options too, is read by its kind there
     (lambda d: d["model"].update(options={"heads": 0}),
      "plan.model.options.heads is 0, not a positive integer"),
-], ids=["dtype-fp64", "bandwidth-0", "lr-negative", "lr-nan", "microbatches-1e9",
+], ids=["dtype-fp64", "bandwidth-0", "lr-negative", "lr-nan", "latency-1e300", "sweep-size-0",
+        "sweep-bandwidth-1e-300", "sweep-sizes-equal", "overhead-nan", "microbatches-1e9",
         "grad-accumulation", "reduce-dtype", "grad-reduce", "grad-reduce-zero2", "kernels",
         "one-source-mixture", "pipeline-word", "route-word", "recompute-word", "ep-0",
         "ep-1e9", "tp-overlap-1e9", "family-without-its-keys", "core-key-in-options"])

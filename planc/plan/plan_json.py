@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import typing
 from typing import Any, Mapping
@@ -21,6 +22,7 @@ from planc.plan.mesh import is_axis_order
 from planc.plan.topology import TUNED_COLLECTIVES
 from planc.plan.plan import (DTYPE_BYTES, GRAD_ACCUMULATIONS, GRAD_REDUCES, KERNEL_MODES, LIMITS,
                         PLAN_FORMAT_VERSION, REDUCE_DTYPES, Plan, Sources)
+from planc.vocabulary.units import MAX_RATE, MAX_SECONDS
 from planc.vocabulary.versions import is_version
 
 
@@ -226,6 +228,19 @@ _POSITIVE = {"flops", "bandwidth", "efficiency", "lr", "eps", "memory", "norm_ep
              "rope_theta"}
 
 
+# A topology's figures within what a calibrated topology may hold (planc.plan.presets's
+# checks of one, planc.vocabulary.units's ranges): beyond them the cost model's sums
+# overflow or lose a kernel's time, and a quotient of two reaches 0.
+_RATE_RANGE, _TIME_RANGE = (1.0, MAX_RATE), (0.0, MAX_SECONDS)
+_TOPOLOGY_RANGES = {"flops": _RATE_RANGE, "bandwidth": _RATE_RANGE, "memory": _RATE_RANGE,
+                    "exp_rate": _RATE_RANGE, "efficiency": (1e-6, 1.0), "overlap": (0.0, 1.0),
+                    "overhead": _TIME_RANGE, "backward_overhead": _TIME_RANGE,
+                    "handoff": _TIME_RANGE, "latency": _TIME_RANGE}
+# The topology's fields that hold rows of numbers: a sweep's (bytes, bytes/s), an
+# operator's (name, forward s, gradient s).
+_ROW_RANGES = {"sweep": _RATE_RANGE, "overheads": _TIME_RANGE}
+
+
 def _real(hint: Any) -> bool:
     """Whether a field annotated ``hint`` holds a real number (JSON may write it as an
     integer: 1 for 1.0)."""
@@ -245,15 +260,24 @@ def _check_values(value: Any, where: str = "plan") -> None:
             for i, x in enumerate(item):
                 if dataclasses.is_dataclass(x):
                     _check_values(x, f"{path}[{i}]")
+                elif f.name in _ROW_RANGES:
+                    _check_row(x, _ROW_RANGES[f.name], f"{path}[{i}]")
                 elif isinstance(x, float) and not (math.isfinite(x) and 0 <= x < 1
                                                    if f.name == "betas" else math.isfinite(x)):
-                    raise ValueError(f"{path}[{i}] is {x}")
+                    raise ValueError(f"{path}[{i}] is {_spelled(x)}")
+            if f.name == "sweep":
+                _check_sweep_order(item, path)
         elif number and (isinstance(item, float) or f.name in _POSITIVE or
                          _real(hints[f.name])):
             if not math.isfinite(item) or item < 0 or (item == 0 and f.name in _POSITIVE):
-                raise ValueError(f"{path} is {item}, not a "
+                raise ValueError(f"{path} is {_spelled(item)}, not a "
                                  f"{'positive' if f.name in _POSITIVE else 'non-negative'} "
                                  f"finite number")
+            low, high = _TOPOLOGY_RANGES.get(f.name, (0.0, math.inf)) \
+                if where.startswith("plan.topology") else (0.0, math.inf)
+            if not low <= item <= high:
+                raise ValueError(f"{path} is {_spelled(item)}, not a number from {low:g} to "
+                                 f"{high:g}")
     if where != "plan":
         return
     plan = value
@@ -307,6 +331,33 @@ def _check_values(value: Any, where: str = "plan") -> None:
         if have > LIMITS[what]:
             raise ValueError(f"plan's {what} ({have}) is more than planc's limit of "
                              f"{LIMITS[what]}")
+
+
+def _spelled(number: float) -> str:
+    """A number as plan.json spells it (NaN, Infinity), not as Python prints it."""
+    return json.dumps(number)
+
+
+def _check_row(row: tuple, within: tuple[float, float], path: str) -> None:
+    """A row of numbers inside a tuple field: a link's ``sweep`` (sizes and bandwidths,
+    which the cost model divides by and takes the logarithms of: planc.plan.topology.
+    Link.swept) or a device's ``overheads`` (seconds), each in a calibrated topology's
+    range."""
+    low, high = within
+    for j, y in enumerate(row):
+        if isinstance(y, (int, float)) and not isinstance(y, bool) and not low <= y <= high:
+            raise ValueError(f"{path}[{j}] is {_spelled(y)}, not a number from {low:g} to "
+                             f"{high:g}")
+
+
+def _check_sweep_order(sweep: tuple, path: str) -> None:
+    """A sweep's buffer sizes in increasing order, as Link.swept interpolates between
+    neighbours."""
+    for i in range(1, len(sweep)):
+        if sweep[i][0] <= sweep[i - 1][0]:
+            raise ValueError(f"{path}[{i}][0] is {_spelled(sweep[i][0])}, not above "
+                             f"{path}[{i - 1}][0] ({_spelled(sweep[i - 1][0])}): a sweep's "
+                             f"buffer sizes increase")
 
 
 def _check_lr_schedule(train) -> None:
