@@ -97,6 +97,26 @@ def test_a_data_file_that_changed_after_compile_is_refused_before_any_rank_start
     assert not (tmp_path / "b" / "logs").exists()
 
 
+def test_run_of_a_plan_file_whose_data_is_missing_writes_no_build(tmp_path, capfd):
+    """A bad input changes nothing: the token file is looked at before the plan is
+    compiled (it compiled, wrote the build directory, then refused)."""
+    text = plan_text("file_data").replace("seed = 3 }", 'seed = 3; data = "tokens.bin" }')
+    (tmp_path / "f.plan").write_text(text)
+    status, err = run([tmp_path / "f.plan", "-o", tmp_path / "b"], capfd)
+    assert (status, err.splitlines()[-1]) == (1, f"planc: error: data file "
+                                                 f"{tmp_path / 'tokens.bin'} does not exist; "
+                                                 f"nothing was run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.plan"]
+    # and an evaluation's own file, which a run read first after eval_every steps
+    (tmp_path / "f.plan").write_text(plan_text("file_data").replace(
+        "seed = 3 }", 'seed = 3; eval_every = 2; eval_data = "held-out.bin" }'))
+    status, err = run([tmp_path / "f.plan", "-o", tmp_path / "b"], capfd)
+    assert (status, err.splitlines()[-1]) == (1, f"planc: error: data file "
+                                                 f"{tmp_path / 'held-out.bin'} does not "
+                                                 f"exist; nothing was run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.plan"]
+
+
 def test_a_data_file_is_read_a_step_at_a_time_and_each_batch_checked(tmp_path):
     from planc.lang import load_text
     from planc.runtime.engine.data import DataError, batch_tokens

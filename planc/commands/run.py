@@ -14,6 +14,7 @@ from planc.commands.run_prepare import (checkpoint_found, resume_problem, run_op
                                        verified_build)
 from planc.commands.arguments import Command, add_input, force, output, path
 from planc.data.metrics_file import MAX_STEP
+from planc.plan.data_source import paths_of
 
 
 def main(args) -> int:
@@ -41,7 +42,8 @@ def _run(args) -> int:
     found, status = checkpoint_found(args)
     if status != EXIT_OK:
         return status
-    directory, status = _build_directory(args, lambda plan: _resumable(args, found, plan))
+    directory, status = _build_directory(args, lambda plan: _before_compiling(args, found,
+                                                                               plan))
     if directory is None:
         return status
     built, status = verified_build(args, directory)
@@ -144,6 +146,26 @@ def _forget_peer_memory(args) -> None:
         from planc.checkpoint.peer_copy import remove
 
         remove(args.peer_memory_root)
+
+
+def _before_compiling(args, found, plan) -> int:
+    """EXIT_OK if the plan file can run as far as it can be told before it is compiled:
+    the checkpoint to resume fits it, and its token files are there, readable and hold a
+    sample (their ids are scanned once the build is verified). Else no build is written."""
+    status = _resumable(args, found, plan)
+    if status != EXIT_OK:
+        return status
+    from planc.data.tokens import DataError, check_file
+    from planc.runtime.engine.data import evaluation_file
+
+    named = (plan.train.data, evaluation_file(plan))
+    try:
+        for token_file in (file for data in named if data not in (None, "synthetic")
+                           for file in paths_of(data)):
+            check_file(token_file, seq=plan.model.seq)
+    except DataError as exc:
+        return fail(f"{exc}; nothing was run")
+    return EXIT_OK
 
 
 def _resumable(args, found, plan, buckets=None) -> int:

@@ -123,11 +123,11 @@ def import_scanner(plan: Plan) -> None:
     """Import what :func:`check_data` scans the plan's token file with (torch, where it
     is installed), so that the caller can do it at a moment of its choosing: torch's
     import swallows a Ctrl-C that arrives during it (planc.host.interrupts)."""
-    if plan.train.data != "synthetic" or _evaluation_file(plan) is not None:
+    if plan.train.data != "synthetic" or evaluation_file(plan) is not None:
         _reducer("auto")
 
 
-def _evaluation_file(plan: Plan) -> str | None:
+def evaluation_file(plan: Plan) -> str | None:
     """The evaluation's own token file (or mixture), where it reads one other than the
     training's: checked with it before any rank starts."""
     train = plan.train
@@ -143,7 +143,7 @@ def check_data(plan: Plan, chunk_bytes: int = CHUNK_BYTES,
     (whole tokens, at least one sample) always; every id below vocab only in a file of at
     most ``scan_limit`` bytes (None: any size), so that a 100 GB file starts at once:
     each step checks the ids it reads (:func:`batch_tokens`)."""
-    evaluation = _evaluation_file(plan)
+    evaluation = evaluation_file(plan)
     if evaluation is not None:
         # before the ranks start: else a run found it missing only after eval_every steps
         # of training (each evaluation takes its identity)
