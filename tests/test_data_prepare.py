@@ -137,8 +137,8 @@ def test_gzipped_text_is_read_as_its_text_and_a_false_gz_is_refused(tmp_path, ca
     assert main(["data", "prepare", str(tmp_path / "false.txt.gz"), "-o", str(out),
                  "--tokenizer", str(tmp_path / "tok")]) == 1
     assert capfd.readouterr().err == (f"planc: error: source {tmp_path / 'false.txt.gz'} "
-                                      f"cannot be read: Not a gzipped file (b'th'); {out} was "
-                                      f"not written\n")
+                                      f"cannot be read: its name ends in .gz and it is not a "
+                                      f"gzip file; {out} was not written\n")
     assert not out.exists()
     # .ndjson.gz is JSONL, not text; a stream damaged inside is refused in one line
     (tmp_path / "d.ndjson.gz").write_bytes(gzip.compress(b'{"text": "the cat"}\n'))
@@ -153,8 +153,16 @@ def test_gzipped_text_is_read_as_its_text_and_a_false_gz_is_refused(tmp_path, ca
     assert main(["data", "prepare", str(tmp_path / "damaged.txt.gz"), "-o", str(out),
                  "--tokenizer", str(tmp_path / "tok")]) == 1
     assert capfd.readouterr().err == (
-        f"planc: error: source {tmp_path / 'damaged.txt.gz'} cannot be read: Error -3 while "
-        f"decompressing data: invalid code -- missing end-of-block; {out} was not written\n")
+        f"planc: error: source {tmp_path / 'damaged.txt.gz'} cannot be read: its gzip stream "
+        f"is damaged; {out} was not written\n")
+    # and one cut short
+    (tmp_path / "cut.txt.gz").write_bytes(gzip.compress(plain.encode() * 200)[:-20])
+    assert main(["data", "prepare", str(tmp_path / "cut.txt.gz"), "-o", str(out),
+                 "--tokenizer", str(tmp_path / "tok")]) == 1
+    assert capfd.readouterr().err == (
+        f"planc: error: source {tmp_path / 'cut.txt.gz'} cannot be read: its gzip stream "
+        f"ends early (the file is cut short); {out} was not written\n")
+    assert not out.exists()
 
 
 def test_blank_documents_are_skipped_and_counted(tmp_path, capfd):

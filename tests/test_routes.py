@@ -409,6 +409,22 @@ def test_a_broken_calibrated_topology_is_an_error_at_the_path(tmp_path, change, 
     assert (diagnostic.span.line, diagnostic.span.column) == (4, 23)
 
 
+@pytest.mark.parametrize("text, message", [
+    ('{"devices_per_node": ' + "9" * 5000 + "}",
+     "it holds an integer of more than 4,300 digits"),
+    ("[" * 100_000 + "]" * 100_000, "it nests its values too deep to be a planc topology"),
+    ("{", "it is not JSON")])
+def test_a_topology_json_cannot_read_is_named_in_its_words(tmp_path, text, message):
+    """What json.loads cannot read, in words about the file (Python's own text for a long
+    integer told the user to call sys.set_int_max_str_digits)."""
+    from planc.lang import load_file
+
+    source = _with_topology(tmp_path, CALIBRATED)
+    (tmp_path / "machine.json").write_text(text)
+    [diagnostic] = load_file(source).diagnostics
+    assert diagnostic.message == f"cannot use topology 'machine.json': {message}"
+
+
 OVERHEADS = {"gelu": {"forward": 3e-5, "gradient": 5e-5},
              "qkv": {"forward": 1e-5, "gradient": 2e-5}}
 

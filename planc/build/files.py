@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from planc.host.files import read_regular_file
-from planc.host.json_values import malformed_text
+from planc.host.json_values import malformed_text, too_long_integer
 from planc.program.groups import GroupTable
 from planc.program.model_table import ModelTable
 from planc.program.program import Program, RankTable
@@ -90,9 +90,9 @@ def parse_json(path: Path, raw: bytes) -> dict:
                          f"run planc compile again") from None
     except UnicodeDecodeError:
         raise BuildError(f"{path} is not UTF-8 text; run planc compile again") from None
-    except ValueError as exc:  # an integer of thousands of digits
-        raise BuildError(f"{path} holds a value Python cannot read ({exc}); run planc "
-                         f"compile again") from None
+    except ValueError:  # an integer of thousands of digits
+        raise BuildError(f"{path} holds {too_long_integer()}, which no planc build file "
+                         f"holds; run planc compile again") from None
     except RecursionError:
         raise BuildError(f"{path} nests its values too deep to be a planc build file; run "
                          f"planc compile again") from None

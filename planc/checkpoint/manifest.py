@@ -28,6 +28,7 @@ from planc.checkpoint.manifest_fields import (MAX_WHOLE, _IDENTIFIER, _at, _fiel
                                               _one_of, _real, _text, _whole, _Wrong,
                                               _wrong, file_name, shown)
 from planc.host.files import read_regular_file
+from planc.host.json_values import too_long_integer
 from planc.plan.mesh import AXES
 
 FORMAT = "planc-checkpoint"
@@ -98,9 +99,9 @@ def parse_json(raw: bytes, path: Path) -> object:
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path} is not valid JSON (line {exc.lineno}, column "
                               f"{exc.colno})") from None
-    except ValueError as exc:  # an integer of thousands of digits
-        raise CheckpointError(f"{path} holds a number Python cannot read "
-                              f"({reason(exc)})") from None
+    except ValueError:  # an integer of thousands of digits
+        raise CheckpointError(f"{path} holds {too_long_integer()}, which no planc "
+                              f"checkpoint file holds") from None
     except RecursionError:
         raise CheckpointError(f"{path} nests its values too deep to be a planc checkpoint "
                               f"file") from None

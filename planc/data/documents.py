@@ -101,8 +101,18 @@ def _jsonl(path: str, key: str) -> Iterator[tuple[str, int]]:
 
 
 def _unreadable(path: str, exc: Exception) -> SourceError:
-    return SourceError(f"source {path} cannot be read: "
-                       f"{getattr(exc, 'strerror', None) or exc}")
+    """Why a source could not be read, in words about the file: gzip's and zlib's own
+    texts (``Not a gzipped file (b'th')``, ``Error -3 while decompressing``) say what
+    the library met, not what is wrong with the file."""
+    if isinstance(exc, gzip.BadGzipFile):
+        why = "its name ends in .gz and it is not a gzip file"
+    elif isinstance(exc, EOFError):
+        why = "its gzip stream ends early (the file is cut short)"
+    elif isinstance(exc, zlib.error):
+        why = "its gzip stream is damaged"
+    else:
+        why = getattr(exc, "strerror", None) or str(exc)
+    return SourceError(f"source {path} cannot be read: {why}")
 
 
 def _jsonl_text(path: str, number: int, line: bytes, key: str) -> str:

@@ -3,6 +3,8 @@ file has where it should have something else."""
 
 from __future__ import annotations
 
+import sys
+
 
 def json_kind(value) -> str:
     """What JSON calls ``value``'s type: ``null`` for None (never Python's ``NoneType``),
@@ -20,6 +22,14 @@ def json_kind(value) -> str:
     if isinstance(value, dict):
         return "object"
     return type(value).__name__
+
+
+def too_long_integer() -> str:
+    """What a JSON document holds when json.loads raises a plain ValueError (no
+    JSONDecodeError): an integer longer than Python converts from text (CPython's limit
+    against quadratic-time parsing, sys.get_int_max_str_digits), in words that say what
+    the file holds rather than how to raise the limit."""
+    return f"an integer of more than {sys.get_int_max_str_digits():,} digits"
 
 
 # Python's names of the types json.load makes, as JSON calls them.

@@ -10,6 +10,7 @@ from typing import Any
 
 from planc.diagnostics import error
 from planc.host.files import read_regular_file
+from planc.host.json_values import too_long_integer
 from planc.lang.blocks import BlockReader
 from planc.vocabulary.hints import try_values as _try
 from planc.plan.presets import GENERIC, PRESETS, WITHOUT_FP8, Preset, calibrated_preset
@@ -119,9 +120,19 @@ class TopologyReader(BlockReader):
                                 f"{MAX_TOPOLOGY_BYTES // 1024} KB; it is not one planc "
                                 f"calibrate wrote", span)
         try:
-            return calibrated_preset(json.loads(text), path)
-        except (ValueError, UnicodeDecodeError, RecursionError, OverflowError) as exc:
-            reason = "it is not JSON" if isinstance(exc, (json.JSONDecodeError,
-                                                          UnicodeDecodeError)) else str(exc)
-            return self._reject(f"cannot use topology '{path}': {reason}", span,
-                                "write one with planc calibrate -o FILE")
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return self._unusable(path, "it is not JSON", span)
+        except RecursionError:
+            return self._unusable(path, "it nests its values too deep to be a planc "
+                                        "topology", span)
+        except ValueError:  # an integer of thousands of digits
+            return self._unusable(path, f"it holds {too_long_integer()}", span)
+        try:
+            return calibrated_preset(data, path)
+        except (ValueError, RecursionError, OverflowError) as exc:
+            return self._unusable(path, str(exc), span)
+
+    def _unusable(self, path: str, reason: str, span) -> None:
+        return self._reject(f"cannot use topology '{path}': {reason}", span,
+                            "write one with planc calibrate -o FILE")
