@@ -397,6 +397,28 @@ def test_calibrate_under_torchrun_says_why_its_output_cannot_be_written(tmp_path
                          f"process reads; start its reader first\n")
 
 
+def test_calibrate_by_hand_never_replaces_a_file_planc_did_not_write(tmp_path):
+    """python -m planc.runtime.calibrate -o FILE (docs/routes.md, on a cluster) replaced
+    any file; rank 0 now checks -o as planc calibrate does, and every rank stops before
+    measuring anything, rank 0 saying why (status 2, as for a wrong command line)."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    port = str(free_port())
+    ranks = [subprocess.Popen(
+        [sys.executable, "-m", "planc.runtime.calibrate", "--devices-per-node", "2", "-o",
+         str(notes), "--quick", "--repeats", "1"], cwd=ROOT, stderr=subprocess.PIPE,
+        text=True, env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                        "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+        for rank in range(2)]
+    errors = [rank.communicate(timeout=300)[1] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [2, 2]
+    assert errors == [f"planc calibrate: -o {notes}: exists and is not a calibrated "
+                      f"topology that planc wrote; planc never replaces such a file: name "
+                      f"another path, or remove it first\n", ""]
+    assert notes.read_text() == "my notes\n"
+
+
 def test_dev_stdout_on_a_pipe_is_written_into(protected):
     """/dev/stdout on a pipe is a link of /proc to "pipe:[N]", which names no path: it
     was refused as "cannot write there (/proc/N/fd: No such file or directory)"."""

@@ -405,6 +405,14 @@ def calibrate(per_node: int, repeats: int, sizes: tuple[int, ...] = SIZES) -> di
                                measured["overheads"], exp_rate)
 
 
+def output_refusal(path: str, force: bool):
+    """Why ``-o PATH`` may not be written (planc.host.outputs.Refusal), or None."""
+    from planc.host.output_kinds import BY_KEY
+    from planc.host.outputs import Output, first_problem
+
+    return first_problem([Output("-o", path, BY_KEY["topology"])], force)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m planc.runtime.calibrate")
     parser.add_argument("--devices-per-node", type=int, required=True)
@@ -412,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=REPEATS)
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--force", action="store_true",
+                        help="replace a topology file that planc wrote earlier")
     args = parser.parse_args(argv)
     # The allocator settings of the ranks whose instructions this times (planc run's and
     # torchrun's, planc.runtime.engine.host_memory), before gloo starts its threads
@@ -430,6 +440,16 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group(args.backend, timeout=timeout, rank=rank,
                             world_size=world, store=joined_store(world, timeout))
     try:
+        # -o as rank 0 sees it, the rank that writes it, decided for every rank before
+        # any measurement (planc.host.outputs' rule: no file planc did not write as a
+        # topology is replaced)
+        refusal = output_refusal(args.output, args.force) if rank == 0 else None
+        refused = torch.tensor([0 if refusal is None else refusal.status])
+        dist.broadcast(refused, 0)
+        if refused.item():
+            if refusal is not None:
+                print(f"planc calibrate: {refusal.message}", file=sys.stderr)
+            return int(refused.item())
         document = calibrate(args.devices_per_node, args.repeats,
                              QUICK_SIZES if args.quick else SIZES)
         if dist.get_rank() == 0:
