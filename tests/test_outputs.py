@@ -378,21 +378,28 @@ def test_a_calibration_rank_killed_while_writing_leaves_nothing(tmp_path, capfd,
     assert sorted(os.listdir(tmp_path)) == ["wrote"] and not output.exists()
 
 
-def test_calibrate_under_torchrun_says_why_its_output_cannot_be_written(tmp_path):
-    """Started by hand or by torchrun, rank 0 writes the topology itself: one line, and
-    exit status 1, where it raised the OSError."""
-    pipe = tmp_path / "pipe"
-    os.mkfifo(pipe)
+def _calibrated_by_hand(output) -> tuple[list[int], list[str]]:
+    """Two ranks of python -m planc.runtime.calibrate -o ``output``, as torchrun starts
+    them: their exit statuses and standard errors."""
     port = str(free_port())
     ranks = [subprocess.Popen(
         [sys.executable, "-m", "planc.runtime.calibrate", "--devices-per-node", "2", "-o",
-         str(pipe), "--quick", "--repeats", "1"], cwd=ROOT, stderr=subprocess.PIPE,
+         str(output), "--quick", "--repeats", "1"], cwd=ROOT, stderr=subprocess.PIPE,
         text=True, env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2",
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                         "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
         for rank in range(2)]
     errors = [rank.communicate(timeout=300)[1] for rank in ranks]
-    assert [rank.returncode for rank in ranks] == [1, 0]
+    return [rank.returncode for rank in ranks], errors
+
+
+def test_calibrate_under_torchrun_says_why_its_output_cannot_be_written(tmp_path):
+    """Started by hand or by torchrun, rank 0 writes the topology itself: one line, and
+    exit status 1, where it raised the OSError."""
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    codes, errors = _calibrated_by_hand(pipe)
+    assert codes == [1, 0]
     assert errors[0] == (f"planc calibrate: cannot write {pipe}: it is a named pipe that no "
                          f"process reads; start its reader first\n")
 
@@ -403,16 +410,8 @@ def test_calibrate_by_hand_never_replaces_a_file_planc_did_not_write(tmp_path):
     measuring anything, rank 0 saying why (status 2, as for a wrong command line)."""
     notes = tmp_path / "notes.txt"
     notes.write_text("my notes\n")
-    port = str(free_port())
-    ranks = [subprocess.Popen(
-        [sys.executable, "-m", "planc.runtime.calibrate", "--devices-per-node", "2", "-o",
-         str(notes), "--quick", "--repeats", "1"], cwd=ROOT, stderr=subprocess.PIPE,
-        text=True, env={**os.environ, "RANK": str(rank), "WORLD_SIZE": "2",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                        "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
-        for rank in range(2)]
-    errors = [rank.communicate(timeout=300)[1] for rank in ranks]
-    assert [rank.returncode for rank in ranks] == [2, 2]
+    codes, errors = _calibrated_by_hand(notes)
+    assert codes == [2, 2]
     assert errors == [f"planc calibrate: -o {notes}: exists and is not a calibrated "
                       f"topology that planc wrote; planc never replaces such a file: name "
                       f"another path, or remove it first\n", ""]
