@@ -16,7 +16,7 @@ def main(args) -> int:
     from planc.host.files import write_atomically
     from planc.host.output_kinds import GRAPH, marked
     from planc.graph.select import (MAX_UNFOLDED_NODES, Selection, default_selection, select,
-                                    unfolded_size)
+                                    unfolded_size, why_empty)
     from planc.views.graph import render as render_graph
 
     fmt = args.format or (os.path.splitext(args.output)[1].lstrip(".").lower()
@@ -64,9 +64,8 @@ def main(args) -> int:
                     f"(--microbatch 0,1), layers (--layers) or stages (--stage)", EXIT_USAGE)
     view = select(graph, selection)
     if view.number_of_nodes() == 0 and graph.number_of_nodes():  # an empty drawing, exit 0
-        return fail(f"no node of the graph is in {selection.describe()}: the options choose "
-                    f"nothing together (a layer of another stage, an axis with no transfer "
-                    f"in the graph)", EXIT_USAGE)
+        return fail(f"no node of the graph is in {selection.describe()}: "
+                    f"{why_empty(graph, selection)}", EXIT_USAGE)
     title = f"{built.plan.name}: {view.graph['selection']}"
     try:
         data = marked(render_graph.render(view, fmt, title, built.plan), fmt,

@@ -8,7 +8,8 @@ phase and axis, so that a 96-layer plan stays readable.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, fields, replace
 
 import networkx as nx
 
@@ -119,6 +120,54 @@ def _keep(data: dict, selection: Selection, buckets: dict[str, set[int]]) -> boo
     if data["type"] == "transfer":
         return selection.axes is None or data["axis"] in selection.axes
     return not selection.transfers_only
+
+
+# The criteria of a selection that filter nodes (microbatches unfold, they never filter),
+# and the node attribute each one reads; --axis and --transfers-only filter transfers
+# together, so they are one criterion.
+_CRITERIA = {"stages": "stage", "layers": "layer", "phases": "phase", "axes": "axis"}
+
+
+def why_empty(graph: nx.DiGraph, selection: Selection) -> str:
+    """Why ``selection`` keeps no node of ``graph``: the criterion that alone keeps none,
+    or the first two that together keep none, with what the graph holds instead."""
+    buckets = bucket_layers(graph)
+    criteria = [replace(Selection(), **{name: getattr(selection, name)})
+                for name in _CRITERIA if getattr(selection, name) is not None]
+    if selection.transfers_only:
+        transfers = next((c for c in criteria if c.axes is not None), None)
+        criteria = [c for c in criteria if c is not transfers] + [
+            replace(transfers or Selection(), transfers_only=True)]
+
+    def kept(chosen: Selection) -> list[dict]:
+        return [d for _, d in graph.nodes(data=True) if _keep(d, chosen, buckets)]
+
+    everything = list(graph.nodes.values())
+    for alone in criteria:
+        if not kept(alone):
+            return _none_of(alone, everything, "the graph")
+    for first, second in itertools.combinations(criteria, 2):
+        together = replace(first, **{f.name: getattr(second, f.name) for f in fields(second)
+                                     if getattr(second, f.name) != f.default})
+        if not kept(together):
+            return _none_of(second, kept(first), first.describe())
+    return "the options choose nothing together"
+
+
+def _none_of(criterion: Selection, nodes: list[dict], where: str) -> str:
+    """``where`` holds nothing ``criterion`` keeps; what ``nodes`` (its) hold instead:
+    "stage 1 holds no node of layer 0 (stage 1 holds layers 2-3)"."""
+    if criterion.transfers_only:
+        axes = sorted({d["axis"] for d in nodes if d["type"] == "transfer"})
+        on = "" if criterion.axes is None else " on axis " + ", ".join(criterion.axes)
+        instead = f" (its transfers are on axis {', '.join(axes)})" if axes else ""
+        return f"{where} has no transfer{on}{instead}"
+    name = next(name for name in _CRITERIA if getattr(criterion, name) is not None)
+    key = _CRITERIA[name]
+    values = sorted({d[key] for d in nodes if d.get(key) is not None})
+    held = ("" if not values else f" ({where} holds layers {values[0]}-{values[-1]})"
+            if name == "layers" else f" ({where} holds {key} {', '.join(map(str, values))})")
+    return f"{where} holds no node of {criterion.describe()}{held}"
 
 
 def _unfolded_part(graph: nx.DiGraph, selection: Selection,
