@@ -151,8 +151,9 @@ def test_numbers_out_of_range_are_refused_by_plot_and_report(tmp_path, capsys, f
 
 
 @pytest.mark.parametrize("time_s, shown", [
-    (HUGE, "an integer of 401 digits"), (1e-300, "1e-300"), (float("inf"), "inf"), (0, "0")],
-    ids=["huge", "tiny", "infinite", "zero"])
+    (HUGE, "an integer of 401 digits"), (1e-300, "1e-300"), (float("inf"), "Infinity"),
+    (float("nan"), "NaN"), (0, "0")],  # spelled as the file spells it, not Python's inf
+    ids=["huge", "tiny", "infinite", "nan", "zero"])
 def test_a_step_time_out_of_range_is_refused(tmp_path, capsys, time_s, shown):
     records = [_record(k, "f" * 64) for k in range(2)]
     records[1]["time_s"] = time_s

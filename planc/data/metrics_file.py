@@ -140,7 +140,8 @@ def _not_a_step(record) -> str | None:
         return f"has a time_s that is a JSON {json_kind(value)}, not a number of seconds"
     if not seconds(value, positive=True):
         digits = len(str(abs(value))) if isinstance(value, int) else 0
-        shown = f"{value:g}" if isinstance(value, float) else (
+        shown = (f"{value:g}" if math.isfinite(value) else json.dumps(value)) \
+            if isinstance(value, float) else (
             str(value) if digits <= 20 else f"an integer of {digits:,} digits")
         return (f"has a time_s of {shown}; a step's time is above 0, from 1e-100 to 1e100 "
                 f"seconds")
