@@ -746,12 +746,19 @@ def test_a_diagnostic_of_an_override_names_the_option_that_gave_it(run_planc, tm
         "planc diff: error: argument --set-b: 'mesh.tp' has no '='; write KEY=VALUE, such "
         "as mesh.tp=2\n")
     metrics = tmp_path / "m.jsonl"
-    metrics.write_text('{"step": 0, "loss": 4.0, "time_s": 0.5, "ep_imbalance": 1.3}\n')
-    done = run_planc("simulate", plan, "--imbalance-from", metrics)
+    metrics.write_text('{"step": 0, "loss": 4.0, "time_s": 0.5, "ep_imbalance": 99}\n')
+    done = run_planc("simulate", PLANS / "moe-tiny.plan", "--imbalance-from", metrics)
     assert done.returncode == 1
     assert done.stderr.splitlines()[1] == (
-        f"--imbalance-from {metrics}: model.imbalance=1.3:1:7: error: unknown key "
-        f"'imbalance' in model llama {{ }}")
+        f"--imbalance-from {metrics}: model.imbalance=99:1:17: error: imbalance (99) must be "
+        f"at most experts / top_k (4): the busiest expert takes each token at most once")
+    # a plan without experts: refused before anything is read or printed (it printed
+    # "model.imbalance = 1.3", then "unknown key 'imbalance' in model llama { }")
+    metrics.write_text('{"step": 0, "loss": 4.0, "time_s": 0.5, "ep_imbalance": 1.3}\n')
+    done = run_planc("simulate", plan, "--imbalance-from", metrics)
+    assert (done.returncode, done.stderr) == (1, (
+        "planc: error: --imbalance-from sets model.imbalance, the routing's imbalance of a "
+        "mixture of experts, and plan llama_tiny is model llama, which has no experts\n"))
 
 
 def test_report_is_one_offline_page(tmp_path, run_planc):

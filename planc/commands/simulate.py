@@ -103,6 +103,19 @@ def pricing(args) -> dict:
             "restart_seconds": RESTART_S if args.restart is None else args.restart}
 
 
+def _without_experts(args) -> str | None:
+    """"plan X is model gpt, which has no experts" where the plan file (with the command
+    line's --set) loads and its model takes no ``imbalance``; None otherwise (a plan that
+    does not load says why when the command loads it)."""
+    from planc.lang import load_file
+    from planc.models import FAMILIES
+
+    loaded = load_file(args.file, getattr(args, "set", None) or ())
+    if not loaded.ok or "imbalance" in FAMILIES[loaded.plan.model.family].keys:
+        return None
+    return f"plan {loaded.plan.name} is model {loaded.plan.model.family}, which has no experts"
+
+
 def measured_imbalance(args) -> str | None:
     """--imbalance-from M.jsonl: the median ``ep_imbalance`` of a run's steps becomes the
     plan's ``model.imbalance`` (an override, as --set), or why it cannot."""
@@ -115,6 +128,10 @@ def measured_imbalance(args) -> str | None:
     if os.path.isdir(args.file):
         return (f"--imbalance-from sets model.imbalance, an override of the plan file: give "
                 f"the plan file, not the build {args.file}")
+    without = _without_experts(args)
+    if without is not None:
+        return (f"--imbalance-from sets model.imbalance, the routing's imbalance of a "
+                f"mixture of experts, and {without}")
     records, problem, cut = read_metrics(args.imbalance_from)
     if problem:
         return problem
