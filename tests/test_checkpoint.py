@@ -532,7 +532,7 @@ def test_bad_checkpoint_flags_are_one_line_and_exit_2(tmp_path, capfd):
         assert _refused([plan, "--checkpoint-dir", tmp_path / "c", flag, value], capfd,
                         tmp_path, 2) == f"planc: error: {flag} must be a number of steps " \
                                         f"from 1 to 10^12"
-    assert "is the plan file, which this command reads" in _refused(
+    assert "is the plan file this command reads" in _refused(
         [plan, "--checkpoint-dir", plan], capfd, tmp_path, 2)
     other = tmp_path / "other.txt"
     other.write_text("x")

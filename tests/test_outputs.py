@@ -251,7 +251,7 @@ def test_the_messages_say_what_each_protected_path_is(protected, capfd):
     root, holder_pid, one = protected
     graph = ["graph", str(root / "my.plan"), "--format", "dot", "-o"]
     expected = {
-        "my.plan": "is the plan file, which this command reads; name another path",
+        "my.plan": "is the plan file this command reads; name another path",
         "build/plan.json": f"is plan.json of the build {root / 'build'}, which planc compile "
                            f"and planc run write; name a path outside them",
         "build/programs/ranks.json": f"is inside programs of the build {root / 'build'}, which "
@@ -468,14 +468,12 @@ def test_export_refuses_its_own_checkpoint_and_plot_its_own_input(protected, cap
     before = _tree(root)
     assert main(["export", str(root / "ckpt"), "--format", "hf", "-o", str(root / "ckpt")]) == 2
     assert capfd.readouterr().err == (f"planc: error: -o {root / 'ckpt'}: is the checkpoint "
-                                      f"directory, which this command reads; name another "
-                                      f"path\n")
+                                      f"directory this command reads; name another path\n")
     shutil.copy(root / "m.jsonl", root / "mm.png")  # a metrics file with a .png name
     before = _tree(root)
     assert main(["plot", str(root / "mm.png"), "-o", str(root / "mm.png")]) == 2
     assert capfd.readouterr().err == (f"planc: error: -o {root / 'mm.png'}: is a metrics "
-                                      f"file it draws, which this command reads; name "
-                                      f"another path\n")
+                                      f"file this command reads; name another path\n")
     assert _tree(root) == before
     (root / "mm.png").unlink()
 

@@ -49,8 +49,8 @@ def prepare_main(args) -> int:
     from planc.host import outputs
     from planc.host.output_kinds import TOKENS
 
-    inputs = [("a source it reads", source) for source in args.sources] + \
-        [("the tokenizer it reads", args.tokenizer)]
+    inputs = [("a source", source) for source in args.sources] + \
+        [("the tokenizer", args.tokenizer)]
     refusal = outputs.first_problem(
         [outputs.Output("-o", args.output, TOKENS),
          outputs.Output("-o", description_path(args.output), TOKENS)],

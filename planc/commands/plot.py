@@ -20,7 +20,7 @@ def main(args) -> int:
     from planc.host.output_kinds import PLOT, marked
     from planc.views.curves import CurveError, curve, distinct, draw
 
-    refused = outputs_refused(args, [("a metrics file it draws", path)
+    refused = outputs_refused(args, [("a metrics file", path)
                                      for path in args.metrics])
     if refused is not None:
         return refused

@@ -84,8 +84,8 @@ def problem(output: Output, force: bool = False, append: bool = False,
     real = real_path(path)  # a symbolic link: its target is what is written
     for what, given in inputs:
         if given and _same(real, given):
-            return Refusal(f"{shown}: is {what}, which this command reads; name another "
-                           f"path", EXIT_USAGE)
+            return Refusal(f"{shown}: is {what} this command reads; name another path",
+                           EXIT_USAGE)
     refusal = _inside_something(shown, real, kind)
     if refusal is not None:
         return refusal
