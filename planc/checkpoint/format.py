@@ -55,8 +55,10 @@ STEP_DIR = re.compile(r"step-([0-9]{6,})")
 # behind by a run killed between writing and renaming one) and the lock of the run
 # writing it (planc.host.locks).
 STRAY_TEMPORARY = re.compile(re.escape(TEMPORARY_PREFIX) + r"[A-Za-z0-9_]+")
-# a step directory being written (staging) or replaced: never read as a checkpoint
-IN_PROGRESS = re.compile(r"\.step-\d{6,}\.(partial|old-.*)")
+# a step directory being written (staging: what a run that stopped leaves, and removes
+# once it holds the lock) or replaced: never read as a checkpoint
+STAGING = re.compile(r"\.step-\d{6,}\.partial")
+IN_PROGRESS = re.compile(STAGING.pattern + r"|\.step-\d{6,}\.old-.*")
 _OURS = re.compile(r"^(step-\d{6,}|latest|" + IN_PROGRESS.pattern + r"|\.latest\..*|"
                    + STRAY_TEMPORARY.pattern + r"|\.lock)$")
 

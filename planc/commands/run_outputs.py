@@ -110,10 +110,9 @@ def remove_staging(directory: str) -> None:
     """After a run, while its lock on ``directory`` is still held: the staging
     directories of checkpoints it did not finish (a full disk, a failed or stopped rank),
     which nothing reads and which would hold the space (planc.checkpoint.format)."""
-    import re
     from pathlib import Path
 
-    from planc.checkpoint.format import not_ours
+    from planc.checkpoint.format import STAGING, not_ours
 
     try:
         names = os.listdir(directory)
@@ -122,7 +121,7 @@ def remove_staging(directory: str) -> None:
     for name in names:
         path = os.path.join(directory, name)
         # only what a checkpoint's writing leaves: never a file of yours put there
-        if re.fullmatch(r"\.step-[0-9]{6,}\.partial", name) and not os.path.islink(path) \
+        if STAGING.fullmatch(name) and not os.path.islink(path) \
                 and not_ours(Path(directory), name) is None:
             shutil.rmtree(path, ignore_errors=True)
 
