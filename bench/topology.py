@@ -103,7 +103,8 @@ def worker(args) -> None:
 
     from planc.program.routes import hierarchical, tree
     from planc.runtime.engine import routes as runtime_routes
-    from planc.runtime.calibrate import calibrate, timed
+    from planc.runtime.calibrate import calibrate
+    from planc.runtime.calibrate_device import timed
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -8,7 +8,8 @@ import os
 import sys
 import time
 
-from planc.commands import EXIT_OK, MAX_LOCAL_RANKS, fail, missing_runtime
+from planc.commands import EXIT_OK, EXIT_USAGE, MAX_LOCAL_RANKS, fail, missing_runtime
+from planc.plan.data_source import paths_of
 
 
 def checkpoint_found(args):
@@ -108,3 +109,52 @@ def resume_problem(args, found, plan, buckets: dict | None) -> str | None:
     if problem is None and args.check:
         problem = checkpoint.problems_checking(found.manifest, record)
     return problem
+
+
+def before_compiling(args, found, plan) -> int:
+    """EXIT_OK if the plan file can run as far as it can be told before it is compiled:
+    the checkpoint to resume fits it, and its token files are there, readable and hold a
+    sample (their ids are scanned once the build is verified). Else no build is written."""
+    status = resumable(args, found, plan)
+    if status != EXIT_OK:
+        return status
+    from planc.data.tokens import DataError, check_file
+    from planc.runtime.engine.data import evaluation_file
+
+    named = (plan.train.data, evaluation_file(plan))
+    try:
+        for token_file in (file for data in named if data not in (None, "synthetic")
+                           for file in paths_of(data)):
+            check_file(token_file, seq=plan.model.seq)
+    except DataError as exc:
+        return fail(f"{exc}; nothing was run")
+    return EXIT_OK
+
+
+def resumable(args, found, plan, buckets=None) -> int:
+    """EXIT_OK if ``plan`` can continue from the checkpoint found (None: no --resume), else
+    EXIT_ERRORS after saying why: another model or optimizer, no step left to run; with
+    --check, steps of the checkpoint trained on other data. Checked on the plan before it
+    is compiled, and again on the build's parameters."""
+    if found is None:
+        return EXIT_OK
+    from planc.checkpoint import format as checkpoint
+    from planc.checkpoint.training_record import TrainingRecord
+
+    problem = resume_problem(args, found, plan, buckets)
+    if problem is not None:
+        return fail(f"--resume {found.directory}: {problem}; nothing was run")
+    if args.metrics and os.path.isfile(args.metrics) and os.path.getsize(args.metrics):
+        from planc.data.metrics_file import read_metrics
+
+        records = read_metrics(args.metrics).records or []  # its problems: _refused's
+        other = next((r.get("plan") for r in reversed(records) if r.get("plan")), None)
+        if other is not None and other != plan.name:
+            return fail(f"--metrics {args.metrics}: holds the steps of plan {other}, and this "
+                        f"run trains plan {plan.name}: a resumed run continues its own "
+                        f"run's metrics; name another file", EXIT_USAGE)
+    if buckets is not None:
+        record = TrainingRecord.of(plan.to_dict())
+        for note in checkpoint.resume_notes(found.manifest, record):
+            print(f"planc: warning: {note}", file=sys.stderr)
+    return EXIT_OK

@@ -147,8 +147,8 @@ def measure_instructions(per_node: int, repeats: int, rate: float, bandwidth: fl
 
 
 # The device's one fixed cost of a compute instruction, for the operators not timed
-# above (planc.runtime.calibrate.measure_overhead): the runtime's forward step of a tiny operator
-# (its inputs and parameter made autograd leaves, the parameter cast to the model's
+# above (planc.runtime.calibrate_device.measure_overhead): the runtime's forward step of a
+# tiny operator (its inputs and parameter made autograd leaves, the parameter cast to the model's
 # dtype, the operator run with a graph: planc.runtime.engine.kernels.Kernels.forward) and its
 # backward step (torch.autograd.grad of that one step: Kernels.backward), timed over
 # OVERHEAD_CALLS back to back, every rank at once, so that on a CPU shared by more ranks
