@@ -93,14 +93,8 @@ def test_a_stopped_rank_is_named_and_stops_the_run_after_the_timeout(stuck):
 def test_every_live_rank_reports_before_the_world_goes_down(stuck4):
     """Four ranks, one stopped: the three others each say what they wait for (issue 20:
     only two of them did, the launcher killed the rest first)."""
-    process = start(stuck4, "--timeout", "5")
-    try:
-        pids = wait_for_training(process, 4)
-        os.kill(pids[3], signal.SIGSTOP)
-        _, err = process.communicate(timeout=90)
-    finally:
-        kill_all(process)
-    assert process.returncode == 1
+    returncode, err = _signalled_in_training(stuck4, 3, signal.SIGSTOP, "5")
+    assert returncode == 1
     for rank in (0, 1, 2):
         assert re.search(rf"^\[rank {rank}\] rank {rank} \(stage \d, tp 0, cp 0, dp \d\) "
                          rf"(made no progress for 5 s|lost a peer) in step 0; its streams "
@@ -109,6 +103,31 @@ def test_every_live_rank_reports_before_the_world_goes_down(stuck4):
     assert re.search(r"^planc: rank 3 was stopped \(by SIGSTOP or a debugger\) for \d+ s; "
                      r"the run was stopped$", err, re.M), err
     assert "did not report" not in err
+
+
+def test_a_rank_killed_by_a_signal_is_the_cause_and_its_peers_are_named_in_one_line(stuck4):
+    """Four ranks waiting in step 0, rank 0 killed: its peers lose their connections and
+    report it in their logs (a lost peer), which the console leaves out for one line
+    after the cause; the launcher's lines are exactly these two."""
+    returncode, err = _signalled_in_training(stuck4, 0, signal.SIGKILL, "600")
+    assert returncode == 1
+    assert "lost a peer" not in err and "Traceback" not in err
+    assert [line for line in err.splitlines() if not line.startswith("planc: running")] == [
+        "planc: rank 0 killed by signal 9",
+        "planc: ranks 1, 2, 3 were stopped because rank 0 failed"], err
+
+
+def _signalled_in_training(build, rank: int, signum: int, timeout: str) -> tuple[int, str]:
+    """A run of four ranks whose ``rank`` gets ``signum`` once all are training: its
+    return code and stderr."""
+    process = start(build, "--timeout", timeout)
+    try:
+        pids = wait_for_training(process, 4)
+        os.kill(pids[rank], signum)
+        _, err = process.communicate(timeout=90)
+    finally:
+        kill_all(process)
+    return process.returncode, err
 
 
 def _stopped_while_starting(build) -> tuple[int, str]:

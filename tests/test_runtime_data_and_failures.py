@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -181,7 +182,53 @@ def test_a_rank_that_raises_brings_the_run_down_with_its_traceback(tmp_path, cap
     assert status == 1
     assert "planc: rank 1 exited with status 1" in err
     assert "planc: traceback of rank 1, the first to fail:" in err
-    assert "KeyError: ('B/final_ln', 0)" in err
+    # once, after the launcher's lines (rank 1 keeps it in its log directory's error.txt),
+    # and rank 0's report of the peer it lost left out for one line
+    assert err.count("KeyError: ('B/final_ln', 0)") == 1 and "[rank 1] Traceback" not in err
+    assert "lost a peer" not in err
+    assert "planc: rank 0 was stopped because rank 1 failed" in err
+
+
+def test_a_bad_batch_read_by_several_ranks_is_reported_once(tmp_path):
+    """Token ids beyond the vocabulary written into the data file while the run trains
+    (its identity kept): both tensor-parallel ranks read the same batch and stop on the
+    same error, which the console shows once, the ranks each named once after it."""
+    from tests.launched import kill_all, start, wait_for_training
+
+    tokens = tmp_path / "tokens.bin"
+    tokens.write_bytes(b"".join((t % 128).to_bytes(2, "little") for t in range(4000)))
+    (tmp_path / "f.plan").write_text(plan_text("bad_batch", mesh="tp = 2").replace(
+        "seed = 3 }", f'seed = 3; data = "{tokens}" }}'))
+    assert main(["compile", str(tmp_path / "f.plan"), "-o", str(tmp_path / "b")]) == 0
+    process = start(tmp_path / "b", "--steps", "100000", "--timeout", "60")
+    try:
+        wait_for_training(process, 2)
+        before = tokens.stat()
+        with open(tokens, "r+b") as handle:
+            handle.write((300).to_bytes(2, "little") * 4000)
+        os.utime(tokens, ns=(before.st_atime_ns, before.st_mtime_ns))
+        _, err = process.communicate(timeout=120)
+    finally:
+        kill_all(process)
+    assert process.returncode == 1
+    assert "lost a peer" not in err and "Traceback" not in err
+    progress = re.compile(r"\[rank \d\] \[[#-]+\] step ")
+    lines = [line for line in err.splitlines() if not progress.match(line)]
+    assert lines[0].startswith("planc: running bad_batch"), err
+    # the cause once, from the rank whose line came first
+    assert re.fullmatch(rf"\[rank [01]\] planc: error: data file {tokens} holds token id "
+                        rf"300 \(.*\), not below vocab = 128", lines[1]), err
+    shown = int(lines[1][6])
+    other = 1 - shown
+    same = f"with the same error as rank {shown} (above)"
+    # each rank named once, however the two stops interleaved: the other one exited or
+    # was stopped after printing the same error, or was stopped before it read the batch
+    assert len(lines) == 4 and {lines[2], lines[3]} in [{a, b} for a in (
+        f"planc: rank {shown} exited with status 1",
+        f"planc: rank {shown} failed with the error above") for b in (
+        f"planc: rank {other} exited with status 1, {same}",
+        f"planc: rank {other} failed {same}",
+        f"planc: rank {other} was stopped because rank {shown} failed")], err
 
 
 def test_an_instruction_without_its_kernel_stops_an_unverified_run_in_one_line(

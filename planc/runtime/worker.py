@@ -44,8 +44,8 @@ from planc.program.step_code import StepCodeError
 from planc.runtime.engine.executor import PEER_GONE, CpuExecutor, CudaExecutor, Hang, PeerLost
 from planc.runtime.engine.bound import UnboundInstruction
 from planc.runtime.engine.interpreter import Interpreter
-from planc.runtime.launcher.protocol import (ERROR_FILE, EXIT_HANG, REPORT_FILE, STEPS_FILE,
-                                             TRAINING_FILE)
+from planc.runtime.launcher.protocol import (ERROR_FILE, EXIT_HANG, LOST_PEER_FILE,
+                                             REPORT_FILE, STEPS_FILE, TRAINING_FILE)
 from planc.runtime.engine.data import DataError
 from planc.runtime.launcher.rendezvous import joined_store, launched_rank
 from planc.runtime.options import RunOptions
@@ -60,11 +60,12 @@ PEER_LOST_GRACE_S = 5.0
 class Stuck(Exception):
     """The rank's streams stopped making progress; ``report`` says what each waits for.
     The rank must leave with os._exit: streams blocked inside a transfer cannot be
-    joined."""
+    joined. ``lost_peer``: it stopped because a peer went away, whose failure is the
+    cause."""
 
-    def __init__(self, report: str, linger: float):
+    def __init__(self, report: str, linger: float, lost_peer: bool = False):
         super().__init__(report)
-        self.report, self.linger = report, linger
+        self.report, self.linger, self.lost_peer = report, linger, lost_peer
 
 
 def _leader(ctx: RankContext) -> bool:
@@ -98,7 +99,7 @@ class StartupWatch:
             if not any(gone in str(exc) for gone in PEER_GONE):
                 raise
             raise Stuck(f"rank {self.rank} lost a peer while {what}",
-                        linger=PEER_LOST_GRACE_S) from None
+                        linger=PEER_LOST_GRACE_S, lost_peer=True) from None
         finally:
             timer.cancel()
 
@@ -245,12 +246,12 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
         # The peer that failed may still be exiting; leaving first would make this rank
         # the launcher's first failure and hide the cause. The launcher stops this rank
         # as soon as it sees the peer's failure.
-        raise Stuck(str(lost), linger=PEER_LOST_GRACE_S) from None
+        raise Stuck(str(lost), linger=PEER_LOST_GRACE_S, lost_peer=True) from None
     except RuntimeError as exc:  # a collective outside the executor's (a checkpoint's)
         if not any(gone in str(exc) for gone in PEER_GONE):
             raise
         raise Stuck(f"rank {rank} lost a peer: {exc}".split("\n")[0],
-                    linger=PEER_LOST_GRACE_S) from None
+                    linger=PEER_LOST_GRACE_S, lost_peer=True) from None
     except DataError as exc:
         raise SystemExit(f"planc: error: {exc}") from None
     executor.close()
@@ -370,13 +371,20 @@ def run(options: RunOptions, log_dir: str | None = None) -> int:
         print(f"planc: error: {exc}", file=sys.stderr)
         return 1
     except Stuck as stuck:
-        _leave_stuck(stuck.report, stuck.linger, log_dir)
+        _leave_stuck(stuck.report, stuck.linger, log_dir, stuck.lost_peer)
 
 
-def _leave_stuck(report: str, linger: float, log_dir: str | None) -> NoReturn:
+def _leave_stuck(report: str, linger: float, log_dir: str | None,
+                 lost_peer: bool = False) -> NoReturn:
     """Say what the rank waits for, tell planc run's launcher (which waits for every
     rank's report before it stops them all), stay ``linger`` seconds for the other ranks
-    to notice and report too, and leave without joining the blocked streams."""
+    to notice and report too, and leave without joining the blocked streams. A report of
+    a lost peer is marked first (where it begins in stderr.log), so that the launcher
+    can leave it out when the peer's own failure says why."""
+    if lost_peer and log_dir is not None:
+        sys.stderr.flush()
+        _tell_launcher(os.path.join(log_dir, LOST_PEER_FILE),
+                       str(os.fstat(sys.stderr.fileno()).st_size))
     print(report, file=sys.stderr, flush=True)
     if log_dir is not None:
         _tell_launcher(os.path.join(log_dir, REPORT_FILE), report)
@@ -405,16 +413,19 @@ def _exit_status(code) -> int:
 
 def run_rank(options: RunOptions, log_dir: str) -> int:
     """One rank under planc run's launcher: its exit status, with an exception's
-    traceback printed and kept in ``LOG_DIR/error.txt`` for the launcher's report."""
+    traceback kept in ``LOG_DIR/error.txt`` for the launcher's report, which shows it
+    once (printed here only where that file cannot be written)."""
     try:
         return run(options, log_dir)
     except SystemExit as exc:
         return _exit_status(exc.code)
     except BaseException:  # the launcher shows it as the failure's cause
         text = traceback.format_exc()
-        print(text, file=sys.stderr, end="")
-        with open(os.path.join(log_dir, ERROR_FILE), "w", encoding="utf-8") as handle:
-            handle.write(text)
+        try:
+            with open(os.path.join(log_dir, ERROR_FILE), "w", encoding="utf-8") as handle:
+                handle.write(text)
+        except OSError:
+            print(text, file=sys.stderr, end="")
         return 1
 
 

@@ -20,10 +20,14 @@ see planc.runtime.worker):
   dies with it. The fork server and multiprocessing's resource tracker write to
   ``launcher.log`` in the run's log directory, never to the caller's terminal or pipe.
 - **One failure stops all.** When a rank exits with a non-zero status, every other rank
-  is killed at once and the first failure's traceback is shown. When a rank stops making
-  progress (it reports what its streams wait for after ``--timeout`` seconds, also while
-  it starts) or is stopped (SIGSTOP) for ``--timeout`` seconds, every other live rank
-  is given the time to report too, then all are stopped.
+  is killed at once and the first failure's traceback is shown. The cause is shown
+  once: the same one-line error from several ranks (which read the same bad batch) is
+  copied from the first only, and the other ranks' reports of the peer they lost are
+  left out for one line that names them (a rank marks where such a report begins, in
+  its log). When a rank stops making progress (it reports what its streams wait for
+  after ``--timeout`` seconds, also while it starts) or is stopped (SIGSTOP) for
+  ``--timeout`` seconds, every other live rank is given the time to report too, then
+  all are stopped.
 - **Ctrl-C at any moment.** From the first line of ``planc run`` (planc.host.interrupts) a
   signal is never lost: while torch is imported and while a rank's process is made it
   is recorded and acted on right after; the wait for the fork server to answer, which
@@ -50,12 +54,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from planc.host.interrupts import Interrupts, blocked_in_children
-from planc.runtime.launcher.protocol import (EXIT_HANG, REPORT_FILE, STEPS_FILE,
-                                             TRAINING_FILE)
+from planc.runtime.launcher.protocol import (EXIT_HANG, LOST_PEER_FILE, REPORT_FILE,
+                                             STEPS_FILE, TRAINING_FILE)
 from planc.runtime.launcher.rank_process import (PR_SET_CHILD_SUBREAPER, prctl, rank_process,
                                                  start_time, stat_fields)
 from planc.runtime.launcher.rendezvous import private_store, rank_environment, remove_store
-from planc.runtime.launcher.reports import failure_report, hang_report
+from planc.runtime.launcher.console import copy_output
+from planc.runtime.launcher.reports import failure_report, hang_report, stopped_line
 from planc.runtime.options import RunOptions
 
 POLL_S = 0.05
@@ -91,6 +96,9 @@ class _Rank:
     offsets: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
     partial: dict[str, bytes] = field(default_factory=lambda: {"stdout": b"", "stderr": b""})
     stopped_since: float | None = None
+    lost_peer_at: int | None = None  # where its report of a lost peer begins in stderr.log
+    errors: list[str] = field(default_factory=list)  # its one-line errors copied
+    same_as: int | None = None  # the rank whose one-line error it printed too
 
     def reported(self) -> bool:
         """Whether the rank has reported what its streams wait for."""
@@ -99,6 +107,16 @@ class _Rank:
     def training(self) -> bool:
         """Whether the rank has started its first step."""
         return os.path.exists(os.path.join(self.log_dir, TRAINING_FILE))
+
+    def lost_peer(self) -> int | None:
+        """Where the rank's report of a lost peer begins in its stderr.log, or None."""
+        if self.lost_peer_at is None:
+            try:
+                with open(os.path.join(self.log_dir, LOST_PEER_FILE), encoding="utf-8") as f:
+                    self.lost_peer_at = int(f.read())
+            except (OSError, ValueError):
+                pass
+        return self.lost_peer_at
 
     def steps_done(self) -> int | None:
         """The steps the run had finished, as the leader last counted them (None: no
@@ -188,7 +206,7 @@ def _launch(options: RunOptions, world: int, interrupts: Interrupts,
             if outcome is not None:
                 return outcome
             _stop(ranks)
-            _copy_output(ranks)
+            copy_output(ranks, lost_peers=True)
             started = any(e.process.pid is not None for e in ranks)
             print(f"\nplanc: interrupted by signal {interrupts.received}; "
                   f"{'every rank was stopped' if started else 'no rank had started'}",
@@ -327,7 +345,7 @@ def _watch(ranks: list[_Rank], timeout: float, interrupts: Interrupts,
     failed: list[_Rank] = []
     reports_due = lost_since = None
     while interrupts.received is None:
-        _copy_output(ranks)
+        copy_output(ranks)
         now = time.monotonic()
         for entry in ranks:
             code = entry.process.exitcode
@@ -347,13 +365,21 @@ def _watch(ranks: list[_Rank], timeout: float, interrupts: Interrupts,
         if crashed and not (killed and now - lost_since < LOSS_GRACE_S):
             steps = _steps_done(ranks)
             _stop(ranks)
-            _copy_output(ranks)
+            copy_output(ranks)  # without the others' reports of the peer they lost
+            # stopped here after printing their own one-line error: they failed too
+            erred = [e for e in ranks
+                     if e not in crashed and (e.errors or e.same_as is not None)]
+            # the ranks that did not fail by themselves: stopped here, or for want of a peer
+            stopped = [e for e in ranks if e not in crashed and e not in erred
+                       and e.process.exitcode != 0]
             if killed:  # the others failed for want of them
                 print("\n".join(f"planc: rank {r} killed by signal "
                                 f"{-ranks[r].process.exitcode}: taken as lost, with its "
                                 f"device" for r in sorted(killed)), file=sys.stderr)
+                if stopped:
+                    print(stopped_line(stopped, crashed + erred), file=sys.stderr)
                 return Outcome(1, tuple(sorted(killed)), failed_at, steps)
-            print(failure_report(crashed), file=sys.stderr)
+            print(failure_report(crashed, stopped, erred), file=sys.stderr)
             return Outcome(1)
         stopped = [e for e in ranks if e.stopped_since is not None
                    and now - e.stopped_since >= timeout]
@@ -367,18 +393,18 @@ def _watch(ranks: list[_Rank], timeout: float, interrupts: Interrupts,
                 continue
             steps = _steps_done(ranks)
             _stop(ranks)
-            _copy_output(ranks)
+            copy_output(ranks, lost_peers=True)  # no rank failed: what each waited for
             print(hang_report(ranks, now, silent, _reports_grace(timeout)), file=sys.stderr)
             # a stopped rank is what the others wait for, however long it has been
             lost = tuple(e.rank for e in ranks if e.stopped_since is not None) \
                 if lost_devices else ()
             return Outcome(1, lost, time.time() if lost else None, steps)
         if all(e.process.exitcode == 0 for e in ranks):
-            _copy_output(ranks)
+            copy_output(ranks, lost_peers=True)
             return Outcome(0)
         if until is not None and lost_since is None and until():
             _stop(ranks)
-            _copy_output(ranks)
+            copy_output(ranks, lost_peers=True)
             return Outcome(None, steps_done=_steps_done(ranks))
         time.sleep(POLL_S)
     return None
@@ -414,28 +440,3 @@ def _stop(ranks: list[_Rank]) -> None:
                 pass
     for entry in started:
         entry.process.join(timeout=10)
-
-
-def _copy_output(ranks: list[_Rank]) -> None:
-    """New complete lines of every rank's output, to this console with ``[rank R]``."""
-    for entry in ranks:
-        for stream, console in (("stdout", sys.stdout), ("stderr", sys.stderr)):
-            path = os.path.join(entry.log_dir, f"{stream}.log")
-            try:
-                with open(path, "rb") as handle:
-                    handle.seek(entry.offsets[stream])
-                    data = handle.read()
-            except OSError:
-                continue
-            if not data:
-                continue
-            entry.offsets[stream] += len(data)
-            data = entry.partial[stream] + data
-            *lines, entry.partial[stream] = data.split(b"\n")
-            if entry.process.exitcode is not None and entry.partial[stream]:
-                lines.append(entry.partial[stream])
-                entry.partial[stream] = b""
-            for line in lines:
-                console.write(f"[rank {entry.rank}] "
-                              f"{line.decode('utf-8', errors='replace')}\n")
-            console.flush()

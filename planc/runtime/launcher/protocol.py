@@ -7,3 +7,7 @@ ERROR_FILE = "error.txt"  # the traceback of a rank that failed
 REPORT_FILE = "hang.txt"  # what the rank's streams wait for, once it stopped progressing
 TRAINING_FILE = "training"  # the rank has started its first step
 STEPS_FILE = "steps"  # the leader's count of steps finished, rewritten after each
+# where in the rank's stderr.log its report of a lost peer begins (a byte offset), written
+# before the report: a peer's failure is the cause, the launcher shows the report only
+# when no rank failed by itself
+LOST_PEER_FILE = "lost-peer"

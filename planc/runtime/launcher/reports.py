@@ -9,14 +9,26 @@ import os
 from planc.runtime.launcher.protocol import ERROR_FILE, EXIT_HANG
 
 
-def failure_report(failed: list) -> str:
-    """What failed, and the traceback of the first rank to fail."""
-    lines = []
-    for entry in sorted(failed, key=lambda e: e.rank):
+def failure_report(failed: list, stopped: list = (), erred: list = ()) -> str:
+    """What failed: the ranks that exited (``failed``, the first first) and those stopped
+    after their own one-line error (``erred``), a rank that printed another's error
+    (``same_as``: the launcher showed it once) said so, ranks with the same words in one
+    line; the ranks ``stopped`` for it in one line; the traceback of the first to fail."""
+    said: dict[str, list] = {}
+    for entry in sorted([*failed, *erred], key=lambda e: e.rank):
         code = entry.process.exitcode
-        what = f"killed by signal {-code}" if code is not None and code < 0 else \
-            f"exited with status {code}"
-        lines.append(f"planc: rank {entry.rank} {what}")
+        if entry in erred:
+            what = "failed with the error above" if entry.same_as is None else \
+                f"failed with the same error as rank {entry.same_as} (above)"
+        else:
+            what = f"killed by signal {-code}" if code is not None and code < 0 else \
+                f"exited with status {code}"
+            if entry.same_as is not None:
+                what += f", with the same error as rank {entry.same_as} (above)"
+        said.setdefault(what, []).append(entry)
+    lines = [f"planc: {_named(entries)} {what}" for what, entries in said.items()]
+    if stopped:
+        lines.append(stopped_line(stopped, [*failed, *erred]))
     first = failed[0]
     try:
         with open(os.path.join(first.log_dir, ERROR_FILE), encoding="utf-8",
@@ -28,6 +40,20 @@ def failure_report(failed: list) -> str:
         lines.append(f"planc: traceback of rank {first.rank}, the first to fail:")
         lines.append(trace)
     return "\n".join(lines)
+
+
+def stopped_line(stopped: list, failed: list) -> str:
+    """One line for the ranks stopped because others failed (each one's own report of
+    the peer it lost is left out: the failure above is the cause)."""
+    verb = "was" if len(stopped) == 1 else "were"
+    return f"planc: {_named(stopped)} {verb} stopped because {_named(failed)} failed"
+
+
+def _named(entries: list) -> str:
+    """'rank 3', or 'ranks 0, 2, 5'."""
+    numbers = sorted(e.rank for e in entries)
+    return f"rank {numbers[0]}" if len(numbers) == 1 else \
+        f"ranks {', '.join(map(str, numbers))}"
 
 
 def hang_report(ranks: list, now: float, silent: list, grace: float) -> str:
