@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from planc.estimate import memory, parameter_counts
+from planc.estimate import in_flight, memory, parameter_counts
 from planc.lang import load_file, load_text
 from tests.conftest import PLANS
 
@@ -459,7 +459,7 @@ plan pipe {{
 ])
 def test_microbatches_in_flight(pp, m, schedule, virtual, expected):
     plan = pipeline_plan(pp, m, schedule, virtual)
-    assert [memory.microbatches_in_flight(plan, i) for i in range(pp)] == expected
+    assert [in_flight.microbatches_in_flight(plan, i) for i in range(pp)] == expected
     assert [s.microbatches_in_flight for s in memory.estimate(plan).stages] == expected
 
 
@@ -655,8 +655,8 @@ def test_the_head_stage_holds_the_logits_of_the_last_chunks_microbatches_only(
 
     small, large = plan(128), plan(1128)
     assert small.head_stage == stage
-    assert memory.head_microbatches_in_flight(small) == logits
-    assert memory.microbatches_in_flight(small, stage) == chunks
+    assert in_flight.head_microbatches_in_flight(small) == logits
+    assert in_flight.microbatches_in_flight(small, stage) == chunks
     grown = (memory.stage_activation_bytes(large, stage)[0]
              - memory.stage_activation_bytes(small, stage)[0])
     reads = (memory.weight_gradient_reads_bytes(large, stage)
@@ -976,7 +976,7 @@ def test_attention_inputs_holds_one_layer_s_attention_inputs_while_it_makes_them
         plan = load_text(plan_text("p", mesh=mesh, m=2, optimize=f"recompute = {recompute}")
                          ).plan
         held, _ = memory.stage_activation_bytes(plan, 0)
-        return held - memory.layers_in_flight(plan, 0) * memory.layer_activation_bytes(plan)
+        return held - in_flight.layers_in_flight(plan, 0) * memory.layer_activation_bytes(plan)
 
     seq, m = 16 // (2 if gathered else 1), load_text(plan_text("p", m=2)).plan.model
     tokens = seq * 4

@@ -722,7 +722,7 @@ def test_deepseek_v3s_run_on_the_h800_fits_with_its_deferred_weight_halves_reads
     gradient its experts' backward returns (memory.largest_step_gradient_bytes): every
     stage fits the 80 GB, and the checker says nothing. The worst routing is reported
     beside it."""
-    from planc.estimate import memory
+    from planc.estimate import in_flight, memory
     from planc.lang import load_file
     from planc.simulate import simulate
     from planc.views import simulate_text
@@ -735,7 +735,7 @@ def test_deepseek_v3s_run_on_the_h800_fits_with_its_deferred_weight_halves_reads
     assert round(memory.weight_gradient_reads_bytes(loaded.plan, 14) / 1e9, 1) == 15.1
     assert max(s.total_bytes for s in estimate.stages) == peak.total_bytes < 80e9
     assert 50e9 < estimate.stages[1].total_bytes < peak.total_bytes
-    assert memory.head_microbatches_in_flight(loaded.plan) == 1
+    assert in_flight.head_microbatches_in_flight(loaded.plan) == 1
     worst = estimate.worst_routing_peak
     assert worst.total_bytes + worst.worst_routing_extra_bytes > 80e9
     text = simulate_text.render(simulate(compile_plan(loaded.plan)))

@@ -690,12 +690,13 @@ def test_full_recomputation_keeps_layer_inputs_and_one_layer_in_full():
     2 bytes a value without recomputation, 2 s b h with full recomputation; the layer
     being recomputed holds its full activations once more. s 16, b 4, h 32, a 4, fp32."""
     from planc.estimate import memory
+    from planc.estimate.in_flight import layers_in_flight
 
     plan = small(mesh="pp = 2", model="; layers = 4", optimize="recompute = full")
     sbh, scale = 16 * 4 * 32, 4 / 2
     assert memory.layer_activation_bytes(plan, "none") == sbh * (34 + 5 * 4 * 16 / 32) * scale
     assert memory.layer_activation_bytes(plan) == 2 * sbh * scale
-    in_flight = memory.layers_in_flight(plan, 0)
+    in_flight = layers_in_flight(plan, 0)
     # (and the largest gradient a backward step returns: memory.largest_step_gradient_bytes)
     assert memory.stage_activation_bytes(plan, 0)[0] == \
         in_flight * 2 * sbh * scale + sbh * 44 * scale + \
@@ -747,7 +748,7 @@ def test_the_memory_replay_of_a_schedule_agrees_with_its_in_flight_rule(pipeline
     block (W of a split backward: zero-bubble keeps them until the weight gradient) and
     must count what the schedule's own rule counts where chunks are alike: zb1p's last
     stage holds 2 microbatches where 1F1B's holds 1."""
-    from planc.estimate.memory import _in_flight, _live_peak
+    from planc.estimate.in_flight import _in_flight, _live_peak
 
     for stage in range(2):
         assert _live_peak(pipeline, stage, 2, 8, virtual, (1,) * (2 * virtual)) == \

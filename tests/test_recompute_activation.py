@@ -13,8 +13,8 @@ import pytest
 
 from planc.cli import main
 from planc.estimate.kernel_cost import KernelModel
-from planc.estimate.memory import (layer_activation_bytes, layers_in_flight,
-                                    stage_activation_bytes)
+from planc.estimate.in_flight import layers_in_flight
+from planc.estimate.memory import layer_activation_bytes, stage_activation_bytes
 from planc.lang import load_text
 from planc.lower.tabulate_model import model_table
 from planc.program.model_table import ModelTable

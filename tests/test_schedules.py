@@ -12,7 +12,7 @@ import pytest
 from planc import schedules
 from planc.compile import compile_plan
 from planc.lang import load_file, load_text
-from planc.estimate.memory import microbatches_in_flight
+from planc.estimate.in_flight import microbatches_in_flight
 from planc.schedules import Action, ActionKind, Block, PipelineShape
 from tests.conftest import PLANS, ROOT
 

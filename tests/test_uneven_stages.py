@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from planc.estimate import memory
+from planc.estimate import in_flight, memory
 from planc.cli import main
 from planc.lang import load_file, load_text
 from planc.schedules.layers import balanced_chunks, chunk_text, fewest_layers
@@ -125,20 +125,20 @@ def test_memory_follows_the_layers_of_the_chunks_in_flight():
     plan = load_text(plan_text()).plan  # stage 0: chunks of 1 and 2 layers; stage 1: 1 and 1
     one = memory.layer_activation_bytes(plan)
     # Stage 0's warm-up holds every forward: F0.c0 F1.c0 F0.c2 F1.c2, 1 + 1 + 2 + 2 layers.
-    assert memory.layers_in_flight(plan, 0) == 6
+    assert in_flight.layers_in_flight(plan, 0) == 6
     # (and the largest gradient a backward step returns: memory.largest_step_gradient_bytes)
     assert memory.stage_activation_bytes(plan, 0) == (
         6 * one + memory.largest_step_gradient_bytes(plan, 0), 4)
     # Stage 1's chunks are alike: the schedule's 3 chunk-microbatches of 1 layer.
-    assert memory.layers_in_flight(plan, 1) == 3
+    assert in_flight.layers_in_flight(plan, 1) == 3
     even = load_text(plan_text(layers=8)).plan  # 2 layers a chunk: as before
-    assert memory.layers_in_flight(even, 0) == memory.microbatches_in_flight(even, 0) * 2
+    assert in_flight.layers_in_flight(even, 0) == in_flight.microbatches_in_flight(even, 0) * 2
     # The head-only last chunk holds no layer, but the stage still holds the logits.
     head = load_text(plan_text(stages="[0..1, 2..3, 4, head]")).plan
     # Stage 1 runs F0.c1 F1.c1 F0.c3 B0.c3 F1.c3 B1.c3 B0.c1 B1.c1: chunk 1's 2 layers
     # for both microbatches at the peak, chunk 3's none.
-    assert memory.layers_in_flight(head, 1) == 4
-    assert memory.microbatches_in_flight(head, 1) == 3
+    assert in_flight.layers_in_flight(head, 1) == 4
+    assert in_flight.microbatches_in_flight(head, 1) == 3
 
 
 def test_llama3_405b_plan_is_the_papers_layout(capsys):
@@ -188,7 +188,7 @@ def test_dualpipev_frees_what_its_whole_backwards_are_done_with():
     """DualPipeV runs whole backwards (B) beside split ones (I then W): a B frees its
     chunk's layers too, so uneven chunks hold as much at 32 microbatches as at 8 (the
     estimate grew with the microbatches before)."""
-    held = [memory.layers_in_flight(load_text(plan_text(
+    held = [in_flight.layers_in_flight(load_text(plan_text(
         layers=7, m=m, pipeline="dualpipev").replace("batch = 8", "batch = 32")).plan, stage)
         for m in (8, 32) for stage in (0, 1)]  # chunks of 2, 2, 2 and 1 layers
     assert held == [9, 10, 9, 10]

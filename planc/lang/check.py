@@ -29,7 +29,7 @@ from planc.lang.stages_check import (StageProblem, auto_chunks, explicit_chunks,
 from planc.lang.topology_check import MAX_TOPOLOGY_BYTES, TopologyReader
 from planc.plan.mesh import AXES
 from planc.models import DEFAULT_FAMILY, FAMILIES
-from planc.plan.plan import (LIMITS, ContextParallel, Mesh, Model, Optimize, Optimizer,
+from planc.plan.plan import (LIMITS, ContextParallel, Mesh, Model, Optimizer,
                         PipelineParallel, Plan, Schedule, Shard, Sources, TensorParallel, Train)
 from planc.schedules import PipelineShape
 from planc.lang.data_check import DATA_SCAN_LIMIT, DataChecks
@@ -350,80 +350,6 @@ class _Checker(DataChecks, DataParallelChecks, OptimizeChecks, TopologyReader):
                                     "model.tie_embeddings"),
                           "use embedding = vocab with head = vocab, or replicate both"))
 
-    def _scatter_gather(self, mesh: Mesh | None, tensor) -> None:
-        """pp_scatter_gather = on, written, where it cannot act: a warning at the key."""
-        key = "optimize.pp_scatter_gather"
-        if mesh is None or key not in self.given or not self.value(key):
-            return
-        if mesh.pp == 1 or mesh.tp == 1:
-            self.report(warning(f"pp_scatter_gather = on has no effect with tp = {mesh.tp} "
-                                f"and pp = {mesh.pp}", self.span(key),
-                                "it splits the activation sent between pipeline stages over "
-                                "tp; it needs tp > 1 and pp > 1"))
-        elif tensor is not None and tensor.sequence_parallel:
-            self.report(warning("pp_scatter_gather = on has no effect with "
-                                "sequence_parallel = on", self.span(key),
-                                "sequence parallelism already sends each tp rank's 1/tp of "
-                                "the tokens between stages"))
-
-    def _optimize(self) -> Optimize | None:
-        keys = ("fuse", "bucket", "route", "overlap", "weight_grad_overlap", "recompute",
-                "tp_overlap", "pp_scatter_gather", "grad_accumulation", "kernels",
-                "moe_dispatcher", "compile", "recompute_moe_activation",
-                "recompute_activation", "recompute_norms")
-        if not self.ready(*(f"optimize.{k}" for k in keys)):
-            return None
-        return Optimize(**{k: self.value(f"optimize.{k}") for k in keys})
-
-    def _tp_overlap(self, optimize: Optimize, mesh, model) -> Optimize | None:
-        """tp_overlap's rules: a forced chunk count must cut every rank's share of the
-        tokens evenly. ``on`` means "wherever there are tp collectives", the default, so
-        it is silent with tp = 1 (``planc compile`` notes the pass did nothing); a forced
-        count with tp = 1 asks for something that cannot happen, and is warned about."""
-        chunks = optimize.tp_overlap
-        if "optimize.tp_overlap" not in self.given or chunks is False or chunks is True \
-                and mesh.tp == 1:
-            return optimize
-        if mesh.tp == 1:
-            self.report(warning(f"tp_overlap = {chunks} has no effect with tp = 1: there "
-                                f"is no tp collective to split into chunks",
-                                self.span("optimize.tp_overlap"),
-                                "set mesh.tp to 2 or more, or remove tp_overlap"))
-            return optimize
-        tokens = model.seq // mesh.cp
-        if chunks is not True and tokens % (mesh.tp * chunks):
-            fits = [k for k in range(2, 9) if tokens % (mesh.tp * k) == 0]
-            return self._reject(
-                f"tp_overlap = {chunks} needs the tokens of a microbatch on each cp rank "
-                f"(seq / cp = {tokens}) to divide by tp x chunks = {mesh.tp * chunks}",
-                self.span("optimize.tp_overlap"),
-                (f"use tp_overlap = {fits[0]}" if fits else "use tp_overlap = off") +
-                ", or on to let the cost model choose")
-        return optimize
-
-    def _overlap_all_to_all(self, schedule: Schedule, optimize: Optimize, mesh, model
-                            ) -> Schedule | None:
-        """overlap_all_to_all's rules: it cuts a mixture of experts at the all-to-alls
-        over ep (planc.passes.split_dispatch), so without them it does nothing (a mixture
-        recomputed whole, recompute = full, is cut as its forward was)."""
-        key = "schedule.overlap_all_to_all"
-        if optimize.moe_dispatcher == "two_hop" and mesh.ep == 1:
-            self.report(warning("moe_dispatcher = two_hop has no effect without experts "
-                                "spread over ep: there is nothing to dispatch",
-                                self.span("optimize.moe_dispatcher"),
-                                "set mesh.ep to 2 or more on a model moe, or remove "
-                                "moe_dispatcher"))
-        if not schedule.overlap_all_to_all:
-            return schedule
-        if mesh.ep == 1:  # (ep > 1 on a family without experts is refused above)
-            self.report(warning("overlap_all_to_all = on has no effect without experts "
-                                "spread over ep: there is no all-to-all to overlap",
-                                self.span(key),
-                                "set mesh.ep to 2 or more on a model moe, or remove "
-                                "overlap_all_to_all"))
-            return dataclasses.replace(schedule, overlap_all_to_all=False)
-        return schedule
-
     def _train(self, model: Model | None) -> Train | None:
         # grad_clip's default is None (off): not a key that must have a value
         keys = ("steps", "optimizer", "seed", "data", "eval_every", "eval_batches", "eval_data",
@@ -483,7 +409,3 @@ class _Checker(DataChecks, DataParallelChecks, OptimizeChecks, TopologyReader):
             return self._reject(f"init: {exc}", self.span("train.init"),
                                 "init names a directory saved by transformers' "
                                 "save_pretrained(safe_serialization=True) of the plan's model")
-
-
-
-

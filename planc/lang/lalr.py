@@ -1,7 +1,8 @@
 """The LALR(1) machine that runs lark's tables, and the tokenizer that feeds it.
 
-lark builds the tables from ``grammars/plan.lark``; this module runs them and builds the
-tree. Owning the loop gives three things lark's own loop cannot:
+lark builds the tables from ``grammars/plan.lark`` (read into :class:`Tables` by
+planc.lang.lalr_tables); this module runs them and builds the tree. Owning the loop
+gives three things lark's own loop cannot:
 
 - **speed**: one compiled regular expression scans the text (``re.finditer``), every
   action is a plain tuple looked up once per state, tokens are plain tuples, and each
@@ -9,9 +10,10 @@ tree. Owning the loop gives three things lark's own loop cannot:
 - **a fast path for the common entry**: ``key = value`` with a one-token value and the
   separator after it is matched by one regular expression and built in one call; in a
   block of them, once the machine's cycle per entry is known, each further entry is
-  appended to the block's list without running the machine (see :class:`EntryShape` and
-  :func:`_learn_cycle`). Everything else, and every entry the parser could not take
-  there, goes token by token, with the same outcome;
+  appended to the block's list without running the machine (see
+  :class:`planc.lang.lalr_tables.EntryShape` and :func:`_learn_cycle`). Everything else,
+  and every entry the parser could not take there, goes token by token, with the same
+  outcome;
 - **recovery in linear time**: :func:`planc.lang.recovery.syntax_errors` runs the same
   machine on states alone and, after an error, returns to the state saved where the
   broken entry began, so a file with N syntax errors is read once, not N times.
@@ -24,19 +26,16 @@ characters) are counted here, the same way the snippets and the JSON output coun
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Iterator
-
-import lark
-from lark.parsers.lalr_analysis import Shift
 
 OPENERS = {"LPAR": "(", "LSQB": "[", "LBRACE": "{"}
 CLOSERS = {"RPAR": "LPAR", "RSQB": "LSQB", "RBRACE": "LBRACE"}
 BAD = "_BAD"  # a character no terminal starts with
 NEWLINE = "_NL"
 END = "$END"
-ENTRY = "_ENTRY"  # the fast path's whole-entry match (see EntryShape), and its parts:
+ENTRY = "_ENTRY"  # the fast path's whole-entry match (lalr_tables.EntryShape), its parts:
 ENTRY_KEY, ENTRY_SEPARATOR = f"{ENTRY}_KEY", f"{ENTRY}_SEP"
 
 # What the tree builders receive for a token: its text, line, column, end line and end
@@ -55,30 +54,8 @@ Action = tuple[bool, Any]
 
 
 @dataclass(frozen=True)
-class EntryShape:
-    """The common entry the fast path takes whole, with the separator after it: a
-    ``rule: key equal value`` whose value is one of the ``atoms`` terminals, then a
-    separator. ``blank`` matches what may stand before and between the tokens and
-    ``tail`` what may stand between the value and the separator; the tokenizer must
-    ignore both. ``build`` makes the node the builders would make of the entry, from
-    its key, line, key's columns, the value's terminal and text and its columns. For the
-    plan grammar: ``assign: NAME EQUAL value`` with a NUMBER, NAME or STRING value, then
-    ';' or a new line."""
-
-    rule: str
-    key: str
-    equal: str
-    value: str
-    atoms: tuple[str, ...]
-    separator: str  # a regular expression matching exactly the separator terminals
-    blank: str
-    tail: str
-    build: EntryBuilder
-
-
-@dataclass(frozen=True)
 class Entry:
-    """The fast path's tables (see :class:`EntryShape`)."""
+    """The fast path's tables (see :class:`planc.lang.lalr_tables.EntryShape`)."""
 
     pattern: re.Pattern  # the tokenizer's pattern, with the whole entry tried first
     rule: str
@@ -99,120 +76,6 @@ class Tables:
     start: int
     end: int
     entry: Entry | None = None
-
-
-def tables_of(parser: lark.Lark, builders: Mapping[str, Builder],
-              entry: EntryShape | None = None) -> Tables:
-    """Tables for a lark LALR parser (its terminals, ignored terminals and parse table),
-    with ``builders`` (by rule name or alias) building the tree.
-
-    Terminals are tried in lark's order (priority, then the longest possible match),
-    so the tokens are those lark's basic lexer would make; a string terminal that
-    another terminal's pattern also matches (``plan``, a NAME) is a keyword, typed as
-    such only where the parser can take it, as lark's contextual lexer does."""
-    terminals = sorted(parser.terminals, key=lambda t: (
-        -t.priority, -t.pattern.max_width, -len(t.pattern.value), t.name))
-    keywords: dict[str, str] = {}
-    patterns = []
-    regexps = {}
-    for terminal in terminals:
-        regexps[terminal.name] = terminal.pattern.to_regexp()
-        if terminal.pattern.type == "str" and any(
-                other.pattern.type == "re" and re.fullmatch(other.pattern.to_regexp(),
-                                                            terminal.pattern.value)
-                for other in terminals):
-            keywords[terminal.pattern.value] = terminal.name
-            continue
-        patterns.append(f"(?P<{terminal.name}>{regexps[terminal.name]})")
-    patterns.append(f"(?P<{BAD}>(?s:.))")
-    interactive = parser.parse_interactive("")
-    conf = interactive.parser_state.parse_conf
-    placeholders = parser.options.maybe_placeholders
-    reducers = {rule: _reducer(rule, builders, placeholders) for rule in parser.rules}
-    actions: dict[int, dict[str, Action]] = {}
-    for state, row in conf.states.items():
-        actions[state] = {
-            symbol: (True, arg) if action is Shift else
-            (False, (len(arg.expansion), str(arg.origin.name), reducers[arg]))
-            for symbol, (action, arg) in row.items()}
-    fast = None if entry is None else _entry_tables(entry, parser, regexps, patterns)
-    return Tables(re.compile("|".join(patterns)), frozenset(parser.ignore_tokens), keywords,
-                  actions, conf.start_state, conf.end_state, fast)
-
-
-def _reducer(rule, builders: Mapping[str, Builder], placeholders: bool) -> Builder | None:
-    """What a reduction by ``rule`` does to its children, as lark's tree builder does it:
-    drop filtered tokens (anonymous ones and those named ``_X``), splice the children of
-    inlined rules (named ``_x``, and lark's own ``__x_star`` helpers) into their parent,
-    put None where an optional ``[item]`` is missing, and hand a '?' rule's only child
-    up unchanged."""
-    expansion = rule.expansion
-    empty = list(rule.options.empty_indices) if placeholders else []
-    if empty:  # how many Nones go before each symbol (and after the last)
-        nones = [len(ones) for ones in "".join(str(int(b)) for b in empty).split("0")]
-    else:
-        nones = [0] * (len(expansion) + 1)
-    keep_all = rule.options.keep_all_tokens
-    plan: list[tuple[int, bool, int]] = []  # (child, splice it, Nones before it)
-    pending = 0
-    for index, symbol in enumerate(expansion):
-        pending += nones[index]
-        if keep_all or not (symbol.is_term and symbol.filter_out):
-            plan.append((index, not symbol.is_term and symbol.name.startswith("_"), pending))
-            pending = 0
-    trailing = pending + nones[len(expansion)]
-    name = rule.alias or rule.origin.name
-    inline = name.startswith("_")
-    single = bool(rule.options.expand1) and not rule.alias
-    whole = trailing == 0 and [(i, False, 0) for i in range(len(expansion))] == plan
-    if single and whole and len(expansion) == 1:
-        return PASS
-    builder = None if inline else builders[name]
-    if whole and builder is not None and not single:
-        return builder  # the children as they are: no wrapper to call
-
-    def reduce(children: list) -> Any:
-        if whole:
-            kept = children
-        else:
-            kept = []
-            for index, splice, before in plan:
-                if before:
-                    kept += [None] * before
-                if splice:
-                    if kept:
-                        kept += children[index]
-                    else:  # the left-recursive case: grow the child's own list
-                        kept = children[index]
-                else:
-                    kept.append(children[index])
-            if trailing:
-                kept += [None] * trailing
-        if builder is None:
-            return kept
-        if single and len(kept) == 1:
-            return kept[0]
-        return builder(kept)
-
-    return reduce
-
-
-def _entry_tables(shape: EntryShape, parser: lark.Lark, regexps: dict[str, str],
-                  patterns: list[str]) -> Entry | None:
-    """The fast path's pattern; None if the grammar has not the shape."""
-    if not any(rule.origin.name == shape.rule and [s.name for s in rule.expansion] ==
-               [shape.key, shape.equal, shape.value] for rule in parser.rules):
-        return None
-    blank = shape.blank
-    values = "|".join(f"(?P<{ENTRY}_{atom}>{regexps[atom]})" for atom in shape.atoms)
-    pattern = (f"(?P<{ENTRY}>{blank}(?P<{ENTRY_KEY}>{regexps[shape.key]}){blank}"
-               f"{regexps[shape.equal]}{blank}(?:{values}){shape.tail}"
-               f"(?P<{ENTRY_SEPARATOR}>{shape.separator}))")
-    compiled = re.compile("|".join([pattern] + patterns))
-    number = compiled.groupindex
-    return Entry(compiled, shape.rule, shape.key, shape.build,
-                 tuple((number[f"{ENTRY}_{atom}"], atom) for atom in shape.atoms),
-                 (number[ENTRY_KEY], number[ENTRY_SEPARATOR]))
 
 
 class Lexeme:
@@ -337,8 +200,9 @@ def expected(states: list[int], tables: Tables) -> set[str]:
 def parse(text: str, tables: Tables, max_nesting: int, fast: bool = True) -> Any:
     """The value the builders build for ``text``; raises :class:`Stop` at the first token
     that cannot come where it is. New lines inside ( ) and [ ] are dropped, so lists and
-    calls may span lines. ``fast`` takes common entries whole (see :class:`EntryShape`
-    and :func:`_learn_cycle`); the tree is the same either way."""
+    calls may span lines. ``fast`` takes common entries whole (see
+    :class:`planc.lang.lalr_tables.EntryShape` and :func:`_learn_cycle`); the tree is the
+    same either way."""
     actions, ignored, keywords = tables.actions, tables.ignored, tables.keywords
     entry = tables.entry if fast else None
     if entry is not None:

@@ -26,7 +26,7 @@ from lark import Token
 from lark.lark import PostLex
 
 from planc.diagnostics import Diagnostic, Span, error
-from planc.lang import lalr
+from planc.lang import lalr, lalr_tables
 from planc.vocabulary import ast
 from planc.lang.recovery import (closer_for, describe_expected, describe_token,
                                   nested_too_deep, span_of, syntax_errors,
@@ -234,8 +234,8 @@ def _entry(key: str, line: int, key_column: int, key_end: int, atom: str, text: 
 
 
 # The entry most plan lines are: a key, '=', one token, a comment perhaps, then a new
-# line or ';' (lalr.EntryShape).
-_ENTRY = lalr.EntryShape(
+# line or ';' (lalr_tables.EntryShape).
+_ENTRY = lalr_tables.EntryShape(
     rule="assign", key="NAME", equal="EQUAL", value="value", atoms=("NUMBER", "NAME", "STRING"),
     separator=r";|\r?\n", blank=r"[ \t\f\r]*", tail=r"[ \t\f\r]*(?:#[^\n]*)?",
     build=_entry)
@@ -269,18 +269,18 @@ def _lexer() -> lark.Lark:
 
 @lru_cache(maxsize=1)
 def _tables() -> lalr.Tables:
-    return lalr.tables_of(_parser(), BUILDERS, _ENTRY)
+    return lalr_tables.tables_of(_parser(), BUILDERS, _ENTRY)
 
 
 @lru_cache(maxsize=1)
 def _value_tables() -> lalr.Tables:
-    return lalr.tables_of(_value_parser(), BUILDERS)
+    return lalr_tables.tables_of(_value_parser(), BUILDERS)
 
 
 def parse(text: str, fast: bool = True) -> tuple[ast.PlanFile | None, list[Diagnostic]]:
     """Parse a whole file; return the tree (None after any syntax error) and every
     syntax error, found in one more pass over the text (planc/lang/recovery.py).
-    ``fast`` takes common entries whole (lalr.EntryShape); the outcome is the same."""
+    ``fast`` takes common entries whole (lalr_tables.EntryShape); the outcome is the same."""
     try:
         return lalr.parse(text, _tables(), MAX_NESTING, fast), []
     except lalr.Stop:

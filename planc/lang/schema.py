@@ -27,8 +27,8 @@ from planc.plan.lr_schedule import LrSchedule
 from planc.models import DEFAULT_FAMILY, FAMILIES
 from planc.models.family import Family
 from planc.plan.mesh import AXES
-from planc.plan.plan import (GRAD_ACCUMULATIONS, GRAD_REDUCES, KERNEL_MODES, MOE_DISPATCHERS,
-                              REDUCE_DTYPES)
+from planc.plan.optimize import GRAD_ACCUMULATIONS, KERNEL_MODES, MOE_DISPATCHERS
+from planc.plan.plan import GRAD_REDUCES, REDUCE_DTYPES
 from planc import schedules
 
 __all__ = [  # the names other modules read here (the kinds live in planc.vocabulary.kinds)

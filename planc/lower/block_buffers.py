@@ -15,9 +15,8 @@ from planc.program.program import (
     Instruction,
     Opcode,
     done_event,
-    finished_before,
-    vector_clocks,
 )
+from planc.program.happens_before import finished_before, vector_clocks
 from planc.schedules import ActionKind, Block
 
 # The order in which a chunk's blocks run for one microbatch: what a buffer's last

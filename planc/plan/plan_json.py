@@ -20,8 +20,9 @@ from planc.diagnostics import Span
 from planc.plan.lr_schedule import SCHEDULE_ARGUMENTS, problems
 from planc.plan.mesh import is_axis_order
 from planc.plan.topology import TUNED_COLLECTIVES
-from planc.plan.plan import (DTYPE_BYTES, GRAD_ACCUMULATIONS, GRAD_REDUCES, KERNEL_MODES, LIMITS,
-                        PLAN_FORMAT_VERSION, REDUCE_DTYPES, Plan, Sources)
+from planc.plan.optimize import GRAD_ACCUMULATIONS, KERNEL_MODES
+from planc.plan.plan import (DTYPE_BYTES, GRAD_REDUCES, LIMITS, PLAN_FORMAT_VERSION,
+                             REDUCE_DTYPES, Plan, Sources)
 from planc.vocabulary.units import MAX_RATE, MAX_SECONDS
 from planc.vocabulary.versions import is_version
 

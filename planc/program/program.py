@@ -39,11 +39,11 @@ runs them as written; docs/programs.md lists them.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from planc.program.evaluation_blocks import evaluation_frees, evaluation_step
 from planc.program.instruction_set import (  # noqa: F401 (the API of programs)
     COLLECTIVES,
     EVENT_NAMING_OPS,
@@ -58,7 +58,7 @@ from planc.program.instruction_set import (  # noqa: F401 (the API of programs)
     saved_for_weights,
 )
 from planc.program.names import STREAM_ORDER
-from planc.program.operands import Operands, StepKind
+from planc.program.operands import Operands
 from planc.program.ranks import RANK_TABLE_VERSION, RankTable, integer_of  # noqa: F401 (API)
 from planc.vocabulary.versions import is_version
 
@@ -215,41 +215,6 @@ _INSTRUCTION_KEYS = frozenset({"op", "stream", "node", "event", "reads", "writes
                                "per_microbatch", "guard", "frees", "operands"})
 
 
-def _forward_only(instruction: Instruction) -> Instruction:
-    """An instruction as an evaluation batch runs it: a forward step keeps nothing for a
-    backward that never comes (no autograd graph, no ``NODE:saved``), so each
-    microbatch's activations are freed as training's last readers free them."""
-    operands = instruction.operands
-    if operands is None or operands.step is not StepKind.FORWARD:
-        return instruction
-    kept = saved_for_weights(instruction.node)
-    return dataclasses.replace(
-        instruction, writes=tuple(w for w in instruction.writes if w != kept),
-        operands=dataclasses.replace(operands, keeps_graph=False))
-
-
-def _freed_in(kept: dict[str, tuple], every: dict[str, tuple]) -> dict[str, tuple]:
-    """``kept`` (an evaluation's forward blocks) with each buffer that training frees in
-    a block the evaluation drops (a ZeRO-3 gather kept for its backward: the head's, the
-    last block's) freed by its last reader in the one kept block that reads it, so that
-    an evaluation batch does not hold one per microbatch until its end."""
-    freed = {b for name, block in every.items() if name not in kept
-             for i in block for b in i.frees}
-    freed -= {b for block in kept.values() for i in block for b in i.frees}
-    readers: dict[str, list[tuple[str, int]]] = {}
-    for name, block in kept.items():
-        for k, i in enumerate(block):
-            for buffer in set(i.reads) & freed:
-                readers.setdefault(buffer, []).append((name, k))
-    last: dict[tuple[str, int], list[str]] = {}
-    for buffer, where in readers.items():
-        if len({name for name, _ in where}) == 1:
-            last.setdefault(max(where), []).append(buffer)
-    return {name: tuple(dataclasses.replace(i, frees=i.frees + tuple(sorted(last[(name, k)])))
-                        if (name, k) in last else i for k, i in enumerate(block))
-            for name, block in kept.items()}
-
-
 @dataclass(frozen=True)
 class Program:
     stage: int
@@ -312,9 +277,9 @@ class Program:
         waited = {(i.stream, done_event(source)) for i in loss for source in i.reads}
         epilogue = tuple(i for i in self.epilogue if i in loss or i.op is Opcode.SYNC and loss
                          or i.op is Opcode.WAIT and (i.stream, i.event) in waited)
-        blocks = {name: tuple(_forward_only(i) for i in block)
+        blocks = {name: tuple(evaluation_step(i) for i in block)
                   for name, block in self.blocks.items() if name in used}
-        return Program(self.stage, self.streams, _freed_in(blocks, self.blocks),
+        return Program(self.stage, self.streams, evaluation_frees(blocks, self.blocks),
                        self.evaluation, dict(self.evaluation_receives), epilogue,
                        self.microbatches, self.prologue, self.buckets,
                        received={n: o for n, o in self.received.items() if n in received})
@@ -454,37 +419,6 @@ class Program:
     def running(self, block: str, microbatch: int) -> tuple[Instruction, ...]:
         """The instructions of ``block`` that run for ``microbatch`` (guards applied)."""
         return tuple(i for i in self.blocks[block] if self.runs(i, microbatch))
-
-def vector_clocks(instructions) -> tuple[list[dict[str, int]], dict[str, dict[str, int]]]:
-    """Happens-before among instructions on streams (Lamport 1978; Mattern 1989), with
-    CUDA's semantics: a stream runs in order; ``wait`` makes its stream follow the
-    matching ``record``; ``sync`` follows every stream. Returns each instruction's clock
-    (clock[s] = position of the last instruction of stream s known finished before it
-    starts) and each stream's clock at the end."""
-    clock: dict[str, dict[str, int]] = {}
-    events: dict[tuple, dict[str, int]] = {}
-    out = []
-    for position, instruction in enumerate(instructions):
-        mine = clock.setdefault(instruction.stream, {})
-        out.append(dict(mine))
-        key = (instruction.event, instruction.per_microbatch)
-        if instruction.op is Opcode.SYNC:
-            everything = {s: max(c.get(s, -1) for c in clock.values()) for s in clock}
-            for c in clock.values():
-                c.update(everything)
-        elif instruction.op is Opcode.WAIT:
-            for s, value in events.get(key, {}).items():
-                mine[s] = max(mine.get(s, -1), value)
-        elif instruction.op is Opcode.RECORD:
-            events[key] = dict(mine)
-        else:
-            mine[instruction.stream] = position
-    return out, clock
-
-
-def finished_before(clocks: list[dict[str, int]], streams: list[str], a: int, b: int) -> bool:
-    """Whether instruction ``a`` finished before instruction ``b`` starts."""
-    return a < b and (streams[a] == streams[b] or clocks[b].get(streams[a], -1) >= a)
 
 
 def dumps(data: dict) -> str:

@@ -13,8 +13,8 @@ from planc.program.program import (
     Program,
     done_event,
     guard_microbatch,
-    vector_clocks,
 )
+from planc.program.happens_before import vector_clocks
 from planc.verify.report import describe
 
 
