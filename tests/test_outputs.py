@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -402,6 +403,30 @@ def test_calibrate_under_torchrun_says_why_its_output_cannot_be_written(tmp_path
     assert codes == [1, 0]
     assert errors[0] == (f"planc calibrate: cannot write {pipe}: it is a named pipe that no "
                          f"process reads; start its reader first\n")
+
+
+def test_run_finds_a_metrics_pipe_s_reader_before_any_work(tmp_path, capfd):
+    """A metrics pipe that no process reads is refused before the plan is compiled (a
+    rank found it once the run had started); one that a process reads gets every record,
+    then the end of the file: planc run's probe for the reader is a write end it holds
+    until the run is done, so it ends nothing early and leaves nothing open."""
+    pipe, plan = tmp_path / "pipe", tmp_path / "one.plan"
+    os.mkfifo(pipe)
+    plan.write_text(ONE_RANK.replace("STEPS", "3"))
+    assert main(["run", str(plan), "-o", str(tmp_path / "b"), "--metrics", str(pipe)]) == 1
+    assert capfd.readouterr().err == (f"planc: error: --metrics {pipe}: a named pipe that "
+                                      f"no process reads; start its reader first; nothing "
+                                      f"was run\n")
+    assert sorted(os.listdir(tmp_path)) == ["one.plan", "pipe"]
+    reader = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)  # a reader, before the run
+    try:
+        assert main(["run", str(plan), "-o", str(tmp_path / "b"), "--metrics",
+                     str(pipe)]) == 0
+        records = os.read(reader, 1 << 16)  # three records: far less than a pipe holds
+        assert [json.loads(line)["step"] for line in records.splitlines()] == [0, 1, 2]
+        assert os.read(reader, 1 << 16) == b""  # no writer left: the end of the file
+    finally:
+        os.close(reader)
 
 
 def test_calibrate_by_hand_never_replaces_a_file_planc_did_not_write(tmp_path):

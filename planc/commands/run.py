@@ -14,6 +14,7 @@ from planc.commands.run_prepare import (before_compiling, checkpoint_found, resu
                                        run_options, verified_build)
 from planc.commands.arguments import Command, add_input, force, output, path
 from planc.data.metrics_file import MAX_STEP
+from planc.host.files import held_pipe
 
 
 def main(args) -> int:
@@ -25,9 +26,18 @@ def main(args) -> int:
     locks, status = _locks(args)
     if locks is None:
         return status
+    pipe = None
     try:
+        # a metrics pipe's reader, found before any work rather than by the rank that
+        # writes to it, and held so that it sees the end of the file once the run is done
+        try:
+            pipe = held_pipe(args.metrics) if args.metrics else None
+        except OSError as exc:
+            return fail(f"--metrics {args.metrics}: {exc.strerror}; nothing was run")
         return _run(args)
     finally:
+        if pipe is not None:
+            os.close(pipe)
         if args.checkpoint_dir:  # still locked: no other run can be writing there
             from planc.commands.run_outputs import remove_staging
 

@@ -79,6 +79,28 @@ def umask() -> int:
     return mask
 
 
+NO_READER = "a named pipe that no process reads; start its reader first"
+
+
+def held_pipe(path: str) -> int | None:
+    """A write end of the named pipe at ``path``, opened without waiting, for the caller
+    to keep open while other processes write into the pipe (planc run's ranks): its
+    reader sees the end of the file only once every writer closed, so probing for it ends
+    nothing, and a pipe that no process reads is found before any work (OSError ENXIO,
+    :data:`NO_READER`). None where ``path`` is not a named pipe."""
+    try:
+        if not stat.S_ISFIFO(os.stat(path).st_mode):
+            return None
+    except OSError:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            raise OSError(errno.ENXIO, NO_READER, path) from None
+        raise
+
+
 def _write_into(path: str, data: bytes) -> None:
     """Write into an existing device or named pipe (a pipe without a reader is an error,
     ENXIO, rather than a wait)."""
@@ -87,8 +109,7 @@ def _write_into(path: str, data: bytes) -> None:
                      | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         if exc.errno == errno.ENXIO and stat.S_ISFIFO(os.stat(path).st_mode):
-            raise OSError(errno.ENXIO, "it is a named pipe that no process reads; start "
-                          "its reader first", path) from None
+            raise OSError(errno.ENXIO, f"it is {NO_READER}", path) from None
         raise
     try:
         os.set_blocking(fd, True)

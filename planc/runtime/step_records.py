@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from planc.data.blend import shares
-from planc.host.files import append_line
+from planc.host.files import NO_READER, append_line
 from planc.runtime.engine.context import RankContext
 from planc.runtime.step_metrics import open_tensorboard, peak_memory_mb, throughput
 from planc.runtime.stragglers import DEFAULT_MARGIN, StragglerWatch
@@ -224,8 +224,7 @@ def metrics_file(path: str):
             descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
         except OSError as exc:
             if exc.errno == errno.ENXIO:
-                raise SystemExit(f"planc: error: --metrics {path}: a named pipe that no "
-                                 f"process reads; start its reader first") from None
+                raise SystemExit(f"planc: error: --metrics {path}: {NO_READER}") from None
             raise
         os.set_blocking(descriptor, True)
         return os.fdopen(descriptor, "a")
