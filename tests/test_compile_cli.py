@@ -816,15 +816,19 @@ def test_transfers_only_connects_transfers_through_computation():
     (("--stage", "-1"), "planc graph: error: argument --stage: expected non-negative "
                         "integers, got '-1'\n"),
     (("--stage", "1", "--layers", "0"), "planc: error: no node of the graph is in stage 1; "
-     "layer 0: stage 1 holds no node of layer 0 (stage 1 holds layers 2-3)\n"),
+     "layer 0: no node of stage 1 is in layer 0 (stage 1: layers 2-3)\n"),
     (("--axis", "cp", "--transfers-only"), "planc: error: no node of the graph is in axis "
-     "cp; transfers only: the graph has no transfer on axis cp (its transfers are on axis "
-     "dp_cp, pp, stage, tp)\n"),
+     "cp; transfers only: no transfer of the graph is on axis cp (its transfers are on "
+     "axis dp_cp, pp, stage, tp)\n"),
     (("--stage", "0", "--axis", "stage", "--transfers-only"), "planc: error: no node of the "
-     "graph is in stage 0; axis stage; transfers only: stage 0 has no transfer on axis "
+     "graph is in stage 0; axis stage; transfers only: no transfer of stage 0 is on axis "
      "stage (its transfers are on axis dp_cp, pp, tp)\n"),
+    (("--phase", "optimizer", "--axis", "pp", "--transfers-only"), "planc: error: no node "
+     "of the graph is in optimizer; axis pp; transfers only: no transfer of the optimizer "
+     "phase is on axis pp (its transfers are on axis dp_cp)\n"),
 ], ids=["layers-99", "stage-5", "microbatch-7", "layers-x", "stage-minus-1",
-        "a-layer-of-another-stage", "an-axis-with-no-transfer", "an-axis-of-another-stage"])
+        "a-layer-of-another-stage", "an-axis-with-no-transfer", "an-axis-of-another-stage",
+        "an-axis-of-another-phase"])
 def test_bad_filter_values_exit_2(args, message):
     result = planc("graph", TINY, *args)
     assert result.returncode == 2

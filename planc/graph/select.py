@@ -150,24 +150,35 @@ def why_empty(graph: nx.DiGraph, selection: Selection) -> str:
         together = replace(first, **{f.name: getattr(second, f.name) for f in fields(second)
                                      if getattr(second, f.name) != f.default})
         if not kept(together):
-            return _none_of(second, kept(first), first.describe())
+            return _none_of(second, kept(first), _named(first))
     return "the options choose nothing together"
 
 
+def _named(criterion: Selection) -> str:
+    """A criterion as the subject of a sentence: "stage 1", "layers 1-2", "the backward
+    phase"."""
+    if criterion.phases is not None:
+        return f"the {' and '.join(criterion.phases)} phase" + \
+            "s" * (len(criterion.phases) > 1)
+    return criterion.describe()
+
+
 def _none_of(criterion: Selection, nodes: list[dict], where: str) -> str:
-    """``where`` holds nothing ``criterion`` keeps; what ``nodes`` (its) hold instead:
-    "stage 1 holds no node of layer 0 (stage 1 holds layers 2-3)"."""
+    """No node of ``where`` is kept by ``criterion``, and what ``nodes`` (its) hold
+    instead: "no node of stage 1 is in layer 0 (stage 1: layers 2-3)"."""
     if criterion.transfers_only:
         axes = sorted({d["axis"] for d in nodes if d["type"] == "transfer"})
         on = "" if criterion.axes is None else " on axis " + ", ".join(criterion.axes)
-        instead = f" (its transfers are on axis {', '.join(axes)})" if axes else ""
-        return f"{where} has no transfer{on}{instead}"
+        instead = f" (its transfers are on axis {', '.join(axes)})" if axes else \
+            f" ({where} holds no transfer)"
+        return f"no transfer of {where} is{on}{instead}" if on else \
+            f"{where} holds no transfer"
     name = next(name for name in _CRITERIA if getattr(criterion, name) is not None)
     key = _CRITERIA[name]
     values = sorted({d[key] for d in nodes if d.get(key) is not None})
-    held = ("" if not values else f" ({where} holds layers {values[0]}-{values[-1]})"
-            if name == "layers" else f" ({where} holds {key} {', '.join(map(str, values))})")
-    return f"{where} holds no node of {criterion.describe()}{held}"
+    held = ("" if not values else f" ({where}: layers {values[0]}-{values[-1]})"
+            if name == "layers" else f" ({where}: {key} {', '.join(map(str, values))})")
+    return f"no node of {where} is in {_named(criterion)}{held}"
 
 
 def _unfolded_part(graph: nx.DiGraph, selection: Selection,
