@@ -13,7 +13,7 @@ def test_every_option_survives_the_workers_command_line():
     options = RunOptions(build="/b", backend="gloo", steps=3, timeout=60.5, metrics="/m.jsonl",
                          trace="/t.json", tensorboard="/tb", check=True, checkpoint_dir="/c",
                          checkpoint_every=2, resume="/c/step-000002", resume_verified=True,
-                         data_identity=Identity(1, 2, 3, 4), force=True)
+                         data_identity=Identity(1, 2, 3, 4), force=True, unverified=True)
     assert RunOptions.parse(options.to_argv()) == options
 
 

@@ -258,6 +258,32 @@ def test_an_instruction_without_its_kernel_stops_an_unverified_run_in_one_line(
            f"what is wrong with the build)\n" in err
 
 
+def test_an_instruction_that_cannot_be_bound_on_a_verified_run_is_planc_s_own_error(
+        tmp_path, capfd):
+    """The same damage where the ranks are told the programs were verified (RunOptions
+    without unverified: what planc run starts after planc verify passed): a failure to
+    bind is then planc's fault, not the build's, and its traceback is shown, where the
+    one line pointed at planc verify, which would find nothing."""
+    from planc.runtime.launcher.launch import launch
+    from planc.runtime.options import RunOptions
+
+    build = _compiled(tmp_path, "pp-1f1b-uneven", capfd)
+
+    def drop_kernel(data):
+        for block in data["blocks"].values():
+            for item in block:
+                if item["op"] == "compute" and "kernel" in item.get("operands", {}):
+                    del item["operands"]["kernel"]
+                    return
+
+    _edit(build, "stage0.json", drop_kernel)
+    capfd.readouterr()
+    assert launch(RunOptions(str(build), backend="gloo", timeout=60), 2) == 1
+    err = capfd.readouterr().err
+    assert "planc: traceback of rank 0, the first to fail:" in err
+    assert "ValueError: None is not a valid Op" in err and "says what is wrong" not in err
+
+
 def test_a_send_to_a_stage_that_does_not_exist_is_named_as_the_build_writes_it(
         tmp_path, capfd):
     """A lookup that fails while binding (a KeyError) names what the program asked for

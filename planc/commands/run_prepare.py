@@ -90,6 +90,7 @@ def run_options(args, directory: str, backend: str, found=None, identity=None):
         resume=absolute(found.directory) if found is not None else None,
         resume_verified=found is not None, data_identity=identity,
         peer_memory=getattr(args, "peer_memory_root", None),
+        unverified=args.no_verify,
         force=args.force)  # what planc run checked may be replaced: the trace, at its end
 
 

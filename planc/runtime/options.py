@@ -33,6 +33,9 @@ class RunOptions:
     resume: str | None = None
     # planc run found and hashed the step directory already; a rank need not again
     resume_verified: bool = False
+    # planc run --no-verify: nobody proved the programs, so one that cannot be bound is
+    # the build's fault, said in one line (planc.runtime.engine.interpreter)
+    unverified: bool = False
     # The data file as planc run checked it (planc.data.identity): every batch is read
     # from that file, unchanged, or the run stops.
     data_identity: Identity | tuple[Identity, ...] | None = None  # a mixture: one a source
@@ -76,6 +79,7 @@ class RunOptions:
             if value:
                 out += [flag, str(value)]
         for flag, on in (("--resume-verified", self.resume_verified), ("--check", self.check),
+                         ("--unverified", self.unverified),
                          ("--force", self.force), ("--checkpoint-async", self.checkpoint_async)):
             if on:
                 out.append(flag)
@@ -107,6 +111,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="continue from the newest complete checkpoint in D, or from the "
                         "step directory D; --steps counts from the start of training")
     parser.add_argument("--resume-verified", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--unverified", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--data-identity", type=parse_identities, help=argparse.SUPPRESS)
     parser.add_argument("--recovery", help=argparse.SUPPRESS)
     parser.add_argument("--peer-memory", help=argparse.SUPPRESS)

@@ -148,7 +148,7 @@ def train(args: RunOptions, log_dir: str | None = None) -> int:
     program = built.programs[built.table.program_of(rank)]
     store = ParamStore(ctx, program.buckets)
     try:
-        interpreter = Interpreter(ctx, program, store)
+        interpreter = Interpreter(ctx, program, store, args.unverified)
     except UnboundInstruction as exc:  # a program planc verify refuses, run without it
         raise SystemExit(f"planc: error: rank {rank}: {exc} (planc verify {args.build} "
                          f"says what is wrong with the build)") from None

@@ -6,6 +6,7 @@ transfer's handler and its call, read once from the operands the compiler wrote 
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 from planc.graph.vocabulary import Op
 from planc.program.operands import Input, StepKind
@@ -18,6 +19,24 @@ from planc.runtime.engine.transfers import Call
 class UnboundInstruction(ValueError):
     """An instruction whose operands name nothing the runtime has: a program that planc
     verify refuses (a damaged build), run with ``planc run --no-verify``."""
+
+
+def unbound(instruction: Instruction, exc: Exception) -> UnboundInstruction:
+    """The one line for ``instruction`` of an unverified program, which binding it
+    raised ``exc`` on: a failed lookup names its key as the build's files write it."""
+    detail = str(exc) if isinstance(exc, ValueError) else \
+        f"it names {_named(exc.args[0])}, which its program does not hold" \
+        if isinstance(exc, KeyError) and exc.args else f"{type(exc).__name__} {exc}"
+    return UnboundInstruction(f"its program's {instruction.op.value} {instruction.node} on "
+                              f"stream {instruction.stream} cannot be run: {detail}")
+
+
+def _named(key) -> str:
+    """A lookup's key as the build's files write it: ``send grad_norm`` where Python
+    shows ``(<Opcode.SEND: 'send'>, 'grad_norm')``."""
+    if isinstance(key, tuple):
+        return " ".join(_named(part) for part in key)
+    return str(key.value) if isinstance(key, enum.Enum) else str(key)
 
 
 class BoundCompute:

@@ -14,7 +14,6 @@ their bucket's gradient buffer (planc.runtime.engine.store).
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -25,7 +24,7 @@ from planc.program.operands import Input, StepKind
 from planc.program.program import Instruction, Opcode, Program
 from planc.runtime.engine import fp8, grad_norm, router_bias
 from planc.runtime.engine import store as buckets
-from planc.runtime.engine.bound import BoundCompute, BoundTransfer, UnboundInstruction
+from planc.runtime.engine.bound import BoundCompute, BoundTransfer, unbound
 from planc.runtime.engine.context import RankContext, pp_group_key
 from planc.runtime.engine.kernels import Kernels, Peers, Saved
 from planc.runtime.engine.model import join_tokens, select_tokens, split_feature
@@ -94,17 +93,14 @@ def combine(values: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def _named(key) -> str:
-    """A lookup's key as the build's files write it: ``send grad_norm`` where Python
-    shows ``(<Opcode.SEND: 'send'>, 'grad_norm')``."""
-    if isinstance(key, tuple):
-        return " ".join(_named(part) for part in key)
-    return str(key.value) if isinstance(key, enum.Enum) else str(key)
-
-
 class Interpreter:
-    def __init__(self, ctx: RankContext, program: Program, store: ParamStore):
+    def __init__(self, ctx: RankContext, program: Program, store: ParamStore,
+                 unverified: bool = False):
+        """``unverified``: nobody proved the program (planc run --no-verify), so an
+        instruction that cannot be bound is the build's fault, said in one line
+        (:func:`unbound`); on a verified program it is planc's, and raises as it is."""
         self.ctx, self.program, self.store = ctx, program, store
+        self.unverified = unverified
         self.kernels = Kernels(ctx, store.buffers)
         self.transfers = Transfers(ctx, store)
         self.microbatches = program.microbatches
@@ -134,15 +130,12 @@ class Interpreter:
     # --- binding ---------------------------------------------------------------------------
 
     def _bind_checked(self, instruction: Instruction) -> None:
+        if not self.unverified:
+            return self._bind(instruction)
         try:
             self._bind(instruction)
         except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
-            detail = str(exc) if isinstance(exc, ValueError) else \
-                f"it names {_named(exc.args[0])}, which its program does not hold" \
-                if isinstance(exc, KeyError) and exc.args else f"{type(exc).__name__} {exc}"
-            raise UnboundInstruction(
-                f"its program's {instruction.op.value} {instruction.node} on stream "
-                f"{instruction.stream} cannot be run: {detail}") from exc
+            raise unbound(instruction, exc) from exc
 
     def _bind(self, instruction: Instruction) -> None:
         op, node = instruction.op, instruction.node
