@@ -406,18 +406,20 @@ def test_calibrate_under_torchrun_says_why_its_output_cannot_be_written(tmp_path
 
 
 def test_run_finds_a_metrics_pipe_s_reader_before_any_work(tmp_path, capfd):
-    """A metrics pipe that no process reads is refused before the plan is compiled (a
-    rank found it once the run had started); one that a process reads gets every record,
-    then the end of the file: planc run's probe for the reader is a write end it holds
-    until the run is done, so it ends nothing early and leaves nothing open."""
+    """A metrics or trace pipe that no process reads is refused before the plan is
+    compiled (a rank found it once the run had started); one that a process reads gets
+    every record, then the end of the file: planc run's probe for the reader is a write
+    end it holds until the run is done, so it ends nothing early and leaves nothing
+    open."""
     pipe, plan = tmp_path / "pipe", tmp_path / "one.plan"
     os.mkfifo(pipe)
     plan.write_text(ONE_RANK.replace("STEPS", "3"))
-    assert main(["run", str(plan), "-o", str(tmp_path / "b"), "--metrics", str(pipe)]) == 1
-    assert capfd.readouterr().err == (f"planc: error: --metrics {pipe}: a named pipe that "
-                                      f"no process reads; start its reader first; nothing "
-                                      f"was run\n")
-    assert sorted(os.listdir(tmp_path)) == ["one.plan", "pipe"]
+    for flag in ("--metrics", "--trace"):  # the trace's pipe too: rank 0 found it last
+        assert main(["run", str(plan), "-o", str(tmp_path / "b"), flag, str(pipe)]) == 1
+        assert capfd.readouterr().err == (f"planc: error: {flag} {pipe}: a named pipe that "
+                                          f"no process reads; start its reader first; "
+                                          f"nothing was run\n")
+        assert sorted(os.listdir(tmp_path)) == ["one.plan", "pipe"]
     reader = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)  # a reader, before the run
     try:
         assert main(["run", str(plan), "-o", str(tmp_path / "b"), "--metrics",

@@ -26,18 +26,20 @@ def main(args) -> int:
     locks, status = _locks(args)
     if locks is None:
         return status
-    pipe = None
+    pipes = []
     try:
-        # a metrics pipe's reader, found before any work rather than by the rank that
-        # writes to it, and held so that it sees the end of the file once the run is done
-        try:
-            pipe = held_pipe(args.metrics) if args.metrics else None
-        except OSError as exc:
-            return fail(f"--metrics {args.metrics}: {exc.strerror}; nothing was run")
+        # the reader of a metrics or trace pipe, found before any work rather than by the
+        # rank that writes to it, and held so that it sees one end of file, the run's
+        for flag, given in (("--metrics", args.metrics), ("--trace", args.trace)):
+            try:
+                pipes.append(held_pipe(given) if given else None)
+            except OSError as exc:
+                return fail(f"{flag} {given}: {exc.strerror}; nothing was run")
         return _run(args)
     finally:
-        if pipe is not None:
-            os.close(pipe)
+        for pipe in pipes:
+            if pipe is not None:
+                os.close(pipe)
         if args.checkpoint_dir:  # still locked: no other run can be writing there
             from planc.commands.run_outputs import remove_staging
 
