@@ -221,6 +221,17 @@ def test_a_resigned_plan_json_is_checked_again(build, capsys, change, reason):
         f"planc: error: {path} is not a valid plan ({reason}); run planc compile again\n")
 
 
+def test_a_topology_planc_check_accepts_is_read_back_from_its_build(tmp_path, capsys):
+    """plan.json's ranges are the language's: an efficiency of 1e-7, which planc check
+    takes, was refused on read-back ('not a number from 1e-06 to 1', a calibrated
+    topology's floor), in every command of the build, and compiling again could not
+    help."""
+    build = tmp_path / "b"
+    assert main(["compile", str(PLANS / "dp-only.plan"), "--set",
+                 "topology.device.efficiency=1e-7", "-o", str(build)]) == 0
+    assert main(["verify", str(build)]) == 0, capsys.readouterr().err
+
+
 def _edit_json(path: Path, change) -> Path:
     data = json.loads(path.read_text())
     change(data)

@@ -23,7 +23,7 @@ from planc.plan.topology import TUNED_COLLECTIVES
 from planc.plan.optimize import GRAD_ACCUMULATIONS, KERNEL_MODES
 from planc.plan.plan import (DTYPE_BYTES, GRAD_REDUCES, LIMITS, PLAN_FORMAT_VERSION,
                              REDUCE_DTYPES, Plan, Sources)
-from planc.vocabulary.units import MAX_RATE, MAX_SECONDS
+from planc.vocabulary.units import MAX_RATE, MAX_SECONDS, SMALLEST
 from planc.vocabulary.versions import is_version
 
 
@@ -229,12 +229,13 @@ _POSITIVE = {"flops", "bandwidth", "efficiency", "lr", "eps", "memory", "norm_ep
              "rope_theta"}
 
 
-# A topology's figures within what a calibrated topology may hold (planc.plan.presets's
-# checks of one, planc.vocabulary.units's ranges): beyond them the cost model's sums
-# overflow or lose a kernel's time, and a quotient of two reaches 0.
+# A topology's figures within what planc check lets a plan write (planc.lang.schema and
+# planc.vocabulary.units's ranges) and a calibrated topology hold (planc.plan.presets):
+# beyond them the cost model's sums overflow or lose a kernel's time, and a quotient of
+# two reaches 0.
 _RATE_RANGE, _TIME_RANGE = (1.0, MAX_RATE), (0.0, MAX_SECONDS)
 _TOPOLOGY_RANGES = {"flops": _RATE_RANGE, "bandwidth": _RATE_RANGE, "memory": _RATE_RANGE,
-                    "exp_rate": _RATE_RANGE, "efficiency": (1e-6, 1.0), "overlap": (0.0, 1.0),
+                    "exp_rate": _RATE_RANGE, "efficiency": (SMALLEST, 1.0), "overlap": (0.0, 1.0),
                     "overhead": _TIME_RANGE, "backward_overhead": _TIME_RANGE,
                     "handoff": _TIME_RANGE, "latency": _TIME_RANGE}
 # The topology's fields that hold rows of numbers: a sweep's (bytes, bytes/s), an
@@ -335,8 +336,10 @@ def _check_values(value: Any, where: str = "plan") -> None:
 
 
 def _spelled(number: float) -> str:
-    """A number as plan.json spells it (NaN, Infinity), not as Python prints it."""
-    return json.dumps(number)
+    """A number as plan.json spells it (NaN, Infinity), not as Python prints it; an
+    integer of thousands of digits by its length."""
+    text = json.dumps(number)
+    return text if len(text) <= 20 else f"an integer of {len(text.lstrip('-')):,} digits"
 
 
 def _check_row(row: tuple, within: tuple[float, float], path: str) -> None:
