@@ -230,3 +230,32 @@ def test_ranks_share_the_machines_cores_as_intra_op_threads():
     assert threads_per_rank(cores) == 1
     assert threads_per_rank(8 * cores) == 1
     assert os.environ["OMP_NUM_THREADS"] == "1"
+
+
+def test_every_failed_rank_s_traceback_is_shown_once(tmp_path):
+    """Two ranks that raised different errors: both tracebacks, the first failure's
+    first (only the first's was shown, and the second's was nowhere on the console since
+    a rank's traceback goes to its error.txt alone); two that raised the same, once."""
+    from types import SimpleNamespace
+
+    from planc.runtime.launcher.protocol import ERROR_FILE
+    from planc.runtime.launcher.reports import failure_report
+
+    def rank(number: int, code: int, trace: str | None):
+        log_dir = tmp_path / str(number)
+        log_dir.mkdir()
+        if trace is not None:
+            (log_dir / ERROR_FILE).write_text(trace + "\n")
+        return SimpleNamespace(rank=number, process=SimpleNamespace(exitcode=code),
+                               log_dir=str(log_dir), same_as=None, errors=[])
+
+    first, second, third = rank(2, 1, "KeyError: 'a'"), rank(0, 1, "ValueError: b"), \
+        rank(3, 1, "KeyError: 'a'")
+    assert failure_report([first, second, third], [rank(1, -9, None)]) == (
+        "planc: ranks 0, 2, 3 exited with status 1\n"
+        "planc: rank 1 was stopped because ranks 0, 2, 3 failed\n"
+        "planc: traceback of rank 2, the first to fail (and of rank 3, the same):\n"
+        "KeyError: 'a'\n"
+        "planc: traceback of rank 0:\n"
+        "ValueError: b")
+

@@ -366,6 +366,9 @@ def _watch(ranks: list[_Rank], timeout: float, interrupts: Interrupts,
             steps = _steps_done(ranks)
             _stop(ranks)
             copy_output(ranks)  # without the others' reports of the peer they lost
+            # a rank that exited with an error of its own while the others were stopped
+            crashed += [e for e in ranks if e not in crashed
+                        and (e.process.exitcode or 0) > 0 and e.process.exitcode != EXIT_HANG]
             # stopped here after printing their own one-line error: they failed too
             erred = [e for e in ranks
                      if e not in crashed and (e.errors or e.same_as is not None)]
@@ -376,6 +379,9 @@ def _watch(ranks: list[_Rank], timeout: float, interrupts: Interrupts,
                 print("\n".join(f"planc: rank {r} killed by signal "
                                 f"{-ranks[r].process.exitcode}: taken as lost, with its "
                                 f"device" for r in sorted(killed)), file=sys.stderr)
+                others = [e for e in crashed if e.rank not in killed]
+                if others:  # failed by themselves: their status and traceback
+                    print(failure_report(others, (), erred), file=sys.stderr)
                 if stopped:
                     print(stopped_line(stopped, crashed + erred), file=sys.stderr)
                 return Outcome(1, tuple(sorted(killed)), failed_at, steps)

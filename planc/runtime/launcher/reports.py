@@ -13,7 +13,8 @@ def failure_report(failed: list, stopped: list = (), erred: list = ()) -> str:
     """What failed: the ranks that exited (``failed``, the first first) and those stopped
     after their own one-line error (``erred``), a rank that printed another's error
     (``same_as``: the launcher showed it once) said so, ranks with the same words in one
-    line; the ranks ``stopped`` for it in one line; the traceback of the first to fail."""
+    line; the ranks ``stopped`` for it in one line; each traceback once, the first
+    failure's first."""
     said: dict[str, list] = {}
     for entry in sorted([*failed, *erred], key=lambda e: e.rank):
         code = entry.process.exitcode
@@ -29,17 +30,29 @@ def failure_report(failed: list, stopped: list = (), erred: list = ()) -> str:
     lines = [f"planc: {_named(entries)} {what}" for what, entries in said.items()]
     if stopped:
         lines.append(stopped_line(stopped, [*failed, *erred]))
-    first = failed[0]
-    try:
-        with open(os.path.join(first.log_dir, ERROR_FILE), encoding="utf-8",
-                  errors="replace") as handle:
-            trace = handle.read().rstrip()
-    except OSError:
-        trace = ""
-    if trace:
-        lines.append(f"planc: traceback of rank {first.rank}, the first to fail:")
+    # every traceback once, the first failure's first; ranks that raised the same, together
+    traces: dict[str, list] = {}
+    for entry in [failed[0], *sorted([*failed[1:], *erred], key=lambda e: e.rank)]:
+        trace = _traceback(entry)
+        if trace:
+            traces.setdefault(trace, []).append(entry)
+    for trace, entries in traces.items():
+        first, *others = entries
+        also = f" (and of {_named(others)}, the same)" if others else ""
+        lines.append(f"planc: traceback of rank {first.rank}, the first to fail{also}:"
+                     if first is failed[0] else f"planc: traceback of {_named(entries)}:")
         lines.append(trace)
     return "\n".join(lines)
+
+
+def _traceback(entry) -> str:
+    """The traceback a rank left in its log directory (ERROR_FILE), or ""."""
+    try:
+        with open(os.path.join(entry.log_dir, ERROR_FILE), encoding="utf-8",
+                  errors="replace") as handle:
+            return handle.read().rstrip()
+    except OSError:
+        return ""
 
 
 def stopped_line(stopped: list, failed: list) -> str:
