@@ -815,17 +815,17 @@ def test_transfers_only_connects_transfers_through_computation():
                         "range A..B, got 'x'\n"),
     (("--stage", "-1"), "planc graph: error: argument --stage: expected non-negative "
                         "integers, got '-1'\n"),
-    (("--stage", "1", "--layers", "0"), "planc: error: no node of the graph is in stage 1; "
-     "layer 0: no node of stage 1 is in layer 0 (stage 1: layers 2-3)\n"),
-    (("--axis", "cp", "--transfers-only"), "planc: error: no node of the graph is in axis "
-     "cp; transfers only: no transfer of the graph is on axis cp (its transfers are on "
-     "axis dp_cp, pp, stage, tp)\n"),
-    (("--stage", "0", "--axis", "stage", "--transfers-only"), "planc: error: no node of the "
-     "graph is in stage 0; axis stage; transfers only: no transfer of stage 0 is on axis "
+    (("--stage", "1", "--layers", "0"), "planc: error: the selection (stage 1; layer 0) is "
+     "empty: no node of stage 1 is in layer 0 (stage 1: layers 2-3)\n"),
+    (("--axis", "cp", "--transfers-only"), "planc: error: the selection (axis cp; "
+     "transfers only) is empty: no transfer of the graph is on axis cp (its transfers are "
+     "on axis dp_cp, pp, stage, tp)\n"),
+    (("--stage", "0", "--axis", "stage", "--transfers-only"), "planc: error: the selection "
+     "(stage 0; axis stage; transfers only) is empty: no transfer of stage 0 is on axis "
      "stage (its transfers are on axis dp_cp, pp, tp)\n"),
-    (("--phase", "optimizer", "--axis", "pp", "--transfers-only"), "planc: error: no node "
-     "of the graph is in optimizer; axis pp; transfers only: no transfer of the optimizer "
-     "phase is on axis pp (its transfers are on axis dp_cp)\n"),
+    (("--phase", "optimizer", "--axis", "pp", "--transfers-only"), "planc: error: the "
+     "selection (optimizer; axis pp; transfers only) is empty: no transfer of the "
+     "optimizer phase is on axis pp (its transfers are on axis dp_cp)\n"),
 ], ids=["layers-99", "stage-5", "microbatch-7", "layers-x", "stage-minus-1",
         "a-layer-of-another-stage", "an-axis-with-no-transfer", "an-axis-of-another-stage",
         "an-axis-of-another-phase"])
@@ -834,6 +834,15 @@ def test_bad_filter_values_exit_2(args, message):
     assert result.returncode == 2
     assert result.out == ""
     assert result.err.endswith(message), result.err
+
+
+def test_an_interleaved_stage_s_layers_are_named_as_runs():
+    """Stage 2 of an interleaved schedule holds layers 6-8 and 18-20: layer 11 lies
+    between, and the reason named them as "6-20", which holds it."""
+    result = planc("graph", PLANS / "pp-interleaved.plan", "--stage", "2", "--layers", "11")
+    assert (result.returncode, result.err) == (2, (
+        "planc: error: the selection (stage 2; layer 11) is empty: no node of stage 2 is in "
+        "layer 11 (stage 2: layers 6-8, 18-20)\n"))
 
 
 def test_big_plan_defaults_to_one_layer_and_one_microbatch():

@@ -64,7 +64,7 @@ def main(args) -> int:
                     f"(--microbatch 0,1), layers (--layers) or stages (--stage)", EXIT_USAGE)
     view = select(graph, selection)
     if view.number_of_nodes() == 0 and graph.number_of_nodes():  # an empty drawing, exit 0
-        return fail(f"no node of the graph is in {selection.describe()}: "
+        return fail(f"the selection ({selection.describe()}) is empty: "
                     f"{why_empty(graph, selection)}", EXIT_USAGE)
     title = f"{built.plan.name}: {view.graph['selection']}"
     try:

@@ -168,17 +168,33 @@ def _none_of(criterion: Selection, nodes: list[dict], where: str) -> str:
     instead: "no node of stage 1 is in layer 0 (stage 1: layers 2-3)"."""
     if criterion.transfers_only:
         axes = sorted({d["axis"] for d in nodes if d["type"] == "transfer"})
-        on = "" if criterion.axes is None else " on axis " + ", ".join(criterion.axes)
-        instead = f" (its transfers are on axis {', '.join(axes)})" if axes else \
-            f" ({where} holds no transfer)"
-        return f"no transfer of {where} is{on}{instead}" if on else \
-            f"{where} holds no transfer"
+        if not axes or criterion.axes is None:
+            return f"{where} holds no transfer"
+        return (f"no transfer of {where} is on axis {', '.join(criterion.axes)} (its "
+                f"transfers are on axis {', '.join(axes)})")
     name = next(name for name in _CRITERIA if getattr(criterion, name) is not None)
     key = _CRITERIA[name]
     values = sorted({d[key] for d in nodes if d.get(key) is not None})
-    held = ("" if not values else f" ({where}: layers {values[0]}-{values[-1]})"
+    held = ("" if not values else f" ({where}: layers {_runs(values)})"
             if name == "layers" else f" ({where}: {key} {', '.join(map(str, values))})")
     return f"no node of {where} is in {_named(criterion)}{held}"
+
+
+def number_runs(numbers) -> list[tuple[int, int]]:
+    """Sorted numbers as (first, last) runs of consecutive ones: [6, 7, 8, 18] ->
+    [(6, 8), (18, 18)]."""
+    runs: list[list[int]] = []
+    for number in numbers:
+        if runs and number == runs[-1][1] + 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    return [(a, b) for a, b in runs]
+
+
+def _runs(numbers: list[int]) -> str:
+    """Sorted numbers as runs: "6-8, 18-20" (an interleaved stage's layers), "3"."""
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in number_runs(numbers))
 
 
 def _unfolded_part(graph: nx.DiGraph, selection: Selection,

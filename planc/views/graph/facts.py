@@ -12,6 +12,7 @@ import networkx as nx
 
 from planc.estimate.cost import CostModel
 from planc.graph.ir import Axis
+from planc.graph.select import number_runs
 from planc.graph.summary import crosses_nodes
 from planc.vocabulary.units import TIME, format_bytes, format_flops, format_quantity
 from planc.plan.layout import Layout
@@ -139,13 +140,7 @@ class Facts:
 
 def ranks_text(ranks: tuple[int, ...]) -> str:
     """``ranks 0-1, 4-5``; many runs are cut: ``64 ranks: 0-3, 16-19, ... 60-63``."""
-    runs: list[list[int]] = []
-    for rank in ranks:
-        if runs and rank == runs[-1][1] + 1:
-            runs[-1][1] = rank
-        else:
-            runs.append([rank, rank])
-    words = [f"{a}-{b}" if b > a else str(a) for a, b in runs]
+    words = [f"{a}-{b}" if b > a else str(a) for a, b in number_runs(ranks)]
     if len(words) <= 3:
         return f"rank {words[0]}" if len(ranks) == 1 else "ranks " + ", ".join(words)
     return f"{len(ranks)} ranks: {words[0]}, {words[1]}, ... {words[-1]}"
