@@ -155,6 +155,15 @@ def test_gzipped_text_is_read_as_its_text_and_a_false_gz_is_refused(tmp_path, ca
     assert capfd.readouterr().err == (
         f"planc: error: source {tmp_path / 'damaged.txt.gz'} cannot be read: its gzip stream "
         f"is damaged; {out} was not written\n")
+    # a trailer whose CRC does not match (gzip's BadGzipFile, as for a plain file)
+    trailer = bytearray(gzip.compress(plain.encode()))
+    trailer[-8] ^= 0xFF
+    (tmp_path / "crc.txt.gz").write_bytes(bytes(trailer))
+    assert main(["data", "prepare", str(tmp_path / "crc.txt.gz"), "-o", str(out),
+                 "--tokenizer", str(tmp_path / "tok")]) == 1
+    assert capfd.readouterr().err == (
+        f"planc: error: source {tmp_path / 'crc.txt.gz'} cannot be read: its gzip stream "
+        f"is damaged; {out} was not written\n")
     # and one cut short
     (tmp_path / "cut.txt.gz").write_bytes(gzip.compress(plain.encode() * 200)[:-20])
     assert main(["data", "prepare", str(tmp_path / "cut.txt.gz"), "-o", str(out),

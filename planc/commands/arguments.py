@@ -12,6 +12,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Callable
 
+from planc.host.outputs import path  # noqa: F401 (the commands' type of a path)
+
 
 @dataclass(frozen=True)
 class Command:
@@ -58,12 +60,6 @@ def force(parser: argparse.ArgumentParser, what: str = "an output of the same ki
                         f"\"Outputs\")")
 
 
-def path(text: str) -> str:
-    if not text:
-        raise argparse.ArgumentTypeError("an empty path names nothing")
-    if "\0" in text:
-        raise argparse.ArgumentTypeError("a path cannot hold a NUL character")
-    return text
 
 
 def add_overrides(parser: argparse.ArgumentParser) -> None:

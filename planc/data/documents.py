@@ -104,8 +104,9 @@ def _unreadable(path: str, exc: Exception) -> SourceError:
     """Why a source could not be read, in words about the file: gzip's and zlib's own
     texts (``Not a gzipped file (b'th')``, ``Error -3 while decompressing``) say what
     the library met, not what is wrong with the file."""
-    if isinstance(exc, gzip.BadGzipFile):
-        why = "its name ends in .gz and it is not a gzip file"
+    if isinstance(exc, gzip.BadGzipFile):  # a header's magic, or a trailer's CRC or size
+        why = "its gzip stream is damaged" if _gzip_magic(path) else \
+            "its name ends in .gz and it is not a gzip file"
     elif isinstance(exc, EOFError):
         why = "its gzip stream ends early (the file is cut short)"
     elif isinstance(exc, zlib.error):
@@ -113,6 +114,15 @@ def _unreadable(path: str, exc: Exception) -> SourceError:
     else:
         why = getattr(exc, "strerror", None) or str(exc)
     return SourceError(f"source {path} cannot be read: {why}")
+
+
+def _gzip_magic(path: str) -> bool:
+    """Whether the file starts as every gzip stream does (RFC 1952: 1f 8b)."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(2) == b"\x1f\x8b"
+    except OSError:
+        return False
 
 
 def _jsonl_text(path: str, number: int, line: bytes, key: str) -> str:

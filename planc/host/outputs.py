@@ -19,6 +19,7 @@ pipe (/dev/null, a FIFO) is written into and never replaced.
 
 from __future__ import annotations
 
+import argparse
 import errno
 import os
 import stat
@@ -35,6 +36,16 @@ from planc.host.output_kinds import (BUILD, CHECKPOINTS, METRICS, TENSORBOARD,
 EXIT_ERRORS, EXIT_USAGE = 1, 2
 NAME_MAX = 255  # bytes in one file name (Linux, macOS)
 STAGING_SUFFIX = 16  # a build's staging directory, ".NAME.tmp-XXXXXXXX" (planc.build.directory)
+
+
+def path(text: str) -> str:
+    """A command line's output or input path, as argparse's ``type``: an empty one names
+    nothing, and no path holds a NUL."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path names nothing")
+    if "\0" in text:
+        raise argparse.ArgumentTypeError("a path cannot hold a NUL character")
+    return text
 
 
 @dataclass(frozen=True)

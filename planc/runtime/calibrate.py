@@ -29,7 +29,8 @@ hides behind that multiply when both run at once (the device's ``overlap``, whic
 tp_overlap's chooser reads): near 1 where the backend has its own engines, near 0 where
 gloo's threads need the cores the multiply fills. The overhead is what a compute
 instruction costs beyond its arithmetic: the runtime's forward and backward step of a tiny
-operator (:func:`measure_overhead`), which on a CPU is most of a small model's step.
+operator (planc.runtime.calibrate_device.measure_overhead), which on a CPU is most of a
+small model's step.
 Rank 0 writes the topology atomically (planc.plan.presets; a plan names it with
 ``topology { preset = "FILE" }``).
 """
@@ -48,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from planc.host.files import write_atomically
+from planc.host.outputs import path
 from planc.runtime.calibrate_fit import medians, slope_fit
 from planc.runtime.calibrate_device import (BATCH, measure_compute, measure_exponentials,
                                             measure_memory, measure_overhead,
@@ -316,7 +318,7 @@ def output_refusal(path: str, force: bool):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m planc.runtime.calibrate")
     parser.add_argument("--devices-per-node", type=int, required=True)
-    parser.add_argument("-o", "--output", required=True)
+    parser.add_argument("-o", "--output", required=True, type=path)
     parser.add_argument("--repeats", type=int, default=REPEATS)
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--quick", action="store_true")
