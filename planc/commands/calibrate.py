@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from planc.commands import EXIT_OK, EXIT_USAGE, MAX_LOCAL_RANKS, fail, outputs_refused
+from planc.host.files import held_pipe
 from planc.host.interrupts import Interrupted, blocked_in_children
 from planc.commands.arguments import Command, force, output
 
@@ -29,9 +30,6 @@ def _rank(env: dict[str, str], argv: list[str]) -> None:
 
 
 def main(args) -> int:
-    from planc.plan.presets import calibrated_preset
-    from planc.vocabulary.units import TIME, format_quantity
-
     if not 2 <= args.ranks <= MAX_LOCAL_RANKS:
         return fail(f"--ranks must be between 2 and {MAX_LOCAL_RANKS}", EXIT_USAGE)
     if args.nodes < 1 or args.ranks % args.nodes:
@@ -42,7 +40,25 @@ def main(args) -> int:
     refused = outputs_refused(args)
     if refused is not None:
         return refused
+    # a pipe's reader, found before a minute of measuring, and held so that it sees one
+    # end of file, after the topology (planc.host.files.held_pipe)
+    try:
+        pipe = held_pipe(args.output)
+    except OSError as exc:
+        return fail(f"cannot write the calibration to {output}: {exc.strerror}; nothing was "
+                    f"measured")
+    try:
+        return _calibrate(args, output)
+    finally:
+        if pipe is not None:
+            os.close(pipe)
+
+
+def _calibrate(args, output: Path) -> int:
+    """The ranks' measurement, written to ``output``, and its summary."""
+    from planc.plan.presets import calibrated_preset
     from planc.runtime.launcher.rendezvous import private_store, rank_environment, remove_store
+    from planc.vocabulary.units import TIME, format_quantity
 
     # the ranks meet in a store only this user can open, as planc run's do; rank 0 leaves
     # its measurement beside it, and this process writes the output (the ranks write
