@@ -845,6 +845,17 @@ def test_an_interleaved_stage_s_layers_are_named_as_runs():
         "layer 11 (stage 2: layers 6-8, 18-20)\n"))
 
 
+def test_three_options_that_keep_nothing_only_together_are_named():
+    """dp-only's layer 0 has forward nodes and transfers, and its forward has transfers,
+    but its layer 0's forward has none: the reason was "the options choose nothing
+    together"."""
+    result = planc("graph", PLANS / "dp-only.plan", "--layers", "0", "--phase", "forward",
+                   "--transfers-only")
+    assert (result.returncode, result.err) == (2, (
+        "planc: error: the selection (layer 0; forward; transfers only) is empty: layer 0 "
+        "in the forward phase holds no transfer\n"))
+
+
 def test_big_plan_defaults_to_one_layer_and_one_microbatch():
     result = planc("graph", BIG, "--format", "json")
     assert result.returncode == 0, result.err

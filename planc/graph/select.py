@@ -146,12 +146,18 @@ def why_empty(graph: nx.DiGraph, selection: Selection) -> str:
     for alone in criteria:
         if not kept(alone):
             return _none_of(alone, everything, "the graph")
-    for first, second in itertools.combinations(criteria, 2):
-        together = replace(first, **{f.name: getattr(second, f.name) for f in fields(second)
-                                     if getattr(second, f.name) != f.default})
-        if not kept(together):
-            return _none_of(second, kept(first), _named(first))
+    for size in range(2, len(criteria) + 1):  # the fewest criteria that keep nothing
+        for *rest, last in itertools.combinations(criteria, size):
+            if not kept(_together([*rest, last])):
+                return _none_of(last, kept(_together(rest)),
+                                " in ".join(_named(criterion) for criterion in rest))
     return "the options choose nothing together"
+
+
+def _together(criteria: list[Selection]) -> Selection:
+    """One selection of every criterion of ``criteria``."""
+    return replace(Selection(), **{f.name: getattr(c, f.name) for c in criteria
+                                   for f in fields(c) if getattr(c, f.name) != f.default})
 
 
 def _named(criterion: Selection) -> str:
