@@ -9,7 +9,6 @@ import sys
 import time
 
 from planc.commands import EXIT_OK, EXIT_USAGE, MAX_LOCAL_RANKS, fail, missing_runtime
-from planc.plan.data_source import paths_of
 
 
 def checkpoint_found(args):
@@ -120,12 +119,11 @@ def before_compiling(args, found, plan) -> int:
     if status != EXIT_OK:
         return status
     from planc.data.tokens import DataError, check_file
-    from planc.runtime.engine.data import evaluation_file
+    from planc.runtime.engine.data import data_files
 
-    named = (plan.train.data, evaluation_file(plan))
+    evaluation, training = data_files(plan)
     try:
-        for token_file in (file for data in named if data not in (None, "synthetic")
-                           for file in paths_of(data)):
+        for token_file in (*training, *evaluation):
             check_file(token_file, seq=plan.model.seq)
     except DataError as exc:
         return fail(f"{exc}; nothing was run")

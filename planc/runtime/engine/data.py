@@ -123,16 +123,24 @@ def import_scanner(plan: Plan) -> None:
     """Import what :func:`check_data` scans the plan's token file with (torch, where it
     is installed), so that the caller can do it at a moment of its choosing: torch's
     import swallows a Ctrl-C that arrives during it (planc.host.interrupts)."""
-    if plan.train.data != "synthetic" or evaluation_file(plan) is not None:
+    if any(data_files(plan)):
         _reducer("auto")
 
 
-def evaluation_file(plan: Plan) -> str | None:
+def _evaluation_file(plan: Plan) -> str | None:
     """The evaluation's own token file (or mixture), where it reads one other than the
     training's: checked with it before any rank starts."""
     train = plan.train
     evaluates = train.eval_every > 0 and train.eval_data not in ("synthetic", train.data)
     return train.eval_data if evaluates else None
+
+
+def data_files(plan: Plan) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The token files a run of ``plan`` reads: the evaluation's own (none where it reads
+    the training's, or does not evaluate) and the training's (none for synthetic data)."""
+    evaluation = _evaluation_file(plan)
+    return (() if evaluation is None else paths_of(evaluation),
+            () if plan.train.data == "synthetic" else paths_of(plan.train.data))
 
 
 def check_data(plan: Plan, chunk_bytes: int = CHUNK_BYTES,
@@ -143,18 +151,17 @@ def check_data(plan: Plan, chunk_bytes: int = CHUNK_BYTES,
     (whole tokens, at least one sample) always; every id below vocab only in a file of at
     most ``scan_limit`` bytes (None: any size), so that a 100 GB file starts at once:
     each step checks the ids it reads (:func:`batch_tokens`)."""
-    evaluation = evaluation_file(plan)
-    if evaluation is not None:
-        # before the ranks start: else a run found it missing only after eval_every steps
-        # of training (each evaluation takes its identity)
-        for path in paths_of(evaluation):
-            check_file(path, seq=plan.model.seq, vocab=plan.model.vocab,
-                       scan_limit=scan_limit, chunk_bytes=chunk_bytes)
-    if plan.train.data == "synthetic":
+    evaluation, training = data_files(plan)
+    # the evaluation's before the ranks start: else a run found it missing only after
+    # eval_every steps of training (each evaluation takes its identity)
+    for path in evaluation:
+        check_file(path, seq=plan.model.seq, vocab=plan.model.vocab,
+                   scan_limit=scan_limit, chunk_bytes=chunk_bytes)
+    if not training:  # synthetic
         return None
     found = tuple(check_file(path, seq=plan.model.seq, vocab=plan.model.vocab,
                              scan_limit=scan_limit, chunk_bytes=chunk_bytes).identity
-                  for path in paths_of(plan.train.data))
+                  for path in training)
     return found if len(found) > 1 else found[0]  # a mixture: one a source
 
 
