@@ -8,7 +8,6 @@ import errno
 import json
 import os
 import resource
-import stat
 import sys
 import time
 
@@ -16,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from planc.data.blend import shares
-from planc.host.files import NO_READER, append_line
+from planc.host.files import append_line, held_pipe
 from planc.runtime.engine.context import RankContext
 from planc.runtime.step_metrics import open_tensorboard, peak_memory_mb, throughput
 from planc.runtime.stragglers import DEFAULT_MARGIN, StragglerWatch
@@ -215,17 +214,13 @@ def metrics_file(path: str):
     refusal = existing_problem("--metrics", path, METRICS, append=True)  # continued
     if refusal is not None:
         raise SystemExit(f"planc: error: {refusal.message}")
-    try:
-        fifo = stat.S_ISFIFO(os.stat(path).st_mode)
-    except OSError:
-        fifo = False
-    if fifo:  # opened for writing, a pipe no process reads would hold the rank forever
-        try:
-            descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
-        except OSError as exc:
-            if exc.errno == errno.ENXIO:
-                raise SystemExit(f"planc: error: --metrics {path}: {NO_READER}") from None
-            raise
-        os.set_blocking(descriptor, True)
-        return os.fdopen(descriptor, "a")
-    return open(path, "a")
+    try:  # opened for writing, a pipe no process reads would hold the rank forever
+        descriptor = held_pipe(path)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            raise SystemExit(f"planc: error: --metrics {path}: {exc.strerror}") from None
+        raise
+    if descriptor is None:  # not a named pipe
+        return open(path, "a")
+    os.set_blocking(descriptor, True)
+    return os.fdopen(descriptor, "a")
