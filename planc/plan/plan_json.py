@@ -275,11 +275,8 @@ def _check_values(value: Any, where: str = "plan") -> None:
                 raise ValueError(f"{path} is {_spelled(item)}, not a "
                                  f"{'positive' if f.name in _POSITIVE else 'non-negative'} "
                                  f"finite number")
-            low, high = _TOPOLOGY_RANGES.get(f.name, (0.0, math.inf)) \
-                if where.startswith("plan.topology") else (0.0, math.inf)
-            if not low <= item <= high:
-                raise ValueError(f"{path} is {_spelled(item)}, not a number from {low:g} to "
-                                 f"{high:g}")
+            if where.startswith("plan.topology") and f.name in _TOPOLOGY_RANGES:
+                _check_within(item, _TOPOLOGY_RANGES[f.name], path)
     if where != "plan":
         return
     plan = value
@@ -347,11 +344,16 @@ def _check_row(row: tuple, within: tuple[float, float], path: str) -> None:
     which the cost model divides by and takes the logarithms of: planc.plan.topology.
     Link.swept) or a device's ``overheads`` (seconds), each in a calibrated topology's
     range."""
-    low, high = within
     for j, y in enumerate(row):
-        if isinstance(y, (int, float)) and not isinstance(y, bool) and not low <= y <= high:
-            raise ValueError(f"{path}[{j}] is {_spelled(y)}, not a number from {low:g} to "
-                             f"{high:g}")
+        if isinstance(y, (int, float)) and not isinstance(y, bool):
+            _check_within(y, within, f"{path}[{j}]")
+
+
+def _check_within(number: float, within: tuple[float, float], path: str) -> None:
+    low, high = within
+    if not low <= number <= high:
+        raise ValueError(f"{path} is {_spelled(number)}, not a number from {low:g} to "
+                         f"{high:g}")
 
 
 def _check_sweep_order(sweep: tuple, path: str) -> None:
